@@ -1,0 +1,288 @@
+"""The one module that touches amqtt internals (written for amqtt 0.12.1, checked at start-up).
+
+amqtt has no hook to persist a publish before PUBACK, nor one for per-session delivery, so
+this module wraps a handful of Broker and BrokerProtocolHandler methods on the broker
+instance the plugin is loaded into (never on the classes):
+
+* ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
+  wait for the group commit before amqtt's own flow sends PUBACK / PUBREC;
+* ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
+  CONNACK's session-present from the store;
+* ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
+  lifetime;
+* ``Broker.add_subscription`` / ``_handle_unsubscription``: durable sessions' subscriptions
+  live in the store, not in amqtt's table, so amqtt never delivers to them itself;
+* ``Broker._publish_retained_messages_for_subscription``: retained messages go through the
+  session queue;
+* ``Broker._broadcast_message``: wills and broker-internal messages ($SYS) reach durable
+  sessions too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import amqtt
+from amqtt.broker import Broker, BrokerContext
+from amqtt.contexts import Action
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.plugins.base import BasePlugin
+
+from .config import DurableConfig
+from .delivery import AckKind
+from .engine import DurableEngine, ExpiredSession
+from .errors import DurableError, InternalsMismatchError
+from .topics import filter_is_valid, matches, topic_is_valid
+
+log = logging.getLogger("amqtt_durable")
+
+AMQTT_VERSION = "0.12.1"
+SYS_PREFIX = "$SYS/broker/durable/"
+_SUBSCRIBE_REFUSED = 0x80
+_BROKER_INTERNALS = (
+    "_initialize_client_session",
+    "_client_message_loop",
+    "_handle_subscription",
+    "_handle_unsubscription",
+    "_publish_retained_messages_for_subscription",
+    "_broadcast_message",
+    "_topic_filtering",
+    "add_subscription",
+    "retained_messages",
+)
+_HANDLER_INTERNALS = ("handle_publish", "mqtt_connack_authorize", "mqtt_acknowledge_unsubscription")
+
+_subscribing: contextvars.ContextVar[bool] = contextvars.ContextVar("amqtt_durable_subscribing", default=False)
+
+
+class RoutedPayload(bytes):
+    """A payload already queued for durable sessions, so the broadcast does not queue it twice."""
+
+    __slots__ = ()
+
+
+def check_internals(broker: Any) -> None:
+    """Fail at start-up, naming what is missing, rather than misbehave with another amqtt."""
+    missing = [name for name in _BROKER_INTERNALS if not hasattr(broker, name)]
+    missing += [f"BrokerProtocolHandler.{n}" for n in _HANDLER_INTERNALS if not hasattr(BrokerProtocolHandler, n)]
+    if missing or amqtt.__version__ != AMQTT_VERSION:
+        raise InternalsMismatchError(
+            f"amqtt_durable was written for amqtt {AMQTT_VERSION}; installed is {amqtt.__version__}"
+            + (f" and it lacks {', '.join(missing)}" if missing else "")
+            + f". Install amqtt=={AMQTT_VERSION} (pip install 'amqtt=={AMQTT_VERSION}')."
+        )
+
+
+class HandlerTransport:
+    """A pump's view of one client connection: raw writes plus amqtt's ack waiters."""
+
+    def __init__(self, handler: Any) -> None:
+        self._handler = handler
+        self._writer = handler.writer
+        self._waiters: dict[AckKind, dict[int, asyncio.Future[Any]]] = {
+            "puback": handler._puback_waiters,
+            "pubrec": handler._pubrec_waiters,
+            "pubcomp": handler._pubcomp_waiters,
+        }
+
+    @property
+    def closed(self) -> bool:
+        return self._writer is None or bool(getattr(self._writer, "is_closed", False))
+
+    def write(self, data: bytes) -> None:
+        if not self.closed:
+            self._writer.write(data)
+
+    async def drain(self) -> None:
+        if not self.closed:
+            await self._writer.drain()
+
+    def expect_ack(self, kind: AckKind, packet_id: int, on_ack: Callable[[], None]) -> None:
+        waiters = self._waiters[kind]
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        waiters[packet_id] = future
+
+        def done(fut: asyncio.Future[Any]) -> None:
+            if waiters.get(packet_id) is fut:
+                del waiters[packet_id]
+            if not fut.cancelled():
+                on_ack()
+
+        future.add_done_callback(done)
+
+
+class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  # amqtt ships no type info
+    """amqtt plugin: crash-proof durable sessions for every clean_session=false client."""
+
+    Config = DurableConfig
+
+    def __init__(self, context: BrokerContext) -> None:
+        super().__init__(context)
+        config: DurableConfig = self.config
+        broker: Broker = context._broker_instance
+        try:
+            check_internals(broker)
+            self.engine = DurableEngine(config, on_expired=self._on_expired)
+            self.engine.open()
+        except DurableError as exc:
+            log.error("%s", exc)
+            raise
+        self.broker = broker
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._metrics_task: asyncio.Task[None] | None = None
+        _install(broker, self.engine)
+
+    async def on_broker_post_start(self) -> None:
+        self.engine.start_timers()
+        if self.config.metrics_interval > 0:
+            self._metrics_task = asyncio.get_running_loop().create_task(self._publish_metrics())
+
+    async def close(self) -> None:
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+            await asyncio.gather(self._metrics_task, return_exceptions=True)
+        await self.engine.close()
+
+    def _on_expired(self, expired: ExpiredSession) -> None:
+        payload = json.dumps(
+            {
+                "client_id": expired.client_id,
+                "messages_dropped": expired.messages_dropped,
+                "disconnected_at": expired.disconnected_at,
+            }
+        ).encode()
+        self._spawn(self.broker._broadcast_message(None, SYS_PREFIX + "expired", payload, 1))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _publish_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.metrics_interval)
+            for name, value in self.engine.metrics().items():
+                await self.broker._broadcast_message(None, SYS_PREFIX + name, str(value).encode(), 0)
+
+
+def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one wrapper per internal
+    """Wrap the broker instance's internals listed in the module docstring."""
+    original_initialize = broker._initialize_client_session
+    original_message_loop = broker._client_message_loop
+    original_add_subscription = broker.add_subscription
+    original_unsubscription = broker._handle_unsubscription
+    original_subscription = broker._handle_subscription
+    original_retained = broker._publish_retained_messages_for_subscription
+    original_broadcast = broker._broadcast_message
+
+    async def initialize_client_session(*args: Any) -> tuple[Any, Any]:
+        handler, session = await original_initialize(*args)
+        _wrap_handler(broker, engine, handler, session)
+        return handler, session
+
+    async def client_message_loop(session: Any, handler: Any) -> None:
+        durable = engine.is_durable(session.client_id)
+        transport = HandlerTransport(handler)
+        if durable:
+            await engine.attach(session.client_id, transport)
+        try:
+            await original_message_loop(session, handler)
+        finally:
+            if durable:
+                await engine.detach(session.client_id, transport)
+
+    async def add_subscription(subscription: tuple[str, int], session: Any) -> int:
+        if not engine.is_durable(session.client_id):
+            return int(await original_add_subscription(subscription, session))
+        topic_filter, qos = subscription
+        if not filter_is_valid(topic_filter) or qos not in (0, 1, 2):
+            return _SUBSCRIBE_REFUSED
+        if not await broker._topic_filtering(session, topic_filter, Action.SUBSCRIBE):
+            return _SUBSCRIBE_REFUSED
+        max_qos = broker.config.get("max-qos", qos)
+        granted = min(qos, max_qos) if isinstance(max_qos, int) else qos
+        await engine.subscribe(session.client_id, topic_filter, granted)
+        return granted
+
+    async def handle_subscription(session: Any, handler: Any, waiter: Any) -> None:
+        token = _subscribing.set(True)
+        try:
+            await original_subscription(session, handler, waiter)
+        finally:
+            _subscribing.reset(token)
+
+    async def handle_unsubscription(session: Any, handler: Any, waiter: Any) -> None:
+        if not engine.is_durable(session.client_id):
+            await original_unsubscription(session, handler, waiter)
+            return
+        unsubscription = waiter.result()
+        for topic_filter in unsubscription.topics:
+            engine.unsubscribe(session.client_id, topic_filter)
+        await handler.mqtt_acknowledge_unsubscription(unsubscription.packet_id)
+
+    async def publish_retained_for_subscription(subscription: tuple[str, int], session: Any) -> None:
+        if not engine.is_durable(session.client_id):
+            await original_retained(subscription, session)
+            return
+        if not _subscribing.get():
+            return  # MQTT-3.3.1-6: retained messages go out on SUBSCRIBE, not on every reconnect
+        topic_filter, qos = subscription
+        for topic, retained in list(broker.retained_messages.items()):
+            if matches(topic, topic_filter):
+                retained_qos = retained.qos if retained.qos is not None else qos
+                engine.enqueue_retained(session.client_id, topic, bytes(retained.data), min(qos, retained_qos))
+
+    async def broadcast_message(
+        session: Any, topic: str | None, data: bytes | bytearray | None, force_qos: int | None = None
+    ) -> None:
+        if not isinstance(data, RoutedPayload) and topic is not None and data is not None:
+            engine.route_publish(topic, bytes(data), force_qos or 0)
+        await original_broadcast(session, topic, data, force_qos)
+
+    broker._initialize_client_session = initialize_client_session
+    broker._client_message_loop = client_message_loop
+    broker.add_subscription = add_subscription
+    broker._handle_subscription = handle_subscription
+    broker._handle_unsubscription = handle_unsubscription
+    broker._publish_retained_messages_for_subscription = publish_retained_for_subscription
+    broker._broadcast_message = broadcast_message
+
+
+def _wrap_handler(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
+    """Per-connection wrappers: persist before acknowledging, and the stored session-present."""
+    original_publish = handler.handle_publish
+    original_connack = handler.mqtt_connack_authorize
+    ordering = asyncio.Lock()
+
+    async def handle_publish(packet: Any) -> None:
+        topic = packet.topic_name
+        data = packet.data
+        if topic is None or data is None or not topic_is_valid(topic) or topic.startswith("$"):
+            await original_publish(packet)  # amqtt's own checks close the connection
+            return
+        packet_id = packet.variable_header.packet_id if packet.variable_header else None
+        retransmitted = packet.qos == 2 and packet_id in session.inflight_in
+        stored: asyncio.Future[None] | None = None
+        if not retransmitted:
+            async with ordering:  # FIFO per connection even when topic ACL checks yield
+                if await broker._topic_filtering(session, topic, Action.PUBLISH):
+                    stored = engine.route_publish(topic, bytes(data), packet.qos or 0)
+        if stored is not None:
+            await stored  # durable in LevelDB before PUBACK / PUBREC
+        packet.payload.data = RoutedPayload(data)
+        await original_publish(packet)
+
+    async def connack_authorize(authorize: bool) -> None:
+        if authorize and session.client_id:
+            present = await engine.connect(session.client_id, bool(session.clean_session))
+            if not session.clean_session:
+                session.parent = 1 if present else 0
+        await original_connack(authorize)
+
+    handler.handle_publish = handle_publish
+    handler.mqtt_connack_authorize = connack_authorize

@@ -1,0 +1,138 @@
+"""``amqtt-durable``: run the broker with a checked config, inspect or repair a store."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+from amqtt.broker import Broker
+
+from .config import DurableConfig
+from .errors import ConfigError, DurableError
+from .inspect_store import format_table, summarize
+from .store import repair_store
+
+PLUGIN_PATH = "amqtt_durable.DurableSessionsPlugin"
+EXIT_BAD_INPUT = 2
+
+
+def plugin_section(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """Our plugin's settings from broker.yaml (``plugins:`` as a mapping or a list)."""
+    plugins = config.get("plugins")
+    entries: list[Any] = list(plugins.items()) if isinstance(plugins, Mapping) else []
+    if isinstance(plugins, list):
+        for item in plugins:
+            entries.extend(item.items() if isinstance(item, Mapping) else [(item, None)])
+    for name, settings in entries:
+        if name == PLUGIN_PATH:
+            return settings or {}
+    return None
+
+
+def load_broker_config(path: str) -> dict[str, Any]:
+    """Read broker.yaml and validate our section before amqtt sees it."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = yaml.safe_load(handle)
+    except OSError as exc:
+        raise ConfigError("-c", f"cannot read config file '{path}': {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError("-c", f"'{path}' is not valid YAML: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError("-c", f"'{path}' must be a mapping with 'listeners' and 'plugins'")
+    section = plugin_section(config)
+    if section is None:
+        raise ConfigError("plugins", f"'{path}' does not load {PLUGIN_PATH}; add it under 'plugins:'")
+    DurableConfig.from_mapping(section)
+    return config
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """amqtt wraps plugin errors in PluginInitError(<class>); the user needs the innermost one."""
+    seen = exc
+    while not isinstance(seen, DurableError) and (seen.__cause__ or seen.__context__) is not None:
+        seen = seen.__cause__ or seen.__context__  # type: ignore[assignment]
+    return seen
+
+
+async def _serve(config: dict[str, Any]) -> int:
+    try:
+        broker = Broker(config)
+        await broker.start()
+    except Exception as exc:
+        print(f"amqtt-durable: broker not started: {_root_cause(exc)}", file=sys.stderr)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await broker.shutdown()
+    return 0
+
+
+def _cmd_broker(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("transitions").setLevel(logging.WARNING)
+    try:
+        config = load_broker_config(args.config)
+    except ConfigError as exc:
+        print(f"amqtt-durable: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return asyncio.run(_serve(config))
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    rows = summarize(args.store)
+    if args.json:
+        print(json.dumps([row.as_json() for row in rows], indent=2))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+def _cmd_repair(args: argparse.Namespace) -> int:
+    repair_store(args.store)
+    print(f"repaired '{args.store}'; start the broker to use it")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="amqtt-durable", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    broker = commands.add_parser("broker", help="run amqtt with broker.yaml (config checked first)")
+    broker.add_argument("-c", "--config", default="broker.yaml", help="broker config file (default broker.yaml)")
+    broker.add_argument("-d", "--debug", action="store_true", help="debug logging")
+    broker.set_defaults(run=_cmd_broker)
+    inspect = commands.add_parser("inspect", help="list the durable sessions of a store (broker stopped)")
+    inspect.add_argument("store", help="store folder (the plugin's 'store' setting)")
+    inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
+    inspect.set_defaults(run=_cmd_inspect)
+    repair = commands.add_parser("repair", help="LevelDB repair of a corrupted store (broker stopped)")
+    repair.add_argument("store", help="store folder")
+    repair.set_defaults(run=_cmd_repair)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except DurableError as exc:
+        print(f"amqtt-durable: {exc}", file=sys.stderr)
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

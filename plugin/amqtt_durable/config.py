@@ -1,0 +1,125 @@
+"""Plugin configuration: one typed dataclass, validated with the offending key named.
+
+The same class is amqtt's plugin ``Config`` (amqtt builds it from the ``plugins:``
+section of broker.yaml) and the input of ``amqtt-durable broker``'s pre-flight check,
+which reports every problem before the broker opens a port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from .errors import ConfigError
+
+OverflowPolicy = Literal["drop-oldest", "drop-newest"]
+OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
+
+
+@dataclass
+class DurableConfig:
+    """Every knob of the plugin, with the default a broker gets when the key is absent."""
+
+    store: str = "./data/durable"
+    """LevelDB folder; created if missing. One broker process at a time may open it."""
+
+    sync: bool = False
+    """fsync every group commit. false survives a broker crash (SIGKILL); true also power loss."""
+
+    session_expiry: float = 300.0
+    """Seconds a disconnected durable session (and its queue) is kept (GemFire's durable-client-timeout)."""
+
+    max_depth: int = 100_000
+    """Queue limit of a connected session, in messages."""
+
+    max_depth_disconnected: int = 1_000_000
+    """Queue limit while disconnected (Diffusion's max-depth); must be >= max_depth."""
+
+    overflow: OverflowPolicy = "drop-oldest"
+    """What a full queue drops: the oldest queued message, or the new one."""
+
+    recovery_buffer: int = 100
+    """Sent-but-unacknowledged messages kept and re-sent first on reconnect; also the in-flight window."""
+
+    queue_qos0: bool = False
+    """Queue QoS 0 messages for disconnected sessions too (as Mosquitto's queue_qos0_messages)."""
+
+    batch_size: int = 5000
+    """Upper bound of operations in one LevelDB write batch (XAP batch size)."""
+
+    batch_delay_ms: float = 10.0
+    """Longest a write waits for company when fewer than pending_threshold are pending (XAP delay)."""
+
+    pending_threshold: int = 100
+    """Pending writes that trigger a commit at once, without waiting for batch_delay_ms."""
+
+    metrics_interval: float = 10.0
+    """Seconds between $SYS/broker/durable/ metric publications; 0 turns them off."""
+
+    drop_log_interval: float = 10.0
+    """Seconds between two overflow warnings of one session (drops are always counted)."""
+
+    def __post_init__(self) -> None:
+        _check_ranges(self)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> DurableConfig:
+        """Build from broker.yaml's plugin section, naming the first bad key and what it accepts."""
+        raw = raw or {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError("amqtt_durable.DurableSessionsPlugin", "expected a mapping of settings")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key not in fields:
+                raise ConfigError(str(key), f"unknown setting; accepted settings are {', '.join(fields)}")
+            values[key] = _coerce(key, value, fields[key].type)
+        return cls(**values)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    kind = str(annotation)
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected true or false, got {value!r}")
+    if kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected a whole number, got {value!r}")
+    if kind == "float":
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(key, f"expected a number, got {value!r}")
+    if kind == "OverflowPolicy":
+        if value in OVERFLOW_POLICIES:
+            return value
+        raise ConfigError(key, f"expected one of {', '.join(OVERFLOW_POLICIES)}, got {value!r}")
+    if isinstance(value, str) and value:
+        return value
+    raise ConfigError(key, f"expected a non-empty folder path, got {value!r}")
+
+
+def _check_ranges(config: DurableConfig) -> None:
+    if config.overflow not in OVERFLOW_POLICIES:
+        raise ConfigError("overflow", f"expected one of {', '.join(OVERFLOW_POLICIES)}, got {config.overflow!r}")
+    positive_ints = ("max_depth", "max_depth_disconnected", "batch_size", "pending_threshold")
+    for key in positive_ints:
+        if getattr(config, key) < 1:
+            raise ConfigError(key, f"must be at least 1, got {getattr(config, key)!r}")
+    if not 1 <= config.recovery_buffer <= 65_535:
+        raise ConfigError(
+            "recovery_buffer", f"must be between 1 and 65535 (MQTT packet ids), got {config.recovery_buffer!r}"
+        )
+    if config.max_depth_disconnected < config.max_depth:
+        raise ConfigError(
+            "max_depth_disconnected",
+            f"must be >= max_depth ({config.max_depth}), got {config.max_depth_disconnected}",
+        )
+    for key in ("session_expiry", "batch_delay_ms", "metrics_interval", "drop_log_interval"):
+        if getattr(config, key) < 0:
+            raise ConfigError(key, f"must be 0 or more, got {getattr(config, key)!r}")
+    if not config.store:
+        raise ConfigError("store", "expected a non-empty folder path")

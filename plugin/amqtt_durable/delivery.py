@@ -1,0 +1,209 @@
+"""Per-session delivery pump: sends a session's queue in order within the in-flight window.
+
+The pump is the only sender of application messages to a durable session. Packet ids
+come from the queue sequence (see ``wire.packet_id_for``), entries leave the store on
+PUBACK / PUBCOMP, and anything at or below ``sent_max`` goes out again with DUP set.
+It knows nothing of amqtt: the connection is a ``Transport``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from .store import FLAG_RELEASED, FLAG_RETAIN, Body, Entry
+from .wire import encode_publish, encode_pubrel, packet_id_for
+
+if TYPE_CHECKING:
+    from .engine import DurableSession
+
+log = logging.getLogger(__name__)
+
+AckKind = Literal["puback", "pubrec", "pubcomp"]
+READ_CHUNK = 512
+LIVE_BUFFER = 4096
+
+
+class Transport(Protocol):
+    """The one connection a pump writes to (implemented by the amqtt glue)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def expect_ack(self, kind: AckKind, packet_id: int, on_ack: Callable[[], None]) -> None: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class Outgoing:
+    entry: Entry
+    body: Body
+    topic_bytes: bytes
+
+
+class Pump:
+    """Sends one session's queue over one connection; a new connection gets a new pump."""
+
+    def __init__(self, session: DurableSession, transport: Transport, window: int) -> None:
+        self.session = session
+        self.transport = transport
+        self.window = window
+        self.inflight: dict[int, Outgoing] = {}
+        self.buffer: deque[Outgoing] = deque()
+        self.next_fill_seq = session.head_seq
+        self._wake = asyncio.Event()
+        self._stopped = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"durable-pump-{self.session.client_id}")
+
+    async def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def offer_live(self, entry: Entry, body: Body) -> None:
+        """A just-committed entry: keep it in memory if it is next in line, else it is read later."""
+        if entry.seq == self.next_fill_seq and len(self.buffer) < LIVE_BUFFER:
+            self.buffer.append(Outgoing(entry, body, body.topic.encode("utf-8")))
+            self.next_fill_seq = entry.seq + 1
+        self._wake.set()
+
+    def forget(self, seq: int) -> bool:
+        """Drop an unsent buffered entry (overflow); False when it is in flight or not buffered."""
+        if self.buffer and self.buffer[0].entry.seq == seq:
+            self.buffer.popleft()
+            return True
+        return False
+
+    def oldest_unsent(self) -> int | None:
+        return self.buffer[0].entry.seq if self.buffer else None
+
+    async def _run(self) -> None:
+        try:
+            while not self._stopped and not self.transport.closed:
+                if not self.buffer:
+                    self._fill_from_store()
+                batch = self._take_sendable()
+                if batch:
+                    await self._send(batch)
+                    continue
+                # Nothing can go out now; every state change that could alter that sets _wake.
+                self._wake.clear()
+                await self._wake.wait()
+        except asyncio.CancelledError:
+            raise
+        except (ConnectionError, OSError) as exc:
+            log.info("delivery to %s ended with the connection: %s", self.session.client_id, exc)
+        except Exception:
+            log.exception("delivery to %s stopped; it resumes on the next connection", self.session.client_id)
+
+    def _fill_from_store(self) -> None:
+        tail = self.session.committed_tail
+        if self.next_fill_seq > tail:
+            return
+        read = 0
+        for entry, body in self.session.read_entries(self.next_fill_seq, tail, READ_CHUNK):
+            read += 1
+            self.next_fill_seq = entry.seq + 1
+            if entry.seq not in self.inflight:
+                self.buffer.append(Outgoing(entry, body, body.topic.encode("utf-8")))
+        if read < READ_CHUNK:
+            self.next_fill_seq = tail + 1
+
+    def _take_sendable(self) -> list[Outgoing]:
+        batch: list[Outgoing] = []
+        oldest = min(self.inflight) if self.inflight else None
+        count = len(self.inflight)
+        while self.buffer:
+            item = self.buffer[0]
+            if item.entry.qos:
+                if count >= self.window or (oldest is not None and item.entry.seq >= oldest + self.window):
+                    break
+                count += 1
+                if oldest is None:
+                    oldest = item.entry.seq
+            batch.append(self.buffer.popleft())
+            if len(batch) >= self.window:
+                break
+        return batch
+
+    async def _send(self, batch: list[Outgoing]) -> None:
+        session = self.session
+        highest = batch[-1].entry.seq
+        if highest > session.sent_mark:
+            await session.advance_sent_mark(highest + self.window)
+            if self._stopped or self.transport.closed:
+                self.buffer.extendleft(reversed(batch))
+                return
+        chunks: list[bytes] = []
+        replayed = 0
+        for item in batch:
+            entry = item.entry
+            dup = entry.seq <= session.sent_max and entry.qos > 0
+            if entry.seq <= session.replay_upto:
+                replayed += 1
+            packet_id = packet_id_for(entry.seq)
+            if entry.qos and entry.flags & FLAG_RELEASED:
+                chunks.append(encode_pubrel(packet_id))
+            else:
+                chunks.append(
+                    encode_publish(
+                        item.topic_bytes,
+                        item.body.payload,
+                        entry.qos,
+                        packet_id,
+                        dup=dup,
+                        retain=bool(entry.flags & FLAG_RETAIN),
+                    )
+                )
+            if entry.qos:
+                self.inflight[entry.seq] = item
+                self._expect(item)
+            session.sent_max = max(session.sent_max, entry.seq)
+        self.transport.write(b"".join(chunks))
+        for item in batch:
+            if not item.entry.qos:
+                session.remove_entry(item.entry)
+        session.engine.note_sent(len(batch), replayed)
+        await self.transport.drain()
+
+    def _expect(self, item: Outgoing) -> None:
+        entry = item.entry
+        packet_id = packet_id_for(entry.seq)
+        if entry.qos == 1:
+            self.transport.expect_ack("puback", packet_id, lambda: self._acked(entry.seq))
+        elif entry.flags & FLAG_RELEASED:
+            self.transport.expect_ack("pubcomp", packet_id, lambda: self._acked(entry.seq))
+        else:
+            self.transport.expect_ack("pubrec", packet_id, lambda: self._received(entry.seq))
+
+    def _received(self, seq: int) -> None:
+        item = self.inflight.get(seq)
+        if item is None or self.transport.closed:
+            return
+        item.entry.flags |= FLAG_RELEASED
+        self.session.mark_released(item.entry)
+        packet_id = packet_id_for(seq)
+        self.transport.expect_ack("pubcomp", packet_id, lambda: self._acked(seq))
+        self.transport.write(encode_pubrel(packet_id))
+
+    def _acked(self, seq: int) -> None:
+        item = self.inflight.pop(seq, None)
+        if item is None:
+            return
+        self.session.remove_entry(item.entry)
+        self._wake.set()

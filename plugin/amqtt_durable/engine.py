@@ -1,0 +1,484 @@
+"""The durable-session engine: sessions, routing, queues and expiry over the LevelDB store.
+
+Data flow: ``route_publish`` appends a message to every matching session's queue in the
+current group commit and returns the commit's future (the glue sends PUBACK when it
+resolves); once durable, each connected session's pump is offered the entry. A
+disconnected session runs the same path with its pump absent. Nothing here imports amqtt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .config import DurableConfig
+from .delivery import Pump, Transport
+from .expiry import ExpiryTracker
+from .queue_policy import Admission, QueueLimits
+from .store import (
+    FLAG_RETAIN,
+    Body,
+    Entry,
+    GroupCommitter,
+    SessionRecord,
+    body_key,
+    decode_refs,
+    decode_totals,
+    decode_u64,
+    encode_refs,
+    encode_totals,
+    encode_u64,
+    entry_key,
+    iter_entries,
+    iter_sessions,
+    last_msg_id,
+    last_seq,
+    open_store,
+    refs_key,
+    sent_mark_key,
+    session_key,
+    totals_key,
+)
+from .topics import SubscriptionIndex
+
+log = logging.getLogger("amqtt_durable")
+
+
+@dataclass
+class ExpiredSession:
+    """What an expiry removed, for the WARNING log and the $SYS event."""
+
+    client_id: str
+    messages_dropped: int
+    disconnected_at: float | None
+
+
+class DurableSession:
+    """In-memory state of one durable session; the store holds the rest."""
+
+    def __init__(self, engine: DurableEngine, record: SessionRecord) -> None:
+        self.engine = engine
+        self.record = record
+        self.client_id = record.client_id
+        self.sid = record.sid
+        self.head_seq = 1
+        self.next_seq = 1
+        self.committed_tail = 0
+        self.depth = 0
+        self.bytes = 0
+        self.sent_mark = 0
+        self.sent_max = 0
+        self.replay_upto = 0
+        config = engine.config
+        self.limits = QueueLimits(config.max_depth, config.max_depth_disconnected, config.overflow)
+        self.transport: Transport | None = None
+        self.pump: Pump | None = None
+        self._last_drop_log = 0.0
+        self._drops_since_log = 0
+
+    @property
+    def connected(self) -> bool:
+        return self.transport is not None
+
+    def read_entries(self, start: int, tail: int, limit: int) -> list[tuple[Entry, Body]]:
+        db = self.engine.db
+        out: list[tuple[Entry, Body]] = []
+        for entry in iter_entries(db, self.sid, start, limit):
+            if entry.seq > tail:
+                break
+            raw = db.get(body_key(entry.msg_id))
+            if raw is None:
+                log.error("session %s: queue entry %d has no message body; skipping it", self.client_id, entry.seq)
+                continue
+            out.append((entry, Body.decode(raw)))
+        return out
+
+    async def advance_sent_mark(self, mark: int) -> None:
+        """Persist 'entries up to ``mark`` may have been sent' before sending them (DUP after a crash)."""
+        self.sent_mark = mark
+        self.engine.committer.put(sent_mark_key(self.sid), encode_u64(mark))
+        await self.engine.committer.commit(urgent=True)
+
+    def mark_released(self, entry: Entry) -> None:
+        self.engine.committer.put(entry_key(self.sid, entry.seq), entry.encode())
+        self.engine.committer.commit()
+
+    def remove_entry(self, entry: Entry) -> None:
+        committer = self.engine.committer
+        committer.delete(entry_key(self.sid, entry.seq))
+        self.engine.release_body(entry.msg_id)
+        self.depth -= 1
+        self.bytes -= entry.size
+        self.engine.totals_changed(self)
+        self.limits.on_drained(self.depth, self.connected)
+        committer.commit()
+
+    def append(self, msg_id: int, qos: int, flags: int, size: int) -> Entry:
+        entry = Entry(self.next_seq, msg_id, qos, flags, size)
+        self.next_seq += 1
+        committer = self.engine.committer
+        committer.put(entry_key(self.sid, entry.seq), entry.encode())
+        self.depth += 1
+        self.bytes += size
+        self.engine.totals_changed(self)
+        if self.pump is not None and entry.seq > self.sent_mark:
+            # A live entry goes out right after the commit: mark it in the same batch.
+            self.sent_mark = entry.seq + self.engine.config.recovery_buffer
+            committer.put(sent_mark_key(self.sid), encode_u64(self.sent_mark))
+        return entry
+
+    def on_committed(self, entry: Entry, body: Body) -> None:
+        self.committed_tail = max(self.committed_tail, entry.seq)
+        if self.pump is not None:
+            self.pump.offer_live(entry, body)
+
+    def admit(self) -> bool:
+        """Apply the queue limit for one new message; False when the new message is dropped."""
+        decision = self.limits.admit(self.depth)
+        if decision is Admission.ACCEPT:
+            return True
+        if decision is Admission.DROP_OLDEST_THEN_ACCEPT and self._drop_oldest():
+            self._count_drop()
+            return True
+        self._count_drop()
+        return False
+
+    def _drop_oldest(self) -> bool:
+        pump = self.pump
+        if pump is not None and pump.buffer:
+            victim = pump.buffer.popleft().entry
+        else:
+            start = pump.next_fill_seq if pump is not None else self.head_seq
+            found = next(iter_entries(self.engine.db, self.sid, start, 1), None)
+            if found is None or found.seq > self.committed_tail:
+                return False
+            victim = found
+            if pump is not None:
+                pump.next_fill_seq = victim.seq + 1
+            else:
+                self.head_seq = victim.seq + 1
+        self.remove_entry(victim)
+        return True
+
+    def _count_drop(self) -> None:
+        self.record.dropped += 1
+        self.engine.dropped_total += 1
+        self._drops_since_log += 1
+        now = time.monotonic()
+        if now - self._last_drop_log >= self.engine.config.drop_log_interval:
+            log.warning(
+                "session %s: queue full at %d messages (limit %d, overflow %s): dropped %d message(s) "
+                "since the last warning, %d in all",
+                self.client_id,
+                self.depth,
+                self.limits.limit(),
+                self.limits.overflow,
+                self._drops_since_log,
+                self.record.dropped,
+            )
+            self._last_drop_log = now
+            self._drops_since_log = 0
+
+    def expiry_seconds(self) -> float:
+        override = self.record.expiry_override
+        return self.engine.config.session_expiry if override is None else override
+
+
+class DurableEngine:
+    """Owns the store and every durable session of one broker."""
+
+    def __init__(self, config: DurableConfig, on_expired: Callable[[ExpiredSession], None] | None = None) -> None:
+        self.config = config
+        self.db: Any = None
+        self.committer: GroupCommitter
+        self.sessions: dict[str, DurableSession] = {}
+        self.index = SubscriptionIndex()
+        self.expiry = ExpiryTracker()
+        self.on_expired = on_expired
+        self._next_msg_id = 1
+        self._next_sid = 1
+        self._refs: dict[int, int] = {}
+        self._dirty: set[DurableSession] = set()
+        self._expiry_timer: asyncio.TimerHandle | None = None
+        self.dropped_total = 0
+        self.expired_total = 0
+        self.replayed_total = 0
+        self.sent_total = 0
+        self.enqueued_total = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    def open(self) -> None:
+        """Open the store and rebuild sessions from it; reads keys, never whole queues."""
+        config = self.config
+        self.db = open_store(config.store)
+        self.committer = GroupCommitter(
+            self.db,
+            sync=config.sync,
+            batch_size=config.batch_size,
+            batch_delay_ms=config.batch_delay_ms,
+            pending_threshold=config.pending_threshold,
+        )
+        self.committer.before_flush = self._write_totals
+        self._next_msg_id = last_msg_id(self.db) + 1
+        now = time.time()
+        for record in iter_sessions(self.db):
+            session = DurableSession(self, record)
+            session.depth, session.bytes = decode_totals(self.db.get(totals_key(record.sid)))
+            first = next(iter_entries(self.db, record.sid, 0, 1), None)
+            tail = last_seq(self.db, record.sid)
+            session.head_seq = first.seq if first is not None else 1
+            session.committed_tail = tail if tail is not None else 0
+            session.next_seq = session.committed_tail + 1
+            session.sent_mark = session.sent_max = decode_u64(self.db.get(sent_mark_key(record.sid)))
+            self.sessions[record.client_id] = session
+            self._next_sid = max(self._next_sid, record.sid + 1)
+            for topic_filter, qos in record.subscriptions.items():
+                self.index.add(record.client_id, topic_filter, qos)
+            if record.expires_at is None:
+                # It was connected when the broker stopped: its disconnect is now.
+                record.disconnected_at = now
+                record.expires_at = now + session.expiry_seconds()
+                self.committer.put(session_key(record.client_id), record.encode())
+            self.expiry.schedule(record.client_id, record.expires_at)
+        self.committer.flush_now()
+        log.info(
+            "durable store %s: %d session(s), %d queued message(s)",
+            config.store,
+            len(self.sessions),
+            sum(s.depth for s in self.sessions.values()),
+        )
+
+    def start_timers(self) -> None:
+        self._arm_expiry()
+
+    async def close(self) -> None:
+        for session in list(self.sessions.values()):
+            if session.pump is not None:
+                await session.pump.stop()
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+        if self.db is not None and not self.db.closed:
+            self.committer.flush_now()
+            self.db.close()
+
+    # ------------------------------------------------------------------ sessions
+    async def connect(self, client_id: str, clean_session: bool) -> bool:
+        """CONNECT arrived; returns session_present. A clean session wipes any stored one."""
+        existing = self.sessions.get(client_id)
+        if clean_session:
+            if existing is not None:
+                await self.delete_session(existing)
+            return False
+        if existing is not None:
+            self.expiry.cancel(client_id)
+            return True
+        record = SessionRecord(client_id=client_id, sid=self._next_sid)
+        self._next_sid += 1
+        self.sessions[client_id] = DurableSession(self, record)
+        self.committer.put(session_key(client_id), record.encode())
+        await self.committer.commit(urgent=True)
+        return False
+
+    def is_durable(self, client_id: str | None) -> bool:
+        return client_id is not None and client_id in self.sessions
+
+    async def attach(self, client_id: str, transport: Transport) -> None:
+        """The connection got CONNACK: start sending the session's queue over it."""
+        session = self.sessions.get(client_id)
+        if session is None:
+            return
+        if session.pump is not None:
+            await session.pump.stop()
+        # Acks and drops of the previous connection may still be pending: the pump reads the
+        # store, so let it see them.
+        await self.committer.commit(urgent=True)
+        session.transport = transport
+        session.limits.on_connect(session.depth)
+        self.expiry.cancel(client_id)
+        session.record.disconnected_at = None
+        session.record.expires_at = None
+        self._save_record(session)
+        session.replay_upto = session.committed_tail
+        session.pump = Pump(session, transport, self.config.recovery_buffer)
+        session.pump.start()
+
+    async def detach(self, client_id: str, transport: Transport) -> None:
+        """That connection is gone; a newer one (take-over) keeps the session connected."""
+        session = self.sessions.get(client_id)
+        if session is None or session.transport is not transport:
+            return
+        pump, session.pump, session.transport = session.pump, None, None
+        if pump is not None:
+            await pump.stop()
+        session.limits.on_disconnect()
+        now = time.time()
+        session.record.disconnected_at = now
+        session.record.expires_at = now + session.expiry_seconds()
+        self._save_record(session)
+        self.expiry.schedule(client_id, session.record.expires_at)
+        self._arm_expiry()
+
+    async def delete_session(self, session: DurableSession) -> int:
+        """Remove a session with its queue and subscriptions; returns the messages dropped."""
+        if session.pump is not None:
+            await session.pump.stop()
+            session.pump = None
+        self.sessions.pop(session.client_id, None)
+        self.expiry.cancel(session.client_id)
+        self._dirty.discard(session)
+        for topic_filter in session.record.subscriptions:
+            self.index.remove(session.client_id, topic_filter)
+        committer = self.committer
+        dropped = 0
+        for entry in iter_entries(self.db, session.sid):
+            committer.delete(entry_key(session.sid, entry.seq))
+            self.release_body(entry.msg_id)
+            dropped += 1
+        for key in (totals_key(session.sid), sent_mark_key(session.sid), session_key(session.client_id)):
+            committer.delete(key)
+        await committer.commit(urgent=True)
+        return dropped
+
+    def _save_record(self, session: DurableSession) -> None:
+        self.committer.put(session_key(session.client_id), session.record.encode())
+        self.committer.commit()
+
+    # ------------------------------------------------------------- subscriptions
+    async def subscribe(self, client_id: str, topic_filter: str, qos: int) -> None:
+        session = self.sessions[client_id]
+        session.record.subscriptions[topic_filter] = qos
+        self.index.add(client_id, topic_filter, qos)
+        self.committer.put(session_key(client_id), session.record.encode())
+        await self.committer.commit(urgent=True)
+
+    def unsubscribe(self, client_id: str, topic_filter: str) -> None:
+        session = self.sessions.get(client_id)
+        if session is None or session.record.subscriptions.pop(topic_filter, None) is None:
+            return
+        self.index.remove(client_id, topic_filter)
+        self._save_record(session)
+
+    # -------------------------------------------------------------------- routing
+    def route_publish(self, topic: str, payload: bytes, qos: int) -> asyncio.Future[None] | None:
+        """Queue a publish for every matching durable session; the future resolves once durable.
+
+        Runs without awaiting, so publishes are queued in the order they arrive.
+        """
+        targets = self.index.route(topic)
+        if not targets:
+            return None
+        return self._enqueue(topic, payload, qos, [(self.sessions[c], q) for c, q in targets.items()], flags=0)
+
+    def enqueue_retained(self, client_id: str, topic: str, payload: bytes, qos: int) -> asyncio.Future[None] | None:
+        """A retained message due to a new subscription, queued behind what is already there."""
+        session = self.sessions.get(client_id)
+        if session is None:
+            return None
+        return self._enqueue(topic, payload, qos, [(session, qos)], flags=FLAG_RETAIN)
+
+    def _enqueue(
+        self, topic: str, payload: bytes, qos: int, targets: list[tuple[DurableSession, int]], flags: int
+    ) -> asyncio.Future[None] | None:
+        accepted: list[tuple[DurableSession, int]] = []
+        for session, sub_qos in targets:
+            delivered_qos = min(qos, sub_qos)
+            if delivered_qos == 0 and not session.connected and not self.config.queue_qos0:
+                continue
+            if session.admit():
+                accepted.append((session, delivered_qos))
+        if not accepted:
+            return None
+        body = Body(topic, payload, qos, time.time())
+        msg_id = self._next_msg_id
+        self._next_msg_id += 1
+        committer = self.committer
+        committer.put(body_key(msg_id), body.encode())
+        if len(accepted) > 1:
+            self._refs[msg_id] = len(accepted)
+            committer.put(refs_key(msg_id), encode_refs(len(accepted)))
+        size = len(payload)
+        appended = [(session, session.append(msg_id, qos_out, flags, size)) for session, qos_out in accepted]
+        self.enqueued_total += len(appended)
+
+        def deliver() -> None:
+            for session, entry in appended:
+                session.on_committed(entry, body)
+
+        return committer.commit(deliver)
+
+    def release_body(self, msg_id: int) -> None:
+        """One queue entry fewer points at this body; the last one deletes it."""
+        refs = self._refs.get(msg_id)
+        if refs is None:
+            refs = decode_refs(self.db.get(refs_key(msg_id)))
+        refs -= 1
+        if refs > 0:
+            self._refs[msg_id] = refs
+            self.committer.put(refs_key(msg_id), encode_refs(refs))
+            return
+        self._refs.pop(msg_id, None)
+        self.committer.delete(body_key(msg_id))
+        self.committer.delete(refs_key(msg_id))
+
+    def totals_changed(self, session: DurableSession) -> None:
+        self._dirty.add(session)
+
+    def _write_totals(self) -> None:
+        for session in self._dirty:
+            self.committer.put(totals_key(session.sid), encode_totals(session.depth, session.bytes))
+        self._dirty.clear()
+
+    def note_sent(self, sent: int, replayed: int) -> None:
+        self.sent_total += sent
+        self.replayed_total += replayed
+
+    # --------------------------------------------------------------------- expiry
+    def _arm_expiry(self) -> None:
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+            self._expiry_timer = None
+        deadline = self.expiry.next_deadline()
+        if deadline is None:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, deadline - time.time())
+        self._expiry_timer = loop.call_later(delay, lambda: loop.create_task(self._expire_due()))
+
+    async def _expire_due(self) -> None:
+        self._expiry_timer = None
+        for client_id in self.expiry.pop_expired(time.time()):
+            session = self.sessions.get(client_id)
+            if session is None or session.connected:
+                continue
+            disconnected_at = session.record.disconnected_at
+            dropped = await self.delete_session(session)
+            self.expired_total += 1
+            log.warning(
+                "durable session %s expired after %.0f s disconnected: %d queued message(s) and its "
+                "subscriptions deleted",
+                client_id,
+                session.expiry_seconds(),
+                dropped,
+            )
+            if self.on_expired is not None:
+                self.on_expired(ExpiredSession(client_id, dropped, disconnected_at))
+        self._arm_expiry()
+
+    # -------------------------------------------------------------------- metrics
+    def metrics(self) -> dict[str, int]:
+        connected = sum(1 for s in self.sessions.values() if s.connected)
+        return {
+            "sessions/connected": connected,
+            "sessions/disconnected": len(self.sessions) - connected,
+            "messages/queued": sum(s.depth for s in self.sessions.values()),
+            "bytes/queued": sum(s.bytes for s in self.sessions.values()),
+            "messages/enqueued": self.enqueued_total,
+            "messages/dropped": self.dropped_total,
+            "messages/replayed": self.replayed_total,
+            "messages/sent": self.sent_total,
+            "sessions/expired": self.expired_total,
+        }

@@ -1,0 +1,80 @@
+"""Read-only view of a stopped broker's store: one row per durable session."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .store import Body, body_key, decode_totals, iter_entries, iter_sessions, open_store, totals_key
+
+
+@dataclass
+class SessionSummary:
+    client_id: str
+    depth: int
+    bytes: int
+    oldest_age_s: float | None
+    subscriptions: dict[str, int]
+    disconnected_at: float | None
+    expires_at: float | None
+    dropped: int
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(path: str, now: float | None = None) -> list[SessionSummary]:
+    """Sessions of the store at ``path`` (the broker must be stopped: LevelDB allows one process)."""
+    now = time.time() if now is None else now
+    db = open_store(path, create=False)
+    try:
+        rows: list[SessionSummary] = []
+        for record in iter_sessions(db):
+            depth, size = decode_totals(db.get(totals_key(record.sid)))
+            oldest: float | None = None
+            first = next(iter_entries(db, record.sid, 0, 1), None)
+            if first is not None:
+                raw = db.get(body_key(first.msg_id))
+                if raw is not None:
+                    oldest = max(0.0, now - Body.decode(raw).published_at)
+            rows.append(
+                SessionSummary(
+                    client_id=record.client_id,
+                    depth=depth,
+                    bytes=size,
+                    oldest_age_s=oldest,
+                    subscriptions=dict(record.subscriptions),
+                    disconnected_at=record.disconnected_at,
+                    expires_at=record.expires_at,
+                    dropped=record.dropped,
+                )
+            )
+        return rows
+    finally:
+        db.close()
+
+
+def format_table(rows: list[SessionSummary], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    header = ("CLIENT ID", "DEPTH", "BYTES", "OLDEST", "EXPIRES IN", "DROPPED", "SUBSCRIPTIONS")
+    lines = [header]
+    for row in rows:
+        expires = "-" if row.expires_at is None else _duration(row.expires_at - now)
+        oldest = "-" if row.oldest_age_s is None else _duration(row.oldest_age_s)
+        subs = ",".join(f"{f}@{q}" for f, q in sorted(row.subscriptions.items())) or "-"
+        lines.append((row.client_id, str(row.depth), str(row.bytes), oldest, expires, str(row.dropped), subs))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)).rstrip() for line in lines]
+    text.append(f"{len(rows)} session(s), {sum(r.depth for r in rows)} queued message(s)")
+    return "\n".join(text)
+
+
+def _duration(seconds: float) -> str:
+    if seconds <= 0:
+        return "due"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"

@@ -1,0 +1,411 @@
+"""The LevelDB store: key layout (version 1), record codecs and group commit.
+
+Key layout, version 1 (every integer big-endian, so LevelDB's byte order is numeric order)::
+
+    b"v"                      -> b"1"                      layout version
+    b"m" + msg_id:u64         -> time:f64 qos:u8 tlen:u16 topic payload     message body, stored once
+    b"c" + msg_id:u64         -> refs:u32                  queue entries still pointing at a body
+                                                           (absent means 1: no fan-out)
+    b"s" + client_id(utf-8)   -> JSON session record        subscriptions, deadlines, counters
+    b"t" + sid:u64            -> depth:u64 bytes:u64        queue totals, kept in the same batch
+    b"w" + sid:u64            -> seq:u64                    highest seq possibly sent (DUP mark)
+    b"q" + sid:u64 + seq:u64  -> msg_id:u64 qos:u8 flags:u8 size:u32       one queue entry
+
+Entry flags: bit 0 RETAIN (retained message on subscribe), bit 1 RELEASED (QoS 2 PUBREC
+received, so PUBREL, not PUBLISH, is re-sent). A message body is deleted with its last entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import struct
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import plyvel
+
+from .errors import StoreCorruptedError, StoreError, StoreLockedError
+
+LAYOUT_VERSION = b"1"
+_U64 = struct.Struct(">Q")
+_ENTRY = struct.Struct(">QBBI")
+_TOTALS = struct.Struct(">QQ")
+_BODY_HEAD = struct.Struct(">dBH")
+_REFS = struct.Struct(">I")
+
+FLAG_RETAIN = 0x01
+FLAG_RELEASED = 0x02
+
+VERSION_KEY = b"v"
+
+
+def body_key(msg_id: int) -> bytes:
+    return b"m" + _U64.pack(msg_id)
+
+
+def refs_key(msg_id: int) -> bytes:
+    return b"c" + _U64.pack(msg_id)
+
+
+def session_key(client_id: str) -> bytes:
+    return b"s" + client_id.encode("utf-8")
+
+
+def totals_key(sid: int) -> bytes:
+    return b"t" + _U64.pack(sid)
+
+
+def sent_mark_key(sid: int) -> bytes:
+    return b"w" + _U64.pack(sid)
+
+
+def queue_prefix(sid: int) -> bytes:
+    return b"q" + _U64.pack(sid)
+
+
+def entry_key(sid: int, seq: int) -> bytes:
+    return b"q" + _U64.pack(sid) + _U64.pack(seq)
+
+
+def seq_of_entry_key(key: bytes) -> int:
+    return int(_U64.unpack_from(key, 9)[0])
+
+
+@dataclass(slots=True)
+class Body:
+    """A published message as stored once for every session it was routed to."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    published_at: float
+
+    def encode(self) -> bytes:
+        topic = self.topic.encode("utf-8")
+        return _BODY_HEAD.pack(self.published_at, self.qos, len(topic)) + topic + self.payload
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Body:
+        published_at, qos, topic_len = _BODY_HEAD.unpack_from(raw)
+        start = _BODY_HEAD.size
+        topic = raw[start : start + topic_len].decode("utf-8")
+        return cls(topic, raw[start + topic_len :], qos, published_at)
+
+
+@dataclass(slots=True)
+class Entry:
+    """One message in one session's queue."""
+
+    seq: int
+    msg_id: int
+    qos: int
+    flags: int
+    size: int
+
+    def encode(self) -> bytes:
+        return _ENTRY.pack(self.msg_id, self.qos, self.flags, self.size)
+
+    @classmethod
+    def decode(cls, seq: int, raw: bytes) -> Entry:
+        msg_id, qos, flags, size = _ENTRY.unpack(raw)
+        return cls(seq, msg_id, qos, flags, size)
+
+
+@dataclass
+class SessionRecord:
+    """What survives a restart about one durable session (JSON under b"s" + client id)."""
+
+    client_id: str
+    sid: int
+    subscriptions: dict[str, int] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    disconnected_at: float | None = None
+    expires_at: float | None = None
+    expiry_override: float | None = None
+    dropped: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "sid": self.sid,
+                "subscriptions": self.subscriptions,
+                "created_at": self.created_at,
+                "disconnected_at": self.disconnected_at,
+                "expires_at": self.expires_at,
+                "expiry_override": self.expiry_override,
+                "dropped": self.dropped,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def decode(cls, client_id: str, raw: bytes) -> SessionRecord:
+        data: dict[str, Any] = json.loads(raw)
+        return cls(
+            client_id=client_id,
+            sid=int(data["sid"]),
+            subscriptions={str(k): int(v) for k, v in data.get("subscriptions", {}).items()},
+            created_at=float(data.get("created_at", 0.0)),
+            disconnected_at=data.get("disconnected_at"),
+            expires_at=data.get("expires_at"),
+            expiry_override=data.get("expiry_override"),
+            dropped=int(data.get("dropped", 0)),
+        )
+
+
+def encode_totals(depth: int, size: int) -> bytes:
+    return _TOTALS.pack(depth, size)
+
+
+def decode_totals(raw: bytes | None) -> tuple[int, int]:
+    if raw is None:
+        return 0, 0
+    depth, size = _TOTALS.unpack(raw)
+    return int(depth), int(size)
+
+
+def encode_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def decode_u64(raw: bytes | None) -> int:
+    return 0 if raw is None else int(_U64.unpack(raw)[0])
+
+
+def decode_refs(raw: bytes | None) -> int:
+    return 1 if raw is None else int(_REFS.unpack(raw)[0])
+
+
+def encode_refs(refs: int) -> bytes:
+    return _REFS.pack(refs)
+
+
+def open_store(path: str, *, create: bool = True) -> Any:
+    """Open (or create) the LevelDB folder with a clear error for a lock or corruption."""
+    if create:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create store folder '{path}': {exc.strerror}") from exc
+    elif not os.path.isdir(path):
+        raise StoreError(f"no store at '{path}' (folder does not exist)")
+    try:
+        db = plyvel.DB(
+            path,
+            create_if_missing=create,
+            paranoid_checks=True,
+            bloom_filter_bits=10,
+            lru_cache_size=8 * 1024 * 1024,
+            write_buffer_size=8 * 1024 * 1024,
+        )
+    except plyvel.IOError as exc:
+        if "lock" in str(exc).lower():
+            raise StoreLockedError(path) from exc
+        raise StoreError(f"cannot open store '{path}': {exc}") from exc
+    except plyvel.CorruptionError as exc:
+        raise StoreCorruptedError(path, str(exc)) from exc
+    except plyvel.Error as exc:
+        raise StoreCorruptedError(path, str(exc)) from exc
+    try:
+        version = db.get(VERSION_KEY)
+        if version is None:
+            if next(db.iterator(include_value=False), None) is not None:
+                raise StoreCorruptedError(path, "it holds data but no layout version key")
+            db.put(VERSION_KEY, LAYOUT_VERSION, sync=True)
+        elif version != LAYOUT_VERSION:
+            raise StoreCorruptedError(path, f"layout version {version!r}, this release reads {LAYOUT_VERSION!r}")
+    except plyvel.CorruptionError as exc:
+        db.close()
+        raise StoreCorruptedError(path, str(exc)) from exc
+    except StoreError:
+        db.close()
+        raise
+    return db
+
+
+def repair_store(path: str) -> None:
+    """LevelDB's own repair: rebuilds the tables from every readable record."""
+    if not os.path.isdir(path):
+        raise StoreError(f"no store at '{path}' (folder does not exist)")
+    try:
+        plyvel.repair_db(path)
+    except plyvel.IOError as exc:
+        if "lock" in str(exc).lower():
+            raise StoreLockedError(path) from exc
+        raise StoreError(f"repair of '{path}' failed: {exc}") from exc
+
+
+def iter_entries(db: Any, sid: int, start_seq: int = 0, limit: int | None = None) -> Iterator[Entry]:
+    """Queue entries of one session in order, from ``start_seq`` on."""
+    start = queue_prefix(sid) + _U64.pack(start_seq)
+    for count, (key, value) in enumerate(db.iterator(start=start, stop=queue_prefix(sid + 1)), start=1):
+        yield Entry.decode(seq_of_entry_key(key), value)
+        if limit is not None and count >= limit:
+            return
+
+
+def last_seq(db: Any, sid: int) -> int | None:
+    prefix = queue_prefix(sid)
+    for key in db.iterator(prefix=prefix, reverse=True, include_value=False):
+        return seq_of_entry_key(key)
+    return None
+
+
+def iter_sessions(db: Any) -> Iterator[SessionRecord]:
+    for key, value in db.iterator(prefix=b"s"):
+        yield SessionRecord.decode(key[1:].decode("utf-8"), value)
+
+
+def last_msg_id(db: Any) -> int:
+    for key in db.iterator(prefix=b"m", reverse=True, include_value=False):
+        return int(_U64.unpack_from(key, 1)[0])
+    return 0
+
+
+class GroupCommitter:
+    """Collects writes from concurrent publishes and acks into shared LevelDB write batches.
+
+    XAP's batch semantics: a commit starts as soon as ``pending_threshold`` operations wait,
+    otherwise after at most ``batch_delay_ms``; ``batch_size`` bounds the operations one
+    commit gathers before it is started. Each commit is one atomic write batch (a publish's
+    body and its queue entries are never split), written in arrival order, so FIFO holds.
+    With ``sync`` the write is fsynced (in a worker thread, so the loop keeps collecting).
+    """
+
+    def __init__(
+        self,
+        db: Any,
+        *,
+        sync: bool,
+        batch_size: int,
+        batch_delay_ms: float,
+        pending_threshold: int,
+    ) -> None:
+        self._db = db
+        self._sync = sync
+        self._batch_size = batch_size
+        self._delay = batch_delay_ms / 1000.0
+        self._threshold = pending_threshold
+        self._ops: list[tuple[bytes, bytes | None]] = []
+        self._units = 0
+        self._waiters: list[asyncio.Future[None]] = []
+        self._after_commit: list[Callable[[], None]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._soon: asyncio.Handle | None = None
+        self._writing = False
+        self.before_flush: Callable[[], None] | None = None
+        self.commits = 0
+        self.failure: BaseException | None = None
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._ops.append((key, value))
+
+    def delete(self, key: bytes) -> None:
+        self._ops.append((key, None))
+
+    def commit(
+        self, on_durable: Callable[[], None] | None = None, *, units: int = 1, urgent: bool = False
+    ) -> asyncio.Future[None]:
+        """Ask for the operations added so far to be written; the future resolves once they are.
+
+        ``on_durable`` runs right after the write, before any awaiting task resumes, so
+        delivery of what was just stored can start in commit order. ``urgent`` commits at the
+        end of the current loop pass instead of waiting for company (a pump about to send).
+        """
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        if self.failure is not None:
+            waiter.set_exception(StoreError(f"store write failed earlier: {self.failure}"))
+            return waiter
+        self._waiters.append(waiter)
+        if on_durable is not None:
+            self._after_commit.append(on_durable)
+        self._units += self._threshold if urgent else units
+        self._schedule(loop)
+        return waiter
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._writing or self._soon is not None:
+            return
+        if self._units >= min(self._threshold, self._batch_size) or self._delay == 0:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._soon = loop.call_soon(self._start_flush)
+        elif self._timer is None:
+            self._timer = loop.call_later(self._delay, self._start_flush)
+
+    def _start_flush(self) -> None:
+        self._soon = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._writing or not (self._ops or self._waiters):
+            return
+        if self.before_flush is not None:
+            self.before_flush()
+        ops, self._ops = self._ops, []
+        waiters, self._waiters = self._waiters, []
+        after, self._after_commit = self._after_commit, []
+        self._units = 0
+        if self._sync:
+            self._writing = True
+            loop = asyncio.get_running_loop()
+            job = loop.run_in_executor(None, self._write, ops)
+            job.add_done_callback(lambda done: self._finish(done.exception(), waiters, after))
+        else:
+            error: BaseException | None = None
+            try:
+                self._write(ops)
+            except Exception as exc:
+                error = exc
+            self._finish(error, waiters, after)
+
+    def _write(self, ops: list[tuple[bytes, bytes | None]]) -> None:
+        with self._db.write_batch(sync=self._sync) as batch:
+            for key, value in ops:
+                if value is None:
+                    batch.delete(key)
+                else:
+                    batch.put(key, value)
+
+    def _finish(
+        self, error: BaseException | None, waiters: list[asyncio.Future[None]], after: list[Callable[[], None]]
+    ) -> None:
+        self._writing = False
+        self.commits += 1
+        if error is not None:
+            self.failure = error
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(StoreError(f"store write failed: {error}"))
+        else:
+            for callback in after:
+                callback()
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+        if self._ops or self._waiters:
+            self._schedule(asyncio.get_running_loop())
+
+    def flush_now(self) -> None:
+        """Write everything pending synchronously (used when closing)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.before_flush is not None:
+            self.before_flush()
+        if self._ops:
+            ops, self._ops = self._ops, []
+            self._write(ops)
+        waiters, self._waiters = self._waiters, []
+        after, self._after_commit = self._after_commit, []
+        for callback in after:
+            callback()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)

@@ -1,0 +1,71 @@
+"""Topic filters and the subscription index used to route a publish to durable sessions."""
+
+from __future__ import annotations
+
+
+def filter_is_valid(topic_filter: str) -> bool:
+    """MQTT-4.7.1: '#' only as the whole last level, '+' only as a whole level."""
+    if not topic_filter or "\x00" in topic_filter:
+        return False
+    levels = topic_filter.split("/")
+    for index, level in enumerate(levels):
+        if "#" in level and (level != "#" or index != len(levels) - 1):
+            return False
+        if "+" in level and level != "+":
+            return False
+    return True
+
+
+def topic_is_valid(topic: str) -> bool:
+    """A PUBLISH topic: non-empty, no wildcards, no NUL (MQTT-3.3.2-2, MQTT-4.7.3-1)."""
+    return bool(topic) and "#" not in topic and "+" not in topic and "\x00" not in topic
+
+
+def matches(topic: str, topic_filter: str) -> bool:
+    """True when ``topic`` matches ``topic_filter``; '$' topics never match a leading wildcard."""
+    if topic.startswith("$") and topic_filter[:1] in ("+", "#"):
+        return False
+    if "+" not in topic_filter and "#" not in topic_filter:
+        return topic == topic_filter
+    topic_levels = topic.split("/")
+    filter_levels = topic_filter.split("/")
+    for index, level in enumerate(filter_levels):
+        if level == "#":
+            return True
+        if index >= len(topic_levels) or level not in ("+", topic_levels[index]):
+            return False
+    return len(topic_levels) == len(filter_levels)
+
+
+class SubscriptionIndex:
+    """Filters -> {client_id: qos}; exact filters by dict lookup, wildcard filters by matching.
+
+    One entry per distinct filter keeps routing cost independent of how many sessions
+    share a filter (1000 subscribers on one topic is one lookup).
+    """
+
+    def __init__(self) -> None:
+        self._exact: dict[str, dict[str, int]] = {}
+        self._wildcard: dict[str, dict[str, int]] = {}
+
+    def add(self, client_id: str, topic_filter: str, qos: int) -> None:
+        table = self._wildcard if ("+" in topic_filter or "#" in topic_filter) else self._exact
+        table.setdefault(topic_filter, {})[client_id] = qos
+
+    def remove(self, client_id: str, topic_filter: str) -> None:
+        for table in (self._exact, self._wildcard):
+            subscribers = table.get(topic_filter)
+            if subscribers is not None:
+                subscribers.pop(client_id, None)
+                if not subscribers:
+                    del table[topic_filter]
+
+    def route(self, topic: str) -> dict[str, int]:
+        """Sessions that take ``topic``, each with its highest matching subscription QoS."""
+        targets = dict(self._exact.get(topic, ()))
+        for topic_filter, subscribers in self._wildcard.items():
+            if matches(topic, topic_filter):
+                for client_id, qos in subscribers.items():
+                    if targets.get(client_id, -1) < qos:
+                        targets[client_id] = qos
+        return targets

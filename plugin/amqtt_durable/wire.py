@@ -1,0 +1,42 @@
+"""MQTT 3.1.1 encodings the delivery pump writes itself (PUBLISH, PUBREL), batched per write."""
+
+from __future__ import annotations
+
+import struct
+
+_U16 = struct.Struct(">H")
+PUBREL_FIXED = 0x62
+
+
+def _remaining_length(length: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = length % 128
+        length //= 128
+        if length:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def encode_publish(topic: bytes, payload: bytes, qos: int, packet_id: int, *, dup: bool, retain: bool) -> bytes:
+    """One PUBLISH packet; ``packet_id`` is ignored for QoS 0 (which never has one)."""
+    first = 0x30 | (qos << 1) | (0x08 if dup and qos else 0) | (0x01 if retain else 0)
+    variable = _U16.pack(len(topic)) + topic
+    if qos:
+        variable += _U16.pack(packet_id)
+    return bytes((first,)) + _remaining_length(len(variable) + len(payload)) + variable + payload
+
+
+def encode_pubrel(packet_id: int) -> bytes:
+    return bytes((PUBREL_FIXED, 2)) + _U16.pack(packet_id)
+
+
+def packet_id_for(seq: int) -> int:
+    """Packet id derived from the queue sequence, so a re-send after a crash reuses the same id.
+
+    The pump never has more than ``recovery_buffer`` (<= 65535) consecutive sequences in
+    flight, so two in-flight entries never share an id.
+    """
+    return seq % 65535 + 1
