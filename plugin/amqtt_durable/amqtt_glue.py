@@ -2,8 +2,11 @@
 
 amqtt has no hook to persist a publish before PUBACK, nor one for per-session delivery, so
 this module wraps a handful of Broker and BrokerProtocolHandler methods on the broker
-instance the plugin is loaded into (never on the classes):
+instance the plugin is loaded into and on each connection's handler:
 
+* ``BrokerProtocolHandler.init_from_connect`` (the one class-level wrap, behaviour-neutral):
+  remembers the CONNECT's clean-session flag, which amqtt loses when it reuses a session
+  object;
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
   wait for the group commit before amqtt's own flow sends PUBACK / PUBREC;
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
@@ -55,7 +58,12 @@ _BROKER_INTERNALS = (
     "add_subscription",
     "retained_messages",
 )
-_HANDLER_INTERNALS = ("handle_publish", "mqtt_connack_authorize", "mqtt_acknowledge_unsubscription")
+_HANDLER_INTERNALS = (
+    "init_from_connect",
+    "handle_publish",
+    "mqtt_connack_authorize",
+    "mqtt_acknowledge_unsubscription",
+)
 
 _subscribing: contextvars.ContextVar[bool] = contextvars.ContextVar("amqtt_durable_subscribing", default=False)
 
@@ -64,6 +72,21 @@ class RoutedPayload(bytes):
     """A payload already queued for durable sessions, so the broadcast does not queue it twice."""
 
     __slots__ = ()
+
+
+def _install_connect_flag_capture() -> None:
+    """amqtt reuses a cached Session on reconnect without updating clean_session; keep the real flag."""
+    original = BrokerProtocolHandler.init_from_connect
+    if getattr(original, "_durable_wrapped", False):
+        return
+
+    async def init_from_connect(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        handler, session = await original(*args, **kwargs)
+        handler.connect_clean_session = bool(session.clean_session)
+        return handler, session
+
+    init_from_connect._durable_wrapped = True  # type: ignore[attr-defined]
+    BrokerProtocolHandler.init_from_connect = staticmethod(init_from_connect)
 
 
 def check_internals(broker: Any) -> None:
@@ -135,6 +158,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self.broker = broker
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metrics_task: asyncio.Task[None] | None = None
+        _install_connect_flag_capture()
         _install(broker, self.engine)
 
     async def on_broker_post_start(self) -> None:
@@ -182,6 +206,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
 
     async def initialize_client_session(*args: Any) -> tuple[Any, Any]:
         handler, session = await original_initialize(*args)
+        session.clean_session = handler.connect_clean_session
         _wrap_handler(broker, engine, handler, session)
         return handler, session
 

@@ -1,0 +1,271 @@
+"""Real brokers (subprocesses on ephemeral 127.0.0.1 ports), real LevelDB, real paho clients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+import pytest
+import yaml
+from paho.mqtt.enums import CallbackAPIVersion
+
+HOST = "127.0.0.1"
+WAIT = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+class Broker:
+    """An amqtt broker with the durable plugin, run by ``amqtt-durable broker`` as a child process."""
+
+    def __init__(self, folder: Path, **plugin_settings: Any) -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.store = str(folder / "store")
+        self.settings: dict[str, Any] = {"store": self.store, "metrics_interval": 0, **plugin_settings}
+        self.extra_plugins: dict[str, Any] = {}
+        self.log_path = folder / "broker.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def config_path(self) -> Path:
+        return self.folder / "broker.yaml"
+
+    def write_config(self) -> Path:
+        config = {
+            "listeners": {"default": {"type": "tcp", "bind": f"{HOST}:{self.port}"}},
+            "plugins": {
+                "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
+                **self.extra_plugins,
+                "amqtt_durable.DurableSessionsPlugin": self.settings,
+            },
+        }
+        self.config_path.write_text(yaml.safe_dump(config))
+        return self.config_path
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        self.write_config()
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "amqtt_durable.cli", "broker", "-c", str(self.config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        return self.proc
+
+    def start(self) -> Broker:
+        self.spawn()
+        self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = WAIT) -> None:
+        """Ready = a real MQTT CONNECT gets a CONNACK."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"broker exited with {self.proc.returncode}:\n{self.log()}")
+            if probe_connack(self.port):
+                return
+            time.sleep(0.05)  # polling a port that is not open yet; bounded by the deadline
+        raise AssertionError(f"broker not ready in {timeout}s:\n{self.log()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown hook runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=WAIT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=WAIT)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def restart(self, kill: bool = True) -> Broker:
+        self.kill() if kill else self.stop()
+        return self.start()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def probe_connack(port: int) -> bool:
+    """Send a minimal clean CONNECT and check for CONNACK accepted."""
+    connect = bytes([0x10, 16, 0, 4]) + b"MQTT" + bytes([4, 0x02, 0, 10, 0, 4]) + b"prob"
+    try:
+        with socket.create_connection((HOST, port), timeout=1.0) as sock:
+            sock.sendall(connect)
+            reply = sock.recv(4)
+            sock.sendall(bytes([0xE0, 0]))
+            return reply[:1] == b"\x20" and reply[3:4] == b"\x00"
+    except OSError:
+        return False
+
+
+class Client:
+    """A paho-mqtt client over TCP whose waits are bounded and event-driven."""
+
+    def __init__(
+        self,
+        port: int,
+        client_id: str,
+        clean_session: bool = False,
+        manual_ack: bool = False,
+        auto_start: bool = True,
+    ) -> None:
+        self.port = port
+        self.client_id = client_id
+        self.paho = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=client_id,
+            clean_session=clean_session,
+            manual_ack=manual_ack,
+            reconnect_on_failure=False,
+        )
+        self.paho.max_inflight_messages_set(100)
+        self.paho.max_queued_messages_set(0)
+        self.messages: list[mqtt.MQTTMessage] = []
+        self.session_present: bool | None = None
+        self._cond = threading.Condition()
+        self._connected = threading.Event()
+        self._disconnected = threading.Event()
+        self._subacks: dict[int, list[int]] = {}
+        self.paho.on_connect = self._on_connect
+        self.paho.on_message = self._on_message
+        self.paho.on_subscribe = self._on_subscribe
+        self.paho.on_disconnect = self._on_disconnect
+        self.on_message_hook: Callable[[mqtt.MQTTMessage], None] | None = None
+        if auto_start:
+            self.connect()
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        self.session_present = bool(flags.session_present)
+        self.connect_reason = reason
+        self._connected.set()
+
+    def _on_disconnect(self, *args: Any) -> None:
+        self._disconnected.set()
+
+    def _on_message(self, client: Any, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        with self._cond:
+            self.messages.append(message)
+            self._cond.notify_all()
+        if self.on_message_hook is not None:
+            self.on_message_hook(message)
+
+    def _on_subscribe(self, client: Any, userdata: Any, mid: int, reasons: Any, props: Any) -> None:
+        with self._cond:
+            self._subacks[mid] = [int(r.value) if hasattr(r, "value") else int(r) for r in reasons]
+            self._cond.notify_all()
+
+    def connect(self, keepalive: int = 30) -> bool:
+        self._connected.clear()
+        self._disconnected.clear()
+        self.paho.connect(HOST, self.port, keepalive=keepalive)
+        self.paho.loop_start()
+        assert self._connected.wait(WAIT), f"{self.client_id}: no CONNACK"
+        assert self.session_present is not None
+        return self.session_present
+
+    def subscribe(self, topic_filter: str, qos: int = 1) -> list[int]:
+        result, mid = self.paho.subscribe(topic_filter, qos)
+        assert result == mqtt.MQTT_ERR_SUCCESS
+        with self._cond:
+            assert self._cond.wait_for(lambda: mid in self._subacks, WAIT), "no SUBACK"
+            return self._subacks[mid]
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        done = threading.Event()
+        self.paho.on_unsubscribe = lambda *a: done.set()
+        self.paho.unsubscribe(topic_filter)
+        assert done.wait(WAIT), "no UNSUBACK"
+
+    def publish(self, topic: str, payloads: list[bytes], qos: int = 1, retain: bool = False) -> None:
+        """Publish all and wait until every one is acknowledged (QoS>0) or written (QoS 0)."""
+        infos = [self.paho.publish(topic, payload, qos=qos, retain=retain) for payload in payloads]
+        deadline = time.monotonic() + WAIT + len(payloads) / 500
+        for info in infos:
+            info.wait_for_publish(max(0.1, deadline - time.monotonic()))
+            assert info.is_published(), f"publish mid={info.mid} not acknowledged"
+
+    def wait_messages(self, count: int, timeout: float = WAIT) -> list[mqtt.MQTTMessage]:
+        with self._cond:
+            self._cond.wait_for(lambda: len(self.messages) >= count, timeout)
+            return list(self.messages)
+
+    def wait_for(self, predicate: Callable[[list[mqtt.MQTTMessage]], bool], timeout: float = WAIT) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self.messages), timeout)
+
+    def disconnect(self) -> None:
+        self.paho.disconnect()
+        self._disconnected.wait(WAIT)
+        self.paho.loop_stop()
+
+    def drop(self) -> None:
+        """Abnormal disconnect: close the socket without DISCONNECT."""
+        sock = self.paho.socket()
+        if sock is not None:
+            sock.close()
+        self._disconnected.wait(WAIT)
+        self.paho.loop_stop()
+
+    def wait_disconnected(self, timeout: float = WAIT) -> bool:
+        return self._disconnected.wait(timeout)
+
+
+def payloads(count: int, prefix: str = "m") -> list[bytes]:
+    return [f"{prefix}{i:07d}".encode() for i in range(count)]
+
+
+@pytest.fixture
+def broker_factory(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
+    started: list[Broker] = []
+
+    def make(start: bool = True, name: str = "b", **settings: Any) -> Broker:
+        folder = tmp_path / f"{name}{len(started)}"
+        folder.mkdir()
+        broker = Broker(folder, **settings)
+        started.append(broker)
+        return broker.start() if start else broker
+
+    yield make
+    for broker in started:
+        broker.stop()
+
+
+@pytest.fixture
+def broker(broker_factory: Callable[..., Broker]) -> Broker:
+    return broker_factory()
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., Client]]:
+    made: list[Client] = []
+
+    def make(port: int, client_id: str, **kwargs: Any) -> Client:
+        client = Client(port, client_id, **kwargs)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.paho.loop_stop()
+        client.paho.disconnect()
