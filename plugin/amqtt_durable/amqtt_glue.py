@@ -278,6 +278,21 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     broker._broadcast_message = broadcast_message
 
 
+def _malformed_publish(packet: Any, topic: str, data: bytes) -> str | None:
+    """What amqtt's decoder lets through: QoS 3, and topics that were not valid UTF-8.
+
+    amqtt turns an undecodable topic into ``str(bytes)``, so the decoded parts no longer add
+    up to the packet's remaining length; that mismatch is the reliable sign.
+    """
+    qos = packet.qos or 0
+    if qos not in (0, 1, 2):
+        return "QoS 3 is reserved (MQTT-3.3.1-4)"
+    expected = 2 + len(topic.encode("utf-8")) + (2 if qos else 0) + len(data)
+    if packet.fixed_header is not None and packet.fixed_header.remaining_length != expected:
+        return "topic is not valid UTF-8 or lengths do not add up (MQTT-1.5.3)"
+    return None
+
+
 def _wrap_handler(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
     """Per-connection wrappers: persist before acknowledging, and the stored session-present."""
     original_publish = handler.handle_publish
@@ -289,6 +304,11 @@ def _wrap_handler(broker: Any, engine: DurableEngine, handler: Any, session: Any
         data = packet.data
         if topic is None or data is None or not topic_is_valid(topic) or topic.startswith("$"):
             await original_publish(packet)  # amqtt's own checks close the connection
+            return
+        problem = _malformed_publish(packet, topic, data)
+        if problem is not None:
+            log.warning("closing the connection of %s: malformed PUBLISH (%s)", session.client_id, problem)
+            await handler.handle_connection_closed()
             return
         packet_id = packet.variable_header.packet_id if packet.variable_header else None
         retransmitted = packet.qos == 2 and packet_id in session.inflight_in

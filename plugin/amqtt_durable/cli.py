@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Mapping
@@ -134,5 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def console_main() -> None:
+    """Entry point. The store is closed when ``main`` returns; skipping interpreter teardown avoids
+    a spurious 'Error in sys.excepthook' CPython prints when plyvel was loaded next to amqtt."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()
