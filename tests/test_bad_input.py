@@ -11,6 +11,7 @@ from pathlib import Path
 
 import plyvel
 import pytest
+
 from conftest import HOST, WAIT, Broker, Client, payloads
 
 

@@ -46,6 +46,7 @@ from .store import (
 from .topics import SubscriptionIndex
 
 log = logging.getLogger("amqtt_durable")
+DELETE_CHUNK = 10_000
 
 
 @dataclass
@@ -334,10 +335,16 @@ class DurableEngine:
             self.index.remove(session.client_id, topic_filter)
         committer = self.committer
         dropped = 0
-        for entry in iter_entries(self.db, session.sid):
-            committer.delete(entry_key(session.sid, entry.seq))
-            self.release_body(entry.msg_id)
-            dropped += 1
+        while True:
+            # In chunks, yielding between them: a million-message queue must not stall the broker.
+            chunk = list(iter_entries(self.db, session.sid, 0, DELETE_CHUNK))
+            for entry in chunk:
+                committer.delete(entry_key(session.sid, entry.seq))
+                self.release_body(entry.msg_id)
+            dropped += len(chunk)
+            if len(chunk) < DELETE_CHUNK:
+                break
+            await committer.commit(urgent=True)
         for key in (totals_key(session.sid), sent_mark_key(session.sid), session_key(session.client_id)):
             committer.delete(key)
         await committer.commit(urgent=True)
@@ -481,4 +488,5 @@ class DurableEngine:
             "messages/replayed": self.replayed_total,
             "messages/sent": self.sent_total,
             "sessions/expired": self.expired_total,
+            "store/commits": self.committer.commits,
         }
