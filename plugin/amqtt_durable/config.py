@@ -8,6 +8,7 @@ which reports every problem before the broker opens a port.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -119,7 +120,8 @@ def _check_ranges(config: DurableConfig) -> None:
             f"must be >= max_depth ({config.max_depth}), got {config.max_depth_disconnected}",
         )
     for key in ("session_expiry", "batch_delay_ms", "metrics_interval", "drop_log_interval"):
-        if getattr(config, key) < 0:
-            raise ConfigError(key, f"must be 0 or more, got {getattr(config, key)!r}")
+        value = getattr(config, key)
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(key, f"must be a finite number, 0 or more, got {value!r}")
     if not config.store:
         raise ConfigError("store", "expected a non-empty folder path")

@@ -15,8 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import plyvel
+
 from .config import DurableConfig
 from .delivery import Pump, Transport
+from .errors import StoreCorruptedError
 from .expiry import ExpiryTracker
 from .queue_policy import Admission, QueueLimits
 from .store import (
@@ -214,8 +217,15 @@ class DurableEngine:
     # ----------------------------------------------------------------- lifecycle
     def open(self) -> None:
         """Open the store and rebuild sessions from it; reads keys, never whole queues."""
+        self.db = open_store(self.config.store)
+        try:
+            self._load()
+        except plyvel.CorruptionError as exc:
+            self.db.close()
+            raise StoreCorruptedError(self.config.store, str(exc)) from exc
+
+    def _load(self) -> None:
         config = self.config
-        self.db = open_store(config.store)
         self.committer = GroupCommitter(
             self.db,
             sync=config.sync,
@@ -263,7 +273,7 @@ class DurableEngine:
         if self._expiry_timer is not None:
             self._expiry_timer.cancel()
         if self.db is not None and not self.db.closed:
-            self.committer.flush_now()
+            await self.committer.drain()
             self.db.close()
 
     # ------------------------------------------------------------------ sessions

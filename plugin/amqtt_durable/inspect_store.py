@@ -6,6 +6,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import plyvel
+
+from .errors import StoreCorruptedError
 from .store import Body, body_key, decode_totals, iter_entries, iter_sessions, open_store, totals_key
 
 
@@ -29,30 +32,36 @@ def summarize(path: str, now: float | None = None) -> list[SessionSummary]:
     now = time.time() if now is None else now
     db = open_store(path, create=False)
     try:
-        rows: list[SessionSummary] = []
-        for record in iter_sessions(db):
-            depth, size = decode_totals(db.get(totals_key(record.sid)))
-            oldest: float | None = None
-            first = next(iter_entries(db, record.sid, 0, 1), None)
-            if first is not None:
-                raw = db.get(body_key(first.msg_id))
-                if raw is not None:
-                    oldest = max(0.0, now - Body.decode(raw).published_at)
-            rows.append(
-                SessionSummary(
-                    client_id=record.client_id,
-                    depth=depth,
-                    bytes=size,
-                    oldest_age_s=oldest,
-                    subscriptions=dict(record.subscriptions),
-                    disconnected_at=record.disconnected_at,
-                    expires_at=record.expires_at,
-                    dropped=record.dropped,
-                )
-            )
-        return rows
+        return _rows(db, now)
+    except plyvel.CorruptionError as exc:
+        raise StoreCorruptedError(path, str(exc)) from exc
     finally:
         db.close()
+
+
+def _rows(db: Any, now: float) -> list[SessionSummary]:
+    rows: list[SessionSummary] = []
+    for record in iter_sessions(db):
+        depth, size = decode_totals(db.get(totals_key(record.sid)))
+        oldest: float | None = None
+        first = next(iter_entries(db, record.sid, 0, 1), None)
+        if first is not None:
+            raw = db.get(body_key(first.msg_id))
+            if raw is not None:
+                oldest = max(0.0, now - Body.decode(raw).published_at)
+        rows.append(
+            SessionSummary(
+                client_id=record.client_id,
+                depth=depth,
+                bytes=size,
+                oldest_age_s=oldest,
+                subscriptions=dict(record.subscriptions),
+                disconnected_at=record.disconnected_at,
+                expires_at=record.expires_at,
+                dropped=record.dropped,
+            )
+        )
+    return rows
 
 
 def format_table(rows: list[SessionSummary], now: float | None = None) -> str:

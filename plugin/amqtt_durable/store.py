@@ -191,8 +191,8 @@ def open_store(path: str, *, create: bool = True) -> Any:
             os.makedirs(path, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create store folder '{path}': {exc.strerror}") from exc
-    elif not os.path.isdir(path):
-        raise StoreError(f"no store at '{path}' (folder does not exist)")
+    elif not os.path.isfile(os.path.join(path, "CURRENT")):
+        raise StoreError(f"no store at '{path}' (no LevelDB files there; is it the plugin's 'store' folder?)")
     try:
         db = plyvel.DB(
             path,
@@ -228,19 +228,30 @@ def open_store(path: str, *, create: bool = True) -> Any:
 
 
 def repair_store(path: str) -> None:
-    """LevelDB's own repair: rebuilds the tables from every readable record."""
+    """LevelDB's own repair: rebuilds the tables from every readable record.
+
+    LevelDB's repair does not take the store's lock, so a broker using the store is detected
+    first by trying to open it (an open that fails for corruption is what repair is for).
+    """
     if not os.path.isdir(path):
         raise StoreError(f"no store at '{path}' (folder does not exist)")
     try:
-        plyvel.repair_db(path)
+        plyvel.DB(path, create_if_missing=False).close()
     except plyvel.IOError as exc:
         if "lock" in str(exc).lower():
             raise StoreLockedError(path) from exc
+    except plyvel.Error:
+        pass  # corrupted: exactly what repair is for
+    try:
+        plyvel.repair_db(path)
+    except plyvel.Error as exc:
         raise StoreError(f"repair of '{path}' failed: {exc}") from exc
 
 
 def iter_entries(db: Any, sid: int, start_seq: int = 0, limit: int | None = None) -> Iterator[Entry]:
     """Queue entries of one session in order, from ``start_seq`` on."""
+    if limit is not None and limit <= 0:
+        return
     start = queue_prefix(sid) + _U64.pack(start_seq)
     for count, (key, value) in enumerate(db.iterator(start=start, stop=queue_prefix(sid + 1)), start=1):
         yield Entry.decode(seq_of_entry_key(key), value)
@@ -297,6 +308,7 @@ class GroupCommitter:
         self._timer: asyncio.TimerHandle | None = None
         self._soon: asyncio.Handle | None = None
         self._writing = False
+        self._idle = asyncio.Event()
         self.before_flush: Callable[[], None] | None = None
         self.commits = 0
         self.failure: BaseException | None = None
@@ -354,6 +366,7 @@ class GroupCommitter:
         self._units = 0
         if self._sync:
             self._writing = True
+            self._idle.clear()
             loop = asyncio.get_running_loop()
             job = loop.run_in_executor(None, self._write, ops)
             job.add_done_callback(lambda done: self._finish(done.exception(), waiters, after))
@@ -377,6 +390,7 @@ class GroupCommitter:
         self, error: BaseException | None, waiters: list[asyncio.Future[None]], after: list[Callable[[], None]]
     ) -> None:
         self._writing = False
+        self._idle.set()
         self.commits += 1
         if error is not None:
             self.failure = error
@@ -392,8 +406,14 @@ class GroupCommitter:
         if self._ops or self._waiters:
             self._schedule(asyncio.get_running_loop())
 
+    async def drain(self) -> None:
+        """Wait for a write running in the worker thread, then write what is left (closing)."""
+        while self._writing:
+            await self._idle.wait()
+        self.flush_now()
+
     def flush_now(self) -> None:
-        """Write everything pending synchronously (used when closing)."""
+        """Write everything pending synchronously; no write may be running in the thread."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

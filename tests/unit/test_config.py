@@ -1,0 +1,218 @@
+"""DurableConfig.from_mapping: types, ranges and messages that name the offending key."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+
+from amqtt_durable.config import OVERFLOW_POLICIES, DurableConfig
+from amqtt_durable.errors import ConfigError
+
+# key -> (a good value, bad-type values, out-of-range values)
+CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
+    "store": ("/tmp/x", [5, 1.5, True, ["a"], {"a": 1}], [""]),
+    "sync": (True, ["yes", 1, 0, None, "true"], []),
+    "session_expiry": (60, ["300", True, None, [1]], [-1, -0.001]),
+    "max_depth": (10, [1.5, "10", True, None, 10.0], [0, -5]),
+    "max_depth_disconnected": (2_000_000, [1.5, "10", False, None], [0, -1]),
+    "overflow": ("drop-newest", [5, None, True, ["drop-oldest"]], ["drop-all", "DROP-OLDEST", "drop_oldest", ""]),
+    "recovery_buffer": (65535, [1.0, "100", True, None], [0, -1, 65536, 100_000]),
+    "queue_qos0": (True, ["no", 0, 1, None], []),
+    "batch_size": (1, [2.5, "5000", True, None], [0, -1]),
+    "batch_delay_ms": (0, ["10", True, None, {}], [-1, -0.5]),
+    "pending_threshold": (1, [1.5, "100", False, None], [0, -100]),
+    "metrics_interval": (0, ["10", True, None], [-1, -0.1]),
+    "drop_log_interval": (0.5, ["10", False, None], [-1]),
+}
+
+FLOAT_KEYS = [f.name for f in dataclasses.fields(DurableConfig) if f.type == "float"]
+
+
+def bad_type_cases() -> list[tuple[str, Any]]:
+    return [(key, value) for key, (_, bad, _) in CASES.items() for value in bad]
+
+
+def bad_range_cases() -> list[tuple[str, Any]]:
+    return [(key, value) for key, (_, _, bad) in CASES.items() for value in bad]
+
+
+def test_cases_cover_every_setting() -> None:
+    assert set(CASES) == {f.name for f in dataclasses.fields(DurableConfig)}
+
+
+def test_defaults() -> None:
+    config = DurableConfig.from_mapping({})
+    assert config == DurableConfig()
+    assert config.store == "./data/durable"
+    assert config.sync is False
+    assert config.session_expiry == 300.0
+    assert config.max_depth == 100_000
+    assert config.max_depth_disconnected == 1_000_000
+    assert config.overflow == "drop-oldest"
+    assert config.recovery_buffer == 100
+    assert config.queue_qos0 is False
+    assert config.batch_size == 5000
+    assert config.batch_delay_ms == 10.0
+    assert config.pending_threshold == 100
+    assert config.metrics_interval == 10.0
+    assert config.drop_log_interval == 10.0
+
+
+def test_none_means_defaults() -> None:
+    assert DurableConfig.from_mapping(None) == DurableConfig()
+
+
+def test_every_good_value_is_accepted() -> None:
+    raw = {key: good for key, (good, _, _) in CASES.items()}
+    config = DurableConfig.from_mapping(raw)
+    for key, value in raw.items():
+        assert getattr(config, key) == value
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_whole_numbers_become_floats(key: str) -> None:
+    config = DurableConfig.from_mapping({key: 7})
+    value = getattr(config, key)
+    assert value == 7.0
+    assert isinstance(value, float)
+
+
+@pytest.mark.parametrize(("key", "value"), bad_type_cases())
+def test_bad_type_names_the_key(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping({key: value})
+    assert info.value.key == key
+    assert f"'{key}'" in str(info.value)
+    assert repr(value) in str(info.value), "the message should show the rejected value"
+
+
+@pytest.mark.parametrize(("key", "value"), bad_range_cases())
+def test_bad_range_names_the_key(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping({key: value})
+    assert info.value.key == key
+    assert f"'{key}'" in str(info.value)
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_nan_is_rejected(key: str) -> None:
+    # YAML's `.nan` parses to float('nan') and passes every `< 0` range check. A NaN
+    # session_expiry gives NaN deadlines that ExpiryTracker discards as stale (the session
+    # never expires); a NaN batch_delay_ms puts a NaN deadline into the loop's timer heap.
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping({key: math.nan})
+    assert info.value.key == key
+
+
+def test_range_limits_are_inclusive() -> None:
+    config = DurableConfig.from_mapping(
+        {
+            "max_depth": 1,
+            "max_depth_disconnected": 1,
+            "recovery_buffer": 1,
+            "batch_size": 1,
+            "pending_threshold": 1,
+            "session_expiry": 0,
+            "batch_delay_ms": 0,
+            "metrics_interval": 0,
+            "drop_log_interval": 0,
+        }
+    )
+    assert config.max_depth == config.max_depth_disconnected == 1
+    assert DurableConfig.from_mapping({"recovery_buffer": 65535}).recovery_buffer == 65535
+
+
+def test_range_message_says_what_is_accepted() -> None:
+    with pytest.raises(ConfigError, match="between 1 and 65535") as info:
+        DurableConfig.from_mapping({"recovery_buffer": 65536})
+    assert "65536" in str(info.value)
+    with pytest.raises(ConfigError, match="at least 1"):
+        DurableConfig.from_mapping({"batch_size": 0})
+    with pytest.raises(ConfigError, match="0 or more"):
+        DurableConfig.from_mapping({"session_expiry": -5})
+
+
+def test_unknown_key_lists_accepted_keys() -> None:
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping({"max_depht": 5})
+    assert info.value.key == "max_depht"
+    message = str(info.value)
+    assert "unknown setting" in message
+    for field in dataclasses.fields(DurableConfig):
+        assert field.name in message
+
+
+def test_unknown_non_string_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping({5: "x"})
+    assert info.value.key == "5"
+
+
+def test_unknown_key_reported_even_with_good_keys() -> None:
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping({"sync": True, "bogus": 1})
+    assert info.value.key == "bogus"
+
+
+def test_max_depth_disconnected_below_max_depth_rejected() -> None:
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping({"max_depth": 100, "max_depth_disconnected": 99})
+    assert info.value.key == "max_depth_disconnected"
+    assert "max_depth" in info.value.problem
+    assert "100" in info.value.problem and "99" in info.value.problem
+
+
+def test_max_depth_above_default_disconnected_limit_rejected() -> None:
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping({"max_depth": 2_000_000})
+    assert info.value.key == "max_depth_disconnected"
+
+
+def test_equal_depths_accepted() -> None:
+    config = DurableConfig.from_mapping({"max_depth": 50, "max_depth_disconnected": 50})
+    assert config.max_depth_disconnected == 50
+
+
+def test_overflow_lists_accepted_values() -> None:
+    assert OVERFLOW_POLICIES == ("drop-oldest", "drop-newest")
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping({"overflow": "drop-all"})
+    assert info.value.key == "overflow"
+    assert "drop-oldest" in str(info.value)
+    assert "drop-newest" in str(info.value)
+    assert "'drop-all'" in str(info.value)
+
+
+@pytest.mark.parametrize("policy", ["drop-oldest", "drop-newest"])
+def test_overflow_accepted(policy: str) -> None:
+    assert DurableConfig.from_mapping({"overflow": policy}).overflow == policy
+
+
+@pytest.mark.parametrize("raw", [["store", "x"], "store: x", 5])
+def test_non_mapping_section_rejected(raw: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping(raw)
+    assert info.value.key == "amqtt_durable.DurableSessionsPlugin"
+    assert "mapping" in str(info.value)
+
+
+def test_constructor_checks_ranges_too() -> None:
+    with pytest.raises(ConfigError) as info:
+        DurableConfig(pending_threshold=0)
+    assert info.value.key == "pending_threshold"
+    with pytest.raises(ConfigError) as info:
+        DurableConfig(overflow="nope")  # type: ignore[arg-type]
+    assert info.value.key == "overflow"
+    with pytest.raises(ConfigError) as info:
+        DurableConfig(store="")
+    assert info.value.key == "store"
+
+
+def test_config_error_message_format() -> None:
+    error = ConfigError("max_depth", "must be at least 1, got 0")
+    assert str(error) == "amqtt_durable config: 'max_depth': must be at least 1, got 0"
+    assert error.key == "max_depth"
+    assert error.problem == "must be at least 1, got 0"
