@@ -36,10 +36,11 @@ def test_metrics_published_under_sys(broker_factory: Callable[..., Broker], clie
     ), "after the replay the queue is empty and the replay is counted"
 
 
-def test_concurrent_publishes_share_commits(
+def test_concurrent_publishes_share_fsynced_commits(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    broker = broker_factory(metrics_interval=0.2, batch_delay_ms=10, pending_threshold=100)
+    """With sync: true each commit costs an fsync, so pipelined publishes must share them."""
+    broker = broker_factory(metrics_interval=0.2, sync=True, batch_delay_ms=10, pending_threshold=100)
     sub = clients(broker.port, "dev-1")
     sub.subscribe("t", 1)
     sub.disconnect()

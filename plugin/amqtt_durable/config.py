@@ -48,13 +48,15 @@ class DurableConfig:
     """Queue QoS 0 messages for disconnected sessions too (as Mosquitto's queue_qos0_messages)."""
 
     batch_size: int = 5000
-    """Upper bound of operations in one LevelDB write batch (XAP batch size)."""
+    """Writes (publishes, acks) that start a commit at once, whatever pending_threshold says (XAP size)."""
 
     batch_delay_ms: float = 10.0
-    """Longest a write waits for company when fewer than pending_threshold are pending (XAP delay)."""
+    """With sync: true, longest a write waits for company while fewer than pending_threshold wait
+    (XAP delay). Without sync a commit costs microseconds, so writes of one loop pass share a
+    batch and none waits."""
 
     pending_threshold: int = 100
-    """Pending writes that trigger a commit at once, without waiting for batch_delay_ms."""
+    """With sync: true, waiting writes that start a commit at once, without batch_delay_ms."""
 
     metrics_interval: float = 10.0
     """Seconds between $SYS/broker/durable/ metric publications; 0 turns them off."""

@@ -74,6 +74,8 @@ class DurableSession:
         self.committed_tail = 0
         self.depth = 0
         self.bytes = 0
+        self.dropped = 0
+        self.uncommitted: dict[int, Entry] = {}
         self.sent_mark = 0
         self.sent_max = 0
         self.replay_upto = 0
@@ -124,6 +126,7 @@ class DurableSession:
     def append(self, msg_id: int, qos: int, flags: int, size: int) -> Entry:
         entry = Entry(self.next_seq, msg_id, qos, flags, size)
         self.next_seq += 1
+        self.uncommitted[entry.seq] = entry
         committer = self.engine.committer
         committer.put(entry_key(self.sid, entry.seq), entry.encode())
         self.depth += 1
@@ -137,6 +140,8 @@ class DurableSession:
 
     def on_committed(self, entry: Entry, body: Body) -> None:
         self.committed_tail = max(self.committed_tail, entry.seq)
+        if self.uncommitted.pop(entry.seq, None) is None:
+            return  # dropped by overflow before its commit
         if self.pump is not None:
             self.pump.offer_live(entry, body)
 
@@ -145,51 +150,51 @@ class DurableSession:
         decision = self.limits.admit(self.depth)
         if decision is Admission.ACCEPT:
             return True
-        if decision is Admission.DROP_OLDEST_THEN_ACCEPT and self._drop_oldest():
-            self._count_drop()
-            return True
         self._count_drop()
-        return False
+        return decision is Admission.DROP_OLDEST_THEN_ACCEPT and self._drop_oldest()
 
     def _drop_oldest(self) -> bool:
+        """Remove the oldest entry not in flight: buffered, then stored, then still uncommitted."""
         pump = self.pump
         if pump is not None and pump.buffer:
             victim = pump.buffer.popleft().entry
         else:
             start = pump.next_fill_seq if pump is not None else self.head_seq
             found = next(iter_entries(self.engine.db, self.sid, start, 1), None)
-            if found is None or found.seq > self.committed_tail:
-                return False
-            victim = found
-            if pump is not None:
-                pump.next_fill_seq = victim.seq + 1
+            if found is not None and found.seq <= self.committed_tail:
+                victim = found
+                if pump is not None:
+                    pump.next_fill_seq = victim.seq + 1
+                else:
+                    self.head_seq = victim.seq + 1
+            elif self.uncommitted:
+                victim = self.uncommitted.pop(next(iter(self.uncommitted)))
             else:
-                self.head_seq = victim.seq + 1
+                return False
         self.remove_entry(victim)
         return True
 
     def _count_drop(self) -> None:
-        self.record.dropped += 1
+        self.dropped += 1
         self.engine.dropped_total += 1
+        self.engine.totals_changed(self)
         self._drops_since_log += 1
         now = time.monotonic()
         if now - self._last_drop_log >= self.engine.config.drop_log_interval:
             log.warning(
-                "session %s: queue full at %d messages (limit %d, overflow %s): dropped %d message(s) "
+                "session %s: queue full at its limit of %d messages (overflow %s): dropped %d message(s) "
                 "since the last warning, %d in all",
                 self.client_id,
-                self.depth,
                 self.limits.limit(),
                 self.limits.overflow,
                 self._drops_since_log,
-                self.record.dropped,
+                self.dropped,
             )
             self._last_drop_log = now
             self._drops_since_log = 0
 
     def expiry_seconds(self) -> float:
-        override = self.record.expiry_override
-        return self.engine.config.session_expiry if override is None else override
+        return self.engine.config.session_expiry
 
 
 class DurableEngine:
@@ -230,7 +235,9 @@ class DurableEngine:
             self.db,
             sync=config.sync,
             batch_size=config.batch_size,
-            batch_delay_ms=config.batch_delay_ms,
+            # Without fsync a commit costs microseconds: waiting for company would only add
+            # latency, and writes that arrive in one loop pass already share a batch.
+            batch_delay_ms=config.batch_delay_ms if config.sync else 0.0,
             pending_threshold=config.pending_threshold,
         )
         self.committer.before_flush = self._write_totals
@@ -238,7 +245,7 @@ class DurableEngine:
         now = time.time()
         for record in iter_sessions(self.db):
             session = DurableSession(self, record)
-            session.depth, session.bytes = decode_totals(self.db.get(totals_key(record.sid)))
+            session.depth, session.bytes, session.dropped = decode_totals(self.db.get(totals_key(record.sid)))
             first = next(iter_entries(self.db, record.sid, 0, 1), None)
             tail = last_seq(self.db, record.sid)
             session.head_seq = first.seq if first is not None else 1
@@ -446,7 +453,7 @@ class DurableEngine:
 
     def _write_totals(self) -> None:
         for session in self._dirty:
-            self.committer.put(totals_key(session.sid), encode_totals(session.depth, session.bytes))
+            self.committer.put(totals_key(session.sid), encode_totals(session.depth, session.bytes, session.dropped))
         self._dirty.clear()
 
     def note_sent(self, sent: int, replayed: int) -> None:

@@ -42,7 +42,7 @@ def summarize(path: str, now: float | None = None) -> list[SessionSummary]:
 def _rows(db: Any, now: float) -> list[SessionSummary]:
     rows: list[SessionSummary] = []
     for record in iter_sessions(db):
-        depth, size = decode_totals(db.get(totals_key(record.sid)))
+        depth, size, dropped = decode_totals(db.get(totals_key(record.sid)))
         oldest: float | None = None
         first = next(iter_entries(db, record.sid, 0, 1), None)
         if first is not None:
@@ -58,7 +58,7 @@ def _rows(db: Any, now: float) -> list[SessionSummary]:
                 subscriptions=dict(record.subscriptions),
                 disconnected_at=record.disconnected_at,
                 expires_at=record.expires_at,
-                dropped=record.dropped,
+                dropped=dropped,
             )
         )
     return rows

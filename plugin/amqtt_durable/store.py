@@ -7,7 +7,7 @@ Key layout, version 1 (every integer big-endian, so LevelDB's byte order is nume
     b"c" + msg_id:u64         -> refs:u32                  queue entries still pointing at a body
                                                            (absent means 1: no fan-out)
     b"s" + client_id(utf-8)   -> JSON session record        subscriptions, deadlines, counters
-    b"t" + sid:u64            -> depth:u64 bytes:u64        queue totals, kept in the same batch
+    b"t" + sid:u64            -> depth:u64 bytes:u64 dropped:u64   queue totals, kept in the same batch
     b"w" + sid:u64            -> seq:u64                    highest seq possibly sent (DUP mark)
     b"q" + sid:u64 + seq:u64  -> msg_id:u64 qos:u8 flags:u8 size:u32       one queue entry
 
@@ -33,7 +33,7 @@ from .errors import StoreCorruptedError, StoreError, StoreLockedError
 LAYOUT_VERSION = b"1"
 _U64 = struct.Struct(">Q")
 _ENTRY = struct.Struct(">QBBI")
-_TOTALS = struct.Struct(">QQ")
+_TOTALS = struct.Struct(">QQQ")
 _BODY_HEAD = struct.Struct(">dBH")
 _REFS = struct.Struct(">I")
 
@@ -125,8 +125,6 @@ class SessionRecord:
     created_at: float = field(default_factory=time.time)
     disconnected_at: float | None = None
     expires_at: float | None = None
-    expiry_override: float | None = None
-    dropped: int = 0
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -136,8 +134,6 @@ class SessionRecord:
                 "created_at": self.created_at,
                 "disconnected_at": self.disconnected_at,
                 "expires_at": self.expires_at,
-                "expiry_override": self.expiry_override,
-                "dropped": self.dropped,
             },
             separators=(",", ":"),
         ).encode()
@@ -152,20 +148,19 @@ class SessionRecord:
             created_at=float(data.get("created_at", 0.0)),
             disconnected_at=data.get("disconnected_at"),
             expires_at=data.get("expires_at"),
-            expiry_override=data.get("expiry_override"),
-            dropped=int(data.get("dropped", 0)),
         )
 
 
-def encode_totals(depth: int, size: int) -> bytes:
-    return _TOTALS.pack(depth, size)
+def encode_totals(depth: int, size: int, dropped: int) -> bytes:
+    return _TOTALS.pack(depth, size, dropped)
 
 
-def decode_totals(raw: bytes | None) -> tuple[int, int]:
+def decode_totals(raw: bytes | None) -> tuple[int, int, int]:
+    """(messages queued, payload bytes queued, messages dropped by overflow) of one session."""
     if raw is None:
-        return 0, 0
-    depth, size = _TOTALS.unpack(raw)
-    return int(depth), int(size)
+        return 0, 0, 0
+    depth, size, dropped = _TOTALS.unpack(raw)
+    return int(depth), int(size), int(dropped)
 
 
 def encode_u64(value: int) -> bytes:

@@ -201,21 +201,20 @@ def build_store(path: str, now: float) -> None:
                 created_at=now - 5000,
                 disconnected_at=now - 1200,
                 expires_at=now + 3600,
-                dropped=4,
             ).encode(),
         )
         bodies = [(10, now - 1000, b"a" * 100), (11, now - 500, b"b" * 100), (12, now - 10, b"c" * 100)]
         for seq, (msg_id, published_at, payload) in enumerate(bodies, start=5):
             db.put(body_key(msg_id), Body("sensors/t", payload, 1, published_at).encode())
             db.put(entry_key(1, seq), Entry(seq, msg_id, 1, 0, len(payload)).encode())
-        db.put(totals_key(1), encode_totals(3, 300))
+        db.put(totals_key(1), encode_totals(3, 300, 4))
         db.put(session_key("dev-2"), SessionRecord("dev-2", 2, created_at=now).encode())
         db.put(
             session_key("dev-3"),
             SessionRecord("dev-3", 3, {"x": 0}, created_at=now, expires_at=now - 1).encode(),
         )
         db.put(entry_key(3, 1), Entry(1, 99, 0, 0, 50).encode())  # its body is gone
-        db.put(totals_key(3), encode_totals(1, 50))
+        db.put(totals_key(3), encode_totals(1, 50, 0))
     finally:
         db.close()
 
@@ -356,7 +355,7 @@ def test_inspect_corrupted_table_reports_error_not_traceback(
     for seq in range(1, 201):
         db.put(body_key(seq), Body("t", b"x" * 200, 1, now).encode())
         db.put(entry_key(1, seq), Entry(seq, seq, 1, 0, 200).encode())
-    db.put(totals_key(1), encode_totals(200, 40_000))
+    db.put(totals_key(1), encode_totals(200, 40_000, 0))
     db.compact_range()
     db.close()
     tables = [name for name in os.listdir(path) if name.endswith(".ldb")]

@@ -121,8 +121,6 @@ def test_session_record_roundtrip() -> None:
         created_at=100.5,
         disconnected_at=200.0,
         expires_at=500.0,
-        expiry_override=30.0,
-        dropped=9,
     )
     decoded = SessionRecord.decode("dev-1", record.encode())
     assert decoded == record
@@ -135,13 +133,11 @@ def test_session_record_decode_tolerates_missing_optional_fields() -> None:
     assert decoded.created_at == 0.0
     assert decoded.disconnected_at is None
     assert decoded.expires_at is None
-    assert decoded.expiry_override is None
-    assert decoded.dropped == 0
 
 
 def test_small_codecs() -> None:
-    assert decode_totals(None) == (0, 0)
-    assert decode_totals(encode_totals(5, 2**40)) == (5, 2**40)
+    assert decode_totals(None) == (0, 0, 0)
+    assert decode_totals(encode_totals(5, 2**40, 7)) == (5, 2**40, 7)
     assert decode_u64(None) == 0
     assert decode_u64(encode_u64(2**64 - 1)) == 2**64 - 1
     assert decode_refs(None) == 1, "an absent refs key means exactly one entry (no fan-out)"
@@ -334,7 +330,7 @@ def fill(path: str, count: int = 300, *, compact: bool = False) -> None:
     for seq in range(1, count + 1):
         db.put(body_key(seq), Body("t", b"payload-%06d" % seq + b"x" * 64, 1, 1000.0 + seq).encode())
         db.put(entry_key(1, seq), Entry(seq, seq, 1, 0, 80).encode())
-    db.put(totals_key(1), encode_totals(count, count * 80))
+    db.put(totals_key(1), encode_totals(count, count * 80, 0))
     if compact:
         db.compact_range()
     db.close()
@@ -365,7 +361,7 @@ def test_garbage_current_file(store_path: str) -> None:
         assert db.get(VERSION_KEY) == LAYOUT_VERSION
         assert [r.client_id for r in iter_sessions(db)] == ["dev"]
         assert len(list(iter_entries(db, 1))) == 300
-        assert decode_totals(db.get(totals_key(1))) == (300, 24000)
+        assert decode_totals(db.get(totals_key(1))) == (300, 24000, 0)
     finally:
         db.close()
 
@@ -489,7 +485,7 @@ def test_iter_sessions_and_last_msg_id(db: Any) -> None:
     assert list(iter_sessions(db)) == []
     db.put(session_key("b"), SessionRecord("b", 2, created_at=1.0).encode())
     db.put(session_key("a/ü"), SessionRecord("a/ü", 1, {"x": 1}, created_at=1.0).encode())
-    db.put(totals_key(1), encode_totals(1, 2))  # neighbour prefix must not be read as a session
+    db.put(totals_key(1), encode_totals(1, 2, 0))  # neighbour prefix must not be read as a session
     for msg_id in (1, 255, 256, 70000):
         db.put(body_key(msg_id), Body("t", b"", 0, 0.0).encode())
     db.put(refs_key(99999), encode_refs(2))
