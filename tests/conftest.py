@@ -231,6 +231,18 @@ class Client:
         return self._disconnected.wait(timeout)
 
 
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``amqtt-durable ARGS`` as a child process, output captured, bounded in time."""
+    return subprocess.run(
+        [sys.executable, "-m", "amqtt_durable.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        check=False,
+        cwd=cwd,
+    )
+
+
 def payloads(count: int, prefix: str = "m") -> list[bytes]:
     return [f"{prefix}{i:07d}".encode() for i in range(count)]
 

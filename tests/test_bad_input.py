@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import plyvel
 import pytest
 
-from conftest import HOST, WAIT, Broker, Client, payloads
-
-
-def run_cli(*args: str, timeout: float = WAIT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "amqtt_durable.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+from conftest import HOST, WAIT, Broker, Client, payloads, run_cli
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from amqtt_durable.cli import PLUGIN_PATH, load_broker_config, plugin_section
 from amqtt_durable.config import DurableConfig
-from conftest import WAIT, Broker, Client, free_port, payloads
+from conftest import WAIT, Broker, Client, free_port, payloads, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 OFFLINE_DEVICE = ROOT / "examples" / "offline_device.py"
@@ -25,16 +25,6 @@ def run_example(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=4 * WAIT,
         check=False,
         cwd=ROOT,
-    )
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "amqtt_durable.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=WAIT,
-        check=False,
     )
 
 

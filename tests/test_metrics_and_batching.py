@@ -30,9 +30,11 @@ def test_metrics_published_under_sys(broker_factory: Callable[..., Broker], clie
     sub.connect()
     sub.wait_messages(7)
     assert watcher.wait_for(
-        lambda ms: latest(ms, prefix + "messages/replayed") == 7
-        and latest(ms, prefix + "messages/queued") == 0
-        and latest(ms, prefix + "sessions/connected") == 1
+        lambda ms: (
+            latest(ms, prefix + "messages/replayed") == 7
+            and latest(ms, prefix + "messages/queued") == 0
+            and latest(ms, prefix + "sessions/connected") == 1
+        )
     ), "after the replay the queue is empty and the replay is counted"
 
 

@@ -11,6 +11,8 @@ instance the plugin is loaded into and on each connection's handler:
   wait for the group commit before amqtt's own flow sends PUBACK / PUBREC;
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
   CONNACK's session-present from the store;
+* ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
+  connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
   lifetime;
 * ``Broker.add_subscription`` / ``_handle_unsubscription``: durable sessions' subscriptions
@@ -27,7 +29,7 @@ import asyncio
 import contextvars
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import amqtt
@@ -63,6 +65,9 @@ _HANDLER_INTERNALS = (
     "handle_publish",
     "mqtt_connack_authorize",
     "mqtt_acknowledge_unsubscription",
+    "handle_puback",
+    "handle_pubrec",
+    "handle_pubcomp",
 )
 
 _subscribing: contextvars.ContextVar[bool] = contextvars.ContextVar("amqtt_durable_subscribing", default=False)
@@ -102,41 +107,39 @@ def check_internals(broker: Any) -> None:
 
 
 class HandlerTransport:
-    """A pump's view of one client connection: raw writes plus amqtt's ack waiters."""
+    """A pump's view of one client connection: raw writes, and acks taken before amqtt sees them.
+
+    Acks are matched here rather than through amqtt's waiter futures, which amqtt cancels on
+    take-over while PUBACKs it has already read are still being handled.
+    """
 
     def __init__(self, handler: Any) -> None:
-        self._handler = handler
-        self._writer = handler.writer
-        self._waiters: dict[AckKind, dict[int, asyncio.Future[Any]]] = {
-            "puback": handler._puback_waiters,
-            "pubrec": handler._pubrec_waiters,
-            "pubcomp": handler._pubcomp_waiters,
-        }
+        self._handler = handler  # its writer is attached after CONNECT is read
+        self._expected: dict[tuple[AckKind, int], Callable[[], None]] = {}
 
     @property
     def closed(self) -> bool:
-        return self._writer is None or bool(getattr(self._writer, "is_closed", False))
+        writer = self._handler.writer
+        return writer is None or bool(getattr(writer, "is_closed", False))
 
     def write(self, data: bytes) -> None:
         if not self.closed:
-            self._writer.write(data)
+            self._handler.writer.write(data)
 
     async def drain(self) -> None:
         if not self.closed:
-            await self._writer.drain()
+            await self._handler.writer.drain()
 
     def expect_ack(self, kind: AckKind, packet_id: int, on_ack: Callable[[], None]) -> None:
-        waiters = self._waiters[kind]
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        waiters[packet_id] = future
+        self._expected[(kind, packet_id)] = on_ack
 
-        def done(fut: asyncio.Future[Any]) -> None:
-            if waiters.get(packet_id) is fut:
-                del waiters[packet_id]
-            if not fut.cancelled():
-                on_ack()
-
-        future.add_done_callback(done)
+    def take_ack(self, kind: AckKind, packet_id: int) -> bool:
+        """True when the ack was for a message the pump sent (and it has been handled)."""
+        on_ack = self._expected.pop((kind, packet_id), None)
+        if on_ack is None:
+            return False
+        on_ack()
+        return True
 
 
 class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  # amqtt ships no type info
@@ -207,12 +210,13 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     async def initialize_client_session(*args: Any) -> tuple[Any, Any]:
         handler, session = await original_initialize(*args)
         session.clean_session = handler.connect_clean_session
+        handler.durable_transport = HandlerTransport(handler)
         _wrap_handler(broker, engine, handler, session)
         return handler, session
 
     async def client_message_loop(session: Any, handler: Any) -> None:
         durable = engine.is_durable(session.client_id)
-        transport = HandlerTransport(handler)
+        transport: HandlerTransport = handler.durable_transport
         if durable:
             await engine.attach(session.client_id, transport)
         try:
@@ -322,6 +326,14 @@ def _wrap_handler(broker: Any, engine: DurableEngine, handler: Any, session: Any
         packet.payload.data = RoutedPayload(data)
         await original_publish(packet)
 
+    def ack_interceptor(kind: AckKind, original: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+        async def handle_ack(packet: Any) -> None:
+            packet_id = packet.variable_header.packet_id if kind == "puback" else packet.packet_id
+            if not handler.durable_transport.take_ack(kind, packet_id):
+                await original(packet)
+
+        return handle_ack
+
     async def connack_authorize(authorize: bool) -> None:
         if authorize and session.client_id:
             present = await engine.connect(session.client_id, bool(session.clean_session))
@@ -331,3 +343,6 @@ def _wrap_handler(broker: Any, engine: DurableEngine, handler: Any, session: Any
 
     handler.handle_publish = handle_publish
     handler.mqtt_connack_authorize = connack_authorize
+    handler.handle_puback = ack_interceptor("puback", handler.handle_puback)
+    handler.handle_pubrec = ack_interceptor("pubrec", handler.handle_pubrec)
+    handler.handle_pubcomp = ack_interceptor("pubcomp", handler.handle_pubcomp)

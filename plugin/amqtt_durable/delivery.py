@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 AckKind = Literal["puback", "pubrec", "pubcomp"]
 READ_CHUNK = 512
-LIVE_BUFFER = 4096
+LIVE_BUFFER = 1024
 
 
 class Transport(Protocol):

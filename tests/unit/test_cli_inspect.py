@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,8 +25,8 @@ from amqtt_durable.store import (
     session_key,
     totals_key,
 )
+from conftest import run_cli
 
-SUBPROCESS_TIMEOUT = 30.0
 LISTENERS = {"default": {"type": "tcp", "bind": "127.0.0.1:0"}}
 
 
@@ -144,17 +142,6 @@ def test_load_config_with_bad_value_in_list_form(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_broker_config(path)
     assert info.value.key == "recovery_buffer"
-
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "amqtt_durable.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=SUBPROCESS_TIMEOUT,
-        check=False,
-    )
 
 
 def test_broker_command_rejects_bad_key_with_exit_2(tmp_path: Path) -> None:
