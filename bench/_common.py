@@ -7,6 +7,7 @@ and only processes started by this module are ever signalled (by their PID).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -43,7 +44,11 @@ def log(msg: str) -> None:
 
 
 class BenchError(RuntimeError):
-    """A benchmark step failed (timeout, broker died, protocol error)."""
+    """A benchmark step failed (timeout, broker died, protocol error); `detail` holds e.g. a log tail."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 class Deadline:
@@ -94,6 +99,25 @@ def dir_size(path: Path) -> int:
             with contextlib.suppress(OSError):
                 total += (Path(root) / name).stat().st_size
     return total
+
+
+def source_fingerprint(package_dir: Path) -> dict[str, str]:
+    """sha256 of every .py file of a package folder (to notice code changing under a running benchmark)."""
+    if not package_dir.is_dir():
+        return {}
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(package_dir.glob("*.py"))
+    }
+
+
+def fingerprint_digest(fingerprint: dict[str, str]) -> str:
+    joined = "".join(f"{name}:{digest}\n" for name, digest in sorted(fingerprint.items()))
+    return hashlib.sha256(joined.encode()).hexdigest()[:12] if fingerprint else "n/a"
+
+
+def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    return sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
 
 
 def machine_info() -> dict[str, str]:
@@ -230,7 +254,8 @@ class BrokerProcess:
             attempts += 1
             if self.proc is None or self.proc.poll() is not None:
                 rc = None if self.proc is None else self.proc.returncode
-                raise BenchError(f"{self.name}: broker exited with {rc} during start-up\n{self.log_tail()}")
+                raise BenchError(f"{self.name}: broker exited with {rc} during start-up; "
+                                 f"last log line: {self.last_log_line()!r}", self.log_tail())
             try:
                 rc = probe_connack(self.port, self.creds.username, self.creds.password,
                                    timeout=max(0.1, min(5.0, deadline.remaining())))
@@ -242,8 +267,8 @@ class BrokerProcess:
                 raise BenchError(f"{self.name}: CONNACK return code {rc} (authentication/config problem?)")
             return time.perf_counter() - self.spawn_time
         raise BenchError(
-            f"{self.name}: not ready within {timeout:.0f}s ({attempts} attempts, last error {last_err!r})\n"
-            f"{self.log_tail()}"
+            f"{self.name}: not ready within {timeout:.0f}s ({attempts} attempts, last error {last_err!r})",
+            self.log_tail(),
         )
 
     def start(self, timeout: float) -> float:
@@ -288,6 +313,13 @@ class BrokerProcess:
 
     def rss(self) -> int:
         return process_tree_rss(self.pid)
+
+    def last_log_line(self) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return next((line for line in reversed(text) if line.strip()), "")
 
     def log_tail(self, lines: int = 25) -> str:
         try:

@@ -47,19 +47,23 @@ from _common import (
     PublishResult,
     RssMonitor,
     Subscriber,
+    changed_files,
     dir_size,
+    fingerprint_digest,
     free_port,
     listener_config,
     log,
     machine_info,
     percentile,
     run_cleanup_connect,
+    source_fingerprint,
     write_config,
     write_password_file,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = ROOT / ".venv" / "bin"
+PLUGIN_DIR = ROOT / "plugin" / "amqtt_durable"
 STOCK = "stock"
 OURS = "ours"
 BROKER_TITLES = {STOCK: "stock amqtt", OURS: "amqtt-durable"}
@@ -374,7 +378,8 @@ def scenario_e(ctx: Ctx, b: BrokerProcess) -> None:
         sub = Subscriber(b.port, sub_id, clean=False, creds=ctx.creds, tag=tag, n=big)
         try:
             sub.connect(60)
-            got_first = sub.wait_first(ctx.args.timeout)
+            # without session_present nothing can be replayed; do not wait for it
+            got_first = bool(sub.session_present) and sub.wait_first(ctx.args.timeout)
             if got_first:
                 sub.wait_all(ctx.args.probe_seconds)
         finally:
@@ -517,6 +522,7 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
         f"- machine: nproc={info['nproc']}, RAM {info['ram']}, CPU {info['cpu']}, {info['os']}",
         f"- python: {info['python']}",
         f"- packages: {info['packages']}",
+        f"- amqtt-durable source: {PLUGIN_DIR.relative_to(ROOT)}/*.py sha256 {info['plugin_digest']}",
         f"- workload: N={args.n:,} QoS1 messages of 64 bytes per scenario, "
         f"at most {args.inflight} in flight, big backlog={args.big:,}, "
         f"scenarios={args.only}{' (--quick)' if args.quick else ''}",
@@ -544,6 +550,8 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
 def run(args: argparse.Namespace, tmp: Path, results: Results, info: dict[str, str]) -> None:
     brokers, store = build_brokers(args, tmp)
     ctx = Ctx(args, tmp, brokers[STOCK].creds, results, brokers, store)
+    source_at_start = source_fingerprint(PLUGIN_DIR)
+    info["plugin_digest"] = fingerprint_digest(source_at_start)
     try:
         for name, b in brokers.items():
             log(f"starting {name}: {shlex.join(b.argv)} (port {b.port})")
@@ -570,11 +578,16 @@ def run(args: argparse.Namespace, tmp: Path, results: Results, info: dict[str, s
                 except Exception as exc:
                     results.note(f"{name} scenario ({letters}) failed: {type(exc).__name__}: {exc}")
                     log(traceback.format_exc())
-                    log(b.log_tail())
+                    log(f"last lines of {b.log_path.name}:\n{b.log_tail()}")
                 log(f"scenario {letters}: {name} done in {time.perf_counter() - t0:.1f}s")
         for name, b in brokers.items():
             if b.proc is not None and b.proc.poll() is not None:
-                results.note(f"{name}: broker exited unexpectedly with {b.proc.returncode}")
+                results.note(f"{name}: broker exited unexpectedly with {b.proc.returncode}; "
+                             f"last log line: {b.last_log_line()!r}")
+        if not args.ours_standin and (changed := changed_files(source_at_start, source_fingerprint(PLUGIN_DIR))):
+            results.note("WARNING: the amqtt-durable source changed during this run "
+                         f"({', '.join(changed)}); broker restarts picked up new code, so the 'ours' "
+                         "numbers (and any store-format errors after a restart) mix plugin versions")
     finally:
         for name, b in brokers.items():
             how = b.stop(timeout=min(args.stop_timeout, 30.0))
@@ -590,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     info = machine_info()
+    info["plugin_digest"] = "n/a"
     results = Results()
     if args.ours_standin:
         results.note("STAND-IN RUN: the 'ours' column is stock amqtt, not amqtt-durable")
