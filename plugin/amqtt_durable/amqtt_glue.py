@@ -8,7 +8,9 @@ instance the plugin is loaded into and on each connection's handler:
   remembers the CONNECT's clean-session flag, which amqtt loses when it reuses a session
   object;
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
-  wait for the group commit before amqtt's own flow sends PUBACK / PUBREC;
+  wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
+  has work (QoS 2, a retain flag, a clean-session subscriber, a plugin listening for messages);
+  otherwise the plugin sends PUBACK itself;
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
   CONNACK's session-present from the store;
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
@@ -35,6 +37,7 @@ from typing import Any
 import amqtt
 from amqtt.broker import Broker, BrokerContext
 from amqtt.contexts import Action
+from amqtt.events import BrokerEvents
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BasePlugin
 
@@ -43,6 +46,7 @@ from .delivery import AckKind
 from .engine import DurableEngine, ExpiredSession
 from .errors import DurableError, InternalsMismatchError
 from .topics import filter_is_valid, matches, topic_is_valid
+from .wire import encode_puback
 
 log = logging.getLogger("amqtt_durable")
 
@@ -59,6 +63,8 @@ _BROKER_INTERNALS = (
     "_topic_filtering",
     "add_subscription",
     "retained_messages",
+    "_subscriptions",
+    "_matches",
 )
 _HANDLER_INTERNALS = (
     "init_from_connect",
@@ -207,11 +213,20 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     original_retained = broker._publish_retained_messages_for_subscription
     original_broadcast = broker._broadcast_message
 
+    def amqtt_wants(topic: str, retain: bool) -> bool:
+        """Does amqtt's own publish path have work: a retain, a clean subscriber, a message listener?"""
+        callbacks = broker.plugins_manager._event_plugin_callbacks
+        if retain or BrokerEvents.MESSAGE_RECEIVED in callbacks or BrokerEvents.MESSAGE_BROADCAST in callbacks:
+            return True
+        return any(
+            subs and broker._matches(topic, topic_filter) for topic_filter, subs in broker._subscriptions.items()
+        )
+
     async def initialize_client_session(*args: Any) -> tuple[Any, Any]:
         handler, session = await original_initialize(*args)
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
-        _wrap_handler(broker, engine, handler, session)
+        _wrap_handler(broker, engine, handler, session, amqtt_wants)
         return handler, session
 
     async def client_message_loop(session: Any, handler: Any) -> None:
@@ -297,7 +312,9 @@ def _malformed_publish(packet: Any, topic: str, data: bytes) -> str | None:
     return None
 
 
-def _wrap_handler(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
+def _wrap_handler(
+    broker: Any, engine: DurableEngine, handler: Any, session: Any, amqtt_wants: Callable[[str, bool], bool]
+) -> None:
     """Per-connection wrappers: persist before acknowledging, and the stored session-present."""
     original_publish = handler.handle_publish
     original_connack = handler.mqtt_connack_authorize
@@ -314,17 +331,22 @@ def _wrap_handler(broker: Any, engine: DurableEngine, handler: Any, session: Any
             log.warning("closing the connection of %s: malformed PUBLISH (%s)", session.client_id, problem)
             await handler.handle_connection_closed()
             return
+        qos = packet.qos or 0
         packet_id = packet.variable_header.packet_id if packet.variable_header else None
-        retransmitted = packet.qos == 2 and packet_id in session.inflight_in
+        needs_amqtt = qos == 2 or amqtt_wants(topic, bool(packet.retain_flag))
         stored: asyncio.Future[None] | None = None
-        if not retransmitted:
+        if not (qos == 2 and packet_id in session.inflight_in):  # a QoS 2 retransmission is stored once
             async with ordering:  # FIFO per connection even when topic ACL checks yield
                 if await broker._topic_filtering(session, topic, Action.PUBLISH):
-                    stored = engine.route_publish(topic, bytes(data), packet.qos or 0)
+                    stored = engine.route_publish(topic, bytes(data), qos)
         if stored is not None:
             await stored  # durable in LevelDB before PUBACK / PUBREC
-        packet.payload.data = RoutedPayload(data)
-        await original_publish(packet)
+        if needs_amqtt:
+            packet.payload.data = RoutedPayload(data)
+            await original_publish(packet)
+        elif qos == 1 and packet_id is not None:
+            # Only durable sessions take it: amqtt's delivery path would cost and do nothing.
+            handler.durable_transport.write(encode_puback(packet_id))
 
     def ack_interceptor(kind: AckKind, original: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
         async def handle_ack(packet: Any) -> None:

@@ -24,6 +24,7 @@ from .expiry import ExpiryTracker
 from .queue_policy import Admission, QueueLimits
 from .store import (
     FLAG_RETAIN,
+    FLAG_SHARED,
     Body,
     Entry,
     GroupCommitter,
@@ -111,17 +112,17 @@ class DurableSession:
 
     def mark_released(self, entry: Entry) -> None:
         self.engine.committer.put(entry_key(self.sid, entry.seq), entry.encode())
-        self.engine.committer.commit()
+        self.engine.committer.flush_soon()
 
     def remove_entry(self, entry: Entry) -> None:
         committer = self.engine.committer
         committer.delete(entry_key(self.sid, entry.seq))
-        self.engine.release_body(entry.msg_id)
+        self.engine.release_body(entry)
         self.depth -= 1
         self.bytes -= entry.size
         self.engine.totals_changed(self)
         self.limits.on_drained(self.depth, self.connected)
-        committer.commit()
+        committer.flush_soon()
 
     def append(self, msg_id: int, qos: int, flags: int, size: int) -> Entry:
         entry = Entry(self.next_seq, msg_id, qos, flags, size)
@@ -357,7 +358,7 @@ class DurableEngine:
             chunk = list(iter_entries(self.db, session.sid, 0, DELETE_CHUNK))
             for entry in chunk:
                 committer.delete(entry_key(session.sid, entry.seq))
-                self.release_body(entry.msg_id)
+                self.release_body(entry)
             dropped += len(chunk)
             if len(chunk) < DELETE_CHUNK:
                 break
@@ -369,7 +370,7 @@ class DurableEngine:
 
     def _save_record(self, session: DurableSession) -> None:
         self.committer.put(session_key(session.client_id), session.record.encode())
-        self.committer.commit()
+        self.committer.flush_soon()
 
     # ------------------------------------------------------------- subscriptions
     async def subscribe(self, client_id: str, topic_filter: str, qos: int) -> None:
@@ -422,6 +423,7 @@ class DurableEngine:
         committer = self.committer
         committer.put(body_key(msg_id), body.encode())
         if len(accepted) > 1:
+            flags |= FLAG_SHARED
             self._refs[msg_id] = len(accepted)
             committer.put(refs_key(msg_id), encode_refs(len(accepted)))
         size = len(payload)
@@ -434,8 +436,12 @@ class DurableEngine:
 
         return committer.commit(deliver)
 
-    def release_body(self, msg_id: int) -> None:
+    def release_body(self, entry: Entry) -> None:
         """One queue entry fewer points at this body; the last one deletes it."""
+        msg_id = entry.msg_id
+        if not entry.flags & FLAG_SHARED:
+            self.committer.delete(body_key(msg_id))
+            return
         refs = self._refs.get(msg_id)
         if refs is None:
             refs = decode_refs(self.db.get(refs_key(msg_id)))

@@ -5,14 +5,15 @@ Key layout, version 1 (every integer big-endian, so LevelDB's byte order is nume
     b"v"                      -> b"1"                      layout version
     b"m" + msg_id:u64         -> time:f64 qos:u8 tlen:u16 topic payload     message body, stored once
     b"c" + msg_id:u64         -> refs:u32                  queue entries still pointing at a body
-                                                           (absent means 1: no fan-out)
+                                                           (only for bodies queued for 2+ sessions)
     b"s" + client_id(utf-8)   -> JSON session record        subscriptions, deadlines, counters
     b"t" + sid:u64            -> depth:u64 bytes:u64 dropped:u64   queue totals, kept in the same batch
     b"w" + sid:u64            -> seq:u64                    highest seq possibly sent (DUP mark)
     b"q" + sid:u64 + seq:u64  -> msg_id:u64 qos:u8 flags:u8 size:u32       one queue entry
 
 Entry flags: bit 0 RETAIN (retained message on subscribe), bit 1 RELEASED (QoS 2 PUBREC
-received, so PUBREL, not PUBLISH, is re-sent). A message body is deleted with its last entry.
+received, so PUBREL, not PUBLISH, is re-sent), bit 2 SHARED (the body is counted under b"c";
+without it the entry is the body's only reference). A body is deleted with its last entry.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ _REFS = struct.Struct(">I")
 
 FLAG_RETAIN = 0x01
 FLAG_RELEASED = 0x02
+FLAG_SHARED = 0x04
 
 VERSION_KEY = b"v"
 
@@ -313,6 +315,12 @@ class GroupCommitter:
 
     def delete(self, key: bytes) -> None:
         self._ops.append((key, None))
+
+    def flush_soon(self) -> None:
+        """Make sure what was added gets written, without waiting for it (acks, bookkeeping)."""
+        if self.failure is None:
+            self._units += 1
+            self._schedule(asyncio.get_running_loop())
 
     def commit(
         self, on_durable: Callable[[], None] | None = None, *, units: int = 1, urgent: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 
 _U16 = struct.Struct(">H")
+PUBACK_FIXED = 0x40
 PUBREL_FIXED = 0x62
 
 
@@ -27,6 +28,10 @@ def encode_publish(topic: bytes, payload: bytes, qos: int, packet_id: int, *, du
     if qos:
         variable += _U16.pack(packet_id)
     return bytes((first,)) + _remaining_length(len(variable) + len(payload)) + variable + payload
+
+
+def encode_puback(packet_id: int) -> bytes:
+    return bytes((PUBACK_FIXED, 2)) + _U16.pack(packet_id)
 
 
 def encode_pubrel(packet_id: int) -> bytes:
