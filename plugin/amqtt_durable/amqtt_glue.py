@@ -122,6 +122,7 @@ class HandlerTransport:
     def __init__(self, handler: Any) -> None:
         self._handler = handler  # its writer is attached after CONNECT is read
         self._expected: dict[tuple[AckKind, int], Callable[[], None]] = {}
+        self._pending: list[bytes] = []
 
     @property
     def closed(self) -> bool:
@@ -129,10 +130,18 @@ class HandlerTransport:
         return writer is None or bool(getattr(writer, "is_closed", False))
 
     def write(self, data: bytes) -> None:
-        if not self.closed:
+        """Queue bytes for one socket write at the end of this loop pass (many acks, one syscall)."""
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        data, self._pending = b"".join(self._pending), []
+        if data and not self.closed:
             self._handler.writer.write(data)
 
     async def drain(self) -> None:
+        self._flush()
         if not self.closed:
             await self._handler.writer.drain()
 

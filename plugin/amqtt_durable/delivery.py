@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 AckKind = Literal["puback", "pubrec", "pubcomp"]
 READ_CHUNK = 512
 LIVE_BUFFER = 1024
+REFILL_CHUNKED_FROM = 32
 
 
 class Transport(Protocol):
@@ -55,6 +56,10 @@ class Pump:
         self.session = session
         self.transport = transport
         self.window = window
+        # A full window refills in chunks of a quarter (one write for many messages); small windows,
+        # where that saves little, refill one by one.
+        self.refill = window // 4 if window >= REFILL_CHUNKED_FROM else 1
+        self._refilling = False
         self.inflight: dict[int, Outgoing] = {}
         self.buffer: deque[Outgoing] = deque()
         self.next_fill_seq = session.head_seq
@@ -126,12 +131,16 @@ class Pump:
 
     def _take_sendable(self) -> list[Outgoing]:
         batch: list[Outgoing] = []
-        oldest = min(self.inflight) if self.inflight else None
         count = len(self.inflight)
+        if self._refilling and self.window - count < self.refill:
+            return batch
+        self._refilling = False
+        oldest = next(iter(self.inflight)) if count else None  # sent, so inserted, in seq order
         while self.buffer:
             item = self.buffer[0]
             if item.entry.qos:
                 if count >= self.window or (oldest is not None and item.entry.seq >= oldest + self.window):
+                    self._refilling = True
                     break
                 count += 1
                 if oldest is None:
