@@ -15,6 +15,8 @@ instance the plugin is loaded into and on each connection's handler:
   CONNACK's session-present from the store;
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
+* ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
+  PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
   lifetime;
 * ``Broker.add_subscription`` / ``_handle_unsubscription``: durable sessions' subscriptions
@@ -31,15 +33,40 @@ import asyncio
 import contextvars
 import json
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import amqtt
+from amqtt.adapters import BufferReader, StreamReaderAdapter
 from amqtt.broker import Broker, BrokerContext
 from amqtt.contexts import Action
-from amqtt.events import BrokerEvents
+from amqtt.errors import AMQTTError, MQTTError
+from amqtt.events import BrokerEvents, MQTTEvents
+from amqtt.mqtt import packet_class
+from amqtt.mqtt.packet import (
+    CONNACK,
+    CONNECT,
+    DISCONNECT,
+    PINGREQ,
+    PINGRESP,
+    PUBACK,
+    PUBCOMP,
+    PUBLISH,
+    PUBREC,
+    PUBREL,
+    RESERVED_0,
+    RESERVED_15,
+    SUBACK,
+    SUBSCRIBE,
+    UNSUBACK,
+    UNSUBSCRIBE,
+    MQTTFixedHeader,
+)
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.publish import PublishPacket
 from amqtt.plugins.base import BasePlugin
+from amqtt.session import IncomingApplicationMessage
 
 from .config import DurableConfig
 from .delivery import AckKind
@@ -75,6 +102,23 @@ _HANDLER_INTERNALS = (
     "handle_pubrec",
     "handle_pubcomp",
 )
+
+_ACK_KINDS: dict[int, AckKind] = {PUBACK: "puback", PUBREC: "pubrec", PUBCOMP: "pubcomp"}
+_HANDLERS = {
+    CONNACK: "handle_connack",
+    SUBSCRIBE: "handle_subscribe",
+    UNSUBSCRIBE: "handle_unsubscribe",
+    SUBACK: "handle_suback",
+    UNSUBACK: "handle_unsuback",
+    PUBACK: "handle_puback",
+    PUBREC: "handle_pubrec",
+    PUBREL: "handle_pubrel",
+    PUBCOMP: "handle_pubcomp",
+    PINGREQ: "handle_pingreq",
+    PINGRESP: "handle_pingresp",
+    PUBLISH: "handle_publish",
+    DISCONNECT: "handle_disconnect",
+}
 
 _subscribing: contextvars.ContextVar[bool] = contextvars.ContextVar("amqtt_durable_subscribing", default=False)
 
@@ -236,6 +280,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
         _wrap_handler(broker, engine, handler, session, amqtt_wants)
+        handler._reader_loop = FastReader(broker, engine, handler, session, amqtt_wants).run
         return handler, session
 
     async def client_message_loop(session: Any, handler: Any) -> None:
@@ -328,6 +373,7 @@ def _wrap_handler(
     original_publish = handler.handle_publish
     original_connack = handler.mqtt_connack_authorize
     ordering = asyncio.Lock()
+    handler.durable_ordering = ordering
 
     async def handle_publish(packet: Any) -> None:
         topic = packet.topic_name
@@ -377,3 +423,157 @@ def _wrap_handler(
     handler.handle_puback = ack_interceptor("puback", handler.handle_puback)
     handler.handle_pubrec = ack_interceptor("pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = ack_interceptor("pubcomp", handler.handle_pubcomp)
+
+
+class OrderedAcks:
+    """PUBACKs of one connection, written in the order the PUBLISHes arrived (MQTT-4.6.0-2),
+    each only once its message is durable."""
+
+    def __init__(self, transport: HandlerTransport) -> None:
+        self._transport = transport
+        self._queue: deque[tuple[asyncio.Future[None] | None, int]] = deque()
+
+    def add(self, stored: asyncio.Future[None] | None, packet_id: int) -> None:
+        self._queue.append((stored, packet_id))
+        if stored is None:
+            self._release()
+        else:
+            stored.add_done_callback(self._on_stored)
+
+    def _on_stored(self, stored: asyncio.Future[None]) -> None:
+        if not stored.cancelled() and stored.exception() is not None:
+            log.error("a publish could not be stored, so it is not acknowledged: %s", stored.exception())
+        self._release()
+
+    def _release(self) -> None:
+        queue = self._queue
+        while queue and (queue[0][0] is None or queue[0][0].done()):
+            stored, packet_id = queue.popleft()
+            if stored is None or (not stored.cancelled() and stored.exception() is None):
+                self._transport.write(encode_puback(packet_id))
+
+
+class FastReader:
+    """A reader loop for TCP connections that handles the message path without a task per packet.
+
+    amqtt's loop wraps every read in ``wait_for`` and every packet in a task. This one reads
+    whole packets from the socket buffer; QoS 0/1 PUBLISH and the acks of pump-sent messages
+    are handled inline, everything else is decoded by amqtt's packet classes and dispatched
+    exactly as amqtt does. It steps aside (runs amqtt's loop) for non-TCP connections and
+    when plugins listen to raw packets or filter topics, which the inline path would skip.
+    """
+
+    def __init__(
+        self, broker: Any, engine: DurableEngine, handler: Any, session: Any, amqtt_wants: Callable[[str, bool], bool]
+    ) -> None:
+        self._broker = broker
+        self._engine = engine
+        self._handler = handler
+        self._session = session
+        self._amqtt_wants = amqtt_wants
+        self._original_loop = handler._reader_loop
+        self._transport: HandlerTransport = handler.durable_transport
+        self._acks = OrderedAcks(self._transport)
+        self._running: deque[asyncio.Task[None]] = deque()
+
+    def _publish_inline(self, flags: int, body: bytes) -> bool:
+        """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2, odd topics, busy ACLs)."""
+        qos = (flags >> 1) & 0x03
+        if qos > 1:
+            return False
+        topic_len = int.from_bytes(body[:2], "big")
+        try:
+            topic = body[2 : 2 + topic_len].decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        if not topic_is_valid(topic) or topic.startswith("$") or self._handler.durable_ordering.locked():
+            return False
+        start = 2 + topic_len + (2 if qos else 0)
+        packet_id = int.from_bytes(body[2 + topic_len : start], "big") if qos else 0
+        payload = body[start:]
+        retain = bool(flags & 0x01)
+        stored = self._engine.route_publish(topic, payload, qos)
+        if self._amqtt_wants(topic, retain):
+            message = IncomingApplicationMessage(packet_id or None, topic, qos, RoutedPayload(payload), retain)
+            message.publish_packet = PublishPacket.build(topic, payload, packet_id or None, False, qos, retain)
+            self._session.delivered_message_queue.put_nowait(message)
+        if qos:
+            self._acks.add(stored, packet_id)
+        return True
+
+    async def _dispatch(self, first: int, body: bytes) -> None:
+        packet_type, flags = first >> 4, first & 0x0F
+        if packet_type == PUBLISH and self._publish_inline(flags, body):
+            return
+        kind = _ACK_KINDS.get(packet_type)
+        if kind is not None and len(body) == 2 and self._transport.take_ack(kind, int.from_bytes(body, "big")):
+            return
+        handler = self._handler
+        if packet_type in (RESERVED_0, RESERVED_15):
+            log.warning("%s sent a reserved packet type: closing the connection", self._session.client_id)
+            await handler.handle_connection_closed()
+            return
+        fixed = MQTTFixedHeader(packet_type, flags, len(body))
+        packet = await packet_class(fixed).from_stream(BufferReader(body), fixed_header=fixed)
+        if packet_type == CONNECT:
+            await handler.handle_connect(packet)
+            return
+        method = _HANDLERS.get(packet_type)
+        if method is not None:
+            self._running.append(asyncio.create_task(getattr(handler, method)(packet)))
+
+    async def _read_packet(self, stream: asyncio.StreamReader, keepalive: float | None) -> tuple[int, bytes] | None:
+        """One whole packet (first byte, body); None when the keep-alive read timeout passed."""
+        if keepalive is not None and not stream._buffer:  # type: ignore[attr-defined]  # nothing buffered: wait
+            try:
+                first = await asyncio.wait_for(stream.readexactly(1), keepalive)
+            except TimeoutError:
+                return None
+        else:
+            first = await stream.readexactly(1)
+        length, shift = 0, 0
+        while True:
+            byte = (await stream.readexactly(1))[0]
+            length |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                break
+            shift += 7
+            if shift > 21:
+                raise MQTTError("remaining length longer than 4 bytes (MQTT-2.2.3)")
+        return first[0], (await stream.readexactly(length) if length else b"")
+
+    async def run(self) -> None:
+        handler = self._handler
+        plugins = self._broker.plugins_manager
+        if (
+            not isinstance(handler.reader, StreamReaderAdapter)
+            or MQTTEvents.PACKET_RECEIVED in plugins._event_plugin_callbacks
+            or plugins._topic_plugins
+        ):
+            await self._original_loop()
+            return
+        stream = handler.reader._reader
+        keepalive = self._session.keep_alive if self._session.keep_alive > 0 else None
+        running = self._running
+        handler._reader_ready.set()
+        try:
+            while True:
+                while running and running[0].done():
+                    running.popleft()
+                packet = await self._read_packet(stream, keepalive)
+                if packet is None:
+                    handler.handle_read_timeout()
+                    continue
+                try:
+                    await self._dispatch(*packet)
+                except (MQTTError, AMQTTError) as exc:
+                    log.warning("%s: packet discarded: %s", self._session.client_id, exc)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # EOF, reset or stop: the connection is over
+        except Exception as exc:  # amqtt's loop also ends the connection on anything unexpected
+            log.warning("%s: reader stopped: %r", self._session.client_id, exc)
+        while running:
+            running.popleft().cancel()
+        await handler.handle_connection_closed()
+        handler._reader_stopped.set()
+        await handler.stop()

@@ -1,0 +1,83 @@
+"""Durable sessions next to amqtt's own paths: clean subscribers, retained messages, topic ACL plugins,
+and PUBACK order when acknowledgements wait for the store."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Callable
+
+from conftest import HOST, WAIT, Broker, Client, payloads
+
+
+def test_clean_and_durable_subscribers_both_get_every_message(broker: Broker, clients: Callable[..., Client]) -> None:
+    durable = clients(broker.port, "durable")
+    durable.subscribe("mix/#", 1)
+    clean = clients(broker.port, "clean", clean_session=True)
+    clean.subscribe("mix/#", 1)
+    sent = payloads(500)
+    clients(broker.port, "pub", clean_session=True).publish("mix/a", sent, qos=1)
+    assert [m.payload for m in durable.wait_messages(500)] == sent
+    assert sorted(m.payload for m in clean.wait_messages(500)) == sent
+
+
+def test_retained_message_reaches_later_durable_and_clean_subscribers(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    pub = clients(broker.port, "pub", clean_session=True)
+    pub.publish("state/lamp", [b"on"], qos=1, retain=True)
+    durable = clients(broker.port, "durable")
+    durable.subscribe("state/#", 1)
+    got = durable.wait_messages(1)
+    assert [(m.payload, m.retain) for m in got] == [(b"on", True)], "retained on subscribe carries RETAIN=1"
+    clean = clients(broker.port, "clean", clean_session=True)
+    clean.subscribe("state/#", 1)
+    assert [(m.payload, m.retain) for m in clean.wait_messages(1)] == [(b"on", True)]
+    durable.disconnect()
+    assert durable.connect() is True
+    assert not durable.wait_for(lambda ms: len(ms) > 1, timeout=0.5), "no retained replay on a mere reconnect"
+
+
+def test_topic_acl_plugin_applies_to_durable_sessions(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    broker = broker_factory(start=False)
+    broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
+    broker.start()
+    sub = clients(broker.port, "dev")
+    assert sub.subscribe("prohibited", 1) == [0x80], "a taboo filter is refused for a durable session too"
+    assert sub.subscribe("#", 1) == [1]
+    sub.disconnect()
+    pub = clients(broker.port, "pub", clean_session=True)
+    pub.publish("prohibited", [b"secret"], qos=1)
+    pub.publish("fine", payloads(50), qos=1)
+    assert sub.connect() is True
+    assert [m.payload for m in sub.wait_messages(50)] == payloads(50)
+    assert not sub.wait_for(lambda ms: len(ms) > 50, timeout=0.5), "a publish the ACL refuses is never queued"
+
+
+def test_pubacks_come_in_publish_order(broker: Broker, clients: Callable[..., Client]) -> None:
+    """MQTT-4.6.0-2: with and without durable subscribers, PUBACKs follow the PUBLISH order."""
+    sub = clients(broker.port, "durable")
+    sub.subscribe("ordered/with", 1)
+    sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    client_id = b"raw-pub"
+    connect = b"\x00\x04MQTT\x04\x02\x00\x3c" + struct.pack(">H", len(client_id)) + client_id
+    sock.sendall(bytes([0x10, len(connect)]) + connect)
+    assert sock.recv(4)[:1] == b"\x20"
+    packets = []
+    for packet_id in range(1, 301):
+        topic = b"ordered/with" if packet_id % 3 else b"ordered/without"
+        body = struct.pack(">H", len(topic)) + topic + struct.pack(">H", packet_id) + b"x"
+        packets.append(bytes([0x32, len(body)]) + body)
+    sock.sendall(b"".join(packets))
+    received = b""
+    while len(received) < 4 * 300:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed before every PUBACK arrived"
+        received += chunk
+    sock.close()
+    acked = [struct.unpack(">H", received[i + 2 : i + 4])[0] for i in range(0, len(received), 4)]
+    assert received[::4] == b"\x40" * 300
+    assert acked == list(range(1, 301))
+    assert len(sub.wait_messages(200)) == 200
