@@ -223,7 +223,7 @@ class Client:
         """Abnormal disconnect: close the socket without DISCONNECT."""
         sock = self.paho.socket()
         if sock is not None:
-            sock.close()
+            sock.shutdown(socket.SHUT_RDWR)  # wakes paho's select, which then sees the connection gone
         self._disconnected.wait(WAIT)
         self.paho.loop_stop()
 
@@ -279,5 +279,5 @@ def clients() -> Iterator[Callable[..., Client]]:
 
     yield make
     for client in made:
+        client.paho.disconnect()  # first, so that loop_stop need not wait out paho's select timeout
         client.paho.loop_stop()
-        client.paho.disconnect()

@@ -81,3 +81,23 @@ def test_pubacks_come_in_publish_order(broker: Broker, clients: Callable[..., Cl
     assert received[::4] == b"\x40" * 300
     assert acked == list(range(1, 301))
     assert len(sub.wait_messages(200)) == 200
+
+
+def test_silent_client_is_disconnected_after_one_and_a_half_keepalives(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """MQTT-3.1.2-24: a half-open device must not hold its durable session 'connected' forever."""
+    sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    client_id = b"half-open"
+    connect = b"\x00\x04MQTT\x04\x00\x00\x01" + struct.pack(">H", len(client_id)) + client_id  # keep-alive 1 s
+    sock.sendall(bytes([0x10, len(connect)]) + connect)
+    assert sock.recv(4)[:1] == b"\x20"
+    subscribe = struct.pack(">H", 1) + struct.pack(">H", 1) + b"k" + b"\x01"
+    sock.sendall(bytes([0x82, len(subscribe)]) + subscribe)
+    assert sock.recv(5)[:1] == b"\x90"
+    assert sock.recv(1) == b"", "the broker must close a connection silent for 1.5 keep-alive periods"
+    sock.close()
+    clients(broker.port, "pub", clean_session=True).publish("k", [b"queued-while-gone"], qos=1)
+    again = clients(broker.port, "half-open")
+    assert again.session_present is True
+    assert [m.payload for m in again.wait_messages(1)] == [b"queued-while-gone"]

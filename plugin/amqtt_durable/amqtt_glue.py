@@ -553,7 +553,9 @@ class FastReader:
             await self._original_loop()
             return
         stream = handler.reader._reader
-        keepalive = self._session.keep_alive if self._session.keep_alive > 0 else None
+        # MQTT-3.1.2-24: silent for 1.5 keep-alive periods means gone (amqtt only logs it, which
+        # would leave a half-open device's session "connected" forever, its queue stalled).
+        keepalive = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None
         running = self._running
         handler._reader_ready.set()
         try:
@@ -562,8 +564,8 @@ class FastReader:
                     running.popleft()
                 packet = await self._read_packet(stream, keepalive)
                 if packet is None:
-                    handler.handle_read_timeout()
-                    continue
+                    log.info("%s: nothing received for 1.5 keep-alive periods: disconnecting", self._session.client_id)
+                    break
                 try:
                     await self._dispatch(*packet)
                 except (MQTTError, AMQTTError) as exc:
