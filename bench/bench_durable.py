@@ -3,9 +3,9 @@
 
 Run with the project venv, e.g.
 
-    .venv/bin/python bench/bench_durable.py                 # full run (N=20,000, big=1,000,000)
-    .venv/bin/python bench/bench_durable.py --quick         # smoke run with small numbers
-    .venv/bin/python bench/bench_durable.py --only abc --out out/bench.md
+    .venv/bin/python bench/bench_durable.py --out bench/last-run.md   # full run (N=20,000, big=1,000,000)
+    .venv/bin/python bench/bench_durable.py --quick                    # smoke run with small numbers
+    .venv/bin/python bench/bench_durable.py --only abc --runs 5
 
 Scenarios (QoS1, 64-byte payloads, at most --inflight unacknowledged PUBLISHes):
   a  live throughput through a durable subscription: msgs/s end to end, p50/p99 latency
@@ -15,11 +15,17 @@ Scenarios (QoS1, 64-byte payloads, at most --inflight unacknowledged PUBLISHes):
   e  big backlog (--big messages) queued offline: peak broker RSS during enqueue and after
      restart, start-up time with the backlog (ours); stock RSS for the same backlog if it
      finishes within --stock-big-timeout
+a and b/c run --runs times per broker (median, min-max reported), interleaving the brokers;
+which broker goes first alternates per scenario.
+
+The load clients are raw MQTT 3.1.1 over plain sockets (_rawmqtt.py), publisher and subscriber
+each in its own process, so neither an MQTT library nor the benchmark process is in the measured
+path.  Their ceiling is measured first against a trivial in-bench sink ("client ceiling").
 
 Stock amqtt only queues for offline clients whose session is not anonymous, so the stock
 broker runs with allow_anonymous=false + FileAuthPlugin and every client logs in with a
 username/password (to both brokers).  Both brokers run as separate subprocesses on their own
-ephemeral 127.0.0.1 port; only those PIDs are ever signalled.
+ephemeral 127.0.0.1 port; only those PIDs (and our client processes) are ever signalled.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import argparse
 import os
 import shlex
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,12 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
     BrokerProcess,
-    Credentials,
-    Deadline,
-    Publisher,
-    PublishResult,
     RssMonitor,
-    Subscriber,
     changed_files,
     dir_size,
     fingerprint_digest,
@@ -54,11 +57,21 @@ from _common import (
     listener_config,
     log,
     machine_info,
-    percentile,
-    run_cleanup_connect,
     source_fingerprint,
     write_config,
     write_password_file,
+)
+from _rawmqtt import (
+    ClientProcess,
+    Login,
+    PublishResult,
+    PubSpec,
+    ReceiveResult,
+    SubSpec,
+    publisher_main,
+    session_roundtrip,
+    sink_main,
+    subscriber_main,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,11 +83,57 @@ BROKER_TITLES = {STOCK: "stock amqtt", OURS: "amqtt-durable"}
 USERNAME = "bench"
 PASSWORD = "bench-password"
 SETTLE_S = 0.5  # let the broker process a DISCONNECT before publishing to the now-offline session
+CLIENT_START_S = 60.0  # spawn a client process, pre-encode, connect
+RESULT_MARGIN_S = 30.0  # a client process reports this long after its own time bound at the latest
+MB = 1_000_000
 
-Value = float | int | str | None
+Scalar = float | int | str | None
+
+
+@dataclass
+class Runs:
+    """One value per repetition of a scenario."""
+
+    values: list[float | int | str] = field(default_factory=list)
+
+    def numbers(self) -> list[float]:
+        return [float(v) for v in self.values if isinstance(v, int | float)]
+
+    def median(self) -> float | None:
+        nums = self.numbers()
+        return statistics.median(nums) if nums else None
+
+
+Value = Scalar | Runs
 
 
 # --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Target:
+    text: str
+    check: Callable[[float | None, float | None, argparse.Namespace], bool | None]
+
+
+def _ratio_at_least(factor: float) -> Target:
+    def check(stock: float | None, ours: float | None, _args: argparse.Namespace) -> bool | None:
+        if stock is None or ours is None or not stock:
+            return None
+        return ours / stock >= factor
+
+    return Target(f"ours/stock >= {factor:g}x", check)
+
+
+def _ours_at_most(limit: float, text: str) -> Target:
+    def check(_stock: float | None, ours: float | None, _args: argparse.Namespace) -> bool | None:
+        return None if ours is None else ours <= limit
+
+    return Target(text, check)
+
+
+def _all_survive(_stock: float | None, ours: float | None, args: argparse.Namespace) -> bool | None:
+    return None if ours is None else ours >= args.n
 
 
 @dataclass(frozen=True)
@@ -84,57 +143,80 @@ class Metric:
     unit: str
     better: str  # "higher", "lower" or "" (informational)
     scenario: str  # letter the metric belongs to ("" = always shown)
+    target: Target | None = None
 
 
+RSS_TARGET = _ours_at_most(100.0, "ours <= 100 MB")
 METRICS: list[Metric] = [
     Metric("startup_empty", "start-up time, empty store (spawn -> CONNACK)", "s", "lower", ""),
     Metric("preflight", "preflight: 10 msgs queued offline, reconnect", "", "", ""),
-    Metric("a_rate", "(a) live throughput, durable subscriber, end to end", "msgs/s", "higher", "a"),
+    Metric("a_rate", "(a) live throughput, durable subscriber, end to end", "msgs/s", "higher", "a",
+           _ratio_at_least(1.5)),
     Metric("a_p50", "(a) latency p50", "ms", "lower", "a"),
     Metric("a_p99", "(a) latency p99", "ms", "lower", "a"),
     Metric("a_recv", "(a) received", "", "", "a"),
-    Metric("b_rate", "(b) offline enqueue, PUBACKs", "msgs/s", "higher", "b"),
+    Metric("b_rate", "(b) offline enqueue, PUBACKs", "msgs/s", "higher", "b", _ratio_at_least(2.0)),
+    Metric("b_routed", "(b) offline enqueue until all routed (first send -> flush marker back)", "msgs/s",
+           "higher", "b"),
     Metric("b_acked", "(b) PUBACKed", "", "", "b"),
-    Metric("c_rate", "(c) replay on reconnect (CONNECT -> all N)", "msgs/s", "higher", "c"),
-    Metric("c_first", "(c) CONNECT -> first replayed message", "ms", "lower", "c"),
+    Metric("c_rate", "(c) replay on reconnect (CONNECT -> all N)", "msgs/s", "higher", "c", _ratio_at_least(2.0)),
+    Metric("c_first", "(c) CONNECT -> first replayed message", "ms", "lower", "c",
+           _ours_at_most(10.0, "ours <= 10 ms")),
     Metric("c_recv", "(c) received after reconnect", "", "", "c"),
-    Metric("d_survived", "(d) messages delivered after SIGKILL + restart", "msgs", "higher", "d"),
+    Metric("d_survived", "(d) messages delivered after SIGKILL + restart", "msgs", "higher", "d",
+           Target("ours 100% (= N), stock 0%", _all_survive)),
     Metric("d_detail", "(d) details", "", "", "d"),
     Metric("e_enq_rate", "(e) big backlog enqueue, PUBACKs", "msgs/s", "higher", "e"),
-    Metric("e_enq_time", "(e) big backlog enqueue duration", "s", "lower", "e"),
-    Metric("e_rss_idle", "(e) RSS before enqueue", "MiB", "lower", "e"),
-    Metric("e_rss_enq", "(e) peak RSS during enqueue", "MiB", "lower", "e"),
-    Metric("e_store", "(e) store size on disk", "MiB", "", "e"),
-    Metric("e_stop", "(e) stop before restart", "", "", "e"),
-    Metric("e_startup", "(e) start-up time with backlog (spawn -> CONNACK)", "s", "lower", "e"),
-    Metric("e_rss_ready", "(e) peak RSS, restart until CONNACK", "MiB", "lower", "e"),
+    Metric("e_enq_time", "(e) big backlog enqueue duration (first send -> last PUBACK)", "s", "lower", "e"),
+    Metric("e_routed_time", "(e) big backlog: first send -> all routed (flush marker back)", "s", "lower", "e"),
+    Metric("e_rss_idle", "(e) RSS before enqueue", "MB", "lower", "e"),
+    Metric("e_rss_enq", "(e) peak RSS during enqueue", "MB", "lower", "e", RSS_TARGET),
+    Metric("e_store", "(e) store size on disk", "MB", "", "e"),
+    Metric("e_stop", "(e) graceful stop (SIGINT) with the backlog", "", "", "e"),
+    Metric("e_startup", "(e) start-up time with backlog (spawn -> CONNACK)", "s", "lower", "e",
+           _ours_at_most(3.0, "ours <= 3 s")),
+    Metric("e_rss_ready", "(e) peak RSS, restart until CONNACK", "MB", "lower", "e", RSS_TARGET),
     Metric("e_first", "(e) after restart: CONNECT -> first replayed message", "ms", "lower", "e"),
-    Metric("e_rss_replay", "(e) peak RSS, restart + replay probe", "MiB", "lower", "e"),
+    Metric("e_rss_replay", "(e) peak RSS, restart + replay probe", "MB", "lower", "e", RSS_TARGET),
     Metric("e_probe", "(e) replay probe after restart", "", "", "e"),
 ]
 METRIC_BY_KEY = {m.key: m for m in METRICS}
 
 
 @dataclass
+class Ceiling:
+    pub_rates: list[float] = field(default_factory=list)
+    sub_rates: list[float] = field(default_factory=list)
+    n: int = 0
+    error: str | None = None
+
+
+@dataclass
 class Results:
     values: dict[str, dict[str, Value]] = field(default_factory=lambda: {STOCK: {}, OURS: {}})
     notes: list[str] = field(default_factory=list)
+    ceiling: Ceiling = field(default_factory=Ceiling)
 
-    def set(self, broker: str, key: str, value: Value) -> None:
+    def set(self, broker: str, key: str, value: Scalar) -> None:
         if key not in METRIC_BY_KEY:
             raise KeyError(key)
         self.values[broker][key] = value
+
+    def add(self, broker: str, key: str, value: float | int | str | None) -> None:
+        """Record one repetition's value (None = not measured in this run)."""
+        if key not in METRIC_BY_KEY:
+            raise KeyError(key)
+        runs = self.values[broker].setdefault(key, Runs())
+        if not isinstance(runs, Runs):
+            raise TypeError(key)
+        runs.values.append("—" if value is None else value)
 
     def note(self, text: str) -> None:
         log(f"NOTE: {text}")
         self.notes.append(text)
 
 
-def fmt_value(value: Value) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, str):
-        return value.replace("|", "\\|")
+def fmt_number(value: float | int) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     if abs(value) >= 100:
@@ -144,14 +226,44 @@ def fmt_value(value: Value) -> str:
     return f"{value:.2f}"
 
 
+def fmt_value(value: Value) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, Runs):
+        nums = value.numbers()
+        if nums and len(nums) == len(value.values):
+            med = value.median()
+            assert med is not None
+            if len(nums) == 1:
+                return fmt_number(med)
+            return f"{fmt_number(med)} ({fmt_number(min(nums))}-{fmt_number(max(nums))})"
+        texts = [v if isinstance(v, str) else fmt_number(v) for v in value.values]
+        if len(set(texts)) == 1:
+            return f"{texts[0]} (all {len(texts)} runs)".replace("|", "\\|")
+        return " / ".join(texts).replace("|", "\\|")
+    if isinstance(value, str):
+        return value.replace("|", "\\|")
+    return fmt_number(value)
+
+
+def number_of(value: Value) -> float | None:
+    if isinstance(value, Runs):
+        return value.median()
+    if isinstance(value, int | float):
+        return float(value)
+    return None
+
+
 def fmt_ratio(ours: Value, stock: Value) -> str:
-    if isinstance(ours, int | float) and isinstance(stock, int | float) and stock:
-        return f"{ours / stock:.2f}x"
+    o, s = number_of(ours), number_of(stock)
+    if o is not None and s:
+        ratio = o / s
+        return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
     return "—"
 
 
-def mib(n_bytes: int) -> float:
-    return n_bytes / 2**20
+def mb(n_bytes: int) -> float:
+    return n_bytes / MB
 
 
 # --------------------------------------------------------------------------- run context
@@ -161,10 +273,11 @@ def mib(n_bytes: int) -> float:
 class Ctx:
     args: argparse.Namespace
     tmp: Path
-    creds: Credentials
+    login: Login
     results: Results
     brokers: dict[str, BrokerProcess]
     store_dir: Path | None
+    client_cpus: tuple[int, ...] | None
     counter: int = 0
 
     def tag(self) -> bytes:
@@ -176,53 +289,130 @@ class Ctx:
         return f"bench/{suffix}", f"sub-{suffix}", f"pub-{suffix}"
 
 
-def durable_subscribe_then_disconnect(ctx: Ctx, b: BrokerProcess, *, sub_id: str, topic: str, tag: bytes,
-                                      n: int, deadline: Deadline) -> None:
-    sub = Subscriber(b.port, sub_id, clean=False, creds=ctx.creds, tag=tag, n=n)
-    try:
-        sub.connect(deadline.remaining())
-        sub.subscribe(topic, deadline.remaining())
-    finally:
-        sub.close()
+def durable_subscribe_then_disconnect(ctx: Ctx, b: BrokerProcess, *, sub_id: str, topic: str) -> None:
+    session_roundtrip(b.port, sub_id, ctx.login, clean=False, topic=topic, timeout=60.0)
     time.sleep(SETTLE_S)
 
 
-def publish(ctx: Ctx, b: BrokerProcess, *, pub_id: str, topic: str, tag: bytes, n: int, deadline: Deadline,
+def start_publisher(ctx: Ctx, b: BrokerProcess, *, pub_id: str, topic: str, tag: bytes, n: int, timeout: float,
+                    progress: float = 0.0) -> ClientProcess:
+    spec = PubSpec(b.port, pub_id, ctx.login, topic, tag, n, ctx.args.inflight, timeout, progress, ctx.client_cpus,
+                   flush_topic=f"bench-flush/{pub_id}")
+    return ClientProcess(f"{b.name} publisher", publisher_main, spec)
+
+
+def run_publisher(pub: ClientProcess, timeout: float, *, ready_seen: bool = False) -> PublishResult:
+    """Wait until the publisher process is connected, let it go, return its result."""
+    if not ready_seen:
+        pub.expect("ready", CLIENT_START_S)
+    pub.send("go")
+    result: PublishResult = pub.expect("result", timeout + RESULT_MARGIN_S)
+    return result
+
+
+def publish(ctx: Ctx, b: BrokerProcess, *, pub_id: str, topic: str, tag: bytes, n: int, timeout: float,
             progress: float = 0.0) -> PublishResult:
-    pub = Publisher(b.port, pub_id, ctx.creds, ctx.args.inflight)
-    try:
-        pub.connect(deadline.remaining())
-        return pub.publish_seq(topic, tag, n, deadline.remaining(), progress_every=progress)
-    finally:
-        pub.close()
+    with start_publisher(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, timeout=timeout,
+                         progress=progress) as pub:
+        pr = run_publisher(pub, timeout)
+    if pr.flush_error:
+        ctx.results.note(f"{b.name}: publisher {pub_id}: {pr.flush_error}")
+    return pr
 
 
-def reconnect_and_receive(ctx: Ctx, b: BrokerProcess, *, sub_id: str, tag: bytes, n: int, deadline: Deadline,
-                          idle: float | None) -> Subscriber:
-    sub = Subscriber(b.port, sub_id, clean=False, creds=ctx.creds, tag=tag, n=n)
-    try:
-        sub.connect(deadline.remaining())
-        sub.wait_all(deadline.remaining(), idle=idle)
-    finally:
-        sub.close()
-    return sub
+def sub_spec(ctx: Ctx, b: BrokerProcess, *, sub_id: str, tag: bytes, n: int, timeout: float, clean: bool = False,
+             subscribe: str | None = None, idle: float | None = None, need_session: bool = False,
+             after_first: float | None = None, record_latency: bool = False) -> SubSpec:
+    return SubSpec(b.port, sub_id, ctx.login, clean, tag, n, timeout, idle=idle, subscribe=subscribe,
+                   need_session=need_session, after_first=after_first, record_latency=record_latency,
+                   cpus=ctx.client_cpus)
+
+
+def receive(ctx: Ctx, b: BrokerProcess, spec: SubSpec) -> ReceiveResult:
+    """Run a subscriber process to completion (reconnect to a stored session and count what arrives)."""
+    with ClientProcess(f"{b.name} subscriber", subscriber_main, spec) as sub:
+        sub.expect("ready", CLIENT_START_S)
+        result: ReceiveResult = sub.expect("result", spec.timeout + RESULT_MARGIN_S)
+    if result.error:
+        ctx.results.note(f"{b.name}: subscriber {spec.client_id} ended with an error: {result.error}")
+    return result
+
+
+def reconnect_and_receive(ctx: Ctx, b: BrokerProcess, *, sub_id: str, tag: bytes, n: int) -> ReceiveResult:
+    return receive(ctx, b, sub_spec(ctx, b, sub_id=sub_id, tag=tag, n=n, timeout=ctx.args.timeout,
+                                    idle=ctx.args.idle, need_session=True))
 
 
 def drop_session(ctx: Ctx, b: BrokerProcess, sub_id: str, timeout: float = 30.0) -> None:
     try:
-        run_cleanup_connect(b.port, sub_id, ctx.creds, timeout)
+        session_roundtrip(b.port, sub_id, ctx.login, clean=True, topic=None, timeout=timeout)
     except Exception as exc:
         ctx.results.note(f"{b.name}: could not drop session {sub_id}: {exc}")
 
 
-def recv_summary(sub: Subscriber, n: int) -> str:
-    parts = [f"{sub.unique:,}/{n:,}"]
-    if sub.duplicates:
-        parts.append(f"{sub.duplicates:,} dup")
-    if sub.foreign:
-        parts.append(f"{sub.foreign:,} foreign")
-    parts.append(f"session_present={int(bool(sub.session_present))}")
+def recv_summary(res: ReceiveResult, n: int) -> str:
+    parts = [f"{res.unique:,}/{n:,}"]
+    for count, what in ((res.duplicates, "dup"), (res.dup_flags, "DUP=1"), (res.retained, "RETAIN=1"),
+                        (res.reordered, "out of order"), (res.foreign, "foreign"), (res.other_packets, "other pkts")):
+        if count:
+            parts.append(f"{count:,} {what}")
+    parts.append(f"session_present={int(res.session_present)}")
+    if res.unique < n:
+        parts.append(f"{res.publishes:,} PUBLISH received, {res.pubacks_sent:,} PUBACKs sent, ended: {res.end}")
+    if res.error:
+        parts.append(f"error: {res.error}")
     return ", ".join(parts)
+
+
+def pub_summary(pr: PublishResult) -> str:
+    text = f"{pr.acked:,}/{pr.requested:,}"
+    if pr.timed_out:
+        text += " (timed out)"
+    if pr.error:
+        text += f" ({pr.error})"
+    if pr.stray_acks:
+        text += f", {pr.stray_acks:,} stray PUBACKs"
+    if pr.other_packets:
+        text += f", {pr.other_packets:,} other packets"
+    if pr.flush_error:
+        text += f", flush: {pr.flush_error}"
+    return text
+
+
+# --------------------------------------------------------------------------- client ceiling
+
+
+def measure_ceiling(ctx: Ctx) -> None:
+    """Raw publisher and subscriber against a trivial sink that acks / sources as fast as it can."""
+    c = ctx.results.ceiling
+    c.n = ctx.args.ceiling_n
+    sink_cpus = None if ctx.client_cpus is None else ctx.args.broker_cpus
+    try:
+        with ClientProcess("sink", sink_main, (ctx.args.inflight, sink_cpus)) as sink:
+            port: int = sink.expect("ready", CLIENT_START_S)
+            for i in range(ctx.args.runs):
+                tag = ctx.tag()
+                spec = PubSpec(port, f"ceiling-pub-{i}", ctx.login, "ceiling/in", tag, c.n, ctx.args.inflight, 120.0,
+                               cpus=ctx.client_cpus)
+                with ClientProcess("ceiling publisher", publisher_main, spec) as pub:
+                    pr = run_publisher(pub, 120.0)
+                if pr.acked < c.n or pr.error:
+                    raise RuntimeError(f"publisher against the sink: {pub_summary(pr)}")
+                c.pub_rates.append(pr.ack_rate)
+                sspec = SubSpec(port, f"ceiling-sub-{i}", ctx.login, True, tag, c.n, 120.0, idle=10.0,
+                                subscribe=f"ceiling/{c.n}/{tag.hex()}", cpus=ctx.client_cpus)
+                with ClientProcess("ceiling subscriber", subscriber_main, sspec) as sub:
+                    sub.expect("ready", CLIENT_START_S)
+                    rr: ReceiveResult = sub.expect("result", 120.0 + RESULT_MARGIN_S)
+                if rr.unique < c.n or rr.error:
+                    raise RuntimeError(f"subscriber against the sink: {recv_summary(rr, c.n)}")
+                c.sub_rates.append(rr.unique / max(1e-9, (rr.t_last_ns - rr.t_connack_ns) / 1e9))
+                log(f"  ceiling run {i + 1}: publisher {c.pub_rates[-1]:,.0f} PUBACKs/s, "
+                    f"subscriber {c.sub_rates[-1]:,.0f} msgs/s")
+            sink.send("stop")
+    except Exception as exc:
+        c.error = f"{type(exc).__name__}: {exc}"
+        ctx.results.note(f"client ceiling measurement failed: {c.error}")
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -231,108 +421,103 @@ def recv_summary(sub: Subscriber, n: int) -> str:
 def preflight(ctx: Ctx, b: BrokerProcess) -> None:
     """Verify that the broker queues QoS1 messages for an offline durable session at all."""
     n = 10
-    deadline = Deadline(60)
     tag = ctx.tag()
     topic, sub_id, pub_id = ctx.ids("pre", b.name, tag)
-    durable_subscribe_then_disconnect(ctx, b, sub_id=sub_id, topic=topic, tag=tag, n=n,
-                                      deadline=deadline)
-    pr = publish(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, deadline=deadline)
-    sub = reconnect_and_receive(ctx, b, sub_id=sub_id, tag=tag, n=n, deadline=deadline, idle=5.0)
+    durable_subscribe_then_disconnect(ctx, b, sub_id=sub_id, topic=topic)
+    pr = publish(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, timeout=60.0)
+    res = receive(ctx, b, sub_spec(ctx, b, sub_id=sub_id, tag=tag, n=n, timeout=60.0, idle=5.0))
     drop_session(ctx, b, sub_id)
-    ok = sub.session_present and sub.unique == n and pr.acked == n
-    ctx.results.set(b.name, "preflight", ("ok: " if ok else "FAILED: ") + recv_summary(sub, n))
+    ok = res.session_present and res.unique == n and pr.acked == n
+    ctx.results.set(b.name, "preflight", ("ok: " if ok else "FAILED: ") + recv_summary(res, n))
     if not ok:
-        ctx.results.note(f"{b.name}: preflight offline queueing FAILED ({recv_summary(sub, n)}, "
+        ctx.results.note(f"{b.name}: preflight offline queueing FAILED ({recv_summary(res, n)}, "
                          f"{pr.acked}/{n} acked) - its offline numbers are not meaningful")
 
 
-def warmup(ctx: Ctx, b: BrokerProcess) -> None:
-    n = 500
-    deadline = Deadline(60)
+def live_run(ctx: Ctx, b: BrokerProcess, *, scenario: str, n: int, clean: bool,
+             record_latency: bool) -> tuple[PublishResult, ReceiveResult, str]:
+    """Subscriber process subscribed (QoS1), publisher process publishes n; both run to completion."""
     tag = ctx.tag()
-    topic, sub_id, pub_id = ctx.ids("warm", b.name, tag)
-    sub = Subscriber(b.port, sub_id, clean=True, creds=ctx.creds, tag=tag, n=n)
-    try:
-        sub.connect(deadline.remaining())
-        sub.subscribe(topic, deadline.remaining())
-        publish(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, deadline=deadline)
-        sub.wait_all(deadline.remaining(), idle=5.0)
-    finally:
-        sub.close()
+    topic, sub_id, pub_id = ctx.ids(scenario, b.name, tag)
+    spec = sub_spec(ctx, b, sub_id=sub_id, tag=tag, n=n, timeout=ctx.args.timeout + RESULT_MARGIN_S, clean=clean,
+                    subscribe=topic, idle=ctx.args.idle, record_latency=record_latency)
+    with (ClientProcess(f"{b.name} subscriber", subscriber_main, spec) as sub,
+          start_publisher(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, timeout=ctx.args.timeout) as pub):
+        sub.expect("ready", CLIENT_START_S)
+        pr = run_publisher(pub, ctx.args.timeout)
+        if pr.flush_error:
+            ctx.results.note(f"{b.name}: publisher {pub_id}: {pr.flush_error}")
+        res: ReceiveResult = sub.expect("result", spec.timeout + RESULT_MARGIN_S)
+    return pr, res, sub_id
+
+
+def warmup(ctx: Ctx, b: BrokerProcess) -> None:
+    live_run(ctx, b, scenario="warm", n=500, clean=True, record_latency=False)
 
 
 def scenario_a(ctx: Ctx, b: BrokerProcess) -> None:
     n = ctx.args.n
     r = ctx.results
-    deadline = Deadline(ctx.args.timeout)
-    tag = ctx.tag()
-    topic, sub_id, pub_id = ctx.ids("a", b.name, tag)
-    sub = Subscriber(b.port, sub_id, clean=False, creds=ctx.creds, tag=tag, n=n, record_latency=True)
-    try:
-        sub.connect(deadline.remaining())
-        sub.subscribe(topic, deadline.remaining())
-        pr = publish(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, deadline=deadline)
-        sub.wait_all(deadline.remaining(), idle=ctx.args.idle)
-    finally:
-        sub.close()
+    pr, res, sub_id = live_run(ctx, b, scenario="a", n=n, clean=False, record_latency=True)
     drop_session(ctx, b, sub_id)
-    if sub.unique:
-        r.set(b.name, "a_rate", sub.unique / ((sub.t_last_ns - pr.t_first_send_ns) / 1e9))
-        lat = sorted(sub.latencies_ns)
-        p50, p99 = percentile(lat, 50), percentile(lat, 99)
-        r.set(b.name, "a_p50", None if p50 is None else p50 / 1e6)
-        r.set(b.name, "a_p99", None if p99 is None else p99 / 1e6)
-    r.set(b.name, "a_recv", recv_summary(sub, n) + ("" if pr.acked == n else f", only {pr.acked:,} PUBACKed"))
-    if sub.unique < n:
-        r.note(f"{b.name} (a): only {sub.unique:,} of {n:,} messages arrived within the time bound")
+    rate = None
+    if res.unique and res.t_last_ns > pr.t_first_send_ns:
+        rate = res.unique / ((res.t_last_ns - pr.t_first_send_ns) / 1e9)
+    r.add(b.name, "a_rate", rate)
+    r.add(b.name, "a_p50", res.p50_ms)
+    r.add(b.name, "a_p99", res.p99_ms)
+    r.add(b.name, "a_recv", recv_summary(res, n) + ("" if pr.acked == n else f", PUBACKed {pub_summary(pr)}"))
+    log(f"  {b.name} (a): {rate or 0:,.0f} msgs/s, p50 {res.p50_ms} ms, p99 {res.p99_ms} ms; "
+        f"{recv_summary(res, n)}; ended: {res.end}")
+    if res.unique < n:
+        r.note(f"{b.name} (a): only {res.unique:,} of {n:,} messages arrived: {recv_summary(res, n)}")
 
 
 def scenario_bc(ctx: Ctx, b: BrokerProcess) -> None:
     n = ctx.args.n
     r = ctx.results
-    deadline = Deadline(ctx.args.timeout)
     tag = ctx.tag()
     topic, sub_id, pub_id = ctx.ids("bc", b.name, tag)
-    durable_subscribe_then_disconnect(ctx, b, sub_id=sub_id, topic=topic, tag=tag, n=n,
-                                      deadline=deadline)
-    pr = publish(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, deadline=deadline)
-    r.set(b.name, "b_rate", pr.ack_rate if pr.acked else None)
-    r.set(b.name, "b_acked", f"{pr.acked:,}/{n:,}" + (" (timed out)" if pr.timed_out else "")
-          + (f" ({pr.error})" if pr.error else ""))
+    durable_subscribe_then_disconnect(ctx, b, sub_id=sub_id, topic=topic)
+    pr = publish(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, timeout=ctx.args.timeout)
+    r.add(b.name, "b_rate", pr.ack_rate if pr.acked else None)
+    r.add(b.name, "b_routed", pr.routed_rate)
+    r.add(b.name, "b_acked", pub_summary(pr))
     if pr.acked < n:
-        r.note(f"{b.name} (b): only {pr.acked:,} of {n:,} PUBACKs within the time bound")
-    deadline = Deadline(ctx.args.timeout)
-    sub = reconnect_and_receive(ctx, b, sub_id=sub_id, tag=tag, n=n, deadline=deadline, idle=ctx.args.idle)
+        r.note(f"{b.name} (b): only {pub_summary(pr)} PUBACKs within the time bound")
+    res = reconnect_and_receive(ctx, b, sub_id=sub_id, tag=tag, n=n)
     drop_session(ctx, b, sub_id)
-    if sub.unique:
-        r.set(b.name, "c_rate", sub.unique / ((sub.t_last_ns - sub.t_connect_ns) / 1e9))
-        r.set(b.name, "c_first", (sub.t_first_ns - sub.t_connect_ns) / 1e6)
-    r.set(b.name, "c_recv", recv_summary(sub, n))
-    if sub.unique < n or not sub.session_present:
-        r.note(f"{b.name} (c): reconnect got {recv_summary(sub, n)}")
+    c_rate = c_first = None
+    if res.unique:
+        c_rate = res.unique / ((res.t_last_ns - res.t_connect_ns) / 1e9)
+        c_first = (res.t_first_ns - res.t_connect_ns) / 1e6
+    r.add(b.name, "c_rate", c_rate)
+    r.add(b.name, "c_first", c_first)
+    r.add(b.name, "c_recv", recv_summary(res, n))
+    log(f"  {b.name} (b): {pr.ack_rate:,.0f} PUBACKs/s, {pr.routed_rate or 0:,.0f}/s routed; "
+        f"(c): {c_rate or 0:,.0f} msgs/s, first after {c_first} ms; {recv_summary(res, n)}; ended: {res.end}")
+    if res.unique < n or not res.session_present:
+        r.note(f"{b.name} (c): reconnect got {recv_summary(res, n)}")
 
 
 def scenario_d(ctx: Ctx, b: BrokerProcess) -> None:
     n = ctx.args.n
     r = ctx.results
-    deadline = Deadline(ctx.args.timeout)
     tag = ctx.tag()
     topic, sub_id, pub_id = ctx.ids("d", b.name, tag)
-    durable_subscribe_then_disconnect(ctx, b, sub_id=sub_id, topic=topic, tag=tag, n=n,
-                                      deadline=deadline)
-    pr = publish(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, deadline=deadline)
+    durable_subscribe_then_disconnect(ctx, b, sub_id=sub_id, topic=topic)
+    pr = publish(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, timeout=ctx.args.timeout)
     if pr.acked < n:
-        r.note(f"{b.name} (d): only {pr.acked:,} of {n:,} PUBACKs before the kill")
+        r.note(f"{b.name} (d): only {pub_summary(pr)} PUBACKs before the kill")
     pid = b.pid
     b.kill()
     log(f"  {b.name}: SIGKILLed pid {pid}, restarting")
     startup = b.start(ctx.args.startup_timeout)
-    deadline = Deadline(ctx.args.timeout)
-    sub = reconnect_and_receive(ctx, b, sub_id=sub_id, tag=tag, n=n, deadline=deadline, idle=ctx.args.idle)
+    res = reconnect_and_receive(ctx, b, sub_id=sub_id, tag=tag, n=n)
     drop_session(ctx, b, sub_id)
-    r.set(b.name, "d_survived", sub.unique)
-    r.set(b.name, "d_detail", f"{recv_summary(sub, n)}; {pr.acked:,} PUBACKed before kill; "
-          f"restart {startup:.2f}s")
+    r.set(b.name, "d_survived", res.unique)
+    r.set(b.name, "d_detail", f"{recv_summary(res, n)} ({100 * res.unique / n:.0f}%); "
+          f"{pr.acked:,} PUBACKed before kill; restart {startup:.2f}s")
 
 
 def scenario_e(ctx: Ctx, b: BrokerProcess) -> None:
@@ -342,30 +527,35 @@ def scenario_e(ctx: Ctx, b: BrokerProcess) -> None:
     timeout = ctx.args.big_timeout if is_ours else ctx.args.stock_big_timeout
     tag = ctx.tag()
     topic, sub_id, pub_id = ctx.ids("e", b.name, tag)
-    r.set(b.name, "e_rss_idle", mib(b.rss()))
-    durable_subscribe_then_disconnect(ctx, b, sub_id=sub_id, topic=topic, tag=tag, n=big,
-                                      deadline=Deadline(60))
+    r.set(b.name, "e_rss_idle", mb(b.rss()))
+    durable_subscribe_then_disconnect(ctx, b, sub_id=sub_id, topic=topic)
     log(f"  {b.name}: enqueueing {big:,} messages offline (bound {timeout:.0f}s)")
-    with RssMonitor(b.pid) as mon:
-        pr = publish(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=big, deadline=Deadline(timeout),
-                     progress=15.0)
+    with start_publisher(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=big, timeout=timeout,
+                         progress=15.0) as pub:
+        pub.expect("ready", CLIENT_START_S)  # pre-encoding happens before this, outside the measurement
+        with RssMonitor(b.pid) as mon:
+            pr = run_publisher(pub, timeout, ready_seen=True)
+    if pr.flush_error:
+        r.note(f"{b.name} (e): {pr.flush_error}")
     if pr.acked < big:
-        why = f"took longer than {timeout:.0f}s ({pr.acked:,} of {big:,} PUBACKed)"
+        why = f"took longer than {timeout:.0f}s ({pub_summary(pr)} PUBACKed)"
         if pr.error:
             why = f"failed after {pr.acked:,} PUBACKs: {pr.error}"
         r.set(b.name, "e_rss_enq", f"not measured: {why}")
-        r.note(f"{b.name} (e): big enqueue {why}; peak RSS seen so far {mib(mon.peak):,.0f} MiB")
+        r.note(f"{b.name} (e): big enqueue {why}; peak RSS seen so far {mb(mon.peak):,.0f} MB")
         restart_clean(ctx, b)
         return
     r.set(b.name, "e_enq_rate", pr.ack_rate)
     r.set(b.name, "e_enq_time", pr.seconds)
-    r.set(b.name, "e_rss_enq", mib(mon.peak))
+    r.set(b.name, "e_routed_time", pr.routed_seconds)
+    r.set(b.name, "e_rss_enq", mb(mon.peak))
+    log(f"  {b.name}: {big:,} enqueued in {pr.seconds:.1f}s ({pr.ack_rate:,.0f}/s), peak RSS {mb(mon.peak):.0f} MB")
     if not is_ours:
         r.set(b.name, "e_startup", "n/a (backlog is not persisted)")
-        restart_clean(ctx, b)
+        r.set(b.name, "e_stop", restart_clean(ctx, b))
         return
     if ctx.store_dir is not None:
-        r.set(b.name, "e_store", mib(dir_size(ctx.store_dir)))
+        r.set(b.name, "e_store", mb(dir_size(ctx.store_dir)))
     r.set(b.name, "e_stop", b.stop(timeout=ctx.args.stop_timeout))
     b.spawn()
     with RssMonitor(b.pid) as mon_restart:
@@ -373,44 +563,44 @@ def scenario_e(ctx: Ctx, b: BrokerProcess) -> None:
         r.set(b.name, "e_startup", startup)
         mon_restart.stop()
         ready_peak = mon_restart.peak
-    r.set(b.name, "e_rss_ready", mib(ready_peak))
+    r.set(b.name, "e_rss_ready", mb(ready_peak))
+    probe = ctx.args.probe_seconds
     with RssMonitor(b.pid) as mon_replay:
-        sub = Subscriber(b.port, sub_id, clean=False, creds=ctx.creds, tag=tag, n=big)
-        try:
-            sub.connect(60)
-            # without session_present nothing can be replayed; do not wait for it
-            got_first = bool(sub.session_present) and sub.wait_first(ctx.args.timeout)
-            if got_first:
-                sub.wait_all(ctx.args.probe_seconds)
-        finally:
-            sub.close()
-    r.set(b.name, "e_rss_replay", mib(max(ready_peak, mon_replay.peak)))
-    if sub.unique:
-        r.set(b.name, "e_first", (sub.t_first_ns - sub.t_connect_ns) / 1e6)
-    probe_s = (time.perf_counter_ns() - sub.t_connect_ns) / 1e9
-    r.set(b.name, "e_probe", f"{recv_summary(sub, big)} in the first {probe_s:.1f}s")
-    if not sub.session_present or not sub.unique:
-        r.note(f"{b.name} (e): after restart the backlog was not replayed: {recv_summary(sub, big)}")
+        res = receive(ctx, b, sub_spec(ctx, b, sub_id=sub_id, tag=tag, n=big, timeout=ctx.args.timeout + probe,
+                                       need_session=True, after_first=probe))
+    r.set(b.name, "e_rss_replay", mb(max(ready_peak, mon_replay.peak)))
+    if res.unique:
+        r.set(b.name, "e_first", (res.t_first_ns - res.t_connect_ns) / 1e6)
+    probe_s = (max(res.t_last_ns, res.t_connack_ns) - res.t_connect_ns) / 1e9
+    r.set(b.name, "e_probe", f"{recv_summary(res, big)} in the first {probe_s:.1f}s")
+    if not res.session_present or not res.unique:
+        r.note(f"{b.name} (e): after restart the backlog was not replayed: {recv_summary(res, big)}")
     log(f"  {b.name}: dropping the big session")
     drop_session(ctx, b, sub_id, timeout=ctx.args.startup_timeout)
 
 
-def restart_clean(ctx: Ctx, b: BrokerProcess) -> None:
-    """Restart a broker to free a huge in-memory backlog (stock) or after an aborted run."""
+def restart_clean(ctx: Ctx, b: BrokerProcess) -> str:
+    """Restart a broker to free a huge in-memory backlog (stock) or after an aborted run; say how it stopped."""
     how = b.stop(timeout=ctx.args.stop_timeout)
     log(f"  {b.name}: stopped ({how}), restarting")
     b.start(ctx.args.startup_timeout)
+    return how
 
 
-SCENARIOS: list[tuple[str, Callable[[Ctx, BrokerProcess], None]]] = [
-    ("a", scenario_a),
-    ("bc", scenario_bc),
-    ("d", scenario_d),
-    ("e", scenario_e),
+# (letters, function, repeated --runs times?)
+SCENARIOS: list[tuple[str, Callable[[Ctx, BrokerProcess], None], bool]] = [
+    ("a", scenario_a, True),
+    ("bc", scenario_bc, True),
+    ("d", scenario_d, False),
+    ("e", scenario_e, False),
 ]
 
 
 # --------------------------------------------------------------------------- setup / report
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    return tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -421,6 +611,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="max unacknowledged QoS1 PUBLISHes (default 100)")
     p.add_argument("--big", type=int, default=None,
                    help="backlog for scenario e (default 1000000; quick 20000)")
+    p.add_argument("--runs", type=int, default=3,
+                   help="repetitions of the throughput scenarios a and b/c per broker (default 3; median reported)")
     p.add_argument("--quick", action="store_true", help="smoke run: small numbers and short time bounds")
     p.add_argument("--only", default="abcde", help="scenario letters to run, e.g. 'ad' (default abcde)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
@@ -436,6 +628,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stop-timeout", type=float, default=60.0, help="graceful stop before SIGKILL (s)")
     p.add_argument("--probe-seconds", type=float, default=5.0,
                    help="(e) how long to receive replayed messages after the restart (default 5)")
+    p.add_argument("--ceiling-n", type=int, default=None,
+                   help="messages per client-ceiling run against the sink (default 200000; quick 50000)")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="pin the broker to --broker-cpus and the client processes to --client-cpus (default on)")
+    p.add_argument("--broker-cpus", type=parse_cpus, default=(0,), help="CPUs for the brokers (default 0)")
+    p.add_argument("--client-cpus", type=parse_cpus, default=(1,), help="CPUs for the load clients (default 1)")
+    p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
+                   help="run our broker from a copy of plugin/amqtt_durable taken at start, so edits to the source "
+                        "during the run cannot mix plugin versions (default on)")
     p.add_argument("--ours-cmd", default=None,
                    help="command prefix for our broker (default: .venv/bin/amqtt-durable broker)")
     p.add_argument("--ours-standin", action="store_true",
@@ -446,6 +647,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.n = 2000 if args.quick else 20_000
     if args.big is None:
         args.big = 20_000 if args.quick else 1_000_000
+    if args.ceiling_n is None:
+        args.ceiling_n = 50_000 if args.quick else 200_000
     if args.timeout is None:
         args.timeout = max(60.0, args.n / 100)
     if args.idle is None:
@@ -458,17 +661,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not letters or letters - set("abcde"):
         p.error("--only takes letters from 'abcde'")
     args.only = "".join(sorted(letters))
-    if args.n < 1 or args.big < 1 or args.inflight < 1:
-        p.error("--n, --big and --inflight must be positive")
-    if args.n >= 2**32 or args.big >= 2**32:
-        p.error("--n and --big must fit in 32 bits")
+    if args.n < 1 or args.big < 1 or args.inflight < 1 or args.runs < 1 or args.ceiling_n < 1:
+        p.error("--n, --big, --inflight, --runs and --ceiling-n must be positive")
+    if args.inflight >= 65535:
+        p.error("--inflight must be below 65535 (packet ids)")
+    if max(args.n, args.big, args.ceiling_n) >= 2**32:
+        p.error("--n, --big and --ceiling-n must fit in 32 bits")
+    if args.pin:
+        usable = os.sched_getaffinity(0)
+        if not args.broker_cpus or not args.client_cpus or not set(args.broker_cpus + args.client_cpus) <= usable:
+            p.error(f"--broker-cpus/--client-cpus must be non-empty subsets of the usable CPUs {sorted(usable)}")
     return args
 
 
 def build_brokers(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, BrokerProcess], Path | None]:
     pw_file = tmp / "passwords.txt"
     write_password_file(pw_file, USERNAME, PASSWORD)
-    creds = Credentials(USERNAME, PASSWORD)
+    login = Login(USERNAME, PASSWORD)
+    cpus = args.broker_cpus if args.pin else None
     stock_plugins = {
         "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": False},
         "amqtt.plugins.authentication.FileAuthPlugin": {"password_file": str(pw_file)},
@@ -479,7 +689,7 @@ def build_brokers(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Broker
     stock_cfg = tmp / "stock.yaml"
     write_config(stock_cfg, {"listeners": listener_config(stock_port), "plugins": stock_plugins})
     brokers[STOCK] = BrokerProcess(STOCK, [str(VENV_BIN / "amqtt"), "-c", str(stock_cfg)], stock_port,
-                                   tmp / "stock.log", creds)
+                                   tmp / "stock.log", login, cpus)
 
     ours_port = free_port()
     while ours_port == stock_port:  # bounded in practice: the kernel hands out a different port next time
@@ -505,15 +715,75 @@ def build_brokers(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Broker
                 },
             },
         })
-        prefix = shlex.split(args.ours_cmd) if args.ours_cmd else [str(VENV_BIN / "amqtt-durable"), "broker"]
+        env: dict[str, str] | None = None
+        if args.ours_cmd:
+            prefix = shlex.split(args.ours_cmd)
+        elif args.snapshot:
+            snap = tmp / "snapshot"
+            shutil.copytree(PLUGIN_DIR, snap / PLUGIN_DIR.name, ignore=shutil.ignore_patterns("__pycache__"))
+            # PYTHONPATH comes before the editable install's .pth entry, so the copy is what gets imported
+            env = {**os.environ, "PYTHONPATH": str(snap)}
+            prefix = [str(VENV_BIN / "python"), "-m", "amqtt_durable.cli", "broker"]
+        else:
+            prefix = [str(VENV_BIN / "amqtt-durable"), "broker"]
         argv = [*prefix, "-c", str(ours_cfg)]
-    brokers[OURS] = BrokerProcess(OURS, argv, ours_port, tmp / "ours.log", creds)
+        brokers[OURS] = BrokerProcess(OURS, argv, ours_port, tmp / "ours.log", login, cpus, env)
+        return brokers, store
+    brokers[OURS] = BrokerProcess(OURS, argv, ours_port, tmp / "ours.log", login, cpus)
     return brokers, store
+
+
+def git_state() -> str:
+    """HEAD commit and whether plugin/ has uncommitted changes (for the report)."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %s"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "plugin"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (" + uncommitted changes in plugin/" if dirty else "")
+
+
+def plugin_source_dir(args: argparse.Namespace, tmp: Path) -> Path:
+    """The amqtt_durable folder our broker imports: the snapshot copy, or the working tree."""
+    snap = tmp / "snapshot" / PLUGIN_DIR.name
+    return snap if args.snapshot and snap.is_dir() else PLUGIN_DIR
+
+
+def fmt_runs(values: list[float]) -> str:
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:,.0f}"
+    return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+
+
+def render_ceiling(args: argparse.Namespace, results: Results) -> list[str]:
+    c = results.ceiling
+    if c.error or not c.pub_rates or not c.sub_rates:
+        return [f"- client ceiling: not measured ({c.error or 'skipped'})"]
+    lines = [
+        f"- client ceiling (the raw load clients against a trivial in-bench Python sink that acks or sources "
+        f"as fast as it can, {c.n:,} msgs, {args.inflight} in flight, median (min-max) of {len(c.pub_rates)}): "
+        f"publisher {fmt_runs(c.pub_rates)} PUBACKs/s, subscriber {fmt_runs(c.sub_rates)} msgs/s. "
+        "The sink is Python too, so these are lower bounds of what the clients can do."
+    ]
+    broker_rates = [number_of(results.values[b].get(k)) for b in (STOCK, OURS)
+                    for k in ("a_rate", "b_rate", "c_rate", "e_enq_rate")]
+    fastest = max((v for v in broker_rates if v is not None), default=None)
+    if fastest is not None:
+        ceiling = min(statistics.median(c.pub_rates), statistics.median(c.sub_rates))
+        lines.append(f"- the fastest broker figure in the table ({fastest:,.0f} msgs/s) is "
+                     f"{100 * fastest / ceiling:.1f}% of the lower client ceiling, so the figures are broker-bound")
+    return lines
 
 
 def render(args: argparse.Namespace, info: dict[str, str], command: str, results: Results, *,
            started: datetime, elapsed: float) -> str:
     ours_title = BROKER_TITLES[OURS] + (" (STAND-IN: stock amqtt)" if args.ours_standin else "")
+    pinning = (f"broker pinned to CPU {','.join(map(str, args.broker_cpus))}, client processes to CPU "
+               f"{','.join(map(str, args.client_cpus))}" if args.pin else "no CPU pinning")
     lines = [
         "# amqtt-durable benchmark",
         "",
@@ -522,15 +792,20 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
         f"- machine: nproc={info['nproc']}, RAM {info['ram']}, CPU {info['cpu']}, {info['os']}",
         f"- python: {info['python']}",
         f"- packages: {info['packages']}",
-        f"- amqtt-durable source: {PLUGIN_DIR.relative_to(ROOT)}/*.py sha256 {info['plugin_digest']}",
+        f"- amqtt-durable source: {PLUGIN_DIR.relative_to(ROOT)}/*.py sha256 {info['plugin_digest']} "
+        f"(broker ran from {info.get('plugin_source', 'the working tree')}); git: {info.get('git', '?')}",
         f"- workload: N={args.n:,} QoS1 messages of 64 bytes per scenario, "
         f"at most {args.inflight} in flight, big backlog={args.big:,}, "
         f"scenarios={args.only}{' (--quick)' if args.quick else ''}",
+        f"- load clients: raw MQTT 3.1.1 over sockets, publisher and subscriber each in its own process; {pinning}",
+        f"- a and b/c: {args.runs} runs per broker, brokers interleaved; cells show median (min-max), "
+        "ratios and targets use the medians; RSS in MB = 10^6 bytes",
         "- brokers run as separate processes on 127.0.0.1; stock uses allow_anonymous=false + FileAuthPlugin "
         "(needed for it to queue offline); the order alternates per scenario",
+        *render_ceiling(args, results),
         "",
-        f"| metric | unit | {BROKER_TITLES[STOCK]} | {ours_title} | ours/stock | better |",
-        "|---|---|---:|---:|---:|---|",
+        f"| metric | unit | {BROKER_TITLES[STOCK]} | {ours_title} | ours/stock | better | target | met |",
+        "|---|---|---:|---:|---:|---|---|---|",
     ]
     wanted = set(args.only) | {""}
     for m in METRICS:
@@ -540,7 +815,13 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
         if s is None and o is None:
             continue
         ratio = fmt_ratio(o, s) if m.better else "—"
-        lines.append(f"| {m.label} | {m.unit} | {fmt_value(s)} | {fmt_value(o)} | {ratio} | {m.better} |")
+        target, met = "", ""
+        if m.target is not None:
+            target = m.target.text
+            verdict = m.target.check(number_of(s), number_of(o), args)
+            met = "n/a" if verdict is None else ("**met**" if verdict else "**not met**")
+        lines.append(f"| {m.label} | {m.unit} | {fmt_value(s)} | {fmt_value(o)} | {ratio} | {m.better} "
+                     f"| {target} | {met} |")
     if results.notes:
         lines += ["", "Notes:", ""]
         lines += [f"- {n}" for n in results.notes]
@@ -549,10 +830,18 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
 
 def run(args: argparse.Namespace, tmp: Path, results: Results, info: dict[str, str]) -> None:
     brokers, store = build_brokers(args, tmp)
-    ctx = Ctx(args, tmp, brokers[STOCK].creds, results, brokers, store)
-    source_at_start = source_fingerprint(PLUGIN_DIR)
+    ctx = Ctx(args, tmp, brokers[STOCK].login, results, brokers, store, args.client_cpus if args.pin else None)
+    source_dir = plugin_source_dir(args, tmp)
+    source_at_start = source_fingerprint(source_dir)
     info["plugin_digest"] = fingerprint_digest(source_at_start)
+    info["git"] = git_state()
+    info["plugin_source"] = ("a snapshot copy taken at start" if source_dir != PLUGIN_DIR else "the working tree")
+    if source_dir != PLUGIN_DIR and (drift := changed_files(source_fingerprint(PLUGIN_DIR), source_at_start)):
+        results.note(f"the working tree's amqtt_durable differs from the snapshot in {', '.join(drift)} "
+                     "(edited while the snapshot was taken?)")
     try:
+        log("client ceiling against the in-bench sink")
+        measure_ceiling(ctx)
         for name, b in brokers.items():
             log(f"starting {name}: {shlex.join(b.argv)} (port {b.port})")
             results.set(name, "startup_empty", b.start(args.startup_timeout))
@@ -561,37 +850,46 @@ def run(args: argparse.Namespace, tmp: Path, results: Results, info: dict[str, s
             warmup(ctx, b)
             preflight(ctx, b)
         index = 0
-        for letters, fn in SCENARIOS:
+        for letters, fn, repeated in SCENARIOS:
             if not set(letters) & set(args.only):
                 continue
-            order = [STOCK, OURS] if index % 2 == 0 else [OURS, STOCK]
+            for rep in range(args.runs if repeated else 1):
+                order = [STOCK, OURS] if (index + rep) % 2 == 0 else [OURS, STOCK]
+                for name in order:
+                    run_one(ctx, brokers[name], letters, fn, f" run {rep + 1}" if repeated else "")
             index += 1
-            for name in order:
-                b = brokers[name]
-                if not b.alive():
-                    results.note(f"{name}: broker was not running before scenario {letters}; restarting it")
-                    b.start(args.startup_timeout)
-                log(f"scenario {letters}: {name}")
-                t0 = time.perf_counter()
-                try:
-                    fn(ctx, b)
-                except Exception as exc:
-                    results.note(f"{name} scenario ({letters}) failed: {type(exc).__name__}: {exc}")
-                    log(traceback.format_exc())
-                    log(f"last lines of {b.log_path.name}:\n{b.log_tail()}")
-                log(f"scenario {letters}: {name} done in {time.perf_counter() - t0:.1f}s")
         for name, b in brokers.items():
             if b.proc is not None and b.proc.poll() is not None:
                 results.note(f"{name}: broker exited unexpectedly with {b.proc.returncode}; "
                              f"last log line: {b.last_log_line()!r}")
         if not args.ours_standin and (changed := changed_files(source_at_start, source_fingerprint(PLUGIN_DIR))):
-            results.note("WARNING: the amqtt-durable source changed during this run "
-                         f"({', '.join(changed)}); broker restarts picked up new code, so the 'ours' "
-                         "numbers (and any store-format errors after a restart) mix plugin versions")
+            if source_dir != PLUGIN_DIR:
+                results.note(f"the amqtt-durable working tree changed during this run ({', '.join(changed)}); "
+                             "the broker ran from the snapshot, so all 'ours' numbers are from one version")
+            else:
+                results.note("WARNING: the amqtt-durable source changed during this run "
+                             f"({', '.join(changed)}); broker restarts picked up new code, so the 'ours' "
+                             "numbers (and any store-format errors after a restart) mix plugin versions")
     finally:
         for name, b in brokers.items():
             how = b.stop(timeout=min(args.stop_timeout, 30.0))
             log(f"stopped {name}: {how}")
+
+
+def run_one(ctx: Ctx, b: BrokerProcess, letters: str, fn: Callable[[Ctx, BrokerProcess], None], what: str) -> None:
+    results = ctx.results
+    if not b.alive():
+        results.note(f"{b.name}: broker was not running before scenario {letters}{what}; restarting it")
+        b.start(ctx.args.startup_timeout)
+    log(f"scenario {letters}{what}: {b.name}")
+    t0 = time.perf_counter()
+    try:
+        fn(ctx, b)
+    except Exception as exc:
+        results.note(f"{b.name} scenario ({letters}){what} failed: {type(exc).__name__}: {exc}")
+        log(traceback.format_exc())
+        log(f"last lines of {b.log_path.name}:\n{b.log_tail()}")
+    log(f"scenario {letters}{what}: {b.name} done in {time.perf_counter() - t0:.1f}s")
 
 
 def main(argv: list[str] | None = None) -> int:
