@@ -178,7 +178,7 @@ METRICS: list[Metric] = [
     Metric("e_rss_ready", "(e) peak RSS, restart until CONNACK", "MB", "lower", "e", RSS_TARGET),
     Metric("e_first", "(e) after restart: CONNECT -> first replayed message", "ms", "lower", "e"),
     Metric("e_rss_replay", "(e) peak RSS, restart + replay probe", "MB", "lower", "e", RSS_TARGET),
-    Metric("e_probe", "(e) replay probe after restart", "", "", "e"),
+    Metric("e_probe", "(e) replay of the backlog after restart", "", "", "e"),
 ]
 METRIC_BY_KEY = {m.key: m for m in METRICS}
 
@@ -567,12 +567,12 @@ def scenario_e(ctx: Ctx, b: BrokerProcess) -> None:
     probe = ctx.args.probe_seconds
     with RssMonitor(b.pid) as mon_replay:
         res = receive(ctx, b, sub_spec(ctx, b, sub_id=sub_id, tag=tag, n=big, timeout=ctx.args.timeout + probe,
-                                       need_session=True, after_first=probe))
+                                       need_session=True, after_first=probe or None))
     r.set(b.name, "e_rss_replay", mb(max(ready_peak, mon_replay.peak)))
     if res.unique:
         r.set(b.name, "e_first", (res.t_first_ns - res.t_connect_ns) / 1e6)
     probe_s = (max(res.t_last_ns, res.t_connack_ns) - res.t_connect_ns) / 1e9
-    r.set(b.name, "e_probe", f"{recv_summary(res, big)} in the first {probe_s:.1f}s")
+    r.set(b.name, "e_probe", f"{recv_summary(res, big)} in {probe_s:.1f} s")
     if not res.session_present or not res.unique:
         r.note(f"{b.name} (e): after restart the backlog was not replayed: {recv_summary(res, big)}")
     log(f"  {b.name}: dropping the big session")
@@ -626,8 +626,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="time bound for stock's big enqueue (default 600 s; quick 120 s)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="time bound for a broker start (s)")
     p.add_argument("--stop-timeout", type=float, default=60.0, help="graceful stop before SIGKILL (s)")
-    p.add_argument("--probe-seconds", type=float, default=5.0,
-                   help="(e) how long to receive replayed messages after the restart (default 5)")
+    p.add_argument("--probe-seconds", type=float, default=0.0,
+                   help="(e) receive replayed messages after the restart only this long (default 0: drain all)")
     p.add_argument("--ceiling-n", type=int, default=None,
                    help="messages per client-ceiling run against the sink (default 200000; quick 50000)")
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,

@@ -37,6 +37,8 @@ class Broker:
         self.store = str(folder / "store")
         self.settings: dict[str, Any] = {"store": self.store, "metrics_interval": 0, **plugin_settings}
         self.extra_plugins: dict[str, Any] = {}
+        self.pythonpath: list[str] = []
+        """Folders the broker process imports extra plugins from."""
         self.log_path = folder / "broker.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -59,10 +61,14 @@ class Broker:
     def spawn(self) -> subprocess.Popen[bytes]:
         self.write_config()
         log = self.log_path.open("ab")
+        env = dict(os.environ)
+        if self.pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join([*self.pythonpath, env.get("PYTHONPATH", "")])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "amqtt_durable.cli", "broker", "-c", str(self.config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=env,
         )
         log.close()
         return self.proc
@@ -126,9 +132,11 @@ class Client:
         self,
         port: int,
         client_id: str,
+        *,
         clean_session: bool = False,
         manual_ack: bool = False,
         auto_start: bool = True,
+        username: str | None = None,
     ) -> None:
         self.port = port
         self.client_id = client_id
@@ -139,6 +147,8 @@ class Client:
             manual_ack=manual_ack,
             reconnect_on_failure=False,
         )
+        if username is not None:
+            self.paho.username_pw_set(username, "any")
         self.paho.max_inflight_messages_set(100)
         self.paho.max_queued_messages_set(0)
         self.messages: list[mqtt.MQTTMessage] = []

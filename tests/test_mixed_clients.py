@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import struct
 from collections.abc import Callable
+from pathlib import Path
 
 from conftest import HOST, WAIT, Broker, Client, payloads
 
@@ -101,3 +102,49 @@ def test_silent_client_is_disconnected_after_one_and_a_half_keepalives(
     again = clients(broker.port, "half-open")
     assert again.session_present is True
     assert [m.payload for m in again.wait_messages(1)] == [b"queued-while-gone"]
+
+
+RECEIVE_ACL_PLUGIN = '''
+from dataclasses import dataclass, field
+
+from amqtt.contexts import Action
+from amqtt.plugins.base import BaseTopicPlugin
+
+
+class ReceiveAcl(BaseTopicPlugin):
+    """Test plugin: users may receive only topics under their prefixes."""
+
+    @dataclass
+    class Config:
+        receive: dict = field(default_factory=dict)
+
+    async def topic_filtering(self, *, session=None, topic=None, action=None):
+        if action != Action.RECEIVE:
+            return True
+        user = (session.username if session else None) or "anonymous"
+        return any(topic.startswith(prefix) for prefix in self.context.config.receive.get(user, []))
+'''
+
+
+def test_receive_acl_applies_to_durable_sessions_across_a_restart(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    (tmp_path / "receive_acl.py").write_text(RECEIVE_ACL_PLUGIN)
+    broker = broker_factory(start=False)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["receive_acl.ReceiveAcl"] = {"receive": {"alice": ["a/"], "bob": ["b/"]}}
+    broker.start()
+    alice = clients(broker.port, "alice-dev", username="alice")
+    bob = clients(broker.port, "bob-dev", username="bob")
+    for device in (alice, bob):
+        assert device.subscribe("#", 1) == [1]
+        device.disconnect()
+    broker.restart(kill=True)  # the usernames the ACL needs come from the store now
+    pub = clients(broker.port, "pub", clean_session=True)
+    pub.publish("a/1", [b"for-alice"], qos=1)
+    pub.publish("b/1", [b"for-bob"], qos=1)
+    assert alice.connect() is True and bob.connect() is True
+    assert [m.payload for m in alice.wait_messages(1)] == [b"for-alice"]
+    assert [m.payload for m in bob.wait_messages(1)] == [b"for-bob"]
+    assert not alice.wait_for(lambda ms: len(ms) > 1, timeout=0.5)
+    assert not bob.wait_for(lambda ms: len(ms) > 1, timeout=0.1)

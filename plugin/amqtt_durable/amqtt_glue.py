@@ -66,7 +66,7 @@ from amqtt.mqtt.packet import (
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishPacket
 from amqtt.plugins.base import BasePlugin
-from amqtt.session import IncomingApplicationMessage
+from amqtt.session import IncomingApplicationMessage, Session
 
 from .config import DurableConfig
 from .delivery import AckKind
@@ -275,11 +275,32 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
             subs and broker._matches(topic, topic_filter) for topic_filter, subs in broker._subscriptions.items()
         )
 
+    acl_sessions: dict[str, Session] = {}
+
+    async def receivers(topic: str) -> dict[str, int] | None:
+        """With topic ACL plugins loaded, the durable sessions they let receive ``topic`` (None: all).
+
+        A disconnected session has no amqtt Session, so the ACL sees a stand-in with the
+        client id and the username of its last CONNECT.
+        """
+        if not broker.plugins_manager._topic_plugins:
+            return None
+        allowed: dict[str, int] = {}
+        for client_id, qos in engine.index.route(topic).items():
+            stand_in = acl_sessions.get(client_id)
+            if stand_in is None:
+                stand_in = acl_sessions[client_id] = Session()
+                stand_in.client_id = client_id
+            stand_in.username = engine.sessions[client_id].record.username
+            if await broker._topic_filtering(stand_in, topic, Action.RECEIVE):
+                allowed[client_id] = qos
+        return allowed
+
     async def initialize_client_session(*args: Any) -> tuple[Any, Any]:
         handler, session = await original_initialize(*args)
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
-        _wrap_handler(broker, engine, handler, session, amqtt_wants)
+        _wrap_handler(broker, engine, handler, session, amqtt_wants=amqtt_wants, receivers=receivers)
         handler._reader_loop = FastReader(broker, engine, handler, session, amqtt_wants).run
         return handler, session
 
@@ -339,7 +360,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         session: Any, topic: str | None, data: bytes | bytearray | None, force_qos: int | None = None
     ) -> None:
         if not isinstance(data, RoutedPayload) and topic is not None and data is not None:
-            engine.route_publish(topic, bytes(data), force_qos or 0)
+            engine.route_publish(topic, bytes(data), force_qos or 0, await receivers(topic))
         await original_broadcast(session, topic, data, force_qos)
 
     broker._initialize_client_session = initialize_client_session
@@ -367,7 +388,13 @@ def _malformed_publish(packet: Any, topic: str, data: bytes) -> str | None:
 
 
 def _wrap_handler(
-    broker: Any, engine: DurableEngine, handler: Any, session: Any, amqtt_wants: Callable[[str, bool], bool]
+    broker: Any,
+    engine: DurableEngine,
+    handler: Any,
+    session: Any,
+    *,
+    amqtt_wants: Callable[[str, bool], bool],
+    receivers: Callable[[str], Awaitable[dict[str, int] | None]],
 ) -> None:
     """Per-connection wrappers: persist before acknowledging, and the stored session-present."""
     original_publish = handler.handle_publish
@@ -393,7 +420,7 @@ def _wrap_handler(
         if not (qos == 2 and packet_id in session.inflight_in):  # a QoS 2 retransmission is stored once
             async with ordering:  # FIFO per connection even when topic ACL checks yield
                 if await broker._topic_filtering(session, topic, Action.PUBLISH):
-                    stored = engine.route_publish(topic, bytes(data), qos)
+                    stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic))
         if stored is not None:
             await stored  # durable in LevelDB before PUBACK / PUBREC
         if needs_amqtt:
@@ -413,7 +440,7 @@ def _wrap_handler(
 
     async def connack_authorize(authorize: bool) -> None:
         if authorize and session.client_id:
-            present = await engine.connect(session.client_id, bool(session.clean_session))
+            present = await engine.connect(session.client_id, bool(session.clean_session), session.username)
             if not session.clean_session:
                 session.parent = 1 if present else 0
         await original_connack(authorize)

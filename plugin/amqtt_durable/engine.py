@@ -285,7 +285,7 @@ class DurableEngine:
             self.db.close()
 
     # ------------------------------------------------------------------ sessions
-    async def connect(self, client_id: str, clean_session: bool) -> bool:
+    async def connect(self, client_id: str, clean_session: bool, username: str | None = None) -> bool:
         """CONNECT arrived; returns session_present. A clean session wipes any stored one."""
         existing = self.sessions.get(client_id)
         if clean_session:
@@ -294,8 +294,11 @@ class DurableEngine:
             return False
         if existing is not None:
             self.expiry.cancel(client_id)
+            if existing.record.username != username:
+                existing.record.username = username
+                self._save_record(existing)
             return True
-        record = SessionRecord(client_id=client_id, sid=self._next_sid)
+        record = SessionRecord(client_id=client_id, sid=self._next_sid, username=username)
         self._next_sid += 1
         self.sessions[client_id] = DurableSession(self, record)
         self.committer.put(session_key(client_id), record.encode())
@@ -388,12 +391,17 @@ class DurableEngine:
         self._save_record(session)
 
     # -------------------------------------------------------------------- routing
-    def route_publish(self, topic: str, payload: bytes, qos: int) -> asyncio.Future[None] | None:
+    def route_publish(
+        self, topic: str, payload: bytes, qos: int, targets: dict[str, int] | None = None
+    ) -> asyncio.Future[None] | None:
         """Queue a publish for every matching durable session; the future resolves once durable.
 
-        Runs without awaiting, so publishes are queued in the order they arrive.
+        ``targets`` (client id -> subscription QoS, from ``index.route``) narrows the sessions,
+        e.g. to those a topic ACL lets receive it. Runs without awaiting, so publishes are queued
+        in the order they arrive.
         """
-        targets = self.index.route(topic)
+        if targets is None:
+            targets = self.index.route(topic)
         if not targets:
             return None
         return self._enqueue(topic, payload, qos, [(self.sessions[c], q) for c, q in targets.items()], flags=0)

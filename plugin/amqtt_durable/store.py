@@ -127,6 +127,8 @@ class SessionRecord:
     created_at: float = field(default_factory=time.time)
     disconnected_at: float | None = None
     expires_at: float | None = None
+    username: str | None = None
+    """As of the last CONNECT: topic ACL plugins decide what the session may receive by it."""
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -136,6 +138,7 @@ class SessionRecord:
                 "created_at": self.created_at,
                 "disconnected_at": self.disconnected_at,
                 "expires_at": self.expires_at,
+                "username": self.username,
             },
             separators=(",", ":"),
         ).encode()
@@ -150,6 +153,7 @@ class SessionRecord:
             created_at=float(data.get("created_at", 0.0)),
             disconnected_at=data.get("disconnected_at"),
             expires_at=data.get("expires_at"),
+            username=data.get("username"),
         )
 
 
