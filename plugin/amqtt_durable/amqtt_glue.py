@@ -24,7 +24,9 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._publish_retained_messages_for_subscription``: retained messages go through the
   session queue;
 * ``Broker._broadcast_message``: wills and broker-internal messages ($SYS) reach durable
-  sessions too.
+  sessions too;
+* ``Broker._cleanup_session`` (with ``shutdown``): amqtt's session monitor must not remove a
+  session that reconnected after the monitor picked it.
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ _BROKER_INTERNALS = (
     "retained_messages",
     "_subscriptions",
     "_matches",
+    "_cleanup_session",
+    "_sessions",
+    "shutdown",
 )
 _HANDLER_INTERNALS = (
     "init_from_connect",
@@ -265,6 +270,8 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     original_subscription = broker._handle_subscription
     original_retained = broker._publish_retained_messages_for_subscription
     original_broadcast = broker._broadcast_message
+    original_cleanup = broker._cleanup_session
+    shutting_down = False
 
     def amqtt_wants(topic: str, retain: bool) -> bool:
         """Does amqtt's own publish path have work: a retain, a clean subscriber, a message listener?"""
@@ -369,7 +376,24 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     broker._handle_subscription = handle_subscription
     broker._handle_unsubscription = handle_unsubscription
     broker._publish_retained_messages_for_subscription = publish_retained_for_subscription
+    async def cleanup_session(client_id: str) -> None:
+        # amqtt's session monitor picks disconnected anonymous sessions, then cleans them up one
+        # by one with awaits in between: a client that reconnected meanwhile would lose its new
+        # connection. Only shutdown cleans up connected sessions.
+        entry = broker._sessions.get(client_id)
+        if not shutting_down and entry is not None and entry[0].transitions.state == "connected":
+            return
+        await original_cleanup(client_id)
+
+    async def shutdown() -> None:
+        nonlocal shutting_down
+        shutting_down = True
+        await original_shutdown()
+
+    original_shutdown = broker.shutdown
     broker._broadcast_message = broadcast_message
+    broker._cleanup_session = cleanup_session
+    broker.shutdown = shutdown
 
 
 def _malformed_publish(packet: Any, topic: str, data: bytes) -> str | None:
