@@ -376,6 +376,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     broker._handle_subscription = handle_subscription
     broker._handle_unsubscription = handle_unsubscription
     broker._publish_retained_messages_for_subscription = publish_retained_for_subscription
+
     async def cleanup_session(client_id: str) -> None:
         # amqtt's session monitor picks disconnected anonymous sessions, then cleans them up one
         # by one with awaits in between: a client that reconnected meanwhile would lose its new

@@ -71,7 +71,10 @@ class Pump:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"durable-pump-{self.session.client_id}")
 
     async def stop(self) -> None:
+        """Stop sending; acks arriving later are ignored, so unacked entries go out again on the
+        session's current connection (DUP-flagged) instead of being removed twice."""
         self._stopped = True
+        self.inflight.clear()
         self._wake.set()
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
@@ -120,14 +123,11 @@ class Pump:
         tail = self.session.committed_tail
         if self.next_fill_seq > tail:
             return
-        read = 0
-        for entry, body in self.session.read_entries(self.next_fill_seq, tail, READ_CHUNK):
-            read += 1
-            self.next_fill_seq = entry.seq + 1
+        entries, last_read = self.session.read_entries(self.next_fill_seq, tail, READ_CHUNK)
+        for entry, body in entries:
             if entry.seq not in self.inflight:
                 self.buffer.append(Outgoing(entry, body, body.topic.encode("utf-8")))
-        if read < READ_CHUNK:
-            self.next_fill_seq = tail + 1
+        self.next_fill_seq = tail + 1 if last_read is None else last_read + 1
 
     def _take_sendable(self) -> list[Outgoing]:
         batch: list[Outgoing] = []
@@ -202,7 +202,7 @@ class Pump:
 
     def _received(self, seq: int) -> None:
         item = self.inflight.get(seq)
-        if item is None or self.transport.closed:
+        if item is None or self._stopped or self.transport.closed:
             return
         item.entry.flags |= FLAG_RELEASED
         self.session.mark_released(item.entry)
@@ -212,7 +212,7 @@ class Pump:
 
     def _acked(self, seq: int) -> None:
         item = self.inflight.pop(seq, None)
-        if item is None:
+        if item is None or self._stopped:
             return
         self.session.remove_entry(item.entry)
         self._wake.set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from .store import (
     iter_entries,
     iter_sessions,
     last_msg_id,
+    last_queue_sid,
     last_seq,
     open_store,
     refs_key,
@@ -60,6 +62,31 @@ class ExpiredSession:
     client_id: str
     messages_dropped: int
     disconnected_at: float | None
+
+
+class PendingRemovals:
+    """Queue entries removed in memory whose delete is not written yet, as (sid, seq).
+
+    Reads of the store (the pump's fill, drop-oldest, session deletion) skip them; a set is
+    sealed when a write starts and forgotten once that write has landed.
+    """
+
+    def __init__(self) -> None:
+        self._open: set[tuple[int, int]] = set()
+        self._writing: set[tuple[int, int]] = set()
+
+    def add(self, key: tuple[int, int]) -> None:
+        self._open.add(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._open or key in self._writing
+
+    def seal(self) -> None:
+        self._writing |= self._open
+        self._open = set()
+
+    def written(self) -> None:
+        self._writing = set()
 
 
 class DurableSession:
@@ -91,18 +118,35 @@ class DurableSession:
     def connected(self) -> bool:
         return self.transport is not None
 
-    def read_entries(self, start: int, tail: int, limit: int) -> list[tuple[Entry, Body]]:
+    def read_entries(self, start: int, tail: int, limit: int) -> tuple[list[tuple[Entry, Body]], int | None]:
+        """Up to ``limit`` stored entries from ``start`` to ``tail`` with their bodies, and the last
+        sequence looked at when the limit cut the read short (None: everything up to ``tail`` read).
+
+        Entries removed in memory but not yet written are skipped: the store must not bring them back.
+        """
         db = self.engine.db
+        removing = self.engine.removing
         out: list[tuple[Entry, Body]] = []
+        looked = 0
+        last_seq_looked = start
         for entry in iter_entries(db, self.sid, start, limit):
             if entry.seq > tail:
-                break
+                return out, None
+            looked += 1
+            last_seq_looked = entry.seq
+            if (self.sid, entry.seq) in removing:
+                continue
             raw = db.get(body_key(entry.msg_id))
             if raw is None:
-                log.error("session %s: queue entry %d has no message body; skipping it", self.client_id, entry.seq)
+                log.error("session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq)
+                self.engine.committer.delete(entry_key(self.sid, entry.seq))
+                removing.add((self.sid, entry.seq))
+                self.depth -= 1
+                self.bytes -= entry.size
+                self.engine.totals_changed(self)
                 continue
             out.append((entry, Body.decode(raw)))
-        return out
+        return out, (last_seq_looked if looked >= limit else None)
 
     async def advance_sent_mark(self, mark: int) -> None:
         """Persist 'entries up to ``mark`` may have been sent' before sending them (DUP after a crash)."""
@@ -117,6 +161,7 @@ class DurableSession:
     def remove_entry(self, entry: Entry) -> None:
         committer = self.engine.committer
         committer.delete(entry_key(self.sid, entry.seq))
+        self.engine.removing.add((self.sid, entry.seq))
         self.engine.release_body(entry)
         self.depth -= 1
         self.bytes -= entry.size
@@ -161,7 +206,10 @@ class DurableSession:
             victim = pump.buffer.popleft().entry
         else:
             start = pump.next_fill_seq if pump is not None else self.head_seq
-            found = next(iter_entries(self.engine.db, self.sid, start, 1), None)
+            removing = self.engine.removing
+            found = next(
+                (e for e in iter_entries(self.engine.db, self.sid, start) if (self.sid, e.seq) not in removing), None
+            )
             if found is not None and found.seq <= self.committed_tail:
                 victim = found
                 if pump is not None:
@@ -213,6 +261,7 @@ class DurableEngine:
         self._next_sid = 1
         self._refs: dict[int, int] = {}
         self._dirty: set[DurableSession] = set()
+        self.removing = PendingRemovals()
         self._expiry_timer: asyncio.TimerHandle | None = None
         self.dropped_total = 0
         self.expired_total = 0
@@ -226,9 +275,9 @@ class DurableEngine:
         self.db = open_store(self.config.store)
         try:
             self._load()
-        except plyvel.CorruptionError as exc:
+        except (plyvel.CorruptionError, ValueError, KeyError, struct.error) as exc:
             self.db.close()
-            raise StoreCorruptedError(self.config.store, str(exc)) from exc
+            raise StoreCorruptedError(self.config.store, f"{type(exc).__name__}: {exc}") from exc
 
     def _load(self) -> None:
         config = self.config
@@ -241,18 +290,21 @@ class DurableEngine:
             batch_delay_ms=config.batch_delay_ms if config.sync else 0.0,
             pending_threshold=config.pending_threshold,
         )
-        self.committer.before_flush = self._write_totals
+        self.committer.before_flush = self._before_flush
+        self.committer.after_write = self.removing.written
         self._next_msg_id = last_msg_id(self.db) + 1
+        self._next_sid = last_queue_sid(self.db) + 1  # also past queues a crash left without a record
         now = time.time()
         for record in iter_sessions(self.db):
             session = DurableSession(self, record)
             session.depth, session.bytes, session.dropped = decode_totals(self.db.get(totals_key(record.sid)))
             first = next(iter_entries(self.db, record.sid, 0, 1), None)
             tail = last_seq(self.db, record.sid)
-            session.head_seq = first.seq if first is not None else 1
-            session.committed_tail = tail if tail is not None else 0
-            session.next_seq = session.committed_tail + 1
             session.sent_mark = session.sent_max = decode_u64(self.db.get(sent_mark_key(record.sid)))
+            # New entries number past the sent mark: a fresh message must never look like a re-send.
+            session.committed_tail = max(tail or 0, session.sent_mark)
+            session.next_seq = session.committed_tail + 1
+            session.head_seq = first.seq if first is not None else session.next_seq
             self.sessions[record.client_id] = session
             self._next_sid = max(self._next_sid, record.sid + 1)
             for topic_filter, qos in record.subscriptions.items():
@@ -294,6 +346,7 @@ class DurableEngine:
             return False
         if existing is not None:
             self.expiry.cancel(client_id)
+            existing.record.expires_at = None  # an expiry run already under way must spare it
             if existing.record.username != username:
                 existing.record.username = username
                 self._save_record(existing)
@@ -345,16 +398,23 @@ class DurableEngine:
         self._arm_expiry()
 
     async def delete_session(self, session: DurableSession) -> int:
-        """Remove a session with its queue and subscriptions; returns the messages dropped."""
-        if session.pump is not None:
-            await session.pump.stop()
-            session.pump = None
+        """Remove a session with its queue and subscriptions; returns the messages dropped.
+
+        The session stops taking messages first; then everything pending is written, so the
+        store holds exactly its entries (none half-written, none already removed) when they go.
+        """
         self.sessions.pop(session.client_id, None)
         self.expiry.cancel(session.client_id)
-        self._dirty.discard(session)
         for topic_filter in session.record.subscriptions:
             self.index.remove(session.client_id, topic_filter)
+        pump, session.pump, session.transport = session.pump, None, None
+        if pump is not None:
+            await pump.stop()
         committer = self.committer
+        await committer.commit(urgent=True)
+        self._dirty.discard(session)
+        # Its record goes in the first batch: a crash midway leaves no half session to come back.
+        committer.delete(session_key(session.client_id))
         dropped = 0
         while True:
             # In chunks, yielding between them: a million-message queue must not stall the broker.
@@ -363,11 +423,12 @@ class DurableEngine:
                 committer.delete(entry_key(session.sid, entry.seq))
                 self.release_body(entry)
             dropped += len(chunk)
+            await committer.commit(urgent=True)
             if len(chunk) < DELETE_CHUNK:
                 break
-            await committer.commit(urgent=True)
-        for key in (totals_key(session.sid), sent_mark_key(session.sid), session_key(session.client_id)):
-            committer.delete(key)
+        self._dirty.discard(session)
+        committer.delete(totals_key(session.sid))
+        committer.delete(sent_mark_key(session.sid))
         await committer.commit(urgent=True)
         return dropped
 
@@ -377,7 +438,9 @@ class DurableEngine:
 
     # ------------------------------------------------------------- subscriptions
     async def subscribe(self, client_id: str, topic_filter: str, qos: int) -> None:
-        session = self.sessions[client_id]
+        session = self.sessions.get(client_id)
+        if session is None:
+            return  # deleted meanwhile (clean connect elsewhere); amqtt still answers SUBACK
         session.record.subscriptions[topic_filter] = qos
         self.index.add(client_id, topic_filter, qos)
         self.committer.put(session_key(client_id), session.record.encode())
@@ -404,7 +467,9 @@ class DurableEngine:
             targets = self.index.route(topic)
         if not targets:
             return None
-        return self._enqueue(topic, payload, qos, [(self.sessions[c], q) for c, q in targets.items()], flags=0)
+        sessions = self.sessions
+        chosen = [(sessions[c], q) for c, q in targets.items() if c in sessions]  # one may just have gone
+        return self._enqueue(topic, payload, qos, chosen, flags=0)
 
     def enqueue_retained(self, client_id: str, topic: str, payload: bytes, qos: int) -> asyncio.Future[None] | None:
         """A retained message due to a new subscription, queued behind what is already there."""
@@ -465,8 +530,17 @@ class DurableEngine:
     def totals_changed(self, session: DurableSession) -> None:
         self._dirty.add(session)
 
-    def _write_totals(self) -> None:
+    def _before_flush(self) -> None:
+        self.removing.seal()
         for session in self._dirty:
+            if session.depth < 0 or session.bytes < 0:
+                log.error(
+                    "session %s: queue totals went negative (%d, %d); reset to 0",
+                    session.client_id,
+                    session.depth,
+                    session.bytes,
+                )
+                session.depth, session.bytes = max(0, session.depth), max(0, session.bytes)
             self.committer.put(totals_key(session.sid), encode_totals(session.depth, session.bytes, session.dropped))
         self._dirty.clear()
 
@@ -488,23 +562,29 @@ class DurableEngine:
 
     async def _expire_due(self) -> None:
         self._expiry_timer = None
-        for client_id in self.expiry.pop_expired(time.time()):
-            session = self.sessions.get(client_id)
-            if session is None or session.connected:
-                continue
-            disconnected_at = session.record.disconnected_at
-            dropped = await self.delete_session(session)
-            self.expired_total += 1
-            log.warning(
-                "durable session %s expired after %.0f s disconnected: %d queued message(s) and its "
-                "subscriptions deleted",
-                client_id,
-                session.expiry_seconds(),
-                dropped,
-            )
-            if self.on_expired is not None:
-                self.on_expired(ExpiredSession(client_id, dropped, disconnected_at))
-        self._arm_expiry()
+        try:
+            now = time.time()
+            for client_id in self.expiry.pop_expired(now):
+                session = self.sessions.get(client_id)
+                deadline = session.record.expires_at if session is not None else None
+                if session is None or session.connected or deadline is None or deadline > now:
+                    continue  # reconnected (or reconnecting) since the deadline was set
+                disconnected_at = session.record.disconnected_at
+                dropped = await self.delete_session(session)
+                self.expired_total += 1
+                log.warning(
+                    "durable session %s expired after %.0f s disconnected: %d queued message(s) and its "
+                    "subscriptions deleted",
+                    client_id,
+                    session.expiry_seconds(),
+                    dropped,
+                )
+                if self.on_expired is not None:
+                    self.on_expired(ExpiredSession(client_id, dropped, disconnected_at))
+        except Exception:
+            log.exception("session expiry failed; it is tried again at the next deadline")
+        finally:
+            self._arm_expiry()
 
     # -------------------------------------------------------------------- metrics
     def metrics(self) -> dict[str, int]:

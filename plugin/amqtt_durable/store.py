@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import struct
 import time
@@ -30,6 +31,8 @@ from typing import Any
 import plyvel
 
 from .errors import StoreCorruptedError, StoreError, StoreLockedError
+
+log = logging.getLogger("amqtt_durable")
 
 LAYOUT_VERSION = b"1"
 _U64 = struct.Struct(">Q")
@@ -272,6 +275,13 @@ def iter_sessions(db: Any) -> Iterator[SessionRecord]:
         yield SessionRecord.decode(key[1:].decode("utf-8"), value)
 
 
+def last_queue_sid(db: Any) -> int:
+    """The highest session number that has queue entries (0: none)."""
+    for key in db.iterator(prefix=b"q", reverse=True, include_value=False):
+        return int(_U64.unpack_from(key, 1)[0])
+    return 0
+
+
 def last_msg_id(db: Any) -> int:
     for key in db.iterator(prefix=b"m", reverse=True, include_value=False):
         return int(_U64.unpack_from(key, 1)[0])
@@ -311,14 +321,17 @@ class GroupCommitter:
         self._writing = False
         self._idle = asyncio.Event()
         self.before_flush: Callable[[], None] | None = None
+        self.after_write: Callable[[], None] | None = None
         self.commits = 0
         self.failure: BaseException | None = None
 
     def put(self, key: bytes, value: bytes) -> None:
-        self._ops.append((key, value))
+        if self.failure is None:  # after a failed write nothing is written: do not pile up
+            self._ops.append((key, value))
 
     def delete(self, key: bytes) -> None:
-        self._ops.append((key, None))
+        if self.failure is None:
+            self._ops.append((key, None))
 
     def flush_soon(self) -> None:
         """Make sure what was added gets written, without waiting for it (acks, bookkeeping)."""
@@ -366,7 +379,11 @@ class GroupCommitter:
         if self._writing or not (self._ops or self._waiters):
             return
         if self.before_flush is not None:
-            self.before_flush()
+            try:
+                self.before_flush()
+            except Exception as exc:
+                self._fail(exc)
+                return
         ops, self._ops = self._ops, []
         waiters, self._waiters = self._waiters, []
         after, self._after_commit = self._after_commit, []
@@ -401,17 +418,31 @@ class GroupCommitter:
         self.commits += 1
         if error is not None:
             self.failure = error
+            log.error("store write failed; no more messages are acknowledged: %s", error)
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_exception(StoreError(f"store write failed: {error}"))
         else:
+            if self.after_write is not None:
+                self.after_write()
             for callback in after:
-                callback()
+                try:
+                    callback()
+                except Exception:
+                    log.exception("a commit callback failed; delivery of that batch may be late")
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(None)
         if self._ops or self._waiters:
             self._schedule(asyncio.get_running_loop())
+
+    def _fail(self, error: BaseException) -> None:
+        """A failure before the write: nothing more is written; every waiter hears about it."""
+        waiters, self._waiters = self._waiters, []
+        self._after_commit = []
+        self._ops = []
+        self._units = 0
+        self._finish(error, waiters, [])
 
     async def drain(self) -> None:
         """Wait for a write running in the worker thread, then write what is left (closing)."""
@@ -429,6 +460,8 @@ class GroupCommitter:
         if self._ops:
             ops, self._ops = self._ops, []
             self._write(ops)
+        if self.after_write is not None:
+            self.after_write()
         waiters, self._waiters = self._waiters, []
         after, self._after_commit = self._after_commit, []
         for callback in after:
