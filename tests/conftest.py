@@ -34,6 +34,8 @@ class Broker:
     def __init__(self, folder: Path, **plugin_settings: Any) -> None:
         self.folder = folder
         self.port = free_port()
+        self.ws_port: int | None = None
+        """Set before start() to add a websocket listener on this port."""
         self.store = str(folder / "store")
         self.settings: dict[str, Any] = {"store": self.store, "metrics_interval": 0, **plugin_settings}
         self.extra_plugins: dict[str, Any] = {}
@@ -47,8 +49,11 @@ class Broker:
         return self.folder / "broker.yaml"
 
     def write_config(self) -> Path:
+        listeners: dict[str, Any] = {"default": {"type": "tcp", "bind": f"{HOST}:{self.port}"}}
+        if self.ws_port is not None:
+            listeners["ws"] = {"type": "ws", "bind": f"{HOST}:{self.ws_port}"}
         config = {
-            "listeners": {"default": {"type": "tcp", "bind": f"{HOST}:{self.port}"}},
+            "listeners": listeners,
             "plugins": {
                 "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
                 **self.extra_plugins,
@@ -137,6 +142,7 @@ class Client:
         manual_ack: bool = False,
         auto_start: bool = True,
         username: str | None = None,
+        transport: str = "tcp",
     ) -> None:
         self.port = port
         self.client_id = client_id
@@ -146,6 +152,7 @@ class Client:
             clean_session=clean_session,
             manual_ack=manual_ack,
             reconnect_on_failure=False,
+            transport=transport,  # type: ignore[arg-type]
         )
         if username is not None:
             self.paho.username_pw_set(username, "any")

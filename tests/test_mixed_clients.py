@@ -8,7 +8,7 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import HOST, WAIT, Broker, Client, payloads
+from conftest import HOST, WAIT, Broker, Client, free_port, payloads
 
 
 def test_clean_and_durable_subscribers_both_get_every_message(broker: Broker, clients: Callable[..., Client]) -> None:
@@ -148,3 +148,21 @@ def test_receive_acl_applies_to_durable_sessions_across_a_restart(
     assert [m.payload for m in bob.wait_messages(1)] == [b"for-bob"]
     assert not alice.wait_for(lambda ms: len(ms) > 1, timeout=0.5)
     assert not bob.wait_for(lambda ms: len(ms) > 1, timeout=0.1)
+
+
+def test_durable_session_over_websockets(broker_factory: Callable[..., Broker], clients: Callable[..., Client]) -> None:
+    """Websocket connections use amqtt's reader; the pump's writes and PUBACKs must still flow."""
+    broker = broker_factory(start=False)
+    broker.ws_port = free_port()
+    broker.start()
+    ws_port = broker.ws_port
+    device = clients(ws_port, "ws-device", transport="websockets")
+    assert device.subscribe("ws/#", 1) == [1]
+    device.disconnect()
+    sent = payloads(200)
+    clients(broker.port, "pub", clean_session=True).publish("ws/t", sent, qos=1)
+    assert device.connect() is True
+    assert [m.payload for m in device.wait_messages(200)] == sent
+    ws_pub = clients(ws_port, "ws-pub", clean_session=True, transport="websockets")
+    ws_pub.publish("ws/t", payloads(100, "w"), qos=1)  # waits for every PUBACK over websockets
+    assert [m.payload for m in device.wait_messages(300)][200:] == payloads(100, "w")

@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import amqtt
-from amqtt.adapters import BufferReader, StreamReaderAdapter
+from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import Broker, BrokerContext
 from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError
@@ -94,6 +94,7 @@ _BROKER_INTERNALS = (
     "retained_messages",
     "_subscriptions",
     "_matches",
+    "_del_all_subscriptions",
     "_cleanup_session",
     "_sessions",
     "shutdown",
@@ -172,6 +173,7 @@ class HandlerTransport:
         self._handler = handler  # its writer is attached after CONNECT is read
         self._expected: dict[tuple[AckKind, int], Callable[[], None]] = {}
         self._pending: list[bytes] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def closed(self) -> bool:
@@ -186,13 +188,29 @@ class HandlerTransport:
 
     def _flush(self) -> None:
         data, self._pending = b"".join(self._pending), []
-        if data and not self.closed:
-            self._handler.writer.write(data)
+        if not data or self.closed:
+            return
+        writer = self._handler.writer
+        if isinstance(writer, StreamWriterAdapter):
+            writer.write(data)
+        else:  # a websocket writer only buffers until drained, under amqtt's write lock
+            task = asyncio.get_running_loop().create_task(self._write_locked(data))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _write_locked(self, data: bytes) -> None:
+        async with self._handler._write_lock:
+            if not self.closed:
+                self._handler.writer.write(data)
+                await self._handler.writer.drain()
 
     async def drain(self) -> None:
         self._flush()
-        if not self.closed:
-            await self._handler.writer.drain()
+        writer = self._handler.writer
+        if isinstance(writer, StreamWriterAdapter) and not self.closed:
+            await writer.drain()
+        elif self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def expect_ack(self, kind: AckKind, packet_id: int, on_ack: Callable[[], None]) -> None:
         self._expected[(kind, packet_id)] = on_ack
@@ -319,8 +337,15 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         try:
             await original_message_loop(session, handler)
         finally:
+            # amqtt leaves the connection open when its loop ends on a bad PUBLISH topic.
+            await handler.stop()
             if durable:
                 await engine.detach(session.client_id, transport)
+            current = broker._sessions.get(session.client_id, (None, None))[1]
+            if current is not None and current is not handler and session.transitions.state == "disconnected":
+                # amqtt's take-over: this old connection's end marked the shared Session
+                # disconnected while the new one is live; its monitor would then drop the new one.
+                session.transitions.connect()
 
     async def add_subscription(subscription: tuple[str, int], session: Any) -> int:
         if not engine.is_durable(session.client_id):
@@ -367,7 +392,9 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         session: Any, topic: str | None, data: bytes | bytearray | None, force_qos: int | None = None
     ) -> None:
         if not isinstance(data, RoutedPayload) and topic is not None and data is not None:
-            engine.route_publish(topic, bytes(data), force_qos or 0, await receivers(topic))
+            # No QoS given means "the subscription's", as amqtt's own broadcast does.
+            qos = 2 if force_qos is None else force_qos
+            engine.route_publish(topic, bytes(data), qos, await receivers(topic))
         await original_broadcast(session, topic, data, force_qos)
 
     broker._initialize_client_session = initialize_client_session
@@ -468,6 +495,10 @@ def _wrap_handler(
             present = await engine.connect(session.client_id, bool(session.clean_session), session.username)
             if not session.clean_session:
                 session.parent = 1 if present else 0
+                # A Session amqtt cached from an earlier clean connection may still hold amqtt-level
+                # subscriptions; they would deliver beside the pump, with clashing packet ids.
+                await broker._del_all_subscriptions(session)
+                session.clear_queues()
         await original_connack(authorize)
 
     handler.handle_publish = handle_publish
@@ -538,10 +569,14 @@ class FastReader:
             topic = body[2 : 2 + topic_len].decode("utf-8")
         except UnicodeDecodeError:
             return False
-        if not topic_is_valid(topic) or topic.startswith("$") or self._handler.durable_ordering.locked():
-            return False
         start = 2 + topic_len + (2 if qos else 0)
+        if len(body) < start or not topic_is_valid(topic) or topic.startswith("$"):
+            return False  # amqtt's path reports and closes
+        if self._handler.durable_ordering.locked():
+            return False
         packet_id = int.from_bytes(body[2 + topic_len : start], "big") if qos else 0
+        if qos and not packet_id:
+            return False
         payload = body[start:]
         retain = bool(flags & 0x01)
         stored = self._engine.route_publish(topic, payload, qos)
