@@ -166,3 +166,14 @@ def test_durable_session_over_websockets(broker_factory: Callable[..., Broker], 
     ws_pub = clients(ws_port, "ws-pub", clean_session=True, transport="websockets")
     ws_pub.publish("ws/t", payloads(100, "w"), qos=1)  # waits for every PUBACK over websockets
     assert [m.payload for m in device.wait_messages(300)][200:] == payloads(100, "w")
+
+
+def test_client_silent_in_the_middle_of_a_packet_is_disconnected(broker: Broker) -> None:
+    sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    client_id = b"half-packet"
+    connect = b"\x00\x04MQTT\x04\x00\x00\x01" + struct.pack(">H", len(client_id)) + client_id  # keep-alive 1 s
+    sock.sendall(bytes([0x10, len(connect)]) + connect)
+    assert sock.recv(4)[:1] == b"\x20"
+    sock.sendall(b"\x32\x20\x00\x05")  # a PUBLISH announcing 32 bytes, then silence
+    assert sock.recv(1) == b"", "a packet left unfinished past 1.5 keep-alive periods must end the connection"
+    sock.close()

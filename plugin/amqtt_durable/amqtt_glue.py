@@ -610,24 +610,28 @@ class FastReader:
             self._running.append(asyncio.create_task(getattr(handler, method)(packet)))
 
     async def _read_packet(self, stream: asyncio.StreamReader, keepalive: float | None) -> tuple[int, bytes] | None:
-        """One whole packet (first byte, body); None when the keep-alive read timeout passed."""
-        if keepalive is not None and not stream._buffer:  # type: ignore[attr-defined]  # nothing buffered: wait
-            try:
-                first = await asyncio.wait_for(stream.readexactly(1), keepalive)
-            except TimeoutError:
-                return None
-        else:
-            first = await stream.readexactly(1)
-        length, shift = 0, 0
-        while True:
-            byte = (await stream.readexactly(1))[0]
-            length |= (byte & 0x7F) << shift
-            if not byte & 0x80:
-                break
-            shift += 7
-            if shift > 21:
-                raise MQTTError("remaining length longer than 4 bytes (MQTT-2.2.3)")
-        return first[0], (await stream.readexactly(length) if length else b"")
+        """One whole packet (first byte, body); None when the keep-alive passed with bytes missing."""
+
+        async def read(count: int) -> bytes:
+            # Waiting for bytes not yet received is bounded by the keep-alive; buffered ones are not.
+            if keepalive is None or len(stream._buffer) >= count:  # type: ignore[attr-defined]
+                return await stream.readexactly(count)
+            return await asyncio.wait_for(stream.readexactly(count), keepalive)
+
+        try:
+            first = await read(1)
+            length, shift = 0, 0
+            while True:
+                byte = (await read(1))[0]
+                length |= (byte & 0x7F) << shift
+                if not byte & 0x80:
+                    break
+                shift += 7
+                if shift > 21:
+                    raise MQTTError("remaining length longer than 4 bytes (MQTT-2.2.3)")
+            return first[0], (await read(length) if length else b"")
+        except TimeoutError:
+            return None
 
     async def run(self) -> None:
         handler = self._handler

@@ -18,6 +18,10 @@ class ExpiryTracker:
 
     def cancel(self, client_id: str) -> None:
         self._deadlines.pop(client_id, None)
+        if len(self._heap) > 2 * len(self._deadlines) + 64:
+            # Cancelled deadlines stay in the heap until they surface; do not let them pile up.
+            self._heap = [(deadline, cid) for cid, deadline in self._deadlines.items()]
+            heapq.heapify(self._heap)
 
     def deadline(self, client_id: str) -> float | None:
         return self._deadlines.get(client_id)

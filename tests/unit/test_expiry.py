@@ -98,3 +98,13 @@ def test_many_sessions_expire_in_deadline_order() -> None:
     rest = tracker.pop_expired(1e9)
     assert set(expired) | set(rest) == {c for c in deadlines if int(c[1:]) % 3 != 0}
     assert not set(expired) & set(rest)
+
+
+def test_cancelled_deadlines_do_not_pile_up_in_the_heap() -> None:
+    tracker = ExpiryTracker()
+    tracker.schedule("stays", 5.0)
+    for i in range(10_000):
+        tracker.schedule(f"c{i}", 100.0 + i)
+        tracker.cancel(f"c{i}")
+    assert len(tracker._heap) <= 2 * 1 + 64 + 1
+    assert tracker.pop_expired(10_000_000.0) == ["stays"]
