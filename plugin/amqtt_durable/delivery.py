@@ -80,25 +80,12 @@ class Pump:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def wake(self) -> None:
-        self._wake.set()
-
     def offer_live(self, entry: Entry, body: Body) -> None:
         """A just-committed entry: keep it in memory if it is next in line, else it is read later."""
         if entry.seq == self.next_fill_seq and len(self.buffer) < LIVE_BUFFER:
             self.buffer.append(Outgoing(entry, body, body.topic.encode("utf-8")))
             self.next_fill_seq = entry.seq + 1
         self._wake.set()
-
-    def forget(self, seq: int) -> bool:
-        """Drop an unsent buffered entry (overflow); False when it is in flight or not buffered."""
-        if self.buffer and self.buffer[0].entry.seq == seq:
-            self.buffer.popleft()
-            return True
-        return False
-
-    def oldest_unsent(self) -> int | None:
-        return self.buffer[0].entry.seq if self.buffer else None
 
     async def _run(self) -> None:
         try:

@@ -204,7 +204,7 @@ def open_store(path: str, *, create: bool = True) -> Any:
             paranoid_checks=True,
             bloom_filter_bits=10,
             lru_cache_size=8 * 1024 * 1024,
-            write_buffer_size=8 * 1024 * 1024,
+            write_buffer_size=4 * 1024 * 1024,  # memtables count twice against RSS while one is compacted
         )
     except plyvel.IOError as exc:
         if "lock" in str(exc).lower():
