@@ -22,7 +22,7 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker.add_subscription`` / ``_handle_unsubscription``: durable sessions' subscriptions
   live in the store, not in amqtt's table, so amqtt never delivers to them itself;
 * ``Broker._publish_retained_messages_for_subscription``: retained messages go through the
-  session queue;
+  session queue, queued by ``add_subscription`` together with the subscription;
 * ``Broker._broadcast_message``: wills and broker-internal messages ($SYS) reach durable
   sessions too;
 * ``Broker._cleanup_session`` (with ``shutdown``): amqtt's session monitor must not remove a
@@ -32,7 +32,6 @@ instance the plugin is loaded into and on each connection's handler:
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
 from collections import deque
@@ -85,7 +84,6 @@ _SUBSCRIBE_REFUSED = 0x80
 _BROKER_INTERNALS = (
     "_initialize_client_session",
     "_client_message_loop",
-    "_handle_subscription",
     "_handle_unsubscription",
     "_publish_retained_messages_for_subscription",
     "_broadcast_message",
@@ -125,8 +123,6 @@ _HANDLERS = {
     PUBLISH: "handle_publish",
     DISCONNECT: "handle_disconnect",
 }
-
-_subscribing: contextvars.ContextVar[bool] = contextvars.ContextVar("amqtt_durable_subscribing", default=False)
 
 
 class RoutedPayload(bytes):
@@ -285,7 +281,6 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     original_message_loop = broker._client_message_loop
     original_add_subscription = broker.add_subscription
     original_unsubscription = broker._handle_unsubscription
-    original_subscription = broker._handle_subscription
     original_retained = broker._publish_retained_messages_for_subscription
     original_broadcast = broker._broadcast_message
     original_cleanup = broker._cleanup_session
@@ -357,15 +352,14 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
             return _SUBSCRIBE_REFUSED
         max_qos = broker.config.get("max-qos", qos)
         granted = min(qos, max_qos) if isinstance(max_qos, int) else qos
-        await engine.subscribe(session.client_id, topic_filter, granted)
+        # Retained messages are queued with the subscription, before any live message can be.
+        retained = [
+            (topic, bytes(message.data), min(granted, granted if message.qos is None else message.qos))
+            for topic, message in list(broker.retained_messages.items())
+            if matches(topic, topic_filter)
+        ]
+        await engine.subscribe(session.client_id, topic_filter, granted, retained)
         return granted
-
-    async def handle_subscription(session: Any, handler: Any, waiter: Any) -> None:
-        token = _subscribing.set(True)
-        try:
-            await original_subscription(session, handler, waiter)
-        finally:
-            _subscribing.reset(token)
 
     async def handle_unsubscription(session: Any, handler: Any, waiter: Any) -> None:
         if not engine.is_durable(session.client_id):
@@ -374,19 +368,16 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         unsubscription = waiter.result()
         for topic_filter in unsubscription.topics:
             engine.unsubscribe(session.client_id, topic_filter)
+            await broker.plugins_manager.fire_event(
+                BrokerEvents.CLIENT_UNSUBSCRIBED, client_id=session.client_id, topic=topic_filter
+            )
         await handler.mqtt_acknowledge_unsubscription(unsubscription.packet_id)
 
     async def publish_retained_for_subscription(subscription: tuple[str, int], session: Any) -> None:
+        # Durable sessions got theirs queued with the subscription (add_subscription), and none on
+        # a mere reconnect (MQTT-3.3.1-6).
         if not engine.is_durable(session.client_id):
             await original_retained(subscription, session)
-            return
-        if not _subscribing.get():
-            return  # MQTT-3.3.1-6: retained messages go out on SUBSCRIBE, not on every reconnect
-        topic_filter, qos = subscription
-        for topic, retained in list(broker.retained_messages.items()):
-            if matches(topic, topic_filter):
-                retained_qos = retained.qos if retained.qos is not None else qos
-                engine.enqueue_retained(session.client_id, topic, bytes(retained.data), min(qos, retained_qos))
 
     async def broadcast_message(
         session: Any, topic: str | None, data: bytes | bytearray | None, force_qos: int | None = None
@@ -400,7 +391,6 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     broker._initialize_client_session = initialize_client_session
     broker._client_message_loop = client_message_loop
     broker.add_subscription = add_subscription
-    broker._handle_subscription = handle_subscription
     broker._handle_unsubscription = handle_unsubscription
     broker._publish_retained_messages_for_subscription = publish_retained_for_subscription
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from .errors import StoreCorruptedError
 from .expiry import ExpiryTracker
 from .queue_policy import Admission, QueueLimits
 from .store import (
+    FLAG_RELEASED,
     FLAG_RETAIN,
     FLAG_SHARED,
     Body,
@@ -44,9 +45,11 @@ from .store import (
     last_queue_sid,
     last_seq,
     open_store,
+    queue_prefix,
     refs_key,
     sent_mark_key,
     session_key,
+    sid_of_entry_key,
     totals_key,
 )
 from .topics import SubscriptionIndex
@@ -62,6 +65,12 @@ class ExpiredSession:
     client_id: str
     messages_dropped: int
     disconnected_at: float | None
+
+
+def droppable(entry: Entry) -> bool:
+    """Overflow may drop anything but a QoS 2 message whose PUBREL is due: the client holds its
+    packet id until PUBCOMP, so dropping it would wedge that id."""
+    return not entry.flags & FLAG_RELEASED
 
 
 class PendingRemovals:
@@ -202,14 +211,15 @@ class DurableSession:
     def _drop_oldest(self) -> bool:
         """Remove the oldest entry not in flight: buffered, then stored, then still uncommitted."""
         pump = self.pump
-        if pump is not None and pump.buffer:
-            victim = pump.buffer.popleft().entry
+        buffered = next((i for i, item in enumerate(pump.buffer) if droppable(item.entry)), None) if pump else None
+        if pump is not None and buffered is not None:
+            victim = pump.buffer[buffered].entry
+            del pump.buffer[buffered]
         else:
             start = pump.next_fill_seq if pump is not None else self.head_seq
             removing = self.engine.removing
-            found = next(
-                (e for e in iter_entries(self.engine.db, self.sid, start) if (self.sid, e.seq) not in removing), None
-            )
+            stored = iter_entries(self.engine.db, self.sid, start)
+            found = next((e for e in stored if (self.sid, e.seq) not in removing and droppable(e)), None)
             if found is not None and found.seq <= self.committed_tail:
                 victim = found
                 if pump is not None:
@@ -315,6 +325,7 @@ class DurableEngine:
                 record.expires_at = now + session.expiry_seconds()
                 self.committer.put(session_key(record.client_id), record.encode())
             self.expiry.schedule(record.client_id, record.expires_at)
+        self._drop_orphans({session.sid for session in self.sessions.values()})
         self.committer.flush_now()
         log.info(
             "durable store %s: %d session(s), %d queued message(s)",
@@ -322,6 +333,26 @@ class DurableEngine:
             len(self.sessions),
             sum(s.depth for s in self.sessions.values()),
         )
+
+    def _drop_orphans(self, known: set[int]) -> None:
+        """Delete queue entries of sessions whose record is gone: a crash in the middle of deleting
+        a session (its record goes first) leaves them; nothing else can reach them."""
+        sid = 0
+        while True:
+            key = next(self.db.iterator(start=queue_prefix(sid), stop=b"r", include_value=False), None)
+            if key is None:
+                return
+            sid = sid_of_entry_key(key)
+            if sid not in known:
+                dropped = 0
+                for entry in iter_entries(self.db, sid):
+                    self.committer.delete(entry_key(sid, entry.seq))
+                    self.release_body(entry)
+                    dropped += 1
+                self.committer.delete(totals_key(sid))
+                self.committer.delete(sent_mark_key(sid))
+                log.warning("store: deleted %d queue entries of a session deleted before a crash", dropped)
+            sid += 1
 
     def start_timers(self) -> None:
         self._arm_expiry()
@@ -437,12 +468,18 @@ class DurableEngine:
         self.committer.flush_soon()
 
     # ------------------------------------------------------------- subscriptions
-    async def subscribe(self, client_id: str, topic_filter: str, qos: int) -> None:
+    async def subscribe(
+        self, client_id: str, topic_filter: str, qos: int, retained: Iterable[tuple[str, bytes, int]] = ()
+    ) -> None:
+        """Store a subscription; ``retained`` (topic, payload, qos) are queued with it, ahead of
+        any live message the new subscription matches."""
         session = self.sessions.get(client_id)
         if session is None:
             return  # deleted meanwhile (clean connect elsewhere); amqtt still answers SUBACK
         session.record.subscriptions[topic_filter] = qos
         self.index.add(client_id, topic_filter, qos)
+        for topic, payload, retained_qos in retained:
+            self._enqueue(topic, payload, retained_qos, [(session, retained_qos)], flags=FLAG_RETAIN)
         self.committer.put(session_key(client_id), session.record.encode())
         await self.committer.commit(urgent=True)
 
@@ -470,13 +507,6 @@ class DurableEngine:
         sessions = self.sessions
         chosen = [(sessions[c], q) for c, q in targets.items() if c in sessions]  # one may just have gone
         return self._enqueue(topic, payload, qos, chosen, flags=0)
-
-    def enqueue_retained(self, client_id: str, topic: str, payload: bytes, qos: int) -> asyncio.Future[None] | None:
-        """A retained message due to a new subscription, queued behind what is already there."""
-        session = self.sessions.get(client_id)
-        if session is None:
-            return None
-        return self._enqueue(topic, payload, qos, [(session, qos)], flags=FLAG_RETAIN)
 
     def _enqueue(
         self, topic: str, payload: bytes, qos: int, targets: list[tuple[DurableSession, int]], flags: int

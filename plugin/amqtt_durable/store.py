@@ -76,6 +76,10 @@ def entry_key(sid: int, seq: int) -> bytes:
     return b"q" + _U64.pack(sid) + _U64.pack(seq)
 
 
+def sid_of_entry_key(key: bytes) -> int:
+    return int(_U64.unpack_from(key, 1)[0])
+
+
 def seq_of_entry_key(key: bytes) -> int:
     return int(_U64.unpack_from(key, 9)[0])
 

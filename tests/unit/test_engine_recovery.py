@@ -1,0 +1,61 @@
+"""DurableEngine start-up recovery against a real LevelDB store, without a broker."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from amqtt_durable.config import DurableConfig
+from amqtt_durable.engine import DurableEngine, droppable
+from amqtt_durable.store import (
+    FLAG_RELEASED,
+    FLAG_SHARED,
+    Body,
+    Entry,
+    SessionRecord,
+    body_key,
+    encode_refs,
+    encode_totals,
+    entry_key,
+    open_store,
+    refs_key,
+    session_key,
+    totals_key,
+)
+
+
+def test_queue_entries_of_a_session_deleted_before_a_crash_are_removed_at_start(tmp_path: Path) -> None:
+    path = str(tmp_path / "store")
+    db = open_store(path)
+    db.put(session_key("alive"), SessionRecord("alive", 1).encode())
+    db.put(totals_key(1), encode_totals(1, 4, 0))
+    db.put(body_key(10), Body("t", b"kept", 1, 1.0).encode())
+    db.put(entry_key(1, 1), Entry(1, 10, 1, 0, 4).encode())
+    # sid 2: record already deleted, entries left behind; one body shared with sid 1
+    db.put(body_key(11), Body("t", b"gone", 1, 1.0).encode())
+    db.put(entry_key(2, 5), Entry(5, 11, 1, 0, 4).encode())
+    db.put(body_key(12), Body("t", b"both", 1, 1.0).encode())
+    db.put(refs_key(12), encode_refs(2))
+    db.put(entry_key(1, 2), Entry(2, 12, 1, FLAG_SHARED, 4).encode())
+    db.put(entry_key(2, 6), Entry(6, 12, 1, FLAG_SHARED, 4).encode())
+    db.close()
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=path))
+        engine.open()
+        await engine.close()
+
+    asyncio.run(main())
+    db = open_store(path, create=False)
+    try:
+        assert [key for key, _ in db.iterator(prefix=b"q")] == [entry_key(1, 1), entry_key(1, 2)]
+        assert db.get(body_key(11)) is None, "the orphan's own body goes with it"
+        assert db.get(body_key(12)) is not None, "a body another session still holds stays"
+        assert db.get(refs_key(12)) == encode_refs(1)
+    finally:
+        db.close()
+
+
+def test_a_qos2_entry_waiting_for_pubcomp_is_not_droppable() -> None:
+    assert droppable(Entry(1, 1, 2, 0, 1))
+    assert not droppable(Entry(1, 1, 2, FLAG_RELEASED, 1))
