@@ -55,6 +55,8 @@ from .store import (
 from .topics import SubscriptionIndex
 
 log = logging.getLogger("amqtt_durable")
+CONNECT_GRACE = 30.0
+"""Seconds between CONNACK and the start of delivery during which expiry leaves a session alone."""
 DELETE_CHUNK = 10_000
 
 
@@ -113,6 +115,7 @@ class DurableSession:
         self.bytes = 0
         self.dropped = 0
         self.uncommitted: dict[int, Entry] = {}
+        self.connecting_until = 0.0
         self.sent_mark = 0
         self.sent_max = 0
         self.replay_upto = 0
@@ -376,8 +379,9 @@ class DurableEngine:
                 await self.delete_session(existing)
             return False
         if existing is not None:
-            self.expiry.cancel(client_id)
-            existing.record.expires_at = None  # an expiry run already under way must spare it
+            # Spared by expiry until attach() cancels the deadline; a connection that dies before
+            # that (no attach, no detach) must not leave the session immortal, hence a time limit.
+            existing.connecting_until = time.time() + CONNECT_GRACE
             if existing.record.username != username:
                 existing.record.username = username
                 self._save_record(existing)
@@ -598,7 +602,10 @@ class DurableEngine:
                 session = self.sessions.get(client_id)
                 deadline = session.record.expires_at if session is not None else None
                 if session is None or session.connected or deadline is None or deadline > now:
-                    continue  # reconnected (or reconnecting) since the deadline was set
+                    continue  # reconnected since the deadline was set
+                if session.connecting_until > now:
+                    self.expiry.schedule(client_id, session.connecting_until)  # CONNACK sent, attach due
+                    continue
                 disconnected_at = session.record.disconnected_at
                 dropped = await self.delete_session(session)
                 self.expired_total += 1

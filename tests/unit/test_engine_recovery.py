@@ -59,3 +59,24 @@ def test_queue_entries_of_a_session_deleted_before_a_crash_are_removed_at_start(
 def test_a_qos2_entry_waiting_for_pubcomp_is_not_droppable() -> None:
     assert droppable(Entry(1, 1, 2, 0, 1))
     assert not droppable(Entry(1, 1, 2, FLAG_RELEASED, 1))
+
+
+def test_expiry_spares_a_session_between_connack_and_delivery_but_not_forever(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), session_expiry=0.0))
+        engine.open()
+        assert await engine.connect("dev", clean_session=False) is False
+        session = engine.sessions["dev"]
+        session.record.expires_at = 1.0  # long past, as if it had been disconnected
+        engine.expiry.schedule("dev", 1.0)
+        assert await engine.connect("dev", clean_session=False) is True  # CONNACK on its way
+        await engine._expire_due()
+        assert "dev" in engine.sessions, "a session whose CONNACK was just sent must not expire"
+        assert engine.expiry.deadline("dev") == session.connecting_until
+        session.connecting_until = 0.0  # the connection died before delivery started
+        engine.expiry.schedule("dev", 1.0)
+        await engine._expire_due()
+        assert "dev" not in engine.sessions, "a connection that never started delivery must not keep it alive"
+        await engine.close()
+
+    asyncio.run(main())
