@@ -305,13 +305,19 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         """
         if not broker.plugins_manager._topic_plugins:
             return None
+        if len(acl_sessions) > 2 * len(engine.sessions) + 64:  # forget stand-ins of deleted sessions
+            for gone in [cid for cid in acl_sessions if cid not in engine.sessions]:
+                del acl_sessions[gone]
         allowed: dict[str, int] = {}
         for client_id, qos in engine.index.route(topic).items():
+            durable = engine.sessions.get(client_id)
+            if durable is None:
+                continue  # deleted while an earlier check awaited
             stand_in = acl_sessions.get(client_id)
             if stand_in is None:
                 stand_in = acl_sessions[client_id] = Session()
                 stand_in.client_id = client_id
-            stand_in.username = engine.sessions[client_id].record.username
+            stand_in.username = durable.record.username
             if await broker._topic_filtering(stand_in, topic, Action.RECEIVE):
                 allowed[client_id] = qos
         return allowed
