@@ -439,6 +439,9 @@ class DurableEngine:
         store holds exactly its entries (none half-written, none already removed) when they go.
         """
         self.sessions.pop(session.client_id, None)
+        # Its record goes first, before any await: a crash midway leaves no half session to come
+        # back, and a new session of the same client id, created meanwhile, writes its record after.
+        self.committer.delete(session_key(session.client_id))
         self.expiry.cancel(session.client_id)
         for topic_filter in session.record.subscriptions:
             self.index.remove(session.client_id, topic_filter)
@@ -448,8 +451,6 @@ class DurableEngine:
         committer = self.committer
         await committer.commit(urgent=True)
         self._dirty.discard(session)
-        # Its record goes in the first batch: a crash midway leaves no half session to come back.
-        committer.delete(session_key(session.client_id))
         dropped = 0
         while True:
             # In chunks, yielding between them: a million-message queue must not stall the broker.

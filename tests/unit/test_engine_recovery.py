@@ -80,3 +80,24 @@ def test_expiry_spares_a_session_between_connack_and_delivery_but_not_forever(tm
         await engine.close()
 
     asyncio.run(main())
+
+
+def test_a_session_recreated_while_the_old_one_is_being_deleted_keeps_its_record(tmp_path: Path) -> None:
+    path = str(tmp_path / "store")
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=path))
+        engine.open()
+        await engine.connect("dev", clean_session=False)
+        deleting = asyncio.get_running_loop().create_task(engine.delete_session(engine.sessions["dev"]))
+        await asyncio.sleep(0)  # the deletion is under way, waiting for its first write
+        assert await engine.connect("dev", clean_session=False) is False  # a new session, same client id
+        await deleting
+        await engine.close()
+
+    asyncio.run(main())
+    db = open_store(path, create=False)
+    try:
+        assert db.get(session_key("dev")) is not None, "the new session's record must survive the old one's deletion"
+    finally:
+        db.close()
