@@ -8,6 +8,8 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from conftest import HOST, WAIT, Broker, Client, free_port, payloads
 
 
@@ -57,8 +59,16 @@ def test_topic_acl_plugin_applies_to_durable_sessions(
     assert not sub.wait_for(lambda ms: len(ms) > 50, timeout=0.5), "a publish the ACL refuses is never queued"
 
 
-def test_pubacks_come_in_publish_order(broker: Broker, clients: Callable[..., Client]) -> None:
-    """MQTT-4.6.0-2: with and without durable subscribers, PUBACKs follow the PUBLISH order."""
+@pytest.mark.parametrize("amqtt_reader", [False, True], ids=["plugin-reader", "amqtt-reader"])
+def test_pubacks_come_in_publish_order(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], amqtt_reader: bool
+) -> None:
+    """MQTT-4.6.0-2: with and without durable subscribers, PUBACKs follow the PUBLISH order, also on
+    amqtt's own reader (used when a topic-filter plugin is loaded)."""
+    broker = broker_factory(start=False)
+    if amqtt_reader:
+        broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
+    broker.start()
     sub = clients(broker.port, "durable")
     sub.subscribe("ordered/with", 1)
     sock = socket.create_connection((HOST, broker.port), timeout=WAIT)

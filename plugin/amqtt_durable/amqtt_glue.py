@@ -326,12 +326,15 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         handler, session = await original_initialize(*args)
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
+        handler.durable_acks = OrderedAcks(handler.durable_transport)
         _wrap_handler(broker, engine, handler, session, amqtt_wants=amqtt_wants, receivers=receivers)
         handler._reader_loop = FastReader(broker, engine, handler, session, amqtt_wants).run
         return handler, session
 
     async def client_message_loop(session: Any, handler: Any) -> None:
-        durable = engine.is_durable(session.client_id)
+        # By what this connection's CONNECT asked for: a clean connection must never drive the
+        # durable session of the same client id that another connection created meanwhile.
+        durable = not handler.connect_clean_session and engine.is_durable(session.client_id)
         transport: HandlerTransport = handler.durable_transport
         if durable:
             await engine.attach(session.client_id, transport)
@@ -435,6 +438,19 @@ def _malformed_publish(packet: Any, topic: str, data: bytes) -> str | None:
     return None
 
 
+def _ack_interceptor(
+    handler: Any, kind: AckKind, original: Callable[[Any], Awaitable[None]]
+) -> Callable[[Any], Awaitable[None]]:
+    """Acks of pump-sent messages go to the pump; any other to amqtt's waiters."""
+
+    async def handle_ack(packet: Any) -> None:
+        packet_id = packet.variable_header.packet_id if kind == "puback" else packet.packet_id
+        if not handler.durable_transport.take_ack(kind, packet_id):
+            await original(packet)
+
+    return handle_ack
+
+
 def _wrap_handler(
     broker: Any,
     engine: DurableEngine,
@@ -463,28 +479,25 @@ def _wrap_handler(
             return
         qos = packet.qos or 0
         packet_id = packet.variable_header.packet_id if packet.variable_header else None
-        needs_amqtt = qos == 2 or amqtt_wants(topic, bool(packet.retain_flag))
+        retain = bool(packet.retain_flag)
         stored: asyncio.Future[None] | None = None
-        if not (qos == 2 and packet_id in session.inflight_in):  # a QoS 2 retransmission is stored once
-            async with ordering:  # FIFO per connection even when topic ACL checks yield
-                if await broker._topic_filtering(session, topic, Action.PUBLISH):
-                    stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic))
-        if stored is not None:
-            await stored  # durable in LevelDB before PUBACK / PUBREC
-        if needs_amqtt:
+        if qos == 2:  # amqtt's PUBREC / PUBREL flow, after the message is durable
+            if packet_id not in session.inflight_in:  # a retransmission is stored once
+                async with ordering:
+                    if await broker._topic_filtering(session, topic, Action.PUBLISH):
+                        stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic))
+            if stored is not None:
+                await stored
             packet.payload.data = RoutedPayload(data)
             await original_publish(packet)
-        elif qos == 1 and packet_id is not None:
-            # Only durable sessions take it: amqtt's delivery path would cost and do nothing.
-            handler.durable_transport.write(encode_puback(packet_id))
-
-    def ack_interceptor(kind: AckKind, original: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
-        async def handle_ack(packet: Any) -> None:
-            packet_id = packet.variable_header.packet_id if kind == "puback" else packet.packet_id
-            if not handler.durable_transport.take_ack(kind, packet_id):
-                await original(packet)
-
-        return handle_ack
+            return
+        async with ordering:  # FIFO per connection even when topic ACL checks yield
+            if await broker._topic_filtering(session, topic, Action.PUBLISH):
+                stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic))
+            if amqtt_wants(topic, retain):
+                hand_to_amqtt(session, topic, data, qos, packet_id=packet_id, retain=retain)
+        if qos == 1 and packet_id is not None:
+            handler.durable_acks.add(stored, packet_id)  # in PUBLISH order, once durable
 
     async def connack_authorize(authorize: bool) -> None:
         if authorize and session.client_id:
@@ -499,9 +512,17 @@ def _wrap_handler(
 
     handler.handle_publish = handle_publish
     handler.mqtt_connack_authorize = connack_authorize
-    handler.handle_puback = ack_interceptor("puback", handler.handle_puback)
-    handler.handle_pubrec = ack_interceptor("pubrec", handler.handle_pubrec)
-    handler.handle_pubcomp = ack_interceptor("pubcomp", handler.handle_pubcomp)
+    handler.handle_puback = _ack_interceptor(handler, "puback", handler.handle_puback)
+    handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
+    handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
+
+
+def hand_to_amqtt(session: Any, topic: str, payload: bytes, qos: int, *, packet_id: int | None, retain: bool) -> None:
+    """Give an already-queued publish to amqtt's own delivery (clean subscribers, retain, events),
+    as amqtt's QoS 0/1 flow would, without its PUBACK: the plugin acknowledges in order itself."""
+    message = IncomingApplicationMessage(packet_id, topic, qos, RoutedPayload(payload), retain)
+    message.publish_packet = PublishPacket.build(topic, payload, packet_id, False, qos, retain)
+    session.delivered_message_queue.put_nowait(message)
 
 
 class OrderedAcks:
@@ -552,7 +573,7 @@ class FastReader:
         self._amqtt_wants = amqtt_wants
         self._original_loop = handler._reader_loop
         self._transport: HandlerTransport = handler.durable_transport
-        self._acks = OrderedAcks(self._transport)
+        self._acks: OrderedAcks = handler.durable_acks
         self._running: deque[asyncio.Task[None]] = deque()
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
@@ -577,9 +598,7 @@ class FastReader:
         retain = bool(flags & 0x01)
         stored = self._engine.route_publish(topic, payload, qos)
         if self._amqtt_wants(topic, retain):
-            message = IncomingApplicationMessage(packet_id or None, topic, qos, RoutedPayload(payload), retain)
-            message.publish_packet = PublishPacket.build(topic, payload, packet_id or None, False, qos, retain)
-            self._session.delivered_message_queue.put_nowait(message)
+            hand_to_amqtt(self._session, topic, payload, qos, packet_id=packet_id or None, retain=retain)
         if qos:
             self._acks.add(stored, packet_id)
         return True

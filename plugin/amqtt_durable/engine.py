@@ -116,6 +116,7 @@ class DurableSession:
         self.dropped = 0
         self.uncommitted: dict[int, Entry] = {}
         self.connecting_until = 0.0
+        self.deleted = False
         self.sent_mark = 0
         self.sent_max = 0
         self.replay_upto = 0
@@ -162,15 +163,21 @@ class DurableSession:
 
     async def advance_sent_mark(self, mark: int) -> None:
         """Persist 'entries up to ``mark`` may have been sent' before sending them (DUP after a crash)."""
+        if self.deleted:
+            return
         self.sent_mark = mark
         self.engine.committer.put(sent_mark_key(self.sid), encode_u64(mark))
         await self.engine.committer.commit(urgent=True)
 
     def mark_released(self, entry: Entry) -> None:
+        if self.deleted:
+            return
         self.engine.committer.put(entry_key(self.sid, entry.seq), entry.encode())
         self.engine.committer.flush_soon()
 
     def remove_entry(self, entry: Entry) -> None:
+        if self.deleted:
+            return  # delete_session removes every entry, exactly once
         committer = self.engine.committer
         committer.delete(entry_key(self.sid, entry.seq))
         self.engine.removing.add((self.sid, entry.seq))
@@ -406,6 +413,8 @@ class DurableEngine:
         # Acks and drops of the previous connection may still be pending: the pump reads the
         # store, so let it see them.
         await self.committer.commit(urgent=True)
+        if session.deleted:
+            return  # a clean CONNECT of the same client id removed it meanwhile
         session.transport = transport
         session.limits.on_connect(session.depth)
         self.expiry.cancel(client_id)
@@ -424,6 +433,8 @@ class DurableEngine:
         pump, session.pump, session.transport = session.pump, None, None
         if pump is not None:
             await pump.stop()
+        if session.deleted:
+            return
         session.limits.on_disconnect()
         now = time.time()
         session.record.disconnected_at = now
@@ -438,6 +449,7 @@ class DurableEngine:
         The session stops taking messages first; then everything pending is written, so the
         store holds exactly its entries (none half-written, none already removed) when they go.
         """
+        session.deleted = True  # from now on nothing writes for it: acks, records, totals
         self.sessions.pop(session.client_id, None)
         # Its record goes first, before any await: a crash midway leaves no half session to come
         # back, and a new session of the same client id, created meanwhile, writes its record after.
@@ -450,7 +462,6 @@ class DurableEngine:
             await pump.stop()
         committer = self.committer
         await committer.commit(urgent=True)
-        self._dirty.discard(session)
         dropped = 0
         while True:
             # In chunks, yielding between them: a million-message queue must not stall the broker.
@@ -469,6 +480,8 @@ class DurableEngine:
         return dropped
 
     def _save_record(self, session: DurableSession) -> None:
+        if session.deleted:
+            return
         self.committer.put(session_key(session.client_id), session.record.encode())
         self.committer.flush_soon()
 
@@ -563,7 +576,8 @@ class DurableEngine:
         self.committer.delete(refs_key(msg_id))
 
     def totals_changed(self, session: DurableSession) -> None:
-        self._dirty.add(session)
+        if not session.deleted:
+            self._dirty.add(session)
 
     def _before_flush(self) -> None:
         self.removing.seal()

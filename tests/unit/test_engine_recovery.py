@@ -101,3 +101,35 @@ def test_a_session_recreated_while_the_old_one_is_being_deleted_keeps_its_record
         assert db.get(session_key("dev")) is not None, "the new session's record must survive the old one's deletion"
     finally:
         db.close()
+
+
+class SilentTransport:
+    """A connection that takes bytes and never acknowledges: enough for the engine's bookkeeping."""
+
+    closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written = data
+
+    async def drain(self) -> None:
+        return None
+
+    def expect_ack(self, kind: str, packet_id: int, on_ack: object) -> None:
+        return None
+
+
+def test_a_connection_attaching_while_its_session_is_deleted_gets_no_pump(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store")))
+        engine.open()
+        await engine.connect("dev", clean_session=False)
+        session = engine.sessions["dev"]
+        attaching = asyncio.get_running_loop().create_task(engine.attach("dev", SilentTransport()))
+        await asyncio.sleep(0)  # attach waits for its commit
+        await engine.delete_session(session)  # a clean CONNECT of the same client id
+        await attaching
+        assert session.pump is None and session.transport is None
+        assert "dev" not in engine.sessions
+        await engine.close()
+
+    asyncio.run(main())
