@@ -42,8 +42,8 @@ from .store import (
     iter_entries,
     iter_sessions,
     last_msg_id,
-    last_queue_sid,
     last_seq,
+    last_sid,
     open_store,
     queue_prefix,
     refs_key,
@@ -228,14 +228,17 @@ class DurableSession:
         else:
             start = pump.next_fill_seq if pump is not None else self.head_seq
             removing = self.engine.removing
-            stored = iter_entries(self.engine.db, self.sid, start)
-            found = next((e for e in stored if (self.sid, e.seq) not in removing and droppable(e)), None)
+            live = (e for e in iter_entries(self.engine.db, self.sid, start) if (self.sid, e.seq) not in removing)
+            first = found = next(live, None)
+            while found is not None and not droppable(found):
+                found = next(live, None)
             if found is not None and found.seq <= self.committed_tail:
                 victim = found
-                if pump is not None:
-                    pump.next_fill_seq = victim.seq + 1
-                else:
-                    self.head_seq = victim.seq + 1
+                if victim is first:  # nothing still due before it: later scans may start after it
+                    if pump is not None:
+                        pump.next_fill_seq = victim.seq + 1
+                    else:
+                        self.head_seq = victim.seq + 1
             elif self.uncommitted:
                 victim = self.uncommitted.pop(next(iter(self.uncommitted)))
             else:
@@ -313,7 +316,8 @@ class DurableEngine:
         self.committer.before_flush = self._before_flush
         self.committer.after_write = self.removing.written
         self._next_msg_id = last_msg_id(self.db) + 1
-        self._next_sid = last_queue_sid(self.db) + 1  # also past queues a crash left without a record
+        # Also past queues and totals a crash left without a record: a sid is never reused.
+        self._next_sid = max(last_sid(self.db, prefix) for prefix in (b"q", b"t", b"w")) + 1
         now = time.time()
         for record in iter_sessions(self.db):
             session = DurableSession(self, record)
@@ -351,7 +355,7 @@ class DurableEngine:
         while True:
             key = next(self.db.iterator(start=queue_prefix(sid), stop=b"r", include_value=False), None)
             if key is None:
-                return
+                break
             sid = sid_of_entry_key(key)
             if sid not in known:
                 dropped = 0
@@ -359,10 +363,12 @@ class DurableEngine:
                     self.committer.delete(entry_key(sid, entry.seq))
                     self.release_body(entry)
                     dropped += 1
-                self.committer.delete(totals_key(sid))
-                self.committer.delete(sent_mark_key(sid))
                 log.warning("store: deleted %d queue entries of a session deleted before a crash", dropped)
             sid += 1
+        for prefix in (b"t", b"w"):  # totals and sent marks outlive their queue in such a crash
+            for key in self.db.iterator(prefix=prefix, include_value=False):
+                if sid_of_entry_key(key) not in known:
+                    self.committer.delete(key)
 
     def start_timers(self) -> None:
         self._arm_expiry()

@@ -279,9 +279,9 @@ def iter_sessions(db: Any) -> Iterator[SessionRecord]:
         yield SessionRecord.decode(key[1:].decode("utf-8"), value)
 
 
-def last_queue_sid(db: Any) -> int:
-    """The highest session number that has queue entries (0: none)."""
-    for key in db.iterator(prefix=b"q", reverse=True, include_value=False):
+def last_sid(db: Any, prefix: bytes) -> int:
+    """The highest session number under a per-session prefix (b"q", b"t", b"w"); 0 for none."""
+    for key in db.iterator(prefix=prefix, reverse=True, include_value=False):
         return int(_U64.unpack_from(key, 1)[0])
     return 0
 

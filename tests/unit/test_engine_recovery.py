@@ -16,9 +16,11 @@ from amqtt_durable.store import (
     body_key,
     encode_refs,
     encode_totals,
+    encode_u64,
     entry_key,
     open_store,
     refs_key,
+    sent_mark_key,
     session_key,
     totals_key,
 )
@@ -38,11 +40,14 @@ def test_queue_entries_of_a_session_deleted_before_a_crash_are_removed_at_start(
     db.put(refs_key(12), encode_refs(2))
     db.put(entry_key(1, 2), Entry(2, 12, 1, FLAG_SHARED, 4).encode())
     db.put(entry_key(2, 6), Entry(6, 12, 1, FLAG_SHARED, 4).encode())
+    db.put(totals_key(7), encode_totals(1000, 4000, 0))  # totals and sent mark of sessions whose
+    db.put(sent_mark_key(8), encode_u64(500))  # deletion a crash cut short after their queue went
     db.close()
 
     async def main() -> None:
         engine = DurableEngine(DurableConfig(store=path))
         engine.open()
+        assert engine._next_sid > 8, "a session number with leftovers in the store is never reused"
         await engine.close()
 
     asyncio.run(main())
@@ -52,6 +57,7 @@ def test_queue_entries_of_a_session_deleted_before_a_crash_are_removed_at_start(
         assert db.get(body_key(11)) is None, "the orphan's own body goes with it"
         assert db.get(body_key(12)) is not None, "a body another session still holds stays"
         assert db.get(refs_key(12)) == encode_refs(1)
+        assert db.get(totals_key(7)) is None and db.get(sent_mark_key(8)) is None
     finally:
         db.close()
 
@@ -130,6 +136,29 @@ def test_a_connection_attaching_while_its_session_is_deleted_gets_no_pump(tmp_pa
         await attaching
         assert session.pump is None and session.transport is None
         assert "dev" not in engine.sessions
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_drop_oldest_keeps_a_qos2_entry_awaiting_pubcomp_reachable(tmp_path: Path) -> None:
+    path = str(tmp_path / "store")
+    db = open_store(path)
+    db.put(session_key("dev"), SessionRecord("dev", 1, {"t": 2}, expires_at=9e18).encode())
+    for seq, flags in ((1, FLAG_RELEASED), (2, 0), (3, 0)):
+        db.put(body_key(seq), Body("t", b"m%d" % seq, 2, 1.0).encode())
+        db.put(entry_key(1, seq), Entry(seq, seq, 2, flags, 2).encode())
+    db.put(totals_key(1), encode_totals(3, 6, 0))
+    db.close()
+
+    async def main() -> None:
+        config = DurableConfig(store=path, max_depth=3, max_depth_disconnected=3, overflow="drop-oldest")
+        engine = DurableEngine(config)
+        engine.open()
+        await engine.route_publish("t", b"new", 2)  # full: the oldest droppable one goes
+        session = engine.sessions["dev"]
+        entries, _ = session.read_entries(session.head_seq, session.committed_tail, 10)
+        assert [(e.seq, body.payload) for e, body in entries] == [(1, b"m1"), (3, b"m3"), (4, b"new")]
         await engine.close()
 
     asyncio.run(main())
