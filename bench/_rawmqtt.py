@@ -199,7 +199,11 @@ class RawConnection:
         return self.session_present
 
     def expect(self, packet_type: int, timeout: float) -> bytes:
-        """Read packets until one of `packet_type` arrives; QoS1 PUBLISHes met on the way are acked."""
+        """Read packets until one of `packet_type` arrives; QoS1 PUBLISHes met before it are acked.
+
+        Packets after the one looked for stay in the buffer for the caller's receive loop (a broker
+        may send the first replayed PUBLISHes in the same segment as the CONNACK).
+        """
         end_at = time.monotonic() + timeout
         while True:
             packets, used = split_packets(self.buf)
@@ -207,9 +211,11 @@ class RawConnection:
             acks = bytearray()
             for first, start, end in packets:
                 ptype = first >> 4
-                if ptype == packet_type and found is None:
+                if ptype == packet_type:
                     found = bytes(self.buf[start:end])
-                elif ptype == PT_PUBLISH and (first >> 1) & 3 == 1:
+                    used = end
+                    break
+                if ptype == PT_PUBLISH and (first >> 1) & 3 == 1:
                     pid_at = start + 2 + ((self.buf[start] << 8) | self.buf[start + 1])
                     acks += b"\x40\x02" + self.buf[pid_at:pid_at + 2]
             del self.buf[:used]
@@ -527,6 +533,7 @@ def _receive(conn: RawConnection, spec: SubSpec, res: ReceiveResult, pipe: Conne
     last_progress = start
     next_pipe_check = start + 0.25
     sock.settimeout(0.25)
+    leftover = bool(buf)
     end = ""
     while True:
         if unique >= n:
@@ -547,15 +554,18 @@ def _receive(conn: RawConnection, spec: SubSpec, res: ReceiveResult, pipe: Conne
             if pipe.poll():
                 end = "stopped by the parent"
                 break
-        try:
-            data = sock.recv(RECV_SIZE)
-        except TimeoutError:
-            continue
-        if not data:
-            end = "connection closed by the broker"
-            break
+        if leftover:  # packets that came with the CONNACK / SUBACK are handled before any recv
+            leftover = False
+        else:
+            try:
+                data = sock.recv(RECV_SIZE)
+            except TimeoutError:
+                continue
+            if not data:
+                end = "connection closed by the broker"
+                break
+            buf += data
         t = now_ns()
-        buf += data
         acks = bytearray()
         packets, used = split_packets(buf)
         for first, pstart, pend in packets:
