@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from .store import repair_store
 
 PLUGIN_PATH = "amqtt_durable.DurableSessionsPlugin"
 EXIT_BAD_INPUT = 2
+GC_THRESHOLD = 100_000
 
 
 def plugin_section(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -70,6 +72,11 @@ async def _serve(config: dict[str, Any]) -> int:
     except Exception as exc:
         print(f"amqtt-durable: broker not started: {_root_cause(exc)}", file=sys.stderr)
         return 1
+    # Every message allocates a handful of short-lived objects; with CPython's default threshold
+    # the collector runs every 700 allocations and costs ~10% of the message rate. Objects that
+    # live as long as the broker are frozen out of its scans.
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, 50, 100)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
