@@ -284,6 +284,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     original_retained = broker._publish_retained_messages_for_subscription
     original_broadcast = broker._broadcast_message
     original_cleanup = broker._cleanup_session
+    original_shutdown = broker.shutdown
     shutting_down = False
 
     def amqtt_wants(topic: str, retain: bool) -> bool:
@@ -363,7 +364,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         granted = min(qos, max_qos) if isinstance(max_qos, int) else qos
         # Retained messages are queued with the subscription, before any live message can be.
         retained = [
-            (topic, bytes(message.data), min(granted, granted if message.qos is None else message.qos))
+            (topic, bytes(message.data), granted if message.qos is None else min(granted, message.qos))
             for topic, message in list(broker.retained_messages.items())
             if matches(topic, topic_filter)
         ]
@@ -397,12 +398,6 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
             engine.route_publish(topic, bytes(data), qos, await receivers(topic))
         await original_broadcast(session, topic, data, force_qos)
 
-    broker._initialize_client_session = initialize_client_session
-    broker._client_message_loop = client_message_loop
-    broker.add_subscription = add_subscription
-    broker._handle_unsubscription = handle_unsubscription
-    broker._publish_retained_messages_for_subscription = publish_retained_for_subscription
-
     async def cleanup_session(client_id: str) -> None:
         # amqtt's session monitor picks disconnected anonymous sessions, then cleans them up one
         # by one with awaits in between: a client that reconnected meanwhile would lose its new
@@ -417,7 +412,11 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         shutting_down = True
         await original_shutdown()
 
-    original_shutdown = broker.shutdown
+    broker._initialize_client_session = initialize_client_session
+    broker._client_message_loop = client_message_loop
+    broker.add_subscription = add_subscription
+    broker._handle_unsubscription = handle_unsubscription
+    broker._publish_retained_messages_for_subscription = publish_retained_for_subscription
     broker._broadcast_message = broadcast_message
     broker._cleanup_session = cleanup_session
     broker.shutdown = shutdown

@@ -152,11 +152,7 @@ class DurableSession:
             raw = db.get(body_key(entry.msg_id))
             if raw is None:
                 log.error("session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq)
-                self.engine.committer.delete(entry_key(self.sid, entry.seq))
-                removing.add((self.sid, entry.seq))
-                self.depth -= 1
-                self.bytes -= entry.size
-                self.engine.totals_changed(self)
+                self.remove_entry(entry)
                 continue
             out.append((entry, Body.decode(raw)))
         return out, (last_seq_looked if looked >= limit else None)
@@ -358,11 +354,7 @@ class DurableEngine:
                 break
             sid = sid_of_entry_key(key)
             if sid not in known:
-                dropped = 0
-                for entry in iter_entries(self.db, sid):
-                    self.committer.delete(entry_key(sid, entry.seq))
-                    self.release_body(entry)
-                    dropped += 1
+                dropped = self._delete_entries(sid)
                 log.warning("store: deleted %d queue entries of a session deleted before a crash", dropped)
             sid += 1
         for prefix in (b"t", b"w"):  # totals and sent marks outlive their queue in such a crash
@@ -471,19 +463,26 @@ class DurableEngine:
         dropped = 0
         while True:
             # In chunks, yielding between them: a million-message queue must not stall the broker.
-            chunk = list(iter_entries(self.db, session.sid, 0, DELETE_CHUNK))
-            for entry in chunk:
-                committer.delete(entry_key(session.sid, entry.seq))
-                self.release_body(entry)
-            dropped += len(chunk)
+            deleted = self._delete_entries(session.sid, DELETE_CHUNK)
+            dropped += deleted
             await committer.commit(urgent=True)
-            if len(chunk) < DELETE_CHUNK:
+            if deleted < DELETE_CHUNK:
                 break
         self._dirty.discard(session)
         committer.delete(totals_key(session.sid))
         committer.delete(sent_mark_key(session.sid))
         await committer.commit(urgent=True)
         return dropped
+
+    def _delete_entries(self, sid: int, limit: int | None = None) -> int:
+        """Queue the deletion of a session's first ``limit`` stored entries (all by default), with
+        their bodies' references; returns how many."""
+        count = 0
+        for entry in iter_entries(self.db, sid, 0, limit):
+            self.committer.delete(entry_key(sid, entry.seq))
+            self.release_body(entry)
+            count += 1
+        return count
 
     def _save_record(self, session: DurableSession) -> None:
         if session.deleted:
@@ -504,7 +503,7 @@ class DurableEngine:
         self.index.add(client_id, topic_filter, qos)
         for topic, payload, retained_qos in retained:
             self._enqueue(topic, payload, retained_qos, [(session, retained_qos)], flags=FLAG_RETAIN)
-        self.committer.put(session_key(client_id), session.record.encode())
+        self._save_record(session)
         await self.committer.commit(urgent=True)
 
     def unsubscribe(self, client_id: str, topic_filter: str) -> None:
