@@ -138,6 +138,27 @@ def split_packets(buf: bytearray) -> tuple[list[tuple[int, int, int]], int]:
     return packets, pos
 
 
+def take_pubacks(buf: bytearray, outstanding: bytearray) -> tuple[int, int, int, bool]:
+    """Consume the complete packets at the start of `buf`, clearing `outstanding[pid]` per PUBACK.
+
+    Returns (PUBACKs for outstanding ids, stray PUBACKs, other packets, whether any packet was read).
+    """
+    packets, used = split_packets(buf)
+    acked = stray = other = 0
+    for first, start, _end in packets:
+        if first == 0x40:
+            pid = (buf[start] << 8) | buf[start + 1]
+            if outstanding[pid]:
+                outstanding[pid] = 0
+                acked += 1
+            else:
+                stray += 1
+        else:
+            other += 1
+    del buf[:used]
+    return acked, stray, other, bool(packets)
+
+
 class PublishEncoder:
     """n QoS1 PUBLISH packets to one topic, pre-encoded back to back in one buffer.
 
@@ -360,20 +381,12 @@ def _publish(conn: RawConnection, enc: PublishEncoder, inflight: int, timeout: f
             error = "connection closed by the broker"
             break
         buf += data
-        packets, used = split_packets(buf)
-        for first, start, _end in packets:
-            if first == 0x40:
-                pid = (buf[start] << 8) | buf[start + 1]
-                if outstanding[pid]:
-                    outstanding[pid] = 0
-                    acked += 1
-                else:
-                    stray += 1
-            else:
-                other += 1
-        if packets:
+        new_acks, new_stray, new_other, any_packet = take_pubacks(buf, outstanding)
+        acked += new_acks
+        stray += new_stray
+        other += new_other
+        if any_packet:
             t_last_ack = now_ns()
-        del buf[:used]
         if now_mono >= next_report:
             next_report = now_mono + progress_every
             log(f"    ... {sent:,} sent, {acked:,} acked")
@@ -747,14 +760,7 @@ def _sink_source(sock: socket.socket, buf: bytearray, n: int, tag: bytes, window
         if not data:
             return
         buf += data
-        packets, used = split_packets(buf)
-        for first, start, _end in packets:
-            if first == 0x40:
-                pid = (buf[start] << 8) | buf[start + 1]
-                if outstanding[pid]:
-                    outstanding[pid] = 0
-                    acked += 1
-        del buf[:used]
+        acked += take_pubacks(buf, outstanding)[0]
 
 
 def _sink_serve(sock: socket.socket, window: int) -> None:
