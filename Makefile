@@ -25,7 +25,7 @@ test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m 'not slow'
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check plugin tests bench
+	$(VENV)/bin/ruff check plugin client_sdk tests bench examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)

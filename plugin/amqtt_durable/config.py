@@ -13,10 +13,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from durable_client.protocol import MAX_STREAM_WINDOW
+
 from .errors import ConfigError
+from .topics import filter_is_valid
 
 OverflowPolicy = Literal["drop-oldest", "drop-newest"]
 OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
+STREAM_KEYS = ("filter", "max_count", "max_age")
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """One entry of ``streams``: topics whose messages are also kept in a log per topic."""
+
+    filter: str
+    """Topic filter; every topic it matches gets its own log with ids 1, 2, 3, ..."""
+
+    max_count: int = 100_000
+    """Events kept per topic; the oldest go first."""
+
+    max_age: float = 0.0
+    """Seconds an event is kept; 0 keeps events until max_count pushes them out."""
 
 
 @dataclass
@@ -64,6 +82,18 @@ class DurableConfig:
     drop_log_interval: float = 10.0
     """Seconds between two overflow warnings of one session (drops are always counted)."""
 
+    max_session_expiry: float = 604_800.0
+    """Longest session expiry an SDK client may ask for in its hello (seconds); longer asks are capped."""
+
+    streams: list[StreamConfig] = dataclasses.field(default_factory=list)
+    """Stream logs for stateless resume: a list of {filter, max_count, max_age}."""
+
+    stream_window: int = 1
+    """Stream events in flight per topic before the client's ack (a client may ask for up to 1000)."""
+
+    stream_ack_timeout: float = 5.0
+    """Seconds before an unacknowledged stream event is sent again."""
+
     def __post_init__(self) -> None:
         _check_ranges(self)
 
@@ -96,13 +126,56 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
         raise ConfigError(key, f"expected a number, got {value!r}")
+    if kind == "list[StreamConfig]":
+        return _streams(key, value)
     if kind == "OverflowPolicy":
         if value in OVERFLOW_POLICIES:
             return value
         raise ConfigError(key, f"expected one of {', '.join(OVERFLOW_POLICIES)}, got {value!r}")
     if isinstance(value, str) and value:
         return value
-    raise ConfigError(key, f"expected a non-empty folder path, got {value!r}")
+    what = "topic filter" if kind == "topic filter" else "folder path"
+    raise ConfigError(key, f"expected a non-empty {what}, got {value!r}")
+
+
+def _streams(key: str, value: Any) -> list[StreamConfig]:
+    if not isinstance(value, list):
+        raise ConfigError(key, f"expected a list of {{filter, max_count, max_age}} entries, got {value!r}")
+    streams = []
+    for index, entry in enumerate(value):
+        where = f"{key}[{index}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(where, f"expected a mapping with {', '.join(STREAM_KEYS)}, got {entry!r}")
+        unknown = [str(k) for k in entry if k not in STREAM_KEYS]
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}", f"unknown setting; accepted are {', '.join(STREAM_KEYS)}")
+        if "filter" not in entry:
+            raise ConfigError(f"{where}.filter", "missing; every stream names the topic filter it logs")
+        streams.append(
+            StreamConfig(
+                filter=_coerce(f"{where}.filter", entry["filter"], "topic filter"),
+                max_count=_coerce(f"{where}.max_count", entry.get("max_count", 100_000), "int"),
+                max_age=_coerce(f"{where}.max_age", entry.get("max_age", 0.0), "float"),
+            )
+        )
+    return streams
+
+
+def _check_streams(streams: list[StreamConfig]) -> None:
+    seen: set[str] = set()
+    for index, stream in enumerate(streams):
+        where = f"streams[{index}]"
+        if not filter_is_valid(stream.filter) or stream.filter.startswith(("$", "_durable/")):
+            raise ConfigError(
+                f"{where}.filter", f"{stream.filter!r} is not a valid topic filter outside $ and _durable/ topics"
+            )
+        if stream.filter in seen:
+            raise ConfigError(f"{where}.filter", f"{stream.filter!r} is listed twice")
+        seen.add(stream.filter)
+        if stream.max_count < 1:
+            raise ConfigError(f"{where}.max_count", f"must be at least 1, got {stream.max_count!r}")
+        if not math.isfinite(stream.max_age) or stream.max_age < 0:
+            raise ConfigError(f"{where}.max_age", f"must be finite seconds, 0 or more, got {stream.max_age!r}")
 
 
 def _check_ranges(config: DurableConfig) -> None:
@@ -121,7 +194,12 @@ def _check_ranges(config: DurableConfig) -> None:
             "max_depth_disconnected",
             f"must be >= max_depth ({config.max_depth}), got {config.max_depth_disconnected}",
         )
-    for key in ("session_expiry", "batch_delay_ms", "metrics_interval", "drop_log_interval"):
+    if not 1 <= config.stream_window <= MAX_STREAM_WINDOW:
+        raise ConfigError("stream_window", f"must be between 1 and {MAX_STREAM_WINDOW}, got {config.stream_window!r}")
+    if config.stream_ack_timeout <= 0 or not math.isfinite(config.stream_ack_timeout):
+        raise ConfigError("stream_ack_timeout", f"must be a finite number above 0, got {config.stream_ack_timeout!r}")
+    _check_streams(config.streams)
+    for key in ("session_expiry", "batch_delay_ms", "metrics_interval", "drop_log_interval", "max_session_expiry"):
         value = getattr(config, key)
         if not math.isfinite(value) or value < 0:
             raise ConfigError(key, f"must be a finite number, 0 or more, got {value!r}")

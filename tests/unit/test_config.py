@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from amqtt_durable.config import OVERFLOW_POLICIES, DurableConfig
+from amqtt_durable.config import OVERFLOW_POLICIES, DurableConfig, StreamConfig
 from amqtt_durable.errors import ConfigError
 
 # key -> (a good value, bad-type values, out-of-range values)
@@ -26,6 +26,10 @@ CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
     "pending_threshold": (1, [1.5, "100", False, None], [0, -100]),
     "metrics_interval": (0, ["10", True, None], [-1, -0.1]),
     "drop_log_interval": (0.5, ["10", False, None], [-1]),
+    "max_session_expiry": (3600, ["1h", True, None], [-1]),
+    "streams": ([{"filter": "a/#", "max_count": 5, "max_age": 60}], ["a/#", 5, {"filter": "a/#"}, None], []),
+    "stream_window": (1000, [1.5, "1", True, None], [0, 1001]),
+    "stream_ack_timeout": (0.5, ["5", True, None], [0, -1]),
 }
 
 FLOAT_KEYS = [f.name for f in dataclasses.fields(DurableConfig) if f.type == "float"]
@@ -69,7 +73,9 @@ def test_every_good_value_is_accepted() -> None:
     raw = {key: good for key, (good, _, _) in CASES.items()}
     config = DurableConfig.from_mapping(raw)
     for key, value in raw.items():
-        assert getattr(config, key) == value
+        if key != "streams":
+            assert getattr(config, key) == value
+    assert config.streams == [StreamConfig("a/#", max_count=5, max_age=60.0)]
 
 
 @pytest.mark.parametrize("key", FLOAT_KEYS)
@@ -216,3 +222,32 @@ def test_config_error_message_format() -> None:
     assert str(error) == "amqtt_durable config: 'max_depth': must be at least 1, got 0"
     assert error.key == "max_depth"
     assert error.problem == "must be at least 1, got 0"
+
+
+def test_a_stream_takes_defaults_for_its_limits() -> None:
+    config = DurableConfig.from_mapping({"streams": [{"filter": "telemetry/+"}]})
+    assert config.streams == [StreamConfig("telemetry/+", max_count=100_000, max_age=0.0)]
+
+
+@pytest.mark.parametrize(
+    ("streams", "key", "words"),
+    [
+        ([5], "streams[0]", "expected a mapping"),
+        ([{"max_count": 5}], "streams[0].filter", "missing"),
+        ([{"filter": "a/#", "size": 5}], "streams[0].size", "unknown setting"),
+        ([{"filter": "a/#/b"}], "streams[0].filter", "not a valid topic filter"),
+        ([{"filter": "$SYS/#"}], "streams[0].filter", "not a valid topic filter"),
+        ([{"filter": "_durable/v1/ctl"}], "streams[0].filter", "not a valid topic filter"),
+        ([{"filter": ""}], "streams[0].filter", "non-empty topic filter"),
+        ([{"filter": "a"}, {"filter": "a"}], "streams[1].filter", "listed twice"),
+        ([{"filter": "a", "max_count": 0}], "streams[0].max_count", "at least 1"),
+        ([{"filter": "a", "max_count": "10"}], "streams[0].max_count", "whole number"),
+        ([{"filter": "a", "max_age": -1}], "streams[0].max_age", "0 or more"),
+        ([{"filter": "a", "max_age": math.inf}], "streams[0].max_age", "finite"),
+    ],
+)
+def test_bad_stream_entries_name_the_entry_and_field(streams: list[Any], key: str, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping({"streams": streams})
+    assert info.value.key == key
+    assert words in str(info.value)
