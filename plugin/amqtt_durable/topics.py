@@ -37,6 +37,32 @@ def matches(topic: str, topic_filter: str) -> bool:
     return len(topic_levels) == len(filter_levels)
 
 
+def filters_overlap(a: str, b: str) -> bool:
+    """True when some topic matches both filters (a stream subscription must reach a configured stream).
+
+    Walks the levels: '+' agrees with any single level, '#' with any rest (including none,
+    as "a/#" matches "a"), literals must be equal. MQTT-4.7.2-1: a topic starting with '$' is
+    matched only by filters whose first level is that literal, so a filter whose first level
+    is a '$' literal overlaps only filters with the same first level.
+    """
+    levels_a = a.split("/")
+    levels_b = b.split("/")
+    first_a, first_b = levels_a[0], levels_b[0]
+    for mine, other in ((first_a, first_b), (first_b, first_a)):
+        if mine.startswith("$") and other != mine:
+            return False
+    for index in range(max(len(levels_a), len(levels_b))):
+        level_a = levels_a[index] if index < len(levels_a) else None
+        level_b = levels_b[index] if index < len(levels_b) else None
+        if level_a == "#" or level_b == "#":
+            return True
+        if level_a is None or level_b is None:
+            return False
+        if level_a != level_b and "+" not in (level_a, level_b):
+            return False
+    return True
+
+
 class SubscriptionIndex:
     """Filters -> {client_id: qos}; exact filters by dict lookup, wildcard filters by matching.
 

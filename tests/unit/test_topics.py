@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from amqtt_durable.topics import SubscriptionIndex, filter_is_valid, matches, topic_is_valid
+from amqtt_durable.topics import SubscriptionIndex, filter_is_valid, filters_overlap, matches, topic_is_valid
 
 
 @pytest.mark.parametrize(
@@ -204,3 +206,64 @@ def test_route_result_is_a_copy() -> None:
     routed["intruder"] = 2
     routed["c1"] = 0
     assert index.route("t") == {"c1": 1}
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("a/+", "+/b"),
+        ("a/b", "a/b"),
+        ("a/#", "a"),  # '#' also matches the parent level
+        ("a/#", "a/b/c"),
+        ("#", "a/b"),
+        ("+/+", "a/b"),
+        ("+", "+"),
+        ("#", "#"),
+        ("a/+/c", "a/#"),
+        ("$SYS/#", "$SYS/x"),
+        ("$SYS/+", "$SYS/#"),
+        ("a/$x", "a/+"),  # '$' only matters in the first level
+        ("/+", "+/a"),
+    ],
+)
+def test_filters_overlap(a: str, b: str) -> None:
+    assert filters_overlap(a, b) is True
+    assert filters_overlap(b, a) is True
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("a/#", "b/#"),
+        ("a/b", "a/c"),
+        ("a/+", "a"),
+        ("a/+", "a/b/c"),
+        ("+", "a/b"),
+        ("a", "A"),
+        # MQTT-4.7.2-1: leading wildcards never match '$' topics
+        ("#", "$SYS/x"),
+        ("+/x", "$SYS/x"),
+        ("+", "$SYS"),
+        ("$SYS/#", "$OTHER/#"),
+        ("$SYS/#", "#"),
+    ],
+)
+def test_filters_do_not_overlap(a: str, b: str) -> None:
+    assert filters_overlap(a, b) is False
+    assert filters_overlap(b, a) is False
+
+
+def test_filters_overlap_agrees_with_matching_on_every_small_topic() -> None:
+    """Brute force: overlap holds exactly when some topic (of up to 4 levels) matches both."""
+    topic_levels = ["a", "b", "", "$x"]
+    topics = ["/".join(p) for n in range(1, 5) for p in itertools.product(topic_levels, repeat=n)]
+    filter_levels = ["a", "b", "+", "#", "$x"]
+    filters = [
+        f
+        for f in ("/".join(p) for n in range(1, 4) for p in itertools.product(filter_levels, repeat=n))
+        if filter_is_valid(f)
+    ]
+    for a in filters:
+        for b in filters:
+            expected = any(matches(t, a) and matches(t, b) for t in topics)
+            assert filters_overlap(a, b) is expected, (a, b)
