@@ -69,7 +69,10 @@ from amqtt.mqtt.publish import PublishPacket
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
 
+from durable_client.protocol import CONTROL_PREFIX
+
 from .config import DurableConfig
+from .control import ControlChannel
 from .delivery import AckKind
 from .engine import DurableEngine, ExpiredSession
 from .errors import DurableError, InternalsMismatchError
@@ -328,6 +331,9 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
         handler.durable_acks = OrderedAcks(handler.durable_transport)
+        handler.durable_control = ControlChannel(
+            engine, handler.durable_transport, session.client_id, handler.connect_clean_session
+        )
         _wrap_handler(broker, engine, handler, session, amqtt_wants=amqtt_wants, receivers=receivers)
         handler._reader_loop = FastReader(broker, engine, handler, session, amqtt_wants).run
         return handler, session
@@ -342,6 +348,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         try:
             await original_message_loop(session, handler)
         finally:
+            handler.durable_control.stop()
             # amqtt leaves the connection open when its loop ends on a bad PUBLISH topic.
             await handler.stop()
             if durable:
@@ -392,6 +399,8 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     async def broadcast_message(
         session: Any, topic: str | None, data: bytes | bytearray | None, force_qos: int | None = None
     ) -> None:
+        if topic is not None and topic.startswith(CONTROL_PREFIX):
+            return  # control traffic (a QoS 2 request, a will) never reaches subscribers
         if not isinstance(data, RoutedPayload) and topic is not None and data is not None:
             # No QoS given means "the subscription's", as amqtt's own broadcast does.
             qos = 2 if force_qos is None else force_qos
@@ -478,6 +487,9 @@ def _wrap_handler(
             return
         qos = packet.qos or 0
         packet_id = packet.variable_header.packet_id if packet.variable_header else None
+        if topic.startswith(CONTROL_PREFIX):
+            await _control_publish(handler, packet, original_publish)
+            return
         retain = bool(packet.retain_flag)
         stored: asyncio.Future[None] | None = None
         if qos == 2:  # amqtt's PUBREC / PUBREL flow, after the message is durable
@@ -514,6 +526,18 @@ def _wrap_handler(
     handler.handle_puback = _ack_interceptor(handler, "puback", handler.handle_puback)
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
+
+
+async def _control_publish(handler: Any, packet: Any, original_publish: Callable[[Any], Awaitable[None]]) -> None:
+    """A control request that came the slow way (QoS 2, or amqtt's reader): never routed."""
+    handler.durable_control.submit(packet.topic_name, bytes(packet.data))
+    qos = packet.qos or 0
+    if qos == 2:  # amqtt completes the exchange; the broadcast wrapper drops the message
+        packet.fixed_header.flags &= ~0x01  # and it is never retained
+        packet.payload.data = RoutedPayload(packet.data)
+        await original_publish(packet)
+    elif qos == 1 and packet.variable_header is not None:
+        handler.durable_acks.add(None, packet.variable_header.packet_id)
 
 
 def hand_to_amqtt(session: Any, topic: str, payload: bytes, qos: int, *, packet_id: int | None, retain: bool) -> None:
@@ -594,6 +618,11 @@ class FastReader:
         if qos and not packet_id:
             return False
         payload = body[start:]
+        if topic.startswith(CONTROL_PREFIX):
+            self._handler.durable_control.submit(topic, payload)
+            if qos:
+                self._acks.add(None, packet_id)
+            return True
         retain = bool(flags & 0x01)
         stored = self._engine.route_publish(topic, payload, qos)
         if self._amqtt_wants(topic, retain):

@@ -4,6 +4,10 @@ The pump is the only sender of application messages to a durable session. Packet
 come from the queue sequence (see ``wire.packet_id_for``), entries leave the store on
 PUBACK / PUBCOMP, and anything at or below ``sent_max`` goes out again with DUP set.
 It knows nothing of amqtt: the connection is a ``Transport``.
+
+SDK sessions (protocol v1, docs/protocol.md) differ in three ways: the pump holds everything
+until the client is ready; it then sends the queue up to the marker point (flagged replayed),
+the marker, and live messages; and every payload carries the frame with the sequence id.
 """
 
 from __future__ import annotations
@@ -14,6 +18,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
+
+from durable_client.protocol import (
+    FLAG_REDELIVERED,
+    FLAG_REPLAYED,
+    FLAG_RETAINED,
+    MARKER_TOPIC,
+    Marker,
+    encode_frame,
+    encode_marker,
+)
 
 from .store import FLAG_RELEASED, FLAG_RETAIN, Body, Entry
 from .wire import encode_publish, encode_pubrel, packet_id_for
@@ -66,6 +80,26 @@ class Pump:
         self._wake = asyncio.Event()
         self._stopped = False
         self._task: asyncio.Task[None] | None = None
+        self.framed = session.record.sdk
+        self.held = session.record.sdk
+        self.marker_point: int | None = None
+        """Set by ready: entries up to it are replayed; the marker goes once they are all sent."""
+        self._marker_due = False
+        self._replayed = 0
+        self._replayed_first: int | None = None
+        self._replayed_last: int | None = None
+
+    def become_sdk(self) -> None:
+        """hello on this connection: frames from now on, and nothing more until ready."""
+        self.framed = True
+        if self.marker_point is None:
+            self.held = True
+
+    def release(self, marker_point: int) -> None:
+        self.held = False
+        self.marker_point = marker_point
+        self._marker_due = True
+        self._wake.set()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"durable-pump-{self.session.client_id}")
@@ -90,11 +124,17 @@ class Pump:
     async def _run(self) -> None:
         try:
             while not self._stopped and not self.transport.closed:
-                if not self.buffer:
-                    self._fill_from_store()
-                batch = self._take_sendable()
+                if self.held:
+                    batch = []
+                else:
+                    if not self.buffer:
+                        self._fill_from_store()
+                    batch = self._take_sendable()
                 if batch:
                     await self._send(batch)
+                    continue
+                if self._marker_due and self._replay_sent():
+                    self._send_marker()
                     continue
                 # Nothing can go out now; every state change that could alter that sets _wake.
                 self._wake.clear()
@@ -123,8 +163,11 @@ class Pump:
             return batch
         self._refilling = False
         oldest = next(iter(self.inflight)) if count else None  # sent, so inserted, in seq order
+        point = self.marker_point if self._marker_due else None
         while self.buffer:
             item = self.buffer[0]
+            if point is not None and item.entry.seq > point:
+                break  # the marker goes first
             if item.entry.qos:
                 if count >= self.window or (oldest is not None and item.entry.seq >= oldest + self.window):
                     self._refilling = True
@@ -136,6 +179,41 @@ class Pump:
             if len(batch) >= self.window:
                 break
         return batch
+
+    def _replay_sent(self) -> bool:
+        """Has everything up to the marker point been written (the marker may follow)?"""
+        point = self.marker_point
+        assert point is not None
+        if self.buffer:
+            return self.buffer[0].entry.seq > point
+        return self.next_fill_seq > point
+
+    def _send_marker(self) -> None:
+        self._marker_due = False
+        marker = Marker(
+            epoch=self.session.sid,
+            replayed=self._replayed,
+            first_seq=self._replayed_first,
+            last_seq=self._replayed_last,
+            live=self.session.live_subscriptions(),
+        )
+        payload = encode_marker(marker)
+        self.transport.write(encode_publish(MARKER_TOPIC.encode(), payload, 0, 0, dup=False, retain=False))
+
+    def _payload(self, item: Outgoing, dup: bool) -> bytes:
+        if not self.framed:
+            return item.body.payload
+        entry = item.entry
+        flags = FLAG_REDELIVERED if dup else 0
+        if entry.flags & FLAG_RETAIN:
+            flags |= FLAG_RETAINED
+        if self._marker_due and self.marker_point is not None and entry.seq <= self.marker_point:
+            flags |= FLAG_REPLAYED
+            self._replayed += 1
+            if self._replayed_first is None:
+                self._replayed_first = entry.seq
+            self._replayed_last = entry.seq
+        return encode_frame(flags, self.session.sid, entry.seq, item.body.published_at) + item.body.payload
 
     async def _send(self, batch: list[Outgoing]) -> None:
         session = self.session
@@ -159,7 +237,7 @@ class Pump:
                 chunks.append(
                     encode_publish(
                         item.topic_bytes,
-                        item.body.payload,
+                        self._payload(item, dup),
                         entry.qos,
                         packet_id,
                         dup=dup,

@@ -18,6 +18,8 @@ from typing import Any
 
 import plyvel
 
+from durable_client.protocol import LiveSubscription
+
 from .config import DurableConfig
 from .delivery import Pump, Transport
 from .errors import StoreCorruptedError
@@ -262,7 +264,22 @@ class DurableSession:
             self._drops_since_log = 0
 
     def expiry_seconds(self) -> float:
-        return self.engine.config.session_expiry
+        override = self.record.expiry
+        return self.engine.config.session_expiry if override is None else override
+
+    def live_subscriptions(self) -> tuple[LiveSubscription, ...]:
+        non_durable = self.record.non_durable
+        return tuple(
+            LiveSubscription(topic_filter, qos, topic_filter not in non_durable)
+            for topic_filter, qos in sorted(self.record.subscriptions.items())
+        )
+
+    def drop_non_durable(self) -> None:
+        """The connection ended: its non-durable subscriptions end with it (queued messages stay)."""
+        for topic_filter in self.record.non_durable:
+            if self.record.subscriptions.pop(topic_filter, None) is not None:
+                self.engine.index.remove(self.client_id, topic_filter)
+        self.record.non_durable.clear()
 
 
 class DurableEngine:
@@ -331,6 +348,7 @@ class DurableEngine:
                 self.index.add(record.client_id, topic_filter, qos)
             if record.expires_at is None:
                 # It was connected when the broker stopped: its disconnect is now.
+                session.drop_non_durable()
                 record.disconnected_at = now
                 record.expires_at = now + session.expiry_seconds()
                 self.committer.put(session_key(record.client_id), record.encode())
@@ -434,6 +452,7 @@ class DurableEngine:
         if session.deleted:
             return
         session.limits.on_disconnect()
+        session.drop_non_durable()
         now = time.time()
         session.record.disconnected_at = now
         session.record.expires_at = now + session.expiry_seconds()
@@ -483,6 +502,42 @@ class DurableEngine:
             self.release_body(entry)
             count += 1
         return count
+
+    # ------------------------------------------------------------ SDK sessions
+    def hello(self, client_id: str, expiry: float | None) -> tuple[int, float | None]:
+        """An SDK client greets its session: from now on it is held until ready and gets frames
+        and markers. Returns (epoch, granted expiry)."""
+        session = self.sessions[client_id]
+        granted = None if expiry is None else min(expiry, self.config.max_session_expiry)
+        if not session.record.sdk or session.record.expiry != granted:
+            session.record.sdk = True
+            session.record.expiry = granted
+            self._save_record(session)
+        if session.pump is not None:
+            session.pump.become_sdk()
+        return session.sid, granted
+
+    def ready(self, client_id: str) -> bool:
+        """The client is ready for events: replay up to the current tail, then the marker.
+        False when this connection had already said so (one marker per connection)."""
+        session = self.sessions[client_id]
+        pump = session.pump
+        if pump is None or pump.marker_point is not None:
+            return False
+        session.replay_upto = session.committed_tail
+        pump.release(session.committed_tail)
+        return True
+
+    def set_interest(self, client_id: str, topic_filter: str, durable: bool) -> None:
+        """Mark a subscription (made before or after this) as ending with the connection, or not."""
+        session = self.sessions[client_id]
+        non_durable = session.record.non_durable
+        if durable != (topic_filter not in non_durable):
+            if durable:
+                non_durable.discard(topic_filter)
+            else:
+                non_durable.add(topic_filter)
+            self._save_record(session)
 
     def _save_record(self, session: DurableSession) -> None:
         if session.deleted:

@@ -136,6 +136,12 @@ class SessionRecord:
     expires_at: float | None = None
     username: str | None = None
     """As of the last CONNECT: topic ACL plugins decide what the session may receive by it."""
+    sdk: bool = False
+    """The client said hello (protocol v1): framed events, held until ready, replay markers."""
+    expiry: float | None = None
+    """The client's own session expiry (hello), already capped; None: the broker's session_expiry."""
+    non_durable: set[str] = field(default_factory=set)
+    """Subscriptions dropped when the connection ends (GemFire's non-durable interest)."""
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -146,6 +152,9 @@ class SessionRecord:
                 "disconnected_at": self.disconnected_at,
                 "expires_at": self.expires_at,
                 "username": self.username,
+                "sdk": self.sdk,
+                "expiry": self.expiry,
+                "non_durable": sorted(self.non_durable),
             },
             separators=(",", ":"),
         ).encode()
@@ -161,6 +170,9 @@ class SessionRecord:
             disconnected_at=data.get("disconnected_at"),
             expires_at=data.get("expires_at"),
             username=data.get("username"),
+            sdk=bool(data.get("sdk", False)),
+            expiry=data.get("expiry"),
+            non_durable={str(f) for f in data.get("non_durable", [])},
         )
 
 

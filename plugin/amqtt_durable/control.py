@@ -1,0 +1,237 @@
+"""The control requests of one connection (protocol v1, docs/protocol.md), in arrival order.
+
+The glue hands over every PUBLISH under ``_durable/``; nothing here imports amqtt. A request
+acts only on the connection's own session, a refused one changes nothing, and every reply
+(or error) goes back to this connection alone on ``$durable/v1/reply``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from durable_client.protocol import (
+    CONTROL_TOPIC,
+    PROTOCOL_VERSION,
+    REPLY_TOPIC,
+    ProtocolError,
+    Request,
+    encode_error,
+    encode_reply,
+    parse_request,
+)
+
+from .delivery import Transport
+from .engine import DurableEngine, DurableSession
+from .topics import filter_is_valid
+from .wire import encode_publish
+
+log = logging.getLogger("amqtt_durable")
+
+_REPLY_TOPIC = REPLY_TOPIC.encode()
+_AWAITING_OPS = frozenset({"end_session", "stream_subscribe"})
+
+
+class StreamAgent(Protocol):
+    """What the channel needs of a connection's stream sender (streams.StreamSender)."""
+
+    async def subscribe(self, topic_filter: str, after: dict[str, int], window: int | None) -> dict[str, Any]: ...
+
+    def ack(self, topic: str, last_id: int) -> None: ...
+
+    def unsubscribe(self, topic_filter: str) -> None: ...
+
+    def info(self, topic_filter: str) -> dict[str, Any]: ...
+
+    def stop(self) -> None: ...
+
+
+class ControlChannel:
+    """Handles one connection's requests; ops that wait (session deletion, ACL checks) keep the order."""
+
+    def __init__(
+        self,
+        engine: DurableEngine,
+        transport: Transport,
+        client_id: str,
+        clean_session: bool,
+        open_streams: Callable[[], StreamAgent] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._transport = transport
+        self._client_id = client_id
+        self._clean_session = clean_session
+        self._open_streams = open_streams
+        self._streams: StreamAgent | None = None
+        self._waiting: deque[Request] = deque()
+        self._worker: asyncio.Task[None] | None = None
+
+    def submit(self, topic: str, payload: bytes) -> None:
+        """One PUBLISH under ``_durable/``. Ops that need no wait are done before this returns, so
+        a hello holds the session's delivery before the SUBSCRIBE that follows it is handled."""
+        try:
+            if topic != CONTROL_TOPIC:
+                raise ProtocolError("unknown_topic", f"{topic!r} is not a control topic; send to {CONTROL_TOPIC}")
+            request = parse_request(payload)
+        except ProtocolError as exc:
+            self._refuse(None, exc)
+            return
+        if self._waiting or request.op in _AWAITING_OPS:
+            self._waiting.append(request)
+            if self._worker is None:
+                self._worker = asyncio.get_running_loop().create_task(self._work())
+            return
+        self._run(request)
+
+    def stop(self) -> None:
+        """The connection ended: stream positions are forgotten (the client holds them)."""
+        if self._worker is not None:
+            self._worker.cancel()
+        self._waiting.clear()
+        if self._streams is not None:
+            self._streams.stop()
+            self._streams = None
+
+    async def _work(self) -> None:
+        try:
+            while self._waiting:
+                request = self._waiting.popleft()
+                if request.op in _AWAITING_OPS:
+                    await self._run_awaiting(request)
+                else:
+                    self._run(request)
+        finally:
+            self._worker = None
+
+    def _run(self, request: Request) -> None:
+        try:
+            self._check_caller(request)
+            handler = _IMMEDIATE[request.op]
+            fields = handler(self, request)
+        except ProtocolError as exc:
+            self._refuse(request, exc)
+            return
+        if fields is not None:
+            self._reply(request, fields)
+
+    async def _run_awaiting(self, request: Request) -> None:
+        try:
+            self._check_caller(request)
+            if request.op == "end_session":
+                fields = await self._end_session(request)
+            else:
+                fields = await self._stream_subscribe(request)
+        except ProtocolError as exc:
+            self._refuse(request, exc)
+            return
+        except Exception:  # the session must stay usable whatever one request does
+            log.exception("%s: control request %s failed", self._client_id, request.op)
+            self._refuse(request, ProtocolError("malformed", f"{request.op} failed inside the broker; see its log"))
+            return
+        self._reply(request, fields)
+
+    # ------------------------------------------------------------------- checks
+    def _check_caller(self, request: Request) -> None:
+        if request.client_id is not None and request.client_id != self._client_id:
+            raise ProtocolError(
+                "not_your_session",
+                f"this connection is client {self._client_id!r}; it cannot act on {request.client_id!r}",
+            )
+
+    def _session(self) -> DurableSession | None:
+        if self._clean_session:
+            return None
+        return self._engine.sessions.get(self._client_id)
+
+    def _own_session(self, request: Request) -> DurableSession:
+        session = self._session()
+        if session is None:
+            raise ProtocolError(
+                "no_session",
+                f"{request.op} needs a durable session: connect with clean_session=false and a client id",
+            )
+        return session
+
+    @staticmethod
+    def _filter(request: Request) -> str:
+        topic_filter = request.filter or "#"
+        if not filter_is_valid(topic_filter):
+            raise ProtocolError("bad_filter", f"{topic_filter!r} is not a valid MQTT topic filter")
+        return topic_filter
+
+    def _stream_agent(self) -> StreamAgent:
+        if self._streams is None:
+            if self._open_streams is None:
+                raise ProtocolError("unknown_stream", "this broker has no streams configured")
+            self._streams = self._open_streams()
+        return self._streams
+
+    # ---------------------------------------------------------------------- ops
+    def _hello(self, request: Request) -> dict[str, Any]:
+        session = self._session()
+        if session is None:
+            return {"protocol": PROTOCOL_VERSION, "epoch": None, "session_expiry": None}
+        epoch, granted = self._engine.hello(self._client_id, request.session_expiry)
+        return {"protocol": PROTOCOL_VERSION, "epoch": epoch, "session_expiry": granted}
+
+    def _interest(self, request: Request) -> dict[str, Any]:
+        self._own_session(request)
+        self._engine.set_interest(self._client_id, self._filter(request), request.durable)
+        return {"filter": request.filter, "durable": request.durable}
+
+    def _ready(self, request: Request) -> dict[str, Any]:
+        self._own_session(request)
+        first = self._engine.ready(self._client_id)
+        return {"already": not first}
+
+    async def _end_session(self, request: Request) -> dict[str, Any]:
+        session = self._own_session(request)
+        dropped = await self._engine.delete_session(session)
+        log.info("durable session %s ended by its client: %d queued message(s) dropped", self._client_id, dropped)
+        return {"messages_dropped": dropped}
+
+    async def _stream_subscribe(self, request: Request) -> dict[str, Any]:
+        topic_filter = self._filter(request)
+        fields = await self._stream_agent().subscribe(topic_filter, request.after, request.window)
+        return {"filter": topic_filter, **fields}
+
+    def _stream_ack(self, request: Request) -> None:
+        assert request.topic is not None and request.id is not None  # parse_request requires them
+        self._stream_agent().ack(request.topic, request.id)
+
+    def _stream_unsubscribe(self, request: Request) -> dict[str, Any]:
+        topic_filter = self._filter(request)
+        if self._streams is not None:
+            self._streams.unsubscribe(topic_filter)
+        return {"filter": topic_filter}
+
+    def _stream_info(self, request: Request) -> dict[str, Any]:
+        topic_filter = self._filter(request)
+        return {"filter": topic_filter, **self._stream_agent().info(topic_filter)}
+
+    # ------------------------------------------------------------------ replies
+    def _reply(self, request: Request, fields: dict[str, Any]) -> None:
+        self._write(encode_reply(request.op, request.req, **fields))
+
+    def _refuse(self, request: Request | None, error: ProtocolError) -> None:
+        op = request.op if request is not None else None
+        req = request.req if request is not None else error.req
+        log.info("%s: control request refused (%s): %s", self._client_id, error.code, error.message)
+        self._write(encode_error(op, req, error))
+
+    def _write(self, body: bytes) -> None:
+        if not self._transport.closed:
+            self._transport.write(encode_publish(_REPLY_TOPIC, body, 0, 0, dup=False, retain=False))
+
+
+_IMMEDIATE: dict[str, Callable[[ControlChannel, Request], dict[str, Any] | None]] = {
+    "hello": ControlChannel._hello,
+    "interest": ControlChannel._interest,
+    "ready": ControlChannel._ready,
+    "stream_ack": ControlChannel._stream_ack,
+    "stream_unsubscribe": ControlChannel._stream_unsubscribe,
+    "stream_info": ControlChannel._stream_info,
+}
