@@ -1,0 +1,185 @@
+"""Hold-until-ready, replay flags and the marker in the pump, over a real store, without a broker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from amqtt_durable.config import DurableConfig
+from amqtt_durable.engine import DurableEngine
+from durable_client.protocol import MARKER_TOPIC, decode_frame, decode_marker
+from recording_transport import RecordingTransport, Sent
+
+
+def run(tmp_path: Path, body: Callable[[DurableEngine], Awaitable[None]], **settings: Any) -> None:
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), **settings))
+        engine.open()
+        try:
+            await body(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+async def publish(engine: DurableEngine, topic: str, *payloads: bytes) -> None:
+    for payload in payloads:
+        stored = engine.route_publish(topic, payload, 1)
+        assert stored is not None
+        await stored
+
+
+async def sdk_session(engine: DurableEngine, client_id: str, *filters: str) -> None:
+    await engine.connect(client_id, clean_session=False)
+    engine.hello(client_id, None)
+    for topic_filter in filters:
+        await engine.subscribe(client_id, topic_filter, 1)
+
+
+def publishes(packets: list[Sent]) -> list[Sent]:
+    return [p for p in packets if p.packet_type == 3]
+
+
+def has_marker(packets: list[Sent]) -> bool:
+    return any(p.topic == MARKER_TOPIC for p in packets)
+
+
+async def settle(engine: DurableEngine) -> None:
+    """Let the pump run every step it can: commits land, wake-ups are served."""
+    await engine.committer.commit(urgent=True)
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def test_nothing_goes_out_before_ready_then_replay_marker_live(tmp_path: Path) -> None:
+    async def body(engine: DurableEngine) -> None:
+        await sdk_session(engine, "d", "t")
+        await publish(engine, "t", b"a", b"b")
+        transport = RecordingTransport()
+        await engine.attach("d", transport)
+        await publish(engine, "t", b"c")
+        await settle(engine)
+        assert transport.packets == [], "an SDK session is held until ready"
+
+        assert engine.ready("d") is True
+        assert engine.ready("d") is False, "one marker per connection"
+        packets = await transport.wait_for(has_marker)
+        await publish(engine, "t", b"live")
+        packets = await transport.wait_for(lambda ps: len(publishes(ps)) == 5)
+        topics = [p.topic for p in packets]
+        assert topics == ["t", "t", "t", MARKER_TOPIC, "t"]
+        frames = [decode_frame(p.payload) for p in packets if p.topic == "t"]
+        assert [payload for _, payload in frames] == [b"a", b"b", b"c", b"live"]
+        assert [f.replayed for f, _ in frames] == [True, True, True, False]
+        assert [f.seq for f, _ in frames] == [1, 2, 3, 4]
+        assert {f.epoch for f, _ in frames} == {engine.sessions["d"].sid}
+        marker = decode_marker(packets[3].payload)
+        assert (marker.replayed, marker.first_seq, marker.last_seq) == (3, 1, 3)
+        assert [s.filter for s in marker.live] == ["t"]
+
+    run(tmp_path, body)
+
+
+def test_the_marker_waits_for_a_full_window_to_make_room(tmp_path: Path) -> None:
+    async def body(engine: DurableEngine) -> None:
+        await sdk_session(engine, "d", "t")
+        await publish(engine, "t", *[bytes([i]) for i in range(5)])
+        transport = RecordingTransport()
+        await engine.attach("d", transport)
+        engine.ready("d")
+        packets = await transport.wait_for(lambda ps: len(publishes(ps)) == 2)
+        await settle(engine)
+        assert not has_marker(transport.packets), "three replayed messages are still to go"
+        for sent in packets:
+            assert sent.packet_id is not None
+            transport.ack("puback", sent.packet_id)
+        packets = await transport.wait_for(lambda ps: len(publishes(ps)) == 4)
+        for sent in packets[2:]:
+            assert sent.packet_id is not None
+            transport.ack("puback", sent.packet_id)
+        packets = await transport.wait_for(has_marker)
+        assert [p.topic for p in packets] == ["t"] * 5 + [MARKER_TOPIC]
+        assert decode_marker(packets[-1].payload).replayed == 5
+
+    run(tmp_path, body, recovery_buffer=2)
+
+
+def test_the_recovery_buffer_is_resent_first_flagged_redelivered_and_replayed(tmp_path: Path) -> None:
+    async def body(engine: DurableEngine) -> None:
+        await sdk_session(engine, "d", "t")
+        first = RecordingTransport()
+        await engine.attach("d", first)
+        engine.ready("d")
+        await publish(engine, "t", b"x", b"y")
+        await first.wait_for(lambda ps: [p.topic for p in ps] == [MARKER_TOPIC, "t", "t"])
+        await engine.detach("d", first)  # no PUBACK came back
+        second = RecordingTransport()
+        await engine.connect("d", clean_session=False)
+        await engine.attach("d", second)
+        engine.ready("d")
+        packets = await second.wait_for(has_marker)
+        resent = [p for p in packets if p.topic == "t"]
+        assert [p.dup for p in resent] == [True, True]
+        frames = [decode_frame(p.payload)[0] for p in resent]
+        assert [(f.seq, f.redelivered, f.replayed) for f in frames] == [(1, True, True), (2, True, True)]
+
+    run(tmp_path, body)
+
+
+def test_hello_on_a_live_plain_connection_holds_what_comes_next(tmp_path: Path) -> None:
+    async def body(engine: DurableEngine) -> None:
+        await engine.connect("d", clean_session=False)
+        await engine.subscribe("d", "t", 0)
+        transport = RecordingTransport()
+        await engine.attach("d", transport)
+        await publish(engine, "t", b"plain")
+        packets = await transport.wait_for(lambda ps: len(ps) == 1)
+        assert packets[0].payload == b"plain", "a plain session gets the publisher's bytes"
+        engine.hello("d", 60.0)
+        await publish(engine, "t", b"held")
+        await settle(engine)
+        assert len(transport.packets) == 1
+        engine.ready("d")
+        packets = await transport.wait_for(has_marker)
+        assert decode_frame(packets[1].payload)[1] == b"held"
+        assert engine.sessions["d"].expiry_seconds() == 60.0
+
+    run(tmp_path, body)
+
+
+def test_non_durable_subscriptions_end_with_the_connection(tmp_path: Path) -> None:
+    async def body(engine: DurableEngine) -> None:
+        await sdk_session(engine, "d", "keep")
+        engine.set_interest("d", "gone", durable=False)
+        await engine.subscribe("d", "gone", 1)
+        await engine.subscribe("d", "back", 1)
+        engine.set_interest("d", "back", durable=False)
+        engine.set_interest("d", "back", durable=True)
+        transport = RecordingTransport()
+        await engine.attach("d", transport)
+        session = engine.sessions["d"]
+        assert {(s.filter, s.durable) for s in session.live_subscriptions()} == {
+            ("keep", True),
+            ("gone", False),
+            ("back", True),
+        }
+        await engine.detach("d", transport)
+        assert set(session.record.subscriptions) == {"keep", "back"}
+        assert engine.index.route("gone") == {}
+        assert session.record.non_durable == set()
+
+    run(tmp_path, body)
+
+
+def test_hello_caps_the_expiry_the_client_asks_for(tmp_path: Path) -> None:
+    async def body(engine: DurableEngine) -> None:
+        await engine.connect("d", clean_session=False)
+        assert engine.hello("d", 10_000.0)[1] == 100.0
+        assert engine.sessions["d"].expiry_seconds() == 100.0
+        assert engine.hello("d", None)[1] is None
+        assert engine.sessions["d"].expiry_seconds() == 300.0
+
+    run(tmp_path, body, max_session_expiry=100.0, session_expiry=300.0)
