@@ -16,6 +16,7 @@ from durable_client.protocol import (
     CONTROL_TOPIC,
     MARKER_TOPIC,
     REPLY_TOPIC,
+    STREAM_TOPIC_PREFIX,
     Frame,
     Marker,
     Reply,
@@ -178,7 +179,9 @@ def test_end_session_removes_the_session_at_once(broker: Broker, clients: Callab
     assert again.session_present is False
 
 
-def test_hello_sets_a_capped_expiry_override(broker_factory: Callable[..., Broker], clients: Callable[..., Client]) -> None:
+def test_hello_sets_a_capped_expiry_override(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
     broker = broker_factory(session_expiry=300, max_session_expiry=1)
     device = clients(broker.port, "sdk-5")
     assert request(device, "hello", session_expiry=0.5).fields["session_expiry"] == 0.5
@@ -266,4 +269,84 @@ def test_control_traffic_never_reaches_subscribers(broker: Broker, clients: Call
     late = clients(broker.port, "late", clean_session=True)
     late.subscribe("_durable/#")
     late.subscribe("#")
-    assert not late.wait_for(lambda ms: bool(ms), timeout=0.3), "a control request was retained"
+    assert not late.wait_for(bool, timeout=0.3), "a control request was retained"
+
+
+# ----------------------------------------------------------------- stream logs
+def stream_events(client: Client) -> list[tuple[str, Frame, bytes]]:
+    out = []
+    for message in client.messages:
+        if message.topic.startswith(STREAM_TOPIC_PREFIX):
+            frame, payload = decode_frame(message.payload)
+            out.append((message.topic[len(STREAM_TOPIC_PREFIX) :], frame, payload))
+    return out
+
+
+def ack_each(client: Client, topic: str, ids: range) -> None:
+    """Ack-then-next: ack each event once it has arrived."""
+    for event_id in ids:
+        assert client.wait_for(lambda ms, i=event_id: any(f.seq == i for _, f, _ in stream_events(client)))
+        client.paho.publish(CONTROL_TOPIC, encode_request("stream_ack", topic=topic, id=event_id))
+
+
+STREAMS = [{"filter": "log/#", "max_count": 5}]
+
+
+def test_a_stateless_client_resumes_from_the_middle_of_a_log_one_event_per_ack(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    broker = broker_factory(streams=[{"filter": "log/#", "max_count": 100}])
+    clients(broker.port, "pub", clean_session=True).publish("log/a", payloads(6, "e"))
+    broker.restart()  # the log is in the store, ids and all
+    reader = clients(broker.port, "reader", clean_session=True)
+    reply = request(reader, "stream_subscribe", filter="log/#", after={"log/a": 3})
+    assert reply.ok and reply.fields["topics"] == {"log/a": {"first": 1, "last": 6}}
+    assert reply.fields["gaps"] == {}
+    assert reader.wait_for(lambda ms: len(stream_events(reader)) == 1)
+    assert not reader.wait_for(lambda ms: len(stream_events(reader)) > 1, timeout=0.3), "window 1: waits for the ack"
+    ack_each(reader, "log/a", range(4, 7))
+    got = stream_events(reader)
+    assert [(t, f.seq, p) for t, f, p in got] == [("log/a", i + 1, payloads(6, "e")[i]) for i in range(3, 6)]
+    assert not any(f.redelivered for _, f, _ in got)
+    info = request(reader, "stream_info", filter="log/#")
+    assert info.fields["topics"] == {"log/a": {"first": 1, "last": 6, "count": 6}}
+
+
+def test_an_unacknowledged_stream_event_is_sent_again(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    broker = broker_factory(streams=STREAMS, stream_ack_timeout=0.2)
+    clients(broker.port, "pub", clean_session=True).publish("log/r", [b"again"])
+    reader = clients(broker.port, "reader", clean_session=True)
+    assert request(reader, "stream_subscribe", filter="log/r").ok
+    assert reader.wait_for(lambda ms: len(stream_events(reader)) >= 2)
+    first, second = stream_events(reader)[:2]
+    assert (first[1].seq, first[1].redelivered, second[1].seq, second[1].redelivered) == (1, False, 1, True)
+    assert first[2] == second[2] == b"again"
+
+
+def test_retention_trims_a_log_and_a_late_reader_is_told_of_the_gap(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    broker = broker_factory(streams=STREAMS)
+    clients(broker.port, "pub", clean_session=True).publish("log/t", payloads(8, "t"))
+    reader = clients(broker.port, "reader", clean_session=True)
+    reply = request(reader, "stream_subscribe", filter="log/t", after={"log/t": 1})
+    assert reply.fields["topics"] == {"log/t": {"first": 4, "last": 8}}
+    assert reply.fields["gaps"] == {"log/t": [2, 3]}
+    assert reader.wait_for(lambda ms: len(stream_events(reader)) == 1)
+    assert stream_events(reader)[0][1].seq == 4, "it resumes at the first retained event"
+
+
+def test_stream_requests_that_cannot_be_served_are_refused(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    broker = broker_factory(streams=STREAMS)
+    reader = clients(broker.port, "reader", clean_session=True)
+    assert request(reader, "stream_subscribe", filter="other/#").error_code == "unknown_stream"
+    assert request(reader, "stream_subscribe", filter="log/#/x").error_code == "bad_filter"
+    assert request(reader, "stream_subscribe", filter="log/#", window=0).error_code == "malformed"
+    assert request(reader, "stream_ack", topic="log/none", id=1).error_code == "unknown_stream"
+    plain = broker_factory(name="plain")
+    other = clients(plain.port, "reader2", clean_session=True)
+    assert request(other, "stream_subscribe", filter="log/#").error_code == "unknown_stream"

@@ -76,6 +76,7 @@ from .control import ControlChannel
 from .delivery import AckKind
 from .engine import DurableEngine, ExpiredSession
 from .errors import DurableError, InternalsMismatchError
+from .streams import StreamSender
 from .topics import filter_is_valid, matches, topic_is_valid
 from .wire import encode_puback
 
@@ -331,9 +332,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
         handler.durable_acks = OrderedAcks(handler.durable_transport)
-        handler.durable_control = ControlChannel(
-            engine, handler.durable_transport, session.client_id, handler.connect_clean_session
-        )
+        handler.durable_control = _control_channel(broker, engine, handler, session)
         _wrap_handler(broker, engine, handler, session, amqtt_wants=amqtt_wants, receivers=receivers)
         handler._reader_loop = FastReader(broker, engine, handler, session, amqtt_wants).run
         return handler, session
@@ -526,6 +525,36 @@ def _wrap_handler(
     handler.handle_puback = _ack_interceptor(handler, "puback", handler.handle_puback)
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
+
+
+def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> ControlChannel:
+    """The connection's control channel; with topic ACL plugins, streams obey them as subscriptions do."""
+    config = engine.config
+    acl = bool(broker.plugins_manager._topic_plugins)
+
+    async def may_subscribe(topic_filter: str) -> bool:
+        return bool(await broker._topic_filtering(session, topic_filter, Action.SUBSCRIBE))
+
+    async def may_receive(topic: str) -> bool:
+        return bool(await broker._topic_filtering(session, topic, Action.RECEIVE))
+
+    def open_streams() -> StreamSender:
+        return StreamSender(
+            engine.streams,
+            handler.durable_transport,
+            default_window=config.stream_window,
+            ack_timeout=config.stream_ack_timeout,
+            may_receive=may_receive if acl else None,
+        )
+
+    return ControlChannel(
+        engine,
+        handler.durable_transport,
+        session.client_id,
+        handler.connect_clean_session,
+        open_streams=open_streams,
+        may_subscribe=may_subscribe if acl else None,
+    )
 
 
 async def _control_publish(handler: Any, packet: Any, original_publish: Callable[[Any], Awaitable[None]]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from durable_client.protocol import (
@@ -40,11 +40,9 @@ class StreamAgent(Protocol):
 
     async def subscribe(self, topic_filter: str, after: dict[str, int], window: int | None) -> dict[str, Any]: ...
 
-    def ack(self, topic: str, last_id: int) -> None: ...
+    def ack(self, topic: str, event_id: int) -> None: ...
 
-    def unsubscribe(self, topic_filter: str) -> None: ...
-
-    def info(self, topic_filter: str) -> dict[str, Any]: ...
+    def unsubscribe(self, topic_filter: str) -> bool: ...
 
     def stop(self) -> None: ...
 
@@ -58,13 +56,16 @@ class ControlChannel:
         transport: Transport,
         client_id: str,
         clean_session: bool,
-        open_streams: Callable[[], StreamAgent] | None = None,
+        *,
+        open_streams: Callable[[], StreamAgent],
+        may_subscribe: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self._engine = engine
         self._transport = transport
         self._client_id = client_id
         self._clean_session = clean_session
         self._open_streams = open_streams
+        self._may_subscribe = may_subscribe
         self._streams: StreamAgent | None = None
         self._waiting: deque[Request] = deque()
         self._worker: asyncio.Task[None] | None = None
@@ -164,8 +165,6 @@ class ControlChannel:
 
     def _stream_agent(self) -> StreamAgent:
         if self._streams is None:
-            if self._open_streams is None:
-                raise ProtocolError("unknown_stream", "this broker has no streams configured")
             self._streams = self._open_streams()
         return self._streams
 
@@ -195,6 +194,8 @@ class ControlChannel:
 
     async def _stream_subscribe(self, request: Request) -> dict[str, Any]:
         topic_filter = self._filter(request)
+        if self._may_subscribe is not None and not await self._may_subscribe(topic_filter):
+            raise ProtocolError("not_authorized", f"the broker's topic ACL refuses a subscription to {topic_filter!r}")
         fields = await self._stream_agent().subscribe(topic_filter, request.after, request.window)
         return {"filter": topic_filter, **fields}
 
@@ -210,7 +211,11 @@ class ControlChannel:
 
     def _stream_info(self, request: Request) -> dict[str, Any]:
         topic_filter = self._filter(request)
-        return {"filter": topic_filter, **self._stream_agent().info(topic_filter)}
+        topics = {
+            topic: {"first": first, "last": last, "count": last - first + 1}
+            for topic, (first, last) in sorted(self._engine.streams.topics(topic_filter).items())
+        }
+        return {"filter": topic_filter, "topics": topics}
 
     # ------------------------------------------------------------------ replies
     def _reply(self, request: Request, fields: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import plyvel
@@ -54,6 +55,7 @@ from .store import (
     sid_of_entry_key,
     totals_key,
 )
+from .streams import TRIM_BUDGET, StreamLogs
 from .topics import SubscriptionIndex
 
 log = logging.getLogger("amqtt_durable")
@@ -299,6 +301,8 @@ class DurableEngine:
         self._dirty: set[DurableSession] = set()
         self.removing = PendingRemovals()
         self._expiry_timer: asyncio.TimerHandle | None = None
+        self._trim_task: asyncio.Task[None] | None = None
+        self.streams: StreamLogs
         self.dropped_total = 0
         self.expired_total = 0
         self.replayed_total = 0
@@ -328,6 +332,8 @@ class DurableEngine:
         )
         self.committer.before_flush = self._before_flush
         self.committer.after_write = self.removing.written
+        self.streams = StreamLogs(self.db, self.committer, config.streams)
+        self.streams.load()
         self._next_msg_id = last_msg_id(self.db) + 1
         # Also past queues and totals a crash left without a record: a sid is never reused.
         self._next_sid = max(last_sid(self.db, prefix) for prefix in (b"q", b"t", b"w")) + 1
@@ -382,6 +388,20 @@ class DurableEngine:
 
     def start_timers(self) -> None:
         self._arm_expiry()
+        interval = self.streams.trim_interval()
+        if interval is not None:
+            self._trim_task = asyncio.get_running_loop().create_task(self._trim_streams(interval))
+
+    async def _trim_streams(self, interval: float) -> None:
+        """Age retention of the stream logs; a long backlog of expired events goes in chunks."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                while self.streams.trim_expired(time.time()) >= TRIM_BUDGET:
+                    await self.committer.commit(urgent=True)
+                self.committer.flush_soon()
+            except Exception:
+                log.exception("stream retention failed; it is tried again in %.1f s", interval)
 
     async def close(self) -> None:
         for session in list(self.sessions.values()):
@@ -389,6 +409,9 @@ class DurableEngine:
                 await session.pump.stop()
         if self._expiry_timer is not None:
             self._expiry_timer.cancel()
+        if self._trim_task is not None:
+            self._trim_task.cancel()
+            await asyncio.gather(self._trim_task, return_exceptions=True)
         if self.db is not None and not self.db.closed:
             await self.committer.drain()
             self.db.close()
@@ -572,7 +595,8 @@ class DurableEngine:
     def route_publish(
         self, topic: str, payload: bytes, qos: int, targets: dict[str, int] | None = None
     ) -> asyncio.Future[None] | None:
-        """Queue a publish for every matching durable session; the future resolves once durable.
+        """Queue a publish for every matching durable session, and append it to its stream log if
+        a stream covers the topic; the future resolves once all of that is durable.
 
         ``targets`` (client id -> subscription QoS, from ``index.route``) narrows the sessions,
         e.g. to those a topic ACL lets receive it. Runs without awaiting, so publishes are queued
@@ -580,15 +604,47 @@ class DurableEngine:
         """
         if targets is None:
             targets = self.index.route(topic)
-        if not targets:
+        published_at = time.time()
+        log_id = self.streams.append(topic, payload, qos, published_at) if self.streams.streams else None
+        if not targets and log_id is None:
             return None
         sessions = self.sessions
         chosen = [(sessions[c], q) for c, q in targets.items() if c in sessions]  # one may just have gone
-        return self._enqueue(topic, payload, qos, chosen, flags=0)
+        appended = self._append_to_queues(topic, payload, qos, chosen, flags=0, published_at=published_at)
+        return self._commit_queued(appended, None if log_id is None else partial(self.streams.appended, topic, log_id))
 
     def _enqueue(
         self, topic: str, payload: bytes, qos: int, targets: list[tuple[DurableSession, int]], flags: int
     ) -> asyncio.Future[None] | None:
+        appended = self._append_to_queues(topic, payload, qos, targets, flags=flags, published_at=time.time())
+        return self._commit_queued(appended)
+
+    def _commit_queued(
+        self, appended: list[tuple[DurableSession, Entry, Body]], then: Callable[[], None] | None = None
+    ) -> asyncio.Future[None] | None:
+        """Commit the batch; once durable, offer the entries to their pumps, then run ``then``."""
+        if not appended and then is None:
+            return None
+
+        def deliver() -> None:
+            for session, entry, body in appended:
+                session.on_committed(entry, body)
+            if then is not None:
+                then()
+
+        return self.committer.commit(deliver)
+
+    def _append_to_queues(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        targets: list[tuple[DurableSession, int]],
+        *,
+        flags: int,
+        published_at: float,
+    ) -> list[tuple[DurableSession, Entry, Body]]:
+        """Put one message into the current batch for every target session its limits admit."""
         accepted: list[tuple[DurableSession, int]] = []
         for session, sub_qos in targets:
             delivered_qos = min(qos, sub_qos)
@@ -597,8 +653,8 @@ class DurableEngine:
             if session.admit():
                 accepted.append((session, delivered_qos))
         if not accepted:
-            return None
-        body = Body(topic, payload, qos, time.time())
+            return []
+        body = Body(topic, payload, qos, published_at)
         msg_id = self._next_msg_id
         self._next_msg_id += 1
         committer = self.committer
@@ -608,14 +664,9 @@ class DurableEngine:
             self._refs[msg_id] = len(accepted)
             committer.put(refs_key(msg_id), encode_refs(len(accepted)))
         size = len(payload)
-        appended = [(session, session.append(msg_id, qos_out, flags, size)) for session, qos_out in accepted]
+        appended = [(session, session.append(msg_id, qos_out, flags, size), body) for session, qos_out in accepted]
         self.enqueued_total += len(appended)
-
-        def deliver() -> None:
-            for session, entry in appended:
-                session.on_committed(entry, body)
-
-        return committer.commit(deliver)
+        return appended
 
     def release_body(self, entry: Entry) -> None:
         """One queue entry fewer points at this body; the last one deletes it."""
