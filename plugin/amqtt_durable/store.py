@@ -14,6 +14,16 @@ Key layout, version 1 (every integer big-endian, so LevelDB's byte order is nume
 Entry flags: bit 0 RETAIN (retained message on subscribe), bit 1 RELEASED (QoS 2 PUBREC
 received, so PUBREL, not PUBLISH, is re-sent), bit 2 SHARED (the body is counted under b"c";
 without it the entry is the body's only reference). A body is deleted with its last entry.
+
+Stream logs (streams.py) add two prefixes; the layout stays version 1, as an older store
+simply has none of these keys::
+
+    b"l" + topic(utf-8) + b"\\x00" + id:u64  -> published_at:f64 qos:u8 payload   one log event
+    b"L" + topic(utf-8)                     -> last_id:u64    highest id ever assigned to the topic
+
+Topics cannot contain U+0000, so ``b"l" + topic + b"\\x00"`` prefixes exactly one topic's
+events. ``b"L"`` is written in the batch of every append, so ids are never reused, even
+after retention removed every event of a topic.
 """
 
 from __future__ import annotations
