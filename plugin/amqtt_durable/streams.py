@@ -393,7 +393,7 @@ class StreamSender:
         cursor (one cursor per topic: no duplicates), and its position in ``after`` is ignored.
         """
         if self._stopped:
-            return {"topics": {}, "gaps": {}}
+            return {"topics": {}, "gaps": {}, "ahead": {}}
         if not filter_is_valid(topic_filter):
             raise ProtocolError("bad_filter", f"{topic_filter!r} is not a valid topic filter")
         if not self._logs.covers_filter(topic_filter):
@@ -426,11 +426,17 @@ class StreamSender:
             if gap is not None:
                 gaps[topic] = list(gap)
         topics: dict[str, dict[str, int]] = {}
+        ahead: dict[str, int] = {}
         for topic in self._cursors:
             bounds = self._logs.bounds(topic)
             if bounds is not None and matches(topic, topic_filter):
                 topics[topic] = {"first": bounds[0], "last": bounds[1]}
-        return {"topics": topics, "gaps": gaps}
+                if after.get(topic, 0) > bounds[1]:
+                    ahead[topic] = bounds[1]
+        if ahead:
+            # Ids are never reused by one store: a position past the end means another store.
+            log.warning("stream subscribe %s: positions past the log end (a wiped store?): %s", topic_filter, ahead)
+        return {"topics": topics, "gaps": gaps, "ahead": ahead}
 
     def unsubscribe(self, topic_filter: str) -> bool:
         """Close the filter's cursors (those no other subscription covers); False if not subscribed."""

@@ -317,7 +317,7 @@ def test_resume_from_the_middle_gets_exactly_the_rest(db: Any) -> None:
         await publish(logs, committer, "s/b")
         sender, recorder = sender_for(logs, window=10)
         reply = await sender.subscribe("s/a", {"s/a": 2})
-        assert reply == {"topics": {"s/a": {"first": 1, "last": 5}}, "gaps": {}}
+        assert reply == {"topics": {"s/a": {"first": 1, "last": 5}}, "gaps": {}, "ahead": {}}
         got = await recorder.wait_for(3)
         await passes()
         assert [(g.topic, g.id, g.flags, g.payload) for g in got] == [
@@ -338,7 +338,7 @@ def test_from_nothing_starts_at_the_first_retained_event(db: Any) -> None:
             await publish(logs, committer, "s/a")
         sender, recorder = sender_for(logs)
         reply = await sender.subscribe("s/#", {})
-        assert reply == {"topics": {"s/a": {"first": 3, "last": 5}}, "gaps": {}}  # not in after: no gap
+        assert reply == {"topics": {"s/a": {"first": 3, "last": 5}}, "gaps": {}, "ahead": {}}  # not in after: no gap
         await recorder.wait_for(3)
         await passes()
         assert recorder.ids() == [3, 4, 5]
@@ -440,6 +440,7 @@ def test_gaps_reported_after_trimming(db: Any) -> None:
         assert reply == {
             "topics": {"s/a": {"first": 4, "last": 6}, "s/b": {"first": 1, "last": 1}},
             "gaps": {"s/a": [2, 3]},
+            "ahead": {},
         }
         await recorder.wait_for(4)
         await passes()
@@ -518,7 +519,7 @@ def test_new_topic_after_subscribe_opens_a_cursor(db: Any) -> None:
         logs, committer = make_logs(db)
         sender, recorder = sender_for(logs)
         reply = await sender.subscribe("s/#", {"s/later": 1})
-        assert reply == {"topics": {}, "gaps": {}}
+        assert reply == {"topics": {}, "gaps": {}, "ahead": {}}
         await publish(logs, committer, "s/new", b"hello")
         assert logs.append("other/x", b"", 0, time.time()) is None
         got = await recorder.wait_for(1)
@@ -624,6 +625,21 @@ def test_closed_transport_gets_nothing(db: Any) -> None:
         await sender.subscribe("s/a")
         await passes()
         assert recorder.got == []
+        sender.stop()
+
+    run(main)
+
+
+def test_a_position_past_the_end_of_a_log_is_reported_as_ahead(db: Any) -> None:
+    async def main() -> None:
+        logs, committer = make_logs(db, [StreamConfig("s/#")])
+        for _ in range(2):
+            await publish(logs, committer, "s/a")
+        sender, recorder = sender_for(logs)
+        reply = await sender.subscribe("s/#", {"s/a": 50})
+        assert reply["ahead"] == {"s/a": 2}, "ids are never reused: the store was wiped or replaced"
+        await passes()
+        assert recorder.ids("s/a") == []
         sender.stop()
 
     run(main)
