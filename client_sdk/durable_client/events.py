@@ -38,7 +38,8 @@ class Event:
     retained: bool
     """An initial value sent with a new subscription, not a new publish."""
     redelivered: bool
-    """Sent before: a listener may have seen it (only possible without a processed mark, e.g. CPL-1 restart)."""
+    """Sent before. Processed events are dropped by the marks, so a listener sees one again only when it
+    was not processed (a listener raised) or the marks were lost (restart with persistence="memory")."""
     stream: bool
     """From a stream subscription (stateless resume) rather than the session queue."""
 

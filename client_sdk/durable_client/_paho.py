@@ -1,0 +1,200 @@
+"""The one module that touches paho-mqtt: a small link object with our own types.
+
+Why an adapter: paho's API carries callback-version shims and threading modes; the client
+needs a dozen operations. Keeping paho here means a paho upgrade is checked in one file.
+
+Threading: one thread (the client's network thread) calls ``open()`` and ``loop()``; paho
+runs every callback on it. ``publish``, ``subscribe``, ``unsubscribe``, ``ack`` and
+``disconnect`` may be called from any thread: they only queue a packet and wake the network
+thread, which does every socket write. (Registering a socket-write callback is paho's way for
+an external loop to say so; without it paho writes from the calling thread, racing the loop.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
+
+log = logging.getLogger("durable_client")
+
+
+def topic_matches(topic_filter: str, topic: str) -> bool:
+    """MQTT filter matching (``+``, ``#``), paho's implementation."""
+    return mqtt.topic_matches_sub(topic_filter, topic)
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """One PUBLISH received."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    dup: bool
+    mid: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConnAck:
+    accepted: bool
+    session_present: bool
+    reason: str
+
+
+class PublishHandle:
+    """Completion of one publish: done when sent (QoS 0) or acknowledged (QoS 1/2)."""
+
+    def __init__(self, info: mqtt.MQTTMessageInfo) -> None:
+        self._info = info
+
+    @property
+    def queued(self) -> bool:
+        """False when paho refused it (not connected, or its queue is full)."""
+        return self._info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def wait(self, timeout: float) -> bool:
+        """True once done; False after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self._info.is_published():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._info.wait_for_publish(remaining)
+        return True
+
+
+class PahoLink:
+    """A paho client driven by the caller's thread; reconnection is the caller's."""
+
+    def __init__(
+        self,
+        client_id: str,
+        host: str,
+        port: int,
+        *,
+        keepalive: int,
+        clean_session: bool,
+        username: str | None,
+        password: str | None,
+        connect_timeout: float,
+        on_connack: Callable[[ConnAck], None],
+        on_message: Callable[[Inbound], None],
+        on_lost: Callable[[str], None],
+        on_subscribed: Callable[[int, bool], None],
+    ) -> None:
+        self._client = mqtt.Client(
+            callback_api_version=CallbackAPIVersion.VERSION2,
+            client_id=client_id,
+            clean_session=clean_session,
+            protocol=MQTTProtocolVersion.MQTTv311,
+            reconnect_on_failure=False,  # paho must not reconnect (nor downgrade to 3.1) on its own
+            manual_ack=True,
+        )
+        self._client.manual_ack_set(True)
+        self._client.enable_logger(logging.getLogger("durable_client.paho"))
+        self._client.connect_timeout = connect_timeout
+        if username is not None:
+            self._client.username_pw_set(username, password)
+        self._client.connect_async(host, port, keepalive)
+        self._client.on_socket_register_write = _noop_socket_callback
+        self._client.on_socket_unregister_write = _noop_socket_callback
+
+        def connect_cb(_c: mqtt.Client, _u: Any, flags: mqtt.ConnectFlags, reason: Any, _p: Any) -> None:
+            on_connack(ConnAck(not reason.is_failure, bool(flags.session_present), str(reason)))
+
+        def message_cb(_c: mqtt.Client, _u: Any, message: mqtt.MQTTMessage) -> None:
+            try:
+                topic = message.topic
+            except UnicodeDecodeError:
+                log.error("dropping a message whose topic is not UTF-8 (mid %d)", message.mid)
+                self.ack(message.mid, message.qos)
+                return
+            payload = bytes(message.payload)
+            on_message(Inbound(topic, payload, message.qos, bool(message.retain), bool(message.dup), message.mid))
+
+        def disconnect_cb(_c: mqtt.Client, _u: Any, _flags: Any, reason: Any, _p: Any) -> None:
+            on_lost(str(reason))
+
+        def subscribe_cb(_c: mqtt.Client, _u: Any, mid: int, reasons: list[Any], _p: Any) -> None:
+            on_subscribed(mid, not any(r.is_failure for r in reasons))
+
+        self._client.on_connect = connect_cb
+        self._client.on_message = message_cb
+        self._client.on_disconnect = disconnect_cb
+        self._client.on_subscribe = subscribe_cb
+
+    # ------------------------------------------------- network thread only
+    def open(self) -> None:
+        """Open the TCP connection and send CONNECT; OSError when the broker cannot be reached."""
+        self._client.reconnect()
+
+    def loop(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for traffic and process it (paho calls the callbacks here)."""
+        rc = self._client.loop(timeout)
+        if rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN) and self.socket_open:
+            # A few select() failures return an error without paho's connection-lost path:
+            # make sure it runs, so on_lost fires and the caller reconnects.
+            log.debug("paho loop returned %s with the socket open: dropping the connection", rc)
+            self.drop()
+
+    @property
+    def socket_open(self) -> bool:
+        return self._client.socket() is not None
+
+    # ------------------------------------------------------ any thread
+    def publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> PublishHandle:
+        return PublishHandle(self._client.publish(topic, payload, qos, retain))
+
+    def subscribe(self, topic_filter: str, qos: int) -> int | None:
+        """The SUBSCRIBE's mid, or None when not connected."""
+        rc, mid = self._client.subscribe(topic_filter, qos)
+        return mid if rc == MQTTErrorCode.MQTT_ERR_SUCCESS else None
+
+    def unsubscribe(self, topic_filter: str) -> bool:
+        rc, _mid = self._client.unsubscribe(topic_filter)
+        return rc == MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def ack(self, mid: int, qos: int) -> None:
+        if qos > 0:
+            self._client.ack(mid, qos)
+
+    def disconnect(self) -> None:
+        """Send DISCONNECT (the broker keeps a durable session); the socket closes once it is written."""
+        self._client.disconnect()
+
+    def shutdown(self, timeout: float) -> None:
+        """DISCONNECT, written within ``timeout`` if the link allows, then the socket is closed."""
+        if not self.socket_open:
+            return
+        self._client.disconnect()
+        deadline = time.monotonic() + timeout
+        while self.socket_open and time.monotonic() < deadline:
+            self.loop(0.05)
+        if self.socket_open:
+            self.drop()
+            self.loop(0.0)  # paho reads end-of-stream and closes the socket
+
+    def drop(self) -> None:
+        """End the connection abruptly, without DISCONNECT: the broker re-sends what is unacknowledged.
+
+        A shutdown (not a close) so paho's next read sees end-of-stream and takes its usual
+        connection-lost path, calling ``on_lost`` on the network thread.
+        """
+        sock = self._client.socket()
+        if not isinstance(sock, socket.socket):  # None, or a websocket wrapper (not used here)
+            return
+        with contextlib.suppress(OSError):  # already gone: paho notices on its own
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def _noop_socket_callback(_client: mqtt.Client, _userdata: Any, _sock: Any) -> None:
+    return None

@@ -1,0 +1,224 @@
+"""Incoming messages -> listeners, cache and marks; says what to acknowledge. No network here.
+
+The exactly-once rule (docs/protocol.md, "Frames"): session events carry (epoch, seq) and
+arrive in seq order within an epoch. An event at or below the processed mark was processed
+before (a redelivery after a reconnect or a restart): acknowledge it, skip the listeners.
+Otherwise call the listeners; when they all return, record the mark, then acknowledge. The
+order matters: a crash between the two leaves an unacknowledged event the broker re-sends
+and the mark recognises.
+
+When a listener raises, the event is neither recorded nor acknowledged, and nothing after it
+on this connection is processed: the client drops the connection, and the broker re-sends
+everything unacknowledged (with DUP), starting at the failed event. Acknowledging later
+events would lose the failed one (an MQTT acknowledgement cannot skip a message).
+
+Stream events work the same with a (topic, log id) mark, acknowledged by ``stream_ack``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ._paho import Inbound
+from ._registry import Registry
+from .cache import LastValueCache
+from .events import Event, Listener, Stats
+from .persistence import SessionState
+from .protocol import (
+    MARKER_TOPIC,
+    REPLY_TOPIC,
+    STREAM_TOPIC_PREFIX,
+    Marker,
+    ProtocolError,
+    Reply,
+    decode_frame,
+    decode_marker,
+    decode_reply,
+)
+
+log = logging.getLogger("durable_client")
+
+_SDK_PREFIX = "$durable/"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the caller sends back for one message."""
+
+    ack: bool = False
+    """Acknowledge the MQTT message now (PUBACK/PUBCOMP; nothing for QoS 0)."""
+    stream_ack: tuple[str, int] | None = None
+    """Send ``stream_ack`` for (topic, id)."""
+    reconnect: bool = False
+    """Drop the connection so the broker re-sends what is unacknowledged."""
+
+
+_IGNORE = Outcome()
+_ACK = Outcome(ack=True)
+
+
+@dataclass(slots=True)
+class Counters:
+    received: int = 0
+    processed: int = 0
+    duplicates_dropped: int = 0
+    redeliveries_requested: int = 0
+
+    def snapshot(self, reconnects: int) -> Stats:
+        return Stats(self.received, self.processed, self.duplicates_dropped, self.redeliveries_requested, reconnects)
+
+
+class Receiver:
+    """Handles one connection's messages in arrival order, on one thread."""
+
+    def __init__(
+        self,
+        *,
+        framed: bool,
+        state: SessionState,
+        cache: LastValueCache,
+        registry: Registry,
+        on_reply: Callable[[Reply], None],
+        on_marker: Callable[[Marker], None],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.framed = framed
+        """Durable SDK session: every ordinary message carries a frame. False: stateless, raw messages."""
+        self.counters = Counters()
+        self._state = state
+        self._cache = cache
+        self._registry = registry
+        self._on_reply = on_reply
+        self._on_marker = on_marker
+        self._clock = clock
+        self._failed = False
+
+    @property
+    def failed(self) -> bool:
+        """A listener raised on this connection: everything after it is ignored until the next one."""
+        return self._failed
+
+    def new_connection(self) -> None:
+        self._failed = False
+
+    def fail(self) -> None:
+        """Stop processing this connection's messages (the caller drops it)."""
+        self._failed = True
+
+    def handle(self, message: Inbound) -> Outcome:
+        if self._failed:
+            return _IGNORE
+        topic = message.topic
+        if topic.startswith(_SDK_PREFIX):
+            if topic == REPLY_TOPIC:
+                return self._reply(message)
+            if topic == MARKER_TOPIC:
+                return self._marker(message)
+            if topic.startswith(STREAM_TOPIC_PREFIX):
+                return self._stream_event(message, topic[len(STREAM_TOPIC_PREFIX) :])
+            log.warning("ignoring a message on %s: not a topic of protocol version 1", topic)
+            return _ACK
+        if self.framed:
+            return self._session_event(message)
+        return self._raw_event(message)
+
+    # ---------------------------------------------------------- control
+    def _reply(self, message: Inbound) -> Outcome:
+        try:
+            reply = decode_reply(message.payload)
+        except ProtocolError as exc:
+            log.error("ignoring a malformed reply from the broker: %s", exc.message)
+            return _ACK
+        self._on_reply(reply)
+        return _ACK
+
+    def _marker(self, message: Inbound) -> Outcome:
+        try:
+            marker = decode_marker(message.payload)
+        except ProtocolError as exc:
+            log.error("ignoring a malformed marker from the broker: %s", exc.message)
+            return _ACK
+        log.debug("marker: epoch %d, %d replayed (seq %s..%s)", marker.epoch, marker.replayed, marker.first_seq,
+                  marker.last_seq)
+        self._cache.marker()
+        self._on_marker(marker)
+        return _ACK
+
+    # ----------------------------------------------------------- events
+    def _session_event(self, message: Inbound) -> Outcome:
+        try:
+            frame, payload = decode_frame(message.payload)
+        except ProtocolError as exc:
+            # Cannot be deduplicated nor trusted: acknowledged so it is not re-sent forever.
+            log.error("dropping a message on %s that has no valid SDK frame: %s", message.topic, exc.message)
+            return _ACK
+        self.counters.received += 1
+        if frame.seq <= self._state.get_mark(frame.epoch):
+            self.counters.duplicates_dropped += 1
+            return _ACK
+        event = Event(
+            message.topic, payload, message.qos, frame.seq, frame.epoch, frame.published_at,
+            frame.replayed, frame.retained, frame.redelivered or message.dup, False,
+        )
+        self._cache.apply(event)
+        if not self._deliver(event, self._registry.listeners(event.topic)):
+            return Outcome(reconnect=True)
+        self._state.record(frame.epoch, frame.seq)
+        self.counters.processed += 1
+        return _ACK
+
+    def _stream_event(self, message: Inbound, topic: str) -> Outcome:
+        try:
+            frame, payload = decode_frame(message.payload)
+        except ProtocolError as exc:
+            log.error("dropping a stream event on %s that has no valid SDK frame: %s", topic, exc.message)
+            return _ACK
+        self.counters.received += 1
+        if frame.seq <= self._state.position(topic):
+            self.counters.duplicates_dropped += 1
+            return Outcome(ack=True, stream_ack=(topic, frame.seq))
+        event = Event(
+            topic, payload, message.qos, frame.seq, 0, frame.published_at,
+            frame.replayed, frame.retained, frame.redelivered or message.dup, True,
+        )
+        self._cache.apply(event)
+        if not self._deliver(event, self._registry.stream_listeners(topic)):
+            return Outcome(reconnect=True)
+        self._state.record_stream(topic, frame.seq)
+        self.counters.processed += 1
+        return Outcome(ack=True, stream_ack=(topic, frame.seq))
+
+    def _raw_event(self, message: Inbound) -> Outcome:
+        """Stateless connection: no frame, no mark, no redelivery to ask for."""
+        self.counters.received += 1
+        event = Event(
+            message.topic, message.payload, message.qos, 0, 0, self._clock(),
+            False, message.retain, message.dup, False,
+        )
+        self._cache.apply(event)
+        for listener in self._registry.listeners(event.topic):
+            try:
+                listener(event)
+            except Exception:
+                log.exception("a listener raised on %s (stateless connection: the event cannot be redelivered)",
+                              event.topic)
+        self.counters.processed += 1
+        return _ACK
+
+    def _deliver(self, event: Event, listeners: list[Listener]) -> bool:
+        for listener in listeners:
+            try:
+                listener(event)
+            except Exception:
+                self._failed = True
+                self.counters.redeliveries_requested += 1
+                log.exception(
+                    "a listener raised on %s (seq %d, epoch %d): not acknowledged; reconnecting so the broker "
+                    "sends it again, and every event after it",
+                    event.topic, event.seq, event.epoch,
+                )
+                return False
+        return True

@@ -1,0 +1,111 @@
+"""The client's subscriptions, kept so every reconnect can replay them (the broker may have none)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ._paho import topic_matches
+from .events import Listener
+
+
+@dataclass(slots=True)
+class Subscription:
+    filter: str
+    qos: int
+    durable: bool
+    listener: Listener | None
+    confirmed: bool = False
+    """The broker acknowledged it (SUBACK) on the current session: it survives a disconnect."""
+    mid: int | None = None
+    """The SUBSCRIBE awaiting its SUBACK."""
+
+
+@dataclass(slots=True)
+class StreamSubscription:
+    filter: str
+    listener: Listener
+    window: int | None
+
+
+class Registry:
+    """Thread-safe: the application thread changes it, the network thread reads and replays it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._subscriptions: dict[str, Subscription] = {}
+        self._streams: dict[str, StreamSubscription] = {}
+        self._unsubscribed: set[str] = set()
+
+    # -------------------------------------------------------- subscriptions
+    def get(self, topic_filter: str) -> Subscription | None:
+        with self.lock:
+            return self._subscriptions.get(topic_filter)
+
+    def put(self, subscription: Subscription) -> None:
+        with self.lock:
+            self._subscriptions[subscription.filter] = subscription
+            self._unsubscribed.discard(subscription.filter)
+
+    def remove(self, topic_filter: str, *, unsubscribe_later: bool) -> Subscription | None:
+        """Forget a subscription; ``unsubscribe_later``: it could not be sent, send it on reconnect."""
+        with self.lock:
+            subscription = self._subscriptions.pop(topic_filter, None)
+            if subscription is not None and unsubscribe_later:
+                self._unsubscribed.add(topic_filter)
+            return subscription
+
+    def subscriptions(self) -> list[Subscription]:
+        with self.lock:
+            return list(self._subscriptions.values())
+
+    def take_unsubscribed(self) -> list[str]:
+        with self.lock:
+            filters = sorted(self._unsubscribed)
+            self._unsubscribed.clear()
+            return filters
+
+    def session_lost(self) -> None:
+        """The broker has none of them any more."""
+        with self.lock:
+            for subscription in self._subscriptions.values():
+                subscription.confirmed = False
+                subscription.mid = None
+            self._unsubscribed.clear()
+
+    def subscribed(self, mid: int, ok: bool) -> Subscription | None:
+        """A SUBACK arrived: the subscription it confirms (None if it was removed meanwhile)."""
+        with self.lock:
+            for subscription in self._subscriptions.values():
+                if subscription.mid == mid:
+                    subscription.mid = None
+                    subscription.confirmed = ok
+                    return subscription
+            return None
+
+    def listeners(self, topic: str) -> list[Listener]:
+        with self.lock:
+            return [
+                s.listener
+                for s in self._subscriptions.values()
+                if s.listener is not None and topic_matches(s.filter, topic)
+            ]
+
+    # -------------------------------------------------------------- streams
+    def put_stream(self, stream: StreamSubscription) -> StreamSubscription | None:
+        with self.lock:
+            previous = self._streams.get(stream.filter)
+            self._streams[stream.filter] = stream
+            return previous
+
+    def remove_stream(self, topic_filter: str) -> StreamSubscription | None:
+        with self.lock:
+            return self._streams.pop(topic_filter, None)
+
+    def streams(self) -> list[StreamSubscription]:
+        with self.lock:
+            return list(self._streams.values())
+
+    def stream_listeners(self, topic: str) -> list[Listener]:
+        with self.lock:
+            return [s.listener for s in self._streams.values() if topic_matches(s.filter, topic)]
