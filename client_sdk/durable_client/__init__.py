@@ -1,1 +1,39 @@
-"""durable_client: the thin SDK for amqtt-durable brokers (see README, "The SDK")."""
+"""durable_client: the thin SDK for amqtt-durable brokers (see README, "The SDK").
+
+Hold-until-ready, the replay marker, broker sequence ids, a last-value cache, exactly-once
+through client-side persistence, and stateless resume from stream logs, over paho-mqtt.
+The wire protocol is docs/protocol.md (``durable_client.protocol``).
+"""
+
+from .cache import CacheEntry, EntryState, LastValueCache
+from .client import DurableClient
+from .errors import (
+    ConnectFailed,
+    ControlRequestFailed,
+    DurableClientError,
+    PersistenceError,
+    RequestTimeout,
+    Unconnected,
+)
+from .events import ConnectionInfo, Event, Listener, PersistenceLevel, Stats
+from .protocol import LiveSubscription, Marker
+
+__all__ = [
+    "CacheEntry",
+    "ConnectFailed",
+    "ConnectionInfo",
+    "ControlRequestFailed",
+    "DurableClient",
+    "DurableClientError",
+    "EntryState",
+    "Event",
+    "LastValueCache",
+    "Listener",
+    "LiveSubscription",
+    "Marker",
+    "PersistenceError",
+    "PersistenceLevel",
+    "RequestTimeout",
+    "Stats",
+    "Unconnected",
+]

@@ -1,0 +1,696 @@
+"""DurableClient: the application's handle on a durable session of an amqtt-durable broker.
+
+Threads. connect() starts one background thread, the network thread, which owns the
+connection: it runs paho's loop, reconnects with backoff, and calls every listener and
+callback (on_connected, on_live, ...), one at a time, in arrival order. Listeners should be
+quick; they may call publish() (which then does not wait for the PUBACK: the PUBACK can only
+arrive on this very thread), subscribe() and unsubscribe(). Application threads may call
+every method; the ones that wait (connect, publish, subscribe_stream, close) wait on events
+set by the network thread, each wait bounded by a timeout.
+
+Each connection is set up the same way (docs/protocol.md): CONNECT, ``hello`` (which says
+the session's epoch), then the subscriptions the broker may have lost, the streams, and
+``ready`` if the application asked for it before. Only then is the client ``connected``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Final, ParamSpec
+
+from ._paho import ConnAck, Inbound, PahoLink, topic_matches
+from ._receiver import Outcome, Receiver
+from ._registry import Registry, StreamSubscription, Subscription
+from .backoff import Backoff
+from .cache import LastValueCache
+from .errors import ConnectFailed, ControlRequestFailed, DurableClientError, RequestTimeout, Unconnected
+from .events import ConnectionInfo, Listener, PersistenceLevel, Stats
+from .persistence import open_state
+from .protocol import CONTROL_PREFIX, CONTROL_TOPIC, MAX_STREAM_WINDOW, Marker, Reply, encode_request
+
+log = logging.getLogger("durable_client")
+
+_P = ParamSpec("_P")
+
+_LOOP_TIMEOUT: Final = 0.25
+"""Longest the network thread sleeps in select(): bounds how late it notices a handshake deadline."""
+_SHUTDOWN_FLUSH: Final = 1.0
+"""How long the network thread tries to write DISCONNECT (and pending acks) when it stops."""
+_REQUEST_TIMEOUT: Final = 10.0
+
+
+@dataclass(slots=True)
+class _Waiter:
+    req: int
+    event: threading.Event = field(default_factory=threading.Event)
+    reply: Reply | None = None
+    lost: bool = False
+
+
+@dataclass(slots=True)
+class _FirstConnect:
+    """connect()'s view of the first connection attempt."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    error: ConnectFailed | None = None
+    problem: str = "no answer from the broker yet"
+
+
+class DurableClient:
+    """A durable-session client: events survive disconnects and restarts, processed exactly once.
+
+    Subscriptions, streams and ``ready_for_events()`` are remembered and replayed on every
+    reconnect, so the application sets them up once. See the module docstring for threads.
+    """
+
+    def __init__(
+        self,
+        client_id: str,
+        host: str = "127.0.0.1",
+        port: int = 1883,
+        *,
+        keepalive: int = 30,
+        username: str | None = None,
+        password: str | None = None,
+        session_expiry: float | None = None,
+        persistence: PersistenceLevel = "memory",
+        state_dir: str | os.PathLike[str] | None = None,
+        durable_session: bool = True,
+        reconnect_min_delay: float = 0.1,
+        reconnect_max_delay: float = 30.0,
+        on_connected: Callable[[ConnectionInfo], None] | None = None,
+        on_disconnected: Callable[[str], None] | None = None,
+        on_session_lost: Callable[[], None] | None = None,
+        on_live: Callable[[Marker], None] | None = None,
+        on_persistence_fallback: Callable[[OSError], None] | None = None,
+    ) -> None:
+        """Nothing touches the network until connect().
+
+        ``session_expiry`` asks the broker to keep this session that many seconds after a
+        disconnect (capped by the broker). ``persistence="disk"`` keeps processed marks under
+        ``state_dir/<client_id>/`` so exactly-once survives a restart; an I/O error there
+        falls back to memory (``on_persistence_fallback``) rather than stopping delivery.
+        ``durable_session=False`` makes a stateless client: no session on the broker, raw
+        messages, only streams resume (from the positions this client keeps).
+        """
+        if not isinstance(client_id, str) or not client_id:
+            raise ValueError("client_id must be a non-empty string: the broker finds the durable session by it")
+        if keepalive < 1:
+            raise ValueError(f"keepalive must be 1 second or more, got {keepalive!r}")
+        if session_expiry is not None and not session_expiry >= 0:
+            raise ValueError(f"session_expiry must be a number of seconds, 0 or more, got {session_expiry!r}")
+        self.client_id = client_id
+        self.host = host
+        self.port = port
+        self._keepalive = keepalive
+        self._username = username
+        self._password = password
+        self._session_expiry = session_expiry
+        self._durable = durable_session
+        self._backoff = Backoff(reconnect_min_delay, reconnect_max_delay)
+        self._on_connected = on_connected
+        self._on_disconnected = on_disconnected
+        self._on_session_lost = on_session_lost
+        self._on_live = on_live
+        self._on_persistence_fallback = on_persistence_fallback
+
+        self.cache = LastValueCache()
+        """Newest value per topic (GemFire client-cache rules); readable while disconnected."""
+        self._state = open_state(persistence, client_id, state_dir, self._persistence_fell_back)
+        self._registry = Registry()
+        self._receiver = Receiver(
+            framed=durable_session,
+            state=self._state,
+            cache=self.cache,
+            registry=self._registry,
+            on_reply=self._handle_reply,
+            on_marker=self._handle_marker,
+        )
+
+        # Connection state: changed under _lock, by the network thread except where noted.
+        self._lock = threading.RLock()
+        self._link: PahoLink | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._first: _FirstConnect | None = None
+        self._closed = False  # set by close()
+        self._connected = False
+        self._handshake_timeout = _REQUEST_TIMEOUT
+        self._handshake_deadline: float | None = None  # set while CONNECT/hello await their answers
+        self._hello_req: int | None = None
+        self._session_present = False
+        self._had_session = False  # a durable session was set up in this process
+        self._ready_requested = False  # set by ready_for_events()
+        self._ready_sent = False  # on the current connection
+        self._connections = 0
+        self._waiters: dict[int, _Waiter] = {}
+        self._req_ids = itertools.count(1)
+
+    # ================================================================ lifecycle
+    def connect(self, timeout: float = 10.0) -> None:
+        """Start the network thread; return once the first session is set up.
+
+        Raises ConnectFailed when the broker refuses the client or answers ``hello`` with an
+        error (at once), or when no session is set up within ``timeout`` (broker down, or
+        without the amqtt-durable plugin). The thread has then stopped. Later connection
+        losses are repaired in the background: see ``on_disconnected``/``on_connected``.
+        """
+        if self._closed:
+            raise Unconnected("this client was closed; create a new DurableClient to connect again")
+        if self._thread is not None:
+            raise DurableClientError("connect() was called already: the client reconnects on its own")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be more than 0 seconds, got {timeout!r}")
+        first = _FirstConnect()
+        self._first = first
+        self._handshake_timeout = timeout
+        self._stop.clear()
+        self._backoff.reset()
+        if self._link is None:
+            self._link = PahoLink(
+                self.client_id,
+                self.host,
+                self.port,
+                keepalive=self._keepalive,
+                clean_session=not self._durable,
+                username=self._username,
+                password=self._password,
+                connect_timeout=min(timeout, 10.0),
+                on_connack=self._handle_connack,
+                on_message=self._handle_message,
+                on_lost=self._handle_lost,
+                on_subscribed=self._handle_subscribed,
+            )
+        thread = threading.Thread(target=self._run, name=f"durable-client-{self.client_id}", daemon=True)
+        self._thread = thread
+        thread.start()
+        if first.done.wait(timeout) and first.error is None:
+            return
+        error = first.error or ConnectFailed(
+            f"no durable session with {self.host}:{self.port} within {timeout} s ({first.problem}). Is the broker "
+            "running, and does it run the amqtt-durable plugin?"
+        )
+        self._stop_thread(timeout)
+        raise error
+
+    def _stop_thread(self, timeout: float) -> None:
+        """After a failed connect(): stop the network thread so connect() may be called again."""
+        thread = self._thread
+        self._stop.set()
+        if self._link is not None and self._link.socket_open:
+            self._link.disconnect()
+        if thread is None:
+            return
+        # The thread blocks at most for a TCP connect (<= 10 s), a loop pass and the flush.
+        thread.join(min(timeout, 10.0) + _LOOP_TIMEOUT + _SHUTDOWN_FLUSH + 1.0)
+        if thread.is_alive():
+            log.warning("the network thread did not stop in time; it stops in the background")
+        else:
+            self._thread = None
+
+    def close(self, keep_session: bool = True, timeout: float = 10.0) -> None:
+        """Disconnect for good; idempotent.
+
+        ``keep_session=True`` leaves the durable session on the broker: it keeps queueing
+        until this client id connects again or the session expires. ``keep_session=False``
+        first deletes it (``end_session``, waiting up to ``timeout`` for the reply). The
+        client is closed either way; if the session could not be ended, ControlRequestFailed
+        (or Unconnected, while disconnected) is raised afterwards: the broker then drops the
+        session only when it expires.
+        """
+        if self._closed:
+            return
+        on_network_thread = self._on_network_thread()
+        error: DurableClientError | None = None
+        if not keep_session and self._durable:
+            try:
+                self._end_session(timeout, wait=not on_network_thread)
+            except DurableClientError as exc:
+                error = exc
+        with self._lock:
+            self._closed = True
+        thread = self._thread
+        self._stop.set()
+        if thread is None:
+            self._state.close()
+        elif not on_network_thread:
+            if self._link is not None and self._link.socket_open:
+                self._link.disconnect()  # wakes the network thread at once
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("the network thread did not stop within %s s; it stops in the background", timeout)
+        if error is not None:
+            raise error
+
+    def _end_session(self, timeout: float, *, wait: bool) -> None:
+        with self._lock:
+            if not self._connected:
+                raise Unconnected(
+                    "not connected, so the durable session was not ended: the broker drops it when it expires"
+                )
+            waiter = self._send_request("end_session", wait=wait)
+        if waiter is not None:
+            reply = self._await(waiter, timeout, "end_session")
+            if not reply.ok:
+                raise ControlRequestFailed("end_session", reply.error_code or "?", reply.error_message or "")
+            log.info("durable session ended: %s queued messages dropped", reply.fields.get("messages_dropped"))
+        self._state.reset()
+
+    def __enter__(self) -> DurableClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close(keep_session=True)
+
+    # ================================================================ state
+    @property
+    def connected(self) -> bool:
+        """True from the end of a connection's set-up (subscriptions replayed) until it is lost."""
+        return self._connected
+
+    @property
+    def persistence_level(self) -> PersistenceLevel:
+        """``disk`` until an I/O error makes the client fall back to ``memory``."""
+        return self._state.level
+
+    @property
+    def stats(self) -> Stats:
+        return self._receiver.counters.snapshot(max(0, self._connections - 1))
+
+    # ================================================================ operations
+    def subscribe(
+        self, topic_filter: str, qos: int = 1, *, durable: bool = True, listener: Listener | None = None
+    ) -> None:
+        """Subscribe (or change an existing subscription's QoS, durability or listener).
+
+        ``durable=False`` is GemFire's non-durable interest: the broker drops the subscription
+        when the connection ends (the client subscribes it again after reconnecting), so
+        nothing is queued for it while away. Without a listener the events only feed the cache.
+        QoS 2 is requested as QoS 1 on a durable session: the SDK's marks already give
+        exactly-once, and paho cannot complete a QoS 2 exchange it did not start (after a
+        restart). Called while disconnected, the subscription is sent on the next connect.
+        """
+        self._check_open()
+        _check_filter(topic_filter)
+        if qos not in (0, 1, 2):
+            raise ValueError(f"qos must be 0, 1 or 2, got {qos!r}")
+        with self._lock:
+            previous = self._registry.get(topic_filter)
+            subscription = Subscription(topic_filter, qos, durable, listener)
+            with self._registry.lock:
+                self._registry.put(subscription)
+                if previous is not None and previous.qos == qos:
+                    subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
+                if not self._connected:
+                    return
+                # A new durable subscription is durable by default; anything else is said.
+                changed = previous.durable != durable if previous is not None else not durable
+                if self._durable and changed:
+                    self._send_request("interest", filter=topic_filter, durable=durable)
+                if previous is None or previous.qos != qos:
+                    self._send_subscribe(subscription)
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        """Remove a subscription or a stream subscription on ``topic_filter`` (no-op if neither)."""
+        self._check_open()
+        with self._lock:
+            if self._registry.remove_stream(topic_filter) is not None and self._connected:
+                self._send_request("stream_unsubscribe", filter=topic_filter)
+            durable = self._durable and not self._connected
+            subscription = self._registry.remove(topic_filter, unsubscribe_later=durable)
+            if subscription is not None and self._connected:
+                self._link_or_raise().unsubscribe(topic_filter)
+
+    def ready_for_events(self) -> None:
+        """Say the listeners are in place: the broker then replays what it queued, then a marker.
+
+        Until then a durable session is held (GemFire's readyForEvents). Remembered: every
+        reconnect sends it again, after the subscriptions. A no-op on a stateless client.
+        """
+        self._check_open()
+        if not self._durable:
+            return
+        with self._lock:
+            self._ready_requested = True
+            if self._connected and not self._ready_sent:
+                self._ready_sent = True
+                self._send_request("ready")
+
+    def subscribe_stream(
+        self, topic_filter: str, listener: Listener, *, window: int | None = None, timeout: float = _REQUEST_TIMEOUT
+    ) -> None:
+        """Open the stream logs matching ``topic_filter`` from this client's own positions.
+
+        Stateless resume: the broker keeps no position for a stream subscription; the client
+        presents the last id it processed per topic, so it resumes there after a reconnect
+        (and after a restart with persistence="disk"). ``window`` caps unacknowledged events
+        per topic. When connected, waits for the broker's answer and raises
+        ControlRequestFailed if it refuses (e.g. ``unknown_stream``); otherwise it is opened
+        on the next connect.
+        """
+        self._check_open()
+        _check_filter(topic_filter)
+        if window is not None and not (isinstance(window, int) and 1 <= window <= MAX_STREAM_WINDOW):
+            raise ValueError(f"window must be a whole number from 1 to {MAX_STREAM_WINDOW}, got {window!r}")
+        with self._lock:
+            previous = self._registry.put_stream(StreamSubscription(topic_filter, listener, window))
+            if previous is not None or not self._connected:
+                return
+            waiter = self._open_stream(topic_filter, window, wait=not self._on_network_thread())
+        if waiter is None:
+            return
+        reply = self._await(waiter, timeout, "stream_subscribe")
+        if not reply.ok:
+            self._registry.remove_stream(topic_filter)
+            raise ControlRequestFailed("stream_subscribe", reply.error_code or "?", reply.error_message or "")
+
+    def publish(
+        self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False, *, timeout: float = 10.0
+    ) -> None:
+        """Publish; at QoS 1/2 wait (up to ``timeout``) until the broker has it.
+
+        Raises Unconnected while disconnected (nothing is queued: GemFire's updates are not
+        allowed while disconnected either), RequestTimeout when the PUBACK is late (the
+        message may still arrive). From a listener it returns without waiting.
+        """
+        self._check_open()
+        if topic.startswith(CONTROL_PREFIX):
+            raise ValueError(f"topics under {CONTROL_PREFIX} are the SDK's control channel; cannot publish to {topic}")
+        data = payload.encode() if isinstance(payload, str) else bytes(payload)
+        if not self._connected:
+            raise Unconnected(f"not connected to {self.host}:{self.port} (reconnecting): nothing was published")
+        handle = self._link_or_raise().publish(topic, data, qos, retain)
+        if not handle.queued:
+            if qos == 0:
+                raise Unconnected(f"the connection to {self.host}:{self.port} was just lost: nothing was published")
+            raise Unconnected(
+                f"the connection to {self.host}:{self.port} was lost as the message was handed over: paho keeps "
+                "it and sends it after the reconnect, so it may still arrive, but its PUBACK cannot be awaited"
+            )
+        if qos == 0 or self._on_network_thread():
+            return
+        deadline = time.monotonic() + timeout
+        while not handle.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+            if self._closed:
+                raise Unconnected("the client was closed while waiting for the PUBACK; the message may not arrive")
+            if time.monotonic() >= deadline:
+                raise RequestTimeout(
+                    f"no PUBACK for the publish to {topic} within {timeout} s; it stays queued and is re-sent "
+                    "after a reconnect, so it may still arrive"
+                )
+
+    # ================================================================ network thread
+    def _run(self) -> None:
+        link = self._link
+        assert link is not None
+        attempts = 0
+        try:
+            while not self._stop.is_set():
+                if not link.socket_open:
+                    if attempts and self._stop.wait(self._backoff.next_delay()):
+                        break
+                    attempts += 1
+                    try:
+                        link.open()
+                    except (OSError, ValueError) as exc:
+                        self._problem(f"cannot reach {self.host}:{self.port}: {exc}")
+                        continue
+                    with self._lock:
+                        self._handshake_deadline = time.monotonic() + self._handshake_timeout
+                try:
+                    link.loop(_LOOP_TIMEOUT)
+                except Exception:
+                    log.exception("unexpected error in the network loop; reconnecting")
+                    self._receiver.fail()
+                    link.drop()
+                deadline = self._handshake_deadline
+                if deadline is not None and time.monotonic() > deadline:
+                    self._problem(f"no CONNACK or hello reply within {self._handshake_timeout} s")
+                    with self._lock:
+                        self._handshake_deadline = None
+                    link.drop()
+            link.shutdown(_SHUTDOWN_FLUSH)
+        finally:
+            if self._closed:
+                self._state.close()
+
+    def _problem(self, text: str) -> None:
+        first = self._first
+        if first is not None and not first.done.is_set():
+            first.problem = text
+            log.debug("connect: %s", text)
+        else:
+            log.info("reconnect: %s; retrying", text)
+
+    def _fail_first(self, text: str) -> bool:
+        """A refusal while connect() waits: it fails at once. False when connect() returned already."""
+        first = self._first
+        if first is None or first.done.is_set():
+            return False
+        first.error = ConnectFailed(text)
+        self._stop.set()
+        first.done.set()
+        return True
+
+    def _handle_connack(self, ack: ConnAck) -> None:
+        if not ack.accepted:
+            text = f"the broker at {self.host}:{self.port} refused the connection: {ack.reason}"
+            if not self._fail_first(text):
+                log.warning("%s; retrying", text)
+            return
+        self._receiver.new_connection()
+        with self._lock:
+            self._session_present = ack.session_present
+            self._ready_sent = False
+            self._hello_req = req = next(self._req_ids)
+            payload = encode_request("hello", req, session_expiry=self._session_expiry)
+        self._link_or_raise().publish(CONTROL_TOPIC, payload, 0)
+
+    def _handle_reply(self, reply: Reply) -> None:
+        if reply.req is not None and reply.req == self._hello_req:
+            self._hello_req = None
+            self._finish_handshake(reply)
+            return
+        if reply.ok and reply.op == "stream_subscribe":
+            for topic, (first, last) in (reply.fields.get("gaps") or {}).items():
+                log.warning(
+                    "stream %s: ids %s to %s were trimmed by the broker's retention before this client read them",
+                    topic, first, last,
+                )
+        with self._lock:
+            waiter = self._waiters.pop(reply.req, None) if isinstance(reply.req, int) else None
+        if waiter is not None:
+            waiter.reply = reply
+            waiter.event.set()
+        elif not reply.ok:
+            log.warning(
+                "the broker refused '%s' (req %s) with %s: %s",
+                reply.op, reply.req, reply.error_code, reply.error_message,
+            )
+
+    def _finish_handshake(self, reply: Reply) -> None:
+        if not reply.ok:
+            text = (
+                f"the broker answered hello with {reply.error_code}: {reply.error_message} (does it run a compatible "
+                "amqtt-durable plugin?)"
+            )
+            if not self._fail_first(text):
+                log.error("%s; reconnecting", text)
+                self._link_or_raise().drop()
+            return
+        epoch = reply.fields.get("epoch")
+        epoch = epoch if isinstance(epoch, int) else None
+        expiry = reply.fields.get("session_expiry")
+        info = ConnectionInfo(self._session_present, epoch, float(expiry) if isinstance(expiry, int | float) else None)
+        lost = self._durable and _session_lost(
+            expected=self._had_session or self._state.epoch is not None,
+            session_present=self._session_present,
+            recorded_epoch=self._state.epoch,
+            epoch=epoch,
+        )
+        if lost:
+            log.warning(
+                "durable session lost (expired or ended while away): events queued for it are gone; "
+                "subscribing again"
+            )
+            self._state.reset()
+            _safe(self._on_session_lost)
+        if self._durable and epoch is not None and self._state.epoch != epoch:
+            self._state.record(epoch, 0)
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._replay_subscriptions(resend_durable=lost or not self._session_present)
+            self._handshake_deadline = None
+            self._connected = True
+            self._had_session = self._durable
+            self._connections += 1
+            reconnect = self._connections > 1
+        self.cache._set_stale(False)
+        self._backoff.reset()
+        if self._first is not None:
+            self._first.done.set()
+        log.info(
+            "%s to %s:%s (session present: %s, epoch %s)",
+            "reconnected" if reconnect else "connected", self.host, self.port, info.session_present, info.epoch,
+        )
+        _safe(self._on_connected, info)
+
+    def _replay_subscriptions(self, *, resend_durable: bool) -> None:
+        """What this connection needs from the registry (holding _lock)."""
+        with self._registry.lock:
+            if resend_durable:
+                self._registry.session_lost()
+            for subscription in self._registry.subscriptions():
+                if not self._durable:
+                    self._send_subscribe(subscription)  # a clean session keeps nothing
+                elif not subscription.durable:
+                    self._send_request("interest", filter=subscription.filter, durable=False)
+                    self._send_subscribe(subscription)
+                elif resend_durable or not (subscription.confirmed or subscription.mid is not None):
+                    # session_present: the broker kept the confirmed ones; sending them again
+                    # would queue their retained messages again.
+                    self._send_subscribe(subscription)
+            for topic_filter in self._registry.take_unsubscribed():
+                if not resend_durable:
+                    self._link_or_raise().unsubscribe(topic_filter)
+        for stream in self._registry.streams():
+            self._open_stream(stream.filter, stream.window, wait=False)
+        if self._durable and self._ready_requested:
+            self._ready_sent = True
+            self._send_request("ready")
+
+    def _handle_message(self, message: Inbound) -> None:
+        try:
+            outcome = self._receiver.handle(message)
+        except Exception:
+            log.exception("internal error handling a message on %s; reconnecting to get it again", message.topic)
+            self._receiver.fail()
+            outcome = Outcome(reconnect=True)
+        link = self._link_or_raise()
+        if outcome.ack:
+            link.ack(message.mid, message.qos)
+        if outcome.stream_ack is not None:
+            topic, id = outcome.stream_ack
+            link.publish(CONTROL_TOPIC, encode_request("stream_ack", None, topic=topic, id=id), 0)
+        if outcome.reconnect:
+            link.drop()
+
+    def _handle_marker(self, marker: Marker) -> None:
+        _safe(self._on_live, marker)
+
+    def _handle_subscribed(self, mid: int, ok: bool) -> None:
+        subscription = self._registry.subscribed(mid, ok)
+        if subscription is not None and not ok:
+            log.warning(
+                "the broker refused the subscription to %s (not authorized?); it is tried again on reconnect",
+                subscription.filter,
+            )
+
+    def _handle_lost(self, reason: str) -> None:
+        with self._lock:
+            was_connected = self._connected
+            self._connected = False
+            self._hello_req = None
+            self._handshake_deadline = None
+            waiters = list(self._waiters.values())
+            self._waiters.clear()
+            with self._registry.lock:
+                for subscription in self._registry.subscriptions():
+                    subscription.mid = None  # its SUBACK will not come
+        self.cache._set_stale(True)
+        for waiter in waiters:
+            waiter.lost = True
+            waiter.event.set()
+        if was_connected:
+            if not self._stop.is_set():
+                log.warning("connection to %s:%s lost (%s); reconnecting", self.host, self.port, reason)
+            _safe(self._on_disconnected, reason)
+
+    # ================================================================ helpers
+    def _persistence_fell_back(self, exc: OSError) -> None:
+        _safe(self._on_persistence_fallback, exc)
+
+    def _on_network_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unconnected("this client was closed; create a new DurableClient")
+
+    def _link_or_raise(self) -> PahoLink:
+        if self._link is None:
+            raise Unconnected("connect() was not called yet")
+        return self._link
+
+    def _send_subscribe(self, subscription: Subscription) -> None:
+        qos = min(subscription.qos, 1) if self._durable else subscription.qos
+        subscription.confirmed = False
+        subscription.mid = self._link_or_raise().subscribe(subscription.filter, qos)
+
+    def _open_stream(self, topic_filter: str, window: int | None, *, wait: bool) -> _Waiter | None:
+        after = {topic: id for topic, id in self._state.positions().items() if topic_matches(topic_filter, topic)}
+        return self._send_request(
+            "stream_subscribe", wait=wait, filter=topic_filter, after=after or None, window=window
+        )
+
+    def _send_request(self, op: str, *, wait: bool = False, **fields: Any) -> _Waiter | None:
+        """Publish a control request (QoS 0); with ``wait``, a waiter its reply will be handed to."""
+        req = next(self._req_ids)
+        waiter = None
+        if wait:
+            waiter = _Waiter(req)
+            with self._lock:
+                self._waiters[req] = waiter
+        handle = self._link_or_raise().publish(CONTROL_TOPIC, encode_request(op, req, **fields), 0)
+        if not handle.queued:
+            with self._lock:
+                self._waiters.pop(req, None)
+            raise Unconnected(f"the connection to {self.host}:{self.port} was just lost: '{op}' was not sent")
+        return waiter
+
+    def _await(self, waiter: _Waiter, timeout: float, op: str) -> Reply:
+        if not waiter.event.wait(timeout):
+            with self._lock:
+                self._waiters.pop(waiter.req, None)
+            raise RequestTimeout(f"no reply to '{op}' within {timeout} s; it may or may not have taken effect")
+        if waiter.lost or waiter.reply is None:
+            raise Unconnected(
+                f"the connection was lost before the reply to '{op}'; it may or may not have taken effect"
+            )
+        return waiter.reply
+
+
+def _session_lost(*, expected: bool, session_present: bool, recorded_epoch: int | None, epoch: int | None) -> bool:
+    """Did the broker drop the session this client had? (Then its queued events are gone.)"""
+    if not expected:
+        return False
+    if not session_present:
+        return True
+    return recorded_epoch is not None and epoch is not None and epoch != recorded_epoch
+
+
+def _check_filter(topic_filter: str) -> None:
+    if not isinstance(topic_filter, str) or not topic_filter:
+        raise ValueError("a topic filter must be a non-empty string")
+    if topic_filter.startswith((CONTROL_PREFIX, "$durable/")):
+        raise ValueError(f"{topic_filter!r}: the SDK's own topics cannot be subscribed to")
+
+
+def _safe(callback: Callable[_P, None] | None, *args: _P.args, **kwargs: _P.kwargs) -> None:
+    """Run an application callback; its exception is logged, never allowed to stop the network thread."""
+    if callback is None:
+        return
+    try:
+        callback(*args, **kwargs)
+    except Exception:
+        log.exception("the application callback %s raised", getattr(callback, "__qualname__", callback))

@@ -1,0 +1,612 @@
+"""durable_client.client: connection set-up, session loss, replay of subscriptions, close.
+
+The client's network callbacks are driven by hand against a recording link, so every rule
+of a (re)connection is checked without a broker or a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from durable_client import (
+    ConnectFailed,
+    ConnectionInfo,
+    ControlRequestFailed,
+    DurableClient,
+    Event,
+    Marker,
+    RequestTimeout,
+    Unconnected,
+)
+from durable_client._paho import ConnAck, Inbound
+from durable_client.client import _FirstConnect
+from durable_client.persistence import DiskState
+from durable_client.protocol import (
+    CONTROL_TOPIC,
+    MARKER_TOPIC,
+    REPLY_TOPIC,
+    STREAM_TOPIC_PREFIX,
+    ProtocolError,
+    Request,
+    encode_error,
+    encode_frame,
+    encode_marker,
+    encode_reply,
+    parse_request,
+)
+
+
+class FakeHandle:
+    def __init__(self, done: bool) -> None:
+        self.queued = True
+        self.done = done
+
+    def wait(self, timeout: float) -> bool:
+        return self.done
+
+
+def _open_streams(request: Request) -> bytes | None:
+    """The broker's answer to what waits for one by default: stream_subscribe succeeds."""
+    if request.op == "stream_subscribe":
+        return encode_reply("stream_subscribe", request.req, topics={}, gaps={})
+    return None
+
+
+class FakeLink:
+    """Records what the client sends; ``respond`` may answer a request at once."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[Any, ...]] = []
+        self.socket_open = True
+        self.puback = True
+        self.respond: Callable[[Request], bytes | None] | None = _open_streams
+        self.client: DurableClient | None = None
+        self._mid = 100
+
+    def publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> FakeHandle:
+        if topic == CONTROL_TOPIC:
+            request = parse_request(payload)
+            self.sent.append(("request", request))
+            if self.respond is not None and self.client is not None:
+                answer = self.respond(request)
+                if answer is not None:
+                    self.client._handle_message(Inbound(REPLY_TOPIC, answer, 0, False, False, 0))
+        else:
+            self.sent.append(("publish", topic, payload, qos, retain))
+        return FakeHandle(self.puback or qos == 0)
+
+    def subscribe(self, topic_filter: str, qos: int) -> int:
+        self._mid += 1
+        self.sent.append(("subscribe", topic_filter, qos))
+        return self._mid
+
+    def unsubscribe(self, topic_filter: str) -> bool:
+        self.sent.append(("unsubscribe", topic_filter))
+        return True
+
+    def ack(self, mid: int, qos: int) -> None:
+        if qos > 0:  # as PahoLink: QoS 0 has nothing to acknowledge
+            self.sent.append(("ack", mid))
+
+    def drop(self) -> None:
+        self.sent.append(("drop",))
+
+    def disconnect(self) -> None:
+        self.sent.append(("disconnect",))
+
+    # ------------------------------------------------------------- reading
+    def requests(self, op: str | None = None) -> list[Request]:
+        return [s[1] for s in self.sent if s[0] == "request" and (op is None or s[1].op == op)]
+
+    def wire(self) -> list[tuple[Any, ...]]:
+        """What was sent, requests shown as (op, filter/durable), hello left out."""
+        out: list[tuple[Any, ...]] = []
+        for item in self.sent:
+            if item[0] == "request":
+                request: Request = item[1]
+                if request.op == "interest":
+                    out.append(("interest", request.filter, request.durable))
+                elif request.op == "stream_subscribe":
+                    out.append(("stream_subscribe", request.filter, request.after))
+                elif request.op != "hello":
+                    out.append((request.op,))
+            else:
+                out.append(item)
+        return out
+
+    def clear(self) -> None:
+        self.sent.clear()
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def connected(self, info: ConnectionInfo) -> None:
+        self.calls.append(("connected", info))
+
+    def disconnected(self, reason: str) -> None:
+        self.calls.append(("disconnected", reason))
+
+    def session_lost(self) -> None:
+        self.calls.append(("session_lost",))
+
+    def live(self, marker: Marker) -> None:
+        self.calls.append(("live", marker))
+
+    def names(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def make(recorder: Recorder) -> Iterator[Callable[..., tuple[DurableClient, FakeLink]]]:
+    made: list[DurableClient] = []
+
+    def factory(**kwargs: Any) -> tuple[DurableClient, FakeLink]:
+        client = DurableClient(
+            "c1",
+            on_connected=recorder.connected,
+            on_disconnected=recorder.disconnected,
+            on_session_lost=recorder.session_lost,
+            on_live=recorder.live,
+            **kwargs,
+        )
+        link = FakeLink()
+        link.client = client
+        client._link = link  # type: ignore[assignment]
+        made.append(client)
+        return client, link
+
+    yield factory
+    for client in made:
+        client.close()
+
+
+def connect(client: DurableClient, link: FakeLink, *, session_present: bool, epoch: int | None = 12) -> None:
+    """One CONNACK + hello reply, as the network thread would see them."""
+    client._handle_connack(ConnAck(True, session_present, "Success"))
+    hello = link.requests("hello")[-1]
+    reply = encode_reply("hello", hello.req, protocol=1, epoch=epoch, session_expiry=None)
+    client._handle_message(Inbound(REPLY_TOPIC, reply, 0, False, False, 0))
+
+
+def lose(client: DurableClient, link: FakeLink) -> None:
+    client._handle_lost("Unspecified error")
+    link.clear()
+
+
+def event(client: DurableClient, topic: str, seq: int, *, epoch: int = 12, mid: int = 1, flags: int = 0) -> None:
+    payload = encode_frame(flags, epoch, seq, 1.0) + b"p"
+    client._handle_message(Inbound(topic, payload, 1, False, False, mid))
+
+
+# ------------------------------------------------------------------- set-up
+def test_hello_after_connack_and_connected_after_its_reply(make: Any, recorder: Recorder) -> None:
+    client, link = make(session_expiry=3600)
+    client._handle_connack(ConnAck(True, False, "Success"))
+    (hello,) = link.requests()
+    assert hello.op == "hello" and hello.session_expiry == 3600.0 and hello.req is not None
+    assert not client.connected and client.cache.stale
+    reply = encode_reply("hello", hello.req, protocol=1, epoch=12, session_expiry=3600.0)
+    client._handle_message(Inbound(REPLY_TOPIC, reply, 0, False, False, 0))
+    assert client.connected and not client.cache.stale
+    assert recorder.calls == [("connected", ConnectionInfo(False, 12, 3600.0))]
+    assert client._state.epoch == 12
+
+
+def test_reply_to_another_request_does_not_finish_the_handshake(make: Any) -> None:
+    client, _link = make()
+    client._handle_connack(ConnAck(True, False, "Success"))
+    client._handle_message(Inbound(REPLY_TOPIC, encode_reply("hello", 999, epoch=1), 0, False, False, 0))
+    assert not client.connected
+
+
+def test_refused_connack_fails_connect_at_once(make: Any) -> None:
+    client, _link = make()
+    client._first = first = _FirstConnect()
+    client._handle_connack(ConnAck(False, False, "Not authorized"))
+    assert first.done.is_set() and isinstance(first.error, ConnectFailed)
+    assert "refused the connection: Not authorized" in str(first.error)
+    assert client._stop.is_set()
+
+
+def test_hello_error_fails_connect_and_later_drops(make: Any, caplog: pytest.LogCaptureFixture) -> None:
+    client, link = make()
+    client._first = first = _FirstConnect()
+    client._handle_connack(ConnAck(True, False, "Success"))
+    error = encode_error("hello", link.requests("hello")[-1].req, ProtocolError("unsupported_version", "v1 only"))
+    client._handle_message(Inbound(REPLY_TOPIC, error, 0, False, False, 0))
+    assert isinstance(first.error, ConnectFailed) and "unsupported_version: v1 only" in str(first.error)
+    # The same error on a reconnect (connect() returned long ago): drop and retry.
+    client._stop.clear()
+    client._handle_connack(ConnAck(True, False, "Success"))
+    error = encode_error("hello", link.requests("hello")[-1].req, ProtocolError("unsupported_version", "v1 only"))
+    with caplog.at_level(logging.ERROR, logger="durable_client"):
+        client._handle_message(Inbound(REPLY_TOPIC, error, 0, False, False, 0))
+    assert link.sent[-1] == ("drop",) and not client.connected
+
+
+# ------------------------------------------------------------ subscriptions
+def test_subscribe_variants_on_the_wire(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    link.clear()
+    client.subscribe("d/#")
+    client.subscribe("q2", qos=2)
+    client.subscribe("n/#", durable=False)
+    client.subscribe("n/#", durable=True)  # turns durable: interest only, no new SUBSCRIBE
+    client.subscribe("d/#", qos=0)  # QoS change: SUBSCRIBE again
+    client.subscribe("d/#", qos=0, listener=lambda e: None)  # listener change: nothing to send
+    assert link.wire() == [
+        ("subscribe", "d/#", 1),
+        ("subscribe", "q2", 1),  # QoS 2 becomes 1 on a durable session
+        ("interest", "n/#", False),
+        ("subscribe", "n/#", 1),
+        ("interest", "n/#", True),
+        ("subscribe", "d/#", 0),
+    ]
+
+
+def test_reconnect_with_session_present_replays_only_what_the_broker_dropped(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    client.subscribe("d/#")
+    client.subscribe("n/#", durable=False)
+    client.subscribe_stream("s/#", lambda e: None, window=5)
+    client.ready_for_events()
+    for subscription in client._registry.subscriptions():
+        client._handle_subscribed(subscription.mid or 0, True)
+    client._state.record_stream("s/a", 7)
+    client._state.record_stream("other/x", 3)
+    lose(client, link)
+    connect(client, link, session_present=True)
+    assert link.wire() == [
+        ("interest", "n/#", False),
+        ("subscribe", "n/#", 1),
+        ("stream_subscribe", "s/#", {"s/a": 7}),
+        ("ready",),
+    ]
+    assert link.requests("stream_subscribe")[0].window == 5
+
+
+def test_unconfirmed_durable_subscription_is_sent_again(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    client.subscribe("d/#")  # no SUBACK before the connection died
+    lose(client, link)
+    connect(client, link, session_present=True)
+    assert link.wire() == [("subscribe", "d/#", 1)]
+
+
+def test_refused_suback_is_logged_and_retried(make: Any, caplog: pytest.LogCaptureFixture) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    client.subscribe("secret/#")
+    sub = client._registry.get("secret/#")
+    assert sub is not None and sub.mid is not None
+    with caplog.at_level(logging.WARNING, logger="durable_client"):
+        client._handle_subscribed(sub.mid, False)
+    assert "refused the subscription to secret/#" in caplog.text
+    lose(client, link)
+    connect(client, link, session_present=True)
+    assert link.wire() == [("subscribe", "secret/#", 1)]
+
+
+def test_subscriptions_made_while_disconnected_go_out_on_connect(make: Any) -> None:
+    client, link = make()
+    client.subscribe("early/#", durable=False)
+    client.ready_for_events()
+    assert link.sent == []
+    connect(client, link, session_present=False)
+    assert link.wire() == [("interest", "early/#", False), ("subscribe", "early/#", 1), ("ready",)]
+
+
+def test_unsubscribe_while_disconnected_is_sent_on_reconnect(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    client.subscribe("d/#")
+    client.subscribe_stream("s/#", lambda e: None)
+    lose(client, link)
+    client.unsubscribe("d/#")
+    client.unsubscribe("s/#")
+    client.unsubscribe("never/subscribed")
+    connect(client, link, session_present=True)
+    assert link.wire() == [("unsubscribe", "d/#")]
+
+
+def test_unsubscribe_when_connected(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    client.subscribe("d/#")
+    client.subscribe_stream("s/#", lambda e: None)
+    link.clear()
+    client.unsubscribe("d/#")
+    client.unsubscribe("s/#")
+    assert link.wire() == [("unsubscribe", "d/#"), ("stream_unsubscribe",)]
+
+
+def test_sdk_topics_cannot_be_subscribed_or_published(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    for bad in ("_durable/v1/ctl", "$durable/v1/reply", ""):
+        with pytest.raises(ValueError):
+            client.subscribe(bad)
+    with pytest.raises(ValueError, match="control channel"):
+        client.publish("_durable/v1/ctl", b"{}")
+
+
+# ------------------------------------------------------------- session loss
+def test_session_present_zero_after_a_session_means_lost(make: Any, recorder: Recorder) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    client.subscribe("d/#")
+    client.subscribe("n/#", durable=False)
+    client.ready_for_events()
+    for subscription in client._registry.subscriptions():
+        client._handle_subscribed(subscription.mid or 0, True)
+    event(client, "d/x", 5)
+    lose(client, link)
+    recorder.calls.clear()
+    connect(client, link, session_present=False, epoch=13)
+    assert recorder.names() == ["session_lost", "connected"]
+    assert link.wire() == [
+        ("subscribe", "d/#", 1),
+        ("interest", "n/#", False),
+        ("subscribe", "n/#", 1),
+        ("ready",),
+    ]
+    assert (client._state.epoch, client._state.get_mark(13)) == (13, 0)
+
+
+def test_new_epoch_with_session_present_means_lost(make: Any, recorder: Recorder) -> None:
+    client, link = make()
+    connect(client, link, session_present=False, epoch=12)
+    client.subscribe("d/#")
+    client._handle_subscribed(client._registry.subscriptions()[0].mid or 0, True)
+    lose(client, link)
+    recorder.calls.clear()
+    connect(client, link, session_present=True, epoch=20)
+    assert recorder.names() == ["session_lost", "connected"]
+    assert link.wire() == [("subscribe", "d/#", 1)]
+
+
+def test_first_connect_of_a_process_is_not_a_loss(make: Any, recorder: Recorder) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    assert recorder.names() == ["connected"]
+
+
+def test_disk_state_from_a_previous_run_detects_a_loss(make: Any, recorder: Recorder, tmp_path: Path) -> None:
+    previous = DiskState(tmp_path, "c1")
+    previous.record(12, 40)
+    previous.close()
+    client, link = make(persistence="disk", state_dir=tmp_path)
+    assert client.persistence_level == "disk"
+    connect(client, link, session_present=False, epoch=30)
+    assert recorder.names() == ["session_lost", "connected"]
+
+
+def test_disk_state_with_the_same_session_keeps_its_mark(make: Any, recorder: Recorder, tmp_path: Path) -> None:
+    previous = DiskState(tmp_path, "c1")
+    previous.record(12, 40)
+    previous.close()
+    client, link = make(persistence="disk", state_dir=tmp_path)
+    connect(client, link, session_present=True, epoch=12)
+    assert recorder.names() == ["connected"]
+    seen: list[int] = []
+    client.subscribe("#", listener=lambda e: seen.append(e.seq))
+    event(client, "t", 40, mid=1)
+    event(client, "t", 41, mid=2)
+    assert seen == [41] and ("ack", 1) in link.sent and ("ack", 2) in link.sent
+
+
+# ------------------------------------------------------------------ messages
+def test_failed_listener_drops_the_connection_without_ack(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+
+    def listener(e: Event) -> None:
+        raise ValueError("boom")
+
+    client.subscribe("#", listener=listener)
+    link.clear()
+    event(client, "t", 1, mid=7)
+    event(client, "t", 2, mid=8)
+    assert link.sent == [("drop",)]
+    assert client.stats.redeliveries_requested == 1
+
+
+def test_stream_event_is_acknowledged_with_stream_ack(make: Any) -> None:
+    client, link = make(durable_session=False)
+    connect(client, link, session_present=False, epoch=None)
+    seen: list[Event] = []
+    client.subscribe_stream("s/#", seen.append)
+    link.clear()
+    data = encode_frame(0, 0, 4, 1.0) + b"x"
+    client._handle_message(Inbound(STREAM_TOPIC_PREFIX + "s/a", data, 0, False, False, 0))
+    (ack,) = link.requests("stream_ack")
+    assert (ack.topic, ack.id, ack.req) == ("s/a", 4, None)
+    assert [(e.topic, e.seq, e.stream) for e in seen] == [("s/a", 4, True)]
+
+
+def test_marker_calls_on_live(make: Any, recorder: Recorder) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    recorder.calls.clear()
+    marker = Marker(12, 0, None, None, ())
+    client._handle_message(Inbound(MARKER_TOPIC, encode_marker(marker), 0, False, False, 0))
+    assert recorder.calls == [("live", marker)]
+
+
+def test_error_reply_without_a_waiter_is_logged(make: Any, caplog: pytest.LogCaptureFixture) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    error = encode_error("interest", 77, ProtocolError("bad_filter", "filter 'a/#/b' is not valid"))
+    with caplog.at_level(logging.WARNING, logger="durable_client"):
+        client._handle_message(Inbound(REPLY_TOPIC, error, 0, False, False, 0))
+    assert "bad_filter" in caplog.text and "is not valid" in caplog.text
+
+
+def test_raising_callbacks_do_not_break_the_client(make: Any, caplog: pytest.LogCaptureFixture) -> None:
+    def bad(*args: Any) -> None:
+        raise RuntimeError("callback bug")
+
+    client = DurableClient("c2", on_connected=bad, on_live=bad)
+    link = FakeLink()
+    client._link = link  # type: ignore[assignment]
+    with caplog.at_level(logging.ERROR, logger="durable_client"):
+        connect(client, link, session_present=False)
+        client._handle_message(Inbound(MARKER_TOPIC, encode_marker(Marker(1, 0, None, None, ())), 0, False, False, 0))
+    assert client.connected
+    assert [r.exc_info[1].args for r in caplog.records if r.exc_info and r.exc_info[1]] == [("callback bug",)] * 2
+    client.close()
+
+
+# ------------------------------------------------------------- stateless
+def test_stateless_client_resubscribes_everything_plainly(make: Any) -> None:
+    client, link = make(durable_session=False)
+    connect(client, link, session_present=False, epoch=None)
+    client.subscribe("a/#", qos=2, durable=False)
+    client.subscribe("b/#")
+    client.ready_for_events()  # no session to hold: nothing sent
+    for subscription in client._registry.subscriptions():
+        client._handle_subscribed(subscription.mid or 0, True)
+    lose(client, link)
+    connect(client, link, session_present=False, epoch=None)
+    assert link.wire() == [("subscribe", "a/#", 2), ("subscribe", "b/#", 1)]
+    seen: list[Event] = []
+    client.subscribe("raw", listener=seen.append)
+    client._handle_message(Inbound("raw", b"plain", 1, False, False, 9))
+    assert [(e.payload, e.seq, e.epoch) for e in seen] == [(b"plain", 0, 0)]
+    assert link.sent[-1] == ("ack", 9)
+
+
+# ------------------------------------------------------------------- publish
+def test_publish_needs_a_connection(make: Any) -> None:
+    client, link = make()
+    with pytest.raises(Unconnected, match="not connected"):
+        client.publish("t", b"x")
+    connect(client, link, session_present=False)
+    client.publish("t", "text", qos=1)
+    assert link.sent[-1] == ("publish", "t", b"text", 1, False)
+    lose(client, link)
+    with pytest.raises(Unconnected):
+        client.publish("t", b"x")
+
+
+def test_publish_without_puback_times_out(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    link.puback = False
+    with pytest.raises(RequestTimeout, match="no PUBACK") as info:
+        client.publish("t", b"x", timeout=0.01)
+    assert isinstance(info.value, TimeoutError)
+    client.publish("t", b"x", qos=0)  # QoS 0 does not wait
+
+
+# -------------------------------------------------------------- requests
+def test_subscribe_stream_waits_for_the_reply(make: Any, caplog: pytest.LogCaptureFixture) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+
+    def respond(request: Request) -> bytes | None:
+        if request.op == "stream_subscribe" and request.filter == "s/#":
+            return encode_reply("stream_subscribe", request.req, topics={}, gaps={"s/a": [1, 9]})
+        if request.op == "stream_subscribe":
+            return encode_error("stream_subscribe", request.req, ProtocolError("unknown_stream", "no stream"))
+        return None
+
+    link.respond = respond
+    with caplog.at_level(logging.WARNING, logger="durable_client"):
+        client.subscribe_stream("s/#", lambda e: None)
+    assert "ids 1 to 9 were trimmed" in caplog.text
+    with pytest.raises(ControlRequestFailed) as info:
+        client.subscribe_stream("nope/#", lambda e: None)
+    assert (info.value.code, info.value.op) == ("unknown_stream", "stream_subscribe")
+    assert [s.filter for s in client._registry.streams()] == ["s/#"]
+
+
+def test_request_timeout_and_lost_connection(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    link.respond = None  # the broker never answers
+    with pytest.raises(RequestTimeout, match="stream_subscribe"):
+        client.subscribe_stream("s/#", lambda e: None, timeout=0.01)
+    assert client._waiters == {}
+
+    def lose_on_request(request: Request) -> None:
+        client._handle_lost("Connection lost")
+
+    link.respond = lose_on_request  # type: ignore[assignment]
+    with pytest.raises(Unconnected, match="lost before the reply"):
+        client.subscribe_stream("t/#", lambda e: None)
+
+
+# ------------------------------------------------------------------ close
+def test_close_keep_session_false_ends_the_session(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    event(client, "t", 5)
+    link.respond = lambda r: encode_reply("end_session", r.req, messages_dropped=3) if r.op == "end_session" else None
+    client.close(keep_session=False)
+    assert link.requests("end_session") and client._state.epoch is None
+    with pytest.raises(Unconnected):
+        client.publish("t", b"x")
+    with pytest.raises(Unconnected):
+        client.subscribe("t")
+    client.close()  # idempotent
+
+
+def test_close_reports_a_refused_end_session_after_closing(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    link.respond = lambda r: encode_error(r.op, r.req, ProtocolError("no_session", "gone")) if r.op else None
+    with pytest.raises(ControlRequestFailed, match="no_session"):
+        client.close(keep_session=False)
+    with pytest.raises(Unconnected):
+        client.ready_for_events()
+
+
+def test_close_while_disconnected_cannot_end_the_session(make: Any) -> None:
+    client, _link = make()
+    with pytest.raises(Unconnected, match="was not ended"):
+        client.close(keep_session=False)
+    with pytest.raises(Unconnected):
+        client.connect()
+
+
+def test_lost_connection_marks_the_cache_stale_and_tells_the_application(make: Any, recorder: Recorder) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    event(client, "t", 1)
+    recorder.calls.clear()
+    client._handle_lost("Connection lost")
+    assert recorder.calls == [("disconnected", "Connection lost")]
+    assert client.cache.stale and client.cache.get("t") == b"p" and not client.connected
+    connect(client, link, session_present=True)
+    assert client.stats.reconnects == 1 and client.stats.processed == 1
+
+
+def test_constructor_checks(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="client_id"):
+        DurableClient("")
+    with pytest.raises(ValueError, match="state_dir"):
+        DurableClient("c", persistence="disk")
+    with pytest.raises(ValueError, match="reconnect_max_delay"):
+        DurableClient("c", reconnect_min_delay=5, reconnect_max_delay=1)
+    seen: list[OSError] = []
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    client = DurableClient("c", persistence="disk", state_dir=blocker / "s", on_persistence_fallback=seen.append)
+    assert client.persistence_level == "memory" and len(seen) == 1
+    client.close()
