@@ -238,14 +238,15 @@ class DurableClient:
             self._closed = True
         thread = self._thread
         self._stop.set()
-        if thread is None:
-            self._state.close()
-        elif not on_network_thread:
+        if thread is not None and not on_network_thread:
             if self._link is not None and self._link.socket_open:
                 self._link.disconnect()  # wakes the network thread at once
             thread.join(timeout)
-            if thread.is_alive():
-                log.warning("the network thread did not stop within %s s; it stops in the background", timeout)
+        if thread is None or not thread.is_alive():
+            self._state.close()
+        elif not on_network_thread:
+            log.warning("the network thread did not stop within %s s; it stops in the background", timeout)
+        # Otherwise (called from a listener) the network thread closes the state as it ends.
         if error is not None:
             raise error
 
@@ -385,7 +386,12 @@ class DurableClient:
         self._check_open()
         if topic.startswith(CONTROL_PREFIX):
             raise ValueError(f"topics under {CONTROL_PREFIX} are the SDK's control channel; cannot publish to {topic}")
-        data = payload.encode() if isinstance(payload, str) else bytes(payload)
+        if isinstance(payload, str):
+            data = payload.encode()
+        elif isinstance(payload, bytes | bytearray | memoryview):
+            data = bytes(payload)
+        else:
+            raise TypeError(f"payload must be bytes or str, got {type(payload).__name__}")
         if not self._connected:
             raise Unconnected(f"not connected to {self.host}:{self.port} (reconnecting): nothing was published")
         handle = self._link_or_raise().publish(topic, data, qos, retain)
@@ -421,7 +427,7 @@ class DurableClient:
                     attempts += 1
                     try:
                         link.open()
-                    except (OSError, ValueError) as exc:
+                    except Exception as exc:  # OSError mostly; anything else must not end reconnection
                         self._problem(f"cannot reach {self.host}:{self.port}: {exc}")
                         continue
                     with self._lock:
@@ -607,6 +613,8 @@ class DurableClient:
             with self._registry.lock:
                 for subscription in self._registry.subscriptions():
                     subscription.mid = None  # its SUBACK will not come
+                    if not (self._durable and subscription.durable):
+                        subscription.confirmed = False  # the broker drops it with the connection
         self.cache._set_stale(True)
         for waiter in waiters:
             waiter.lost = True

@@ -288,6 +288,17 @@ def test_unconfirmed_durable_subscription_is_sent_again(make: Any) -> None:
     assert link.wire() == [("subscribe", "d/#", 1)]
 
 
+def test_subscription_turned_durable_while_away_is_sent_again(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=False)
+    client.subscribe("n/#", durable=False)
+    client._handle_subscribed(client._registry.subscriptions()[0].mid or 0, True)
+    lose(client, link)  # the broker dropped the non-durable subscription
+    client.subscribe("n/#", durable=True)
+    connect(client, link, session_present=True)
+    assert link.wire() == [("subscribe", "n/#", 1)]
+
+
 def test_refused_suback_is_logged_and_retried(make: Any, caplog: pytest.LogCaptureFixture) -> None:
     client, link = make()
     connect(client, link, session_present=False)
@@ -512,6 +523,8 @@ def test_publish_without_puback_times_out(make: Any) -> None:
         client.publish("t", b"x", timeout=0.01)
     assert isinstance(info.value, TimeoutError)
     client.publish("t", b"x", qos=0)  # QoS 0 does not wait
+    with pytest.raises(TypeError, match="bytes or str"):
+        client.publish("t", 5, qos=0)  # type: ignore[arg-type]
 
 
 # -------------------------------------------------------------- requests
