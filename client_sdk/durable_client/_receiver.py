@@ -152,9 +152,13 @@ class Receiver:
         try:
             frame, payload = decode_frame(message.payload)
         except ProtocolError as exc:
-            # Cannot be deduplicated nor trusted: acknowledged so it is not re-sent forever.
-            log.error("dropping a message on %s that has no valid SDK frame: %s", message.topic, exc.message)
-            return _ACK
+            # Not framed: the session was a plain one before this connection's hello took effect
+            # (docs/protocol.md, "Without a hello ..."). Delivered raw rather than lost.
+            log.warning(
+                "a message on %s has no SDK frame (%s): delivered as it is, without duplicate check",
+                message.topic, exc.message,
+            )
+            return self._raw_event(message)
         self.counters.received += 1
         if frame.seq <= self._state.get_mark(frame.epoch):
             self.counters.duplicates_dropped += 1

@@ -187,12 +187,13 @@ def test_cache_rules_applied_per_flag() -> None:
     assert (h.cache.get("live"), h.cache.get("old"), h.cache.get("init")) == (b"L", None, b"I")
 
 
-def test_unframed_message_on_a_durable_session_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+def test_unframed_message_on_a_durable_session_is_delivered_raw(caplog: pytest.LogCaptureFixture) -> None:
     h = Harness()
     h.listen("#")
-    with caplog.at_level(logging.ERROR, logger="durable_client"):
+    with caplog.at_level(logging.WARNING, logger="durable_client"):
         assert h.receiver.handle(h.message("t", b"short")) == ACK
-    assert h.seen == [] and "no valid SDK frame" in caplog.text
+    assert [(e.payload, e.seq, e.epoch) for _, e in h.seen] == [(b"short", 0, 0)]
+    assert "has no SDK frame" in caplog.text and h.state.epoch is None
 
 
 # ------------------------------------------------------------- persistence
