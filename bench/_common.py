@@ -1,4 +1,5 @@
-"""Helpers for bench_durable.py: broker processes, RSS sampling, configuration files.
+"""Helpers for the benchmarks (bench_durable.py, bench_sdk.py): broker processes, RSS sampling, configuration
+files, the code under test (snapshot copies, git revision).
 
 The MQTT load clients (raw sockets, one process each) are in _rawmqtt.py.
 
@@ -10,14 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from collections.abc import Sequence
@@ -360,3 +364,47 @@ def write_config(path: Path, config: dict[str, Any]) -> None:
 
 def listener_config(port: int) -> dict[str, Any]:
     return {"default": {"type": "tcp", "bind": f"{HOST}:{port}"}}
+
+
+# --------------------------------------------------------------------------- code under test
+
+
+def snapshot_packages(package_dirs: Sequence[Path], dest: Path, *, git_root: Path | None = None) -> Path:
+    """Copy package folders into `dest` and return `dest`, for PYTHONPATH / sys.path.
+
+    A benchmark that imports the copy measures one version of the code even when the working
+    tree changes during the run (folders on PYTHONPATH or sys.path come before the editable
+    install). With `git_root` the copies are the folders as committed in HEAD (`git archive`),
+    so the code under test is exactly the reported revision; otherwise the working tree's
+    (without __pycache__).
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    if git_root is None:
+        for package_dir in package_dirs:
+            shutil.copytree(package_dir, dest / package_dir.name, ignore=shutil.ignore_patterns("__pycache__"))
+        return dest
+    for package_dir in package_dirs:
+        rel = package_dir.resolve().relative_to(git_root.resolve()).as_posix()
+        archive = subprocess.run(["git", "-C", str(git_root), "archive", "--format=tar", "HEAD", rel],
+                                 capture_output=True, timeout=60, check=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            members = [m for m in tar.getmembers() if m.isfile() and m.name.startswith(rel + "/")]
+            if not members:
+                raise BenchError(f"{rel} is not in git HEAD")
+            for member in members:
+                member.name = f"{package_dir.name}/{member.name[len(rel) + 1:]}"
+            tar.extractall(dest, members=members, filter="data")
+    return dest
+
+
+def git_revision(root: Path, watched: Sequence[str]) -> str:
+    """`<short hash> <subject>` of HEAD, plus a warning when any of the `watched` paths has uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", *watched],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    changed = sorted({line[3:].split("/")[0] for line in dirty if line.strip()})
+    return head + (f" + uncommitted changes in {', '.join(changed)}" if changed else "")
