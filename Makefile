@@ -30,6 +30,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/bench_durable.py
+	$(VENV)/bin/python bench/bench_sdk.py
 
 clean:
 	rm -rf $(VENV) data .pytest_cache
