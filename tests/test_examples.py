@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from amqtt_durable.cli import PLUGIN_PATH, load_broker_config, plugin_section
 from amqtt_durable.config import DurableConfig
 from conftest import WAIT, Broker, Client, free_port, payloads, run_cli
@@ -100,3 +102,88 @@ def test_readme_configuration_table_lists_every_knob() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     missing = [f.name for f in dataclasses.fields(DurableConfig) if f"| `{f.name}` |" not in readme]
     assert not missing, f"README's configuration table lacks: {missing}"
+
+
+# --------------------------------------------------------------------------- the SDK examples
+FLAKY_LINK_DEVICE = ROOT / "examples" / "flaky_link_device.py"
+DASHBOARD = ROOT / "examples" / "dashboard.py"
+
+
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=4 * WAIT,
+        check=False,
+        cwd=ROOT,
+    )
+
+
+def counts(line_start: str, output: str) -> dict[str, int]:
+    """``link cuts: 3, reconnects: 3`` -> {"link cuts": 3, "reconnects": 3}, from the line starting so."""
+    line = next(line for line in output.splitlines() if line.startswith(line_start))
+    return {name.strip(): int(value) for name, value in (part.split(":") for part in line.split(","))}
+
+
+def test_flaky_link_device_processes_every_command_once_in_order_despite_the_cuts(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    broker = broker_factory()
+    result = run_script(FLAKY_LINK_DEVICE, "--port", str(broker.port), "--count", "120", "--cut-every", "20")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "persistence=disk" in result.stdout
+    assert "publisher: 120 QoS 1 commands acknowledged by the broker" in result.stdout
+    assert "processed 120/120 commands exactly once, in order" in result.stdout
+    stats = counts("link cuts:", result.stdout)
+    # 120 acknowledgements cannot pass a link cut at every 20th without several cuts; each cut
+    # withholds the acknowledgement of a processed command, which the broker re-sends after the
+    # reconnect and the SDK drops (only the last cut may come after the last command).
+    assert stats["link cuts"] >= 2, result.stdout
+    assert stats["reconnects"] >= stats["link cuts"] - 1, result.stdout
+    assert stats["duplicates dropped by the SDK"] >= stats["link cuts"] - 1, result.stdout
+    assert stats["replayed events"] >= 1, "commands queued while the link was down come replayed"
+    assert "OK" in result.stdout
+    assert result.stderr == "", "nothing is logged on stderr when all goes well"
+
+
+def test_flaky_link_device_runs_again_with_the_same_state_folder(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    broker = broker_factory()
+    state = tmp_path / "device-state"
+    for _ in range(2):  # the example ends the earlier session, and resets its marks, before starting
+        args = ["--port", str(broker.port), "--count", "30", "--cut-every", "8", "--state-dir", str(state)]
+        result = run_script(FLAKY_LINK_DEVICE, *args)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "processed 30/30 commands exactly once, in order" in result.stdout
+    assert (state / "flaky-device-1").is_dir(), "the processed marks live in state-dir/<client id>/"
+
+
+def test_dashboard_cache_skips_replayed_readings_and_takes_live_ones(broker_factory: Callable[..., Broker]) -> None:
+    broker = broker_factory()
+    result = run_script(DASHBOARD, "--port", str(broker.port), "--sensors", "3", "--readings", "3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "first visit, cache at the marker:" in out
+    assert "publisher: 9 readings (3 per sensor) while the dashboard was away" in out
+    assert "back (session_present=1)" in out
+    assert "the listener got 9 replayed readings, in order; the cache took 0 of them" in out
+    assert "publisher: 3 live readings; the listener got 3" in out
+    after_live = out.split("cache after the live readings:", 1)[1].splitlines()
+    for n in (1, 2, 3):  # live reading number 4 of sensor n is f"{20 + n}.4"
+        row = next(line.split() for line in after_live if line.strip().startswith(f"sensors/{n}/temperature"))
+        assert row[1] == f"{20 + n}.4" and row[-2:] == ["live", "reading"], row
+    assert not any(line.endswith("replayed reading") for line in out.splitlines()), "no cached replayed reading"
+    assert "OK" in out
+    # It cleans up after itself (session ended, retained readings deleted): a second run passes too.
+    again = run_script(DASHBOARD, "--port", str(broker.port), "--sensors", "2", "--readings", "1")
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+@pytest.mark.parametrize("script", [FLAKY_LINK_DEVICE, DASHBOARD], ids=lambda path: path.stem)
+def test_sdk_examples_exit_1_without_a_broker(script: Path) -> None:
+    result = run_script(script, "--port", str(free_port()), "--timeout", "2")
+    assert result.returncode == 1
+    assert "error:" in result.stderr
+    assert "OK" not in result.stdout
