@@ -20,7 +20,9 @@ queues N events for it; then the receiver connects (SDK: subscribe with a listen
 ready_for_events(), connect(); plain: connect, session present) while a second publisher process
 publishes L live events as fast as its PUBACKs allow (at most --inflight unacknowledged).
 Measured in the receiver, from just before connect: events/s to the listener until the last of
-the N + L events, the first event, and (SDK) the marker (on_live). Correctness: every event
+the N + L events, the first event, and (SDK) the marker (on_live); also the receiver process's CPU
+time per event (all its threads, less sensitive to the noise of a shared machine than the rate,
+and blind to waiting: it shows the client's own cost per event). Correctness: every event
 exactly once, each publisher's events in order, and no live event before the last queued one;
 the receiver keeps listening --linger seconds after the last event to catch late duplicates.
 A failure is printed in the table, repeated as a NOTE and makes the exit code 1.
@@ -139,6 +141,7 @@ class RecvResult:
     t_first_ns: int = 0
     t_last_ns: int = 0
     t_marker_ns: int = 0
+    cpu_s: float | None = None  # CPU time of the receiver process (all threads), connect -> last event
     unique: int = 0
     duplicates: int = 0
     out_of_order: int = 0  # first deliveries that are not the next of their publisher
@@ -211,9 +214,12 @@ def _wait_go(pipe: Connection) -> None:
         raise RuntimeError(f"stopped before 'go' ({message!r})")
 
 
-def _receive(tally: Tally, spec: RecvSpec, pipe: Connection, pump: Callable[[], object],
-             linger: Callable[[], object]) -> str:
-    """Call pump() until all events arrived (or a bound); then linger() for spec.linger seconds."""
+def _receive(tally: Tally, spec: RecvSpec, pipe: Connection, res: RecvResult, cpu0: float, *,
+             pump: Callable[[], object], linger: Callable[[], object]) -> None:
+    """Call pump() until all events arrived (or a bound); then linger() for spec.linger seconds.
+
+    Sets res.end and res.cpu_s (this process's CPU time since `cpu0`, measured before the linger).
+    """
     start = time.monotonic()
     end_at = start + spec.timeout
     last_unique, last_progress, next_check = -1, start, start
@@ -235,10 +241,11 @@ def _receive(tally: Tally, spec: RecvSpec, pipe: Connection, pump: Callable[[], 
         if pipe.poll():
             end = "stopped by the parent"
             break
+    res.cpu_s = time.process_time() - cpu0
+    res.end = end
     linger_end = time.monotonic() + spec.linger
     while time.monotonic() < linger_end:
         linger()
-    return end
 
 
 def _plain(spec: RecvSpec, pipe: Connection, tally: Tally, res: RecvResult) -> None:
@@ -264,10 +271,11 @@ def _plain(spec: RecvSpec, pipe: Connection, tally: Tally, res: RecvResult) -> N
 
     pipe.send(("subscribed", None))
     _wait_go(pipe)
+    cpu0 = time.process_time()
     res.t_connect_ns = now_ns()
     client.connect(HOST, spec.port, keepalive=30)
     try:
-        res.end = _receive(tally, spec, pipe, pump, lambda: client.loop(0.05))
+        _receive(tally, spec, pipe, res, cpu0, pump=pump, linger=lambda: client.loop(0.05))
     finally:
         client.disconnect()
         client.loop(0.1)
@@ -315,9 +323,10 @@ def _sdk(spec: RecvSpec, pipe: Connection, tally: Tally, res: RecvResult) -> Non
         client.ready_for_events()
         pipe.send(("subscribed", None))
         _wait_go(pipe)
+        cpu0 = time.process_time()
         res.t_connect_ns = now_ns()
         client.connect(timeout=SETUP_S)
-        res.end = _receive(tally, spec, pipe, lambda: tally.done.wait(0.25), lambda: time.sleep(0.05))
+        _receive(tally, spec, pipe, res, cpu0, pump=lambda: tally.done.wait(0.25), linger=lambda: time.sleep(0.05))
         res.sdk_stats = dataclasses.asdict(client.stats)
         res.persistence_level = client.persistence_level
     finally:
@@ -375,6 +384,14 @@ class Run:
         if r is None or r.unique < self.n + self.live or r.t_last_ns <= r.t_connect_ns:
             return None
         return r.unique / ((r.t_last_ns - r.t_connect_ns) / 1e9)
+
+    @property
+    def cpu_us(self) -> float | None:
+        """The receiver process's CPU time per event (µs), connect -> last event, when all N + L arrived."""
+        r = self.res
+        if r is None or r.cpu_s is None or r.unique < self.n + self.live:
+            return None
+        return r.cpu_s / r.unique * 1e6
 
 
 @dataclass
@@ -527,8 +544,8 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, *, runs
         "store in a temporary folder, metrics off",
         "",
         "| receiver | events/s to the listener (connect -> last of N + L) | vs plain | connect -> first event (ms) "
-        "| connect -> marker, on_live (ms) | correctness |",
-        "|---|---:|---:|---:|---:|---|",
+        "| connect -> marker, on_live (ms) | receiver CPU per event (µs) | correctness |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     plain_median = median_of(rates.get(PLAIN, []))
     for kind in kinds:
@@ -542,7 +559,7 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, *, runs
                                                        for run in kruns])
         lines.append(f"| {TITLES[kind]} | {fmt_runs(rates[kind])} | {vs} | "
                      f"{fmt_runs([run.ms(run.res.t_first_ns) if run.res else None for run in kruns])} | {marker} | "
-                     f"{correct.replace('|', '/')} |")
+                     f"{fmt_runs([run.cpu_us for run in kruns])} | {correct.replace('|', '/')} |")
     lines += ["", "| ratio (events/s) | of the medians | per round (same-round pairs) |", "|---|---:|---|"]
     for a, b in RATIOS:
         if a not in rates or b not in rates:
