@@ -100,7 +100,10 @@ class PahoLink:
             manual_ack=True,
         )
         self._client.manual_ack_set(True)
-        self._client.enable_logger(logging.getLogger("durable_client.paho"))
+        # paho reports every lost socket as an ERROR; losing connections is routine here and the
+        # client says so itself (a WARNING per loss), so paho's own lines go to DEBUG.
+        paho_log = logging.getLogger("durable_client.paho")
+        self._client.on_log = lambda _client, _userdata, _level, text: paho_log.debug("%s", text)
         self._client.connect_timeout = connect_timeout
         if username is not None:
             self._client.username_pw_set(username, password)

@@ -33,6 +33,8 @@ class Registry:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        """Notified when a SUBACK arrives or a connection ends (no SUBACK will come)."""
         self._subscriptions: dict[str, Subscription] = {}
         self._streams: dict[str, StreamSubscription] = {}
         self._unsubscribed: set[str] = set()
@@ -80,8 +82,16 @@ class Registry:
                 if subscription.mid == mid:
                     subscription.mid = None
                     subscription.confirmed = ok
+                    self.changed.notify_all()
                     return subscription
             return None
+
+    def wait_settled(self, timeout: float) -> bool:
+        """Wait until no subscription waits for its SUBACK; False when ``timeout`` ran out first."""
+        with self.lock:
+            return self.changed.wait_for(
+                lambda: all(s.mid is None for s in self._subscriptions.values()), timeout
+            )
 
     def listeners(self, topic: str) -> list[Listener]:
         with self.lock:

@@ -191,7 +191,11 @@ class DurableClient:
         thread = threading.Thread(target=self._run, name=f"durable-client-{self.client_id}", daemon=True)
         self._thread = thread
         thread.start()
+        started = time.monotonic()
         if first.done.wait(timeout) and first.error is None:
+            # Subscriptions made before connect() are part of setting the session up: a client
+            # that closes right away must not leave one half-made (it would be sent again).
+            self._registry.wait_settled(max(0.0, timeout - (time.monotonic() - started)))
             return
         error = first.error or ConnectFailed(
             f"no durable session with {self.host}:{self.port} within {timeout} s ({first.problem}). Is the broker "
@@ -289,7 +293,13 @@ class DurableClient:
 
     # ================================================================ operations
     def subscribe(
-        self, topic_filter: str, qos: int = 1, *, durable: bool = True, listener: Listener | None = None
+        self,
+        topic_filter: str,
+        qos: int = 1,
+        *,
+        durable: bool = True,
+        listener: Listener | None = None,
+        timeout: float = _REQUEST_TIMEOUT,
     ) -> None:
         """Subscribe (or change an existing subscription's QoS, durability or listener).
 
@@ -298,12 +308,24 @@ class DurableClient:
         nothing is queued for it while away. Without a listener the events only feed the cache.
         QoS 2 is requested as QoS 1 on a durable session: the SDK's marks already give
         exactly-once, and paho cannot complete a QoS 2 exchange it did not start (after a
-        restart). Called while disconnected, the subscription is sent on the next connect.
+        restart). Called while disconnected, the subscription is sent on the next connect;
+        when connected, it returns once the broker has confirmed it, or raises RequestTimeout
+        after ``timeout`` seconds without a SUBACK (the subscription stays registered and is
+        sent again on reconnect).
         """
         self._check_open()
         _check_filter(topic_filter)
         if qos not in (0, 1, 2):
             raise ValueError(f"qos must be 0, 1 or 2, got {qos!r}")
+        if (
+            self._subscribe(topic_filter, qos, durable, listener)
+            and not self._on_network_thread()
+            and not self._registry.wait_settled(timeout)
+        ):
+            raise RequestTimeout(f"no SUBACK for {topic_filter!r} within {timeout} s; it is sent again on reconnect")
+
+    def _subscribe(self, topic_filter: str, qos: int, durable: bool, listener: Listener | None) -> bool:
+        """Record the subscription and send what the broker must hear; True when a SUBSCRIBE went out."""
         with self._lock:
             previous = self._registry.get(topic_filter)
             subscription = Subscription(topic_filter, qos, durable, listener)
@@ -312,13 +334,15 @@ class DurableClient:
                 if previous is not None and previous.qos == qos:
                     subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
                 if not self._connected:
-                    return
+                    return False
                 # A new durable subscription is durable by default; anything else is said.
                 changed = previous.durable != durable if previous is not None else not durable
                 if self._durable and changed:
                     self._send_request("interest", filter=topic_filter, durable=durable)
                 if previous is None or previous.qos != qos:
                     self._send_subscribe(subscription)
+                    return True
+                return False
 
     def unsubscribe(self, topic_filter: str) -> None:
         """Remove a subscription or a stream subscription on ``topic_filter`` (no-op if neither)."""
@@ -535,7 +559,11 @@ class DurableClient:
         with self._lock:
             if self._stop.is_set():
                 return
-            self._replay_subscriptions(resend_durable=lost or not self._session_present)
+            held = reply.fields.get("subscriptions")
+            self._replay_subscriptions(
+                resend_durable=lost or not self._session_present,
+                broker_has=held if isinstance(held, dict) else None,
+            )
             self._handshake_deadline = None
             self._connected = True
             self._had_session = self._durable
@@ -551,8 +579,13 @@ class DurableClient:
         )
         _safe(self._on_connected, info)
 
-    def _replay_subscriptions(self, *, resend_durable: bool) -> None:
-        """What this connection needs from the registry (holding _lock)."""
+    def _replay_subscriptions(self, *, resend_durable: bool, broker_has: dict[str, Any] | None = None) -> None:
+        """What this connection needs from the registry (holding _lock).
+
+        ``broker_has`` ({filter: qos}, from the hello reply) is what the broker's session
+        holds: a durable subscription it already has is not sent again, even by a client that
+        just started and never saw its SUBACK (a repeated SUBSCRIBE re-queues retained values).
+        """
         with self._registry.lock:
             if resend_durable:
                 self._registry.session_lost()
@@ -562,6 +595,11 @@ class DurableClient:
                 elif not subscription.durable:
                     self._send_request("interest", filter=subscription.filter, durable=False)
                     self._send_subscribe(subscription)
+                elif broker_has is not None and not resend_durable:
+                    if broker_has.get(subscription.filter) == min(subscription.qos, 1):
+                        subscription.confirmed = True
+                    else:
+                        self._send_subscribe(subscription)
                 elif resend_durable or not (subscription.confirmed or subscription.mid is not None):
                     # session_present: the broker kept the confirmed ones; sending them again
                     # would queue their retained messages again.
@@ -615,6 +653,7 @@ class DurableClient:
                     subscription.mid = None  # its SUBACK will not come
                     if not (self._durable and subscription.durable):
                         subscription.confirmed = False  # the broker drops it with the connection
+                self._registry.changed.notify_all()
         self.cache._set_stale(True)
         for waiter in waiters:
             waiter.lost = True

@@ -174,7 +174,8 @@ class ControlChannel:
         if session is None:
             return {"protocol": PROTOCOL_VERSION, "epoch": None, "session_expiry": None}
         epoch, granted = self._engine.hello(self._client_id, request.session_expiry)
-        return {"protocol": PROTOCOL_VERSION, "epoch": epoch, "session_expiry": granted}
+        subscriptions = dict(sorted(session.record.subscriptions.items()))
+        return {"protocol": PROTOCOL_VERSION, "epoch": epoch, "session_expiry": granted, "subscriptions": subscriptions}
 
     def _interest(self, request: Request) -> dict[str, Any]:
         self._own_session(request)

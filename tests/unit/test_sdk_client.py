@@ -7,6 +7,7 @@ of a (re)connection is checked without a broker or a thread.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,8 @@ class FakeLink:
         self.puback = True
         self.respond: Callable[[Request], bytes | None] | None = _open_streams
         self.client: DurableClient | None = None
+        self.suback = True
+        """Confirm each SUBSCRIBE from another thread, as the network thread would (subscribe() waits)."""
         self._mid = 100
 
     def publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> FakeHandle:
@@ -83,6 +86,9 @@ class FakeLink:
     def subscribe(self, topic_filter: str, qos: int) -> int:
         self._mid += 1
         self.sent.append(("subscribe", topic_filter, qos))
+        if self.suback and self.client is not None:
+            # Blocks on the registry lock until the caller has stored the mid, as a real SUBACK would.
+            threading.Thread(target=self.client._handle_subscribed, args=(self._mid, True)).start()
         return self._mid
 
     def unsubscribe(self, topic_filter: str) -> bool:
@@ -282,7 +288,9 @@ def test_reconnect_with_session_present_replays_only_what_the_broker_dropped(mak
 def test_unconfirmed_durable_subscription_is_sent_again(make: Any) -> None:
     client, link = make()
     connect(client, link, session_present=False)
-    client.subscribe("d/#")  # no SUBACK before the connection died
+    link.suback = False
+    with pytest.raises(RequestTimeout):
+        client.subscribe("d/#", timeout=0.05)  # no SUBACK before the connection died
     lose(client, link)
     connect(client, link, session_present=True)
     assert link.wire() == [("subscribe", "d/#", 1)]
@@ -302,7 +310,9 @@ def test_subscription_turned_durable_while_away_is_sent_again(make: Any) -> None
 def test_refused_suback_is_logged_and_retried(make: Any, caplog: pytest.LogCaptureFixture) -> None:
     client, link = make()
     connect(client, link, session_present=False)
-    client.subscribe("secret/#")
+    link.suback = False
+    with pytest.raises(RequestTimeout):
+        client.subscribe("secret/#", timeout=0.05)
     sub = client._registry.get("secret/#")
     assert sub is not None and sub.mid is not None
     with caplog.at_level(logging.WARNING, logger="durable_client"):

@@ -1,0 +1,384 @@
+"""The SDK (durable_client) against a real broker over TCP, with a real LevelDB store:
+replay, marker and live in order; the cache; hold until ready; non-durable interest;
+keep_session; redelivery after a failing listener; exactly-once across broker and SDK
+crashes (SIGKILL); CPL-2 fallback; stateless resume from stream logs; 100 clients at once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import WAIT, Broker, Client, payloads
+from durable_client import DurableClient, Event, Marker, Unconnected
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = ROOT / "tests" / "sdk_child.py"
+
+
+class Recorder:
+    """A listener that keeps every event; waits are bounded and event-driven."""
+
+    def __init__(self, fail_once_on: bytes | None = None) -> None:
+        self.events: list[Event] = []
+        self.attempts: list[bytes] = []
+        self._fail_once_on = fail_once_on
+        self._cond = threading.Condition()
+
+    def __call__(self, event: Event) -> None:
+        with self._cond:
+            self.attempts.append(event.payload)
+            if event.payload == self._fail_once_on:
+                self._fail_once_on = None
+                raise RuntimeError("listener failed (on purpose)")
+            self.events.append(event)
+            self._cond.notify_all()
+
+    def wait(self, count: int, timeout: float = WAIT) -> list[Event]:
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.events) >= count, timeout), (
+                f"{len(self.events)} of {count} events arrived"
+            )
+            return list(self.events)
+
+    def wait_until(self, done: Callable[[list[Event]], bool], timeout: float = WAIT) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self.events) and done(self.events), timeout)
+
+    def payloads(self) -> list[bytes]:
+        with self._cond:
+            return [event.payload for event in self.events]
+
+
+class Signals:
+    """Callbacks of one client, each recorded and waitable."""
+
+    def __init__(self) -> None:
+        self.markers: list[Marker] = []
+        self.events_before_marker: list[int] = []
+        self.live = threading.Event()
+        self.disconnected = threading.Event()
+        self.fallbacks: list[OSError] = []
+        self.recorder: Recorder | None = None
+
+    def on_live(self, marker: Marker) -> None:
+        self.markers.append(marker)
+        self.events_before_marker.append(len(self.recorder.events) if self.recorder else 0)
+        self.live.set()
+
+    def kwargs(self) -> dict[str, Any]:
+        return {
+            "on_live": self.on_live,
+            "on_disconnected": lambda reason: self.disconnected.set(),
+            "on_persistence_fallback": self.fallbacks.append,
+        }
+
+
+@pytest.fixture
+def sdk() -> Iterator[Callable[..., DurableClient]]:
+    made: list[DurableClient] = []
+
+    def make(port: int, client_id: str, **kwargs: Any) -> DurableClient:
+        client = DurableClient(client_id, port=port, reconnect_min_delay=0.05, reconnect_max_delay=0.5, **kwargs)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close(keep_session=True)
+
+
+def queue_backlog(
+    sdk: Callable[..., DurableClient], broker: Broker, client_id: str, topic_filter: str, **kwargs: Any
+) -> None:
+    """Create the durable session with its subscription, then leave: what follows is queued."""
+    first = sdk(broker.port, client_id, **kwargs)
+    first.subscribe(topic_filter)
+    first.connect()
+    first.close(keep_session=True)
+
+
+def test_replay_then_marker_then_live_in_order_while_a_publisher_keeps_publishing(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    queue_backlog(sdk, broker, "dev-order", "feed/#")
+    publisher = clients(broker.port, "pub", clean_session=True)
+    everything = payloads(600)
+    publisher.publish("feed/a", everything[:300])
+
+    signals, recorder = Signals(), Recorder()
+    signals.recorder = recorder
+    device = sdk(broker.port, "dev-order", **signals.kwargs())
+    device.subscribe("feed/#", listener=recorder)
+    live_publisher = threading.Thread(target=publisher.publish, args=("feed/a", everything[300:]))
+    live_publisher.start()
+    device.connect()
+    device.ready_for_events()
+    got = recorder.wait(600)
+    live_publisher.join(WAIT)
+
+    assert [e.payload for e in got] == everything, "every event once, in publish order, across the marker"
+    assert len(signals.markers) == 1, "on_live once per marker"
+    (marker,), (before,) = signals.markers, signals.events_before_marker
+    assert before >= 300, "the whole backlog is replayed before the marker"
+    assert [e.replayed for e in got] == [True] * before + [False] * (600 - before)
+    assert marker.replayed == before
+    assert (marker.first_seq, marker.last_seq) == (got[0].seq, got[before - 1].seq)
+    seqs = [e.seq for e in got]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 600, "broker sequence ids increase along the order"
+    assert {e.epoch for e in got} == {marker.epoch}
+
+
+def test_the_cache_takes_initial_and_live_values_but_never_replayed_ones(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("s/init", [b"retained"], retain=True)
+    queue_backlog(sdk, broker, "dash", "s/+")
+    publisher.publish("s/1", [b"old"])
+
+    signals, recorder = Signals(), Recorder()
+    dashboard = sdk(broker.port, "dash", **signals.kwargs())
+    dashboard.subscribe("s/+", listener=recorder)
+    dashboard.connect()
+    dashboard.ready_for_events()
+    assert signals.live.wait(WAIT)
+    replayed = [e for e in recorder.wait(1) if e.payload == b"old"]
+    assert replayed and replayed[0].replayed, "the listener gets the replayed event"
+    assert dashboard.cache.get("s/1") is None, "a replayed event is not applied to the cache"
+
+    publisher.publish("s/1", [b"new"])
+    assert recorder.wait_until(lambda events: events[-1].payload == b"new")
+    assert dashboard.cache.get("s/1") == b"new", "a live event is"
+
+    broker.kill()
+    assert signals.disconnected.wait(WAIT)
+    assert dashboard.cache.stale
+    assert dashboard.cache.get("s/1") == b"new", "reads work while disconnected (possibly stale)"
+    with pytest.raises(Unconnected):
+        dashboard.publish("s/1", b"while away")
+
+
+def test_retained_values_are_initial_values_of_the_cache(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    clients(broker.port, "pub", clean_session=True).publish("r/1", [b"initial"], retain=True)
+    signals, recorder = Signals(), Recorder()
+    client = sdk(broker.port, "cache-init", **signals.kwargs())
+    client.subscribe("r/+", listener=recorder)
+    client.connect()
+    client.ready_for_events()
+    (event,) = recorder.wait(1)
+    assert event.retained
+    assert signals.live.wait(WAIT)
+    assert client.cache.get("r/1") == b"initial"
+
+
+def test_nothing_is_delivered_before_ready(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    recorder = Recorder()
+    device = sdk(broker.port, "dev-hold")
+    device.subscribe("h", listener=recorder)
+    device.connect()
+    clients(broker.port, "pub", clean_session=True).publish("h", payloads(3))
+    with pytest.raises(AssertionError):
+        recorder.wait(1, timeout=0.5)
+    device.ready_for_events()
+    assert [e.payload for e in recorder.wait(3)] == payloads(3)
+    assert all(e.replayed for e in recorder.events), "queued before ready: replayed (GemFire: as if while away)"
+
+
+def test_a_non_durable_subscription_ends_with_the_connection_a_durable_one_stays(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    device = sdk(broker.port, "dev-interest")
+    device.subscribe("keep")
+    device.subscribe("gone", durable=False)
+    device.connect()
+    device.close(keep_session=True)
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("gone", [b"missed"])
+    publisher.publish("keep", [b"kept"])
+
+    signals, recorder = Signals(), Recorder()
+    device = sdk(broker.port, "dev-interest", **signals.kwargs())
+    device.subscribe("keep", listener=recorder)
+    device.connect()
+    device.ready_for_events()
+    assert signals.live.wait(WAIT)
+    assert [s.filter for s in signals.markers[0].live] == ["keep"]
+    assert [e.payload for e in recorder.wait(1)] == [b"kept"]
+    assert device.stats.received == 1, "nothing was queued for the non-durable subscription"
+
+
+def test_close_without_keep_session_removes_the_session_at_once(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    queue_backlog(sdk, broker, "dev-bye", "b")
+    clients(broker.port, "pub", clean_session=True).publish("b", payloads(2))
+    device = sdk(broker.port, "dev-bye")
+    device.connect()
+    device.close(keep_session=False)
+    assert clients(broker.port, "dev-bye").session_present is False
+
+
+def test_a_listener_that_raises_gets_the_event_again(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    recorder = Recorder(fail_once_on=payloads(10)[3])
+    device = sdk(broker.port, "dev-retry")
+    device.subscribe("r", listener=recorder)
+    device.connect()
+    device.ready_for_events()
+    clients(broker.port, "pub", clean_session=True).publish("r", payloads(10))
+    got = recorder.wait(10)
+    assert [e.payload for e in got] == payloads(10), "each processed once, in order"
+    assert recorder.attempts.count(payloads(10)[3]) == 2
+    assert got[3].redelivered
+    assert device.stats.redeliveries_requested == 1
+
+
+@pytest.mark.slow
+def test_exactly_once_across_a_broker_sigkill_and_restart(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    total = 3000
+    queue_backlog(sdk, broker, "dev-crash", "c")
+    clients(broker.port, "pub", clean_session=True).publish("c", payloads(total))
+    halfway = threading.Event()
+    recorder = Recorder()
+
+    def listener(event: Event) -> None:
+        recorder(event)
+        if len(recorder.events) == total // 3:
+            halfway.set()
+
+    device = sdk(broker.port, "dev-crash")
+    device.subscribe("c", listener=listener)
+    device.connect()
+    device.ready_for_events()
+    assert halfway.wait(WAIT)
+    broker.restart(kill=True)
+    got = recorder.wait(total, timeout=2 * WAIT)
+    assert [e.payload for e in got] == payloads(total), "nothing lost, nothing twice, in order"
+    assert device.stats.reconnects >= 1
+
+
+@pytest.mark.slow
+def test_exactly_once_across_an_sdk_process_sigkill_with_disk_persistence(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    total = 400
+    state, out = tmp_path / "state", tmp_path / "processed.txt"
+    queue_backlog(sdk, broker, "dev-cpl2", "work", persistence="disk", state_dir=state)
+    clients(broker.port, "pub", clean_session=True).publish("work", payloads(total))
+
+    def child(*extra: str) -> subprocess.CompletedProcess[str]:
+        args = [sys.executable, str(CHILD), str(broker.port), "dev-cpl2", str(state), str(out), str(total)]
+        return subprocess.run([*args, *extra], capture_output=True, text=True, timeout=4 * WAIT, check=False)
+
+    crashed = child(payloads(total)[250].decode())
+    assert crashed.returncode == -9, crashed.stderr
+    assert out.read_bytes().splitlines() == payloads(total)[:250], "processed up to the crash"
+    finished = child()
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert out.read_bytes().splitlines() == payloads(total), "each event processed exactly once, in order"
+
+
+def test_disk_persistence_falls_back_to_memory_on_an_unwritable_state_folder(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("a file where the state folder's parent should be")
+    signals, recorder = Signals(), Recorder()
+    device = sdk(broker.port, "dev-fallback", persistence="disk", state_dir=not_a_folder / "state", **signals.kwargs())
+    assert device.persistence_level == "memory"
+    assert signals.fallbacks and isinstance(signals.fallbacks[0], OSError)
+    device.subscribe("f", listener=recorder)
+    device.connect()
+    device.ready_for_events()
+    clients(broker.port, "pub", clean_session=True).publish("f", payloads(3))
+    assert [e.payload for e in recorder.wait(3)] == payloads(3), "delivery goes on at CPL-1"
+
+
+STREAMS = [{"filter": "log/#", "max_count": 1000}]
+
+
+def test_stateless_resume_continues_after_the_last_processed_id_across_a_restart(
+    broker_factory: Callable[..., Broker],
+    sdk: Callable[..., DurableClient],
+    clients: Callable[..., Client],
+    tmp_path: Path,
+) -> None:
+    broker = broker_factory(streams=STREAMS)
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("log/a", payloads(5, "first"))
+    state = tmp_path / "state"
+
+    def reader(persistence: str) -> tuple[DurableClient, Recorder]:
+        recorder = Recorder()
+        client = sdk(broker.port, "reader", durable_session=False, persistence=persistence, state_dir=state)
+        client.connect()
+        client.subscribe_stream("log/#", recorder)
+        return client, recorder
+
+    client, recorder = reader("disk")
+    assert [e.payload for e in recorder.wait(5)] == payloads(5, "first")
+    assert [e.seq for e in recorder.events] == [1, 2, 3, 4, 5] and all(e.stream for e in recorder.events)
+    client.close()
+    publisher.publish("log/a", payloads(3, "second"))
+
+    client, recorder = reader("disk")  # a new process would do the same: the ids are on disk
+    assert [e.payload for e in recorder.wait(3)] == payloads(3, "second")
+    assert [e.seq for e in recorder.events] == [6, 7, 8]
+    client.close()
+
+    _, recorder = reader("memory")  # CPL-1 after a restart: from the first retained event
+    assert [e.payload for e in recorder.wait(8)] == payloads(5, "first") + payloads(3, "second")
+
+
+@pytest.mark.slow
+def test_a_hundred_sdk_clients_at_once(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    recorders = [Recorder() for _ in range(100)]
+    devices = []
+    for index, recorder in enumerate(recorders):
+        device = sdk(broker.port, f"fleet-{index:03d}")
+        device.subscribe("fleet/all", listener=recorder)
+        device.connect()
+        device.ready_for_events()
+        devices.append(device)
+    clients(broker.port, "pub", clean_session=True).publish("fleet/all", payloads(20))
+    for recorder in recorders:
+        assert [e.payload for e in recorder.wait(20)] == payloads(20)
+    assert all(device.stats.duplicates_dropped == 0 for device in devices)
+
+
+def test_a_restarted_client_does_not_subscribe_again_what_its_session_holds(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("s/1", [b"seed"], retain=True)
+    first, seen = sdk(broker.port, "dash-restart"), Recorder()
+    first.subscribe("s/+", listener=seen)
+    first.connect()
+    first.ready_for_events()
+    assert [e.payload for e in seen.wait(1)] == [b"seed"]
+    first.close(keep_session=True)
+    publisher.publish("s/1", [b"new"])
+
+    signals, recorder = Signals(), Recorder()
+    again = sdk(broker.port, "dash-restart", **signals.kwargs())  # a new process knows no SUBACK
+    again.subscribe("s/+", listener=recorder)
+    again.connect()
+    again.ready_for_events()
+    assert signals.live.wait(WAIT)
+    assert [e.payload for e in recorder.events] == [b"new"], "no retained value queued again behind newer ones"
+    assert again.cache.get("s/1") is None, "the replayed value stays out of the cache"
