@@ -187,3 +187,20 @@ def test_sdk_examples_exit_1_without_a_broker(script: Path) -> None:
     assert result.returncode == 1
     assert "error:" in result.stderr
     assert "OK" not in result.stdout
+
+
+def test_the_readme_sdk_example_runs(broker_factory: Callable[..., Broker], tmp_path: Path) -> None:
+    broker = broker_factory()
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## The SDK") :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    code = code[: code.index("```")]
+    assert '"127.0.0.1", 1883' in code and 'state_dir="./state"' in code
+    script = tmp_path / "readme_sdk.py"
+    script.write_text(code.replace('"127.0.0.1", 1883', f'"127.0.0.1", {broker.port}'))
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=4 * WAIT, check=False, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "None" in result.stdout.splitlines(), "a new dashboard has nothing cached"
+    assert (tmp_path / "state" / "dashboard-1").is_dir(), "CPL-2 state lives under state_dir/<client_id>"

@@ -103,7 +103,8 @@ class PahoLink:
         # paho reports every lost socket as an ERROR; losing connections is routine here and the
         # client says so itself (a WARNING per loss), so paho's own lines go to DEBUG.
         paho_log = logging.getLogger("durable_client.paho")
-        self._client.on_log = lambda _client, _userdata, _level, text: paho_log.debug("%s", text)
+        if paho_log.isEnabledFor(logging.DEBUG):  # paho formats a line per packet: only when asked for
+            self._client.on_log = lambda _client, _userdata, _level, text: paho_log.debug("%s", text)
         self._client.connect_timeout = connect_timeout
         if username is not None:
             self._client.username_pw_set(username, password)

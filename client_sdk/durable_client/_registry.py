@@ -28,6 +28,9 @@ class StreamSubscription:
     window: int | None
 
 
+MATCH_CACHE = 10_000
+
+
 class Registry:
     """Thread-safe: the application thread changes it, the network thread reads and replays it."""
 
@@ -38,6 +41,9 @@ class Registry:
         self._subscriptions: dict[str, Subscription] = {}
         self._streams: dict[str, StreamSubscription] = {}
         self._unsubscribed: set[str] = set()
+        self._matched: dict[str, list[Listener]] = {}
+        """Listeners per topic seen: matching every filter for every event costs more than the rest
+        of the dispatch. Dropped whenever subscriptions change, and when it grows past MATCH_CACHE."""
 
     # -------------------------------------------------------- subscriptions
     def get(self, topic_filter: str) -> Subscription | None:
@@ -46,12 +52,14 @@ class Registry:
 
     def put(self, subscription: Subscription) -> None:
         with self.lock:
+            self._matched.clear()
             self._subscriptions[subscription.filter] = subscription
             self._unsubscribed.discard(subscription.filter)
 
     def remove(self, topic_filter: str, *, unsubscribe_later: bool) -> Subscription | None:
         """Forget a subscription; ``unsubscribe_later``: it could not be sent, send it on reconnect."""
         with self.lock:
+            self._matched.clear()
             subscription = self._subscriptions.pop(topic_filter, None)
             if subscription is not None and unsubscribe_later:
                 self._unsubscribed.add(topic_filter)
@@ -95,11 +103,16 @@ class Registry:
 
     def listeners(self, topic: str) -> list[Listener]:
         with self.lock:
-            return [
-                s.listener
-                for s in self._subscriptions.values()
-                if s.listener is not None and topic_matches(s.filter, topic)
-            ]
+            found = self._matched.get(topic)
+            if found is None:
+                if len(self._matched) >= MATCH_CACHE:
+                    self._matched.clear()
+                found = self._matched[topic] = [
+                    s.listener
+                    for s in self._subscriptions.values()
+                    if s.listener is not None and topic_matches(s.filter, topic)
+                ]
+            return found
 
     # -------------------------------------------------------------- streams
     def put_stream(self, stream: StreamSubscription) -> StreamSubscription | None:
