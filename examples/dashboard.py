@@ -5,7 +5,9 @@ Needs a running broker with the durable plugin (``make run`` in another terminal
 
     .venv/bin/python examples/dashboard.py [--host 127.0.0.1] [--port 1883] [--sensors 3] [--readings 3]
 
-1. Each sensor sensors/<n>/temperature gets a retained reading (a plain paho publisher).
+1. Each sensor sensors/<n>/temperature gets a retained reading, published by the SDK too: a
+   DurableClient with durable_session=False (no session of its own) whose publish() waits for
+   the PUBACK.
 2. The dashboard, a DurableClient, subscribes durably to sensors/+/temperature and calls
    ready_for_events(); at the marker (on_live) its cache holds the retained readings: the
    initial values of a new subscription. It goes away with close(keep_session=True).
@@ -33,10 +35,6 @@ import logging
 import os
 import sys
 import threading
-import time
-
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 
 from durable_client import CacheEntry, ConnectionInfo, DurableClient, DurableClientError, Event, Marker
 
@@ -104,32 +102,12 @@ class Dashboard:
             return self.events[: self.events_before_marker]
 
 
-class Publisher:
-    """A plain paho client; every wait bounded."""
-
-    def __init__(self, host: str, port: int, timeout: float) -> None:
-        self.timeout = timeout
-        self._connected = threading.Event()
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"thermometers-{os.getpid()}")
-        self.client.on_connect = lambda *_: self._connected.set()
-        self.client.connect(host, port, keepalive=30)
-        self.client.loop_start()
-        if not self._connected.wait(timeout):
-            self.close()
-            raise TimeoutError(f"publisher: no CONNACK within {timeout} s")
-
-    def publish_all(self, messages: list[tuple[str, str]], retain: bool = False) -> None:
-        """Publish (topic, payload) pairs at QoS 1 in order; return once the broker acknowledged them all."""
-        infos = [self.client.publish(topic, payload, qos=1, retain=retain) for topic, payload in messages]
-        deadline = time.monotonic() + self.timeout
-        for info in infos:
-            info.wait_for_publish(max(0.0, deadline - time.monotonic()))
-            if not info.is_published():
-                raise TimeoutError(f"publisher: no PUBACK for message {info.mid} within {self.timeout} s")
-
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
+def publish_all(
+    publisher: DurableClient, messages: list[tuple[str, str]], timeout: float, retain: bool = False
+) -> None:
+    """Publish (topic, payload) pairs at QoS 1 in order, each acknowledged (PUBACK) within ``timeout``."""
+    for topic, payload in messages:
+        publisher.publish(topic, payload, qos=1, retain=retain, timeout=timeout)
 
 
 def origin(entry: CacheEntry | None, events: list[Event]) -> str:
@@ -232,14 +210,16 @@ def run(args: argparse.Namespace) -> list[str]:
     wipe.connect(args.timeout)
     wipe.close(keep_session=False, timeout=args.timeout)
 
-    publisher = Publisher(args.host, args.port, args.timeout)
+    # The thermometers: a stateless DurableClient (no session of its own) that only publishes.
+    publisher = DurableClient(f"thermometers-{os.getpid()}", args.host, args.port, durable_session=False)
+    publisher.connect(args.timeout)
     try:
-        publisher.publish_all([(sensor_topic(n), reading(n, 0)) for n in sensors], retain=True)
+        publish_all(publisher, [(sensor_topic(n), reading(n, 0)) for n in sensors], args.timeout, retain=True)
         print(f"publisher: retained readings for {args.sensors} sensors ({topics[0]} = {reading(1, 0)}, ...)")
         problems = first_visit(args, sensors)
 
         away = [(sensor_topic(n), reading(n, r)) for r in range(1, args.readings + 1) for n in sensors]
-        publisher.publish_all(away)
+        publish_all(publisher, away, args.timeout)
         print(f"publisher: {len(away)} readings ({args.readings} per sensor) while the dashboard was away")
 
         # Second visit: a new client object (as after a restart), the same client id.
@@ -248,15 +228,15 @@ def run(args: argparse.Namespace) -> list[str]:
             back.open()
             problems += check_replay(back, away)
             live = [(sensor_topic(n), reading(n, args.readings + 1)) for n in sensors]
-            publisher.publish_all(live)
+            publish_all(publisher, live, args.timeout)
             problems += check_live(back, live, args.timeout)
             back.client.close(keep_session=False, timeout=args.timeout)  # done: the broker drops the session
         finally:
             back.client.close(keep_session=True, timeout=args.timeout)  # a no-op when closed already
         # Leave no retained readings behind (an empty retained publish deletes one).
-        publisher.publish_all([(topic, "") for topic in topics], retain=True)
+        publish_all(publisher, [(topic, "") for topic in topics], args.timeout, retain=True)
     finally:
-        publisher.close()
+        publisher.close(timeout=args.timeout)
     return problems
 
 

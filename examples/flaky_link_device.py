@@ -14,7 +14,9 @@ Needs a running broker with the durable plugin (``make run`` in another terminal
    state folder, a temporary one unless --state-dir is given) that connects through the
    proxy, reconnects with a short backoff, subscribes durably to devices/<id>/commands and
    calls ready_for_events().
-3. A publisher (plain paho, straight to the broker) sends --count numbered commands at QoS 1.
+3. A publisher, also the SDK's (a DurableClient with durable_session=False: no session of
+   its own; publish() waits for the PUBACK), sends --count numbered commands at QoS 1 straight
+   to the broker.
 4. After each cut the broker re-sends what was not acknowledged; the SDK recognises the
    commands it already processed by their broker sequence ids and drops them before the
    listener, so the listener sees every command once, in order.
@@ -33,11 +35,7 @@ import os
 import sys
 import tempfile
 import threading
-import time
 from collections import Counter
-
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 
 from durable_client import DurableClient, DurableClientError, Event, Marker
 
@@ -205,34 +203,6 @@ class Device:
             return list(self.numbers)
 
 
-class Publisher:
-    """A plain paho client straight to the broker; every wait bounded."""
-
-    def __init__(self, host: str, port: int, timeout: float) -> None:
-        self.timeout = timeout
-        self._connected = threading.Event()
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"commander-{os.getpid()}")
-        self.client.on_connect = lambda *_: self._connected.set()
-        self.client.connect(host, port, keepalive=30)
-        self.client.loop_start()
-        if not self._connected.wait(timeout):
-            self.close()
-            raise TimeoutError(f"publisher: no CONNACK within {timeout} s")
-
-    def publish_all(self, topic: str, payloads: list[str]) -> None:
-        """Publish at QoS 1; return once the broker has acknowledged (stored) every message."""
-        infos = [self.client.publish(topic, payload, qos=1) for payload in payloads]
-        deadline = time.monotonic() + self.timeout
-        for info in infos:
-            info.wait_for_publish(max(0.0, deadline - time.monotonic()))
-            if not info.is_published():
-                raise TimeoutError(f"publisher: no PUBACK for message {info.mid} within {self.timeout} s")
-
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
-
-
 def describe_problems(numbers: list[int], count: int, timeout: float) -> list[str]:
     """What is wrong with the processed sequence, compared with 1..count once each, in order."""
     problems = []
@@ -277,11 +247,14 @@ def run(args: argparse.Namespace, state_dir: str) -> tuple[list[str], int]:
             f"persistence={device.client.persistence_level}"
         )
 
-        publisher = Publisher(args.host, args.port, args.timeout)
+        # The publisher: a stateless DurableClient (no session of its own), straight to the broker.
+        publisher = DurableClient(f"commander-{os.getpid()}", args.host, args.port, durable_session=False)
+        publisher.connect(args.timeout)
         try:
-            publisher.publish_all(topic, commands)
+            for command in commands:  # each returns once the broker has acknowledged (stored) it
+                publisher.publish(topic, command, qos=1, timeout=args.timeout)
         finally:
-            publisher.close()
+            publisher.close(timeout=args.timeout)
         print(f"publisher: {args.count} QoS 1 commands acknowledged by the broker")
 
         numbers = device.wait_for(args.count, args.timeout)
