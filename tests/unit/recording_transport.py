@@ -65,11 +65,13 @@ class RecordingTransport:
 
     def __init__(self) -> None:
         self.data = bytearray()
+        self.writes = 0
         self.closed = False
         self.expected: dict[tuple[AckKind, int], Callable[[], None]] = {}
         self._changed = asyncio.Event()
 
     def write(self, data: bytes) -> None:
+        self.writes += 1
         self.data += data
         self._changed.set()
 

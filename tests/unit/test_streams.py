@@ -1,10 +1,11 @@
 """Stream logs (ids, reopen, retention) and the per-connection StreamSender, over a real LevelDB.
 
-Senders write to a recording transport that parses the PUBLISH packets back (fixed header,
-remaining length, topic, payload) and decodes the stream frame, so the tests assert what a
-client would get. "Nothing more was sent" is checked after a few loop passes
-(``asyncio.sleep(0)``): sends are scheduled with ``call_soon``, never with a timer, so a
-pass is enough; the retransmit tests wait on the transport's event with a deadline.
+Senders write to the shared recording transport (recording_transport.py), which parses the
+PUBLISH packets back (fixed header, remaining length, topic, payload); ``Recorder`` decodes
+their stream frames, so the tests assert what a client would get. "Nothing more was sent" is
+checked after a few loop passes (``asyncio.sleep(0)``): sends are scheduled with
+``call_soon``, never with a timer, so a pass is enough; the retransmit tests wait on the
+transport's event with a deadline.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from amqtt_durable.config import StreamConfig
 from amqtt_durable.store import GroupCommitter, open_store
 from amqtt_durable.streams import StreamLogs, StreamSender, event_key, mark_key
 from durable_client.protocol import FLAG_REDELIVERED, STREAM_TOPIC_PREFIX, ProtocolError, decode_frame
+from recording_transport import RecordingTransport, Sent
 
 WAIT = 5.0
 STREAMS = [StreamConfig("s/#", max_count=100)]
@@ -85,58 +87,24 @@ class Got:
     published_at: float
 
 
-def parse_publishes(data: bytes) -> list[tuple[str, bytes]]:
-    out = []
-    i = 0
-    while i < len(data):
-        assert data[i] == 0x30, "a QoS 0 PUBLISH without DUP or RETAIN"
-        i += 1
-        length, shift = 0, 0
-        while True:
-            byte = data[i]
-            i += 1
-            length |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                break
-        end = i + length
-        topic_len = int.from_bytes(data[i : i + 2], "big")
-        topic = data[i + 2 : i + 2 + topic_len].decode("utf-8")
-        out.append((topic, data[i + 2 + topic_len : end]))
-        i = end
-    assert i == len(data)
-    return out
+def stream_event(packet: Sent) -> Got:
+    """A stream sender's packet: a QoS 0 PUBLISH (no DUP, no RETAIN) of a framed stream event."""
+    assert (packet.packet_type, packet.flags) == (3, 0), "a QoS 0 PUBLISH without DUP or RETAIN"
+    assert packet.topic.startswith(STREAM_TOPIC_PREFIX)
+    frame, body = decode_frame(packet.payload)
+    assert frame.epoch == 0
+    return Got(packet.topic[len(STREAM_TOPIC_PREFIX) :], frame.seq, frame.flags, body, frame.published_at)
 
 
-class Recorder:
-    """A Transport that decodes what it is given."""
-
-    def __init__(self) -> None:
-        self.got: list[Got] = []
-        self.writes = 0
-        self.is_closed = False
-        self.changed = asyncio.Event()
+class Recorder(RecordingTransport):
+    """The shared recording transport, its PUBLISH packets decoded as stream events."""
 
     @property
-    def closed(self) -> bool:
-        return self.is_closed
+    def got(self) -> list[Got]:
+        return [stream_event(packet) for packet in self.packets]
 
-    def write(self, data: bytes) -> None:
-        self.writes += 1
-        for topic, payload in parse_publishes(data):
-            assert topic.startswith(STREAM_TOPIC_PREFIX)
-            frame, body = decode_frame(payload)
-            assert frame.epoch == 0
-            self.got.append(Got(topic[len(STREAM_TOPIC_PREFIX) :], frame.seq, frame.flags, body, frame.published_at))
-        self.changed.set()
-
-    async def wait_for(self, count: int) -> list[Got]:
-        async def enough() -> None:
-            while len(self.got) < count:
-                self.changed.clear()
-                await self.changed.wait()
-
-        await asyncio.wait_for(enough(), WAIT)
+    async def wait_got(self, count: int) -> list[Got]:
+        await self.wait_for(lambda packets: len(packets) >= count, WAIT)
         return self.got
 
     def ids(self, topic: str | None = None) -> list[int]:
@@ -318,7 +286,7 @@ def test_resume_from_the_middle_gets_exactly_the_rest(db: Any) -> None:
         sender, recorder = sender_for(logs, window=10)
         reply = await sender.subscribe("s/a", {"s/a": 2})
         assert reply == {"topics": {"s/a": {"first": 1, "last": 5}}, "gaps": {}, "ahead": {}}
-        got = await recorder.wait_for(3)
+        got = await recorder.wait_got(3)
         await passes()
         assert [(g.topic, g.id, g.flags, g.payload) for g in got] == [
             ("s/a", 3, 0, b"p2"),
@@ -339,7 +307,7 @@ def test_from_nothing_starts_at_the_first_retained_event(db: Any) -> None:
         sender, recorder = sender_for(logs)
         reply = await sender.subscribe("s/#", {})
         assert reply == {"topics": {"s/a": {"first": 3, "last": 5}}, "gaps": {}, "ahead": {}}  # not in after: no gap
-        await recorder.wait_for(3)
+        await recorder.wait_got(3)
         await passes()
         assert recorder.ids() == [3, 4, 5]
         sender.stop()
@@ -354,17 +322,17 @@ def test_window_1_sends_one_then_waits_for_the_ack(db: Any) -> None:
             await publish(logs, committer, "s/a")
         sender, recorder = sender_for(logs, window=10)
         await sender.subscribe("s/a", window=1)
-        await recorder.wait_for(1)
+        await recorder.wait_got(1)
         await publish(logs, committer, "s/a")
         await passes()
         assert recorder.ids() == [1]
         sender.ack("s/a", 1)
-        await recorder.wait_for(2)
+        await recorder.wait_got(2)
         await passes()
         assert recorder.ids() == [1, 2]
         sender.ack("s/a", 2)
         sender.ack("s/a", 3)
-        await recorder.wait_for(4)
+        await recorder.wait_got(4)
         sender.ack("s/a", 4)
         await passes()
         assert recorder.ids() == [1, 2, 3, 4]
@@ -381,22 +349,22 @@ def test_window_3_and_cumulative_ack(db: Any) -> None:
             await publish(logs, committer, "s/a")
         sender, recorder = sender_for(logs, window=3)
         await sender.subscribe("s/a")
-        await recorder.wait_for(3)
+        await recorder.wait_got(3)
         await passes()
         assert recorder.ids() == [1, 2, 3]
         sender.ack("s/a", 1)
-        await recorder.wait_for(4)
+        await recorder.wait_got(4)
         await passes()
         assert recorder.ids() == [1, 2, 3, 4]
         sender.ack("s/a", 4)  # acknowledges 2, 3 and 4 at once
-        await recorder.wait_for(7)
+        await recorder.wait_got(7)
         await passes()
         assert recorder.ids() == [1, 2, 3, 4, 5, 6, 7]
         sender.ack("s/a", 2)  # an old ack changes nothing
         await passes()
         assert sender.cursors == {"s/a": (8, 3)}
         sender.ack("s/a", 100)  # beyond what was sent: only what was sent is acknowledged
-        await recorder.wait_for(8)
+        await recorder.wait_got(8)
         assert sender.cursors == {"s/a": (9, 1)}
         sender.stop()
 
@@ -410,7 +378,7 @@ def test_retransmit_after_ack_timeout_with_the_redelivered_flag(db: Any) -> None
         await publish(logs, committer, "s/a", b"two")
         sender, recorder = sender_for(logs, window=2, ack_timeout=0.05)
         await sender.subscribe("s/a")
-        got = await recorder.wait_for(4)
+        got = await recorder.wait_got(4)
         assert [(g.id, g.flags, g.payload) for g in got[:4]] == [
             (1, 0, b"one"),
             (2, 0, b"two"),
@@ -419,7 +387,7 @@ def test_retransmit_after_ack_timeout_with_the_redelivered_flag(db: Any) -> None
         ]
         assert got[2].published_at == got[0].published_at
         sender.ack("s/a", 1)
-        got = await recorder.wait_for(len(recorder.got) + 1)  # unlimited retries: 2 keeps coming
+        got = await recorder.wait_got(len(recorder.got) + 1)  # unlimited retries: 2 keeps coming
         assert got[-1].id == 2
         assert got[-1].flags == FLAG_REDELIVERED
         sender.ack("s/a", 2)
@@ -442,7 +410,7 @@ def test_gaps_reported_after_trimming(db: Any) -> None:
             "gaps": {"s/a": [2, 3]},
             "ahead": {},
         }
-        await recorder.wait_for(4)
+        await recorder.wait_got(4)
         await passes()
         assert recorder.ids("s/a") == [4, 5, 6]
         assert recorder.ids("s/b") == [1]
@@ -457,12 +425,12 @@ def test_cursor_skips_events_trimmed_while_it_waited(db: Any, caplog: pytest.Log
         await publish(logs, committer, "s/a")
         sender, recorder = sender_for(logs, window=1)
         await sender.subscribe("s/a")
-        await recorder.wait_for(1)
+        await recorder.wait_got(1)
         for _ in range(5):  # ids 2..6; 1..4 fall out
             await publish(logs, committer, "s/a")
         with caplog.at_level(logging.WARNING, logger="amqtt_durable.streams"):
             sender.ack("s/a", 1)
-        await recorder.wait_for(2)
+        await recorder.wait_got(2)
         assert recorder.ids() == [1, 5]
         assert "3 events were trimmed" in caplog.text
         sender.stop()
@@ -476,12 +444,12 @@ def test_in_flight_event_trimmed_before_its_resend_frees_its_slot(db: Any) -> No
         await publish(logs, committer, "s/a")
         sender, recorder = sender_for(logs, window=1, ack_timeout=0.05)
         await sender.subscribe("s/a")
-        await recorder.wait_for(1)
+        await recorder.wait_got(1)
         for _ in range(5):  # ids 2..6 while 1 waits for its ack; 1..4 fall out
             await publish(logs, committer, "s/a")
         await passes()
         assert recorder.ids() == [1]  # the window is still taken by 1
-        got = await recorder.wait_for(3)  # 1 cannot be resent: 5 goes out, then 5 again
+        got = await recorder.wait_got(3)  # 1 cannot be resent: 5 goes out, then 5 again
         assert [(g.id, g.flags) for g in got[:3]] == [(1, 0), (5, 0), (5, FLAG_REDELIVERED)]
         sender.stop()
 
@@ -522,12 +490,12 @@ def test_new_topic_after_subscribe_opens_a_cursor(db: Any) -> None:
         assert reply == {"topics": {}, "gaps": {}, "ahead": {}}
         await publish(logs, committer, "s/new", b"hello")
         assert logs.append("other/x", b"", 0, time.time()) is None
-        got = await recorder.wait_for(1)
+        got = await recorder.wait_got(1)
         assert [(g.topic, g.id, g.payload) for g in got] == [("s/new", 1, b"hello")]
         # a position presented before the topic existed is honoured when it appears
         await publish(logs, committer, "s/later")
         await publish(logs, committer, "s/later")
-        await recorder.wait_for(2)
+        await recorder.wait_got(2)
         await passes()
         assert recorder.ids("s/later") == [2]
         sender.stop()
@@ -543,16 +511,16 @@ def test_overlapping_subscriptions_share_one_cursor_and_unsubscribe_stops_sends(
         await sender.subscribe("s/#")
         reply = await sender.subscribe("s/+", {"s/a": 0})
         assert reply["topics"] == {"s/a": {"first": 1, "last": 1}}
-        await recorder.wait_for(1)
+        await recorder.wait_got(1)
         await publish(logs, committer, "s/a")
-        await recorder.wait_for(2)
+        await recorder.wait_got(2)
         await passes()
         assert recorder.ids() == [1, 2]  # no duplicate delivery
         assert list(sender.cursors) == ["s/a"]
         assert sender.unsubscribe("s/#") is True
         assert list(sender.cursors) == ["s/a"]  # s/+ still covers it
         await publish(logs, committer, "s/a")
-        await recorder.wait_for(3)
+        await recorder.wait_got(3)
         assert sender.unsubscribe("s/+") is True
         assert sender.cursors == {}
         await publish(logs, committer, "s/a")
@@ -572,7 +540,7 @@ def test_stop_cancels_timers_and_forgets_positions(db: Any) -> None:
         await publish(logs, committer, "s/a")
         sender, recorder = sender_for(logs, ack_timeout=30.0)
         await sender.subscribe("s/a")
-        await recorder.wait_for(1)
+        await recorder.wait_got(1)
         timer = sender._cursors["s/a"].timer
         assert timer is not None
         assert not timer.cancelled()
@@ -607,7 +575,7 @@ def test_may_receive_refusal(db: Any) -> None:
         await publish(logs, committer, "s/secret")  # refused once: not asked again
         await publish(logs, committer, "s/secret2")  # a new topic is checked too
         await publish(logs, committer, "s/b")
-        await recorder.wait_for(2)
+        await recorder.wait_got(2)
         await passes(6)
         assert [(g.topic, g.id) for g in recorder.got] == [("s/a", 1), ("s/b", 1)]
         assert sorted(asked) == ["s/a", "s/b", "s/secret", "s/secret2"]
@@ -621,7 +589,7 @@ def test_closed_transport_gets_nothing(db: Any) -> None:
         logs, committer = make_logs(db)
         await publish(logs, committer, "s/a")
         sender, recorder = sender_for(logs)
-        recorder.is_closed = True
+        recorder.closed = True
         await sender.subscribe("s/a")
         await passes()
         assert recorder.got == []
