@@ -1,5 +1,6 @@
 """Helpers for the benchmarks (bench_durable.py, bench_sdk.py): broker processes, RSS sampling, configuration
-files, the code under test (snapshot copies, git revision).
+files, the code under test (snapshot copies, git revision), CPU pinning options, the run's temporary folder and
+its report.
 
 The MQTT load clients (raw sockets, one process each) are in _rawmqtt.py.
 
@@ -9,6 +10,7 @@ and only processes started by this module are ever signalled (by their PID).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import io
@@ -22,9 +24,11 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -408,3 +412,63 @@ def git_revision(root: Path, watched: Sequence[str]) -> str:
         return "unknown"
     changed = sorted({line[3:].split("/")[0] for line in dirty if line.strip()})
     return head + (f" + uncommitted changes in {', '.join(changed)}" if changed else "")
+
+
+# --------------------------------------------------------------------------- options, run, report
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    return tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+
+
+def add_pin_arguments(parser: argparse.ArgumentParser, brokers: str, clients: str) -> None:
+    """--pin, --broker-cpus and --client-cpus; `brokers` and `clients` name what they pin, for the help."""
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"pin {brokers} to --broker-cpus and {clients} to --client-cpus (default on)")
+    parser.add_argument("--broker-cpus", type=parse_cpus, default=(0,), help=f"CPUs for {brokers} (default 0)")
+    parser.add_argument("--client-cpus", type=parse_cpus, default=(1,), help=f"CPUs for {clients} (default 1)")
+
+
+def check_pin_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """With --pin, both CPU sets must be non-empty and usable by this process (else a usage error)."""
+    if args.pin:
+        usable = os.sched_getaffinity(0)
+        if not args.broker_cpus or not args.client_cpus or not set(args.broker_cpus + args.client_cpus) <= usable:
+            parser.error(f"--broker-cpus/--client-cpus must be non-empty subsets of the usable CPUs {sorted(usable)}")
+
+
+def describe_pinning(args: argparse.Namespace, clients: str) -> str:
+    """The report's words for --pin/--broker-cpus/--client-cpus."""
+    if not args.pin:
+        return "no CPU pinning"
+    return (f"broker pinned to CPU {','.join(map(str, args.broker_cpus))}, {clients} to CPU "
+            f"{','.join(map(str, args.client_cpus))}")
+
+
+def run_in_temp_folder(prefix: str, keep: bool, body: Callable[[Path], None], note: Callable[[str], None]) -> None:
+    """Run `body` in a new temporary folder, removed afterwards unless `keep`.
+
+    An interruption or a failure of `body` ends up as a note (the report is still written).
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        body(tmp)
+    except KeyboardInterrupt:
+        note("interrupted")
+    except Exception as exc:
+        note(f"benchmark aborted: {type(exc).__name__}: {exc}")
+        log(traceback.format_exc())
+    finally:
+        if keep:
+            log(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_report(report: str, out: Path | None) -> None:
+    """Print the markdown report; with `out` (--out), also write it to that file."""
+    print(report)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report, encoding="utf-8")
+        log(f"wrote {out}")

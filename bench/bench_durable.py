@@ -33,11 +33,8 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -50,16 +47,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     BrokerProcess,
     RssMonitor,
+    add_pin_arguments,
     changed_files,
+    check_pin_arguments,
+    describe_pinning,
     dir_size,
     fingerprint_digest,
     free_port,
+    git_revision,
     listener_config,
     log,
     machine_info,
+    run_in_temp_folder,
+    snapshot_packages,
     source_fingerprint,
     write_config,
     write_password_file,
+    write_report,
 )
 from _rawmqtt import (
     ClientProcess,
@@ -599,10 +603,6 @@ SCENARIOS: list[tuple[str, Callable[[Ctx, BrokerProcess], None], bool]] = [
 # --------------------------------------------------------------------------- setup / report
 
 
-def parse_cpus(text: str) -> tuple[int, ...]:
-    return tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=None,
@@ -630,10 +630,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="(e) receive replayed messages after the restart only this long (default 0: drain all)")
     p.add_argument("--ceiling-n", type=int, default=None,
                    help="messages per client-ceiling run against the sink (default 200000; quick 50000)")
-    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                   help="pin the broker to --broker-cpus and the client processes to --client-cpus (default on)")
-    p.add_argument("--broker-cpus", type=parse_cpus, default=(0,), help="CPUs for the brokers (default 0)")
-    p.add_argument("--client-cpus", type=parse_cpus, default=(1,), help="CPUs for the load clients (default 1)")
+    add_pin_arguments(p, "the brokers", "the load clients")
     p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
                    help="run our broker from a copy of plugin/amqtt_durable taken at start, so edits to the source "
                         "during the run cannot mix plugin versions (default on)")
@@ -667,10 +664,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--inflight must be below 65535 (packet ids)")
     if max(args.n, args.big, args.ceiling_n) >= 2**32:
         p.error("--n, --big and --ceiling-n must fit in 32 bits")
-    if args.pin:
-        usable = os.sched_getaffinity(0)
-        if not args.broker_cpus or not args.client_cpus or not set(args.broker_cpus + args.client_cpus) <= usable:
-            p.error(f"--broker-cpus/--client-cpus must be non-empty subsets of the usable CPUs {sorted(usable)}")
+    check_pin_arguments(p, args)
     return args
 
 
@@ -719,10 +713,8 @@ def build_brokers(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Broker
         if args.ours_cmd:
             prefix = shlex.split(args.ours_cmd)
         elif args.snapshot:
-            snap = tmp / "snapshot"
-            shutil.copytree(PLUGIN_DIR, snap / PLUGIN_DIR.name, ignore=shutil.ignore_patterns("__pycache__"))
             # PYTHONPATH comes before the editable install's .pth entry, so the copy is what gets imported
-            env = {**os.environ, "PYTHONPATH": str(snap)}
+            env = {**os.environ, "PYTHONPATH": str(snapshot_packages([PLUGIN_DIR], tmp / "snapshot"))}
             prefix = [str(VENV_BIN / "python"), "-m", "amqtt_durable.cli", "broker"]
         else:
             prefix = [str(VENV_BIN / "amqtt-durable"), "broker"]
@@ -731,18 +723,6 @@ def build_brokers(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Broker
         return brokers, store
     brokers[OURS] = BrokerProcess(OURS, argv, ours_port, tmp / "ours.log", login, cpus)
     return brokers, store
-
-
-def git_state() -> str:
-    """HEAD commit and whether plugin/ has uncommitted changes (for the report)."""
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %s"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "plugin"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + (" + uncommitted changes in plugin/" if dirty else "")
 
 
 def plugin_source_dir(args: argparse.Namespace, tmp: Path) -> Path:
@@ -782,8 +762,7 @@ def render_ceiling(args: argparse.Namespace, results: Results) -> list[str]:
 def render(args: argparse.Namespace, info: dict[str, str], command: str, results: Results, *,
            started: datetime, elapsed: float) -> str:
     ours_title = BROKER_TITLES[OURS] + (" (STAND-IN: stock amqtt)" if args.ours_standin else "")
-    pinning = (f"broker pinned to CPU {','.join(map(str, args.broker_cpus))}, client processes to CPU "
-               f"{','.join(map(str, args.client_cpus))}" if args.pin else "no CPU pinning")
+    pinning = describe_pinning(args, "client processes")
     lines = [
         "# amqtt-durable benchmark",
         "",
@@ -834,7 +813,7 @@ def run(args: argparse.Namespace, tmp: Path, results: Results, info: dict[str, s
     source_dir = plugin_source_dir(args, tmp)
     source_at_start = source_fingerprint(source_dir)
     info["plugin_digest"] = fingerprint_digest(source_at_start)
-    info["git"] = git_state()
+    info["git"] = git_revision(ROOT, ["plugin"])
     info["plugin_source"] = ("a snapshot copy taken at start" if source_dir != PLUGIN_DIR else "the working tree")
     if source_dir != PLUGIN_DIR and (drift := changed_files(source_fingerprint(PLUGIN_DIR), source_at_start)):
         results.note(f"the working tree's amqtt_durable differs from the snapshot in {', '.join(drift)} "
@@ -907,25 +886,8 @@ def main(argv: list[str] | None = None) -> int:
         results.note("STAND-IN RUN: the 'ours' column is stock amqtt, not amqtt-durable")
     started = datetime.now(UTC)
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix="bench_durable_"))
-    try:
-        run(args, tmp, results, info)
-    except KeyboardInterrupt:
-        results.note("interrupted")
-    except Exception as exc:
-        results.note(f"benchmark aborted: {type(exc).__name__}: {exc}")
-        log(traceback.format_exc())
-    finally:
-        if args.keep_tmp:
-            log(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-    report = render(args, info, command, results, started=started, elapsed=time.perf_counter() - t0)
-    print(report)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report, encoding="utf-8")
-        log(f"wrote {args.out}")
+    run_in_temp_folder("bench_durable_", args.keep_tmp, lambda tmp: run(args, tmp, results, info), results.note)
+    write_report(render(args, info, command, results, started=started, elapsed=time.perf_counter() - t0), args.out)
     return 0
 
 

@@ -40,10 +40,8 @@ import contextlib
 import dataclasses
 import os
 import shlex
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -61,16 +59,21 @@ import paho.mqtt.client as mqtt
 import yaml
 from _common import (
     BrokerProcess,
+    add_pin_arguments,
     changed_files,
+    check_pin_arguments,
+    describe_pinning,
     fingerprint_digest,
     free_port,
     git_revision,
     listener_config,
     log,
     machine_info,
+    run_in_temp_folder,
     snapshot_packages,
     source_fingerprint,
     write_config,
+    write_report,
 )
 from _rawmqtt import (
     HOST,
@@ -83,7 +86,7 @@ from _rawmqtt import (
     publisher_main,
     session_roundtrip,
 )
-from bench_durable import CLIENT_START_S, RESULT_MARGIN_S, SETTLE_S, fmt_number, parse_cpus, pub_summary, run_publisher
+from bench_durable import CLIENT_START_S, RESULT_MARGIN_S, SETTLE_S, fmt_number, pub_summary, run_publisher
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
 
 # The receiver processes import the SDK from sys.path as the parent had it when it started them: the snapshot
@@ -526,8 +529,7 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, *, runs
            warmups: list[Run], notes: list[str], started: datetime, elapsed: float) -> str:
     kinds = [k for k in RECEIVERS if k in runs]
     rates = {k: [run.rate for run in runs[k]] for k in kinds}
-    pinning = (f"broker pinned to CPU {','.join(map(str, args.broker_cpus))}, receivers and publishers to CPU "
-               f"{','.join(map(str, args.client_cpus))}" if args.pin else "no CPU pinning")
+    pinning = describe_pinning(args, "receivers and publishers")
     lines = [
         "# SDK: replay then live",
         "",
@@ -629,10 +631,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--linger", type=float, default=0.5,
                    help="keep listening this long after the last event, to catch late duplicates (default 0.5 s)")
     p.add_argument("--startup-timeout", type=float, default=120.0, help="time bound of a broker start (s)")
-    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                   help="pin the broker to --broker-cpus, receivers and publishers to --client-cpus (default on)")
-    p.add_argument("--broker-cpus", type=parse_cpus, default=(0,), help="CPUs for the broker (default 0)")
-    p.add_argument("--client-cpus", type=parse_cpus, default=(1,), help="CPUs for receivers/publishers (default 1)")
+    add_pin_arguments(p, "the broker", "receivers and publishers")
     p.add_argument("--code", choices=("head", "worktree", "live"), default="head",
                    help="code under test: plugin/amqtt_durable and client_sdk/durable_client copied at start from "
                         "git HEAD (default: exactly the reported revision) or from the working tree, or 'live': "
@@ -657,11 +656,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--n, --live and --runs must be positive, --inflight and --live-inflight from 1 to 65534")
     if max(args.n, args.live) >= 2**32:
         p.error("--n and --live must fit in 32 bits")
-    if args.pin:
-        usable = os.sched_getaffinity(0)
-        if not args.broker_cpus or not args.client_cpus or not set(args.broker_cpus + args.client_cpus) <= usable:
-            p.error(f"--broker-cpus/--client-cpus must be non-empty subsets of the usable CPUs {sorted(usable)}")
-    else:
+    check_pin_arguments(p, args)
+    if not args.pin:
         args.broker_cpus = args.client_cpus = None
     return args
 
@@ -751,26 +747,10 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     started = datetime.now(UTC)
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix="bench_sdk_"))
-    try:
-        run(args, tmp, info, runs=runs, warmups=warmups, notes=notes)
-    except KeyboardInterrupt:
-        notes.append("interrupted")
-    except Exception as exc:
-        notes.append(f"benchmark aborted: {type(exc).__name__}: {exc}")
-        log(traceback.format_exc())
-    finally:
-        if args.keep_tmp:
-            log(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-    report = render(args, info, command, runs=runs, warmups=warmups, notes=notes, started=started,
-                    elapsed=time.perf_counter() - t0)
-    print(report)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report, encoding="utf-8")
-        log(f"wrote {args.out}")
+    run_in_temp_folder("bench_sdk_", args.keep_tmp,
+                       lambda tmp: run(args, tmp, info, runs=runs, warmups=warmups, notes=notes), notes.append)
+    write_report(render(args, info, command, runs=runs, warmups=warmups, notes=notes, started=started,
+                        elapsed=time.perf_counter() - t0), args.out)
     failed = [run for kind_runs in runs.values() for run in kind_runs if run.problems] + [
         run for run in warmups if run.problems]
     complete = all(len(runs.get(kind, [])) == args.runs for kind in args.only)
