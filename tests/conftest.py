@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -262,6 +263,24 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
 
 def payloads(count: int, prefix: str = "m") -> list[bytes]:
     return [f"{prefix}{i:07d}".encode() for i in range(count)]
+
+
+# --------------------------------------------------------------- raw MQTT 3.1.1 encoding
+def mqtt_packet(first: int, body: bytes) -> bytes:
+    """A packet: the first byte, the remaining length (7 bits a byte, high bit: more follow), the body."""
+    length = len(body)
+    header = bytearray((first,))
+    while True:
+        byte, length = length % 128, length // 128
+        header.append(byte | (0x80 if length else 0))
+        if not length:
+            return bytes(header) + body
+
+
+def mqtt_string(text: str | bytes) -> bytes:
+    """A UTF-8 string field: its length in two bytes, then the bytes."""
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack(">H", len(raw)) + raw
 
 
 @pytest.fixture

@@ -18,27 +18,9 @@ import plyvel
 import psutil
 import pytest
 
-from conftest import HOST, WAIT, Broker, payloads
+from conftest import HOST, WAIT, Broker, mqtt_packet, mqtt_string, payloads
 
 _U16 = struct.Struct(">H")
-
-
-def _varint(length: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, length = length % 128, length // 128
-        out.append(byte | (0x80 if length else 0))
-        if not length:
-            return bytes(out)
-
-
-def _packet(first: int, body: bytes) -> bytes:
-    return bytes((first,)) + _varint(len(body)) + body
-
-
-def _string(text: str | bytes) -> bytes:
-    raw = text.encode() if isinstance(text, str) else text
-    return _U16.pack(len(raw)) + raw
 
 
 @dataclass(frozen=True)
@@ -64,11 +46,11 @@ class RawClient:
 
     def connect_packet(self, keepalive: int = 60) -> bytes:
         flags = 0x02 if self.clean_session else 0x00
-        body = _string("MQTT") + bytes((4, flags)) + _U16.pack(keepalive) + _string(self.client_id)
-        return _packet(0x10, body)
+        body = mqtt_string("MQTT") + bytes((4, flags)) + _U16.pack(keepalive) + mqtt_string(self.client_id)
+        return mqtt_packet(0x10, body)
 
     def subscribe_packet(self, topic_filter: str, qos: int = 1) -> bytes:
-        return _packet(0x82, _U16.pack(self.pid()) + _string(topic_filter) + bytes((qos,)))
+        return mqtt_packet(0x82, _U16.pack(self.pid()) + mqtt_string(topic_filter) + bytes((qos,)))
 
     def pid(self) -> int:
         self._next_pid = self._next_pid % 65535 + 1
@@ -148,8 +130,8 @@ class RawClient:
                 acked += self._read_pubacks(pending.pop(0))
 
         for topic, payload in items:
-            body = _string(topic) + _U16.pack(self.pid()) + payload
-            batch.append(_packet(0x32, body))
+            body = mqtt_string(topic) + _U16.pack(self.pid()) + payload
+            batch.append(mqtt_packet(0x32, body))
             if len(batch) >= chunk:
                 flush()
         flush()
@@ -184,7 +166,7 @@ class RawClient:
                 (packet_id,) = _U16.unpack_from(body, pos)
                 pos += 2
                 if ack:
-                    acks.append(_packet(0x40 if qos == 1 else 0x50, _U16.pack(packet_id)))
+                    acks.append(mqtt_packet(0x40 if qos == 1 else 0x50, _U16.pack(packet_id)))
             out.append(RawMessage(topic, body[pos:], qos, bool(first & 0x08), bool(first & 0x01), packet_id))
         send_acks()
         return out

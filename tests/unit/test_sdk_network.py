@@ -17,24 +17,11 @@ from typing import Any
 
 import pytest
 
+from conftest import mqtt_packet, mqtt_string
 from durable_client import ConnectFailed, ConnectionInfo, DurableClient, Event
 from durable_client.protocol import CONTROL_TOPIC, REPLY_TOPIC, Request, encode_frame, encode_reply, parse_request
 
 WAIT = 10.0
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n % 128, n // 128
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _utf8(text: str) -> bytes:
-    data = text.encode()
-    return struct.pack(">H", len(data)) + data
 
 
 class Peer:
@@ -47,10 +34,10 @@ class Peer:
 
     def send(self, first: int, body: bytes) -> None:
         with self.lock, contextlib.suppress(OSError):
-            self.sock.sendall(bytes([first]) + _varint(len(body)) + body)
+            self.sock.sendall(mqtt_packet(first, body))
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 0, pid: int = 0, dup: bool = False) -> None:
-        body = _utf8(topic) + (struct.pack(">H", pid) if qos else b"") + payload
+        body = mqtt_string(topic) + (struct.pack(">H", pid) if qos else b"") + payload
         self.send(0x30 | (0x08 if dup else 0) | (qos << 1), body)
 
     def close(self) -> None:
