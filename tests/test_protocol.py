@@ -70,14 +70,31 @@ def sdk_session(clients: Callable[..., Client], broker: Broker, client_id: str, 
     return client
 
 
+def queued_while_away(
+    clients: Callable[..., Client],
+    broker: Broker,
+    client_id: str,
+    topic: str,
+    messages: list[bytes],
+    *,
+    topic_filter: str | None = None,
+) -> Client:
+    """An SDK session gone away with ``messages`` queued for it on ``topic``; returns the publisher.
+
+    The session subscribed to ``topic_filter`` (default: ``topic``) before it went away.
+    """
+    device = sdk_session(clients, broker, client_id)
+    assert device.subscribe(topic_filter or topic) == [1]
+    device.disconnect()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish(topic, messages)
+    return publisher
+
+
 def test_sdk_session_is_held_until_ready_then_replays_marks_and_goes_live(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    device = sdk_session(clients, broker, "sdk-1")
-    assert device.subscribe("t/#") == [1]
-    device.disconnect()
-    publisher = clients(broker.port, "pub", clean_session=True)
-    publisher.publish("t/a", payloads(5, "old"))
+    publisher = queued_while_away(clients, broker, "sdk-1", "t/a", payloads(5, "old"), topic_filter="t/#")
 
     device = clients(broker.port, "sdk-1")
     assert device.session_present
@@ -166,10 +183,7 @@ def test_non_durable_subscriptions_are_gone_after_a_broker_crash(
 
 
 def test_end_session_removes_the_session_at_once(broker: Broker, clients: Callable[..., Client]) -> None:
-    device = sdk_session(clients, broker, "sdk-4")
-    device.subscribe("e")
-    device.disconnect()
-    clients(broker.port, "pub", clean_session=True).publish("e", payloads(3))
+    queued_while_away(clients, broker, "sdk-4", "e", payloads(3))
     device = clients(broker.port, "sdk-4")
     request(device, "hello")
     reply = request(device, "end_session")
@@ -234,10 +248,7 @@ def test_session_ops_need_a_durable_session(broker: Broker, clients: Callable[..
 
 
 def test_another_client_cannot_touch_this_session(broker: Broker, clients: Callable[..., Client]) -> None:
-    victim = sdk_session(clients, broker, "victim")
-    victim.subscribe("v")
-    victim.disconnect()
-    clients(broker.port, "pub", clean_session=True).publish("v", payloads(2))
+    queued_while_away(clients, broker, "victim", "v", payloads(2))
     attacker = clients(broker.port, "attacker")
     reply = request(attacker, "end_session", client_id="victim")
     assert reply.error_code == "not_your_session"

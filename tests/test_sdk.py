@@ -103,6 +103,18 @@ def queue_backlog(
     first.close(keep_session=True)
 
 
+def listening(
+    sdk: Callable[..., DurableClient], broker: Broker, client_id: str, topic_filter: str
+) -> tuple[DurableClient, Signals, Recorder]:
+    """A client with recorded callbacks and a recording listener on ``topic_filter``: connected, ready for events."""
+    signals, recorder = Signals(), Recorder()
+    client = sdk(broker.port, client_id, **signals.kwargs())
+    client.subscribe(topic_filter, listener=recorder)
+    client.connect()
+    client.ready_for_events()
+    return client, signals, recorder
+
+
 def test_replay_then_marker_then_live_in_order_while_a_publisher_keeps_publishing(
     broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
 ) -> None:
@@ -142,11 +154,7 @@ def test_the_cache_takes_initial_and_live_values_but_never_replayed_ones(
     queue_backlog(sdk, broker, "dash", "s/+")
     publisher.publish("s/1", [b"old"])
 
-    signals, recorder = Signals(), Recorder()
-    dashboard = sdk(broker.port, "dash", **signals.kwargs())
-    dashboard.subscribe("s/+", listener=recorder)
-    dashboard.connect()
-    dashboard.ready_for_events()
+    dashboard, signals, recorder = listening(sdk, broker, "dash", "s/+")
     assert signals.live.wait(WAIT)
     replayed = [e for e in recorder.wait(1) if e.payload == b"old"]
     assert replayed and replayed[0].replayed, "the listener gets the replayed event"
@@ -168,11 +176,7 @@ def test_retained_values_are_initial_values_of_the_cache(
     broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
 ) -> None:
     clients(broker.port, "pub", clean_session=True).publish("r/1", [b"initial"], retain=True)
-    signals, recorder = Signals(), Recorder()
-    client = sdk(broker.port, "cache-init", **signals.kwargs())
-    client.subscribe("r/+", listener=recorder)
-    client.connect()
-    client.ready_for_events()
+    client, signals, recorder = listening(sdk, broker, "cache-init", "r/+")
     (event,) = recorder.wait(1)
     assert event.retained
     assert signals.live.wait(WAIT)
@@ -206,11 +210,7 @@ def test_a_non_durable_subscription_ends_with_the_connection_a_durable_one_stays
     publisher.publish("gone", [b"missed"])
     publisher.publish("keep", [b"kept"])
 
-    signals, recorder = Signals(), Recorder()
-    device = sdk(broker.port, "dev-interest", **signals.kwargs())
-    device.subscribe("keep", listener=recorder)
-    device.connect()
-    device.ready_for_events()
+    device, signals, recorder = listening(sdk, broker, "dev-interest", "keep")
     assert signals.live.wait(WAIT)
     assert [s.filter for s in signals.markers[0].live] == ["keep"]
     assert [e.payload for e in recorder.wait(1)] == [b"kept"]
@@ -374,11 +374,7 @@ def test_a_restarted_client_does_not_subscribe_again_what_its_session_holds(
     first.close(keep_session=True)
     publisher.publish("s/1", [b"new"])
 
-    signals, recorder = Signals(), Recorder()
-    again = sdk(broker.port, "dash-restart", **signals.kwargs())  # a new process knows no SUBACK
-    again.subscribe("s/+", listener=recorder)
-    again.connect()
-    again.ready_for_events()
+    again, signals, recorder = listening(sdk, broker, "dash-restart", "s/+")  # a new process knows no SUBACK
     assert signals.live.wait(WAIT)
     assert [e.payload for e in recorder.events] == [b"new"], "no retained value queued again behind newer ones"
     assert again.cache.get("s/1") is None, "the replayed value stays out of the cache"

@@ -99,13 +99,19 @@ def test_every_record_is_on_disk_before_a_sigkill(tmp_path: Path, opened: list[S
     assert (state.epoch, state.get_mark(3), state.positions()) == (3, 50, {"s/x": 12})
 
 
-def test_torn_last_line_is_ignored_and_cut_off(tmp_path: Path, opened: list[SessionState]) -> None:
+def journal_with(tmp_path: Path, opened: list[SessionState], tail: bytes) -> Path:
+    """The journal of a closed CPL-2 state holding mark (1, 5), with ``tail`` appended after its line."""
     state = disk(tmp_path, opened)
     state.record(1, 5)
     state.close()
     journal = state.folder / "journal.0"
     with journal.open("ab") as f:
-        f.write(b"e 1 6")  # a crash in the middle of the next record
+        f.write(tail)
+    return journal
+
+
+def test_torn_last_line_is_ignored_and_cut_off(tmp_path: Path, opened: list[SessionState]) -> None:
+    journal = journal_with(tmp_path, opened, b"e 1 6")  # a crash in the middle of the next record
     again = disk(tmp_path, opened)
     assert again.get_mark(1) == 5
     assert journal.read_bytes() == b"e 1 5\n"
@@ -115,24 +121,16 @@ def test_torn_last_line_is_ignored_and_cut_off(tmp_path: Path, opened: list[Sess
 
 
 def test_garbage_last_line_counts_as_torn(tmp_path: Path, opened: list[SessionState]) -> None:
-    state = disk(tmp_path, opened)
-    state.record(1, 5)
-    state.close()
-    with (state.folder / "journal.0").open("ab") as f:
-        f.write(b"\x00\x00\x00\n")
+    journal_with(tmp_path, opened, b"\x00\x00\x00\n")
     assert disk(tmp_path, opened).get_mark(1) == 5
 
 
 def test_damaged_middle_line_is_a_persistence_error(tmp_path: Path, opened: list[SessionState]) -> None:
-    state = disk(tmp_path, opened)
-    state.record(1, 5)
-    state.close()
-    with (state.folder / "journal.0").open("ab") as f:
-        f.write(b"zz top\ne 1 6\n")
+    journal = journal_with(tmp_path, opened, b"zz top\ne 1 6\n")
     with pytest.raises(PersistenceError, match=r"journal\.0 is damaged \(line 2"):
         DiskState(tmp_path, "c1")
     # The failed open released its lock: a repaired folder can be opened.
-    (state.folder / "journal.0").write_bytes(b"e 1 6\n")
+    journal.write_bytes(b"e 1 6\n")
     assert disk(tmp_path, opened).get_mark(1) == 6
 
 
