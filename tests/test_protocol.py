@@ -33,13 +33,13 @@ def request(client: Client, op: str, qos: int = 0, raw: bytes | None = None, **f
     """Publish one control request and wait for the reply that echoes its req id."""
     req = next(_req_ids)
     payload = raw if raw is not None else encode_request(op, req, **fields)
+    seen = sum(1 for m in client.wait_messages(0) if m.topic == REPLY_TOPIC)  # before the reply can come
     client.paho.publish(CONTROL_TOPIC, payload, qos=qos)
 
     def answered(messages: list[mqtt.MQTTMessage]) -> bool:
         return any(m.topic == REPLY_TOPIC and json.loads(m.payload).get("req") == req for m in messages)
 
     if raw is not None:  # a raw request may carry no req id: take the next reply
-        seen = sum(1 for m in client.messages if m.topic == REPLY_TOPIC)
         assert client.wait_for(lambda ms: sum(1 for m in ms if m.topic == REPLY_TOPIC) > seen), "no reply"
         return decode_reply([m for m in client.messages if m.topic == REPLY_TOPIC][seen].payload)
     assert client.wait_for(answered), f"no reply to {op}"
@@ -221,6 +221,7 @@ def test_refused_requests_name_the_problem_and_change_nothing(broker: Broker, cl
         (json.dumps({"v": 1, "op": "ready", "req": 5, "client_id": "someone-else"}).encode(), "not_your_session"),
         (json.dumps({"v": 1, "op": "end_session", "req": 6, "client_id": "victim"}).encode(), "not_your_session"),
         (b"\xff\xfe", "malformed"),
+        (b"[" * 5000, "malformed"),  # nesting deep enough to exhaust a recursive JSON parser
     ]
     for raw, code in cases:
         reply = request(device, "", raw=raw)
@@ -361,3 +362,23 @@ def test_stream_requests_that_cannot_be_served_are_refused(
     plain = broker_factory(name="plain")
     other = clients(plain.port, "reader2", clean_session=True)
     assert request(other, "stream_subscribe", filter="log/#").error_code == "unknown_stream"
+
+
+def test_a_retained_will_on_a_control_topic_is_neither_retained_nor_delivered(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    watcher = clients(broker.port, "watch", clean_session=True)
+    watcher.subscribe("#")
+    doomed = Client(broker.port, "doomed", clean_session=True, auto_start=False)
+    doomed.paho.will_set(CONTROL_TOPIC, encode_request("end_session"), qos=1, retain=True)
+    doomed.connect()
+    doomed.drop()
+    clients(broker.port, "pub", clean_session=True).publish("fence", [b"f"])
+    assert watcher.wait_for(lambda ms: any(m.topic == "fence" for m in ms))
+    late = clients(broker.port, "late", clean_session=True)
+    late.subscribe("#")
+    late.subscribe("_durable/#")
+    clients(broker.port, "pub2", clean_session=True).publish("fence2", [b"f"])
+    assert late.wait_for(lambda ms: any(m.topic == "fence2" for m in ms))
+    for client in (watcher, late):
+        assert not [m.topic for m in client.messages if m.topic.startswith("_durable")]

@@ -69,6 +69,11 @@ class Registry:
         with self.lock:
             return list(self._subscriptions.values())
 
+    def unsubscribe_later(self, topic_filter: str) -> None:
+        """The UNSUBSCRIBE could not be sent: send it on the next connection."""
+        with self.lock:
+            self._unsubscribed.add(topic_filter)
+
     def take_unsubscribed(self) -> list[str]:
         with self.lock:
             filters = sorted(self._unsubscribed)

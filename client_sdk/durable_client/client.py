@@ -149,6 +149,7 @@ class DurableClient:
         self._had_session = False  # a durable session was set up in this process
         self._ready_requested = False  # set by ready_for_events()
         self._ready_sent = False  # on the current connection
+        self._redelivering = False  # a listener failed; nothing processed since
         self._connections = 0
         self._waiters: dict[int, _Waiter] = {}
         self._req_ids = itertools.count(1)
@@ -352,8 +353,9 @@ class DurableClient:
                 self._send_request("stream_unsubscribe", filter=topic_filter)
             durable = self._durable and not self._connected
             subscription = self._registry.remove(topic_filter, unsubscribe_later=durable)
-            if subscription is not None and self._connected:
-                self._link_or_raise().unsubscribe(topic_filter)
+            sent = subscription is None or not self._connected or self._link_or_raise().unsubscribe(topic_filter)
+            if not sent and self._durable:  # the connection just went: the broker must still hear it
+                self._registry.unsubscribe_later(topic_filter)
 
     def ready_for_events(self) -> None:
         """Say the listeners are in place: the broker then replays what it queued, then a marker.
@@ -516,6 +518,12 @@ class DurableClient:
                     "stream %s: ids %s to %s were trimmed by the broker's retention before this client read them",
                     topic, first, last,
                 )
+            for topic, last in (reply.fields.get("ahead") or {}).items():
+                log.warning(
+                    "stream %s: this client has processed ids past the log's last id %s (was the broker's store "
+                    "wiped or replaced?); nothing is delivered on it until the log passes this client's position",
+                    topic, last,
+                )
         with self._lock:
             waiter = self._waiters.pop(reply.req, None) if isinstance(reply.req, int) else None
         if waiter is not None:
@@ -570,7 +578,8 @@ class DurableClient:
             self._connections += 1
             reconnect = self._connections > 1
         self.cache._set_stale(False)
-        self._backoff.reset()
+        if not self._redelivering:  # a listener that keeps failing retries ever more slowly
+            self._backoff.reset()
         if self._first is not None:
             self._first.done.set()
         log.info(
@@ -621,6 +630,10 @@ class DurableClient:
             self._receiver.fail()
             outcome = Outcome(reconnect=True)
         link = self._link_or_raise()
+        if outcome.reconnect:
+            self._redelivering = True
+        elif outcome.ack:
+            self._redelivering = False
         if outcome.ack:
             link.ack(message.mid, message.qos)
         if outcome.stream_ack is not None:

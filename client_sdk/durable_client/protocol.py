@@ -75,6 +75,7 @@ ERROR_CODES: Final = (
     "bad_filter",
     "unknown_stream",  # the filter matches no configured stream, or the topic has no open stream
     "not_authorized",  # a topic ACL plugin refused it
+    "internal",  # the broker failed while handling it (its log says why); nothing was changed
 )
 
 
@@ -163,6 +164,8 @@ def parse_request(payload: bytes) -> Request:
         data = json.loads(payload)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError("malformed", f"request is not JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("malformed", "request nests JSON too deeply") from None
     if not isinstance(data, dict):
         raise ProtocolError("malformed", "request must be a JSON object")
     req = data.get("req")
@@ -268,7 +271,7 @@ def decode_reply(payload: bytes) -> Reply:
         error = data.get("error") or {}
         fields = {k: v for k, v in data.items() if k not in ("op", "req", "ok", "error")}
         return Reply(data.get("op"), data.get("req"), bool(data["ok"]), fields, error.get("code"), error.get("message"))
-    except (ValueError, KeyError, AttributeError, TypeError) as exc:
+    except (ValueError, KeyError, AttributeError, TypeError, RecursionError) as exc:
         raise ProtocolError("malformed", f"reply is not a protocol {PROTOCOL_VERSION} reply: {exc}") from None
 
 
@@ -310,5 +313,5 @@ def decode_marker(payload: bytes) -> Marker:
         data = json.loads(payload)
         live = tuple(LiveSubscription(str(s["filter"]), int(s["qos"]), bool(s["durable"])) for s in data["live"])
         return Marker(int(data["epoch"]), int(data["replayed"]), data["first_seq"], data["last_seq"], live)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise ProtocolError("malformed", f"marker is not a protocol {PROTOCOL_VERSION} marker: {exc}") from None

@@ -26,7 +26,9 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._broadcast_message``: wills and broker-internal messages ($SYS) reach durable
   sessions too;
 * ``Broker._cleanup_session`` (with ``shutdown``): amqtt's session monitor must not remove a
-  session that reconnected after the monitor picked it.
+  session that reconnected after the monitor picked it;
+* ``Broker.retain_message``: nothing under ``_durable/`` (the SDK's control topics) is ever
+  retained, not even a will.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ _BROKER_INTERNALS = (
     "_cleanup_session",
     "_sessions",
     "shutdown",
+    "retain_message",
 )
 _HANDLER_INTERNALS = (
     "init_from_connect",
@@ -289,6 +292,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     original_broadcast = broker._broadcast_message
     original_cleanup = broker._cleanup_session
     original_shutdown = broker.shutdown
+    original_retain = broker.retain_message
     shutting_down = False
 
     def amqtt_wants(topic: str, retain: bool) -> bool:
@@ -415,6 +419,10 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
             return
         await original_cleanup(client_id)
 
+    async def retain_message(session: Any, topic: str, data: Any, qos: int | None = None) -> None:
+        if not topic.startswith(CONTROL_PREFIX):  # a retained will on a control topic, say
+            await original_retain(session, topic, data, qos)
+
     async def shutdown() -> None:
         nonlocal shutting_down
         shutting_down = True
@@ -428,6 +436,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     broker._broadcast_message = broadcast_message
     broker._cleanup_session = cleanup_session
     broker.shutdown = shutdown
+    broker.retain_message = retain_message
 
 
 def _malformed_publish(packet: Any, topic: str, data: bytes) -> str | None:

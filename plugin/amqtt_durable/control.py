@@ -69,6 +69,7 @@ class ControlChannel:
         self._streams: StreamAgent | None = None
         self._waiting: deque[Request] = deque()
         self._worker: asyncio.Task[None] | None = None
+        self._stopped = False
 
     def submit(self, topic: str, payload: bytes) -> None:
         """One PUBLISH under ``_durable/``. Ops that need no wait are done before this returns, so
@@ -80,7 +81,9 @@ class ControlChannel:
         except ProtocolError as exc:
             self._refuse(None, exc)
             return
-        if self._waiting or request.op in _AWAITING_OPS:
+        if self._stopped:
+            return
+        if self._worker is not None or request.op in _AWAITING_OPS:
             self._waiting.append(request)
             if self._worker is None:
                 self._worker = asyncio.get_running_loop().create_task(self._work())
@@ -88,9 +91,9 @@ class ControlChannel:
         self._run(request)
 
     def stop(self) -> None:
-        """The connection ended: stream positions are forgotten (the client holds them)."""
-        if self._worker is not None:
-            self._worker.cancel()
+        """The connection ended: stream positions are forgotten (the client holds them). A request
+        being handled finishes (a session deletion half done would leave its queue behind)."""
+        self._stopped = True
         self._waiting.clear()
         if self._streams is not None:
             self._streams.stop()
@@ -115,6 +118,10 @@ class ControlChannel:
         except ProtocolError as exc:
             self._refuse(request, exc)
             return
+        except Exception:  # the reader loop, hence the connection, must survive any one request
+            log.exception("%s: control request %s failed", self._client_id, request.op)
+            self._refuse(request, ProtocolError("internal", f"{request.op} failed inside the broker; see its log"))
+            return
         if fields is not None:
             self._reply(request, fields)
 
@@ -130,7 +137,7 @@ class ControlChannel:
             return
         except Exception:  # the session must stay usable whatever one request does
             log.exception("%s: control request %s failed", self._client_id, request.op)
-            self._refuse(request, ProtocolError("malformed", f"{request.op} failed inside the broker; see its log"))
+            self._refuse(request, ProtocolError("internal", f"{request.op} failed inside the broker; see its log"))
             return
         self._reply(request, fields)
 
@@ -164,6 +171,8 @@ class ControlChannel:
         return topic_filter
 
     def _stream_agent(self) -> StreamAgent:
+        if self._stopped:
+            raise ProtocolError("unknown_stream", "the connection has ended")
         if self._streams is None:
             self._streams = self._open_streams()
         return self._streams
@@ -184,7 +193,7 @@ class ControlChannel:
 
     def _ready(self, request: Request) -> dict[str, Any]:
         self._own_session(request)
-        first = self._engine.ready(self._client_id)
+        first = self._engine.ready(self._client_id, self._transport)
         return {"already": not first}
 
     async def _end_session(self, request: Request) -> dict[str, Any]:

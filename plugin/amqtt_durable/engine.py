@@ -30,6 +30,7 @@ from .store import (
     FLAG_RELEASED,
     FLAG_RETAIN,
     FLAG_SHARED,
+    SID_MARK_KEY,
     Body,
     Entry,
     GroupCommitter,
@@ -120,6 +121,8 @@ class DurableSession:
         self.dropped = 0
         self.uncommitted: dict[int, Entry] = {}
         self.connecting_until = 0.0
+        self.ready_for: Transport | None = None
+        """The connection whose ready came before its pump existed (see DurableEngine.ready)."""
         self.deleted = False
         self.sent_mark = 0
         self.sent_max = 0
@@ -336,7 +339,9 @@ class DurableEngine:
         self.streams.load()
         self._next_msg_id = last_msg_id(self.db) + 1
         # Also past queues and totals a crash left without a record: a sid is never reused.
-        self._next_sid = max(last_sid(self.db, prefix) for prefix in (b"q", b"t", b"w")) + 1
+        self._next_sid = max(
+            decode_u64(self.db.get(SID_MARK_KEY)), *(last_sid(self.db, prefix) for prefix in (b"q", b"t", b"w"))
+        ) + 1
         now = time.time()
         for record in iter_sessions(self.db):
             session = DurableSession(self, record)
@@ -436,6 +441,7 @@ class DurableEngine:
         self._next_sid += 1
         self.sessions[client_id] = DurableSession(self, record)
         self.committer.put(session_key(client_id), record.encode())
+        self.committer.put(SID_MARK_KEY, encode_u64(record.sid))
         await self.committer.commit(urgent=True)
         return False
 
@@ -461,8 +467,10 @@ class DurableEngine:
         session.record.expires_at = None
         self._save_record(session)
         session.replay_upto = session.committed_tail
-        session.pump = Pump(session, transport, self.config.recovery_buffer)
-        session.pump.start()
+        session.pump = pump = Pump(session, transport, self.config.recovery_buffer)
+        if session.ready_for is transport:
+            self._release(session, pump)
+        pump.start()
 
     async def detach(self, client_id: str, transport: Transport) -> None:
         """That connection is gone; a newer one (take-over) keeps the session connected."""
@@ -540,16 +548,29 @@ class DurableEngine:
             session.pump.become_sdk()
         return session.sid, granted
 
-    def ready(self, client_id: str) -> bool:
+    def ready(self, client_id: str, transport: Transport) -> bool:
         """The client is ready for events: replay up to the current tail, then the marker.
-        False when this connection had already said so (one marker per connection)."""
+        False when this connection had already said so (one marker per connection).
+
+        amqtt reads a connection's packets before its pump exists (attach awaits commits), so a
+        ready that comes first is kept for that connection and applied by attach.
+        """
         session = self.sessions[client_id]
         pump = session.pump
-        if pump is None or pump.marker_point is not None:
+        if pump is None or pump.transport is not transport:
+            first = session.ready_for is not transport
+            session.ready_for = transport
+            return first
+        if pump.marker_point is not None:
             return False
+        self._release(session, pump)
+        return True
+
+    @staticmethod
+    def _release(session: DurableSession, pump: Pump) -> None:
+        session.ready_for = None
         session.replay_upto = session.committed_tail
         pump.release(session.committed_tail)
-        return True
 
     def set_interest(self, client_id: str, topic_filter: str, durable: bool) -> None:
         """Mark a subscription (made before or after this) as ending with the connection, or not."""
@@ -588,6 +609,7 @@ class DurableEngine:
         session = self.sessions.get(client_id)
         if session is None or session.record.subscriptions.pop(topic_filter, None) is None:
             return
+        session.record.non_durable.discard(topic_filter)  # a later SUBSCRIBE starts durable again
         self.index.remove(client_id, topic_filter)
         self._save_record(session)
 

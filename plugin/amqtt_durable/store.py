@@ -9,6 +9,9 @@ Key layout, version 1 (every integer big-endian, so LevelDB's byte order is nume
     b"s" + client_id(utf-8)   -> JSON session record        subscriptions, deadlines, counters
     b"t" + sid:u64            -> depth:u64 bytes:u64 dropped:u64   queue totals, kept in the same batch
     b"w" + sid:u64            -> seq:u64                    highest seq possibly sent (DUP mark)
+    b"n"                      -> sid:u64                    highest session id ever assigned (an SDK
+                                                           client's epoch: never reused, even after
+                                                           the session and all its keys are gone)
     b"q" + sid:u64 + seq:u64  -> msg_id:u64 qos:u8 flags:u8 size:u32       one queue entry
 
 Entry flags: bit 0 RETAIN (retained message on subscribe), bit 1 RELEASED (QoS 2 PUBREC
@@ -306,6 +309,9 @@ def last_sid(db: Any, prefix: bytes) -> int:
     for key in db.iterator(prefix=prefix, reverse=True, include_value=False):
         return int(_U64.unpack_from(key, 1)[0])
     return 0
+
+
+SID_MARK_KEY = b"n"
 
 
 def last_msg_id(db: Any) -> int:

@@ -64,8 +64,8 @@ def test_nothing_goes_out_before_ready_then_replay_marker_live(tmp_path: Path) -
         await settle(engine)
         assert transport.packets == [], "an SDK session is held until ready"
 
-        assert engine.ready("d") is True
-        assert engine.ready("d") is False, "one marker per connection"
+        assert engine.ready("d", transport) is True
+        assert engine.ready("d", transport) is False, "one marker per connection"
         packets = await transport.wait_for(has_marker)
         await publish(engine, "t", b"live")
         packets = await transport.wait_for(lambda ps: len(publishes(ps)) == 5)
@@ -89,7 +89,7 @@ def test_the_marker_waits_for_a_full_window_to_make_room(tmp_path: Path) -> None
         await publish(engine, "t", *[bytes([i]) for i in range(5)])
         transport = RecordingTransport()
         await engine.attach("d", transport)
-        engine.ready("d")
+        engine.ready("d", transport)
         packets = await transport.wait_for(lambda ps: len(publishes(ps)) == 2)
         await settle(engine)
         assert not has_marker(transport.packets), "three replayed messages are still to go"
@@ -112,14 +112,14 @@ def test_the_recovery_buffer_is_resent_first_flagged_redelivered_and_replayed(tm
         await sdk_session(engine, "d", "t")
         first = RecordingTransport()
         await engine.attach("d", first)
-        engine.ready("d")
+        engine.ready("d", first)
         await publish(engine, "t", b"x", b"y")
         await first.wait_for(lambda ps: [p.topic for p in ps] == [MARKER_TOPIC, "t", "t"])
         await engine.detach("d", first)  # no PUBACK came back
         second = RecordingTransport()
         await engine.connect("d", clean_session=False)
         await engine.attach("d", second)
-        engine.ready("d")
+        engine.ready("d", second)
         packets = await second.wait_for(has_marker)
         resent = [p for p in packets if p.topic == "t"]
         assert [p.dup for p in resent] == [True, True]
@@ -142,7 +142,7 @@ def test_hello_on_a_live_plain_connection_holds_what_comes_next(tmp_path: Path) 
         await publish(engine, "t", b"held")
         await settle(engine)
         assert len(transport.packets) == 1
-        engine.ready("d")
+        engine.ready("d", transport)
         packets = await transport.wait_for(has_marker)
         assert decode_frame(packets[1].payload)[1] == b"held"
         assert engine.sessions["d"].expiry_seconds() == 60.0
@@ -183,3 +183,48 @@ def test_hello_caps_the_expiry_the_client_asks_for(tmp_path: Path) -> None:
         assert engine.sessions["d"].expiry_seconds() == 300.0
 
     run(tmp_path, body, max_session_expiry=100.0, session_expiry=300.0)
+
+
+def test_a_ready_that_comes_before_the_pump_is_applied_when_it_starts(tmp_path: Path) -> None:
+    async def body(engine: DurableEngine) -> None:
+        await sdk_session(engine, "d", "t")
+        await publish(engine, "t", b"queued")
+        transport = RecordingTransport()
+        # amqtt reads the connection's packets while attach still awaits its commits
+        assert engine.ready("d", transport) is True
+        assert engine.ready("d", transport) is False
+        await engine.attach("d", transport)
+        packets = await transport.wait_for(has_marker)
+        assert [p.topic for p in packets] == ["t", MARKER_TOPIC]
+        assert decode_frame(packets[0].payload)[0].replayed
+
+    run(tmp_path, body)
+
+
+def test_an_unsubscribed_filter_subscribed_again_is_durable(tmp_path: Path) -> None:
+    async def body(engine: DurableEngine) -> None:
+        await sdk_session(engine, "d")
+        engine.set_interest("d", "f", durable=False)
+        await engine.subscribe("d", "f", 1)
+        engine.unsubscribe("d", "f")
+        await engine.subscribe("d", "f", 1)
+        transport = RecordingTransport()
+        await engine.attach("d", transport)
+        await engine.detach("d", transport)
+        assert "f" in engine.sessions["d"].record.subscriptions
+
+    run(tmp_path, body)
+
+
+def test_a_session_id_is_never_reused_even_after_its_session_and_keys_are_gone(tmp_path: Path) -> None:
+    """The id is an SDK client's epoch: reusing it would make the client drop new events as seen."""
+    sids = []
+
+    async def create_and_delete(engine: DurableEngine) -> None:
+        await engine.connect("d", clean_session=False)
+        sids.append(engine.sessions["d"].sid)
+        await engine.delete_session(engine.sessions["d"])
+
+    run(tmp_path, create_and_delete)
+    run(tmp_path, create_and_delete)
+    assert sids[1] > sids[0]
