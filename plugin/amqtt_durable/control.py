@@ -181,7 +181,7 @@ class ControlChannel:
     def _hello(self, request: Request) -> dict[str, Any]:
         session = self._session()
         if session is None:
-            return {"protocol": PROTOCOL_VERSION, "epoch": None, "session_expiry": None}
+            return {"protocol": PROTOCOL_VERSION, "epoch": None, "session_expiry": None, "subscriptions": None}
         epoch, granted = self._engine.hello(self._client_id, request.session_expiry)
         subscriptions = dict(sorted(session.record.subscriptions.items()))
         return {"protocol": PROTOCOL_VERSION, "epoch": epoch, "session_expiry": granted, "subscriptions": subscriptions}
