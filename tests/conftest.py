@@ -19,6 +19,8 @@ import pytest
 import yaml
 from paho.mqtt.enums import CallbackAPIVersion
 
+from amqtt_durable.store import open_store
+
 HOST = "127.0.0.1"
 WAIT = 15.0
 
@@ -317,3 +319,18 @@ def clients() -> Iterator[Callable[..., Client]]:
     for client in made:
         client.paho.disconnect()  # first, so that loop_stop need not wait out paho's select timeout
         client.paho.loop_stop()
+
+
+@pytest.fixture
+def store_path(tmp_path: Path) -> str:
+    """Where the ``db`` fixture's LevelDB store lives (for tests that reopen it)."""
+    return str(tmp_path / "store")
+
+
+@pytest.fixture
+def db(store_path: str) -> Iterator[Any]:
+    """A fresh store (amqtt_durable.store.open_store), closed after the test unless the test closed it."""
+    handle = open_store(store_path)
+    yield handle
+    if not handle.closed:
+        handle.close()

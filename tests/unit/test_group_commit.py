@@ -8,25 +8,16 @@ without any timer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Iterator
-from pathlib import Path
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
 
 from amqtt_durable.errors import StoreError
-from amqtt_durable.store import GroupCommitter, open_store
+from amqtt_durable.store import GroupCommitter
 
 LONG_DELAY_MS = 60_000.0  # a commit that waits for this timer would never finish inside the test
 GENEROUS = 5.0
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[Any]:
-    handle = open_store(str(tmp_path / "store"))
-    yield handle
-    if not handle.closed:
-        handle.close()
 
 
 def make(

@@ -49,19 +49,6 @@ from amqtt_durable.store import (
 CHILD_TIMEOUT = 10.0
 
 
-@pytest.fixture
-def store_path(tmp_path: Path) -> str:
-    return str(tmp_path / "store")
-
-
-@pytest.fixture
-def db(store_path: str) -> Iterator[Any]:
-    handle = open_store(store_path)
-    yield handle
-    if not handle.closed:
-        handle.close()
-
-
 # ----------------------------------------------------------------------------- key layout
 
 

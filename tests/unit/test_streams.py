@@ -13,9 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,19 +31,6 @@ STREAMS = [StreamConfig("s/#", max_count=100)]
 
 
 # ---------------------------------------------------------------------- helpers
-@pytest.fixture
-def path(tmp_path: Path) -> str:
-    return str(tmp_path / "store")
-
-
-@pytest.fixture
-def db(path: str) -> Iterator[Any]:
-    handle = open_store(path)
-    yield handle
-    if not handle.closed:
-        handle.close()
-
-
 def make_logs(db: Any, streams: list[StreamConfig] | None = None) -> tuple[StreamLogs, GroupCommitter]:
     committer = GroupCommitter(db, sync=False, batch_size=5000, batch_delay_ms=0.0, pending_threshold=1)
     logs = StreamLogs(db, committer, STREAMS if streams is None else streams)
@@ -160,7 +146,7 @@ def test_nothing_is_readable_before_its_batch_is_written(db: Any) -> None:
     assert logs.bounds("s/new") == (1, 1)
 
 
-def test_ids_continue_after_reopen(path: str, db: Any) -> None:
+def test_ids_continue_after_reopen(store_path: str, db: Any) -> None:
     logs, committer = make_logs(db)
     # Topics that are prefixes of each other: the per-topic seek must not mix them up.
     counts = {"s/a": 3, "s/a/b": 2, "s/ab": 4, "s/a\x01": 1, "s/": 5}
@@ -168,7 +154,7 @@ def test_ids_continue_after_reopen(path: str, db: Any) -> None:
         for _ in range(count):
             put(logs, committer, topic, topic.encode())
     db.close()
-    db = open_store(path)
+    db = open_store(store_path)
     try:
         reopened, committer = make_logs(db)
         for topic, count in counts.items():
@@ -180,7 +166,7 @@ def test_ids_continue_after_reopen(path: str, db: Any) -> None:
         db.close()
 
 
-def test_ids_never_reused_after_age_retention_removed_everything(path: str, db: Any) -> None:
+def test_ids_never_reused_after_age_retention_removed_everything(store_path: str, db: Any) -> None:
     logs, committer = make_logs(db, [StreamConfig("s/#", max_age=10.0)])
     now = time.time()
     for _ in range(3):
@@ -190,7 +176,7 @@ def test_ids_never_reused_after_age_retention_removed_everything(path: str, db: 
     assert db.get(event_key("s/a", 3)) is None
     assert logs.bounds("s/a") == (4, 3)  # empty: first == last + 1
     db.close()
-    db = open_store(path)
+    db = open_store(store_path)
     try:
         reopened, committer = make_logs(db, [StreamConfig("s/#", max_age=10.0)])
         assert reopened.bounds("s/a") == (4, 3)
@@ -212,12 +198,12 @@ def test_count_retention_on_append(db: Any) -> None:
     assert [e.id for e in logs.read("s/a", 1, 10)] == [3, 4, 5]
 
 
-def test_lowered_max_count_is_enforced_by_trim(path: str, db: Any) -> None:
+def test_lowered_max_count_is_enforced_by_trim(store_path: str, db: Any) -> None:
     logs, committer = make_logs(db, [StreamConfig("s/#", max_count=100)])
     for _ in range(10):
         put(logs, committer, "s/a")
     db.close()
-    db = open_store(path)
+    db = open_store(store_path)
     try:
         reopened, committer = make_logs(db, [StreamConfig("s/#", max_count=3)])
         assert reopened.trim_expired(time.time()) == 7
