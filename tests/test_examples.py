@@ -19,15 +19,19 @@ ROOT = Path(__file__).resolve().parent.parent
 OFFLINE_DEVICE = ROOT / "examples" / "offline_device.py"
 
 
-def run_example(*args: str) -> subprocess.CompletedProcess[str]:
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(OFFLINE_DEVICE), *args],
+        [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         timeout=4 * WAIT,
         check=False,
         cwd=ROOT,
     )
+
+
+def run_example(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_script(OFFLINE_DEVICE, *args)
 
 
 def test_offline_device_gets_every_event_in_order(broker_factory: Callable[..., Broker]) -> None:
@@ -107,17 +111,6 @@ def test_readme_configuration_table_lists_every_knob() -> None:
 # --------------------------------------------------------------------------- the SDK examples
 FLAKY_LINK_DEVICE = ROOT / "examples" / "flaky_link_device.py"
 DASHBOARD = ROOT / "examples" / "dashboard.py"
-
-
-def run_script(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=4 * WAIT,
-        check=False,
-        cwd=ROOT,
-    )
 
 
 def counts(line_start: str, output: str) -> dict[str, int]:
