@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[test,bench]'
+	$(VENV)/bin/python -m pip install --quiet -e '.[test,bench,pipeline]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -25,7 +25,7 @@ test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m 'not slow'
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check plugin client_sdk tests bench examples
+	$(VENV)/bin/ruff check plugin client_sdk pipeline tests bench examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)

@@ -334,3 +334,13 @@ def db(store_path: str) -> Iterator[Any]:
     yield handle
     if not handle.closed:
         handle.close()
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local[2] SparkSession for the whole test session (starting one costs seconds)."""
+    from durable_pipeline.spark import get_session  # noqa: PLC0415 - pyspark loads only for Spark tests
+
+    session = get_session("local[2]", "amqtt-durable-tests")
+    yield session
+    session.stop()

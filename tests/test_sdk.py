@@ -5,6 +5,7 @@ crashes (SIGKILL); CPL-2 fallback; stateless resume from stream logs; 100 client
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -378,3 +379,35 @@ def test_a_restarted_client_does_not_subscribe_again_what_its_session_holds(
     assert signals.live.wait(WAIT)
     assert [e.payload for e in recorder.events] == [b"new"], "no retained value queued again behind newer ones"
     assert again.cache.get("s/1") is None, "the replayed value stays out of the cache"
+
+
+def test_delivery_logs_record_sends_and_processed_events_with_matching_ids(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path
+) -> None:
+    signals, recorder = Signals(), Recorder()
+    device = sdk(broker.port, "logged-device", delivery_log=tmp_path / "logs" / "device.jsonl", **signals.kwargs())
+    device.subscribe("audit/#", listener=recorder)
+    device.connect()
+    device.ready_for_events()
+    assert signals.live.wait(WAIT)
+    sender = sdk(broker.port, "logged-sender", durable_session=False, delivery_log=tmp_path / "logs" / "sender.jsonl")
+    sender.connect()
+    for payload in payloads(3):
+        sender.publish("audit/x", payload)
+    recorder.wait(3)
+    sender.close()
+    device.close()
+
+    def records(name: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (tmp_path / "logs" / name).read_text().splitlines()]
+
+    sent, got = records("sender.jsonl"), records("device.jsonl")
+    assert [r["kind"] for r in got] == ["subscribe", "connect", "live", "receive", "receive", "receive"]
+    assert [r["kind"] for r in sent] == ["connect", "send", "send", "send"]
+    sends = [r for r in sent if r["kind"] == "send"]
+    receives = [r for r in got if r["kind"] == "receive"]
+    assert [r["id"] for r in receives] == [r["id"] for r in sends], "the same id on both sides"
+    assert len({r["id"] for r in sends}) == 3
+    assert all(r["device"] == "logged-device" and r["topic"] == "audit/x" for r in receives)
+    assert [r["seq"] for r in receives] == [e.seq for e in recorder.events]
+    assert got[0] == {**got[0], "topic": "audit/#", "qos": 1, "durable": True}

@@ -83,6 +83,7 @@ class Receiver:
         registry: Registry,
         on_reply: Callable[[Reply], None],
         on_marker: Callable[[Marker], None],
+        on_processed: Callable[[Event], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.framed = framed
@@ -93,6 +94,8 @@ class Receiver:
         self._registry = registry
         self._on_reply = on_reply
         self._on_marker = on_marker
+        self._on_processed = on_processed
+        """Called once the listeners returned, before the mark and the ack (the delivery log)."""
         self._clock = clock
         self._failed = False
 
@@ -170,6 +173,7 @@ class Receiver:
         self._cache.apply(event)
         if not self._deliver(event, self._registry.listeners(event.topic)):
             return Outcome(reconnect=True)
+        self._processed(event)
         self._state.record(frame.epoch, frame.seq)
         self.counters.processed += 1
         return _ACK
@@ -191,6 +195,7 @@ class Receiver:
         self._cache.apply(event)
         if not self._deliver(event, self._registry.stream_listeners(topic)):
             return Outcome(reconnect=True)
+        self._processed(event)
         self._state.record_stream(topic, frame.seq)
         self.counters.processed += 1
         return Outcome(ack=True, stream_ack=(topic, frame.seq))
@@ -209,8 +214,13 @@ class Receiver:
             except Exception:
                 log.exception("a listener raised on %s (stateless connection: the event cannot be redelivered)",
                               event.topic)
+        self._processed(event)
         self.counters.processed += 1
         return _ACK
+
+    def _processed(self, event: Event) -> None:
+        if self._on_processed is not None:
+            self._on_processed(event)
 
     def _deliver(self, event: Event, listeners: list[Listener]) -> bool:
         for listener in listeners:

@@ -30,6 +30,7 @@ from ._receiver import Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
 from .backoff import Backoff
 from .cache import LastValueCache
+from .delivery_log import DeliveryLog
 from .errors import ConnectFailed, ControlRequestFailed, DurableClientError, RequestTimeout, Unconnected
 from .events import ConnectionInfo, Listener, PersistenceLevel, Stats
 from .persistence import open_state
@@ -90,6 +91,7 @@ class DurableClient:
         on_session_lost: Callable[[], None] | None = None,
         on_live: Callable[[Marker], None] | None = None,
         on_persistence_fallback: Callable[[OSError], None] | None = None,
+        delivery_log: str | os.PathLike[str] | None = None,
     ) -> None:
         """Nothing touches the network until connect().
 
@@ -99,6 +101,8 @@ class DurableClient:
         falls back to memory (``on_persistence_fallback``) rather than stopping delivery.
         ``durable_session=False`` makes a stateless client: no session on the broker, raw
         messages, only streams resume (from the positions this client keeps).
+        ``delivery_log=PATH`` appends a JSON line per send, processed event, subscription,
+        connection and marker (docs/delivery-log.md), for ``durable-pipeline audit``.
         """
         if not isinstance(client_id, str) or not client_id:
             raise ValueError("client_id must be a non-empty string: the broker finds the durable session by it")
@@ -125,6 +129,8 @@ class DurableClient:
         """Newest value per topic (GemFire client-cache rules); readable while disconnected."""
         self._state = open_state(persistence, client_id, state_dir, self._persistence_fell_back)
         self._registry = Registry()
+        self._delivery_log = DeliveryLog(delivery_log, client_id) if delivery_log is not None else None
+        """docs/delivery-log.md: what was sent and processed, for ``durable-pipeline audit``."""
         self._receiver = Receiver(
             framed=durable_session,
             state=self._state,
@@ -132,6 +138,7 @@ class DurableClient:
             registry=self._registry,
             on_reply=self._handle_reply,
             on_marker=self._handle_marker,
+            on_processed=self._delivery_log.receive if self._delivery_log is not None else None,
         )
 
         # Connection state: changed under _lock, by the network thread except where noted.
@@ -248,7 +255,7 @@ class DurableClient:
                 self._link.disconnect()  # wakes the network thread at once
             thread.join(timeout)
         if thread is None or not thread.is_alive():
-            self._state.close()
+            self._close_files()
         elif not on_network_thread:
             log.warning("the network thread did not stop within %s s; it stops in the background", timeout)
         # Otherwise (called from a listener) the network thread closes the state as it ends.
@@ -318,6 +325,8 @@ class DurableClient:
         _check_filter(topic_filter)
         if qos not in (0, 1, 2):
             raise ValueError(f"qos must be 0, 1 or 2, got {qos!r}")
+        if self._delivery_log is not None:
+            self._delivery_log.subscribe(topic_filter, qos, durable)
         if (
             self._subscribe(topic_filter, qos, durable, listener)
             and not self._on_network_thread()
@@ -429,6 +438,7 @@ class DurableClient:
                 "it and sends it after the reconnect, so it may still arrive, but its PUBACK cannot be awaited"
             )
         if qos == 0 or self._on_network_thread():
+            self._log_send(topic, data, qos)
             return
         deadline = time.monotonic() + timeout
         while not handle.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
@@ -439,6 +449,16 @@ class DurableClient:
                     f"no PUBACK for the publish to {topic} within {timeout} s; it stays queued and is re-sent "
                     "after a reconnect, so it may still arrive"
                 )
+        self._log_send(topic, data, qos)
+
+    def _close_files(self) -> None:
+        self._state.close()
+        if self._delivery_log is not None:
+            self._delivery_log.close()
+
+    def _log_send(self, topic: str, data: bytes, qos: int) -> None:
+        if self._delivery_log is not None:
+            self._delivery_log.send(topic, data, qos)
 
     # ================================================================ network thread
     def _run(self) -> None:
@@ -473,7 +493,7 @@ class DurableClient:
             link.shutdown(_SHUTDOWN_FLUSH)
         finally:
             if self._closed:
-                self._state.close()
+                self._close_files()
 
     def _problem(self, text: str) -> None:
         first = self._first
@@ -586,6 +606,8 @@ class DurableClient:
             "%s to %s:%s (session present: %s, epoch %s)",
             "reconnected" if reconnect else "connected", self.host, self.port, info.session_present, info.epoch,
         )
+        if self._delivery_log is not None:
+            self._delivery_log.connect(info.session_present)
         _safe(self._on_connected, info)
 
     def _replay_subscriptions(self, *, resend_durable: bool, broker_has: dict[str, Any] | None = None) -> None:
@@ -643,6 +665,8 @@ class DurableClient:
             link.drop()
 
     def _handle_marker(self, marker: Marker) -> None:
+        if self._delivery_log is not None:
+            self._delivery_log.live(marker)
         _safe(self._on_live, marker)
 
     def _handle_subscribed(self, mid: int, ok: bool) -> None:
