@@ -6,8 +6,14 @@ CONFIG ?= broker.yaml
 
 .PHONY: setup run test test-fast lint bench clean
 
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
+	@# The Spark pipeline needs a JVM (17+); Debian's package when none is there.
+	@command -v java >/dev/null 2>&1 || { echo "installing Java 17 for Spark (openjdk-17-jre-headless)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq openjdk-17-jre-headless; } \
+		|| { echo "Java 17 is required by the Spark pipeline: install openjdk-17-jre-headless"; exit 1; }
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e '.[test,bench,pipeline]'
