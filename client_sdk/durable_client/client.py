@@ -5,8 +5,8 @@ connection: it runs paho's loop, reconnects with backoff, and calls every listen
 callback (on_connected, on_live, ...), one at a time, in arrival order. Listeners should be
 quick; they may call publish() (which then does not wait for the PUBACK: the PUBACK can only
 arrive on this very thread), subscribe() and unsubscribe(). Application threads may call
-every method; the ones that wait (connect, publish, subscribe_stream, close) wait on events
-set by the network thread, each wait bounded by a timeout.
+every method; the ones that wait (connect, publish, subscribe_stream, stream_info, close)
+wait on events set by the network thread, each wait bounded by a timeout.
 
 Each connection is set up the same way (docs/protocol.md): CONNECT, ``hello`` (which says
 the session's epoch), then the subscriptions the broker may have lost, the streams, and
@@ -382,7 +382,13 @@ class DurableClient:
                 self._send_request("ready")
 
     def subscribe_stream(
-        self, topic_filter: str, listener: Listener, *, window: int | None = None, timeout: float = _REQUEST_TIMEOUT
+        self,
+        topic_filter: str,
+        listener: Listener,
+        *,
+        window: int | None = None,
+        after: dict[str, int] | None = None,
+        timeout: float = _REQUEST_TIMEOUT,
     ) -> None:
         """Open the stream logs matching ``topic_filter`` from this client's own positions.
 
@@ -392,12 +398,30 @@ class DurableClient:
         per topic. When connected, waits for the broker's answer and raises
         ControlRequestFailed if it refuses (e.g. ``unknown_stream``); otherwise it is opened
         on the next connect.
+
+        ``after`` ({topic: last id already processed}) replaces this client's positions for
+        those topics, for readers that keep their offsets elsewhere (a Spark checkpoint) and
+        must start exactly there. They become the client's positions, so a reconnect resumes
+        from them like from any other. ``{topic: 0}`` starts at id 1: when retention trimmed
+        it, the broker reports the gap (logged) instead of starting silently further on. A
+        topic an open stream subscription already reads cannot be moved (ValueError): the
+        broker keeps one cursor per topic and connection.
         """
         self._check_open()
         _check_filter(topic_filter)
         if window is not None and not (isinstance(window, int) and 1 <= window <= MAX_STREAM_WINDOW):
             raise ValueError(f"window must be a whole number from 1 to {MAX_STREAM_WINDOW}, got {window!r}")
+        positions = _check_after(topic_filter, after)
         with self._lock:
+            for stream in self._registry.streams():
+                moved = sorted(topic for topic in positions if topic_matches(stream.filter, topic))
+                if moved:
+                    raise ValueError(
+                        f"the stream subscription {stream.filter!r} already reads {', '.join(moved)}: 'after' cannot "
+                        "move it; unsubscribe it first"
+                    )
+            for topic, last_id in positions.items():
+                self._state.record_stream(topic, last_id)
             previous = self._registry.put_stream(StreamSubscription(topic_filter, listener, window))
             if previous is not None or not self._connected:
                 return
@@ -408,6 +432,41 @@ class DurableClient:
         if not reply.ok:
             self._registry.remove_stream(topic_filter)
             raise ControlRequestFailed("stream_subscribe", reply.error_code or "?", reply.error_message or "")
+
+    def stream_info(self, topic_filter: str = "#", *, timeout: float = _REQUEST_TIMEOUT) -> dict[str, tuple[int, int]]:
+        """The stream logs matching ``topic_filter`` now: {topic: (first retained id, last id)}.
+
+        What a reader needs to plan a range before opening anything: retention moves the
+        first id up, publishes move the last one. A log retention emptied reads
+        ``(last + 1, last)``. A filter that no configured stream covers gives ``{}`` (the
+        broker does not refuse it; ``subscribe_stream`` does). Needs a connection (else
+        Unconnected); waits up to ``timeout`` for the reply (RequestTimeout), and cannot be
+        called from a listener, whose thread is the one the reply arrives on.
+        """
+        self._check_open()
+        _check_filter(topic_filter)
+        if self._on_network_thread():
+            raise DurableClientError(
+                "stream_info() cannot wait for its reply on the network thread (called from a listener or callback)"
+            )
+        with self._lock:
+            if not self._connected:
+                raise Unconnected(f"not connected to {self.host}:{self.port} (reconnecting): stream_info was not sent")
+            waiter = self._send_request("stream_info", wait=True, filter=topic_filter)
+        assert waiter is not None
+        reply = self._await(waiter, timeout, "stream_info")
+        if not reply.ok:
+            raise ControlRequestFailed("stream_info", reply.error_code or "?", reply.error_message or "")
+        topics = reply.fields.get("topics")
+        try:
+            return {
+                str(topic): (int(bounds["first"]), int(bounds["last"]))
+                for topic, bounds in (topics or {}).items()
+            }
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise ControlRequestFailed(
+                "stream_info", "malformed", f"the reply's 'topics' is not {{topic: {{first, last}}}}: {topics!r}"
+            ) from None
 
     def publish(
         self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False, *, timeout: float = 10.0
@@ -768,6 +827,22 @@ def _check_filter(topic_filter: str) -> None:
         raise ValueError("a topic filter must be a non-empty string")
     if topic_filter.startswith((CONTROL_PREFIX, "$durable/")):
         raise ValueError(f"{topic_filter!r}: the SDK's own topics cannot be subscribed to")
+
+
+def _check_after(topic_filter: str, after: dict[str, int] | None) -> dict[str, int]:
+    """subscribe_stream's ``after``: concrete topics the filter matches, each with an id of 0 or more."""
+    if after is None:
+        return {}
+    if not isinstance(after, dict):
+        raise TypeError(f"after must be a dict of topic -> last id processed, got {type(after).__name__}")
+    for topic, last_id in after.items():
+        if not isinstance(topic, str) or not topic or "+" in topic or "#" in topic:
+            raise ValueError(f"after: {topic!r} is not a topic (a non-empty string without wildcards)")
+        if not topic_matches(topic_filter, topic):
+            raise ValueError(f"after: the topic {topic!r} is not matched by the stream filter {topic_filter!r}")
+        if not isinstance(last_id, int) or isinstance(last_id, bool) or last_id < 0:
+            raise ValueError(f"after: the id of {topic!r} must be a whole number, 0 or more, got {last_id!r}")
+    return dict(after)
 
 
 def _safe(callback: Callable[_P, None] | None, *args: _P.args, **kwargs: _P.kwargs) -> None:

@@ -633,3 +633,71 @@ def test_constructor_checks(tmp_path: Path) -> None:
     client = DurableClient("c", persistence="disk", state_dir=blocker / "s", on_persistence_fallback=seen.append)
     assert client.persistence_level == "memory" and len(seen) == 1
     client.close()
+
+
+# ------------------------------------------------------- stream positions
+def test_subscribe_stream_after_overrides_the_clients_positions(make: Any) -> None:
+    client, link = make(durable_session=False)
+    connect(client, link, session_present=False, epoch=None)
+    client._state.record_stream("s/a", 40)
+    client._state.record_stream("s/b", 8)
+    seen: list[Event] = []
+    client.subscribe_stream("s/#", seen.append, after={"s/a": 10, "s/c": 0})
+    assert link.wire() == [("stream_subscribe", "s/#", {"s/a": 10, "s/b": 8, "s/c": 0})]
+    # The presented position is the dedup mark too: id 11 is new, id 10 a duplicate.
+    for seq in (10, 11):
+        client._handle_message(Inbound(STREAM_TOPIC_PREFIX + "s/a", encode_frame(0, 0, seq, 1.0) + b"x", 0, False,
+                                       False, 0))
+    assert [e.seq for e in seen] == [11]
+    # A reconnect resumes from the positions reached since.
+    lose(client, link)
+    connect(client, link, session_present=False, epoch=None)
+    assert link.wire() == [("stream_subscribe", "s/#", {"s/a": 11, "s/b": 8, "s/c": 0})]
+
+
+def test_subscribe_stream_after_is_checked(make: Any) -> None:
+    client, link = make(durable_session=False)
+    connect(client, link, session_present=False, epoch=None)
+    with pytest.raises(ValueError, match="not matched by the stream filter"):
+        client.subscribe_stream("s/#", lambda e: None, after={"t/a": 1})
+    with pytest.raises(ValueError, match="without wildcards"):
+        client.subscribe_stream("s/#", lambda e: None, after={"s/+": 1})
+    with pytest.raises(ValueError, match="0 or more"):
+        client.subscribe_stream("s/#", lambda e: None, after={"s/a": -1})
+    with pytest.raises(ValueError, match="0 or more"):
+        client.subscribe_stream("s/#", lambda e: None, after={"s/a": True})
+    assert link.requests("stream_subscribe") == [] and client._state.positions() == {}
+    client.subscribe_stream("s/#", lambda e: None)
+    with pytest.raises(ValueError, match="already reads s/a"):
+        client.subscribe_stream("s/a", lambda e: None, after={"s/a": 3})
+    assert client._state.positions() == {}
+
+
+def test_stream_info_maps_topics_to_first_and_last(make: Any) -> None:
+    client, link = make(durable_session=False)
+    with pytest.raises(Unconnected, match="stream_info was not sent"):
+        client.stream_info()
+    connect(client, link, session_present=False, epoch=None)
+
+    def respond(request: Request) -> bytes | None:
+        if request.op != "stream_info":
+            return None
+        if request.filter == "nope/#":
+            return encode_error("stream_info", request.req, ProtocolError("bad_filter", "no"))
+        if request.filter == "bad/#":
+            return encode_reply("stream_info", request.req, topics={"bad/a": 3})
+        topics = {"s/a": {"first": 4, "last": 9, "count": 6}, "s/b": {"first": 6, "last": 5, "count": 0}}
+        return encode_reply("stream_info", request.req, filter=request.filter, topics=topics)
+
+    link.respond = respond
+    assert client.stream_info("s/#") == {"s/a": (4, 9), "s/b": (6, 5)}
+    assert link.requests("stream_info")[0].filter == "s/#"
+    assert client.stream_info() == {"s/a": (4, 9), "s/b": (6, 5)}
+    with pytest.raises(ControlRequestFailed, match="bad_filter"):
+        client.stream_info("nope/#")
+    with pytest.raises(ControlRequestFailed, match="malformed"):
+        client.stream_info("bad/#")
+    link.respond = None
+    with pytest.raises(RequestTimeout, match="stream_info"):
+        client.stream_info(timeout=0.01)
+    assert client._waiters == {}
