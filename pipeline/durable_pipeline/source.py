@@ -1,0 +1,695 @@
+"""The ``amqtt-durable`` Spark data source: the broker's stream logs as a batch or streaming DataFrame.
+
+The broker appends every message of a configured stream (its ``streams`` setting) to a log
+per topic, ids 1, 2, 3, ... (docs/protocol.md, "Streams"). Offsets are ``{topic: last id
+included}``, so a micro-batch is an id range per topic, and a range reads the same events
+however often it is read: Spark's checkpoint plus a file sink give exactly-once.
+
+Where things run. Planning (``initialOffset``/``latestOffset``/``partitions``, the batch
+``partitions``) runs in a Python process next to the driver and asks the broker with a
+stateless ``DurableClient``. ``read(partition)`` runs in Python workers on the executors:
+each partition opens its own stateless client, reads its range in id order from the
+position it presents (``subscribe_stream(after=...)``), and closes. Only options and
+plain ranges travel to the executors (pickled), never a connection.
+
+Failures. A read task's client reconnects by itself (broker restart, dropped link) and
+resumes from the last id it handed to Spark; a task that still gets no event within
+``timeout`` seconds fails with SourceError, and Spark runs the range again (or the query
+stops and resumes from its checkpoint when restarted). Ids retention trimmed before they
+were read are data loss: SourceError, or with ``failOnDataLoss=false`` skipped, counted and
+logged (a WARNING per micro-batch on the driver, and per task on the executor).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from paho.mqtt.client import topic_matches_sub
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    BinaryType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from durable_client import (
+    ConnectFailed,
+    ControlRequestFailed,
+    DurableClient,
+    DurableClientError,
+    Event,
+    RequestTimeout,
+    Unconnected,
+)
+
+from .errors import SourceError
+
+log = logging.getLogger("durable_pipeline.source")
+
+FORMAT: Final = "amqtt-durable"
+SCHEMA_DDL: Final = "topic string, id long, payload binary, qos int, published_at timestamp"
+DEFAULT_WINDOW: Final = 500
+MAX_WINDOW: Final = 1000
+"""The broker's limit on events in flight per topic (durable_client.protocol.MAX_STREAM_WINDOW)."""
+DEFAULT_IDS_PER_PARTITION: Final = 100_000
+DEFAULT_TIMEOUT: Final = 30.0
+RECONNECT_MAX_DELAY: Final = 1.0
+"""A reader's client retries at least every second: a restarted broker is found again well within ``timeout``."""
+ROWS_PER_BATCH: Final = 4096
+"""Rows per Arrow batch handed to Spark: big enough to amortise, small enough to stream."""
+STALL_CHECK: Final = 0.5
+"""A read with no event for this long asks the broker whether retention trimmed what it waits for."""
+PROBE_AFTER_BYTES: Final = 48_000
+"""Room for the probe's ``after`` positions in one request (the broker takes at most 64 KiB)."""
+
+
+def _schema() -> StructType:
+    """SCHEMA_DDL as a StructType (built by hand: parsing DDL needs a SparkSession, workers have none)."""
+    return StructType(
+        [
+            StructField("topic", StringType()),
+            StructField("id", LongType()),
+            StructField("payload", BinaryType()),
+            StructField("qos", IntegerType()),
+            StructField("published_at", TimestampType()),
+        ]
+    )
+
+
+# ==================================================================== options
+@dataclass(frozen=True)
+class Options:
+    """The source's options, checked once on the driver; pickled to the executors with each reader."""
+
+    host: str = "127.0.0.1"
+    port: int = 1883
+    filter: str = ""
+    starting: str | dict[str, int] = "earliest"
+    """``earliest``, ``latest`` or {topic: last id already processed}."""
+    ending: str | dict[str, int] = "latest"
+    """Batch only: ``latest`` or {topic: last id to read}."""
+    fail_on_data_loss: bool = True
+    window: int = DEFAULT_WINDOW
+    max_events_per_trigger: int | None = None
+    ids_per_partition: int = DEFAULT_IDS_PER_PARTITION
+    timeout: float = DEFAULT_TIMEOUT
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> Options:
+        """From Spark's options (names are case-insensitive); SourceError names the option that is wrong."""
+        raw = {str(k).lower(): str(v) for k, v in options.items()}
+        known = {
+            "host", "port", "filter", "startingoffsets", "endingoffsets", "failondataloss", "window",
+            "maxeventspertrigger", "idsperpartition", "timeout", "path",
+        }
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise SourceError(
+                f"unknown option(s) {', '.join(unknown)} for the {FORMAT} source; it takes host, port, filter, "
+                "startingOffsets, endingOffsets, failOnDataLoss, window, maxEventsPerTrigger, idsPerPartition, timeout"
+            )
+        topic_filter = raw.get("filter", "").strip()
+        if not topic_filter:
+            raise SourceError(
+                f"the {FORMAT} source needs the option 'filter': the topic filter of a stream configured in the "
+                "broker's `streams` setting, e.g. .option('filter', 'telemetry/#')"
+            )
+        max_events = raw.get("maxeventspertrigger")
+        return cls(
+            host=raw.get("host", "127.0.0.1"),
+            port=_int_option(raw, "port", 1883, low=1, high=65535),
+            filter=topic_filter,
+            starting=_offsets_option(raw, "startingOffsets", ("earliest", "latest"), topic_filter),
+            ending=_offsets_option(raw, "endingOffsets", ("latest",), topic_filter),
+            fail_on_data_loss=_bool_option(raw, "failOnDataLoss", True),
+            window=_int_option(raw, "window", DEFAULT_WINDOW, low=1, high=MAX_WINDOW),
+            max_events_per_trigger=(
+                None if max_events is None else _int_option(raw, "maxEventsPerTrigger", 0, low=1)
+            ),
+            ids_per_partition=_int_option(raw, "idsPerPartition", DEFAULT_IDS_PER_PARTITION, low=1),
+            timeout=_float_option(raw, "timeout", DEFAULT_TIMEOUT),
+        )
+
+
+def _int_option(raw: dict[str, str], name: str, default: int, *, low: int, high: int | None = None) -> int:
+    text = raw.get(name.lower())
+    if text is None:
+        return default
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if high is not None else f"{low} or more"
+        raise SourceError(f"option {name} must be a whole number {bounds}, got {text!r}")
+    return value
+
+
+def _float_option(raw: dict[str, str], name: str, default: float) -> float:
+    text = raw.get(name.lower())
+    if text is None:
+        return default
+    try:
+        value = float(text.strip())
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise SourceError(f"option {name} must be a number of seconds, more than 0, got {text!r}")
+    return value
+
+
+def _bool_option(raw: dict[str, str], name: str, default: bool) -> bool:
+    text = raw.get(name.lower())
+    if text is None:
+        return default
+    if text.strip().lower() in ("true", "false"):
+        return text.strip().lower() == "true"
+    raise SourceError(f"option {name} must be true or false, got {text!r}")
+
+
+def _offsets_option(
+    raw: dict[str, str], name: str, words: tuple[str, ...], topic_filter: str
+) -> str | dict[str, int]:
+    text = raw.get(name.lower(), words[0]).strip()
+    if text.lower() in words:
+        return text.lower()
+    usage = f"option {name} must be {' or '.join(words)} or a JSON object {{topic: last id}}, got {text!r}"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise SourceError(usage) from None
+    if not isinstance(value, dict):
+        raise SourceError(usage)
+    for topic, last_id in value.items():
+        if not isinstance(last_id, int) or isinstance(last_id, bool) or last_id < 0:
+            raise SourceError(f"{usage}: the id of {topic!r} is not a whole number, 0 or more")
+        if not topic or "+" in topic or "#" in topic or not topic_matches_sub(topic_filter, topic):
+            raise SourceError(
+                f"option {name} names {topic!r}, which is not a topic the filter {topic_filter!r} matches"
+            )
+    return dict(value)
+
+
+# ================================================================ partitions
+class IdRange(InputPartition):
+    """One task's work: ids ``start + 1`` to ``end`` (inclusive) of one topic's log."""
+
+    def __init__(self, topic: str, start: int, end: int) -> None:
+        super().__init__((topic, start, end))
+        self.topic = topic
+        self.start = start
+        self.end = end
+
+    def __repr__(self) -> str:
+        return f"IdRange({self.topic!r}, {self.start + 1}..{self.end})"
+
+
+def plan(
+    opts: Options, start: Mapping[str, int], end: Mapping[str, int], bounds: Mapping[str, tuple[int, int]]
+) -> tuple[list[IdRange], dict[str, tuple[int, int]]]:
+    """The ranges to read between two offsets, and the ids skipped per topic: {topic: (first, last)}.
+
+    ``bounds`` is stream_info's {topic: (first retained, last)}: ids below ``first`` were trimmed,
+    which is SourceError unless ``opts.fail_on_data_loss`` is off. Each topic's range is cut into
+    pieces of at most ``opts.ids_per_partition`` ids, read in parallel.
+    """
+    ranges: list[IdRange] = []
+    skipped: dict[str, tuple[int, int]] = {}
+    for topic in sorted(end):
+        low, high = start.get(topic, 0), end[topic]
+        if high <= low:
+            continue
+        first = bounds.get(topic, (high + 1, high))[0]
+        if low + 1 < first:
+            missing_to = min(first - 1, high)
+            if opts.fail_on_data_loss:
+                raise SourceError(_data_loss_message(opts, topic, low + 1, missing_to, first))
+            skipped[topic] = (low + 1, missing_to)
+            low = missing_to
+        while low < high:
+            piece = min(high, low + opts.ids_per_partition)
+            ranges.append(IdRange(topic, low, piece))
+            low = piece
+    return ranges, skipped
+
+
+def _data_loss_message(opts: Options, topic: str, first_missing: int, last_missing: int, log_first: int) -> str:
+    count = last_missing - first_missing + 1
+    return (
+        f"stream {topic} at {opts.address}: ids {first_missing} to {last_missing} ({count} events) were trimmed by "
+        f"the broker's retention before this query read them (the log now starts at id {log_first}). Set the "
+        "option failOnDataLoss=false to skip them and go on, or give the stream more retention (max_count/max_age "
+        "in the broker's `streams` setting)"
+    )
+
+
+def _log_skip(opts: Options, topic: str, first: int, last: int, total: int | None = None) -> None:
+    log.warning(
+        "%s source: stream %s at %s: skipped ids %d to %d (%d events), trimmed by the broker's retention before "
+        "they were read (failOnDataLoss=false)%s",
+        FORMAT, topic, opts.address, first, last, last - first + 1,
+        "" if total is None else f"; {total} events skipped by this query so far",
+    )
+
+
+# ================================================================ broker link
+def _client_id() -> str:
+    """Unique per reader (the broker drops an older connection with the same id); 22 characters."""
+    return "spark-" + uuid.uuid4().hex[:16]
+
+
+def _unreachable(opts: Options, why: object) -> str:
+    return (
+        f"cannot reach the amqtt-durable broker at {opts.address} within {opts.timeout:g} s: start the broker "
+        f"(amqtt-durable broker -c broker.yaml), or set the options host and port to where it listens [{why}]"
+    )
+
+
+class BrokerLink:
+    """A stateless DurableClient for planning and reading, each wait bounded by ``opts.timeout``.
+
+    It reconnects by itself; ``stream_info`` waits (within the timeout) for a connection that
+    is being repaired instead of failing at the first broker restart.
+    """
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self._changed = threading.Condition()
+        self.client = DurableClient(
+            _client_id(),
+            opts.host,
+            opts.port,
+            durable_session=False,
+            reconnect_max_delay=RECONNECT_MAX_DELAY,
+            on_connected=lambda _info: self._notify(),
+        )
+        try:
+            self.client.connect(timeout=opts.timeout)
+        except ConnectFailed as exc:
+            self.client.close(timeout=1.0)
+            raise SourceError(_unreachable(opts, exc)) from None
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_connected(self, deadline: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self.client.connected, max(0.0, deadline - time.monotonic()))
+
+    def stream_info(self, topic_filter: str) -> dict[str, tuple[int, int]]:
+        """{topic: (first retained id, last id)}; SourceError when the broker stays away for ``timeout``."""
+        deadline = time.monotonic() + self.opts.timeout
+        while True:
+            try:
+                return self.client.stream_info(topic_filter, timeout=max(0.1, deadline - time.monotonic()))
+            except ControlRequestFailed as exc:
+                raise SourceError(
+                    f"the broker at {self.opts.address} refused stream_info({topic_filter!r}): {exc}"
+                ) from None
+            except (Unconnected, RequestTimeout) as exc:
+                if time.monotonic() >= deadline or not self.wait_connected(deadline):
+                    raise SourceError(_unreachable(self.opts, exc)) from None
+
+    def check_stream(self, bounds: Mapping[str, tuple[int, int]]) -> None:
+        """SourceError unless a configured stream covers the filter (the broker's stream_info does not say).
+
+        A stream subscription is refused with ``unknown_stream`` exactly then. It starts after
+        each log's last id (as far as the request has room), so next to nothing is sent.
+        """
+        after: dict[str, int] = {}
+        room = PROBE_AFTER_BYTES
+        for topic, (_first, last) in sorted(bounds.items()):
+            room -= len(json.dumps(topic)) + 24
+            if room < 0:
+                break
+            after[topic] = last
+        try:
+            self.client.subscribe_stream(
+                self.opts.filter, lambda _event: None, window=1, after=after, timeout=self.opts.timeout
+            )
+        except ControlRequestFailed as exc:
+            if exc.code == "unknown_stream":
+                raise SourceError(
+                    f"no stream log covers the filter {self.opts.filter!r} at {self.opts.address}: name it (or a "
+                    "filter covering it) in the broker's `streams` setting, or set the option filter to a "
+                    "configured stream"
+                ) from None
+            raise SourceError(
+                f"the broker at {self.opts.address} refused a stream on {self.opts.filter!r}: {exc}"
+            ) from None
+        except (Unconnected, RequestTimeout) as exc:
+            raise SourceError(_unreachable(self.opts, exc)) from None
+        self.client.unsubscribe(self.opts.filter)
+
+    def close(self) -> None:
+        self.client.close(timeout=5.0)  # a stateless client has no session to end: this does not raise
+
+
+def _open_checked(opts: Options) -> tuple[BrokerLink, dict[str, tuple[int, int]]]:
+    """Connect, check the filter names a stream, and return the logs' bounds now."""
+    link = BrokerLink(opts)
+    try:
+        bounds = link.stream_info(opts.filter)
+        link.check_stream(bounds)
+    except BaseException:
+        link.close()
+        raise
+    return link, bounds
+
+
+def _start_offsets(opts: Options, bounds: Mapping[str, tuple[int, int]]) -> dict[str, int]:
+    """startingOffsets resolved: ``earliest`` = before each log's first retained id; listed topics as given."""
+    if opts.starting == "latest":
+        return {topic: last for topic, (_first, last) in sorted(bounds.items())}
+    offsets = {topic: first - 1 for topic, (first, _last) in bounds.items()}
+    if isinstance(opts.starting, dict):
+        offsets.update(opts.starting)
+    return dict(sorted(offsets.items()))
+
+
+def _check_schema(schema: StructType) -> None:
+    if schema != _schema():
+        raise SourceError(
+            f"the {FORMAT} source has the fixed schema `{SCHEMA_DDL}`; drop .schema(...) from the read, got {schema}"
+        )
+
+
+# ================================================================ data source
+class AmqttDurableDataSource(DataSource):
+    """``spark.read`` / ``spark.readStream`` ``.format("amqtt-durable")``: the broker's stream logs.
+
+    Options: ``filter`` (required: the topic filter of a configured stream), ``host``
+    (127.0.0.1), ``port`` (1883), ``startingOffsets`` (``earliest`` | ``latest`` | JSON
+    {topic: last id already processed}; topics not listed start at their log's first
+    retained id, topics appearing later at id 1), ``endingOffsets`` (batch: ``latest`` | JSON
+    {topic: last id}, then only the topics listed are read), ``failOnDataLoss`` (true),
+    ``window`` (events in flight per topic, 500), ``maxEventsPerTrigger`` (no cap),
+    ``idsPerPartition`` (100000), ``timeout`` (seconds for broker waits, 30).
+    """
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> str:
+        return SCHEMA_DDL
+
+    def reader(self, schema: StructType) -> AmqttDurableReader:
+        _check_schema(schema)
+        return AmqttDurableReader(Options.parse(self.options))
+
+    def streamReader(self, schema: StructType) -> AmqttDurableStreamReader:  # noqa: N802 - Spark's name
+        _check_schema(schema)
+        return AmqttDurableStreamReader(Options.parse(self.options))
+
+
+class AmqttDurableReader(DataSourceReader):
+    """Batch: the ranges between startingOffsets and endingOffsets, planned once."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.skipped: dict[str, int] = {}
+        """Ids skipped per topic by the last partitions() (trimmed, with failOnDataLoss=false)."""
+
+    def partitions(self) -> Sequence[InputPartition]:
+        opts = self.opts
+        link, bounds = _open_checked(opts)
+        link.close()
+        start = _start_offsets(opts, bounds)
+        if isinstance(opts.ending, dict):
+            end = dict(opts.ending)
+            for topic, last_id in sorted(end.items()):
+                log_last = bounds.get(topic, (1, 0))[1]
+                if last_id > log_last:
+                    raise SourceError(
+                        f"endingOffsets asks for {topic} up to id {last_id}, but its log at {opts.address} ends at "
+                        f"id {log_last}: lower it, or use endingOffsets=latest"
+                    )
+                if last_id < start.get(topic, 0):
+                    raise SourceError(
+                        f"endingOffsets for {topic} ({last_id}) is below its startingOffsets ({start[topic]})"
+                    )
+        else:
+            end = {topic: max(last, start.get(topic, 0)) for topic, (_first, last) in bounds.items()}
+        ranges, skipped = plan(opts, start, end, bounds)
+        self.skipped = {topic: last - first + 1 for topic, (first, last) in skipped.items()}
+        for topic, (first, last) in skipped.items():
+            _log_skip(opts, topic, first, last)
+        return ranges
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return read_range(self.opts, partition)
+
+
+class AmqttDurableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batches: from the last offset to what the broker's logs hold now (capped by maxEventsPerTrigger).
+
+    Lives in the driver's Python planner for the whole query and keeps one stateless
+    connection for stream_info, so an idle query polling for data opens no new connection
+    per poll; the copy pickled for ``read`` never connects (see ``__getstate__``).
+    """
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.skipped_total = 0
+        """Ids skipped by this query run so far (trimmed, with failOnDataLoss=false)."""
+        self._link: BrokerLink | None = None
+        self._target: dict[str, int] | None = None
+        self._ahead_warned: set[str] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_link"] = None
+        return state
+
+    def _bounds(self) -> dict[str, tuple[int, int]]:
+        if self._link is None:
+            self._link, bounds = _open_checked(self.opts)
+            return bounds
+        return self._link.stream_info(self.opts.filter)
+
+    def initialOffset(self) -> dict[str, int]:  # noqa: N802 - Spark's name
+        return _start_offsets(self.opts, self._bounds())
+
+    def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802 - Spark's name
+        if self.opts.max_events_per_trigger is None:
+            return ReadAllAvailable()
+        return ReadMaxRows(self.opts.max_events_per_trigger)
+
+    def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802 - Spark's name
+        self._target = {topic: last for topic, (_first, last) in self._bounds().items()}
+
+    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:  # noqa: N802 - Spark's name
+        bounds = self._bounds()
+        end = dict(start)
+        backlog: dict[str, tuple[int, int]] = {}  # topic -> (readable from after this id, up to this id)
+        for topic, (first, last) in bounds.items():
+            if self._target is not None:
+                last = min(last, self._target.get(topic, 0))  # noqa: PLW2901 - capped for availableNow
+            position = start.get(topic, 0)
+            if last > position:
+                backlog[topic] = (max(position, first - 1), last)
+            elif last < position and topic not in self._ahead_warned and self._target is None:
+                self._ahead_warned.add(topic)
+                log.warning(
+                    "%s source: stream %s at %s ends at id %d, before this query's offset %d (was the broker's "
+                    "store wiped or replaced?): nothing is read from it until its log passes that offset",
+                    FORMAT, topic, self.opts.address, last, position,
+                )
+        budget = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        # The smallest backlogs first, each taking at most an even share of what is left: a busy
+        # topic cannot starve the others, and the whole budget is used when there is that much.
+        for left, topic in enumerate(sorted(backlog, key=lambda t: (backlog[t][1] - backlog[t][0], t))):
+            low, high = backlog[topic]
+            if budget is None:
+                end[topic] = high
+                continue
+            take = min(high - low, -(-budget // (len(backlog) - left)))
+            if take > 0:
+                end[topic] = low + take
+                budget -= take
+        return dict(sorted(end.items()))
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        if all(end[topic] <= start.get(topic, 0) for topic in end):
+            return []
+        ranges, skipped = plan(self.opts, start, end, self._bounds())
+        for topic, (first, last) in skipped.items():
+            self.skipped_total += last - first + 1
+            _log_skip(self.opts, topic, first, last, self.skipped_total)
+        return ranges
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return read_range(self.opts, partition)
+
+    def commit(self, end: dict[str, int]) -> None:
+        """Nothing to tell the broker: it keeps no position for stateless readers."""
+
+    def stop(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+
+# ================================================================ executor side
+def read_range(opts: Options, partition: InputPartition) -> Iterator[Any]:
+    """Arrow batches of exactly the ids ``start + 1`` to ``end`` of the partition's topic, in order."""
+    if not isinstance(partition, IdRange):
+        if partition.value is None:  # Spark's stand-in when partitions() planned nothing
+            return iter(())
+        raise SourceError(f"the {FORMAT} source cannot read the partition {partition!r}")
+    return _RangeReader(opts, partition).batches()
+
+
+class _RangeReader:
+    """One partition: a stateless client on the topic, a bounded queue between its thread and Spark's.
+
+    The SDK calls the listener on its network thread and acknowledges each event when the
+    listener returns; the listener only puts the event into a queue of ``window`` places, so
+    the broker's window and the queue together bound what is held in memory. Spark pulls
+    from the queue through the generator; a full queue holds the network thread briefly.
+    """
+
+    def __init__(self, opts: Options, part: IdRange) -> None:
+        self.opts = opts
+        self.part = part
+        self.skipped = 0
+        self._window = min(opts.window, part.end - part.start, MAX_WINDOW)
+        self._events: queue.Queue[Event] = queue.Queue(maxsize=self._window)
+        self._closing = threading.Event()
+
+    def _on_event(self, event: Event) -> None:
+        if event.topic != self.part.topic or event.seq > self.part.end:
+            return  # past the range (the window runs ahead): not ours to hand over
+        while not self._closing.is_set():
+            try:
+                self._events.put(event, timeout=0.25)
+                return
+            except queue.Full:
+                continue
+
+    def batches(self) -> Iterator[Any]:
+        import pyarrow as pa  # noqa: PLC0415 - executors only
+        from pyspark.sql.pandas.types import to_arrow_schema  # noqa: PLC0415
+
+        arrow_schema = to_arrow_schema(_schema(), timezone="UTC")
+        opts, part = self.opts, self.part
+        link = BrokerLink(opts)
+        try:
+            expected = self._open(link)
+            deadline = time.monotonic() + opts.timeout
+            while expected <= part.end:
+                try:
+                    event = self._events.get(timeout=STALL_CHECK)
+                except queue.Empty:
+                    if time.monotonic() >= deadline:
+                        raise SourceError(
+                            f"stream {part.topic} at {opts.address}: no event after id {expected - 1} within "
+                            f"{opts.timeout:g} s (is the broker down?). This task fails; Spark reads the range again "
+                            "(or the query resumes from its checkpoint when restarted)"
+                        ) from None
+                    expected = self._check_trimmed(link, expected)
+                    continue
+                rows: list[Event] = [event]
+                while len(rows) < ROWS_PER_BATCH:
+                    try:
+                        rows.append(self._events.get_nowait())
+                    except queue.Empty:
+                        break
+                kept: list[Event] = []
+                for row in rows:
+                    if row.seq < expected:
+                        continue  # sent again after a reconnect; the SDK's marks drop these already
+                    if row.seq > expected:
+                        self._lost(expected, row.seq - 1, row.seq)
+                    kept.append(row)
+                    expected = row.seq + 1
+                deadline = time.monotonic() + opts.timeout
+                if kept:
+                    yield _arrow_batch(pa, arrow_schema, kept)
+        finally:
+            self._closing.set()
+            link.close()
+
+    def _open(self, link: BrokerLink) -> int:
+        """Open the stream at the first id to read (past trimmed ones); returns that id (> end: nothing to read)."""
+        opts, part = self.opts, self.part
+        expected = part.start + 1
+        first, last = link.stream_info(part.topic).get(part.topic, (part.end + 1, part.end))
+        if last < part.end:
+            raise SourceError(
+                f"stream {part.topic} at {opts.address} ends at id {last}, but this batch was planned up to id "
+                f"{part.end}: was the broker's store wiped or replaced? Start the query from a new checkpoint"
+            )
+        if first > expected:
+            expected = self._lost(expected, min(first - 1, part.end), first)
+        if expected > part.end:
+            return expected
+        try:
+            link.client.subscribe_stream(
+                part.topic, self._on_event, window=self._window, after={part.topic: expected - 1},
+                timeout=opts.timeout,
+            )
+        except ControlRequestFailed as exc:
+            raise SourceError(f"the broker at {opts.address} refused the stream {part.topic}: {exc}") from None
+        except (Unconnected, RequestTimeout) as exc:
+            raise SourceError(_unreachable(opts, exc)) from None
+        return expected
+
+    def _check_trimmed(self, link: BrokerLink, expected: int) -> int:
+        """Waiting for ``expected``: if retention trimmed it meanwhile, no event will come for it."""
+        if not link.client.connected:
+            return expected
+        try:
+            bounds = link.client.stream_info(self.part.topic, timeout=min(self.opts.timeout, 5.0))
+        except DurableClientError:
+            return expected  # reconnecting: the deadline decides
+        first = bounds.get(self.part.topic, (expected, 0))[0]
+        if first > expected and self._events.empty():
+            return self._lost(expected, min(first - 1, self.part.end), first)
+        return expected
+
+    def _lost(self, first_missing: int, last_missing: int, log_first: int) -> int:
+        """Trimmed ids: SourceError, or (failOnDataLoss=false) counted; returns the next id to expect."""
+        if self.opts.fail_on_data_loss:
+            raise SourceError(_data_loss_message(self.opts, self.part.topic, first_missing, last_missing, log_first))
+        self.skipped += last_missing - first_missing + 1
+        _log_skip(self.opts, self.part.topic, first_missing, last_missing)
+        return last_missing + 1
+
+
+def _arrow_batch(pa: Any, arrow_schema: Any, events: list[Event]) -> Any:
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([e.topic for e in events], type=pa.string()),
+            pa.array([e.seq for e in events], type=pa.int64()),
+            pa.array([e.payload for e in events], type=pa.binary()),
+            pa.array([e.qos for e in events], type=pa.int32()),
+            pa.array([round(e.published_at * 1_000_000) for e in events], type=arrow_schema.field(4).type),
+        ],
+        schema=arrow_schema,
+    )

@@ -1,0 +1,358 @@
+"""The ``amqtt-durable`` Spark data source against real brokers: batch ranges, streaming into
+Parquet with a checkpoint (query restart, broker SIGKILL), trimmed offsets, errors, partitioning.
+
+Spark tests share the session-wide ``spark`` fixture (one local[2] SparkSession). Reader
+methods are also called directly (no Spark): planning and ``read_range`` are plain Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Broker, Client, free_port
+from durable_pipeline.errors import SourceError
+from durable_pipeline.source import (
+    AmqttDurableDataSource,
+    IdRange,
+    Options,
+    _schema,
+    read_range,
+)
+
+pytest.importorskip("pyspark")
+
+FILTER = "telemetry/#"
+QUERY_WAIT = 60.0
+"""awaitTermination bound for a query that must stop on its own (an error)."""
+
+
+def streams(max_count: int = 100_000) -> list[dict[str, Any]]:
+    return [{"filter": FILTER, "max_count": max_count}]
+
+
+def options(port: int, **extra: Any) -> dict[str, str]:
+    return {"port": str(port), "filter": FILTER, **{k: str(v) for k, v in extra.items()}}
+
+
+def publish(client: Client, topic: str, first: int, last: int) -> None:
+    """Payloads name their topic and id: ``telemetry/a:7`` is the 7th event published to telemetry/a."""
+    client.publish(topic, [f"{topic}:{i}".encode() for i in range(first, last + 1)])
+
+
+def read_direct(opts: dict[str, str], topic: str, start: int, end: int) -> list[dict[str, Any]]:
+    """read(partition) as an executor runs it, in this process."""
+    rows: list[dict[str, Any]] = []
+    for batch in read_range(Options.parse(opts), IdRange(topic, start, end)):
+        rows.extend(batch.to_pylist())
+    return rows
+
+
+def batch_df(spark: Any, opts: dict[str, str]) -> Any:
+    reader = spark.read.format("amqtt-durable")
+    for key, value in opts.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+class Streaming:
+    """A streaming query from the source into Parquet, with a checkpoint, restartable."""
+
+    def __init__(self, spark: Any, folder: Path, opts: dict[str, str]) -> None:
+        self.spark = spark
+        self.out = folder / "events"
+        self.checkpoint = folder / "checkpoint"
+        self.opts = opts
+        self.query: Any = None
+
+    def start(self) -> Any:
+        reader = self.spark.readStream.format("amqtt-durable")
+        for key, value in self.opts.items():
+            reader = reader.option(key, value)
+        self.query = (
+            reader.load()
+            .writeStream.format("parquet")
+            .option("path", str(self.out))
+            .option("checkpointLocation", str(self.checkpoint))
+            .start()
+        )
+        return self.query
+
+    def stop(self) -> None:
+        if self.query is not None:
+            self.query.stop()
+
+    def written(self) -> Counter[tuple[str, int]]:
+        """(topic, id) -> how many times it landed in the sink, each payload checked against its id."""
+        rows = self.spark.read.parquet(str(self.out)).select("topic", "id", "payload").collect()
+        for row in rows:
+            assert bytes(row.payload) == f"{row.topic}:{row.id}".encode()
+        return Counter((row.topic, row.id) for row in rows)
+
+
+def expected(**ranges: tuple[int, int]) -> Counter[tuple[str, int]]:
+    """expected(a=(1, 5)) -> each of telemetry/a ids 1..5 once."""
+    return Counter((f"telemetry/{t}", i) for t, (low, high) in ranges.items() for i in range(low, high + 1))
+
+
+@pytest.fixture
+def stream_broker(broker_factory: Callable[..., Broker]) -> Broker:
+    return broker_factory(streams=streams())
+
+
+@pytest.fixture
+def publisher(stream_broker: Broker, clients: Callable[..., Client]) -> Client:
+    return clients(stream_broker.port, "publisher", clean_session=True)
+
+
+@pytest.fixture
+def streaming(spark: Any, tmp_path: Path) -> Iterator[Callable[[dict[str, str]], Streaming]]:
+    made: list[Streaming] = []
+
+    def make(opts: dict[str, str]) -> Streaming:
+        made.append(Streaming(spark, tmp_path, opts))
+        return made[-1]
+
+    yield make
+    for query in made:
+        query.stop()
+
+
+# ----------------------------------------------------------------- batch
+@pytest.mark.slow
+def test_batch_reads_exactly_the_id_range(spark: Any, stream_broker: Broker, publisher: Client) -> None:
+    publish(publisher, "telemetry/a", 1, 30)
+    publish(publisher, "telemetry/b", 1, 5)
+    df = batch_df(
+        spark,
+        options(stream_broker.port, startingOffsets='{"telemetry/a": 10}', endingOffsets='{"telemetry/a": 20}'),
+    )
+    assert df.schema == _schema()
+    rows = df.orderBy("id").collect()
+    assert [(r.topic, r.id, bytes(r.payload)) for r in rows] == [
+        ("telemetry/a", i, f"telemetry/a:{i}".encode()) for i in range(11, 21)
+    ]
+    # Stream events reach readers at QoS 0 and the frame has no field for the publish QoS
+    # (docs/protocol.md, "Frames"): the column holds 0 until the plugin sends it.
+    assert {r.qos for r in rows} == {0}
+    assert all(r.published_at is not None for r in rows)
+    assert rows == sorted(rows, key=lambda r: r.published_at)
+
+
+@pytest.mark.slow
+def test_two_topics_are_read_in_parallel_partitions(spark: Any, stream_broker: Broker, publisher: Client) -> None:
+    publish(publisher, "telemetry/a", 1, 25)
+    publish(publisher, "telemetry/b", 1, 5)
+    opts = options(stream_broker.port, idsPerPartition=10)
+    planned = AmqttDurableDataSource(opts).reader(_schema()).partitions()
+    assert [(p.topic, p.start, p.end) for p in planned] == [
+        ("telemetry/a", 0, 10), ("telemetry/a", 10, 20), ("telemetry/a", 20, 25), ("telemetry/b", 0, 5),
+    ]
+    df = batch_df(spark, opts)
+    assert df.rdd.getNumPartitions() == 4
+    rows = df.collect()
+    assert Counter((r.topic, r.id) for r in rows) == expected(a=(1, 25), b=(1, 5))
+    assert batch_df(spark, {**opts, "startingOffsets": "latest"}).count() == 0  # nothing planned
+
+
+# ------------------------------------------------------------- streaming
+@pytest.mark.slow
+def test_streaming_into_parquet_is_exactly_once_across_a_query_restart(
+    stream_broker: Broker, publisher: Client, streaming: Callable[[dict[str, str]], Streaming]
+) -> None:
+    publish(publisher, "telemetry/a", 1, 40)
+    publish(publisher, "telemetry/b", 1, 10)
+    job = streaming(options(stream_broker.port, maxEventsPerTrigger=25, idsPerPartition=15))
+    job.start().processAllAvailable()
+    assert job.written() == expected(a=(1, 40), b=(1, 10))
+    job.stop()
+    publish(publisher, "telemetry/a", 41, 60)
+    publish(publisher, "telemetry/c", 1, 7)  # a topic that appears while the query is stopped
+    job.start().processAllAvailable()
+    publish(publisher, "telemetry/b", 11, 15)
+    job.query.processAllAvailable()
+    assert job.written() == expected(a=(1, 60), b=(1, 15), c=(1, 7))
+
+
+@pytest.mark.slow
+def test_reader_resumes_across_a_broker_sigkill(
+    stream_broker: Broker, publisher: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """read(partition) in this process: half the range read, the broker killed and restarted, the rest."""
+    publish(publisher, "telemetry/a", 1, 200)
+    batches = read_range(Options.parse(options(stream_broker.port, window=10)), IdRange("telemetry/a", 0, 200))
+    seen = [row["id"] for row in next(batches).to_pylist()]
+    assert len(seen) <= 10  # the window: the rest is still on the broker
+    stream_broker.kill()
+    stream_broker.start()
+    with caplog.at_level(logging.INFO, logger="durable_client"):
+        for batch in batches:
+            seen.extend(row["id"] for row in batch.to_pylist())
+    assert seen == list(range(1, 201))
+    assert "reconnected to 127.0.0.1" in caplog.text
+
+
+@pytest.mark.slow
+def test_streaming_is_exactly_once_across_a_broker_sigkill(
+    spark: Any, stream_broker: Broker, clients: Callable[..., Client],
+    streaming: Callable[[dict[str, str]], Streaming],
+) -> None:
+    from pyspark.sql.streaming import StreamingQueryListener  # noqa: PLC0415 - Spark tests only
+
+    progressed = threading.Event()
+
+    class Progress(StreamingQueryListener):  # type: ignore[misc]
+        def onQueryStarted(self, event: Any) -> None:  # noqa: N802 - Spark's name
+            pass
+
+        def onQueryProgress(self, event: Any) -> None:  # noqa: N802
+            if event.progress.numInputRows > 0:
+                progressed.set()
+
+        def onQueryIdle(self, event: Any) -> None:  # noqa: N802
+            pass
+
+        def onQueryTerminated(self, event: Any) -> None:  # noqa: N802
+            pass
+
+    publisher = clients(stream_broker.port, "publisher", clean_session=True)
+    publish(publisher, "telemetry/a", 1, 600)
+    publish(publisher, "telemetry/b", 1, 300)
+    listener = Progress()
+    spark.streams.addListener(listener)
+    try:
+        job = streaming(options(stream_broker.port, maxEventsPerTrigger=100, window=20, timeout=20))
+        job.start()
+        assert progressed.wait(QUERY_WAIT), "no micro-batch with rows"
+        stream_broker.kill()  # mid-query: between or during micro-batches
+        stream_broker.start()
+        publisher = clients(stream_broker.port, "publisher-2", clean_session=True)
+        publish(publisher, "telemetry/a", 601, 650)
+        job.query.processAllAvailable()
+        assert job.query.exception() is None
+        assert job.written() == expected(a=(1, 650), b=(1, 300))
+    finally:
+        spark.streams.removeListener(listener)
+
+
+# -------------------------------------------------------- trimmed offsets
+@pytest.mark.slow
+def test_trimmed_offsets_fail_by_default_and_are_skipped_and_counted_on_request(
+    spark: Any, broker_factory: Callable[..., Broker], clients: Callable[..., Client],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker = broker_factory(streams=streams(max_count=5))
+    publish(clients(broker.port, "publisher", clean_session=True), "telemetry/a", 1, 20)  # the log keeps 16..20
+    start = '{"telemetry/a": 3}'
+    with pytest.raises(Exception, match=r"telemetry/a .*ids 4 to 15 \(12 events\).*failOnDataLoss=false"):
+        batch_df(spark, options(broker.port, startingOffsets=start)).collect()
+    lenient = options(broker.port, startingOffsets=start, failOnDataLoss="false")
+    rows = batch_df(spark, lenient).orderBy("id").collect()
+    assert [r.id for r in rows] == [16, 17, 18, 19, 20]
+    # The count, as the driver logs it (a Spark job logs it from its planner process).
+    reader = AmqttDurableDataSource(lenient).reader(_schema())
+    with caplog.at_level(logging.WARNING, logger="durable_pipeline"):
+        reader.partitions()
+    assert reader.skipped == {"telemetry/a": 12}
+    assert "stream telemetry/a at" in caplog.text and "skipped ids 4 to 15 (12 events)" in caplog.text
+    # An executor that finds its range trimmed after planning does the same.
+    with pytest.raises(SourceError, match="ids 4 to 15"):
+        read_direct(options(broker.port), "telemetry/a", 3, 18)
+    assert [r["id"] for r in read_direct(lenient, "telemetry/a", 3, 18)] == [16, 17, 18]
+
+
+@pytest.mark.slow
+def test_streaming_skips_trimmed_ids_when_told(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client],
+    streaming: Callable[[dict[str, str]], Streaming],
+) -> None:
+    broker = broker_factory(streams=streams(max_count=5))
+    publish(clients(broker.port, "publisher", clean_session=True), "telemetry/a", 1, 20)
+    job = streaming(options(broker.port, startingOffsets='{"telemetry/a": 3}', failOnDataLoss="false"))
+    job.start().processAllAvailable()
+    assert job.written() == expected(a=(16, 20))
+    reader = AmqttDurableDataSource(options(broker.port, failOnDataLoss="false")).streamReader(_schema())
+    try:
+        assert reader.partitions({"telemetry/a": 3}, {"telemetry/a": 20})[0].start == 15
+        assert reader.skipped_total == 12
+    finally:
+        reader.stop()
+
+
+# ------------------------------------------------------------------ errors
+def test_unknown_stream_is_named(stream_broker: Broker) -> None:
+    opts = {**options(stream_broker.port), "filter": "nope/#"}
+    with pytest.raises(SourceError, match=r"no stream log covers the filter 'nope/#'.*`streams` setting"):
+        AmqttDurableDataSource(opts).reader(_schema()).partitions()
+    reader = AmqttDurableDataSource(opts).streamReader(_schema())
+    with pytest.raises(SourceError, match="'nope/#'"):
+        reader.initialOffset()
+    reader.stop()
+
+
+def test_unreachable_broker_is_named() -> None:
+    port = free_port()
+    opts = options(port, timeout=1)
+    with pytest.raises(SourceError, match=rf"127\.0\.0\.1:{port}.*start the broker"):
+        AmqttDurableDataSource(opts).reader(_schema()).partitions()
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(SourceError, match="needs the option 'filter'"):
+        Options.parse({})
+    with pytest.raises(SourceError, match="unknown option"):
+        Options.parse({"filter": FILTER, "startingOffset": "latest"})
+    with pytest.raises(SourceError, match="startingOffsets must be"):
+        Options.parse({"filter": FILTER, "startingOffsets": "[1]"})
+    with pytest.raises(SourceError, match="not a topic the filter"):
+        Options.parse({"filter": FILTER, "startingOffsets": '{"other/a": 1}'})
+    with pytest.raises(SourceError, match="window must be a whole number from 1 to 1000"):
+        Options.parse({"filter": FILTER, "window": "0"})
+    with pytest.raises(SourceError, match="failOnDataLoss must be true or false"):
+        Options.parse({"filter": FILTER, "failOnDataLoss": "yes"})
+    parsed = Options.parse({"FILTER": FILTER, "startingoffsets": '{"telemetry/a": 4}', "maxEventsPerTrigger": "9"})
+    assert (parsed.starting, parsed.max_events_per_trigger, parsed.ending) == ({"telemetry/a": 4}, 9, "latest")
+
+
+@pytest.mark.slow
+def test_errors_reach_the_spark_user(spark: Any, stream_broker: Broker, streaming: Callable[..., Streaming]) -> None:
+    with pytest.raises(Exception, match="no stream log covers the filter 'nope/#'"):
+        batch_df(spark, {**options(stream_broker.port), "filter": "nope/#"}).collect()
+    port = free_port()
+    job = streaming(options(port, timeout=1))
+    job.start()
+    with pytest.raises(Exception, match=rf"127\.0\.0\.1:{port}.*start the broker"):
+        job.query.awaitTermination(QUERY_WAIT)
+    assert not job.query.isActive
+
+
+# ----------------------------------------------------------- planning
+def test_max_events_per_trigger_shares_the_budget_between_topics(stream_broker: Broker, publisher: Client) -> None:
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows  # noqa: PLC0415
+
+    publish(publisher, "telemetry/a", 1, 50)
+    publish(publisher, "telemetry/b", 1, 3)
+    reader = AmqttDurableDataSource(options(stream_broker.port, maxEventsPerTrigger=20)).streamReader(_schema())
+    try:
+        start = reader.initialOffset()
+        assert start == {"telemetry/a": 0, "telemetry/b": 0}
+        assert reader.getDefaultReadLimit() == ReadMaxRows(20)
+        assert reader.latestOffset(start, ReadMaxRows(20)) == {"telemetry/a": 17, "telemetry/b": 3}
+        assert reader.latestOffset({"telemetry/a": 17, "telemetry/b": 3}, ReadMaxRows(20)) == {
+            "telemetry/a": 37, "telemetry/b": 3,
+        }
+        assert reader.latestOffset(start, ReadAllAvailable()) == {"telemetry/a": 50, "telemetry/b": 3}
+        assert reader.partitions(start, start) == []
+        # Trigger.AvailableNow: what was there when the query started, nothing published after.
+        reader.prepareForTriggerAvailableNow()
+        publish(publisher, "telemetry/a", 51, 52)
+        publish(publisher, "telemetry/c", 1, 1)
+        assert reader.latestOffset(start, ReadAllAvailable()) == {"telemetry/a": 50, "telemetry/b": 3}
+    finally:
+        reader.stop()
