@@ -138,9 +138,7 @@ def test_batch_reads_exactly_the_id_range(spark: Any, stream_broker: Broker, pub
     assert [(r.topic, r.id, bytes(r.payload)) for r in rows] == [
         ("telemetry/a", i, f"telemetry/a:{i}".encode()) for i in range(11, 21)
     ]
-    # Stream events reach readers at QoS 0 and the frame has no field for the publish QoS
-    # (docs/protocol.md, "Frames"): the column holds 0 until the plugin sends it.
-    assert {r.qos for r in rows} == {0}
+    assert {r.qos for r in rows} == {1}, "the publish QoS, carried in the stream frame's flags"
     assert all(r.published_at is not None for r in rows)
     assert rows == sorted(rows, key=lambda r: r.published_at)
 

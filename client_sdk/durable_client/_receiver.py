@@ -189,7 +189,7 @@ class Receiver:
             self.counters.duplicates_dropped += 1
             return Outcome(ack=True, stream_ack=(topic, frame.seq))
         event = Event(
-            topic, payload, message.qos, frame.seq, 0, frame.published_at,
+            topic, payload, frame.qos, frame.seq, 0, frame.published_at,
             frame.replayed, frame.retained, frame.redelivered or message.dup, True,
         )
         self._cache.apply(event)

@@ -41,6 +41,8 @@ FLAG_RETAINED: Final = 0x02
 """A retained message queued with a new subscription: an initial value for the cache."""
 FLAG_REDELIVERED: Final = 0x04
 """Sent before (recovery buffer, or a stream retransmit): it may have been seen already."""
+FLAG_QOS_SHIFT: Final = 3
+"""Bits 3-4: the publish QoS of a stream event (stream events travel at QoS 0 themselves)."""
 
 OPS: Final = (
     "hello",
@@ -100,6 +102,11 @@ class Frame:
     @property
     def redelivered(self) -> bool:
         return bool(self.flags & FLAG_REDELIVERED)
+
+    @property
+    def qos(self) -> int:
+        """The publish QoS a stream event was logged with (0 in session events: MQTT carries theirs)."""
+        return (self.flags >> FLAG_QOS_SHIFT) & 0x03
 
 
 def encode_frame(flags: int, epoch: int, seq: int, published_at: float) -> bytes:

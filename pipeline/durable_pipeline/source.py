@@ -78,7 +78,6 @@ ROWS_PER_BATCH: Final = 4096
 """Rows per Arrow batch handed to Spark: big enough to amortise, small enough to stream."""
 STALL_CHECK: Final = 0.5
 """A read with no event for this long asks the broker whether retention trimmed what it waits for."""
-PROBE_AFTER_BYTES: Final = 48_000
 """Room for the probe's ``after`` positions in one request (the broker takes at most 64 KiB)."""
 
 
@@ -327,43 +326,18 @@ class BrokerLink:
             try:
                 return self.client.stream_info(topic_filter, timeout=max(0.1, deadline - time.monotonic()))
             except ControlRequestFailed as exc:
+                if exc.code == "unknown_stream":
+                    raise SourceError(
+                        f"no stream log covers the filter {topic_filter!r} at {self.opts.address}: name it (or a "
+                        "filter covering it) in the broker's `streams` setting, or set the option filter to a "
+                        "configured stream"
+                    ) from None
                 raise SourceError(
                     f"the broker at {self.opts.address} refused stream_info({topic_filter!r}): {exc}"
                 ) from None
             except (Unconnected, RequestTimeout) as exc:
                 if time.monotonic() >= deadline or not self.wait_connected(deadline):
                     raise SourceError(_unreachable(self.opts, exc)) from None
-
-    def check_stream(self, bounds: Mapping[str, tuple[int, int]]) -> None:
-        """SourceError unless a configured stream covers the filter (the broker's stream_info does not say).
-
-        A stream subscription is refused with ``unknown_stream`` exactly then. It starts after
-        each log's last id (as far as the request has room), so next to nothing is sent.
-        """
-        after: dict[str, int] = {}
-        room = PROBE_AFTER_BYTES
-        for topic, (_first, last) in sorted(bounds.items()):
-            room -= len(json.dumps(topic)) + 24
-            if room < 0:
-                break
-            after[topic] = last
-        try:
-            self.client.subscribe_stream(
-                self.opts.filter, lambda _event: None, window=1, after=after, timeout=self.opts.timeout
-            )
-        except ControlRequestFailed as exc:
-            if exc.code == "unknown_stream":
-                raise SourceError(
-                    f"no stream log covers the filter {self.opts.filter!r} at {self.opts.address}: name it (or a "
-                    "filter covering it) in the broker's `streams` setting, or set the option filter to a "
-                    "configured stream"
-                ) from None
-            raise SourceError(
-                f"the broker at {self.opts.address} refused a stream on {self.opts.filter!r}: {exc}"
-            ) from None
-        except (Unconnected, RequestTimeout) as exc:
-            raise SourceError(_unreachable(self.opts, exc)) from None
-        self.client.unsubscribe(self.opts.filter)
 
     def close(self) -> None:
         self.client.close(timeout=5.0)  # a stateless client has no session to end: this does not raise
@@ -374,7 +348,6 @@ def _open_checked(opts: Options) -> tuple[BrokerLink, dict[str, tuple[int, int]]
     link = BrokerLink(opts)
     try:
         bounds = link.stream_info(opts.filter)
-        link.check_stream(bounds)
     except BaseException:
         link.close()
         raise

@@ -221,6 +221,8 @@ class ControlChannel:
 
     def _stream_info(self, request: Request) -> dict[str, Any]:
         topic_filter = self._filter(request)
+        if not self._engine.streams.covers_filter(topic_filter):
+            raise ProtocolError("unknown_stream", f"{topic_filter!r} matches no configured stream")
         topics = {
             topic: {"first": first, "last": last, "count": last - first + 1}
             for topic, (first, last) in sorted(self._engine.streams.topics(topic_filter).items())

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from durable_client.protocol import (
+    FLAG_QOS_SHIFT,
     FLAG_REDELIVERED,
     MAX_STREAM_WINDOW,
     STREAM_TOPIC_PREFIX,
@@ -630,7 +631,7 @@ class StreamSender:
         deadline = loop.time() + self._ack_timeout
         packets = []
         for event in events:
-            frame = encode_frame(flags, 0, event.id, event.published_at)
+            frame = encode_frame(flags | event.qos << FLAG_QOS_SHIFT, 0, event.id, event.published_at)
             packets.append(encode_publish(cursor.topic_bytes, frame + event.payload, 0, 0, dup=False, retain=False))
             cursor.inflight.pop(event.id, None)  # a resend moves to the end: the order is by deadline
             cursor.inflight[event.id] = deadline

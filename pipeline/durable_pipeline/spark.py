@@ -1,0 +1,56 @@
+"""One way to get a SparkSession: local mode by default, a cluster by changing ``master``.
+
+Python workers must run this interpreter (with pyarrow and the project installed), not
+whatever ``python3`` is on the PATH, hence PYSPARK_PYTHON; Spark 4 is built for Java 17.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+from pyspark.sql import SparkSession
+
+from .errors import PipelineError
+from .source import AmqttDurableDataSource
+
+DEFAULT_MASTER = "local[2]"
+
+
+def check_java() -> None:
+    """Spark needs a JVM (17 or newer): say so plainly instead of Spark's gateway traceback."""
+    home = os.environ.get("JAVA_HOME")
+    java = (shutil.which("java", path=os.path.join(home, "bin")) if home else None) or shutil.which("java")
+    if java is None:
+        raise PipelineError(
+            "Spark needs Java 17 or newer and no `java` was found: install a JDK 17 "
+            "(apt install openjdk-17-jre-headless) or set JAVA_HOME"
+        )
+    out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60, check=False).stderr
+    first = out.splitlines()[0] if out else ""
+    version = first.split('"')[1] if first.count('"') >= 2 else ""
+    major = version.split(".")[0]
+    if not major.isdigit() or int(major) < 17:
+        raise PipelineError(
+            f"Spark needs Java 17 or newer; {java} reports {first or 'no version'}: install a JDK 17 or set JAVA_HOME"
+        )
+
+
+def get_session(master: str = DEFAULT_MASTER, app_name: str = "amqtt-durable") -> SparkSession:
+    """A SparkSession with the ``amqtt-durable`` data source registered; local mode stays on 127.0.0.1."""
+    check_java()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = SparkSession.builder.master(master).appName(app_name).config("spark.ui.enabled", "false")
+    if master.startswith("local"):
+        builder = (
+            builder.config("spark.sql.shuffle.partitions", "4")
+            .config("spark.driver.bindAddress", "127.0.0.1")
+            .config("spark.driver.host", "127.0.0.1")
+        )
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    session.dataSource.register(AmqttDurableDataSource)
+    return session
