@@ -200,13 +200,19 @@ def test_nothing_is_delivered_before_ready(
 
 
 def test_a_non_durable_subscription_ends_with_the_connection_a_durable_one_stays(
-    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
 ) -> None:
+    broker = broker_factory(metrics_interval=0.1)
+    gauge = clients(broker.port, "gauge", clean_session=True)
+    gauge.subscribe("$SYS/broker/durable/sessions/connected")
     device = sdk(broker.port, "dev-interest")
     device.subscribe("keep")
     device.subscribe("gone", durable=False)
     device.connect()
+    assert gauge.wait_for(lambda ms: bool(ms) and ms[-1].payload == b"1")
     device.close(keep_session=True)
+    # "While away" starts when the broker has handled the disconnect, not when the socket closed.
+    assert gauge.wait_for(lambda ms: ms[-1].payload == b"0")
     publisher = clients(broker.port, "pub", clean_session=True)
     publisher.publish("gone", [b"missed"])
     publisher.publish("keep", [b"kept"])

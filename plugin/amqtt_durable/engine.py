@@ -478,12 +478,13 @@ class DurableEngine:
         if session is None or session.transport is not transport:
             return
         pump, session.pump, session.transport = session.pump, None, None
+        if not session.deleted:
+            session.drop_non_durable()  # with the connection, before any await lets a publish in
         if pump is not None:
             await pump.stop()
         if session.deleted:
             return
         session.limits.on_disconnect()
-        session.drop_non_durable()
         now = time.time()
         session.record.disconnected_at = now
         session.record.expires_at = now + session.expiry_seconds()

@@ -23,7 +23,7 @@ from amqtt_durable import streams as streams_module
 from amqtt_durable.config import StreamConfig
 from amqtt_durable.store import GroupCommitter, open_store
 from amqtt_durable.streams import StreamLogs, StreamSender, event_key, mark_key
-from durable_client.protocol import FLAG_REDELIVERED, STREAM_TOPIC_PREFIX, ProtocolError, decode_frame
+from durable_client.protocol import FLAG_QOS_SHIFT, FLAG_REDELIVERED, STREAM_TOPIC_PREFIX, ProtocolError, decode_frame
 from recording_transport import RecordingTransport, Sent
 
 WAIT = 5.0
@@ -79,7 +79,9 @@ def stream_event(packet: Sent) -> Got:
     assert packet.topic.startswith(STREAM_TOPIC_PREFIX)
     frame, body = decode_frame(packet.payload)
     assert frame.epoch == 0
-    return Got(packet.topic[len(STREAM_TOPIC_PREFIX) :], frame.seq, frame.flags, body, frame.published_at)
+    assert frame.qos == 1, "the publish QoS the event was logged with (publish() logs at QoS 1)"
+    flags = frame.flags & ~(0x03 << FLAG_QOS_SHIFT)
+    return Got(packet.topic[len(STREAM_TOPIC_PREFIX) :], frame.seq, flags, body, frame.published_at)
 
 
 class Recorder(RecordingTransport):
