@@ -1,0 +1,121 @@
+"""``durable-pipeline``: the pipeline's console entry, one subcommand per job.
+
+    durable-pipeline audit INPUT... --out DIR --expect exactly-once|at-least-once
+                           [--ignore-order] [--master local[2]]
+
+Exit status: 0 the guarantee holds, 1 it does not, 2 the job could not run (bad input, no
+Java): the message on stderr says what and what to do.
+
+Adding a subcommand: write ``_add_NAME(subcommands)`` that adds its parser and sets
+``run=`` to a function of the parsed arguments returning the exit status, and list it in
+:data:`SUBCOMMANDS`. Import Spark inside ``run`` (``--help`` stays instant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .errors import PipelineError
+from .spark import DEFAULT_MASTER
+
+if TYPE_CHECKING:
+    from .audit import AuditResult
+
+EXIT_HOLDS = 0
+EXIT_FAILS = 1
+EXIT_ERROR = 2
+MAX_ROWS_PRINTED = 50
+"""Devices printed; the report and summary.parquet have all of them."""
+
+if TYPE_CHECKING:
+    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
+def _add_audit(subcommands: Subcommands) -> None:
+    parser = subcommands.add_parser(
+        "audit",
+        help="audit SDK delivery logs: every acknowledged send reached every durable subscriber, once, in order",
+        description="Audit delivery logs (docs/delivery-log.md): JSON lines (*.jsonl) or Parquet files, or folders "
+        "of them. Writes DIR/summary.parquet and DIR/report.html; exits 0 when the guarantee holds, 1 when it "
+        "does not, 2 on bad input.",
+    )
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="delivery-log file or folder")
+    parser.add_argument("--out", required=True, metavar="DIR", help="where summary.parquet and report.html go")
+    parser.add_argument(
+        "--expect",
+        required=True,
+        choices=["exactly-once", "at-least-once"],
+        help="exactly-once: nothing lost or duplicated; at-least-once: nothing lost",
+    )
+    parser.add_argument("--ignore-order", action="store_true", help="do not require per-publisher order")
+    parser.add_argument("--master", default=DEFAULT_MASTER, help=f"Spark master (default {DEFAULT_MASTER})")
+    parser.set_defaults(run=_run_audit)
+
+
+def _run_audit(args: argparse.Namespace) -> int:
+    from .audit import run_audit  # noqa: PLC0415 - pyspark loads only when a job runs
+    from .logs import find_files  # noqa: PLC0415
+    from .spark import get_session  # noqa: PLC0415
+
+    find_files(args.inputs)  # a wrong path fails before a JVM starts
+    spark = get_session(args.master, "durable-pipeline audit")
+    try:
+        result = run_audit(spark, args.inputs, args.out, args.expect, check_order=not args.ignore_order)
+    finally:
+        spark.stop()
+    print(format_summary(result))
+    return EXIT_HOLDS if result.ok else EXIT_FAILS
+
+
+def format_summary(result: AuditResult) -> str:
+    """The per-device table (ALL first), the notes, where the report is, and the verdict last."""
+    from .report import HEADERS, cell  # noqa: PLC0415 - matplotlib loads only when a job runs
+
+    rows = [[label for _, label in HEADERS]]
+    for stats in [result.total, *result.devices[:MAX_ROWS_PRINTED]]:
+        rows.append([cell(stats, name) for name, _ in HEADERS])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADERS))]
+    lines = [
+        "  ".join(
+            value.ljust(width) if i == 0 else value.rjust(width)
+            for i, (value, width) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    if len(result.devices) > MAX_ROWS_PRINTED:
+        lines.append(f"... {len(result.devices) - MAX_ROWS_PRINTED} more devices in {result.summary_path}")
+    lines += [f"note: {note}" for note in result.notes]
+    lines.append(f"{result.records} records; report: {result.report_path}")
+    lines.append(("OK: " if result.ok else "FAILED: ") + result.verdict)
+    return "\n".join(lines)
+
+
+SUBCOMMANDS: list[Callable[[Subcommands], None]] = [_add_audit]
+"""Each adds one subcommand (a parser with ``run`` set)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="durable-pipeline", description="Spark jobs over amqtt-durable.")
+    subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(subcommands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The console entry: run the subcommand, turn the pipeline's errors into exit status 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        status: int = args.run(args)
+    except PipelineError as exc:
+        print(f"durable-pipeline {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
