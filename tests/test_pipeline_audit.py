@@ -1,0 +1,281 @@
+"""The delivery audit (durable_pipeline.audit) on synthetic and hand-written delivery logs.
+
+Synthetic logs (durable_pipeline.synthetic) carry their own truth: the audit must find exactly
+the planted loss, duplicates and reordering per device. A hand-written log pins the semantics
+of docs/delivery-log.md one case at a time (multiset ids, subscription time, QoS 0,
+non-durable subscriptions, unknown ids, order per publisher). Bad inputs each get an
+AuditInputError naming the file or column, and exit status 2 from the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from amqtt_durable.topics import matches
+from durable_pipeline.audit import AuditResult, DeviceStats, run_audit
+from durable_pipeline.cli import format_summary
+from durable_pipeline.errors import AuditInputError
+from durable_pipeline.synthetic import SyntheticLogs, write_logs
+from durable_pipeline.topics import topic_filter_pairs
+
+CLI = [str(Path(sys.executable).with_name("durable-pipeline"))]
+FAULTS: dict[str, Any] = {"lose": 0.02, "duplicate": 0.01, "reorder": 0.02, "seed": 7}
+
+
+def counts(stats: DeviceStats) -> tuple[int, ...]:
+    return (stats.expected, stats.received, stats.lost, stats.duplicated, stats.out_of_order, stats.replayed)
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=110, check=False)
+
+
+@pytest.fixture(scope="module")
+def faulty(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[SyntheticLogs, AuditResult]:
+    """6 devices x 200 messages with 2% lost, 1% duplicated, 2% reordered per device (JSON lines)."""
+    folder = tmp_path_factory.mktemp("faulty")
+    logs = write_logs(folder / "logs" / "fleet.jsonl", 6, 200, **FAULTS)
+    return logs, run_audit(spark, [str(folder / "logs")], folder / "audit", "exactly-once")
+
+
+def test_finds_planted_loss_duplicates_and_reordering_per_device(faulty: tuple[SyntheticLogs, AuditResult]) -> None:
+    logs, result = faulty
+    assert [d.device for d in result.devices] == sorted(logs.devices)
+    for stats in result.devices:
+        truth = logs.devices[stats.device]
+        expected = (truth.expected, truth.received, truth.lost, truth.duplicated, truth.out_of_order, truth.replayed)
+        assert counts(stats) == expected, stats.device
+        assert stats.unknown == 0
+        assert stats.drain_max_s is not None and stats.replay_p99_ms is not None
+    total = logs.total
+    assert total.lost > 0 and total.duplicated > 0 and total.out_of_order > 0
+    assert counts(result.total) == (
+        total.expected,
+        total.received,
+        total.lost,
+        total.duplicated,
+        total.out_of_order,
+        total.replayed,
+    )
+    assert result.records == logs.records
+    assert not result.ok
+    assert len(result.failures) == 3 and "does NOT hold" in result.verdict
+    # a replayed receive has a latency unless it is a duplicate (no send of its own)
+    assert total.replayed - total.duplicated <= sum(b.count for b in result.latency_bins) <= total.replayed
+
+
+def test_summary_parquet_report_and_charts(faulty: tuple[SyntheticLogs, AuditResult]) -> None:
+    logs, result = faulty
+    table = pq.read_table(result.summary_path).to_pylist()
+    assert [row["device"] for row in table] == [*sorted(logs.devices), "ALL"]
+    assert table[-1]["scope"] == "all" and table[-1]["lost"] == logs.total.lost
+    page = result.report_path.read_text()
+    assert result.verdict in page and "exactly-once does NOT hold" in page
+    for chart in result.charts:
+        assert chart.parent == result.report_path.parent
+        assert chart.read_bytes().startswith(b"\x89PNG")
+        assert f'src="{chart.name}"' in page
+    assert {c.name for c in result.charts} == {"replay_latency.png", "loss_per_device.png"}
+    printed = format_summary(result)
+    assert printed.splitlines()[-1] == "FAILED: " + result.verdict
+    assert "dev-00005" in printed
+
+
+def test_at_least_once_fails_with_loss_and_order_can_be_ignored(
+    spark: Any, faulty: tuple[SyntheticLogs, AuditResult], tmp_path: Path
+) -> None:
+    logs, _ = faulty
+    result = run_audit(spark, [str(logs.path)], tmp_path, "at-least-once", check_order=False)
+    assert not result.ok
+    assert len(result.failures) == 1 and "never received" in result.failures[0]
+    assert result.verdict.startswith("at-least-once does NOT hold (order not checked)")
+
+
+def test_at_least_once_holds_with_duplicates(spark: Any, tmp_path: Path) -> None:
+    logs = write_logs(tmp_path / "dups.parquet", 3, 100, duplicate=0.05, seed=3)
+    result = run_audit(spark, [str(logs.path)], tmp_path / "audit", "at-least-once")
+    assert result.ok, result.verdict
+    assert result.total.duplicated == logs.total.duplicated == 15
+    assert result.total.lost == 0
+    assert "at-least-once holds" in result.report_path.read_text()
+
+
+@pytest.mark.slow
+def test_parquet_and_json_lines_give_the_same_result(
+    spark: Any, faulty: tuple[SyntheticLogs, AuditResult], tmp_path: Path
+) -> None:
+    _, from_json = faulty
+    logs = write_logs(tmp_path / "fleet.parquet", 6, 200, **FAULTS)
+    from_parquet = run_audit(spark, [str(logs.path)], tmp_path / "audit", "exactly-once")
+    assert [counts(d) for d in from_parquet.devices] == [counts(d) for d in from_json.devices]
+    assert from_parquet.total == from_json.total
+    assert from_parquet.latency_bins == from_json.latency_bins
+    assert from_parquet.verdict == from_json.verdict
+
+
+@pytest.mark.slow
+def test_clean_run_holds_through_the_cli(tmp_path: Path) -> None:
+    logs = write_logs(tmp_path / "logs" / "fleet.jsonl", 4, 100, seed=1)
+    done = run_cli("audit", str(logs.path), "--out", str(tmp_path / "audit"), "--expect", "exactly-once")
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "OK: exactly-once holds"
+    assert lines[0].split()[:4] == ["device", "expected", "received", "lost"]
+    assert lines[1].split()[:4] == ["ALL", "400", "400", "0"]
+    assert (tmp_path / "audit" / "report.html").exists()
+
+
+def test_semantics_on_a_hand_written_log(spark: Any, tmp_path: Path) -> None:
+    """docs/delivery-log.md, case by case (see the comments)."""
+
+    def rec(kind: str, device: str, time: float, **fields: Any) -> dict[str, Any]:
+        return {"kind": kind, "device": device, "time": time, **fields}
+
+    def send(time: float, topic: str, msg: str, device: str = "p", qos: int = 1) -> dict[str, Any]:
+        return rec("send", device, time, topic=topic, id=msg, qos=qos)
+
+    def recv(device: str, time: float, topic: str, msg: str, seq: int, *, replayed: bool = False) -> dict[str, Any]:
+        return rec("receive", device, time, topic=topic, id=msg, qos=1, replayed=replayed, seq=seq, epoch=1)
+
+    records = [
+        rec("subscribe", "r1", 10.0, topic="s/+/t", qos=1, durable=True),
+        rec("subscribe", "r2", 10.0, topic="s/#", qos=1, durable=False),  # non-durable: expects nothing
+        rec("subscribe", "r3", 10.0, topic="s/a/t", qos=0, durable=True),  # QoS 0: expects nothing
+        send(5.0, "s/a/t", "A0"),  # before r1 subscribed: not expected (received below: fine)
+        send(11.0, "s/a/t", "X"),
+        send(12.0, "s/a/t", "X"),  # the same id twice: received once below = 1 lost
+        send(13.0, "s/a/t", "Y"),  # received twice = 1 duplicated
+        send(13.5, "s/a/t", "V", device="p2"),  # another publisher: its own order
+        send(14.0, "s/b/t", "Z"),
+        send(14.5, "s/b/t", "Z2"),  # received before Z: Z is out of order
+        send(15.0, "s/a/t", "Q0", qos=0),  # QoS 0: never expected
+        send(16.0, "s/a/x", "W"),  # s/+/t does not match
+        recv("r1", 10.5, "s/a/t", "A0", 1),
+        recv("r1", 18.5, "s/b/t", "Z2", 2),
+        recv("r1", 19.0, "s/b/t", "Z", 3),
+        recv("r1", 20.0, "s/a/t", "X", 4, replayed=True),
+        recv("r1", 20.5, "s/a/t", "V", 5),
+        recv("r1", 21.0, "s/a/t", "Y", 6, replayed=True),
+        recv("r1", 22.0, "s/a/t", "Y", 6),
+        recv("r1", 23.0, "s/a/t", "U", 7),  # no log sent U: unknown
+        recv("r1", 24.0, "s/a/t", "Q0", 8),
+        recv("r2", 20.0, "s/a/t", "X", 1),
+        rec("connect", "r1", 17.0, session_present=True),
+        rec("live", "r1", 17.5, replayed_count=2),
+        rec("connect", "r1", 25.0, session_present=True),  # no live follows before the next connect
+        rec("connect", "r1", 30.0, session_present=True),
+        rec("live", "r1", 31.5, replayed_count=0),
+    ]
+    result = run_audit(spark, [str(write_jsonl(tmp_path / "log.jsonl", records))], tmp_path / "audit", "exactly-once")
+    r1, r2, r3 = result.devices
+    assert (r1.device, r2.device, r3.device) == ("r1", "r2", "r3")
+    assert (r1.expected, r1.received, r1.lost, r1.duplicated, r1.out_of_order, r1.unknown) == (6, 9, 1, 1, 1, 1)
+    assert r1.replayed == 2 and r1.replay_max_ms == pytest.approx(9000.0)
+    assert r1.replay_p50_ms in (pytest.approx(8000.0), pytest.approx(9000.0))
+    assert r1.drain_max_s == pytest.approx(1.5) and r1.drain_p50_s in (pytest.approx(0.5), pytest.approx(1.5))
+    assert counts(r2)[:5] == (0, 1, 0, 0, 0)
+    assert counts(r3) == (0, 0, 0, 0, 0, 0) and r3.replay_p50_ms is None and r3.drain_p50_s is None
+    assert not result.ok and len(result.failures) == 3
+    assert any("no log sent" in note for note in result.notes)
+
+
+def test_topic_filter_matching_agrees_with_the_broker(spark: Any) -> None:
+    topics = ["a", "a/b", "a/b/c", "/a", "a/", "a//b", "$SYS/x", "$SYS", "b/a", "/", "a/b/c/d", "x/y"]
+    filters = ["a", "a/#", "#", "+", "+/+", "a/+", "a/+/c", "/+", "+/#", "$SYS/#", "a/b/#", "a//b", "/#", "+/y"]
+    pairs = topic_filter_pairs(
+        spark.createDataFrame([(t,) for t in topics], "topic string"),
+        spark.createDataFrame([(f,) for f in filters], "filter string"),
+    )
+    assert {(row.topic, row.filter) for row in pairs.collect()} == {
+        (t, f) for t in topics for f in filters if matches(t, f)
+    }
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def good_records() -> list[dict[str, Any]]:
+    return [
+        {"kind": "subscribe", "device": "r", "time": 1.0, "topic": "t", "qos": 1, "durable": True},
+        {"kind": "send", "device": "p", "time": 2.0, "topic": "t", "id": "a", "qos": 1},
+        {"kind": "receive", "device": "r", "time": 3.0, "topic": "t", "id": "a", "qos": 1, "seq": 1},
+    ]
+
+
+def audit_error(spark: Any, tmp_path: Path, *inputs: Path) -> str:
+    with pytest.raises(AuditInputError) as caught:
+        run_audit(spark, [str(p) for p in inputs], tmp_path / "audit", "exactly-once")
+    return str(caught.value)
+
+
+def test_missing_input_path(spark: Any, tmp_path: Path) -> None:
+    message = audit_error(spark, tmp_path, tmp_path / "nowhere.jsonl")
+    assert "nowhere.jsonl does not exist" in message
+
+
+def test_json_lines_that_are_not_json(spark: Any, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", good_records())
+    with path.open("a") as handle:
+        handle.write('{"kind": "send", "device": "p", "time": "soon"}\n{"kind": "send", "dev\n')
+    message = audit_error(spark, tmp_path, path)
+    assert f"{path}: 2 of 5 lines" in message and "not JSON objects" in message
+
+
+def test_truncated_parquet(spark: Any, tmp_path: Path) -> None:
+    whole = tmp_path / "whole.parquet"
+    pq.write_table(pa.Table.from_pylist(good_records()), whole)
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(whole.read_bytes()[:-40])
+    message = audit_error(spark, tmp_path, whole, cut)
+    assert f"{cut} is not a readable Parquet file" in message
+
+
+def test_missing_required_columns_are_named(spark: Any, tmp_path: Path) -> None:
+    parquet = tmp_path / "nodevice.parquet"
+    pq.write_table(
+        pa.Table.from_pylist([{k: v for k, v in r.items() if k != "device"} for r in good_records()]), parquet
+    )
+    assert f"{parquet} lacks the required column(s) device" in audit_error(spark, tmp_path, parquet)
+    records = good_records()
+    del records[1]["id"], records[2]["topic"]
+    json_path = write_jsonl(tmp_path / "noid.jsonl", records)
+    message = audit_error(spark, tmp_path, json_path)
+    assert str(json_path) in message
+    assert "id (in send records): 1" in message and "topic (in receive records): 1" in message
+
+
+def test_unknown_kind(spark: Any, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "kinds.jsonl", [*good_records(), {"kind": "ack", "device": "r", "time": 4.0}])
+    message = audit_error(spark, tmp_path, path)
+    assert "unknown kind values" in message and "kind='ack'" in message and str(path) in message
+
+
+def test_no_records_and_no_subscriptions(spark: Any, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert "hold no records" in audit_error(spark, tmp_path, empty)
+    only_sends = write_jsonl(tmp_path / "sends.jsonl", good_records()[1:2])
+    assert "no subscribe records" in audit_error(spark, tmp_path, only_sends)
+
+
+def test_cli_exit_2_on_bad_input(tmp_path: Path) -> None:
+    """Checked before Spark starts: a quick exit with the message on stderr."""
+    done = run_cli("audit", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), "--expect", "exactly-once")
+    assert done.returncode == 2
+    assert "durable-pipeline audit: error:" in done.stderr and "missing does not exist" in done.stderr
+    (tmp_path / "notes.txt").write_text("hello\n")
+    done = run_cli("audit", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "o"), "--expect", "at-least-once")
+    assert done.returncode == 2 and "neither JSON lines nor Parquet" in done.stderr
