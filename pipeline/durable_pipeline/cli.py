@@ -2,6 +2,7 @@
 
     durable-pipeline audit INPUT... --out DIR --expect exactly-once|at-least-once
                            [--ignore-order] [--master local[2]]
+    durable-pipeline demo [--out ./out] [--events 2000] [--devices 3] [--master local[2]]
 
 Exit status: 0 the guarantee holds, 1 it does not, 2 the job could not run (bad input, no
 Java): the message on stderr says what and what to do.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import PipelineError
@@ -93,7 +95,38 @@ def format_summary(result: AuditResult) -> str:
     return "\n".join(lines)
 
 
-SUBCOMMANDS: list[Callable[[Subcommands], None]] = [_add_audit]
+def _add_demo(subcommands: Subcommands) -> None:
+    parser = subcommands.add_parser(
+        "demo",
+        help="end to end: a broker, SDK devices and a publisher, the streaming query into OUT, the audit of the run",
+        description="Starts a broker (127.0.0.1, a free port, a stream log on telemetry/#, store under OUT/store), "
+        "SDK devices writing delivery logs (one is away for half the run, so it gets a replay) and a publisher; "
+        "then the amqtt-durable streaming query into OUT/events (Parquet, checkpoint in OUT/checkpoint) and the "
+        "exactly-once audit of OUT/logs into OUT/audit/report.html. Exit 0 when every event is in the Parquet "
+        "output once and the audit holds.",
+    )
+    parser.add_argument("--out", default="./out", metavar="DIR", help="where everything goes (default ./out)")
+    parser.add_argument("--events", type=int, default=2000, help="events to publish (default 2000)")
+    parser.add_argument("--devices", type=int, default=3, help="SDK devices receiving them (default 3)")
+    parser.add_argument("--master", default=DEFAULT_MASTER, help=f"Spark master (default {DEFAULT_MASTER})")
+    parser.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo  # noqa: PLC0415 - pyspark loads only when a job runs
+
+    if args.events < 2 or args.devices < 1:
+        raise PipelineError("the demo needs --events 2 or more and --devices 1 or more")
+    result = run_demo(Path(args.out), events=args.events, devices=args.devices, master=args.master)
+    print(f"published {result.events_published} events; {result.events_in_parquet} in {args.out}/events (Parquet)")
+    print(format_summary(result.audit))
+    in_parquet = result.events_in_parquet == result.events_published
+    if not in_parquet:
+        print(f"FAILED: the streaming query wrote {result.events_in_parquet} of {result.events_published} events")
+    return EXIT_HOLDS if result.audit.ok and in_parquet else EXIT_FAILS
+
+
+SUBCOMMANDS: list[Callable[[Subcommands], None]] = [_add_audit, _add_demo]
 """Each adds one subcommand (a parser with ``run`` set)."""
 
 

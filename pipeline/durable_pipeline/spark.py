@@ -10,11 +10,12 @@ import os
 import shutil
 import subprocess
 import sys
-
-from pyspark.sql import SparkSession
+from typing import TYPE_CHECKING
 
 from .errors import PipelineError
-from .source import AmqttDurableDataSource
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 DEFAULT_MASTER = "local[2]"
 
@@ -43,8 +44,18 @@ def get_session(master: str = DEFAULT_MASTER, app_name: str = "amqtt-durable") -
     check_java()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    builder = SparkSession.builder.master(master).appName(app_name).config("spark.ui.enabled", "false")
+    # pyspark loads here, not at import: `durable-pipeline --help` and the broker stay light.
+    from pyspark.sql import SparkSession  # noqa: PLC0415
+
+    from .source import AmqttDurableDataSource  # noqa: PLC0415
+    builder = (
+        SparkSession.builder.master(master)
+        .appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+    )
     if master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # local mode talks to itself only
         builder = (
             builder.config("spark.sql.shuffle.partitions", "4")
             .config("spark.driver.bindAddress", "127.0.0.1")

@@ -1,0 +1,173 @@
+"""The end-to-end demo: a broker, a publisher, SDK devices, the streaming query into ./out, then
+the delivery audit of that very run.
+
+Everything runs on this machine (127.0.0.1, Spark in local mode) and every wait is bounded:
+a broker subprocess with a stream log on ``telemetry/#`` and a store under OUT/store, SDK
+devices that write delivery logs (one of them goes away for part of the run, so the audit sees
+a replay), a publisher, the ``amqtt-durable`` streaming query into OUT/events (Parquet, with
+its checkpoint), and the audit of OUT/logs into OUT/audit (report.html).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from durable_client import DurableClient, Event
+
+from .audit import AuditResult, run_audit
+from .errors import PipelineError
+from .spark import get_session
+
+STREAM_FILTER = "telemetry/#"
+WAIT = 60.0
+
+
+@dataclass
+class DemoResult:
+    events_published: int
+    events_in_parquet: int
+    audit: AuditResult
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _BrokerProcess:
+    """``amqtt-durable broker`` with a stream on telemetry/#, as a child process of the demo."""
+
+    def __init__(self, folder: Path) -> None:
+        self.port = _free_port()
+        config = {
+            "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{self.port}"}},
+            "plugins": {
+                "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
+                "amqtt_durable.DurableSessionsPlugin": {
+                    "store": str(folder / "store"),
+                    "metrics_interval": 0,
+                    "streams": [{"filter": STREAM_FILTER, "max_count": 1_000_000}],
+                },
+            },
+        }
+        path = folder / "broker.yaml"
+        path.write_text(yaml.safe_dump(config))
+        log = (folder / "broker.log").open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "amqtt_durable.cli", "broker", "-c", str(path)], stdout=log, stderr=log
+        )
+        log.close()
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise PipelineError(f"the demo broker exited with {self.proc.returncode}; see {folder / 'broker.log'}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.05)  # the port is not open yet; bounded by the deadline
+        raise PipelineError(f"the demo broker did not open 127.0.0.1:{self.port} within {WAIT} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(WAIT)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(WAIT)
+
+
+class _Counter:
+    """Counts events a device processed; waits are bounded."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._cond = threading.Condition()
+
+    def __call__(self, event: Event) -> None:
+        with self._cond:
+            self.count += 1
+            self._cond.notify_all()
+
+    def wait(self, count: int) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.count >= count, WAIT)
+
+
+def _device(name: str, port: int, logs: Path, counter: _Counter) -> DurableClient:
+    device = DurableClient(name, port=port, delivery_log=logs / f"{name}.jsonl", reconnect_max_delay=1.0)
+    device.subscribe(STREAM_FILTER, listener=counter)
+    device.connect(WAIT)
+    device.ready_for_events()
+    return device
+
+
+def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "local[2]") -> DemoResult:
+    """Run the whole demo into ``out`` (created; an earlier demo there is replaced)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("store", "logs", "events", "checkpoint", "audit"):
+        _remove_tree(out / stale)
+    logs = out / "logs"
+    logs.mkdir()
+    broker = _BrokerProcess(out)
+    try:
+        counters = [_Counter() for _ in range(devices)]
+        clients = [_device(f"device-{i}", broker.port, logs, counters[i]) for i in range(devices)]
+        publisher = DurableClient(
+            "publisher", port=broker.port, durable_session=False, delivery_log=logs / "publisher.jsonl"
+        )
+        publisher.connect(WAIT)
+        half = events // 2
+        clients[0].close(keep_session=True)  # away for the first half: it gets those replayed
+        for index in range(half):
+            publisher.publish(f"telemetry/sensor-{index % 4}", f"reading-{index:07d}".encode())
+        clients[0] = _device("device-0", broker.port, logs, counters[0])
+        for index in range(half, events):
+            publisher.publish(f"telemetry/sensor-{index % 4}", f"reading-{index:07d}".encode())
+        publisher.close()
+        for counter in counters:
+            if not counter.wait(events):
+                raise PipelineError(f"a demo device got {counter.count} of {events} events within {WAIT} s")
+        for client in clients:
+            client.close(keep_session=False)
+
+        spark = get_session(master, "amqtt-durable-demo")
+        stream = (
+            spark.readStream.format("amqtt-durable")
+            .option("port", str(broker.port))
+            .option("filter", STREAM_FILTER)
+            .load()
+        )
+        query = (
+            stream.writeStream.format("parquet")
+            .option("path", str(out / "events"))
+            .option("checkpointLocation", str(out / "checkpoint"))
+            .start()
+        )
+        query.processAllAvailable()
+        query.stop()
+        in_parquet = spark.read.parquet(str(out / "events")).count()
+        audit = run_audit(spark, [str(logs)], str(out / "audit"), expect="exactly-once")
+        return DemoResult(events, in_parquet, audit)
+    finally:
+        broker.stop()
+
+
+def _remove_tree(path: Path) -> None:
+    if not path.exists():
+        return
+    for child in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        child.rmdir() if child.is_dir() and not child.is_symlink() else child.unlink()
+    path.rmdir()
