@@ -26,6 +26,8 @@ from durable_pipeline.errors import AuditInputError
 from durable_pipeline.synthetic import SyntheticLogs, write_logs
 from durable_pipeline.topics import topic_filter_pairs
 
+pytestmark = pytest.mark.slow  # Spark: a JVM and Python workers, seconds per test
+
 CLI = [str(Path(sys.executable).with_name("durable-pipeline"))]
 FAULTS: dict[str, Any] = {"lose": 0.02, "duplicate": 0.01, "reorder": 0.02, "seed": 7}
 

@@ -26,7 +26,7 @@ from durable_pipeline.source import (
     read_range,
 )
 
-pytest.importorskip("pyspark")
+pytestmark = pytest.mark.slow  # Spark: a JVM and Python workers, seconds per test
 
 FILTER = "telemetry/#"
 QUERY_WAIT = 60.0
@@ -125,7 +125,6 @@ def streaming(spark: Any, tmp_path: Path) -> Iterator[Callable[[dict[str, str]],
 
 
 # ----------------------------------------------------------------- batch
-@pytest.mark.slow
 def test_batch_reads_exactly_the_id_range(spark: Any, stream_broker: Broker, publisher: Client) -> None:
     publish(publisher, "telemetry/a", 1, 30)
     publish(publisher, "telemetry/b", 1, 5)
@@ -143,7 +142,6 @@ def test_batch_reads_exactly_the_id_range(spark: Any, stream_broker: Broker, pub
     assert rows == sorted(rows, key=lambda r: r.published_at)
 
 
-@pytest.mark.slow
 def test_two_topics_are_read_in_parallel_partitions(spark: Any, stream_broker: Broker, publisher: Client) -> None:
     publish(publisher, "telemetry/a", 1, 25)
     publish(publisher, "telemetry/b", 1, 5)
@@ -160,7 +158,6 @@ def test_two_topics_are_read_in_parallel_partitions(spark: Any, stream_broker: B
 
 
 # ------------------------------------------------------------- streaming
-@pytest.mark.slow
 def test_streaming_into_parquet_is_exactly_once_across_a_query_restart(
     stream_broker: Broker, publisher: Client, streaming: Callable[[dict[str, str]], Streaming]
 ) -> None:
@@ -178,7 +175,6 @@ def test_streaming_into_parquet_is_exactly_once_across_a_query_restart(
     assert job.written() == expected(a=(1, 60), b=(1, 15), c=(1, 7))
 
 
-@pytest.mark.slow
 def test_reader_resumes_across_a_broker_sigkill(
     stream_broker: Broker, publisher: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -196,7 +192,6 @@ def test_reader_resumes_across_a_broker_sigkill(
     assert "reconnected to 127.0.0.1" in caplog.text
 
 
-@pytest.mark.slow
 def test_streaming_is_exactly_once_across_a_broker_sigkill(
     spark: Any, stream_broker: Broker, clients: Callable[..., Client],
     streaming: Callable[[dict[str, str]], Streaming],
@@ -240,7 +235,6 @@ def test_streaming_is_exactly_once_across_a_broker_sigkill(
 
 
 # -------------------------------------------------------- trimmed offsets
-@pytest.mark.slow
 def test_trimmed_offsets_fail_by_default_and_are_skipped_and_counted_on_request(
     spark: Any, broker_factory: Callable[..., Broker], clients: Callable[..., Client],
     caplog: pytest.LogCaptureFixture,
@@ -265,7 +259,6 @@ def test_trimmed_offsets_fail_by_default_and_are_skipped_and_counted_on_request(
     assert [r["id"] for r in read_direct(lenient, "telemetry/a", 3, 18)] == [16, 17, 18]
 
 
-@pytest.mark.slow
 def test_streaming_skips_trimmed_ids_when_told(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client],
     streaming: Callable[[dict[str, str]], Streaming],
@@ -318,7 +311,6 @@ def test_options_are_checked() -> None:
     assert (parsed.starting, parsed.max_events_per_trigger, parsed.ending) == ({"telemetry/a": 4}, 9, "latest")
 
 
-@pytest.mark.slow
 def test_errors_reach_the_spark_user(spark: Any, stream_broker: Broker, streaming: Callable[..., Streaming]) -> None:
     with pytest.raises(Exception, match="no stream log covers the filter 'nope/#'"):
         batch_df(spark, {**options(stream_broker.port), "filter": "nope/#"}).collect()
