@@ -402,13 +402,16 @@ def test_delivery_logs_record_sends_and_processed_events_with_matching_ids(
         sender.publish("audit/x", payload)
     recorder.wait(3)
     sender.close()
-    device.close()
+    device.unsubscribe("audit/#")
+    device.close(keep_session=False)
 
     def records(name: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in (tmp_path / "logs" / name).read_text().splitlines()]
 
     sent, got = records("sender.jsonl"), records("device.jsonl")
-    assert [r["kind"] for r in got] == ["subscribe", "connect", "live", "receive", "receive", "receive"]
+    assert [r["kind"] for r in got] == [
+        "connect", "subscribe", "live", "receive", "receive", "receive", "unsubscribe", "session_end"
+    ], "a subscription counts from its SUBACK"
     assert [r["kind"] for r in sent] == ["connect", "send", "send", "send"]
     sends = [r for r in sent if r["kind"] == "send"]
     receives = [r for r in got if r["kind"] == "receive"]
@@ -416,4 +419,5 @@ def test_delivery_logs_record_sends_and_processed_events_with_matching_ids(
     assert len({r["id"] for r in sends}) == 3
     assert all(r["device"] == "logged-device" and r["topic"] == "audit/x" for r in receives)
     assert [r["seq"] for r in receives] == [e.seq for e in recorder.events]
-    assert got[0] == {**got[0], "topic": "audit/#", "qos": 1, "durable": True}
+    assert got[1] == {**got[1], "topic": "audit/#", "qos": 1, "durable": True}
+    assert got[-2] == {**got[-2], "topic": "audit/#"}

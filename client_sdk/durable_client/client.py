@@ -244,6 +244,8 @@ class DurableClient:
         if not keep_session and self._durable:
             try:
                 self._end_session(timeout, wait=not on_network_thread)
+                if self._delivery_log is not None:
+                    self._delivery_log.session_end()
             except DurableClientError as exc:
                 error = exc
         with self._lock:
@@ -325,8 +327,6 @@ class DurableClient:
         _check_filter(topic_filter)
         if qos not in (0, 1, 2):
             raise ValueError(f"qos must be 0, 1 or 2, got {qos!r}")
-        if self._delivery_log is not None:
-            self._delivery_log.subscribe(topic_filter, qos, durable)
         if (
             self._subscribe(topic_filter, qos, durable, listener)
             and not self._on_network_thread()
@@ -357,6 +357,8 @@ class DurableClient:
     def unsubscribe(self, topic_filter: str) -> None:
         """Remove a subscription or a stream subscription on ``topic_filter`` (no-op if neither)."""
         self._check_open()
+        if self._delivery_log is not None:
+            self._delivery_log.unsubscribe(topic_filter)
         with self._lock:
             if self._registry.remove_stream(topic_filter) is not None and self._connected:
                 self._send_request("stream_unsubscribe", filter=topic_filter)
@@ -730,6 +732,9 @@ class DurableClient:
 
     def _handle_subscribed(self, mid: int, ok: bool) -> None:
         subscription = self._registry.subscribed(mid, ok)
+        if subscription is not None and ok and self._delivery_log is not None:
+            # From the SUBACK on, the broker routes to it: what the audit may expect.
+            self._delivery_log.subscribe(subscription.filter, subscription.qos, subscription.durable and self._durable)
         if subscription is not None and not ok:
             log.warning(
                 "the broker refused the subscription to %s (not authorized?); it is tried again on reconnect",

@@ -56,6 +56,12 @@ class DeliveryLog:
     def subscribe(self, topic_filter: str, qos: int, durable: bool) -> None:
         self._write("subscribe", topic=topic_filter, qos=qos, durable=durable)
 
+    def unsubscribe(self, topic_filter: str) -> None:
+        self._write("unsubscribe", topic=topic_filter)
+
+    def session_end(self) -> None:
+        self._write("session_end")
+
     def connect(self, session_present: bool) -> None:
         self._write("connect", session_present=session_present)
 
