@@ -8,6 +8,7 @@ methods are also called directly (no Spark): planning and ``read_range`` are pla
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -15,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from conftest import Broker, Client, free_port
 from durable_pipeline.errors import SourceError
 from durable_pipeline.source import (
+    STORE_KEY,
     AmqttDurableDataSource,
     IdRange,
     Options,
@@ -331,18 +334,44 @@ def test_max_events_per_trigger_shares_the_budget_between_topics(stream_broker: 
     reader = AmqttDurableDataSource(options(stream_broker.port, maxEventsPerTrigger=20)).streamReader(_schema())
     try:
         start = reader.initialOffset()
-        assert start == {"telemetry/a": 0, "telemetry/b": 0}
+        store = {STORE_KEY: start[STORE_KEY]}  # offsets carry the broker store's id
+        assert start == {"telemetry/a": 0, "telemetry/b": 0, **store}
         assert reader.getDefaultReadLimit() == ReadMaxRows(20)
-        assert reader.latestOffset(start, ReadMaxRows(20)) == {"telemetry/a": 17, "telemetry/b": 3}
-        assert reader.latestOffset({"telemetry/a": 17, "telemetry/b": 3}, ReadMaxRows(20)) == {
-            "telemetry/a": 37, "telemetry/b": 3,
+        assert reader.latestOffset(start, ReadMaxRows(20)) == {"telemetry/a": 17, "telemetry/b": 3, **store}
+        assert reader.latestOffset({"telemetry/a": 17, "telemetry/b": 3, **store}, ReadMaxRows(20)) == {
+            "telemetry/a": 37, "telemetry/b": 3, **store,
         }
-        assert reader.latestOffset(start, ReadAllAvailable()) == {"telemetry/a": 50, "telemetry/b": 3}
+        assert reader.latestOffset(start, ReadAllAvailable()) == {"telemetry/a": 50, "telemetry/b": 3, **store}
         assert reader.partitions(start, start) == []
         # Trigger.AvailableNow: what was there when the query started, nothing published after.
         reader.prepareForTriggerAvailableNow()
         publish(publisher, "telemetry/a", 51, 52)
         publish(publisher, "telemetry/c", 1, 1)
-        assert reader.latestOffset(start, ReadAllAvailable()) == {"telemetry/a": 50, "telemetry/b": 3}
+        assert reader.latestOffset(start, ReadAllAvailable()) == {"telemetry/a": 50, "telemetry/b": 3, **store}
     finally:
         reader.stop()
+
+
+def test_a_wiped_store_is_data_loss_never_a_silent_skip(
+    stream_broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """Ids restart in a new store: the offsets of the old one must not silently skip its first ids."""
+    publish(clients(stream_broker.port, "pub-old", clean_session=True), "telemetry/a", 1, 10)
+    reader = AmqttDurableDataSource(options(stream_broker.port)).streamReader(_schema())
+    offset = reader.latestOffset(reader.initialOffset(), ReadAllAvailable())
+    reader.stop()
+    assert offset["telemetry/a"] == 10
+    stream_broker.kill()
+    shutil.rmtree(stream_broker.store)
+    stream_broker.start()
+    publish(clients(stream_broker.port, "pub-new", clean_session=True), "telemetry/a", 1, 15)  # past the old offset
+
+    strict = AmqttDurableDataSource(options(stream_broker.port)).streamReader(_schema())
+    with pytest.raises(SourceError, match="another store"):
+        strict.latestOffset(offset, ReadAllAvailable())
+    strict.stop()
+    lenient = AmqttDurableDataSource(options(stream_broker.port, failOnDataLoss="false")).streamReader(_schema())
+    end = lenient.latestOffset(offset, ReadAllAvailable())
+    ranges = lenient.partitions(offset, end)
+    lenient.stop()
+    assert [(r.topic, r.start, r.end) for r in ranges] == [("telemetry/a", 0, 15)], "the new store from its start"

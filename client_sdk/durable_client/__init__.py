@@ -15,7 +15,7 @@ from .errors import (
     RequestTimeout,
     Unconnected,
 )
-from .events import ConnectionInfo, Event, Listener, PersistenceLevel, Stats
+from .events import ConnectionInfo, Event, Listener, PersistenceLevel, Stats, StreamBounds
 from .protocol import LiveSubscription, Marker
 
 __all__ = [
@@ -35,5 +35,6 @@ __all__ = [
     "PersistenceLevel",
     "RequestTimeout",
     "Stats",
+    "StreamBounds",
     "Unconnected",
 ]

@@ -32,7 +32,7 @@ from .backoff import Backoff
 from .cache import LastValueCache
 from .delivery_log import DeliveryLog
 from .errors import ConnectFailed, ControlRequestFailed, DurableClientError, RequestTimeout, Unconnected
-from .events import ConnectionInfo, Listener, PersistenceLevel, Stats
+from .events import ConnectionInfo, Listener, PersistenceLevel, Stats, StreamBounds
 from .persistence import open_state
 from .protocol import CONTROL_PREFIX, CONTROL_TOPIC, MAX_STREAM_WINDOW, Marker, Reply, encode_request
 
@@ -435,13 +435,14 @@ class DurableClient:
             self._registry.remove_stream(topic_filter)
             raise ControlRequestFailed("stream_subscribe", reply.error_code or "?", reply.error_message or "")
 
-    def stream_info(self, topic_filter: str = "#", *, timeout: float = _REQUEST_TIMEOUT) -> dict[str, tuple[int, int]]:
+    def stream_info(self, topic_filter: str = "#", *, timeout: float = _REQUEST_TIMEOUT) -> StreamBounds:
         """The stream logs matching ``topic_filter`` now: {topic: (first retained id, last id)}.
 
         What a reader needs to plan a range before opening anything: retention moves the
         first id up, publishes move the last one. A log retention emptied reads
-        ``(last + 1, last)``. A filter that no configured stream covers gives ``{}`` (the
-        broker does not refuse it; ``subscribe_stream`` does). Needs a connection (else
+        ``(last + 1, last)``. A filter that no configured stream covers is refused
+        (ControlRequestFailed, ``unknown_stream``). ``.store`` is the broker store's id: ids
+        of two stores are not comparable. Needs a connection (else
         Unconnected); waits up to ``timeout`` for the reply (RequestTimeout), and cannot be
         called from a listener, whose thread is the one the reply arrives on.
         """
@@ -460,11 +461,12 @@ class DurableClient:
         if not reply.ok:
             raise ControlRequestFailed("stream_info", reply.error_code or "?", reply.error_message or "")
         topics = reply.fields.get("topics")
+        store = reply.fields.get("store")
         try:
-            return {
-                str(topic): (int(bounds["first"]), int(bounds["last"]))
-                for topic, bounds in (topics or {}).items()
-            }
+            return StreamBounds(
+                {str(topic): (int(bounds["first"]), int(bounds["last"])) for topic, bounds in (topics or {}).items()},
+                store=int(store) if store is not None else None,
+            )
         except (AttributeError, KeyError, TypeError, ValueError):
             raise ControlRequestFailed(
                 "stream_info", "malformed", f"the reply's 'topics' is not {{topic: {{first, last}}}}: {topics!r}"

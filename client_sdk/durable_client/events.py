@@ -48,6 +48,16 @@ Listener: TypeAlias = Callable[[Event], None]
 """Called on the client's network thread, in arrival order. Raising asks for redelivery."""
 
 
+class StreamBounds(dict[str, tuple[int, int]]):
+    """stream_info's answer: {topic: (first retained id, last id)}, and the broker store's id."""
+
+    def __init__(self, bounds: dict[str, tuple[int, int]], store: int | None) -> None:
+        super().__init__(bounds)
+        self.store = store
+        """Random, made with the broker's store: a different one means another store (wiped or
+        replaced), whose ids are not comparable with the ones seen before."""
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionInfo:
     """What the broker said when a connection (and its session) was set up."""

@@ -66,6 +66,8 @@ from .errors import SourceError
 log = logging.getLogger("durable_pipeline.source")
 
 FORMAT: Final = "amqtt-durable"
+STORE_KEY: Final = "_durable/store"
+"""Offset entry holding the broker store's id (no stream topic can be under _durable/)."""
 SCHEMA_DDL: Final = "topic string, id long, payload binary, qos int, published_at timestamp"
 DEFAULT_WINDOW: Final = 500
 MAX_WINDOW: Final = 1000
@@ -238,6 +240,8 @@ def plan(
     ranges: list[IdRange] = []
     skipped: dict[str, tuple[int, int]] = {}
     for topic in sorted(end):
+        if topic == STORE_KEY:
+            continue
         low, high = start.get(topic, 0), end[topic]
         if high <= low:
             continue
@@ -253,6 +257,12 @@ def plan(
             ranges.append(IdRange(topic, low, piece))
             low = piece
     return ranges, skipped
+
+
+def _with_store(offsets: dict[str, int], bounds: Mapping[str, tuple[int, int]]) -> dict[str, int]:
+    """Offsets carry the broker store's id: positions are only meaningful within one store."""
+    store = getattr(bounds, "store", None)
+    return offsets if store is None else {**offsets, STORE_KEY: int(store)}
 
 
 def _data_loss_message(opts: Options, topic: str, first_missing: int, last_missing: int, log_first: int) -> str:
@@ -466,7 +476,8 @@ class AmqttDurableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableN
         return self._link.stream_info(self.opts.filter)
 
     def initialOffset(self) -> dict[str, int]:  # noqa: N802 - Spark's name
-        return _start_offsets(self.opts, self._bounds())
+        bounds = self._bounds()
+        return _with_store(_start_offsets(self.opts, bounds), bounds)
 
     def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802 - Spark's name
         if self.opts.max_events_per_trigger is None:
@@ -478,7 +489,8 @@ class AmqttDurableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableN
 
     def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:  # noqa: N802 - Spark's name
         bounds = self._bounds()
-        end = dict(start)
+        start = self._same_store(start, bounds)
+        end = _with_store(dict(start), bounds)
         backlog: dict[str, tuple[int, int]] = {}  # topic -> (readable from after this id, up to this id)
         for topic, (first, last) in bounds.items():
             if self._target is not None:
@@ -507,8 +519,29 @@ class AmqttDurableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableN
                 budget -= take
         return dict(sorted(end.items()))
 
+    def _same_store(self, start: dict[str, int], bounds: Mapping[str, tuple[int, int]]) -> dict[str, int]:
+        """The offset's positions, or none when the broker's store changed since (ids restart there)."""
+        before, now = start.get(STORE_KEY), getattr(bounds, "store", None)
+        if before is None or now is None or before == now:
+            return start
+        if self.opts.fail_on_data_loss:
+            raise SourceError(
+                f"the broker at {self.opts.address} has another store than when this query's offsets were taken "
+                f"(store id {now}, was {before}): it was wiped or replaced, so events of the old store not yet read "
+                "are lost and the new store's ids start again. Set failOnDataLoss=false to read the new store from "
+                "its first events, or start the query with a new checkpoint"
+            )
+        log.warning(
+            "%s source: the broker at %s has another store (id %d, was %d): reading the new store's logs from "
+            "their first retained events; what the old store held and this query had not read is lost",
+            FORMAT, self.opts.address, now, before,
+        )
+        return {STORE_KEY: before}
+
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
-        if all(end[topic] <= start.get(topic, 0) for topic in end):
+        if start.get(STORE_KEY) != end.get(STORE_KEY):
+            start = {}  # the store changed (failOnDataLoss=false): the new store's logs from their start
+        if all(end[topic] <= start.get(topic, 0) for topic in end if topic != STORE_KEY):
             return []
         ranges, skipped = plan(self.opts, start, end, self._bounds())
         for topic, (first, last) in skipped.items():

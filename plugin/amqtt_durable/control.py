@@ -227,7 +227,7 @@ class ControlChannel:
             topic: {"first": first, "last": last, "count": last - first + 1}
             for topic, (first, last) in sorted(self._engine.streams.topics(topic_filter).items())
         }
-        return {"filter": topic_filter, "topics": topics}
+        return {"filter": topic_filter, "topics": topics, "store": self._engine.store_id}
 
     # ------------------------------------------------------------------ replies
     def _reply(self, request: Request, fields: dict[str, Any]) -> None:

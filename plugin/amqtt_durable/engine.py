@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import struct
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +32,7 @@ from .store import (
     FLAG_RETAIN,
     FLAG_SHARED,
     SID_MARK_KEY,
+    STORE_ID_KEY,
     Body,
     Entry,
     GroupCommitter,
@@ -305,6 +307,8 @@ class DurableEngine:
         self.removing = PendingRemovals()
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._trim_task: asyncio.Task[None] | None = None
+        self.store_id = 0
+        """Random, made with the store: stream readers compare it to notice a wiped or replaced store."""
         self.streams: StreamLogs
         self.dropped_total = 0
         self.expired_total = 0
@@ -335,6 +339,10 @@ class DurableEngine:
         )
         self.committer.before_flush = self._before_flush
         self.committer.after_write = self.removing.written
+        raw_id = self.db.get(STORE_ID_KEY)
+        self.store_id = decode_u64(raw_id) if raw_id is not None else secrets.randbits(63)
+        if raw_id is None:
+            self.committer.put(STORE_ID_KEY, encode_u64(self.store_id))
         self.streams = StreamLogs(self.db, self.committer, config.streams)
         self.streams.load()
         self._next_msg_id = last_msg_id(self.db) + 1

@@ -9,6 +9,9 @@ Key layout, version 1 (every integer big-endian, so LevelDB's byte order is nume
     b"s" + client_id(utf-8)   -> JSON session record        subscriptions, deadlines, counters
     b"t" + sid:u64            -> depth:u64 bytes:u64 dropped:u64   queue totals, kept in the same batch
     b"w" + sid:u64            -> seq:u64                    highest seq possibly sent (DUP mark)
+    b"i"                      -> store id:u64              random, made with the store: stream ids are
+                                                           only comparable within one store (a reader
+                                                           seeing another id knows the store changed)
     b"n"                      -> sid:u64                    highest session id ever assigned (an SDK
                                                            client's epoch: never reused, even after
                                                            the session and all its keys are gone)
@@ -312,6 +315,7 @@ def last_sid(db: Any, prefix: bytes) -> int:
 
 
 SID_MARK_KEY = b"n"
+STORE_ID_KEY = b"i"
 
 
 def last_msg_id(db: Any) -> int:
