@@ -120,9 +120,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     result = run_demo(Path(args.out), events=args.events, devices=args.devices, master=args.master)
     print(f"published {result.events_published} events; {result.events_in_parquet} in {args.out}/events (Parquet)")
     print(format_summary(result.audit))
-    in_parquet = result.events_in_parquet == result.events_published
+    in_parquet = result.events_in_parquet == result.distinct_in_parquet == result.events_published
     if not in_parquet:
-        print(f"FAILED: the streaming query wrote {result.events_in_parquet} of {result.events_published} events")
+        print(
+            f"FAILED: the streaming query wrote {result.events_in_parquet} rows, {result.distinct_in_parquet} distinct "
+            f"(topic, id), for {result.events_published} events published"
+        )
     return EXIT_HOLDS if result.audit.ok and in_parquet else EXIT_FAILS
 
 

@@ -36,6 +36,8 @@ WAIT = 60.0
 class DemoResult:
     events_published: int
     events_in_parquet: int
+    """Rows in OUT/events; with ``distinct_in_parquet`` equal to ``events_published``: each event once."""
+    distinct_in_parquet: int
     audit: AuditResult
 
 
@@ -77,6 +79,7 @@ class _BrokerProcess:
                 return
             except OSError:
                 time.sleep(0.05)  # the port is not open yet; bounded by the deadline
+        self.stop()
         raise PipelineError(f"the demo broker did not open 127.0.0.1:{self.port} within {WAIT} s")
 
     def stop(self) -> None:
@@ -122,12 +125,16 @@ def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "
     logs = out / "logs"
     logs.mkdir()
     broker = _BrokerProcess(out)
+    clients: list[DurableClient] = []
+    spark = None
     try:
         counters = [_Counter() for _ in range(devices)]
-        clients = [_device(f"device-{i}", broker.port, logs, counters[i]) for i in range(devices)]
+        for i in range(devices):
+            clients.append(_device(f"device-{i}", broker.port, logs, counters[i]))
         publisher = DurableClient(
             "publisher", port=broker.port, durable_session=False, delivery_log=logs / "publisher.jsonl"
         )
+        clients.append(publisher)
         publisher.connect(WAIT)
         half = events // 2
         clients[0].close(keep_session=True)  # away for the first half: it gets those replayed
@@ -136,12 +143,11 @@ def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "
         clients[0] = _device("device-0", broker.port, logs, counters[0])
         for index in range(half, events):
             publisher.publish(f"telemetry/sensor-{index % 4}", f"reading-{index:07d}".encode())
-        publisher.close()
         for counter in counters:
             if not counter.wait(events):
                 raise PipelineError(f"a demo device got {counter.count} of {events} events within {WAIT} s")
         for client in clients:
-            client.close(keep_session=False)
+            client.close(keep_session=False)  # the devices end their sessions (a no-op for the publisher)
 
         spark = get_session(master, "amqtt-durable-demo")
         stream = (
@@ -156,12 +162,18 @@ def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "
             .option("checkpointLocation", str(out / "checkpoint"))
             .start()
         )
-        query.processAllAvailable()
-        query.stop()
-        in_parquet = spark.read.parquet(str(out / "events")).count()
+        try:
+            query.processAllAvailable()
+        finally:
+            query.stop()
+        written = spark.read.parquet(str(out / "events"))
         audit = run_audit(spark, [str(logs)], str(out / "audit"), expect="exactly-once")
-        return DemoResult(events, in_parquet, audit)
+        return DemoResult(events, written.count(), written.select("topic", "id").distinct().count(), audit)
     finally:
+        for client in clients:
+            client.close(keep_session=True)  # a no-op for those already closed
+        if spark is not None:
+            spark.stop()
         broker.stop()
 
 

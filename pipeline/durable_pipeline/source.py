@@ -407,6 +407,10 @@ class AmqttDurableDataSource(DataSource):
 
     def streamReader(self, schema: StructType) -> AmqttDurableStreamReader:  # noqa: N802 - Spark's name
         _check_schema(schema)
+        if any(str(key).lower() == "endingoffsets" for key in self.options):
+            raise SourceError(
+                f"endingOffsets is for batch reads (spark.read); a streaming {FORMAT} query reads until stopped"
+            )
         return AmqttDurableStreamReader(Options.parse(self.options))
 
 
@@ -634,9 +638,9 @@ class _RangeReader:
                         self._lost(expected, row.seq - 1, row.seq)
                     kept.append(row)
                     expected = row.seq + 1
-                deadline = time.monotonic() + opts.timeout
                 if kept:
                     yield _arrow_batch(pa, arrow_schema, kept)
+                deadline = time.monotonic() + opts.timeout  # after the yield: Spark may hold it long
         finally:
             self._closing.set()
             link.close()

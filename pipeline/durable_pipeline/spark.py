@@ -17,7 +17,8 @@ from .errors import PipelineError
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-DEFAULT_MASTER = "local[2]"
+DEFAULT_MASTER = "local[2,4]"
+"""Two cores; a failed task is tried up to 4 times, as a cluster does (plain local[2] gives up at once)."""
 
 
 def check_java() -> None:
