@@ -62,6 +62,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import psutil
 import yaml
 from _common import (
     BenchError,
@@ -135,6 +136,7 @@ class AuditRun:
     planted: str = ""
     generate_s: float | None = None
     audit_s: float | None = None
+    cpu_s: float | None = None  # CPU seconds of Spark (JVM, Python workers) and this process during run_audit
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -152,6 +154,7 @@ class StreamRound:
     seconds: dict[str, float] = field(default_factory=dict)  # kind -> measured seconds
     plain: ReceiveResult | None = None
     source_detail: dict[str, float] = field(default_factory=dict)  # breakdown from the query's progress
+    cpu: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # kind -> (broker s, reader s)
     problems: dict[str, list[str]] = field(default_factory=lambda: {kind: [] for kind in KINDS})
 
     def rate(self, kind: str) -> float | None:
@@ -216,6 +219,36 @@ def job_deadline(spark: Any, seconds: float, what: str) -> Iterator[None]:
         timer.cancel()
 
 
+class CpuMeter:
+    """CPU seconds (user + system, every thread) of the broker, of Spark and of this process.
+
+    Spark is every other descendant of this process: the JVM, its Python workers and the data
+    source's planner (their reaped children included). CPU time is less sensitive than wall time to
+    the other load of a shared machine, and says which side of a reader does the work.
+    """
+
+    def __init__(self, broker_pid: int | None = None) -> None:
+        self.broker_pid = broker_pid
+        self.me = psutil.Process()
+
+    def read(self) -> tuple[float, float, float]:
+        broker = spark = 0.0
+        for proc in self.me.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                t = proc.cpu_times()
+                used = t.user + t.system + t.children_user + t.children_system
+                if proc.pid == self.broker_pid:
+                    broker = t.user + t.system
+                elif self.broker_pid is None or self.broker_pid not in {p.pid for p in proc.parents()}:
+                    spark += used
+        own = self.me.cpu_times()
+        return broker, spark, own.user + own.system
+
+    @staticmethod
+    def delta(before: tuple[float, float, float], after: tuple[float, float, float]) -> tuple[float, float, float]:
+        return after[0] - before[0], after[1] - before[1], after[2] - before[2]
+
+
 def context_stopped(spark: Any) -> bool:
     try:
         return bool(spark.sparkContext._jsc.sc().isStopped())
@@ -248,12 +281,16 @@ def audit_once(spark: Any, args: argparse.Namespace, tmp: Path, label: str, *, t
         run.planted = f"{truth.lost:,} / {truth.duplicated:,} / {truth.out_of_order:,}"
         log(f"audit {label}: {logs.records:,} records ({devices:,} devices x {messages:,} messages, "
             f"{path.stat().st_size / 1e6:.0f} MB Parquet) written in {run.generate_s:.1f}s; auditing")
+        meter = CpuMeter()
+        cpu0 = meter.read()
         t0 = time.perf_counter()
         with job_deadline(spark, args.job_timeout, f"audit {label}"):
             result = run_audit(spark, [str(path)], tmp / "audit" / label, "exactly-once")
         run.audit_s = time.perf_counter() - t0
+        _broker, spark_cpu, own_cpu = CpuMeter.delta(cpu0, meter.read())
+        run.cpu_s = spark_cpu + own_cpu
         run.problems += compare_with_truth(result, logs)
-        log(f"audit {label}: {run.audit_s:.1f}s, {run.records / run.audit_s:,.0f} records/s; "
+        log(f"audit {label}: {run.audit_s:.1f}s ({run.cpu_s:.1f} CPU s), {run.records / run.audit_s:,.0f} records/s; "
             f"{'counts = planted truth' if not run.problems else 'WRONG: ' + '; '.join(run.problems)}")
     except Exception as exc:
         run.problems.append(f"failed: {first_line(exc)}")
@@ -384,7 +421,8 @@ def wait_for_logs(opts: Any, rnd: StreamRound, timeout: float) -> None:
     raise BenchError(f"the stream logs hold {bounds} after {timeout:.0f}s, expected {rnd.counts}")
 
 
-def run_source(spark: Any, args: argparse.Namespace, port: int, rnd: StreamRound, folder: Path) -> None:
+def run_source(spark: Any, args: argparse.Namespace, meter: CpuMeter, port: int, rnd: StreamRound, *,
+               folder: Path) -> None:
     """readStream -> Parquet with a checkpoint, AvailableNow; timed from start() to the query's end."""
     from pyspark.sql import functions as sf  # noqa: PLC0415
 
@@ -392,12 +430,14 @@ def run_source(spark: Any, args: argparse.Namespace, port: int, rnd: StreamRound
     reader = (spark.readStream.format("amqtt-durable").option("host", HOST).option("port", str(port))
               .option("filter", f"bench/{rnd.label}/#"))
     problems = rnd.problems[SOURCE]
+    cpu0 = meter.read()
     t0 = time.perf_counter()
     query = (reader.load().writeStream.format("parquet").option("path", str(out))
              .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
     try:
         ended = query.awaitTermination(args.timeout)
         elapsed = time.perf_counter() - t0
+        broker_cpu, spark_cpu, own_cpu = CpuMeter.delta(cpu0, meter.read())
         if not ended:
             problems.append(f"the query did not end within {args.timeout:.0f}s")
             return
@@ -405,6 +445,7 @@ def run_source(spark: Any, args: argparse.Namespace, port: int, rnd: StreamRound
     finally:
         query.stop()
     rnd.seconds[SOURCE] = elapsed
+    rnd.cpu[SOURCE] = (broker_cpu, spark_cpu + own_cpu)
     rnd.source_detail = source_breakdown(progress, elapsed)
     with job_deadline(spark, args.job_timeout, "checking the source's Parquet"):
         rows = (spark.read.parquet(str(out)).groupBy("topic")
@@ -429,12 +470,15 @@ def source_breakdown(progress: list[Any], elapsed: float) -> dict[str, float]:
     return detail
 
 
-def run_plain(args: argparse.Namespace, port: int, rnd: StreamRound, sub_id: str, tag: bytes) -> None:
+def run_plain(args: argparse.Namespace, meter: CpuMeter, port: int, rnd: StreamRound, *, sub_id: str,
+              tag: bytes) -> None:
     spec = SubSpec(port, sub_id, Login(), False, tag, rnd.n, args.timeout, idle=args.idle, need_session=True,
                    cpus=tuple(args.client_cpus) if args.pin else None)
     with ClientProcess("plain subscriber", subscriber_main, spec) as sub:
         sub.expect("ready", CLIENT_START_S)
+        cpu0 = meter.read()
         res: ReceiveResult = sub.expect("result", spec.timeout + RESULT_MARGIN_S)
+        rnd.cpu[PLAIN] = (CpuMeter.delta(cpu0, meter.read())[0], None)  # the subscriber's own CPU is not taken
     rnd.plain = res
     problems = rnd.problems[PLAIN]
     if res.error:
@@ -445,10 +489,11 @@ def run_plain(args: argparse.Namespace, port: int, rnd: StreamRound, sub_id: str
         rnd.seconds[PLAIN] = (res.t_last_ns - res.t_connect_ns) / 1e9
 
 
-def run_direct(args: argparse.Namespace, opts: Any, rnd: StreamRound) -> None:
+def run_direct(meter: CpuMeter, opts: Any, rnd: StreamRound) -> None:
     from durable_pipeline.source import IdRange, read_range  # noqa: PLC0415
 
     rows: dict[str, int] = {}
+    cpu0 = meter.read()
     t0 = time.perf_counter()
     for topic, count in rnd.counts.items():
         ids = 0
@@ -456,6 +501,8 @@ def run_direct(args: argparse.Namespace, opts: Any, rnd: StreamRound) -> None:
             ids += batch.num_rows
         rows[topic] = ids
     rnd.seconds[DIRECT] = time.perf_counter() - t0
+    broker_cpu, _spark, own_cpu = CpuMeter.delta(cpu0, meter.read())
+    rnd.cpu[DIRECT] = (broker_cpu, own_cpu)
     if rows != rnd.counts:
         rnd.problems[DIRECT].append(f"read {rows}, expected {rnd.counts}")
 
@@ -483,16 +530,17 @@ def stream_round(spark: Any, args: argparse.Namespace, ctx: StreamCtx, label: st
         if rnd.publish.error or rnd.publish.acked < n:
             raise BenchError(f"publishing failed: {rnd.publish.error or rnd.publish.acked}")
         wait_for_logs(opts, rnd, 60.0)
+        meter = CpuMeter(broker.pid)
         log(f"round {label}: {n:,} events published over {len(topics)} topics at "
             f"{rnd.publish.ack_rate:,.0f} PUBACKs/s; order {', '.join(rnd.order)}")
         for kind in rnd.order:
             try:
                 if kind == SOURCE:
-                    run_source(spark, args, broker.port, rnd, ctx.tmp / "stream" / label)
+                    run_source(spark, args, meter, broker.port, rnd, folder=ctx.tmp / "stream" / label)
                 elif kind == PLAIN:
-                    run_plain(args, broker.port, rnd, sub_id, tag)
+                    run_plain(args, meter, broker.port, rnd, sub_id=sub_id, tag=tag)
                 else:
-                    run_direct(args, opts, rnd)
+                    run_direct(meter, opts, rnd)
             except Exception as exc:
                 rnd.problems[kind].append(f"failed: {first_line(exc)}")
                 log(traceback.format_exc())
@@ -575,16 +623,20 @@ def render_audit(args: argparse.Namespace, report: Report) -> list[str]:
         f"{LOSE:g} of each device's deliveries; expect=exactly-once; one run per size, in one SparkSession "
         f"({MASTER}, get_session's defaults). Growth: run_audit time / the smallest size's; ideal: the record ratio; "
         "marginal: the extra records over the extra time, from the size above (what a record costs once the "
-        "fixed cost of the audit's jobs and report is paid).",
+        "fixed cost of the audit's jobs and report is paid); CPU: user + system seconds of the Spark JVM, its "
+        "Python workers and the driver during run_audit (less sensitive than wall time to the machine's other load).",
         "",
         "| records | devices x messages | planted lost / duplicated / out of order | write Parquet (s) "
-        "| run_audit (s) | records/s | time growth | ideal (linear) | marginal records/s | audit = planted truth |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| run_audit (s) | records/s | time growth | ideal (linear) | marginal records/s | CPU (s) | CPU growth "
+        "| audit = planted truth |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     base = next((run for run in report.audits if run.audit_s and not run.problems), None)
     previous: AuditRun | None = None
     for run in report.audits:
-        growth = ideal = marginal = "—"
+        growth = ideal = marginal = cpu_growth = "—"
+        if base is not None and run.cpu_s and base.cpu_s and not run.problems:
+            cpu_growth = f"{run.cpu_s / base.cpu_s:.2f}x"
         if base is not None and run.audit_s and not run.problems:
             growth = f"{run.audit_s / base.audit_s:.2f}x" if base.audit_s else "—"
             ideal = f"{run.records / base.records:.2f}x"
@@ -595,7 +647,7 @@ def render_audit(args: argparse.Namespace, report: Report) -> list[str]:
         lines.append(f"| {run.records or run.target:,} | {run.devices:,} x {run.messages:,} | {run.planted or '—'} "
                      f"| {fmt_s(run.generate_s)} | {fmt_s(run.audit_s)} | "
                      f"{fmt_number(run.rate) if run.rate else '—'} | {growth} | {ideal} | {marginal} "
-                     f"| {ok.replace('|', '/')} |")
+                     f"| {fmt_s(run.cpu_s)} | {cpu_growth} | {ok.replace('|', '/')} |")
     w = report.audit_warmup
     if w is not None:
         ok = "counts = planted truth" if not w.problems else "**FAILED**: " + "; ".join(w.problems)
@@ -642,12 +694,24 @@ def render_stream(args: argparse.Namespace, report: Report) -> list[str]:
         med_s = median_of(rates[SOURCE])
         lines += ["", f"- source / plain replay: {fmt_ratio(med_s / plain_median if med_s and plain_median else None)}"
                   f" of the medians; per round {', '.join(per_round)}"]
+    lines += ["", "CPU per event (µs, user + system over the reader's measured time, median of the rounds): the "
+              "broker process, and the reader's side (source: the Spark JVM, its Python workers and planner, and "
+              "the driver; direct: this process; plain: not taken, a minimal raw client).", "",
+              "| reader | broker µs/event | reader side µs/event | total µs/event |", "|---|---:|---:|---:|"]
+    for kind in kinds:
+        broker = [rnd.cpu[kind][0] / rnd.n * 1e6 if kind in rnd.cpu and not rnd.problems[kind] else None
+                  for rnd in rounds]
+        reader = [c[1] / rnd.n * 1e6 if (c := rnd.cpu.get(kind)) and c[1] is not None and not rnd.problems[kind]
+                  else None for rnd in rounds]
+        total = [b + r if b is not None and r is not None else None for b, r in zip(broker, reader, strict=True)]
+        lines.append(f"| {kind} | {fmt_runs(broker)} | {fmt_runs(reader) if kind != PLAIN else 'n/a'} | "
+                     f"{fmt_runs(total) if kind != PLAIN else 'n/a'} |")
     details = [rnd.source_detail for rnd in rounds if rnd.source_detail]
     if details:
         phases = [k for k in details[0] if k not in ("batches", "rows", "total")]
         parts = [f"{phase} {fmt_s(median_of([d.get(phase) for d in details]))}" for phase in phases]
         in_batches = median_of([args.n / d["addBatch"] if d.get("addBatch") else None for d in details])
-        lines += [f"- source query, seconds per phase summed over its micro-batches (median of the rounds; "
+        lines += ["", f"- source query, seconds per phase summed over its micro-batches (median of the rounds; "
                   f"{fmt_number(median_of([d['batches'] for d in details]) or 0)} micro-batches, total "
                   f"{fmt_s(median_of([d['total'] for d in details]))} s): " + ", ".join(parts)
                   + "; 'outside triggers' is query start-up (and stop) before and after the micro-batches",
@@ -799,8 +863,11 @@ def run(args: argparse.Namespace, tmp: Path, info: dict[str, str], report: Repor
         if "audit" in args.only:
             run_audits(spark, args, tmp, report)
     finally:
-        spark.stop()
-        log("Spark stopped")
+        try:
+            spark.stop()
+            log("Spark stopped")
+        except Exception as exc:  # the JVM is gone already (it exits after an OutOfMemoryError)
+            report.note(f"spark.stop() failed: {first_line(exc)}")
     for name, folder in WATCHED.items():
         if changed := changed_files(at_start[name], source_fingerprint(folder)):
             report.note(f"the {name} source changed in the working tree during the run ({', '.join(changed)}); "
