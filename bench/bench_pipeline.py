@@ -220,33 +220,59 @@ def job_deadline(spark: Any, seconds: float, what: str) -> Iterator[None]:
 
 
 class CpuMeter:
-    """CPU seconds (user + system, every thread) of the broker, of Spark and of this process.
+    """CPU seconds (user + system, every thread) of the broker, of this process and of the others it started.
 
-    Spark is every other descendant of this process: the JVM, its Python workers and the data
-    source's planner (their reaped children included). CPU time is less sensitive than wall time to
-    the other load of a shared machine, and says which side of a reader does the work.
+    The others are Spark's: the JVM, its Python workers and the data source's planner. Sampled every
+    `interval` seconds while the block runs, per process, so processes that come and go within the
+    block are counted (up to their last sample). CPU time is less sensitive than wall time to the
+    other load of a shared machine, and says which side of a reader does the work.
     """
 
-    def __init__(self, broker_pid: int | None = None) -> None:
+    def __init__(self, broker_pid: int | None = None, interval: float = 0.1) -> None:
         self.broker_pid = broker_pid
+        self.interval = interval
         self.me = psutil.Process()
+        self.first: dict[tuple[int, float], float] = {}
+        self.last: dict[tuple[int, float], float] = {}
+        self._started = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+        self.broker = self.own = self.others = 0.0
 
-    def read(self) -> tuple[float, float, float]:
-        broker = spark = 0.0
-        for proc in self.me.children(recursive=True):
+    def _sample(self) -> None:
+        procs = [self.me]
+        with contextlib.suppress(psutil.Error):
+            procs += self.me.children(recursive=True)
+        for proc in procs:
             with contextlib.suppress(psutil.Error):
+                key = (proc.pid, proc.create_time())
                 t = proc.cpu_times()
-                used = t.user + t.system + t.children_user + t.children_system
-                if proc.pid == self.broker_pid:
-                    broker = t.user + t.system
-                elif self.broker_pid is None or self.broker_pid not in {p.pid for p in proc.parents()}:
-                    spark += used
-        own = self.me.cpu_times()
-        return broker, spark, own.user + own.system
+                used = t.user + t.system
+                self.first.setdefault(key, used if not self._started else 0.0)
+                self.last[key] = used
 
-    @staticmethod
-    def delta(before: tuple[float, float, float], after: tuple[float, float, float]) -> tuple[float, float, float]:
-        return after[0] - before[0], after[1] - before[1], after[2] - before[2]
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> CpuMeter:
+        self._sample()
+        self._started = True
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self._sample()
+        for key, used in self.last.items():
+            delta = used - self.first[key]
+            if key[0] == self.broker_pid:
+                self.broker += delta
+            elif key[0] == self.me.pid:
+                self.own += delta
+            else:
+                self.others += delta
 
 
 def context_stopped(spark: Any) -> bool:
@@ -281,14 +307,11 @@ def audit_once(spark: Any, args: argparse.Namespace, tmp: Path, label: str, *, t
         run.planted = f"{truth.lost:,} / {truth.duplicated:,} / {truth.out_of_order:,}"
         log(f"audit {label}: {logs.records:,} records ({devices:,} devices x {messages:,} messages, "
             f"{path.stat().st_size / 1e6:.0f} MB Parquet) written in {run.generate_s:.1f}s; auditing")
-        meter = CpuMeter()
-        cpu0 = meter.read()
         t0 = time.perf_counter()
-        with job_deadline(spark, args.job_timeout, f"audit {label}"):
+        with CpuMeter() as cpu, job_deadline(spark, args.job_timeout, f"audit {label}"):
             result = run_audit(spark, [str(path)], tmp / "audit" / label, "exactly-once")
         run.audit_s = time.perf_counter() - t0
-        _broker, spark_cpu, own_cpu = CpuMeter.delta(cpu0, meter.read())
-        run.cpu_s = spark_cpu + own_cpu
+        run.cpu_s = cpu.others + cpu.own
         run.problems += compare_with_truth(result, logs)
         log(f"audit {label}: {run.audit_s:.1f}s ({run.cpu_s:.1f} CPU s), {run.records / run.audit_s:,.0f} records/s; "
             f"{'counts = planted truth' if not run.problems else 'WRONG: ' + '; '.join(run.problems)}")
@@ -421,7 +444,7 @@ def wait_for_logs(opts: Any, rnd: StreamRound, timeout: float) -> None:
     raise BenchError(f"the stream logs hold {bounds} after {timeout:.0f}s, expected {rnd.counts}")
 
 
-def run_source(spark: Any, args: argparse.Namespace, meter: CpuMeter, port: int, rnd: StreamRound, *,
+def run_source(spark: Any, args: argparse.Namespace, broker_pid: int, rnd: StreamRound, *, port: int,
                folder: Path) -> None:
     """readStream -> Parquet with a checkpoint, AvailableNow; timed from start() to the query's end."""
     from pyspark.sql import functions as sf  # noqa: PLC0415
@@ -430,22 +453,23 @@ def run_source(spark: Any, args: argparse.Namespace, meter: CpuMeter, port: int,
     reader = (spark.readStream.format("amqtt-durable").option("host", HOST).option("port", str(port))
               .option("filter", f"bench/{rnd.label}/#"))
     problems = rnd.problems[SOURCE]
-    cpu0 = meter.read()
-    t0 = time.perf_counter()
-    query = (reader.load().writeStream.format("parquet").option("path", str(out))
-             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+    query = None
     try:
-        ended = query.awaitTermination(args.timeout)
-        elapsed = time.perf_counter() - t0
-        broker_cpu, spark_cpu, own_cpu = CpuMeter.delta(cpu0, meter.read())
+        with CpuMeter(broker_pid) as cpu:
+            t0 = time.perf_counter()
+            query = (reader.load().writeStream.format("parquet").option("path", str(out))
+                     .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+            ended = query.awaitTermination(args.timeout)  # raises the query's error, if it failed
+            elapsed = time.perf_counter() - t0
         if not ended:
             problems.append(f"the query did not end within {args.timeout:.0f}s")
             return
         progress = query.recentProgress
     finally:
-        query.stop()
+        if query is not None:
+            query.stop()
     rnd.seconds[SOURCE] = elapsed
-    rnd.cpu[SOURCE] = (broker_cpu, spark_cpu + own_cpu)
+    rnd.cpu[SOURCE] = (cpu.broker, cpu.others + cpu.own)
     rnd.source_detail = source_breakdown(progress, elapsed)
     with job_deadline(spark, args.job_timeout, "checking the source's Parquet"):
         rows = (spark.read.parquet(str(out)).groupBy("topic")
@@ -470,15 +494,15 @@ def source_breakdown(progress: list[Any], elapsed: float) -> dict[str, float]:
     return detail
 
 
-def run_plain(args: argparse.Namespace, meter: CpuMeter, port: int, rnd: StreamRound, *, sub_id: str,
+def run_plain(args: argparse.Namespace, broker_pid: int, rnd: StreamRound, *, port: int, sub_id: str,
               tag: bytes) -> None:
     spec = SubSpec(port, sub_id, Login(), False, tag, rnd.n, args.timeout, idle=args.idle, need_session=True,
                    cpus=tuple(args.client_cpus) if args.pin else None)
     with ClientProcess("plain subscriber", subscriber_main, spec) as sub:
         sub.expect("ready", CLIENT_START_S)
-        cpu0 = meter.read()
-        res: ReceiveResult = sub.expect("result", spec.timeout + RESULT_MARGIN_S)
-        rnd.cpu[PLAIN] = (CpuMeter.delta(cpu0, meter.read())[0], None)  # the subscriber's own CPU is not taken
+        with CpuMeter(broker_pid) as cpu:
+            res: ReceiveResult = sub.expect("result", spec.timeout + RESULT_MARGIN_S)
+    rnd.cpu[PLAIN] = (cpu.broker, None)  # the raw subscriber's own CPU is not taken
     rnd.plain = res
     problems = rnd.problems[PLAIN]
     if res.error:
@@ -489,20 +513,19 @@ def run_plain(args: argparse.Namespace, meter: CpuMeter, port: int, rnd: StreamR
         rnd.seconds[PLAIN] = (res.t_last_ns - res.t_connect_ns) / 1e9
 
 
-def run_direct(meter: CpuMeter, opts: Any, rnd: StreamRound) -> None:
+def run_direct(broker_pid: int, opts: Any, rnd: StreamRound) -> None:
     from durable_pipeline.source import IdRange, read_range  # noqa: PLC0415
 
     rows: dict[str, int] = {}
-    cpu0 = meter.read()
-    t0 = time.perf_counter()
-    for topic, count in rnd.counts.items():
-        ids = 0
-        for batch in read_range(opts, IdRange(topic, 0, count)):
-            ids += batch.num_rows
-        rows[topic] = ids
-    rnd.seconds[DIRECT] = time.perf_counter() - t0
-    broker_cpu, _spark, own_cpu = CpuMeter.delta(cpu0, meter.read())
-    rnd.cpu[DIRECT] = (broker_cpu, own_cpu)
+    with CpuMeter(broker_pid) as cpu:
+        t0 = time.perf_counter()
+        for topic, count in rnd.counts.items():
+            ids = 0
+            for batch in read_range(opts, IdRange(topic, 0, count)):
+                ids += batch.num_rows
+            rows[topic] = ids
+        rnd.seconds[DIRECT] = time.perf_counter() - t0
+    rnd.cpu[DIRECT] = (cpu.broker, cpu.own)
     if rows != rnd.counts:
         rnd.problems[DIRECT].append(f"read {rows}, expected {rnd.counts}")
 
@@ -530,17 +553,16 @@ def stream_round(spark: Any, args: argparse.Namespace, ctx: StreamCtx, label: st
         if rnd.publish.error or rnd.publish.acked < n:
             raise BenchError(f"publishing failed: {rnd.publish.error or rnd.publish.acked}")
         wait_for_logs(opts, rnd, 60.0)
-        meter = CpuMeter(broker.pid)
         log(f"round {label}: {n:,} events published over {len(topics)} topics at "
             f"{rnd.publish.ack_rate:,.0f} PUBACKs/s; order {', '.join(rnd.order)}")
         for kind in rnd.order:
             try:
                 if kind == SOURCE:
-                    run_source(spark, args, meter, broker.port, rnd, folder=ctx.tmp / "stream" / label)
+                    run_source(spark, args, broker.pid, rnd, port=broker.port, folder=ctx.tmp / "stream" / label)
                 elif kind == PLAIN:
-                    run_plain(args, meter, broker.port, rnd, sub_id=sub_id, tag=tag)
+                    run_plain(args, broker.pid, rnd, port=broker.port, sub_id=sub_id, tag=tag)
                 else:
-                    run_direct(meter, opts, rnd)
+                    run_direct(broker.pid, opts, rnd)
             except Exception as exc:
                 rnd.problems[kind].append(f"failed: {first_line(exc)}")
                 log(traceback.format_exc())
