@@ -1,14 +1,16 @@
 """The delivery audit (durable_pipeline.audit) on synthetic and hand-written delivery logs.
 
 Synthetic logs (durable_pipeline.synthetic) carry their own truth: the audit must find exactly
-the planted loss, duplicates and reordering per device. A hand-written log pins the semantics
-of docs/delivery-log.md one case at a time (multiset ids, subscription time, QoS 0,
-non-durable subscriptions, unknown ids, order per publisher). Bad inputs each get an
-AuditInputError naming the file or column, and exit status 2 from the CLI.
+the planted loss, duplicates and reordering per device, also when payloads repeat. Hand-written
+logs pin the semantics of docs/delivery-log.md one case at a time (multiset ids, subscription
+windows, QoS 0, non-durable subscriptions, unknown ids, order per publisher, repeated payloads
+and redeliveries). Bad inputs, and inputs that check nothing, each get an AuditInputError naming
+the file, column or reason, and exit status 2 from the CLI.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -18,18 +20,20 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from matplotlib.cbook import is_math_text
 
 from amqtt_durable.topics import matches
 from durable_pipeline.audit import AuditResult, DeviceStats, run_audit
 from durable_pipeline.cli import format_summary
 from durable_pipeline.errors import AuditInputError
+from durable_pipeline.report import chart_label, write_report
 from durable_pipeline.synthetic import SyntheticLogs, write_logs
 from durable_pipeline.topics import topic_filter_pairs
 
 pytestmark = pytest.mark.slow  # Spark: a JVM and Python workers, seconds per test
 
 CLI = [str(Path(sys.executable).with_name("durable-pipeline"))]
-FAULTS: dict[str, Any] = {"lose": 0.02, "duplicate": 0.01, "reorder": 0.02, "seed": 7}
+FAULTS: dict[str, Any] = {"lose": 0.02, "duplicate": 0.01, "reorder": 0.02, "repeat": 0.3, "seed": 7}
 
 
 def counts(stats: DeviceStats) -> tuple[int, ...]:
@@ -45,9 +49,47 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=110, check=False)
 
 
+def rec(kind: str, device: str, time: float, **fields: Any) -> dict[str, Any]:
+    return {"kind": kind, "device": device, "time": time, **fields}
+
+
+def sub(device: str, time: float, topic_filter: str, *, qos: int = 1, durable: bool = True) -> dict[str, Any]:
+    return rec("subscribe", device, time, topic=topic_filter, qos=qos, durable=durable)
+
+
+def send(time: float, topic: str, msg: str, device: str = "p", qos: int = 1) -> dict[str, Any]:
+    return rec("send", device, time, topic=topic, id=msg, qos=qos)
+
+
+def recv(
+    device: str,
+    time: float,
+    topic: str,
+    msg: str,
+    seq: int,
+    *,
+    replayed: bool = False,
+    redelivered: bool = False,
+    epoch: int = 1,
+) -> dict[str, Any]:
+    return rec(
+        "receive",
+        device,
+        time,
+        topic=topic,
+        id=msg,
+        qos=1,
+        replayed=replayed,
+        redelivered=redelivered,
+        seq=seq,
+        epoch=epoch,
+    )
+
+
 @pytest.fixture(scope="module")
 def faulty(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[SyntheticLogs, AuditResult]:
-    """6 devices x 200 messages with 2% lost, 1% duplicated, 2% reordered per device (JSON lines)."""
+    """6 devices x 200 messages with 2% lost, 1% duplicated, 2% reordered per device, 30% of the
+    payloads repeating an earlier one (JSON lines)."""
     folder = tmp_path_factory.mktemp("faulty")
     logs = write_logs(folder / "logs" / "fleet.jsonl", 6, 200, **FAULTS)
     return logs, run_audit(spark, [str(folder / "logs")], folder / "audit", "exactly-once")
@@ -64,6 +106,7 @@ def test_finds_planted_loss_duplicates_and_reordering_per_device(faulty: tuple[S
         assert stats.drain_max_s is not None and stats.replay_p99_ms is not None
     total = logs.total
     assert total.lost > 0 and total.duplicated > 0 and total.out_of_order > 0
+    assert total.repeated > 0 and total.repeated_lost > 0  # copies of a payload, some of them lost
     assert counts(result.total) == (
         total.expected,
         total.received,
@@ -143,15 +186,6 @@ def test_clean_run_holds_through_the_cli(tmp_path: Path) -> None:
 def test_semantics_on_a_hand_written_log(spark: Any, tmp_path: Path) -> None:
     """docs/delivery-log.md, case by case (see the comments)."""
 
-    def rec(kind: str, device: str, time: float, **fields: Any) -> dict[str, Any]:
-        return {"kind": kind, "device": device, "time": time, **fields}
-
-    def send(time: float, topic: str, msg: str, device: str = "p", qos: int = 1) -> dict[str, Any]:
-        return rec("send", device, time, topic=topic, id=msg, qos=qos)
-
-    def recv(device: str, time: float, topic: str, msg: str, seq: int, *, replayed: bool = False) -> dict[str, Any]:
-        return rec("receive", device, time, topic=topic, id=msg, qos=1, replayed=replayed, seq=seq, epoch=1)
-
     records = [
         rec("subscribe", "r1", 10.0, topic="s/+/t", qos=1, durable=True),
         rec("subscribe", "r2", 10.0, topic="s/#", qos=1, durable=False),  # non-durable: expects nothing
@@ -171,7 +205,7 @@ def test_semantics_on_a_hand_written_log(spark: Any, tmp_path: Path) -> None:
         recv("r1", 20.0, "s/a/t", "X", 4, replayed=True),
         recv("r1", 20.5, "s/a/t", "V", 5),
         recv("r1", 21.0, "s/a/t", "Y", 6, replayed=True),
-        recv("r1", 22.0, "s/a/t", "Y", 6),
+        recv("r1", 22.0, "s/a/t", "Y", 6, epoch=2),  # a new session: not the same delivery again
         recv("r1", 23.0, "s/a/t", "U", 7),  # no log sent U: unknown
         recv("r1", 24.0, "s/a/t", "Q0", 8),
         recv("r2", 20.0, "s/a/t", "X", 1),
@@ -192,6 +226,133 @@ def test_semantics_on_a_hand_written_log(spark: Any, tmp_path: Path) -> None:
     assert counts(r3) == (0, 0, 0, 0, 0, 0) and r3.replay_p50_ms is None and r3.drain_p50_s is None
     assert not result.ok and len(result.failures) == 3
     assert any("no log sent" in note for note in result.notes)
+
+
+def stats_by_device(result: AuditResult) -> dict[str, tuple[int, ...]]:
+    """(expected, received, lost, duplicated, out_of_order) per device."""
+    return {d.device: counts(d)[:5] for d in result.devices}
+
+
+def test_repeated_payloads_and_redeliveries(spark: Any, tmp_path: Path) -> None:
+    """The same payload sent more than once (a switch's ON and OFF): a receive repeating an earlier
+    receive's (topic, epoch, seq) is the same delivery again (a duplicate); the others pair with the
+    sends in time order, and order is judged on the pairs."""
+    records = []
+    for device in "abcdef":
+        records.append(sub(device, 10.0, f"sw/{device}"))
+        payloads = ["ON", "OFF", "ON", "OFF"] if device == "c" else ["ON", "OFF", "ON"]
+        records += [send(11.0 + i, f"sw/{device}", msg) for i, msg in enumerate(payloads)]
+    received = {
+        # ON, OFF, ON received ON, ON again (a broker redelivery: same epoch and seq), OFF, ON
+        "a": [("ON", 1, False), ("ON", 1, True), ("OFF", 2, False), ("ON", 3, False)],
+        "b": [("OFF", 1, False), ("ON", 2, False)],  # the first ON lost
+        "c": [("OFF", 1, False), ("ON", 2, False), ("OFF", 3, False)],  # ON, OFF, ON, OFF: the first ON lost
+        "d": [("ON", 1, False), ("OFF", 2, False)],  # the last ON lost
+        "e": [("OFF", 1, False), ("ON", 2, False), ("ON", 3, False)],  # one ON came after the other two
+        "f": [("ON", 0, False), ("OFF", 0, False), ("ON", 0, False)],  # raw events: seq 0 is no delivery id
+    }
+    for device, receives in received.items():
+        records += [
+            recv(device, 20.0 + i, f"sw/{device}", msg, seq, redelivered=again, epoch=0 if device == "f" else 1)
+            for i, (msg, seq, again) in enumerate(receives)
+        ]
+    # stream events (epoch 0): seq is per stream topic, the same seq on two topics is two deliveries
+    records += [sub("g", 10.0, "st/#"), send(11.0, "st/1", "X"), send(11.0, "st/2", "Y")]
+    records += [recv("g", 20.0, "st/1", "X", 5, epoch=0), recv("g", 20.0, "st/2", "Y", 5, epoch=0)]
+    result = run_audit(spark, [str(write_jsonl(tmp_path / "log.jsonl", records))], tmp_path / "audit", "exactly-once")
+    assert stats_by_device(result) == {
+        "a": (3, 4, 0, 1, 0),
+        "b": (3, 2, 1, 0, 0),
+        "c": (4, 3, 1, 0, 0),
+        "d": (3, 2, 1, 0, 0),
+        "e": (3, 3, 0, 0, 1),
+        "f": (3, 3, 0, 0, 0),
+        "g": (2, 2, 0, 0, 0),
+    }
+
+
+def test_subscription_windows(spark: Any, tmp_path: Path) -> None:
+    """A subscription expects sends until its unsubscribe, the device's session_end or a change to
+    non-durable; a later subscribe opens a new window."""
+    records = [
+        # w1: subscribed, unsubscribed, subscribed again: the send in between is not expected
+        sub("w1", 10.0, "w/1"),
+        send(11.0, "w/1", "A"),
+        rec("unsubscribe", "w1", 12.0, topic="w/1"),
+        send(13.0, "w/1", "B"),
+        sub("w1", 14.0, "w/1"),
+        send(15.0, "w/1", "C"),
+        recv("w1", 20.0, "w/1", "A", 1),
+        recv("w1", 21.0, "w/1", "C", 2),
+        # w2: the session ended (every window of the device closes), then subscribed anew
+        sub("w2", 10.0, "w/2/#"),
+        send(11.0, "w/2/t", "A"),
+        rec("session_end", "w2", 12.0),
+        send(13.0, "w/2/t", "B"),  # not expected; received anyway: not a duplicate
+        sub("w2", 14.0, "w/2/#"),
+        send(15.0, "w/2/t", "C"),  # expected and lost
+        recv("w2", 20.0, "w/2/t", "A", 1),
+        recv("w2", 21.0, "w/2/t", "B", 1, epoch=2),
+        # w3: the same filter made non-durable (a stateless client) then durable again
+        sub("w3", 10.0, "w/3"),
+        send(11.0, "w/3", "A"),
+        sub("w3", 12.0, "w/3", durable=False),
+        send(13.0, "w/3", "B"),
+        sub("w3", 14.0, "w/3"),
+        send(15.0, "w/3", "C"),
+        recv("w3", 20.0, "w/3", "A", 1),
+        recv("w3", 21.0, "w/3", "C", 2),
+        # w4: unsubscribing one filter leaves the other matching filter's window open
+        sub("w4", 10.0, "w/4/+"),
+        sub("w4", 10.0, "w/4/#"),
+        rec("unsubscribe", "w4", 12.0, topic="w/4/+"),
+        send(13.0, "w/4/t", "A"),  # expected (w/4/#) and lost
+        # w5: a session end is not another device's
+        sub("w5", 10.0, "w/5"),
+        send(11.0, "w/5", "A"),
+        rec("session_end", "w5", 12.0),
+        send(13.0, "w/5", "B"),
+        recv("w5", 20.0, "w/5", "A", 1),
+        sub("w6", 10.0, "w/5"),
+        recv("w6", 20.0, "w/5", "A", 1),
+        recv("w6", 21.0, "w/5", "B", 2),
+    ]
+    result = run_audit(spark, [str(write_jsonl(tmp_path / "log.jsonl", records))], tmp_path / "audit", "exactly-once")
+    assert stats_by_device(result) == {
+        "w1": (2, 2, 0, 0, 0),
+        "w2": (2, 2, 1, 0, 0),
+        "w3": (2, 2, 0, 0, 0),
+        "w4": (1, 0, 1, 0, 0),
+        "w5": (1, 1, 0, 0, 0),
+        "w6": (2, 2, 0, 0, 0),
+    }
+
+
+def test_chart_labels_escape_mathtext(tmp_path: Path) -> None:
+    """Device ids are client ids: '$' or '\\' in them must not be read as matplotlib mathtext."""
+    names = ["price$\\x$", "a\\$b$", "$$", "plain"]
+    for name in names:
+        label = chart_label(name)
+        assert not is_math_text(label) and label.replace("\\$", "$") == name
+    devices = [DeviceStats(name, 2, 1, 1, 0, 0, 0, 0, None, None, None, None, None) for name in names]
+    total = DeviceStats("ALL", 8, 4, 4, 0, 0, 0, 0, None, None, None, None, None)
+    result = AuditResult(
+        ok=False,
+        expect="exactly-once",
+        check_order=True,
+        total=total,
+        devices=devices,
+        latency_bins=[],
+        records=16,
+        inputs=["logs"],
+        failures=["4 of 8 expected messages never received (4 devices)"],
+        notes=[],
+        summary_path=tmp_path / "summary.parquet",
+        report_path=tmp_path / "report.html",
+    )
+    for chart in write_report(result, tmp_path):
+        assert chart.read_bytes().startswith(b"\x89PNG")
+    assert "price$\\x$" in result.report_path.read_text()
 
 
 def test_topic_filter_matching_agrees_with_the_broker(spark: Any) -> None:
@@ -271,6 +432,29 @@ def test_no_records_and_no_subscriptions(spark: Any, tmp_path: Path) -> None:
     assert "hold no records" in audit_error(spark, tmp_path, empty)
     only_sends = write_jsonl(tmp_path / "sends.jsonl", good_records()[1:2])
     assert "no subscribe records" in audit_error(spark, tmp_path, only_sends)
+
+
+def test_inputs_that_check_nothing(spark: Any, tmp_path: Path) -> None:
+    """No send records, or no send any subscription expected: an audit that checked nothing must not pass."""
+    no_sends = write_jsonl(tmp_path / "nosends.jsonl", [good_records()[0], good_records()[2]])
+    assert "no send records: was the publisher's delivery_log written?" in audit_error(spark, tmp_path, no_sends)
+    late = write_jsonl(tmp_path / "late.jsonl", [{**good_records()[0], "time": 2.5}, *good_records()[1:]])
+    message = audit_error(spark, tmp_path, late)
+    assert "nothing was expected" in message and "1 send" in message
+
+
+def test_unreadable_gzip_and_out_a_file(spark: Any, tmp_path: Path) -> None:
+    """Spark's read error names the file (not a Py4J call); --out naming a file is an input error."""
+    packed = gzip.compress("".join(json.dumps(r) + "\n" for r in good_records() * 50).encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed[: len(packed) // 2])
+    message = audit_error(spark, tmp_path, cut)
+    assert f"{cut} cannot be read" in message and "collectToPython" not in message, message
+    good = write_jsonl(tmp_path / "good.jsonl", good_records())
+    out = tmp_path / "out.txt"
+    out.write_text("not a folder\n")
+    with pytest.raises(AuditInputError, match="is not a folder"):
+        run_audit(spark, [str(good)], out, "exactly-once")
 
 
 def test_cli_exit_2_on_bad_input(tmp_path: Path) -> None:

@@ -14,10 +14,12 @@ skips records can report "nothing lost" about records it never read.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -56,13 +58,14 @@ COLUMNS: tuple[tuple[str, DataType], ...] = (
     ("session_present", BooleanType()),
     ("replayed_count", LongType()),
 )
-KINDS = ("send", "receive", "subscribe", "connect", "live")
+KINDS = ("send", "receive", "subscribe", "unsubscribe", "session_end", "connect", "live")
 REQUIRED_ALWAYS = ("kind", "device", "time")
 """Every record has these (and a Parquet file must have the columns)."""
 REQUIRED_BY_KIND: dict[str, tuple[str, ...]] = {
     "send": ("topic", "id"),
     "receive": ("topic", "id"),
     "subscribe": ("topic",),
+    "unsubscribe": ("topic",),
 }
 """What the audit cannot do without for a record of that kind; the other columns are optional."""
 
@@ -177,11 +180,40 @@ def read_logs(spark: SparkSession, inputs: Sequence[str]) -> DeliveryLogs:
         raise
     except Exception as exc:
         frame.unpersist()
-        if "FAILED_READ_FILE" in str(exc):  # e.g. a Parquet data page damaged behind a sound footer
-            first = str(exc).strip().splitlines()[0]
-            raise AuditInputError(f"a delivery-log file cannot be read: {first}") from exc
+        unreadable = _unreadable_file(str(exc))
+        if unreadable:  # a broken .gz, a Parquet data page damaged behind a sound footer
+            raise AuditInputError(unreadable) from exc
         raise
     return DeliveryLogs(records=frame.drop(CORRUPT, FILE), files=files, kinds=kinds)
+
+
+def _unreadable_file(error: str) -> str | None:
+    """The message for Spark's FAILED_READ_FILE error (the file, the cause), or None for another error.
+
+    Spark's error text starts with the Py4J call (``An error occurred while calling o326...``),
+    which tells a reader nothing; the file is in the FAILED_READ_FILE line, the reason in the
+    first ``Caused by:`` line of the Java trace.
+    """
+    line = next((text for text in error.splitlines() if "FAILED_READ_FILE" in text), None)
+    if line is None:
+        return None
+    found = _FAILED_READ.search(line)
+    cause = _CAUSE.search(error)
+    why = f" ({cause.group(1).strip()})" if cause else ""
+    if found is None:
+        return f"a delivery-log file cannot be read{why}: {line.strip()}"
+    path = found.group("path")
+    if path.startswith("file:"):
+        path = unquote(urlparse(path).path)
+    return (
+        f"{path} cannot be read{why}: it may be truncated, still being written or not what its name says "
+        "(a .gz that is not gzip); rewrite it or leave it out"
+    )
+
+
+_FAILED_READ = re.compile(r"reading file (?P<path>.+?)\.?(?:\s+SQLSTATE|\s*$)")
+"""Spark 4: ``[FAILED_READ_FILE.NO_HINT] Encountered error while reading file file:///x.jsonl.gz.  SQLSTATE: KD001``"""
+_CAUSE = re.compile(r"Caused by: ([^\n]+)")
 
 
 def _read_json(spark: SparkSession, paths: list[str]) -> DataFrame:
@@ -337,7 +369,8 @@ def _raise_missing(rows: list[Row], names: list[tuple[str, str]]) -> None:
             "records without a required column, by file (column: records lacking it): "
             + "; ".join(problems[:MAX_LISTED])
             + more
-            + ". Every record needs kind, device and time; send and receive need topic and id, subscribe needs topic"
+            + ". Every record needs kind, device and time; send and receive need topic and id, subscribe and "
+            "unsubscribe need topic"
         )
 
 

@@ -57,6 +57,17 @@ def cell(stats: DeviceStats, name: str) -> str:
     return str(value)
 
 
+def chart_label(text: str) -> str:
+    """``text`` as matplotlib shows it verbatim: every ``$`` escaped, so no pair of them starts mathtext.
+
+    A device id is a client id and may hold ``$`` or ``\\``; unescaped, ``a$\\x$`` would be parsed
+    as mathtext and fail the chart (unknown symbol). With no unescaped ``$`` left matplotlib shows
+    the text as it is (a ``\\`` outside mathtext is a plain character) and turns each ``\\$`` back
+    into ``$``.
+    """
+    return text.replace("$", r"\$")
+
+
 def _figure() -> tuple[Figure, Axes]:
     """A Figure without pyplot: no global state, and savefig renders with Agg (no display needed)."""
     figure = Figure(figsize=(8, 4.2), dpi=100)
@@ -95,7 +106,7 @@ def _loss_chart(result: AuditResult, path: Path) -> Path:
     fig, ax = _figure()
     devices = sorted(result.devices, key=lambda d: (-d.lost, d.device))[:MAX_DEVICES_CHARTED]
     if devices:
-        names = [d.device for d in devices]
+        names = [chart_label(d.device) for d in devices]
         ax.bar(names, [d.lost for d in devices], color="#c44e52", label="lost")
         ax.bar(
             names,
@@ -157,7 +168,8 @@ tr:nth-child(2) {{ font-weight: bold; }}
 <h2>Charts</h2>
 {images}
 <p>Definitions: docs/delivery-log.md, "What the audit computes". Expected = QoS&ge;1 sends on a topic a
-durable QoS&ge;1 subscription matched, sent at or after it; duplicated = received more often than sent;
+durable QoS&ge;1 subscription matched while it was open (from its subscribe to an unsubscribe or the
+session's end); duplicated = the same delivery processed again, or received more often than sent;
 out of order = received after a message sent later on the same topic by the same publisher;
 unknown = received but sent by no log.</p>
 </body></html>
