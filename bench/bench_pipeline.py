@@ -283,8 +283,15 @@ def context_stopped(spark: Any) -> bool:
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
+    """The exception's first line, and its context's (an error while handling the first can hide it)."""
+    parts: list[str] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(parts) < 3:
+        lines = [line.strip(": ") for line in str(seen).strip().splitlines() if line.strip(": ")]
+        java = next((line for line in lines[1:] if "Exception" in line or "Error" in line), "")
+        parts.append(f"{type(seen).__name__}: {lines[0] if lines else ''}" + (f" [{java[:200]}]" if java else ""))
+        seen = seen.__context__
+    return " <- while handling: ".join(parts)[:700]
 
 
 # --------------------------------------------------------------------------- 1. audit
