@@ -31,7 +31,7 @@ test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m 'not slow'
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check plugin client_sdk pipeline tests bench examples
+	$(VENV)/bin/ruff check plugin client_sdk pipeline fleet tests bench examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
