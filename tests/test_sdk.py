@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ import pytest
 
 from conftest import WAIT, Broker, Client, payloads
 from durable_client import DurableClient, Event, Marker, Unconnected
+from durable_client.delivery_log import message_id
+from durable_client.persistence import DiskState
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = ROOT / "tests" / "sdk_child.py"
@@ -295,6 +298,38 @@ def test_exactly_once_across_an_sdk_process_sigkill_with_disk_persistence(
     assert out.read_bytes().splitlines() == payloads(total)[:250], "processed up to the crash"
     finished = child()
     assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert out.read_bytes().splitlines() == payloads(total), "each event processed exactly once, in order"
+
+
+def test_exactly_once_in_the_delivery_log_across_a_sigkill_between_its_record_and_the_mark(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    total, kill = 60, 30
+    state, out, log = tmp_path / "state", tmp_path / "processed.txt", tmp_path / "logs" / "device.jsonl"
+    queue_backlog(sdk, broker, "dev-logged", "work", persistence="disk", state_dir=state)
+    clients(broker.port, "pub", clean_session=True).publish("work", payloads(total))
+
+    def child(*extra: str) -> subprocess.CompletedProcess[str]:
+        args = [sys.executable, str(CHILD), str(broker.port), "dev-logged", str(state), str(out), str(total)]
+        args += ["--delivery-log", str(log), *extra]
+        return subprocess.run(args, capture_output=True, text=True, timeout=4 * WAIT, check=False)
+
+    def receives() -> list[dict[str, Any]]:
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        return [r for r in records if r["kind"] == "receive"]
+
+    crashed = child("--kill-after-log-at", payloads(total)[kill].decode())
+    assert crashed.returncode == -9, crashed.stderr
+    last = receives()[-1]
+    assert last["id"] == message_id("work", payloads(total)[kill])
+    with closing(DiskState(state, "dev-logged")) as marks:
+        assert marks.get_mark(last["epoch"]) < last["seq"], "killed between the record and its mark"
+    finished = child()
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "duplicates_dropped=0" not in finished.stdout, "the broker sent the unmarked event again"
+    assert [r["id"] for r in receives()] == [message_id("work", p) for p in payloads(total)], (
+        "the delivery log holds each event once, in order"
+    )
     assert out.read_bytes().splitlines() == payloads(total), "each event processed exactly once, in order"
 
 

@@ -30,7 +30,7 @@ from ._receiver import Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
 from .backoff import Backoff
 from .cache import LastValueCache
-from .delivery_log import DeliveryLog
+from .delivery_log import DeliveryLog, reconcile
 from .errors import ConnectFailed, ControlRequestFailed, DurableClientError, RequestTimeout, Unconnected
 from .events import ConnectionInfo, Listener, PersistenceLevel, Stats, StreamBounds
 from .persistence import open_state
@@ -102,7 +102,10 @@ class DurableClient:
         ``durable_session=False`` makes a stateless client: no session on the broker, raw
         messages, only streams resume (from the positions this client keeps).
         ``delivery_log=PATH`` appends a JSON line per send, processed event, subscription,
-        connection and marker (docs/delivery-log.md), for ``durable-pipeline audit``.
+        connection and marker (docs/delivery-log.md), for ``durable-pipeline audit``. With
+        ``persistence="disk"`` its ``receive`` records also count as processed: on start the
+        client advances its marks to what the log's tail shows processed, so a process killed
+        between an event's record and its mark does not process (nor log) that event again.
         """
         if not isinstance(client_id, str) or not client_id:
             raise ValueError("client_id must be a non-empty string: the broker finds the durable session by it")
@@ -129,6 +132,8 @@ class DurableClient:
         """Newest value per topic (GemFire client-cache rules); readable while disconnected."""
         self._state = open_state(persistence, client_id, state_dir, self._persistence_fell_back)
         self._registry = Registry()
+        if delivery_log is not None:
+            reconcile(self._state, delivery_log, client_id)  # before the log is opened (and maybe created)
         self._delivery_log = DeliveryLog(delivery_log, client_id) if delivery_log is not None else None
         """docs/delivery-log.md: what was sent and processed, for ``durable-pipeline audit``."""
         self._receiver = Receiver(
