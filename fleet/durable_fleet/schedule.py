@@ -1,0 +1,313 @@
+"""The fault schedule of a fleet run: drawn at random from a seed, or read from a YAML/JSON script.
+
+A random run can be written out with ``dump_schedule`` and replayed as a script, so a failure
+found by a seed can be reproduced, trimmed and kept as a regression case.
+
+Script format (``at``: when, after the publishers start; ``for``: how long the fault lasts)::
+
+    faults:
+      - {at: 5s, kind: drop, device: dev-003, for: 2s}
+      - {at: 12, kind: stall, device: all, for: 40s}
+      - {at: 20s, kind: broker_kill, for: 1s}
+      - {at: 30s, kind: device_restart, device: dev-010, for: 500ms}
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import re
+from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, cast
+
+import yaml
+
+from .model import ALL_DEVICES, FAULT_KINDS, Fault, FaultKind
+
+DEFAULT_START = 5.0
+"""No fault in the first seconds: every device is connected and subscribed before the first one."""
+DEFAULT_QUIET_TAIL = 15.0
+"""No fault in the last seconds: devices reconnect (with backoff) and drain their queues, so the
+audit judges a healed fleet, not one caught mid-fault."""
+ALL_SHARE = 0.2
+"""Share of the random drops and stalls that hit every device at once."""
+FIXED_DURATIONS: dict[str, tuple[float, float]] = {
+    "drop": (0.5, 3.0),
+    "broker_kill": (0.5, 2.0),
+    "device_restart": (0.2, 2.0),
+}
+"""Random down times (seconds) per kind; a stall's depends on the keep-alive (STALL_KEEPALIVES)."""
+STALL_KEEPALIVES = (1.5, 2.5)
+"""A random stall lasts this many keep-alives: past 1.5x the broker drops the silent client, so the
+stall is a real one both peers notice, not a pause they ride out."""
+KILL_SPACING = " (taken 3x: a broker kill keeps its down time free before and after it)"
+SCRIPT_KEYS = ("at", "kind", "device", "for")
+
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|h|m|s)")
+_DURATION_HELP = "use seconds (12, 1.5) or numbers with units: 500ms, 30s, 10m, 1h, 1m30s"
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be run, with where it went wrong: the file, the fault (1-based, in
+    file order) and the field, so the script's author can go straight to the line."""
+
+    def __init__(self, what: str, *, path: Path | None = None, fault: int | None = None, field: str | None = None):
+        self.path = path
+        self.fault = fault
+        self.field = field
+        where = [str(path)] if path is not None else []
+        if fault is not None:
+            where.append(f"fault {fault}")
+        if field is not None:
+            where.append(field)
+        super().__init__(": ".join([*where, what]))
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from a number (12, 1.5) or text with units ("500ms", "30s", "10m", "1h", "1m30s")."""
+    if isinstance(text, bool) or not isinstance(text, str | int | float):
+        raise ValueError(f"not a duration: {text!r} ({_DURATION_HELP})")
+    if isinstance(text, str):
+        stripped = text.strip()
+        if not stripped:
+            raise ValueError(f"empty duration ({_DURATION_HELP})")
+        try:
+            seconds = float(stripped)
+        except ValueError:
+            seconds = _parse_units(stripped)
+    else:
+        seconds = float(text)
+    if not math.isfinite(seconds):
+        raise ValueError(f"not a duration: {text!r} (must be finite)")
+    if seconds < 0:
+        raise ValueError(f"negative duration: {text!r}")
+    return seconds
+
+
+def _parse_units(text: str) -> float:
+    """``1m30s``: number-unit parts, each unit once and the larger first, so a typo such as
+    ``30s1m`` or ``1m1m`` is reported instead of being added up."""
+    if text.startswith("-"):
+        raise ValueError(f"negative duration: {text!r}")
+    parts = _PART.findall(text)
+    if not parts or "".join(number + unit for number, unit in parts) != text:
+        raise ValueError(f"not a duration: {text!r} ({_DURATION_HELP})")
+    scales = [_UNITS[unit] for _, unit in parts]
+    if any(later >= earlier for earlier, later in itertools.pairwise(scales)):
+        raise ValueError(f"not a duration: {text!r} (each unit once, the largest first: 1h2m3s)")
+    return sum(float(number) * _UNITS[unit] for number, unit in parts)
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` as the script writes it ("5s", "1.234s"): exact, so a dumped schedule loads back equal."""
+    return format(Decimal(repr(float(seconds))).normalize(), "f") + "s"
+
+
+def random_schedule(
+    seed: int,
+    *,
+    duration: float,
+    devices: Sequence[str],
+    counts: Mapping[FaultKind, int],
+    keepalive: float,
+    start: float = DEFAULT_START,
+    quiet_tail: float = DEFAULT_QUIET_TAIL,
+) -> list[Fault]:
+    """``counts`` faults of each kind drawn from ``random.Random(seed)``, sorted by time.
+
+    The window rule: every fault starts and ends inside ``[start, duration - quiet_tail]``, so
+    the run's last ``quiet_tail`` seconds are fault-free and the run ends healed. Each kind is
+    stratified on its own: the window is cut into one slot per fault of that kind and each
+    fault lies wholly in its slot, so faults spread over the run and faults of one kind never
+    overlap (faults of different kinds may: a drop during a broker kill is a case too). A
+    broker kill also keeps its own down time free before and after it inside its slot, so two
+    kills are apart by at least the sum of their down times. Times are whole milliseconds.
+    """
+    if not keepalive > 0:
+        raise ValueError(f"keepalive must be more than 0 seconds, got {keepalive!r}")
+    unknown = sorted(set(counts) - set(FAULT_KINDS))
+    if unknown:
+        raise ScheduleError(f"unknown fault kind(s) {', '.join(map(repr, unknown))} (valid: {', '.join(FAULT_KINDS)})")
+    negative = {kind: n for kind, n in counts.items() if n < 0}
+    if negative:
+        raise ScheduleError(f"fault counts must be 0 or more, got {negative}")
+    if not devices and any(counts.get(kind, 0) for kind in ("drop", "stall", "device_restart")):
+        raise ScheduleError("drop, stall and device_restart faults need at least one device")
+    rng = random.Random(seed)
+    first_ms = math.ceil(start * 1000)
+    last_ms = math.floor((duration - quiet_tail) * 1000)
+    faults: list[Fault] = []
+    for kind in cast("tuple[FaultKind, ...]", FAULT_KINDS):
+        count = counts.get(kind, 0)
+        if count == 0:
+            continue
+        low, high = _duration_range(kind, keepalive)
+        share = 3 if kind == "broker_kill" else 1  # a kill's slot holds: quiet, down, quiet
+        slot_ms = (last_ms - first_ms) // count
+        longest_ms = min(math.floor(high * 1000), slot_ms // share)
+        shortest_ms = math.ceil(low * 1000)
+        if longest_ms < shortest_ms:
+            raise ScheduleError(
+                f"the fault window [{start:g}s, {duration:g}s - quiet tail {quiet_tail:g}s] is "
+                f"{max(last_ms - first_ms, 0) / 1000:g}s: too short for {count} {kind} fault(s) of at least "
+                f"{shortest_ms / 1000:g}s each{KILL_SPACING if share == 3 else ''}; "
+                f"it needs at least {count * share * shortest_ms / 1000:g}s"
+            )
+        for slot in range(count):
+            down_ms = rng.randint(shortest_ms, longest_ms)
+            pad_ms = down_ms if kind == "broker_kill" else 0
+            slot_start = first_ms + slot * slot_ms
+            at_ms = rng.randint(slot_start + pad_ms, slot_start + slot_ms - down_ms - pad_ms)
+            faults.append(Fault(at_ms / 1000, kind, _random_target(rng, kind, devices), down_ms / 1000))
+    return sorted(faults, key=lambda f: (f.at, FAULT_KINDS.index(f.kind)))
+
+
+def _duration_range(kind: FaultKind, keepalive: float) -> tuple[float, float]:
+    if kind == "stall":
+        return STALL_KEEPALIVES[0] * keepalive, STALL_KEEPALIVES[1] * keepalive
+    return FIXED_DURATIONS[kind]
+
+
+def _random_target(rng: random.Random, kind: FaultKind, devices: Sequence[str]) -> str | None:
+    if kind == "broker_kill":
+        return None
+    if kind != "device_restart" and rng.random() < ALL_SHARE:
+        return ALL_DEVICES
+    return rng.choice(devices)
+
+
+def load_schedule(path: Path, *, devices: Sequence[str], duration: float) -> list[Fault]:
+    """The faults of a YAML or JSON script (JSON is YAML), validated against the fleet and the
+    run's duration, sorted by ``at``; any mistake is a ScheduleError naming file, fault and field."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ScheduleError(f"cannot read the schedule: {exc.strerror or exc}", path=path) from exc
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        try:
+            document = json.loads(text)  # JSON is YAML, except for tab indentation (json.dump(indent="\t"))
+        except ValueError:
+            raise ScheduleError(f"not YAML or JSON: {exc}", path=path) from exc
+    if not isinstance(document, dict) or not isinstance(document.get("faults"), list):
+        raise ScheduleError(
+            "expected a mapping with a 'faults' list, e.g. faults: [{at: 5s, kind: drop, ...}]", path=path
+        )
+    extra = sorted(str(key) for key in document if key != "faults")
+    if extra:
+        raise ScheduleError(f"unknown top-level key(s) {', '.join(map(repr, extra))} (only 'faults')", path=path)
+    faults = [_load_fault(entry, path, index, devices, duration) for index, entry in enumerate(document["faults"], 1)]
+    _check_overlaps(faults, path)
+    return sorted(faults, key=lambda f: f.at)
+
+
+def _load_fault(entry: Any, path: Path, index: int, devices: Sequence[str], duration: float) -> Fault:
+    def error(what: str, field: str | None = None) -> ScheduleError:
+        return ScheduleError(what, path=path, fault=index, field=field)
+
+    if not isinstance(entry, dict):
+        raise error(f"expected a mapping such as {{at: 5s, kind: drop, device: dev-1, for: 2s}}, got {entry!r}")
+    extra = sorted(str(key) for key in entry if key not in SCRIPT_KEYS)
+    if extra:
+        raise error(f"unknown key(s) {', '.join(map(repr, extra))} (valid: {', '.join(SCRIPT_KEYS)})")
+    for field in ("kind", "at", "for"):
+        if field not in entry:
+            raise error("missing", field)
+    kind = entry["kind"]
+    if kind not in FAULT_KINDS:
+        raise error(f"unknown kind {kind!r} (valid: {', '.join(FAULT_KINDS)})", "kind")
+    times: dict[str, float] = {}
+    for field in ("at", "for"):
+        try:
+            times[field] = parse_duration(entry[field])
+        except ValueError as exc:
+            raise error(str(exc), field) from exc
+    if times["for"] == 0:
+        raise error("must be more than 0", "for")
+    end = times["at"] + times["for"]
+    if end > duration:
+        raise error(
+            f"the fault ends at {end:g}s, after the run's duration of {duration:g}s (it must heal before the end)",
+            "for",
+        )
+    return Fault(times["at"], kind, _load_target(entry, kind, devices, error), times["for"])
+
+
+def _load_target(
+    entry: dict[str, Any],
+    kind: FaultKind,
+    devices: Sequence[str],
+    error: Callable[[str, str], ScheduleError],
+) -> str | None:
+    if kind == "broker_kill":
+        if "device" in entry:
+            raise error("a broker_kill hits the broker, not a device: remove 'device'", "device")
+        return None
+    if "device" not in entry:
+        raise error(f"missing (a {kind} needs the device it hits)", "device")
+    device = entry["device"]
+    if device == ALL_DEVICES:
+        if kind == "device_restart":
+            raise error(f"a device_restart restarts one device's process: name a device, not {ALL_DEVICES!r}", "device")
+        return ALL_DEVICES
+    if not isinstance(device, str) or device not in devices:
+        naming = (
+            f"the fleet's {len(devices)} devices are {devices[0]} .. {devices[-1]}"
+            if devices
+            else "the fleet has no devices"
+        )
+        valid = f"; or {ALL_DEVICES!r} for all of them" if kind != "device_restart" else ""
+        raise error(f"unknown device {device!r} ({naming}{valid})", "device")
+    return device
+
+
+def _check_overlaps(faults: list[Fault], path: Path) -> None:
+    """Faults of one kind on a common device must not overlap: the first one's restore (link
+    back, process started) would end the second early. Broker kills always share the broker."""
+    ordered = sorted(enumerate(faults, 1), key=lambda item: item[1].at)
+    for position, (number, fault) in enumerate(ordered):
+        for earlier_number, earlier in ordered[:position]:
+            if (
+                earlier.kind == fault.kind
+                and _share_target(earlier, fault)
+                and fault.at < earlier.at + earlier.duration
+            ):
+                on = "the broker" if fault.kind == "broker_kill" else "one device"
+                raise ScheduleError(
+                    f"starts during fault {earlier_number} ({_describe(earlier)}): "
+                    f"two {fault.kind} faults on {on} at once",
+                    path=path,
+                    fault=number,
+                    field="at",
+                )
+
+
+def _share_target(a: Fault, b: Fault) -> bool:
+    return a.target is None or a.target == b.target or ALL_DEVICES in (a.target, b.target)
+
+
+def _describe(fault: Fault) -> str:
+    target = f" on {fault.target}" if fault.target is not None else ""
+    return f"{fault.kind}{target} at {format_duration(fault.at)} for {format_duration(fault.duration)}"
+
+
+def dump_schedule(faults: Sequence[Fault], path: Path) -> None:
+    """Write ``faults`` as a script ``load_schedule`` reads back equal: a random run, replayable."""
+    entries: list[dict[str, str]] = []
+    for fault in faults:
+        entry = {"at": format_duration(fault.at), "kind": fault.kind}
+        if fault.target is not None:
+            entry["device"] = fault.target
+        entry["for"] = format_duration(fault.duration)
+        entries.append(entry)
+    text = yaml.safe_dump({"faults": entries}, sort_keys=False, default_flow_style=None, width=1_000_000)
+    path.write_text(
+        "# amqtt-durable fleet fault schedule. at: time after the publishers start; for: how long it lasts\n" + text,
+        encoding="utf-8",
+    )
