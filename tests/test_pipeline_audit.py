@@ -3,9 +3,9 @@
 Synthetic logs (durable_pipeline.synthetic) carry their own truth: the audit must find exactly
 the planted loss, duplicates and reordering per device, also when payloads repeat. Hand-written
 logs pin the semantics of docs/delivery-log.md one case at a time (multiset ids, subscription
-windows, QoS 0, non-durable subscriptions, unknown ids, order per publisher, repeated payloads
-and redeliveries). Bad inputs, and inputs that check nothing, each get an AuditInputError naming
-the file, column or reason, and exit status 2 from the CLI.
+windows, QoS 0 with and without count_qos0, non-durable subscriptions, unknown ids, order per
+publisher, repeated payloads and redeliveries). Bad inputs, and inputs that check nothing, each
+get an AuditInputError naming the file, column or reason, and exit status 2 from the CLI.
 """
 
 from __future__ import annotations
@@ -328,6 +328,50 @@ def test_subscription_windows(spark: Any, tmp_path: Path) -> None:
     }
 
 
+def qos0_records() -> list[dict[str, Any]]:
+    """QoS 0 sends (some not received) to a QoS 1, a QoS 0 and a non-durable subscription."""
+    return [
+        sub("r1", 10.0, "q/t"),
+        sub("r0", 10.0, "q/t", qos=0),  # opens a window only with count_qos0
+        sub("rn", 10.0, "q/t", qos=0, durable=False),  # non-durable: expects nothing either way
+        send(11.0, "q/t", "Q1", qos=0),
+        send(12.0, "q/t", "Q2", qos=0),
+        send(13.0, "q/t", "Q3", qos=0),
+        send(14.0, "q/t", "A"),
+        recv("r1", 20.0, "q/t", "Q1", 1),
+        recv("r1", 21.0, "q/t", "A", 2),
+        recv("r0", 20.0, "q/t", "Q2", 1),
+        recv("r0", 21.0, "q/t", "A", 2),
+        recv("rn", 20.0, "q/t", "Q1", 1),
+    ]
+
+
+def test_qos0_is_expected_only_when_counted(spark: Any, tmp_path: Path) -> None:
+    """Without count_qos0 QoS 0 promises nothing; with it, the QoS 0 sends not received are lost."""
+    log = str(write_jsonl(tmp_path / "qos0.jsonl", qos0_records()))
+    plain = run_audit(spark, [log], tmp_path / "plain", "exactly-once")
+    assert stats_by_device(plain) == {"r0": (0, 2, 0, 0, 0), "r1": (1, 2, 0, 0, 0), "rn": (0, 1, 0, 0, 0)}
+    assert plain.ok and plain.verdict == "exactly-once holds" and not plain.count_qos0
+    counted = run_audit(spark, [log], tmp_path / "counted", "exactly-once", count_qos0=True)
+    assert stats_by_device(counted) == {"r0": (4, 2, 2, 0, 0), "r1": (4, 2, 2, 0, 0), "rn": (0, 1, 0, 0, 0)}
+    assert counted.count_qos0 and not counted.ok
+    assert counted.verdict == (
+        "exactly-once does NOT hold (QoS 0 counted): 4 of 8 expected messages never received (2 devices)"
+    )
+    assert "QoS 0 counted" in counted.report_path.read_text()
+
+
+def test_count_qos0_through_the_cli(tmp_path: Path) -> None:
+    log = write_jsonl(tmp_path / "qos0.jsonl", qos0_records())
+    out = str(tmp_path / "audit")
+    done = run_cli("audit", str(log), "--out", out, "--expect", "at-least-once", "--ignore-order", "--count-qos0")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == (
+        "FAILED: at-least-once does NOT hold (order not checked, QoS 0 counted): "
+        "4 of 8 expected messages never received (2 devices)"
+    )
+
+
 def test_chart_labels_escape_mathtext(tmp_path: Path) -> None:
     """Device ids are client ids: '$' or '\\' in them must not be read as matplotlib mathtext."""
     names = ["price$\\x$", "a\\$b$", "$$", "plain"]
@@ -340,6 +384,7 @@ def test_chart_labels_escape_mathtext(tmp_path: Path) -> None:
         ok=False,
         expect="exactly-once",
         check_order=True,
+        count_qos0=False,
         total=total,
         devices=devices,
         latency_bins=[],

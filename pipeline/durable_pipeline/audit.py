@@ -9,7 +9,10 @@ What is computed is defined in docs/delivery-log.md ("What the audit computes");
    sent on (:mod:`durable_pipeline.topics`: distinct topics x distinct filters) and merged per
    (receiver, topic); a send of QoS >= 1 (an acknowledged one) on that topic at a time inside a
    window, start included, end excluded, is expected by that receiver. QoS 0 promises nothing,
-   so it is never expected (its receives still count as received).
+   so it is never expected (its receives still count as received). With ``count_qos0`` QoS 0
+   counts as QoS 1 in sends and durable subscriptions alike, so a run that published at QoS 0
+   through connection drops shows what it lost there (non-durable subscriptions still expect
+   nothing).
 2. **Pairing (multiset).** A receive repeating an earlier receive's (epoch, seq), with seq > 0,
    of the same (receiver, topic, id) is the same delivery again (a broker redelivery the SDK
    processed twice): a *duplicate* (the topic is in the key for stream events, whose seq is per
@@ -107,6 +110,8 @@ class AuditResult:
     ok: bool
     expect: Guarantee
     check_order: bool
+    count_qos0: bool
+    """QoS 0 sends were expected and QoS 0 durable subscriptions opened windows."""
     total: DeviceStats
     devices: list[DeviceStats]
     latency_bins: list[LatencyBin]
@@ -122,10 +127,12 @@ class AuditResult:
 
     @property
     def verdict(self) -> str:
-        order = "" if self.check_order else " (order not checked)"
+        flags = ((not self.check_order, "order not checked"), (self.count_qos0, "QoS 0 counted"))
+        asked = [text for on, text in flags if on]
+        scope = f" ({', '.join(asked)})" if asked else ""
         if self.ok:
-            return f"{self.expect} holds{order}"
-        return f"{self.expect} does NOT hold{order}: " + "; ".join(self.failures)
+            return f"{self.expect} holds{scope}"
+        return f"{self.expect} does NOT hold{scope}: " + "; ".join(self.failures)
 
 
 def run_audit(
@@ -134,11 +141,14 @@ def run_audit(
     out_dir: str | Path,
     expect: Guarantee,
     check_order: bool = True,
+    *,
+    count_qos0: bool = False,
 ) -> AuditResult:
     """Audit the delivery logs ``inputs``; write summary.parquet and report.html to ``out_dir``.
 
     exactly-once holds when nothing is lost and nothing duplicated; at-least-once when nothing is
-    lost; both also need every receive in order unless ``check_order`` is false. Raises
+    lost; both also need every receive in order unless ``check_order`` is false. ``count_qos0``
+    expects QoS 0 sends too (module docstring, step 1): for a run meant to show QoS 0 loss. Raises
     AuditInputError for inputs that cannot be audited (see :mod:`durable_pipeline.logs`), for
     ``out_dir`` naming a file, and for an audit that would check nothing (no subscribe or no
     send records, or nothing expected): it must not pass.
@@ -148,7 +158,7 @@ def run_audit(
     out = _out_folder(Path(out_dir))
     logs = read_logs(spark, inputs)
     try:
-        return _audit(logs, list(inputs), out, expect, check_order)
+        return _audit(logs, list(inputs), out, expect, check_order=check_order, count_qos0=count_qos0)
     finally:
         logs.records.unpersist()
 
@@ -164,7 +174,9 @@ def _out_folder(out: Path) -> Path:
     return out
 
 
-def _audit(logs: DeliveryLogs, inputs: list[str], out: Path, expect: Guarantee, check_order: bool) -> AuditResult:
+def _audit(
+    logs: DeliveryLogs, inputs: list[str], out: Path, expect: Guarantee, *, check_order: bool, count_qos0: bool
+) -> AuditResult:
 
     records = logs.records
     if not logs.kinds["subscribe"]:
@@ -178,16 +190,17 @@ def _audit(logs: DeliveryLogs, inputs: list[str], out: Path, expect: Guarantee, 
             "expected, so nothing could be checked; include the publishers' delivery logs"
         )
     cached: list[DataFrame] = []
-    pairs = _paired(records, cached).persist(StorageLevel.MEMORY_AND_DISK)
+    pairs = _paired(records, cached, count_qos0).persist(StorageLevel.MEMORY_AND_DISK)
     cached.append(pairs)
     try:
         rows = _summary(records, pairs).collect()  # one row per receiving device
         totals = [_stats(row) for row in rows if row["scope"] == "all"]
         total = totals[0] if totals else _empty(ALL)
         if total.expected == 0:
+            qos = "" if count_qos0 else " QoS>=1"
             raise AuditInputError(
-                f"nothing was expected: none of the {logs.kinds['send']} send records is a QoS>=1 send on a topic "
-                "that a durable QoS>=1 subscription matched while it was open (from its subscribe to an "
+                f"nothing was expected: none of the {logs.kinds['send']} send records is a{qos} send on a topic "
+                f"that a durable{qos} subscription matched while it was open (from its subscribe to an "
                 "unsubscribe or session_end), so nothing could be checked; check the subscribers' logs are "
                 "included and the devices' clocks"
             )
@@ -204,6 +217,7 @@ def _audit(logs: DeliveryLogs, inputs: list[str], out: Path, expect: Guarantee, 
         ok=not failures,
         expect=expect,
         check_order=check_order,
+        count_qos0=count_qos0,
         total=total,
         devices=devices,
         latency_bins=bins,
@@ -222,19 +236,23 @@ INFINITY = float("inf")
 """The end of a window no unsubscribe or session_end closed."""
 
 
-def _windows(records: DataFrame) -> DataFrame:
-    """(receiver, filter, start, end): when each durable QoS >= 1 subscription was open (step 1).
+def _windows(records: DataFrame, count_qos0: bool) -> DataFrame:
+    """(receiver, filter, start, end): when each durable QoS >= 1 subscription (any QoS with
+    ``count_qos0``) was open (step 1).
 
     Per (device, filter), the events in time order (a closing one first at equal times): each
     opening ``subscribe`` runs to the next closing event; the opens before one close share it
     and make one window, from the first of them.
     """
 
+    min_qos = 0 if count_qos0 else 1
     subscribes = records.where(sf.col("kind") == "subscribe").select(
         sf.col("device").alias("receiver"),
         sf.col("topic").alias("filter"),
         "time",
-        (sf.coalesce(sf.col("durable"), sf.lit(True)) & (sf.coalesce(sf.col("qos"), sf.lit(1)) >= 1)).alias("opens"),
+        (sf.coalesce(sf.col("durable"), sf.lit(True)) & (sf.coalesce(sf.col("qos"), sf.lit(1)) >= min_qos)).alias(
+            "opens"
+        ),
     )
     unsubscribes = records.where(sf.col("kind") == "unsubscribe").select(
         sf.col("device").alias("receiver"), sf.col("topic").alias("filter"), "time", sf.lit(False).alias("opens")
@@ -260,7 +278,7 @@ def _windows(records: DataFrame) -> DataFrame:
     )
 
 
-def _expected(records: DataFrame) -> tuple[DataFrame, DataFrame]:
+def _expected(records: DataFrame, count_qos0: bool) -> tuple[DataFrame, DataFrame]:
     """(expected sends per receiver, sends per (topic, id)); see the module docstring, step 1."""
 
     sends = records.where(sf.col("kind") == "send").select(
@@ -270,8 +288,8 @@ def _expected(records: DataFrame) -> tuple[DataFrame, DataFrame]:
         sf.col("time").alias("send_time"),
         sf.coalesce(sf.col("qos"), sf.lit(1)).alias("qos"),
     )
-    windows = _windows(records)
-    acknowledged = sends.where(sf.col("qos") >= 1)
+    windows = _windows(records, count_qos0)
+    acknowledged = sends if count_qos0 else sends.where(sf.col("qos") >= 1)
     matched = topic_filter_pairs(acknowledged, windows).join(windows, "filter")
     # the windows of all the filters matching a topic, merged per (receiver, topic): disjoint, so a
     # send falls in at most one of them
@@ -292,14 +310,14 @@ def _expected(records: DataFrame) -> tuple[DataFrame, DataFrame]:
     return expected, sent
 
 
-def _paired(records: DataFrame, cached: list[DataFrame]) -> DataFrame:
+def _paired(records: DataFrame, cached: list[DataFrame], count_qos0: bool) -> DataFrame:
     """One row per expected send and/or receive, with the flags of steps 2 and 3 (module docstring).
 
     Frames persisted on the way are appended to ``cached``: the caller unpersists them once the
     result has been used.
     """
 
-    expected, sent = _expected(records)
+    expected, sent = _expected(records, count_qos0)
     by_message = ["receiver", "topic", "id"]
     sends = expected.withColumn(
         "k", sf.row_number().over(Window.partitionBy(*by_message).orderBy("send_time", "sender")).cast("long")

@@ -1,7 +1,7 @@
 """``durable-pipeline``: the pipeline's console entry, one subcommand per job.
 
     durable-pipeline audit INPUT... --out DIR --expect exactly-once|at-least-once
-                           [--ignore-order] [--master local[2]]
+                           [--ignore-order] [--count-qos0] [--master local[2]]
     durable-pipeline demo [--out ./out] [--events 2000] [--devices 3] [--master local[2]]
 
 Exit status: 0 the guarantee holds, 1 it does not, 2 the job could not run (bad input, no
@@ -53,6 +53,12 @@ def _add_audit(subcommands: Subcommands) -> None:
         help="exactly-once: nothing lost or duplicated; at-least-once: nothing lost",
     )
     parser.add_argument("--ignore-order", action="store_true", help="do not require per-publisher order")
+    parser.add_argument(
+        "--count-qos0",
+        action="store_true",
+        help="expect QoS 0 sends too, and let durable QoS 0 subscriptions expect like QoS 1 ones: shows what a run "
+        "that published at QoS 0 through connection drops lost (non-durable subscriptions still expect nothing)",
+    )
     parser.add_argument("--master", default=DEFAULT_MASTER, help=f"Spark master (default {DEFAULT_MASTER})")
     parser.set_defaults(run=_run_audit)
 
@@ -65,7 +71,9 @@ def _run_audit(args: argparse.Namespace) -> int:
     find_files(args.inputs)  # a wrong path fails before a JVM starts
     spark = get_session(args.master, "durable-pipeline audit")
     try:
-        result = run_audit(spark, args.inputs, args.out, args.expect, check_order=not args.ignore_order)
+        result = run_audit(
+            spark, args.inputs, args.out, args.expect, check_order=not args.ignore_order, count_qos0=args.count_qos0
+        )
     finally:
         spark.stop()
     print(format_summary(result))

@@ -143,6 +143,12 @@ def _page(result: AuditResult, charts: list[Path]) -> str:
     notes = "".join(f"<li>{esc(text)}</li>" for text in result.notes)
     images = "\n".join(f'<p><img src="{esc(chart.name)}" alt="{esc(chart.stem)}"></p>' for chart in charts)
     inputs = ", ".join(esc(path) for path in result.inputs)
+    asked = "order checked" if result.check_order else "order not checked"
+    if result.count_qos0:
+        asked += ", QoS 0 counted"
+        expected = "sends of any QoS on a topic a durable subscription of any QoS matched while it was open"
+    else:
+        expected = "QoS&ge;1 sends on a topic a durable QoS&ge;1 subscription matched while it was open"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Delivery audit: {esc(result.verdict)}</title>
 <style>
@@ -157,7 +163,7 @@ tr:nth-child(2) {{ font-weight: bold; }}
 <h1>{esc(result.verdict)}</h1>
 <ul>{failures}</ul>
 <p>{result.records} records from {inputs}. Asked: <b>{esc(result.expect)}</b>
-({"order checked" if result.check_order else "order not checked"}).</p>
+({asked}).</p>
 {"<h2>Notes</h2><ul>" + notes + "</ul>" if notes else ""}
 <h2>Per receiving device</h2>
 <table>
@@ -167,10 +173,9 @@ tr:nth-child(2) {{ font-weight: bold; }}
 {more}
 <h2>Charts</h2>
 {images}
-<p>Definitions: docs/delivery-log.md, "What the audit computes". Expected = QoS&ge;1 sends on a topic a
-durable QoS&ge;1 subscription matched while it was open (from its subscribe to an unsubscribe or the
-session's end); duplicated = the same delivery processed again, or received more often than sent;
-out of order = received after a message sent later on the same topic by the same publisher;
-unknown = received but sent by no log.</p>
+<p>Definitions: docs/delivery-log.md, "What the audit computes". Expected = {expected} (from its
+subscribe to an unsubscribe or the session's end); duplicated = the same delivery processed again,
+or received more often than sent; out of order = received after a message sent later on the same
+topic by the same publisher; unknown = received but sent by no log.</p>
 </body></html>
 """
