@@ -1,0 +1,453 @@
+"""The fleet's TCP fault proxy: it sits between the simulated devices and the broker and fails
+their links the way a real network does (a reset, or a blackhole the peers only notice through
+their MQTT keep-alive), per device or for all, on the fault schedule's orders.
+
+A device is known by the client id of its MQTT CONNECT, so a fault follows the device across
+reconnects. The proxy runs an asyncio loop on its own thread; the schedule calls it from a
+plain thread and each call returns once its effect has happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+log = logging.getLogger(__name__)
+
+LinkState = Literal["up", "stall", "cut"]
+_SEVERITY: dict[LinkState, int] = {"up": 0, "stall": 1, "cut": 2}
+CONNECT = 0x10
+"""The first byte of a CONNECT packet (type 1, flags 0)."""
+_PROTOCOLS = {("MQIsdp", 3), ("MQTT", 4), ("MQTT", 5)}
+"""Protocol name and level of MQTT 3.1, 3.1.1 and 5.0: the CONNECT layouts whose client id we can find."""
+MAX_CONNECT = 1 << 20
+"""A larger CONNECT is taken as garbage rather than waited for (MQTT would allow 256 MB)."""
+CHUNK = 65536
+CALL_TIMEOUT = 10.0
+"""Bound of a call from another thread (start, cut, stall, restore, connected, stats, stop)."""
+CLOSE_TIMEOUT = 5.0
+"""Bound of the wait for sockets to close, inside CALL_TIMEOUT."""
+_LINGER_RESET = struct.pack("ii", 1, 0)
+"""SO_LINGER on with timeout 0: close() sends an RST, so the peer sees ECONNRESET, not a FIN."""
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class ProxyStats:
+    """What the proxy did so far, for the run's report and the tests."""
+
+    accepted: int = 0
+    """TCP connections accepted from devices."""
+    cuts: int = 0
+    """Links reset by cut()."""
+    refused: int = 0
+    """Connections reset as soon as their CONNECT was read, because the device's link was cut."""
+    bytes_up: int = 0
+    """Bytes forwarded to the broker, the CONNECTs included."""
+    bytes_down: int = 0
+    """Bytes forwarded to the devices."""
+
+
+def _varint(data: bytes | bytearray, pos: int) -> tuple[int, int]:
+    """The MQTT variable byte integer at ``pos`` and the position after it."""
+    value = 0
+    for i in range(4):
+        if pos + i >= len(data):
+            raise ValueError("truncated variable byte integer")
+        byte = data[pos + i]
+        value += (byte & 0x7F) << (7 * i)
+        if not byte & 0x80:
+            return value, pos + i + 1
+    raise ValueError("variable byte integer longer than 4 bytes")
+
+
+def _utf8(data: bytes, pos: int) -> tuple[str, int]:
+    """The MQTT string (two length bytes, UTF-8) at ``pos`` and the position after it."""
+    end = pos + 2 + int.from_bytes(data[pos : pos + 2], "big")
+    if pos + 2 > len(data) or end > len(data):
+        raise ValueError("truncated string")
+    try:
+        return data[pos + 2 : end].decode(), end
+    except UnicodeDecodeError as exc:
+        raise ValueError("string is not UTF-8") from exc
+
+
+def connect_client_id(packet: bytes) -> str:
+    """The client id of a complete MQTT 3.1, 3.1.1 or 5.0 CONNECT packet; ValueError if it is not one.
+
+    The client id follows the protocol name, level, flags, keep-alive and (5.0) the properties.
+    """
+    if not packet or packet[0] != CONNECT:
+        raise ValueError("not a CONNECT packet")
+    length, body = _varint(packet, 1)
+    if body + length != len(packet):
+        raise ValueError(f"remaining length {length} does not match the {len(packet) - body} bytes that follow")
+    name, pos = _utf8(packet, body)
+    if pos + 4 > len(packet):
+        raise ValueError("truncated CONNECT header")
+    level, flags = packet[pos], packet[pos + 1]
+    if (name, level) not in _PROTOCOLS:
+        raise ValueError(f"unknown protocol {name!r} level {level}")
+    if flags & 0x01:
+        raise ValueError("reserved CONNECT flag set")
+    pos += 4  # level, flags, keep-alive
+    if level == 5:
+        properties, pos = _varint(packet, pos)
+        pos += properties
+    client_id, _ = _utf8(packet, pos)
+    return client_id
+
+
+async def _read_connect(reader: asyncio.StreamReader) -> bytes:
+    """The first packet of a connection, which must be a CONNECT (checked before it is read whole)."""
+    packet = bytearray(await reader.readexactly(2))
+    if packet[0] != CONNECT:
+        raise ValueError(f"first byte 0x{packet[0]:02x}, a CONNECT's is 0x10")
+    while packet[-1] & 0x80:  # the remaining length goes on
+        if len(packet) == 5:
+            raise ValueError("remaining length longer than 4 bytes")
+        packet += await reader.readexactly(1)
+    length, _ = _varint(packet, 1)
+    if length > MAX_CONNECT:
+        raise ValueError(f"CONNECT of {length} bytes")
+    packet += await reader.readexactly(length)
+    return bytes(packet)
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Closes the socket with an RST, as a failed network link looks to the peer."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):  # already closed
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    writer.transport.abort()
+
+
+async def _closed(writers: Iterable[asyncio.StreamWriter]) -> None:
+    """Waits (bounded) until the sockets are closed, so the peers have seen it when a call returns.
+
+    Best effort, so a cancel (by stop()) ends the wait without ending the cleanup that called it.
+    """
+    waits = asyncio.gather(*(writer.wait_closed() for writer in writers), return_exceptions=True)
+    with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+        await asyncio.wait_for(waits, CLOSE_TIMEOUT)
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+
+
+class _Link:
+    """A device's connection (its CONNECT read) and, once made, its broker connection.
+
+    ``flowing`` is clear while the link is stalled: the pumps neither read nor write then.
+    """
+
+    def __init__(self, device: str, device_writer: asyncio.StreamWriter, task: asyncio.Task[Any]) -> None:
+        self.device = device
+        self.task = task
+        self.writers = [device_writer]
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        self._paused: list[asyncio.ReadTransport] = []
+
+    def attach(self, broker_writer: asyncio.StreamWriter) -> None:
+        self.writers.append(broker_writer)
+        if not self.flowing.is_set():
+            self._pause(broker_writer)
+
+    def hold(self) -> None:
+        """Stops reading both sockets, so what the peers send stays in the kernel, as in a blackhole."""
+        if self.flowing.is_set():
+            self.flowing.clear()
+            for writer in self.writers:
+                self._pause(writer)
+
+    def _pause(self, writer: asyncio.StreamWriter) -> None:
+        # Only a transport that is reading: one its StreamReader paused (full buffer) it resumes itself.
+        transport = writer.transport
+        if isinstance(transport, asyncio.ReadTransport) and transport.is_reading():
+            transport.pause_reading()
+            self._paused.append(transport)
+
+    def release(self) -> None:
+        if not self.flowing.is_set():
+            for transport in self._paused:
+                transport.resume_reading()
+            self._paused.clear()
+            self.flowing.set()
+
+    def reset(self) -> None:
+        """Resets both sockets at once and stops the link's task wherever it waits."""
+        for writer in self.writers:
+            _reset(writer)
+        self.task.cancel()
+
+
+class FaultProxy:
+    """A TCP proxy from the devices to the broker whose links cut(), stall() and restore() control.
+
+    The state of a device's link is the worse of the global state and its own (cut is worse than
+    stall), so restore(device) leaves a global fault in force and cut(device) resets the device's
+    links even during a global stall. A "link" is a device connection whose CONNECT was read,
+    until it closes, including one still held by a stall or connecting to the broker.
+    """
+
+    def __init__(
+        self, broker_host: str, broker_port: int, *, listen_host: str = "127.0.0.1", connect_timeout: float = 5.0
+    ) -> None:
+        self.broker_host = broker_host
+        self.broker_port = broker_port
+        self.listen_host = listen_host
+        self.connect_timeout = connect_timeout
+        """Bound of the wait for a device's CONNECT and of the connection to the broker."""
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
+        self._server: asyncio.Server | None = None
+        self._lock = threading.Lock()  # the states: set from the caller's thread, read on the loop
+        self._global: LinkState = "up"
+        self._states: dict[str, LinkState] = {}
+        self._links: set[_Link] = set()
+        self._stats = ProxyStats()
+
+    def start(self) -> int:
+        """Starts the loop's thread and listens on an ephemeral port of listen_host; returns the port."""
+        self._thread.start()
+        serving = asyncio.start_server(self._serve, self.listen_host, 0, backlog=1024)
+        self._server = asyncio.run_coroutine_threadsafe(serving, self._loop).result(CALL_TIMEOUT)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    def stop(self) -> None:
+        """Closes the listener and resets every connection, then ends the loop's thread (bounded waits)."""
+        if self._thread.is_alive():
+            with contextlib.suppress(TimeoutError):  # the thread is a daemon: stopping is best effort
+                asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(CALL_TIMEOUT)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(CALL_TIMEOUT)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()
+
+    def cut(self, device: str | None = None) -> int:
+        """Takes the link down: resets every open link of ``device`` (None: of every device) and, until
+        restore(), every new connection of it once its CONNECT is read. Returns the links reset."""
+        self._set(device, "cut")
+        reset, _ = self._call(lambda: self._enforce(device), (0, 0))
+        return reset
+
+    def stall(self, device: str | None = None) -> int:
+        """Blackholes the links of ``device`` (None: of every device) until restore(): nothing is read
+        or forwarded either way, nothing is closed, new connections are held before the broker.
+        Returns the links stalled."""
+        self._set(device, "stall")
+        _, stalled = self._call(lambda: self._enforce(device), (0, 0))
+        return stalled
+
+    def restore(self, device: str | None = None) -> None:
+        """Ends ``device``'s own fault (None: every fault, global and per device); held bytes, closes
+        and connections then go on in order."""
+        with self._lock:
+            if device is None:
+                self._global = "up"
+                self._states.clear()
+            else:
+                self._states.pop(device, None)
+        self._call(lambda: self._enforce(device), (0, 0))
+
+    def connected(self, device: str | None = None) -> int:
+        """The open links of ``device`` (None: of all devices)."""
+
+        async def count() -> int:
+            return sum(1 for link in self._links if device is None or link.device == device)
+
+        return self._call(count, 0)
+
+    @property
+    def stats(self) -> ProxyStats:
+        """A copy of the counters."""
+
+        async def snapshot() -> ProxyStats:
+            return dataclasses.replace(self._stats)
+
+        return self._call(snapshot, dataclasses.replace(self._stats))
+
+    def _call(self, work: Callable[[], Coroutine[Any, Any, _T]], idle: _T) -> _T:
+        """Runs ``work`` on the loop and waits for it (bounded); ``idle`` when the loop is not running."""
+        if not self._loop.is_running():
+            return idle
+        future = asyncio.run_coroutine_threadsafe(work(), self._loop)
+        try:
+            return future.result(CALL_TIMEOUT)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def _set(self, device: str | None, state: LinkState) -> None:
+        with self._lock:
+            if device is None:
+                self._global = state
+            else:
+                self._states[device] = state
+
+    def _state_of(self, device: str) -> LinkState:
+        with self._lock:
+            return max(self._global, self._states.get(device, "up"), key=_SEVERITY.__getitem__)
+
+    async def _enforce(self, target: str | None) -> tuple[int, int]:
+        """Brings every link in line with the states; returns how many links of ``target`` (None: of
+        all) it reset and how many are stalled now."""
+        reset: list[_Link] = []
+        stalled = 0
+        for link in list(self._links):
+            state = self._state_of(link.device)
+            if state == "cut":
+                self._links.discard(link)
+                link.reset()
+                reset.append(link)
+            elif state == "stall":
+                link.hold()
+                stalled += target is None or link.device == target
+            else:
+                link.release()
+        self._stats.cuts += len(reset)
+        if reset:  # their tasks end once the sockets are closed
+            await asyncio.wait([link.task for link in reset], timeout=CLOSE_TIMEOUT)
+        return sum(1 for link in reset if target is None or link.device == target), stalled
+
+    async def _shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for link in list(self._links):
+            link.reset()
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A device's connection: its CONNECT names the device, whose state decides what follows."""
+        self._stats.accepted += 1
+        try:
+            try:
+                packet = await asyncio.wait_for(_read_connect(reader), self.connect_timeout)
+                device = connect_client_id(packet)
+            except TimeoutError:
+                log.warning("closing %s: no complete MQTT CONNECT within %.3g s", _peer(writer), self.connect_timeout)
+                writer.close()
+                return
+            except ValueError as exc:
+                log.warning("closing %s: its first packet is not a well-formed MQTT CONNECT: %s", _peer(writer), exc)
+                writer.close()
+                return
+            except (EOFError, OSError) as exc:  # the device went away (a killed process), nothing wrong here
+                log.debug("%s closed before its CONNECT was complete: %r", _peer(writer), exc)
+                writer.close()
+                return
+            task = asyncio.current_task()
+            assert task is not None, "a connection is served by its own task"
+            state = self._state_of(device)
+            if state == "cut":
+                self._stats.refused += 1
+                log.debug("refused %s (%r): its link is cut", _peer(writer), device)
+                _reset(writer)
+                return
+            link = _Link(device, writer, task)
+            self._links.add(link)
+            if state == "stall":
+                link.hold()
+            await self._run(link, reader, packet)
+        except asyncio.CancelledError:
+            pass  # by cut() or stop(); the server's task ends quietly (Python 3.11 logs a cancelled one)
+        finally:
+            if not writer.transport.is_closing():  # cancelled (stop) before the link existed
+                _reset(writer)
+            await _closed([writer])
+
+    async def _run(self, link: _Link, device_reader: asyncio.StreamReader, connect: bytes) -> None:
+        """Connects the link to the broker and pumps both ways until both sides closed (each EOF is
+        passed on as a half-close) or one failed (then both are reset, as the failure propagates)."""
+        failed = True
+        pumps: set[asyncio.Task[None]] = set()
+        try:
+            await link.flowing.wait()  # a connection made during a stall is held before the broker
+            try:
+                broker_reader, broker_writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.broker_host, self.broker_port), self.connect_timeout
+                )
+            except (OSError, TimeoutError) as exc:  # e.g. the broker is being restarted
+                log.debug(
+                    "broker %s:%d not reachable for %r: %r; resetting the device's connection",
+                    self.broker_host,
+                    self.broker_port,
+                    link.device,
+                    exc,
+                )
+                return
+            link.attach(broker_writer)
+            device_writer = link.writers[0]
+            pumps = {
+                asyncio.create_task(self._pump(link, device_reader, broker_writer, connect, up=True)),
+                asyncio.create_task(self._pump(link, broker_reader, device_writer, b"", up=False)),
+            }
+            pending = pumps
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                errors = [error for error in (task.exception() for task in done) if error is not None]
+                for error in errors:
+                    if isinstance(error, OSError):
+                        log.debug("link of %r ended: %r", link.device, error)
+                    else:
+                        log.error("link of %r failed", link.device, exc_info=error)
+                if errors:
+                    return
+            failed = False
+        finally:
+            self._links.discard(link)
+            for pump in pumps:
+                pump.cancel()
+            for writer in link.writers:
+                if failed:
+                    _reset(writer)
+                else:
+                    writer.close()
+            await _closed(link.writers)
+
+    async def _pump(
+        self, link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bytes, *, up: bool
+    ) -> None:
+        """One direction of a link: ``first``, then what ``reader`` gets, to ``writer``, then the EOF.
+
+        While the link is stalled nothing is read, and what was read (data, EOF, a reset) is held.
+        """
+        chunk = first
+        try:
+            while True:
+                if chunk:
+                    await link.flowing.wait()
+                    writer.write(chunk)
+                    if up:
+                        self._stats.bytes_up += len(chunk)
+                    else:
+                        self._stats.bytes_down += len(chunk)
+                    await writer.drain()
+                await link.flowing.wait()
+                chunk = await reader.read(CHUNK)
+                if not chunk:
+                    break
+            await link.flowing.wait()
+            writer.write_eof()
+        except OSError:
+            await link.flowing.wait()
+            raise
