@@ -158,17 +158,49 @@ def test_at_least_once_holds_with_duplicates(spark: Any, tmp_path: Path) -> None
     assert "at-least-once holds" in result.report_path.read_text()
 
 
+def assert_same_result(result: AuditResult, reference: AuditResult) -> None:
+    assert [counts(d) for d in result.devices] == [counts(d) for d in reference.devices]
+    assert result.total == reference.total
+    assert result.latency_bins == reference.latency_bins
+    assert result.verdict == reference.verdict
+
+
+@pytest.fixture(scope="module")
+def faulty_parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The faulty fixture's logs as one Parquet file, in a folder with Spark's and Hadoop's bookkeeping."""
+    folder = tmp_path_factory.mktemp("faulty_parquet")
+    logs = write_logs(folder / "logs" / "fleet.parquet", 6, 200, **FAULTS)
+    (folder / "logs" / "_SUCCESS").write_text("")
+    (folder / "logs" / ".draft.jsonl").write_text("not a log\n")
+    (folder / "logs" / "_temporary" / "0").mkdir(parents=True)
+    (folder / "logs" / "_temporary" / "0" / "part-0.jsonl").write_text("not a log\n")
+    return logs.path
+
+
 @pytest.mark.slow
 def test_parquet_and_json_lines_give_the_same_result(
-    spark: Any, faulty: tuple[SyntheticLogs, AuditResult], tmp_path: Path
+    spark: Any, faulty: tuple[SyntheticLogs, AuditResult], faulty_parquet: Path, tmp_path: Path
 ) -> None:
     _, from_json = faulty
-    logs = write_logs(tmp_path / "fleet.parquet", 6, 200, **FAULTS)
-    from_parquet = run_audit(spark, [str(logs.path)], tmp_path / "audit", "exactly-once")
-    assert [counts(d) for d in from_parquet.devices] == [counts(d) for d in from_json.devices]
-    assert from_parquet.total == from_json.total
-    assert from_parquet.latency_bins == from_json.latency_bins
-    assert from_parquet.verdict == from_json.verdict
+    assert_same_result(run_audit(spark, [str(faulty_parquet)], tmp_path / "audit", "exactly-once"), from_json)
+
+
+def test_file_uris_give_the_same_result_as_plain_paths(
+    spark: Any, faulty: tuple[SyntheticLogs, AuditResult], faulty_parquet: Path, tmp_path: Path
+) -> None:
+    """Inputs go through Hadoop's FileSystem API: file:// URIs of folders and files, JSON and Parquet,
+    read as their plain paths do (bookkeeping files skipped as in a local folder)."""
+    logs, from_json = faulty
+    for i, path in enumerate([logs.path.parent, logs.path, faulty_parquet.parent, faulty_parquet]):
+        result = run_audit(spark, [f"file://{path}"], tmp_path / f"audit{i}", "exactly-once")
+        assert_same_result(result, from_json)
+        assert result.records == logs.records
+
+
+def test_unknown_file_system_scheme(spark: Any, tmp_path: Path) -> None:
+    message = audit_error(spark, tmp_path, "nosuchfs://x/y")
+    assert message.startswith("input nosuchfs://x/y: Spark has no file system for its scheme nosuchfs://"), message
+    assert "UnsupportedFileSystemException" in message and "\tat " not in message and "o1" not in message
 
 
 @pytest.mark.slow
@@ -423,7 +455,7 @@ def good_records() -> list[dict[str, Any]]:
     ]
 
 
-def audit_error(spark: Any, tmp_path: Path, *inputs: Path) -> str:
+def audit_error(spark: Any, tmp_path: Path, *inputs: Path | str) -> str:
     with pytest.raises(AuditInputError) as caught:
         run_audit(spark, [str(p) for p in inputs], tmp_path / "audit", "exactly-once")
     return str(caught.value)
@@ -465,6 +497,22 @@ def test_missing_required_columns_are_named(spark: Any, tmp_path: Path) -> None:
     assert "id (in send records): 1" in message and "topic (in receive records): 1" in message
 
 
+def test_parquet_column_types(spark: Any, tmp_path: Path) -> None:
+    """Other integer and float widths are cast; a column pyarrow wrote as null (Spark reads int) holds
+    nothing and is read as nulls; a column with values of a type that does not convert is named."""
+    names = {name for r in good_records() for name in r}  # from_pylist takes the first record's keys
+    rows = [{**dict.fromkeys(names), **r, "time": int(r["time"]), "replayed": None} for r in good_records()]
+    table = pa.Table.from_pylist(rows)
+    assert table.schema.field("replayed").type == pa.null() and table.schema.field("time").type == pa.int64()
+    widths = tmp_path / "widths.parquet"
+    pq.write_table(table, widths)
+    assert run_audit(spark, [str(widths)], tmp_path / "audit", "exactly-once").ok
+    numbers = tmp_path / "numbers.parquet"
+    pq.write_table(pa.Table.from_pylist([{**r, "topic": 7} for r in good_records()]), numbers)
+    message = audit_error(spark, tmp_path, numbers)
+    assert f"column topic of {numbers} is bigint, which does not convert to string" in message
+
+
 def test_unknown_kind(spark: Any, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "kinds.jsonl", [*good_records(), {"kind": "ack", "device": "r", "time": 4.0}])
     message = audit_error(spark, tmp_path, path)
@@ -503,10 +551,19 @@ def test_unreadable_gzip_and_out_a_file(spark: Any, tmp_path: Path) -> None:
 
 
 def test_cli_exit_2_on_bad_input(tmp_path: Path) -> None:
-    """Checked before Spark starts: a quick exit with the message on stderr."""
+    """A missing local path is checked before Spark starts: a quick exit with the message on stderr."""
     done = run_cli("audit", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), "--expect", "exactly-once")
     assert done.returncode == 2
     assert "durable-pipeline audit: error:" in done.stderr and "missing does not exist" in done.stderr
     (tmp_path / "notes.txt").write_text("hello\n")
     done = run_cli("audit", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "o"), "--expect", "at-least-once")
     assert done.returncode == 2 and "neither JSON lines nor Parquet" in done.stderr
+
+
+def test_cli_exit_2_on_a_missing_file_uri(tmp_path: Path) -> None:
+    """A URI is checked by Hadoop, in Spark's JVM: the same exit status and message as a local path."""
+    missing = f"file://{tmp_path}/missing.jsonl"
+    done = run_cli("audit", missing, "--out", str(tmp_path / "o"), "--expect", "exactly-once")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"durable-pipeline audit: error: input {missing} does not exist" in done.stderr
+    assert "Traceback" not in done.stderr

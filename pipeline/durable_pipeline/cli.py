@@ -41,11 +41,23 @@ def _add_audit(subcommands: Subcommands) -> None:
         "audit",
         help="audit SDK delivery logs: every acknowledged send reached every durable subscriber, once, in order",
         description="Audit delivery logs (docs/delivery-log.md): JSON lines (*.jsonl) or Parquet files, or folders "
-        "of them. Writes DIR/summary.parquet and DIR/report.html; exits 0 when the guarantee holds, 1 when it "
-        "does not, 2 on bad input.",
+        "of them, on local paths or any Hadoop file system (hdfs://, s3a://). Writes DIR/summary.parquet and "
+        "DIR/report.html (a local folder); exits 0 when the guarantee holds, 1 when it does not, 2 on bad input.",
     )
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="delivery-log file or folder")
-    parser.add_argument("--out", required=True, metavar="DIR", help="where summary.parquet and report.html go")
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="delivery-log file or folder: a local path or a URI of a Hadoop file system Spark is configured for "
+        "(hdfs://, s3a:// with the hadoop-aws package, file://)",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="a local folder on the driver (this machine), made if missing: summary.parquet, report.html and the "
+        "charts go there",
+    )
     parser.add_argument(
         "--expect",
         required=True,
@@ -65,10 +77,10 @@ def _add_audit(subcommands: Subcommands) -> None:
 
 def _run_audit(args: argparse.Namespace) -> int:
     from .audit import run_audit  # noqa: PLC0415 - pyspark loads only when a job runs
-    from .logs import find_files  # noqa: PLC0415
+    from .logs import check_local_inputs  # noqa: PLC0415
     from .spark import get_session  # noqa: PLC0415
 
-    find_files(args.inputs)  # a wrong path fails before a JVM starts
+    check_local_inputs(args.inputs)  # a wrong local path fails before a JVM starts
     spark = get_session(args.master, "durable-pipeline audit")
     try:
         result = run_audit(

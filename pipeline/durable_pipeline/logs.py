@@ -1,9 +1,12 @@
 """Reading delivery logs (docs/delivery-log.md, version 1) into one checked Spark DataFrame.
 
-Inputs are local paths: JSON-lines files (``*.jsonl``, ``*.json``, ``*.ndjson``, optionally
-``.gz``), Parquet files (``*.parquet``), or folders holding either (searched recursively; files
-whose name starts with ``_`` or ``.`` are Spark's or Hadoop's bookkeeping and are skipped; a
-file with another extension is recognised by its first bytes).
+Inputs are local paths or URIs of any Hadoop file system Spark is configured for (``hdfs://``,
+``s3a://`` with the hadoop-aws package, ``file://``): JSON-lines files (``*.jsonl``, ``*.json``,
+``*.ndjson``, optionally ``.gz``), Parquet files (``*.parquet``), or folders holding either
+(searched recursively; files whose name starts with ``_`` or ``.``, or under such a folder, are
+Spark's or Hadoop's bookkeeping and are skipped; a file with another extension is recognised by
+its first bytes). Listing, sniffing and Parquet schemas all go through Spark's JVM (Hadoop's
+FileSystem API, ``spark.read.parquet``), so a cluster needs nothing but a different master.
 
 Nothing is dropped silently: a JSON line that is not a JSON object of the documented types, a
 truncated Parquet file, a record without a column its kind needs and an unknown ``kind`` each
@@ -15,23 +18,27 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import unquote, urlparse
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+from py4j.protocol import Py4JJavaError  # type: ignore[import-untyped]  # pyspark's own dependency, no stubs
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Row, SparkSession
 from pyspark.sql import functions as sf
 from pyspark.sql.types import (
     BooleanType,
+    ByteType,
     DataType,
+    DecimalType,
     DoubleType,
+    FloatType,
     IntegerType,
     LongType,
+    NullType,
+    ShortType,
     StringType,
     StructField,
     StructType,
@@ -75,6 +82,10 @@ CORRUPT = "_corrupt_record"
 FILE = "_file"
 MAX_LISTED = 5
 """Problems listed per error message; the rest are counted."""
+SCHEMA_READERS = 8
+"""Parquet schemas read at once: each is a small Spark job, mostly waiting on the driver."""
+_URI = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/")
+"""An input that names a file system (``hdfs://nn/x``, ``file:/x``); anything else is a local path."""
 
 
 @dataclass(frozen=True)
@@ -109,51 +120,114 @@ def log_schema() -> StructType:
     return StructType([StructField(name, data_type, nullable=True) for name, data_type in COLUMNS])
 
 
-def find_files(inputs: Sequence[str]) -> LogFiles:
-    """The log files named by ``inputs`` (files or folders), sorted, each format apart."""
+def check_local_inputs(inputs: Sequence[str]) -> None:
+    """The inputs that are local paths exist: the CLI's check, so a wrong path fails before a JVM starts."""
+    for raw in inputs:
+        if not _URI.match(raw) and not os.path.exists(raw):
+            raise _missing(raw)
+
+
+def _missing(raw: str) -> AuditInputError:
+    return AuditInputError(f"input {raw} does not exist: give a delivery-log file or a folder of them")
+
+
+def find_files(spark: SparkSession, inputs: Sequence[str]) -> LogFiles:
+    """The log files named by ``inputs`` (files or folders, local or Hadoop URIs), sorted, each format apart.
+
+    Listed with Hadoop's FileSystem API in the driver's JVM: the same code reads a local folder,
+    ``hdfs://`` or ``s3a://``. The paths returned are qualified (``file:/x``, ``hdfs://nn/x``).
+    """
     if not inputs:
         raise AuditInputError("no input given: name delivery-log files or folders (JSON lines or Parquet)")
     found: dict[Format, list[str]] = {"json": [], "parquet": []}
     for raw in inputs:
-        path = Path(raw)
-        if not path.exists():
-            raise AuditInputError(f"input {raw} does not exist: give a delivery-log file or a folder of them")
-        if path.is_dir():
-            candidates = sorted(p for p in _walk(path))
+        fs, status = _stat(spark, raw)
+        if status.isDirectory():
+            candidates = sorted(_walk(fs, status.getPath()))
             if not candidates:
                 raise AuditInputError(f"folder {raw} holds no delivery-log files (*.jsonl, *.json, *.parquet)")
         else:
-            candidates = [path]
+            candidates = [status.getPath().toString()]
         for file in candidates:
-            found[_format_of(file)].append(str(file.resolve()))
+            found[_format_of(spark, fs, file)].append(file)
     return LogFiles(json=sorted(set(found["json"])), parquet=sorted(set(found["parquet"])))
 
 
-def _walk(folder: Path) -> Iterable[Path]:
-    for root, dirs, names in os.walk(folder):
-        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
-        for name in names:
-            if not name.startswith((".", "_")):
-                yield Path(root, name)
+def _stat(spark: SparkSession, raw: str) -> tuple[Any, Any]:
+    """(Hadoop FileSystem, FileStatus) of one input; AuditInputError for an unknown scheme or a missing path."""
+    jvm: Any = spark._jvm
+    uri = _URI.match(raw)
+    path = jvm.org.apache.hadoop.fs.Path(raw if uri else os.path.abspath(raw))  # relative to this process's cwd
+    try:
+        fs = path.getFileSystem(spark._jsc.hadoopConfiguration())
+    except Py4JJavaError as exc:
+        scheme = uri.group("scheme") if uri else "file"
+        raise AuditInputError(
+            f"input {raw}: Spark has no file system for its scheme {scheme}:// ({_java_reason(exc)}): give a local "
+            "path or a URI of a file system Spark is configured for (hdfs://, file://, s3a:// with the hadoop-aws "
+            "package and its settings)"
+        ) from exc
+    try:
+        return fs, fs.getFileStatus(path)
+    except Py4JJavaError as exc:
+        if jvm.java.lang.Class.forName("java.io.FileNotFoundException").isInstance(exc.java_exception):
+            raise _missing(raw) from exc
+        raise AuditInputError(f"input {raw} cannot be read ({_java_reason(exc)})") from exc
 
 
-def _format_of(file: Path) -> Format:
+def _java_reason(exc: Py4JJavaError) -> str:
+    """The innermost Java cause, ``Class: message``: what went wrong without the Py4J call or the trace."""
+    cause = exc.java_exception
+    while cause.getCause() is not None:
+        cause = cause.getCause()
+    return f"{cause.getClass().getSimpleName()}: {cause.getMessage()}"
+
+
+def _walk(fs: Any, folder: Any) -> Iterator[str]:
+    """Every file under ``folder``, except bookkeeping: a name, or a folder on the way, starting with . or _."""
+    root = folder.toString().rstrip("/") + "/"
+    files = fs.listFiles(folder, True)
+    while files.hasNext():
+        path = files.next().getPath().toString()
+        if not any(part.startswith((".", "_")) for part in path.removeprefix(root).split("/")):
+            yield path
+
+
+def _format_of(spark: SparkSession, fs: Any, file: str) -> Format:
     """By extension, else by content: Parquet starts with ``PAR1``, a JSON line with ``{``."""
-    name = file.name.lower().removesuffix(".gz")
+    name = file.rsplit("/", 1)[-1].lower().removesuffix(".gz")
     if name.endswith(JSON_SUFFIXES):
         return "json"
     if name.endswith(PARQUET_SUFFIXES):
         return "parquet"
-    with file.open("rb") as handle:
-        head = handle.read(64)
+    head = _head(spark, fs, file)
     if head.startswith(b"PAR1"):
         return "parquet"
-    if head.lstrip().startswith(b"{"):
+    if head.startswith(b"{"):
         return "json"
     raise AuditInputError(
-        f"{file} is neither JSON lines nor Parquet (by its extension and its first bytes): "
+        f"{_file_name(file)} is neither JSON lines nor Parquet (by its extension and its first bytes): "
         "name delivery logs *.jsonl or *.parquet, or leave other files out of the input folders"
     )
+
+
+def _head(spark: SparkSession, fs: Any, file: str, limit: int = 64) -> bytes:
+    """The first bytes after any leading whitespace, up to 4 (enough to tell PAR1 from ``{``).
+
+    Read a byte per Py4J call: only files without a known extension get here, and they stop early.
+    """
+    jvm: Any = spark._jvm
+    stream = fs.open(jvm.org.apache.hadoop.fs.Path(file))
+    try:
+        head = bytearray()
+        while len(head.lstrip()) < 4 and len(head) < limit:
+            byte = stream.read()
+            if byte < 0:
+                break
+            head.append(byte)
+    finally:
+        stream.close()
+    return bytes(head.lstrip())
 
 
 def read_logs(spark: SparkSession, inputs: Sequence[str]) -> DeliveryLogs:
@@ -163,11 +237,11 @@ def read_logs(spark: SparkSession, inputs: Sequence[str]) -> DeliveryLogs:
     columns and unknown kinds.
     """
 
-    files = find_files(inputs)
+    files = find_files(spark, inputs)
     parts: list[DataFrame] = []
     if files.json:
         parts.append(_read_json(spark, files.json))
-    for group in _parquet_groups(files.parquet):
+    for group in _parquet_groups(spark, files.parquet):
         parts.append(_read_parquet(spark, group))
     frame = parts[0]
     for part in parts[1:]:
@@ -226,49 +300,76 @@ def _read_json(spark: SparkSession, paths: list[str]) -> DataFrame:
     return frame.select(*[name for name, _ in COLUMNS], sf.col("_metadata.file_path").alias(FILE), CORRUPT)
 
 
-def _parquet_groups(paths: list[str]) -> list[list[str]]:
+def _parquet_groups(spark: SparkSession, paths: list[str]) -> list[list[str]]:
     """Parquet files grouped by schema, each checked: readable, with the required columns.
 
-    Reading the footers here (metadata only) names a truncated file plainly, and lets files
-    written with other column types (``time`` as int64, ``qos`` as int64) be read and cast.
+    Reading each file's schema here (its footer, through Spark: any Hadoop file system) names a
+    truncated file plainly, and lets files written with other column types (``time`` as int64,
+    ``qos`` as int64) be read and cast. The reads are small Spark jobs, run a few at a time.
     """
 
+    with ThreadPoolExecutor(SCHEMA_READERS) as pool:
+        schemas = list(pool.map(lambda path: _parquet_schema(spark, path), paths))
     groups: dict[str, list[str]] = {}
-    for path in paths:
-        try:
-            schema = pq.read_schema(path)
-        except Exception as exc:  # pyarrow raises ArrowInvalid/OSError subclasses for bad files
-            raise AuditInputError(
-                f"{path} is not a readable Parquet file ({exc}): it may be truncated or still being written; "
-                "rewrite it or leave it out"
-            ) from exc
+    for path, schema in zip(paths, schemas, strict=True):
         missing = [name for name in REQUIRED_ALWAYS if name not in schema.names]
         if missing:
             raise AuditInputError(
-                f"{path} lacks the required column(s) {', '.join(missing)} (docs/delivery-log.md): "
+                f"{_file_name(path)} lacks the required column(s) {', '.join(missing)} (docs/delivery-log.md): "
                 f"it has {', '.join(schema.names) or 'no columns'}"
             )
-        for name, data_type in COLUMNS:
-            if name in schema.names and not _convertible(schema.field(name).type, data_type):
-                raise AuditInputError(
-                    f"column {name} of {path} is {schema.field(name).type}, which does not convert to "
-                    f"{data_type.simpleString()} (docs/delivery-log.md): rewrite the file with that type"
-                )
-        groups.setdefault(str(schema.remove_metadata()), []).append(path)
+        odd = [
+            name
+            for name, data_type in COLUMNS
+            if name in schema.names and not _convertible(schema[name].dataType, data_type)
+        ]
+        if odd:
+            _check_empty_columns(spark, path, schema, odd)
+        groups.setdefault(schema.simpleString(), []).append(path)
     return list(groups.values())
 
 
-def _convertible(have: pa.DataType, want: DataType) -> bool:
-    """Whether a Parquet column's type casts to the documented one without losing its meaning."""
-    if pa.types.is_null(have):
+def _parquet_schema(spark: SparkSession, path: str) -> StructType:
+    try:
+        return spark.read.parquet(path).schema
+    except Exception as exc:  # Py4JJavaError or Spark's own error classes, both with the cause in the text
+        reason = _java_reason(exc) if isinstance(exc, Py4JJavaError) else str(exc).splitlines()[0]
+        raise AuditInputError(
+            f"{_file_name(path)} is not a readable Parquet file ({reason}): it may be truncated or still being "
+            "written; rewrite it or leave it out"
+        ) from exc
+
+
+def _check_empty_columns(spark: SparkSession, path: str, schema: StructType, names: list[str]) -> None:
+    """Columns of a type that does not convert are refused unless they hold no value at all.
+
+    A column pyarrow wrote as null (every record of the file left it out) is INT32 in the file,
+    which Spark reads as int; it holds nothing, so it is read as nulls.
+    """
+    counts = spark.read.parquet(path).select(*[sf.count(sf.col(name)).alias(name) for name in names]).first()
+    for name in names:
+        if counts is not None and counts[name]:
+            want = dict(COLUMNS)[name]
+            raise AuditInputError(
+                f"column {name} of {_file_name(path)} is {schema[name].dataType.simpleString()}, which does not "
+                f"convert to {want.simpleString()} (docs/delivery-log.md): rewrite the file with that type"
+            )
+
+
+INTEGRAL = (ByteType, ShortType, IntegerType, LongType)
+
+
+def _convertible(have: DataType, want: DataType) -> bool:
+    """Whether a Parquet column's Spark type casts to the documented one without losing its meaning."""
+    if isinstance(have, NullType):
         return True
     if isinstance(want, StringType):
-        return bool(pa.types.is_string(have) or pa.types.is_large_string(have))
+        return isinstance(have, StringType)
     if isinstance(want, BooleanType):
-        return bool(pa.types.is_boolean(have))
+        return isinstance(have, BooleanType)
     if isinstance(want, DoubleType):
-        return bool(pa.types.is_floating(have) or pa.types.is_integer(have) or pa.types.is_decimal(have))
-    return bool(pa.types.is_integer(have))
+        return isinstance(have, (FloatType, DoubleType, DecimalType, *INTEGRAL))
+    return isinstance(have, INTEGRAL) or (isinstance(have, DecimalType) and have.scale == 0)  # uint64: decimal(20,0)
 
 
 def _read_parquet(spark: SparkSession, paths: list[str]) -> DataFrame:
