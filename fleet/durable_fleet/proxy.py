@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import socket
 import struct
 import threading
@@ -140,6 +141,22 @@ async def _closed(writers: Iterable[asyncio.StreamWriter]) -> None:
     waits = asyncio.gather(*(writer.wait_closed() for writer in writers), return_exceptions=True)
     with contextlib.suppress(TimeoutError, asyncio.CancelledError):
         await asyncio.wait_for(waits, CLOSE_TIMEOUT)
+
+
+def _abandoned(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Did the device close or reset this connection (seen without reading from it)?"""
+    if reader.at_eof():
+        return True
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return True
+    with socket.socket(fileno=os.dup(sock.fileno())) as peek:
+        try:
+            return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False  # open, nothing sent
+        except OSError:
+            return True  # reset
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:
@@ -382,6 +399,11 @@ class FaultProxy:
         pumps: set[asyncio.Task[None]] = set()
         try:
             await link.flowing.wait()  # a connection made during a stall is held before the broker
+            if _abandoned(device_reader, link.writers[0]):
+                # In a real blackhole its SYN would never have been answered: the broker must not get
+                # a CONNECT the device gave up on (it reconnects on a new connection).
+                log.debug("%r closed its connection while it was held; not forwarded", link.device)
+                return
             try:
                 broker_reader, broker_writer = await asyncio.wait_for(
                     asyncio.open_connection(self.broker_host, self.broker_port), self.connect_timeout

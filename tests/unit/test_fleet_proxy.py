@@ -12,6 +12,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -258,6 +259,17 @@ def readable(sock: socket.socket, timeout: float = 0.0) -> bool:
     return bool(select.select([sock], [], [], timeout)[0])
 
 
+def held(proxy: FaultProxy, device: str, count: int, timeout: float = WAIT) -> bool:
+    """Wait until the proxy has read ``count`` CONNECTs of ``device`` (it reports no event for that)."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while proxy.connected(device) != count:
+        if time.monotonic() > deadline:
+            return False
+        pause.wait(0.01)  # each check is a call into the proxy's loop; bounded by the deadline
+    return True
+
+
 def roundtrip(sock: socket.socket, conn: Conn, tag: bytes) -> None:
     """Bytes go through the link both ways."""
     before = len(conn.wait_data(b""))
@@ -434,6 +446,27 @@ def test_connection_opened_during_a_stall_is_held_until_restore(
     conn = upstream.conn_of(connect)
     assert conn.wait_data(connect + extra) == connect + extra
     roundtrip(sock, conn, b"now")
+
+
+@pytest.mark.timeout(30)
+def test_a_held_connection_the_device_gave_up_on_never_reaches_the_broker(
+    proxy: FaultProxy, upstream: Upstream, sockets: Callable[[int], socket.socket]
+) -> None:
+    """In a real blackhole its SYN is never answered; the broker must not get its stale CONNECT."""
+    proxy.stall("d4")
+    given_up = sockets(proxy.port)
+    given_up.sendall(build_connect("d4"))
+    assert held(proxy, "d4", 1)  # its CONNECT read, held before the broker
+    given_up.close()  # the client's connect timed out
+    retry = sockets(proxy.port)
+    retry_connect = build_connect("d4") + publish("retry", b"x")
+    retry.sendall(retry_connect)
+    assert held(proxy, "d4", 2)
+
+    proxy.restore("d4")
+    conn = upstream.conn_of(retry_connect)
+    assert conn.wait_data(retry_connect) == retry_connect
+    assert upstream.wait_count(2, ABSENT) is False  # only the retry went upstream
 
 
 @pytest.mark.timeout(30)
