@@ -10,18 +10,12 @@ its checkpoint), and the audit of OUT/logs into OUT/audit (report.html).
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
+import shutil
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from amqtt_durable.process import BrokerProcess, free_port, local_config
 from durable_client import DurableClient, Event
 
 from .audit import AuditResult, run_audit
@@ -41,55 +35,22 @@ class DemoResult:
     audit: AuditResult
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class _BrokerProcess:
+def _start_broker(folder: Path) -> BrokerProcess:
     """``amqtt-durable broker`` with a stream on telemetry/#, as a child process of the demo."""
-
-    def __init__(self, folder: Path) -> None:
-        self.port = _free_port()
-        config = {
-            "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{self.port}"}},
-            "plugins": {
-                "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
-                "amqtt_durable.DurableSessionsPlugin": {
-                    "store": str(folder / "store"),
-                    "metrics_interval": 0,
-                    "streams": [{"filter": STREAM_FILTER, "max_count": 1_000_000}],
-                },
-            },
-        }
-        path = folder / "broker.yaml"
-        path.write_text(yaml.safe_dump(config))
-        log = (folder / "broker.log").open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "amqtt_durable.cli", "broker", "-c", str(path)], stdout=log, stderr=log
-        )
-        log.close()
-        deadline = time.monotonic() + WAIT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise PipelineError(f"the demo broker exited with {self.proc.returncode}; see {folder / 'broker.log'}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.05)  # the port is not open yet; bounded by the deadline
-        self.stop()
-        raise PipelineError(f"the demo broker did not open 127.0.0.1:{self.port} within {WAIT} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(WAIT)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(WAIT)
+    port = free_port()
+    config = local_config(
+        {"plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}},
+        port,
+        store=str(folder / "store"),
+        metrics_interval=0,
+        streams=[{"filter": STREAM_FILTER, "max_count": 1_000_000}],
+    )
+    broker = BrokerProcess(config, folder, port, wait=WAIT)
+    try:
+        broker.start()
+    except RuntimeError as exc:
+        raise PipelineError(f"the demo broker did not start: {exc}") from exc
+    return broker
 
 
 class _Counter:
@@ -121,10 +82,10 @@ def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "
     """Run the whole demo into ``out`` (created; an earlier demo there is replaced)."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("store", "logs", "events", "checkpoint", "audit"):
-        _remove_tree(out / stale)
+        shutil.rmtree(out / stale, ignore_errors=True)
     logs = out / "logs"
     logs.mkdir()
-    broker = _BrokerProcess(out)
+    broker = _start_broker(out)
     clients: list[DurableClient] = []
     spark = None
     try:
@@ -175,11 +136,3 @@ def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "
         if spark is not None:
             spark.stop()
         broker.stop()
-
-
-def _remove_tree(path: Path) -> None:
-    if not path.exists():
-        return
-    for child in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        child.rmdir() if child.is_dir() and not child.is_symlink() else child.unlink()
-    path.rmdir()

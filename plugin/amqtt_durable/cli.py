@@ -115,6 +115,16 @@ def _cmd_repair(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fleet(argv: list[str]) -> int:
+    try:
+        from durable_fleet.cli import main as fleet_main  # noqa: PLC0415 - Spark and matplotlib only here
+    except ImportError as exc:
+        print(f"amqtt-durable fleet needs the pipeline extra (pip install 'amqtt-durable[pipeline]'): {exc}",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return fleet_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="amqtt-durable", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -129,10 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     repair = commands.add_parser("repair", help="LevelDB repair of a corrupted store (broker stopped)")
     repair.add_argument("store", help="store folder")
     repair.set_defaults(run=_cmd_repair)
+    fleet = commands.add_parser(
+        "fleet", add_help=False, help="fault-injection run of simulated devices, judged by the Spark audit (--help)"
+    )
+    fleet.add_argument("options", nargs=argparse.REMAINDER, help="see amqtt-durable fleet --help")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["fleet"]:  # its own parser (argparse's REMAINDER would not pass on --help)
+        return _fleet(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         code: int = args.run(args)

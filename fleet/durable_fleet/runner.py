@@ -1,0 +1,528 @@
+"""A fleet run from start to verdict: broker, fault proxy, device and publisher processes, the
+fault schedule, the drain, then the Spark delivery audit of the delivery logs.
+
+Layout of ``out``: ``logs/`` (one delivery log per device and publisher), ``state/`` (CPL-2
+journals), ``store/`` and ``broker.log`` (a broker started here), ``workers/`` (each process's
+spec and output), ``schedule.yaml`` (the faults, replayable with ``--schedule``), ``audit/``
+(the Spark audit's summary and report), ``report.html`` with its charts.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+import paho.mqtt.client as mqtt
+import psutil
+from paho.mqtt.enums import CallbackAPIVersion
+
+from amqtt_durable.process import HOST, BrokerProcess, free_port, local_config
+
+from .model import (
+    ALL_DEVICES,
+    AppliedFault,
+    DeviceKind,
+    DeviceOutcome,
+    Fault,
+    FaultKind,
+    FleetResult,
+    Sample,
+)
+from .proxy import FaultProxy
+from .tail import DeliveryTail
+from .worker import BROADCAST_TOPIC, DeviceSpec, PublisherSpec, WorkerSpec, command_topic
+
+log = logging.getLogger(__name__)
+
+QUEUED_METRIC = "$SYS/broker/durable/messages/queued"
+STALE = ("logs", "state", "store", "workers", "audit")
+"""Sub-folders of ``out`` that a new run replaces (nothing else there is touched)."""
+SAMPLE_INTERVAL = 1.0
+STOP_WAIT = 15.0
+LOG_LINE_EVERY = 5.0
+"""Seconds between progress lines when stderr is not a terminal."""
+
+
+class FleetError(Exception):
+    """A run that cannot start or go on (bad options, a broker that does not start): exit 2."""
+
+
+@dataclass
+class FleetOptions:
+    out: Path
+    devices: int = 20
+    mix: Mapping[DeviceKind, int] = field(default_factory=lambda: {"cpl1": 1, "cpl2": 1, "paho": 1})
+    """Weights of the device kinds; kinds are dealt round robin by weight, so any prefix of the
+    fleet has the same mix."""
+    rate: float = 100.0
+    """Messages per second from all publishers together."""
+    duration: float = 45.0
+    qos: int = 1
+    publishers: int = 2
+    processes: int = 8
+    """Device processes: a device_restart fault restarts every device of the target's process."""
+    keepalive: int = 4
+    faults: list[Fault] = field(default_factory=list)
+    config: dict[str, Any] | None = None
+    """broker.yaml's content: the harness starts that broker (own port and store under ``out``)."""
+    host: str = HOST
+    port: int | None = None
+    """A running broker to target instead (no broker_kill faults then)."""
+    prefix: str = "dev-"
+    broadcast_every: int = 10
+    payload_size: int = 64
+    drain_timeout: float = 60.0
+    ready_timeout: float = 120.0
+    master: str = "local[2]"
+    spark: Any = None
+    """A SparkSession to audit with, left running (tests share one); None: one on ``master``, stopped after."""
+    progress: TextIO | None = None
+    schedule_note: str = ""
+    """How the faults were made (seed or file), for the settings table."""
+
+
+def device_kinds(count: int, mix: Mapping[DeviceKind, int]) -> list[DeviceKind]:
+    """Smooth weighted round robin: with weights 1:1:1, kinds alternate; 2:1 gives a, b, a, ..."""
+    weights = {kind: weight for kind, weight in mix.items() if weight > 0}
+    if not weights:
+        raise FleetError("--mix gives every device kind weight 0")
+    total = sum(weights.values())
+    current = dict.fromkeys(weights, 0)
+    kinds: list[DeviceKind] = []
+    for _ in range(count):
+        for kind, weight in weights.items():
+            current[kind] += weight
+        chosen = max(current, key=lambda kind: current[kind])
+        current[chosen] -= total
+        kinds.append(chosen)
+    return kinds
+
+
+class _Worker:
+    """A worker process (``python -m durable_fleet.worker``) that can be SIGKILLed and started again."""
+
+    def __init__(self, name: str, spec: WorkerSpec, folder: Path) -> None:
+        self.name = name
+        self.spec = spec
+        self.spec_path = folder / f"{name}.json"
+        self.log_path = folder / f"{name}.log"
+        spec.dump(self.spec_path)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "durable_fleet.worker", str(self.spec_path)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(STOP_WAIT)
+
+    def terminate(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(STOP_WAIT)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %s s of SIGTERM; killed", self.name, STOP_WAIT)
+            self.kill()
+
+
+class _QueueDepth:
+    """The broker's queued-messages metric, from a subscriber straight to the broker (no proxy)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.value: int | None = None
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fleet-monitor-{os.getpid()}")
+        self.client.reconnect_delay_set(1, 1)
+        self.client.on_connect = lambda client, *_: client.subscribe(QUEUED_METRIC, 0)
+        self.client.on_message = self._on_message
+        self.client.connect_async(host, port, 10)
+        self.client.loop_start()
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        try:
+            self.value = int(message.payload)
+        except ValueError:
+            log.warning("unexpected %s payload %r", QUEUED_METRIC, message.payload[:40])
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+class _BrokerUsage:
+    """CPU (percent of one core, since the previous reading) and RSS of the broker process."""
+
+    def __init__(self) -> None:
+        self._pid: int | None = None
+        self._last: tuple[float, float] = (0.0, 0.0)
+
+    def read(self, pid: int | None) -> tuple[float | None, int | None]:
+        if pid is None:
+            return None, None
+        try:
+            process = psutil.Process(pid)
+            times = process.cpu_times()
+            rss = int(process.memory_info().rss)
+        except psutil.Error:
+            return None, None
+        now, busy = time.monotonic(), times.user + times.system
+        previous, self._last = self._last, (now, busy)
+        if pid != self._pid:
+            self._pid = pid
+            return None, rss
+        return 100.0 * (busy - previous[1]) / max(now - previous[0], 1e-6), rss
+
+
+class FleetRun:
+    """One run; ``run()`` returns the result (the audit included) or raises FleetError."""
+
+    def __init__(self, options: FleetOptions) -> None:
+        self.o = options
+        self.out = options.out
+        self.kinds = device_kinds(options.devices, options.mix)
+        self.names = [f"{options.prefix}{i:03d}" for i in range(options.devices)]
+        self.kind_of = dict(zip(self.names, self.kinds, strict=True))
+        self.broker: BrokerProcess | None = None
+        self.proxy: FaultProxy | None = None
+        self.device_workers: list[_Worker] = []
+        self.publishers: list[_Worker] = []
+        self.worker_of: dict[str, _Worker] = {}
+        self.applied: list[AppliedFault] = []
+        self.samples: list[Sample] = []
+        self.counts: dict[str, dict[FaultKind, int]] = {name: {} for name in self.names}
+        self.lock = threading.Lock()
+        self.t0 = 0.0
+        self.phase = "starting"
+        self._last_line = 0.0
+
+    # ------------------------------------------------------------------ set-up
+    def _prepare(self) -> None:
+        for name in STALE:
+            shutil.rmtree(self.out / name, ignore_errors=True)
+        for name in ("logs", "state", "workers"):
+            (self.out / name).mkdir(parents=True)
+
+    def _start_broker(self) -> int:
+        if self.o.config is None:
+            if self.o.port is None:
+                raise FleetError("give a broker.yaml to start (--config) or a running broker (--port)")
+            return self.o.port
+        port = free_port()
+        config = local_config(self.o.config, port, store=str(self.out / "store"), metrics_interval=SAMPLE_INTERVAL)
+        self.broker = BrokerProcess(config, self.out, port)
+        try:
+            self.broker.start()
+        except RuntimeError as exc:
+            raise FleetError(str(exc)) from exc
+        return port
+
+    def _start_workers(self, broker_port: int, proxy_port: int) -> None:
+        o = self.o
+        base = WorkerSpec(
+            host=HOST if o.config is not None else o.host,
+            device_port=proxy_port,
+            broker_port=broker_port,
+            logs=str(self.out / "logs"),
+            state_dir=str(self.out / "state"),
+            keepalive=o.keepalive,
+            end_sessions=o.config is None,
+        )
+        folder = self.out / "workers"
+        processes = max(1, min(o.processes, o.devices))
+        for index in range(processes):
+            members = [DeviceSpec(name, self.kind_of[name]) for name in self.names[index::processes]]
+            worker = _Worker(f"devices-{index}", replace(base, devices=members), folder)
+            self.device_workers.append(worker)
+            for member in members:
+                self.worker_of[member.name] = worker
+        for index in range(o.publishers):
+            share = o.rate / o.publishers
+            offset = index * 7919  # publishers start at different devices
+            publisher = PublisherSpec(
+                f"pub-{index}", share, self.names, offset, o.broadcast_every, o.payload_size, o.qos
+            )
+            self.publishers.append(_Worker(f"publisher-{index}", replace(base, publisher=publisher), folder))
+        for worker in self.device_workers:
+            worker.start()
+
+    def _wait_ready(self, tail: DeliveryTail) -> None:
+        sdk = [name for name in self.names if self.kind_of[name] != "paho"]
+        deadline = time.monotonic() + self.o.ready_timeout
+        while True:
+            tail.poll()
+            waiting = tail.not_ready(sdk)
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                shown = ", ".join(waiting[:10]) + (" ..." if len(waiting) > 10 else "")
+                raise FleetError(
+                    f"{len(waiting)} device(s) not subscribed and live within {self.o.ready_timeout} s: {shown}; "
+                    f"see {self.out / 'workers'}"
+                )
+            self._progress(tail, f"starting: {self.o.devices - len(waiting)}/{self.o.devices} devices ready")
+            time.sleep(0.2)  # polling files another process writes; bounded by the deadline
+
+    # ------------------------------------------------------------------ faults
+    def _apply(self, fault: Fault, begin: bool) -> str:
+        """Start or end one fault; return what it touched."""
+        proxy, broker = self.proxy, self.broker
+        assert proxy is not None
+        target = None if fault.target == ALL_DEVICES else fault.target
+        if fault.kind in ("drop", "stall"):
+            if begin:
+                links = proxy.cut(target) if fault.kind == "drop" else proxy.stall(target)
+                return f"{links} link(s)"
+            proxy.restore(target)
+            return ""
+        if fault.kind == "broker_kill":
+            if broker is None:
+                raise FleetError("broker_kill needs a broker the harness started (--config)")
+            if begin:
+                broker.kill()
+            else:
+                try:
+                    broker.start()
+                except RuntimeError as exc:
+                    raise FleetError(f"the broker did not restart after its SIGKILL: {exc}") from exc
+            return ""
+        worker = self.worker_of[str(fault.target)]
+        if begin:
+            worker.kill()
+            worker.restarts += 1
+            return f"{worker.name}: " + ", ".join(device.name for device in worker.spec.devices)
+        worker.start()
+        return ""
+
+    def _drive_faults(self, stop: threading.Event, errors: list[BaseException]) -> None:
+        """Apply the schedule: each fault starts at ``at`` and ends ``duration`` later."""
+        events: list[tuple[float, int, bool, int]] = []
+        for index, fault in enumerate(self.o.faults):
+            heapq.heappush(events, (fault.at, 1, True, index))
+            heapq.heappush(events, (fault.at + fault.duration, 0, False, index))  # ends first at equal times
+        active: dict[int, Fault] = {}
+        started: dict[int, tuple[float, str]] = {}
+        try:
+            while events:
+                at, _, begin, index = heapq.heappop(events)
+                # Once the run is over (stop), faults not begun are dropped and the rest end at once.
+                stop.wait(max(0.0, self.t0 + at - time.monotonic()))
+                fault = self.o.faults[index]
+                if begin:
+                    if not stop.is_set():
+                        started[index] = (time.monotonic() - self.t0, self._apply(fault, True))
+                        active[index] = fault
+                        self._count(fault)
+                    continue
+                if active.pop(index, None) is None:
+                    continue
+                self._apply(fault, False)
+                self._reapply_links(fault, active)
+                begun, detail = started[index]
+                with self.lock:
+                    self.applied.append(AppliedFault(fault, begun, time.monotonic() - self.t0, detail))
+        except BaseException as exc:  # handed to the main thread, which stops the run
+            errors.append(exc)
+
+    def _reapply_links(self, ended: Fault, active: Mapping[int, Fault]) -> None:
+        """restore() of a device or of all also lifts other cuts and stalls still due to run."""
+        if ended.kind not in ("drop", "stall"):
+            return
+        lifted = (ended.target, ALL_DEVICES) if ended.target != ALL_DEVICES else None
+        for fault in active.values():
+            if fault.kind in ("drop", "stall") and (lifted is None or fault.target in lifted):
+                self._apply(fault, True)
+
+    def _count(self, fault: Fault) -> None:
+        if fault.kind == "broker_kill":
+            return
+        targets = self.names if fault.target == ALL_DEVICES else [str(fault.target)]
+        if fault.kind == "device_restart":
+            targets = [device.name for device in self.worker_of[str(fault.target)].spec.devices]
+        for name in targets:
+            self.counts[name][fault.kind] = self.counts[name].get(fault.kind, 0) + 1
+
+    # --------------------------------------------------------------- sampling
+    def _sample(self, tail: DeliveryTail, depth: _QueueDepth, usage: _BrokerUsage) -> None:
+        tail.poll()
+        cpu, rss = usage.read(self.broker.pid if self.broker is not None else None)
+        assert self.proxy is not None
+        sample = Sample(
+            time.monotonic() - self.t0, depth.value, cpu, rss, self.proxy.connected(), tail.sent, tail.received
+        )
+        self.samples.append(sample)
+        self._progress(tail, self.phase)
+
+    def _progress(self, tail: DeliveryTail, phase: str) -> None:
+        stream = self.o.progress
+        if stream is None:
+            return
+        elapsed = max(0.0, time.monotonic() - self.t0) if self.t0 else 0.0
+        done = min(1.0, elapsed / self.o.duration) if self.t0 else 0.0
+        bar = "#" * int(done * 30) + "." * (30 - int(done * 30))
+        with self.lock:
+            faults = len(self.applied)
+        line = (
+            f"[{bar}] {elapsed:5.0f}/{self.o.duration:.0f} s  {phase:<12.40} sent {tail.sent:,}  "
+            f"received {tail.received:,}  missing {tail.missing():,}  faults {faults}/{len(self.o.faults)}"
+        )
+        if stream.isatty():
+            stream.write("\r" + line[:160])
+        elif time.monotonic() - self._last_line >= LOG_LINE_EVERY:  # a log file gets a line now and then
+            self._last_line = time.monotonic()
+            stream.write(line + "\n")
+        stream.flush()
+
+    # -------------------------------------------------------------------- run
+    def run(self) -> FleetResult:
+        o = self.o
+        self._prepare()
+        tail = DeliveryTail(
+            self.out / "logs", {name: (command_topic(name), BROADCAST_TOPIC) for name in self.names}, time.time()
+        )
+        broker_port = self._start_broker()
+        self.proxy = FaultProxy(o.host if o.config is None else HOST, broker_port)
+        depth: _QueueDepth | None = None
+        errors: list[BaseException] = []
+        stop = threading.Event()
+        driver = threading.Thread(target=self._drive_faults, args=(stop, errors), name="fleet-faults", daemon=True)
+        try:
+            proxy_port = self.proxy.start()
+            self._start_workers(broker_port, proxy_port)
+            depth = _QueueDepth(o.host if o.config is None else HOST, broker_port)
+            self._wait_ready(tail)
+            usage = _BrokerUsage()
+            self.t0 = time.monotonic()
+            tail.start = time.time()
+            for publisher in self.publishers:
+                publisher.start()
+            driver.start()
+            self.phase = "publishing"
+            while time.monotonic() - self.t0 < o.duration and not errors:
+                self._sample(tail, depth, usage)
+                time.sleep(SAMPLE_INTERVAL)  # the sampling period, not a synchronisation
+            stop.set()
+            driver.join(max((f.duration for f in o.faults), default=0.0) + 2 * STOP_WAIT)
+            if errors:
+                raise FleetError(f"a fault could not be applied: {errors[0]}") from errors[0]
+            self.phase = "draining"
+            for publisher in self.publishers:
+                publisher.terminate()
+            drain_end = time.monotonic() + o.drain_timeout
+            while time.monotonic() < drain_end:
+                self._sample(tail, depth, usage)
+                if tail.missing() == 0:
+                    break
+                time.sleep(SAMPLE_INTERVAL / 2)  # polling the devices' logs; bounded by drain_end
+            self._sample(tail, depth, usage)
+            duration = time.monotonic() - self.t0
+        finally:
+            stop.set()
+            for worker in [*self.publishers, *self.device_workers]:
+                worker.terminate()
+            if depth is not None:
+                depth.close()
+            self.proxy.stop()
+            if self.broker is not None:
+                self.broker.stop()
+            if o.progress is not None and o.progress.isatty():
+                o.progress.write("\n")
+        return self._judge(tail, duration)
+
+    # ------------------------------------------------------------------ verdict
+    def _judge(self, tail: DeliveryTail, duration: float) -> FleetResult:
+        from durable_pipeline.audit import run_audit  # noqa: PLC0415 - pyspark loads only for the audit
+        from durable_pipeline.spark import get_session  # noqa: PLC0415
+
+        self.phase = "auditing"
+        spark = self.o.spark or get_session(self.o.master, "amqtt-durable-fleet")
+        try:
+            audit = run_audit(
+                spark, [str(self.out / "logs")], self.out / "audit", "at-least-once", check_order=True,
+                count_qos0=self.o.qos == 0,
+            )
+        finally:
+            if self.o.spark is None:
+                spark.stop()
+        stats = {row.device: row for row in audit.devices}
+        outcomes: list[DeviceOutcome] = []
+        for name in self.names:
+            row = stats.get(name)
+            kind = self.kind_of[name]
+            counts = self.counts[name]
+            expected, received, lost, duplicated, out_of_order = (
+                (row.expected, row.received, row.lost, row.duplicated, row.out_of_order) if row else (0, 0, 0, 0, 0)
+            )
+            why = _why(kind, expected, lost, duplicated, out_of_order)
+            outcomes.append(DeviceOutcome(
+                name, kind, expected, received, lost, duplicated, out_of_order,
+                counts.get("device_restart", 0), counts.get("drop", 0), counts.get("stall", 0), not why, why,
+            ))
+        failures = [f"{len(bad)} device(s) failed: " + "; ".join(f"{d.device} ({d.kind}): {d.why}" for d in bad[:5])
+                    for bad in [[d for d in outcomes if not d.ok]] if bad]
+        failures += [f"audit: {text}" for text in audit.failures]
+        notes = list(audit.notes)
+        if tail.missing():
+            left = tail.missing()
+            notes.append(f"the drain ended after {self.o.drain_timeout:.0f} s with {left:,} receive(s) missing")
+        return FleetResult(
+            ok=not failures, failures=failures, devices=outcomes, faults=sorted(self.applied, key=lambda a: a.started),
+            samples=self.samples, latencies=tail.latencies, settings=self._settings(), sent=tail.sent,
+            duration_s=duration, out=self.out, audit_report=audit.report_path, notes=notes,
+        )
+
+    def _settings(self) -> dict[str, str]:
+        o = self.o
+        mix = ", ".join(f"{kind} {self.kinds.count(kind)}" for kind in ("cpl1", "cpl2", "paho") if kind in self.kinds)
+        store = self.out / "store"
+        broker = f"started from broker.yaml (store {store})" if o.config is not None else f"{o.host}:{o.port}"
+        return {
+            "devices": f"{o.devices} ({mix}) in {len(self.device_workers)} process(es)",
+            "publishers": f"{o.publishers} at {o.rate:g} messages/s in all, QoS {o.qos}, {o.payload_size} B payloads",
+            "duration": f"{o.duration:g} s (+ drain up to {o.drain_timeout:g} s)",
+            "keep-alive": f"{o.keepalive} s",
+            "faults": f"{len(o.faults)} ({o.schedule_note})" if o.schedule_note else str(len(o.faults)),
+            "broker": broker,
+        }
+
+
+def _why(kind: DeviceKind, expected: int, lost: int, duplicated: int, out_of_order: int) -> str:
+    reasons = []
+    if expected == 0:
+        reasons.append("nothing expected (no confirmed subscription in its log)")
+    if lost:
+        reasons.append(f"{lost} lost")
+    if out_of_order:
+        reasons.append(f"{out_of_order} out of order")
+    if duplicated and kind == "cpl2":
+        reasons.append(f"{duplicated} duplicated (CPL-2 promises exactly once)")
+    return "; ".join(reasons)
+
+
+def run_fleet(options: FleetOptions) -> FleetResult:
+    """Run the fleet and audit it; the caller writes the report (``durable_fleet.report``)."""
+    if options.devices < 1:
+        raise FleetError(f"--devices must be 1 or more, got {options.devices}")
+    if not (options.rate > 0 and math.isfinite(options.rate)):
+        raise FleetError(f"--rate must be a positive number of messages per second, got {options.rate}")
+    return FleetRun(options).run()
+
