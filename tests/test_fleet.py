@@ -1,0 +1,120 @@
+"""The fleet harness end to end: a real broker it starts and SIGKILLs, the fault proxy, device
+and publisher processes, delivery logs and the Spark audit (slow), and its input errors (fast)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from amqtt_durable.cli import PLUGIN_PATH
+from conftest import run_cli
+from durable_fleet.model import FAULT_KINDS, Fault
+from durable_fleet.report import write_fleet_report
+from durable_fleet.runner import FleetOptions, run_fleet
+from durable_fleet.schedule import random_schedule
+
+BROKER_YAML = {
+    "listeners": {"default": {"type": "tcp", "bind": "127.0.0.1:1883"}},
+    "plugins": {
+        "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
+        PLUGIN_PATH: {"store": "ignored/the/harness/puts/it/under/out"},
+    },
+}
+KEEPALIVE = 2
+
+
+def fleet_options(out: Path, spark: Any, faults: list[Fault], **settings: Any) -> FleetOptions:
+    return FleetOptions(out=out, config=BROKER_YAML, keepalive=KEEPALIVE, faults=faults, spark=spark, **settings)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_twenty_devices_lose_nothing_through_every_kind_of_fault(tmp_path: Path, spark: Any) -> None:
+    devices = [f"dev-{i:03d}" for i in range(20)]
+    counts = {"drop": 3, "stall": 3, "device_restart": 3, "broker_kill": 1}
+    faults = random_schedule(7, duration=40.0, devices=devices, counts=counts, keepalive=KEEPALIVE)
+    result = run_fleet(fleet_options(tmp_path / "out", spark, faults, devices=20, duration=40.0, rate=60.0))
+
+    applied = [applied.fault.kind for applied in result.faults]
+    assert {kind: applied.count(kind) for kind in FAULT_KINDS} == counts  # every fault happened and healed
+    assert result.sent > 1500
+    kinds = {device.kind for device in result.devices}
+    assert kinds == {"cpl1", "cpl2", "paho"}
+    for device in result.devices:
+        assert device.expected > 0, device
+        assert device.lost == 0, device
+        assert device.out_of_order == 0, device
+        if device.kind == "cpl2":
+            assert device.duplicated == 0, device
+    restarted = [device for device in result.devices if device.restarts]
+    assert any(device.kind == "cpl2" for device in restarted)  # exactly once across a process SIGKILL
+    assert result.ok, result.failures
+    assert max(sample.queued or 0 for sample in result.samples) > 0  # queues grew while devices were away
+    assert result.latencies  # replays happened and were timed
+
+    charts = write_fleet_report(result)
+    page = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
+    assert "PASS" in page
+    assert all(chart.exists() for chart in charts)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_qos0_through_connection_drops_is_reported_as_loss(tmp_path: Path, spark: Any) -> None:
+    """The harness must catch a failure: QoS 0 promises nothing across a drop, and the audit
+    (told to count QoS 0) finds the messages that died with the connections."""
+    faults = [Fault(at, "drop", "all", 1.5) for at in (3.0, 7.0, 11.0)]
+    result = run_fleet(
+        fleet_options(tmp_path / "out", spark, faults, devices=6, duration=15.0, rate=200.0, qos=0, drain_timeout=5.0)
+    )
+    assert not result.ok
+    lost = sum(device.lost for device in result.devices)
+    assert lost > 0
+    assert any("lost" in failure for failure in result.failures)
+    assert all(not device.ok for device in result.devices if device.lost)
+
+
+def write_broker_yaml(tmp_path: Path, content: Any) -> Path:
+    path = tmp_path / "broker.yaml"
+    path.write_text(yaml.safe_dump(content) if not isinstance(content, str) else content, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--devices", "0"], "--devices must be 1 or more"),
+        (["--faults", "drop=2,quake=1"], "'quake=1' is not NAME=COUNT"),
+        (["--mix", "cpl1=0,cpl2=0,paho=0"], "weight 0"),
+        (["--duration", "soon"], "soon"),
+        (["--qos", "2"], "invalid choice"),
+        (["--port", "1883", "--faults", "broker_kill=1"], "broker_kill faults need a broker the harness starts"),
+    ],
+)
+def test_bad_options_exit_2_naming_the_problem(tmp_path: Path, args: list[str], message: str) -> None:
+    config = write_broker_yaml(tmp_path, BROKER_YAML)
+    extra = [] if "--port" in args else ["-c", str(config)]
+    done = run_cli("fleet", *extra, "--out", str(tmp_path / "out"), *args)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+
+
+def test_a_bad_broker_yaml_exits_2_naming_the_key(tmp_path: Path) -> None:
+    bad = {**BROKER_YAML, "plugins": {PLUGIN_PATH: {"max_depth": -1}}}
+    done = run_cli("fleet", "-c", str(write_broker_yaml(tmp_path, bad)), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "max_depth" in done.stderr
+
+
+def test_a_bad_schedule_file_exits_2_naming_the_fault(tmp_path: Path) -> None:
+    schedule = tmp_path / "faults.yaml"
+    schedule.write_text(json.dumps({"faults": [{"at": 1, "kind": "drop", "device": "dev-000", "for": 1},
+                                               {"at": 2, "kind": "flood", "for": 1}]}), encoding="utf-8")
+    config = write_broker_yaml(tmp_path, BROKER_YAML)
+    done = run_cli("fleet", "-c", str(config), "--schedule", str(schedule), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "fault 2" in done.stderr and "flood" in done.stderr
