@@ -9,6 +9,7 @@ import pytest
 
 from amqtt_durable.process import local_config
 from durable_fleet.runner import FleetError, device_kinds
+from durable_fleet.schedule import load_schedule
 from durable_fleet.tail import DeliveryTail
 
 CMD_A, CMD_B, ALL = "fleet/a/cmd", "fleet/b/cmd", "fleet/broadcast"
@@ -107,3 +108,12 @@ def test_local_config_keeps_the_users_settings_and_moves_port_and_store() -> Non
     }
     assert config["timeout-disconnect-delay"] == 2
     assert user["plugins"][0]["amqtt_durable.DurableSessionsPlugin"]["store"] == "data/store"  # not changed
+
+
+def test_the_example_schedule_fits_the_default_fleet() -> None:
+    """examples/fleet_schedule.yaml, shown in the README, loads for the default 20 devices and 45 s."""
+    path = Path(__file__).parents[2] / "examples" / "fleet_schedule.yaml"
+    faults = load_schedule(path, devices=[f"dev-{i:03d}" for i in range(20)], duration=45.0)
+    assert [fault.kind for fault in faults] == ["drop", "stall", "broker_kill", "device_restart"]
+    readme = (path.parents[1] / "README.md").read_text(encoding="utf-8")
+    assert all(line in readme for line in path.read_text(encoding="utf-8").splitlines() if line.startswith("  - "))
