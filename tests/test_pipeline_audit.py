@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest.mock import Mock
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,10 +24,12 @@ import pytest
 from matplotlib.cbook import is_math_text
 
 from amqtt_durable.topics import matches
+from durable_pipeline import audit
 from durable_pipeline.audit import AuditResult, DeviceStats, run_audit
 from durable_pipeline.cli import format_summary
 from durable_pipeline.errors import AuditInputError
 from durable_pipeline.report import chart_label, write_report
+from durable_pipeline.spark import stop_session
 from durable_pipeline.synthetic import SyntheticLogs, write_logs
 from durable_pipeline.topics import topic_filter_pairs
 
@@ -548,6 +551,38 @@ def test_unreadable_gzip_and_out_a_file(spark: Any, tmp_path: Path) -> None:
     out.write_text("not a folder\n")
     with pytest.raises(AuditInputError, match="is not a folder"):
         run_audit(spark, [str(good)], out, "exactly-once")
+
+
+def cache_is_empty(spark: Any) -> bool:
+    return bool(spark._jsparkSession.sharedState().cacheManager().isEmpty())
+
+
+def test_cleanup_releases_the_cache_and_never_hides_the_error(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An audit leaves nothing cached. When a job fails because the SparkContext died, unpersist and
+    stop fail too (bench/RESULTS.md: a NullPointerException hid an OutOfMemoryError): the cleanup
+    logs those, and the job's own error is what the caller gets."""
+    spark.catalog.clearCache()
+    path = str(write_jsonl(tmp_path / "good.jsonl", good_records()))
+    assert run_audit(spark, [path], tmp_path / "audit", "exactly-once").ok
+    assert cache_is_empty(spark)
+
+    def job_fails(*args: Any) -> Any:
+        raise RuntimeError("Job aborted: java.lang.OutOfMemoryError: Java heap space")
+
+    def context_gone(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("java.lang.NullPointerException (the SparkContext is stopped)")
+
+    monkeypatch.setattr(audit, "_summary", job_fails)
+    monkeypatch.setattr(type(spark.range(1)), "unpersist", context_gone)  # pyspark's classic DataFrame
+    with pytest.raises(RuntimeError, match="OutOfMemoryError"):
+        run_audit(spark, [path], tmp_path / "audit", "exactly-once")
+    assert "could not unpersist a cached frame" in caplog.text
+    stop_session(Mock(stop=Mock(side_effect=ConnectionRefusedError("the JVM exited"))))
+    assert "could not stop the SparkSession" in caplog.text
+    monkeypatch.undo()
+    spark.catalog.clearCache()
 
 
 def test_cli_exit_2_on_bad_input(tmp_path: Path) -> None:

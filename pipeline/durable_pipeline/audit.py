@@ -53,12 +53,11 @@ from typing import Any, Literal, get_args
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Row, SparkSession, Window
 from pyspark.sql import functions as sf
 
 from .errors import AuditInputError
-from .logs import DeliveryLogs, read_logs
+from .logs import CACHE_LEVEL, DeliveryLogs, read_logs, unpersist
 from .report import write_report
 from .topics import topic_filter_pairs
 
@@ -160,7 +159,7 @@ def run_audit(
     try:
         return _audit(logs, list(inputs), out, expect, check_order=check_order, count_qos0=count_qos0)
     finally:
-        logs.records.unpersist()
+        unpersist([logs.cached])
 
 
 def _out_folder(out: Path) -> Path:
@@ -190,7 +189,7 @@ def _audit(
             "expected, so nothing could be checked; include the publishers' delivery logs"
         )
     cached: list[DataFrame] = []
-    pairs = _paired(records, cached, count_qos0).persist(StorageLevel.MEMORY_AND_DISK)
+    pairs = _paired(records, cached, count_qos0).persist(CACHE_LEVEL)
     cached.append(pairs)
     try:
         rows = _summary(records, pairs).collect()  # one row per receiving device
@@ -206,8 +205,7 @@ def _audit(
             )
         bins = _latency_bins(pairs)
     finally:
-        for frame in cached:
-            frame.unpersist()
+        unpersist(cached)
     devices = sorted((_stats(row) for row in rows if row["scope"] == "device"), key=lambda s: s.device)
     summary_path = _write_summary(total, devices, out / "summary.parquet")
     failures = _failures(total, devices, expect, check_order)
@@ -321,7 +319,7 @@ def _paired(records: DataFrame, cached: list[DataFrame], count_qos0: bool) -> Da
     by_message = ["receiver", "topic", "id"]
     sends = expected.withColumn(
         "k", sf.row_number().over(Window.partitionBy(*by_message).orderBy("send_time", "sender")).cast("long")
-    ).persist(StorageLevel.MEMORY_AND_DISK)
+    ).persist(CACHE_LEVEL)
     cached.append(sends)
     receives = records.where(sf.col("kind") == "receive").select(
         sf.col("device").alias("receiver"),

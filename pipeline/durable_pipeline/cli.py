@@ -78,7 +78,7 @@ def _add_audit(subcommands: Subcommands) -> None:
 def _run_audit(args: argparse.Namespace) -> int:
     from .audit import run_audit  # noqa: PLC0415 - pyspark loads only when a job runs
     from .logs import check_local_inputs  # noqa: PLC0415
-    from .spark import get_session  # noqa: PLC0415
+    from .spark import get_session, stop_session  # noqa: PLC0415
 
     check_local_inputs(args.inputs)  # a wrong local path fails before a JVM starts
     spark = get_session(args.master, "durable-pipeline audit")
@@ -87,7 +87,7 @@ def _run_audit(args: argparse.Namespace) -> int:
             spark, args.inputs, args.out, args.expect, check_order=not args.ignore_order, count_qos0=args.count_qos0
         )
     finally:
-        spark.stop()
+        stop_session(spark)
     print(format_summary(result))
     return EXIT_HOLDS if result.ok else EXIT_FAILS
 

@@ -16,6 +16,7 @@ skips records can report "nothing lost" about records it never read.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -46,6 +47,7 @@ from pyspark.sql.types import (
 
 from .errors import AuditInputError
 
+log = logging.getLogger("durable_pipeline.logs")
 Format = Literal["json", "parquet"]
 
 # (column, Spark type), in the order of docs/delivery-log.md.
@@ -82,6 +84,11 @@ CORRUPT = "_corrupt_record"
 FILE = "_file"
 MAX_LISTED = 5
 """Problems listed per error message; the rest are counted."""
+CACHE_LEVEL = StorageLevel.DISK_ONLY
+"""How the audit keeps the records (and its own intermediate frames) between jobs: written to the
+executors' local disk and read back a batch at a time. MEMORY_AND_DISK keeps a whole partition as
+one block, unrolled in the heap and read back whole from disk: 10M records in 3 input partitions
+did not fit Spark's default 1 GB heap (bench/RESULTS.md); on disk, the heap holds only batches."""
 SCHEMA_READERS = 8
 """Parquet schemas read at once: each is a small Spark job, mostly waiting on the driver."""
 _URI = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/")
@@ -102,16 +109,33 @@ class LogFiles:
 
 @dataclass(frozen=True)
 class DeliveryLogs:
-    """The checked records (persisted: the caller unpersists) and where they came from."""
+    """The checked records and where they came from; the caller releases ``cached`` (:func:`unpersist`)."""
 
-    records: DataFrame
+    cached: DataFrame
+    """The persisted frame, with the read's file and corrupt-record columns: the one to unpersist
+    (unpersisting ``records``, a projection of it, would leave it cached)."""
     files: LogFiles
     kinds: dict[str, int]
     """Records per kind (every kind, 0 when absent)."""
 
     @property
+    def records(self) -> DataFrame:
+        return self.cached.drop(CORRUPT, FILE)
+
+    @property
     def count(self) -> int:
         return sum(self.kinds.values())
+
+
+def unpersist(frames: Sequence[DataFrame]) -> None:
+    """Unpersist ``frames`` in cleanup code, never raising: when a job failed because the SparkContext
+    died (an OutOfMemoryError stops it), unpersist fails too (a NullPointerException), and raising
+    that from a ``finally`` would hide the error that matters. Logged instead."""
+    for frame in frames:
+        try:
+            frame.unpersist()
+        except Exception:  # whatever it is: the caller's own error (if any) must get through
+            log.warning("could not unpersist a cached frame (is the SparkContext stopped?)", exc_info=True)
 
 
 def log_schema() -> StructType:
@@ -246,19 +270,19 @@ def read_logs(spark: SparkSession, inputs: Sequence[str]) -> DeliveryLogs:
     frame = parts[0]
     for part in parts[1:]:
         frame = frame.unionByName(part)
-    frame = frame.persist(StorageLevel.MEMORY_AND_DISK)
+    frame = frame.persist(CACHE_LEVEL)
     try:
         kinds = _check(frame)
     except AuditInputError:
-        frame.unpersist()
+        unpersist([frame])
         raise
     except Exception as exc:
-        frame.unpersist()
+        unpersist([frame])
         unreadable = _unreadable_file(str(exc))
         if unreadable:  # a broken .gz, a Parquet data page damaged behind a sound footer
             raise AuditInputError(unreadable) from exc
         raise
-    return DeliveryLogs(records=frame.drop(CORRUPT, FILE), files=files, kinds=kinds)
+    return DeliveryLogs(cached=frame, files=files, kinds=kinds)
 
 
 def _unreadable_file(error: str) -> str | None:

@@ -6,6 +6,7 @@ whatever ``python3`` is on the PATH, hence PYSPARK_PYTHON; Spark 4 is built for 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from .errors import PipelineError
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+log = logging.getLogger("durable_pipeline.spark")
 DEFAULT_MASTER = "local[2,4]"
 """Two cores; a failed task is tried up to 4 times, as a cluster does (plain local[2] gives up at once)."""
 
@@ -66,3 +68,12 @@ def get_session(master: str = DEFAULT_MASTER, app_name: str = "amqtt-durable") -
     session.sparkContext.setLogLevel("ERROR")
     session.dataSource.register(AmqttDurableDataSource)
     return session
+
+
+def stop_session(spark: SparkSession) -> None:
+    """``spark.stop()`` for cleanup code, never raising: a JVM that died (an OutOfMemoryError) makes
+    stop fail with "connection refused", which would hide the job's own error. Logged instead."""
+    try:
+        spark.stop()
+    except Exception:  # whatever it is: the job's own error (if any) must get through
+        log.warning("could not stop the SparkSession (did its JVM exit?)", exc_info=True)
