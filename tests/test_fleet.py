@@ -12,6 +12,7 @@ import yaml
 
 from amqtt_durable.cli import PLUGIN_PATH
 from conftest import run_cli
+from durable_fleet.cli import build_parser, options_from
 from durable_fleet.model import FAULT_KINDS, Fault
 from durable_fleet.report import write_fleet_report
 from durable_fleet.runner import FleetOptions, run_fleet
@@ -41,6 +42,8 @@ def test_twenty_devices_lose_nothing_through_every_kind_of_fault(tmp_path: Path,
 
     applied = [applied.fault.kind for applied in result.faults]
     assert {kind: applied.count(kind) for kind in FAULT_KINDS} == counts  # every fault happened and healed
+    for kind in ("drop", "stall"):  # and the proxy really broke links
+        assert sum(int(a.detail.split()[0]) for a in result.faults if a.fault.kind == kind) > 0, result.faults
     assert result.sent > 1500
     kinds = {device.kind for device in result.devices}
     assert kinds == {"cpl1", "cpl2", "paho"}
@@ -93,6 +96,9 @@ def write_broker_yaml(tmp_path: Path, content: Any) -> Path:
         (["--duration", "soon"], "soon"),
         (["--qos", "2"], "invalid choice"),
         (["--port", "1883", "--faults", "broker_kill=1"], "broker_kill faults need a broker the harness starts"),
+        (["--prefix", "a/b"], "--prefix 'a/b'"),
+        (["--host", "10.0.0.5"], "give its --port too"),
+        (["--broadcast-every", "-1"], "--broadcast-every must be 0 or more"),
     ],
 )
 def test_bad_options_exit_2_naming_the_problem(tmp_path: Path, args: list[str], message: str) -> None:
@@ -101,6 +107,24 @@ def test_bad_options_exit_2_naming_the_problem(tmp_path: Path, args: list[str], 
     done = run_cli("fleet", *extra, "--out", str(tmp_path / "out"), *args)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
+
+
+def test_a_running_broker_gets_the_default_faults_but_broker_kills() -> None:
+    parser = build_parser()
+    options = options_from(parser.parse_args(["--port", "1883", "--seed", "3"]), parser)
+    kinds = {fault.kind for fault in options.faults}
+    assert kinds == {"drop", "stall", "device_restart"}
+    assert options.config is None and options.port == 1883
+
+
+def test_an_out_folder_with_other_things_in_it_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "precious.txt").write_text("mine", encoding="utf-8")
+    config = write_broker_yaml(tmp_path, BROKER_YAML)
+    done = run_cli("fleet", "-c", str(config), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "not empty" in done.stderr
+    assert (tmp_path / "out" / "precious.txt").read_text(encoding="utf-8") == "mine"
 
 
 def test_a_bad_broker_yaml_exits_2_naming_the_key(tmp_path: Path) -> None:

@@ -1,15 +1,20 @@
 """``amqtt-durable fleet``: prove the delivery guarantees on a simulated fleet behind faults.
 
 Exit status: 0 when every device got every acknowledged message in order (and CPL-2 devices
-each exactly once), 1 when not, 2 for bad input (options, schedule file, broker.yaml) or a run
-that could not be carried out (a broker that does not start, devices that never get ready).
+each exactly once), 1 when not (or when the broker did not come back after its SIGKILL), 2 for
+bad input (options, schedule file, broker.yaml, --out) or a run that could not be carried out (a
+broker that does not start, devices never ready, a worker process that died), 3 for a fault of
+the harness itself (traceback printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import re
+import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import cast
 
@@ -18,12 +23,16 @@ from amqtt_durable.errors import ConfigError
 from durable_pipeline.errors import PipelineError
 
 from .model import DEVICE_KINDS, FAULT_KINDS, DeviceKind, FaultKind
-from .runner import FleetError, FleetOptions, run_fleet
-from .schedule import ScheduleError, dump_schedule, load_schedule, parse_duration, random_schedule
+from .runner import BrokerLostError, FleetError, FleetOptions, device_names, run_fleet
+from .schedule import ScheduleError, load_schedule, parse_duration, random_schedule
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 3
 DEFAULT_FAULTS = "drop=3,stall=3,broker_kill=1,device_restart=3"
+DEFAULT_FAULTS_RUNNING_BROKER = "drop=3,stall=3,device_restart=3"
+"""With --port the broker is not ours to kill."""
+PREFIX = re.compile(r"[A-Za-z0-9_.:-]*")
 
 
 def _duration(text: str) -> float:
@@ -78,13 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     schedule = parser.add_mutually_exclusive_group()
     schedule.add_argument("--schedule", type=Path,
                           help="scripted faults: a YAML/JSON file (see README, 'Fleet testing')")
-    schedule.add_argument("--faults", default=DEFAULT_FAULTS,
+    schedule.add_argument("--faults",
                           help="random faults per kind, KIND=COUNT: drop, stall, broker_kill, device_restart "
-                          "(default: %(default)s)")
+                          f"(default: {DEFAULT_FAULTS}; with --port: {DEFAULT_FAULTS_RUNNING_BROKER})")
     parser.add_argument("--seed", type=int, help="seed of the random schedule (default: a random one, printed)")
     parser.add_argument("--drain-timeout", type=_duration, default=60.0,
                         help="after publishing, how long to wait for devices to catch up (default: 60s)")
     parser.add_argument("--prefix", default="dev-", help="device client-id prefix (default: %(default)s)")
+    parser.add_argument("--broadcast-every", type=int, default=10,
+                        help="every N-th message goes to all devices (fleet/broadcast), 0 for none "
+                        "(default: %(default)s)")
     parser.add_argument("--master", default="local[2]", help="Spark master of the audit (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -99,6 +111,14 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
         parser.error(f"--rate must be a positive number of messages per second, got {args.rate}")
     if args.duration <= 0:
         parser.error("--duration must be more than 0")
+    if args.broadcast_every < 0:
+        parser.error(f"--broadcast-every must be 0 or more, got {args.broadcast_every}")
+    if not PREFIX.fullmatch(args.prefix):
+        parser.error(f"--prefix {args.prefix!r}: use letters, digits and _ . : - only (it is in topic names)")
+    if args.port is None and args.host != "127.0.0.1":
+        parser.error("--host names a running broker: give its --port too")
+    if args.faults is None:
+        args.faults = DEFAULT_FAULTS if args.port is None else DEFAULT_FAULTS_RUNNING_BROKER
     try:
         mix = cast(dict[DeviceKind, int], _weights(args.mix, DEVICE_KINDS, "--mix"))
         counts = cast(dict[FaultKind, int], _weights(args.faults, FAULT_KINDS, "--faults"))
@@ -112,7 +132,7 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
             config = load_broker_config(str(args.config))
         except ConfigError as exc:
             parser.error(str(exc))
-    names = [f"{args.prefix}{i:03d}" for i in range(args.devices)]
+    names = device_names(args.prefix, args.devices)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     try:
         if args.schedule is not None:
@@ -132,6 +152,7 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
         publishers=args.publishers, processes=args.processes, keepalive=args.keepalive, faults=faults,
         config=config, host=args.host, port=args.port, prefix=args.prefix, drain_timeout=args.drain_timeout,
         master=args.master, progress=None if args.quiet else sys.stderr, schedule_note=note,
+        broadcast_every=args.broadcast_every,
     )
 
 
@@ -144,20 +165,25 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     from .report import format_summary, write_fleet_report  # noqa: PLC0415 - matplotlib only for a real run
 
-    options.out.mkdir(parents=True, exist_ok=True)
-    if options.faults:
-        dump_schedule(options.faults, options.out / "schedule.yaml")
+    # SIGTERM (a cancelled CI job) unwinds like Ctrl-C, so the broker and every worker are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     print(f"fleet: {options.devices} devices, {options.rate:g} messages/s for {options.duration:g} s, "
           f"{len(options.faults)} faults ({options.schedule_note}); output in {options.out}", file=sys.stderr)
     try:
         result = run_fleet(options)
+    except BrokerLostError as exc:
+        print(f"FAIL: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except (FleetError, PipelineError) as exc:
         print(f"amqtt-durable fleet: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Exception:
+        traceback.print_exc()
+        print("amqtt-durable fleet: the harness failed (a bug of the harness, not a verdict)", file=sys.stderr)
+        return EXIT_INTERNAL
     write_fleet_report(result)
     print(format_summary(result))
     return 0 if result.ok else EXIT_FAILED
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,8 +14,6 @@ import logging
 import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,7 +26,7 @@ import paho.mqtt.client as mqtt
 import psutil
 from paho.mqtt.enums import CallbackAPIVersion
 
-from amqtt_durable.process import HOST, BrokerProcess, free_port, local_config
+from amqtt_durable.process import HOST, BrokerProcess, ChildProcess, free_port, local_config
 
 from .model import (
     ALL_DEVICES,
@@ -41,6 +39,7 @@ from .model import (
     Sample,
 )
 from .proxy import FaultProxy
+from .schedule import dump_schedule
 from .tail import DeliveryTail
 from .worker import BROADCAST_TOPIC, DeviceSpec, PublisherSpec, WorkerSpec, command_topic
 
@@ -48,7 +47,10 @@ log = logging.getLogger(__name__)
 
 QUEUED_METRIC = "$SYS/broker/durable/messages/queued"
 STALE = ("logs", "state", "store", "workers", "audit")
-"""Sub-folders of ``out`` that a new run replaces (nothing else there is touched)."""
+"""Sub-folders of ``out`` that a new run replaces, with the files in OWN_FILES."""
+OWN_FILES = ("report.html", "schedule.yaml", "broker.yaml", "broker.log")
+MARKER = ".amqtt-durable-fleet"
+"""In every output folder: a folder with other things in it and no marker is not ours to clear."""
 SAMPLE_INTERVAL = 1.0
 STOP_WAIT = 15.0
 LOG_LINE_EVERY = 5.0
@@ -57,6 +59,10 @@ LOG_LINE_EVERY = 5.0
 
 class FleetError(Exception):
     """A run that cannot start or go on (bad options, a broker that does not start): exit 2."""
+
+
+class BrokerLostError(FleetError):
+    """The broker did not come back after its SIGKILL: what is under test failed (exit 1)."""
 
 
 @dataclass
@@ -93,6 +99,11 @@ class FleetOptions:
     """How the faults were made (seed or file), for the settings table."""
 
 
+def device_names(prefix: str, count: int) -> list[str]:
+    """The client ids of the fleet; schedule files name devices by them."""
+    return [f"{prefix}{i:03d}" for i in range(count)]
+
+
 def device_kinds(count: int, mix: Mapping[DeviceKind, int]) -> list[DeviceKind]:
     """Smooth weighted round robin: with weights 1:1:1, kinds alternate; 2:1 gives a, b, a, ..."""
     weights = {kind: weight for kind, weight in mix.items() if weight > 0}
@@ -110,40 +121,18 @@ def device_kinds(count: int, mix: Mapping[DeviceKind, int]) -> list[DeviceKind]:
     return kinds
 
 
-class _Worker:
-    """A worker process (``python -m durable_fleet.worker``) that can be SIGKILLed and started again."""
+class _Worker(ChildProcess):
+    """A worker process (``python -m durable_fleet.worker``), its spec in ``folder/NAME.json``."""
 
     def __init__(self, name: str, spec: WorkerSpec, folder: Path) -> None:
         self.name = name
         self.spec = spec
-        self.spec_path = folder / f"{name}.json"
-        self.log_path = folder / f"{name}.log"
-        spec.dump(self.spec_path)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.restarts = 0
-
-    def start(self) -> None:
-        with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "durable_fleet.worker", str(self.spec_path)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(STOP_WAIT)
-
-    def terminate(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(STOP_WAIT)
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %s s of SIGTERM; killed", self.name, STOP_WAIT)
-            self.kill()
+        spec_path = folder / f"{name}.json"
+        spec.dump(spec_path)
+        super().__init__([sys.executable, "-m", "durable_fleet.worker", str(spec_path)], folder / f"{name}.log",
+                         wait=STOP_WAIT)
+        self.down = 0
+        """device_restart faults now holding this process down: it starts again when the last one ends."""
 
 
 class _QueueDepth:
@@ -193,6 +182,22 @@ class _BrokerUsage:
         return 100.0 * (busy - previous[1]) / max(now - previous[0], 1e-6), rss
 
 
+def prepare_out(out: Path) -> None:
+    """Clear an earlier run's results from ``out``; FleetError for a folder that is not a run's."""
+    if out.exists() and not out.is_dir():
+        raise FleetError(f"--out {out} is a file, not a folder")
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise FleetError(f"--out {out} is not empty and holds no earlier fleet run: choose a new or empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).touch()
+    for name in STALE:
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in OWN_FILES:
+        (out / name).unlink(missing_ok=True)
+    for chart in out.glob("fleet_*.png"):
+        chart.unlink()
+
+
 class FleetRun:
     """One run; ``run()`` returns the result (the audit included) or raises FleetError."""
 
@@ -200,7 +205,7 @@ class FleetRun:
         self.o = options
         self.out = options.out
         self.kinds = device_kinds(options.devices, options.mix)
-        self.names = [f"{options.prefix}{i:03d}" for i in range(options.devices)]
+        self.names = device_names(options.prefix, options.devices)
         self.kind_of = dict(zip(self.names, self.kinds, strict=True))
         self.broker: BrokerProcess | None = None
         self.proxy: FaultProxy | None = None
@@ -211,16 +216,19 @@ class FleetRun:
         self.samples: list[Sample] = []
         self.counts: dict[str, dict[FaultKind, int]] = {name: {} for name in self.names}
         self.lock = threading.Lock()
+        self.broker_host = HOST if options.config is not None else options.host
+        self.usage = _BrokerUsage()
         self.t0 = 0.0
         self.phase = "starting"
         self._last_line = 0.0
 
     # ------------------------------------------------------------------ set-up
     def _prepare(self) -> None:
-        for name in STALE:
-            shutil.rmtree(self.out / name, ignore_errors=True)
+        prepare_out(self.out)
         for name in ("logs", "state", "workers"):
             (self.out / name).mkdir(parents=True)
+        if self.o.faults:
+            dump_schedule(self.o.faults, self.out / "schedule.yaml")
 
     def _start_broker(self) -> int:
         if self.o.config is None:
@@ -239,8 +247,8 @@ class FleetRun:
     def _start_workers(self, broker_port: int, proxy_port: int) -> None:
         o = self.o
         base = WorkerSpec(
-            host=HOST if o.config is not None else o.host,
             device_port=proxy_port,
+            broker_host=self.broker_host,
             broker_port=broker_port,
             logs=str(self.out / "logs"),
             state_dir=str(self.out / "state"),
@@ -303,14 +311,17 @@ class FleetRun:
                 try:
                     broker.start()
                 except RuntimeError as exc:
-                    raise FleetError(f"the broker did not restart after its SIGKILL: {exc}") from exc
+                    raise BrokerLostError(f"the broker did not restart after its SIGKILL: {exc}") from exc
             return ""
         worker = self.worker_of[str(fault.target)]
-        if begin:
-            worker.kill()
-            worker.restarts += 1
-            return f"{worker.name}: " + ", ".join(device.name for device in worker.spec.devices)
-        worker.start()
+        with self.lock:  # _check_workers must not see a process between its kill and its start
+            if begin:
+                worker.down += 1
+                worker.kill()
+                return f"{worker.name}: " + ", ".join(device.name for device in worker.spec.devices)
+            worker.down -= 1
+            if worker.down == 0:  # another restart of the same process may still hold it down
+                worker.start()
         return ""
 
     def _drive_faults(self, stop: threading.Event, errors: list[BaseException]) -> None:
@@ -362,9 +373,17 @@ class FleetRun:
             self.counts[name][fault.kind] = self.counts[name].get(fault.kind, 0) + 1
 
     # --------------------------------------------------------------- sampling
-    def _sample(self, tail: DeliveryTail, depth: _QueueDepth, usage: _BrokerUsage) -> None:
+    def _check_workers(self) -> None:
+        """A process that ended on its own (not killed by a fault) makes the run meaningless."""
+        for worker in [*self.device_workers, *(self.publishers if self.phase == "publishing" else [])]:
+            if worker.down == 0 and worker.proc is not None and worker.exit_status is not None:
+                raise FleetError(f"{worker.name} exited with status {worker.exit_status}; see {worker.log_path}")
+
+    def _sample(self, tail: DeliveryTail, depth: _QueueDepth) -> None:
         tail.poll()
-        cpu, rss = usage.read(self.broker.pid if self.broker is not None else None)
+        with self.lock:
+            self._check_workers()
+        cpu, rss = self.usage.read(self.broker.pid if self.broker is not None else None)
         assert self.proxy is not None
         sample = Sample(
             time.monotonic() - self.t0, depth.value, cpu, rss, self.proxy.connected(), tail.sent, tail.received
@@ -381,9 +400,11 @@ class FleetRun:
         bar = "#" * int(done * 30) + "." * (30 - int(done * 30))
         with self.lock:
             faults = len(self.applied)
+        links = self.samples[-1].devices_connected if self.samples else 0
         line = (
             f"[{bar}] {elapsed:5.0f}/{self.o.duration:.0f} s  {phase:<12.40} sent {tail.sent:,}  "
-            f"received {tail.received:,}  missing {tail.missing():,}  faults {faults}/{len(self.o.faults)}"
+            f"received {tail.received:,}  missing {tail.missing():,}  links {links}  "
+            f"faults {faults}/{len(self.o.faults)}"
         )
         if stream.isatty():
             stream.write("\r" + line[:160])
@@ -400,7 +421,7 @@ class FleetRun:
             self.out / "logs", {name: (command_topic(name), BROADCAST_TOPIC) for name in self.names}, time.time()
         )
         broker_port = self._start_broker()
-        self.proxy = FaultProxy(o.host if o.config is None else HOST, broker_port)
+        self.proxy = FaultProxy(self.broker_host, broker_port)
         depth: _QueueDepth | None = None
         errors: list[BaseException] = []
         stop = threading.Event()
@@ -408,37 +429,21 @@ class FleetRun:
         try:
             proxy_port = self.proxy.start()
             self._start_workers(broker_port, proxy_port)
-            depth = _QueueDepth(o.host if o.config is None else HOST, broker_port)
+            depth = _QueueDepth(self.broker_host, broker_port)
             self._wait_ready(tail)
-            usage = _BrokerUsage()
-            self.t0 = time.monotonic()
-            tail.start = time.time()
-            for publisher in self.publishers:
-                publisher.start()
-            driver.start()
-            self.phase = "publishing"
-            while time.monotonic() - self.t0 < o.duration and not errors:
-                self._sample(tail, depth, usage)
-                time.sleep(SAMPLE_INTERVAL)  # the sampling period, not a synchronisation
-            stop.set()
-            driver.join(max((f.duration for f in o.faults), default=0.0) + 2 * STOP_WAIT)
-            if errors:
-                raise FleetError(f"a fault could not be applied: {errors[0]}") from errors[0]
-            self.phase = "draining"
-            for publisher in self.publishers:
-                publisher.terminate()
-            drain_end = time.monotonic() + o.drain_timeout
-            while time.monotonic() < drain_end:
-                self._sample(tail, depth, usage)
-                if tail.missing() == 0:
-                    break
-                time.sleep(SAMPLE_INTERVAL / 2)  # polling the devices' logs; bounded by drain_end
-            self._sample(tail, depth, usage)
+            self._publish(tail, depth, driver, stop, errors)
+            self._drain(tail, depth)
             duration = time.monotonic() - self.t0
         finally:
             stop.set()
-            for worker in [*self.publishers, *self.device_workers]:
-                worker.terminate()
+            if driver.is_alive():  # the run failed: let the driver end its faults before we stop all
+                driver.join(self._driver_bound())
+            children = [*self.publishers, *self.device_workers]
+            for child in children:
+                child.terminate()
+            deadline = time.monotonic() + STOP_WAIT
+            for child in children:
+                child.wait_stopped(deadline)
             if depth is not None:
                 depth.close()
             self.proxy.stop()
@@ -447,6 +452,52 @@ class FleetRun:
             if o.progress is not None and o.progress.isatty():
                 o.progress.write("\n")
         return self._judge(tail, duration)
+
+    def _publish(
+        self, tail: DeliveryTail, depth: _QueueDepth, driver: threading.Thread, stop: threading.Event,
+        errors: list[BaseException],
+    ) -> None:
+        """Publishers run for the duration while the driver applies the faults; then all heal."""
+        self.usage = _BrokerUsage()
+        self.t0 = time.monotonic()
+        tail.start = time.time()
+        for publisher in self.publishers:
+            publisher.start()
+        driver.start()
+        self.phase = "publishing"
+        while time.monotonic() - self.t0 < self.o.duration and not errors:
+            self._sample(tail, depth)
+            stop.wait(SAMPLE_INTERVAL)  # the sampling period
+        stop.set()
+        self._join(driver, errors)
+
+    def _drain(self, tail: DeliveryTail, depth: _QueueDepth) -> None:
+        """Publishers stop; the devices get up to drain_timeout to receive what is missing."""
+        self.phase = "draining"
+        for publisher in self.publishers:
+            publisher.terminate()
+        drain_end = time.monotonic() + self.o.drain_timeout
+        while time.monotonic() < drain_end:
+            self._sample(tail, depth)
+            if tail.missing() == 0:
+                break
+            time.sleep(SAMPLE_INTERVAL / 2)  # polling the devices' logs; bounded by drain_end
+        self._sample(tail, depth)
+
+    def _driver_bound(self) -> float:
+        """How long ending the last faults can take: a broker start, proxy calls, process stops."""
+        broker_start = self.broker.wait if self.broker is not None else 0.0
+        return max((f.duration for f in self.o.faults), default=0.0) + broker_start + 2 * STOP_WAIT
+
+    def _join(self, driver: threading.Thread, errors: list[BaseException]) -> None:
+        driver.join(self._driver_bound())
+        if driver.is_alive():
+            raise FleetError(f"the faults did not end within {self._driver_bound():.0f} s of the run's end")
+        if errors:
+            error = errors[0]
+            if isinstance(error, FleetError):
+                raise error
+            raise FleetError(f"a fault could not be applied: {error!r}") from error
 
     # ------------------------------------------------------------------ verdict
     def _judge(self, tail: DeliveryTail, duration: float) -> FleetResult:
@@ -482,8 +533,10 @@ class FleetRun:
         failures += [f"audit: {text}" for text in audit.failures]
         notes = list(audit.notes)
         if tail.missing():
-            left = tail.missing()
-            notes.append(f"the drain ended after {self.o.drain_timeout:.0f} s with {left:,} receive(s) missing")
+            worst = sorted(tail.missing_by_device().items(), key=lambda item: -item[1])[:5]
+            shown = ", ".join(f"{device} {count:,}" for device, count in worst)
+            notes.append(f"the drain ended after {self.o.drain_timeout:.0f} s with {tail.missing():,} receive(s) "
+                         f"missing (most at {shown})")
         return FleetResult(
             ok=not failures, failures=failures, devices=outcomes, faults=sorted(self.applied, key=lambda a: a.started),
             samples=self.samples, latencies=tail.latencies, settings=self._settings(), sent=tail.sent,
@@ -520,8 +573,9 @@ def _why(kind: DeviceKind, expected: int, lost: int, duplicated: int, out_of_ord
 
 def run_fleet(options: FleetOptions) -> FleetResult:
     """Run the fleet and audit it; the caller writes the report (``durable_fleet.report``)."""
-    if options.devices < 1:
-        raise FleetError(f"--devices must be 1 or more, got {options.devices}")
+    for name in ("devices", "processes", "publishers", "keepalive"):
+        if getattr(options, name) < 1:
+            raise FleetError(f"--{name} must be 1 or more, got {getattr(options, name)}")
     if not (options.rate > 0 and math.isfinite(options.rate)):
         raise FleetError(f"--rate must be a positive number of messages per second, got {options.rate}")
     return FleetRun(options).run()

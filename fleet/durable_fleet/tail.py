@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class _DeviceView:
     topics: frozenset[str]
-    received: set[str] = field(default_factory=set)
+    early: set[str] = field(default_factory=set)
+    """Ids received before their send was read (only those: memory stays bounded by what is in flight)."""
     missing: set[str] = field(default_factory=set)
     """Ids sent on one of its topics and not received yet."""
     subscribed: set[str] = field(default_factory=set)
@@ -84,8 +85,10 @@ class DeliveryTail:
         if kind == "receive":
             self.received += 1
             message = str(record["id"])
-            view.received.add(message)
-            view.missing.discard(message)
+            if message in self._send_times:
+                view.missing.discard(message)
+            else:
+                view.early.add(message)
             if record.get("replayed"):
                 self._replayed(message, str(record["device"]), float(record["time"]))
         elif kind == "subscribe":
@@ -106,7 +109,9 @@ class DeliveryTail:
         for device, received_at in self._unmatched.pop(message, ()):
             self._replayed(message, device, received_at)
         for view in self._by_topic.get(topic, ()):
-            if message not in view.received:
+            if message in view.early:
+                view.early.discard(message)
+            else:
                 view.missing.add(message)
 
     def missing(self) -> int:

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -25,7 +26,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-from durable_client import ConnectFailed, DurableClient, Event
+from durable_client import DurableClient, DurableClientError, Event
 from durable_client.delivery_log import DeliveryLog
 
 from .model import DeviceKind
@@ -36,8 +37,11 @@ TOPIC_ROOT = "fleet"
 BROADCAST_TOPIC = f"{TOPIC_ROOT}/broadcast"
 SUBSCRIPTION_QOS = 1
 """Devices subscribe at QoS 1 (durable); ``--qos`` sets what the publishers send."""
+DEVICE_HOST = "127.0.0.1"
+"""Where the fault proxy listens."""
 CLOSE_TIMEOUT = 10.0
 RECONNECT_MAX_DELAY = 1.0
+EXIT_THREAD_FAILED = 3
 
 
 def command_topic(device: str) -> str:
@@ -69,9 +73,9 @@ class PublisherSpec:
 class WorkerSpec:
     """What one worker process runs; written as JSON by the runner."""
 
-    host: str
     device_port: int
-    """Devices connect here: the fault proxy."""
+    """Devices connect here: the fault proxy, on 127.0.0.1."""
+    broker_host: str
     broker_port: int
     """Publishers connect here: the broker itself (faults hit devices, not the back end)."""
     logs: str
@@ -118,7 +122,7 @@ class SdkDevice:
         self.name = device.name
         self.client = DurableClient(
             device.name,
-            host=spec.host,
+            host=DEVICE_HOST,
             port=spec.device_port,
             keepalive=spec.keepalive,
             persistence="disk" if device.kind == "cpl2" else "memory",
@@ -134,7 +138,7 @@ class SdkDevice:
         while not stop.is_set():
             try:
                 self.client.connect(timeout=2.0 * CLOSE_TIMEOUT)
-            except ConnectFailed as exc:
+            except DurableClientError as exc:  # ConnectFailed, or a request cut off by the next fault
                 log.info("%s: %s; trying again", self.name, exc)
                 stop.wait(RECONNECT_MAX_DELAY)
                 continue
@@ -180,7 +184,7 @@ class PahoDevice:
         )
 
     def run(self, stop: threading.Event) -> None:
-        self.client.connect_async(self.spec.host, self.spec.device_port, self.spec.keepalive)
+        self.client.connect_async(DEVICE_HOST, self.spec.device_port, self.spec.keepalive)
         self.client.loop_start()
 
     def close(self, end_session: bool) -> None:
@@ -189,7 +193,7 @@ class PahoDevice:
         if end_session:  # a clean CONNECT removes the session
             cleaner = _paho_client(self.name, clean_session=True)
             with contextlib.suppress(OSError):
-                cleaner.connect(self.spec.host, self.spec.device_port, self.spec.keepalive)
+                cleaner.connect(DEVICE_HOST, self.spec.device_port, self.spec.keepalive)
                 cleaner.disconnect()
         self.log.close()
 
@@ -205,6 +209,7 @@ class Publisher:
     def __init__(self, spec: WorkerSpec, publisher: PublisherSpec) -> None:
         self.spec = spec
         self.p = publisher
+        self.name = publisher.name
         self.log = DeliveryLog(_log_path(spec, publisher.name), publisher.name)
         self.lock = threading.Lock()
         self.settled = threading.Condition(self.lock)
@@ -233,7 +238,7 @@ class Publisher:
             client.on_connect = _set_connected
             client.on_publish = self._on_publish
             try:
-                client.connect(self.spec.host, self.spec.broker_port, self.spec.keepalive)
+                client.connect(self.spec.broker_host, self.spec.broker_port, self.spec.keepalive)
             except OSError:
                 stop.wait(0.2)  # the broker is down (being restarted); bounded by stop
                 continue
@@ -299,11 +304,18 @@ class Publisher:
         """Publishers have no session; run() closes the client."""
 
 
+def _die(args: threading.ExceptHookArgs) -> None:
+    log.critical("%s failed", args.thread.name if args.thread else "a thread", exc_info=args.exc_value)
+    logging.shutdown()
+    os._exit(EXIT_THREAD_FAILED)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m durable_fleet.worker")
     parser.add_argument("spec", type=Path)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    threading.excepthook = _die  # a device or publisher thread that fails takes the process down: noticed
     spec = WorkerSpec.load(args.spec)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -312,16 +324,23 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if spec.publisher is not None:
         members.append(Publisher(spec, spec.publisher))
-    threads = [threading.Thread(target=member.run, args=(stop,), daemon=True) for member in members]
+    threads = [threading.Thread(target=member.run, args=(stop,), name=member.name, daemon=True) for member in members]
     for thread in threads:
         thread.start()
-    while not stop.wait(1.0):
-        pass  # SIGTERM sets stop; the 1 s wake-up lets the signal handler run in the main thread
+    parent = os.getppid()
+    while not stop.wait(1.0):  # the 1 s wake-up also lets the SIGTERM handler run in the main thread
+        if os.getppid() != parent:  # the harness died without stopping us: stop, leave nothing running
+            break
     for thread in threads:
         thread.join(CLOSE_TIMEOUT)
+    status = 0
     for member in members:
-        member.close(spec.end_sessions)
-    return 0
+        try:
+            member.close(spec.end_sessions)
+        except Exception:  # the others must still close (and end their sessions)
+            log.exception("closing %s failed", member.name)
+            status = 1
+    return status
 
 
 if __name__ == "__main__":

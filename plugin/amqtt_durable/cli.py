@@ -26,17 +26,20 @@ EXIT_BAD_INPUT = 2
 GC_THRESHOLD = 100_000
 
 
-def plugin_section(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """Our plugin's settings from broker.yaml (``plugins:`` as a mapping or a list)."""
+def plugin_entries(config: Mapping[str, Any]) -> dict[str, Any]:
+    """broker.yaml's ``plugins:`` as one mapping (amqtt accepts a mapping or a list)."""
     plugins = config.get("plugins")
-    entries: list[Any] = list(plugins.items()) if isinstance(plugins, Mapping) else []
+    entries: dict[str, Any] = dict(plugins) if isinstance(plugins, Mapping) else {}
     if isinstance(plugins, list):
         for item in plugins:
-            entries.extend(item.items() if isinstance(item, Mapping) else [(item, None)])
-    for name, settings in entries:
-        if name == PLUGIN_PATH:
-            return settings or {}
-    return None
+            entries.update(item if isinstance(item, Mapping) else {item: None})
+    return entries
+
+
+def plugin_section(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """Our plugin's settings from broker.yaml."""
+    entries = plugin_entries(config)
+    return entries[PLUGIN_PATH] or {} if PLUGIN_PATH in entries else None
 
 
 def load_broker_config(path: str) -> dict[str, Any]:
@@ -65,7 +68,14 @@ def _root_cause(exc: BaseException) -> BaseException:
     return seen
 
 
-async def _serve(config: dict[str, Any]) -> int:
+async def _stop_when_orphaned(parent: int, stop: asyncio.Event) -> None:
+    """For a broker a tool started (--parent-pid): a tool killed without cleaning up leaves no broker."""
+    while os.getppid() == parent:  # noqa: ASYNC110 - a parent's death has no event to wait on
+        await asyncio.sleep(1.0)
+    stop.set()
+
+
+async def _serve(config: dict[str, Any], parent: int | None = None) -> int:
     try:
         broker = Broker(config)
         await broker.start()
@@ -81,7 +91,10 @@ async def _serve(config: dict[str, Any]) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    watch = asyncio.create_task(_stop_when_orphaned(parent, stop)) if parent is not None else None
     await stop.wait()
+    if watch is not None:
+        watch.cancel()
     await broker.shutdown()
     return 0
 
@@ -97,7 +110,7 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"amqtt-durable: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return asyncio.run(_serve(config))
+    return asyncio.run(_serve(config, args.parent_pid))
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -131,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     broker = commands.add_parser("broker", help="run amqtt with broker.yaml (config checked first)")
     broker.add_argument("-c", "--config", default="broker.yaml", help="broker config file (default broker.yaml)")
     broker.add_argument("-d", "--debug", action="store_true", help="debug logging")
+    broker.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # stop when that process is gone
     broker.set_defaults(run=_cmd_broker)
     inspect = commands.add_parser("inspect", help="list the durable sessions of a store (broker stopped)")
     inspect.add_argument("store", help="store folder (the plugin's 'store' setting)")
