@@ -20,7 +20,7 @@ from urllib.parse import quote
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from durable_pipeline.report import chart_label
+from durable_pipeline.report import loss_bars
 
 from .model import DEVICE_KINDS, FAULT_KINDS, DeviceOutcome, FleetResult
 
@@ -236,18 +236,8 @@ def _loss_chart(result: FleetResult, path: Path) -> Path:
     lossy = [d for d in result.devices if d.lost or d.duplicated]
     worst = sorted(lossy, key=lambda d: (-(d.lost + d.duplicated), d.device))[:MAX_DEVICES_CHARTED]
     if worst:
-        names = [chart_label(d.device) for d in worst]
-        ax.bar(names, [d.lost for d in worst], color="#c44e52", label="lost")
-        ax.bar(
-            names,
-            [d.duplicated for d in worst],
-            bottom=[d.lost for d in worst],
-            color="#dd8452",
-            label="duplicated",
-        )
-        ax.tick_params(axis="x", labelrotation=90, labelsize=7)
+        loss_bars(ax, [d.device for d in worst], [d.lost for d in worst], [d.duplicated for d in worst])
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend()
     else:
         _say(ax, "no loss: nothing lost or duplicated")
     shown = f" (the {len(worst)} worst of {len(lossy)})" if len(lossy) > len(worst) else ""

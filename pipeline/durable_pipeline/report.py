@@ -102,21 +102,20 @@ def _latency_chart(result: AuditResult, path: Path) -> Path:
     return path
 
 
+def loss_bars(ax: Axes, devices: list[str], lost: list[int], duplicated: list[int]) -> None:
+    """Lost and duplicated per device, stacked: the audit's and the fleet's loss charts."""
+    names = [chart_label(device) for device in devices]
+    ax.bar(names, lost, color="#c44e52", label="lost")
+    ax.bar(names, duplicated, bottom=lost, color="#dd8452", label="duplicated")
+    ax.tick_params(axis="x", labelrotation=90, labelsize=7)
+    ax.legend()
+
+
 def _loss_chart(result: AuditResult, path: Path) -> Path:
     fig, ax = _figure()
     devices = sorted(result.devices, key=lambda d: (-d.lost, d.device))[:MAX_DEVICES_CHARTED]
     if devices:
-        names = [chart_label(d.device) for d in devices]
-        ax.bar(names, [d.lost for d in devices], color="#c44e52", label="lost")
-        ax.bar(
-            names,
-            [d.duplicated for d in devices],
-            bottom=[d.lost for d in devices],
-            color="#dd8452",
-            label="duplicated",
-        )
-        ax.tick_params(axis="x", labelrotation=90, labelsize=7)
-        ax.legend()
+        loss_bars(ax, [d.device for d in devices], [d.lost for d in devices], [d.duplicated for d in devices])
     if not any(d.lost or d.duplicated for d in devices):
         ax.text(0.5, 0.5, "nothing lost or duplicated", ha="center", va="center", transform=ax.transAxes)
     shown = f" (the {len(devices)} that lost most)" if len(result.devices) > MAX_DEVICES_CHARTED else ""
