@@ -37,7 +37,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python bench/bench_durable.py
 	$(VENV)/bin/python bench/bench_sdk.py
-	$(VENV)/bin/python bench/bench_pipeline.py --driver-memory 4g
+	$(VENV)/bin/python bench/bench_pipeline.py
 
 clean:
 	rm -rf $(VENV) data .pytest_cache
