@@ -502,7 +502,7 @@ class FleetRun:
     # ------------------------------------------------------------------ verdict
     def _judge(self, tail: DeliveryTail, duration: float) -> FleetResult:
         from durable_pipeline.audit import run_audit  # noqa: PLC0415 - pyspark loads only for the audit
-        from durable_pipeline.spark import get_session  # noqa: PLC0415
+        from durable_pipeline.spark import get_session, stop_session  # noqa: PLC0415
 
         self.phase = "auditing"
         spark = self.o.spark or get_session(self.o.master, "amqtt-durable-fleet")
@@ -513,7 +513,7 @@ class FleetRun:
             )
         finally:
             if self.o.spark is None:
-                spark.stop()
+                stop_session(spark)
         stats = {row.device: row for row in audit.devices}
         outcomes: list[DeviceOutcome] = []
         for name in self.names:

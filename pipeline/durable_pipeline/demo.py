@@ -20,7 +20,7 @@ from durable_client import DurableClient, Event
 
 from .audit import AuditResult, run_audit
 from .errors import PipelineError
-from .spark import get_session
+from .spark import get_session, stop_session
 
 STREAM_FILTER = "telemetry/#"
 WAIT = 60.0
@@ -134,5 +134,5 @@ def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "
         for client in clients:
             client.close(keep_session=True)  # a no-op for those already closed
         if spark is not None:
-            spark.stop()
+            stop_session(spark)
         broker.stop()
