@@ -537,6 +537,10 @@ class FleetRun:
             shown = ", ".join(f"{device} {count:,}" for device, count in worst)
             notes.append(f"the drain ended after {self.o.drain_timeout:.0f} s with {tail.missing():,} receive(s) "
                          f"missing (most at {shown})")
+            queued = next((sample.queued for sample in reversed(self.samples) if sample.queued is not None), None)
+            if queued:
+                notes.append(f"{queued:,} message(s) were still queued at the broker then: the audit counts them as "
+                             "lost; a longer --drain-timeout tells a slow drain from a loss")
         return FleetResult(
             ok=not failures, failures=failures, devices=outcomes, faults=sorted(self.applied, key=lambda a: a.started),
             samples=self.samples, latencies=tail.latencies, settings=self._settings(), sent=tail.sent,
