@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/bench_durable.py
 	$(VENV)/bin/python bench/bench_sdk.py
 	$(VENV)/bin/python bench/bench_pipeline.py
+	$(VENV)/bin/python bench/bench_fleet.py
 
 clean:
 	rm -rf $(VENV) data .pytest_cache
