@@ -18,7 +18,8 @@ instance the plugin is loaded into and on each connection's handler:
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
-  lifetime;
+  lifetime, and end a connection whose client id a later CONNECT took (amqtt misses the case
+  of two CONNECTs read at the same time);
 * ``Broker.add_subscription`` / ``_handle_unsubscription``: durable sessions' subscriptions
   live in the store, not in amqtt's table, so amqtt never delivers to them itself;
 * ``Broker._publish_retained_messages_for_subscription``: retained messages go through the
@@ -218,6 +219,11 @@ class HandlerTransport:
     def expect_ack(self, kind: AckKind, packet_id: int, on_ack: Callable[[], None]) -> None:
         self._expected[(kind, packet_id)] = on_ack
 
+    async def end(self) -> None:
+        """End this connection as amqtt's own take-over does (MQTT-3.1.4-2): its message loop sees
+        the connection closed and runs amqtt's disconnect (the will included)."""
+        await self._handler.handle_connection_closed()
+
     def take_ack(self, kind: AckKind, packet_id: int) -> bool:
         """True when the ack was for a message the pump sent (and it has been handled)."""
         on_ack = self._expected.pop((kind, packet_id), None)
@@ -346,9 +352,17 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         # durable session of the same client id that another connection created meanwhile.
         durable = not handler.connect_clean_session and engine.is_durable(session.client_id)
         transport: HandlerTransport = handler.durable_transport
-        if durable:
-            await engine.attach(session.client_id, transport)
+        displaced = await engine.attach(session.client_id, transport) if durable else None
         try:
+            # MQTT-3.1.4-2: the connection whose CONNECT came last has the session; an older one is
+            # ended. amqtt does it only when both share its Session, not when their CONNECTs were read
+            # at the same time (after a restart, say); left open, it would be connected, sent nothing.
+            if isinstance(displaced, HandlerTransport) and not displaced.closed:
+                log.info("%s: a newer connection took the durable session: ending the older one", session.client_id)
+                await displaced.end()
+            if durable and engine.superseded(session.client_id, transport):
+                log.info("%s: a newer connection has the durable session: ending this one", session.client_id)
+                await handler.handle_connection_closed()
             await original_message_loop(session, handler)
         finally:
             handler.durable_control.stop()
@@ -520,7 +534,9 @@ def _wrap_handler(
 
     async def connack_authorize(authorize: bool) -> None:
         if authorize and session.client_id:
-            present = await engine.connect(session.client_id, bool(session.clean_session), session.username)
+            present = await engine.connect(
+                session.client_id, bool(session.clean_session), session.username, handler.durable_transport
+            )
             if not session.clean_session:
                 session.parent = 1 if present else 0
                 # A Session amqtt cached from an earlier clean connection may still hold amqtt-level

@@ -133,12 +133,18 @@ class DurableSession:
         self.limits = QueueLimits(config.max_depth, config.max_depth_disconnected, config.overflow)
         self.transport: Transport | None = None
         self.pump: Pump | None = None
+        self.newest: Transport | None = None
+        """The connection whose CONNECT was accepted last (None: not told): the only one that may attach."""
         self._last_drop_log = 0.0
         self._drops_since_log = 0
 
     @property
     def connected(self) -> bool:
         return self.transport is not None
+
+    def superseded(self, transport: Transport) -> bool:
+        """Was a CONNECT of this client id accepted after the one of ``transport``?"""
+        return self.newest is not None and self.newest is not transport
 
     def read_entries(self, start: int, tail: int, limit: int) -> tuple[list[tuple[Entry, Body]], int | None]:
         """Up to ``limit`` stored entries from ``start`` to ``tail`` with their bodies, and the last
@@ -430,14 +436,18 @@ class DurableEngine:
             self.db.close()
 
     # ------------------------------------------------------------------ sessions
-    async def connect(self, client_id: str, clean_session: bool, username: str | None = None) -> bool:
-        """CONNECT arrived; returns session_present. A clean session wipes any stored one."""
+    async def connect(
+        self, client_id: str, clean_session: bool, username: str | None = None, transport: Transport | None = None
+    ) -> bool:
+        """CONNECT arrived (over ``transport``, which becomes the one connection that may attach);
+        returns session_present. A clean session wipes any stored one."""
         existing = self.sessions.get(client_id)
         if clean_session:
             if existing is not None:
                 await self.delete_session(existing)
             return False
         if existing is not None:
+            existing.newest = transport
             # Spared by expiry until attach() cancels the deadline; a connection that dies before
             # that (no attach, no detach) must not leave the session immortal, hence a time limit.
             existing.connecting_until = time.time() + CONNECT_GRACE
@@ -447,7 +457,8 @@ class DurableEngine:
             return True
         record = SessionRecord(client_id=client_id, sid=self._next_sid, username=username)
         self._next_sid += 1
-        self.sessions[client_id] = DurableSession(self, record)
+        self.sessions[client_id] = session = DurableSession(self, record)
+        session.newest = transport
         self.committer.put(session_key(client_id), record.encode())
         self.committer.put(SID_MARK_KEY, encode_u64(record.sid))
         await self.committer.commit(urgent=True)
@@ -456,18 +467,30 @@ class DurableEngine:
     def is_durable(self, client_id: str | None) -> bool:
         return client_id is not None and client_id in self.sessions
 
-    async def attach(self, client_id: str, transport: Transport) -> None:
-        """The connection got CONNACK: start sending the session's queue over it."""
+    async def attach(self, client_id: str, transport: Transport) -> Transport | None:
+        """The connection got CONNACK: start sending the session's queue over it. Returns the
+        connection the session was attached to until now, if another: the caller ends it.
+
+        Only if no later CONNECT of the client id was accepted (see ``superseded``): amqtt sets
+        up each connection in its own task, so an older connection (taken over, or closed right
+        after its CONNECT) can get here after the newer one has attached. Taking the session then
+        would stop the live connection's pump, and the old connection's end would leave the
+        session disconnected while its device stays connected, sent nothing more.
+        """
         session = self.sessions.get(client_id)
-        if session is None:
-            return
+        if session is None or session.superseded(transport):
+            return None
         if session.pump is not None:
             await session.pump.stop()
         # Acks and drops of the previous connection may still be pending: the pump reads the
         # store, so let it see them.
         await self.committer.commit(urgent=True)
         if session.deleted:
-            return  # a clean CONNECT of the same client id removed it meanwhile
+            return None  # a clean CONNECT of the same client id removed it meanwhile
+        if session.superseded(transport):
+            return None  # a newer connection came meanwhile; its attach takes the session
+        previous = session.pump  # stopped above, unless another attach ran meanwhile
+        displaced = session.transport if session.transport is not transport else None
         session.transport = transport
         session.limits.on_connect(session.depth)
         self.expiry.cancel(client_id)
@@ -479,6 +502,15 @@ class DurableEngine:
         if session.ready_for is transport:
             self._release(session, pump)
         pump.start()
+        if previous is not None:
+            await previous.stop()  # at once: it sends nothing more, whatever the new one does
+        return displaced
+
+    def superseded(self, client_id: str, transport: Transport) -> bool:
+        """Was a later CONNECT of the client id accepted than the one of this connection? MQTT-3.1.4-2
+        then wants this one ended (amqtt does it only when both connections share its Session)."""
+        session = self.sessions.get(client_id)
+        return session is not None and session.superseded(transport)
 
     async def detach(self, client_id: str, transport: Transport) -> None:
         """That connection is gone; a newer one (take-over) keeps the session connected."""

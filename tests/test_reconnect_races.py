@@ -1,0 +1,267 @@
+"""Two connections of one client id racing through CONNECT: only the newest may own the session.
+
+amqtt runs each connection's set-up (CONNACK, handler start, message loop, where the plugin
+attaches the session's pump) as its own task, so an older connection of a client id (taken
+over, or closed right after its CONNECT, as a device that gave up on a stalled link does) can
+reach the message loop after the newer one has attached. It must not take the session: that
+stopped the live connection's pump, and the old connection's end then marked the session
+disconnected, leaving the live device connected, answered to PINGREQ, and sent nothing again
+while its queue grew (found by the fleet harness: device restart + stall + broker kill).
+
+The broker test holds the older connection before its message loop with a small test plugin,
+which makes that interleaving certain instead of a matter of scheduling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from amqtt_durable.config import DurableConfig
+from amqtt_durable.delivery import AckKind
+from amqtt_durable.engine import DurableEngine
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+
+GATE_PLUGIN = '''
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass
+
+from amqtt.plugins.base import BasePlugin
+
+HOLD_LIMIT = 60.0
+
+
+class ConnectionGate(BasePlugin):
+    """Test plugin: orders the set-up of connections by their CONNECT's username (its role).
+
+    * ``held``: its message loop (where the durable plugin attaches) starts once a connection with
+      client id ``release-after-held`` enters its own; that one's loop, which answers its
+      SUBSCRIBE, waits until the held connection's loop (attach, run, detach) has ended.
+    * ``first`` / ``first-late`` and ``second``: two connections of one client id whose CONNECTs
+      are read before either is registered, so amqtt gives each its own Session and takes neither
+      over. ``first`` goes on once ``second``'s CONNECT is read; ``second`` waits for a connection
+      with client id ``release`` (its CONNACK comes after ``first``'s); ``first-late`` enters its
+      message loop only after ``second`` has entered its own.
+    """
+
+    @dataclass
+    class Config:
+        pass
+
+    async def on_broker_post_start(self) -> None:
+        broker = self.context._broker_instance
+        initialize, message_loop = broker._initialize_client_session, broker._client_message_loop
+        events = defaultdict(asyncio.Event)
+
+        async def wait(name):
+            await asyncio.wait_for(events[name].wait(), HOLD_LIMIT)
+
+        async def initialize_client_session(*args):
+            handler, session = await initialize(*args)
+            handler.gate_role = role = session.username  # read now: a take-over overwrites it
+            if role in ("first", "first-late"):
+                await wait("second read")
+            elif role == "second":
+                events["second read"].set()
+                await wait("release")
+            return handler, session
+
+        async def client_message_loop(session, handler):
+            role = getattr(handler, "gate_role", None)
+            if role == "held":
+                try:
+                    await wait("release")
+                    await message_loop(session, handler)
+                finally:
+                    events["held done"].set()
+                return
+            if role == "first-late":
+                await wait("second loop")
+            elif role == "second":
+                events["second loop"].set()
+            elif session.client_id == "release":
+                events["release"].set()
+            elif session.client_id == "release-after-held":
+                events["release"].set()
+                await wait("held done")
+            await message_loop(session, handler)
+
+        broker._initialize_client_session = initialize_client_session
+        broker._client_message_loop = client_message_loop
+'''
+
+
+def raw_connect(port: int, client_id: str, *, clean: bool, username: str | None = None) -> socket.socket:
+    """A raw MQTT 3.1.1 CONNECT (keep-alive 60 s); returns the socket once CONNACK accepted it."""
+    flags = (0x02 if clean else 0) | (0x80 if username is not None else 0)
+    body = mqtt_string("MQTT") + bytes([4, flags, 0, 60]) + mqtt_string(client_id)
+    if username is not None:
+        body += mqtt_string(username)
+    sock = socket.create_connection((HOST, port), timeout=WAIT)
+    sock.sendall(mqtt_packet(0x10, body))
+    connack = read_exactly(sock, 4)
+    assert connack[:1] == b"\x20" and connack[3:4] == b"\x00", connack
+    return sock
+
+
+def read_exactly(sock: socket.socket, count: int) -> bytes:
+    data = b""
+    while len(data) < count:
+        chunk = sock.recv(count - len(data))  # bounded by the socket timeout (WAIT)
+        assert chunk, "connection closed"
+        data += chunk
+    return data
+
+
+@pytest.mark.timeout(120)
+def test_an_older_connection_reaching_its_message_loop_late_leaves_the_session_to_the_newer(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    (tmp_path / "connection_gate.py").write_text(GATE_PLUGIN)
+    broker = broker_factory(start=False, recovery_buffer=10)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["connection_gate.ConnectionGate"] = {}
+    broker.start()
+    device = clients(broker.port, "dev")
+    assert device.subscribe("race/t", 1) == [1]
+    device.disconnect()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    queued = payloads(40, "q")
+    publisher.publish("race/t", queued, qos=1)
+
+    # The older connection: its CONNECT is accepted (CONNACK), its message loop is held.
+    older = raw_connect(broker.port, "dev", clean=False, username="held")
+    # The newer one takes the session over (amqtt closes the older) and gets the queue.
+    assert device.connect() is True
+    assert [m.payload for m in device.wait_messages(len(queued))] == queued
+
+    # Let the older connection run its message loop; the SUBACK of the releasing connection comes
+    # once that loop (its attach, its end, its detach) is over.
+    release = raw_connect(broker.port, "release-after-held", clean=True)
+    release.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("release/none") + b"\x00"))
+    assert read_exactly(release, 5) == b"\x90\x03\x00\x01\x00", "no SUBACK"
+    release.close()
+    older.close()
+
+    live = payloads(30, "live")
+    publisher.publish("race/t", live, qos=1)
+    received = [m.payload for m in device.wait_messages(len(queued) + len(live))]
+    assert received[len(queued) :] == live, (
+        f"the live connection got {len(received) - len(queued)} of {len(live)} messages published after the "
+        f"older connection's message loop ran"
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("older", ["first", "first-late"])
+def test_an_older_connection_left_open_by_amqtt_is_ended_when_a_later_connect_takes_the_session(
+    older: str, broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """After a broker restart amqtt has no Session to share, so two CONNECTs of one client id read at
+    the same time get one each and neither is taken over. The later CONNECT has the session; the
+    older connection must be ended (MQTT-3.1.4-2) so that its client reconnects, rather than stay
+    connected and be sent nothing: ``first`` has attached when the later one attaches,
+    ``first-late`` attaches after it."""
+    (tmp_path / "connection_gate.py").write_text(GATE_PLUGIN)
+    broker = broker_factory(start=False, recovery_buffer=10)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["connection_gate.ConnectionGate"] = {}
+    broker.start()
+    setup = clients(broker.port, "dev")
+    assert setup.subscribe("race/t", 1) == [1]
+    setup.disconnect()
+    queued = payloads(40, "q")
+    clients(broker.port, "pub-1", clean_session=True).publish("race/t", queued, qos=1)
+    broker.restart(kill=True)
+
+    device = clients(broker.port, "dev", username=older, auto_start=False)
+    connecting = threading.Thread(target=device.connect)
+    connecting.start()  # its CONNECT is held until the later one has been read
+    later = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    body = mqtt_string("MQTT") + bytes([4, 0x80, 0, 60]) + mqtt_string("dev") + mqtt_string("second")
+    later.sendall(mqtt_packet(0x10, body))
+    connecting.join(WAIT)
+    assert device.session_present is True, "the older connection got no CONNACK"
+    if older == "first":
+        assert [m.payload for m in device.wait_messages(len(queued))] == queued
+
+    release = raw_connect(broker.port, "release", clean=True)
+    assert read_exactly(later, 4) == b"\x20\x02\x01\x00", "the later connection got no CONNACK"
+    assert device.wait_disconnected(), "the older connection stayed open without the session: connected, sent nothing"
+    later.close()
+    release.close()
+
+    device.paho.loop_stop()
+    assert device.connect() is True
+    live = payloads(30, "live")
+    clients(broker.port, "pub-2", clean_session=True).publish("race/t", live, qos=1)
+    assert device.wait_for(lambda ms: ms and ms[-1].payload == live[-1])
+    got = list(dict.fromkeys(m.payload for m in device.messages))  # QoS 1: a redelivery may repeat one
+    assert got == queued + live
+
+
+class Recording:
+    """A pump's transport that keeps the payloads of the PUBLISHes written to it."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.payloads: list[bytes] = []
+        self.changed = asyncio.Event()
+
+    def write(self, data: bytes) -> None:
+        pos = 0
+        while pos < len(data):  # the pump writes whole QoS 1 PUBLISHes with short remaining lengths here
+            first, length = data[pos], data[pos + 1]
+            assert length < 128
+            body = data[pos + 2 : pos + 2 + length]
+            if first >> 4 == 3:
+                topic_len = int.from_bytes(body[:2], "big")
+                self.payloads.append(bytes(body[2 + topic_len + 2 :]))
+            pos += 2 + length
+        self.changed.set()
+
+    async def drain(self) -> None:
+        return None
+
+    def expect_ack(self, kind: AckKind, packet_id: int, on_ack: Callable[[], None]) -> None:
+        return None
+
+
+@pytest.mark.timeout(60)
+def test_only_the_newest_connection_gets_a_pump_when_attaches_race_over_the_commit(tmp_path: Path) -> None:
+    """Both connections pass attach's first check while a commit is awaited; the older must not
+    install a pump (nor leave one running beside the newer one's)."""
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=10))
+        engine.open()
+        try:
+            older, newer = Recording(), Recording()
+            await engine.connect("dev", clean_session=False, transport=older)
+            await engine.subscribe("dev", "t", 1)
+            await engine.connect("dev", clean_session=False, transport=newer)
+            await asyncio.gather(engine.attach("dev", newer), engine.attach("dev", older))
+            session = engine.sessions["dev"]
+            assert session.transport is newer
+            assert session.pump is not None and session.pump.transport is newer
+            await engine.detach("dev", older)  # the older connection ends: nothing changes
+            assert session.transport is newer and session.pump.transport is newer
+            stored = engine.route_publish("t", b"x", 1)
+            assert stored is not None
+            await stored
+            async with asyncio.timeout(WAIT):
+                while not newer.payloads:
+                    newer.changed.clear()
+                    await newer.changed.wait()
+            assert newer.payloads == [b"x"]
+            assert older.payloads == []
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
