@@ -53,6 +53,8 @@ MARKER = ".amqtt-durable-fleet"
 """In every output folder: a folder with other things in it and no marker is not ours to clear."""
 SAMPLE_INTERVAL = 1.0
 STOP_WAIT = 15.0
+MIN_CPU_INTERVAL = 0.5
+"""Seconds of wall time a CPU figure spans at least."""
 LOG_LINE_EVERY = 5.0
 """Seconds between progress lines when stderr is not a terminal."""
 
@@ -175,11 +177,14 @@ class _BrokerUsage:
         except psutil.Error:
             return None, None
         now, busy = time.monotonic(), times.user + times.system
-        previous, self._last = self._last, (now, busy)
         if pid != self._pid:
-            self._pid = pid
+            self._pid, self._last = pid, (now, busy)
             return None, rss
-        return 100.0 * (busy - previous[1]) / max(now - previous[0], 1e-6), rss
+        since, busy_before = self._last
+        if now - since < MIN_CPU_INTERVAL:  # CPU times tick in 10 ms: a short interval gives nonsense
+            return None, rss
+        self._last = (now, busy)
+        return 100.0 * (busy - busy_before) / (now - since), rss
 
 
 def prepare_out(out: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from durable_fleet.model import Fault
-from durable_fleet.runner import FleetOptions, FleetRun
+from durable_fleet.runner import FleetOptions, FleetRun, _BrokerUsage
 
 
 class Recorder:
@@ -85,3 +86,18 @@ def test_once_stopped_no_fault_begins_and_those_begun_end_at_once(tmp_path: Path
     driver.join(10)
     assert not driver.is_alive()
     assert calls == [("proxy", "cut", "dev-000"), ("proxy", "restore", "dev-000")]
+
+
+def test_broker_cpu_is_measured_over_half_a_second_at_least() -> None:
+    """Two readings milliseconds apart would turn one 10 ms CPU tick into hundreds of percent."""
+    usage = _BrokerUsage()
+    me = os.getpid()
+    assert usage.read(me)[0] is None  # the first reading of a process is the baseline
+    cpu, rss = usage.read(me)
+    assert cpu is None and rss is not None and rss > 0
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:  # busy: this process is its own "broker"
+        pass
+    cpu, _ = usage.read(me)
+    assert cpu is not None and 0 < cpu <= 100.0 * (os.cpu_count() or 1)
+    assert usage.read(None) == (None, None)
