@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from amqtt_durable.cli import PLUGIN_PATH
-from conftest import run_cli
+from amqtt_durable.store import open_store
+from conftest import Broker, run_cli
 from durable_fleet.cli import build_parser, options_from
 from durable_fleet.model import FAULT_KINDS, Fault
 from durable_fleet.report import write_fleet_report
@@ -79,6 +80,28 @@ def test_qos0_through_connection_drops_is_reported_as_loss(tmp_path: Path, spark
     assert lost > 0
     assert any("lost" in failure for failure in result.failures)
     assert all(not device.ok for device in result.devices if device.lost)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_running_broker_is_tested_in_place_and_left_without_fleet_sessions(
+    tmp_path: Path, spark: Any, broker: Broker
+) -> None:
+    faults = [Fault(2.0, "drop", "all", 1.0), Fault(4.0, "device_restart", "dev-001", 0.5)]
+    options = FleetOptions(
+        out=tmp_path / "out", port=broker.port, keepalive=KEEPALIVE, faults=faults, spark=spark, devices=4,
+        processes=2, duration=10.0, rate=40.0,
+    )
+    result = run_fleet(options)
+    assert result.ok, result.failures
+    assert result.sent > 200
+    assert not (tmp_path / "out" / "store").exists()  # the broker's own store was used
+    broker.stop()
+    db = open_store(broker.store)
+    try:  # the devices ended their sessions at the end
+        assert [key for key, _ in db.iterator(prefix=b"s")] == []
+    finally:
+        db.close()
 
 
 def write_broker_yaml(tmp_path: Path, content: Any) -> Path:

@@ -11,7 +11,6 @@ for their PUBACKs, devices close (and end their sessions when the spec says so).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -190,11 +189,18 @@ class PahoDevice:
     def close(self, end_session: bool) -> None:
         self.client.disconnect()
         self.client.loop_stop()
-        if end_session:  # a clean CONNECT removes the session
+        if end_session:  # a clean CONNECT removes the session, once the broker has accepted it
+            connected = threading.Event()
             cleaner = _paho_client(self.name, clean_session=True)
-            with contextlib.suppress(OSError):
-                cleaner.connect(DEVICE_HOST, self.spec.device_port, self.spec.keepalive)
-                cleaner.disconnect()
+            cleaner.user_data_set(connected)
+            cleaner.on_connect = _set_connected
+            cleaner.connect(DEVICE_HOST, self.spec.device_port, self.spec.keepalive)
+            cleaner.loop_start()
+            ended = connected.wait(CLOSE_TIMEOUT)
+            cleaner.disconnect()
+            cleaner.loop_stop()
+            if not ended:
+                raise TimeoutError(f"{self.name}: no CONNACK for the clean connection within {CLOSE_TIMEOUT} s")
         self.log.close()
 
 
