@@ -311,11 +311,12 @@ class FaultProxy:
             raise
 
     def _set(self, device: str | None, state: LinkState) -> None:
+        """Only restore() makes a link better: a stall over a cut leaves it cut."""
         with self._lock:
             if device is None:
-                self._global = state
+                self._global = max(self._global, state, key=_SEVERITY.__getitem__)
             else:
-                self._states[device] = state
+                self._states[device] = max(self._states.get(device, "up"), state, key=_SEVERITY.__getitem__)
 
     def _state_of(self, device: str) -> LinkState:
         with self._lock:

@@ -512,6 +512,24 @@ def test_cut_during_a_stall_resets(proxy: FaultProxy, link: Callable[..., Link])
 
 
 @pytest.mark.timeout(30)
+def test_a_stall_over_a_cut_keeps_the_device_refused(
+    proxy: FaultProxy, upstream: Upstream, sockets: Callable[[int], socket.socket]
+) -> None:
+    """Overlapping faults: only restore() makes a link better."""
+    proxy.cut("d5")
+    assert proxy.stall("d5") == 0
+    refused = sockets(proxy.port)
+    refused.sendall(build_connect("d5"))
+    assert_reset(refused)  # still cut: refused, not held
+    assert upstream.count() == 0
+    proxy.restore("d5")
+    sock = sockets(proxy.port)
+    connect = build_connect("d5")
+    sock.sendall(connect)
+    assert upstream.conn_of(connect).wait_data(connect) == connect
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "case",
     [(publish("not", b"a connect"), "not a well-formed MQTT CONNECT"), (b"", "no complete MQTT CONNECT within")],
