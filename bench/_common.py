@@ -472,3 +472,33 @@ def write_report(report: str, out: Path | None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(report, encoding="utf-8")
         log(f"wrote {out}")
+
+
+def use_code_snapshot(code: str, watched: dict[str, Path], tmp: Path, git_root: Path,
+                      note: Callable[[str], None]) -> tuple[Path | None, dict[str, dict[str, str]], str]:
+    """Copy the ``watched`` packages (``code``: head = as committed, worktree, live = no copy) and
+    put the copy first on sys.path and PYTHONPATH, which the broker, workers and Spark inherit.
+
+    Returns the snapshot folder (None for live), the fingerprints at the start (to notice the
+    working tree changing during the run) and the fingerprint line of the code under test; notes
+    uncommitted changes that a head run leaves out.
+    """
+    at_start = {name: source_fingerprint(folder) for name, folder in watched.items()}
+    snapshot = None
+    if code != "live":
+        snapshot = snapshot_packages(list(watched.values()), tmp / "snapshot",
+                                     git_root=git_root if code == "head" else None)
+        sys.path.insert(0, str(snapshot))
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(snapshot), *filter(None, [os.environ.get("PYTHONPATH")])])
+    used = at_start if snapshot is None else {
+        name: source_fingerprint(snapshot / folder.name) for name, folder in watched.items()}
+    where = {"head": "copies as committed in git HEAD, taken at start",
+             "worktree": "copies of the working tree, taken at start",
+             "live": "the working tree, as imported"}[code]
+    fingerprints = ", ".join(f"{name} {fingerprint_digest(fp)}" for name, fp in used.items())
+    differ = [f"{name}: {file}" for name in watched for file in changed_files(used[name], at_start[name])]
+    if code == "head" and differ:
+        note(f"the working tree differed from git HEAD at the start ({', '.join(differ)}: uncommitted work "
+             "of others); the run used the committed code")
+    return snapshot, at_start, f"{fingerprints} (sha256 of the *.py files); ran from {where}"
+

@@ -74,12 +74,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import psutil
 from _common import (
     changed_files,
-    fingerprint_digest,
     git_revision,
     log,
     machine_info,
-    snapshot_packages,
     source_fingerprint,
+    use_code_snapshot,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -622,34 +621,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def prepare_code(args: argparse.Namespace, tmp: Path, info: dict[str, str],
-                 report: Report) -> dict[str, dict[str, str]]:
-    """Copy the four packages (unless --code live) and put the copy first for this process, the broker, the
-    harness's workers and Spark's Python workers (all inherit PYTHONPATH)."""
-    at_start = {name: source_fingerprint(folder) for name, folder in WATCHED.items()}
-    snapshot = None
-    if args.code != "live":
-        snapshot = snapshot_packages(list(WATCHED.values()), tmp / "snapshot",
-                                     git_root=ROOT if args.code == "head" else None)
-        sys.path.insert(0, str(snapshot))
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(snapshot), *filter(None, [os.environ.get("PYTHONPATH")])])
-    used = at_start if snapshot is None else {
-        name: source_fingerprint(snapshot / folder.name) for name, folder in WATCHED.items()}
-    where = {"head": "copies as committed in git HEAD, taken at start",
-             "worktree": "copies of the working tree, taken at start",
-             "live": "the working tree, as imported"}[args.code]
-    info["code"] = (", ".join(f"{name} {fingerprint_digest(fp)}" for name, fp in used.items())
-                    + f" (sha256 of the *.py files); broker, workers, harness and Spark ran from {where}")
-    differ = [f"{name}: {file}" for name in WATCHED for file in changed_files(used[name], at_start[name])]
-    if args.code == "head" and differ:
-        report.note(f"the working tree differed from git HEAD at the start ({', '.join(differ)}: uncommitted work "
-                    "of others); the run used the committed code")
-    return at_start
-
-
 def run(args: argparse.Namespace, tmp: Path, info: dict[str, str], report: Report,
         after_step: Callable[[], None]) -> None:
-    at_start = prepare_code(args, tmp, info, report)
+    _, at_start, info["code"] = use_code_snapshot(args.code, WATCHED, tmp, ROOT, report.note)
     import durable_fleet  # noqa: PLC0415 - after the snapshot is on sys.path
     from amqtt_durable.cli import load_broker_config  # noqa: PLC0415
     from durable_pipeline.spark import get_session  # noqa: PLC0415

@@ -73,15 +73,14 @@ from _common import (
     changed_files,
     check_pin_arguments,
     describe_pinning,
-    fingerprint_digest,
     free_port,
     git_revision,
     listener_config,
     log,
     machine_info,
     run_in_temp_folder,
-    snapshot_packages,
     source_fingerprint,
+    use_code_snapshot,
     write_config,
     write_report,
 )
@@ -837,32 +836,6 @@ def java_version() -> str:
     return out.splitlines()[0] if out else "?"
 
 
-def prepare_code(args: argparse.Namespace, tmp: Path, info: dict[str, str],
-                 report: Report) -> tuple[Path | None, dict[str, dict[str, str]]]:
-    """Copy plugin, SDK and pipeline (unless --code live) and put the copy first for this process, the
-    broker and Spark's Python workers (PYTHONPATH is inherited by the JVM and passed on to its workers)."""
-    watched = WATCHED
-    at_start = {name: source_fingerprint(folder) for name, folder in watched.items()}
-    snapshot = None
-    if args.code != "live":
-        snapshot = snapshot_packages(list(watched.values()), tmp / "snapshot",
-                                     git_root=ROOT if args.code == "head" else None)
-        sys.path.insert(0, str(snapshot))
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(snapshot), *filter(None, [os.environ.get("PYTHONPATH")])])
-    used = at_start if snapshot is None else {
-        name: source_fingerprint(snapshot / folder.name) for name, folder in watched.items()}
-    where = {"head": "copies as committed in git HEAD, taken at start",
-             "worktree": "copies of the working tree, taken at start",
-             "live": "the working tree, as imported"}[args.code]
-    info["code"] = (", ".join(f"{name} sha256 {fingerprint_digest(fp)}" for name, fp in used.items())
-                    + f" of the *.py files; broker, driver and Spark workers ran from {where}")
-    differ = [f"{name}: {file}" for name in watched for file in changed_files(used[name], at_start[name])]
-    if args.code == "head" and differ:
-        report.note(f"the working tree differed from git HEAD at the start ({', '.join(differ)}: uncommitted work "
-                    "of others); the run used the committed code")
-    return snapshot, at_start
-
-
 def worker_module(spark: Any) -> str:
     """Where Spark's Python workers import durable_pipeline from."""
     rdd = spark.sparkContext.parallelize([0], 1)
@@ -870,7 +843,7 @@ def worker_module(spark: Any) -> str:
 
 
 def run(args: argparse.Namespace, tmp: Path, info: dict[str, str], report: Report) -> None:
-    snapshot, at_start = prepare_code(args, tmp, info, report)
+    snapshot, at_start, info["code"] = use_code_snapshot(args.code, WATCHED, tmp, ROOT, report.note)
     import durable_pipeline  # noqa: PLC0415 - after the snapshot is on sys.path
     from durable_pipeline.spark import get_session  # noqa: PLC0415
 

@@ -20,6 +20,7 @@ import yaml
 from paho.mqtt.enums import CallbackAPIVersion
 
 from amqtt_durable.store import open_store
+from durable_client.persistence import SessionState
 
 HOST = "127.0.0.1"
 WAIT = 15.0
@@ -334,6 +335,15 @@ def db(store_path: str) -> Iterator[Any]:
     yield handle
     if not handle.closed:
         handle.close()
+
+
+@pytest.fixture
+def opened() -> Iterator[list[SessionState]]:
+    """SDK session states (CPL-2 journals) to close after the test, so a failing test does not leave a folder locked."""
+    states: list[SessionState] = []
+    yield states
+    for state in states:
+        state.close()
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ class AppliedFault:
 
     fault: Fault
     started: float
-    ended: float | None
+    ended: float
     detail: str = ""
 
 

@@ -118,9 +118,7 @@ def _kind_row(label: str, devices: Sequence[DeviceOutcome]) -> tuple[str, ...]:
 def _faults_line(result: FleetResult) -> str:
     counts: Counter[str] = Counter(applied.fault.kind for applied in result.faults)
     per_kind = ", ".join(f"{counts[kind]} {kind}" for kind in FAULT_KINDS)
-    open_ = sum(applied.ended is None for applied in result.faults)
-    unhealed = f"; {open_} not healed at the end" if open_ else ""
-    return f"faults applied: {len(result.faults)} ({per_kind}){unhealed}"
+    return f"faults applied: {len(result.faults)} ({per_kind})"
 
 
 def _text_table(rows: Sequence[Sequence[str]], numbers: Container[int]) -> list[str]:
@@ -166,10 +164,9 @@ def _shade_faults(ax: Axes, result: FleetResult) -> None:
     labelled: set[str] = set()
     for applied in result.faults:
         kind = applied.fault.kind
-        end = applied.ended if applied.ended is not None else result.duration_s
         label = kind if kind not in labelled else None
         labelled.add(kind)
-        ax.axvspan(applied.started, end, color=FAULT_COLOURS[kind], alpha=0.2, linewidth=0, label=label)
+        ax.axvspan(applied.started, applied.ended, color=FAULT_COLOURS[kind], alpha=0.2, linewidth=0, label=label)
 
 
 def _legend(ax: Axes, *others: Axes) -> None:
@@ -317,7 +314,7 @@ def _fault_rows(result: FleetResult) -> list[tuple[object, ...]]:
             applied.fault.kind,
             applied.fault.target if applied.fault.target is not None else "broker",
             f"{applied.fault.duration:g}",
-            f"{applied.ended:.2f}" if applied.ended is not None else "not healed",
+            f"{applied.ended:.2f}",
             applied.detail,
         )
         for applied in result.faults

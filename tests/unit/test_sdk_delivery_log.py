@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,6 @@ from durable_client.persistence import DiskState, MemoryState, SessionState, ope
 
 EPOCH = 3
 DEVICE = "dev-1"
-
-
-@pytest.fixture
-def opened() -> Iterator[list[SessionState]]:
-    """States to close after the test, so a failing test does not leave a folder locked."""
-    states: list[SessionState] = []
-    yield states
-    for state in states:
-        state.close()
 
 
 def disk(tmp_path: Path, opened: list[SessionState], client_id: str = DEVICE) -> DiskState:

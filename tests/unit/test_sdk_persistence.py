@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,15 +22,6 @@ from durable_client.persistence import (
 )
 
 SDK_PATH = str(Path(__file__).resolve().parents[2] / "client_sdk")
-
-
-@pytest.fixture
-def opened() -> Iterator[list[SessionState]]:
-    """States to close after the test, so a failing test does not leave a folder locked."""
-    states: list[SessionState] = []
-    yield states
-    for state in states:
-        state.close()
 
 
 def disk(tmp_path: Path, opened: list[SessionState], client_id: str = "c1", **kwargs: int) -> DiskState:
