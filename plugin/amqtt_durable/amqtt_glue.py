@@ -29,7 +29,10 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._cleanup_session`` (with ``shutdown``): amqtt's session monitor must not remove a
   session that reconnected after the monitor picked it;
 * ``Broker.retain_message``: nothing under ``_durable/`` (the SDK's control topics) is ever
-  retained, not even a will.
+  retained, not even a will; a publish's retain is stored by the engine with the publish
+  (``route_publish(retain=...)``), and a will's (or a plugin's) here, so every retained message
+  is in the store. amqtt's ``retained_messages`` table follows the store (``on_retained``) and
+  is filled from it at start-up (``on_broker_pre_start``), after amqtt's start emptied it.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any
 
 import amqtt
 from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapter
-from amqtt.broker import Broker, BrokerContext
+from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError
 from amqtt.events import BrokerEvents, MQTTEvents
@@ -78,7 +81,7 @@ from .config import DurableConfig
 from .control import ControlChannel
 from .delivery import AckKind
 from .engine import DurableEngine, ExpiredSession
-from .errors import DurableError, InternalsMismatchError
+from .errors import DurableError, InternalsMismatchError, StoreError
 from .streams import StreamSender
 from .topics import filter_is_valid, matches, topic_is_valid
 from .wire import encode_puback
@@ -255,6 +258,12 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         _install_connect_flag_capture()
         _install(broker, self.engine)
 
+    async def on_broker_pre_start(self) -> None:
+        # Broker.start() has just emptied amqtt's table; the listeners are not open yet.
+        table = self.broker.retained_messages
+        for message in self.engine.retained.stored():
+            table[message.topic] = RetainedApplicationMessage(None, message.topic, message.payload, message.qos)
+
     async def on_broker_post_start(self) -> None:
         self.engine.start_timers()
         if self.config.metrics_interval > 0:
@@ -298,8 +307,8 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     original_broadcast = broker._broadcast_message
     original_cleanup = broker._cleanup_session
     original_shutdown = broker.shutdown
-    original_retain = broker.retain_message
     shutting_down = False
+    event_tasks: set[asyncio.Task[None]] = set()
 
     def amqtt_wants(topic: str, retain: bool) -> bool:
         """Does amqtt's own publish path have work: a retain, a clean subscriber, a message listener?"""
@@ -433,9 +442,35 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
             return
         await original_cleanup(client_id)
 
+    def apply_retained(topic: str, payload: bytes, qos: int) -> None:
+        """The engine stored (empty payload: deleted) a retained message: amqtt's table does the same,
+        in the same order, and amqtt's retained-message event fires as amqtt's own retain would."""
+        table = broker.retained_messages
+        if payload:
+            message = table[topic] = RetainedApplicationMessage(None, topic, payload, qos)
+        else:
+            message = table.pop(topic, None)
+            if message is None:
+                return
+            message.data = b""
+        plugins = broker.plugins_manager
+        if BrokerEvents.RETAINED_MESSAGE in plugins._event_plugin_callbacks:
+            fired = asyncio.get_running_loop().create_task(
+                plugins.fire_event(BrokerEvents.RETAINED_MESSAGE, client_id=None, retained_message=message)
+            )
+            event_tasks.add(fired)
+            fired.add_done_callback(event_tasks.discard)
+
+    engine.on_retained = apply_retained
+
     async def retain_message(session: Any, topic: str, data: Any, qos: int | None = None) -> None:
-        if not topic.startswith(CONTROL_PREFIX):  # a retained will on a control topic, say
-            await original_retain(session, topic, data, qos)
+        # A publish's retain (its payload a RoutedPayload) was stored and applied with the publish.
+        if topic.startswith(CONTROL_PREFIX) or isinstance(data, RoutedPayload):
+            return
+        try:
+            await engine.retain(topic, bytes(data or b""), qos or 0)  # a will's (or a plugin's)
+        except StoreError as exc:
+            log.error("the retained message of %s is not stored (it is lost at the next restart): %s", topic, exc)
 
     async def shutdown() -> None:
         nonlocal shutting_down
@@ -518,7 +553,7 @@ def _wrap_handler(
             if packet_id not in session.inflight_in:  # a retransmission is stored once
                 async with ordering:
                     if await broker._topic_filtering(session, topic, Action.PUBLISH):
-                        stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic))
+                        stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic), retain=retain)
             if stored is not None:
                 await stored
             packet.payload.data = RoutedPayload(data)
@@ -526,7 +561,7 @@ def _wrap_handler(
             return
         async with ordering:  # FIFO per connection even when topic ACL checks yield
             if await broker._topic_filtering(session, topic, Action.PUBLISH):
-                stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic))
+                stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic), retain=retain)
             if amqtt_wants(topic, retain):
                 hand_to_amqtt(session, topic, data, qos, packet_id=packet_id, retain=retain)
         if qos == 1 and packet_id is not None:
@@ -678,7 +713,7 @@ class FastReader:
                 self._acks.add(None, packet_id)
             return True
         retain = bool(flags & 0x01)
-        stored = self._engine.route_publish(topic, payload, qos)
+        stored = self._engine.route_publish(topic, payload, qos, retain=retain)
         if self._amqtt_wants(topic, retain):
             hand_to_amqtt(self._session, topic, payload, qos, packet_id=packet_id or None, retain=retain)
         if qos:

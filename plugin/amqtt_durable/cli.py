@@ -18,7 +18,7 @@ from amqtt.broker import Broker
 
 from .config import DurableConfig
 from .errors import ConfigError, DurableError
-from .inspect_store import format_table, summarize
+from .inspect_store import format_retained, format_table, summarize, summarize_retained
 from .store import repair_store
 
 PLUGIN_PATH = "amqtt_durable.DurableSessionsPlugin"
@@ -114,6 +114,10 @@ def _cmd_broker(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    if args.retained:
+        retained = summarize_retained(args.store)
+        print(json.dumps([row.as_json() for row in retained], indent=2) if args.json else format_retained(retained))
+        return 0
     rows = summarize(args.store)
     if args.json:
         print(json.dumps([row.as_json() for row in rows], indent=2))
@@ -149,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="list the durable sessions of a store (broker stopped)")
     inspect.add_argument("store", help="store folder (the plugin's 'store' setting)")
     inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
+    inspect.add_argument("--retained", action="store_true", help="list the retained messages instead of the sessions")
     inspect.set_defaults(run=_cmd_inspect)
     repair = commands.add_parser("repair", help="LevelDB repair of a corrupted store (broker stopped)")
     repair.add_argument("store", help="store folder")

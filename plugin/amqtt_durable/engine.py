@@ -27,6 +27,7 @@ from .delivery import Pump, Transport
 from .errors import StoreCorruptedError
 from .expiry import ExpiryTracker
 from .queue_policy import Admission, QueueLimits
+from .retained import RetainedMessages
 from .store import (
     FLAG_RELEASED,
     FLAG_RETAIN,
@@ -316,6 +317,10 @@ class DurableEngine:
         self.store_id = 0
         """Random, made with the store: stream readers compare it to notice a wiped or replaced store."""
         self.streams: StreamLogs
+        self.retained: RetainedMessages
+        self.on_retained: Callable[[str, bytes, int], None] | None = None
+        """Told of every retained message set or cleared (empty payload), in the order they are stored:
+        the glue keeps amqtt's in-memory table in step with the store."""
         self.dropped_total = 0
         self.expired_total = 0
         self.replayed_total = 0
@@ -351,6 +356,8 @@ class DurableEngine:
             self.committer.put(STORE_ID_KEY, encode_u64(self.store_id))
         self.streams = StreamLogs(self.db, self.committer, config.streams)
         self.streams.load()
+        self.retained = RetainedMessages(self.db, self.committer)
+        self.retained.load()
         self._next_msg_id = last_msg_id(self.db) + 1
         # Also past queues and totals a crash left without a record: a sid is never reused.
         self._next_sid = max(
@@ -381,10 +388,11 @@ class DurableEngine:
         self._drop_orphans({session.sid for session in self.sessions.values()})
         self.committer.flush_now()
         log.info(
-            "durable store %s: %d session(s), %d queued message(s)",
+            "durable store %s: %d session(s), %d queued message(s), %d retained message(s)",
             config.store,
             len(self.sessions),
             sum(s.depth for s in self.sessions.values()),
+            len(self.retained),
         )
 
     def _drop_orphans(self, known: set[int]) -> None:
@@ -656,10 +664,11 @@ class DurableEngine:
 
     # -------------------------------------------------------------------- routing
     def route_publish(
-        self, topic: str, payload: bytes, qos: int, targets: dict[str, int] | None = None
+        self, topic: str, payload: bytes, qos: int, targets: dict[str, int] | None = None, *, retain: bool = False
     ) -> asyncio.Future[None] | None:
-        """Queue a publish for every matching durable session, and append it to its stream log if
-        a stream covers the topic; the future resolves once all of that is durable.
+        """Queue a publish for every matching durable session, append it to its stream log if
+        a stream covers the topic, and with ``retain`` make it the topic's retained message (an
+        empty payload clears it); the future resolves once all of that is durable.
 
         ``targets`` (client id -> subscription QoS, from ``index.route``) narrows the sessions,
         e.g. to those a topic ACL lets receive it. Runs without awaiting, so publishes are queued
@@ -668,13 +677,27 @@ class DurableEngine:
         if targets is None:
             targets = self.index.route(topic)
         published_at = time.time()
+        if retain:
+            self._retain(topic, payload, qos, published_at)
         log_id = self.streams.append(topic, payload, qos, published_at) if self.streams.streams else None
-        if not targets and log_id is None:
+        if not targets and log_id is None and not retain:
             return None
         sessions = self.sessions
         chosen = [(sessions[c], q) for c, q in targets.items() if c in sessions]  # one may just have gone
         appended = self._append_to_queues(topic, payload, qos, chosen, flags=0, published_at=published_at)
-        return self._commit_queued(appended, None if log_id is None else partial(self.streams.appended, topic, log_id))
+        then = None if log_id is None else partial(self.streams.appended, topic, log_id)
+        return self._commit_queued(appended, then, written=retain)
+
+    def retain(self, topic: str, payload: bytes, qos: int) -> asyncio.Future[None]:
+        """Set (an empty payload: clear) a retained message that is not routed with it (a will's retain
+        comes after its broadcast; a plugin's); the future resolves once it is durable."""
+        self._retain(topic, payload, qos, time.time())
+        return self.committer.commit()
+
+    def _retain(self, topic: str, payload: bytes, qos: int, published_at: float) -> None:
+        self.retained.update(topic, payload, qos, published_at)
+        if self.on_retained is not None:
+            self.on_retained(topic, payload, qos)
 
     def _enqueue(
         self, topic: str, payload: bytes, qos: int, targets: list[tuple[DurableSession, int]], flags: int
@@ -683,10 +706,15 @@ class DurableEngine:
         return self._commit_queued(appended)
 
     def _commit_queued(
-        self, appended: list[tuple[DurableSession, Entry, Body]], then: Callable[[], None] | None = None
+        self,
+        appended: list[tuple[DurableSession, Entry, Body]],
+        then: Callable[[], None] | None = None,
+        *,
+        written: bool = False,
     ) -> asyncio.Future[None] | None:
-        """Commit the batch; once durable, offer the entries to their pumps, then run ``then``."""
-        if not appended and then is None:
+        """Commit the batch; once durable, offer the entries to their pumps, then run ``then``.
+        ``written``: the batch holds something else the caller waits for (a retained message)."""
+        if not appended and then is None and not written:
             return None
 
         def deliver() -> None:
@@ -825,5 +853,6 @@ class DurableEngine:
             "messages/replayed": self.replayed_total,
             "messages/sent": self.sent_total,
             "sessions/expired": self.expired_total,
+            "retained/messages": len(self.retained),
             "store/commits": self.committer.commits,
         }

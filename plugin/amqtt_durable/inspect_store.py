@@ -1,15 +1,18 @@
-"""Read-only view of a stopped broker's store: one row per durable session."""
+"""Read-only view of a stopped broker's store: one row per durable session, or per retained message."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import plyvel
 
 from .errors import StoreCorruptedError
-from .store import Body, body_key, decode_totals, iter_entries, iter_sessions, open_store, totals_key
+from .store import Body, body_key, decode_totals, iter_entries, iter_retained, iter_sessions, open_store, totals_key
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -27,12 +30,39 @@ class SessionSummary:
         return asdict(self)
 
 
+@dataclass
+class RetainedSummary:
+    topic: str
+    qos: int
+    bytes: int
+    age_s: float
+    """Seconds since the publish that set it."""
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def summarize(path: str, now: float | None = None) -> list[SessionSummary]:
     """Sessions of the store at ``path`` (the broker must be stopped: LevelDB allows one process)."""
     now = time.time() if now is None else now
+    return _read(path, lambda db: _rows(db, now))
+
+
+def summarize_retained(path: str, now: float | None = None) -> list[RetainedSummary]:
+    """Retained messages of the store at ``path``, in topic order (the broker must be stopped)."""
+    now = time.time() if now is None else now
+    return _read(
+        path,
+        lambda db: [
+            RetainedSummary(m.topic, m.qos, len(m.payload), max(0.0, now - m.published_at)) for m in iter_retained(db)
+        ],
+    )
+
+
+def _read(path: str, read: Callable[[Any], T]) -> T:
     db = open_store(path, create=False)
     try:
-        return _rows(db, now)
+        return read(db)
     except plyvel.CorruptionError as exc:
         raise StoreCorruptedError(path, str(exc)) from exc
     finally:
@@ -77,6 +107,19 @@ def format_table(rows: list[SessionSummary], now: float | None = None) -> str:
     text = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)).rstrip() for line in lines]
     text.append(f"{len(rows)} session(s), {sum(r.depth for r in rows)} queued message(s)")
     return "\n".join(text)
+
+
+def format_retained(rows: list[RetainedSummary]) -> str:
+    lines = [("TOPIC", "QOS", "BYTES", "AGE")]
+    lines += [(row.topic, str(row.qos), str(row.bytes), _age(row.age_s)) for row in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(4)]
+    text = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)).rstrip() for line in lines]
+    text.append(f"{len(rows)} retained message(s)")
+    return "\n".join(text)
+
+
+def _age(seconds: float) -> str:
+    return "0s" if seconds <= 0 else _duration(seconds)
 
 
 def _duration(seconds: float) -> str:

@@ -30,6 +30,13 @@ simply has none of these keys::
 Topics cannot contain U+0000, so ``b"l" + topic + b"\\x00"`` prefixes exactly one topic's
 events. ``b"L"`` is written in the batch of every append, so ids are never reused, even
 after retention removed every event of a topic.
+
+Retained messages (retained.py) add one prefix, again without a new version::
+
+    b"r" + topic(utf-8)      -> published_at:f64 qos:u8 payload   the topic's retained message
+
+It is written (or, for an empty payload, deleted) in the group commit of the publish that sets
+it, so a retained message is stored before its PUBACK; nothing under ``_durable/`` is retained.
 """
 
 from __future__ import annotations
@@ -56,12 +63,14 @@ _ENTRY = struct.Struct(">QBBI")
 _TOTALS = struct.Struct(">QQQ")
 _BODY_HEAD = struct.Struct(">dBH")
 _REFS = struct.Struct(">I")
+_RETAINED_HEAD = struct.Struct(">dB")
 
 FLAG_RETAIN = 0x01
 FLAG_RELEASED = 0x02
 FLAG_SHARED = 0x04
 
 VERSION_KEY = b"v"
+RETAINED_PREFIX = b"r"
 
 
 def body_key(msg_id: int) -> bytes:
@@ -92,6 +101,10 @@ def entry_key(sid: int, seq: int) -> bytes:
     return b"q" + _U64.pack(sid) + _U64.pack(seq)
 
 
+def retained_key(topic: str) -> bytes:
+    return RETAINED_PREFIX + topic.encode("utf-8")
+
+
 def sid_of_entry_key(key: bytes) -> int:
     return int(_U64.unpack_from(key, 1)[0])
 
@@ -119,6 +132,30 @@ class Body:
         start = _BODY_HEAD.size
         topic = raw[start : start + topic_len].decode("utf-8")
         return cls(topic, raw[start + topic_len :], qos, published_at)
+
+
+@dataclass(slots=True)
+class RetainedMessage:
+    """A topic's retained message as stored under b"r" + topic."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    published_at: float
+
+    def encode(self) -> bytes:
+        return _RETAINED_HEAD.pack(self.published_at, self.qos) + self.payload
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes) -> RetainedMessage:
+        published_at, qos = _RETAINED_HEAD.unpack_from(raw)
+        return cls(key[len(RETAINED_PREFIX) :].decode("utf-8"), raw[_RETAINED_HEAD.size :], qos, published_at)
+
+
+def iter_retained(db: Any) -> Iterator[RetainedMessage]:
+    """Every stored retained message, in topic byte order."""
+    for key, value in db.iterator(prefix=RETAINED_PREFIX):
+        yield RetainedMessage.decode(key, value)
 
 
 @dataclass(slots=True)
