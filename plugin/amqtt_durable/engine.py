@@ -686,7 +686,7 @@ class DurableEngine:
         chosen = [(sessions[c], q) for c, q in targets.items() if c in sessions]  # one may just have gone
         appended = self._append_to_queues(topic, payload, qos, chosen, flags=0, published_at=published_at)
         then = None if log_id is None else partial(self.streams.appended, topic, log_id)
-        return self._commit_queued(appended, then, written=retain)
+        return self._commit_queued(appended, then, retained=retain)
 
     def retain(self, topic: str, payload: bytes, qos: int) -> asyncio.Future[None]:
         """Set (an empty payload: clear) a retained message that is not routed with it (a will's retain
@@ -710,11 +710,11 @@ class DurableEngine:
         appended: list[tuple[DurableSession, Entry, Body]],
         then: Callable[[], None] | None = None,
         *,
-        written: bool = False,
+        retained: bool = False,
     ) -> asyncio.Future[None] | None:
         """Commit the batch; once durable, offer the entries to their pumps, then run ``then``.
-        ``written``: the batch holds something else the caller waits for (a retained message)."""
-        if not appended and then is None and not written:
+        ``retained``: the batch also holds a retained message, which the caller waits for too."""
+        if not appended and then is None and not retained:
             return None
 
         def deliver() -> None:
