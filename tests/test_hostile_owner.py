@@ -129,6 +129,8 @@ def test_with_any_user_takeover_bob_gets_nothing_alice_may_read_and_the_drops_ar
     pub.publish("bob/inbox", [b"for bob"], qos=1)  # FIFO per session: it comes after anything before it
     assert request(bob, "ready").ok  # hello made it an SDK session: held until ready, framed
     assert bob.wait_for(lambda ms: any(m.topic == "bob/inbox" for m in ms))
+    secrets = [m.payload for m in bob.messages if m.topic.startswith("secret/")]
+    assert not secrets, f"bob read alice's {secrets}"
     got = [(topic, payload) for topic, _, payload in events(bob)]
     assert got == [("bob/inbox", b"for bob")], f"bob read {got}"
     bob.disconnect()
