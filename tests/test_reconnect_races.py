@@ -124,7 +124,7 @@ def test_an_older_connection_reaching_its_message_loop_late_leaves_the_session_t
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
     (tmp_path / "connection_gate.py").write_text(GATE_PLUGIN)
-    broker = broker_factory(start=False, recovery_buffer=10)
+    broker = broker_factory(start=False, recovery_buffer=10, session_takeover="any-user")  # roles are usernames
     broker.pythonpath.append(str(tmp_path))
     broker.extra_plugins["connection_gate.ConnectionGate"] = {}
     broker.start()
@@ -169,7 +169,7 @@ def test_an_older_connection_left_open_by_amqtt_is_ended_when_a_later_connect_ta
     connected and be sent nothing: ``first`` has attached when the later one attaches,
     ``first-late`` attaches after it."""
     (tmp_path / "connection_gate.py").write_text(GATE_PLUGIN)
-    broker = broker_factory(start=False, recovery_buffer=10)
+    broker = broker_factory(start=False, recovery_buffer=10, session_takeover="any-user")  # roles are usernames
     broker.pythonpath.append(str(tmp_path))
     broker.extra_plugins["connection_gate.ConnectionGate"] = {}
     broker.start()

@@ -4,15 +4,16 @@ amqtt has no hook to persist a publish before PUBACK, nor one for per-session de
 this module wraps a handful of Broker and BrokerProtocolHandler methods on the broker
 instance the plugin is loaded into and on each connection's handler:
 
-* ``BrokerProtocolHandler.init_from_connect`` (the one class-level wrap, behaviour-neutral):
-  remembers the CONNECT's clean-session flag, which amqtt loses when it reuses a session
-  object;
+* ``BrokerProtocolHandler.init_from_connect`` (the one class-level wrap): remembers the
+  CONNECT's clean-session flag, which amqtt loses when it reuses a session object, and refuses
+  (CONNACK 5) another user's CONNECT to a durable session before amqtt's take-over closes the
+  owner's connection and overwrites its Session (will included);
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
   wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
   has work (QoS 2, a retain flag, a clean-session subscriber, a plugin listening for messages);
   otherwise the plugin sends PUBACK itself;
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
-  CONNACK's session-present from the store;
+  CONNACK's session-present from the store; refuse another user than the session's owner;
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
@@ -42,6 +43,7 @@ import json
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import amqtt
@@ -51,6 +53,7 @@ from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError
 from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
+from amqtt.mqtt.connack import NOT_AUTHORIZED, ConnackPacket
 from amqtt.mqtt.packet import (
     CONNACK,
     CONNECT,
@@ -79,9 +82,9 @@ from durable_client.protocol import CONTROL_PREFIX
 
 from .config import DurableConfig
 from .control import ControlChannel
-from .delivery import AckKind
+from .delivery import AckKind, ReadAccess
 from .engine import DurableEngine, ExpiredSession
-from .errors import DurableError, InternalsMismatchError, StoreError
+from .errors import DurableError, InternalsMismatchError, NotSessionOwnerError, StoreError
 from .streams import StreamSender
 from .topics import filter_is_valid, matches, topic_is_valid
 from .wire import encode_puback
@@ -142,15 +145,29 @@ class RoutedPayload(bytes):
     __slots__ = ()
 
 
-def _install_connect_flag_capture() -> None:
-    """amqtt reuses a cached Session on reconnect without updating clean_session; keep the real flag."""
+def _install_connect_hooks() -> None:
+    """Right after a CONNECT is read: keep its clean-session flag (amqtt reuses a cached Session on
+    reconnect without updating it), and refuse another user than the owner of the client id's
+    durable session while amqtt has touched nothing yet (it would close the owner's connection
+    and give its Session the intruder's will). connack_authorize checks again, authoritatively."""
     original = BrokerProtocolHandler.init_from_connect
     if getattr(original, "_durable_wrapped", False):
         return
 
-    async def init_from_connect(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        handler, session = await original(*args, **kwargs)
+    async def init_from_connect(reader: Any, writer: Any, plugins_manager: Any, *args: Any) -> tuple[Any, Any]:
+        handler, session = await original(reader, writer, plugins_manager, *args)
         handler.connect_clean_session = bool(session.clean_session)
+        plugin = next((p for p in plugins_manager._plugins if isinstance(p, DurableSessionsPlugin)), None)
+        if plugin is not None and session.client_id:
+            try:
+                plugin.engine.check_owner(session.client_id, session.username)
+            except NotSessionOwnerError as exc:
+                log.warning("%s", exc)
+                connack = ConnackPacket.build(0, NOT_AUTHORIZED)
+                await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
+                await connack.to_stream(writer)
+                await writer.close()
+                raise MQTTError(str(exc)) from None
         return handler, session
 
     init_from_connect._durable_wrapped = True  # type: ignore[attr-defined]
@@ -255,7 +272,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self.broker = broker
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metrics_task: asyncio.Task[None] | None = None
-        _install_connect_flag_capture()
+        _install_connect_hooks()
         _install(broker, self.engine)
 
     async def on_broker_pre_start(self) -> None:
@@ -361,7 +378,8 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         # durable session of the same client id that another connection created meanwhile.
         durable = not handler.connect_clean_session and engine.is_durable(session.client_id)
         transport: HandlerTransport = handler.durable_transport
-        displaced = await engine.attach(session.client_id, transport) if durable else None
+        read_access = _read_access(broker, session)
+        displaced = await engine.attach(session.client_id, transport, read_access) if durable else None
         try:
             # MQTT-3.1.4-2: the connection whose CONNECT came last has the session; an older one is
             # ended. amqtt does it only when both share its Session, not when their CONNECTs were read
@@ -401,6 +419,8 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
             for topic, message in list(broker.retained_messages.items())
             if matches(topic, topic_filter)
         ]
+        if broker.plugins_manager._topic_plugins:  # what the user may not read is not even queued
+            retained = [item for item in retained if await _may_read(broker, session, item[0])]
         await engine.subscribe(session.client_id, topic_filter, granted, retained)
         return granted
 
@@ -569,15 +589,7 @@ def _wrap_handler(
 
     async def connack_authorize(authorize: bool) -> None:
         if authorize and session.client_id:
-            present = await engine.connect(
-                session.client_id, bool(session.clean_session), session.username, handler.durable_transport
-            )
-            if not session.clean_session:
-                session.parent = 1 if present else 0
-                # A Session amqtt cached from an earlier clean connection may still hold amqtt-level
-                # subscriptions; they would deliver beside the pump, with clashing packet ids.
-                await broker._del_all_subscriptions(session)
-                session.clear_queues()
+            authorize = await _connect_durable(broker, engine, handler, session)
         await original_connack(authorize)
 
     handler.handle_publish = handle_publish
@@ -612,9 +624,60 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
         handler.durable_transport,
         session.client_id,
         handler.connect_clean_session,
+        username=session.username,
         open_streams=open_streams,
         may_subscribe=may_subscribe if acl else None,
     )
+
+
+async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> bool:
+    """CONNACK is due: create, wipe or take the stored session and set session-present from the
+    store. False refuses the CONNECT (CONNACK 5): the session belongs to another user."""
+    try:
+        engine.check_owner(session.client_id, session.username)
+        revoke = await _refused_subscriptions(broker, engine, session)
+        present = await engine.connect(
+            session.client_id, bool(session.clean_session), session.username, handler.durable_transport, revoke
+        )
+    except NotSessionOwnerError as exc:  # came in after the owner check when the CONNECT was read
+        log.warning("%s", exc)
+        session.parent = 0  # MQTT-3.2.2-4: no session present with a refusal
+        return False
+    if not session.clean_session:
+        session.parent = 1 if present else 0
+        # A Session amqtt cached from an earlier clean connection may still hold amqtt-level
+        # subscriptions; they would deliver beside the pump, with clashing packet ids.
+        await broker._del_all_subscriptions(session)
+        session.clear_queues()
+    return True
+
+
+async def _refused_subscriptions(broker: Any, engine: DurableEngine, session: Any) -> list[str]:
+    """Subscriptions of another user's session (session_takeover: any-user) that the topic ACL would
+    refuse this CONNECT's user: they do not pass to it."""
+    durable = engine.sessions.get(session.client_id)
+    if durable is None or durable.record.username == session.username or not broker.plugins_manager._topic_plugins:
+        return []
+    return [
+        topic_filter
+        for topic_filter in sorted(durable.record.subscriptions)
+        if not await broker._topic_filtering(session, topic_filter, Action.SUBSCRIBE)
+    ]
+
+
+async def _may_read(broker: Any, session: Any, topic: str) -> bool:
+    """Read access as amqtt's topic ACL plugins decide it: RECEIVE of the topic and SUBSCRIBE to a
+    filter naming just it (amqtt's shipped ACL plugin can only be given the latter)."""
+    return bool(await broker._topic_filtering(session, topic, Action.RECEIVE)) and bool(
+        await broker._topic_filtering(session, topic, Action.SUBSCRIBE)
+    )
+
+
+def _read_access(broker: Any, session: Any) -> ReadAccess | None:
+    """The read check of one connection's deliveries; None (no check at all) without topic ACL plugins."""
+    if not broker.plugins_manager._topic_plugins:
+        return None
+    return ReadAccess(partial(_may_read, broker, session))
 
 
 async def _control_publish(handler: Any, packet: Any, original_publish: Callable[[Any], Awaitable[None]]) -> None:

@@ -20,6 +20,8 @@ from .topics import filter_is_valid
 
 OverflowPolicy = Literal["drop-oldest", "drop-newest"]
 OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
+SessionTakeover = Literal["owner-only", "any-user"]
+TAKEOVER_POLICIES: tuple[str, ...] = get_args(SessionTakeover)
 STREAM_KEYS = ("filter", "max_count", "max_age")
 
 
@@ -94,6 +96,10 @@ class DurableConfig:
     stream_ack_timeout: float = 5.0
     """Seconds before an unacknowledged stream event is sent again."""
 
+    session_takeover: SessionTakeover = "owner-only"
+    """Who may connect with the client id of a durable session: only the user that owns it
+    (another gets CONNACK 5), or any user, who then owns it (and gets only what it may read)."""
+
     def __post_init__(self) -> None:
         _check_ranges(self)
 
@@ -128,10 +134,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         raise ConfigError(key, f"expected a number, got {value!r}")
     if kind == "list[StreamConfig]":
         return _streams(key, value)
-    if kind == "OverflowPolicy":
-        if value in OVERFLOW_POLICIES:
+    choices = {"OverflowPolicy": OVERFLOW_POLICIES, "SessionTakeover": TAKEOVER_POLICIES}.get(kind)
+    if choices is not None:
+        if value in choices:
             return value
-        raise ConfigError(key, f"expected one of {', '.join(OVERFLOW_POLICIES)}, got {value!r}")
+        raise ConfigError(key, f"expected one of {', '.join(choices)}, got {value!r}")
     if isinstance(value, str) and value:
         return value
     what = "topic filter" if kind == "topic filter" else "folder path"
@@ -181,6 +188,10 @@ def _check_streams(streams: list[StreamConfig]) -> None:
 def _check_ranges(config: DurableConfig) -> None:
     if config.overflow not in OVERFLOW_POLICIES:
         raise ConfigError("overflow", f"expected one of {', '.join(OVERFLOW_POLICIES)}, got {config.overflow!r}")
+    if config.session_takeover not in TAKEOVER_POLICIES:
+        raise ConfigError(
+            "session_takeover", f"expected one of {', '.join(TAKEOVER_POLICIES)}, got {config.session_takeover!r}"
+        )
     positive_ints = ("max_depth", "max_depth_disconnected", "batch_size", "pending_threshold")
     for key in positive_ints:
         if getattr(config, key) < 1:

@@ -1,8 +1,9 @@
 """The control requests of one connection (protocol v1, docs/protocol.md), in arrival order.
 
 The glue hands over every PUBLISH under ``_durable/``; nothing here imports amqtt. A request
-acts only on the connection's own session, a refused one changes nothing, and every reply
-(or error) goes back to this connection alone on ``$durable/v1/reply``.
+acts only on the connection's own session, and only for the user that owns it; a refused one
+changes nothing, and every reply (or error) goes back to this connection alone on
+``$durable/v1/reply``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class ControlChannel:
         client_id: str,
         clean_session: bool,
         *,
+        username: str | None = None,
         open_streams: Callable[[], StreamAgent],
         may_subscribe: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
@@ -64,6 +66,7 @@ class ControlChannel:
         self._transport = transport
         self._client_id = client_id
         self._clean_session = clean_session
+        self._username = username
         self._open_streams = open_streams
         self._may_subscribe = may_subscribe
         self._streams: StreamAgent | None = None
@@ -150,9 +153,16 @@ class ControlChannel:
             )
 
     def _session(self) -> DurableSession | None:
+        """This connection's durable session (None: it has none); another user's is refused."""
         if self._clean_session:
             return None
-        return self._engine.sessions.get(self._client_id)
+        session = self._engine.sessions.get(self._client_id)
+        if session is not None and session.record.username != self._username:
+            raise ProtocolError(
+                "not_your_session",
+                f"the durable session of client {self._client_id!r} belongs to another user than {self._username!r}",
+            )
+        return session
 
     def _own_session(self, request: Request) -> DurableSession:
         session = self._session()

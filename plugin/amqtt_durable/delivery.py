@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -41,6 +41,7 @@ AckKind = Literal["puback", "pubrec", "pubcomp"]
 READ_CHUNK = 512
 LIVE_BUFFER = 1024
 REFILL_CHUNKED_FROM = 32
+READ_DECISIONS_KEPT = 10_000
 
 
 class Transport(Protocol):
@@ -56,6 +57,24 @@ class Transport(Protocol):
     def closed(self) -> bool: ...
 
 
+class ReadAccess:
+    """May one connection's user read a topic? The topic ACL's decisions, asked once per topic
+    and connection (a new connection asks again), so a check costs a dict lookup."""
+
+    def __init__(self, decide: Callable[[str], Awaitable[bool]]) -> None:
+        self._decide = decide
+        self._known: dict[str, bool] = {}
+
+    async def allows(self, topic: str) -> bool:
+        known = self._known.get(topic)
+        if known is None:
+            known = await self._decide(topic)
+            if len(self._known) >= READ_DECISIONS_KEPT:  # a client reading endless topics: start over
+                self._known.clear()
+            self._known[topic] = known
+        return known
+
+
 @dataclass(slots=True)
 class Outgoing:
     entry: Entry
@@ -66,10 +85,14 @@ class Outgoing:
 class Pump:
     """Sends one session's queue over one connection; a new connection gets a new pump."""
 
-    def __init__(self, session: DurableSession, transport: Transport, window: int) -> None:
+    def __init__(
+        self, session: DurableSession, transport: Transport, window: int, read_access: ReadAccess | None = None
+    ) -> None:
         self.session = session
         self.transport = transport
         self.window = window
+        self.read_access = read_access
+        """None: no topic ACL; else every message is checked before it is sent, queued or live."""
         # A full window refills in chunks of a quarter (one write for many messages); small windows,
         # where that saves little, refill one by one.
         self.refill = window // 4 if window >= REFILL_CHUNKED_FROM else 1
@@ -130,6 +153,10 @@ class Pump:
                     if not self.buffer:
                         self._fill_from_store()
                     batch = self._take_sendable()
+                    if batch and self.read_access is not None:
+                        batch = await self._readable(batch)
+                        if not batch:
+                            continue  # all dropped (or stopped): look again
                 if batch:
                     await self._send(batch)
                     continue
@@ -145,6 +172,24 @@ class Pump:
             log.info("delivery to %s ended with the connection: %s", self.session.client_id, exc)
         except Exception:
             log.exception("delivery to %s stopped; it resumes on the next connection", self.session.client_id)
+
+    async def _readable(self, batch: list[Outgoing]) -> list[Outgoing]:
+        """The messages of ``batch`` the connection's user may read; the others are dropped (counted).
+
+        A PUBREL (RELEASED entry) carries no message and always goes.
+        """
+        assert self.read_access is not None
+        allows = self.read_access.allows
+        kept: list[Outgoing] = []
+        for item in batch:
+            if item.entry.flags & FLAG_RELEASED or await allows(item.body.topic):
+                kept.append(item)
+            elif not self._stopped:
+                self.session.drop_unreadable(item.entry)
+        if self._stopped or self.transport.closed:
+            self.buffer.extendleft(reversed(kept))
+            return []
+        return kept
 
     def _fill_from_store(self) -> None:
         tail = self.session.committed_tail

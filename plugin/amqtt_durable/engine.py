@@ -23,8 +23,8 @@ import plyvel
 from durable_client.protocol import LiveSubscription
 
 from .config import DurableConfig
-from .delivery import Pump, Transport
-from .errors import StoreCorruptedError
+from .delivery import Pump, ReadAccess, Transport
+from .errors import NotSessionOwnerError, StoreCorruptedError
 from .expiry import ExpiryTracker
 from .queue_policy import Admission, QueueLimits
 from .retained import RetainedMessages
@@ -227,7 +227,7 @@ class DurableSession:
         decision = self.limits.admit(self.depth)
         if decision is Admission.ACCEPT:
             return True
-        self._count_drop()
+        self._count_drop(self._overflow_cause)
         return decision is Admission.DROP_OLDEST_THEN_ACCEPT and self._drop_oldest()
 
     def _drop_oldest(self) -> bool:
@@ -258,7 +258,19 @@ class DurableSession:
         self.remove_entry(victim)
         return True
 
-    def _count_drop(self) -> None:
+    def drop_unreadable(self, entry: Entry) -> None:
+        """The pump may not send this entry: the connection's user may not read its topic."""
+        self.remove_entry(entry)
+        self._count_drop(self._unreadable_cause)
+
+    def _overflow_cause(self) -> str:
+        return f"queue full at its limit of {self.limits.limit()} messages (overflow {self.limits.overflow})"
+
+    def _unreadable_cause(self) -> str:
+        return f"its user {self.record.username!r} may not read them under the topic ACL"
+
+    def _count_drop(self, cause: Callable[[], str]) -> None:
+        """Count one dropped message, with a WARNING at most once per drop_log_interval."""
         self.dropped += 1
         self.engine.dropped_total += 1
         self.engine.totals_changed(self)
@@ -266,11 +278,9 @@ class DurableSession:
         now = time.monotonic()
         if now - self._last_drop_log >= self.engine.config.drop_log_interval:
             log.warning(
-                "session %s: queue full at its limit of %d messages (overflow %s): dropped %d message(s) "
-                "since the last warning, %d in all",
+                "session %s: %s: dropped %d message(s) since the last warning, %d in all",
                 self.client_id,
-                self.limits.limit(),
-                self.limits.overflow,
+                cause(),
                 self._drops_since_log,
                 self.dropped,
             )
@@ -445,11 +455,24 @@ class DurableEngine:
 
     # ------------------------------------------------------------------ sessions
     async def connect(
-        self, client_id: str, clean_session: bool, username: str | None = None, transport: Transport | None = None
+        self,
+        client_id: str,
+        clean_session: bool,
+        username: str | None = None,
+        transport: Transport | None = None,
+        revoke: Iterable[str] = (),
     ) -> bool:
         """CONNECT arrived (over ``transport``, which becomes the one connection that may attach);
-        returns session_present. A clean session wipes any stored one."""
+        returns session_present. A clean session wipes any stored one.
+
+        A session belongs to the user that created it: another user's CONNECT raises
+        NotSessionOwnerError, unless session_takeover is any-user; then the session passes to that
+        user without the subscriptions in ``revoke`` (those the topic ACL refuses the new user).
+        """
+        self.check_owner(client_id, username)
         existing = self.sessions.get(client_id)
+        if existing is not None and existing.record.username != username and not clean_session:
+            self._pass_to(existing, username, revoke)
         if clean_session:
             if existing is not None:
                 await self.delete_session(existing)
@@ -459,9 +482,6 @@ class DurableEngine:
             # Spared by expiry until attach() cancels the deadline; a connection that dies before
             # that (no attach, no detach) must not leave the session immortal, hence a time limit.
             existing.connecting_until = time.time() + CONNECT_GRACE
-            if existing.record.username != username:
-                existing.record.username = username
-                self._save_record(existing)
             return True
         record = SessionRecord(client_id=client_id, sid=self._next_sid, username=username)
         self._next_sid += 1
@@ -472,11 +492,40 @@ class DurableEngine:
         await self.committer.commit(urgent=True)
         return False
 
+    def check_owner(self, client_id: str, username: str | None) -> None:
+        """Raise NotSessionOwnerError if, under session_takeover: owner-only, the durable session of
+        ``client_id`` belongs to another user (a clean CONNECT would delete it, so it counts too)."""
+        session = self.sessions.get(client_id)
+        if session is not None and session.record.username != username and self.config.session_takeover == "owner-only":
+            raise NotSessionOwnerError(client_id, session.record.username, username)
+
+    def _pass_to(self, session: DurableSession, username: str | None, revoke: Iterable[str]) -> None:
+        """session_takeover: any-user: the session becomes ``username``'s, minus the subscriptions it
+        may not make; what is queued is checked against its read access when sent (Pump)."""
+        record = session.record
+        revoked = [f for f in revoke if record.subscriptions.pop(f, None) is not None]
+        for topic_filter in revoked:
+            record.non_durable.discard(topic_filter)
+            self.index.remove(session.client_id, topic_filter)
+        log.warning(
+            "durable session %s passes from user %r to user %r (session_takeover: any-user); subscriptions "
+            "the topic ACL refuses the new user removed: %s. Queued messages it may not read are dropped when due",
+            session.client_id,
+            record.username,
+            username,
+            ", ".join(revoked) or "none",
+        )
+        record.username = username
+        self._save_record(session)
+
     def is_durable(self, client_id: str | None) -> bool:
         return client_id is not None and client_id in self.sessions
 
-    async def attach(self, client_id: str, transport: Transport) -> Transport | None:
-        """The connection got CONNACK: start sending the session's queue over it. Returns the
+    async def attach(
+        self, client_id: str, transport: Transport, read_access: ReadAccess | None = None
+    ) -> Transport | None:
+        """The connection got CONNACK: start sending the session's queue over it, each message only
+        if ``read_access`` (None: no topic ACL) lets this connection's user read it. Returns the
         connection the session was attached to until now, if another: the caller ends it.
 
         Only if no later CONNECT of the client id was accepted (see ``superseded``): amqtt sets
@@ -502,11 +551,12 @@ class DurableEngine:
         session.transport = transport
         session.limits.on_connect(session.depth)
         self.expiry.cancel(client_id)
+        session.connecting_until = 0.0  # attached: expiry counts from this connection's end, not its CONNECT
         session.record.disconnected_at = None
         session.record.expires_at = None
         self._save_record(session)
         session.replay_upto = session.committed_tail
-        session.pump = pump = Pump(session, transport, self.config.recovery_buffer)
+        session.pump = pump = Pump(session, transport, self.config.recovery_buffer, read_access)
         if session.ready_for is transport:
             self._release(session, pump)
         pump.start()

@@ -45,3 +45,17 @@ class StoreCorruptedError(StoreError):
 
 class InternalsMismatchError(DurableError):
     """The installed amqtt lacks an internal the glue module needs."""
+
+
+class NotSessionOwnerError(DurableError):
+    """A CONNECT of another user than the owner of the durable session of its client id."""
+
+    def __init__(self, client_id: str, owner: str | None, username: str | None) -> None:
+        self.client_id = client_id
+        self.owner = owner
+        self.username = username
+        super().__init__(
+            f"CONNECT of client id {client_id!r} by user {username!r} refused (CONNACK 5): its durable session "
+            f"belongs to user {owner!r} (session_takeover: owner-only). Connect as that user, use another "
+            "client id, or set session_takeover: any-user to let other users take sessions over."
+        )

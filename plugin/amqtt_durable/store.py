@@ -188,7 +188,9 @@ class SessionRecord:
     disconnected_at: float | None = None
     expires_at: float | None = None
     username: str | None = None
-    """As of the last CONNECT: topic ACL plugins decide what the session may receive by it."""
+    """The owner: the user whose CONNECT created the session (or took it over with session_takeover:
+    any-user); topic ACL plugins decide by it what the session may receive. Stores written before
+    owners existed hold the user of the last CONNECT here, which becomes the owner."""
     sdk: bool = False
     """The client said hello (protocol v1): framed events, held until ready, replay markers."""
     expiry: float | None = None

@@ -30,6 +30,7 @@ CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
     "streams": ([{"filter": "a/#", "max_count": 5, "max_age": 60}], ["a/#", 5, {"filter": "a/#"}, None], []),
     "stream_window": (1000, [1.5, "1", True, None], [0, 1001]),
     "stream_ack_timeout": (0.5, ["5", True, None], [0, -1]),
+    "session_takeover": ("any-user", [5, None, True, ["owner-only"]], ["anyone", "ANY-USER", "owner_only", ""]),
 }
 
 FLOAT_KEYS = [f.name for f in dataclasses.fields(DurableConfig) if f.type == "float"]
@@ -195,6 +196,18 @@ def test_overflow_lists_accepted_values() -> None:
 @pytest.mark.parametrize("policy", ["drop-oldest", "drop-newest"])
 def test_overflow_accepted(policy: str) -> None:
     assert DurableConfig.from_mapping({"overflow": policy}).overflow == policy
+
+
+def test_session_takeover_defaults_to_owner_only_and_names_the_choices() -> None:
+    assert DurableConfig().session_takeover == "owner-only"
+    assert DurableConfig.from_mapping({"session_takeover": "any-user"}).session_takeover == "any-user"
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping({"session_takeover": "anyone"})
+    assert info.value.key == "session_takeover"
+    assert "owner-only, any-user" in str(info.value) and "'anyone'" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        DurableConfig(session_takeover="nope")  # type: ignore[arg-type]
+    assert info.value.key == "session_takeover"
 
 
 @pytest.mark.parametrize("raw", [["store", "x"], "store: x", 5])
