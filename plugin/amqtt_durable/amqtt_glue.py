@@ -595,7 +595,7 @@ async def _route_qos2(
         if durable and engine.pubrel_due(session.client_id, packet_id):
             return engine.written_so_far()  # the first copy may still be in its commit
         if packet_id in session.inflight_in:
-            return None  # amqtt's own record of a copy it took (nothing durable was stored for it)
+            return None  # amqtt's record of a copy it took (a clean publisher's, or one that stored nothing)
         if not await broker._topic_filtering(session, topic, Action.PUBLISH):
             return None
         stored = engine.route_publish(topic, bytes(packet.data), 2, await receivers(topic))
