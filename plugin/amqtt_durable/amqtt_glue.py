@@ -16,6 +16,8 @@ instance the plugin is loaded into and on each connection's handler:
   CONNACK's session-present from the store; refuse another user than the session's owner;
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
+* ``BrokerProtocolHandler.handle_pubrel`` (per connection): a durable publisher's stored QoS 2
+  packet id is deleted before PUBCOMP, and a PUBREL amqtt has no flow for still gets PUBCOMP;
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
@@ -87,7 +89,7 @@ from .engine import DurableEngine, ExpiredSession
 from .errors import DurableError, InternalsMismatchError, NotSessionOwnerError, StoreError
 from .streams import StreamSender
 from .topics import filter_is_valid, matches, topic_is_valid
-from .wire import encode_puback
+from .wire import encode_puback, encode_pubcomp
 
 log = logging.getLogger("amqtt_durable")
 
@@ -119,6 +121,7 @@ _HANDLER_INTERNALS = (
     "handle_puback",
     "handle_pubrec",
     "handle_pubcomp",
+    "handle_pubrel",
 )
 
 _ACK_KINDS: dict[int, AckKind] = {PUBACK: "puback", PUBREC: "pubrec", PUBCOMP: "pubcomp"}
@@ -569,11 +572,8 @@ def _wrap_handler(
             return
         retain = bool(packet.retain_flag)
         stored: asyncio.Future[None] | None = None
-        if qos == 2:  # amqtt's PUBREC / PUBREL flow, after the message is durable
-            if packet_id not in session.inflight_in:  # a retransmission is stored once
-                async with ordering:
-                    if await broker._topic_filtering(session, topic, Action.PUBLISH):
-                        stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic), retain=retain)
+        if qos == 2:  # amqtt's PUBREC / PUBREL flow, after the message and its packet id are durable
+            stored = await _route_qos2(broker, engine, handler, session, packet, receivers=receivers)
             if stored is not None:
                 await stored
             packet.payload.data = RoutedPayload(data)
@@ -597,6 +597,59 @@ def _wrap_handler(
     handler.handle_puback = _ack_interceptor(handler, "puback", handler.handle_puback)
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
+    handler.handle_pubrel = _pubrel_handler(engine, handler, session, handler.handle_pubrel)
+
+
+def _pubrel_handler(
+    engine: DurableEngine, handler: Any, session: Any, original: Callable[[Any], Awaitable[None]]
+) -> Callable[[Any], Awaitable[None]]:
+    """PUBREL of an inbound QoS 2 publish: its stored packet id goes first, then PUBCOMP.
+
+    amqtt answers only a PUBREL its in-memory flow waits for; after a restart (or once amqtt
+    dropped an anonymous session) there is none, yet MQTT-4.3.3 wants a PUBCOMP for every PUBREL.
+    """
+
+    async def handle_pubrel(packet: Any) -> None:
+        packet_id = packet.packet_id
+        if not handler.connect_clean_session:
+            await engine.pubrel_received(session.client_id, packet_id)
+        waiter = handler._pubrel_waiters.get(packet_id)
+        if waiter is not None and not waiter.done():
+            await original(packet)  # amqtt's flow delivers to its own subscribers, then PUBCOMP
+        else:
+            handler.durable_transport.write(encode_pubcomp(packet_id))
+
+    return handle_pubrel
+
+
+async def _route_qos2(
+    broker: Any,
+    engine: DurableEngine,
+    handler: Any,
+    session: Any,
+    packet: Any,
+    *,
+    receivers: Callable[[str], Awaitable[dict[str, int] | None]],
+) -> asyncio.Future[None] | None:
+    """Route a QoS 2 PUBLISH once per packet id until its PUBREL; resolves when PUBREC may go.
+
+    A durable publisher's packet id is stored in the message's own write batch, so a re-send
+    after a crash is known too (MQTT-4.3.3-2: PUBREC again, never routed again).
+    """
+    topic, packet_id = packet.topic_name, packet.variable_header.packet_id
+    durable = not handler.connect_clean_session and engine.is_durable(session.client_id)
+    async with handler.durable_ordering:  # a copy arriving meanwhile sees the packet id recorded
+        if durable and engine.pubrel_due(session.client_id, packet_id):
+            return engine.written_so_far()  # the first copy may still be in its commit
+        if packet_id in session.inflight_in:
+            return None  # amqtt's record of a copy it took (a clean publisher's, or one that stored nothing)
+        if not await broker._topic_filtering(session, topic, Action.PUBLISH):
+            return None
+        retain = bool(packet.retain_flag)
+        stored = engine.route_publish(topic, bytes(packet.data), 2, await receivers(topic), retain=retain)
+        if durable and stored is not None:
+            engine.expect_pubrel(session.client_id, packet_id)
+        return stored
 
 
 def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> ControlChannel:

@@ -47,11 +47,14 @@ from .store import (
     encode_u64,
     entry_key,
     iter_entries,
+    iter_pubrel_due,
     iter_sessions,
     last_msg_id,
     last_seq,
     last_sid,
     open_store,
+    pubrel_key,
+    pubrel_prefix,
     queue_prefix,
     refs_key,
     sent_mark_key,
@@ -138,6 +141,8 @@ class DurableSession:
         """The connection whose CONNECT was accepted last (None: not told): the only one that may attach."""
         self._last_drop_log = 0.0
         self._drops_since_log = 0
+        self.pubrel_due: set[int] = set()
+        """Packet ids of QoS 2 PUBLISHes taken from this session whose PUBREL has not come (b"x" keys)."""
 
     @property
     def connected(self) -> bool:
@@ -371,7 +376,7 @@ class DurableEngine:
         self._next_msg_id = last_msg_id(self.db) + 1
         # Also past queues and totals a crash left without a record: a sid is never reused.
         self._next_sid = max(
-            decode_u64(self.db.get(SID_MARK_KEY)), *(last_sid(self.db, prefix) for prefix in (b"q", b"t", b"w"))
+            decode_u64(self.db.get(SID_MARK_KEY)), *(last_sid(self.db, prefix) for prefix in (b"q", b"t", b"w", b"x"))
         ) + 1
         now = time.time()
         for record in iter_sessions(self.db):
@@ -395,7 +400,11 @@ class DurableEngine:
                 record.expires_at = now + session.expiry_seconds()
                 self.committer.put(session_key(record.client_id), record.encode())
             self.expiry.schedule(record.client_id, record.expires_at)
-        self._drop_orphans({session.sid for session in self.sessions.values()})
+        by_sid = {session.sid: session for session in self.sessions.values()}
+        for sid, packet_id in iter_pubrel_due(self.db):
+            if sid in by_sid:
+                by_sid[sid].pubrel_due.add(packet_id)
+        self._drop_orphans(set(by_sid))
         self.committer.flush_now()
         log.info(
             "durable store %s: %d session(s), %d queued message(s), %d retained message(s)",
@@ -418,7 +427,7 @@ class DurableEngine:
                 dropped = self._delete_entries(sid)
                 log.warning("store: deleted %d queue entries of a session deleted before a crash", dropped)
             sid += 1
-        for prefix in (b"t", b"w"):  # totals and sent marks outlive their queue in such a crash
+        for prefix in (b"t", b"w", b"x"):  # totals, sent marks, QoS 2 states outlive their queue in such a crash
             for key in self.db.iterator(prefix=prefix, include_value=False):
                 if sid_of_entry_key(key) not in known:
                     self.committer.delete(key)
@@ -620,6 +629,8 @@ class DurableEngine:
         self._dirty.discard(session)
         committer.delete(totals_key(session.sid))
         committer.delete(sent_mark_key(session.sid))
+        for key in self.db.iterator(prefix=pubrel_prefix(session.sid), include_value=False):
+            committer.delete(key)  # at most 65,535; any recorded before the deletion began is written
         await committer.commit(urgent=True)
         return dropped
 
@@ -808,6 +819,43 @@ class DurableEngine:
         appended = [(session, session.append(msg_id, qos_out, flags, size), body) for session, qos_out in accepted]
         self.enqueued_total += len(appended)
         return appended
+
+    # ------------------------------------------------------- inbound QoS 2 (MQTT 4.3.3, method B)
+    def pubrel_due(self, client_id: str, packet_id: int) -> bool:
+        """Was a QoS 2 PUBLISH with this packet id taken from this durable session, its PUBREL not
+        yet received? Then a PUBLISH with the id is a re-send, never routed again (MQTT-4.3.3-2),
+        also after a crash."""
+        session = self.sessions.get(client_id)
+        return session is not None and packet_id in session.pubrel_due
+
+    def expect_pubrel(self, client_id: str, packet_id: int) -> None:
+        """Record that a QoS 2 PUBLISH of this durable session was routed: call it in the loop pass
+        of its ``route_publish``, so the record is in the same write batch as the message."""
+        session = self.sessions.get(client_id)
+        if session is None or session.deleted:
+            return
+        session.pubrel_due.add(packet_id)
+        self.committer.put(pubrel_key(session.sid, packet_id), b"")
+        # A waiter of our own (the publisher's task may be cancelled): a failed write forgets it.
+        self.committer.commit().add_done_callback(partial(self._pubrel_recorded, session, packet_id))
+
+    @staticmethod
+    def _pubrel_recorded(session: DurableSession, packet_id: int, written: asyncio.Future[None]) -> None:
+        if not written.cancelled() and written.exception() is not None:
+            session.pubrel_due.discard(packet_id)
+
+    async def pubrel_received(self, client_id: str, packet_id: int) -> None:
+        """PUBREL came: forget the packet id, durably, before PUBCOMP lets the client reuse it."""
+        session = self.sessions.get(client_id)
+        if session is None or session.deleted or packet_id not in session.pubrel_due:
+            return
+        session.pubrel_due.discard(packet_id)
+        self.committer.delete(pubrel_key(session.sid, packet_id))
+        await self.committer.commit()
+
+    def written_so_far(self) -> asyncio.Future[None]:
+        """Resolves once everything handed to the store until now is durable (batches are FIFO)."""
+        return self.committer.commit()
 
     def release_body(self, entry: Entry) -> None:
         """One queue entry fewer points at this body; the last one deletes it."""

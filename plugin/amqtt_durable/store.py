@@ -16,6 +16,12 @@ Key layout, version 1 (every integer big-endian, so LevelDB's byte order is nume
                                                            client's epoch: never reused, even after
                                                            the session and all its keys are gone)
     b"q" + sid:u64 + seq:u64  -> msg_id:u64 qos:u8 flags:u8 size:u32       one queue entry
+    b"x" + sid:u64 + packet_id:u16 -> b""                 a QoS 2 PUBLISH from that durable session
+                                                           was stored (written in the publish's own
+                                                           batch) and its PUBREL is due: a re-send
+                                                           is not routed again (MQTT-4.3.3-2); the
+                                                           PUBREL deletes it before PUBCOMP. At most
+                                                           65,535 per session, gone with the session
 
 Entry flags: bit 0 RETAIN (retained message on subscribe), bit 1 RELEASED (QoS 2 PUBREC
 received, so PUBREL, not PUBLISH, is re-sent), bit 2 SHARED (the body is counted under b"c";
@@ -59,6 +65,7 @@ log = logging.getLogger("amqtt_durable")
 
 LAYOUT_VERSION = b"1"
 _U64 = struct.Struct(">Q")
+_U16 = struct.Struct(">H")
 _ENTRY = struct.Struct(">QBBI")
 _TOTALS = struct.Struct(">QQQ")
 _BODY_HEAD = struct.Struct(">dBH")
@@ -103,6 +110,20 @@ def entry_key(sid: int, seq: int) -> bytes:
 
 def retained_key(topic: str) -> bytes:
     return RETAINED_PREFIX + topic.encode("utf-8")
+
+
+def pubrel_prefix(sid: int) -> bytes:
+    return b"x" + _U64.pack(sid)
+
+
+def pubrel_key(sid: int, packet_id: int) -> bytes:
+    return b"x" + _U64.pack(sid) + _U16.pack(packet_id)
+
+
+def iter_pubrel_due(db: Any) -> Iterator[tuple[int, int]]:
+    """(sid, packet id) of every inbound QoS 2 publish whose PUBREL is due."""
+    for key in db.iterator(prefix=b"x", include_value=False):
+        yield int(_U64.unpack_from(key, 1)[0]), int(_U16.unpack_from(key, 9)[0])
 
 
 def sid_of_entry_key(key: bytes) -> int:
@@ -347,7 +368,7 @@ def iter_sessions(db: Any) -> Iterator[SessionRecord]:
 
 
 def last_sid(db: Any, prefix: bytes) -> int:
-    """The highest session number under a per-session prefix (b"q", b"t", b"w"); 0 for none."""
+    """The highest session number under a per-session prefix (b"q", b"t", b"w", b"x"); 0 for none."""
     for key in db.iterator(prefix=prefix, reverse=True, include_value=False):
         return int(_U64.unpack_from(key, 1)[0])
     return 0

@@ -1,4 +1,4 @@
-"""MQTT 3.1.1 encodings the delivery pump writes itself (PUBLISH, PUBREL), batched per write."""
+"""MQTT 3.1.1 encodings the plugin writes itself (PUBLISH, PUBACK, PUBREL, PUBCOMP), batched per write."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import struct
 _U16 = struct.Struct(">H")
 PUBACK_FIXED = 0x40
 PUBREL_FIXED = 0x62
+PUBCOMP_FIXED = 0x70
 
 
 def _remaining_length(length: int) -> bytes:
@@ -36,6 +37,10 @@ def encode_puback(packet_id: int) -> bytes:
 
 def encode_pubrel(packet_id: int) -> bytes:
     return bytes((PUBREL_FIXED, 2)) + _U16.pack(packet_id)
+
+
+def encode_pubcomp(packet_id: int) -> bytes:
+    return bytes((PUBCOMP_FIXED, 2)) + _U16.pack(packet_id)
 
 
 def packet_id_for(seq: int) -> int:
