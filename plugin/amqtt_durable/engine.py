@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import plyvel
 
@@ -24,7 +24,7 @@ from durable_client.protocol import LiveSubscription
 
 from .config import DurableConfig
 from .delivery import Pump, Transport
-from .errors import StoreCorruptedError
+from .errors import DamagedRecordError, StoreCorruptedError, StoreReadError
 from .expiry import ExpiryTracker
 from .queue_policy import Admission, QueueLimits
 from .store import (
@@ -50,8 +50,10 @@ from .store import (
     last_msg_id,
     last_seq,
     last_sid,
+    leveldb_detail,
     open_store,
     queue_prefix,
+    read_error,
     refs_key,
     sent_mark_key,
     session_key,
@@ -65,6 +67,7 @@ log = logging.getLogger("amqtt_durable")
 CONNECT_GRACE = 30.0
 """Seconds between CONNACK and the start of delivery during which expiry leaves a session alone."""
 DELETE_CHUNK = 10_000
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -151,25 +154,33 @@ class DurableSession:
         sequence looked at when the limit cut the read short (None: everything up to ``tail`` read).
 
         Entries removed in memory but not yet written are skipped: the store must not bring them back.
+        A read that fails part way returns what came before the damage (cut short there); one that
+        fails at once raises StoreReadError: the pump reports it and tries again later.
         """
         db = self.engine.db
         removing = self.engine.removing
         out: list[tuple[Entry, Body]] = []
         looked = 0
-        last_seq_looked = start
-        for entry in iter_entries(db, self.sid, start, limit):
-            if entry.seq > tail:
-                return out, None
-            looked += 1
-            last_seq_looked = entry.seq
-            if (self.sid, entry.seq) in removing:
-                continue
-            raw = db.get(body_key(entry.msg_id))
-            if raw is None:
-                log.error("session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq)
-                self.remove_entry(entry)
-                continue
-            out.append((entry, Body.decode(raw)))
+        last_seq_looked: int | None = None
+        try:
+            for entry in iter_entries(db, self.sid, start, limit):
+                if entry.seq > tail:
+                    return out, None
+                looked += 1
+                if (self.sid, entry.seq) not in removing:
+                    raw = db.get(body_key(entry.msg_id), verify_checksums=True)
+                    if raw is None:
+                        log.error(
+                            "session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq
+                        )
+                        self.remove_entry(entry)
+                    else:
+                        out.append((entry, Body.decode(raw)))
+                last_seq_looked = entry.seq
+        except (plyvel.Error, ValueError, struct.error) as exc:
+            if last_seq_looked is None:
+                raise StoreReadError(self.client_id, start - 1, leveldb_detail(exc)) from exc
+            return out, last_seq_looked
         return out, (last_seq_looked if looked >= limit else None)
 
     async def advance_sent_mark(self, mark: int) -> None:
@@ -321,16 +332,25 @@ class DurableEngine:
         self.replayed_total = 0
         self.sent_total = 0
         self.enqueued_total = 0
+        self.read_errors = 0
+        """Failed reads of a queue from the store (a damaged store); each one is logged and retried."""
 
     # ----------------------------------------------------------------- lifecycle
     def open(self) -> None:
         """Open the store and rebuild sessions from it; reads keys, never whole queues."""
-        self.db = open_store(self.config.store)
+        path = self.config.store
+        self.db = open_store(path)
         try:
             self._load()
-        except (plyvel.CorruptionError, ValueError, KeyError, struct.error) as exc:
+        except plyvel.Error as exc:
             self.db.close()
-            raise StoreCorruptedError(self.config.store, f"{type(exc).__name__}: {exc}") from exc
+            raise read_error(path, exc) from exc
+        except DamagedRecordError as exc:
+            self.db.close()
+            raise StoreCorruptedError(path, str(exc)) from exc
+        except (ValueError, KeyError, struct.error) as exc:
+            self.db.close()
+            raise StoreCorruptedError(path, f"{type(exc).__name__}: {exc}") from exc
 
     def _load(self) -> None:
         config = self.config
@@ -359,10 +379,11 @@ class DurableEngine:
         now = time.time()
         for record in iter_sessions(self.db):
             session = DurableSession(self, record)
-            session.depth, session.bytes, session.dropped = decode_totals(self.db.get(totals_key(record.sid)))
+            totals = self._load_counter(decode_totals, totals_key(record.sid), record)
+            session.depth, session.bytes, session.dropped = totals
             first = next(iter_entries(self.db, record.sid, 0, 1), None)
             tail = last_seq(self.db, record.sid)
-            session.sent_mark = session.sent_max = decode_u64(self.db.get(sent_mark_key(record.sid)))
+            session.sent_mark = session.sent_max = self._load_counter(decode_u64, sent_mark_key(record.sid), record)
             # New entries number past the sent mark: a fresh message must never look like a re-send.
             session.committed_tail = max(tail or 0, session.sent_mark)
             session.next_seq = session.committed_tail + 1
@@ -386,6 +407,17 @@ class DurableEngine:
             len(self.sessions),
             sum(s.depth for s in self.sessions.values()),
         )
+
+    def _load_counter(self, decode: Callable[[bytes | None], _T], key: bytes, record: SessionRecord) -> _T:
+        """A session's totals or sent mark; one that does not decode names the session (repair rebuilds it)."""
+        raw = self.db.get(key, verify_checksums=True)
+        try:
+            return decode(raw)
+        except struct.error as exc:
+            what = "queue totals" if key[:1] == b"t" else "sent mark"
+            raise DamagedRecordError(
+                f"the {what} of client id {record.client_id!r}: {len(raw or b'')} bytes that do not decode"
+            ) from exc
 
     def _drop_orphans(self, known: set[int]) -> None:
         """Delete queue entries of sessions whose record is gone: a crash in the middle of deleting
@@ -826,4 +858,5 @@ class DurableEngine:
             "messages/sent": self.sent_total,
             "sessions/expired": self.expired_total,
             "store/commits": self.committer.commits,
+            "store/read_errors": self.read_errors,
         }

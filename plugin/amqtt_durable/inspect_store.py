@@ -8,8 +8,8 @@ from typing import Any
 
 import plyvel
 
-from .errors import StoreCorruptedError
-from .store import Body, body_key, decode_totals, iter_entries, iter_sessions, open_store, totals_key
+from .errors import DamagedRecordError, StoreCorruptedError
+from .store import Body, body_key, decode_totals, iter_entries, iter_sessions, open_store, read_error, totals_key
 
 
 @dataclass
@@ -33,7 +33,9 @@ def summarize(path: str, now: float | None = None) -> list[SessionSummary]:
     db = open_store(path, create=False)
     try:
         return _rows(db, now)
-    except plyvel.CorruptionError as exc:
+    except plyvel.Error as exc:
+        raise read_error(path, exc) from exc
+    except DamagedRecordError as exc:
         raise StoreCorruptedError(path, str(exc)) from exc
     finally:
         db.close()
