@@ -9,6 +9,7 @@ gone, subscriptions in a record that does not decode) is reported, never guessed
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import time
@@ -64,17 +65,33 @@ class _Queue:
 
 def repair(path: str, now: float | None = None) -> RepairReport:
     """Repair the store at ``path`` (broker stopped) and say what was rebuilt and what is lost."""
+    archived = _archived_tables(path)
     repair_store(path)
+    damaged = sorted(_archived_tables(path) - archived)
     try:
         db = plyvel.DB(path, create_if_missing=False, paranoid_checks=True)
     except plyvel.Error as exc:
         raise StoreError(f"repair of '{path}' failed: the repaired store does not open: {leveldb_detail(exc)}") from exc
     try:
-        return rebuild(db, time.time() if now is None else now)
+        report = rebuild(db, time.time() if now is None else now)
     except plyvel.Error as exc:
         raise StoreError(f"repair of '{path}' failed while rebuilding: {leveldb_detail(exc)}") from exc
     finally:
         db.close()
+    report.lost[:0] = [
+        f"table file {name} was damaged (moved to {os.path.join(path, 'lost', name)}): records only it held "
+        "are gone, and older versions of them may be back"
+        for name in damaged
+    ]
+    return report
+
+
+def _archived_tables(path: str) -> set[str]:
+    """Table files LevelDB's repair moved to lost/ (it moves every log and manifest there too)."""
+    try:
+        return {name for name in os.listdir(os.path.join(path, "lost")) if name.endswith((".ldb", ".sst"))}
+    except OSError:
+        return set()
 
 
 def rebuild(db: Any, now: float) -> RepairReport:

@@ -367,7 +367,7 @@ def repair_store(path: str) -> None:
     except plyvel.Error:
         pass  # corrupted: exactly what repair is for
     try:
-        plyvel.repair_db(path)
+        plyvel.repair_db(path, paranoid_checks=True)  # checksums verified: a damaged block is dropped, not kept
     except plyvel.Error as exc:
         raise StoreError(f"repair of '{path}' failed: {leveldb_detail(exc)}") from exc
 
