@@ -225,6 +225,8 @@ _LEVELDB_DATA = re.compile(r"^(MANIFEST-\d+|\d+\.(log|ldb|sst))$")
 """Files that hold a LevelDB store's data (LOCK, LOG and LOG.old are LevelDB's bookkeeping only)."""
 _TABLE_MAGIC = struct.pack("<Q", 0xDB4775248B80FB57)
 """The last 8 bytes of every complete LevelDB table file (its footer's magic number)."""
+_TABLE_RANGE = re.compile(rb" (\d+):\d+\['(.*?)' @ \d+ : \d+ \.\. '(.*?)' @ \d+ : \d+\]")
+"""A live table in LevelDB's ``leveldb.sstables`` property: `` N:size['smallest' @ seq : type .. 'largest' ...]``."""
 
 
 def _check_folder(path: str, *, create: bool) -> bool:
@@ -267,28 +269,51 @@ def _check_folder(path: str, *, create: bool) -> bool:
     return False
 
 
-def _check_tables(path: str, names: set[str]) -> None:
-    """A table file cut short (a copy or disk that lost its end) ends without the table magic.
+def _check_tables(path: str, db: Any) -> None:
+    """Every live table file must be whole and its index readable.
 
-    LevelDB itself only notices when a read reaches that file, and then reports a bare
-    ``IO error: ...ldb: Invalid argument``; an iterator even passes over it as if it were empty.
-    Only tables present before the open are checked: obsolete ones are gone by now, and one a
-    compaction is writing right now is new.
+    LevelDB checks neither at open: a table cut short (a copy or disk that lost its end) is
+    found only when a read reaches it, with a bare ``IO error: ...ldb: Invalid argument``, and a
+    table whose index does not open is passed over by iterators as if it were empty (plyvel
+    raises nothing): its sessions would vanish and their queues look like a deleted session's
+    leftovers. So each table's footer is checked here, and a point read of a key inside its
+    range that no store holds (its smallest key + NUL) makes LevelDB open it, index checksum
+    verified (paranoid_checks).
     """
-    for name in sorted(names):
-        if not name.endswith((".ldb", ".sst")):
-            continue
-        try:
-            with open(os.path.join(path, name), "rb") as table:
-                size = table.seek(0, os.SEEK_END)
-                table.seek(max(0, size - len(_TABLE_MAGIC)))
-                tail = table.read()
-        except FileNotFoundError:
-            continue  # compacted away since the open
+    listing = db.get_property(b"leveldb.sstables") or b""
+    for number, smallest, largest in _TABLE_RANGE.findall(listing):
+        found = _table_tail(path, int(number))
+        if found is None:
+            continue  # compacted away meanwhile
+        name, size, tail = found
         if tail != _TABLE_MAGIC:
             raise StoreCorruptedError(
                 path, f"table file {name} is truncated or damaged ({size} bytes, its footer is missing)"
             )
+        low, high = _unescape(smallest), _unescape(largest)
+        probe = low + b"\x00" if low + b"\x00" <= high else low
+        try:
+            db.get(probe, verify_checksums=True)
+        except plyvel.Error as exc:
+            raise StoreCorruptedError(path, f"table file {name} cannot be read: {leveldb_detail(exc)}") from exc
+
+
+def _table_tail(path: str, number: int) -> tuple[str, int, bytes] | None:
+    """(file name, size, last 8 bytes) of table ``number`` (named .ldb, or .sst by older LevelDBs)."""
+    for name in (f"{number:06d}.ldb", f"{number:06d}.sst"):
+        try:
+            with open(os.path.join(path, name), "rb") as table:
+                size = table.seek(0, os.SEEK_END)
+                table.seek(max(0, size - len(_TABLE_MAGIC)))
+                return name, size, table.read()
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def _unescape(text: bytes) -> bytes:
+    """A key as LevelDB's debug strings print it (bytes outside ' '..'~' as \\xNN) back to bytes."""
+    return re.sub(rb"\\x([0-9a-f]{2})", lambda found: bytes((int(found.group(1), 16),)), text)
 
 
 def leveldb_detail(exc: BaseException) -> str:
@@ -299,6 +324,11 @@ def leveldb_detail(exc: BaseException) -> str:
         # LevelDB's pread past the end of a table file: the file is shorter than the store thinks.
         detail += " (a read past the end of that file: it is truncated)"
     return detail
+
+
+def _is_lock_error(exc: plyvel.Error) -> bool:
+    """LevelDB's ``IO error: lock STORE/LOCK: ...``: another process (or handle) has the store open."""
+    return isinstance(exc, plyvel.IOError) and leveldb_detail(exc).startswith("IO error: lock ")
 
 
 def read_error(path: str, exc: BaseException) -> StoreError:
@@ -312,10 +342,9 @@ def read_error(path: str, exc: BaseException) -> StoreError:
 def open_store(path: str, *, create: bool = True) -> Any:
     """Open (or, in an empty or missing folder, create) the store; a clear error for a lock or damage.
 
-    A store that cannot be opened as it is, is left as it is: nothing here writes to it then.
+    The plugin writes nothing to a store it refuses; one without CURRENT is not even opened.
     """
     exists = _check_folder(path, create=create)
-    before = set(os.listdir(path)) if exists else set()
     try:
         db = plyvel.DB(
             path,
@@ -326,11 +355,11 @@ def open_store(path: str, *, create: bool = True) -> Any:
             write_buffer_size=4 * 1024 * 1024,  # memtables count twice against RSS while one is compacted
         )
     except plyvel.Error as exc:
-        if isinstance(exc, plyvel.IOError) and "lock" in str(exc).lower():
+        if _is_lock_error(exc):
             raise StoreLockedError(path) from exc
         raise read_error(path, exc) from exc
     try:
-        _check_tables(path, before)
+        _check_tables(path, db)
         version = db.get(VERSION_KEY, verify_checksums=True)
         if version is None:
             if next(db.iterator(include_value=False, verify_checksums=True), None) is not None:
@@ -361,11 +390,9 @@ def repair_store(path: str) -> None:
         raise StoreError(f"no store at '{path}' (no LevelDB files there; is it the plugin's 'store' folder?)")
     try:
         plyvel.DB(path, create_if_missing=False).close()
-    except plyvel.IOError as exc:
-        if "lock" in str(exc).lower():
+    except plyvel.Error as exc:  # damage is exactly what repair is for; a lock is not
+        if _is_lock_error(exc):
             raise StoreLockedError(path) from exc
-    except plyvel.Error:
-        pass  # corrupted: exactly what repair is for
     try:
         plyvel.repair_db(path, paranoid_checks=True)  # checksums verified: a damaged block is dropped, not kept
     except plyvel.Error as exc:
