@@ -33,9 +33,11 @@ from .store import (
     decode_totals,
     encode_refs,
     encode_totals,
+    encode_u64,
     leveldb_detail,
     refs_key,
     repair_store,
+    sent_mark_key,
     seq_of_entry_key,
     sid_of_entry_key,
     totals_key,
@@ -45,6 +47,9 @@ _SID_IN_RECORD = re.compile(rb'"sid"\s*:\s*(\d+)')
 _USERNAME_IN_RECORD = re.compile(rb'"username"\s*:\s*"([^"\\]*)"')
 _ENTRY_KEY_SIZE = 17
 _U64_SIZE = 8
+SENT_MARK_JUMP = 2**40
+"""How far past the queue a sent mark that no longer decodes is set: further than any session's
+sequence numbers reach, so no new message can reuse one a client has seen (the SDK would drop it)."""
 
 
 @dataclass
@@ -59,6 +64,7 @@ class RepairReport:
 class _Queue:
     depth: int = 0
     bytes: int = 0
+    last_seq: int = 0
     unreadable: int = 0
     """Entries removed: their value did not decode, or their message body is gone."""
 
@@ -114,6 +120,7 @@ def rebuild(db: Any, now: float) -> RepairReport:
                     f"client {client_id!r}: {queue.unreadable} queued message(s) unreadable (removed)"
                 )
             _rebuild_totals(db, batch, sid, client_id=client_id, queue=queue, report=report)
+            _rebuild_sent_mark(db, batch, sid, client_id=client_id, queue=queue, report=report)
         for sid in sorted(set(queues) - set(names)):
             report.lost.append(
                 f"session number {sid}: {queues[sid].depth} queued message(s) have no session record, so their "
@@ -148,6 +155,7 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
             continue
         queue.depth += 1
         queue.bytes += entry.size
+        queue.last_seq = entry.seq
         if entry.flags & FLAG_SHARED:
             shared[entry.msg_id] += 1
     fixed = 0
@@ -241,8 +249,25 @@ def _rebuild_totals(db: Any, batch: Any, sid: int, *, client_id: str, queue: _Qu
     if (depth, size) == (queue.depth, queue.bytes):
         return
     batch.put(totals_key(sid), encode_totals(queue.depth, queue.bytes, dropped))
-    was = "did not decode" if depth < 0 else f"said {depth} message(s), {size} bytes"
+    if raw is None:
+        was = "there were none"
+    elif depth < 0:
+        was = "they did not decode"
+    else:
+        was = f"they said {depth} message(s), {size} bytes"
     report.rebuilt.append(
         f"client {client_id!r}: queue totals rebuilt from the queue: {queue.depth} message(s), "
-        f"{queue.bytes} bytes (they {was})"
+        f"{queue.bytes} bytes ({was})"
+    )
+
+
+def _rebuild_sent_mark(db: Any, batch: Any, sid: int, *, client_id: str, queue: _Queue, report: RepairReport) -> None:
+    """The sent mark only ever grows (sequence numbers continue past it), and its old value is
+    unknown: set it far past the queue; queued messages then go out DUP-flagged, which is harmless."""
+    raw = db.get(sent_mark_key(sid))
+    if raw is None or len(raw) == _U64_SIZE:
+        return
+    batch.put(sent_mark_key(sid), encode_u64(queue.last_seq + SENT_MARK_JUMP))
+    report.rebuilt.append(
+        f"client {client_id!r}: sent mark rebuilt past the queue (its queued messages go out again DUP-flagged)"
     )

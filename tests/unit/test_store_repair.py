@@ -18,7 +18,7 @@ import pytest
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import StoreCorruptedError, StoreError, StoreReadError
-from amqtt_durable.repair import repair
+from amqtt_durable.repair import SENT_MARK_JUMP, repair
 from amqtt_durable.store import (
     FLAG_SHARED,
     LAYOUT_VERSION,
@@ -29,12 +29,14 @@ from amqtt_durable.store import (
     body_key,
     decode_refs,
     decode_totals,
+    decode_u64,
     encode_refs,
     encode_totals,
     entry_key,
     iter_sessions,
     open_store,
     refs_key,
+    sent_mark_key,
     session_key,
     totals_key,
 )
@@ -170,13 +172,26 @@ def test_start_up_names_a_damaged_session_record(store_path: str) -> None:
     open_store(store_path).close()  # the engine closed the store it refused
 
 
-def test_start_up_names_damaged_totals(store_path: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "named"),
+    [(totals_key(1), "the queue totals of client id 'dev'"), (sent_mark_key(1), "the sent mark of client id 'dev'")],
+)
+def test_start_up_names_damaged_counters_and_repair_rebuilds_them(store_path: str, key: bytes, named: str) -> None:
     db = open_store(store_path)
     session(db, "dev", 1, 5)
-    db.put(totals_key(1), b"\x01\x02")
+    db.put(key, b"\x01\x02")
     db.close()
-    with pytest.raises(StoreCorruptedError, match="the queue totals of client id 'dev': 2 bytes that do not decode"):
+    with pytest.raises(StoreCorruptedError, match=f"{named}: 2 bytes that do not decode"):
         DurableEngine(DurableConfig(store=store_path)).open()
+    assert len(repair(store_path).rebuilt) == 1
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=store_path))
+        engine.open()
+        assert engine.sessions["dev"].depth == 5
+        await engine.close()
+
+    asyncio.run(main())
 
 
 # --------------------------------------------------------------------------- point 6: the pump's read
@@ -232,6 +247,8 @@ def test_repair_rebuilds_records_totals_and_references_from_the_queues(store_pat
     db.put(entry_key(1, 4), Entry(4, 5000, 1, FLAG_SHARED, 10).encode())
     db.put(entry_key(3, 4), Entry(4, 5000, 1, FLAG_SHARED, 10).encode())
     db.delete(VERSION_KEY)
+    db.put(sent_mark_key(3), b"\x07")  # a sent mark that no longer decodes
+    db.delete(totals_key(2))
     db.close()
 
     report = repair(store_path, now=NOW)
@@ -243,8 +260,10 @@ def test_repair_rebuilds_records_totals_and_references_from_the_queues(store_pat
         "client 'no-sid': session record rebuilt (session number 2)",
         "client 'keeps-sid': queue totals rebuilt from the queue: 4 message(s), 40 bytes "
         "(they said 3 message(s), 30 bytes)",
+        "client 'no-sid': queue totals rebuilt from the queue: 4 message(s), 40 bytes (there were none)",
         "client 'fine': queue totals rebuilt from the queue: 3 message(s), 30 bytes "
         "(they said 50 message(s), 500 bytes)",
+        "client 'fine': sent mark rebuilt past the queue (its queued messages go out again DUP-flagged)",
     ], report
     assert report.lost == [
         "client 'keeps-sid': its subscriptions and SDK settings were in the damaged record; the client must "
@@ -260,7 +279,8 @@ def test_repair_rebuilds_records_totals_and_references_from_the_queues(store_pat
         assert records["keeps-sid"].username == "alice", "the owner is kept when its bytes are readable"
         assert records["keeps-sid"].subscriptions == {}
         assert decode_totals(db.get(totals_key(3))) == (3, 30, 7), "the overflow count is kept"
-        assert decode_totals(db.get(totals_key(2))) == (4, 40, 3)
+        assert decode_totals(db.get(totals_key(2))) == (4, 40, 0), "rebuilt: the overflow count is lost with them"
+        assert decode_u64(db.get(sent_mark_key(3))) == 4 + SENT_MARK_JUMP
         assert db.get(entry_key(3, 3)) is None
         assert decode_refs(db.get(refs_key(5000))) == 2
     finally:
