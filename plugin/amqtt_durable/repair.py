@@ -48,8 +48,9 @@ _USERNAME_IN_RECORD = re.compile(rb'"username"\s*:\s*"([^"\\]*)"')
 _ENTRY_KEY_SIZE = 17
 _U64_SIZE = 8
 SENT_MARK_JUMP = 2**40
-"""How far past the queue a sent mark that no longer decodes is set: further than any session's
-sequence numbers reach, so no new message can reuse one a client has seen (the SDK would drop it)."""
+"""How far past what is in use a mark that no longer decodes is set (a session's sent mark, the
+highest session number): further than any can have reached, so no new message reuses a sequence
+number a client has seen (the SDK would drop it), and no new session an epoch."""
 
 
 @dataclass
@@ -86,7 +87,7 @@ def repair(path: str, now: float | None = None) -> RepairReport:
         db.close()
     report.lost[:0] = [
         f"table file {name} was damaged (moved to {os.path.join(path, 'lost', name)}): records only it held "
-        "are gone, and older versions of them may be back"
+        "are gone, and older versions of them may be back (a message already delivered may be sent again)"
         for name in damaged
     ]
     return report
@@ -126,11 +127,15 @@ def rebuild(db: Any, now: float) -> RepairReport:
                 f"session number {sid}: {queues[sid].depth} queued message(s) have no session record, so their "
                 "client id is lost; the broker deletes them when it starts"
             )
-        for key in (SID_MARK_KEY, STORE_ID_KEY):
-            raw = db.get(key)
-            if raw is not None and len(raw) != _U64_SIZE:
-                batch.delete(key)
-                report.rebuilt.append(f"key {key!r} did not decode: removed (the broker makes a new one)")
+        raw = db.get(SID_MARK_KEY)
+        if raw is not None and len(raw) != _U64_SIZE:  # like the sent mark: never lower, so jump past
+            batch.put(SID_MARK_KEY, encode_u64(max((*names, *queues, 0)) + SENT_MARK_JUMP))
+            report.rebuilt.append("highest session number did not decode: set past every one in use")
+        raw = db.get(STORE_ID_KEY)
+        if raw is not None and len(raw) != _U64_SIZE:
+            batch.delete(STORE_ID_KEY)
+            report.rebuilt.append("store id did not decode: removed (the broker makes a new one; stream readers "
+                                  "see a new store)")
     return report
 
 

@@ -22,6 +22,7 @@ from amqtt_durable.repair import SENT_MARK_JUMP, repair
 from amqtt_durable.store import (
     FLAG_SHARED,
     LAYOUT_VERSION,
+    SID_MARK_KEY,
     VERSION_KEY,
     Body,
     Entry,
@@ -249,6 +250,7 @@ def test_repair_rebuilds_records_totals_and_references_from_the_queues(store_pat
     db.delete(VERSION_KEY)
     db.put(sent_mark_key(3), b"\x07")  # a sent mark that no longer decodes
     db.delete(totals_key(2))
+    db.put(SID_MARK_KEY, b"\x01")
     db.close()
 
     report = repair(store_path, now=NOW)
@@ -264,6 +266,7 @@ def test_repair_rebuilds_records_totals_and_references_from_the_queues(store_pat
         "client 'fine': queue totals rebuilt from the queue: 3 message(s), 30 bytes "
         "(they said 50 message(s), 500 bytes)",
         "client 'fine': sent mark rebuilt past the queue (its queued messages go out again DUP-flagged)",
+        "highest session number did not decode: set past every one in use",
     ], report
     assert report.lost == [
         "client 'keeps-sid': its subscriptions and SDK settings were in the damaged record; the client must "
@@ -281,6 +284,7 @@ def test_repair_rebuilds_records_totals_and_references_from_the_queues(store_pat
         assert decode_totals(db.get(totals_key(3))) == (3, 30, 7), "the overflow count is kept"
         assert decode_totals(db.get(totals_key(2))) == (4, 40, 0), "rebuilt: the overflow count is lost with them"
         assert decode_u64(db.get(sent_mark_key(3))) == 4 + SENT_MARK_JUMP
+        assert decode_u64(db.get(SID_MARK_KEY)) == 3 + SENT_MARK_JUMP, "a session number is never used twice"
         assert db.get(entry_key(3, 3)) is None
         assert decode_refs(db.get(refs_key(5000))) == 2
     finally:
