@@ -108,6 +108,10 @@ def rebuild(db: Any, now: float) -> RepairReport:
     if version is not None and version != LAYOUT_VERSION:
         report.lost.append(f"layout version {version!r} is not this release's {LAYOUT_VERSION!r}: nothing rebuilt")
         return report
+    if version is None and not _looks_like_ours(db):
+        report.lost.append("no layout version key, no queue entry and no session record: not this plugin's store; "
+                           "nothing rebuilt")
+        return report
     with db.write_batch(transaction=True, sync=True) as batch:
         if version is None:
             batch.put(VERSION_KEY, LAYOUT_VERSION)
@@ -137,6 +141,22 @@ def rebuild(db: Any, now: float) -> RepairReport:
             report.rebuilt.append("store id did not decode: removed (the broker makes a new one; stream readers "
                                   "see a new store)")
     return report
+
+
+def _looks_like_ours(db: Any) -> bool:
+    """An empty store, or one with a queue entry or session record of this layout: the version key
+    may be restored (a LevelDB of another program must not be taken over)."""
+    if next(db.iterator(include_value=False), None) is None:
+        return True
+    if any(len(key) == _ENTRY_KEY_SIZE for key in db.iterator(prefix=b"q", include_value=False)):
+        return True
+    for key, value in db.iterator(prefix=b"s"):
+        try:
+            SessionRecord.decode(key[1:].decode("utf-8"), value)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        return True
+    return False
 
 
 def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]:

@@ -317,3 +317,19 @@ def test_repair_cannot_pair_records_without_a_session_number_when_several_queues
         assert list(iter_sessions(db)) == [], "no guess: the records are removed, the queues reported"
     finally:
         db.close()
+
+
+def test_repair_does_not_take_over_another_programs_leveldb(store_path: str) -> None:
+    db = plyvel.DB(store_path, create_if_missing=True)
+    db.put(b"user:1", b"alice")
+    db.close()
+    report = repair(store_path)
+    assert report.rebuilt == []
+    assert report.lost == [
+        "no layout version key, no queue entry and no session record: not this plugin's store; nothing rebuilt"
+    ]
+    db = plyvel.DB(store_path)
+    try:
+        assert dict(db.iterator()) == {b"user:1": b"alice"}
+    finally:
+        db.close()
