@@ -365,7 +365,7 @@ class DurableEngine:
         )
         self.committer.before_flush = self._before_flush
         self.committer.after_write = self.removing.written
-        raw_id = self.db.get(STORE_ID_KEY)
+        raw_id = self.db.get(STORE_ID_KEY, verify_checksums=True)
         self.store_id = decode_u64(raw_id) if raw_id is not None else secrets.randbits(63)
         if raw_id is None:
             self.committer.put(STORE_ID_KEY, encode_u64(self.store_id))
@@ -374,7 +374,7 @@ class DurableEngine:
         self._next_msg_id = last_msg_id(self.db) + 1
         # Also past queues and totals a crash left without a record: a sid is never reused.
         self._next_sid = max(
-            decode_u64(self.db.get(SID_MARK_KEY)), *(last_sid(self.db, prefix) for prefix in (b"q", b"t", b"w"))
+            decode_u64(self.db.get(SID_MARK_KEY, verify_checksums=True)), *(last_sid(self.db, prefix) for prefix in (b"q", b"t", b"w"))
         ) + 1
         now = time.time()
         for record in iter_sessions(self.db):
@@ -424,7 +424,8 @@ class DurableEngine:
         a session (its record goes first) leaves them; nothing else can reach them."""
         sid = 0
         while True:
-            key = next(self.db.iterator(start=queue_prefix(sid), stop=b"r", include_value=False), None)
+            rows = self.db.iterator(start=queue_prefix(sid), stop=b"r", include_value=False, verify_checksums=True)
+            key = next(rows, None)
             if key is None:
                 break
             sid = sid_of_entry_key(key)
@@ -433,7 +434,7 @@ class DurableEngine:
                 log.warning("store: deleted %d queue entries of a session deleted before a crash", dropped)
             sid += 1
         for prefix in (b"t", b"w"):  # totals and sent marks outlive their queue in such a crash
-            for key in self.db.iterator(prefix=prefix, include_value=False):
+            for key in self.db.iterator(prefix=prefix, include_value=False, verify_checksums=True):
                 if sid_of_entry_key(key) not in known:
                     self.committer.delete(key)
 
