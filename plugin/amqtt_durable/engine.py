@@ -373,17 +373,18 @@ class DurableEngine:
         self.streams.load()
         self._next_msg_id = last_msg_id(self.db) + 1
         # Also past queues and totals a crash left without a record: a sid is never reused.
-        self._next_sid = max(
-            decode_u64(self.db.get(SID_MARK_KEY, verify_checksums=True)), *(last_sid(self.db, prefix) for prefix in (b"q", b"t", b"w"))
-        ) + 1
+        sid_mark = self._load_value(decode_u64, SID_MARK_KEY, "the highest session number")
+        self._next_sid = max(sid_mark, *(last_sid(self.db, prefix) for prefix in (b"q", b"t", b"w"))) + 1
         now = time.time()
         for record in iter_sessions(self.db):
             session = DurableSession(self, record)
-            totals = self._load_counter(decode_totals, totals_key(record.sid), record)
+            what = f"of client id {record.client_id!r}"
+            totals = self._load_value(decode_totals, totals_key(record.sid), f"the queue totals {what}")
             session.depth, session.bytes, session.dropped = totals
             first = next(iter_entries(self.db, record.sid, 0, 1), None)
             tail = last_seq(self.db, record.sid)
-            session.sent_mark = session.sent_max = self._load_counter(decode_u64, sent_mark_key(record.sid), record)
+            sent_mark = self._load_value(decode_u64, sent_mark_key(record.sid), f"the sent mark {what}")
+            session.sent_mark = session.sent_max = sent_mark
             # New entries number past the sent mark: a fresh message must never look like a re-send.
             session.committed_tail = max(tail or 0, session.sent_mark)
             session.next_seq = session.committed_tail + 1
@@ -408,16 +409,13 @@ class DurableEngine:
             sum(s.depth for s in self.sessions.values()),
         )
 
-    def _load_counter(self, decode: Callable[[bytes | None], _T], key: bytes, record: SessionRecord) -> _T:
-        """A session's totals or sent mark; one that does not decode names the session (repair rebuilds it)."""
+    def _load_value(self, decode: Callable[[bytes | None], _T], key: bytes, what: str) -> _T:
+        """A fixed-size value read at start-up; one that does not decode is named (repair rebuilds it)."""
         raw = self.db.get(key, verify_checksums=True)
         try:
             return decode(raw)
         except struct.error as exc:
-            what = "queue totals" if key[:1] == b"t" else "sent mark"
-            raise DamagedRecordError(
-                f"the {what} of client id {record.client_id!r}: {len(raw or b'')} bytes that do not decode"
-            ) from exc
+            raise DamagedRecordError(f"{what}: {len(raw or b'')} bytes that do not decode") from exc
 
     def _drop_orphans(self, known: set[int]) -> None:
         """Delete queue entries of sessions whose record is gone: a crash in the middle of deleting

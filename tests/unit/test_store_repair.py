@@ -175,7 +175,11 @@ def test_start_up_names_a_damaged_session_record(store_path: str) -> None:
 
 @pytest.mark.parametrize(
     ("key", "named"),
-    [(totals_key(1), "the queue totals of client id 'dev'"), (sent_mark_key(1), "the sent mark of client id 'dev'")],
+    [
+        (totals_key(1), "the queue totals of client id 'dev'"),
+        (sent_mark_key(1), "the sent mark of client id 'dev'"),
+        (SID_MARK_KEY, "the highest session number"),
+    ],
 )
 def test_start_up_names_damaged_counters_and_repair_rebuilds_them(store_path: str, key: bytes, named: str) -> None:
     db = open_store(store_path)
