@@ -19,7 +19,7 @@ from amqtt.broker import Broker
 from .config import DurableConfig
 from .errors import ConfigError, DurableError
 from .inspect_store import format_retained, format_table, summarize, summarize_retained
-from .store import repair_store
+from .repair import repair
 
 PLUGIN_PATH = "amqtt_durable.DurableSessionsPlugin"
 EXIT_BAD_INPUT = 2
@@ -127,8 +127,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_repair(args: argparse.Namespace) -> int:
-    repair_store(args.store)
+    report = repair(args.store)
     print(f"repaired '{args.store}'; start the broker to use it")
+    for line in report.rebuilt:
+        print(f"  rebuilt: {line}")
+    for line in report.lost:
+        print(f"  not recovered: {line}")
+    if not report.rebuilt and not report.lost:
+        print("  session records, queue totals and message references were all consistent")
     return 0
 
 
@@ -155,9 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
     inspect.add_argument("--retained", action="store_true", help="list the retained messages instead of the sessions")
     inspect.set_defaults(run=_cmd_inspect)
-    repair = commands.add_parser("repair", help="LevelDB repair of a corrupted store (broker stopped)")
-    repair.add_argument("store", help="store folder")
-    repair.set_defaults(run=_cmd_repair)
+    repairs = commands.add_parser(
+        "repair", help="repair a damaged store: LevelDB's repair, then sessions and totals rebuilt (broker stopped)"
+    )
+    repairs.add_argument("store", help="store folder")
+    repairs.set_defaults(run=_cmd_repair)
     fleet = commands.add_parser(
         "fleet", add_help=False, help="fault-injection run of simulated devices, judged by the Spark audit (--help)"
     )

@@ -29,6 +29,7 @@ from durable_client.protocol import (
     encode_marker,
 )
 
+from .errors import StoreReadError
 from .store import FLAG_RELEASED, FLAG_RETAIN, Body, Entry
 from .wire import encode_publish, encode_pubrel, packet_id_for
 
@@ -42,6 +43,9 @@ READ_CHUNK = 512
 LIVE_BUFFER = 1024
 REFILL_CHUNKED_FROM = 32
 READ_DECISIONS_KEPT = 10_000
+READ_RETRY_FIRST = 1.0
+"""Seconds before a failed read of the queue is tried again; doubled per failure up to READ_RETRY_MAX."""
+READ_RETRY_MAX = 60.0
 
 
 class Transport(Protocol):
@@ -111,6 +115,7 @@ class Pump:
         self._replayed = 0
         self._replayed_first: int | None = None
         self._replayed_last: int | None = None
+        self._read_failures = 0
 
     def become_sdk(self) -> None:
         """hello on this connection: frames from now on, and nothing more until ready."""
@@ -151,7 +156,11 @@ class Pump:
                     batch = []
                 else:
                     if not self.buffer:
-                        self._fill_from_store()
+                        try:
+                            self._fill_from_store()
+                        except StoreReadError as exc:
+                            await self._retry_later(exc)
+                            continue
                     batch = self._take_sendable()
                     if batch and self.read_access is not None:
                         batch = await self._readable(batch)
@@ -171,7 +180,30 @@ class Pump:
         except (ConnectionError, OSError) as exc:
             log.info("delivery to %s ended with the connection: %s", self.session.client_id, exc)
         except Exception:
-            log.exception("delivery to %s stopped; it resumes on the next connection", self.session.client_id)
+            log.exception(
+                "delivery to %s stopped by an internal error; it starts again when the client reconnects",
+                self.session.client_id,
+            )
+
+    async def _retry_later(self, exc: StoreReadError) -> None:
+        """A read of the queue failed: say so, count it, and try again after a growing pause.
+
+        Nothing is skipped: the session's delivery waits at the damaged entry, and a repair of the
+        store (broker stopped) is what gets past it.
+        """
+        self._read_failures += 1
+        delay = min(READ_RETRY_MAX, READ_RETRY_FIRST * 2 ** min(self._read_failures - 1, 10))
+        engine = self.session.engine
+        engine.read_errors += 1
+        log.error(
+            "%s. Delivery to %s waits and tries again in %.0f s; the store is damaged: stop the broker, run "
+            "'amqtt-durable repair %s' (keeps every readable message), then start the broker again",
+            exc,
+            self.session.client_id,
+            delay,
+            engine.config.store,
+        )
+        await asyncio.sleep(delay)
 
     async def _readable(self, batch: list[Outgoing]) -> list[Outgoing]:
         """The messages of ``batch`` the connection's user may read; the others are dropped (counted).
@@ -196,6 +228,7 @@ class Pump:
         if self.next_fill_seq > tail:
             return
         entries, last_read = self.session.read_entries(self.next_fill_seq, tail, READ_CHUNK)
+        self._read_failures = 0
         for entry, body in entries:
             if entry.seq not in self.inflight:
                 self.buffer.append(Outgoing(entry, body, body.topic.encode("utf-8")))

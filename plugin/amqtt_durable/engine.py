@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import plyvel
 
@@ -24,7 +24,7 @@ from durable_client.protocol import LiveSubscription
 
 from .config import DurableConfig
 from .delivery import Pump, ReadAccess, Transport
-from .errors import NotSessionOwnerError, StoreCorruptedError
+from .errors import DamagedRecordError, NotSessionOwnerError, StoreCorruptedError, StoreReadError
 from .expiry import ExpiryTracker
 from .queue_policy import Admission, QueueLimits
 from .retained import RetainedMessages
@@ -52,10 +52,12 @@ from .store import (
     last_msg_id,
     last_seq,
     last_sid,
+    leveldb_detail,
     open_store,
     pubrel_key,
     pubrel_prefix,
     queue_prefix,
+    read_error,
     refs_key,
     sent_mark_key,
     session_key,
@@ -69,6 +71,7 @@ log = logging.getLogger("amqtt_durable")
 CONNECT_GRACE = 30.0
 """Seconds between CONNACK and the start of delivery during which expiry leaves a session alone."""
 DELETE_CHUNK = 10_000
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -157,25 +160,33 @@ class DurableSession:
         sequence looked at when the limit cut the read short (None: everything up to ``tail`` read).
 
         Entries removed in memory but not yet written are skipped: the store must not bring them back.
+        A read that fails part way returns what came before the damage (cut short there); one that
+        fails at once raises StoreReadError: the pump reports it and tries again later.
         """
         db = self.engine.db
         removing = self.engine.removing
         out: list[tuple[Entry, Body]] = []
         looked = 0
-        last_seq_looked = start
-        for entry in iter_entries(db, self.sid, start, limit):
-            if entry.seq > tail:
-                return out, None
-            looked += 1
-            last_seq_looked = entry.seq
-            if (self.sid, entry.seq) in removing:
-                continue
-            raw = db.get(body_key(entry.msg_id))
-            if raw is None:
-                log.error("session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq)
-                self.remove_entry(entry)
-                continue
-            out.append((entry, Body.decode(raw)))
+        last_seq_looked: int | None = None
+        try:
+            for entry in iter_entries(db, self.sid, start, limit):
+                if entry.seq > tail:
+                    return out, None
+                looked += 1
+                if (self.sid, entry.seq) not in removing:
+                    raw = db.get(body_key(entry.msg_id), verify_checksums=True)
+                    if raw is None:
+                        log.error(
+                            "session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq
+                        )
+                        self.remove_entry(entry)
+                    else:
+                        out.append((entry, Body.decode(raw)))
+                last_seq_looked = entry.seq
+        except (plyvel.Error, ValueError, struct.error) as exc:
+            if last_seq_looked is None:
+                raise StoreReadError(self.client_id, start - 1, leveldb_detail(exc)) from exc
+            return out, last_seq_looked
         return out, (last_seq_looked if looked >= limit else None)
 
     async def advance_sent_mark(self, mark: int) -> None:
@@ -341,16 +352,25 @@ class DurableEngine:
         self.replayed_total = 0
         self.sent_total = 0
         self.enqueued_total = 0
+        self.read_errors = 0
+        """Failed reads of a queue from the store (a damaged store); each one is logged and retried."""
 
     # ----------------------------------------------------------------- lifecycle
     def open(self) -> None:
         """Open the store and rebuild sessions from it; reads keys, never whole queues."""
-        self.db = open_store(self.config.store)
+        path = self.config.store
+        self.db = open_store(path)
         try:
             self._load()
-        except (plyvel.CorruptionError, ValueError, KeyError, struct.error) as exc:
+        except plyvel.Error as exc:
             self.db.close()
-            raise StoreCorruptedError(self.config.store, f"{type(exc).__name__}: {exc}") from exc
+            raise read_error(path, exc) from exc
+        except DamagedRecordError as exc:
+            self.db.close()
+            raise StoreCorruptedError(path, str(exc)) from exc
+        except (ValueError, KeyError, struct.error) as exc:
+            self.db.close()
+            raise StoreCorruptedError(path, f"{type(exc).__name__}: {exc}") from exc
 
     def _load(self) -> None:
         config = self.config
@@ -365,7 +385,7 @@ class DurableEngine:
         )
         self.committer.before_flush = self._before_flush
         self.committer.after_write = self.removing.written
-        raw_id = self.db.get(STORE_ID_KEY)
+        raw_id = self.db.get(STORE_ID_KEY, verify_checksums=True)
         self.store_id = decode_u64(raw_id) if raw_id is not None else secrets.randbits(63)
         if raw_id is None:
             self.committer.put(STORE_ID_KEY, encode_u64(self.store_id))
@@ -375,16 +395,18 @@ class DurableEngine:
         self.retained.load()
         self._next_msg_id = last_msg_id(self.db) + 1
         # Also past queues and totals a crash left without a record: a sid is never reused.
-        self._next_sid = max(
-            decode_u64(self.db.get(SID_MARK_KEY)), *(last_sid(self.db, prefix) for prefix in (b"q", b"t", b"w", b"x"))
-        ) + 1
+        sid_mark = self._load_value(decode_u64, SID_MARK_KEY, "the highest session number")
+        self._next_sid = max(sid_mark, *(last_sid(self.db, prefix) for prefix in (b"q", b"t", b"w", b"x"))) + 1
         now = time.time()
         for record in iter_sessions(self.db):
             session = DurableSession(self, record)
-            session.depth, session.bytes, session.dropped = decode_totals(self.db.get(totals_key(record.sid)))
+            what = f"of client id {record.client_id!r}"
+            totals = self._load_value(decode_totals, totals_key(record.sid), f"the queue totals {what}")
+            session.depth, session.bytes, session.dropped = totals
             first = next(iter_entries(self.db, record.sid, 0, 1), None)
             tail = last_seq(self.db, record.sid)
-            session.sent_mark = session.sent_max = decode_u64(self.db.get(sent_mark_key(record.sid)))
+            sent_mark = self._load_value(decode_u64, sent_mark_key(record.sid), f"the sent mark {what}")
+            session.sent_mark = session.sent_max = sent_mark
             # New entries number past the sent mark: a fresh message must never look like a re-send.
             session.committed_tail = max(tail or 0, session.sent_mark)
             session.next_seq = session.committed_tail + 1
@@ -414,12 +436,21 @@ class DurableEngine:
             len(self.retained),
         )
 
+    def _load_value(self, decode: Callable[[bytes | None], _T], key: bytes, what: str) -> _T:
+        """A fixed-size value read at start-up; one that does not decode is named (repair rebuilds it)."""
+        raw = self.db.get(key, verify_checksums=True)
+        try:
+            return decode(raw)
+        except struct.error as exc:
+            raise DamagedRecordError(f"{what}: {len(raw or b'')} bytes that do not decode") from exc
+
     def _drop_orphans(self, known: set[int]) -> None:
         """Delete queue entries of sessions whose record is gone: a crash in the middle of deleting
         a session (its record goes first) leaves them; nothing else can reach them."""
         sid = 0
         while True:
-            key = next(self.db.iterator(start=queue_prefix(sid), stop=b"r", include_value=False), None)
+            rows = self.db.iterator(start=queue_prefix(sid), stop=b"r", include_value=False, verify_checksums=True)
+            key = next(rows, None)
             if key is None:
                 break
             sid = sid_of_entry_key(key)
@@ -428,7 +459,7 @@ class DurableEngine:
                 log.warning("store: deleted %d queue entries of a session deleted before a crash", dropped)
             sid += 1
         for prefix in (b"t", b"w", b"x"):  # totals, sent marks, QoS 2 states outlive their queue in such a crash
-            for key in self.db.iterator(prefix=prefix, include_value=False):
+            for key in self.db.iterator(prefix=prefix, include_value=False, verify_checksums=True):
                 if sid_of_entry_key(key) not in known:
                     self.committer.delete(key)
 
@@ -953,4 +984,5 @@ class DurableEngine:
             "sessions/expired": self.expired_total,
             "retained/messages": len(self.retained),
             "store/commits": self.committer.commits,
+            "store/read_errors": self.read_errors,
         }

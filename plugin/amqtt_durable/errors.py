@@ -20,6 +20,19 @@ class StoreError(DurableError):
     """The LevelDB store cannot be opened or used."""
 
 
+class DamagedRecordError(StoreError):
+    """A stored record does not decode; the opener of the store wraps it with the store's path."""
+
+
+class StoreReadError(StoreError):
+    """Reading one session's queue failed: the store is damaged there (or its disk fails)."""
+
+    def __init__(self, client_id: str, after_seq: int, detail: str) -> None:
+        self.client_id = client_id
+        self.after_seq = after_seq
+        super().__init__(f"session {client_id}: reading its queue after message {after_seq} failed: {detail}")
+
+
 class StoreLockedError(StoreError):
     """Another process holds the store's LOCK file."""
 
@@ -38,8 +51,9 @@ class StoreCorruptedError(StoreError):
         self.path = path
         super().__init__(
             f"store '{path}' is corrupted or unreadable: {detail}. Queued messages are still on disk; "
-            f"run 'amqtt-durable repair {path}' (LevelDB's repair, keeps every readable record) "
-            "with the broker stopped, then start the broker again."
+            f"run 'amqtt-durable repair {path}' (LevelDB's repair keeps every readable record, then session "
+            "records and queue totals are rebuilt from the queues) with the broker stopped, then start the "
+            "broker again."
         )
 
 

@@ -9,8 +9,18 @@ from typing import Any, TypeVar
 
 import plyvel
 
-from .errors import StoreCorruptedError
-from .store import Body, body_key, decode_totals, iter_entries, iter_retained, iter_sessions, open_store, totals_key
+from .errors import DamagedRecordError, StoreCorruptedError
+from .store import (
+    Body,
+    body_key,
+    decode_totals,
+    iter_entries,
+    iter_retained,
+    iter_sessions,
+    open_store,
+    read_error,
+    totals_key,
+)
 
 T = TypeVar("T")
 
@@ -63,7 +73,9 @@ def _read(path: str, read: Callable[[Any], T]) -> T:
     db = open_store(path, create=False)
     try:
         return read(db)
-    except plyvel.CorruptionError as exc:
+    except plyvel.Error as exc:
+        raise read_error(path, exc) from exc
+    except DamagedRecordError as exc:
         raise StoreCorruptedError(path, str(exc)) from exc
     finally:
         db.close()

@@ -51,6 +51,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import struct
 import time
 from collections.abc import Callable, Iterator
@@ -59,7 +60,7 @@ from typing import Any
 
 import plyvel
 
-from .errors import StoreCorruptedError, StoreError, StoreLockedError
+from .errors import DamagedRecordError, StoreCorruptedError, StoreError, StoreLockedError
 
 log = logging.getLogger("amqtt_durable")
 
@@ -280,43 +281,155 @@ def encode_refs(refs: int) -> bytes:
     return _REFS.pack(refs)
 
 
-def open_store(path: str, *, create: bool = True) -> Any:
-    """Open (or create) the LevelDB folder with a clear error for a lock or corruption."""
-    if create:
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"cannot create store folder '{path}': {exc.strerror}") from exc
-    elif not os.path.isfile(os.path.join(path, "CURRENT")):
+_LEVELDB_DATA = re.compile(r"^(MANIFEST-\d+|\d+\.(log|ldb|sst))$")
+"""Files that hold a LevelDB store's data (LOCK, LOG and LOG.old are LevelDB's bookkeeping only)."""
+_TABLE_MAGIC = struct.pack("<Q", 0xDB4775248B80FB57)
+"""The last 8 bytes of every complete LevelDB table file (its footer's magic number)."""
+_TABLE_RANGE = re.compile(rb" (\d+):\d+\['(.*?)' @ \d+ : \d+ \.\. '(.*?)' @ \d+ : \d+\]")
+"""A live table in LevelDB's ``leveldb.sstables`` property: `` N:size['smallest' @ seq : type .. 'largest' ...]``."""
+
+
+def _check_folder(path: str, *, create: bool) -> bool:
+    """Is ``path`` a LevelDB store (True), or an empty or missing folder to create one in (False)?
+
+    LevelDB opened with create_if_missing over a folder that lost its CURRENT file starts a new
+    store and deletes the old table files as obsolete: a store is only ever created where there
+    is nothing, and a folder holding anything else is refused untouched.
+    """
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        names = None
+    except NotADirectoryError as exc:
+        raise StoreError(f"store '{path}' is a file, not a folder; point 'store' at a folder") from exc
+    except OSError as exc:
+        raise StoreError(f"cannot read store folder '{path}': {exc.strerror}") from exc
+    if names is not None and "CURRENT" in names:
+        return True
+    data = sorted(name for name in names or () if _LEVELDB_DATA.match(name))
+    if data:
+        raise StoreCorruptedError(
+            path,
+            f"its LevelDB files are there ({', '.join(data[:4])}{', ...' if len(data) > 4 else ''}) but "
+            "CURRENT, the file naming the live MANIFEST, is missing; nothing was changed and no new store "
+            "is created over them",
+        )
+    if names:
+        shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+        raise StoreError(
+            f"store folder '{path}' holds files ({shown}) but no LevelDB store; a store is only created in "
+            "an empty or missing folder: point 'store' at one"
+        )
+    if not create:
         raise StoreError(f"no store at '{path}' (no LevelDB files there; is it the plugin's 'store' folder?)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create store folder '{path}': {exc.strerror}") from exc
+    return False
+
+
+def _check_tables(path: str, db: Any) -> None:
+    """Every live table file must be whole and its index readable.
+
+    LevelDB checks neither at open: a table cut short (a copy or disk that lost its end) is
+    found only when a read reaches it, with a bare ``IO error: ...ldb: Invalid argument``, and a
+    table whose index does not open is passed over by iterators as if it were empty (plyvel
+    raises nothing): its sessions would vanish and their queues look like a deleted session's
+    leftovers. So each table's footer is checked here, and a point read of a key inside its
+    range that no store holds (its smallest key + NUL) makes LevelDB open it, index checksum
+    verified (paranoid_checks).
+    """
+    listing = db.get_property(b"leveldb.sstables") or b""
+    for number, smallest, largest in _TABLE_RANGE.findall(listing):
+        found = _table_tail(path, int(number))
+        if found is None:
+            continue  # compacted away meanwhile
+        name, size, tail = found
+        if tail != _TABLE_MAGIC:
+            raise StoreCorruptedError(
+                path, f"table file {name} is truncated or damaged ({size} bytes, its footer is missing)"
+            )
+        low, high = _unescape(smallest), _unescape(largest)
+        probe = low + b"\x00" if low + b"\x00" <= high else low
+        try:
+            db.get(probe, verify_checksums=True)
+        except plyvel.Error as exc:
+            raise StoreCorruptedError(path, f"table file {name} cannot be read: {leveldb_detail(exc)}") from exc
+
+
+def _table_tail(path: str, number: int) -> tuple[str, int, bytes] | None:
+    """(file name, size, last 8 bytes) of table ``number`` (named .ldb, or .sst by older LevelDBs)."""
+    for name in (f"{number:06d}.ldb", f"{number:06d}.sst"):
+        try:
+            with open(os.path.join(path, name), "rb") as table:
+                size = table.seek(0, os.SEEK_END)
+                table.seek(max(0, size - len(_TABLE_MAGIC)))
+                return name, size, table.read()
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def _unescape(text: bytes) -> bytes:
+    """A key as LevelDB's debug strings print it (bytes outside ' '..'~' as \\xNN) back to bytes."""
+    return re.sub(rb"\\x([0-9a-f]{2})", lambda found: bytes((int(found.group(1), 16),)), text)
+
+
+def leveldb_detail(exc: BaseException) -> str:
+    """plyvel's message as text (it carries bytes), with what LevelDB's terse ones mean."""
+    raw = exc.args[0] if exc.args else str(exc)
+    detail = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    if isinstance(exc, plyvel.IOError) and "Invalid argument" in detail:
+        # LevelDB's pread past the end of a table file: the file is shorter than the store thinks.
+        detail += " (a read past the end of that file: it is truncated)"
+    return detail
+
+
+def _is_lock_error(exc: plyvel.Error) -> bool:
+    """LevelDB's ``IO error: lock STORE/LOCK: ...``: another process (or handle) has the store open."""
+    return isinstance(exc, plyvel.IOError) and leveldb_detail(exc).startswith("IO error: lock ")
+
+
+def read_error(path: str, exc: BaseException) -> StoreError:
+    """A failed open or read of the store as the error to show: what failed, which file, what to do."""
+    detail = leveldb_detail(exc)
+    if isinstance(exc, plyvel.IOError) and "truncated" not in detail:
+        return StoreError(f"cannot read store '{path}': {detail}")
+    return StoreCorruptedError(path, detail)
+
+
+def open_store(path: str, *, create: bool = True) -> Any:
+    """Open (or, in an empty or missing folder, create) the store; a clear error for a lock or damage.
+
+    The plugin writes nothing to a store it refuses; one without CURRENT is not even opened.
+    """
+    exists = _check_folder(path, create=create)
     try:
         db = plyvel.DB(
             path,
-            create_if_missing=create,
+            create_if_missing=not exists,
             paranoid_checks=True,
             bloom_filter_bits=10,
             lru_cache_size=8 * 1024 * 1024,
             write_buffer_size=4 * 1024 * 1024,  # memtables count twice against RSS while one is compacted
         )
-    except plyvel.IOError as exc:
-        if "lock" in str(exc).lower():
-            raise StoreLockedError(path) from exc
-        raise StoreError(f"cannot open store '{path}': {exc}") from exc
-    except plyvel.CorruptionError as exc:
-        raise StoreCorruptedError(path, str(exc)) from exc
     except plyvel.Error as exc:
-        raise StoreCorruptedError(path, str(exc)) from exc
+        if _is_lock_error(exc):
+            raise StoreLockedError(path) from exc
+        raise read_error(path, exc) from exc
     try:
-        version = db.get(VERSION_KEY)
+        _check_tables(path, db)
+        version = db.get(VERSION_KEY, verify_checksums=True)
         if version is None:
-            if next(db.iterator(include_value=False), None) is not None:
+            if next(db.iterator(include_value=False, verify_checksums=True), None) is not None:
                 raise StoreCorruptedError(path, "it holds data but no layout version key")
             db.put(VERSION_KEY, LAYOUT_VERSION, sync=True)
         elif version != LAYOUT_VERSION:
             raise StoreCorruptedError(path, f"layout version {version!r}, this release reads {LAYOUT_VERSION!r}")
-    except plyvel.CorruptionError as exc:
+    except plyvel.Error as exc:
         db.close()
-        raise StoreCorruptedError(path, str(exc)) from exc
+        raise read_error(path, exc) from exc
     except StoreError:
         db.close()
         raise
@@ -324,24 +437,26 @@ def open_store(path: str, *, create: bool = True) -> Any:
 
 
 def repair_store(path: str) -> None:
-    """LevelDB's own repair: rebuilds the tables from every readable record.
+    """LevelDB's own repair: rebuilds the tables from every readable record (``repair.repair``
+    then rebuilds the plugin's bookkeeping on top).
 
     LevelDB's repair does not take the store's lock, so a broker using the store is detected
     first by trying to open it (an open that fails for corruption is what repair is for).
     """
-    if not os.path.isdir(path):
+    names = os.listdir(path) if os.path.isdir(path) else None
+    if names is None:
         raise StoreError(f"no store at '{path}' (folder does not exist)")
+    if "CURRENT" not in names and not any(_LEVELDB_DATA.match(name) for name in names):
+        raise StoreError(f"no store at '{path}' (no LevelDB files there; is it the plugin's 'store' folder?)")
     try:
         plyvel.DB(path, create_if_missing=False).close()
-    except plyvel.IOError as exc:
-        if "lock" in str(exc).lower():
+    except plyvel.Error as exc:  # damage is exactly what repair is for; a lock is not
+        if _is_lock_error(exc):
             raise StoreLockedError(path) from exc
-    except plyvel.Error:
-        pass  # corrupted: exactly what repair is for
     try:
-        plyvel.repair_db(path)
+        plyvel.repair_db(path, paranoid_checks=True)  # checksums verified: a damaged block is dropped, not kept
     except plyvel.Error as exc:
-        raise StoreError(f"repair of '{path}' failed: {exc}") from exc
+        raise StoreError(f"repair of '{path}' failed: {leveldb_detail(exc)}") from exc
 
 
 def iter_entries(db: Any, sid: int, start_seq: int = 0, limit: int | None = None) -> Iterator[Entry]:
@@ -349,7 +464,8 @@ def iter_entries(db: Any, sid: int, start_seq: int = 0, limit: int | None = None
     if limit is not None and limit <= 0:
         return
     start = queue_prefix(sid) + _U64.pack(start_seq)
-    for count, (key, value) in enumerate(db.iterator(start=start, stop=queue_prefix(sid + 1)), start=1):
+    rows = db.iterator(start=start, stop=queue_prefix(sid + 1), verify_checksums=True)
+    for count, (key, value) in enumerate(rows, start=1):
         yield Entry.decode(seq_of_entry_key(key), value)
         if limit is not None and count >= limit:
             return
@@ -357,19 +473,25 @@ def iter_entries(db: Any, sid: int, start_seq: int = 0, limit: int | None = None
 
 def last_seq(db: Any, sid: int) -> int | None:
     prefix = queue_prefix(sid)
-    for key in db.iterator(prefix=prefix, reverse=True, include_value=False):
+    for key in db.iterator(prefix=prefix, reverse=True, include_value=False, verify_checksums=True):
         return seq_of_entry_key(key)
     return None
 
 
 def iter_sessions(db: Any) -> Iterator[SessionRecord]:
-    for key, value in db.iterator(prefix=b"s"):
-        yield SessionRecord.decode(key[1:].decode("utf-8"), value)
+    for key, value in db.iterator(prefix=b"s", verify_checksums=True):
+        try:
+            yield SessionRecord.decode(key[1:].decode("utf-8"), value)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            client = key[1:].decode("utf-8", "replace")
+            raise DamagedRecordError(
+                f"the session record of client id {client!r} does not decode ({type(exc).__name__}: {exc})"
+            ) from exc
 
 
 def last_sid(db: Any, prefix: bytes) -> int:
     """The highest session number under a per-session prefix (b"q", b"t", b"w", b"x"); 0 for none."""
-    for key in db.iterator(prefix=prefix, reverse=True, include_value=False):
+    for key in db.iterator(prefix=prefix, reverse=True, include_value=False, verify_checksums=True):
         return int(_U64.unpack_from(key, 1)[0])
     return 0
 
@@ -379,7 +501,7 @@ STORE_ID_KEY = b"i"
 
 
 def last_msg_id(db: Any) -> int:
-    for key in db.iterator(prefix=b"m", reverse=True, include_value=False):
+    for key in db.iterator(prefix=b"m", reverse=True, include_value=False, verify_checksums=True):
         return int(_U64.unpack_from(key, 1)[0])
     return 0
 

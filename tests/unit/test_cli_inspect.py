@@ -368,8 +368,12 @@ def test_repair_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["inspect", path]) == 1
     assert "corrupted" in capsys.readouterr().err
     assert main(["repair", path]) == 0
-    assert f"repaired '{path}'" in capsys.readouterr().out
-    assert [row.depth for row in summarize(path, now=now)] == [3, 0, 1]
+    out = capsys.readouterr().out
+    assert f"repaired '{path}'" in out
+    # dev-3's only entry has no message body: removed, reported, and its totals follow the queue.
+    assert "not recovered: client 'dev-3': 1 queued message(s) unreadable (removed)" in out
+    assert "rebuilt: client 'dev-3': queue totals rebuilt from the queue: 0 message(s), 0 bytes" in out
+    assert [row.depth for row in summarize(path, now=now)] == [3, 0, 0]
 
 
 def test_repair_missing_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,298 @@
+"""``amqtt-durable repair``: LevelDB's repair, then the plugin's bookkeeping rebuilt from the queues.
+
+LevelDB's repair keeps every readable record, but a record it keeps can still be wrong for the
+plugin (a session record that no longer decodes, queue totals that do not match the queue, a
+count of references to a shared body). The queue entries (``b"q"``) are the truth: everything
+else about a session is rebuilt from them, and what cannot be (a client id whose record key is
+gone, subscriptions in a record that does not decode) is reported, never guessed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import plyvel
+
+from .errors import StoreError
+from .store import (
+    FLAG_SHARED,
+    LAYOUT_VERSION,
+    SID_MARK_KEY,
+    STORE_ID_KEY,
+    VERSION_KEY,
+    Entry,
+    SessionRecord,
+    body_key,
+    decode_refs,
+    decode_totals,
+    encode_refs,
+    encode_totals,
+    encode_u64,
+    leveldb_detail,
+    refs_key,
+    repair_store,
+    sent_mark_key,
+    seq_of_entry_key,
+    sid_of_entry_key,
+    totals_key,
+)
+
+_SID_IN_RECORD = re.compile(rb'"sid"\s*:\s*(\d+)')
+_USERNAME_IN_RECORD = re.compile(rb'"username"\s*:\s*"([^"\\]*)"')
+_ENTRY_KEY_SIZE = 17
+_U64_SIZE = 8
+SENT_MARK_JUMP = 2**40
+"""How far past what is in use a mark that no longer decodes is set (a session's sent mark, the
+highest session number): further than any can have reached, so no new message reuses a sequence
+number a client has seen (the SDK would drop it), and no new session an epoch."""
+
+
+@dataclass
+class RepairReport:
+    """What the repair rebuilt, and what it could not recover (each a sentence for the operator)."""
+
+    rebuilt: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Queue:
+    depth: int = 0
+    bytes: int = 0
+    last_seq: int = 0
+    unreadable: int = 0
+    """Entries removed: their value did not decode, or their message body is gone."""
+
+
+def repair(path: str, now: float | None = None) -> RepairReport:
+    """Repair the store at ``path`` (broker stopped) and say what was rebuilt and what is lost."""
+    archived = _archived_tables(path)
+    repair_store(path)
+    damaged = sorted(_archived_tables(path) - archived)
+    try:
+        db = plyvel.DB(path, create_if_missing=False, paranoid_checks=True)
+    except plyvel.Error as exc:
+        raise StoreError(f"repair of '{path}' failed: the repaired store does not open: {leveldb_detail(exc)}") from exc
+    try:
+        report = rebuild(db, time.time() if now is None else now)
+    except plyvel.Error as exc:
+        raise StoreError(f"repair of '{path}' failed while rebuilding: {leveldb_detail(exc)}") from exc
+    finally:
+        db.close()
+    report.lost[:0] = [
+        f"table file {name} was damaged (moved to {os.path.join(path, 'lost', name)}): records only it held "
+        "are gone, and older versions of them may be back (a message already delivered may be sent again)"
+        for name in damaged
+    ]
+    return report
+
+
+def _archived_tables(path: str) -> set[str]:
+    """Table files LevelDB's repair moved to lost/ (it moves every log and manifest there too)."""
+    try:
+        return {name for name in os.listdir(os.path.join(path, "lost")) if name.endswith((".ldb", ".sst"))}
+    except OSError:
+        return set()
+
+
+def rebuild(db: Any, now: float) -> RepairReport:
+    """Make session records, queue totals and body references agree with the queue entries."""
+    report = RepairReport()
+    version = db.get(VERSION_KEY)
+    if version is not None and version != LAYOUT_VERSION:
+        report.lost.append(f"layout version {version!r} is not this release's {LAYOUT_VERSION!r}: nothing rebuilt")
+        return report
+    if version is None and not _looks_like_ours(db):
+        report.lost.append("no layout version key, no queue entry and no session record: not this plugin's store; "
+                           "nothing rebuilt")
+        return report
+    with db.write_batch(transaction=True, sync=True) as batch:
+        if version is None:
+            batch.put(VERSION_KEY, LAYOUT_VERSION)
+            report.rebuilt.append("layout version key restored")
+        queues = _scan_queues(db, batch, report)
+        names = _sessions(db, batch, set(queues) | _sids_with(db, b"t") | _sids_with(db, b"w"), now, report)
+        for sid, client_id in sorted(names.items()):
+            queue = queues.get(sid, _Queue())
+            if queue.unreadable:
+                report.lost.append(
+                    f"client {client_id!r}: {queue.unreadable} queued message(s) unreadable (removed)"
+                )
+            _rebuild_totals(db, batch, sid, client_id=client_id, queue=queue, report=report)
+            _rebuild_sent_mark(db, batch, sid, client_id=client_id, queue=queue, report=report)
+        for sid in sorted(set(queues) - set(names)):
+            report.lost.append(
+                f"session number {sid}: {queues[sid].depth} queued message(s) have no session record, so their "
+                "client id is lost; the broker deletes them when it starts"
+            )
+        raw = db.get(SID_MARK_KEY)
+        if raw is not None and len(raw) != _U64_SIZE:  # like the sent mark: never lower, so jump past
+            batch.put(SID_MARK_KEY, encode_u64(max((*names, *queues, 0)) + SENT_MARK_JUMP))
+            report.rebuilt.append("highest session number did not decode: set past every one in use")
+        raw = db.get(STORE_ID_KEY)
+        if raw is not None and len(raw) != _U64_SIZE:
+            batch.delete(STORE_ID_KEY)
+            report.rebuilt.append("store id did not decode: removed (the broker makes a new one; stream readers "
+                                  "see a new store)")
+    return report
+
+
+def _looks_like_ours(db: Any) -> bool:
+    """An empty store, or one with a queue entry or session record of this layout: the version key
+    may be restored (a LevelDB of another program must not be taken over)."""
+    if next(db.iterator(include_value=False), None) is None:
+        return True
+    if any(len(key) == _ENTRY_KEY_SIZE for key in db.iterator(prefix=b"q", include_value=False)):
+        return True
+    for key, value in db.iterator(prefix=b"s"):
+        try:
+            SessionRecord.decode(key[1:].decode("utf-8"), value)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        return True
+    return False
+
+
+def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]:
+    """Count every session's readable entries; remove those that do not decode or lost their body;
+    fix the reference counts of shared bodies."""
+    queues: dict[int, _Queue] = {}
+    shared: Counter[int] = Counter()
+    for key, value in db.iterator(prefix=b"q"):
+        if len(key) != _ENTRY_KEY_SIZE:
+            batch.delete(key)
+            report.lost.append(f"a queue key of {len(key)} bytes (damaged) removed")
+            continue
+        queue = queues.setdefault(sid_of_entry_key(key), _Queue())
+        try:
+            entry = Entry.decode(seq_of_entry_key(key), value)
+        except struct.error:
+            entry = None
+        if entry is None or db.get(body_key(entry.msg_id)) is None:
+            batch.delete(key)
+            queue.unreadable += 1
+            continue
+        queue.depth += 1
+        queue.bytes += entry.size
+        queue.last_seq = entry.seq
+        if entry.flags & FLAG_SHARED:
+            shared[entry.msg_id] += 1
+    fixed = 0
+    for key, value in db.iterator(prefix=b"c"):
+        msg_id = sid_of_entry_key(key)
+        try:
+            stored = decode_refs(value)
+        except struct.error:
+            stored = -1
+        if msg_id not in shared:
+            batch.delete(key)  # no entry points at the body any more
+            fixed += 1
+        elif stored != shared[msg_id]:
+            batch.put(key, encode_refs(shared[msg_id]))
+            fixed += 1
+        shared.pop(msg_id, None)
+    for msg_id, count in shared.items():
+        batch.put(refs_key(msg_id), encode_refs(count))
+        fixed += 1
+    if fixed:
+        report.rebuilt.append(f"{fixed} shared message reference count(s) rebuilt from the queues")
+    return queues
+
+
+def _sids_with(db: Any, prefix: bytes) -> set[int]:
+    return {sid_of_entry_key(key) for key in db.iterator(prefix=prefix, include_value=False) if len(key) == 9}
+
+
+def _sessions(db: Any, batch: Any, with_data: set[int], now: float, report: RepairReport) -> dict[int, str]:
+    """Client id of every session number; a record that does not decode is rebuilt when its session
+    number can be found (in its bytes, or as the one queue left without a record)."""
+    names: dict[int, str] = {}
+    damaged: list[tuple[bytes, bytes]] = []
+    for key, value in db.iterator(prefix=b"s"):
+        try:
+            record = SessionRecord.decode(key[1:].decode("utf-8"), value)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            damaged.append((key, value))
+            continue
+        names[record.sid] = record.client_id
+    unmatched: list[tuple[bytes, bytes]] = []
+    for key, value in damaged:
+        found = _SID_IN_RECORD.search(value)
+        sid = int(found.group(1)) if found else None
+        if sid is None or sid in names:
+            unmatched.append((key, value))
+        else:
+            _rebuild_record(batch, key, value, sid=sid, now=now, names=names, report=report)
+    orphans = sorted(with_data - set(names))
+    if len(unmatched) == 1 and len(orphans) == 1:
+        key, value = unmatched.pop()
+        _rebuild_record(batch, key, value, sid=orphans[0], now=now, names=names, report=report)
+    for key, _ in unmatched:
+        batch.delete(key)
+        client = key[1:].decode("utf-8", "replace")
+        report.lost.append(
+            f"client {client!r}: its session record does not decode and no queue could be matched to it; "
+            "removed (the client starts a new session)"
+        )
+    return names
+
+
+def _rebuild_record(
+    batch: Any, key: bytes, raw: bytes, *, sid: int, now: float, names: dict[int, str], report: RepairReport
+) -> None:
+    try:
+        client_id = key[1:].decode("utf-8")
+    except UnicodeDecodeError:
+        batch.delete(key)
+        report.lost.append(f"a session record whose key {key[1:]!r} is not a client id (damaged): removed")
+        return
+    found = _USERNAME_IN_RECORD.search(raw)
+    username = found.group(1).decode("utf-8", "replace") if found else None
+    # expires_at None: the broker starts its expiry at start-up, as for a session connected at a crash.
+    record = SessionRecord(client_id=client_id, sid=sid, created_at=now, username=username)
+    batch.put(key, record.encode())
+    names[sid] = client_id
+    report.rebuilt.append(f"client {client_id!r}: session record rebuilt (session number {sid})")
+    report.lost.append(
+        f"client {client_id!r}: its subscriptions and SDK settings were in the damaged record; "
+        "the client must subscribe again (its queued messages are kept)"
+    )
+
+
+def _rebuild_totals(db: Any, batch: Any, sid: int, *, client_id: str, queue: _Queue, report: RepairReport) -> None:
+    raw = db.get(totals_key(sid))
+    try:
+        depth, size, dropped = decode_totals(raw)
+    except struct.error:
+        depth, size, dropped = -1, -1, 0
+    if (depth, size) == (queue.depth, queue.bytes):
+        return
+    batch.put(totals_key(sid), encode_totals(queue.depth, queue.bytes, dropped))
+    if raw is None:
+        was = "there were none"
+    elif depth < 0:
+        was = "they did not decode"
+    else:
+        was = f"they said {depth} message(s), {size} bytes"
+    report.rebuilt.append(
+        f"client {client_id!r}: queue totals rebuilt from the queue: {queue.depth} message(s), "
+        f"{queue.bytes} bytes ({was})"
+    )
+
+
+def _rebuild_sent_mark(db: Any, batch: Any, sid: int, *, client_id: str, queue: _Queue, report: RepairReport) -> None:
+    """The sent mark only ever grows (sequence numbers continue past it), and its old value is
+    unknown: set it far past the queue; queued messages then go out DUP-flagged, which is harmless."""
+    raw = db.get(sent_mark_key(sid))
+    if raw is None or len(raw) == _U64_SIZE:
+        return
+    batch.put(sent_mark_key(sid), encode_u64(queue.last_seq + SENT_MARK_JUMP))
+    report.rebuilt.append(
+        f"client {client_id!r}: sent mark rebuilt past the queue (its queued messages go out again DUP-flagged)"
+    )
