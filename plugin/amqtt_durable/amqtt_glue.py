@@ -4,9 +4,16 @@ amqtt has no hook to persist a publish before PUBACK, nor one for per-session de
 this module wraps a handful of Broker and BrokerProtocolHandler methods on the broker
 instance the plugin is loaded into and on each connection's handler:
 
-* ``BrokerProtocolHandler.init_from_connect`` (the one class-level wrap, behaviour-neutral):
-  remembers the CONNECT's clean-session flag, which amqtt loses when it reuses a session
-  object;
+* ``BrokerProtocolHandler.init_from_connect`` (class-level): remembers the CONNECT's
+  clean-session flag, which amqtt loses when it reuses a session object, and refuses a will
+  topic that could not be published (it would be routed when the connection drops);
+* ``MQTTFixedHeader.from_stream`` (class-level, neutral for readers without a limit): a packet
+  past ``max_packet_size`` is refused before amqtt reads its body (CONNECT, and every packet
+  on amqtt's own reader loop);
+* ``Broker._client_connected``: every connection's socket is closed when it ends, whatever
+  ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector);
+* ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
+  its whole CONNECT;
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
   wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
   has work (QoS 2, a retain flag, a clean-session subscriber, a plugin listening for messages);
@@ -78,9 +85,9 @@ from .config import DurableConfig
 from .control import ControlChannel
 from .delivery import AckKind
 from .engine import DurableEngine, ExpiredSession
-from .errors import DurableError, InternalsMismatchError
+from .errors import DurableError, InternalsMismatchError, PacketTooLargeError, ProtocolViolationError
 from .streams import StreamSender
-from .topics import filter_is_valid, matches, topic_is_valid
+from .topics import filter_is_valid, matches, topic_problem
 from .wire import encode_puback
 
 log = logging.getLogger("amqtt_durable")
@@ -88,7 +95,10 @@ log = logging.getLogger("amqtt_durable")
 AMQTT_VERSION = "0.12.1"
 SYS_PREFIX = "$SYS/broker/durable/"
 _SUBSCRIBE_REFUSED = 0x80
+CLOSE_GRACE = 5.0
+"""Seconds a closed connection's unsent bytes (a refusing CONNACK) get before the socket is aborted."""
 _BROKER_INTERNALS = (
+    "_client_connected",
     "_initialize_client_session",
     "_client_message_loop",
     "_handle_unsubscription",
@@ -148,10 +158,60 @@ def _install_connect_flag_capture() -> None:
     async def init_from_connect(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         handler, session = await original(*args, **kwargs)
         handler.connect_clean_session = bool(session.clean_session)
+        if session.will_flag:
+            problem = publish_topic_problem(session.will_topic or "")
+            if problem is not None:  # amqtt's caller logs it and closes the connection
+                raise MQTTError(f"CONNECT of {session.client_id!r} refused: will {problem}")
         return handler, session
 
     init_from_connect._durable_wrapped = True  # type: ignore[attr-defined]
     BrokerProtocolHandler.init_from_connect = staticmethod(init_from_connect)
+
+
+def _install_packet_size_check() -> None:
+    """amqtt reads a packet's whole body whatever its size: check the remaining length first.
+
+    The limit is per connection (``durable_max_packet_size`` on its reader); readers without
+    one are not affected. The error ends amqtt's reader loop, which closes the connection.
+    """
+    original = MQTTFixedHeader.from_stream
+    if getattr(original, "_durable_wrapped", False):
+        return
+
+    async def from_stream(cls: type[MQTTFixedHeader], reader: Any) -> MQTTFixedHeader | None:
+        header = await original.__func__(cls, reader)
+        limit = getattr(reader, "durable_max_packet_size", None)
+        if header is not None and limit is not None and header.remaining_length > limit:
+            raise PacketTooLargeError(header.remaining_length, limit)
+        return header
+
+    from_stream._durable_wrapped = True  # type: ignore[attr-defined]
+    MQTTFixedHeader.from_stream = classmethod(from_stream)
+
+
+def publish_topic_problem(topic: str) -> str | None:
+    """Why a client may not publish to ``topic`` (None: it may): MQTT's rules, and amqtt's refusal
+    of ``$`` topics, which are the broker's own."""
+    problem = topic_problem(topic)
+    if problem is None and topic.startswith("$"):
+        return "the topic starts with $, which is reserved for the broker (MQTT-4.7.2-1)"
+    return problem
+
+
+async def close_socket(writer: Any) -> None:
+    """Close a TCP connection's socket now, unsent bytes first (for at most CLOSE_GRACE).
+
+    amqtt closes some ended connections and leaves others to the garbage collector, which may
+    not run for a long time: a flood of connections that never finish a CONNECT would hold
+    every descriptor. Websocket connections are closed by the websockets server itself.
+    """
+    if not isinstance(writer, StreamWriterAdapter):
+        return
+    writer.is_closed = True
+    transport = writer._writer.transport
+    transport.close()
+    if transport.get_write_buffer_size():
+        asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
 
 
 def check_internals(broker: Any) -> None:
@@ -253,6 +313,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metrics_task: asyncio.Task[None] | None = None
         _install_connect_flag_capture()
+        _install_packet_size_check()
         _install(broker, self.engine)
 
     async def on_broker_post_start(self) -> None:
@@ -290,6 +351,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
 
 def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one wrapper per internal
     """Wrap the broker instance's internals listed in the module docstring."""
+    original_client_connected = broker._client_connected
     original_initialize = broker._initialize_client_session
     original_message_loop = broker._client_message_loop
     original_add_subscription = broker.add_subscription
@@ -337,8 +399,37 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
                 allowed[client_id] = qos
         return allowed
 
-    async def initialize_client_session(*args: Any) -> tuple[Any, Any]:
-        handler, session = await original_initialize(*args)
+    closing: set[asyncio.Task[None]] = set()
+
+    async def client_connected(listener_name: str, reader: Any, writer: Any) -> None:
+        reader.durable_max_packet_size = engine.config.max_packet_size
+        try:
+            await original_client_connected(listener_name, reader, writer)
+        except PacketTooLargeError as exc:
+            log.warning("closing a connection from %s before its CONNECT was read: %s", _peer(writer), exc)
+        finally:
+            await close_socket(writer)
+
+    def end_silent(writer: Any) -> None:
+        log.warning(
+            "closing the connection from %s: no complete CONNECT within connect_timeout (%g s)",
+            _peer(writer),
+            engine.config.connect_timeout,
+        )
+        if isinstance(writer, StreamWriterAdapter):
+            writer.is_closed = True
+            writer._writer.transport.abort()  # amqtt's read of the CONNECT then ends with no data
+        else:
+            task = asyncio.get_running_loop().create_task(writer.close())
+            closing.add(task)
+            task.add_done_callback(closing.discard)
+
+    async def initialize_client_session(reader: Any, writer: Any, *args: Any) -> tuple[Any, Any]:
+        deadline = asyncio.get_running_loop().call_later(engine.config.connect_timeout, end_silent, writer)
+        try:
+            handler, session = await original_initialize(reader, writer, *args)
+        finally:
+            deadline.cancel()
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
         handler.durable_acks = OrderedAcks(handler.durable_transport)
@@ -442,6 +533,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         shutting_down = True
         await original_shutdown()
 
+    broker._client_connected = client_connected
     broker._initialize_client_session = initialize_client_session
     broker._client_message_loop = client_message_loop
     broker.add_subscription = add_subscription
@@ -451,6 +543,11 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     broker._cleanup_session = cleanup_session
     broker.shutdown = shutdown
     broker.retain_message = retain_message
+
+
+def _peer(writer: Any) -> str:
+    peer = writer.get_peer_info()
+    return "an unknown address" if peer is None else f"{peer[0]}:{peer[1]}"
 
 
 def _malformed_publish(packet: Any, topic: str, data: bytes) -> str | None:
@@ -499,12 +596,12 @@ def _wrap_handler(
     async def handle_publish(packet: Any) -> None:
         topic = packet.topic_name
         data = packet.data
-        if topic is None or data is None or not topic_is_valid(topic) or topic.startswith("$"):
-            await original_publish(packet)  # amqtt's own checks close the connection
-            return
-        problem = _malformed_publish(packet, topic, data)
-        if problem is not None:
-            log.warning("closing the connection of %s: malformed PUBLISH (%s)", session.client_id, problem)
+        if topic is None or data is None:
+            problem: str | None = "the PUBLISH has no topic or payload"
+        else:
+            problem = _malformed_publish(packet, topic, data) or publish_topic_problem(topic)
+        if problem is not None:  # before anything is stored, routed or acknowledged
+            log.warning("closing the connection of %s: PUBLISH refused: %s", session.client_id, problem)
             await handler.handle_connection_closed()
             return
         qos = packet.qos or 0
@@ -652,20 +749,28 @@ class FastReader:
         self._transport: HandlerTransport = handler.durable_transport
         self._acks: OrderedAcks = handler.durable_acks
         self._running: deque[asyncio.Task[None]] = deque()
+        self._max_packet_size = engine.config.max_packet_size
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
-        """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2, odd topics, busy ACLs)."""
+        """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2, busy ACLs).
+
+        A topic no client may publish to raises ProtocolViolationError: the connection is closed
+        before anything is stored or routed.
+        """
         qos = (flags >> 1) & 0x03
         if qos > 1:
             return False
         topic_len = int.from_bytes(body[:2], "big")
+        start = 2 + topic_len + (2 if qos else 0)
+        if len(body) < start:
+            raise ProtocolViolationError("PUBLISH refused: its topic length runs past the packet's end")
         try:
             topic = body[2 : 2 + topic_len].decode("utf-8")
         except UnicodeDecodeError:
-            return False
-        start = 2 + topic_len + (2 if qos else 0)
-        if len(body) < start or not topic_is_valid(topic) or topic.startswith("$"):
-            return False  # amqtt's path reports and closes
+            raise ProtocolViolationError("PUBLISH refused: the topic is not valid UTF-8 (MQTT-1.5.3-1)") from None
+        problem = publish_topic_problem(topic)
+        if problem is not None:
+            raise ProtocolViolationError(f"PUBLISH refused: {problem}")
         if self._handler.durable_ordering.locked():
             return False
         packet_id = int.from_bytes(body[2 + topic_len : start], "big") if qos else 0
@@ -725,7 +830,9 @@ class FastReader:
                     break
                 shift += 7
                 if shift > 21:
-                    raise MQTTError("remaining length longer than 4 bytes (MQTT-2.2.3)")
+                    raise ProtocolViolationError("remaining length longer than 4 bytes (MQTT-2.2.3)")
+            if length > self._max_packet_size:  # before a byte of the body is read
+                raise PacketTooLargeError(length, self._max_packet_size)
             return first[0], (await read(length) if length else b"")
         except TimeoutError:
             return None
@@ -760,6 +867,8 @@ class FastReader:
                     log.warning("%s: packet discarded: %s", self._session.client_id, exc)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass  # EOF, reset or stop: the connection is over
+        except ProtocolViolationError as exc:
+            log.warning("closing the connection of %s: %s", self._session.client_id, exc)
         except Exception as exc:  # amqtt's loop also ends the connection on anything unexpected
             log.warning("%s: reader stopped: %r", self._session.client_id, exc)
         while running:
