@@ -10,6 +10,8 @@ instance the plugin is loaded into and on each connection's handler:
 * ``MQTTFixedHeader.from_stream`` (class-level, neutral for readers without a limit): a packet
   past ``max_packet_size`` is refused before amqtt reads its body (CONNECT, and every packet
   on amqtt's own reader loop);
+* ``PublishVariableHeader.from_stream`` (class-level): a PUBLISH topic no client may publish to
+  ends the connection (amqtt skips a wildcard one and reads on out of step, and passes U+0000);
 * ``Broker._client_connected``: every connection's socket is closed when it ends, whatever
   ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector);
 * ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
@@ -51,6 +53,7 @@ from typing import Any
 import amqtt
 from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import Broker, BrokerContext
+from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
 from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError
 from amqtt.events import BrokerEvents, MQTTEvents
@@ -75,7 +78,7 @@ from amqtt.mqtt.packet import (
     MQTTFixedHeader,
 )
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
-from amqtt.mqtt.publish import PublishPacket
+from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
 
@@ -95,6 +98,7 @@ log = logging.getLogger("amqtt_durable")
 AMQTT_VERSION = "0.12.1"
 SYS_PREFIX = "$SYS/broker/durable/"
 _SUBSCRIBE_REFUSED = 0x80
+TOPIC_PAST_END = "PUBLISH refused: its topic length runs past the packet's end (MQTT-1.5.3)"
 CLOSE_GRACE = 5.0
 """Seconds a closed connection's unsent bytes (a refusing CONNACK) get before the socket is aborted."""
 _BROKER_INTERNALS = (
@@ -168,25 +172,53 @@ def _install_connect_flag_capture() -> None:
     BrokerProtocolHandler.init_from_connect = staticmethod(init_from_connect)
 
 
-def _install_packet_size_check() -> None:
-    """amqtt reads a packet's whole body whatever its size: check the remaining length first.
+def _install_decoder_checks() -> None:
+    """Two refusals in amqtt's decoders; a ProtocolViolationError ends amqtt's reader loop, which
+    closes the connection (an MQTTError would make it skip the rest and read on, out of step).
 
-    The limit is per connection (``durable_max_packet_size`` on its reader); readers without
-    one are not affected. The error ends amqtt's reader loop, which closes the connection.
+    * A packet's remaining length past the connection's ``max_packet_size`` (set on its reader
+      as ``durable_max_packet_size``; readers without one are not affected), before the body
+      is read: amqtt would read a body of any size into memory.
+    * A PUBLISH topic no client may publish to: amqtt refuses a wildcard half-way through the
+      packet and reads its payload as packets, lets U+0000 through, and turns invalid UTF-8
+      into ``str(bytes)``, whose longer length makes it read the payload out of step too. The
+      variable header is read here instead (topic, then packet id if QoS > 0, as amqtt does).
     """
-    original = MQTTFixedHeader.from_stream
-    if getattr(original, "_durable_wrapped", False):
+    original_header = MQTTFixedHeader.from_stream
+    if getattr(original_header, "_durable_wrapped", False):
         return
 
-    async def from_stream(cls: type[MQTTFixedHeader], reader: Any) -> MQTTFixedHeader | None:
-        header = await original.__func__(cls, reader)
+    async def header_from_stream(cls: type[MQTTFixedHeader], reader: Any) -> MQTTFixedHeader | None:
+        header = await original_header.__func__(cls, reader)
         limit = getattr(reader, "durable_max_packet_size", None)
         if header is not None and limit is not None and header.remaining_length > limit:
             raise PacketTooLargeError(header.remaining_length, limit)
         return header
 
-    from_stream._durable_wrapped = True  # type: ignore[attr-defined]
-    MQTTFixedHeader.from_stream = classmethod(from_stream)
+    async def publish_from_stream(cls: type[PublishVariableHeader], reader: Any, fixed: Any) -> PublishVariableHeader:
+        length = int.from_bytes(await read_or_raise(reader, 2), "big")
+        has_packet_id = bool((fixed.flags >> 1) & 0x03)
+        if 2 + length + (2 if has_packet_id else 0) > fixed.remaining_length:
+            raise ProtocolViolationError(TOPIC_PAST_END)
+        topic = checked_publish_topic(await read_or_raise(reader, length) if length else b"")
+        packet_id = await decode_packet_id(reader) if has_packet_id else None
+        return cls(topic, packet_id)
+
+    header_from_stream._durable_wrapped = True  # type: ignore[attr-defined]
+    MQTTFixedHeader.from_stream = classmethod(header_from_stream)
+    PublishVariableHeader.from_stream = classmethod(publish_from_stream)
+
+
+def checked_publish_topic(raw: bytes) -> str:
+    """A PUBLISH's topic bytes as a topic a client may publish to, or ProtocolViolationError."""
+    try:
+        topic = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolViolationError("PUBLISH refused: the topic is not valid UTF-8 (MQTT-1.5.3-1)") from None
+    problem = publish_topic_problem(topic)
+    if problem is not None:
+        raise ProtocolViolationError(f"PUBLISH refused: {problem}")
+    return topic
 
 
 def publish_topic_problem(topic: str) -> str | None:
@@ -313,7 +345,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metrics_task: asyncio.Task[None] | None = None
         _install_connect_flag_capture()
-        _install_packet_size_check()
+        _install_decoder_checks()
         _install(broker, self.engine)
 
     async def on_broker_post_start(self) -> None:
@@ -752,26 +784,18 @@ class FastReader:
         self._max_packet_size = engine.config.max_packet_size
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
-        """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2, busy ACLs).
+        """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2 or 3, busy ACLs).
 
-        A topic no client may publish to raises ProtocolViolationError: the connection is closed
-        before anything is stored or routed.
+        A PUBLISH of any QoS whose topic no client may publish to raises ProtocolViolationError:
+        the connection is closed before anything is stored, routed or acknowledged.
         """
         qos = (flags >> 1) & 0x03
-        if qos > 1:
-            return False
         topic_len = int.from_bytes(body[:2], "big")
         start = 2 + topic_len + (2 if qos else 0)
         if len(body) < start:
-            raise ProtocolViolationError("PUBLISH refused: its topic length runs past the packet's end")
-        try:
-            topic = body[2 : 2 + topic_len].decode("utf-8")
-        except UnicodeDecodeError:
-            raise ProtocolViolationError("PUBLISH refused: the topic is not valid UTF-8 (MQTT-1.5.3-1)") from None
-        problem = publish_topic_problem(topic)
-        if problem is not None:
-            raise ProtocolViolationError(f"PUBLISH refused: {problem}")
-        if self._handler.durable_ordering.locked():
+            raise ProtocolViolationError(TOPIC_PAST_END)
+        topic = checked_publish_topic(body[2 : 2 + topic_len])
+        if qos > 1 or self._handler.durable_ordering.locked():
             return False
         packet_id = int.from_bytes(body[2 + topic_len : start], "big") if qos else 0
         if qos and not packet_id:
