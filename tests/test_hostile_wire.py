@@ -211,8 +211,14 @@ def test_a_publish_to_an_invalid_topic_closes_the_connection_on_every_path(
         assert receiver.wait_for(lambda ms: any(m.topic == "k/good" for m in ms))
         assert [(m.topic, m.payload) for m in receiver.messages] == [("k/good", b"good")]
     log = broker.log()
-    for problem in ("U+0000", "wildcard", "empty", "not valid UTF-8"):
-        assert problem in log
+    for problem in (
+        "the topic contains U+0000",
+        "the topic contains a wildcard",
+        "the topic is empty",
+        "the topic is not valid UTF-8",
+        "its topic length runs past the packet's end",
+    ):
+        assert f"closing the connection of bad: PUBLISH refused: {problem}" in log
 
 
 def test_a_nul_topic_cannot_forge_a_stream_event(
@@ -279,7 +285,9 @@ def test_a_publish_past_max_packet_size_is_refused_before_its_body_is_read(
     assert peak_growth < size // 1024 // 2, f"peak RSS grew by {peak_growth} kB for a {size // 1024} kB packet"
     pub.publish("t", [b"after"], qos=1)
     assert [m.payload for m in sub.wait_messages(2)] == [b"before", b"after"]
-    assert "larger than max_packet_size (1048576 bytes)" in broker.log()
+    assert "closing the connection of big: a packet of 2097152 bytes is larger than max_packet_size (1048576" in (
+        broker.log()
+    )
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -299,3 +307,6 @@ def test_max_packet_size_is_configurable_and_checked_on_every_path(
         big_connect.sendall(b"\x10" + bytes((0x81, 0x40)))  # a CONNECT announcing 8193 bytes, none sent
         assert read_until_closed(big_connect, 5.0) == b"", "not closed before connect_timeout (10 s)"
     assert connack_within(broker.port, WAIT)
+    log = broker.log()
+    assert "closing the connection of fits: a packet of 4097 bytes is larger than max_packet_size (4096" in log
+    assert "before its CONNECT was read: a packet of 8193 bytes is larger than max_packet_size (4096" in log

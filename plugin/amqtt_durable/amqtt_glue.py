@@ -192,21 +192,33 @@ def _install_decoder_checks() -> None:
         header = await original_header.__func__(cls, reader)
         limit = getattr(reader, "durable_max_packet_size", None)
         if header is not None and limit is not None and header.remaining_length > limit:
-            raise PacketTooLargeError(header.remaining_length, limit)
+            raise _refused(reader, PacketTooLargeError(header.remaining_length, limit))
         return header
 
     async def publish_from_stream(cls: type[PublishVariableHeader], reader: Any, fixed: Any) -> PublishVariableHeader:
         length = int.from_bytes(await read_or_raise(reader, 2), "big")
         has_packet_id = bool((fixed.flags >> 1) & 0x03)
         if 2 + length + (2 if has_packet_id else 0) > fixed.remaining_length:
-            raise ProtocolViolationError(TOPIC_PAST_END)
-        topic = checked_publish_topic(await read_or_raise(reader, length) if length else b"")
+            raise _refused(reader, ProtocolViolationError(TOPIC_PAST_END))
+        try:
+            topic = checked_publish_topic(await read_or_raise(reader, length) if length else b"")
+        except ProtocolViolationError as exc:
+            raise _refused(reader, exc) from None
         packet_id = await decode_packet_id(reader) if has_packet_id else None
         return cls(topic, packet_id)
 
     header_from_stream._durable_wrapped = True  # type: ignore[attr-defined]
     MQTTFixedHeader.from_stream = classmethod(header_from_stream)
     PublishVariableHeader.from_stream = classmethod(publish_from_stream)
+
+
+def _refused(reader: Any, error: ProtocolViolationError) -> ProtocolViolationError:
+    """Log why amqtt's reader loop is about to end a connection (its own line names no client).
+    Before CONNECT the reader has no client id yet: ``Broker._client_connected``'s wrapper logs."""
+    client_id = getattr(reader, "durable_client_id", None)
+    if client_id is not None:
+        log.warning("closing the connection of %s: %s", client_id, error)
+    return error
 
 
 def checked_publish_topic(raw: bytes) -> str:
@@ -462,6 +474,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
             handler, session = await original_initialize(reader, writer, *args)
         finally:
             deadline.cancel()
+        reader.durable_client_id = session.client_id  # for the decoder checks' log lines
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
         handler.durable_acks = OrderedAcks(handler.durable_transport)
