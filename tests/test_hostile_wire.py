@@ -118,7 +118,6 @@ def test_a_connect_flood_of_five_times_the_descriptor_limit_leaves_the_broker_se
     sub.subscribe("t", 1)
     baseline = open_descriptors(proc.pid)
     silent = [socket.create_connection((HOST, broker.port), timeout=WAIT) for _ in range(20)]
-    opened_at = time.monotonic()
     refused = 0
     flood_deadline = time.monotonic() + 60
     for index in range(5 * NOFILE):
@@ -126,7 +125,7 @@ def test_a_connect_flood_of_five_times_the_descriptor_limit_leaves_the_broker_se
             refused += 5 * NOFILE - index
             break
         try:
-            with socket.create_connection((HOST, broker.port), timeout=2) as sock:
+            with socket.create_connection((HOST, broker.port), timeout=5) as sock:
                 if index % 4 == 1:
                     sock.sendall(connect_packet("half")[:7])  # a CONNECT cut short, then gone
                 elif index % 4 == 2:
@@ -140,7 +139,7 @@ def test_a_connect_flood_of_five_times_the_descriptor_limit_leaves_the_broker_se
     clients(broker.port, "pub", clean_session=True).publish("t", [b"after-flood"], qos=1)
     assert [m.payload for m in sub.wait_messages(1)] == [b"after-flood"]
     for sock in silent:  # connections that never sent CONNECT are closed after connect_timeout
-        assert read_until_closed(sock, opened_at + 3 + WAIT - time.monotonic()) == b""
+        assert read_until_closed(sock, WAIT) == b""
         sock.close()
     # Nothing waits for the garbage collector: the broker is back to its descriptors (the
     # publisher's connection may still be closing).

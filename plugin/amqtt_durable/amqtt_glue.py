@@ -596,11 +596,8 @@ def _peer(writer: Any) -> str:
 
 
 def _malformed_publish(packet: Any, topic: str, data: bytes) -> str | None:
-    """What amqtt's decoder lets through: QoS 3, and topics that were not valid UTF-8.
-
-    amqtt turns an undecodable topic into ``str(bytes)``, so the decoded parts no longer add
-    up to the packet's remaining length; that mismatch is the reliable sign.
-    """
+    """What amqtt's decoder lets through: QoS 3, and parts that do not add up to the packet's
+    remaining length (the topic itself is checked while it is decoded, see _install_decoder_checks)."""
     qos = packet.qos or 0
     if qos not in (0, 1, 2):
         return "QoS 3 is reserved (MQTT-3.3.1-4)"
