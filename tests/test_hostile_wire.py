@@ -171,8 +171,8 @@ def test_connections_without_a_whole_connect_are_closed_after_connect_timeout(
 LOSSY_TOPICS = [b"k/\xff\xfe"]
 BAD_TOPICS = [b"k/a\x00b", b"k/+", b"k/#", b"#", b"", *LOSSY_TOPICS]
 PATHS = {
-    "plugin-reader": {},  # QoS 0/1 inline, QoS 2 through the wrapped handle_publish
-    "amqtt-reader": {TOPIC_PLUGIN: {}},  # amqtt's own reader loop
+    "plugin-reader": {},  # the plugin's reader checks every PUBLISH before QoS 2 goes to amqtt
+    "amqtt-reader": {TOPIC_PLUGIN: {}},  # amqtt's own reader loop and decoder
 }
 
 
