@@ -4,10 +4,19 @@ amqtt has no hook to persist a publish before PUBACK, nor one for per-session de
 this module wraps a handful of Broker and BrokerProtocolHandler methods on the broker
 instance the plugin is loaded into and on each connection's handler:
 
-* ``BrokerProtocolHandler.init_from_connect`` (the one class-level wrap): remembers the
+* ``BrokerProtocolHandler.init_from_connect`` (class-level): remembers the
   CONNECT's clean-session flag, which amqtt loses when it reuses a session object, and refuses
   (CONNACK 5) another user's CONNECT to a durable session before amqtt's take-over closes the
   owner's connection and overwrites its Session (will included);
+* ``MQTTFixedHeader.from_stream`` (class-level, neutral for readers without a limit): a packet
+  past ``max_packet_size`` is refused before amqtt reads its body (CONNECT, and every packet
+  on amqtt's own reader loop);
+* ``PublishVariableHeader.from_stream`` (class-level): a PUBLISH topic no client may publish to
+  ends the connection (amqtt skips a wildcard one and reads on out of step, and passes U+0000);
+* ``Broker._client_connected``: every connection's socket is closed when it ends, whatever
+  ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector);
+* ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
+  its whole CONNECT;
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
   wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
   has work (QoS 2, a retain flag, a clean-session subscriber, a plugin listening for messages);
@@ -51,6 +60,7 @@ from typing import Any
 import amqtt
 from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
+from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
 from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError
 from amqtt.events import BrokerEvents, MQTTEvents
@@ -76,7 +86,7 @@ from amqtt.mqtt.packet import (
     MQTTFixedHeader,
 )
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
-from amqtt.mqtt.publish import PublishPacket
+from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
 
@@ -86,9 +96,16 @@ from .config import DurableConfig
 from .control import ControlChannel
 from .delivery import AckKind, ReadAccess
 from .engine import DurableEngine, ExpiredSession
-from .errors import DurableError, InternalsMismatchError, NotSessionOwnerError, StoreError
+from .errors import (
+    DurableError,
+    InternalsMismatchError,
+    NotSessionOwnerError,
+    PacketTooLargeError,
+    ProtocolViolationError,
+    StoreError,
+)
 from .streams import StreamSender
-from .topics import filter_is_valid, matches, topic_is_valid
+from .topics import filter_is_valid, matches, topic_problem
 from .wire import encode_puback, encode_pubcomp
 
 log = logging.getLogger("amqtt_durable")
@@ -96,7 +113,11 @@ log = logging.getLogger("amqtt_durable")
 AMQTT_VERSION = "0.12.1"
 SYS_PREFIX = "$SYS/broker/durable/"
 _SUBSCRIBE_REFUSED = 0x80
+TOPIC_PAST_END = "PUBLISH refused: its topic length runs past the packet's end (MQTT-1.5.3)"
+CLOSE_GRACE = 5.0
+"""Seconds a closed connection's unsent bytes (a refusing CONNACK) get before the socket is aborted."""
 _BROKER_INTERNALS = (
+    "_client_connected",
     "_initialize_client_session",
     "_client_message_loop",
     "_handle_unsubscription",
@@ -160,6 +181,10 @@ def _install_connect_hooks() -> None:
     async def init_from_connect(reader: Any, writer: Any, plugins_manager: Any, *args: Any) -> tuple[Any, Any]:
         handler, session = await original(reader, writer, plugins_manager, *args)
         handler.connect_clean_session = bool(session.clean_session)
+        if session.will_flag:
+            problem = publish_topic_problem(session.will_topic or "")
+            if problem is not None:  # amqtt's caller logs it and closes the connection
+                raise MQTTError(f"CONNECT of {session.client_id!r} refused: will {problem}")
         plugin = next((p for p in plugins_manager._plugins if isinstance(p, DurableSessionsPlugin)), None)
         if plugin is not None and session.client_id:
             try:
@@ -175,6 +200,92 @@ def _install_connect_hooks() -> None:
 
     init_from_connect._durable_wrapped = True  # type: ignore[attr-defined]
     BrokerProtocolHandler.init_from_connect = staticmethod(init_from_connect)
+
+
+def _install_decoder_checks() -> None:
+    """Two refusals in amqtt's decoders; a ProtocolViolationError ends amqtt's reader loop, which
+    closes the connection (an MQTTError would make it skip the rest and read on, out of step).
+
+    * A packet's remaining length past the connection's ``max_packet_size`` (set on its reader
+      as ``durable_max_packet_size``; readers without one are not affected), before the body
+      is read: amqtt would read a body of any size into memory.
+    * A PUBLISH topic no client may publish to: amqtt refuses a wildcard half-way through the
+      packet and reads its payload as packets, lets U+0000 through, and turns invalid UTF-8
+      into ``str(bytes)``, whose longer length makes it read the payload out of step too. The
+      variable header is read here instead (topic, then packet id if QoS > 0, as amqtt does).
+    """
+    original_header = MQTTFixedHeader.from_stream
+    if getattr(original_header, "_durable_wrapped", False):
+        return
+
+    async def header_from_stream(cls: type[MQTTFixedHeader], reader: Any) -> MQTTFixedHeader | None:
+        header = await original_header.__func__(cls, reader)
+        limit = getattr(reader, "durable_max_packet_size", None)
+        if header is not None and limit is not None and header.remaining_length > limit:
+            raise _refused(reader, PacketTooLargeError(header.remaining_length, limit))
+        return header
+
+    async def publish_from_stream(cls: type[PublishVariableHeader], reader: Any, fixed: Any) -> PublishVariableHeader:
+        length = int.from_bytes(await read_or_raise(reader, 2), "big")
+        has_packet_id = bool((fixed.flags >> 1) & 0x03)
+        if 2 + length + (2 if has_packet_id else 0) > fixed.remaining_length:
+            raise _refused(reader, ProtocolViolationError(TOPIC_PAST_END))
+        try:
+            topic = checked_publish_topic(await read_or_raise(reader, length) if length else b"")
+        except ProtocolViolationError as exc:
+            raise _refused(reader, exc) from None
+        packet_id = await decode_packet_id(reader) if has_packet_id else None
+        return cls(topic, packet_id)
+
+    header_from_stream._durable_wrapped = True  # type: ignore[attr-defined]
+    MQTTFixedHeader.from_stream = classmethod(header_from_stream)
+    PublishVariableHeader.from_stream = classmethod(publish_from_stream)
+
+
+def _refused(reader: Any, error: ProtocolViolationError) -> ProtocolViolationError:
+    """Log why amqtt's reader loop is about to end a connection (its own line names no client).
+    Before CONNECT the reader has no client id yet: ``Broker._client_connected``'s wrapper logs."""
+    client_id = getattr(reader, "durable_client_id", None)
+    if client_id is not None:
+        log.warning("closing the connection of %s: %s", client_id, error)
+    return error
+
+
+def checked_publish_topic(raw: bytes) -> str:
+    """A PUBLISH's topic bytes as a topic a client may publish to, or ProtocolViolationError."""
+    try:
+        topic = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolViolationError("PUBLISH refused: the topic is not valid UTF-8 (MQTT-1.5.3-1)") from None
+    problem = publish_topic_problem(topic)
+    if problem is not None:
+        raise ProtocolViolationError(f"PUBLISH refused: {problem}")
+    return topic
+
+
+def publish_topic_problem(topic: str) -> str | None:
+    """Why a client may not publish to ``topic`` (None: it may): MQTT's rules, and amqtt's refusal
+    of ``$`` topics, which are the broker's own."""
+    problem = topic_problem(topic)
+    if problem is None and topic.startswith("$"):
+        return "the topic starts with $, which is reserved for the broker (MQTT-4.7.2-1)"
+    return problem
+
+
+async def close_socket(writer: Any) -> None:
+    """Close a TCP connection's socket now, unsent bytes first (for at most CLOSE_GRACE).
+
+    amqtt closes some ended connections and leaves others to the garbage collector, which may
+    not run for a long time: a flood of connections that never finish a CONNECT would hold
+    every descriptor. Websocket connections are closed by the websockets server itself.
+    """
+    if not isinstance(writer, StreamWriterAdapter):
+        return
+    writer.is_closed = True
+    transport = writer._writer.transport
+    transport.close()
+    if transport.get_write_buffer_size():
+        asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
 
 
 def check_internals(broker: Any) -> None:
@@ -276,6 +387,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metrics_task: asyncio.Task[None] | None = None
         _install_connect_hooks()
+        _install_decoder_checks()
         _install(broker, self.engine)
 
     async def on_broker_pre_start(self) -> None:
@@ -319,6 +431,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
 
 def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one wrapper per internal
     """Wrap the broker instance's internals listed in the module docstring."""
+    original_client_connected = broker._client_connected
     original_initialize = broker._initialize_client_session
     original_message_loop = broker._client_message_loop
     original_add_subscription = broker.add_subscription
@@ -366,8 +479,38 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
                 allowed[client_id] = qos
         return allowed
 
-    async def initialize_client_session(*args: Any) -> tuple[Any, Any]:
-        handler, session = await original_initialize(*args)
+    closing: set[asyncio.Task[None]] = set()
+
+    async def client_connected(listener_name: str, reader: Any, writer: Any) -> None:
+        reader.durable_max_packet_size = engine.config.max_packet_size
+        try:
+            await original_client_connected(listener_name, reader, writer)
+        except PacketTooLargeError as exc:
+            log.warning("closing a connection from %s before its CONNECT was read: %s", _peer(writer), exc)
+        finally:
+            await close_socket(writer)
+
+    def end_silent(writer: Any) -> None:
+        log.warning(
+            "closing the connection from %s: no complete CONNECT within connect_timeout (%g s)",
+            _peer(writer),
+            engine.config.connect_timeout,
+        )
+        if isinstance(writer, StreamWriterAdapter):
+            writer.is_closed = True
+            writer._writer.transport.abort()  # amqtt's read of the CONNECT then ends with no data
+        else:
+            task = asyncio.get_running_loop().create_task(writer.close())
+            closing.add(task)
+            task.add_done_callback(closing.discard)
+
+    async def initialize_client_session(reader: Any, writer: Any, *args: Any) -> tuple[Any, Any]:
+        deadline = asyncio.get_running_loop().call_later(engine.config.connect_timeout, end_silent, writer)
+        try:
+            handler, session = await original_initialize(reader, writer, *args)
+        finally:
+            deadline.cancel()
+        reader.durable_client_id = session.client_id  # for the decoder checks' log lines
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
         handler.durable_acks = OrderedAcks(handler.durable_transport)
@@ -500,6 +643,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         shutting_down = True
         await original_shutdown()
 
+    broker._client_connected = client_connected
     broker._initialize_client_session = initialize_client_session
     broker._client_message_loop = client_message_loop
     broker.add_subscription = add_subscription
@@ -511,12 +655,14 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     broker.retain_message = retain_message
 
 
-def _malformed_publish(packet: Any, topic: str, data: bytes) -> str | None:
-    """What amqtt's decoder lets through: QoS 3, and topics that were not valid UTF-8.
+def _peer(writer: Any) -> str:
+    peer = writer.get_peer_info()
+    return "an unknown address" if peer is None else f"{peer[0]}:{peer[1]}"
 
-    amqtt turns an undecodable topic into ``str(bytes)``, so the decoded parts no longer add
-    up to the packet's remaining length; that mismatch is the reliable sign.
-    """
+
+def _malformed_publish(packet: Any, topic: str, data: bytes) -> str | None:
+    """What amqtt's decoder lets through: QoS 3, and parts that do not add up to the packet's
+    remaining length (the topic itself is checked while it is decoded, see _install_decoder_checks)."""
     qos = packet.qos or 0
     if qos not in (0, 1, 2):
         return "QoS 3 is reserved (MQTT-3.3.1-4)"
@@ -557,12 +703,12 @@ def _wrap_handler(
     async def handle_publish(packet: Any) -> None:
         topic = packet.topic_name
         data = packet.data
-        if topic is None or data is None or not topic_is_valid(topic) or topic.startswith("$"):
-            await original_publish(packet)  # amqtt's own checks close the connection
-            return
-        problem = _malformed_publish(packet, topic, data)
-        if problem is not None:
-            log.warning("closing the connection of %s: malformed PUBLISH (%s)", session.client_id, problem)
+        if topic is None or data is None:
+            problem: str | None = "the PUBLISH has no topic or payload"
+        else:
+            problem = _malformed_publish(packet, topic, data) or publish_topic_problem(topic)
+        if problem is not None:  # before anything is stored, routed or acknowledged
+            log.warning("closing the connection of %s: PUBLISH refused: %s", session.client_id, problem)
             await handler.handle_connection_closed()
             return
         qos = packet.qos or 0
@@ -803,21 +949,21 @@ class FastReader:
         self._transport: HandlerTransport = handler.durable_transport
         self._acks: OrderedAcks = handler.durable_acks
         self._running: deque[asyncio.Task[None]] = deque()
+        self._max_packet_size = engine.config.max_packet_size
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
-        """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2, odd topics, busy ACLs)."""
+        """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2 or 3, busy ACLs).
+
+        A PUBLISH of any QoS whose topic no client may publish to raises ProtocolViolationError:
+        the connection is closed before anything is stored, routed or acknowledged.
+        """
         qos = (flags >> 1) & 0x03
-        if qos > 1:
-            return False
         topic_len = int.from_bytes(body[:2], "big")
-        try:
-            topic = body[2 : 2 + topic_len].decode("utf-8")
-        except UnicodeDecodeError:
-            return False
         start = 2 + topic_len + (2 if qos else 0)
-        if len(body) < start or not topic_is_valid(topic) or topic.startswith("$"):
-            return False  # amqtt's path reports and closes
-        if self._handler.durable_ordering.locked():
+        if len(body) < start:
+            raise ProtocolViolationError(TOPIC_PAST_END)
+        topic = checked_publish_topic(body[2 : 2 + topic_len])
+        if qos > 1 or self._handler.durable_ordering.locked():
             return False
         packet_id = int.from_bytes(body[2 + topic_len : start], "big") if qos else 0
         if qos and not packet_id:
@@ -876,7 +1022,9 @@ class FastReader:
                     break
                 shift += 7
                 if shift > 21:
-                    raise MQTTError("remaining length longer than 4 bytes (MQTT-2.2.3)")
+                    raise ProtocolViolationError("remaining length longer than 4 bytes (MQTT-2.2.3)")
+            if length > self._max_packet_size:  # before a byte of the body is read
+                raise PacketTooLargeError(length, self._max_packet_size)
             return first[0], (await read(length) if length else b"")
         except TimeoutError:
             return None
@@ -911,6 +1059,8 @@ class FastReader:
                     log.warning("%s: packet discarded: %s", self._session.client_id, exc)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass  # EOF, reset or stop: the connection is over
+        except ProtocolViolationError as exc:
+            log.warning("closing the connection of %s: %s", self._session.client_id, exc)
         except Exception as exc:  # amqtt's loop also ends the connection on anything unexpected
             log.warning("%s: reader stopped: %r", self._session.client_id, exc)
         while running:

@@ -23,6 +23,8 @@ OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
 SessionTakeover = Literal["owner-only", "any-user"]
 TAKEOVER_POLICIES: tuple[str, ...] = get_args(SessionTakeover)
 STREAM_KEYS = ("filter", "max_count", "max_age")
+MIN_PACKET_SIZE = 1024
+MAX_PACKET_SIZE = 268_435_455
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,14 @@ class DurableConfig:
     session_takeover: SessionTakeover = "owner-only"
     """Who may connect with the client id of a durable session: only the user that owns it
     (another gets CONNACK 5), or any user, who then owns it (and gets only what it may read)."""
+
+    connect_timeout: float = 10.0
+    """Seconds a new connection has to send its whole CONNECT; then it is closed (a silent or
+    half-sent connection would otherwise hold a descriptor for ever)."""
+
+    max_packet_size: int = 1_048_576
+    """Largest packet a client may send, in bytes of remaining length (EMQX's default, 1 MB; at
+    most MQTT's 268435455). A larger one closes the connection before its body is read."""
 
     def __post_init__(self) -> None:
         _check_ranges(self)
@@ -207,8 +217,16 @@ def _check_ranges(config: DurableConfig) -> None:
         )
     if not 1 <= config.stream_window <= MAX_STREAM_WINDOW:
         raise ConfigError("stream_window", f"must be between 1 and {MAX_STREAM_WINDOW}, got {config.stream_window!r}")
-    if config.stream_ack_timeout <= 0 or not math.isfinite(config.stream_ack_timeout):
-        raise ConfigError("stream_ack_timeout", f"must be a finite number above 0, got {config.stream_ack_timeout!r}")
+    for key in ("stream_ack_timeout", "connect_timeout"):
+        value = getattr(config, key)
+        if value <= 0 or not math.isfinite(value):
+            raise ConfigError(key, f"must be a finite number above 0, got {value!r}")
+    if not MIN_PACKET_SIZE <= config.max_packet_size <= MAX_PACKET_SIZE:
+        raise ConfigError(
+            "max_packet_size",
+            f"must be between {MIN_PACKET_SIZE} and {MAX_PACKET_SIZE} (MQTT's largest packet), "
+            f"got {config.max_packet_size!r}",
+        )
     _check_streams(config.streams)
     for key in ("session_expiry", "batch_delay_ms", "metrics_interval", "drop_log_interval", "max_session_expiry"):
         value = getattr(config, key)

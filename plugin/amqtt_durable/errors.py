@@ -73,3 +73,19 @@ class NotSessionOwnerError(DurableError):
             f"belongs to user {owner!r} (session_takeover: owner-only). Connect as that user, use another "
             "client id, or set session_takeover: any-user to let other users take sessions over."
         )
+
+
+class ProtocolViolationError(DurableError):
+    """A client broke MQTT in a way that ends its connection (MQTT-4.8.0-1: close, never guess)."""
+
+
+class PacketTooLargeError(ProtocolViolationError):
+    """A packet's remaining length is past ``max_packet_size``: refused before its body is read."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"a packet of {size} bytes is larger than max_packet_size ({limit} bytes); "
+            "raise max_packet_size in broker.yaml if such packets are legitimate"
+        )

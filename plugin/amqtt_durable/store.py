@@ -30,12 +30,15 @@ without it the entry is the body's only reference). A body is deleted with its l
 Stream logs (streams.py) add two prefixes; the layout stays version 1, as an older store
 simply has none of these keys::
 
-    b"l" + topic(utf-8) + b"\\x00" + id:u64  -> published_at:f64 qos:u8 payload   one log event
-    b"L" + topic(utf-8)                     -> last_id:u64    highest id ever assigned to the topic
+    b"e" + tlen:u16 + topic(utf-8) + id:u64  -> published_at:f64 qos:u8 payload   one log event
+    b"L" + topic(utf-8)                      -> last_id:u64    highest id ever assigned to the topic
 
-Topics cannot contain U+0000, so ``b"l" + topic + b"\\x00"`` prefixes exactly one topic's
-events. ``b"L"`` is written in the batch of every append, so ids are never reused, even
-after retention removed every event of a topic.
+The topic's byte length comes first, so ``b"e" + tlen + topic`` prefixes exactly one topic's
+events whatever bytes the topic holds. ``b"L"`` is written in the batch of every append, so
+ids are never reused, even after retention removed every event of a topic. Stores written
+before kept events under ``b"l" + topic + b"\\x00" + id`` (ambiguous for a topic holding
+U+0000); opening such a store moves them to ``b"e"`` keys (streams.migrate_legacy_events,
+crash-safe: each batch deletes the old keys it re-writes).
 
 Retained messages (retained.py) add one prefix, again without a new version::
 

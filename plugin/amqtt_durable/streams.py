@@ -12,11 +12,14 @@ A stateless client has no session the broker could keep positions in. Instead it
 
 Key layout (additions to layout version 1, see store.py)::
 
-    b"l" + topic(utf-8) + b"\\x00" + id:u64  -> published_at:f64 qos:u8 payload
+    b"e" + tlen:u16 + topic(utf-8) + id:u64  -> published_at:f64 qos:u8 payload
     b"L" + topic(utf-8)                     -> last_id:u64     ids ever assigned (high-water mark)
 
-MQTT topics cannot contain U+0000, so ``b"l" + topic + b"\\x00"`` is a prefix of exactly one
-topic's events, and the events of one topic are contiguous in key order.
+The topic's length comes first, so ``b"e" + tlen + topic`` is a prefix of exactly one topic's
+events whatever the topic holds, and the events of one topic are contiguous in key order.
+Stores written before this layout kept events under ``b"l" + topic + b"\\x00" + id``, which
+relied on topics never holding U+0000 (a NUL topic could forge another topic's event);
+``migrate_legacy_events`` moves them on open.
 """
 
 from __future__ import annotations
@@ -41,25 +44,31 @@ from durable_client.protocol import (
 
 from .config import StreamConfig
 from .store import GroupCommitter
-from .topics import filter_is_valid, filters_overlap, matches
+from .topics import filter_is_valid, filters_overlap, matches, topic_problem
 from .wire import encode_publish
 
 log = logging.getLogger(__name__)
 
-EVENT_PREFIX = b"l"
+EVENT_PREFIX = b"e"
 MARK_PREFIX = b"L"
+LEGACY_EVENT_PREFIX = b"l"
+MIGRATE_BATCH_BYTES = 4 * 1024 * 1024
+"""Bytes of legacy events one migration write batch moves (memory bound; each batch is atomic)."""
 TRIM_BUDGET = 10_000
 """Deletes one ``trim_expired`` call adds to a batch at most (a backlog is trimmed over several calls)."""
 COUNT_TRIM_PER_APPEND = 64
 """Deletes one append adds at most: after max_count was lowered, the excess goes over many appends."""
 MAX_MQTT_TOPIC_BYTES = 65_535
 
+_U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
 _EVENT_HEAD = struct.Struct(">dB")
+_KEY_HEAD = 1 + _U16.size
 
 
 def log_prefix(topic: str) -> bytes:
-    return EVENT_PREFIX + topic.encode("utf-8") + b"\x00"
+    raw = topic.encode("utf-8")
+    return EVENT_PREFIX + _U16.pack(len(raw)) + raw
 
 
 def event_key(topic: str, event_id: int) -> bytes:
@@ -68,6 +77,83 @@ def event_key(topic: str, event_id: int) -> bytes:
 
 def mark_key(topic: str) -> bytes:
     return MARK_PREFIX + topic.encode("utf-8")
+
+
+def event_topic(key: bytes) -> bytes | None:
+    """The topic bytes of a ``b"e"`` event key; None when the lengths do not add up."""
+    if len(key) < _KEY_HEAD + _U64.size:
+        return None
+    end = _KEY_HEAD + _U16.unpack_from(key, 1)[0]
+    return key[_KEY_HEAD:end] if len(key) == end + _U64.size else None
+
+
+def event_id_of(key: bytes) -> int:
+    return int(_U64.unpack_from(key, len(key) - _U64.size)[0])
+
+
+def _legacy_topic(key: bytes) -> str | None:
+    """The topic of a first-layout key (``b"l" + topic + NUL + id``); None if no client could
+    have published to it (an event forged through a NUL topic)."""
+    if len(key) < 2 + _U64.size or key[-9] != 0:
+        return None
+    try:
+        topic = key[1:-9].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return topic if topic_problem(topic) is None else None
+
+
+def migrate_legacy_events(db: Any) -> tuple[int, int]:
+    """Move first-layout stream events to ``b"e"`` keys; returns (moved, dropped).
+
+    Each write batch deletes the old keys it re-writes, so every event is under exactly one
+    key at any time: a crash mid-way loses nothing and the next open moves the rest. Events
+    and marks of topics no client may publish to (U+0000 in them, as an injected event had)
+    are dropped with a warning: they were never a topic's own events.
+    """
+    moved = dropped = 0
+    while True:
+        chunk: list[tuple[bytes, bytes]] = []
+        size = 0
+        with db.iterator(prefix=LEGACY_EVENT_PREFIX) as legacy:
+            for key, value in legacy:
+                chunk.append((key, value))
+                size += len(key) + len(value)
+                if size >= MIGRATE_BATCH_BYTES:
+                    break
+        if not chunk:
+            break
+        with db.write_batch(sync=True) as batch:
+            for key, value in chunk:
+                batch.delete(key)
+                topic = _legacy_topic(key)
+                if topic is None:
+                    dropped += 1
+                else:
+                    batch.put(event_key(topic, event_id_of(key)), value)
+                    moved += 1
+    bad_marks = [key for key in db.iterator(prefix=MARK_PREFIX, include_value=False) if _mark_topic(key) is None]
+    if bad_marks:
+        with db.write_batch(sync=True) as batch:
+            for key in bad_marks:
+                batch.delete(key)
+    if moved or dropped or bad_marks:
+        log.warning(
+            "stream logs: %d events moved to the current key layout; %d events and %d id marks of topics "
+            "no client may publish to (U+0000) dropped",
+            moved,
+            dropped,
+            len(bad_marks),
+        )
+    return moved, dropped
+
+
+def _mark_topic(key: bytes) -> str | None:
+    try:
+        topic = key[1:].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return topic if topic_problem(topic) is None else None
 
 
 def encode_event(published_at: float, qos: int, payload: bytes) -> bytes:
@@ -129,29 +215,30 @@ class StreamLogs:
     # ------------------------------------------------------------------ storage
     def load(self) -> None:
         """Find each log's first and last id: two seeks per topic, never a whole log."""
+        migrate_legacy_events(self._db)
         self._logs.clear()
         marks: dict[str, int] = {}
         for key, value in self._db.iterator(prefix=MARK_PREFIX):
             marks[key[1:].decode("utf-8")] = int(_U64.unpack(value)[0])
         with self._db.iterator(prefix=EVENT_PREFIX) as events:
             for key, value in events:
-                if len(key) < 10 or key[-9] != 0:
+                topic_bytes = event_topic(key)
+                if topic_bytes is None:
                     log.warning("stream log: skipping malformed key %r", key)
                     events.seek(key + b"\x00")
                     continue
-                topic_bytes = key[1:-9]
                 topic = topic_bytes.decode("utf-8")
-                first = int(_U64.unpack_from(key, len(key) - 8)[0])
+                first = event_id_of(key)
                 last = first
-                prefix = EVENT_PREFIX + topic_bytes + b"\x00"
+                prefix = key[: -_U64.size]
                 for last_key in self._db.iterator(prefix=prefix, reverse=True, include_value=False):
-                    last = int(_U64.unpack_from(last_key, len(last_key) - 8)[0])
+                    last = event_id_of(last_key)
                     break
                 published_at = float(_EVENT_HEAD.unpack_from(value)[0])
                 mark = marks.pop(topic, 0)
                 self._logs[topic] = _Log(self.logged(topic), first, max(last, mark), published_at)
-                # The next topic's keys start after every "topic\x00..." key: "topic\x01" is past them.
-                events.seek(EVENT_PREFIX + topic_bytes + b"\x01")
+                # Every key of this topic is the prefix and 8 bytes: nine 0xff bytes are past them.
+                events.seek(prefix + b"\xff" * (_U64.size + 1))
         for topic, mark in marks.items():  # retention removed every event: only the mark is left
             self._logs[topic] = _Log(self.logged(topic), mark + 1, mark, None)
 
@@ -221,7 +308,7 @@ class StreamLogs:
         out: list[LogEvent] = []
         with self._db.iterator(start=event_key(topic, start), stop=event_key(topic, entry.durable + 1)) as events:
             for key, value in events:
-                out.append(decode_event(topic, int(_U64.unpack_from(key, len(key) - 8)[0]), value))
+                out.append(decode_event(topic, event_id_of(key), value))
                 if len(out) >= limit:
                     break
         return out
@@ -283,7 +370,7 @@ class StreamLogs:
                 if deleted >= budget:
                     return deleted
                 self._committer.delete(key)
-                entry.first = int(_U64.unpack_from(key, len(key) - 8)[0]) + 1
+                entry.first = event_id_of(key) + 1
                 deleted += 1
         entry.oldest_at = None  # every written event is gone; what is left is still in the batch
         return deleted

@@ -16,9 +16,24 @@ def filter_is_valid(topic_filter: str) -> bool:
     return True
 
 
+def topic_problem(topic: str) -> str | None:
+    """Why ``topic`` cannot be a PUBLISH topic name (None: it can); the one check of every path.
+
+    A topic that was not valid UTF-8 never becomes a ``str`` here: the readers refuse it
+    while decoding (MQTT-1.5.3-1).
+    """
+    if not topic:
+        return "the topic is empty (MQTT-4.7.3-1)"
+    if "\x00" in topic:
+        return "the topic contains U+0000 (MQTT-1.5.3-2)"
+    if "+" in topic or "#" in topic:
+        return "the topic contains a wildcard, + or # (MQTT-3.3.2-2)"
+    return None
+
+
 def topic_is_valid(topic: str) -> bool:
-    """A PUBLISH topic: non-empty, no wildcards, no NUL (MQTT-3.3.2-2, MQTT-4.7.3-1)."""
-    return bool(topic) and "#" not in topic and "+" not in topic and "\x00" not in topic
+    """A PUBLISH topic: non-empty, no wildcards, no NUL (MQTT-3.3.2-2, MQTT-4.7.3-1, MQTT-1.5.3-2)."""
+    return topic_problem(topic) is None
 
 
 def matches(topic: str, topic_filter: str) -> bool:

@@ -31,6 +31,8 @@ CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
     "stream_window": (1000, [1.5, "1", True, None], [0, 1001]),
     "stream_ack_timeout": (0.5, ["5", True, None], [0, -1]),
     "session_takeover": ("any-user", [5, None, True, ["owner-only"]], ["anyone", "ANY-USER", "owner_only", ""]),
+    "connect_timeout": (0.5, ["10", True, None], [0, -1]),
+    "max_packet_size": (268_435_455, [1.5, "1MB", True, None], [1023, 0, 268_435_456]),
 }
 
 FLOAT_KEYS = [f.name for f in dataclasses.fields(DurableConfig) if f.type == "float"]
@@ -64,6 +66,8 @@ def test_defaults() -> None:
     assert config.pending_threshold == 100
     assert config.metrics_interval == 10.0
     assert config.drop_log_interval == 10.0
+    assert config.connect_timeout == 10.0
+    assert config.max_packet_size == 1_048_576
 
 
 def test_none_means_defaults() -> None:
