@@ -12,7 +12,7 @@ instance the plugin is loaded into and on each connection's handler:
   has work (QoS 2, a retain flag, a clean-session subscriber, a plugin listening for messages);
   otherwise the plugin sends PUBACK itself;
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
-  CONNACK's session-present from the store;
+  CONNACK's session-present from the store; CONNACK 3 while the store cannot write;
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
@@ -35,6 +35,7 @@ instance the plugin is loaded into and on each connection's handler:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections import deque
@@ -48,6 +49,7 @@ from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError
 from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
+from amqtt.mqtt.connack import SERVER_UNAVAILABLE, ConnackPacket
 from amqtt.mqtt.packet import (
     CONNACK,
     CONNECT,
@@ -77,8 +79,8 @@ from durable_client.protocol import CONTROL_PREFIX
 from .config import DurableConfig
 from .control import ControlChannel
 from .delivery import AckKind
-from .engine import DurableEngine, ExpiredSession
-from .errors import DurableError, InternalsMismatchError
+from .engine import DurableEngine, ExpiredSession, StoreHealth
+from .errors import DurableError, InternalsMismatchError, StoreUnavailableError
 from .streams import StreamSender
 from .topics import filter_is_valid, matches, topic_is_valid
 from .wire import encode_puback
@@ -87,6 +89,7 @@ log = logging.getLogger("amqtt_durable")
 
 AMQTT_VERSION = "0.12.1"
 SYS_PREFIX = "$SYS/broker/durable/"
+HEALTH_TOPIC = SYS_PREFIX + "store/health"
 _SUBSCRIBE_REFUSED = 0x80
 _BROKER_INTERNALS = (
     "_initialize_client_session",
@@ -113,6 +116,7 @@ _HANDLER_INTERNALS = (
     "handle_puback",
     "handle_pubrec",
     "handle_pubcomp",
+    "_send_packet",
 )
 
 _ACK_KINDS: dict[int, AckKind] = {PUBACK: "puback", PUBREC: "pubrec", PUBCOMP: "pubcomp"}
@@ -244,7 +248,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         broker: Broker = context._broker_instance
         try:
             check_internals(broker)
-            self.engine = DurableEngine(config, on_expired=self._on_expired)
+            self.engine = DurableEngine(config, on_expired=self._on_expired, on_store_health=self._on_store_health)
             self.engine.open()
         except DurableError as exc:
             log.error("%s", exc)
@@ -252,6 +256,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self.broker = broker
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metrics_task: asyncio.Task[None] | None = None
+        self._health_order = asyncio.Lock()
         _install_connect_flag_capture()
         _install(broker, self.engine)
 
@@ -275,6 +280,15 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
             }
         ).encode()
         self._spawn(self.broker._broadcast_message(None, SYS_PREFIX + "expired", payload, 1))
+
+    def _on_store_health(self, health: StoreHealth) -> None:
+        self._spawn(self._publish_health(json.dumps(dataclasses.asdict(health)).encode()))
+
+    async def _publish_health(self, payload: bytes) -> None:
+        """Retained, so a monitor that subscribes later sees the current state; in order of change."""
+        async with self._health_order:
+            await self.broker.retain_message(None, HEALTH_TOPIC, payload, 1)
+            await self.broker._broadcast_message(None, HEALTH_TOPIC, payload, 1)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -341,7 +355,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         handler, session = await original_initialize(*args)
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
-        handler.durable_acks = OrderedAcks(handler.durable_transport)
+        handler.durable_acks = OrderedAcks(handler.durable_transport, session.client_id)
         handler.durable_control = _control_channel(broker, engine, handler, session)
         _wrap_handler(broker, engine, handler, session, amqtt_wants=amqtt_wants, receivers=receivers)
         handler._reader_loop = FastReader(broker, engine, handler, session, amqtt_wants).run
@@ -382,6 +396,9 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         topic_filter, qos = subscription
         if not filter_is_valid(topic_filter) or qos not in (0, 1, 2):
             return _SUBSCRIBE_REFUSED
+        if engine.committer.failure is not None:
+            log.warning("%s: SUBSCRIBE %s refused: the store cannot write now", session.client_id, topic_filter)
+            return _SUBSCRIBE_REFUSED
         if not await broker._topic_filtering(session, topic_filter, Action.SUBSCRIBE):
             return _SUBSCRIBE_REFUSED
         max_qos = broker.config.get("max-qos", qos)
@@ -421,7 +438,10 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         if not isinstance(data, RoutedPayload) and topic is not None and data is not None:
             # No QoS given means "the subscription's", as amqtt's own broadcast does.
             qos = 2 if force_qos is None else force_qos
-            engine.route_publish(topic, bytes(data), qos, await receivers(topic))
+            try:
+                engine.route_publish(topic, bytes(data), qos, await receivers(topic))
+            except StoreUnavailableError:
+                log.info("%s not queued for durable sessions: the store cannot write now", topic)
         await original_broadcast(session, topic, data, force_qos)
 
     async def cleanup_session(client_id: str) -> None:
@@ -481,7 +501,7 @@ def _ack_interceptor(
     return handle_ack
 
 
-def _wrap_handler(
+def _wrap_handler(  # noqa: PLR0915 - the per-connection wrappers share their closure
     broker: Any,
     engine: DurableEngine,
     handler: Any,
@@ -515,18 +535,28 @@ def _wrap_handler(
         retain = bool(packet.retain_flag)
         stored: asyncio.Future[None] | None = None
         if qos == 2:  # amqtt's PUBREC / PUBREL flow, after the message is durable
-            if packet_id not in session.inflight_in:  # a retransmission is stored once
-                async with ordering:
-                    if await broker._topic_filtering(session, topic, Action.PUBLISH):
-                        stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic))
-            if stored is not None:
-                await stored
+            try:
+                if packet_id not in session.inflight_in:  # a retransmission is stored once
+                    async with ordering:
+                        if await broker._topic_filtering(session, topic, Action.PUBLISH):
+                            stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic))
+                if stored is not None:
+                    await stored
+            except StoreUnavailableError as exc:
+                handler.durable_acks.refuse(exc)
+                return
             packet.payload.data = RoutedPayload(data)
             await original_publish(packet)
             return
         async with ordering:  # FIFO per connection even when topic ACL checks yield
             if await broker._topic_filtering(session, topic, Action.PUBLISH):
-                stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic))
+                try:
+                    stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic))
+                except StoreUnavailableError as exc:
+                    if qos:
+                        handler.durable_acks.refuse(exc)
+                        return
+                    # QoS 0 is at most once: amqtt's own subscribers still get it
             if amqtt_wants(topic, retain):
                 hand_to_amqtt(session, topic, data, qos, packet_id=packet_id, retain=retain)
         if qos == 1 and packet_id is not None:
@@ -534,9 +564,12 @@ def _wrap_handler(
 
     async def connack_authorize(authorize: bool) -> None:
         if authorize and session.client_id:
-            present = await engine.connect(
-                session.client_id, bool(session.clean_session), session.username, handler.durable_transport
-            )
+            try:
+                present = await engine.connect(
+                    session.client_id, bool(session.clean_session), session.username, handler.durable_transport
+                )
+            except StoreUnavailableError as exc:
+                await _refuse_unavailable(handler, session, exc)
             if not session.clean_session:
                 session.parent = 1 if present else 0
                 # A Session amqtt cached from an earlier clean connection may still hold amqtt-level
@@ -550,6 +583,16 @@ def _wrap_handler(
     handler.handle_puback = _ack_interceptor(handler, "puback", handler.handle_puback)
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
+
+
+async def _refuse_unavailable(handler: Any, session: Any, error: StoreUnavailableError) -> None:
+    """CONNACK 3 (server unavailable), then end the connection: amqtt would go on serving it, so
+    its connection handling is ended by the error raised here (amqtt logs and drops it)."""
+    log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, error)
+    await handler._send_packet(ConnackPacket.build(0, SERVER_UNAVAILABLE))
+    session.transitions.disconnect()
+    await handler.writer.close()
+    raise AMQTTError(f"{session.client_id}: CONNECT refused, the durable store cannot write")
 
 
 def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> ControlChannel:
@@ -604,30 +647,60 @@ def hand_to_amqtt(session: Any, topic: str, payload: bytes, qos: int, *, packet_
 
 class OrderedAcks:
     """PUBACKs of one connection, written in the order the PUBLISHes arrived (MQTT-4.6.0-2),
-    each only once its message is durable."""
+    each only once its message is durable.
 
-    def __init__(self, transport: HandlerTransport) -> None:
+    A publish that could not be stored gets none: once the PUBACKs before it are written, the
+    connection is closed, so the publisher learns it and re-sends after reconnecting; nothing
+    is acknowledged on that connection after it.
+    """
+
+    def __init__(self, transport: HandlerTransport, client_id: str | None) -> None:
         self._transport = transport
+        self._client_id = client_id
         self._queue: deque[tuple[asyncio.Future[None] | None, int]] = deque()
+        self._closing: asyncio.Task[None] | None = None
 
     def add(self, stored: asyncio.Future[None] | None, packet_id: int) -> None:
+        if self._closing is not None:
+            return
         self._queue.append((stored, packet_id))
         if stored is None:
             self._release()
         else:
             stored.add_done_callback(self._on_stored)
 
+    def refuse(self, error: StoreUnavailableError) -> None:
+        """A publish that cannot be stored: close the connection after the PUBACKs due before it."""
+        refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        refused.set_exception(error)
+        self.add(refused, 0)
+
     def _on_stored(self, stored: asyncio.Future[None]) -> None:
-        if not stored.cancelled() and stored.exception() is not None:
-            log.error("a publish could not be stored, so it is not acknowledged: %s", stored.exception())
         self._release()
 
     def _release(self) -> None:
         queue = self._queue
         while queue and (queue[0][0] is None or queue[0][0].done()):
             stored, packet_id = queue.popleft()
-            if stored is None or (not stored.cancelled() and stored.exception() is None):
-                self._transport.write(encode_puback(packet_id))
+            error = None if stored is None or stored.cancelled() else stored.exception()
+            if stored is not None and (stored.cancelled() or error is not None):
+                self._close(error)
+                return
+            self._transport.write(encode_puback(packet_id))
+
+    def _close(self, error: BaseException | None) -> None:
+        log.warning(
+            "%s: a publish could not be stored, so it is not acknowledged: closing the connection so the "
+            "client re-sends it (%s)",
+            self._client_id,
+            error,
+        )
+        self._queue.clear()
+        self._closing = asyncio.get_running_loop().create_task(self._end())
+
+    async def _end(self) -> None:
+        await self._transport.drain()  # the PUBACKs of the publishes stored before it
+        await self._transport.end()
 
 
 class FastReader:
@@ -678,7 +751,13 @@ class FastReader:
                 self._acks.add(None, packet_id)
             return True
         retain = bool(flags & 0x01)
-        stored = self._engine.route_publish(topic, payload, qos)
+        try:
+            stored = self._engine.route_publish(topic, payload, qos)
+        except StoreUnavailableError as exc:
+            if qos:
+                self._acks.refuse(exc)
+                return True
+            stored = None  # QoS 0 is at most once: amqtt's own subscribers still get it
         if self._amqtt_wants(topic, retain):
             hand_to_amqtt(self._session, topic, payload, qos, packet_id=packet_id or None, retain=retain)
         if qos:

@@ -45,3 +45,14 @@ class StoreCorruptedError(StoreError):
 
 class InternalsMismatchError(DurableError):
     """The installed amqtt lacks an internal the glue module needs."""
+
+
+class StoreUnavailableError(StoreError):
+    """The store cannot write now (disk full, I/O error); the write is retried until it succeeds."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+        super().__init__(
+            f"the durable store cannot write ({cause}); the broker retries by itself and serves "
+            "normally again once a write succeeds: free space on the store's disk"
+        )
