@@ -35,6 +35,7 @@ instance the plugin is loaded into and on each connection's handler:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -671,6 +672,8 @@ class OrderedAcks:
 
     def refuse(self, error: StoreUnavailableError) -> None:
         """A publish that cannot be stored: close the connection after the PUBACKs due before it."""
+        if self._closing is not None:
+            return
         refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         refused.set_exception(error)
         self.add(refused, 0)
@@ -682,9 +685,8 @@ class OrderedAcks:
         queue = self._queue
         while queue and (queue[0][0] is None or queue[0][0].done()):
             stored, packet_id = queue.popleft()
-            error = None if stored is None or stored.cancelled() else stored.exception()
-            if stored is not None and (stored.cancelled() or error is not None):
-                self._close(error)
+            if stored is not None and (stored.cancelled() or stored.exception() is not None):
+                self._close(None if stored.cancelled() else stored.exception())
                 return
             self._transport.write(encode_puback(packet_id))
 
@@ -699,7 +701,8 @@ class OrderedAcks:
         self._closing = asyncio.get_running_loop().create_task(self._end())
 
     async def _end(self) -> None:
-        await self._transport.drain()  # the PUBACKs of the publishes stored before it
+        with contextlib.suppress(OSError):  # gone already: ending it is all that is left
+            await self._transport.drain()  # the PUBACKs of the publishes stored before it
         await self._transport.end()
 
 

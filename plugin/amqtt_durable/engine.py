@@ -518,9 +518,9 @@ class DurableEngine:
         durable one, or a clean one that deletes a durable session): the glue refuses it.
         """
         existing = self.sessions.get(client_id)
-        unavailable = self.committer.unavailable()
-        if unavailable is not None and (existing is not None or not clean_session):
-            raise unavailable
+        failure = self.committer.failure
+        if failure is not None and (existing is not None or not clean_session):
+            raise StoreUnavailableError(failure)
         if clean_session:
             if existing is not None:
                 await self.delete_session(existing)
@@ -757,9 +757,9 @@ class DurableEngine:
         """
         if targets is None:
             targets = self.index.route(topic)
-        unavailable = self.committer.unavailable()
-        if unavailable is not None and (targets or self.streams.logged(topic) is not None):
-            raise unavailable
+        failure = self.committer.failure
+        if failure is not None and (targets or self.streams.logged(topic) is not None):
+            raise StoreUnavailableError(failure)
         published_at = time.time()
         log_id = self.streams.append(topic, payload, qos, published_at) if self.streams.streams else None
         if not targets and log_id is None:

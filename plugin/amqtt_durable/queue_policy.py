@@ -71,9 +71,11 @@ class QueueLimits:
     def admit(self, depth: int, queued_bytes: int = 0, size: int = 0) -> Admission:
         """Decide for a new message of ``size`` payload bytes, the queue holding ``depth`` messages of
         ``queued_bytes`` bytes. A message larger than the byte limit itself never fits: dropped."""
-        byte_limit = self.byte_limit()
-        if depth < self.limit() and (not byte_limit or queued_bytes + size <= byte_limit):
-            return Admission.ACCEPT
+        expanded = self.expanded
+        byte_limit = self.max_bytes_disconnected if expanded else self.max_bytes
+        limit = self.max_depth_disconnected if expanded else self.max_depth
+        if depth < limit and (not byte_limit or queued_bytes + size <= byte_limit):
+            return Admission.ACCEPT  # the path of every message: no method calls
         if self.overflow == "drop-oldest" and not (byte_limit and size > byte_limit):
             return Admission.DROP_OLDEST_THEN_ACCEPT
         return Admission.REJECT

@@ -421,10 +421,6 @@ class GroupCommitter:
         self._units += 1
         self._schedule(asyncio.get_running_loop())
 
-    def unavailable(self) -> StoreUnavailableError | None:
-        """The error to give a caller that needs a write now, while writes fail; None otherwise."""
-        return None if self.failure is None else StoreUnavailableError(self.failure)
-
     def commit(
         self,
         on_durable: Callable[[], None] | None = None,
@@ -446,9 +442,8 @@ class GroupCommitter:
         waiter: asyncio.Future[None] = loop.create_future()
         if on_durable is not None:
             self._after_commit.append(on_durable)
-        error = self.unavailable()
-        if fail_fast and error is not None:
-            _fail(waiter, error)
+        if fail_fast and self.failure is not None:
+            _fail(waiter, StoreUnavailableError(self.failure))
             return waiter
         self._waiters.append((waiter, fail_fast))
         self._units += self._threshold if urgent else units
