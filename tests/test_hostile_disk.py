@@ -72,21 +72,27 @@ def test_full_disk_refuses_what_it_cannot_store_and_serves_again_once_space_is_f
     with small_disk(tmp_path / "disk", 16) as disk:
         broker = broker_factory(store=str(disk / "store"), recovery_buffer=10)
         port = broker.port
-        monitor = clients(port, "monitor", clean_session=True)
-        monitor.subscribe(HEALTH, 1)
         offline = clients(port, "offline")
         offline.subscribe("d/#", 1)
+        offline.subscribe("o/#", 1)
         offline.disconnect()
         reader = clients(port, "reader", manual_ack=True)
         reader.subscribe("d/#", 1)
+        reader.disconnect()
+        # After a restart both sessions are disconnected for sure: what comes next is their backlog,
+        # and sending it moves the reader's sent mark (stored before each send).
+        broker.restart(kill=True)
+        monitor = clients(port, "monitor", clean_session=True)
+        monitor.subscribe(HEALTH, 1)
         publisher = clients(port, "pub", clean_session=True)
         before = payloads(60, "before")
         publisher.publish("d/x", before)
+        assert reader.connect() is True
         assert reader.wait_for(lambda m: len(m) >= 10), "the reader's window (10) is sent"
 
         filler = fill(disk)
         unstored = b"unstored-" + bytes(64 * 1024)
-        attempt = publisher.paho.publish("d/x", unstored, qos=1)
+        attempt = publisher.paho.publish("o/x", unstored, qos=1)  # not for the reader: its sent mark stays
         assert publisher.wait_disconnected(), "the publisher of an unstorable publish must see its connection closed"
         assert not was_acknowledged(attempt), "no PUBACK for a publish that could not be stored"
         failing = wait_health(monitor, "failing")
@@ -100,7 +106,8 @@ def test_full_disk_refuses_what_it_cannot_store_and_serves_again_once_space_is_f
         assert raw_connect(port, "offline", clean=False) == (CONNACK_UNAVAILABLE, True), "stored session: CONNACK 3"
         assert raw_connect(port, "plain", clean=True)[0] == CONNACK_ACCEPTED, "a clean CONNECT needs no write"
 
-        # The connected durable subscriber goes on getting what the store holds, past its window.
+        # The connected durable subscriber goes on getting what the store holds, past its window
+        # and past the sent mark stored before the disk filled (the mark cannot be written now).
         reader.on_message_hook = acknowledging(reader)
         for message in reader.wait_messages(10):
             reader.paho.ack(message.mid, message.qos)
