@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import plyvel
 
@@ -83,8 +83,8 @@ class ExpiredSession:
 class StoreHealth:
     """The store started or stopped failing to write, for the $SYS health topic."""
 
-    status: str
-    """"failing" (writes fail; nothing that needs one is acknowledged) or "ok" (they succeed again)."""
+    status: Literal["failing", "ok"]
+    """failing (writes fail: nothing that needs one is acknowledged) or ok (they succeed again)."""
     since: float
     """Unix time the status began."""
     error: str | None = None
@@ -466,7 +466,7 @@ class DurableEngine:
             log.warning(
                 "store write failed: %s. Until a write succeeds, publishes that must be stored get no "
                 "PUBACK/PUBREC (their connections are closed) and durable CONNECTs get CONNACK 3; the "
-                "write is retried, at least every %.0f s. Free space on the store's disk: no restart needed",
+                "write is retried, at most %.0f s apart. Free space on the store's disk: no restart needed",
                 failure,
                 RETRY_MAX,
             )
