@@ -22,7 +22,7 @@ from small_disk import fill, small_disk
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine, StoreHealth
 from amqtt_durable.errors import StoreUnavailableError
-from amqtt_durable.store import RETRY_FIRST, Body, GroupCommitter, body_key, iter_entries, open_store
+from amqtt_durable.store import RETRY_FIRST, Body, GroupCommitter, body_key, iter_entries, iter_sessions, open_store
 
 GENEROUS = 10.0
 
@@ -267,3 +267,45 @@ def test_after_a_full_disk_every_acknowledged_publish_survives_a_restart(tmp_pat
         kept = [payload for payload in stored if payload in set(acked)]
         assert kept == acked, "every acknowledged publish is in the queue, in order"
         assert set(stored) <= set(acked) | set(unacked[:1]), "only the publish whose own write failed may be added"
+
+
+def test_a_connect_whose_write_fails_is_refused_and_its_session_expires_like_a_disconnected_one(
+    tmp_path: Path,
+) -> None:
+    store = str(tmp_path / "store")
+
+    async def main() -> None:
+        recovered = asyncio.Event()
+        engine = DurableEngine(
+            DurableConfig(store=store, session_expiry=60),
+            on_store_health=lambda change: recovered.set() if change.status == "ok" else None,
+        )
+        engine.open()
+        await engine.connect("kept", clean_session=False)
+        await engine.subscribe("kept", "t/#", 1)
+        engine.db.close()  # the next write fails, as on a full disk; the retry reopens the store
+        with pytest.raises(StoreUnavailableError):
+            await engine.connect("new", clean_session=False)
+        session = engine.sessions["new"]
+        assert session.record.expires_at is not None, "refused, so disconnected: its expiry clock runs"
+        for clean in (False, True):  # a durable CONNECT, or a clean one that would delete a session
+            with pytest.raises(StoreUnavailableError):
+                await engine.connect("kept", clean_session=clean)
+        assert await engine.connect("plain", clean_session=True) is False, "a clean CONNECT needs no write"
+        kept = engine.sessions["kept"]
+        before = (kept.depth, kept.next_seq, engine._next_msg_id)
+        with pytest.raises(StoreUnavailableError):
+            engine.route_publish("t/x", b"refused", 1)
+        assert (kept.depth, kept.next_seq, engine._next_msg_id) == before, "a refused publish changes nothing"
+        assert engine.route_publish("nobody/x", b"not stored anyway", 1) is None
+        await asyncio.wait_for(recovered.wait(), GENEROUS)
+        await engine.close()
+
+    run(main)
+    db = open_store(store, create=False)
+    try:
+        records = {record.client_id: record for record in iter_sessions(db)}
+    finally:
+        db.close()
+    assert set(records) == {"kept", "new"}
+    assert records["new"].expires_at is not None
