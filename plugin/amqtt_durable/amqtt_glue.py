@@ -22,7 +22,8 @@ instance the plugin is loaded into and on each connection's handler:
   has work (QoS 2, a retain flag, a clean-session subscriber, a plugin listening for messages);
   otherwise the plugin sends PUBACK itself;
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
-  CONNACK's session-present from the store; refuse another user than the session's owner;
+  CONNACK's session-present from the store; refuse another user than the session's owner,
+  and (CONNACK 3) any durable CONNECT while the store cannot write;
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
 * ``BrokerProtocolHandler.handle_pubrel`` (per connection): a durable publisher's stored QoS 2
@@ -50,6 +51,8 @@ instance the plugin is loaded into and on each connection's handler:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 from collections import deque
@@ -65,7 +68,7 @@ from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError
 from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
-from amqtt.mqtt.connack import NOT_AUTHORIZED, ConnackPacket
+from amqtt.mqtt.connack import NOT_AUTHORIZED, SERVER_UNAVAILABLE, ConnackPacket
 from amqtt.mqtt.packet import (
     CONNACK,
     CONNECT,
@@ -95,7 +98,7 @@ from durable_client.protocol import CONTROL_PREFIX
 from .config import DurableConfig
 from .control import ControlChannel
 from .delivery import AckKind, ReadAccess
-from .engine import DurableEngine, ExpiredSession
+from .engine import DurableEngine, ExpiredSession, StoreHealth
 from .errors import (
     DurableError,
     InternalsMismatchError,
@@ -103,6 +106,7 @@ from .errors import (
     PacketTooLargeError,
     ProtocolViolationError,
     StoreError,
+    StoreUnavailableError,
 )
 from .streams import StreamSender
 from .topics import filter_is_valid, matches, topic_problem
@@ -112,6 +116,7 @@ log = logging.getLogger("amqtt_durable")
 
 AMQTT_VERSION = "0.12.1"
 SYS_PREFIX = "$SYS/broker/durable/"
+HEALTH_TOPIC = SYS_PREFIX + "store/health"
 _SUBSCRIBE_REFUSED = 0x80
 TOPIC_PAST_END = "PUBLISH refused: its topic length runs past the packet's end (MQTT-1.5.3)"
 CLOSE_GRACE = 5.0
@@ -143,6 +148,7 @@ _HANDLER_INTERNALS = (
     "handle_pubrec",
     "handle_pubcomp",
     "handle_pubrel",
+    "_send_packet",
 )
 
 _ACK_KINDS: dict[int, AckKind] = {PUBACK: "puback", PUBREC: "pubrec", PUBCOMP: "pubcomp"}
@@ -378,7 +384,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         broker: Broker = context._broker_instance
         try:
             check_internals(broker)
-            self.engine = DurableEngine(config, on_expired=self._on_expired)
+            self.engine = DurableEngine(config, on_expired=self._on_expired, on_store_health=self._on_store_health)
             self.engine.open()
         except DurableError as exc:
             log.error("%s", exc)
@@ -386,6 +392,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self.broker = broker
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metrics_task: asyncio.Task[None] | None = None
+        self._health_order = asyncio.Lock()
         _install_connect_hooks()
         _install_decoder_checks()
         _install(broker, self.engine)
@@ -416,6 +423,15 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
             }
         ).encode()
         self._spawn(self.broker._broadcast_message(None, SYS_PREFIX + "expired", payload, 1))
+
+    def _on_store_health(self, health: StoreHealth) -> None:
+        self._spawn(self._publish_health(json.dumps(dataclasses.asdict(health)).encode()))
+
+    async def _publish_health(self, payload: bytes) -> None:
+        """Retained, so a monitor that subscribes later sees the current state; in order of change."""
+        async with self._health_order:
+            await self.broker.retain_message(None, HEALTH_TOPIC, payload, 1)
+            await self.broker._broadcast_message(None, HEALTH_TOPIC, payload, 1)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -513,7 +529,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         reader.durable_client_id = session.client_id  # for the decoder checks' log lines
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
-        handler.durable_acks = OrderedAcks(handler.durable_transport)
+        handler.durable_acks = OrderedAcks(handler.durable_transport, session.client_id)
         handler.durable_control = _control_channel(broker, engine, handler, session)
         _wrap_handler(broker, engine, handler, session, amqtt_wants=amqtt_wants, receivers=receivers)
         handler._reader_loop = FastReader(broker, engine, handler, session, amqtt_wants).run
@@ -554,6 +570,9 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
             return int(await original_add_subscription(subscription, session))
         topic_filter, qos = subscription
         if not filter_is_valid(topic_filter) or qos not in (0, 1, 2):
+            return _SUBSCRIBE_REFUSED
+        if engine.committer.failure is not None:
+            log.warning("%s: SUBSCRIBE %s refused: the store cannot write now", session.client_id, topic_filter)
             return _SUBSCRIBE_REFUSED
         if not await broker._topic_filtering(session, topic_filter, Action.SUBSCRIBE):
             return _SUBSCRIBE_REFUSED
@@ -596,7 +615,10 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         if not isinstance(data, RoutedPayload) and topic is not None and data is not None:
             # No QoS given means "the subscription's", as amqtt's own broadcast does.
             qos = 2 if force_qos is None else force_qos
-            engine.route_publish(topic, bytes(data), qos, await receivers(topic))
+            try:
+                engine.route_publish(topic, bytes(data), qos, await receivers(topic))
+            except StoreUnavailableError:
+                log.info("%s not queued for durable sessions: the store cannot write now", topic)
         await original_broadcast(session, topic, data, force_qos)
 
     async def cleanup_session(client_id: str) -> None:
@@ -632,6 +654,9 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     async def retain_message(session: Any, topic: str, data: Any, qos: int | None = None) -> None:
         # A publish's retain (its payload a RoutedPayload) was stored and applied with the publish.
         if topic.startswith(CONTROL_PREFIX) or isinstance(data, RoutedPayload):
+            return
+        if topic.startswith("$"):  # the broker's own state ($SYS store health): memory only, never stale
+            apply_retained(topic, bytes(data or b""), qos or 0)
             return
         try:
             await engine.retain(topic, bytes(data or b""), qos or 0)  # a will's (or a plugin's)
@@ -685,7 +710,7 @@ def _ack_interceptor(
     return handle_ack
 
 
-def _wrap_handler(
+def _wrap_handler(  # noqa: PLR0915 - the per-connection wrappers share their closure
     broker: Any,
     engine: DurableEngine,
     handler: Any,
@@ -719,15 +744,25 @@ def _wrap_handler(
         retain = bool(packet.retain_flag)
         stored: asyncio.Future[None] | None = None
         if qos == 2:  # amqtt's PUBREC / PUBREL flow, after the message and its packet id are durable
-            stored = await _route_qos2(broker, engine, handler, session, packet, receivers=receivers)
-            if stored is not None:
-                await stored
+            try:
+                stored = await _route_qos2(broker, engine, handler, session, packet, receivers=receivers)
+                if stored is not None:
+                    await stored
+            except StoreUnavailableError as exc:
+                handler.durable_acks.refuse(exc)
+                return
             packet.payload.data = RoutedPayload(data)
             await original_publish(packet)
             return
         async with ordering:  # FIFO per connection even when topic ACL checks yield
             if await broker._topic_filtering(session, topic, Action.PUBLISH):
-                stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic), retain=retain)
+                try:
+                    stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic), retain=retain)
+                except StoreUnavailableError as exc:
+                    if qos:
+                        handler.durable_acks.refuse(exc)
+                        return
+                    # QoS 0 is at most once: amqtt's own subscribers still get it
             if amqtt_wants(topic, retain):
                 hand_to_amqtt(session, topic, data, qos, packet_id=packet_id, retain=retain)
         if qos == 1 and packet_id is not None:
@@ -798,6 +833,16 @@ async def _route_qos2(
         return stored
 
 
+async def _refuse_unavailable(handler: Any, session: Any, error: StoreUnavailableError) -> None:
+    """CONNACK 3 (server unavailable), then end the connection: amqtt would go on serving it, so
+    its connection handling is ended by the error raised here (amqtt logs and drops it)."""
+    log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, error)
+    await handler._send_packet(ConnackPacket.build(0, SERVER_UNAVAILABLE))
+    session.transitions.disconnect()
+    await handler.writer.close()
+    raise AMQTTError(f"{session.client_id}: CONNECT refused, the durable store cannot write")
+
+
 def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> ControlChannel:
     """The connection's control channel; with topic ACL plugins, streams obey them as subscriptions do."""
     config = engine.config
@@ -831,7 +876,8 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
 
 async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> bool:
     """CONNACK is due: create, wipe or take the stored session and set session-present from the
-    store. False refuses the CONNECT (CONNACK 5): the session belongs to another user."""
+    store. False refuses the CONNECT (CONNACK 5): the session belongs to another user. While the
+    store cannot write, a CONNECT that needs a write is refused with CONNACK 3 (raises)."""
     try:
         engine.check_owner(session.client_id, session.username)
         revoke = await _refused_subscriptions(broker, engine, session)
@@ -842,6 +888,8 @@ async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, ses
         log.warning("%s", exc)
         session.parent = 0  # MQTT-3.2.2-4: no session present with a refusal
         return False
+    except StoreUnavailableError as exc:
+        await _refuse_unavailable(handler, session, exc)
     if not session.clean_session:
         session.parent = 1 if present else 0
         # A Session amqtt cached from an earlier clean connection may still hold amqtt-level
@@ -901,30 +949,62 @@ def hand_to_amqtt(session: Any, topic: str, payload: bytes, qos: int, *, packet_
 
 class OrderedAcks:
     """PUBACKs of one connection, written in the order the PUBLISHes arrived (MQTT-4.6.0-2),
-    each only once its message is durable."""
+    each only once its message is durable.
 
-    def __init__(self, transport: HandlerTransport) -> None:
+    A publish that could not be stored gets none: once the PUBACKs before it are written, the
+    connection is closed, so the publisher learns it and re-sends after reconnecting; nothing
+    is acknowledged on that connection after it.
+    """
+
+    def __init__(self, transport: HandlerTransport, client_id: str | None) -> None:
         self._transport = transport
+        self._client_id = client_id
         self._queue: deque[tuple[asyncio.Future[None] | None, int]] = deque()
+        self._closing: asyncio.Task[None] | None = None
 
     def add(self, stored: asyncio.Future[None] | None, packet_id: int) -> None:
+        if self._closing is not None:
+            return
         self._queue.append((stored, packet_id))
         if stored is None:
             self._release()
         else:
             stored.add_done_callback(self._on_stored)
 
+    def refuse(self, error: StoreUnavailableError) -> None:
+        """A publish that cannot be stored: close the connection after the PUBACKs due before it."""
+        if self._closing is not None:
+            return
+        refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        refused.set_exception(error)
+        self.add(refused, 0)
+
     def _on_stored(self, stored: asyncio.Future[None]) -> None:
-        if not stored.cancelled() and stored.exception() is not None:
-            log.error("a publish could not be stored, so it is not acknowledged: %s", stored.exception())
         self._release()
 
     def _release(self) -> None:
         queue = self._queue
         while queue and (queue[0][0] is None or queue[0][0].done()):
             stored, packet_id = queue.popleft()
-            if stored is None or (not stored.cancelled() and stored.exception() is None):
-                self._transport.write(encode_puback(packet_id))
+            if stored is not None and (stored.cancelled() or stored.exception() is not None):
+                self._close(None if stored.cancelled() else stored.exception())
+                return
+            self._transport.write(encode_puback(packet_id))
+
+    def _close(self, error: BaseException | None) -> None:
+        log.warning(
+            "%s: a publish could not be stored, so it is not acknowledged: closing the connection so the "
+            "client re-sends it (%s)",
+            self._client_id,
+            error,
+        )
+        self._queue.clear()
+        self._closing = asyncio.get_running_loop().create_task(self._end())
+
+    async def _end(self) -> None:
+        with contextlib.suppress(OSError):  # gone already: ending it is all that is left
+            await self._transport.drain()  # the PUBACKs of the publishes stored before it
+        await self._transport.end()
 
 
 class FastReader:
@@ -975,7 +1055,13 @@ class FastReader:
                 self._acks.add(None, packet_id)
             return True
         retain = bool(flags & 0x01)
-        stored = self._engine.route_publish(topic, payload, qos, retain=retain)
+        try:
+            stored = self._engine.route_publish(topic, payload, qos, retain=retain)
+        except StoreUnavailableError as exc:
+            if qos:
+                self._acks.refuse(exc)
+                return True
+            stored = None  # QoS 0 is at most once: amqtt's own subscribers still get it
         if self._amqtt_wants(topic, retain):
             hand_to_amqtt(self._session, topic, payload, qos, packet_id=packet_id or None, retain=retain)
         if qos:

@@ -110,6 +110,13 @@ class DurableConfig:
     """Largest packet a client may send, in bytes of remaining length (EMQX's default, 1 MB; at
     most MQTT's 268435455). A larger one closes the connection before its body is read."""
 
+    max_bytes: int = 0
+    """Queue limit of a connected session in payload bytes, beside max_depth (same overflow); 0: none."""
+
+    max_bytes_disconnected: int = 0
+    """Byte limit while disconnected, beside max_depth_disconnected; 0: none. Must be >= max_bytes
+    when both are set."""
+
     def __post_init__(self) -> None:
         _check_ranges(self)
 
@@ -214,6 +221,14 @@ def _check_ranges(config: DurableConfig) -> None:
         raise ConfigError(
             "max_depth_disconnected",
             f"must be >= max_depth ({config.max_depth}), got {config.max_depth_disconnected}",
+        )
+    for key in ("max_bytes", "max_bytes_disconnected"):
+        if getattr(config, key) < 0:
+            raise ConfigError(key, f"must be 0 (no limit) or more bytes, got {getattr(config, key)!r}")
+    if 0 < config.max_bytes_disconnected < config.max_bytes:
+        raise ConfigError(
+            "max_bytes_disconnected",
+            f"must be >= max_bytes ({config.max_bytes}) or 0 (no limit), got {config.max_bytes_disconnected}",
         )
     if not 1 <= config.stream_window <= MAX_STREAM_WINDOW:
         raise ConfigError("stream_window", f"must be between 1 and {MAX_STREAM_WINDOW}, got {config.stream_window!r}")

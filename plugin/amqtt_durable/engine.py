@@ -9,6 +9,7 @@ disconnected session runs the same path with its pump absent. Nothing here impor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import struct
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import plyvel
 
@@ -24,7 +25,13 @@ from durable_client.protocol import LiveSubscription
 
 from .config import DurableConfig
 from .delivery import Pump, ReadAccess, Transport
-from .errors import DamagedRecordError, NotSessionOwnerError, StoreCorruptedError, StoreReadError
+from .errors import (
+    DamagedRecordError,
+    NotSessionOwnerError,
+    StoreCorruptedError,
+    StoreReadError,
+    StoreUnavailableError,
+)
 from .expiry import ExpiryTracker
 from .queue_policy import Admission, QueueLimits
 from .retained import RetainedMessages
@@ -32,6 +39,7 @@ from .store import (
     FLAG_RELEASED,
     FLAG_RETAIN,
     FLAG_SHARED,
+    RETRY_MAX,
     SID_MARK_KEY,
     STORE_ID_KEY,
     Body,
@@ -39,6 +47,7 @@ from .store import (
     GroupCommitter,
     SessionRecord,
     body_key,
+    check_writable,
     decode_refs,
     decode_totals,
     decode_u64,
@@ -81,6 +90,20 @@ class ExpiredSession:
     client_id: str
     messages_dropped: int
     disconnected_at: float | None
+
+
+@dataclass
+class StoreHealth:
+    """The store started or stopped failing to write, for the $SYS health topic."""
+
+    status: Literal["failing", "ok"]
+    """failing (writes fail: nothing that needs one is acknowledged) or ok (they succeed again)."""
+    since: float
+    """Unix time the status began."""
+    error: str | None = None
+    """The write error (failing only)."""
+    failed_for: float | None = None
+    """Seconds the store failed (ok only)."""
 
 
 def droppable(entry: Entry) -> bool:
@@ -137,7 +160,13 @@ class DurableSession:
         self.sent_max = 0
         self.replay_upto = 0
         config = engine.config
-        self.limits = QueueLimits(config.max_depth, config.max_depth_disconnected, config.overflow)
+        self.limits = QueueLimits(
+            config.max_depth,
+            config.max_depth_disconnected,
+            config.overflow,
+            config.max_bytes,
+            config.max_bytes_disconnected,
+        )
         self.transport: Transport | None = None
         self.pump: Pump | None = None
         self.newest: Transport | None = None
@@ -195,7 +224,12 @@ class DurableSession:
             return
         self.sent_mark = mark
         self.engine.committer.put(sent_mark_key(self.sid), encode_u64(mark))
-        await self.engine.committer.commit(urgent=True)
+        # While the store cannot write, sending goes on: the mark is queued ahead of the acks of
+        # what is sent next, so no write can land those acks without it (a later message never
+        # reuses a sequence a client has seen); a crash before the store recovers loses only the
+        # DUP flag on re-sends of what was sent meanwhile.
+        with contextlib.suppress(StoreUnavailableError):
+            await self.engine.committer.commit(urgent=True, fail_fast=True)
 
     def mark_released(self, entry: Entry) -> None:
         if self.deleted:
@@ -213,7 +247,7 @@ class DurableSession:
         self.depth -= 1
         self.bytes -= entry.size
         self.engine.totals_changed(self)
-        self.limits.on_drained(self.depth, self.connected)
+        self.limits.on_drained(self.depth, self.connected, self.bytes)
         committer.flush_soon()
 
     def append(self, msg_id: int, qos: int, flags: int, size: int) -> Entry:
@@ -238,13 +272,22 @@ class DurableSession:
         if self.pump is not None:
             self.pump.offer_live(entry, body)
 
-    def admit(self) -> bool:
-        """Apply the queue limit for one new message; False when the new message is dropped."""
-        decision = self.limits.admit(self.depth)
+    def admit(self, size: int) -> bool:
+        """Apply the queue limits for one new message of ``size`` payload bytes; False when the new
+        message is dropped. drop-oldest removes one message, or more while the byte limit still
+        leaves no room and the queue has not shrunk by ``size`` bytes yet."""
+        decision = self.limits.admit(self.depth, self.bytes, size)
         if decision is Admission.ACCEPT:
             return True
         self._count_drop(self._overflow_cause)
-        return decision is Admission.DROP_OLDEST_THEN_ACCEPT and self._drop_oldest()
+        if decision is Admission.REJECT:
+            return False
+        start = self.bytes
+        while self._drop_oldest():
+            if self.limits.room_made(self.bytes, size, start - self.bytes):
+                return True
+            self._count_drop(self._overflow_cause)
+        return False
 
     def _drop_oldest(self) -> bool:
         """Remove the oldest entry not in flight: buffered, then stored, then still uncommitted."""
@@ -280,7 +323,7 @@ class DurableSession:
         self._count_drop(self._unreadable_cause)
 
     def _overflow_cause(self) -> str:
-        return f"queue full at its limit of {self.limits.limit()} messages (overflow {self.limits.overflow})"
+        return f"queue full at its limit of {self.limits.describe()} (overflow {self.limits.overflow})"
 
     def _unreadable_cause(self) -> str:
         return f"its user {self.record.username!r} may not read them under the topic ACL"
@@ -325,7 +368,12 @@ class DurableSession:
 class DurableEngine:
     """Owns the store and every durable session of one broker."""
 
-    def __init__(self, config: DurableConfig, on_expired: Callable[[ExpiredSession], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: DurableConfig,
+        on_expired: Callable[[ExpiredSession], None] | None = None,
+        on_store_health: Callable[[StoreHealth], None] | None = None,
+    ) -> None:
         self.config = config
         self.db: Any = None
         self.committer: GroupCommitter
@@ -333,6 +381,7 @@ class DurableEngine:
         self.index = SubscriptionIndex()
         self.expiry = ExpiryTracker()
         self.on_expired = on_expired
+        self.on_store_health = on_store_health
         self._next_msg_id = 1
         self._next_sid = 1
         self._refs: dict[int, int] = {}
@@ -385,6 +434,8 @@ class DurableEngine:
         )
         self.committer.before_flush = self._before_flush
         self.committer.after_write = self.removing.written
+        self.committer.reopen = self._reopen_store
+        self.committer.on_health = self._store_health_changed
         raw_id = self.db.get(STORE_ID_KEY, verify_checksums=True)
         self.store_id = decode_u64(raw_id) if raw_id is not None else secrets.randbits(63)
         if raw_id is None:
@@ -463,6 +514,33 @@ class DurableEngine:
                 if sid_of_entry_key(key) not in known:
                     self.committer.delete(key)
 
+    def _reopen_store(self) -> Any:
+        """Before a store write is retried: a fresh handle (see GroupCommitter), opened only once
+        the folder takes a probe write, so the store is not left closed and unreadable."""
+        check_writable(self.config.store)
+        if not self.db.closed:
+            self.db.close()
+        self.db = open_store(self.config.store, create=False)
+        self.streams.use_db(self.db)
+        return self.db
+
+    def _store_health_changed(self, failure: BaseException | None, failing_since: float) -> None:
+        now = time.time()
+        if failure is not None:
+            log.warning(
+                "store write failed: %s. Until a write succeeds, publishes that must be stored get no "
+                "PUBACK/PUBREC (their connections are closed) and durable CONNECTs get CONNACK 3; the "
+                "write is retried, at most %.0f s apart. Free space on the store's disk: no restart needed",
+                failure,
+                RETRY_MAX,
+            )
+            health = StoreHealth("failing", failing_since, error=str(failure))
+        else:
+            log.warning("store writes succeed again after %.1f s of failures: serving normally", now - failing_since)
+            health = StoreHealth("ok", now, failed_for=round(now - failing_since, 3))
+        if self.on_store_health is not None:
+            self.on_store_health(health)
+
     def start_timers(self) -> None:
         self._arm_expiry()
         interval = self.streams.trim_interval()
@@ -508,9 +586,15 @@ class DurableEngine:
         A session belongs to the user that created it: another user's CONNECT raises
         NotSessionOwnerError, unless session_takeover is any-user; then the session passes to that
         user without the subscriptions in ``revoke`` (those the topic ACL refuses the new user).
+
+        Raises StoreUnavailableError while the store cannot write and the CONNECT needs a write (a
+        durable one, or a clean one that deletes a durable session): the glue refuses it.
         """
         self.check_owner(client_id, username)
         existing = self.sessions.get(client_id)
+        failure = self.committer.failure
+        if failure is not None and (existing is not None or not clean_session):
+            raise StoreUnavailableError(failure)
         if existing is not None and existing.record.username != username and not clean_session:
             self._pass_to(existing, username, revoke)
         if clean_session:
@@ -529,7 +613,13 @@ class DurableEngine:
         session.newest = transport
         self.committer.put(session_key(client_id), record.encode())
         self.committer.put(SID_MARK_KEY, encode_u64(record.sid))
-        await self.committer.commit(urgent=True)
+        try:
+            await self.committer.commit(urgent=True, fail_fast=True)
+        except StoreUnavailableError:
+            # Refused, but the record is written once the store recovers: a disconnected session
+            # from now on, so it expires if the client does not come back.
+            self._disconnected(session)
+            raise
         return False
 
     def check_owner(self, client_id: str, username: str | None) -> None:
@@ -589,7 +679,7 @@ class DurableEngine:
         previous = session.pump  # stopped above, unless another attach ran meanwhile
         displaced = session.transport if session.transport is not transport else None
         session.transport = transport
-        session.limits.on_connect(session.depth)
+        session.limits.on_connect(session.depth, session.bytes)
         self.expiry.cancel(client_id)
         session.connecting_until = 0.0  # attached: expiry counts from this connection's end, not its CONNECT
         session.record.disconnected_at = None
@@ -623,11 +713,15 @@ class DurableEngine:
         if session.deleted:
             return
         session.limits.on_disconnect()
+        self._disconnected(session)
+
+    def _disconnected(self, session: DurableSession) -> None:
+        """Start the expiry clock of a session that has no connection now."""
         now = time.time()
         session.record.disconnected_at = now
         session.record.expires_at = now + session.expiry_seconds()
         self._save_record(session)
-        self.expiry.schedule(client_id, session.record.expires_at)
+        self.expiry.schedule(session.client_id, session.record.expires_at)
         self._arm_expiry()
 
     async def delete_session(self, session: DurableSession) -> int:
@@ -764,10 +858,14 @@ class DurableEngine:
 
         ``targets`` (client id -> subscription QoS, from ``index.route``) narrows the sessions,
         e.g. to those a topic ACL lets receive it. Runs without awaiting, so publishes are queued
-        in the order they arrive.
+        in the order they arrive. Raises StoreUnavailableError, changing nothing, while the store
+        cannot write and the publish would have to be stored.
         """
         if targets is None:
             targets = self.index.route(topic)
+        failure = self.committer.failure
+        if failure is not None and (targets or retain or self.streams.logged(topic) is not None):
+            raise StoreUnavailableError(failure)
         published_at = time.time()
         if retain:
             self._retain(topic, payload, qos, published_at)
@@ -778,7 +876,7 @@ class DurableEngine:
         chosen = [(sessions[c], q) for c, q in targets.items() if c in sessions]  # one may just have gone
         appended = self._append_to_queues(topic, payload, qos, chosen, flags=0, published_at=published_at)
         then = None if log_id is None else partial(self.streams.appended, topic, log_id)
-        return self._commit_queued(appended, then, retained=retain)
+        return self._commit_queued(appended, then, retained=retain, fail_fast=True)
 
     def retain(self, topic: str, payload: bytes, qos: int) -> asyncio.Future[None]:
         """Set (an empty payload: clear) a retained message that is not routed with it (a will's retain
@@ -803,9 +901,11 @@ class DurableEngine:
         then: Callable[[], None] | None = None,
         *,
         retained: bool = False,
+        fail_fast: bool = False,
     ) -> asyncio.Future[None] | None:
         """Commit the batch; once durable, offer the entries to their pumps, then run ``then``.
-        ``retained``: the batch also holds a retained message, which the caller waits for too."""
+        ``retained``: the batch also holds a retained message, which the caller waits for too.
+        ``fail_fast``: the future fails if the write does (a publish is then not acknowledged)."""
         if not appended and then is None and not retained:
             return None
 
@@ -815,7 +915,7 @@ class DurableEngine:
             if then is not None:
                 then()
 
-        return self.committer.commit(deliver)
+        return self.committer.commit(deliver, fail_fast=fail_fast)
 
     def _append_to_queues(
         self,
@@ -829,11 +929,12 @@ class DurableEngine:
     ) -> list[tuple[DurableSession, Entry, Body]]:
         """Put one message into the current batch for every target session its limits admit."""
         accepted: list[tuple[DurableSession, int]] = []
+        size = len(payload)
         for session, sub_qos in targets:
             delivered_qos = min(qos, sub_qos)
             if delivered_qos == 0 and not session.connected and not self.config.queue_qos0:
                 continue
-            if session.admit():
+            if session.admit(size):
                 accepted.append((session, delivered_qos))
         if not accepted:
             return []
@@ -846,7 +947,6 @@ class DurableEngine:
             flags |= FLAG_SHARED
             self._refs[msg_id] = len(accepted)
             committer.put(refs_key(msg_id), encode_refs(len(accepted)))
-        size = len(payload)
         appended = [(session, session.append(msg_id, qos_out, flags, size), body) for session, qos_out in accepted]
         self.enqueued_total += len(appended)
         return appended

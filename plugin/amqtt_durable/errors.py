@@ -89,3 +89,14 @@ class PacketTooLargeError(ProtocolViolationError):
             f"a packet of {size} bytes is larger than max_packet_size ({limit} bytes); "
             "raise max_packet_size in broker.yaml if such packets are legitimate"
         )
+
+
+class StoreUnavailableError(StoreError):
+    """The store cannot write now (disk full, I/O error); the write is retried until it succeeds."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+        super().__init__(
+            f"the durable store cannot write ({cause}); the broker retries by itself and serves "
+            "normally again once a write succeeds: free space on the store's disk"
+        )

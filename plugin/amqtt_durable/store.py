@@ -51,6 +51,7 @@ it, so a retained message is stored before its PUBACK; nothing under ``_durable/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -63,7 +64,7 @@ from typing import Any
 
 import plyvel
 
-from .errors import DamagedRecordError, StoreCorruptedError, StoreError, StoreLockedError
+from .errors import DamagedRecordError, StoreCorruptedError, StoreError, StoreLockedError, StoreUnavailableError
 
 log = logging.getLogger("amqtt_durable")
 
@@ -509,6 +510,35 @@ def last_msg_id(db: Any) -> int:
     return 0
 
 
+RETRY_FIRST = 0.25
+"""Seconds before the first retry after a failed store write; doubled after each failed retry."""
+RETRY_MAX = 5.0
+"""Longest wait between two retries: once the disk has room again, service resumes within it."""
+PROBE_MARGIN = 1 << 20
+"""Bytes a reopen writes besides a table of what its logs hold (manifest, new log, info log)."""
+PROBE_NAME = "durable-write-probe.tmp"
+
+
+def check_writable(path: str) -> None:
+    """Raise OSError unless the store's folder takes a write as large as reopening the store needs.
+
+    Reopening LevelDB turns its logs into a table, so a store is only closed for a reopen once
+    that can succeed: a store that cannot open again could not be read either.
+    """
+    need = PROBE_MARGIN + sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".log"))
+    probe = os.path.join(path, PROBE_NAME)
+    try:
+        with open(probe, "wb") as out:
+            chunk = bytes(min(need, PROBE_MARGIN))
+            while need > 0:
+                need -= out.write(chunk[:need])
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(probe)
+
+
 class GroupCommitter:
     """Collects writes from concurrent publishes and acks into shared LevelDB write batches.
 
@@ -517,6 +547,16 @@ class GroupCommitter:
     commit gathers before it is started. Each commit is one atomic write batch (a publish's
     body and its queue entries are never split), written in arrival order, so FIFO holds.
     With ``sync`` the write is fsynced (in a worker thread, so the loop keeps collecting).
+
+    A failed write (disk full, I/O error) loses nothing: its operations stay queued, in front of
+    any that came since, and are written again, with a back-off, until a write succeeds. That
+    keeps the store consistent with the in-memory state (queue depths, next sequence numbers,
+    body references), which already counts them; writing a batch twice is harmless, as a batch
+    only puts and deletes whole values. Before each retry ``reopen`` gives a fresh handle:
+    LevelDB refuses every write after a failed compaction or fsync until it is reopened, and a
+    record written after a torn one in its log would be lost when the log is replayed at the
+    next start. While writes fail, commits asked with ``fail_fast`` fail at once (a publish is
+    then not acknowledged); the others wait for the retry.
     """
 
     def __init__(
@@ -535,55 +575,69 @@ class GroupCommitter:
         self._threshold = pending_threshold
         self._ops: list[tuple[bytes, bytes | None]] = []
         self._units = 0
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: list[tuple[asyncio.Future[None], bool]] = []
         self._after_commit: list[Callable[[], None]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._soon: asyncio.Handle | None = None
+        self._retry: asyncio.TimerHandle | None = None
+        self._retry_delay = RETRY_FIRST
         self._writing = False
         self._idle = asyncio.Event()
         self.before_flush: Callable[[], None] | None = None
         self.after_write: Callable[[], None] | None = None
+        self.reopen: Callable[[], Any] | None = None
+        """Called before a retry; returns the handle to write to from then on."""
+        self.on_health: Callable[[BaseException | None, float], None] | None = None
+        """Called with (the error, when writes began failing) as writes start failing, and with
+        (None, that same time) once a write succeeds again."""
         self.commits = 0
         self.failure: BaseException | None = None
+        """The last write error while writes fail; None while they succeed."""
+        self.failing_since = 0.0
 
     def put(self, key: bytes, value: bytes) -> None:
-        if self.failure is None:  # after a failed write nothing is written: do not pile up
-            self._ops.append((key, value))
+        self._ops.append((key, value))
 
     def delete(self, key: bytes) -> None:
-        if self.failure is None:
-            self._ops.append((key, None))
+        self._ops.append((key, None))
 
     def flush_soon(self) -> None:
         """Make sure what was added gets written, without waiting for it (acks, bookkeeping)."""
-        if self.failure is None:
-            self._units += 1
-            self._schedule(asyncio.get_running_loop())
+        self._units += 1
+        self._schedule(asyncio.get_running_loop())
 
     def commit(
-        self, on_durable: Callable[[], None] | None = None, *, units: int = 1, urgent: bool = False
+        self,
+        on_durable: Callable[[], None] | None = None,
+        *,
+        units: int = 1,
+        urgent: bool = False,
+        fail_fast: bool = False,
     ) -> asyncio.Future[None]:
         """Ask for the operations added so far to be written; the future resolves once they are.
 
         ``on_durable`` runs right after the write, before any awaiting task resumes, so
         delivery of what was just stored can start in commit order. ``urgent`` commits at the
         end of the current loop pass instead of waiting for company (a pump about to send).
+        ``fail_fast``: the future fails with StoreUnavailableError when the write fails or
+        writes are failing now, instead of waiting for the retry that writes the operations
+        (and runs ``on_durable``) later.
         """
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
-        if self.failure is not None:
-            waiter.set_exception(StoreError(f"store write failed earlier: {self.failure}"))
-            return waiter
-        self._waiters.append(waiter)
         if on_durable is not None:
             self._after_commit.append(on_durable)
+        if fail_fast and self.failure is not None:
+            _fail(waiter, StoreUnavailableError(self.failure))
+            return waiter
+        self._waiters.append((waiter, fail_fast))
         self._units += self._threshold if urgent else units
         self._schedule(loop)
         return waiter
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._writing or self._soon is not None:
-            return
+        if self._writing or self._soon is not None or self.failure is not None:
+            return  # while writes fail, only the retry timer writes
         if self._units >= min(self._threshold, self._batch_size) or self._delay == 0:
             if self._timer is not None:
                 self._timer.cancel()
@@ -597,13 +651,13 @@ class GroupCommitter:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._writing or not (self._ops or self._waiters):
+        if self._writing or not (self._ops or self._waiters or self._after_commit):
             return
         if self.before_flush is not None:
             try:
                 self.before_flush()
             except Exception as exc:
-                self._fail(exc)
+                self._finish(exc, [], [], [])  # nothing taken: everything stays queued
                 return
         ops, self._ops = self._ops, []
         waiters, self._waiters = self._waiters, []
@@ -614,14 +668,14 @@ class GroupCommitter:
             self._idle.clear()
             loop = asyncio.get_running_loop()
             job = loop.run_in_executor(None, self._write, ops)
-            job.add_done_callback(lambda done: self._finish(done.exception(), waiters, after))
+            job.add_done_callback(lambda done: self._finish(done.exception(), ops, waiters, after))
         else:
             error: BaseException | None = None
             try:
                 self._write(ops)
             except Exception as exc:
                 error = exc
-            self._finish(error, waiters, after)
+            self._finish(error, ops, waiters, after)
 
     def _write(self, ops: list[tuple[bytes, bytes | None]]) -> None:
         with self._db.write_batch(sync=self._sync) as batch:
@@ -632,43 +686,98 @@ class GroupCommitter:
                     batch.put(key, value)
 
     def _finish(
-        self, error: BaseException | None, waiters: list[asyncio.Future[None]], after: list[Callable[[], None]]
+        self,
+        error: BaseException | None,
+        ops: list[tuple[bytes, bytes | None]],
+        waiters: list[tuple[asyncio.Future[None], bool]],
+        after: list[Callable[[], None]],
     ) -> None:
         self._writing = False
         self._idle.set()
-        self.commits += 1
         if error is not None:
-            self.failure = error
-            log.error("store write failed; no more messages are acknowledged: %s", error)
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_exception(StoreError(f"store write failed: {error}"))
-        else:
-            if self.after_write is not None:
-                self.after_write()
-            for callback in after:
-                try:
-                    callback()
-                except Exception:
-                    log.exception("a commit callback failed; delivery of that batch may be late")
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
-        if self._ops or self._waiters:
+            self._failed(error, ops, waiters, after)
+            return
+        self.commits += 1
+        if self.after_write is not None:
+            self.after_write()
+        for callback in after:
+            try:
+                callback()
+            except Exception:
+                log.exception("a commit callback failed; delivery of that batch may be late")
+        for waiter, _ in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        if self.failure is not None:
+            self.failure = None
+            self._retry_delay = RETRY_FIRST
+            if self.on_health is not None:
+                self.on_health(None, self.failing_since)
+        if self._ops or self._waiters or self._after_commit:
             self._schedule(asyncio.get_running_loop())
 
-    def _fail(self, error: BaseException) -> None:
-        """A failure before the write: nothing more is written; every waiter hears about it."""
-        waiters, self._waiters = self._waiters, []
-        self._after_commit = []
-        self._ops = []
-        self._units = 0
-        self._finish(error, waiters, [])
+    def _failed(
+        self,
+        error: BaseException,
+        ops: list[tuple[bytes, bytes | None]],
+        waiters: list[tuple[asyncio.Future[None], bool]],
+        after: list[Callable[[], None]],
+    ) -> None:
+        """Keep the batch, in front of what came since; fail the fail-fast waiters; retry later."""
+        self._ops[:0] = ops
+        self._after_commit[:0] = after
+        self._waiters[:0] = waiters
+        first = self.failure is None
+        self.failure = error
+        unavailable = StoreUnavailableError(error)
+        for waiter, fail_fast in self._waiters:
+            if fail_fast and not waiter.done():
+                _fail(waiter, unavailable)
+        self._waiters = [(w, f) for w, f in self._waiters if not w.done()]
+        for handle in (self._timer, self._soon):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._soon = None
+        loop = asyncio.get_running_loop()
+        self._retry = loop.call_later(self._retry_delay, self._try_again)
+        if first:
+            self.failing_since = time.time()
+            if self.on_health is not None:
+                self.on_health(error, self.failing_since)
+        else:
+            log.info("store write failed again: %s; next try in %.2f s", error, self._retry_delay)
+        self._retry_delay = min(2 * self._retry_delay, RETRY_MAX)
+
+    def _try_again(self) -> None:
+        self._retry = None
+        if self.reopen is not None:
+            try:
+                self._db = self.reopen()
+            except Exception as exc:
+                self._failed(exc, [], [], [])
+                return
+        self._start_flush()
 
     async def drain(self) -> None:
         """Wait for a write running in the worker thread, then write what is left (closing)."""
         while self._writing:
             await self._idle.wait()
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self.failure is not None:
+            try:
+                if self.reopen is not None:
+                    self._db = self.reopen()
+                self.flush_now()
+            except Exception as exc:
+                log.warning(
+                    "closing with the store still failing (%s): %d pending write(s) are not stored; "
+                    "every acknowledged message is",
+                    exc,
+                    len(self._ops),
+                )
+            return
         self.flush_now()
 
     def flush_now(self) -> None:
@@ -679,14 +788,22 @@ class GroupCommitter:
         if self.before_flush is not None:
             self.before_flush()
         if self._ops:
-            ops, self._ops = self._ops, []
-            self._write(ops)
+            self._write(self._ops)
+            self._ops = []
+        self.failure = None
         if self.after_write is not None:
             self.after_write()
         waiters, self._waiters = self._waiters, []
         after, self._after_commit = self._after_commit, []
         for callback in after:
             callback()
-        for waiter in waiters:
+        for waiter, _ in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+
+def _fail(waiter: asyncio.Future[None], error: StoreUnavailableError) -> None:
+    waiter.set_exception(error)
+    # Reported once, through on_health: a caller that does not await (a QoS 0 publish, a will)
+    # must not have it logged again when the future is collected.
+    waiter.exception()

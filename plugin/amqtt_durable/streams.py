@@ -212,6 +212,10 @@ class StreamLogs:
         self._watchers: dict[str, set[StreamSender]] = {}
         """Senders with an open cursor per topic: told about every durable append."""
 
+    def use_db(self, db: Any) -> None:
+        """The store was reopened (after a failed write): read through the new handle."""
+        self._db = db
+
     # ------------------------------------------------------------------ storage
     def load(self) -> None:
         """Find each log's first and last id: two seeks per topic, never a whole log."""

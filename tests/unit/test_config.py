@@ -33,6 +33,8 @@ CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
     "session_takeover": ("any-user", [5, None, True, ["owner-only"]], ["anyone", "ANY-USER", "owner_only", ""]),
     "connect_timeout": (0.5, ["10", True, None], [0, -1]),
     "max_packet_size": (268_435_455, [1.5, "1MB", True, None], [1023, 0, 268_435_456]),
+    "max_bytes": (1_000_000, [1.5, "1MB", True, None], [-1]),
+    "max_bytes_disconnected": (0, [2.5, "1", False, None], [-1]),
 }
 
 FLOAT_KEYS = [f.name for f in dataclasses.fields(DurableConfig) if f.type == "float"]
@@ -174,6 +176,15 @@ def test_max_depth_disconnected_below_max_depth_rejected() -> None:
     assert info.value.key == "max_depth_disconnected"
     assert "max_depth" in info.value.problem
     assert "100" in info.value.problem and "99" in info.value.problem
+
+
+def test_max_bytes_disconnected_below_max_bytes_rejected_unless_unlimited() -> None:
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping({"max_bytes": 1000, "max_bytes_disconnected": 999})
+    assert info.value.key == "max_bytes_disconnected"
+    assert "max_bytes (1000)" in info.value.problem and "999" in info.value.problem
+    assert DurableConfig.from_mapping({"max_bytes": 1000}).max_bytes_disconnected == 0, "0 = no limit: allowed"
+    assert DurableConfig().max_bytes == DurableConfig().max_bytes_disconnected == 0
 
 
 def test_max_depth_above_default_disconnected_limit_rejected() -> None:

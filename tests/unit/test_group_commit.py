@@ -11,9 +11,6 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import pytest
-
-from amqtt_durable.errors import StoreError
 from amqtt_durable.store import GroupCommitter
 
 LONG_DELAY_MS = 60_000.0  # a commit that waits for this timer would never finish inside the test
@@ -271,50 +268,6 @@ def test_sync_below_threshold_uses_the_timer(db: Any) -> None:
         assert db.get(b"a") is None
         await asyncio.wait_for(future, GENEROUS)
         assert db.get(b"a") == b"1"
-
-    run(main)
-
-
-def test_write_failure_fails_waiters_and_later_commits_fail_fast(db: Any) -> None:
-    async def main() -> None:
-        committer = make(db, pending_threshold=100)
-        called: list[str] = []
-        committer.put(b"a", b"1")
-        first = committer.commit(lambda: called.append("first"))
-        second = committer.commit(lambda: called.append("second"), urgent=True)
-        db.close()
-        await one_pass()
-        for future in (first, second):
-            assert future.done()
-            error = future.exception()
-            assert isinstance(error, StoreError)
-            assert "store write failed" in str(error)
-            assert "closed" in str(error).lower()
-        assert called == [], "on_durable must not run when the write failed"
-        assert committer.failure is not None
-        committer.put(b"b", b"2")
-        later = committer.commit(lambda: called.append("later"))
-        assert later.done(), "after a failure a commit must fail at once"
-        assert isinstance(later.exception(), StoreError)
-        assert "failed earlier" in str(later.exception())
-        await one_pass()
-        assert called == []
-
-    run(main)
-
-
-def test_sync_write_failure(db: Any) -> None:
-    async def main() -> None:
-        committer = make(db, sync=True, pending_threshold=100)
-        committer.put(b"a", b"1")
-        db.close()
-        first = committer.commit(urgent=True)
-        with pytest.raises(StoreError, match="store write failed"):
-            await asyncio.wait_for(first, GENEROUS)
-        later = committer.commit(urgent=True)
-        assert later.done()
-        with pytest.raises(StoreError, match="failed earlier"):
-            await later
 
     run(main)
 

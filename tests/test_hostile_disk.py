@@ -1,0 +1,161 @@
+"""A full disk under a real broker, and per-queue byte limits (issue 10, point 5).
+
+The store lives on a real tmpfs of a few MB that the test fills with a file and frees again;
+where the machine does not allow mounting one, the test is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from small_disk import fill, small_disk
+
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, run_cli
+
+HEALTH = "$SYS/broker/durable/store/health"
+CONNACK_ACCEPTED = b"\x20\x02\x00\x00"
+CONNACK_UNAVAILABLE = b"\x20\x02\x00\x03"
+
+
+def raw_connect(port: int, client_id: str, *, clean: bool) -> tuple[bytes, bool]:
+    """CONNECT over a raw socket: the CONNACK's bytes, and whether the broker then closed the
+    connection by itself (an accepted one is ended here with DISCONNECT)."""
+    body = mqtt_string("MQTT") + bytes([4, 0x02 if clean else 0x00, 0, 60]) + mqtt_string(client_id)
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        connack = b""
+        while len(connack) < 4:
+            chunk = sock.recv(4 - len(connack))
+            if not chunk:
+                break
+            connack += chunk
+        if connack == CONNACK_ACCEPTED:
+            sock.sendall(b"\xe0\x00")
+            return connack, False
+        return connack, sock.recv(1) == b""
+
+
+def was_acknowledged(info: mqtt.MQTTMessageInfo) -> bool:
+    """paho raises for a publish whose connection went away meanwhile: not acknowledged either."""
+    try:
+        return info.is_published()
+    except RuntimeError:
+        return False
+
+
+def health_states(monitor: Client) -> list[dict[str, Any]]:
+    return [json.loads(m.payload) for m in monitor.messages if m.topic == HEALTH]
+
+
+def wait_health(monitor: Client, status: str, timeout: float = WAIT) -> dict[str, Any]:
+    assert monitor.wait_for(lambda _: any(h["status"] == status for h in health_states(monitor)), timeout), (
+        f"no '{status}' on {HEALTH}: {health_states(monitor)}"
+    )
+    return next(h for h in health_states(monitor) if h["status"] == status)
+
+
+def acknowledging(client: Client) -> Callable[[mqtt.MQTTMessage], None]:
+    def ack(message: mqtt.MQTTMessage) -> None:
+        client.paho.ack(message.mid, message.qos)
+
+    return ack
+
+
+def test_full_disk_refuses_what_it_cannot_store_and_serves_again_once_space_is_freed(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(store=str(disk / "store"), recovery_buffer=10)
+        port = broker.port
+        offline = clients(port, "offline")
+        offline.subscribe("d/#", 1)
+        offline.subscribe("o/#", 1)
+        offline.disconnect()
+        reader = clients(port, "reader", manual_ack=True)
+        reader.subscribe("d/#", 1)
+        reader.disconnect()
+        # After a restart both sessions are disconnected for sure: what comes next is their backlog,
+        # and sending it moves the reader's sent mark (stored before each send).
+        broker.restart(kill=True)
+        monitor = clients(port, "monitor", clean_session=True)
+        monitor.subscribe(HEALTH, 1)
+        publisher = clients(port, "pub", clean_session=True)
+        before = payloads(60, "before")
+        publisher.publish("d/x", before)
+        assert reader.connect() is True
+        assert reader.wait_for(lambda m: len(m) >= 10), "the reader's window (10) is sent"
+
+        filler = fill(disk)
+        unstored = b"unstored-" + bytes(64 * 1024)
+        attempt = publisher.paho.publish("o/x", unstored, qos=1)  # not for the reader: its sent mark stays
+        assert publisher.wait_disconnected(), "the publisher of an unstorable publish must see its connection closed"
+        assert not was_acknowledged(attempt), "no PUBACK for a publish that could not be stored"
+        failing = wait_health(monitor, "failing")
+        assert "No space left on device" in failing["error"]
+        exactly_once = clients(port, "pub-qos2", clean_session=True)
+        refused = exactly_once.paho.publish("d/x", b"qos2 while full", qos=2)
+        assert exactly_once.wait_disconnected(), "a QoS 2 publisher is told the same way"
+        assert not was_acknowledged(refused), "no PUBREC either"
+
+        assert raw_connect(port, "new-durable", clean=False) == (CONNACK_UNAVAILABLE, True), "new session: CONNACK 3"
+        assert raw_connect(port, "offline", clean=False) == (CONNACK_UNAVAILABLE, True), "stored session: CONNACK 3"
+        assert raw_connect(port, "plain", clean=True)[0] == CONNACK_ACCEPTED, "a clean CONNECT needs no write"
+
+        # The connected durable subscriber goes on getting what the store holds, past its window
+        # and past the sent mark stored before the disk filled (the mark cannot be written now).
+        reader.on_message_hook = acknowledging(reader)
+        for message in reader.wait_messages(10):
+            reader.paho.ack(message.mid, message.qos)
+        assert reader.wait_for(lambda m: len(m) >= len(before)), "stored messages are delivered while full"
+        assert [m.payload for m in reader.messages] == before
+
+        filler.unlink()
+        recovered = wait_health(monitor, "ok", timeout=WAIT + 10)
+        assert recovered["failed_for"] > 0 and recovered["since"] >= failing["since"]
+        after = payloads(50, "after")
+        clients(port, "pub-again", clean_session=True).publish("d/x", after)
+        assert raw_connect(port, "new-durable", clean=False) == (CONNACK_ACCEPTED, False), "durable CONNECT works"
+        late = clients(port, "late-monitor", clean_session=True)
+        late.subscribe(HEALTH, 1)
+        assert late.wait_for(bool), "the current state is retained"
+        assert json.loads(late.messages[-1].payload)["status"] == "ok"
+
+        acknowledged = before + after
+        assert reader.wait_for(lambda m: [x.payload for x in m if x.payload != unstored] == acknowledged)
+        assert b"qos2 while full" not in [m.payload for m in reader.messages], "refused before it was queued"
+        assert [m.payload for m in reader.messages].count(unstored) <= 1
+
+        broker.restart(kill=True)  # SIGKILL: what was acknowledged before and after must all be there
+        assert offline.connect() is True
+        assert offline.wait_for(lambda m: [x.payload for x in m if x.payload != unstored] == acknowledged)
+        assert [m.payload for m in offline.messages].count(unstored) <= 1
+
+        log = broker.log()
+        assert "store write failed" in log and "store writes succeed again" in log
+        assert "CONNACK 3" in log and "not acknowledged" in log
+
+
+def test_byte_limits_apply_the_overflow_policy_to_a_disconnected_queue(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    broker = broker_factory(max_bytes=500, max_bytes_disconnected=1000)
+    device = clients(broker.port, "device")
+    device.subscribe("b/#", 1)
+    device.disconnect()
+    sent = [b"%04d" % i + bytes(96) for i in range(25)]  # 100 bytes each
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("b/x", [*sent, bytes(1001)])  # the last is larger than the limit itself: dropped
+    broker.stop()
+    inspected = run_cli("inspect", broker.store, "--json")
+    assert inspected.returncode == 0, inspected.stderr
+    (row,) = json.loads(inspected.stdout)
+    assert (row["depth"], row["bytes"], row["dropped"]) == (10, 1000, 16), "drop-oldest keeps the newest 1000 bytes"
+    assert "queue full at its limit of 1000000 messages / 1000 bytes" in broker.log()
+    broker.start()
+    assert device.connect() is True
+    assert [m.payload for m in device.wait_messages(10)] == sent[-10:]
