@@ -21,7 +21,11 @@ instance the plugin is loaded into and on each connection's handler:
   lifetime, and end a connection whose client id a later CONNECT took (amqtt misses the case
   of two CONNECTs read at the same time);
 * ``Broker.add_subscription`` / ``_handle_unsubscription``: durable sessions' subscriptions
-  live in the store, not in amqtt's table, so amqtt never delivers to them itself;
+  live in the store, not in amqtt's table, so amqtt never delivers to them itself; both kinds
+  obey ``max_subscriptions_per_client``;
+* ``Broker._del_subscription`` (with ``add_subscription``): keeps a trie mirror of amqtt's own
+  table (clean sessions' filters), so that asking "does amqtt have a subscriber for this
+  topic?" on every publish does not cost a match per filter;
 * ``Broker._publish_retained_messages_for_subscription``: retained messages go through the
   session queue, queued by ``add_subscription`` together with the subscription;
 * ``Broker._broadcast_message``: wills and broker-internal messages ($SYS) reach durable
@@ -37,6 +41,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -80,7 +86,7 @@ from .delivery import AckKind
 from .engine import DurableEngine, ExpiredSession
 from .errors import DurableError, InternalsMismatchError
 from .streams import StreamSender
-from .topics import filter_is_valid, matches, topic_is_valid
+from .topics import SubscriptionIndex, filter_is_valid, matches, topic_is_valid
 from .wire import encode_puback
 
 log = logging.getLogger("amqtt_durable")
@@ -88,6 +94,7 @@ log = logging.getLogger("amqtt_durable")
 AMQTT_VERSION = "0.12.1"
 SYS_PREFIX = "$SYS/broker/durable/"
 _SUBSCRIBE_REFUSED = 0x80
+_LIMIT_LOG_INTERVAL = 10.0  # seconds between two "over the subscription limit" warnings of one client
 _BROKER_INTERNALS = (
     "_initialize_client_session",
     "_client_message_loop",
@@ -100,6 +107,7 @@ _BROKER_INTERNALS = (
     "_subscriptions",
     "_matches",
     "_del_all_subscriptions",
+    "_del_subscription",
     "_cleanup_session",
     "_sessions",
     "shutdown",
@@ -294,21 +302,44 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     original_message_loop = broker._client_message_loop
     original_add_subscription = broker.add_subscription
     original_unsubscription = broker._handle_unsubscription
+    original_del_subscription = broker._del_subscription
     original_retained = broker._publish_retained_messages_for_subscription
     original_broadcast = broker._broadcast_message
     original_cleanup = broker._cleanup_session
     original_shutdown = broker.shutdown
     original_retain = broker.retain_message
     shutting_down = False
+    # amqtt's table (filter -> [(session, qos)]) as a trie: who holds which filter, matched per level.
+    amqtt_index = SubscriptionIndex()
+    limit = engine.config.max_subscriptions_per_client
+    limit_warned: dict[str, float] = {}
 
     def amqtt_wants(topic: str, retain: bool) -> bool:
         """Does amqtt's own publish path have work: a retain, a clean subscriber, a message listener?"""
         callbacks = broker.plugins_manager._event_plugin_callbacks
         if retain or BrokerEvents.MESSAGE_RECEIVED in callbacks or BrokerEvents.MESSAGE_BROADCAST in callbacks:
             return True
-        return any(
-            subs and broker._matches(topic, topic_filter) for topic_filter, subs in broker._subscriptions.items()
-        )
+        return amqtt_index.matches_any(topic)
+
+    def over_limit(index: SubscriptionIndex, client_id: str, topic_filter: str) -> bool:
+        """True (and a WARNING, at most one per client per interval) when the filter would exceed the limit."""
+        if index.admits(client_id, topic_filter, limit):
+            return False
+        now = time.monotonic()
+        if now - limit_warned.get(client_id, -math.inf) >= _LIMIT_LOG_INTERVAL:
+            if len(limit_warned) > 10_000:  # bounded: forget clients warned long ago
+                limit_warned.clear()
+            limit_warned[client_id] = now
+            log.warning(
+                "%s: SUBSCRIBE to %r refused (return code 0x80): the client holds %d topic filters, "
+                "max_subscriptions_per_client is %d. The client must unsubscribe from some first, "
+                "or the operator raise max_subscriptions_per_client (0 = no limit)",
+                client_id,
+                topic_filter,
+                index.count(client_id),
+                limit,
+            )
+        return True
 
     acl_sessions: dict[str, Session] = {}
 
@@ -377,10 +408,17 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
                 session.transitions.connect()
 
     async def add_subscription(subscription: tuple[str, int], session: Any) -> int:
-        if not engine.is_durable(session.client_id):
-            return int(await original_add_subscription(subscription, session))
         topic_filter, qos = subscription
+        if not engine.is_durable(session.client_id):
+            if over_limit(amqtt_index, session.client_id, topic_filter):
+                return _SUBSCRIBE_REFUSED
+            granted = int(await original_add_subscription(subscription, session))
+            if granted != _SUBSCRIBE_REFUSED:
+                amqtt_index.add(session.client_id, topic_filter, granted)
+            return granted
         if not filter_is_valid(topic_filter) or qos not in (0, 1, 2):
+            return _SUBSCRIBE_REFUSED
+        if over_limit(engine.index, session.client_id, topic_filter):
             return _SUBSCRIBE_REFUSED
         if not await broker._topic_filtering(session, topic_filter, Action.SUBSCRIBE):
             return _SUBSCRIBE_REFUSED
@@ -406,6 +444,13 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
                 BrokerEvents.CLIENT_UNSUBSCRIBED, client_id=session.client_id, topic=topic_filter
             )
         await handler.mqtt_acknowledge_unsubscription(unsubscription.packet_id)
+
+    def del_subscription(topic_filter: str, session: Any) -> int:
+        # amqtt's one way out of its table (UNSUBSCRIBE, session deletion, clean-up all call it).
+        deleted = int(original_del_subscription(topic_filter, session))
+        if deleted:
+            amqtt_index.remove(session.client_id, topic_filter)
+        return deleted
 
     async def publish_retained_for_subscription(subscription: tuple[str, int], session: Any) -> None:
         # Durable sessions got theirs queued with the subscription (add_subscription), and none on
@@ -446,6 +491,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     broker._client_message_loop = client_message_loop
     broker.add_subscription = add_subscription
     broker._handle_unsubscription = handle_unsubscription
+    broker._del_subscription = del_subscription
     broker._publish_retained_messages_for_subscription = publish_retained_for_subscription
     broker._broadcast_message = broadcast_message
     broker._cleanup_session = cleanup_session

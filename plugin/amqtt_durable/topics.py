@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 def filter_is_valid(topic_filter: str) -> bool:
     """MQTT-4.7.1: '#' only as the whole last level, '+' only as a whole level."""
@@ -63,35 +65,134 @@ def filters_overlap(a: str, b: str) -> bool:
     return True
 
 
-class SubscriptionIndex:
-    """Filters -> {client_id: qos}; exact filters by dict lookup, wildcard filters by matching.
+class _Node:
+    """One level of the filter trie: the next levels ('+' and '#' are keys too) and who ends here."""
 
-    One entry per distinct filter keeps routing cost independent of how many sessions
-    share a filter (1000 subscribers on one topic is one lookup).
+    __slots__ = ("children", "subscribers")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _Node] = {}
+        self.subscribers: dict[str, int] = {}
+
+
+class SubscriptionIndex:
+    """Filters -> {client_id: qos} in a trie of filter levels.
+
+    Routing walks the topic's levels, following the literal level, '+' and '#' at each: its
+    cost depends on the topic's levels and the filters that match, not on how many filters
+    there are (10,000 wildcard filters of one client cost a publish nothing when they do not
+    match it). One node per distinct filter keeps the cost independent of how many sessions
+    share a filter (1000 subscribers on one topic is one node).
     """
 
     def __init__(self) -> None:
-        self._exact: dict[str, dict[str, int]] = {}
-        self._wildcard: dict[str, dict[str, int]] = {}
+        self._root = _Node()
+        self._filters = 0
+        self._counts: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        """Distinct filters with at least one subscriber."""
+        return self._filters
 
     def add(self, client_id: str, topic_filter: str, qos: int) -> None:
-        table = self._wildcard if ("+" in topic_filter or "#" in topic_filter) else self._exact
-        table.setdefault(topic_filter, {})[client_id] = qos
+        node = self._root
+        for level in topic_filter.split("/"):
+            child = node.children.get(level)
+            if child is None:
+                child = node.children[level] = _Node()
+            node = child
+        subscribers = node.subscribers
+        if client_id not in subscribers:
+            if not subscribers:
+                self._filters += 1
+            self._counts[client_id] = self._counts.get(client_id, 0) + 1
+        subscribers[client_id] = qos
 
     def remove(self, client_id: str, topic_filter: str) -> None:
-        for table in (self._exact, self._wildcard):
-            subscribers = table.get(topic_filter)
-            if subscribers is not None:
-                subscribers.pop(client_id, None)
-                if not subscribers:
-                    del table[topic_filter]
+        path = [self._root]
+        levels = topic_filter.split("/")
+        for level in levels:
+            child = path[-1].children.get(level)
+            if child is None:
+                return
+            path.append(child)
+        subscribers = path[-1].subscribers
+        if subscribers.pop(client_id, None) is None:
+            return
+        if not subscribers:
+            self._filters -= 1
+        left = self._counts[client_id] - 1
+        if left:
+            self._counts[client_id] = left
+        else:
+            del self._counts[client_id]
+        for depth in range(len(levels), 0, -1):  # prune the nodes nothing ends at or passes through
+            node = path[depth]
+            if node.subscribers or node.children:
+                break
+            del path[depth - 1].children[levels[depth - 1]]
+
+    def count(self, client_id: str) -> int:
+        """How many filters ``client_id`` is subscribed to."""
+        return self._counts.get(client_id, 0)
+
+    def admits(self, client_id: str, topic_filter: str, limit: int) -> bool:
+        """May ``client_id`` subscribe to ``topic_filter`` under ``limit`` filters per client (0: any number)?
+
+        A filter it already has is a re-subscription and does not count twice.
+        """
+        if not limit or self._counts.get(client_id, 0) < limit:
+            return True
+        node: _Node | None = self._root
+        for level in topic_filter.split("/"):
+            node = node.children.get(level) if node is not None else None
+        return node is not None and client_id in node.subscribers
 
     def route(self, topic: str) -> dict[str, int]:
         """Sessions that take ``topic``, each with its highest matching subscription QoS."""
-        targets = dict(self._exact.get(topic, ()))
-        for topic_filter, subscribers in self._wildcard.items():
-            if matches(topic, topic_filter):
-                for client_id, qos in subscribers.items():
-                    if targets.get(client_id, -1) < qos:
-                        targets[client_id] = qos
+        targets: dict[str, int] = {}
+        for subscribers in self._matching(topic):
+            if not targets:
+                targets = dict(subscribers)
+                continue
+            for client_id, qos in subscribers.items():
+                if targets.get(client_id, -1) < qos:
+                    targets[client_id] = qos
         return targets
+
+    def matches_any(self, topic: str) -> bool:
+        """True when some filter matches ``topic`` (stops at the first)."""
+        return next(self._matching(topic), None) is not None
+
+    def _matching(self, topic: str) -> Iterator[dict[str, int]]:
+        """The subscribers of every filter that matches ``topic`` (MQTT 3.1.1 section 4.7).
+
+        '#' matches the rest of the topic, also none of it ('a/#' matches 'a'); '+' one level;
+        a topic starting with '$' is not matched by a wildcard in the first level (MQTT-4.7.2-1).
+        """
+        levels = topic.split("/")
+        nodes = [self._root]
+        wildcards_first = not topic.startswith("$")
+        for depth, level in enumerate(levels):
+            following: list[_Node] = []
+            for node in nodes:
+                children = node.children
+                if depth or wildcards_first:
+                    rest = children.get("#")
+                    if rest is not None and rest.subscribers:
+                        yield rest.subscribers
+                    single = children.get("+")
+                    if single is not None:
+                        following.append(single)
+                child = children.get(level)
+                if child is not None and level != "+":
+                    following.append(child)
+            if not following:
+                return
+            nodes = following
+        for node in nodes:
+            if node.subscribers:
+                yield node.subscribers
+            rest = node.children.get("#")
+            if rest is not None and rest.subscribers:
+                yield rest.subscribers

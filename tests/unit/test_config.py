@@ -30,6 +30,7 @@ CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
     "streams": ([{"filter": "a/#", "max_count": 5, "max_age": 60}], ["a/#", 5, {"filter": "a/#"}, None], []),
     "stream_window": (1000, [1.5, "1", True, None], [0, 1001]),
     "stream_ack_timeout": (0.5, ["5", True, None], [0, -1]),
+    "max_subscriptions_per_client": (0, [1.5, "1000", True, None], [-1]),
 }
 
 FLOAT_KEYS = [f.name for f in dataclasses.fields(DurableConfig) if f.type == "float"]
@@ -63,6 +64,7 @@ def test_defaults() -> None:
     assert config.pending_threshold == 100
     assert config.metrics_interval == 10.0
     assert config.drop_log_interval == 10.0
+    assert config.max_subscriptions_per_client == 1000
 
 
 def test_none_means_defaults() -> None:
