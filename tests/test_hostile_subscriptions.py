@@ -54,17 +54,22 @@ def test_subscribe_past_the_limit_gets_0x80_and_granted_filters_deliver(
     assert received == [b"granted lim/a", b"granted lim/c", b"granted lim/x/b", b"granted now"]
 
 
-@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+@pytest.mark.parametrize(
+    ("clean", "clean_victim"),
+    [(False, False), (True, False), (True, True)],
+    ids=["durable-attacker", "clean-attacker", "clean-attacker-clean-victim"],
+)
 def test_ten_thousand_wildcard_subscriptions_of_one_client_do_not_starve_routing(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool, clean_victim: bool
 ) -> None:
+    """The durable route, the "does amqtt want it" check and amqtt's own delivery to clean subscribers."""
     broker = broker_factory(max_subscriptions_per_client=0)
     kind = "clean" if clean else "durable"
     attacker = clients(broker.port, f"attacker-{kind}", clean_session=clean)
     for start in range(0, FLOOD, FLOOD_PER_PACKET):
         batch = [(f"flood/{i}/+", 1) for i in range(start, start + FLOOD_PER_PACKET)]
         assert attacker.subscribe(batch) == [1] * FLOOD_PER_PACKET
-    victim = clients(broker.port, f"victim-{kind}")
+    victim = clients(broker.port, f"victim-{kind}", clean_session=clean_victim)
     assert victim.subscribe("work/t") == [1]
     publisher = clients(broker.port, f"pub-{kind}", clean_session=True)
 

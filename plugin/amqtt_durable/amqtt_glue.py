@@ -26,6 +26,8 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._del_subscription`` (with ``add_subscription``): keeps a trie mirror of amqtt's own
   table (clean sessions' filters), so that asking "does amqtt have a subscriber for this
   topic?" on every publish does not cost a match per filter;
+* ``Broker._run_broadcast``: amqtt's delivery to its own subscribers, visiting only the filters
+  the mirror says match instead of matching every filter of the table per message;
 * ``Broker._publish_retained_messages_for_subscription``: retained messages go through the
   session queue, queued by ``add_subscription`` together with the subscription;
 * ``Broker._broadcast_message``: wills and broker-internal messages ($SYS) reach durable
@@ -54,6 +56,7 @@ from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError
 from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
+from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.packet import (
     CONNACK,
     CONNECT,
@@ -108,6 +111,10 @@ _BROKER_INTERNALS = (
     "_matches",
     "_del_all_subscriptions",
     "_del_subscription",
+    "_run_broadcast",
+    "_broadcast_queue",
+    "_retain_broadcast_message",
+    "_get_handler",
     "_cleanup_session",
     "_sessions",
     "shutdown",
@@ -452,6 +459,27 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
             amqtt_index.remove(session.client_id, topic_filter)
         return deleted
 
+    async def run_broadcast(running_tasks: deque[asyncio.Task[Any]]) -> None:
+        # amqtt 0.12.1's _run_broadcast, step for step, but over the matching filters only.
+        broadcast = await broker._broadcast_queue.get()
+        topic = broadcast["topic"]
+        if topic is None:
+            return
+        for topic_filter in list(amqtt_index.matching_filters(topic)):
+            for target, sub_qos in list(broker._subscriptions.get(topic_filter, ())):
+                qos = broadcast.get("qos", sub_qos)
+                if not await broker._topic_filtering(target, topic=topic, action=Action.RECEIVE):
+                    continue
+                connected = target.transitions.state == "connected"
+                if not connected and not target.clean_session and qos in (QOS_1, QOS_2) and not target.is_anonymous:
+                    await broker._retain_broadcast_message(broadcast, qos, target)
+                    continue
+                handler = broker._get_handler(target) if connected else None
+                if handler:
+                    running_tasks.append(
+                        asyncio.ensure_future(handler.mqtt_publish(topic, broadcast["data"], qos, retain=False))
+                    )
+
     async def publish_retained_for_subscription(subscription: tuple[str, int], session: Any) -> None:
         # Durable sessions got theirs queued with the subscription (add_subscription), and none on
         # a mere reconnect (MQTT-3.3.1-6).
@@ -492,6 +520,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     broker.add_subscription = add_subscription
     broker._handle_unsubscription = handle_unsubscription
     broker._del_subscription = del_subscription
+    broker._run_broadcast = run_broadcast
     broker._publish_retained_messages_for_subscription = publish_retained_for_subscription
     broker._broadcast_message = broadcast_message
     broker._cleanup_session = cleanup_session

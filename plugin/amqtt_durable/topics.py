@@ -68,11 +68,12 @@ def filters_overlap(a: str, b: str) -> bool:
 class _Node:
     """One level of the filter trie: the next levels ('+' and '#' are keys too) and who ends here."""
 
-    __slots__ = ("children", "subscribers")
+    __slots__ = ("children", "filter", "subscribers")
 
     def __init__(self) -> None:
         self.children: dict[str, _Node] = {}
         self.subscribers: dict[str, int] = {}
+        self.filter = ""  # the filter that ends here, once one does
 
 
 class SubscriptionIndex:
@@ -101,6 +102,7 @@ class SubscriptionIndex:
             if child is None:
                 child = node.children[level] = _Node()
             node = child
+        node.filter = topic_filter
         subscribers = node.subscribers
         if client_id not in subscribers:
             if not subscribers:
@@ -151,7 +153,8 @@ class SubscriptionIndex:
     def route(self, topic: str) -> dict[str, int]:
         """Sessions that take ``topic``, each with its highest matching subscription QoS."""
         targets: dict[str, int] = {}
-        for subscribers in self._matching(topic):
+        for node in self._matching(topic):
+            subscribers = node.subscribers
             if not targets:
                 targets = dict(subscribers)
                 continue
@@ -164,8 +167,13 @@ class SubscriptionIndex:
         """True when some filter matches ``topic`` (stops at the first)."""
         return next(self._matching(topic), None) is not None
 
-    def _matching(self, topic: str) -> Iterator[dict[str, int]]:
-        """The subscribers of every filter that matches ``topic`` (MQTT 3.1.1 section 4.7).
+    def matching_filters(self, topic: str) -> Iterator[str]:
+        """Every filter with a subscriber that matches ``topic``."""
+        for node in self._matching(topic):
+            yield node.filter
+
+    def _matching(self, topic: str) -> Iterator[_Node]:
+        """The node of every subscribed filter that matches ``topic`` (MQTT 3.1.1 section 4.7).
 
         '#' matches the rest of the topic, also none of it ('a/#' matches 'a'); '+' one level;
         a topic starting with '$' is not matched by a wildcard in the first level (MQTT-4.7.2-1).
@@ -180,19 +188,19 @@ class SubscriptionIndex:
                 if depth or wildcards_first:
                     rest = children.get("#")
                     if rest is not None and rest.subscribers:
-                        yield rest.subscribers
+                        yield rest
                     single = children.get("+")
                     if single is not None:
                         following.append(single)
                 child = children.get(level)
-                if child is not None and level != "+":
+                if child is not None and level != "+" and level != "#":  # wildcards are not literals
                     following.append(child)
             if not following:
                 return
             nodes = following
         for node in nodes:
             if node.subscribers:
-                yield node.subscribers
+                yield node
             rest = node.children.get("#")
             if rest is not None and rest.subscribers:
-                yield rest.subscribers
+                yield rest

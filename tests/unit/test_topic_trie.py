@@ -55,6 +55,8 @@ def test_routes_as_matches_does_over_random_filters_and_topics() -> None:
             for topic in topics:
                 assert index.route(topic) == oracle(subscriptions, topic), topic
                 assert index.matches_any(topic) is bool(oracle(subscriptions, topic)), topic
+                held = {f for _, f in subscriptions}
+                assert sorted(index.matching_filters(topic)) == sorted(f for f in held if matches(topic, f)), topic
     assert len(index) == len({f for _, f in subscriptions})
     for client_id in {c for c, _ in subscriptions}:
         assert index.count(client_id) == sum(1 for c, _ in subscriptions if c == client_id)
