@@ -121,7 +121,7 @@ class Attacker:
 
 
 def measure(ctx: Ctx, b: BrokerProcess, cells: Cells, subscriber: str, attack: str) -> None:
-    n = ctx.args.n
+    n = ctx.args.stock_attacked_n if b.name == STOCK and attack != "none" else ctx.args.n
     pr, res, sub_id = live_run(ctx, b, scenario=f"w{attack[0]}{subscriber[0]}", n=n, clean=subscriber == "clean",
                                record_latency=False)
     if subscriber == "durable":
@@ -185,7 +185,8 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
         f"- packages: {info['packages']}",
         f"- amqtt-durable source: {PLUGIN_DIR.relative_to(ROOT)}/*.py sha256 {info.get('plugin_digest', '?')}; "
         f"git: {info.get('git', '?')}",
-        f"- workload: N={args.n:,} QoS1 messages of 64 bytes per run, at most {args.inflight} in flight, "
+        f"- workload: N={args.n:,} QoS1 messages of 64 bytes per run ({args.stock_attacked_n:,} for stock under "
+        f"attack, which is slow), at most {args.inflight} in flight, "
         f"{args.runs} runs per cell (median, min-max), brokers interleaved; the attacker holds "
         f"{args.filters:,} filters flood/<i>/+ (none matches the measured topic); "
         f"{describe_pinning(args, 'client processes')}",
@@ -218,6 +219,8 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=None, help="messages per run (default 10000; quick 2000)")
+    p.add_argument("--stock-attacked-n", type=int, default=None,
+                   help="messages per run for stock with an attacker, which routes slowly (default N/10)")
     p.add_argument("--filters", type=int, default=None, help="the attacker's wildcard filters (default 10000; "
                    "quick 2000)")
     p.add_argument("--runs", type=int, default=3, help="runs per cell and broker (default 3; median reported)")
@@ -235,6 +238,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (configs, logs, store)")
     args = p.parse_args(argv)
     args.n = args.n or (2000 if args.quick else 10_000)
+    args.stock_attacked_n = args.stock_attacked_n or max(1, args.n // 10)
     args.filters = args.filters or (2000 if args.quick else 10_000)
     args.timeout = args.timeout or max(120.0, args.n / 20)
     args.attacks = [a for a in args.attacks.split(",") if a]
@@ -243,8 +247,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--attacks takes names from {', '.join(ATTACKS)} and must include none (the baseline)")
     if not args.subscribers or set(args.subscribers) - set(SUBSCRIBERS):
         p.error(f"--subscribers takes names from {', '.join(SUBSCRIBERS)}")
-    if min(args.n, args.filters, args.runs, args.inflight) < 1 or args.inflight >= 65535:
-        p.error("--n, --filters, --runs and --inflight must be positive (--inflight below 65535)")
+    if min(args.n, args.stock_attacked_n, args.filters, args.runs, args.inflight) < 1 or args.inflight >= 65535:
+        p.error("--n, --stock-attacked-n, --filters, --runs and --inflight must be positive, --inflight below 65535")
     check_pin_arguments(p, args)
     # What bench_durable's broker set-up and clients read: our broker from a snapshot of the plugin.
     args.big, args.snapshot, args.ours_cmd, args.ours_standin = 0, True, None, False
