@@ -82,3 +82,24 @@ def test_ten_thousand_wildcard_subscriptions_of_one_client_do_not_starve_routing
     assert elapsed < FLOOD_BOUND_S, f"{PUBLISHES} publishes took {elapsed:.1f} s with {FLOOD} wildcard filters"
     assert [m.payload for m in victim.messages] == payloads(PUBLISHES)
     assert attacker.messages == []  # none of its filters matches
+
+
+def test_a_connecting_client_gets_no_retained_message_of_filters_others_hold(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """amqtt 0.12.1 sends, on every CONNECT, the retained messages matching every filter of its
+    table, whoever holds it: one client's filters decided what everyone else received (and each
+    CONNECT cost a match per filter and retained message)."""
+    broker = broker_factory()
+    publisher = clients(broker.port, "pub-retained", clean_session=True)
+    publisher.publish("secret/x", [b"retained secret"], retain=True)
+    holder = clients(broker.port, "holder", clean_session=True)
+    assert holder.subscribe("secret/#") == [1]
+    assert holder.wait_for(lambda got: [m.payload for m in got] == [b"retained secret"])
+
+    for clean in (True, False):
+        other = clients(broker.port, f"other-{clean}", clean_session=clean)
+        assert other.subscribe("mine/t") == [1]
+        publisher.publish("mine/t", [b"marker"])
+        assert other.wait_for(lambda got: any(m.payload == b"marker" for m in got))
+        assert [m.payload for m in other.messages] == [b"marker"]

@@ -29,7 +29,9 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._run_broadcast``: amqtt's delivery to its own subscribers, visiting only the filters
   the mirror says match instead of matching every filter of the table per message;
 * ``Broker._publish_retained_messages_for_subscription``: retained messages go through the
-  session queue, queued by ``add_subscription`` together with the subscription;
+  session queue, queued by ``add_subscription`` together with the subscription; a clean
+  session gets those of its own filters only (amqtt sends, on every CONNECT, those matching
+  any filter of its table);
 * ``Broker._broadcast_message``: wills and broker-internal messages ($SYS) reach durable
   sessions too;
 * ``Broker._cleanup_session`` (with ``shutdown``): amqtt's session monitor must not remove a
@@ -482,8 +484,9 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
 
     async def publish_retained_for_subscription(subscription: tuple[str, int], session: Any) -> None:
         # Durable sessions got theirs queued with the subscription (add_subscription), and none on
-        # a mere reconnect (MQTT-3.3.1-6).
-        if not engine.is_durable(session.client_id):
+        # a mere reconnect (MQTT-3.3.1-6). amqtt also calls this on every CONNECT for every filter
+        # of its table, whoever holds it: only the client's own filters are its business.
+        if not engine.is_durable(session.client_id) and amqtt_index.holds(session.client_id, subscription[0]):
             await original_retained(subscription, session)
 
     async def broadcast_message(

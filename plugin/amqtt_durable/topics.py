@@ -143,8 +143,10 @@ class SubscriptionIndex:
 
         A filter it already has is a re-subscription and does not count twice.
         """
-        if not limit or self._counts.get(client_id, 0) < limit:
-            return True
+        return not limit or self._counts.get(client_id, 0) < limit or self.holds(client_id, topic_filter)
+
+    def holds(self, client_id: str, topic_filter: str) -> bool:
+        """True when ``client_id`` is subscribed to exactly ``topic_filter``."""
         node: _Node | None = self._root
         for level in topic_filter.split("/"):
             node = node.children.get(level) if node is not None else None
@@ -193,7 +195,7 @@ class SubscriptionIndex:
                     if single is not None:
                         following.append(single)
                 child = children.get(level)
-                if child is not None and level != "+" and level != "#":  # wildcards are not literals
+                if child is not None and level not in ("+", "#"):  # wildcards are not literals
                     following.append(child)
             if not following:
                 return

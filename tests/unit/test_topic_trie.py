@@ -143,6 +143,9 @@ def test_admits_counts_distinct_filters_and_not_resubscriptions() -> None:
     assert index.admits("c", "new", 2) is False
     assert index.admits("c", "b/+", 2) is True  # held: a re-subscription
     assert index.admits("c", "b", 2) is False  # a prefix of a held filter is another filter
+    assert index.holds("c", "b/+") is True
+    assert index.holds("c", "b") is False
+    assert index.holds("other", "b/+") is False
     assert index.admits("c", "new", 3) is True
     assert index.admits("c", "new", 0) is True  # 0: no limit
     assert index.admits("other", "new", 1) is True
