@@ -77,16 +77,18 @@ class _Node:
 
 
 class SubscriptionIndex:
-    """Filters -> {client_id: qos} in a trie of filter levels.
+    """Filters -> {client_id: qos}: filters without wildcards in a dict, the others in a trie of levels.
 
-    Routing walks the topic's levels, following the literal level, '+' and '#' at each: its
-    cost depends on the topic's levels and the filters that match, not on how many filters
-    there are (10,000 wildcard filters of one client cost a publish nothing when they do not
-    match it). One node per distinct filter keeps the cost independent of how many sessions
-    share a filter (1000 subscribers on one topic is one node).
+    Routing looks the topic up in the dict, then walks its levels through the trie, following
+    the literal level, '+' and '#' at each: its cost depends on the topic's levels and the
+    filters that match, not on how many filters there are (10,000 wildcard filters of one
+    client cost a publish nothing when they do not match it). One node per distinct filter
+    keeps the cost independent of how many sessions share a filter (1000 subscribers on one
+    topic is one node).
     """
 
     def __init__(self) -> None:
+        self._exact: dict[str, _Node] = {}
         self._root = _Node()
         self._filters = 0
         self._counts: dict[str, int] = {}
@@ -96,12 +98,15 @@ class SubscriptionIndex:
         return self._filters
 
     def add(self, client_id: str, topic_filter: str, qos: int) -> None:
-        node = self._root
-        for level in topic_filter.split("/"):
-            child = node.children.get(level)
-            if child is None:
-                child = node.children[level] = _Node()
-            node = child
+        if "+" in topic_filter or "#" in topic_filter:
+            node = self._root
+            for level in topic_filter.split("/"):
+                child = node.children.get(level)
+                if child is None:
+                    child = node.children[level] = _Node()
+                node = child
+        else:
+            node = self._exact.setdefault(topic_filter, _Node())
         node.filter = topic_filter
         subscribers = node.subscribers
         if client_id not in subscribers:
@@ -111,26 +116,34 @@ class SubscriptionIndex:
         subscribers[client_id] = qos
 
     def remove(self, client_id: str, topic_filter: str) -> None:
-        path = [self._root]
         levels = topic_filter.split("/")
-        for level in levels:
-            child = path[-1].children.get(level)
-            if child is None:
+        path = [self._root]
+        if "+" in topic_filter or "#" in topic_filter:
+            for level in levels:
+                child = path[-1].children.get(level)
+                if child is None:
+                    return
+                path.append(child)
+            node = path[-1]
+        else:
+            exact = self._exact.get(topic_filter)
+            if exact is None:
                 return
-            path.append(child)
-        subscribers = path[-1].subscribers
+            node = exact
+        subscribers = node.subscribers
         if subscribers.pop(client_id, None) is None:
             return
         if not subscribers:
             self._filters -= 1
+            self._exact.pop(topic_filter, None)
         left = self._counts[client_id] - 1
         if left:
             self._counts[client_id] = left
         else:
             del self._counts[client_id]
-        for depth in range(len(levels), 0, -1):  # prune the nodes nothing ends at or passes through
-            node = path[depth]
-            if node.subscribers or node.children:
+        for depth in range(len(path) - 1, 0, -1):  # prune the trie nodes nothing ends at or passes through
+            trie_node = path[depth]
+            if trie_node.subscribers or trie_node.children:
                 break
             del path[depth - 1].children[levels[depth - 1]]
 
@@ -147,13 +160,19 @@ class SubscriptionIndex:
 
     def holds(self, client_id: str, topic_filter: str) -> bool:
         """True when ``client_id`` is subscribed to exactly ``topic_filter``."""
-        node: _Node | None = self._root
-        for level in topic_filter.split("/"):
-            node = node.children.get(level) if node is not None else None
+        if "+" not in topic_filter and "#" not in topic_filter:
+            node: _Node | None = self._exact.get(topic_filter)
+        else:
+            node = self._root
+            for level in topic_filter.split("/"):
+                node = node.children.get(level) if node is not None else None
         return node is not None and client_id in node.subscribers
 
     def route(self, topic: str) -> dict[str, int]:
         """Sessions that take ``topic``, each with its highest matching subscription QoS."""
+        if not self._root.children:  # no wildcard filter: one lookup
+            exact = self._exact.get(topic)
+            return {} if exact is None else dict(exact.subscribers)
         targets: dict[str, int] = {}
         for node in self._matching(topic):
             subscribers = node.subscribers
@@ -175,11 +194,17 @@ class SubscriptionIndex:
             yield node.filter
 
     def _matching(self, topic: str) -> Iterator[_Node]:
-        """The node of every subscribed filter that matches ``topic`` (MQTT 3.1.1 section 4.7).
+        """The node of every subscribed filter that matches ``topic`` (MQTT 3.1.1 section 4.7): the
+        exact filter, then the trie's.
 
         '#' matches the rest of the topic, also none of it ('a/#' matches 'a'); '+' one level;
         a topic starting with '$' is not matched by a wildcard in the first level (MQTT-4.7.2-1).
         """
+        exact = self._exact.get(topic)
+        if exact is not None:
+            yield exact
+        if not self._root.children:
+            return
         levels = topic.split("/")
         nodes = [self._root]
         wildcards_first = not topic.startswith("$")
