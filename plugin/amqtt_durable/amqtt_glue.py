@@ -110,7 +110,6 @@ _BROKER_INTERNALS = (
     "add_subscription",
     "retained_messages",
     "_subscriptions",
-    "_matches",
     "_del_all_subscriptions",
     "_del_subscription",
     "_run_broadcast",
