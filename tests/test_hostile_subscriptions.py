@@ -103,3 +103,21 @@ def test_a_connecting_client_gets_no_retained_message_of_filters_others_hold(
         publisher.publish("mine/t", [b"marker"])
         assert other.wait_for(lambda got: any(m.payload == b"marker" for m in got))
         assert [m.payload for m in other.messages] == [b"marker"]
+
+
+def test_a_clean_session_ending_frees_its_places_under_the_limit(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """A new clean session starts with no filters: amqtt drops the old session's (the plugin
+    removes exactly the client's own, instead of trying every filter of amqtt's table)."""
+    broker = broker_factory(max_subscriptions_per_client=2)
+    publisher = clients(broker.port, "pub-ending", clean_session=True)
+    first = clients(broker.port, "ending", clean_session=True)
+    assert first.subscribe([("old/a", 1), ("old/b", 1), ("old/c", 1)]) == [1, 1, REFUSED]
+    first.disconnect()
+    again = clients(broker.port, "ending", clean_session=True)
+    assert again.subscribe([("new/a", 1), ("new/b", 1)]) == [1, 1]
+    publisher.publish("old/a", [b"old"])
+    publisher.publish("new/b", [b"new"])
+    assert again.wait_for(lambda got: any(m.payload == b"new" for m in got))
+    assert [m.payload for m in again.messages] == [b"new"]

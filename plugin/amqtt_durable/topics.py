@@ -91,7 +91,7 @@ class SubscriptionIndex:
         self._exact: dict[str, _Node] = {}
         self._root = _Node()
         self._filters = 0
-        self._counts: dict[str, int] = {}
+        self._held: dict[str, set[str]] = {}  # client id -> its filters
 
     def __len__(self) -> int:
         """Distinct filters with at least one subscriber."""
@@ -112,7 +112,7 @@ class SubscriptionIndex:
         if client_id not in subscribers:
             if not subscribers:
                 self._filters += 1
-            self._counts[client_id] = self._counts.get(client_id, 0) + 1
+            self._held.setdefault(client_id, set()).add(topic_filter)
         subscribers[client_id] = qos
 
     def remove(self, client_id: str, topic_filter: str) -> None:
@@ -136,11 +136,10 @@ class SubscriptionIndex:
         if not subscribers:
             self._filters -= 1
             self._exact.pop(topic_filter, None)
-        left = self._counts[client_id] - 1
-        if left:
-            self._counts[client_id] = left
-        else:
-            del self._counts[client_id]
+        held = self._held[client_id]
+        held.discard(topic_filter)
+        if not held:
+            del self._held[client_id]
         for depth in range(len(path) - 1, 0, -1):  # prune the trie nodes nothing ends at or passes through
             trie_node = path[depth]
             if trie_node.subscribers or trie_node.children:
@@ -149,24 +148,22 @@ class SubscriptionIndex:
 
     def count(self, client_id: str) -> int:
         """How many filters ``client_id`` is subscribed to."""
-        return self._counts.get(client_id, 0)
+        return len(self._held.get(client_id, ()))
+
+    def filters_of(self, client_id: str) -> list[str]:
+        """The filters ``client_id`` is subscribed to."""
+        return list(self._held.get(client_id, ()))
 
     def admits(self, client_id: str, topic_filter: str, limit: int) -> bool:
         """May ``client_id`` subscribe to ``topic_filter`` under ``limit`` filters per client (0: any number)?
 
         A filter it already has is a re-subscription and does not count twice.
         """
-        return not limit or self._counts.get(client_id, 0) < limit or self.holds(client_id, topic_filter)
+        return not limit or self.count(client_id) < limit or self.holds(client_id, topic_filter)
 
     def holds(self, client_id: str, topic_filter: str) -> bool:
         """True when ``client_id`` is subscribed to exactly ``topic_filter``."""
-        if "+" not in topic_filter and "#" not in topic_filter:
-            node: _Node | None = self._exact.get(topic_filter)
-        else:
-            node = self._root
-            for level in topic_filter.split("/"):
-                node = node.children.get(level) if node is not None else None
-        return node is not None and client_id in node.subscribers
+        return topic_filter in self._held.get(client_id, ())
 
     def route(self, topic: str) -> dict[str, int]:
         """Sessions that take ``topic``, each with its highest matching subscription QoS."""

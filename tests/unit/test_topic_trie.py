@@ -60,6 +60,7 @@ def test_routes_as_matches_does_over_random_filters_and_topics() -> None:
     assert len(index) == len({f for _, f in subscriptions})
     for client_id in {c for c, _ in subscriptions}:
         assert index.count(client_id) == sum(1 for c, _ in subscriptions if c == client_id)
+        assert sorted(index.filters_of(client_id)) == sorted(f for c, f in subscriptions if c == client_id)
 
 
 def test_everything_removed_leaves_an_empty_trie() -> None:
@@ -72,7 +73,7 @@ def test_everything_removed_leaves_an_empty_trie() -> None:
         index.remove(client_id, topic_filter)
     assert len(index) == 0
     assert index._root.children == {}  # every node pruned: no memory left behind
-    assert all(index.count(f"c{i}") == 0 for i in range(5))
+    assert all(index.count(f"c{i}") == 0 and index.filters_of(f"c{i}") == [] for i in range(5))
 
 
 @pytest.mark.parametrize(
