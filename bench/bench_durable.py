@@ -668,7 +668,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def build_brokers(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, BrokerProcess], Path | None]:
+def build_brokers(args: argparse.Namespace, tmp: Path,
+                  ours_settings: dict[str, object] | None = None) -> tuple[dict[str, BrokerProcess], Path | None]:
+    """Stock and our broker; ``ours_settings`` adds or overrides plugin settings of ours."""
     pw_file = tmp / "passwords.txt"
     write_password_file(pw_file, USERNAME, PASSWORD)
     login = Login(USERNAME, PASSWORD)
@@ -706,6 +708,7 @@ def build_brokers(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Broker
                     "max_depth_disconnected": depth,
                     "recovery_buffer": 100,
                     "session_expiry": 3600,
+                    **(ours_settings or {}),
                 },
             },
         })

@@ -205,7 +205,8 @@ class Client:
         assert self.session_present is not None
         return self.session_present
 
-    def subscribe(self, topic_filter: str, qos: int = 1) -> list[int]:
+    def subscribe(self, topic_filter: str | list[tuple[str, int]], qos: int = 1) -> list[int]:
+        """SUBSCRIBE (one filter, or a list of (filter, qos) in one packet); the SUBACK's return codes."""
         result, mid = self.paho.subscribe(topic_filter, qos)
         assert result == mqtt.MQTT_ERR_SUCCESS
         with self._cond:

@@ -34,9 +34,19 @@ instance the plugin is loaded into and on each connection's handler:
   lifetime, and end a connection whose client id a later CONNECT took (amqtt misses the case
   of two CONNECTs read at the same time);
 * ``Broker.add_subscription`` / ``_handle_unsubscription``: durable sessions' subscriptions
-  live in the store, not in amqtt's table, so amqtt never delivers to them itself;
+  live in the store, not in amqtt's table, so amqtt never delivers to them itself; both kinds
+  obey ``max_subscriptions_per_client``;
+* ``Broker._del_subscription`` (with ``add_subscription``): keeps a trie mirror of amqtt's own
+  table (clean sessions' filters), so that asking "does amqtt have a subscriber for this
+  topic?" on every publish does not cost a match per filter;
+* ``Broker._del_all_subscriptions``: removes the session's own filters (from the mirror)
+  instead of trying every filter of the table, at every session's end;
+* ``Broker._run_broadcast``: amqtt's delivery to its own subscribers, visiting only the filters
+  the mirror says match instead of matching every filter of the table per message;
 * ``Broker._publish_retained_messages_for_subscription``: retained messages go through the
-  session queue, queued by ``add_subscription`` together with the subscription;
+  session queue, queued by ``add_subscription`` together with the subscription; a clean
+  session gets those of its own filters only (amqtt sends, on every CONNECT, those matching
+  any filter of its table);
 * ``Broker._broadcast_message``: wills and broker-internal messages ($SYS) reach durable
   sessions too;
 * ``Broker._cleanup_session`` (with ``shutdown``): amqtt's session monitor must not remove a
@@ -55,6 +65,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -69,6 +81,7 @@ from amqtt.errors import AMQTTError, MQTTError
 from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
 from amqtt.mqtt.connack import NOT_AUTHORIZED, SERVER_UNAVAILABLE, ConnackPacket
+from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.packet import (
     CONNACK,
     CONNECT,
@@ -109,7 +122,7 @@ from .errors import (
     StoreUnavailableError,
 )
 from .streams import StreamSender
-from .topics import filter_is_valid, matches, topic_problem
+from .topics import SubscriptionIndex, filter_is_valid, matches, topic_problem
 from .wire import encode_puback, encode_pubcomp
 
 log = logging.getLogger("amqtt_durable")
@@ -121,6 +134,7 @@ _SUBSCRIBE_REFUSED = 0x80
 TOPIC_PAST_END = "PUBLISH refused: its topic length runs past the packet's end (MQTT-1.5.3)"
 CLOSE_GRACE = 5.0
 """Seconds a closed connection's unsent bytes (a refusing CONNACK) get before the socket is aborted."""
+_LIMIT_LOG_INTERVAL = 10.0  # seconds between two "over the subscription limit" warnings of one client
 _BROKER_INTERNALS = (
     "_client_connected",
     "_initialize_client_session",
@@ -132,8 +146,12 @@ _BROKER_INTERNALS = (
     "add_subscription",
     "retained_messages",
     "_subscriptions",
-    "_matches",
     "_del_all_subscriptions",
+    "_del_subscription",
+    "_run_broadcast",
+    "_broadcast_queue",
+    "_retain_broadcast_message",
+    "_get_handler",
     "_cleanup_session",
     "_sessions",
     "shutdown",
@@ -452,21 +470,44 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     original_message_loop = broker._client_message_loop
     original_add_subscription = broker.add_subscription
     original_unsubscription = broker._handle_unsubscription
+    original_del_subscription = broker._del_subscription
     original_retained = broker._publish_retained_messages_for_subscription
     original_broadcast = broker._broadcast_message
     original_cleanup = broker._cleanup_session
     original_shutdown = broker.shutdown
     shutting_down = False
     event_tasks: set[asyncio.Task[None]] = set()
+    # amqtt's table (filter -> [(session, qos)]) as a trie: who holds which filter, matched per level.
+    amqtt_index = SubscriptionIndex()
+    limit = engine.config.max_subscriptions_per_client
+    limit_warned: dict[str, float] = {}
 
     def amqtt_wants(topic: str, retain: bool) -> bool:
         """Does amqtt's own publish path have work: a retain, a clean subscriber, a message listener?"""
         callbacks = broker.plugins_manager._event_plugin_callbacks
         if retain or BrokerEvents.MESSAGE_RECEIVED in callbacks or BrokerEvents.MESSAGE_BROADCAST in callbacks:
             return True
-        return any(
-            subs and broker._matches(topic, topic_filter) for topic_filter, subs in broker._subscriptions.items()
-        )
+        return amqtt_index.matches_any(topic)
+
+    def over_limit(index: SubscriptionIndex, client_id: str, topic_filter: str) -> bool:
+        """True (and a WARNING, at most one per client per interval) when the filter would exceed the limit."""
+        if index.admits(client_id, topic_filter, limit):
+            return False
+        now = time.monotonic()
+        if now - limit_warned.get(client_id, -math.inf) >= _LIMIT_LOG_INTERVAL:
+            if len(limit_warned) > 10_000:  # bounded: forget clients warned long ago
+                limit_warned.clear()
+            limit_warned[client_id] = now
+            log.warning(
+                "%s: SUBSCRIBE to %r refused (return code 0x80): the client holds %d topic filters, "
+                "max_subscriptions_per_client is %d. The client must unsubscribe from some first, "
+                "or the operator raise max_subscriptions_per_client (0 = no limit)",
+                client_id,
+                topic_filter,
+                index.count(client_id),
+                limit,
+            )
+        return True
 
     acl_sessions: dict[str, Session] = {}
 
@@ -566,13 +607,20 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
                 session.transitions.connect()
 
     async def add_subscription(subscription: tuple[str, int], session: Any) -> int:
-        if not engine.is_durable(session.client_id):
-            return int(await original_add_subscription(subscription, session))
         topic_filter, qos = subscription
+        if not engine.is_durable(session.client_id):
+            if over_limit(amqtt_index, session.client_id, topic_filter):
+                return _SUBSCRIBE_REFUSED
+            granted = int(await original_add_subscription(subscription, session))
+            if granted != _SUBSCRIBE_REFUSED:
+                amqtt_index.add(session.client_id, topic_filter, granted)
+            return granted
         if not filter_is_valid(topic_filter) or qos not in (0, 1, 2):
             return _SUBSCRIBE_REFUSED
         if engine.committer.failure is not None:
             log.warning("%s: SUBSCRIBE %s refused: the store cannot write now", session.client_id, topic_filter)
+            return _SUBSCRIBE_REFUSED
+        if over_limit(engine.index, session.client_id, topic_filter):
             return _SUBSCRIBE_REFUSED
         if not await broker._topic_filtering(session, topic_filter, Action.SUBSCRIBE):
             return _SUBSCRIBE_REFUSED
@@ -601,10 +649,45 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
             )
         await handler.mqtt_acknowledge_unsubscription(unsubscription.packet_id)
 
+    def del_subscription(topic_filter: str, session: Any) -> int:
+        # amqtt's one way out of its table (UNSUBSCRIBE, session deletion, clean-up all call it).
+        deleted = int(original_del_subscription(topic_filter, session))
+        if deleted:
+            amqtt_index.remove(session.client_id, topic_filter)
+        return deleted
+
+    async def del_all_subscriptions(session: Any) -> None:
+        # amqtt 0.12.1's, over the session's own filters instead of every filter of the table.
+        for topic_filter in amqtt_index.filters_of(session.client_id):
+            if del_subscription(topic_filter, session) and not broker._subscriptions.get(topic_filter, True):
+                del broker._subscriptions[topic_filter]
+
+    async def run_broadcast(running_tasks: deque[asyncio.Task[Any]]) -> None:
+        # amqtt 0.12.1's _run_broadcast, step for step, but over the matching filters only.
+        broadcast = await broker._broadcast_queue.get()
+        topic = broadcast["topic"]
+        if topic is None:
+            return
+        for topic_filter in list(amqtt_index.matching_filters(topic)):
+            for target, sub_qos in list(broker._subscriptions.get(topic_filter, ())):
+                qos = broadcast.get("qos", sub_qos)
+                if not await broker._topic_filtering(target, topic=topic, action=Action.RECEIVE):
+                    continue
+                connected = target.transitions.state == "connected"
+                if not connected and not target.clean_session and qos in (QOS_1, QOS_2) and not target.is_anonymous:
+                    await broker._retain_broadcast_message(broadcast, qos, target)
+                    continue
+                handler = broker._get_handler(target) if connected else None
+                if handler:
+                    running_tasks.append(
+                        asyncio.ensure_future(handler.mqtt_publish(topic, broadcast["data"], qos, retain=False))
+                    )
+
     async def publish_retained_for_subscription(subscription: tuple[str, int], session: Any) -> None:
         # Durable sessions got theirs queued with the subscription (add_subscription), and none on
-        # a mere reconnect (MQTT-3.3.1-6).
-        if not engine.is_durable(session.client_id):
+        # a mere reconnect (MQTT-3.3.1-6). amqtt also calls this on every CONNECT for every filter
+        # of its table, whoever holds it: only the client's own filters are its business.
+        if not engine.is_durable(session.client_id) and amqtt_index.holds(session.client_id, subscription[0]):
             await original_retained(subscription, session)
 
     async def broadcast_message(
@@ -673,6 +756,9 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
     broker._client_message_loop = client_message_loop
     broker.add_subscription = add_subscription
     broker._handle_unsubscription = handle_unsubscription
+    broker._del_subscription = del_subscription
+    broker._del_all_subscriptions = del_all_subscriptions
+    broker._run_broadcast = run_broadcast
     broker._publish_retained_messages_for_subscription = publish_retained_for_subscription
     broker._broadcast_message = broadcast_message
     broker._cleanup_session = cleanup_session

@@ -117,6 +117,12 @@ class DurableConfig:
     """Byte limit while disconnected, beside max_depth_disconnected; 0: none. Must be >= max_bytes
     when both are set."""
 
+    max_subscriptions_per_client: int = 1000
+    """Topic filters one client may hold (durable or clean session); a SUBSCRIBE past it gets
+    return code 0x80 for the filters over the limit. Re-subscribing to a held filter does not
+    count twice. 0 means no limit. Routing cost does not grow with filters, but memory does,
+    and a durable session's stored record is rewritten whole on every SUBSCRIBE."""
+
     def __post_init__(self) -> None:
         _check_ranges(self)
 
@@ -232,6 +238,11 @@ def _check_ranges(config: DurableConfig) -> None:
         )
     if not 1 <= config.stream_window <= MAX_STREAM_WINDOW:
         raise ConfigError("stream_window", f"must be between 1 and {MAX_STREAM_WINDOW}, got {config.stream_window!r}")
+    if config.max_subscriptions_per_client < 0:
+        raise ConfigError(
+            "max_subscriptions_per_client",
+            f"must be a whole number, 0 (no limit) or more, got {config.max_subscriptions_per_client!r}",
+        )
     for key in ("stream_ack_timeout", "connect_timeout"):
         value = getattr(config, key)
         if value <= 0 or not math.isfinite(value):

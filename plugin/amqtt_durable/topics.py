@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 def filter_is_valid(topic_filter: str) -> bool:
     """MQTT-4.7.1: '#' only as the whole last level, '+' only as a whole level."""
@@ -78,35 +80,166 @@ def filters_overlap(a: str, b: str) -> bool:
     return True
 
 
-class SubscriptionIndex:
-    """Filters -> {client_id: qos}; exact filters by dict lookup, wildcard filters by matching.
+class _Node:
+    """One level of the filter trie: the next levels ('+' and '#' are keys too) and who ends here."""
 
-    One entry per distinct filter keeps routing cost independent of how many sessions
-    share a filter (1000 subscribers on one topic is one lookup).
+    __slots__ = ("children", "filter", "subscribers")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _Node] = {}
+        self.subscribers: dict[str, int] = {}
+        self.filter = ""  # the filter that ends here, once one does
+
+
+class SubscriptionIndex:
+    """Filters -> {client_id: qos}: filters without wildcards in a dict, the others in a trie of levels.
+
+    Routing looks the topic up in the dict, then walks its levels through the trie, following
+    the literal level, '+' and '#' at each: its cost depends on the topic's levels and the
+    filters that match, not on how many filters there are (10,000 wildcard filters of one
+    client cost a publish nothing when they do not match it). One node per distinct filter
+    keeps the cost independent of how many sessions share a filter (1000 subscribers on one
+    topic is one node).
     """
 
     def __init__(self) -> None:
-        self._exact: dict[str, dict[str, int]] = {}
-        self._wildcard: dict[str, dict[str, int]] = {}
+        self._exact: dict[str, _Node] = {}
+        self._root = _Node()
+        self._filters = 0
+        self._held: dict[str, set[str]] = {}  # client id -> its filters
+
+    def __len__(self) -> int:
+        """Distinct filters with at least one subscriber."""
+        return self._filters
 
     def add(self, client_id: str, topic_filter: str, qos: int) -> None:
-        table = self._wildcard if ("+" in topic_filter or "#" in topic_filter) else self._exact
-        table.setdefault(topic_filter, {})[client_id] = qos
+        if "+" in topic_filter or "#" in topic_filter:
+            node = self._root
+            for level in topic_filter.split("/"):
+                child = node.children.get(level)
+                if child is None:
+                    child = node.children[level] = _Node()
+                node = child
+        else:
+            node = self._exact.setdefault(topic_filter, _Node())
+        node.filter = topic_filter
+        subscribers = node.subscribers
+        if client_id not in subscribers:
+            if not subscribers:
+                self._filters += 1
+            self._held.setdefault(client_id, set()).add(topic_filter)
+        subscribers[client_id] = qos
 
     def remove(self, client_id: str, topic_filter: str) -> None:
-        for table in (self._exact, self._wildcard):
-            subscribers = table.get(topic_filter)
-            if subscribers is not None:
-                subscribers.pop(client_id, None)
-                if not subscribers:
-                    del table[topic_filter]
+        levels = topic_filter.split("/")
+        path = [self._root]
+        if "+" in topic_filter or "#" in topic_filter:
+            for level in levels:
+                child = path[-1].children.get(level)
+                if child is None:
+                    return
+                path.append(child)
+            node = path[-1]
+        else:
+            exact = self._exact.get(topic_filter)
+            if exact is None:
+                return
+            node = exact
+        subscribers = node.subscribers
+        if subscribers.pop(client_id, None) is None:
+            return
+        if not subscribers:
+            self._filters -= 1
+            self._exact.pop(topic_filter, None)
+        held = self._held[client_id]
+        held.discard(topic_filter)
+        if not held:
+            del self._held[client_id]
+        for depth in range(len(path) - 1, 0, -1):  # prune the trie nodes nothing ends at or passes through
+            trie_node = path[depth]
+            if trie_node.subscribers or trie_node.children:
+                break
+            del path[depth - 1].children[levels[depth - 1]]
+
+    def count(self, client_id: str) -> int:
+        """How many filters ``client_id`` is subscribed to."""
+        return len(self._held.get(client_id, ()))
+
+    def filters_of(self, client_id: str) -> list[str]:
+        """The filters ``client_id`` is subscribed to."""
+        return list(self._held.get(client_id, ()))
+
+    def admits(self, client_id: str, topic_filter: str, limit: int) -> bool:
+        """May ``client_id`` subscribe to ``topic_filter`` under ``limit`` filters per client (0: any number)?
+
+        A filter it already has is a re-subscription and does not count twice.
+        """
+        return not limit or self.count(client_id) < limit or self.holds(client_id, topic_filter)
+
+    def holds(self, client_id: str, topic_filter: str) -> bool:
+        """True when ``client_id`` is subscribed to exactly ``topic_filter``."""
+        return topic_filter in self._held.get(client_id, ())
 
     def route(self, topic: str) -> dict[str, int]:
         """Sessions that take ``topic``, each with its highest matching subscription QoS."""
-        targets = dict(self._exact.get(topic, ()))
-        for topic_filter, subscribers in self._wildcard.items():
-            if matches(topic, topic_filter):
-                for client_id, qos in subscribers.items():
-                    if targets.get(client_id, -1) < qos:
-                        targets[client_id] = qos
+        if not self._root.children:  # no wildcard filter: one lookup
+            exact = self._exact.get(topic)
+            return {} if exact is None else dict(exact.subscribers)
+        targets: dict[str, int] = {}
+        for node in self._matching(topic):
+            subscribers = node.subscribers
+            if not targets:
+                targets = dict(subscribers)
+                continue
+            for client_id, qos in subscribers.items():
+                if targets.get(client_id, -1) < qos:
+                    targets[client_id] = qos
         return targets
+
+    def matches_any(self, topic: str) -> bool:
+        """True when some filter matches ``topic`` (stops at the first)."""
+        return next(self._matching(topic), None) is not None
+
+    def matching_filters(self, topic: str) -> Iterator[str]:
+        """Every filter with a subscriber that matches ``topic``."""
+        for node in self._matching(topic):
+            yield node.filter
+
+    def _matching(self, topic: str) -> Iterator[_Node]:
+        """The node of every subscribed filter that matches ``topic`` (MQTT 3.1.1 section 4.7): the
+        exact filter, then the trie's.
+
+        '#' matches the rest of the topic, also none of it ('a/#' matches 'a'); '+' one level;
+        a topic starting with '$' is not matched by a wildcard in the first level (MQTT-4.7.2-1).
+        """
+        exact = self._exact.get(topic)
+        if exact is not None:
+            yield exact
+        if not self._root.children:
+            return
+        levels = topic.split("/")
+        nodes = [self._root]
+        wildcards_first = not topic.startswith("$")
+        for depth, level in enumerate(levels):
+            following: list[_Node] = []
+            for node in nodes:
+                children = node.children
+                if depth or wildcards_first:
+                    rest = children.get("#")
+                    if rest is not None and rest.subscribers:
+                        yield rest
+                    single = children.get("+")
+                    if single is not None:
+                        following.append(single)
+                child = children.get(level)
+                if child is not None and level not in ("+", "#"):  # wildcards are not literals
+                    following.append(child)
+            if not following:
+                return
+            nodes = following
+        for node in nodes:
+            if node.subscribers:
+                yield node
+            rest = node.children.get("#")
+            if rest is not None and rest.subscribers:
+                yield rest

@@ -35,6 +35,7 @@ CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
     "max_packet_size": (268_435_455, [1.5, "1MB", True, None], [1023, 0, 268_435_456]),
     "max_bytes": (1_000_000, [1.5, "1MB", True, None], [-1]),
     "max_bytes_disconnected": (0, [2.5, "1", False, None], [-1]),
+    "max_subscriptions_per_client": (0, [1.5, "1000", True, None], [-1]),
 }
 
 FLOAT_KEYS = [f.name for f in dataclasses.fields(DurableConfig) if f.type == "float"]
@@ -70,6 +71,7 @@ def test_defaults() -> None:
     assert config.drop_log_interval == 10.0
     assert config.connect_timeout == 10.0
     assert config.max_packet_size == 1_048_576
+    assert config.max_subscriptions_per_client == 1000
 
 
 def test_none_means_defaults() -> None:

@@ -1,0 +1,123 @@
+"""Issue 10, point 7 (routing): one client's subscriptions must not slow everyone, and are bounded.
+
+Against a real broker process over TCP: a SUBSCRIBE past ``max_subscriptions_per_client`` gets
+return code 0x80 for the filters over the limit (MQTT 3.1.1 has no other refusal) while the
+granted ones deliver; 10,000 wildcard filters of one client, durable or clean, do not starve
+routing of everyone else's publishes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from conftest import Broker, Client, payloads
+
+REFUSED = 0x80
+FLOOD = 10_000
+FLOOD_PER_PACKET = 500
+PUBLISHES = 5000
+# Before the trie, routing checked every wildcard filter per publish: about 300 msgs/s with 10,000
+# filters, so 5000 publishes took over 15 s. Routed per topic level they take well under a second;
+# the bound is generous for a loaded two-core machine and still far below the old cost.
+FLOOD_BOUND_S = 8.0
+
+
+@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+def test_subscribe_past_the_limit_gets_0x80_and_granted_filters_deliver(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool
+) -> None:
+    broker = broker_factory(max_subscriptions_per_client=3)
+    kind = "clean" if clean else "durable"
+    greedy = clients(broker.port, f"greedy-{kind}", clean_session=clean)
+    publisher = clients(broker.port, f"pub-{kind}", clean_session=True)
+
+    assert greedy.subscribe([("lim/a", 1), ("lim/+/b", 1)]) == [1, 1]
+    # "lim/a" again is a re-subscription, not a third filter; "lim/c" is the third; the rest are over.
+    assert greedy.subscribe([("lim/a", 1), ("lim/c", 1), ("lim/d", 1), ("lim/#", 1)]) == [1, 1, REFUSED, REFUSED]
+    assert "max_subscriptions_per_client" in broker.log()
+
+    publisher.publish("lim/d", [b"refused-d"])
+    publisher.publish("lim/zzz", [b"refused-hash"])  # only the refused "lim/#" would match it
+    for topic in ("lim/a", "lim/x/b", "lim/c"):
+        publisher.publish(topic, [f"granted {topic}".encode()])
+    assert greedy.wait_for(lambda got: len(got) >= 3), "the granted subscriptions did not deliver"
+
+    # Unsubscribing frees a place under the limit.
+    greedy.unsubscribe("lim/c")
+    assert greedy.subscribe("lim/d") == [1]
+    publisher.publish("lim/d", [b"granted now"])
+    assert greedy.wait_for(lambda got: any(m.payload == b"granted now" for m in got))
+    received = sorted(m.payload for m in greedy.messages)
+    assert received == [b"granted lim/a", b"granted lim/c", b"granted lim/x/b", b"granted now"]
+
+
+@pytest.mark.parametrize(
+    ("clean", "clean_victim"),
+    [(False, False), (True, False), (True, True)],
+    ids=["durable-attacker", "clean-attacker", "clean-attacker-clean-victim"],
+)
+def test_ten_thousand_wildcard_subscriptions_of_one_client_do_not_starve_routing(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool, clean_victim: bool
+) -> None:
+    """The durable route, the "does amqtt want it" check and amqtt's own delivery to clean subscribers."""
+    broker = broker_factory(max_subscriptions_per_client=0)
+    kind = "clean" if clean else "durable"
+    attacker = clients(broker.port, f"attacker-{kind}", clean_session=clean)
+    for start in range(0, FLOOD, FLOOD_PER_PACKET):
+        batch = [(f"flood/{i}/+", 1) for i in range(start, start + FLOOD_PER_PACKET)]
+        assert attacker.subscribe(batch) == [1] * FLOOD_PER_PACKET
+    victim = clients(broker.port, f"victim-{kind}", clean_session=clean_victim)
+    assert victim.subscribe("work/t") == [1]
+    publisher = clients(broker.port, f"pub-{kind}", clean_session=True)
+
+    started = time.monotonic()
+    publisher.publish("work/t", payloads(PUBLISHES))
+    assert victim.wait_for(lambda got: len(got) >= PUBLISHES, timeout=FLOOD_BOUND_S), (
+        f"{len(victim.messages)} of {PUBLISHES} arrived in {FLOOD_BOUND_S} s"
+    )
+    elapsed = time.monotonic() - started
+    assert elapsed < FLOOD_BOUND_S, f"{PUBLISHES} publishes took {elapsed:.1f} s with {FLOOD} wildcard filters"
+    assert [m.payload for m in victim.messages] == payloads(PUBLISHES)
+    assert attacker.messages == []  # none of its filters matches
+
+
+def test_a_connecting_client_gets_no_retained_message_of_filters_others_hold(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """amqtt 0.12.1 sends, on every CONNECT, the retained messages matching every filter of its
+    table, whoever holds it: one client's filters decided what everyone else received (and each
+    CONNECT cost a match per filter and retained message)."""
+    broker = broker_factory()
+    publisher = clients(broker.port, "pub-retained", clean_session=True)
+    publisher.publish("secret/x", [b"retained secret"], retain=True)
+    holder = clients(broker.port, "holder", clean_session=True)
+    assert holder.subscribe("secret/#") == [1]
+    assert holder.wait_for(lambda got: [m.payload for m in got] == [b"retained secret"])
+
+    for clean in (True, False):
+        other = clients(broker.port, f"other-{clean}", clean_session=clean)
+        assert other.subscribe("mine/t") == [1]
+        publisher.publish("mine/t", [b"marker"])
+        assert other.wait_for(lambda got: any(m.payload == b"marker" for m in got))
+        assert [m.payload for m in other.messages] == [b"marker"]
+
+
+def test_a_clean_session_ending_frees_its_places_under_the_limit(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """A new clean session starts with no filters: amqtt drops the old session's (the plugin
+    removes exactly the client's own, instead of trying every filter of amqtt's table)."""
+    broker = broker_factory(max_subscriptions_per_client=2)
+    publisher = clients(broker.port, "pub-ending", clean_session=True)
+    first = clients(broker.port, "ending", clean_session=True)
+    assert first.subscribe([("old/a", 1), ("old/b", 1), ("old/c", 1)]) == [1, 1, REFUSED]
+    first.disconnect()
+    again = clients(broker.port, "ending", clean_session=True)
+    assert again.subscribe([("new/a", 1), ("new/b", 1)]) == [1, 1]
+    publisher.publish("old/a", [b"old"])
+    publisher.publish("new/b", [b"new"])
+    assert again.wait_for(lambda got: any(m.payload == b"new" for m in got))
+    assert [m.payload for m in again.messages] == [b"new"]
