@@ -23,10 +23,12 @@ from .errors import StoreError
 from .store import (
     FLAG_SHARED,
     LAYOUT_VERSION,
+    RETAINED_PREFIX,
     SID_MARK_KEY,
     STORE_ID_KEY,
     VERSION_KEY,
     Entry,
+    RetainedMessage,
     SessionRecord,
     body_key,
     decode_refs,
@@ -42,6 +44,7 @@ from .store import (
     sid_of_entry_key,
     totals_key,
 )
+from .streams import EVENT_PREFIX, event_topic
 
 _SID_IN_RECORD = re.compile(rb'"sid"\s*:\s*(\d+)')
 _USERNAME_IN_RECORD = re.compile(rb'"username"\s*:\s*"([^"\\]*)"')
@@ -109,8 +112,8 @@ def rebuild(db: Any, now: float) -> RepairReport:
         report.lost.append(f"layout version {version!r} is not this release's {LAYOUT_VERSION!r}: nothing rebuilt")
         return report
     if version is None and not _looks_like_ours(db):
-        report.lost.append("no layout version key, no queue entry and no session record: not this plugin's store; "
-                           "nothing rebuilt")
+        report.lost.append("no layout version key, no queue entry, session record, retained message or stream "
+                           "event: not this plugin's store; nothing rebuilt")
         return report
     with db.write_batch(transaction=True, sync=True) as batch:
         if version is None:
@@ -144,12 +147,22 @@ def rebuild(db: Any, now: float) -> RepairReport:
 
 
 def _looks_like_ours(db: Any) -> bool:
-    """An empty store, or one with a queue entry or session record of this layout: the version key
-    may be restored (a LevelDB of another program must not be taken over)."""
+    """An empty store, or one with a record of this layout (queue entry, session record, retained
+    message, stream event): the version key may be restored (a LevelDB of another program must not
+    be taken over, so each is recognised by its whole shape, not its first byte)."""
     if next(db.iterator(include_value=False), None) is None:
         return True
     if any(len(key) == _ENTRY_KEY_SIZE for key in db.iterator(prefix=b"q", include_value=False)):
         return True
+    if any(event_topic(key) is not None for key in db.iterator(prefix=EVENT_PREFIX, include_value=False)):
+        return True
+    for key, value in db.iterator(prefix=RETAINED_PREFIX):
+        try:
+            message = RetainedMessage.decode(key, value)
+        except (struct.error, UnicodeDecodeError):
+            continue
+        if message.qos in (0, 1, 2):
+            return True
     for key, value in db.iterator(prefix=b"s"):
         try:
             SessionRecord.decode(key[1:].decode("utf-8"), value)
