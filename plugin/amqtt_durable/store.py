@@ -287,6 +287,9 @@ def encode_refs(refs: int) -> bytes:
 
 _LEVELDB_DATA = re.compile(r"^(MANIFEST-\d+|\d+\.(log|ldb|sst))$")
 """Files that hold a LevelDB store's data (LOCK, LOG and LOG.old are LevelDB's bookkeeping only)."""
+_LEVELDB_BOOKKEEPING = frozenset({"LOCK", "LOG", "LOG.old"})
+"""Made by LevelDB before CURRENT: alone in a folder (a crash or full disk while creating the
+store) they hold no data, and the folder counts as empty."""
 _TABLE_MAGIC = struct.pack("<Q", 0xDB4775248B80FB57)
 """The last 8 bytes of every complete LevelDB table file (its footer's magic number)."""
 _TABLE_RANGE = re.compile(rb" (\d+):\d+\['(.*?)' @ \d+ : \d+ \.\. '(.*?)' @ \d+ : \d+\]")
@@ -318,8 +321,9 @@ def _check_folder(path: str, *, create: bool) -> bool:
             "CURRENT, the file naming the live MANIFEST, is missing; nothing was changed and no new store "
             "is created over them",
         )
-    if names:
-        shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+    others = sorted(name for name in names or () if name not in _LEVELDB_BOOKKEEPING)
+    if others:
+        shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
         raise StoreError(
             f"store folder '{path}' holds files ({shown}) but no LevelDB store; a store is only created in "
             "an empty or missing folder: point 'store' at one"
