@@ -8,7 +8,7 @@ once at start-up, into amqtt's table.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .store import RETAINED_PREFIX, GroupCommitter, RetainedMessage, iter_retained, retained_key
@@ -17,15 +17,16 @@ from .store import RETAINED_PREFIX, GroupCommitter, RetainedMessage, iter_retain
 class RetainedMessages:
     """The retained message of every topic that has one, written through the group committer."""
 
-    def __init__(self, db: Any, committer: GroupCommitter) -> None:
+    def __init__(self, db: Callable[[], Any], committer: GroupCommitter) -> None:
         self._db = db
+        """The engine's current handle: a retry after a failed write reopens the store."""
         self._committer = committer
         self._topics: set[str] = set()
 
     def load(self) -> None:
         """Learn which topics have a retained message (keys only: start-up stays cheap)."""
         start = len(RETAINED_PREFIX)
-        keys = self._db.iterator(prefix=RETAINED_PREFIX, include_value=False)
+        keys = self._db().iterator(prefix=RETAINED_PREFIX, include_value=False)
         self._topics = {key[start:].decode("utf-8") for key in keys}
 
     def __len__(self) -> int:
@@ -45,4 +46,4 @@ class RetainedMessages:
 
     def stored(self) -> Iterator[RetainedMessage]:
         """Every retained message as written so far (not what the current batch still holds)."""
-        return iter_retained(self._db)
+        return iter_retained(self._db())
