@@ -193,6 +193,8 @@ class DurableSession:
         fails at once raises StoreReadError: the pump reports it and tries again later.
         """
         db = self.engine.db
+        if db.closed:  # a retry after a failed write closed it and could not open it again (yet)
+            raise StoreReadError(self.client_id, start - 1, "the store is closed until a write retry reopens it")
         removing = self.engine.removing
         out: list[tuple[Entry, Body]] = []
         looked = 0
@@ -442,7 +444,7 @@ class DurableEngine:
             self.committer.put(STORE_ID_KEY, encode_u64(self.store_id))
         self.streams = StreamLogs(self.db, self.committer, config.streams)
         self.streams.load()
-        self.retained = RetainedMessages(self.db, self.committer)
+        self.retained = RetainedMessages(lambda: self.db, self.committer)
         self.retained.load()
         self._next_msg_id = last_msg_id(self.db) + 1
         # Also past queues and totals a crash left without a record: a sid is never reused.
