@@ -968,14 +968,10 @@ class DurableEngine:
         if session is None or session.deleted:
             return
         session.pubrel_due.add(packet_id)
+        # Kept in memory also while writes fail: a failed write is retried, never dropped, so the
+        # message and this id are stored together, and a re-send meanwhile is not routed again.
         self.committer.put(pubrel_key(session.sid, packet_id), b"")
-        # A waiter of our own (the publisher's task may be cancelled): a failed write forgets it.
-        self.committer.commit().add_done_callback(partial(self._pubrel_recorded, session, packet_id))
-
-    @staticmethod
-    def _pubrel_recorded(session: DurableSession, packet_id: int, written: asyncio.Future[None]) -> None:
-        if not written.cancelled() and written.exception() is not None:
-            session.pubrel_due.discard(packet_id)
+        self.committer.flush_soon()
 
     async def pubrel_received(self, client_id: str, packet_id: int) -> None:
         """PUBREL came: forget the packet id, durably, before PUBCOMP lets the client reuse it."""
