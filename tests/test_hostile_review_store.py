@@ -58,3 +58,30 @@ def test_a_store_folder_left_with_only_leveldb_lock_and_log_files_becomes_a_stor
     broker.restart(kill=True)
     assert sub.connect() is True, "the session is in the store created there"
     assert [m.payload for m in sub.wait_messages(1)] == [b"kept"]
+
+
+def test_a_damaged_retained_message_stops_start_up_by_name_and_repair_removes_it(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """A retained value that no longer decodes (LevelDB's repair keeps a record whose bytes a disk
+    changed) must not start a broker silently without retained messages, nor stop every start."""
+    broker = broker_factory()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("a/state", [b"broken soon"], qos=1, retain=True)
+    publisher.publish("b/state", [b"fine"], qos=1, retain=True)
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    db.put(b"ra/state", b"\x00", sync=True)
+    db.close()
+
+    error = start_refused(broker)
+    assert "the retained message of topic 'a/state': 1 bytes that do not decode" in error, error
+    assert f"amqtt-durable repair {broker.store}" in error, error
+    report = repaired(broker)
+    assert "not recovered: the retained message of topic 'a/state' does not decode: removed" in report, report
+
+    broker.start()
+    sub = clients(broker.port, "reader", clean_session=True)
+    sub.subscribe("+/state", 1)
+    (message,) = sub.wait_messages(1)
+    assert (message.topic, message.payload) == ("b/state", b"fine")

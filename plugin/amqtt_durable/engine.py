@@ -51,6 +51,7 @@ from .store import (
     decode_refs,
     decode_totals,
     decode_u64,
+    decoded,
     encode_refs,
     encode_totals,
     encode_u64,
@@ -444,8 +445,8 @@ class DurableEngine:
             self.committer.put(STORE_ID_KEY, encode_u64(self.store_id))
         self.streams = StreamLogs(self.db, self.committer, config.streams)
         self.streams.load()
-        self.retained = RetainedMessages(lambda: self.db, self.committer)
-        self.retained.load()
+        self.retained = RetainedMessages(self.committer)
+        self.retained.load(self.db)
         self._next_msg_id = last_msg_id(self.db) + 1
         # Also past queues and totals a crash left without a record: a sid is never reused.
         sid_mark = self._load_value(decode_u64, SID_MARK_KEY, "the highest session number")
@@ -491,11 +492,7 @@ class DurableEngine:
 
     def _load_value(self, decode: Callable[[bytes | None], _T], key: bytes, what: str) -> _T:
         """A fixed-size value read at start-up; one that does not decode is named (repair rebuilds it)."""
-        raw = self.db.get(key, verify_checksums=True)
-        try:
-            return decode(raw)
-        except struct.error as exc:
-            raise DamagedRecordError(f"{what}: {len(raw or b'')} bytes that do not decode") from exc
+        return decoded(decode, self.db.get(key, verify_checksums=True), what)
 
     def _drop_orphans(self, known: set[int]) -> None:
         """Delete queue entries of sessions whose record is gone: a crash in the middle of deleting

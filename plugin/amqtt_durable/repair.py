@@ -19,7 +19,7 @@ from typing import Any
 
 import plyvel
 
-from .errors import StoreError
+from .errors import DamagedRecordError, StoreError
 from .store import (
     FLAG_SHARED,
     LAYOUT_VERSION,
@@ -120,6 +120,7 @@ def rebuild(db: Any, now: float) -> RepairReport:
             batch.put(VERSION_KEY, LAYOUT_VERSION)
             report.rebuilt.append("layout version key restored")
         queues = _scan_queues(db, batch, report)
+        _drop_damaged_retained(db, batch, report)
         names = _sessions(db, batch, set(queues) | _sids_with(db, b"t") | _sids_with(db, b"w"), now, report)
         for sid, client_id in sorted(names.items()):
             queue = queues.get(sid, _Queue())
@@ -156,13 +157,8 @@ def _looks_like_ours(db: Any) -> bool:
         return True
     if any(event_topic(key) is not None for key in db.iterator(prefix=EVENT_PREFIX, include_value=False)):
         return True
-    for key, value in db.iterator(prefix=RETAINED_PREFIX):
-        try:
-            message = RetainedMessage.decode(key, value)
-        except (struct.error, UnicodeDecodeError):
-            continue
-        if message.qos in (0, 1, 2):
-            return True
+    if any(_retained_decodes(key, value) for key, value in db.iterator(prefix=RETAINED_PREFIX)):
+        return True
     for key, value in db.iterator(prefix=b"s"):
         try:
             SessionRecord.decode(key[1:].decode("utf-8"), value)
@@ -170,6 +166,23 @@ def _looks_like_ours(db: Any) -> bool:
             continue
         return True
     return False
+
+
+def _retained_decodes(key: bytes, value: bytes) -> bool:
+    try:
+        RetainedMessage.decode(key, value)
+    except (struct.error, ValueError, DamagedRecordError):
+        return False
+    return True
+
+
+def _drop_damaged_retained(db: Any, batch: Any, report: RepairReport) -> None:
+    """A retained message that does not decode would stop every start-up: it is removed, and said."""
+    for key, value in db.iterator(prefix=RETAINED_PREFIX):
+        if not _retained_decodes(key, value):
+            batch.delete(key)
+            topic = key[len(RETAINED_PREFIX) :].decode("utf-8", "replace")
+            report.lost.append(f"the retained message of topic {topic!r} does not decode: removed")
 
 
 def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]:

@@ -60,7 +60,8 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import plyvel
 
@@ -69,6 +70,8 @@ from .errors import DamagedRecordError, StoreCorruptedError, StoreError, StoreLo
 log = logging.getLogger("amqtt_durable")
 
 LAYOUT_VERSION = b"1"
+_R = TypeVar("_R")
+_T = TypeVar("_T")
 _U64 = struct.Struct(">Q")
 _U16 = struct.Struct(">H")
 _ENTRY = struct.Struct(">QBBI")
@@ -175,13 +178,34 @@ class RetainedMessage:
     @classmethod
     def decode(cls, key: bytes, raw: bytes) -> RetainedMessage:
         published_at, qos = _RETAINED_HEAD.unpack_from(raw)
-        return cls(key[len(RETAINED_PREFIX) :].decode("utf-8"), raw[_RETAINED_HEAD.size :], qos, published_at)
+        if qos > 2:  # MQTT has QoS 0, 1 and 2
+            raise ValueError(f"QoS {qos}")
+        return cls(retained_topic(key), raw[_RETAINED_HEAD.size :], qos, published_at)
+
+
+def retained_topic(key: bytes) -> str:
+    """The topic of a ``b"r"`` key; DamagedRecordError when it is not UTF-8."""
+    try:
+        return key[len(RETAINED_PREFIX) :].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        topic = key[len(RETAINED_PREFIX) :]
+        raise DamagedRecordError(f"the topic of a retained message, {topic!r}, is not UTF-8") from exc
 
 
 def iter_retained(db: Any) -> Iterator[RetainedMessage]:
-    """Every stored retained message, in topic byte order."""
-    for key, value in db.iterator(prefix=RETAINED_PREFIX):
-        yield RetainedMessage.decode(key, value)
+    """Every stored retained message, in topic byte order; DamagedRecordError names one that does not decode."""
+    for key, value in db.iterator(prefix=RETAINED_PREFIX, verify_checksums=True):
+        topic = retained_topic(key)
+        yield decoded(partial(RetainedMessage.decode, key), value, f"the retained message of topic {topic!r}")
+
+
+def decoded(decode: Callable[[_R], _T], raw: _R, what: str) -> _T:
+    """``decode(raw)``, or DamagedRecordError naming ``what`` (repair rebuilds what it can)."""
+    try:
+        return decode(raw)
+    except (struct.error, ValueError) as exc:
+        size = len(raw) if isinstance(raw, bytes) else 0
+        raise DamagedRecordError(f"{what}: {size} bytes that do not decode") from exc
 
 
 @dataclass(slots=True)

@@ -12,11 +12,22 @@ from pathlib import Path
 import plyvel
 import pytest
 
+from amqtt_durable.cli import main
 from amqtt_durable.config import DurableConfig, StreamConfig
 from amqtt_durable.engine import DurableEngine
-from amqtt_durable.errors import StoreCorruptedError, StoreReadError
+from amqtt_durable.errors import StoreCorruptedError, StoreReadError, StoreUnavailableError
 from amqtt_durable.repair import repair
-from amqtt_durable.store import LAYOUT_VERSION, VERSION_KEY, iter_retained, open_store, pubrel_key
+from amqtt_durable.store import (
+    LAYOUT_VERSION,
+    RETAINED_PREFIX,
+    VERSION_KEY,
+    body_key,
+    iter_retained,
+    open_store,
+    pubrel_key,
+    retained_key,
+    totals_key,
+)
 from amqtt_durable.streams import MARK_PREFIX, encode_event, event_key
 
 GENEROUS = 10.0
@@ -104,20 +115,34 @@ def test_a_folder_left_by_a_crash_while_creating_the_store_becomes_a_store(tmp_p
         db.close()
 
 
-def test_retained_messages_and_qos2_ids_are_read_through_the_reopened_handle(store_path: str) -> None:
-    """The disk-full retry swaps engine.db: nothing may keep reading the closed one."""
+def test_after_a_failed_write_the_retry_reopens_and_retained_messages_and_qos2_ids_use_the_new_handle(
+    store_path: str,
+) -> None:
+    """The disk-full retry swaps engine.db: nothing may keep writing to or reading the closed one."""
 
     async def main() -> None:
-        engine = DurableEngine(DurableConfig(store=store_path))
+        recovered = asyncio.Event()
+        engine = DurableEngine(
+            DurableConfig(store=store_path),
+            on_store_health=lambda health: recovered.set() if health.status == "ok" else None,
+        )
         engine.open()
-        stored = engine.route_publish("a", b"1", 1, retain=True)
+        await engine.connect("pub", clean_session=False)
+        old = engine.db
+        old.close()  # the next write fails, as on a full disk
+        refused = engine.route_publish("a", b"1", 1, retain=True)
+        assert refused is not None
+        with pytest.raises(StoreUnavailableError):
+            await asyncio.wait_for(refused, GENEROUS)
+        engine.expect_pubrel("pub", 9)  # while failing: kept, written by the retry
+        await asyncio.wait_for(recovered.wait(), GENEROUS)
+        assert engine.db is not old and not engine.db.closed
+        stored = engine.route_publish("b", b"2", 1, retain=True)
         assert stored is not None
         await asyncio.wait_for(stored, GENEROUS)
-        old = engine.db
-        assert engine.committer.reopen is not None
-        assert engine.committer.reopen() is not old
-        assert old.closed
-        assert [(m.topic, m.payload) for m in engine.retained.stored()] == [("a", b"1")]
+        assert [(m.topic, m.payload) for m in iter_retained(engine.db)] == [("a", b"1"), ("b", b"2")]
+        assert engine.db.get(pubrel_key(engine.sessions["pub"].sid, 9)) == b""
+        assert engine.pubrel_due("pub", 9)
         await engine.close()
 
     asyncio.run(main())
@@ -164,3 +189,42 @@ def test_qos2_ids_of_a_session_gone_before_a_crash_are_swept_and_never_reused(st
 
     asyncio.run(main())
     assert not os.path.exists(os.path.join(store_path, "lost"))
+
+
+def damaged_inspect_store(path: str, key: bytes, value: bytes) -> None:
+    """A store with one session (one queued message) and one retained message, then ``key`` set to ``value``."""
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=path))
+        engine.open()
+        await engine.connect("c", clean_session=False)
+        await engine.subscribe("c", "t", 1)
+        stored = engine.route_publish("t", b"1", 1, retain=True)
+        assert stored is not None
+        await asyncio.wait_for(stored, GENEROUS)
+        await engine.close()
+
+    asyncio.run(main())
+    db = plyvel.DB(path)
+    db.put(key, value, sync=True)
+    db.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "key", "value", "named"),
+    [
+        ([], totals_key(1), b"\x00\x01\x02", "the queue totals of client id 'c': 3 bytes that do not decode"),
+        ([], body_key(1), b"\x00", "the message body of the oldest queued message of client id 'c': 1 bytes"),
+        (["--retained"], retained_key("t"), b"\x00", "the retained message of topic 't': 1 bytes that do not decode"),
+        (["--retained"], RETAINED_PREFIX + b"\xff", b"\x00" * 9, "the topic of a retained message, b'\\xff', is not"),
+    ],
+    ids=["totals", "body", "retained-value", "retained-topic"],
+)
+def test_inspect_names_each_damaged_record_and_points_to_repair(
+    store_path: str, capsys: pytest.CaptureFixture[str], *, args: list[str], key: bytes, value: bytes, named: str
+) -> None:
+    damaged_inspect_store(store_path, key, value)
+    assert main(["inspect", store_path, *args]) == 1
+    err = capsys.readouterr().err
+    assert "is corrupted or unreadable" in err and named in err, err
+    assert f"amqtt-durable repair {store_path}" in err, err
