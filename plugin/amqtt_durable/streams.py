@@ -115,7 +115,8 @@ def migrate_legacy_events(db: Any) -> tuple[int, int]:
     while True:
         chunk: list[tuple[bytes, bytes]] = []
         size = 0
-        with db.iterator(prefix=LEGACY_EVENT_PREFIX) as legacy:
+        # Checksums verified: a damaged block must stop the move, not be copied into sound keys.
+        with db.iterator(prefix=LEGACY_EVENT_PREFIX, verify_checksums=True) as legacy:
             for key, value in legacy:
                 chunk.append((key, value))
                 size += len(key) + len(value)
@@ -132,7 +133,8 @@ def migrate_legacy_events(db: Any) -> tuple[int, int]:
                 else:
                     batch.put(event_key(topic, event_id_of(key)), value)
                     moved += 1
-    bad_marks = [key for key in db.iterator(prefix=MARK_PREFIX, include_value=False) if _mark_topic(key) is None]
+    marks = db.iterator(prefix=MARK_PREFIX, include_value=False, verify_checksums=True)
+    bad_marks = [key for key in marks if _mark_topic(key) is None]
     if bad_marks:
         with db.write_batch(sync=True) as batch:
             for key in bad_marks:

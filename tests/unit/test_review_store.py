@@ -5,6 +5,7 @@ broker: each test is an interaction between two merged branches, on a real Level
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import struct
 from pathlib import Path
@@ -228,3 +229,29 @@ def test_inspect_names_each_damaged_record_and_points_to_repair(
     err = capsys.readouterr().err
     assert "is corrupted or unreadable" in err and named in err, err
     assert f"amqtt-durable repair {store_path}" in err, err
+
+
+def test_stream_events_in_a_damaged_table_are_not_migrated_into_sound_keys(store_path: str) -> None:
+    """The b"l" -> b"e" move at open re-writes every event: read without checksums, flipped bytes in
+    a table would be copied into fresh, valid-looking keys and the damaged originals deleted, so the
+    damage could never be detected or repaired again. Open must refuse and leave the old keys."""
+    db = open_store(store_path)
+    for event_id in range(1, 3001):  # incompressible: stored as is, so flipped bytes break no decompression
+        payload = hashlib.shake_256(struct.pack(">Q", event_id)).digest(1000)
+        db.put(b"ls/a\x00" + struct.pack(">Q", event_id), encode_event(NOW, 1, payload))
+    db.compact_range()
+    db.close()
+    tables = sorted(Path(store_path).glob("*.ldb"), key=lambda table: table.stat().st_size)
+    data = bytearray(tables[-1].read_bytes())
+    for offset in range(64):
+        data[len(data) // 2 + offset * 7] ^= 0xFF
+    tables[-1].write_bytes(bytes(data))
+
+    engine = DurableEngine(DurableConfig(store=store_path, streams=[StreamConfig("s/#")]))
+    with pytest.raises(StoreCorruptedError, match="checksum"):
+        engine.open()
+    db = plyvel.DB(store_path)
+    try:
+        assert next(db.iterator(prefix=b"e"), None) is None, "nothing moved"
+    finally:
+        db.close()
