@@ -52,6 +52,7 @@ from .store import (
     decode_totals,
     decode_u64,
     decoded,
+    discard_probe,
     encode_refs,
     encode_totals,
     encode_u64,
@@ -412,6 +413,7 @@ class DurableEngine:
         """Open the store and rebuild sessions from it; reads keys, never whole queues."""
         path = self.config.store
         self.db = open_store(path)
+        discard_probe(path)
         try:
             self._load()
         except plyvel.Error as exc:

@@ -563,8 +563,14 @@ def check_writable(path: str) -> None:
             out.flush()
             os.fsync(out.fileno())
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(probe)
+        discard_probe(path)
+
+
+def discard_probe(path: str) -> None:
+    """Remove the probe file; at open too, as a crash during a probe leaves it (megabytes, on a
+    disk that was full)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(path, PROBE_NAME))
 
 
 class GroupCommitter:

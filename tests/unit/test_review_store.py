@@ -20,6 +20,7 @@ from amqtt_durable.errors import StoreCorruptedError, StoreReadError, StoreUnava
 from amqtt_durable.repair import repair
 from amqtt_durable.store import (
     LAYOUT_VERSION,
+    PROBE_NAME,
     RETAINED_PREFIX,
     VERSION_KEY,
     body_key,
@@ -255,3 +256,18 @@ def test_stream_events_in_a_damaged_table_are_not_migrated_into_sound_keys(store
         assert next(db.iterator(prefix=b"e"), None) is None, "nothing moved"
     finally:
         db.close()
+
+
+def test_a_write_probe_left_by_a_crash_is_removed_at_open(store_path: str) -> None:
+    """SIGKILL during a disk-full retry's probe leaves its file: megabytes on a disk that was full."""
+    open_store(store_path).close()
+    probe = Path(store_path, PROBE_NAME)
+    probe.write_bytes(bytes(2 << 20))
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=store_path))
+        engine.open()
+        await engine.close()
+
+    asyncio.run(main())
+    assert not probe.exists()
