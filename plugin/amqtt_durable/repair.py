@@ -120,6 +120,7 @@ def rebuild(db: Any, now: float) -> RepairReport:
             batch.put(VERSION_KEY, LAYOUT_VERSION)
             report.rebuilt.append("layout version key restored")
         queues = _scan_queues(db, batch, report)
+        _drop_malformed_keys(db, batch, report)
         _drop_damaged_retained(db, batch, report)
         names = _sessions(db, batch, set(queues) | _sids_with(db, b"t") | _sids_with(db, b"w"), now, report)
         for sid, client_id in sorted(names.items()):
@@ -229,6 +230,19 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
     if fixed:
         report.rebuilt.append(f"{fixed} shared message reference count(s) rebuilt from the queues")
     return queues
+
+
+_PER_SESSION_KEYS = {b"t": ("queue totals", 9), b"w": ("sent mark", 9), b"x": ("QoS 2 packet id", 11)}
+"""Prefix -> (what, key length) of the per-session keys besides queue entries; start-up reads a
+session number from each, so one of another length would stop every start."""
+
+
+def _drop_malformed_keys(db: Any, batch: Any, report: RepairReport) -> None:
+    for prefix, (what, size) in _PER_SESSION_KEYS.items():
+        for key in db.iterator(prefix=prefix, include_value=False):
+            if len(key) != size:
+                batch.delete(key)
+                report.lost.append(f"a {what} key of {len(key)} bytes (damaged) removed")
 
 
 def _sids_with(db: Any, prefix: bytes) -> set[int]:

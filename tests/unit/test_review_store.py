@@ -271,3 +271,28 @@ def test_a_write_probe_left_by_a_crash_is_removed_at_open(store_path: str) -> No
 
     asyncio.run(main())
     assert not probe.exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "what"),
+    [(b"x" + b"\x00" * 3, "QoS 2 packet id"), (b"t\x00\x01", "queue totals"), (b"w", "sent mark")],
+    ids=["qos2-id", "totals", "sent-mark"],
+)
+def test_repair_removes_per_session_keys_too_short_to_name_a_session(store_path: str, key: bytes, what: str) -> None:
+    """Start-up reads a session number from every b"t", b"w" and b"x" key: one too short stops it, and
+    repair (which already removes such b"q" keys) must clear it, or the store never opens again."""
+    open_store(store_path).close()
+    db = plyvel.DB(store_path)
+    db.put(key, b"", sync=True)
+    db.close()
+    with pytest.raises(StoreCorruptedError):
+        DurableEngine(DurableConfig(store=store_path)).open()
+    report = repair(store_path)
+    assert report.lost == [f"a {what} key of {len(key)} bytes (damaged) removed"]
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=store_path))
+        engine.open()
+        await engine.close()
+
+    asyncio.run(main())
