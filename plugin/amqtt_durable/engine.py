@@ -445,7 +445,7 @@ class DurableEngine:
         self.store_id = decode_u64(raw_id) if raw_id is not None else secrets.randbits(63)
         if raw_id is None:
             self.committer.put(STORE_ID_KEY, encode_u64(self.store_id))
-        self.streams = StreamLogs(self.db, self.committer, config.streams)
+        self.streams = StreamLogs(self.db, self.committer, config.streams, config.store)
         self.streams.load()
         self.retained = RetainedMessages(self.committer)
         self.retained.load(self.db)
@@ -1081,5 +1081,5 @@ class DurableEngine:
             "sessions/expired": self.expired_total,
             "retained/messages": len(self.retained),
             "store/commits": self.committer.commits,
-            "store/read_errors": self.read_errors,
+            "store/read_errors": self.read_errors + self.streams.read_errors,
         }

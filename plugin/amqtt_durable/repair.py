@@ -44,7 +44,7 @@ from .store import (
     sid_of_entry_key,
     totals_key,
 )
-from .streams import EVENT_PREFIX, event_topic
+from .streams import EVENT_PREFIX, decode_event, event_id_of, event_topic
 
 _SID_IN_RECORD = re.compile(rb'"sid"\s*:\s*(\d+)')
 _USERNAME_IN_RECORD = re.compile(rb'"username"\s*:\s*"([^"\\]*)"')
@@ -122,6 +122,7 @@ def rebuild(db: Any, now: float) -> RepairReport:
         queues = _scan_queues(db, batch, report)
         _drop_malformed_keys(db, batch, report)
         _drop_damaged_retained(db, batch, report)
+        _drop_damaged_events(db, batch, report)
         names = _sessions(db, batch, set(queues) | _sids_with(db, b"t") | _sids_with(db, b"w"), now, report)
         for sid, client_id in sorted(names.items()):
             queue = queues.get(sid, _Queue())
@@ -175,6 +176,23 @@ def _retained_decodes(key: bytes, value: bytes) -> bool:
     except (struct.error, ValueError, DamagedRecordError):
         return False
     return True
+
+
+def _drop_damaged_events(db: Any, batch: Any, report: RepairReport) -> None:
+    """A stream event that does not decode would stop its readers at it for good: removed, and said."""
+    for key, value in db.iterator(prefix=EVENT_PREFIX):
+        topic = event_topic(key)  # None: the lengths in the key do not add up
+        event_id = event_id_of(key) if len(key) > _U64_SIZE else 0
+        try:
+            decode_event(topic.decode("utf-8") if topic is not None else "", event_id, value)
+        except (struct.error, ValueError):
+            pass
+        else:
+            if topic is not None:
+                continue
+        batch.delete(key)
+        name = (topic or key[1:]).decode("utf-8", "replace")
+        report.lost.append(f"stream {name}: event {event_id} does not decode: removed")
 
 
 def _drop_damaged_retained(db: Any, batch: Any, report: RepairReport) -> None:
