@@ -410,7 +410,8 @@ class DurableEngine:
 
     # ----------------------------------------------------------------- lifecycle
     def open(self) -> None:
-        """Open the store and rebuild sessions from it; reads keys, never whole queues."""
+        """Open the store and rebuild sessions from it; reads keys, never whole queues (and the
+        retained messages, once, for amqtt's table)."""
         path = self.config.store
         self.db = open_store(path)
         discard_probe(path)
