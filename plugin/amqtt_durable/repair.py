@@ -123,7 +123,9 @@ def rebuild(db: Any, now: float) -> RepairReport:
         _drop_malformed_keys(db, batch, report)
         _drop_damaged_retained(db, batch, report)
         _drop_damaged_events(db, batch, report)
-        names = _sessions(db, batch, set(queues) | _sids_with(db, b"t") | _sids_with(db, b"w"), now, report)
+        keyed = (_sids_with(db, prefix, size) for prefix, (_, size) in _PER_SESSION_KEYS.items())
+        with_data = set(queues).union(*keyed)
+        names = _sessions(db, batch, with_data, now, report)
         for sid, client_id in sorted(names.items()):
             queue = queues.get(sid, _Queue())
             if queue.unreadable:
@@ -263,8 +265,8 @@ def _drop_malformed_keys(db: Any, batch: Any, report: RepairReport) -> None:
                 report.lost.append(f"a {what} key of {len(key)} bytes (damaged) removed")
 
 
-def _sids_with(db: Any, prefix: bytes) -> set[int]:
-    return {sid_of_entry_key(key) for key in db.iterator(prefix=prefix, include_value=False) if len(key) == 9}
+def _sids_with(db: Any, prefix: bytes, size: int) -> set[int]:
+    return {sid_of_entry_key(key) for key in db.iterator(prefix=prefix, include_value=False) if len(key) == size}
 
 
 def _sessions(db: Any, batch: Any, with_data: set[int], now: float, report: RepairReport) -> dict[int, str]:

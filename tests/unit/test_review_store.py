@@ -32,6 +32,7 @@ from amqtt_durable.store import (
     open_store,
     pubrel_key,
     retained_key,
+    session_key,
     totals_key,
 )
 from amqtt_durable.streams import MARK_PREFIX, StreamLogs, encode_event, event_key
@@ -417,3 +418,23 @@ def test_a_stream_sender_meeting_a_damaged_log_reports_it_and_retries(store_path
     asyncio.run(main())
     report = repair(store_path)
     assert report.lost == ["stream s/a: event 2 does not decode: removed"]
+
+
+def test_repair_matches_a_damaged_record_to_a_publisher_known_only_by_its_qos2_ids(store_path: str) -> None:
+    """A durable publisher that subscribes to nothing has no queue and no totals: only its pending
+    QoS 2 ids carry its session number. Its damaged record must be matched to them (or, removed,
+    its re-send after PUBREC would be routed again as a new session's)."""
+    db = open_store(store_path)
+    db.put(session_key("pub"), b'{"subscr', sync=True)  # the session number is not in what is left
+    db.put(pubrel_key(3, 7), b"", sync=True)
+    db.close()
+    report = repair(store_path)
+    assert report.rebuilt == ["client 'pub': session record rebuilt (session number 3)"]
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=store_path))
+        engine.open()
+        assert engine.pubrel_due("pub", 7), "the re-send is still known"
+        await engine.close()
+
+    asyncio.run(main())
