@@ -418,7 +418,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
     async def on_broker_pre_start(self) -> None:
         # Broker.start() has just emptied amqtt's table; the listeners are not open yet.
         table = self.broker.retained_messages
-        for message in self.engine.retained.stored():
+        for message in self.engine.retained.take_loaded():
             table[message.topic] = RetainedApplicationMessage(None, message.topic, message.payload, message.qos)
 
     async def on_broker_post_start(self) -> None:

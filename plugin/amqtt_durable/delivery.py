@@ -194,6 +194,10 @@ class Pump:
         self._read_failures += 1
         delay = min(READ_RETRY_MAX, READ_RETRY_FIRST * 2 ** min(self._read_failures - 1, 10))
         engine = self.session.engine
+        if engine.db.closed:  # not damage: a retry after a failed write could not reopen the store yet
+            log.warning("%s. Delivery to %s tries again in %.0f s", exc, self.session.client_id, delay)
+            await asyncio.sleep(delay)
+            return
         engine.read_errors += 1
         log.error(
             "%s. Delivery to %s waits and tries again in %.0f s; the store is damaged: stop the broker, run "

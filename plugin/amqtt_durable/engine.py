@@ -51,6 +51,8 @@ from .store import (
     decode_refs,
     decode_totals,
     decode_u64,
+    decoded,
+    discard_probe,
     encode_refs,
     encode_totals,
     encode_u64,
@@ -193,6 +195,8 @@ class DurableSession:
         fails at once raises StoreReadError: the pump reports it and tries again later.
         """
         db = self.engine.db
+        if db.closed:  # a retry after a failed write closed it and could not open it again (yet)
+            raise StoreReadError(self.client_id, start - 1, "the store is closed until a write retry reopens it")
         removing = self.engine.removing
         out: list[tuple[Entry, Body]] = []
         looked = 0
@@ -406,9 +410,11 @@ class DurableEngine:
 
     # ----------------------------------------------------------------- lifecycle
     def open(self) -> None:
-        """Open the store and rebuild sessions from it; reads keys, never whole queues."""
+        """Open the store and rebuild sessions from it; reads keys, never whole queues (and the
+        retained messages, once, for amqtt's table)."""
         path = self.config.store
         self.db = open_store(path)
+        discard_probe(path)
         try:
             self._load()
         except plyvel.Error as exc:
@@ -440,10 +446,10 @@ class DurableEngine:
         self.store_id = decode_u64(raw_id) if raw_id is not None else secrets.randbits(63)
         if raw_id is None:
             self.committer.put(STORE_ID_KEY, encode_u64(self.store_id))
-        self.streams = StreamLogs(self.db, self.committer, config.streams)
+        self.streams = StreamLogs(self.db, self.committer, config.streams, config.store)
         self.streams.load()
-        self.retained = RetainedMessages(self.db, self.committer)
-        self.retained.load()
+        self.retained = RetainedMessages(self.committer)
+        self.retained.load(self.db)
         self._next_msg_id = last_msg_id(self.db) + 1
         # Also past queues and totals a crash left without a record: a sid is never reused.
         sid_mark = self._load_value(decode_u64, SID_MARK_KEY, "the highest session number")
@@ -489,11 +495,7 @@ class DurableEngine:
 
     def _load_value(self, decode: Callable[[bytes | None], _T], key: bytes, what: str) -> _T:
         """A fixed-size value read at start-up; one that does not decode is named (repair rebuilds it)."""
-        raw = self.db.get(key, verify_checksums=True)
-        try:
-            return decode(raw)
-        except struct.error as exc:
-            raise DamagedRecordError(f"{what}: {len(raw or b'')} bytes that do not decode") from exc
+        return decoded(decode, self.db.get(key, verify_checksums=True), what)
 
     def _drop_orphans(self, known: set[int]) -> None:
         """Delete queue entries of sessions whose record is gone: a crash in the middle of deleting
@@ -966,14 +968,10 @@ class DurableEngine:
         if session is None or session.deleted:
             return
         session.pubrel_due.add(packet_id)
+        # Kept in memory also while writes fail: a failed write is retried, never dropped, so the
+        # message and this id are stored together, and a re-send meanwhile is not routed again.
         self.committer.put(pubrel_key(session.sid, packet_id), b"")
-        # A waiter of our own (the publisher's task may be cancelled): a failed write forgets it.
-        self.committer.commit().add_done_callback(partial(self._pubrel_recorded, session, packet_id))
-
-    @staticmethod
-    def _pubrel_recorded(session: DurableSession, packet_id: int, written: asyncio.Future[None]) -> None:
-        if not written.cancelled() and written.exception() is not None:
-            session.pubrel_due.discard(packet_id)
+        self.committer.flush_soon()
 
     async def pubrel_received(self, client_id: str, packet_id: int) -> None:
         """PUBREL came: forget the packet id, durably, before PUBCOMP lets the client reuse it."""
@@ -1084,5 +1082,5 @@ class DurableEngine:
             "sessions/expired": self.expired_total,
             "retained/messages": len(self.retained),
             "store/commits": self.committer.commits,
-            "store/read_errors": self.read_errors,
+            "store/read_errors": self.read_errors + self.streams.read_errors,
         }

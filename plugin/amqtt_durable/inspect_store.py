@@ -14,6 +14,7 @@ from .store import (
     Body,
     body_key,
     decode_totals,
+    decoded,
     iter_entries,
     iter_retained,
     iter_sessions,
@@ -84,13 +85,16 @@ def _read(path: str, read: Callable[[Any], T]) -> T:
 def _rows(db: Any, now: float) -> list[SessionSummary]:
     rows: list[SessionSummary] = []
     for record in iter_sessions(db):
-        depth, size, dropped = decode_totals(db.get(totals_key(record.sid)))
+        what = f"of client id {record.client_id!r}"
+        raw = db.get(totals_key(record.sid), verify_checksums=True)
+        depth, size, dropped = decoded(decode_totals, raw, f"the queue totals {what}")
         oldest: float | None = None
         first = next(iter_entries(db, record.sid, 0, 1), None)
         if first is not None:
-            raw = db.get(body_key(first.msg_id))
+            raw = db.get(body_key(first.msg_id), verify_checksums=True)
             if raw is not None:
-                oldest = max(0.0, now - Body.decode(raw).published_at)
+                body = decoded(Body.decode, raw, f"the message body of the oldest queued message {what}")
+                oldest = max(0.0, now - body.published_at)
         rows.append(
             SessionSummary(
                 client_id=record.client_id,

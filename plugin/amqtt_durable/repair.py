@@ -19,14 +19,16 @@ from typing import Any
 
 import plyvel
 
-from .errors import StoreError
+from .errors import DamagedRecordError, StoreError
 from .store import (
     FLAG_SHARED,
     LAYOUT_VERSION,
+    RETAINED_PREFIX,
     SID_MARK_KEY,
     STORE_ID_KEY,
     VERSION_KEY,
     Entry,
+    RetainedMessage,
     SessionRecord,
     body_key,
     decode_refs,
@@ -42,6 +44,7 @@ from .store import (
     sid_of_entry_key,
     totals_key,
 )
+from .streams import EVENT_PREFIX, decode_event, event_id_of, event_topic
 
 _SID_IN_RECORD = re.compile(rb'"sid"\s*:\s*(\d+)')
 _USERNAME_IN_RECORD = re.compile(rb'"username"\s*:\s*"([^"\\]*)"')
@@ -109,15 +112,20 @@ def rebuild(db: Any, now: float) -> RepairReport:
         report.lost.append(f"layout version {version!r} is not this release's {LAYOUT_VERSION!r}: nothing rebuilt")
         return report
     if version is None and not _looks_like_ours(db):
-        report.lost.append("no layout version key, no queue entry and no session record: not this plugin's store; "
-                           "nothing rebuilt")
+        report.lost.append("no layout version key, no queue entry, session record, retained message or stream "
+                           "event: not this plugin's store; nothing rebuilt")
         return report
     with db.write_batch(transaction=True, sync=True) as batch:
         if version is None:
             batch.put(VERSION_KEY, LAYOUT_VERSION)
             report.rebuilt.append("layout version key restored")
         queues = _scan_queues(db, batch, report)
-        names = _sessions(db, batch, set(queues) | _sids_with(db, b"t") | _sids_with(db, b"w"), now, report)
+        _drop_malformed_keys(db, batch, report)
+        _drop_damaged_retained(db, batch, report)
+        _drop_damaged_events(db, batch, report)
+        keyed = (_sids_with(db, prefix, size) for prefix, (_, size) in _PER_SESSION_KEYS.items())
+        with_data = set(queues).union(*keyed)
+        names = _sessions(db, batch, with_data, now, report)
         for sid, client_id in sorted(names.items()):
             queue = queues.get(sid, _Queue())
             if queue.unreadable:
@@ -144,11 +152,16 @@ def rebuild(db: Any, now: float) -> RepairReport:
 
 
 def _looks_like_ours(db: Any) -> bool:
-    """An empty store, or one with a queue entry or session record of this layout: the version key
-    may be restored (a LevelDB of another program must not be taken over)."""
+    """An empty store, or one with a record of this layout (queue entry, session record, retained
+    message, stream event): the version key may be restored (a LevelDB of another program must not
+    be taken over, so each is recognised by its whole shape, not its first byte)."""
     if next(db.iterator(include_value=False), None) is None:
         return True
     if any(len(key) == _ENTRY_KEY_SIZE for key in db.iterator(prefix=b"q", include_value=False)):
+        return True
+    if any(event_topic(key) is not None for key in db.iterator(prefix=EVENT_PREFIX, include_value=False)):
+        return True
+    if any(_retained_decodes(key, value) for key, value in db.iterator(prefix=RETAINED_PREFIX)):
         return True
     for key, value in db.iterator(prefix=b"s"):
         try:
@@ -157,6 +170,40 @@ def _looks_like_ours(db: Any) -> bool:
             continue
         return True
     return False
+
+
+def _retained_decodes(key: bytes, value: bytes) -> bool:
+    try:
+        RetainedMessage.decode(key, value)
+    except (struct.error, ValueError, DamagedRecordError):
+        return False
+    return True
+
+
+def _drop_damaged_events(db: Any, batch: Any, report: RepairReport) -> None:
+    """A stream event that does not decode would stop its readers at it for good: removed, and said."""
+    for key, value in db.iterator(prefix=EVENT_PREFIX):
+        topic = event_topic(key)  # None: the lengths in the key do not add up
+        event_id = event_id_of(key) if len(key) > _U64_SIZE else 0
+        try:
+            decode_event(topic.decode("utf-8") if topic is not None else "", event_id, value)
+        except (struct.error, ValueError):
+            pass
+        else:
+            if topic is not None:
+                continue
+        batch.delete(key)
+        name = (topic or key[1:]).decode("utf-8", "replace")
+        report.lost.append(f"stream {name}: event {event_id} does not decode: removed")
+
+
+def _drop_damaged_retained(db: Any, batch: Any, report: RepairReport) -> None:
+    """A retained message that does not decode would stop every start-up: it is removed, and said."""
+    for key, value in db.iterator(prefix=RETAINED_PREFIX):
+        if not _retained_decodes(key, value):
+            batch.delete(key)
+            topic = key[len(RETAINED_PREFIX) :].decode("utf-8", "replace")
+            report.lost.append(f"the retained message of topic {topic!r} does not decode: removed")
 
 
 def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]:
@@ -205,8 +252,21 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
     return queues
 
 
-def _sids_with(db: Any, prefix: bytes) -> set[int]:
-    return {sid_of_entry_key(key) for key in db.iterator(prefix=prefix, include_value=False) if len(key) == 9}
+_PER_SESSION_KEYS = {b"t": ("queue totals", 9), b"w": ("sent mark", 9), b"x": ("QoS 2 packet id", 11)}
+"""Prefix -> (what, key length) of the per-session keys besides queue entries; start-up reads a
+session number from each, so one of another length would stop every start."""
+
+
+def _drop_malformed_keys(db: Any, batch: Any, report: RepairReport) -> None:
+    for prefix, (what, size) in _PER_SESSION_KEYS.items():
+        for key in db.iterator(prefix=prefix, include_value=False):
+            if len(key) != size:
+                batch.delete(key)
+                report.lost.append(f"a {what} key of {len(key)} bytes (damaged) removed")
+
+
+def _sids_with(db: Any, prefix: bytes, size: int) -> set[int]:
+    return {sid_of_entry_key(key) for key in db.iterator(prefix=prefix, include_value=False) if len(key) == size}
 
 
 def _sessions(db: Any, batch: Any, with_data: set[int], now: float, report: RepairReport) -> dict[int, str]:

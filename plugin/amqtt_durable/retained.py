@@ -3,30 +3,34 @@
 A retained message is set, or cleared by an empty payload (MQTT-3.3.1-10/11), in the group
 commit of the publish that does it, so it is stored before that publish is acknowledged. Only
 the topics are kept in memory (for the count); the messages themselves are read from the store
-once at start-up, into amqtt's table.
+once, at start-up, and handed to amqtt's table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-from .store import RETAINED_PREFIX, GroupCommitter, RetainedMessage, iter_retained, retained_key
+from .store import GroupCommitter, RetainedMessage, iter_retained, retained_key
 
 
 class RetainedMessages:
     """The retained message of every topic that has one, written through the group committer."""
 
-    def __init__(self, db: Any, committer: GroupCommitter) -> None:
-        self._db = db
+    def __init__(self, committer: GroupCommitter) -> None:
         self._committer = committer
         self._topics: set[str] = set()
+        self._loaded: list[RetainedMessage] = []
 
-    def load(self) -> None:
-        """Learn which topics have a retained message (keys only: start-up stays cheap)."""
-        start = len(RETAINED_PREFIX)
-        keys = self._db.iterator(prefix=RETAINED_PREFIX, include_value=False)
-        self._topics = {key[start:].decode("utf-8") for key in keys}
+    def load(self, db: Any) -> None:
+        """Read every stored retained message, each decoded now: a damaged one stops start-up by
+        name (DamagedRecordError) instead of leaving amqtt's table short later."""
+        self._loaded = list(iter_retained(db))
+        self._topics = {message.topic for message in self._loaded}
+
+    def take_loaded(self) -> list[RetainedMessage]:
+        """The messages ``load`` read, once (for amqtt's table; not kept here afterwards)."""
+        loaded, self._loaded = self._loaded, []
+        return loaded
 
     def __len__(self) -> int:
         return len(self._topics)
@@ -42,7 +46,3 @@ class RetainedMessages:
         elif topic in self._topics:
             self._committer.delete(retained_key(topic))
             self._topics.discard(topic)
-
-    def stored(self) -> Iterator[RetainedMessage]:
-        """Every retained message as written so far (not what the current batch still holds)."""
-        return iter_retained(self._db)

@@ -60,7 +60,8 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import plyvel
 
@@ -69,6 +70,8 @@ from .errors import DamagedRecordError, StoreCorruptedError, StoreError, StoreLo
 log = logging.getLogger("amqtt_durable")
 
 LAYOUT_VERSION = b"1"
+_R = TypeVar("_R")
+_T = TypeVar("_T")
 _U64 = struct.Struct(">Q")
 _U16 = struct.Struct(">H")
 _ENTRY = struct.Struct(">QBBI")
@@ -175,13 +178,34 @@ class RetainedMessage:
     @classmethod
     def decode(cls, key: bytes, raw: bytes) -> RetainedMessage:
         published_at, qos = _RETAINED_HEAD.unpack_from(raw)
-        return cls(key[len(RETAINED_PREFIX) :].decode("utf-8"), raw[_RETAINED_HEAD.size :], qos, published_at)
+        if qos > 2:  # MQTT has QoS 0, 1 and 2
+            raise ValueError(f"QoS {qos}")
+        return cls(retained_topic(key), raw[_RETAINED_HEAD.size :], qos, published_at)
+
+
+def retained_topic(key: bytes) -> str:
+    """The topic of a ``b"r"`` key; DamagedRecordError when it is not UTF-8."""
+    try:
+        return key[len(RETAINED_PREFIX) :].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        topic = key[len(RETAINED_PREFIX) :]
+        raise DamagedRecordError(f"the topic of a retained message, {topic!r}, is not UTF-8") from exc
 
 
 def iter_retained(db: Any) -> Iterator[RetainedMessage]:
-    """Every stored retained message, in topic byte order."""
-    for key, value in db.iterator(prefix=RETAINED_PREFIX):
-        yield RetainedMessage.decode(key, value)
+    """Every stored retained message, in topic byte order; DamagedRecordError names one that does not decode."""
+    for key, value in db.iterator(prefix=RETAINED_PREFIX, verify_checksums=True):
+        topic = retained_topic(key)
+        yield decoded(partial(RetainedMessage.decode, key), value, f"the retained message of topic {topic!r}")
+
+
+def decoded(decode: Callable[[_R], _T], raw: _R, what: str) -> _T:
+    """``decode(raw)``, or DamagedRecordError naming ``what`` (repair rebuilds what it can)."""
+    try:
+        return decode(raw)
+    except (struct.error, ValueError) as exc:
+        size = len(raw) if isinstance(raw, bytes) else 0
+        raise DamagedRecordError(f"{what}: {size} bytes that do not decode") from exc
 
 
 @dataclass(slots=True)
@@ -287,6 +311,9 @@ def encode_refs(refs: int) -> bytes:
 
 _LEVELDB_DATA = re.compile(r"^(MANIFEST-\d+|\d+\.(log|ldb|sst))$")
 """Files that hold a LevelDB store's data (LOCK, LOG and LOG.old are LevelDB's bookkeeping only)."""
+_LEVELDB_BOOKKEEPING = frozenset({"LOCK", "LOG", "LOG.old"})
+"""Made by LevelDB before CURRENT: alone in a folder (a crash or full disk while creating the
+store) they hold no data, and the folder counts as empty."""
 _TABLE_MAGIC = struct.pack("<Q", 0xDB4775248B80FB57)
 """The last 8 bytes of every complete LevelDB table file (its footer's magic number)."""
 _TABLE_RANGE = re.compile(rb" (\d+):\d+\['(.*?)' @ \d+ : \d+ \.\. '(.*?)' @ \d+ : \d+\]")
@@ -318,8 +345,9 @@ def _check_folder(path: str, *, create: bool) -> bool:
             "CURRENT, the file naming the live MANIFEST, is missing; nothing was changed and no new store "
             "is created over them",
         )
-    if names:
-        shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+    others = sorted(name for name in names or () if name not in _LEVELDB_BOOKKEEPING)
+    if others:
+        shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
         raise StoreError(
             f"store folder '{path}' holds files ({shown}) but no LevelDB store; a store is only created in "
             "an empty or missing folder: point 'store' at one"
@@ -535,8 +563,14 @@ def check_writable(path: str) -> None:
             out.flush()
             os.fsync(out.fileno())
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(probe)
+        discard_probe(path)
+
+
+def discard_probe(path: str) -> None:
+    """Remove the probe file; at open too, as a crash during a probe leaves it (megabytes, on a
+    disk that was full)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(path, PROBE_NAME))
 
 
 class GroupCommitter:

@@ -33,6 +33,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import plyvel
+
 from durable_client.protocol import (
     FLAG_QOS_SHIFT,
     FLAG_REDELIVERED,
@@ -43,7 +45,8 @@ from durable_client.protocol import (
 )
 
 from .config import StreamConfig
-from .store import GroupCommitter
+from .delivery import READ_RETRY_FIRST, READ_RETRY_MAX
+from .store import GroupCommitter, leveldb_detail
 from .topics import filter_is_valid, filters_overlap, matches, topic_problem
 from .wire import encode_publish
 
@@ -115,7 +118,8 @@ def migrate_legacy_events(db: Any) -> tuple[int, int]:
     while True:
         chunk: list[tuple[bytes, bytes]] = []
         size = 0
-        with db.iterator(prefix=LEGACY_EVENT_PREFIX) as legacy:
+        # Checksums verified: a damaged block must stop the move, not be copied into sound keys.
+        with db.iterator(prefix=LEGACY_EVENT_PREFIX, verify_checksums=True) as legacy:
             for key, value in legacy:
                 chunk.append((key, value))
                 size += len(key) + len(value)
@@ -132,7 +136,8 @@ def migrate_legacy_events(db: Any) -> tuple[int, int]:
                 else:
                     batch.put(event_key(topic, event_id_of(key)), value)
                     moved += 1
-    bad_marks = [key for key in db.iterator(prefix=MARK_PREFIX, include_value=False) if _mark_topic(key) is None]
+    marks = db.iterator(prefix=MARK_PREFIX, include_value=False, verify_checksums=True)
+    bad_marks = [key for key in marks if _mark_topic(key) is None]
     if bad_marks:
         with db.write_batch(sync=True) as batch:
             for key in bad_marks:
@@ -202,10 +207,13 @@ class StreamLogs:
     engine commits each publish anyway, and the event must be durable with it.
     """
 
-    def __init__(self, db: Any, committer: GroupCommitter, streams: list[StreamConfig]) -> None:
+    def __init__(self, db: Any, committer: GroupCommitter, streams: list[StreamConfig], store: str = "STORE") -> None:
         self._db = db
         self._committer = committer
         self.streams = list(streams)
+        self._store = store
+        self.read_errors = 0
+        """Failed reads of a log (a damaged store); each one is logged and retried, like a queue's."""
         self._logs: dict[str, _Log] = {}
         self._senders: set[StreamSender] = set()
         """Senders with a subscription: told about topics that become visible."""
@@ -310,12 +318,28 @@ class StreamLogs:
         if start > entry.durable:
             return []
         out: list[LogEvent] = []
-        with self._db.iterator(start=event_key(topic, start), stop=event_key(topic, entry.durable + 1)) as events:
+        stop = event_key(topic, entry.durable + 1)
+        with self._db.iterator(start=event_key(topic, start), stop=stop, verify_checksums=True) as events:
             for key, value in events:
                 out.append(decode_event(topic, event_id_of(key), value))
                 if len(out) >= limit:
                     break
         return out
+
+    def read_failed(self, topic: str, after_id: int, exc: BaseException, delay: float) -> None:
+        """Say why a sender could not read ``topic`` and when it tries again (counted, if damage)."""
+        what = f"stream {topic}: reading its log after id {after_id} failed: {leveldb_detail(exc)}"
+        if self._db.closed:  # not damage: a retry after a failed write could not reopen the store yet
+            log.warning("%s. Sending tries again in %.0f s", what, delay)
+            return
+        self.read_errors += 1
+        log.error(
+            "%s. Sending waits and tries again in %.0f s; the store is damaged: stop the broker, run "
+            "'amqtt-durable repair %s' (keeps every readable event), then start the broker again",
+            what,
+            delay,
+            self._store,
+        )
 
     def bounds(self, topic: str) -> tuple[int, int] | None:
         """(first, last) readable ids; first == last + 1 for a log retention emptied; None if no log."""
@@ -421,7 +445,7 @@ MayReceive = Callable[[str], Awaitable[bool]]
 class _Cursor:
     """One topic of one connection: the next id to send and the ids in flight."""
 
-    __slots__ = ("acked", "closed", "inflight", "next_id", "timer", "topic", "topic_bytes", "window")
+    __slots__ = ("acked", "closed", "inflight", "next_id", "read_failures", "timer", "topic", "topic_bytes", "window")
 
     def __init__(self, topic: str, window: int, start: int) -> None:
         self.topic = topic
@@ -433,7 +457,9 @@ class _Cursor:
         self.inflight: dict[int, float] = {}
         """Sent, unacknowledged id -> resend deadline (loop time), in deadline order."""
         self.timer: asyncio.TimerHandle | None = None
+        """The resend timer; after a failed read, the retry of that read."""
         self.closed = False
+        self.read_failures = 0
 
 
 class StreamSender:
@@ -715,7 +741,25 @@ class StreamSender:
         self._skip_trimmed(cursor, first)
         if cursor.next_id > last:
             return
-        self._send(cursor, self._logs.read(cursor.topic, cursor.next_id - 1, room), 0)
+        events = self._read(cursor, cursor.next_id - 1, room)
+        if events is not None:
+            self._send(cursor, events, 0)
+
+    def _read(self, cursor: _Cursor, after_id: int, limit: int) -> list[LogEvent] | None:
+        """The log's events after ``after_id``; None when the read failed: it is reported and
+        ``_expire`` (resends, then new events) runs again after a growing pause; nothing is skipped."""
+        try:
+            events = self._logs.read(cursor.topic, after_id, limit)
+        except (plyvel.Error, RuntimeError, struct.error, ValueError) as exc:
+            cursor.read_failures += 1
+            delay = min(READ_RETRY_MAX, READ_RETRY_FIRST * 2 ** min(cursor.read_failures - 1, 10))
+            self._logs.read_failed(cursor.topic, after_id, exc, delay)
+            if cursor.timer is not None:
+                cursor.timer.cancel()
+            cursor.timer = asyncio.get_running_loop().call_later(delay, self._expire, cursor)
+            return None
+        cursor.read_failures = 0
+        return events
 
     def _send(self, cursor: _Cursor, events: list[LogEvent], flags: int) -> None:
         loop = asyncio.get_running_loop()
@@ -752,7 +796,10 @@ class StreamSender:
         if due:
             low, high = min(due), max(due)
             wanted = set(due)
-            events = [e for e in self._logs.read(cursor.topic, low - 1, high - low + 1) if e.id in wanted]
+            read = self._read(cursor, low - 1, high - low + 1)
+            if read is None:
+                return
+            events = [e for e in read if e.id in wanted]
             for missing in wanted.difference(e.id for e in events):
                 cursor.inflight.pop(missing, None)  # trimmed meanwhile: nothing left to resend
             self._send(cursor, events, FLAG_REDELIVERED)

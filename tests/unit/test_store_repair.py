@@ -330,7 +330,8 @@ def test_repair_does_not_take_over_another_programs_leveldb(store_path: str) -> 
     report = repair(store_path)
     assert report.rebuilt == []
     assert report.lost == [
-        "no layout version key, no queue entry and no session record: not this plugin's store; nothing rebuilt"
+        "no layout version key, no queue entry, session record, retained message or stream event: not this "
+        "plugin's store; nothing rebuilt"
     ]
     db = plyvel.DB(store_path)
     try:
