@@ -36,7 +36,9 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker.add_subscription`` / ``_handle_unsubscription``: durable sessions' subscriptions
   live in the store, not in amqtt's table, so amqtt never delivers to them itself;
 * ``Broker._publish_retained_messages_for_subscription``: retained messages go through the
-  session queue, queued by ``add_subscription`` together with the subscription;
+  session queue, queued by ``add_subscription`` together with the subscription; a clean session
+  gets those of a subscription it has just made and may receive (amqtt sends every connecting
+  client those of every client's subscriptions, unchecked);
 * ``Broker._broadcast_message``: wills and broker-internal messages ($SYS) reach durable
   sessions too;
 * ``Broker._cleanup_session`` (with ``shutdown``): amqtt's session monitor must not remove a
@@ -602,10 +604,28 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         await handler.mqtt_acknowledge_unsubscription(unsubscription.packet_id)
 
     async def publish_retained_for_subscription(subscription: tuple[str, int], session: Any) -> None:
-        # Durable sessions got theirs queued with the subscription (add_subscription), and none on
-        # a mere reconnect (MQTT-3.3.1-6).
-        if not engine.is_durable(session.client_id):
+        """Retained messages for a subscription the session has just made, and only those it may
+        receive. Durable sessions got theirs queued with the subscription (add_subscription), and
+        none on a mere reconnect (MQTT-3.3.1-6). amqtt also calls this at every CONNECT with every
+        filter any client subscribes to, and checks no RECEIVE: a client could read retained
+        messages of topics it may neither subscribe to nor receive."""
+        topic_filter, qos = subscription
+        if engine.is_durable(session.client_id) or all(
+            subscriber is not session for subscriber, _ in broker._subscriptions.get(topic_filter, ())
+        ):
+            return
+        if not broker.plugins_manager._topic_plugins:
             await original_retained(subscription, session)
+            return
+        handler = broker._sessions.get(session.client_id, (None, None))[1]
+        if handler is None:
+            return
+        sends = [
+            handler.mqtt_publish(topic, message.data, min(qos, message.qos or qos), retain=True)
+            for topic, message in list(broker.retained_messages.items())
+            if broker._matches(topic, topic_filter) and await broker._topic_filtering(session, topic, Action.RECEIVE)
+        ]
+        await asyncio.gather(*sends, return_exceptions=True)  # as amqtt's: one failed send stops no other
 
     async def broadcast_message(
         session: Any, topic: str | None, data: bytes | bytearray | None, force_qos: int | None = None

@@ -1,0 +1,54 @@
+"""Issue 10 review of the merged connection-level points (3: owner and read access, 5: refusals,
+1: sockets): attacks on how the merged branches meet, each against a real broker process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from test_hostile_owner import acl_broker, login
+from test_mixed_clients import RECEIVE_ACL_PLUGIN
+
+from conftest import Broker, Client
+
+
+def test_a_clean_connect_gets_no_retained_message_of_another_clients_subscription(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """amqtt 0.12.1 sends every connecting client the retained messages of every filter any client
+    is subscribed to: bob, who may not subscribe to ``secret/#``, read alice's retained secret by
+    merely connecting while her clean session was subscribed to it."""
+    broker = acl_broker(broker_factory)
+    alice = login(clients, broker, "alice-mon", "alice", clean_session=True)
+    assert alice.subscribe("secret/#", 1) == [1]
+    pub = login(clients, broker, "pub", "pub", clean_session=True)
+    pub.publish("secret/plans", [b"the plan"], qos=1, retain=True)
+    assert alice.wait_for(lambda ms: any(m.payload == b"the plan" for m in ms))
+
+    bob = login(clients, broker, "bob-dev", "bob", clean_session=True)
+    assert bob.subscribe("bob/#", 1) == [1]
+    pub.publish("bob/inbox", [b"marker"], qos=1)
+    assert bob.wait_for(lambda ms: any(m.topic == "bob/inbox" for m in ms))
+    got = [(m.topic, m.payload) for m in bob.messages]
+    assert got == [("bob/inbox", b"marker")], f"bob read {got}"
+
+
+def test_a_clean_subscriber_gets_no_retained_message_it_may_not_receive(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """amqtt checks RECEIVE on live messages to clean sessions but not on retained ones it sends
+    on SUBSCRIBE: bob, who may receive only ``b/``, subscribed to ``#`` and read ``a/state``."""
+    (tmp_path / "receive_acl.py").write_text(RECEIVE_ACL_PLUGIN)
+    broker = broker_factory(start=False)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["receive_acl.ReceiveAcl"] = {"receive": {"bob": ["b/"]}}
+    broker.start()
+    pub = clients(broker.port, "pub", clean_session=True)
+    pub.publish("a/state", [b"alice's state"], qos=1, retain=True)
+    pub.publish("b/state", [b"bob's state"], qos=1, retain=True)
+    bob = clients(broker.port, "bob-clean", username="bob", clean_session=True)
+    assert bob.subscribe("#", 1) == [1]
+    pub.publish("b/live", [b"marker"], qos=1)
+    assert bob.wait_for(lambda ms: any(m.topic == "b/live" for m in ms))
+    got = sorted((m.topic, m.retain) for m in bob.messages)
+    assert got == [("b/live", False), ("b/state", True)], f"bob read {got}"
