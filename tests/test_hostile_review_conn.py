@@ -3,13 +3,23 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from test_hostile_owner import acl_broker, login
+from test_hostile_owner import REFUSED, acl_broker, login
+from test_hostile_wire import CONNACK_ACCEPTED, PINGREQ, read_until_closed
 from test_mixed_clients import RECEIVE_ACL_PLUGIN
 
-from conftest import Broker, Client
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
+
+
+def read_exactly(sock: socket.socket, count: int) -> bytes:
+    """``count`` bytes, or fewer if the broker closes first (bounded by the socket's timeout)."""
+    got = b""
+    while len(got) < count and (chunk := sock.recv(count - len(got))):
+        got += chunk
+    return got
 
 
 def test_a_clean_connect_gets_no_retained_message_of_another_clients_subscription(
@@ -52,3 +62,37 @@ def test_a_clean_subscriber_gets_no_retained_message_it_may_not_receive(
     assert bob.wait_for(lambda ms: any(m.topic == "b/live" for m in ms))
     got = sorted((m.topic, m.retain) for m in bob.messages)
     assert got == [("b/live", False), ("b/state", True)], f"bob read {got}"
+
+
+def durable_connect(client_id: str, user: str) -> bytes:
+    """A raw durable CONNECT (clean_session=false) with a username and no password."""
+    body = mqtt_string("MQTT") + bytes((4, 0x80, 0, 60)) + mqtt_string(client_id) + mqtt_string(user)
+    return mqtt_packet(0x10, body)
+
+
+def test_a_connect_refused_for_ownership_after_a_race_is_closed_and_serves_nothing(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Two users' CONNECTs of a new client id read at the same time: both pass the owner check made
+    when a CONNECT is read; the one accepted second is refused (CONNACK 5) when CONNACK is due. amqtt
+    then went on serving that connection: the refused user could subscribe and publish."""
+    broker = broker_factory()
+    late_refusals = 0
+    for attempt in range(40):
+        client_id = f"raced-{attempt}"
+        socks = [socket.create_connection((HOST, broker.port), timeout=WAIT) for _ in range(2)]
+        try:
+            for sock, user in zip(socks, ("alice", "bob"), strict=True):
+                sock.sendall(durable_connect(client_id, user))
+            answers = [read_exactly(sock, 4) for sock in socks]
+            assert sorted(answers) == [CONNACK_ACCEPTED, REFUSED], answers
+            refused = socks[answers.index(REFUSED)]
+            refused.sendall(PINGREQ)
+            assert read_until_closed(refused, WAIT) == b"", "a refused connection must be closed, unserved"
+        finally:
+            for sock in socks:
+                sock.close()
+        late_refusals = broker.log().count("CONNECT refused when its CONNACK was due")
+        if late_refusals:
+            break
+    assert late_refusals, "the race never reached the refusal at CONNACK time"

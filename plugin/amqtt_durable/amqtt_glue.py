@@ -60,7 +60,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import amqtt
 from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapter
@@ -790,7 +790,7 @@ def _wrap_handler(  # noqa: PLR0915 - the per-connection wrappers share their cl
 
     async def connack_authorize(authorize: bool) -> None:
         if authorize and session.client_id:
-            authorize = await _connect_durable(broker, engine, handler, session)
+            await _connect_durable(broker, engine, handler, session)
         await original_connack(authorize)
 
     handler.handle_publish = handle_publish
@@ -853,14 +853,16 @@ async def _route_qos2(
         return stored
 
 
-async def _refuse_unavailable(handler: Any, session: Any, error: StoreUnavailableError) -> None:
-    """CONNACK 3 (server unavailable), then end the connection: amqtt would go on serving it, so
-    its connection handling is ended by the error raised here (amqtt logs and drops it)."""
-    log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, error)
-    await handler._send_packet(ConnackPacket.build(0, SERVER_UNAVAILABLE))
+async def _refuse_connect(handler: Any, session: Any, return_code: int, why: str) -> NoReturn:
+    """Refuse a CONNECT when its CONNACK is due, then end the connection: amqtt would go on serving
+    it whatever the CONNACK said, so its connection handling is ended by the error raised here
+    (amqtt logs and drops it)."""
+    log.warning("%s", why)
+    session.parent = 0  # MQTT-3.2.2-4: no session present with a refusal
+    await handler._send_packet(ConnackPacket.build(0, return_code))
     session.transitions.disconnect()
     await handler.writer.close()
-    raise AMQTTError(f"{session.client_id}: CONNECT refused, the durable store cannot write")
+    raise AMQTTError(f"{session.client_id}: CONNECT refused when its CONNACK was due")
 
 
 def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> ControlChannel:
@@ -894,29 +896,27 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
     )
 
 
-async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> bool:
+async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
     """CONNACK is due: create, wipe or take the stored session and set session-present from the
-    store. False refuses the CONNECT (CONNACK 5): the session belongs to another user. While the
-    store cannot write, a CONNECT that needs a write is refused with CONNACK 3 (raises)."""
+    store. Refuses the CONNECT (raises) with CONNACK 5 when the session belongs to another user,
+    and while the store cannot write with CONNACK 3 when the CONNECT needs a write."""
     try:
         engine.check_owner(session.client_id, session.username)
         revoke = await _refused_subscriptions(broker, engine, session)
         present = await engine.connect(
             session.client_id, bool(session.clean_session), session.username, handler.durable_transport, revoke
         )
-    except NotSessionOwnerError as exc:  # came in after the owner check when the CONNECT was read
-        log.warning("%s", exc)
-        session.parent = 0  # MQTT-3.2.2-4: no session present with a refusal
-        return False
+    except NotSessionOwnerError as exc:  # created by a CONNECT read at the same time as this one
+        await _refuse_connect(handler, session, NOT_AUTHORIZED, str(exc))
     except StoreUnavailableError as exc:
-        await _refuse_unavailable(handler, session, exc)
+        why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {exc}"
+        await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
     if not session.clean_session:
         session.parent = 1 if present else 0
         # A Session amqtt cached from an earlier clean connection may still hold amqtt-level
         # subscriptions; they would deliver beside the pump, with clashing packet ids.
         await broker._del_all_subscriptions(session)
         session.clear_queues()
-    return True
 
 
 async def _refused_subscriptions(broker: Any, engine: DurableEngine, session: Any) -> list[str]:
