@@ -7,8 +7,9 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
 from test_hostile_owner import REFUSED, acl_broker, login
-from test_hostile_wire import CONNACK_ACCEPTED, PINGREQ, read_until_closed
+from test_hostile_wire import CONNACK_ACCEPTED, PINGREQ, connect_packet, read_until_closed
 from test_mixed_clients import RECEIVE_ACL_PLUGIN
 
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
@@ -96,3 +97,31 @@ def test_a_connect_refused_for_ownership_after_a_race_is_closed_and_serves_nothi
         if late_refusals:
             break
     assert late_refusals, "the race never reached the refusal at CONNACK time"
+
+
+def test_oversized_connects_do_not_use_up_a_listeners_connection_slots(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """A CONNECT announcing more than max_packet_size is refused before its body is read; that
+    refusal escaped amqtt's connection handler before it gave back the listener's connection slot,
+    so a few 5-byte packets made a listener with max_connections refuse everyone for good."""
+    broker = broker_factory(start=False, max_packet_size=4096)
+    write_config = broker.write_config
+
+    def with_max_connections() -> Path:
+        path = write_config()
+        config = yaml.safe_load(path.read_text())
+        config["listeners"]["default"]["max_connections"] = 2
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    broker.write_config = with_max_connections  # type: ignore[method-assign]
+    broker.start()
+    for _ in range(3):
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as big_connect:
+            big_connect.sendall(b"\x10\xff\xff\xff\x7f")  # a CONNECT announcing 256 MB
+            assert read_until_closed(big_connect, WAIT) == b""
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet("after-the-flood"))
+        assert read_exactly(sock, 4) == CONNACK_ACCEPTED, "the listener no longer serves anyone"
+    assert "before its CONNECT was read: a packet of 268435455 bytes is larger than max_packet_size" in broker.log()

@@ -7,7 +7,8 @@ instance the plugin is loaded into and on each connection's handler:
 * ``BrokerProtocolHandler.init_from_connect`` (class-level): remembers the
   CONNECT's clean-session flag, which amqtt loses when it reuses a session object, and refuses
   (CONNACK 5) another user's CONNECT to a durable session before amqtt's take-over closes the
-  owner's connection and overwrites its Session (will included);
+  owner's connection and overwrites its Session (will included); a CONNECT past
+  ``max_packet_size`` is refused as amqtt's own errors are, so amqtt frees its listener slot;
 * ``MQTTFixedHeader.from_stream`` (class-level, neutral for readers without a limit): a packet
   past ``max_packet_size`` is refused before amqtt reads its body (CONNECT, and every packet
   on amqtt's own reader loop);
@@ -187,7 +188,11 @@ def _install_connect_hooks() -> None:
         return
 
     async def init_from_connect(reader: Any, writer: Any, plugins_manager: Any, *args: Any) -> tuple[Any, Any]:
-        handler, session = await original(reader, writer, plugins_manager, *args)
+        try:
+            handler, session = await original(reader, writer, plugins_manager, *args)
+        except PacketTooLargeError as exc:  # as an MQTTError, so amqtt closes it and frees its listener slot
+            log.warning("closing a connection from %s before its CONNECT was read: %s", _peer(writer), exc)
+            raise MQTTError(str(exc)) from None
         handler.connect_clean_session = bool(session.clean_session)
         if session.will_flag:
             problem = publish_topic_problem(session.will_topic or "")
@@ -252,7 +257,7 @@ def _install_decoder_checks() -> None:
 
 def _refused(reader: Any, error: ProtocolViolationError) -> ProtocolViolationError:
     """Log why amqtt's reader loop is about to end a connection (its own line names no client).
-    Before CONNECT the reader has no client id yet: ``Broker._client_connected``'s wrapper logs."""
+    Before CONNECT the reader has no client id yet: ``init_from_connect``'s wrapper logs."""
     client_id = getattr(reader, "durable_client_id", None)
     if client_id is not None:
         log.warning("closing the connection of %s: %s", client_id, error)
@@ -503,8 +508,6 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         reader.durable_max_packet_size = engine.config.max_packet_size
         try:
             await original_client_connected(listener_name, reader, writer)
-        except PacketTooLargeError as exc:
-            log.warning("closing a connection from %s before its CONNECT was read: %s", _peer(writer), exc)
         finally:
             await close_socket(writer)
 
