@@ -11,6 +11,8 @@ import yaml
 from test_hostile_owner import REFUSED, acl_broker, login
 from test_hostile_wire import CONNACK_ACCEPTED, PINGREQ, connect_packet, read_until_closed
 from test_mixed_clients import RECEIVE_ACL_PLUGIN
+from test_qos2_inbound import PUBACK, PUBREC, complete, expect_ack, publish, pubrel_due
+from test_scale import RawClient
 
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
 
@@ -125,3 +127,46 @@ def test_oversized_connects_do_not_use_up_a_listeners_connection_slots(
         sock.sendall(connect_packet("after-the-flood"))
         assert read_exactly(sock, 4) == CONNACK_ACCEPTED, "the listener no longer serves anyone"
     assert "before its CONNECT was read: a packet of 268435455 bytes is larger than max_packet_size" in broker.log()
+
+
+class UserClient(RawClient):
+    """A raw durable client that connects with a username (anonymous authentication lets it claim any)."""
+
+    def __init__(self, port: int, client_id: str, user: str) -> None:
+        super().__init__(port, client_id)
+        self.user = user
+
+    def connect_packet(self, keepalive: int = 60) -> bytes:
+        return durable_connect(self.client_id, self.user)
+
+
+def test_a_new_owner_s_qos2_publish_is_not_taken_for_the_previous_owner_s_resend(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """session_takeover: any-user. alice's QoS 2 publish got PUBREC, her PUBREL never came; bob takes
+    the session over and publishes with the same packet id: he got PUBREC and PUBCOMP, and his
+    message was never routed (taken for alice's re-send). Packet ids are the publisher's own."""
+    broker = broker_factory(session_takeover="any-user")
+    watcher = clients(broker.port, "watcher")
+    assert watcher.subscribe("q2/#", 2) == [2]
+    alice = UserClient(broker.port, "shared-dev", "alice")
+    assert alice.connect() is False
+    for packet_id in (7, 9):
+        publish(alice, b"alice's %d" % packet_id, packet_id)
+        expect_ack(alice, PUBREC, packet_id)
+    assert watcher.wait_for(lambda ms: any(m.payload == b"alice's 9" for m in ms))
+    alice.sock.close()  # gone before her PUBRELs
+
+    bob = UserClient(broker.port, "shared-dev", "bob")
+    assert bob.connect() is True
+    publish(bob, b"bob's", 7)
+    expect_ack(bob, PUBREC, 7)
+    complete(bob, 7)
+    publish(bob, b"marker", 8, qos=1)
+    expect_ack(bob, PUBACK, 8)
+    assert watcher.wait_for(lambda ms: any(m.payload == b"marker" for m in ms))
+    got = [m.payload for m in watcher.messages]
+    assert got == [b"alice's 7", b"alice's 9", b"bob's", b"marker"], got
+    bob.sock.close()
+    broker.stop()
+    assert pubrel_due(broker) == {}, "alice's packet ids must not stay due in bob's session"

@@ -903,6 +903,8 @@ async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, ses
     """CONNACK is due: create, wipe or take the stored session and set session-present from the
     store. Refuses the CONNECT (raises) with CONNACK 5 when the session belongs to another user,
     and while the store cannot write with CONNACK 3 when the CONNECT needs a write."""
+    stored = engine.sessions.get(session.client_id)
+    passes = stored is not None and stored.record.username != session.username
     try:
         engine.check_owner(session.client_id, session.username)
         revoke = await _refused_subscriptions(broker, engine, session)
@@ -920,6 +922,8 @@ async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, ses
         # subscriptions; they would deliver beside the pump, with clashing packet ids.
         await broker._del_all_subscriptions(session)
         session.clear_queues()
+        if passes:  # the previous user's QoS 2 publishes awaiting PUBREL, as the engine forgot them
+            session.inflight_in.clear()
 
 
 async def _refused_subscriptions(broker: Any, engine: DurableEngine, session: Any) -> list[str]:
