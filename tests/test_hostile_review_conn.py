@@ -170,3 +170,36 @@ def test_a_new_owner_s_qos2_publish_is_not_taken_for_the_previous_owner_s_resend
     bob.sock.close()
     broker.stop()
     assert pubrel_due(broker) == {}, "alice's packet ids must not stay due in bob's session"
+
+
+def test_a_wrong_password_neither_ends_the_owner_s_connection_nor_plants_a_will(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """amqtt reuses the cached Session of a client id (copying the CONNECT's will into it) and takes
+    the live connection over before it checks the password: a CONNECT with alice's client id and
+    username and a wrong password ended her connection, and her disconnect then published the
+    intruder's will, retained, as hers."""
+    broker = acl_broker(broker_factory)
+    alice = login(clients, broker, "alice-dev", "alice")
+    assert alice.subscribe("secret/#", 1) == [1]
+    body = mqtt_string("MQTT") + bytes((4, 0xC0 | 0x20 | 0x0C, 0, 60)) + mqtt_string("alice-dev")
+    body += mqtt_string("secret/planted") + mqtt_string("planted by a guess")  # will QoS 1, RETAIN
+    body += mqtt_string("alice") + mqtt_string("a wrong guess")
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        refusal = read_until_closed(sock, WAIT)
+    pub = login(clients, broker, "pub", "pub", clean_session=True)
+    pub.publish("secret/plans", [b"live"], qos=1)
+    assert alice.wait_for(lambda ms: any(m.payload == b"live" for m in ms))
+    assert not alice.wait_disconnected(0.2), "a wrong password ended alice's connection"
+    alice.drop()  # abnormal end: only alice's own will (none) may go
+    assert alice.connect() is True
+    pub.publish("secret/plans", [b"after"], qos=1)
+    assert alice.wait_for(lambda ms: any(m.payload == b"after" for m in ms))
+    watcher = login(clients, broker, "alice-watch", "alice", clean_session=True)
+    assert watcher.subscribe("secret/#", 1) == [1]
+    pub.publish("secret/plans", [b"marker"], qos=1)
+    assert watcher.wait_for(lambda ms: any(m.payload == b"marker" for m in ms))
+    planted = [m.payload for m in alice.messages + watcher.messages if m.topic == "secret/planted"]
+    assert not planted, f"the intruder's will was published: {planted}"
+    assert refusal == REFUSED, "CONNACK 5 without session present (MQTT-3.2.2-4)"

@@ -6,14 +6,17 @@ instance the plugin is loaded into and on each connection's handler:
 
 * ``BrokerProtocolHandler.init_from_connect`` (class-level): remembers the
   CONNECT's clean-session flag, which amqtt loses when it reuses a session object, and refuses
-  (CONNACK 5) another user's CONNECT to a durable session before amqtt's take-over closes the
-  owner's connection and overwrites its Session (will included); a CONNECT past
+  (CONNACK 5) another user's CONNECT to a durable session, and one that fails authentication
+  when amqtt holds a Session of its client id, before amqtt's take-over closes that connection
+  and overwrites its Session (will included); a CONNECT past
   ``max_packet_size`` is refused as amqtt's own errors are, so amqtt frees its listener slot;
 * ``MQTTFixedHeader.from_stream`` (class-level, neutral for readers without a limit): a packet
   past ``max_packet_size`` is refused before amqtt reads its body (CONNECT, and every packet
   on amqtt's own reader loop);
 * ``PublishVariableHeader.from_stream`` (class-level): a PUBLISH topic no client may publish to
   ends the connection (amqtt skips a wildcard one and reads on out of step, and passes U+0000);
+* ``Broker._authenticate``: a CONNECT already authenticated as it was read (see
+  ``init_from_connect``) is not verified twice;
 * ``Broker._client_connected``: every connection's socket is closed when it ends, whatever
   ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector);
 * ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
@@ -125,6 +128,7 @@ TOPIC_PAST_END = "PUBLISH refused: its topic length runs past the packet's end (
 CLOSE_GRACE = 5.0
 """Seconds a closed connection's unsent bytes (a refusing CONNACK) get before the socket is aborted."""
 _BROKER_INTERNALS = (
+    "_authenticate",
     "_client_connected",
     "_initialize_client_session",
     "_client_message_loop",
@@ -152,6 +156,7 @@ _HANDLER_INTERNALS = (
     "handle_pubcomp",
     "handle_pubrel",
     "_send_packet",
+    "mqtt_publish",
 )
 
 _ACK_KINDS: dict[int, AckKind] = {PUBACK: "puback", PUBREC: "pubrec", PUBCOMP: "pubcomp"}
@@ -180,9 +185,11 @@ class RoutedPayload(bytes):
 
 def _install_connect_hooks() -> None:
     """Right after a CONNECT is read: keep its clean-session flag (amqtt reuses a cached Session on
-    reconnect without updating it), and refuse another user than the owner of the client id's
-    durable session while amqtt has touched nothing yet (it would close the owner's connection
-    and give its Session the intruder's will). connack_authorize checks again, authoritatively."""
+    reconnect without updating it), and refuse, while amqtt has touched nothing yet, another user
+    than the owner of the client id's durable session and a CONNECT that fails authentication
+    when amqtt holds a Session of its client id. amqtt would first give that Session the
+    CONNECT's will (or delete it, clean) and close its connection, and only then check the
+    password. connack_authorize checks the owner again, authoritatively."""
     original = BrokerProtocolHandler.init_from_connect
     if getattr(original, "_durable_wrapped", False):
         return
@@ -199,20 +206,36 @@ def _install_connect_hooks() -> None:
             if problem is not None:  # amqtt's caller logs it and closes the connection
                 raise MQTTError(f"CONNECT of {session.client_id!r} refused: will {problem}")
         plugin = next((p for p in plugins_manager._plugins if isinstance(p, DurableSessionsPlugin)), None)
-        if plugin is not None and session.client_id:
-            try:
-                plugin.engine.check_owner(session.client_id, session.username)
-            except NotSessionOwnerError as exc:
-                log.warning("%s", exc)
-                connack = ConnackPacket.build(0, NOT_AUTHORIZED)
-                await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
-                await connack.to_stream(writer)
-                await writer.close()
-                raise MQTTError(str(exc)) from None
+        if plugin is None or not session.client_id:
+            return handler, session
+        try:
+            plugin.engine.check_owner(session.client_id, session.username)
+        except NotSessionOwnerError as exc:
+            log.warning("%s", exc)
+            await _refuse_read_connect(writer, plugins_manager)
+            raise MQTTError(str(exc)) from None
+        if session.client_id in plugin.broker._sessions:
+            if not await plugin.broker._authenticate(session, None):
+                log.warning(
+                    "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
+                    session.client_id,
+                    session.username,
+                )
+                await _refuse_read_connect(writer, plugins_manager)
+                raise MQTTError(f"CONNECT of {session.client_id!r}: authentication failed")
+            plugin.authenticated[session.client_id] = (session.username, session.password)
         return handler, session
 
     init_from_connect._durable_wrapped = True  # type: ignore[attr-defined]
     BrokerProtocolHandler.init_from_connect = staticmethod(init_from_connect)
+
+
+async def _refuse_read_connect(writer: Any, plugins_manager: Any) -> None:
+    """CONNACK 5 to a CONNECT just read, then close: nothing of amqtt's has been touched."""
+    connack = ConnackPacket.build(0, NOT_AUTHORIZED)
+    await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
+    await connack.to_stream(writer)
+    await writer.close()
 
 
 def _install_decoder_checks() -> None:
@@ -400,9 +423,12 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metrics_task: asyncio.Task[None] | None = None
         self._health_order = asyncio.Lock()
+        self.authenticated: dict[str, tuple[str | None, str | None]] = {}
+        """Client id -> (username, password) of a CONNECT authenticated as it was read (see
+        _install_connect_hooks), so amqtt's own check of it need not verify the password again."""
         _install_connect_hooks()
         _install_decoder_checks()
-        _install(broker, self.engine)
+        _install(broker, self.engine, self.authenticated)
 
     async def on_broker_pre_start(self) -> None:
         # Broker.start() has just emptied amqtt's table; the listeners are not open yet.
@@ -452,8 +478,11 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
                 await self.broker._broadcast_message(None, SYS_PREFIX + name, str(value).encode(), 0)
 
 
-def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one wrapper per internal
+def _install(  # noqa: PLR0915 - one wrapper per internal
+    broker: Any, engine: DurableEngine, authenticated: dict[str, tuple[str | None, str | None]]
+) -> None:
     """Wrap the broker instance's internals listed in the module docstring."""
+    original_authenticate = broker._authenticate
     original_client_connected = broker._client_connected
     original_initialize = broker._initialize_client_session
     original_message_loop = broker._client_message_loop
@@ -501,6 +530,11 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
             if await broker._topic_filtering(stand_in, topic, Action.RECEIVE):
                 allowed[client_id] = qos
         return allowed
+
+    async def authenticate(session: Any, listener: Any) -> bool:
+        if authenticated.pop(session.client_id, None) == (session.username, session.password):
+            return True  # checked when its CONNECT was read, with these very credentials
+        return bool(await original_authenticate(session, listener))
 
     closing: set[asyncio.Task[None]] = set()
 
@@ -691,6 +725,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         shutting_down = True
         await original_shutdown()
 
+    broker._authenticate = authenticate
     broker._client_connected = client_connected
     broker._initialize_client_session = initialize_client_session
     broker._client_message_loop = client_message_loop
