@@ -203,3 +203,22 @@ def test_a_wrong_password_neither_ends_the_owner_s_connection_nor_plants_a_will(
     planted = [m.payload for m in alice.messages + watcher.messages if m.topic == "secret/planted"]
     assert not planted, f"the intruder's will was published: {planted}"
     assert refusal == REFUSED, "CONNACK 5 without session present (MQTT-3.2.2-4)"
+
+
+def test_a_qos3_publish_closes_the_connection_unrouted(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """MQTT-3.3.1-4: QoS 3 is reserved; the one check left after amqtt's decoder on the PUBLISH path."""
+    broker = broker_factory()
+    watcher = clients(broker.port, "watcher")
+    assert watcher.subscribe("q3/#", 1) == [1]
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet("q3-pub"))
+        assert read_exactly(sock, 4) == CONNACK_ACCEPTED
+        sock.sendall(mqtt_packet(0x36, mqtt_string("q3/t") + b"\x00\x05" + b"three"))
+        assert read_until_closed(sock, WAIT) == b"", "no PUBACK/PUBREC, and the connection closed"
+    other = clients(broker.port, "q1-pub", clean_session=True)
+    other.publish("q3/t", [b"marker"], qos=1)
+    assert watcher.wait_for(lambda ms: any(m.payload == b"marker" for m in ms))
+    assert [m.payload for m in watcher.messages] == [b"marker"]
+    assert "PUBLISH refused: QoS 3 is reserved (MQTT-3.3.1-4)" in broker.log()

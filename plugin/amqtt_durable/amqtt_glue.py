@@ -743,15 +743,13 @@ def _peer(writer: Any) -> str:
     return "an unknown address" if peer is None else f"{peer[0]}:{peer[1]}"
 
 
-def _malformed_publish(packet: Any, topic: str, data: bytes) -> str | None:
-    """What amqtt's decoder lets through: QoS 3, and parts that do not add up to the packet's
-    remaining length (the topic itself is checked while it is decoded, see _install_decoder_checks)."""
-    qos = packet.qos or 0
-    if qos not in (0, 1, 2):
+def _malformed_publish(packet: Any) -> str | None:
+    """What amqtt's decoder lets through: QoS 3. The topic is checked while it is decoded, so the
+    parts add up to the packet's remaining length (see _install_decoder_checks)."""
+    if packet.topic_name is None or packet.data is None:
+        return "the PUBLISH has no topic or payload"
+    if packet.qos not in (0, 1, 2, None):
         return "QoS 3 is reserved (MQTT-3.3.1-4)"
-    expected = 2 + len(topic.encode("utf-8")) + (2 if qos else 0) + len(data)
-    if packet.fixed_header is not None and packet.fixed_header.remaining_length != expected:
-        return "topic is not valid UTF-8 or lengths do not add up (MQTT-1.5.3)"
     return None
 
 
@@ -768,7 +766,7 @@ def _ack_interceptor(
     return handle_ack
 
 
-def _wrap_handler(  # noqa: PLR0915 - the per-connection wrappers share their closure
+def _wrap_handler(
     broker: Any,
     engine: DurableEngine,
     handler: Any,
@@ -786,10 +784,7 @@ def _wrap_handler(  # noqa: PLR0915 - the per-connection wrappers share their cl
     async def handle_publish(packet: Any) -> None:
         topic = packet.topic_name
         data = packet.data
-        if topic is None or data is None:
-            problem: str | None = "the PUBLISH has no topic or payload"
-        else:
-            problem = _malformed_publish(packet, topic, data) or publish_topic_problem(topic)
+        problem = _malformed_publish(packet)
         if problem is not None:  # before anything is stored, routed or acknowledged
             log.warning("closing the connection of %s: PUBLISH refused: %s", session.client_id, problem)
             await handler.handle_connection_closed()
