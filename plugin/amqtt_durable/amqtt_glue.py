@@ -648,7 +648,7 @@ def _install(  # noqa: PLR0915 - one wrapper per internal
         messages of topics it may neither subscribe to nor receive."""
         topic_filter, qos = subscription
         if engine.is_durable(session.client_id) or all(
-            subscriber is not session for subscriber, _ in broker._subscriptions.get(topic_filter, ())
+            subscriber.client_id != session.client_id for subscriber, _ in broker._subscriptions.get(topic_filter, ())
         ):
             return
         if not broker.plugins_manager._topic_plugins:
