@@ -222,3 +222,52 @@ def test_a_qos3_publish_closes_the_connection_unrouted(
     assert watcher.wait_for(lambda ms: any(m.payload == b"marker" for m in ms))
     assert [m.payload for m in watcher.messages] == [b"marker"]
     assert "PUBLISH refused: QoS 3 is reserved (MQTT-3.3.1-4)" in broker.log()
+
+
+PUBLISH_ACL_PLUGIN = '''
+from dataclasses import dataclass, field
+
+from amqtt.contexts import Action
+from amqtt.plugins.base import BaseTopicPlugin
+
+
+class PublishAcl(BaseTopicPlugin):
+    """Test plugin: users may publish only to topics under their prefixes."""
+
+    @dataclass
+    class Config:
+        publish: dict = field(default_factory=dict)
+
+    async def topic_filtering(self, *, session=None, topic=None, action=None):
+        if action != Action.PUBLISH:
+            return True
+        user = (session.username if session else None) or "anonymous"
+        return any(topic.startswith(prefix) for prefix in self.context.config.publish.get(user, []))
+'''
+
+
+def test_a_will_the_user_may_not_publish_is_refused_at_connect(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """amqtt publishes a will, and retains it, without the PUBLISH check its user's PUBLISHes get:
+    mallory, who may publish only under ``m/``, planted a retained ``cmd/door`` (now durable, so
+    it outlived restarts) by connecting with that will and dropping the connection."""
+    (tmp_path / "publish_acl.py").write_text(PUBLISH_ACL_PLUGIN)
+    broker = broker_factory(start=False)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["publish_acl.PublishAcl"] = {"publish": {"mallory": ["m/"], "ops": ["cmd/"]}}
+    broker.start()
+    device = clients(broker.port, "door", username="ops")
+    assert device.subscribe("cmd/#", 1) == [1]
+    body = mqtt_string("MQTT") + bytes((4, 0x80 | 0x20 | 0x0C, 0, 60)) + mqtt_string("mallory-dev")
+    body += mqtt_string("cmd/door") + mqtt_string("open")  # will QoS 1, RETAIN
+    body += mqtt_string("mallory")
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        refusal = read_exactly(sock, 4)
+    ops = clients(broker.port, "ops-pub", username="ops", clean_session=True)
+    ops.publish("cmd/door", [b"marker"], qos=1)
+    assert device.wait_for(lambda ms: any(m.payload == b"marker" for m in ms))
+    assert [m.payload for m in device.messages] == [b"marker"], "mallory's will reached the door"
+    assert refusal == REFUSED, "CONNACK 5: the will's topic is not the user's to publish to"
+    assert "may not publish its will to 'cmd/door'" in broker.log()

@@ -6,7 +6,8 @@ instance the plugin is loaded into and on each connection's handler:
 
 * ``BrokerProtocolHandler.init_from_connect`` (class-level): remembers the
   CONNECT's clean-session flag, which amqtt loses when it reuses a session object, and refuses
-  (CONNACK 5) another user's CONNECT to a durable session, and one that fails authentication
+  (CONNACK 5) another user's CONNECT to a durable session, one whose will its user may not
+  publish (topic ACL), and one that fails authentication
   when amqtt holds a Session of its client id, before amqtt's take-over closes that connection
   and overwrites its Session (will included); a CONNECT past
   ``max_packet_size`` is refused as amqtt's own errors are, so amqtt frees its listener slot;
@@ -186,8 +187,9 @@ class RoutedPayload(bytes):
 def _install_connect_hooks() -> None:
     """Right after a CONNECT is read: keep its clean-session flag (amqtt reuses a cached Session on
     reconnect without updating it), and refuse, while amqtt has touched nothing yet, another user
-    than the owner of the client id's durable session and a CONNECT that fails authentication
-    when amqtt holds a Session of its client id. amqtt would first give that Session the
+    than the owner of the client id's durable session, a will the topic ACL does not let the
+    user publish (amqtt would publish and retain it unchecked), and a CONNECT that fails
+    authentication when amqtt holds a Session of its client id. amqtt would first give that Session the
     CONNECT's will (or delete it, clean) and close its connection, and only then check the
     password. connack_authorize checks the owner again, authoritatively."""
     original = BrokerProtocolHandler.init_from_connect
@@ -214,8 +216,19 @@ def _install_connect_hooks() -> None:
             log.warning("%s", exc)
             await _refuse_read_connect(writer, plugins_manager)
             raise MQTTError(str(exc)) from None
-        if session.client_id in plugin.broker._sessions:
-            if not await plugin.broker._authenticate(session, None):
+        broker = plugin.broker
+        if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
+            log.warning(
+                "CONNECT of client id %r by user %r refused (CONNACK 5): the topic ACL says it may not publish "
+                "its will to %r",
+                session.client_id,
+                session.username,
+                session.will_topic,
+            )
+            await _refuse_read_connect(writer, plugins_manager)
+            raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
+        if session.client_id in broker._sessions:
+            if not await broker._authenticate(session, None):
                 log.warning(
                     "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
                     session.client_id,
