@@ -6,11 +6,11 @@ instance the plugin is loaded into and on each connection's handler:
 
 * ``BrokerProtocolHandler.init_from_connect`` (class-level): remembers the
   CONNECT's clean-session flag, which amqtt loses when it reuses a session object, and refuses
-  (CONNACK 5) another user's CONNECT to a durable session, one whose will its user may not
-  publish (topic ACL), and one that fails authentication
-  when amqtt holds a Session of its client id, before amqtt's take-over closes that connection
-  and overwrites its Session (will included); a CONNECT past
-  ``max_packet_size`` is refused as amqtt's own errors are, so amqtt frees its listener slot;
+  (CONNACK 5), before amqtt touches anything, another user's CONNECT to a durable session, a
+  will its user may not publish (topic ACL), and a CONNECT that fails authentication while
+  amqtt holds a Session of its client id (amqtt would take its connection over and give it the
+  CONNECT's will first); a CONNECT past ``max_packet_size`` is refused as amqtt's own errors
+  are, so amqtt frees its listener slot;
 * ``MQTTFixedHeader.from_stream`` (class-level, neutral for readers without a limit): a packet
   past ``max_packet_size`` is refused before amqtt reads its body (CONNECT, and every packet
   on amqtt's own reader loop);
@@ -189,9 +189,9 @@ def _install_connect_hooks() -> None:
     reconnect without updating it), and refuse, while amqtt has touched nothing yet, another user
     than the owner of the client id's durable session, a will the topic ACL does not let the
     user publish (amqtt would publish and retain it unchecked), and a CONNECT that fails
-    authentication when amqtt holds a Session of its client id. amqtt would first give that Session the
-    CONNECT's will (or delete it, clean) and close its connection, and only then check the
-    password. connack_authorize checks the owner again, authoritatively."""
+    authentication while amqtt holds a Session of its client id: amqtt would first give that
+    Session the CONNECT's will (or delete it, clean) and take its connection over, and only then
+    check the password. connack_authorize checks the owner again, authoritatively."""
     original = BrokerProtocolHandler.init_from_connect
     if getattr(original, "_durable_wrapped", False):
         return
