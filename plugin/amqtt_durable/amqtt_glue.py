@@ -6,13 +6,18 @@ instance the plugin is loaded into and on each connection's handler:
 
 * ``BrokerProtocolHandler.init_from_connect`` (class-level): remembers the
   CONNECT's clean-session flag, which amqtt loses when it reuses a session object, and refuses
-  (CONNACK 5) another user's CONNECT to a durable session before amqtt's take-over closes the
-  owner's connection and overwrites its Session (will included);
+  (CONNACK 5), before amqtt touches anything, another user's CONNECT to a durable session, a
+  will its user may not publish (topic ACL), and a CONNECT that fails authentication while
+  amqtt holds a Session of its client id (amqtt would take its connection over and give it the
+  CONNECT's will first); a CONNECT past ``max_packet_size`` is refused as amqtt's own errors
+  are, so amqtt frees its listener slot;
 * ``MQTTFixedHeader.from_stream`` (class-level, neutral for readers without a limit): a packet
   past ``max_packet_size`` is refused before amqtt reads its body (CONNECT, and every packet
   on amqtt's own reader loop);
 * ``PublishVariableHeader.from_stream`` (class-level): a PUBLISH topic no client may publish to
   ends the connection (amqtt skips a wildcard one and reads on out of step, and passes U+0000);
+* ``Broker._authenticate``: a CONNECT already authenticated as it was read (see
+  ``init_from_connect``) is not verified twice;
 * ``Broker._client_connected``: every connection's socket is closed when it ends, whatever
   ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector);
 * ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
@@ -46,7 +51,7 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._publish_retained_messages_for_subscription``: retained messages go through the
   session queue, queued by ``add_subscription`` together with the subscription; a clean
   session gets those of its own filters only (amqtt sends, on every CONNECT, those matching
-  any filter of its table);
+  any filter of its table), and only those it may receive (amqtt checks no RECEIVE there);
 * ``Broker._broadcast_message``: wills and broker-internal messages ($SYS) reach durable
   sessions too;
 * ``Broker._cleanup_session`` (with ``shutdown``): amqtt's session monitor must not remove a
@@ -70,7 +75,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import amqtt
 from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapter
@@ -136,6 +141,7 @@ CLOSE_GRACE = 5.0
 """Seconds a closed connection's unsent bytes (a refusing CONNACK) get before the socket is aborted."""
 _LIMIT_LOG_INTERVAL = 10.0  # seconds between two "over the subscription limit" warnings of one client
 _BROKER_INTERNALS = (
+    "_authenticate",
     "_client_connected",
     "_initialize_client_session",
     "_client_message_loop",
@@ -167,6 +173,7 @@ _HANDLER_INTERNALS = (
     "handle_pubcomp",
     "handle_pubrel",
     "_send_packet",
+    "mqtt_publish",
 )
 
 _ACK_KINDS: dict[int, AckKind] = {PUBACK: "puback", PUBREC: "pubrec", PUBCOMP: "pubcomp"}
@@ -195,35 +202,69 @@ class RoutedPayload(bytes):
 
 def _install_connect_hooks() -> None:
     """Right after a CONNECT is read: keep its clean-session flag (amqtt reuses a cached Session on
-    reconnect without updating it), and refuse another user than the owner of the client id's
-    durable session while amqtt has touched nothing yet (it would close the owner's connection
-    and give its Session the intruder's will). connack_authorize checks again, authoritatively."""
+    reconnect without updating it), and refuse, while amqtt has touched nothing yet, another user
+    than the owner of the client id's durable session, a will the topic ACL does not let the
+    user publish (amqtt would publish and retain it unchecked), and a CONNECT that fails
+    authentication while amqtt holds a Session of its client id: amqtt would first give that
+    Session the CONNECT's will (or delete it, clean) and take its connection over, and only then
+    check the password. connack_authorize checks the owner again, authoritatively."""
     original = BrokerProtocolHandler.init_from_connect
     if getattr(original, "_durable_wrapped", False):
         return
 
     async def init_from_connect(reader: Any, writer: Any, plugins_manager: Any, *args: Any) -> tuple[Any, Any]:
-        handler, session = await original(reader, writer, plugins_manager, *args)
+        try:
+            handler, session = await original(reader, writer, plugins_manager, *args)
+        except PacketTooLargeError as exc:  # as an MQTTError, so amqtt closes it and frees its listener slot
+            log.warning("closing a connection from %s before its CONNECT was read: %s", _peer(writer), exc)
+            raise MQTTError(str(exc)) from None
         handler.connect_clean_session = bool(session.clean_session)
         if session.will_flag:
             problem = publish_topic_problem(session.will_topic or "")
             if problem is not None:  # amqtt's caller logs it and closes the connection
                 raise MQTTError(f"CONNECT of {session.client_id!r} refused: will {problem}")
         plugin = next((p for p in plugins_manager._plugins if isinstance(p, DurableSessionsPlugin)), None)
-        if plugin is not None and session.client_id:
-            try:
-                plugin.engine.check_owner(session.client_id, session.username)
-            except NotSessionOwnerError as exc:
-                log.warning("%s", exc)
-                connack = ConnackPacket.build(0, NOT_AUTHORIZED)
-                await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
-                await connack.to_stream(writer)
-                await writer.close()
-                raise MQTTError(str(exc)) from None
+        if plugin is None or not session.client_id:
+            return handler, session
+        try:
+            plugin.engine.check_owner(session.client_id, session.username)
+        except NotSessionOwnerError as exc:
+            log.warning("%s", exc)
+            await _refuse_read_connect(writer, plugins_manager)
+            raise MQTTError(str(exc)) from None
+        broker = plugin.broker
+        if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
+            log.warning(
+                "CONNECT of client id %r by user %r refused (CONNACK 5): the topic ACL says it may not publish "
+                "its will to %r",
+                session.client_id,
+                session.username,
+                session.will_topic,
+            )
+            await _refuse_read_connect(writer, plugins_manager)
+            raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
+        if session.client_id in broker._sessions:
+            if not await broker._authenticate(session, None):
+                log.warning(
+                    "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
+                    session.client_id,
+                    session.username,
+                )
+                await _refuse_read_connect(writer, plugins_manager)
+                raise MQTTError(f"CONNECT of {session.client_id!r}: authentication failed")
+            plugin.authenticated[session.client_id] = (session.username, session.password)
         return handler, session
 
     init_from_connect._durable_wrapped = True  # type: ignore[attr-defined]
     BrokerProtocolHandler.init_from_connect = staticmethod(init_from_connect)
+
+
+async def _refuse_read_connect(writer: Any, plugins_manager: Any) -> None:
+    """CONNACK 5 to a CONNECT just read, then close: nothing of amqtt's has been touched."""
+    connack = ConnackPacket.build(0, NOT_AUTHORIZED)
+    await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
+    await connack.to_stream(writer)
+    await writer.close()
 
 
 def _install_decoder_checks() -> None:
@@ -268,7 +309,7 @@ def _install_decoder_checks() -> None:
 
 def _refused(reader: Any, error: ProtocolViolationError) -> ProtocolViolationError:
     """Log why amqtt's reader loop is about to end a connection (its own line names no client).
-    Before CONNECT the reader has no client id yet: ``Broker._client_connected``'s wrapper logs."""
+    Before CONNECT the reader has no client id yet: ``init_from_connect``'s wrapper logs."""
     client_id = getattr(reader, "durable_client_id", None)
     if client_id is not None:
         log.warning("closing the connection of %s: %s", client_id, error)
@@ -411,9 +452,12 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metrics_task: asyncio.Task[None] | None = None
         self._health_order = asyncio.Lock()
+        self.authenticated: dict[str, tuple[str | None, str | None]] = {}
+        """Client id -> (username, password) of a CONNECT authenticated as it was read (see
+        _install_connect_hooks), so amqtt's own check of it need not verify the password again."""
         _install_connect_hooks()
         _install_decoder_checks()
-        _install(broker, self.engine)
+        _install(broker, self.engine, self.authenticated)
 
     async def on_broker_pre_start(self) -> None:
         # Broker.start() has just emptied amqtt's table; the listeners are not open yet.
@@ -463,8 +507,11 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
                 await self.broker._broadcast_message(None, SYS_PREFIX + name, str(value).encode(), 0)
 
 
-def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one wrapper per internal
+def _install(  # noqa: PLR0915 - one wrapper per internal
+    broker: Any, engine: DurableEngine, authenticated: dict[str, tuple[str | None, str | None]]
+) -> None:
     """Wrap the broker instance's internals listed in the module docstring."""
+    original_authenticate = broker._authenticate
     original_client_connected = broker._client_connected
     original_initialize = broker._initialize_client_session
     original_message_loop = broker._client_message_loop
@@ -536,14 +583,17 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
                 allowed[client_id] = qos
         return allowed
 
+    async def authenticate(session: Any, listener: Any) -> bool:
+        if authenticated.pop(session.client_id, None) == (session.username, session.password):
+            return True  # checked when its CONNECT was read, with these very credentials
+        return bool(await original_authenticate(session, listener))
+
     closing: set[asyncio.Task[None]] = set()
 
     async def client_connected(listener_name: str, reader: Any, writer: Any) -> None:
         reader.durable_max_packet_size = engine.config.max_packet_size
         try:
             await original_client_connected(listener_name, reader, writer)
-        except PacketTooLargeError as exc:
-            log.warning("closing a connection from %s before its CONNECT was read: %s", _peer(writer), exc)
         finally:
             await close_socket(writer)
 
@@ -684,11 +734,26 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
                     )
 
     async def publish_retained_for_subscription(subscription: tuple[str, int], session: Any) -> None:
-        # Durable sessions got theirs queued with the subscription (add_subscription), and none on
-        # a mere reconnect (MQTT-3.3.1-6). amqtt also calls this on every CONNECT for every filter
-        # of its table, whoever holds it: only the client's own filters are its business.
-        if not engine.is_durable(session.client_id) and amqtt_index.holds(session.client_id, subscription[0]):
+        """Retained messages for a subscription the session holds, and only those it may receive.
+        Durable sessions got theirs queued with the subscription (add_subscription), and none on a
+        mere reconnect (MQTT-3.3.1-6). amqtt also calls this at every CONNECT with every filter of
+        its table, whoever holds it, and checks no RECEIVE: a client could read retained messages
+        of topics it may neither subscribe to nor receive."""
+        topic_filter, qos = subscription
+        if engine.is_durable(session.client_id) or not amqtt_index.holds(session.client_id, topic_filter):
+            return
+        if not broker.plugins_manager._topic_plugins:
             await original_retained(subscription, session)
+            return
+        handler = broker._sessions.get(session.client_id, (None, None))[1]
+        if handler is None:
+            return
+        sends = [
+            handler.mqtt_publish(topic, message.data, min(qos, message.qos or qos), retain=True)
+            for topic, message in list(broker.retained_messages.items())
+            if matches(topic, topic_filter) and await broker._topic_filtering(session, topic, Action.RECEIVE)
+        ]
+        await asyncio.gather(*sends, return_exceptions=True)  # as amqtt's: one failed send stops no other
 
     async def broadcast_message(
         session: Any, topic: str | None, data: bytes | bytearray | None, force_qos: int | None = None
@@ -751,6 +816,7 @@ def _install(broker: Any, engine: DurableEngine) -> None:  # noqa: PLR0915 - one
         shutting_down = True
         await original_shutdown()
 
+    broker._authenticate = authenticate
     broker._client_connected = client_connected
     broker._initialize_client_session = initialize_client_session
     broker._client_message_loop = client_message_loop
@@ -771,15 +837,13 @@ def _peer(writer: Any) -> str:
     return "an unknown address" if peer is None else f"{peer[0]}:{peer[1]}"
 
 
-def _malformed_publish(packet: Any, topic: str, data: bytes) -> str | None:
-    """What amqtt's decoder lets through: QoS 3, and parts that do not add up to the packet's
-    remaining length (the topic itself is checked while it is decoded, see _install_decoder_checks)."""
-    qos = packet.qos or 0
-    if qos not in (0, 1, 2):
+def _malformed_publish(packet: Any) -> str | None:
+    """What amqtt's decoder lets through: QoS 3. The topic is checked while it is decoded, so the
+    parts add up to the packet's remaining length (see _install_decoder_checks)."""
+    if packet.topic_name is None or packet.data is None:
+        return "the PUBLISH has no topic or payload"
+    if packet.qos not in (0, 1, 2, None):
         return "QoS 3 is reserved (MQTT-3.3.1-4)"
-    expected = 2 + len(topic.encode("utf-8")) + (2 if qos else 0) + len(data)
-    if packet.fixed_header is not None and packet.fixed_header.remaining_length != expected:
-        return "topic is not valid UTF-8 or lengths do not add up (MQTT-1.5.3)"
     return None
 
 
@@ -796,7 +860,7 @@ def _ack_interceptor(
     return handle_ack
 
 
-def _wrap_handler(  # noqa: PLR0915 - the per-connection wrappers share their closure
+def _wrap_handler(
     broker: Any,
     engine: DurableEngine,
     handler: Any,
@@ -814,10 +878,7 @@ def _wrap_handler(  # noqa: PLR0915 - the per-connection wrappers share their cl
     async def handle_publish(packet: Any) -> None:
         topic = packet.topic_name
         data = packet.data
-        if topic is None or data is None:
-            problem: str | None = "the PUBLISH has no topic or payload"
-        else:
-            problem = _malformed_publish(packet, topic, data) or publish_topic_problem(topic)
+        problem = _malformed_publish(packet)
         if problem is not None:  # before anything is stored, routed or acknowledged
             log.warning("closing the connection of %s: PUBLISH refused: %s", session.client_id, problem)
             await handler.handle_connection_closed()
@@ -856,7 +917,7 @@ def _wrap_handler(  # noqa: PLR0915 - the per-connection wrappers share their cl
 
     async def connack_authorize(authorize: bool) -> None:
         if authorize and session.client_id:
-            authorize = await _connect_durable(broker, engine, handler, session)
+            await _connect_durable(broker, engine, handler, session)
         await original_connack(authorize)
 
     handler.handle_publish = handle_publish
@@ -919,14 +980,16 @@ async def _route_qos2(
         return stored
 
 
-async def _refuse_unavailable(handler: Any, session: Any, error: StoreUnavailableError) -> None:
-    """CONNACK 3 (server unavailable), then end the connection: amqtt would go on serving it, so
-    its connection handling is ended by the error raised here (amqtt logs and drops it)."""
-    log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, error)
-    await handler._send_packet(ConnackPacket.build(0, SERVER_UNAVAILABLE))
+async def _refuse_connect(handler: Any, session: Any, return_code: int, why: str) -> NoReturn:
+    """Refuse a CONNECT when its CONNACK is due, then end the connection: amqtt would go on serving
+    it whatever the CONNACK said, so its connection handling is ended by the error raised here
+    (amqtt logs and drops it)."""
+    log.warning("%s", why)
+    session.parent = 0  # MQTT-3.2.2-4: no session present with a refusal
+    await handler._send_packet(ConnackPacket.build(0, return_code))
     session.transitions.disconnect()
     await handler.writer.close()
-    raise AMQTTError(f"{session.client_id}: CONNECT refused, the durable store cannot write")
+    raise AMQTTError(f"{session.client_id}: CONNECT refused when its CONNACK was due")
 
 
 def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> ControlChannel:
@@ -960,29 +1023,31 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
     )
 
 
-async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> bool:
+async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
     """CONNACK is due: create, wipe or take the stored session and set session-present from the
-    store. False refuses the CONNECT (CONNACK 5): the session belongs to another user. While the
-    store cannot write, a CONNECT that needs a write is refused with CONNACK 3 (raises)."""
+    store. Refuses the CONNECT (raises) with CONNACK 5 when the session belongs to another user,
+    and while the store cannot write with CONNACK 3 when the CONNECT needs a write."""
+    stored = engine.sessions.get(session.client_id)
+    passes = stored is not None and stored.record.username != session.username
     try:
         engine.check_owner(session.client_id, session.username)
         revoke = await _refused_subscriptions(broker, engine, session)
         present = await engine.connect(
             session.client_id, bool(session.clean_session), session.username, handler.durable_transport, revoke
         )
-    except NotSessionOwnerError as exc:  # came in after the owner check when the CONNECT was read
-        log.warning("%s", exc)
-        session.parent = 0  # MQTT-3.2.2-4: no session present with a refusal
-        return False
+    except NotSessionOwnerError as exc:  # created by a CONNECT read at the same time as this one
+        await _refuse_connect(handler, session, NOT_AUTHORIZED, str(exc))
     except StoreUnavailableError as exc:
-        await _refuse_unavailable(handler, session, exc)
+        why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {exc}"
+        await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
     if not session.clean_session:
         session.parent = 1 if present else 0
         # A Session amqtt cached from an earlier clean connection may still hold amqtt-level
         # subscriptions; they would deliver beside the pump, with clashing packet ids.
         await broker._del_all_subscriptions(session)
         session.clear_queues()
-    return True
+        if passes:  # the previous user's QoS 2 publishes awaiting PUBREL, as the engine forgot them
+            session.inflight_in.clear()
 
 
 async def _refused_subscriptions(broker: Any, engine: DurableEngine, session: Any) -> list[str]:

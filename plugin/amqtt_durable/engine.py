@@ -633,12 +633,17 @@ class DurableEngine:
 
     def _pass_to(self, session: DurableSession, username: str | None, revoke: Iterable[str]) -> None:
         """session_takeover: any-user: the session becomes ``username``'s, minus the subscriptions it
-        may not make; what is queued is checked against its read access when sent (Pump)."""
+        may not make; what is queued is checked against its read access when sent (Pump). The
+        packet ids of the previous user's QoS 2 publishes whose PUBREL is due are forgotten: the
+        new user's packet ids are its own, and one of its publishes must not be taken for a re-send."""
         record = session.record
         revoked = [f for f in revoke if record.subscriptions.pop(f, None) is not None]
         for topic_filter in revoked:
             record.non_durable.discard(topic_filter)
             self.index.remove(session.client_id, topic_filter)
+        for packet_id in session.pubrel_due:
+            self.committer.delete(pubrel_key(session.sid, packet_id))
+        session.pubrel_due.clear()
         log.warning(
             "durable session %s passes from user %r to user %r (session_takeover: any-user); subscriptions "
             "the topic ACL refuses the new user removed: %s. Queued messages it may not read are dropped when due",

@@ -1,0 +1,275 @@
+"""Issue 10 review of the merged connection-level points (3: owner and read access, 5: refusals,
+1: sockets): attacks on how the merged branches meet, each against a real broker process."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+from test_hostile_owner import REFUSED, acl_broker, login
+from test_hostile_wire import CONNACK_ACCEPTED, PINGREQ, connect_packet, read_until_closed
+from test_mixed_clients import RECEIVE_ACL_PLUGIN
+from test_qos2_inbound import PUBACK, PUBREC, complete, expect_ack, publish, pubrel_due
+from test_scale import RawClient
+
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
+
+
+def read_exactly(sock: socket.socket, count: int) -> bytes:
+    """``count`` bytes, or fewer if the broker closes first (bounded by the socket's timeout)."""
+    got = b""
+    while len(got) < count and (chunk := sock.recv(count - len(got))):
+        got += chunk
+    return got
+
+
+def test_a_clean_connect_gets_no_retained_message_of_another_clients_subscription(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """amqtt 0.12.1 sends every connecting client the retained messages of every filter any client
+    is subscribed to: bob, who may not subscribe to ``secret/#``, read alice's retained secret by
+    merely connecting while her clean session was subscribed to it."""
+    broker = acl_broker(broker_factory)
+    alice = login(clients, broker, "alice-mon", "alice", clean_session=True)
+    assert alice.subscribe("secret/#", 1) == [1]
+    pub = login(clients, broker, "pub", "pub", clean_session=True)
+    pub.publish("secret/plans", [b"the plan"], qos=1, retain=True)
+    assert alice.wait_for(lambda ms: any(m.payload == b"the plan" for m in ms))
+
+    bob = login(clients, broker, "bob-dev", "bob", clean_session=True)
+    assert bob.subscribe("bob/#", 1) == [1]
+    pub.publish("bob/inbox", [b"marker"], qos=1)
+    assert bob.wait_for(lambda ms: any(m.topic == "bob/inbox" for m in ms))
+    got = [(m.topic, m.payload) for m in bob.messages]
+    assert got == [("bob/inbox", b"marker")], f"bob read {got}"
+
+
+def test_a_clean_subscriber_gets_no_retained_message_it_may_not_receive(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """amqtt checks RECEIVE on live messages to clean sessions but not on retained ones it sends
+    on SUBSCRIBE: bob, who may receive only ``b/``, subscribed to ``#`` and read ``a/state``."""
+    (tmp_path / "receive_acl.py").write_text(RECEIVE_ACL_PLUGIN)
+    broker = broker_factory(start=False)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["receive_acl.ReceiveAcl"] = {"receive": {"bob": ["b/"]}}
+    broker.start()
+    pub = clients(broker.port, "pub", clean_session=True)
+    pub.publish("a/state", [b"alice's state"], qos=1, retain=True)
+    pub.publish("b/state", [b"bob's state"], qos=1, retain=True)
+    bob = clients(broker.port, "bob-clean", username="bob", clean_session=True)
+    assert bob.subscribe("#", 1) == [1]
+    pub.publish("b/live", [b"marker"], qos=1)
+    assert bob.wait_for(lambda ms: any(m.topic == "b/live" for m in ms))
+    got = sorted((m.topic, m.retain) for m in bob.messages)
+    assert got == [("b/live", False), ("b/state", True)], f"bob read {got}"
+
+
+def durable_connect(client_id: str, user: str) -> bytes:
+    """A raw durable CONNECT (clean_session=false) with a username and no password."""
+    body = mqtt_string("MQTT") + bytes((4, 0x80, 0, 60)) + mqtt_string(client_id) + mqtt_string(user)
+    return mqtt_packet(0x10, body)
+
+
+def test_a_connect_refused_for_ownership_after_a_race_is_closed_and_serves_nothing(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Two users' CONNECTs of a new client id read at the same time: both pass the owner check made
+    when a CONNECT is read; the one accepted second is refused (CONNACK 5) when CONNACK is due. amqtt
+    then went on serving that connection: the refused user could subscribe and publish."""
+    broker = broker_factory()
+    late_refusals = 0
+    for attempt in range(40):
+        client_id = f"raced-{attempt}"
+        socks = [socket.create_connection((HOST, broker.port), timeout=WAIT) for _ in range(2)]
+        try:
+            for sock, user in zip(socks, ("alice", "bob"), strict=True):
+                sock.sendall(durable_connect(client_id, user))
+            answers = [read_exactly(sock, 4) for sock in socks]
+            assert sorted(answers) == [CONNACK_ACCEPTED, REFUSED], answers
+            refused = socks[answers.index(REFUSED)]
+            refused.sendall(PINGREQ)
+            assert read_until_closed(refused, WAIT) == b"", "a refused connection must be closed, unserved"
+        finally:
+            for sock in socks:
+                sock.close()
+        late_refusals = broker.log().count("CONNECT refused when its CONNACK was due")
+        if late_refusals:
+            break
+    assert late_refusals, "the race never reached the refusal at CONNACK time"
+
+
+def test_oversized_connects_do_not_use_up_a_listeners_connection_slots(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """A CONNECT announcing more than max_packet_size is refused before its body is read; that
+    refusal escaped amqtt's connection handler before it gave back the listener's connection slot,
+    so a few 5-byte packets made a listener with max_connections refuse everyone for good."""
+    broker = broker_factory(start=False, max_packet_size=4096)
+    write_config = broker.write_config
+
+    def with_max_connections() -> Path:
+        path = write_config()
+        config = yaml.safe_load(path.read_text())
+        config["listeners"]["default"]["max_connections"] = 2
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    broker.write_config = with_max_connections  # type: ignore[method-assign]
+    broker.start()
+    for _ in range(3):
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as big_connect:
+            big_connect.sendall(b"\x10\xff\xff\xff\x7f")  # a CONNECT announcing 256 MB
+            assert read_until_closed(big_connect, WAIT) == b""
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet("after-the-flood"))
+        assert read_exactly(sock, 4) == CONNACK_ACCEPTED, "the listener no longer serves anyone"
+    assert "before its CONNECT was read: a packet of 268435455 bytes is larger than max_packet_size" in broker.log()
+
+
+class UserClient(RawClient):
+    """A raw durable client that connects with a username (anonymous authentication lets it claim any)."""
+
+    def __init__(self, port: int, client_id: str, user: str) -> None:
+        super().__init__(port, client_id)
+        self.user = user
+
+    def connect_packet(self, keepalive: int = 60) -> bytes:
+        return durable_connect(self.client_id, self.user)
+
+
+def test_a_new_owner_s_qos2_publish_is_not_taken_for_the_previous_owner_s_resend(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """session_takeover: any-user. alice's QoS 2 publish got PUBREC, her PUBREL never came; bob takes
+    the session over and publishes with the same packet id: he got PUBREC and PUBCOMP, and his
+    message was never routed (taken for alice's re-send). Packet ids are the publisher's own."""
+    broker = broker_factory(session_takeover="any-user")
+    watcher = clients(broker.port, "watcher")
+    assert watcher.subscribe("q2/#", 2) == [2]
+    alice = UserClient(broker.port, "shared-dev", "alice")
+    assert alice.connect() is False
+    for packet_id in (7, 9):
+        publish(alice, b"alice's %d" % packet_id, packet_id)
+        expect_ack(alice, PUBREC, packet_id)
+    assert watcher.wait_for(lambda ms: any(m.payload == b"alice's 9" for m in ms))
+    alice.sock.close()  # gone before her PUBRELs
+
+    bob = UserClient(broker.port, "shared-dev", "bob")
+    assert bob.connect() is True
+    publish(bob, b"bob's", 7)
+    expect_ack(bob, PUBREC, 7)
+    complete(bob, 7)
+    publish(bob, b"marker", 8, qos=1)
+    expect_ack(bob, PUBACK, 8)
+    # paho hands a QoS 2 message over at the broker's PUBREL, possibly after the QoS 1 marker.
+    arrived = watcher.wait_for(lambda ms: {b"bob's", b"marker"} <= {m.payload for m in ms})
+    got = sorted(m.payload for m in watcher.messages)
+    assert arrived, f"bob's message was never routed: {got}"
+    assert got == [b"alice's 7", b"alice's 9", b"bob's", b"marker"], got
+    bob.sock.close()
+    broker.stop()
+    assert pubrel_due(broker) == {}, "alice's packet ids must not stay due in bob's session"
+
+
+def test_a_wrong_password_neither_ends_the_owner_s_connection_nor_plants_a_will(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """amqtt reuses the cached Session of a client id (copying the CONNECT's will into it) and takes
+    the live connection over before it checks the password: a CONNECT with alice's client id and
+    username and a wrong password ended her connection, and her disconnect then published the
+    intruder's will, retained, as hers."""
+    broker = acl_broker(broker_factory)
+    alice = login(clients, broker, "alice-dev", "alice")
+    assert alice.subscribe("secret/#", 1) == [1]
+    body = mqtt_string("MQTT") + bytes((4, 0xC0 | 0x20 | 0x0C, 0, 60)) + mqtt_string("alice-dev")
+    body += mqtt_string("secret/planted") + mqtt_string("planted by a guess")  # will QoS 1, RETAIN
+    body += mqtt_string("alice") + mqtt_string("a wrong guess")
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        refusal = read_until_closed(sock, WAIT)
+    pub = login(clients, broker, "pub", "pub", clean_session=True)
+    pub.publish("secret/plans", [b"live"], qos=1)
+    assert alice.wait_for(lambda ms: any(m.payload == b"live" for m in ms))
+    assert not alice.wait_disconnected(0.2), "a wrong password ended alice's connection"
+    alice.drop()  # abnormal end: only alice's own will (none) may go
+    assert alice.connect() is True
+    pub.publish("secret/plans", [b"after"], qos=1)
+    assert alice.wait_for(lambda ms: any(m.payload == b"after" for m in ms))
+    watcher = login(clients, broker, "alice-watch", "alice", clean_session=True)
+    assert watcher.subscribe("secret/#", 1) == [1]
+    pub.publish("secret/plans", [b"marker"], qos=1)
+    assert watcher.wait_for(lambda ms: any(m.payload == b"marker" for m in ms))
+    planted = [m.payload for m in alice.messages + watcher.messages if m.topic == "secret/planted"]
+    assert not planted, f"the intruder's will was published: {planted}"
+    assert refusal == REFUSED, "CONNACK 5 without session present (MQTT-3.2.2-4)"
+
+
+def test_a_qos3_publish_closes_the_connection_unrouted(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """MQTT-3.3.1-4: QoS 3 is reserved; the one check left after amqtt's decoder on the PUBLISH path."""
+    broker = broker_factory()
+    watcher = clients(broker.port, "watcher")
+    assert watcher.subscribe("q3/#", 1) == [1]
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet("q3-pub"))
+        assert read_exactly(sock, 4) == CONNACK_ACCEPTED
+        sock.sendall(mqtt_packet(0x36, mqtt_string("q3/t") + b"\x00\x05" + b"three"))
+        assert read_until_closed(sock, WAIT) == b"", "no PUBACK/PUBREC, and the connection closed"
+    other = clients(broker.port, "q1-pub", clean_session=True)
+    other.publish("q3/t", [b"marker"], qos=1)
+    assert watcher.wait_for(lambda ms: any(m.payload == b"marker" for m in ms))
+    assert [m.payload for m in watcher.messages] == [b"marker"]
+    assert "PUBLISH refused: QoS 3 is reserved (MQTT-3.3.1-4)" in broker.log()
+
+
+PUBLISH_ACL_PLUGIN = '''
+from dataclasses import dataclass, field
+
+from amqtt.contexts import Action
+from amqtt.plugins.base import BaseTopicPlugin
+
+
+class PublishAcl(BaseTopicPlugin):
+    """Test plugin: users may publish only to topics under their prefixes."""
+
+    @dataclass
+    class Config:
+        publish: dict = field(default_factory=dict)
+
+    async def topic_filtering(self, *, session=None, topic=None, action=None):
+        if action != Action.PUBLISH:
+            return True
+        user = (session.username if session else None) or "anonymous"
+        return any(topic.startswith(prefix) for prefix in self.context.config.publish.get(user, []))
+'''
+
+
+def test_a_will_the_user_may_not_publish_is_refused_at_connect(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """amqtt publishes a will, and retains it, without the PUBLISH check its user's PUBLISHes get:
+    mallory, who may publish only under ``m/``, planted a retained ``cmd/door`` (now durable, so
+    it outlived restarts) by connecting with that will and dropping the connection."""
+    (tmp_path / "publish_acl.py").write_text(PUBLISH_ACL_PLUGIN)
+    broker = broker_factory(start=False)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["publish_acl.PublishAcl"] = {"publish": {"mallory": ["m/"], "ops": ["cmd/"]}}
+    broker.start()
+    device = clients(broker.port, "door", username="ops")
+    assert device.subscribe("cmd/#", 1) == [1]
+    body = mqtt_string("MQTT") + bytes((4, 0x80 | 0x20 | 0x0C, 0, 60)) + mqtt_string("mallory-dev")
+    body += mqtt_string("cmd/door") + mqtt_string("open")  # will QoS 1, RETAIN
+    body += mqtt_string("mallory")
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        refusal = read_exactly(sock, 4)
+    ops = clients(broker.port, "ops-pub", username="ops", clean_session=True)
+    ops.publish("cmd/door", [b"marker"], qos=1)
+    assert device.wait_for(lambda ms: any(m.payload == b"marker" for m in ms))
+    assert [m.payload for m in device.messages] == [b"marker"], "mallory's will reached the door"
+    assert refusal == REFUSED, "CONNACK 5: the will's topic is not the user's to publish to"
+    assert "may not publish its will to 'cmd/door'" in broker.log()
