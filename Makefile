@@ -39,6 +39,8 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/bench_sdk.py
 	$(VENV)/bin/python bench/bench_pipeline.py
 	$(VENV)/bin/python bench/bench_fleet.py
+	$(VENV)/bin/python bench/bench_wildcards.py
+	$(VENV)/bin/python bench/bench_retained_startup.py
 
 clean:
 	rm -rf $(VENV) data .pytest_cache
