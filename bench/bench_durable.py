@@ -81,6 +81,7 @@ from _rawmqtt import (
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = ROOT / ".venv" / "bin"
 PLUGIN_DIR = ROOT / "plugin" / "amqtt_durable"
+PROTOCOL_DIR = ROOT / "client_sdk" / "durable_protocol"
 STOCK = "stock"
 OURS = "ours"
 BROKER_TITLES = {STOCK: "stock amqtt", OURS: "amqtt-durable"}
@@ -717,7 +718,7 @@ def build_brokers(args: argparse.Namespace, tmp: Path,
             prefix = shlex.split(args.ours_cmd)
         elif args.snapshot:
             # PYTHONPATH comes before the editable install's .pth entry, so the copy is what gets imported
-            env = {**os.environ, "PYTHONPATH": str(snapshot_packages([PLUGIN_DIR], tmp / "snapshot"))}
+            env = {**os.environ, "PYTHONPATH": str(snapshot_packages([PLUGIN_DIR, PROTOCOL_DIR], tmp / "snapshot"))}
             prefix = [str(VENV_BIN / "python"), "-m", "amqtt_durable.cli", "broker"]
         else:
             prefix = [str(VENV_BIN / "amqtt-durable"), "broker"]

@@ -86,6 +86,7 @@ BROKER_YAML = ROOT / "broker.yaml"
 WATCHED = {
     "plugin": ROOT / "plugin" / "amqtt_durable",
     "SDK": ROOT / "client_sdk" / "durable_client",
+    "protocol": ROOT / "client_sdk" / "durable_protocol",
     "pipeline": ROOT / "pipeline" / "durable_pipeline",
     "fleet": ROOT / "fleet" / "durable_fleet",
 }

@@ -103,9 +103,10 @@ from bench_durable import CLIENT_START_S, RESULT_MARGIN_S, SETTLE_S, fmt_number,
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = ROOT / "plugin" / "amqtt_durable"
 SDK_DIR = ROOT / "client_sdk" / "durable_client"
+PROTOCOL_DIR = ROOT / "client_sdk" / "durable_protocol"
 PIPELINE_DIR = ROOT / "pipeline" / "durable_pipeline"
 VENV_BIN = ROOT / ".venv" / "bin"
-WATCHED = {"plugin": PLUGIN_DIR, "SDK": SDK_DIR, "pipeline": PIPELINE_DIR}
+WATCHED = {"plugin": PLUGIN_DIR, "SDK": SDK_DIR, "protocol": PROTOCOL_DIR, "pipeline": PIPELINE_DIR}
 BROKER_YAML = ROOT / "broker.yaml"
 PLUGIN_KEY = "amqtt_durable.DurableSessionsPlugin"
 STREAM_FILTER = "bench/#"

@@ -98,6 +98,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = ROOT / ".venv" / "bin"
 PLUGIN_DIR = ROOT / "plugin" / "amqtt_durable"
 SDK_DIR = ROOT / "client_sdk" / "durable_client"
+PROTOCOL_DIR = ROOT / "client_sdk" / "durable_protocol"
 BROKER_YAML = ROOT / "broker.yaml"
 PLUGIN_KEY = "amqtt_durable.DurableSessionsPlugin"
 
@@ -633,9 +634,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=120.0, help="time bound of a broker start (s)")
     add_pin_arguments(p, "the broker", "receivers and publishers")
     p.add_argument("--code", choices=("head", "worktree", "live"), default="head",
-                   help="code under test: plugin/amqtt_durable and client_sdk/durable_client copied at start from "
-                        "git HEAD (default: exactly the reported revision) or from the working tree, or 'live': "
-                        "imported from the working tree as it is when each process starts")
+                   help="code under test: plugin/amqtt_durable, client_sdk/durable_client and durable_protocol "
+                        "copied at start from git HEAD (default: exactly the reported revision) or from the working "
+                        "tree, or 'live': imported from the working tree as it is when each process starts")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (config, log, store, state)")
     args = p.parse_args(argv)
     if args.n is None:
@@ -680,18 +681,18 @@ def build_broker(args: argparse.Namespace, tmp: Path, snapshot: Path | None) -> 
 
 def run(args: argparse.Namespace, tmp: Path, info: dict[str, str], *, runs: dict[str, list[Run]],
         warmups: list[Run], notes: list[str]) -> None:
-    watched = {"plugin": PLUGIN_DIR, "SDK": SDK_DIR}
+    watched = {"plugin": PLUGIN_DIR, "SDK": SDK_DIR, "protocol": PROTOCOL_DIR}
     at_start = {name: source_fingerprint(folder) for name, folder in watched.items()}
     snapshot = None
     if args.code != "live":
-        snapshot = snapshot_packages([PLUGIN_DIR, SDK_DIR], tmp / "snapshot",
+        snapshot = snapshot_packages(list(watched.values()), tmp / "snapshot",
                                      git_root=ROOT if args.code == "head" else None)
         sys.path.insert(0, str(snapshot))  # the receiver processes inherit sys.path: they import the SDK copy
     used = at_start if snapshot is None else {
         name: source_fingerprint(snapshot / folder.name) for name, folder in watched.items()}
     digests = ", ".join(f"{name} sha256 {fingerprint_digest(fp)}" for name, fp in used.items())
-    where = {"head": "copies of both as committed in git HEAD, taken at start",
-             "worktree": "copies of both from the working tree, taken at start",
+    where = {"head": "copies of all three as committed in git HEAD, taken at start",
+             "worktree": "copies of all three from the working tree, taken at start",
              "live": "the working tree, as it was when each process started"}[args.code]
     info["code"] = f"{digests} of the *.py files; broker and SDK ran from {where}"
     broker = build_broker(args, tmp, snapshot)

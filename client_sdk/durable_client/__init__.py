@@ -2,8 +2,10 @@
 
 Hold-until-ready, the replay marker, broker sequence ids, a last-value cache, exactly-once
 through client-side persistence, and stateless resume from stream logs, over paho-mqtt.
-The wire protocol is docs/protocol.md (``durable_client.protocol``).
+The wire protocol is docs/protocol.md (``durable_protocol``, re-exported as ``durable_client.protocol``).
 """
+
+from durable_protocol import LiveSubscription, Marker
 
 from .cache import CacheEntry, EntryState, LastValueCache
 from .client import DurableClient
@@ -16,7 +18,6 @@ from .errors import (
     Unconnected,
 )
 from .events import ConnectionInfo, Event, Listener, PersistenceLevel, Stats, StreamBounds
-from .protocol import LiveSubscription, Marker
 
 __all__ = [
     "CacheEntry",

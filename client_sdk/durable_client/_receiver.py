@@ -22,12 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._paho import Inbound
-from ._registry import Registry
-from .cache import LastValueCache
-from .events import Event, Listener, Stats
-from .persistence import SessionState
-from .protocol import (
+from durable_protocol import (
     MARKER_TOPIC,
     REPLY_TOPIC,
     STREAM_TOPIC_PREFIX,
@@ -38,6 +33,12 @@ from .protocol import (
     decode_marker,
     decode_reply,
 )
+
+from ._paho import Inbound
+from ._registry import Registry
+from .cache import LastValueCache
+from .events import Event, Listener, Stats
+from .persistence import SessionState
 
 log = logging.getLogger("durable_client")
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, ParamSpec
 
+from durable_protocol import CONTROL_PREFIX, CONTROL_TOPIC, MAX_STREAM_WINDOW, Marker, Reply, encode_request
+
 from ._paho import ConnAck, Inbound, PahoLink, topic_matches
 from ._receiver import Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
@@ -34,7 +36,6 @@ from .delivery_log import DeliveryLog, reconcile
 from .errors import ConnectFailed, ControlRequestFailed, DurableClientError, RequestTimeout, Unconnected
 from .events import ConnectionInfo, Listener, PersistenceLevel, Stats, StreamBounds
 from .persistence import open_state
-from .protocol import CONTROL_PREFIX, CONTROL_TOPIC, MAX_STREAM_WINDOW, Marker, Reply, encode_request
 
 log = logging.getLogger("durable_client")
 

@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from durable_protocol import Marker
+
 from .events import Event
 from .persistence import SessionState
-from .protocol import Marker
 
 log = logging.getLogger("durable_client")
 

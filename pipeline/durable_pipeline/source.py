@@ -71,7 +71,7 @@ STORE_KEY: Final = "_durable/store"
 SCHEMA_DDL: Final = "topic string, id long, payload binary, qos int, published_at timestamp"
 DEFAULT_WINDOW: Final = 500
 MAX_WINDOW: Final = 1000
-"""The broker's limit on events in flight per topic (durable_client.protocol.MAX_STREAM_WINDOW)."""
+"""The broker's limit on events in flight per topic (durable_protocol.MAX_STREAM_WINDOW)."""
 DEFAULT_IDS_PER_PARTITION: Final = 100_000
 DEFAULT_TIMEOUT: Final = 30.0
 RECONNECT_MAX_DELAY: Final = 1.0

@@ -111,7 +111,7 @@ from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
 
-from durable_client.protocol import CONTROL_PREFIX
+from durable_protocol import CONTROL_PREFIX
 
 from .config import DurableConfig
 from .control import ControlChannel

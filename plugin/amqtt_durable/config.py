@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from durable_client.protocol import MAX_STREAM_WINDOW
+from durable_protocol import MAX_STREAM_WINDOW
 
 from .errors import ConfigError
 from .topics import filter_is_valid

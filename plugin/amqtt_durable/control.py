@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from durable_client.protocol import (
+from durable_protocol import (
     CONTROL_TOPIC,
     PROTOCOL_VERSION,
     REPLY_TOPIC,

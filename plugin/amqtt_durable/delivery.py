@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from durable_client.protocol import (
+from durable_protocol import (
     FLAG_REDELIVERED,
     FLAG_REPLAYED,
     FLAG_RETAINED,

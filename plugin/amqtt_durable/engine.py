@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 
 import plyvel
 
-from durable_client.protocol import LiveSubscription
+from durable_protocol import LiveSubscription
 
 from .config import DurableConfig
 from .delivery import Pump, ReadAccess, Transport

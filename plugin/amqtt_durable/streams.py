@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import plyvel
 
-from durable_client.protocol import (
+from durable_protocol import (
     FLAG_QOS_SHIFT,
     FLAG_REDELIVERED,
     MAX_STREAM_WINDOW,
