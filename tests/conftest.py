@@ -256,7 +256,7 @@ class Client:
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """``amqtt-durable ARGS`` as a child process, output captured, bounded in time."""
     return subprocess.run(
-        [sys.executable, "-m", "amqtt_durable.cli", *args],
+        [sys.executable, "-m", "durable_fleet.console", *args],
         capture_output=True,
         text=True,
         timeout=WAIT,

@@ -1,5 +1,8 @@
 """``amqtt-durable``: run the broker with a checked config, inspect or repair a store."""
 
+# The console command is durable_fleet.console: it adds ``fleet`` to these commands, so the
+# plugin knows nothing of the packages above it (no import cycle through the fleet harness).
+
 from __future__ import annotations
 
 import argparse
@@ -11,7 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 from amqtt.broker import Broker
@@ -138,19 +141,8 @@ def _cmd_repair(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fleet(argv: list[str]) -> int:
-    try:
-        from durable_fleet.cli import main as fleet_main  # noqa: PLC0415 - Spark and matplotlib only here
-    except ImportError as exc:
-        print(f"amqtt-durable fleet needs the pipeline extra (pip install 'amqtt-durable[pipeline]'): {exc}",
-              file=sys.stderr)
-        return EXIT_BAD_INPUT
-    return fleet_main(argv)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="amqtt-durable", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The plugin's commands; the console command (durable_fleet.console) adds ``fleet`` beside them."""
     broker = commands.add_parser("broker", help="run amqtt with broker.yaml (config checked first)")
     broker.add_argument("-c", "--config", default="broker.yaml", help="broker config file (default broker.yaml)")
     broker.add_argument("-d", "--debug", action="store_true", help="debug logging")
@@ -166,18 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     repairs.add_argument("store", help="store folder")
     repairs.set_defaults(run=_cmd_repair)
-    fleet = commands.add_parser(
-        "fleet", add_help=False, help="fault-injection run of simulated devices, judged by the Spark audit (--help)"
-    )
-    fleet.add_argument("options", nargs=argparse.REMAINDER, help="see amqtt-durable fleet --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="amqtt-durable", description=__doc__)
+    add_commands(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["fleet"]:  # its own parser (argparse's REMAINDER would not pass on --help)
-        return _fleet(argv[1:])
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Run a command ``add_commands`` parsed; a DurableError is one line on stderr and exit status 1."""
     try:
         code: int = args.run(args)
     except DurableError as exc:
@@ -186,13 +176,22 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def console_main() -> None:
-    """Entry point. The store is closed when ``main`` returns; skipping interpreter teardown avoids
-    a spurious 'Error in sys.excepthook' CPython prints when plyvel was loaded next to amqtt."""
-    code = main()
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def exit_process(code: int) -> NoReturn:
+    """Exit with ``code`` once a command has returned (the store is closed by then). Skipping
+    interpreter teardown avoids a spurious 'Error in sys.excepthook' CPython prints when plyvel
+    was loaded next to amqtt."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def console_main() -> None:
+    """``python -m amqtt_durable.cli``: broker, inspect and repair (the tests and tools start the broker so)."""
+    exit_process(main())
 
 
 if __name__ == "__main__":
