@@ -25,6 +25,40 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+__all__ = [
+    "CONTROL_PREFIX",
+    "CONTROL_TOPIC",
+    "ERROR_CODES",
+    "FLAG_QOS_SHIFT",
+    "FLAG_REDELIVERED",
+    "FLAG_REPLAYED",
+    "FLAG_RETAINED",
+    "FRAME",
+    "FRAME_VERSION",
+    "MARKER_TOPIC",
+    "MAX_REQUEST_BYTES",
+    "MAX_STREAM_WINDOW",
+    "OPS",
+    "PROTOCOL_VERSION",
+    "REPLY_TOPIC",
+    "STREAM_TOPIC_PREFIX",
+    "Frame",
+    "LiveSubscription",
+    "Marker",
+    "ProtocolError",
+    "Reply",
+    "Request",
+    "decode_frame",
+    "decode_marker",
+    "decode_reply",
+    "encode_error",
+    "encode_frame",
+    "encode_marker",
+    "encode_reply",
+    "encode_request",
+    "parse_request",
+]
+
 PROTOCOL_VERSION: Final = 1
 CONTROL_PREFIX: Final = "_durable/"
 CONTROL_TOPIC: Final = "_durable/v1/ctl"
