@@ -73,6 +73,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil
 from _common import (
+    BROKER_YAML,
+    ROOT,
     changed_files,
     git_revision,
     log,
@@ -81,8 +83,6 @@ from _common import (
     use_code_snapshot,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-BROKER_YAML = ROOT / "broker.yaml"
 WATCHED = {
     "plugin": ROOT / "plugin" / "amqtt_durable",
     "SDK": ROOT / "client_sdk" / "durable_client",
