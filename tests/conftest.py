@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from amqtt_durable.process import HOST, BrokerProcess, ChildExitedError, free_port
 from amqtt_durable.store import open_store
+from amqtt_durable.wire import encode_packet, encode_string
 from durable_client.persistence import SessionState
 
 WAIT = 15.0
@@ -228,21 +228,10 @@ def payloads(count: int, prefix: str = "m") -> list[bytes]:
 
 
 # --------------------------------------------------------------- raw MQTT 3.1.1 encoding
-def mqtt_packet(first: int, body: bytes) -> bytes:
-    """A packet: the first byte, the remaining length (7 bits a byte, high bit: more follow), the body."""
-    length = len(body)
-    header = bytearray((first,))
-    while True:
-        byte, length = length % 128, length // 128
-        header.append(byte | (0x80 if length else 0))
-        if not length:
-            return bytes(header) + body
-
-
-def mqtt_string(text: str | bytes) -> bytes:
-    """A UTF-8 string field: its length in two bytes, then the bytes."""
-    raw = text.encode() if isinstance(text, str) else text
-    return struct.pack(">H", len(raw)) + raw
+mqtt_packet = encode_packet
+"""A packet: the first byte, the remaining length, the body (the plugin's own encoder)."""
+mqtt_string = encode_string
+"""A UTF-8 string field: its length in two bytes, then the bytes (the plugin's own encoder)."""
 
 
 @pytest.fixture
