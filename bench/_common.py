@@ -1,6 +1,7 @@
-"""Helpers for the benchmarks (bench_durable.py, bench_sdk.py): broker processes, RSS sampling, configuration
-files, the code under test (snapshot copies, git revision), CPU pinning options, the run's temporary folder and
-its report.
+"""Helpers for the benchmarks (the bench_*.py files, which share constants and helpers only through this module):
+the repository's paths, broker processes (on amqtt_durable.process's ChildProcess), RSS sampling, the load
+clients' results, configuration files, the code under test (snapshot copies, git revision), CPU pinning options,
+the run's temporary folder and its report.
 
 The MQTT load clients (raw sockets, one process each) are in _rawmqtt.py.
 
@@ -29,14 +30,30 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import psutil
-from _rawmqtt import DISCONNECT, HOST, Login, connect_packet
+from _rawmqtt import DISCONNECT, HOST, ClientProcess, Login, PublishResult, ReceiveResult, connect_packet
 from pwdlib.hashers.argon2 import Argon2Hasher
+
+from amqtt_durable.process import ChildExitedError, ChildProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = ROOT / ".venv" / "bin"
+PLUGIN_DIR = ROOT / "plugin" / "amqtt_durable"
+SDK_DIR = ROOT / "client_sdk" / "durable_client"
+PROTOCOL_DIR = ROOT / "client_sdk" / "durable_protocol"
+PIPELINE_DIR = ROOT / "pipeline" / "durable_pipeline"
+BROKER_YAML = ROOT / "broker.yaml"
+STOCK = "stock"
+OURS = "ours"
+BROKER_TITLES = {STOCK: "stock amqtt", OURS: "amqtt-durable"}
+SETTLE_S = 0.5  # let the broker process a DISCONNECT before publishing to the now-offline session
+CLIENT_START_S = 60.0  # spawn a client process, pre-encode, connect
+RESULT_MARGIN_S = 30.0  # a client process reports this long after its own time bound at the latest
 
 
 def log(msg: str) -> None:
@@ -64,14 +81,6 @@ class Deadline:
 
     def expired(self) -> bool:
         return time.monotonic() >= self.end
-
-
-def free_port() -> int:
-    """An ephemeral TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def percentile(sorted_values: Sequence[int], pct: float) -> float | None:
@@ -138,6 +147,57 @@ def machine_info() -> dict[str, str]:
     }
 
 
+# --------------------------------------------------------------------------- client results
+
+
+def run_publisher(pub: ClientProcess, timeout: float, *, ready_seen: bool = False) -> PublishResult:
+    """Wait until the publisher process is connected, let it go, return its result."""
+    if not ready_seen:
+        pub.expect("ready", CLIENT_START_S)
+    pub.send("go")
+    result: PublishResult = pub.expect("result", timeout + RESULT_MARGIN_S)
+    return result
+
+
+def recv_summary(res: ReceiveResult, n: int) -> str:
+    parts = [f"{res.unique:,}/{n:,}"]
+    for count, what in ((res.duplicates, "dup"), (res.dup_flags, "DUP=1"), (res.retained, "RETAIN=1"),
+                        (res.reordered, "out of order"), (res.foreign, "foreign"), (res.other_packets, "other pkts")):
+        if count:
+            parts.append(f"{count:,} {what}")
+    parts.append(f"session_present={int(res.session_present)}")
+    if res.unique < n:
+        parts.append(f"{res.publishes:,} PUBLISH received, {res.pubacks_sent:,} PUBACKs sent, ended: {res.end}")
+    if res.error:
+        parts.append(f"error: {res.error}")
+    return ", ".join(parts)
+
+
+def pub_summary(pr: PublishResult) -> str:
+    text = f"{pr.acked:,}/{pr.requested:,}"
+    if pr.timed_out:
+        text += " (timed out)"
+    if pr.error:
+        text += f" ({pr.error})"
+    if pr.stray_acks:
+        text += f", {pr.stray_acks:,} stray PUBACKs"
+    if pr.other_packets:
+        text += f", {pr.other_packets:,} other packets"
+    if pr.flush_error:
+        text += f", flush: {pr.flush_error}"
+    return text
+
+
+def fmt_number(value: float | int) -> str:
+    if isinstance(value, int):
+        return f"{value:,}"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
 # --------------------------------------------------------------------------- start-up probe
 
 
@@ -163,21 +223,47 @@ def probe_connack(port: int, login: Login, timeout: float) -> int:
 # --------------------------------------------------------------------------- broker processes
 
 
-@dataclass
-class BrokerProcess:
-    """One broker subprocess that we started; only ever signalled through its own PID."""
+def _broker_preexec(cpus: tuple[int, ...] | None) -> None:
+    """Run in the broker's process before exec."""
+    # A benchmark started in the background (`cmd &`) inherits SIGINT=ignored, and so would the broker:
+    # stock amqtt would then ignore the graceful stop.  Give the broker the default disposition.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # affinity set before exec, so the broker's own threads (LevelDB compaction...) inherit it
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
 
-    name: str
-    argv: list[str]
-    port: int
-    log_path: Path
-    login: Login
-    cpus: tuple[int, ...] | None = None  # CPU affinity of the broker (and every thread it starts)
-    env: dict[str, str] | None = None  # environment of the broker process (None: inherit ours)
-    proc: subprocess.Popen[bytes] | None = None
-    spawn_time: float = 0.0
-    starts: int = 0
-    _log_fh: Any = field(default=None, repr=False)
+
+class BrokerProcess:
+    """One broker subprocess that we started (any command: stock amqtt or ours), run by the shared
+    amqtt_durable.process.ChildProcess; only ever signalled through its own PID.
+
+    What the benchmarks add: a name for the report, readiness as CONNACK(0) to `login`, the seconds
+    start-up took, a graceful stop by SIGINT that says how it went, the RSS and the log's tail.
+    """
+
+    def __init__(self, name: str, argv: list[str], port: int, log_path: Path, login: Login,  # noqa: PLR0917 - the call sites pass these by position
+                 cpus: tuple[int, ...] | None = None, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.port = port
+        self.login = login
+        self.cpus = cpus  # CPU affinity of the broker (and every thread it starts)
+        self.child = ChildProcess(argv, log_path, wait=10.0, env=env, preexec_fn=partial(_broker_preexec, cpus))
+        self.child.stop_signal = signal.SIGINT  # the broker's KeyboardInterrupt path
+        self.spawn_time = 0.0
+        self.starts = 0
+
+    @property
+    def argv(self) -> list[str]:
+        return self.child.argv
+
+    @property
+    def log_path(self) -> Path:
+        return self.child.log_path
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The process of the last start; None once it was stopped or killed."""
+        return self.child.proc
 
     @property
     def pid(self) -> int:
@@ -186,55 +272,41 @@ class BrokerProcess:
         return self.proc.pid
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.child.running
 
     def spawn(self) -> None:
         if self.alive():
             raise BenchError(f"{self.name}: already running (pid {self.pid})")
         self.starts += 1
-        self._log_fh = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
-        self._log_fh.write(f"\n===== start #{self.starts}: {shlex.join(self.argv)}\n".encode())
-        self._log_fh.flush()
+        with self.log_path.open("ab") as out:
+            out.write(f"\n===== start #{self.starts}: {shlex.join(self.argv)}\n".encode())
         self.spawn_time = time.perf_counter()
-        cpus = self.cpus
-
-        def preexec() -> None:
-            # A benchmark started in the background (`cmd &`) inherits SIGINT=ignored, and so would the broker:
-            # stock amqtt would then ignore the graceful stop.  Give the broker the default disposition.
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            # affinity set before exec, so the broker's own threads (LevelDB compaction...) inherit it
-            if cpus:
-                os.sched_setaffinity(0, set(cpus))
-
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_fh,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            preexec_fn=preexec,  # noqa: PLW1509 - only async-signal-safe-enough syscalls, no locks
-        )
+        self.child.start()
 
     def wait_ready(self, timeout: float) -> float:
         """Wait until the port answers CONNECT with CONNACK(0); return seconds since spawn."""
         deadline = Deadline(timeout)
         last_err: Exception | None = None
         attempts = 0
-        while not deadline.expired():
+
+        def accepted() -> bool:
+            nonlocal attempts, last_err
             attempts += 1
-            if self.proc is None or self.proc.poll() is not None:
-                rc = None if self.proc is None else self.proc.returncode
-                raise BenchError(f"{self.name}: broker exited with {rc} during start-up; "
-                                 f"last log line: {self.last_log_line()!r}", self.log_tail())
             try:
                 rc = probe_connack(self.port, self.login, timeout=max(0.1, min(5.0, deadline.remaining())))
             except (OSError, ConnectionError) as exc:
                 last_err = exc
-                time.sleep(min(0.02, deadline.remaining()))
-                continue
+                return False
             if rc != 0:
                 raise BenchError(f"{self.name}: CONNACK return code {rc} (authentication/config problem?)")
-            return time.perf_counter() - self.spawn_time
+            return True
+
+        try:
+            if self.child.wait_until(accepted, timeout, poll=0.02):
+                return time.perf_counter() - self.spawn_time
+        except ChildExitedError:
+            raise BenchError(f"{self.name}: broker exited with {self.child.exit_status} during start-up; "
+                             f"last log line: {self.last_log_line()!r}", self.log_tail()) from None
         raise BenchError(
             f"{self.name}: not ready within {timeout:.0f}s ({attempts} attempts, last error {last_err!r})",
             self.log_tail(),
@@ -246,39 +318,29 @@ class BrokerProcess:
 
     def kill(self) -> None:
         """SIGKILL exactly the process we started."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self._reap(10.0)
+        self.child.kill()
+        self._forget()
 
     def stop(self, timeout: float = 30.0) -> str:
         """Graceful stop via SIGINT (the broker's KeyboardInterrupt path); SIGKILL if it does not exit."""
         if self.proc is None:
             return "not running"
-        if self.proc.poll() is not None:
-            self._reap(1.0)
+        if not self.alive():
+            self._forget()
             return "already exited"
         t0 = time.perf_counter()
-        os.kill(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(timeout=timeout)
+        self.child.terminate()
+        if self.child.wait_stopped(time.monotonic() + timeout):
             how = f"SIGINT, exited in {time.perf_counter() - t0:.2f}s"
-        except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGKILL)
+        else:
             how = f"SIGINT ignored for {timeout:.0f}s, SIGKILLed"
-        self._reap(10.0)
+        self._forget()
         return how
 
-    def _reap(self, timeout: float) -> None:
-        if self.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=timeout)
-            if self.proc.poll() is not None:
-                self.proc = None
-        if self._log_fh is not None and self.proc is None:
-            self._log_fh.close()
-            self._log_fh = None
+    def _forget(self) -> None:
+        """Drop the process once it has ended (reaped by the child helper)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self.child.proc = None
 
     def rss(self) -> int:
         return process_tree_rss(self.pid)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from amqtt_durable.wire import encode_string, remaining_length
+
 HOST = "127.0.0.1"
 PAYLOAD_SIZE = 64
 # payload layout: 4-byte run tag, uint32 sequence number, int64 send time (monotonic_ns), zero padding
@@ -60,21 +62,14 @@ class Login:
 # --------------------------------------------------------------------------- codec
 
 
-def mqtt_str(value: str) -> bytes:
-    raw = value.encode()
-    return struct.pack("!H", len(raw)) + raw
+mqtt_str = encode_string
 
 
 def varint(n: int) -> bytes:
-    """MQTT remaining length: 7 bits per byte, high bit = more bytes follow, at most 4 bytes."""
+    """MQTT remaining length (amqtt_durable.wire's encoder), refused past its 4-byte limit."""
     if not 0 <= n < 128**4:
         raise ValueError(f"remaining length {n} out of range")
-    out = bytearray()
-    while True:
-        byte, n = n % 128, n // 128
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+    return remaining_length(n)
 
 
 def connect_packet(client_id: str, login: Login, clean: bool = True, keepalive: int = 0) -> bytes:

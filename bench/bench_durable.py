@@ -45,6 +45,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
+    BROKER_TITLES,
+    CLIENT_START_S,
+    OURS,
+    PLUGIN_DIR,
+    PROTOCOL_DIR,
+    RESULT_MARGIN_S,
+    ROOT,
+    SETTLE_S,
+    STOCK,
+    VENV_BIN,
     BrokerProcess,
     RssMonitor,
     add_pin_arguments,
@@ -53,12 +63,15 @@ from _common import (
     describe_pinning,
     dir_size,
     fingerprint_digest,
-    free_port,
+    fmt_number,
     git_revision,
     listener_config,
     log,
     machine_info,
+    pub_summary,
+    recv_summary,
     run_in_temp_folder,
+    run_publisher,
     snapshot_packages,
     source_fingerprint,
     write_config,
@@ -78,18 +91,10 @@ from _rawmqtt import (
     subscriber_main,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-VENV_BIN = ROOT / ".venv" / "bin"
-PLUGIN_DIR = ROOT / "plugin" / "amqtt_durable"
-PROTOCOL_DIR = ROOT / "client_sdk" / "durable_protocol"
-STOCK = "stock"
-OURS = "ours"
-BROKER_TITLES = {STOCK: "stock amqtt", OURS: "amqtt-durable"}
+from amqtt_durable.process import free_port
+
 USERNAME = "bench"
 PASSWORD = "bench-password"
-SETTLE_S = 0.5  # let the broker process a DISCONNECT before publishing to the now-offline session
-CLIENT_START_S = 60.0  # spawn a client process, pre-encode, connect
-RESULT_MARGIN_S = 30.0  # a client process reports this long after its own time bound at the latest
 MB = 1_000_000
 
 Scalar = float | int | str | None
@@ -221,16 +226,6 @@ class Results:
         self.notes.append(text)
 
 
-def fmt_number(value: float | int) -> str:
-    if isinstance(value, int):
-        return f"{value:,}"
-    if abs(value) >= 100:
-        return f"{value:,.0f}"
-    if abs(value) >= 10:
-        return f"{value:.1f}"
-    return f"{value:.2f}"
-
-
 def fmt_value(value: Value) -> str:
     if value is None:
         return "—"
@@ -306,15 +301,6 @@ def start_publisher(ctx: Ctx, b: BrokerProcess, *, pub_id: str, topic: str, tag:
     return ClientProcess(f"{b.name} publisher", publisher_main, spec)
 
 
-def run_publisher(pub: ClientProcess, timeout: float, *, ready_seen: bool = False) -> PublishResult:
-    """Wait until the publisher process is connected, let it go, return its result."""
-    if not ready_seen:
-        pub.expect("ready", CLIENT_START_S)
-    pub.send("go")
-    result: PublishResult = pub.expect("result", timeout + RESULT_MARGIN_S)
-    return result
-
-
 def publish(ctx: Ctx, b: BrokerProcess, *, pub_id: str, topic: str, tag: bytes, n: int, timeout: float,
             progress: float = 0.0) -> PublishResult:
     with start_publisher(ctx, b, pub_id=pub_id, topic=topic, tag=tag, n=n, timeout=timeout,
@@ -353,35 +339,6 @@ def drop_session(ctx: Ctx, b: BrokerProcess, sub_id: str, timeout: float = 30.0)
         session_roundtrip(b.port, sub_id, ctx.login, clean=True, topic=None, timeout=timeout)
     except Exception as exc:
         ctx.results.note(f"{b.name}: could not drop session {sub_id}: {exc}")
-
-
-def recv_summary(res: ReceiveResult, n: int) -> str:
-    parts = [f"{res.unique:,}/{n:,}"]
-    for count, what in ((res.duplicates, "dup"), (res.dup_flags, "DUP=1"), (res.retained, "RETAIN=1"),
-                        (res.reordered, "out of order"), (res.foreign, "foreign"), (res.other_packets, "other pkts")):
-        if count:
-            parts.append(f"{count:,} {what}")
-    parts.append(f"session_present={int(res.session_present)}")
-    if res.unique < n:
-        parts.append(f"{res.publishes:,} PUBLISH received, {res.pubacks_sent:,} PUBACKs sent, ended: {res.end}")
-    if res.error:
-        parts.append(f"error: {res.error}")
-    return ", ".join(parts)
-
-
-def pub_summary(pr: PublishResult) -> str:
-    text = f"{pr.acked:,}/{pr.requested:,}"
-    if pr.timed_out:
-        text += " (timed out)"
-    if pr.error:
-        text += f" ({pr.error})"
-    if pr.stray_acks:
-        text += f", {pr.stray_acks:,} stray PUBACKs"
-    if pr.other_packets:
-        text += f", {pr.other_packets:,} other packets"
-    if pr.flush_error:
-        text += f", flush: {pr.flush_error}"
-    return text
 
 
 # --------------------------------------------------------------------------- client ceiling

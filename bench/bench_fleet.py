@@ -73,6 +73,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil
 from _common import (
+    BROKER_YAML,
+    PROTOCOL_DIR,
+    ROOT,
     changed_files,
     git_revision,
     log,
@@ -81,12 +84,10 @@ from _common import (
     use_code_snapshot,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-BROKER_YAML = ROOT / "broker.yaml"
 WATCHED = {
     "plugin": ROOT / "plugin" / "amqtt_durable",
     "SDK": ROOT / "client_sdk" / "durable_client",
-    "protocol": ROOT / "client_sdk" / "durable_protocol",
+    "protocol": PROTOCOL_DIR,
     "pipeline": ROOT / "pipeline" / "durable_pipeline",
     "fleet": ROOT / "fleet" / "durable_fleet",
 }

@@ -66,6 +66,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import psutil
 import yaml
 from _common import (
+    BROKER_YAML,
+    CLIENT_START_S,
+    PIPELINE_DIR,
+    PLUGIN_DIR,
+    PROTOCOL_DIR,
+    RESULT_MARGIN_S,
+    ROOT,
+    SDK_DIR,
+    SETTLE_S,
+    VENV_BIN,
     BenchError,
     BrokerProcess,
     Deadline,
@@ -73,11 +83,12 @@ from _common import (
     changed_files,
     check_pin_arguments,
     describe_pinning,
-    free_port,
+    fmt_number,
     git_revision,
     listener_config,
     log,
     machine_info,
+    recv_summary,
     run_in_temp_folder,
     source_fingerprint,
     use_code_snapshot,
@@ -98,16 +109,10 @@ from _rawmqtt import (
     session_roundtrip,
     subscriber_main,
 )
-from bench_durable import CLIENT_START_S, RESULT_MARGIN_S, SETTLE_S, fmt_number, recv_summary
 
-ROOT = Path(__file__).resolve().parent.parent
-PLUGIN_DIR = ROOT / "plugin" / "amqtt_durable"
-SDK_DIR = ROOT / "client_sdk" / "durable_client"
-PROTOCOL_DIR = ROOT / "client_sdk" / "durable_protocol"
-PIPELINE_DIR = ROOT / "pipeline" / "durable_pipeline"
-VENV_BIN = ROOT / ".venv" / "bin"
+from amqtt_durable.process import free_port
+
 WATCHED = {"plugin": PLUGIN_DIR, "SDK": SDK_DIR, "protocol": PROTOCOL_DIR, "pipeline": PIPELINE_DIR}
-BROKER_YAML = ROOT / "broker.yaml"
 PLUGIN_KEY = "amqtt_durable.DurableSessionsPlugin"
 STREAM_FILTER = "bench/#"
 MASTER = "local[2]"

@@ -30,9 +30,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
+    ROOT,
     BenchError,
     BrokerProcess,
-    free_port,
     git_revision,
     listener_config,
     log,
@@ -43,7 +43,8 @@ from _common import (
 )
 from _rawmqtt import PT_PUBLISH, Login, RawConnection, publish_packet, take_pubacks
 
-ROOT = Path(__file__).resolve().parent.parent
+from amqtt_durable.process import free_port
+
 TARGET_S = 3.0
 START_TIMEOUT = 120.0
 TOPIC = "bench/retained/{:06d}"

@@ -58,18 +58,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paho.mqtt.client as mqtt
 import yaml
 from _common import (
+    BROKER_YAML,
+    CLIENT_START_S,
+    PLUGIN_DIR,
+    PROTOCOL_DIR,
+    RESULT_MARGIN_S,
+    ROOT,
+    SDK_DIR,
+    SETTLE_S,
+    VENV_BIN,
     BrokerProcess,
     add_pin_arguments,
     changed_files,
     check_pin_arguments,
     describe_pinning,
     fingerprint_digest,
-    free_port,
+    fmt_number,
     git_revision,
     listener_config,
     log,
     machine_info,
+    pub_summary,
     run_in_temp_folder,
+    run_publisher,
     snapshot_packages,
     source_fingerprint,
     write_config,
@@ -86,20 +97,14 @@ from _rawmqtt import (
     publisher_main,
     session_roundtrip,
 )
-from bench_durable import CLIENT_START_S, RESULT_MARGIN_S, SETTLE_S, fmt_number, pub_summary, run_publisher
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
 
 # The receiver processes import the SDK from sys.path as the parent had it when it started them: the snapshot
 # copy first (see run()); RecvResult.sdk_module says which file they used.
 import durable_client
+from amqtt_durable.process import free_port
 from durable_client import DurableClient, DurableClientError, Event, Marker
 
-ROOT = Path(__file__).resolve().parent.parent
-VENV_BIN = ROOT / ".venv" / "bin"
-PLUGIN_DIR = ROOT / "plugin" / "amqtt_durable"
-SDK_DIR = ROOT / "client_sdk" / "durable_client"
-PROTOCOL_DIR = ROOT / "client_sdk" / "durable_protocol"
-BROKER_YAML = ROOT / "broker.yaml"
 PLUGIN_KEY = "amqtt_durable.DurableSessionsPlugin"
 
 PLAIN, CPL1, CPL2 = "plain", "cpl1", "cpl2"

@@ -42,35 +42,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
+    BROKER_TITLES,
+    OURS,
+    PLUGIN_DIR,
+    ROOT,
+    STOCK,
     BenchError,
     BrokerProcess,
     add_pin_arguments,
     check_pin_arguments,
     describe_pinning,
     fingerprint_digest,
+    fmt_number,
     git_revision,
     log,
     machine_info,
+    recv_summary,
     run_in_temp_folder,
     source_fingerprint,
     write_report,
 )
 from _rawmqtt import PT_SUBACK, RawConnection, mqtt_str, varint
 from bench_durable import (
-    BROKER_TITLES,
-    OURS,
-    PLUGIN_DIR,
-    ROOT,
-    STOCK,
     Ctx,
     Results,
     build_brokers,
     drop_session,
-    fmt_number,
     fmt_runs,
     live_run,
     plugin_source_dir,
-    recv_summary,
     warmup,
 )
 

@@ -3,41 +3,33 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import paho.mqtt.client as mqtt
 import pytest
-import yaml
 from paho.mqtt.enums import CallbackAPIVersion
 
+from amqtt_durable.process import HOST, BrokerProcess, ChildExitedError, free_port
 from amqtt_durable.store import open_store
+from amqtt_durable.wire import encode_packet, encode_string
 from durable_client.persistence import SessionState
 
-HOST = "127.0.0.1"
 WAIT = 15.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-class Broker:
+class Broker(BrokerProcess):
     """An amqtt broker with the durable plugin, run by ``amqtt-durable broker`` as a child process."""
 
     def __init__(self, folder: Path, **plugin_settings: Any) -> None:
+        super().__init__({}, folder, free_port(), wait=WAIT)
         self.folder = folder
-        self.port = free_port()
         self.ws_port: int | None = None
         """Set before start() to add a websocket listener on this port."""
         self.store = str(folder / "store")
@@ -45,18 +37,12 @@ class Broker:
         self.extra_plugins: dict[str, Any] = {}
         self.pythonpath: list[str] = []
         """Folders the broker process imports extra plugins from."""
-        self.log_path = folder / "broker.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def config_path(self) -> Path:
-        return self.folder / "broker.yaml"
 
     def write_config(self) -> Path:
         listeners: dict[str, Any] = {"default": {"type": "tcp", "bind": f"{HOST}:{self.port}"}}
         if self.ws_port is not None:
             listeners["ws"] = {"type": "ws", "bind": f"{HOST}:{self.ws_port}"}
-        config = {
+        self.config = {
             "listeners": listeners,
             "plugins": {
                 "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
@@ -64,58 +50,30 @@ class Broker:
                 "amqtt_durable.DurableSessionsPlugin": self.settings,
             },
         }
-        self.config_path.write_text(yaml.safe_dump(config))
-        return self.config_path
+        return super().write_config()
 
     def spawn(self) -> subprocess.Popen[bytes]:
-        self.write_config()
-        log = self.log_path.open("ab")
-        env = dict(os.environ)
         if self.pythonpath:
-            env["PYTHONPATH"] = os.pathsep.join([*self.pythonpath, env.get("PYTHONPATH", "")])
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "amqtt_durable.cli", "broker", "-c", str(self.config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        log.close()
-        return self.proc
+            path = os.pathsep.join([*self.pythonpath, os.environ.get("PYTHONPATH", "")])
+            self.env = {**os.environ, "PYTHONPATH": path}
+        return super().spawn()
 
-    def start(self) -> Broker:
+    def ready(self) -> bool:
+        """Ready = a real MQTT CONNECT gets a CONNACK."""
+        return probe_connack(self.port)
+
+    def start(self) -> Self:
         self.spawn()
         self.wait_ready()
         return self
 
     def wait_ready(self, timeout: float = WAIT) -> None:
-        """Ready = a real MQTT CONNECT gets a CONNACK."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise AssertionError(f"broker exited with {self.proc.returncode}:\n{self.log()}")
-            if probe_connack(self.port):
-                return
-            time.sleep(0.05)  # polling a port that is not open yet; bounded by the deadline
-        raise AssertionError(f"broker not ready in {timeout}s:\n{self.log()}")
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown hook runs."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=WAIT)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=WAIT)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def restart(self, kill: bool = True) -> Broker:
-        self.kill() if kill else self.stop()
-        return self.start()
+        try:
+            ready = self.wait_until(self.ready, timeout)
+        except ChildExitedError:
+            raise AssertionError(f"broker exited with {self.exit_status}:\n{self.log()}") from None
+        if not ready:
+            raise AssertionError(f"broker not ready in {timeout}s:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -270,21 +228,10 @@ def payloads(count: int, prefix: str = "m") -> list[bytes]:
 
 
 # --------------------------------------------------------------- raw MQTT 3.1.1 encoding
-def mqtt_packet(first: int, body: bytes) -> bytes:
-    """A packet: the first byte, the remaining length (7 bits a byte, high bit: more follow), the body."""
-    length = len(body)
-    header = bytearray((first,))
-    while True:
-        byte, length = length % 128, length // 128
-        header.append(byte | (0x80 if length else 0))
-        if not length:
-            return bytes(header) + body
-
-
-def mqtt_string(text: str | bytes) -> bytes:
-    """A UTF-8 string field: its length in two bytes, then the bytes."""
-    raw = text.encode() if isinstance(text, str) else text
-    return struct.pack(">H", len(raw)) + raw
+mqtt_packet = encode_packet
+"""A packet: the first byte, the remaining length, the body (the plugin's own encoder)."""
+mqtt_string = encode_string
+"""A UTF-8 string field: its length in two bytes, then the bytes (the plugin's own encoder)."""
 
 
 @pytest.fixture

@@ -22,9 +22,10 @@ from amqtt_durable.cli import load_broker_config
 from amqtt_durable.errors import ConfigError
 from durable_pipeline.errors import PipelineError
 
+from .errors import BrokerLostError, FleetError, ScheduleError
 from .model import DEVICE_KINDS, FAULT_KINDS, DeviceKind, FaultKind
-from .runner import BrokerLostError, FleetError, FleetOptions, device_names, run_fleet
-from .schedule import ScheduleError, load_schedule, parse_duration, random_schedule
+from .runner import FleetOptions, device_names, run_fleet
+from .schedule import load_schedule, parse_duration, random_schedule
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2

@@ -28,6 +28,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from amqtt_durable.process import HOST, BrokerProcess, ChildProcess, free_port, local_config
 
+from .errors import BrokerLostError, FleetError
 from .model import (
     ALL_DEVICES,
     AppliedFault,
@@ -57,14 +58,6 @@ MIN_CPU_INTERVAL = 0.5
 """Seconds of wall time a CPU figure spans at least."""
 LOG_LINE_EVERY = 5.0
 """Seconds between progress lines when stderr is not a terminal."""
-
-
-class FleetError(Exception):
-    """A run that cannot start or go on (bad options, a broker that does not start): exit 2."""
-
-
-class BrokerLostError(FleetError):
-    """The broker did not come back after its SIGKILL: what is under test failed (exit 1)."""
 
 
 @dataclass

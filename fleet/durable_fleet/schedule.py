@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import yaml
 
+from .errors import ScheduleError
 from .model import ALL_DEVICES, FAULT_KINDS, Fault, FaultKind
 
 DEFAULT_START = 5.0
@@ -50,22 +51,6 @@ SCRIPT_KEYS = ("at", "kind", "device", "for")
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 _PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|h|m|s)")
 _DURATION_HELP = "use seconds (12, 1.5) or numbers with units: 500ms, 30s, 10m, 1h, 1m30s"
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot be run, with where it went wrong: the file, the fault (1-based, in
-    file order) and the field, so the script's author can go straight to the line."""
-
-    def __init__(self, what: str, *, path: Path | None = None, fault: int | None = None, field: str | None = None):
-        self.path = path
-        self.fault = fault
-        self.field = field
-        where = [str(path)] if path is not None else []
-        if fault is not None:
-            where.append(f"fault {fault}")
-        if field is not None:
-            where.append(field)
-        super().__init__(": ".join([*where, what]))
 
 
 def parse_duration(text: str | float | int) -> float:

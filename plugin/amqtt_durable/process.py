@@ -1,5 +1,9 @@
-"""Child processes a tool SIGKILLs and starts again: the broker (``amqtt-durable broker`` on the
-same port and store; the fleet harness, the pipeline demo) and the fleet's worker processes."""
+"""Child processes a tool SIGKILLs and starts again, and the ports they listen on: the broker
+(``amqtt-durable broker`` on the same port and store) for the fleet harness, the pipeline demo,
+the benchmarks and the tests, and the fleet's worker processes.
+
+Only processes started here are ever signalled, by their own PID; every wait has a deadline.
+"""
 
 from __future__ import annotations
 
@@ -10,22 +14,34 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
 from .cli import PLUGIN_PATH, plugin_entries
 
 HOST = "127.0.0.1"
+POLL = 0.05
+"""Seconds between two readiness checks of a child that is starting."""
 log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
+    """An ephemeral TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
+
+
+def port_open(port: int) -> bool:
+    """Whether 127.0.0.1:``port`` accepts a TCP connection now."""
+    try:
+        socket.create_connection((HOST, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def local_config(config: Mapping[str, Any], port: int, **plugin_settings: Any) -> dict[str, Any]:
@@ -39,17 +55,27 @@ def local_config(config: Mapping[str, Any], port: int, **plugin_settings: Any) -
     return {**config, "listeners": {"default": {"type": "tcp", "bind": f"{HOST}:{port}"}}, "plugins": entries}
 
 
+class ChildExitedError(RuntimeError):
+    """The child ended while we waited for it to become ready: its log says why."""
+
+
 class ChildProcess:
     """One command, started again after each kill; output appended to ``log_path``.
 
-    ``stop`` is SIGTERM then, after ``wait`` seconds, SIGKILL; nothing here raises for a child
-    that is slow to die, so a caller's clean-up always reaches its other children.
+    ``stop`` is ``stop_signal`` (SIGTERM) then, after ``wait`` seconds, SIGKILL; nothing here
+    raises for a child that is slow to die, so a caller's clean-up always reaches its other children.
+    ``env`` (None: ours) and ``preexec_fn`` are passed to the child as ``subprocess.Popen`` does.
     """
 
-    def __init__(self, argv: Sequence[str], log_path: Path, *, wait: float = 15.0) -> None:
+    stop_signal = signal.SIGTERM
+
+    def __init__(self, argv: Sequence[str], log_path: Path, *, wait: float = 15.0,
+                 env: Mapping[str, str] | None = None, preexec_fn: Callable[[], None] | None = None) -> None:
         self.argv = list(argv)
         self.log_path = log_path
         self.wait = wait
+        self.env = env
+        self.preexec_fn = preexec_fn
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -65,11 +91,27 @@ class ChildProcess:
         """The status of a child that ended by itself or was stopped; None while it runs."""
         return None if self.proc is None else self.proc.poll()
 
-    def start(self) -> None:
+    def start(self) -> Self:
         if self.running:
             raise RuntimeError(f"{self.argv[2:]} is running already (pid {self.pid})")
         with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         env=self.env, preexec_fn=self.preexec_fn)  # noqa: PLW1509 - no locks taken
+        return self
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float, *, poll: float = POLL) -> bool:
+        """Check ``ready`` every ``poll`` seconds until it holds (True) or ``timeout`` passes (False).
+
+        ChildExitedError, naming the exit status and the log, if the child ends first.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise ChildExitedError(f"{self.argv[2:]} exited with status {self.exit_status}; see {self.log_path}")
+            if ready():
+                return True
+            time.sleep(min(poll, max(0.0, deadline - time.monotonic())))  # not ready yet; bounded by the deadline
+        return False
 
     def kill(self) -> None:
         """SIGKILL: no shutdown, no flush; what the child wrote to disk is what survives."""
@@ -78,15 +120,17 @@ class ChildProcess:
             self._reap(self.wait)
 
     def terminate(self) -> None:
-        """SIGTERM without waiting: ``wait_stopped`` waits (many children stop in parallel)."""
+        """``stop_signal`` without waiting: ``wait_stopped`` waits (many children stop in parallel)."""
         if self.proc is not None and self.running:
-            os.kill(self.proc.pid, signal.SIGTERM)
+            os.kill(self.proc.pid, self.stop_signal)
 
-    def wait_stopped(self, deadline: float) -> None:
-        """Wait until ``deadline`` (time.monotonic) for the child to end, then SIGKILL it."""
+    def wait_stopped(self, deadline: float) -> bool:
+        """Wait until ``deadline`` (time.monotonic) for the child to end, else SIGKILL it (False)."""
         if self.proc is not None and not self._reap(max(0.0, deadline - time.monotonic())):
             log.warning("%s did not stop in time; killed", self.log_path.stem)
             self.kill()
+            return False
+        return True
 
     def stop(self) -> None:
         self.terminate()
@@ -102,30 +146,49 @@ class ChildProcess:
 
 
 class BrokerProcess(ChildProcess):
-    """One broker configuration, written to ``folder/broker.yaml``; output in ``folder/broker.log``.
+    """One broker configuration, written to ``folder/broker.yaml`` at each start; output in ``folder/broker.log``.
 
-    The broker stops by itself when the process that started it is gone (--parent-pid), so a
-    tool killed without cleaning up leaves no broker behind.
+    ``config`` may change between two starts (a test adding a plugin); the port and the store
+    stay, so ``restart`` brings the same broker back. The broker stops by itself when the process
+    that started it is gone (--parent-pid), so a tool killed without cleaning up leaves no broker behind.
     """
 
-    def __init__(self, config: Mapping[str, Any], folder: Path, port: int, *, wait: float = 60.0) -> None:
+    def __init__(self, config: Mapping[str, Any], folder: Path, port: int, *, wait: float = 60.0,
+                 env: Mapping[str, str] | None = None) -> None:
         self.port = port
+        self.config: dict[str, Any] = dict(config)
         self.config_path = folder / "broker.yaml"
-        self.config_path.write_text(yaml.safe_dump(dict(config)), encoding="utf-8")
         argv = [sys.executable, "-m", "amqtt_durable.cli", "broker", "-c", str(self.config_path)]
-        super().__init__([*argv, "--parent-pid", str(os.getpid())], folder / "broker.log", wait=wait)
+        super().__init__([*argv, "--parent-pid", str(os.getpid())], folder / "broker.log", wait=wait, env=env)
 
-    def start(self) -> None:
-        """Start and return once the port takes connections; RuntimeError naming the log if not."""
+    def write_config(self) -> Path:
+        self.config_path.write_text(yaml.safe_dump(self.config), encoding="utf-8")
+        return self.config_path
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        """Write the configuration and start the broker, without waiting for it."""
+        self.write_config()
         super().start()
-        deadline = time.monotonic() + self.wait
-        while time.monotonic() < deadline:
-            if not self.running:
-                raise RuntimeError(f"the broker exited with status {self.exit_status}; see {self.log_path}")
-            try:
-                socket.create_connection((HOST, self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.05)  # the port is not open yet; bounded by the deadline
-        self.stop()
-        raise RuntimeError(f"the broker did not open {HOST}:{self.port} within {self.wait} s; see {self.log_path}")
+        assert self.proc is not None
+        return self.proc
+
+    def ready(self) -> bool:
+        """Ready = the port takes connections; a subclass may ask more (a CONNACK)."""
+        return port_open(self.port)
+
+    def start(self) -> Self:
+        """Start and return once ready; RuntimeError naming the log if not within ``wait`` seconds."""
+        self.spawn()
+        try:
+            ready = self.wait_until(self.ready, self.wait)
+        except ChildExitedError as exc:
+            raise ChildExitedError(f"the broker exited with status {self.exit_status}; see {self.log_path}") from exc
+        if not ready:
+            self.stop()
+            raise RuntimeError(f"the broker did not open {HOST}:{self.port} within {self.wait} s; see {self.log_path}")
+        return self
+
+    def restart(self, kill: bool = True) -> Self:
+        """SIGKILL (or stop, with ``kill`` False) and start again on the same port and store."""
+        self.kill() if kill else self.stop()
+        return self.start()

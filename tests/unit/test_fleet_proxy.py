@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from amqtt_durable.wire import remaining_length as varint
 from conftest import mqtt_packet, mqtt_string
 from durable_fleet.proxy import FaultProxy, ProxyStats, connect_client_id
 
@@ -24,16 +25,6 @@ HOST = "127.0.0.1"
 WAIT = 10.0
 ABSENT = 0.3
 """How long bytes must not arrive during a stall (the only timed wait)."""
-
-
-def varint(value: int) -> bytes:
-    """An MQTT variable byte integer (7 bits a byte, high bit: more follow)."""
-    out = bytearray()
-    while True:
-        byte, value = value % 128, value // 128
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
 
 
 def build_connect(

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from durable_fleet.errors import ScheduleError
 from durable_fleet.model import ALL_DEVICES, FAULT_KINDS, Fault
 from durable_fleet.schedule import (
-    ScheduleError,
     dump_schedule,
     load_schedule,
     parse_duration,

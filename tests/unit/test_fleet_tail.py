@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from amqtt_durable.process import local_config
-from durable_fleet.runner import FleetError, device_kinds
+from durable_fleet.errors import FleetError
+from durable_fleet.runner import device_kinds
 from durable_fleet.schedule import load_schedule
 from durable_fleet.tail import DeliveryTail
 

@@ -11,7 +11,7 @@ import pytest
 from amqtt.mqtt.publish import PublishPacket
 from amqtt.mqtt.pubrel import PubrelPacket
 
-from amqtt_durable.wire import PUBREL_FIXED, _remaining_length, encode_publish, encode_pubrel, packet_id_for
+from amqtt_durable.wire import PUBREL_FIXED, encode_publish, encode_pubrel, packet_id_for, remaining_length
 
 
 @dataclass
@@ -94,7 +94,7 @@ def amqtt_decode(cls: Any, data: bytes) -> Any:
     ],
 )
 def test_remaining_length_spec_table(length: int, encoded: bytes) -> None:
-    assert _remaining_length(length) == encoded
+    assert remaining_length(length) == encoded
     assert decode_varint(encoded, 0) == (length, len(encoded))
 
 
