@@ -24,7 +24,7 @@ instance the plugin is loaded into and on each connection's handler:
   its whole CONNECT;
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
   wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
-  has work (QoS 2, a retain flag, a clean-session subscriber, a plugin listening for messages);
+  has work (QoS 2, a clean-session subscriber, a plugin listening for messages);
   otherwise the plugin sends PUBACK itself;
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
   CONNACK's session-present from the store; refuse another user than the session's owner,
@@ -529,10 +529,11 @@ def _install(  # noqa: PLR0915 - one wrapper per internal
     limit = engine.config.max_subscriptions_per_client
     limit_warned: dict[str, float] = {}
 
-    def amqtt_wants(topic: str, retain: bool) -> bool:
-        """Does amqtt's own publish path have work: a retain, a clean subscriber, a message listener?"""
+    def amqtt_wants(topic: str) -> bool:
+        """Does amqtt's own publish path have work: a clean subscriber, a message listener? (A retain
+        is not its work: the engine stores it and updates amqtt's table, see apply_retained.)"""
         callbacks = broker.plugins_manager._event_plugin_callbacks
-        if retain or BrokerEvents.MESSAGE_RECEIVED in callbacks or BrokerEvents.MESSAGE_BROADCAST in callbacks:
+        if BrokerEvents.MESSAGE_RECEIVED in callbacks or BrokerEvents.MESSAGE_BROADCAST in callbacks:
             return True
         return amqtt_index.matches_any(topic)
 
@@ -866,7 +867,7 @@ def _wrap_handler(
     handler: Any,
     session: Any,
     *,
-    amqtt_wants: Callable[[str, bool], bool],
+    amqtt_wants: Callable[[str], bool],
     receivers: Callable[[str], Awaitable[dict[str, int] | None]],
 ) -> None:
     """Per-connection wrappers: persist before acknowledging, and the stored session-present."""
@@ -910,7 +911,7 @@ def _wrap_handler(
                         handler.durable_acks.refuse(exc)
                         return
                     # QoS 0 is at most once: amqtt's own subscribers still get it
-            if amqtt_wants(topic, retain):
+            if amqtt_wants(topic):
                 hand_to_amqtt(session, topic, data, qos, packet_id=packet_id, retain=retain)
         if qos == 1 and packet_id is not None:
             handler.durable_acks.add(stored, packet_id)  # in PUBLISH order, once durable
@@ -1169,7 +1170,7 @@ class FastReader:
     """
 
     def __init__(
-        self, broker: Any, engine: DurableEngine, handler: Any, session: Any, amqtt_wants: Callable[[str, bool], bool]
+        self, broker: Any, engine: DurableEngine, handler: Any, session: Any, amqtt_wants: Callable[[str], bool]
     ) -> None:
         self._broker = broker
         self._engine = engine
@@ -1213,7 +1214,7 @@ class FastReader:
                 self._acks.refuse(exc)
                 return True
             stored = None  # QoS 0 is at most once: amqtt's own subscribers still get it
-        if self._amqtt_wants(topic, retain):
+        if self._amqtt_wants(topic):
             hand_to_amqtt(self._session, topic, payload, qos, packet_id=packet_id or None, retain=retain)
         if qos:
             self._acks.add(stored, packet_id)
