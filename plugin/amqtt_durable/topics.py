@@ -33,11 +33,6 @@ def topic_problem(topic: str) -> str | None:
     return None
 
 
-def topic_is_valid(topic: str) -> bool:
-    """A PUBLISH topic: non-empty, no wildcards, no NUL (MQTT-3.3.2-2, MQTT-4.7.3-1, MQTT-1.5.3-2)."""
-    return topic_problem(topic) is None
-
-
 def matches(topic: str, topic_filter: str) -> bool:
     """True when ``topic`` matches ``topic_filter``; '$' topics never match a leading wildcard."""
     if topic.startswith("$") and topic_filter[:1] in ("+", "#"):
