@@ -139,3 +139,21 @@ def test_catch_up_plan(store: int, seq: int | None, crc: int, kind: str, words: 
     assert words in plan.reason
     if kind == "log":
         assert plan.from_seq == seq
+
+
+def test_a_pin_keeps_the_batches_a_backup_still_needs_up_to_the_hard_limit() -> None:
+    log = RetainedLog(max_batches=10, max_bytes=1000, pin_max_bytes=500)
+    for seq in range(1, 11):
+        log.append(seq, seq, b"x" * 10)
+    log.pin("backup", 3)
+    for seq in range(11, 31):
+        log.append(seq, seq, b"x" * 10)
+    assert log.first_seq == 4  # batches 4.. stay for the pinned backup
+    log.pin("backup", None)
+    log.append(31, 31, b"")
+    assert log.first_seq == 22
+    log.pin("backup", 22)
+    for seq in range(32, 100):
+        log.append(seq, seq, b"x" * 10)
+    assert log.first_seq > 23  # past pin_max_bytes the pin is dropped: that backup needs a snapshot
+    assert plan_catch_up(log, 1, 1, 22, 22).kind == "snapshot"

@@ -35,6 +35,7 @@ from .framing import (
     read_frame,
 )
 from .position import SNAPSHOT_MARK_KEY, position_op, read_position, read_store_id
+from .threads import in_thread
 
 log = logging.getLogger("amqtt_durable.replication")
 
@@ -136,13 +137,13 @@ class Backup:
                 self.state = "snapshot"
                 self.caught_up = False
                 self.partial = True
-                await asyncio.to_thread(_wipe, self.db)
+                await in_thread(_wipe, self.db)
             elif kind == Frame.SNAP_CHUNK:
                 ops, _ = decode_ops(payload, 0, "snapshot chunk")
-                await asyncio.to_thread(_write, self.db, ops, False)
+                await in_thread(_write, self.db, ops, False)
             elif kind == Frame.SNAP_END:
                 seq, crc = decode_position(payload)
-                await asyncio.to_thread(_write, self.db, [position_op(seq, crc), (SNAPSHOT_MARK_KEY, None)], True)
+                await in_thread(_write, self.db, [position_op(seq, crc), (SNAPSHOT_MARK_KEY, None)], True)
                 self.partial = False
                 self.store_id = read_store_id(self.db)
                 self.snapshots += 1
@@ -160,23 +161,31 @@ class Backup:
             ack = await self._write_batches(batches)
         return ack
 
-    async def _write_batches(self, batches: list[Batch]) -> int:
+    async def _write_batches(self, batches: list[Batch]) -> int | None:
+        """Write the batches that follow in order (one synced write batch); then refuse the
+        first that does not. Returns the last batch written."""
         if self.partial:
             raise ReplicationGapError(0, batches[0].seq)
         ops: list[Op] = []
-        expected = self.applied_seq
+        last: Batch | None = None
+        refused: Exception | None = None
         for batch in batches:
+            expected = self.applied_seq if last is None else last.seq
             if batch.store_id != self.store_id:
-                raise StoreMismatchError(self.store_id, batch.store_id)
-            if batch.seq != expected + 1:
-                raise ReplicationGapError(expected, batch.seq)
-            expected = batch.seq
+                refused = StoreMismatchError(self.store_id, batch.store_id)
+            elif batch.seq != expected + 1:
+                refused = ReplicationGapError(expected, batch.seq)
+            if refused is not None:
+                break
             ops.extend(batch.ops)
-        last = batches[-1]
-        ops.append(position_op(last.seq, last.crc))
-        await asyncio.to_thread(_write, self.db, ops, self.sync)
-        self._applied(last.seq, last.crc)
-        return last.seq
+            last = batch
+        if last is not None:
+            ops.append(position_op(last.seq, last.crc))
+            await in_thread(_write, self.db, ops, self.sync)
+            self._applied(last.seq, last.crc)
+        if refused is not None:
+            raise refused
+        return None if last is None else last.seq
 
 
 async def _receive(reader: asyncio.StreamReader, frames: asyncio.Queue[tuple[Frame, bytes]]) -> None:

@@ -6,6 +6,11 @@ replicated, replicates another store, or diverged (it is a former primary whose 
 never reached the new one) gets a snapshot first (XAP's snapshot phase, GemFire's initial
 image), never a gap. The log is bounded by a count and a byte size; the oldest batches leave
 first, always keeping the newest one so an idle primary can still check a backup's position.
+
+A backup being caught up *pins* its position: the batches after it stay, past the count and
+byte bounds, up to ``pin_max_bytes``, so a snapshot streamed while the primary keeps
+committing is followed by the batches since (XAP's completion phase) instead of starting
+over. Past ``pin_max_bytes`` the pin is dropped and that backup gets a new snapshot.
 """
 
 from __future__ import annotations
@@ -28,9 +33,19 @@ class Retained:
 class RetainedLog:
     """The newest batches of the primary, by number, bounded by ``max_batches`` and ``max_bytes``."""
 
-    def __init__(self, *, max_batches: int, max_bytes: int, last_seq: int = 0, last_crc: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        max_batches: int,
+        max_bytes: int,
+        last_seq: int = 0,
+        last_crc: int = 0,
+        pin_max_bytes: int | None = None,
+    ) -> None:
         self.max_batches = max_batches
         self.max_bytes = max_bytes
+        self.pin_max_bytes = 4 * max_bytes if pin_max_bytes is None else pin_max_bytes
+        self._pins: dict[object, int] = {}
         self._items: deque[Retained] = deque()
         self._bytes = 0
         self.base_seq = last_seq
@@ -65,11 +80,22 @@ class RetainedLog:
         self._items.append(Retained(seq, crc, data))
         self._bytes += len(data)
         while len(self._items) > 1 and (len(self._items) > self.max_batches or self._bytes > self.max_bytes):
+            if self._pins and self._items[0].seq > min(self._pins.values()):
+                if self._bytes <= self.pin_max_bytes:
+                    break
+                self._pins.clear()  # their backups find themselves behind the log: new snapshots
             gone = self._items.popleft()
             self._bytes -= len(gone.data)
             self.base_seq, self.base_crc = gone.seq, gone.crc
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def pin(self, owner: object, seq: int | None) -> None:
+        """Keep the batches after ``seq`` for ``owner`` (None: release)."""
+        if seq is None:
+            self._pins.pop(owner, None)
+        else:
+            self._pins[owner] = seq
 
     def crc_of(self, seq: int) -> int | None:
         """Checksum of batch ``seq`` if the log can tell it (held, or the last one that left)."""

@@ -43,6 +43,7 @@ from .framing import (
 )
 from .log import RetainedLog, plan_catch_up
 from .position import SNAPSHOT_MARK_KEY, position_op, read_position
+from .threads import in_thread
 
 log = logging.getLogger("amqtt_durable.replication")
 
@@ -52,7 +53,7 @@ HIGH_WATER = 4 * 1024 * 1024
 """Bytes buffered towards a backup before the sender waits for the socket to drain."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class BackupLink:
     """The primary's view of one connected backup (shown by inspect and $SYS)."""
 
@@ -106,6 +107,8 @@ class Primary:
         self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._serving: set[asyncio.Task[None]] = set()
+        self._acked = asyncio.Event()
         self._closed: BaseException | None = None
         self.port = 0
 
@@ -139,7 +142,14 @@ class Primary:
     def in_sync(self) -> list[BackupLink]:
         return [link for link in self.links.values() if link.state == "in_sync"]
 
+    async def wait_acked(self, name: str, seq: int) -> None:
+        """Return once the backup called ``name`` acknowledged batch ``seq``."""
+        while not any(link.name == name and link.acked_seq >= seq for link in self.links.values()):
+            await self._acked.wait()
+
     def _resolve(self) -> None:
+        if self._closed is not None:
+            return
         live = self.in_sync()
         upto = min((link.acked_seq for link in live), default=self.log.head_seq)
         while self._waiting and self._waiting[0][0] <= upto:
@@ -168,6 +178,10 @@ class Primary:
         for link in list(self.links.values()):
             if link.writer is not None:
                 link.writer.close()
+        if self._serving:  # each ends as its connection closes
+            _, late = await asyncio.wait(set(self._serving), timeout=HELLO_TIMEOUT)
+            for task in late:
+                task.cancel()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -186,10 +200,10 @@ class Primary:
             self.on_change(link, what)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = "%s:%s" % writer.get_extra_info("peername")[:2]
+        peer = "{}:{}".format(*writer.get_extra_info("peername")[:2])
         task = asyncio.current_task()
         assert task is not None
-        self._tasks.add(task)
+        self._serving.add(task)
         key = id(writer)
         link = BackupLink(name="?", peer=peer, writer=writer)
         acks: asyncio.Task[None] | None = None
@@ -209,13 +223,15 @@ class Primary:
                 finished.result()
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, ReplicationError) as exc:
             self._changed(link, f"disconnected ({type(exc).__name__}: {exc})")
+        except Exception:
+            log.exception("replication: the channel to backup %s (%s) failed", link.name, peer)
         finally:
             self.links.pop(key, None)
             for extra in (acks, sender):
                 if extra is not None:
                     extra.cancel()
             writer.close()
-            self._tasks.discard(task)
+            self._serving.discard(task)
             self._resolve()
 
     async def _read_acks(self, reader: asyncio.StreamReader, link: BackupLink) -> None:
@@ -229,6 +245,8 @@ class Primary:
             link.acked_seq = seq
             link.last_progress = time.monotonic()
             self._resolve()
+            event, self._acked = self._acked, asyncio.Event()
+            event.set()
 
     async def _send(self, writer: asyncio.StreamWriter, link: BackupLink, hello: Hello) -> None:
         plan = plan_catch_up(self.log, self.store_id, hello.store_id, hello.seq, hello.crc)
@@ -237,6 +255,12 @@ class Primary:
         pos: int | None = plan.from_seq if plan.kind == "log" else None
         if pos is not None:
             link.sent_seq = link.acked_seq = pos
+        try:
+            await self._send_from(writer, link, pos)
+        finally:
+            self.log.pin(link, None)
+
+    async def _send_from(self, writer: asyncio.StreamWriter, link: BackupLink, pos: int | None) -> None:
         while True:
             if pos is None:
                 pos = await self._send_snapshot(writer, link)
@@ -245,9 +269,14 @@ class Primary:
                 writer.write(encode_frame(Frame.BATCH, item.data))
                 pos = link.sent_seq = item.seq
                 if writer.transport.get_write_buffer_size() > HIGH_WATER:
+                    self.log.pin(link, pos)
                     await writer.drain()
+            self.log.pin(link, pos)  # the batches after it stay until sent (up to pin_max_bytes)
             if pos < self.log.base_seq:
                 self._changed(link, f"fell behind the retained log (at {pos}, log from {self.log.first_seq}): snapshot")
+                if link.state == "in_sync":
+                    link.state = "catching_up"
+                    self._resolve()
                 pos = None
                 continue
             if link.state == "handshake":
@@ -269,12 +298,13 @@ class Primary:
         snapshot = self.db.snapshot()
         try:
             position = read_position(snapshot) or (0, 0)
+            self.log.pin(link, position[0])  # in the same loop pass: no batch after it has left yet
             self._changed(link, f"snapshot at batch {position[0]} starts")
             writer.write(encode_frame(Frame.SNAP_BEGIN))
             rows = snapshot.iterator()
             try:
                 while True:
-                    chunk = await asyncio.to_thread(_next_chunk, rows, self.chunk_bytes)
+                    chunk = await in_thread(_next_chunk, rows, self.chunk_bytes)
                     if not chunk:
                         break
                     writer.write(encode_frame(Frame.SNAP_CHUNK, encode_ops(chunk)))
