@@ -7,7 +7,7 @@ import contextlib
 from pathlib import Path
 
 import pytest
-from replication_helpers import HOST, bounded, commit, content, following, ops_for, primary_store
+from replication_helpers import HOST, bounded, commit, content, following, ops_for, primary_store, write
 
 from amqtt_durable.replication.backup import Backup
 from amqtt_durable.replication.errors import ReplicationGapError
@@ -19,7 +19,7 @@ from amqtt_durable.replication.framing import (
     encode_position,
     read_frame,
 )
-from amqtt_durable.replication.position import read_position
+from amqtt_durable.replication.position import position_op, read_position
 from amqtt_durable.replication.primary import BackupLink, Primary
 from amqtt_durable.store import open_store
 
@@ -65,8 +65,9 @@ def test_a_restarted_backup_resumes_from_its_applied_batch(tmp_path: Path) -> No
         await primary.start(HOST, 0)
         backup = Backup(open_store(str(tmp_path / "b")), name="b")
         async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
             await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 501))))
-            await bounded(backup.wait_applied(500))
+            assert backup.applied_seq == 500  # sync: every in-sync backup confirmed
         backup.db.close()  # the backup's process is gone
         for n in range(501, 801):
             commit(primary, ops_for(n))
@@ -86,12 +87,22 @@ def test_a_restarted_backup_resumes_from_its_applied_batch(tmp_path: Path) -> No
 def test_a_backup_outside_the_log_gets_a_snapshot_while_the_primary_commits(tmp_path: Path) -> None:
     async def main() -> None:
         db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=50, log_max_bytes=1 << 20, chunk_bytes=4096)
+        gone = asyncio.Event()
+        primary = Primary(
+            db,
+            store_id=store_id,
+            log_max_batches=50,
+            log_max_bytes=1 << 20,
+            chunk_bytes=4096,
+            on_change=lambda _, what: gone.set() if what.startswith("disconnected") else None,
+        )
         await primary.start(HOST, 0)
         backup = Backup(open_store(str(tmp_path / "b")), name="b")
         async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
             await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 101))))
         backup.db.close()
+        await bounded(gone.wait())  # until the primary sees it gone, the backup's position is pinned
         for n in range(101, 1501):
             commit(primary, ops_for(n))
         assert primary.log.first_seq > 101  # the backup's next batch left the retained log
@@ -227,5 +238,96 @@ def test_a_backup_refuses_a_gap_and_applies_nothing_out_of_order(tmp_path: Path)
         assert backup.db.get(b"m" + (3).to_bytes(8, "big")) is None
         server.close()
         await bounded(server.wait_closed())
+
+    asyncio.run(main())
+
+
+def test_a_backup_killed_during_a_snapshot_gets_a_new_one(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=10, log_max_bytes=1 << 20, chunk_bytes=2048)
+        await primary.start(HOST, 0)
+        for n in range(1, 1001):
+            commit(primary, ops_for(n))
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        real_apply = backup._apply
+        some_rows = asyncio.Event()
+        dead = asyncio.Event()
+
+        async def dies_after_a_chunk(group: list[tuple[Frame, bytes]]) -> int | None:
+            ack = await real_apply(group)
+            if any(kind == Frame.SNAP_CHUNK for kind, _ in group):
+                some_rows.set()
+                await dead.wait()  # the process is gone: nothing more is applied
+            return ack
+
+        backup._apply = dies_after_a_chunk  # type: ignore[method-assign]
+        async with following(backup, primary.port):
+            await bounded(some_rows.wait())
+        backup.db.close()
+        again = Backup(open_store(str(tmp_path / "b")), name="b")
+        assert again.partial  # the snapshot mark says the store is incomplete
+        assert read_position(again.db) is None
+        async with following(again, primary.port):
+            await bounded(again.in_sync_event.wait())
+            assert again.snapshots == 1
+            assert content(again.db) == content(db)
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_restarted_primary_numbers_on_and_its_backup_needs_no_snapshot(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20)
+        await primary.start(HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 101))))
+        await primary.close()
+        db.close()
+        db = open_store(str(tmp_path / "p"))
+        events: list[str] = []
+        primary = Primary(
+            db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, on_change=lambda _, e: events.append(e)
+        )
+        await primary.start(HOST, 0)
+        assert primary.prepare([]).seq == 101
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            assert any("up to date at batch 100" in e for e in events), events
+            assert backup.snapshots == 1  # only the first, from empty
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_backup_whose_history_diverged_gets_a_snapshot(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        events: list[str] = []
+        primary = Primary(
+            db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, on_change=lambda _, e: events.append(e)
+        )
+        await primary.start(HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 51))))
+        # the backup's store gets a batch 51 the primary never had (a former primary's, async mode)
+        _, foreign_crc = encode_batch(51, store_id, [(b"m-foreign", b"lost")])
+        write(backup.db, [(b"m-foreign", b"lost"), position_op(51, foreign_crc)])
+        for n in range(51, 61):
+            commit(primary, ops_for(n))
+        again = Backup(backup.db, name="b")
+        async with following(again, primary.port):
+            await bounded(again.in_sync_event.wait())
+            assert any("diverged" in e for e in events)
+            assert again.snapshots == 1
+            assert again.db.get(b"m-foreign") is None
+            assert content(again.db) == content(db)
+        await primary.close()
 
     asyncio.run(main())

@@ -20,6 +20,7 @@ import contextlib
 import logging
 from typing import Any, Literal
 
+from ..store import VERSION_KEY
 from .errors import FrameError, ReplicationGapError, StoreMismatchError
 from .framing import (
     Batch,
@@ -42,6 +43,7 @@ log = logging.getLogger("amqtt_durable.replication")
 BackupState = Literal["disconnected", "connecting", "snapshot", "catching_up", "in_sync"]
 QUEUE_FRAMES = 1024
 """Frames received but not yet applied; past it the socket is not read (TCP back-pressure)."""
+_KEPT = frozenset({SNAPSHOT_MARK_KEY, VERSION_KEY})
 WIPE_CHUNK = 10_000
 """Keys deleted per write batch when a snapshot starts."""
 
@@ -78,9 +80,11 @@ class Backup:
     async def run(self, host: str, port: int) -> None:
         """One connection to the primary, until it ends (raises the reason; always closes)."""
         self.state = "connecting"
-        self.caught_up = False
         self.in_sync_event.clear()
         reader, writer = await asyncio.open_connection(host, port)
+        # Caught up with the last primary stays true while that primary cannot be reached (the
+        # HA loop promotes on it); a primary that answers decides anew.
+        self.caught_up = False
         frames: asyncio.Queue[tuple[Frame, bytes]] = asyncio.Queue(QUEUE_FRAMES)
         receiver = asyncio.get_running_loop().create_task(_receive(reader, frames))
         try:
@@ -203,12 +207,13 @@ def _write(db: Any, ops: list[Op], sync: bool) -> None:
 
 
 def _wipe(db: Any) -> None:
-    """Mark the store partial (synced), then delete every other key, in chunks."""
+    """Mark the store partial (synced), then delete every other key, in chunks. The layout
+    version stays: the store remains one the plugin opens (and the snapshot writes it again)."""
     db.put(SNAPSHOT_MARK_KEY, b"", sync=True)
     while True:
         keys = []
         for key in db.iterator(include_value=False):
-            if key != SNAPSHOT_MARK_KEY:
+            if key not in _KEPT:
                 keys.append(key)
             if len(keys) >= WIPE_CHUNK:
                 break

@@ -208,6 +208,7 @@ class Primary:
         link = BackupLink(name="?", peer=peer, writer=writer)
         acks: asyncio.Task[None] | None = None
         sender: asyncio.Task[None] | None = None
+        ended = "disconnected"
         try:
             async with asyncio.timeout(HELLO_TIMEOUT):
                 kind, payload = await read_frame(reader)
@@ -222,17 +223,22 @@ class Primary:
             for finished in done:
                 finished.result()
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, ReplicationError) as exc:
-            self._changed(link, f"disconnected ({type(exc).__name__}: {exc})")
-        except Exception:
+            ended = f"disconnected ({type(exc).__name__}: {exc})"
+        except Exception as exc:
             log.exception("replication: the channel to backup %s (%s) failed", link.name, peer)
+            ended = f"disconnected (failed: {exc!r})"
         finally:
             self.links.pop(key, None)
-            for extra in (acks, sender):
-                if extra is not None:
-                    extra.cancel()
+            self.log.pin(link, None)
+            helpers = {extra for extra in (acks, sender) if extra is not None}
+            for extra in helpers:
+                extra.cancel()
+            if helpers:  # a sender reading a snapshot in a thread finishes that read first
+                await asyncio.wait(helpers)
             writer.close()
             self._serving.discard(task)
             self._resolve()
+        self._changed(link, ended)
 
     async def _read_acks(self, reader: asyncio.StreamReader, link: BackupLink) -> None:
         while True:
