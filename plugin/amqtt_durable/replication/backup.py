@@ -120,7 +120,9 @@ class Backup:
         while not stop.is_set():
             try:
                 await self.run(host, port)
-            except (OSError, asyncio.IncompleteReadError, FrameError, ReplicationGapError, StoreMismatchError) as exc:
+            except asyncio.IncompleteReadError:
+                log.warning("replication: backup %s: the primary at %s:%s closed the channel", self.name, host, port)
+            except (OSError, FrameError, ReplicationGapError, StoreMismatchError) as exc:
                 log.warning("replication: backup %s: channel to %s:%s ended: %s", self.name, host, port, exc)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(retry):

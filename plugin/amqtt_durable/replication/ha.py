@@ -202,7 +202,8 @@ class HaNode:
         try:
             while not stop.is_set():
                 decision = await self.run_cycle()
-                log.info("replication HA %s: %s", self.me.name, decision.reason)
+                level = _LEVELS.get(decision.action, logging.INFO)
+                log.log(level, "replication HA %s: %s", self.me.name, decision.reason)
                 if on_decision is not None:
                     on_decision(decision)
                 with contextlib.suppress(TimeoutError):
@@ -216,6 +217,10 @@ class HaNode:
                 with contextlib.suppress(CoordinatorError, TimeoutError):
                     async with asyncio.timeout(self.demote_margin):
                         await self.coordinator.release(self.me)
+
+
+_LEVELS = {"renewed": logging.DEBUG, "follow": logging.DEBUG, "retry": logging.WARNING, "demoted": logging.WARNING}
+"""The steady state is quiet; a primary in trouble is a WARNING."""
 
 
 def _why(exc: BaseException) -> str:

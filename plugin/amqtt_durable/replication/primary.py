@@ -222,7 +222,9 @@ class Primary:
             done, _ = await asyncio.wait({acks, sender}, return_when=asyncio.FIRST_COMPLETED)
             for finished in done:
                 finished.result()
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, ReplicationError) as exc:
+        except asyncio.IncompleteReadError:
+            ended = "disconnected (the backup closed the channel)"
+        except (ConnectionError, TimeoutError, ReplicationError) as exc:
             ended = f"disconnected ({type(exc).__name__}: {exc})"
         except Exception as exc:
             log.exception("replication: the channel to backup %s (%s) failed", link.name, peer)
