@@ -42,6 +42,9 @@ def test_primary_ships_10000_batches_to_two_backups_identically(tmp_path: Path) 
             for backup in backups:
                 assert backup.applied_seq == 10_000  # sync: acked by every in-sync backup
                 assert backup.snapshots == 1  # the empty store's initial image, then only batches
+            rows = primary.status()
+            assert sorted(row["name"] for row in rows) == ["b1", "b2"]
+            assert all(row["state"] == "in_sync" and row["lag_batches"] == 0 for row in rows)
             expected = content(db)
             assert len(expected) > 10_000
             for backup in backups:

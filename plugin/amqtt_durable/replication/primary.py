@@ -139,6 +139,25 @@ class Primary:
         self._resolve()
         return future
 
+    def status(self) -> list[dict[str, Any]]:
+        """One row per connected backup, for inspect and ``$SYS/broker/durable/replication/...``:
+        its state, how many batches it lags, and for how long it has acknowledged nothing while
+        behind (0 when it is level)."""
+        head, now = self.log.head_seq, time.monotonic()
+        return [
+            {
+                "name": link.name,
+                "peer": link.peer,
+                "state": link.state,
+                "acked": link.acked_seq,
+                "lag_batches": head - link.acked_seq,
+                "lag_seconds": round(now - link.last_progress, 3) if link.acked_seq < head else 0.0,
+                "snapshot_rows": link.snapshot_rows,
+                "reason": link.reason,
+            }
+            for link in self.links.values()
+        ]
+
     def in_sync(self) -> list[BackupLink]:
         return [link for link in self.links.values() if link.state == "in_sync"]
 
