@@ -12,6 +12,7 @@ from replication_helpers import HOST, bounded, commit, content, following, ops_f
 from amqtt_durable.replication.backup import Backup
 from amqtt_durable.replication.errors import ReplicationGapError
 from amqtt_durable.replication.framing import (
+    Batch,
     Frame,
     encode_batch,
     encode_frame,
@@ -22,6 +23,19 @@ from amqtt_durable.replication.framing import (
 from amqtt_durable.replication.position import position_op, read_position
 from amqtt_durable.replication.primary import BackupLink, Primary
 from amqtt_durable.store import open_store
+
+
+def hold_writes(backup: Backup) -> asyncio.Event:
+    """The backup receives batches but writes (and acknowledges) none until the event is set."""
+    gate = asyncio.Event()
+    real_write = backup._write_batches
+
+    async def held_write(batches: list[Batch]) -> int | None:
+        await gate.wait()
+        return await real_write(batches)
+
+    backup._write_batches = held_write  # type: ignore[method-assign]
+    return gate
 
 
 def test_primary_ships_10000_batches_to_two_backups_identically(tmp_path: Path) -> None:
@@ -138,14 +152,7 @@ def test_sync_future_waits_for_every_in_sync_backup(tmp_path: Path) -> None:
         await primary.start(HOST, 0)
         fast = Backup(open_store(str(tmp_path / "fast")), name="fast")
         slow = Backup(open_store(str(tmp_path / "slow")), name="slow")
-        gate = asyncio.Event()
-        real_write = slow._write_batches
-
-        async def held_write(batches: list) -> int:  # type: ignore[type-arg]
-            await gate.wait()
-            return await real_write(batches)
-
-        slow._write_batches = held_write  # type: ignore[method-assign]
+        gate = hold_writes(slow)
         async with following(fast, primary.port), following(slow, primary.port):
             await bounded(fast.in_sync_event.wait())
             await bounded(slow.in_sync_event.wait())
@@ -175,13 +182,7 @@ def test_a_silent_backup_is_dropped_and_no_longer_holds_acks(tmp_path: Path) -> 
         )
         await primary.start(HOST, 0)
         stuck = Backup(open_store(str(tmp_path / "stuck")), name="stuck")
-        never = asyncio.Event()
-
-        async def stuck_write(batches: list) -> int:  # type: ignore[type-arg]
-            await never.wait()
-            return 0
-
-        stuck._write_batches = stuck_write  # type: ignore[method-assign]
+        hold_writes(stuck)  # never released
         async with following(stuck, primary.port):
             await bounded(stuck.in_sync_event.wait())
             await bounded(commit(primary, ops_for(1)))  # resolves once the watchdog drops it
@@ -197,13 +198,7 @@ def test_close_fails_batches_still_waiting(tmp_path: Path) -> None:
         primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, ack_timeout=60)
         await primary.start(HOST, 0)
         backup = Backup(open_store(str(tmp_path / "b")), name="b")
-        never = asyncio.Event()
-
-        async def stuck_write(batches: list) -> int:  # type: ignore[type-arg]
-            await never.wait()
-            return 0
-
-        backup._write_batches = stuck_write  # type: ignore[method-assign]
+        hold_writes(backup)  # never released
         async with following(backup, primary.port):
             await bounded(backup.in_sync_event.wait())
             future = commit(primary, ops_for(1))

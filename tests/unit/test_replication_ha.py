@@ -107,6 +107,17 @@ def node(coordinator: FakeCoordinator, hooks: Hooks, name: str = "a", clock: Clo
     )
 
 
+async def a_primary() -> tuple[Clock, FakeCoordinator, Hooks, HaNode]:
+    """Node "a" after its first cycle: primary of a new cluster, on a fake clock."""
+    clock = Clock()
+    fake = FakeCoordinator(clock)
+    hooks = Hooks()
+    ha = node(fake, hooks)
+    await ha.run_cycle()
+    assert ha.role == "primary"
+    return clock, fake, hooks, ha
+
+
 def run(coro: object) -> object:
     async def main() -> object:
         return await asyncio.wait_for(coro, 10)  # type: ignore[arg-type]
@@ -189,11 +200,7 @@ def test_a_primary_that_renews_stays_primary_and_its_deadline_moves() -> None:
 
 def test_a_primary_that_cannot_renew_retries_then_demotes_before_the_ttl_ends() -> None:
     async def main() -> None:
-        clock = Clock()
-        fake = FakeCoordinator(clock)
-        hooks = Hooks()
-        ha = node(fake, hooks)
-        await ha.run_cycle()
+        clock, fake, hooks, ha = await a_primary()
         granted = clock.now
         fake.down = True
         clock.now += 3
@@ -215,11 +222,7 @@ def test_a_primary_that_cannot_renew_retries_then_demotes_before_the_ttl_ends() 
 
 def test_a_primary_whose_lease_is_gone_demotes_at_once() -> None:
     async def main() -> None:
-        clock = Clock()
-        fake = FakeCoordinator(clock)
-        hooks = Hooks()
-        ha = node(fake, hooks)
-        await ha.run_cycle()
+        _, fake, _, ha = await a_primary()
         fake.holder = Leader("b", "b:7000")  # e.g. an operator's manual failover
         decision = await ha.run_cycle()
         assert decision.action == "demoted"
@@ -229,14 +232,22 @@ def test_a_primary_whose_lease_is_gone_demotes_at_once() -> None:
     run(main())
 
 
+async def primary_on_the_loop_clock() -> tuple[FakeCoordinator, Hooks, HaNode]:
+    """A primary on real (loop) time with a short lease, so its deadline timer really fires."""
+    fake = FakeCoordinator(Clock(), ttl=0.6)
+    hooks = Hooks()
+    ha = HaNode(fake, hooks, name="a", address="a:1", loop_wait=0.1, demote_margin=0.3)
+    ha.clock = asyncio.get_running_loop().time
+    fake.clock = ha.clock  # type: ignore[assignment]
+    assert ha.role == "backup"
+    await ha.run_cycle()
+    assert ha.role == "primary"
+    return fake, hooks, ha
+
+
 def test_a_hung_coordinator_cannot_keep_a_primary_acknowledging() -> None:
     async def main() -> None:
-        fake = FakeCoordinator(Clock(), ttl=0.6)
-        hooks = Hooks()
-        ha = HaNode(fake, hooks, name="a", address="a:1", loop_wait=0.1, demote_margin=0.3)
-        ha.clock = asyncio.get_running_loop().time
-        fake.clock = ha.clock  # type: ignore[assignment]
-        await ha.run_cycle()
+        fake, hooks, ha = await primary_on_the_loop_clock()
         fake.hang = asyncio.Event()
         cycle = asyncio.create_task(ha.run_cycle())  # never answered by the coordinator
         await asyncio.wait_for(hooks.demoted_event.wait(), 5)
@@ -248,12 +259,7 @@ def test_a_hung_coordinator_cannot_keep_a_primary_acknowledging() -> None:
 
 def test_the_deadline_timer_demotes_without_a_cycle() -> None:
     async def main() -> None:
-        fake = FakeCoordinator(Clock(), ttl=0.6)
-        hooks = Hooks()
-        ha = HaNode(fake, hooks, name="a", address="a:1", loop_wait=0.1, demote_margin=0.3)
-        ha.clock = asyncio.get_running_loop().time
-        fake.clock = ha.clock  # type: ignore[assignment]
-        await ha.run_cycle()
+        _, hooks, ha = await primary_on_the_loop_clock()
         await asyncio.wait_for(hooks.demoted_event.wait(), 5)  # no further cycle ran
         assert ha.role == "backup"
         assert ha.last is not None and "not renewed in time" in ha.last.reason

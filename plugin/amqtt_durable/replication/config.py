@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
+from ..config import _coerce as coerce_setting
 from ..errors import ConfigError
 
 Role = Literal["auto", "primary", "backup"]
@@ -114,14 +115,8 @@ class ReplicationConfig:
 
 
 def _coerce(key: str, value: Any, kind: str) -> Any:
-    if kind == "int":
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(key, f"expected a whole number, got {value!r}")
-    if kind == "float":
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(key, f"expected a number, got {value!r}")
+    if kind in ("int", "float"):
+        return coerce_setting(key, value, kind)  # the plugin's own rules for numbers
     if kind == "list[str]":
         if isinstance(value, str):
             value = [value]
