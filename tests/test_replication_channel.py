@@ -329,3 +329,54 @@ def test_a_backup_whose_history_diverged_gets_a_snapshot(tmp_path: Path) -> None
         await primary.close()
 
     asyncio.run(main())
+
+
+def test_a_published_backup_that_leaves_holds_acks_until_the_set_without_it_is_published(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        published: list[frozenset[str]] = []
+        news = asyncio.Event()
+        gate = asyncio.Event()
+        gone = asyncio.Event()
+
+        async def publish(members: frozenset[str]) -> None:  # the coordinator's sync key, faked
+            nonlocal news
+            await gate.wait()
+            published.append(members)
+            news.set()
+            news = asyncio.Event()
+
+        async def until_published(members: frozenset[str]) -> None:
+            while primary.sync_set != members:
+                await news.wait()
+
+        primary = Primary(
+            db,
+            store_id=store_id,
+            log_max_batches=100,
+            log_max_bytes=1 << 20,
+            ack_timeout=60,
+            publish_sync_set=publish,
+            on_change=lambda _, what: gone.set() if what.startswith("disconnected") else None,
+        )
+        await primary.start(HOST, 0)
+        first = commit(primary, ops_for(1))
+        assert not first.done()  # nothing is acknowledged before the first publication
+        gate.set()
+        await bounded(first)
+        assert published == [frozenset()]
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(commit(primary, ops_for(2)))
+            await bounded(until_published(frozenset({"b"})))
+            gate.clear()  # the coordinator stops answering for a while
+        await bounded(gone.wait())
+        held = commit(primary, ops_for(3))
+        assert not held.done()  # "b" may still be promoted: it must not miss an acknowledged batch
+        gate.set()
+        await bounded(held)
+        assert published[-1] == frozenset()
+        await primary.close()
+
+    asyncio.run(main())

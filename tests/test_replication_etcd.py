@@ -33,6 +33,10 @@ def test_one_lease_holder_at_a_time_and_the_lease_ends_with_its_ttl(etcd: Etcd) 
         assert not await b.renew(other)  # b holds no lease
         assert await a.initialize("a")
         assert not await b.initialize("b")
+        assert await b.sync_members() is None
+        assert await a.publish_sync(me, frozenset({"b", "c"}))
+        assert not await b.publish_sync(other, frozenset({"b"}))  # only the leader writes the set
+        assert await b.sync_members() == frozenset({"b", "c"})
         await expired(b)  # a stopped renewing: etcd expires the lease by itself
         assert not await a.renew(me)
         assert await b.acquire(other)

@@ -85,7 +85,10 @@ def test_the_backup_takes_over_and_the_old_primary_rejoins_and_is_caught_up(etcd
         assert a.node.primary is None
         more = [commit(new_primary, ops_for(n)) for n in range(1000, 1100)]
         await bounded(asyncio.gather(*more))
+        await bounded(a.node.backup.wait_applied(new_primary.log.head_seq))
         assert content(a.db) == content(b.db)
+        assert new_primary.sync_set == frozenset({"a"})
+        assert await b.coordinator.sync_members() == frozenset({"a"})
         assert any(d.action == "follow" for d in a.node.decisions)
         await b.node.stop()
         await a.node.stop()

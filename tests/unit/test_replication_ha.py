@@ -31,6 +31,7 @@ class FakeCoordinator(Coordinator):
         self.holder: Leader | None = None
         self.expires = 0.0
         self.initialized_by: str | None = None
+        self.sync: frozenset[str] | None = None
         self.down = False
         self.hang: asyncio.Event | None = None
 
@@ -64,6 +65,17 @@ class FakeCoordinator(Coordinator):
         await self._reach()
         if self.holder == me:
             self.holder = None
+
+    async def publish_sync(self, me: Leader, members: frozenset[str]) -> bool:
+        await self._reach()
+        if self.holder != me:
+            return False
+        self.sync = members
+        return True
+
+    async def sync_members(self) -> frozenset[str] | None:
+        await self._reach()
+        return self.sync
 
     async def initialize(self, name: str) -> bool:
         await self._reach()
@@ -303,3 +315,18 @@ def test_the_lease_passes_only_after_the_old_primary_stopped_acknowledging() -> 
 def test_the_margin_must_lie_inside_the_ttl(margin: float) -> None:
     with pytest.raises(ValueError, match="demote_margin"):
         HaNode(FakeCoordinator(Clock()), Hooks(), name="a", address="a", loop_wait=1, demote_margin=margin)
+
+
+def test_in_sync_mode_only_a_member_of_the_published_set_takes_over() -> None:
+    async def main() -> None:
+        clock, fake, _, a = await a_primary()
+        assert await fake.publish_sync(a.me, frozenset({"c"}))
+        b, c = node(fake, Hooks(), "b"), node(fake, Hooks(), "c")
+        assert not await fake.publish_sync(b.me, frozenset({"b"}))  # only the leader writes it
+        clock.now += TTL + 1  # a is gone, its lease expired
+        decision = await b.run_cycle()
+        assert decision.action == "wait"
+        assert "not in the synchronous set" in decision.reason
+        assert (await c.run_cycle()).action == "promoted"
+
+    run(main())

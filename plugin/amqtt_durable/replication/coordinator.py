@@ -1,10 +1,12 @@
 """Who is primary: the coordinator interface (Patroni's dcs model), one backend per module.
 
-The HA loop (ha.py) never speaks a backend's API: it asks this interface for the leader and
-for the leader lease. The lease is the only authority: a node is primary exactly while it
-holds the leader key under a lease with a time to live (TTL) that the coordination service
-expires by itself when the holder stops renewing. Backends: etcd.py (etcd v3). Tests fake
-the coordinator at this interface.
+The HA loop (ha.py) never speaks a backend's API: it asks this interface for the leader, for
+the leader lease, and (sync mode) for the synchronous set: the backups the primary waits for
+before acknowledging, the only ones that may take over without losing an acknowledged
+publish. The lease is the only authority: a node is primary exactly while it holds the
+leader key under a lease with a time to live (TTL) that the coordination service expires by
+itself when the holder stops renewing. Backends: etcd.py (etcd v3). Tests fake the
+coordinator at this interface.
 """
 
 from __future__ import annotations
@@ -58,3 +60,13 @@ class Coordinator(ABC):
     async def initialize(self, name: str) -> bool:
         """Claim the cluster's bootstrap once ever (True for the one caller that did): the
         first primary of a new cluster is the node that claims it, not one that is caught up."""
+
+    @abstractmethod
+    async def publish_sync(self, me: Leader, members: frozenset[str]) -> bool:
+        """As the leader (checked atomically), record the backups that hold every acknowledged
+        batch (Patroni's /sync key); False when ``me`` is not the leader."""
+
+    @abstractmethod
+    async def sync_members(self) -> frozenset[str] | None:
+        """The backups last recorded by ``publish_sync``; None when none was ever recorded
+        (async mode): then any caught-up backup may be promoted."""

@@ -12,6 +12,8 @@ Keys (under ``prefix``, e.g. ``/amqtt-durable/<cluster>/``)::
 
     leader      -> {"name": ..., "address": ...}   put with the leader's lease (expires with it)
     initialize  -> name of the node that bootstrapped the cluster (no lease, never removed)
+    sync        -> {"leader": ..., "members": [...]}  the synchronous set, written only by the
+                   leader (a transaction comparing the leader key's value), no lease
 
 The leader key is created only if absent (a transaction comparing its create_revision to 0,
 Patroni's etcd3 ``attempt_to_acquire_leader``), so two nodes never both hold it.
@@ -49,6 +51,7 @@ class EtcdCoordinator(Coordinator):
         self.lease_id: int | None = None
         self._leader_key = _b64(self.prefix + "leader")
         self._init_key = _b64(self.prefix + "initialize")
+        self._sync_key = _b64(self.prefix + "sync")
 
     # --- the interface ----------------------------------------------------------------------
 
@@ -93,6 +96,26 @@ class EtcdCoordinator(Coordinator):
         put = {"key": self._init_key, "value": _b64(name)}
         reply = await self._call("/v3/kv/txn", _create_if_absent(self._init_key, put))
         return bool(reply.get("succeeded"))
+
+    async def publish_sync(self, me: Leader, members: frozenset[str]) -> bool:
+        record = json.dumps({"leader": me.name, "members": sorted(members)}).encode("utf-8")
+        reply = await self._call(
+            "/v3/kv/txn",
+            {
+                "compare": [
+                    {"key": self._leader_key, "target": "VALUE", "result": "EQUAL", "value": _b64(me.encode())}
+                ],
+                "success": [{"request_put": {"key": self._sync_key, "value": _b64(record)}}],
+            },
+        )
+        return bool(reply.get("succeeded"))
+
+    async def sync_members(self) -> frozenset[str] | None:
+        reply = await self._call("/v3/kv/range", {"key": self._sync_key})
+        kvs = reply.get("kvs") or []
+        if not kvs:
+            return None
+        return frozenset(json.loads(base64.b64decode(kvs[0].get("value", "")))["members"])
 
     # --- HTTP -------------------------------------------------------------------------------
 

@@ -20,9 +20,10 @@ rate difference of the two clocks (ppm) and the time to stop the acknowledging p
 ``loop_wait <= (ttl - demote_margin) / 2`` a primary gets at least two attempts before it
 must step down.
 
-A backup takes the lease only when no node holds it and it is caught up (in sync with the
-last primary, so in sync mode it holds every acknowledged batch), or when it bootstraps a
-new cluster (the one-time ``initialize`` claim).
+A backup takes the lease only when no node holds it, it is caught up (in sync with the last
+primary) and, in sync mode, it is in the synchronous set that primary published before it
+acknowledged anything without a backup (so it holds every acknowledged batch), or when it
+bootstraps a new cluster (the one-time ``initialize`` claim).
 """
 
 from __future__ import annotations
@@ -174,6 +175,13 @@ class HaNode:
                         return await self._take("bootstrapped", "a new cluster, claimed its bootstrap")
                     return Decision(
                         "wait", "no primary, but this node is not caught up with the last one: not taking the lease"
+                    )
+                members = await self.coordinator.sync_members()
+                if members is not None and self.me.name not in members:
+                    return Decision(
+                        "wait",
+                        "no primary, but this node is not in the synchronous set the last primary published "
+                        f"({', '.join(sorted(members)) or 'none'}): it may lack acknowledged publishes",
                     )
                 return await self._take("promoted", "no primary, and this node is caught up")
         except (CoordinatorError, TimeoutError) as exc:

@@ -24,6 +24,7 @@ from typing import Any
 from .backup import Backup
 from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
+from .errors import CoordinatorError
 from .ha import Decision, HaNode
 from .position import read_store_id
 from .primary import Primary
@@ -146,12 +147,19 @@ class ReplicationNode:
             log_max_bytes=self.config.retained_bytes,
             ack_timeout=self.config.ack_timeout,
             chunk_bytes=self.config.snapshot_chunk_bytes,
+            publish_sync_set=self._publish_sync_set if self.ha is not None and self.config.mode == "sync" else None,
         )
         await primary.start(host, port)
         self.primary = primary
         log.warning("replication: %s is primary from batch %d", self.config.name, primary.log.head_seq)
         if self.on_promote is not None:
             self.on_promote(primary)
+
+    async def _publish_sync_set(self, members: frozenset[str]) -> None:
+        assert self.ha is not None
+        async with asyncio.timeout(self.config.ack_timeout):
+            if not await self.ha.coordinator.publish_sync(self.ha.me, members):
+                raise CoordinatorError(", ".join(self.config.coordinator), "this node no longer holds the lease")
 
     def demote(self, reason: str) -> None:
         primary, self.primary = self.primary, None  # may_acknowledge is false from here on

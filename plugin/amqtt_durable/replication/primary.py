@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -65,6 +65,8 @@ class BackupLink:
     reason: str = ""
     """Why it is caught up the way it is (the catch-up plan's reason)."""
     snapshot_rows: int = 0
+    in_sync_at: int = 0
+    """The newest batch when it became in sync."""
     last_progress: float = field(default_factory=time.monotonic)
     """When it last acknowledged, or when it got work while it had none outstanding."""
     writer: asyncio.StreamWriter | None = None
@@ -92,6 +94,7 @@ class Primary:
         ack_timeout: float = 5.0,
         chunk_bytes: int = 1024 * 1024,
         on_change: Callable[[BackupLink, str], None] | None = None,
+        publish_sync_set: Callable[[frozenset[str]], Awaitable[None]] | None = None,
     ) -> None:
         position = read_position(db) or (0, 0)
         self.db = db
@@ -111,6 +114,12 @@ class Primary:
         self._acked = asyncio.Event()
         self._closed: BaseException | None = None
         self.port = 0
+        self._publish = publish_sync_set
+        self.sync_set: frozenset[str] | None = None if publish_sync_set is not None else frozenset()
+        """With ``publish_sync_set``: the backups last published (None: not yet) as the only
+        ones that may be promoted; acknowledgements wait for each of them."""
+        self._last_acked: dict[str, int] = {}
+        self._publishing: asyncio.Task[None] | None = None
 
     # --- the commit path ------------------------------------------------------------------
 
@@ -169,12 +178,49 @@ class Primary:
     def _resolve(self) -> None:
         if self._closed is not None:
             return
-        live = self.in_sync()
-        upto = min((link.acked_seq for link in live), default=self.log.head_seq)
+        if self._publish is None:
+            upto = min((link.acked_seq for link in self.in_sync()), default=self.log.head_seq)
+        else:
+            self._republish_soon()
+            if self.sync_set is None:
+                return  # until the first publication, nothing is acknowledged
+            # Every in-sync backup counts from the moment it is in sync (as without a published
+            # set), and a published backup that is gone holds acknowledgements back until the
+            # set without it is published: it may be promoted until then, so it must have them.
+            acked = {link.name: link.acked_seq for link in self.in_sync()}
+            members = acked.keys() | self.sync_set
+            upto = min((acked.get(n, self._last_acked.get(n, 0)) for n in members), default=self.log.head_seq)
         while self._waiting and self._waiting[0][0] <= upto:
             _, future = self._waiting.popleft()
             if not future.done():
                 future.set_result(None)
+
+    def _wanted_sync_set(self) -> frozenset[str]:
+        """In-sync backups that also applied everything up to where they became in sync: batches
+        before that point may have been acknowledged without them."""
+        return frozenset(link.name for link in self.in_sync() if link.acked_seq >= link.in_sync_at)
+
+    def _republish_soon(self) -> None:
+        if self._publishing is None and self._wanted_sync_set() != self.sync_set and self._closed is None:
+            self._publishing = self._spawn(self._republish())
+
+    async def _republish(self) -> None:
+        """Publish the in-sync set until the published one is current (Patroni's /sync key).
+        A failed publication is retried; meanwhile a backup that left keeps holding acks."""
+        assert self._publish is not None
+        try:
+            while (wanted := self._wanted_sync_set()) != self.sync_set:
+                try:
+                    await self._publish(wanted)
+                except Exception as exc:  # the coordinator's answer decides; retried after a pause
+                    log.warning("replication: publishing the synchronous set %s failed: %s", sorted(wanted), exc)
+                    await asyncio.sleep(self.ack_timeout / 4)
+                    continue
+                self.sync_set = wanted
+                log.info("replication: synchronous set published: %s", sorted(wanted) or "none")
+        finally:
+            self._publishing = None
+        self._resolve()
 
     # --- serving ----------------------------------------------------------------------------
 
@@ -182,6 +228,8 @@ class Primary:
         self._server = await asyncio.start_server(self._serve, host, port)
         self.port = self._server.sockets[0].getsockname()[1]
         self._spawn(self._watchdog())
+        if self._publish is not None:
+            self._publishing = self._spawn(self._republish())  # the new primary's set, at first none
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
@@ -271,6 +319,8 @@ class Primary:
                 raise FrameError("ACK", f"ack of batch {seq}, only {link.sent_seq} were sent")
             link.acked_seq = seq
             link.last_progress = time.monotonic()
+            if link.state == "in_sync":
+                self._last_acked[link.name] = seq
             self._resolve()
             event, self._acked = self._acked, asyncio.Event()
             event.set()
@@ -312,6 +362,8 @@ class Primary:
                 if link.state != "in_sync":
                     writer.write(encode_frame(Frame.IN_SYNC, encode_seq(pos)))
                     link.state = "in_sync"
+                    link.in_sync_at = pos
+                    self._last_acked[link.name] = link.acked_seq
                     link.last_progress = time.monotonic()
                     self._changed(link, f"in sync at batch {pos}")
                     self._resolve()
