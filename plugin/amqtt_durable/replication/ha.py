@@ -165,43 +165,44 @@ class HaNode:
     # --- backup -------------------------------------------------------------------------------
 
     async def _as_backup(self) -> Decision:
+        started = self.clock()
         try:
-            async with asyncio.timeout(self.ttl):
+            async with asyncio.timeout(self.ttl):  # the coordinator's calls only, not the promotion
                 leader = await self.coordinator.leader()
                 if leader is not None:
                     return self._follow(leader)
                 if not self.hooks.caught_up():
-                    if await self.coordinator.initialize(self.me.name):
-                        return await self._take("bootstrapped", "a new cluster, claimed its bootstrap")
-                    return Decision(
-                        "wait", "no primary, but this node is not caught up with the last one: not taking the lease"
-                    )
-                members = await self.coordinator.sync_members()
-                if members is not None and self.me.name not in members:
-                    return Decision(
-                        "wait",
-                        "no primary, but this node is not in the synchronous set the last primary published "
-                        f"({', '.join(sorted(members)) or 'none'}): it may lack acknowledged publishes",
-                    )
-                return await self._take("promoted", "no primary, and this node is caught up")
+                    if not await self.coordinator.initialize(self.me.name):
+                        return Decision(
+                            "wait", "no primary, but this node is not caught up with the last one: not taking the lease"
+                        )
+                    action: Action = "bootstrapped"
+                    why = "a new cluster, claimed its bootstrap"
+                else:
+                    members = await self.coordinator.sync_members()
+                    if members is not None and self.me.name not in members:
+                        return Decision(
+                            "wait",
+                            "no primary, but this node is not in the synchronous set the last primary published "
+                            f"({', '.join(sorted(members)) or 'none'}): it may lack acknowledged publishes",
+                        )
+                    action, why = "promoted", "no primary, and this node is caught up"
+                started = self.clock()
+                if not await self.coordinator.acquire(self.me):
+                    return Decision("wait", f"{why}, but another node took the lease first")
         except (CoordinatorError, TimeoutError) as exc:
             return Decision("wait", f"the coordinator does not answer ({_why(exc)}): staying a backup")
+        self.valid_until = started + self.ttl
+        self.role = "primary"
+        self._arm_deadline()
+        await self.hooks.promote()
+        return Decision(action, f"{why}: took the leader lease, now primary")
 
     def _follow(self, leader: Leader) -> Decision:
         if leader.name == self.me.name:
             return Decision("wait", "the lease still names this node from before it restarted: waiting for it to end")
         self.hooks.follow(leader)
         return Decision("follow", f"following primary {leader.name} at {leader.address}")
-
-    async def _take(self, action: Action, why: str) -> Decision:
-        started = self.clock()
-        if not await self.coordinator.acquire(self.me):
-            return Decision("wait", f"{why}, but another node took the lease first")
-        self.valid_until = started + self.ttl
-        self.role = "primary"
-        self._arm_deadline()
-        await self.hooks.promote()
-        return Decision(action, f"{why}: took the leader lease, now primary")
 
     # --- the loop -----------------------------------------------------------------------------
 
