@@ -87,6 +87,7 @@ class Backup:
         self.caught_up = False
         frames: asyncio.Queue[tuple[Frame, bytes]] = asyncio.Queue(QUEUE_FRAMES)
         receiver = asyncio.get_running_loop().create_task(_receive(reader, frames))
+        getter: asyncio.Task[tuple[Frame, bytes]] | None = None
         try:
             seq = 0 if self.partial else self.applied_seq
             hello = Hello(self.store_id, seq, self.applied_crc, self.name)
@@ -110,6 +111,8 @@ class Backup:
         finally:
             self.state = "disconnected"
             self.in_sync_event.clear()
+            if getter is not None:
+                getter.cancel()
             receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await receiver

@@ -16,7 +16,6 @@ client connections; acknowledgements already stopped: ``may_acknowledge`` is fal
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -125,8 +124,7 @@ class ReplicationNode:
 
     async def _follow(self, previous: asyncio.Task[None] | None, host: str, port: int, stop: asyncio.Event) -> None:
         if previous is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await previous
+            await _ended(previous)
         await self.backup.follow(host, port, stop, retry=min(0.5, self.config.loop_wait))
 
     async def _stop_following(self) -> None:
@@ -134,8 +132,7 @@ class ReplicationNode:
         if task is not None:
             self._follow_stop.set()
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task  # the backup end's last write is finished
+            await _ended(task)  # the backup end's last write is finished
 
     async def promote(self) -> None:
         await self._stop_following()
@@ -171,3 +168,10 @@ class ReplicationNode:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         self.backup = Backup(self.db, name=self.config.name or "backup")
+
+
+async def _ended(task: asyncio.Task[None]) -> None:
+    """Wait for a cancelled backup end; a failure it ended with is logged, not raised again."""
+    await asyncio.wait({task})  # our own cancellation still propagates
+    if not task.cancelled() and (failure := task.exception()) is not None:
+        log.error("replication: the backup end failed: %r", failure)
