@@ -69,6 +69,30 @@ def test_an_unreachable_etcd_is_a_coordinator_error() -> None:
     asyncio.run(asyncio.wait_for(main(), BOUND))
 
 
+def test_an_etcd_that_never_answers_is_an_error_within_the_call_timeout() -> None:
+    async def main() -> None:
+        held: list[asyncio.StreamWriter] = []
+
+        async def black_hole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            held.append(writer)  # accepts, reads nothing, answers nothing
+
+        server = await asyncio.start_server(black_hole, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        silent = EtcdCoordinator([f"http://127.0.0.1:{port}"], prefix="/x", ttl=TTL, timeout=0.3)
+        try:
+            await silent.leader()
+        except CoordinatorError as exc:
+            assert "TimeoutError" in str(exc)
+        else:
+            raise AssertionError("no error from an etcd that never answers")
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
 class Node:
     """Hooks of one HA node that record when it was promoted and demoted."""
 
