@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	@command -v java >/dev/null 2>&1 || { echo "installing Java 17 for Spark (openjdk-17-jre-headless)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq openjdk-17-jre-headless; } \
 		|| { echo "Java 17 is required by the Spark pipeline: install openjdk-17-jre-headless"; exit 1; }
+	@# The replication tests run a real etcd (the coordinator of HA): Debian's package when none is there.
+	@command -v etcd >/dev/null 2>&1 || { echo "installing etcd for the replication tests (etcd-server)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server; } \
+		|| { echo "etcd is required by the replication tests: install etcd-server"; exit 1; }
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e '.[test,bench,pipeline]'

@@ -21,6 +21,8 @@ from amqtt_durable.store import open_store
 from amqtt_durable.wire import encode_packet, encode_string
 from durable_client.persistence import SessionState
 
+pytest_plugins = ["etcd_fixture"]  # the `etcd` fixture: a real etcd for the replication tests
+
 WAIT = 15.0
 
 

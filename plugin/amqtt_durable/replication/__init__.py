@@ -1,0 +1,15 @@
+"""Primary-backup replication of the durable store (issue 12), the building blocks.
+
+The unit of replication is the group commit: the exact list of LevelDB operations one
+commit writes, numbered and shipped in commit order (XAP's replication of operations,
+GemFire's redundant queues). Modules, in data-flow order:
+
+- ``framing``: the wire format of a batch and of the channel's messages (version 1).
+- ``log``: the primary's bounded in-memory log of recent batches, and catch-up planning.
+- ``primary`` / ``backup``: the two ends of the TCP channel (ship, apply, ack, snapshot).
+- ``coordinator`` / ``etcd``: who is primary is a lease in etcd (Patroni's dcs model).
+- ``ha``: one step of the HA loop: read the cluster state, decide, act, say why.
+- ``config``: the ``replication:`` settings.
+
+Nothing here is wired into the broker yet: see docs/replication.md.
+"""

@@ -1,0 +1,227 @@
+"""The backup's end of the replication channel: apply the primary's batches, in order, and ack.
+
+A backup connects to the primary, says where its store is (HELLO: store id, last applied
+batch and its checksum, all read from the store, so a restarted backup resumes where it
+stopped), and then applies what comes: a snapshot (the store is wiped and refilled; a mark
+in the store says it is partial until the end), then batches. Batches that arrived together
+are written as one LevelDB write batch, synced, together with the position of the last one
+(position.py), and only then acknowledged: an ack means "on this machine's disk". A batch
+that does not follow the last applied one, or names another store, is refused: the backup
+drops the channel and reconnects, and the primary catches it up again. Never a gap.
+
+``caught_up`` is what the HA loop asks before taking the lease: the primary said IN_SYNC on
+the current (or last) connection and nothing it sent since failed to apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, Literal
+
+from ..store import VERSION_KEY
+from .errors import FrameError, ReplicationGapError, StoreMismatchError
+from .framing import (
+    Batch,
+    Frame,
+    Hello,
+    Op,
+    decode_batch,
+    decode_ops,
+    decode_position,
+    decode_seq,
+    encode_frame,
+    encode_seq,
+    read_frame,
+)
+from .position import SNAPSHOT_MARK_KEY, position_op, read_position, read_store_id
+from .threads import in_thread
+
+log = logging.getLogger("amqtt_durable.replication")
+
+BackupState = Literal["disconnected", "connecting", "snapshot", "catching_up", "in_sync"]
+QUEUE_FRAMES = 1024
+"""Frames received but not yet applied; past it the socket is not read (TCP back-pressure)."""
+_KEPT = frozenset({SNAPSHOT_MARK_KEY, VERSION_KEY})
+WIPE_CHUNK = 10_000
+"""Keys deleted per write batch when a snapshot starts."""
+
+
+class Backup:
+    """Replicates a primary's store into ``db`` (a plyvel DB this object writes alone)."""
+
+    def __init__(self, db: Any, *, name: str, sync: bool = True) -> None:
+        self.db = db
+        self.name = name
+        self.sync = sync
+        self.state: BackupState = "disconnected"
+        position = read_position(db)
+        self.applied_seq, self.applied_crc = position if position is not None else (0, 0)
+        self.partial = position is None
+        self.store_id = read_store_id(db)
+        self.caught_up = False
+        self.in_sync_event = asyncio.Event()
+        """Set while the current connection is in sync (for tests and the HA loop)."""
+        self.applied_event = asyncio.Event()
+        """Set (and replaced) each time batches are applied."""
+        self.snapshots = 0
+
+    async def wait_applied(self, seq: int) -> None:
+        while self.applied_seq < seq:
+            event = self.applied_event
+            await event.wait()
+
+    def _applied(self, seq: int, crc: int) -> None:
+        self.applied_seq, self.applied_crc = seq, crc
+        event, self.applied_event = self.applied_event, asyncio.Event()
+        event.set()
+
+    async def run(self, host: str, port: int) -> None:
+        """One connection to the primary, until it ends (raises the reason; always closes)."""
+        self.state = "connecting"
+        self.in_sync_event.clear()
+        reader, writer = await asyncio.open_connection(host, port)
+        # Caught up with the last primary stays true while that primary cannot be reached (the
+        # HA loop promotes on it); a primary that answers decides anew.
+        self.caught_up = False
+        frames: asyncio.Queue[tuple[Frame, bytes]] = asyncio.Queue(QUEUE_FRAMES)
+        receiver = asyncio.get_running_loop().create_task(_receive(reader, frames))
+        getter: asyncio.Task[tuple[Frame, bytes]] | None = None
+        try:
+            seq = 0 if self.partial else self.applied_seq
+            hello = Hello(self.store_id, seq, self.applied_crc, self.name)
+            writer.write(encode_frame(Frame.HELLO, hello.encode()))
+            await writer.drain()
+            self.state = "catching_up"
+            while True:
+                getter = asyncio.get_running_loop().create_task(frames.get())
+                done, _ = await asyncio.wait({getter, receiver}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    receiver.result()  # raises why the connection ended
+                    raise ConnectionResetError("the primary closed the replication channel")
+                group = [getter.result()]
+                while not frames.empty():
+                    group.append(frames.get_nowait())
+                ack = await self._apply(group)
+                if ack is not None:
+                    writer.write(encode_frame(Frame.ACK, encode_seq(ack)))
+                    await writer.drain()
+        finally:
+            self.state = "disconnected"
+            self.in_sync_event.clear()
+            if getter is not None:
+                getter.cancel()
+            receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await receiver
+            writer.close()
+
+    async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
+        """Stay connected to the primary at host:port, reconnecting after a failure, until ``stop``."""
+        while not stop.is_set():
+            try:
+                await self.run(host, port)
+            except asyncio.IncompleteReadError:
+                log.warning("replication: backup %s: the primary at %s:%s closed the channel", self.name, host, port)
+            except (OSError, FrameError, ReplicationGapError, StoreMismatchError) as exc:
+                log.warning("replication: backup %s: channel to %s:%s ended: %s", self.name, host, port, exc)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(retry):
+                    await stop.wait()
+
+    async def _apply(self, group: list[tuple[Frame, bytes]]) -> int | None:
+        """Apply frames in order; returns the batch number to acknowledge, if any."""
+        ack: int | None = None
+        batches: list[Batch] = []
+        for kind, payload in group:
+            if kind == Frame.BATCH:
+                batches.append(decode_batch(payload))
+                continue
+            if batches:
+                ack = await self._write_batches(batches)
+                batches = []
+            if kind == Frame.SNAP_BEGIN:
+                self.state = "snapshot"
+                self.caught_up = False
+                self.partial = True
+                await in_thread(_wipe, self.db)
+            elif kind == Frame.SNAP_CHUNK:
+                ops, _ = decode_ops(payload, 0, "snapshot chunk")
+                await in_thread(_write, self.db, ops, False)
+            elif kind == Frame.SNAP_END:
+                seq, crc = decode_position(payload)
+                await in_thread(_write, self.db, [position_op(seq, crc), (SNAPSHOT_MARK_KEY, None)], True)
+                self.partial = False
+                self.store_id = read_store_id(self.db)
+                self.snapshots += 1
+                self.state = "catching_up"
+                self._applied(seq, crc)
+                ack = seq
+            elif kind == Frame.IN_SYNC:
+                decode_seq(payload)
+                self.state = "in_sync"
+                self.caught_up = True
+                self.in_sync_event.set()
+            else:
+                raise FrameError("frame", f"unexpected {kind.name} from the primary")
+        if batches:
+            ack = await self._write_batches(batches)
+        return ack
+
+    async def _write_batches(self, batches: list[Batch]) -> int | None:
+        """Write the batches that follow in order (one synced write batch); then refuse the
+        first that does not. Returns the last batch written."""
+        if self.partial:
+            raise ReplicationGapError(0, batches[0].seq)
+        ops: list[Op] = []
+        last: Batch | None = None
+        refused: Exception | None = None
+        for batch in batches:
+            expected = self.applied_seq if last is None else last.seq
+            if batch.store_id != self.store_id:
+                refused = StoreMismatchError(self.store_id, batch.store_id)
+            elif batch.seq != expected + 1:
+                refused = ReplicationGapError(expected, batch.seq)
+            if refused is not None:
+                break
+            ops.extend(batch.ops)
+            last = batch
+        if last is not None:
+            ops.append(position_op(last.seq, last.crc))
+            await in_thread(_write, self.db, ops, self.sync)
+            self._applied(last.seq, last.crc)
+        if refused is not None:
+            raise refused
+        return None if last is None else last.seq
+
+
+async def _receive(reader: asyncio.StreamReader, frames: asyncio.Queue[tuple[Frame, bytes]]) -> None:
+    while True:
+        await frames.put(await read_frame(reader))
+
+
+def _write(db: Any, ops: list[Op], sync: bool) -> None:
+    with db.write_batch(sync=sync) as batch:
+        for key, value in ops:
+            if value is None:
+                batch.delete(key)
+            else:
+                batch.put(key, value)
+
+
+def _wipe(db: Any) -> None:
+    """Mark the store partial (synced), then delete every other key, in chunks. The layout
+    version stays: the store remains one the plugin opens (and the snapshot writes it again)."""
+    db.put(SNAPSHOT_MARK_KEY, b"", sync=True)
+    while True:
+        keys = []
+        for key in db.iterator(include_value=False):
+            if key not in _KEPT:
+                keys.append(key)
+            if len(keys) >= WIPE_CHUNK:
+                break
+        if not keys:
+            return
+        _write(db, [(key, None) for key in keys], False)

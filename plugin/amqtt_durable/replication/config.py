@@ -1,0 +1,188 @@
+"""The ``replication:`` settings of the plugin, one typed dataclass validated with the key named.
+
+Not yet a field of DurableConfig (the lead wires it): the field to add, at the end of
+DurableConfig, is ``replication: ReplicationConfig | None = None`` (None: a single broker,
+exactly as before), built by ``ReplicationConfig.from_mapping(value, "replication")``.
+
+Two ways to run, as in Patroni:
+
+- with ``coordinator`` (etcd endpoints), ``role: auto``: who is primary is a lease in etcd;
+  every node runs the HA loop (ha.py) and a backup takes over when the primary is gone;
+- without a coordinator, ``role: primary`` or ``role: backup`` (with ``primary``): fixed
+  roles; making a backup primary is the operator's decision (``amqtt-durable promote``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+from urllib.parse import urlsplit
+
+from ..config import _coerce as coerce_setting
+from ..errors import ConfigError
+
+Role = Literal["auto", "primary", "backup"]
+ROLES: tuple[str, ...] = get_args(Role)
+Mode = Literal["sync", "async"]
+MODES: tuple[str, ...] = get_args(Mode)
+MIN_LEASE_TTL = 2
+"""etcd grants no lease shorter than about 1.5 election timeouts (2 s with its defaults)."""
+
+
+@dataclass(frozen=True)
+class ReplicationConfig:
+    """Primary-backup replication of the durable store (issue 12)."""
+
+    role: Role = "auto"
+    """``auto``: the coordinator's lease decides (needs ``coordinator``, so the defaults alone
+    are not a valid setting); ``primary`` or ``backup``: a fixed role, without a coordinator."""
+
+    mode: Mode = "sync"
+    """``sync``: a publish is acknowledged once every in-sync backup has stored it (XAP sync
+    replication: "stored on N machines"); ``async``: once stored locally, shipped right after
+    (a failover can lose what was acknowledged but not yet shipped)."""
+
+    name: str = ""
+    """This broker's name in the cluster, unique; needed with a coordinator."""
+
+    listen: str = "127.0.0.1:7883"
+    """host:port where this broker, as primary, accepts its backups' replication channels."""
+
+    advertise: str = ""
+    """host:port backups use to reach this broker's ``listen`` (published in the leader key);
+    empty: ``listen``."""
+
+    primary: str = ""
+    """Without a coordinator, on a backup: the primary's replication address (host:port)."""
+
+    coordinator: list[str] = field(default_factory=list)
+    """etcd client URLs (``http://host:2379``), tried in order; empty: no coordinator, no HA loop."""
+
+    cluster: str = "amqtt-durable"
+    """Name of this primary-backup group; its keys in etcd live under ``/amqtt-durable/<cluster>/``."""
+
+    lease_ttl: int = 5
+    """Seconds the leader lease outlives the primary's last renewal: the bulk of failover time."""
+
+    loop_wait: float = 1.0
+    """Seconds between two HA cycles (renewal by the primary, checks by a backup)."""
+
+    demote_margin: float = 1.0
+    """Seconds before its lease could end at which a primary that could not renew has stopped
+    acknowledging (clock-rate and stop-time allowance; ha.py has the timing argument)."""
+
+    retained_batches: int = 100_000
+    """Batches the primary keeps in memory to catch a returning backup up without a snapshot."""
+
+    retained_bytes: int = 64 * 1024 * 1024
+    """Bytes of those batches at most (the older ones leave first)."""
+
+    ack_timeout: float = 5.0
+    """Seconds an in-sync backup may leave a batch unacknowledged before it is disconnected and
+    no longer holds up sync acknowledgements (it is caught up again when it returns)."""
+
+    snapshot_chunk_bytes: int = 1024 * 1024
+    """Size of one chunk of a snapshot streamed to a backup."""
+
+    def __post_init__(self) -> None:
+        _check(self, "replication")
+
+    @property
+    def advertised(self) -> str:
+        return self.advertise or self.listen
+
+    @property
+    def prefix(self) -> str:
+        """Where this cluster's keys live in etcd."""
+        return f"/amqtt-durable/{self.cluster}/"
+
+    @classmethod
+    def from_mapping(cls, raw: Any, where: str = "replication") -> ReplicationConfig:
+        """Build from broker.yaml's ``replication:`` mapping, naming the first bad key
+        (``where.key``; the checks after coercion name ``replication.key``)."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(where, f"expected a mapping of replication settings, got {raw!r}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key not in fields:
+                raise ConfigError(f"{where}.{key}", f"unknown setting; accepted settings are {', '.join(fields)}")
+            values[key] = _coerce(f"{where}.{key}", value, str(fields[key].type))
+        return cls(**values)
+
+
+def _coerce(key: str, value: Any, kind: str) -> Any:
+    if kind in ("int", "float"):
+        return coerce_setting(key, value, kind)  # the plugin's own rules for numbers
+    if kind == "list[str]":
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return value
+        raise ConfigError(key, f"expected a list of URLs, got {value!r}")
+    choices = {"Role": ROLES, "Mode": MODES}.get(kind)
+    if choices is not None:
+        if value in choices:
+            return value
+        raise ConfigError(key, f"expected one of {', '.join(choices)}, got {value!r}")
+    if isinstance(value, str):
+        return value
+    raise ConfigError(key, f"expected text, got {value!r}")
+
+
+def _address(key: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(key, f"expected host:port, got {value!r}")
+
+
+def _check(config: ReplicationConfig, where: str) -> None:
+    def bad(key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{where}.{key}", problem)
+
+    if config.role not in ROLES:
+        raise bad("role", f"expected one of {', '.join(ROLES)}, got {config.role!r}")
+    if config.mode not in MODES:
+        raise bad("mode", f"expected one of {', '.join(MODES)}, got {config.mode!r}")
+    _address(f"{where}.listen", config.listen)
+    if config.advertise:
+        _address(f"{where}.advertise", config.advertise)
+    for url in config.coordinator:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise bad("coordinator", f"expected etcd client URLs like http://127.0.0.1:2379, got {url!r}")
+    if config.coordinator:
+        if config.role != "auto":
+            raise bad("role", f"must be auto with a coordinator (its lease picks the primary), not {config.role!r}")
+        if not config.name:
+            raise bad("name", "needed with a coordinator: this broker's unique name in the cluster")
+        if not config.cluster or "/" in config.cluster:
+            raise bad("cluster", f"expected a name without '/', got {config.cluster!r}")
+    elif config.role == "auto":
+        raise bad("role", "auto needs a coordinator (etcd endpoints); without one, set primary or backup")
+    if config.role == "backup":
+        if not config.primary:
+            raise bad("primary", "needed on a backup without a coordinator: the primary's host:port")
+        _address(f"{where}.primary", config.primary)
+    if config.lease_ttl < MIN_LEASE_TTL:
+        raise bad("lease_ttl", f"must be at least {MIN_LEASE_TTL} s (etcd's shortest lease), got {config.lease_ttl}")
+    for key in ("loop_wait", "demote_margin", "ack_timeout"):
+        value = getattr(config, key)
+        if not math.isfinite(value) or value <= 0:
+            raise bad(key, f"must be a finite number of seconds above 0, got {value!r}")
+    if config.demote_margin >= config.lease_ttl:
+        raise bad("demote_margin", f"must be below lease_ttl ({config.lease_ttl}), got {config.demote_margin}")
+    if 2 * config.loop_wait > config.lease_ttl - config.demote_margin:
+        raise bad(
+            "loop_wait",
+            f"must be at most (lease_ttl - demote_margin) / 2 = {(config.lease_ttl - config.demote_margin) / 2:g} s "
+            f"so a primary gets two renewal attempts before it must step down, got {config.loop_wait}",
+        )
+    if config.retained_batches < 1:
+        raise bad("retained_batches", f"must be at least 1, got {config.retained_batches}")
+    for key in ("retained_bytes", "snapshot_chunk_bytes"):
+        if getattr(config, key) < 1024:
+            raise bad(key, f"must be at least 1024 bytes, got {getattr(config, key)}")

@@ -1,0 +1,72 @@
+"""Who is primary: the coordinator interface (Patroni's dcs model), one backend per module.
+
+The HA loop (ha.py) never speaks a backend's API: it asks this interface for the leader, for
+the leader lease, and (sync mode) for the synchronous set: the backups the primary waits for
+before acknowledging, the only ones that may take over without losing an acknowledged
+publish. The lease is the only authority: a node is primary exactly while it holds the
+leader key under a lease with a time to live (TTL) that the coordination service expires by
+itself when the holder stops renewing. Backends: etcd.py (etcd v3). Tests fake the
+coordinator at this interface.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Leader:
+    """The node holding the leader lease and where its backups reach it."""
+
+    name: str
+    address: str
+    """host:port of the primary's replication listener."""
+
+    def encode(self) -> bytes:
+        return json.dumps({"name": self.name, "address": self.address}, sort_keys=True).encode("utf-8")
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Leader:
+        record = json.loads(raw)
+        return cls(str(record["name"]), str(record["address"]))
+
+
+class Coordinator(ABC):
+    """A leader lease in a coordination service. Every method may raise CoordinatorError
+    (unreachable, refused); callers bound each call with a timeout of their own."""
+
+    ttl: float
+    """Seconds the service keeps the lease after its last renewal."""
+
+    @abstractmethod
+    async def leader(self) -> Leader | None:
+        """The current lease holder, None when nobody holds it."""
+
+    @abstractmethod
+    async def acquire(self, me: Leader) -> bool:
+        """Take the leader key under a new lease if nobody holds it; False if somebody does."""
+
+    @abstractmethod
+    async def renew(self, me: Leader) -> bool:
+        """Renew our lease; False when it is gone (expired, or the key names another node)."""
+
+    @abstractmethod
+    async def release(self, me: Leader) -> None:
+        """Give the lease up at once (a clean stop: a backup need not wait for the TTL)."""
+
+    @abstractmethod
+    async def initialize(self, name: str) -> bool:
+        """Claim the cluster's bootstrap once ever (True for the one caller that did): the
+        first primary of a new cluster is the node that claims it, not one that is caught up."""
+
+    @abstractmethod
+    async def publish_sync(self, me: Leader, members: frozenset[str]) -> bool:
+        """As the leader (checked atomically), record the backups that hold every acknowledged
+        batch (Patroni's /sync key); False when ``me`` is not the leader."""
+
+    @abstractmethod
+    async def sync_members(self) -> frozenset[str] | None:
+        """The backups last recorded by ``publish_sync``; None when none was ever recorded
+        (async mode): then any caught-up backup may be promoted."""

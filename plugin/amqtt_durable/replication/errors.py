@@ -1,0 +1,63 @@
+"""Errors of replication; each says what happened, what it affects and what to do.
+
+Kept apart from the plugin's errors.py while the rest of the plugin is being restructured;
+every class derives from the plugin's DurableError so callers catch them the same way.
+"""
+
+from __future__ import annotations
+
+from ..errors import DurableError
+
+
+class ReplicationError(DurableError):
+    """Base of every replication error."""
+
+
+class FrameError(ReplicationError):
+    """Bytes on the replication channel do not decode (bad checksum, truncated, unknown type)."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        self.what = what
+        super().__init__(
+            f"replication: a {what} does not decode ({detail}); the channel is closed and the backup "
+            "reconnects and is caught up again (check the network path, or versions of both brokers)"
+        )
+
+
+class ReplicationGapError(ReplicationError):
+    """A backup received a batch that does not follow the last one it applied."""
+
+    def __init__(self, applied: int, received: int) -> None:
+        self.applied = applied
+        self.received = received
+        super().__init__(
+            f"replication: batch {received} received after batch {applied}: a gap. The backup applies "
+            "nothing out of order; it drops the channel and is caught up again from its applied batch"
+        )
+
+
+class StoreMismatchError(ReplicationError):
+    """A batch names another store than the one the backup replicates."""
+
+    def __init__(self, expected: int, received: int) -> None:
+        self.expected = expected
+        self.received = received
+        super().__init__(
+            f"replication: batch of store {received:#x} received by a backup of store {expected:#x}; "
+            "the backup drops the channel and asks for a new snapshot"
+        )
+
+
+class ChannelClosedError(ReplicationError):
+    """The replication channel to a backup or to the primary closed."""
+
+
+class CoordinatorError(ReplicationError):
+    """The coordination service (etcd) cannot be reached or answered an error."""
+
+    def __init__(self, endpoint: str, detail: str) -> None:
+        self.endpoint = endpoint
+        super().__init__(
+            f"coordinator {endpoint}: {detail}. A primary that cannot renew its lease demotes itself "
+            "before the lease ends; check that etcd runs and is reachable from this broker"
+        )

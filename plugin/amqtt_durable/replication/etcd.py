@@ -1,0 +1,163 @@
+"""The etcd v3 backend of the coordinator, over etcd's JSON gateway (plain HTTP/1.0).
+
+Why not a client library: etcd3 (grpc) is unmaintained since 2020 and pins old protobuf;
+etcd3gw (OpenStack) is maintained but synchronous (requests, futurist, pbr), so every call
+would need a worker thread and its timeouts are per socket operation, not per call. The
+five gateway calls a leader lease needs (lease grant, keepalive, revoke, range, txn) are
+JSON POSTs to ``/v3/...``; here each is one HTTP/1.0 request on asyncio streams, bounded by
+one ``asyncio.timeout`` for the whole call, which the lease timing relies on (ha.py). No
+dependency is added. Tested against Debian's etcd-server 3.4.23.
+
+Keys (under ``prefix``, e.g. ``/amqtt-durable/<cluster>/``)::
+
+    leader      -> {"name": ..., "address": ...}   put with the leader's lease (expires with it)
+    initialize  -> name of the node that bootstrapped the cluster (no lease, never removed)
+    sync        -> {"leader": ..., "members": [...]}  the synchronous set, written only by the
+                   leader (a transaction comparing the leader key's value), no lease
+
+The leader key is created only if absent (a transaction comparing its create_revision to 0,
+Patroni's etcd3 ``attempt_to_acquire_leader``), so two nodes never both hold it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from typing import Any
+from urllib.parse import urlsplit
+
+from .coordinator import Coordinator, Leader
+from .errors import CoordinatorError
+
+REQUEST_TIMEOUT = 2.0
+"""Seconds one gateway call may take (callers may bound it tighter)."""
+
+
+def _b64(raw: bytes | str) -> str:
+    return base64.b64encode(raw.encode("utf-8") if isinstance(raw, str) else raw).decode("ascii")
+
+
+class EtcdCoordinator(Coordinator):
+    """A leader lease in etcd; ``endpoints`` are tried in order (``http://host:port``)."""
+
+    def __init__(self, endpoints: list[str], *, prefix: str, ttl: float, timeout: float = REQUEST_TIMEOUT) -> None:
+        if not endpoints:
+            raise ValueError("at least one etcd endpoint is needed")
+        self.endpoints = endpoints
+        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self.ttl = ttl
+        self.timeout = timeout
+        self.lease_id: int | None = None
+        self._leader_key = _b64(self.prefix + "leader")
+        self._init_key = _b64(self.prefix + "initialize")
+        self._sync_key = _b64(self.prefix + "sync")
+
+    # --- the interface ----------------------------------------------------------------------
+
+    async def leader(self) -> Leader | None:
+        reply = await self._call("/v3/kv/range", {"key": self._leader_key})
+        kvs = reply.get("kvs") or []
+        if not kvs:
+            return None
+        return Leader.decode(base64.b64decode(kvs[0].get("value", "")))
+
+    async def acquire(self, me: Leader) -> bool:
+        grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
+        lease = int(grant["ID"])
+        put = {"key": self._leader_key, "value": _b64(me.encode()), "lease": str(lease)}
+        reply = await self._call("/v3/kv/txn", _create_if_absent(self._leader_key, put))
+        if reply.get("succeeded"):
+            self.lease_id = lease
+            return True
+        await self._call("/v3/lease/revoke", {"ID": str(lease)})
+        return False
+
+    async def renew(self, me: Leader) -> bool:
+        if self.lease_id is None:
+            return False
+        reply = await self._call("/v3/lease/keepalive", {"ID": str(self.lease_id)})
+        if int(reply.get("result", {}).get("TTL", 0)) <= 0:
+            self.lease_id = None
+            return False
+        holder = await self._call("/v3/kv/range", {"key": self._leader_key})
+        kvs = holder.get("kvs") or []
+        if not kvs or int(kvs[0].get("lease", 0)) != self.lease_id:
+            return False
+        return Leader.decode(base64.b64decode(kvs[0].get("value", ""))) == me
+
+    async def release(self, me: Leader) -> None:
+        if self.lease_id is None:
+            return
+        lease, self.lease_id = self.lease_id, None
+        await self._call("/v3/lease/revoke", {"ID": str(lease)})  # deletes the leader key with it
+
+    async def initialize(self, name: str) -> bool:
+        put = {"key": self._init_key, "value": _b64(name)}
+        reply = await self._call("/v3/kv/txn", _create_if_absent(self._init_key, put))
+        return bool(reply.get("succeeded"))
+
+    async def publish_sync(self, me: Leader, members: frozenset[str]) -> bool:
+        record = json.dumps({"leader": me.name, "members": sorted(members)}).encode("utf-8")
+        reply = await self._call(
+            "/v3/kv/txn",
+            {
+                "compare": [
+                    {"key": self._leader_key, "target": "VALUE", "result": "EQUAL", "value": _b64(me.encode())}
+                ],
+                "success": [{"request_put": {"key": self._sync_key, "value": _b64(record)}}],
+            },
+        )
+        return bool(reply.get("succeeded"))
+
+    async def sync_members(self) -> frozenset[str] | None:
+        reply = await self._call("/v3/kv/range", {"key": self._sync_key})
+        kvs = reply.get("kvs") or []
+        if not kvs:
+            return None
+        return frozenset(json.loads(base64.b64decode(kvs[0].get("value", "")))["members"])
+
+    # --- HTTP -------------------------------------------------------------------------------
+
+    async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        errors = []
+        for endpoint in self.endpoints:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    return await _post(endpoint, path, body)
+            except (OSError, TimeoutError, ValueError) as exc:
+                errors.append(f"{endpoint}: {type(exc).__name__}: {exc}")
+        raise CoordinatorError(", ".join(self.endpoints), f"{path} failed ({'; '.join(errors)})")
+
+
+def _create_if_absent(key: str, put: dict[str, str]) -> dict[str, Any]:
+    """A transaction that puts only if ``key`` does not exist (its create_revision is 0)."""
+    return {
+        "compare": [{"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+        "success": [{"request_put": put}],
+    }
+
+
+async def _post(endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    url = urlsplit(endpoint)
+    if url.scheme != "http" or url.hostname is None:
+        raise ValueError(f"endpoint {endpoint!r} is not http://host:port")
+    reader, writer = await asyncio.open_connection(url.hostname, url.port or 2379)
+    try:
+        data = json.dumps(body).encode("utf-8")
+        head = (
+            f"POST {path} HTTP/1.0\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n"
+        )
+        writer.write(head.encode("ascii") + data)
+        await writer.drain()
+        reply = await reader.read()  # HTTP/1.0: the server closes after the response
+    finally:
+        writer.close()
+    status_line, _, rest = reply.partition(b"\r\n")
+    _, _, payload = rest.partition(b"\r\n\r\n")
+    parts = status_line.split(b" ", 2)
+    if len(parts) < 2 or parts[1] != b"200":
+        raise ValueError(f"HTTP {status_line.decode('latin-1')!r}: {payload[:200].decode('utf-8', 'replace')}")
+    result: dict[str, Any] = json.loads(payload)
+    return result

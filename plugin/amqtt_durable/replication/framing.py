@@ -1,0 +1,212 @@
+"""Wire format of replication, version 1: batches and the channel's messages.
+
+Written down once here because a backup and a primary of different releases must agree on
+it byte for byte. Every integer is big-endian.
+
+A **batch** is one group commit of the primary: the exact LevelDB operations, in order::
+
+    seq:u64 store_id:u64 count:u32 op*count crc:u32
+    op = klen:u32 kind:u8 key [vlen:u32 value]     kind 0 = put (value follows), 1 = delete
+
+``crc`` is CRC-32 of everything before it. It is also the batch's identity: a backup stores
+the (seq, crc) of the last batch it applied, and a primary compares it with its own batch of
+that number to detect a backup whose history diverged (a former primary in async mode).
+
+A **frame** on the TCP channel::
+
+    type:u8 length:u32 payload crc:u32     crc = CRC-32 of type, length and payload
+
+Frame types (backup -> primary: HELLO, ACK; primary -> backup: the rest):
+
+=========  ===================================================================
+HELLO      version:u16 store_id:u64 seq:u64 crc:u32 name(utf-8): where the backup is
+SNAP_BEGIN (empty): the backup wipes its store and marks a snapshot in progress
+SNAP_CHUNK ops (count:u32 op*count, as in a batch): rows of the primary's snapshot
+SNAP_END   seq:u64 crc:u32: the snapshot holds every batch up to ``seq``
+BATCH      an encoded batch (above)
+IN_SYNC    seq:u64: the backup was sent everything up to ``seq`` live; it now counts
+ACK        seq:u64: the backup applied and synced every batch up to ``seq``
+=========  ===================================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from .errors import FrameError
+
+PROTOCOL_VERSION = 1
+Op = tuple[bytes, bytes | None]
+"""One LevelDB operation: (key, value) puts, (key, None) deletes (GroupCommitter's ``_ops``)."""
+
+_BATCH_HEAD = struct.Struct(">QQ")
+_OP_HEAD = struct.Struct(">IB")
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_FRAME_HEAD = struct.Struct(">BI")
+_HELLO = struct.Struct(">HQQI")
+_POSITION = struct.Struct(">QI")
+MAX_FRAME = 256 * 1024 * 1024
+"""A frame longer than this is refused as damage (a batch is bounded by the store's batch_size)."""
+
+
+class Frame(IntEnum):
+    HELLO = 1
+    SNAP_BEGIN = 2
+    SNAP_CHUNK = 3
+    SNAP_END = 4
+    BATCH = 5
+    IN_SYNC = 6
+    ACK = 7
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One group commit: its number, the store it belongs to, its operations and its checksum."""
+
+    seq: int
+    store_id: int
+    ops: tuple[Op, ...]
+    crc: int
+
+
+def encode_ops(ops: Sequence[Op]) -> bytes:
+    parts = [_U32.pack(len(ops))]
+    for key, value in ops:
+        if value is None:
+            parts += (_OP_HEAD.pack(len(key), 1), key)
+        else:
+            parts += (_OP_HEAD.pack(len(key), 0), key, _U32.pack(len(value)), value)
+    return b"".join(parts)
+
+
+def decode_ops(data: bytes | memoryview, offset: int = 0, what: str = "batch") -> tuple[list[Op], int]:
+    """The operations at ``offset`` and the offset after them."""
+    view = memoryview(data)
+    try:
+        (count,) = _U32.unpack_from(view, offset)
+        offset += 4
+        ops: list[Op] = []
+        for _ in range(count):
+            klen, kind = _OP_HEAD.unpack_from(view, offset)
+            offset += 5
+            key = bytes(view[offset : offset + klen])
+            if len(key) != klen:
+                raise FrameError(what, "truncated key")
+            offset += klen
+            if kind == 1:
+                ops.append((key, None))
+                continue
+            if kind != 0:
+                raise FrameError(what, f"unknown operation kind {kind}")
+            (vlen,) = _U32.unpack_from(view, offset)
+            offset += 4
+            value = bytes(view[offset : offset + vlen])
+            if len(value) != vlen:
+                raise FrameError(what, "truncated value")
+            offset += vlen
+            ops.append((key, value))
+    except struct.error as exc:
+        raise FrameError(what, f"truncated ({exc})") from exc
+    return ops, offset
+
+
+def encode_batch(seq: int, store_id: int, ops: Sequence[Op]) -> tuple[bytes, int]:
+    """The encoded batch and its CRC-32 (its identity)."""
+    body = _BATCH_HEAD.pack(seq, store_id) + encode_ops(ops)
+    crc = zlib.crc32(body)
+    return body + _U32.pack(crc), crc
+
+
+def decode_batch(data: bytes | memoryview) -> Batch:
+    view = memoryview(data)
+    if len(view) < 20 + 4:
+        raise FrameError("batch", f"{len(view)} bytes is shorter than a batch header")
+    (crc,) = _U32.unpack_from(view, len(view) - 4)
+    if zlib.crc32(view[:-4]) != crc:
+        raise FrameError("batch", "checksum mismatch")
+    seq, store_id = _BATCH_HEAD.unpack_from(view, 0)
+    ops, end = decode_ops(view[:-4], 16)
+    if end != len(view) - 4:
+        raise FrameError("batch", f"{len(view) - 4 - end} bytes after the last operation")
+    return Batch(seq, store_id, tuple(ops), crc)
+
+
+def ops_size(ops: Iterable[Op]) -> int:
+    """Bytes the operations take in a batch (for the retained log's byte bound and chunking)."""
+    return sum(9 + len(k) + (len(v) if v is not None else 0) for k, v in ops)
+
+
+# --- frames -------------------------------------------------------------------------------
+
+
+def encode_frame(kind: Frame, payload: bytes = b"") -> bytes:
+    head = _FRAME_HEAD.pack(int(kind), len(payload))
+    return head + payload + _U32.pack(zlib.crc32(payload, zlib.crc32(head)))
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[Frame, bytes]:
+    """The next frame; IncompleteReadError at a clean end of the stream, FrameError on damage."""
+    head = await reader.readexactly(_FRAME_HEAD.size)
+    kind, length = _FRAME_HEAD.unpack(head)
+    if length > MAX_FRAME:
+        raise FrameError("frame", f"length {length} is larger than {MAX_FRAME}")
+    rest = await reader.readexactly(length + 4)
+    payload = rest[:-4]
+    if zlib.crc32(payload, zlib.crc32(head)) != _U32.unpack_from(rest, length)[0]:
+        raise FrameError("frame", "checksum mismatch")
+    try:
+        return Frame(kind), payload
+    except ValueError as exc:
+        raise FrameError("frame", f"unknown type {kind}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Where a backup is: the store it replicates, the last batch it applied (0, 0: none)."""
+
+    store_id: int
+    seq: int
+    crc: int
+    name: str
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        return _HELLO.pack(self.version, self.store_id, self.seq, self.crc) + self.name.encode("utf-8")
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Hello:
+        try:
+            version, store_id, seq, crc = _HELLO.unpack_from(payload, 0)
+            name = payload[_HELLO.size :].decode("utf-8")
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise FrameError("HELLO", str(exc)) from exc
+        return cls(store_id, seq, crc, name, version)
+
+
+def encode_position(seq: int, crc: int) -> bytes:
+    return _POSITION.pack(seq, crc)
+
+
+def decode_position(payload: bytes) -> tuple[int, int]:
+    try:
+        seq, crc = _POSITION.unpack(payload)
+    except struct.error as exc:
+        raise FrameError("position", str(exc)) from exc
+    return int(seq), int(crc)
+
+
+def encode_seq(seq: int) -> bytes:
+    return _U64.pack(seq)
+
+
+def decode_seq(payload: bytes) -> int:
+    try:
+        return int(_U64.unpack(payload)[0])
+    except struct.error as exc:
+        raise FrameError("sequence number", str(exc)) from exc

@@ -1,0 +1,236 @@
+"""One step of high availability: read the cluster state, decide, act, say why (Patroni's ha.py).
+
+``HaNode.run_cycle`` is called every ``loop_wait`` seconds; each call returns a
+``Decision`` whose ``reason`` is logged and shown by inspect. The broker gives the node its
+hooks: ``caught_up()`` (the backup end says IN_SYNC), ``follow(leader)``, ``promote()`` and
+``demote(reason)``. Nothing of this runs without a coordinator configured.
+
+Safety before availability, the timing argument. A primary records ``t0`` (its monotonic
+clock) *before* it sends a renewal; etcd restarts the lease's TTL when it receives the
+request, at real time >= t0, so once the reply says the lease lives, nobody else can
+acquire it before ``t0 + ttl``. The primary keeps acknowledging only while
+``now < t0 + ttl - demote_margin`` (``may_acknowledge``) and demotes itself at that moment
+at the latest, by a timer that does not depend on the cycle or on etcd answering. Another
+node can take the lease only after etcd expired it, that is after ``t0 + ttl`` (an etcd
+leader change only extends leases). So the old primary has stopped acknowledging
+``demote_margin`` seconds before any other node can be primary; the margin absorbs the
+rate difference of the two clocks (ppm) and the time to stop the acknowledging path
+(one loop pass: ``demote`` must stop acknowledgements synchronously). Renewals happen every
+``loop_wait`` seconds, each bounded by the time left before the demotion deadline, so with
+``loop_wait <= (ttl - demote_margin) / 2`` a primary gets at least two attempts before it
+must step down.
+
+A backup takes the lease only when no node holds it, it is caught up (in sync with the last
+primary) and, in sync mode, it is in the synchronous set that primary published before it
+acknowledged anything without a backup (so it holds every acknowledged batch), or when it
+bootstraps a new cluster (the one-time ``initialize`` claim).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from .coordinator import Coordinator, Leader
+from .errors import CoordinatorError
+
+log = logging.getLogger("amqtt_durable.replication")
+
+Role = Literal["primary", "backup"]
+Action = Literal["renewed", "retry", "demoted", "follow", "wait", "promoted", "bootstrapped"]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    reason: str
+
+
+class HaHooks(Protocol):
+    """What the broker does on the HA loop's decisions."""
+
+    def caught_up(self) -> bool:
+        """The backup end was told IN_SYNC by the last primary and applied all it received."""
+
+    def follow(self, leader: Leader) -> None:
+        """Replicate from ``leader`` (reconnect the backup end if it follows another)."""
+
+    async def promote(self) -> None:
+        """Become primary: stop the backup end, start the primary end, accept clients."""
+
+    def demote(self, reason: str) -> None:
+        """Stop acknowledging publishes now (synchronously), then close client connections
+        and become a backup."""
+
+
+class HaNode:
+    """The HA state of one broker and the decision of one cycle."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        hooks: HaHooks,
+        *,
+        name: str,
+        address: str,
+        loop_wait: float,
+        demote_margin: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if demote_margin <= 0 or demote_margin >= coordinator.ttl:
+            raise ValueError("demote_margin must be between 0 and the lease ttl")
+        self.coordinator = coordinator
+        self.hooks = hooks
+        self.me = Leader(name, address)
+        self.loop_wait = loop_wait
+        self.demote_margin = demote_margin
+        self.clock = clock
+        self.role: Role = "backup"
+        self.valid_until = 0.0
+        """While primary: the lease is ours until this instant (monotonic), at least."""
+        self.last: Decision | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+
+    @property
+    def ttl(self) -> float:
+        return self.coordinator.ttl
+
+    def deadline(self) -> float:
+        """When a primary that cannot renew must have stopped acknowledging."""
+        return self.valid_until - self.demote_margin
+
+    def may_acknowledge(self) -> bool:
+        """The acknowledging path asks this before each PUBACK/PUBREC."""
+        return self.role == "primary" and self.clock() < self.deadline()
+
+    async def run_cycle(self) -> Decision:
+        decision = await (self._as_primary() if self.role == "primary" else self._as_backup())
+        self.last = decision
+        return decision
+
+    # --- primary ------------------------------------------------------------------------------
+
+    async def _as_primary(self) -> Decision:
+        started = self.clock()
+        left = self.deadline() - started
+        if left <= 0:
+            return self._demote("the lease could not be renewed before its end")
+        try:
+            async with asyncio.timeout(left):
+                renewed = await self.coordinator.renew(self.me)
+        except (CoordinatorError, TimeoutError) as exc:
+            if self.clock() >= self.deadline():
+                return self._demote(f"the lease could not be renewed before its end ({_why(exc)})")
+            return Decision(
+                "retry",
+                f"could not renew the leader lease ({_why(exc)}); it is ours for "
+                f"{self.deadline() - self.clock():.1f} s more, still primary",
+            )
+        if not renewed:
+            return self._demote("the leader lease is gone (expired, or the key names another node)")
+        self.valid_until = started + self.ttl
+        self._arm_deadline()
+        safe = self.ttl - self.demote_margin
+        return Decision("renewed", f"renewed the leader lease: primary for at least {safe:g} s")
+
+    def _demote(self, why: str) -> Decision:
+        reason = f"{why}: demoted, no longer acknowledging; clients closed, rejoining as a backup"
+        self.role = "backup"
+        self.valid_until = 0.0
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self.hooks.demote(reason)
+        return Decision("demoted", reason)
+
+    def _arm_deadline(self) -> None:
+        """The demotion does not wait for a cycle: a timer fires at the deadline."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+        loop = asyncio.get_running_loop()
+        delay = self.deadline() - self.clock()
+        self._deadline = loop.call_at(loop.time() + max(0.0, delay), self._deadline_reached)
+
+    def _deadline_reached(self) -> None:
+        self._deadline = None
+        if self.role == "primary" and self.clock() >= self.deadline():
+            self.last = self._demote("the lease was not renewed in time")
+            log.warning("replication HA %s: %s", self.me.name, self.last.reason)
+
+    # --- backup -------------------------------------------------------------------------------
+
+    async def _as_backup(self) -> Decision:
+        started = self.clock()
+        try:
+            async with asyncio.timeout(self.ttl):  # the coordinator's calls only, not the promotion
+                leader = await self.coordinator.leader()
+                if leader is not None:
+                    return self._follow(leader)
+                if not self.hooks.caught_up():
+                    if not await self.coordinator.initialize(self.me.name):
+                        return Decision(
+                            "wait", "no primary, but this node is not caught up with the last one: not taking the lease"
+                        )
+                    action: Action = "bootstrapped"
+                    why = "a new cluster, claimed its bootstrap"
+                else:
+                    members = await self.coordinator.sync_members()
+                    if members is not None and self.me.name not in members:
+                        return Decision(
+                            "wait",
+                            "no primary, but this node is not in the synchronous set the last primary published "
+                            f"({', '.join(sorted(members)) or 'none'}): it may lack acknowledged publishes",
+                        )
+                    action, why = "promoted", "no primary, and this node is caught up"
+                started = self.clock()
+                if not await self.coordinator.acquire(self.me):
+                    return Decision("wait", f"{why}, but another node took the lease first")
+        except (CoordinatorError, TimeoutError) as exc:
+            return Decision("wait", f"the coordinator does not answer ({_why(exc)}): staying a backup")
+        self.valid_until = started + self.ttl
+        self.role = "primary"
+        self._arm_deadline()
+        await self.hooks.promote()
+        return Decision(action, f"{why}: took the leader lease, now primary")
+
+    def _follow(self, leader: Leader) -> Decision:
+        if leader.name == self.me.name:
+            return Decision("wait", "the lease still names this node from before it restarted: waiting for it to end")
+        self.hooks.follow(leader)
+        return Decision("follow", f"following primary {leader.name} at {leader.address}")
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, on_decision: Callable[[Decision], None] | None = None) -> None:
+        """Cycle every ``loop_wait`` seconds until ``stop``; a primary releases the lease on the way out."""
+        try:
+            while not stop.is_set():
+                decision = await self.run_cycle()
+                level = _LEVELS.get(decision.action, logging.INFO)
+                log.log(level, "replication HA %s: %s", self.me.name, decision.reason)
+                if on_decision is not None:
+                    on_decision(decision)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.loop_wait):
+                        await stop.wait()
+        finally:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            if self.role == "primary":
+                self._demote("the broker stops")
+                with contextlib.suppress(CoordinatorError, TimeoutError):
+                    async with asyncio.timeout(self.demote_margin):
+                        await self.coordinator.release(self.me)
+
+
+_LEVELS = {"renewed": logging.DEBUG, "follow": logging.DEBUG, "retry": logging.WARNING, "demoted": logging.WARNING}
+"""The steady state is quiet; a primary in trouble is a WARNING."""
+
+
+def _why(exc: BaseException) -> str:
+    return "no answer in time" if isinstance(exc, TimeoutError) else str(exc)

@@ -1,0 +1,428 @@
+"""The primary's end of the replication channel: ship every batch to each backup, in order.
+
+Backups connect to the primary (so a backup follows whichever node holds the lease); each
+connection is served by one sender task and one ack reader. A new connection is first
+caught up (log.plan_catch_up: the retained log, or a LevelDB snapshot streamed in chunks
+while the primary keeps committing, then the batches since); once the sender has reached
+the newest batch it tells the backup IN_SYNC and the backup counts for sync replication.
+
+The sync-mode contract (XAP's sync replication): the future ``committed`` returns resolves
+once every backup that is connected and in sync acknowledged the batch (applied and synced
+it). A backup that drops out, or stays silent past ``ack_timeout`` with batches outstanding,
+is disconnected and no longer counted, so one dead backup does not stop the primary; it is
+caught up again when it comes back. The order of a commit, for the wiring::
+
+    prepared = primary.prepare(ops)        # numbers the batch, adds the position op
+    write prepared.ops locally             # a retried write reuses the same prepared batch
+    future = primary.committed(prepared)   # retained, shipped; sync mode acks after the future
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .errors import FrameError, ReplicationError
+from .framing import (
+    Frame,
+    Hello,
+    Op,
+    decode_seq,
+    encode_batch,
+    encode_frame,
+    encode_ops,
+    encode_position,
+    encode_seq,
+    read_frame,
+)
+from .log import RetainedLog, plan_catch_up
+from .position import SNAPSHOT_MARK_KEY, position_op, read_position
+from .threads import in_thread
+
+log = logging.getLogger("amqtt_durable.replication")
+
+LinkState = Literal["handshake", "snapshot", "catching_up", "in_sync"]
+HELLO_TIMEOUT = 10.0
+HIGH_WATER = 4 * 1024 * 1024
+"""Bytes buffered towards a backup before the sender waits for the socket to drain."""
+
+
+@dataclass(slots=True, eq=False)
+class BackupLink:
+    """The primary's view of one connected backup (shown by inspect and $SYS)."""
+
+    name: str
+    peer: str
+    state: LinkState = "handshake"
+    sent_seq: int = 0
+    acked_seq: int = 0
+    reason: str = ""
+    """Why it is caught up the way it is (the catch-up plan's reason)."""
+    snapshot_rows: int = 0
+    in_sync_at: int = 0
+    """The newest batch when it became in sync."""
+    last_progress: float = field(default_factory=time.monotonic)
+    """When it last acknowledged, or when it got work while it had none outstanding."""
+    writer: asyncio.StreamWriter | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedBatch:
+    seq: int
+    crc: int
+    data: bytes
+    ops: list[Op]
+    """What to write locally: the commit's operations and the position op."""
+
+
+class Primary:
+    """Serves backups on ``host:port``; ``prepare``/``committed`` around each local commit."""
+
+    def __init__(
+        self,
+        db: Any,
+        *,
+        store_id: int,
+        log_max_batches: int,
+        log_max_bytes: int,
+        ack_timeout: float = 5.0,
+        chunk_bytes: int = 1024 * 1024,
+        on_change: Callable[[BackupLink, str], None] | None = None,
+        publish_sync_set: Callable[[frozenset[str]], Awaitable[None]] | None = None,
+    ) -> None:
+        position = read_position(db) or (0, 0)
+        self.db = db
+        self.store_id = store_id
+        self.log = RetainedLog(
+            max_batches=log_max_batches, max_bytes=log_max_bytes, last_seq=position[0], last_crc=position[1]
+        )
+        self.ack_timeout = ack_timeout
+        self.chunk_bytes = chunk_bytes
+        self.on_change = on_change
+        self.links: dict[int, BackupLink] = {}
+        self._next_seq = position[0] + 1
+        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._serving: set[asyncio.Task[None]] = set()
+        self._acked = asyncio.Event()
+        self._closed: BaseException | None = None
+        self.port = 0
+        self._publish = publish_sync_set
+        self.sync_set: frozenset[str] | None = None if publish_sync_set is not None else frozenset()
+        """With ``publish_sync_set``: the backups last published (None: not yet) as the only
+        ones that may be promoted; acknowledgements wait for each of them."""
+        self._last_acked: dict[str, int] = {}
+        self._publishing: asyncio.Task[None] | None = None
+
+    # --- the commit path ------------------------------------------------------------------
+
+    def prepare(self, ops: list[Op]) -> PreparedBatch:
+        """Number the commit's operations; the caller writes ``ops`` of the result locally."""
+        if self._closed is not None:
+            raise self._closed
+        seq = self._next_seq
+        self._next_seq += 1
+        data, crc = encode_batch(seq, self.store_id, ops)
+        return PreparedBatch(seq, crc, data, [*ops, position_op(seq, crc)])
+
+    def committed(self, batch: PreparedBatch) -> asyncio.Future[None]:
+        """The batch is written locally: retain and ship it; the future says every in-sync
+        backup has it (at once when none is in sync)."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._closed is not None:
+            future.set_exception(self._closed)
+            return future
+        now = time.monotonic()
+        for link in self.links.values():
+            if link.state == "in_sync" and link.acked_seq >= link.sent_seq:
+                link.last_progress = now
+        self.log.append(batch.seq, batch.crc, batch.data)
+        self._waiting.append((batch.seq, future))
+        self._resolve()
+        return future
+
+    def status(self) -> list[dict[str, Any]]:
+        """One row per connected backup, for inspect and ``$SYS/broker/durable/replication/...``:
+        its state, how many batches it lags, and for how long it has acknowledged nothing while
+        behind (0 when it is level)."""
+        head, now = self.log.head_seq, time.monotonic()
+        return [
+            {
+                "name": link.name,
+                "peer": link.peer,
+                "state": link.state,
+                "acked": link.acked_seq,
+                "lag_batches": head - link.acked_seq,
+                "lag_seconds": round(now - link.last_progress, 3) if link.acked_seq < head else 0.0,
+                "snapshot_rows": link.snapshot_rows,
+                "reason": link.reason,
+            }
+            for link in self.links.values()
+        ]
+
+    def in_sync(self) -> list[BackupLink]:
+        return [link for link in self.links.values() if link.state == "in_sync"]
+
+    async def wait_acked(self, name: str, seq: int) -> None:
+        """Return once the backup called ``name`` acknowledged batch ``seq``."""
+        while not any(link.name == name and link.acked_seq >= seq for link in self.links.values()):
+            await self._acked.wait()
+
+    def _resolve(self) -> None:
+        if self._closed is not None:
+            return
+        if self._publish is None:
+            upto = min((link.acked_seq for link in self.in_sync()), default=self.log.head_seq)
+        else:
+            self._republish_soon()
+            if self.sync_set is None:
+                return  # until the first publication, nothing is acknowledged
+            # Every in-sync backup counts from the moment it is in sync (as without a published
+            # set), and a published backup that is gone holds acknowledgements back until the
+            # set without it is published: it may be promoted until then, so it must have them.
+            acked = {link.name: link.acked_seq for link in self.in_sync()}
+            members = acked.keys() | self.sync_set
+            upto = min((acked.get(n, self._last_acked.get(n, 0)) for n in members), default=self.log.head_seq)
+        while self._waiting and self._waiting[0][0] <= upto:
+            _, future = self._waiting.popleft()
+            if not future.done():
+                future.set_result(None)
+
+    def _wanted_sync_set(self) -> frozenset[str]:
+        """In-sync backups that also applied everything up to where they became in sync: batches
+        before that point may have been acknowledged without them."""
+        return frozenset(link.name for link in self.in_sync() if link.acked_seq >= link.in_sync_at)
+
+    def _republish_soon(self) -> None:
+        if self._publishing is None and self._wanted_sync_set() != self.sync_set and self._closed is None:
+            self._publishing = self._spawn(self._republish())
+
+    async def _republish(self) -> None:
+        """Publish the in-sync set until the published one is current (Patroni's /sync key).
+        A failed publication is retried; meanwhile a backup that left keeps holding acks."""
+        assert self._publish is not None
+        try:
+            while (wanted := self._wanted_sync_set()) != self.sync_set:
+                try:
+                    await self._publish(wanted)
+                except Exception as exc:  # the coordinator's answer decides; retried after a pause
+                    log.warning("replication: publishing the synchronous set %s failed: %s", sorted(wanted), exc)
+                    await asyncio.sleep(self.ack_timeout / 4)
+                    continue
+                self.sync_set = wanted
+                log.info("replication: synchronous set published: %s", sorted(wanted) or "none")
+        finally:
+            self._publishing = None
+        self._resolve()
+
+    # --- serving ----------------------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._serve, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._spawn(self._watchdog())
+        if self._publish is not None:
+            self._publishing = self._spawn(self._republish())  # the new primary's set, at first none
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self, reason: str = "the primary stopped") -> None:
+        """Stop serving; batches still waiting for backups fail (they must not be acknowledged)."""
+        self._closed = ReplicationError(f"replication: {reason}; the publish was not acknowledged")
+        if self._server is not None:
+            self._server.close()
+        for link in list(self.links.values()):
+            if link.writer is not None:
+                link.writer.close()
+        if self._serving:  # each ends as its connection closes
+            _, late = await asyncio.wait(set(self._serving), timeout=HELLO_TIMEOUT)
+            for task in late:
+                task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        while self._waiting:
+            _, future = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(self._closed)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def _changed(self, link: BackupLink, what: str) -> None:
+        log.info("replication: backup %s (%s): %s", link.name, link.peer, what)
+        if self.on_change is not None:
+            self.on_change(link, what)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = "{}:{}".format(*writer.get_extra_info("peername")[:2])
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
+        key = id(writer)
+        link = BackupLink(name="?", peer=peer, writer=writer)
+        acks: asyncio.Task[None] | None = None
+        sender: asyncio.Task[None] | None = None
+        ended = "disconnected"
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT):
+                kind, payload = await read_frame(reader)
+            if kind != Frame.HELLO:
+                raise FrameError("HELLO", f"first frame is {kind.name}")
+            hello = Hello.decode(payload)
+            link.name = hello.name
+            self.links[key] = link
+            acks = asyncio.get_running_loop().create_task(self._read_acks(reader, link))
+            sender = asyncio.get_running_loop().create_task(self._send(writer, link, hello))
+            done, _ = await asyncio.wait({acks, sender}, return_when=asyncio.FIRST_COMPLETED)
+            for finished in done:
+                finished.result()
+        except asyncio.IncompleteReadError:
+            ended = "disconnected (the backup closed the channel)"
+        except (ConnectionError, TimeoutError, ReplicationError) as exc:
+            ended = f"disconnected ({type(exc).__name__}: {exc})"
+        except Exception as exc:
+            log.exception("replication: the channel to backup %s (%s) failed", link.name, peer)
+            ended = f"disconnected (failed: {exc!r})"
+        finally:
+            self.links.pop(key, None)
+            self.log.pin(link, None)
+            helpers = {extra for extra in (acks, sender) if extra is not None}
+            for extra in helpers:
+                extra.cancel()
+            if helpers:  # a sender reading a snapshot in a thread finishes that read first
+                await asyncio.wait(helpers)
+            writer.close()
+            self._serving.discard(task)
+            self._resolve()
+        self._changed(link, ended)
+
+    async def _read_acks(self, reader: asyncio.StreamReader, link: BackupLink) -> None:
+        while True:
+            kind, payload = await read_frame(reader)
+            if kind != Frame.ACK:
+                raise FrameError("ACK", f"unexpected {kind.name} from a backup")
+            seq = decode_seq(payload)
+            if seq > link.sent_seq:
+                raise FrameError("ACK", f"ack of batch {seq}, only {link.sent_seq} were sent")
+            link.acked_seq = seq
+            link.last_progress = time.monotonic()
+            if link.state == "in_sync":
+                self._last_acked[link.name] = seq
+            self._resolve()
+            event, self._acked = self._acked, asyncio.Event()
+            event.set()
+
+    async def _send(self, writer: asyncio.StreamWriter, link: BackupLink, hello: Hello) -> None:
+        plan = plan_catch_up(self.log, self.store_id, hello.store_id, hello.seq, hello.crc)
+        link.reason = plan.reason
+        self._changed(link, f"connected at batch {hello.seq}: {plan.reason}")
+        pos: int | None = plan.from_seq if plan.kind == "log" else None
+        if pos is not None:
+            link.sent_seq = link.acked_seq = pos
+        try:
+            await self._send_from(writer, link, pos)
+        finally:
+            self.log.pin(link, None)
+
+    async def _send_from(self, writer: asyncio.StreamWriter, link: BackupLink, pos: int | None) -> None:
+        while True:
+            if pos is None:
+                pos = await self._send_snapshot(writer, link)
+                link.state = "catching_up"
+            for item in self.log.since(pos):
+                writer.write(encode_frame(Frame.BATCH, item.data))
+                pos = link.sent_seq = item.seq
+                if writer.transport.get_write_buffer_size() > HIGH_WATER:
+                    self.log.pin(link, pos)
+                    await writer.drain()
+            self.log.pin(link, pos)  # the batches after it stay until sent (up to pin_max_bytes)
+            if pos < self.log.base_seq:
+                self._changed(link, f"fell behind the retained log (at {pos}, log from {self.log.first_seq}): snapshot")
+                if link.state == "in_sync":
+                    link.state = "catching_up"
+                    self._resolve()
+                pos = None
+                continue
+            if link.state == "handshake":
+                link.state = "catching_up"
+            if pos >= self.log.head_seq:  # a snapshot may hold a batch not yet handed to committed()
+                if link.state != "in_sync":
+                    writer.write(encode_frame(Frame.IN_SYNC, encode_seq(pos)))
+                    link.state = "in_sync"
+                    link.in_sync_at = pos
+                    self._last_acked[link.name] = link.acked_seq
+                    link.last_progress = time.monotonic()
+                    self._changed(link, f"in sync at batch {pos}")
+                    self._resolve()
+                await writer.drain()
+                await self.log.wait_beyond(pos)
+
+    async def _send_snapshot(self, writer: asyncio.StreamWriter, link: BackupLink) -> int:
+        """Stream a LevelDB snapshot; returns the batch number it holds."""
+        link.state = "snapshot"
+        link.snapshot_rows = 0
+        snapshot = self.db.snapshot()
+        try:
+            position = read_position(snapshot) or (0, 0)
+            self.log.pin(link, position[0])  # in the same loop pass: no batch after it has left yet
+            self._changed(link, f"snapshot at batch {position[0]} starts")
+            writer.write(encode_frame(Frame.SNAP_BEGIN))
+            rows = snapshot.iterator()
+            try:
+                while True:
+                    chunk = await in_thread(_next_chunk, rows, self.chunk_bytes)
+                    if not chunk:
+                        break
+                    writer.write(encode_frame(Frame.SNAP_CHUNK, encode_ops(chunk)))
+                    link.snapshot_rows += len(chunk)
+                    await writer.drain()
+            finally:
+                rows.close()
+        finally:
+            snapshot.close()
+        writer.write(encode_frame(Frame.SNAP_END, encode_position(*position)))
+        link.sent_seq = position[0]
+        self._changed(link, f"snapshot at batch {position[0]} sent ({link.snapshot_rows} rows)")
+        return position[0]
+
+    async def _watchdog(self) -> None:
+        """Disconnect an in-sync backup silent past ``ack_timeout`` with batches outstanding."""
+        while True:
+            await asyncio.sleep(self.ack_timeout / 4)
+            now = time.monotonic()
+            for link in list(self.links.values()):
+                stalled = link.state == "in_sync" and link.acked_seq < link.sent_seq
+                if stalled and now - link.last_progress > self.ack_timeout and link.writer is not None:
+                    self._changed(link, f"no ack for {self.ack_timeout:g} s: disconnected, no longer counted")
+                    link.state = "catching_up"
+                    link.writer.close()
+                    self._resolve()
+
+
+def _next_chunk(rows: Any, limit: int) -> list[Op]:
+    chunk: list[Op] = []
+    size = 0
+    for key, value in rows:
+        if key == SNAPSHOT_MARK_KEY:
+            continue
+        chunk.append((key, value))
+        size += len(key) + len(value) + 9
+        if size >= limit:
+            break
+    return chunk
+
+
+__all__ = ["BackupLink", "PreparedBatch", "Primary"]

@@ -1,0 +1,77 @@
+"""Shared by the replication tests: real stores in tmp folders, a primary and backups on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from amqtt_durable.replication.backup import Backup
+from amqtt_durable.replication.framing import Op
+from amqtt_durable.replication.primary import Primary
+from amqtt_durable.store import STORE_ID_KEY, open_store
+
+HOST = "127.0.0.1"
+BOUND = 30.0
+_T = TypeVar("_T")
+
+
+async def bounded(awaitable: Awaitable[_T], seconds: float = BOUND) -> _T:
+    async with asyncio.timeout(seconds):
+        return await awaitable
+
+
+def primary_store(folder: Path) -> tuple[Any, int]:
+    db = open_store(str(folder))
+    store_id = secrets.randbits(63)
+    db.put(STORE_ID_KEY, store_id.to_bytes(8, "big"), sync=True)
+    return db, store_id
+
+
+def write(db: Any, ops: list[Op]) -> None:
+    with db.write_batch() as batch:
+        for key, value in ops:
+            if value is None:
+                batch.delete(key)
+            else:
+                batch.put(key, value)
+
+
+def commit(primary: Primary, ops: list[Op]) -> asyncio.Future[None]:
+    """What the wiring will do around each group commit: number, write locally, ship."""
+    prepared = primary.prepare(ops)
+    write(primary.db, prepared.ops)
+    return primary.committed(prepared)
+
+
+def ops_for(n: int) -> list[Op]:
+    """A commit like the broker's: a body, a queue entry, totals; every third deletes older keys."""
+    ops: list[Op] = [
+        (b"m" + n.to_bytes(8, "big"), b"body-%d" % n * 3),
+        (b"q" + (n % 7).to_bytes(8, "big") + n.to_bytes(8, "big"), b"entry-%d" % n),
+        (b"t" + (n % 7).to_bytes(8, "big"), n.to_bytes(8, "big")),
+    ]
+    if n % 3 == 0 and n > 10:
+        ops += [(b"m" + (n - 10).to_bytes(8, "big"), None), (b"q" + (n % 7).to_bytes(8, "big"), None)]
+    return ops
+
+
+def content(db: Any) -> list[tuple[bytes, bytes]]:
+    return list(db.iterator())
+
+
+@contextlib.asynccontextmanager
+async def following(backup: Backup, port: int) -> AsyncIterator[asyncio.Task[None]]:
+    """The backup follows the primary at ``port`` until the block ends."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(backup.follow(HOST, port, stop, retry=0.05))
+    try:
+        yield task
+    finally:
+        stop.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

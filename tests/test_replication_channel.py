@@ -1,0 +1,382 @@
+"""The replication channel over real TCP on 127.0.0.1, with real LevelDB stores in tmp folders."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+from replication_helpers import HOST, bounded, commit, content, following, ops_for, primary_store, write
+
+from amqtt_durable.replication.backup import Backup
+from amqtt_durable.replication.errors import ReplicationGapError
+from amqtt_durable.replication.framing import (
+    Batch,
+    Frame,
+    encode_batch,
+    encode_frame,
+    encode_ops,
+    encode_position,
+    read_frame,
+)
+from amqtt_durable.replication.position import position_op, read_position
+from amqtt_durable.replication.primary import BackupLink, Primary
+from amqtt_durable.store import open_store
+
+
+def hold_writes(backup: Backup) -> asyncio.Event:
+    """The backup receives batches but writes (and acknowledges) none until the event is set."""
+    gate = asyncio.Event()
+    real_write = backup._write_batches
+
+    async def held_write(batches: list[Batch]) -> int | None:
+        await gate.wait()
+        return await real_write(batches)
+
+    backup._write_batches = held_write  # type: ignore[method-assign]
+    return gate
+
+
+def test_primary_ships_10000_batches_to_two_backups_identically(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=1 << 20)
+        await primary.start(HOST, 0)
+        backups = [Backup(open_store(str(tmp_path / name)), name=name) for name in ("b1", "b2")]
+        async with following(backups[0], primary.port), following(backups[1], primary.port):
+            for backup in backups:
+                await bounded(backup.in_sync_event.wait())
+            futures = []
+            for n in range(1, 10_001):
+                futures.append(commit(primary, ops_for(n)))
+                if n % 50 == 0:
+                    await asyncio.sleep(0)  # let the senders ship while commits go on
+            await bounded(asyncio.gather(*futures))
+            for backup in backups:
+                assert backup.applied_seq == 10_000  # sync: acked by every in-sync backup
+                assert backup.snapshots == 1  # the empty store's initial image, then only batches
+            rows = primary.status()
+            assert sorted(row["name"] for row in rows) == ["b1", "b2"]
+            assert all(row["state"] == "in_sync" and row["lag_batches"] == 0 for row in rows)
+            expected = content(db)
+            assert len(expected) > 10_000
+            for backup in backups:
+                assert content(backup.db) == expected
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_restarted_backup_resumes_from_its_applied_batch(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        events: list[str] = []
+        primary = Primary(
+            db,
+            store_id=store_id,
+            log_max_batches=1000,
+            log_max_bytes=1 << 20,
+            on_change=lambda link, what: events.append(what),
+        )
+        await primary.start(HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 501))))
+            assert backup.applied_seq == 500  # sync: every in-sync backup confirmed
+        backup.db.close()  # the backup's process is gone
+        for n in range(501, 801):
+            commit(primary, ops_for(n))
+        again = Backup(open_store(str(tmp_path / "b")), name="b")
+        assert again.applied_seq == 500
+        async with following(again, primary.port):
+            await bounded(again.in_sync_event.wait())
+            await bounded(again.wait_applied(800))
+            assert again.snapshots == 0
+            assert any("300 batches behind" in what for what in events)
+            assert content(again.db) == content(db)
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_backup_outside_the_log_gets_a_snapshot_while_the_primary_commits(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        gone = asyncio.Event()
+        primary = Primary(
+            db,
+            store_id=store_id,
+            log_max_batches=50,
+            log_max_bytes=1 << 20,
+            chunk_bytes=4096,
+            on_change=lambda _, what: gone.set() if what.startswith("disconnected") else None,
+        )
+        await primary.start(HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 101))))
+        backup.db.close()
+        await bounded(gone.wait())  # until the primary sees it gone, the backup's position is pinned
+        for n in range(101, 1501):
+            commit(primary, ops_for(n))
+        assert primary.log.first_seq > 101  # the backup's next batch left the retained log
+        again = Backup(open_store(str(tmp_path / "b")), name="b")
+        during_snapshot = 0
+
+        async def keep_committing() -> None:
+            nonlocal during_snapshot
+            for n in range(1501, 3001):
+                commit(primary, ops_for(n))
+                during_snapshot += any(link.state == "snapshot" for link in primary.links.values())
+                await asyncio.sleep(0)
+
+        async with following(again, primary.port):
+            await bounded(keep_committing())
+            await bounded(again.in_sync_event.wait())
+            await bounded(again.wait_applied(3000))
+            assert again.snapshots == 1
+            assert during_snapshot > 0
+            assert content(again.db) == content(db)
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_sync_future_waits_for_every_in_sync_backup(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, ack_timeout=60)
+        await primary.start(HOST, 0)
+        fast = Backup(open_store(str(tmp_path / "fast")), name="fast")
+        slow = Backup(open_store(str(tmp_path / "slow")), name="slow")
+        gate = hold_writes(slow)
+        async with following(fast, primary.port), following(slow, primary.port):
+            await bounded(fast.in_sync_event.wait())
+            await bounded(slow.in_sync_event.wait())
+            future = commit(primary, ops_for(1))
+            await bounded(fast.wait_applied(1))
+            await bounded(primary.wait_acked("fast", 1))
+            assert not future.done()  # "slow" is in sync and has not confirmed
+            gate.set()
+            await bounded(future)
+            assert slow.applied_seq == 1
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_silent_backup_is_dropped_and_no_longer_holds_acks(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        dropped: list[BackupLink] = []
+        primary = Primary(
+            db,
+            store_id=store_id,
+            log_max_batches=100,
+            log_max_bytes=1 << 20,
+            ack_timeout=0.2,
+            on_change=lambda link, what: dropped.append(link) if "no ack" in what else None,
+        )
+        await primary.start(HOST, 0)
+        stuck = Backup(open_store(str(tmp_path / "stuck")), name="stuck")
+        hold_writes(stuck)  # never released
+        async with following(stuck, primary.port):
+            await bounded(stuck.in_sync_event.wait())
+            await bounded(commit(primary, ops_for(1)))  # resolves once the watchdog drops it
+            assert [link.name for link in dropped] == ["stuck"]
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_close_fails_batches_still_waiting(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, ack_timeout=60)
+        await primary.start(HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        hold_writes(backup)  # never released
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            future = commit(primary, ops_for(1))
+            await primary.close("the primary lost its lease")
+            assert future.done()
+            assert "lost its lease" in str(future.exception())
+
+    asyncio.run(main())
+
+
+def test_a_backup_refuses_a_gap_and_applies_nothing_out_of_order(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        first, crc = encode_batch(1, store_id, ops_for(1))
+        third, _ = encode_batch(3, store_id, ops_for(3))
+
+        async def fake_primary(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_frame(reader)  # HELLO
+            writer.write(encode_frame(Frame.SNAP_BEGIN))
+            writer.write(encode_frame(Frame.SNAP_CHUNK, encode_ops(content(db))))
+            writer.write(encode_frame(Frame.SNAP_END, encode_position(0, 0)))
+            writer.write(encode_frame(Frame.BATCH, first) + encode_frame(Frame.BATCH, third))
+            await writer.drain()
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                while True:
+                    await read_frame(reader)
+            writer.close()
+
+        server = await asyncio.start_server(fake_primary, HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        with pytest.raises(ReplicationGapError, match="batch 3 received after batch 1"):
+            await bounded(backup.run(HOST, server.sockets[0].getsockname()[1]))
+        assert backup.applied_seq == 1
+        assert read_position(backup.db) == (1, crc)
+        assert backup.db.get(b"m" + (3).to_bytes(8, "big")) is None
+        server.close()
+        await bounded(server.wait_closed())
+
+    asyncio.run(main())
+
+
+def test_a_backup_killed_during_a_snapshot_gets_a_new_one(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=10, log_max_bytes=1 << 20, chunk_bytes=2048)
+        await primary.start(HOST, 0)
+        for n in range(1, 1001):
+            commit(primary, ops_for(n))
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        real_apply = backup._apply
+        some_rows = asyncio.Event()
+        dead = asyncio.Event()
+
+        async def dies_after_a_chunk(group: list[tuple[Frame, bytes]]) -> int | None:
+            ack = await real_apply(group)
+            if any(kind == Frame.SNAP_CHUNK for kind, _ in group):
+                some_rows.set()
+                await dead.wait()  # the process is gone: nothing more is applied
+            return ack
+
+        backup._apply = dies_after_a_chunk  # type: ignore[method-assign]
+        async with following(backup, primary.port):
+            await bounded(some_rows.wait())
+        backup.db.close()
+        again = Backup(open_store(str(tmp_path / "b")), name="b")
+        assert again.partial  # the snapshot mark says the store is incomplete
+        assert read_position(again.db) is None
+        async with following(again, primary.port):
+            await bounded(again.in_sync_event.wait())
+            assert again.snapshots == 1
+            assert content(again.db) == content(db)
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_restarted_primary_numbers_on_and_its_backup_needs_no_snapshot(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20)
+        await primary.start(HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 101))))
+        await primary.close()
+        db.close()
+        db = open_store(str(tmp_path / "p"))
+        events: list[str] = []
+        primary = Primary(
+            db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, on_change=lambda _, e: events.append(e)
+        )
+        await primary.start(HOST, 0)
+        assert primary.prepare([]).seq == 101
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            assert any("up to date at batch 100" in e for e in events), events
+            assert backup.snapshots == 1  # only the first, from empty
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_backup_whose_history_diverged_gets_a_snapshot(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        events: list[str] = []
+        primary = Primary(
+            db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, on_change=lambda _, e: events.append(e)
+        )
+        await primary.start(HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 51))))
+        # the backup's store gets a batch 51 the primary never had (a former primary's, async mode)
+        _, foreign_crc = encode_batch(51, store_id, [(b"m-foreign", b"lost")])
+        write(backup.db, [(b"m-foreign", b"lost"), position_op(51, foreign_crc)])
+        for n in range(51, 61):
+            commit(primary, ops_for(n))
+        again = Backup(backup.db, name="b")
+        async with following(again, primary.port):
+            await bounded(again.in_sync_event.wait())
+            assert any("diverged" in e for e in events)
+            assert again.snapshots == 1
+            assert again.db.get(b"m-foreign") is None
+            assert content(again.db) == content(db)
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_published_backup_that_leaves_holds_acks_until_the_set_without_it_is_published(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        published: list[frozenset[str]] = []
+        news = asyncio.Event()
+        gate = asyncio.Event()
+        gone = asyncio.Event()
+
+        async def publish(members: frozenset[str]) -> None:  # the coordinator's sync key, faked
+            nonlocal news
+            await gate.wait()
+            published.append(members)
+            news.set()
+            news = asyncio.Event()
+
+        async def until_published(members: frozenset[str]) -> None:
+            while primary.sync_set != members:
+                await news.wait()
+
+        primary = Primary(
+            db,
+            store_id=store_id,
+            log_max_batches=100,
+            log_max_bytes=1 << 20,
+            ack_timeout=60,
+            publish_sync_set=publish,
+            on_change=lambda _, what: gone.set() if what.startswith("disconnected") else None,
+        )
+        await primary.start(HOST, 0)
+        first = commit(primary, ops_for(1))
+        assert not first.done()  # nothing is acknowledged before the first publication
+        gate.set()
+        await bounded(first)
+        assert published == [frozenset()]
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(commit(primary, ops_for(2)))
+            await bounded(until_published(frozenset({"b"})))
+            gate.clear()  # the coordinator stops answering for a while
+        await bounded(gone.wait())
+        held = commit(primary, ops_for(3))
+        assert not held.done()  # "b" may still be promoted: it must not miss an acknowledged batch
+        gate.set()
+        await bounded(held)
+        assert published[-1] == frozenset()
+        await primary.close()
+
+    asyncio.run(main())

@@ -1,0 +1,155 @@
+"""The leader lease against a real etcd (Debian's etcd-server, started by the `etcd` fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from etcd_fixture import Etcd
+
+from amqtt_durable.process import free_port
+from amqtt_durable.replication.coordinator import Leader
+from amqtt_durable.replication.errors import CoordinatorError
+from amqtt_durable.replication.etcd import EtcdCoordinator
+from amqtt_durable.replication.ha import Decision, HaNode
+
+TTL = 2
+BOUND = 30.0
+
+
+def coordinator(etcd: Etcd, ttl: float = TTL) -> EtcdCoordinator:
+    return EtcdCoordinator([etcd.url], prefix="/amqtt-durable/test/", ttl=ttl, timeout=1.0)
+
+
+def test_one_lease_holder_at_a_time_and_the_lease_ends_with_its_ttl(etcd: Etcd) -> None:
+    async def main() -> None:
+        a, b = coordinator(etcd), coordinator(etcd)
+        me, other = Leader("a", "127.0.0.1:1"), Leader("b", "127.0.0.1:2")
+        assert await a.leader() is None
+        assert await a.acquire(me)
+        assert not await b.acquire(other)
+        assert await b.leader() == me
+        assert await a.renew(me)
+        assert not await b.renew(other)  # b holds no lease
+        assert await a.initialize("a")
+        assert not await b.initialize("b")
+        assert await b.sync_members() is None
+        assert await a.publish_sync(me, frozenset({"b", "c"}))
+        assert not await b.publish_sync(other, frozenset({"b"}))  # only the leader writes the set
+        assert await b.sync_members() == frozenset({"b", "c"})
+        await expired(b)  # a stopped renewing: etcd expires the lease by itself
+        assert not await a.renew(me)
+        assert await b.acquire(other)
+        await b.release(other)
+        assert await a.leader() is None
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+async def expired(etcd: EtcdCoordinator) -> None:
+    """Ask etcd until nobody holds the lease (etcd has no event we could wait on through the
+    gateway short of a watch stream; each check reads etcd's own state, bounded by the test)."""
+    for _ in range(int(BOUND / 0.1)):
+        if await etcd.leader() is None:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the lease did not expire")
+
+
+def test_an_unreachable_etcd_is_a_coordinator_error() -> None:
+    async def main() -> None:
+        lost = EtcdCoordinator([f"http://127.0.0.1:{free_port()}"], prefix="/x", ttl=TTL, timeout=1.0)
+        try:
+            await lost.leader()
+        except CoordinatorError as exc:
+            assert "/v3/kv/range failed" in str(exc)
+        else:
+            raise AssertionError("no error from an etcd that is not there")
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+def test_an_etcd_that_never_answers_is_an_error_within_the_call_timeout() -> None:
+    async def main() -> None:
+        held: list[asyncio.StreamWriter] = []
+
+        async def black_hole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            held.append(writer)  # accepts, reads nothing, answers nothing
+
+        server = await asyncio.start_server(black_hole, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        silent = EtcdCoordinator([f"http://127.0.0.1:{port}"], prefix="/x", ttl=TTL, timeout=0.3)
+        try:
+            await silent.leader()
+        except CoordinatorError as exc:
+            assert "TimeoutError" in str(exc)
+        else:
+            raise AssertionError("no error from an etcd that never answers")
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+class Node:
+    """Hooks of one HA node that record when it was promoted and demoted."""
+
+    def __init__(self, *, caught_up: bool) -> None:
+        self.is_caught_up = caught_up
+        self.promoted = asyncio.Event()
+        self.demoted = asyncio.Event()
+        self.promoted_at = 0.0
+        self.demoted_at = 0.0
+        self.followed: list[Leader] = []
+        self.following = asyncio.Event()
+        self.decisions: list[Decision] = []
+
+    def caught_up(self) -> bool:
+        return self.is_caught_up
+
+    def follow(self, leader: Leader) -> None:
+        self.followed.append(leader)
+        self.following.set()
+
+    async def promote(self) -> None:
+        self.promoted_at = time.monotonic()
+        self.promoted.set()
+
+    def demote(self, reason: str) -> None:
+        self.demoted_at = time.monotonic()
+        self.demoted.set()
+
+
+def test_a_partitioned_primary_demotes_itself_before_the_other_takes_the_lease(etcd: Etcd) -> None:
+    async def main() -> None:
+        hooks_a, hooks_b = Node(caught_up=False), Node(caught_up=True)
+        coord_a, coord_b = coordinator(etcd), coordinator(etcd)
+        a = HaNode(coord_a, hooks_a, name="a", address="127.0.0.1:7001", loop_wait=0.2, demote_margin=0.5)
+        b = HaNode(coord_b, hooks_b, name="b", address="127.0.0.1:7002", loop_wait=0.2, demote_margin=0.5)
+        stop_a, stop_b = asyncio.Event(), asyncio.Event()
+        run_a = asyncio.create_task(a.run(stop_a, hooks_a.decisions.append))
+        await hooks_a.promoted.wait()  # a bootstraps the new cluster
+        run_b = asyncio.create_task(b.run(stop_b, hooks_b.decisions.append))
+        await hooks_b.following.wait()
+        assert hooks_b.followed[-1] == Leader("a", "127.0.0.1:7001")
+        assert b.role == "backup"
+        lease_safe_until = a.valid_until  # a's lease cannot end before this (its clock)
+        coord_a.endpoints = [f"http://127.0.0.1:{free_port()}"]  # a is cut off from etcd
+        await hooks_b.promoted.wait()
+        assert hooks_a.demoted.is_set()
+        assert hooks_a.demoted_at < hooks_b.promoted_at  # never two primaries acknowledging
+        assert hooks_a.demoted_at < lease_safe_until  # a stepped down before its lease could end
+        assert a.role == "backup"
+        assert not a.may_acknowledge()
+        assert b.may_acknowledge()
+        assert any(d.action == "retry" for d in hooks_a.decisions)
+        assert hooks_b.decisions[-1].action == "promoted"
+        assert await coord_b.leader() == Leader("b", "127.0.0.1:7002")
+        stop_a.set()
+        stop_b.set()
+        await asyncio.gather(run_a, run_b)
+        assert await coord_b.leader() is None  # b released the lease as it stopped
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))

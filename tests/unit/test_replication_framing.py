@@ -1,0 +1,159 @@
+"""Replication framing, the retained batch log and catch-up planning: pure logic."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from amqtt_durable.replication.errors import FrameError
+from amqtt_durable.replication.framing import (
+    Frame,
+    Hello,
+    decode_batch,
+    encode_batch,
+    encode_frame,
+    read_frame,
+)
+from amqtt_durable.replication.log import RetainedLog, plan_catch_up
+
+OPS = [(b"q\x00\x01", b"entry"), (b"m\x00", b""), (b"t\x07", None), (b"\xff" * 300, b"v" * 70_000)]
+
+
+def test_batch_round_trip_keeps_every_operation_in_order() -> None:
+    data, crc = encode_batch(42, 0xABCDEF, OPS)
+    batch = decode_batch(data)
+    assert (batch.seq, batch.store_id, list(batch.ops), batch.crc) == (42, 0xABCDEF, OPS, crc)
+
+
+def test_empty_batch_round_trips() -> None:
+    data, _ = encode_batch(1, 2, [])
+    assert decode_batch(data).ops == ()
+
+
+@pytest.mark.parametrize("position", [0, 9, 20, 40])
+def test_a_flipped_byte_is_a_checksum_error(position: int) -> None:
+    data, _ = encode_batch(7, 8, OPS)
+    damaged = bytearray(data)
+    damaged[position] ^= 0x01
+    with pytest.raises(FrameError, match="checksum"):
+        decode_batch(bytes(damaged))
+
+
+def test_a_truncated_batch_is_refused() -> None:
+    data, _ = encode_batch(7, 8, OPS)
+    with pytest.raises(FrameError):
+        decode_batch(data[:10])
+
+
+def test_the_checksum_is_the_batch_identity() -> None:
+    assert encode_batch(3, 1, OPS)[1] != encode_batch(3, 1, OPS[:-1])[1]
+    assert encode_batch(3, 1, OPS)[1] == encode_batch(3, 1, list(OPS))[1]
+
+
+def test_frames_round_trip_and_damage_is_detected() -> None:
+    async def main() -> None:
+        reader = asyncio.StreamReader()
+        hello = Hello(store_id=5, seq=6, crc=7, name="backup-é")
+        good = encode_frame(Frame.HELLO, hello.encode())
+        bad = bytearray(encode_frame(Frame.ACK, b"\x00" * 8))
+        bad[6] ^= 0xFF
+        reader.feed_data(good + bytes(bad))
+        reader.feed_eof()
+        kind, payload = await read_frame(reader)
+        assert kind == Frame.HELLO
+        assert Hello.decode(payload) == hello
+        with pytest.raises(FrameError, match="checksum"):
+            await read_frame(reader)
+
+    asyncio.run(main())
+
+
+def filled(count: int, *, max_batches: int = 100, max_bytes: int = 1 << 20, size: int = 10) -> RetainedLog:
+    log = RetainedLog(max_batches=max_batches, max_bytes=max_bytes)
+    for seq in range(1, count + 1):
+        log.append(seq, 1000 + seq, b"x" * size)
+    return log
+
+
+def test_retained_log_bounded_by_count_keeps_the_newest() -> None:
+    log = filled(250, max_batches=100)
+    assert (len(log), log.first_seq, log.head_seq, log.base_seq) == (100, 151, 250, 150)
+    assert log.crc_of(150) == 1150  # the last batch that left still answers a position check
+    assert log.crc_of(149) is None
+    assert [item.seq for item in log.since(247)] == [248, 249, 250]
+
+
+def test_retained_log_bounded_by_bytes_keeps_at_least_the_newest() -> None:
+    log = filled(50, max_bytes=100, size=30)
+    assert (len(log), log.first_seq, log.size_bytes) == (3, 48, 90)
+    huge = filled(3, max_bytes=10, size=1000)
+    assert (len(huge), huge.head_seq) == (1, 3)
+
+
+def test_retained_log_refuses_a_gap() -> None:
+    log = filled(3)
+    with pytest.raises(ValueError, match="after batch 3"):
+        log.append(5, 0, b"")
+
+
+def test_retained_log_starts_at_the_store_position() -> None:
+    log = RetainedLog(max_batches=10, max_bytes=100, last_seq=77, last_crc=9)
+    assert (log.head_seq, log.first_seq, log.crc_of(77)) == (77, 78, 9)
+    log.append(78, 1, b"")
+    assert log.head_seq == 78
+
+
+def test_wait_beyond_returns_once_a_newer_batch_is_appended() -> None:
+    async def main() -> None:
+        log = filled(2)
+        waiter = asyncio.create_task(log.wait_beyond(2))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        log.append(3, 0, b"")
+        await asyncio.wait_for(waiter, 5)
+
+    asyncio.run(main())
+
+
+STORE = 0x51
+
+
+@pytest.mark.parametrize(
+    ("store", "seq", "crc", "kind", "words"),
+    [
+        (STORE, 250, 1250, "log", "up to date"),
+        (STORE, 200, 1200, "log", "50 batches behind"),
+        (STORE, 150, 1150, "log", "100 batches behind"),
+        (STORE, 149, 1149, "snapshot", "too far behind"),
+        (STORE, 0, 0, "snapshot", "never applied"),
+        (STORE, None, 0, "snapshot", "half-applied"),
+        (0x99, 200, 1200, "snapshot", "not this primary's"),
+        (STORE, 260, 0, "snapshot", "diverged"),
+        (STORE, 200, 4, "snapshot", "differs"),
+    ],
+)
+def test_catch_up_plan(store: int, seq: int | None, crc: int, kind: str, words: str) -> None:
+    plan = plan_catch_up(filled(250, max_batches=100), STORE, store, seq, crc)
+    assert plan.kind == kind
+    assert words in plan.reason
+    if kind == "log":
+        assert plan.from_seq == seq
+
+
+def test_a_pin_keeps_the_batches_a_backup_still_needs_up_to_the_hard_limit() -> None:
+    log = RetainedLog(max_batches=10, max_bytes=1000, pin_max_bytes=500)
+    for seq in range(1, 11):
+        log.append(seq, seq, b"x" * 10)
+    log.pin("backup", 3)
+    for seq in range(11, 31):
+        log.append(seq, seq, b"x" * 10)
+    assert log.first_seq == 4  # batches 4.. stay for the pinned backup
+    log.pin("backup", None)
+    log.append(31, 31, b"")
+    assert log.first_seq == 22
+    log.pin("backup", 22)
+    for seq in range(32, 100):
+        log.append(seq, seq, b"x" * 10)
+    assert log.first_seq > 23  # past pin_max_bytes the pin is dropped: that backup needs a snapshot
+    assert plan_catch_up(log, 1, 1, 22, 22).kind == "snapshot"
