@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -143,18 +143,9 @@ class DurableConfig:
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     kind = str(annotation)
-    if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(key, f"expected true or false, got {value!r}")
-    if kind == "int":
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(key, f"expected a whole number, got {value!r}")
-    if kind == "float":
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(key, f"expected a number, got {value!r}")
+    scalar = _SCALARS.get(kind)
+    if scalar is not None:
+        return scalar(key, value)
     if kind == "list[StreamConfig]":
         return _streams(key, value)
     choices = {"OverflowPolicy": OVERFLOW_POLICIES, "SessionTakeover": TAKEOVER_POLICIES}.get(kind)
@@ -166,6 +157,28 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return value
     what = "topic filter" if kind == "topic filter" else "folder path"
     raise ConfigError(key, f"expected a non-empty {what}, got {value!r}")
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(key, f"expected true or false, got {value!r}")
+
+
+def _as_int(key: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConfigError(key, f"expected a whole number, got {value!r}")
+
+
+def _as_float(key: str, value: Any) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise ConfigError(key, f"expected a number, got {value!r}")
+
+
+# YAML booleans are ints to Python, so each scalar kind is checked exactly, not with int()/float().
+_SCALARS: dict[str, Callable[[str, Any], Any]] = {"bool": _as_bool, "int": _as_int, "float": _as_float}
 
 
 def _streams(key: str, value: Any) -> list[StreamConfig]:
@@ -209,12 +222,25 @@ def _check_streams(streams: list[StreamConfig]) -> None:
 
 
 def _check_ranges(config: DurableConfig) -> None:
+    _check_choices(config)
+    _check_counts(config)
+    _check_byte_limits(config)
+    _check_durations(config)
+    _check_streams(config.streams)
+    if not config.store:
+        raise ConfigError("store", "expected a non-empty folder path")
+
+
+def _check_choices(config: DurableConfig) -> None:
     if config.overflow not in OVERFLOW_POLICIES:
         raise ConfigError("overflow", f"expected one of {', '.join(OVERFLOW_POLICIES)}, got {config.overflow!r}")
     if config.session_takeover not in TAKEOVER_POLICIES:
         raise ConfigError(
             "session_takeover", f"expected one of {', '.join(TAKEOVER_POLICIES)}, got {config.session_takeover!r}"
         )
+
+
+def _check_counts(config: DurableConfig) -> None:
     positive_ints = ("max_depth", "max_depth_disconnected", "batch_size", "pending_threshold")
     for key in positive_ints:
         if getattr(config, key) < 1:
@@ -228,6 +254,16 @@ def _check_ranges(config: DurableConfig) -> None:
             "max_depth_disconnected",
             f"must be >= max_depth ({config.max_depth}), got {config.max_depth_disconnected}",
         )
+    if not 1 <= config.stream_window <= MAX_STREAM_WINDOW:
+        raise ConfigError("stream_window", f"must be between 1 and {MAX_STREAM_WINDOW}, got {config.stream_window!r}")
+    if config.max_subscriptions_per_client < 0:
+        raise ConfigError(
+            "max_subscriptions_per_client",
+            f"must be a whole number, 0 (no limit) or more, got {config.max_subscriptions_per_client!r}",
+        )
+
+
+def _check_byte_limits(config: DurableConfig) -> None:
     for key in ("max_bytes", "max_bytes_disconnected"):
         if getattr(config, key) < 0:
             raise ConfigError(key, f"must be 0 (no limit) or more bytes, got {getattr(config, key)!r}")
@@ -236,27 +272,20 @@ def _check_ranges(config: DurableConfig) -> None:
             "max_bytes_disconnected",
             f"must be >= max_bytes ({config.max_bytes}) or 0 (no limit), got {config.max_bytes_disconnected}",
         )
-    if not 1 <= config.stream_window <= MAX_STREAM_WINDOW:
-        raise ConfigError("stream_window", f"must be between 1 and {MAX_STREAM_WINDOW}, got {config.stream_window!r}")
-    if config.max_subscriptions_per_client < 0:
-        raise ConfigError(
-            "max_subscriptions_per_client",
-            f"must be a whole number, 0 (no limit) or more, got {config.max_subscriptions_per_client!r}",
-        )
-    for key in ("stream_ack_timeout", "connect_timeout"):
-        value = getattr(config, key)
-        if value <= 0 or not math.isfinite(value):
-            raise ConfigError(key, f"must be a finite number above 0, got {value!r}")
     if not MIN_PACKET_SIZE <= config.max_packet_size <= MAX_PACKET_SIZE:
         raise ConfigError(
             "max_packet_size",
             f"must be between {MIN_PACKET_SIZE} and {MAX_PACKET_SIZE} (MQTT's largest packet), "
             f"got {config.max_packet_size!r}",
         )
-    _check_streams(config.streams)
+
+
+def _check_durations(config: DurableConfig) -> None:
+    for key in ("stream_ack_timeout", "connect_timeout"):
+        value = getattr(config, key)
+        if value <= 0 or not math.isfinite(value):
+            raise ConfigError(key, f"must be a finite number above 0, got {value!r}")
     for key in ("session_expiry", "batch_delay_ms", "metrics_interval", "drop_log_interval", "max_session_expiry"):
         value = getattr(config, key)
         if not math.isfinite(value) or value < 0:
             raise ConfigError(key, f"must be a finite number, 0 or more, got {value!r}")
-    if not config.store:
-        raise ConfigError("store", "expected a non-empty folder path")

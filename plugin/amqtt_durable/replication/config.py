@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
@@ -143,6 +143,13 @@ def _check(config: ReplicationConfig, where: str) -> None:
     def bad(key: str, problem: str) -> ConfigError:
         return ConfigError(f"{where}.{key}", problem)
 
+    _check_addresses(config, where, bad)
+    _check_roles(config, where, bad)
+    _check_timing(config, bad)
+    _check_sizes(config, bad)
+
+
+def _check_addresses(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
     if config.role not in ROLES:
         raise bad("role", f"expected one of {', '.join(ROLES)}, got {config.role!r}")
     if config.mode not in MODES:
@@ -150,6 +157,9 @@ def _check(config: ReplicationConfig, where: str) -> None:
     _address(f"{where}.listen", config.listen)
     if config.advertise:
         _address(f"{where}.advertise", config.advertise)
+
+
+def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
     for url in config.coordinator:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
@@ -167,6 +177,9 @@ def _check(config: ReplicationConfig, where: str) -> None:
         if not config.primary:
             raise bad("primary", "needed on a backup without a coordinator: the primary's host:port")
         _address(f"{where}.primary", config.primary)
+
+
+def _check_timing(config: ReplicationConfig, bad: Callable[[str, str], ConfigError]) -> None:
     if config.lease_ttl < MIN_LEASE_TTL:
         raise bad("lease_ttl", f"must be at least {MIN_LEASE_TTL} s (etcd's shortest lease), got {config.lease_ttl}")
     for key in ("loop_wait", "demote_margin", "ack_timeout"):
@@ -181,6 +194,9 @@ def _check(config: ReplicationConfig, where: str) -> None:
             f"must be at most (lease_ttl - demote_margin) / 2 = {(config.lease_ttl - config.demote_margin) / 2:g} s "
             f"so a primary gets two renewal attempts before it must step down, got {config.loop_wait}",
         )
+
+
+def _check_sizes(config: ReplicationConfig, bad: Callable[[str, str], ConfigError]) -> None:
     if config.retained_batches < 1:
         raise bad("retained_batches", f"must be at least 1, got {config.retained_batches}")
     for key in ("retained_bytes", "snapshot_chunk_bytes"):

@@ -245,6 +245,15 @@ class Primary:
         for link in list(self.links.values()):
             if link.writer is not None:
                 link.writer.close()
+        await self._end_tasks()
+        while self._waiting:
+            _, future = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(self._closed)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _end_tasks(self) -> None:
         if self._serving:  # each ends as its connection closes
             _, late = await asyncio.wait(set(self._serving), timeout=HELLO_TIMEOUT)
             for task in late:
@@ -254,12 +263,6 @@ class Primary:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        while self._waiting:
-            _, future = self._waiting.popleft()
-            if not future.done():
-                future.set_exception(self._closed)
-        if self._server is not None:
-            await self._server.wait_closed()
 
     def _changed(self, link: BackupLink, what: str) -> None:
         log.info("replication: backup %s (%s): %s", link.name, link.peer, what)
