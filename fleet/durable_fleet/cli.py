@@ -103,8 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FleetOptions:
-    """Check what argparse cannot and build the run's options; exits 2 with the problem named."""
+def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for name in ("devices", "processes", "publishers", "keepalive"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be 1 or more, got {getattr(args, name)}")
@@ -118,6 +117,11 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
         parser.error(f"--prefix {args.prefix!r}: use letters, digits and _ . : - only (it is in topic names)")
     if args.port is None and args.host != "127.0.0.1":
         parser.error("--host names a running broker: give its --port too")
+
+
+def _mix_and_faults(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[dict[DeviceKind, int], dict[FaultKind, int]]:
     if args.faults is None:
         args.faults = DEFAULT_FAULTS if args.port is None else DEFAULT_FAULTS_RUNNING_BROKER
     try:
@@ -127,6 +131,13 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
         parser.error(str(exc))
     if sum(mix.values()) == 0:
         parser.error("--mix gives every device kind weight 0")
+    return mix, counts
+
+
+def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FleetOptions:
+    """Check what argparse cannot and build the run's options; exits 2 with the problem named."""
+    _check_numbers(args, parser)
+    mix, counts = _mix_and_faults(args, parser)
     config = None
     if args.port is None:
         try:

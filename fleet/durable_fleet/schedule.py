@@ -207,6 +207,13 @@ def _load_fault(entry: Any, path: Path, index: int, devices: Sequence[str], dura
     kind = entry["kind"]
     if kind not in FAULT_KINDS:
         raise error(f"unknown kind {kind!r} (valid: {', '.join(FAULT_KINDS)})", "kind")
+    at, lasting = _load_times(entry, duration, error)
+    return Fault(at, kind, _load_target(entry, kind, devices, error), lasting)
+
+
+def _load_times(
+    entry: dict[str, Any], duration: float, error: Callable[[str, str], ScheduleError]
+) -> tuple[float, float]:
     times: dict[str, float] = {}
     for field in ("at", "for"):
         try:
@@ -221,7 +228,7 @@ def _load_fault(entry: Any, path: Path, index: int, devices: Sequence[str], dura
             f"the fault ends at {end:g}s, after the run's duration of {duration:g}s (it must heal before the end)",
             "for",
         )
-    return Fault(times["at"], kind, _load_target(entry, kind, devices, error), times["for"])
+    return times["at"], times["for"]
 
 
 def _load_target(

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -456,22 +456,10 @@ def match_in_order(receive_ids: Sequence[str], sends: Iterable[tuple[str, str, f
         if not unpaired.get(message):
             picked.append(None)
             continue
-        best: tuple[float, str, _Sends, int] | None = None
-        for sender in senders[message]:  # in order: the earliest unpaired send at or after the cursor
-            queue = queues[message, sender]
-            i = bisect_left(queue.times, cursor.get(sender, -INFINITY))
-            while i < len(queue.times) and queue.used[i]:  # only sends at the cursor's very time
-                i += 1
-            if i < len(queue.times) and (best is None or (queue.times[i], sender) < best[:2]):
-                best = (queue.times[i], sender, queue, i)
+        candidates = [(sender, queues[message, sender]) for sender in senders[message]]
+        best = _earliest(candidates, lambda sender, queue: _next_in_order(queue, cursor.get(sender, -INFINITY)))
         if best is None:  # out of order: the earliest unpaired send
-            for sender in senders[message]:
-                queue = queues[message, sender]
-                while queue.first_unused < len(queue.times) and queue.used[queue.first_unused]:
-                    queue.first_unused += 1
-                i = queue.first_unused
-                if i < len(queue.times) and (best is None or (queue.times[i], sender) < best[:2]):
-                    best = (queue.times[i], sender, queue, i)
+            best = _earliest(candidates, lambda _, queue: _first_unused(queue))
         if best is None:  # not reached: unpaired[message] > 0
             picked.append(None)
             continue
@@ -481,6 +469,32 @@ def match_in_order(receive_ids: Sequence[str], sends: Iterable[tuple[str, str, f
         cursor[sender] = max(cursor.get(sender, -INFINITY), time)
         picked.append(queue.ks[i])
     return picked
+
+
+def _next_in_order(queue: _Sends, cursor: float) -> int:
+    """The earliest unpaired send at or after the sender's cursor."""
+    i = bisect_left(queue.times, cursor)
+    while i < len(queue.times) and queue.used[i]:  # only sends at the cursor's very time
+        i += 1
+    return i
+
+
+def _first_unused(queue: _Sends) -> int:
+    while queue.first_unused < len(queue.times) and queue.used[queue.first_unused]:
+        queue.first_unused += 1
+    return queue.first_unused
+
+
+def _earliest(
+    candidates: list[tuple[str, _Sends]], index_of: Callable[[str, _Sends], int]
+) -> tuple[float, str, _Sends, int] | None:
+    """Of each sender's candidate send, the earliest (ties by sender), as (time, sender, queue, index)."""
+    best: tuple[float, str, _Sends, int] | None = None
+    for sender, queue in candidates:
+        i = index_of(sender, queue)
+        if i < len(queue.times) and (best is None or (queue.times[i], sender) < best[:2]):
+            best = (queue.times[i], sender, queue, i)
+    return best
 
 
 def _labelled(grouped: DataFrame) -> DataFrame:
