@@ -201,16 +201,7 @@ def encode_request(op: str, req: int | None = None, **fields: Any) -> bytes:
 
 def parse_request(payload: bytes) -> Request:
     """Decode and type-check one request; ProtocolError names what is wrong."""
-    if len(payload) > MAX_REQUEST_BYTES:
-        raise ProtocolError("malformed", f"request of {len(payload)} bytes; the limit is {MAX_REQUEST_BYTES}")
-    try:
-        data = json.loads(payload)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError("malformed", f"request is not JSON: {exc}") from None
-    except RecursionError:
-        raise ProtocolError("malformed", "request nests JSON too deeply") from None
-    if not isinstance(data, dict):
-        raise ProtocolError("malformed", "request must be a JSON object")
+    data = _json_object(payload)
     req = data.get("req")
     if req is not None and not _is_int(req):
         raise ProtocolError("malformed", "'req' must be an integer")
@@ -241,6 +232,21 @@ def parse_request(payload: bytes) -> Request:
     except ProtocolError as exc:
         exc.req = req
         raise
+
+
+def _json_object(payload: bytes) -> dict[str, Any]:
+    """The request's JSON object, bounded in size and depth (a control topic is open to every client)."""
+    if len(payload) > MAX_REQUEST_BYTES:
+        raise ProtocolError("malformed", f"request of {len(payload)} bytes; the limit is {MAX_REQUEST_BYTES}")
+    try:
+        data = json.loads(payload)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError("malformed", f"request is not JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("malformed", "request nests JSON too deeply") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("malformed", "request must be a JSON object")
+    return data
 
 
 def _is_int(value: object) -> bool:
