@@ -43,6 +43,7 @@ bench-setup: $(STAMP)
 
 bench: $(STAMP) bench-setup
 	$(VENV)/bin/python bench/bench_durable.py
+	$(VENV)/bin/python bench/bench_storm.py
 	$(VENV)/bin/python bench/bench_sdk.py
 	$(VENV)/bin/python bench/bench_pipeline.py
 	$(VENV)/bin/python bench/bench_fleet.py
