@@ -128,6 +128,7 @@ def _ratio(ours: float | None, other: float | None) -> str:
 ROWS: list[tuple[str, str, str, str]] = [  # label, unit, better, metric
     ("all delivered (t0 -> last message of the last session)", "s", "lower", "storm_s"),
     ("drain rate (all messages / that time)", "msgs/s", "higher", "rate"),
+    ("fastest session: t0 -> first message", "ms", "lower", "fastest_first_ms"),
     ("slowest session: t0 -> first message", "ms", "lower", "slowest_first_ms"),
     ("median session: t0 -> first message", "ms", "lower", "median_first_ms"),
     ("median session: t0 -> all its messages", "ms", "lower", "median_complete_ms"),
@@ -138,6 +139,8 @@ ROWS: list[tuple[str, str, str, str]] = [  # label, unit, better, metric
 
 
 def metric(res: StormResult, key: str) -> float | None:
+    if key == "fastest_first_ms":
+        return res.first_ms[0] if res.first_ms else None
     if key == "median_first_ms":
         return _median(res.first_ms)
     if key == "median_complete_ms":
