@@ -44,6 +44,23 @@ from _rawmqtt import ClientProcess, PubSpec, ReceiveResult, SubSpec, publisher_m
 from bench_durable import build_brokers
 
 TOP = 30
+# Stages of the replay path: a sample goes to the first stage, walking its stack from the leaf to the root,
+# one of whose patterns (substrings of "path:function") a frame contains; the rest is the event loop itself.
+STAGES: list[tuple[str, tuple[str, ...]]] = [
+    ("store read: iterate queue entries, get + decode bodies",
+     ("read_entries", "iter_entries", "Body.decode", "Entry.decode", "seq_of_entry_key", "body_key")),
+    ("ack bookkeeping: remove_entry, release_body, pending removals, flush_soon",
+     ("remove_entry", "release_body", "PendingRemovals", "GroupCommitter.flush_soon", "GroupCommitter.delete",
+      "Pump._acked", "advance_sent_mark")),
+    ("store write: the write batches of removals", ("GroupCommitter._write", "GroupCommitter._start_flush",
+                                                    "GroupCommitter._finish", "GroupCommitter.commit")),
+    ("PUBLISH: build packets + write to the transport",
+     ("Pump._send", "encode_publish", "remaining_length", "packet_id_for", "Pump._take_sendable", "Pump._payload",
+      "HandlerTransport._flush", "HandlerTransport.drain", "HandlerTransport.write", "Transport.write")),
+    ("PUBACK: read + parse + dispatch", ("FastReader", "take_ack", "StreamReader", "_read_ready",
+                                         "data_received")),
+    ("pump control: window, wake-ups, refill", ("Pump.", "Event.set", "Event.wait")),
+]
 
 
 def replay_once(args: argparse.Namespace, port: int, login: object, name: str, *,
@@ -95,13 +112,22 @@ OURS_PREFIX = "amqtt_durable/"
 ENTRY_PREFIX = "amqtt_durable/cli.py:"
 
 
-def analyse(raw: Path) -> tuple[int, Counter[str], Counter[str], Counter[str]]:
+def stage_of(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        for stage, patterns in STAGES:
+            if any(pattern in frame for pattern in patterns):
+                return stage
+    return "event loop itself: select, callbacks, tasks"
+
+
+def analyse(raw: Path) -> tuple[int, Counter[str], Counter[str], Counter[str], Counter[str]]:
     """Samples; self time per leaf function; per nearest amqtt_durable function (the deepest of ours in
     the stack, so time in the stdlib, plyvel or amqtt below it counts to it); inclusive per function of ours."""
     total = 0
     own: Counter[str] = Counter()
     nearest: Counter[str] = Counter()
     incl: Counter[str] = Counter()
+    stages: Counter[str] = Counter()
     for line in raw.read_text(errors="replace").splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
@@ -112,12 +138,13 @@ def analyse(raw: Path) -> tuple[int, Counter[str], Counter[str], Counter[str]]:
             continue
         total += count
         own[frames[-1]] += count
+        stages[stage_of(frames)] += count
         ours = [f for f in frames if f.startswith(OURS_PREFIX)]
         inner = [f for f in ours if not f.startswith(ENTRY_PREFIX)]  # cli.py only runs the loop
         nearest[inner[-1] if inner else f"(event loop itself) {frames[-1]}"] += count
         for name in set(ours):
             incl[name] += count
-    return total, own, nearest, incl
+    return total, own, nearest, incl, stages
 
 
 def render(args: argparse.Namespace, info: dict[str, str], command: str, *, base: ReceiveResult,
@@ -139,10 +166,16 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, *, base
     ]
     if raw is None or not raw.exists():
         return "\n".join([*lines, "", "py-spy produced no profile."]) + "\n"
-    total, own, nearest, incl = analyse(raw)
+    total, own, nearest, incl, stages = analyse(raw)
     lines += [
         f"- {total:,} samples of the broker's busy threads (idle waits excluded); µs/msg = share of samples "
         f"x {us_per_msg:.2f} µs",
+        "",
+        "## Per stage of the replay path",
+        "",
+        "| stage | samples | share | µs/msg |",
+        "|---|---:|---:|---:|",
+        *[f"| {n} | {c:,} | {100 * c / total:.1f}% | {us_per_msg * c / total:.2f} |" for n, c in stages.most_common()],
         "",
         f"## Self time (top {TOP})",
         "",
