@@ -185,8 +185,9 @@ def _packets(spec: StormSpec) -> Iterator[bytes]:
             k += 1
 
 
-async def enqueue(spec: StormSpec) -> tuple[int, float]:
-    """Publish the backlog with a window of spec.inflight; return (PUBACKs, seconds incl. the flush)."""
+async def enqueue(spec: StormSpec, result: StormResult) -> None:
+    """Publish the backlog with a window of spec.inflight; result.enqueued counts the PUBACKs as they come,
+    result.enqueue_s is set to the seconds until the flush marker came back."""
     reader, writer = await asyncio.open_connection(HOST, spec.port, limit=1 << 20)
     flush_topic = f"{spec.prefix}/flush"
     try:
@@ -213,6 +214,7 @@ async def enqueue(spec: StormSpec) -> tuple[int, float]:
             buf += data
             packets, used = split_packets(buf)
             acked += sum(1 for first, _s, _e in packets if first == 0x40)
+            result.enqueued = acked
             del buf[:used]
         writer.write(publish_packet(flush_topic, 1, b"flush"))
         while True:  # the marker comes back once everything before it was routed
@@ -221,10 +223,9 @@ async def enqueue(spec: StormSpec) -> tuple[int, float]:
                 if first & 0x06:
                     writer.write(b"\x40\x02" + body[2 + len(flush_topic):4 + len(flush_topic)])
                 break
-        seconds = time.perf_counter() - t0
+        result.enqueue_s = time.perf_counter() - t0
         writer.write(DISCONNECT)
         await writer.drain()
-        return acked, seconds
     finally:
         writer.close()
         with contextlib.suppress(OSError):
@@ -408,12 +409,19 @@ async def storm(spec: StormSpec, result: StormResult) -> None:
 async def run_storm(spec: StormSpec) -> StormResult:
     """All three phases against the broker on spec.port; failures are reported in result.error."""
     result = StormResult(spec.sessions, spec.messages)
+    phase = "set-up"
     try:
         await set_up_sessions(spec)
-        result.enqueued, result.enqueue_s = await enqueue(spec)
+        phase = "enqueue"
+        await enqueue(spec, result)
+        phase = "storm"
         await storm(spec, result)
+    except TimeoutError:
+        result.error = f"{phase} did not finish within {spec.timeout:.0f}s"
+        if phase == "enqueue":
+            result.error += f" ({result.enqueued:,}/{result.expected:,} PUBACKed)"
     except Exception as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
+        result.error = f"{phase}: {type(exc).__name__}: {exc}"
     await asyncio.sleep(0)  # let the transports close
     return result
 

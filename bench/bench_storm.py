@@ -75,6 +75,7 @@ def run_once(args: argparse.Namespace, b: BrokerProcess, run: int, cpus: tuple[i
 
 def run(args: argparse.Namespace, tmp: Path, cells: Cells, info: dict[str, str]) -> None:
     brokers, _store = build_brokers(args, tmp, mosquitto=info.get("mosquitto_bin"))
+    brokers = {name: b for name, b in brokers.items() if name in args.brokers}
     cpus = args.client_cpus if args.pin else None
     try:
         for name, b in brokers.items():
@@ -86,7 +87,6 @@ def run(args: argparse.Namespace, tmp: Path, cells: Cells, info: dict[str, str])
             for name in names[shift:] + names[:shift]:
                 b = brokers[name]
                 if not b.alive():
-                    cells.note(f"{name}: broker was not running before run {rep + 1}; restarting it")
                     b.start(args.startup_timeout)
                 log(f"run {rep + 1}: {name}: {args.sessions:,} sessions x {args.messages:,} messages")
                 t0 = time.perf_counter()
@@ -95,15 +95,16 @@ def run(args: argparse.Namespace, tmp: Path, cells: Cells, info: dict[str, str])
                 except Exception as exc:
                     cells.note(f"{name} run {rep + 1} failed: {type(exc).__name__}: {exc}")
                     log(f"last lines of {b.log_path.name}:\n{b.log_tail()}")
+                    log(f"  {name}: {b.stop(timeout=30.0)}")
                     continue
                 cells.results[name].append(res)
                 log(f"  {name}: {res.summary()}; storm {res.storm_s} s, slowest first "
                     f"{res.slowest_first_ms} ms ({time.perf_counter() - t0:.1f}s with set-up)")
                 if res.error or res.received < res.expected:
                     cells.note(f"{name} run {rep + 1}: {res.summary()}")
-                if rep + 1 < args.runs:  # a restart keeps the runs independent (the sessions stay stored)
-                    b.stop(timeout=30.0)
-                    b.start(args.startup_timeout)
+                # stop it: a broker still working off a failed storm would steal the next one's CPU, and the
+                # next run starts it again, so runs are independent (the sessions stay stored)
+                log(f"  {name}: {b.stop(timeout=30.0)}")
     finally:
         for name, b in brokers.items():
             log(f"stopped {name}: {b.stop(timeout=30.0)}")
@@ -193,12 +194,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=300.0, help="time bound for a broker start (s)")
     p.add_argument("--mosquitto", action=argparse.BooleanOptionalAction, default=True,
                    help="run Mosquitto as a third broker, installing the Debian package when missing (default on)")
+    p.add_argument("--brokers", default=f"{STOCK},{OURS},{MOSQUITTO}",
+                   help="brokers to run, comma-separated (default stock,ours,mosquitto)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     add_pin_arguments(p, "the brokers", "the load client")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (configs, logs, store)")
     args = p.parse_args(argv)
     args.sessions = args.sessions or (200 if args.quick else 1000)
     args.messages = args.messages or (100 if args.quick else 1000)
+    args.brokers = [b for b in args.brokers.split(",") if b]
+    if not args.brokers or set(args.brokers) - {STOCK, OURS, MOSQUITTO}:
+        p.error(f"--brokers takes names from {STOCK},{OURS},{MOSQUITTO}")
     args.timeout = args.timeout or max(120.0, args.sessions * args.messages / 1000)
     if min(args.sessions, args.messages, args.runs, args.inflight) < 1 or args.inflight >= 65535:
         p.error("--sessions, --messages, --runs and --inflight must be positive, --inflight below 65535")
