@@ -50,7 +50,9 @@ PIPELINE_DIR = ROOT / "pipeline" / "durable_pipeline"
 BROKER_YAML = ROOT / "broker.yaml"
 STOCK = "stock"
 OURS = "ours"
-BROKER_TITLES = {STOCK: "stock amqtt", OURS: "amqtt-durable"}
+MOSQUITTO = "mosquitto"
+BROKER_TITLES = {STOCK: "stock amqtt", OURS: "amqtt-durable", MOSQUITTO: "Mosquitto"}
+MOSQUITTO_PACKAGE = "mosquitto"  # the Debian package (persistence on), the third broker of the comparisons
 SETTLE_S = 0.5  # let the broker process a DISCONNECT before publishing to the now-offline session
 CLIENT_START_S = 60.0  # spawn a client process, pre-encode, connect
 RESULT_MARGIN_S = 30.0  # a client process reports this long after its own time bound at the latest
@@ -430,6 +432,81 @@ def write_config(path: Path, config: dict[str, Any]) -> None:
 
 def listener_config(port: int) -> dict[str, Any]:
     return {"default": {"type": "tcp", "bind": f"{HOST}:{port}"}}
+
+
+# --------------------------------------------------------------------------- Mosquitto
+
+
+def mosquitto_binary() -> str | None:
+    """The mosquitto executable (Debian puts it in /usr/sbin, often not on a user's PATH)."""
+    return shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin:/usr/local/sbin")
+
+
+def ensure_mosquitto() -> tuple[str | None, str]:
+    """Find mosquitto, installing the Debian package (apt-get, with sudo when not root) when it is missing.
+
+    Returns (path, "") or (None, why it is unavailable); never raises, so a benchmark can skip its columns.
+    """
+    found = mosquitto_binary()
+    if found:
+        return found, ""
+    if shutil.which("apt-get") is None:
+        return None, "mosquitto is not installed and apt-get is not available"
+    prefix: list[str] = []
+    if os.geteuid() != 0:
+        if shutil.which("sudo") is None:
+            return None, "mosquitto is not installed; installing it needs root (no sudo here)"
+        prefix = ["sudo", "-n"]
+    log(f"installing {MOSQUITTO_PACKAGE} ({shlex.join([*prefix, 'apt-get', 'install', '-y', MOSQUITTO_PACKAGE])})")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", MOSQUITTO_PACKAGE]):
+        try:
+            done = subprocess.run([*prefix, *cmd], env=env, capture_output=True, text=True, timeout=600, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, f"{shlex.join(cmd)} failed: {exc}"
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["?"]
+            return None, f"{shlex.join(cmd)} exited with {done.returncode}: {tail[0]}"
+    found = mosquitto_binary()
+    return (found, "") if found else (None, f"{MOSQUITTO_PACKAGE} installed but no mosquitto executable found")
+
+
+def mosquitto_version(binary: str) -> str:
+    """'mosquitto version 2.0.11' from `mosquitto -h` (which exits non-zero by design)."""
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        out = subprocess.run([binary, "-h"], capture_output=True, text=True, timeout=10, check=False).stdout
+        return next((line.strip() for line in out.splitlines() if "version" in line), "mosquitto ?")
+    return "mosquitto ?"
+
+
+def mosquitto_broker(binary: str, folder: Path, port: int, login: Login, *, max_queued: int,
+                     cpus: tuple[int, ...] | None = None) -> BrokerProcess:
+    """A Mosquitto subprocess on 127.0.0.1:`port` with persistence on, configured in `folder` (created).
+
+    Anonymous logins are allowed (the bench's username/password is accepted and ignored); the per-client
+    queue holds `max_queued` messages, so offline backlogs of that size are kept in full.  Stopped by
+    SIGINT (Mosquitto writes its persistence file on a graceful stop) or SIGKILL, by PID only.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    conf = folder / "mosquitto.conf"
+    lines = [
+        f"listener {port} {HOST}",
+        "allow_anonymous true",
+        "persistence true",
+        f"persistence_location {folder}/",
+        "persistence_file mosquitto.db",
+        "autosave_interval 1800",
+        f"max_queued_messages {max_queued}",
+        "max_queued_bytes 0",
+        "max_inflight_messages 100",
+        "log_dest stderr",
+        "log_type error",
+        "log_type warning",
+    ]
+    if os.geteuid() == 0:
+        lines.append("user root")  # else mosquitto drops to the 'mosquitto' user, who cannot write `folder`
+    conf.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return BrokerProcess(MOSQUITTO, [binary, "-c", str(conf)], port, folder / "mosquitto.log", login, cpus)
 
 
 # --------------------------------------------------------------------------- code under test

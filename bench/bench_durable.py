@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Side-by-side benchmark: stock amqtt 0.12.1 vs amqtt-durable (LevelDB durable sessions).
+"""Side-by-side benchmark: stock amqtt 0.12.1 vs amqtt-durable (LevelDB durable sessions) vs Mosquitto.
 
 Run with the project venv, e.g.
 
@@ -16,16 +16,21 @@ Scenarios (QoS1, 64-byte payloads, at most --inflight unacknowledged PUBLISHes):
      restart, start-up time with the backlog (ours); stock RSS for the same backlog if it
      finishes within --stock-big-timeout
 a and b/c run --runs times per broker (median, min-max reported), interleaving the brokers;
-which broker goes first alternates per scenario.
+which broker goes first rotates per run and scenario.
 
 The load clients are raw MQTT 3.1.1 over plain sockets (_rawmqtt.py), publisher and subscriber
 each in its own process, so neither an MQTT library nor the benchmark process is in the measured
 path.  Their ceiling is measured first against a trivial in-bench sink ("client ceiling").
 
+Mosquitto (Debian package, persistence on, installed by ensure_mosquitto in _common.py when missing; skipped
+with a note when that fails, or with --no-mosquitto) is the third broker: same clients, same run, interleaved,
+its own generated config in the temp folder (listener on 127.0.0.1, persistence in the temp folder, a
+per-client queue as large as the backlogs, the same 100-message in-flight window as ours).
+
 Stock amqtt only queues for offline clients whose session is not anonymous, so the stock
 broker runs with allow_anonymous=false + FileAuthPlugin and every client logs in with a
 username/password (to both brokers).  Both brokers run as separate subprocesses on their own
-ephemeral 127.0.0.1 port; only those PIDs (and our client processes) are ever signalled.
+ephemeral 127.0.0.1 port (all three brokers); only those PIDs (and our client processes) are ever signalled.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     BROKER_TITLES,
     CLIENT_START_S,
+    MOSQUITTO,
     OURS,
     PLUGIN_DIR,
     PROTOCOL_DIR,
@@ -62,12 +68,15 @@ from _common import (
     check_pin_arguments,
     describe_pinning,
     dir_size,
+    ensure_mosquitto,
     fingerprint_digest,
     fmt_number,
     git_revision,
     listener_config,
     log,
     machine_info,
+    mosquitto_broker,
+    mosquitto_version,
     pub_summary,
     recv_summary,
     run_in_temp_folder,
@@ -203,7 +212,7 @@ class Ceiling:
 
 @dataclass
 class Results:
-    values: dict[str, dict[str, Value]] = field(default_factory=lambda: {STOCK: {}, OURS: {}})
+    values: dict[str, dict[str, Value]] = field(default_factory=lambda: {STOCK: {}, OURS: {}, MOSQUITTO: {}})
     notes: list[str] = field(default_factory=list)
     ceiling: Ceiling = field(default_factory=Ceiling)
 
@@ -485,8 +494,8 @@ def scenario_d(ctx: Ctx, b: BrokerProcess) -> None:
 def scenario_e(ctx: Ctx, b: BrokerProcess) -> None:
     big = ctx.args.big
     r = ctx.results
-    is_ours = b.name == OURS
-    timeout = ctx.args.big_timeout if is_ours else ctx.args.stock_big_timeout
+    persists = b.name != STOCK  # ours and Mosquitto keep the backlog over a graceful restart
+    timeout = ctx.args.big_timeout if persists else ctx.args.stock_big_timeout
     tag = ctx.tag()
     topic, sub_id, pub_id = ctx.ids("e", b.name, tag)
     r.set(b.name, "e_rss_idle", mb(b.rss()))
@@ -512,13 +521,15 @@ def scenario_e(ctx: Ctx, b: BrokerProcess) -> None:
     r.set(b.name, "e_routed_time", pr.routed_seconds)
     r.set(b.name, "e_rss_enq", mb(mon.peak))
     log(f"  {b.name}: {big:,} enqueued in {pr.seconds:.1f}s ({pr.ack_rate:,.0f}/s), peak RSS {mb(mon.peak):.0f} MB")
-    if not is_ours:
+    if not persists:
         r.set(b.name, "e_startup", "n/a (backlog is not persisted)")
         r.set(b.name, "e_stop", restart_clean(ctx, b))
         return
-    if ctx.store_dir is not None:
+    if b.name == OURS and ctx.store_dir is not None:
         r.set(b.name, "e_store", mb(dir_size(ctx.store_dir)))
     r.set(b.name, "e_stop", b.stop(timeout=ctx.args.stop_timeout))
+    if b.name == MOSQUITTO:  # Mosquitto writes its persistence file (in its own folder) on the graceful stop
+        r.set(b.name, "e_store", mb(dir_size(b.log_path.parent)))
     b.spawn()
     with RssMonitor(b.pid) as mon_restart:
         startup = b.wait_ready(ctx.args.startup_timeout)
@@ -597,6 +608,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ours-standin", action="store_true",
                    help="development only: run stock amqtt (file auth) in place of amqtt-durable")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (configs, logs, store)")
+    p.add_argument("--mosquitto", action=argparse.BooleanOptionalAction, default=True,
+                   help="run Mosquitto as a third broker, installing the Debian package when missing (default on)")
     args = p.parse_args(argv)
     if args.n is None:
         args.n = 2000 if args.quick else 20_000
@@ -626,9 +639,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def build_brokers(args: argparse.Namespace, tmp: Path,
-                  ours_settings: dict[str, object] | None = None) -> tuple[dict[str, BrokerProcess], Path | None]:
-    """Stock and our broker; ``ours_settings`` adds or overrides plugin settings of ours."""
+def build_brokers(args: argparse.Namespace, tmp: Path, ours_settings: dict[str, object] | None = None, *,
+                  mosquitto: str | None = None) -> tuple[dict[str, BrokerProcess], Path | None]:
+    """Stock and our broker (and Mosquitto when ``mosquitto`` names its executable);
+    ``ours_settings`` adds or overrides plugin settings of ours."""
     pw_file = tmp / "passwords.txt"
     write_password_file(pw_file, USERNAME, PASSWORD)
     login = Login(USERNAME, PASSWORD)
@@ -652,7 +666,8 @@ def build_brokers(args: argparse.Namespace, tmp: Path,
     store: Path | None = None
     if args.ours_standin:
         write_config(ours_cfg, {"listeners": listener_config(ours_port), "plugins": stock_plugins})
-        argv = [str(VENV_BIN / "amqtt"), "-c", str(ours_cfg)]
+        brokers[OURS] = BrokerProcess(OURS, [str(VENV_BIN / "amqtt"), "-c", str(ours_cfg)], ours_port,
+                                      tmp / "ours.log", login, cpus)
     else:
         store = tmp / "store"
         depth = max(2_000_000, 2 * args.big)
@@ -681,8 +696,13 @@ def build_brokers(args: argparse.Namespace, tmp: Path,
             prefix = [str(VENV_BIN / "amqtt-durable"), "broker"]
         argv = [*prefix, "-c", str(ours_cfg)]
         brokers[OURS] = BrokerProcess(OURS, argv, ours_port, tmp / "ours.log", login, cpus, env)
-        return brokers, store
-    brokers[OURS] = BrokerProcess(OURS, argv, ours_port, tmp / "ours.log", login, cpus)
+    if mosquitto is not None:
+        taken = {b.port for b in brokers.values()}
+        port = free_port()
+        while port in taken:  # bounded in practice, as above
+            port = free_port()
+        brokers[MOSQUITTO] = mosquitto_broker(mosquitto, tmp / "mosquitto", port, login,
+                                              max_queued=max(2_000_000, 2 * args.big), cpus=cpus)
     return brokers, store
 
 
@@ -710,7 +730,7 @@ def render_ceiling(args: argparse.Namespace, results: Results) -> list[str]:
         f"publisher {fmt_runs(c.pub_rates)} PUBACKs/s, subscriber {fmt_runs(c.sub_rates)} msgs/s. "
         "The sink is Python too, so these are lower bounds of what the clients can do."
     ]
-    broker_rates = [number_of(results.values[b].get(k)) for b in (STOCK, OURS)
+    broker_rates = [number_of(results.values[b].get(k)) for b in results.values
                     for k in ("a_rate", "b_rate", "c_rate", "e_enq_rate")]
     fastest = max((v for v in broker_rates if v is not None), default=None)
     if fastest is not None:
@@ -741,26 +761,31 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
         f"- a and b/c: {args.runs} runs per broker, brokers interleaved; cells show median (min-max), "
         "ratios and targets use the medians; RSS in MB = 10^6 bytes",
         "- brokers run as separate processes on 127.0.0.1; stock uses allow_anonymous=false + FileAuthPlugin "
-        "(needed for it to queue offline); the order alternates per scenario",
+        "(needed for it to queue offline); which broker goes first rotates per run and scenario",
+        f"- {info.get('mosquitto', 'Mosquitto: not run')}",
         *render_ceiling(args, results),
         "",
-        f"| metric | unit | {BROKER_TITLES[STOCK]} | {ours_title} | ours/stock | better | target | met |",
-        "|---|---|---:|---:|---:|---|---|---|",
+        f"| metric | unit | {BROKER_TITLES[STOCK]} | {ours_title} | {BROKER_TITLES[MOSQUITTO]} | ours/stock "
+        "| ours/Mosquitto | better | target | met |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     wanted = set(args.only) | {""}
     for m in METRICS:
         if m.scenario not in wanted:
             continue
         s, o = results.values[STOCK].get(m.key), results.values[OURS].get(m.key)
-        if s is None and o is None:
+        q = results.values[MOSQUITTO].get(m.key)
+        if s is None and o is None and q is None:
             continue
         ratio = fmt_ratio(o, s) if m.better else "—"
+        ratio_q = fmt_ratio(o, q) if m.better else "—"
         target, met = "", ""
         if m.target is not None:
             target = m.target.text
             verdict = m.target.check(number_of(s), number_of(o), args)
             met = "n/a" if verdict is None else ("**met**" if verdict else "**not met**")
-        lines.append(f"| {m.label} | {m.unit} | {fmt_value(s)} | {fmt_value(o)} | {ratio} | {m.better} "
+        lines.append(f"| {m.label} | {m.unit} | {fmt_value(s)} | {fmt_value(o)} | {fmt_value(q)} | {ratio} "
+                     f"| {ratio_q} | {m.better} "
                      f"| {target} | {met} |")
     if results.notes:
         lines += ["", "Notes:", ""]
@@ -769,7 +794,7 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
 
 
 def run(args: argparse.Namespace, tmp: Path, results: Results, info: dict[str, str]) -> None:
-    brokers, store = build_brokers(args, tmp)
+    brokers, store = build_brokers(args, tmp, mosquitto=info.get("mosquitto_bin"))
     ctx = Ctx(args, tmp, brokers[STOCK].login, results, brokers, store, args.client_cpus if args.pin else None)
     source_dir = plugin_source_dir(args, tmp)
     source_at_start = source_fingerprint(source_dir)
@@ -794,8 +819,9 @@ def run(args: argparse.Namespace, tmp: Path, results: Results, info: dict[str, s
             if not set(letters) & set(args.only):
                 continue
             for rep in range(args.runs if repeated else 1):
-                order = [STOCK, OURS] if (index + rep) % 2 == 0 else [OURS, STOCK]
-                for name in order:
+                names = list(brokers)  # stock, ours[, mosquitto]: who goes first rotates per run and scenario
+                shift = (index + rep) % len(names)
+                for name in names[shift:] + names[:shift]:
                     run_one(ctx, brokers[name], letters, fn, f" run {rep + 1}" if repeated else "")
             index += 1
         for name, b in brokers.items():
@@ -843,6 +869,17 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     info["plugin_digest"] = "n/a"
     results = Results()
+    if args.mosquitto:
+        binary, why = ensure_mosquitto()
+        if binary is None:
+            results.note(f"MOSQUITTO SKIPPED: {why}; its columns are empty")
+            info["mosquitto"] = f"Mosquitto: skipped ({why})"
+        else:
+            info["mosquitto_bin"] = binary
+            info["mosquitto"] = (f"Mosquitto: {mosquitto_version(binary)} ({binary}), persistence on, "
+                                 "max_inflight_messages 100, queue as large as the backlogs, anonymous")
+    else:
+        info["mosquitto"] = "Mosquitto: not run (--no-mosquitto)"
     if args.ours_standin:
         results.note("STAND-IN RUN: the 'ours' column is stock amqtt, not amqtt-durable")
     started = datetime.now(UTC)
