@@ -34,7 +34,7 @@ from .store import FLAG_RELEASED, FLAG_RETAIN, Body, Entry
 from .wire import encode_publish, encode_pubrel, packet_id_for
 
 if TYPE_CHECKING:
-    from .engine import DurableSession
+    from .sessions import DurableSession
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,20 @@ class Pump:
     """Sends one session's queue over one connection; a new connection gets a new pump."""
 
     def __init__(
-        self, session: DurableSession, transport: Transport, window: int, read_access: ReadAccess | None = None
+        self,
+        session: DurableSession,
+        transport: Transport,
+        window: int,
+        read_access: ReadAccess | None = None,
+        *,
+        on_sent: Callable[[int, int], None],
+        on_read_error: Callable[[str, StoreReadError, float], None],
     ) -> None:
         self.session = session
+        self._on_sent = on_sent
+        """Told (sent, of which replayed) after each batch goes out: the broker's counters."""
+        self._on_read_error = on_read_error
+        """Told (client id, error, seconds until the retry) when a read of the queue fails."""
         self.transport = transport
         self.window = window
         self.read_access = read_access
@@ -141,6 +152,24 @@ class Pump:
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+    def drop_buffered(self, droppable: Callable[[Entry], bool]) -> Entry | None:
+        """Take the oldest buffered entry ``droppable`` allows out of the buffer (overflow's
+        drop-oldest); None when there is none. In-flight entries are not in the buffer."""
+        for index, item in enumerate(self.buffer):
+            if droppable(item.entry):
+                del self.buffer[index]
+                return item.entry
+        return None
+
+    @property
+    def next_unread(self) -> int:
+        """The first sequence this pump has not read from the store yet."""
+        return self.next_fill_seq
+
+    def skip_to(self, seq: int) -> None:
+        """Entries before ``seq`` that are not read yet are gone: reading starts at ``seq``."""
+        self.next_fill_seq = seq
 
     def offer_live(self, entry: Entry, body: Body) -> None:
         """A just-committed entry: keep it in memory if it is next in line, else it is read later."""
@@ -193,20 +222,7 @@ class Pump:
         """
         self._read_failures += 1
         delay = min(READ_RETRY_MAX, READ_RETRY_FIRST * 2 ** min(self._read_failures - 1, 10))
-        engine = self.session.engine
-        if engine.db.closed:  # not damage: a retry after a failed write could not reopen the store yet
-            log.warning("%s. Delivery to %s tries again in %.0f s", exc, self.session.client_id, delay)
-            await asyncio.sleep(delay)
-            return
-        engine.read_errors += 1
-        log.error(
-            "%s. Delivery to %s waits and tries again in %.0f s; the store is damaged: stop the broker, run "
-            "'amqtt-durable repair %s' (keeps every readable message), then start the broker again",
-            exc,
-            self.session.client_id,
-            delay,
-            engine.config.store,
-        )
+        self._on_read_error(self.session.client_id, exc, delay)
         await asyncio.sleep(delay)
 
     async def _readable(self, batch: list[Outgoing]) -> list[Outgoing]:
@@ -334,7 +350,7 @@ class Pump:
         for item in batch:
             if not item.entry.qos:
                 session.remove_entry(item.entry)
-        session.engine.note_sent(len(batch), replayed)
+        self._on_sent(len(batch), replayed)
         await self.transport.drain()
 
     def _expect(self, item: Outgoing) -> None:

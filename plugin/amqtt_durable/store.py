@@ -61,7 +61,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import plyvel
 
@@ -536,6 +536,135 @@ def last_msg_id(db: Any) -> int:
     for key in db.iterator(prefix=b"m", reverse=True, include_value=False, verify_checksums=True):
         return int(_U64.unpack_from(key, 1)[0])
     return 0
+
+
+class Writes(Protocol):
+    """Where the verbs below put their keys: a GroupCommitter (or a LevelDB write batch)."""
+
+    def put(self, key: bytes, value: bytes) -> None: ...
+
+    def delete(self, key: bytes) -> None: ...
+
+
+# The verbs sessions and routing write with: code above the store never builds a key itself.
+
+
+def write_store_id(w: Writes, store_id: int) -> None:
+    w.put(STORE_ID_KEY, encode_u64(store_id))
+
+
+def write_session(w: Writes, record: SessionRecord) -> None:
+    w.put(session_key(record.client_id), record.encode())
+
+
+def erase_session(w: Writes, client_id: str) -> None:
+    w.delete(session_key(client_id))
+
+
+def write_sid_mark(w: Writes, sid: int) -> None:
+    w.put(SID_MARK_KEY, encode_u64(sid))
+
+
+def write_entry(w: Writes, sid: int, entry: Entry) -> None:
+    w.put(entry_key(sid, entry.seq), entry.encode())
+
+
+def erase_entry(w: Writes, sid: int, seq: int) -> None:
+    w.delete(entry_key(sid, seq))
+
+
+def write_sent_mark(w: Writes, sid: int, mark: int) -> None:
+    w.put(sent_mark_key(sid), encode_u64(mark))
+
+
+def write_totals(w: Writes, sid: int, depth: int, size: int, dropped: int) -> None:
+    w.put(totals_key(sid), encode_totals(depth, size, dropped))
+
+
+def erase_session_keys(w: Writes, db: Any, sid: int) -> None:
+    """A deleted session's totals, sent mark and QoS 2 states (its entries go in chunks before)."""
+    w.delete(totals_key(sid))
+    w.delete(sent_mark_key(sid))
+    for key in db.iterator(prefix=pubrel_prefix(sid), include_value=False):
+        w.delete(key)  # at most 65,535
+
+
+def write_body(w: Writes, msg_id: int, body: Body) -> None:
+    w.put(body_key(msg_id), body.encode())
+
+
+def erase_body(w: Writes, msg_id: int) -> None:
+    w.delete(body_key(msg_id))
+
+
+def write_refs(w: Writes, msg_id: int, refs: int) -> None:
+    w.put(refs_key(msg_id), encode_refs(refs))
+
+
+def erase_refs(w: Writes, msg_id: int) -> None:
+    w.delete(refs_key(msg_id))
+
+
+def write_pubrel_due(w: Writes, sid: int, packet_id: int) -> None:
+    w.put(pubrel_key(sid, packet_id), b"")
+
+
+def erase_pubrel_due(w: Writes, sid: int, packet_id: int) -> None:
+    w.delete(pubrel_key(sid, packet_id))
+
+
+def read_body(db: Any, msg_id: int) -> Body | None:
+    raw = db.get(body_key(msg_id), verify_checksums=True)
+    return None if raw is None else Body.decode(raw)
+
+
+def read_refs(db: Any, msg_id: int) -> int:
+    return decode_refs(db.get(refs_key(msg_id)))
+
+
+def read_store_id(db: Any) -> int | None:
+    raw = db.get(STORE_ID_KEY, verify_checksums=True)
+    return None if raw is None else decode_u64(raw)
+
+
+def read_sid_mark(db: Any) -> int:
+    return decoded(decode_u64, db.get(SID_MARK_KEY, verify_checksums=True), "the highest session number")
+
+
+def read_session_state(db: Any, record: SessionRecord) -> tuple[tuple[int, int, int], int]:
+    """A session's queue totals (depth, bytes, dropped) and sent mark; one that does not decode is named."""
+    what = f"of client id {record.client_id!r}"
+    totals = decoded(decode_totals, db.get(totals_key(record.sid), verify_checksums=True), f"the queue totals {what}")
+    mark = decoded(decode_u64, db.get(sent_mark_key(record.sid), verify_checksums=True), f"the sent mark {what}")
+    return totals, mark
+
+
+def orphaned_keys(db: Any, known: set[int]) -> tuple[list[int], list[bytes]]:
+    """Sessions with queue entries but no record (a crash in the middle of deleting one: its record
+    goes first), and the totals, sent marks and QoS 2 states left of sessions without a record."""
+    sids: list[int] = []
+    sid = 0
+    while True:
+        rows = db.iterator(start=queue_prefix(sid), stop=b"r", include_value=False, verify_checksums=True)
+        key = next(rows, None)
+        if key is None:
+            break
+        sid = sid_of_entry_key(key)
+        if sid not in known:
+            sids.append(sid)
+        sid += 1
+    keys = [
+        key
+        for prefix in (b"t", b"w", b"x")
+        for key in db.iterator(prefix=prefix, include_value=False, verify_checksums=True)
+        if sid_of_entry_key(key) not in known
+    ]
+    return sids, keys
+
+
+def next_free_sid(db: Any) -> int:
+    """Past the sid mark and past queues and totals a crash left without a record: a sid is never reused."""
+    return max(read_sid_mark(db), *(last_sid(db, prefix) for prefix in (b"q", b"t", b"w", b"x"))) + 1
 
 
 RETRY_FIRST = 0.25

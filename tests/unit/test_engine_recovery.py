@@ -6,7 +6,8 @@ import asyncio
 from pathlib import Path
 
 from amqtt_durable.config import DurableConfig
-from amqtt_durable.engine import DurableEngine, droppable
+from amqtt_durable.engine import DurableEngine
+from amqtt_durable.sessions import droppable
 from amqtt_durable.store import (
     FLAG_RELEASED,
     FLAG_SHARED,

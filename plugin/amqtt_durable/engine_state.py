@@ -1,0 +1,118 @@
+"""The state every part of the engine shares, and the store-facing steps they all use.
+
+The engine's steps live in modules named after them (recovery, lifecycle, routing, metrics),
+each a class in one chain over this one, so a step calls only steps below it:
+EngineState -> EngineMetrics -> Routing -> SessionLifecycle -> Recovery -> DurableEngine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .config import DurableConfig
+from .expiry import ExpiryTracker
+from .retained import RetainedMessages
+from .sessions import DurableSession, ExpiredSession, PendingRemovals
+from .store import (
+    FLAG_SHARED,
+    Entry,
+    GroupCommitter,
+    erase_body,
+    erase_refs,
+    read_refs,
+    write_refs,
+    write_session,
+)
+from .streams import StreamLogs
+from .topics import SubscriptionIndex
+
+log = logging.getLogger("amqtt_durable")
+
+@dataclass
+class StoreHealth:
+    """The store started or stopped failing to write, for the $SYS health topic."""
+
+    status: Literal["failing", "ok"]
+    """failing (writes fail: nothing that needs one is acknowledged) or ok (they succeed again)."""
+    since: float
+    """Unix time the status began."""
+    error: str | None = None
+    """The write error (failing only)."""
+    failed_for: float | None = None
+    """Seconds the store failed (ok only)."""
+
+
+class EngineState:
+    """The store, the sessions and the counters of one broker."""
+
+    def __init__(
+        self,
+        config: DurableConfig,
+        on_expired: Callable[[ExpiredSession], None] | None = None,
+        on_store_health: Callable[[StoreHealth], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.db: Any = None
+        self.committer: GroupCommitter
+        self.sessions: dict[str, DurableSession] = {}
+        self.index = SubscriptionIndex()
+        self.expiry = ExpiryTracker()
+        self.on_expired = on_expired
+        self.on_store_health = on_store_health
+        self._next_msg_id = 1
+        self._next_sid = 1
+        self._refs: dict[int, int] = {}
+        self._dirty: set[DurableSession] = set()
+        self.removing = PendingRemovals()
+        self._expiry_timer: asyncio.TimerHandle | None = None
+        self._trim_task: asyncio.Task[None] | None = None
+        self.store_id = 0
+        """Random, made with the store: stream readers compare it to notice a wiped or replaced store."""
+        self.streams: StreamLogs
+        self.retained: RetainedMessages
+        self.on_retained: Callable[[str, bytes, int], None] | None = None
+        """Told of every retained message set or cleared (empty payload), in the order they are stored:
+        the glue keeps amqtt's in-memory table in step with the store."""
+        self.dropped_total = 0
+        self.expired_total = 0
+        self.replayed_total = 0
+        self.sent_total = 0
+        self.enqueued_total = 0
+        self.read_errors = 0
+        """Failed reads of a queue from the store (a damaged store); each one is logged and retried."""
+
+
+    def _save_record(self, session: DurableSession) -> None:
+        if session.deleted:
+            return
+        write_session(self.committer, session.record)
+        self.committer.flush_soon()
+
+
+    def release_body(self, entry: Entry) -> None:
+        """One queue entry fewer points at this body; the last one deletes it."""
+        msg_id = entry.msg_id
+        if not entry.flags & FLAG_SHARED:
+            erase_body(self.committer, msg_id)
+            return
+        refs = self._refs.get(msg_id)
+        if refs is None:
+            refs = read_refs(self.db, msg_id)
+        refs -= 1
+        if refs > 0:
+            self._refs[msg_id] = refs
+            write_refs(self.committer, msg_id, refs)
+            return
+        self._refs.pop(msg_id, None)
+        erase_body(self.committer, msg_id)
+        erase_refs(self.committer, msg_id)
+
+
+    def totals_changed(self, session: DurableSession) -> None:
+        if not session.deleted:
+            self._dirty.add(session)
+

@@ -1,0 +1,364 @@
+"""Session lifecycle: CONNECT, attach, detach, deletion and expiry, the SDK's hello/ready, and
+the inbound QoS 2 state of durable sessions.
+
+The steps between a client's CONNECT and its session's end, each keeping the store and the
+in-memory session in step (the engine holds the state; this is its lifecycle half).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+
+from .delivery import Pump, ReadAccess, Transport
+from .errors import (
+    NotSessionOwnerError,
+    StoreUnavailableError,
+)
+from .routing import Routing
+from .sessions import DurableSession, ExpiredSession
+from .store import (
+    SessionRecord,
+    erase_entry,
+    erase_pubrel_due,
+    erase_session,
+    erase_session_keys,
+    iter_entries,
+    write_pubrel_due,
+    write_session,
+    write_sid_mark,
+)
+
+log = logging.getLogger("amqtt_durable")
+
+CONNECT_GRACE = 30.0
+"""Seconds between CONNACK and the start of delivery during which expiry leaves a session alone."""
+DELETE_CHUNK = 10_000
+
+
+class SessionLifecycle(Routing):
+    """The engine's session steps, over its routing (a subclass in the chain of engine_state.py)."""
+
+    async def connect(self,
+        client_id: str,
+        clean_session: bool,
+        username: str | None = None,
+        transport: Transport | None = None,
+        revoke: Iterable[str] = (),
+    ) -> bool:
+        """CONNECT arrived (over ``transport``, which becomes the one connection that may attach);
+        returns session_present. A clean session wipes any stored one.
+
+        A session belongs to the user that created it: another user's CONNECT raises
+        NotSessionOwnerError, unless session_takeover is any-user; then the session passes to that
+        user without the subscriptions in ``revoke`` (those the topic ACL refuses the new user).
+
+        Raises StoreUnavailableError while the store cannot write and the CONNECT needs a write (a
+        durable one, or a clean one that deletes a durable session): the glue refuses it.
+        """
+        self.check_owner(client_id, username)
+        existing = self.sessions.get(client_id)
+        failure = self.committer.failure
+        if failure is not None and (existing is not None or not clean_session):
+            raise StoreUnavailableError(failure)
+        if existing is not None and existing.record.username != username and not clean_session:
+            self._pass_to(existing, username, revoke)
+        if clean_session:
+            if existing is not None:
+                await self.delete_session(existing)
+            return False
+        if existing is not None:
+            existing.newest = transport
+            # Spared by expiry until attach() cancels the deadline; a connection that dies before
+            # that (no attach, no detach) must not leave the session immortal, hence a time limit.
+            existing.connecting_until = time.time() + CONNECT_GRACE
+            return True
+        record = SessionRecord(client_id=client_id, sid=self._next_sid, username=username)
+        self._next_sid += 1
+        self.sessions[client_id] = session = DurableSession(self, record)
+        session.newest = transport
+        write_session(self.committer, record)
+        write_sid_mark(self.committer, record.sid)
+        try:
+            await self.committer.commit(urgent=True, fail_fast=True)
+        except StoreUnavailableError:
+            # Refused, but the record is written once the store recovers: a disconnected session
+            # from now on, so it expires if the client does not come back.
+            self._disconnected(session)
+            raise
+        return False
+
+    def check_owner(self, client_id: str, username: str | None) -> None:
+        """Raise NotSessionOwnerError if, under session_takeover: owner-only, the durable session of
+        ``client_id`` belongs to another user (a clean CONNECT would delete it, so it counts too)."""
+        session = self.sessions.get(client_id)
+        if session is not None and session.record.username != username and self.config.session_takeover == "owner-only":
+            raise NotSessionOwnerError(client_id, session.record.username, username)
+
+    def _pass_to(self, session: DurableSession, username: str | None, revoke: Iterable[str]) -> None:
+        """session_takeover: any-user: the session becomes ``username``'s, minus the subscriptions it
+        may not make; what is queued is checked against its read access when sent (Pump). The
+        packet ids of the previous user's QoS 2 publishes whose PUBREL is due are forgotten: the
+        new user's packet ids are its own, and one of its publishes must not be taken for a re-send."""
+        record = session.record
+        revoked = [f for f in revoke if record.subscriptions.pop(f, None) is not None]
+        for topic_filter in revoked:
+            record.non_durable.discard(topic_filter)
+            self.index.remove(session.client_id, topic_filter)
+        for packet_id in session.pubrel_due:
+            erase_pubrel_due(self.committer, session.sid, packet_id)
+        session.pubrel_due.clear()
+        log.warning(
+            "durable session %s passes from user %r to user %r (session_takeover: any-user); subscriptions "
+            "the topic ACL refuses the new user removed: %s. Queued messages it may not read are dropped when due",
+            session.client_id,
+            record.username,
+            username,
+            ", ".join(revoked) or "none",
+        )
+        record.username = username
+        self._save_record(session)
+
+    def is_durable(self, client_id: str | None) -> bool:
+        return client_id is not None and client_id in self.sessions
+
+    async def attach(
+        self, client_id: str, transport: Transport, read_access: ReadAccess | None = None
+    ) -> Transport | None:
+        """The connection got CONNACK: start sending the session's queue over it, each message only
+        if ``read_access`` (None: no topic ACL) lets this connection's user read it. Returns the
+        connection the session was attached to until now, if another: the caller ends it.
+
+        Only if no later CONNECT of the client id was accepted (see ``superseded``): amqtt sets
+        up each connection in its own task, so an older connection (taken over, or closed right
+        after its CONNECT) can get here after the newer one has attached. Taking the session then
+        would stop the live connection's pump, and the old connection's end would leave the
+        session disconnected while its device stays connected, sent nothing more.
+        """
+        session = self.sessions.get(client_id)
+        if session is None or session.superseded(transport):
+            return None
+        if session.pump is not None:
+            await session.pump.stop()
+        # Acks and drops of the previous connection may still be pending: the pump reads the
+        # store, so let it see them.
+        await self.committer.commit(urgent=True)
+        if session.deleted:
+            return None  # a clean CONNECT of the same client id removed it meanwhile
+        if session.superseded(transport):
+            return None  # a newer connection came meanwhile; its attach takes the session
+        previous = session.pump  # stopped above, unless another attach ran meanwhile
+        displaced = session.transport if session.transport is not transport else None
+        session.transport = transport
+        session.limits.on_connect(session.depth, session.bytes)
+        self.expiry.cancel(client_id)
+        session.connecting_until = 0.0  # attached: expiry counts from this connection's end, not its CONNECT
+        session.record.disconnected_at = None
+        session.record.expires_at = None
+        self._save_record(session)
+        session.replay_upto = session.committed_tail
+        session.pump = pump = Pump(
+            session,
+            transport,
+            self.config.recovery_buffer,
+            read_access,
+            on_sent=self.note_sent,
+            on_read_error=self.queue_read_failed,
+        )
+        if session.ready_for is transport:
+            self._release(session, pump)
+        pump.start()
+        if previous is not None:
+            await previous.stop()  # at once: it sends nothing more, whatever the new one does
+        return displaced
+
+    def superseded(self, client_id: str, transport: Transport) -> bool:
+        """Was a later CONNECT of the client id accepted than the one of this connection? MQTT-3.1.4-2
+        then wants this one ended (amqtt does it only when both connections share its Session)."""
+        session = self.sessions.get(client_id)
+        return session is not None and session.superseded(transport)
+
+    async def detach(self, client_id: str, transport: Transport) -> None:
+        """That connection is gone; a newer one (take-over) keeps the session connected."""
+        session = self.sessions.get(client_id)
+        if session is None or session.transport is not transport:
+            return
+        pump, session.pump, session.transport = session.pump, None, None
+        if not session.deleted:
+            session.drop_non_durable()  # with the connection, before any await lets a publish in
+        if pump is not None:
+            await pump.stop()
+        if session.deleted:
+            return
+        session.limits.on_disconnect()
+        self._disconnected(session)
+
+    def _disconnected(self, session: DurableSession) -> None:
+        """Start the expiry clock of a session that has no connection now."""
+        now = time.time()
+        session.record.disconnected_at = now
+        session.record.expires_at = now + session.expiry_seconds()
+        self._save_record(session)
+        self.expiry.schedule(session.client_id, session.record.expires_at)
+        self._arm_expiry()
+
+    async def delete_session(self, session: DurableSession) -> int:
+        """Remove a session with its queue and subscriptions; returns the messages dropped.
+
+        The session stops taking messages first; then everything pending is written, so the
+        store holds exactly its entries (none half-written, none already removed) when they go.
+        """
+        session.deleted = True  # from now on nothing writes for it: acks, records, totals
+        self.sessions.pop(session.client_id, None)
+        # Its record goes first, before any await: a crash midway leaves no half session to come
+        # back, and a new session of the same client id, created meanwhile, writes its record after.
+        erase_session(self.committer, session.client_id)
+        self.expiry.cancel(session.client_id)
+        for topic_filter in session.record.subscriptions:
+            self.index.remove(session.client_id, topic_filter)
+        pump, session.pump, session.transport = session.pump, None, None
+        if pump is not None:
+            await pump.stop()
+        committer = self.committer
+        await committer.commit(urgent=True)
+        dropped = 0
+        while True:
+            # In chunks, yielding between them: a million-message queue must not stall the broker.
+            deleted = self._delete_entries(session.sid, DELETE_CHUNK)
+            dropped += deleted
+            await committer.commit(urgent=True)
+            if deleted < DELETE_CHUNK:
+                break
+        self._dirty.discard(session)
+        # With its QoS 2 states: any recorded before the deletion began are written by now.
+        erase_session_keys(committer, self.db, session.sid)
+        await committer.commit(urgent=True)
+        return dropped
+
+    def _delete_entries(self, sid: int, limit: int | None = None) -> int:
+        """Queue the deletion of a session's first ``limit`` stored entries (all by default), with
+        their bodies' references; returns how many."""
+        count = 0
+        for entry in iter_entries(self.db, sid, 0, limit):
+            erase_entry(self.committer, sid, entry.seq)
+            self.release_body(entry)
+            count += 1
+        return count
+
+    def hello(self, client_id: str, expiry: float | None) -> tuple[int, float | None]:
+        """An SDK client greets its session: from now on it is held until ready and gets frames
+        and markers. Returns (epoch, granted expiry)."""
+        session = self.sessions[client_id]
+        granted = None if expiry is None else min(expiry, self.config.max_session_expiry)
+        if not session.record.sdk or session.record.expiry != granted:
+            session.record.sdk = True
+            session.record.expiry = granted
+            self._save_record(session)
+        if session.pump is not None:
+            session.pump.become_sdk()
+        return session.sid, granted
+
+    def ready(self, client_id: str, transport: Transport) -> bool:
+        """The client is ready for events: replay up to the current tail, then the marker.
+        False when this connection had already said so (one marker per connection).
+
+        amqtt reads a connection's packets before its pump exists (attach awaits commits), so a
+        ready that comes first is kept for that connection and applied by attach.
+        """
+        session = self.sessions[client_id]
+        pump = session.pump
+        if pump is None or pump.transport is not transport:
+            first = session.ready_for is not transport
+            session.ready_for = transport
+            return first
+        if pump.marker_point is not None:
+            return False
+        self._release(session, pump)
+        return True
+
+    @staticmethod
+    def _release(session: DurableSession, pump: Pump) -> None:
+        session.ready_for = None
+        session.replay_upto = session.committed_tail
+        pump.release(session.committed_tail)
+
+    def set_interest(self, client_id: str, topic_filter: str, durable: bool) -> None:
+        """Mark a subscription (made before or after this) as ending with the connection, or not."""
+        session = self.sessions[client_id]
+        non_durable = session.record.non_durable
+        if durable != (topic_filter not in non_durable):
+            if durable:
+                non_durable.discard(topic_filter)
+            else:
+                non_durable.add(topic_filter)
+            self._save_record(session)
+
+    def pubrel_due(self, client_id: str, packet_id: int) -> bool:
+        """Was a QoS 2 PUBLISH with this packet id taken from this durable session, its PUBREL not
+        yet received? Then a PUBLISH with the id is a re-send, never routed again (MQTT-4.3.3-2),
+        also after a crash."""
+        session = self.sessions.get(client_id)
+        return session is not None and packet_id in session.pubrel_due
+
+    def expect_pubrel(self, client_id: str, packet_id: int) -> None:
+        """Record that a QoS 2 PUBLISH of this durable session was routed: call it in the loop pass
+        of its ``route_publish``, so the record is in the same write batch as the message."""
+        session = self.sessions.get(client_id)
+        if session is None or session.deleted:
+            return
+        session.pubrel_due.add(packet_id)
+        # Kept in memory also while writes fail: a failed write is retried, never dropped, so the
+        # message and this id are stored together, and a re-send meanwhile is not routed again.
+        write_pubrel_due(self.committer, session.sid, packet_id)
+        self.committer.flush_soon()
+
+    async def pubrel_received(self, client_id: str, packet_id: int) -> None:
+        """PUBREL came: forget the packet id, durably, before PUBCOMP lets the client reuse it."""
+        session = self.sessions.get(client_id)
+        if session is None or session.deleted or packet_id not in session.pubrel_due:
+            return
+        session.pubrel_due.discard(packet_id)
+        erase_pubrel_due(self.committer, session.sid, packet_id)
+        await self.committer.commit()
+
+    def _arm_expiry(self) -> None:
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+            self._expiry_timer = None
+        deadline = self.expiry.next_deadline()
+        if deadline is None:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, deadline - time.time())
+        self._expiry_timer = loop.call_later(delay, lambda: loop.create_task(self._expire_due()))
+
+    async def _expire_due(self) -> None:
+        self._expiry_timer = None
+        try:
+            now = time.time()
+            for client_id in self.expiry.pop_expired(now):
+                session = self.sessions.get(client_id)
+                deadline = session.record.expires_at if session is not None else None
+                if session is None or session.connected or deadline is None or deadline > now:
+                    continue  # reconnected since the deadline was set
+                if session.connecting_until > now:
+                    self.expiry.schedule(client_id, session.connecting_until)  # CONNACK sent, attach due
+                    continue
+                disconnected_at = session.record.disconnected_at
+                dropped = await self.delete_session(session)
+                self.expired_total += 1
+                log.warning(
+                    "durable session %s expired after %.0f s disconnected: %d queued message(s) and its "
+                    "subscriptions deleted",
+                    client_id,
+                    session.expiry_seconds(),
+                    dropped,
+                )
+                if self.on_expired is not None:
+                    self.on_expired(ExpiredSession(client_id, dropped, disconnected_at))
+        except Exception:
+            log.exception("session expiry failed; it is tried again at the next deadline")
+        finally:
+            self._arm_expiry()

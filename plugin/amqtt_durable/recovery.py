@@ -1,0 +1,167 @@
+"""Start-up recovery and store health: open the store, rebuild sessions and their bounds from
+its keys (never whole queues), delete what a crash orphaned, and reopen the store before a
+failed write is retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import struct
+import time
+from typing import Any
+
+import plyvel
+
+from .engine_state import StoreHealth
+from .errors import (
+    DamagedRecordError,
+    StoreCorruptedError,
+)
+from .lifecycle import SessionLifecycle
+from .retained import RetainedMessages
+from .sessions import DurableSession
+from .store import (
+    RETRY_MAX,
+    GroupCommitter,
+    check_writable,
+    discard_probe,
+    iter_entries,
+    iter_pubrel_due,
+    iter_sessions,
+    last_msg_id,
+    last_seq,
+    next_free_sid,
+    open_store,
+    orphaned_keys,
+    read_error,
+    read_session_state,
+    read_store_id,
+    write_session,
+    write_store_id,
+)
+from .streams import StreamLogs
+
+log = logging.getLogger("amqtt_durable")
+
+
+
+
+class Recovery(SessionLifecycle):
+    """The engine's start-up and store-health steps, over its session steps (see engine_state.py)."""
+
+    def open(self) -> None:
+        """Open the store and rebuild sessions from it; reads keys, never whole queues (and the
+        retained messages, once, for amqtt's table)."""
+        path = self.config.store
+        self.db = open_store(path)
+        discard_probe(path)
+        try:
+            self._load()
+        except plyvel.Error as exc:
+            self.db.close()
+            raise read_error(path, exc) from exc
+        except DamagedRecordError as exc:
+            self.db.close()
+            raise StoreCorruptedError(path, str(exc)) from exc
+        except (ValueError, KeyError, struct.error) as exc:
+            self.db.close()
+            raise StoreCorruptedError(path, f"{type(exc).__name__}: {exc}") from exc
+
+    def _load(self) -> None:
+        config = self.config
+        self.committer = GroupCommitter(
+            self.db,
+            sync=config.sync,
+            batch_size=config.batch_size,
+            # Without fsync a commit costs microseconds: waiting for company would only add
+            # latency, and writes that arrive in one loop pass already share a batch.
+            batch_delay_ms=config.batch_delay_ms if config.sync else 0.0,
+            pending_threshold=config.pending_threshold,
+        )
+        self.committer.before_flush = self._before_flush
+        self.committer.after_write = self.removing.written
+        self.committer.reopen = self._reopen_store
+        self.committer.on_health = self._store_health_changed
+        stored_id = read_store_id(self.db)
+        self.store_id = stored_id if stored_id is not None else secrets.randbits(63)
+        if stored_id is None:
+            write_store_id(self.committer, self.store_id)
+        self.streams = StreamLogs(self.db, self.committer, config.streams, config.store)
+        self.streams.load()
+        self.retained = RetainedMessages(self.committer)
+        self.retained.load(self.db)
+        self._next_msg_id = last_msg_id(self.db) + 1
+        self._next_sid = next_free_sid(self.db)
+        now = time.time()
+        for record in iter_sessions(self.db):
+            session = DurableSession(self, record)
+            (session.depth, session.bytes, session.dropped), sent_mark = read_session_state(self.db, record)
+            first = next(iter_entries(self.db, record.sid, 0, 1), None)
+            tail = last_seq(self.db, record.sid)
+            session.sent_mark = session.sent_max = sent_mark
+            # New entries number past the sent mark: a fresh message must never look like a re-send.
+            session.committed_tail = max(tail or 0, session.sent_mark)
+            session.next_seq = session.committed_tail + 1
+            session.head_seq = first.seq if first is not None else session.next_seq
+            self.sessions[record.client_id] = session
+            self._next_sid = max(self._next_sid, record.sid + 1)
+            for topic_filter, qos in record.subscriptions.items():
+                self.index.add(record.client_id, topic_filter, qos)
+            if record.expires_at is None:
+                # It was connected when the broker stopped: its disconnect is now.
+                session.drop_non_durable()
+                record.disconnected_at = now
+                record.expires_at = now + session.expiry_seconds()
+                write_session(self.committer, record)
+            self.expiry.schedule(record.client_id, record.expires_at)
+        by_sid = {session.sid: session for session in self.sessions.values()}
+        for sid, packet_id in iter_pubrel_due(self.db):
+            if sid in by_sid:
+                by_sid[sid].pubrel_due.add(packet_id)
+        self._drop_orphans(set(by_sid))
+        self.committer.flush_now()
+        log.info(
+            "durable store %s: %d session(s), %d queued message(s), %d retained message(s)",
+            config.store,
+            len(self.sessions),
+            sum(s.depth for s in self.sessions.values()),
+            len(self.retained),
+        )
+
+    def _drop_orphans(self, known: set[int]) -> None:
+        """Delete queue entries of sessions whose record is gone: a crash in the middle of deleting
+        a session (its record goes first) leaves them; nothing else can reach them."""
+        sids, keys = orphaned_keys(self.db, known)
+        for sid in sids:
+            dropped = self._delete_entries(sid)
+            log.warning("store: deleted %d queue entries of a session deleted before a crash", dropped)
+        for key in keys:  # totals, sent marks, QoS 2 states outlive their queue in such a crash
+            self.committer.delete(key)
+
+    def _reopen_store(self) -> Any:
+        """Before a store write is retried: a fresh handle (see GroupCommitter), opened only once
+        the folder takes a probe write, so the store is not left closed and unreadable."""
+        check_writable(self.config.store)
+        if not self.db.closed:
+            self.db.close()
+        self.db = open_store(self.config.store, create=False)
+        self.streams.use_db(self.db)
+        return self.db
+
+    def _store_health_changed(self, failure: BaseException | None, failing_since: float) -> None:
+        now = time.time()
+        if failure is not None:
+            log.warning(
+                "store write failed: %s. Until a write succeeds, publishes that must be stored get no "
+                "PUBACK/PUBREC (their connections are closed) and durable CONNECTs get CONNACK 3; the "
+                "write is retried, at most %.0f s apart. Free space on the store's disk: no restart needed",
+                failure,
+                RETRY_MAX,
+            )
+            health = StoreHealth("failing", failing_since, error=str(failure))
+        else:
+            log.warning("store writes succeed again after %.1f s of failures: serving normally", now - failing_since)
+            health = StoreHealth("ok", now, failed_for=round(now - failing_since, 3))
+        if self.on_store_health is not None:
+            self.on_store_health(health)

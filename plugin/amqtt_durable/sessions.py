@@ -1,0 +1,308 @@
+"""A durable session in memory: its queue's bounds, totals, limits and connection.
+
+The store holds the entries and bodies; a DurableSession knows where its queue starts and
+ends, how deep it is, which connection (and pump) it has, and writes its own entries and
+marks through the store's verbs. Its lifecycle (connect, attach, expiry) is lifecycle.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import plyvel
+
+from durable_protocol import LiveSubscription
+
+from .delivery import Pump, Transport
+from .errors import StoreReadError, StoreUnavailableError
+from .queue_policy import Admission, QueueLimits
+from .store import (
+    FLAG_RELEASED,
+    Body,
+    Entry,
+    SessionRecord,
+    erase_entry,
+    iter_entries,
+    leveldb_detail,
+    read_body,
+    write_entry,
+    write_sent_mark,
+)
+
+if TYPE_CHECKING:
+    from .engine_state import EngineState
+
+log = logging.getLogger("amqtt_durable")
+
+
+@dataclass
+class ExpiredSession:
+    """What an expiry removed, for the WARNING log and the $SYS event."""
+
+    client_id: str
+    messages_dropped: int
+    disconnected_at: float | None
+
+
+def droppable(entry: Entry) -> bool:
+    """Overflow may drop anything but a QoS 2 message whose PUBREL is due: the client holds its
+    packet id until PUBCOMP, so dropping it would wedge that id."""
+    return not entry.flags & FLAG_RELEASED
+
+
+class PendingRemovals:
+    """Queue entries removed in memory whose delete is not written yet, as (sid, seq).
+
+    Reads of the store (the pump's fill, drop-oldest, session deletion) skip them; a set is
+    sealed when a write starts and forgotten once that write has landed.
+    """
+
+    def __init__(self) -> None:
+        self._open: set[tuple[int, int]] = set()
+        self._writing: set[tuple[int, int]] = set()
+
+    def add(self, key: tuple[int, int]) -> None:
+        self._open.add(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._open or key in self._writing
+
+    def seal(self) -> None:
+        self._writing |= self._open
+        self._open = set()
+
+    def written(self) -> None:
+        self._writing = set()
+
+
+class DurableSession:
+    """In-memory state of one durable session; the store holds the rest."""
+
+    def __init__(self, engine: EngineState, record: SessionRecord) -> None:
+        self.engine = engine
+        self.record = record
+        self.client_id = record.client_id
+        self.sid = record.sid
+        self.head_seq = 1
+        self.next_seq = 1
+        self.committed_tail = 0
+        self.depth = 0
+        self.bytes = 0
+        self.dropped = 0
+        self.uncommitted: dict[int, Entry] = {}
+        self.connecting_until = 0.0
+        self.ready_for: Transport | None = None
+        """The connection whose ready came before its pump existed (see DurableEngine.ready)."""
+        self.deleted = False
+        self.sent_mark = 0
+        self.sent_max = 0
+        self.replay_upto = 0
+        config = engine.config
+        self.limits = QueueLimits(
+            config.max_depth,
+            config.max_depth_disconnected,
+            config.overflow,
+            config.max_bytes,
+            config.max_bytes_disconnected,
+        )
+        self.transport: Transport | None = None
+        self.pump: Pump | None = None
+        self.newest: Transport | None = None
+        """The connection whose CONNECT was accepted last (None: not told): the only one that may attach."""
+        self._last_drop_log = 0.0
+        self._drops_since_log = 0
+        self.pubrel_due: set[int] = set()
+        """Packet ids of QoS 2 PUBLISHes taken from this session whose PUBREL has not come (b"x" keys)."""
+
+    @property
+    def connected(self) -> bool:
+        return self.transport is not None
+
+    def superseded(self, transport: Transport) -> bool:
+        """Was a CONNECT of this client id accepted after the one of ``transport``?"""
+        return self.newest is not None and self.newest is not transport
+
+    def read_entries(self, start: int, tail: int, limit: int) -> tuple[list[tuple[Entry, Body]], int | None]:
+        """Up to ``limit`` stored entries from ``start`` to ``tail`` with their bodies, and the last
+        sequence looked at when the limit cut the read short (None: everything up to ``tail`` read).
+
+        Entries removed in memory but not yet written are skipped: the store must not bring them back.
+        A read that fails part way returns what came before the damage (cut short there); one that
+        fails at once raises StoreReadError: the pump reports it and tries again later.
+        """
+        db = self.engine.db
+        if db.closed:  # a retry after a failed write closed it and could not open it again (yet)
+            raise StoreReadError(self.client_id, start - 1, "the store is closed until a write retry reopens it")
+        removing = self.engine.removing
+        out: list[tuple[Entry, Body]] = []
+        looked = 0
+        last_seq_looked: int | None = None
+        try:
+            for entry in iter_entries(db, self.sid, start, limit):
+                if entry.seq > tail:
+                    return out, None
+                looked += 1
+                if (self.sid, entry.seq) not in removing:
+                    body = read_body(db, entry.msg_id)
+                    if body is None:
+                        log.error(
+                            "session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq
+                        )
+                        self.remove_entry(entry)
+                    else:
+                        out.append((entry, body))
+                last_seq_looked = entry.seq
+        except (plyvel.Error, ValueError, struct.error) as exc:
+            if last_seq_looked is None:
+                raise StoreReadError(self.client_id, start - 1, leveldb_detail(exc)) from exc
+            return out, last_seq_looked
+        return out, (last_seq_looked if looked >= limit else None)
+
+    async def advance_sent_mark(self, mark: int) -> None:
+        """Persist 'entries up to ``mark`` may have been sent' before sending them (DUP after a crash)."""
+        if self.deleted:
+            return
+        self.sent_mark = mark
+        write_sent_mark(self.engine.committer, self.sid, mark)
+        # While the store cannot write, sending goes on: the mark is queued ahead of the acks of
+        # what is sent next, so no write can land those acks without it (a later message never
+        # reuses a sequence a client has seen); a crash before the store recovers loses only the
+        # DUP flag on re-sends of what was sent meanwhile.
+        with contextlib.suppress(StoreUnavailableError):
+            await self.engine.committer.commit(urgent=True, fail_fast=True)
+
+    def mark_released(self, entry: Entry) -> None:
+        if self.deleted:
+            return
+        write_entry(self.engine.committer, self.sid, entry)
+        self.engine.committer.flush_soon()
+
+    def remove_entry(self, entry: Entry) -> None:
+        if self.deleted:
+            return  # delete_session removes every entry, exactly once
+        committer = self.engine.committer
+        erase_entry(committer, self.sid, entry.seq)
+        self.engine.removing.add((self.sid, entry.seq))
+        self.engine.release_body(entry)
+        self.depth -= 1
+        self.bytes -= entry.size
+        self.engine.totals_changed(self)
+        self.limits.on_drained(self.depth, self.connected, self.bytes)
+        committer.flush_soon()
+
+    def append(self, msg_id: int, qos: int, flags: int, size: int) -> Entry:
+        entry = Entry(self.next_seq, msg_id, qos, flags, size)
+        self.next_seq += 1
+        self.uncommitted[entry.seq] = entry
+        committer = self.engine.committer
+        write_entry(committer, self.sid, entry)
+        self.depth += 1
+        self.bytes += size
+        self.engine.totals_changed(self)
+        if self.pump is not None and entry.seq > self.sent_mark:
+            # A live entry goes out right after the commit: mark it in the same batch.
+            self.sent_mark = entry.seq + self.engine.config.recovery_buffer
+            write_sent_mark(committer, self.sid, self.sent_mark)
+        return entry
+
+    def on_committed(self, entry: Entry, body: Body) -> None:
+        self.committed_tail = max(self.committed_tail, entry.seq)
+        if self.uncommitted.pop(entry.seq, None) is None:
+            return  # dropped by overflow before its commit
+        if self.pump is not None:
+            self.pump.offer_live(entry, body)
+
+    def admit(self, size: int) -> bool:
+        """Apply the queue limits for one new message of ``size`` payload bytes; False when the new
+        message is dropped. drop-oldest removes one message, or more while the byte limit still
+        leaves no room and the queue has not shrunk by ``size`` bytes yet."""
+        decision = self.limits.admit(self.depth, self.bytes, size)
+        if decision is Admission.ACCEPT:
+            return True
+        self._count_drop(self._overflow_cause)
+        if decision is Admission.REJECT:
+            return False
+        start = self.bytes
+        while self._drop_oldest():
+            if self.limits.room_made(self.bytes, size, start - self.bytes):
+                return True
+            self._count_drop(self._overflow_cause)
+        return False
+
+    def _drop_oldest(self) -> bool:
+        """Remove the oldest entry not in flight: buffered, then stored, then still uncommitted."""
+        pump = self.pump
+        victim = pump.drop_buffered(droppable) if pump is not None else None
+        if victim is None:
+            start = pump.next_unread if pump is not None else self.head_seq
+            removing = self.engine.removing
+            live = (e for e in iter_entries(self.engine.db, self.sid, start) if (self.sid, e.seq) not in removing)
+            first = found = next(live, None)
+            while found is not None and not droppable(found):
+                found = next(live, None)
+            if found is not None and found.seq <= self.committed_tail:
+                victim = found
+                if victim is first:  # nothing still due before it: later scans may start after it
+                    if pump is not None:
+                        pump.skip_to(victim.seq + 1)
+                    else:
+                        self.head_seq = victim.seq + 1
+            elif self.uncommitted:
+                victim = self.uncommitted.pop(next(iter(self.uncommitted)))
+            else:
+                return False
+        self.remove_entry(victim)
+        return True
+
+    def drop_unreadable(self, entry: Entry) -> None:
+        """The pump may not send this entry: the connection's user may not read its topic."""
+        self.remove_entry(entry)
+        self._count_drop(self._unreadable_cause)
+
+    def _overflow_cause(self) -> str:
+        return f"queue full at its limit of {self.limits.describe()} (overflow {self.limits.overflow})"
+
+    def _unreadable_cause(self) -> str:
+        return f"its user {self.record.username!r} may not read them under the topic ACL"
+
+    def _count_drop(self, cause: Callable[[], str]) -> None:
+        """Count one dropped message, with a WARNING at most once per drop_log_interval."""
+        self.dropped += 1
+        self.engine.dropped_total += 1
+        self.engine.totals_changed(self)
+        self._drops_since_log += 1
+        now = time.monotonic()
+        if now - self._last_drop_log >= self.engine.config.drop_log_interval:
+            log.warning(
+                "session %s: %s: dropped %d message(s) since the last warning, %d in all",
+                self.client_id,
+                cause(),
+                self._drops_since_log,
+                self.dropped,
+            )
+            self._last_drop_log = now
+            self._drops_since_log = 0
+
+    def expiry_seconds(self) -> float:
+        override = self.record.expiry
+        return self.engine.config.session_expiry if override is None else override
+
+    def live_subscriptions(self) -> tuple[LiveSubscription, ...]:
+        non_durable = self.record.non_durable
+        return tuple(
+            LiveSubscription(topic_filter, qos, topic_filter not in non_durable)
+            for topic_filter, qos in sorted(self.record.subscriptions.items())
+        )
+
+    def drop_non_durable(self) -> None:
+        """The connection ended: its non-durable subscriptions end with it (queued messages stay)."""
+        for topic_filter in self.record.non_durable:
+            if self.record.subscriptions.pop(topic_filter, None) is not None:
+                self.engine.index.remove(self.client_id, topic_filter)
+        self.record.non_durable.clear()
