@@ -126,7 +126,7 @@ from .errors import (
     StoreError,
     StoreUnavailableError,
 )
-from .streams import StreamSender
+from .stream_sender import StreamSender
 from .topics import SubscriptionIndex, filter_is_valid, matches, topic_problem
 from .wire import encode_puback, encode_pubcomp
 

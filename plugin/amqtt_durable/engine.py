@@ -18,7 +18,7 @@ import time
 from .engine_state import StoreHealth
 from .recovery import Recovery
 from .sessions import DurableSession, ExpiredSession
-from .streams import TRIM_BUDGET
+from .stream_log import TRIM_BUDGET
 
 __all__ = ["DurableEngine", "DurableSession", "ExpiredSession", "StoreHealth"]
 

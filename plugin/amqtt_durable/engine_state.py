@@ -27,7 +27,7 @@ from .store import (
     write_refs,
     write_session,
 )
-from .streams import StreamLogs
+from .stream_log import StreamLogs
 from .topics import SubscriptionIndex
 
 log = logging.getLogger("amqtt_durable")

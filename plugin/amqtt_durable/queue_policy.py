@@ -14,8 +14,10 @@ class Admission(enum.Enum):
     """What to do with one new message for a session queue."""
 
     ACCEPT = "accept"
-    DROP_OLDEST_THEN_ACCEPT = "drop-oldest"
-    REJECT = "drop-newest"
+    DROP_OLDEST_THEN_ACCEPT = "drop-oldest-then-accept"
+    """overflow: drop-oldest makes room."""
+    REJECT = "reject"
+    """The new message is dropped: overflow drop-newest, or no room can be made for it."""
 
 
 class QueueLimits:

@@ -40,7 +40,7 @@ from .store import (
     write_session,
     write_store_id,
 )
-from .streams import StreamLogs
+from .stream_log import StreamLogs
 
 log = logging.getLogger("amqtt_durable")
 

@@ -44,7 +44,7 @@ from .store import (
     sid_of_entry_key,
     totals_key,
 )
-from .streams import EVENT_PREFIX, decode_event, event_id_of, event_topic
+from .stream_log import EVENT_PREFIX, decode_event, event_id_of, event_topic
 
 _SID_IN_RECORD = re.compile(rb'"sid"\s*:\s*(\d+)')
 _USERNAME_IN_RECORD = re.compile(rb'"username"\s*:\s*"([^"\\]*)"')

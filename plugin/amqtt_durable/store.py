@@ -27,7 +27,7 @@ Entry flags: bit 0 RETAIN (retained message on subscribe), bit 1 RELEASED (QoS 2
 received, so PUBREL, not PUBLISH, is re-sent), bit 2 SHARED (the body is counted under b"c";
 without it the entry is the body's only reference). A body is deleted with its last entry.
 
-Stream logs (streams.py) add two prefixes; the layout stays version 1, as an older store
+Stream logs (stream_log.py) add two prefixes; the layout stays version 1, as an older store
 simply has none of these keys::
 
     b"e" + tlen:u16 + topic(utf-8) + id:u64  -> published_at:f64 qos:u8 payload   one log event
@@ -37,7 +37,7 @@ The topic's byte length comes first, so ``b"e" + tlen + topic`` prefixes exactly
 events whatever bytes the topic holds. ``b"L"`` is written in the batch of every append, so
 ids are never reused, even after retention removed every event of a topic. Stores written
 before kept events under ``b"l" + topic + b"\\x00" + id`` (ambiguous for a topic holding
-U+0000); opening such a store moves them to ``b"e"`` keys (streams.migrate_legacy_events,
+U+0000); opening such a store moves them to ``b"e"`` keys (stream_log.migrate_legacy_events,
 crash-safe: each batch deletes the old keys it re-writes).
 
 Retained messages (retained.py) add one prefix, again without a new version::
@@ -46,6 +46,12 @@ Retained messages (retained.py) add one prefix, again without a new version::
 
 It is written (or, for an empty payload, deleted) in the group commit of the publish that sets
 it, so a retained message is stored before its PUBACK; nothing under ``_durable/`` is retained.
+
+Replication (replication/position.py) adds two keys, written inside every replicated batch on
+the primary and its backups alike, so their stores stay key-for-key the same::
+
+    b"R"                     -> seq:u64 crc:u32      the last replicated batch this store holds
+    b"R\x00snapshot"         -> b""                  a snapshot is being applied (not usable yet)
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from amqtt_durable.store import (
     session_key,
     totals_key,
 )
-from amqtt_durable.streams import MARK_PREFIX, StreamLogs, encode_event, event_key
+from amqtt_durable.stream_log import MARK_PREFIX, StreamLogs, encode_event, event_key
 from recording_transport import RecordingTransport
 
 GENEROUS = 10.0

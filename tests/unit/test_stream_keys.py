@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from amqtt_durable import streams as streams_module
+from amqtt_durable import stream_log as streams_module
 from amqtt_durable.config import StreamConfig
 from amqtt_durable.store import GroupCommitter, open_store
-from amqtt_durable.streams import StreamLogs, encode_event, event_key, mark_key
+from amqtt_durable.stream_log import StreamLogs, encode_event, event_key, mark_key
 
 STREAMS = [StreamConfig("s/#", max_count=100)]
 U64 = struct.Struct(">Q")

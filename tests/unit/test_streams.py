@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 
-from amqtt_durable import streams as streams_module
+from amqtt_durable import stream_log as streams_module
 from amqtt_durable.config import StreamConfig
 from amqtt_durable.store import GroupCommitter, open_store
-from amqtt_durable.streams import StreamLogs, StreamSender, event_key, mark_key
+from amqtt_durable.stream_log import StreamLogs, event_key, mark_key
+from amqtt_durable.stream_sender import StreamSender
 from durable_client.protocol import FLAG_QOS_SHIFT, FLAG_REDELIVERED, STREAM_TOPIC_PREFIX, ProtocolError, decode_frame
 from recording_transport import RecordingTransport, Sent
 
