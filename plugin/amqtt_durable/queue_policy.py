@@ -14,10 +14,10 @@ class Admission(enum.Enum):
     """What to do with one new message for a session queue."""
 
     ACCEPT = "accept"
-    DROP_OLDEST_THEN_ACCEPT = "drop-oldest-then-accept"
-    """overflow: drop-oldest makes room."""
-    REJECT = "reject"
-    """The new message is dropped: overflow drop-newest, or no room can be made for it."""
+    DROP_OLDEST = "drop-oldest"
+    """Older messages are dropped to make room, then the new one is accepted."""
+    DROP_NEWEST = "drop-newest"
+    """The new message is dropped (overflow drop-newest, or no room can be made for it)."""
 
 
 class QueueLimits:
@@ -79,8 +79,8 @@ class QueueLimits:
         if depth < limit and (not byte_limit or queued_bytes + size <= byte_limit):
             return Admission.ACCEPT  # the path of every message: no method calls
         if self.overflow == "drop-oldest" and not (byte_limit and size > byte_limit):
-            return Admission.DROP_OLDEST_THEN_ACCEPT
-        return Admission.REJECT
+            return Admission.DROP_OLDEST
+        return Admission.DROP_NEWEST
 
     def room_made(self, queued_bytes: int, size: int, freed: int) -> bool:
         """After drop-oldest removed messages of ``freed`` bytes: may the new one go in now?

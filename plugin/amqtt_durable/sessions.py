@@ -226,7 +226,7 @@ class DurableSession:
         if decision is Admission.ACCEPT:
             return True
         self._count_drop(self._overflow_cause)
-        if decision is Admission.REJECT:
+        if decision is Admission.DROP_NEWEST:
             return False
         start = self.bytes
         while self._drop_oldest():

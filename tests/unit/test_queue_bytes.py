@@ -19,7 +19,7 @@ def test_a_byte_limit_of_zero_is_no_limit() -> None:
 
 
 @pytest.mark.parametrize(
-    ("overflow", "full"), [("drop-oldest", Admission.DROP_OLDEST_THEN_ACCEPT), ("drop-newest", Admission.REJECT)]
+    ("overflow", "full"), [("drop-oldest", Admission.DROP_OLDEST), ("drop-newest", Admission.DROP_NEWEST)]
 )
 def test_either_limit_makes_the_queue_full(overflow: OverflowPolicy, full: Admission) -> None:
     limits = QueueLimits(10, 100, overflow, 500, 1000)
@@ -31,7 +31,7 @@ def test_either_limit_makes_the_queue_full(overflow: OverflowPolicy, full: Admis
 
 def test_a_message_larger_than_the_byte_limit_is_dropped_whatever_the_policy() -> None:
     limits = QueueLimits(10, 100, "drop-oldest", 500, 1000)
-    assert limits.admit(0, 0, 1001) is Admission.REJECT, "dropping everything else would not make it fit"
+    assert limits.admit(0, 0, 1001) is Admission.DROP_NEWEST, "dropping everything else would not make it fit"
 
 
 def test_connected_limits_after_revert() -> None:

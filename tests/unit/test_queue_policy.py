@@ -62,13 +62,13 @@ def test_revert_never_purges_it_only_lowers_the_bar() -> None:
     limits = QueueLimits(10, 100, "drop-newest")
     limits.on_connect(50)  # 50 <= 80: reverts with 50 queued
     assert limits.limit() == 10
-    assert limits.admit(50) is Admission.REJECT
+    assert limits.admit(50) is Admission.DROP_NEWEST
     assert limits.admit(9) is Admission.ACCEPT
 
 
 @pytest.mark.parametrize(
     ("overflow", "full"),
-    [("drop-oldest", Admission.DROP_OLDEST_THEN_ACCEPT), ("drop-newest", Admission.REJECT)],
+    [("drop-oldest", Admission.DROP_OLDEST), ("drop-newest", Admission.DROP_NEWEST)],
 )
 def test_admit_below_at_and_above_the_limit(overflow: OverflowPolicy, full: Admission) -> None:
     limits = QueueLimits(3, 5, overflow)
@@ -85,13 +85,13 @@ def test_equal_limits() -> None:
     limits = QueueLimits(5, 5, "drop-newest")
     limits.on_connect(5)
     assert limits.expanded is True  # 5 > 4.0
-    assert limits.admit(5) is Admission.REJECT
+    assert limits.admit(5) is Admission.DROP_NEWEST
     limits.on_drained(4, connected=True)
     assert limits.expanded is False
     assert limits.limit() == 5
 
 
 def test_admission_values_name_the_policies() -> None:
-    assert Admission.DROP_OLDEST_THEN_ACCEPT.value == "drop-oldest"
-    assert Admission.REJECT.value == "drop-newest"
+    assert Admission.DROP_OLDEST.value == "drop-oldest"
+    assert Admission.DROP_NEWEST.value == "drop-newest"
     assert Admission.ACCEPT.value == "accept"
