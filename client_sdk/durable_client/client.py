@@ -728,8 +728,8 @@ class DurableClient:
         if outcome.ack:
             link.ack(message.mid, message.qos)
         if outcome.stream_ack is not None:
-            topic, id = outcome.stream_ack
-            link.publish(CONTROL_TOPIC, encode_request("stream_ack", None, topic=topic, id=id), 0)
+            topic, event_id = outcome.stream_ack
+            link.publish(CONTROL_TOPIC, encode_request("stream_ack", None, topic=topic, id=event_id), 0)
         if outcome.reconnect:
             link.drop()
 
@@ -794,7 +794,8 @@ class DurableClient:
         subscription.mid = self._link_or_raise().subscribe(subscription.filter, qos)
 
     def _open_stream(self, topic_filter: str, window: int | None, *, wait: bool) -> _Waiter | None:
-        after = {topic: id for topic, id in self._state.positions().items() if topic_matches(topic_filter, topic)}
+        positions = self._state.positions().items()
+        after = {topic: event_id for topic, event_id in positions if topic_matches(topic_filter, topic)}
         return self._send_request(
             "stream_subscribe", wait=wait, filter=topic_filter, after=after or None, window=window
         )

@@ -195,11 +195,11 @@ def reconcile(state: SessionState, path: str | os.PathLike[str], device: str) ->
                 "delivery log %s shows epoch %d seq %d processed; mark advanced (was seq %d)", path, epoch, seq, mark
             )
     if processed.stream is not None:
-        topic, id = processed.stream
+        topic, event_id = processed.stream
         position = state.position(topic)
-        if id > position:
-            state.record_stream(topic, id)
+        if event_id > position:
+            state.record_stream(topic, event_id)
             log.info(
                 "delivery log %s shows stream %s id %d processed; position advanced (was %d)",
-                path, topic, id, position,
+                path, topic, event_id, position,
             )

@@ -80,7 +80,7 @@ class SessionState(ABC):
         """Last id processed on ``topic``; 0 when none."""
 
     @abstractmethod
-    def record_stream(self, topic: str, id: int) -> None: ...
+    def record_stream(self, topic: str, event_id: int) -> None: ...
 
     @abstractmethod
     def close(self) -> None: ...
@@ -123,9 +123,9 @@ class MemoryState(SessionState):
         with self._lock:
             return self._positions.get(topic, 0)
 
-    def record_stream(self, topic: str, id: int) -> None:
+    def record_stream(self, topic: str, event_id: int) -> None:
         with self._lock:
-            self._positions[topic] = id
+            self._positions[topic] = event_id
 
     def copy(self) -> MemoryState:
         with self._lock:
@@ -215,7 +215,7 @@ class DiskState(SessionState):
                 raise ValueError(f"layout version {data['v']}; this SDK reads {LAYOUT_VERSION}")
             self._gen = int(data["gen"])
             epoch = data["epoch"]
-            streams = {str(topic): int(id) for topic, id in data["streams"].items()}
+            streams = {str(topic): int(event_id) for topic, event_id in data["streams"].items()}
             return MemoryState(None if epoch is None else int(epoch), int(data["mark"]), streams)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise self._damaged(path, str(exc)) from None
@@ -293,9 +293,9 @@ class DiskState(SessionState):
     def reset(self) -> None:
         self._write(b"r\n", self._mem.reset)
 
-    def record_stream(self, topic: str, id: int) -> None:
-        line = f"s {id} {json.dumps(topic, ensure_ascii=False)}\n".encode()
-        self._write(line, lambda: self._mem.record_stream(topic, id))
+    def record_stream(self, topic: str, event_id: int) -> None:
+        line = f"s {event_id} {json.dumps(topic, ensure_ascii=False)}\n".encode()
+        self._write(line, lambda: self._mem.record_stream(topic, event_id))
 
     def _write(self, line: bytes, apply: Callable[[], None]) -> None:
         with self._lock:
@@ -380,8 +380,8 @@ class FallbackState(SessionState):
     def reset(self) -> None:
         self._mutate(lambda state: state.reset())
 
-    def record_stream(self, topic: str, id: int) -> None:
-        self._mutate(lambda state: state.record_stream(topic, id))
+    def record_stream(self, topic: str, event_id: int) -> None:
+        self._mutate(lambda state: state.record_stream(topic, event_id))
 
     def _mutate(self, apply: Callable[[SessionState], None]) -> None:
         with self._lock:
@@ -446,11 +446,11 @@ def _apply_line(line: bytes, mem: MemoryState) -> None:
     elif kind == "r" and not rest:
         mem.reset()
     elif kind == "s":
-        id, topic = rest.split(" ", 1)
+        event_id, topic = rest.split(" ", 1)
         name = json.loads(topic)
         if not isinstance(name, str):
             raise ValueError(f"topic {topic!r} is not a JSON string")
-        mem.record_stream(name, int(id))
+        mem.record_stream(name, int(event_id))
     else:
         raise ValueError(f"unknown record {line[:40]!r}")
 

@@ -36,8 +36,8 @@ def write_log(path: Path, events: list[Event], device: str = DEVICE) -> None:
     writer.close()
 
 
-def stream(topic: str, id: int) -> Event:
-    return event(id, epoch=0, topic=topic, stream=True)
+def stream(topic: str, event_id: int) -> Event:
+    return event(event_id, epoch=0, topic=topic, stream=True)
 
 
 # ------------------------------------------------------------------ session mark

@@ -78,8 +78,8 @@ class Harness:
         data = encode_frame(flags, epoch, seq, 1000.0 + seq) + payload
         return self.receiver.handle(self.message(topic, data, dup=dup))
 
-    def stream(self, topic: str, id: int, payload: bytes = b"v", flags: int = 0) -> Outcome:
-        data = encode_frame(flags, 0, id, 2000.0 + id) + payload
+    def stream(self, topic: str, event_id: int, payload: bytes = b"v", flags: int = 0) -> Outcome:
+        data = encode_frame(flags, 0, event_id, 2000.0 + event_id) + payload
         return self.receiver.handle(self.message(STREAM_TOPIC_PREFIX + topic, data, qos=0))
 
     def seqs(self) -> list[int]:
