@@ -216,25 +216,33 @@ class SubscriptionIndex:
         nodes = [self._root]
         wildcards_first = not topic.startswith("$")
         for depth, level in enumerate(levels):
-            following: list[_Node] = []
-            for node in nodes:
-                children = node.children
-                if depth or wildcards_first:
-                    rest = children.get("#")
-                    if rest is not None and rest.subscribers:
-                        yield rest
-                    single = children.get("+")
-                    if single is not None:
-                        following.append(single)
-                child = children.get(level)
-                if child is not None and level not in ("+", "#"):  # wildcards are not literals
-                    following.append(child)
-            if not following:
+            matched: list[_Node] = []
+            nodes = _descend(nodes, level, bool(depth) or wildcards_first, matched)
+            yield from matched
+            if not nodes:
                 return
-            nodes = following
         for node in nodes:
             if node.subscribers:
                 yield node
             rest = node.children.get("#")
             if rest is not None and rest.subscribers:
                 yield rest
+
+
+def _descend(nodes: list[_Node], level: str, wildcards: bool, matched: list[_Node]) -> list[_Node]:
+    """One level down the trie: the nodes ``level`` leads to (literal and '+'); with ``wildcards``,
+    the '#' filters below ``nodes`` match whatever follows, so they go to ``matched``."""
+    following: list[_Node] = []
+    for node in nodes:
+        children = node.children
+        if wildcards:
+            rest = children.get("#")
+            if rest is not None and rest.subscribers:
+                matched.append(rest)
+            single = children.get("+")
+            if single is not None:
+                following.append(single)
+        child = children.get(level)
+        if child is not None and level not in ("+", "#"):  # wildcards are not literals
+            following.append(child)
+    return following
