@@ -230,6 +230,12 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
         queue.last_seq = entry.seq
         if entry.flags & FLAG_SHARED:
             shared[entry.msg_id] += 1
+    _fix_refs(db, batch, shared, report)
+    return queues
+
+
+def _fix_refs(db: Any, batch: Any, shared: Counter[int], report: RepairReport) -> None:
+    """Make every shared body's reference count the number of entries found pointing at it."""
     fixed = 0
     for key, value in db.iterator(prefix=b"c"):
         msg_id = sid_of_entry_key(key)
@@ -249,7 +255,6 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
         fixed += 1
     if fixed:
         report.rebuilt.append(f"{fixed} shared message reference count(s) rebuilt from the queues")
-    return queues
 
 
 _PER_SESSION_KEYS = {b"t": ("queue totals", 9), b"w": ("sent mark", 9), b"x": ("QoS 2 packet id", 11)}
