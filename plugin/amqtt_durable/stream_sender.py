@@ -114,20 +114,42 @@ class StreamSender:
         """
         if self._stopped:
             return {"topics": {}, "gaps": {}, "ahead": {}}
-        if not filter_is_valid(topic_filter):
-            raise ProtocolError("bad_filter", f"{topic_filter!r} is not a valid topic filter")
-        if not self._logs.covers_filter(topic_filter):
-            raise ProtocolError("unknown_stream", f"{topic_filter!r} matches no configured stream")
-        if window is None:
-            window = self._default_window
-        elif not 1 <= window <= MAX_STREAM_WINDOW:
-            raise ProtocolError("malformed", f"'window' must be a whole number from 1 to {MAX_STREAM_WINDOW}")
+        window = self._checked_window(topic_filter, window)
         after = after or {}
         self._filters[topic_filter] = window
         self._logs.register(self)
         for topic, last_seen in after.items():
             if matches(topic, topic_filter) and self._logs.bounds(topic) is None:
                 self._pending_after[topic] = last_seen
+        gaps = await self._open_matching(topic_filter, window, after)
+        topics: dict[str, dict[str, int]] = {}
+        ahead: dict[str, int] = {}
+        for topic in self._cursors:
+            bounds = self._logs.bounds(topic)
+            if bounds is not None and matches(topic, topic_filter):
+                topics[topic] = {"first": bounds[0], "last": bounds[1]}
+                if after.get(topic, 0) > bounds[1]:
+                    ahead[topic] = bounds[1]
+        if ahead:
+            # Ids are never reused by one store: a position past the end means another store.
+            log.warning("stream subscribe %s: positions past the log end (a wiped store?): %s", topic_filter, ahead)
+        return {"topics": topics, "gaps": gaps, "ahead": ahead}
+
+    def _checked_window(self, topic_filter: str, window: int | None) -> int:
+        """The subscription's window; ProtocolError for a filter no stream covers or a bad window."""
+        if not filter_is_valid(topic_filter):
+            raise ProtocolError("bad_filter", f"{topic_filter!r} is not a valid topic filter")
+        if not self._logs.covers_filter(topic_filter):
+            raise ProtocolError("unknown_stream", f"{topic_filter!r} matches no configured stream")
+        if window is None:
+            return self._default_window
+        if not 1 <= window <= MAX_STREAM_WINDOW:
+            raise ProtocolError("malformed", f"'window' must be a whole number from 1 to {MAX_STREAM_WINDOW}")
+        return window
+
+    async def _open_matching(self, topic_filter: str, window: int, after: dict[str, int]) -> dict[str, list[int]]:
+        """Open a cursor on every log of the filter not open yet that the user may read; returns
+        the gaps (ids trimmed past a presented position) by topic."""
         candidates = [t for t in self._logs.topics(topic_filter) if t not in self._cursors and t not in self._checking]
         self._checking.update(candidates)
         try:
@@ -145,18 +167,7 @@ class StreamSender:
             gap = self._open(topic, window, after.get(topic))
             if gap is not None:
                 gaps[topic] = list(gap)
-        topics: dict[str, dict[str, int]] = {}
-        ahead: dict[str, int] = {}
-        for topic in self._cursors:
-            bounds = self._logs.bounds(topic)
-            if bounds is not None and matches(topic, topic_filter):
-                topics[topic] = {"first": bounds[0], "last": bounds[1]}
-                if after.get(topic, 0) > bounds[1]:
-                    ahead[topic] = bounds[1]
-        if ahead:
-            # Ids are never reused by one store: a position past the end means another store.
-            log.warning("stream subscribe %s: positions past the log end (a wiped store?): %s", topic_filter, ahead)
-        return {"topics": topics, "gaps": gaps, "ahead": ahead}
+        return gaps
 
     def unsubscribe(self, topic_filter: str) -> bool:
         """Close the filter's cursors (those no other subscription covers); False if not subscribed."""
