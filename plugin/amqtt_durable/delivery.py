@@ -180,30 +180,7 @@ class Pump:
 
     async def _run(self) -> None:
         try:
-            while not self._stopped and not self.transport.closed:
-                if self.held:
-                    batch = []
-                else:
-                    if not self.buffer:
-                        try:
-                            self._fill_from_store()
-                        except StoreReadError as exc:
-                            await self._retry_later(exc)
-                            continue
-                    batch = self._take_sendable()
-                    if batch and self.read_access is not None:
-                        batch = await self._readable(batch)
-                        if not batch:
-                            continue  # all dropped (or stopped): look again
-                if batch:
-                    await self._send(batch)
-                    continue
-                if self._marker_due and self._replay_sent():
-                    self._send_marker()
-                    continue
-                # Nothing can go out now; every state change that could alter that sets _wake.
-                self._wake.clear()
-                await self._wake.wait()
+            await self._deliver()
         except asyncio.CancelledError:
             raise
         except (ConnectionError, OSError) as exc:
@@ -213,6 +190,39 @@ class Pump:
                 "delivery to %s stopped by an internal error; it starts again when the client reconnects",
                 self.session.client_id,
             )
+
+    async def _deliver(self) -> None:
+        while not self._stopped and not self.transport.closed:
+            batch = await self._next_batch()
+            if batch is None:
+                continue
+            if batch:
+                await self._send(batch)
+                continue
+            if self._marker_due and self._replay_sent():
+                self._send_marker()
+                continue
+            # Nothing can go out now; every state change that could alter that sets _wake.
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _next_batch(self) -> list[Outgoing] | None:
+        """What may go out now: [] when nothing may, None when the pump should look again (a read
+        failed and was waited out, or everything taken was dropped as unreadable)."""
+        if self.held:
+            return []
+        if not self.buffer:
+            try:
+                self._fill_from_store()
+            except StoreReadError as exc:
+                await self._retry_later(exc)
+                return None
+        batch = self._take_sendable()
+        if batch and self.read_access is not None:
+            batch = await self._readable(batch)
+            if not batch:
+                return None  # all dropped (or stopped): look again
+        return batch
 
     async def _retry_later(self, exc: StoreReadError) -> None:
         """A read of the queue failed: say so, count it, and try again after a growing pause.
