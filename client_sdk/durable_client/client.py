@@ -27,7 +27,7 @@ from typing import Any, Final, ParamSpec
 
 from durable_protocol import CONTROL_PREFIX, CONTROL_TOPIC, MAX_STREAM_WINDOW, Marker, Reply, encode_request
 
-from ._paho import ConnAck, Inbound, PahoLink, topic_matches
+from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, topic_matches
 from ._receiver import Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
 from .backoff import Backoff
@@ -488,14 +488,7 @@ class DurableClient:
         message may still arrive). From a listener it returns without waiting.
         """
         self._check_open()
-        if topic.startswith(CONTROL_PREFIX):
-            raise ValueError(f"topics under {CONTROL_PREFIX} are the SDK's control channel; cannot publish to {topic}")
-        if isinstance(payload, str):
-            data = payload.encode()
-        elif isinstance(payload, bytes | bytearray | memoryview):
-            data = bytes(payload)
-        else:
-            raise TypeError(f"payload must be bytes or str, got {type(payload).__name__}")
+        data = _publishable(topic, payload)
         if not self._connected:
             raise Unconnected(f"not connected to {self.host}:{self.port} (reconnecting): nothing was published")
         handle = self._link_or_raise().publish(topic, data, qos, retain)
@@ -509,6 +502,10 @@ class DurableClient:
         if qos == 0 or self._on_network_thread():
             self._log_send(topic, data, qos)
             return
+        self._await_puback(handle, topic, timeout)
+        self._log_send(topic, data, qos)
+
+    def _await_puback(self, handle: PublishHandle, topic: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not handle.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
             if self._closed:
@@ -518,7 +515,6 @@ class DurableClient:
                     f"no PUBACK for the publish to {topic} within {timeout} s; it stays queued and is re-sent "
                     "after a reconnect, so it may still arrive"
                 )
-        self._log_send(topic, data, qos)
 
     def _close_files(self) -> None:
         self._state.close()
@@ -690,20 +686,7 @@ class DurableClient:
             if resend_durable:
                 self._registry.session_lost()
             for subscription in self._registry.subscriptions():
-                if not self._durable:
-                    self._send_subscribe(subscription)  # a clean session keeps nothing
-                elif not subscription.durable:
-                    self._send_request("interest", filter=subscription.filter, durable=False)
-                    self._send_subscribe(subscription)
-                elif broker_has is not None and not resend_durable:
-                    if broker_has.get(subscription.filter) == min(subscription.qos, 1):
-                        subscription.confirmed = True
-                    else:
-                        self._send_subscribe(subscription)
-                elif resend_durable or not (subscription.confirmed or subscription.mid is not None):
-                    # session_present: the broker kept the confirmed ones; sending them again
-                    # would queue their retained messages again.
-                    self._send_subscribe(subscription)
+                self._replay_subscription(subscription, resend_durable, broker_has)
             for topic_filter in self._registry.take_unsubscribed():
                 if not resend_durable:
                     self._link_or_raise().unsubscribe(topic_filter)
@@ -712,6 +695,24 @@ class DurableClient:
         if self._durable and self._ready_requested:
             self._ready_sent = True
             self._send_request("ready")
+
+    def _replay_subscription(
+        self, subscription: Subscription, resend_durable: bool, broker_has: dict[str, Any] | None
+    ) -> None:
+        if not self._durable:
+            self._send_subscribe(subscription)  # a clean session keeps nothing
+        elif not subscription.durable:
+            self._send_request("interest", filter=subscription.filter, durable=False)
+            self._send_subscribe(subscription)
+        elif broker_has is not None and not resend_durable:
+            if broker_has.get(subscription.filter) == min(subscription.qos, 1):
+                subscription.confirmed = True
+            else:
+                self._send_subscribe(subscription)
+        elif resend_durable or not (subscription.confirmed or subscription.mid is not None):
+            # session_present: the broker kept the confirmed ones; sending them again
+            # would queue their retained messages again.
+            self._send_subscribe(subscription)
 
     def _handle_message(self, message: Inbound) -> None:
         try:
@@ -867,3 +868,14 @@ def _safe(callback: Callable[_P, None] | None, *args: _P.args, **kwargs: _P.kwar
         callback(*args, **kwargs)
     except Exception:
         log.exception("the application callback %s raised", getattr(callback, "__qualname__", callback))
+
+
+def _publishable(topic: str, payload: bytes | str) -> bytes:
+    """The payload's bytes; ValueError for the SDK's own control topics, TypeError for other payloads."""
+    if topic.startswith(CONTROL_PREFIX):
+        raise ValueError(f"topics under {CONTROL_PREFIX} are the SDK's control channel; cannot publish to {topic}")
+    if isinstance(payload, str):
+        return payload.encode()
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload)
+    raise TypeError(f"payload must be bytes or str, got {type(payload).__name__}")
