@@ -441,17 +441,24 @@ def check(run: Run) -> list[str]:
         if count:
             problems.append(f"{count:,} {what}")
     if run.kind != PLAIN:
-        if r.marker is None:
-            problems.append("no marker (on_live)")
-        else:
-            if r.before_marker < run.n:
-                problems.append(f"marker after {r.before_marker:,} events, before all {run.n:,} queued ones")
-            if r.marker["replayed"] != r.before_marker:
-                problems.append(f"marker says replayed={r.marker['replayed']:,}, listener got "
-                                f"{r.before_marker:,} before it")
-        want_level = "disk" if run.kind == CPL2 else "memory"
-        if r.persistence_level not in (None, want_level):
-            problems.append(f"persistence level {r.persistence_level} at the end (expected {want_level}: fallback?)")
+        problems += sdk_problems(run, r)
+    return problems
+
+
+def sdk_problems(run: Run, r: RecvResult) -> list[str]:
+    """What an SDK receiver must also get right: the marker after the backlog, no fallback."""
+    problems: list[str] = []
+    if r.marker is None:
+        problems.append("no marker (on_live)")
+    else:
+        if r.before_marker < run.n:
+            problems.append(f"marker after {r.before_marker:,} events, before all {run.n:,} queued ones")
+        if r.marker["replayed"] != r.before_marker:
+            problems.append(f"marker says replayed={r.marker['replayed']:,}, listener got "
+                            f"{r.before_marker:,} before it")
+    want_level = "disk" if run.kind == CPL2 else "memory"
+    if r.persistence_level not in (None, want_level):
+        problems.append(f"persistence level {r.persistence_level} at the end (expected {want_level}: fallback?)")
     return problems
 
 
@@ -684,6 +691,36 @@ def build_broker(args: argparse.Namespace, tmp: Path, snapshot: Path | None) -> 
     return BrokerProcess("ours", [*prefix, "-c", str(path)], port, tmp / "broker.log", Login(), args.broker_cpus, env)
 
 
+def run_rounds(ctx: Ctx, runs: dict[str, list[Run]], warmups: list[Run]) -> None:
+    """The warm-up, then ``--runs`` rounds of every kind, each round starting with the next kind."""
+    args = ctx.args
+    if args.warmup:
+        for kind in args.only:
+            log(f"warm-up: {kind}")
+            warmups.append(run_receiver(ctx, kind, "warm-up", min(500, args.n), min(100, args.live)))
+    for rnd in range(args.runs):
+        shift = rnd % len(args.only)
+        for kind in args.only[shift:] + args.only[:shift]:
+            log(f"round {rnd + 1}: {kind}")
+            runs.setdefault(kind, []).append(run_receiver(ctx, kind, f"round {rnd + 1}", args.n, args.live))
+
+
+def note_code_used(ctx: Ctx, info: dict[str, str], runs: dict[str, list[Run]], *, snapshot: Path | None,
+                   watched: dict[str, Path], at_start: dict[str, dict[str, str]]) -> None:
+    """Say which SDK copy the receivers imported, and whether the sources changed during the run."""
+    sdk_files = {run.res.sdk_module for kind_runs in runs.values() for run in kind_runs
+                 if run.res is not None and run.res.sdk_module}
+    folders = sorted({str(Path(path).parent.parent) for path in sdk_files})
+    info["code"] += f"; the SDK receivers imported durable_client from {', '.join(folders) or '(none ran)'}"
+    if snapshot is not None and any(not path.startswith(str(snapshot)) for path in sdk_files):
+        ctx.note(f"WARNING: a receiver imported the SDK from outside the snapshot: {sorted(sdk_files)}")
+    for name, folder in watched.items():
+        if changed := changed_files(at_start[name], source_fingerprint(folder)):
+            files = ", ".join(changed)
+            ctx.note(f"the {name} source changed in the working tree during the run ({files}); "
+                     + ("the run used the copy taken at start" if snapshot else "WARNING: runs may mix versions"))
+
+
 def run(args: argparse.Namespace, tmp: Path, info: dict[str, str], *, runs: dict[str, list[Run]],
         warmups: list[Run], notes: list[str]) -> None:
     watched = {"plugin": PLUGIN_DIR, "SDK": SDK_DIR, "protocol": PROTOCOL_DIR}
@@ -709,28 +746,10 @@ def run(args: argparse.Namespace, tmp: Path, info: dict[str, str], *, runs: dict
     try:
         log(f"starting the broker: {shlex.join(broker.argv)} (port {broker.port})")
         broker.start(args.startup_timeout)
-        if args.warmup:
-            for kind in args.only:
-                log(f"warm-up: {kind}")
-                warmups.append(run_receiver(ctx, kind, "warm-up", min(500, args.n), min(100, args.live)))
-        for rnd in range(args.runs):
-            shift = rnd % len(args.only)
-            for kind in args.only[shift:] + args.only[:shift]:
-                log(f"round {rnd + 1}: {kind}")
-                runs.setdefault(kind, []).append(run_receiver(ctx, kind, f"round {rnd + 1}", args.n, args.live))
+        run_rounds(ctx, runs, warmups)
         if not broker.alive():
             ctx.note(f"the broker exited unexpectedly; last log line: {broker.last_log_line()!r}")
-        sdk_files = {run.res.sdk_module for kind_runs in runs.values() for run in kind_runs
-                     if run.res is not None and run.res.sdk_module}
-        folders = sorted({str(Path(path).parent.parent) for path in sdk_files})
-        info["code"] += f"; the SDK receivers imported durable_client from {', '.join(folders) or '(none ran)'}"
-        if snapshot is not None and any(not path.startswith(str(snapshot)) for path in sdk_files):
-            ctx.note(f"WARNING: a receiver imported the SDK from outside the snapshot: {sorted(sdk_files)}")
-        for name, folder in watched.items():
-            if changed := changed_files(at_start[name], source_fingerprint(folder)):
-                files = ", ".join(changed)
-                ctx.note(f"the {name} source changed in the working tree during the run ({files}); "
-                         + ("the run used the copy taken at start" if snapshot else "WARNING: runs may mix versions"))
+        note_code_used(ctx, info, runs, snapshot=snapshot, watched=watched, at_start=at_start)
     finally:
         log(f"stopped the broker: {broker.stop(timeout=30.0)}")
         log_tail = broker.log_tail()
