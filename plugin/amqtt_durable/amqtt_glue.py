@@ -623,8 +623,11 @@ def _install(  # noqa: PLR0915 - one wrapper per internal
         handler.durable_transport = HandlerTransport(handler)
         handler.durable_acks = OrderedAcks(handler.durable_transport, session.client_id)
         handler.durable_control = _control_channel(broker, engine, handler, session)
+        handler.durable_publishes = InboundPublishes(
+            engine, session, handler.durable_acks, handler.durable_control, amqtt_wants
+        )
         _wrap_handler(broker, engine, handler, session, amqtt_wants=amqtt_wants, receivers=receivers)
-        handler._reader_loop = FastReader(broker, engine, handler, session, amqtt_wants).run
+        handler._reader_loop = FastReader(broker, engine, handler, session).run
         return handler, session
 
     async def client_message_loop(session: Any, handler: Any) -> None:
@@ -886,11 +889,10 @@ def _wrap_handler(
             return
         qos = packet.qos or 0
         packet_id = packet.variable_header.packet_id if packet.variable_header else None
-        if topic.startswith(CONTROL_PREFIX):
-            await _control_publish(handler, packet, original_publish)
+        control = topic.startswith(CONTROL_PREFIX)
+        if control and qos == 2:
+            await _control_qos2(handler, packet, original_publish)
             return
-        retain = bool(packet.retain_flag)
-        stored: asyncio.Future[None] | None = None
         if qos == 2:  # amqtt's PUBREC / PUBREL flow, after the message and its packet id are durable
             try:
                 stored = await _route_qos2(broker, engine, handler, session, packet, receivers=receivers)
@@ -902,19 +904,16 @@ def _wrap_handler(
             packet.payload.data = RoutedPayload(data)
             await original_publish(packet)
             return
+        publishes: InboundPublishes = handler.durable_publishes
+        retain = bool(packet.retain_flag)
         async with ordering:  # FIFO per connection even when topic ACL checks yield
-            if await broker._topic_filtering(session, topic, Action.PUBLISH):
-                try:
-                    stored = engine.route_publish(topic, bytes(data), qos, await receivers(topic), retain=retain)
-                except StoreUnavailableError as exc:
-                    if qos:
-                        handler.durable_acks.refuse(exc)
-                        return
-                    # QoS 0 is at most once: amqtt's own subscribers still get it
-            if amqtt_wants(topic):
-                hand_to_amqtt(session, topic, data, qos, packet_id=packet_id, retain=retain)
-        if qos == 1 and packet_id is not None:
-            handler.durable_acks.add(stored, packet_id)  # in PUBLISH order, once durable
+            if control:
+                publishes.control(topic, bytes(data), qos, packet_id)
+            elif await broker._topic_filtering(session, topic, Action.PUBLISH):
+                targets = await receivers(topic)
+                publishes.route(topic, bytes(data), qos, packet_id, retain=retain, targets=targets)
+            else:  # refused by the topic ACL: not stored; amqtt's own delivery decides as it would
+                publishes.hand_over(topic, bytes(data), qos, packet_id, retain=retain, stored=None)
 
     async def connack_authorize(authorize: bool) -> None:
         if authorize and session.client_id:
@@ -1079,16 +1078,76 @@ def _read_access(broker: Any, session: Any) -> ReadAccess | None:
     return ReadAccess(partial(_may_read, broker, session))
 
 
-async def _control_publish(handler: Any, packet: Any, original_publish: Callable[[Any], Awaitable[None]]) -> None:
-    """A control request that came the slow way (QoS 2, or amqtt's reader): never routed."""
+async def _control_qos2(handler: Any, packet: Any, original_publish: Callable[[Any], Awaitable[None]]) -> None:
+    """A control request at QoS 2: never routed; amqtt completes the exchange and the broadcast
+    wrapper drops the message."""
     handler.durable_control.submit(packet.topic_name, bytes(packet.data))
-    qos = packet.qos or 0
-    if qos == 2:  # amqtt completes the exchange; the broadcast wrapper drops the message
-        packet.fixed_header.flags &= ~0x01  # and it is never retained
-        packet.payload.data = RoutedPayload(packet.data)
-        await original_publish(packet)
-    elif qos == 1 and packet.variable_header is not None:
-        handler.durable_acks.add(None, packet.variable_header.packet_id)
+    packet.fixed_header.flags &= ~0x01  # never retained
+    packet.payload.data = RoutedPayload(packet.data)
+    await original_publish(packet)
+
+
+class InboundPublishes:
+    """The one path of a QoS 0/1 PUBLISH after its checks, whichever reader read it (amqtt's, or
+    FastReader's inline one): a control request goes to the control channel; any other message is
+    queued for the durable sessions, handed to amqtt's own delivery, and acknowledged in PUBLISH
+    order once it is stored (OrderedAcks)."""
+
+    def __init__(
+        self,
+        engine: DurableEngine,
+        session: Any,
+        acks: OrderedAcks,
+        control: ControlChannel,
+        amqtt_wants: Callable[[str], bool],
+    ) -> None:
+        self._engine = engine
+        self._session = session
+        self._acks = acks
+        self._control = control
+        self._amqtt_wants = amqtt_wants
+
+    def control(self, topic: str, payload: bytes, qos: int, packet_id: int | None) -> None:
+        """A request on the control channel: never routed; acknowledged at once."""
+        self._control.submit(topic, payload)
+        if qos == 1 and packet_id:
+            self._acks.add(None, packet_id)
+
+    def route(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        packet_id: int | None,
+        *,
+        retain: bool,
+        targets: dict[str, int] | None,
+    ) -> None:
+        """Queue for the durable sessions (``targets``: those the topic ACL lets receive it, None: all)."""
+        try:
+            stored = self._engine.route_publish(topic, payload, qos, targets, retain=retain)
+        except StoreUnavailableError as exc:
+            if qos:
+                self._acks.refuse(exc)
+                return
+            stored = None  # QoS 0 is at most once: amqtt's own subscribers still get it
+        self.hand_over(topic, payload, qos, packet_id, retain=retain, stored=stored)
+
+    def hand_over(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        packet_id: int | None,
+        *,
+        retain: bool,
+        stored: asyncio.Future[None] | None,
+    ) -> None:
+        """To amqtt's own delivery, if it wants the topic; then the PUBACK, once ``stored`` is durable."""
+        if self._amqtt_wants(topic):
+            hand_to_amqtt(self._session, topic, payload, qos, packet_id=packet_id or None, retain=retain)
+        if qos == 1 and packet_id:
+            self._acks.add(stored, packet_id)
 
 
 def hand_to_amqtt(session: Any, topic: str, payload: bytes, qos: int, *, packet_id: int | None, retain: bool) -> None:
@@ -1169,17 +1228,13 @@ class FastReader:
     when plugins listen to raw packets or filter topics, which the inline path would skip.
     """
 
-    def __init__(
-        self, broker: Any, engine: DurableEngine, handler: Any, session: Any, amqtt_wants: Callable[[str], bool]
-    ) -> None:
+    def __init__(self, broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
         self._broker = broker
-        self._engine = engine
         self._handler = handler
         self._session = session
-        self._amqtt_wants = amqtt_wants
         self._original_loop = handler._reader_loop
         self._transport: HandlerTransport = handler.durable_transport
-        self._acks: OrderedAcks = handler.durable_acks
+        self._publishes: InboundPublishes = handler.durable_publishes
         self._running: deque[asyncio.Task[None]] = deque()
         self._max_packet_size = engine.config.max_packet_size
 
@@ -1202,22 +1257,9 @@ class FastReader:
             return False
         payload = body[start:]
         if topic.startswith(CONTROL_PREFIX):
-            self._handler.durable_control.submit(topic, payload)
-            if qos:
-                self._acks.add(None, packet_id)
-            return True
-        retain = bool(flags & 0x01)
-        try:
-            stored = self._engine.route_publish(topic, payload, qos, retain=retain)
-        except StoreUnavailableError as exc:
-            if qos:
-                self._acks.refuse(exc)
-                return True
-            stored = None  # QoS 0 is at most once: amqtt's own subscribers still get it
-        if self._amqtt_wants(topic):
-            hand_to_amqtt(self._session, topic, payload, qos, packet_id=packet_id or None, retain=retain)
-        if qos:
-            self._acks.add(stored, packet_id)
+            self._publishes.control(topic, payload, qos, packet_id)
+        else:  # no topic ACL plugin (run() stepped aside otherwise): every session may receive it
+            self._publishes.route(topic, payload, qos, packet_id, retain=bool(flags & 0x01), targets=None)
         return True
 
     async def _dispatch(self, first: int, body: bytes) -> None:
