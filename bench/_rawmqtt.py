@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from amqtt_durable.wire import encode_string, remaining_length
+from amqtt_durable.wire import encode_connect, encode_publish, encode_subscribe, split_packets
 
 HOST = "127.0.0.1"
 PAYLOAD_SIZE = 64
@@ -62,75 +62,18 @@ class Login:
 # --------------------------------------------------------------------------- codec
 
 
-mqtt_str = encode_string
-
-
-def varint(n: int) -> bytes:
-    """MQTT remaining length (amqtt_durable.wire's encoder), refused past its 4-byte limit."""
-    if not 0 <= n < 128**4:
-        raise ValueError(f"remaining length {n} out of range")
-    return remaining_length(n)
-
-
 def connect_packet(client_id: str, login: Login, clean: bool = True, keepalive: int = 0) -> bytes:
-    flags = 0x02 if clean else 0
-    payload = mqtt_str(client_id)
-    if login.username is not None:
-        flags |= 0x80
-        payload += mqtt_str(login.username)
-        if login.password is not None:
-            flags |= 0x40
-            payload += mqtt_str(login.password)
-    body = mqtt_str("MQTT") + bytes([4, flags]) + struct.pack("!H", keepalive) + payload
-    return b"\x10" + varint(len(body)) + body
-
-
-def subscribe_packet(packet_id: int, topic: str, qos: int = 1) -> bytes:
-    body = struct.pack("!H", packet_id) + mqtt_str(topic) + bytes([qos])
-    return b"\x82" + varint(len(body)) + body
+    return encode_connect(client_id, username=login.username, password=login.password, clean=clean,
+                          keepalive=keepalive)
 
 
 def publish_packet(topic: str, packet_id: int, payload: bytes, *, qos: int = 1, dup: bool = False,
                    retain: bool = False) -> bytes:
-    header = 0x30 | (0x08 if dup else 0) | (qos << 1) | (1 if retain else 0)
-    body = mqtt_str(topic) + (struct.pack("!H", packet_id) if qos else b"") + payload
-    return bytes([header]) + varint(len(body)) + body
+    return encode_publish(topic.encode(), payload, qos, packet_id, dup=dup, retain=retain)
 
 
 def make_payload(tag: bytes, seq: int, sent_ns: int = 0) -> bytes:
     return PAYLOAD_HEADER.pack(tag, seq, sent_ns) + _PAYLOAD_PADDING
-
-
-def split_packets(buf: bytearray) -> tuple[list[tuple[int, int, int]], int]:
-    """The complete packets at the start of `buf` as (first byte, body start, body end), and the bytes they use.
-
-    A packet cut off by the end of the buffer (also inside its remaining-length field) is left for
-    the next call.
-    """
-    packets: list[tuple[int, int, int]] = []
-    pos = 0
-    size = len(buf)
-    while size - pos >= 2:
-        i = pos + 1
-        length = 0
-        shift = 0
-        while True:
-            if i >= size:
-                return packets, pos
-            byte = buf[i]
-            i += 1
-            length |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                break
-            shift += 7
-            if shift > 21:
-                raise RawMqttError("remaining length longer than 4 bytes")
-        end = i + length
-        if end > size:
-            break
-        packets.append((buf[pos], i, end))
-        pos = end
-    return packets, pos
 
 
 def take_pubacks(buf: bytearray, outstanding: bytearray) -> tuple[int, int, int, bool]:
@@ -252,7 +195,7 @@ class RawConnection:
             self.buf += data
 
     def subscribe(self, topic: str, timeout: float) -> None:
-        self.sock.sendall(subscribe_packet(1, topic))
+        self.sock.sendall(encode_subscribe(1, topic))
         body = self.expect(PT_SUBACK, timeout)
         if body[2:] != b"\x01":
             raise RawMqttError(f"SUBACK {body!r}: expected granted QoS 1")
@@ -649,7 +592,7 @@ def subscriber_main(spec: SubSpec, pipe: Connection) -> None:
         res.session_present = conn.connect(spec.client_id, spec.login, clean=spec.clean, timeout=30.0)
         res.t_connect_ns, res.t_connack_ns = conn.t_connect_ns, conn.t_connack_ns
         if spec.subscribe is not None:
-            conn.sock.sendall(subscribe_packet(1, spec.subscribe))  # "ready" follows the SUBACK
+            conn.sock.sendall(encode_subscribe(1, spec.subscribe))  # "ready" follows the SUBACK
         else:
             pipe.send(("ready", res.session_present))
         if spec.need_session and not res.session_present:

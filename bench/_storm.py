@@ -39,9 +39,9 @@ from _rawmqtt import (
     RawMqttError,
     connect_packet,
     publish_packet,
-    split_packets,
-    subscribe_packet,
 )
+
+from amqtt_durable.wire import encode_subscribe, read_packet, split_packets
 
 _PAYLOAD = struct.Struct("!II")  # session index, sequence number
 _PADDING = bytes(PAYLOAD_SIZE - _PAYLOAD.size)
@@ -125,21 +125,11 @@ def session_topic(spec: StormSpec, index: int) -> str:
 # --------------------------------------------------------------------------- phase 1: set-up
 
 
-async def _read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    first = (await reader.readexactly(1))[0]
-    length = shift = 0
-    while True:
-        byte = (await reader.readexactly(1))[0]
-        length |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            break
-        shift += 7
-    return first, await reader.readexactly(length)
-
-
 async def _expect(reader: asyncio.StreamReader, packet_type: int) -> bytes:
     while True:  # bounded by the caller's timeout
-        first, body = await _read_packet(reader)
+        packet = await read_packet(reader)
+        assert packet is not None  # no idle bound: only EOF ends a read, and it raises
+        first, body = packet
         if first >> 4 == packet_type:
             return body
 
@@ -151,7 +141,7 @@ async def _subscribe_once(spec: StormSpec, index: int) -> None:
         connack = await _expect(reader, 2)
         if connack[1] != 0:
             raise RawMqttError(f"session {index}: CONNACK return code {connack[1]}")
-        writer.write(subscribe_packet(1, session_topic(spec, index)))
+        writer.write(encode_subscribe(1, session_topic(spec, index)))
         suback = await _expect(reader, 9)
         if suback[2:3] != b"\x01":
             raise RawMqttError(f"session {index}: SUBACK {suback!r}")
@@ -193,7 +183,7 @@ async def enqueue(spec: StormSpec, result: StormResult) -> None:
     try:
         writer.write(connect_packet(f"{spec.prefix}-pub", spec.login, clean=True))
         await asyncio.wait_for(_expect(reader, 2), 30.0)
-        writer.write(subscribe_packet(1, flush_topic))
+        writer.write(encode_subscribe(1, flush_topic))
         await asyncio.wait_for(_expect(reader, 9), 30.0)
         total = spec.sessions * spec.messages
         source = _packets(spec)
@@ -218,7 +208,9 @@ async def enqueue(spec: StormSpec, result: StormResult) -> None:
             del buf[:used]
         writer.write(publish_packet(flush_topic, 1, b"flush"))
         while True:  # the marker comes back once everything before it was routed
-            first, body = await asyncio.wait_for(_read_packet(reader), max(0.001, deadline - time.monotonic()))
+            packet = await asyncio.wait_for(read_packet(reader), max(0.001, deadline - time.monotonic()))
+            assert packet is not None  # no idle bound: only EOF ends a read, and it raises
+            first, body = packet
             if first >> 4 == 3 and body.endswith(b"flush"):
                 if first & 0x06:
                     writer.write(b"\x40\x02" + body[2 + len(flush_topic):4 + len(flush_topic)])

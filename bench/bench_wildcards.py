@@ -62,7 +62,7 @@ from _common import (
     source_fingerprint,
     write_report,
 )
-from _rawmqtt import PT_SUBACK, RawConnection, mqtt_str, varint
+from _rawmqtt import PT_SUBACK, RawConnection
 from bench_durable import (
     Ctx,
     Results,
@@ -73,6 +73,8 @@ from bench_durable import (
     plugin_source_dir,
     warmup,
 )
+
+from amqtt_durable.wire import encode_packet, encode_string
 
 ATTACKS = ("none", "durable", "clean")
 SUBSCRIBERS = ("durable", "clean")
@@ -97,8 +99,8 @@ class Cells:
 
 def subscribe_many_packet(packet_id: int, filters: list[str]) -> bytes:
     """One SUBSCRIBE with many filters at QoS 1."""
-    body = struct.pack("!H", packet_id) + b"".join(mqtt_str(f) + b"\x01" for f in filters)
-    return b"\x82" + varint(len(body)) + body
+    body = struct.pack("!H", packet_id) + b"".join(encode_string(f) + b"\x01" for f in filters)
+    return encode_packet(0x82, body)
 
 
 class Attacker:

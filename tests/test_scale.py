@@ -18,6 +18,7 @@ import plyvel
 import psutil
 import pytest
 
+from amqtt_durable.wire import split_packets
 from conftest import HOST, WAIT, Broker, mqtt_packet, mqtt_string, payloads
 
 _U16 = struct.Struct(">H")
@@ -66,20 +67,13 @@ class RawClient:
         self._buf += chunk
 
     def _parse(self) -> tuple[int, bytes] | None:
-        length, multiplier, pos = 0, 1, 1
-        while pos < len(self._buf):
-            byte = self._buf[pos]
-            length += (byte & 0x7F) * multiplier
-            multiplier *= 128
-            pos += 1
-            if not byte & 0x80:
-                if len(self._buf) < pos + length:
-                    return None
-                first = self._buf[0]
-                body = bytes(self._buf[pos : pos + length])
-                del self._buf[: pos + length]
-                return first, body
-        return None
+        packets, _ = split_packets(self._buf)
+        if not packets:
+            return None
+        first, start, end = packets[0]
+        body = bytes(self._buf[start:end])
+        del self._buf[:end]
+        return first, body
 
     def read_packet(self, before_blocking: Callable[[], None] | None = None) -> tuple[int, bytes]:
         """One packet as (first byte, body); blocks up to the socket timeout."""

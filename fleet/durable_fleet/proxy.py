@@ -21,6 +21,9 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from amqtt_durable.errors import ProtocolViolationError
+from amqtt_durable.wire import decode_remaining_length
+
 log = logging.getLogger(__name__)
 
 LinkState = Literal["up", "stall", "cut"]
@@ -59,16 +62,15 @@ class ProxyStats:
 
 
 def _varint(data: bytes | bytearray, pos: int) -> tuple[int, int]:
-    """The MQTT variable byte integer at ``pos`` and the position after it."""
-    value = 0
-    for i in range(4):
-        if pos + i >= len(data):
-            raise ValueError("truncated variable byte integer")
-        byte = data[pos + i]
-        value += (byte & 0x7F) << (7 * i)
-        if not byte & 0x80:
-            return value, pos + i + 1
-    raise ValueError("variable byte integer longer than 4 bytes")
+    """The MQTT variable byte integer at ``pos`` (the codec's decoder) and the position after it;
+    ValueError, as for every other flaw of a CONNECT here, when it is cut short or too long."""
+    try:
+        field = decode_remaining_length(data, pos)
+    except ProtocolViolationError as exc:
+        raise ValueError(str(exc)) from None
+    if field is None:
+        raise ValueError("truncated variable byte integer")
+    return field
 
 
 def _utf8(data: bytes, pos: int) -> tuple[str, int]:

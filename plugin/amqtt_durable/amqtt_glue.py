@@ -128,7 +128,7 @@ from .errors import (
 )
 from .stream_sender import StreamSender
 from .topics import SubscriptionIndex, filter_is_valid, matches, topic_problem
-from .wire import encode_puback, encode_pubcomp
+from .wire import encode_puback, encode_pubcomp, read_packet
 
 log = logging.getLogger("amqtt_durable")
 
@@ -1283,32 +1283,6 @@ class FastReader:
         if method is not None:
             self._running.append(asyncio.create_task(getattr(handler, method)(packet)))
 
-    async def _read_packet(self, stream: asyncio.StreamReader, keepalive: float | None) -> tuple[int, bytes] | None:
-        """One whole packet (first byte, body); None when the keep-alive passed with bytes missing."""
-
-        async def read(count: int) -> bytes:
-            # Waiting for bytes not yet received is bounded by the keep-alive; buffered ones are not.
-            if keepalive is None or len(stream._buffer) >= count:  # type: ignore[attr-defined]
-                return await stream.readexactly(count)
-            return await asyncio.wait_for(stream.readexactly(count), keepalive)
-
-        try:
-            first = await read(1)
-            length, shift = 0, 0
-            while True:
-                byte = (await read(1))[0]
-                length |= (byte & 0x7F) << shift
-                if not byte & 0x80:
-                    break
-                shift += 7
-                if shift > 21:
-                    raise ProtocolViolationError("remaining length longer than 4 bytes (MQTT-2.2.3)")
-            if length > self._max_packet_size:  # before a byte of the body is read
-                raise PacketTooLargeError(length, self._max_packet_size)
-            return first[0], (await read(length) if length else b"")
-        except TimeoutError:
-            return None
-
     async def run(self) -> None:
         handler = self._handler
         plugins = self._broker.plugins_manager
@@ -1329,7 +1303,7 @@ class FastReader:
             while True:
                 while running and running[0].done():
                     running.popleft()
-                packet = await self._read_packet(stream, keepalive)
+                packet = await read_packet(stream, max_size=self._max_packet_size, idle=keepalive)
                 if packet is None:
                     log.info("%s: nothing received for 1.5 keep-alive periods: disconnecting", self._session.client_id)
                     break

@@ -1,8 +1,16 @@
-"""MQTT 3.1.1 encodings the plugin writes itself (PUBLISH, PUBACK, PUBREL, PUBCOMP), batched per write."""
+"""The project's one MQTT 3.1.1 codec: the framing and the packets the plugin, the fleet proxy,
+the benchmarks' raw clients and the tests write and read themselves.
+
+The broker's own hot paths use it (the pump's PUBLISHes, FastReader's framing), so encoders
+build each packet in one go and decoders work on buffers by position, without copies.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import struct
+
+from .errors import PacketTooLargeError, ProtocolViolationError
 
 _U16 = struct.Struct(">H")
 PUBACK_FIXED = 0x40
@@ -65,3 +73,107 @@ def packet_id_for(seq: int) -> int:
     flight, so two in-flight entries never share an id.
     """
     return seq % 65535 + 1
+
+
+def encode_connect(
+    client_id: str,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    clean: bool = True,
+    keepalive: int = 0,
+) -> bytes:
+    """A CONNECT of MQTT 3.1.1 (a password is sent only with a username, as MQTT-3.1.2-22 wants)."""
+    flags = 0x02 if clean else 0
+    payload = encode_string(client_id)
+    if username is not None:
+        flags |= 0x80
+        payload += encode_string(username)
+        if password is not None:
+            flags |= 0x40
+            payload += encode_string(password)
+    return encode_packet(0x10, encode_string("MQTT") + bytes((4, flags)) + _U16.pack(keepalive) + payload)
+
+
+def encode_subscribe(packet_id: int, topic_filter: str, qos: int = 1) -> bytes:
+    return encode_packet(0x82, _U16.pack(packet_id) + encode_string(topic_filter) + bytes((qos,)))
+
+
+REMAINING_LENGTH_TOO_LONG = "remaining length longer than 4 bytes (MQTT-2.2.3)"
+
+
+def decode_remaining_length(data: bytes | bytearray | memoryview, pos: int) -> tuple[int, int] | None:
+    """The remaining length whose field starts at ``pos``, and the position after the field; None
+    when ``data`` ends inside the field. ProtocolViolationError past its 4-byte limit."""
+    length = shift = 0
+    size = len(data)
+    while pos < size:
+        byte = data[pos]
+        pos += 1
+        length |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return length, pos
+        shift += 7
+        if shift > 21:
+            raise ProtocolViolationError(REMAINING_LENGTH_TOO_LONG)
+    return None
+
+
+def split_packets(buf: bytes | bytearray) -> tuple[list[tuple[int, int, int]], int]:
+    """The complete packets at the start of ``buf`` as (first byte, body start, body end), and the
+    bytes they use; a packet cut off by the end of the buffer is left for the next call."""
+    packets: list[tuple[int, int, int]] = []
+    pos = 0
+    size = len(buf)
+    while size - pos >= 2:
+        field = decode_remaining_length(buf, pos + 1)
+        if field is None:
+            break
+        length, start = field
+        end = start + length
+        if end > size:
+            break
+        packets.append((buf[pos], start, end))
+        pos = end
+    return packets, pos
+
+
+async def read_packet(
+    stream: asyncio.StreamReader, *, max_size: int | None = None, idle: float | None = None
+) -> tuple[int, bytes] | None:
+    """One whole packet from ``stream`` as (first byte, body).
+
+    ``max_size``: a larger remaining length raises PacketTooLargeError before a byte of the body is
+    read. ``idle``: waiting for bytes not yet received is bounded by it (buffered ones are not);
+    None is returned when it passed with bytes missing. EOF raises asyncio.IncompleteReadError.
+    """
+
+    async def read(count: int) -> bytes:
+        if idle is None or len(stream._buffer) >= count:  # type: ignore[attr-defined]
+            return await stream.readexactly(count)
+        return await asyncio.wait_for(stream.readexactly(count), idle)
+
+    try:
+        first = (await read(1))[0]
+        length = shift = 0
+        while True:
+            byte = (await read(1))[0]
+            length |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                break
+            shift += 7
+            if shift > 21:
+                raise ProtocolViolationError(REMAINING_LENGTH_TOO_LONG)
+        if max_size is not None and length > max_size:
+            raise PacketTooLargeError(length, max_size)
+        return first, (await read(length) if length else b"")
+    except TimeoutError:
+        return None
+
+
+def publish_packet_id(first: int, body: bytes | bytearray | memoryview) -> int | None:
+    """The packet id of a PUBLISH (``first`` its first byte), None at QoS 0."""
+    if not first & 0x06:
+        return None
+    at = 2 + ((body[0] << 8) | body[1])
+    return (body[at] << 8) | body[at + 1]

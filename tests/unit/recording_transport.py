@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from amqtt_durable.delivery import AckKind
+from amqtt_durable.wire import split_packets
 
 
 @dataclass
@@ -31,32 +32,22 @@ class Sent:
 def parse_packets(data: bytes) -> list[Sent]:
     """Split a byte stream into MQTT packets, decoding PUBLISH fully."""
     packets = []
-    pos = 0
-    while pos < len(data):
-        first = data[pos]
-        pos += 1
-        length, shift = 0, 0
-        while True:
-            byte = data[pos]
-            pos += 1
-            length |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                break
-        body = data[pos : pos + length]
-        pos += length
+    framed, used = split_packets(data)
+    assert used == len(data), "a packet was cut off"
+    for first, start, end in framed:
+        body = data[start:end]
         packet_type, flags = first >> 4, first & 0x0F
         if packet_type != 3:
             packets.append(Sent(packet_type, flags, packet_id=int.from_bytes(body[:2], "big")))
             continue
         topic_len = int.from_bytes(body[:2], "big")
         topic = body[2 : 2 + topic_len].decode()
-        start = 2 + topic_len
+        at = 2 + topic_len
         packet_id = None
         if (flags >> 1) & 0x03:
-            packet_id = int.from_bytes(body[start : start + 2], "big")
-            start += 2
-        packets.append(Sent(packet_type, flags, topic, bytes(body[start:]), packet_id))
+            packet_id = int.from_bytes(body[at : at + 2], "big")
+            at += 2
+        packets.append(Sent(packet_type, flags, topic, bytes(body[at:]), packet_id))
     return packets
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from amqtt_durable.wire import decode_remaining_length
 from conftest import mqtt_packet, mqtt_string
 from durable_client import ConnectFailed, ConnectionInfo, DurableClient, Event
 from durable_client.protocol import CONTROL_TOPIC, REPLY_TOPIC, Request, encode_frame, encode_reply, parse_request
@@ -56,15 +57,10 @@ class Peer:
     def run(self) -> None:
         try:
             while True:
-                first = self._read_exact(1)[0]
-                length, shift = 0, 0
-                while True:
-                    byte = self._read_exact(1)[0]
-                    length |= (byte & 0x7F) << shift
-                    shift += 7
-                    if not byte & 0x80:
-                        break
-                self.handle(first, self._read_exact(length))
+                header = self._read_exact(2)
+                while (field := decode_remaining_length(header, 1)) is None:
+                    header += self._read_exact(1)
+                self.handle(header[0], self._read_exact(field[0]))
         except (ConnectionError, OSError):
             pass
         finally:
