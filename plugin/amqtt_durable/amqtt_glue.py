@@ -226,37 +226,43 @@ def _install_connect_hooks() -> None:
         plugin = next((p for p in plugins_manager._plugins if isinstance(p, DurableSessionsPlugin)), None)
         if plugin is None or not session.client_id:
             return handler, session
-        try:
-            plugin.engine.check_owner(session.client_id, session.username)
-        except NotSessionOwnerError as exc:
-            log.warning("%s", exc)
-            await _refuse_read_connect(writer, plugins_manager)
-            raise MQTTError(str(exc)) from None
-        broker = plugin.broker
-        if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
-            log.warning(
-                "CONNECT of client id %r by user %r refused (CONNACK 5): the topic ACL says it may not publish "
-                "its will to %r",
-                session.client_id,
-                session.username,
-                session.will_topic,
-            )
-            await _refuse_read_connect(writer, plugins_manager)
-            raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
-        if session.client_id in broker._sessions:
-            if not await broker._authenticate(session, None):
-                log.warning(
-                    "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
-                    session.client_id,
-                    session.username,
-                )
-                await _refuse_read_connect(writer, plugins_manager)
-                raise MQTTError(f"CONNECT of {session.client_id!r}: authentication failed")
-            plugin.authenticated[session.client_id] = (session.username, session.password)
+        await _check_connect(plugin, session, writer, plugins_manager)
         return handler, session
 
     init_from_connect._durable_wrapped = True  # type: ignore[attr-defined]
     BrokerProtocolHandler.init_from_connect = staticmethod(init_from_connect)
+
+
+async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> None:
+    """The checks of a CONNECT that must come before amqtt touches anything (see
+    _install_connect_hooks); a refusal sends CONNACK 5 and raises MQTTError."""
+    try:
+        plugin.engine.check_owner(session.client_id, session.username)
+    except NotSessionOwnerError as exc:
+        log.warning("%s", exc)
+        await _refuse_read_connect(writer, plugins_manager)
+        raise MQTTError(str(exc)) from None
+    broker = plugin.broker
+    if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
+        log.warning(
+            "CONNECT of client id %r by user %r refused (CONNACK 5): the topic ACL says it may not publish "
+            "its will to %r",
+            session.client_id,
+            session.username,
+            session.will_topic,
+        )
+        await _refuse_read_connect(writer, plugins_manager)
+        raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
+    if session.client_id in broker._sessions:
+        if not await broker._authenticate(session, None):
+            log.warning(
+                "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
+                session.client_id,
+                session.username,
+            )
+            await _refuse_read_connect(writer, plugins_manager)
+            raise MQTTError(f"CONNECT of {session.client_id!r}: authentication failed")
+        plugin.authenticated[session.client_id] = (session.username, session.password)
 
 
 async def _refuse_read_connect(writer: Any, plugins_manager: Any) -> None:
@@ -457,7 +463,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         _install_connect_hooks), so amqtt's own check of it need not verify the password again."""
         _install_connect_hooks()
         _install_decoder_checks()
-        _install(broker, self.engine, self.authenticated)
+        AmqttHooks(broker, self.engine, self.authenticated).install()
 
     async def on_broker_pre_start(self) -> None:
         # Broker.start() has just emptied amqtt's table; the listeners are not open yet.
@@ -507,45 +513,71 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
                 await self.broker._broadcast_message(None, SYS_PREFIX + name, str(value).encode(), 0)
 
 
-def _install(  # noqa: PLR0915 - one wrapper per internal
-    broker: Any, engine: DurableEngine, authenticated: dict[str, tuple[str | None, str | None]]
-) -> None:
-    """Wrap the broker instance's internals listed in the module docstring."""
-    original_authenticate = broker._authenticate
-    original_client_connected = broker._client_connected
-    original_initialize = broker._initialize_client_session
-    original_message_loop = broker._client_message_loop
-    original_add_subscription = broker.add_subscription
-    original_unsubscription = broker._handle_unsubscription
-    original_del_subscription = broker._del_subscription
-    original_retained = broker._publish_retained_messages_for_subscription
-    original_broadcast = broker._broadcast_message
-    original_cleanup = broker._cleanup_session
-    original_shutdown = broker.shutdown
-    shutting_down = False
-    event_tasks: set[asyncio.Task[None]] = set()
-    # amqtt's table (filter -> [(session, qos)]) as a trie: who holds which filter, matched per level.
-    amqtt_index = SubscriptionIndex()
-    limit = engine.config.max_subscriptions_per_client
-    limit_warned: dict[str, float] = {}
+class AmqttHooks:
+    """The wrappers of the broker instance's internals listed in the module docstring: one method
+    per internal, the originals kept to call through."""
 
-    def amqtt_wants(topic: str) -> bool:
+    def __init__(
+        self, broker: Any, engine: DurableEngine, authenticated: dict[str, tuple[str | None, str | None]]
+    ) -> None:
+        self.broker = broker
+        self.engine = engine
+        self.authenticated = authenticated
+        self._original_authenticate = broker._authenticate
+        self._original_client_connected = broker._client_connected
+        self._original_initialize = broker._initialize_client_session
+        self._original_message_loop = broker._client_message_loop
+        self._original_add_subscription = broker.add_subscription
+        self._original_unsubscription = broker._handle_unsubscription
+        self._original_del_subscription = broker._del_subscription
+        self._original_retained = broker._publish_retained_messages_for_subscription
+        self._original_broadcast = broker._broadcast_message
+        self._original_cleanup = broker._cleanup_session
+        self._original_shutdown = broker.shutdown
+        self.shutting_down = False
+        self.event_tasks: set[asyncio.Task[None]] = set()
+        # amqtt's table (filter -> [(session, qos)]) as a trie: who holds which filter, matched per level.
+        self.amqtt_index = SubscriptionIndex()
+        self.limit = engine.config.max_subscriptions_per_client
+        self.limit_warned: dict[str, float] = {}
+        self.acl_sessions: dict[str, Session] = {}
+        self.closing: set[asyncio.Task[None]] = set()
+
+    def install(self) -> None:
+        broker = self.broker
+        self.engine.on_retained = self.apply_retained
+        broker._authenticate = self.authenticate
+        broker._client_connected = self.client_connected
+        broker._initialize_client_session = self.initialize_client_session
+        broker._client_message_loop = self.client_message_loop
+        broker.add_subscription = self.add_subscription
+        broker._handle_unsubscription = self.handle_unsubscription
+        broker._del_subscription = self.del_subscription
+        broker._del_all_subscriptions = self.del_all_subscriptions
+        broker._run_broadcast = self.run_broadcast
+        broker._publish_retained_messages_for_subscription = self.publish_retained_for_subscription
+        broker._broadcast_message = self.broadcast_message
+        broker._cleanup_session = self.cleanup_session
+        broker.shutdown = self.shutdown
+        broker.retain_message = self.retain_message
+
+    def amqtt_wants(self, topic: str) -> bool:
         """Does amqtt's own publish path have work: a clean subscriber, a message listener? (A retain
         is not its work: the engine stores it and updates amqtt's table, see apply_retained.)"""
-        callbacks = broker.plugins_manager._event_plugin_callbacks
+        callbacks = self.broker.plugins_manager._event_plugin_callbacks
         if BrokerEvents.MESSAGE_RECEIVED in callbacks or BrokerEvents.MESSAGE_BROADCAST in callbacks:
             return True
-        return amqtt_index.matches_any(topic)
+        return self.amqtt_index.matches_any(topic)
 
-    def over_limit(index: SubscriptionIndex, client_id: str, topic_filter: str) -> bool:
+    def over_limit(self, index: SubscriptionIndex, client_id: str, topic_filter: str) -> bool:
         """True (and a WARNING, at most one per client per interval) when the filter would exceed the limit."""
-        if index.admits(client_id, topic_filter, limit):
+        if index.admits(client_id, topic_filter, self.limit):
             return False
         now = time.monotonic()
-        if now - limit_warned.get(client_id, -math.inf) >= _LIMIT_LOG_INTERVAL:
-            if len(limit_warned) > 10_000:  # bounded: forget clients warned long ago
-                limit_warned.clear()
-            limit_warned[client_id] = now
+        if now - self.limit_warned.get(client_id, -math.inf) >= _LIMIT_LOG_INTERVAL:
+            if len(self.limit_warned) > 10_000:  # bounded: forget clients warned long ago
+                self.limit_warned.clear()
+            self.limit_warned[client_id] = now
             log.warning(
                 "%s: SUBSCRIBE to %r refused (return code 0x80): the client holds %d topic filters, "
                 "max_subscriptions_per_client is %d. The client must unsubscribe from some first, "
@@ -553,90 +585,90 @@ def _install(  # noqa: PLR0915 - one wrapper per internal
                 client_id,
                 topic_filter,
                 index.count(client_id),
-                limit,
+                self.limit,
             )
         return True
 
-    acl_sessions: dict[str, Session] = {}
 
-    async def receivers(topic: str) -> dict[str, int] | None:
+    async def receivers(self, topic: str) -> dict[str, int] | None:
         """With topic ACL plugins loaded, the durable sessions they let receive ``topic`` (None: all).
 
         A disconnected session has no amqtt Session, so the ACL sees a stand-in with the
         client id and the username of its last CONNECT.
         """
-        if not broker.plugins_manager._topic_plugins:
+        if not self.broker.plugins_manager._topic_plugins:
             return None
-        if len(acl_sessions) > 2 * len(engine.sessions) + 64:  # forget stand-ins of deleted sessions
-            for gone in [cid for cid in acl_sessions if cid not in engine.sessions]:
-                del acl_sessions[gone]
+        if len(self.acl_sessions) > 2 * len(self.engine.sessions) + 64:  # forget stand-ins of deleted sessions
+            for gone in [cid for cid in self.acl_sessions if cid not in self.engine.sessions]:
+                del self.acl_sessions[gone]
         allowed: dict[str, int] = {}
-        for client_id, qos in engine.index.route(topic).items():
-            durable = engine.sessions.get(client_id)
+        for client_id, qos in self.engine.index.route(topic).items():
+            durable = self.engine.sessions.get(client_id)
             if durable is None:
                 continue  # deleted while an earlier check awaited
-            stand_in = acl_sessions.get(client_id)
+            stand_in = self.acl_sessions.get(client_id)
             if stand_in is None:
-                stand_in = acl_sessions[client_id] = Session()
+                stand_in = self.acl_sessions[client_id] = Session()
                 stand_in.client_id = client_id
             stand_in.username = durable.record.username
-            if await broker._topic_filtering(stand_in, topic, Action.RECEIVE):
+            if await self.broker._topic_filtering(stand_in, topic, Action.RECEIVE):
                 allowed[client_id] = qos
         return allowed
 
-    async def authenticate(session: Any, listener: Any) -> bool:
-        if authenticated.pop(session.client_id, None) == (session.username, session.password):
+    async def authenticate(self, session: Any, listener: Any) -> bool:
+        if self.authenticated.pop(session.client_id, None) == (session.username, session.password):
             return True  # checked when its CONNECT was read, with these very credentials
-        return bool(await original_authenticate(session, listener))
+        return bool(await self._original_authenticate(session, listener))
 
-    closing: set[asyncio.Task[None]] = set()
 
-    async def client_connected(listener_name: str, reader: Any, writer: Any) -> None:
-        reader.durable_max_packet_size = engine.config.max_packet_size
+    async def client_connected(self, listener_name: str, reader: Any, writer: Any) -> None:
+        reader.durable_max_packet_size = self.engine.config.max_packet_size
         try:
-            await original_client_connected(listener_name, reader, writer)
+            await self._original_client_connected(listener_name, reader, writer)
         finally:
             await close_socket(writer)
 
-    def end_silent(writer: Any) -> None:
+    def end_silent(self, writer: Any) -> None:
         log.warning(
             "closing the connection from %s: no complete CONNECT within connect_timeout (%g s)",
             _peer(writer),
-            engine.config.connect_timeout,
+            self.engine.config.connect_timeout,
         )
         if isinstance(writer, StreamWriterAdapter):
             writer.is_closed = True
             writer._writer.transport.abort()  # amqtt's read of the CONNECT then ends with no data
         else:
             task = asyncio.get_running_loop().create_task(writer.close())
-            closing.add(task)
-            task.add_done_callback(closing.discard)
+            self.closing.add(task)
+            task.add_done_callback(self.closing.discard)
 
-    async def initialize_client_session(reader: Any, writer: Any, *args: Any) -> tuple[Any, Any]:
-        deadline = asyncio.get_running_loop().call_later(engine.config.connect_timeout, end_silent, writer)
+    async def initialize_client_session(self, reader: Any, writer: Any, *args: Any) -> tuple[Any, Any]:
+        deadline = asyncio.get_running_loop().call_later(self.engine.config.connect_timeout, self.end_silent, writer)
         try:
-            handler, session = await original_initialize(reader, writer, *args)
+            handler, session = await self._original_initialize(reader, writer, *args)
         finally:
             deadline.cancel()
         reader.durable_client_id = session.client_id  # for the decoder checks' log lines
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
         handler.durable_acks = OrderedAcks(handler.durable_transport, session.client_id)
-        handler.durable_control = _control_channel(broker, engine, handler, session)
+        handler.durable_control = _control_channel(self.broker, self.engine, handler, session)
         handler.durable_publishes = InboundPublishes(
-            engine, session, handler.durable_acks, handler.durable_control, amqtt_wants
+            self.engine, session, handler.durable_acks, handler.durable_control, self.amqtt_wants
         )
-        _wrap_handler(broker, engine, handler, session, amqtt_wants=amqtt_wants, receivers=receivers)
-        handler._reader_loop = FastReader(broker, engine, handler, session).run
+        _wrap_handler(
+            self.broker, self.engine, handler, session, amqtt_wants=self.amqtt_wants, receivers=self.receivers
+        )
+        handler._reader_loop = FastReader(self.broker, self.engine, handler, session).run
         return handler, session
 
-    async def client_message_loop(session: Any, handler: Any) -> None:
+    async def client_message_loop(self, session: Any, handler: Any) -> None:
         # By what this connection's CONNECT asked for: a clean connection must never drive the
         # durable session of the same client id that another connection created meanwhile.
-        durable = not handler.connect_clean_session and engine.is_durable(session.client_id)
+        durable = not handler.connect_clean_session and self.engine.is_durable(session.client_id)
         transport: HandlerTransport = handler.durable_transport
-        read_access = _read_access(broker, session)
-        displaced = await engine.attach(session.client_id, transport, read_access) if durable else None
+        read_access = _read_access(self.broker, session)
+        displaced = await self.engine.attach(session.client_id, transport, read_access) if durable else None
         try:
             # MQTT-3.1.4-2: the connection whose CONNECT came last has the session; an older one is
             # ended. amqtt does it only when both share its Session, not when their CONNECTs were read
@@ -644,122 +676,123 @@ def _install(  # noqa: PLR0915 - one wrapper per internal
             if isinstance(displaced, HandlerTransport) and not displaced.closed:
                 log.info("%s: a newer connection took the durable session: ending the older one", session.client_id)
                 await displaced.end()
-            if durable and engine.superseded(session.client_id, transport):
+            if durable and self.engine.superseded(session.client_id, transport):
                 log.info("%s: a newer connection has the durable session: ending this one", session.client_id)
                 await handler.handle_connection_closed()
-            await original_message_loop(session, handler)
+            await self._original_message_loop(session, handler)
         finally:
             handler.durable_control.stop()
             # amqtt leaves the connection open when its loop ends on a bad PUBLISH topic.
             await handler.stop()
             if durable:
-                await engine.detach(session.client_id, transport)
-            current = broker._sessions.get(session.client_id, (None, None))[1]
+                await self.engine.detach(session.client_id, transport)
+            current = self.broker._sessions.get(session.client_id, (None, None))[1]
             if current is not None and current is not handler and session.transitions.state == "disconnected":
                 # amqtt's take-over: this old connection's end marked the shared Session
                 # disconnected while the new one is live; its monitor would then drop the new one.
                 session.transitions.connect()
 
-    async def add_subscription(subscription: tuple[str, int], session: Any) -> int:
+    async def add_subscription(self, subscription: tuple[str, int], session: Any) -> int:
         topic_filter, qos = subscription
-        if not engine.is_durable(session.client_id):
-            if over_limit(amqtt_index, session.client_id, topic_filter):
+        if not self.engine.is_durable(session.client_id):
+            if self.over_limit(self.amqtt_index, session.client_id, topic_filter):
                 return _SUBSCRIBE_REFUSED
-            granted = int(await original_add_subscription(subscription, session))
+            granted = int(await self._original_add_subscription(subscription, session))
             if granted != _SUBSCRIBE_REFUSED:
-                amqtt_index.add(session.client_id, topic_filter, granted)
+                self.amqtt_index.add(session.client_id, topic_filter, granted)
             return granted
         if not filter_is_valid(topic_filter) or qos not in (0, 1, 2):
             return _SUBSCRIBE_REFUSED
-        if engine.committer.failure is not None:
+        if self.engine.committer.failure is not None:
             log.warning("%s: SUBSCRIBE %s refused: the store cannot write now", session.client_id, topic_filter)
             return _SUBSCRIBE_REFUSED
-        if over_limit(engine.index, session.client_id, topic_filter):
+        if self.over_limit(self.engine.index, session.client_id, topic_filter):
             return _SUBSCRIBE_REFUSED
-        if not await broker._topic_filtering(session, topic_filter, Action.SUBSCRIBE):
+        if not await self.broker._topic_filtering(session, topic_filter, Action.SUBSCRIBE):
             return _SUBSCRIBE_REFUSED
-        max_qos = broker.config.get("max-qos", qos)
+        max_qos = self.broker.config.get("max-qos", qos)
         granted = min(qos, max_qos) if isinstance(max_qos, int) else qos
         # Retained messages are queued with the subscription, before any live message can be.
         retained = [
             (topic, bytes(message.data), granted if message.qos is None else min(granted, message.qos))
-            for topic, message in list(broker.retained_messages.items())
+            for topic, message in list(self.broker.retained_messages.items())
             if matches(topic, topic_filter)
         ]
-        if broker.plugins_manager._topic_plugins:  # what the user may not read is not even queued
-            retained = [item for item in retained if await _may_read(broker, session, item[0])]
-        await engine.subscribe(session.client_id, topic_filter, granted, retained)
+        if self.broker.plugins_manager._topic_plugins:  # what the user may not read is not even queued
+            retained = [item for item in retained if await _may_read(self.broker, session, item[0])]
+        await self.engine.subscribe(session.client_id, topic_filter, granted, retained)
         return granted
 
-    async def handle_unsubscription(session: Any, handler: Any, waiter: Any) -> None:
-        if not engine.is_durable(session.client_id):
-            await original_unsubscription(session, handler, waiter)
+    async def handle_unsubscription(self, session: Any, handler: Any, waiter: Any) -> None:
+        if not self.engine.is_durable(session.client_id):
+            await self._original_unsubscription(session, handler, waiter)
             return
         unsubscription = waiter.result()
         for topic_filter in unsubscription.topics:
-            engine.unsubscribe(session.client_id, topic_filter)
-            await broker.plugins_manager.fire_event(
+            self.engine.unsubscribe(session.client_id, topic_filter)
+            await self.broker.plugins_manager.fire_event(
                 BrokerEvents.CLIENT_UNSUBSCRIBED, client_id=session.client_id, topic=topic_filter
             )
         await handler.mqtt_acknowledge_unsubscription(unsubscription.packet_id)
 
-    def del_subscription(topic_filter: str, session: Any) -> int:
+    def del_subscription(self, topic_filter: str, session: Any) -> int:
         # amqtt's one way out of its table (UNSUBSCRIBE, session deletion, clean-up all call it).
-        deleted = int(original_del_subscription(topic_filter, session))
+        deleted = int(self._original_del_subscription(topic_filter, session))
         if deleted:
-            amqtt_index.remove(session.client_id, topic_filter)
+            self.amqtt_index.remove(session.client_id, topic_filter)
         return deleted
 
-    async def del_all_subscriptions(session: Any) -> None:
+    async def del_all_subscriptions(self, session: Any) -> None:
         # amqtt 0.12.1's, over the session's own filters instead of every filter of the table.
-        for topic_filter in amqtt_index.filters_of(session.client_id):
-            if del_subscription(topic_filter, session) and not broker._subscriptions.get(topic_filter, True):
-                del broker._subscriptions[topic_filter]
+        for topic_filter in self.amqtt_index.filters_of(session.client_id):
+            if self.del_subscription(topic_filter, session) and not self.broker._subscriptions.get(topic_filter, True):
+                del self.broker._subscriptions[topic_filter]
 
-    async def run_broadcast(running_tasks: deque[asyncio.Task[Any]]) -> None:
+    async def run_broadcast(self, running_tasks: deque[asyncio.Task[Any]]) -> None:
         # amqtt 0.12.1's _run_broadcast, step for step, but over the matching filters only.
-        broadcast = await broker._broadcast_queue.get()
+        broadcast = await self.broker._broadcast_queue.get()
         topic = broadcast["topic"]
         if topic is None:
             return
-        for topic_filter in list(amqtt_index.matching_filters(topic)):
-            for target, sub_qos in list(broker._subscriptions.get(topic_filter, ())):
+        for topic_filter in list(self.amqtt_index.matching_filters(topic)):
+            for target, sub_qos in list(self.broker._subscriptions.get(topic_filter, ())):
                 qos = broadcast.get("qos", sub_qos)
-                if not await broker._topic_filtering(target, topic=topic, action=Action.RECEIVE):
+                if not await self.broker._topic_filtering(target, topic=topic, action=Action.RECEIVE):
                     continue
                 connected = target.transitions.state == "connected"
                 if not connected and not target.clean_session and qos in (QOS_1, QOS_2) and not target.is_anonymous:
-                    await broker._retain_broadcast_message(broadcast, qos, target)
+                    await self.broker._retain_broadcast_message(broadcast, qos, target)
                     continue
-                handler = broker._get_handler(target) if connected else None
+                handler = self.broker._get_handler(target) if connected else None
                 if handler:
                     running_tasks.append(
                         asyncio.ensure_future(handler.mqtt_publish(topic, broadcast["data"], qos, retain=False))
                     )
 
-    async def publish_retained_for_subscription(subscription: tuple[str, int], session: Any) -> None:
+    async def publish_retained_for_subscription(self, subscription: tuple[str, int], session: Any) -> None:
         """Retained messages for a subscription the session holds, and only those it may receive.
         Durable sessions got theirs queued with the subscription (add_subscription), and none on a
         mere reconnect (MQTT-3.3.1-6). amqtt also calls this at every CONNECT with every filter of
         its table, whoever holds it, and checks no RECEIVE: a client could read retained messages
         of topics it may neither subscribe to nor receive."""
         topic_filter, qos = subscription
-        if engine.is_durable(session.client_id) or not amqtt_index.holds(session.client_id, topic_filter):
+        if self.engine.is_durable(session.client_id) or not self.amqtt_index.holds(session.client_id, topic_filter):
             return
-        if not broker.plugins_manager._topic_plugins:
-            await original_retained(subscription, session)
+        if not self.broker.plugins_manager._topic_plugins:
+            await self._original_retained(subscription, session)
             return
-        handler = broker._sessions.get(session.client_id, (None, None))[1]
+        handler = self.broker._sessions.get(session.client_id, (None, None))[1]
         if handler is None:
             return
         sends = [
             handler.mqtt_publish(topic, message.data, min(qos, message.qos or qos), retain=True)
-            for topic, message in list(broker.retained_messages.items())
-            if matches(topic, topic_filter) and await broker._topic_filtering(session, topic, Action.RECEIVE)
+            for topic, message in list(self.broker.retained_messages.items())
+            if matches(topic, topic_filter) and await self.broker._topic_filtering(session, topic, Action.RECEIVE)
         ]
         await asyncio.gather(*sends, return_exceptions=True)  # as amqtt's: one failed send stops no other
 
     async def broadcast_message(
+        self,
         session: Any, topic: str | None, data: bytes | bytearray | None, force_qos: int | None = None
     ) -> None:
         if topic is not None and topic.startswith(CONTROL_PREFIX):
@@ -768,24 +801,24 @@ def _install(  # noqa: PLR0915 - one wrapper per internal
             # No QoS given means "the subscription's", as amqtt's own broadcast does.
             qos = 2 if force_qos is None else force_qos
             try:
-                engine.route_publish(topic, bytes(data), qos, await receivers(topic))
+                self.engine.route_publish(topic, bytes(data), qos, await self.receivers(topic))
             except StoreUnavailableError:
                 log.info("%s not queued for durable sessions: the store cannot write now", topic)
-        await original_broadcast(session, topic, data, force_qos)
+        await self._original_broadcast(session, topic, data, force_qos)
 
-    async def cleanup_session(client_id: str) -> None:
+    async def cleanup_session(self, client_id: str) -> None:
         # amqtt's session monitor picks disconnected anonymous sessions, then cleans them up one
         # by one with awaits in between: a client that reconnected meanwhile would lose its new
         # connection. Only shutdown cleans up connected sessions.
-        entry = broker._sessions.get(client_id)
-        if not shutting_down and entry is not None and entry[0].transitions.state == "connected":
+        entry = self.broker._sessions.get(client_id)
+        if not self.shutting_down and entry is not None and entry[0].transitions.state == "connected":
             return
-        await original_cleanup(client_id)
+        await self._original_cleanup(client_id)
 
-    def apply_retained(topic: str, payload: bytes, qos: int) -> None:
+    def apply_retained(self, topic: str, payload: bytes, qos: int) -> None:
         """The engine stored (empty payload: deleted) a retained message: amqtt's table does the same,
         in the same order, and amqtt's retained-message event fires as amqtt's own retain would."""
-        table = broker.retained_messages
+        table = self.broker.retained_messages
         if payload:
             message = table[topic] = RetainedApplicationMessage(None, topic, payload, qos)
         else:
@@ -793,47 +826,30 @@ def _install(  # noqa: PLR0915 - one wrapper per internal
             if message is None:
                 return
             message.data = b""
-        plugins = broker.plugins_manager
+        plugins = self.broker.plugins_manager
         if BrokerEvents.RETAINED_MESSAGE in plugins._event_plugin_callbacks:
             fired = asyncio.get_running_loop().create_task(
                 plugins.fire_event(BrokerEvents.RETAINED_MESSAGE, client_id=None, retained_message=message)
             )
-            event_tasks.add(fired)
-            fired.add_done_callback(event_tasks.discard)
+            self.event_tasks.add(fired)
+            fired.add_done_callback(self.event_tasks.discard)
 
-    engine.on_retained = apply_retained
 
-    async def retain_message(session: Any, topic: str, data: Any, qos: int | None = None) -> None:
+    async def retain_message(self, session: Any, topic: str, data: Any, qos: int | None = None) -> None:
         # A publish's retain (its payload a RoutedPayload) was stored and applied with the publish.
         if topic.startswith(CONTROL_PREFIX) or isinstance(data, RoutedPayload):
             return
         if topic.startswith("$"):  # the broker's own state ($SYS store health): memory only, never stale
-            apply_retained(topic, bytes(data or b""), qos or 0)
+            self.apply_retained(topic, bytes(data or b""), qos or 0)
             return
         try:
-            await engine.retain(topic, bytes(data or b""), qos or 0)  # a will's (or a plugin's)
+            await self.engine.retain(topic, bytes(data or b""), qos or 0)  # a will's (or a plugin's)
         except StoreError as exc:
             log.error("the retained message of %s is not stored (it is lost at the next restart): %s", topic, exc)
 
-    async def shutdown() -> None:
-        nonlocal shutting_down
-        shutting_down = True
-        await original_shutdown()
-
-    broker._authenticate = authenticate
-    broker._client_connected = client_connected
-    broker._initialize_client_session = initialize_client_session
-    broker._client_message_loop = client_message_loop
-    broker.add_subscription = add_subscription
-    broker._handle_unsubscription = handle_unsubscription
-    broker._del_subscription = del_subscription
-    broker._del_all_subscriptions = del_all_subscriptions
-    broker._run_broadcast = run_broadcast
-    broker._publish_retained_messages_for_subscription = publish_retained_for_subscription
-    broker._broadcast_message = broadcast_message
-    broker._cleanup_session = cleanup_session
-    broker.shutdown = shutdown
-    broker.retain_message = retain_message
+    async def shutdown(self) -> None:
+        self.shutting_down = True
+        await self._original_shutdown()
 
 
 def _peer(writer: Any) -> str:
@@ -893,16 +909,10 @@ def _wrap_handler(
         if control and qos == 2:
             await _control_qos2(handler, packet, original_publish)
             return
-        if qos == 2:  # amqtt's PUBREC / PUBREL flow, after the message and its packet id are durable
-            try:
-                stored = await _route_qos2(broker, engine, handler, session, packet, receivers=receivers)
-                if stored is not None:
-                    await stored
-            except StoreUnavailableError as exc:
-                handler.durable_acks.refuse(exc)
-                return
-            packet.payload.data = RoutedPayload(data)
-            await original_publish(packet)
+        if qos == 2:
+            await _publish_qos2(
+                broker, engine, handler, session, packet, original_publish=original_publish, receivers=receivers
+            )
             return
         publishes: InboundPublishes = handler.durable_publishes
         retain = bool(packet.retain_flag)
@@ -948,6 +958,28 @@ def _pubrel_handler(
             handler.durable_transport.write(encode_pubcomp(packet_id))
 
     return handle_pubrel
+
+
+async def _publish_qos2(
+    broker: Any,
+    engine: DurableEngine,
+    handler: Any,
+    session: Any,
+    packet: Any,
+    *,
+    original_publish: Callable[[Any], Awaitable[None]],
+    receivers: Callable[[str], Awaitable[dict[str, int] | None]],
+) -> None:
+    """amqtt's PUBREC / PUBREL flow, after the message and its packet id are durable."""
+    try:
+        stored = await _route_qos2(broker, engine, handler, session, packet, receivers=receivers)
+        if stored is not None:
+            await stored
+    except StoreUnavailableError as exc:
+        handler.durable_acks.refuse(exc)
+        return
+    packet.payload.data = RoutedPayload(packet.data)
+    await original_publish(packet)
 
 
 async def _route_qos2(
