@@ -1,0 +1,156 @@
+"""The README and docs/ pages: every link resolves and every block a user would copy is checked.
+
+Python blocks compile (the README's SDK example is also run, by test_examples), broker.yaml
+excerpts load through the plugin's own settings check, fleet schedules through the fleet's,
+JSON parses, and every command a shell block names exists (`--help` of each console
+subcommand, each make target, each example script).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from amqtt_durable.config import DurableConfig
+from conftest import Broker, Client, payloads
+from durable_fleet.schedule import load_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DESIGN_NOTES = {"replication.md"}
+"""Pages describing work in progress: their blocks are sketches, not for copying (links still count)."""
+PLUGIN = "amqtt_durable.DurableSessionsPlugin"
+BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def blocks(language: str) -> list[tuple[str, str]]:
+    found = []
+    for page in PAGES:
+        if page.name in DESIGN_NOTES:
+            continue
+        found += [(page.name, code) for lang, code in BLOCK.findall(page.read_text()) if lang == language]
+    return found
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    text = BLOCK.sub("", page.read_text())
+    titles = re.findall(r"^#+ (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-") for title in titles}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_link_resolves(page: Path) -> None:
+    broken = []
+    for target in LINK.findall(BLOCK.sub("", page.read_text())):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = page if not path else (page.parent / path).resolve()
+        if not resolved.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(f"{target}: no such heading")
+    assert not broken, f"{page.name}: {broken}"
+
+
+def test_python_blocks_compile() -> None:
+    found = blocks("python")
+    assert found, "the docs show Python"
+    for name, code in found:
+        compile(code, f"{name} (a python block)", "exec")
+
+
+def plugin_settings(document: object) -> object:
+    """The plugin's settings of a broker.yaml excerpt: a whole config, or the plugin's own lines."""
+    if isinstance(document, dict) and "plugins" in document:
+        return document["plugins"][PLUGIN]
+    return document
+
+
+def test_yaml_blocks_are_valid_broker_settings_or_fleet_schedules(tmp_path: Path) -> None:
+    found = blocks("yaml")
+    assert len(found) >= 3
+    for name, code in found:
+        document = yaml.safe_load(textwrap.dedent(code))
+        if isinstance(document, dict) and "faults" in document:
+            script = tmp_path / "schedule.yaml"
+            script.write_text(code)
+            devices = [f"dev-{i:03d}" for i in range(1, 21)]
+            assert load_schedule(script, devices=devices, duration=60.0), name
+        else:
+            DurableConfig.from_mapping(plugin_settings(document))  # raises, naming the key, if wrong
+
+
+def test_json_blocks_parse() -> None:
+    found = blocks("json")
+    assert found, "the protocol page shows its messages"
+    decoder = json.JSONDecoder()
+    for name, code in found:  # one or more messages per block
+        position, values = 0, 0
+        while code[position:].strip():
+            position += len(code[position:]) - len(code[position:].lstrip())
+            value, position = decoder.raw_decode(code, position)
+            assert isinstance(value, dict), f"{name}: a message is a JSON object"
+            values += 1
+        assert values, name
+
+
+def shell_commands() -> list[tuple[str, list[str]]]:
+    commands = []
+    for name, code in blocks("sh"):
+        for line in code.splitlines():
+            words = line.split("#", 1)[0].split()
+            if words:
+                commands.append((name, words))
+    return commands
+
+
+CONSOLE = {"amqtt-durable", "durable-pipeline"}
+
+
+@pytest.mark.parametrize(("page", "words"), shell_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_shell_commands_exist(page: str, words: list[str]) -> None:
+    program = Path(words[0]).name
+    if program == "make":
+        targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M)
+        assert words[1] in targets, f"{page}: make {words[1]} is not a target"
+    elif program in CONSOLE:
+        command = Path(sys.executable).parent / program
+        argv = [str(command), words[1], "--help"]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        assert result.returncode == 0, f"{page}: {' '.join(words[:2])} --help failed:\n{result.stderr}"
+    elif program.startswith("python"):
+        assert (ROOT / words[1]).is_file(), f"{page}: {words[1]} does not exist"
+    else:
+        pytest.fail(f"{page}: a shell block names {program!r}, which this test does not know how to check")
+
+
+@pytest.mark.slow  # Spark in a child process: a JVM, about half a minute
+def test_the_pipeline_page_streaming_example_runs(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    (code,) = [c for n, c in blocks("python") if n == "pipeline.md"]
+    assert '.option("port", 1883)' in code and "./out/events" in code
+    broker = broker_factory(streams=[{"filter": "telemetry/#"}])
+    publisher = clients(broker.port, "publisher", clean_session=True)
+    publisher.publish("telemetry/a", payloads(20))
+    script = tmp_path / "pipeline_example.py"
+    script.write_text(
+        code.replace('.option("port", 1883)', f'.option("port", {broker.port})')
+        + '\nquery.processAllAvailable()\nquery.stop()\nprint(spark.read.parquet("./out/events").count())\n'
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split()[-1] == "20", "every published event, once, in the Parquet output"
