@@ -611,20 +611,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mosquitto", action=argparse.BooleanOptionalAction, default=True,
                    help="run Mosquitto as a third broker, installing the Debian package when missing (default on)")
     args = p.parse_args(argv)
-    if args.n is None:
-        args.n = 2000 if args.quick else 20_000
-    if args.big is None:
-        args.big = 20_000 if args.quick else 1_000_000
-    if args.ceiling_n is None:
-        args.ceiling_n = 50_000 if args.quick else 200_000
-    if args.timeout is None:
-        args.timeout = max(60.0, args.n / 100)
-    if args.idle is None:
-        args.idle = 5.0 if args.quick else 10.0
-    if args.big_timeout is None:
-        args.big_timeout = max(600.0, args.big / 250)
-    if args.stock_big_timeout is None:
-        args.stock_big_timeout = 120.0 if args.quick else 600.0
+    fill_defaults(args)
     letters = set(args.only.lower())
     if not letters or letters - set("abcde"):
         p.error("--only takes letters from 'abcde'")
@@ -637,6 +624,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--n, --big and --ceiling-n must fit in 32 bits")
     check_pin_arguments(p, args)
     return args
+
+
+def fill_defaults(args: argparse.Namespace) -> None:
+    """Sizes and timeouts left unset: by --quick, and the timeouts by the sizes."""
+    quick = args.quick
+    defaults = {"n": 2000 if quick else 20_000, "big": 20_000 if quick else 1_000_000,
+                "ceiling_n": 50_000 if quick else 200_000, "idle": 5.0 if quick else 10.0,
+                "stock_big_timeout": 120.0 if quick else 600.0}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.timeout is None:
+        args.timeout = max(60.0, args.n / 100)
+    if args.big_timeout is None:
+        args.big_timeout = max(600.0, args.big / 250)
 
 
 def build_brokers(args: argparse.Namespace, tmp: Path, ours_settings: dict[str, object] | None = None, *,
@@ -793,6 +795,21 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
     return "\n".join(lines) + "\n"
 
 
+def run_scenarios(ctx: Ctx, brokers: dict[str, BrokerProcess]) -> None:
+    """The scenarios of --only, interleaving the brokers: who goes first rotates per run and scenario."""
+    args = ctx.args
+    index = 0
+    for letters, fn, repeated in SCENARIOS:
+        if not set(letters) & set(args.only):
+            continue
+        for rep in range(args.runs if repeated else 1):
+            names = list(brokers)  # stock, ours[, mosquitto]
+            shift = (index + rep) % len(names)
+            for name in names[shift:] + names[:shift]:
+                run_one(ctx, brokers[name], letters, fn, f" run {rep + 1}" if repeated else "")
+        index += 1
+
+
 def run(args: argparse.Namespace, tmp: Path, results: Results, info: dict[str, str]) -> None:
     brokers, store = build_brokers(args, tmp, mosquitto=info.get("mosquitto_bin"))
     ctx = Ctx(args, tmp, brokers[STOCK].login, results, brokers, store, args.client_cpus if args.pin else None)
@@ -814,16 +831,7 @@ def run(args: argparse.Namespace, tmp: Path, results: Results, info: dict[str, s
             log(f"{name}: warm-up and preflight")
             warmup(ctx, b)
             preflight(ctx, b)
-        index = 0
-        for letters, fn, repeated in SCENARIOS:
-            if not set(letters) & set(args.only):
-                continue
-            for rep in range(args.runs if repeated else 1):
-                names = list(brokers)  # stock, ours[, mosquitto]: who goes first rotates per run and scenario
-                shift = (index + rep) % len(names)
-                for name in names[shift:] + names[:shift]:
-                    run_one(ctx, brokers[name], letters, fn, f" run {rep + 1}" if repeated else "")
-            index += 1
+        run_scenarios(ctx, brokers)
         for name, b in brokers.items():
             if b.proc is not None and b.proc.poll() is not None:
                 results.note(f"{name}: broker exited unexpectedly with {b.proc.returncode}; "

@@ -140,6 +140,29 @@ def measure(ctx: Ctx, b: BrokerProcess, cells: Cells, subscriber: str, attack: s
     log(f"  {b.name}, {attack} attacker, {subscriber} subscriber: {rate:,.0f} msgs/s")
 
 
+def measure_all(ctx: Ctx, brokers: dict[str, BrokerProcess], cells: Cells, attack: str, order: list[str]) -> None:
+    """One repetition of every measured subscriber kind on both brokers of one attacker kind."""
+    for subscriber in ctx.args.subscribers:
+        for name in order:
+            measure(ctx, brokers[name], cells, subscriber, attack)
+
+
+def start_attacked(ctx: Ctx, brokers: dict[str, BrokerProcess], attack: str, cells: Cells) -> list[Attacker]:
+    """Start the pair of brokers of one attacker kind, each with its attacker connected and warmed up."""
+    args = ctx.args
+    attackers = []
+    for name, b in brokers.items():
+        log(f"starting {name} for the {attack} attacker: {shlex.join(b.argv)} (port {b.port})")
+        b.start(args.startup_timeout)
+        if attack != "none":
+            log(f"{name}: {attack} attacker subscribes to {args.filters:,} wildcard filters")
+            attacker = Attacker(ctx, b, durable=attack == "durable", count=args.filters, timeout=args.setup_timeout)
+            attackers.append(attacker)
+            cells.setup_s[(name, attack)] = attacker.seconds
+        warmup(ctx, b)  # a fresh broker's first run is slower, whatever it holds
+    return attackers
+
+
 def run(args: argparse.Namespace, tmp: Path, results: Results, cells: Cells, info: dict[str, str]) -> None:
     """One stock/ours broker pair per attack, the attackers kept connected throughout, so that every
     repetition measures all cells within a few minutes of each other (a shared machine's load drifts)."""
@@ -158,22 +181,11 @@ def run(args: argparse.Namespace, tmp: Path, results: Results, cells: Cells, inf
     attackers: list[Attacker] = []
     try:
         for attack, brokers in pairs.items():
-            for name, b in brokers.items():
-                log(f"starting {name} for the {attack} attacker: {shlex.join(b.argv)} (port {b.port})")
-                b.start(args.startup_timeout)
-                if attack != "none":
-                    log(f"{name}: {attack} attacker subscribes to {args.filters:,} wildcard filters")
-                    attacker = Attacker(ctxs[attack], b, durable=attack == "durable", count=args.filters,
-                                        timeout=args.setup_timeout)
-                    attackers.append(attacker)
-                    cells.setup_s[(name, attack)] = attacker.seconds
-                warmup(ctxs[attack], b)  # a fresh broker's first run is slower, whatever it holds
+            attackers += start_attacked(ctxs[attack], brokers, attack, cells)
         for rep in range(args.runs):
             order = [STOCK, OURS] if rep % 2 == 0 else [OURS, STOCK]
             for attack, brokers in pairs.items():
-                for subscriber in args.subscribers:
-                    for name in order:
-                        measure(ctxs[attack], brokers[name], cells, subscriber, attack)
+                measure_all(ctxs[attack], brokers, cells, attack, order)
         for attack, brokers in pairs.items():
             for name, b in brokers.items():
                 if not b.alive():

@@ -112,9 +112,9 @@ def test_local_config_keeps_the_users_settings_and_moves_port_and_store() -> Non
 
 
 def test_the_example_schedule_fits_the_default_fleet() -> None:
-    """examples/fleet_schedule.yaml, shown in the README, loads for the default 20 devices and 45 s."""
+    """examples/fleet_schedule.yaml, shown in the fleet docs page, loads for the default 20 devices and 45 s."""
     path = Path(__file__).parents[2] / "examples" / "fleet_schedule.yaml"
     faults = load_schedule(path, devices=[f"dev-{i:03d}" for i in range(20)], duration=45.0)
     assert [fault.kind for fault in faults] == ["drop", "stall", "broker_kill", "device_restart"]
-    readme = (path.parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (path.parents[1] / "docs" / "fleet.md").read_text(encoding="utf-8")  # where the README links
     assert all(line in readme for line in path.read_text(encoding="utf-8").splitlines() if line.startswith("  - "))
