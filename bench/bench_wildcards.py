@@ -140,6 +140,13 @@ def measure(ctx: Ctx, b: BrokerProcess, cells: Cells, subscriber: str, attack: s
     log(f"  {b.name}, {attack} attacker, {subscriber} subscriber: {rate:,.0f} msgs/s")
 
 
+def note_exited(results: Results, pairs: dict[str, dict[str, BrokerProcess]]) -> None:
+    for attack, brokers in pairs.items():
+        for name, b in brokers.items():
+            if not b.alive():
+                results.note(f"{name} ({attack}): broker exited unexpectedly; last log line: {b.last_log_line()!r}")
+
+
 def measure_all(ctx: Ctx, brokers: dict[str, BrokerProcess], cells: Cells, attack: str, order: list[str]) -> None:
     """One repetition of every measured subscriber kind on both brokers of one attacker kind."""
     for subscriber in ctx.args.subscribers:
@@ -186,11 +193,7 @@ def run(args: argparse.Namespace, tmp: Path, results: Results, cells: Cells, inf
             order = [STOCK, OURS] if rep % 2 == 0 else [OURS, STOCK]
             for attack, brokers in pairs.items():
                 measure_all(ctxs[attack], brokers, cells, attack, order)
-        for attack, brokers in pairs.items():
-            for name, b in brokers.items():
-                if not b.alive():
-                    results.note(f"{name} ({attack}): broker exited unexpectedly; last log line: "
-                                 f"{b.last_log_line()!r}")
+        note_exited(results, pairs)
     finally:
         info["load_end"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
         for attacker in attackers:

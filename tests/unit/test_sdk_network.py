@@ -68,50 +68,58 @@ class Peer:
             self.sock.close()
 
     def handle(self, first: int, body: bytes) -> None:
+        handlers = {1: self._connect, 3: self._publish, 4: self._puback, 8: self._subscribe}
         kind = first >> 4
-        broker = self.broker
-        if kind == 1:  # CONNECT
-            name_len = struct.unpack(">H", body[:2])[0]
-            flags = body[2 + name_len + 1]
-            id_len = struct.unpack(">H", body[2 + name_len + 4 : 2 + name_len + 6])[0]
-            client_id = body[2 + name_len + 6 : 2 + name_len + 6 + id_len].decode()
-            broker.events.put(("connect", client_id, bool(flags & 0x02)))
-            self.send(0x20, bytes([1 if broker.session_present else 0, broker.connack_rc]))
-            if broker.connack_rc:
-                self.close()
-        elif kind == 3:  # PUBLISH
-            qos = (first >> 1) & 3
-            topic_len = struct.unpack(">H", body[:2])[0]
-            topic = body[2 : 2 + topic_len].decode()
-            rest = body[2 + topic_len :]
-            pid = 0
-            if qos:
-                pid, rest = struct.unpack(">H", rest[:2])[0], rest[2:]
-            if topic == CONTROL_TOPIC:
-                request = parse_request(rest)
-                broker.events.put(("request", request))
-                answer = broker.answer(request)
-                if answer is not None:
-                    self.publish(REPLY_TOPIC, answer)
-            else:
-                broker.events.put(("publish", topic, rest, qos))
-                if qos == 1 and broker.puback:
-                    self.send(0x40, struct.pack(">H", pid))
-        elif kind == 4:  # PUBACK
-            broker.events.put(("puback", struct.unpack(">H", body)[0]))
-        elif kind == 8:  # SUBSCRIBE
-            pid = struct.unpack(">H", body[:2])[0]
-            pos, filters = 2, []
-            while pos < len(body):
-                n = struct.unpack(">H", body[pos : pos + 2])[0]
-                filters.append((body[pos + 2 : pos + 2 + n].decode(), body[pos + 2 + n]))
-                pos += 3 + n
-            broker.events.put(("subscribe", filters))
-            self.send(0x90, struct.pack(">H", pid) + bytes(q for _, q in filters))
+        if kind in handlers:
+            handlers[kind](first, body)
         elif kind == 12:  # PINGREQ
             self.send(0xD0, b"")
         elif kind == 14:  # DISCONNECT
-            broker.events.put(("disconnect",))
+            self.broker.events.put(("disconnect",))
+
+    def _connect(self, first: int, body: bytes) -> None:
+        broker = self.broker
+        name_len = struct.unpack(">H", body[:2])[0]
+        flags = body[2 + name_len + 1]
+        id_len = struct.unpack(">H", body[2 + name_len + 4 : 2 + name_len + 6])[0]
+        client_id = body[2 + name_len + 6 : 2 + name_len + 6 + id_len].decode()
+        broker.events.put(("connect", client_id, bool(flags & 0x02)))
+        self.send(0x20, bytes([1 if broker.session_present else 0, broker.connack_rc]))
+        if broker.connack_rc:
+            self.close()
+
+    def _publish(self, first: int, body: bytes) -> None:
+        broker = self.broker
+        qos = (first >> 1) & 3
+        topic_len = struct.unpack(">H", body[:2])[0]
+        topic = body[2 : 2 + topic_len].decode()
+        rest = body[2 + topic_len :]
+        pid = 0
+        if qos:
+            pid, rest = struct.unpack(">H", rest[:2])[0], rest[2:]
+        if topic == CONTROL_TOPIC:
+            request = parse_request(rest)
+            broker.events.put(("request", request))
+            answer = broker.answer(request)
+            if answer is not None:
+                self.publish(REPLY_TOPIC, answer)
+        else:
+            broker.events.put(("publish", topic, rest, qos))
+            if qos == 1 and broker.puback:
+                self.send(0x40, struct.pack(">H", pid))
+
+    def _puback(self, first: int, body: bytes) -> None:
+        self.broker.events.put(("puback", struct.unpack(">H", body)[0]))
+
+    def _subscribe(self, first: int, body: bytes) -> None:
+        pid = struct.unpack(">H", body[:2])[0]
+        pos, filters = 2, []
+        while pos < len(body):
+            n = struct.unpack(">H", body[pos : pos + 2])[0]
+            filters.append((body[pos + 2 : pos + 2 + n].decode(), body[pos + 2 + n]))
+            pos += 3 + n
+        self.broker.events.put(("subscribe", filters))
+        self.send(0x90, struct.pack(">H", pid) + bytes(q for _, q in filters))
 
 
 class ScriptedBroker:
