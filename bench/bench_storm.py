@@ -49,9 +49,9 @@ from _common import (
     run_in_temp_folder,
     write_report,
 )
+from _harness import build_brokers
 from _rawmqtt import ClientProcess
 from _storm import StormResult, StormSpec, storm_main
-from bench_durable import build_brokers
 
 
 @dataclass

@@ -62,8 +62,7 @@ from _common import (
     source_fingerprint,
     write_report,
 )
-from _rawmqtt import PT_SUBACK, RawConnection
-from bench_durable import (
+from _harness import (
     Ctx,
     Results,
     build_brokers,
@@ -73,6 +72,7 @@ from bench_durable import (
     plugin_source_dir,
     warmup,
 )
+from _rawmqtt import PT_SUBACK, RawConnection
 
 from amqtt_durable.wire import encode_packet, encode_string
 

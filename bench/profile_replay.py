@@ -40,8 +40,8 @@ from _common import (
     run_publisher,
     write_report,
 )
+from _harness import build_brokers
 from _rawmqtt import ClientProcess, PubSpec, ReceiveResult, SubSpec, publisher_main, session_roundtrip, subscriber_main
-from bench_durable import build_brokers
 
 TOP = 30
 # Stages of the replay path: a sample goes to the first stage, walking its stack from the leaf to the root,
