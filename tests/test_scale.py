@@ -18,7 +18,7 @@ import plyvel
 import psutil
 import pytest
 
-from amqtt_durable.wire import split_packets
+from amqtt_durable.wire import decode_remaining_length
 from conftest import HOST, WAIT, Broker, mqtt_packet, mqtt_string, payloads
 
 _U16 = struct.Struct(">H")
@@ -67,10 +67,16 @@ class RawClient:
         self._buf += chunk
 
     def _parse(self) -> tuple[int, bytes] | None:
-        packets, _ = split_packets(self._buf)
-        if not packets:
+        """The first packet of the buffer, if it is whole (only that one is decoded: the buffer may
+        hold thousands of PUBACKs)."""
+        field = decode_remaining_length(self._buf, 1) if len(self._buf) >= 2 else None
+        if field is None:
             return None
-        first, start, end = packets[0]
+        length, start = field
+        end = start + length
+        if len(self._buf) < end:
+            return None
+        first = self._buf[0]
         body = bytes(self._buf[start:end])
         del self._buf[:end]
         return first, body
