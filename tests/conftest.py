@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -83,15 +84,22 @@ class Broker(BrokerProcess):
 
 def probe_connack(port: int) -> bool:
     """Send a minimal clean CONNECT and check for CONNACK accepted."""
+    return connack_code(port) == 0
+
+
+def connack_code(port: int) -> int | None:
+    """The return code of the CONNACK a minimal clean CONNECT gets (3: a replication backup);
+    None without one."""
     connect = bytes([0x10, 16, 0, 4]) + b"MQTT" + bytes([4, 0x02, 0, 10, 0, 4]) + b"prob"
     try:
         with socket.create_connection((HOST, port), timeout=1.0) as sock:
             sock.sendall(connect)
             reply = sock.recv(4)
-            sock.sendall(bytes([0xE0, 0]))
-            return reply[:1] == b"\x20" and reply[3:4] == b"\x00"
+            with contextlib.suppress(OSError):  # a refused CONNECT's connection is closed already
+                sock.sendall(bytes([0xE0, 0]))
+            return reply[3] if reply[:1] == b"\x20" and len(reply) == 4 else None
     except OSError:
-        return False
+        return None
 
 
 class Client:

@@ -126,6 +126,10 @@ from .errors import (
     StoreError,
     StoreUnavailableError,
 )
+from .replication.commits import ReplicatedCommits
+from .replication.etcd import EtcdCoordinator
+from .replication.node import ReplicationNode
+from .replication.primary import Primary
 from .stream_sender import StreamSender
 from .topics import SubscriptionIndex, filter_is_valid, matches, topic_problem
 from .wire import encode_puback, encode_pubcomp, read_packet
@@ -135,6 +139,7 @@ log = logging.getLogger("amqtt_durable")
 AMQTT_VERSION = "0.12.1"
 SYS_PREFIX = "$SYS/broker/durable/"
 HEALTH_TOPIC = SYS_PREFIX + "store/health"
+NOT_SERVING = "this broker is a replication backup (or stopped being the primary): connect to the primary"
 _SUBSCRIBE_REFUSED = 0x80
 TOPIC_PAST_END = "PUBLISH refused: its topic length runs past the packet's end (MQTT-1.5.3)"
 CLOSE_GRACE = 5.0
@@ -224,6 +229,10 @@ def _install_connect_hooks() -> None:
             if problem is not None:  # amqtt's caller logs it and closes the connection
                 raise MQTTError(f"CONNECT of {session.client_id!r} refused: will {problem}")
         plugin = next((p for p in plugins_manager._plugins if isinstance(p, DurableSessionsPlugin)), None)
+        if plugin is not None and not plugin.engine.serving:
+            log.info("CONNECT of %r refused (CONNACK 3): %s", session.client_id, NOT_SERVING)
+            await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
+            raise MQTTError(f"CONNECT of {session.client_id!r}: {NOT_SERVING}")
         if plugin is None or not session.client_id:
             return handler, session
         await _check_connect(plugin, session, writer, plugins_manager)
@@ -265,9 +274,9 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         plugin.authenticated[session.client_id] = (session.username, session.password)
 
 
-async def _refuse_read_connect(writer: Any, plugins_manager: Any) -> None:
-    """CONNACK 5 to a CONNECT just read, then close: nothing of amqtt's has been touched."""
-    connack = ConnackPacket.build(0, NOT_AUTHORIZED)
+async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: int = NOT_AUTHORIZED) -> None:
+    """CONNACK 5 (or ``return_code``) to a CONNECT just read, then close: nothing of amqtt's has been touched."""
+    connack = ConnackPacket.build(0, return_code)
     await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
     await connack.to_stream(writer)
     await writer.close()
@@ -450,11 +459,15 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         try:
             check_internals(broker)
             self.engine = DurableEngine(config, on_expired=self._on_expired, on_store_health=self._on_store_health)
-            self.engine.open()
+            if config.replication is None:
+                self.engine.open()
+            else:  # loaded once this broker is the primary; a backup's store is written by replication
+                self.engine.open_store()
         except DurableError as exc:
             log.error("%s", exc)
             raise
         self.broker = broker
+        self.replication: ReplicationNode | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metrics_task: asyncio.Task[None] | None = None
         self._health_order = asyncio.Lock()
@@ -467,19 +480,61 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
 
     async def on_broker_pre_start(self) -> None:
         # Broker.start() has just emptied amqtt's table; the listeners are not open yet.
+        if self.engine.loaded:
+            self._fill_retained()
+
+    def _fill_retained(self) -> None:
+        """amqtt's retained table from the store (its "$" entries are the broker's own state)."""
         table = self.broker.retained_messages
+        for topic in [topic for topic in table if not topic.startswith("$")]:
+            del table[topic]
         for message in self.engine.retained.take_loaded():
             table[message.topic] = RetainedApplicationMessage(None, message.topic, message.payload, message.qos)
 
     async def on_broker_post_start(self) -> None:
-        self.engine.start_timers()
+        if self.engine.loaded:
+            self.engine.start_timers()
         if self.config.metrics_interval > 0:
             self._metrics_task = asyncio.get_running_loop().create_task(self._publish_metrics())
+        settings = self.config.replication
+        if settings is not None:
+            coordinator = (
+                EtcdCoordinator(settings.coordinator, prefix=settings.prefix, ttl=settings.lease_ttl)
+                if settings.coordinator
+                else None
+            )
+            self.replication = ReplicationNode(
+                self.engine.db, settings, coordinator=coordinator, on_promote=self._promoted, on_demote=self._demoted
+            )
+            await self.replication.start()
+
+    def _promoted(self, primary: Primary) -> None:
+        """This broker became the primary: load the store replication wrote and serve clients."""
+        node = self.replication
+        assert node is not None and self.config.replication is not None
+        self.engine.load(ReplicatedCommits(primary, self.config.replication.mode, node.may_acknowledge))
+        self._fill_retained()
+        self.engine.start_timers()
+
+    def _demoted(self, reason: str) -> None:
+        """No longer the primary: acknowledge nothing more (at once, before any await), end every
+        client connection (they reconnect to the new primary) and stop the engine's work."""
+        if not self.engine.serving:
+            return
+        self.engine.committer.halt(reason)
+        for _, handler in list(self.broker._sessions.values()):
+            writer = getattr(handler, "writer", None)
+            if isinstance(writer, StreamWriterAdapter):
+                writer.is_closed = True
+                writer._writer.transport.abort()
+        self._spawn(self.engine.stop_serving(reason))
 
     async def close(self) -> None:
         if self._metrics_task is not None:
             self._metrics_task.cancel()
             await asyncio.gather(self._metrics_task, return_exceptions=True)
+        if self.replication is not None:
+            await self.replication.stop()
         await self.engine.close()
 
     def _on_expired(self, expired: ExpiredSession) -> None:
@@ -509,7 +564,10 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
     async def _publish_metrics(self) -> None:
         while True:
             await asyncio.sleep(self.config.metrics_interval)
-            for name, value in self.engine.metrics().items():
+            metrics: dict[str, object] = dict(self.engine.metrics()) if self.engine.serving else {}
+            if self.replication is not None:
+                metrics.update(self.replication.metrics())
+            for name, value in metrics.items():
                 await self.broker._broadcast_message(None, SYS_PREFIX + name, str(value).encode(), 0)
 
 
@@ -797,7 +855,7 @@ class AmqttHooks:
     ) -> None:
         if topic is not None and topic.startswith(CONTROL_PREFIX):
             return  # control traffic (a QoS 2 request, a will) never reaches subscribers
-        if not isinstance(data, RoutedPayload) and topic is not None and data is not None:
+        if self.engine.serving and not isinstance(data, RoutedPayload) and topic is not None and data is not None:
             # No QoS given means "the subscription's", as amqtt's own broadcast does.
             qos = 2 if force_qos is None else force_qos
             try:
@@ -841,6 +899,9 @@ class AmqttHooks:
             return
         if topic.startswith("$"):  # the broker's own state ($SYS store health): memory only, never stale
             self.apply_retained(topic, bytes(data or b""), qos or 0)
+            return
+        if not self.engine.serving:
+            log.warning("the retained message of %s is not stored: %s", topic, NOT_SERVING)
             return
         try:
             await self.engine.retain(topic, bytes(data or b""), qos or 0)  # a will's (or a plugin's)

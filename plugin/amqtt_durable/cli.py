@@ -23,6 +23,8 @@ from .config import DurableConfig
 from .errors import ConfigError, DurableError
 from .inspect_store import format_retained, format_table, summarize, summarize_retained
 from .repair import repair
+from .replication.framing import Frame
+from .replication.tool import ask, format_status
 
 PLUGIN_PATH = "amqtt_durable.DurableSessionsPlugin"
 EXIT_BAD_INPUT = 2
@@ -117,6 +119,12 @@ def _cmd_broker(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    if args.replication is not None:
+        status = asyncio.run(ask(args.replication, Frame.STATUS))
+        print(json.dumps(status, indent=2) if args.json else format_status(status))
+        return 0
+    if args.store is None:
+        raise ConfigError("store", "give a store folder (or --replication host:port for a running broker)")
     if args.retained:
         retained = summarize_retained(args.store)
         print(json.dumps([row.as_json() for row in retained], indent=2) if args.json else format_retained(retained))
@@ -126,6 +134,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps([row.as_json() for row in rows], indent=2))
     else:
         print(format_table(rows))
+    return 0
+
+
+def _cmd_promote(args: argparse.Namespace) -> int:
+    answer = asyncio.run(ask(args.address, Frame.PROMOTE))
+    if not answer["promoted"]:
+        print(f"amqtt-durable: {args.address} not promoted: {answer['why']}", file=sys.stderr)
+        return 1
+    print(f"{args.address}: {answer['why']}; it serves clients as the primary once its store is loaded")
     return 0
 
 
@@ -148,11 +165,21 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     broker.add_argument("-d", "--debug", action="store_true", help="debug logging")
     broker.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # stop when that process is gone
     broker.set_defaults(run=_cmd_broker)
-    inspect = commands.add_parser("inspect", help="list the durable sessions of a store (broker stopped)")
-    inspect.add_argument("store", help="store folder (the plugin's 'store' setting)")
+    inspect = commands.add_parser(
+        "inspect", help="list the durable sessions of a store (broker stopped), or a running broker's replication"
+    )
+    inspect.add_argument("store", nargs="?", help="store folder (the plugin's 'store' setting)")
+    inspect.add_argument(
+        "--replication", metavar="HOST:PORT", help="show role, backups and lag of the broker replicating there"
+    )
     inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
     inspect.add_argument("--retained", action="store_true", help="list the retained messages instead of the sessions")
     inspect.set_defaults(run=_cmd_inspect)
+    promote = commands.add_parser(
+        "promote", help="make a backup without a coordinator the primary (the operator's decision)"
+    )
+    promote.add_argument("address", metavar="HOST:PORT", help="the backup's replication.listen address")
+    promote.set_defaults(run=_cmd_promote)
     repairs = commands.add_parser(
         "repair", help="repair a damaged store: LevelDB's repair, then sessions and totals rebuilt (broker stopped)"
     )

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from durable_protocol import MAX_STREAM_WINDOW
 
 from .errors import ConfigError
+from .replication.config import ReplicationConfig
+from .settings import SCALARS
 from .topics import filter_is_valid
 
 OverflowPolicy = Literal["drop-oldest", "drop-newest"]
@@ -123,6 +125,9 @@ class DurableConfig:
     count twice. 0 means no limit. Routing cost does not grow with filters, but memory does,
     and a durable session's stored record is rewritten whole on every SUBSCRIBE."""
 
+    replication: ReplicationConfig | None = None
+    """Primary-backup replication of the store (docs/replication.md); absent: one broker, as before."""
+
     def __post_init__(self) -> None:
         _check_ranges(self)
 
@@ -143,11 +148,13 @@ class DurableConfig:
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     kind = str(annotation)
-    scalar = _SCALARS.get(kind)
+    scalar = SCALARS.get(kind)
     if scalar is not None:
         return scalar(key, value)
     if kind == "list[StreamConfig]":
         return _streams(key, value)
+    if kind == "ReplicationConfig | None":
+        return None if value is None else ReplicationConfig.from_mapping(value, key)
     choices = {"OverflowPolicy": OVERFLOW_POLICIES, "SessionTakeover": TAKEOVER_POLICIES}.get(kind)
     if choices is not None:
         if value in choices:
@@ -157,28 +164,6 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return value
     what = "topic filter" if kind == "topic filter" else "folder path"
     raise ConfigError(key, f"expected a non-empty {what}, got {value!r}")
-
-
-def _as_bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ConfigError(key, f"expected true or false, got {value!r}")
-
-
-def _as_int(key: str, value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ConfigError(key, f"expected a whole number, got {value!r}")
-
-
-def _as_float(key: str, value: Any) -> float:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    raise ConfigError(key, f"expected a number, got {value!r}")
-
-
-# YAML booleans are ints to Python, so each scalar kind is checked exactly, not with int()/float().
-_SCALARS: dict[str, Callable[[str, Any], Any]] = {"bool": _as_bool, "int": _as_int, "float": _as_float}
 
 
 def _streams(key: str, value: Any) -> list[StreamConfig]:

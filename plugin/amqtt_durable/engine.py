@@ -28,6 +28,11 @@ log = logging.getLogger("amqtt_durable")
 class DurableEngine(Recovery):
     """Owns the store and every durable session of one broker."""
 
+    @property
+    def serving(self) -> bool:
+        """Loaded and not halted: a replication backup, or a demoted primary, serves no client."""
+        return self.loaded and self.committer.halted is None
+
     def start_timers(self) -> None:
         self._arm_expiry()
         interval = self.streams.trim_interval()
@@ -45,17 +50,30 @@ class DurableEngine(Recovery):
             except Exception:
                 log.exception("stream retention failed; it is tried again in %.1f s", interval)
 
-    async def close(self) -> None:
+    async def stop_serving(self, reason: str) -> None:
+        """No longer the primary: acknowledge and write nothing more, stop every pump and timer.
+        The in-memory state is stale from here on; ``load`` rebuilds it on a later promotion."""
+        self.committer.halt(reason)
+        await self._stop_work()
+        await self.committer.wait_idle()
+
+    async def _stop_work(self) -> None:
         for session in list(self.sessions.values()):
             if session.pump is not None:
                 await session.pump.stop()
         if self._expiry_timer is not None:
             self._expiry_timer.cancel()
+            self._expiry_timer = None
         if self._trim_task is not None:
             self._trim_task.cancel()
             await asyncio.gather(self._trim_task, return_exceptions=True)
+            self._trim_task = None
+
+    async def close(self) -> None:
+        await self._stop_work()
         if self.db is not None and not self.db.closed:
-            await self.committer.drain()
+            if self.loaded:
+                await self.committer.drain()
             self.db.close()
 
     def written_so_far(self) -> asyncio.Future[None]:

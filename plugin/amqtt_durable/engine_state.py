@@ -58,6 +58,8 @@ class EngineState:
         self.config = config
         self.db: Any = None
         self.committer: GroupCommitter
+        self.loaded = False
+        """Whether sessions were loaded from the store (a replication backup's engine is not)."""
         self.sessions: dict[str, DurableSession] = {}
         self.index = SubscriptionIndex()
         self.expiry = ExpiryTracker()

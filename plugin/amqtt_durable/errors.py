@@ -100,3 +100,15 @@ class StoreUnavailableError(StoreError):
             f"the durable store cannot write ({cause}); the broker retries by itself and serves "
             "normally again once a write succeeds: free space on the store's disk"
         )
+
+
+class NotPrimaryError(StoreUnavailableError):
+    """A replicated broker that is not (or no longer) the primary: it acknowledges nothing."""
+
+    def __init__(self, reason: str) -> None:
+        self.cause = self
+        StoreError.__init__(
+            self,
+            f"this broker is not the primary of its replication group ({reason}): nothing is "
+            "acknowledged here; clients reconnect to the primary and send again",
+        )

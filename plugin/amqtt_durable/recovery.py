@@ -13,7 +13,7 @@ from typing import Any
 
 import plyvel
 
-from .engine_state import StoreHealth
+from .engine_state import EngineState, StoreHealth
 from .errors import (
     DamagedRecordError,
     StoreCorruptedError,
@@ -23,6 +23,7 @@ from .retained import RetainedMessages
 from .sessions import DurableSession
 from .store import (
     RETRY_MAX,
+    CommitReplication,
     GroupCommitter,
     check_writable,
     discard_probe,
@@ -45,19 +46,33 @@ from .stream_log import StreamLogs
 log = logging.getLogger("amqtt_durable")
 
 
-
-
 class Recovery(SessionLifecycle):
     """The engine's start-up and store-health steps, over its session steps (see engine_state.py)."""
 
     def open(self) -> None:
         """Open the store and rebuild sessions from it; reads keys, never whole queues (and the
         retained messages, once, for amqtt's table)."""
+        self.open_store()
+        self.load()
+
+    def open_store(self) -> None:
+        """Only open the store: a replication backup writes it until it is promoted. A new store
+        gets its id now, so a primary stamps every batch with it from the first one."""
+        self.db = open_store(self.config.store)
+        discard_probe(self.config.store)
+        if read_store_id(self.db) is None:
+            write_store_id(self.db, secrets.randbits(63))
+
+    def load(self, replication: CommitReplication | None = None) -> None:
+        """Rebuild sessions from the open store, forgetting any earlier state (a promoted backup's
+        store was written behind the engine's back); ``replication``: commits are shipped."""
         path = self.config.store
-        self.db = open_store(path)
-        discard_probe(path)
+        if self.loaded:
+            db, on_retained = self.db, self.on_retained
+            EngineState.__init__(self, self.config, self.on_expired, self.on_store_health)
+            self.db, self.on_retained = db, on_retained
         try:
-            self._load()
+            self._load(replication)
         except plyvel.Error as exc:
             self.db.close()
             raise read_error(path, exc) from exc
@@ -68,7 +83,7 @@ class Recovery(SessionLifecycle):
             self.db.close()
             raise StoreCorruptedError(path, f"{type(exc).__name__}: {exc}") from exc
 
-    def _load(self) -> None:
+    def _load(self, replication: CommitReplication | None) -> None:
         config = self.config
         self.committer = GroupCommitter(
             self.db,
@@ -79,14 +94,16 @@ class Recovery(SessionLifecycle):
             batch_delay_ms=config.batch_delay_ms if config.sync else 0.0,
             pending_threshold=config.pending_threshold,
         )
+        self.committer.replication = replication
         self.committer.before_flush = self._before_flush
         self.committer.after_write = self.removing.written
         self.committer.reopen = self._reopen_store
         self.committer.on_health = self._store_health_changed
         stored_id = read_store_id(self.db)
-        self.store_id = stored_id if stored_id is not None else secrets.randbits(63)
-        if stored_id is None:
-            write_store_id(self.committer, self.store_id)
+        if stored_id is None:  # a store written by a version that made none
+            stored_id = secrets.randbits(63)
+            write_store_id(self.committer, stored_id)
+        self.store_id = stored_id
         self.streams = StreamLogs(self.db, self.committer, config.streams, config.store)
         self.streams.load()
         self.retained = RetainedMessages(self.committer)
@@ -121,6 +138,7 @@ class Recovery(SessionLifecycle):
                 by_sid[sid].pubrel_due.add(packet_id)
         self._drop_orphans(set(by_sid))
         self.committer.flush_now()
+        self.loaded = True
         log.info(
             "durable store %s: %d session(s), %d queued message(s), %d retained message(s)",
             config.store,

@@ -71,7 +71,14 @@ from typing import Any, Protocol, TypeVar
 
 import plyvel
 
-from .errors import DamagedRecordError, StoreCorruptedError, StoreError, StoreLockedError, StoreUnavailableError
+from .errors import (
+    DamagedRecordError,
+    NotPrimaryError,
+    StoreCorruptedError,
+    StoreError,
+    StoreLockedError,
+    StoreUnavailableError,
+)
 
 log = logging.getLogger("amqtt_durable")
 
@@ -708,6 +715,25 @@ def discard_probe(path: str) -> None:
         os.remove(os.path.join(path, PROBE_NAME))
 
 
+Op = tuple[bytes, bytes | None]
+
+
+class CommitReplication(Protocol):
+    """A replicated store's steps around each group commit (replication/commits.py)."""
+
+    def prepare(self, ops: list[Op]) -> Any:
+        """Number the commit; the result's ``ops`` are what to write locally."""
+
+    def withdraw(self, batch: Any) -> None:
+        """The local write of ``batch`` failed; the retry reuses its number."""
+
+    def committed(self, batch: Any) -> asyncio.Future[None] | None:
+        """Written locally: ship it. A future: acknowledge once it resolves; None: now."""
+
+    def may_acknowledge(self) -> bool:
+        """False once this broker is no longer the primary."""
+
+
 class GroupCommitter:
     """Collects writes from concurrent publishes and acks into shared LevelDB write batches.
 
@@ -759,6 +785,10 @@ class GroupCommitter:
         self.on_health: Callable[[BaseException | None, float], None] | None = None
         """Called with (the error, when writes began failing) as writes start failing, and with
         (None, that same time) once a write succeeds again."""
+        self.replication: CommitReplication | None = None
+        """Set on a replication primary: each commit is numbered, written, then shipped."""
+        self.halted: NotPrimaryError | None = None
+        """Set once this broker stopped being the primary: nothing more is written or acknowledged."""
         self.commits = 0
         self.failure: BaseException | None = None
         """The last write error while writes fail; None while they succeed."""
@@ -796,6 +826,9 @@ class GroupCommitter:
         waiter: asyncio.Future[None] = loop.create_future()
         if on_durable is not None:
             self._after_commit.append(on_durable)
+        if self.halted is not None:
+            _fail(waiter, self.halted)
+            return waiter
         if fail_fast and self.failure is not None:
             _fail(waiter, StoreUnavailableError(self.failure))
             return waiter
@@ -805,7 +838,7 @@ class GroupCommitter:
         return waiter
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._writing or self._soon is not None or self.failure is not None:
+        if self._writing or self._soon is not None or self.failure is not None or self.halted is not None:
             return  # while writes fail, only the retry timer writes
         if self._units >= min(self._threshold, self._batch_size) or self._delay == 0:
             if self._timer is not None:
@@ -832,19 +865,21 @@ class GroupCommitter:
         waiters, self._waiters = self._waiters, []
         after, self._after_commit = self._after_commit, []
         self._units = 0
+        batch = self.replication.prepare(ops) if self.replication is not None else None
+        written = batch.ops if batch is not None else ops
         if self._sync:
             self._writing = True
             self._idle.clear()
             loop = asyncio.get_running_loop()
-            job = loop.run_in_executor(None, self._write, ops)
-            job.add_done_callback(lambda done: self._finish(done.exception(), ops, waiters, after))
+            job = loop.run_in_executor(None, self._write, written)
+            job.add_done_callback(lambda done: self._finish(done.exception(), ops, waiters, after, batch))
         else:
             error: BaseException | None = None
             try:
-                self._write(ops)
+                self._write(written)
             except Exception as exc:
                 error = exc
-            self._finish(error, ops, waiters, after)
+            self._finish(error, ops, waiters, after, batch)
 
     def _write(self, ops: list[tuple[bytes, bytes | None]]) -> None:
         with self._db.write_batch(sync=self._sync) as batch:
@@ -860,15 +895,51 @@ class GroupCommitter:
         ops: list[tuple[bytes, bytes | None]],
         waiters: list[tuple[asyncio.Future[None], bool]],
         after: list[Callable[[], None]],
+        batch: Any = None,
     ) -> None:
         self._writing = False
         self._idle.set()
         if error is not None:
+            if batch is not None and self.replication is not None:
+                self.replication.withdraw(batch)
             self._failed(error, ops, waiters, after)
             return
         self.commits += 1
         if self.after_write is not None:
             self.after_write()
+        self._complete_when_shipped(batch, after, waiters)
+        if self.failure is not None:
+            self.failure = None
+            self._retry_delay = RETRY_FIRST
+            if self.on_health is not None:
+                self.on_health(None, self.failing_since)
+        if self._ops or self._waiters or self._after_commit:
+            self._schedule(asyncio.get_running_loop())
+
+    def _complete_when_shipped(
+        self, batch: Any, after: list[Callable[[], None]], waiters: list[tuple[asyncio.Future[None], bool]]
+    ) -> None:
+        """Deliver and acknowledge a written commit: at once, or in sync replication once every
+        in-sync backup has it (the primary resolves those futures in commit order)."""
+        shipped = self.replication.committed(batch) if self.replication is not None else None
+        if shipped is None:
+            self._complete(after, waiters)
+        else:
+            shipped.add_done_callback(lambda done: self._complete(after, waiters, done.exception()))
+
+    def _complete(
+        self,
+        after: list[Callable[[], None]],
+        waiters: list[tuple[asyncio.Future[None], bool]],
+        shipping_error: BaseException | None = None,
+    ) -> None:
+        if self.halted is None and (shipping_error is not None or not self._may_acknowledge()):
+            self.halted = NotPrimaryError(str(shipping_error or "its lease is ending"))
+        if self.halted is not None:
+            for waiter, _ in waiters:
+                if not waiter.done():
+                    _fail(waiter, self.halted)
+            return
         for callback in after:
             try:
                 callback()
@@ -877,13 +948,28 @@ class GroupCommitter:
         for waiter, _ in waiters:
             if not waiter.done():
                 waiter.set_result(None)
-        if self.failure is not None:
-            self.failure = None
-            self._retry_delay = RETRY_FIRST
-            if self.on_health is not None:
-                self.on_health(None, self.failing_since)
-        if self._ops or self._waiters or self._after_commit:
-            self._schedule(asyncio.get_running_loop())
+
+    def _may_acknowledge(self) -> bool:
+        return self.replication is None or self.replication.may_acknowledge()
+
+    def halt(self, reason: str) -> None:
+        """This broker stopped being the primary: fail every waiting commit and write nothing
+        more (the store now follows the new primary's history)."""
+        self.halted = NotPrimaryError(reason)
+        for handle in (self._timer, self._soon, self._retry):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._soon = self._retry = None
+        self._ops, self._after_commit = [], []
+        waiters, self._waiters = self._waiters, []
+        for waiter, _ in waiters:
+            if not waiter.done():
+                _fail(waiter, self.halted)
+
+    async def wait_idle(self) -> None:
+        """Return once no write runs in the worker thread."""
+        while self._writing:
+            await self._idle.wait()
 
     def _failed(
         self,
@@ -929,8 +1015,9 @@ class GroupCommitter:
 
     async def drain(self) -> None:
         """Wait for a write running in the worker thread, then write what is left (closing)."""
-        while self._writing:
-            await self._idle.wait()
+        await self.wait_idle()
+        if self.halted is not None:
+            return
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
@@ -951,24 +1038,27 @@ class GroupCommitter:
 
     def flush_now(self) -> None:
         """Write everything pending synchronously; no write may be running in the thread."""
+        if self.halted is not None:
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if self.before_flush is not None:
             self.before_flush()
+        batch = None
         if self._ops:
-            self._write(self._ops)
+            batch = self.replication.prepare(self._ops) if self.replication is not None else None
+            self._write(batch.ops if batch is not None else self._ops)
             self._ops = []
         self.failure = None
         if self.after_write is not None:
             self.after_write()
         waiters, self._waiters = self._waiters, []
         after, self._after_commit = self._after_commit, []
-        for callback in after:
-            callback()
-        for waiter, _ in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        if batch is not None:
+            self._complete_when_shipped(batch, after, waiters)
+        else:
+            self._complete(after, waiters)
 
 
 def _fail(waiter: asyncio.Future[None], error: StoreUnavailableError) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from amqtt_durable.config import OVERFLOW_POLICIES, DurableConfig, StreamConfig
 from amqtt_durable.errors import ConfigError
+from amqtt_durable.replication.config import ReplicationConfig
 
 # key -> (a good value, bad-type values, out-of-range values)
 CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
@@ -36,6 +37,8 @@ CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
     "max_bytes": (1_000_000, [1.5, "1MB", True, None], [-1]),
     "max_bytes_disconnected": (0, [2.5, "1", False, None], [-1]),
     "max_subscriptions_per_client": (0, [1.5, "1000", True, None], [-1]),
+    # Its own settings' checks name replication.<key>: tests/unit/test_replication_config.py.
+    "replication": ({"role": "primary"}, ["primary", 5, True, ["a"]], []),
 }
 
 FLOAT_KEYS = [f.name for f in dataclasses.fields(DurableConfig) if f.type == "float"]
@@ -82,9 +85,10 @@ def test_every_good_value_is_accepted() -> None:
     raw = {key: good for key, (good, _, _) in CASES.items()}
     config = DurableConfig.from_mapping(raw)
     for key, value in raw.items():
-        if key != "streams":
+        if key not in ("streams", "replication"):
             assert getattr(config, key) == value
     assert config.streams == [StreamConfig("a/#", max_count=5, max_age=60.0)]
+    assert config.replication == ReplicationConfig(role="primary")
 
 
 @pytest.mark.parametrize("key", FLOAT_KEYS)

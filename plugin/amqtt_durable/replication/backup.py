@@ -82,12 +82,10 @@ class Backup:
         self.state = "connecting"
         self.in_sync_event.clear()
         reader, writer = await asyncio.open_connection(host, port)
-        # Caught up with the last primary stays true while that primary cannot be reached (the
-        # HA loop promotes on it); a primary that answers decides anew.
-        self.caught_up = False
         frames: asyncio.Queue[tuple[Frame, bytes]] = asyncio.Queue(QUEUE_FRAMES)
         receiver = asyncio.get_running_loop().create_task(_receive(reader, frames))
         getter: asyncio.Task[tuple[Frame, bytes]] | None = None
+        answered = False
         try:
             seq = 0 if self.partial else self.applied_seq
             hello = Hello(self.store_id, seq, self.applied_crc, self.name)
@@ -102,6 +100,11 @@ class Backup:
                     receiver.result()  # raises why the connection ended
                     raise ConnectionResetError("the primary closed the replication channel")
                 group = [getter.result()]
+                if not answered:
+                    # Caught up with the last primary stays true while that primary cannot be
+                    # reached (the HA loop promotes on it), also while its address only answers
+                    # tools (a backup's); a primary that answers decides anew.
+                    self.caught_up, answered = False, True
                 while not frames.empty():
                     group.append(frames.get_nowait())
                 ack = await self._apply(group)

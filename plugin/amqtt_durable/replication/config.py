@@ -1,8 +1,7 @@
 """The ``replication:`` settings of the plugin, one typed dataclass validated with the key named.
 
-Not yet a field of DurableConfig (the lead wires it): the field to add, at the end of
-DurableConfig, is ``replication: ReplicationConfig | None = None`` (None: a single broker,
-exactly as before), built by ``ReplicationConfig.from_mapping(value, "replication")``.
+DurableConfig's ``replication`` field (None: a single broker, exactly as before), built by
+``ReplicationConfig.from_mapping(value, "replication")``.
 
 Two ways to run, as in Patroni:
 
@@ -21,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
-from ..config import _coerce as coerce_setting
 from ..errors import ConfigError
+from ..settings import SCALARS
 
 Role = Literal["auto", "primary", "backup"]
 ROLES: tuple[str, ...] = get_args(Role)
@@ -116,7 +115,7 @@ class ReplicationConfig:
 
 def _coerce(key: str, value: Any, kind: str) -> Any:
     if kind in ("int", "float"):
-        return coerce_setting(key, value, kind)  # the plugin's own rules for numbers
+        return SCALARS[kind](key, value)  # the plugin's own rules for numbers
     if kind == "list[str]":
         if isinstance(value, str):
             value = [value]

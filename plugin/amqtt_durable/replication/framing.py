@@ -26,7 +26,13 @@ SNAP_END   seq:u64 crc:u32: the snapshot holds every batch up to ``seq``
 BATCH      an encoded batch (above)
 IN_SYNC    seq:u64: the backup was sent everything up to ``seq`` live; it now counts
 ACK        seq:u64: the backup applied and synced every batch up to ``seq``
+STATUS     (empty) from a tool; answered by STATUS with this node's status as JSON
+PROMOTE    (empty) from ``amqtt-durable promote``; answered by PROMOTE with JSON
+           ``{"promoted": bool, "why": text}``
 =========  ===================================================================
+
+STATUS and PROMOTE come from tools, as the first frame of a connection to a node's
+replication address: the primary's channel server answers them, and so does a backup's.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ class Frame(IntEnum):
     BATCH = 5
     IN_SYNC = 6
     ACK = 7
+    STATUS = 8
+    PROMOTE = 9
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,14 +8,17 @@ backup again (its store is then checked against the new primary's history, and r
 snapshot if it diverged). Without a coordinator the role is fixed by the configuration and
 ``promote`` is the operator's decision.
 
-The broker (not yet wired) gives two callbacks: ``on_promote(primary)`` (load the store, accept
-clients, commit through ``primary.prepare``/``committed``) and ``on_demote(reason)`` (close
-client connections; acknowledgements already stopped: ``may_acknowledge`` is false).
+The broker gives two callbacks: ``on_promote(primary)`` (load the store, accept clients, commit
+through ``primary.prepare``/``committed``) and ``on_demote(reason)`` (close client connections;
+acknowledgements already stopped: ``may_acknowledge`` is false). Tools ask a node over its
+replication address (STATUS, PROMOTE frames): the primary's channel server answers, and a
+backup listens there for them until it is promoted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -23,17 +26,14 @@ from typing import Any
 from .backup import Backup
 from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
-from .errors import CoordinatorError
+from .errors import CoordinatorError, ReplicationError
+from .framing import Frame, encode_frame, read_frame
 from .ha import Decision, HaNode
-from .position import read_store_id
-from .primary import Primary
+from .position import read_position, read_store_id
+from .primary import HELLO_TIMEOUT, Primary
+from .tool import split_address
 
 log = logging.getLogger("amqtt_durable.replication")
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host, int(port)
 
 
 class ReplicationNode:
@@ -73,6 +73,7 @@ class ReplicationNode:
         self._ha_stop = asyncio.Event()
         self._ha_task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self._admin: asyncio.Server | None = None
 
     def may_acknowledge(self) -> bool:
         """Whether a publish may be acknowledged now (before sync mode's wait for backups)."""
@@ -80,11 +81,48 @@ class ReplicationNode:
             return False
         return self.ha is None or self.ha.may_acknowledge()
 
+    def status(self) -> dict[str, Any]:
+        """Role, position and backups: what inspect, $SYS and a STATUS frame show."""
+        primary = self.primary
+        if primary is not None:
+            return {
+                "name": self.config.name,
+                "role": "primary",
+                "mode": self.config.mode,
+                "batch": primary.log.head_seq,
+                "backups": primary.status(),
+            }
+        return {
+            "name": self.config.name,
+            "role": "backup",
+            "state": self.backup.state,
+            "batch": self.backup.applied_seq,
+            "caught_up": self.backup.caught_up,
+            "primary": self._following,
+        }
+
+    def metrics(self) -> dict[str, object]:
+        """``status`` flattened into $SYS/broker/durable/replication/... topics."""
+        status = self.status()
+        flat: dict[str, object] = {
+            f"replication/{key}": value for key, value in status.items() if key not in ("backups", "name")
+        }
+        backups = status.get("backups", [])
+        if status["role"] == "primary":
+            flat["replication/backups"] = len(backups)
+            flat["replication/backups_in_sync"] = sum(1 for row in backups if row["state"] == "in_sync")
+        for row in backups:
+            for key in ("state", "lag_batches", "lag_seconds", "snapshot_rows"):
+                flat[f"replication/backup/{row['name']}/{key}"] = row[key]
+        return flat
+
     async def start(self) -> None:
+        if self.ha is None and self.config.role == "primary":
+            await self.promote()
+            return
+        await self._open_admin()
         if self.ha is not None:
             self._ha_task = asyncio.get_running_loop().create_task(self.ha.run(self._ha_stop, self._decided))
-        elif self.config.role == "primary":
-            await self.promote()
         else:
             host, port = split_address(self.config.primary)
             self.follow(Leader("primary", f"{host}:{port}"))
@@ -99,6 +137,51 @@ class ReplicationNode:
             self.primary = None
         for task in list(self._closing):
             await task
+        await self._close_admin()
+
+    async def _open_admin(self) -> None:
+        host, port = split_address(self.config.listen)
+        self._admin = await asyncio.start_server(self._answer_tool, host, port)
+
+    async def _close_admin(self) -> None:
+        server, self._admin = self._admin, None
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+
+    async def _answer_tool(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A backup's replication address: tools' questions; a backup's HELLO is not for it."""
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT):
+                kind, _ = await read_frame(reader)
+                if kind in (Frame.STATUS, Frame.PROMOTE):
+                    writer.write(encode_frame(kind, json.dumps(self.answer(kind)).encode()))
+                    await writer.drain()
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ReplicationError) as exc:
+            log.info("replication: a connection to %s ended: %r", self.config.listen, exc)
+        finally:
+            writer.close()
+
+    def answer(self, kind: Frame) -> dict[str, Any]:
+        """A tool's STATUS or PROMOTE (``amqtt-durable promote``: the operator's decision)."""
+        if kind == Frame.STATUS:
+            return self.status()
+        if self.primary is not None:
+            return {"promoted": False, "why": "it is the primary already"}
+        if self.ha is not None:
+            return {
+                "promoted": False,
+                "why": "its coordinator decides who is primary: stop the primary, and a caught-up backup "
+                "takes over once its lease ends",
+            }
+        if read_position(self.db) is None:
+            return {"promoted": False, "why": "its store holds a half-applied snapshot; let it catch up first"}
+        behind = "" if self.backup.caught_up else f" (it was {self.backup.state} at batch {self.backup.applied_seq})"
+        log.warning("replication: %s promoted by the operator%s", self.config.name or "this backup", behind)
+        task = asyncio.get_running_loop().create_task(self.promote())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return {"promoted": True, "why": "promoted by the operator" + behind}
 
     def _decided(self, decision: Decision) -> None:
         self.decisions.append(decision)
@@ -135,7 +218,13 @@ class ReplicationNode:
             await _ended(task)  # the backup end's last write is finished
 
     async def promote(self) -> None:
+        if read_position(self.db) is None:
+            raise ReplicationError(
+                f"replication: {self.config.name or 'this broker'} cannot become primary: its store holds "
+                "a half-applied snapshot. Start it as a backup so it catches up, or delete the store folder"
+            )
         await self._stop_following()
+        await self._close_admin()
         host, port = split_address(self.config.listen)
         primary = Primary(
             self.db,
@@ -146,6 +235,7 @@ class ReplicationNode:
             chunk_bytes=self.config.snapshot_chunk_bytes,
             publish_sync_set=self._publish_sync_set if self.ha is not None and self.config.mode == "sync" else None,
         )
+        primary.on_admin = self.answer
         await primary.start(host, port)
         self.primary = primary
         log.warning("replication: %s is primary from batch %d", self.config.name, primary.log.head_seq)
@@ -163,11 +253,16 @@ class ReplicationNode:
         log.warning("replication: %s: %s", self.config.name, reason)
         if self.on_demote is not None:
             self.on_demote(reason)
-        if primary is not None:
-            task = asyncio.get_running_loop().create_task(primary.close(reason))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        task = asyncio.get_running_loop().create_task(self._step_down(primary, reason))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
         self.backup = Backup(self.db, name=self.config.name or "backup")
+
+    async def _step_down(self, primary: Primary | None, reason: str) -> None:
+        if primary is not None:
+            await primary.close(reason)
+        if not self._ha_stop.is_set():
+            await self._open_admin()
 
 
 async def _ended(task: asyncio.Task[None]) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
@@ -120,6 +121,8 @@ class Primary:
         ones that may be promoted; acknowledgements wait for each of them."""
         self._last_acked: dict[str, int] = {}
         self._publishing: asyncio.Task[None] | None = None
+        self.on_admin: Callable[[Frame], dict[str, Any]] | None = None
+        """Answers a tool's STATUS or PROMOTE frame (replication.node)."""
 
     # --- the commit path ------------------------------------------------------------------
 
@@ -131,6 +134,13 @@ class Primary:
         self._next_seq += 1
         data, crc = encode_batch(seq, self.store_id, ops)
         return PreparedBatch(seq, crc, data, [*ops, position_op(seq, crc)])
+
+    def withdraw(self, batch: PreparedBatch) -> None:
+        """The local write of the newest prepared batch failed: its number is given again to the
+        retry (whose operations may have grown), so the shipped sequence has no gap."""
+        if batch.seq != self._next_seq - 1:
+            raise ReplicationError(f"replication: batch {batch.seq} withdrawn after batch {self._next_seq - 1}")
+        self._next_seq = batch.seq
 
     def committed(self, batch: PreparedBatch) -> asyncio.Future[None]:
         """The batch is written locally: retain and ship it; the future says every in-sync
@@ -265,7 +275,8 @@ class Primary:
                 await task
 
     def _changed(self, link: BackupLink, what: str) -> None:
-        log.info("replication: backup %s (%s): %s", link.name, link.peer, what)
+        level = logging.WARNING if what.startswith(("disconnected", "no ack", "fell behind")) else logging.INFO
+        log.log(level, "replication: backup %s (%s): %s", link.name, link.peer, what)
         if self.on_change is not None:
             self.on_change(link, what)
 
@@ -282,6 +293,10 @@ class Primary:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT):
                 kind, payload = await read_frame(reader)
+            if kind in (Frame.STATUS, Frame.PROMOTE) and self.on_admin is not None:
+                writer.write(encode_frame(kind, json.dumps(self.on_admin(kind)).encode()))
+                await writer.drain()
+                return  # a tool's question, not a backup
             if kind != Frame.HELLO:
                 raise FrameError("HELLO", f"first frame is {kind.name}")
             hello = Hello.decode(payload)

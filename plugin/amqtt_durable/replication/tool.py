@@ -1,0 +1,65 @@
+"""What ``amqtt-durable promote`` and ``inspect --replication`` ask a running node, over its
+replication address (framing's STATUS and PROMOTE frames)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from .errors import FrameError, ReplicationError
+from .framing import Frame, encode_frame, read_frame
+
+ASK_TIMEOUT = 10.0
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ReplicationError(f"replication address {address!r}: expected host:port (its replication.listen)")
+    return host, int(port)
+
+
+async def ask(address: str, kind: Frame) -> dict[str, Any]:
+    """Send ``kind`` to the node at ``address`` and return its JSON answer."""
+    host, port = split_address(address)
+    try:
+        async with asyncio.timeout(ASK_TIMEOUT):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                writer.write(encode_frame(kind))
+                await writer.drain()
+                answered, payload = await read_frame(reader)
+            finally:
+                writer.close()
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, FrameError) as exc:
+        raise ReplicationError(
+            f"replication address {address}: no answer to {kind.name} ({type(exc).__name__}: {exc}); "
+            "is a broker with replication listening there (its replication.listen)?"
+        ) from None
+    if answered != kind:
+        raise ReplicationError(f"replication address {address}: answered {answered.name} to {kind.name}")
+    answer: dict[str, Any] = json.loads(payload)
+    return answer
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """A node's status as the lines an operator reads."""
+    lines = [f"{status.get('name') or '(unnamed)'}: {status['role']}, at batch {status['batch']}"]
+    if status["role"] == "primary":
+        lines[0] += f", {status['mode']} replication"
+        backups = status.get("backups", [])
+        if not backups:
+            lines.append("  no backup connected")
+        for row in backups:
+            lines.append(
+                f"  backup {row['name']} ({row['peer']}): {row['state']}, acked {row['acked']}, "
+                f"lag {row['lag_batches']} batches / {row['lag_seconds']} s"
+                + (f", snapshot rows {row['snapshot_rows']}" if row["state"] == "snapshot" else "")
+            )
+    else:
+        lines.append(
+            f"  following {status.get('primary') or '(nobody yet)'}: {status['state']}"
+            + (", caught up" if status.get("caught_up") else ", not caught up")
+        )
+    return "\n".join(lines)

@@ -1,0 +1,32 @@
+"""Scalar settings read from YAML, shared by the plugin's and replication's configuration.
+
+YAML booleans are ints to Python, so each scalar kind is checked exactly, not with int()/float().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .errors import ConfigError
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(key, f"expected true or false, got {value!r}")
+
+
+def _as_int(key: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConfigError(key, f"expected a whole number, got {value!r}")
+
+
+def _as_float(key: str, value: Any) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise ConfigError(key, f"expected a number, got {value!r}")
+
+
+SCALARS: dict[str, Callable[[str, Any], Any]] = {"bool": _as_bool, "int": _as_int, "float": _as_float}

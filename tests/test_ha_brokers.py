@@ -1,0 +1,131 @@
+"""Primary-backup replication between real broker processes: a backup refuses clients, the
+primary's acknowledged publishes are on the backup, and after the primary's SIGKILL the
+backup (promoted by the operator, or by the etcd lease) serves the same sessions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from amqtt_durable.errors import DurableError
+from amqtt_durable.process import HOST, free_port
+from amqtt_durable.replication.framing import Frame
+from amqtt_durable.replication.tool import ask
+from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
+
+pytestmark = pytest.mark.timeout(180)
+
+SERVING, BACKUP = 0, 3
+"""CONNACK return codes: accepted; server unavailable (a backup, or a demoted primary)."""
+FAILOVER_WAIT = 30.0
+HA_TIMING = {"lease_ttl": 2, "loop_wait": 0.3, "demote_margin": 0.5}
+
+
+def node(make: Callable[..., Broker], name: str, **replication: Any) -> Broker:
+    """A broker with replication settings (not started): its replication address is its own."""
+    settings = {"name": name, "listen": f"{HOST}:{free_port()}", **replication}
+    return make(start=False, name=name, replication=settings)
+
+
+def address(broker: Broker) -> str:
+    return str(broker.settings["replication"]["listen"])
+
+
+def start(broker: Broker, code: int) -> Broker:
+    """Start and wait until a CONNECT gets ``code`` (a backup answers 3 once it is up)."""
+    broker.spawn()
+    assert broker.wait_until(lambda: connack_code(broker.port) == code, WAIT), broker.log()
+    return broker
+
+
+def status(broker: Broker) -> dict[str, Any] | None:
+    try:
+        return asyncio.run(ask(address(broker), Frame.STATUS))
+    except DurableError:
+        return None
+
+
+def wait_status(broker: Broker, check: Callable[[dict[str, Any]], bool], timeout: float = WAIT) -> dict[str, Any]:
+    seen: list[dict[str, Any]] = []
+
+    def ok() -> bool:
+        current = status(broker)
+        if current is not None:
+            seen.append(current)
+        return current is not None and check(current)
+
+    assert broker.wait_until(ok, timeout), f"last status {seen[-1:]}\n{broker.log()}"
+    return seen[-1]
+
+
+def queue_durable_messages(primary: Broker, clients: Callable[..., Client], count: int) -> None:
+    """A durable subscriber leaves; ``count`` QoS 1 publishes are acknowledged for it."""
+    subscriber = clients(primary.port, "device")
+    subscriber.subscribe("t/#", 1)
+    subscriber.disconnect()
+    publisher = clients(primary.port, "publisher", clean_session=True)
+    publisher.publish("t/a", payloads(count))
+    publisher.disconnect()
+
+
+def assert_queue_served(broker: Broker, clients: Callable[..., Client], count: int) -> None:
+    subscriber = clients(broker.port, "device")
+    assert subscriber.session_present is True
+    received = subscriber.wait_messages(count)
+    assert [m.payload for m in received] == payloads(count)
+
+
+def test_a_backup_refuses_clients_holds_every_acknowledged_publish_and_is_promoted_by_the_operator(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    primary = start(node(broker_factory, "p", role="primary"), SERVING)
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    wait_status(backup, lambda s: s["caught_up"])
+    queue_durable_messages(primary, clients, 300)
+
+    shown = run_cli("inspect", "--replication", address(primary))
+    assert shown.returncode == 0, shown.stderr
+    assert "p: primary" in shown.stdout and "sync replication" in shown.stdout
+    assert "backup b" in shown.stdout and "in_sync" in shown.stdout
+    refused = run_cli("promote", address(primary))
+    assert refused.returncode == 1 and "it is the primary already" in refused.stderr
+    assert connack_code(backup.port) == BACKUP
+
+    primary.kill()  # sync mode: every PUBACK above waited for the backup's fsync
+    promoted = run_cli("promote", address(backup))
+    assert promoted.returncode == 0, promoted.stderr
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
+    assert_queue_served(backup, clients, 300)
+    assert wait_status(backup, lambda s: s["role"] == "primary")["batch"] > 0
+
+
+def test_promote_names_what_is_wrong() -> None:
+    unreachable = run_cli("promote", f"{HOST}:{free_port()}")
+    assert unreachable.returncode == 1
+    assert "no answer to PROMOTE" in unreachable.stderr and "replication.listen" in unreachable.stderr
+    malformed = run_cli("promote", "no-port")
+    assert malformed.returncode == 1 and "expected host:port" in malformed.stderr
+
+
+@pytest.mark.slow
+def test_the_etcd_lease_fails_over_to_the_backup_and_the_old_primary_rejoins(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
+) -> None:
+    ha = {"coordinator": [etcd.url], **HA_TIMING}
+    first = start(node(broker_factory, "a", **ha), SERVING)
+    second = start(node(broker_factory, "b", **ha), BACKUP)
+    wait_status(second, lambda s: s["caught_up"])
+    queue_durable_messages(first, clients, 200)
+
+    first.kill()
+    assert second.wait_until(lambda: connack_code(second.port) == SERVING, FAILOVER_WAIT), second.log()
+    assert_queue_served(second, clients, 200)
+
+    start(first, BACKUP)  # the old primary comes back as a backup of the new one and catches up
+    caught_up = wait_status(first, lambda s: s["caught_up"])
+    assert caught_up["role"] == "backup"
+    level = wait_status(second, lambda s: [b["name"] for b in s["backups"] if b["lag_batches"] == 0] == ["a"])
+    assert level["role"] == "primary"
