@@ -5,7 +5,9 @@ backup (promoted by the operator, or by the etcd lease) serves the same sessions
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ from amqtt_durable.process import HOST, free_port
 from amqtt_durable.replication.framing import Frame
 from amqtt_durable.replication.tool import ask
 from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
+from durable_client import DurableClient, Event
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -129,3 +132,70 @@ def test_the_etcd_lease_fails_over_to_the_backup_and_the_old_primary_rejoins(
     assert caught_up["role"] == "backup"
     level = wait_status(second, lambda s: [b["name"] for b in s["backups"] if b["lag_batches"] == 0] == ["a"])
     assert level["role"] == "primary"
+
+
+class HeldConsumer:
+    """A CPL-2 SDK client whose listener stops at chosen counts until released: the broker is
+    killed while the events after it are sent but not acknowledged."""
+
+    def __init__(self, state_dir: Path, first: Broker, failover: list[Broker]) -> None:
+        self.processed: list[bytes] = []
+        self.hold_at: set[int] = set()
+        self.holding = threading.Event()
+        self.release = threading.Event()
+        self.changed = threading.Condition()
+        self.client = DurableClient(
+            "device", HOST, first.port, failover=[(HOST, b.port) for b in failover],
+            persistence="disk", state_dir=state_dir, reconnect_max_delay=0.5,
+        )  # fmt: skip
+        self.client.subscribe("t/#", qos=1, listener=self.on_event)
+        self.client.connect()
+        self.client.ready_for_events()
+
+    def on_event(self, event: Event) -> None:
+        if len(self.processed) in self.hold_at:
+            self.hold_at.discard(len(self.processed))
+            self.holding.set()
+            assert self.release.wait(WAIT)
+            self.release.clear()
+        with self.changed:
+            self.processed.append(event.payload)
+            self.changed.notify_all()
+
+    def wait_count(self, count: int) -> list[bytes]:
+        with self.changed:
+            assert self.changed.wait_for(lambda: len(self.processed) >= count, FAILOVER_WAIT), len(self.processed)
+            return list(self.processed)
+
+
+def publish_to(broker: Broker, clients: Callable[..., Client], messages: list[bytes]) -> None:
+    publisher = clients(broker.port, f"publisher-{broker.port}", clean_session=True)
+    publisher.publish("t/a", messages)
+    publisher.disconnect()
+
+
+@pytest.mark.slow
+def test_a_cpl2_sdk_client_is_exactly_once_and_in_order_across_two_failovers(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any, tmp_path: Path
+) -> None:
+    ha = {"coordinator": [etcd.url], **HA_TIMING}
+    first = start(node(broker_factory, "a", **ha), SERVING)
+    second = start(node(broker_factory, "b", **ha), BACKUP)
+    wait_status(second, lambda s: s["caught_up"])
+    consumer = HeldConsumer(tmp_path / "state", first, [second])
+    batches = [payloads(150, "one-"), payloads(150, "two-")]
+    try:
+        for number, (primary, backup) in enumerate([(first, second), (second, first)]):
+            consumer.hold_at.add(number * 150 + 50)
+            publish_to(primary, clients, batches[number])
+            assert consumer.holding.wait(WAIT)
+            consumer.holding.clear()
+            primary.kill()  # events 51.. of this batch are sent, not acknowledged
+            consumer.release.set()
+            assert backup.wait_until(lambda b=backup: connack_code(b.port) == SERVING, FAILOVER_WAIT), backup.log()
+            assert consumer.wait_count((number + 1) * 150)[-1] == batches[number][-1]
+            start(primary, BACKUP)
+            wait_status(primary, lambda s: s["caught_up"])
+    finally:
+        consumer.client.close()
+    assert consumer.processed == batches[0] + batches[1]

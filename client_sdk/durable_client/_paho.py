@@ -24,6 +24,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
 
 log = logging.getLogger("durable_client")
+_SERVER_UNAVAILABLE = 136
+"""paho's reason code for MQTT 3.1.1's CONNACK return code 3."""
 
 
 def topic_matches(topic_filter: str, topic: str) -> bool:
@@ -48,6 +50,8 @@ class ConnAck:
     accepted: bool
     session_present: bool
     reason: str
+    unavailable: bool = False
+    """CONNACK 3, server unavailable: a replication backup (or a broker whose store cannot write)."""
 
 
 class PublishHandle:
@@ -108,12 +112,14 @@ class PahoLink:
         self._client.connect_timeout = connect_timeout
         if username is not None:
             self._client.username_pw_set(username, password)
+        self._keepalive = keepalive
         self._client.connect_async(host, port, keepalive)
         self._client.on_socket_register_write = _noop_socket_callback
         self._client.on_socket_unregister_write = _noop_socket_callback
 
         def connect_cb(_c: mqtt.Client, _u: Any, flags: mqtt.ConnectFlags, reason: Any, _p: Any) -> None:
-            on_connack(ConnAck(not reason.is_failure, bool(flags.session_present), str(reason)))
+            unavailable = reason.value == _SERVER_UNAVAILABLE
+            on_connack(ConnAck(not reason.is_failure, bool(flags.session_present), str(reason), unavailable))
 
         def message_cb(_c: mqtt.Client, _u: Any, message: mqtt.MQTTMessage) -> None:
             try:
@@ -140,6 +146,10 @@ class PahoLink:
     def open(self) -> None:
         """Open the TCP connection and send CONNECT; OSError when the broker cannot be reached."""
         self._client.reconnect()
+
+    def retarget(self, host: str, port: int) -> None:
+        """The next ``open`` connects to host:port (another broker of a replication group)."""
+        self._client.connect_async(host, port, self._keepalive)
 
     def loop(self, timeout: float) -> None:
         """Wait up to ``timeout`` for traffic and process it (paho calls the callbacks here)."""

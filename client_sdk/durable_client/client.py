@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, ParamSpec
@@ -93,8 +93,14 @@ class DurableClient:
         on_live: Callable[[Marker], None] | None = None,
         on_persistence_fallback: Callable[[OSError], None] | None = None,
         delivery_log: str | os.PathLike[str] | None = None,
+        failover: Sequence[tuple[str, int]] = (),
     ) -> None:
         """Nothing touches the network until connect().
+
+        ``failover=[(host, port), ...]``: the other brokers of a replication group (docs/
+        replication.md). A connection that fails, or a CONNACK 3 (a backup refuses clients),
+        moves the client on to the next address, round the list from ``host:port``; the
+        session, its epoch and sequence ids are the same on whichever broker is primary.
 
         ``session_expiry`` asks the broker to keep this session that many seconds after a
         disconnect (capped by the broker). ``persistence="disk"`` keeps processed marks under
@@ -117,6 +123,8 @@ class DurableClient:
         self.client_id = client_id
         self.host = host
         self.port = port
+        self._addresses = _addresses(host, port, failover)
+        self._address_index = 0
         self._keepalive = keepalive
         self._username = username
         self._password = password
@@ -540,6 +548,7 @@ class DurableClient:
                         link.open()
                     except Exception as exc:  # OSError mostly; anything else must not end reconnection
                         self._problem(f"cannot reach {self.host}:{self.port}: {exc}")
+                        self._next_address()
                         continue
                     with self._lock:
                         self._handshake_deadline = time.monotonic() + self._handshake_timeout
@@ -578,10 +587,20 @@ class DurableClient:
         first.done.set()
         return True
 
+    def _next_address(self) -> None:
+        """On to the next broker of the group (a no-op with one address)."""
+        if len(self._addresses) > 1:
+            self._address_index = (self._address_index + 1) % len(self._addresses)
+            self.host, self.port = self._addresses[self._address_index]
+            self._link_or_raise().retarget(self.host, self.port)
+
     def _handle_connack(self, ack: ConnAck) -> None:
         if not ack.accepted:
             text = f"the broker at {self.host}:{self.port} refused the connection: {ack.reason}"
-            if not self._fail_first(text):
+            if ack.unavailable and len(self._addresses) > 1:
+                self._problem(f"{text} (a backup, or its store cannot write): trying the next broker")
+                self._next_address()
+            elif not self._fail_first(text):
                 log.warning("%s; retrying", text)
             return
         self._receiver.new_connection()
@@ -879,3 +898,13 @@ def _publishable(topic: str, payload: bytes | str) -> bytes:
     if isinstance(payload, bytes | bytearray | memoryview):
         return bytes(payload)
     raise TypeError(f"payload must be bytes or str, got {type(payload).__name__}")
+
+
+def _addresses(host: str, port: int, failover: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    addresses = [(host, port)]
+    for entry in failover:
+        host_port = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+        if not (host_port and isinstance(entry[1], int) and 0 < entry[1] < 65536):
+            raise ValueError(f"failover takes (host, port) pairs of the group's other brokers, got {entry!r}")
+        addresses.append(entry)
+    return addresses
