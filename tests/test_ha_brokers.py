@@ -10,7 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
 from amqtt_durable.errors import DurableError
 from amqtt_durable.process import HOST, free_port
@@ -199,3 +201,115 @@ def test_a_cpl2_sdk_client_is_exactly_once_and_in_order_across_two_failovers(
     finally:
         consumer.client.close()
     assert consumer.processed == batches[0] + batches[1]
+
+
+class BurstPublisher:
+    """Publishes QoS 1 without waiting; remembers which payloads got their PUBACK and signals once
+    ``kill_after`` of them have: the primary dies right after a PUBACK, in mid-burst."""
+
+    def __init__(self, port: int, messages: list[bytes], kill_after: int) -> None:
+        self.acked: set[bytes] = set()
+        self.kill_now = threading.Event()
+        self.kill_after = kill_after
+        self._by_mid: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+        self.paho = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="burst", clean_session=True)
+        self.paho.max_inflight_messages_set(50)
+        self.paho.on_publish = self._on_publish
+        self.paho.connect(HOST, port)
+        for payload in messages:  # queued before the network loop runs: no PUBACK can come first
+            self._by_mid[self.paho.publish("t/a", payload, qos=1).mid] = payload
+        self.paho.loop_start()
+
+    def _on_publish(self, _client: Any, _userdata: Any, mid: int, _reason: Any, _props: Any) -> None:
+        with self._lock:
+            self.acked.add(self._by_mid[mid])
+            if len(self.acked) >= self.kill_after:
+                self.kill_now.set()
+
+    def stop(self) -> set[bytes]:
+        self.paho.loop_stop()
+        with self._lock:
+            return set(self.acked)
+
+
+def assert_every_acknowledged_publish_arrives_in_order(
+    broker: Broker, clients: Callable[..., Client], published: list[bytes], acked: set[bytes]
+) -> None:
+    subscriber = clients(broker.port, "device")
+    assert subscriber.session_present is True
+    subscriber.wait_for(lambda got: acked <= {m.payload for m in got})
+    received = [m.payload for m in subscriber.messages]
+    missing = acked - set(received)
+    assert not missing, f"{len(missing)} acknowledged publishes lost, e.g. {sorted(missing)[:3]}"
+    order = {payload: index for index, payload in enumerate(published)}
+    assert [order[p] for p in received] == sorted(order[p] for p in set(received)), "out of order or duplicated"
+
+
+def ha_pair(broker_factory: Callable[..., Broker], etcd: Any, **settings: Any) -> tuple[Broker, Broker]:
+    ha = {"coordinator": [etcd.url], **HA_TIMING, **settings}
+    first = start(node(broker_factory, "a", **ha), SERVING)
+    second = start(node(broker_factory, "b", **ha), BACKUP)
+    wait_status(second, lambda s: s["caught_up"])
+    return first, second
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_after", [1, 700, 1900])
+def test_sync_mode_loses_no_acknowledged_publish_when_the_primary_dies_mid_burst(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any, kill_after: int
+) -> None:
+    first, second = ha_pair(broker_factory, etcd)
+    subscriber = clients(first.port, "device")
+    subscriber.subscribe("t/#", 1)
+    subscriber.disconnect()
+    published = payloads(2000, "burst-")
+    burst = BurstPublisher(first.port, published, kill_after)
+    assert burst.kill_now.wait(WAIT)
+    first.kill()
+    acked = burst.stop()
+    assert len(acked) >= kill_after
+    assert second.wait_until(lambda: connack_code(second.port) == SERVING, FAILOVER_WAIT), second.log()
+    assert_every_acknowledged_publish_arrives_in_order(second, clients, published, acked)
+
+
+@pytest.mark.slow
+def test_the_primary_dies_during_a_replay_and_the_new_primary_replays_the_rest(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
+) -> None:
+    first, second = ha_pair(broker_factory, etcd)
+    queue_durable_messages(first, clients, 3000)
+    reader = clients(first.port, "device")
+    assert reader.wait_for(lambda got: len(got) >= 500)
+    first.kill()  # mid-replay: acks of what was delivered may not have reached the backup
+    reader.wait_disconnected()
+    assert second.wait_until(lambda: connack_code(second.port) == SERVING, FAILOVER_WAIT), second.log()
+    resumed = clients(second.port, "device")
+    assert resumed.session_present is True
+    assert resumed.wait_for(lambda got: bool(got) and got[-1].payload == payloads(3000)[-1])
+    delivered = [m.payload for m in reader.messages] + [m.payload for m in resumed.messages]
+    assert set(delivered) == set(payloads(3000))
+    first_resent = resumed.messages[0].payload
+    assert payloads(3000).index(first_resent) <= len(reader.messages), "a gap between the two primaries"
+    assert [m.payload for m in resumed.messages] == payloads(3000)[payloads(3000).index(first_resent):]
+
+
+@pytest.mark.slow
+def test_a_backup_still_catching_up_is_not_promoted_and_loses_nothing_acknowledged(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
+) -> None:
+    # Small snapshot chunks: the new backup's snapshot of 20,000 queued messages takes a while.
+    first, second = ha_pair(broker_factory, etcd, snapshot_chunk_bytes=1024)
+    queue_durable_messages(first, clients, 20_000)
+    third = start(node(broker_factory, "c", coordinator=[etcd.url], **HA_TIMING), BACKUP)
+    wait_status(first, lambda s: any(b["name"] == "c" and b["state"] == "snapshot" for b in s["backups"]))
+    published = payloads(1000, "more-")
+    burst = BurstPublisher(first.port, published, 300)
+    assert burst.kill_now.wait(WAIT)
+    first.kill()  # while c catches up from empty, publishes going on
+    acked = burst.stop()
+    assert second.wait_until(lambda: connack_code(second.port) == SERVING, FAILOVER_WAIT), second.log()
+    assert connack_code(third.port) == BACKUP
+    everything = payloads(20_000) + published
+    assert_every_acknowledged_publish_arrives_in_order(second, clients, everything, set(payloads(20_000)) | acked)
+    assert wait_status(third, lambda s: s["caught_up"])["primary"] == address(second)
