@@ -20,6 +20,8 @@ from amqtt_durable.replication.framing import Frame
 from amqtt_durable.replication.tool import ask
 from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
 from durable_client import DurableClient, Event
+from durable_pipeline.errors import SourceError
+from durable_pipeline.source import IdRange, Options, read_range
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,10 +31,10 @@ FAILOVER_WAIT = 30.0
 HA_TIMING = {"lease_ttl": 2, "loop_wait": 0.3, "demote_margin": 0.5}
 
 
-def node(make: Callable[..., Broker], name: str, **replication: Any) -> Broker:
+def node(make: Callable[..., Broker], name: str, plugin: dict[str, Any] | None = None, **replication: Any) -> Broker:
     """A broker with replication settings (not started): its replication address is its own."""
     settings = {"name": name, "listen": f"{HOST}:{free_port()}", **replication}
-    return make(start=False, name=name, replication=settings)
+    return make(start=False, name=name, replication=settings, **(plugin or {}))
 
 
 def address(broker: Broker) -> str:
@@ -313,3 +315,33 @@ def test_a_backup_still_catching_up_is_not_promoted_and_loses_nothing_acknowledg
     everything = payloads(20_000) + published
     assert_every_acknowledged_publish_arrives_in_order(second, clients, everything, set(payloads(20_000)) | acked)
     assert wait_status(third, lambda s: s["caught_up"])["primary"] == address(second)
+
+
+@pytest.mark.slow
+def test_a_stream_reader_reads_on_across_a_failover_with_the_same_ids(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
+) -> None:
+    ha = {"coordinator": [etcd.url], **HA_TIMING}
+    logged = {"streams": [{"filter": "telemetry/#"}]}
+    first = start(node(broker_factory, "a", logged, **ha), SERVING)
+    second = start(node(broker_factory, "b", logged, **ha), BACKUP)
+    wait_status(second, lambda s: s["caught_up"])
+    events = [f"event-{i}".encode() for i in range(1, 201)]
+    publisher = clients(first.port, "stream-publisher", clean_session=True)
+    publisher.publish("telemetry/a", events)
+    opts = Options.parse({"port": str(first.port), "filter": "telemetry/#", "window": "10",
+                          "failover": f"{HOST}:{second.port}", "timeout": str(FAILOVER_WAIT)})  # fmt: skip
+    batches = read_range(opts, IdRange("telemetry/a", 0, 200))
+    rows = next(batches).to_pylist()
+    assert len(rows) <= 10
+    first.kill()
+    for batch in batches:
+        rows.extend(batch.to_pylist())
+    assert [row["id"] for row in rows] == list(range(1, 201))
+    assert [row["payload"] for row in rows] == events
+
+
+def test_the_stream_source_names_a_bad_failover_address() -> None:
+    assert Options.parse({"filter": "t/#", "failover": "h1:1883, h2:1884"}).failover == (("h1", 1883), ("h2", 1884))
+    with pytest.raises(SourceError, match="option failover takes host:port entries"):
+        Options.parse({"filter": "t/#", "failover": "h1:1883,h2"})

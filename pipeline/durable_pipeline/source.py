@@ -113,10 +113,12 @@ class Options:
     max_events_per_trigger: int | None = None
     ids_per_partition: int = DEFAULT_IDS_PER_PARTITION
     timeout: float = DEFAULT_TIMEOUT
+    failover: tuple[tuple[str, int], ...] = ()
+    """The other brokers of a replication group: the reader moves on to the one that is primary."""
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return ", ".join(f"{host}:{port}" for host, port in ((self.host, self.port), *self.failover))
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Options:
@@ -124,13 +126,14 @@ class Options:
         raw = {str(k).lower(): str(v) for k, v in options.items()}
         known = {
             "host", "port", "filter", "startingoffsets", "endingoffsets", "failondataloss", "window",
-            "maxeventspertrigger", "idsperpartition", "timeout", "path",
+            "maxeventspertrigger", "idsperpartition", "timeout", "failover", "path",
         }
         unknown = sorted(set(raw) - known)
         if unknown:
             raise SourceError(
                 f"unknown option(s) {', '.join(unknown)} for the {FORMAT} source; it takes host, port, filter, "
-                "startingOffsets, endingOffsets, failOnDataLoss, window, maxEventsPerTrigger, idsPerPartition, timeout"
+                "startingOffsets, endingOffsets, failOnDataLoss, window, maxEventsPerTrigger, idsPerPartition, "
+                "timeout, failover"
             )
         topic_filter = raw.get("filter", "").strip()
         if not topic_filter:
@@ -152,6 +155,7 @@ class Options:
             ),
             ids_per_partition=_int_option(raw, "idsPerPartition", DEFAULT_IDS_PER_PARTITION, low=1),
             timeout=_float_option(raw, "timeout", DEFAULT_TIMEOUT),
+            failover=_addresses_option(raw, "failover"),
         )
 
 
@@ -180,6 +184,18 @@ def _float_option(raw: dict[str, str], name: str, default: float) -> float:
     if not (math.isfinite(value) and value > 0):
         raise SourceError(f"option {name} must be a number of seconds, more than 0, got {text!r}")
     return value
+
+
+def _addresses_option(raw: dict[str, str], name: str) -> tuple[tuple[str, int], ...]:
+    """``host:port,host:port``: the other brokers of a replication group."""
+    text = raw.get(name.lower(), "").strip()
+    addresses = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        host, sep, port = entry.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise SourceError(f"option {name} takes host:port entries separated by commas, got {entry!r} in {text!r}")
+        addresses.append((host, int(port)))
+    return tuple(addresses)
 
 
 def _bool_option(raw: dict[str, str], name: str, default: bool) -> bool:
@@ -312,6 +328,7 @@ class BrokerLink:
             opts.host,
             opts.port,
             durable_session=False,
+            failover=opts.failover,
             reconnect_max_delay=RECONNECT_MAX_DELAY,
             on_connected=lambda _info: self._notify(),
         )
@@ -391,7 +408,8 @@ class AmqttDurableDataSource(DataSource):
     retained id, topics appearing later at id 1), ``endingOffsets`` (batch: ``latest`` | JSON
     {topic: last id}, then only the topics listed are read), ``failOnDataLoss`` (true),
     ``window`` (events in flight per topic, 500), ``maxEventsPerTrigger`` (no cap),
-    ``idsPerPartition`` (100000), ``timeout`` (seconds for broker waits, 30).
+    ``idsPerPartition`` (100000), ``timeout`` (seconds for broker waits, 30), ``failover``
+    (``host:port,...``: the other brokers of a replication group).
     """
 
     @classmethod
