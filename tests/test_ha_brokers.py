@@ -370,3 +370,23 @@ def test_async_mode_can_lose_only_a_tail_of_acknowledged_publishes_never_a_hole(
     lost = acked - set(received)
     print(f"async failover: {len(lost)} of {len(acked)} acknowledged publishes lost")  # docs/replication.md
     assert len(lost) < len(acked)
+
+
+def test_sys_topics_show_the_role_the_backups_and_their_lag(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    primary = start(node(broker_factory, "p", {"metrics_interval": 0.2}, role="primary"), SERVING)
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    wait_status(backup, lambda s: s["caught_up"])
+    monitor = clients(primary.port, "monitor", clean_session=True)
+    monitor.subscribe("$SYS/broker/durable/replication/#", 0)
+    wanted = {
+        "$SYS/broker/durable/replication/role": b"primary",
+        "$SYS/broker/durable/replication/backups": b"1",
+        "$SYS/broker/durable/replication/backups_in_sync": b"1",
+        "$SYS/broker/durable/replication/backup/b/state": b"in_sync",
+        "$SYS/broker/durable/replication/backup/b/lag_batches": b"0",
+    }
+    assert monitor.wait_for(lambda got: wanted.items() <= {m.topic: m.payload for m in got}.items()), [
+        (m.topic, m.payload) for m in monitor.messages
+    ]

@@ -20,6 +20,7 @@ from typing import Any
 import plyvel
 
 from .errors import DamagedRecordError, StoreError
+from .replication.position import POSITION_KEY
 from .store import (
     FLAG_SHARED,
     LAYOUT_VERSION,
@@ -119,6 +120,10 @@ def rebuild(db: Any, now: float) -> RepairReport:
         if version is None:
             batch.put(VERSION_KEY, LAYOUT_VERSION)
             report.rebuilt.append("layout version key restored")
+        if db.get(POSITION_KEY) is not None:
+            # Changed behind replication's back: its backups must not take it for the batch it names.
+            batch.delete(POSITION_KEY)
+            report.rebuilt.append("replication position cleared: this store's backups get a new snapshot")
         queues = _scan_queues(db, batch, report)
         _drop_malformed_keys(db, batch, report)
         _drop_damaged_retained(db, batch, report)

@@ -19,6 +19,8 @@ from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import StoreCorruptedError, StoreError, StoreReadError
 from amqtt_durable.repair import SENT_MARK_JUMP, repair
+from amqtt_durable.replication.framing import encode_position
+from amqtt_durable.replication.position import POSITION_KEY, read_position
 from amqtt_durable.store import (
     FLAG_SHARED,
     LAYOUT_VERSION,
@@ -336,5 +338,20 @@ def test_repair_does_not_take_over_another_programs_leveldb(store_path: str) -> 
     db = plyvel.DB(store_path)
     try:
         assert dict(db.iterator()) == {b"user:1": b"alice"}
+    finally:
+        db.close()
+
+
+def test_repair_clears_the_replication_position_so_backups_get_a_new_snapshot(store_path: str) -> None:
+    db = open_store(store_path)
+    session(db, "device", 1, 3)
+    db.put(POSITION_KEY, encode_position(41, 0xABC))
+    db.close()
+    report = repair(store_path, now=NOW)
+    assert "replication position cleared: this store's backups get a new snapshot" in report.rebuilt
+    db = plyvel.DB(store_path)
+    try:
+        assert read_position(db) == (0, 0), "a store never replicated: a backup at batch 41 is ahead and resnapshots"
+        assert db.get(entry_key(1, 3)) is not None
     finally:
         db.close()
