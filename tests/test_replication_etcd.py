@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from etcd_fixture import Etcd
-
+from amqtt_durable.process import EtcdProcess as Etcd
 from amqtt_durable.process import free_port
 from amqtt_durable.replication.coordinator import Leader
 from amqtt_durable.replication.errors import CoordinatorError

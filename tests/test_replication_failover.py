@@ -10,9 +10,9 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-from etcd_fixture import Etcd
 from replication_helpers import bounded, commit, content, ops_for
 
+from amqtt_durable.process import EtcdProcess as Etcd
 from amqtt_durable.process import free_port
 from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.errors import ReplicationError

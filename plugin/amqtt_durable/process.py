@@ -7,13 +7,16 @@ Only processes started here are ever signalled, by their own PID; every wait has
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -192,3 +195,52 @@ class BrokerProcess(ChildProcess):
         """SIGKILL (or stop, with ``kill`` False) and start again on the same port and store."""
         self.kill() if kill else self.stop()
         return self.start()
+
+
+class EtcdProcess(ChildProcess):
+    """One etcd member (Debian's etcd-server, which ``make setup`` installs) on 127.0.0.1 ephemeral
+    client and peer ports: the coordinator of replication tests, benchmarks and the fleet's HA
+    runs. Short heartbeat and election timeouts: it elects itself in a fraction of a second, and
+    the shortest lease it grants is about one second."""
+
+    def __init__(self, folder: Path, *, wait: float = 10.0) -> None:
+        binary = shutil.which("etcd") or "/usr/bin/etcd"
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.url = f"http://{HOST}:{self.client_port}"
+        peer = f"http://{HOST}:{self.peer_port}"
+        folder.mkdir(parents=True, exist_ok=True)
+        super().__init__(
+            [
+                binary,
+                "--name", "member",
+                "--data-dir", str(folder / "data"),
+                "--listen-client-urls", self.url,
+                "--advertise-client-urls", self.url,
+                "--listen-peer-urls", peer,
+                "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"member={peer}",
+                "--heartbeat-interval", "50",
+                "--election-timeout", "500",
+            ],
+            folder / "etcd.log",
+            wait=wait,
+        )  # fmt: skip
+
+    def ready(self) -> bool:
+        """The member answers a read through the v3 gateway (it has a leader)."""
+        request = urllib.request.Request(f"{self.url}/v3/kv/range", data=json.dumps({"key": "eA=="}).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=1) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+
+    def start_ready(self, timeout: float = 20.0) -> Self:
+        """Start and return once it answers; RuntimeError naming the log if it does not in time."""
+        if not os.path.exists(self.argv[0]):
+            raise RuntimeError("etcd is not installed: run 'make setup' (it installs Debian's etcd-server)")
+        self.start()
+        if not self.wait_until(self.ready, timeout):
+            self.kill()
+            raise RuntimeError(f"etcd did not become ready in {timeout} s; see {self.log_path}")
+        return self
