@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,8 +26,6 @@ from durable_fleet.schedule import load_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-DESIGN_NOTES = {"replication.md"}
-"""Pages describing work in progress: their blocks are sketches, not for copying (links still count)."""
 PLUGIN = "amqtt_durable.DurableSessionsPlugin"
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -35,8 +34,6 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 def blocks(language: str) -> list[tuple[str, str]]:
     found = []
     for page in PAGES:
-        if page.name in DESIGN_NOTES:
-            continue
         found += [(page.name, code) for lang, code in BLOCK.findall(page.read_text()) if lang == language]
     return found
 
@@ -131,6 +128,8 @@ def test_shell_commands_exist(page: str, words: list[str]) -> None:
         assert result.returncode == 0, f"{page}: {' '.join(words[:2])} --help failed:\n{result.stderr}"
     elif program.startswith("python"):
         assert (ROOT / words[1]).is_file(), f"{page}: {words[1]} does not exist"
+    elif program == "etcd":  # the coordinator of replication, which make setup installs
+        assert shutil.which("etcd"), f"{page}: etcd is not installed"
     else:
         pytest.fail(f"{page}: a shell block names {program!r}, which this test does not know how to check")
 
