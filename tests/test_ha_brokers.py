@@ -18,6 +18,7 @@ from amqtt_durable.errors import DurableError
 from amqtt_durable.process import HOST, free_port
 from amqtt_durable.replication.framing import Frame
 from amqtt_durable.replication.tool import ask
+from amqtt_durable.store import open_store
 from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
 from durable_client import DurableClient, Event
 from durable_pipeline.errors import SourceError
@@ -390,3 +391,37 @@ def test_sys_topics_show_the_role_the_backups_and_their_lag(
     assert monitor.wait_for(lambda got: wanted.items() <= {m.topic: m.payload for m in got}.items()), [
         (m.topic, m.payload) for m in monitor.messages
     ]
+
+
+@pytest.mark.slow
+def test_a_new_backup_catches_up_200000_queued_messages_while_publishes_go_on(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    primary = start(node(broker_factory, "p", role="primary"), SERVING)
+    subscriber = clients(primary.port, "device")
+    subscriber.subscribe("t/#", 1)
+    subscriber.disconnect()
+    backlog = payloads(200_000, "q-")
+    loader = clients(primary.port, "loader", clean_session=True)
+    for chunk in range(0, len(backlog), 50_000):  # paho's packet ids wrap at 65,535
+        loader.publish("t/a", backlog[chunk : chunk + 50_000])
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    more = payloads(2000, "live-")
+    ongoing = BurstPublisher(primary.port, more, len(more))  # while the snapshot streams
+    caught_up = wait_status(backup, lambda s: s["caught_up"], timeout=120)
+    assert ongoing.kill_now.wait(WAIT)
+    ongoing.stop()
+    level = wait_status(primary, lambda s: [(b["name"], b["state"], b["lag_batches"]) for b in s["backups"]]
+                        == [("b", "in_sync", 0)])  # fmt: skip
+    assert caught_up["batch"] > 0 and level["batch"] >= caught_up["batch"]
+    primary.kill()
+    backup.kill()
+    assert store_rows(primary) == store_rows(backup), "the backup's store is the primary's, key for key"
+
+
+def store_rows(broker: Broker) -> list[tuple[bytes, bytes]]:
+    db = open_store(broker.store, create=False)
+    try:
+        return list(db.iterator())
+    finally:
+        db.close()
