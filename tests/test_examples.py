@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -197,3 +198,17 @@ def test_the_readme_sdk_example_runs(broker_factory: Callable[..., Broker], tmp_
     assert result.returncode == 0, result.stdout + result.stderr
     assert "None" in result.stdout.splitlines(), "a new dashboard has nothing cached"
     assert (tmp_path / "state" / "dashboard-1").is_dir(), "CPL-2 state lives under state_dir/<client_id>"
+
+
+def test_async_consumer_processes_replayed_then_live_orders_once_with_a_failed_body_retried(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    broker = broker_factory()
+    result = run_script(ROOT / "examples" / "async_consumer.py", "--port", str(broker.port), "--count", "12")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "publisher: 12 orders while the consumer was away" in out
+    # The failed body's reconnect replays the orders from order-3 on: the marker counts those.
+    assert re.search(r"^marker: \d+ replayed order\(s\); live from now on$", out, re.M), out
+    assert "not processed, comes again: order-3: the database was busy (on purpose)" in out
+    assert "processed 24/24 orders exactly once, in order: OK" in out

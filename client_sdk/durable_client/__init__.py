@@ -7,12 +7,14 @@ The wire protocol is docs/protocol.md (``durable_protocol``, re-exported as ``du
 
 from durable_protocol import LiveSubscription, Marker
 
+from .async_client import AsyncDurableClient, EventStream
 from .cache import CacheEntry, EntryState, LastValueCache
 from .client import DurableClient
 from .errors import (
     ConnectFailed,
     ControlRequestFailed,
     DurableClientError,
+    EventNotProcessedError,
     PersistenceError,
     RequestTimeout,
     Unconnected,
@@ -20,6 +22,7 @@ from .errors import (
 from .events import ConnectionInfo, Event, Listener, PersistenceLevel, Stats, StreamBounds
 
 __all__ = [
+    "AsyncDurableClient",
     "CacheEntry",
     "ConnectFailed",
     "ConnectionInfo",
@@ -28,6 +31,8 @@ __all__ = [
     "DurableClientError",
     "EntryState",
     "Event",
+    "EventNotProcessedError",
+    "EventStream",
     "LastValueCache",
     "Listener",
     "LiveSubscription",

@@ -37,6 +37,7 @@ from durable_protocol import (
 from ._paho import Inbound
 from ._registry import Registry
 from .cache import LastValueCache
+from .errors import EventNotProcessedError
 from .events import Event, Listener, Stats
 from .persistence import SessionState
 
@@ -227,13 +228,16 @@ class Receiver:
         for listener in listeners:
             try:
                 listener(event)
-            except Exception:
+            except Exception as exc:
                 self._failed = True
                 self.counters.redeliveries_requested += 1
-                log.exception(
-                    "a listener raised on %s (seq %d, epoch %d): not acknowledged; reconnecting so the broker "
-                    "sends it again, and every event after it",
-                    event.topic, event.seq, event.epoch,
-                )
+                if isinstance(exc, EventNotProcessedError):  # the async loop's verdict: expected, no traceback
+                    log.info("%s; reconnecting so the broker sends it again, and every event after it", exc)
+                else:
+                    log.exception(
+                        "a listener raised on %s (seq %d, epoch %d): not acknowledged; reconnecting so the broker "
+                        "sends it again, and every event after it",
+                        event.topic, event.seq, event.epoch,
+                    )
                 return False
         return True

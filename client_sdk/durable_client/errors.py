@@ -54,3 +54,8 @@ class PersistenceError(DurableClientError):
     Unlike an I/O error (which falls back to in-memory state), this stops the client: two
     processes sharing one folder, or state that cannot be read, would break exactly-once.
     """
+
+
+class EventNotProcessedError(DurableClientError):
+    """An AsyncDurableClient's loop did not finish an event (its body raised, or the loop was
+    left): it is not acknowledged, and the broker sends it again."""

@@ -1,0 +1,144 @@
+"""AsyncDurableClient against a real broker: the threaded client's behaviour through ``async for``
+(replay, marker, live; the cache; redelivery of an event whose body raised; exactly-once across
+a broker SIGKILL and an SDK process SIGKILL; close without keeping the session)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from conftest import WAIT, Broker, Client, payloads
+from durable_client import AsyncDurableClient, Event
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = ROOT / "tests" / "sdk_child.py"
+
+
+def run(coro: object) -> None:
+    asyncio.run(asyncio.wait_for(coro, 2 * WAIT))  # type: ignore[arg-type]
+
+
+async def collect(client: AsyncDurableClient, count: int, into: list[Event]) -> None:
+    """Process events until ``into`` holds ``count``; leaving the loop acknowledges the last one."""
+    async with client.events() as events:
+        async for event in events:
+            into.append(event)
+            if len(into) >= count:
+                return
+
+
+async def queue_backlog(port: int, client_id: str, topic_filter: str) -> None:
+    async with AsyncDurableClient(client_id, port=port) as first:
+        await first.subscribe(topic_filter)
+
+
+def test_replay_then_marker_then_live_in_order_and_the_cache_takes_only_live_values(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    publisher = clients(broker.port, "pub", clean_session=True)
+
+    async def main() -> None:
+        await queue_backlog(broker.port, "async-order", "feed/#")
+        publisher.publish("feed/a", payloads(200))
+        got: list[Event] = []
+        async with AsyncDurableClient("async-order", port=broker.port, reconnect_max_delay=0.5) as client:
+            await client.subscribe("feed/#")
+            await client.ready_for_events()
+            await collect(client, 200, got)
+            marker = await client.live()
+            await asyncio.to_thread(publisher.publish, "feed/a", [b"live"])
+            await collect(client, 201, got)
+            assert client.cache.get("feed/a") == b"live", "a live event feeds the cache"
+        assert [e.payload for e in got] == [*payloads(200), b"live"]
+        assert [e.replayed for e in got] == [True] * 200 + [False]
+        assert marker.replayed == 200 and (marker.first_seq, marker.last_seq) == (got[0].seq, got[199].seq)
+
+    run(main())
+
+
+def test_an_event_whose_loop_body_raises_comes_again_and_is_processed_once(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    publisher = clients(broker.port, "pub", clean_session=True)
+
+    async def main() -> None:
+        processed: list[bytes] = []
+        async with AsyncDurableClient("async-retry", port=broker.port, reconnect_max_delay=0.5) as client:
+            await client.subscribe("r")
+            await client.ready_for_events()
+            await asyncio.to_thread(publisher.publish, "r", payloads(10))
+            with pytest.raises(RuntimeError, match="on purpose"):
+                async for event in client.events():
+                    if event.payload == payloads(10)[3]:
+                        raise RuntimeError("body failed (on purpose)")
+                    processed.append(event.payload)
+            redelivered: list[Event] = []
+            await collect(client, 7, redelivered)  # order 3 again, then the rest
+            processed += [event.payload for event in redelivered]
+            assert client.stats.redeliveries_requested == 1
+        assert processed == payloads(10), "each processed once, in order"
+
+    run(main())
+
+
+@pytest.mark.slow
+def test_exactly_once_across_a_broker_sigkill(broker: Broker, clients: Callable[..., Client]) -> None:
+    total = 2000
+
+    async def main() -> None:
+        await queue_backlog(broker.port, "async-crash", "c")
+        await asyncio.to_thread(clients(broker.port, "pub", clean_session=True).publish, "c", payloads(total))
+        got: list[Event] = []
+        async with AsyncDurableClient("async-crash", port=broker.port, reconnect_max_delay=0.5) as client:
+            await client.subscribe("c")
+            await client.ready_for_events()
+            async with client.events() as events:
+                async for event in events:
+                    got.append(event)
+                    if len(got) == total // 3:
+                        await asyncio.to_thread(broker.restart, True)
+                    if len(got) == total:
+                        break
+            assert client.stats.reconnects >= 1
+        assert [e.payload for e in got] == payloads(total), "nothing lost, nothing twice, in order"
+
+    run(main())
+
+
+def test_close_without_keep_session_removes_the_session(broker: Broker, clients: Callable[..., Client]) -> None:
+    async def main() -> None:
+        await queue_backlog(broker.port, "async-bye", "b")
+        client = AsyncDurableClient("async-bye", port=broker.port)
+        await client.connect()
+        await client.close(keep_session=False)
+
+    run(main())
+    assert clients(broker.port, "async-bye").session_present is False
+
+
+@pytest.mark.slow
+def test_exactly_once_across_an_sdk_process_sigkill_with_disk_persistence(
+    broker: Broker, clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    total = 300
+    state, out = tmp_path / "state", tmp_path / "processed.txt"
+
+    def child(*extra: str) -> subprocess.CompletedProcess[str]:
+        args = [sys.executable, str(CHILD), str(broker.port), "async-cpl2", str(state), str(out), str(total)]
+        return subprocess.run([*args, *extra, "--async"], capture_output=True, text=True, timeout=4 * WAIT, check=False)
+
+    started = child("--only-subscribe")
+    assert started.returncode == 0, started.stderr
+    clients(broker.port, "pub", clean_session=True).publish("work", payloads(total))
+    crashed = child(payloads(total)[120].decode())
+    assert crashed.returncode == -9, crashed.stderr
+    assert out.read_bytes().splitlines() == payloads(total)[:120], "processed up to the crash"
+    finished = child()
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert out.read_bytes().splitlines() == payloads(total), "each event processed once across the SIGKILL"
