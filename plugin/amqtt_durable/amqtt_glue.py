@@ -506,6 +506,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
             self.replication = ReplicationNode(
                 self.engine.db, settings, coordinator=coordinator, on_promote=self._promoted, on_demote=self._demoted
             )
+            self.engine.on_store_reopened = self.replication.use_db
             await self.replication.start()
 
     def _promoted(self, primary: Primary) -> None:

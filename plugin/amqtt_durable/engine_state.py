@@ -76,6 +76,9 @@ class EngineState:
         """Random, made with the store: stream readers compare it to notice a wiped or replaced store."""
         self.streams: StreamLogs
         self.retained: RetainedMessages
+        self.on_store_reopened: Callable[[Any], None] | None = None
+        """Told of the new handle after a failed write made the engine reopen the store
+        (replication's primary reads snapshots from it)."""
         self.on_retained: Callable[[str, bytes, int], None] | None = None
         """Told of every retained message set or cleared (empty payload), in the order they are stored:
         the glue keeps amqtt's in-memory table in step with the store."""

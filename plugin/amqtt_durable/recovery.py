@@ -68,9 +68,9 @@ class Recovery(SessionLifecycle):
         store was written behind the engine's back); ``replication``: commits are shipped."""
         path = self.config.store
         if self.loaded:
-            db, on_retained = self.db, self.on_retained
+            db, on_retained, on_reopened = self.db, self.on_retained, self.on_store_reopened
             EngineState.__init__(self, self.config, self.on_expired, self.on_store_health)
-            self.db, self.on_retained = db, on_retained
+            self.db, self.on_retained, self.on_store_reopened = db, on_retained, on_reopened
         try:
             self._load(replication)
         except plyvel.Error as exc:
@@ -165,6 +165,8 @@ class Recovery(SessionLifecycle):
             self.db.close()
         self.db = open_store(self.config.store, create=False)
         self.streams.use_db(self.db)
+        if self.on_store_reopened is not None:
+            self.on_store_reopened(self.db)
         return self.db
 
     def _store_health_changed(self, failure: BaseException | None, failing_since: float) -> None:

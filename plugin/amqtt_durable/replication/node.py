@@ -75,6 +75,12 @@ class ReplicationNode:
         self._closing: set[asyncio.Task[None]] = set()
         self._admin: asyncio.Server | None = None
 
+    def use_db(self, db: Any) -> None:
+        """The broker reopened the store after a failed write: every end uses the new handle."""
+        self.db = db
+        if self.primary is not None:
+            self.primary.db = db
+
     def may_acknowledge(self) -> bool:
         """Whether a publish may be acknowledged now (before sync mode's wait for backups)."""
         if self.primary is None:
