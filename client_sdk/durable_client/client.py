@@ -27,6 +27,7 @@ from typing import Any, Final, ParamSpec
 
 from durable_protocol import CONTROL_PREFIX, CONTROL_TOPIC, MAX_STREAM_WINDOW, Marker, Reply, encode_request
 
+from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, AckGate, check_group_options
 from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, topic_matches
 from ._receiver import Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
@@ -93,6 +94,8 @@ class DurableClient:
         on_live: Callable[[Marker], None] | None = None,
         on_persistence_fallback: Callable[[OSError], None] | None = None,
         delivery_log: str | os.PathLike[str] | None = None,
+        fsync_batch: int = DEFAULT_FSYNC_BATCH,
+        fsync_delay_ms: float = DEFAULT_FSYNC_DELAY_MS,
     ) -> None:
         """Nothing touches the network until connect().
 
@@ -107,6 +110,14 @@ class DurableClient:
         ``persistence="disk"`` its ``receive`` records also count as processed: on start the
         client advances its marks to what the log's tail shows processed, so a process killed
         between an event's record and its mark does not process (nor log) that event again.
+
+        With ``persistence="disk"`` the marks are fsynced once per group of events (group
+        commit, ``_commit.py``), and an event is acknowledged to the broker only after the
+        fsync that covers its mark: a group ends after ``fsync_batch`` events (default 64),
+        when the connection has nothing more to read, or ``fsync_delay_ms`` (default 5) after
+        its first event, whichever comes first. ``fsync_batch=1`` is an fsync per event. A
+        SIGKILL loses no mark (each is written to the OS at once); a power loss makes at most
+        the last group's events, none of them acknowledged, come again.
         """
         if not isinstance(client_id, str) or not client_id:
             raise ValueError("client_id must be a non-empty string: the broker finds the durable session by it")
@@ -114,6 +125,7 @@ class DurableClient:
             raise ValueError(f"keepalive must be 1 second or more, got {keepalive!r}")
         if session_expiry is not None and not session_expiry >= 0:
             raise ValueError(f"session_expiry must be a number of seconds, 0 or more, got {session_expiry!r}")
+        fsync_batch, fsync_delay_ms = check_group_options(fsync_batch, fsync_delay_ms)
         self.client_id = client_id
         self.host = host
         self.port = port
@@ -131,7 +143,14 @@ class DurableClient:
 
         self.cache = LastValueCache()
         """Newest value per topic (GemFire client-cache rules); readable while disconnected."""
-        self._state = open_state(persistence, client_id, state_dir, self._persistence_fell_back)
+        self._state = open_state(persistence, client_id, state_dir, self._persistence_fell_back, group_commit=True)
+        self._gate = (
+            AckGate(self._state, self._send_ack, batch=fsync_batch, delay_ms=fsync_delay_ms)
+            if self._state.level == "disk"
+            else None
+        )
+        """CPL-2: acknowledgements held until their marks are fsynced. None for CPL-1: acks go at once."""
+        self._inbound = 0  # messages handled, counted by the network thread (an idle pass ends a group)
         self._registry = Registry()
         if delivery_log is not None:
             reconcile(self._state, delivery_log, client_id)  # before the log is opened (and maybe created)
@@ -258,6 +277,8 @@ class DurableClient:
             self._closed = True
         thread = self._thread
         self._stop.set()
+        if self._gate is not None:
+            self._gate.flush()  # the held acknowledgements go before the DISCONNECT
         if thread is not None and not on_network_thread:
             if self._link is not None and self._link.socket_open:
                 self._link.disconnect()  # wakes the network thread at once
@@ -529,6 +550,7 @@ class DurableClient:
     def _run(self) -> None:
         link = self._link
         assert link is not None
+        gate = self._gate
         attempts = 0
         try:
             while not self._stop.is_set():
@@ -543,18 +565,23 @@ class DurableClient:
                         continue
                     with self._lock:
                         self._handshake_deadline = time.monotonic() + self._handshake_timeout
+                inbound = self._inbound
                 try:
-                    link.loop(_LOOP_TIMEOUT)
+                    link.loop(0.0 if gate is not None and gate.pending else _LOOP_TIMEOUT)
                 except Exception:
                     log.exception("unexpected error in the network loop; reconnecting")
                     self._receiver.fail()
                     link.drop()
+                if gate is not None and gate.due(idle=self._inbound == inbound):
+                    gate.flush()
                 deadline = self._handshake_deadline
                 if deadline is not None and time.monotonic() > deadline:
                     self._problem(f"no CONNACK or hello reply within {self._handshake_timeout} s")
                     with self._lock:
                         self._handshake_deadline = None
                     link.drop()
+            if gate is not None:
+                gate.flush()
             link.shutdown(_SHUTDOWN_FLUSH)
         finally:
             if self._closed:
@@ -585,6 +612,8 @@ class DurableClient:
                 log.warning("%s; retrying", text)
             return
         self._receiver.new_connection()
+        if self._gate is not None:
+            self._gate.drop()  # nothing held may be acknowledged on a new connection
         with self._lock:
             self._session_present = ack.session_present
             self._ready_sent = False
@@ -715,6 +744,7 @@ class DurableClient:
             self._send_subscribe(subscription)
 
     def _handle_message(self, message: Inbound) -> None:
+        self._inbound += 1
         try:
             outcome = self._receiver.handle(message)
         except Exception:
@@ -726,13 +756,22 @@ class DurableClient:
             self._redelivering = True
         elif outcome.ack:
             self._redelivering = False
-        if outcome.ack:
-            link.ack(message.mid, message.qos)
-        if outcome.stream_ack is not None:
-            topic, event_id = outcome.stream_ack
-            link.publish(CONTROL_TOPIC, encode_request("stream_ack", None, topic=topic, id=event_id), 0)
+        if outcome.ack or outcome.stream_ack is not None:
+            qos = message.qos if outcome.ack else 0
+            if self._gate is not None:
+                self._gate.submit(message.mid, qos, outcome.stream_ack)  # CPL-2: after the fsync of the mark
+            else:
+                self._send_ack(message.mid, qos, outcome.stream_ack)
         if outcome.reconnect:
             link.drop()
+
+    def _send_ack(self, mid: int, qos: int, stream_ack: tuple[str, int] | None) -> None:
+        """PUBACK/PUBCOMP (nothing for QoS 0) and the stream_ack, if any, of one processed message."""
+        link = self._link_or_raise()
+        link.ack(mid, qos)
+        if stream_ack is not None:
+            topic, event_id = stream_ack
+            link.publish(CONTROL_TOPIC, encode_request("stream_ack", None, topic=topic, id=event_id), 0)
 
     def _handle_marker(self, marker: Marker) -> None:
         if self._delivery_log is not None:
@@ -751,6 +790,8 @@ class DurableClient:
             )
 
     def _handle_lost(self, reason: str) -> None:
+        if self._gate is not None:
+            self._gate.drop()  # their packet ids were of this connection; the broker sends the events again
         with self._lock:
             was_connected = self._connected
             self._connected = False
