@@ -36,12 +36,14 @@ as possible.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Final
 
-from .persistence import SessionState
+from .events import PersistenceLevel
+from .persistence import SessionState, open_state
 
 DEFAULT_FSYNC_BATCH: Final = 64
 """Acknowledgements held before a group is synced; below the broker's default in-flight window (100)
@@ -71,6 +73,23 @@ def check_group_options(fsync_batch: object, fsync_delay_ms: object) -> tuple[in
             f"fsync_delay_ms must be a number of milliseconds from 0 to {MAX_FSYNC_DELAY_MS:g}, got {fsync_delay_ms!r}"
         )
     return fsync_batch, float(fsync_delay_ms)
+
+
+def open_group_committed(
+    level: PersistenceLevel,
+    client_id: str,
+    state_dir: str | os.PathLike[str] | None,
+    on_fallback: Callable[[OSError], None],
+    send: Callable[[int, int, tuple[str, int] | None], None],
+    *,
+    fsync_batch: object,
+    fsync_delay_ms: object,
+) -> tuple[SessionState, AckGate | None]:
+    """The client's state (``open_state``) and, for CPL-2, its gate; the options are checked first."""
+    batch, delay_ms = check_group_options(fsync_batch, fsync_delay_ms)
+    state = open_state(level, client_id, state_dir, on_fallback, group_commit=True)
+    gate = AckGate(state, send, batch=batch, delay_ms=delay_ms) if state.level == "disk" else None
+    return state, gate
 
 
 class AckGate:

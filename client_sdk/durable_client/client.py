@@ -27,7 +27,7 @@ from typing import Any, Final, ParamSpec
 
 from durable_protocol import CONTROL_PREFIX, CONTROL_TOPIC, MAX_STREAM_WINDOW, Marker, Reply, encode_request
 
-from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, AckGate, check_group_options
+from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, open_group_committed
 from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, topic_matches
 from ._receiver import Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
@@ -36,7 +36,6 @@ from .cache import LastValueCache
 from .delivery_log import DeliveryLog, reconcile
 from .errors import ConnectFailed, ControlRequestFailed, DurableClientError, RequestTimeout, Unconnected
 from .events import ConnectionInfo, Listener, PersistenceLevel, Stats, StreamBounds
-from .persistence import open_state
 
 log = logging.getLogger("durable_client")
 
@@ -125,7 +124,6 @@ class DurableClient:
             raise ValueError(f"keepalive must be 1 second or more, got {keepalive!r}")
         if session_expiry is not None and not session_expiry >= 0:
             raise ValueError(f"session_expiry must be a number of seconds, 0 or more, got {session_expiry!r}")
-        fsync_batch, fsync_delay_ms = check_group_options(fsync_batch, fsync_delay_ms)
         self.client_id = client_id
         self.host = host
         self.port = port
@@ -143,14 +141,11 @@ class DurableClient:
 
         self.cache = LastValueCache()
         """Newest value per topic (GemFire client-cache rules); readable while disconnected."""
-        self._state = open_state(persistence, client_id, state_dir, self._persistence_fell_back, group_commit=True)
-        self._gate = (
-            AckGate(self._state, self._send_ack, batch=fsync_batch, delay_ms=fsync_delay_ms)
-            if self._state.level == "disk"
-            else None
+        # _gate (CPL-2): acknowledgements held until their marks are fsynced. None for CPL-1: acks go at once.
+        self._state, self._gate = open_group_committed(
+            persistence, client_id, state_dir, self._persistence_fell_back, self._send_ack,
+            fsync_batch=fsync_batch, fsync_delay_ms=fsync_delay_ms,
         )
-        """CPL-2: acknowledgements held until their marks are fsynced. None for CPL-1: acks go at once."""
-        self._inbound = 0  # messages handled, counted by the network thread (an idle pass ends a group)
         self._registry = Registry()
         if delivery_log is not None:
             reconcile(self._state, delivery_log, client_id)  # before the log is opened (and maybe created)
@@ -277,8 +272,7 @@ class DurableClient:
             self._closed = True
         thread = self._thread
         self._stop.set()
-        if self._gate is not None:
-            self._gate.flush()  # the held acknowledgements go before the DISCONNECT
+        self._release_held()  # before the DISCONNECT
         if thread is not None and not on_network_thread:
             if self._link is not None and self._link.socket_open:
                 self._link.disconnect()  # wakes the network thread at once
@@ -565,14 +559,14 @@ class DurableClient:
                         continue
                     with self._lock:
                         self._handshake_deadline = time.monotonic() + self._handshake_timeout
-                inbound = self._inbound
+                received = self._receiver.counters.received
                 try:
                     link.loop(0.0 if gate is not None and gate.pending else _LOOP_TIMEOUT)
                 except Exception:
                     log.exception("unexpected error in the network loop; reconnecting")
                     self._receiver.fail()
                     link.drop()
-                if gate is not None and gate.due(idle=self._inbound == inbound):
+                if gate is not None and gate.due(idle=self._receiver.counters.received == received):
                     gate.flush()
                 deadline = self._handshake_deadline
                 if deadline is not None and time.monotonic() > deadline:
@@ -580,8 +574,7 @@ class DurableClient:
                     with self._lock:
                         self._handshake_deadline = None
                     link.drop()
-            if gate is not None:
-                gate.flush()
+            self._release_held()
             link.shutdown(_SHUTDOWN_FLUSH)
         finally:
             if self._closed:
@@ -744,7 +737,6 @@ class DurableClient:
             self._send_subscribe(subscription)
 
     def _handle_message(self, message: Inbound) -> None:
-        self._inbound += 1
         try:
             outcome = self._receiver.handle(message)
         except Exception:
@@ -764,6 +756,11 @@ class DurableClient:
                 self._send_ack(message.mid, qos, outcome.stream_ack)
         if outcome.reconnect:
             link.drop()
+
+    def _release_held(self) -> None:
+        """CPL-2: sync and send the acknowledgements held (at close: before the DISCONNECT)."""
+        if self._gate is not None:
+            self._gate.flush()
 
     def _send_ack(self, mid: int, qos: int, stream_ack: tuple[str, int] | None) -> None:
         """PUBACK/PUBCOMP (nothing for QoS 0) and the stream_ack, if any, of one processed message."""
