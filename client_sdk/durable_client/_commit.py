@@ -116,7 +116,7 @@ class AckGate:
         self._held: list[HeldAck] = []
         self._since = 0.0  # when the oldest held acknowledgement was held
         self.groups = 0
-        """Syncs done by flush() (for tests and statistics)."""
+        """fsyncs done by the gate (for statistics: events per fsync)."""
 
     @property
     def pending(self) -> bool:
@@ -126,6 +126,16 @@ class AckGate:
     @property
     def held(self) -> int:
         return len(self._held)
+
+    @property
+    def batch(self) -> int:
+        """``fsync_batch``."""
+        return self._batch
+
+    @property
+    def delay_ms(self) -> float:
+        """``fsync_delay_ms``."""
+        return self._delay * 1000.0
 
     def submit(self, mid: int, qos: int, stream_ack: tuple[str, int] | None) -> None:
         """Send now when every mark is durable; otherwise hold (and sync the group once it is full)."""
@@ -153,8 +163,9 @@ class AckGate:
 
     def _flush(self) -> None:
         held, self._held = self._held, []
-        self._state.sync()  # FallbackState: an fsync error falls back to memory (module docstring)
-        self.groups += 1
+        if self._state.unsynced:
+            self._state.sync()  # FallbackState: an fsync error falls back to memory (module docstring)
+            self.groups += 1
         for mid, qos, stream_ack in held:
             self._send(mid, qos, stream_ack)
 
