@@ -14,7 +14,8 @@ record of that payload is written, before the SDK writes its mark: the window be
 two. Exits 0 once OUT_FILE holds EXPECTED lines, 3 when that takes longer than the deadline.
 
 Group commit (CPL-2's fsync per group; "group N" is the N-th time the client syncs held acks):
-``--sync-log`` appends ``sync <acks held>`` before each group's fsync and ``fallback`` when the
+``--sync-log`` appends ``sync <acks held> <last payload processed>`` before each group's fsync
+(``-`` for none yet) and ``fallback`` when the
 client falls back to CPL-1. ``--kill-in-batch M:J`` SIGKILLs the process in the listener once M
 events were processed in this run and the client holds J or more acks (a crash inside a
 group); ``--kill-at-sync N`` right before the fsync of group N, ``--kill-after-sync N`` right
@@ -67,13 +68,14 @@ class GroupFaults:
         self.kill_at, self.kill_after, self.fail_at = args.kill_at_sync, args.kill_after_sync, args.fail_fsync_at
         self.groups = 0
         self.failing = False
+        self.last = b"-"  # the payload processed last in this run
         flush, sync, fsync = AckGate._flush, DiskState.sync, os.fsync
         faults = self
 
         def flush_with_faults(gate: AckGate) -> None:
             if gate.held:
                 faults.groups += 1
-                faults.note(f"sync {gate.held}")
+                faults.note(f"sync {gate.held} {faults.last.decode()}")
                 if faults.groups == faults.fail_at:
                     faults.failing = True
                 if faults.groups == faults.kill_at:
@@ -141,6 +143,7 @@ def main() -> int:
             sink.write(event.payload + b"\n")
         lines += 1
         processed += 1
+        faults.last = event.payload
         if lines >= expected:
             done.set()
 

@@ -63,7 +63,7 @@ def printed(result: subprocess.CompletedProcess[str], name: str) -> str:
     "kill",
     [
         pytest.param(["--kill-in-batch", "0:1"], id="listener-first-group"),
-        pytest.param(["--kill-in-batch", "150:20"], id="listener-20-acks-held"),
+        pytest.param(["--kill-in-batch", "150:8"], id="listener-8-acks-held"),
         pytest.param(["--kill-at-sync", "3"], id="before-the-fsync"),
         pytest.param(["--kill-after-sync", "4"], id="after-the-fsync-before-the-acks"),
     ],
@@ -118,12 +118,20 @@ def test_an_fsync_error_in_a_group_falls_back_to_cpl1_without_acking_the_group_f
     assert fell_back.returncode == 0, fell_back.stdout + fell_back.stderr
     assert printed(fell_back, "level") == "memory" and printed(fell_back, "fallbacks") == "1"
     assert int(printed(fell_back, "duplicates_dropped")) >= uncovered
-    assert work.syncs().count("fallback") == 1
+    syncs = work.syncs()
+    assert syncs.count("fallback") == 1 and syncs[-1] == "fallback" and len(syncs) == 4, syncs
+    failed_group_ends_at = syncs[-2].split()[2].encode()  # the last event whose ack the failed fsync held
     assert work.processed() == payloads(TOTAL), "each event processed exactly once, in order"
 
-    # 3. After the fallback the held acks were sent (CPL-1 semantics): a new process with a working disk
-    #    gets nothing again before the marker, although its disk marks stop at the failure.
+    # 3. After the fallback the held acks were sent (CPL-1 semantics): a new process with a working disk gets
+    #    none of the failed group's events again before the marker, although its disk marks stop before them.
+    #    (An event processed as step 2 closed may come again: its ack can lose the race with the DISCONNECT
+    #    that close() queues from the main thread, and CPL-1's marks are gone with the process.)
     again = work.child("--until-live")
     assert again.returncode == 0, again.stdout + again.stderr
     assert printed(again, "duplicates_dropped") == "0" and printed(again, "level") == "disk"
-    assert work.processed() == payloads(TOTAL), "nothing processed twice"
+    done = work.processed()
+    assert done[:TOTAL] == payloads(TOTAL)
+    assert all(payload > failed_group_ends_at for payload in done[TOTAL:]), (
+        f"events of the failed group were processed again: {done[TOTAL:]}"
+    )
