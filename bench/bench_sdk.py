@@ -12,8 +12,10 @@ metrics off) serves three receivers, each run with a fresh client id:
 
   plain  paho-mqtt 2.x, clean_session=False, a raw on_message callback (the baseline)
   cpl1   the SDK's DurableClient, persistence="memory" (CPL-1)
-  cpl2   the SDK's DurableClient, persistence="disk" (CPL-2: one fsync per processed event),
-         state_dir in the temporary folder (same disk as the broker's store)
+  cpl2   the SDK's DurableClient, persistence="disk" (CPL-2 with group commit: each event's mark
+         written at once, one fsync per group, the acks after it; the SDK's default fsync_batch and
+         fsync_delay_ms unless --fsync-batch/--fsync-delay-ms say otherwise), state_dir in the
+         temporary folder (same disk as the broker's store)
 
 Each run: the receiver's durable session subscribes (QoS 1) and disconnects; a publisher process
 queues N events for it; then the receiver connects (SDK: subscribe with a listener,
@@ -22,7 +24,8 @@ publishes L live events as fast as its PUBACKs allow (at most --inflight unackno
 Measured in the receiver, from just before connect: events/s to the listener until the last of
 the N + L events, the first event, and (SDK) the marker (on_live); also the receiver process's CPU
 time per event (all its threads, less sensitive to the noise of a shared machine than the rate,
-and blind to waiting: it shows the client's own cost per event). Correctness: every event
+and blind to waiting: it shows the client's own cost per event) and, for CPL-2, the fsyncs (events
+per fsync). Correctness: every event
 exactly once, each publisher's events in order, and no live event before the last queued one;
 the receiver keeps listening --linger seconds after the last event to catch late duplicates.
 A failure is printed in the table, repeated as a NOTE and makes the exit code 1.
@@ -112,7 +115,7 @@ RECEIVERS = (PLAIN, CPL1, CPL2)
 TITLES = {
     PLAIN: "plain paho, clean_session=False",
     CPL1: 'SDK, persistence="memory" (CPL-1)',
-    CPL2: 'SDK, persistence="disk" (CPL-2)',
+    CPL2: 'SDK, persistence="disk" (CPL-2, group commit)',
 }
 SHORT = {PLAIN: "plain", CPL1: "SDK-CPL-1", CPL2: "SDK-CPL-2"}
 RATIOS = ((CPL1, PLAIN), (CPL2, PLAIN), (CPL2, CPL1))
@@ -139,6 +142,8 @@ class RecvSpec:
     linger: float  # keep listening this long after the last event (late duplicates)
     state_dir: str | None = None
     cpus: tuple[int, ...] | None = None
+    fsync_batch: int | None = None  # CPL-2 group commit; None: the SDK's default
+    fsync_delay_ms: float | None = None
 
 
 @dataclass
@@ -160,6 +165,8 @@ class RecvResult:
     marker: dict[str, Any] | None = None
     sdk_stats: dict[str, int] | None = None
     persistence_level: str | None = None
+    fsyncs: int | None = None  # CPL-2: fsyncs of the group commit, connect -> end of the linger
+    group_commit: str | None = None  # CPL-2: the client's fsync_batch and fsync_delay_ms
     sdk_module: str | None = None
     setup_events: int = 0  # events seen by the set-up connection (expected: none)
     end: str = ""
@@ -325,8 +332,13 @@ def _sdk(spec: RecvSpec, pipe: Connection, tally: Tally, res: RecvResult) -> Non
     def listener(event: Event) -> None:
         add(event.payload)
 
+    group: dict[str, Any] = {}
+    if spec.fsync_batch is not None:
+        group["fsync_batch"] = spec.fsync_batch
+    if spec.fsync_delay_ms is not None:
+        group["fsync_delay_ms"] = spec.fsync_delay_ms
     client = DurableClient(spec.client_id, HOST, spec.port, persistence=persistence, state_dir=spec.state_dir,
-                           on_live=on_live, on_connected=on_connected)
+                           on_live=on_live, on_connected=on_connected, **group)
     try:
         client.subscribe(spec.topic, 1, listener=listener)
         client.ready_for_events()
@@ -338,6 +350,9 @@ def _sdk(spec: RecvSpec, pipe: Connection, tally: Tally, res: RecvResult) -> Non
         _receive(tally, spec, pipe, res, cpu0, pump=lambda: tally.done.wait(0.25), linger=lambda: time.sleep(0.05))
         res.sdk_stats = dataclasses.asdict(client.stats)
         res.persistence_level = client.persistence_level
+        gate = client._gate  # the group commit's own count (not a public statistic)
+        res.fsyncs = gate.groups if gate is not None else None
+        res.group_commit = f"fsync_batch={gate.batch}, fsync_delay_ms={gate.delay_ms:g}" if gate is not None else None
     finally:
         try:
             client.close(keep_session=False, timeout=SETUP_S)
@@ -480,7 +495,8 @@ def run_receiver(ctx: Ctx, kind: str, label: str, n: int, live: int) -> Run:
                  f"Last log line: {ctx.broker.last_log_line()!r}")
         ctx.broker.start(args.startup_timeout)
     spec = RecvSpec(kind, ctx.broker.port, client_id, topic, backlog_tag, live_tag, n, live, args.timeout, args.idle,
-                    args.linger, str(ctx.state_dir) if kind == CPL2 else None, args.client_cpus)
+                    args.linger, str(ctx.state_dir) if kind == CPL2 else None, args.client_cpus,
+                    args.fsync_batch, args.fsync_delay_ms)
     live_spec = PubSpec(ctx.broker.port, f"live-{suffix}", Login(), topic, live_tag, live, args.live_inflight,
                         args.timeout, cpus=args.client_cpus)
     t0 = time.perf_counter()
@@ -541,6 +557,7 @@ def median_of(values: list[float | None]) -> float | None:
 def render(args: argparse.Namespace, info: dict[str, str], command: str, *, runs: dict[str, list[Run]],
            warmups: list[Run], notes: list[str], started: datetime, elapsed: float) -> str:
     kinds = [k for k in RECEIVERS if k in runs]
+    group_settings = {run.res.group_commit for run in runs.get(CPL2, []) if run.res and run.res.group_commit}
     rates = {k: [run.rate for run in runs[k]] for k in kinds}
     pinning = describe_pinning(args, "receivers and publishers")
     lines = [
@@ -557,6 +574,8 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, *, runs
         + ("" if args.live_inflight == args.inflight else f", the live one {args.live_inflight}") + "); "
         f"median (min-max) of {args.runs} rounds, receiver order rotating per round; broker: broker.yaml's settings, "
         "store in a temporary folder, metrics off",
+        "- CPL-2 group commit: " + (", ".join(sorted(group_settings)) or "—")
+        + (" (the SDK's defaults)" if args.fsync_batch is None and args.fsync_delay_ms is None else ""),
         "",
         "| receiver | events/s to the listener (connect -> last of N + L) | vs plain | connect -> first event (ms) "
         "| connect -> marker, on_live (ms) | receiver CPU per event (µs) | correctness |",
@@ -590,14 +609,15 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, *, runs
         "events entered the broker, compared with the last event delivered.",
         "",
         "| round | receiver | events/s | first event | session set up | marker | events before the marker "
-        "(marker's replayed) | live publisher: first send - last PUBACK | last event | SDK duplicates dropped |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "(marker's replayed) | live publisher: first send - last PUBACK | last event | SDK duplicates dropped "
+        "| CPL-2 fsyncs (events per fsync) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     by_round = sorted((run for kind in kinds for run in runs[kind]), key=lambda run: run.label)
     for run in by_round:
         r = run.res
         if r is None:
-            lines.append(f"| {run.label} | {SHORT[run.kind]} | — | | | | | | | |")
+            lines.append(f"| {run.label} | {SHORT[run.kind]} | — | | | | | | | | |")
             continue
         ms = run.fmt_ms
         marker = "n/a" if run.kind == PLAIN else (
@@ -605,9 +625,10 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, *, runs
         live = (f"{ms(run.live_pub.t_first_send_ns)} - {ms(run.live_pub.t_last_ack_ns)}"
                 if run.live_pub is not None else "—")
         dropped = "n/a" if r.sdk_stats is None else f"{r.sdk_stats['duplicates_dropped']:,}"
+        fsyncs = "n/a" if r.fsyncs is None else f"{r.fsyncs:,} ({r.unique / r.fsyncs:.1f})" if r.fsyncs else "0"
         lines.append(f"| {run.label} | {SHORT[run.kind]} | {fmt_number(run.rate) if run.rate else '—'} | "
                      f"{ms(r.t_first_ns)} | {ms(r.t_connack_ns)} | {ms(r.t_marker_ns) if r.marker else 'n/a'} | "
-                     f"{marker} | {live} | {ms(r.t_last_ns)} | {dropped} |")
+                     f"{marker} | {live} | {ms(r.t_last_ns)} | {dropped} | {fsyncs} |")
     if warmups:
         failed = [run for run in warmups if run.problems]
         lines += ["", f"- warm-up (one small run per receiver, N={warmups[0].n:,}, L={warmups[0].live:,}, not in the "
@@ -630,6 +651,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--live-inflight", type=int, default=None,
                    help="max unacknowledged PUBLISHes of the live publisher (default: --inflight, i.e. as fast as "
                         "the PUBACKs allow; 1 spreads the live events over a longer time at a lower rate)")
+    p.add_argument("--fsync-batch", type=int, default=None,
+                   help="CPL-2 receiver's fsync_batch (default: the SDK's default)")
+    p.add_argument("--fsync-delay-ms", type=float, default=None,
+                   help="CPL-2 receiver's fsync_delay_ms (default: the SDK's default)")
     p.add_argument("--runs", type=int, default=3, help="rounds (default 3; medians reported)")
     p.add_argument("--only", default=",".join(RECEIVERS),
                    help=f"receivers to run, comma-separated from {','.join(RECEIVERS)} (default all)")

@@ -17,7 +17,7 @@ from durable_client import AsyncDurableClient, Event
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[1]
-CHILD = ROOT / "tests" / "sdk_child.py"
+CHILD = ROOT / "tests" / "sdk_async_child.py"
 
 
 def run(coro: object) -> None:
@@ -131,7 +131,7 @@ def test_exactly_once_across_an_sdk_process_sigkill_with_disk_persistence(
 
     def child(*extra: str) -> subprocess.CompletedProcess[str]:
         args = [sys.executable, str(CHILD), str(broker.port), "async-cpl2", str(state), str(out), str(total)]
-        return subprocess.run([*args, *extra, "--async"], capture_output=True, text=True, timeout=4 * WAIT, check=False)
+        return subprocess.run([*args, *extra], capture_output=True, text=True, timeout=4 * WAIT, check=False)
 
     started = child("--only-subscribe")
     assert started.returncode == 0, started.stderr

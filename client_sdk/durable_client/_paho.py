@@ -116,6 +116,7 @@ class PahoLink:
         self._client.connect_async(host, port, keepalive)
         self._client.on_socket_register_write = _noop_socket_callback
         self._client.on_socket_unregister_write = _noop_socket_callback
+        self._client.on_socket_open = _no_delay
 
         def connect_cb(_c: mqtt.Client, _u: Any, flags: mqtt.ConnectFlags, reason: Any, _p: Any) -> None:
             unavailable = reason.value == _SERVER_UNAVAILABLE
@@ -212,3 +213,15 @@ class PahoLink:
 
 def _noop_socket_callback(_client: mqtt.Client, _userdata: Any, _sock: Any) -> None:
     return None
+
+
+def _no_delay(_client: mqtt.Client, _userdata: Any, sock: Any) -> None:
+    """TCP_NODELAY: acknowledgements go out at once, not held back by Nagle's algorithm.
+
+    CPL-2 sends its acknowledgements in bursts, one small packet each, after a group's fsync;
+    with Nagle the second and later wait for the TCP ACK of the first, which the broker's host
+    may delay (40 ms on Linux): a stall per group.
+    """
+    if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

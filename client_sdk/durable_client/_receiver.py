@@ -5,7 +5,8 @@ arrive in seq order within an epoch. An event at or below the processed mark was
 before (a redelivery after a reconnect or a restart): acknowledge it, skip the listeners.
 Otherwise call the listeners; when they all return, record the mark, then acknowledge. The
 order matters: a crash between the two leaves an unacknowledged event the broker re-sends
-and the mark recognises.
+and the mark recognises. (With CPL-2 the client then holds the acknowledgement until the mark
+is fsynced: ``_commit.py``.)
 
 When a listener raises, the event is neither recorded nor acknowledged, and nothing after it
 on this connection is processed: the client drops the connection, and the broker re-sends
@@ -51,7 +52,8 @@ class Outcome:
     """What the caller sends back for one message."""
 
     ack: bool = False
-    """Acknowledge the MQTT message now (PUBACK/PUBCOMP; nothing for QoS 0)."""
+    """Acknowledge the MQTT message (PUBACK/PUBCOMP; nothing for QoS 0): at once with CPL-1, once the
+    mark is fsynced with CPL-2 (``_commit.py``)."""
     stream_ack: tuple[str, int] | None = None
     """Send ``stream_ack`` for (topic, id)."""
     reconnect: bool = False

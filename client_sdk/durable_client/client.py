@@ -27,6 +27,7 @@ from typing import Any, Final, ParamSpec
 
 from durable_protocol import CONTROL_PREFIX, CONTROL_TOPIC, MAX_STREAM_WINDOW, Marker, Reply, encode_request
 
+from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, open_group_committed
 from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, topic_matches
 from ._receiver import Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
@@ -35,7 +36,6 @@ from .cache import LastValueCache
 from .delivery_log import DeliveryLog, reconcile
 from .errors import ConnectFailed, ControlRequestFailed, DurableClientError, RequestTimeout, Unconnected
 from .events import ConnectionInfo, Listener, PersistenceLevel, Stats, StreamBounds
-from .persistence import open_state
 
 log = logging.getLogger("durable_client")
 
@@ -93,6 +93,8 @@ class DurableClient:
         on_live: Callable[[Marker], None] | None = None,
         on_persistence_fallback: Callable[[OSError], None] | None = None,
         delivery_log: str | os.PathLike[str] | None = None,
+        fsync_batch: int = DEFAULT_FSYNC_BATCH,
+        fsync_delay_ms: float = DEFAULT_FSYNC_DELAY_MS,
         failover: Sequence[tuple[str, int]] = (),
     ) -> None:
         """Nothing touches the network until connect().
@@ -113,6 +115,14 @@ class DurableClient:
         ``persistence="disk"`` its ``receive`` records also count as processed: on start the
         client advances its marks to what the log's tail shows processed, so a process killed
         between an event's record and its mark does not process (nor log) that event again.
+
+        With ``persistence="disk"`` the marks are fsynced once per group of events (group
+        commit, ``_commit.py``), and an event is acknowledged to the broker only after the
+        fsync that covers its mark: a group ends after ``fsync_batch`` events (default 64),
+        when the connection has nothing more to read, or ``fsync_delay_ms`` (default 5) after
+        its first event, whichever comes first. ``fsync_batch=1`` is an fsync per event. A
+        SIGKILL loses no mark (each is written to the OS at once); a power loss makes at most
+        the last group's events, none of them acknowledged, come again.
         """
         if not isinstance(client_id, str) or not client_id:
             raise ValueError("client_id must be a non-empty string: the broker finds the durable session by it")
@@ -139,7 +149,11 @@ class DurableClient:
 
         self.cache = LastValueCache()
         """Newest value per topic (GemFire client-cache rules); readable while disconnected."""
-        self._state = open_state(persistence, client_id, state_dir, self._persistence_fell_back)
+        # _gate (CPL-2): acknowledgements held until their marks are fsynced. None for CPL-1: acks go at once.
+        self._state, self._gate = open_group_committed(
+            persistence, client_id, state_dir, self._persistence_fell_back, self._send_ack,
+            fsync_batch=fsync_batch, fsync_delay_ms=fsync_delay_ms,
+        )
         self._registry = Registry()
         if delivery_log is not None:
             reconcile(self._state, delivery_log, client_id)  # before the log is opened (and maybe created)
@@ -266,6 +280,7 @@ class DurableClient:
             self._closed = True
         thread = self._thread
         self._stop.set()
+        self._release_held()  # before the DISCONNECT
         if thread is not None and not on_network_thread:
             if self._link is not None and self._link.socket_open:
                 self._link.disconnect()  # wakes the network thread at once
@@ -537,6 +552,7 @@ class DurableClient:
     def _run(self) -> None:
         link = self._link
         assert link is not None
+        gate = self._gate
         attempts = 0
         try:
             while not self._stop.is_set():
@@ -552,18 +568,22 @@ class DurableClient:
                         continue
                     with self._lock:
                         self._handshake_deadline = time.monotonic() + self._handshake_timeout
+                received = self._receiver.counters.received
                 try:
-                    link.loop(_LOOP_TIMEOUT)
+                    link.loop(0.0 if gate is not None and gate.pending else _LOOP_TIMEOUT)
                 except Exception:
                     log.exception("unexpected error in the network loop; reconnecting")
                     self._receiver.fail()
                     link.drop()
+                if gate is not None and gate.due(idle=self._receiver.counters.received == received):
+                    gate.flush()
                 deadline = self._handshake_deadline
                 if deadline is not None and time.monotonic() > deadline:
                     self._problem(f"no CONNACK or hello reply within {self._handshake_timeout} s")
                     with self._lock:
                         self._handshake_deadline = None
                     link.drop()
+            self._release_held()
             link.shutdown(_SHUTDOWN_FLUSH)
         finally:
             if self._closed:
@@ -604,6 +624,8 @@ class DurableClient:
                 log.warning("%s; retrying", text)
             return
         self._receiver.new_connection()
+        if self._gate is not None:
+            self._gate.drop()  # nothing held may be acknowledged on a new connection
         with self._lock:
             self._session_present = ack.session_present
             self._ready_sent = False
@@ -745,13 +767,27 @@ class DurableClient:
             self._redelivering = True
         elif outcome.ack:
             self._redelivering = False
-        if outcome.ack:
-            link.ack(message.mid, message.qos)
-        if outcome.stream_ack is not None:
-            topic, event_id = outcome.stream_ack
-            link.publish(CONTROL_TOPIC, encode_request("stream_ack", None, topic=topic, id=event_id), 0)
+        if outcome.ack or outcome.stream_ack is not None:
+            qos = message.qos if outcome.ack else 0
+            if self._gate is not None:
+                self._gate.submit(message.mid, qos, outcome.stream_ack)  # CPL-2: after the fsync of the mark
+            else:
+                self._send_ack(message.mid, qos, outcome.stream_ack)
         if outcome.reconnect:
             link.drop()
+
+    def _release_held(self) -> None:
+        """CPL-2: sync and send the acknowledgements held (at close: before the DISCONNECT)."""
+        if self._gate is not None:
+            self._gate.flush()
+
+    def _send_ack(self, mid: int, qos: int, stream_ack: tuple[str, int] | None) -> None:
+        """PUBACK/PUBCOMP (nothing for QoS 0) and the stream_ack, if any, of one processed message."""
+        link = self._link_or_raise()
+        link.ack(mid, qos)
+        if stream_ack is not None:
+            topic, event_id = stream_ack
+            link.publish(CONTROL_TOPIC, encode_request("stream_ack", None, topic=topic, id=event_id), 0)
 
     def _handle_marker(self, marker: Marker) -> None:
         if self._delivery_log is not None:
@@ -770,6 +806,8 @@ class DurableClient:
             )
 
     def _handle_lost(self, reason: str) -> None:
+        if self._gate is not None:
+            self._gate.drop()  # their packet ids were of this connection; the broker sends the events again
         with self._lock:
             was_connected = self._connected
             self._connected = False

@@ -14,13 +14,23 @@ them to ``state_dir/<client_id>/``, version 1 of this layout:
 * ``snapshot``: JSON ``{"v": 1, "gen": G, "epoch": E|null, "mark": M, "streams": {topic: id}}``,
   replaced atomically (temp file, fsync, rename, fsync of the folder) by compaction.
 * ``journal.<G>``: records since snapshot generation G, one line each, written with
-  ``os.write`` + ``os.fsync`` before ``record()`` returns:
+  ``os.write`` before ``record()`` returns:
   ``e <epoch> <seq>`` (session mark), ``r`` (session reset), ``s <id> <topic as JSON>``
   (stream position). Every record is an assignment, so replaying one twice is harmless. A
   last line cut short by a crash (no newline) is ignored and cut off on load.
 
-An ``OSError`` while writing (or creating the folder) switches the client to a ``MemoryState``
-holding the same marks: CPL-2 -> CPL-1, as the seed prescribes, instead of stopping delivery.
+When is a record durable? A record is in the OS when ``record()`` returns, so a SIGKILL of the
+process cannot lose it. Against a power loss it needs an ``fsync``: by default ``record()``
+does one per record; with ``group_commit=True`` (what the client uses) it does not, and
+``sync()`` makes every record written so far durable with one ``fsync``. ``unsynced`` counts the
+records waiting for it. The client's group commit (``_commit.py``) sends the acknowledgement of
+an event only after the ``sync()`` that covers its mark. ``reset()`` and compaction always
+fsync at once (they are rare).
+
+An ``OSError`` while writing, syncing (or creating the folder) switches the client to a
+``MemoryState`` holding the same marks: CPL-2 -> CPL-1, as the seed prescribes, instead of
+stopping delivery. The marks written but not synced before the error are in that memory state:
+they were applied in memory when written.
 """
 
 from __future__ import annotations
@@ -81,6 +91,14 @@ class SessionState(ABC):
 
     @abstractmethod
     def record_stream(self, topic: str, event_id: int) -> None: ...
+
+    @property
+    def unsynced(self) -> int:
+        """Records written to the OS but not yet made durable by ``sync()`` (always 0 in memory)."""
+        return 0
+
+    def sync(self) -> None:  # noqa: B027 - a no-op by default: only a disk state has anything to sync
+        """Make every record so far durable (one fsync); a no-op in memory. OSError on failure."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -152,18 +170,26 @@ class DiskState(SessionState):
 
     Raises OSError when the folder cannot be created or written (the caller falls back to
     memory) and PersistenceError when another process holds it or its files are damaged.
+    ``group_commit=True``: ``record()``/``record_stream()`` leave the fsync to ``sync()``.
     """
 
     def __init__(
-        self, state_dir: str | os.PathLike[str], client_id: str, *, compact_after: int = DEFAULT_COMPACT_AFTER
+        self,
+        state_dir: str | os.PathLike[str],
+        client_id: str,
+        *,
+        compact_after: int = DEFAULT_COMPACT_AFTER,
+        group_commit: bool = False,
     ) -> None:
         if compact_after < 1:
             raise ValueError(f"compact_after must be 1 or more, got {compact_after}")
         self.folder = state_folder(state_dir, client_id)
         self._compact_after = compact_after
+        self._group_commit = group_commit
         self._lock = threading.Lock()
         self._journal_fd = -1
         self._lines = 0
+        self._unsynced = 0
         self._gen = 0
         self.folder.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
@@ -288,22 +314,36 @@ class DiskState(SessionState):
 
     # --------------------------------------------------------------- writes
     def record(self, epoch: int, seq: int) -> None:
-        self._write(f"e {epoch} {seq}\n".encode(), lambda: self._mem.record(epoch, seq))
+        self._write(f"e {epoch} {seq}\n".encode(), lambda: self._mem.record(epoch, seq), self._group_commit)
 
     def reset(self) -> None:
-        self._write(b"r\n", self._mem.reset)
+        self._write(b"r\n", self._mem.reset, False)
 
     def record_stream(self, topic: str, event_id: int) -> None:
         line = f"s {event_id} {json.dumps(topic, ensure_ascii=False)}\n".encode()
-        self._write(line, lambda: self._mem.record_stream(topic, event_id))
+        self._write(line, lambda: self._mem.record_stream(topic, event_id), self._group_commit)
 
-    def _write(self, line: bytes, apply: Callable[[], None]) -> None:
+    @property
+    def unsynced(self) -> int:
+        return self._unsynced
+
+    def sync(self) -> None:
+        with self._lock:
+            if self._unsynced and self._journal_fd >= 0:
+                os.fsync(self._journal_fd)
+                self._unsynced = 0
+
+    def _write(self, line: bytes, apply: Callable[[], None], defer_sync: bool) -> None:
         with self._lock:
             view = memoryview(line)
             while view:
                 written = os.write(self._journal_fd, view)
                 view = view[written:]
-            os.fsync(self._journal_fd)
+            if defer_sync:
+                self._unsynced += 1
+            else:
+                os.fsync(self._journal_fd)  # covers the unsynced records before this one too
+                self._unsynced = 0
             apply()
             self._lines += 1
             if self._lines >= self._compact_after:
@@ -326,7 +366,7 @@ class DiskState(SessionState):
         _fsync_dir(self.folder)
         # From here the snapshot holds everything: journal.<gen> may be missing or empty.
         old_fd, old_path = self._journal_fd, self._journal_path(self._gen)
-        self._gen, self._lines = gen, 0
+        self._gen, self._lines, self._unsynced = gen, 0, 0
         self._journal_fd = self._open_journal()
         os.close(old_fd)
         old_path.unlink(missing_ok=True)
@@ -341,6 +381,12 @@ class DiskState(SessionState):
                 self._journal_fd = -1
 
     def close(self) -> None:
+        """Sync what is not synced yet (a failure is logged: the process loses only power-loss safety), unlock."""
+        try:
+            self.sync()
+        except OSError as exc:
+            log.warning("client state: the last %d records in %s may not be on disk: %s", self._unsynced,
+                        self.folder, exc)
         self.abandon()
         with self._lock:
             if self._lock_fd >= 0:
@@ -383,6 +429,14 @@ class FallbackState(SessionState):
     def record_stream(self, topic: str, event_id: int) -> None:
         self._mutate(lambda state: state.record_stream(topic, event_id))
 
+    @property
+    def unsynced(self) -> int:
+        return self._active.unsynced
+
+    def sync(self) -> None:
+        """fsync; on OSError fall back to memory, which holds every mark written (synced or not)."""
+        self._mutate(lambda state: state.sync())
+
     def _mutate(self, apply: Callable[[SessionState], None]) -> None:
         with self._lock:
             try:
@@ -411,6 +465,7 @@ def open_state(
     on_fallback: Callable[[OSError], None],
     *,
     compact_after: int = DEFAULT_COMPACT_AFTER,
+    group_commit: bool = False,
 ) -> SessionState:
     """The client's state for ``level``; ``disk`` falls back to memory on OSError (see above)."""
     if level == "memory":
@@ -420,7 +475,7 @@ def open_state(
     if state_dir is None:
         raise ValueError("persistence='disk' needs state_dir: the folder that keeps state_dir/<client_id>/")
     try:
-        disk = DiskState(state_dir, client_id, compact_after=compact_after)
+        disk = DiskState(state_dir, client_id, compact_after=compact_after, group_commit=group_commit)
     except OSError as exc:
         _warn_fallback(state_folder(state_dir, client_id), exc)
         on_fallback(exc)

@@ -421,7 +421,7 @@ def test_disk_state_with_the_same_session_keeps_its_mark(make: Any, recorder: Re
     previous = DiskState(tmp_path, "c1")
     previous.record(12, 40)
     previous.close()
-    client, link = make(persistence="disk", state_dir=tmp_path)
+    client, link = make(persistence="disk", state_dir=tmp_path, fsync_batch=1)  # an fsync (and ack) per event
     connect(client, link, session_present=True, epoch=12)
     assert recorder.names() == ["connected"]
     seen: list[int] = []

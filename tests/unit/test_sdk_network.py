@@ -289,3 +289,31 @@ def test_failed_listener_gets_the_event_again_with_dup(broker: ScriptedBroker) -
         assert client.stats.redeliveries_requested == 1 and client.stats.processed == 2
     finally:
         client.close()
+
+
+def test_cpl2_acks_go_once_the_connection_is_quiet_after_one_fsync(broker: ScriptedBroker, tmp_path: Any) -> None:
+    seen: queue.Queue[Event] = queue.Queue()
+    connected: queue.Queue[ConnectionInfo] = queue.Queue()
+    client = make_client(broker, on_connected=connected.put, persistence="disk", state_dir=tmp_path,
+                         fsync_batch=65535, fsync_delay_ms=1000)
+    gate = client._gate
+    assert gate is not None
+    gate._clock = lambda: 0.0  # time stands still: neither the batch nor the delay can end a group
+    client.subscribe("t/#", listener=seen.put)
+    client.connect(timeout=WAIT)
+    try:
+        connected.get(timeout=WAIT)
+        peer = broker.peers.get(timeout=WAIT)
+        sock = client._link._client.socket() if client._link is not None else None
+        assert isinstance(sock, socket.socket)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY), "acks are not held back by Nagle"
+        groups = gate.groups
+        for seq, pid in ((1, 21), (2, 22), (3, 23)):
+            peer.publish("t/x", encode_frame(0, 5, seq, 1.0) + b"p", qos=1, pid=pid)
+        got = [broker.next("puback")[1] for _ in range(3)]
+        assert got == [21, 22, 23], "in order, released by the quiet connection"
+        assert [seen.get(timeout=WAIT).seq for _ in range(3)] == [1, 2, 3]
+        assert 1 <= gate.groups - groups <= 3 and client._state.unsynced == 0
+        assert client._state.get_mark(5) == 3
+    finally:
+        client.close()
