@@ -1,19 +1,23 @@
 """Child processes a tool SIGKILLs and starts again, and the ports they listen on: the broker
 (``amqtt-durable broker`` on the same port and store) for the fleet harness, the pipeline demo,
-the benchmarks and the tests, and the fleet's worker processes.
+the benchmarks and the tests, the fleet's worker processes, and a one-member etcd (the
+coordinator of a replicated pair) for the fleet's HA runs and the tests.
 
 Only processes started here are ever signalled, by their own PID; every wait has a deadline.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -192,3 +196,60 @@ class BrokerProcess(ChildProcess):
         """SIGKILL (or stop, with ``kill`` False) and start again on the same port and store."""
         self.kill() if kill else self.stop()
         return self.start()
+
+
+class EtcdProcess(ChildProcess):
+    """One etcd member (Debian's ``etcd`` binary from etcd-server) on two free 127.0.0.1 ports,
+    its data in ``folder/data``, its output in ``folder/etcd.log``. Short heartbeat and election
+    timeouts: it elects itself in a fraction of a second, and its shortest lease is about a second.
+
+    ``start`` returns once the member answers a read through its v3 JSON gateway; RuntimeError
+    (naming the remedy or the log) when the binary is missing or the member never gets ready.
+    """
+
+    ready_wait = 20.0
+
+    def __init__(self, folder: Path, *, binary: str | None = None) -> None:
+        found = binary or shutil.which("etcd")
+        if found is None:
+            raise RuntimeError("etcd is not installed: run 'make setup' (apt-get install etcd-server)")
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.url = f"http://{HOST}:{self.client_port}"
+        peer = f"http://{HOST}:{self.peer_port}"
+        folder.mkdir(parents=True, exist_ok=True)
+        super().__init__(
+            [
+                found,
+                "--name", "amqtt-durable",
+                "--data-dir", str(folder / "data"),
+                "--listen-client-urls", self.url,
+                "--advertise-client-urls", self.url,
+                "--listen-peer-urls", peer,
+                "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"amqtt-durable={peer}",
+                "--heartbeat-interval", "50",
+                "--election-timeout", "500",
+            ],
+            folder / "etcd.log",
+            wait=10.0,
+        )  # fmt: skip
+
+    def ready(self) -> bool:
+        """The member answers a read through the v3 gateway (it has a leader)."""
+        request = urllib.request.Request(f"{self.url}/v3/kv/range", data=json.dumps({"key": "eA=="}).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=1) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+
+    def start(self) -> Self:
+        super().start()
+        try:
+            ready = self.wait_until(self.ready, self.ready_wait)
+        except ChildExitedError as exc:
+            raise RuntimeError(f"etcd exited with status {self.exit_status}; see {self.log_path}") from exc
+        if not ready:
+            self.kill()
+            raise RuntimeError(f"etcd did not become ready in {self.ready_wait:g} s; see {self.log_path}")
+        return self
