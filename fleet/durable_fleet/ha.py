@@ -87,29 +87,29 @@ class PrimaryRouter:
         self.current: Node | None = None
         """The broker the last connection went to."""
 
-    async def find_primary(self) -> Node | None:
+    async def primaries(self) -> list[Node]:
+        """The nodes whose STATUS says primary now (two for a moment, when one is stepping down)."""
         answers = await asyncio.gather(*(node_status(node) for node in self.nodes))
-        primaries = [node for node, status in zip(self.nodes, answers, strict=True)
-                     if status is not None and status.get("role") == "primary"]
-        return primaries[0] if primaries else None
+        return [node for node, status in zip(self.nodes, answers, strict=True)
+                if status is not None and status.get("role") == "primary"]
 
     async def open(self, connect: bytes, abandoned: Callable[[], bool]) -> Opened | None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait
-        while True:
-            if abandoned():
-                return None
-            node = self.current or await self.find_primary()
-            if node is not None:
+        while not abandoned():
+            current = self.current
+            for node in [current] if current is not None else await self.primaries():
                 opened = await self._try(node, connect)
                 if opened is not None:
                     self.current = node
                     return opened
                 if self.current is node:
-                    self.current = None
+                    self.current = None  # it refused or is gone: ask the nodes again
             if loop.time() >= deadline:
                 raise ConnectionRefusedError(f"no broker of the pair accepted a client within {self.wait:g} s")
-            await asyncio.sleep(ROUTE_RETRY)  # a failover is under way; bounded by the deadline
+            if current is None:
+                await asyncio.sleep(ROUTE_RETRY)  # a failover is under way; bounded by the deadline
+        return None
 
     async def _try(self, node: Node, connect: bytes) -> Opened | None:
         """``node``'s connection with the CONNECT sent and its CONNACK read; None if it refused."""
