@@ -179,9 +179,13 @@ class HaPair:
                 self.brokers[name].start()
             except RuntimeError as exc:
                 raise FleetError(str(exc)) from exc
-            if name == NAMES[0]:
-                self._wait(lambda: self.primary() is not None, "broker a to become the first primary")
-        self.wait_whole()
+            try:
+                if name == NAMES[0]:
+                    self._wait(lambda: self.primary() is not None, "broker a to become the first primary")
+                else:
+                    self.wait_whole()
+            except BrokerLostError as exc:  # the run could not begin: bad input or set-up, not a verdict
+                raise FleetError(str(exc)) from exc
 
     def stop(self) -> None:
         """Brokers first (a primary releases its lease), then the relays and etcd; bounded."""
