@@ -239,14 +239,18 @@ class _LoopThread:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._server: asyncio.Server | None = None
+        self._links: set[_Link] = set()
+        """The open connections (only touched on the loop)."""
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         raise NotImplementedError
 
     async def _shutdown(self) -> None:
-        """Closes the listener and ends every connection's task (bounded)."""
+        """Closes the listener, resets every link and ends every connection's task (bounded)."""
         if self._server is not None:
             self._server.close()
+        for link in list(self._links):
+            link.reset()
         tasks = asyncio.all_tasks() - {asyncio.current_task()}
         for task in tasks:
             task.cancel()
@@ -311,7 +315,6 @@ class FaultProxy(_LoopThread):
         self._lock = threading.Lock()  # the states: set from the caller's thread, read on the loop
         self._global: LinkState = "up"
         self._states: dict[str, LinkState] = {}
-        self._links: set[_Link] = set()
         self._stats = ProxyStats()
 
     def cut(self, device: str | None = None) -> int:
@@ -389,13 +392,6 @@ class FaultProxy(_LoopThread):
         if reset:  # their tasks end once the sockets are closed
             await asyncio.wait([link.task for link in reset], timeout=CLOSE_TIMEOUT)
         return sum(1 for link in reset if target is None or link.device == target), stalled
-
-    async def _shutdown(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for link in list(self._links):
-            link.reset()
-        await super()._shutdown()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A device's connection: its CONNECT names the device, whose state decides what follows."""
@@ -544,7 +540,6 @@ class TcpRelay(_LoopThread):
         self.connect_timeout = connect_timeout
         self.cut_now = False
         """Read from the relay's loop only (set there by cut() and heal())."""
-        self._links: set[_Link] = set()
 
     @property
     def address(self) -> str:
@@ -573,13 +568,6 @@ class TcpRelay(_LoopThread):
             await _closed(writer for link in held for writer in link.writers)
 
         self._call(release, None)
-
-    async def _shutdown(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for link in list(self._links):
-            link.reset()
-        await super()._shutdown()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
