@@ -1,5 +1,6 @@
 """A real etcd for the tests: Debian's etcd-server (``make setup`` installs it), one member on
-127.0.0.1 ephemeral client and peer ports, a data dir in the test's tmp folder, ended by PID.
+127.0.0.1 ephemeral client and peer ports, a data dir in the test's tmp folder, ended by PID
+(``amqtt_durable.process.EtcdProcess``, which the fleet's HA runs use too).
 
 Registered as a pytest plugin by tests/conftest.py (``pytest_plugins``): a test asks for the
 ``etcd`` fixture.
@@ -15,12 +16,17 @@ import pytest
 from amqtt_durable.process import EtcdProcess
 
 
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
+def start_etcd(folder: Path) -> EtcdProcess:
+    """A started member, or the test fails naming why (not installed, not ready: its log)."""
     try:
-        server = EtcdProcess(tmp_path / "etcd").start_ready()
+        return EtcdProcess(folder).start()
     except RuntimeError as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
+    server = start_etcd(tmp_path / "etcd")
     try:
         yield server
     finally:

@@ -22,6 +22,7 @@ import yaml
 
 from amqtt_durable.config import DurableConfig
 from conftest import Broker, Client, payloads
+from durable_fleet.model import HA_FAULT_KINDS
 from durable_fleet.schedule import load_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +84,8 @@ def test_yaml_blocks_are_valid_broker_settings_or_fleet_schedules(tmp_path: Path
             script = tmp_path / "schedule.yaml"
             script.write_text(code)
             devices = [f"dev-{i:03d}" for i in range(1, 21)]
-            assert load_schedule(script, devices=devices, duration=60.0), name
+            ha = any(fault.get("kind") in HA_FAULT_KINDS for fault in document["faults"])  # a --ha script
+            assert load_schedule(script, devices=devices, duration=60.0, ha=ha), name
         else:
             DurableConfig.from_mapping(plugin_settings(document))  # raises, naming the key, if wrong
 

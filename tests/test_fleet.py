@@ -67,6 +67,34 @@ def test_twenty_devices_lose_nothing_through_every_kind_of_fault(tmp_path: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_ha_pair_loses_nothing_through_primary_kills_and_a_partition(tmp_path: Path, spark: Any) -> None:
+    """--ha: devices reach whichever broker is primary through the proxy; each fault hits the primary
+    of the moment (a, then b, then a again) and ends once the pair is whole again."""
+    faults = [Fault(6.0, "primary_kill", None, 1.5), Fault(9.0, "drop", "all", 1.0),
+              Fault(15.0, "partition", None, 3.5), Fault(25.0, "primary_kill", None, 1.0)]
+    result = run_fleet(fleet_options(tmp_path / "out", spark, faults, devices=8, processes=2, duration=35.0,
+                                     rate=60.0, ha=True))
+
+    details = [applied.detail for applied in result.faults if applied.fault.kind != "drop"]
+    assert [detail.split(";")[0] for detail in details] == [
+        "a (primary) killed", "b (primary) cut off from etcd", "a (primary) killed"
+    ], details
+    assert all("its backup caught up" in detail for detail in details)  # whole again after each
+    assert result.sent > 1200
+    assert {device.kind for device in result.devices} == {"cpl1", "cpl2", "paho"}
+    for device in result.devices:
+        assert device.expected > 0, device
+        assert device.lost == 0, device
+        assert device.out_of_order == 0, device
+        if device.kind == "cpl2":
+            assert device.duplicated == 0, device
+    assert result.ok, result.failures
+    assert "replicated pair" in result.settings["broker"]
+    assert all((tmp_path / "out" / "brokers" / name / "store").is_dir() for name in ("a", "b"))
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_qos0_through_connection_drops_is_reported_as_loss(tmp_path: Path, spark: Any) -> None:
     """The harness must catch a failure: QoS 0 promises nothing across a drop, and the audit

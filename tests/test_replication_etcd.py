@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from amqtt_durable.process import EtcdProcess as Etcd
-from amqtt_durable.process import free_port
+from amqtt_durable.process import EtcdProcess, free_port
 from amqtt_durable.replication.coordinator import Leader
 from amqtt_durable.replication.errors import CoordinatorError
 from amqtt_durable.replication.etcd import EtcdCoordinator
@@ -16,11 +15,11 @@ TTL = 2
 BOUND = 30.0
 
 
-def coordinator(etcd: Etcd, ttl: float = TTL) -> EtcdCoordinator:
+def coordinator(etcd: EtcdProcess, ttl: float = TTL) -> EtcdCoordinator:
     return EtcdCoordinator([etcd.url], prefix="/amqtt-durable/test/", ttl=ttl, timeout=1.0)
 
 
-def test_one_lease_holder_at_a_time_and_the_lease_ends_with_its_ttl(etcd: Etcd) -> None:
+def test_one_lease_holder_at_a_time_and_the_lease_ends_with_its_ttl(etcd: EtcdProcess) -> None:
     async def main() -> None:
         a, b = coordinator(etcd), coordinator(etcd)
         me, other = Leader("a", "127.0.0.1:1"), Leader("b", "127.0.0.1:2")
@@ -121,7 +120,7 @@ class Node:
         self.demoted.set()
 
 
-def test_a_partitioned_primary_demotes_itself_before_the_other_takes_the_lease(etcd: Etcd) -> None:
+def test_a_partitioned_primary_demotes_itself_before_the_other_takes_the_lease(etcd: EtcdProcess) -> None:
     async def main() -> None:
         hooks_a, hooks_b = Node(caught_up=False), Node(caught_up=True)
         coord_a, coord_b = coordinator(etcd), coordinator(etcd)

@@ -12,8 +12,7 @@ from pathlib import Path
 
 from replication_helpers import bounded, commit, content, ops_for
 
-from amqtt_durable.process import EtcdProcess as Etcd
-from amqtt_durable.process import free_port
+from amqtt_durable.process import EtcdProcess, free_port
 from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.errors import ReplicationError
 from amqtt_durable.replication.etcd import EtcdCoordinator
@@ -25,7 +24,7 @@ from amqtt_durable.store import STORE_ID_KEY, open_store
 class Broker:
     """What the broker will do on promotion and demotion, recorded."""
 
-    def __init__(self, name: str, etcd: Etcd, folder: Path) -> None:
+    def __init__(self, name: str, etcd: EtcdProcess, folder: Path) -> None:
         self.config = ReplicationConfig(
             name=name,
             coordinator=[etcd.url],
@@ -53,7 +52,7 @@ class Broker:
         self.promoted.set()
 
 
-def test_the_backup_takes_over_and_the_old_primary_rejoins_and_is_caught_up(etcd: Etcd, tmp_path: Path) -> None:
+def test_the_backup_takes_over_and_the_old_primary_rejoins_and_is_caught_up(etcd: EtcdProcess, tmp_path: Path) -> None:
     async def main() -> None:
         a, b = Broker("a", etcd, tmp_path), Broker("b", etcd, tmp_path)
         await a.node.start()

@@ -23,7 +23,7 @@ from amqtt_durable.errors import ConfigError
 from durable_pipeline.errors import PipelineError
 
 from .errors import BrokerLostError, FleetError, ScheduleError
-from .model import DEVICE_KINDS, FAULT_KINDS, DeviceKind, FaultKind
+from .model import ALL_FAULT_KINDS, DEVICE_KINDS, DeviceKind, FaultKind
 from .runner import FleetOptions, device_names, run_fleet
 from .schedule import load_schedule, parse_duration, random_schedule
 
@@ -33,6 +33,8 @@ EXIT_INTERNAL = 3
 DEFAULT_FAULTS = "drop=3,stall=3,broker_kill=1,device_restart=3"
 DEFAULT_FAULTS_RUNNING_BROKER = "drop=3,stall=3,device_restart=3"
 """With --port the broker is not ours to kill."""
+DEFAULT_FAULTS_HA = "drop=3,stall=3,primary_kill=1,partition=1,device_restart=3"
+"""With --ha the faults on the brokers hit whichever is primary."""
 PREFIX = re.compile(r"[A-Za-z0-9_.:-]*")
 
 
@@ -68,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "127.0.0.1 port, a store under OUT/store and metrics every second")
     target.add_argument("--port", type=int, help="target a running broker on --host:PORT instead (no broker kills)")
     parser.add_argument("--host", default="127.0.0.1", help="host of the running broker given by --port")
+    parser.add_argument("--ha", action="store_true",
+                        help="start a replicated pair from --config instead of one broker: a real etcd (Debian's "
+                        "etcd) and two brokers in sync mode; devices and publishers reach whichever is primary "
+                        "through the harness's proxies; enables the faults primary_kill and partition")
     parser.add_argument("--out", type=Path, default=Path("fleet-out"), help="output folder (default: %(default)s)")
     parser.add_argument("--devices", type=int, default=20, help="simulated devices (default: %(default)s)")
     parser.add_argument("--mix", default="cpl1=1,cpl2=1,paho=1",
@@ -89,8 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--schedule", type=Path,
                           help="scripted faults: a YAML/JSON file (see README, 'Fleet testing')")
     schedule.add_argument("--faults",
-                          help="random faults per kind, KIND=COUNT: drop, stall, broker_kill, device_restart "
-                          f"(default: {DEFAULT_FAULTS}; with --port: {DEFAULT_FAULTS_RUNNING_BROKER})")
+                          help="random faults per kind, KIND=COUNT: drop, stall, broker_kill, device_restart; with "
+                          "--ha, primary_kill and partition instead of broker_kill "
+                          f"(default: {DEFAULT_FAULTS}; with --port: {DEFAULT_FAULTS_RUNNING_BROKER}; with --ha: "
+                          f"{DEFAULT_FAULTS_HA})")
     parser.add_argument("--seed", type=int, help="seed of the random schedule (default: a random one, printed)")
     parser.add_argument("--drain-timeout", type=_duration, default=60.0,
                         help="after publishing, how long to wait for devices to catch up (default: 60s)")
@@ -117,16 +125,20 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"--prefix {args.prefix!r}: use letters, digits and _ . : - only (it is in topic names)")
     if args.port is None and args.host != "127.0.0.1":
         parser.error("--host names a running broker: give its --port too")
+    if args.ha and args.port is not None:
+        parser.error("--ha starts a replicated pair from --config; it cannot target a running broker (--port)")
 
 
 def _mix_and_faults(
     args: argparse.Namespace, parser: argparse.ArgumentParser
 ) -> tuple[dict[DeviceKind, int], dict[FaultKind, int]]:
     if args.faults is None:
-        args.faults = DEFAULT_FAULTS if args.port is None else DEFAULT_FAULTS_RUNNING_BROKER
+        args.faults = (
+            DEFAULT_FAULTS_HA if args.ha else DEFAULT_FAULTS if args.port is None else DEFAULT_FAULTS_RUNNING_BROKER
+        )
     try:
         mix = cast(dict[DeviceKind, int], _weights(args.mix, DEVICE_KINDS, "--mix"))
-        counts = cast(dict[FaultKind, int], _weights(args.faults, FAULT_KINDS, "--faults"))
+        counts = cast(dict[FaultKind, int], _weights(args.faults, ALL_FAULT_KINDS, "--faults"))
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
     if sum(mix.values()) == 0:
@@ -148,11 +160,11 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     try:
         if args.schedule is not None:
-            faults = load_schedule(args.schedule, devices=names, duration=args.duration)
+            faults = load_schedule(args.schedule, devices=names, duration=args.duration, ha=args.ha)
             note = f"from {args.schedule}"
         else:
             faults = random_schedule(seed, duration=args.duration, devices=names, counts=counts,
-                                     keepalive=args.keepalive)
+                                     keepalive=args.keepalive, ha=args.ha)
             note = f"random, --seed {seed}"
     except (ScheduleError, ValueError) as exc:
         parser.error(str(exc))
@@ -164,7 +176,7 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
         publishers=args.publishers, processes=args.processes, keepalive=args.keepalive, faults=faults,
         config=config, host=args.host, port=args.port, prefix=args.prefix, drain_timeout=args.drain_timeout,
         master=args.master, progress=None if args.quiet else sys.stderr, schedule_note=note,
-        broadcast_every=args.broadcast_every,
+        broadcast_every=args.broadcast_every, ha=args.ha,
     )
 
 

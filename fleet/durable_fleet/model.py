@@ -7,8 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-FaultKind = Literal["drop", "stall", "broker_kill", "device_restart"]
-FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
+BrokerFaultKind = Literal["drop", "stall", "broker_kill", "device_restart"]
+"""The faults of a run against one broker."""
+HaFaultKind = Literal["primary_kill", "partition"]
+"""The faults of a run against a replicated pair (``--ha``): they hit whichever broker is primary."""
+FaultKind = BrokerFaultKind | HaFaultKind
+FAULT_KINDS: tuple[str, ...] = get_args(BrokerFaultKind)
+HA_FAULT_KINDS: tuple[str, ...] = get_args(HaFaultKind)
+ALL_FAULT_KINDS: tuple[str, ...] = FAULT_KINDS + HA_FAULT_KINDS
 DeviceKind = Literal["cpl1", "cpl2", "paho"]
 """An SDK client with in-memory duplicate detection (CPL-1), with its fsync'd journal (CPL-2),
 or a plain paho client (clean_session=False, QoS 1): at-least-once only."""
@@ -22,10 +28,12 @@ class Fault:
     """One fault of the schedule.
 
     ``at`` is seconds after the publishers start. ``duration``: how long the link stays cut
-    (drop), blackholed (stall), the broker stays dead (broker_kill) or the device's process
-    stays dead (device_restart) before it is restored, restarted or started again.
+    (drop), blackholed (stall), the broker stays dead (broker_kill), the device's process
+    stays dead (device_restart), the killed primary stays dead (primary_kill) or the primary
+    stays cut off from etcd (partition) before it is restored, restarted or healed.
     ``target``: a device name or ``ALL_DEVICES`` for drop and stall, a device name for
-    device_restart (its whole process restarts), None for broker_kill.
+    device_restart (its whole process restarts), None for broker_kill, primary_kill and
+    partition (the broker that is primary when the fault begins).
     """
 
     at: float

@@ -5,6 +5,12 @@ their MQTT keep-alive), per device or for all, on the fault schedule's orders.
 A device is known by the client id of its MQTT CONNECT, so a fault follows the device across
 reconnects. The proxy runs an asyncio loop on its own thread; the schedule calls it from a
 plain thread and each call returns once its effect has happened.
+
+In front of a replicated pair (``--ha``) the proxy is the pair's virtual address: an
+``Upstream`` (durable_fleet.ha's router) picks the broker that is primary for each new
+connection, so devices need no list of brokers. ``TcpRelay`` is a plain TCP relay with a
+blackhole switch: the harness puts one between each broker and etcd to partition a primary
+from its coordinator.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import struct
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from amqtt_durable.errors import ProtocolViolationError
 from amqtt_durable.wire import decode_remaining_length
@@ -43,6 +49,17 @@ _LINGER_RESET = struct.pack("ii", 1, 0)
 """SO_LINGER on with timeout 0: close() sends an RST, so the peer sees ECONNRESET, not a FIN."""
 
 _T = TypeVar("_T")
+Opened = tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]
+"""A broker connection with its CONNECT sent, and the broker's first bytes (its CONNACK) to pass on."""
+
+
+class Upstream(Protocol):
+    """Where a device's connection goes when it is not one fixed broker address."""
+
+    async def open(self, connect: bytes, abandoned: Callable[[], bool]) -> Opened | None:
+        """Connect to the right broker, send ``connect`` (the device's CONNECT) and read its
+        CONNACK; None when ``abandoned()`` says the device left meanwhile. OSError when no
+        broker would take it (the device's connection is then reset)."""
 
 
 @dataclass
@@ -213,32 +230,32 @@ class _Link:
         self.task.cancel()
 
 
-class FaultProxy:
-    """A TCP proxy from the devices to the broker whose links cut(), stall() and restore() control.
+class _LoopThread:
+    """An asyncio server on a loop of its own thread; other threads call in with ``_call``."""
 
-    The state of a device's link is the worse of the global state and its own (cut is worse than
-    stall), so restore(device) leaves a global fault in force and cut(device) resets the device's
-    links even during a global stall. A "link" is a device connection whose CONNECT was read,
-    until it closes, including one still held by a stall or connecting to the broker.
-    """
-
-    def __init__(
-        self, broker_host: str, broker_port: int, *, listen_host: str = "127.0.0.1", connect_timeout: float = 5.0
-    ) -> None:
-        self.broker_host = broker_host
-        self.broker_port = broker_port
+    def __init__(self, listen_host: str, name: str) -> None:
         self.listen_host = listen_host
-        self.connect_timeout = connect_timeout
-        """Bound of the wait for a device's CONNECT and of the connection to the broker."""
         self.port = 0
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._server: asyncio.Server | None = None
-        self._lock = threading.Lock()  # the states: set from the caller's thread, read on the loop
-        self._global: LinkState = "up"
-        self._states: dict[str, LinkState] = {}
         self._links: set[_Link] = set()
-        self._stats = ProxyStats()
+        """The open connections (only touched on the loop)."""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    async def _shutdown(self) -> None:
+        """Closes the listener, resets every link and ends every connection's task (bounded)."""
+        if self._server is not None:
+            self._server.close()
+        for link in list(self._links):
+            link.reset()
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT)
 
     def start(self) -> int:
         """Starts the loop's thread and listens on an ephemeral port of listen_host; returns the port."""
@@ -257,6 +274,48 @@ class FaultProxy:
             self._thread.join(CALL_TIMEOUT)
         if not self._thread.is_alive() and not self._loop.is_closed():
             self._loop.close()
+
+    def _call(self, work: Callable[[], Coroutine[Any, Any, _T]], idle: _T) -> _T:
+        """Runs ``work`` on the loop and waits for it (bounded); ``idle`` when the loop is not running."""
+        if not self._loop.is_running():
+            return idle
+        future = asyncio.run_coroutine_threadsafe(work(), self._loop)
+        try:
+            return future.result(CALL_TIMEOUT)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+
+class FaultProxy(_LoopThread):
+    """A TCP proxy from the devices to the broker whose links cut(), stall() and restore() control.
+
+    The state of a device's link is the worse of the global state and its own (cut is worse than
+    stall), so restore(device) leaves a global fault in force and cut(device) resets the device's
+    links even during a global stall. A "link" is a device connection whose CONNECT was read,
+    until it closes, including one still held by a stall or connecting to the broker.
+    """
+
+    def __init__(
+        self,
+        broker_host: str,
+        broker_port: int,
+        *,
+        listen_host: str = "127.0.0.1",
+        connect_timeout: float = 5.0,
+        upstream: Upstream | None = None,
+    ) -> None:
+        super().__init__(listen_host, "fault-proxy")
+        self.broker_host = broker_host
+        self.broker_port = broker_port
+        self.connect_timeout = connect_timeout
+        """Bound of the wait for a device's CONNECT and of the connection to the broker."""
+        self.upstream = upstream
+        """None: every link goes to broker_host:broker_port; else the upstream picks the broker."""
+        self._lock = threading.Lock()  # the states: set from the caller's thread, read on the loop
+        self._global: LinkState = "up"
+        self._states: dict[str, LinkState] = {}
+        self._stats = ProxyStats()
 
     def cut(self, device: str | None = None) -> int:
         """Takes the link down: resets every open link of ``device`` (None: of every device) and, until
@@ -301,17 +360,6 @@ class FaultProxy:
 
         return self._call(snapshot, dataclasses.replace(self._stats))
 
-    def _call(self, work: Callable[[], Coroutine[Any, Any, _T]], idle: _T) -> _T:
-        """Runs ``work`` on the loop and waits for it (bounded); ``idle`` when the loop is not running."""
-        if not self._loop.is_running():
-            return idle
-        future = asyncio.run_coroutine_threadsafe(work(), self._loop)
-        try:
-            return future.result(CALL_TIMEOUT)
-        except TimeoutError:
-            future.cancel()
-            raise
-
     def _set(self, device: str | None, state: LinkState) -> None:
         """Only restore() makes a link better: a stall over a cut leaves it cut."""
         with self._lock:
@@ -344,17 +392,6 @@ class FaultProxy:
         if reset:  # their tasks end once the sockets are closed
             await asyncio.wait([link.task for link in reset], timeout=CLOSE_TIMEOUT)
         return sum(1 for link in reset if target is None or link.device == target), stalled
-
-    async def _shutdown(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for link in list(self._links):
-            link.reset()
-        tasks = asyncio.all_tasks() - {asyncio.current_task()}
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A device's connection: its CONNECT names the device, whose state decides what follows."""
@@ -407,24 +444,17 @@ class FaultProxy:
                 # a CONNECT the device gave up on (it reconnects on a new connection).
                 log.debug("%r closed its connection while it was held; not forwarded", link.device)
                 return
-            try:
-                broker_reader, broker_writer = await asyncio.wait_for(
-                    asyncio.open_connection(self.broker_host, self.broker_port), self.connect_timeout
-                )
-            except (OSError, TimeoutError) as exc:  # e.g. the broker is being restarted
-                log.debug(
-                    "broker %s:%d not reachable for %r: %r; resetting the device's connection",
-                    self.broker_host,
-                    self.broker_port,
-                    link.device,
-                    exc,
-                )
+            opened = await self._open_broker(link, device_reader, connect)
+            if opened is None:
                 return
+            broker_reader, broker_writer, reply = opened
             link.attach(broker_writer)
             device_writer = link.writers[0]
+            sent = b"" if self.upstream is None else connect  # an upstream sent the CONNECT itself
+            self._stats.bytes_up += len(sent)
             pumps = {
-                asyncio.create_task(self._pump(link, device_reader, broker_writer, connect, up=True)),
-                asyncio.create_task(self._pump(link, broker_reader, device_writer, b"", up=False)),
+                asyncio.create_task(self._pump(link, device_reader, broker_writer, connect[len(sent):], up=True)),
+                asyncio.create_task(self._pump(link, broker_reader, device_writer, reply, up=False)),
             }
             pending = pumps
             while pending:
@@ -448,6 +478,23 @@ class FaultProxy:
                 else:
                     writer.close()
             await _closed(link.writers)
+
+    async def _open_broker(
+        self, link: _Link, device_reader: asyncio.StreamReader, connect: bytes
+    ) -> Opened | None:
+        """The broker end of a link: broker_host:broker_port, or what the upstream picks; None
+        (the device's connection is then reset) when there is none to be had."""
+        try:
+            if self.upstream is not None:
+                return await self.upstream.open(connect, lambda: _abandoned(device_reader, link.writers[0]))
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(self.broker_host, self.broker_port), self.connect_timeout
+            )
+        except (OSError, TimeoutError) as exc:  # e.g. the broker is being restarted
+            where = "primary broker" if self.upstream is not None else f"broker {self.broker_host}:{self.broker_port}"
+            log.debug("%s not reachable for %r: %r; resetting the device's connection", where, link.device, exc)
+            return None
+        return reader, writer, b""
 
     async def _pump(
         self, link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bytes, *, up: bool
@@ -476,3 +523,95 @@ class FaultProxy:
         except OSError:
             await link.flowing.wait()
             raise
+
+
+class TcpRelay(_LoopThread):
+    """A plain TCP relay to ``host:port`` that ``cut()`` turns into a blackhole until ``heal()``.
+
+    While cut nothing is read or forwarded either way and nothing is closed: a client's calls
+    time out, as across a real partition; connections made meanwhile are accepted and held.
+    ``heal()`` resets what was held (its peers gave up on it long ago) and relays again.
+    """
+
+    def __init__(self, host: str, port: int, *, listen_host: str = "127.0.0.1", connect_timeout: float = 5.0) -> None:
+        super().__init__(listen_host, f"relay-{port}")
+        self.host = host
+        self.target_port = port
+        self.connect_timeout = connect_timeout
+        self.cut_now = False
+        """Read from the relay's loop only (set there by cut() and heal())."""
+
+    @property
+    def address(self) -> str:
+        return f"{self.listen_host}:{self.port}"
+
+    def cut(self) -> int:
+        """Blackholes every connection, open or new, until heal(); returns how many were open."""
+
+        async def hold() -> int:
+            self.cut_now = True
+            for link in self._links:
+                link.hold()
+            return len(self._links)
+
+        return self._call(hold, 0)
+
+    def heal(self) -> None:
+        """Resets the connections held by the cut; new ones are relayed again."""
+
+        async def release() -> None:
+            self.cut_now = False
+            held = [link for link in self._links if not link.flowing.is_set()]
+            for link in held:
+                self._links.discard(link)
+                link.reset()
+            await _closed(writer for link in held for writer in link.writers)
+
+        self._call(release, None)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None, "a connection is served by its own task"
+        link = _Link(_peer(writer), writer, task)
+        self._links.add(link)
+        try:
+            if self.cut_now:
+                link.hold()
+            await link.flowing.wait()  # held until heal(), which resets it
+            target_reader, target_writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.target_port), self.connect_timeout
+            )
+            link.attach(target_writer)
+            pumps = [
+                asyncio.create_task(_relay(link, reader, target_writer)),
+                asyncio.create_task(_relay(link, target_reader, writer)),
+            ]
+            try:
+                await asyncio.gather(*pumps)
+            finally:
+                for pump in pumps:
+                    pump.cancel()
+        except (OSError, TimeoutError, asyncio.CancelledError) as exc:
+            log.debug("relay link %s ended: %r", link.device, exc)
+        finally:
+            self._links.discard(link)
+            for end in link.writers:
+                if link.flowing.is_set():
+                    end.close()
+                else:
+                    _reset(end)
+            await _closed(link.writers)
+
+
+async def _relay(link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """One direction of a relay link, until EOF (passed on); nothing moves while the link is held."""
+    while True:
+        await link.flowing.wait()
+        chunk = await reader.read(CHUNK)
+        if not chunk:
+            break
+        await link.flowing.wait()
+        writer.write(chunk)
+        await writer.drain()
+    with contextlib.suppress(OSError):
+        writer.write_eof()

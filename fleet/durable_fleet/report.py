@@ -22,7 +22,7 @@ from matplotlib.ticker import MaxNLocator
 
 from durable_pipeline.report import loss_bars
 
-from .model import DEVICE_KINDS, FAULT_KINDS, DeviceOutcome, FleetResult
+from .model import DEVICE_KINDS, FAULT_KINDS, HA_FAULT_KINDS, DeviceOutcome, FleetResult
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -37,7 +37,10 @@ MAX_DEVICES_CHARTED = 40
 """Loss chart: the devices that lost or duplicated most, so a fleet of thousands stays legible."""
 MAX_DEVICES_LISTED = 500
 """Rows per device table of report.html; the audit's report has every device."""
-FAULT_COLOURS = {"drop": "#dd8452", "stall": "#8172b3", "broker_kill": "#c44e52", "device_restart": "#55a868"}
+FAULT_COLOURS = {
+    "drop": "#dd8452", "stall": "#8172b3", "broker_kill": "#c44e52", "device_restart": "#55a868",
+    "primary_kill": "#937860", "partition": "#da8bc3",
+}
 DEVICE_COLOURS = {"cpl1": "#4c72b0", "cpl2": "#64b5cd", "paho": "#937860"}
 OTHER_COLOUR = "#999999"
 """Latency points of a device missing from the outcomes (the audit judged no such device)."""
@@ -117,7 +120,8 @@ def _kind_row(label: str, devices: Sequence[DeviceOutcome]) -> tuple[str, ...]:
 
 def _faults_line(result: FleetResult) -> str:
     counts: Counter[str] = Counter(applied.fault.kind for applied in result.faults)
-    per_kind = ", ".join(f"{counts[kind]} {kind}" for kind in FAULT_KINDS)
+    kinds = [*FAULT_KINDS, *(kind for kind in HA_FAULT_KINDS if counts[kind])]  # HA kinds only in an HA run
+    per_kind = ", ".join(f"{counts[kind]} {kind}" for kind in kinds)
     return f"faults applied: {len(result.faults)} ({per_kind})"
 
 
@@ -312,7 +316,8 @@ def _fault_rows(result: FleetResult) -> list[tuple[object, ...]]:
         (
             f"{applied.started:.2f}",
             applied.fault.kind,
-            applied.fault.target if applied.fault.target is not None else "broker",
+            applied.fault.target if applied.fault.target is not None
+            else "primary" if applied.fault.kind in HA_FAULT_KINDS else "broker",
             f"{applied.fault.duration:g}",
             f"{applied.ended:.2f}",
             applied.detail,

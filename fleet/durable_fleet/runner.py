@@ -2,9 +2,10 @@
 fault schedule, the drain, then the Spark delivery audit of the delivery logs.
 
 Layout of ``out``: ``logs/`` (one delivery log per device and publisher), ``state/`` (CPL-2
-journals), ``store/`` and ``broker.log`` (a broker started here), ``workers/`` (each process's
-spec and output), ``schedule.yaml`` (the faults, replayable with ``--schedule``), ``audit/``
-(the Spark audit's summary and report), ``report.html`` with its charts.
+journals), ``store/`` and ``broker.log`` (a broker started here), ``brokers/`` and ``etcd/``
+(the replicated pair of ``--ha``, durable_fleet.ha), ``workers/`` (each process's spec and
+output), ``schedule.yaml`` (the faults, replayable with ``--schedule``), ``audit/`` (the Spark
+audit's summary and report), ``report.html`` with its charts.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from paho.mqtt.enums import CallbackAPIVersion
 from amqtt_durable.process import HOST, BrokerProcess, ChildProcess, free_port, local_config
 
 from .errors import BrokerLostError, FleetError
+from .ha import HA_TIMING, WHOLE_WAIT, HaPair
 from .model import (
     ALL_DEVICES,
+    HA_FAULT_KINDS,
     AppliedFault,
     DeviceKind,
     DeviceOutcome,
@@ -47,7 +50,7 @@ from .worker import BROADCAST_TOPIC, DeviceSpec, PublisherSpec, WorkerSpec, comm
 log = logging.getLogger(__name__)
 
 QUEUED_METRIC = "$SYS/broker/durable/messages/queued"
-STALE = ("logs", "state", "store", "workers", "audit")
+STALE = ("logs", "state", "store", "workers", "audit", "brokers", "etcd")
 """Sub-folders of ``out`` that a new run replaces, with the files in OWN_FILES."""
 OWN_FILES = ("report.html", "schedule.yaml", "broker.yaml", "broker.log")
 MARKER = ".amqtt-durable-fleet"
@@ -58,6 +61,9 @@ MIN_CPU_INTERVAL = 0.5
 """Seconds of wall time a CPU figure spans at least."""
 LOG_LINE_EVERY = 5.0
 """Seconds between progress lines when stderr is not a terminal."""
+BROKER_FAULTS = ("broker_kill", *HA_FAULT_KINDS)
+"""Faults on the broker side, driven by a thread of their own: a pair's recovery after one
+(a restart, a catch-up) does not hold up the faults on the devices' links and processes."""
 
 
 @dataclass
@@ -92,6 +98,9 @@ class FleetOptions:
     progress: TextIO | None = None
     schedule_note: str = ""
     """How the faults were made (seed or file), for the settings table."""
+    ha: bool = False
+    """Start a replicated pair from ``config`` (etcd, two brokers, durable_fleet.ha) instead of one
+    broker; the fault proxy is its virtual address (devices reach whichever broker is primary)."""
 
 
 def device_names(prefix: str, count: int) -> list[str]:
@@ -206,7 +215,12 @@ class FleetRun:
         self.names = device_names(options.prefix, options.devices)
         self.kind_of = dict(zip(self.names, self.kinds, strict=True))
         self.broker: BrokerProcess | None = None
+        self.pair: HaPair | None = None
         self.proxy: FaultProxy | None = None
+        self.publisher_proxy: FaultProxy | None = None
+        """--ha: the publishers' way to the primary (the same router as the devices', no faults)."""
+        self.hit: dict[Fault, str] = {}
+        """The broker each primary_kill or partition under way hit."""
         self.device_workers: list[_Worker] = []
         self.publishers: list[_Worker] = []
         self.worker_of: dict[str, _Worker] = {}
@@ -232,7 +246,12 @@ class FleetRun:
         if self.o.config is None:
             if self.o.port is None:
                 raise FleetError("give a broker.yaml to start (--config) or a running broker (--port)")
+            if self.o.ha:
+                raise FleetError("--ha starts a replicated pair from a broker.yaml (--config), not --port")
             return self.o.port
+        if self.o.ha:
+            self.pair = HaPair(self.o.config, self.out, metrics_interval=SAMPLE_INTERVAL).start()
+            return 0  # no fixed broker port: the proxies route to the primary
         port = free_port()
         config = local_config(self.o.config, port, store=str(self.out / "store"), metrics_interval=SAMPLE_INTERVAL)
         self.broker = BrokerProcess(config, self.out, port)
@@ -290,9 +309,11 @@ class FleetRun:
 
     # ------------------------------------------------------------------ faults
     def _apply(self, fault: Fault, begin: bool) -> str:
-        """Start or end one fault; return what it touched."""
+        """Start or end one fault; return what it touched (or, at its end, how it healed)."""
         proxy, broker = self.proxy, self.broker
         assert proxy is not None
+        if fault.kind in HA_FAULT_KINDS:
+            return self._apply_ha(fault, begin)
         target = None if fault.target == ALL_DEVICES else fault.target
         if fault.kind in ("drop", "stall"):
             if begin:
@@ -322,10 +343,31 @@ class FleetRun:
                 worker.start()
         return ""
 
-    def _drive_faults(self, stop: threading.Event, errors: list[BaseException]) -> None:
-        """Apply the schedule: each fault starts at ``at`` and ends ``duration`` later."""
+    def _apply_ha(self, fault: Fault, begin: bool) -> str:
+        """primary_kill and partition: whichever broker is primary once the pair is whole."""
+        pair = self.pair
+        if pair is None:
+            raise FleetError(f"{fault.kind} needs the replicated pair of --ha")
+        if begin:
+            if fault.kind == "primary_kill":
+                self.hit[fault] = pair.kill_primary()
+                return f"{self.hit[fault]} (primary) killed"
+            self.hit[fault] = pair.partition_primary()
+            return f"{self.hit[fault]} (primary) cut off from etcd"
+        name = self.hit.pop(fault)
+        took = pair.restart(name) if fault.kind == "primary_kill" else pair.heal(name)
+        again = "restarted" if fault.kind == "primary_kill" else "reconnected to etcd"
+        return f"{again}: {pair.primary()} primary, its backup caught up {took:.1f} s later"
+
+    def _drive_faults(
+        self, stop: threading.Event, errors: list[BaseException], kinds: tuple[str, ...] | None = None
+    ) -> None:
+        """Apply the schedule (the faults of ``kinds``, None: all): each fault starts at ``at``
+        and ends ``duration`` later (or once the one before it on this thread has ended)."""
         events: list[tuple[float, int, bool, int]] = []
         for index, fault in enumerate(self.o.faults):
+            if kinds is not None and fault.kind not in kinds:
+                continue
             heapq.heappush(events, (fault.at, 1, True, index))
             heapq.heappush(events, (fault.at + fault.duration, 0, False, index))  # ends first at equal times
         active: dict[int, Fault] = {}
@@ -344,9 +386,10 @@ class FleetRun:
                     continue
                 if active.pop(index, None) is None:
                     continue
-                self._apply(fault, False)
+                healed = self._apply(fault, False)
                 self._reapply_links(fault, active)
                 begun, detail = started[index]
+                detail = "; ".join(filter(None, (detail, healed)))
                 with self.lock:
                     self.applied.append(AppliedFault(fault, begun, time.monotonic() - self.t0, detail))
         except BaseException as exc:  # handed to the main thread, which stops the run
@@ -362,7 +405,7 @@ class FleetRun:
                 self._apply(fault, True)
 
     def _count(self, fault: Fault) -> None:
-        if fault.kind == "broker_kill":
+        if fault.kind in BROKER_FAULTS:
             return
         targets = self.names if fault.target == ALL_DEVICES else [str(fault.target)]
         if fault.kind == "device_restart":
@@ -381,7 +424,8 @@ class FleetRun:
         tail.poll()
         with self.lock:
             self._check_workers()
-        cpu, rss = self.usage.read(self.broker.pid if self.broker is not None else None)
+        pid = self.pair.primary_pid() if self.pair is not None else self.broker.pid if self.broker is not None else None
+        cpu, rss = self.usage.read(pid)
         assert self.proxy is not None
         sample = Sample(
             time.monotonic() - self.t0, depth.value, cpu, rss, self.proxy.connected(), tail.sent, tail.received
@@ -413,46 +457,59 @@ class FleetRun:
 
     # -------------------------------------------------------------------- run
     def run(self) -> FleetResult:
-        o = self.o
         self._prepare()
         tail = DeliveryTail(
             self.out / "logs", {name: (command_topic(name), BROADCAST_TOPIC) for name in self.names}, time.time()
         )
         broker_port = self._start_broker()
-        self.proxy = FaultProxy(self.broker_host, broker_port)
+        upstream = self.pair.router if self.pair is not None else None
+        self.proxy = FaultProxy(self.broker_host, broker_port, upstream=upstream)
         depth: _QueueDepth | None = None
         errors: list[BaseException] = []
         stop = threading.Event()
-        driver = threading.Thread(target=self._drive_faults, args=(stop, errors), name="fleet-faults", daemon=True)
+        link_kinds = ("drop", "stall", "device_restart")
+        drivers = [
+            threading.Thread(target=self._drive_faults, args=(stop, errors, kinds), name=name, daemon=True)
+            for name, kinds in (("fleet-faults", link_kinds), ("fleet-broker-faults", BROKER_FAULTS))
+        ]
         try:
             proxy_port = self.proxy.start()
-            self._start_workers(broker_port, proxy_port)
-            depth = _QueueDepth(self.broker_host, broker_port)
+            publish_port = broker_port
+            if upstream is not None:
+                self.publisher_proxy = FaultProxy(self.broker_host, broker_port, upstream=upstream)
+                publish_port = self.publisher_proxy.start()
+            self._start_workers(publish_port, proxy_port)
+            depth = _QueueDepth(self.broker_host, publish_port)
             self._wait_ready(tail)
-            self._publish(tail, depth, driver, stop, errors)
+            self._publish(tail, depth, drivers, stop, errors)
             self._drain(tail, depth)
             duration = time.monotonic() - self.t0
         finally:
             stop.set()
-            if driver.is_alive():  # the run failed: let the driver end its faults before we stop all
-                driver.join(self._driver_bound())
-            children = [*self.publishers, *self.device_workers]
-            for child in children:
-                child.terminate()
-            deadline = time.monotonic() + STOP_WAIT
-            for child in children:
-                child.wait_stopped(deadline)
-            if depth is not None:
-                depth.close()
-            self.proxy.stop()
-            if self.broker is not None:
-                self.broker.stop()
-            if o.progress is not None and o.progress.isatty():
-                o.progress.write("\n")
+            self._stop_all(drivers, depth)
         return self._judge(tail, duration)
 
+    def _stop_all(self, drivers: list[threading.Thread], depth: _QueueDepth | None) -> None:
+        """After the run or its failure: faults ended, processes stopped, proxies and brokers last."""
+        for driver in drivers:
+            if driver.is_alive():  # the run failed: let the driver end its faults before we stop all
+                driver.join(self._driver_bound())
+        children = [*self.publishers, *self.device_workers]
+        for child in children:
+            child.terminate()
+        deadline = time.monotonic() + STOP_WAIT
+        for child in children:
+            child.wait_stopped(deadline)
+        if depth is not None:
+            depth.close()
+        for service in (self.proxy, self.publisher_proxy, self.broker, self.pair):
+            if service is not None:
+                service.stop()
+        if self.o.progress is not None and self.o.progress.isatty():
+            self.o.progress.write("\n")
+
     def _publish(
-        self, tail: DeliveryTail, depth: _QueueDepth, driver: threading.Thread, stop: threading.Event,
+        self, tail: DeliveryTail, depth: _QueueDepth, drivers: list[threading.Thread], stop: threading.Event,
         errors: list[BaseException],
     ) -> None:
         """Publishers run for the duration while the driver applies the faults; then all heal."""
@@ -461,13 +518,15 @@ class FleetRun:
         tail.start = time.time()
         for publisher in self.publishers:
             publisher.start()
-        driver.start()
+        for driver in drivers:
+            driver.start()
         self.phase = "publishing"
         while time.monotonic() - self.t0 < self.o.duration and not errors:
             self._sample(tail, depth)
             stop.wait(SAMPLE_INTERVAL)  # the sampling period
         stop.set()
-        self._join(driver, errors)
+        for driver in drivers:
+            self._join(driver, errors)
 
     def _drain(self, tail: DeliveryTail, depth: _QueueDepth) -> None:
         """Publishers stop; the devices get up to drain_timeout to receive what is missing."""
@@ -485,6 +544,8 @@ class FleetRun:
     def _driver_bound(self) -> float:
         """How long ending the last faults can take: a broker start, proxy calls, process stops."""
         broker_start = self.broker.wait if self.broker is not None else 0.0
+        if self.pair is not None:  # a start, and a wait for the pair to be whole before and after
+            broker_start = max(b.wait for b in self.pair.brokers.values()) + 2 * WHOLE_WAIT
         return max((f.duration for f in self.o.faults), default=0.0) + broker_start + 2 * STOP_WAIT
 
     def _join(self, driver: threading.Thread, errors: list[BaseException]) -> None:
@@ -550,6 +611,9 @@ class FleetRun:
         mix = ", ".join(f"{kind} {self.kinds.count(kind)}" for kind in ("cpl1", "cpl2", "paho") if kind in self.kinds)
         store = self.out / "store"
         broker = f"started from broker.yaml (store {store})" if o.config is not None else f"{o.host}:{o.port}"
+        if self.pair is not None:
+            broker = (f"replicated pair a, b started from broker.yaml (sync mode, lease {HA_TIMING['lease_ttl']} s; "
+                      f"stores {self.out / 'brokers'}/*/store), etcd in {self.out / 'etcd'}")
         return {
             "devices": f"{o.devices} ({mix}) in {len(self.device_workers)} process(es)",
             "publishers": f"{o.publishers} at {o.rate:g} messages/s in all, QoS {o.qos}, {o.payload_size} B payloads",

@@ -10,6 +10,12 @@ Script format (``at``: when, after the publishers start; ``for``: how long the f
       - {at: 12, kind: stall, device: all, for: 40s}
       - {at: 20s, kind: broker_kill, for: 1s}
       - {at: 30s, kind: device_restart, device: dev-010, for: 500ms}
+
+With ``--ha`` (a replicated pair) there is no broker_kill; ``primary_kill`` and ``partition``
+take no device (they hit whichever broker is primary when they begin)::
+
+      - {at: 10s, kind: primary_kill, for: 2s}
+      - {at: 25s, kind: partition, for: 4s}
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any, cast
 import yaml
 
 from .errors import ScheduleError
-from .model import ALL_DEVICES, FAULT_KINDS, Fault, FaultKind
+from .model import ALL_DEVICES, ALL_FAULT_KINDS, FAULT_KINDS, HA_FAULT_KINDS, Fault, FaultKind
 
 DEFAULT_START = 5.0
 """No fault in the first seconds: every device is connected and subscribed before the first one."""
@@ -40,8 +46,20 @@ FIXED_DURATIONS: dict[str, tuple[float, float]] = {
     "drop": (0.5, 3.0),
     "broker_kill": (0.5, 2.0),
     "device_restart": (0.2, 2.0),
+    "primary_kill": (0.5, 3.0),
+    "partition": (3.0, 6.0),
 }
-"""Random down times (seconds) per kind; a stall's depends on the keep-alive (STALL_KEEPALIVES)."""
+"""Random down times (seconds) per kind; a stall's depends on the keep-alive (STALL_KEEPALIVES).
+A partition lasts at least 3 s: longer than the lease of the harness's pair (2 s) and the
+backup's next check (0.3 s), so the primary steps down and the backup takes over every time."""
+SPACED_KINDS = ("broker_kill", *HA_FAULT_KINDS)
+"""Faults that keep their down time free before and after them: the broker (or the pair)
+recovers before the next one."""
+HA_ONLY = "{kind} needs a replicated pair: run with --ha (it hits whichever broker is primary)"
+NOT_WITH_HA = (
+    "broker_kill is not available with --ha (the pair would lose both brokers); "
+    "use primary_kill: SIGKILL of whichever broker is primary"
+)
 STALL_KEEPALIVES = (1.5, 2.5)
 """A random stall lasts this many keep-alives: past 1.5x the broker drops the silent client, so the
 stall is a real one both peers notice, not a pause they ride out."""
@@ -102,6 +120,7 @@ def random_schedule(
     keepalive: float,
     start: float = DEFAULT_START,
     quiet_tail: float = DEFAULT_QUIET_TAIL,
+    ha: bool = False,
 ) -> list[Fault]:
     """``counts`` faults of each kind drawn from ``random.Random(seed)``, sorted by time.
 
@@ -112,44 +131,87 @@ def random_schedule(
     overlap (faults of different kinds may: a drop during a broker kill is a case too). A
     broker kill also keeps its own down time free before and after it inside its slot, so two
     kills are apart by at least the sum of their down times. Times are whole milliseconds.
+
+    With ``ha``, primary_kill and partition faults (both hit the primary) share one
+    stratification, in a random order, spaced as broker kills are: they never overlap, and the
+    pair has their down time to recover before the next one. Without ``ha`` they are refused,
+    and so is broker_kill with it.
     """
     if not keepalive > 0:
         raise ValueError(f"keepalive must be more than 0 seconds, got {keepalive!r}")
-    unknown = sorted(set(counts) - set(FAULT_KINDS))
+    unknown = sorted(set(counts) - set(ALL_FAULT_KINDS))
     if unknown:
-        raise ScheduleError(f"unknown fault kind(s) {', '.join(map(repr, unknown))} (valid: {', '.join(FAULT_KINDS)})")
+        raise ScheduleError(f"unknown fault kind(s) {', '.join(map(repr, unknown))} ({_valid_kinds(ha)})")
     negative = {kind: n for kind, n in counts.items() if n < 0}
     if negative:
         raise ScheduleError(f"fault counts must be 0 or more, got {negative}")
+    for kind in (kind for kind in counts if counts[kind]):
+        problem = kind_problem(kind, ha)
+        if problem:
+            raise ScheduleError(problem)
     if not devices and any(counts.get(kind, 0) for kind in ("drop", "stall", "device_restart")):
         raise ScheduleError("drop, stall and device_restart faults need at least one device")
     rng = random.Random(seed)
     first_ms = math.ceil(start * 1000)
     last_ms = math.floor((duration - quiet_tail) * 1000)
+    window = (first_ms, last_ms, f"the fault window [{start:g}s, {duration:g}s - quiet tail {quiet_tail:g}s] is "
+              f"{max(last_ms - first_ms, 0) / 1000:g}s")
     faults: list[Fault] = []
     for kind in cast("tuple[FaultKind, ...]", FAULT_KINDS):
-        count = counts.get(kind, 0)
-        if count == 0:
-            continue
+        faults += _stratified(rng, [kind] * counts.get(kind, 0), window, devices, keepalive)
+    ha_kinds = [kind for kind in cast("tuple[FaultKind, ...]", HA_FAULT_KINDS) for _ in range(counts.get(kind, 0))]
+    rng.shuffle(ha_kinds)  # one stratification for both: each slot holds one fault on the primary
+    faults += _stratified(rng, ha_kinds, window, devices, keepalive)
+    return sorted(faults, key=lambda f: (f.at, ALL_FAULT_KINDS.index(f.kind)))
+
+
+def _stratified(
+    rng: random.Random,
+    kinds: Sequence[FaultKind],
+    window: tuple[int, int, str],
+    devices: Sequence[str],
+    keepalive: float,
+) -> list[Fault]:
+    """One fault of ``kinds[i]`` in slot i of the window (whole milliseconds): never overlapping."""
+    if not kinds:
+        return []
+    first_ms, last_ms, described = window
+    count = len(kinds)
+    slot_ms = (last_ms - first_ms) // count
+    faults: list[Fault] = []
+    for slot, kind in enumerate(kinds):
         low, high = _duration_range(kind, keepalive)
-        share = 3 if kind == "broker_kill" else 1  # a kill's slot holds: quiet, down, quiet
-        slot_ms = (last_ms - first_ms) // count
+        share = 3 if kind in SPACED_KINDS else 1  # a kill's slot holds: quiet, down, quiet
         longest_ms = min(math.floor(high * 1000), slot_ms // share)
         shortest_ms = math.ceil(low * 1000)
         if longest_ms < shortest_ms:
+            what = f"{count} {kind} fault(s)" if len(set(kinds)) == 1 else f"{count} primary_kill and partition faults"
             raise ScheduleError(
-                f"the fault window [{start:g}s, {duration:g}s - quiet tail {quiet_tail:g}s] is "
-                f"{max(last_ms - first_ms, 0) / 1000:g}s: too short for {count} {kind} fault(s) of at least "
+                f"{described}: too short for {what} of at least "
                 f"{shortest_ms / 1000:g}s each{KILL_SPACING if share == 3 else ''}; "
                 f"it needs at least {count * share * shortest_ms / 1000:g}s"
             )
-        for slot in range(count):
-            down_ms = rng.randint(shortest_ms, longest_ms)
-            pad_ms = down_ms if kind == "broker_kill" else 0
-            slot_start = first_ms + slot * slot_ms
-            at_ms = rng.randint(slot_start + pad_ms, slot_start + slot_ms - down_ms - pad_ms)
-            faults.append(Fault(at_ms / 1000, kind, _random_target(rng, kind, devices), down_ms / 1000))
-    return sorted(faults, key=lambda f: (f.at, FAULT_KINDS.index(f.kind)))
+        down_ms = rng.randint(shortest_ms, longest_ms)
+        pad_ms = down_ms if share == 3 else 0
+        slot_start = first_ms + slot * slot_ms
+        at_ms = rng.randint(slot_start + pad_ms, slot_start + slot_ms - down_ms - pad_ms)
+        faults.append(Fault(at_ms / 1000, kind, _random_target(rng, kind, devices), down_ms / 1000))
+    return faults
+
+
+def kind_problem(kind: str, ha: bool) -> str:
+    """Why a fault of ``kind`` cannot run against one broker (``ha`` False) or a pair; '' if it can."""
+    if kind in HA_FAULT_KINDS and not ha:
+        return HA_ONLY.format(kind=kind)
+    if kind == "broker_kill" and ha:
+        return NOT_WITH_HA
+    return ""
+
+
+def _valid_kinds(ha: bool) -> str:
+    if ha:
+        return "valid with --ha: " + ", ".join(kind for kind in ALL_FAULT_KINDS if kind != "broker_kill")
+    return f"valid: {', '.join(FAULT_KINDS)}) (with --ha also {', '.join(HA_FAULT_KINDS)}"
 
 
 def _duration_range(kind: FaultKind, keepalive: float) -> tuple[float, float]:
@@ -159,16 +221,17 @@ def _duration_range(kind: FaultKind, keepalive: float) -> tuple[float, float]:
 
 
 def _random_target(rng: random.Random, kind: FaultKind, devices: Sequence[str]) -> str | None:
-    if kind == "broker_kill":
+    if kind in SPACED_KINDS:
         return None
     if kind != "device_restart" and rng.random() < ALL_SHARE:
         return ALL_DEVICES
     return rng.choice(devices)
 
 
-def load_schedule(path: Path, *, devices: Sequence[str], duration: float) -> list[Fault]:
-    """The faults of a YAML or JSON script (JSON is YAML), validated against the fleet and the
-    run's duration, sorted by ``at``; any mistake is a ScheduleError naming file, fault and field."""
+def load_schedule(path: Path, *, devices: Sequence[str], duration: float, ha: bool = False) -> list[Fault]:
+    """The faults of a YAML or JSON script (JSON is YAML), validated against the fleet, the
+    run's duration and its broker (one, or a pair with ``ha``), sorted by ``at``; any mistake is
+    a ScheduleError naming file, fault and field."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -187,12 +250,14 @@ def load_schedule(path: Path, *, devices: Sequence[str], duration: float) -> lis
     extra = sorted(str(key) for key in document if key != "faults")
     if extra:
         raise ScheduleError(f"unknown top-level key(s) {', '.join(map(repr, extra))} (only 'faults')", path=path)
-    faults = [_load_fault(entry, path, index, devices, duration) for index, entry in enumerate(document["faults"], 1)]
+    faults = [
+        _load_fault(entry, path, index, devices, duration, ha=ha) for index, entry in enumerate(document["faults"], 1)
+    ]
     _check_overlaps(faults, path)
     return sorted(faults, key=lambda f: f.at)
 
 
-def _load_fault(entry: Any, path: Path, index: int, devices: Sequence[str], duration: float) -> Fault:
+def _load_fault(entry: Any, path: Path, index: int, devices: Sequence[str], duration: float, *, ha: bool) -> Fault:
     def error(what: str, field: str | None = None) -> ScheduleError:
         return ScheduleError(what, path=path, fault=index, field=field)
 
@@ -205,8 +270,11 @@ def _load_fault(entry: Any, path: Path, index: int, devices: Sequence[str], dura
         if field not in entry:
             raise error("missing", field)
     kind = entry["kind"]
-    if kind not in FAULT_KINDS:
-        raise error(f"unknown kind {kind!r} (valid: {', '.join(FAULT_KINDS)})", "kind")
+    if kind not in ALL_FAULT_KINDS:
+        raise error(f"unknown kind {kind!r} ({_valid_kinds(ha)})", "kind")
+    problem = kind_problem(kind, ha)
+    if problem:
+        raise error(problem, "kind")
     at, lasting = _load_times(entry, duration, error)
     return Fault(at, kind, _load_target(entry, kind, devices, error), lasting)
 
@@ -237,9 +305,10 @@ def _load_target(
     devices: Sequence[str],
     error: Callable[[str, str], ScheduleError],
 ) -> str | None:
-    if kind == "broker_kill":
+    if kind in SPACED_KINDS:
         if "device" in entry:
-            raise error("a broker_kill hits the broker, not a device: remove 'device'", "device")
+            hits = "the broker" if kind == "broker_kill" else "whichever broker is primary"
+            raise error(f"a {kind} hits {hits}, not a device: remove 'device'", "device")
         return None
     if "device" not in entry:
         raise error(f"missing (a {kind} needs the device it hits)", "device")
@@ -261,19 +330,25 @@ def _load_target(
 
 def _check_overlaps(faults: list[Fault], path: Path) -> None:
     """Faults of one kind on a common device must not overlap: the first one's restore (link
-    back, process started) would end the second early. Broker kills always share the broker."""
+    back, process started) would end the second early. Broker kills always share the broker;
+    primary kills and partitions all share the primary (one of each at once could leave the
+    pair without a broker caught up enough to take over)."""
     ordered = sorted(enumerate(faults, 1), key=lambda item: item[1].at)
     for position, (number, fault) in enumerate(ordered):
         for earlier_number, earlier in ordered[:position]:
+            on_primary = earlier.kind in HA_FAULT_KINDS and fault.kind in HA_FAULT_KINDS
             if (
-                earlier.kind == fault.kind
+                (earlier.kind == fault.kind or on_primary)
                 and _share_target(earlier, fault)
                 and fault.at < earlier.at + earlier.duration
             ):
-                on = "the broker" if fault.kind == "broker_kill" else "one device"
+                if on_primary:
+                    two = "two faults on the primary at once (primary_kill and partition faults must not overlap)"
+                else:
+                    two = f"two {fault.kind} faults on {'the broker' if fault.kind == 'broker_kill' else 'one device'}"
+                    two += " at once"
                 raise ScheduleError(
-                    f"starts during fault {earlier_number} ({_describe(earlier)}): "
-                    f"two {fault.kind} faults on {on} at once",
+                    f"starts during fault {earlier_number} ({_describe(earlier)}): {two}",
                     path=path,
                     fault=number,
                     field="at",

@@ -1,6 +1,7 @@
 """Child processes a tool SIGKILLs and starts again, and the ports they listen on: the broker
 (``amqtt-durable broker`` on the same port and store) for the fleet harness, the pipeline demo,
-the benchmarks and the tests, and the fleet's worker processes.
+the benchmarks and the tests, the fleet's worker processes, and a one-member etcd (the
+coordinator of a replicated pair) for the fleet's HA runs and the tests.
 
 Only processes started here are ever signalled, by their own PID; every wait has a deadline.
 """
@@ -198,32 +199,39 @@ class BrokerProcess(ChildProcess):
 
 
 class EtcdProcess(ChildProcess):
-    """One etcd member (Debian's etcd-server, which ``make setup`` installs) on 127.0.0.1 ephemeral
-    client and peer ports: the coordinator of replication tests, benchmarks and the fleet's HA
-    runs. Short heartbeat and election timeouts: it elects itself in a fraction of a second, and
-    the shortest lease it grants is about one second."""
+    """One etcd member (Debian's ``etcd`` binary from etcd-server) on two free 127.0.0.1 ports,
+    its data in ``folder/data``, its output in ``folder/etcd.log``. Short heartbeat and election
+    timeouts: it elects itself in a fraction of a second, and its shortest lease is about a second.
 
-    def __init__(self, folder: Path, *, wait: float = 10.0) -> None:
-        binary = shutil.which("etcd") or "/usr/bin/etcd"
+    ``start`` returns once the member answers a read through its v3 JSON gateway; RuntimeError
+    (naming the remedy or the log) when the binary is missing or the member never gets ready.
+    """
+
+    ready_wait = 20.0
+
+    def __init__(self, folder: Path, *, binary: str | None = None) -> None:
+        found = binary or shutil.which("etcd")
+        if found is None:
+            raise RuntimeError("etcd is not installed: run 'make setup' (apt-get install etcd-server)")
         self.client_port, self.peer_port = free_port(), free_port()
         self.url = f"http://{HOST}:{self.client_port}"
         peer = f"http://{HOST}:{self.peer_port}"
         folder.mkdir(parents=True, exist_ok=True)
         super().__init__(
             [
-                binary,
-                "--name", "member",
+                found,
+                "--name", "amqtt-durable",
                 "--data-dir", str(folder / "data"),
                 "--listen-client-urls", self.url,
                 "--advertise-client-urls", self.url,
                 "--listen-peer-urls", peer,
                 "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"member={peer}",
+                "--initial-cluster", f"amqtt-durable={peer}",
                 "--heartbeat-interval", "50",
                 "--election-timeout", "500",
             ],
             folder / "etcd.log",
-            wait=wait,
+            wait=10.0,
         )  # fmt: skip
 
     def ready(self) -> bool:
@@ -235,12 +243,13 @@ class EtcdProcess(ChildProcess):
         except OSError:
             return False
 
-    def start_ready(self, timeout: float = 20.0) -> Self:
-        """Start and return once it answers; RuntimeError naming the log if it does not in time."""
-        if not os.path.exists(self.argv[0]):
-            raise RuntimeError("etcd is not installed: run 'make setup' (it installs Debian's etcd-server)")
-        self.start()
-        if not self.wait_until(self.ready, timeout):
+    def start(self) -> Self:
+        super().start()
+        try:
+            ready = self.wait_until(self.ready, self.ready_wait)
+        except ChildExitedError as exc:
+            raise RuntimeError(f"etcd exited with status {self.exit_status}; see {self.log_path}") from exc
+        if not ready:
             self.kill()
-            raise RuntimeError(f"etcd did not become ready in {timeout} s; see {self.log_path}")
+            raise RuntimeError(f"etcd did not become ready in {self.ready_wait:g} s; see {self.log_path}")
         return self
