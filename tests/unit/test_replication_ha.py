@@ -265,6 +265,8 @@ def test_a_hung_coordinator_cannot_keep_a_primary_acknowledging() -> None:
         await asyncio.wait_for(hooks.demoted_event.wait(), 5)
         assert not ha.may_acknowledge()
         assert (await asyncio.wait_for(cycle, 5)).action == "demoted"
+        assert len(hooks.demoted) == 1, "the timer demoted it; the renewal that timed out after must not again"
+        assert ha.role == "backup" and ha._deadline is None
 
     run(main())
 

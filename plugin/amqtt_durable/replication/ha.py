@@ -124,6 +124,8 @@ class HaNode:
             async with asyncio.timeout(left):
                 renewed = await self.coordinator.renew(self.me)
         except (CoordinatorError, TimeoutError) as exc:
+            if self.role != "primary":  # the deadline's timer demoted this node meanwhile
+                return Decision("demoted", f"demoted at the lease's deadline while renewing ({_why(exc)})")
             if self.clock() >= self.deadline():
                 return self._demote(f"the lease could not be renewed before its end ({_why(exc)})")
             return Decision(
@@ -131,6 +133,8 @@ class HaNode:
                 f"could not renew the leader lease ({_why(exc)}); it is ours for "
                 f"{self.deadline() - self.clock():.1f} s more, still primary",
             )
+        if self.role != "primary":  # demoted by the timer while the renewal was on its way: stays so
+            return Decision("demoted", "demoted at the lease's deadline while renewing")
         if not renewed:
             return self._demote("the leader lease is gone (expired, or the key names another node)")
         self.valid_until = started + self.ttl
