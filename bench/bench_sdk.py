@@ -39,6 +39,7 @@ talks to 127.0.0.1 only; every wait is bounded; only processes started here are 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import os
@@ -106,19 +107,22 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersi
 # copy first (see run()); RecvResult.sdk_module says which file they used.
 import durable_client
 from amqtt_durable.process import free_port
-from durable_client import DurableClient, DurableClientError, Event, Marker
+from durable_client import AsyncDurableClient, DurableClient, DurableClientError, Event, Marker
 
 PLUGIN_KEY = "amqtt_durable.DurableSessionsPlugin"
 
-PLAIN, CPL1, CPL2 = "plain", "cpl1", "cpl2"
-RECEIVERS = (PLAIN, CPL1, CPL2)
+PLAIN, CPL1, CPL2, ASYNC1, ASYNC2 = "plain", "cpl1", "cpl2", "async1", "async2"
+RECEIVERS = (PLAIN, CPL1, CPL2, ASYNC1, ASYNC2)
 TITLES = {
     PLAIN: "plain paho, clean_session=False",
     CPL1: 'SDK, persistence="memory" (CPL-1)',
     CPL2: 'SDK, persistence="disk" (CPL-2, group commit)',
+    ASYNC1: 'asyncio SDK (AsyncDurableClient), persistence="memory" (CPL-1)',
+    ASYNC2: 'asyncio SDK (AsyncDurableClient), persistence="disk" (CPL-2, group commit)',
 }
-SHORT = {PLAIN: "plain", CPL1: "SDK-CPL-1", CPL2: "SDK-CPL-2"}
-RATIOS = ((CPL1, PLAIN), (CPL2, PLAIN), (CPL2, CPL1))
+SHORT = {PLAIN: "plain", CPL1: "SDK-CPL-1", CPL2: "SDK-CPL-2", ASYNC1: "async-CPL-1", ASYNC2: "async-CPL-2"}
+PERSISTENCE = {CPL1: "memory", CPL2: "disk", ASYNC1: "memory", ASYNC2: "disk"}
+RATIOS = ((CPL1, PLAIN), (CPL2, PLAIN), (CPL2, CPL1), (ASYNC1, PLAIN), (ASYNC2, PLAIN))
 SETUP_S = 30.0  # bound of each step of a receiver's set-up (connect, subscribe, marker, close)
 GO_WAIT_S = 600.0  # a receiver waits this long at most for "go" (the backlog is published meanwhile)
 now_ns = time.monotonic_ns
@@ -297,11 +301,9 @@ def _plain(spec: RecvSpec, pipe: Connection, tally: Tally, res: RecvResult) -> N
         client.loop(0.1)
 
 
-def _sdk(spec: RecvSpec, pipe: Connection, tally: Tally, res: RecvResult) -> None:
+def _set_up_session(spec: RecvSpec, res: RecvResult, persistence: str) -> None:
+    """An SDK session (hello) subscribed at QoS 1, then a clean disconnect (keep the session)."""
     res.sdk_module = durable_client.__file__
-    persistence = "disk" if spec.kind == CPL2 else "memory"
-
-    # Set-up: an SDK session (hello) subscribed at QoS 1, then a clean disconnect (keep the session).
     setup_live = threading.Event()
     setup_events: list[int] = []
     setup = DurableClient(spec.client_id, HOST, spec.port, persistence=persistence, state_dir=spec.state_dir,
@@ -316,6 +318,10 @@ def _sdk(spec: RecvSpec, pipe: Connection, tally: Tally, res: RecvResult) -> Non
         setup.close(keep_session=True, timeout=SETUP_S)
     res.setup_events = len(setup_events)
 
+
+def _client_options(spec: RecvSpec, tally: Tally, res: RecvResult) -> dict[str, Any]:
+    """The measured client's options: persistence, group commit, and callbacks that time the run."""
+
     def on_live(marker: Marker) -> None:
         if res.marker is None:
             res.t_marker_ns = now_ns()
@@ -327,18 +333,31 @@ def _sdk(spec: RecvSpec, pipe: Connection, tally: Tally, res: RecvResult) -> Non
             res.t_connack_ns = now_ns()
             res.session_present = info.session_present
 
+    options: dict[str, Any] = {"persistence": PERSISTENCE[spec.kind], "state_dir": spec.state_dir,
+                               "on_live": on_live, "on_connected": on_connected}
+    if spec.fsync_batch is not None:
+        options["fsync_batch"] = spec.fsync_batch
+    if spec.fsync_delay_ms is not None:
+        options["fsync_delay_ms"] = spec.fsync_delay_ms
+    return options
+
+
+def _record_client(client: DurableClient, res: RecvResult) -> None:
+    res.sdk_stats = dataclasses.asdict(client.stats)
+    res.persistence_level = client.persistence_level
+    gate = client._gate  # the group commit's own count (not a public statistic)
+    res.fsyncs = gate.groups if gate is not None else None
+    res.group_commit = f"fsync_batch={gate.batch}, fsync_delay_ms={gate.delay_ms:g}" if gate is not None else None
+
+
+def _sdk(spec: RecvSpec, pipe: Connection, tally: Tally, res: RecvResult) -> None:
+    _set_up_session(spec, res, PERSISTENCE[spec.kind])
     add = tally.add
 
     def listener(event: Event) -> None:
         add(event.payload)
 
-    group: dict[str, Any] = {}
-    if spec.fsync_batch is not None:
-        group["fsync_batch"] = spec.fsync_batch
-    if spec.fsync_delay_ms is not None:
-        group["fsync_delay_ms"] = spec.fsync_delay_ms
-    client = DurableClient(spec.client_id, HOST, spec.port, persistence=persistence, state_dir=spec.state_dir,
-                           on_live=on_live, on_connected=on_connected, **group)
+    client = DurableClient(spec.client_id, HOST, spec.port, **_client_options(spec, tally, res))
     try:
         client.subscribe(spec.topic, 1, listener=listener)
         client.ready_for_events()
@@ -348,16 +367,55 @@ def _sdk(spec: RecvSpec, pipe: Connection, tally: Tally, res: RecvResult) -> Non
         res.t_connect_ns = now_ns()
         client.connect(timeout=SETUP_S)
         _receive(tally, spec, pipe, res, cpu0, pump=lambda: tally.done.wait(0.25), linger=lambda: time.sleep(0.05))
-        res.sdk_stats = dataclasses.asdict(client.stats)
-        res.persistence_level = client.persistence_level
-        gate = client._gate  # the group commit's own count (not a public statistic)
-        res.fsyncs = gate.groups if gate is not None else None
-        res.group_commit = f"fsync_batch={gate.batch}, fsync_delay_ms={gate.delay_ms:g}" if gate is not None else None
+        _record_client(client, res)
     finally:
         try:
             client.close(keep_session=False, timeout=SETUP_S)
         except DurableClientError as exc:
             res.close_error = f"{type(exc).__name__}: {exc}"
+
+
+async def _consume(client: AsyncDurableClient, tally: Tally) -> None:
+    add = tally.add
+    async with client.events() as events:
+        async for event in events:
+            add(event.payload)
+            if tally.done.is_set():
+                break
+
+
+def _async_sdk(spec: RecvSpec, pipe: Connection, tally: Tally, res: RecvResult) -> None:
+    """The asyncio client: its event loop runs in a thread of this process, ``async for`` feeds the tally."""
+    _set_up_session(spec, res, PERSISTENCE[spec.kind])
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, name="asyncio", daemon=True)
+    runner.start()
+
+    def call(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(SETUP_S)
+
+    client = AsyncDurableClient(spec.client_id, HOST, spec.port, **_client_options(spec, tally, res))
+    consumer: Any = None
+    try:
+        call(client.subscribe(spec.topic, 1))
+        call(client.ready_for_events())
+        pipe.send(("subscribed", None))
+        _wait_go(pipe)
+        cpu0 = time.process_time()
+        res.t_connect_ns = now_ns()
+        call(client.connect())
+        consumer = asyncio.run_coroutine_threadsafe(_consume(client, tally), loop)
+        _receive(tally, spec, pipe, res, cpu0, pump=lambda: tally.done.wait(0.25), linger=lambda: time.sleep(0.05))
+        _record_client(client._client, res)
+    finally:
+        try:
+            call(client.close(keep_session=False))
+        except DurableClientError as exc:
+            res.close_error = f"{type(exc).__name__}: {exc}"
+        if consumer is not None:
+            consumer.cancel()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(SETUP_S)
 
 
 def receiver_main(spec: RecvSpec, pipe: Connection) -> None:
@@ -369,7 +427,7 @@ def receiver_main(spec: RecvSpec, pipe: Connection) -> None:
             with contextlib.suppress(AttributeError, OSError):
                 os.sched_setaffinity(0, set(spec.cpus))
         tally = Tally(spec)
-        (_plain if spec.kind == PLAIN else _sdk)(spec, pipe, tally, res)
+        {PLAIN: _plain, ASYNC1: _async_sdk, ASYNC2: _async_sdk}.get(spec.kind, _sdk)(spec, pipe, tally, res)
     except Exception as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     if tally is not None:
@@ -471,7 +529,7 @@ def sdk_problems(run: Run, r: RecvResult) -> list[str]:
         if r.marker["replayed"] != r.before_marker:
             problems.append(f"marker says replayed={r.marker['replayed']:,}, listener got "
                             f"{r.before_marker:,} before it")
-    want_level = "disk" if run.kind == CPL2 else "memory"
+    want_level = PERSISTENCE[run.kind]
     if r.persistence_level not in (None, want_level):
         problems.append(f"persistence level {r.persistence_level} at the end (expected {want_level}: fallback?)")
     return problems
@@ -495,7 +553,7 @@ def run_receiver(ctx: Ctx, kind: str, label: str, n: int, live: int) -> Run:
                  f"Last log line: {ctx.broker.last_log_line()!r}")
         ctx.broker.start(args.startup_timeout)
     spec = RecvSpec(kind, ctx.broker.port, client_id, topic, backlog_tag, live_tag, n, live, args.timeout, args.idle,
-                    args.linger, str(ctx.state_dir) if kind == CPL2 else None, args.client_cpus,
+                    args.linger, str(ctx.state_dir) if PERSISTENCE.get(kind) == "disk" else None, args.client_cpus,
                     args.fsync_batch, args.fsync_delay_ms)
     live_spec = PubSpec(ctx.broker.port, f"live-{suffix}", Login(), topic, live_tag, live, args.live_inflight,
                         args.timeout, cpus=args.client_cpus)
@@ -557,7 +615,8 @@ def median_of(values: list[float | None]) -> float | None:
 def render(args: argparse.Namespace, info: dict[str, str], command: str, *, runs: dict[str, list[Run]],
            warmups: list[Run], notes: list[str], started: datetime, elapsed: float) -> str:
     kinds = [k for k in RECEIVERS if k in runs]
-    group_settings = {run.res.group_commit for run in runs.get(CPL2, []) if run.res and run.res.group_commit}
+    group_settings = {run.res.group_commit for kind in (CPL2, ASYNC2) for run in runs.get(kind, [])
+                      if run.res and run.res.group_commit}
     rates = {k: [run.rate for run in runs[k]] for k in kinds}
     pinning = describe_pinning(args, "receivers and publishers")
     lines = [
