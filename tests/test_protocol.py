@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -335,6 +336,41 @@ def test_an_unacknowledged_stream_event_is_sent_again(
     first, second = stream_events(reader)[:2]
     assert (first[1].seq, first[1].redelivered, second[1].seq, second[1].redelivered) == (1, False, 1, True)
     assert first[2] == second[2] == b"again"
+
+
+def test_a_stalled_reader_gets_its_window_again_ever_more_slowly(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    broker = broker_factory(streams=[{"filter": "log/#", "max_count": 100}], stream_ack_timeout=0.3)
+    clients(broker.port, "pub", clean_session=True).publish("log/s", payloads(5, "s"))
+    reader = clients(broker.port, "reader", clean_session=True)
+    assert request(reader, "stream_subscribe", filter="log/#", window=5).ok
+    sends: list[float] = []
+    reader.on_message_hook = lambda m: sends.append(time.monotonic()) if m.topic.endswith("log/s") else None
+    # it never acknowledges: the first send, then resends of the window (5 events each)
+    assert reader.wait_for(lambda ms: len(stream_events(reader)) >= 5 * 5, timeout=30)
+    rounds = sends[::5][:5]
+    waits = [later - earlier for earlier, later in itertools.pairwise(rounds)]
+    assert waits[-1] >= 4 * waits[0], f"waits between resends {waits}: backed off, not every 0.3 s"
+    ack_each(reader, "log/s", range(5, 6))  # one cumulative ack for the whole window: the resends stop
+    redelivered = len(stream_events(reader))
+    assert not reader.wait_for(lambda ms: len(stream_events(reader)) > redelivered, timeout=1.5)
+
+
+def test_one_cumulative_ack_releases_the_whole_window(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    broker = broker_factory(streams=[{"filter": "log/#", "max_count": 100}])
+    clients(broker.port, "pub", clean_session=True).publish("log/c", payloads(9, "c"))
+    reader = clients(broker.port, "reader", clean_session=True)
+    assert request(reader, "stream_subscribe", filter="log/#", window=4).ok
+    assert reader.wait_for(lambda ms: len(stream_events(reader)) == 4)
+    ack_each(reader, "log/c", range(4, 5))  # covers 1..4
+    assert reader.wait_for(lambda ms: len(stream_events(reader)) == 8)
+    ack_each(reader, "log/c", range(8, 9))
+    assert reader.wait_for(lambda ms: len(stream_events(reader)) == 9)
+    assert [f.seq for _, f, _ in stream_events(reader)] == list(range(1, 10))
+    assert not any(f.redelivered for _, f, _ in stream_events(reader))
 
 
 def test_retention_trims_a_log_and_a_late_reader_is_told_of_the_gap(

@@ -31,6 +31,7 @@ from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, open_group_com
 from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, topic_matches
 from ._receiver import Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
+from ._stream_acks import StreamAcks
 from .backoff import Backoff
 from .cache import LastValueCache
 from .delivery_log import DeliveryLog, reconcile
@@ -133,8 +134,7 @@ class DurableClient:
         self.client_id = client_id
         self.host = host
         self.port = port
-        self._addresses = _addresses(host, port, failover)
-        self._address_index = 0
+        self._addresses, self._address_index = _addresses(host, port, failover), 0
         self._keepalive = keepalive
         self._username = username
         self._password = password
@@ -154,6 +154,7 @@ class DurableClient:
             persistence, client_id, state_dir, self._persistence_fell_back, self._send_ack,
             fsync_batch=fsync_batch, fsync_delay_ms=fsync_delay_ms,
         )
+        self._stream_acks = StreamAcks(self._send_stream_ack)
         self._registry = Registry()
         if delivery_log is not None:
             reconcile(self._state, delivery_log, client_id)  # before the log is opened (and maybe created)
@@ -569,14 +570,18 @@ class DurableClient:
                     with self._lock:
                         self._handshake_deadline = time.monotonic() + self._handshake_timeout
                 received = self._receiver.counters.received
+                acks_pending = (gate is not None and gate.pending) or self._stream_acks.pending
                 try:
-                    link.loop(0.0 if gate is not None and gate.pending else _LOOP_TIMEOUT)
+                    link.loop(0.0 if acks_pending else _LOOP_TIMEOUT)
                 except Exception:
                     log.exception("unexpected error in the network loop; reconnecting")
                     self._receiver.fail()
                     link.drop()
-                if gate is not None and gate.due(idle=self._receiver.counters.received == received):
+                idle = self._receiver.counters.received == received
+                if gate is not None and gate.due(idle=idle):
                     gate.flush()
+                if idle:
+                    self._stream_acks.flush()
                 deadline = self._handshake_deadline
                 if deadline is not None and time.monotonic() > deadline:
                     self._problem(f"no CONNACK or hello reply within {self._handshake_timeout} s")
@@ -624,6 +629,7 @@ class DurableClient:
                 log.warning("%s; retrying", text)
             return
         self._receiver.new_connection()
+        self._stream_acks.drop()
         if self._gate is not None:
             self._gate.drop()  # nothing held may be acknowledged on a new connection
         with self._lock:
@@ -777,17 +783,21 @@ class DurableClient:
             link.drop()
 
     def _release_held(self) -> None:
-        """CPL-2: sync and send the acknowledgements held (at close: before the DISCONNECT)."""
+        """Sync (CPL-2) and send the acknowledgements held (at close: before the DISCONNECT)."""
         if self._gate is not None:
             self._gate.flush()
+        if self._link is not None and self._link.socket_open:
+            self._stream_acks.flush()
 
     def _send_ack(self, mid: int, qos: int, stream_ack: tuple[str, int] | None) -> None:
-        """PUBACK/PUBCOMP (nothing for QoS 0) and the stream_ack, if any, of one processed message."""
-        link = self._link_or_raise()
-        link.ack(mid, qos)
+        """PUBACK/PUBCOMP (nothing for QoS 0) of one processed message; its stream_ack joins the
+        cumulative one of its topic (_stream_acks.py)."""
+        self._link_or_raise().ack(mid, qos)
         if stream_ack is not None:
-            topic, event_id = stream_ack
-            link.publish(CONTROL_TOPIC, encode_request("stream_ack", None, topic=topic, id=event_id), 0)
+            self._stream_acks.add(*stream_ack)
+
+    def _send_stream_ack(self, topic: str, event_id: int) -> None:
+        self._link_or_raise().publish(CONTROL_TOPIC, encode_request("stream_ack", None, topic=topic, id=event_id), 0)
 
     def _handle_marker(self, marker: Marker) -> None:
         if self._delivery_log is not None:
@@ -806,6 +816,7 @@ class DurableClient:
             )
 
     def _handle_lost(self, reason: str) -> None:
+        self._stream_acks.drop()
         if self._gate is not None:
             self._gate.drop()  # their packet ids were of this connection; the broker sends the events again
         with self._lock:

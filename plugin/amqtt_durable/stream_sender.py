@@ -1,6 +1,6 @@
 """The stream sender: the seed's temporary client agent (17.4.2), one per connection.
 
-A cursor per topic, at most ``window`` unacknowledged events in flight, a resend after the
+A cursor per topic, at most ``window`` unacknowledged events in flight, a resend (backed off) after the
 ack timeout; reading from the logs of stream_log.py, as the delivery pump reads queues.
 """
 
@@ -29,6 +29,9 @@ from .stream_log import MAX_MQTT_TOPIC_BYTES, LogEvent, StreamLogs
 from .topics import filter_is_valid, matches
 from .wire import encode_publish
 
+RESEND_WAIT_MAX = 60.0
+"""Longest wait before a resend to a client that acknowledges nothing (unless stream_ack_timeout is longer)."""
+
 log = logging.getLogger("amqtt_durable.streams")  # one logger for the logs and their senders
 
 
@@ -47,7 +50,9 @@ MayReceive = Callable[[str], Awaitable[bool]]
 class _Cursor:
     """One topic of one connection: the next id to send and the ids in flight."""
 
-    __slots__ = ("acked", "closed", "inflight", "next_id", "read_failures", "timer", "topic", "topic_bytes", "window")
+    __slots__ = (
+        "acked", "closed", "inflight", "next_id", "read_failures", "resends", "timer", "topic", "topic_bytes", "window",
+    )  # fmt: skip
 
     def __init__(self, topic: str, window: int, start: int) -> None:
         self.topic = topic
@@ -62,6 +67,8 @@ class _Cursor:
         """The resend timer; after a failed read, the retry of that read."""
         self.closed = False
         self.read_failures = 0
+        self.resends = 0
+        """Resends since the client last acknowledged progress: each doubles the wait for the next."""
 
 
 class StreamSender:
@@ -196,6 +203,7 @@ class StreamSender:
                 for done in [i for i in cursor.inflight if i <= upto]:
                     del cursor.inflight[done]
             cursor.acked = upto
+            cursor.resends = 0
             if not cursor.inflight and cursor.timer is not None:
                 cursor.timer.cancel()
                 cursor.timer = None
@@ -376,7 +384,8 @@ class StreamSender:
 
     def _send(self, cursor: _Cursor, events: list[LogEvent], flags: int) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._ack_timeout
+        # A client that does not acknowledge is not flooded: the wait doubles with each resend.
+        deadline = loop.time() + min(self._ack_timeout * 2**cursor.resends, max(self._ack_timeout, RESEND_WAIT_MAX))
         packets = []
         for event in events:
             frame = encode_frame(flags | event.qos << FLAG_QOS_SHIFT, 0, event.id, event.published_at)
@@ -395,7 +404,8 @@ class StreamSender:
             cursor.timer = loop.call_later(max(head - loop.time(), 0.0), self._expire, cursor)
 
     def _expire(self, cursor: _Cursor) -> None:
-        """Resend what waited ``ack_timeout`` for its ack (flag redelivered); retries are unlimited."""
+        """Resend what waited for its ack (flag redelivered): ``ack_timeout`` at first, twice as long
+        after each resend without progress, at most RESEND_WAIT_MAX; retries are unlimited."""
         cursor.timer = None
         if self._stopped or cursor.closed or self._transport.closed:
             return  # a closed connection waits for stop(), not for timers
@@ -415,6 +425,7 @@ class StreamSender:
             events = [e for e in read if e.id in wanted]
             for missing in wanted.difference(e.id for e in events):
                 cursor.inflight.pop(missing, None)  # trimmed meanwhile: nothing left to resend
+            cursor.resends += 1
             self._send(cursor, events, FLAG_REDELIVERED)
         self._arm(cursor, loop)
         self._pump(cursor)

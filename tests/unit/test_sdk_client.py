@@ -447,17 +447,34 @@ def test_failed_listener_drops_the_connection_without_ack(make: Any) -> None:
     assert client.stats.redeliveries_requested == 1
 
 
-def test_stream_event_is_acknowledged_with_stream_ack(make: Any) -> None:
+def test_stream_events_are_acknowledged_by_one_cumulative_stream_ack_per_quiet_loop(make: Any) -> None:
     client, link = make(durable_session=False)
     connect(client, link, session_present=False, epoch=None)
     seen: list[Event] = []
     client.subscribe_stream("s/#", seen.append)
     link.clear()
-    data = encode_frame(0, 0, 4, 1.0) + b"x"
-    client._handle_message(Inbound(STREAM_TOPIC_PREFIX + "s/a", data, 0, False, False, 0))
+    for event_id in (4, 5, 6):
+        data = encode_frame(0, 0, event_id, 1.0) + b"x"
+        client._handle_message(Inbound(STREAM_TOPIC_PREFIX + "s/a", data, 0, False, False, 0))
+    assert link.requests("stream_ack") == [], "held until the network loop finds nothing more to read"
+    client._stream_acks.flush()  # what the network loop does after a pass that read nothing
     (ack,) = link.requests("stream_ack")
-    assert (ack.topic, ack.id, ack.req) == ("s/a", 4, None)
-    assert [(e.topic, e.seq, e.stream) for e in seen] == [("s/a", 4, True)]
+    assert (ack.topic, ack.id, ack.req) == ("s/a", 6, None), "one ack covers every id up to it"
+    assert [(e.topic, e.seq, e.stream) for e in seen] == [("s/a", 4, True), ("s/a", 5, True), ("s/a", 6, True)]
+
+
+def test_a_long_run_of_stream_events_is_acknowledged_every_64_without_a_quiet_loop(make: Any) -> None:
+    client, link = make(durable_session=False)
+    connect(client, link, session_present=False, epoch=None)
+    client.subscribe_stream("s/#", lambda event: None)
+    link.clear()
+    for event_id in range(1, 130):
+        data = encode_frame(0, 0, event_id, 1.0) + b"x"
+        client._handle_message(Inbound(STREAM_TOPIC_PREFIX + "s/a", data, 0, False, False, 0))
+    assert [ack.id for ack in link.requests("stream_ack")] == [64, 128]
+    client._handle_lost("gone")
+    client._stream_acks.flush()
+    assert [ack.id for ack in link.requests("stream_ack")] == [64, 128], "a lost connection's acks are dropped"
 
 
 def test_marker_calls_on_live(make: Any, recorder: Recorder) -> None:
