@@ -25,10 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -593,13 +593,44 @@ def read_range(opts: Options, partition: InputPartition) -> Iterator[Any]:
     return _RangeReader(opts, partition).batches()
 
 
-class _RangeReader:
-    """One partition: a stateless client on the topic, a bounded queue between its thread and Spark's.
+class _HandOver:
+    """Events from the SDK's network thread to Spark's, taken a list at a time (one lock round
+    per batch, not per event); at most ``capacity`` held, a full one holds the network thread."""
 
-    The SDK calls the listener on its network thread and acknowledges each event when the
-    listener returns; the listener only puts the event into a queue of ``window`` places, so
-    the broker's window and the queue together bound what is held in memory. Spark pulls
-    from the queue through the generator; a full queue holds the network thread briefly.
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._events: deque[Event] = deque()
+        self._changed = threading.Condition()
+
+    def empty(self) -> bool:
+        return not self._events
+
+    def put(self, event: Event, closing: threading.Event) -> None:
+        with self._changed:
+            while len(self._events) >= self._capacity and not closing.is_set():
+                self._changed.wait(0.25)
+            self._events.append(event)
+            self._changed.notify_all()
+
+    def take(self, most: int, timeout: float) -> list[Event]:
+        """Up to ``most`` events, waiting up to ``timeout`` for the first; [] when none came."""
+        with self._changed:
+            if not self._events:
+                self._changed.wait(timeout)
+            events = self._events
+            taken = [events.popleft() for _ in range(min(most, len(events)))]
+            if taken:
+                self._changed.notify_all()
+            return taken
+
+
+class _RangeReader:
+    """One partition: a stateless client on the topic, a bounded hand-over between its thread and Spark's.
+
+    The SDK calls the listener on its network thread and acknowledges events when the listener
+    returns (one cumulative stream_ack per run of them); the listener only appends the event to
+    a hand-over of ``window`` places, so the broker's window and the hand-over together bound
+    what is held in memory. Spark takes a batch at a time through the generator.
     """
 
     def __init__(self, opts: Options, part: IdRange) -> None:
@@ -607,18 +638,13 @@ class _RangeReader:
         self.part = part
         self.skipped = 0
         self._window = min(opts.window, part.end - part.start, MAX_WINDOW)
-        self._events: queue.Queue[Event] = queue.Queue(maxsize=self._window)
+        self._events = _HandOver(self._window)
         self._closing = threading.Event()
 
     def _on_event(self, event: Event) -> None:
         if event.topic != self.part.topic or event.seq > self.part.end:
             return  # past the range (the window runs ahead): not ours to hand over
-        while not self._closing.is_set():
-            try:
-                self._events.put(event, timeout=0.25)
-                return
-            except queue.Full:
-                continue
+        self._events.put(event, self._closing)
 
     def batches(self) -> Iterator[Any]:
         import pyarrow as pa  # noqa: PLC0415 - executors only
@@ -631,9 +657,8 @@ class _RangeReader:
             expected = self._open(link)
             deadline = time.monotonic() + opts.timeout
             while expected <= part.end:
-                try:
-                    event = self._events.get(timeout=STALL_CHECK)
-                except queue.Empty:
+                rows = self._events.take(ROWS_PER_BATCH, STALL_CHECK)
+                if not rows:
                     if time.monotonic() >= deadline:
                         raise SourceError(
                             f"stream {part.topic} at {opts.address}: no event after id {expected - 1} within "
@@ -642,12 +667,6 @@ class _RangeReader:
                         ) from None
                     expected = self._check_trimmed(link, expected)
                     continue
-                rows: list[Event] = [event]
-                while len(rows) < ROWS_PER_BATCH:
-                    try:
-                        rows.append(self._events.get_nowait())
-                    except queue.Empty:
-                        break
                 kept: list[Event] = []
                 for row in rows:
                     if row.seq < expected:
