@@ -49,6 +49,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
@@ -299,17 +301,33 @@ def scenario_ab(ctx: Ctx, report: Report) -> None:
         stop_nodes(nodes)
 
 
+def cpu_seconds(node: Node | None) -> float | None:
+    """User + system CPU time the broker process has used so far."""
+    if node is None or not node.broker.alive():
+        return None
+    try:
+        times = psutil.Process(node.broker.pid).cpu_times()
+    except psutil.Error:
+        return None
+    return float(times.user + times.system)
+
+
 def live_once(ctx: Ctx, report: Report, setup: str, primary: Node, backup: Node | None) -> None:
     n = ctx.args.n
     if backup is not None:
         wait_in_sync(primary, backup, 60.0)
+    cpu_before = [cpu_seconds(node) for node in (primary, backup)]
     pr, res, sub_id = live_run(ctx, primary.broker, scenario="a", n=n, clean=False, record_latency=True)
+    cpu_used = [None if b is None or (a := cpu_seconds(node)) is None else a - b
+                for b, node in zip(cpu_before, (primary, backup), strict=True)]
     drop_session(ctx, primary.broker, sub_id)
     rate = None
     if res.unique and res.t_last_ns > pr.t_first_send_ns:
         rate = res.unique / ((res.t_last_ns - pr.t_first_send_ns) / 1e9)
     report.add(setup, "rate", rate)
     report.add(setup, "pub_rate", pr.ack_rate if pr.acked else None)
+    report.add(setup, "cpu_primary", None if cpu_used[0] is None else cpu_used[0] / n * 1e6)
+    report.add(setup, "cpu_backup", None if cpu_used[1] is None else cpu_used[1] / n * 1e6)
     report.add(setup, "p50", res.p50_ms)
     report.add(setup, "p99", res.p99_ms)
     report.add(setup, "recv", recv_summary(res, n) + ("" if pr.acked == n else f", PUBACKed {pub_summary(pr)}"))
@@ -679,7 +697,10 @@ def cell(runs: Runs | None) -> str:
     nums = runs.numbers()
     if nums and len(nums) == len(runs.values):
         return fmt_list(nums)
-    return " / ".join(str(v) for v in runs.values).replace("|", "\\|")
+    texts = [str(v) for v in runs.values]
+    if len(set(texts)) == 1:
+        return f"{texts[0]} (all {len(texts)} runs)".replace("|", "\\|")
+    return " / ".join(texts).replace("|", "\\|")
 
 
 def ratio_line(report: Report, setup: str, target: float) -> tuple[str, str]:
@@ -697,6 +718,8 @@ def render_ab(report: Report) -> list[str]:
     lines = ["| metric | unit | single broker | sync pair | async pair |", "|---|---|---:|---:|---:|"]
     for key, label, unit in (("rate", "live throughput, end to end", "msgs/s"),
                              ("pub_rate", "publisher PUBACK rate", "msgs/s"),
+                             ("cpu_primary", "CPU of the (primary) broker per message, live run", "µs"),
+                             ("cpu_backup", "CPU of the backup broker per message, live run", "µs"),
                              ("p50", "latency p50", "ms"), ("p99", "latency p99", "ms"), ("recv", "received", "")):
         cells = [cell(report.live.get(s, {}).get(key)) for s in SETUPS]
         lines.append(f"| {label} | {unit} | {' | '.join(cells)} |")
