@@ -620,9 +620,8 @@ class CatchupWatch:
             state = row["state"]
             if not self.out.states or self.out.states[-1].split(" ")[0] != state:
                 self.out.states.append(f"{state} at +{now - self.t_row:.2f}s")
-            if state == "snapshot":
-                self.out.snapshot_rows = max(self.out.snapshot_rows, row["snapshot_rows"])
-            elif self.t_snapshot_done is None:
+            self.out.snapshot_rows = max(self.out.snapshot_rows, row["snapshot_rows"])  # kept after the snapshot
+            if state != "snapshot" and self.t_snapshot_done is None:
                 self.t_snapshot_done = now
             if state == "in_sync" and self.t_in_sync is None:
                 self.t_in_sync = now
@@ -698,6 +697,8 @@ def cell(runs: Runs | None) -> str:
     if nums and len(nums) == len(runs.values):
         return fmt_list(nums)
     texts = [str(v) for v in runs.values]
+    if set(texts) == {"—"}:
+        return "—"
     if len(set(texts)) == 1:
         return f"{texts[0]} (all {len(texts)} runs)".replace("|", "\\|")
     return " / ".join(texts).replace("|", "\\|")
@@ -723,6 +724,14 @@ def render_ab(report: Report) -> list[str]:
                              ("p50", "latency p50", "ms"), ("p99", "latency p99", "ms"), ("recv", "received", "")):
         cells = [cell(report.live.get(s, {}).get(key)) for s in SETUPS]
         lines.append(f"| {label} | {unit} | {' | '.join(cells)} |")
+    single_cpu = report.live.get("single", {}).get("cpu_primary")
+    estimate = []
+    for setup in ("sync", "async"):
+        pair_cpu = report.live.get(setup, {}).get("cpu_primary")
+        s, p = (single_cpu.median() if single_cpu else None), (pair_cpu.median() if pair_cpu else None)
+        estimate.append("—" if not s or not p else f"{s / p:.2f}x")
+    lines.append(f"| CPU-bound estimate: single's CPU per message / the primary's (a backup on a machine of its own, "
+                 f"the primary's core the bottleneck) | | 1x | {estimate[0]} | {estimate[1]} |")
     sync_ratio, sync_met = ratio_line(report, "sync", 0.7)
     async_ratio, async_met = ratio_line(report, "async", 0.9)
     lines += ["", "| ratio (medians) | value | target | met |", "|---|---:|---|---|",
