@@ -11,7 +11,9 @@ Scenarios (QoS 1, 64-byte payloads; every broker is an `amqtt-durable broker` pr
 store, on its own 127.0.0.1 ports):
   a  live throughput and p50/p99 latency, N messages through a durable subscription (bench_durable's
      scenario a: same raw load clients, same plugin settings): the single broker vs the primary of a
-     sync pair (fixed roles, the backup a separate broker process with its own store), median of --runs
+     sync pair (fixed roles, the backup a separate broker process with its own store), median of --runs;
+     for reference a single broker with sync: true (a PUBACK after a local fsync, as a sync pair's
+     backup fsyncs each batch before it confirms it)
   b  the same for an async pair (measured in the same rounds as a, the three set-ups interleaved)
   c  failover with etcd (role auto): SIGKILL of the primary -> first message delivered by the new
      primary to a waiting SDK client (durable_client.DurableClient with failover=[...]), median of
@@ -105,7 +107,9 @@ FAST = {"lease_ttl": 2, "loop_wait": 0.3, "demote_margin": 0.5}
 DEFAULT = {"lease_ttl": 5, "loop_wait": 1.0, "demote_margin": 1.0}
 TIMINGS = {"fast": FAST, "default": DEFAULT}
 SDK_RECONNECT = (0.1, 0.5)  # the failover client's reconnect_min_delay / reconnect_max_delay
-SETUPS = {"single": "single broker", "sync": "sync pair (primary)", "async": "async pair (primary)"}
+SETUPS = {"single": "single broker", "sync": "sync pair (primary)", "async": "async pair (primary)",
+          "fsync": "single broker, sync: true"}
+"""The set-ups of a/b; the last one (each commit fsynced, not a target's) says what a local fsync costs."""
 WATCHED = {"plugin": ROOT / "plugin" / "amqtt_durable", "SDK": SDK_DIR, "protocol": PROTOCOL_DIR}
 
 
@@ -125,12 +129,15 @@ class Node:
         return self.broker.port
 
 
-def make_node(ctx: Ctx, name: str, replication: dict[str, Any] | None, cpus: tuple[int, ...]) -> Node:
+def make_node(ctx: Ctx, name: str, replication: dict[str, Any] | None, cpus: tuple[int, ...],
+              **plugin: Any) -> Node:
     """An amqtt-durable broker with bench_durable's plugin settings (build_brokers) plus ``replication``."""
     folder = ctx.tmp / name
     folder.mkdir()
     listen = f"{HOST}:{free_port()}"
-    settings = None if replication is None else {"replication": {"name": name, "listen": listen, **replication}}
+    settings = dict(plugin)
+    if replication is not None:
+        settings["replication"] = {"name": name, "listen": listen, **replication}
     args = argparse.Namespace(**{**vars(ctx.args), "broker_cpus": cpus})
     broker = build_brokers(args, folder, settings)[0][OURS]
     broker.name = name
@@ -275,20 +282,22 @@ class Report:
 def scenario_ab(ctx: Ctx, report: Report) -> None:
     args = ctx.args
     single = make_node(ctx, "single", None, args.broker_cpus)
+    fsync = make_node(ctx, "single-fsync", None, args.broker_cpus, sync=True)
     pairs: dict[str, tuple[Node, Node]] = {}
     for mode in ("sync", "async"):
         primary = make_node(ctx, f"{mode}-primary", {"role": "primary", "mode": mode}, args.broker_cpus)
         backup = make_node(ctx, f"{mode}-backup", {"role": "backup", "mode": mode, "primary": primary.listen},
                            args.backup_cpus)
         pairs[mode] = (primary, backup)
-    nodes = [single, *(n for pair in pairs.values() for n in pair)]
+    nodes = [single, fsync, *(n for pair in pairs.values() for n in pair)]
     try:
         single.broker.start(args.startup_timeout)
+        fsync.broker.start(args.startup_timeout)
         for primary, backup in pairs.values():
             start_node(primary, SERVING)
             start_node(backup, REFUSING)
             wait_in_sync(primary, backup)
-        setups: dict[str, tuple[Node, Node | None]] = {"single": (single, None), **pairs}
+        setups: dict[str, tuple[Node, Node | None]] = {"single": (single, None), **pairs, "fsync": (fsync, None)}
         for primary, _ in setups.values():
             warmup(ctx, primary.broker)
         names = list(setups)
@@ -317,10 +326,13 @@ def live_once(ctx: Ctx, report: Report, setup: str, primary: Node, backup: Node 
     if backup is not None:
         wait_in_sync(primary, backup, 60.0)
     cpu_before = [cpu_seconds(node) for node in (primary, backup)]
+    batch_before = (status(primary) or {}).get("batch") if backup is not None else None
     pr, res, sub_id = live_run(ctx, primary.broker, scenario="a", n=n, clean=False, record_latency=True)
     cpu_used = [None if b is None or (a := cpu_seconds(node)) is None else a - b
                 for b, node in zip(cpu_before, (primary, backup), strict=True)]
+    batches = None if batch_before is None else (status(primary) or {}).get("batch", batch_before) - batch_before
     drop_session(ctx, primary.broker, sub_id)
+    report.add(setup, "per_batch", n / batches if batches else None)
     rate = None
     if res.unique and res.t_last_ns > pr.t_first_send_ns:
         rate = res.unique / ((res.t_last_ns - pr.t_first_send_ns) / 1e9)
@@ -704,8 +716,8 @@ def cell(runs: Runs | None) -> str:
     return " / ".join(texts).replace("|", "\\|")
 
 
-def ratio_line(report: Report, setup: str, target: float) -> tuple[str, str]:
-    single = report.live.get("single", {}).get("rate")
+def ratio_line(report: Report, setup: str, target: float, base: str = "single") -> tuple[str, str]:
+    single = report.live.get(base, {}).get("rate")
     other = report.live.get(setup, {}).get("rate")
     s = single.median() if single else None
     o = other.median() if other else None
@@ -716,27 +728,31 @@ def ratio_line(report: Report, setup: str, target: float) -> tuple[str, str]:
 
 
 def render_ab(report: Report) -> list[str]:
-    lines = ["| metric | unit | single broker | sync pair | async pair |", "|---|---|---:|---:|---:|"]
+    lines = [f"| metric | unit | {' | '.join(SETUPS.values())} |", "|---|---|" + "---:|" * len(SETUPS)]
     for key, label, unit in (("rate", "live throughput, end to end", "msgs/s"),
                              ("pub_rate", "publisher PUBACK rate", "msgs/s"),
                              ("cpu_primary", "CPU of the (primary) broker per message, live run", "µs"),
                              ("cpu_backup", "CPU of the backup broker per message, live run", "µs"),
+                             ("per_batch", "messages per replicated batch (N / batches the primary numbered)", ""),
                              ("p50", "latency p50", "ms"), ("p99", "latency p99", "ms"), ("recv", "received", "")):
         cells = [cell(report.live.get(s, {}).get(key)) for s in SETUPS]
         lines.append(f"| {label} | {unit} | {' | '.join(cells)} |")
     single_cpu = report.live.get("single", {}).get("cpu_primary")
     estimate = []
-    for setup in ("sync", "async"):
-        pair_cpu = report.live.get(setup, {}).get("cpu_primary")
-        s, p = (single_cpu.median() if single_cpu else None), (pair_cpu.median() if pair_cpu else None)
+    for setup in SETUPS:
+        runs = report.live.get(setup, {}).get("cpu_primary")
+        s, p = (single_cpu.median() if single_cpu else None), (runs.median() if runs else None)
         estimate.append("—" if not s or not p else f"{s / p:.2f}x")
-    lines.append(f"| CPU-bound estimate: single's CPU per message / the primary's (a backup on a machine of its own, "
-                 f"the primary's core the bottleneck) | | 1x | {estimate[0]} | {estimate[1]} |")
+    lines.append("| CPU-bound estimate: single's CPU per message / this broker's (a backup on a machine of its own, "
+                 f"the broker's core the bottleneck) | | {' | '.join(estimate)} |")
     sync_ratio, sync_met = ratio_line(report, "sync", 0.7)
     async_ratio, async_met = ratio_line(report, "async", 0.9)
+    fsync_ratio, _ = ratio_line(report, "sync", 0.0, base="fsync")
     lines += ["", "| ratio (medians) | value | target | met |", "|---|---:|---|---|",
               f"| (a) sync pair / single | {sync_ratio} | >= 0.7x | {sync_met} |",
-              f"| (b) async pair / single | {async_ratio} | >= 0.9x | {async_met} |"]
+              f"| (b) async pair / single | {async_ratio} | >= 0.9x | {async_met} |",
+              f"| sync pair / single broker with sync: true (both: a PUBACK waits for an fsync) | {fsync_ratio} "
+              "| (none) | |"]
     return lines
 
 
