@@ -138,6 +138,8 @@ def make_node(ctx: Ctx, name: str, replication: dict[str, Any] | None, cpus: tup
     settings = dict(plugin)
     if replication is not None:
         settings["replication"] = {"name": name, "listen": listen, **replication}
+    if ctx.args.recovery_buffer is not None:
+        plugin = {"recovery_buffer": ctx.args.recovery_buffer, **plugin}
     args = argparse.Namespace(**{**vars(ctx.args), "broker_cpus": cpus})
     broker = build_brokers(args, folder, settings)[0][OURS]
     broker.name = name
@@ -891,6 +893,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", default="abcde", help="scenario letters to run (default abcde; a and b run together)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     p.add_argument("--timeout", type=float, default=None, help="time bound per live phase (default max(60, N/100))")
+    p.add_argument("--recovery-buffer", type=int, default=None,
+                   help="the plugin's recovery_buffer, also the delivery window between two sent marks "
+                        "(default: bench_durable's 100)")
     p.add_argument("--idle", type=float, default=10.0, help="receivers stop after this long without news (s)")
     p.add_argument("--startup-timeout", type=float, default=120.0, help="time bound for a broker start (s)")
     p.add_argument("--code", choices=("head", "worktree", "live"), default="worktree",
