@@ -53,6 +53,7 @@ bench: $(STAMP) bench-setup
 	$(VENV)/bin/python bench/bench_fleet.py
 	$(VENV)/bin/python bench/bench_wildcards.py
 	$(VENV)/bin/python bench/bench_retained_startup.py
+	$(VENV)/bin/python bench/bench_replication.py
 
 clean:
 	rm -rf $(VENV) data .pytest_cache
