@@ -940,7 +940,7 @@ def run(args: argparse.Namespace, tmp: Path, report: Report, info: dict[str, str
         guarded(report, "e", lambda: scenario_e(ctx, report))
     if not set("cd") & set(args.only):
         return
-    etcd = EtcdProcess(tmp / "etcd").start_ready()
+    etcd = EtcdProcess(tmp / "etcd").start()
     try:
         if "c" in args.only:
             guarded(report, "c", lambda: scenario_c(ctx, report, etcd))
