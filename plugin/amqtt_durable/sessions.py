@@ -174,8 +174,10 @@ class DurableSession:
         # what is sent next, so no write can land those acks without it (a later message never
         # reuses a sequence a client has seen); a crash before the store recovers loses only the
         # DUP flag on re-sends of what was sent meanwhile.
+        # A replicated primary does not wait for its backups: a mark lost in a failover costs
+        # only the DUP flag of what was in flight (new entries still number past every entry).
         with contextlib.suppress(StoreUnavailableError):
-            await self.engine.committer.commit(urgent=True, fail_fast=True)
+            await self.engine.committer.commit(urgent=True, local=True)
 
     def mark_released(self, entry: Entry) -> None:
         if self.deleted:

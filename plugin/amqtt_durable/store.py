@@ -716,6 +716,9 @@ def discard_probe(path: str) -> None:
 
 
 Op = tuple[bytes, bytes | None]
+_WAIT, _FAIL_FAST, _LOCAL = 0, 1, 2
+"""How a commit's waiter waits: for the retry while writes fail; fails at once then; and, with
+replication, resolves after the local write instead of after the backups (see commit)."""
 
 
 class CommitReplication(Protocol):
@@ -770,7 +773,7 @@ class GroupCommitter:
         self._threshold = pending_threshold
         self._ops: list[tuple[bytes, bytes | None]] = []
         self._units = 0
-        self._waiters: list[tuple[asyncio.Future[None], bool]] = []
+        self._waiters: list[tuple[asyncio.Future[None], int]] = []
         self._after_commit: list[Callable[[], None]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._soon: asyncio.Handle | None = None
@@ -812,6 +815,7 @@ class GroupCommitter:
         units: int = 1,
         urgent: bool = False,
         fail_fast: bool = False,
+        local: bool = False,
     ) -> asyncio.Future[None]:
         """Ask for the operations added so far to be written; the future resolves once they are.
 
@@ -820,7 +824,9 @@ class GroupCommitter:
         end of the current loop pass instead of waiting for company (a pump about to send).
         ``fail_fast``: the future fails with StoreUnavailableError when the write fails or
         writes are failing now, instead of waiting for the retry that writes the operations
-        (and runs ``on_durable``) later.
+        (and runs ``on_durable``) later. ``local`` (fail-fast too): resolve once written here,
+        without waiting for sync replication's backups, for bookkeeping whose loss in a failover
+        costs only a DUP flag (the sent mark).
         """
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
@@ -829,10 +835,10 @@ class GroupCommitter:
         if self.halted is not None:
             _fail(waiter, self.halted)
             return waiter
-        if fail_fast and self.failure is not None:
+        if (fail_fast or local) and self.failure is not None:
             _fail(waiter, StoreUnavailableError(self.failure))
             return waiter
-        self._waiters.append((waiter, fail_fast))
+        self._waiters.append((waiter, _LOCAL if local else _FAIL_FAST if fail_fast else _WAIT))
         self._units += self._threshold if urgent else units
         self._schedule(loop)
         return waiter
@@ -893,7 +899,7 @@ class GroupCommitter:
         self,
         error: BaseException | None,
         ops: list[tuple[bytes, bytes | None]],
-        waiters: list[tuple[asyncio.Future[None], bool]],
+        waiters: list[tuple[asyncio.Future[None], int]],
         after: list[Callable[[], None]],
         batch: Any = None,
     ) -> None:
@@ -917,11 +923,15 @@ class GroupCommitter:
             self._schedule(asyncio.get_running_loop())
 
     def _complete_when_shipped(
-        self, batch: Any, after: list[Callable[[], None]], waiters: list[tuple[asyncio.Future[None], bool]]
+        self, batch: Any, after: list[Callable[[], None]], waiters: list[tuple[asyncio.Future[None], int]]
     ) -> None:
         """Deliver and acknowledge a written commit: at once, or in sync replication once every
         in-sync backup has it (the primary resolves those futures in commit order)."""
         shipped = self.replication.committed(batch) if self.replication is not None else None
+        if shipped is not None:
+            for waiter, kind in waiters:
+                if kind == _LOCAL and not waiter.done():
+                    waiter.set_result(None)
         if shipped is None:
             self._complete(after, waiters)
         else:
@@ -930,7 +940,7 @@ class GroupCommitter:
     def _complete(
         self,
         after: list[Callable[[], None]],
-        waiters: list[tuple[asyncio.Future[None], bool]],
+        waiters: list[tuple[asyncio.Future[None], int]],
         shipping_error: BaseException | None = None,
     ) -> None:
         if self.halted is None and (shipping_error is not None or not self._may_acknowledge()):
@@ -975,7 +985,7 @@ class GroupCommitter:
         self,
         error: BaseException,
         ops: list[tuple[bytes, bytes | None]],
-        waiters: list[tuple[asyncio.Future[None], bool]],
+        waiters: list[tuple[asyncio.Future[None], int]],
         after: list[Callable[[], None]],
     ) -> None:
         """Keep the batch, in front of what came since; fail the fail-fast waiters; retry later."""
@@ -985,8 +995,8 @@ class GroupCommitter:
         first = self.failure is None
         self.failure = error
         unavailable = StoreUnavailableError(error)
-        for waiter, fail_fast in self._waiters:
-            if fail_fast and not waiter.done():
+        for waiter, kind in self._waiters:
+            if kind != _WAIT and not waiter.done():
                 _fail(waiter, unavailable)
         self._waiters = [(w, f) for w, f in self._waiters if not w.done()]
         for handle in (self._timer, self._soon):

@@ -1,0 +1,114 @@
+"""GroupCommitter on a replication primary: numbered batches written with their position, sync
+acknowledgement after the backups, the sent mark's local wait, and a halt that acknowledges
+nothing more. A real store and a real Primary (no backup connected unless a test adds one)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from amqtt_durable.errors import NotPrimaryError
+from amqtt_durable.replication.commits import ReplicatedCommits
+from amqtt_durable.replication.position import read_position
+from amqtt_durable.replication.primary import PreparedBatch, Primary
+from amqtt_durable.store import GroupCommitter
+
+BOUND = 5.0
+
+
+class HeldShipping(ReplicatedCommits):
+    """The real commit step, except that shipping resolves when the test says (a backup's ack)."""
+
+    def __init__(self, primary: Primary, mode: Any = "sync") -> None:
+        super().__init__(primary, mode, lambda: self.acknowledging)
+        self.acknowledging = True
+        self.shipped: list[asyncio.Future[None]] = []
+        self.shipping = asyncio.Event()
+
+    def committed(self, batch: PreparedBatch) -> asyncio.Future[None] | None:
+        real = super().committed(batch)
+        if real is None:
+            return None
+        held: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.shipped.append(held)
+        self.shipping.set()
+        return held
+
+
+def run(db: Any, test: Callable[[GroupCommitter, HeldShipping], Awaitable[None]]) -> None:
+    async def main() -> None:
+        primary = Primary(db, store_id=7, log_max_batches=100, log_max_bytes=1 << 20)
+        committer = GroupCommitter(db, sync=False, batch_size=5000, batch_delay_ms=0.0, pending_threshold=1)
+        committer.replication = HeldShipping(primary)
+        try:
+            await asyncio.wait_for(test(committer, committer.replication), BOUND)
+        finally:
+            await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_sync_commit_is_acknowledged_and_delivered_only_once_shipped(db: Any) -> None:
+    async def test(committer: GroupCommitter, shipping: HeldShipping) -> None:
+        delivered: list[str] = []
+        committer.put(b"k1", b"v1")
+        stored = committer.commit(lambda: delivered.append("k1"))
+        await shipping.shipping.wait()
+        position = read_position(db)
+        assert db.get(b"k1") == b"v1" and position is not None and position[0] == 1, "written, numbered"
+        await asyncio.sleep(0)  # a loop pass in which nothing may complete it
+        assert not stored.done() and delivered == [], "the backups have not confirmed it yet"
+        shipping.shipped[0].set_result(None)
+        await stored
+        assert delivered == ["k1"]
+
+    run(db, test)
+
+
+def test_the_sent_mark_waits_for_the_local_write_only(db: Any) -> None:
+    async def test(committer: GroupCommitter, shipping: HeldShipping) -> None:
+        committer.put(b"mark", b"1")
+        local = committer.commit(urgent=True, local=True)
+        publish = committer.commit()
+        await local
+        assert db.get(b"mark") == b"1"
+        assert not publish.done(), "a publish of the same batch still waits for the backups"
+        shipping.shipped[0].set_result(None)
+        await publish
+
+    run(db, test)
+
+
+@pytest.mark.parametrize("why", ["shipping failed", "lease ending"])
+def test_a_primary_that_may_no_longer_acknowledge_halts(db: Any, why: str) -> None:
+    async def test(committer: GroupCommitter, shipping: HeldShipping) -> None:
+        committer.put(b"k", b"v")
+        stored = committer.commit()
+        await shipping.shipping.wait()
+        if why == "shipping failed":
+            shipping.shipped[0].set_exception(ConnectionResetError("the primary was closed"))
+        else:
+            shipping.acknowledging = False
+            shipping.shipped[0].set_result(None)
+        with pytest.raises(NotPrimaryError):
+            await stored
+        assert committer.halted is not None
+        committer.put(b"after", b"x")
+        with pytest.raises(NotPrimaryError):
+            await committer.commit()
+        assert db.get(b"after") is None, "a halted committer writes nothing more"
+
+    run(db, test)
+
+
+def test_async_mode_acknowledges_after_the_local_write(db: Any) -> None:
+    async def test(committer: GroupCommitter, shipping: HeldShipping) -> None:
+        shipping.mode = "async"
+        committer.put(b"k", b"v")
+        await committer.commit()
+        assert shipping.shipped == [] and db.get(b"k") == b"v"
+
+    run(db, test)
