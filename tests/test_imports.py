@@ -142,7 +142,9 @@ def test_console_script_dispatches_every_documented_command() -> None:
     script = f"import sys; sys.argv[0] = 'amqtt-durable'; from {module} import {function}; sys.exit({function}())"
     top = run_command("-c", script, "--help")
     assert top.returncode == 0, top.stderr
-    assert "{broker,inspect,repair,fleet}" in top.stdout
+    assert "{broker,inspect,promote,repair,fleet}" in top.stdout
+    promote = run_command("-c", script, "promote", "--help")
+    assert promote.returncode == 0 and "replication.listen" in promote.stdout, promote.stderr
     fleet = run_command("-c", script, "fleet", "--help")
     assert fleet.returncode == 0, fleet.stderr
     assert fleet.stdout.startswith("usage: amqtt-durable fleet") and "--devices" in fleet.stdout
