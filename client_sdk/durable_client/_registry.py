@@ -44,6 +44,8 @@ class Registry:
         self._matched: dict[str, list[Listener]] = {}
         """Listeners per topic seen: matching every filter for every event costs more than the rest
         of the dispatch. Dropped whenever subscriptions change, and when it grows past MATCH_CACHE."""
+        self._stream_matched: dict[str, list[Listener]] = {}
+        """The same for stream subscriptions."""
 
     # -------------------------------------------------------- subscriptions
     def get(self, topic_filter: str) -> Subscription | None:
@@ -110,24 +112,24 @@ class Registry:
         with self.lock:
             found = self._matched.get(topic)
             if found is None:
-                if len(self._matched) >= MATCH_CACHE:
-                    self._matched.clear()
-                found = self._matched[topic] = [
+                found = _remember(self._matched, topic, [
                     s.listener
                     for s in self._subscriptions.values()
                     if s.listener is not None and topic_matches(s.filter, topic)
-                ]
+                ])  # fmt: skip
             return found
 
     # -------------------------------------------------------------- streams
     def put_stream(self, stream: StreamSubscription) -> StreamSubscription | None:
         with self.lock:
+            self._stream_matched.clear()
             previous = self._streams.get(stream.filter)
             self._streams[stream.filter] = stream
             return previous
 
     def remove_stream(self, topic_filter: str) -> StreamSubscription | None:
         with self.lock:
+            self._stream_matched.clear()
             return self._streams.pop(topic_filter, None)
 
     def streams(self) -> list[StreamSubscription]:
@@ -136,4 +138,15 @@ class Registry:
 
     def stream_listeners(self, topic: str) -> list[Listener]:
         with self.lock:
-            return [s.listener for s in self._streams.values() if topic_matches(s.filter, topic)]
+            found = self._stream_matched.get(topic)
+            if found is None:
+                matching = [s.listener for s in self._streams.values() if topic_matches(s.filter, topic)]
+                found = _remember(self._stream_matched, topic, matching)
+            return found
+
+
+def _remember(cache: dict[str, list[Listener]], topic: str, found: list[Listener]) -> list[Listener]:
+    if len(cache) >= MATCH_CACHE:
+        cache.clear()
+    cache[topic] = found
+    return found

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from durable_client._registry import MATCH_CACHE, Registry, Subscription
+from durable_client._registry import MATCH_CACHE, Registry, StreamSubscription, Subscription
 from durable_client.events import Event
 
 
@@ -32,3 +32,15 @@ def test_the_match_cache_stays_bounded() -> None:
     for index in range(MATCH_CACHE + 5):
         assert registry.listeners(f"d/{index}") == [first]
     assert len(registry._matched) <= MATCH_CACHE
+
+
+def test_stream_listeners_per_topic_follow_stream_subscription_changes() -> None:
+    registry = Registry()
+    registry.put_stream(StreamSubscription("s/#", first, None))
+    assert registry.stream_listeners("s/a") == [first]
+    assert registry.stream_listeners("s/a") == [first], "from the cache"
+    registry.put_stream(StreamSubscription("s/+", second, None))
+    assert registry.stream_listeners("s/a") == [first, second]
+    registry.remove_stream("s/#")
+    assert registry.stream_listeners("s/a") == [second]
+    assert registry.stream_listeners("t/a") == []
