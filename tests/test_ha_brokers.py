@@ -5,6 +5,7 @@ backup (promoted by the operator, or by the etcd lease) serves the same sessions
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,10 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from _rawmqtt import ClientProcess, Login, PubSpec, publisher_main  # bench/ is put on the path just above
 
 from amqtt_durable.errors import DurableError
 from amqtt_durable.process import HOST, free_port
@@ -401,10 +406,12 @@ def test_a_new_backup_catches_up_200000_queued_messages_while_publishes_go_on(
     subscriber = clients(primary.port, "device")
     subscriber.subscribe("t/#", 1)
     subscriber.disconnect()
-    backlog = payloads(200_000, "q-")
-    loader = clients(primary.port, "loader", clean_session=True)
-    for chunk in range(0, len(backlog), 50_000):  # paho's packet ids wrap at 65,535
-        loader.publish("t/a", backlog[chunk : chunk + 50_000])
+    backlog = range(200_000)
+    spec = PubSpec(primary.port, "loader", Login(), "t/a", b"load", len(backlog), inflight=500, timeout=120.0)
+    with ClientProcess("loader", publisher_main, spec) as loader:  # the benchmarks' raw publisher: fast
+        loader.expect("ready", WAIT)
+        loader.send("go")
+        assert loader.expect("result", 150.0).acked == len(backlog)
     backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
     more = payloads(2000, "live-")
     ongoing = BurstPublisher(primary.port, more, len(more))  # while the snapshot streams

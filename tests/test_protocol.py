@@ -344,9 +344,9 @@ def test_a_stalled_reader_gets_its_window_again_ever_more_slowly(
     broker = broker_factory(streams=[{"filter": "log/#", "max_count": 100}], stream_ack_timeout=0.3)
     clients(broker.port, "pub", clean_session=True).publish("log/s", payloads(5, "s"))
     reader = clients(broker.port, "reader", clean_session=True)
-    assert request(reader, "stream_subscribe", filter="log/#", window=5).ok
     sends: list[float] = []
     reader.on_message_hook = lambda m: sends.append(time.monotonic()) if m.topic.endswith("log/s") else None
+    assert request(reader, "stream_subscribe", filter="log/#", window=5).ok  # the hook sees the first send too
     # it never acknowledges: the first send, then resends of the window (5 events each)
     assert reader.wait_for(lambda ms: len(stream_events(reader)) >= 5 * 5, timeout=30)
     rounds = sends[::5][:5]
