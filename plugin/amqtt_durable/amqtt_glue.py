@@ -504,7 +504,8 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
                 else None
             )
             self.replication = ReplicationNode(
-                self.engine.db, settings, coordinator=coordinator, on_promote=self._promoted, on_demote=self._demoted
+                self.engine.db, settings, coordinator=coordinator, on_promote=self._promoted, on_demote=self._demoted,
+                fsync=self.config.sync,
             )
             self.engine.on_store_reopened = self.replication.use_db
             await self.replication.start()

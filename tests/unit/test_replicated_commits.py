@@ -12,6 +12,8 @@ import pytest
 
 from amqtt_durable.errors import NotPrimaryError
 from amqtt_durable.replication.commits import ReplicatedCommits
+from amqtt_durable.replication.config import ReplicationConfig
+from amqtt_durable.replication.node import ReplicationNode
 from amqtt_durable.replication.position import read_position
 from amqtt_durable.replication.primary import PreparedBatch, Primary
 from amqtt_durable.store import GroupCommitter
@@ -112,3 +114,15 @@ def test_async_mode_acknowledges_after_the_local_write(db: Any) -> None:
         assert shipping.shipped == [] and db.get(b"k") == b"v"
 
     run(db, test)
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_a_backup_fsyncs_what_it_applies_as_the_broker_fsyncs_its_commits(db: Any, fsync: bool) -> None:
+    async def main() -> None:
+        node = ReplicationNode(db, ReplicationConfig(role="backup", primary="127.0.0.1:1"), fsync=fsync)
+        assert node.backup.sync is fsync
+        node.demote("a test")  # a demoted primary's new backup end keeps the setting
+        assert node.backup.sync is fsync
+        await node.stop()
+
+    asyncio.run(main())

@@ -4,8 +4,10 @@ A backup connects to the primary, says where its store is (HELLO: store id, last
 batch and its checksum, all read from the store, so a restarted backup resumes where it
 stopped), and then applies what comes: a snapshot (the store is wiped and refilled; a mark
 in the store says it is partial until the end), then batches. Batches that arrived together
-are written as one LevelDB write batch, synced, together with the position of the last one
-(position.py), and only then acknowledged: an ack means "on this machine's disk". A batch
+are written as one LevelDB write batch together with the position of the last one
+(position.py), and only then acknowledged: an ack means "in this machine's store", fsynced when
+the broker's ``sync`` is true (as its own commits would be; a write without fsync survives the
+process, not a power loss of its machine). A batch
 that does not follow the last applied one, or names another store, is refused: the backup
 drops the channel and reconnects, and the primary catches it up again. Never a gap.
 

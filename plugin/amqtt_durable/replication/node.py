@@ -47,13 +47,16 @@ class ReplicationNode:
         coordinator: Coordinator | None = None,
         on_promote: Callable[[Primary], None] | None = None,
         on_demote: Callable[[str], None] | None = None,
+        fsync: bool = True,
     ) -> None:
         self.db = db
         self.config = config
         self.on_promote = on_promote
         self.on_demote = on_demote
         self.primary: Primary | None = None
-        self.backup = Backup(db, name=config.name or "backup")
+        self.fsync = fsync
+        """Whether the backup end fsyncs what it applies: as the broker's own commits (``sync``)."""
+        self.backup = Backup(db, name=config.name or "backup", sync=fsync)
         self.ha = (
             HaNode(
                 coordinator,
@@ -262,7 +265,7 @@ class ReplicationNode:
         task = asyncio.get_running_loop().create_task(self._step_down(primary, reason))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
-        self.backup = Backup(self.db, name=self.config.name or "backup")
+        self.backup = Backup(self.db, name=self.config.name or "backup", sync=self.fsync)
 
     async def _step_down(self, primary: Primary | None, reason: str) -> None:
         if primary is not None:
