@@ -4,7 +4,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 CONFIG ?= broker.yaml
 
-.PHONY: setup run test test-fast lint bench bench-setup clean
+.PHONY: setup run test test-fast test-brokers lint bench bench-setup clean
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -31,7 +31,12 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
+# The unit tests: pure logic and real LevelDB stores, no broker process (about half a minute).
 test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q tests/unit
+
+# Everything but the tests marked slow (Spark, fleet runs, failovers): real brokers, a few minutes.
+test-brokers: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m 'not slow'
 
 lint: $(STAMP)
