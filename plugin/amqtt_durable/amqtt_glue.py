@@ -230,7 +230,7 @@ def _install_connect_hooks() -> None:
                 raise MQTTError(f"CONNECT of {session.client_id!r} refused: will {problem}")
         plugin = next((p for p in plugins_manager._plugins if isinstance(p, DurableSessionsPlugin)), None)
         if plugin is not None and not plugin.engine.serving:
-            log.info("CONNECT of %r refused (CONNACK 3): %s", session.client_id, NOT_SERVING)
+            log.debug("CONNECT of %r refused (CONNACK 3): %s", session.client_id, NOT_SERVING)  # routine on a backup
             await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
             raise MQTTError(f"CONNECT of {session.client_id!r}: {NOT_SERVING}")
         if plugin is None or not session.client_id:
