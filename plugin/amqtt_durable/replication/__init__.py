@@ -1,4 +1,4 @@
-"""Primary-backup replication of the durable store (issue 12), the building blocks.
+"""Primary-backup replication of the durable store (docs/replication.md).
 
 The unit of replication is the group commit: the exact list of LevelDB operations one
 commit writes, numbered and shipped in commit order (XAP's replication of operations,
@@ -9,7 +9,11 @@ GemFire's redundant queues). Modules, in data-flow order:
 - ``primary`` / ``backup``: the two ends of the TCP channel (ship, apply, ack, snapshot).
 - ``coordinator`` / ``etcd``: who is primary is a lease in etcd (Patroni's dcs model).
 - ``ha``: one step of the HA loop: read the cluster state, decide, act, say why.
+- ``commits``: the group commit's step on a primary (number, write, ship; sync acknowledgement).
+- ``node``: which end runs, switched by the HA loop or ``promote``; tools' STATUS and PROMOTE.
+- ``tool``: what ``amqtt-durable promote`` and ``inspect --replication`` ask a node.
 - ``config``: the ``replication:`` settings.
 
-Nothing here is wired into the broker yet: see docs/replication.md.
+The broker side (load on promotion, CONNACK 3 on a backup, halt on demotion) is in
+amqtt_glue.DurableSessionsPlugin.
 """

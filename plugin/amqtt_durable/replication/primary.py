@@ -10,7 +10,8 @@ The sync-mode contract (XAP's sync replication): the future ``committed`` return
 once every backup that is connected and in sync acknowledged the batch (applied and synced
 it). A backup that drops out, or stays silent past ``ack_timeout`` with batches outstanding,
 is disconnected and no longer counted, so one dead backup does not stop the primary; it is
-caught up again when it comes back. The order of a commit, for the wiring::
+caught up again when it comes back. The order of a commit (store.GroupCommitter through
+replication/commits.py)::
 
     prepared = primary.prepare(ops)        # numbers the batch, adds the position op
     write prepared.ops locally             # a retried write reuses the same prepared batch
