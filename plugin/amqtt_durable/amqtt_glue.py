@@ -521,7 +521,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
     def _demoted(self, reason: str) -> None:
         """No longer the primary: acknowledge nothing more (at once, before any await), end every
         client connection (they reconnect to the new primary) and stop the engine's work."""
-        if not self.engine.serving:
+        if not self.engine.loaded:  # a backup that was never primary has nothing to stop
             return
         self.engine.committer.halt(reason)
         for _, handler in list(self.broker._sessions.values()):

@@ -859,7 +859,7 @@ class GroupCommitter:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._writing or not (self._ops or self._waiters or self._after_commit):
+        if self._writing or self.halted is not None or not (self._ops or self._waiters or self._after_commit):
             return
         if self.before_flush is not None:
             try:
@@ -943,12 +943,14 @@ class GroupCommitter:
         waiters: list[tuple[asyncio.Future[None], int]],
         shipping_error: BaseException | None = None,
     ) -> None:
-        if self.halted is None and (shipping_error is not None or not self._may_acknowledge()):
-            self.halted = NotPrimaryError(str(shipping_error or "its lease is ending"))
-        if self.halted is not None:
+        refusal = self.halted
+        if refusal is None and (shipping_error is not None or not self._may_acknowledge()):
+            # Only these waiters fail: halting is the demotion's (halt), which also ends the clients.
+            refusal = NotPrimaryError(str(shipping_error or "its lease is ending"))
+        if refusal is not None:
             for waiter, _ in waiters:
                 if not waiter.done():
-                    _fail(waiter, self.halted)
+                    _fail(waiter, refusal)
             return
         for callback in after:
             try:
@@ -989,6 +991,11 @@ class GroupCommitter:
         after: list[Callable[[], None]],
     ) -> None:
         """Keep the batch, in front of what came since; fail the fail-fast waiters; retry later."""
+        if self.halted is not None:  # a write in flight at the demotion: nothing is retried
+            for waiter, _ in waiters:
+                if not waiter.done():
+                    _fail(waiter, self.halted)
+            return
         self._ops[:0] = ops
         self._after_commit[:0] = after
         self._waiters[:0] = waiters
@@ -1015,6 +1022,8 @@ class GroupCommitter:
 
     def _try_again(self) -> None:
         self._retry = None
+        if self.halted is not None:
+            return
         if self.reopen is not None:
             try:
                 self._db = self.reopen()

@@ -97,7 +97,8 @@ def test_a_primary_that_may_no_longer_acknowledge_halts(db: Any, why: str) -> No
             shipping.shipped[0].set_result(None)
         with pytest.raises(NotPrimaryError):
             await stored
-        assert committer.halted is not None
+        assert committer.halted is None, "only the demotion halts (it also ends the clients)"
+        committer.halt("demoted")
         committer.put(b"after", b"x")
         with pytest.raises(NotPrimaryError):
             await committer.commit()
