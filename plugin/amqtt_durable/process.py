@@ -117,6 +117,21 @@ class ChildProcess:
             time.sleep(min(poll, max(0.0, deadline - time.monotonic())))  # not ready yet; bounded by the deadline
         return False
 
+    def await_ready(self, name: str, ready: Callable[[], bool], timeout: float, waiting_for: str) -> Self:
+        """Return once the started child is ``ready``; else stop it and raise.
+
+        ChildExitedError if the child ends first; RuntimeError if ``ready`` does not hold
+        within ``timeout`` seconds. Both name ``name``, what was awaited and the log.
+        """
+        try:
+            became_ready = self.wait_until(ready, timeout)
+        except ChildExitedError as exc:
+            raise ChildExitedError(f"{name} exited with status {self.exit_status}; see {self.log_path}") from exc
+        if not became_ready:
+            self.stop()
+            raise RuntimeError(f"{name} did not {waiting_for} within {timeout:g} s; see {self.log_path}")
+        return self
+
     def kill(self) -> None:
         """SIGKILL: no shutdown, no flush; what the child wrote to disk is what survives."""
         if self.proc is not None and self.running:
@@ -183,14 +198,7 @@ class BrokerProcess(ChildProcess):
     def start(self) -> Self:
         """Start and return once ready; RuntimeError naming the log if not within ``wait`` seconds."""
         self.spawn()
-        try:
-            ready = self.wait_until(self.ready, self.wait)
-        except ChildExitedError as exc:
-            raise ChildExitedError(f"the broker exited with status {self.exit_status}; see {self.log_path}") from exc
-        if not ready:
-            self.stop()
-            raise RuntimeError(f"the broker did not open {HOST}:{self.port} within {self.wait} s; see {self.log_path}")
-        return self
+        return self.await_ready("the broker", self.ready, self.wait, f"open {HOST}:{self.port}")
 
     def restart(self, kill: bool = True) -> Self:
         """SIGKILL (or stop, with ``kill`` False) and start again on the same port and store."""
@@ -245,11 +253,4 @@ class EtcdProcess(ChildProcess):
 
     def start(self) -> Self:
         super().start()
-        try:
-            ready = self.wait_until(self.ready, self.ready_wait)
-        except ChildExitedError as exc:
-            raise RuntimeError(f"etcd exited with status {self.exit_status}; see {self.log_path}") from exc
-        if not ready:
-            self.kill()
-            raise RuntimeError(f"etcd did not become ready in {self.ready_wait:g} s; see {self.log_path}")
-        return self
+        return self.await_ready("etcd", self.ready, self.ready_wait, "become ready")
