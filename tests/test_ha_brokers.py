@@ -5,6 +5,7 @@ backup (promoted by the operator, or by the etcd lease) serves the same sessions
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -113,6 +114,39 @@ def test_a_backup_refuses_clients_holds_every_acknowledged_publish_and_is_promot
     assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
     assert_queue_served(backup, clients, 300)
     assert wait_status(backup, lambda s: s["role"] == "primary")["batch"] > 0
+
+
+def refused_at_once(replication_address: str, attack: bytes) -> bytes:
+    """Send ``attack`` to a node's replication address; what it answers before it closes."""
+    host, port = replication_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(attack)
+        answered = b""
+        while chunk := sock.recv(4096):  # bounded by the socket timeout; the node closes at once
+            answered += chunk
+    return answered
+
+
+def test_strangers_on_the_replication_address_are_cut_off_and_replication_goes_on(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    primary = start(node(broker_factory, "p", role="primary"), SERVING)
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    wait_status(backup, lambda s: s["caught_up"])
+    huge_hello = bytes([Frame.HELLO]) + (200 * 1024 * 1024).to_bytes(4, "big")  # a 200 MiB frame announced
+    garbage = bytes(range(256))
+    for target in (primary, backup):
+        for attack in (huge_hello, huge_hello, garbage):
+            assert refused_at_once(address(target), attack) == b""
+
+    queue_durable_messages(primary, clients, 200)  # sync mode: each PUBACK waited for the backup
+    shown = wait_status(primary, lambda s: bool(s["backups"]) and s["backups"][0]["state"] == "in_sync")
+    assert shown["backups"][0]["name"] == "b"
+    assert "larger than 65536" in primary.log() and "larger than 65536" in backup.log()
+    primary.kill()
+    assert run_cli("promote", address(backup)).returncode == 0
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
+    assert_queue_served(backup, clients, 200)
 
 
 def test_promote_names_what_is_wrong() -> None:

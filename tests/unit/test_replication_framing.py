@@ -8,6 +8,7 @@ import pytest
 
 from amqtt_durable.replication.errors import FrameError
 from amqtt_durable.replication.framing import (
+    MAX_PEER_FRAME,
     Frame,
     Hello,
     decode_batch,
@@ -65,6 +66,16 @@ def test_frames_round_trip_and_damage_is_detected() -> None:
         assert Hello.decode(payload) == hello
         with pytest.raises(FrameError, match="checksum"):
             await read_frame(reader)
+
+    asyncio.run(main())
+
+
+def test_a_frame_longer_than_the_limit_is_refused_before_its_payload_arrives() -> None:
+    async def main() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes([Frame.HELLO]) + (200 * 1024 * 1024).to_bytes(4, "big"))  # the header alone
+        with pytest.raises(FrameError, match=f"length 209715200 is larger than {MAX_PEER_FRAME}"):
+            await asyncio.wait_for(read_frame(reader, MAX_PEER_FRAME), 5)
 
     asyncio.run(main())
 

@@ -59,6 +59,10 @@ _HELLO = struct.Struct(">HQQI")
 _POSITION = struct.Struct(">QI")
 MAX_FRAME = 256 * 1024 * 1024
 """A frame longer than this is refused as damage (a batch is bounded by the store's batch_size)."""
+MAX_PEER_FRAME = 64 * 1024
+"""The longest frame a node reads from a peer that connected to it (a backup's HELLO and ACKs, a
+tool's STATUS or PROMOTE are all small): refused before its payload is read, so a stranger on
+the replication address cannot make a node buffer ``MAX_FRAME`` bytes per connection."""
 
 
 class Frame(IntEnum):
@@ -158,12 +162,13 @@ def encode_frame(kind: Frame, payload: bytes = b"") -> bytes:
     return head + payload + _U32.pack(zlib.crc32(payload, zlib.crc32(head)))
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[Frame, bytes]:
-    """The next frame; IncompleteReadError at a clean end of the stream, FrameError on damage."""
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> tuple[Frame, bytes]:
+    """The next frame; IncompleteReadError at a clean end of the stream, FrameError on damage
+    or on a length above ``limit`` (checked before the payload is read)."""
     head = await reader.readexactly(_FRAME_HEAD.size)
     kind, length = _FRAME_HEAD.unpack(head)
-    if length > MAX_FRAME:
-        raise FrameError("frame", f"length {length} is larger than {MAX_FRAME}")
+    if length > limit:
+        raise FrameError("frame", f"length {length} is larger than {limit}")
     rest = await reader.readexactly(length + 4)
     payload = rest[:-4]
     if zlib.crc32(payload, zlib.crc32(head)) != _U32.unpack_from(rest, length)[0]:

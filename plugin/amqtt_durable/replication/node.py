@@ -27,7 +27,7 @@ from .backup import Backup
 from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
 from .errors import CoordinatorError, ReplicationError
-from .framing import Frame, encode_frame, read_frame
+from .framing import MAX_PEER_FRAME, Frame, encode_frame, read_frame
 from .ha import Decision, HaNode
 from .position import read_position, read_store_id
 from .primary import HELLO_TIMEOUT, Primary
@@ -162,7 +162,7 @@ class ReplicationNode:
         """A backup's replication address: tools' questions; a backup's HELLO is not for it."""
         try:
             async with asyncio.timeout(HELLO_TIMEOUT):
-                kind, _ = await read_frame(reader)
+                kind, _ = await read_frame(reader, MAX_PEER_FRAME)
                 if kind in (Frame.STATUS, Frame.PROMOTE):
                     writer.write(encode_frame(kind, json.dumps(self.answer(kind)).encode()))
                     await writer.drain()

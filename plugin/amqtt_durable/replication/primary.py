@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from .errors import FrameError, ReplicationError
 from .framing import (
+    MAX_PEER_FRAME,
     Frame,
     Hello,
     Op,
@@ -293,7 +294,7 @@ class Primary:
         ended = "disconnected"
         try:
             async with asyncio.timeout(HELLO_TIMEOUT):
-                kind, payload = await read_frame(reader)
+                kind, payload = await read_frame(reader, MAX_PEER_FRAME)
             if kind in (Frame.STATUS, Frame.PROMOTE) and self.on_admin is not None:
                 writer.write(encode_frame(kind, json.dumps(self.on_admin(kind)).encode()))
                 await writer.drain()
@@ -330,7 +331,7 @@ class Primary:
 
     async def _read_acks(self, reader: asyncio.StreamReader, link: BackupLink) -> None:
         while True:
-            kind, payload = await read_frame(reader)
+            kind, payload = await read_frame(reader, MAX_PEER_FRAME)
             if kind != Frame.ACK:
                 raise FrameError("ACK", f"unexpected {kind.name} from a backup")
             seq = decode_seq(payload)
