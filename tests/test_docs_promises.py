@@ -15,7 +15,7 @@ from typing import Any
 import plyvel
 import pytest
 from test_hostile_wire import read_until_closed
-from test_protocol import request
+from test_protocol import ack_each, request, stream_events
 from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 
 from amqtt_durable.inspect_store import summarize
@@ -293,3 +293,21 @@ def test_age_retention_empties_a_log_whose_ids_go_on(
     publisher.publish("s/a", [b"fourth"])
     assert reader.wait_for(lambda ms: any(m.topic == "$durable/v1/stream/s/a" for m in ms))
     assert request(reader, "stream_info").fields["topics"]["s/a"]["last"] == 4
+
+
+def test_stream_window_is_the_default_window_and_a_request_may_ask_up_to_1000(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """configuration.md `stream_window`: stream events in flight per topic before the client's ack
+    (a client may ask for up to 1000)."""
+    broker = broker_factory(streams=[{"filter": "w/#"}], stream_window=3)
+    clients(broker.port, "pub", clean_session=True).publish("w/a", payloads(5))
+    default = clients(broker.port, "default-window", clean_session=True)
+    assert request(default, "stream_subscribe", filter="w/#").ok
+    assert default.wait_for(lambda _: len(stream_events(default)) >= 3)
+    assert not default.wait_for(lambda _: len(stream_events(default)) > 3, timeout=0.5), "3 in flight, no more"
+    ack_each(default, "w/a", range(3, 4))  # covers 1..3
+    assert default.wait_for(lambda _: [f.seq for _, f, _ in stream_events(default)] == [1, 2, 3, 4, 5])
+    widest = clients(broker.port, "widest-window", clean_session=True)
+    assert request(widest, "stream_subscribe", filter="w/#", window=1000).ok
+    assert widest.wait_for(lambda _: len(stream_events(widest)) == 5)
