@@ -156,9 +156,10 @@ def test_session_expiry_0_deletes_a_session_as_soon_as_it_disconnects(
 def test_messages_in_flight_count_towards_the_limit_and_are_never_dropped(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], overflow: str, kept: list[int]
 ) -> None:
-    """guarantees.md, Queue limits: drop-oldest deletes the oldest message not sent yet (messages in
+    """guarantees.md, Queue limits: max_depth limits a connected session's queue (max_depth_disconnected
+    is for a disconnected one); drop-oldest deletes the oldest message not sent yet (messages in
     flight are never dropped); drop-newest does not queue the new one; drops are counted."""
-    broker = broker_factory(max_depth=3, max_depth_disconnected=3, recovery_buffer=2, overflow=overflow)
+    broker = broker_factory(max_depth=3, max_depth_disconnected=100, recovery_buffer=2, overflow=overflow)
     device = clients(broker.port, "slow", manual_ack=True)
     device.subscribe("o/t", 1)
     sent = payloads(10)
