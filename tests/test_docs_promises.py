@@ -290,3 +290,19 @@ def test_stream_window_is_the_default_window_and_a_request_may_ask_up_to_1000(
     widest = clients(broker.port, "widest-window", clean_session=True)
     assert request(widest, "stream_subscribe", filter="w/#", window=1000).ok
     assert widest.wait_for(lambda _: len(stream_events(widest)) == 5)
+
+
+def test_stream_logs_and_their_ids_survive_a_sigkill_even_once_retention_emptied_them(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """streams.md: every publish to a logged topic is appended in the commit that queues it, before
+    the PUBACK; stream logs survive crashes; protocol.md: ids are never reused by one store."""
+    broker = broker_factory(streams=[{"filter": "k/#", "max_count": 2}])
+    clients(broker.port, "pub", clean_session=True).publish("k/a", payloads(5))
+    store_id = request(clients(broker.port, "before", clean_session=True), "stream_info").fields["store"]
+    broker.restart(kill=True)
+    reader = clients(broker.port, "after", clean_session=True)
+    info = request(reader, "stream_info").fields
+    assert (info["topics"], info["store"]) == ({"k/a": {"first": 4, "last": 5, "count": 2}}, store_id)
+    clients(broker.port, "pub2", clean_session=True).publish("k/a", [b"sixth"])
+    assert request(reader, "stream_info").fields["topics"] == {"k/a": {"first": 5, "last": 6, "count": 2}}
