@@ -306,3 +306,21 @@ def test_stream_logs_and_their_ids_survive_a_sigkill_even_once_retention_emptied
     assert (info["topics"], info["store"]) == ({"k/a": {"first": 4, "last": 5, "count": 2}}, store_id)
     clients(broker.port, "pub2", clean_session=True).publish("k/a", [b"sixth"])
     assert request(reader, "stream_info").fields["topics"] == {"k/a": {"first": 5, "last": 6, "count": 2}}
+
+
+def test_a_topic_already_open_keeps_its_position_and_the_reply_does_not_call_it_ahead(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, stream_subscribe: a topic already open on the connection keeps its position (its
+    `after` entry is ignored), so the reply's `ahead` (positions past the log's end, after which the
+    topic sends nothing) must not name it: its events keep coming."""
+    broker = broker_factory(streams=[{"filter": "h/#"}])
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("h/a", payloads(2))
+    reader = clients(broker.port, "reader", clean_session=True)
+    assert request(reader, "stream_subscribe", filter="h/#", window=10).ok
+    assert reader.wait_for(lambda _: len(stream_events(reader)) == 2)
+    again = request(reader, "stream_subscribe", filter="h/#", after={"h/a": 50})
+    publisher.publish("h/a", [b"third"])
+    assert reader.wait_for(lambda _: len(stream_events(reader)) == 3), "the open topic went on from its position"
+    assert again.fields["ahead"] == {}, again.fields
