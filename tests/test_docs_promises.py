@@ -212,6 +212,24 @@ def test_a_retained_message_queued_with_a_subscription_comes_at_the_lower_qos(
     assert at_most_once.wait_for(lambda ms: [(m.payload, m.retain, m.qos) for m in ms] == [(b"on", True, 0)])
 
 
+@pytest.mark.parametrize("queue_qos0", [False, True])
+def test_a_qos1_publish_to_a_qos0_subscription_is_a_qos0_message_for_queue_qos0(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], queue_qos0: bool
+) -> None:
+    """guarantees.md / configuration.md `queue_qos0`: messages delivered at QoS 0 (here: a QoS 0
+    subscription) are queued for a disconnected session only with `queue_qos0: true`."""
+    broker = broker_factory(queue_qos0=queue_qos0)
+    device = clients(broker.port, "qos0-sub")
+    assert device.subscribe("z/t", 0) == [0]
+    device.disconnect()
+    clients(broker.port, "pub", clean_session=True).publish("z/t", [b"at qos 1"], qos=1)
+    assert device.connect() is True
+    if queue_qos0:
+        assert device.wait_for(lambda ms: [(m.payload, m.qos) for m in ms] == [(b"at qos 1", 0)])
+    else:
+        assert not device.wait_for(lambda ms: len(ms) > 0, timeout=0.5)
+
+
 # ------------------------------------------------------------------------------ protocol.md
 
 
