@@ -230,6 +230,24 @@ def test_a_qos1_publish_to_a_qos0_subscription_is_a_qos0_message_for_queue_qos0(
         assert not device.wait_for(lambda ms: len(ms) > 0, timeout=0.5)
 
 
+def test_overlapping_filters_of_a_durable_session_deliver_a_message_once_at_the_highest_qos(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """guarantees.md: delivered QoS = min(publish QoS, subscription QoS); a durable session with
+    several filters matching a topic gets each message once, at the highest QoS they grant."""
+    device = clients(broker.port, "overlap")
+    assert device.subscribe([("o/#", 0), ("o/b", 1)]) == [0, 1]
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("o/b", [b"live"], qos=2)
+    assert device.wait_for(lambda ms: len(ms) >= 1)
+    device.disconnect()
+    publisher.publish("o/b", [b"queued"], qos=2)
+    assert device.connect() is True
+    assert device.wait_for(lambda ms: len(ms) >= 2)
+    assert not device.wait_for(lambda ms: len(ms) > 2, timeout=0.5)
+    assert [(m.payload, m.qos) for m in device.messages] == [(b"live", 1), (b"queued", 1)]
+
+
 # ------------------------------------------------------------------------------ protocol.md
 
 
