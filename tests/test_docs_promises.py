@@ -152,6 +152,23 @@ def test_session_expiry_0_deletes_a_session_as_soon_as_it_disconnects(
     assert not device.wait_for(lambda ms: len(ms) > 0, timeout=0.5)
 
 
+def test_an_unsubscribe_is_stored_before_its_unsuback(broker: Broker, clients: Callable[..., Client]) -> None:
+    """guarantees.md, lifecycle: subscriptions are stored before SUBACK, their removal before
+    UNSUBACK, so a SIGKILL right after either changes nothing."""
+    device = clients(broker.port, "unsub")
+    device.subscribe("u/a", 1)
+    device.subscribe("u/b", 1)
+    device.unsubscribe("u/a")
+    broker.restart(kill=True)  # right after the UNSUBACK, the connection still up
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("u/a", [b"unsubscribed"])
+    publisher.publish("u/b", [b"subscribed"])
+    assert device.connect() is True
+    assert device.wait_for(lambda ms: len(ms) >= 1)
+    assert not device.wait_for(lambda ms: len(ms) > 1, timeout=0.5)
+    assert [m.payload for m in device.messages] == [b"subscribed"]
+
+
 @pytest.mark.parametrize(("overflow", "kept"), [("drop-oldest", [0, 1, 9]), ("drop-newest", [0, 1, 2])])
 def test_messages_in_flight_count_towards_the_limit_and_are_never_dropped(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], overflow: str, kept: list[int]
