@@ -169,6 +169,23 @@ def test_an_unsubscribe_is_stored_before_its_unsuback(broker: Broker, clients: C
     assert [m.payload for m in device.messages] == [b"subscribed"]
 
 
+@pytest.mark.parametrize("kill", [True, False], ids=["sigkill", "sigterm"])
+def test_a_session_connected_when_the_broker_stopped_counts_its_expiry_from_the_restart(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], kill: bool
+) -> None:
+    """guarantees.md, Expiry: 'a session that was connected when the broker stopped gets its deadline
+    counted from the restart', whether the broker died or was stopped cleanly (a maintenance stop
+    longer than session_expiry must not delete every connected session)."""
+    broker = broker_factory(session_expiry=1)
+    device = clients(broker.port, "connected-at-stop")
+    device.subscribe("c/t", 1)
+    broker.kill() if kill else broker.stop()
+    device.paho.loop_stop()
+    time.sleep(1.5)  # longer than session_expiry, while the broker is down: nothing to synchronise with
+    broker.start()
+    assert device.connect() is True, "the deadline must count from the restart, not from the stop"
+
+
 @pytest.mark.parametrize(("overflow", "kept"), [("drop-oldest", [0, 1, 9]), ("drop-newest", [0, 1, 2])])
 def test_messages_in_flight_count_towards_the_limit_and_are_never_dropped(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], overflow: str, kept: list[int]
