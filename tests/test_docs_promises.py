@@ -14,6 +14,7 @@ from typing import Any
 
 import plyvel
 import pytest
+from test_hostile_wire import wait_until
 from test_protocol import ack_each, request, stream_events
 from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 
@@ -42,15 +43,6 @@ METRICS = {
 def latest(client: Client, name: str) -> int | None:
     values = [int(m.payload) for m in client.messages if m.topic == SYS + name]
     return values[-1] if values else None
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = WAIT) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)  # polling a broker-side state that has no event to wait on; bounded
-    return condition()
 
 
 def wait_for_more(client: Client, count: int) -> bool:
@@ -347,7 +339,7 @@ def test_age_retention_empties_a_log_whose_ids_go_on(
     publisher.publish("s/a", payloads(3))
     reader = clients(broker.port, "reader", clean_session=True)
     assert request(reader, "stream_info", filter="s/#").fields["topics"] == {"s/a": {"first": 1, "last": 3, "count": 3}}
-    assert wait_until(lambda: request(reader, "stream_info").fields["topics"]["s/a"]["count"] == 0)
+    assert wait_until(lambda: request(reader, "stream_info").fields["topics"]["s/a"]["count"] == 0, WAIT)
     reply = request(reader, "stream_subscribe", filter="s/#", after={"s/a": 0})
     assert reply.fields["gaps"] == {"s/a": [1, 3]}
     publisher.publish("s/a", [b"fourth"])
