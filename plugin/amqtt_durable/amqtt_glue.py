@@ -789,7 +789,7 @@ class AmqttHooks:
             return
         unsubscription = waiter.result()
         for topic_filter in unsubscription.topics:
-            self.engine.unsubscribe(session.client_id, topic_filter)
+            await self.engine.unsubscribe(session.client_id, topic_filter)
             await self.broker.plugins_manager.fire_event(
                 BrokerEvents.CLIENT_UNSUBSCRIBED, client_id=session.client_id, topic=topic_filter
             )

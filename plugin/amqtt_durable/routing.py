@@ -49,13 +49,16 @@ class Routing(EngineMetrics):
         self._save_record(session)
         await self.committer.commit(urgent=True)
 
-    def unsubscribe(self, client_id: str, topic_filter: str) -> None:
+    async def unsubscribe(self, client_id: str, topic_filter: str) -> None:
+        """Drop a subscription; returns once that is stored, so a crash after the UNSUBACK
+        cannot bring the filter back."""
         session = self.sessions.get(client_id)
         if session is None or session.record.subscriptions.pop(topic_filter, None) is None:
             return
         session.record.non_durable.discard(topic_filter)  # a later SUBSCRIBE starts durable again
         self.index.remove(client_id, topic_filter)
         self._save_record(session)
+        await self.committer.commit(urgent=True)
 
     def route_publish(
         self, topic: str, payload: bytes, qos: int, targets: dict[str, int] | None = None, *, retain: bool = False

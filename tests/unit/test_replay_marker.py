@@ -206,7 +206,7 @@ def test_an_unsubscribed_filter_subscribed_again_is_durable(tmp_path: Path) -> N
         await sdk_session(engine, "d")
         engine.set_interest("d", "f", durable=False)
         await engine.subscribe("d", "f", 1)
-        engine.unsubscribe("d", "f")
+        await engine.unsubscribe("d", "f")
         await engine.subscribe("d", "f", 1)
         transport = RecordingTransport()
         await engine.attach("d", transport)
