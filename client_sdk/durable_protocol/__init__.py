@@ -95,12 +95,14 @@ OPS: Final = (
 class ProtocolError(Exception):
     """A request the broker refuses; ``code`` is one of ``ERROR_CODES``."""
 
-    def __init__(self, code: str, message: str, req: int | None = None) -> None:
+    def __init__(self, code: str, message: str, req: int | None = None, op: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.req = req
         """The request's "req", when it could be read, so the error reply can echo it."""
+        self.op = op
+        """The request's "op", when it is a known one, echoed likewise."""
 
 
 ERROR_CODES: Final = (
@@ -205,13 +207,13 @@ def parse_request(payload: bytes) -> Request:
     req = data.get("req")
     if req is not None and not _is_int(req):
         raise ProtocolError("malformed", "'req' must be an integer")
+    op = data.get("op")
     try:
         version = data.get("v")
         if version != PROTOCOL_VERSION:
             raise ProtocolError(
                 "unsupported_version", f"'v' is {version!r}; this broker speaks protocol {PROTOCOL_VERSION}"
             )
-        op = data.get("op")
         if op not in OPS:
             raise ProtocolError("unknown_op", f"'op' is {op!r}; known ops are {', '.join(OPS)}")
         for name in _REQUIRED.get(op, ()):
@@ -231,6 +233,7 @@ def parse_request(payload: bytes) -> Request:
         )
     except ProtocolError as exc:
         exc.req = req
+        exc.op = op if op in OPS else None
         raise
 
 

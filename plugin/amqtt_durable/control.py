@@ -244,7 +244,7 @@ class ControlChannel:
         self._write(encode_reply(request.op, request.req, **fields))
 
     def _refuse(self, request: Request | None, error: ProtocolError) -> None:
-        op = request.op if request is not None else None
+        op = request.op if request is not None else error.op
         req = request.req if request is not None else error.req
         log.info("%s: control request refused (%s): %s", self._client_id, error.code, error.message)
         self._write(encode_error(op, req, error))
