@@ -123,6 +123,7 @@ class StreamSender:
             return {"topics": {}, "gaps": {}, "ahead": {}}
         window = self._checked_window(topic_filter, window)
         after = after or {}
+        open_before = set(self._cursors)  # their positions stand; ``after`` cannot put them ahead
         self._filters[topic_filter] = window
         self._logs.register(self)
         for topic, last_seen in after.items():
@@ -135,7 +136,7 @@ class StreamSender:
             bounds = self._logs.bounds(topic)
             if bounds is not None and matches(topic, topic_filter):
                 topics[topic] = {"first": bounds[0], "last": bounds[1]}
-                if after.get(topic, 0) > bounds[1]:
+                if topic not in open_before and after.get(topic, 0) > bounds[1]:
                     ahead[topic] = bounds[1]
         if ahead:
             # Ids are never reused by one store: a position past the end means another store.
