@@ -745,7 +745,7 @@ class AmqttHooks:
             # amqtt leaves the connection open when its loop ends on a bad PUBLISH topic.
             await handler.stop()
             if durable:
-                await self.engine.detach(session.client_id, transport)
+                await self.engine.detach(session.client_id, transport, broker_stopping=self.shutting_down)
             current = self.broker._sessions.get(session.client_id, (None, None))[1]
             if current is not None and current is not handler and session.transitions.state == "disconnected":
                 # amqtt's take-over: this old connection's end marked the shared Session

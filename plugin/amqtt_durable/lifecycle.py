@@ -180,8 +180,12 @@ class SessionLifecycle(Routing):
         session = self.sessions.get(client_id)
         return session is not None and session.superseded(transport)
 
-    async def detach(self, client_id: str, transport: Transport) -> None:
-        """That connection is gone; a newer one (take-over) keeps the session connected."""
+    async def detach(self, client_id: str, transport: Transport, *, broker_stopping: bool = False) -> None:
+        """That connection is gone; a newer one (take-over) keeps the session connected.
+
+        A connection the broker's own stop ends starts no expiry clock: the session counts as
+        connected at the stop, so its deadline counts from the restart (as after a crash), and a
+        maintenance stop longer than ``session_expiry`` expires nobody."""
         session = self.sessions.get(client_id)
         if session is None or session.transport is not transport:
             return
@@ -193,7 +197,8 @@ class SessionLifecycle(Routing):
         if session.deleted:
             return
         session.limits.on_disconnect()
-        self._disconnected(session)
+        if not broker_stopping:
+            self._disconnected(session)
 
     def _disconnected(self, session: DurableSession) -> None:
         """Start the expiry clock of a session that has no connection now."""
