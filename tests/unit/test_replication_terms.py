@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from recording_transport import RecordingTransport
 from replication_helpers import bounded, commit, following, ops_for, primary_store
 from test_replication_ha import Clock, FakeCoordinator, Hooks, node
 
@@ -32,6 +31,7 @@ from amqtt_durable.replication.position import position_op, read_position
 from amqtt_durable.replication.primary import Primary
 from amqtt_durable.replication.tool import ask
 from amqtt_durable.store import GroupCommitter, open_store
+from recording_transport import RecordingTransport
 
 HOST = "127.0.0.1"
 

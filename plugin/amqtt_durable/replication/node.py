@@ -151,6 +151,12 @@ class ReplicationNode:
         acknowledged every batch written so far, so a clean stop leaves nothing acknowledged
         behind. The broker writes its last batches before it calls this."""
         if self.primary is not None:
+            log.info(
+                "replication: %s stops: waiting (at most %g s) until the backups have batch %d",
+                self.config.name or "the primary",
+                self.config.ack_timeout,
+                self.primary.log.head_seq,
+            )
             await self.primary.wait_shipped(within=self.config.ack_timeout)
 
     async def stop(self) -> None:
