@@ -197,6 +197,37 @@ def test_a_demoted_primary_ends_websocket_clients_and_refuses_a_connect_read_bef
         late.close()
 
 
+ANONYMOUS = "amqtt.plugins.authentication.AnonymousAuthPlugin"
+
+
+def named_users_only(broker: Broker) -> None:
+    """Refuse CONNECTs without a username. amqtt marks every session anonymous while anonymous
+    logins are allowed, and drops an anonymous session as soon as it is disconnected: only
+    named sessions outlive their connections in amqtt's memory."""
+    Broker.write_config(broker)
+    broker.config["plugins"][ANONYMOUS] = {"allow_anonymous": False}
+    broker.write_config = lambda: BrokerProcess.write_config(broker)  # type: ignore[method-assign]
+
+
+def connack_as_user(port: int) -> int | None:
+    """connack_code with a username (an anonymous probe is refused here)."""
+    body = mqtt_string("MQTT") + bytes((4, 0x82)) + struct.pack(">H", 10) + mqtt_string("prob")
+    try:
+        with socket.create_connection((HOST, port), timeout=1.0) as sock:
+            sock.sendall(mqtt_packet(0x10, body + mqtt_string("probe")))
+            reply = sock.recv(4)
+            return reply[3] if reply[:1] == b"\x20" and len(reply) == 4 else None
+    except OSError:
+        return None
+
+
+class NamedRawClient(RawClient):
+    def connect_packet(self, keepalive: int = 60) -> bytes:
+        flags = 0x80 | (0x02 if self.clean_session else 0x00)
+        body = mqtt_string("MQTT") + bytes((4, flags)) + struct.pack(">H", keepalive) + mqtt_string(self.client_id)
+        return mqtt_packet(0x10, body + mqtt_string("publisher"))
+
+
 @pytest.mark.slow
 def test_a_re_promoted_primary_stores_a_qos2_publish_reusing_a_packet_id_of_its_earlier_term(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess,
@@ -206,19 +237,24 @@ def test_a_re_promoted_primary_stores_a_qos2_publish_reusing_a_packet_id_of_its_
     QoS 2 packet id whose exchange b completed. After a is primary again, a new publish with
     that packet id must be stored, not answered with PUBREC from amqtt's stale record."""
     first, relay_a, second, relay_b = relayed_pair(broker_factory, etcd, relays)
-    started_pair(first, second, etcd)
-    device = clients(first.port, "device")
+    for broker, code in ((first, SERVING), (second, BACKUP)):
+        named_users_only(broker)
+        broker.spawn()
+        assert broker.wait_until(lambda b=broker, c=code: connack_as_user(b.port) == c, WAIT), broker.log()
+    wait_status(first, lambda s: [b["state"] for b in s["backups"]] == ["in_sync"])
+    assert first.wait_until(lambda: in_sync_set(etcd, "b"), WAIT), first.log()
+    device = clients(first.port, "device", username="device")
     device.subscribe("q2/#", 1)
     device.disconnect()
 
-    pub = RawClient(first.port, "q2-pub")
+    pub = NamedRawClient(first.port, "q2-pub")
     pub.connect()
     publish(pub, b"one", 7)
     expect_ack(pub, PUBREC, 7)  # stored on a and b; the PUBREL goes to b after the failover
     relay_a.cut()  # a is demoted, b takes over
-    assert second.wait_until(lambda: connack_code(second.port) == SERVING, FAILOVER_WAIT), second.log()
+    assert second.wait_until(lambda: connack_as_user(second.port) == SERVING, FAILOVER_WAIT), second.log()
     pub.sock.close()
-    pub = RawClient(second.port, "q2-pub")
+    pub = NamedRawClient(second.port, "q2-pub")
     assert pub.connect() is True
     complete(pub, 7)  # b forgets packet id 7: its exchange is over
     pub.sock.close()
@@ -227,15 +263,15 @@ def test_a_re_promoted_primary_stores_a_qos2_publish_reusing_a_packet_id_of_its_
     wait_status(first, lambda s: s["role"] == "backup" and s["caught_up"], FAILOVER_WAIT)
     assert second.wait_until(lambda: in_sync_set(etcd, "a"), FAILOVER_WAIT), second.log()
     relay_b.cut()
-    assert first.wait_until(lambda: connack_code(first.port) == SERVING, FAILOVER_WAIT), first.log()
+    assert first.wait_until(lambda: connack_as_user(first.port) == SERVING, FAILOVER_WAIT), first.log()
 
-    pub = RawClient(first.port, "q2-pub")
+    pub = NamedRawClient(first.port, "q2-pub")
     assert pub.connect() is True
     publish(pub, b"two", 7)  # packet id 7 is free again
     expect_ack(pub, PUBREC, 7)
     complete(pub, 7)
     pub.sock.close()
-    device = clients(first.port, "device")
+    device = clients(first.port, "device", username="device")
     assert device.session_present is True
     assert device.wait_for(lambda got: [m.payload for m in got] == [b"one", b"two"]), [
         m.payload for m in device.messages
