@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from amqtt.adapters import StreamWriterAdapter
 from replication_helpers import bounded, commit, following, ops_for, primary_store
+from test_replicated_commits import HeldShipping
 from test_replication_ha import Clock, FakeCoordinator, Hooks, node
 
-from amqtt_durable.amqtt_glue import InboundPublishes, OrderedAcks
+from amqtt_durable.amqtt_glue import DurableSessionsPlugin, InboundPublishes, OrderedAcks
 from amqtt_durable.config import DurableConfig, StreamConfig
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import NotPrimaryError
@@ -30,7 +33,7 @@ from amqtt_durable.replication.node import ReplicationNode
 from amqtt_durable.replication.position import position_op, read_position
 from amqtt_durable.replication.primary import Primary
 from amqtt_durable.replication.tool import ask
-from amqtt_durable.store import GroupCommitter, open_store
+from amqtt_durable.store import GroupCommitter, open_store, read_store_id
 from recording_transport import RecordingTransport
 
 HOST = "127.0.0.1"
@@ -301,3 +304,52 @@ def test_a_clean_stop_waits_until_the_backups_have_every_batch(tmp_path: Path) -
 
     asyncio.run(main())
     db.close()
+
+
+class AbortedTransport:
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_a_completion_refused_as_the_lease_ends_leaves_the_demotion_its_work(tmp_path: Path) -> None:
+    """Finding 1: a sync commit completed after the lease's deadline but before the demotion fails
+    its own publishes only; the demotion that follows must still end every client connection
+    (it once found the committer halted already and did nothing)."""
+    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store")))
+    engine.open_store()
+
+    async def main() -> None:
+        primary = Primary(engine.db, store_id=engine_store_id(engine), log_max_batches=100, log_max_bytes=1 << 20)
+        shipping = HeldShipping(primary)
+        engine.load(shipping)
+        connection = AbortedTransport()
+        writer = StreamWriterAdapter(SimpleNamespace(transport=connection))  # type: ignore[arg-type]
+        sessions = {"dev": (None, SimpleNamespace(writer=writer))}
+        plugin = SimpleNamespace(engine=engine, broker=SimpleNamespace(_sessions=sessions), _tasks=set())
+        try:
+            engine.committer.put(b"k", b"v")
+            stored = engine.committer.commit()
+            await bounded(shipping.shipping.wait())
+            shipping.acknowledging = False  # the deadline passed; the demotion's timer has not run yet
+            shipping.shipped[0].set_result(None)
+            with pytest.raises(NotPrimaryError):
+                await bounded(stored)
+            stopping = DurableSessionsPlugin._demoted(plugin, "the lease was not renewed in time")  # type: ignore[arg-type]
+            assert connection.aborted and writer.is_closed, "the demotion left a client connected"
+            assert stopping is not None
+            await bounded(stopping)
+            assert engine.committer.halted is not None and not engine.serving
+        finally:
+            await primary.close()
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def engine_store_id(engine: DurableEngine) -> int:
+    store_id = read_store_id(engine.db)
+    assert store_id is not None
+    return store_id
