@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from test_ha_brokers import BACKUP, FAILOVER_WAIT, HA_TIMING, SERVING, address, node, start, status, wait_status
 from test_ha_partition import in_sync_set
+from test_ha_partition import relays as relays  # noqa: PLC0414  (the fixture, by its own name)
 from test_qos2_inbound import PUBREC, complete, expect_ack, publish
 from test_scale import RawClient
 
@@ -30,22 +31,6 @@ from conftest import WAIT, Broker, Client, connack_code, mqtt_packet, mqtt_strin
 from durable_fleet.proxy import TcpRelay
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def relays(etcd: EtcdProcess) -> Iterator[Callable[[], TcpRelay]]:
-    """TCP relays to etcd, one per broker, so that one broker alone can be cut off."""
-    made: list[TcpRelay] = []
-
-    def make() -> TcpRelay:
-        relay = TcpRelay(HOST, etcd.client_port)
-        relay.start()
-        made.append(relay)
-        return relay
-
-    yield make
-    for relay in made:
-        relay.stop()
 
 
 @contextlib.contextmanager
