@@ -564,6 +564,9 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
                 self.engine.open_store()
                 node.use_db(self.engine.db)
             raise
+        if node.primary is not primary:  # demoted while the store loaded: serve nothing of this term
+            self.engine.committer.halt("demoted while it was being promoted")
+            return
         for session, _ in list(self.broker._sessions.values()):
             session.inflight_in.clear()
             session.inflight_out.clear()

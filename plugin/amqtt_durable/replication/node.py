@@ -297,6 +297,8 @@ class ReplicationNode:
             if not self._ha_stop.is_set():
                 await self._open_admin()
             raise
+        if self.primary is not primary:
+            return  # demoted while the broker was loading (its on_demote has run)
         log.warning("replication: %s is primary from batch %d", self.config.name, primary.log.head_seq)
 
     async def _publish_sync_set(self, members: frozenset[str]) -> None:
