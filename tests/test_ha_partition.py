@@ -54,9 +54,9 @@ class TimedPublisher:
 
     def __init__(self, port: int) -> None:
         self.client = Client(port, "publisher", clean_session=True)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.payloads: dict[int, bytes] = {}
-        self.acked: list[tuple[float, bytes]] = []
+        self._acked_mids: list[tuple[float, int]] = []
         self.closed_at: float | None = None
         self._on_disconnect_before = self.client.paho.on_disconnect
         self.client.paho.on_publish = self._on_publish
@@ -64,11 +64,14 @@ class TimedPublisher:
         self.sent = 0
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, reason: Any, props: Any) -> None:
-        now = time.monotonic()
+        # No lock here: paho calls this under its own lock, which publish() takes too.
+        self._acked_mids.append((time.monotonic(), mid))
+
+    @property
+    def acked(self) -> list[tuple[float, bytes]]:
+        """(when, payload) of each PUBACK, in arrival order."""
         with self.lock:
-            payload = self.payloads.get(mid)
-            if payload is not None:
-                self.acked.append((now, payload))
+            return [(at, self.payloads[mid]) for at, mid in list(self._acked_mids)]
 
     def _on_disconnect(self, *args: Any) -> None:
         self.closed_at = self.closed_at or time.monotonic()
@@ -80,7 +83,7 @@ class TimedPublisher:
             return
         payload = b"p%d" % self.sent
         self.sent += 1
-        with self.lock:  # on_publish may run before publish() returns: record the mid under the lock
+        with self.lock:  # on_publish may run before publish() returns: acked waits for the mid's payload
             info = self.client.paho.publish("t/a", payload, qos=1)
             self.payloads[info.mid] = payload
 

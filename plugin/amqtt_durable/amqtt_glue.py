@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import json
 import logging
@@ -120,6 +121,7 @@ from .engine import DurableEngine, ExpiredSession, StoreHealth
 from .errors import (
     DurableError,
     InternalsMismatchError,
+    NotPrimaryError,
     NotSessionOwnerError,
     PacketTooLargeError,
     ProtocolViolationError,
@@ -223,6 +225,9 @@ def _install_connect_hooks() -> None:
         except PacketTooLargeError as exc:  # as an MQTTError, so amqtt closes it and frees its listener slot
             log.warning("closing a connection from %s before its CONNECT was read: %s", _peer(writer), exc)
             raise MQTTError(str(exc)) from None
+        except ConnectionError as exc:  # amqtt catches no OSError here: its listener slot would stay taken
+            await close_socket(writer)
+            raise MQTTError(f"the connection ended while its CONNECT was read: {exc!r}") from None
         handler.connect_clean_session = bool(session.clean_session)
         if session.will_flag:
             problem = publish_topic_problem(session.will_topic or "")
@@ -231,6 +236,7 @@ def _install_connect_hooks() -> None:
         plugin = next((p for p in plugins_manager._plugins if isinstance(p, DurableSessionsPlugin)), None)
         if plugin is not None and not plugin.engine.serving:
             log.debug("CONNECT of %r refused (CONNACK 3): %s", session.client_id, NOT_SERVING)  # routine on a backup
+            _ROUTINE_REFUSAL.set(True)  # amqtt's own WARNINGs about this connection become DEBUG
             await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
             raise MQTTError(f"CONNECT of {session.client_id!r}: {NOT_SERVING}")
         if plugin is None or not session.client_id:
@@ -275,11 +281,40 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
 
 
 async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: int = NOT_AUTHORIZED) -> None:
-    """CONNACK 5 (or ``return_code``) to a CONNECT just read, then close: nothing of amqtt's has been touched."""
+    """CONNACK 5 (or ``return_code``) to a CONNECT just read, then close: nothing of amqtt's has been touched.
+
+    A client gone meanwhile (reset) makes the write fail: its socket is closed and MQTTError
+    raised, which amqtt's caller handles by freeing the listener's connection slot (an
+    OSError would escape it and hold the slot and the socket)."""
     connack = ConnackPacket.build(0, return_code)
-    await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
-    await connack.to_stream(writer)
-    await writer.close()
+    try:
+        await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
+        await connack.to_stream(writer)
+        await writer.close()
+    except ConnectionError as exc:
+        await close_socket(writer)
+        raise MQTTError(f"the connection from {_peer(writer)} ended while its CONNECT was refused: {exc!r}") from None
+
+
+_ROUTINE_REFUSAL: contextvars.ContextVar[bool] = contextvars.ContextVar("durable_routine_refusal", default=False)
+"""Set in a connection's task when its CONNECT was refused because this broker is a backup."""
+
+
+class _RoutineRefusalFilter(logging.Filter):
+    """amqtt logs two WARNINGs for every CONNECT a plugin refuses; on a backup every client retry
+    is one (our own line is at DEBUG): in that connection's task they are lowered to DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and _ROUTINE_REFUSAL.get():
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def _install_refusal_filter() -> None:
+    broker_log = logging.getLogger("amqtt.broker")
+    if not any(isinstance(f, _RoutineRefusalFilter) for f in broker_log.filters):
+        broker_log.addFilter(_RoutineRefusalFilter())
 
 
 def _install_decoder_checks() -> None:
@@ -476,6 +511,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         _install_connect_hooks), so amqtt's own check of it need not verify the password again."""
         _install_connect_hooks()
         _install_decoder_checks()
+        _install_refusal_filter()
         AmqttHooks(broker, self.engine, self.authenticated).install()
 
     async def on_broker_pre_start(self) -> None:
@@ -510,32 +546,60 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
             self.engine.on_store_reopened = self.replication.use_db
             await self.replication.start()
 
-    def _promoted(self, primary: Primary) -> None:
-        """This broker became the primary: load the store replication wrote and serve clients."""
+    async def _promoted(self, primary: Primary) -> None:
+        """This broker became the primary: load the store replication wrote and serve clients.
+
+        amqtt's Session objects outlive a term (amqtt keeps them per client id): their in-flight
+        maps name QoS 2 publishes of an earlier term, which this term's store may not hold, and
+        amqtt would answer a new PUBLISH reusing such a packet id with PUBREC without it being
+        stored. They are emptied; the store's own QoS 2 records (``pubrel_due``) say what this
+        term has. A load that fails (a damaged store) closes and reopens the store for the
+        backup end and raises: the node stays a backup (see replication.node)."""
         node = self.replication
         assert node is not None and self.config.replication is not None
-        self.engine.load(ReplicatedCommits(primary, self.config.replication.mode, node.may_acknowledge))
+        try:
+            await self.engine.serve(ReplicatedCommits(primary, self.config.replication.mode, node.may_acknowledge))
+        except DurableError:
+            if self.engine.db is None or self.engine.db.closed:
+                self.engine.open_store()
+                node.use_db(self.engine.db)
+            raise
+        if node.primary is not primary:  # demoted while the store loaded: serve nothing of this term
+            self.engine.committer.halt("demoted while it was being promoted")
+            return
+        for session, _ in list(self.broker._sessions.values()):
+            session.inflight_in.clear()
+            session.inflight_out.clear()
+            session.clear_queues()
         self._fill_retained()
         self.engine.start_timers()
 
-    def _demoted(self, reason: str) -> None:
+    def _demoted(self, reason: str) -> asyncio.Task[None] | None:
         """No longer the primary: acknowledge nothing more (at once, before any await), end every
-        client connection (they reconnect to the new primary) and stop the engine's work."""
+        client connection, TCP and websocket (they reconnect to the new primary), and stop the
+        engine's work. Returns that stop: the node follows the new primary once it is over."""
         if not self.engine.loaded:  # a backup that was never primary has nothing to stop
-            return
+            return None
         self.engine.committer.halt(reason)
         for _, handler in list(self.broker._sessions.values()):
-            writer = getattr(handler, "writer", None)
-            if isinstance(writer, StreamWriterAdapter):
-                writer.is_closed = True
-                writer._writer.transport.abort()
-        self._spawn(self.engine.stop_serving(reason))
+            _abort(getattr(handler, "writer", None))
+        stopping = asyncio.get_running_loop().create_task(self.engine.stop_serving(reason))
+        self._tasks.add(stopping)
+        stopping.add_done_callback(self._tasks.discard)
+        return stopping
 
     async def close(self) -> None:
         if self._metrics_task is not None:
             self._metrics_task.cancel()
             await asyncio.gather(self._metrics_task, return_exceptions=True)
         if self.replication is not None:
+            if self.engine.serving:
+                # A clean stop of the primary (amqtt ended the connections): the last batches
+                # (acks, session records of the closed connections) are written, then shipped
+                # to the backups, before the replication end closes; nothing is written after.
+                await self.engine.finish_writes()
+                await self.replication.drain()
+                self.engine.committer.halt("the broker stops")
             await self.replication.stop()
         await self.engine.close()
 
@@ -915,6 +979,20 @@ class AmqttHooks:
         await self._original_shutdown()
 
 
+def _abort(writer: Any) -> None:
+    """End a connection at once, without a write more: TCP and websocket (whose writer amqtt
+    would otherwise keep writing PUBACKs to until its handler notices)."""
+    if writer is None:
+        return
+    writer.is_closed = True  # HandlerTransport writes nothing more to it
+    if isinstance(writer, StreamWriterAdapter):
+        writer._writer.transport.abort()
+        return
+    transport = getattr(getattr(writer, "_protocol", None), "transport", None)  # amqtt's WebSocketsWriter
+    if transport is not None:
+        transport.abort()
+
+
 def _peer(writer: Any) -> str:
     peer = writer.get_peer_info()
     return "an unknown address" if peer is None else f"{peer[0]}:{peer[1]}"
@@ -989,6 +1067,9 @@ def _wrap_handler(
                 publishes.hand_over(topic, bytes(data), qos, packet_id, retain=retain, stored=None)
 
     async def connack_authorize(authorize: bool) -> None:
+        if authorize and not engine.serving:  # demoted since its CONNECT was read (checked there too)
+            why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {NOT_SERVING}"
+            await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
         if authorize and session.client_id:
             await _connect_durable(broker, engine, handler, session)
         await original_connack(authorize)
@@ -1033,7 +1114,11 @@ async def _publish_qos2(
     original_publish: Callable[[Any], Awaitable[None]],
     receivers: Callable[[str], Awaitable[dict[str, int] | None]],
 ) -> None:
-    """amqtt's PUBREC / PUBREL flow, after the message and its packet id are durable."""
+    """amqtt's PUBREC / PUBREL flow, after the message and its packet id are durable (never on a
+    broker that is not the primary: the connection is closed instead, as for QoS 1)."""
+    if not engine.serving:
+        handler.durable_acks.refuse(NotPrimaryError(NOT_SERVING))
+        return
     try:
         stored = await _route_qos2(broker, engine, handler, session, packet, receivers=receivers)
         if stored is not None:
@@ -1204,6 +1289,8 @@ class InboundPublishes:
 
     def control(self, topic: str, payload: bytes, qos: int, packet_id: int | None) -> None:
         """A request on the control channel: never routed; acknowledged at once."""
+        if self._refused_here(qos):
+            return
         self._control.submit(topic, payload)
         if qos == 1 and packet_id:
             self._acks.add(None, packet_id)
@@ -1218,7 +1305,13 @@ class InboundPublishes:
         retain: bool,
         targets: dict[str, int] | None,
     ) -> None:
-        """Queue for the durable sessions (``targets``: those the topic ACL lets receive it, None: all)."""
+        """Queue for the durable sessions (``targets``: those the topic ACL lets receive it, None: all).
+
+        On a broker that is not the primary (demoted while this connection was open) nothing is
+        routed or acknowledged: the connection is closed (after the PUBACKs due before it), so
+        the client re-sends to the new primary; a QoS 0 message is dropped."""
+        if self._refused_here(qos):
+            return
         try:
             stored = self._engine.route_publish(topic, payload, qos, targets, retain=retain)
         except StoreUnavailableError as exc:
@@ -1239,10 +1332,22 @@ class InboundPublishes:
         stored: asyncio.Future[None] | None,
     ) -> None:
         """To amqtt's own delivery, if it wants the topic; then the PUBACK, once ``stored`` is durable."""
+        if self._refused_here(qos):
+            return
         if self._amqtt_wants(topic):
             hand_to_amqtt(self._session, topic, payload, qos, packet_id=packet_id or None, retain=retain)
         if qos == 1 and packet_id:
             self._acks.add(stored, packet_id)
+
+
+    def _refused_here(self, qos: int) -> bool:
+        """True on a broker that is not (or no longer) the primary; a QoS 1/2 publish then closes
+        the connection after the PUBACKs due before it."""
+        if self._engine.serving:
+            return False
+        if qos:
+            self._acks.refuse(NotPrimaryError(NOT_SERVING))
+        return True
 
 
 def hand_to_amqtt(session: Any, topic: str, payload: bytes, qos: int, *, packet_id: int | None, retain: bool) -> None:

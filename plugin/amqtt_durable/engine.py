@@ -18,6 +18,7 @@ import time
 from .engine_state import StoreHealth
 from .recovery import Recovery
 from .sessions import DurableSession, ExpiredSession
+from .store import CommitReplication
 from .stream_log import TRIM_BUDGET
 
 __all__ = ["DurableEngine", "DurableSession", "ExpiredSession", "StoreHealth"]
@@ -51,11 +52,29 @@ class DurableEngine(Recovery):
                 log.exception("stream retention failed; it is tried again in %.1f s", interval)
 
     async def stop_serving(self, reason: str) -> None:
-        """No longer the primary: acknowledge and write nothing more, stop every pump and timer.
-        The in-memory state is stale from here on; ``load`` rebuilds it on a later promotion."""
+        """No longer the primary: acknowledge and write nothing more, stop every pump and timer,
+        and return once the last write in the worker thread is finished (the store then follows
+        the new primary). The in-memory state is stale from here on; ``serve`` rebuilds it on a
+        later promotion."""
         self.committer.halt(reason)
         await self._stop_work()
         await self.committer.wait_idle()
+
+    async def serve(self, replication: CommitReplication | None = None) -> None:
+        """Serve as the primary (again, after a demotion): load the store afresh for this term.
+        What the previous term left running (pumps, the expiry timer, the stream trim task, a
+        write in the worker thread) is stopped and awaited first, so none of it acts on the new
+        term's state; cumulative counters carry on (see ``load``)."""
+        if self.loaded:
+            await self.stop_serving("a new term as primary begins")
+        self.load(replication)
+
+    async def finish_writes(self) -> None:
+        """A replicated primary about to stop cleanly: stop pumps and timers and write everything
+        pending (the replication end then waits until the backups have it, and the committer
+        is halted: nothing written after that could be shipped)."""
+        await self._stop_work()
+        await self.committer.drain()
 
     async def _stop_work(self) -> None:
         for session in list(self.sessions.values()):

@@ -45,6 +45,9 @@ from .stream_log import StreamLogs
 
 log = logging.getLogger("amqtt_durable")
 
+CUMULATIVE = ("dropped_total", "expired_total", "replayed_total", "sent_total", "enqueued_total", "read_errors")
+"""Counters that add up over the broker's life: a reload for a new term as primary keeps them."""
+
 
 class Recovery(SessionLifecycle):
     """The engine's start-up and store-health steps, over its session steps (see engine_state.py)."""
@@ -65,12 +68,23 @@ class Recovery(SessionLifecycle):
 
     def load(self, replication: CommitReplication | None = None) -> None:
         """Rebuild sessions from the open store, forgetting any earlier state (a promoted backup's
-        store was written behind the engine's back); ``replication``: commits are shipped."""
+        store was written behind the engine's back); ``replication``: commits are shipped.
+
+        A reload (a new term as primary; ``DurableEngine.serve`` stops the previous term's
+        work first) builds a fresh state, but the cumulative counters ($SYS ``*_total`` and
+        ``read_errors``) carry on from the previous terms instead of starting again from 0;
+        gauges (sessions, queued messages) are the store's as loaded."""
         path = self.config.store
         if self.loaded:
+            for handle in (self._expiry_timer, self._trim_task):  # serve() stopped them; a direct reload too
+                if handle is not None:
+                    handle.cancel()
             db, on_retained, on_reopened = self.db, self.on_retained, self.on_store_reopened
+            counters = {name: getattr(self, name) for name in CUMULATIVE}
             EngineState.__init__(self, self.config, self.on_expired, self.on_store_health)
             self.db, self.on_retained, self.on_store_reopened = db, on_retained, on_reopened
+            for name, value in counters.items():
+                setattr(self, name, value)
         try:
             self._load(replication)
         except plyvel.Error as exc:

@@ -830,11 +830,11 @@ class GroupCommitter:
         """
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
-        if on_durable is not None:
-            self._after_commit.append(on_durable)
-        if self.halted is not None:
+        if self.halted is not None:  # nothing more is written: its callback never runs, nor is kept
             _fail(waiter, self.halted)
             return waiter
+        if on_durable is not None:
+            self._after_commit.append(on_durable)
         if (fail_fast or local) and self.failure is not None:
             _fail(waiter, StoreUnavailableError(self.failure))
             return waiter
@@ -979,7 +979,8 @@ class GroupCommitter:
                 _fail(waiter, self.halted)
 
     async def wait_idle(self) -> None:
-        """Return once no write runs in the worker thread."""
+        """Return once no write runs in the worker thread (after ``halt``: the last write of this
+        committer is finished, so whoever writes the store next does not race it)."""
         while self._writing:
             await self._idle.wait()
 

@@ -43,6 +43,7 @@ log = logging.getLogger("amqtt_durable.replication")
 
 Role = Literal["primary", "backup"]
 Action = Literal["renewed", "retry", "demoted", "follow", "wait", "promoted", "bootstrapped"]
+"""A failed promotion is a "wait" (logged as an ERROR when it happens)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,8 @@ class HaHooks(Protocol):
         """Replicate from ``leader`` (reconnect the backup end if it follows another)."""
 
     async def promote(self) -> None:
-        """Become primary: stop the backup end, start the primary end, accept clients."""
+        """Become primary: stop the backup end, start the primary end, accept clients. Raises
+        (and is left a backup) when the broker cannot serve: the HA loop releases the lease."""
 
     def demote(self, reason: str) -> None:
         """Stop acknowledging publishes now (synchronously), then close client connections
@@ -95,6 +97,8 @@ class HaNode:
         """While primary: the lease is ours until this instant (monotonic), at least."""
         self.last: Decision | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self._bootstrap_failed = False
+        """This node claimed a new cluster's bootstrap but could not become primary: it tries again."""
 
     @property
     def ttl(self) -> float:
@@ -176,7 +180,7 @@ class HaNode:
                 if leader is not None:
                     return self._follow(leader)
                 if not self.hooks.caught_up():
-                    if not await self.coordinator.initialize(self.me.name):
+                    if not (self._bootstrap_failed or await self.coordinator.initialize(self.me.name)):
                         return Decision(
                             "wait", "no primary, but this node is not caught up with the last one: not taking the lease"
                         )
@@ -199,8 +203,32 @@ class HaNode:
         self.valid_until = started + self.ttl
         self.role = "primary"
         self._arm_deadline()
-        await self.hooks.promote()
+        try:
+            await self.hooks.promote()
+        except Exception as exc:  # the store would not load, say: stay a backup, try again later
+            self._bootstrap_failed = action == "bootstrapped"
+            return await self._promotion_failed(exc)
+        self._bootstrap_failed = False
         return Decision(action, f"{why}: took the leader lease, now primary")
+
+    async def _promotion_failed(self, exc: Exception) -> Decision:
+        """The promotion failed after the lease was taken: give the lease back at once (another
+        caught-up node may take it) and stay a backup; the next cycles try again."""
+        log.error(
+            "replication HA %s: the promotion failed: %s. Released the leader lease; staying a backup "
+            "and trying again in the next cycles",
+            self.me.name,
+            exc,
+        )
+        self.role = "backup"
+        self.valid_until = 0.0
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        with contextlib.suppress(CoordinatorError, TimeoutError):
+            async with asyncio.timeout(self.demote_margin):
+                await self.coordinator.release(self.me)
+        return Decision("wait", f"the promotion failed ({exc}): released the lease, still a backup")
 
     def _follow(self, leader: Leader) -> Decision:
         if leader.name == self.me.name:

@@ -9,8 +9,13 @@ snapshot if it diverged). Without a coordinator the role is fixed by the configu
 ``promote`` is the operator's decision.
 
 The broker gives two callbacks: ``on_promote(primary)`` (load the store, accept clients, commit
-through ``primary.prepare``/``committed``) and ``on_demote(reason)`` (close client connections;
-acknowledgements already stopped: ``may_acknowledge`` is false). Tools ask a node over its
+through ``primary.prepare``/``committed``; it may return an awaitable, awaited before the node
+counts as primary) and ``on_demote(reason)`` (acknowledge nothing more and close client
+connections, synchronously; ``may_acknowledge`` is false already). ``on_demote`` may return an
+awaitable that ends once the broker's last write to the store is finished: the node starts
+following the new primary (reads its position, applies batches) only after it, and so does
+a later promotion. A promotion whose ``on_promote`` fails leaves the node a backup (the HA
+loop releases the lease and tries again later). Tools ask a node over its
 replication address (STATUS, PROMOTE frames): the primary's channel server answers, and a
 backup listens there for them until it is promoted.
 """
@@ -18,9 +23,10 @@ backup listens there for them until it is promoted.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .backup import Backup
@@ -45,8 +51,8 @@ class ReplicationNode:
         config: ReplicationConfig,
         *,
         coordinator: Coordinator | None = None,
-        on_promote: Callable[[Primary], None] | None = None,
-        on_demote: Callable[[str], None] | None = None,
+        on_promote: Callable[[Primary], Awaitable[None] | None] | None = None,
+        on_demote: Callable[[str], Awaitable[None] | None] | None = None,
         fsync: bool = True,
     ) -> None:
         self.db = db
@@ -77,10 +83,14 @@ class ReplicationNode:
         self._ha_task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._admin: asyncio.Server | None = None
+        self._stepping_down: asyncio.Task[None] | None = None
+        """The last demotion's wind-down: following and promotion wait for it (see ``demote``)."""
 
     def use_db(self, db: Any) -> None:
-        """The broker reopened the store after a failed write: every end uses the new handle."""
+        """The broker reopened the store (after a failed write, or a failed promotion): every end
+        uses the new handle."""
         self.db = db
+        self.backup.db = db
         if self.primary is not None:
             self.primary.db = db
 
@@ -136,6 +146,19 @@ class ReplicationNode:
             host, port = split_address(self.config.primary)
             self.follow(Leader("primary", f"{host}:{port}"))
 
+    async def drain(self) -> None:
+        """A primary about to stop: wait (at most ``ack_timeout``) until every in-sync backup
+        acknowledged every batch written so far, so a clean stop leaves nothing acknowledged
+        behind. The broker writes its last batches before it calls this."""
+        if self.primary is not None:
+            log.info(
+                "replication: %s stops: waiting (at most %g s) until the backups have batch %d",
+                self.config.name or "the primary",
+                self.config.ack_timeout,
+                self.primary.log.head_seq,
+            )
+            await self.primary.wait_shipped(within=self.config.ack_timeout)
+
     async def stop(self) -> None:
         self._ha_stop.set()
         if self._ha_task is not None:
@@ -145,7 +168,7 @@ class ReplicationNode:
             await self.primary.close("the broker stops")
             self.primary = None
         for task in list(self._closing):
-            await task
+            await _ended(task)
         await self._close_admin()
 
     async def _open_admin(self) -> None:
@@ -187,10 +210,19 @@ class ReplicationNode:
             return {"promoted": False, "why": "its store holds a half-applied snapshot; let it catch up first"}
         behind = "" if self.backup.caught_up else f" (it was {self.backup.state} at batch {self.backup.applied_seq})"
         log.warning("replication: %s promoted by the operator%s", self.config.name or "this backup", behind)
-        task = asyncio.get_running_loop().create_task(self.promote())
+        task = asyncio.get_running_loop().create_task(self._promote_by_operator())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         return {"promoted": True, "why": "promoted by the operator" + behind}
+
+    async def _promote_by_operator(self) -> None:
+        try:
+            await self.promote()
+        except Exception as exc:
+            name = self.config.name or "this backup"
+            log.error("replication: %s: the promotion failed: %s; still a backup", name, exc)
+            if not self._ha_stop.is_set() and self.config.primary:
+                self.follow(Leader("primary", self.config.primary))
 
     def _decided(self, decision: Decision) -> None:
         self.decisions.append(decision)
@@ -217,7 +249,13 @@ class ReplicationNode:
     async def _follow(self, previous: asyncio.Task[None] | None, host: str, port: int, stop: asyncio.Event) -> None:
         if previous is not None:
             await _ended(previous)
+        await self._stepped_down()  # the demoted broker's last write is finished; the backup end starts after it
         await self.backup.follow(host, port, stop, retry=min(0.5, self.config.loop_wait))
+
+    async def _stepped_down(self) -> None:
+        task = self._stepping_down
+        if task is not None:
+            await _ended(task)
 
     async def _stop_following(self) -> None:
         task, self._follow_task, self._following = self._follow_task, None, None
@@ -233,6 +271,7 @@ class ReplicationNode:
                 "a half-applied snapshot. Start it as a backup so it catches up, or delete the store folder"
             )
         await self._stop_following()
+        await self._stepped_down()
         await self._close_admin()
         host, port = split_address(self.config.listen)
         primary = Primary(
@@ -247,9 +286,20 @@ class ReplicationNode:
         primary.on_admin = self.answer
         await primary.start(host, port)
         self.primary = primary
+        try:
+            if self.on_promote is not None:
+                loading = self.on_promote(primary)
+                if inspect.isawaitable(loading):
+                    await loading
+        except BaseException as exc:
+            self.primary = None
+            await primary.close(f"the promotion failed ({exc})")
+            if not self._ha_stop.is_set():
+                await self._open_admin()
+            raise
+        if self.primary is not primary:
+            return  # demoted while the broker was loading (its on_demote has run)
         log.warning("replication: %s is primary from batch %d", self.config.name, primary.log.head_seq)
-        if self.on_promote is not None:
-            self.on_promote(primary)
 
     async def _publish_sync_set(self, members: frozenset[str]) -> None:
         assert self.ha is not None
@@ -260,16 +310,26 @@ class ReplicationNode:
     def demote(self, reason: str) -> None:
         primary, self.primary = self.primary, None  # may_acknowledge is false from here on
         log.warning("replication: %s: %s", self.config.name, reason)
-        if self.on_demote is not None:
-            self.on_demote(reason)
-        task = asyncio.get_running_loop().create_task(self._step_down(primary, reason))
+        stopping = self.on_demote(reason) if self.on_demote is not None else None
+        task = asyncio.get_running_loop().create_task(self._step_down(primary, reason, stopping))
+        self._stepping_down = task
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
-        self.backup = Backup(self.db, name=self.config.name or "backup", sync=self.fsync)
+        self.backup = Backup(self.db, name=self.config.name or "backup", sync=self.fsync)  # not caught up
 
-    async def _step_down(self, primary: Primary | None, reason: str) -> None:
+    async def _step_down(self, primary: Primary | None, reason: str, stopping: Awaitable[None] | None) -> None:
+        """The demotion's wind-down. The broker's own writes end first (``stopping``: its last
+        write in the worker thread is finished), and only then is the store read for the
+        backup end's position: a write still in flight would otherwise land after the new
+        primary's batches, or be missing from the position the backup starts from."""
         if primary is not None:
             await primary.close(reason)
+        if stopping is not None:
+            try:
+                await stopping
+            except Exception:
+                log.exception("replication: %s: stopping the broker's work at the demotion failed", self.config.name)
+        self.backup = Backup(self.db, name=self.config.name or "backup", sync=self.fsync)
         if not self._ha_stop.is_set():
             await self._open_admin()
 

@@ -182,6 +182,27 @@ class Primary:
     def in_sync(self) -> list[BackupLink]:
         return [link for link in self.links.values() if link.state == "in_sync"]
 
+    async def wait_shipped(self, *, within: float) -> None:
+        """Return once every in-sync backup acknowledged every batch committed so far, or after
+        ``within`` seconds (a backup that does not answer is waited for no longer than a sync
+        publish would wait for it). A primary about to stop calls it after its last commit."""
+        head = self.log.head_seq
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                while any(link.acked_seq < head for link in self.in_sync()):
+                    await self._acked.wait()
+                return
+        behind = sorted(link.name for link in self.in_sync() if link.acked_seq < head)
+        if not behind:
+            return
+        log.warning(
+            "replication: stopping with backup(s) %s short of batch %d after %g s: a failover to them "
+            "loses the batches they lack",
+            ", ".join(behind),
+            head,
+            within,
+        )
+
     async def wait_acked(self, name: str, seq: int) -> None:
         """Return once the backup called ``name`` acknowledged batch ``seq``."""
         while not any(link.name == name and link.acked_seq >= seq for link in self.links.values()):
@@ -327,6 +348,7 @@ class Primary:
             writer.close()
             self._serving.discard(task)
             self._resolve()
+            self._progressed()  # a backup gone is no longer waited for
         self._changed(link, ended)
 
     async def _read_acks(self, reader: asyncio.StreamReader, link: BackupLink) -> None:
@@ -342,8 +364,12 @@ class Primary:
             if link.state == "in_sync":
                 self._last_acked[link.name] = seq
             self._resolve()
-            event, self._acked = self._acked, asyncio.Event()
-            event.set()
+            self._progressed()
+
+    def _progressed(self) -> None:
+        """Wake whoever waits for acknowledgements (``wait_acked``, ``wait_shipped``)."""
+        event, self._acked = self._acked, asyncio.Event()
+        event.set()
 
     async def _send(self, writer: asyncio.StreamWriter, link: BackupLink, hello: Hello) -> None:
         plan = plan_catch_up(self.log, self.store_id, hello.store_id, hello.seq, hello.crc)

@@ -1,0 +1,355 @@
+"""Role changes of a replicated broker, plain classes over real stores: a demotion's wind-down
+comes before the backup end starts, a failed promotion leaves a backup that gives the lease
+back, a new term as primary starts from a fresh engine state (nothing of the old term left
+running, cumulative counters kept), the store reopened after a failed write is used by every
+replication end, a halted committer keeps no callbacks, a publish on a broker that is not the
+primary is neither stored nor acknowledged, and a clean stop waits for the backups' acks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from amqtt.adapters import StreamWriterAdapter
+from replication_helpers import bounded, commit, following, ops_for, primary_store
+from test_replicated_commits import HeldShipping
+from test_replication_ha import Clock, FakeCoordinator, Hooks, node
+
+from amqtt_durable.amqtt_glue import DurableSessionsPlugin, InboundPublishes, OrderedAcks
+from amqtt_durable.config import DurableConfig, StreamConfig
+from amqtt_durable.engine import DurableEngine
+from amqtt_durable.errors import NotPrimaryError
+from amqtt_durable.process import free_port
+from amqtt_durable.replication.backup import Backup
+from amqtt_durable.replication.commits import ReplicatedCommits
+from amqtt_durable.replication.config import ReplicationConfig
+from amqtt_durable.replication.coordinator import Leader
+from amqtt_durable.replication.framing import Frame, Hello, read_frame
+from amqtt_durable.replication.node import ReplicationNode
+from amqtt_durable.replication.position import position_op, read_position
+from amqtt_durable.replication.primary import Primary
+from amqtt_durable.replication.tool import ask
+from amqtt_durable.store import GroupCommitter, open_store, read_store_id
+from recording_transport import RecordingTransport
+
+HOST = "127.0.0.1"
+
+
+class FakeLeader:
+    """A primary's replication address that records the HELLO of each backup end connecting."""
+
+    def __init__(self) -> None:
+        self.hellos: asyncio.Queue[tuple[Hello, bool]] = asyncio.Queue()
+        self.stopped: asyncio.Future[None] | None = None
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, HOST, 0)
+        return f"{HOST}:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            kind, payload = await read_frame(reader)
+            if kind == Frame.HELLO:
+                stopped = self.stopped is not None and self.stopped.done()
+                await self.hellos.put((Hello.decode(payload), stopped))
+            await reader.read()  # until the backup end goes
+        writer.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+def test_a_demoted_node_follows_only_after_its_last_write_and_from_the_position_it_left(tmp_path: Path) -> None:
+    """Finding 3: the old primary's last write (in the worker thread at the demotion) must be over
+    before the backup end reads the store's position and applies the new primary's batches."""
+    db, _ = primary_store(tmp_path / "a")
+
+    async def main() -> None:
+        leader = FakeLeader()
+        address = await leader.start()
+        config = ReplicationConfig(name="a", role="primary", listen=f"{HOST}:{free_port()}")
+
+        async def last_write() -> None:  # what DurableEngine.stop_serving awaits: the write in flight
+            await asyncio.get_running_loop().run_in_executor(None, db.put, *position_op(7, 77))
+
+        def on_demote(reason: str) -> asyncio.Future[None]:
+            leader.stopped = asyncio.ensure_future(last_write())
+            return leader.stopped
+
+        node = ReplicationNode(db, config, on_demote=on_demote)
+        await node.start()  # a fixed-role primary
+        assert node.primary is not None
+        try:
+            node.demote("a test demotion")
+            node.follow(Leader("b", address))
+            hello, stopped_first = await bounded(leader.hellos.get())
+            assert stopped_first, "the backup end connected before the broker's last write was finished"
+            assert (hello.seq, hello.crc) == (7, 77), "the backup end started from a position read too early"
+        finally:
+            await node.stop()
+            await leader.close()
+
+    asyncio.run(main())
+    db.close()
+
+
+def test_a_promotion_whose_load_fails_gives_the_lease_back_and_tries_again() -> None:
+    """Finding 7: a failing promotion must not end the HA loop nor keep the lease."""
+
+    class FailingHooks(Hooks):
+        async def promote(self) -> None:
+            self.promoted += 1
+            raise OSError("the store would not load")
+
+    async def main() -> None:
+        clock = Clock()
+        fake = FakeCoordinator(clock)
+        fake.initialized_by = "someone else"
+        hooks = FailingHooks(caught_up=True)
+        ha = node(fake, hooks)
+        first = await ha.run_cycle()
+        assert first.action == "wait" and "the promotion failed (the store would not load)" in first.reason
+        assert ha.role == "backup" and not ha.may_acknowledge()
+        assert fake.holder is None, "the lease was not given back"
+        second = await ha.run_cycle()
+        assert hooks.promoted == 2 and second.action == "wait", "the next cycle did not try again"
+        hooks_ok = Hooks(caught_up=True)
+        ha.hooks = hooks_ok
+        assert (await ha.run_cycle()).action == "promoted" and ha.role == "primary"
+
+    asyncio.run(bounded(main()))
+
+
+def test_a_node_whose_promotion_fails_stays_a_backup_that_answers_tools(tmp_path: Path) -> None:
+    db, _ = primary_store(tmp_path / "b")
+
+    async def main() -> None:
+        listen, unreachable = f"{HOST}:{free_port()}", f"{HOST}:{free_port()}"
+        config = ReplicationConfig(name="b", role="backup", primary=unreachable, listen=listen)
+
+        def on_promote(primary: Primary) -> None:
+            raise OSError("the store would not load")
+
+        replication = ReplicationNode(db, config, on_promote=on_promote)
+        await replication.start()
+        try:
+            with pytest.raises(OSError, match="would not load"):
+                await replication.promote()
+            assert replication.primary is None and not replication.may_acknowledge()
+            status = await ask(config.listen, Frame.STATUS)
+            assert status["role"] == "backup"
+        finally:
+            await replication.stop()
+
+    asyncio.run(main())
+    db.close()
+
+
+def test_a_new_term_starts_from_a_fresh_state_with_nothing_of_the_old_one_running(tmp_path: Path) -> None:
+    """Finding 6: a re-promotion reloads in place; the old term's timers, trim task and pumps must
+    be gone, a late detach of an old connection must change nothing, counters must not go back."""
+    config = DurableConfig(store=str(tmp_path / "store"), streams=[StreamConfig("log/#", max_age=3600.0)])
+
+    async def main() -> None:
+        engine = DurableEngine(config)
+        engine.open()
+        engine.start_timers()
+        old_transport = RecordingTransport()
+        await engine.connect("dev", clean_session=False, transport=old_transport)
+        await engine.subscribe("dev", "t/#", 1, [])
+        await engine.attach("dev", old_transport)
+        stored = engine.route_publish("t/a", b"one", 1)
+        assert stored is not None
+        await stored
+        await old_transport.wait_for(lambda sent: len(sent) == 1)
+        old_session, old_pump = engine.sessions["dev"], engine.sessions["dev"].pump
+        old_trim = engine._trim_task
+        old_expiry = engine._expiry_timer
+        assert old_pump is not None and old_trim is not None
+        enqueued = engine.enqueued_total
+
+        await engine.serve()  # a new term as primary, without a demotion in between
+
+        assert old_trim.done(), "the old term's stream trim task still runs"
+        assert old_expiry is None or old_expiry.cancelled()
+        assert old_pump._stopped, "the old term's pump still runs"
+        assert engine.sessions["dev"] is not old_session
+        assert engine.enqueued_total == enqueued, "a cumulative counter went back"
+        await engine.detach("dev", old_transport)  # the old connection's end, late
+        assert engine.sessions["dev"].record.expires_at is not None
+        engine.start_timers()
+        stored = engine.route_publish("t/a", b"two", 1)
+        assert stored is not None
+        await stored
+        assert engine.enqueued_total == enqueued + 1
+        await engine.close()
+
+    asyncio.run(bounded(main()))
+
+
+def test_every_replication_end_uses_the_store_reopened_after_a_failed_write(tmp_path: Path) -> None:
+    """on_store_reopened -> ReplicationNode.use_db: a backup connecting later gets its snapshot
+    from the new handle (the old one is closed)."""
+    path = str(tmp_path / "primary")
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=path))
+        engine.open_store()
+        config = ReplicationConfig(name="p", role="primary", listen=f"{HOST}:{free_port()}")
+        replication: ReplicationNode
+
+        def on_promote(primary: Primary) -> None:
+            engine.load(ReplicatedCommits(primary, "sync", replication.may_acknowledge))
+
+        replication = ReplicationNode(engine.db, config, on_promote=on_promote)
+        engine.on_store_reopened = replication.use_db
+        await replication.start()
+        try:
+            await engine.connect("dev", clean_session=False)
+            old = engine.db
+            engine._reopen_store()  # what the committer does before retrying a failed write
+            assert old.closed and replication.db is engine.db and replication.backup.db is engine.db
+            assert replication.primary is not None and replication.primary.db is engine.db
+            backup_db = open_store(str(tmp_path / "backup"))
+            backup = Backup(backup_db, name="b", sync=False)
+            async with following(backup, replication.primary.port):
+                await bounded(backup.in_sync_event.wait())
+            assert backup_db.get(b"sdev") is not None, "the snapshot lacks the session"
+            backup_db.close()
+        finally:
+            await replication.stop()
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_halted_committer_keeps_no_callbacks(db: Any) -> None:
+    async def main() -> None:
+        committer = GroupCommitter(db, sync=False, batch_size=10, batch_delay_ms=0.0, pending_threshold=1)
+        committer.halt("demoted")
+        ran: list[int] = []
+        for n in range(1000):
+            with pytest.raises(NotPrimaryError):
+                await committer.commit(lambda n=n: ran.append(n))
+        assert committer._after_commit == [] and ran == []
+
+    asyncio.run(main())
+
+
+class NotServing:
+    """The engine of a broker that is not (or no longer) the primary, as the publish path sees it."""
+
+    serving = False
+
+    def route_publish(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("routed on a broker that is not the primary")
+
+
+class EndingTransport(RecordingTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = asyncio.Event()
+
+    async def end(self) -> None:
+        self.ended.set()
+
+
+@pytest.mark.parametrize("qos", [1, 0])
+def test_a_publish_on_a_broker_that_is_not_the_primary_is_not_acknowledged(qos: int) -> None:
+    """Finding 4: a connection accepted before the demotion (or a websocket one) publishes after it."""
+
+    async def main() -> None:
+        transport = EndingTransport()
+        acks = OrderedAcks(transport, "publisher")  # type: ignore[arg-type]
+        wanted: list[str] = []
+        publishes = InboundPublishes(NotServing(), object(), acks, object(), wanted.append)  # type: ignore[arg-type]
+        acks.add(None, 1)  # a PUBACK due from before the demotion still goes out
+        publishes.route("t/a", b"late", qos, 2 if qos else None, retain=False, targets=None)
+        publishes.hand_over("t/a", b"late", qos, 3 if qos else None, retain=False, stored=None)
+        if qos:
+            await bounded(transport.ended.wait())
+        assert [(p.packet_type, p.packet_id) for p in transport.packets] == [(4, 1)], "acknowledged"
+        assert wanted == [], "handed to amqtt's own delivery"
+
+    asyncio.run(main())
+
+
+def test_a_clean_stop_waits_until_the_backups_have_every_batch(tmp_path: Path) -> None:
+    """Finding 5's replication half: Primary.wait_shipped returns once each in-sync backup has all."""
+    db, store_id = primary_store(tmp_path / "p")
+
+    async def main() -> None:
+        primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=1 << 24)
+        await primary.start(HOST, 0)
+        backup_db = open_store(str(tmp_path / "b"))
+        backup = Backup(backup_db, name="b", sync=False)
+        try:
+            async with following(backup, primary.port):
+                await bounded(backup.in_sync_event.wait())
+                for n in range(1, 201):
+                    commit(primary, ops_for(n))  # async mode: nobody waits for these
+                await bounded(primary.wait_shipped(within=30.0))
+                assert backup.applied_seq == primary.log.head_seq == 200
+                assert read_position(backup_db) == read_position(db)
+        finally:
+            await primary.close()
+            backup_db.close()
+
+    asyncio.run(main())
+    db.close()
+
+
+class AbortedTransport:
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_a_completion_refused_as_the_lease_ends_leaves_the_demotion_its_work(tmp_path: Path) -> None:
+    """Finding 1: a sync commit completed after the lease's deadline but before the demotion fails
+    its own publishes only; the demotion that follows must still end every client connection
+    (it once found the committer halted already and did nothing)."""
+    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store")))
+    engine.open_store()
+
+    async def main() -> None:
+        primary = Primary(engine.db, store_id=engine_store_id(engine), log_max_batches=100, log_max_bytes=1 << 20)
+        shipping = HeldShipping(primary)
+        engine.load(shipping)
+        connection = AbortedTransport()
+        writer = StreamWriterAdapter(SimpleNamespace(transport=connection))  # type: ignore[arg-type]
+        sessions = {"dev": (None, SimpleNamespace(writer=writer))}
+        plugin = SimpleNamespace(engine=engine, broker=SimpleNamespace(_sessions=sessions), _tasks=set())
+        try:
+            engine.committer.put(b"k", b"v")
+            stored = engine.committer.commit()
+            await bounded(shipping.shipping.wait())
+            shipping.acknowledging = False  # the deadline passed; the demotion's timer has not run yet
+            shipping.shipped[0].set_result(None)
+            with pytest.raises(NotPrimaryError):
+                await bounded(stored)
+            stopping = DurableSessionsPlugin._demoted(plugin, "the lease was not renewed in time")  # type: ignore[arg-type]
+            assert connection.aborted and writer.is_closed, "the demotion left a client connected"
+            assert stopping is not None
+            await bounded(stopping)
+            assert engine.committer.halted is not None and not engine.serving
+        finally:
+            await primary.close()
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def engine_store_id(engine: DurableEngine) -> int:
+    store_id = read_store_id(engine.db)
+    assert store_id is not None
+    return store_id
