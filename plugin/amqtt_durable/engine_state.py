@@ -89,6 +89,9 @@ class EngineState:
         self.enqueued_total = 0
         self.read_errors = 0
         """Failed reads of a queue from the store (a damaged store); each one is logged and retried."""
+        self.earlier_commits = 0
+        """Group commits of the committers of earlier terms as primary (each term has its own)."""
+        self.load_started = False
 
 
     def _save_record(self, session: DurableSession) -> None:

@@ -45,6 +45,6 @@ class EngineMetrics(EngineState):
             "messages/sent": self.sent_total,
             "sessions/expired": self.expired_total,
             "retained/messages": len(self.retained),
-            "store/commits": self.committer.commits,
+            "store/commits": self.earlier_commits + self.committer.commits,
             "store/read_errors": self.read_errors + self.streams.read_errors,
         }

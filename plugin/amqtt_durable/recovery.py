@@ -45,7 +45,10 @@ from .stream_log import StreamLogs
 
 log = logging.getLogger("amqtt_durable")
 
-CUMULATIVE = ("dropped_total", "expired_total", "replayed_total", "sent_total", "enqueued_total", "read_errors")
+CUMULATIVE = (
+    "dropped_total", "expired_total", "replayed_total", "sent_total", "enqueued_total",
+    "read_errors", "earlier_commits",
+)
 """Counters that add up over the broker's life: a reload for a new term as primary keeps them."""
 
 
@@ -75,16 +78,19 @@ class Recovery(SessionLifecycle):
         ``read_errors``) carry on from the previous terms instead of starting again from 0;
         gauges (sessions, queued messages) are the store's as loaded."""
         path = self.config.store
-        if self.loaded:
+        if self.load_started:  # a new term, or a retry after a failed load: none of its state may stay
             for handle in (self._expiry_timer, self._trim_task):  # serve() stopped them; a direct reload too
                 if handle is not None:
                     handle.cancel()
             db, on_retained, on_reopened = self.db, self.on_retained, self.on_store_reopened
             counters = {name: getattr(self, name) for name in CUMULATIVE}
+            if self.loaded:
+                counters["earlier_commits"] += self.committer.commits
             EngineState.__init__(self, self.config, self.on_expired, self.on_store_health)
             self.db, self.on_retained, self.on_store_reopened = db, on_retained, on_reopened
             for name, value in counters.items():
                 setattr(self, name, value)
+        self.load_started = True
         try:
             self._load(replication)
         except plyvel.Error as exc:

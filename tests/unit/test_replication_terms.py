@@ -22,7 +22,7 @@ from test_replication_ha import Clock, FakeCoordinator, Hooks, node
 from amqtt_durable.amqtt_glue import DurableSessionsPlugin, InboundPublishes, OrderedAcks
 from amqtt_durable.config import DurableConfig, StreamConfig
 from amqtt_durable.engine import DurableEngine
-from amqtt_durable.errors import NotPrimaryError
+from amqtt_durable.errors import DurableError, NotPrimaryError
 from amqtt_durable.process import free_port
 from amqtt_durable.replication.backup import Backup
 from amqtt_durable.replication.commits import ReplicatedCommits
@@ -174,6 +174,8 @@ def test_a_new_term_starts_from_a_fresh_state_with_nothing_of_the_old_one_runnin
         old_expiry = engine._expiry_timer
         assert old_pump is not None and old_trim is not None
         enqueued = engine.enqueued_total
+        commits = engine.metrics()["store/commits"]
+        assert commits > 0
 
         await engine.serve()  # a new term as primary, without a demotion in between
 
@@ -182,6 +184,7 @@ def test_a_new_term_starts_from_a_fresh_state_with_nothing_of_the_old_one_runnin
         assert old_pump._stopped, "the old term's pump still runs"
         assert engine.sessions["dev"] is not old_session
         assert engine.enqueued_total == enqueued, "a cumulative counter went back"
+        assert engine.metrics()["store/commits"] >= commits, "the commit count went back"
         await engine.detach("dev", old_transport)  # the old connection's end, late
         assert engine.sessions["dev"].record.expires_at is not None
         engine.start_timers()
@@ -353,3 +356,37 @@ def engine_store_id(engine: DurableEngine) -> int:
     store_id = read_store_id(engine.db)
     assert store_id is not None
     return store_id
+
+
+def test_a_load_after_a_failed_one_keeps_nothing_the_failed_one_read(tmp_path: Path) -> None:
+    """Review (helper-32): a promotion's load that fails on a damaged record had read the sessions
+    before it; the next load (after following another primary, whose batches deleted them) kept
+    them: a ghost session with subscriptions, written back to the store by its next record."""
+    config = DurableConfig(store=str(tmp_path / "store"))
+
+    async def make_session() -> None:
+        engine = DurableEngine(config)
+        engine.open()
+        await engine.connect("aaa-gone", clean_session=False)
+        await engine.subscribe("aaa-gone", "t/#", 1)
+        await engine.close()
+
+    asyncio.run(bounded(make_session()))
+    db = open_store(config.store, create=False)
+    db.put(b"szzz-broken", b"\xff not a session record")  # read after the good one
+    db.close()
+
+    async def main() -> None:
+        engine = DurableEngine(config)
+        engine.open_store()  # a backup: the store open, the engine not loaded
+        with pytest.raises(DurableError):
+            engine.load()  # the promotion's load fails on the damaged record
+        engine.open_store()  # following the new primary, whose batches delete both sessions
+        engine.db.delete(b"saaa-gone")
+        engine.db.delete(b"szzz-broken")
+        engine.load()  # the next promotion
+        assert "aaa-gone" not in engine.sessions, "a session deleted from the store came back"
+        assert engine.index.route("t/x") == {}
+        await engine.close()
+
+    asyncio.run(bounded(main()))
