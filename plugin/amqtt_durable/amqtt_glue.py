@@ -592,16 +592,20 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         if self._metrics_task is not None:
             self._metrics_task.cancel()
             await asyncio.gather(self._metrics_task, return_exceptions=True)
-        if self.replication is not None:
-            if self.engine.serving:
+        try:
+            if self.replication is not None and self.engine.serving:
                 # A clean stop of the primary (amqtt ended the connections): the last batches
                 # (acks, session records of the closed connections) are written, then shipped
                 # to the backups, before the replication end closes; nothing is written after.
-                await self.engine.finish_writes()
-                await self.replication.drain()
-                self.engine.committer.halt("the broker stops")
-            await self.replication.stop()
-        await self.engine.close()
+                try:
+                    await self.engine.finish_writes()
+                    await self.replication.drain()
+                finally:  # a last write that fails (a full disk) must not keep the lease renewed
+                    self.engine.committer.halt("the broker stops")
+        finally:
+            if self.replication is not None:
+                await self.replication.stop()
+            await self.engine.close()
 
     def _on_expired(self, expired: ExpiredSession) -> None:
         payload = json.dumps(
@@ -844,7 +848,11 @@ class AmqttHooks:
         ]
         if self.broker.plugins_manager._topic_plugins:  # what the user may not read is not even queued
             retained = [item for item in retained if await _may_read(self.broker, session, item[0])]
-        await self.engine.subscribe(session.client_id, topic_filter, granted, retained)
+        try:
+            await self.engine.subscribe(session.client_id, topic_filter, granted, retained)
+        except NotPrimaryError as exc:  # demoted meanwhile: the demotion ends this connection
+            log.info("%s: SUBSCRIBE %s refused: %s", session.client_id, topic_filter, exc)
+            return _SUBSCRIBE_REFUSED
         return granted
 
     async def handle_unsubscription(self, session: Any, handler: Any, waiter: Any) -> None:
@@ -853,7 +861,11 @@ class AmqttHooks:
             return
         unsubscription = waiter.result()
         for topic_filter in unsubscription.topics:
-            await self.engine.unsubscribe(session.client_id, topic_filter)
+            try:
+                await self.engine.unsubscribe(session.client_id, topic_filter)
+            except NotPrimaryError as exc:  # demoted meanwhile: no UNSUBACK for what is not stored
+                _abort(handler.writer)
+                raise MQTTError(f"{session.client_id}: UNSUBSCRIBE {topic_filter} not stored: {exc}") from None
             await self.broker.plugins_manager.fire_event(
                 BrokerEvents.CLIENT_UNSUBSCRIBED, client_id=session.client_id, topic=topic_filter
             )

@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 from amqtt.adapters import StreamWriterAdapter
+from amqtt.errors import MQTTError
 from replication_helpers import bounded, commit, following, ops_for, primary_store
 from test_replicated_commits import HeldShipping
 from test_replication_ha import Clock, FakeCoordinator, Hooks, node
 
-from amqtt_durable.amqtt_glue import DurableSessionsPlugin, InboundPublishes, OrderedAcks
+from amqtt_durable.amqtt_glue import AmqttHooks, DurableSessionsPlugin, InboundPublishes, OrderedAcks
 from amqtt_durable.config import DurableConfig, StreamConfig
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import DurableError, NotPrimaryError
@@ -390,3 +391,48 @@ def test_a_load_after_a_failed_one_keeps_nothing_the_failed_one_read(tmp_path: P
         await engine.close()
 
     asyncio.run(bounded(main()))
+
+
+def test_a_subscribe_or_unsubscribe_a_demotion_overtakes_is_refused_not_acknowledged(tmp_path: Path) -> None:
+    """Review (helper-32): the subscription's commit fails once the committer is halted; SUBACK
+    carries the failure code, and an UNSUBSCRIBE ends the connection without UNSUBACK (the
+    NotPrimaryError reached amqtt's connection task as an unhandled exception)."""
+    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store")))
+    engine.open()
+
+    async def allowed(*_: Any) -> bool:
+        return True
+
+    async def main() -> None:
+        await engine.connect("dev", clean_session=False)
+        await engine.subscribe("dev", "kept/#", 1)
+        broker = SimpleNamespace(
+            **dict.fromkeys(("_authenticate", "_client_connected", "_initialize_client_session",
+                             "_client_message_loop", "add_subscription", "_handle_unsubscription",
+                             "_del_subscription", "_publish_retained_messages_for_subscription",
+                             "_broadcast_message", "_cleanup_session", "shutdown")),
+            _topic_filtering=allowed, config={}, retained_messages={},
+            plugins_manager=SimpleNamespace(_topic_plugins=[]),
+        )  # fmt: skip
+        hooks = AmqttHooks(broker, engine, {})
+        session = SimpleNamespace(client_id="dev")
+        connection = AbortedTransport()
+        writer = StreamWriterAdapter(SimpleNamespace(transport=connection))  # type: ignore[arg-type]
+        acknowledged: list[int] = []
+
+        async def unsuback(packet_id: int) -> None:
+            acknowledged.append(packet_id)
+
+        handler = SimpleNamespace(writer=writer, mqtt_acknowledge_unsubscription=unsuback)
+        waiter = asyncio.get_running_loop().create_future()
+        waiter.set_result(SimpleNamespace(topics=["kept/#"], packet_id=5))
+        engine.committer.halt("demoted")
+        assert await hooks.add_subscription(("new/#", 1), session) == 0x80
+        with pytest.raises(MQTTError, match="UNSUBSCRIBE kept/# not stored"):
+            await hooks.handle_unsubscription(session, handler, waiter)
+        assert acknowledged == [] and connection.aborted
+
+    try:
+        asyncio.run(bounded(main()))
+    finally:
+        asyncio.run(engine.close())
