@@ -23,7 +23,7 @@ from test_replication_ha import Clock, FakeCoordinator, Hooks, node
 from amqtt_durable.amqtt_glue import AmqttHooks, DurableSessionsPlugin, InboundPublishes, OrderedAcks
 from amqtt_durable.config import DurableConfig, StreamConfig
 from amqtt_durable.engine import DurableEngine
-from amqtt_durable.errors import DurableError, NotPrimaryError
+from amqtt_durable.errors import DurableError, NotPrimaryError, StoreUnavailableError
 from amqtt_durable.process import free_port
 from amqtt_durable.replication.backup import Backup
 from amqtt_durable.replication.commits import ReplicatedCommits
@@ -436,3 +436,28 @@ def test_a_subscribe_or_unsubscribe_a_demotion_overtakes_is_refused_not_acknowle
         asyncio.run(bounded(main()))
     finally:
         asyncio.run(engine.close())
+
+
+def test_a_clean_stop_whose_last_write_fails_still_ends_replication_and_closes_the_store(tmp_path: Path) -> None:
+    """Review (helper-32): the last write of a primary's clean stop failing (a full disk) left its
+    HA loop renewing the lease until the process ended, so no backup could take over sooner."""
+    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store")))
+    engine.open()
+    ended: list[str] = []
+
+    async def failing_write() -> None:
+        raise StoreUnavailableError("No space left on device")
+
+    async def stop_replication() -> None:
+        ended.append("replication stopped")
+
+    async def drain() -> None:
+        ended.append("drained")
+
+    engine.finish_writes = failing_write  # type: ignore[method-assign]
+    replication = SimpleNamespace(stop=stop_replication, drain=drain)
+    plugin = SimpleNamespace(_metrics_task=None, replication=replication, engine=engine)
+    with pytest.raises(StoreUnavailableError):
+        asyncio.run(bounded(DurableSessionsPlugin.close(plugin)))  # type: ignore[arg-type]
+    assert ended == ["replication stopped"]
+    assert engine.committer.halted is not None and engine.db.closed
