@@ -187,8 +187,14 @@ class PahoLink:
         else:
             rc = client.loop(timeout)
         count = 1
-        while rc == MQTTErrorCode.MQTT_ERR_SUCCESS and reader.buffered and count < _MAX_PER_LOOP:
-            rc = client.loop_read()
+        while rc == MQTTErrorCode.MQTT_ERR_SUCCESS and count < _MAX_PER_LOOP:
+            if reader.buffered:
+                rc = client.loop_read()
+            else:  # one more recv() costs less than a pass of the caller's loop and a select()
+                reads = reader.reads
+                rc = client.loop_read()
+                if reader.reads == reads:
+                    break  # nothing more to read now
             count += 1
             if not count % _BURST:
                 self._on_burst()
@@ -285,12 +291,14 @@ def _noop_socket_callback(_client: mqtt.Client, _userdata: Any, _sock: Any) -> N
 class _Reader:
     """paho's ``_sock_recv`` served from blocks of ``_READ_SIZE`` bytes (one ``recv()`` per block)."""
 
-    __slots__ = ("_buf", "_client", "_pos")
+    __slots__ = ("_buf", "_client", "_pos", "reads")
 
     def __init__(self, client: mqtt.Client) -> None:
         self._client = client
         self._buf = b""
         self._pos = 0
+        self.reads = 0
+        """Blocks read from the socket (it changes when a ``recv()`` returned data or end of stream)."""
 
     def install(self) -> bool:
         """Take over paho's socket reads; False when this paho has not the internals needed."""
@@ -317,6 +325,7 @@ class _Reader:
                 raise ConnectionError("the socket is closed")
             buf = sock.recv(_READ_SIZE)  # BlockingIOError, OSError: paho's own handling; b"": end of stream
             self._buf, pos = buf, 0
+            self.reads += 1
         end = pos + size
         self._pos = end
         if not pos and end >= len(buf):
