@@ -118,6 +118,7 @@ class _Queue:
             self._ack(item)
         elif item.generation != self._failed:
             self._failed = item.generation
+            self.post()  # the events before it first
             self._client._fail(item.generation, EventNotProcessedError(
                 f"{event.topic} (seq {event.seq}): not processed by the async loop; it comes again"
             ))

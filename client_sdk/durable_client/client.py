@@ -808,6 +808,7 @@ class DurableClient:
             outcome = Outcome(reconnect=True)
         if outcome.reconnect:
             self._redelivering = True
+            self._flush_acks()  # the events before it (their acknowledgements go first, if the link can)
             self._link_or_raise().drop()
             return
         if not (outcome.ack or outcome.stream_ack is not None):
@@ -914,6 +915,7 @@ class DurableClient:
         self._receiver.counters.redeliveries_requested += 1
         self._redelivering = True
         log.info("%s; reconnecting so the broker sends it again, and every event after it", error)
+        self._flush_acks()
         self._link_or_raise().drop()
 
     def _send_stream_ack(self, topic: str, event_id: int) -> None:
