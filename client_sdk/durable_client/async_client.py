@@ -52,7 +52,11 @@ loop to yield (with a body that never awaits, the loop yields only when it runs 
 class _Queue:
     """The event loop's side: events handed over, in order, and the completions going back.
 
-    Only the event loop touches it (``receive`` is scheduled there by the network thread).
+    The event loop's own, but for ``inbox`` and ``idle``. The network thread appends each batch
+    to ``inbox`` and wakes the loop (``call_soon_threadsafe(wake)``) only when ``idle`` says
+    the loop would not look at the inbox on its own: while a body has an event or the iterator
+    is running, the loop takes the batches that came meanwhile when it asks for the next event,
+    without a wake-up (a thread switch) per batch.
     """
 
     def __init__(self, client: DurableClient, loop: asyncio.AbstractEventLoop) -> None:
@@ -60,6 +64,9 @@ class _Queue:
         self._receiver = client._receiver
         self._loop = loop
         self._items: deque[Handed] = deque()
+        self.inbox: deque[list[Handed]] = deque()
+        self.idle = True
+        """Set by the loop when it will not take from ``inbox`` without being woken."""
         self._waiter: asyncio.Future[None] | None = None
         self._busy = False  # an event is with a loop body
         self._failed = -1  # the generation whose events are not processed any more (one failed)
@@ -68,18 +75,28 @@ class _Queue:
         self.closed = False
 
     # ------------------------------------------------------------- from the network thread
-    def receive(self, batch: list[Handed]) -> None:
-        self._items.extend(batch)
+    def wake(self) -> None:
+        """Scheduled by the network thread: take the batches, pass what needs no body, wake ``next``."""
+        self._take()
         self._settle()
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        elif not self._busy:
+            self.idle = True
+
+    def _take(self) -> None:
+        inbox = self.inbox
+        while inbox:
+            self._items.extend(inbox.popleft())
 
     # -------------------------------------------------------------------- for EventStream
     async def next(self) -> Handed:
         """The next event to process (raises StopAsyncIteration once the client is closed)."""
         receiver = self._receiver
+        self.idle = False
         while True:
+            self._take()
             items = self._items
             while items and not self.closed:
                 item = items.popleft()
@@ -97,15 +114,21 @@ class _Queue:
             if self.closed:
                 raise StopAsyncIteration
             self.post()
+            self.idle = True
+            if self.inbox:  # came before ``idle`` was set: the network thread did not wake the loop
+                self.idle = False
+                continue
             self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+                self.idle = False
 
     def finish(self, item: Handed, processed: bool) -> None:
         """A loop body is done with ``item``'s event: record and acknowledge it, or ask for it again."""
         self._busy = False
+        self.idle = True  # the iterator may not ask for more (the loop was left): wake-ups are needed again
         if self.closed:  # close() came first: not recorded, it comes again
             return
         event = item.event
@@ -122,6 +145,7 @@ class _Queue:
             self._client._fail(item.generation, EventNotProcessedError(
                 f"{event.topic} (seq {event.seq}): not processed by the async loop; it comes again"
             ))
+        self._take()
         self._settle()
 
     def post(self) -> None:
@@ -181,11 +205,16 @@ class _Batcher:
         batch, self._batch = self._batch, []
         target = self.target
         if target is not None and not target[0].is_closed():
+            loop, queue = target
+            queue.inbox.append(batch)
+            if not queue.idle:
+                return  # the loop takes it when it asks for the next event
+            queue.idle = False  # one wake-up is enough; the loop sets it again when it needs one
             try:
-                target[0].call_soon_threadsafe(target[1].receive, batch)
+                loop.call_soon_threadsafe(queue.wake)
                 return
             except RuntimeError:  # the loop closed meanwhile
-                pass
+                queue.inbox.clear()
         for item in batch:
             if item.event is not None:
                 self._client._fail(item.generation, EventNotProcessedError(
