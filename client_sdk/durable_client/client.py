@@ -212,6 +212,7 @@ class DurableClient:
         self._hand: Callable[[Handed], None] | None = None
         self._hand_flush: Callable[[], None] = _nothing
         self._completions: deque[Completion | tuple[int, EventNotProcessedError]] = deque()
+        self._completions_lock = threading.Lock()  # one drain at a time (close() drains too): order kept
         self._wake_sent = False
 
     # ================================================================ lifecycle
@@ -855,9 +856,9 @@ class DurableClient:
         """Write the gathered PUBACKs, in order, as one packet."""
         if not self._acks:
             return
-        with self._acks_lock:
+        with self._acks_lock:  # held while queueing: a flush from close() cannot overtake the network thread's
             mids, self._acks = self._acks, []
-        self._link_or_raise().ack_many(mids)
+            self._link_or_raise().ack_many(mids)
 
     def _end_burst(self) -> None:
         """A burst of messages was parsed (network thread): send their PUBACKs, pass on deferred events."""
@@ -898,15 +899,16 @@ class DurableClient:
         """Network thread: acknowledge what the processing side completed (this connection's only)."""
         self._wake_sent = False
         completions = self._completions
-        while completions:
-            item = completions.popleft()
-            if item[0] != self._generation:
-                continue  # packet ids of a connection gone
-            if len(item) == 2:
-                self._redelivery_asked(item[1])
-            else:
-                self._redelivering = False
-                self._acknowledge(item[1], item[2], item[3])
+        with self._completions_lock:
+            while completions:
+                item = completions.popleft()
+                if item[0] != self._generation:
+                    continue  # packet ids of a connection gone
+                if len(item) == 2:
+                    self._redelivery_asked(item[1])
+                else:
+                    self._redelivering = False
+                    self._acknowledge(item[1], item[2], item[3])
 
     def _redelivery_asked(self, error: EventNotProcessedError) -> None:
         if self._receiver.failed:
