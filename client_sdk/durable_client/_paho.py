@@ -15,8 +15,9 @@ packet per ``loop()``, each behind a ``select()``; it writes each PUBACK as a pa
 with a wake-up byte through its socket pair. The link reads the socket in blocks of up to
 ``_READ_SIZE`` bytes instead (``_Reader``, installed as paho's ``_sock_recv``), parses every
 packet a block holds in one ``loop()`` call, and ``ack_many`` queues a run of PUBACKs as one
-write. These use three paho internals (``_sock_recv``, ``_sock``, ``_packet_queue``), checked
-when the link is made: without them it falls back to paho's own per-packet path.
+write. These use paho internals (``_sock_recv``, ``_sock``, ``_packet_queue``, and
+``_sockpairW`` for ``wake``), checked when the link is made: without them it falls back to
+paho's own per-packet path.
 """
 
 from __future__ import annotations
@@ -211,11 +212,6 @@ class PahoLink:
     def socket_open(self) -> bool:
         return self._client.socket() is not None
 
-    @property
-    def buffered(self) -> bool:
-        """Bytes read from the socket and not parsed yet: the next ``loop()`` need not wait."""
-        return self._reader.buffered > 0
-
     def _socket_opened(self, _client: mqtt.Client, _userdata: Any, sock: Any) -> None:
         self._reader.reset()
         _no_delay(sock)
@@ -327,10 +323,10 @@ class _Reader:
             self._buf, pos = buf, 0
             self.reads += 1
         end = pos + size
-        self._pos = end
-        if not pos and end >= len(buf):
+        if end >= len(buf):  # the rest of the block (paho asks again for what is missing)
             self._pos = len(buf)
-            return buf
+            return buf[pos:] if pos else buf
+        self._pos = end
         return buf[pos:end]
 
 
