@@ -333,9 +333,10 @@ class _Reader:
 def _no_delay(sock: Any) -> None:
     """TCP_NODELAY: acknowledgements go out at once, not held back by Nagle's algorithm.
 
-    CPL-2 sends its acknowledgements in bursts, one small packet each, after a group's fsync;
-    with Nagle the second and later wait for the TCP ACK of the first, which the broker's host
-    may delay (40 ms on Linux): a stall per group.
+    Acknowledgements leave in small writes one after the other (a burst's PUBACKs, then a
+    ``stream_ack``, or the next burst's); with Nagle the second and later wait for the TCP ACK
+    of the first, which the broker's host may delay (40 ms on Linux): a stall per group with
+    CPL-2, whose acknowledgements go after each group's fsync.
     """
     if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):
