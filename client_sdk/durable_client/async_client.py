@@ -44,6 +44,8 @@ from .events import Event, PersistenceLevel, Stats, StreamBounds
 log = logging.getLogger("durable_client")
 
 REQUEST_TIMEOUT = 10.0
+_BATCH: Final = 32
+"""Events gathered on the network thread before they go to the loop while more keep arriving."""
 _ACK_RUN: Final = 64
 """Events processed before their acknowledgements go to the network thread without waiting for the
 loop to yield (with a body that never awaits, the loop yields only when it runs out of events)."""
@@ -199,8 +201,10 @@ class _Batcher:
     def hand(self, item: Handed) -> None:
         self._batch.append(item)
 
-    def flush(self) -> None:
-        if not self._batch:
+    def flush(self, all_: bool) -> None:
+        """Pass the batch on: ``all_`` always (the network thread is about to wait), else once it holds
+        ``_BATCH`` items (fewer wake-ups of the loop while messages keep coming)."""
+        if not self._batch or (not all_ and len(self._batch) < _BATCH):
             return
         batch, self._batch = self._batch, []
         target = self.target

@@ -210,7 +210,7 @@ class DurableClient:
         # Deferred processing (_defer_to, the asyncio client): events go to another thread, which
         # completes them (marks) and hands the acknowledgements back through _completions.
         self._hand: Callable[[Handed], None] | None = None
-        self._hand_flush: Callable[[], None] = _nothing
+        self._hand_flush: Callable[[bool], None] = _nothing
         self._completions: deque[Completion | tuple[int, EventNotProcessedError]] = deque()
         self._completions_lock = threading.Lock()  # one drain at a time (close() drains too): order kept
         self._wake_sent = False
@@ -600,6 +600,8 @@ class DurableClient:
                 if self._completions:
                     self._take_completions()
                 acks_pending = (gate is not None and gate.pending) or self._stream_acks.pending or self._completions
+                if not acks_pending:
+                    self._hand_flush(True)  # about to wait: what was read goes to the processing side now
                 try:
                     link.loop(0.0 if acks_pending else _LOOP_TIMEOUT)
                 except Exception:
@@ -621,6 +623,8 @@ class DurableClient:
 
     def _after_pass(self, *, idle: bool) -> None:
         """After a network pass (``idle``: it read no message): completions, then a group's end, then acks."""
+        if idle:
+            self._hand_flush(True)
         if self._completions:
             self._take_completions()
         gate = self._gate
@@ -861,8 +865,9 @@ class DurableClient:
             self._link_or_raise().ack_many(mids)
 
     def _end_burst(self) -> None:
-        """A burst of messages was parsed (network thread): send their PUBACKs, pass on deferred events."""
-        self._hand_flush()
+        """A burst of messages was parsed (network thread): send their PUBACKs, pass on deferred events
+        (once enough of them are gathered; before the thread waits for the socket, all of them)."""
+        self._hand_flush(False)
         self._flush_acks()
 
     def _new_generation(self) -> None:
@@ -872,9 +877,10 @@ class DurableClient:
             self._generation += 1
 
     # ------------------------------------------------------------ deferred processing
-    def _defer_to(self, hand: Callable[[Handed], None], flush: Callable[[], None]) -> None:
+    def _defer_to(self, hand: Callable[[Handed], None], flush: Callable[[bool], None]) -> None:
         """Process events elsewhere (the asyncio client): ``hand`` gets each event, duplicate ack and
-        marker in arrival order (network thread); ``flush`` ends a burst (pass the batch on). The
+        marker in arrival order (network thread); ``flush(all)`` passes the batch on (``all``
+        False: only once it is large enough, the network thread reading on). The
         processing side calls ``_receiver.complete`` per event, then ``_complete`` or ``_fail``."""
         self._hand, self._hand_flush = hand, flush
         self._receiver.deferred = True
@@ -1028,7 +1034,7 @@ class DurableClient:
         return waiter.reply
 
 
-def _nothing() -> None:
+def _nothing(_all: bool) -> None:
     return None
 
 

@@ -43,15 +43,17 @@ class Net:
         self.link.clear()
 
     def events(self, *seq_mid: tuple[int, int]) -> None:
-        """A burst of session events (seq, packet id), then its end: they go to the loop as one batch."""
+        """A burst of session events (seq, packet id), then the wait for more: they go to the loop as one batch."""
         for seq, mid in seq_mid:
             payload = encode_frame(0, EPOCH, seq, 1.0) + b"p%d" % seq
             self.inner._handle_message(Inbound("t", payload, 1, False, False, mid))
         self.inner._end_burst()
+        self.inner._hand_flush(True)  # the network thread is about to wait for the socket
 
     def marker(self) -> None:
         self.inner._handle_message(Inbound(MARKER_TOPIC, encode_marker(Marker(EPOCH, 2, 1, 2, ())), 0, False, False, 0))
         self.inner._end_burst()
+        self.inner._hand_flush(True)
 
     async def pass_(self) -> list[Any]:
         """Let the loop run what it scheduled, then a network pass: what was sent since the last one."""
