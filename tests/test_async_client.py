@@ -142,3 +142,44 @@ def test_exactly_once_across_an_sdk_process_sigkill_with_disk_persistence(
     finished = child()
     assert finished.returncode == 0, finished.stdout + finished.stderr
     assert out.read_bytes().splitlines() == payloads(total), "each event processed once across the SIGKILL"
+
+
+def test_stream_events_through_the_loop_resume_after_the_last_processed_id_and_a_failed_body_comes_again(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    broker = broker_factory(streams=[{"filter": "log/#", "max_count": 1000}])
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("log/a", payloads(300, "first"))
+    options = {"durable_session": False, "persistence": "disk", "state_dir": tmp_path / "state"}
+
+    async def read(count: int, *, fail_at: bytes | None = None) -> list[Event]:
+        got: list[Event] = []
+        async with AsyncDurableClient("stream-reader", port=broker.port, reconnect_max_delay=0.5, **options) as client:
+            await client.subscribe_stream("log/#")
+            failed = False
+            while len(got) < count:
+                try:
+                    async with client.events() as events:
+                        async for event in events:
+                            if event.payload == fail_at and not failed:
+                                failed = True
+                                raise RuntimeError("body failed (on purpose)")
+                            got.append(event)
+                            if len(got) >= count:
+                                break
+                except RuntimeError:
+                    assert failed
+            assert client.stats.redeliveries_requested == (1 if fail_at else 0)
+        return got
+
+    first: list[Event] = []
+
+    async def main() -> None:
+        first.extend(await read(300, fail_at=payloads(300, "first")[150]))
+        await asyncio.to_thread(publisher.publish, "log/a", payloads(3, "second"))
+        second = await read(3)
+        assert [e.payload for e in second] == payloads(3, "second") and [e.seq for e in second] == [301, 302, 303]
+
+    run(main())
+    assert [e.payload for e in first] == payloads(300, "first"), "each once, in order, the failed one again"
+    assert [e.seq for e in first] == list(range(1, 301)) and all(e.stream for e in first)

@@ -4,10 +4,20 @@ Why an adapter: paho's API carries callback-version shims and threading modes; t
 needs a dozen operations. Keeping paho here means a paho upgrade is checked in one file.
 
 Threading: one thread (the client's network thread) calls ``open()`` and ``loop()``; paho
-runs every callback on it. ``publish``, ``subscribe``, ``unsubscribe``, ``ack`` and
-``disconnect`` may be called from any thread: they only queue a packet and wake the network
-thread, which does every socket write. (Registering a socket-write callback is paho's way for
-an external loop to say so; without it paho writes from the calling thread, racing the loop.)
+runs every callback on it. ``publish``, ``subscribe``, ``unsubscribe``, ``ack``, ``ack_many``,
+``wake`` and ``disconnect`` may be called from any thread: they only queue a packet and wake the
+network thread, which does every socket write. (Registering a socket-write callback is paho's
+way for an external loop to say so; without it paho writes from the calling thread, racing the
+loop.)
+
+Speed (issue 13). paho reads a packet with three ``recv()`` calls (type, length, body) and one
+packet per ``loop()``, each behind a ``select()``; it writes each PUBACK as a packet of its own,
+with a wake-up byte through its socket pair. The link reads the socket in blocks of up to
+``_READ_SIZE`` bytes instead (``_Reader``, installed as paho's ``_sock_recv``), parses every
+packet a block holds in one ``loop()`` call, and ``ack_many`` queues a run of PUBACKs as one
+write. These use paho internals (``_sock_recv``, ``_sock``, ``_packet_queue``, and
+``_sockpairW`` for ``wake``), checked when the link is made: without them it falls back to
+paho's own per-packet path.
 """
 
 from __future__ import annotations
@@ -15,10 +25,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, NamedTuple
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
@@ -26,6 +37,15 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersi
 log = logging.getLogger("durable_client")
 _SERVER_UNAVAILABLE = 136
 """paho's reason code for MQTT 3.1.1's CONNACK return code 3."""
+_READ_SIZE: Final = 65_536
+"""Bytes asked of the socket per ``recv()``: every packet they hold is parsed before the next select()."""
+_BURST: Final = 32
+"""Packets parsed between two calls of ``on_burst`` (the client then sends its batched acknowledgements)."""
+_MAX_PER_LOOP: Final = 1024
+"""Packets parsed per ``loop()`` at most, so the caller's timers run between bursts of a fast sender."""
+_PUBACK: Final = 0x40
+_PUBACK_BASE: Final = 0x4002_0000
+"""A PUBACK is 4 bytes: 0x40, remaining length 2, the packet id (big-endian): one u32 per acknowledgement."""
 
 
 def topic_matches(topic_filter: str, topic: str) -> bool:
@@ -33,9 +53,8 @@ def topic_matches(topic_filter: str, topic: str) -> bool:
     return mqtt.topic_matches_sub(topic_filter, topic)
 
 
-@dataclass(frozen=True, slots=True)
-class Inbound:
-    """One PUBLISH received."""
+class Inbound(NamedTuple):
+    """One PUBLISH received (a named tuple: one is made per message)."""
 
     topic: str
     payload: bytes
@@ -94,6 +113,7 @@ class PahoLink:
         on_message: Callable[[Inbound], None],
         on_lost: Callable[[str], None],
         on_subscribed: Callable[[int, bool], None],
+        on_burst: Callable[[], None] = lambda: None,
     ) -> None:
         self._client = mqtt.Client(
             callback_api_version=CallbackAPIVersion.VERSION2,
@@ -116,7 +136,10 @@ class PahoLink:
         self._client.connect_async(host, port, keepalive)
         self._client.on_socket_register_write = _noop_socket_callback
         self._client.on_socket_unregister_write = _noop_socket_callback
-        self._client.on_socket_open = _no_delay
+        self._on_burst = on_burst
+        self._reader = _Reader(self._client)
+        self._fast = self._reader.install()
+        self._client.on_socket_open = self._socket_opened
 
         def connect_cb(_c: mqtt.Client, _u: Any, flags: mqtt.ConnectFlags, reason: Any, _p: Any) -> None:
             unavailable = reason.value == _SERVER_UNAVAILABLE
@@ -129,7 +152,7 @@ class PahoLink:
                 log.error("dropping a message whose topic is not UTF-8 (mid %d)", message.mid)
                 self.ack(message.mid, message.qos)
                 return
-            payload = bytes(message.payload)
+            payload = bytes(message.payload)  # paho gives bytes: not a copy
             on_message(Inbound(topic, payload, message.qos, bool(message.retain), bool(message.dup), message.mid))
 
         def disconnect_cb(_c: mqtt.Client, _u: Any, _flags: Any, reason: Any, _p: Any) -> None:
@@ -153,8 +176,32 @@ class PahoLink:
         self._client.connect_async(host, port, self._keepalive)
 
     def loop(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for traffic and process it (paho calls the callbacks here)."""
-        rc = self._client.loop(timeout)
+        """Wait up to ``timeout`` for traffic and process it (paho calls the callbacks here).
+
+        Every packet already read from the socket is parsed in this call (up to
+        ``_MAX_PER_LOOP``), with ``on_burst()`` after every ``_BURST`` of them and at the end.
+        """
+        client, reader = self._client, self._reader
+        if reader.buffered:  # left over by the last call: no select(), the data is here
+            rc = client.loop_read()
+            client.loop_misc()
+        else:
+            rc = client.loop(timeout)
+        count = 1
+        while rc == MQTTErrorCode.MQTT_ERR_SUCCESS and count < _MAX_PER_LOOP:
+            if reader.buffered:
+                rc = client.loop_read()
+            else:  # one more recv() costs less than a pass of the caller's loop and a select()
+                reads = reader.reads
+                rc = client.loop_read()
+                if reader.reads == reads:
+                    break  # nothing more to read now
+            count += 1
+            if not count % _BURST:
+                self._on_burst()
+        self._on_burst()
+        if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and client.want_write():
+            rc = client.loop_write()
         if rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN) and self.socket_open:
             # A few select() failures return an error without paho's connection-lost path:
             # make sure it runs, so on_lost fires and the caller reconnects.
@@ -164,6 +211,10 @@ class PahoLink:
     @property
     def socket_open(self) -> bool:
         return self._client.socket() is not None
+
+    def _socket_opened(self, _client: mqtt.Client, _userdata: Any, sock: Any) -> None:
+        self._reader.reset()
+        _no_delay(sock)
 
     # ------------------------------------------------------ any thread
     def publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> PublishHandle:
@@ -181,6 +232,24 @@ class PahoLink:
     def ack(self, mid: int, qos: int) -> None:
         if qos > 0:
             self._client.ack(mid, qos)
+
+    def ack_many(self, mids: list[int]) -> None:
+        """PUBACK each of ``mids`` (QoS 1), in order, as one write."""
+        if not mids:
+            return
+        if not self._fast:
+            for mid in mids:
+                self._client.ack(mid, 1)
+            return
+        packet = struct.pack(f"!{len(mids)}I", *[_PUBACK_BASE | mid for mid in mids])
+        self._client._packet_queue(_PUBACK, packet, 0, 0)
+
+    def wake(self) -> None:
+        """Make the network thread's ``loop()`` return now (another thread has work for it)."""
+        pair = getattr(self._client, "_sockpairW", None)
+        if pair is not None:
+            with contextlib.suppress(OSError):
+                pair.send(b"\0")
 
     def disconnect(self) -> None:
         """Send DISCONNECT (the broker keeps a durable session); the socket closes once it is written."""
@@ -215,12 +284,59 @@ def _noop_socket_callback(_client: mqtt.Client, _userdata: Any, _sock: Any) -> N
     return None
 
 
-def _no_delay(_client: mqtt.Client, _userdata: Any, sock: Any) -> None:
+class _Reader:
+    """paho's ``_sock_recv`` served from blocks of ``_READ_SIZE`` bytes (one ``recv()`` per block)."""
+
+    __slots__ = ("_buf", "_client", "_pos", "reads")
+
+    def __init__(self, client: mqtt.Client) -> None:
+        self._client = client
+        self._buf = b""
+        self._pos = 0
+        self.reads = 0
+        """Blocks read from the socket (it changes when a ``recv()`` returned data or end of stream)."""
+
+    def install(self) -> bool:
+        """Take over paho's socket reads; False when this paho has not the internals needed."""
+        needed = ("_sock_recv", "_sock", "_packet_queue", "_sockpairW", "loop_read", "loop_misc")
+        if not all(hasattr(self._client, name) for name in needed):
+            log.warning("this paho-mqtt lacks the internals of the fast path: paho reads and acknowledges per packet")
+            return False
+        self._client._sock_recv = self.recv  # type: ignore[method-assign, assignment]
+        return True
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf) - self._pos
+
+    def reset(self) -> None:
+        """A new socket: what the old one left is not for it."""
+        self._buf, self._pos = b"", 0
+
+    def recv(self, size: int) -> bytes:
+        buf, pos = self._buf, self._pos
+        if pos >= len(buf):
+            sock = self._client._sock
+            if sock is None:
+                raise ConnectionError("the socket is closed")
+            buf = sock.recv(_READ_SIZE)  # BlockingIOError, OSError: paho's own handling; b"": end of stream
+            self._buf, pos = buf, 0
+            self.reads += 1
+        end = pos + size
+        if end >= len(buf):  # the rest of the block (paho asks again for what is missing)
+            self._pos = len(buf)
+            return buf[pos:] if pos else buf
+        self._pos = end
+        return buf[pos:end]
+
+
+def _no_delay(sock: Any) -> None:
     """TCP_NODELAY: acknowledgements go out at once, not held back by Nagle's algorithm.
 
-    CPL-2 sends its acknowledgements in bursts, one small packet each, after a group's fsync;
-    with Nagle the second and later wait for the TCP ACK of the first, which the broker's host
-    may delay (40 ms on Linux): a stall per group.
+    Acknowledgements leave in small writes one after the other (a burst's PUBACKs, then a
+    ``stream_ack``, or the next burst's); with Nagle the second and later wait for the TCP ACK
+    of the first, which the broker's host may delay (40 ms on Linux): a stall per group with
+    CPL-2, whose acknowledgements go after each group's fsync.
     """
     if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):

@@ -14,15 +14,28 @@ everything unacknowledged (with DUP), starting at the failed event. Acknowledgin
 events would lose the failed one (an MQTT acknowledgement cannot skip a message).
 
 Stream events work the same with a (topic, log id) mark, acknowledged by ``stream_ack``.
+
+Deferred processing (the asyncio client). With ``deferred`` set, the receiver does everything
+up to the listeners (dedup, the event, the cache) and returns the event in ``Outcome.defer``
+instead of calling them: another thread processes it later and then calls ``complete(event)``,
+which is the second half of the same rule (the processed record, then the mark), before the
+acknowledgement is sent. ``already_processed(event)`` is the dedup check again, for a copy
+that arrived (after a reconnect) while the first was still waiting to be processed.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from durable_protocol import FLAG_QOS_SHIFT as _QOS_SHIFT
+from durable_protocol import FLAG_REDELIVERED as _REDELIVERED
+from durable_protocol import FLAG_REPLAYED as _REPLAYED
+from durable_protocol import FLAG_RETAINED as _RETAINED
 from durable_protocol import (
     MARKER_TOPIC,
     REPLY_TOPIC,
@@ -30,7 +43,7 @@ from durable_protocol import (
     Marker,
     ProtocolError,
     Reply,
-    decode_frame,
+    decode_frame_fields,
     decode_marker,
     decode_reply,
 )
@@ -58,10 +71,25 @@ class Outcome:
     """Send ``stream_ack`` for (topic, id)."""
     reconnect: bool = False
     """Drop the connection so the broker re-sends what is unacknowledged."""
+    defer: Event | None = None
+    """Deferred mode: process this event elsewhere, ``complete()`` it, then send the acknowledgement."""
 
 
 _IGNORE = Outcome()
 _ACK = Outcome(ack=True)
+
+
+class Handed(NamedTuple):
+    """Deferred mode: one event (or duplicate's acknowledgement, or marker) for the processing side, in
+    arrival order. ``event`` None and ``marker`` None: only acknowledge; ``marker``: the replay marker."""
+
+    event: Event | None
+    marker: Marker | None
+    mid: int
+    qos: int
+    stream_ack: tuple[str, int] | None
+    generation: int
+    """The client's connection generation when it arrived: its acknowledgement is void on another."""
 
 
 @dataclass(slots=True)
@@ -102,6 +130,11 @@ class Receiver:
         """Called once the listeners returned, before the mark and the ack (the delivery log)."""
         self._clock = clock
         self._failed = False
+        self.deferred = False
+        """Hand events back in ``Outcome.defer`` instead of calling the listeners (module docstring)."""
+        self.marks_lock = threading.Lock()
+        """Held while a mark is recorded, and by whoever resets the marks (a session lost or ended), so
+        a late completion of an event of the old session does not bring its epoch back."""
 
     @property
     def failed(self) -> bool:
@@ -157,7 +190,7 @@ class Receiver:
     # ----------------------------------------------------------- events
     def _session_event(self, message: Inbound) -> Outcome:
         try:
-            frame, payload = decode_frame(message.payload)
+            flags, epoch, seq, published_at, payload = decode_frame_fields(message.payload)
         except ProtocolError as exc:
             # Not framed: the session was a plain one before this connection's hello took effect
             # (docs/protocol.md, "Without a hello ..."). Delivered raw rather than lost.
@@ -167,42 +200,42 @@ class Receiver:
             )
             return self._raw_event(message)
         self.counters.received += 1
-        if frame.seq <= self._state.get_mark(frame.epoch):
+        if seq <= self._state.get_mark(epoch):
             self.counters.duplicates_dropped += 1
             return _ACK
         event = Event(
-            message.topic, payload, message.qos, frame.seq, frame.epoch, frame.published_at,
-            frame.replayed, frame.retained, frame.redelivered or message.dup, False,
+            message.topic, payload, message.qos, seq, epoch, published_at, bool(flags & _REPLAYED),
+            bool(flags & _RETAINED), bool(flags & _REDELIVERED) or message.dup, False,
         )
         self._cache.apply(event)
+        if self.deferred:
+            return Outcome(ack=True, defer=event)
         if not self._deliver(event, self._registry.listeners(event.topic)):
             return Outcome(reconnect=True)
-        self._processed(event)
-        self._state.record(frame.epoch, frame.seq)
-        self.counters.processed += 1
+        self.complete(event)
         return _ACK
 
     def _stream_event(self, message: Inbound, topic: str) -> Outcome:
         try:
-            frame, payload = decode_frame(message.payload)
+            flags, _epoch, seq, published_at, payload = decode_frame_fields(message.payload)
         except ProtocolError as exc:
             log.error("dropping a stream event on %s that has no valid SDK frame: %s", topic, exc.message)
             return _ACK
         self.counters.received += 1
-        if frame.seq <= self._state.position(topic):
+        if seq <= self._state.position(topic):
             self.counters.duplicates_dropped += 1
-            return Outcome(ack=True, stream_ack=(topic, frame.seq))
+            return Outcome(ack=True, stream_ack=(topic, seq))
         event = Event(
-            topic, payload, frame.qos, frame.seq, 0, frame.published_at,
-            frame.replayed, frame.retained, frame.redelivered or message.dup, True,
+            topic, payload, (flags >> _QOS_SHIFT) & 0x03, seq, 0, published_at, bool(flags & _REPLAYED),
+            bool(flags & _RETAINED), bool(flags & _REDELIVERED) or message.dup, True,
         )
         self._cache.apply(event)
+        if self.deferred:
+            return Outcome(ack=True, stream_ack=(topic, seq), defer=event)
         if not self._deliver(event, self._registry.stream_listeners(topic)):
             return Outcome(reconnect=True)
-        self._processed(event)
-        self._state.record_stream(topic, frame.seq)
-        self.counters.processed += 1
-        return Outcome(ack=True, stream_ack=(topic, frame.seq))
+        self.complete(event)
+        return Outcome(ack=True, stream_ack=(topic, seq))
 
     def _raw_event(self, message: Inbound) -> Outcome:
         """Stateless connection: no frame, no mark, no redelivery to ask for."""
@@ -212,19 +245,50 @@ class Receiver:
             False, message.retain, message.dup, False,
         )
         self._cache.apply(event)
+        if self.deferred:
+            return Outcome(ack=True, defer=event)
         for listener in self._registry.listeners(event.topic):
             try:
                 listener(event)
             except Exception:
                 log.exception("a listener raised on %s (stateless connection: the event cannot be redelivered)",
                               event.topic)
-        self._processed(event)
-        self.counters.processed += 1
+        self.complete(event)
         return _ACK
 
-    def _processed(self, event: Event) -> None:
+    # ------------------------------------------------------ processed
+    def complete(self, event: Event, *, late: bool = False) -> None:
+        """``event``'s listeners (or its deferred processing) finished: record it, then its mark.
+
+        ``late``: deferred mode, called by the thread that processed the event, maybe after the
+        network thread set up a new session; then a session event of another epoch than the
+        state's (that session is gone) leaves the marks alone.
+        """
         if self._on_processed is not None:
             self._on_processed(event)
+        if event.stream:
+            self._state.record_stream(event.topic, event.seq)
+        elif not event.seq:  # a raw event has no mark
+            pass
+        elif not late:
+            self._state.record(event.epoch, event.seq)
+        else:
+            with self.marks_lock:
+                epoch = self._state.epoch
+                if epoch is None or epoch == event.epoch:
+                    self._state.record(event.epoch, event.seq)
+        self.counters.processed += 1
+
+    def already_processed(self, event: Event) -> bool:
+        """The dedup rule again, for a deferred event about to be processed (any thread)."""
+        if event.stream:
+            return event.seq <= self._state.position(event.topic)
+        return bool(event.seq) and event.seq <= self._state.get_mark(event.epoch)
+
+    @staticmethod
+    def redeliverable(event: Event) -> bool:
+        """False for a raw event of a stateless connection: a failure cannot get it again."""
+        return event.stream or bool(event.seq)
 
     def _deliver(self, event: Event, listeners: list[Listener]) -> bool:
         for listener in listeners:

@@ -2,12 +2,21 @@
 
 It is a DurableClient underneath (one protocol and state implementation: marks, dedup,
 replay, cache, streams, persistence and reconnection are the threaded client's own); what
-changes is who processes an event. The network thread hands each event to the event loop
-and waits: ``async for event in client.events()`` gets it, and when the loop body finishes
-(the iterator is asked for the next event) the client records the event as processed and
-acknowledges it, exactly as a threaded listener returning. A body that raises, or a loop
-left with an event unfinished, asks the broker for that event again. So exactly-once
-(CPL-1, and CPL-2 across a process SIGKILL) holds as for the threaded client.
+changes is who processes an event. The network thread does everything up to the listeners
+(dedup, the cache) and hands the events to the event loop in batches, one
+``call_soon_threadsafe`` per burst of messages read, and goes on reading. ``async for event in
+client.events()`` takes them in order; when the loop body finishes an event (the iterator is
+asked for the next one) the client records it as processed (its mark, written before the next
+body starts, as the threaded client writes it before the next listener call) and its
+acknowledgement goes back to the network thread with those of the events after it, in one
+hand-over per run of events (the network thread sends them in order; with CPL-2 after the fsync
+that covers their marks). A body that raises, or a loop left with an event unfinished, asks the
+broker for that event again: the client drops the connection, the events handed over after it
+are not processed, and the broker sends them all again. So exactly-once (CPL-1, and CPL-2 across
+a process SIGKILL) holds as for the threaded client.
+
+The replay marker travels in the same queue: ``live()`` (and ``on_live``, called on the event
+loop) is signalled once every event before the marker was processed.
 
 Blocking calls of the threaded client (connect, subscribe waiting for its SUBACK, publish
 waiting for its PUBACK, close) run in a worker thread (``asyncio.to_thread``), so the event
@@ -17,34 +26,205 @@ loop never blocks.
 from __future__ import annotations
 
 import asyncio
-import threading
+import logging
 import weakref
+from collections import deque
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Final, Self
 
 from durable_protocol import Marker
 
+from ._receiver import Handed
 from .cache import LastValueCache
-from .client import DurableClient
-from .errors import DurableClientError, EventNotProcessedError, Unconnected
+from .client import Completion, DurableClient, _safe
+from .errors import DurableClientError, EventNotProcessedError
 from .events import Event, PersistenceLevel, Stats, StreamBounds
 
+log = logging.getLogger("durable_client")
+
 REQUEST_TIMEOUT = 10.0
+_BATCH: Final = 32
+"""Events gathered on the network thread before they go to the loop while more keep arriving."""
+_ACK_RUN: Final = 64
+"""Events processed before their acknowledgements go to the network thread without waiting for the
+loop to yield (with a body that never awaits, the loop yields only when it runs out of events)."""
 
 
-class _HandOff:
-    """One event on its way from the network thread to the event loop, and the verdict back."""
+class _Queue:
+    """The event loop's side: events handed over, in order, and the completions going back.
 
-    __slots__ = ("done", "event", "processed")
+    The event loop's own, but for ``inbox`` and ``idle``. The network thread appends each batch
+    to ``inbox`` and wakes the loop (``call_soon_threadsafe(wake)``) only when ``idle`` says
+    the loop would not look at the inbox on its own: while a body has an event or the iterator
+    is running, the loop takes the batches that came meanwhile when it asks for the next event,
+    without a wake-up (a thread switch) per batch.
+    """
 
-    def __init__(self, event: Event) -> None:
-        self.event = event
-        self.done = threading.Event()
-        self.processed = False
+    def __init__(self, client: DurableClient, loop: asyncio.AbstractEventLoop) -> None:
+        self._client = client
+        self._receiver = client._receiver
+        self._loop = loop
+        self._items: deque[Handed] = deque()
+        self.inbox: deque[list[Handed]] = deque()
+        self.idle = True
+        """Set by the loop when it will not take from ``inbox`` without being woken."""
+        self._waiter: asyncio.Future[None] | None = None
+        self._busy = False  # an event is with a loop body
+        self._failed = -1  # the generation whose events are not processed any more (one failed)
+        self._done: list[Completion] = []
+        self._post_scheduled = False
+        self.closed = False
 
-    def finish(self, processed: bool) -> None:
-        self.processed = processed
-        self.done.set()
+    # ------------------------------------------------------------- from the network thread
+    def wake(self) -> None:
+        """Scheduled by the network thread: take the batches, pass what needs no body, wake ``next``."""
+        self._take()
+        self._settle()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        elif not self._busy:
+            self.idle = True
+
+    def _take(self) -> None:
+        inbox = self.inbox
+        while inbox:
+            self._items.extend(inbox.popleft())
+
+    # -------------------------------------------------------------------- for EventStream
+    async def next(self) -> Handed:
+        """The next event to process (raises StopAsyncIteration once the client is closed)."""
+        receiver = self._receiver
+        self.idle = False
+        while True:
+            self._take()
+            items = self._items
+            while items and not self.closed:
+                item = items.popleft()
+                event = item.event
+                if event is None:
+                    self._resolve(item)
+                elif item.generation == self._failed:
+                    continue  # after a failed event of its connection: the broker sends it again
+                elif receiver.already_processed(event):  # a copy of one processed since it arrived
+                    receiver.counters.duplicates_dropped += 1
+                    self._ack(item)
+                else:
+                    self._busy = True
+                    return item
+            if self.closed:
+                raise StopAsyncIteration
+            self.post()
+            self.idle = True
+            if self.inbox:  # came before ``idle`` was set: the network thread did not wake the loop
+                self.idle = False
+                continue
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                self.idle = False
+
+    def finish(self, item: Handed, processed: bool) -> None:
+        """A loop body is done with ``item``'s event: record and acknowledge it, or ask for it again."""
+        self._busy = False
+        self.idle = True  # the iterator may not ask for more (the loop was left): wake-ups are needed again
+        if self.closed:  # close() came first: not recorded, it comes again
+            return
+        event = item.event
+        assert event is not None
+        if processed or not self._receiver.redeliverable(event):
+            if not processed:
+                log.error("the loop body failed on %s (stateless connection: the event cannot be redelivered)",
+                          event.topic)
+            self._receiver.complete(event, late=True)
+            self._ack(item)
+        elif item.generation != self._failed:
+            self._failed = item.generation
+            self.post()  # the events before it first
+            self._client._fail(item.generation, EventNotProcessedError(
+                f"{event.topic} (seq {event.seq}): not processed by the async loop; it comes again"
+            ))
+        self._take()
+        self._settle()
+
+    def post(self) -> None:
+        """Hand the completed acknowledgements to the network thread."""
+        self._post_scheduled = False
+        if self._done:
+            done, self._done = self._done, []
+            self._client._complete(done)
+
+    def close(self) -> None:
+        """No event is processed from now on; the acknowledgements of the processed ones go first."""
+        self.post()
+        self.closed = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # ------------------------------------------------------------------------- helpers
+    def _ack(self, item: Handed) -> None:
+        self._done.append((item.generation, item.mid, item.qos, item.stream_ack))
+        if len(self._done) >= _ACK_RUN:
+            self.post()
+        elif not self._post_scheduled:
+            self._post_scheduled = True
+            self._loop.call_soon(self.post)  # as soon as the loop yields
+
+    def _settle(self) -> None:
+        """Markers and duplicates' acknowledgements at the head need no body: pass them now."""
+        items = self._items
+        while items and not self._busy and not self.closed and items[0].event is None:
+            self._resolve(items.popleft())
+
+    def _resolve(self, item: Handed) -> None:
+        if item.generation == self._failed:
+            return
+        if item.marker is not None:
+            self.post()
+            self._client._marker_reached(item.marker)
+        else:
+            self._ack(item)
+
+
+class _Batcher:
+    """The network thread's side: gathers what it hands over and passes each burst as one batch."""
+
+    def __init__(self, client: DurableClient) -> None:
+        self._client = client
+        self._batch: list[Handed] = []
+        self.target: tuple[asyncio.AbstractEventLoop, _Queue] | None = None
+
+    def hand(self, item: Handed) -> None:
+        self._batch.append(item)
+
+    def flush(self, all_: bool) -> None:
+        """Pass the batch on: ``all_`` always (the network thread is about to wait), else once it holds
+        ``_BATCH`` items (fewer wake-ups of the loop while messages keep coming)."""
+        if not self._batch or (not all_ and len(self._batch) < _BATCH):
+            return
+        batch, self._batch = self._batch, []
+        target = self.target
+        if target is not None and not target[0].is_closed():
+            loop, queue = target
+            queue.inbox.append(batch)
+            if not queue.idle:
+                return  # the loop takes it when it asks for the next event
+            queue.idle = False  # one wake-up is enough; the loop sets it again when it needs one
+            try:
+                loop.call_soon_threadsafe(queue.wake)
+                return
+            except RuntimeError:  # the loop closed meanwhile
+                queue.inbox.clear()
+        for item in batch:
+            if item.event is not None:
+                self._client._fail(item.generation, EventNotProcessedError(
+                    "the event loop of this AsyncDurableClient is gone: the event comes again"
+                ))
+                return
 
 
 class EventStream:
@@ -63,23 +243,22 @@ class EventStream:
                     break        # "stop" is processed, and not sent again
     """
 
-    def __init__(self, inbox: asyncio.Queue[_HandOff]) -> None:
-        self._inbox = inbox
-        self._current: _HandOff | None = None
+    def __init__(self, queue: _Queue) -> None:
+        self._queue = queue
+        self._current: Handed | None = None
         # A plain ``async for`` left by break or an exception drops this object at once:
-        # its unfinished event is then released, so the network thread goes on.
-        self._released = weakref.finalize(self, _release, self.__dict__)
+        # its unfinished event is then given back (not processed), so it comes again.
+        self._released = weakref.finalize(self, _release, queue, self.__dict__)
 
     def __aiter__(self) -> Self:
         return self
 
     async def __anext__(self) -> Event:
         self._finish(processed=True)
-        while True:
-            hand_off = await self._inbox.get()
-            if not hand_off.done.is_set():  # released by close(): not acknowledged, it comes again
-                self._current = hand_off
-                return hand_off.event
+        item = await self._queue.next()
+        self._current = item
+        assert item.event is not None
+        return item.event
 
     async def __aenter__(self) -> Self:
         return self
@@ -88,17 +267,19 @@ class EventStream:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         self._finish(processed=kind is None)
+        self._queue.post()
 
     def _finish(self, processed: bool) -> None:
         current, self._current = self._current, None
         if current is not None:
-            current.finish(processed)
+            self._queue.finish(current, processed)
 
 
-def _release(state: dict[str, Any]) -> None:
+def _release(queue: _Queue, state: dict[str, Any]) -> None:
     current = state.get("_current")
     if current is not None:
-        current.finish(processed=False)
+        queue.finish(current, processed=False)
+        queue.post()
 
 
 class AsyncDurableClient:
@@ -106,9 +287,10 @@ class AsyncDurableClient:
 
     ``options`` are DurableClient's keyword options (``persistence``, ``state_dir``,
     ``session_expiry``, ``failover``, ``reconnect_*``, ``delivery_log``, the callbacks, ...);
-    callbacks other than ``on_live`` still run on the network thread. ``request_timeout``
-    bounds each blocking step (connect, a SUBACK, a PUBACK, close) as the threaded client's
-    ``timeout`` arguments do; wrap a call in ``asyncio.timeout`` to give up on it sooner.
+    ``on_live`` is called on the event loop, the other callbacks on the network thread.
+    ``request_timeout`` bounds each blocking step (connect, a SUBACK, a PUBACK, close) as the
+    threaded client's ``timeout`` arguments do; wrap a call in ``asyncio.timeout`` to give up on
+    it sooner.
     """
 
     def __init__(
@@ -123,14 +305,14 @@ class AsyncDurableClient:
         if not request_timeout > 0:
             raise ValueError(f"request_timeout must be more than 0 seconds, got {request_timeout!r}")
         self._timeout = request_timeout
-        self._user_on_live = options.pop("on_live", None)
+        self._user_on_live: Callable[[Marker], None] | None = options.pop("on_live", None)
         self._client = DurableClient(client_id, host, port, on_live=self._on_live, **options)
+        self._batcher = _Batcher(self._client)
+        self._client._defer_to(self._batcher.hand, self._batcher.flush)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbox: asyncio.Queue[_HandOff] | None = None
+        self._queue: _Queue | None = None
         self._live: asyncio.Event | None = None
         self._marker: Marker | None = None
-        self._pending: set[_HandOff] = set()
-        self._pending_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Self:
@@ -149,18 +331,17 @@ class AsyncDurableClient:
 
     async def close(self, keep_session: bool = True) -> None:
         """Disconnect for good (see DurableClient.close); an event handed over but not finished
-        is not acknowledged, so the broker sends it again to the next connection."""
-        self._release_pending()
+        is not acknowledged, so the broker sends it again to the next connection. An ``async for``
+        over ``events()`` ends."""
+        if self._queue is not None:
+            self._queue.close()
         await asyncio.to_thread(self._client.close, keep_session, self._timeout)
-        self._release_pending()
 
     # ------------------------------------------------------------------ operations
     async def subscribe(self, topic_filter: str, qos: int = 1, *, durable: bool = True) -> None:
         """Subscribe; its events arrive through ``events()`` (see DurableClient.subscribe)."""
         self._bind()
-        await asyncio.to_thread(
-            self._client.subscribe, topic_filter, qos, durable=durable, listener=self._hand_over, timeout=self._timeout
-        )
+        await asyncio.to_thread(self._client.subscribe, topic_filter, qos, durable=durable, timeout=self._timeout)
 
     async def subscribe_stream(
         self,
@@ -172,7 +353,7 @@ class AsyncDurableClient:
         """Open stream logs; their events arrive through ``events()`` (see DurableClient.subscribe_stream)."""
         self._bind()
         await asyncio.to_thread(
-            self._client.subscribe_stream, topic_filter, self._hand_over, window=window, after=after,
+            self._client.subscribe_stream, topic_filter, _through_events, window=window, after=after,
             timeout=self._timeout,
         )
 
@@ -220,45 +401,27 @@ class AsyncDurableClient:
     def stats(self) -> Stats:
         return self._client.stats
 
-    # ------------------------------------------------------------------ the network thread's side
-    def _bind(self) -> asyncio.Queue[_HandOff]:
+    # ------------------------------------------------------------------ helpers
+    def _bind(self) -> _Queue:
         """Tie the client to the running event loop (the first coroutine called decides)."""
         loop = asyncio.get_running_loop()
         if self._loop is None:
-            self._loop, self._inbox, self._live = loop, asyncio.Queue(), asyncio.Event()
+            self._loop, self._live = loop, asyncio.Event()
+            self._queue = _Queue(self._client, loop)
+            self._batcher.target = (loop, self._queue)
         elif self._loop is not loop:
             raise DurableClientError("an AsyncDurableClient is used from one event loop only")
-        assert self._inbox is not None
-        return self._inbox
-
-    def _hand_over(self, event: Event) -> None:
-        """The listener of every subscription (network thread): wait for the loop's verdict."""
-        loop, inbox = self._loop, self._inbox
-        if loop is None or inbox is None or loop.is_closed():
-            raise Unconnected("the event loop of this AsyncDurableClient is gone: the event comes again")
-        hand_off = _HandOff(event)
-        with self._pending_lock:
-            self._pending.add(hand_off)
-        try:
-            loop.call_soon_threadsafe(inbox.put_nowait, hand_off)
-            hand_off.done.wait()
-        finally:
-            with self._pending_lock:
-                self._pending.discard(hand_off)
-        if not hand_off.processed:
-            raise EventNotProcessedError(
-                f"{event.topic} (seq {event.seq}): not processed by the async loop; it comes again"
-            )
-
-    def _release_pending(self) -> None:
-        with self._pending_lock:
-            pending = list(self._pending)
-        for hand_off in pending:
-            hand_off.finish(processed=False)
+        assert self._queue is not None
+        return self._queue
 
     def _on_live(self, marker: Marker) -> None:
+        """The marker was reached (on the event loop: every event before it was processed)."""
         self._marker = marker
-        if self._loop is not None and self._live is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._live.set)
-        if self._user_on_live is not None:
-            self._user_on_live(marker)
+        if self._live is not None:
+            self._live.set()
+        _safe(self._user_on_live, marker)
+
+
+def _through_events(_event: Event) -> None:
+    """The listener of the asyncio client's stream subscriptions: never called (events go to ``events()``)."""
+    raise AssertionError("an AsyncDurableClient's events are processed by events(), not by a listener")

@@ -100,6 +100,8 @@ class LastValueCache:
     # ------------------------------------------------------- the SDK's side
     def apply(self, event: Event) -> bool:
         """Apply one event by the rules above; True when the cache changed."""
+        if event.replayed and not event.retained and not event.stream:
+            return False  # the common case of a replay, decided without the lock
         with self._lock:
             slot = self._slots.get(event.topic)
             if event.retained and not event.stream:

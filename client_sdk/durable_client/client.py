@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -29,13 +30,20 @@ from durable_protocol import CONTROL_PREFIX, CONTROL_TOPIC, MAX_STREAM_WINDOW, M
 
 from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, open_group_committed
 from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, topic_matches
-from ._receiver import Outcome, Receiver
+from ._receiver import Handed, Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
 from ._stream_acks import StreamAcks
 from .backoff import Backoff
 from .cache import LastValueCache
 from .delivery_log import DeliveryLog, reconcile
-from .errors import ConnectFailed, ControlRequestFailed, DurableClientError, RequestTimeout, Unconnected
+from .errors import (
+    ConnectFailed,
+    ControlRequestFailed,
+    DurableClientError,
+    EventNotProcessedError,
+    RequestTimeout,
+    Unconnected,
+)
 from .events import ConnectionInfo, Listener, PersistenceLevel, Stats, StreamBounds
 
 log = logging.getLogger("durable_client")
@@ -47,6 +55,9 @@ _LOOP_TIMEOUT: Final = 0.25
 _SHUTDOWN_FLUSH: Final = 1.0
 """How long the network thread tries to write DISCONNECT (and pending acks) when it stops."""
 _REQUEST_TIMEOUT: Final = 10.0
+
+Completion = tuple[int, int, int, tuple[str, int] | None]
+"""A deferred event processed (or a duplicate passed): (connection generation, packet id, QoS, stream ack)."""
 
 
 @dataclass(slots=True)
@@ -187,8 +198,22 @@ class DurableClient:
         self._ready_sent = False  # on the current connection
         self._redelivering = False  # a listener failed; nothing processed since
         self._connections = 0
+        self._init_requests_and_acks()
+
+    def _init_requests_and_acks(self) -> None:
         self._waiters: dict[int, _Waiter] = {}
         self._req_ids = itertools.count(1)
+        # PUBACKs gathered on the network thread and written as one packet per burst of messages
+        # (_flush_acks); _generation tells the packet ids of one connection from the next.
+        self._acks: list[int] = []
+        self._acks_lock, self._generation = threading.Lock(), 0
+        # Deferred processing (_defer_to, the asyncio client): events go to another thread, which
+        # completes them (marks) and hands the acknowledgements back through _completions.
+        self._hand: Callable[[Handed], None] | None = None
+        self._hand_flush: Callable[[bool], None] = _nothing
+        self._completions: deque[Completion | tuple[int, EventNotProcessedError]] = deque()
+        self._completions_lock = threading.Lock()  # one drain at a time (close() drains too): order kept
+        self._wake_sent = False
 
     # ================================================================ lifecycle
     def connect(self, timeout: float = 10.0) -> None:
@@ -224,6 +249,7 @@ class DurableClient:
                 on_message=self._handle_message,
                 on_lost=self._handle_lost,
                 on_subscribed=self._handle_subscribed,
+                on_burst=self._end_burst,
             )
         thread = threading.Thread(target=self._run, name=f"durable-client-{self.client_id}", daemon=True)
         self._thread = thread
@@ -306,7 +332,8 @@ class DurableClient:
             if not reply.ok:
                 raise ControlRequestFailed("end_session", reply.error_code or "?", reply.error_message or "")
             log.info("durable session ended: %s queued messages dropped", reply.fields.get("messages_dropped"))
-        self._state.reset()
+        with self._receiver.marks_lock:
+            self._state.reset()
 
     def __enter__(self) -> DurableClient:
         return self
@@ -570,18 +597,18 @@ class DurableClient:
                     with self._lock:
                         self._handshake_deadline = time.monotonic() + self._handshake_timeout
                 received = self._receiver.counters.received
-                acks_pending = (gate is not None and gate.pending) or self._stream_acks.pending
+                if self._completions:
+                    self._take_completions()
+                acks_pending = (gate is not None and gate.pending) or self._stream_acks.pending or self._completions
+                if not acks_pending:
+                    self._hand_flush(True)  # about to wait: what was read goes to the processing side now
                 try:
                     link.loop(0.0 if acks_pending else _LOOP_TIMEOUT)
                 except Exception:
                     log.exception("unexpected error in the network loop; reconnecting")
                     self._receiver.fail()
                     link.drop()
-                idle = self._receiver.counters.received == received
-                if gate is not None and gate.due(idle=idle):
-                    gate.flush()
-                if idle:
-                    self._stream_acks.flush()
+                self._after_pass(idle=self._receiver.counters.received == received)
                 deadline = self._handshake_deadline
                 if deadline is not None and time.monotonic() > deadline:
                     self._problem(f"no CONNACK or hello reply within {self._handshake_timeout} s")
@@ -593,6 +620,19 @@ class DurableClient:
         finally:
             if self._closed:
                 self._close_files()
+
+    def _after_pass(self, *, idle: bool) -> None:
+        """After a network pass (``idle``: it read no message): completions, then a group's end, then acks."""
+        if idle:
+            self._hand_flush(True)
+        if self._completions:
+            self._take_completions()
+        gate = self._gate
+        if gate is not None and gate.due(idle=idle):
+            gate.flush()
+        if idle:
+            self._stream_acks.flush()
+        self._flush_acks()
 
     def _problem(self, text: str) -> None:
         first = self._first
@@ -632,6 +672,7 @@ class DurableClient:
         self._stream_acks.drop()
         if self._gate is not None:
             self._gate.drop()  # nothing held may be acknowledged on a new connection
+        self._new_generation()
         with self._lock:
             self._session_present = ack.session_present
             self._ready_sent = False
@@ -692,10 +733,12 @@ class DurableClient:
                 "durable session lost (expired or ended while away): events queued for it are gone; "
                 "subscribing again"
             )
-            self._state.reset()
+            with self._receiver.marks_lock:
+                self._state.reset()
             _safe(self._on_session_lost)
         if self._durable and epoch is not None and self._state.epoch != epoch:
-            self._state.record(epoch, 0)
+            with self._receiver.marks_lock:
+                self._state.record(epoch, 0)
         with self._lock:
             if self._stop.is_set():
                 return
@@ -768,38 +811,132 @@ class DurableClient:
             log.exception("internal error handling a message on %s; reconnecting to get it again", message.topic)
             self._receiver.fail()
             outcome = Outcome(reconnect=True)
-        link = self._link_or_raise()
         if outcome.reconnect:
             self._redelivering = True
-        elif outcome.ack:
-            self._redelivering = False
-        if outcome.ack or outcome.stream_ack is not None:
-            qos = message.qos if outcome.ack else 0
-            if self._gate is not None:
-                self._gate.submit(message.mid, qos, outcome.stream_ack)  # CPL-2: after the fsync of the mark
-            else:
-                self._send_ack(message.mid, qos, outcome.stream_ack)
-        if outcome.reconnect:
-            link.drop()
+            self._flush_acks()  # the events before it (their acknowledgements go first, if the link can)
+            self._link_or_raise().drop()
+            return
+        if not (outcome.ack or outcome.stream_ack is not None):
+            return
+        qos = message.qos if outcome.ack else 0
+        hand = self._hand
+        if hand is not None and (outcome.defer is not None or qos or outcome.stream_ack is not None):
+            # Deferred: the event, or the acknowledgement of a duplicate, joins the queue of events
+            # being processed, so acknowledgements keep the arrival order.
+            hand(Handed(outcome.defer, None, message.mid, qos, outcome.stream_ack, self._generation))
+            return
+        self._redelivering = False
+        self._acknowledge(message.mid, qos, outcome.stream_ack)
+
+    def _acknowledge(self, mid: int, qos: int, stream_ack: tuple[str, int] | None) -> None:
+        if self._gate is not None:
+            self._gate.submit(mid, qos, stream_ack)  # CPL-2: after the fsync of the mark
+        else:
+            self._send_ack(mid, qos, stream_ack)
 
     def _release_held(self) -> None:
         """Sync (CPL-2) and send the acknowledgements held (at close: before the DISCONNECT)."""
+        self._take_completions()
         if self._gate is not None:
             self._gate.flush()
         if self._link is not None and self._link.socket_open:
+            self._flush_acks()
             self._stream_acks.flush()
 
     def _send_ack(self, mid: int, qos: int, stream_ack: tuple[str, int] | None) -> None:
         """PUBACK/PUBCOMP (nothing for QoS 0) of one processed message; its stream_ack joins the
-        cumulative one of its topic (_stream_acks.py)."""
-        self._link_or_raise().ack(mid, qos)
+        cumulative one of its topic (_stream_acks.py). PUBACKs wait for the end of the burst of
+        messages being read (_flush_acks): one write for all of them."""
+        if qos == 1:
+            with self._acks_lock:
+                self._acks.append(mid)
+        elif qos:
+            self._flush_acks()  # PUBCOMP after the PUBACKs before it
+            self._link_or_raise().ack(mid, qos)
         if stream_ack is not None:
             self._stream_acks.add(*stream_ack)
+
+    def _flush_acks(self) -> None:
+        """Write the gathered PUBACKs, in order, as one packet."""
+        if not self._acks:
+            return
+        with self._acks_lock:  # held while queueing: a flush from close() cannot overtake the network thread's
+            mids, self._acks = self._acks, []
+            self._link_or_raise().ack_many(mids)
+
+    def _end_burst(self) -> None:
+        """A burst of messages was parsed (network thread): send their PUBACKs, pass on deferred events
+        (once enough of them are gathered; before the thread waits for the socket, all of them)."""
+        self._hand_flush(False)
+        self._flush_acks()
+
+    def _new_generation(self) -> None:
+        """A connection began or ended: acknowledgements gathered or completed for the last one are void."""
+        with self._acks_lock:
+            self._acks = []
+            self._generation += 1
+
+    # ------------------------------------------------------------ deferred processing
+    def _defer_to(self, hand: Callable[[Handed], None], flush: Callable[[bool], None]) -> None:
+        """Process events elsewhere (the asyncio client): ``hand`` gets each event, duplicate ack and
+        marker in arrival order (network thread); ``flush(all)`` passes the batch on (``all``
+        False: only once it is large enough, the network thread reading on). The
+        processing side calls ``_receiver.complete`` per event, then ``_complete`` or ``_fail``."""
+        self._hand, self._hand_flush = hand, flush
+        self._receiver.deferred = True
+
+    def _complete(self, completions: list[Completion]) -> None:
+        """(Any thread.) Events processed, in order: acknowledge them on the network thread."""
+        self._completions.extend(completions)
+        self._wake()
+
+    def _fail(self, generation: int, error: EventNotProcessedError) -> None:
+        """(Any thread.) A deferred event was not processed: the broker must send it, and everything
+        after it, again (the same as a listener raising)."""
+        self._completions.append((generation, error))
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self._wake_sent and self._link is not None:
+            self._wake_sent = True
+            self._link.wake()
+
+    def _take_completions(self) -> None:
+        """Network thread: acknowledge what the processing side completed (this connection's only)."""
+        self._wake_sent = False
+        completions = self._completions
+        with self._completions_lock:
+            while completions:
+                item = completions.popleft()
+                if item[0] != self._generation:
+                    continue  # packet ids of a connection gone
+                if len(item) == 2:
+                    self._redelivery_asked(item[1])
+                else:
+                    self._redelivering = False
+                    self._acknowledge(item[1], item[2], item[3])
+
+    def _redelivery_asked(self, error: EventNotProcessedError) -> None:
+        if self._receiver.failed:
+            return
+        self._receiver.fail()
+        self._receiver.counters.redeliveries_requested += 1
+        self._redelivering = True
+        log.info("%s; reconnecting so the broker sends it again, and every event after it", error)
+        self._flush_acks()
+        self._link_or_raise().drop()
 
     def _send_stream_ack(self, topic: str, event_id: int) -> None:
         self._link_or_raise().publish(CONTROL_TOPIC, encode_request("stream_ack", None, topic=topic, id=event_id), 0)
 
     def _handle_marker(self, marker: Marker) -> None:
+        if self._hand is not None:  # after the events before it are processed
+            self._hand(Handed(None, marker, 0, 0, None, self._generation))
+            return
+        self._marker_reached(marker)
+
+    def _marker_reached(self, marker: Marker) -> None:
+        """Every event before the marker was processed (deferred mode: called by the processing side)."""
         if self._delivery_log is not None:
             self._delivery_log.live(marker)
         _safe(self._on_live, marker)
@@ -819,6 +956,7 @@ class DurableClient:
         self._stream_acks.drop()
         if self._gate is not None:
             self._gate.drop()  # their packet ids were of this connection; the broker sends the events again
+        self._new_generation()
         with self._lock:
             was_connected = self._connected
             self._connected = False
@@ -894,6 +1032,10 @@ class DurableClient:
                 f"the connection was lost before the reply to '{op}'; it may or may not have taken effect"
             )
         return waiter.reply
+
+
+def _nothing(_all: bool) -> None:
+    return None
 
 
 def _session_lost(*, expected: bool, session_present: bool, recorded_epoch: int | None, epoch: int | None) -> bool:

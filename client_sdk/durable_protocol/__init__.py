@@ -49,6 +49,7 @@ __all__ = [
     "Reply",
     "Request",
     "decode_frame",
+    "decode_frame_fields",
     "decode_marker",
     "decode_reply",
     "encode_error",
@@ -71,6 +72,8 @@ MAX_STREAM_WINDOW: Final = 1_000
 FRAME: Final = struct.Struct(">BBQQd")
 """version:u8 flags:u8 epoch:u64 seq:u64 published_at:f64, then the payload as published."""
 FRAME_VERSION: Final = 1
+_FRAME_SIZE: Final = FRAME.size
+_unpack_frame: Final = FRAME.unpack_from
 FLAG_REPLAYED: Final = 0x01
 """Queued before the replay marker point: a listener gets it, the cache does not."""
 FLAG_RETAINED: Final = 0x02
@@ -153,12 +156,19 @@ def encode_frame(flags: int, epoch: int, seq: int, published_at: float) -> bytes
 
 def decode_frame(data: bytes) -> tuple[Frame, bytes]:
     """Split a framed payload; ProtocolError when it is not a frame of a known version."""
-    if len(data) < FRAME.size:
+    flags, epoch, seq, published_at, payload = decode_frame_fields(data)
+    return Frame(flags, epoch, seq, published_at), payload
+
+
+def decode_frame_fields(data: bytes) -> tuple[int, int, int, float, bytes]:
+    """``decode_frame`` as plain values (flags, epoch, seq, published_at, payload), no Frame object:
+    the receiving SDK's per-event path."""
+    if len(data) < _FRAME_SIZE:
         raise ProtocolError("malformed", f"payload of {len(data)} bytes is shorter than the {FRAME.size}-byte frame")
-    version, flags, epoch, seq, published_at = FRAME.unpack_from(data)
+    version, flags, epoch, seq, published_at = _unpack_frame(data)
     if version != FRAME_VERSION:
         raise ProtocolError("unsupported_version", f"frame version {version}; this side speaks {FRAME_VERSION}")
-    return Frame(flags, epoch, seq, published_at), data[FRAME.size :]
+    return flags, epoch, seq, published_at, data[_FRAME_SIZE:]
 
 
 # --------------------------------------------------------------------- requests

@@ -99,6 +99,13 @@ class FakeLink:
         if qos > 0:  # as PahoLink: QoS 0 has nothing to acknowledge
             self.sent.append(("ack", mid))
 
+    def ack_many(self, mids: list[int]) -> None:
+        for mid in mids:
+            self.ack(mid, 1)
+
+    def wake(self) -> None:
+        self.sent.append(("wake",))
+
     def drop(self) -> None:
         self.sent.append(("drop",))
 
@@ -194,6 +201,7 @@ def lose(client: DurableClient, link: FakeLink) -> None:
 def event(client: DurableClient, topic: str, seq: int, *, epoch: int = 12, mid: int = 1, flags: int = 0) -> None:
     payload = encode_frame(flags, epoch, seq, 1.0) + b"p"
     client._handle_message(Inbound(topic, payload, 1, False, False, mid))
+    client._end_burst()  # the network loop's end of a burst: the PUBACKs gathered go out
 
 
 # ------------------------------------------------------------------- set-up
@@ -525,6 +533,7 @@ def test_stateless_client_resubscribes_everything_plainly(make: Any) -> None:
     seen: list[Event] = []
     client.subscribe("raw", listener=seen.append)
     client._handle_message(Inbound("raw", b"plain", 1, False, False, 9))
+    client._end_burst()
     assert [(e.payload, e.seq, e.epoch) for e in seen] == [(b"plain", 0, 0)]
     assert link.sent[-1] == ("ack", 9)
 

@@ -13,6 +13,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ import pytest
 from amqtt_durable.wire import decode_remaining_length
 from conftest import mqtt_packet, mqtt_string
 from durable_client import ConnectFailed, ConnectionInfo, DurableClient, Event
+from durable_client._paho import _Reader
 from durable_client.protocol import CONTROL_TOPIC, REPLY_TOPIC, Request, encode_frame, encode_reply, parse_request
 
 WAIT = 10.0
@@ -317,3 +319,26 @@ def test_cpl2_acks_go_once_the_connection_is_quiet_after_one_fsync(broker: Scrip
         assert client._state.get_mark(5) == 3
     finally:
         client.close()
+
+
+class _ChunkSocket:
+    """A non-blocking socket whose data arrives in the given chunks."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        self.chunks = list(chunks)
+
+    def recv(self, _size: int) -> bytes:
+        if not self.chunks:
+            raise BlockingIOError
+        return self.chunks.pop(0)
+
+
+def test_the_reader_serves_paho_reads_from_blocks_and_a_read_past_a_block_is_short() -> None:
+    reader = _Reader(SimpleNamespace(_sock=_ChunkSocket(b"abc", b"defg")))  # type: ignore[arg-type]
+    assert reader.recv(1) == b"a" and reader.buffered == 2
+    assert reader.recv(5) == b"bc" and reader.buffered == 0, "the rest of the block; paho asks again"
+    assert reader.recv(3) == b"def" and (reader.buffered, reader.reads) == (1, 2)
+    assert reader.recv(1) == b"g"
+    with pytest.raises(BlockingIOError):
+        reader.recv(1)
+    assert reader.buffered == 0 and reader.reads == 2
