@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 AckKind = Literal["puback", "pubrec", "pubcomp"]
 READ_CHUNK = 512
+READ_FIRST = 64
+"""A pump with a window of REFILL_CHUNKED_FROM or more reads this many entries first (the first
+message goes out sooner), then READ_CHUNK at a time."""
 LIVE_BUFFER = 1024
 REFILL_CHUNKED_FROM = 32
 READ_DECISIONS_KEPT = 10_000
@@ -120,6 +123,7 @@ class Pump:
         # where that saves little, refill one by one.
         self.refill = window // 4 if window >= REFILL_CHUNKED_FROM else 1
         self._refilling = False
+        self._read_size = READ_FIRST if window >= REFILL_CHUNKED_FROM else READ_CHUNK
         self.inflight: dict[int, Outgoing] = {}
         self.buffer: deque[Outgoing] = deque()
         self.next_fill_seq = session.head_seq
@@ -282,7 +286,8 @@ class Pump:
         tail = self.session.committed_tail
         if self.next_fill_seq > tail:
             return
-        entries, last_read = self.session.read_entries(self.next_fill_seq, tail, READ_CHUNK)
+        entries, last_read = self.session.read_entries(self.next_fill_seq, tail, self._read_size)
+        self._read_size = READ_CHUNK
         self._read_failures = 0
         inflight = self.inflight
         append = self.buffer.append

@@ -236,12 +236,11 @@ class DurableSession:
         committer = engine.committer
         sid = self.sid
         erase_entries(committer, sid, [entry.seq for entry in entries])
+        engine.release_bodies(entries)
         add = engine.removing.add
-        release = engine.release_body
         size = 0
         for entry in entries:
             add((sid, entry.seq))
-            release(entry)
             size += entry.size
         self.depth -= len(entries)
         self.bytes -= size

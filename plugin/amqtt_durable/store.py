@@ -618,6 +618,13 @@ def erase_body(w: Writes, msg_id: int) -> None:
     w.delete(body_key(msg_id))
 
 
+def erase_bodies(w: Writes, msg_ids: list[int]) -> None:
+    delete = w.delete
+    pack = _U64.pack
+    for msg_id in msg_ids:
+        delete(b"m" + pack(msg_id))  # body_key, inlined
+
+
 def write_refs(w: Writes, msg_id: int, refs: int) -> None:
     w.put(refs_key(msg_id), encode_refs(refs))
 
