@@ -587,11 +587,18 @@ def erase_entry(w: Writes, sid: int, seq: int) -> None:
 
 
 def erase_entries(w: Writes, sid: int, seqs: list[int]) -> None:
-    delete = w.delete
     prefix = queue_prefix(sid)
     pack = _U64.pack
-    for seq in seqs:
-        delete(prefix + pack(seq))
+    _delete_all(w, [prefix + pack(seq) for seq in seqs])  # entry_key, inlined
+
+
+def _delete_all(w: Writes, keys: list[bytes]) -> None:
+    delete_many = getattr(w, "delete_many", None)  # the committer's: one call for a run
+    if delete_many is not None:
+        delete_many(keys)
+        return
+    for key in keys:
+        w.delete(key)
 
 
 def write_sent_mark(w: Writes, sid: int, mark: int) -> None:
@@ -619,10 +626,8 @@ def erase_body(w: Writes, msg_id: int) -> None:
 
 
 def erase_bodies(w: Writes, msg_ids: list[int]) -> None:
-    delete = w.delete
     pack = _U64.pack
-    for msg_id in msg_ids:
-        delete(b"m" + pack(msg_id))  # body_key, inlined
+    _delete_all(w, [b"m" + pack(msg_id) for msg_id in msg_ids])  # body_key, inlined
 
 
 def write_refs(w: Writes, msg_id: int, refs: int) -> None:
@@ -893,6 +898,9 @@ class GroupCommitter:
 
     def delete(self, key: bytes) -> None:
         self._ops.append((key, None))
+
+    def delete_many(self, keys: list[bytes]) -> None:
+        self._ops.extend([(key, None) for key in keys])
 
     def flush_soon(self, units: int = 1) -> None:
         """Make sure what was added gets written, without waiting for it (acks, bookkeeping);
