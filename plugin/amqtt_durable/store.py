@@ -668,28 +668,28 @@ def read_bodies(db: Any, msg_ids: list[int]) -> dict[int, Body]:
     if not msg_ids:
         return {}
     wanted = set(msg_ids)
-    raws: dict[int, bytes] = {}
+    raws: list[tuple[int, bytes]] = []
     low, high = msg_ids[0], msg_ids[-1]
     if low > high:
         low, high = min(wanted), max(wanted)
     if high - low < DENSE_SPAN * len(wanted):
         unpack_id = _U64.unpack_from
-        rows = db.iterator(start=body_key(low), stop=body_key(high + 1), verify_checksums=True)
-        for key, raw in rows:
+        keep = raws.append
+        for key, raw in db.iterator(start=body_key(low), stop=body_key(high + 1), verify_checksums=True):
             msg_id = unpack_id(key, 1)[0]
             if msg_id in wanted:
-                raws[msg_id] = raw
+                keep((msg_id, raw))
     else:
         get = db.get
         for msg_id in wanted:
             raw = get(body_key(msg_id), verify_checksums=True)
             if raw is not None:
-                raws[msg_id] = raw
+                raws.append((msg_id, raw))
     head = _BODY_HEAD.unpack_from
     start = _BODY_HEAD.size
     topics: dict[bytes, str] = {}
     bodies: dict[int, Body] = {}
-    for msg_id, raw in raws.items():
+    for msg_id, raw in raws:
         published_at, qos, topic_len = head(raw)
         end = start + topic_len
         topic_raw = raw[start:end]

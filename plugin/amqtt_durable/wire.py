@@ -243,7 +243,18 @@ class PacketReader:
         size = len(buf)
         need = 0
         while size - pos >= 2:
-            # decode_remaining_length, inlined (this loop runs per PUBACK of a replay)
+            length = buf[pos + 1]
+            if length < 0x80:  # a one-byte remaining length (every ack): no loop
+                end = pos + 2 + length
+                if end > size:
+                    need = end - pos
+                    break
+                if max_size is not None and length > max_size:
+                    raise PacketTooLargeError(length, max_size)
+                append((buf[pos], buf[pos + 2 : end]))
+                pos = end
+                continue
+            # decode_remaining_length, inlined
             start = pos + 1
             length = shift = 0
             byte = 0x80
