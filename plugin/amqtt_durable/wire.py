@@ -245,30 +245,12 @@ class PacketReader:
         while size - pos >= 2:
             length = buf[pos + 1]
             if length < 0x80:  # a one-byte remaining length (every ack): no loop
-                end = pos + 2 + length
-                if end > size:
-                    need = end - pos
+                start = pos + 2
+            else:
+                header = decode_remaining_length(buf, pos + 1)
+                if header is None:  # the length field itself is cut off
                     break
-                if max_size is not None and length > max_size:
-                    raise PacketTooLargeError(length, max_size)
-                append((buf[pos], buf[pos + 2 : end]))
-                pos = end
-                continue
-            # decode_remaining_length, inlined
-            start = pos + 1
-            length = shift = 0
-            byte = 0x80
-            while start < size:
-                byte = buf[start]
-                start += 1
-                length |= (byte & 0x7F) << shift
-                if byte < 0x80:
-                    break
-                shift += 7
-                if shift > 21:
-                    raise ProtocolViolationError(REMAINING_LENGTH_TOO_LONG)
-            if byte >= 0x80:  # the length field itself is cut off
-                break
+                length, start = header
             if max_size is not None and length > max_size:
                 raise PacketTooLargeError(length, max_size)
             end = start + length
