@@ -391,7 +391,8 @@ class HandlerTransport:
 
     def __init__(self, handler: Any) -> None:
         self._handler = handler  # its writer is attached after CONNECT is read
-        self._expected: dict[tuple[AckKind, int], Callable[[], None]] = {}
+        self._expected: dict[AckKind, dict[int, Callable[[], None]]] = {"puback": {}, "pubrec": {}, "pubcomp": {}}
+        """Per kind of ack, by packet id (no key tuple to build and hash per ack)."""
         self.ack_runs: AckRuns | None = None
         """The pump of this connection, told where a run of acks (take_acks) begins and ends."""
         self._pending: list[bytes] = []
@@ -435,7 +436,7 @@ class HandlerTransport:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def expect_ack(self, kind: AckKind, packet_id: int, on_ack: Callable[[], None]) -> None:
-        self._expected[(kind, packet_id)] = on_ack
+        self._expected[kind][packet_id] = on_ack
 
     async def end(self) -> None:
         """End this connection as amqtt's own take-over does (MQTT-3.1.4-2): its message loop sees
@@ -444,7 +445,7 @@ class HandlerTransport:
 
     def take_ack(self, kind: AckKind, packet_id: int) -> bool:
         """True when the ack was for a message the pump sent (and it has been handled)."""
-        on_ack = self._expected.pop((kind, packet_id), None)
+        on_ack = self._expected[kind].pop(packet_id, None)
         if on_ack is None:
             return False
         on_ack()
@@ -453,14 +454,14 @@ class HandlerTransport:
     def take_acks(self, kind: AckKind, packet_ids: list[int]) -> list[int]:
         """take_ack for a run of acks read together, handled by the pump as one run (one removal of
         their entries); returns the packet ids that were not for a message the pump sent, in order."""
-        expected = self._expected
+        expected = self._expected[kind]
         others: list[int] = []
         runs = self.ack_runs
         if runs is not None:
             runs.begin_ack_run()
         try:
             for packet_id in packet_ids:
-                on_ack = expected.pop((kind, packet_id), None)
+                on_ack = expected.pop(packet_id, None)
                 if on_ack is None:
                     others.append(packet_id)
                 else:
