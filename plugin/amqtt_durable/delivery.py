@@ -41,9 +41,9 @@ log = logging.getLogger(__name__)
 
 AckKind = Literal["puback", "pubrec", "pubcomp"]
 READ_CHUNK = 512
-READ_FIRST = 64
+READ_FIRST = 16
 """A pump with a window of REFILL_CHUNKED_FROM or more reads this many entries first (the first
-message goes out sooner), then READ_CHUNK at a time."""
+message goes out sooner), then 8 times more per read up to READ_CHUNK (16, 128, 512)."""
 LIVE_BUFFER = 1024
 REFILL_CHUNKED_FROM = 32
 READ_DECISIONS_KEPT = 10_000
@@ -287,7 +287,7 @@ class Pump:
         if self.next_fill_seq > tail:
             return
         entries, last_read = self.session.read_entries(self.next_fill_seq, tail, self._read_size)
-        self._read_size = READ_CHUNK
+        self._read_size = min(READ_CHUNK, self._read_size * 8)
         self._read_failures = 0
         inflight = self.inflight
         append = self.buffer.append
