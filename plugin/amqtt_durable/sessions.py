@@ -79,6 +79,16 @@ class PendingRemovals:
     def __bool__(self) -> bool:
         return bool(self._open or self._writing)
 
+    def add_run(self, sid: int, seqs: list[int]) -> None:
+        self._open.update([(sid, seq) for seq in seqs])
+
+    def absent(self, sid: int, entries: list[Entry]) -> list[Entry]:
+        """The entries of session ``sid`` not removed in memory (a run read from the store)."""
+        if not (self._open or self._writing):
+            return entries
+        pending, writing = self._open, self._writing
+        return [entry for entry in entries if (key := (sid, entry.seq)) not in pending and key not in writing]
+
     def seal(self) -> None:
         self._writing |= self._open
         self._open = set()
@@ -149,9 +159,7 @@ class DurableSession:
         if damage is not None and not entries:
             raise StoreReadError(self.client_id, start - 1, leveldb_detail(damage)) from damage
         cut = damage is not None or len(entries) >= limit
-        removing = self.engine.removing
-        sid = self.sid
-        kept = [entry for entry in entries if (sid, entry.seq) not in removing] if removing else entries
+        kept = self.engine.removing.absent(self.sid, entries)
         try:
             bodies = read_bodies(db, [entry.msg_id for entry in kept])
         except (plyvel.Error, ValueError, struct.error):
@@ -234,13 +242,12 @@ class DurableSession:
             return
         engine = self.engine
         committer = engine.committer
-        sid = self.sid
-        erase_entries(committer, sid, [entry.seq for entry in entries])
+        seqs = [entry.seq for entry in entries]
+        erase_entries(committer, self.sid, seqs)
         engine.release_bodies(entries)
-        add = engine.removing.add
+        engine.removing.add_run(self.sid, seqs)
         size = 0
         for entry in entries:
-            add((sid, entry.seq))
             size += entry.size
         self.depth -= len(entries)
         self.bytes -= size

@@ -16,6 +16,7 @@ import pytest
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import PacketTooLargeError, ProtocolViolationError
+from amqtt_durable.sessions import PendingRemovals
 from amqtt_durable.store import FLAG_SHARED, Body, Entry, body_key, read_bodies, read_entry_run, write_body, write_entry
 from amqtt_durable.wire import (
     PacketReader,
@@ -278,3 +279,18 @@ def test_shared_bodies_stay_until_the_last_session_acknowledges_them(tmp_path: P
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_pending_removals_of_a_run_hide_entries_until_written() -> None:
+    removals = PendingRemovals()
+    entries = [Entry(seq, seq, 1, 0, 1) for seq in range(1, 7)]
+    assert removals.absent(1, entries) is entries, "nothing pending: the run as read"
+    removals.add_run(1, [2, 3])
+    removals.add((1, 5))
+    assert [e.seq for e in removals.absent(1, entries)] == [1, 4, 6]
+    assert removals.absent(2, entries) == entries, "another session's seqs are not these"
+    removals.seal()
+    removals.add_run(1, [6])
+    assert [e.seq for e in removals.absent(1, entries)] == [1, 4], "sealed and open both hide"
+    removals.written()
+    assert [e.seq for e in removals.absent(1, entries)] == [1, 2, 3, 4, 5]
