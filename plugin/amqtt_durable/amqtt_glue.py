@@ -116,7 +116,7 @@ from durable_protocol import CONTROL_PREFIX
 
 from .config import DurableConfig
 from .control import ControlChannel
-from .delivery import AckKind, ReadAccess
+from .delivery import AckKind, AckRuns, ReadAccess
 from .engine import DurableEngine, ExpiredSession, StoreHealth
 from .errors import (
     DurableError,
@@ -134,7 +134,7 @@ from .replication.node import ReplicationNode
 from .replication.primary import Primary
 from .stream_sender import StreamSender
 from .topics import SubscriptionIndex, filter_is_valid, matches, topic_problem
-from .wire import encode_puback, encode_pubcomp, read_packet
+from .wire import PacketReader, encode_puback, encode_pubcomp
 
 log = logging.getLogger("amqtt_durable")
 
@@ -184,6 +184,8 @@ _HANDLER_INTERNALS = (
 )
 
 _ACK_KINDS: dict[int, AckKind] = {PUBACK: "puback", PUBREC: "pubrec", PUBCOMP: "pubcomp"}
+READ_SIZE = 1 << 16
+"""Bytes FastReader asks the socket for at a time."""
 _HANDLERS = {
     CONNACK: "handle_connack",
     SUBSCRIBE: "handle_subscribe",
@@ -424,7 +426,10 @@ class HandlerTransport:
 
     def __init__(self, handler: Any) -> None:
         self._handler = handler  # its writer is attached after CONNECT is read
-        self._expected: dict[tuple[AckKind, int], Callable[[], None]] = {}
+        self._expected: dict[AckKind, dict[int, Callable[[], None]]] = {"puback": {}, "pubrec": {}, "pubcomp": {}}
+        """Per kind of ack, by packet id (no key tuple to build and hash per ack)."""
+        self.ack_runs: AckRuns | None = None
+        """The pump of this connection, told where a run of acks (take_acks) begins and ends."""
         self._pending: list[bytes] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -466,7 +471,7 @@ class HandlerTransport:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def expect_ack(self, kind: AckKind, packet_id: int, on_ack: Callable[[], None]) -> None:
-        self._expected[(kind, packet_id)] = on_ack
+        self._expected[kind][packet_id] = on_ack
 
     async def end(self) -> None:
         """End this connection as amqtt's own take-over does (MQTT-3.1.4-2): its message loop sees
@@ -475,11 +480,31 @@ class HandlerTransport:
 
     def take_ack(self, kind: AckKind, packet_id: int) -> bool:
         """True when the ack was for a message the pump sent (and it has been handled)."""
-        on_ack = self._expected.pop((kind, packet_id), None)
+        on_ack = self._expected[kind].pop(packet_id, None)
         if on_ack is None:
             return False
         on_ack()
         return True
+
+    def take_acks(self, kind: AckKind, packet_ids: list[int]) -> list[int]:
+        """take_ack for a run of acks read together, handled by the pump as one run (one removal of
+        their entries); returns the packet ids that were not for a message the pump sent, in order."""
+        expected = self._expected[kind]
+        others: list[int] = []
+        runs = self.ack_runs
+        if runs is not None:
+            runs.begin_ack_run()
+        try:
+            for packet_id in packet_ids:
+                on_ack = expected.pop(packet_id, None)
+                if on_ack is None:
+                    others.append(packet_id)
+                else:
+                    on_ack()
+        finally:
+            if runs is not None:
+                runs.end_ack_run()
+        return others
 
 
 class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  # amqtt ships no type info
@@ -1430,6 +1455,18 @@ class OrderedAcks:
         await self._transport.end()
 
 
+async def _read_some(stream: asyncio.StreamReader, idle: float | None) -> bytes | None:
+    """Whatever the socket has received, up to READ_SIZE (b"": EOF); every packet it completes is
+    handled before the next read, so a replay's PUBACKs, arriving back to back, make one run.
+    Waiting for bytes not yet received is bounded by ``idle``: None when it passed without any."""
+    if idle is None or stream._buffer:  # type: ignore[attr-defined]
+        return await stream.read(READ_SIZE)
+    try:
+        return await asyncio.wait_for(stream.read(READ_SIZE), idle)
+    except TimeoutError:
+        return None
+
+
 class FastReader:
     """A reader loop for TCP connections that handles the message path without a task per packet.
 
@@ -1481,6 +1518,42 @@ class FastReader:
         kind = _ACK_KINDS.get(packet_type)
         if kind is not None and len(body) == 2 and self._transport.take_ack(kind, int.from_bytes(body, "big")):
             return
+        await self._to_amqtt(packet_type, flags, body)
+
+    async def _dispatch_all(self, packets: list[tuple[int, bytes]]) -> None:
+        """The packets of one read, in order; runs of acks of one kind go to the pump together."""
+        acks: list[int] = []
+        ack_first = 0
+        for first, body in packets:
+            if first == ack_first and len(body) == 2:
+                acks.append((body[0] << 8) | body[1])
+                continue
+            if acks:
+                await self._take_acks(ack_first, acks)
+                acks = []
+            kind = _ACK_KINDS.get(first >> 4)
+            if kind is not None and not first & 0x0F and len(body) == 2:  # flags as MQTT-2.2.2-1 has them
+                ack_first = first
+                acks.append((body[0] << 8) | body[1])
+                continue
+            ack_first = 0
+            try:
+                await self._dispatch(first, body)
+            except (MQTTError, AMQTTError) as exc:
+                log.warning("%s: packet discarded: %s", self._session.client_id, exc)
+        if acks:
+            await self._take_acks(ack_first, acks)
+
+    async def _take_acks(self, first: int, packet_ids: list[int]) -> None:
+        """A run of acks of one kind (``first`` their first byte); those not for the pump go to amqtt."""
+        for packet_id in self._transport.take_acks(_ACK_KINDS[first >> 4], packet_ids):
+            try:
+                await self._to_amqtt(first >> 4, first & 0x0F, packet_id.to_bytes(2, "big"))
+            except (MQTTError, AMQTTError) as exc:
+                log.warning("%s: packet discarded: %s", self._session.client_id, exc)
+
+    async def _to_amqtt(self, packet_type: int, flags: int, body: bytes) -> None:
+        """A packet the inline paths do not take: decoded by amqtt's classes and handled as amqtt does."""
         handler = self._handler
         if packet_type in (RESERVED_0, RESERVED_15):
             log.warning("%s sent a reserved packet type: closing the connection", self._session.client_id)
@@ -1494,6 +1567,23 @@ class FastReader:
         method = _HANDLERS.get(packet_type)
         if method is not None:
             self._running.append(asyncio.create_task(getattr(handler, method)(packet)))
+
+    async def _read_loop(self, stream: asyncio.StreamReader, keepalive: float | None) -> None:
+        """Read and handle packets until EOF or ``keepalive`` seconds of silence."""
+        running = self._running
+        framing = PacketReader(self._max_packet_size)
+        while True:
+            while running and running[0].done():
+                running.popleft()
+            data = await _read_some(stream, keepalive)
+            if data is None:
+                log.info("%s: nothing received for 1.5 keep-alive periods: disconnecting", self._session.client_id)
+                return
+            if not data:
+                return  # EOF
+            packets = framing.feed(data)
+            if packets:
+                await self._dispatch_all(packets)
 
     async def run(self) -> None:
         handler = self._handler
@@ -1512,17 +1602,7 @@ class FastReader:
         running = self._running
         handler._reader_ready.set()
         try:
-            while True:
-                while running and running[0].done():
-                    running.popleft()
-                packet = await read_packet(stream, max_size=self._max_packet_size, idle=keepalive)
-                if packet is None:
-                    log.info("%s: nothing received for 1.5 keep-alive periods: disconnecting", self._session.client_id)
-                    break
-                try:
-                    await self._dispatch(*packet)
-                except (MQTTError, AMQTTError) as exc:
-                    log.warning("%s: packet discarded: %s", self._session.client_id, exc)
+            await self._read_loop(stream, keepalive)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass  # EOF, reset or stop: the connection is over
         except ProtocolViolationError as exc:

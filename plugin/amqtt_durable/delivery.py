@@ -17,6 +17,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from durable_protocol import (
@@ -31,7 +32,7 @@ from durable_protocol import (
 
 from .errors import StoreReadError
 from .store import FLAG_RELEASED, FLAG_RETAIN, Body, Entry
-from .wire import encode_publish, encode_pubrel, packet_id_for
+from .wire import PublishRun, encode_publish, encode_pubrel, packet_id_for
 
 if TYPE_CHECKING:
     from .sessions import DurableSession
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 AckKind = Literal["puback", "pubrec", "pubcomp"]
 READ_CHUNK = 512
+READ_FIRST = 16
+"""A pump with a window of REFILL_CHUNKED_FROM or more reads this many entries first (the first
+message goes out sooner), then 8 times more per read up to READ_CHUNK (16, 128, 512)."""
 LIVE_BUFFER = 1024
 REFILL_CHUNKED_FROM = 32
 READ_DECISIONS_KEPT = 10_000
@@ -79,11 +83,18 @@ class ReadAccess:
         return known
 
 
+class AckRuns(Protocol):
+    """What a transport that hands over acks in runs (many PUBACKs read at once) calls around a run."""
+
+    def begin_ack_run(self) -> None: ...
+
+    def end_ack_run(self) -> None: ...
+
+
 @dataclass(slots=True)
 class Outgoing:
     entry: Entry
     body: Body
-    topic_bytes: bytes
 
 
 class Pump:
@@ -112,6 +123,7 @@ class Pump:
         # where that saves little, refill one by one.
         self.refill = window // 4 if window >= REFILL_CHUNKED_FROM else 1
         self._refilling = False
+        self._read_size = READ_FIRST if window >= REFILL_CHUNKED_FROM else READ_CHUNK
         self.inflight: dict[int, Outgoing] = {}
         self.buffer: deque[Outgoing] = deque()
         self.next_fill_seq = session.head_seq
@@ -127,6 +139,22 @@ class Pump:
         self._replayed_first: int | None = None
         self._replayed_last: int | None = None
         self._read_failures = 0
+        self._ack_run: list[Entry] | None = None
+        """While a transport hands over a run of acks: the acknowledged entries, removed at its end."""
+        self._publishes = PublishRun()
+        if hasattr(transport, "ack_runs"):  # the glue's transport: acks come in runs (see AckRuns)
+            setattr(transport, "ack_runs", self)  # noqa: B010  # not part of the Transport protocol
+
+    def begin_ack_run(self) -> None:
+        """Acks that come until end_ack_run are one run: their entries leave the store in one go."""
+        if self._ack_run is None:
+            self._ack_run = []
+
+    def end_ack_run(self) -> None:
+        run, self._ack_run = self._ack_run, None
+        if run:
+            self.session.remove_entries(run)
+            self._wake.set()
 
     def become_sdk(self) -> None:
         """hello on this connection: frames from now on, and nothing more until ready."""
@@ -146,6 +174,7 @@ class Pump:
     async def stop(self) -> None:
         """Stop sending; acks arriving later are ignored, so unacked entries go out again on the
         session's current connection (DUP-flagged) instead of being removed twice."""
+        self.end_ack_run()  # acks already taken still count
         self._stopped = True
         self.inflight.clear()
         self._wake.set()
@@ -174,7 +203,7 @@ class Pump:
     def offer_live(self, entry: Entry, body: Body) -> None:
         """A just-committed entry: keep it in memory if it is next in line, else it is read later."""
         if entry.seq == self.next_fill_seq and len(self.buffer) < LIVE_BUFFER:
-            self.buffer.append(Outgoing(entry, body, body.topic.encode("utf-8")))
+            self.buffer.append(Outgoing(entry, body))
             self.next_fill_seq = entry.seq + 1
         self._wake.set()
 
@@ -257,11 +286,14 @@ class Pump:
         tail = self.session.committed_tail
         if self.next_fill_seq > tail:
             return
-        entries, last_read = self.session.read_entries(self.next_fill_seq, tail, READ_CHUNK)
+        entries, last_read = self.session.read_entries(self.next_fill_seq, tail, self._read_size)
+        self._read_size = min(READ_CHUNK, self._read_size * 8)
         self._read_failures = 0
+        inflight = self.inflight
+        append = self.buffer.append
         for entry, body in entries:
-            if entry.seq not in self.inflight:
-                self.buffer.append(Outgoing(entry, body, body.topic.encode("utf-8")))
+            if entry.seq not in inflight:
+                append(Outgoing(entry, body))
         self.next_fill_seq = tail + 1 if last_read is None else last_read + 1
 
     def _take_sendable(self) -> list[Outgoing]:
@@ -331,35 +363,41 @@ class Pump:
             if self._stopped or self.transport.closed:
                 self.buffer.extendleft(reversed(batch))
                 return
-        chunks: list[bytes] = []
+        run = self._publishes
+        add = run.add
+        inflight = self.inflight
+        expect_ack = self.transport.expect_ack
+        acked = self._acked
+        framed = self.framed
+        sent_max = session.sent_max
+        replay_upto = session.replay_upto
         replayed = 0
+        qos0: list[Entry] = []
         for item in batch:
             entry = item.entry
-            dup = entry.seq <= session.sent_max and entry.qos > 0
-            if entry.seq <= session.replay_upto:
+            seq = entry.seq
+            qos = entry.qos
+            dup = qos > 0 and seq <= sent_max
+            if seq <= replay_upto:
                 replayed += 1
-            packet_id = packet_id_for(entry.seq)
-            if entry.qos and entry.flags & FLAG_RELEASED:
-                chunks.append(encode_pubrel(packet_id))
+            packet_id = seq % 65535 + 1  # packet_id_for, inlined
+            if qos and entry.flags & FLAG_RELEASED:
+                run.add_raw(encode_pubrel(packet_id))
             else:
-                chunks.append(
-                    encode_publish(
-                        item.topic_bytes,
-                        self._payload(item, dup),
-                        entry.qos,
-                        packet_id,
-                        dup=dup,
-                        retain=bool(entry.flags & FLAG_RETAIN),
-                    )
-                )
-            if entry.qos:
-                self.inflight[entry.seq] = item
+                payload = self._payload(item, dup) if framed else item.body.payload
+                add(item.body.topic, payload, qos, packet_id, dup=dup, retain=bool(entry.flags & FLAG_RETAIN))
+            if qos == 1:
+                inflight[seq] = item
+                expect_ack("puback", packet_id, partial(acked, seq))
+            elif qos:
+                inflight[seq] = item
                 self._expect(item)
-            session.sent_max = max(session.sent_max, entry.seq)
-        self.transport.write(b"".join(chunks))
-        for item in batch:
-            if not item.entry.qos:
-                session.remove_entry(item.entry)
+            else:
+                qos0.append(entry)
+        session.sent_max = max(sent_max, highest)
+        self.transport.write(run.take())
+        for entry in qos0:
+            session.remove_entry(entry)
         self._on_sent(len(batch), replayed)
         await self.transport.drain()
 
@@ -386,6 +424,9 @@ class Pump:
     def _acked(self, seq: int) -> None:
         item = self.inflight.pop(seq, None)
         if item is None or self._stopped:
+            return
+        if self._ack_run is not None:
+            self._ack_run.append(item.entry)
             return
         self.session.remove_entry(item.entry)
         self._wake.set()

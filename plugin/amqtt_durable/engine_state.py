@@ -21,6 +21,7 @@ from .store import (
     FLAG_SHARED,
     Entry,
     GroupCommitter,
+    erase_bodies,
     erase_body,
     erase_refs,
     read_refs,
@@ -118,6 +119,17 @@ class EngineState:
         self._refs.pop(msg_id, None)
         erase_body(self.committer, msg_id)
         erase_refs(self.committer, msg_id)
+
+
+    def release_bodies(self, entries: list[Entry]) -> None:
+        """release_body for a run of entries: the bodies of unshared messages are deleted in one go."""
+        unshared: list[int] = []
+        for entry in entries:
+            if entry.flags & FLAG_SHARED:
+                self.release_body(entry)
+            else:
+                unshared.append(entry.msg_id)
+        erase_bodies(self.committer, unshared)
 
 
     def totals_changed(self, session: DurableSession) -> None:

@@ -27,10 +27,13 @@ from .store import (
     Body,
     Entry,
     SessionRecord,
+    erase_entries,
     erase_entry,
     iter_entries,
     leveldb_detail,
+    read_bodies,
     read_body,
+    read_entry_run,
     write_entry,
     write_sent_mark,
 )
@@ -72,6 +75,19 @@ class PendingRemovals:
 
     def __contains__(self, key: object) -> bool:
         return key in self._open or key in self._writing
+
+    def __bool__(self) -> bool:
+        return bool(self._open or self._writing)
+
+    def add_run(self, sid: int, seqs: list[int]) -> None:
+        self._open.update([(sid, seq) for seq in seqs])
+
+    def absent(self, sid: int, entries: list[Entry]) -> list[Entry]:
+        """The entries of session ``sid`` not removed in memory (a run read from the store)."""
+        if not (self._open or self._writing):
+            return entries
+        pending, writing = self._open, self._writing
+        return [entry for entry in entries if (key := (sid, entry.seq)) not in pending and key not in writing]
 
     def seal(self) -> None:
         self._writing |= self._open
@@ -139,30 +155,51 @@ class DurableSession:
         db = self.engine.db
         if db.closed:  # a retry after a failed write closed it and could not open it again (yet)
             raise StoreReadError(self.client_id, start - 1, "the store is closed until a write retry reopens it")
+        entries, damage = read_entry_run(db, self.sid, start, tail, limit)
+        if damage is not None and not entries:
+            raise StoreReadError(self.client_id, start - 1, leveldb_detail(damage)) from damage
+        cut = damage is not None or len(entries) >= limit
+        kept = self.engine.removing.absent(self.sid, entries)
+        try:
+            bodies = read_bodies(db, [entry.msg_id for entry in kept])
+        except (plyvel.Error, ValueError, struct.error):
+            return self._read_entry_by_entry(entries, start, cut)
+        out: list[tuple[Entry, Body]] = []
+        for entry in kept:
+            body = bodies.get(entry.msg_id)
+            if body is None:
+                self._bodiless(entry)
+            else:
+                out.append((entry, body))
+        return out, (entries[-1].seq if cut else None)
+
+    def _bodiless(self, entry: Entry) -> None:
+        log.error("session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq)
+        self.remove_entry(entry)
+
+    def _read_entry_by_entry(
+        self, entries: list[Entry], start: int, cut: bool
+    ) -> tuple[list[tuple[Entry, Body]], int | None]:
+        """read_entries' body reads one by one, after the run's read met damage: what came before the
+        damaged body is returned (cut short there); damage at the first raises StoreReadError."""
+        db = self.engine.db
         removing = self.engine.removing
         out: list[tuple[Entry, Body]] = []
-        looked = 0
         last_seq_looked: int | None = None
-        try:
-            for entry in iter_entries(db, self.sid, start, limit):
-                if entry.seq > tail:
-                    return out, None
-                looked += 1
-                if (self.sid, entry.seq) not in removing:
+        for entry in entries:
+            if (self.sid, entry.seq) not in removing:
+                try:
                     body = read_body(db, entry.msg_id)
-                    if body is None:
-                        log.error(
-                            "session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq
-                        )
-                        self.remove_entry(entry)
-                    else:
-                        out.append((entry, body))
-                last_seq_looked = entry.seq
-        except (plyvel.Error, ValueError, struct.error) as exc:
-            if last_seq_looked is None:
-                raise StoreReadError(self.client_id, start - 1, leveldb_detail(exc)) from exc
-            return out, last_seq_looked
-        return out, (last_seq_looked if looked >= limit else None)
+                except (plyvel.Error, ValueError, struct.error) as exc:
+                    if last_seq_looked is None:
+                        raise StoreReadError(self.client_id, start - 1, leveldb_detail(exc)) from exc
+                    return out, last_seq_looked
+                if body is None:
+                    self._bodiless(entry)
+                else:
+                    out.append((entry, body))
+            last_seq_looked = entry.seq
+        return out, (last_seq_looked if cut else None)
 
     async def advance_sent_mark(self, mark: int) -> None:
         """Persist 'entries up to ``mark`` may have been sent' before sending them (DUP after a crash)."""
@@ -197,6 +234,26 @@ class DurableSession:
         self.engine.totals_changed(self)
         self.limits.on_drained(self.depth, self.connected, self.bytes)
         committer.flush_soon()
+
+    def remove_entries(self, entries: list[Entry]) -> None:
+        """remove_entry for a run of entries (a pump's acknowledged ones): the same writes, with the
+        totals, limits and the flush request done once for the run."""
+        if self.deleted or not entries:
+            return
+        engine = self.engine
+        committer = engine.committer
+        seqs = [entry.seq for entry in entries]
+        erase_entries(committer, self.sid, seqs)
+        engine.release_bodies(entries)
+        engine.removing.add_run(self.sid, seqs)
+        size = 0
+        for entry in entries:
+            size += entry.size
+        self.depth -= len(entries)
+        self.bytes -= size
+        engine.totals_changed(self)
+        self.limits.on_drained(self.depth, self.connected, self.bytes)
+        committer.flush_soon(len(entries))
 
     def append(self, msg_id: int, qos: int, flags: int, size: int) -> Entry:
         entry = Entry(self.next_seq, msg_id, qos, flags, size)

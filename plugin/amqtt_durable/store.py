@@ -586,6 +586,21 @@ def erase_entry(w: Writes, sid: int, seq: int) -> None:
     w.delete(entry_key(sid, seq))
 
 
+def erase_entries(w: Writes, sid: int, seqs: list[int]) -> None:
+    prefix = queue_prefix(sid)
+    pack = _U64.pack
+    _delete_all(w, [prefix + pack(seq) for seq in seqs])  # entry_key, inlined
+
+
+def _delete_all(w: Writes, keys: list[bytes]) -> None:
+    delete_many = getattr(w, "delete_many", None)  # the committer's: one call for a run
+    if delete_many is not None:
+        delete_many(keys)
+        return
+    for key in keys:
+        w.delete(key)
+
+
 def write_sent_mark(w: Writes, sid: int, mark: int) -> None:
     w.put(sent_mark_key(sid), encode_u64(mark))
 
@@ -610,6 +625,11 @@ def erase_body(w: Writes, msg_id: int) -> None:
     w.delete(body_key(msg_id))
 
 
+def erase_bodies(w: Writes, msg_ids: list[int]) -> None:
+    pack = _U64.pack
+    _delete_all(w, [b"m" + pack(msg_id) for msg_id in msg_ids])  # body_key, inlined
+
+
 def write_refs(w: Writes, msg_id: int, refs: int) -> None:
     w.put(refs_key(msg_id), encode_refs(refs))
 
@@ -629,6 +649,82 @@ def erase_pubrel_due(w: Writes, sid: int, packet_id: int) -> None:
 def read_body(db: Any, msg_id: int) -> Body | None:
     raw = db.get(body_key(msg_id), verify_checksums=True)
     return None if raw is None else Body.decode(raw)
+
+
+DENSE_SPAN = 4
+"""read_bodies walks the body keys between a run's lowest and highest message id in one iterator pass
+when that range holds at most this many keys per body wanted; sparser runs (sessions whose messages
+interleave with many others') get each body by key."""
+
+
+def read_bodies(db: Any, msg_ids: list[int]) -> dict[int, Body]:
+    """The bodies of ``msg_ids`` (a run of queue entries, in order), decoded; a missing one is absent.
+
+    One iterator pass over the run's body keys when they are dense (a backlog published to few
+    sessions), else one get per body; each body is decoded once however many entries share it, and
+    each topic once per run. Checksums are verified either way. Raises what LevelDB or the decoding
+    raises (plyvel.Error, ValueError, struct.error): the caller falls back to reading entry by entry.
+    """
+    if not msg_ids:
+        return {}
+    wanted = set(msg_ids)
+    raws: list[tuple[int, bytes]] = []
+    low, high = msg_ids[0], msg_ids[-1]
+    if low > high:
+        low, high = min(wanted), max(wanted)
+    if high - low < DENSE_SPAN * len(wanted):
+        unpack_id = _U64.unpack_from
+        keep = raws.append
+        for key, raw in db.iterator(start=body_key(low), stop=body_key(high + 1), verify_checksums=True):
+            msg_id = unpack_id(key, 1)[0]
+            if msg_id in wanted:
+                keep((msg_id, raw))
+    else:
+        get = db.get
+        for msg_id in wanted:
+            raw = get(body_key(msg_id), verify_checksums=True)
+            if raw is not None:
+                raws.append((msg_id, raw))
+    head = _BODY_HEAD.unpack_from
+    start = _BODY_HEAD.size
+    topics: dict[bytes, str] = {}
+    bodies: dict[int, Body] = {}
+    for msg_id, raw in raws:
+        published_at, qos, topic_len = head(raw)
+        end = start + topic_len
+        topic_raw = raw[start:end]
+        topic = topics.get(topic_raw)
+        if topic is None:
+            topic = topics[topic_raw] = topic_raw.decode("utf-8")
+        bodies[msg_id] = Body(topic, raw[end:], qos, published_at)
+    return bodies
+
+
+def read_entry_run(
+    db: Any, sid: int, start_seq: int, tail: int, limit: int
+) -> tuple[list[Entry], BaseException | None]:
+    """Up to ``limit`` queue entries of one session from ``start_seq`` to ``tail``, in one iterator pass,
+    and the error that cut the run short (plyvel.Error, ValueError, struct.error; None: no damage met)."""
+    entries: list[Entry] = []
+    if limit <= 0:
+        return entries, None
+    append = entries.append
+    unpack_seq = _U64.unpack_from
+    unpack = _ENTRY.unpack
+    rows = db.iterator(start=queue_prefix(sid) + _U64.pack(start_seq), stop=queue_prefix(sid + 1),
+                       verify_checksums=True)
+    try:
+        for key, value in rows:
+            seq = unpack_seq(key, 9)[0]
+            if seq > tail:
+                break
+            msg_id, qos, flags, size = unpack(value)
+            append(Entry(seq, msg_id, qos, flags, size))
+            if len(entries) >= limit:
+                break
+    except (plyvel.Error, ValueError, struct.error) as exc:
+        return entries, exc
+    return entries, None
 
 
 def read_refs(db: Any, msg_id: int) -> int:
@@ -803,9 +899,13 @@ class GroupCommitter:
     def delete(self, key: bytes) -> None:
         self._ops.append((key, None))
 
-    def flush_soon(self) -> None:
-        """Make sure what was added gets written, without waiting for it (acks, bookkeeping)."""
-        self._units += 1
+    def delete_many(self, keys: list[bytes]) -> None:
+        self._ops.extend([(key, None) for key in keys])
+
+    def flush_soon(self, units: int = 1) -> None:
+        """Make sure what was added gets written, without waiting for it (acks, bookkeeping);
+        ``units``: how many acks or changes the operations stand for (a run of acks asks once)."""
+        self._units += units
         self._schedule(asyncio.get_running_loop())
 
     def commit(

@@ -54,6 +54,59 @@ def encode_publish(topic: bytes, payload: bytes, qos: int, packet_id: int, *, du
     return bytes((first,)) + remaining_length(len(variable) + len(payload)) + variable + payload
 
 
+TOPIC_HEADS_KEPT = 4096
+
+
+class PublishRun:
+    """The PUBLISH packets of one run (a window's worth), built into one buffer for one write.
+
+    Each topic's encoded field (length + UTF-8) is made once and kept (up to TOPIC_HEADS_KEPT topics,
+    then the cache starts over); a packet is its fixed header, that field, the packet id and the
+    payload, appended as pieces and joined once by ``take``. The bytes equal ``encode_publish``'s.
+    """
+
+    __slots__ = ("_heads", "_pieces")
+
+    def __init__(self) -> None:
+        self._heads: dict[str, bytes] = {}
+        self._pieces: list[bytes] = []
+
+    def add(self, topic: str, payload: bytes, qos: int, packet_id: int, *, dup: bool, retain: bool) -> None:
+        head = self._heads.get(topic)
+        if head is None:
+            if len(self._heads) >= TOPIC_HEADS_KEPT:
+                self._heads.clear()
+            raw = topic.encode("utf-8")
+            head = self._heads[topic] = _U16.pack(len(raw)) + raw
+        length = len(head) + len(payload)
+        first = 0x30 | (0x01 if retain else 0)
+        if qos:
+            first |= (qos << 1) | (0x08 if dup else 0)
+            length += 2
+        if length < 0x80:
+            fixed = bytes((first, length))
+        elif length < 0x4000:
+            fixed = bytes((first, (length & 0x7F) | 0x80, length >> 7))
+        else:
+            fixed = bytes((first,)) + remaining_length(length)
+        pieces = self._pieces
+        pieces.append(fixed)
+        pieces.append(head)
+        if qos:
+            pieces.append(_U16.pack(packet_id))
+        pieces.append(payload)
+
+    def add_raw(self, packet: bytes) -> None:
+        """A packet built elsewhere (a PUBREL), in its place in the run."""
+        self._pieces.append(packet)
+
+    def take(self) -> bytes:
+        """The run's bytes; the run is empty again (the topic cache stays)."""
+        data = b"".join(self._pieces)
+        self._pieces.clear()
+        return data
+
+
 def encode_puback(packet_id: int) -> bytes:
     return bytes((PUBACK_FIXED, 2)) + _U16.pack(packet_id)
 
@@ -147,6 +200,70 @@ def split_packets(buf: bytes | bytearray) -> tuple[list[tuple[int, int, int]], i
         packets.append((buf[pos], start, end))
         pos = end
     return packets, pos
+
+
+class PacketReader:
+    """Frames the bytes of one connection into packets, however the reads cut them.
+
+    ``feed`` takes what one read of the socket returned and gives back every packet it completed, as
+    (first byte, body); a packet cut off by the end of the read is kept for the next ``feed``. A
+    remaining length over ``max_size`` raises PacketTooLargeError as soon as its field is complete
+    (before the body arrives), one over 4 bytes ProtocolViolationError: the caller closes the
+    connection. Whatever comes after the error is never looked at.
+    """
+
+    __slots__ = ("_have", "_max_size", "_need", "_parts")
+
+    def __init__(self, max_size: int | None = None) -> None:
+        self._parts: list[bytes] = []
+        """The received bytes of packets not complete yet, as read (joined once complete)."""
+        self._have = 0
+        self._max_size = max_size
+        self._need = 0
+        """Bytes the buffered start of a packet needs before it is complete (0: not known yet)."""
+
+    @property
+    def pending(self) -> int:
+        """Bytes received of packets not complete yet."""
+        return self._have
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        if self._parts:
+            self._parts.append(data)
+            self._have += len(data)
+            if self._have < self._need:  # the rest of a long packet is still coming
+                return []
+            buf = b"".join(self._parts)
+        else:
+            buf = data
+        packets: list[tuple[int, bytes]] = []
+        append = packets.append
+        max_size = self._max_size
+        pos = 0
+        size = len(buf)
+        need = 0
+        while size - pos >= 2:
+            length = buf[pos + 1]
+            if length < 0x80:  # a one-byte remaining length (every ack): no loop
+                start = pos + 2
+            else:
+                header = decode_remaining_length(buf, pos + 1)
+                if header is None:  # the length field itself is cut off
+                    break
+                length, start = header
+            if max_size is not None and length > max_size:
+                raise PacketTooLargeError(length, max_size)
+            end = start + length
+            if end > size:
+                need = end - pos
+                break
+            append((buf[pos], buf[start:end]))
+            pos = end
+        rest = buf if pos == 0 else buf[pos:]
+        self._parts = [rest] if rest else []
+        self._have = len(rest)
+        self._need = need
+        return packets
 
 
 async def read_packet(

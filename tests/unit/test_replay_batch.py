@@ -1,0 +1,296 @@
+"""The batch-shaped replay path's plain parts (issue 14, point 2): PacketReader framing reads however
+they are cut, PublishRun building a window's PUBLISHes into one buffer, the store's run reads, and a
+pump taking a run of acks as one removal."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import plyvel
+import pytest
+
+from amqtt_durable.config import DurableConfig
+from amqtt_durable.engine import DurableEngine
+from amqtt_durable.errors import PacketTooLargeError, ProtocolViolationError
+from amqtt_durable.sessions import PendingRemovals
+from amqtt_durable.store import FLAG_SHARED, Body, Entry, body_key, read_bodies, read_entry_run, write_body, write_entry
+from amqtt_durable.wire import (
+    PacketReader,
+    PublishRun,
+    encode_puback,
+    encode_publish,
+    encode_pubrel,
+    encode_subscribe,
+    remaining_length,
+)
+from recording_transport import RecordingTransport
+
+LIMIT = 5.0
+
+
+def test_packet_reader_frames_packets_split_anywhere() -> None:
+    packets = [
+        encode_puback(1),
+        encode_publish(b"a/b", b"x" * 300, 1, 7, dup=False, retain=False),  # a 2-byte remaining length
+        encode_puback(65535),
+        bytes((0xE0, 0)),  # an empty body (DISCONNECT)
+        encode_subscribe(3, "t/#"),
+        encode_publish(b"t", b"y" * 20000, 0, 0, dup=False, retain=True),  # a 3-byte remaining length
+    ]
+    stream = b"".join(packets)
+    expected = [(packet[0], packet[len(packet) - _body_length(packet) :]) for packet in packets]
+    for cut in range(1, len(stream)):  # every cut into two reads
+        reader = PacketReader(max_size=1 << 20)
+        got = reader.feed(stream[:cut]) + reader.feed(stream[cut:])
+        assert got == expected, cut
+        assert reader.pending == 0
+    rng = random.Random(14)
+    for _ in range(200):  # and random cuts into many
+        reader = PacketReader()
+        got = []
+        at = 0
+        while at < len(stream):
+            step = rng.randint(1, 40)
+            got += reader.feed(stream[at : at + step])
+            at += step
+        assert got == expected
+
+
+def _body_length(packet: bytes) -> int:
+    length = shift = 0
+    for byte in packet[1:5]:
+        length |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return length
+        shift += 7
+    raise AssertionError("no length")
+
+
+def test_packet_reader_keeps_a_cut_packet_and_returns_whole_ones_before_it() -> None:
+    reader = PacketReader()
+    data = encode_puback(1) + encode_puback(2) + encode_puback(3)[:3]
+    assert reader.feed(data) == [(0x40, b"\x00\x01"), (0x40, b"\x00\x02")]
+    assert reader.pending == 3
+    assert reader.feed(b"") == []
+    assert reader.feed(b"\x03" + encode_puback(4)[:1]) == [(0x40, b"\x00\x03")]
+    assert reader.feed(encode_puback(4)[1:]) == [(0x40, b"\x00\x04")]
+    assert reader.pending == 0
+
+
+def test_packet_reader_refuses_a_huge_length_before_its_body_arrives() -> None:
+    reader = PacketReader(max_size=4096)
+    assert reader.feed(encode_puback(1) + b"\x30") == [(0x40, b"\x00\x01")]
+    with pytest.raises(PacketTooLargeError):
+        reader.feed(remaining_length(5000)[:2])  # no body byte yet
+    at_limit = PacketReader(max_size=4096)
+    assert at_limit.feed(b"\x30" + remaining_length(4096)) == [], "at the limit: waits for the body"
+    assert at_limit.pending == 1 + len(remaining_length(4096))
+
+
+def test_packet_reader_refuses_a_remaining_length_over_four_bytes() -> None:
+    with pytest.raises(ProtocolViolationError):
+        PacketReader().feed(b"\x30\xff\xff\xff\xff\x01")
+    reader = PacketReader()
+    assert reader.feed(b"\x30\xff\xff\xff") == [], "a cut length field waits"
+    with pytest.raises(ProtocolViolationError):
+        reader.feed(b"\xff\x01")
+
+
+def test_packet_reader_collects_a_long_packet_without_parsing_each_read() -> None:
+    payload = bytes(range(256)) * 1000
+    packet = encode_publish(b"big", payload, 1, 9, dup=False, retain=False)
+    reader = PacketReader()
+    assert reader.feed(packet[:10]) == []
+    at = 10
+    while len(packet) - at > 1000:
+        assert reader.feed(packet[at : at + 1000]) == []
+        at += 1000
+    assert reader.pending == at
+    got = reader.feed(packet[at:] + encode_puback(5))
+    assert got == [(packet[0], packet[len(packet) - _body_length(packet) :]), (0x40, b"\x00\x05")]
+
+
+def test_packet_reader_passes_garbage_types_on_for_the_reader_to_refuse() -> None:
+    """Framing does not judge packet types: a reserved type (0 or 15) comes out as a packet, and the
+    reader closes the connection on it, as before."""
+    assert PacketReader().feed(b"\x00\x00\xf0\x01z") == [(0x00, b""), (0xF0, b"z")]
+
+
+@pytest.mark.parametrize("qos", [0, 1, 2])
+@pytest.mark.parametrize("size", [0, 1, 100, 200, 20000])
+def test_publish_run_builds_what_encode_publish_builds(qos: int, size: int) -> None:
+    run = PublishRun()
+    expected = []
+    for index, (topic, dup, retain) in enumerate([("a/b", False, False), ("ü/ß", True, True), ("a/b", True, False)]):
+        payload = bytes([index]) * size
+        run.add(topic, payload, qos, 100 + index, dup=dup, retain=retain)
+        expected.append(encode_publish(topic.encode(), payload, qos, 100 + index, dup=dup, retain=retain))
+    run.add_raw(encode_pubrel(9))
+    expected.append(encode_pubrel(9))
+    assert run.take() == b"".join(expected)
+    assert run.take() == b"", "taking empties the run"
+
+
+def test_publish_run_starts_its_topic_cache_over_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("amqtt_durable.wire.TOPIC_HEADS_KEPT", 2)
+    run = PublishRun()
+    for topic in ("a", "b", "c", "a"):
+        run.add(topic, b"p", 0, 0, dup=False, retain=False)
+    expected = [encode_publish(t, b"p", 0, 0, dup=False, retain=False) for t in (b"a", b"b", b"c", b"a")]
+    assert run.take() == b"".join(expected)
+    assert len(run._heads) <= 2
+
+
+def _store(tmp_path: Path, msg_ids: list[int], *, sid: int = 1) -> plyvel.DB:
+    db = plyvel.DB(str(tmp_path / "db"), create_if_missing=True)
+    with db.write_batch() as batch:
+        for seq, msg_id in enumerate(msg_ids, start=1):
+            write_entry(batch, sid, Entry(seq, msg_id, 1, 0, 3))
+            write_body(batch, msg_id, Body(f"t/{msg_id % 3}", b"m%d" % msg_id, 1, float(msg_id)))
+        write_entry(batch, sid + 1, Entry(1, 999, 1, 0, 3))  # the next session's queue is not read
+    return db
+
+
+@pytest.mark.parametrize("msg_ids", [list(range(1, 41)), list(range(1, 4001, 100))], ids=["dense", "sparse"])
+def test_read_bodies_dense_or_sparse_gives_each_body_once(tmp_path: Path, msg_ids: list[int]) -> None:
+    db = _store(tmp_path, msg_ids)
+    try:
+        wanted = [*msg_ids[5:30], msg_ids[7], 123456]  # one asked twice, one not stored
+        bodies = read_bodies(db, wanted)
+        assert set(bodies) == set(msg_ids[5:30])
+        for msg_id in msg_ids[5:30]:
+            assert bodies[msg_id] == Body(f"t/{msg_id % 3}", b"m%d" % msg_id, 1, float(msg_id))
+        assert bodies[msg_ids[5]].topic is bodies[msg_ids[8]].topic, "a topic is decoded once per run"
+        assert read_bodies(db, []) == {}
+    finally:
+        db.close()
+
+
+def test_read_bodies_raises_on_a_body_that_does_not_decode(tmp_path: Path) -> None:
+    db = _store(tmp_path, list(range(1, 11)))
+    try:
+        db.put(body_key(5), b"\x00")
+        with pytest.raises(struct.error):
+            read_bodies(db, list(range(1, 11)))
+    finally:
+        db.close()
+
+
+def test_read_entry_run_stops_at_the_tail_and_the_limit(tmp_path: Path) -> None:
+    db = _store(tmp_path, list(range(1, 21)))
+    try:
+        entries, damage = read_entry_run(db, 1, 3, 10, 100)
+        assert [e.seq for e in entries] == list(range(3, 11)) and damage is None
+        entries, _ = read_entry_run(db, 1, 3, 100, 4)
+        assert [e.seq for e in entries] == [3, 4, 5, 6]
+        assert read_entry_run(db, 1, 0, 100, 0) == ([], None)
+        entries, _ = read_entry_run(db, 1, 18, 100, 100)
+        assert [e.seq for e in entries] == [18, 19, 20], "the next session's entries are not read"
+        db.put(b"q" + struct.pack(">QQ", 1, 6), b"short")
+        entries, damage = read_entry_run(db, 1, 1, 100, 100)
+        assert [e.seq for e in entries] == [1, 2, 3, 4, 5] and isinstance(damage, struct.error), "cut at the damage"
+    finally:
+        db.close()
+
+
+class RunTransport(RecordingTransport):
+    """A RecordingTransport that hands acks over in runs, as the glue's HandlerTransport does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ack_runs = None
+
+    def ack_run(self, kind: str, packet_ids: list[int], during: Callable[[], None] | None = None) -> None:
+        runs = self.ack_runs
+        assert runs is not None, "the pump registered itself"
+        runs.begin_ack_run()
+        for packet_id in packet_ids:
+            self.expected.pop((kind, packet_id))()  # type: ignore[index]
+            if during is not None:
+                during()
+        runs.end_ack_run()
+
+
+def test_a_run_of_acks_removes_its_entries_once_at_the_end_and_refills_the_window(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=40))
+        engine.open()
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t", 1)
+            for index in range(100):
+                stored = engine.route_publish("t", b"%d" % index, 1)
+                assert stored is not None
+            await engine.written_so_far()
+            transport = RunTransport()
+            await engine.attach("c", transport)
+            session = engine.sessions["c"]
+            sent = await transport.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            await asyncio.sleep(0.05)
+            assert len(transport.packets) == 40, "the window holds"
+            depths: list[int] = []
+            transport.ack_run("puback", [p.packet_id for p in sent[:30]], lambda: depths.append(session.depth))
+            assert depths == [100] * 30, "removed at the end of the run, not per ack"
+            assert session.depth == 70
+            sent = await transport.wait_for(lambda ps: len(ps) >= 70, LIMIT)
+            assert [p.payload for p in sent] == [b"%d" % i for i in range(70)], "in order, none twice"
+            transport.ack_run("puback", [p.packet_id for p in sent[30:70]])
+            sent = await transport.wait_for(lambda ps: len(ps) >= 100, LIMIT)
+            transport.ack_run("puback", [p.packet_id for p in sent[70:]])
+            assert session.depth == 0 and session.bytes == 0
+            await engine.written_so_far()
+            assert list(engine.db.iterator(prefix=b"q")) == [], "every entry left the store"
+            assert list(engine.db.iterator(prefix=b"m")) == [], "and every body"
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_shared_bodies_stay_until_the_last_session_acknowledges_them(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store")))
+        engine.open()
+        try:
+            for client in ("a", "b"):
+                await engine.connect(client, clean_session=False)
+                await engine.subscribe(client, "t", 1)
+            for index in range(10):
+                stored = engine.route_publish("t", b"%d" % index, 1)
+                assert stored is not None
+            await engine.written_so_far()
+            transports = {client: RunTransport() for client in ("a", "b")}
+            for client, transport in transports.items():
+                await engine.attach(client, transport)
+            sent = {c: await t.wait_for(lambda ps: len(ps) >= 10, LIMIT) for c, t in transports.items()}
+            transports["a"].ack_run("puback", [p.packet_id for p in sent["a"]])
+            await engine.written_so_far()
+            assert len(list(engine.db.iterator(prefix=b"m"))) == 10, "b still needs them"
+            entries, _ = engine.sessions["b"].read_entries(1, 10, 10)
+            assert len(entries) == 10 and all(entry.flags & FLAG_SHARED for entry, _body in entries)
+            transports["b"].ack_run("puback", [p.packet_id for p in sent["b"]])
+            await engine.written_so_far()
+            assert list(engine.db.iterator(prefix=b"m")) == []
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_pending_removals_of_a_run_hide_entries_until_written() -> None:
+    removals = PendingRemovals()
+    entries = [Entry(seq, seq, 1, 0, 1) for seq in range(1, 7)]
+    assert removals.absent(1, entries) is entries, "nothing pending: the run as read"
+    removals.add_run(1, [2, 3])
+    removals.add((1, 5))
+    assert [e.seq for e in removals.absent(1, entries)] == [1, 4, 6]
+    assert removals.absent(2, entries) == entries, "another session's seqs are not these"
+    removals.seal()
+    removals.add_run(1, [6])
+    assert [e.seq for e in removals.absent(1, entries)] == [1, 4], "sealed and open both hide"
+    removals.written()
+    assert [e.seq for e in removals.absent(1, entries)] == [1, 2, 3, 4, 5]
