@@ -10,6 +10,7 @@ import pytest
 from amqtt_durable.replication.coordinator import Coordinator, Leader, Member
 from amqtt_durable.replication.errors import CoordinatorError
 from amqtt_durable.replication.ha import Decision, HaNode, ahead_of
+from amqtt_durable.replication.tool import format_status
 
 TTL = 10.0
 MARGIN = 2.0
@@ -536,3 +537,19 @@ def test_a_reason_repeated_from_the_previous_cycle_is_logged_at_debug(caplog: py
     records = ha_records(caplog)
     assert [level for level, _ in records] == [logging.INFO, logging.DEBUG, logging.INFO, logging.DEBUG], records
     assert "not caught up" in records[0][1] and "took the leader lease" in records[2][1]
+
+
+def test_inspect_shows_the_members_positions() -> None:
+    status = {
+        "name": "b", "role": "backup", "state": "disconnected", "batch": 1200, "caught_up": True, "primary": None,
+        "members": [
+            {"name": "b", "role": "backup", "store_id": 0x5EED, "batch": 1200, "candidate": True},
+            {"name": "c", "role": "backup", "store_id": 0x5EED, "batch": 1900, "candidate": False},
+        ],
+    }  # fmt: skip
+    assert format_status(status).splitlines()[2:] == [
+        "  members in the coordinator (as of this node's last HA cycle):",
+        "    b: backup, at batch 1200, store 5eed, may take over",
+        "    c: backup, at batch 1900, store 5eed",
+    ]
+    assert format_status({**status, "members": []}).splitlines()[-1] == "  no member in the coordinator (yet)"
