@@ -3,7 +3,8 @@
 ``HaNode.run_cycle`` is called every ``loop_wait`` seconds; each call returns a
 ``Decision`` whose ``reason`` is logged and shown by inspect. The broker gives the node its
 hooks: ``caught_up()`` (the backup end says IN_SYNC), ``position()`` (store id, last batch),
-``follow(leader)``, ``promote()`` and ``demote(reason)``. Nothing of this runs without a coordinator configured.
+``follow(leader)``, ``promote()`` and ``demote(reason)``. Nothing of this runs without a
+coordinator configured.
 
 Safety before availability, the timing argument. A primary records ``t0`` (its monotonic
 clock) *before* it sends a renewal; etcd restarts the lease's TTL when it receives the
