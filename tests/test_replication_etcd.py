@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from amqtt_durable.process import EtcdProcess, free_port
-from amqtt_durable.replication.coordinator import Leader
+from amqtt_durable.replication.coordinator import Leader, Member
 from amqtt_durable.replication.errors import CoordinatorError
 from amqtt_durable.replication.etcd import EtcdCoordinator
 from amqtt_durable.replication.ha import Decision, HaNode
@@ -42,6 +42,34 @@ def test_one_lease_holder_at_a_time_and_the_lease_ends_with_its_ttl(etcd: EtcdPr
         assert await a.leader() is None
 
     asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+def test_members_publish_their_records_under_their_own_leases(etcd: EtcdProcess) -> None:
+    async def main() -> None:
+        a, b, reader = coordinator(etcd), coordinator(etcd), coordinator(etcd)
+        assert await reader.members() == []
+        await a.publish_member(Member("a", "primary", 9, 120, False))
+        await b.publish_member(Member("b", "backup", 9, 100, True))
+        await b.publish_member(Member("b", "backup", 9, 118, True))  # a cycle later: renewed and updated
+        assert await reader.members() == [Member("a", "primary", 9, 120, False), Member("b", "backup", 9, 118, True)]
+        assert await a.acquire(Leader("a", "127.0.0.1:1"))
+        await a.withdraw_member()  # a clean stop: its record goes at once, its leader lease stays
+        assert [m.name for m in await reader.members()] == ["b"]
+        assert await reader.leader() is not None
+        await gone(reader, "b")  # b stopped publishing: its record expires by itself with its lease
+        await b.publish_member(Member("b", "backup", 9, 118, True))  # b resumes: a new lease, the record again
+        assert [m.name for m in await reader.members()] == ["b"]
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+async def gone(etcd: EtcdCoordinator, name: str) -> None:
+    """Ask etcd until ``name``'s record expired (as ``expired`` does for the lease)."""
+    for _ in range(int(BOUND / 0.1)):
+        if name not in [m.name for m in await etcd.members()]:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the record of {name} did not expire")
 
 
 async def expired(etcd: EtcdCoordinator) -> None:
@@ -106,6 +134,9 @@ class Node:
 
     def caught_up(self) -> bool:
         return self.is_caught_up
+
+    def position(self) -> tuple[int, int]:
+        return 1, 0
 
     def follow(self, leader: Leader) -> None:
         self.followed.append(leader)

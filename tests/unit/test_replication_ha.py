@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
-from amqtt_durable.replication.coordinator import Coordinator, Leader
+from amqtt_durable.replication.coordinator import Coordinator, Leader, Member
 from amqtt_durable.replication.errors import CoordinatorError
-from amqtt_durable.replication.ha import HaNode
+from amqtt_durable.replication.ha import Decision, HaNode, ahead_of
+from amqtt_durable.replication.tool import format_status
 
 TTL = 10.0
 MARGIN = 2.0
@@ -23,7 +25,8 @@ class Clock:
 
 
 class FakeCoordinator(Coordinator):
-    """One leader key under a lease that expires ``ttl`` after its last renewal, on ``clock``."""
+    """One leader key under a lease that expires ``ttl`` after its last renewal, on ``clock``;
+    the members' records expire the same way (shared by the nodes of one test, keyed by name)."""
 
     def __init__(self, clock: Clock, ttl: float = TTL) -> None:
         self.clock = clock
@@ -34,6 +37,7 @@ class FakeCoordinator(Coordinator):
         self.sync: frozenset[str] | None = None
         self.down = False
         self.hang: asyncio.Event | None = None
+        self.records: dict[str, tuple[Member, float]] = {}
 
     async def _reach(self) -> None:
         if self.hang is not None:
@@ -77,6 +81,17 @@ class FakeCoordinator(Coordinator):
         await self._reach()
         return self.sync
 
+    async def publish_member(self, member: Member) -> None:
+        await self._reach()
+        self.records[member.name] = (member, self.clock() + self.ttl)
+
+    async def members(self) -> list[Member]:
+        await self._reach()
+        return [member for member, expires in self.records.values() if self.clock() < expires]
+
+    async def withdraw_member(self) -> None:
+        await self._reach()  # one coordinator object per test, shared: nothing to withdraw by name
+
     async def initialize(self, name: str) -> bool:
         await self._reach()
         if self.initialized_by is None:
@@ -86,8 +101,11 @@ class FakeCoordinator(Coordinator):
 
 
 class Hooks:
-    def __init__(self, *, caught_up: bool = True) -> None:
+    def __init__(self, *, caught_up: bool = True, seq: int = 0, store_id: int = 7) -> None:
         self.is_caught_up = caught_up
+        self.seq = seq
+        self.store_id = store_id
+        self.fail_promotion = False
         self.followed: list[Leader] = []
         self.promoted = 0
         self.demoted: list[str] = []
@@ -96,10 +114,15 @@ class Hooks:
     def caught_up(self) -> bool:
         return self.is_caught_up
 
+    def position(self) -> tuple[int, int]:
+        return self.store_id, self.seq
+
     def follow(self, leader: Leader) -> None:
         self.followed.append(leader)
 
     async def promote(self) -> None:
+        if self.fail_promotion:
+            raise RuntimeError("the store would not load")
         self.promoted += 1
 
     def demote(self, reason: str) -> None:
@@ -332,3 +355,201 @@ def test_in_sync_mode_only_a_member_of_the_published_set_takes_over() -> None:
         assert (await c.run_cycle()).action == "promoted"
 
     run(main())
+
+
+# --- the members' positions: the most advanced backup takes over ------------------------------
+
+
+def member(name: str, seq: int, *, store_id: int = 7, role: str = "backup", candidate: bool = True) -> Member:
+    return Member(name, role, store_id, seq, candidate)
+
+
+def test_only_live_candidates_of_the_same_store_strictly_ahead_hold_a_backup_back() -> None:
+    me = member("c", 60)
+    others = [
+        member("c", 90),  # this node's own (stale) record
+        member("tie", 60),
+        member("behind", 10),
+        member("other-store", 500, store_id=8),
+        member("not-caught-up", 500, candidate=False),
+        member("old-primary", 500, role="primary", candidate=False),
+    ]
+    assert ahead_of(me, others) == []
+    assert ahead_of(me, [*others, member("b", 61)]) == [member("b", 61)]
+    # sync mode on top: a member outside the published set is never promoted, so it holds nobody back
+    assert ahead_of(me, [member("b", 61)], frozenset({"c"})) == []
+    assert ahead_of(me, [member("b", 61)], frozenset({"b", "c"})) == [member("b", 61)]
+
+
+async def three_nodes(b_seq: int, c_seq: int) -> tuple[Clock, FakeCoordinator, HaNode, HaNode, HaNode]:
+    """a primary; b and c caught-up backups at the given batches, each cycled once (published)."""
+    clock, fake, _, a = await a_primary()
+    b, c = node(fake, Hooks(seq=b_seq), "b"), node(fake, Hooks(seq=c_seq), "c")
+    assert (await b.run_cycle()).action == "follow"
+    assert (await c.run_cycle()).action == "follow"
+    return clock, fake, a, b, c
+
+
+def test_the_most_advanced_backup_takes_over_whichever_cycles_first() -> None:
+    async def main() -> None:
+        clock, fake, _, b, c = await three_nodes(b_seq=1900, c_seq=1200)
+        clock.now += TTL + 1  # a is gone, its lease and its record expired
+        await b.run_cycle()  # b's record is fresh again (as a live node's is every cycle) ...
+        fake.holder = None  # ... but it has not taken the lease yet: c's cycle comes first
+        b.role = "backup"
+        decision = await c.run_cycle()
+        assert decision.action == "wait"
+        assert (
+            decision.reason
+            == "no primary, but b is further ahead (batch 1900, this node 1200): leaving the lease to it"
+        )
+        assert fake.holder is None and c.hooks.promoted == 0  # type: ignore[attr-defined]
+        assert (await b.run_cycle()).action == "promoted"
+        assert (await c.run_cycle()).reason == "following primary b at b:7000"
+
+    run(main())
+
+
+def test_equal_positions_let_either_take_over() -> None:
+    async def main() -> None:
+        clock, _, _, _, c = await three_nodes(b_seq=1500, c_seq=1500)
+        clock.now += TTL + 1
+        assert (await c.run_cycle()).action == "promoted"
+
+    run(main())
+
+
+def test_a_member_whose_record_expired_holds_nobody_back() -> None:
+    async def main() -> None:
+        clock, fake, _, _, c = await three_nodes(b_seq=1900, c_seq=1200)
+        clock.now += TTL + 1  # b stopped cycling (paused, cut off): its record is gone with a's lease
+        decision = await c.run_cycle()
+        assert decision.action == "promoted"
+        assert [m.name for m in await fake.members()] == ["c"]
+
+    run(main())
+
+
+def test_a_backup_whose_promotion_fails_stops_holding_the_others_back() -> None:
+    async def main() -> None:
+        clock, fake, _, b, c = await three_nodes(b_seq=1900, c_seq=1200)
+        b.hooks.fail_promotion = True  # type: ignore[attr-defined]
+        clock.now += TTL + 1
+        assert "the promotion failed" in (await b.run_cycle()).reason  # its record still says candidate
+        assert "b is further ahead" in (await c.run_cycle()).reason
+        await b.run_cycle()  # publishes itself as no candidate (it still tries, and fails)
+        assert not fake.records["b"][0].candidate
+        assert (await c.run_cycle()).action == "promoted"
+        assert (await b.run_cycle()).action == "follow"
+        assert b.record().candidate, "a new term: b may take over again (its next record says so)"
+
+    run(main())
+
+
+def test_every_member_publishes_its_position_and_role() -> None:
+    async def main() -> None:
+        _, fake, a, _, _ = await three_nodes(b_seq=5, c_seq=4)
+        a.hooks.seq = 6  # type: ignore[attr-defined]
+        await a.run_cycle()
+        assert sorted(await fake.members(), key=lambda m: m.name) == [
+            Member("a", "primary", 7, 6, False), member("b", 5), member("c", 4),
+        ]  # fmt: skip
+        assert [m.name for m in a.members] == ["a", "b", "c"]
+
+    run(main())
+
+
+# --- what the operator reads -----------------------------------------------------------------
+
+
+def ha_records(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "amqtt_durable.replication"]
+
+
+def run_cycles(ha: HaNode, clock: Clock, script: dict[int, object], cycles: int) -> None:
+    """``ha.run`` for ``cycles`` cycles, one fake second each; ``script[n]`` is called after cycle n."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        done = 0
+
+        def decided(_: Decision) -> None:
+            nonlocal done
+            done += 1
+            clock.now += 1.0
+            step = script.get(done)
+            if callable(step):
+                step()
+            if done == cycles:
+                stop.set()
+
+        ha.loop_wait = 0.001
+        await asyncio.wait_for(ha.run(stop, decided), 10)
+
+    asyncio.run(main())
+
+
+def down(fake: FakeCoordinator, value: bool) -> object:
+    return lambda: setattr(fake, "down", value)
+
+
+def test_an_unreachable_coordinator_is_one_warning_for_a_backup_then_one_line_when_it_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="amqtt_durable.replication")
+    clock = Clock()
+    fake = FakeCoordinator(clock)
+    fake.holder, fake.expires = Leader("x", "x:7000"), float("inf")
+    ha = node(fake, Hooks(), "b")
+    run_cycles(ha, clock, {2: down(fake, True), 7: down(fake, False)}, 10)
+    loud = [(level, text) for level, text in ha_records(caplog) if level > logging.DEBUG]
+    assert [level for level, _ in loud] == [logging.WARNING, logging.INFO], loud
+    assert "the coordinator does not answer (coordinator fake: connection refused" in loud[0][1]
+    assert loud[1][1] == "replication HA b: the coordinator answers again after 5.0 s"
+    quiet = [text for level, text in ha_records(caplog) if level == logging.DEBUG]
+    assert sum("does not answer" in text for text in quiet) == 4
+
+
+def test_an_unreachable_coordinator_is_one_warning_for_a_primary_then_one_line_when_it_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="amqtt_durable.replication")
+    clock = Clock()
+    fake = FakeCoordinator(clock)
+    ha = node(fake, Hooks())
+    # cycle 1 bootstraps; 2-4 cannot renew (3 fake seconds: the lease is ours 8 s); 5 renews
+    run_cycles(ha, clock, {1: down(fake, True), 4: down(fake, False)}, 6)
+    assert ha.role == "backup"  # the run ended: it stepped down
+    loud = [(level, text) for level, text in ha_records(caplog) if level > logging.DEBUG]
+    assert [level for level, _ in loud] == [logging.INFO, logging.WARNING, logging.INFO], loud
+    assert "took the leader lease" in loud[0][1]
+    assert "could not renew the leader lease" in loud[1][1] and "still primary" in loud[1][1]
+    assert loud[2][1] == "replication HA a: the coordinator answers again after 3.0 s"
+
+
+def test_a_reason_repeated_from_the_previous_cycle_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="amqtt_durable.replication")
+    clock = Clock()
+    fake = FakeCoordinator(clock)
+    fake.initialized_by = "old"
+    hooks = Hooks(caught_up=False)
+    run_cycles(node(fake, hooks), clock, {2: lambda: setattr(hooks, "is_caught_up", True)}, 4)
+    records = ha_records(caplog)
+    assert [level for level, _ in records] == [logging.INFO, logging.DEBUG, logging.INFO, logging.DEBUG], records
+    assert "not caught up" in records[0][1] and "took the leader lease" in records[2][1]
+
+
+def test_inspect_shows_the_members_positions() -> None:
+    status = {
+        "name": "b", "role": "backup", "state": "disconnected", "batch": 1200, "caught_up": True, "primary": None,
+        "members": [
+            {"name": "b", "role": "backup", "store_id": 0x5EED, "batch": 1200, "candidate": True},
+            {"name": "c", "role": "backup", "store_id": 0x5EED, "batch": 1900, "candidate": False},
+        ],
+    }  # fmt: skip
+    assert format_status(status).splitlines()[2:] == [
+        "  members in the coordinator (as of this node's last HA cycle):",
+        "    b: backup, at batch 1200, store 5eed, may take over",
+        "    c: backup, at batch 1900, store 5eed",
+    ]
+    assert format_status({**status, "members": []}).splitlines()[-1] == "  no member in the coordinator (yet)"

@@ -1,9 +1,10 @@
 """Who is primary: the coordinator interface (Patroni's dcs model), one backend per module.
 
 The HA loop (ha.py) never speaks a backend's API: it asks this interface for the leader, for
-the leader lease, and (sync mode) for the synchronous set: the backups the primary waits for
-before acknowledging, the only ones that may take over without losing an acknowledged
-publish. The lease is the only authority: a node is primary exactly while it holds the
+the leader lease, for the members' published positions (Patroni's /members keys: the most
+advanced backup takes over) and (sync mode) for the synchronous set: the backups the primary
+waits for before acknowledging, the only ones that may take over without losing an
+acknowledged publish. The lease is the only authority: a node is primary exactly while it holds the
 leader key under a lease with a time to live (TTL) that the coordination service expires by
 itself when the holder stops renewing. Backends: etcd.py (etcd v3). Tests fake the
 coordinator at this interface.
@@ -31,6 +32,36 @@ class Leader:
     def decode(cls, raw: bytes) -> Leader:
         record = json.loads(raw)
         return cls(str(record["name"]), str(record["address"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """What one node publishes about itself every HA cycle (under its own short lease)."""
+
+    name: str
+    role: str
+    """"primary" or "backup"."""
+    store_id: int
+    seq: int
+    """The last batch its store holds: the primary's newest, a backup's last applied."""
+    candidate: bool
+    """A backup that may take over: caught up with the last primary, and its last promotion
+    did not fail. Only candidates hold the others back (ha.ahead_of)."""
+
+    def encode(self) -> bytes:
+        record = {
+            "name": self.name, "role": self.role, "store_id": self.store_id, "batch": self.seq,
+            "candidate": self.candidate,
+        }  # fmt: skip
+        return json.dumps(record, sort_keys=True).encode("utf-8")
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Member:
+        record = json.loads(raw)
+        return cls(
+            str(record["name"]), str(record["role"]), int(record["store_id"]), int(record["batch"]),
+            bool(record["candidate"]),
+        )  # fmt: skip
 
 
 class Coordinator(ABC):
@@ -70,3 +101,17 @@ class Coordinator(ABC):
     async def sync_members(self) -> frozenset[str] | None:
         """The backups last recorded by ``publish_sync``; None when none was ever recorded
         (async mode): then any caught-up backup may be promoted."""
+
+    @abstractmethod
+    async def publish_member(self, member: Member) -> None:
+        """Write this node's record under its own lease of ``ttl`` seconds and renew that lease
+        (a new one when it expired): called every cycle, so the record outlives the node by at
+        most ``ttl``."""
+
+    @abstractmethod
+    async def members(self) -> list[Member]:
+        """The records of the live members (an expired record is gone), this node's included."""
+
+    @abstractmethod
+    async def withdraw_member(self) -> None:
+        """Remove this node's record at once (a clean stop)."""

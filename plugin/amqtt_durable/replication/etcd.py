@@ -3,10 +3,10 @@
 Why not a client library: etcd3 (grpc) is unmaintained since 2020 and pins old protobuf;
 etcd3gw (OpenStack) is maintained but synchronous (requests, futurist, pbr), so every call
 would need a worker thread and its timeouts are per socket operation, not per call. The
-five gateway calls a leader lease needs (lease grant, keepalive, revoke, range, txn) are
-JSON POSTs to ``/v3/...``; here each is one HTTP/1.0 request on asyncio streams, bounded by
-one ``asyncio.timeout`` for the whole call, which the lease timing relies on (ha.py). No
-dependency is added. Tested against Debian's etcd-server 3.4.23.
+gateway calls a leader lease and the members' records need (lease grant, keepalive, revoke,
+range, put, txn) are JSON POSTs to ``/v3/...``; here each is one HTTP/1.0 request on asyncio
+streams, bounded by one ``asyncio.timeout`` for the whole call, which the lease timing relies
+on (ha.py). No dependency is added. Tested against Debian's etcd-server 3.4.23.
 
 Keys (under ``prefix``, e.g. ``/amqtt-durable/<cluster>/``)::
 
@@ -14,6 +14,9 @@ Keys (under ``prefix``, e.g. ``/amqtt-durable/<cluster>/``)::
     initialize  -> name of the node that bootstrapped the cluster (no lease, never removed)
     sync        -> {"leader": ..., "members": [...]}  the synchronous set, written only by the
                    leader (a transaction comparing the leader key's value), no lease
+    members/<name> -> {"name", "role", "store_id", "batch", "candidate"}  each node's position,
+                   put every cycle under the node's own member lease (TTL ``ttl``, renewed
+                   each cycle): a node that stops cycling drops out by itself
 
 The leader key is created only if absent (a transaction comparing its create_revision to 0,
 Patroni's etcd3 ``attempt_to_acquire_leader``), so two nodes never both hold it.
@@ -27,7 +30,7 @@ import json
 from typing import Any
 from urllib.parse import urlsplit
 
-from .coordinator import Coordinator, Leader
+from .coordinator import Coordinator, Leader, Member
 from .errors import CoordinatorError
 
 REQUEST_TIMEOUT = 2.0
@@ -52,6 +55,9 @@ class EtcdCoordinator(Coordinator):
         self._leader_key = _b64(self.prefix + "leader")
         self._init_key = _b64(self.prefix + "initialize")
         self._sync_key = _b64(self.prefix + "sync")
+        self.member_lease: int | None = None
+        self._members_from = _b64(self.prefix + "members/")
+        self._members_end = _b64(self.prefix + "members0")  # "/" + 1: the range of every members/ key
 
     # --- the interface ----------------------------------------------------------------------
 
@@ -116,6 +122,33 @@ class EtcdCoordinator(Coordinator):
         if not kvs:
             return None
         return frozenset(json.loads(base64.b64decode(kvs[0].get("value", "")))["members"])
+
+    async def publish_member(self, member: Member) -> None:
+        if self.member_lease is not None:
+            reply = await self._call("/v3/lease/keepalive", {"ID": str(self.member_lease)})
+            if int(reply.get("result", {}).get("TTL", 0)) <= 0:
+                self.member_lease = None  # expired (the node was stopped, or cut off): a new one
+        if self.member_lease is None:
+            grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
+            self.member_lease = int(grant["ID"])
+        key = _b64(self.prefix + "members/" + member.name)
+        await self._call("/v3/kv/put", {"key": key, "value": _b64(member.encode()), "lease": str(self.member_lease)})
+
+    async def members(self) -> list[Member]:
+        reply = await self._call("/v3/kv/range", {"key": self._members_from, "range_end": self._members_end})
+        found = []
+        for kv in reply.get("kvs") or []:
+            try:
+                found.append(Member.decode(base64.b64decode(kv.get("value", ""))))
+            except (ValueError, KeyError, TypeError):
+                continue  # not a record this version writes: it counts as absent
+        return found
+
+    async def withdraw_member(self) -> None:
+        if self.member_lease is None:
+            return
+        lease, self.member_lease = self.member_lease, None
+        await self._call("/v3/lease/revoke", {"ID": str(lease)})  # deletes the record with it
 
     # --- HTTP -------------------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 
 ``HaNode.run_cycle`` is called every ``loop_wait`` seconds; each call returns a
 ``Decision`` whose ``reason`` is logged and shown by inspect. The broker gives the node its
-hooks: ``caught_up()`` (the backup end says IN_SYNC), ``follow(leader)``, ``promote()`` and
-``demote(reason)``. Nothing of this runs without a coordinator configured.
+hooks: ``caught_up()`` (the backup end says IN_SYNC), ``position()`` (store id, last batch),
+``follow(leader)``, ``promote()`` and ``demote(reason)``. Nothing of this runs without a
+coordinator configured.
 
 Safety before availability, the timing argument. A primary records ``t0`` (its monotonic
 clock) *before* it sends a renewal; etcd restarts the lease's TTL when it receives the
@@ -21,9 +22,17 @@ rate difference of the two clocks (ppm) and the time to stop the acknowledging p
 must step down.
 
 A backup takes the lease only when no node holds it, it is caught up (in sync with the last
-primary) and, in sync mode, it is in the synchronous set that primary published before it
-acknowledged anything without a backup (so it holds every acknowledged batch), or when it
-bootstraps a new cluster (the one-time ``initialize`` claim).
+primary), in sync mode it is in the synchronous set that primary published before it
+acknowledged anything without a backup (so it holds every acknowledged batch), and no other
+live candidate of the same store is further ahead (``ahead_of``: every node publishes its
+position each cycle, Patroni's member keys; in async mode the most advanced backup holds the
+most acknowledged publishes); or when it bootstraps a new cluster (the one-time
+``initialize`` claim). A backup's published position is final one cycle after the primary
+died, well before the lease can expire (``loop_wait <= (ttl - demote_margin) / 2``).
+
+Logging (``run``): a decision whose reason repeats the previous cycle's is logged at DEBUG;
+the coordinator not answering is one WARNING when it starts and one INFO line when it
+answers again, whatever the role.
 """
 
 from __future__ import annotations
@@ -32,11 +41,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from .coordinator import Coordinator, Leader
+from .coordinator import Coordinator, Leader, Member
 from .errors import CoordinatorError
 
 log = logging.getLogger("amqtt_durable.replication")
@@ -50,6 +59,8 @@ Action = Literal["renewed", "retry", "demoted", "follow", "wait", "promoted", "b
 class Decision:
     action: Action
     reason: str
+    unanswered: bool = False
+    """The coordinator did not answer this cycle (unreachable, refused, too slow)."""
 
 
 class HaHooks(Protocol):
@@ -57,6 +68,9 @@ class HaHooks(Protocol):
 
     def caught_up(self) -> bool:
         """The backup end was told IN_SYNC by the last primary and applied all it received."""
+
+    def position(self) -> tuple[int, int]:
+        """(store id, last batch) of this node's store: a primary's newest, a backup's last applied."""
 
     def follow(self, leader: Leader) -> None:
         """Replicate from ``leader`` (reconnect the backup end if it follows another)."""
@@ -99,6 +113,12 @@ class HaNode:
         self._deadline: asyncio.TimerHandle | None = None
         self._bootstrap_failed = False
         """This node claimed a new cluster's bootstrap but could not become primary: it tries again."""
+        self._promotion_failed = False
+        """Its last promotion failed: it publishes itself as no candidate, so it holds nobody back."""
+        self.members: list[Member] = []
+        """The members' records as last read (inspect shows them)."""
+        self._previous_reason: str | None = None
+        self._unanswered_since: float | None = None
 
     @property
     def ttl(self) -> float:
@@ -129,13 +149,14 @@ class HaNode:
                 renewed = await self.coordinator.renew(self.me)
         except (CoordinatorError, TimeoutError) as exc:
             if self.role != "primary":  # the deadline's timer demoted this node meanwhile
-                return Decision("demoted", f"demoted at the lease's deadline while renewing ({_why(exc)})")
+                return Decision("demoted", f"demoted at the lease's deadline while renewing ({_why(exc)})", True)
             if self.clock() >= self.deadline():
-                return self._demote(f"the lease could not be renewed before its end ({_why(exc)})")
+                return self._demote(f"the lease could not be renewed before its end ({_why(exc)})", unanswered=True)
             return Decision(
                 "retry",
                 f"could not renew the leader lease ({_why(exc)}); it is ours for "
                 f"{self.deadline() - self.clock():.1f} s more, still primary",
+                True,
             )
         if self.role != "primary":  # demoted by the timer while the renewal was on its way: stays so
             return Decision("demoted", "demoted at the lease's deadline while renewing")
@@ -143,10 +164,21 @@ class HaNode:
             return self._demote("the leader lease is gone (expired, or the key names another node)")
         self.valid_until = started + self.ttl
         self._arm_deadline()
+        await self._publish_as_primary()
         safe = self.ttl - self.demote_margin
         return Decision("renewed", f"renewed the leader lease: primary for at least {safe:g} s")
 
-    def _demote(self, why: str) -> Decision:
+    async def _publish_as_primary(self) -> None:
+        """The primary's record, for inspect only (a primary holds no backup back): best effort,
+        bounded so the next renewal is not delayed much."""
+        try:
+            async with asyncio.timeout(self.loop_wait / 2):
+                await self.coordinator.publish_member(self.record())
+                self.members = await self.coordinator.members()
+        except (CoordinatorError, TimeoutError) as exc:
+            log.debug("replication HA %s: could not publish this node's position: %s", self.me.name, _why(exc))
+
+    def _demote(self, why: str, *, unanswered: bool = False) -> Decision:
         reason = f"{why}: demoted, no longer acknowledging; clients closed, rejoining as a backup"
         self.role = "backup"
         self.valid_until = 0.0
@@ -154,7 +186,7 @@ class HaNode:
             self._deadline.cancel()
             self._deadline = None
         self.hooks.demote(reason)
-        return Decision("demoted", reason)
+        return Decision("demoted", reason, unanswered)
 
     def _arm_deadline(self) -> None:
         """The demotion does not wait for a cycle: a timer fires at the deadline."""
@@ -176,7 +208,9 @@ class HaNode:
         started = self.clock()
         try:
             async with asyncio.timeout(self.ttl):  # the coordinator's calls only, not the promotion
+                await self.coordinator.publish_member(self.record())
                 leader = await self.coordinator.leader()
+                self.members = await self.coordinator.members()
                 if leader is not None:
                     return self._follow(leader)
                 if not self.hooks.caught_up():
@@ -187,19 +221,28 @@ class HaNode:
                     action: Action = "bootstrapped"
                     why = "a new cluster, claimed its bootstrap"
                 else:
-                    members = await self.coordinator.sync_members()
-                    if members is not None and self.me.name not in members:
+                    sync_set = await self.coordinator.sync_members()
+                    if sync_set is not None and self.me.name not in sync_set:
                         return Decision(
                             "wait",
                             "no primary, but this node is not in the synchronous set the last primary published "
-                            f"({', '.join(sorted(members)) or 'none'}): it may lack acknowledged publishes",
+                            f"({', '.join(sorted(sync_set)) or 'none'}): it may lack acknowledged publishes",
                         )
-                    action, why = "promoted", "no primary, and this node is caught up"
+                    mine = self.record()
+                    ahead = ahead_of(mine, self.members, sync_set)
+                    if ahead:
+                        best = max(ahead, key=lambda member: member.seq)
+                        return Decision(
+                            "wait",
+                            f"no primary, but {best.name} is further ahead (batch {best.seq}, this node "
+                            f"{mine.seq}): leaving the lease to it",
+                        )
+                    action, why = "promoted", "no primary, and this node is caught up and the most advanced"
                 started = self.clock()
                 if not await self.coordinator.acquire(self.me):
                     return Decision("wait", f"{why}, but another node took the lease first")
         except (CoordinatorError, TimeoutError) as exc:
-            return Decision("wait", f"the coordinator does not answer ({_why(exc)}): staying a backup")
+            return Decision("wait", f"the coordinator does not answer ({_why(exc)}): staying a backup", True)
         self.valid_until = started + self.ttl
         self.role = "primary"
         self._arm_deadline()
@@ -207,11 +250,12 @@ class HaNode:
             await self.hooks.promote()
         except Exception as exc:  # the store would not load, say: stay a backup, try again later
             self._bootstrap_failed = action == "bootstrapped"
-            return await self._promotion_failed(exc)
-        self._bootstrap_failed = False
+            self._promotion_failed = True
+            return await self._promotion_failed_with(exc)
+        self._bootstrap_failed = self._promotion_failed = False
         return Decision(action, f"{why}: took the leader lease, now primary")
 
-    async def _promotion_failed(self, exc: Exception) -> Decision:
+    async def _promotion_failed_with(self, exc: Exception) -> Decision:
         """The promotion failed after the lease was taken: give the lease back at once (another
         caught-up node may take it) and stay a backup; the next cycles try again."""
         log.error(
@@ -233,8 +277,15 @@ class HaNode:
     def _follow(self, leader: Leader) -> Decision:
         if leader.name == self.me.name:
             return Decision("wait", "the lease still names this node from before it restarted: waiting for it to end")
+        self._promotion_failed = False  # another node is primary: a new term
         self.hooks.follow(leader)
         return Decision("follow", f"following primary {leader.name} at {leader.address}")
+
+    def record(self) -> Member:
+        """What this node publishes about itself now."""
+        store_id, seq = self.hooks.position()
+        candidate = self.role == "backup" and self.hooks.caught_up() and not self._promotion_failed
+        return Member(self.me.name, self.role, store_id, seq, candidate)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -243,8 +294,7 @@ class HaNode:
         try:
             while not stop.is_set():
                 decision = await self.run_cycle()
-                level = _LEVELS.get(decision.action, logging.INFO)
-                log.log(level, "replication HA %s: %s", self.me.name, decision.reason)
+                self._log(decision)
                 if on_decision is not None:
                     on_decision(decision)
                 with contextlib.suppress(TimeoutError):
@@ -258,10 +308,51 @@ class HaNode:
                 with contextlib.suppress(CoordinatorError, TimeoutError):
                     async with asyncio.timeout(self.demote_margin):
                         await self.coordinator.release(self.me)
+            with contextlib.suppress(CoordinatorError, TimeoutError):
+                async with asyncio.timeout(self.demote_margin):
+                    await self.coordinator.withdraw_member()
+
+    def _log(self, decision: Decision) -> None:
+        """A tired operator reads these: a reason repeated from the previous cycle is DEBUG, and
+        the coordinator not answering is one WARNING when it starts, one INFO when it ends."""
+        level = _LEVELS.get(decision.action, logging.INFO)
+        if decision.unanswered:
+            if self._unanswered_since is None:
+                self._unanswered_since = self.clock()
+                level = logging.WARNING
+            elif decision.action != "demoted":  # a role change is never quiet
+                level = logging.DEBUG
+        else:
+            if self._unanswered_since is not None:
+                silent = self.clock() - self._unanswered_since
+                self._unanswered_since = None
+                log.info("replication HA %s: the coordinator answers again after %.1f s", self.me.name, silent)
+            if decision.reason == self._previous_reason:
+                level = logging.DEBUG
+        self._previous_reason = decision.reason
+        log.log(level, "replication HA %s: %s", self.me.name, decision.reason)
 
 
 _LEVELS = {"renewed": logging.DEBUG, "follow": logging.DEBUG, "retry": logging.WARNING, "demoted": logging.WARNING}
 """The steady state is quiet; a primary in trouble is a WARNING."""
+
+
+def ahead_of(me: Member, members: Iterable[Member], sync: frozenset[str] | None = None) -> list[Member]:
+    """The live members that hold batches ``me`` lacks and could take over themselves: other
+    candidates (caught-up backups whose promotion did not fail) of the same store, strictly
+    further ahead and, in sync mode (``sync``: the published synchronous set), in that set.
+    Empty: ``me`` is (one of) the most advanced and may take the lease. A member whose record
+    expired is not in ``members``, so a stopped node holds nobody back."""
+    return [
+        member
+        for member in members
+        if member.name != me.name
+        and member.candidate
+        and member.role == "backup"
+        and member.store_id == me.store_id
+        and member.seq > me.seq
+        and (sync is None or member.name in sync)
+    ]
 
 
 def _why(exc: BaseException) -> str:

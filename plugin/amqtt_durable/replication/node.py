@@ -101,30 +101,38 @@ class ReplicationNode:
         return self.ha is None or self.ha.may_acknowledge()
 
     def status(self) -> dict[str, Any]:
-        """Role, position and backups: what inspect, $SYS and a STATUS frame show."""
+        """Role, position and backups (and, with a coordinator, every member's published
+        position as last read): what inspect, $SYS and a STATUS frame show."""
         primary = self.primary
         if primary is not None:
-            return {
+            status: dict[str, Any] = {
                 "name": self.config.name,
                 "role": "primary",
                 "mode": self.config.mode,
                 "batch": primary.log.head_seq,
                 "backups": primary.status(),
             }
-        return {
-            "name": self.config.name,
-            "role": "backup",
-            "state": self.backup.state,
-            "batch": self.backup.applied_seq,
-            "caught_up": self.backup.caught_up,
-            "primary": self._following,
-        }
+        else:
+            status = {
+                "name": self.config.name,
+                "role": "backup",
+                "state": self.backup.state,
+                "batch": self.backup.applied_seq,
+                "caught_up": self.backup.caught_up,
+                "primary": self._following,
+            }
+        if self.ha is not None:
+            status["members"] = [
+                {"name": m.name, "role": m.role, "store_id": m.store_id, "batch": m.seq, "candidate": m.candidate}
+                for m in sorted(self.ha.members, key=lambda m: m.name)
+            ]
+        return status
 
     def metrics(self) -> dict[str, object]:
         """``status`` flattened into $SYS/broker/durable/replication/... topics."""
         status = self.status()
         flat: dict[str, object] = {
-            f"replication/{key}": value for key, value in status.items() if key not in ("backups", "name")
+            f"replication/{key}": value for key, value in status.items() if key not in ("backups", "members", "name")
         }
         backups = status.get("backups", [])
         if status["role"] == "primary":
@@ -231,6 +239,12 @@ class ReplicationNode:
 
     def caught_up(self) -> bool:
         return self.primary is None and self.backup.caught_up
+
+    def position(self) -> tuple[int, int]:
+        primary = self.primary
+        if primary is not None:
+            return primary.store_id, primary.log.head_seq
+        return self.backup.store_id, self.backup.applied_seq
 
     def follow(self, leader: Leader) -> None:
         if self._following == leader.address and self._follow_task is not None and not self._follow_task.done():

@@ -62,4 +62,13 @@ def format_status(status: dict[str, Any]) -> str:
             f"  following {status.get('primary') or '(nobody yet)'}: {status['state']}"
             + (", caught up" if status.get("caught_up") else ", not caught up")
         )
+    members = status.get("members")
+    if members is not None:
+        lines.append("  members in the coordinator (as of this node's last HA cycle):" if members else
+                     "  no member in the coordinator (yet)")  # fmt: skip
+        for row in members:
+            lines.append(
+                f"    {row['name']}: {row['role']}, at batch {row['batch']}, store {row['store_id']:x}"
+                + (", may take over" if row["candidate"] else "")
+            )
     return "\n".join(lines)
