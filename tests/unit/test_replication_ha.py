@@ -553,3 +553,29 @@ def test_inspect_shows_the_members_positions() -> None:
         "    c: backup, at batch 1900, store 5eed",
     ]
     assert format_status({**status, "members": []}).splitlines()[-1] == "  no member in the coordinator (yet)"
+
+
+class FailsFirstPromotion(Hooks):
+    async def promote(self) -> None:
+        self.promoted += 1
+        if self.promoted == 1:
+            raise OSError("replication port in use")
+
+
+def test_a_failed_bootstrap_does_not_let_a_lagging_node_take_over_after_it_followed_another() -> None:
+    """Review (helper-32): the failed bootstrap's flag outlived the term of the primary this node
+    then followed; when that primary died, the node (not caught up) skipped the bootstrap gate."""
+
+    async def main() -> None:
+        clock = Clock()
+        coordinator = FakeCoordinator(clock)
+        hooks = FailsFirstPromotion(caught_up=False)  # a new cluster: nobody caught up yet
+        ha = node(coordinator, hooks)
+        assert (await ha.run_cycle()).action == "wait"  # bootstrapped, but the promotion failed
+        coordinator.holder, coordinator.expires = Leader("b", "b:7000"), clock.now + TTL
+        assert (await ha.run_cycle()).action == "follow"
+        clock.now += TTL + 1  # b is gone; this node never caught up with it
+        await ha.run_cycle()
+        assert ha.role == "backup", "a backup that is not caught up took the lease"
+
+    asyncio.run(asyncio.wait_for(main(), 10))

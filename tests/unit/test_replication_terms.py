@@ -461,3 +461,60 @@ def test_a_clean_stop_whose_last_write_fails_still_ends_replication_and_closes_t
         asyncio.run(bounded(DurableSessionsPlugin.close(plugin)))  # type: ignore[arg-type]
     assert ended == ["replication stopped"]
     assert engine.committer.halted is not None and engine.db.closed
+
+
+def lease_ends_now(replication: ReplicationNode) -> None:
+    """What the deadline's timer does when the loop runs it with the lease's deadline reached."""
+    ha = replication.ha
+    if ha is not None and ha.role == "primary":
+        ha.valid_until = ha.clock() + ha.demote_margin
+        ha._deadline_reached()
+
+
+class DemotedWhileClosingAdmin(ReplicationNode):
+    """The lease's deadline passes during one of promote's awaits, before it sets ``primary``."""
+
+    async def _close_admin(self) -> None:
+        await super()._close_admin()
+        if self._promoting:
+            lease_ends_now(self)
+
+
+@pytest.mark.parametrize("when", ["before the primary is set", "while the broker loads"])
+def test_a_demotion_during_the_promotion_is_not_lost(tmp_path: Path, when: str) -> None:
+    """Review (helper-32): node.demote found no primary yet, so the promotion went on; the broker
+    then served while HA called the node a backup and the node never tried again. Either way the
+    node ends a backup, answering on its replication address, with no primary end."""
+    db, _ = primary_store(tmp_path / "a")
+    db.put(*position_op(0, 0))
+
+    async def main() -> None:
+        clock = Clock()
+        config = ReplicationConfig(name="a", role="auto", listen=f"{HOST}:{free_port()}",
+                                   coordinator=["http://127.0.0.1:1"], lease_ttl=10, demote_margin=1.0)
+        served: list[Primary] = []
+        early = when == "before the primary is set"
+
+        def on_promote(primary: Primary) -> None:
+            served.append(primary)
+            if not early:
+                lease_ends_now(replication)
+
+        kind = DemotedWhileClosingAdmin if early else ReplicationNode
+        replication = kind(db, config, coordinator=FakeCoordinator(clock, ttl=10.0),
+                           on_promote=on_promote, on_demote=lambda reason: None)
+        assert replication.ha is not None
+        replication.ha.clock = clock
+        await replication._open_admin()
+        try:
+            decision = await bounded(replication.ha.run_cycle())
+            assert decision.action == "demoted" and replication.ha.role == "backup"
+            assert replication.primary is None
+            assert len(served) == (0 if early else 1), "a node demoted before it served was made to serve"
+            assert (await bounded(ask(config.listen, Frame.STATUS)))["role"] == "backup"
+        finally:
+            replication._ha_stop.set()
+            await replication.stop()
+
+    asyncio.run(main())
+    db.close()

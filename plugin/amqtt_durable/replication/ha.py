@@ -253,6 +253,8 @@ class HaNode:
             self._promotion_failed = True
             return await self._promotion_failed_with(exc)
         self._bootstrap_failed = self._promotion_failed = False
+        if self.role != "primary":  # the deadline's timer demoted this node while it was promoting
+            return Decision("demoted", f"{why}, but the lease ended while the promotion was under way")
         return Decision(action, f"{why}: took the leader lease, now primary")
 
     async def _promotion_failed_with(self, exc: Exception) -> Decision:
@@ -277,7 +279,7 @@ class HaNode:
     def _follow(self, leader: Leader) -> Decision:
         if leader.name == self.me.name:
             return Decision("wait", "the lease still names this node from before it restarted: waiting for it to end")
-        self._promotion_failed = False  # another node is primary: a new term
+        self._promotion_failed = self._bootstrap_failed = False  # another node is primary: a new term
         self.hooks.follow(leader)
         return Decision("follow", f"following primary {leader.name} at {leader.address}")
 

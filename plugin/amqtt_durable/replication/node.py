@@ -84,6 +84,8 @@ class ReplicationNode:
         self._closing: set[asyncio.Task[None]] = set()
         self._admin: asyncio.Server | None = None
         self._stepping_down: asyncio.Task[None] | None = None
+        self._promoting = False
+        """A promotion is under way: it, not a demotion's wind-down, reopens the admin address."""
         """The last demotion's wind-down: following and promotion wait for it (see ``demote``)."""
 
     def use_db(self, db: Any) -> None:
@@ -279,6 +281,13 @@ class ReplicationNode:
             await _ended(task)  # the backup end's last write is finished
 
     async def promote(self) -> None:
+        self._promoting = True
+        try:
+            await self._promote()
+        finally:
+            self._promoting = False
+
+    async def _promote(self) -> None:
         if read_position(self.db) is None:
             raise ReplicationError(
                 f"replication: {self.config.name or 'this broker'} cannot become primary: its store holds "
@@ -299,6 +308,14 @@ class ReplicationNode:
         )
         primary.on_admin = self.answer
         await primary.start(host, port)
+        if self.ha is not None and self.ha.role != "primary":
+            # The lease's deadline passed during the awaits above (its demotion found no primary
+            # yet): this term is over before it began; serving now would be a primary HA calls a backup.
+            await primary.close("the lease ended while the promotion was under way")
+            await self._stepped_down()
+            if not self._ha_stop.is_set():
+                await self._open_admin()
+            return
         self.primary = primary
         try:
             if self.on_promote is not None:
@@ -311,8 +328,11 @@ class ReplicationNode:
             if not self._ha_stop.is_set():
                 await self._open_admin()
             raise
-        if self.primary is not primary:
-            return  # demoted while the broker was loading (its on_demote has run)
+        if self.primary is not primary:  # demoted while the broker was loading (its on_demote has run)
+            await self._stepped_down()
+            if not self._ha_stop.is_set():
+                await self._open_admin()
+            return
         log.warning("replication: %s is primary from batch %d", self.config.name, primary.log.head_seq)
 
     async def _publish_sync_set(self, members: frozenset[str]) -> None:
@@ -344,7 +364,7 @@ class ReplicationNode:
             except Exception:
                 log.exception("replication: %s: stopping the broker's work at the demotion failed", self.config.name)
         self.backup = Backup(self.db, name=self.config.name or "backup", sync=self.fsync)
-        if not self._ha_stop.is_set():
+        if not self._ha_stop.is_set() and not self._promoting:
             await self._open_admin()
 
 
