@@ -98,9 +98,13 @@ class Counters:
     processed: int = 0
     duplicates_dropped: int = 0
     redeliveries_requested: int = 0
+    late_duplicates_dropped: int = 0
+    """Copies the asyncio client's loop drops (processed since they arrived): counted apart,
+    because ``duplicates_dropped`` is the network thread's and ``+=`` is not atomic across threads."""
 
     def snapshot(self, reconnects: int) -> Stats:
-        return Stats(self.received, self.processed, self.duplicates_dropped, self.redeliveries_requested, reconnects)
+        dropped = self.duplicates_dropped + self.late_duplicates_dropped
+        return Stats(self.received, self.processed, dropped, self.redeliveries_requested, reconnects)
 
 
 class Receiver:

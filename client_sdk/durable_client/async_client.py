@@ -108,7 +108,7 @@ class _Queue:
                 elif item.generation == self._failed:
                     continue  # after a failed event of its connection: the broker sends it again
                 elif receiver.already_processed(event):  # a copy of one processed since it arrived
-                    receiver.counters.duplicates_dropped += 1
+                    receiver.counters.late_duplicates_dropped += 1
                     self._ack(item)
                 else:
                     self._busy = True
