@@ -310,5 +310,12 @@ def spark() -> Iterator[Any]:
     from durable_pipeline.spark import get_session  # noqa: PLC0415 - pyspark loads only for Spark tests
 
     session = get_session("local[2]", "amqtt-durable-tests")
+    # The tests' data is tiny, so compiling generated code for each new query plan costs more than
+    # running it: the tests evaluate interpreted (same results; Spark's own tests run both ways),
+    # one shuffle partition per core. The CLI, demo and docs tests run Spark's defaults in their
+    # own processes.
+    session.conf.set("spark.sql.codegen.wholeStage", "false")
+    session.conf.set("spark.sql.codegen.factoryMode", "NO_CODEGEN")
+    session.conf.set("spark.sql.shuffle.partitions", "2")
     yield session
     session.stop()
