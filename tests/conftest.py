@@ -181,7 +181,8 @@ class Client:
             assert self._cond.wait_for(lambda: mid in self._subacks, WAIT), "no SUBACK"
             return self._subacks[mid]
 
-    def unsubscribe(self, topic_filter: str) -> None:
+    def unsubscribe(self, topic_filter: str | list[str]) -> None:
+        """UNSUBSCRIBE (one filter, or a list in one packet); returns at its UNSUBACK."""
         done = threading.Event()
         self.paho.on_unsubscribe = lambda *a: done.set()
         self.paho.unsubscribe(topic_filter)

@@ -38,9 +38,11 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
   lifetime, and end a connection whose client id a later CONNECT took (amqtt misses the case
   of two CONNECTs read at the same time);
-* ``Broker.add_subscription`` / ``_handle_unsubscription``: durable sessions' subscriptions
-  live in the store, not in amqtt's table, so amqtt never delivers to them itself; both kinds
-  obey ``max_subscriptions_per_client``;
+* ``Broker.add_subscription`` / ``_handle_subscription`` / ``_handle_unsubscription``: durable
+  sessions' subscriptions live in the store, not in amqtt's table, so amqtt never delivers to
+  them itself; a SUBSCRIBE or UNSUBSCRIBE of a durable session is stored by one commit for all
+  its filters (amqtt's way, a commit per filter, made a packet of n filters cost n record writes);
+  both kinds obey ``max_subscriptions_per_client``;
 * ``Broker._del_subscription`` (with ``add_subscription``): keeps a trie mirror of amqtt's own
   table (clean sessions' filters), so that asking "does amqtt have a subscriber for this
   topic?" on every publish does not cost a match per filter;
@@ -152,6 +154,7 @@ _BROKER_INTERNALS = (
     "_client_connected",
     "_initialize_client_session",
     "_client_message_loop",
+    "_handle_subscription",
     "_handle_unsubscription",
     "_publish_retained_messages_for_subscription",
     "_broadcast_message",
@@ -681,6 +684,7 @@ class AmqttHooks:
         self._original_initialize = broker._initialize_client_session
         self._original_message_loop = broker._client_message_loop
         self._original_add_subscription = broker.add_subscription
+        self._original_subscription = broker._handle_subscription
         self._original_unsubscription = broker._handle_unsubscription
         self._original_del_subscription = broker._del_subscription
         self._original_retained = broker._publish_retained_messages_for_subscription
@@ -704,6 +708,7 @@ class AmqttHooks:
         broker._initialize_client_session = self.initialize_client_session
         broker._client_message_loop = self.client_message_loop
         broker.add_subscription = self.add_subscription
+        broker._handle_subscription = self.handle_subscription
         broker._handle_unsubscription = self.handle_unsubscription
         broker._del_subscription = self.del_subscription
         broker._del_all_subscriptions = self.del_all_subscriptions
@@ -873,12 +878,27 @@ class AmqttHooks:
         ]
         if self.broker.plugins_manager._topic_plugins:  # what the user may not read is not even queued
             retained = [item for item in retained if await _may_read(self.broker, session, item[0])]
-        try:
-            await self.engine.subscribe(session.client_id, topic_filter, granted, retained)
-        except NotPrimaryError as exc:  # demoted meanwhile: the demotion ends this connection
-            log.info("%s: SUBSCRIBE %s refused: %s", session.client_id, topic_filter, exc)
-            return _SUBSCRIBE_REFUSED
+        self.engine.add_subscription(session.client_id, topic_filter, granted, retained)  # stored by the SUBSCRIBE
         return granted
+
+    async def handle_subscription(self, session: Any, handler: Any, waiter: Any) -> None:
+        """amqtt's, for a durable session with one commit before the SUBACK for all the filters."""
+        if not self.engine.is_durable(session.client_id):
+            await self._original_subscription(session, handler, waiter)
+            return
+        subscriptions = waiter.result()
+        codes = [await self.add_subscription(subscription, session) for subscription in subscriptions.topics]
+        try:
+            await self.engine.committer.commit(urgent=True)
+        except NotPrimaryError as exc:  # demoted meanwhile: the demotion ends this connection
+            log.info("%s: SUBSCRIBE refused: %s", session.client_id, exc)
+            codes = [_SUBSCRIBE_REFUSED] * len(codes)
+        await handler.mqtt_acknowledge_subscription(subscriptions.packet_id, codes)
+        for (topic_filter, qos), code in zip(subscriptions.topics, codes, strict=True):
+            if code != _SUBSCRIBE_REFUSED:  # retained messages were queued with the subscription
+                await self.broker.plugins_manager.fire_event(
+                    BrokerEvents.CLIENT_SUBSCRIBED, client_id=session.client_id, topic=topic_filter, qos=qos
+                )
 
     async def handle_unsubscription(self, session: Any, handler: Any, waiter: Any) -> None:
         if not self.engine.is_durable(session.client_id):
@@ -886,11 +906,14 @@ class AmqttHooks:
             return
         unsubscription = waiter.result()
         for topic_filter in unsubscription.topics:
-            try:
-                await self.engine.unsubscribe(session.client_id, topic_filter)
-            except NotPrimaryError as exc:  # demoted meanwhile: no UNSUBACK for what is not stored
-                _abort(handler.writer)
-                raise MQTTError(f"{session.client_id}: UNSUBSCRIBE {topic_filter} not stored: {exc}") from None
+            self.engine.remove_subscription(session.client_id, topic_filter)
+        try:
+            await self.engine.committer.commit(urgent=True)
+        except NotPrimaryError as exc:  # demoted meanwhile: no UNSUBACK for what is not stored
+            _abort(handler.writer)
+            filters = ", ".join(unsubscription.topics)
+            raise MQTTError(f"{session.client_id}: UNSUBSCRIBE {filters} not stored: {exc}") from None
+        for topic_filter in unsubscription.topics:
             await self.broker.plugins_manager.fire_event(
                 BrokerEvents.CLIENT_UNSUBSCRIBED, client_id=session.client_id, topic=topic_filter
             )

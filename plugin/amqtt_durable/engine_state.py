@@ -26,7 +26,6 @@ from .store import (
     erase_refs,
     read_refs,
     write_refs,
-    write_session,
 )
 from .stream_log import StreamLogs
 from .topics import SubscriptionIndex
@@ -70,6 +69,9 @@ class EngineState:
         self._next_sid = 1
         self._refs: dict[int, int] = {}
         self._dirty: set[DurableSession] = set()
+        self._unsaved_records: set[DurableSession] = set()
+        """Sessions whose record changed since the last flush: each is encoded once per commit, not once per
+        change (a SUBSCRIBE of 500 filters would encode a growing record 500 times)."""
         self.removing = PendingRemovals()
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._trim_task: asyncio.Task[None] | None = None
@@ -98,7 +100,7 @@ class EngineState:
     def _save_record(self, session: DurableSession) -> None:
         if session.deleted:
             return
-        write_session(self.committer, session.record)
+        self._unsaved_records.add(session)
         self.committer.flush_soon()
 
 

@@ -25,6 +25,7 @@ from .store import (
     Entry,
     write_body,
     write_refs,
+    write_session,
     write_totals,
 )
 
@@ -37,8 +38,16 @@ class Routing(EngineMetrics):
     async def subscribe(
         self, client_id: str, topic_filter: str, qos: int, retained: Iterable[tuple[str, bytes, int]] = ()
     ) -> None:
-        """Store a subscription; ``retained`` (topic, payload, qos) are queued with it, ahead of
-        any live message the new subscription matches."""
+        """``add_subscription``, returning once it is stored."""
+        self.add_subscription(client_id, topic_filter, qos, retained)
+        await self.committer.commit(urgent=True)
+
+    def add_subscription(
+        self, client_id: str, topic_filter: str, qos: int, retained: Iterable[tuple[str, bytes, int]] = ()
+    ) -> None:
+        """A subscription, routed from now on and stored by the next commit (a SUBSCRIBE of many
+        filters adds each, then awaits one commit); ``retained`` (topic, payload, qos) are queued with
+        it, ahead of any live message the new subscription matches."""
         session = self.sessions.get(client_id)
         if session is None:
             return  # deleted meanwhile (clean connect elsewhere); amqtt still answers SUBACK
@@ -47,18 +56,21 @@ class Routing(EngineMetrics):
         for topic, payload, retained_qos in retained:
             self._enqueue(topic, payload, retained_qos, [(session, retained_qos)], flags=FLAG_RETAIN)
         self._save_record(session)
-        await self.committer.commit(urgent=True)
 
     async def unsubscribe(self, client_id: str, topic_filter: str) -> None:
-        """Drop a subscription; returns once that is stored, so a crash after the UNSUBACK
+        """``remove_subscription``, returning once that is stored, so a crash after the UNSUBACK
         cannot bring the filter back."""
+        self.remove_subscription(client_id, topic_filter)
+        await self.committer.commit(urgent=True)
+
+    def remove_subscription(self, client_id: str, topic_filter: str) -> None:
+        """Drop a subscription: routed no more from now on, stored by the next commit."""
         session = self.sessions.get(client_id)
         if session is None or session.record.subscriptions.pop(topic_filter, None) is None:
             return
         session.record.non_durable.discard(topic_filter)  # a later SUBSCRIBE starts durable again
         self.index.remove(client_id, topic_filter)
         self._save_record(session)
-        await self.committer.commit(urgent=True)
 
     def route_publish(
         self, topic: str, payload: bytes, qos: int, targets: dict[str, int] | None = None, *, retain: bool = False
@@ -162,6 +174,10 @@ class Routing(EngineMetrics):
 
     def _before_flush(self) -> None:
         self.removing.seal()
+        for session in self._unsaved_records:
+            if not session.deleted:  # a deleted one's erase is in the batch already
+                write_session(self.committer, session.record)
+        self._unsaved_records.clear()
         for session in self._dirty:
             if session.depth < 0 or session.bytes < 0:
                 log.error(

@@ -408,7 +408,8 @@ def test_a_subscribe_or_unsubscribe_a_demotion_overtakes_is_refused_not_acknowle
         await engine.subscribe("dev", "kept/#", 1)
         broker = SimpleNamespace(
             **dict.fromkeys(("_authenticate", "_client_connected", "_initialize_client_session",
-                             "_client_message_loop", "add_subscription", "_handle_unsubscription",
+                             "_client_message_loop", "add_subscription", "_handle_subscription",
+                             "_handle_unsubscription",
                              "_del_subscription", "_publish_retained_messages_for_subscription",
                              "_broadcast_message", "_cleanup_session", "shutdown")),
             _topic_filtering=allowed, config={}, retained_messages={},
@@ -419,17 +420,26 @@ def test_a_subscribe_or_unsubscribe_a_demotion_overtakes_is_refused_not_acknowle
         connection = AbortedTransport()
         writer = StreamWriterAdapter(SimpleNamespace(transport=connection))  # type: ignore[arg-type]
         acknowledged: list[int] = []
+        subacks: list[tuple[int, list[int]]] = []
 
         async def unsuback(packet_id: int) -> None:
             acknowledged.append(packet_id)
 
-        handler = SimpleNamespace(writer=writer, mqtt_acknowledge_unsubscription=unsuback)
-        waiter = asyncio.get_running_loop().create_future()
-        waiter.set_result(SimpleNamespace(topics=["kept/#"], packet_id=5))
+        async def suback(packet_id: int, codes: list[int]) -> None:
+            subacks.append((packet_id, codes))
+
+        handler = SimpleNamespace(
+            writer=writer, mqtt_acknowledge_unsubscription=unsuback, mqtt_acknowledge_subscription=suback
+        )
+        loop = asyncio.get_running_loop()
+        subscribed, unsubscribed = loop.create_future(), loop.create_future()
+        subscribed.set_result(SimpleNamespace(topics=[("new/#", 1), ("other/#", 0)], packet_id=4))
+        unsubscribed.set_result(SimpleNamespace(topics=["kept/#"], packet_id=5))
         engine.committer.halt("demoted")
-        assert await hooks.add_subscription(("new/#", 1), session) == 0x80
+        await hooks.handle_subscription(session, handler, subscribed)
+        assert subacks == [(4, [0x80, 0x80])]
         with pytest.raises(MQTTError, match="UNSUBSCRIBE kept/# not stored"):
-            await hooks.handle_unsubscription(session, handler, waiter)
+            await hooks.handle_unsubscription(session, handler, unsubscribed)
         assert acknowledged == [] and connection.aborted
 
     try:
