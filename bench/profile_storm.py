@@ -51,19 +51,30 @@ TOP = 40
 # A sample goes to the first stage (in this order) one of whose patterns (substrings of "path:function")
 # a frame of its stack contains; the rest is the event loop itself.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("replay: pumps building and writing PUBLISHes", ("delivery.py:Pump.",)),
-    ("PUBACK intake: FastReader, take_acks, ack bookkeeping", ("amqtt_glue.py:FastReader.", "take_ack")),
-    ("attach: urgent commit (committer.commit)", ("SessionLifecycle.attach;amqtt_durable/store.py:GroupCommitter",)),
-    ("attach: the rest (_save_record, Pump set-up, expiry)", ("lifecycle.py:SessionLifecycle.attach",)),
-    ("CONNACK due: our _connect_durable (engine.connect, del_all_subscriptions)", ("_connect_durable",)),
-    ("CONNACK due: amqtt's connack_authorize (CONNACK write)", ("mqtt_connack_authorize", "connack_authorize")),
-    ("read CONNECT: amqtt's init_from_connect (decode, Session)", ("init_from_connect",)),
-    ("amqtt: _handle_client_session rest (authenticate, events, handler.start, retained)",
-     ("_handle_client_session", "_client_connected", "client_connected")),
-    ("amqtt: message loop set-up (ensure_future waiters)", ("_client_message_loop", "client_message_loop")),
-    ("store writes: group commit flushes", ("GroupCommitter", "store.py")),
-    ("accept: asyncio accept + StreamReader set-up", ("_accept_connection", "connection_made", "start_server")),
+    ("asyncio accept, transport and StreamReader set-up", ("_accept_connection", "connection_made")),
+    ("Session(): amqtt's transitions.Machine (Session._init_states)", ("Session._init_states",
+                                                                        "_init_session_states")),
+    ("init_from_connect: CONNECT decode, Session and handler queues (the rest)",
+     ("BrokerProtocolHandler.init_from_connect",)),
+    ("our init_from_connect wrapper (owner, will ACL, pre-authentication)", ("init_from_connect",)),
+    ("our per-connection set-up (_wrap_handler, FastReader, OrderedAcks, control channel)",
+     ("AmqttHooks.initialize_client_session",)),
+    ("INFO log lines per connection", ("Logger.info",)),
+    ("authentication (map_plugin_auth)", ("AmqttHooks.authenticate",)),
+    ("session state connect()", ("_handle_client_session;transitions/", "SessionStates.connect", "Event.trigger")),
+    ("our _connect_durable (engine.connect, session-present)", ("_connect_durable",)),
+    ("CONNACK write (connack_authorize)", ("connack_authorize",)),
+    ("handler.start", ("BrokerProtocolHandler.start", "ProtocolHandler.start")),
+    ("our attach: commit request, _save_record, Pump set-up", ("SessionLifecycle.attach",)),
+    ("amqtt's message loop set-up (ensure_future, asyncio.wait)", ("Broker._client_message_loop",)),
+    ("rest of the connection task", ("Broker.stream_connected",)),
+    ("replay: the pumps (store reads, PUBLISH build and write)", ("Pump.",)),
+    ("PUBACK intake (FastReader, take_acks, ack bookkeeping)", ("FastReader",)),
+    ("store writes (group commit flushes)", ("GroupCommitter",)),
 ]
+
+
+OTHER = "event loop itself, other tasks"
 
 
 def stage_of(frames: list[str]) -> str:
@@ -71,7 +82,7 @@ def stage_of(frames: list[str]) -> str:
     for stage, patterns in STAGES:
         if any(p in joined for p in patterns):
             return stage
-    return "event loop itself: select, callbacks, other tasks"
+    return OTHER
 
 
 def analyse(raw: Path) -> tuple[int, Counter[str], Counter[str], Counter[str]]:
@@ -124,9 +135,19 @@ def profiled_storm_main(spec: StormSpec, pipe: Connection) -> None:
         pipe.send(("result", result))
 
 
-def render(args: argparse.Namespace, info: dict[str, str], command: str, res: StormResult, raw: Path) -> str:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def render(args: argparse.Namespace, info: dict[str, str], command: str, res: StormResult, raw: Path, *,
+           cpu_s: float) -> str:
     total, own, incl, stages = analyse(raw)
-    per = 1e6 / args.rate / args.sessions  # µs of broker CPU per CONNECT that one sample stands for
+    # µs of broker CPU per CONNECT that one sample stands for: the broker's CPU time over the storm (from
+    # /proc, so time other processes took from it does not count) shared out by the samples, which
+    # py-spy also takes while the broker is runnable but off the CPU
+    per = cpu_s * 1e6 / max(1, total) / args.sessions
     lines = [
         "# Reconnect storm profile (py-spy)",
         "",
@@ -135,14 +156,16 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, res: St
         f"- storm: {args.sessions:,} sessions x {args.messages:,} queued messages reconnecting at once; "
         f"with py-spy at {args.rate} Hz (the broker is paused per sample, so the storm is slower): "
         f"{res.summary()}, all delivered in {res.storm_s} s, slowest first message {res.slowest_first_ms} ms",
-        f"- {total:,} samples of the broker's busy threads = {total / args.rate:.2f} s of CPU = "
-        f"{total * per:,.0f} µs per CONNECT (all of it, replay included); one sample = {per:.2f} µs per CONNECT",
+        f"- {total:,} samples of the broker's busy threads ({total / args.rate:.2f} s at {args.rate} Hz); the broker "
+        f"used {cpu_s:.2f} s of CPU from go to result (/proc) = {cpu_s * 1e6 / args.sessions:,.0f} µs per CONNECT "
+        f"(all of it, replay included); one sample = {per:.2f} µs per CONNECT",
         "",
-        "## Per stage",
+        "## Per stage (the first 14 are the CONNECT path)",
         "",
         "| stage | samples | share | µs per CONNECT |",
         "|---|---:|---:|---:|",
-        *[f"| {n} | {c:,} | {100 * c / total:.1f}% | {c * per:,.0f} |" for n, c in stages.most_common()],
+        *[f"| {n} | {stages[n]:,} | {100 * stages[n] / total:.1f}% | {stages[n] * per:,.0f} |"
+          for n in [name for name, _ in STAGES] + [OTHER]],
         "",
         f"## Inclusive time of amqtt and amqtt_durable functions (top {TOP})",
         "",
@@ -178,8 +201,10 @@ def run(args: argparse.Namespace, tmp: Path, out: dict[str, str], info: dict[str
                                     "--format", "raw", "--output", str(raw)],
                                    stdout=subprocess.DEVNULL, stderr=(tmp / "py-spy.log").open("wb"))
             time.sleep(2.0)  # py-spy attaches
+            cpu_before = cpu_seconds(b.pid)
             client.send("go")
             res: StormResult = client.expect("result", args.timeout + RESULT_MARGIN_S)
+            cpu_s = cpu_seconds(b.pid) - cpu_before
         log(f"  storm: {res.summary()}; {res.storm_s} s, slowest first {res.slowest_first_ms} ms")
     finally:
         if spy is not None:
@@ -192,7 +217,7 @@ def run(args: argparse.Namespace, tmp: Path, out: dict[str, str], info: dict[str
         log(f"stopped ours: {b.stop(30.0)}")
     if args.keep_raw and raw.exists():
         shutil.copy(raw, args.keep_raw)
-    out["report"] = render(args, info, command, res, raw)
+    out["report"] = render(args, info, command, res, raw, cpu_s=cpu_s)
 
 
 def main(argv: list[str] | None = None) -> int:
