@@ -61,7 +61,7 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Session._init_states`` (class-level): every Session gets ``SessionStates``, the same three-state
   machine as amqtt's, in a few attribute assignments instead of a ``transitions.Machine`` built per
   Session (about 0.6 ms; amqtt builds one per CONNECT, even a reconnect whose cached Session it then
-  uses, so it was a fifth of a reconnect storm's CONNECT handling);
+  uses: over 40% of the CPU of a reconnect storm's CONNECT handling, see bench/PROFILE-replay.md);
 * ``Broker.retain_message``: nothing under ``_durable/`` (the SDK's control topics) is ever
   retained, not even a will; a publish's retain is stored by the engine with the publish
   (``route_publish(retain=...)``), and a will's (or a plugin's) here, so every retained message
