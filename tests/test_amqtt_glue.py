@@ -64,3 +64,76 @@ def test_session_monitor_cleanup_spares_a_reconnected_session(tmp_path: Path) ->
         [sys.executable, str(script)], capture_output=True, text=True, timeout=2 * WAIT, check=False
     )
     assert result.stdout.strip() == "alive", result.stdout + result.stderr
+
+
+RETAINED_TRIE = """
+import asyncio, os, struct, sys
+from amqtt.broker import Broker
+
+HOST, STORE, WAIT = {host!r}, {store!r}, {wait}
+PORTS = {ports!r}
+
+
+def packet(first: int, body: bytes) -> bytes:
+    return bytes([first, len(body)]) + body
+
+
+def publish(topic: bytes, payload: bytes, packet_id: int) -> bytes:
+    return packet(0x33, struct.pack(">H", len(topic)) + topic + struct.pack(">H", packet_id) + payload)
+
+
+def state(broker: Broker) -> list[str]:
+    table = broker.retained_messages
+    found = [topic for topic, _ in table.matching("#")] + [topic for topic, _ in table.matching("$SYS/#")]
+    if sorted(found) != sorted(table) or len(table.topics) != len(table):
+        return [f"out of step: trie {{sorted(found)}}, table {{sorted(table)}}"]
+    return sorted(topic for topic in table if not topic.startswith("$"))
+
+
+async def run(port: int, retain: bool) -> list[str]:
+    broker = Broker({{
+        "listeners": {{"default": {{"type": "tcp", "bind": f"{{HOST}}:{{port}}"}}}},
+        "plugins": {{
+            "amqtt.plugins.authentication.AnonymousAuthPlugin": {{"allow_anonymous": True}},
+            "amqtt_durable.DurableSessionsPlugin": {{"store": STORE, "metrics_interval": 0}},
+        }},
+    }})
+    await broker.start()
+    try:
+        if retain:
+            reader, writer = await asyncio.open_connection(HOST, port)
+            writer.write(packet(0x10, b"\\x00\\x04MQTT\\x04\\x02\\x00\\x3c\\x00\\x03pub"))
+            await asyncio.wait_for(reader.readexactly(4), WAIT)
+            sends = [(b"a/1", b"x"), (b"a/2", b"y"), (b"b/1", b"z"), (b"a/2", b"")]  # the last deletes a/2
+            for packet_id, (topic, payload) in enumerate(sends, 1):
+                writer.write(publish(topic, payload, packet_id))
+            for _ in sends:
+                await asyncio.wait_for(reader.readexactly(4), WAIT)  # PUBACKs: stored and applied
+            writer.write(b"\\xe0\\x00")
+            writer.close()
+        return state(broker)
+    finally:
+        await broker.shutdown()
+
+
+async def main() -> None:
+    print(await run(PORTS[0], True), flush=True)  # retained by publishes
+    print(await run(PORTS[1], False), flush=True)  # loaded from the store at start-up
+
+
+asyncio.run(main())
+os._exit(0)
+"""
+
+
+def test_the_retained_topic_trie_follows_amqtts_table_through_publishes_and_a_restart(tmp_path: Path) -> None:
+    """The trie the retained look-ups walk is amqtt's retained table's own (RetainedTable): set and
+    cleared by publishes, emptied by amqtt's start, refilled from the store. On the old code the
+    table was a plain dict, with no trie (this test then fails on ``table.matching``)."""
+    script = tmp_path / "retained_trie.py"
+    ports = [free_port(), free_port()]
+    script.write_text(RETAINED_TRIE.format(host=HOST, ports=ports, store=str(tmp_path / "store"), wait=WAIT))
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=4 * WAIT, check=False
+    )
+    assert result.stdout.splitlines() == ["['a/1', 'b/1']", "['a/1', 'b/1']"], result.stdout + result.stderr

@@ -164,3 +164,43 @@ def test_a_clean_session_ending_frees_its_places_under_the_limit(
     publisher.publish("new/b", [b"new"])
     assert again.wait_for(lambda got: any(m.payload == b"new" for m in got))
     assert [m.payload for m in again.messages] == [b"new"]
+
+
+RETAINED_TOPICS = 5000
+
+
+@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+def test_a_subscribe_of_many_filters_against_many_retained_topics_gets_exactly_the_matching_ones(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool
+) -> None:
+    """One SUBSCRIBE of 500 filters against 5000 retained topics: every filter's retained messages
+    were found by matching every retained message (2.5 million matches, seconds of a blocked
+    event loop for every client; see bench/RESULTS.md, "Many-filter SUBSCRIBE against many retained
+    topics"); they are now looked up in a trie of the retained topics. What is checked here is
+    that the subscriber gets exactly the retained messages its filters match, each once per
+    matching filter, retained-flagged: the trie must answer as ``matches`` does, '$' rule included
+    (the '$' rule is in tests/unit/test_topic_trie.py: a client may not publish to '$' topics; the
+    stall of other clients is a timing, recorded in bench/RESULTS.md, not asserted)."""
+    broker = broker_factory(max_subscriptions_per_client=0)
+    publisher = clients(broker.port, "pub-fleet", clean_session=True)
+    infos = [
+        publisher.paho.publish(f"fleet/{i:05d}/state", f"state {i}".encode(), qos=1, retain=True)
+        for i in range(RETAINED_TOPICS)
+    ]
+    deadline = time.monotonic() + 60.0
+    for info in infos:
+        info.wait_for_publish(max(0.1, deadline - time.monotonic()))
+        assert info.is_published(), f"retained publish mid={info.mid} not acknowledged"
+    publisher.publish("fleet/00003/state", [b""], retain=True)  # deleted: matched by nothing
+
+    filters = [f"other/{k}/+" for k in range(FLOOD_PER_PACKET - 8)]
+    filters += ["fleet/00007/+", "fleet/01234/#", "+/04999/state", "fleet/00003/+", "+/+/x", "+/nothing/q",
+                "fleet/00042/state", "other/#"]
+    wanted = ["fleet/00007/state", "fleet/01234/state", "fleet/04999/state", "fleet/00042/state"]
+    device = clients(broker.port, f"retained-{clean}", clean_session=clean)
+    assert device.subscribe([(f, 1) for f in filters]) == [1] * FLOOD_PER_PACKET
+    assert device.wait_for(lambda got: len(got) >= len(wanted))
+    publisher.publish("other/0/marker", [b"marker"])  # after every retained message, in order
+    assert device.wait_for(lambda got: any(m.payload == b"marker" for m in got))
+    got = [(m.topic, m.payload, m.retain) for m in device.messages if m.payload != b"marker"]
+    assert sorted(got) == sorted((topic, f"state {int(topic.split('/')[1])}".encode(), True) for topic in wanted)

@@ -246,3 +246,124 @@ def _descend(nodes: list[_Node], level: str, wildcards: bool, matched: list[_Nod
         if child is not None and level not in ("+", "#"):  # wildcards are not literals
             following.append(child)
     return following
+
+
+_NO_CHILDREN: dict[str, _TopicNode] = {}
+"""The children of every leaf, shared (never written: ``add`` gives a node its own dict first)."""
+
+
+class _TopicNode:
+    """One level of the topic trie: the next levels, and the topic that ends here (with its order)."""
+
+    __slots__ = ("children", "order", "topic")
+
+    def __init__(self) -> None:
+        self.children = _NO_CHILDREN  # most nodes are leaves: no dict of their own (64 bytes each)
+        self.topic: str | None = None
+        self.order = 0
+
+
+class TopicIndex:
+    """A set of topic names (the retained messages' topics) in a trie of levels, answering "which
+    of them does this filter match" by walking the branches the filter can match only.
+
+    A filter's cost is its literal levels (one lookup each), the children of the nodes where it has
+    '+' (one per child), and the topics it matches; not the number of topics. The answer is exactly
+    ``[t for t in topics if matches(t, topic_filter)]``, in the order the topics were added (as a
+    dict's keys: re-adding a topic already there keeps its place).
+    """
+
+    def __init__(self) -> None:
+        self._root = _TopicNode()
+        self._count = 0
+        self._added = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, topic: object) -> bool:
+        return isinstance(topic, str) and self._node(topic) is not None
+
+    def _node(self, topic: str) -> _TopicNode | None:
+        node = self._root
+        for level in topic.split("/"):
+            child = node.children.get(level)
+            if child is None:
+                return None
+            node = child
+        return node if node.topic is not None else None
+
+    def add(self, topic: str) -> None:
+        node = self._root
+        for level in topic.split("/"):
+            child = node.children.get(level)
+            if child is None:
+                if node.children is _NO_CHILDREN:
+                    node.children = {}
+                child = node.children[level] = _TopicNode()
+            node = child
+        if node.topic is None:
+            node.topic = topic
+            self._added += 1
+            node.order = self._added
+            self._count += 1
+
+    def discard(self, topic: str) -> None:
+        levels = topic.split("/")
+        path = [self._root]
+        for level in levels:
+            child = path[-1].children.get(level)
+            if child is None:
+                return
+            path.append(child)
+        if path[-1].topic is None:
+            return
+        path[-1].topic = None
+        self._count -= 1
+        for depth in range(len(path) - 1, 0, -1):  # prune the nodes no topic ends at or passes through
+            node = path[depth]
+            if node.topic is not None or node.children:
+                break
+            del path[depth - 1].children[levels[depth - 1]]
+
+    def clear(self) -> None:
+        self._root = _TopicNode()
+        self._count = 0
+
+    def matching(self, topic_filter: str) -> list[str]:
+        """The topics ``topic_filter`` matches, as ``matches`` decides (MQTT 3.1.1 section 4.7):
+        '+' is any one level, '#' the rest (also none of it: 'a/#' matches 'a'), and a topic
+        starting with '$' is not matched by a wildcard first level (MQTT-4.7.2-1)."""
+        found: list[_TopicNode] = []
+        nodes = [self._root]
+        for depth, level in enumerate(topic_filter.split("/")):
+            if level == "#":
+                stack = [child for node in nodes for key, child in node.children.items() if depth or key[:1] != "$"]
+                found.extend(node for node in nodes if node.topic is not None)
+                while stack:  # every node below holds or leads to a topic (pruned): output-bound
+                    node = stack.pop()
+                    if node.topic is not None:
+                        found.append(node)
+                    stack.extend(node.children.values())
+                return _in_order(found)
+            following: list[_TopicNode] = []
+            if level == "+":
+                for node in nodes:
+                    following.extend(
+                        child for key, child in node.children.items() if depth or key[:1] != "$"
+                    )
+            else:
+                for node in nodes:
+                    child = node.children.get(level)
+                    if child is not None:
+                        following.append(child)
+            nodes = following
+            if not nodes:
+                return []
+        return _in_order([node for node in nodes if node.topic is not None])
+
+
+def _in_order(nodes: list[_TopicNode]) -> list[str]:
+    if len(nodes) > 1:
+        nodes.sort(key=lambda node: node.order)
+    return [node.topic for node in nodes if node.topic is not None]

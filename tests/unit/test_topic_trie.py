@@ -5,8 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from amqtt.broker import RetainedApplicationMessage
 
-from amqtt_durable.topics import SubscriptionIndex, filter_is_valid, matches
+from amqtt_durable.amqtt_glue import RetainedTable
+from amqtt_durable.topics import SubscriptionIndex, TopicIndex, filter_is_valid, matches
 
 LEVELS = ["a", "b", "", "$x", "$SYS", "c d"]
 FILTER_LEVELS = [*LEVELS, "+", "+", "#"]
@@ -108,6 +110,9 @@ def test_edge_cases(topic_filter: str, topic: str, expected: bool) -> None:
     index.add("c", topic_filter, 1)
     assert index.route(topic) == ({"c": 1} if expected else {})
     assert index.matches_any(topic) is expected
+    topics = TopicIndex()  # the retained topics' trie, the other way round: a filter finds topics
+    topics.add(topic)
+    assert topics.matching(topic_filter) == ([topic] if expected else [])
 
 
 def test_many_filters_of_one_client_collapse_to_its_highest_qos() -> None:
@@ -173,3 +178,77 @@ def test_removing_a_filter_keeps_the_longer_ones_under_it() -> None:
     index.remove("c", "a")
     assert index.route("a") == {}
     assert index.route("a/b") == {"c": 2}
+
+
+def test_topic_index_finds_what_matches_finds_over_random_topics_and_filters() -> None:
+    """Property-style, fixed seed: after every add/discard, matching(f) equals the topics that
+    ``matches`` accepts, in the order a dict of them would list them (re-adding keeps the place)."""
+    rng = random.Random(20261126)
+    index = TopicIndex()
+    held: dict[str, None] = {}  # the oracle: a dict, as amqtt's retained table
+    filters = [random_filter(rng) for _ in range(150)] + ["#", "+", "+/+", "$SYS/#", "$x/+", "a", "a/b", "$SYS"]
+    for step in range(2000):
+        topic = random_topic(rng)
+        if held and rng.random() < 0.3:
+            topic = rng.choice(list(held))
+            index.discard(topic)
+            del held[topic]
+        else:
+            index.add(topic)
+            held[topic] = None
+        assert len(index) == len(held)
+        if step % 80 == 0:
+            for topic_filter in filters:
+                expected = [t for t in held if matches(t, topic_filter)]
+                assert index.matching(topic_filter) == expected, topic_filter
+            assert all(t in index for t in held)
+    for topic in list(held):
+        index.discard(topic)
+        index.discard(topic)  # twice: nothing left to discard, nothing changes
+    assert len(index) == 0
+    assert index._root.children == {}  # every node pruned
+    assert index.matching("#") == []
+
+
+def test_topic_index_walks_only_the_matching_branches() -> None:
+    """A filter of a first level no topic has is one lookup, however many topics there are."""
+    index = TopicIndex()
+    for i in range(10_000):
+        index.add(f"fleet/{i:05d}/state")
+    index.add("$SYS/broker/uptime")
+    assert list(index._root.children) == ["fleet", "$SYS"]
+    assert index.matching("other/1/+") == []
+    assert index.matching("fleet/00042/+") == ["fleet/00042/state"]
+    assert index.matching("fleet/00042/state") == ["fleet/00042/state"]
+    assert len(index.matching("fleet/#")) == len(index.matching("+/+/state")) == 10_000
+    assert "$SYS/broker/uptime" not in index.matching("#")
+    assert index.matching("$SYS/#") == ["$SYS/broker/uptime"]
+    index.clear()
+    assert len(index) == 0
+    assert index.matching("#") == []
+
+
+def test_amqtts_retained_table_keeps_its_topic_trie_in_step_whatever_changes_it() -> None:
+    """The glue's RetainedTable: every mapping method amqtt, its persistence plugin or the glue
+    may use to change the table changes the trie with it."""
+    def message(topic: str) -> RetainedApplicationMessage:
+        return RetainedApplicationMessage(None, topic, topic.encode(), 1)
+
+    table = RetainedTable()
+    table["a/1"] = message("a/1")
+    table.update({"a/2": message("a/2"), "b/1": message("b/1")})
+    table |= {"c/1": message("c/1")}
+    table.setdefault("c/2", message("c/2"))
+    table["a/1"] = message("a/1")  # a new message of a topic it has: same place, as in a dict
+    assert table.matching("a/+") == [("a/1", table["a/1"]), ("a/2", table["a/2"])]
+    del table["a/2"]
+    assert table.pop("b/1").topic == "b/1"
+    assert table.pop("missing", None) is None
+    popped, _ = table.popitem()
+    assert popped not in table.topics
+    assert len(table) == 2
+    assert [topic for topic, _ in table.matching("#")] == list(table)
+    assert len(table.topics) == len(table)
+    table.clear()
+    assert table.matching("#") == []
+    assert len(table.topics) == 0
