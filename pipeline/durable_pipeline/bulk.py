@@ -328,6 +328,9 @@ class BulkRangeReader:
                 pos = stop
                 if head == 0x30 and data.startswith(prefix, start):  # a stream event of our topic, QoS 0
                     at = start + body_at
+                    if stop - at < frame_size:
+                        raise SourceError(f"stream {self.topic} at {self.describe}: an event without its "
+                                          f"{frame_size}-byte frame (docs/protocol.md, Frames)")
                     version, flag, _epoch, seq, published = unpack(data, at)
                     if version != FRAME_VERSION:
                         raise SourceError(
@@ -393,10 +396,10 @@ class BulkRangeReader:
         """Columns of the range's events in id order, at most ``rows`` each, until ``end`` is taken."""
         deadline = time.monotonic() + self.timeout
         try:
-            self._connect(deadline)
-        except _ClosedError as exc:
-            raise SourceError(self._unreachable(exc)) from None
-        try:
+            try:
+                self._connect(deadline)
+            except _ClosedError as exc:
+                raise SourceError(self._unreachable(exc)) from None
             while self.expected <= self.end:
                 try:
                     came = self._pump(stall_check)

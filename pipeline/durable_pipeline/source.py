@@ -68,7 +68,8 @@ FORMAT: Final = "amqtt-durable"
 STORE_KEY: Final = "_durable/store"
 """Offset entry holding the broker store's id (no stream topic can be under _durable/)."""
 SCHEMA_DDL: Final = "topic string, id long, payload binary, qos int, published_at timestamp"
-DEFAULT_WINDOW: Final = 500
+DEFAULT_WINDOW: Final = 1000
+"""The broker's limit: a read task waits on the window's round trip, so the largest one (bench/RESULTS.md)."""
 MAX_WINDOW: Final = 1000
 """The broker's limit on events in flight per topic (durable_protocol.MAX_STREAM_WINDOW)."""
 DEFAULT_IDS_PER_PARTITION: Final = 100_000
@@ -406,7 +407,7 @@ class AmqttDurableDataSource(DataSource):
     {topic: last id already processed}; topics not listed start at their log's first
     retained id, topics appearing later at id 1), ``endingOffsets`` (batch: ``latest`` | JSON
     {topic: last id}, then only the topics listed are read), ``failOnDataLoss`` (true),
-    ``window`` (events in flight per topic, 500), ``maxEventsPerTrigger`` (no cap),
+    ``window`` (events in flight per topic, 1000), ``maxEventsPerTrigger`` (no cap),
     ``idsPerPartition`` (100000), ``timeout`` (seconds for broker waits, 30), ``failover``
     (``host:port,...``: the other brokers of a replication group).
     """
