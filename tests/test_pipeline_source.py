@@ -186,7 +186,7 @@ def test_reader_resumes_across_a_broker_sigkill(
     batches = read_range(Options.parse(options(stream_broker.port, window=10)), IdRange("telemetry/a", 0, 200))
     seen = [row["id"] for row in next(batches).to_pylist()]
     assert len(seen) <= 10  # the window: the rest is still on the broker
-    with caplog.at_level(logging.INFO, logger="durable_client"):  # before the kill: it may reconnect at once
+    with caplog.at_level(logging.INFO, logger="durable_pipeline"):  # before the kill: it may reconnect at once
         stream_broker.kill()
         stream_broker.start()
         for batch in batches:

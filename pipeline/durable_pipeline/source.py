@@ -8,12 +8,13 @@ however often it is read: Spark's checkpoint plus a file sink give exactly-once.
 Where things run. Planning (``initialOffset``/``latestOffset``/``partitions``, the batch
 ``partitions``) runs in a Python process next to the driver and asks the broker with a
 stateless ``DurableClient``. ``read(partition)`` runs in Python workers on the executors:
-each partition opens its own stateless client, reads its range in id order from the
-position it presents (``subscribe_stream(after=...)``), and closes. Only options and
-plain ranges travel to the executors (pickled), never a connection.
+each partition opens its own raw connection (``durable_pipeline.bulk``, no SDK client),
+reads its range in id order from the position it presents (``stream_subscribe`` with
+``after``), and closes. Only options and plain ranges travel to the executors (pickled),
+never a connection.
 
-Failures. A read task's client reconnects by itself (broker restart, dropped link) and
-resumes from the last id it handed to Spark; a task that still gets no event within
+Failures. A read task reconnects by itself (broker restart, dropped link, failover to the
+next address) and resumes after the last id it took; a task that still gets no event within
 ``timeout`` seconds fails with SourceError, and Spark runs the range again (or the query
 stops and resumes from its checkpoint when restarted). Ids retention trimmed before they
 were read are data loss: SourceError, or with ``failOnDataLoss=false`` skipped, counted and
@@ -28,7 +29,6 @@ import math
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -55,12 +55,11 @@ from durable_client import (
     ConnectFailed,
     ControlRequestFailed,
     DurableClient,
-    DurableClientError,
-    Event,
     RequestTimeout,
     Unconnected,
 )
 
+from .bulk import BulkRangeReader, arrow_batch
 from .errors import SourceError
 
 log = logging.getLogger("durable_pipeline.source")
@@ -69,7 +68,8 @@ FORMAT: Final = "amqtt-durable"
 STORE_KEY: Final = "_durable/store"
 """Offset entry holding the broker store's id (no stream topic can be under _durable/)."""
 SCHEMA_DDL: Final = "topic string, id long, payload binary, qos int, published_at timestamp"
-DEFAULT_WINDOW: Final = 500
+DEFAULT_WINDOW: Final = 1000
+"""The broker's limit: a read task waits on the window's round trip, so the largest one (bench/RESULTS.md)."""
 MAX_WINDOW: Final = 1000
 """The broker's limit on events in flight per topic (durable_protocol.MAX_STREAM_WINDOW)."""
 DEFAULT_IDS_PER_PARTITION: Final = 100_000
@@ -407,7 +407,7 @@ class AmqttDurableDataSource(DataSource):
     {topic: last id already processed}; topics not listed start at their log's first
     retained id, topics appearing later at id 1), ``endingOffsets`` (batch: ``latest`` | JSON
     {topic: last id}, then only the topics listed are read), ``failOnDataLoss`` (true),
-    ``window`` (events in flight per topic, 500), ``maxEventsPerTrigger`` (no cap),
+    ``window`` (events in flight per topic, 1000), ``maxEventsPerTrigger`` (no cap),
     ``idsPerPartition`` (100000), ``timeout`` (seconds for broker waits, 30), ``failover``
     (``host:port,...``: the other brokers of a replication group).
     """
@@ -593,44 +593,13 @@ def read_range(opts: Options, partition: InputPartition) -> Iterator[Any]:
     return _RangeReader(opts, partition).batches()
 
 
-class _HandOver:
-    """Events from the SDK's network thread to Spark's, taken a list at a time (one lock round
-    per batch, not per event); at most ``capacity`` held, a full one holds the network thread."""
-
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._events: deque[Event] = deque()
-        self._changed = threading.Condition()
-
-    def empty(self) -> bool:
-        return not self._events
-
-    def put(self, event: Event, closing: threading.Event) -> None:
-        with self._changed:
-            while len(self._events) >= self._capacity and not closing.is_set():
-                self._changed.wait(0.25)
-            self._events.append(event)
-            self._changed.notify_all()
-
-    def take(self, most: int, timeout: float) -> list[Event]:
-        """Up to ``most`` events, waiting up to ``timeout`` for the first; [] when none came."""
-        with self._changed:
-            if not self._events:
-                self._changed.wait(timeout)
-            events = self._events
-            taken = [events.popleft() for _ in range(min(most, len(events)))]
-            if taken:
-                self._changed.notify_all()
-            return taken
-
-
 class _RangeReader:
-    """One partition: a stateless client on the topic, a bounded hand-over between its thread and Spark's.
+    """One partition: a bulk reader (durable_pipeline.bulk: a raw connection, no SDK client, no thread)
+    over the range, its columns turned into Arrow batches of at most ROWS_PER_BATCH rows.
 
-    The SDK calls the listener on its network thread and acknowledges events when the listener
-    returns (one cumulative stream_ack per run of them); the listener only appends the event to
-    a hand-over of ``window`` places, so the broker's window and the hand-over together bound
-    what is held in memory. Spark takes a batch at a time through the generator.
+    The broker's window bounds what is in flight; the reader acknowledges (one cumulative
+    stream_ack per socket read) before it hands a batch to Spark, so the broker refills the
+    window while Spark takes the batch.
     """
 
     def __init__(self, opts: Options, part: IdRange) -> None:
@@ -638,13 +607,6 @@ class _RangeReader:
         self.part = part
         self.skipped = 0
         self._window = min(opts.window, part.end - part.start, MAX_WINDOW)
-        self._events = _HandOver(self._window)
-        self._closing = threading.Event()
-
-    def _on_event(self, event: Event) -> None:
-        if event.topic != self.part.topic or event.seq > self.part.end:
-            return  # past the range (the window runs ahead): not ours to hand over
-        self._events.put(event, self._closing)
 
     def batches(self) -> Iterator[Any]:
         import pyarrow as pa  # noqa: PLC0415 - executors only
@@ -652,73 +614,13 @@ class _RangeReader:
 
         arrow_schema = to_arrow_schema(_schema(), timezone="UTC")
         opts, part = self.opts, self.part
-        link = BrokerLink(opts)
-        try:
-            expected = self._open(link)
-            deadline = time.monotonic() + opts.timeout
-            while expected <= part.end:
-                rows = self._events.take(ROWS_PER_BATCH, STALL_CHECK)
-                if not rows:
-                    if time.monotonic() >= deadline:
-                        raise SourceError(
-                            f"stream {part.topic} at {opts.address}: no event after id {expected - 1} within "
-                            f"{opts.timeout:g} s (is the broker down?). This task fails; Spark reads the range again "
-                            "(or the query resumes from its checkpoint when restarted)"
-                        ) from None
-                    expected = self._check_trimmed(link, expected)
-                    continue
-                kept: list[Event] = []
-                for row in rows:
-                    if row.seq < expected:
-                        continue  # sent again after a reconnect; the SDK's marks drop these already
-                    if row.seq > expected:
-                        self._lost(expected, row.seq - 1, row.seq)
-                    kept.append(row)
-                    expected = row.seq + 1
-                if kept:
-                    yield _arrow_batch(pa, arrow_schema, kept)
-                deadline = time.monotonic() + opts.timeout  # after the yield: Spark may hold it long
-        finally:
-            self._closing.set()
-            link.close()
-
-    def _open(self, link: BrokerLink) -> int:
-        """Open the stream at the first id to read (past trimmed ones); returns that id (> end: nothing to read)."""
-        opts, part = self.opts, self.part
-        expected = part.start + 1
-        first, last = link.stream_info(part.topic).get(part.topic, (part.end + 1, part.end))
-        if last < part.end:
-            raise SourceError(
-                f"stream {part.topic} at {opts.address} ends at id {last}, but this batch was planned up to id "
-                f"{part.end}: was the broker's store wiped or replaced? Start the query from a new checkpoint"
-            )
-        if first > expected:
-            expected = self._lost(expected, min(first - 1, part.end), first)
-        if expected > part.end:
-            return expected
-        try:
-            link.client.subscribe_stream(
-                part.topic, self._on_event, window=self._window, after={part.topic: expected - 1},
-                timeout=opts.timeout,
-            )
-        except ControlRequestFailed as exc:
-            raise SourceError(f"the broker at {opts.address} refused the stream {part.topic}: {exc}") from None
-        except (Unconnected, RequestTimeout) as exc:
-            raise SourceError(_unreachable(opts, exc)) from None
-        return expected
-
-    def _check_trimmed(self, link: BrokerLink, expected: int) -> int:
-        """Waiting for ``expected``: if retention trimmed it meanwhile, no event will come for it."""
-        if not link.client.connected:
-            return expected
-        try:
-            bounds = link.client.stream_info(self.part.topic, timeout=min(self.opts.timeout, 5.0))
-        except DurableClientError:
-            return expected  # reconnecting: the deadline decides
-        first = bounds.get(self.part.topic, (expected, 0))[0]
-        if first > expected and self._events.empty():
-            return self._lost(expected, min(first - 1, self.part.end), first)
-        return expected
+        reader = BulkRangeReader(
+            [(opts.host, opts.port), *opts.failover], part.topic, part.start + 1, part.end,
+            window=self._window, timeout=opts.timeout, client_id=_client_id(), on_lost=self._lost,
+            describe=opts.address, reconnect_max_delay=RECONNECT_MAX_DELAY,
+        )
+        for cols in reader.batches(ROWS_PER_BATCH, STALL_CHECK):
+            yield arrow_batch(pa, arrow_schema, part.topic, cols)
 
     def _lost(self, first_missing: int, last_missing: int, log_first: int) -> int:
         """Trimmed ids: SourceError, or (failOnDataLoss=false) counted; returns the next id to expect."""
@@ -727,16 +629,3 @@ class _RangeReader:
         self.skipped += last_missing - first_missing + 1
         _log_skip(self.opts, self.part.topic, first_missing, last_missing)
         return last_missing + 1
-
-
-def _arrow_batch(pa: Any, arrow_schema: Any, events: list[Event]) -> Any:
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array([e.topic for e in events], type=pa.string()),
-            pa.array([e.seq for e in events], type=pa.int64()),
-            pa.array([e.payload for e in events], type=pa.binary()),
-            pa.array([e.qos for e in events], type=pa.int32()),
-            pa.array([round(e.published_at * 1_000_000) for e in events], type=arrow_schema.field(4).type),
-        ],
-        schema=arrow_schema,
-    )
