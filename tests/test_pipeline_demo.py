@@ -12,6 +12,7 @@ from conftest import WAIT
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(25 * WAIT)  # a JVM, a streaming query and an audit: about a minute, several on a loaded machine
 def test_the_demo_runs_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = subprocess.run(
