@@ -137,6 +137,7 @@ def test_shell_commands_exist(page: str, words: list[str]) -> None:
 
 
 @pytest.mark.slow  # Spark in a child process: a JVM, about half a minute
+@pytest.mark.timeout(330)  # above the child's own 300 s
 def test_the_pipeline_page_streaming_example_runs(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
