@@ -893,6 +893,11 @@ class GroupCommitter:
         """The last write error while writes fail; None while they succeed."""
         self.failing_since = 0.0
 
+    def _asked(self) -> bool:
+        """Is a write due: operations added, a commit asked, or a ``flush_soon`` whose writes
+        ``before_flush`` adds (the engine's changed session records)?"""
+        return bool(self._ops or self._waiters or self._after_commit or self._units)
+
     def put(self, key: bytes, value: bytes) -> None:
         self._ops.append((key, value))
 
@@ -959,7 +964,7 @@ class GroupCommitter:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._writing or self.halted is not None or not (self._ops or self._waiters or self._after_commit):
+        if self._writing or self.halted is not None or not self._asked():
             return
         if self.before_flush is not None:
             try:
@@ -967,6 +972,9 @@ class GroupCommitter:
             except Exception as exc:
                 self._finish(exc, [], [], [])  # nothing taken: everything stays queued
                 return
+        if not (self._ops or self._waiters or self._after_commit):
+            self._units = 0  # a flush_soon whose owner had nothing to add after all
+            return
         ops, self._ops = self._ops, []
         waiters, self._waiters = self._waiters, []
         after, self._after_commit = self._after_commit, []
@@ -1019,7 +1027,7 @@ class GroupCommitter:
             self._retry_delay = RETRY_FIRST
             if self.on_health is not None:
                 self.on_health(None, self.failing_since)
-        if self._ops or self._waiters or self._after_commit:
+        if self._asked():
             self._schedule(asyncio.get_running_loop())
 
     def _complete_when_shipped(
