@@ -7,6 +7,8 @@ No Spark: ``read_range`` and the reader are plain Python (pyarrow only).
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -16,9 +18,10 @@ import pytest
 
 from conftest import Broker, Client, free_port
 from durable_client import DurableClient, Event
-from durable_pipeline.bulk import BulkRangeReader
+from durable_pipeline.bulk import BulkRangeReader, _publish_qos0
 from durable_pipeline.errors import SourceError
 from durable_pipeline.source import IdRange, Options, read_range
+from durable_protocol import FRAME, FRAME_VERSION, REPLY_TOPIC, STREAM_TOPIC_PREFIX, encode_reply
 
 FILTER = "telemetry/#"
 WAIT = 30.0
@@ -157,3 +160,87 @@ def test_an_unreachable_broker_is_named() -> None:
     port = free_port()
     with pytest.raises(SourceError, match=rf"cannot reach the amqtt-durable broker at 127\.0\.0\.1:{port} within"):
         rows_of(Options(port=port, filter=FILTER, timeout=0.5), "telemetry/a", 0, 5)
+
+
+BOUNDS = {"t": {"first": 1, "last": 100, "count": 100}}
+
+
+def reply(op: str, req: int, topics: dict[str, Any]) -> bytes:
+    return _publish_qos0(REPLY_TOPIC.encode(), encode_reply(op, req, filter="t", topics=topics, store=1))
+
+
+def answering_but_sending_no_event(server: socket.socket, stop: threading.Event) -> None:
+    """A broker that takes the connection and answers every request (stream_subscribe, stream_info,
+    PINGREQ) but never sends an event: say its reads of the stream log keep failing."""
+    conn, _ = server.accept()
+    conn.settimeout(0.2)
+    data = b""
+    with conn:
+        while not stop.is_set():
+            try:
+                chunk = conn.recv(65536)
+            except TimeoutError:
+                continue
+            if not chunk:
+                return
+            data += chunk
+            while len(data) >= 2 and len(data) >= 2 + data[1]:  # the reader's packets are short
+                head, body, data = data[0], data[2:2 + data[1]], data[2 + data[1]:]
+                if head >> 4 == 1:
+                    conn.sendall(b"\x20\x02\x00\x00")  # CONNACK, accepted
+                elif head >> 4 == 12:
+                    conn.sendall(b"\xd0\x00")  # PINGRESP
+                elif head >> 4 == 3:
+                    request = json.loads(body[2 + int.from_bytes(body[:2], "big"):])
+                    if request["op"] in ("stream_subscribe", "stream_info"):
+                        conn.sendall(reply(request["op"], request["req"], BOUNDS))
+
+
+def test_replies_without_events_are_no_progress_the_read_times_out() -> None:
+    """Review of the bulk reader: any bytes read renewed the deadline, so a broker answering the
+    stalled read's stream_info every half second kept a task with no event waiting forever."""
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        serving = threading.Thread(target=answering_but_sending_no_event, args=(server, stop), daemon=True)
+        serving.start()
+        reader = BulkRangeReader([("127.0.0.1", server.getsockname()[1])], "t", 1, 100, window=10, timeout=1.5,
+                                 client_id="c", on_lost=lambda first, last, log_first: last + 1, describe="x")
+        outcome: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                list(reader.batches(4096, 0.3))
+            except SourceError as exc:
+                outcome.append(exc)
+
+        reading = threading.Thread(target=read, daemon=True)
+        reading.start()
+        reading.join(WAIT)  # the old reader was still waiting here, its deadline renewed by every reply
+        stop.set()
+        serving.join(WAIT)
+        assert outcome, f"no SourceError {WAIT:g} s into a read with a 1.5 s timeout"
+        assert "no event after id 0 within 1.5 s" in str(outcome[0])
+
+
+def event(seq: int) -> bytes:
+    return _publish_qos0((STREAM_TOPIC_PREFIX + "t").encode(), FRAME.pack(FRAME_VERSION, 0, 0, seq, time.time()) + b"x")
+
+
+def test_events_and_the_stream_info_reply_in_one_read_are_no_loss() -> None:
+    """Review of the bulk reader: the stalled read asked stream_info; ids 1-3 came, retention then
+    trimmed them, and the reply (first 4) came in the same read: it was compared with the ids
+    taken before that read, so ids 1-3, taken, were reported lost."""
+    lost: list[tuple[int, int]] = []
+
+    def on_lost(first_missing: int, last_missing: int, log_first: int) -> int:
+        lost.append((first_missing, last_missing))
+        raise SourceError("lost")  # failOnDataLoss
+
+    reader = BulkRangeReader([("127.0.0.1", 1)], "t", 1, 100, window=10, timeout=1, client_id="c",
+                             on_lost=on_lost, describe="x")
+    reader._info_req = 7
+    reader._data = event(1) + event(2) + event(3) + reply("stream_info", 7, {"t": {"first": 4, "last": 50}})
+    reader._parse()
+    assert reader._cols.ids == [1, 2, 3]
+    assert lost == []
+    assert reader.expected == 4

@@ -351,7 +351,9 @@ class BulkRangeReader:
                     payloads.append(data[at + frame_size:stop])
                     expected += 1
                 elif head >> 4 == 3:
+                    self.expected = expected  # a stream_info reply compares with the ids taken so far
                     self._other_publish(head, data[start:stop])
+                    expected = self.expected
         finally:
             self.expected = expected
             self._data = data[pos:]
@@ -401,6 +403,7 @@ class BulkRangeReader:
             except _ClosedError as exc:
                 raise SourceError(self._unreachable(exc)) from None
             while self.expected <= self.end:
+                before = self.expected
                 try:
                     came = self._pump(stall_check)
                     more = came and self._readable()  # before the ack: what the window had already sent
@@ -413,7 +416,7 @@ class BulkRangeReader:
                         yield self._take()
                     self._reconnect(exc, deadline)
                     continue
-                if came:
+                if self.expected != before:  # ids taken or skipped: a reply, a PINGRESP or a resend is no event
                     deadline = time.monotonic() + self.timeout
                 elif time.monotonic() >= deadline:
                     raise SourceError(self._no_event()) from None
