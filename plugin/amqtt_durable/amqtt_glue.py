@@ -1591,7 +1591,11 @@ async def _read_some(stream: asyncio.StreamReader, idle: float | None) -> bytes 
     if idle is None or stream._buffer:  # type: ignore[attr-defined]
         return await stream.read(READ_SIZE)
     try:
-        return await asyncio.wait_for(stream.read(READ_SIZE), idle)
+        # Not wait_for: on Python 3.11 it can swallow a cancellation that comes as the read
+        # completes, and the connection's reader, stopped by amqtt, read on (a broker stop then
+        # waited for that client's keep-alive).
+        async with asyncio.timeout(idle):
+            return await stream.read(READ_SIZE)
     except TimeoutError:
         return None
 

@@ -279,7 +279,8 @@ async def read_packet(
     async def read(count: int) -> bytes:
         if idle is None or len(stream._buffer) >= count:  # type: ignore[attr-defined]
             return await stream.readexactly(count)
-        return await asyncio.wait_for(stream.readexactly(count), idle)
+        async with asyncio.timeout(idle):  # not wait_for, which can swallow a cancellation (see amqtt_glue._read_some)
+            return await stream.readexactly(count)
 
     try:
         first = (await read(1))[0]
