@@ -33,6 +33,7 @@ from durable_protocol import (
     encode_reply,
     encode_request,
     parse_request,
+    remaining_length,
 )
 
 __all__ = [
@@ -68,4 +69,5 @@ __all__ = [
     "encode_reply",
     "encode_request",
     "parse_request",
+    "remaining_length",
 ]

@@ -58,6 +58,7 @@ __all__ = [
     "encode_reply",
     "encode_request",
     "parse_request",
+    "remaining_length",
 ]
 
 PROTOCOL_VERSION: Final = 1
@@ -68,6 +69,23 @@ MARKER_TOPIC: Final = "$durable/v1/marker"
 STREAM_TOPIC_PREFIX: Final = "$durable/v1/stream/"
 MAX_REQUEST_BYTES: Final = 65_536
 MAX_STREAM_WINDOW: Final = 1_000
+
+def remaining_length(length: int) -> bytes:
+    """MQTT's variable byte integer: 7 bits a byte, low bits first, the high bit set when more follow.
+
+    The one encoder of it in the project: the broker's wire module, the Spark source's bulk reader,
+    and the benchmarks' and the tests' raw clients use it.
+    """
+    out = bytearray()
+    while True:
+        byte = length % 128
+        length //= 128
+        if length:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
 
 FRAME: Final = struct.Struct(">BBQQd")
 """version:u8 flags:u8 epoch:u64 seq:u64 published_at:f64, then the payload as published."""

@@ -25,7 +25,6 @@ What the source guarantees (docs/pipeline.md) is kept here:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import select
 import socket
@@ -43,6 +42,7 @@ from durable_client.protocol import (
     STREAM_TOPIC_PREFIX,
     decode_reply,
     encode_request,
+    remaining_length,
 )
 
 from .errors import SourceError
@@ -73,25 +73,16 @@ class _ClosedError(Exception):
     """The connection ended or failed (the broker closed it, restarted, or the network broke)."""
 
 
-def _remaining_length(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _publish_qos0(topic: bytes, payload: bytes) -> bytes:
     variable = _U16.pack(len(topic)) + topic
-    return b"\x30" + _remaining_length(len(variable) + len(payload)) + variable + payload
+    return b"\x30" + remaining_length(len(variable) + len(payload)) + variable + payload
 
 
 def _connect_packet(client_id: str) -> bytes:
     cid = client_id.encode()
     variable = b"\x00\x04MQTT\x04\x02" + _U16.pack(KEEPALIVE)  # protocol level 4, clean session
     payload = _U16.pack(len(cid)) + cid
-    return b"\x10" + _remaining_length(len(variable) + len(payload)) + variable + payload
+    return b"\x10" + remaining_length(len(variable) + len(payload)) + variable + payload
 
 
 _CONNACK_REASONS: Final = {
@@ -384,8 +375,7 @@ class BulkRangeReader:
     def _ack(self) -> None:
         last = self.expected - 1
         if last > self._acked and self.expected <= self.end:
-            self._send(_publish_qos0(CONTROL_TOPIC.encode(), json.dumps(
-                {"v": 1, "op": "stream_ack", "topic": self.topic, "id": last}, separators=(",", ":")).encode()))
+            self._send(_publish_qos0(CONTROL_TOPIC.encode(), encode_request("stream_ack", topic=self.topic, id=last)))
             self._acked = last
         elif time.monotonic() - self._sent_at > KEEPALIVE / 2:
             self._send(_PINGREQ)

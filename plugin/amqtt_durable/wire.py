@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import struct
 
+from durable_protocol import remaining_length
+
 from .errors import PacketTooLargeError, ProtocolViolationError
 
 _U16 = struct.Struct(">H")
@@ -18,20 +20,6 @@ PUBREL_FIXED = 0x62
 PUBCOMP_FIXED = 0x70
 
 
-def remaining_length(length: int) -> bytes:
-    """MQTT's variable byte integer: 7 bits a byte, low bits first, the high bit set when more follow.
-
-    The one encoder of it in the project: the benchmarks' and the tests' raw clients use it too.
-    """
-    out = bytearray()
-    while True:
-        byte = length % 128
-        length //= 128
-        if length:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
 
 
 def encode_string(text: str | bytes) -> bytes:
