@@ -7,6 +7,8 @@ import math
 
 import pytest
 
+import durable_client.protocol as sdk_protocol
+import durable_protocol
 from durable_client.protocol import (
     FLAG_REDELIVERED,
     FLAG_REPLAYED,
@@ -180,3 +182,9 @@ def test_marker_of_a_new_session_has_no_seqs() -> None:
 def test_malformed_marker_is_a_protocol_error(payload: bytes) -> None:
     with pytest.raises(ProtocolError):
         decode_marker(payload)
+
+
+def test_the_sdk_module_is_the_shared_protocol_under_another_name() -> None:
+    """The SDK and the plugin must never disagree on a byte: one set of objects, no copy."""
+    assert sdk_protocol.__all__ == durable_protocol.__all__
+    assert all(getattr(sdk_protocol, name) is getattr(durable_protocol, name) for name in durable_protocol.__all__)
