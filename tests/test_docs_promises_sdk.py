@@ -7,13 +7,15 @@ Each test names the page and the promise it checks.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from test_sdk import Recorder
 
 from conftest import Broker, Client
-from durable_client import DurableClient
+from durable_client import CacheEntry, DurableClient
 from durable_client.protocol import CONTROL_TOPIC, REPLY_TOPIC
 
 
@@ -69,3 +71,46 @@ def test_a_request_without_v_or_op_is_refused_as_the_protocol_page_says(
     assert reply["ok"] is False and reply["error"]["code"] == code, reply
     assert (reply["op"], reply["req"]) == (op, req), reply
     assert client.paho.is_connected(), "a refused request leaves the connection up"
+
+
+# ------------------------------------------------------------------------------ sdk.md
+
+
+def test_a_cache_entry_has_value_seq_epoch_published_at_and_state(
+    broker: Broker, sdk_clients: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md, The last-value cache: `cache.entry(topic)` gives value, seq, epoch, published_at
+    and state; `cache.invalidate(topic)` leaves an `invalid` entry that a new subscription's
+    retained (initial) value fills; an empty live payload destroys the entry; `in` and
+    iteration see valid entries only."""
+    connected: list[Any] = []
+    recorder = Recorder()
+    dashboard = sdk_clients(broker.port, "cache-entry", on_connected=connected.append)
+    dashboard.subscribe("ce/a", listener=recorder)
+    dashboard.connect()
+    dashboard.ready_for_events()
+    publisher = clients(broker.port, "pub", clean_session=True)
+
+    before = time.time()
+    publisher.publish("ce/a", [b"live-1"], retain=True)
+    (event,) = recorder.wait(1)
+    entry = dashboard.cache.entry("ce/a")
+    assert isinstance(entry, CacheEntry)
+    assert (entry.value, entry.seq, entry.epoch, entry.state) == (b"live-1", event.seq, connected[0].epoch, "valid")
+    assert before - 1 <= entry.published_at <= time.time() + 1
+    assert "ce/a" in dashboard.cache and list(dashboard.cache) == ["ce/a"]
+
+    dashboard.cache.invalidate("ce/a")
+    invalid = dashboard.cache.entry("ce/a")
+    assert invalid is not None and (invalid.value, invalid.state) == (None, "invalid")
+    assert dashboard.cache.get("ce/a") is None and "ce/a" not in dashboard.cache and list(dashboard.cache) == []
+
+    dashboard.subscribe("ce/+", listener=recorder)  # a new subscription: the retained value comes as initial value
+    assert recorder.wait_until(lambda events: any(e.retained for e in events))
+    assert dashboard.cache.get("ce/a") == b"live-1", "an invalidated entry takes the initial value"
+
+    publisher.publish("ce/a", [b""])
+    assert recorder.wait_until(lambda events: events[-1].payload == b"" and not events[-1].replayed)
+    destroyed = dashboard.cache.entry("ce/a")
+    assert destroyed is not None and (destroyed.value, destroyed.state) == (None, "destroyed")
+    assert dashboard.cache.get("ce/a") is None and "ce/a" not in dashboard.cache
