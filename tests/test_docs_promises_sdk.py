@@ -114,3 +114,23 @@ def test_a_cache_entry_has_value_seq_epoch_published_at_and_state(
     destroyed = dashboard.cache.entry("ce/a")
     assert destroyed is not None and (destroyed.value, destroyed.state) == (None, "destroyed")
     assert dashboard.cache.get("ce/a") is None and "ce/a" not in dashboard.cache
+
+
+@pytest.mark.parametrize("bad_filter", ["a/#/b", "a/b#", "a+/b", "a/\x00"])
+def test_an_invalid_filter_is_refused_before_connect_and_connect_still_works(
+    broker: Broker, sdk_clients: Callable[..., DurableClient], bad_filter: str
+) -> None:
+    """sdk.md, Subscriptions: subscriptions may be made before connect(). An invalid filter is
+    refused there at once with ValueError, as when connected, and the client connects as usual
+    (before, it was accepted and connect() failed after its timeout: paho raised on the network
+    thread while sending the SUBSCRIBE)."""
+    client = sdk_clients(broker.port, "early-bad-filter")
+    with pytest.raises(ValueError, match="not a valid MQTT topic filter"):
+        client.subscribe(bad_filter)
+    with pytest.raises(ValueError, match="not a valid MQTT topic filter"):
+        client.subscribe_stream(bad_filter, lambda _event: None)
+    client.subscribe("fine/#")
+    client.connect(timeout=5)
+    assert client.connected
+    with pytest.raises(ValueError, match="not a valid MQTT topic filter"):
+        client.subscribe(bad_filter)

@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, ParamSpec
 
-from durable_protocol import CONTROL_PREFIX, CONTROL_TOPIC, MAX_STREAM_WINDOW, Marker, Reply, encode_request
+from durable_protocol import (
+    CONTROL_PREFIX,
+    CONTROL_TOPIC,
+    MAX_STREAM_WINDOW,
+    Marker,
+    Reply,
+    encode_request,
+    filter_is_valid,
+)
 
 from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, open_group_committed
 from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, topic_matches
@@ -49,6 +57,7 @@ from .events import ConnectionInfo, Listener, PersistenceLevel, Stats, StreamBou
 log = logging.getLogger("durable_client")
 
 _P = ParamSpec("_P")
+_MAX_STRING = 65_535  # an MQTT string's most bytes (its length is two bytes)
 
 _LOOP_TIMEOUT: Final = 0.25
 """Longest the network thread sleeps in select(): bounds how late it notices a handshake deadline."""
@@ -1052,6 +1061,11 @@ def _check_filter(topic_filter: str) -> None:
         raise ValueError("a topic filter must be a non-empty string")
     if topic_filter.startswith((CONTROL_PREFIX, "$durable/")):
         raise ValueError(f"{topic_filter!r}: the SDK's own topics cannot be subscribed to")
+    if not filter_is_valid(topic_filter) or len(topic_filter.encode("utf-8", "surrogatepass")) > _MAX_STRING:
+        raise ValueError(
+            f"{topic_filter!r} is not a valid MQTT topic filter ('#' only as the whole last level, '+' only "
+            "as a whole level, no U+0000, at most 65535 bytes)"
+        )
 
 
 def _check_after(topic_filter: str, after: dict[str, int] | None) -> dict[str, int]:

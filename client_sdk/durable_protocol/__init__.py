@@ -57,6 +57,7 @@ __all__ = [
     "encode_marker",
     "encode_reply",
     "encode_request",
+    "filter_is_valid",
     "parse_request",
     "remaining_length",
 ]
@@ -69,6 +70,19 @@ MARKER_TOPIC: Final = "$durable/v1/marker"
 STREAM_TOPIC_PREFIX: Final = "$durable/v1/stream/"
 MAX_REQUEST_BYTES: Final = 65_536
 MAX_STREAM_WINDOW: Final = 1_000
+
+
+def filter_is_valid(topic_filter: str) -> bool:
+    """MQTT-4.7.1: '#' only as the whole last level, '+' only as a whole level; not empty, no U+0000."""
+    if not topic_filter or "\x00" in topic_filter:
+        return False
+    levels = topic_filter.split("/")
+    for index, level in enumerate(levels):
+        if "#" in level and (level != "#" or index != len(levels) - 1):
+            return False
+        if "+" in level and level != "+":
+            return False
+    return True
 
 def remaining_length(length: int) -> bytes:
     """MQTT's variable byte integer: 7 bits a byte, low bits first, the high bit set when more follow.

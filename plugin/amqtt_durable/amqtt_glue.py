@@ -124,7 +124,7 @@ from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
 from transitions import MachineError
 
-from durable_protocol import CONTROL_PREFIX
+from durable_protocol import CONTROL_PREFIX, filter_is_valid
 
 from .config import DurableConfig
 from .control import ControlChannel
@@ -145,7 +145,7 @@ from .replication.etcd import EtcdCoordinator
 from .replication.node import ReplicationNode
 from .replication.primary import Primary
 from .stream_sender import StreamSender
-from .topics import SubscriptionIndex, TopicIndex, filter_is_valid, topic_problem
+from .topics import SubscriptionIndex, TopicIndex, topic_problem
 from .wire import PacketReader, encode_puback, encode_pubcomp
 
 log = logging.getLogger("amqtt_durable")

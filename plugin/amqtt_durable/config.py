@@ -13,12 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from durable_protocol import MAX_STREAM_WINDOW
+from durable_protocol import MAX_STREAM_WINDOW, filter_is_valid
 
 from .errors import ConfigError
 from .replication.config import ReplicationConfig
 from .settings import SCALARS
-from .topics import filter_is_valid
 
 OverflowPolicy = Literal["drop-oldest", "drop-newest"]
 OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)

@@ -22,12 +22,12 @@ from durable_protocol import (
     Request,
     encode_error,
     encode_reply,
+    filter_is_valid,
     parse_request,
 )
 
 from .delivery import Transport
 from .engine import DurableEngine, DurableSession
-from .topics import filter_is_valid
 from .wire import encode_publish
 
 log = logging.getLogger("amqtt_durable")

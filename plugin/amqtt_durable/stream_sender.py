@@ -22,11 +22,12 @@ from durable_protocol import (
     STREAM_TOPIC_PREFIX,
     ProtocolError,
     encode_frame,
+    filter_is_valid,
 )
 
 from .delivery import READ_RETRY_FIRST, READ_RETRY_MAX
 from .stream_log import MAX_MQTT_TOPIC_BYTES, LogEvent, StreamLogs
-from .topics import filter_is_valid, matches
+from .topics import matches
 from .wire import encode_publish
 
 RESEND_WAIT_MAX = 60.0

@@ -5,19 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 
-def filter_is_valid(topic_filter: str) -> bool:
-    """MQTT-4.7.1: '#' only as the whole last level, '+' only as a whole level."""
-    if not topic_filter or "\x00" in topic_filter:
-        return False
-    levels = topic_filter.split("/")
-    for index, level in enumerate(levels):
-        if "#" in level and (level != "#" or index != len(levels) - 1):
-            return False
-        if "+" in level and level != "+":
-            return False
-    return True
-
-
 def topic_problem(topic: str) -> str | None:
     """Why ``topic`` cannot be a PUBLISH topic name (None: it can); the one check of every path.
 

@@ -8,7 +8,8 @@ import pytest
 from amqtt.broker import RetainedApplicationMessage
 
 from amqtt_durable.amqtt_glue import RetainedTable
-from amqtt_durable.topics import SubscriptionIndex, TopicIndex, filter_is_valid, matches
+from amqtt_durable.topics import SubscriptionIndex, TopicIndex, matches
+from durable_protocol import filter_is_valid
 
 LEVELS = ["a", "b", "", "$x", "$SYS", "c d"]
 FILTER_LEVELS = [*LEVELS, "+", "+", "#"]

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from amqtt_durable.topics import SubscriptionIndex, filter_is_valid, filters_overlap, matches, topic_problem
+from amqtt_durable.topics import SubscriptionIndex, filters_overlap, matches, topic_problem
+from durable_protocol import filter_is_valid
 
 
 @pytest.mark.parametrize(
