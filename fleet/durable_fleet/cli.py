@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="devices' MQTT keep-alive in seconds; stalls outlast it (default: %(default)s)")
     schedule = parser.add_mutually_exclusive_group()
     schedule.add_argument("--schedule", type=Path,
-                          help="scripted faults: a YAML/JSON file (see README, 'Fleet testing')")
+                          help="scripted faults: a YAML/JSON file (format: docs/fleet.md, 'Scripted schedule')")
     schedule.add_argument("--faults",
                           help="random faults per kind, KIND=COUNT: drop, stall, broker_kill, device_restart; with "
                           "--ha, primary_kill and partition instead of broker_kill "
