@@ -9,9 +9,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from test_hostile_owner import acl_broker, login
+from test_mixed_clients import RECEIVE_ACL_PLUGIN
+from test_protocol import request, stream_events
 from test_sdk import Recorder
 
 from conftest import Broker, Client
@@ -134,3 +138,48 @@ def test_an_invalid_filter_is_refused_before_connect_and_connect_still_works(
     assert client.connected
     with pytest.raises(ValueError, match="not a valid MQTT topic filter"):
         client.subscribe(bad_filter)
+
+
+# ------------------------------------------------------------------------------ streams.md + ACL
+
+
+def test_the_topic_acl_refuses_a_stream_subscription_with_not_authorized(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, error `not_authorized` (a topic ACL plugin refused it); streams.md: topic ACL
+    plugins apply to streams as to subscriptions. amqtt's ACL plugin lets bob subscribe to bob/#
+    only: a stream_subscribe of secret/# is refused and changes nothing; bob/# is served."""
+    broker = acl_broker(broker_factory, streams=[{"filter": "#"}])
+    login(clients, broker, "pub", "pub").publish("secret/1", [b"alice's"])
+    bob = login(clients, broker, "bob-reader", "bob", clean_session=True)
+    refused = request(bob, "stream_subscribe", filter="secret/#", window=10)
+    assert (refused.ok, refused.error_code) == (False, "not_authorized"), refused
+    assert bob.paho.is_connected()
+    login(clients, broker, "pub", "pub").publish("bob/1", [b"bob's"])
+    granted = request(bob, "stream_subscribe", filter="bob/#", window=10)
+    assert granted.ok and granted.fields["topics"] == {"bob/1": {"first": 1, "last": 1}}, granted
+    assert bob.wait_for(lambda _: len(stream_events(bob)) >= 1)
+    assert [(topic, payload) for topic, _frame, payload in stream_events(bob)] == [("bob/1", b"bob's")]
+
+
+def test_a_stream_subscription_sends_only_the_topics_the_reader_may_receive(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """configuration.md, Topic ACL and read access; streams.md: ACL plugins apply to streams as
+    to subscriptions. With a RECEIVE ACL (bob reads b/ only), bob's stream_subscribe of # opens
+    and sends the b/ logs only, not the a/ ones."""
+    (tmp_path / "receive_acl.py").write_text(RECEIVE_ACL_PLUGIN)
+    broker = broker_factory(start=False, streams=[{"filter": "#"}])
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["receive_acl.ReceiveAcl"] = {"receive": {"alice": ["a/"], "bob": ["b/"]}}
+    broker.start()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("a/1", [b"for alice"])
+    publisher.publish("b/1", [b"for bob"])
+    bob = clients(broker.port, "bob-reader", clean_session=True, username="bob")
+    reply = request(bob, "stream_subscribe", filter="#", window=10)
+    assert reply.ok and reply.fields["topics"] == {"b/1": {"first": 1, "last": 1}}, reply
+    publisher.publish("a/1", [b"alice again"])
+    publisher.publish("b/1", [b"bob again"])
+    assert bob.wait_for(lambda _: len(stream_events(bob)) >= 2)
+    assert [(t, p) for t, _f, p in stream_events(bob)] == [("b/1", b"for bob"), ("b/1", b"bob again")]
