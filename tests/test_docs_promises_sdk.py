@@ -148,7 +148,8 @@ def test_the_topic_acl_refuses_a_stream_subscription_with_not_authorized(
 ) -> None:
     """protocol.md, error `not_authorized` (a topic ACL plugin refused it); streams.md: topic ACL
     plugins apply to streams as to subscriptions. amqtt's ACL plugin lets bob subscribe to bob/#
-    only: a stream_subscribe of secret/# is refused and changes nothing; bob/# is served."""
+    only: a stream_subscribe of secret/# is refused and changes nothing; bob/# is served; a
+    stream_info of secret/# is refused too."""
     broker = acl_broker(broker_factory, streams=[{"filter": "#"}])
     login(clients, broker, "pub", "pub").publish("secret/1", [b"alice's"])
     bob = login(clients, broker, "bob-reader", "bob", clean_session=True)
@@ -160,6 +161,8 @@ def test_the_topic_acl_refuses_a_stream_subscription_with_not_authorized(
     assert granted.ok and granted.fields["topics"] == {"bob/1": {"first": 1, "last": 1}}, granted
     assert bob.wait_for(lambda _: len(stream_events(bob)) >= 1)
     assert [(topic, payload) for topic, _frame, payload in stream_events(bob)] == [("bob/1", b"bob's")]
+    info = request(bob, "stream_info", filter="secret/#")
+    assert (info.ok, info.error_code) == (False, "not_authorized"), "stream_info obeys the ACL as stream_subscribe"
 
 
 def test_a_stream_subscription_sends_only_the_topics_the_reader_may_receive(
@@ -167,7 +170,8 @@ def test_a_stream_subscription_sends_only_the_topics_the_reader_may_receive(
 ) -> None:
     """configuration.md, Topic ACL and read access; streams.md: ACL plugins apply to streams as
     to subscriptions. With a RECEIVE ACL (bob reads b/ only), bob's stream_subscribe of # opens
-    and sends the b/ logs only, not the a/ ones."""
+    and sends the b/ logs only, not the a/ ones, and stream_info does not name the a/ logs to bob
+    (their topics and sizes are not his to see)."""
     (tmp_path / "receive_acl.py").write_text(RECEIVE_ACL_PLUGIN)
     broker = broker_factory(start=False, streams=[{"filter": "#"}])
     broker.pythonpath.append(str(tmp_path))
@@ -183,3 +187,7 @@ def test_a_stream_subscription_sends_only_the_topics_the_reader_may_receive(
     publisher.publish("b/1", [b"bob again"])
     assert bob.wait_for(lambda _: len(stream_events(bob)) >= 2)
     assert [(t, p) for t, _f, p in stream_events(bob)] == [("b/1", b"for bob"), ("b/1", b"bob again")]
+    info = request(bob, "stream_info")
+    assert info.ok and set(info.fields["topics"]) == {"b/1"}, "stream_info names only logs bob may receive"
+    alice = clients(broker.port, "alice-reader", clean_session=True, username="alice")
+    assert set(request(alice, "stream_info").fields["topics"]) == {"a/1"}

@@ -1366,6 +1366,7 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
         username=session.username,
         open_streams=open_streams,
         may_subscribe=may_subscribe if acl else None,
+        may_receive=may_receive if acl else None,
     )
 
 

@@ -33,7 +33,7 @@ from .wire import encode_publish
 log = logging.getLogger("amqtt_durable")
 
 _REPLY_TOPIC = REPLY_TOPIC.encode()
-_AWAITING_OPS = frozenset({"end_session", "stream_subscribe"})
+_AWAITING_OPS = frozenset({"end_session", "stream_subscribe", "stream_info"})
 
 
 class StreamAgent(Protocol):
@@ -61,6 +61,7 @@ class ControlChannel:
         username: str | None = None,
         open_streams: Callable[[], StreamAgent],
         may_subscribe: Callable[[str], Awaitable[bool]] | None = None,
+        may_receive: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self._engine = engine
         self._transport = transport
@@ -69,6 +70,7 @@ class ControlChannel:
         self._username = username
         self._open_streams = open_streams
         self._may_subscribe = may_subscribe
+        self._may_receive = may_receive
         self._streams: StreamAgent | None = None
         self._waiting: deque[Request] = deque()
         self._worker: asyncio.Task[None] | None = None
@@ -133,6 +135,8 @@ class ControlChannel:
             self._check_caller(request)
             if request.op == "end_session":
                 fields = await self._end_session(request)
+            elif request.op == "stream_info":
+                fields = await self._stream_info(request)
             else:
                 fields = await self._stream_subscribe(request)
         except ProtocolError as exc:
@@ -229,15 +233,29 @@ class ControlChannel:
             self._streams.unsubscribe(topic_filter)
         return {"filter": topic_filter}
 
-    def _stream_info(self, request: Request) -> dict[str, Any]:
+    async def _stream_info(self, request: Request) -> dict[str, Any]:
+        """The logs matching the filter, as stream_subscribe would open them: with topic ACL
+        plugins, a filter the user may not subscribe to is refused and a log the user may not
+        receive is left out (its topic name and size are not the user's to see)."""
         topic_filter = self._filter(request)
+        if self._may_subscribe is not None and not await self._may_subscribe(topic_filter):
+            raise ProtocolError("not_authorized", f"the broker's topic ACL refuses a subscription to {topic_filter!r}")
         if not self._engine.streams.covers_filter(topic_filter):
             raise ProtocolError("unknown_stream", f"{topic_filter!r} matches no configured stream")
-        topics = {
-            topic: {"first": first, "last": last, "count": last - first + 1}
-            for topic, (first, last) in sorted(self._engine.streams.topics(topic_filter).items())
-        }
+        bounds = sorted(self._engine.streams.topics(topic_filter).items())
+        if self._may_receive is not None and bounds:
+            allowed = await asyncio.gather(*(self._readable(topic) for topic, _ in bounds))
+            bounds = [bound for bound, ok in zip(bounds, allowed, strict=True) if ok]
+        topics = {topic: {"first": first, "last": last, "count": last - first + 1} for topic, (first, last) in bounds}
         return {"filter": topic_filter, "topics": topics, "store": self._engine.store_id}
+
+    async def _readable(self, topic: str) -> bool:
+        assert self._may_receive is not None
+        try:
+            return bool(await self._may_receive(topic))
+        except Exception:
+            log.exception("stream %s: the topic check failed; stream_info leaves it out", topic)
+            return False
 
     # ------------------------------------------------------------------ replies
     def _reply(self, request: Request, fields: dict[str, Any]) -> None:
@@ -260,5 +278,4 @@ _IMMEDIATE: dict[str, Callable[[ControlChannel, Request], dict[str, Any] | None]
     "ready": ControlChannel._ready,
     "stream_ack": ControlChannel._stream_ack,
     "stream_unsubscribe": ControlChannel._stream_unsubscribe,
-    "stream_info": ControlChannel._stream_info,
 }
