@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from test_hostile_owner import acl_broker, login
 from test_mixed_clients import RECEIVE_ACL_PLUGIN
-from test_protocol import request, stream_events
+from test_protocol import ack_each, request, stream_events
 from test_sdk import Recorder
 
 from conftest import Broker, Client
@@ -191,3 +191,28 @@ def test_a_stream_subscription_sends_only_the_topics_the_reader_may_receive(
     assert info.ok and set(info.fields["topics"]) == {"b/1"}, "stream_info names only logs bob may receive"
     alice = clients(broker.port, "alice-reader", clean_session=True, username="alice")
     assert set(request(alice, "stream_info").fields["topics"]) == {"a/1"}
+
+
+def test_stream_unsubscribe_stops_a_filter_s_topics_unless_another_open_one_covers_them(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, stream_unsubscribe: its topics that no other open stream_subscribe of the
+    connection covers send nothing more, and an ack on them gets `unknown_stream`; the reply
+    echoes the filter. A topic another open filter covers goes on."""
+    broker = broker_factory(streams=[{"filter": "u/#"}])
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("u/a", [b"a1"])
+    publisher.publish("u/b", [b"b1"])
+    reader = clients(broker.port, "reader", clean_session=True)
+    assert request(reader, "stream_subscribe", filter="u/#", window=10).ok
+    assert request(reader, "stream_subscribe", filter="u/b", window=10).ok
+    assert reader.wait_for(lambda _: len(stream_events(reader)) >= 2)
+    reply = request(reader, "stream_unsubscribe", filter="u/#")
+    assert reply.ok and reply.fields == {"filter": "u/#"}, reply
+    refused = request(reader, "stream_ack", topic="u/a", id=1)
+    assert (refused.ok, refused.error_code) == (False, "unknown_stream"), refused
+    ack_each(reader, "u/b", range(1, 2))
+    publisher.publish("u/a", [b"a2"])
+    publisher.publish("u/b", [b"b2"])
+    assert reader.wait_for(lambda _: any(payload == b"b2" for _t, _f, payload in stream_events(reader)))
+    assert sorted((t, p) for t, _f, p in stream_events(reader)) == [("u/a", b"a1"), ("u/b", b"b1"), ("u/b", b"b2")]
