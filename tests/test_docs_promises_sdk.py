@@ -216,3 +216,44 @@ def test_stream_unsubscribe_stops_a_filter_s_topics_unless_another_open_one_cove
     publisher.publish("u/b", [b"b2"])
     assert reader.wait_for(lambda _: any(payload == b"b2" for _t, _f, payload in stream_events(reader)))
     assert sorted((t, p) for t, _f, p in stream_events(reader)) == [("u/a", b"a1"), ("u/b", b"b1"), ("u/b", b"b2")]
+
+
+def test_after_its_session_expired_a_restarted_cpl2_client_is_told_and_starts_its_marks_again(
+    broker_factory: Callable[..., Broker],
+    sdk_clients: Callable[..., DurableClient],
+    clients: Callable[..., Client],
+    tmp_path: Path,
+) -> None:
+    """sdk.md, Subscriptions, reconnection and closing: `on_session_lost()` is called when the
+    broker no longer has a session the client had (it expired); the client then starts as new,
+    subscribes again and resets its marks. So the new session's events (sequence ids from 1
+    again, in a new epoch) are processed, not dropped as duplicates of the old session's."""
+    broker = broker_factory(session_expiry=0.5)
+    watcher = clients(broker.port, "watcher", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/expired", 1)
+    publisher = clients(broker.port, "pub", clean_session=True)
+    state = tmp_path / "state"
+
+    first_events = Recorder()
+    first = sdk_clients(broker.port, "lost-dev", persistence="disk", state_dir=state)
+    first.subscribe("lost/t", listener=first_events)
+    first.connect()
+    first.ready_for_events()
+    publisher.publish("lost/t", [b"one", b"two", b"three"])
+    old = first_events.wait(3)
+    first.close(keep_session=True)
+    assert watcher.wait_for(lambda ms: any(b'"lost-dev"' in m.payload for m in ms)), "the session expired"
+
+    lost: list[bool] = []
+    again = Recorder()
+    second = sdk_clients(
+        broker.port, "lost-dev", persistence="disk", state_dir=state, on_session_lost=lambda: lost.append(True)
+    )
+    second.subscribe("lost/t", listener=again)
+    second.connect()
+    second.ready_for_events()
+    assert lost == [True]
+    publisher.publish("lost/t", [b"four"])
+    (event,) = again.wait(1)
+    assert event.payload == b"four" and event.epoch != old[0].epoch and event.seq <= old[-1].seq
+    assert second.stats.duplicates_dropped == 0
