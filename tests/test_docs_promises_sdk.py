@@ -18,8 +18,9 @@ from test_mixed_clients import RECEIVE_ACL_PLUGIN
 from test_protocol import ack_each, request, stream_events
 from test_sdk import Recorder
 
-from conftest import Broker, Client
-from durable_client import CacheEntry, DurableClient
+from amqtt_durable.process import free_port
+from conftest import HOST, WAIT, Broker, Client, connack_code
+from durable_client import CacheEntry, ConnectFailed, DurableClient
 from durable_client.protocol import CONTROL_TOPIC, REPLY_TOPIC
 
 
@@ -257,3 +258,34 @@ def test_after_its_session_expired_a_restarted_cpl2_client_is_told_and_starts_it
     (event,) = again.wait(1)
     assert event.payload == b"four" and event.epoch != old[0].epoch and event.seq <= old[-1].seq
     assert second.stats.duplicates_dropped == 0
+
+
+def test_connect_fails_at_once_with_connect_failed_when_the_broker_refuses_the_client(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: without `failover` a CONNACK 3 (a replication backup refuses clients) at connect()
+    fails at once with `ConnectFailed`; so does a CONNACK 5 (guarantees.md, Owner: another user's
+    CONNECT of a durable session's client id). connect() may then be called again."""
+    backup = broker_factory(
+        start=False,
+        replication={"role": "backup", "primary": f"{HOST}:{free_port()}", "listen": f"{HOST}:{free_port()}"},
+    )
+    backup.spawn()
+    assert backup.wait_until(lambda: connack_code(backup.port) == 3, WAIT), backup.log()
+    refused = DurableClient("sdk-refused", port=backup.port)
+    started = time.monotonic()
+    with pytest.raises(ConnectFailed, match="refused"):
+        refused.connect(timeout=WAIT)
+    assert time.monotonic() - started < WAIT / 3, "at once, not after the timeout"
+
+    broker = broker_factory()
+    clients(broker.port, "owned-dev", username="alice")
+    intruder = DurableClient("owned-dev", port=broker.port, username="bob")
+    started = time.monotonic()
+    with pytest.raises(ConnectFailed, match="refused"):
+        intruder.connect(timeout=WAIT)
+    assert time.monotonic() - started < WAIT / 3
+    with pytest.raises(ConnectFailed):
+        intruder.connect(timeout=WAIT)
+    intruder.close()
+    refused.close()
