@@ -6,6 +6,7 @@ Each test names the page and the promise it checks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from test_sdk import Recorder
 
 from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, connack_code
-from durable_client import CacheEntry, ConnectFailed, DurableClient
+from durable_client import AsyncDurableClient, CacheEntry, ConnectFailed, DurableClient
 from durable_client.protocol import CONTROL_TOPIC, REPLY_TOPIC
 
 
@@ -289,3 +290,35 @@ def test_connect_fails_at_once_with_connect_failed_when_the_broker_refuses_the_c
         intruder.connect(timeout=WAIT)
     intruder.close()
     refused.close()
+
+
+def test_a_plain_async_for_left_early_does_not_acknowledge_and_async_with_does(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """sdk.md, asyncio: inside `async with client.events() as events`, leaving the loop without an
+    exception (`break`) acknowledges the event the body was on; a plain `async for event in
+    client.events()` left early does not: that event comes again."""
+    publisher = clients(broker.port, "pub", clean_session=True)
+
+    async def main() -> list[bytes]:
+        seen: list[bytes] = []
+        async with AsyncDurableClient("async-leave", port=broker.port, reconnect_max_delay=0.5) as client:
+            await client.subscribe("leave/t")
+            await client.ready_for_events()
+            await asyncio.to_thread(publisher.publish, "leave/t", [b"one", b"two", b"three"])
+            async for event in client.events():
+                seen.append(event.payload)
+                break  # a plain async for: "one" is not acknowledged
+            async with client.events() as events:
+                async for event in events:
+                    seen.append(event.payload)
+                    if event.payload == b"two":
+                        break  # inside async with: "two" is acknowledged
+            async with client.events() as events:
+                async for event in events:
+                    seen.append(event.payload)
+                    break
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(main(), 2 * WAIT))
+    assert seen == [b"one", b"one", b"two", b"three"]
