@@ -22,7 +22,7 @@ from test_sdk import Recorder
 from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, connack_code
 from durable_client import AsyncDurableClient, CacheEntry, ConnectFailed, DurableClient
-from durable_client.protocol import CONTROL_TOPIC, REPLY_TOPIC
+from durable_client.protocol import CONTROL_TOPIC, MARKER_TOPIC, REPLY_TOPIC
 
 
 @pytest.fixture
@@ -322,3 +322,27 @@ def test_a_plain_async_for_left_early_does_not_acknowledge_and_async_with_does(
 
     seen = asyncio.run(asyncio.wait_for(main(), 2 * WAIT))
     assert seen == [b"one", b"one", b"two", b"three"]
+
+
+def test_a_durable_session_without_hello_is_not_held_and_gets_a_marker_on_ready_its_events_unframed(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """protocol.md: without a `hello` a durable session is a plain MQTT session (no frames, no
+    hold); `ready` still gets it a marker (its events unframed), after which live messages follow."""
+    device = clients(broker.port, "plain-ready")
+    device.subscribe("pr/t", 1)
+    device.disconnect()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("pr/t", [b"q1", b"q2"])
+    device.connect()
+    assert device.wait_for(lambda ms: len(ms) >= 2), "no hold: the queue comes at once"
+    reply = request(device, "ready")
+    assert reply.ok and reply.fields == {"already": False}, reply
+    assert device.wait_for(lambda ms: any(m.topic == MARKER_TOPIC for m in ms))
+    publisher.publish("pr/t", [b"live"])
+    assert device.wait_for(lambda ms: any(m.payload == b"live" for m in ms))
+    data = [(m.topic, m.payload) for m in device.messages if m.topic != REPLY_TOPIC]
+    assert [payload for topic, payload in data if topic == "pr/t"] == [b"q1", b"q2", b"live"], "unframed"
+    assert [topic for topic, _ in data] == ["pr/t", "pr/t", MARKER_TOPIC, "pr/t"]
+    marker = json.loads(next(payload for topic, payload in data if topic == MARKER_TOPIC))
+    assert marker["live"] == [{"filter": "pr/t", "qos": 1, "durable": True}]
