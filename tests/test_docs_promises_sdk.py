@@ -346,3 +346,28 @@ def test_a_durable_session_without_hello_is_not_held_and_gets_a_marker_on_ready_
     assert [topic for topic, _ in data] == ["pr/t", "pr/t", MARKER_TOPIC, "pr/t"]
     marker = json.loads(next(payload for topic, payload in data if topic == MARKER_TOPIC))
     assert marker["live"] == [{"filter": "pr/t", "qos": 1, "durable": True}]
+
+
+def test_another_client_subscribed_to_durable_dollar_topics_receives_nothing(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, Topics: replies, markers and stream events are written to the one connection
+    concerned, never routed; subscribing to them explicitly receives nothing."""
+    broker = broker_factory(streams=[{"filter": "sx/#"}])
+    spies = [clients(broker.port, "spy-clean", clean_session=True), clients(broker.port, "spy-durable")]
+    for spy in spies:
+        spy.subscribe([("$durable/#", 1), ("$durable/v1/reply", 1), ("$durable/v1/stream/sx/a", 1)])
+    device = clients(broker.port, "sdk-dev")
+    assert request(device, "hello").ok
+    device.subscribe("sx/#", 1)
+    assert request(device, "ready").ok
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("sx/a", [b"x"])
+    assert request(device, "stream_subscribe", filter="sx/#").ok
+    assert device.wait_for(lambda _: len(stream_events(device)) == 1)
+    assert device.wait_for(lambda ms: any(m.topic == MARKER_TOPIC for m in ms))
+    spies[0].subscribe("fence", 1)
+    publisher.publish("fence", [b"f"])
+    assert spies[0].wait_for(lambda ms: any(m.topic == "fence" for m in ms))
+    assert [m.topic for m in spies[0].messages] == ["fence"]
+    assert spies[1].messages == []
