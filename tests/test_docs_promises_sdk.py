@@ -371,3 +371,23 @@ def test_another_client_subscribed_to_durable_dollar_topics_receives_nothing(
     assert spies[0].wait_for(lambda ms: any(m.topic == "fence" for m in ms))
     assert [m.topic for m in spies[0].messages] == ["fence"]
     assert spies[1].messages == []
+
+
+def test_when_one_listener_raises_every_listener_of_the_event_is_called_again(
+    broker: Broker, sdk_clients: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md, Sequence ids and exactly-once: a listener that raises gets the same event again,
+    redelivered, in order; all listeners of the event are called again, also those that had
+    returned. Each event is processed (all listeners returned) once."""
+    first, failing = Recorder(), Recorder(fail_once_on=b"e2")
+    device = sdk_clients(broker.port, "two-listeners")
+    device.subscribe("two/#", listener=first)
+    device.subscribe("two/+", listener=failing)
+    device.connect()
+    device.ready_for_events()
+    clients(broker.port, "pub", clean_session=True).publish("two/t", [b"e1", b"e2", b"e3"])
+    assert [e.payload for e in failing.wait(3)] == [b"e1", b"e2", b"e3"]
+    assert failing.attempts == [b"e1", b"e2", b"e2", b"e3"]
+    assert first.attempts == [b"e1", b"e2", b"e2", b"e3"], "the listener that had returned is called again"
+    assert failing.events[1].redelivered and not failing.events[0].redelivered
+    assert device.stats.processed == 3 and device.stats.redeliveries_requested == 1
