@@ -191,6 +191,7 @@ def test_a_stream_subscription_sends_only_the_topics_the_reader_may_receive(
     assert [(t, p) for t, _f, p in stream_events(bob)] == [("b/1", b"for bob"), ("b/1", b"bob again")]
     info = request(bob, "stream_info")
     assert info.ok and set(info.fields["topics"]) == {"b/1"}, "stream_info names only logs bob may receive"
+    assert info.fields["filter"] == "#", "the default filter, echoed"
     alice = clients(broker.port, "alice-reader", clean_session=True, username="alice")
     assert set(request(alice, "stream_info").fields["topics"]) == {"a/1"}
 
@@ -206,7 +207,8 @@ def test_stream_unsubscribe_stops_a_filter_s_topics_unless_another_open_one_cove
     publisher.publish("u/a", [b"a1"])
     publisher.publish("u/b", [b"b1"])
     reader = clients(broker.port, "reader", clean_session=True)
-    assert request(reader, "stream_subscribe", filter="u/#", window=10).ok
+    opened = request(reader, "stream_subscribe", filter="u/#", window=10)
+    assert opened.ok and opened.fields["filter"] == "u/#", opened
     assert request(reader, "stream_subscribe", filter="u/b", window=10).ok
     assert reader.wait_for(lambda _: len(stream_events(reader)) >= 2)
     reply = request(reader, "stream_unsubscribe", filter="u/#")
