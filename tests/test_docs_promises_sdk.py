@@ -393,3 +393,19 @@ def test_when_one_listener_raises_every_listener_of_the_event_is_called_again(
     assert first.attempts == [b"e1", b"e2", b"e2", b"e3"], "the listener that had returned is called again"
     assert failing.events[1].redelivered and not failing.events[0].redelivered
     assert device.stats.processed == 3 and device.stats.redeliveries_requested == 1
+
+
+def test_a_hello_without_session_expiry_puts_the_broker_default_back(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, hello: `session_expiry` sets the session's expiry override (granted in the
+    reply); a later hello without it removes the override (reply null), so the broker's
+    `session_expiry` decides again."""
+    broker = broker_factory(session_expiry=0.5)
+    watcher = clients(broker.port, "watcher", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/expired", 1)
+    device = clients(broker.port, "hello-expiry")
+    assert request(device, "hello", session_expiry=3600).fields["session_expiry"] == 3600
+    assert request(device, "hello").fields["session_expiry"] is None
+    device.disconnect()
+    assert watcher.wait_for(lambda ms: any(b'"hello-expiry"' in m.payload for m in ms)), "expired after 0.5 s"
