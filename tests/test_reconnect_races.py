@@ -265,3 +265,30 @@ def test_only_the_newest_connection_gets_a_pump_when_attaches_race_over_the_comm
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_a_connect_right_after_a_connection_closed_at_its_connect_gets_its_connack(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """A device that sends CONNECT and closes at once (it gave up), then connects again with the
+    same client id: the second CONNECT takes the first over inside amqtt's CONNECT handling, often
+    before the first connection's reader task has run. amqtt's take-over cancels that task and
+    waited for an event only the task's body sets, so the second connection never got a CONNACK
+    (every round hung until the client's own timeout). It must get CONNACK 0 with session present,
+    and the session's messages."""
+    connect = mqtt_string("MQTT") + bytes([4, 0x00, 0, 60])  # clean_session=false, keep-alive 60 s
+    publisher = clients(broker.port, "pub", clean_session=True)
+    for round_ in range(5):
+        client_id = f"gave-up-{round_}"
+        device = clients(broker.port, client_id)
+        device.subscribe("gave/up", 1)
+        device.disconnect()
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as first:
+            first.sendall(mqtt_packet(0x10, connect + mqtt_string(client_id)))
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as second:
+            second.sendall(mqtt_packet(0x10, connect + mqtt_string(client_id)))
+            assert read_exactly(second, 4) == b"\x20\x02\x01\x00", f"round {round_}: no CONNACK"
+            publisher.publish("gave/up", [f"r{round_}".encode()])
+            header = read_exactly(second, 2)
+            body = read_exactly(second, header[1])
+            assert header[0] & 0xF0 == 0x30 and body.endswith(f"r{round_}".encode()), (header, body)

@@ -195,6 +195,7 @@ _HANDLER_INTERNALS = (
     "handle_pubrel",
     "_send_packet",
     "mqtt_publish",
+    "stop",
 )
 _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconnected")
 
@@ -1246,6 +1247,31 @@ def _wrap_handler(
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, handler.handle_pubrel)
+    handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
+
+
+def _stop_waiting_for_a_reader_that_may_never_run(
+    handler: Any, original: Callable[[], Awaitable[None]]
+) -> Callable[[], Awaitable[None]]:
+    """amqtt's ``stop()`` cancels the connection's reader task, then waits for ``_reader_stopped``,
+    which the reader sets as it ends. A task cancelled before its first step never runs its body,
+    so nothing set it and ``stop()`` waited for ever: a connection closed right after its CONNECT
+    (a device giving up) whose client id connected again at once was taken over inside amqtt's
+    CONNECT handling before its reader ran, and the new connection never got its CONNACK. Once
+    the task has ended, however it ended, the events are set (``_reader_ready`` too: the old
+    connection's set-up then goes on, and its message loop ends as a superseded connection's does)."""
+
+    def reader_ended(_task: Any) -> None:
+        handler._reader_ready.set()
+        handler._reader_stopped.set()
+
+    async def stop() -> None:
+        task = handler._reader_task
+        if task is not None and not task.done():
+            task.add_done_callback(reader_ended)
+        await original()
+
+    return stop
 
 
 def _pubrel_handler(
