@@ -8,12 +8,16 @@ routing of everyone else's publishes.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 
 import pytest
+from test_protocol import request
+from test_reconnect_races import read_exactly
 
-from conftest import Broker, Client, payloads
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+from durable_client.protocol import CONTROL_TOPIC, encode_request
 
 REFUSED = 0x80
 FLOOD = 10_000
@@ -204,3 +208,28 @@ def test_a_subscribe_of_many_filters_against_many_retained_topics_gets_exactly_t
     assert device.wait_for(lambda got: any(m.payload == b"marker" for m in got))
     got = [(m.topic, m.payload, m.retain) for m in device.messages if m.payload != b"marker"]
     assert sorted(got) == sorted((topic, f"state {int(topic.split('/')[1])}".encode(), True) for topic in wanted)
+
+
+def test_an_unsubscribe_read_just_before_disconnect_and_close_is_stored(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, lifecycle: a durable session's subscriptions and their removal are stored.
+    An UNSUBSCRIBE that arrives in one write with a control request before it and DISCONNECT
+    after it, the socket closed at once (what the SDK's unsubscribe() then close() sends), was
+    dropped every time: the reader reached EOF and cancelled the packets' handlers it had
+    started, so the broker kept queueing for the filter. Packets read before the end are handled."""
+    connect = mqtt_string("MQTT") + bytes([4, 0x00, 0, 60])  # clean_session=false
+    for round_ in range(5):
+        client_id = f"unsub-close-{round_}"
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(mqtt_packet(0x10, connect + mqtt_string(client_id)))
+            assert read_exactly(sock, 4)[:2] == b"\x20\x02"
+            sock.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("uc/t") + b"\x01"))
+            assert read_exactly(sock, 5) == b"\x90\x03\x00\x01\x01"
+            ready = mqtt_packet(0x30, mqtt_string(CONTROL_TOPIC) + encode_request("ready", 1))
+            unsubscribe = mqtt_packet(0xA2, b"\x00\x02" + mqtt_string("uc/t"))
+            sock.sendall(ready + unsubscribe + bytes([0xE0, 0]))
+        device = clients(broker.port, client_id)
+        assert device.session_present is True
+        assert request(device, "hello").fields["subscriptions"] == {}, f"round {round_}: the UNSUBSCRIBE was lost"
+        device.disconnect()

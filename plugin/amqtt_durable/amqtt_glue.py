@@ -1761,14 +1761,23 @@ class FastReader:
         keepalive = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None
         running = self._running
         handler._reader_ready.set()
+        stopped = False
         try:
             await self._read_loop(stream, keepalive)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass  # EOF, reset or stop: the connection is over
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # EOF or reset: the connection is over
+        except asyncio.CancelledError:
+            stopped = True  # stop() (a take-over, the broker stopping): what was read is dropped
         except ProtocolViolationError as exc:
             log.warning("closing the connection of %s: %s", self._session.client_id, exc)
         except Exception as exc:  # amqtt's loop also ends the connection on anything unexpected
             log.warning("%s: reader stopped: %r", self._session.client_id, exc)
+        if running and not stopped:
+            # Packets read before the connection ended are handled, as amqtt's own reader would:
+            # an UNSUBSCRIBE (or SUBSCRIBE) right before DISCONNECT and the socket's close must
+            # still be stored, or the broker keeps queueing for a filter the client dropped.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait(list(running), timeout=CLOSE_GRACE)
         while running:
             running.popleft().cancel()
         await handler.handle_connection_closed()
