@@ -84,6 +84,7 @@ def filter_is_valid(topic_filter: str) -> bool:
             return False
     return True
 
+
 def remaining_length(length: int) -> bytes:
     """MQTT's variable byte integer: 7 bits a byte, low bits first, the high bit set when more follow.
 
