@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,13 +17,14 @@ from typing import Any
 
 import pytest
 from test_hostile_owner import acl_broker, login
+from test_hostile_wire import wait_until
 from test_mixed_clients import RECEIVE_ACL_PLUGIN
 from test_protocol import ack_each, request, stream_events
 from test_sdk import Recorder
 
 from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, connack_code
-from durable_client import AsyncDurableClient, CacheEntry, ConnectFailed, DurableClient
+from durable_client import AsyncDurableClient, CacheEntry, ConnectFailed, ConnectionInfo, DurableClient
 from durable_client.protocol import CONTROL_TOPIC, MARKER_TOPIC, REPLY_TOPIC
 
 
@@ -409,3 +412,36 @@ def test_a_hello_without_session_expiry_puts_the_broker_default_back(
     assert request(device, "hello").fields["session_expiry"] is None
     device.disconnect()
     assert watcher.wait_for(lambda ms: any(b'"hello-expiry"' in m.payload for m in ms)), "expired after 0.5 s"
+
+
+def test_an_unsubscribe_lost_with_its_connection_is_sent_again_after_the_reconnect(
+    broker: Broker, sdk_clients: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md, Subscriptions: unsubscribe() removes the subscription. An UNSUBSCRIBE whose
+    connection ends before its UNSUBACK (here the broker stops as it arrives) may never have been
+    handled: the client sends it again on the next connection, so the broker does not keep the
+    filter (and queue for it) for ever. Before, the client counted it sent and forgot it."""
+    fence = Recorder()
+    reconnected = threading.Event()
+    connections: list[ConnectionInfo] = []
+
+    def on_connected(info: ConnectionInfo) -> None:
+        connections.append(info)
+        if len(connections) == 2:
+            reconnected.set()
+
+    device = sdk_clients(broker.port, "unsub-lost", on_connected=on_connected)
+    device.subscribe("gone/t")
+    device.subscribe("fence/t", listener=fence)
+    device.connect()
+    device.ready_for_events()
+    device.unsubscribe("gone/t")
+    broker.restart()
+    assert reconnected.wait(WAIT)
+    assert connections[1].session_present
+    assert wait_until(lambda: not getattr(device._registry, "_unsubscribing", {}), WAIT), "no UNSUBACK"
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("gone/t", [b"not for us any more"])
+    publisher.publish("fence/t", [b"fence"])
+    fence.wait(1)
+    assert device.stats.received == 1, "the broker still routed gone/t to the session"

@@ -113,6 +113,7 @@ class PahoLink:
         on_message: Callable[[Inbound], None],
         on_lost: Callable[[str], None],
         on_subscribed: Callable[[int, bool], None],
+        on_unsubscribed: Callable[[int], None] = lambda _mid: None,
         on_burst: Callable[[], None] = lambda: None,
     ) -> None:
         self._client = mqtt.Client(
@@ -161,10 +162,14 @@ class PahoLink:
         def subscribe_cb(_c: mqtt.Client, _u: Any, mid: int, reasons: list[Any], _p: Any) -> None:
             on_subscribed(mid, not any(r.is_failure for r in reasons))
 
+        def unsubscribe_cb(_c: mqtt.Client, _u: Any, mid: int, _reasons: Any, _p: Any) -> None:
+            on_unsubscribed(mid)
+
         self._client.on_connect = connect_cb
         self._client.on_message = message_cb
         self._client.on_disconnect = disconnect_cb
         self._client.on_subscribe = subscribe_cb
+        self._client.on_unsubscribe = unsubscribe_cb
 
     # ------------------------------------------------- network thread only
     def open(self) -> None:
@@ -225,9 +230,10 @@ class PahoLink:
         rc, mid = self._client.subscribe(topic_filter, qos)
         return mid if rc == MQTTErrorCode.MQTT_ERR_SUCCESS else None
 
-    def unsubscribe(self, topic_filter: str) -> bool:
-        rc, _mid = self._client.unsubscribe(topic_filter)
-        return rc == MQTTErrorCode.MQTT_ERR_SUCCESS
+    def unsubscribe(self, topic_filter: str) -> int | None:
+        """The UNSUBSCRIBE's mid, or None when not connected."""
+        rc, mid = self._client.unsubscribe(topic_filter)
+        return mid if rc == MQTTErrorCode.MQTT_ERR_SUCCESS else None
 
     def ack(self, mid: int, qos: int) -> None:
         if qos > 0:

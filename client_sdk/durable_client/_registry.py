@@ -41,6 +41,8 @@ class Registry:
         self._subscriptions: dict[str, Subscription] = {}
         self._streams: dict[str, StreamSubscription] = {}
         self._unsubscribed: set[str] = set()
+        self._unsubscribing: dict[int, str] = {}
+        """UNSUBSCRIBEs awaiting their UNSUBACK, by mid: sent again on the next connection if it is lost first."""
         self._matched: dict[str, list[Listener]] = {}
         """Listeners per topic seen: matching every filter for every event costs more than the rest
         of the dispatch. Dropped whenever subscriptions change, and when it grows past MATCH_CACHE."""
@@ -57,6 +59,8 @@ class Registry:
             self._matched.clear()
             self._subscriptions[subscription.filter] = subscription
             self._unsubscribed.discard(subscription.filter)
+            for mid in [mid for mid, pending in self._unsubscribing.items() if pending == subscription.filter]:
+                del self._unsubscribing[mid]
 
     def remove(self, topic_filter: str, *, unsubscribe_later: bool) -> Subscription | None:
         """Forget a subscription; ``unsubscribe_later``: it could not be sent, send it on reconnect."""
@@ -76,6 +80,25 @@ class Registry:
         with self.lock:
             self._unsubscribed.add(topic_filter)
 
+    def unsubscribing(self, mid: int, topic_filter: str) -> None:
+        """An UNSUBSCRIBE went out with ``mid``: until its UNSUBACK, a lost connection may have lost it."""
+        with self.lock:
+            self._unsubscribing[mid] = topic_filter
+
+    def unsubscribed(self, mid: int) -> None:
+        """The UNSUBACK of ``mid`` arrived: the broker has removed the subscription."""
+        with self.lock:
+            self._unsubscribing.pop(mid, None)
+
+    def connection_lost(self) -> None:
+        """UNSUBSCRIBEs without their UNSUBACK may not have reached the broker: send them again
+        on the next connection (unless the filter was subscribed again meanwhile)."""
+        with self.lock:
+            for topic_filter in self._unsubscribing.values():
+                if topic_filter not in self._subscriptions:
+                    self._unsubscribed.add(topic_filter)
+            self._unsubscribing.clear()
+
     def take_unsubscribed(self) -> list[str]:
         with self.lock:
             filters = sorted(self._unsubscribed)
@@ -89,6 +112,7 @@ class Registry:
                 subscription.confirmed = False
                 subscription.mid = None
             self._unsubscribed.clear()
+            self._unsubscribing.clear()
 
     def subscribed(self, mid: int, ok: bool) -> Subscription | None:
         """A SUBACK arrived: the subscription it confirms (None if it was removed meanwhile)."""

@@ -258,6 +258,7 @@ class DurableClient:
                 on_message=self._handle_message,
                 on_lost=self._handle_lost,
                 on_subscribed=self._handle_subscribed,
+                on_unsubscribed=self._registry.unsubscribed,
                 on_burst=self._end_burst,
             )
         thread = threading.Thread(target=self._run, name=f"durable-client-{self.client_id}", daemon=True)
@@ -430,9 +431,8 @@ class DurableClient:
                 self._send_request("stream_unsubscribe", filter=topic_filter)
             durable = self._durable and not self._connected
             subscription = self._registry.remove(topic_filter, unsubscribe_later=durable)
-            sent = subscription is None or not self._connected or self._link_or_raise().unsubscribe(topic_filter)
-            if not sent and self._durable:  # the connection just went: the broker must still hear it
-                self._registry.unsubscribe_later(topic_filter)
+            if subscription is not None and self._connected:
+                self._send_unsubscribe(topic_filter)
 
     def ready_for_events(self) -> None:
         """Say the listeners are in place: the broker then replays what it queued, then a marker.
@@ -788,12 +788,24 @@ class DurableClient:
                 self._replay_subscription(subscription, resend_durable, broker_has)
             for topic_filter in self._registry.take_unsubscribed():
                 if not resend_durable:
-                    self._link_or_raise().unsubscribe(topic_filter)
+                    self._send_unsubscribe(topic_filter)
         for stream in self._registry.streams():
             self._open_stream(stream.filter, stream.window, wait=False)
         if self._durable and self._ready_requested:
             self._ready_sent = True
             self._send_request("ready")
+
+    def _send_unsubscribe(self, topic_filter: str) -> None:
+        """UNSUBSCRIBE; a durable session's is sent again after a reconnect until its UNSUBACK
+        arrives (the broker would otherwise keep the subscription, and queue for it, for ever)."""
+        with self._registry.lock:  # the UNSUBACK (network thread) waits until the mid is recorded
+            mid = self._link_or_raise().unsubscribe(topic_filter)
+            if not self._durable:
+                return
+            if mid is None:  # the connection just went: the broker must still hear it
+                self._registry.unsubscribe_later(topic_filter)
+            else:
+                self._registry.unsubscribing(mid, topic_filter)
 
     def _replay_subscription(
         self, subscription: Subscription, resend_durable: bool, broker_has: dict[str, Any] | None
@@ -974,6 +986,7 @@ class DurableClient:
             waiters = list(self._waiters.values())
             self._waiters.clear()
             with self._registry.lock:
+                self._registry.connection_lost()  # UNSUBSCRIBEs without their UNSUBACK: sent again
                 for subscription in self._registry.subscriptions():
                     subscription.mid = None  # its SUBACK will not come
                     if not (self._durable and subscription.durable):

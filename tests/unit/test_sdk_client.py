@@ -91,9 +91,10 @@ class FakeLink:
             threading.Thread(target=self.client._handle_subscribed, args=(self._mid, True)).start()
         return self._mid
 
-    def unsubscribe(self, topic_filter: str) -> bool:
+    def unsubscribe(self, topic_filter: str) -> int:
+        self._mid += 1
         self.sent.append(("unsubscribe", topic_filter))
-        return True
+        return self._mid
 
     def ack(self, mid: int, qos: int) -> None:
         if qos > 0:  # as PahoLink: QoS 0 has nothing to acknowledge
