@@ -414,6 +414,36 @@ def test_a_hello_without_session_expiry_puts_the_broker_default_back(
     assert watcher.wait_for(lambda ms: any(b'"hello-expiry"' in m.payload for m in ms)), "expired after 0.5 s"
 
 
+def test_a_refused_subscription_is_a_warning_not_an_error_and_is_sent_again_on_reconnect(
+    broker_factory: Callable[..., Broker],
+    sdk_clients: Callable[..., DurableClient],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """sdk.md, Subscriptions: a SUBACK refusing a filter (max_subscriptions_per_client here)
+    does not raise; a WARNING says so, and the subscription is sent again after a reconnect."""
+    broker = broker_factory(max_subscriptions_per_client=1)
+    reconnected = threading.Event()
+    connections: list[ConnectionInfo] = []
+
+    def on_connected(info: ConnectionInfo) -> None:
+        connections.append(info)
+        if len(connections) == 2:
+            reconnected.set()
+
+    def refusals() -> int:
+        return sum("refused the subscription to over/t" in r.getMessage() for r in caplog.records)
+
+    device = sdk_clients(broker.port, "refused-sub", on_connected=on_connected)
+    device.subscribe("ok/t")
+    device.connect()
+    with caplog.at_level(logging.WARNING, logger="durable_client"):
+        device.subscribe("over/t")  # over the limit: SUBACK 0x80, no exception
+        assert wait_until(lambda: refusals() == 1, WAIT)
+        broker.restart()
+        assert reconnected.wait(WAIT)
+        assert wait_until(lambda: refusals() == 2, WAIT), "sent again (and refused again) after the reconnect"
+
+
 def test_an_unsubscribe_lost_with_its_connection_is_sent_again_after_the_reconnect(
     broker: Broker, sdk_clients: Callable[..., DurableClient], clients: Callable[..., Client]
 ) -> None:
