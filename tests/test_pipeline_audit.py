@@ -27,6 +27,7 @@ from amqtt_durable.topics import matches
 from durable_pipeline import audit
 from durable_pipeline.audit import AuditResult, DeviceStats, run_audit
 from durable_pipeline.cli import format_summary
+from durable_pipeline.cli import main as cli_main
 from durable_pipeline.errors import AuditInputError
 from durable_pipeline.report import chart_label, write_report
 from durable_pipeline.spark import stop_session
@@ -396,15 +397,20 @@ def test_qos0_is_expected_only_when_counted(spark: Any, tmp_path: Path) -> None:
     assert "QoS 0 counted" in counted.report_path.read_text()
 
 
-def test_count_qos0_through_the_cli(tmp_path: Path) -> None:
+def test_count_qos0_through_the_cli(spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI's flags reach the audit. In this process (the console script in a child process, with a JVM of
+    its own, is test_clean_run_holds_through_the_cli): main() audits with the session already running and
+    leaves it running."""
     log = write_jsonl(tmp_path / "qos0.jsonl", qos0_records())
     out = str(tmp_path / "audit")
-    done = run_cli("audit", str(log), "--out", out, "--expect", "at-least-once", "--ignore-order", "--count-qos0")
-    assert done.returncode == 1, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == (
+    status = cli_main(["audit", str(log), "--out", out, "--expect", "at-least-once", "--ignore-order", "--count-qos0"])
+    captured = capsys.readouterr()
+    assert status == 1, captured.err[-2000:]
+    assert captured.out.strip().splitlines()[-1] == (
         "FAILED: at-least-once does NOT hold (order not checked, QoS 0 counted): "
         "4 of 8 expected messages never received (2 devices)"
     )
+    assert spark.range(3).count() == 3  # the session main() did not start is still running
 
 
 def test_chart_labels_escape_mathtext(tmp_path: Path) -> None:
@@ -595,10 +601,13 @@ def test_cli_exit_2_on_bad_input(tmp_path: Path) -> None:
     assert done.returncode == 2 and "neither JSON lines nor Parquet" in done.stderr
 
 
-def test_cli_exit_2_on_a_missing_file_uri(tmp_path: Path) -> None:
-    """A URI is checked by Hadoop, in Spark's JVM: the same exit status and message as a local path."""
+def test_cli_exit_2_on_a_missing_file_uri(spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A URI is checked by Hadoop, in Spark's JVM: the same exit status and message as a local path (main() in
+    this process, with the running session, which it leaves running)."""
     missing = f"file://{tmp_path}/missing.jsonl"
-    done = run_cli("audit", missing, "--out", str(tmp_path / "o"), "--expect", "exactly-once")
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert f"durable-pipeline audit: error: input {missing} does not exist" in done.stderr
-    assert "Traceback" not in done.stderr
+    status = cli_main(["audit", missing, "--out", str(tmp_path / "o"), "--expect", "exactly-once"])
+    captured = capsys.readouterr()
+    assert status == 2, captured.err[-2000:]
+    assert f"durable-pipeline audit: error: input {missing} does not exist" in captured.err
+    assert "Traceback" not in captured.err
+    assert spark.range(3).count() == 3

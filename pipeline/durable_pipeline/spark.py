@@ -70,6 +70,13 @@ def get_session(master: str = DEFAULT_MASTER, app_name: str = "amqtt-durable") -
     return session
 
 
+def active_session() -> SparkSession | None:
+    """The SparkSession this thread already runs (a notebook's, a test session's), or None: no JVM is started."""
+    from pyspark.sql import SparkSession  # noqa: PLC0415
+
+    return SparkSession.getActiveSession()
+
+
 def stop_session(spark: SparkSession) -> None:
     """``spark.stop()`` for cleanup code, never raising: a JVM that died (an OutOfMemoryError) makes
     stop fail with "connection refused", which would hide the job's own error. Logged instead."""
