@@ -64,7 +64,7 @@ import os
 import re
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol, TypeVar
@@ -172,6 +172,8 @@ class Body:
     def decode(cls, raw: bytes) -> Body:
         published_at, qos, topic_len = _BODY_HEAD.unpack_from(raw)
         start = _BODY_HEAD.size
+        if start + topic_len > len(raw):
+            raise ValueError(f"a topic of {topic_len} bytes in a body of {len(raw)}")
         topic = raw[start : start + topic_len].decode("utf-8")
         return cls(topic, raw[start + topic_len :], qos, published_at)
 
@@ -657,39 +659,67 @@ when that range holds at most this many keys per body wanted; sparser runs (sess
 interleave with many others') get each body by key."""
 
 
-def read_bodies(db: Any, msg_ids: list[int]) -> dict[int, Body]:
-    """The bodies of ``msg_ids`` (a run of queue entries, in order), decoded; a missing one is absent.
+BODY_TOPIC_FIELD = _BODY_HEAD.size - 2
+"""A stored body from this offset on is the topic field as MQTT encodes it (length in two bytes, then
+the UTF-8 topic), then the payload: a PUBLISH is built from it without decoding (wire.PublishRun.add_stored)."""
+
+
+def read_stored_bodies(db: Any, msg_ids: list[int]) -> dict[int, bytes]:
+    """The stored bodies of ``msg_ids`` (a run of queue entries, in order) as stored, each checked as
+    Body.decode would (a body shorter than its head or its topic, a topic that is not UTF-8); a missing
+    one is absent.
 
     One iterator pass over the run's body keys when they are dense (a backlog published to few
-    sessions), else one get per body; each body is decoded once however many entries share it, and
-    each topic once per run. Checksums are verified either way. Raises what LevelDB or the decoding
-    raises (plyvel.Error, ValueError, struct.error): the caller falls back to reading entry by entry.
+    sessions), else one get per body; each topic's UTF-8 is checked once per run. Checksums are
+    verified either way. Raises what LevelDB or the check raises (plyvel.Error, ValueError,
+    struct.error): the caller falls back to reading entry by entry.
     """
     if not msg_ids:
         return {}
     wanted = set(msg_ids)
-    raws: list[tuple[int, bytes]] = []
+    bodies: dict[int, bytes] = {}
     low, high = msg_ids[0], msg_ids[-1]
     if low > high:
         low, high = min(wanted), max(wanted)
     if high - low < DENSE_SPAN * len(wanted):
         unpack_id = _U64.unpack_from
-        keep = raws.append
         for key, raw in db.iterator(start=body_key(low), stop=body_key(high + 1), verify_checksums=True):
             msg_id = unpack_id(key, 1)[0]
             if msg_id in wanted:
-                keep((msg_id, raw))
+                bodies[msg_id] = raw
     else:
         get = db.get
         for msg_id in wanted:
             raw = get(body_key(msg_id), verify_checksums=True)
             if raw is not None:
-                raws.append((msg_id, raw))
+                bodies[msg_id] = raw
+    check_bodies(bodies.values())
+    return bodies
+
+
+def check_bodies(bodies: Iterable[bytes]) -> None:
+    """Raise what Body.decode raises on one of ``bodies`` (struct.error, ValueError) without decoding
+    them: each topic's UTF-8 is checked once."""
     head = _BODY_HEAD.unpack_from
     start = _BODY_HEAD.size
+    topics: set[bytes] = set()
+    for raw in bodies:
+        end = start + head(raw)[2]
+        if end > len(raw):
+            raise ValueError(f"a topic of {end - start} bytes in a body of {len(raw)}")
+        field = raw[BODY_TOPIC_FIELD:end]
+        if field not in topics:
+            field[2:].decode("utf-8")
+            topics.add(field)
+
+
+def read_bodies(db: Any, msg_ids: list[int]) -> dict[int, Body]:
+    """read_stored_bodies, decoded; each topic decoded once per run."""
     topics: dict[bytes, str] = {}
+    head = _BODY_HEAD.unpack_from
+    start = _BODY_HEAD.size
     bodies: dict[int, Body] = {}
-    for msg_id, raw in raws:
+    for msg_id, raw in read_stored_bodies(db, msg_ids).items():
         published_at, qos, topic_len = head(raw)
         end = start + topic_len
         topic_raw = raw[start:end]
