@@ -17,6 +17,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from durable_protocol import (
@@ -348,10 +349,13 @@ class Pump:
         self._read_size = min(READ_CHUNK, self._read_size * 8)
         self._read_failures = 0
         inflight = self.inflight
-        append = self.buffer.append
-        for entry, stored in zip(entries, bodies, strict=True):
-            if entry.seq not in inflight:
-                append(Outgoing(entry, None, stored))
+        if not inflight:
+            self.buffer.extend(map(Outgoing, entries, repeat(None), bodies))
+        else:
+            append = self.buffer.append
+            for entry, stored in zip(entries, bodies, strict=True):
+                if entry.seq not in inflight:
+                    append(Outgoing(entry, None, stored))
         self.next_fill_seq = tail + 1 if last_read is None else last_read + 1
 
     def _take_sendable(self) -> list[Outgoing]:

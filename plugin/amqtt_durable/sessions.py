@@ -13,6 +13,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import plyvel
@@ -83,7 +84,7 @@ class PendingRemovals:
         return bool(self._open or self._writing)
 
     def add_run(self, sid: int, seqs: list[int]) -> None:
-        self._open.update([(sid, seq) for seq in seqs])
+        self._open.update(zip(repeat(sid), seqs))
 
     def absent(self, sid: int, entries: list[Entry]) -> list[Entry]:
         """The entries of session ``sid`` not removed in memory (a run read from the store)."""

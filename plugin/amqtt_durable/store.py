@@ -67,6 +67,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import islice, repeat
 from typing import Any, Protocol, TypeVar
 
 import plyvel
@@ -589,9 +590,7 @@ def erase_entry(w: Writes, sid: int, seq: int) -> None:
 
 
 def erase_entries(w: Writes, sid: int, seqs: list[int]) -> None:
-    prefix = queue_prefix(sid)
-    pack = _U64.pack
-    _delete_all(w, [prefix + pack(seq) for seq in seqs])  # entry_key, inlined
+    _delete_all(w, list(map(queue_prefix(sid).__add__, map(_U64.pack, seqs))))  # entry_key, per seq
 
 
 def _delete_all(w: Writes, keys: list[bytes]) -> None:
@@ -628,8 +627,7 @@ def erase_body(w: Writes, msg_id: int) -> None:
 
 
 def erase_bodies(w: Writes, msg_ids: list[int]) -> None:
-    pack = _U64.pack
-    _delete_all(w, [b"m" + pack(msg_id) for msg_id in msg_ids])  # body_key, inlined
+    _delete_all(w, list(map(b"m".__add__, map(_U64.pack, msg_ids))))  # body_key, per message id
 
 
 def write_refs(w: Writes, msg_id: int, refs: int) -> None:
@@ -741,17 +739,14 @@ def read_entry_run(
     append = entries.append
     unpack_seq = _U64.unpack_from
     unpack = _ENTRY.unpack
-    rows = db.iterator(start=queue_prefix(sid) + _U64.pack(start_seq), stop=queue_prefix(sid + 1),
-                       verify_checksums=True)
+    prefix = queue_prefix(sid)
+    if tail < start_seq:
+        return entries, None
+    rows = db.iterator(start=prefix + _U64.pack(start_seq), stop=prefix + _U64.pack(tail + 1), verify_checksums=True)
     try:
-        for key, value in rows:
-            seq = unpack_seq(key, 9)[0]
-            if seq > tail:
-                break
+        for key, value in islice(rows, limit):
             msg_id, qos, flags, size = unpack(value)
-            append(Entry(seq, msg_id, qos, flags, size))
-            if len(entries) >= limit:
-                break
+            append(Entry(unpack_seq(key, 9)[0], msg_id, qos, flags, size))
     except (plyvel.Error, ValueError, struct.error) as exc:
         return entries, exc
     return entries, None
@@ -935,7 +930,7 @@ class GroupCommitter:
         self._ops.append((key, None))
 
     def delete_many(self, keys: list[bytes]) -> None:
-        self._ops.extend([(key, None) for key in keys])
+        self._ops.extend(zip(keys, repeat(None)))
 
     def flush_soon(self, units: int = 1) -> None:
         """Make sure what was added gets written, without waiting for it (acks, bookkeeping);
@@ -1027,11 +1022,12 @@ class GroupCommitter:
 
     def _write(self, ops: list[tuple[bytes, bytes | None]]) -> None:
         with self._db.write_batch(sync=self._sync) as batch:
+            delete, put = batch.delete, batch.put
             for key, value in ops:
                 if value is None:
-                    batch.delete(key)
+                    delete(key)
                 else:
-                    batch.put(key, value)
+                    put(key, value)
 
     def _finish(
         self,
