@@ -26,6 +26,8 @@ Key layout, version 1 (every integer big-endian, so LevelDB's byte order is nume
 Entry flags: bit 0 RETAIN (retained message on subscribe), bit 1 RELEASED (QoS 2 PUBREC
 received, so PUBREL, not PUBLISH, is re-sent), bit 2 SHARED (the body is counted under b"c";
 without it the entry is the body's only reference). A body is deleted with its last entry.
+From tlen on, a body is a PUBLISH's topic field as MQTT encodes it, then the payload: replay
+builds each PUBLISH from the stored bytes without decoding them (BODY_TOPIC_FIELD).
 
 Stream logs (stream_log.py) add two prefixes; the layout stays version 1, as an older store
 simply has none of these keys::
