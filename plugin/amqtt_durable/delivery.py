@@ -226,7 +226,28 @@ class Pump:
         self._wake.set()
 
     def start(self) -> None:
+        """Send the first batch now if it needs no wait (see ``_send_first``), then the rest from a task."""
+        self._send_first()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"durable-pump-{self.session.client_id}")
+
+    def _send_first(self) -> None:
+        """The first batch, written at once (the first replayed message goes out before amqtt sets up
+        its message loop) when nothing in it has to be awaited: no topic ACL to ask, its sent mark
+        already stored (attach's commit wrote it), the connection open. Otherwise, or when the read
+        fails, the task sends it as every later batch."""
+        if self.held or self.read_access is not None or self.transport.closed:
+            return
+        try:
+            self._fill_from_store()
+        except StoreReadError:
+            return  # the task reads again, and reports and waits if it fails again
+        batch = self._take_sendable()
+        if not batch:
+            return
+        if batch[-1].entry.seq > self.session.sent_mark:
+            self.buffer.extendleft(reversed(batch))  # its mark must be stored first: the task does it
+            return
+        self._write_batch(batch)
 
     async def stop(self) -> None:
         """Stop sending; acks arriving later are ignored, so unacked entries go out again on the
@@ -441,6 +462,12 @@ class Pump:
     async def _send(self, batch: list[Outgoing]) -> None:
         if not await self._mark_sent(batch):
             return
+        self._write_batch(batch)
+        await self.transport.drain()
+
+    def _write_batch(self, batch: list[Outgoing]) -> None:
+        """Write ``batch`` (its sent mark stored): PUBLISHes (PUBRELs of released QoS 2 ones) in one
+        write, QoS 1 and 2 ones in flight from now, QoS 0 ones removed."""
         session = self.session
         run = self._publishes
         add_stored = run.add_stored
@@ -478,7 +505,6 @@ class Pump:
         for entry in qos0:
             session.remove_entry(entry)
         self._on_sent(len(batch), replayed)
-        await self.transport.drain()
 
     def _expect(self, item: Outgoing) -> None:
         entry = item.entry

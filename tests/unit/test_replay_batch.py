@@ -14,7 +14,7 @@ import plyvel
 import pytest
 
 from amqtt_durable.config import DurableConfig
-from amqtt_durable.delivery import packet_seq
+from amqtt_durable.delivery import ReadAccess, packet_seq
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import PacketTooLargeError, ProtocolViolationError
 from amqtt_durable.sessions import PendingRemovals
@@ -451,6 +451,37 @@ def test_attach_writes_the_first_sent_mark_in_its_own_commit(tmp_path: Path) -> 
             await transport.wait_for(lambda ps: len(ps) >= 1, LIMIT)
             assert session.sent_mark == 1 + 40, "the first send (16 entries) needed no mark of its own"
             await engine.detach("c", transport)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_the_first_batch_goes_out_within_attach_unless_something_must_be_awaited(tmp_path: Path) -> None:
+    """attach writes the first batch (16 entries) before it returns, ahead of amqtt's message loop set-up;
+    with a topic ACL to ask (an await) the pump's task sends it, as every later batch."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 50, window=40)
+        try:
+            transport = RunTransport()
+            await engine.attach("c", transport)
+            assert [p.payload for p in transport.packets] == [b"%d" % i for i in range(16)]
+            sent = await transport.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            assert [p.payload for p in sent] == [b"%d" % i for i in range(40)], "then the rest, in order, none twice"
+            assert not any(p.dup for p in sent)
+            await engine.detach("c", transport)
+
+            async def allow(topic: str) -> bool:
+                await asyncio.sleep(0)
+                return True
+
+            checked = RunTransport()
+            await engine.attach("c", checked, ReadAccess(allow))
+            assert checked.packets == [], "nothing before the ACL's answer"
+            resent = await checked.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            assert [(p.payload, p.dup) for p in resent] == [(b"%d" % i, True) for i in range(40)]
+            await engine.detach("c", checked)
         finally:
             await engine.close()
 
