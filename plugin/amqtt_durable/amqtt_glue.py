@@ -586,6 +586,8 @@ class HandlerTransport:
 
     def take_ack(self, kind: AckKind, packet_id: int) -> bool:
         """True when the ack was for a message the pump sent (and it has been handled)."""
+        if kind == "puback" and self.ack_runs is not None:
+            return not self.take_acks(kind, [packet_id])
         on_ack = self._expected[kind].pop(packet_id, None)
         if on_ack is None:
             return False
@@ -594,13 +596,19 @@ class HandlerTransport:
 
     def take_acks(self, kind: AckKind, packet_ids: list[int]) -> list[int]:
         """take_ack for a run of acks read together, handled by the pump as one run (one removal of
-        their entries); returns the packet ids that were not for a message the pump sent, in order."""
+        their entries); returns the packet ids that were not for a message the pump sent, in order.
+        PUBACKs go to the pump's ``take_pubacks`` (no callback per QoS 1 message), then, those it did
+        not take, to the callbacks registered here."""
         expected = self._expected[kind]
         others: list[int] = []
         runs = self.ack_runs
         if runs is not None:
             runs.begin_ack_run()
         try:
+            if runs is not None and kind == "puback":
+                packet_ids = runs.take_pubacks(packet_ids)
+                if not expected:
+                    return packet_ids
             for packet_id in packet_ids:
                 on_ack = expected.pop(packet_id, None)
                 if on_ack is None:

@@ -17,7 +17,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
+from itertools import repeat
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from durable_protocol import (
@@ -31,7 +31,7 @@ from durable_protocol import (
 )
 
 from .errors import StoreReadError
-from .store import FLAG_RELEASED, FLAG_RETAIN, Body, Entry
+from .store import BODY_TOPIC_FIELD, FLAG_RELEASED, FLAG_RETAIN, Body, Entry
 from .wire import PublishRun, encode_publish, encode_pubrel, packet_id_for
 
 if TYPE_CHECKING:
@@ -84,17 +84,31 @@ class ReadAccess:
 
 
 class AckRuns(Protocol):
-    """What a transport that hands over acks in runs (many PUBACKs read at once) calls around a run."""
+    """What a transport that hands over acks in runs (many PUBACKs read at once) calls around a run,
+    and gives every PUBACK to (``take_pubacks``: the pump then registers no callback per QoS 1 message)."""
 
     def begin_ack_run(self) -> None: ...
 
     def end_ack_run(self) -> None: ...
 
+    def take_pubacks(self, packet_ids: list[int]) -> list[int]: ...
+
 
 @dataclass(slots=True)
 class Outgoing:
+    """A message to send: its entry, and its body decoded (live messages) or as stored (read from
+    the store: decoded only when a topic ACL or the SDK's frame needs it, see ``Pump.body``)."""
+
     entry: Entry
-    body: Body
+    body: Body | None
+    stored: bytes | None = None
+
+
+def packet_seq(packet_id: int, oldest: int) -> int:
+    """The sequence at or after ``oldest`` (and before ``oldest`` + 65535) whose packet id is
+    ``packet_id`` (see ``wire.packet_id_for``): with fewer than 65535 sequences in flight from
+    ``oldest`` on, the one in-flight entry an ack with that id can be for."""
+    return oldest + (packet_id - 1 - oldest) % 65535
 
 
 class Pump:
@@ -142,7 +156,13 @@ class Pump:
         self._ack_run: list[Entry] | None = None
         """While a transport hands over a run of acks: the acknowledged entries, removed at its end."""
         self._publishes = PublishRun()
-        if hasattr(transport, "ack_runs"):  # the glue's transport: acks come in runs (see AckRuns)
+        self._ranged = hasattr(transport, "ack_runs")
+        """The glue's transport: acks come in runs and PUBACKs to ``take_pubacks`` (see AckRuns), matched
+        to the in-flight entries by packet id, with no callback registered per QoS 1 message."""
+        self._stopped_ids: set[int] = set()
+        """After stop: the packet ids of the QoS 1 messages then in flight, whose PUBACKs are still
+        taken (and ignored) rather than passed on, as a registered callback would be."""
+        if self._ranged:
             setattr(transport, "ack_runs", self)  # noqa: B010  # not part of the Transport protocol
 
     def begin_ack_run(self) -> None:
@@ -155,6 +175,43 @@ class Pump:
         if run:
             self.session.remove_entries(run)
             self._wake.set()
+
+    def take_pubacks(self, packet_ids: list[int]) -> list[int]:
+        """PUBACKs read together (called between begin_ack_run and end_ack_run): each for an in-flight
+        QoS 1 message is matched by its packet id to that entry (``packet_seq``), which leaves the
+        store at the run's end; returns the packet ids that were not for one, in order."""
+        inflight = self.inflight
+        if self._stopped or not inflight:
+            ignored = self._stopped_ids
+            if not ignored:
+                return packet_ids
+            others: list[int] = []
+            for packet_id in packet_ids:
+                if packet_id in ignored:
+                    ignored.discard(packet_id)
+                else:
+                    others.append(packet_id)
+            return others
+        run = self._ack_run
+        if run is None:  # not inside a run: remove at once (as end_ack_run would)
+            self.begin_ack_run()
+            try:
+                return self.take_pubacks(packet_ids)
+            finally:
+                self.end_ack_run()
+        oldest = next(iter(inflight))  # sent, so inserted, in seq order; every ack here is for one still in
+        others = []
+        get = inflight.get
+        take = run.append
+        for packet_id in packet_ids:
+            seq = oldest + (packet_id - 1 - oldest) % 65535  # packet_seq, inlined
+            item = get(seq)
+            if item is None or item.entry.qos != 1:
+                others.append(packet_id)
+            else:
+                del inflight[seq]
+                take(item.entry)
+        return others
 
     def become_sdk(self) -> None:
         """hello on this connection: frames from now on, and nothing more until ready."""
@@ -169,13 +226,36 @@ class Pump:
         self._wake.set()
 
     def start(self) -> None:
+        """Send the first batch now if it needs no wait (see ``_send_first``), then the rest from a task."""
+        self._send_first()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"durable-pump-{self.session.client_id}")
+
+    def _send_first(self) -> None:
+        """The first batch, written at once (the first replayed message goes out before amqtt sets up
+        its message loop) when nothing in it has to be awaited: no topic ACL to ask, its sent mark
+        already stored (attach's commit wrote it), the connection open. Otherwise, or when the read
+        fails, the task sends it as every later batch."""
+        if self.held or self.read_access is not None or self.transport.closed:
+            return
+        try:
+            self._fill_from_store()
+        except StoreReadError:
+            return  # the task reads again, and reports and waits if it fails again
+        batch = self._take_sendable()
+        if not batch:
+            return
+        if batch[-1].entry.seq > self.session.sent_mark:
+            self.buffer.extendleft(reversed(batch))  # its mark must be stored first: the task does it
+            return
+        self._write_batch(batch)
 
     async def stop(self) -> None:
         """Stop sending; acks arriving later are ignored, so unacked entries go out again on the
         session's current connection (DUP-flagged) instead of being removed twice."""
         self.end_ack_run()  # acks already taken still count
         self._stopped = True
+        if self._ranged:
+            self._stopped_ids = {packet_id_for(seq) for seq, item in self.inflight.items() if item.entry.qos == 1}
         self.inflight.clear()
         self._wake.set()
         if self._task is not None and self._task is not asyncio.current_task():
@@ -273,7 +353,7 @@ class Pump:
         allows = self.read_access.allows
         kept: list[Outgoing] = []
         for item in batch:
-            if item.entry.flags & FLAG_RELEASED or await allows(item.body.topic):
+            if item.entry.flags & FLAG_RELEASED or await allows(self.body(item).topic):
                 kept.append(item)
             elif not self._stopped:
                 self.session.drop_unreadable(item.entry)
@@ -286,14 +366,17 @@ class Pump:
         tail = self.session.committed_tail
         if self.next_fill_seq > tail:
             return
-        entries, last_read = self.session.read_entries(self.next_fill_seq, tail, self._read_size)
+        entries, bodies, last_read = self.session.read_stored(self.next_fill_seq, tail, self._read_size)
         self._read_size = min(READ_CHUNK, self._read_size * 8)
         self._read_failures = 0
         inflight = self.inflight
-        append = self.buffer.append
-        for entry, body in entries:
-            if entry.seq not in inflight:
-                append(Outgoing(entry, body))
+        if not inflight:
+            self.buffer.extend(map(Outgoing, entries, repeat(None), bodies))
+        else:
+            append = self.buffer.append
+            for entry, stored in zip(entries, bodies, strict=True):
+                if entry.seq not in inflight:
+                    append(Outgoing(entry, None, stored))
         self.next_fill_seq = tail + 1 if last_read is None else last_read + 1
 
     def _take_sendable(self) -> list[Outgoing]:
@@ -340,9 +423,19 @@ class Pump:
         payload = encode_marker(marker)
         self.transport.write(encode_publish(MARKER_TOPIC.encode(), payload, 0, 0, dup=False, retain=False))
 
+    @staticmethod
+    def body(item: Outgoing) -> Body:
+        """The message's body, decoded (once) if it was read from the store."""
+        body = item.body
+        if body is None:
+            assert item.stored is not None
+            body = item.body = Body.decode(item.stored)
+        return body
+
     def _payload(self, item: Outgoing, dup: bool) -> bytes:
+        body = self.body(item)
         if not self.framed:
-            return item.body.payload
+            return body.payload
         entry = item.entry
         flags = FLAG_REDELIVERED if dup else 0
         if entry.flags & FLAG_RETAIN:
@@ -353,22 +446,34 @@ class Pump:
             if self._replayed_first is None:
                 self._replayed_first = entry.seq
             self._replayed_last = entry.seq
-        return encode_frame(flags, self.session.sid, entry.seq, item.body.published_at) + item.body.payload
+        return encode_frame(flags, self.session.sid, entry.seq, body.published_at) + body.payload
 
-    async def _send(self, batch: list[Outgoing]) -> None:
-        session = self.session
+    async def _mark_sent(self, batch: list[Outgoing]) -> bool:
+        """Persist the sent mark past ``batch`` if needed; False when the pump stopped meanwhile (the
+        batch is back in the buffer)."""
         highest = batch[-1].entry.seq
-        if highest > session.sent_mark:
-            await session.advance_sent_mark(highest + self.window)
+        if highest > self.session.sent_mark:
+            await self.session.advance_sent_mark(highest + self.window)
             if self._stopped or self.transport.closed:
                 self.buffer.extendleft(reversed(batch))
-                return
+                return False
+        return True
+
+    async def _send(self, batch: list[Outgoing]) -> None:
+        if not await self._mark_sent(batch):
+            return
+        self._write_batch(batch)
+        await self.transport.drain()
+
+    def _write_batch(self, batch: list[Outgoing]) -> None:
+        """Write ``batch`` (its sent mark stored): PUBLISHes (PUBRELs of released QoS 2 ones) in one
+        write, QoS 1 and 2 ones in flight from now, QoS 0 ones removed."""
+        session = self.session
         run = self._publishes
-        add = run.add
+        add_stored = run.add_stored
         inflight = self.inflight
-        expect_ack = self.transport.expect_ack
-        acked = self._acked
-        framed = self.framed
+        plain = not self.framed
+        per_ack = not self._ranged
         sent_max = session.sent_max
         replay_upto = session.replay_upto
         replayed = 0
@@ -381,25 +486,25 @@ class Pump:
             if seq <= replay_upto:
                 replayed += 1
             packet_id = seq % 65535 + 1  # packet_id_for, inlined
+            stored = item.stored
             if qos and entry.flags & FLAG_RELEASED:
                 run.add_raw(encode_pubrel(packet_id))
+            elif plain and stored is not None:  # as stored: no decoding
+                add_stored(stored, BODY_TOPIC_FIELD, qos, packet_id, dup=dup, retain=bool(entry.flags & FLAG_RETAIN))
             else:
-                payload = self._payload(item, dup) if framed else item.body.payload
-                add(item.body.topic, payload, qos, packet_id, dup=dup, retain=bool(entry.flags & FLAG_RETAIN))
-            if qos == 1:
+                payload = self._payload(item, dup)
+                run.add(self.body(item).topic, payload, qos, packet_id, dup=dup, retain=bool(entry.flags & FLAG_RETAIN))
+            if qos:
                 inflight[seq] = item
-                expect_ack("puback", packet_id, partial(acked, seq))
-            elif qos:
-                inflight[seq] = item
-                self._expect(item)
+                if qos > 1 or per_ack:  # QoS 1 acks of the glue's transport come to take_pubacks
+                    self._expect(item)
             else:
                 qos0.append(entry)
-        session.sent_max = max(sent_max, highest)
+        session.sent_max = max(sent_max, batch[-1].entry.seq)
         self.transport.write(run.take())
         for entry in qos0:
             session.remove_entry(entry)
         self._on_sent(len(batch), replayed)
-        await self.transport.drain()
 
     def _expect(self, item: Outgoing) -> None:
         entry = item.entry

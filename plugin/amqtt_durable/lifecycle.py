@@ -143,7 +143,8 @@ class SessionLifecycle(Routing):
         if session.pump is not None:
             await session.pump.stop()
         # Acks and drops of the previous connection may still be pending: the pump reads the
-        # store, so let it see them.
+        # store, so let it see them. The pump's first sent mark goes in the same commit.
+        session.advance_sent_mark_for_attach(self.config.recovery_buffer)
         await self.committer.commit(urgent=True)
         if session.deleted:
             return None  # a clean CONNECT of the same client id removed it meanwhile

@@ -13,6 +13,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import plyvel
@@ -27,13 +28,16 @@ from .store import (
     Body,
     Entry,
     SessionRecord,
+    body_key,
+    entry_key,
     erase_entries,
     erase_entry,
     iter_entries,
     leveldb_detail,
-    read_bodies,
-    read_body,
+    queue_prefix,
     read_entry_run,
+    read_stored_bodies,
+    seq_of_entry_key,
     write_entry,
     write_sent_mark,
 )
@@ -80,7 +84,7 @@ class PendingRemovals:
         return bool(self._open or self._writing)
 
     def add_run(self, sid: int, seqs: list[int]) -> None:
-        self._open.update([(sid, seq) for seq in seqs])
+        self._open.update(zip(repeat(sid), seqs))
 
     def absent(self, sid: int, entries: list[Entry]) -> list[Entry]:
         """The entries of session ``sid`` not removed in memory (a run read from the store)."""
@@ -145,12 +149,19 @@ class DurableSession:
         return self.newest is not None and self.newest is not transport
 
     def read_entries(self, start: int, tail: int, limit: int) -> tuple[list[tuple[Entry, Body]], int | None]:
-        """Up to ``limit`` stored entries from ``start`` to ``tail`` with their bodies, and the last
-        sequence looked at when the limit cut the read short (None: everything up to ``tail`` read).
+        """read_stored with each body decoded."""
+        entries, bodies, last = self.read_stored(start, tail, limit)
+        return [(entry, Body.decode(raw)) for entry, raw in zip(entries, bodies, strict=True)], last
+
+    def read_stored(self, start: int, tail: int, limit: int) -> tuple[list[Entry], list[bytes], int | None]:
+        """Up to ``limit`` stored entries from ``start`` to ``tail``, their bodies as stored (in the same
+        order; each checked as Body.decode would), and the last sequence looked at when the limit
+        cut the read short (None: everything up to ``tail`` read).
 
         Entries removed in memory but not yet written are skipped: the store must not bring them back.
-        A read that fails part way returns what came before the damage (cut short there); one that
-        fails at once raises StoreReadError: the pump reports it and tries again later.
+        An entry without a body is removed (logged). A read that fails part way returns what came
+        before the damage (cut short there); one that fails at once raises StoreReadError: the pump
+        reports it and tries again later.
         """
         db = self.engine.db
         if db.closed:  # a retry after a failed write closed it and could not open it again (yet)
@@ -161,17 +172,23 @@ class DurableSession:
         cut = damage is not None or len(entries) >= limit
         kept = self.engine.removing.absent(self.sid, entries)
         try:
-            bodies = read_bodies(db, [entry.msg_id for entry in kept])
+            stored = read_stored_bodies(db, [entry.msg_id for entry in kept])
         except (plyvel.Error, ValueError, struct.error):
             return self._read_entry_by_entry(entries, start, cut)
-        out: list[tuple[Entry, Body]] = []
-        for entry in kept:
-            body = bodies.get(entry.msg_id)
-            if body is None:
-                self._bodiless(entry)
-            else:
-                out.append((entry, body))
-        return out, (entries[-1].seq if cut else None)
+        try:
+            bodies = [stored[entry.msg_id] for entry in kept]
+        except KeyError:  # an entry without its body
+            with_body: list[Entry] = []
+            bodies = []
+            for entry in kept:
+                raw = stored.get(entry.msg_id)
+                if raw is None:
+                    self._bodiless(entry)
+                else:
+                    with_body.append(entry)
+                    bodies.append(raw)
+            kept = with_body
+        return kept, bodies, (entries[-1].seq if cut else None)
 
     def _bodiless(self, entry: Entry) -> None:
         log.error("session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq)
@@ -179,27 +196,31 @@ class DurableSession:
 
     def _read_entry_by_entry(
         self, entries: list[Entry], start: int, cut: bool
-    ) -> tuple[list[tuple[Entry, Body]], int | None]:
-        """read_entries' body reads one by one, after the run's read met damage: what came before the
+    ) -> tuple[list[Entry], list[bytes], int | None]:
+        """read_stored's body reads one by one, after the run's read met damage: what came before the
         damaged body is returned (cut short there); damage at the first raises StoreReadError."""
         db = self.engine.db
         removing = self.engine.removing
-        out: list[tuple[Entry, Body]] = []
+        kept: list[Entry] = []
+        bodies: list[bytes] = []
         last_seq_looked: int | None = None
         for entry in entries:
             if (self.sid, entry.seq) not in removing:
                 try:
-                    body = read_body(db, entry.msg_id)
+                    raw = db.get(body_key(entry.msg_id), verify_checksums=True)
+                    if raw is not None:
+                        Body.decode(raw)  # damage shows here, not when the PUBLISH is built
                 except (plyvel.Error, ValueError, struct.error) as exc:
                     if last_seq_looked is None:
                         raise StoreReadError(self.client_id, start - 1, leveldb_detail(exc)) from exc
-                    return out, last_seq_looked
-                if body is None:
+                    return kept, bodies, last_seq_looked
+                if raw is None:
                     self._bodiless(entry)
                 else:
-                    out.append((entry, body))
+                    kept.append(entry)
+                    bodies.append(raw)
             last_seq_looked = entry.seq
-        return out, (last_seq_looked if cut else None)
+        return kept, bodies, (last_seq_looked if cut else None)
 
     async def advance_sent_mark(self, mark: int) -> None:
         """Persist 'entries up to ``mark`` may have been sent' before sending them (DUP after a crash)."""
@@ -215,6 +236,31 @@ class DurableSession:
         # only the DUP flag of what was in flight (new entries still number past every entry).
         with contextlib.suppress(StoreUnavailableError):
             await self.engine.committer.commit(urgent=True, local=True)
+
+    def advance_sent_mark_for_attach(self, window: int) -> None:
+        """Before a pump starts: queue the sent mark its first send will need (the first stored entry
+        + ``window``, as ``Pump._send`` would write it), so that it goes in the attach's commit and
+        the first send need not wait for a commit of its own. A guess, never a promise: a first
+        send it does not cover waits for its own mark as before (a failed peek writes nothing)."""
+        db = self.engine.db
+        if self.deleted or db.closed:
+            return
+        try:
+            rows = db.iterator(
+                start=entry_key(self.sid, self.head_seq), stop=queue_prefix(self.sid + 1), include_value=False
+            )
+            try:
+                key = next(rows, None)
+            finally:
+                rows.close()
+        except plyvel.Error:
+            return
+        if key is None:
+            return
+        mark = seq_of_entry_key(key) + window
+        if mark > self.sent_mark:
+            self.sent_mark = mark
+            write_sent_mark(self.engine.committer, self.sid, mark)
 
     def mark_released(self, entry: Entry) -> None:
         if self.deleted:

@@ -26,6 +26,8 @@ Key layout, version 1 (every integer big-endian, so LevelDB's byte order is nume
 Entry flags: bit 0 RETAIN (retained message on subscribe), bit 1 RELEASED (QoS 2 PUBREC
 received, so PUBREL, not PUBLISH, is re-sent), bit 2 SHARED (the body is counted under b"c";
 without it the entry is the body's only reference). A body is deleted with its last entry.
+From tlen on, a body is a PUBLISH's topic field as MQTT encodes it, then the payload: replay
+builds each PUBLISH from the stored bytes without decoding them (BODY_TOPIC_FIELD).
 
 Stream logs (stream_log.py) add two prefixes; the layout stays version 1, as an older store
 simply has none of these keys::
@@ -64,9 +66,10 @@ import os
 import re
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import islice, repeat
 from typing import Any, Protocol, TypeVar
 
 import plyvel
@@ -172,6 +175,8 @@ class Body:
     def decode(cls, raw: bytes) -> Body:
         published_at, qos, topic_len = _BODY_HEAD.unpack_from(raw)
         start = _BODY_HEAD.size
+        if start + topic_len > len(raw):
+            raise ValueError(f"a topic of {topic_len} bytes in a body of {len(raw)}")
         topic = raw[start : start + topic_len].decode("utf-8")
         return cls(topic, raw[start + topic_len :], qos, published_at)
 
@@ -587,9 +592,7 @@ def erase_entry(w: Writes, sid: int, seq: int) -> None:
 
 
 def erase_entries(w: Writes, sid: int, seqs: list[int]) -> None:
-    prefix = queue_prefix(sid)
-    pack = _U64.pack
-    _delete_all(w, [prefix + pack(seq) for seq in seqs])  # entry_key, inlined
+    _delete_all(w, list(map(queue_prefix(sid).__add__, map(_U64.pack, seqs))))  # entry_key, per seq
 
 
 def _delete_all(w: Writes, keys: list[bytes]) -> None:
@@ -626,8 +629,7 @@ def erase_body(w: Writes, msg_id: int) -> None:
 
 
 def erase_bodies(w: Writes, msg_ids: list[int]) -> None:
-    pack = _U64.pack
-    _delete_all(w, [b"m" + pack(msg_id) for msg_id in msg_ids])  # body_key, inlined
+    _delete_all(w, list(map(b"m".__add__, map(_U64.pack, msg_ids))))  # body_key, per message id
 
 
 def write_refs(w: Writes, msg_id: int, refs: int) -> None:
@@ -657,39 +659,67 @@ when that range holds at most this many keys per body wanted; sparser runs (sess
 interleave with many others') get each body by key."""
 
 
-def read_bodies(db: Any, msg_ids: list[int]) -> dict[int, Body]:
-    """The bodies of ``msg_ids`` (a run of queue entries, in order), decoded; a missing one is absent.
+BODY_TOPIC_FIELD = _BODY_HEAD.size - 2
+"""A stored body from this offset on is the topic field as MQTT encodes it (length in two bytes, then
+the UTF-8 topic), then the payload: a PUBLISH is built from it without decoding (wire.PublishRun.add_stored)."""
+
+
+def read_stored_bodies(db: Any, msg_ids: list[int]) -> dict[int, bytes]:
+    """The stored bodies of ``msg_ids`` (a run of queue entries, in order) as stored, each checked as
+    Body.decode would (a body shorter than its head or its topic, a topic that is not UTF-8); a missing
+    one is absent.
 
     One iterator pass over the run's body keys when they are dense (a backlog published to few
-    sessions), else one get per body; each body is decoded once however many entries share it, and
-    each topic once per run. Checksums are verified either way. Raises what LevelDB or the decoding
-    raises (plyvel.Error, ValueError, struct.error): the caller falls back to reading entry by entry.
+    sessions), else one get per body; each topic's UTF-8 is checked once per run. Checksums are
+    verified either way. Raises what LevelDB or the check raises (plyvel.Error, ValueError,
+    struct.error): the caller falls back to reading entry by entry.
     """
     if not msg_ids:
         return {}
     wanted = set(msg_ids)
-    raws: list[tuple[int, bytes]] = []
+    bodies: dict[int, bytes] = {}
     low, high = msg_ids[0], msg_ids[-1]
     if low > high:
         low, high = min(wanted), max(wanted)
     if high - low < DENSE_SPAN * len(wanted):
         unpack_id = _U64.unpack_from
-        keep = raws.append
         for key, raw in db.iterator(start=body_key(low), stop=body_key(high + 1), verify_checksums=True):
             msg_id = unpack_id(key, 1)[0]
             if msg_id in wanted:
-                keep((msg_id, raw))
+                bodies[msg_id] = raw
     else:
         get = db.get
         for msg_id in wanted:
             raw = get(body_key(msg_id), verify_checksums=True)
             if raw is not None:
-                raws.append((msg_id, raw))
+                bodies[msg_id] = raw
+    check_bodies(bodies.values())
+    return bodies
+
+
+def check_bodies(bodies: Iterable[bytes]) -> None:
+    """Raise what Body.decode raises on one of ``bodies`` (struct.error, ValueError) without decoding
+    them: each topic's UTF-8 is checked once."""
     head = _BODY_HEAD.unpack_from
     start = _BODY_HEAD.size
+    topics: set[bytes] = set()
+    for raw in bodies:
+        end = start + head(raw)[2]
+        if end > len(raw):
+            raise ValueError(f"a topic of {end - start} bytes in a body of {len(raw)}")
+        field = raw[BODY_TOPIC_FIELD:end]
+        if field not in topics:
+            field[2:].decode("utf-8")
+            topics.add(field)
+
+
+def read_bodies(db: Any, msg_ids: list[int]) -> dict[int, Body]:
+    """read_stored_bodies, decoded; each topic decoded once per run."""
     topics: dict[bytes, str] = {}
+    head = _BODY_HEAD.unpack_from
+    start = _BODY_HEAD.size
     bodies: dict[int, Body] = {}
-    for msg_id, raw in raws:
+    for msg_id, raw in read_stored_bodies(db, msg_ids).items():
         published_at, qos, topic_len = head(raw)
         end = start + topic_len
         topic_raw = raw[start:end]
@@ -711,17 +741,14 @@ def read_entry_run(
     append = entries.append
     unpack_seq = _U64.unpack_from
     unpack = _ENTRY.unpack
-    rows = db.iterator(start=queue_prefix(sid) + _U64.pack(start_seq), stop=queue_prefix(sid + 1),
-                       verify_checksums=True)
+    prefix = queue_prefix(sid)
+    if tail < start_seq:
+        return entries, None
+    rows = db.iterator(start=prefix + _U64.pack(start_seq), stop=prefix + _U64.pack(tail + 1), verify_checksums=True)
     try:
-        for key, value in rows:
-            seq = unpack_seq(key, 9)[0]
-            if seq > tail:
-                break
+        for key, value in islice(rows, limit):
             msg_id, qos, flags, size = unpack(value)
-            append(Entry(seq, msg_id, qos, flags, size))
-            if len(entries) >= limit:
-                break
+            append(Entry(unpack_seq(key, 9)[0], msg_id, qos, flags, size))
     except (plyvel.Error, ValueError, struct.error) as exc:
         return entries, exc
     return entries, None
@@ -905,7 +932,7 @@ class GroupCommitter:
         self._ops.append((key, None))
 
     def delete_many(self, keys: list[bytes]) -> None:
-        self._ops.extend([(key, None) for key in keys])
+        self._ops.extend(zip(keys, repeat(None)))
 
     def flush_soon(self, units: int = 1) -> None:
         """Make sure what was added gets written, without waiting for it (acks, bookkeeping);
@@ -997,11 +1024,12 @@ class GroupCommitter:
 
     def _write(self, ops: list[tuple[bytes, bytes | None]]) -> None:
         with self._db.write_batch(sync=self._sync) as batch:
+            delete, put = batch.delete, batch.put
             for key, value in ops:
                 if value is None:
-                    batch.delete(key)
+                    delete(key)
                 else:
-                    batch.put(key, value)
+                    put(key, value)
 
     def _finish(
         self,

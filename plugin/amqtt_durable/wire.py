@@ -84,6 +84,28 @@ class PublishRun:
             pieces.append(_U16.pack(packet_id))
         pieces.append(payload)
 
+    def add_stored(self, stored: bytes, at: int, qos: int, packet_id: int, *, dup: bool, retain: bool) -> None:
+        """A PUBLISH whose topic field (as MQTT encodes it: length in two bytes, then the topic) and
+        payload are ``stored[at:]``, as a stored message body holds them: the packet is its fixed
+        header, a slice, the packet id and a slice, without decoding the topic. The bytes equal
+        ``encode_publish``'s."""
+        length = len(stored) - at
+        first = 0x30 | (0x01 if retain else 0)
+        if qos:
+            first |= (qos << 1) | (0x08 if dup else 0)
+            length += 2
+        if length < 0x80:
+            fixed = bytes((first, length))
+        elif length < 0x4000:
+            fixed = bytes((first, (length & 0x7F) | 0x80, length >> 7))
+        else:
+            fixed = bytes((first,)) + remaining_length(length)
+        if qos:
+            end = at + 2 + ((stored[at] << 8) | stored[at + 1])
+            self._pieces += (fixed, stored[at:end], _U16.pack(packet_id), stored[end:])
+        else:
+            self._pieces += (fixed, stored[at:])
+
     def add_raw(self, packet: bytes) -> None:
         """A packet built elsewhere (a PUBREL), in its place in the run."""
         self._pieces.append(packet)

@@ -14,10 +14,23 @@ import plyvel
 import pytest
 
 from amqtt_durable.config import DurableConfig
+from amqtt_durable.delivery import ReadAccess, packet_seq
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import PacketTooLargeError, ProtocolViolationError
 from amqtt_durable.sessions import PendingRemovals
-from amqtt_durable.store import FLAG_SHARED, Body, Entry, body_key, read_bodies, read_entry_run, write_body, write_entry
+from amqtt_durable.store import (
+    BODY_TOPIC_FIELD,
+    FLAG_SHARED,
+    Body,
+    Entry,
+    body_key,
+    read_bodies,
+    read_entry_run,
+    read_session_state,
+    read_stored_bodies,
+    write_body,
+    write_entry,
+)
 from amqtt_durable.wire import (
     PacketReader,
     PublishRun,
@@ -25,6 +38,7 @@ from amqtt_durable.wire import (
     encode_publish,
     encode_pubrel,
     encode_subscribe,
+    packet_id_for,
     remaining_length,
 )
 from recording_transport import RecordingTransport
@@ -209,7 +223,10 @@ class RunTransport(RecordingTransport):
         assert runs is not None, "the pump registered itself"
         runs.begin_ack_run()
         for packet_id in packet_ids:
-            self.expected.pop((kind, packet_id))()  # type: ignore[index]
+            if kind == "puback":  # the pump matches PUBACKs itself (no callback registered per message)
+                assert runs.take_pubacks([packet_id]) == [], packet_id
+            else:
+                self.expected.pop((kind, packet_id))()  # type: ignore[index]
             if during is not None:
                 during()
         runs.end_ack_run()
@@ -294,3 +311,178 @@ def test_pending_removals_of_a_run_hide_entries_until_written() -> None:
     assert [e.seq for e in removals.absent(1, entries)] == [1, 4], "sealed and open both hide"
     removals.written()
     assert [e.seq for e in removals.absent(1, entries)] == [1, 2, 3, 4, 5]
+
+
+# Issue 14, the round after the batch-shaped replay: PUBLISHes built from the stored body bytes,
+# PUBACKs matched by packet id, the first sent mark in the attach's commit.
+
+
+@pytest.mark.parametrize("qos", [0, 1, 2])
+@pytest.mark.parametrize("size", [0, 1, 100, 116, 117, 200, 16370, 20000])
+def test_publish_run_builds_a_stored_body_into_what_encode_publish_builds(qos: int, size: int) -> None:
+    run = PublishRun()
+    expected = []
+    for index, (topic, dup, retain) in enumerate([("a/b", False, False), ("ü/ß", True, True), ("", True, False)]):
+        payload = bytes([index]) * size
+        stored = Body(topic, payload, qos, 1.5).encode()
+        run.add_stored(stored, BODY_TOPIC_FIELD, qos, 65535 - index, dup=dup, retain=retain)
+        expected.append(encode_publish(topic.encode(), payload, qos, 65535 - index, dup=dup, retain=retain))
+    run.add("c", b"live", qos, 7, dup=False, retain=False)  # mixed with decoded ones in one run
+    expected.append(encode_publish(b"c", b"live", qos, 7, dup=False, retain=False))
+    assert run.take() == b"".join(expected)
+
+
+def test_stored_bodies_are_checked_as_body_decode_checks_them(tmp_path: Path) -> None:
+    good = Body("t/1", b"payload", 1, 2.0).encode()
+    head = good[:BODY_TOPIC_FIELD]
+    damaged = {
+        "shorter than its head": (good[:5], struct.error),
+        "topic past the end": (head + b"\x00\x09t/1", ValueError),
+        "topic not UTF-8": (head + b"\x00\x02\xff\xfe" + b"payload", ValueError),
+    }
+    for index, (raw, error) in enumerate(damaged.values()):
+        with pytest.raises(error):
+            Body.decode(raw)
+        folder = tmp_path / str(index)
+        folder.mkdir()
+        db = _store(folder, list(range(1, 6)))
+        try:
+            assert read_stored_bodies(db, [1, 2, 3]) == {m: db.get(body_key(m)) for m in (1, 2, 3)}
+            db.put(body_key(2), raw)
+            with pytest.raises(error):
+                read_stored_bodies(db, [1, 2, 3])
+        finally:
+            db.close()
+
+
+@pytest.mark.parametrize("oldest", [1, 500, 65533, 65534, 65535, 65536, 131069, 131070, 10**9])
+def test_packet_seq_finds_the_in_flight_sequence_of_a_packet_id(oldest: int) -> None:
+    for offset in (0, 1, 99, 100, 65533, 65534):  # anything within 65535 of the oldest in flight
+        seq = oldest + offset
+        assert packet_seq(packet_id_for(seq), oldest) == seq
+
+
+async def _engine_with_queue(tmp_path: Path, qos_of: list[int], window: int = 40) -> DurableEngine:
+    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+    engine.open()
+    await engine.connect("c", clean_session=False)
+    await engine.subscribe("c", "t", 2)
+    for index, qos in enumerate(qos_of):
+        assert engine.route_publish("t", b"%d" % index, qos) is not None
+    await engine.written_so_far()
+    return engine
+
+
+def test_the_pump_matches_a_run_of_pubacks_by_packet_id(tmp_path: Path) -> None:
+    """QoS 1 acks of a run go to take_pubacks (no callback per message); an id of a QoS 2 message in
+    flight, an unknown id and an id acked twice come back as not the pump's, in order."""
+
+    async def main() -> None:
+        qos_of = [1, 1, 2, 1, 2, 1, 1]
+        engine = await _engine_with_queue(tmp_path, qos_of)
+        try:
+            transport = RunTransport()
+            await engine.attach("c", transport)
+            session = engine.sessions["c"]
+            sent = await transport.wait_for(lambda ps: len(ps) >= len(qos_of), LIMIT)
+            assert [p.qos for p in sent] == qos_of
+            assert {kind for kind, _ in transport.expected} == {"pubrec"}, "no callback per QoS 1 message"
+            pump = transport.ack_runs
+            assert pump is not None
+            ids = [p.packet_id for p in sent]
+            assert all(isinstance(i, int) for i in ids)
+            pump.begin_ack_run()
+            others = pump.take_pubacks([ids[3], 999, ids[2], ids[0], ids[1], ids[0]])
+            assert session.depth == 7, "removed at the end of the run"
+            pump.end_ack_run()
+            assert others == [999, ids[2], ids[0]]
+            assert session.depth == 4
+            assert sorted(pump.inflight) == [3, 5, 6, 7]
+            assert pump.take_pubacks([ids[5], ids[6]]) == [], "outside a run: removed at once"
+            assert session.depth == 2
+            await engine.detach("c", transport)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_pubacks_after_the_pump_stopped_are_taken_once_and_change_nothing(tmp_path: Path) -> None:
+    """As the callbacks registered per message were: an in-flight message's PUBACK after the stop is
+    the pump's (not passed on), and removes nothing (the entry goes out again, DUP, on the next
+    connection); a second one is not the pump's."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1, 1, 1])
+        try:
+            transport = RunTransport()
+            await engine.attach("c", transport)
+            sent = await transport.wait_for(lambda ps: len(ps) >= 3, LIMIT)
+            pump = transport.ack_runs
+            assert pump is not None
+            await engine.detach("c", transport)
+            ids = [p.packet_id for p in sent]
+            assert pump.take_pubacks([ids[1], 4242]) == [4242]
+            assert pump.take_pubacks([ids[1], ids[0]]) == [ids[1]]
+            session = engine.sessions["c"]
+            assert session.depth == 3
+            again = RunTransport()
+            await engine.attach("c", again)
+            resent = await again.wait_for(lambda ps: len(ps) >= 3, LIMIT)
+            assert [(p.payload, p.dup) for p in resent] == [(b"0", True), (b"1", True), (b"2", True)]
+            await engine.detach("c", again)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_attach_writes_the_first_sent_mark_in_its_own_commit(tmp_path: Path) -> None:
+    """The pump's first send finds its sent mark already stored (by the commit attach waits for):
+    the first replayed message does not wait for a commit of its own."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 50, window=40)
+        try:
+            session = engine.sessions["c"]
+            transport = RunTransport()
+            await engine.attach("c", transport)
+            assert read_session_state(engine.db, session.record)[1] == 1 + 40, "stored before the pump runs"
+            await transport.wait_for(lambda ps: len(ps) >= 1, LIMIT)
+            assert session.sent_mark == 1 + 40, "the first send (16 entries) needed no mark of its own"
+            await engine.detach("c", transport)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_the_first_batch_goes_out_within_attach_unless_something_must_be_awaited(tmp_path: Path) -> None:
+    """attach writes the first batch (16 entries) before it returns, ahead of amqtt's message loop set-up;
+    with a topic ACL to ask (an await) the pump's task sends it, as every later batch."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 50, window=40)
+        try:
+            transport = RunTransport()
+            await engine.attach("c", transport)
+            assert [p.payload for p in transport.packets] == [b"%d" % i for i in range(16)]
+            sent = await transport.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            assert [p.payload for p in sent] == [b"%d" % i for i in range(40)], "then the rest, in order, none twice"
+            assert not any(p.dup for p in sent)
+            await engine.detach("c", transport)
+
+            async def allow(topic: str) -> bool:
+                await asyncio.sleep(0)
+                return True
+
+            checked = RunTransport()
+            await engine.attach("c", checked, ReadAccess(allow))
+            assert checked.packets == [], "nothing before the ACL's answer"
+            resent = await checked.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            assert [(p.payload, p.dup) for p in resent] == [(b"%d" % i, True) for i in range(40)]
+            await engine.detach("c", checked)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
