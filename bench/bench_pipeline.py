@@ -465,6 +465,8 @@ def run_source(spark: Any, args: argparse.Namespace, broker_pid: int, rnd: Strea
     out, checkpoint = folder / "events", folder / "checkpoint"
     reader = (spark.readStream.format("amqtt-durable").option("host", HOST).option("port", str(port))
               .option("filter", f"bench/{rnd.label}/#"))
+    for key, value in args.source_options.items():
+        reader = reader.option(key, value)
     problems = rnd.problems[SOURCE]
     query = None
     try:
@@ -700,7 +702,8 @@ def render_stream(args: argparse.Namespace, report: Report) -> list[str]:
         "",
         f"N={args.n:,} events per round over {args.topics} topics (QoS 1, 64-byte payloads, raw publisher, at most "
         f"{args.inflight} in flight), stream log `{{filter: {STREAM_FILTER}, max_count: {max(1_000_000, args.n):,}}}`; "
-        f"{args.runs} rounds, fresh topics and a fresh durable session each, the order rotating; "
+        f"source options {args.source_options or 'none (its defaults)'}; {args.runs} rounds, fresh topics and a "
+        "fresh durable session each, the order rotating; "
         "median (min-max).",
         "",
         "| reader | events/s | vs plain | correctness |",
@@ -798,6 +801,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="streaming rounds (default 3; medians reported)")
     p.add_argument("--readers", default=",".join(KINDS),
                    help=f"streaming readers, comma-separated from {','.join(KINDS)} (default all)")
+    p.add_argument("--source-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the amqtt-durable source for the Spark query (repeatable), e.g. numPartitions=1; "
+                        "default: none, the source's defaults")
     p.add_argument("--inflight", type=int, default=100, help="max unacknowledged PUBLISHes (default 100)")
     p.add_argument("--timeout", type=float, default=None,
                    help="bound of each publish, query and drain (default max(120, N/200) s)")
@@ -818,6 +824,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.only = [part.strip() for part in args.only.split(",") if part.strip()]
     if not args.only or set(args.only) - {"audit", "stream"}:
         p.error("--only takes audit and/or stream")
+    args.source_options = dict(opt.split("=", 1) for opt in args.source_option if "=" in opt)
+    if len(args.source_options) != len(args.source_option):
+        p.error("--source-option takes KEY=VALUE")
     args.kinds = [part.strip() for part in args.readers.split(",") if part.strip()]
     if not args.kinds or set(args.kinds) - set(KINDS):
         p.error(f"--readers takes readers from {','.join(KINDS)}")
