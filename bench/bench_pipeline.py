@@ -33,6 +33,9 @@ audit since it caches on disk (bench/RESULTS.md); --driver-memory sets another h
              events/s from CONNECT to the last one (as bench_durable.py's scenario c).
      direct  (diagnostic) the source's own executor-side reader, ``read_range``, called in this
              process without Spark, one topic after the other: what one read task can do.
+   With --source-variant (repeatable) a round runs one source query per variant, each with its own
+   source options (e.g. numPartitions=1) and a fresh checkpoint, on the same events: the source is
+   stateless, so every variant reads exactly the N events the plain subscriber drains in that round.
    A warm-up round with a few events goes first (reported apart). Ratios per round and of the medians.
 
 The broker is pinned to CPU 0 and the raw subscriber to CPU 1 (--pin); Spark local[2] is not pinned
@@ -460,21 +463,29 @@ def wait_for_logs(opts: Any, rnd: StreamRound, timeout: float) -> None:
 
 def run_source(spark: Any, args: argparse.Namespace, broker_pid: int, rnd: StreamRound, kind: str, *, port: int,
                folder: Path) -> None:
-    """readStream -> Parquet with a checkpoint, AvailableNow; timed from start() to the query's end."""
+    """readStream -> Parquet with a checkpoint, AvailableNow; timed from start() to the query's end.
+
+    The variant's option ``sink=noop`` (the bench's, not the source's) writes to Spark's noop sink
+    instead: the read without the Parquet write, checked by the rows the query's progress counted.
+    """
     from pyspark.sql import functions as sf  # noqa: PLC0415
 
     out, checkpoint = folder / "events", folder / "checkpoint"
     reader = (spark.readStream.format("amqtt-durable").option("host", HOST).option("port", str(port))
               .option("filter", f"bench/{rnd.label}/#"))
-    for key, value in args.source_variants[kind].items():
+    source_options = dict(args.source_variants[kind])
+    sink = source_options.pop("sink", "parquet")
+    for key, value in source_options.items():
         reader = reader.option(key, value)
     problems = rnd.problems[kind]
     query = None
     try:
         with CpuMeter(broker_pid) as cpu:
             t0 = time.perf_counter()
-            query = (reader.load().writeStream.format("parquet").option("path", str(out))
-                     .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+            writer = reader.load().writeStream.format(sink).option("checkpointLocation", str(checkpoint))
+            if sink == "parquet":
+                writer = writer.option("path", str(out))
+            query = writer.trigger(availableNow=True).start()
             ended = query.awaitTermination(args.timeout)  # raises the query's error, if it failed
             elapsed = time.perf_counter() - t0
         if not ended:
@@ -487,6 +498,11 @@ def run_source(spark: Any, args: argparse.Namespace, broker_pid: int, rnd: Strea
     rnd.seconds[kind] = elapsed
     rnd.cpu[kind] = (cpu.broker, cpu.others + cpu.own)
     rnd.source_detail[kind] = source_breakdown(progress, elapsed)
+    if sink != "parquet":
+        if rnd.source_detail[kind]["rows"] != rnd.n:
+            problems.append(f"the query's progress counted {rnd.source_detail[kind]['rows']:,.0f} rows, expected "
+                            f"{rnd.n:,}")
+        return
     with job_deadline(spark, args.job_timeout, "checking the source's Parquet"):
         rows = (spark.read.parquet(str(out)).groupBy("topic")
                 .agg(sf.count(sf.lit(1)).alias("rows"), sf.countDistinct("id").alias("ids"),
@@ -814,8 +830,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--readers", default=",".join(KINDS),
                    help=f"streaming readers, comma-separated from {','.join(KINDS)} (default all)")
     p.add_argument("--source-variant", action="append", default=[], metavar="KEY=VALUE,...",
-                   help="a source query per round with these amqtt-durable options (repeatable; 'default' = none), "
-                        "e.g. --source-variant default --source-variant numPartitions=1; default: one, the defaults")
+                   help="a source query per round with these amqtt-durable options (repeatable; 'default' = none; "
+                        "sink=noop: Spark's noop sink instead of Parquet), e.g. --source-variant default "
+                        "--source-variant numPartitions=1; default: one, the defaults into Parquet")
     p.add_argument("--inflight", type=int, default=100, help="max unacknowledged PUBLISHes (default 100)")
     p.add_argument("--timeout", type=float, default=None,
                    help="bound of each publish, query and drain (default max(120, N/200) s)")
