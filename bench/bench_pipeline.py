@@ -33,6 +33,9 @@ audit since it caches on disk (bench/RESULTS.md); --driver-memory sets another h
              events/s from CONNECT to the last one (as bench_durable.py's scenario c).
      direct  (diagnostic) the source's own executor-side reader, ``read_range``, called in this
              process without Spark, one topic after the other: what one read task can do.
+   With --source-variant (repeatable) a round runs one source query per variant, each with its own
+   source options (e.g. numPartitions=1) and a fresh checkpoint, on the same events: the source is
+   stateless, so every variant reads exactly the N events the plain subscriber drains in that round.
    A warm-up round with a few events goes first (reported apart). Ratios per round and of the medians.
 
 The broker is pinned to CPU 0 and the raw subscriber to CPU 1 (--pin); Spark local[2] is not pinned
@@ -54,6 +57,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -159,9 +163,9 @@ class StreamRound:
     publish: PublishResult | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # kind -> measured seconds
     plain: ReceiveResult | None = None
-    source_detail: dict[str, float] = field(default_factory=dict)  # breakdown from the query's progress
+    source_detail: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> the query's progress
     cpu: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # kind -> (broker s, reader s)
-    problems: dict[str, list[str]] = field(default_factory=lambda: {kind: [] for kind in KINDS})
+    problems: defaultdict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
 
     def rate(self, kind: str) -> float | None:
         secs = self.seconds.get(kind)
@@ -189,7 +193,7 @@ class Report:
     def failures(self) -> list[str]:
         out = [f"audit {run.label}: {p}" for run in self._audit_runs() for p in run.problems]
         for rnd in self._rounds():
-            out += [f"{kind} {rnd.label}: {p}" for kind in KINDS for p in rnd.problems[kind]]
+            out += [f"{kind} {rnd.label}: {p}" for kind, found in rnd.problems.items() for p in found]
         return out
 
     def _audit_runs(self) -> list[AuditRun]:
@@ -457,21 +461,31 @@ def wait_for_logs(opts: Any, rnd: StreamRound, timeout: float) -> None:
     raise BenchError(f"the stream logs hold {bounds} after {timeout:.0f}s, expected {rnd.counts}")
 
 
-def run_source(spark: Any, args: argparse.Namespace, broker_pid: int, rnd: StreamRound, *, port: int,
+def run_source(spark: Any, args: argparse.Namespace, broker_pid: int, rnd: StreamRound, kind: str, *, port: int,
                folder: Path) -> None:
-    """readStream -> Parquet with a checkpoint, AvailableNow; timed from start() to the query's end."""
+    """readStream -> Parquet with a checkpoint, AvailableNow; timed from start() to the query's end.
+
+    The variant's option ``sink=noop`` (the bench's, not the source's) writes to Spark's noop sink
+    instead: the read without the Parquet write, checked by the rows the query's progress counted.
+    """
     from pyspark.sql import functions as sf  # noqa: PLC0415
 
     out, checkpoint = folder / "events", folder / "checkpoint"
     reader = (spark.readStream.format("amqtt-durable").option("host", HOST).option("port", str(port))
               .option("filter", f"bench/{rnd.label}/#"))
-    problems = rnd.problems[SOURCE]
+    source_options = dict(args.source_variants[kind])
+    sink = source_options.pop("sink", "parquet")
+    for key, value in source_options.items():
+        reader = reader.option(key, value)
+    problems = rnd.problems[kind]
     query = None
     try:
         with CpuMeter(broker_pid) as cpu:
             t0 = time.perf_counter()
-            query = (reader.load().writeStream.format("parquet").option("path", str(out))
-                     .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+            writer = reader.load().writeStream.format(sink).option("checkpointLocation", str(checkpoint))
+            if sink == "parquet":
+                writer = writer.option("path", str(out))
+            query = writer.trigger(availableNow=True).start()
             ended = query.awaitTermination(args.timeout)  # raises the query's error, if it failed
             elapsed = time.perf_counter() - t0
         if not ended:
@@ -481,9 +495,14 @@ def run_source(spark: Any, args: argparse.Namespace, broker_pid: int, rnd: Strea
     finally:
         if query is not None:
             query.stop()
-    rnd.seconds[SOURCE] = elapsed
-    rnd.cpu[SOURCE] = (cpu.broker, cpu.others + cpu.own)
-    rnd.source_detail = source_breakdown(progress, elapsed)
+    rnd.seconds[kind] = elapsed
+    rnd.cpu[kind] = (cpu.broker, cpu.others + cpu.own)
+    rnd.source_detail[kind] = source_breakdown(progress, elapsed)
+    if sink != "parquet":
+        if rnd.source_detail[kind]["rows"] != rnd.n:
+            problems.append(f"the query's progress counted {rnd.source_detail[kind]['rows']:,.0f} rows, expected "
+                            f"{rnd.n:,}")
+        return
     with job_deadline(spark, args.job_timeout, "checking the source's Parquet"):
         rows = (spark.read.parquet(str(out)).groupBy("topic")
                 .agg(sf.count(sf.lit(1)).alias("rows"), sf.countDistinct("id").alias("ids"),
@@ -570,8 +589,9 @@ def stream_round(spark: Any, args: argparse.Namespace, ctx: StreamCtx, label: st
             f"{rnd.publish.ack_rate:,.0f} PUBACKs/s; order {', '.join(rnd.order)}")
         for kind in rnd.order:
             try:
-                if kind == SOURCE:
-                    run_source(spark, args, broker.pid, rnd, port=broker.port, folder=ctx.tmp / "stream" / label)
+                if kind in args.source_variants:
+                    run_source(spark, args, broker.pid, rnd, kind, port=broker.port,
+                               folder=ctx.tmp / "stream" / label / f"s{list(args.source_variants).index(kind)}")
                 elif kind == PLAIN:
                     run_plain(args, broker.pid, rnd, port=broker.port, sub_id=sub_id, tag=tag)
                 else:
@@ -583,8 +603,8 @@ def stream_round(spark: Any, args: argparse.Namespace, ctx: StreamCtx, label: st
             log(f"  {label} {kind}: {rate or 0:,.0f} events/s ({rnd.seconds.get(kind, 0):.2f}s)"
                 + (f" PROBLEMS: {'; '.join(rnd.problems[kind])}" if rnd.problems[kind] else ""))
     except Exception as exc:
-        for kind in KINDS:
-            if kind not in rnd.seconds and not rnd.problems[kind] and kind in args.kinds:
+        for kind in args.kinds:
+            if kind not in rnd.seconds and not rnd.problems[kind]:
                 rnd.problems[kind].append(f"round aborted: {first_line(exc)}")
         log(traceback.format_exc())
     finally:
@@ -693,15 +713,17 @@ def render_audit(args: argparse.Namespace, report: Report) -> list[str]:
 
 def render_stream(args: argparse.Namespace, report: Report) -> list[str]:
     rounds = report.rounds
-    kinds = [k for k in KINDS if k in args.kinds]
+    kinds = list(args.kinds)
+    sources = [k for k in kinds if k in args.source_variants]
     rates = {k: [rnd.rate(k) for rnd in rounds] for k in kinds}
     lines = [
         "## 2. Streaming source vs the broker's plain durable replay",
         "",
         f"N={args.n:,} events per round over {args.topics} topics (QoS 1, 64-byte payloads, raw publisher, at most "
         f"{args.inflight} in flight), stream log `{{filter: {STREAM_FILTER}, max_count: {max(1_000_000, args.n):,}}}`; "
-        f"{args.runs} rounds, fresh topics and a fresh durable session each, the order rotating; "
-        "median (min-max).",
+        f"{args.runs} rounds, fresh topics and a fresh durable session each, the order rotating; median (min-max). "
+        "Each source reader is a query with the source options its name gives (`source` alone: the source's "
+        "defaults), reading the same events of the round (the stream logs) from a fresh checkpoint.",
         "",
         "| reader | events/s | vs plain | correctness |",
         "|---|---:|---:|---|",
@@ -712,22 +734,25 @@ def render_stream(args: argparse.Namespace, report: Report) -> list[str]:
         vs = fmt_ratio(med / plain_median) if med is not None and plain_median and kind != PLAIN else "—"
         failed = [f"{rnd.label}: {'; '.join(rnd.problems[kind])}" for rnd in rounds if rnd.problems[kind]]
         ok = f"ok in all {len(rounds)} rounds" if not failed else "**FAILED**: " + " / ".join(failed)
-        lines.append(f"| {TITLES[kind]} | {fmt_runs(rates[kind])} | {vs} | {ok.replace('|', '/')} |")
+        title = TITLES[kind] if kind in TITLES else f"{TITLES[SOURCE]}, {kind.removeprefix(SOURCE).strip()}"
+        lines.append(f"| {title} | {fmt_runs(rates[kind])} | {vs} | {ok.replace('|', '/')} |")
+    compared = sources if PLAIN in kinds else []
     lines += ["", "| round | order | publish (PUBACKs/s) | " + " | ".join(f"{k} (s)" for k in kinds)
-              + " | " + " | ".join(f"{k} events/s" for k in kinds) + " | source / plain |",
-              "|---|---|---:|" + "---:|" * (2 * len(kinds) + 1)]
+              + " | " + " | ".join(f"{k} events/s" for k in kinds)
+              + "".join(f" | {k} / plain" for k in compared) + " |",
+              "|---|---|---:|" + "---:|" * (2 * len(kinds) + len(compared))]
     for rnd in ([report.stream_warmup] if report.stream_warmup else []) + rounds:
-        ratio = (rnd.rate(SOURCE) / rnd.rate(PLAIN)) if rnd.rate(SOURCE) and rnd.rate(PLAIN) else None
+        ratios = [(rnd.rate(k) / rnd.rate(PLAIN)) if rnd.rate(k) and rnd.rate(PLAIN) else None for k in compared]
         pub = fmt_number(rnd.publish.ack_rate) if rnd.publish and rnd.publish.acked else "—"
         label = f"{rnd.label} (warm-up, N={rnd.n:,})" if rnd is report.stream_warmup else rnd.label
         lines.append(f"| {label} | {', '.join(rnd.order)} | {pub} | "
                      + " | ".join(fmt_s(rnd.seconds.get(k)) for k in kinds) + " | "
                      + " | ".join(fmt_number(r) if (r := rnd.rate(k)) else "—" for k in kinds)
-                     + f" | {fmt_ratio(ratio)} |")
-    if SOURCE in kinds and PLAIN in kinds:
-        per_round = [fmt_ratio(s / p) if s and p else "—" for s, p in zip(rates[SOURCE], rates[PLAIN], strict=True)]
-        med_s = median_of(rates[SOURCE])
-        lines += ["", f"- source / plain replay: {fmt_ratio(med_s / plain_median if med_s and plain_median else None)}"
+                     + "".join(f" | {fmt_ratio(r)}" for r in ratios) + " |")
+    for kind in compared:
+        per_round = [fmt_ratio(s / p) if s and p else "—" for s, p in zip(rates[kind], rates[PLAIN], strict=True)]
+        med_s = median_of(rates[kind])
+        lines += ["", f"- {kind} / plain replay: {fmt_ratio(med_s / plain_median if med_s and plain_median else None)}"
                   f" of the medians; per round {', '.join(per_round)}"]
     lines += ["", "CPU per event (µs, user + system over the reader's measured time, median of the rounds): the "
               "broker process, and the reader's side (source: the Spark JVM, its Python workers and planner, and "
@@ -741,16 +766,22 @@ def render_stream(args: argparse.Namespace, report: Report) -> list[str]:
         total = [b + r if b is not None and r is not None else None for b, r in zip(broker, reader, strict=True)]
         lines.append(f"| {kind} | {fmt_runs(broker)} | {fmt_runs(reader) if kind != PLAIN else 'n/a'} | "
                      f"{fmt_runs(total) if kind != PLAIN else 'n/a'} |")
-    details = [rnd.source_detail for rnd in rounds if rnd.source_detail]
+    for kind in sources:
+        lines += render_source_detail(args, kind, [d for rnd in rounds if (d := rnd.source_detail.get(kind))])
+    return lines
+
+
+def render_source_detail(args: argparse.Namespace, kind: str, details: list[dict[str, float]]) -> list[str]:
+    lines: list[str] = []
     if details:
         phases = [k for k in details[0] if k not in ("batches", "rows", "total")]
         parts = [f"{phase} {fmt_s(median_of([d.get(phase) for d in details]))}" for phase in phases]
         in_batches = median_of([args.n / d["addBatch"] if d.get("addBatch") else None for d in details])
-        lines += ["", f"- source query, seconds per phase summed over its micro-batches (median of the rounds; "
+        lines += ["", f"- {kind} query, seconds per phase summed over its micro-batches (median of the rounds; "
                   f"{fmt_number(median_of([d['batches'] for d in details]) or 0)} micro-batches, total "
                   f"{fmt_s(median_of([d['total'] for d in details]))} s): " + ", ".join(parts)
                   + "; 'outside triggers' is query start-up (and stop) before and after the micro-batches",
-                  f"- source inside its micro-batches (N / addBatch, the read and the Parquet write): "
+                  f"- {kind} inside its micro-batches (N / addBatch, the read and the Parquet write): "
                   f"{fmt_number(in_batches) if in_batches else '—'} events/s"]
     return lines
 
@@ -798,6 +829,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="streaming rounds (default 3; medians reported)")
     p.add_argument("--readers", default=",".join(KINDS),
                    help=f"streaming readers, comma-separated from {','.join(KINDS)} (default all)")
+    p.add_argument("--source-variant", action="append", default=[], metavar="KEY=VALUE,...",
+                   help="a source query per round with these amqtt-durable options (repeatable; 'default' = none; "
+                        "sink=noop: Spark's noop sink instead of Parquet), e.g. --source-variant default "
+                        "--source-variant numPartitions=1; default: one, the defaults into Parquet")
     p.add_argument("--inflight", type=int, default=100, help="max unacknowledged PUBLISHes (default 100)")
     p.add_argument("--timeout", type=float, default=None,
                    help="bound of each publish, query and drain (default max(120, N/200) s)")
@@ -821,6 +856,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.kinds = [part.strip() for part in args.readers.split(",") if part.strip()]
     if not args.kinds or set(args.kinds) - set(KINDS):
         p.error(f"--readers takes readers from {','.join(KINDS)}")
+    args.source_variants = {}
+    for variant in args.source_variant or ["default"]:
+        pairs = [] if variant.strip() == "default" else [kv.strip() for kv in variant.split(",") if kv.strip()]
+        if not all("=" in kv for kv in pairs):
+            p.error("--source-variant takes 'default' or KEY=VALUE,KEY=VALUE")
+        args.source_variants[" ".join([SOURCE, *pairs])] = dict(kv.split("=", 1) for kv in pairs)
+    if SOURCE in args.kinds:
+        at = args.kinds.index(SOURCE)
+        args.kinds[at:at + 1] = list(args.source_variants)
     if args.sizes is None:
         args.sizes = [100_000, 300_000, 1_000_000] if args.quick else [1_000_000, 3_000_000, 10_000_000]
     if args.n is None:

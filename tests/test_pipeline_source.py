@@ -25,6 +25,7 @@ from durable_pipeline.source import (
     AmqttDurableDataSource,
     IdRange,
     Options,
+    RangeGroup,
     _schema,
     read_range,
 )
@@ -160,13 +161,63 @@ def test_two_topics_are_read_in_parallel_partitions(spark: Any, stream_broker: B
     assert batch_df(spark, {**opts, "startingOffsets": "latest"}).count() == 0  # nothing planned
 
 
+def test_num_partitions_deals_the_ids_into_that_many_tasks(
+    spark: Any, stream_broker: Broker, publisher: Client
+) -> None:
+    publish(publisher, "telemetry/a", 1, 25)
+    publish(publisher, "telemetry/b", 1, 5)
+
+    def planned(**extra: Any) -> list[list[tuple[str, int, int]]]:
+        parts = AmqttDurableDataSource(options(stream_broker.port, **extra)).reader(_schema()).partitions()
+        assert all(isinstance(p, RangeGroup) for p in parts)
+        return [[(r.topic, r.start, r.end) for r in p.ranges] for p in parts]  # type: ignore[attr-defined]
+
+    assert planned(numPartitions=2) == [
+        [("telemetry/a", 0, 15)], [("telemetry/a", 15, 25), ("telemetry/b", 0, 5)],
+    ]
+    assert planned(numPartitions=1) == [[("telemetry/a", 0, 25), ("telemetry/b", 0, 5)]]
+    assert planned(numPartitions=4) == [
+        [("telemetry/a", 0, 8)], [("telemetry/a", 8, 16)], [("telemetry/a", 16, 23)],
+        [("telemetry/a", 23, 25), ("telemetry/b", 0, 5)],
+    ]
+    assert len(planned(numPartitions=100)) == 30  # never an empty task
+    assert planned(numPartitions=3, startingOffsets='{"telemetry/a": 20}') == [
+        [("telemetry/a", 20, 24)], [("telemetry/a", 24, 25), ("telemetry/b", 0, 2)], [("telemetry/b", 2, 5)],
+    ]
+    for parts in (1, 2, 4):
+        df = batch_df(spark, options(stream_broker.port, numPartitions=parts))
+        assert df.rdd.getNumPartitions() == parts
+        assert Counter((r.topic, r.id) for r in df.collect()) == expected(a=(1, 25), b=(1, 5))
+
+
+def test_a_task_of_several_ranges_reads_on_across_a_broker_sigkill(
+    stream_broker: Broker, publisher: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """read(partition) of a RangeGroup in this process: the broker killed and restarted in its first range."""
+    publish(publisher, "telemetry/a", 1, 100)
+    publish(publisher, "telemetry/b", 1, 60)
+    group = RangeGroup([IdRange("telemetry/a", 10, 100), IdRange("telemetry/b", 0, 60)])
+    batches = read_range(Options.parse(options(stream_broker.port, window=10)), group)
+    seen = [(row["topic"], row["id"]) for row in next(batches).to_pylist()]
+    assert len(seen) <= 10
+    with caplog.at_level(logging.INFO, logger="durable_pipeline"):
+        stream_broker.kill()
+        stream_broker.start()
+        for batch in batches:
+            seen.extend((row["topic"], row["id"]) for row in batch.to_pylist())
+    assert seen == [("telemetry/a", i) for i in range(11, 101)] + [("telemetry/b", i) for i in range(1, 61)]
+    assert "reconnected to 127.0.0.1" in caplog.text
+
+
 # ------------------------------------------------------------- streaming
+@pytest.mark.parametrize("split", [{"idsPerPartition": 15}, {"numPartitions": 2}])
 def test_streaming_into_parquet_is_exactly_once_across_a_query_restart(
-    stream_broker: Broker, publisher: Client, streaming: Callable[[dict[str, str]], Streaming]
+    stream_broker: Broker, publisher: Client, streaming: Callable[[dict[str, str]], Streaming],
+    split: dict[str, int],
 ) -> None:
     publish(publisher, "telemetry/a", 1, 40)
     publish(publisher, "telemetry/b", 1, 10)
-    job = streaming(options(stream_broker.port, maxEventsPerTrigger=25, idsPerPartition=15))
+    job = streaming(options(stream_broker.port, maxEventsPerTrigger=25, **split))
     job.start().processAllAvailable()
     assert job.written() == expected(a=(1, 40), b=(1, 10))
     job.stop()
@@ -195,9 +246,10 @@ def test_reader_resumes_across_a_broker_sigkill(
     assert "reconnected to 127.0.0.1" in caplog.text
 
 
+@pytest.mark.parametrize("split", [{}, {"numPartitions": 1}])
 def test_streaming_is_exactly_once_across_a_broker_sigkill(
     spark: Any, stream_broker: Broker, clients: Callable[..., Client],
-    streaming: Callable[[dict[str, str]], Streaming],
+    streaming: Callable[[dict[str, str]], Streaming], split: dict[str, int],
 ) -> None:
     from pyspark.sql.streaming import StreamingQueryListener  # noqa: PLC0415 - Spark tests only
 
@@ -223,7 +275,7 @@ def test_streaming_is_exactly_once_across_a_broker_sigkill(
     listener = Progress()
     spark.streams.addListener(listener)
     try:
-        job = streaming(options(stream_broker.port, maxEventsPerTrigger=100, window=20, timeout=20))
+        job = streaming(options(stream_broker.port, maxEventsPerTrigger=100, window=20, timeout=20, **split))
         job.start()
         assert progressed.wait(QUERY_WAIT), "no micro-batch with rows"
         stream_broker.kill()  # mid-query: between or during micro-batches
@@ -310,6 +362,11 @@ def test_options_are_checked() -> None:
         Options.parse({"filter": FILTER, "window": "0"})
     with pytest.raises(SourceError, match="failOnDataLoss must be true or false"):
         Options.parse({"filter": FILTER, "failOnDataLoss": "yes"})
+    with pytest.raises(SourceError, match="numPartitions must be a whole number 1 or more"):
+        Options.parse({"filter": FILTER, "numPartitions": "0"})
+    with pytest.raises(SourceError, match=r"set one of the options numPartitions .* and idsPerPartition"):
+        Options.parse({"filter": FILTER, "numPartitions": "2", "idsPerPartition": "10"})
+    assert Options.parse({"filter": FILTER, "numpartitions": "3"}).num_partitions == 3
     parsed = Options.parse({"FILTER": FILTER, "startingoffsets": '{"telemetry/a": 4}', "maxEventsPerTrigger": "9"})
     assert (parsed.starting, parsed.max_events_per_trigger, parsed.ending) == ({"telemetry/a": 4}, 9, "latest")
 

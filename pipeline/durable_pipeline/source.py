@@ -112,6 +112,8 @@ class Options:
     window: int = DEFAULT_WINDOW
     max_events_per_trigger: int | None = None
     ids_per_partition: int = DEFAULT_IDS_PER_PARTITION
+    num_partitions: int | None = None
+    """Read tasks per micro-batch (or batch read), its ids dealt evenly; None: per topic and idsPerPartition."""
     timeout: float = DEFAULT_TIMEOUT
     failover: tuple[tuple[str, int], ...] = ()
     """The other brokers of a replication group: the reader moves on to the one that is primary."""
@@ -126,14 +128,14 @@ class Options:
         raw = {str(k).lower(): str(v) for k, v in options.items()}
         known = {
             "host", "port", "filter", "startingoffsets", "endingoffsets", "failondataloss", "window",
-            "maxeventspertrigger", "idsperpartition", "timeout", "failover", "path",
+            "maxeventspertrigger", "idsperpartition", "numpartitions", "timeout", "failover", "path",
         }
         unknown = sorted(set(raw) - known)
         if unknown:
             raise SourceError(
                 f"unknown option(s) {', '.join(unknown)} for the {FORMAT} source; it takes host, port, filter, "
                 "startingOffsets, endingOffsets, failOnDataLoss, window, maxEventsPerTrigger, idsPerPartition, "
-                "timeout, failover"
+                "numPartitions, timeout, failover"
             )
         topic_filter = raw.get("filter", "").strip()
         if not topic_filter:
@@ -142,6 +144,12 @@ class Options:
                 "broker's `streams` setting, e.g. .option('filter', 'telemetry/#')"
             )
         max_events = raw.get("maxeventspertrigger")
+        num_partitions = raw.get("numpartitions")
+        if num_partitions is not None and "idsperpartition" in raw:
+            raise SourceError(
+                "set one of the options numPartitions (read tasks per micro-batch) and idsPerPartition (ids per "
+                "read task), not both"
+            )
         return cls(
             host=raw.get("host", "127.0.0.1"),
             port=_int_option(raw, "port", 1883, low=1, high=65535),
@@ -154,6 +162,7 @@ class Options:
                 None if max_events is None else _int_option(raw, "maxEventsPerTrigger", 0, low=1)
             ),
             ids_per_partition=_int_option(raw, "idsPerPartition", DEFAULT_IDS_PER_PARTITION, low=1),
+            num_partitions=None if num_partitions is None else _int_option(raw, "numPartitions", 0, low=1),
             timeout=_float_option(raw, "timeout", DEFAULT_TIMEOUT),
             failover=_addresses_option(raw, "failover"),
         )
@@ -244,14 +253,27 @@ class IdRange(InputPartition):
         return f"IdRange({self.topic!r}, {self.start + 1}..{self.end})"
 
 
+class RangeGroup(InputPartition):
+    """One task's work with numPartitions: several ranges (of one topic or more), read one after the other."""
+
+    def __init__(self, ranges: Sequence[IdRange]) -> None:
+        super().__init__(tuple((r.topic, r.start, r.end) for r in ranges))
+        self.ranges = list(ranges)
+
+    def __repr__(self) -> str:
+        return f"RangeGroup({', '.join(map(repr, self.ranges))})"
+
+
 def plan(
     opts: Options, start: Mapping[str, int], end: Mapping[str, int], bounds: Mapping[str, tuple[int, int]]
-) -> tuple[list[IdRange], dict[str, tuple[int, int]]]:
+) -> tuple[list[IdRange] | list[RangeGroup], dict[str, tuple[int, int]]]:
     """The ranges to read between two offsets, and the ids skipped per topic: {topic: (first, last)}.
 
     ``bounds`` is stream_info's {topic: (first retained, last)}: ids below ``first`` were trimmed,
     which is SourceError unless ``opts.fail_on_data_loss`` is off. Each topic's range is cut into
-    pieces of at most ``opts.ids_per_partition`` ids, read in parallel.
+    pieces of at most ``opts.ids_per_partition`` ids, read in parallel; with ``opts.num_partitions``
+    the ids of all topics, in topic order, are dealt instead into that many groups of equal size
+    (one id more in the first ones; fewer groups when there are fewer ids).
     """
     ranges: list[IdRange] = []
     skipped: dict[str, tuple[int, int]] = {}
@@ -268,11 +290,37 @@ def plan(
                 raise SourceError(_data_loss_message(opts, topic, low + 1, missing_to, first))
             skipped[topic] = (low + 1, missing_to)
             low = missing_to
+        if opts.num_partitions is not None:
+            ranges.append(IdRange(topic, low, high))
+            continue
         while low < high:
             piece = min(high, low + opts.ids_per_partition)
             ranges.append(IdRange(topic, low, piece))
             low = piece
-    return ranges, skipped
+    if opts.num_partitions is None:
+        return ranges, skipped
+    return _deal(ranges, opts.num_partitions), skipped
+
+
+def _deal(ranges: list[IdRange], parts: int) -> list[RangeGroup]:
+    """The ranges' ids, in order, cut into ``parts`` groups of equal size (a range may be cut between two)."""
+    total = sum(r.end - r.start for r in ranges)
+    parts = min(parts, total)
+    groups: list[RangeGroup] = []
+    todo = iter(ranges)
+    current: IdRange | None = None
+    for k in range(parts):
+        want = total // parts + (1 if k < total % parts else 0)
+        pieces: list[IdRange] = []
+        while want:
+            current = current or next(todo)
+            take = min(want, current.end - current.start)
+            pieces.append(IdRange(current.topic, current.start, current.start + take))
+            want -= take
+            rest = IdRange(current.topic, current.start + take, current.end)
+            current = rest if rest.end > rest.start else None
+        groups.append(RangeGroup(pieces))
+    return groups
 
 
 def _with_store(offsets: dict[str, int], bounds: Mapping[str, tuple[int, int]]) -> dict[str, int]:
@@ -408,7 +456,8 @@ class AmqttDurableDataSource(DataSource):
     retained id, topics appearing later at id 1), ``endingOffsets`` (batch: ``latest`` | JSON
     {topic: last id}, then only the topics listed are read), ``failOnDataLoss`` (true),
     ``window`` (events in flight per topic, 1000), ``maxEventsPerTrigger`` (no cap),
-    ``idsPerPartition`` (100000), ``timeout`` (seconds for broker waits, 30), ``failover``
+    ``idsPerPartition`` (100000), ``numPartitions`` (read tasks per micro-batch; by default one per topic and
+    per idsPerPartition ids), ``timeout`` (seconds for broker waits, 30), ``failover``
     (``host:port,...``: the other brokers of a replication group).
     """
 
@@ -585,7 +634,10 @@ class AmqttDurableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableN
 
 # ================================================================ executor side
 def read_range(opts: Options, partition: InputPartition) -> Iterator[Any]:
-    """Arrow batches of exactly the ids ``start + 1`` to ``end`` of the partition's topic, in order."""
+    """Arrow batches of exactly the ids ``start + 1`` to ``end`` of the partition's topic, in order (a RangeGroup: its
+    ranges one after the other)."""
+    if isinstance(partition, RangeGroup):
+        return (batch for part in partition.ranges for batch in _RangeReader(opts, part).batches())
     if not isinstance(partition, IdRange):
         if partition.value is None:  # Spark's stand-in when partitions() planned nothing
             return iter(())
