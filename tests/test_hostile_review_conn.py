@@ -14,6 +14,7 @@ from test_mixed_clients import RECEIVE_ACL_PLUGIN
 from test_qos2_inbound import PUBACK, PUBREC, complete, expect_ack, publish, pubrel_due
 from test_scale import RawClient
 
+from amqtt_durable.amqtt_glue import CLOSE_GRACE
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
 
 
@@ -276,3 +277,24 @@ def test_a_will_the_user_may_not_publish_is_refused_at_connect(
     assert [m.payload for m in device.messages] == [b"marker"], "mallory's will reached the door"
     assert refusal == REFUSED, "CONNACK 5: the will's topic is not the user's to publish to"
     assert "may not publish its will to 'cmd/door'" in broker.log()
+
+
+def test_a_connection_dropped_while_a_qos2_publish_awaits_its_pubrel_ends_at_once(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """At EOF the reader lets the handlers of what it read finish (an UNSUBSCRIBE before DISCONNECT
+    must be stored), but a QoS 2 PUBLISH's handler waits for a PUBREL that only the ended reader
+    could deliver: the end (the will, the session's detach) waited CLOSE_GRACE for nothing, per
+    connection, for anyone who sends a QoS 2 PUBLISH and drops the line."""
+    watcher = clients(broker.port, "will-watcher")
+    assert watcher.subscribe("wills/#", 1) == [1]
+    body = mqtt_string("MQTT") + bytes((4, 0x02 | 0x04 | 0x08, 0, 60)) + mqtt_string("q2-dropper")
+    body += mqtt_string("wills/q2-dropper") + mqtt_string("gone")  # will QoS 1, clean session
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        assert read_exactly(sock, 4) == CONNACK_ACCEPTED
+        sock.sendall(mqtt_packet(0x34, mqtt_string("q2/t") + b"\x00\x07" + b"exactly once"))
+        assert read_exactly(sock, 4) == b"\x50\x02\x00\x07"  # PUBREC: its handler now waits for PUBREL
+    assert watcher.wait_for(lambda got: any(m.payload == b"gone" for m in got), timeout=CLOSE_GRACE / 2), (
+        "the will came only after CLOSE_GRACE: the connection's end waited for the QoS 2 handler"
+    )

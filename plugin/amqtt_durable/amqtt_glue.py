@@ -202,6 +202,10 @@ _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconne
 _ACK_KINDS: dict[int, AckKind] = {PUBACK: "puback", PUBREC: "pubrec", PUBCOMP: "pubcomp"}
 READ_SIZE = 1 << 16
 """Bytes FastReader asks the socket for at a time."""
+_SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
+"""Packet types whose handling a connection's end waits for (FastReader.run): they need nothing more
+from the peer."""
+
 _HANDLERS = {
     CONNACK: "handle_connack",
     SUBSCRIBE: "handle_subscribe",
@@ -1653,6 +1657,10 @@ class FastReader:
         self._transport: HandlerTransport = handler.durable_transport
         self._publishes: InboundPublishes = handler.durable_publishes
         self._running: deque[asyncio.Task[None]] = deque()
+        self._settling: set[asyncio.Task[None]] = set()
+        """Handlers of SUBSCRIBE, UNSUBSCRIBE and DISCONNECT not yet done: at EOF they are waited for
+        (see ``run``). A QoS 2 PUBLISH's handler is not: it waits for a PUBREL that only this reader
+        could deliver."""
         self._max_packet_size = engine.config.max_packet_size
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
@@ -1734,7 +1742,11 @@ class FastReader:
             return
         method = _HANDLERS.get(packet_type)
         if method is not None:
-            self._running.append(asyncio.create_task(getattr(handler, method)(packet)))
+            task = asyncio.create_task(getattr(handler, method)(packet))
+            self._running.append(task)
+            if packet_type in _SETTLED_AT_EOF:
+                self._settling.add(task)
+                task.add_done_callback(self._settling.discard)
 
     async def _read_loop(self, stream: asyncio.StreamReader, keepalive: float | None) -> None:
         """Read and handle packets until EOF or ``keepalive`` seconds of silence."""
@@ -1769,23 +1781,26 @@ class FastReader:
         keepalive = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None
         running = self._running
         handler._reader_ready.set()
-        stopped = False
+        ended_by_peer = False
         try:
             await self._read_loop(stream, keepalive)
+            ended_by_peer = True  # EOF or keep-alive silence
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # EOF or reset: the connection is over
+            ended_by_peer = True  # EOF or reset: the connection is over
         except asyncio.CancelledError:
-            stopped = True  # stop() (a take-over, the broker stopping): what was read is dropped
+            pass  # stop() (a take-over, the broker stopping): what was read is dropped
         except ProtocolViolationError as exc:
             log.warning("closing the connection of %s: %s", self._session.client_id, exc)
         except Exception as exc:  # amqtt's loop also ends the connection on anything unexpected
             log.warning("%s: reader stopped: %r", self._session.client_id, exc)
-        if running and not stopped:
-            # Packets read before the connection ended are handled, as amqtt's own reader would:
-            # an UNSUBSCRIBE (or SUBSCRIBE) right before DISCONNECT and the socket's close must
-            # still be stored, or the broker keeps queueing for a filter the client dropped.
+        if self._settling and ended_by_peer:
+            # Unlike amqtt's own reader, which cancels them: an UNSUBSCRIBE (or SUBSCRIBE) right
+            # before DISCONNECT and the socket's close must still be stored, or the broker keeps
+            # queueing for a filter the client dropped. Their handlers only hand the packet to
+            # amqtt's message loop, so this takes a loop pass or two (CLOSE_GRACE bounds it). A
+            # cancel meanwhile (stop()) ends the wait; the connection's end follows all the same.
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait(list(running), timeout=CLOSE_GRACE)
+                await asyncio.wait(list(self._settling), timeout=CLOSE_GRACE)
         while running:
             running.popleft().cancel()
         await handler.handle_connection_closed()
