@@ -206,7 +206,7 @@ class Pump:
         for packet_id in packet_ids:
             seq = oldest + (packet_id - 1 - oldest) % 65535  # packet_seq, inlined
             item = get(seq)
-            if item is None or item.entry.qos != 1:
+            if item is None or item.entry.qos != 1 or not packet_id:  # 0 is no packet id (MQTT-2.3.1-1)
                 others.append(packet_id)
             else:
                 del inflight[seq]
@@ -253,9 +253,9 @@ class Pump:
         """Stop sending; acks arriving later are ignored, so unacked entries go out again on the
         session's current connection (DUP-flagged) instead of being removed twice."""
         self.end_ack_run()  # acks already taken still count
-        self._stopped = True
-        if self._ranged:
+        if self._ranged and not self._stopped:  # a second stop (a take-over's) finds nothing in flight
             self._stopped_ids = {packet_id_for(seq) for seq, item in self.inflight.items() if item.entry.qos == 1}
+        self._stopped = True
         self.inflight.clear()
         self._wake.set()
         if self._task is not None and self._task is not asyncio.current_task():
