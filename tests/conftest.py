@@ -20,6 +20,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from amqtt_durable.process import HOST, BrokerProcess, ChildExitedError, free_port
 from amqtt_durable.store import open_store
 from amqtt_durable.wire import encode_packet, encode_string
+from durable_client import DurableClient
 from durable_client.persistence import SessionState
 
 pytest_plugins = ["etcd_fixture"]  # the `etcd` fixture: a real etcd for the replication tests
@@ -279,6 +280,21 @@ def clients() -> Iterator[Callable[..., Client]]:
     for client in made:
         client.paho.disconnect()  # first, so that loop_stop need not wait out paho's select timeout
         client.paho.loop_stop()
+
+
+@pytest.fixture
+def sdk() -> Iterator[Callable[..., DurableClient]]:
+    """SDK clients that retry quickly (a test's broker restarts at once), closed keeping their sessions."""
+    made: list[DurableClient] = []
+
+    def make(port: int, client_id: str, **kwargs: Any) -> DurableClient:
+        client = DurableClient(client_id, port=port, reconnect_min_delay=0.05, reconnect_max_delay=0.5, **kwargs)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close(keep_session=True)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +26,6 @@ from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, connack_code
 from durable_client import AsyncDurableClient, CacheEntry, ConnectFailed, ConnectionInfo, DurableClient
 from durable_client.protocol import CONTROL_TOPIC, MARKER_TOPIC, REPLY_TOPIC
-
-
-@pytest.fixture
-def sdk_clients() -> Iterator[Callable[..., DurableClient]]:
-    made: list[DurableClient] = []
-
-    def make(port: int, client_id: str, **kwargs: Any) -> DurableClient:
-        client = DurableClient(client_id, port=port, reconnect_min_delay=0.05, reconnect_max_delay=0.5, **kwargs)
-        made.append(client)
-        return client
-
-    yield make
-    for client in made:
-        client.close(keep_session=True)
 
 
 def raw_request(client: Client, payload: bytes) -> dict[str, Any]:
@@ -86,7 +72,7 @@ def test_a_request_without_v_or_op_is_refused_as_the_protocol_page_says(
 
 
 def test_a_cache_entry_has_value_seq_epoch_published_at_and_state(
-    broker: Broker, sdk_clients: Callable[..., DurableClient], clients: Callable[..., Client]
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
 ) -> None:
     """sdk.md, The last-value cache: `cache.entry(topic)` gives value, seq, epoch, published_at
     and state; `cache.invalidate(topic)` leaves an `invalid` entry that a new subscription's
@@ -94,7 +80,7 @@ def test_a_cache_entry_has_value_seq_epoch_published_at_and_state(
     iteration see valid entries only."""
     connected: list[Any] = []
     recorder = Recorder()
-    dashboard = sdk_clients(broker.port, "cache-entry", on_connected=connected.append)
+    dashboard = sdk(broker.port, "cache-entry", on_connected=connected.append)
     dashboard.subscribe("ce/a", listener=recorder)
     dashboard.connect()
     dashboard.ready_for_events()
@@ -127,13 +113,13 @@ def test_a_cache_entry_has_value_seq_epoch_published_at_and_state(
 
 @pytest.mark.parametrize("bad_filter", ["a/#/b", "a/b#", "a+/b", "a/\x00"])
 def test_an_invalid_filter_is_refused_before_connect_and_connect_still_works(
-    broker: Broker, sdk_clients: Callable[..., DurableClient], bad_filter: str
+    broker: Broker, sdk: Callable[..., DurableClient], bad_filter: str
 ) -> None:
     """sdk.md, Subscriptions: subscriptions may be made before connect(). An invalid filter is
     refused there at once with ValueError, as when connected, and the client connects as usual
     (before, it was accepted and connect() failed after its timeout: paho raised on the network
     thread while sending the SUBSCRIBE)."""
-    client = sdk_clients(broker.port, "early-bad-filter")
+    client = sdk(broker.port, "early-bad-filter")
     with pytest.raises(ValueError, match="not a valid MQTT topic filter"):
         client.subscribe(bad_filter)
     with pytest.raises(ValueError, match="not a valid MQTT topic filter"):
@@ -227,7 +213,7 @@ def test_stream_unsubscribe_stops_a_filter_s_topics_unless_another_open_one_cove
 
 def test_after_its_session_expired_a_restarted_cpl2_client_is_told_and_starts_its_marks_again(
     broker_factory: Callable[..., Broker],
-    sdk_clients: Callable[..., DurableClient],
+    sdk: Callable[..., DurableClient],
     clients: Callable[..., Client],
     tmp_path: Path,
 ) -> None:
@@ -242,7 +228,7 @@ def test_after_its_session_expired_a_restarted_cpl2_client_is_told_and_starts_it
     state = tmp_path / "state"
 
     first_events = Recorder()
-    first = sdk_clients(broker.port, "lost-dev", persistence="disk", state_dir=state)
+    first = sdk(broker.port, "lost-dev", persistence="disk", state_dir=state)
     first.subscribe("lost/t", listener=first_events)
     first.connect()
     first.ready_for_events()
@@ -253,7 +239,7 @@ def test_after_its_session_expired_a_restarted_cpl2_client_is_told_and_starts_it
 
     lost: list[bool] = []
     again = Recorder()
-    second = sdk_clients(
+    second = sdk(
         broker.port, "lost-dev", persistence="disk", state_dir=state, on_session_lost=lambda: lost.append(True)
     )
     second.subscribe("lost/t", listener=again)
@@ -379,13 +365,13 @@ def test_another_client_subscribed_to_durable_dollar_topics_receives_nothing(
 
 
 def test_when_one_listener_raises_every_listener_of_the_event_is_called_again(
-    broker: Broker, sdk_clients: Callable[..., DurableClient], clients: Callable[..., Client]
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
 ) -> None:
     """sdk.md, Sequence ids and exactly-once: a listener that raises gets the same event again,
     redelivered, in order; all listeners of the event are called again, also those that had
     returned. Each event is processed (all listeners returned) once."""
     first, failing = Recorder(), Recorder(fail_once_on=b"e2")
-    device = sdk_clients(broker.port, "two-listeners")
+    device = sdk(broker.port, "two-listeners")
     device.subscribe("two/#", listener=first)
     device.subscribe("two/+", listener=failing)
     device.connect()
@@ -416,7 +402,7 @@ def test_a_hello_without_session_expiry_puts_the_broker_default_back(
 
 def test_a_refused_subscription_is_a_warning_not_an_error_and_is_sent_again_on_reconnect(
     broker_factory: Callable[..., Broker],
-    sdk_clients: Callable[..., DurableClient],
+    sdk: Callable[..., DurableClient],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """sdk.md, Subscriptions: a SUBACK refusing a filter (max_subscriptions_per_client here)
@@ -433,7 +419,7 @@ def test_a_refused_subscription_is_a_warning_not_an_error_and_is_sent_again_on_r
     def refusals() -> int:
         return sum("refused the subscription to over/t" in r.getMessage() for r in caplog.records)
 
-    device = sdk_clients(broker.port, "refused-sub", on_connected=on_connected)
+    device = sdk(broker.port, "refused-sub", on_connected=on_connected)
     device.subscribe("ok/t")
     device.connect()
     with caplog.at_level(logging.WARNING, logger="durable_client"):
@@ -445,7 +431,7 @@ def test_a_refused_subscription_is_a_warning_not_an_error_and_is_sent_again_on_r
 
 
 def test_an_unsubscribe_lost_with_its_connection_is_sent_again_after_the_reconnect(
-    broker: Broker, sdk_clients: Callable[..., DurableClient], clients: Callable[..., Client]
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
 ) -> None:
     """sdk.md, Subscriptions: unsubscribe() removes the subscription. An UNSUBSCRIBE whose
     connection ends before its UNSUBACK (here the broker stops as it arrives) may never have been
@@ -460,7 +446,7 @@ def test_an_unsubscribe_lost_with_its_connection_is_sent_again_after_the_reconne
         if len(connections) == 2:
             reconnected.set()
 
-    device = sdk_clients(broker.port, "unsub-lost", on_connected=on_connected)
+    device = sdk(broker.port, "unsub-lost", on_connected=on_connected)
     device.subscribe("gone/t")
     device.subscribe("fence/t", listener=fence)
     device.connect()

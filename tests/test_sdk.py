@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -81,20 +81,6 @@ class Signals:
             "on_disconnected": lambda reason: self.disconnected.set(),
             "on_persistence_fallback": self.fallbacks.append,
         }
-
-
-@pytest.fixture
-def sdk() -> Iterator[Callable[..., DurableClient]]:
-    made: list[DurableClient] = []
-
-    def make(port: int, client_id: str, **kwargs: Any) -> DurableClient:
-        client = DurableClient(client_id, port=port, reconnect_min_delay=0.05, reconnect_max_delay=0.5, **kwargs)
-        made.append(client)
-        return client
-
-    yield make
-    for client in made:
-        client.close(keep_session=True)
 
 
 def queue_backlog(

@@ -45,6 +45,20 @@ def encode_publish(topic: bytes, payload: bytes, qos: int, packet_id: int, *, du
 TOPIC_HEADS_KEPT = 4096
 
 
+def publish_fixed_header(length: int, qos: int, *, dup: bool, retain: bool) -> bytes:
+    """A PUBLISH's fixed header for a topic field and payload of ``length`` bytes (the packet id a
+    QoS 1 or 2 packet has is counted here); the one- and two-byte lengths of most packets inline."""
+    first = 0x30 | (0x01 if retain else 0)
+    if qos:
+        first |= (qos << 1) | (0x08 if dup else 0)
+        length += 2
+    if length < 0x80:
+        return bytes((first, length))
+    if length < 0x4000:
+        return bytes((first, (length & 0x7F) | 0x80, length >> 7))
+    return bytes((first,)) + remaining_length(length)
+
+
 class PublishRun:
     """The PUBLISH packets of one run (a window's worth), built into one buffer for one write.
 
@@ -66,17 +80,7 @@ class PublishRun:
                 self._heads.clear()
             raw = topic.encode("utf-8")
             head = self._heads[topic] = _U16.pack(len(raw)) + raw
-        length = len(head) + len(payload)
-        first = 0x30 | (0x01 if retain else 0)
-        if qos:
-            first |= (qos << 1) | (0x08 if dup else 0)
-            length += 2
-        if length < 0x80:
-            fixed = bytes((first, length))
-        elif length < 0x4000:
-            fixed = bytes((first, (length & 0x7F) | 0x80, length >> 7))
-        else:
-            fixed = bytes((first,)) + remaining_length(length)
+        fixed = publish_fixed_header(len(head) + len(payload), qos, dup=dup, retain=retain)
         pieces = self._pieces
         pieces.append(fixed)
         pieces.append(head)
@@ -89,17 +93,7 @@ class PublishRun:
         payload are ``stored[at:]``, as a stored message body holds them: the packet is its fixed
         header, a slice, the packet id and a slice, without decoding the topic. The bytes equal
         ``encode_publish``'s."""
-        length = len(stored) - at
-        first = 0x30 | (0x01 if retain else 0)
-        if qos:
-            first |= (qos << 1) | (0x08 if dup else 0)
-            length += 2
-        if length < 0x80:
-            fixed = bytes((first, length))
-        elif length < 0x4000:
-            fixed = bytes((first, (length & 0x7F) | 0x80, length >> 7))
-        else:
-            fixed = bytes((first,)) + remaining_length(length)
+        fixed = publish_fixed_header(len(stored) - at, qos, dup=dup, retain=retain)
         if qos:
             end = at + 2 + ((stored[at] << 8) | stored[at + 1])
             self._pieces += (fixed, stored[at:end], _U16.pack(packet_id), stored[end:])
