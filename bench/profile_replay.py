@@ -49,7 +49,7 @@ TOP = 30
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("store read: iterate queue entries, get + decode bodies",
      ("read_entries", "iter_entries", "Body.decode", "Entry.decode", "seq_of_entry_key", "body_key", "read_stored",
-      "read_entry_run", "read_bodies", "check_bodies")),
+      "read_entry_run", "check_bodies")),
     ("ack bookkeeping: remove_entry, release_body, pending removals, flush_soon",
      ("remove_entr", "release_bod", "PendingRemovals", "GroupCommitter.flush_soon", "GroupCommitter.delete",
       "Pump._acked", "Pump.take_pubacks", "Pump.end_ack_run", "erase_entries", "erase_bodies", "advance_sent_mark")),

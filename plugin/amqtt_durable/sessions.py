@@ -28,7 +28,6 @@ from .store import (
     Body,
     Entry,
     SessionRecord,
-    body_key,
     entry_key,
     erase_entries,
     erase_entry,
@@ -207,9 +206,7 @@ class DurableSession:
         for entry in entries:
             if (self.sid, entry.seq) not in removing:
                 try:
-                    raw = db.get(body_key(entry.msg_id), verify_checksums=True)
-                    if raw is not None:
-                        Body.decode(raw)  # damage shows here, not when the PUBLISH is built
+                    raw = read_stored_bodies(db, [entry.msg_id]).get(entry.msg_id)
                 except (plyvel.Error, ValueError, struct.error) as exc:
                     if last_seq_looked is None:
                         raise StoreReadError(self.client_id, start - 1, leveldb_detail(exc)) from exc

@@ -648,13 +648,8 @@ def erase_pubrel_due(w: Writes, sid: int, packet_id: int) -> None:
     w.delete(pubrel_key(sid, packet_id))
 
 
-def read_body(db: Any, msg_id: int) -> Body | None:
-    raw = db.get(body_key(msg_id), verify_checksums=True)
-    return None if raw is None else Body.decode(raw)
-
-
 DENSE_SPAN = 4
-"""read_bodies walks the body keys between a run's lowest and highest message id in one iterator pass
+"""read_stored_bodies walks the body keys between a run's lowest and highest message id in one iterator pass
 when that range holds at most this many keys per body wanted; sparser runs (sessions whose messages
 interleave with many others') get each body by key."""
 
@@ -711,23 +706,6 @@ def check_bodies(bodies: Iterable[bytes]) -> None:
         if field not in topics:
             field[2:].decode("utf-8")
             topics.add(field)
-
-
-def read_bodies(db: Any, msg_ids: list[int]) -> dict[int, Body]:
-    """read_stored_bodies, decoded; each topic decoded once per run."""
-    topics: dict[bytes, str] = {}
-    head = _BODY_HEAD.unpack_from
-    start = _BODY_HEAD.size
-    bodies: dict[int, Body] = {}
-    for msg_id, raw in read_stored_bodies(db, msg_ids).items():
-        published_at, qos, topic_len = head(raw)
-        end = start + topic_len
-        topic_raw = raw[start:end]
-        topic = topics.get(topic_raw)
-        if topic is None:
-            topic = topics[topic_raw] = topic_raw.decode("utf-8")
-        bodies[msg_id] = Body(topic, raw[end:], qos, published_at)
-    return bodies
 
 
 def read_entry_run(
