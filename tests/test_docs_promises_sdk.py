@@ -400,6 +400,19 @@ def test_a_hello_without_session_expiry_puts_the_broker_default_back(
     assert watcher.wait_for(lambda ms: any(b'"hello-expiry"' in m.payload for m in ms)), "expired after 0.5 s"
 
 
+class Connections:
+    """An SDK client's on_connected: every connection's info; ``reconnected`` set at the second."""
+
+    def __init__(self) -> None:
+        self.infos: list[ConnectionInfo] = []
+        self.reconnected = threading.Event()
+
+    def on_connected(self, info: ConnectionInfo) -> None:
+        self.infos.append(info)
+        if len(self.infos) == 2:
+            self.reconnected.set()
+
+
 def test_a_refused_subscription_is_a_warning_not_an_error_and_is_sent_again_on_reconnect(
     broker_factory: Callable[..., Broker],
     sdk: Callable[..., DurableClient],
@@ -408,25 +421,19 @@ def test_a_refused_subscription_is_a_warning_not_an_error_and_is_sent_again_on_r
     """sdk.md, Subscriptions: a SUBACK refusing a filter (max_subscriptions_per_client here)
     does not raise; a WARNING says so, and the subscription is sent again after a reconnect."""
     broker = broker_factory(max_subscriptions_per_client=1)
-    reconnected = threading.Event()
-    connections: list[ConnectionInfo] = []
-
-    def on_connected(info: ConnectionInfo) -> None:
-        connections.append(info)
-        if len(connections) == 2:
-            reconnected.set()
+    connections = Connections()
 
     def refusals() -> int:
         return sum("refused the subscription to over/t" in r.getMessage() for r in caplog.records)
 
-    device = sdk(broker.port, "refused-sub", on_connected=on_connected)
+    device = sdk(broker.port, "refused-sub", on_connected=connections.on_connected)
     device.subscribe("ok/t")
     device.connect()
     with caplog.at_level(logging.WARNING, logger="durable_client"):
         device.subscribe("over/t")  # over the limit: SUBACK 0x80, no exception
         assert wait_until(lambda: refusals() == 1, WAIT)
         broker.restart()
-        assert reconnected.wait(WAIT)
+        assert connections.reconnected.wait(WAIT)
         assert wait_until(lambda: refusals() == 2, WAIT), "sent again (and refused again) after the reconnect"
 
 
@@ -438,23 +445,17 @@ def test_an_unsubscribe_lost_with_its_connection_is_sent_again_after_the_reconne
     handled: the client sends it again on the next connection, so the broker does not keep the
     filter (and queue for it) for ever. Before, the client counted it sent and forgot it."""
     fence = Recorder()
-    reconnected = threading.Event()
-    connections: list[ConnectionInfo] = []
+    connections = Connections()
 
-    def on_connected(info: ConnectionInfo) -> None:
-        connections.append(info)
-        if len(connections) == 2:
-            reconnected.set()
-
-    device = sdk(broker.port, "unsub-lost", on_connected=on_connected)
+    device = sdk(broker.port, "unsub-lost", on_connected=connections.on_connected)
     device.subscribe("gone/t")
     device.subscribe("fence/t", listener=fence)
     device.connect()
     device.ready_for_events()
     device.unsubscribe("gone/t")
     broker.restart()
-    assert reconnected.wait(WAIT)
-    assert connections[1].session_present
+    assert connections.reconnected.wait(WAIT)
+    assert connections.infos[1].session_present
     assert wait_until(lambda: not getattr(device._registry, "_unsubscribing", {}), WAIT), "no UNSUBACK"
     publisher = clients(broker.port, "pub", clean_session=True)
     publisher.publish("gone/t", [b"not for us any more"])
