@@ -248,3 +248,66 @@ def test_damaged_totals_alone_are_named_at_start(
     broker.start()
     assert sub.connect() is True
     assert received_indexes(sub, 50) == list(range(50))
+
+
+def test_a_body_that_passes_its_checksum_but_does_not_decode_is_removed_by_repair(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Issue 14: a body LevelDB reads back intact (its checksum holds) whose bytes Body.decode refuses (a
+    topic length running past the body's end) stopped replay at it for good, and repair, which only
+    looked for missing bodies, left it there: the queue stayed stuck. Repair now removes the body and
+    the entries of both sessions it was shared by, and says so; the rest comes in order."""
+    count, bad = 50, 20
+    broker = broker_factory(metrics_interval=0.2)
+    sub = clients(broker.port, "dev-1")
+    sub.subscribe("t", 1)
+    sub.disconnect()
+    other = clients(broker.port, "dev-2")
+    other.subscribe("t", 1)
+    other.disconnect()
+    clients(broker.port, "pub", clean_session=True).publish("t", [payload(i) for i in range(count)], qos=1)
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    try:
+        key, raw = next((k, v) for k, v in db.iterator(prefix=b"m") if v.endswith(payload(bad)))
+        # The head (time, QoS) as stored, then a topic length past the end: written through LevelDB,
+        # so every checksum is right and only the plugin's decoding can tell.
+        db.put(key, raw[:9] + (60_000).to_bytes(2, "big") + raw[11:], sync=True)
+    finally:
+        db.close()
+    msg_id = int.from_bytes(key[1:], "big")
+
+    broker.start()  # replay meets it: everything before it comes, then an ERROR, counted and retried
+    watcher = clients(broker.port, "ops", clean_session=True)
+    topic = "$SYS/broker/durable/store/read_errors"
+    watcher.subscribe(topic, 0)
+    assert sub.connect() is True
+    assert watcher.wait_for(lambda ms: (latest(ms, topic) or 0) >= 1, timeout=WAIT), broker.log()
+    assert f"session dev-1: reading its queue after message {bad}" in broker.log(), broker.log()
+    assert received_indexes(sub, bad) == list(range(bad)), "in order up to the damaged body"
+    sub.disconnect()
+    broker.stop()
+
+    report = repaired(broker)
+    size = len(raw)
+    assert (
+        f"not recovered: message {msg_id}: its body does not decode (a topic of 60000 bytes in a body of "
+        f"{size}): removed, with the 2 queue entry(ies) pointing at it" in report
+    ), report
+    assert "not recovered: client 'dev-1': 1 queued message(s) unreadable (removed)" in report, report
+    assert "not recovered: client 'dev-2': 1 queued message(s) unreadable (removed)" in report, report
+    assert queued(broker) == count - bad - 1
+    db = plyvel.DB(broker.store)
+    try:
+        assert db.get(key) is None and db.get(b"c" + key[1:]) is None, "the body and its reference count are gone"
+    finally:
+        db.close()
+
+    logged = len(broker.log())
+    broker.start()
+    assert sub.connect() is True
+    expected = [i for i in range(count) if i != bad]
+    assert received_indexes(sub, count - 1) == expected, "every other message, in order, after the damaged one"
+    assert other.connect() is True
+    assert received_indexes(other, count - 1) == expected, "the session that shared the body too"
+    assert "reading its queue" not in broker.log()[logged:], "the repaired store reads without an error"

@@ -28,6 +28,7 @@ from .store import (
     SID_MARK_KEY,
     STORE_ID_KEY,
     VERSION_KEY,
+    Body,
     Entry,
     RetainedMessage,
     SessionRecord,
@@ -71,7 +72,7 @@ class _Queue:
     bytes: int = 0
     last_seq: int = 0
     unreadable: int = 0
-    """Entries removed: their value did not decode, or their message body is gone."""
+    """Entries removed: their value did not decode, or their message body is gone or does not decode."""
 
 
 def repair(path: str, now: float | None = None) -> RepairReport:
@@ -212,10 +213,15 @@ def _drop_damaged_retained(db: Any, batch: Any, report: RepairReport) -> None:
 
 
 def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]:
-    """Count every session's readable entries; remove those that do not decode or lost their body;
+    """Count every session's readable entries; remove those that do not decode or whose body is gone
+    or does not decode (Body.decode refuses it: a replay would stop there for good), with that body;
     fix the reference counts of shared bodies."""
     queues: dict[int, _Queue] = {}
     shared: Counter[int] = Counter()
+    undecodable: dict[int, str] = {}
+    """Message id -> why its body does not decode."""
+    pointing: Counter[int] = Counter()
+    """Message id of an undecodable body -> queue entries found pointing at it."""
     for key, value in db.iterator(prefix=b"q"):
         if len(key) != _ENTRY_KEY_SIZE:
             batch.delete(key)
@@ -226,17 +232,41 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
             entry = Entry.decode(seq_of_entry_key(key), value)
         except struct.error:
             entry = None
-        if entry is None or db.get(body_key(entry.msg_id)) is None:
+        if entry is None or _body_unusable(db, entry.msg_id, undecodable):
             batch.delete(key)
             queue.unreadable += 1
+            if entry is not None and entry.msg_id in undecodable:
+                pointing[entry.msg_id] += 1
             continue
         queue.depth += 1
         queue.bytes += entry.size
         queue.last_seq = entry.seq
         if entry.flags & FLAG_SHARED:
             shared[entry.msg_id] += 1
+    for msg_id, why in sorted(undecodable.items()):
+        batch.delete(body_key(msg_id))  # nothing points at it any more (its count goes in _fix_refs)
+        report.lost.append(
+            f"message {msg_id}: its body does not decode ({why}): removed, with the {pointing[msg_id]} "
+            "queue entry(ies) pointing at it"
+        )
     _fix_refs(db, batch, shared, report)
     return queues
+
+
+def _body_unusable(db: Any, msg_id: int, undecodable: dict[int, str]) -> bool:
+    """Is the message body gone, or does it not decode (a replay would stop at it for good)?
+    Those that do not decode are kept in ``undecodable`` with the reason."""
+    if msg_id in undecodable:
+        return True
+    raw = db.get(body_key(msg_id))
+    if raw is None:
+        return True
+    try:
+        Body.decode(raw)
+    except (struct.error, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        undecodable[msg_id] = str(exc)
+        return True
+    return False
 
 
 def _fix_refs(db: Any, batch: Any, shared: Counter[int], report: RepairReport) -> None:

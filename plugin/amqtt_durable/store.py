@@ -427,8 +427,10 @@ def _unescape(text: bytes) -> bytes:
 
 
 def leveldb_detail(exc: BaseException) -> str:
-    """plyvel's message as text (it carries bytes), with what LevelDB's terse ones mean."""
-    raw = exc.args[0] if exc.args else str(exc)
+    """plyvel's message as text (it carries bytes), with what LevelDB's terse ones mean; another
+    error's (a body that does not decode) as ``str`` gives it (a UnicodeDecodeError's first
+    argument is only the codec's name)."""
+    raw = exc.args[0] if exc.args and isinstance(exc, plyvel.Error) else str(exc)
     detail = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
     if isinstance(exc, plyvel.IOError) and "Invalid argument" in detail:
         # LevelDB's pread past the end of a table file: the file is shorter than the store thinks.

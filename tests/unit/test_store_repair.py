@@ -18,7 +18,7 @@ import pytest
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import StoreCorruptedError, StoreError, StoreReadError
-from amqtt_durable.repair import SENT_MARK_JUMP, repair
+from amqtt_durable.repair import SENT_MARK_JUMP, RepairReport, repair
 from amqtt_durable.replication.framing import encode_position
 from amqtt_durable.replication.position import POSITION_KEY, read_position
 from amqtt_durable.store import (
@@ -40,6 +40,7 @@ from amqtt_durable.store import (
     open_store,
     refs_key,
     sent_mark_key,
+    seq_of_entry_key,
     session_key,
     totals_key,
 )
@@ -237,6 +238,33 @@ def test_a_read_that_meets_damage_returns_what_came_before_then_raises(store_pat
     asyncio.run(main())
 
 
+def test_a_read_that_meets_a_body_that_does_not_decode_names_why(store_path: str) -> None:
+    """Issue 14: a body whose checksum holds but whose topic is not UTF-8 stops the read there like a
+    damaged block, and the error says why (it said only "utf-8", a UnicodeDecodeError's first argument)."""
+    db = open_store(store_path)
+    session(db, "dev", 1, 5)
+    good = db.get(body_key(1003))
+    db.put(body_key(1003), good[:11] + b"\xff" + good[12:])
+    db.close()
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=store_path))
+        engine.open()
+        try:
+            dev = engine.sessions["dev"]
+            got, last = dev.read_entries(1, dev.committed_tail, 100)
+            assert [entry.seq for entry, _ in got] == [1, 2] and last == 2, "what came before it, cut short there"
+            with pytest.raises(StoreReadError) as info:
+                dev.read_entries(3, dev.committed_tail, 100)
+            assert "session dev: reading its queue after message 2 failed: 'utf-8' codec can't decode byte 0xff" in str(
+                info.value
+            )
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------------------------- point 6: repair
 
 
@@ -296,6 +324,57 @@ def test_repair_rebuilds_records_totals_and_references_from_the_queues(store_pat
     finally:
         db.close()
     assert repair(store_path, now=NOW).rebuilt == [], "a second repair finds nothing left to rebuild"
+
+
+def test_repair_removes_bodies_that_do_not_decode_with_every_entry_pointing_at_them(store_path: str) -> None:
+    """Issue 14: a body whose checksum holds but that Body.decode refuses stops a replay at it for
+    good (the pump's read fails there, retried, never skipped): repair treats it as a missing body."""
+    db = open_store(store_path)
+    session(db, "a", 1, 6)
+    session(db, "b", 2, 3)
+    good = Body("t", b"p" * 10, 1, NOW).encode()
+    db.put(body_key(1002), good[:11] + b"\xff\xfe" + good[13:])  # a topic that is not UTF-8
+    db.put(body_key(1004), good[:9] + b"\x10\x00" + good[11:])  # a topic running past the body's end
+    db.put(body_key(1005), good[:5])  # shorter than the head
+    db.put(body_key(7000), good[:9] + b"\x10\x00" + good[11:])  # shared by both queues
+    db.put(refs_key(7000), encode_refs(2))
+    db.put(entry_key(1, 7), Entry(7, 7000, 1, FLAG_SHARED, 10).encode())
+    db.put(entry_key(2, 4), Entry(4, 7000, 1, FLAG_SHARED, 10).encode())
+    db.put(totals_key(1), encode_totals(7, 70, 0))
+    db.put(totals_key(2), encode_totals(4, 40, 0))
+    db.close()
+
+    report = repair(store_path, now=NOW)
+
+    assert report.lost == [
+        "message 1002: its body does not decode ('utf-8' codec can't decode byte 0xff in position 0: invalid "
+        "start byte): removed, with the 1 queue entry(ies) pointing at it",
+        "message 1004: its body does not decode (a topic of 4096 bytes in a body of 22): removed, with the 1 "
+        "queue entry(ies) pointing at it",
+        "message 1005: its body does not decode (unpack_from requires a buffer of at least 11 bytes for "
+        "unpacking 11 bytes at offset 0 (actual buffer size is 5)): removed, with the 1 queue entry(ies) "
+        "pointing at it",
+        "message 7000: its body does not decode (a topic of 4096 bytes in a body of 22): removed, with the 2 "
+        "queue entry(ies) pointing at it",
+        "client 'a': 4 queued message(s) unreadable (removed)",
+        "client 'b': 1 queued message(s) unreadable (removed)",
+    ], report
+    assert report.rebuilt == [
+        "1 shared message reference count(s) rebuilt from the queues",
+        "client 'a': queue totals rebuilt from the queue: 3 message(s), 30 bytes (they said 7 message(s), 70 bytes)",
+        "client 'b': queue totals rebuilt from the queue: 3 message(s), 30 bytes (they said 4 message(s), 40 bytes)",
+    ], report
+    db = open_store(store_path)
+    try:
+        for sid, left in ((1, [1, 3, 6]), (2, [1, 2, 3])):
+            keys = db.iterator(prefix=entry_key(sid, 0)[:9], include_value=False)
+            assert [seq_of_entry_key(key) for key in keys] == left, "every other entry, in order"
+        for msg_id in (1002, 1004, 1005, 7000):
+            assert db.get(body_key(msg_id)) is None, "nothing points at it any more"
+        assert db.get(refs_key(7000)) is None
+    finally:
+        db.close()
+    assert repair(store_path, now=NOW) == RepairReport(), "a second repair finds nothing left"
 
 
 def test_repair_cannot_pair_records_without_a_session_number_when_several_queues_are_left(store_path: str) -> None:
