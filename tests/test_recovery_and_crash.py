@@ -13,10 +13,10 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
-from test_scale import RawClient, create_sessions, offline_backlog
+from test_scale import RawClient, RawMessage, create_sessions, offline_backlog
 
 from amqtt_durable.inspect_store import summarize
-from conftest import WAIT, Broker, Client, payloads
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
 
 EXPIRED_TOPIC = "$SYS/broker/durable/expired"
 
@@ -164,6 +164,65 @@ def test_in_flight_messages_resent_with_dup_after_sigkill(
     clients(broker.port, "pub-2", clean_session=True).publish("cr/t", sent[25:], qos=1)
     assert texts(again.wait_messages(40)) == sent
     assert not again.wait_for(lambda ms: len(ms) > 40, timeout=0.5)
+
+
+def read_publishes(raw: RawClient, count: int) -> list[RawMessage]:
+    """The next ``count`` PUBLISHes of ``raw``, not acknowledged; PUBACKs of its own publishes are skipped."""
+    out: list[RawMessage] = []
+    while len(out) < count:
+        first, body = raw.read_packet()
+        if first >> 4 == 4:
+            continue
+        assert first >> 4 == 3, f"expected PUBLISH, got packet type {first >> 4}"
+        end = 2 + int.from_bytes(body[:2], "big")
+        packet_id = int.from_bytes(body[end : end + 2], "big")
+        out.append(RawMessage(body[2:end].decode(), body[end + 2 :], 1, bool(first & 0x08), False, packet_id))
+    return out
+
+
+def test_a_backlog_message_never_leaves_before_its_sent_mark_is_stored(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """A live publish queued for a connected session raises its sent mark in the publish's own batch.
+    The pump took that mark for stored as soon as it was queued, so acks arriving before the batch was
+    written let it send backlog messages the stored mark did not cover: killed then, the broker
+    re-sent them after the restart without DUP. The batch is held back here by sync: true with a long
+    batch_delay_ms (nothing else asks for a write meanwhile); the kill lands as the refill arrives."""
+    broker = broker_factory(recovery_buffer=10, sync=True, batch_delay_ms=10_000, pending_threshold=30)
+    raw = RawClient(broker.port, "gap")
+    raw.connect()
+    raw.subscribe("gap/t", 1)
+    raw.disconnect(wait_closed=True)
+    sent = payloads(30)  # exactly pending_threshold: their batch is written at once
+    clients(broker.port, "pub", clean_session=True).publish("gap/t", sent, qos=1)
+
+    raw = RawClient(broker.port, "gap")
+    assert raw.connect() is True
+    window = read_publishes(raw, 10)  # its sent mark (1 + 10) was stored by the attach
+    assert [m.payload for m in window] == sent[:10] and not any(m.dup for m in window)
+    # One read for the broker: a live publish of this session's own topic (queued behind the backlog,
+    # its batch waiting for company), then the PUBACKs of half the window.
+    live = mqtt_packet(0x32, mqtt_string("gap/t") + (1).to_bytes(2, "big") + b"live")
+    raw.send(live + b"".join(mqtt_packet(0x40, m.packet_id.to_bytes(2, "big")) for m in window[:5]))
+    refill = read_publishes(raw, 5)
+    assert [m.payload for m in refill] == sent[10:15] and not any(m.dup for m in refill)
+    broker.kill()
+    raw.close()
+    broker.start()
+
+    again = RawClient(broker.port, "gap")
+    assert again.connect() is True
+    backlog: list[RawMessage] = []
+    while len(backlog) <= len(sent) and sent[-1] not in (m.payload for m in backlog):
+        backlog += again.receive(1)  # acknowledged: the window moves on
+    first = backlog[0].payload
+    assert first in sent[:6], "what the kill may have cost is acks, never messages"
+    assert [m.payload for m in backlog] == sent[sent.index(first) :], "in order, nothing lost"
+    seen = {m.payload for m in window + refill}
+    assert [m.payload for m in backlog if m.payload in seen and not m.dup] == [], (
+        "a message sent before the crash came again without DUP"
+    )
+    again.close()
 
 
 # ---------------------------------------------------------------------------------- SIGKILL mid-replay

@@ -244,7 +244,7 @@ class Pump:
         batch = self._take_sendable()
         if not batch:
             return
-        if batch[-1].entry.seq > self.session.sent_mark:
+        if batch[-1].entry.seq > self.session.stored_mark:
             self.buffer.extendleft(reversed(batch))  # its mark must be stored first: the task does it
             return
         self._write_batch(batch)
@@ -452,8 +452,8 @@ class Pump:
         """Persist the sent mark past ``batch`` if needed; False when the pump stopped meanwhile (the
         batch is back in the buffer)."""
         highest = batch[-1].entry.seq
-        if highest > self.session.sent_mark:
-            await self.session.advance_sent_mark(highest + self.window)
+        if highest > self.session.stored_mark:
+            await self.session.advance_sent_mark(highest, self.window)
             if self._stopped or self.transport.closed:
                 self.buffer.extendleft(reversed(batch))
                 return False

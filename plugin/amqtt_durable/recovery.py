@@ -136,7 +136,7 @@ class Recovery(SessionLifecycle):
             (session.depth, session.bytes, session.dropped), sent_mark = read_session_state(self.db, record)
             first = next(iter_entries(self.db, record.sid, 0, 1), None)
             tail = last_seq(self.db, record.sid)
-            session.sent_mark = session.sent_max = sent_mark
+            session.sent_mark = session.stored_mark = session.sent_max = sent_mark
             # New entries number past the sent mark: a fresh message must never look like a re-send.
             session.committed_tail = max(tail or 0, session.sent_mark)
             session.next_seq = session.committed_tail + 1

@@ -13,6 +13,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from itertools import repeat
 from typing import TYPE_CHECKING
 
@@ -120,6 +121,10 @@ class DurableSession:
         """The connection whose ready came before its pump existed (see DurableEngine.ready)."""
         self.deleted = False
         self.sent_mark = 0
+        """The highest sent mark handed to the store: written, or in a batch not written yet."""
+        self.stored_mark = 0
+        """The highest sent mark written (see advance_sent_mark for a store that cannot write): the
+        pump sends nothing past it, so no PUBLISH leaves before a stored mark covers it."""
         self.sent_max = 0
         self.replay_upto = 0
         config = engine.config
@@ -219,12 +224,27 @@ class DurableSession:
             last_seq_looked = entry.seq
         return kept, bodies, (last_seq_looked if cut else None)
 
-    async def advance_sent_mark(self, mark: int) -> None:
-        """Persist 'entries up to ``mark`` may have been sent' before sending them (DUP after a crash)."""
+    def _queue_sent_mark(self, mark: int) -> None:
+        """Hand 'entries up to ``mark`` may have been sent' to the store; ``stored_mark`` follows once
+        the batch holding it is written."""
+        self.sent_mark = mark
+        committer = self.engine.committer
+        write_sent_mark(committer, self.sid, mark)
+        committer.when_written(partial(self._mark_written, mark))
+
+    def _mark_written(self, mark: int) -> None:
+        self.stored_mark = max(self.stored_mark, mark)
+
+    async def advance_sent_mark(self, highest: int, window: int) -> None:
+        """Before entries up to ``highest`` are sent: return once a stored sent mark covers them (DUP
+        after a crash). A mark already handed to the store that covers them (a live entry's, in its
+        publish's batch) is waited for; otherwise ``highest + window`` is written, so that the next
+        sends need no write of their own."""
         if self.deleted:
             return
-        self.sent_mark = mark
-        write_sent_mark(self.engine.committer, self.sid, mark)
+        if highest > self.sent_mark:
+            self._queue_sent_mark(highest + window)
+        queued = self.sent_mark
         # While the store cannot write, sending goes on: the mark is queued ahead of the acks of
         # what is sent next, so no write can land those acks without it (a later message never
         # reuses a sequence a client has seen); a crash before the store recovers loses only the
@@ -233,6 +253,7 @@ class DurableSession:
         # only the DUP flag of what was in flight (new entries still number past every entry).
         with contextlib.suppress(StoreUnavailableError):
             await self.engine.committer.commit(urgent=True, local=True)
+        self._mark_written(queued)  # written here, or (store failing) queued ahead of every later write
 
     def advance_sent_mark_for_attach(self, window: int) -> None:
         """Before a pump starts: queue the sent mark its first send will need (the first stored entry
@@ -256,8 +277,7 @@ class DurableSession:
             return
         mark = seq_of_entry_key(key) + window
         if mark > self.sent_mark:
-            self.sent_mark = mark
-            write_sent_mark(self.engine.committer, self.sid, mark)
+            self._queue_sent_mark(mark)
 
     def mark_released(self, entry: Entry) -> None:
         if self.deleted:
@@ -308,9 +328,9 @@ class DurableSession:
         self.bytes += size
         self.engine.totals_changed(self)
         if self.pump is not None and entry.seq > self.sent_mark:
-            # A live entry goes out right after the commit: mark it in the same batch.
-            self.sent_mark = entry.seq + self.engine.config.recovery_buffer
-            write_sent_mark(committer, self.sid, self.sent_mark)
+            # A live entry goes out right after the commit: mark it in the same batch. Until that batch
+            # is written the pump does not count on this mark (stored_mark), also for older entries.
+            self._queue_sent_mark(entry.seq + self.engine.config.recovery_buffer)
         return entry
 
     def on_committed(self, entry: Entry, body: Body) -> None:

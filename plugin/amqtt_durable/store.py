@@ -920,6 +920,12 @@ class GroupCommitter:
         self._units += units
         self._schedule(asyncio.get_running_loop())
 
+    def when_written(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` right after the write that holds the operations added so far (before
+        that write's waiters resume), without asking for a write: whoever added them commits."""
+        if self.halted is None:
+            self._after_commit.append(callback)
+
     def commit(
         self,
         on_durable: Callable[[], None] | None = None,

@@ -40,7 +40,7 @@ from amqtt_durable.wire import (
     packet_id_for,
     remaining_length,
 )
-from recording_transport import RecordingTransport
+from recording_transport import RecordingTransport, parse_packets
 
 LIMIT = 5.0
 
@@ -515,3 +515,56 @@ def test_the_first_batch_goes_out_within_attach_unless_something_must_be_awaited
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_no_publish_is_written_before_a_stored_sent_mark_covers_it(tmp_path: Path) -> None:
+    """The default committer (sync: false) writes at the end of the loop pass. A live publish raises
+    its session's sent mark in its own batch, and the pump took that queued mark for a stored one:
+    resumed ahead of the batch's write (here its drain() returns, as a socket's write-ready callback
+    run before the reader's in one pass resumes it), it wrote backlog PUBLISHes the stored mark did
+    not cover, a callback before the batch holding their mark (a crash there re-sends them without
+    DUP). Every write is checked against the mark LevelDB holds at that moment."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 30, window=10)
+        try:
+            transport = MarkCheckingTransport(engine)
+            await engine.attach("c", transport)
+            sent = await transport.wait_for(lambda ps: len(ps) >= 10, LIMIT)  # the mark 1 + 10 came with attach
+            gate = transport.gate = asyncio.get_running_loop().create_future()
+            transport.ack_run("puback", [sent[0].packet_id])
+            sent = await transport.wait_for(lambda ps: len(ps) >= 11, LIMIT)  # now waiting in drain()
+            gate.set_result(None)  # the pump resumes first in the next pass
+            transport.ack_run("puback", [p.packet_id for p in sent[1:6]])
+            assert engine.route_publish("t", b"live", 1) is not None  # raises the mark in the pass's batch
+            sent = await transport.wait_for(lambda ps: len(ps) >= 16, LIMIT)
+            assert [p.payload for p in sent] == [b"%d" % i for i in range(16)]
+            assert transport.uncovered == [], "PUBLISHes written past the sent mark stored then"
+            await engine.detach("c", transport)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+class MarkCheckingTransport(RunTransport):
+    """Records the PUBLISHes of each write that the sent mark stored at that moment does not cover;
+    ``drain`` waits for ``gate`` while one is set (a socket whose buffer is full)."""
+
+    def __init__(self, engine: DurableEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.uncovered: list[int] = []
+        self.gate: asyncio.Future[None] | None = None
+
+    def write(self, data: bytes) -> None:
+        session = self.engine.sessions["c"]
+        stored = read_session_state(self.engine.db, session.record)[1]
+        publishes = [p for p in parse_packets(data) if p.packet_type == 3 and p.packet_id is not None]
+        self.uncovered += [p.packet_id for p in publishes if p.packet_id - 1 > stored]  # type: ignore[operator]
+        super().write(data)
+
+    async def drain(self) -> None:
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            await gate
