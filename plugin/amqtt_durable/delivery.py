@@ -500,8 +500,15 @@ class Pump:
                     self._expect(item)
             else:
                 qos0.append(entry)
-        session.sent_max = max(sent_max, batch[-1].entry.seq)
+        highest = batch[-1].entry.seq
+        session.sent_max = max(sent_max, highest)
         self.transport.write(run.take())
+        if batch[-1].stored is not None and session.sent_mark < highest + self.window:
+            # A replay (the batch was read from the store): the next batch may reach a window past
+            # this one, so its mark goes with the write the acks of this batch ask for, and it need
+            # not wait for a commit of its own (one mark per batch). Live entries need none: each
+            # one's batch raises the mark a window past it when it passes the mark (append).
+            session.mark_ahead(highest + self.window)
         for entry in qos0:
             session.remove_entry(entry)
         self._on_sent(len(batch), replayed)

@@ -255,6 +255,13 @@ class DurableSession:
             await self.engine.committer.commit(urgent=True, local=True)
         self._mark_written(queued)  # written here, or (store failing) queued ahead of every later write
 
+    def mark_ahead(self, mark: int) -> None:
+        """Hand the sent mark a later send will need to the store now, asking for no write: it goes
+        with the next one (the acks of what is in flight ask for it), so the pump finds it stored
+        instead of waiting for a commit of its own (see Pump._write_batch)."""
+        if not self.deleted and mark > self.sent_mark:
+            self._queue_sent_mark(mark)
+
     def advance_sent_mark_for_attach(self, window: int) -> None:
         """Before a pump starts: queue the sent mark its first send will need (the first stored entry
         + ``window``, as ``Pump._send`` would write it), so that it goes in the attach's commit and

@@ -477,8 +477,9 @@ def test_attach_writes_the_first_sent_mark_in_its_own_commit(tmp_path: Path) -> 
             transport = RunTransport()
             await engine.attach("c", transport)
             assert read_session_state(engine.db, session.record)[1] == 1 + 40, "stored before the pump runs"
-            await transport.wait_for(lambda ps: len(ps) >= 1, LIMIT)
-            assert session.sent_mark == 1 + 40, "the first send (16 entries) needed no mark of its own"
+            assert len(transport.packets) == 16, "the first batch went out within attach"
+            assert session.stored_mark == 1 + 40, "the first send (16 entries) needed no mark of its own"
+            assert session.sent_mark == 16 + 40, "the next batch's is handed to the store with it (replay)"
             await engine.detach("c", transport)
         finally:
             await engine.close()
@@ -568,3 +569,48 @@ class MarkCheckingTransport(RunTransport):
         gate, self.gate = self.gate, None
         if gate is not None:
             await gate
+
+
+def test_a_replay_does_not_wait_for_a_sent_mark_commit_once_per_window(tmp_path: Path) -> None:
+    """The pump stored the sent mark a batch needed only when that batch was due, and waited for the
+    commit: once per window of a replay. The mark a window past each replayed batch now goes with the
+    write its acks ask for, so a client acking as it reads never holds the pump up for one; no
+    PUBLISH is written past the mark stored at the time (checked at every write)."""
+
+    async def main() -> None:
+        count = 2000
+        engine = await _engine_with_queue(tmp_path, [1] * count, window=100)
+        try:
+            session = engine.sessions["c"]
+            waits: list[int] = []
+            advance = session.advance_sent_mark
+
+            async def counted(*args: int) -> None:  # (highest, window); the code before took (mark)
+                waits.append(args[0])
+                await advance(*args)
+
+            session.advance_sent_mark = counted  # type: ignore[method-assign]
+            transport = AckingTransport(engine)
+            commits = engine.committer.commits
+            await engine.attach("c", transport)
+            sent = await transport.wait_for(lambda ps: len(ps) >= count, LIMIT)
+            assert [p.payload for p in sent] == [b"%d" % i for i in range(count)]
+            assert transport.uncovered == []
+            assert waits == [], "the first batch (16, within attach) already sent the mark of the next"
+            await engine.written_so_far()
+            assert session.depth == 0
+            assert engine.committer.commits - commits < count // 50, "the marks ride with the acks' writes"
+            await engine.detach("c", transport)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+class AckingTransport(MarkCheckingTransport):
+    """A client that acknowledges each write's PUBLISHes, as one run, in the loop pass after it."""
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        ids = [p.packet_id for p in parse_packets(data) if p.packet_type == 3 and p.packet_id is not None]
+        asyncio.get_running_loop().call_soon(self.ack_run, "puback", ids)
