@@ -23,6 +23,7 @@ import logging
 from typing import Any, Literal
 
 from ..store import VERSION_KEY
+from .auth import AuthError, client_handshake, error_text
 from .errors import FrameError, ReplicationGapError, StoreMismatchError
 from .framing import (
     Batch,
@@ -53,8 +54,13 @@ WIPE_CHUNK = 10_000
 class Backup:
     """Replicates a primary's store into ``db`` (a plyvel DB this object writes alone)."""
 
-    def __init__(self, db: Any, *, name: str, sync: bool = True) -> None:
+    def __init__(
+        self, db: Any, *, name: str, sync: bool = True, secret: bytes | None = None, handshake_timeout: float = 10.0
+    ) -> None:
         self.db = db
+        self.secret = secret
+        """replication.secret: the primary must prove it knows it before anything is applied."""
+        self.handshake_timeout = handshake_timeout
         self.name = name
         self.sync = sync
         self.state: BackupState = "disconnected"
@@ -83,7 +89,14 @@ class Backup:
         """One connection to the primary, until it ends (raises the reason; always closes)."""
         self.state = "connecting"
         self.in_sync_event.clear()
-        reader, writer = await asyncio.open_connection(host, port)
+        async with asyncio.timeout(self.handshake_timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+        try:
+            async with asyncio.timeout(self.handshake_timeout):
+                await client_handshake(reader, writer, self.secret)
+        except BaseException:
+            writer.close()
+            raise
         frames: asyncio.Queue[tuple[Frame, bytes]] = asyncio.Queue(QUEUE_FRAMES)
         receiver = asyncio.get_running_loop().create_task(_receive(reader, frames))
         getter: asyncio.Task[tuple[Frame, bytes]] | None = None
@@ -130,7 +143,7 @@ class Backup:
                 await self.run(host, port)
             except asyncio.IncompleteReadError:
                 log.warning("replication: backup %s: the primary at %s:%s closed the channel", self.name, host, port)
-            except (OSError, FrameError, ReplicationGapError, StoreMismatchError) as exc:
+            except (OSError, TimeoutError, FrameError, AuthError, ReplicationGapError, StoreMismatchError) as exc:
                 log.warning("replication: backup %s: channel to %s:%s ended: %s", self.name, host, port, exc)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(retry):
@@ -164,6 +177,8 @@ class Backup:
                 self.state = "catching_up"
                 self._applied(seq, crc)
                 ack = seq
+            elif kind == Frame.ERROR:
+                raise AuthError(f"refused by the primary: {error_text(payload)}")
             elif kind == Frame.IN_SYNC:
                 decode_seq(payload)
                 self.state = "in_sync"

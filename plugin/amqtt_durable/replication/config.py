@@ -86,8 +86,27 @@ class ReplicationConfig:
     snapshot_chunk_bytes: int = 1024 * 1024
     """Size of one chunk of a snapshot streamed to a backup."""
 
+    secret: str = field(default="", repr=False)
+    """Shared secret of the cluster, inline: every connection to a replication address (backups,
+    ``promote``, ``inspect --replication``) must prove it knows it (HMAC challenge-response,
+    replication/auth.py). Empty, and no ``secret_file``: no authentication, as before."""
+
+    secret_file: str = ""
+    """A file holding the shared secret (surrounding whitespace stripped), read at start-up: keeps
+    the secret out of broker.yaml. Set ``secret`` or ``secret_file``, not both."""
+
+    handshake_timeout: float = 10.0
+    """Seconds a peer of a replication address has for its first frame and, with a secret, the
+    whole handshake; a silent peer is disconnected after it."""
+
     def __post_init__(self) -> None:
         _check(self, "replication")
+
+    def shared_secret(self) -> bytes | None:
+        """The secret as bytes (read from ``secret_file`` when that is set); None: no secret."""
+        if self.secret_file:
+            return read_secret_file(self.secret_file, "replication.secret_file")
+        return self.secret.encode("utf-8") if self.secret else None
 
     @property
     def advertised(self) -> str:
@@ -146,6 +165,32 @@ def _check(config: ReplicationConfig, where: str) -> None:
     _check_roles(config, where, bad)
     _check_timing(config, bad)
     _check_sizes(config, bad)
+    _check_secret(config, where, bad)
+
+
+def read_secret_file(path: str, key: str) -> bytes:
+    """The secret in ``path``, stripped; a ConfigError naming ``key`` when it cannot be read or is empty."""
+    try:
+        with open(path, "rb") as handle:
+            secret = handle.read(64 * 1024 + 1).strip()
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read the secret file {path!r}: {exc.strerror or exc}") from exc
+    if not secret:
+        raise ConfigError(key, f"the secret file {path!r} is empty")
+    if len(secret) > 64 * 1024:
+        raise ConfigError(key, f"the secret file {path!r} is larger than 64 KiB")
+    return secret
+
+
+def _check_secret(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
+    if config.secret and config.secret_file:
+        raise bad("secret_file", "set secret or secret_file, not both")
+    if config.secret and len(config.secret) < 16:
+        raise bad("secret", "must be at least 16 characters (a long random string: openssl rand -hex 32)")
+    if config.secret_file:
+        read_secret_file(config.secret_file, f"{where}.secret_file")
+    if not math.isfinite(config.handshake_timeout) or config.handshake_timeout <= 0:
+        raise bad("handshake_timeout", f"must be a finite number of seconds above 0, got {config.handshake_timeout!r}")
 
 
 def _check_addresses(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
