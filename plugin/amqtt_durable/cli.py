@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Mapping
 from typing import Any, NoReturn
@@ -121,7 +122,7 @@ def _cmd_broker(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.replication is not None:
-        status = asyncio.run(ask(args.replication, Frame.STATUS, tool_secret(args)))
+        status = asyncio.run(ask(args.replication, Frame.STATUS, *tool_credentials(args)))
         print(json.dumps(status, indent=2) if args.json else format_status(status))
         return 0
     if args.store is None:
@@ -138,24 +139,28 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def tool_secret(args: argparse.Namespace) -> bytes | None:
-    """The replication secret a tool authenticates with: ``--secret-file``, else the replication
-    section of ``--config`` (its secret or secret_file), else none."""
-    if args.secret_file is not None:
-        return read_secret_file(args.secret_file, "--secret-file")
+def tool_credentials(args: argparse.Namespace) -> tuple[bytes | None, ssl.SSLContext | None]:
+    """The replication secret and TLS context a tool connects with: the replication section of
+    ``--config`` (secret or secret_file; tls), and ``--secret-file`` (which wins for the secret)."""
+    secret: bytes | None = None
+    tls: ssl.SSLContext | None = None
     if args.config is not None:
         settings = DurableConfig.from_mapping(plugin_section(load_broker_config(args.config)) or {}).replication
         if settings is None:
             raise ConfigError("--config", f"'{args.config}' has no replication section in the plugin's settings")
-        return settings.shared_secret()
-    return None
+        secret = settings.shared_secret()
+        tls = settings.tls.context(server=False) if settings.tls is not None else None
+    if args.secret_file is not None:
+        secret = read_secret_file(args.secret_file, "--secret-file")
+    return secret, tls
 
 
 def _add_secret_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         metavar="BROKER_YAML",
-        help="authenticate with the replication secret (replication.secret or secret_file) of this broker.yaml",
+        help="connect with the replication settings of this broker.yaml: its secret (replication.secret or "
+        "secret_file) and its TLS certificates (replication.tls)",
     )
     parser.add_argument(
         "--secret-file", metavar="PATH", help="authenticate with the replication secret held in this file"
@@ -163,7 +168,7 @@ def _add_secret_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_promote(args: argparse.Namespace) -> int:
-    answer = asyncio.run(ask(args.address, Frame.PROMOTE, tool_secret(args)))
+    answer = asyncio.run(ask(args.address, Frame.PROMOTE, *tool_credentials(args)))
     if not answer["promoted"]:
         print(f"amqtt-durable: {args.address} not promoted: {answer['why']}", file=sys.stderr)
         return 1

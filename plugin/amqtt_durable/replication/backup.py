@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from typing import Any, Literal
 
 from ..store import VERSION_KEY
@@ -55,9 +56,18 @@ class Backup:
     """Replicates a primary's store into ``db`` (a plyvel DB this object writes alone)."""
 
     def __init__(
-        self, db: Any, *, name: str, sync: bool = True, secret: bytes | None = None, handshake_timeout: float = 10.0
+                self,
+        db: Any,
+        *,
+        name: str,
+        sync: bool = True,
+        secret: bytes | None = None,
+        handshake_timeout: float = 10.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.db = db
+        self.tls = tls
+        """replication.tls: a client context (the primary's certificate must be signed by the CA)."""
         self.secret = secret
         """replication.secret: the primary must prove it knows it before anything is applied."""
         self.handshake_timeout = handshake_timeout
@@ -90,7 +100,9 @@ class Backup:
         self.state = "connecting"
         self.in_sync_event.clear()
         async with asyncio.timeout(self.handshake_timeout):
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await asyncio.open_connection(
+                host, port, ssl=self.tls, ssl_handshake_timeout=self.handshake_timeout if self.tls else None
+            )
         try:
             async with asyncio.timeout(self.handshake_timeout):
                 await client_handshake(reader, writer, self.secret)

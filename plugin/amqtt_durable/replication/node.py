@@ -65,6 +65,9 @@ class ReplicationNode:
         """Whether the backup end fsyncs what it applies: as the broker's own commits (``sync``)."""
         self.secret = config.shared_secret()
         """replication.secret (or the content of secret_file), read once at start-up."""
+        tls = config.tls
+        self.server_tls = tls.context(server=True) if tls is not None else None
+        self.client_tls = tls.context(server=False) if tls is not None else None
         self.backup = self._new_backup()
         self.ha = (
             HaNode(
@@ -98,6 +101,7 @@ class ReplicationNode:
             sync=self.fsync,
             secret=self.secret,
             handshake_timeout=self.config.handshake_timeout,
+            tls=self.client_tls,
         )
 
     def use_db(self, db: Any) -> None:
@@ -159,7 +163,7 @@ class ReplicationNode:
 
     async def start(self) -> None:
         host, _ = split_address(self.config.listen)
-        if self.secret is None and not _loopback(host):
+        if self.secret is None and self.config.tls is None and not _loopback(host):
             log.warning(
                 "replication: %s listens on %s, not a loopback address, without replication.secret: anyone who "
                 "can reach it can copy the store as a fake backup or promote a backup; set replication.secret_file "
@@ -204,7 +208,13 @@ class ReplicationNode:
 
     async def _open_admin(self) -> None:
         host, port = split_address(self.config.listen)
-        self._admin = await asyncio.start_server(self._answer_tool, host, port)
+        self._admin = await asyncio.start_server(
+            self._answer_tool,
+            host,
+            port,
+            ssl=self.server_tls,
+            ssl_handshake_timeout=self.config.handshake_timeout if self.server_tls else None,
+        )
 
     async def _close_admin(self) -> None:
         server, self._admin = self._admin, None
@@ -330,7 +340,7 @@ class ReplicationNode:
             handshake_timeout=self.config.handshake_timeout,
         )
         primary.on_admin = self.answer
-        await primary.start(host, port)
+        await primary.start(host, port, self.server_tls)
         if self.ha is not None and self.ha.role != "primary":
             # The lease's deadline passed during the awaits above (its demotion found no primary
             # yet): this term is over before it began; serving now would be a primary HA calls a backup.

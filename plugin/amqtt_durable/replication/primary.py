@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -265,8 +266,11 @@ class Primary:
 
     # --- serving ----------------------------------------------------------------------------
 
-    async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._serve, host, port)
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
+        """Serve on host:port; with ``tls`` (a server context of replication.tls), over TLS."""
+        self._server = await asyncio.start_server(
+            self._serve, host, port, ssl=tls, ssl_handshake_timeout=self.handshake_timeout if tls else None
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         self._spawn(self._watchdog())
         if self._publish is not None:
@@ -483,8 +487,8 @@ async def first_frame(
         log.warning("replication: refused a connection from %s: %s", peer, exc)
         raise
     except TimeoutError:
-        what = "the handshake" if secret is not None else "its first frame"
-        log.warning("replication: refused a connection from %s: no %s within %g s", peer, what, within)
+        what = "the handshake was not completed" if secret is not None else "no first frame"
+        log.warning("replication: refused a connection from %s: %s within %g s", peer, what, within)
         raise
     except FrameError as exc:
         log.warning("replication: refused a connection from %s: %s", peer, exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from typing import Any
 
 from .auth import AuthError, client_handshake, error_text
@@ -21,13 +22,16 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def ask(address: str, kind: Frame, secret: bytes | None = None) -> dict[str, Any]:
+async def ask(
+    address: str, kind: Frame, secret: bytes | None = None, tls: ssl.SSLContext | None = None
+) -> dict[str, Any]:
     """Send ``kind`` to the node at ``address`` and return its JSON answer; with ``secret`` (the
-    node's replication.secret) after the handshake of auth.py."""
+    node's replication.secret) after the handshake of auth.py; with ``tls`` (a client context of
+    replication.tls) over TLS."""
     host, port = split_address(address)
     try:
         async with asyncio.timeout(ASK_TIMEOUT):
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await asyncio.open_connection(host, port, ssl=tls)
             try:
                 await client_handshake(reader, writer, secret)
                 writer.write(encode_frame(kind))
