@@ -98,7 +98,9 @@ def test_a_secured_pair_refuses_every_attack_and_goes_on_replicating(
         encode_frame(Frame.ERROR, b"authentication failed: wrong replication secret")
     )
     replayed = talk(address(primary), *handshake_bytes(address(primary)))
-    assert b"wrong replication secret" in replayed and replayed.count(bytes([Frame.STATUS])) == 0
+    challenge = 5 + NONCE_BYTES + 32 + 4  # the node's AUTH frame (a fresh nonce), then its refusal, no STATUS
+    assert replayed[:1] == bytes([Frame.AUTH])
+    assert replayed[challenge:] == encode_frame(Frame.ERROR, b"authentication failed: wrong replication secret")
     # PROMOTE without the secret, to the fixed-role backup: refused, and it stays a backup.
     refused = run_cli("promote", address(backup))
     assert refused.returncode == 1 and "authentication required" in refused.stderr

@@ -48,6 +48,8 @@ BackupState = Literal["disconnected", "connecting", "snapshot", "catching_up", "
 QUEUE_FRAMES = 1024
 """Frames received but not yet applied; past it the socket is not read (TCP back-pressure)."""
 _KEPT = frozenset({SNAPSHOT_MARK_KEY, VERSION_KEY})
+AUTH_RETRY = 5.0
+"""Seconds before a backup refused by the handshake (a secret that does not match) tries again."""
 WIPE_CHUNK = 10_000
 """Keys deleted per write batch when a snapshot starts."""
 
@@ -151,14 +153,21 @@ class Backup:
     async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
         """Stay connected to the primary at host:port, reconnecting after a failure, until ``stop``."""
         while not stop.is_set():
+            pause = retry
             try:
                 await self.run(host, port)
             except asyncio.IncompleteReadError:
                 log.warning("replication: backup %s: the primary at %s:%s closed the channel", self.name, host, port)
-            except (OSError, TimeoutError, FrameError, AuthError, ReplicationGapError, StoreMismatchError) as exc:
+            except AuthError as exc:
+                pause = max(retry, AUTH_RETRY)  # a configuration problem: retried, but not twice a second
+                log.warning(
+                    "replication: backup %s: channel to %s:%s refused (retried in %g s): %s", self.name, host, port,
+                    pause, exc,
+                )
+            except (OSError, TimeoutError, FrameError, ReplicationGapError, StoreMismatchError) as exc:
                 log.warning("replication: backup %s: channel to %s:%s ended: %s", self.name, host, port, exc)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(retry):
+                async with asyncio.timeout(pause):
                     await stop.wait()
 
     async def _apply(self, group: list[tuple[Frame, bytes]]) -> int | None:
