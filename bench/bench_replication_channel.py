@@ -2,26 +2,35 @@
 two backups in this process, real LevelDB stores in a temporary folder, TCP on 127.0.0.1.
 
 Measures batches acknowledged by both backups (which fsync each write) per second, with one
-batch in flight and with 100, and a snapshot catch-up from empty. Run:
-``python bench/bench_replication_channel.py``.
+batch in flight and with 100, and a snapshot catch-up from empty; then the same with
+``replication.secret`` (the HMAC handshake of auth.py), mutual TLS, and both, side by side,
+plus the cost of one connection's handshake (a tool's STATUS question, asked 200 times). Run:
+``python bench/bench_replication_channel.py`` (``--security plain`` for the first part alone;
+the TLS rows need ``trustme``, in the test extras).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import secrets
+import ssl
 import tempfile
 import time
 from pathlib import Path
 
 from amqtt_durable.replication.backup import Backup
-from amqtt_durable.replication.framing import Op
+from amqtt_durable.replication.config import TlsConfig
+from amqtt_durable.replication.framing import Frame, Op
 from amqtt_durable.replication.primary import Primary
+from amqtt_durable.replication.tool import ask
 from amqtt_durable.store import STORE_ID_KEY, open_store
 
 HOST = "127.0.0.1"
 BATCHES = 20_000
+ASKS = 200
+SECRET = b"bench-secret-0123456789abcdef"
 
 
 def ops_for(n: int) -> list[Op]:
@@ -44,14 +53,28 @@ def commit(primary: Primary, ops: list[Op]) -> asyncio.Future[None]:
     return primary.committed(prepared)
 
 
-async def run(folder: Path, window: int) -> None:
+def tls_contexts(folder: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    import trustme  # noqa: PLC0415 - the test extras; only for the TLS rows
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+    ca.issue_cert(HOST).private_key_and_cert_chain_pem.write_to_path(str(folder / "node.pem"))
+    tls = TlsConfig(cert=str(folder / "node.pem"), ca=str(folder / "ca.pem"))
+    return tls.context(server=True), tls.context(server=False)
+
+
+async def run(folder: Path, window: int, security: str) -> None:
+    secret = SECRET if "secret" in security else None
+    server_tls, client_tls = tls_contexts(folder) if "tls" in security else (None, None)
     db = open_store(str(folder / "p"))
     db.put(STORE_ID_KEY, secrets.randbits(63).to_bytes(8, "big"))
     primary = Primary(db, store_id=int.from_bytes(db.get(STORE_ID_KEY), "big"), log_max_batches=100_000,
-                      log_max_bytes=64 << 20)
-    await primary.start(HOST, 0)
+                      log_max_bytes=64 << 20, secret=secret)
+    primary.on_admin = lambda kind: {}
+    await primary.start(HOST, 0, server_tls)
     stop = asyncio.Event()
-    backups = [Backup(open_store(str(folder / f"b{i}")), name=f"b{i}") for i in range(2)]
+    backups = [Backup(open_store(str(folder / f"b{i}")), name=f"b{i}", secret=secret, tls=client_tls)
+               for i in range(2)]
     tasks = [asyncio.create_task(b.follow(HOST, primary.port, stop)) for b in backups]
     for backup in backups:
         await asyncio.wait_for(backup.in_sync_event.wait(), 30)
@@ -64,14 +87,20 @@ async def run(folder: Path, window: int) -> None:
             pending = []
     await asyncio.wait_for(asyncio.gather(*pending), 30)
     took = time.perf_counter() - started
-    print(f"{BATCHES} batches, {window} in flight: {took:.2f} s, {BATCHES / took:,.0f} batches/s acked by 2 backups")
+    print(f"[{security}] {BATCHES} batches, {window} in flight: {took:.2f} s, "
+          f"{BATCHES / took:,.0f} batches/s acked by 2 backups")
     rows = sum(1 for _ in db.iterator(include_value=False))
-    late = Backup(open_store(str(folder / "late")), name="late")
+    late = Backup(open_store(str(folder / "late")), name="late", secret=secret, tls=client_tls)
     started = time.perf_counter()
     tasks.append(asyncio.create_task(late.follow(HOST, primary.port, stop)))
     await asyncio.wait_for(late.in_sync_event.wait(), 60)
     took = time.perf_counter() - started
     print(f"  snapshot catch-up from empty, {rows} rows: {took:.2f} s, {rows / took:,.0f} rows/s")
+    started = time.perf_counter()
+    for _ in range(ASKS):
+        await ask(f"{HOST}:{primary.port}", Frame.STATUS, secret, client_tls)
+    took = time.perf_counter() - started
+    print(f"  {ASKS} connections with a STATUS question each: {took * 1000 / ASKS:.2f} ms per connection")
     stop.set()
     for task in tasks:
         task.cancel()
@@ -81,9 +110,14 @@ async def run(folder: Path, window: int) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--security", nargs="*", default=["plain", "secret", "tls", "secret+tls"],
+                        choices=["plain", "secret", "tls", "secret+tls"])
+    args = parser.parse_args()
     for window in (1, 100):
-        with tempfile.TemporaryDirectory() as folder:
-            asyncio.run(run(Path(folder), window))
+        for security in args.security:
+            with tempfile.TemporaryDirectory() as folder:
+                asyncio.run(run(Path(folder), window, security))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Mapping
 from typing import Any, NoReturn
@@ -23,6 +24,7 @@ from .config import DurableConfig
 from .errors import ConfigError, DurableError
 from .inspect_store import format_retained, format_table, summarize, summarize_retained
 from .repair import repair
+from .replication.config import read_secret_file
 from .replication.framing import Frame
 from .replication.tool import ask, format_status
 
@@ -120,7 +122,7 @@ def _cmd_broker(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.replication is not None:
-        status = asyncio.run(ask(args.replication, Frame.STATUS))
+        status = asyncio.run(ask(args.replication, Frame.STATUS, *tool_credentials(args)))
         print(json.dumps(status, indent=2) if args.json else format_status(status))
         return 0
     if args.store is None:
@@ -137,8 +139,36 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def tool_credentials(args: argparse.Namespace) -> tuple[bytes | None, ssl.SSLContext | None]:
+    """The replication secret and TLS context a tool connects with: the replication section of
+    ``--config`` (secret or secret_file; tls), and ``--secret-file`` (which wins for the secret)."""
+    secret: bytes | None = None
+    tls: ssl.SSLContext | None = None
+    if args.config is not None:
+        settings = DurableConfig.from_mapping(plugin_section(load_broker_config(args.config)) or {}).replication
+        if settings is None:
+            raise ConfigError("--config", f"'{args.config}' has no replication section in the plugin's settings")
+        secret = settings.shared_secret()
+        tls = settings.tls.context(server=False) if settings.tls is not None else None
+    if args.secret_file is not None:
+        secret = read_secret_file(args.secret_file, "--secret-file")
+    return secret, tls
+
+
+def _add_secret_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="BROKER_YAML",
+        help="connect with the replication settings of this broker.yaml: its secret (replication.secret or "
+        "secret_file) and its TLS certificates (replication.tls)",
+    )
+    parser.add_argument(
+        "--secret-file", metavar="PATH", help="authenticate with the replication secret held in this file"
+    )
+
+
 def _cmd_promote(args: argparse.Namespace) -> int:
-    answer = asyncio.run(ask(args.address, Frame.PROMOTE))
+    answer = asyncio.run(ask(args.address, Frame.PROMOTE, *tool_credentials(args)))
     if not answer["promoted"]:
         print(f"amqtt-durable: {args.address} not promoted: {answer['why']}", file=sys.stderr)
         return 1
@@ -172,6 +202,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     inspect.add_argument(
         "--replication", metavar="HOST:PORT", help="show role, backups and lag of the broker replicating there"
     )
+    _add_secret_options(inspect)
     inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
     inspect.add_argument("--retained", action="store_true", help="list the retained messages instead of the sessions")
     inspect.set_defaults(run=_cmd_inspect)
@@ -179,6 +210,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "promote", help="make a backup without a coordinator the primary (the operator's decision)"
     )
     promote.add_argument("address", metavar="HOST:PORT", help="the backup's replication.listen address")
+    _add_secret_options(promote)
     promote.set_defaults(run=_cmd_promote)
     repairs = commands.add_parser(
         "repair", help="repair a damaged store: LevelDB's repair, then sessions and totals rebuilt (broker stopped)"

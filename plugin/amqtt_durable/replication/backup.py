@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from typing import Any, Literal
 
 from ..store import VERSION_KEY
+from .auth import AuthError, client_handshake, error_text
 from .errors import FrameError, ReplicationGapError, StoreMismatchError
 from .framing import (
     Batch,
@@ -46,6 +48,8 @@ BackupState = Literal["disconnected", "connecting", "snapshot", "catching_up", "
 QUEUE_FRAMES = 1024
 """Frames received but not yet applied; past it the socket is not read (TCP back-pressure)."""
 _KEPT = frozenset({SNAPSHOT_MARK_KEY, VERSION_KEY})
+AUTH_RETRY = 5.0
+"""Seconds before a backup refused by the handshake (a secret that does not match) tries again."""
 WIPE_CHUNK = 10_000
 """Keys deleted per write batch when a snapshot starts."""
 
@@ -53,8 +57,22 @@ WIPE_CHUNK = 10_000
 class Backup:
     """Replicates a primary's store into ``db`` (a plyvel DB this object writes alone)."""
 
-    def __init__(self, db: Any, *, name: str, sync: bool = True) -> None:
+    def __init__(
+                self,
+        db: Any,
+        *,
+        name: str,
+        sync: bool = True,
+        secret: bytes | None = None,
+        handshake_timeout: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.db = db
+        self.tls = tls
+        """replication.tls: a client context (the primary's certificate must be signed by the CA)."""
+        self.secret = secret
+        """replication.secret: the primary must prove it knows it before anything is applied."""
+        self.handshake_timeout = handshake_timeout
         self.name = name
         self.sync = sync
         self.state: BackupState = "disconnected"
@@ -83,7 +101,16 @@ class Backup:
         """One connection to the primary, until it ends (raises the reason; always closes)."""
         self.state = "connecting"
         self.in_sync_event.clear()
-        reader, writer = await asyncio.open_connection(host, port)
+        async with asyncio.timeout(self.handshake_timeout):
+            reader, writer = await asyncio.open_connection(
+                host, port, ssl=self.tls, ssl_handshake_timeout=self.handshake_timeout if self.tls else None
+            )
+        try:
+            async with asyncio.timeout(self.handshake_timeout):
+                await client_handshake(reader, writer, self.secret)
+        except BaseException:
+            writer.close()
+            raise
         frames: asyncio.Queue[tuple[Frame, bytes]] = asyncio.Queue(QUEUE_FRAMES)
         receiver = asyncio.get_running_loop().create_task(_receive(reader, frames))
         getter: asyncio.Task[tuple[Frame, bytes]] | None = None
@@ -126,14 +153,21 @@ class Backup:
     async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
         """Stay connected to the primary at host:port, reconnecting after a failure, until ``stop``."""
         while not stop.is_set():
+            pause = retry
             try:
                 await self.run(host, port)
             except asyncio.IncompleteReadError:
                 log.warning("replication: backup %s: the primary at %s:%s closed the channel", self.name, host, port)
-            except (OSError, FrameError, ReplicationGapError, StoreMismatchError) as exc:
+            except AuthError as exc:
+                pause = max(retry, AUTH_RETRY)  # a configuration problem: retried, but not twice a second
+                log.warning(
+                    "replication: backup %s: channel to %s:%s refused (retried in %g s): %s", self.name, host, port,
+                    pause, exc,
+                )
+            except (OSError, TimeoutError, FrameError, ReplicationGapError, StoreMismatchError) as exc:
                 log.warning("replication: backup %s: channel to %s:%s ended: %s", self.name, host, port, exc)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(retry):
+                async with asyncio.timeout(pause):
                     await stop.wait()
 
     async def _apply(self, group: list[tuple[Frame, bytes]]) -> int | None:
@@ -164,6 +198,8 @@ class Backup:
                 self.state = "catching_up"
                 self._applied(seq, crc)
                 ack = seq
+            elif kind == Frame.ERROR:
+                raise AuthError(f"refused by the primary: {error_text(payload)}")
             elif kind == Frame.IN_SYNC:
                 decode_seq(payload)
                 self.state = "in_sync"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -29,6 +30,75 @@ Mode = Literal["sync", "async"]
 MODES: tuple[str, ...] = get_args(Mode)
 MIN_LEASE_TTL = 2
 """etcd grants no lease shorter than about 1.5 election timeouts (2 s with its defaults)."""
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """``replication.tls``: mutual TLS on every replication connection (the channel, the tools).
+
+    Both ends present a certificate (``cert``, ``key``) signed by the cluster's CA (``ca``) and
+    refuse a peer whose certificate is not: a node accepts only peers holding a key the CA
+    signed. ``check_hostname`` also makes a connecting side check that the node's certificate
+    names the host it dialled (the ``primary`` / leader address): off by default, since
+    replication addresses are often bare IPs; the CA should then sign only cluster members."""
+
+    cert: str = ""
+    """PEM certificate of this node (its chain may follow in the same file)."""
+    key: str = ""
+    """PEM private key of ``cert``; empty: the key is in the ``cert`` file."""
+    ca: str = ""
+    """PEM CA certificate(s) that sign every member's certificate."""
+    check_hostname: bool = False
+
+    @classmethod
+    def from_mapping(cls, raw: Any, where: str) -> TlsConfig:
+        if not isinstance(raw, Mapping):
+            raise ConfigError(where, f"expected a mapping with cert, key, ca, got {raw!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key not in names:
+                raise ConfigError(f"{where}.{key}", f"unknown setting; accepted settings are {', '.join(names)}")
+            if key == "check_hostname":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{where}.{key}", f"expected true or false, got {value!r}")
+            elif not isinstance(value, str) or not value:
+                raise ConfigError(f"{where}.{key}", f"expected a file path, got {value!r}")
+            values[key] = value
+        for key in ("cert", "ca"):
+            if key not in values:
+                raise ConfigError(f"{where}.{key}", "needed with tls (mutual TLS: this node's certificate and the CA)")
+        tls = cls(**values)
+        tls.context(server=True, where=where)  # every file read and checked at start-up
+        return tls
+
+    def context(self, *, server: bool, where: str = "replication.tls") -> ssl.SSLContext:
+        """An SSL context for the listening side (``server``) or the connecting side."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.verify_mode = ssl.CERT_REQUIRED
+        if not server:
+            context.check_hostname = self.check_hostname
+        try:
+            context.load_cert_chain(self.cert, self.key or None)
+        except (OSError, ssl.SSLError) as exc:
+            key = "cert" if _missing(self.cert) or not self.key else "key"
+            raise ConfigError(
+                f"{where}.{key}", f"cannot load the certificate {self.cert!r} and its key {self.key!r}: {exc}"
+            ) from exc
+        try:
+            context.load_verify_locations(cafile=self.ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"{where}.ca", f"cannot load the CA certificate(s) {self.ca!r}: {exc}") from exc
+        return context
+
+
+def _missing(path: str) -> bool:
+    try:
+        with open(path, "rb"):
+            return False
+    except OSError:
+        return True
 
 
 @dataclass(frozen=True)
@@ -86,8 +156,30 @@ class ReplicationConfig:
     snapshot_chunk_bytes: int = 1024 * 1024
     """Size of one chunk of a snapshot streamed to a backup."""
 
+    secret: str = field(default="", repr=False)
+    """Shared secret of the cluster, inline: every connection to a replication address (backups,
+    ``promote``, ``inspect --replication``) must prove it knows it (HMAC challenge-response,
+    replication/auth.py). Empty, and no ``secret_file``: no authentication, as before."""
+
+    secret_file: str = ""
+    """A file holding the shared secret (surrounding whitespace stripped), read at start-up: keeps
+    the secret out of broker.yaml. Set ``secret`` or ``secret_file``, not both."""
+
+    tls: TlsConfig | None = None
+    """Mutual TLS on the replication channel and the tools' connections (TlsConfig); absent: plain TCP."""
+
+    handshake_timeout: float = 10.0
+    """Seconds a peer of a replication address has for its first frame and, with a secret, the
+    whole handshake; a silent peer is disconnected after it."""
+
     def __post_init__(self) -> None:
         _check(self, "replication")
+
+    def shared_secret(self) -> bytes | None:
+        """The secret as bytes (read from ``secret_file`` when that is set); None: no secret."""
+        if self.secret_file:
+            return read_secret_file(self.secret_file, "replication.secret_file")
+        return self.secret.encode("utf-8") if self.secret else None
 
     @property
     def advertised(self) -> str:
@@ -114,6 +206,8 @@ class ReplicationConfig:
 
 
 def _coerce(key: str, value: Any, kind: str) -> Any:
+    if kind == "TlsConfig | None":
+        return None if value is None else TlsConfig.from_mapping(value, key)
     if kind in ("int", "float"):
         return SCALARS[kind](key, value)  # the plugin's own rules for numbers
     if kind == "list[str]":
@@ -146,6 +240,32 @@ def _check(config: ReplicationConfig, where: str) -> None:
     _check_roles(config, where, bad)
     _check_timing(config, bad)
     _check_sizes(config, bad)
+    _check_secret(config, where, bad)
+
+
+def read_secret_file(path: str, key: str) -> bytes:
+    """The secret in ``path``, stripped; a ConfigError naming ``key`` when it cannot be read or is empty."""
+    try:
+        with open(path, "rb") as handle:
+            secret = handle.read(64 * 1024 + 1).strip()
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read the secret file {path!r}: {exc.strerror or exc}") from exc
+    if not secret:
+        raise ConfigError(key, f"the secret file {path!r} is empty")
+    if len(secret) > 64 * 1024:
+        raise ConfigError(key, f"the secret file {path!r} is larger than 64 KiB")
+    return secret
+
+
+def _check_secret(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
+    if config.secret and config.secret_file:
+        raise bad("secret_file", "set secret or secret_file, not both")
+    if config.secret and len(config.secret) < 16:
+        raise bad("secret", "must be at least 16 characters (a long random string: openssl rand -hex 32)")
+    if config.secret_file:
+        read_secret_file(config.secret_file, f"{where}.secret_file")
+    if not math.isfinite(config.handshake_timeout) or config.handshake_timeout <= 0:
+        raise bad("handshake_timeout", f"must be a finite number of seconds above 0, got {config.handshake_timeout!r}")
 
 
 def _check_addresses(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:

@@ -29,6 +29,10 @@ ACK        seq:u64: the backup applied and synced every batch up to ``seq``
 STATUS     (empty) from a tool; answered by STATUS with this node's status as JSON
 PROMOTE    (empty) from ``amqtt-durable promote``; answered by PROMOTE with JSON
            ``{"promoted": bool, "why": text}``
+AUTH       the handshake of replication.secret (auth.py), before any other frame, only
+           when a secret is set
+ERROR      text (utf-8): why the connection is refused (a failed or unexpected handshake);
+           the sender closes the connection after it
 =========  ===================================================================
 
 STATUS and PROMOTE come from tools, as the first frame of a connection to a node's
@@ -75,6 +79,8 @@ class Frame(IntEnum):
     ACK = 7
     STATUS = 8
     PROMOTE = 9
+    AUTH = 10
+    ERROR = 11
 
 
 @dataclass(frozen=True, slots=True)

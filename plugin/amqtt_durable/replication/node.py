@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import ipaddress
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -33,10 +34,10 @@ from .backup import Backup
 from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
 from .errors import CoordinatorError, ReplicationError
-from .framing import MAX_PEER_FRAME, Frame, encode_frame, read_frame
+from .framing import Frame, encode_frame
 from .ha import Decision, HaNode
 from .position import read_position, read_store_id
-from .primary import HELLO_TIMEOUT, Primary
+from .primary import Primary, first_frame
 from .tool import split_address
 
 log = logging.getLogger("amqtt_durable.replication")
@@ -62,7 +63,12 @@ class ReplicationNode:
         self.primary: Primary | None = None
         self.fsync = fsync
         """Whether the backup end fsyncs what it applies: as the broker's own commits (``sync``)."""
-        self.backup = Backup(db, name=config.name or "backup", sync=fsync)
+        self.secret = config.shared_secret()
+        """replication.secret (or the content of secret_file), read once at start-up."""
+        tls = config.tls
+        self.server_tls = tls.context(server=True) if tls is not None else None
+        self.client_tls = tls.context(server=False) if tls is not None else None
+        self.backup = self._new_backup()
         self.ha = (
             HaNode(
                 coordinator,
@@ -87,6 +93,16 @@ class ReplicationNode:
         self._promoting = False
         """A promotion is under way: it, not a demotion's wind-down, reopens the admin address."""
         """The last demotion's wind-down: following and promotion wait for it (see ``demote``)."""
+
+    def _new_backup(self) -> Backup:
+        return Backup(
+            self.db,
+            name=self.config.name or "backup",
+            sync=self.fsync,
+            secret=self.secret,
+            handshake_timeout=self.config.handshake_timeout,
+            tls=self.client_tls,
+        )
 
     def use_db(self, db: Any) -> None:
         """The broker reopened the store (after a failed write, or a failed promotion): every end
@@ -146,6 +162,15 @@ class ReplicationNode:
         return flat
 
     async def start(self) -> None:
+        host, _ = split_address(self.config.listen)
+        if self.secret is None and self.config.tls is None and not _loopback(host):
+            log.warning(
+                "replication: %s listens on %s, not a loopback address, without replication.secret: anyone who "
+                "can reach it can copy the store as a fake backup or promote a backup; set replication.secret_file "
+                "(docs/replication.md, Securing the replication channel)",
+                self.config.name or "this broker",
+                self.config.listen,
+            )
         if self.ha is None and self.config.role == "primary":
             await self.promote()
             return
@@ -183,7 +208,13 @@ class ReplicationNode:
 
     async def _open_admin(self) -> None:
         host, port = split_address(self.config.listen)
-        self._admin = await asyncio.start_server(self._answer_tool, host, port)
+        self._admin = await asyncio.start_server(
+            self._answer_tool,
+            host,
+            port,
+            ssl=self.server_tls,
+            ssl_handshake_timeout=self.config.handshake_timeout if self.server_tls else None,
+        )
 
     async def _close_admin(self) -> None:
         server, self._admin = self._admin, None
@@ -193,12 +224,12 @@ class ReplicationNode:
 
     async def _answer_tool(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A backup's replication address: tools' questions; a backup's HELLO is not for it."""
+        peer = "{}:{}".format(*writer.get_extra_info("peername")[:2])
         try:
-            async with asyncio.timeout(HELLO_TIMEOUT):
-                kind, _ = await read_frame(reader, MAX_PEER_FRAME)
-                if kind in (Frame.STATUS, Frame.PROMOTE):
-                    writer.write(encode_frame(kind, json.dumps(self.answer(kind)).encode()))
-                    await writer.drain()
+            kind, _ = await first_frame(reader, writer, self.secret, self.config.handshake_timeout, peer)
+            if kind in (Frame.STATUS, Frame.PROMOTE):
+                writer.write(encode_frame(kind, json.dumps(self.answer(kind)).encode()))
+                await writer.drain()
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ReplicationError) as exc:
             log.info("replication: a connection to %s ended: %r", self.config.listen, exc)
         finally:
@@ -305,9 +336,11 @@ class ReplicationNode:
             ack_timeout=self.config.ack_timeout,
             chunk_bytes=self.config.snapshot_chunk_bytes,
             publish_sync_set=self._publish_sync_set if self.ha is not None and self.config.mode == "sync" else None,
+            secret=self.secret,
+            handshake_timeout=self.config.handshake_timeout,
         )
         primary.on_admin = self.answer
-        await primary.start(host, port)
+        await primary.start(host, port, self.server_tls)
         if self.ha is not None and self.ha.role != "primary":
             # The lease's deadline passed during the awaits above (its demotion found no primary
             # yet): this term is over before it began; serving now would be a primary HA calls a backup.
@@ -349,7 +382,7 @@ class ReplicationNode:
         self._stepping_down = task
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
-        self.backup = Backup(self.db, name=self.config.name or "backup", sync=self.fsync)  # not caught up
+        self.backup = self._new_backup()  # not caught up
 
     async def _step_down(self, primary: Primary | None, reason: str, stopping: Awaitable[None] | None) -> None:
         """The demotion's wind-down. The broker's own writes end first (``stopping``: its last
@@ -363,9 +396,18 @@ class ReplicationNode:
                 await stopping
             except Exception:
                 log.exception("replication: %s: stopping the broker's work at the demotion failed", self.config.name)
-        self.backup = Backup(self.db, name=self.config.name or "backup", sync=self.fsync)
+        self.backup = self._new_backup()
         if not self._ha_stop.is_set() and not self._promoting:
             await self._open_admin()
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
 
 
 async def _ended(task: asyncio.Task[None]) -> None:

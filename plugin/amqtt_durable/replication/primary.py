@@ -24,12 +24,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .auth import AuthError, server_handshake
 from .errors import FrameError, ReplicationError
 from .framing import (
     MAX_PEER_FRAME,
@@ -98,6 +100,8 @@ class Primary:
         chunk_bytes: int = 1024 * 1024,
         on_change: Callable[[BackupLink, str], None] | None = None,
         publish_sync_set: Callable[[frozenset[str]], Awaitable[None]] | None = None,
+        secret: bytes | None = None,
+        handshake_timeout: float = HELLO_TIMEOUT,
     ) -> None:
         position = read_position(db) or (0, 0)
         self.db = db
@@ -123,6 +127,11 @@ class Primary:
         ones that may be promoted; acknowledgements wait for each of them."""
         self._last_acked: dict[str, int] = {}
         self._publishing: asyncio.Task[None] | None = None
+        self.secret = secret
+        """replication.secret: every peer must pass the handshake of auth.py first."""
+        self.handshake_timeout = handshake_timeout
+        self.refused = 0
+        """Connections refused by the handshake (wrong or missing secret, silent peer)."""
         self.on_admin: Callable[[Frame], dict[str, Any]] | None = None
         """Answers a tool's STATUS or PROMOTE frame (replication.node)."""
 
@@ -257,8 +266,11 @@ class Primary:
 
     # --- serving ----------------------------------------------------------------------------
 
-    async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._serve, host, port)
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
+        """Serve on host:port; with ``tls`` (a server context of replication.tls), over TLS."""
+        self._server = await asyncio.start_server(
+            self._serve, host, port, ssl=tls, ssl_handshake_timeout=self.handshake_timeout if tls else None
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         self._spawn(self._watchdog())
         if self._publish is not None:
@@ -314,8 +326,13 @@ class Primary:
         sender: asyncio.Task[None] | None = None
         ended = "disconnected"
         try:
-            async with asyncio.timeout(HELLO_TIMEOUT):
-                kind, payload = await read_frame(reader, MAX_PEER_FRAME)
+            kind, payload = await first_frame(reader, writer, self.secret, self.handshake_timeout, peer)
+        except (AuthError, FrameError, OSError, TimeoutError, asyncio.IncompleteReadError):
+            self.refused += 1
+            writer.close()
+            self._serving.discard(task)
+            return
+        try:
             if kind in (Frame.STATUS, Frame.PROMOTE) and self.on_admin is not None:
                 writer.write(encode_frame(kind, json.dumps(self.on_admin(kind)).encode()))
                 await writer.drain()
@@ -456,6 +473,29 @@ class Primary:
                     link.state = "catching_up"
                     link.writer.close()
                     self._resolve()
+
+
+async def first_frame(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes | None, within: float, peer: str
+) -> tuple[Frame, bytes]:
+    """A peer's first frame after the handshake (auth.py), within ``within`` seconds; a refusal
+    is logged as a WARNING naming the peer and raised (the caller closes the connection)."""
+    try:
+        async with asyncio.timeout(within):
+            return await server_handshake(reader, writer, secret, MAX_PEER_FRAME)
+    except AuthError as exc:
+        log.warning("replication: refused a connection from %s: %s", peer, exc)
+        raise
+    except TimeoutError:
+        what = "the handshake was not completed" if secret is not None else "no first frame"
+        log.warning("replication: refused a connection from %s: %s within %g s", peer, what, within)
+        raise
+    except FrameError as exc:
+        log.warning("replication: refused a connection from %s: %s", peer, exc)
+        raise
+    except (OSError, asyncio.IncompleteReadError) as exc:
+        log.info("replication: a connection from %s ended before its first frame: %r", peer, exc)
+        raise
 
 
 def _next_chunk(rows: Any, limit: int) -> list[Op]:

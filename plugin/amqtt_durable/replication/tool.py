@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from typing import Any
 
+from .auth import AuthError, client_handshake, error_text
 from .errors import FrameError, ReplicationError
 from .framing import Frame, encode_frame, read_frame
 
@@ -20,23 +22,32 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def ask(address: str, kind: Frame) -> dict[str, Any]:
-    """Send ``kind`` to the node at ``address`` and return its JSON answer."""
+async def ask(
+    address: str, kind: Frame, secret: bytes | None = None, tls: ssl.SSLContext | None = None
+) -> dict[str, Any]:
+    """Send ``kind`` to the node at ``address`` and return its JSON answer; with ``secret`` (the
+    node's replication.secret) after the handshake of auth.py; with ``tls`` (a client context of
+    replication.tls) over TLS."""
     host, port = split_address(address)
     try:
         async with asyncio.timeout(ASK_TIMEOUT):
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await asyncio.open_connection(host, port, ssl=tls)
             try:
+                await client_handshake(reader, writer, secret)
                 writer.write(encode_frame(kind))
                 await writer.drain()
                 answered, payload = await read_frame(reader)
             finally:
                 writer.close()
+    except AuthError as exc:
+        raise ReplicationError(f"replication address {address}: {exc}") from None
     except (OSError, TimeoutError, asyncio.IncompleteReadError, FrameError) as exc:
         raise ReplicationError(
             f"replication address {address}: no answer to {kind.name} ({type(exc).__name__}: {exc}); "
             "is a broker with replication listening there (its replication.listen)?"
         ) from None
+    if answered == Frame.ERROR:
+        raise ReplicationError(f"replication address {address}: refused: {error_text(payload)}")
     if answered != kind:
         raise ReplicationError(f"replication address {address}: answered {answered.name} to {kind.name}")
     answer: dict[str, Any] = json.loads(payload)

@@ -1,0 +1,146 @@
+"""replication.secret between real broker processes: the attacks of issue 12 on the replication
+address (copy the store as a fake backup, promote a fixed-role backup, replay a handshake, hold a
+connection open) are refused, while the real backup stays in sync and clients get their PUBACKs;
+the tools authenticate with --secret-file or --config; a mismatched pair says why on both sides."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_ha_brokers import BACKUP, SERVING, address, assert_queue_served, node, queue_durable_messages, start
+
+from amqtt_durable.replication.auth import NONCE_BYTES, client_proof
+from amqtt_durable.replication.framing import Frame, Hello, encode_frame
+from amqtt_durable.replication.tool import ask
+from conftest import WAIT, Broker, Client, connack_code, run_cli
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "replication-secret-for-the-tests-0123456789"
+
+
+def status(broker: Broker, secret: str | None = SECRET) -> dict[str, Any]:
+    return asyncio.run(ask(address(broker), Frame.STATUS, secret.encode() if secret else None))
+
+
+def wait_in_sync(primary: Broker) -> None:
+    def ok() -> bool:
+        backups = status(primary)["backups"]
+        return bool(backups) and backups[0]["state"] == "in_sync"
+
+    assert primary.wait_until(ok, WAIT), primary.log()
+
+
+def talk(replication_address: str, *frames: bytes, answers: int = 0) -> bytes:
+    """Send ``frames`` to a node's replication address; everything it sends back until it closes
+    the connection (bounded by the socket timeout)."""
+    host, port = replication_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(b"".join(frames))
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def handshake_bytes(replication_address: str) -> list[bytes]:
+    """An honest handshake (this test knows the secret), as an eavesdropper records it: the
+    client's frames; the node accepts this connection."""
+    host, port = replication_address.rsplit(":", 1)
+    nonce = b"r" * NONCE_BYTES
+    with socket.create_connection((host, int(port)), timeout=WAIT) as sock:
+        sock.sendall(encode_frame(Frame.AUTH, nonce))
+        head = b""
+        while len(head) < 5 + NONCE_BYTES + 32 + 4:
+            head += sock.recv(4096)
+        server_nonce = head[5 : 5 + NONCE_BYTES]
+        proof = encode_frame(Frame.AUTH, client_proof(SECRET.encode(), nonce, server_nonce))
+        status_frame = encode_frame(Frame.STATUS)
+        sock.sendall(proof + status_frame)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer[:1] == bytes([Frame.STATUS]), answer  # the recorded handshake was a good one
+    return [encode_frame(Frame.AUTH, nonce), proof, status_frame]
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> Path:
+    path = tmp_path / "replication.secret"
+    path.write_text(SECRET + "\n")
+    return path
+
+
+def test_a_secured_pair_refuses_every_attack_and_goes_on_replicating(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], secret_file: Path
+) -> None:
+    primary = start(node(broker_factory, "p", role="primary", secret_file=str(secret_file)), SERVING)
+    backup = start(
+        node(broker_factory, "b", role="backup", primary=address(primary), secret=SECRET, handshake_timeout=1.0),
+        BACKUP,
+    )
+    wait_in_sync(primary)
+    queue_durable_messages(primary, clients, 100)  # sync mode: each PUBACK waited for the backup
+
+    # A fake backup asks for a snapshot of the store: one ERROR frame, no store byte.
+    fake_hello = encode_frame(Frame.HELLO, Hello(0, 0, 0, "thief").encode())
+    answered = talk(address(primary), fake_hello)
+    assert answered[:1] == bytes([Frame.ERROR]) and b"authentication required" in answered
+    assert bytes([Frame.SNAP_BEGIN]) + bytes(4) not in answered and b"body" not in answered
+    # A wrong secret, and a recorded handshake replayed: refused.
+    wrong = encode_frame(Frame.AUTH, b"w" * NONCE_BYTES)
+    assert talk(address(primary), wrong, encode_frame(Frame.AUTH, b"x" * 32), fake_hello).endswith(
+        encode_frame(Frame.ERROR, b"authentication failed: wrong replication secret")
+    )
+    replayed = talk(address(primary), *handshake_bytes(address(primary)))
+    challenge = 5 + NONCE_BYTES + 32 + 4  # the node's AUTH frame (a fresh nonce), then its refusal, no STATUS
+    assert replayed[:1] == bytes([Frame.AUTH])
+    assert replayed[challenge:] == encode_frame(Frame.ERROR, b"authentication failed: wrong replication secret")
+    # PROMOTE without the secret, to the fixed-role backup: refused, and it stays a backup.
+    refused = run_cli("promote", address(backup))
+    assert refused.returncode == 1 and "authentication required" in refused.stderr
+    assert talk(address(backup), encode_frame(Frame.PROMOTE))[:1] == bytes([Frame.ERROR])
+    assert status(backup)["role"] == "backup" and connack_code(backup.port) == BACKUP
+    # A silent peer is cut after the handshake timeout (1 s on the backup), not held open.
+    assert talk(address(backup)) == b""
+    assert "the handshake was not completed within 1 s" in backup.log()
+
+    for log in (primary.log(), backup.log()):
+        assert "WARNING" in log and "refused a connection from 127.0.0.1:" in log
+    queue_durable_messages(primary, clients, 100)  # more PUBACKs, each waited for the backup
+    wait_in_sync(primary)
+
+    # The tools, with the secret: inspect, then promote once the primary is gone.
+    shown = run_cli("inspect", "--replication", address(primary), "--secret-file", str(secret_file))
+    assert shown.returncode == 0 and "backup b" in shown.stdout and "in_sync" in shown.stdout, shown.stderr
+    primary.kill()
+    promoted = run_cli("promote", address(backup), "--config", str(backup.config_path))
+    assert promoted.returncode == 0, promoted.stderr
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
+    assert_queue_served(backup, clients, 100)  # the first 100 were delivered by the second queueing
+
+
+def test_a_mismatched_or_wrong_secret_is_a_clear_error_on_both_sides_not_a_hang(
+    broker_factory: Callable[..., Broker], secret_file: Path
+) -> None:
+    primary = start(node(broker_factory, "p", role="primary", secret_file=str(secret_file)), SERVING)
+    without = start(node(broker_factory, "b1", role="backup", primary=address(primary)), BACKUP)
+    wrong = start(
+        node(broker_factory, "b2", role="backup", primary=address(primary), secret="another-secret-0123456789"),
+        BACKUP,
+    )
+    assert without.wait_until(lambda: "authentication required" in without.log(), WAIT), without.log()
+    assert wrong.wait_until(lambda: "does not know the replication secret" in wrong.log(), WAIT), wrong.log()
+    assert primary.wait_until(lambda: "the peer refused this node" in primary.log(), WAIT), primary.log()
+    assert status(primary)["backups"] == []
+    # The other way round: a backup with a secret, a primary without one.
+    open_primary = start(node(broker_factory, "q", role="primary"), SERVING)
+    secured = start(node(broker_factory, "b3", role="backup", primary=address(open_primary), secret=SECRET), BACKUP)
+    assert secured.wait_until(lambda: "this node has none set" in secured.log(), WAIT), secured.log()
+    assert "this node has none set" in open_primary.log()
+    assert status(open_primary, None)["backups"] == []
