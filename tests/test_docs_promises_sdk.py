@@ -111,7 +111,7 @@ def test_a_cache_entry_has_value_seq_epoch_published_at_and_state(
     assert dashboard.cache.get("ce/a") is None and "ce/a" not in dashboard.cache
 
 
-@pytest.mark.parametrize("bad_filter", ["a/#/b", "a/b#", "a+/b", "a/\x00"])
+@pytest.mark.parametrize("bad_filter", ["a/#/b", "a/b#", "a+/b", "a/\x00", "a/\ud800"])
 def test_an_invalid_filter_is_refused_before_connect_and_connect_still_works(
     broker: Broker, sdk: Callable[..., DurableClient], bad_filter: str
 ) -> None:

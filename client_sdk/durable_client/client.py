@@ -1074,10 +1074,10 @@ def _check_filter(topic_filter: str) -> None:
         raise ValueError("a topic filter must be a non-empty string")
     if topic_filter.startswith((CONTROL_PREFIX, "$durable/")):
         raise ValueError(f"{topic_filter!r}: the SDK's own topics cannot be subscribed to")
-    if not filter_is_valid(topic_filter) or len(topic_filter.encode("utf-8", "surrogatepass")) > _MAX_STRING:
+    if not filter_is_valid(topic_filter) or len(topic_filter.encode("utf-8")) > _MAX_STRING:
         raise ValueError(
             f"{topic_filter!r} is not a valid MQTT topic filter ('#' only as the whole last level, '+' only "
-            "as a whole level, no U+0000, at most 65535 bytes)"
+            "as a whole level, no U+0000 or lone surrogate, at most 65535 bytes)"
         )
 
 
