@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import yaml
+from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, wait_status
 
 from amqtt_durable.process import HOST
 from conftest import Broker, Client, connack_code, run_cli
-from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, wait_status
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,7 +62,8 @@ def test_sys_topics_carry_mode_batch_and_each_backups_lag_seconds_and_snapshot_r
         *(prefix + key for key in ("role", "mode", "batch", "backups", "backups_in_sync")),
         *(f"{prefix}backup/b/{key}" for key in ("state", "lag_batches", "lag_seconds", "snapshot_rows")),
     }
-    assert monitor.wait_for(lambda got: documented <= {m.topic for m in got}), sorted({m.topic for m in monitor.messages})
+    seen = monitor.wait_for(lambda got: documented <= {m.topic for m in got})
+    assert seen, sorted({m.topic for m in monitor.messages})
     last = {m.topic: m.payload for m in monitor.messages}
     assert last[prefix + "mode"] == b"sync"
     assert int(last[prefix + "batch"]) >= 0
