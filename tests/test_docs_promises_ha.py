@@ -14,7 +14,7 @@ import pytest
 import yaml
 from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, wait_status
 
-from amqtt_durable.process import HOST
+from amqtt_durable.process import HOST, free_port
 from conftest import Broker, Client, connack_code, run_cli
 
 pytestmark = pytest.mark.timeout(120)
@@ -146,3 +146,20 @@ def test_a_backups_refusals_leave_no_warning_in_its_log(
     backup.kill()
     dropped = "WARNING amqtt_durable.replication: replication: backup b ("
     assert primary.wait_until(lambda: dropped in primary.log(), 15), primary.log()
+
+
+def test_a_backup_that_is_not_caught_up_is_promoted_anyway_and_the_answer_says_how_far_behind(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Without a coordinator: a backup that was not caught up is promoted anyway, and the answer
+    says how far behind it was (here its primary never answered: it holds batch 0)."""
+    backup = start(node(broker_factory, "b", role="backup", primary=f"{HOST}:{free_port()}"), BACKUP)
+    assert not wait_status(backup, lambda s: s["role"] == "backup")["caught_up"]
+    promoted = run_cli("promote", address(backup))
+    assert promoted.returncode == 0, promoted.stderr
+    assert re.fullmatch(
+        rf"{re.escape(address(backup))}: promoted by the operator \(it was \w+ at batch 0\); it serves clients as "
+        r"the primary once its store is loaded\n",
+        promoted.stdout,
+    ), promoted.stdout
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, 15), backup.log()
