@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -163,3 +164,19 @@ def test_a_backup_that_is_not_caught_up_is_promoted_anyway_and_the_answer_says_h
         promoted.stdout,
     ), promoted.stdout
     assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, 15), backup.log()
+
+
+def test_a_clean_stop_of_a_primary_releases_the_lease_so_the_backup_takes_over_before_it_would_expire(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """Role changes, clean stop of a primary (SIGTERM): with a coordinator, the lease is released,
+    so the backup takes over at its next cycle, not ``lease_ttl`` after the last renewal."""
+    ha = {"coordinator": [etcd.url], "lease_ttl": 20, "loop_wait": 0.5, "demote_margin": 1}
+    first = start(node(broker_factory, "a", **ha), SERVING)
+    second = start(node(broker_factory, "b", **ha), BACKUP)
+    wait_status(second, lambda s: s["caught_up"])
+    first.terminate()
+    assert first.wait_stopped(time.monotonic() + 15), first.log()
+    stopped = time.monotonic()
+    assert second.wait_until(lambda: connack_code(second.port) == SERVING, 10), second.log()
+    assert time.monotonic() - stopped < 10  # the lease (20 s) did not have to expire
