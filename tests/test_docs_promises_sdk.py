@@ -22,6 +22,7 @@ from test_mixed_clients import RECEIVE_ACL_PLUGIN
 from test_protocol import ack_each, request, stream_events
 from test_sdk import Recorder
 
+from amqtt_durable.inspect_store import summarize
 from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, connack_code
 from durable_client import AsyncDurableClient, CacheEntry, ConnectFailed, ConnectionInfo, DurableClient
@@ -111,7 +112,7 @@ def test_a_cache_entry_has_value_seq_epoch_published_at_and_state(
     assert dashboard.cache.get("ce/a") is None and "ce/a" not in dashboard.cache
 
 
-@pytest.mark.parametrize("bad_filter", ["a/#/b", "a/b#", "a+/b", "a/\x00"])
+@pytest.mark.parametrize("bad_filter", ["a/#/b", "a/b#", "a+/b", "a/\x00", "a/\ud800"])
 def test_an_invalid_filter_is_refused_before_connect_and_connect_still_works(
     broker: Broker, sdk: Callable[..., DurableClient], bad_filter: str
 ) -> None:
@@ -482,3 +483,31 @@ def test_unsubscribe_then_close_leaves_the_session_without_the_filter(
         raw = clients(broker.port, client_id)
         assert request(raw, "hello").fields["subscriptions"] == {"utc/kept": 1}, f"round {round_}"
         raw.disconnect()
+
+
+@pytest.mark.parametrize("connected", [True, False], ids=["connected", "before-connect"])
+def test_unsubscribe_removes_a_durable_subscription_an_earlier_run_made(
+    broker: Broker, sdk: Callable[..., DurableClient], connected: bool
+) -> None:
+    """A durable subscription outlives its client's process; a later run of the same client id
+    that calls unsubscribe() on it (connected, or before connect(): sent on connecting) removes
+    it from the broker's session. Before, unsubscribe() of a filter this run had not subscribed
+    was a no-op and the broker queued for it for ever."""
+    first = sdk(broker.port, "unsub-earlier")
+    first.subscribe("old/#", qos=1)
+    first.subscribe("kept/#", qos=1)
+    first.connect(timeout=WAIT)
+    first.close(keep_session=True)
+    later = sdk(broker.port, "unsub-earlier")
+    if connected:
+        later.connect(timeout=WAIT)
+        later.unsubscribe("old/#")
+    else:
+        later.unsubscribe("old/#")
+        later.connect(timeout=WAIT)
+    registry = later._registry  # its UNSUBACK arrived: nothing awaits one or waits to be sent
+    assert wait_until(lambda: not registry._unsubscribing and not registry._unsubscribed, WAIT)
+    later.close(keep_session=True)
+    broker.stop()
+    (session,) = summarize(broker.store)
+    assert session.subscriptions == {"kept/#": 1}

@@ -422,17 +422,26 @@ class DurableClient:
                 return False
 
     def unsubscribe(self, topic_filter: str) -> None:
-        """Remove a subscription or a stream subscription on ``topic_filter`` (no-op if neither)."""
+        """Remove a subscription or a stream subscription on ``topic_filter``.
+
+        A durable session's subscription may have been made by an earlier run of this client id
+        (the broker keeps it and says so in its hello reply): that one is removed too, now or on
+        connecting. Otherwise a no-op if neither."""
         self._check_open()
         if self._delivery_log is not None:
             self._delivery_log.unsubscribe(topic_filter)
         with self._lock:
-            if self._registry.remove_stream(topic_filter) is not None and self._connected:
+            stream = self._registry.remove_stream(topic_filter) is not None
+            if stream and self._connected:
                 self._send_request("stream_unsubscribe", filter=topic_filter)
-            durable = self._durable and not self._connected
-            subscription = self._registry.remove(topic_filter, unsubscribe_later=durable)
-            if subscription is not None and self._connected:
+            subscription = self._registry.remove(topic_filter, unsubscribe_later=False)
+            held = self._registry.broker_held is None or topic_filter in self._registry.broker_held
+            inherited = self._durable and not stream and _may_unsubscribe(topic_filter) and held
+            tell_broker = subscription is not None or inherited
+            if tell_broker and self._connected:
                 self._send_unsubscribe(topic_filter)
+            elif tell_broker and self._durable:
+                self._registry.unsubscribe_later(topic_filter)
 
     def ready_for_events(self) -> None:
         """Say the listeners are in place: the broker then replays what it queued, then a marker.
@@ -786,8 +795,9 @@ class DurableClient:
                 self._registry.session_lost()
             for subscription in self._registry.subscriptions():
                 self._replay_subscription(subscription, resend_durable, broker_has)
+            self._registry.broker_held = set(broker_has) if broker_has is not None and not resend_durable else None
             for topic_filter in self._registry.take_unsubscribed():
-                if not resend_durable:
+                if not resend_durable and (broker_has is None or topic_filter in broker_has):
                     self._send_unsubscribe(topic_filter)
         for stream in self._registry.streams():
             self._open_stream(stream.filter, stream.window, wait=False)
@@ -1074,11 +1084,20 @@ def _check_filter(topic_filter: str) -> None:
         raise ValueError("a topic filter must be a non-empty string")
     if topic_filter.startswith((CONTROL_PREFIX, "$durable/")):
         raise ValueError(f"{topic_filter!r}: the SDK's own topics cannot be subscribed to")
-    if not filter_is_valid(topic_filter) or len(topic_filter.encode("utf-8", "surrogatepass")) > _MAX_STRING:
+    if not filter_is_valid(topic_filter) or len(topic_filter.encode("utf-8")) > _MAX_STRING:
         raise ValueError(
             f"{topic_filter!r} is not a valid MQTT topic filter ('#' only as the whole last level, '+' only "
-            "as a whole level, no U+0000, at most 65535 bytes)"
+            "as a whole level, no U+0000 or lone surrogate, at most 65535 bytes)"
         )
+
+
+def _may_unsubscribe(topic_filter: str) -> bool:
+    """A filter a broker's session may hold: valid, and not one of the SDK's own topics."""
+    try:
+        _check_filter(topic_filter)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_after(topic_filter: str, after: dict[str, int] | None) -> dict[str, int]:

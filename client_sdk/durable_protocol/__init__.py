@@ -73,9 +73,15 @@ MAX_STREAM_WINDOW: Final = 1_000
 
 
 def filter_is_valid(topic_filter: str) -> bool:
-    """MQTT-4.7.1: '#' only as the whole last level, '+' only as a whole level; not empty, no U+0000."""
+    """MQTT-4.7.1: '#' only as the whole last level, '+' only as a whole level; not empty, no U+0000,
+    well-formed UTF-8 (MQTT-1.5.3-1: no lone surrogate, which no client could encode)."""
     if not topic_filter or "\x00" in topic_filter:
         return False
+    if not topic_filter.isascii():
+        try:
+            topic_filter.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
     levels = topic_filter.split("/")
     for index, level in enumerate(levels):
         if "#" in level and (level != "#" or index != len(levels) - 1):

@@ -186,11 +186,20 @@ def make(recorder: Recorder) -> Iterator[Callable[..., tuple[DurableClient, Fake
         client.close()
 
 
-def connect(client: DurableClient, link: FakeLink, *, session_present: bool, epoch: int | None = 12) -> None:
-    """One CONNACK + hello reply, as the network thread would see them."""
+def connect(
+    client: DurableClient,
+    link: FakeLink,
+    *,
+    session_present: bool,
+    epoch: int | None = 12,
+    subscriptions: dict[str, int] | None = None,
+) -> None:
+    """One CONNACK + hello reply (``subscriptions``: what the broker's session holds, if said),
+    as the network thread would see them."""
     client._handle_connack(ConnAck(True, session_present, "Success"))
     hello = link.requests("hello")[-1]
-    reply = encode_reply("hello", hello.req, protocol=1, epoch=epoch, session_expiry=None)
+    held = {} if subscriptions is None else {"subscriptions": subscriptions}
+    reply = encode_reply("hello", hello.req, protocol=1, epoch=epoch, session_expiry=None, **held)
     client._handle_message(Inbound(REPLY_TOPIC, reply, 0, False, False, 0))
 
 
@@ -350,8 +359,18 @@ def test_unsubscribe_while_disconnected_is_sent_on_reconnect(make: Any) -> None:
     client.unsubscribe("d/#")
     client.unsubscribe("s/#")
     client.unsubscribe("never/subscribed")
-    connect(client, link, session_present=True)
-    assert link.wire() == [("unsubscribe", "d/#")]
+    client.unsubscribe("earlier/run")  # the broker's session holds it: an earlier run subscribed it
+    connect(client, link, session_present=True, subscriptions={"d/#": 1, "earlier/run": 1})
+    assert link.wire() == [("unsubscribe", "d/#"), ("unsubscribe", "earlier/run")]
+
+
+def test_unsubscribe_when_connected_of_a_subscription_an_earlier_run_made(make: Any) -> None:
+    client, link = make()
+    connect(client, link, session_present=True, subscriptions={"earlier/run": 1})
+    link.clear()
+    client.unsubscribe("never/subscribed")
+    client.unsubscribe("earlier/run")
+    assert link.wire() == [("unsubscribe", "earlier/run")]
 
 
 def test_unsubscribe_when_connected(make: Any) -> None:

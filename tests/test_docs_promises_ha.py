@@ -1,0 +1,182 @@
+"""docs/replication.md's promises not pinned elsewhere, each against real brokers (and a real
+etcd): what `promote` and `inspect --replication` print and refuse, the `$SYS` topics the
+primary publishes, and the settings checks the Settings table states."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, wait_status
+
+from amqtt_durable.process import HOST, free_port
+from conftest import Broker, Client, connack_code, run_cli
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_inspect_replication_prints_the_documented_lines_and_json(broker_factory: Callable[..., Broker]) -> None:
+    """Watching it: ``a: primary, at batch N, sync replication`` then ``backup b (peer): in_sync,
+    acked N, lag 0 batches / 0.0 s``; ``--json`` is the raw status; a backup says whom it follows."""
+    primary = start(node(broker_factory, "p", role="primary", mode="async"), SERVING)
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+
+    shown = run_cli("inspect", "--replication", address(primary))
+    assert shown.returncode == 0, shown.stderr
+    head, row = shown.stdout.splitlines()
+    assert re.fullmatch(r"p: primary, at batch \d+, async replication", head), head
+    pattern = rf"  backup b \({re.escape(HOST)}:\d+\): in_sync, acked \d+, lag 0 batches / 0\.0 s"
+    assert re.fullmatch(pattern, row), row
+
+    raw = run_cli("inspect", "--replication", address(primary), "--json")
+    assert raw.returncode == 0, raw.stderr
+    status = json.loads(raw.stdout)
+    assert (status["name"], status["role"], status["mode"]) == ("p", "primary", "async")
+    assert [b["name"] for b in status["backups"]] == ["b"]
+
+    following = run_cli("inspect", "--replication", address(backup))
+    assert following.returncode == 0, following.stderr
+    assert following.stdout.splitlines()[0].startswith("b: backup, at batch ")
+    assert f"following {address(primary)}" in following.stdout and "caught up" in following.stdout
+
+
+def test_sys_topics_carry_mode_batch_and_each_backups_lag_seconds_and_snapshot_rows(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Watching it: ``role``, ``mode``, ``batch``, ``backups``, ``backups_in_sync`` and per backup
+    ``state``, ``lag_batches``, ``lag_seconds``, ``snapshot_rows`` (test_ha_brokers checks the values
+    of role, backups and state; this checks that every documented topic is published)."""
+    primary = start(node(broker_factory, "p", {"metrics_interval": 0.2}, role="primary"), SERVING)
+    start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+    monitor = clients(primary.port, "monitor", clean_session=True)
+    monitor.subscribe("$SYS/broker/durable/replication/#", 0)
+    prefix = "$SYS/broker/durable/replication/"
+    documented = {
+        *(prefix + key for key in ("role", "mode", "batch", "backups", "backups_in_sync")),
+        *(f"{prefix}backup/b/{key}" for key in ("state", "lag_batches", "lag_seconds", "snapshot_rows")),
+    }
+    seen = monitor.wait_for(lambda got: documented <= {m.topic for m in got})
+    assert seen, sorted({m.topic for m in monitor.messages})
+    last = {m.topic: m.payload for m in monitor.messages}
+    assert last[prefix + "mode"] == b"sync"
+    assert int(last[prefix + "batch"]) >= 0
+
+
+def test_promote_refuses_a_node_with_a_coordinator_and_inspect_lists_the_members(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """Without a coordinator: `promote` refuses (exit 1, with the reason) a node with a coordinator.
+    Watching it: with a coordinator, the members' positions as published in etcd, the caught-up
+    backup marked ``may take over``."""
+    ha = {"coordinator": [etcd.url], **HA_TIMING}
+    first = start(node(broker_factory, "a", **ha), SERVING)
+    second = start(node(broker_factory, "b", **ha), BACKUP)
+
+    def members_listed(status: dict[str, Any]) -> bool:
+        return {(m["name"], m["role"], m["candidate"]) for m in status.get("members", [])} == {
+            ("a", "primary", False),
+            ("b", "backup", True),
+        }
+
+    wait_status(first, members_listed)
+    refused = run_cli("promote", address(second))
+    assert refused.returncode == 1, refused.stdout
+    assert "not promoted: its coordinator decides who is primary" in refused.stderr
+    assert connack_code(second.port) == BACKUP  # still a backup
+    shown = run_cli("inspect", "--replication", address(first))
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    at = lines.index("  members in the coordinator (as of this node's last HA cycle):")
+    assert re.fullmatch(r"    a: primary, at batch \d+, store [0-9a-f]+", lines[at + 1]), lines
+    assert re.fullmatch(r"    b: backup, at batch \d+, store [0-9a-f]+, may take over", lines[at + 2]), lines
+
+
+@pytest.mark.parametrize(
+    ("replication", "key", "problem"),
+    [
+        ({"role": "primary", "lease_ttl": 1}, "lease_ttl", "at least 2"),
+        ({"role": "primary", "lease_ttl": 5, "demote_margin": 1, "loop_wait": 2.5}, "loop_wait", "at most"),
+        ({"role": "auto"}, "role", "needs a coordinator"),
+        ({"coordinator": ["http://127.0.0.1:2379"]}, "name", "needed with a coordinator"),
+        ({"role": "backup"}, "primary", "needed on a backup"),
+        ({"role": "primary", "Mode": "sync"}, "Mode", "unknown setting"),
+    ],
+)
+def test_bad_replication_settings_stop_the_broker_at_start_up_naming_the_key(
+    tmp_path: Path, replication: dict[str, Any], key: str, problem: str
+) -> None:
+    """Settings: checked at start-up like every other setting (configuration.md: exit code 2,
+    the key named): lease_ttl at least 2, loop_wait at most (lease_ttl - demote_margin) / 2, role
+    auto needs a coordinator, name needed with one, a fixed-role backup needs primary."""
+    config = tmp_path / "broker.yaml"
+    plugin = {"store": str(tmp_path / "store"), "replication": replication}
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "listeners": {"default": {"type": "tcp", "bind": f"{HOST}:0"}},
+                "plugins": {"amqtt_durable.DurableSessionsPlugin": plugin},
+            }
+        )
+    )
+    refused = run_cli("broker", "-c", str(config))
+    assert refused.returncode == 2, refused.stderr
+    assert f"replication.{key}" in refused.stderr and problem in refused.stderr, refused.stderr
+
+
+def test_a_backups_refusals_leave_no_warning_in_its_log(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Role changes: a backup's refusals (CONNACK 3) are logged at DEBUG, amqtt's own WARNINGs
+    about them included; the primary logs a backup that drops out as a WARNING (Watching it)."""
+    primary = start(node(broker_factory, "p", role="primary"), SERVING)
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+    for _ in range(5):
+        assert connack_code(backup.port) == BACKUP
+    wait_status(backup, lambda s: s["caught_up"])  # a round trip after the refusals were handled
+    noisy = [line for line in backup.log().splitlines() if " WARNING " in line or " ERROR " in line]
+    assert not noisy, noisy
+    backup.kill()
+    dropped = "WARNING amqtt_durable.replication: replication: backup b ("
+    assert primary.wait_until(lambda: dropped in primary.log(), 15), primary.log()
+
+
+def test_a_backup_that_is_not_caught_up_is_promoted_anyway_and_the_answer_says_how_far_behind(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Without a coordinator: a backup that was not caught up is promoted anyway, and the answer
+    says how far behind it was (here its primary never answered: it holds batch 0)."""
+    backup = start(node(broker_factory, "b", role="backup", primary=f"{HOST}:{free_port()}"), BACKUP)
+    assert not wait_status(backup, lambda s: s["role"] == "backup")["caught_up"]
+    promoted = run_cli("promote", address(backup))
+    assert promoted.returncode == 0, promoted.stderr
+    assert re.fullmatch(
+        rf"{re.escape(address(backup))}: promoted by the operator \(it was \w+ at batch 0\); it serves clients as "
+        r"the primary once its store is loaded\n",
+        promoted.stdout,
+    ), promoted.stdout
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, 15), backup.log()
+
+
+def test_a_clean_stop_of_a_primary_releases_the_lease_so_the_backup_takes_over_before_it_would_expire(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """Role changes, clean stop of a primary (SIGTERM): with a coordinator, the lease is released,
+    so the backup takes over at its next cycle, not ``lease_ttl`` after the last renewal."""
+    ha = {"coordinator": [etcd.url], "lease_ttl": 20, "loop_wait": 0.5, "demote_margin": 1}
+    first = start(node(broker_factory, "a", **ha), SERVING)
+    second = start(node(broker_factory, "b", **ha), BACKUP)
+    wait_status(second, lambda s: s["caught_up"])
+    first.terminate()
+    assert first.wait_stopped(time.monotonic() + 15), first.log()
+    stopped = time.monotonic()
+    assert second.wait_until(lambda: connack_code(second.port) == SERVING, 10), second.log()
+    assert time.monotonic() - stopped < 10  # the lease (20 s) did not have to expire
