@@ -1,0 +1,105 @@
+"""docs/configuration.md and broker.yaml, promise by promise, against the plugin's own settings.
+
+The table's keys and defaults are the dataclass's, broker.yaml lists every key with its
+default, and a bad value of every key the table lists stops the broker with an error that
+names the key (exit code 2 through the real CLI for a few).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from amqtt_durable.config import DurableConfig
+from amqtt_durable.errors import ConfigError
+from conftest import Broker, run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = "amqtt_durable.DurableSessionsPlugin"
+ROW = re.compile(r"^\| `(\w+)` \| (`[^`]*`|absent) \|", re.M)
+
+
+def documented_defaults() -> dict[str, Any]:
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    return {key: None if cell == "absent" else yaml.safe_load(cell.strip("`")) for key, cell in ROW.findall(text)}
+
+
+def dataclass_defaults() -> dict[str, Any]:
+    config = DurableConfig()
+    return {field.name: getattr(config, field.name) for field in dataclasses.fields(DurableConfig)}
+
+
+def test_configuration_table_lists_every_setting_with_the_code_default() -> None:
+    assert documented_defaults() == dataclass_defaults()
+
+
+def test_shipped_broker_yaml_lists_every_setting_at_its_default() -> None:
+    shipped = yaml.safe_load((ROOT / "broker.yaml").read_text())["plugins"][PLUGIN]
+    assert shipped == dataclass_defaults()
+    assert DurableConfig.from_mapping(shipped) == DurableConfig()
+
+
+BAD_VALUES: dict[str, Any] = {
+    "store": "",
+    "sync": "yes",
+    "session_expiry": -1,
+    "max_depth": 0,
+    "max_depth_disconnected": "many",
+    "overflow": "drop-random",
+    "recovery_buffer": 65_536,
+    "queue_qos0": 1,
+    "batch_size": 0,
+    "batch_delay_ms": math.inf,
+    "pending_threshold": 1.5,
+    "metrics_interval": -0.5,
+    "drop_log_interval": math.nan,
+    "max_session_expiry": "a week",
+    "streams": {"filter": "a/#"},
+    "stream_window": 1001,
+    "stream_ack_timeout": 0,
+    "session_takeover": "anyone",
+    "connect_timeout": -1,
+    "max_packet_size": 1023,
+    "max_bytes": -1,
+    "max_bytes_disconnected": True,
+    "max_subscriptions_per_client": -1,
+    "replication": "on",
+}
+
+
+def test_every_documented_key_has_a_bad_value_here() -> None:
+    assert set(BAD_VALUES) == set(documented_defaults())
+
+
+@pytest.mark.parametrize(("key", "value"), sorted(BAD_VALUES.items()))
+def test_a_bad_value_of_every_documented_key_names_the_key(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as raised:
+        DurableConfig.from_mapping({key: value})
+    assert f"'{key}'" in str(raised.value) or f"'{key}." in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"session_expiry": math.nan}, "'session_expiry'"),
+        ({"streams": [{"filter": "a/#", "max_count": 0}]}, "'streams[0].max_count'"),
+        ({"replication": {"role": "bogus"}}, "'replication.role'"),
+        ({"max_packet_size": 1023}, "'max_packet_size'"),
+    ],
+)
+def test_bad_values_through_the_real_cli_exit_2_naming_the_key(
+    broker_factory: Callable[..., Broker], settings: dict[str, object], named: str
+) -> None:
+    broker = broker_factory(start=False, **settings)
+    broker.write_config()
+    result = run_cli("broker", "-c", str(broker.config_path))
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr
+    assert "amqtt_durable config:" in result.stderr
