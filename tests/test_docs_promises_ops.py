@@ -103,3 +103,17 @@ def test_bad_values_through_the_real_cli_exit_2_naming_the_key(
     assert result.returncode == 2, result.stderr
     assert named in result.stderr
     assert "amqtt_durable config:" in result.stderr
+
+
+def test_a_key_given_twice_in_broker_yaml_stops_the_broker_naming_it(broker_factory: Callable[..., Broker]) -> None:
+    """configuration.md: a key given twice is refused (exit 2, naming it); plain YAML would keep
+    the second ``store:`` unseen and start a broker on a store the operator did not mean."""
+    broker = broker_factory(start=False)
+    broker.write_config()
+    text = broker.config_path.read_text()
+    assert text.count("    store: ") == 1, text
+    broker.config_path.write_text(text.replace("    store: ", "    store: ./elsewhere\n    store: "))
+    result = run_cli("broker", "-c", str(broker.config_path), cwd=broker.config_path.parent)
+    assert result.returncode == 2, result.stderr
+    assert "'store': given twice" in result.stderr
+    assert not (broker.config_path.parent / "elsewhere").exists()

@@ -47,11 +47,26 @@ def plugin_section(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return entries[PLUGIN_PATH] or {} if PLUGIN_PATH in entries else None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one
+    silently, so a second ``store:`` would win unseen)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                line = key_node.start_mark.line + 1
+                raise ConfigError(str(key), f"given twice in one mapping (line {line}); say it once")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_broker_config(path: str) -> dict[str, Any]:
     """Read broker.yaml and validate our section before amqtt sees it."""
     try:
         with open(path, encoding="utf-8") as handle:
-            config = yaml.safe_load(handle)
+            config = yaml.load(handle, Loader=_UniqueKeyLoader)
     except OSError as exc:
         raise ConfigError("-c", f"cannot read config file '{path}': {exc.strerror}") from exc
     except yaml.YAMLError as exc:
