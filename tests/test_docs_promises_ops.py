@@ -117,3 +117,19 @@ def test_a_key_given_twice_in_broker_yaml_stops_the_broker_naming_it(broker_fact
     assert result.returncode == 2, result.stderr
     assert "'store': given twice" in result.stderr
     assert not (broker.config_path.parent / "elsewhere").exists()
+
+
+def test_a_bad_listener_port_says_what_to_fix(broker_factory: Callable[..., Broker]) -> None:
+    """operations.md: a broker that cannot start exits 1 with `amqtt-durable: broker not started: ...`;
+    for a bind whose port is not a number that is amqtt's own sentence, naming the bind value,
+    not the bare int() error underneath it."""
+    broker = broker_factory(start=False)
+    broker.write_config()
+    text = broker.config_path.read_text()
+    bind = f"127.0.0.1:{broker.port}"
+    assert bind in text, text
+    broker.config_path.write_text(text.replace(bind, "127.0.0.1:notaport"))
+    result = run_cli("broker", "-c", str(broker.config_path))
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "amqtt-durable: broker not started: Invalid port value in bind value: 127.0.0.1:notaport"

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 import yaml
 from amqtt.broker import Broker
+from amqtt.errors import BrokerError
 
 from .config import DurableConfig
 from .errors import ConfigError, DurableError
@@ -29,6 +30,7 @@ from .replication.tool import ask, format_status
 PLUGIN_PATH = "amqtt_durable.DurableSessionsPlugin"
 EXIT_BAD_INPUT = 2
 GC_THRESHOLD = 100_000
+AMQTT_START_FAILED = "Broker instance can't be started"  # amqtt wraps every start-up error in this
 
 
 def plugin_entries(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -81,11 +83,16 @@ def load_broker_config(path: str) -> dict[str, Any]:
 
 
 def _root_cause(exc: BaseException) -> BaseException:
-    """amqtt wraps plugin errors in PluginInitError(<class>); the user needs the innermost one."""
+    """amqtt wraps plugin errors in PluginInitError(<class>); the user needs the innermost one,
+    except under an amqtt BrokerError of its own (e.g. "Invalid port value in bind value: ...",
+    whose cause is a bare int() error): that one names what to fix."""
     seen = exc
+    named: BaseException | None = None
     while not isinstance(seen, DurableError) and (seen.__cause__ or seen.__context__) is not None:
+        if isinstance(seen, BrokerError) and not str(seen).startswith(AMQTT_START_FAILED):
+            named = seen
         seen = seen.__cause__ or seen.__context__  # type: ignore[assignment]
-    return seen
+    return seen if named is None or isinstance(seen, DurableError) else named
 
 
 async def _stop_when_orphaned(parent: int, stop: asyncio.Event) -> None:
