@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import yaml
 from amqtt.broker import Broker
+from amqtt.errors import BrokerError
 
 from .config import DurableConfig
 from .errors import ConfigError, DurableError
@@ -31,6 +32,7 @@ from .replication.tool import ask, format_status
 PLUGIN_PATH = "amqtt_durable.DurableSessionsPlugin"
 EXIT_BAD_INPUT = 2
 GC_THRESHOLD = 100_000
+AMQTT_START_FAILED = "Broker instance can't be started"  # amqtt wraps every start-up error in this
 
 
 def plugin_entries(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -49,11 +51,26 @@ def plugin_section(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return entries[PLUGIN_PATH] or {} if PLUGIN_PATH in entries else None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one
+    silently, so a second ``store:`` would win unseen)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                line = key_node.start_mark.line + 1
+                raise ConfigError(str(key), f"given twice in one mapping (line {line}); say it once")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_broker_config(path: str) -> dict[str, Any]:
     """Read broker.yaml and validate our section before amqtt sees it."""
     try:
         with open(path, encoding="utf-8") as handle:
-            config = yaml.safe_load(handle)
+            config = yaml.load(handle, Loader=_UniqueKeyLoader)
     except OSError as exc:
         raise ConfigError("-c", f"cannot read config file '{path}': {exc.strerror}") from exc
     except yaml.YAMLError as exc:
@@ -68,11 +85,16 @@ def load_broker_config(path: str) -> dict[str, Any]:
 
 
 def _root_cause(exc: BaseException) -> BaseException:
-    """amqtt wraps plugin errors in PluginInitError(<class>); the user needs the innermost one."""
+    """amqtt wraps plugin errors in PluginInitError(<class>); the user needs the innermost one,
+    except under an amqtt BrokerError of its own (e.g. "Invalid port value in bind value: ...",
+    whose cause is a bare int() error): that one names what to fix."""
     seen = exc
+    named: BaseException | None = None
     while not isinstance(seen, DurableError) and (seen.__cause__ or seen.__context__) is not None:
+        if isinstance(seen, BrokerError) and not str(seen).startswith(AMQTT_START_FAILED):
+            named = seen
         seen = seen.__cause__ or seen.__context__  # type: ignore[assignment]
-    return seen
+    return seen if named is None or isinstance(seen, DurableError) else named
 
 
 async def _stop_when_orphaned(parent: int, stop: asyncio.Event) -> None:

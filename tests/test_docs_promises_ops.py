@@ -1,0 +1,135 @@
+"""docs/configuration.md and broker.yaml, promise by promise, against the plugin's own settings.
+
+The table's keys and defaults are the dataclass's, broker.yaml lists every key with its
+default, and a bad value of every key the table lists stops the broker with an error that
+names the key (exit code 2 through the real CLI for a few).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from amqtt_durable.config import DurableConfig
+from amqtt_durable.errors import ConfigError
+from conftest import Broker, run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = "amqtt_durable.DurableSessionsPlugin"
+ROW = re.compile(r"^\| `(\w+)` \| (`[^`]*`|absent) \|", re.M)
+
+
+def documented_defaults() -> dict[str, Any]:
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    return {key: None if cell == "absent" else yaml.safe_load(cell.strip("`")) for key, cell in ROW.findall(text)}
+
+
+def dataclass_defaults() -> dict[str, Any]:
+    config = DurableConfig()
+    return {field.name: getattr(config, field.name) for field in dataclasses.fields(DurableConfig)}
+
+
+def test_configuration_table_lists_every_setting_with_the_code_default() -> None:
+    assert documented_defaults() == dataclass_defaults()
+
+
+def test_shipped_broker_yaml_lists_every_setting_at_its_default() -> None:
+    shipped = yaml.safe_load((ROOT / "broker.yaml").read_text())["plugins"][PLUGIN]
+    assert shipped == dataclass_defaults()
+    assert DurableConfig.from_mapping(shipped) == DurableConfig()
+
+
+BAD_VALUES: dict[str, Any] = {
+    "store": "",
+    "sync": "yes",
+    "session_expiry": -1,
+    "max_depth": 0,
+    "max_depth_disconnected": "many",
+    "overflow": "drop-random",
+    "recovery_buffer": 65_536,
+    "queue_qos0": 1,
+    "batch_size": 0,
+    "batch_delay_ms": math.inf,
+    "pending_threshold": 1.5,
+    "metrics_interval": -0.5,
+    "drop_log_interval": math.nan,
+    "max_session_expiry": "a week",
+    "streams": {"filter": "a/#"},
+    "stream_window": 1001,
+    "stream_ack_timeout": 0,
+    "session_takeover": "anyone",
+    "connect_timeout": -1,
+    "max_packet_size": 1023,
+    "max_bytes": -1,
+    "max_bytes_disconnected": True,
+    "max_subscriptions_per_client": -1,
+    "replication": "on",
+}
+
+
+def test_every_documented_key_has_a_bad_value_here() -> None:
+    assert set(BAD_VALUES) == set(documented_defaults())
+
+
+@pytest.mark.parametrize(("key", "value"), sorted(BAD_VALUES.items()))
+def test_a_bad_value_of_every_documented_key_names_the_key(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as raised:
+        DurableConfig.from_mapping({key: value})
+    assert f"'{key}'" in str(raised.value) or f"'{key}." in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"session_expiry": math.nan}, "'session_expiry'"),
+        ({"streams": [{"filter": "a/#", "max_count": 0}]}, "'streams[0].max_count'"),
+        ({"replication": {"role": "bogus"}}, "'replication.role'"),
+        ({"max_packet_size": 1023}, "'max_packet_size'"),
+    ],
+)
+def test_bad_values_through_the_real_cli_exit_2_naming_the_key(
+    broker_factory: Callable[..., Broker], settings: dict[str, object], named: str
+) -> None:
+    broker = broker_factory(start=False, **settings)
+    broker.write_config()
+    result = run_cli("broker", "-c", str(broker.config_path))
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr
+    assert "amqtt_durable config:" in result.stderr
+
+
+def test_a_key_given_twice_in_broker_yaml_stops_the_broker_naming_it(broker_factory: Callable[..., Broker]) -> None:
+    """configuration.md: a key given twice is refused (exit 2, naming it); plain YAML would keep
+    the second ``store:`` unseen and start a broker on a store the operator did not mean."""
+    broker = broker_factory(start=False)
+    broker.write_config()
+    text = broker.config_path.read_text()
+    assert text.count("    store: ") == 1, text
+    broker.config_path.write_text(text.replace("    store: ", "    store: ./elsewhere\n    store: "))
+    result = run_cli("broker", "-c", str(broker.config_path), cwd=broker.config_path.parent)
+    assert result.returncode == 2, result.stderr
+    assert "'store': given twice" in result.stderr
+    assert not (broker.config_path.parent / "elsewhere").exists()
+
+
+def test_a_bad_listener_port_says_what_to_fix(broker_factory: Callable[..., Broker]) -> None:
+    """operations.md: a broker that cannot start exits 1 with `amqtt-durable: broker not started: ...`;
+    for a bind whose port is not a number that is amqtt's own sentence, naming the bind value,
+    not the bare int() error underneath it."""
+    broker = broker_factory(start=False)
+    broker.write_config()
+    text = broker.config_path.read_text()
+    bind = f"127.0.0.1:{broker.port}"
+    assert bind in text, text
+    broker.config_path.write_text(text.replace(bind, "127.0.0.1:notaport"))
+    result = run_cli("broker", "-c", str(broker.config_path))
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "amqtt-durable: broker not started: Invalid port value in bind value: 127.0.0.1:notaport"
