@@ -16,6 +16,7 @@ skips records can report "nothing lost" about records it never read.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -154,7 +155,7 @@ def check_local_inputs(inputs: Sequence[str]) -> None:
         if not os.path.exists(raw):
             raise _missing(raw)
         if os.path.isfile(raw):
-            _check_format(os.path.abspath(raw), lambda path=raw: _local_head(path))
+            _check_format(os.path.abspath(raw), functools.partial(_local_head, raw))
 
 
 def _missing(raw: str) -> AuditInputError:
