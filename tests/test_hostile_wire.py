@@ -113,6 +113,7 @@ always met (seen once in a full suite on a loaded machine). Before the fix the b
 served again, so any bound tells the two apart."""
 
 
+@pytest.mark.slow  # 5 x the descriptor limit of connections, then connect_timeout: seconds
 def test_a_connect_flood_of_five_times_the_descriptor_limit_leaves_the_broker_serving(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from durable_pipeline.audit import AuditResult, DeviceStats, run_audit
 from durable_pipeline.cli import format_summary
 from durable_pipeline.cli import main as cli_main
 from durable_pipeline.errors import AuditInputError
+from durable_pipeline.logs import check_local_inputs
 from durable_pipeline.report import chart_label, write_report
 from durable_pipeline.spark import stop_session
 from durable_pipeline.synthetic import SyntheticLogs, write_logs
@@ -207,16 +209,19 @@ def test_unknown_file_system_scheme(spark: Any, tmp_path: Path) -> None:
     assert "UnsupportedFileSystemException" in message and "\tat " not in message and "o1" not in message
 
 
-@pytest.mark.slow
-def test_clean_run_holds_through_the_cli(tmp_path: Path) -> None:
+def test_clean_run_holds_through_the_cli(spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """main() in this process, with the session running: the console script in a process of its own, starting
+    and stopping a session of its own (job_session), is test_pipeline_demo's run of `durable-pipeline demo`."""
     logs = write_logs(tmp_path / "logs" / "fleet.jsonl", 4, 100, seed=1)
-    done = run_cli("audit", str(logs.path), "--out", str(tmp_path / "audit"), "--expect", "exactly-once")
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.strip().splitlines()
+    status = cli_main(["audit", str(logs.path), "--out", str(tmp_path / "audit"), "--expect", "exactly-once"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err[-2000:]
+    lines = captured.out.strip().splitlines()
     assert lines[-1] == "OK: exactly-once holds"
     assert lines[0].split()[:4] == ["device", "expected", "received", "lost"]
     assert lines[1].split()[:4] == ["ALL", "400", "400", "0"]
     assert (tmp_path / "audit" / "report.html").exists()
+    assert spark.range(3).count() == 3  # the session main() did not start is still running
 
 
 def test_semantics_on_a_hand_written_log(spark: Any, tmp_path: Path) -> None:
@@ -398,9 +403,8 @@ def test_qos0_is_expected_only_when_counted(spark: Any, tmp_path: Path) -> None:
 
 
 def test_count_qos0_through_the_cli(spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The CLI's flags reach the audit. In this process (the console script in a child process, with a JVM of
-    its own, is test_clean_run_holds_through_the_cli): main() audits with the session already running and
-    leaves it running."""
+    """The CLI's flags reach the audit. In this process, as test_clean_run_holds_through_the_cli: main() audits
+    with the session already running and leaves it running."""
     log = write_jsonl(tmp_path / "qos0.jsonl", qos0_records())
     out = str(tmp_path / "audit")
     status = cli_main(["audit", str(log), "--out", out, "--expect", "at-least-once", "--ignore-order", "--count-qos0"])
@@ -592,13 +596,43 @@ def test_cleanup_releases_the_cache_and_never_hides_the_error(
 
 
 def test_cli_exit_2_on_bad_input(tmp_path: Path) -> None:
-    """A missing local path is checked before Spark starts: a quick exit with the message on stderr."""
+    """A missing local path, and a local file that is neither JSON lines nor Parquet, are checked before Spark
+    starts (check_local_inputs, no JVM): a quick exit from the console script with the message on stderr."""
     done = run_cli("audit", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), "--expect", "exactly-once")
     assert done.returncode == 2
     assert "durable-pipeline audit: error:" in done.stderr and "missing does not exist" in done.stderr
-    (tmp_path / "notes.txt").write_text("hello\n")
-    done = run_cli("audit", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "o"), "--expect", "at-least-once")
-    assert done.returncode == 2 and "neither JSON lines nor Parquet" in done.stderr
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello\n")
+    with pytest.raises(AuditInputError, match=f"^{re.escape(str(notes))} is neither JSON lines nor Parquet"):
+        check_local_inputs([str(notes)])  # Python alone: no SparkSession, no JVM
+    done = run_cli("audit", str(notes), "--out", str(tmp_path / "o"), "--expect", "at-least-once")
+    assert done.returncode == 2 and f"error: {notes} is neither JSON lines nor Parquet" in done.stderr
+
+
+def test_local_files_are_told_apart_by_extension_else_by_first_bytes(tmp_path: Path) -> None:
+    """check_local_inputs, before any JVM: known extensions pass whatever they hold (Spark's read checks the
+    content), other names pass when they start (after whitespace) with PAR1 or {; folders and URIs are checked in
+    Spark's JVM (test_a_file_neither_json_lines_nor_parquet_in_a_folder_or_a_uri)."""
+    (tmp_path / "a.jsonl.gz").write_bytes(b"not checked here")
+    (tmp_path / "b.parquet").write_text("nor here")
+    (tmp_path / "c").write_text("\n  {}\n")
+    (tmp_path / "d.bin").write_bytes(b"PAR1....")
+    check_local_inputs([str(tmp_path / name) for name in ("a.jsonl.gz", "b.parquet", "c", "d.bin")])
+    check_local_inputs([str(tmp_path), f"file://{tmp_path}/nowhere"])
+    (tmp_path / "e.txt").write_text("")
+    with pytest.raises(AuditInputError, match=r"e\.txt is neither JSON lines nor Parquet"):
+        check_local_inputs([str(tmp_path / "c"), str(tmp_path / "e.txt")])
+
+
+def test_a_file_neither_json_lines_nor_parquet_in_a_folder_or_a_uri(spark: Any, tmp_path: Path) -> None:
+    """The same check in Spark's JVM (Hadoop's FileSystem API) for the files of a folder and for URIs."""
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    write_jsonl(folder / "good.jsonl", good_records())
+    (folder / "notes.txt").write_text("hello\n")
+    assert f"{folder}/notes.txt is neither JSON lines nor Parquet" in audit_error(spark, tmp_path, folder)
+    message = audit_error(spark, tmp_path, f"file://{folder}/notes.txt")
+    assert f"{folder}/notes.txt is neither JSON lines nor Parquet" in message
 
 
 def test_cli_exit_2_on_a_missing_file_uri(spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

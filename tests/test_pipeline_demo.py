@@ -10,13 +10,18 @@ import pytest
 
 from conftest import WAIT
 
+CONSOLE_SCRIPT = str(Path(sys.executable).with_name("durable-pipeline"))
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(25 * WAIT)  # a JVM, a streaming query and an audit: about a minute, several on a loaded machine
 def test_the_demo_runs_end_to_end(tmp_path: Path) -> None:
+    """README's command as a user runs it: the console script, in a process of its own that starts (and stops) its
+    own SparkSession with Spark's defaults (the suite's session evaluates interpreted). The suite's one run of
+    the pipeline's console script in a JVM of its own: the audit's CLI tests run main() in this process."""
     out = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, "-m", "durable_pipeline.cli", "demo", "--out", str(out), "--events", "200", "--devices", "2"],
+        [CONSOLE_SCRIPT, "demo", "--out", str(out), "--events", "200", "--devices", "2"],
         capture_output=True,
         text=True,
         timeout=20 * WAIT,

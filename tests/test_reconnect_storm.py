@@ -28,6 +28,7 @@ MESSAGES = 200
 PHASE_BOUND_S = 150.0  # generous: the storm is 100,000 deliveries on a shared 2-core machine
 
 
+@pytest.mark.slow  # 500 sessions and their backlogs: seconds
 @pytest.mark.timeout(600)
 def test_storm_of_500_sessions_each_gets_its_backlog_in_order_while_a_publisher_keeps_getting_pubacks(
     broker_factory: Callable[..., Broker],

@@ -78,20 +78,15 @@ def _add_audit(subcommands: Subcommands) -> None:
 def _run_audit(args: argparse.Namespace) -> int:
     from .audit import run_audit  # noqa: PLC0415 - pyspark loads only when a job runs
     from .logs import check_local_inputs  # noqa: PLC0415
-    from .spark import active_session, get_session, stop_session  # noqa: PLC0415
+    from .spark import job_session  # noqa: PLC0415
 
-    check_local_inputs(args.inputs)  # a wrong local path fails before a JVM starts
+    check_local_inputs(args.inputs)  # a wrong local path or file fails before a JVM starts
     # main() called in a process that already runs a SparkSession (a notebook, a test) audits with that one
     # (--master is then not used) and leaves it running: only a session the job started is the job's to stop.
-    running = active_session()
-    spark = running or get_session(args.master, "durable-pipeline audit")
-    try:
+    with job_session(args.master, "durable-pipeline audit") as spark:
         result = run_audit(
             spark, args.inputs, args.out, args.expect, check_order=not args.ignore_order, count_qos0=args.count_qos0
         )
-    finally:
-        if running is None:
-            stop_session(spark)
     print(format_summary(result))
     return EXIT_HOLDS if result.ok else EXIT_FAILS
 

@@ -20,7 +20,7 @@ from durable_client import DurableClient, Event
 
 from .audit import AuditResult, run_audit
 from .errors import PipelineError
-from .spark import get_session, stop_session
+from .spark import job_session
 
 STREAM_FILTER = "telemetry/#"
 WAIT = 60.0
@@ -87,7 +87,6 @@ def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "
     logs.mkdir()
     broker = _start_broker(out)
     clients: list[DurableClient] = []
-    spark = None
     try:
         counters = [_Counter() for _ in range(devices)]
         for i in range(devices):
@@ -110,29 +109,28 @@ def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "
         for client in clients:
             client.close(keep_session=False)  # the devices end their sessions (a no-op for the publisher)
 
-        spark = get_session(master, "amqtt-durable-demo")
-        stream = (
-            spark.readStream.format("amqtt-durable")
-            .option("port", str(broker.port))
-            .option("filter", STREAM_FILTER)
-            .load()
-        )
-        query = (
-            stream.writeStream.format("parquet")
-            .option("path", str(out / "events"))
-            .option("checkpointLocation", str(out / "checkpoint"))
-            .start()
-        )
-        try:
-            query.processAllAvailable()
-        finally:
-            query.stop()
-        written = spark.read.parquet(str(out / "events"))
-        audit = run_audit(spark, [str(logs)], str(out / "audit"), expect="exactly-once")
-        return DemoResult(events, written.count(), written.select("topic", "id").distinct().count(), audit)
+        # A process that already runs a SparkSession (a notebook, a test) runs the demo in it and leaves it running.
+        with job_session(master, "amqtt-durable-demo") as spark:
+            stream = (
+                spark.readStream.format("amqtt-durable")
+                .option("port", str(broker.port))
+                .option("filter", STREAM_FILTER)
+                .load()
+            )
+            query = (
+                stream.writeStream.format("parquet")
+                .option("path", str(out / "events"))
+                .option("checkpointLocation", str(out / "checkpoint"))
+                .start()
+            )
+            try:
+                query.processAllAvailable()
+            finally:
+                query.stop()
+            written = spark.read.parquet(str(out / "events"))
+            audit = run_audit(spark, [str(logs)], str(out / "audit"), expect="exactly-once")
+            return DemoResult(events, written.count(), written.select("topic", "id").distinct().count(), audit)
     finally:
         for client in clients:
             client.close(keep_session=True)  # a no-op for those already closed
-        if spark is not None:
-            stop_session(spark)
         broker.stop()

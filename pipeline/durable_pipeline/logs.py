@@ -16,10 +16,11 @@ skips records can report "nothing lost" about records it never read.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -145,10 +146,16 @@ def log_schema() -> StructType:
 
 
 def check_local_inputs(inputs: Sequence[str]) -> None:
-    """The inputs that are local paths exist: the CLI's check, so a wrong path fails before a JVM starts."""
+    """The inputs that are local paths exist, and those that are files are JSON lines or Parquet: the CLI's
+    check, so a wrong path or file fails before a JVM starts (the files in a folder are checked in the JVM,
+    by :func:`find_files`, which skips bookkeeping files as Spark does)."""
     for raw in inputs:
-        if not _URI.match(raw) and not os.path.exists(raw):
+        if _URI.match(raw):
+            continue
+        if not os.path.exists(raw):
             raise _missing(raw)
+        if os.path.isfile(raw):
+            _check_format(os.path.abspath(raw), functools.partial(_local_head, raw))
 
 
 def _missing(raw: str) -> AuditInputError:
@@ -219,12 +226,18 @@ def _walk(fs: Any, folder: Any) -> Iterator[str]:
 
 def _format_of(spark: SparkSession, fs: Any, file: str) -> Format:
     """By extension, else by content: Parquet starts with ``PAR1``, a JSON line with ``{``."""
+    return _check_format(file, lambda: _head(spark, fs, file))
+
+
+def _check_format(file: str, head_of: Callable[[], bytes]) -> Format:
+    """:func:`_format_of` given how to read the file's first bytes (``head_of``, called only without a known
+    extension): in the JVM through Hadoop, or a local file before any JVM starts (:func:`check_local_inputs`)."""
     name = file.rsplit("/", 1)[-1].lower().removesuffix(".gz")
     if name.endswith(JSON_SUFFIXES):
         return "json"
     if name.endswith(PARQUET_SUFFIXES):
         return "parquet"
-    head = _head(spark, fs, file)
+    head = head_of()
     if head.startswith(b"PAR1"):
         return "parquet"
     if head.startswith(b"{"):
@@ -252,6 +265,12 @@ def _head(spark: SparkSession, fs: Any, file: str, limit: int = 64) -> bytes:
     finally:
         stream.close()
     return bytes(head.lstrip())
+
+
+def _local_head(path: str, limit: int = 64) -> bytes:
+    """:func:`_head` of a local file: its first ``limit`` bytes after any leading whitespace."""
+    with open(path, "rb") as file:
+        return file.read(limit).lstrip()
 
 
 def read_logs(spark: SparkSession, inputs: Sequence[str]) -> DeliveryLogs:

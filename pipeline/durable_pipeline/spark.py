@@ -11,6 +11,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from .errors import PipelineError
@@ -84,3 +86,17 @@ def stop_session(spark: SparkSession) -> None:
         spark.stop()
     except Exception:  # whatever it is: the job's own error (if any) must get through
         log.warning("could not stop the SparkSession (did its JVM exit?)", exc_info=True)
+
+
+@contextmanager
+def job_session(master: str, app_name: str) -> Iterator[SparkSession]:
+    """The session a job (the audit, the demo) runs in: the one this thread already runs (a notebook's, a
+    test session's), with ``master`` then not used, left running; else a new one on ``master``, stopped when
+    the job ends: only a session the job started is the job's to stop."""
+    running = active_session()
+    spark = running or get_session(master, app_name)
+    try:
+        yield spark
+    finally:
+        if running is None:
+            stop_session(spark)

@@ -868,6 +868,7 @@ class GroupCommitter:
         batch_size: int,
         batch_delay_ms: float,
         pending_threshold: int,
+        retry_first: float = RETRY_FIRST,
     ) -> None:
         self._db = db
         self._sync = sync
@@ -881,7 +882,9 @@ class GroupCommitter:
         self._timer: asyncio.TimerHandle | None = None
         self._soon: asyncio.Handle | None = None
         self._retry: asyncio.TimerHandle | None = None
-        self._retry_delay = RETRY_FIRST
+        self._retry_first = retry_first
+        """Seconds before the first retry after a failed write (RETRY_FIRST; a test may make it shorter)."""
+        self._retry_delay = retry_first
         self._writing = False
         self._idle = asyncio.Event()
         self.before_flush: Callable[[], None] | None = None
@@ -1038,7 +1041,7 @@ class GroupCommitter:
         self._complete_when_shipped(batch, after, waiters)
         if self.failure is not None:
             self.failure = None
-            self._retry_delay = RETRY_FIRST
+            self._retry_delay = self._retry_first
             if self.on_health is not None:
                 self.on_health(None, self.failing_since)
         if self._asked():
