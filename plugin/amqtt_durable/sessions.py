@@ -237,12 +237,12 @@ class DurableSession:
 
     async def advance_sent_mark(self, highest: int, window: int) -> None:
         """Before entries up to ``highest`` are sent: return once a stored sent mark covers them (DUP
-        after a crash). A mark already handed to the store that covers them (a live entry's, in its
-        publish's batch) is waited for; otherwise ``highest + window`` is written, so that the next
-        sends need no write of their own."""
+        after a crash). The commit waited for writes ``highest + window``, even when a mark already
+        handed to the store covers ``highest`` (a live entry's, or one queued ahead but not yet
+        written): a write is forced either way, so it may as well cover the next sends too."""
         if self.deleted:
             return
-        if highest > self.sent_mark:
+        if highest + window > self.sent_mark:
             self._queue_sent_mark(highest + window)
         queued = self.sent_mark
         # While the store cannot write, sending goes on: the mark is queued ahead of the acks of

@@ -607,6 +607,27 @@ def test_a_replay_does_not_wait_for_a_sent_mark_commit_once_per_window(tmp_path:
     asyncio.run(main())
 
 
+def test_a_forced_sent_mark_commit_covers_a_window_past_the_batch_it_waits_for(tmp_path: Path) -> None:
+    """A batch that finds its mark queued ahead but not yet written forces a commit anyway (with
+    ``sync: true`` the acks' write waits for batch_delay_ms); that commit must carry the mark a window
+    past this batch, or the next batch waits for a commit of its own again: with ``sync: true`` a
+    replay then waited for a commit more often than once per window."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 10, window=100)
+        try:
+            session = engine.sessions["c"]
+            base = session.stored_mark
+            session.mark_ahead(base + 100)  # queued with no write of its own, as after a sent batch
+            assert session.stored_mark == base
+            await session.advance_sent_mark(base + 50, 100)
+            assert session.stored_mark >= base + 150
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
 class AckingTransport(MarkCheckingTransport):
     """A client that acknowledges each write's PUBLISHes, as one run, in the loop pass after it."""
 
