@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,12 @@ from typing import Any
 import pytest
 import yaml
 
+from amqtt_durable.cli import load_broker_config
 from amqtt_durable.config import DurableConfig
-from amqtt_durable.errors import ConfigError
-from conftest import Broker, run_cli
+from amqtt_durable.errors import ConfigError, StoreError
+from amqtt_durable.process import HOST, free_port
+from amqtt_durable.store import open_store
+from conftest import Broker, probe_connack, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = "amqtt_durable.DurableSessionsPlugin"
@@ -133,3 +137,59 @@ def test_a_bad_listener_port_says_what_to_fix(broker_factory: Callable[..., Brok
     assert result.returncode == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last == "amqtt-durable: broker not started: Invalid port value in bind value: 127.0.0.1:notaport"
+
+
+def test_yaml_merge_keys_in_broker_yaml_load_as_yaml_says(broker_factory: Callable[..., Broker]) -> None:
+    """Refusing a key given twice must not refuse YAML merge keys (``<<: *anchor``), where a key of
+    the mapping's own overrides a merged one: two listeners sharing settings through an anchor
+    start both (the loader once refused the file as "not valid YAML")."""
+    broker = broker_factory(start=False)
+    broker.write_config()
+    second = free_port()
+    plugins = yaml.safe_dump({"plugins": broker.config["plugins"]})
+    text = (
+        f"listeners:\n  default: &tcp\n    type: tcp\n    bind: {HOST}:{broker.port}\n"
+        f"  second:\n    <<: *tcp\n    bind: {HOST}:{second}\n{plugins}"
+    )
+    broker.config_path.write_text(text)
+    assert load_broker_config(str(broker.config_path)) == yaml.safe_load(text)
+    broker.write_config = lambda: broker.config_path  # type: ignore[method-assign] # start with this text
+    broker.start()
+    assert probe_connack(broker.port) and probe_connack(second)
+
+
+def test_a_complex_key_in_broker_yaml_is_a_clear_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "broker.yaml"
+    path.write_text("? [1, 2]\n: a\n")
+    result = run_cli("broker", "-c", str(path))
+    assert result.returncode == 2, result.stderr
+    assert "is not valid YAML" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_duplicate_key_error_names_both_lines(tmp_path: Path) -> None:
+    path = tmp_path / "broker.yaml"
+    path.write_text("a: 1\nb:\n  c: 2\n  c: 3\n")
+    with pytest.raises(ConfigError, match=r"'c': given twice in one mapping \(lines 3 and 4\)"):
+        load_broker_config(str(path))
+
+
+def test_a_listener_port_in_use_is_named(broker_factory: Callable[..., Broker]) -> None:
+    """asyncio's bind error names the address; the bare socket error it is raised over does not."""
+    with socket.socket() as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        broker = broker_factory(start=False)
+        broker.port = taken.getsockname()[1]
+        broker.write_config()
+        result = run_cli("broker", "-c", str(broker.config_path))
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("amqtt-durable: broker not started: "), last
+    assert f"'{HOST}', {broker.port}" in last and "address already in use" in last.lower(), last
+
+
+def test_a_store_below_a_file_names_the_file(tmp_path: Path) -> None:
+    blocking = tmp_path / "afile"
+    blocking.write_text("not a folder\n")
+    with pytest.raises(StoreError, match=f"store '{blocking}/s': '{blocking}' is a file, not a folder"):
+        open_store(str(blocking / "s"))

@@ -51,18 +51,25 @@ def plugin_section(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return entries[PLUGIN_PATH] or {} if PLUGIN_PATH in entries else None
 
 
+YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one
     silently, so a second ``store:`` would win unseen)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
+        lines: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == YAML_MERGE_TAG:
+                continue  # `<<: *anchor`: a key of its own may override a merged one (YAML merge keys)
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str | int | float | bool) and key in seen:
-                line = key_node.start_mark.line + 1
-                raise ConfigError(str(key), f"given twice in one mapping (line {line}); say it once")
-            seen.add(key)
+            if not isinstance(key, str | int | float | bool):
+                continue  # a complex key (`? [1, 2]`): the parent's ConstructorError names it
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise ConfigError(str(key), f"given twice in one mapping (lines {lines[key]} and {line}); say it once")
+            lines[key] = line
         return super().construct_mapping(node, deep=deep)
 
 
@@ -90,11 +97,18 @@ def _root_cause(exc: BaseException) -> BaseException:
     whose cause is a bare int() error): that one names what to fix."""
     seen = exc
     named: BaseException | None = None
-    while not isinstance(seen, DurableError) and (seen.__cause__ or seen.__context__) is not None:
+    while not isinstance(seen, DurableError) and (below := _reason_below(seen)) is not None:
         if isinstance(seen, BrokerError) and not str(seen).startswith(AMQTT_START_FAILED):
             named = seen
-        seen = seen.__cause__ or seen.__context__  # type: ignore[assignment]
+        seen = below
     return seen if named is None or isinstance(seen, DurableError) else named
+
+
+def _reason_below(exc: BaseException) -> BaseException | None:
+    """The exception ``exc`` was raised from, or during; not one it suppressed (``raise ... from
+    None``: asyncio's "error while attempting to bind on address (...)" names the address, the
+    bare socket error under it does not)."""
+    return exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
 
 
 async def _stop_when_orphaned(parent: int, stop: asyncio.Event) -> None:

@@ -338,6 +338,15 @@ _TABLE_RANGE = re.compile(rb" (\d+):\d+\['(.*?)' @ \d+ : \d+ \.\. '(.*?)' @ \d+ 
 """A live table in LevelDB's ``leveldb.sstables`` property: `` N:size['smallest' @ seq : type .. 'largest' ...]``."""
 
 
+def _file_above(path: str) -> str:
+    """The file that stands where a folder on the way to ``path`` should be (``afile`` of
+    ``afile/store``): the one to name, not ``path``."""
+    above = os.path.dirname(os.path.abspath(path))
+    while not os.path.isfile(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    return above
+
+
 def _check_folder(path: str, *, create: bool) -> bool:
     """Is ``path`` a LevelDB store (True), or an empty or missing folder to create one in (False)?
 
@@ -350,7 +359,8 @@ def _check_folder(path: str, *, create: bool) -> bool:
     except FileNotFoundError:
         names = None
     except NotADirectoryError as exc:
-        raise StoreError(f"store '{path}' is a file, not a folder; point 'store' at a folder") from exc
+        what = f"'{path}'" if os.path.isfile(path) else f"'{path}': '{_file_above(path)}'"
+        raise StoreError(f"store {what} is a file, not a folder; point 'store' at a folder") from exc
     except OSError as exc:
         raise StoreError(f"cannot read store folder '{path}': {exc.strerror}") from exc
     if names is not None and "CURRENT" in names:
