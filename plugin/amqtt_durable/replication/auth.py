@@ -93,8 +93,9 @@ class Session:
     one task per direction, in the order they are encoded."""
 
     def __init__(self, send_key: bytes | None = None, recv_key: bytes | None = None, sender: str = "the peer") -> None:
-        self._send_key = send_key
-        self._recv_key = recv_key
+        # Keyed once per connection; each frame's MAC starts from a copy (no key setup per frame).
+        self._send_mac = hmac.new(send_key, digestmod="sha256") if send_key is not None else None
+        self._recv_mac = hmac.new(recv_key, digestmod="sha256") if recv_key is not None else None
         self.sender = sender
         """Who the frames read come from, for the error of a failed MAC."""
         self.sent = 0
@@ -103,31 +104,32 @@ class Session:
 
     @property
     def authenticated(self) -> bool:
-        return self._recv_key is not None
+        return self._recv_mac is not None
 
     @staticmethod
-    def _tag(key: bytes, counter: int, kind: int, payload: bytes) -> bytes:
-        mac = hmac.new(key, _MAC_HEAD.pack(counter, kind, len(payload)), hashlib.sha256)
+    def _tag(keyed: hmac.HMAC, counter: int, kind: int, payload: bytes) -> bytes:
+        mac = keyed.copy()
+        mac.update(_MAC_HEAD.pack(counter, kind, len(payload)))
         mac.update(payload)
         return mac.digest()[:TAG_BYTES]
 
     def encode(self, kind: Frame, payload: bytes = b"") -> bytes:
         """The frame to write next on this connection (each call takes the next counter)."""
-        if self._send_key is None:
+        if self._send_mac is None:
             return encode_frame(kind, payload)
-        tag = self._tag(self._send_key, self.sent, int(kind), payload)
+        tag = self._tag(self._send_mac, self.sent, int(kind), payload)
         self.sent += 1
         return encode_frame(kind, payload, tag)
 
     async def read(self, reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> tuple[Frame, bytes]:
         """The next frame, as framing.read_frame; with keys, FrameMacError for a frame whose MAC
         does not match (and for every read after it: the caller closes the connection)."""
-        if self._recv_key is None:
+        if self._recv_mac is None:
             return await read_frame(reader, limit)
         if self._failed is not None:
             raise self._failed
         kind, _, payload, tag = await read_raw_frame(reader, limit, TAG_BYTES)
-        if not hmac.compare_digest(tag, self._tag(self._recv_key, self.received, kind, payload)):
+        if not hmac.compare_digest(tag, self._tag(self._recv_mac, self.received, kind, payload)):
             self._failed = FrameMacError(self.received, self.sender)
             raise self._failed
         self.received += 1
