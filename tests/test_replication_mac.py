@@ -2,8 +2,8 @@
 attack_relay.py): whoever the backup connects to (a redirected primary address) forwards the
 handshake's three AUTH frames to the real primary, frame by frame, without knowing the secret,
 and then speaks on the connection. Every frame after the handshake carries a MAC (auth.Session),
-so the primary gives it nothing and the backup applies nothing from it. Real Primary and Backup,
-real LevelDB stores, TCP on 127.0.0.1."""
+so the primary gives it nothing and counts no ACK of its, and the backup applies nothing from
+it. Real Primary and Backup, real LevelDB stores, TCP on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -266,3 +266,56 @@ def test_a_pair_with_the_secret_replicates_and_catches_up_through_an_honest_rela
         late.db.close()
 
     asyncio.run(main())
+
+
+def test_a_forged_ack_does_not_count_for_the_primary(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The relay keeps the batches from the backup and acknowledges them itself: on a channel
+    without MACs the primary would count the backup as having batches it never received."""
+
+    async def swallow_and_ack(backup_side: Streams, primary_side: Streams) -> None:
+        b_reader, b_writer = backup_side
+        p_reader, p_writer = primary_side
+
+        async def upstream() -> None:
+            try:
+                with contextlib.suppress(ConnectionError):
+                    while data := await b_reader.read(65536):
+                        p_writer.write(data)
+                        await p_writer.drain()
+            finally:
+                p_writer.close()
+
+        forwarding = asyncio.create_task(upstream())
+        try:
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                while True:
+                    kind, payload = await read_frame(p_reader)
+                    if kind != Frame.BATCH:
+                        b_writer.write(encode_frame(kind, payload))
+                        await b_writer.drain()
+                        continue
+                    seq = int.from_bytes(payload[:8], "big")
+                    p_writer.write(encode_frame(Frame.ACK, encode_seq(seq)))  # "applied", says the relay
+                    await p_writer.drain()
+        finally:
+            forwarding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await forwarding
+
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=1 << 20, secret=SECRET)
+        await primary.start(HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b", secret=SECRET)
+        async with Relay(primary.port, swallow_and_ack) as relay, following(backup, relay.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 6))))
+            assert backup.applied_seq == 0
+            assert all(row["acked"] <= backup.applied_seq for row in primary.status()), primary.status()
+        await primary.close()
+        backup.db.close()
+        await bounded(relay.done.wait())
+
+    with caplog.at_level(logging.WARNING, logger="amqtt_durable.replication"):
+        asyncio.run(main())
+    assert "backup b (127.0.0.1:" in caplog.text and "from the peer failed its MAC" in caplog.text
