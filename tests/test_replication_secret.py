@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from test_ha_brokers import BACKUP, SERVING, address, assert_queue_served, node, queue_durable_messages, start
 
-from amqtt_durable.replication.auth import NONCE_BYTES, client_proof
+from amqtt_durable.replication.auth import NONCE_BYTES, Session, client_proof, session_keys
 from amqtt_durable.replication.framing import Frame, Hello, encode_frame
 from amqtt_durable.replication.tool import ask
 from conftest import WAIT, Broker, Client, connack_code, run_cli
@@ -60,7 +60,8 @@ def handshake_bytes(replication_address: str) -> list[bytes]:
             head += sock.recv(4096)
         server_nonce = head[5 : 5 + NONCE_BYTES]
         proof = encode_frame(Frame.AUTH, client_proof(SECRET.encode(), nonce, server_nonce))
-        status_frame = encode_frame(Frame.STATUS)
+        to_node, _ = session_keys(SECRET.encode(), nonce, server_nonce)
+        status_frame = Session(send_key=to_node).encode(Frame.STATUS)  # MACed, as every frame after it
         sock.sendall(proof + status_frame)
         answer = b""
         while chunk := sock.recv(65536):

@@ -14,12 +14,16 @@ from amqtt_durable.errors import ConfigError
 from amqtt_durable.replication.auth import (
     NONCE_BYTES,
     AuthError,
+    Session,
     client_handshake,
     client_proof,
+    error_text,
     server_handshake,
     server_proof,
+    session_keys,
 )
 from amqtt_durable.replication.config import ReplicationConfig
+from amqtt_durable.replication.errors import FrameMacError
 from amqtt_durable.replication.framing import MAX_PEER_FRAME, Frame, encode_frame, read_frame
 from amqtt_durable.replication.node import _loopback
 
@@ -37,7 +41,8 @@ async def exchange(server_secret: bytes | None, client: Client) -> tuple[Any, An
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            outcome.set_result(await server_handshake(reader, writer, server_secret, MAX_PEER_FRAME))
+            _, kind, payload = await server_handshake(reader, writer, server_secret, MAX_PEER_FRAME)
+            outcome.set_result((kind, payload))
         except Exception as exc:
             outcome.set_result(exc)
         finally:
@@ -62,8 +67,8 @@ async def exchange(server_secret: bytes | None, client: Client) -> tuple[Any, An
 
 def honest(secret: bytes | None) -> Client:
     async def run(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
-        await client_handshake(reader, writer, secret)
-        writer.write(encode_frame(Frame.STATUS))
+        session = await client_handshake(reader, writer, secret)
+        writer.write(session.encode(Frame.STATUS))
         await writer.drain()
         return "sent"
 
@@ -110,7 +115,8 @@ def test_a_recorded_handshake_replayed_on_a_new_connection_is_refused() -> None:
         writer.write(encode_frame(Frame.AUTH, nonce))
         _, payload = await read_frame(reader)
         answer = client_proof(SECRET, nonce, payload[:NONCE_BYTES])
-        recorded[:] = [encode_frame(Frame.AUTH, nonce), encode_frame(Frame.AUTH, answer), encode_frame(Frame.STATUS)]
+        status = Session(send_key=session_keys(SECRET, nonce, payload[:NONCE_BYTES])[0]).encode(Frame.STATUS)
+        recorded[:] = [encode_frame(Frame.AUTH, nonce), encode_frame(Frame.AUTH, answer), status]
         writer.write(b"".join(recorded[1:]))
         await writer.drain()
         return "recorded"
@@ -160,6 +166,7 @@ def test_the_secret_settings_are_read_and_checked(tmp_path: Path) -> None:
         ({"secret": "s" * 16, "secret_file": "x"}, "replication.secret_file", "not both"),
         ({"secret_file": "/nonexistent/secret"}, "replication.secret_file", "cannot read the secret file"),
         ({"secret_file": "EMPTY"}, "replication.secret_file", "is empty"),
+        ({"secret_file": "SHORT"}, "replication.secret_file", "must be at least 16 characters, not 15"),
         ({"handshake_timeout": 0}, "replication.handshake_timeout", "above 0"),
     ],
 )
@@ -167,6 +174,9 @@ def test_bad_secret_settings_name_their_key(tmp_path: Path, settings: dict[str, 
     if settings.get("secret_file") == "EMPTY":
         (tmp_path / "empty").write_text("\n")
         settings = {"secret_file": str(tmp_path / "empty")}
+    if settings.get("secret_file") == "SHORT":  # as short as an inline secret may not be
+        (tmp_path / "short").write_text(" " + "s" * 15 + "\n")
+        settings = {"secret_file": str(tmp_path / "short")}
     with pytest.raises(ConfigError) as raised:
         ReplicationConfig.from_mapping({"role": "primary", **settings})
     assert raised.value.key == key and words in str(raised.value)
@@ -175,3 +185,98 @@ def test_bad_secret_settings_name_their_key(tmp_path: Path, settings: dict[str, 
 def test_loopback_addresses_are_told_apart() -> None:
     assert _loopback("127.0.0.1") and _loopback("localhost") and _loopback("::1") and _loopback("127.0.0.2")
     assert not _loopback("0.0.0.0") and not _loopback("10.0.0.1") and not _loopback("db1.example")
+
+
+def test_a_secret_yaml_read_as_a_number_is_refused_without_echoing_it() -> None:
+    with pytest.raises(ConfigError) as raised:  # secret: 12345678901234567890123, unquoted in broker.yaml
+        ReplicationConfig.from_mapping({"role": "primary", "secret": 12345678901234567890123})
+    assert raised.value.key == "replication.secret" and "quote it" in str(raised.value)
+    assert "12345678901234567890123" not in str(raised.value)
+
+
+def test_a_relayed_handshake_gives_no_say_on_the_connection() -> None:
+    """The handshake passes (a relay forwards it between the real peers), then the relay speaks
+    on the connection: its frame has no valid MAC, and the node uses nothing from it."""
+
+    async def relay_then_inject(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+        await client_handshake(reader, writer, SECRET)  # what the relay forwarded, frame by frame
+        writer.write(encode_frame(Frame.HELLO, b"\x00" * 22))  # then its own HELLO, as on a plain channel
+        await writer.drain()
+        return await reader.read()  # the node closes the connection, answering nothing
+
+    server, client = asyncio.run(exchange(SECRET, relay_then_inject))
+    assert isinstance(server, FrameMacError) and "frame 0 from the peer failed its MAC" in str(server)
+    assert client == b""
+
+
+def frames(*encoded: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(b"".join(encoded))
+    reader.feed_eof()
+    return reader
+
+
+def test_each_frame_after_the_handshake_is_bound_to_its_key_direction_and_place() -> None:
+    async def main() -> None:
+        a, b = b"a" * NONCE_BYTES, b"b" * NONCE_BYTES
+        c2s, s2c = session_keys(SECRET, a, b)
+        assert len({c2s, s2c, session_keys(SECRET, b, a)[0], session_keys(b"x" + SECRET, a, b)[0]}) == 4
+
+        def sent(*kinds: tuple[Frame, bytes], key: bytes = c2s) -> list[bytes]:
+            sender = Session(send_key=key)
+            return [sender.encode(kind, payload) for kind, payload in kinds]
+
+        def reading(key: bytes = c2s) -> Session:
+            return Session(recv_key=key, sender="the backup")
+
+        hello, ack = sent((Frame.HELLO, b"h" * 30), (Frame.ACK, (7).to_bytes(8, "big")))
+        session = reading()
+        stream = frames(hello, ack)
+        assert await session.read(stream) == (Frame.HELLO, b"h" * 30)
+        assert await session.read(stream) == (Frame.ACK, (7).to_bytes(8, "big"))
+
+        def tampered(frame: bytes, at: int) -> bytes:
+            """A byte changed, and the frame's CRC made right again (CRC-32 is no protection)."""
+            content = bytearray(frame[:-4])
+            content[at] ^= 0x01
+            return encode_frame(content[0], bytes(content[5:]))
+
+        refused = {  # what: (the frames, the number of the one refused)
+            "replayed (frame 0 again as frame 1)": ([hello, hello], 1),
+            "reordered": ([ack, hello], 0),
+            "from the other direction": (sent((Frame.HELLO, b"h" * 30), key=s2c), 0),
+            "from another connection": (sent((Frame.HELLO, b"h" * 30), key=session_keys(SECRET, b, a)[0]), 0),
+            "a payload byte flipped": ([tampered(hello, 9)], 0),
+            "the type changed": ([encode_frame(Frame.STATUS, hello[5:-4])], 0),
+            "no MAC at all": ([encode_frame(Frame.HELLO, b"h" * 30)], 0),
+        }
+        for what, (stream_frames, number) in refused.items():
+            session, stream = reading(), frames(*stream_frames)
+            with pytest.raises(FrameMacError) as raised:
+                for _ in stream_frames:
+                    await session.read(stream)
+            assert f"frame {number} from the backup failed its MAC" in str(raised.value), what
+            with pytest.raises(FrameMacError):  # and the session stays refused
+                await session.read(frames(hello))
+        # Without a secret: the frames of protocol version 1, byte for byte.
+        assert Session().encode(Frame.ACK, b"12345678") == encode_frame(Frame.ACK, b"12345678")
+
+    asyncio.run(main())
+
+
+def test_a_peers_error_text_is_shown_escaped_and_bounded() -> None:
+    hostile = b"x\n[2026-11-26] WARNING forged line \x1b[2J\x07 " + "\u00e9".encode() + b"\xff" + b"y" * 1000
+    shown = error_text(hostile)
+    assert "\n" not in shown and "\x1b" not in shown and "\x07" not in shown
+    assert shown.startswith("x\\n[2026-11-26] WARNING forged line \\x1b[2J\\x07 \u00e9\ufffd")
+    assert len(shown) <= 220 and shown.endswith("(cut)")
+
+    async def refusing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+        writer.write(encode_frame(Frame.AUTH, b"n" * NONCE_BYTES))
+        await read_frame(reader)
+        writer.write(encode_frame(Frame.ERROR, b"no\n\x1b[31mfake\x1b[0m"))  # its refusal, as the node logs it
+        await writer.drain()
+        return "sent"
+
+    server, _ = asyncio.run(exchange(SECRET, refusing))
+    assert isinstance(server, AuthError) and str(server).endswith("no\\n\\x1b[31mfake\\x1b[0m")

@@ -24,7 +24,7 @@ import ssl
 from typing import Any, Literal
 
 from ..store import VERSION_KEY
-from .auth import AuthError, client_handshake, error_text
+from .auth import AuthError, Session, client_handshake, error_text
 from .errors import FrameError, ReplicationGapError, StoreMismatchError
 from .framing import (
     Batch,
@@ -35,9 +35,7 @@ from .framing import (
     decode_ops,
     decode_position,
     decode_seq,
-    encode_frame,
     encode_seq,
-    read_frame,
 )
 from .position import SNAPSHOT_MARK_KEY, position_op, read_position, read_store_id
 from .threads import in_thread
@@ -107,18 +105,19 @@ class Backup:
             )
         try:
             async with asyncio.timeout(self.handshake_timeout):
-                await client_handshake(reader, writer, self.secret)
+                session = await client_handshake(reader, writer, self.secret)
+            session.sender = "the primary"
         except BaseException:
             writer.close()
             raise
         frames: asyncio.Queue[tuple[Frame, bytes]] = asyncio.Queue(QUEUE_FRAMES)
-        receiver = asyncio.get_running_loop().create_task(_receive(reader, frames))
+        receiver = asyncio.get_running_loop().create_task(_receive(reader, frames, session))
         getter: asyncio.Task[tuple[Frame, bytes]] | None = None
         answered = False
         try:
             seq = 0 if self.partial else self.applied_seq
             hello = Hello(self.store_id, seq, self.applied_crc, self.name)
-            writer.write(encode_frame(Frame.HELLO, hello.encode()))
+            writer.write(session.encode(Frame.HELLO, hello.encode()))
             await writer.drain()
             self.state = "catching_up"
             while True:
@@ -138,7 +137,7 @@ class Backup:
                     group.append(frames.get_nowait())
                 ack = await self._apply(group)
                 if ack is not None:
-                    writer.write(encode_frame(Frame.ACK, encode_seq(ack)))
+                    writer.write(session.encode(Frame.ACK, encode_seq(ack)))
                     await writer.drain()
         finally:
             self.state = "disconnected"
@@ -238,9 +237,13 @@ class Backup:
         return None if last is None else last.seq
 
 
-async def _receive(reader: asyncio.StreamReader, frames: asyncio.Queue[tuple[Frame, bytes]]) -> None:
+async def _receive(
+    reader: asyncio.StreamReader, frames: asyncio.Queue[tuple[Frame, bytes]], session: Session
+) -> None:
+    """Queue the primary's frames; a frame that fails its MAC (with a secret) ends the connection
+    here, before it is queued: nothing in it is applied."""
     while True:
-        await frames.put(await read_frame(reader))
+        await frames.put(await session.read(reader))
 
 
 def _write(db: Any, ops: list[Op], sync: bool) -> None:

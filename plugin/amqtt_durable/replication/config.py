@@ -223,6 +223,8 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         raise ConfigError(key, f"expected one of {', '.join(choices)}, got {value!r}")
     if isinstance(value, str):
         return value
+    if key.endswith(".secret"):  # never echoed: a secret that YAML read as a number is still the secret
+        raise ConfigError(key, f"expected text, got a value of type {type(value).__name__} (quote it in YAML)")
     raise ConfigError(key, f"expected text, got {value!r}")
 
 
@@ -243,8 +245,17 @@ def _check(config: ReplicationConfig, where: str) -> None:
     _check_secret(config, where, bad)
 
 
+MIN_SECRET = 16
+"""The shortest secret accepted, inline or in a file (characters; bytes in a file)."""
+SECRET_ADVICE = (
+    "a long random string, not a password: e.g. the output of openssl rand -hex 32 "
+    "(anyone who reaches a replication address can test guesses of it offline)"
+)
+
+
 def read_secret_file(path: str, key: str) -> bytes:
-    """The secret in ``path``, stripped; a ConfigError naming ``key`` when it cannot be read or is empty."""
+    """The secret in ``path``, stripped; a ConfigError naming ``key`` when it cannot be read, is
+    empty or is shorter than ``MIN_SECRET`` bytes."""
     try:
         with open(path, "rb") as handle:
             secret = handle.read(64 * 1024 + 1).strip()
@@ -254,14 +265,18 @@ def read_secret_file(path: str, key: str) -> bytes:
         raise ConfigError(key, f"the secret file {path!r} is empty")
     if len(secret) > 64 * 1024:
         raise ConfigError(key, f"the secret file {path!r} is larger than 64 KiB")
+    if len(secret) < MIN_SECRET:
+        raise ConfigError(
+            key, f"the secret in {path!r} must be at least {MIN_SECRET} characters, not {len(secret)} ({SECRET_ADVICE})"
+        )
     return secret
 
 
 def _check_secret(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
     if config.secret and config.secret_file:
         raise bad("secret_file", "set secret or secret_file, not both")
-    if config.secret and len(config.secret) < 16:
-        raise bad("secret", "must be at least 16 characters (a long random string: openssl rand -hex 32)")
+    if config.secret and len(config.secret) < MIN_SECRET:
+        raise bad("secret", f"must be at least {MIN_SECRET} characters ({SECRET_ADVICE})")
     if config.secret_file:
         read_secret_file(config.secret_file, f"{where}.secret_file")
     if not math.isfinite(config.handshake_timeout) or config.handshake_timeout <= 0:

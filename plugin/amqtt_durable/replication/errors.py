@@ -24,6 +24,21 @@ class FrameError(ReplicationError):
         )
 
 
+class FrameMacError(FrameError):
+    """A frame after the handshake of replication.secret failed its MAC (auth.Session): forged,
+    altered, replayed or reordered on the way. Nothing in it is used; the connection is closed."""
+
+    def __init__(self, number: int, sender: str) -> None:
+        self.what = "frame"
+        self.number = number
+        ReplicationError.__init__(
+            self,
+            f"replication: frame {number} from {sender} failed its MAC (forged or altered on the way: "
+            "only a peer that passed the handshake with the secret can send frames on this connection); "
+            "the frame is not used and the connection is closed",
+        )
+
+
 class ReplicationGapError(ReplicationError):
     """A backup received a batch that does not follow the last one it applied."""
 

@@ -14,7 +14,13 @@ that number to detect a backup whose history diverged (a former primary in async
 
 A **frame** on the TCP channel::
 
-    type:u8 length:u32 payload crc:u32     crc = CRC-32 of type, length and payload
+    type:u8 length:u32 payload [mac] crc:u32     crc = CRC-32 of everything before it
+
+``mac`` is there only on a connection that started with the handshake of replication.secret
+(auth.py), on every frame after the handshake, in both directions: the first 16 bytes of
+HMAC-SHA256, under that direction's session key, of ``counter:u64 type:u8 plen:u32 payload``
+(``counter`` counts that direction's frames after the handshake from 0, ``plen`` is the
+payload's length; ``length`` includes the 16 bytes). Without a secret, frames have no mac.
 
 Frame types (backup -> primary: HELLO, ACK; primary -> backup: the rest):
 
@@ -163,26 +169,43 @@ def ops_size(ops: Iterable[Op]) -> int:
 # --- frames -------------------------------------------------------------------------------
 
 
-def encode_frame(kind: Frame, payload: bytes = b"") -> bytes:
-    head = _FRAME_HEAD.pack(int(kind), len(payload))
-    return head + payload + _U32.pack(zlib.crc32(payload, zlib.crc32(head)))
+def encode_frame(kind: Frame | int, payload: bytes = b"", tag: bytes = b"") -> bytes:
+    """A frame; ``tag`` (the session MAC of auth.py, with a secret) follows the payload inside it."""
+    head = _FRAME_HEAD.pack(int(kind), len(payload) + len(tag))
+    crc = zlib.crc32(tag, zlib.crc32(payload, zlib.crc32(head)))
+    return b"".join((head, payload, tag, _U32.pack(crc)))
+
+
+async def read_raw_frame(
+    reader: asyncio.StreamReader, limit: int = MAX_FRAME, tag_bytes: int = 0
+) -> tuple[int, int, bytes, bytes]:
+    """The next frame as read, type not yet checked: (type, length, payload, tag), the last
+    ``tag_bytes`` of the frame's content being the tag. IncompleteReadError at a clean end of the
+    stream, FrameError on damage (checksum) or on a payload longer than ``limit`` (checked before
+    it is read)."""
+    head = await reader.readexactly(_FRAME_HEAD.size)
+    kind, length = _FRAME_HEAD.unpack(head)
+    if length > limit + tag_bytes:
+        raise FrameError("frame", f"length {length - tag_bytes} is larger than {limit}")
+    rest = await reader.readexactly(length + 4)
+    if zlib.crc32(memoryview(rest)[:length], zlib.crc32(head)) != _U32.unpack_from(rest, length)[0]:
+        raise FrameError("frame", "checksum mismatch")
+    cut = max(length - tag_bytes, 0)  # a frame shorter than its tag has a short tag, which does not match
+    return kind, cut, rest[:cut], rest[cut:length]
+
+
+def frame_type(kind: int) -> Frame:
+    try:
+        return Frame(kind)
+    except ValueError as exc:
+        raise FrameError("frame", f"unknown type {kind}") from exc
 
 
 async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> tuple[Frame, bytes]:
     """The next frame; IncompleteReadError at a clean end of the stream, FrameError on damage
     or on a length above ``limit`` (checked before the payload is read)."""
-    head = await reader.readexactly(_FRAME_HEAD.size)
-    kind, length = _FRAME_HEAD.unpack(head)
-    if length > limit:
-        raise FrameError("frame", f"length {length} is larger than {limit}")
-    rest = await reader.readexactly(length + 4)
-    payload = rest[:-4]
-    if zlib.crc32(payload, zlib.crc32(head)) != _U32.unpack_from(rest, length)[0]:
-        raise FrameError("frame", "checksum mismatch")
-    try:
-        return Frame(kind), payload
-    except ValueError as exc:
-        raise FrameError("frame", f"unknown type {kind}") from exc
+    kind, _, payload, _ = await read_raw_frame(reader, limit)
+    return frame_type(kind), payload
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from .backup import Backup
 from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
 from .errors import CoordinatorError, ReplicationError
-from .framing import Frame, encode_frame
+from .framing import Frame
 from .ha import Decision, HaNode
 from .position import read_position, read_store_id
 from .primary import Primary, first_frame
@@ -226,9 +226,9 @@ class ReplicationNode:
         """A backup's replication address: tools' questions; a backup's HELLO is not for it."""
         peer = "{}:{}".format(*writer.get_extra_info("peername")[:2])
         try:
-            kind, _ = await first_frame(reader, writer, self.secret, self.config.handshake_timeout, peer)
+            session, kind, _ = await first_frame(reader, writer, self.secret, self.config.handshake_timeout, peer)
             if kind in (Frame.STATUS, Frame.PROMOTE):
-                writer.write(encode_frame(kind, json.dumps(self.answer(kind)).encode()))
+                writer.write(session.encode(kind, json.dumps(self.answer(kind)).encode()))
                 await writer.drain()
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ReplicationError) as exc:
             log.info("replication: a connection to %s ended: %r", self.config.listen, exc)

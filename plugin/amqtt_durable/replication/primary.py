@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .auth import AuthError, server_handshake
+from .auth import AuthError, Session, server_handshake
 from .errors import FrameError, ReplicationError
 from .framing import (
     MAX_PEER_FRAME,
@@ -40,11 +40,9 @@ from .framing import (
     Op,
     decode_seq,
     encode_batch,
-    encode_frame,
     encode_ops,
     encode_position,
     encode_seq,
-    read_frame,
 )
 from .log import RetainedLog, plan_catch_up
 from .position import SNAPSHOT_MARK_KEY, position_op, read_position
@@ -75,6 +73,8 @@ class BackupLink:
     last_progress: float = field(default_factory=time.monotonic)
     """When it last acknowledged, or when it got work while it had none outstanding."""
     writer: asyncio.StreamWriter | None = None
+    session: Session = field(default_factory=Session)
+    """The connection's frames (with replication.secret: each one MACed, auth.Session)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +326,7 @@ class Primary:
         sender: asyncio.Task[None] | None = None
         ended = "disconnected"
         try:
-            kind, payload = await first_frame(reader, writer, self.secret, self.handshake_timeout, peer)
+            link.session, kind, payload = await first_frame(reader, writer, self.secret, self.handshake_timeout, peer)
         except (AuthError, FrameError, OSError, TimeoutError, asyncio.IncompleteReadError):
             self.refused += 1
             writer.close()
@@ -334,7 +334,7 @@ class Primary:
             return
         try:
             if kind in (Frame.STATUS, Frame.PROMOTE) and self.on_admin is not None:
-                writer.write(encode_frame(kind, json.dumps(self.on_admin(kind)).encode()))
+                writer.write(link.session.encode(kind, json.dumps(self.on_admin(kind)).encode()))
                 await writer.drain()
                 return  # a tool's question, not a backup
             if kind != Frame.HELLO:
@@ -370,7 +370,7 @@ class Primary:
 
     async def _read_acks(self, reader: asyncio.StreamReader, link: BackupLink) -> None:
         while True:
-            kind, payload = await read_frame(reader, MAX_PEER_FRAME)
+            kind, payload = await link.session.read(reader, MAX_PEER_FRAME)
             if kind != Frame.ACK:
                 raise FrameError("ACK", f"unexpected {kind.name} from a backup")
             seq = decode_seq(payload)
@@ -406,7 +406,7 @@ class Primary:
                 pos = await self._send_snapshot(writer, link)
                 link.state = "catching_up"
             for item in self.log.since(pos):
-                writer.write(encode_frame(Frame.BATCH, item.data))
+                writer.write(link.session.encode(Frame.BATCH, item.data))
                 pos = link.sent_seq = item.seq
                 if writer.transport.get_write_buffer_size() > HIGH_WATER:
                     self.log.pin(link, pos)
@@ -423,7 +423,7 @@ class Primary:
                 link.state = "catching_up"
             if pos >= self.log.head_seq:  # a snapshot may hold a batch not yet handed to committed()
                 if link.state != "in_sync":
-                    writer.write(encode_frame(Frame.IN_SYNC, encode_seq(pos)))
+                    writer.write(link.session.encode(Frame.IN_SYNC, encode_seq(pos)))
                     link.state = "in_sync"
                     link.in_sync_at = pos
                     self._last_acked[link.name] = link.acked_seq
@@ -442,21 +442,21 @@ class Primary:
             position = read_position(snapshot) or (0, 0)
             self.log.pin(link, position[0])  # in the same loop pass: no batch after it has left yet
             self._changed(link, f"snapshot at batch {position[0]} starts")
-            writer.write(encode_frame(Frame.SNAP_BEGIN))
+            writer.write(link.session.encode(Frame.SNAP_BEGIN))
             rows = snapshot.iterator()
             try:
                 while True:
                     chunk = await in_thread(_next_chunk, rows, self.chunk_bytes)
                     if not chunk:
                         break
-                    writer.write(encode_frame(Frame.SNAP_CHUNK, encode_ops(chunk)))
+                    writer.write(link.session.encode(Frame.SNAP_CHUNK, encode_ops(chunk)))
                     link.snapshot_rows += len(chunk)
                     await writer.drain()
             finally:
                 rows.close()
         finally:
             snapshot.close()
-        writer.write(encode_frame(Frame.SNAP_END, encode_position(*position)))
+        writer.write(link.session.encode(Frame.SNAP_END, encode_position(*position)))
         link.sent_seq = position[0]
         self._changed(link, f"snapshot at batch {position[0]} sent ({link.snapshot_rows} rows)")
         return position[0]
@@ -477,9 +477,10 @@ class Primary:
 
 async def first_frame(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes | None, within: float, peer: str
-) -> tuple[Frame, bytes]:
-    """A peer's first frame after the handshake (auth.py), within ``within`` seconds; a refusal
-    is logged as a WARNING naming the peer and raised (the caller closes the connection)."""
+) -> tuple[Session, Frame, bytes]:
+    """The connection's session and a peer's first frame after the handshake (auth.py), within
+    ``within`` seconds; a refusal (a first frame that failed its MAC included) is logged as a
+    WARNING naming the peer and raised (the caller closes the connection)."""
     try:
         async with asyncio.timeout(within):
             return await server_handshake(reader, writer, secret, MAX_PEER_FRAME)

@@ -10,7 +10,7 @@ from typing import Any
 
 from .auth import AuthError, client_handshake, error_text
 from .errors import FrameError, ReplicationError
-from .framing import Frame, encode_frame, read_frame
+from .framing import Frame
 
 ASK_TIMEOUT = 10.0
 
@@ -33,10 +33,10 @@ async def ask(
         async with asyncio.timeout(ASK_TIMEOUT):
             reader, writer = await asyncio.open_connection(host, port, ssl=tls)
             try:
-                await client_handshake(reader, writer, secret)
-                writer.write(encode_frame(kind))
+                session = await client_handshake(reader, writer, secret)
+                writer.write(session.encode(kind))
                 await writer.drain()
-                answered, payload = await read_frame(reader)
+                answered, payload = await session.read(reader)
             finally:
                 writer.close()
     except AuthError as exc:
