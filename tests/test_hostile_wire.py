@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from test_protocol import request, stream_events
 
+from amqtt_durable.inspect_store import summarize
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
 
 PINGREQ = b"\xc0\x00"
@@ -225,6 +226,53 @@ def test_a_publish_to_an_invalid_topic_closes_the_connection_on_every_path(
         "its topic length runs past the packet's end",
     ):
         assert f"closing the connection of bad: PUBLISH refused: {problem}" in log
+
+
+BAD_FILTERS = (b"a/\xff", b"a/\xed\xa0\x80", b"a/\xc3")
+"""Not UTF-8: a stray byte, an encoded surrogate, a sequence cut short (MQTT-1.5.3-1)."""
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_subscribe_or_unsubscribe_of_a_filter_not_utf8_closes_the_connection_on_every_path(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], path: str
+) -> None:
+    """amqtt read such a filter as ``str(bytes)`` ("b'a/\\xff'"), a valid filter: the SUBSCRIBE was
+    granted and a durable session kept it for ever. Now the connection is closed, nothing stored."""
+    broker = broker_factory(start=False)
+    broker.extra_plugins.update(PATHS[path])
+    broker.start()
+    receiver = clients(broker.port, "ä-receiver")
+    assert receiver.subscribe("zähler/#", 1) == [1], "a filter that is UTF-8 beyond ASCII is fine"
+    publisher = clients(broker.port, "pub", clean_session=True)
+    connect_body = mqtt_string("MQTT") + bytes((4, 0)) + struct.pack(">H", 60) + mqtt_string("bad")
+    durable_connect = mqtt_packet(0x10, connect_body)  # clean session 0: what it subscribes is stored
+    for raw in BAD_FILTERS:
+        for first, options in ((0x82, b"\x01"), (0xA2, b"")):  # SUBSCRIBE QoS 1, UNSUBSCRIBE
+            with socket.create_connection((HOST, broker.port), timeout=WAIT) as bad:
+                bad.sendall(durable_connect)
+                assert read_exactly(bad, 4)[:2] == b"\x20\x02"
+                bad.sendall(mqtt_packet(first, struct.pack(">H", 7) + mqtt_string(raw) + options) + PINGREQ)
+                got = read_until_closed(bad, WAIT)
+            assert got is not None, f"{raw!r} in {first:#x}: the connection stayed open"
+            assert got in (b"", b"\xd0\x00"), f"{raw!r} in {first:#x}: answered {got!r}"
+        publisher.publish("zähler/1", [raw], qos=1)
+    assert receiver.wait_for(lambda ms: len(ms) == len(BAD_FILTERS))
+    assert [m.payload for m in receiver.messages] == list(BAD_FILTERS)
+    log = broker.log()
+    assert "closing the connection of bad: SUBSCRIBE refused: a topic filter is not valid UTF-8 (MQTT-1.5.3-1)" in log
+    assert "closing the connection of bad: UNSUBSCRIBE refused: a topic filter is not valid UTF-8" in log
+    broker.stop()
+    stored = {row.client_id: row.subscriptions for row in summarize(broker.store)}
+    assert stored.get("bad", {}) == {}, stored
+
+
+def read_exactly(sock: socket.socket, count: int) -> bytes:
+    reply = b""
+    while len(reply) < count:
+        chunk = sock.recv(count - len(reply))
+        assert chunk, "closed early"
+        reply += chunk
+    return reply
 
 
 def test_a_nul_topic_cannot_forge_a_stream_event(

@@ -94,9 +94,11 @@ from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapte
 from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
 from amqtt.contexts import Action
-from amqtt.errors import AMQTTError, MQTTError
+from amqtt.errors import AMQTTError, MQTTError, ZeroLengthReadError
 from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
+from amqtt.mqtt import subscribe as amqtt_subscribe
+from amqtt.mqtt import unsubscribe as amqtt_unsubscribe
 from amqtt.mqtt.connack import NOT_AUTHORIZED, SERVER_UNAVAILABLE, ConnackPacket
 from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.packet import (
@@ -390,7 +392,7 @@ def _install_refusal_filter() -> None:
 
 
 def _install_decoder_checks() -> None:
-    """Two refusals in amqtt's decoders; a ProtocolViolationError ends amqtt's reader loop, which
+    """Three refusals in amqtt's decoders; a ProtocolViolationError ends amqtt's reader loop, which
     closes the connection (an MQTTError would make it skip the rest and read on, out of step).
 
     * A packet's remaining length past the connection's ``max_packet_size`` (set on its reader
@@ -400,6 +402,9 @@ def _install_decoder_checks() -> None:
       packet and reads its payload as packets, lets U+0000 through, and turns invalid UTF-8
       into ``str(bytes)``, whose longer length makes it read the payload out of step too. The
       variable header is read here instead (topic, then packet id if QoS > 0, as amqtt does).
+    * A SUBSCRIBE or UNSUBSCRIBE topic filter that is not valid UTF-8 (MQTT-1.5.3-1): amqtt's
+      ``decode_string`` turns it into ``str(bytes)``, a valid filter that a durable session would
+      keep for ever. Those two modules get a strict one.
     """
     original_header = MQTTFixedHeader.from_stream
     if getattr(original_header, "_durable_wrapped", False):
@@ -427,6 +432,26 @@ def _install_decoder_checks() -> None:
     header_from_stream._durable_wrapped = True  # type: ignore[attr-defined]
     MQTTFixedHeader.from_stream = classmethod(header_from_stream)
     PublishVariableHeader.from_stream = classmethod(publish_from_stream)
+    amqtt_subscribe.decode_string = _strict_filter_decoder("SUBSCRIBE")
+    amqtt_unsubscribe.decode_string = _strict_filter_decoder("UNSUBSCRIBE")
+
+
+def _strict_filter_decoder(packet: str) -> Callable[[Any], Awaitable[str]]:
+    """amqtt's ``decode_string`` for the topic filters of ``packet``, refusing invalid UTF-8."""
+
+    async def decode_filter(reader: Any) -> str:
+        length_bytes = await read_or_raise(reader, 2)
+        if not length_bytes:
+            raise ZeroLengthReadError
+        length = int.from_bytes(length_bytes, "big")
+        raw = await read_or_raise(reader, length) if length else b""
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            error = ProtocolViolationError(f"{packet} refused: a topic filter is not valid UTF-8 (MQTT-1.5.3-1)")
+            raise _refused(reader, error) from None
+
+    return decode_filter
 
 
 def _refused(reader: Any, error: ProtocolViolationError) -> ProtocolViolationError:
