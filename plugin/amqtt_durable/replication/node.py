@@ -35,6 +35,7 @@ from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
 from .errors import CoordinatorError, ReplicationError
 from .framing import Frame
+from .gate import HandshakeGate
 from .ha import Decision, HaNode
 from .position import read_position, read_store_id
 from .primary import Primary, first_frame
@@ -89,6 +90,7 @@ class ReplicationNode:
         self._ha_task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._admin: asyncio.Server | None = None
+        self._admin_gate = HandshakeGate("the backup's replication address")
         self._stepping_down: asyncio.Task[None] | None = None
         self._promoting = False
         """A promotion is under way: it, not a demotion's wind-down, reopens the admin address."""
@@ -220,11 +222,15 @@ class ReplicationNode:
         server, self._admin = self._admin, None
         if server is not None:
             server.close()
+            self._admin_gate.abort_all()
             await server.wait_closed()
 
     async def _answer_tool(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A backup's replication address: tools' questions; a backup's HELLO is not for it."""
-        peer = "{}:{}".format(*writer.get_extra_info("peername")[:2])
+        host, port = writer.get_extra_info("peername")[:2]
+        peer = f"{host}:{port}"
+        if not self._admin_gate.admit(writer, host):
+            return
         try:
             session, kind, _ = await first_frame(reader, writer, self.secret, self.config.handshake_timeout, peer)
             if kind in (Frame.STATUS, Frame.PROMOTE):
@@ -233,6 +239,7 @@ class ReplicationNode:
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ReplicationError) as exc:
             log.info("replication: a connection to %s ended: %r", self.config.listen, exc)
         finally:
+            self._admin_gate.done(writer)
             writer.close()
 
     def answer(self, kind: Frame) -> dict[str, Any]:

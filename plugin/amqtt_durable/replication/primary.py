@@ -44,6 +44,7 @@ from .framing import (
     encode_position,
     encode_seq,
 )
+from .gate import HandshakeGate
 from .log import RetainedLog, plan_catch_up
 from .position import SNAPSHOT_MARK_KEY, position_op, read_position
 from .threads import in_thread
@@ -132,6 +133,7 @@ class Primary:
         self.handshake_timeout = handshake_timeout
         self.refused = 0
         """Connections refused by the handshake (wrong or missing secret, silent peer)."""
+        self.gate = HandshakeGate("the primary's replication address")
         self.on_admin: Callable[[Frame], dict[str, Any]] | None = None
         """Answers a tool's STATUS or PROMOTE frame (replication.node)."""
 
@@ -287,6 +289,7 @@ class Primary:
         self._closed = ReplicationError(f"replication: {reason}; the publish was not acknowledged")
         if self._server is not None:
             self._server.close()
+        self.gate.abort_all()
         for link in list(self.links.values()):
             if link.writer is not None:
                 link.writer.close()
@@ -300,7 +303,7 @@ class Primary:
 
     async def _end_tasks(self) -> None:
         if self._serving:  # each ends as its connection closes
-            _, late = await asyncio.wait(set(self._serving), timeout=HELLO_TIMEOUT)
+            _, late = await asyncio.wait(set(self._serving), timeout=self.handshake_timeout)
             for task in late:
                 task.cancel()
         for task in list(self._tasks):
@@ -316,22 +319,42 @@ class Primary:
             self.on_change(link, what)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = "{}:{}".format(*writer.get_extra_info("peername")[:2])
+        host, port = writer.get_extra_info("peername")[:2]
+        peer = f"{host}:{port}"
+        if not self.gate.admit(writer, host):
+            return
         task = asyncio.current_task()
         assert task is not None
         self._serving.add(task)
-        key = id(writer)
-        link = BackupLink(name="?", peer=peer, writer=writer)
-        acks: asyncio.Task[None] | None = None
-        sender: asyncio.Task[None] | None = None
-        ended = "disconnected"
         try:
-            link.session, kind, payload = await first_frame(reader, writer, self.secret, self.handshake_timeout, peer)
-        except (AuthError, FrameError, OSError, TimeoutError, asyncio.IncompleteReadError):
-            self.refused += 1
+            first = await self._first_frame(reader, writer, peer)
+        except asyncio.CancelledError:  # a stop that could not wait for the handshake
+            writer.close()
+            self._serving.discard(task)
+            raise
+        finally:
+            self.gate.done(writer)
+        if first is None:
             writer.close()
             self._serving.discard(task)
             return
+        await self._serve_peer(reader, writer, peer, first, task)
+
+    async def _serve_peer(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: str,
+        first: tuple[Session, Frame, bytes],
+        task: asyncio.Task[None],
+    ) -> None:
+        """An authenticated peer: a tool's question answered, or a backup served until it goes."""
+        key = id(writer)
+        link = BackupLink(name="?", peer=peer, writer=writer)
+        link.session, kind, payload = first
+        acks: asyncio.Task[None] | None = None
+        sender: asyncio.Task[None] | None = None
+        ended = "disconnected"
         try:
             if kind in (Frame.STATUS, Frame.PROMOTE) and self.on_admin is not None:
                 writer.write(link.session.encode(kind, json.dumps(self.on_admin(kind)).encode()))
@@ -367,6 +390,16 @@ class Primary:
             self._resolve()
             self._progressed()  # a backup gone is no longer waited for
         self._changed(link, ended)
+
+    async def _first_frame(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str
+    ) -> tuple[Session, Frame, bytes] | None:
+        """The peer's session and first frame after the handshake; None when it was refused."""
+        try:
+            return await first_frame(reader, writer, self.secret, self.handshake_timeout, peer)
+        except (AuthError, FrameError, OSError, TimeoutError, asyncio.IncompleteReadError):
+            self.refused += 1
+            return None
 
     async def _read_acks(self, reader: asyncio.StreamReader, link: BackupLink) -> None:
         while True:

@@ -1,0 +1,83 @@
+"""Silent peers on a replication address (review of the replication secret, F2/F3): how many
+connections wait for their handshake is bounded per address, the surplus is closed at once and
+logged at most once per LOG_EVERY, and a stopping primary ends the waiting ones at once instead
+of waiting for them (Python 3.12's Server.wait_closed would wait for every one)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+import pytest
+from replication_helpers import HOST, bounded, following, primary_store
+
+from amqtt_durable.replication.backup import Backup
+from amqtt_durable.replication.gate import PER_HOST
+from amqtt_durable.replication.primary import Primary
+from amqtt_durable.store import open_store
+
+SECRET = b"replication-secret-of-the-gate-tests-0123456789"
+SILENT = PER_HOST + 12
+
+
+async def closed_by_peer(reader: asyncio.StreamReader) -> bool:
+    with contextlib.suppress(ConnectionError):
+        return await reader.read(1) == b""
+    return True
+
+
+def test_silent_peers_past_the_per_address_bound_are_closed_at_once_and_a_stop_ends_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(
+            db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, secret=SECRET, handshake_timeout=60.0
+        )
+        await primary.start(HOST, 0)
+        peers = [await asyncio.open_connection(HOST, primary.port) for _ in range(SILENT)]
+        try:
+            # Each of the first PER_HOST waits for its handshake (60 s); every later one is closed now.
+            ends = [asyncio.ensure_future(closed_by_peer(reader)) for reader, _ in peers]
+            await bounded(asyncio.wait(ends[PER_HOST:]), 10.0)
+            assert all(end.result() for end in ends[PER_HOST:])
+            assert not any(end.done() for end in ends[:PER_HOST])
+            assert primary.gate.turned_away == SILENT - PER_HOST
+            await bounded(primary.close(), 5.0)  # not the 60 s of the handshake
+            await bounded(asyncio.wait(ends[:PER_HOST]), 5.0)
+            assert all(end.result() for end in ends[:PER_HOST]), "a stop closes the waiting connections"
+        finally:
+            for _, writer in peers:
+                writer.close()
+            db.close()
+
+    with caplog.at_level(logging.WARNING, logger="amqtt_durable.replication"):
+        asyncio.run(main())
+    surplus = [r for r in caplog.records if "connection(s) at once" in r.getMessage()]
+    assert len(surplus) == 1, "one WARNING per LOG_EVERY seconds, not one per connection"
+    assert f"at most {PER_HOST}" in surplus[0].getMessage()
+    assert not [r for r in caplog.records if r.exc_info], "no traceback on the way out"
+
+
+def test_a_backup_gets_in_once_the_silent_peers_have_gone(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(
+            db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, secret=SECRET, handshake_timeout=60.0
+        )
+        await primary.start(HOST, 0)
+        peers = [await asyncio.open_connection(HOST, primary.port) for _ in range(PER_HOST)]
+        backup = Backup(open_store(str(tmp_path / "b")), name="b", secret=SECRET)
+        try:
+            for _, writer in peers:
+                writer.close()
+            async with following(backup, primary.port):
+                await bounded(backup.in_sync_event.wait(), 20.0)
+        finally:
+            await primary.close()
+            backup.db.close()
+            db.close()
+
+    asyncio.run(main())
