@@ -30,7 +30,7 @@ from durable_pipeline.audit import AuditResult, DeviceStats, run_audit
 from durable_pipeline.cli import format_summary
 from durable_pipeline.cli import main as cli_main
 from durable_pipeline.errors import AuditInputError
-from durable_pipeline.logs import check_local_inputs
+from durable_pipeline.logs import HEAD_BYTES, check_local_inputs
 from durable_pipeline.report import chart_label, write_report
 from durable_pipeline.spark import stop_session
 from durable_pipeline.synthetic import SyntheticLogs, write_logs
@@ -622,6 +622,47 @@ def test_local_files_are_told_apart_by_extension_else_by_first_bytes(tmp_path: P
     (tmp_path / "e.txt").write_text("")
     with pytest.raises(AuditInputError, match=r"e\.txt is neither JSON lines nor Parquet"):
         check_local_inputs([str(tmp_path / "c"), str(tmp_path / "e.txt")])
+
+
+def test_gzip_a_byte_order_mark_and_blank_lines_are_sniffed_as_spark_reads_them(tmp_path: Path) -> None:
+    """Without a known extension: a gzip file named *.gz is judged by its decompressed start (Spark decompresses
+    by the suffix), a UTF-8 byte order mark and blank lines (beyond the 64 bytes once read) are skipped; a gzip
+    file not named *.gz (Spark reads it raw), gzipped Parquet (Spark's Parquet reader decompresses nothing) and
+    blank lines filling the whole head are refused."""
+    lines = "".join(json.dumps(r) + "\n" for r in good_records()).encode()
+    passing = {
+        "log.txt.gz": gzip.compress(lines),
+        "log.gz": gzip.compress(b"\xef\xbb\xbf" + b"\n" * 1000 + lines),
+        "bom.txt": b"\xef\xbb\xbf" + lines,
+        "blank.txt": b"\r\n" * 200 + lines,
+        "p.gz": b"PAR1....",  # named .gz, not gzip: Spark's Parquet reader reads it as it is
+    }
+    for name, data in passing.items():
+        (tmp_path / name).write_bytes(data)
+    check_local_inputs([str(tmp_path / name) for name in passing])
+    refused = {
+        "gzip.bin": gzip.compress(lines),
+        "parquet.gz": gzip.compress(b"PAR1...."),
+        "cut.gz": gzip.compress(lines)[:2] + b"garbage",
+        "blank.gz": gzip.compress(b"\n" * HEAD_BYTES + lines),
+        "blank.txt2": b"\n" * HEAD_BYTES + lines,
+    }
+    for name, data in refused.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(AuditInputError, match=f"{re.escape(name)} is neither JSON lines nor Parquet"):
+            check_local_inputs([str(tmp_path / name)])
+
+
+def test_a_gzip_log_without_a_log_extension_is_audited_like_the_plain_one(spark: Any, tmp_path: Path) -> None:
+    """The same sniff in Spark's JVM, for the files of a folder: log.gz (a byte order mark and blank lines first)
+    is read decompressed, as its plain JSON lines are."""
+    plain = write_logs(tmp_path / "plain" / "fleet.jsonl", 3, 40, lose=0.1, seed=3)
+    (tmp_path / "packed").mkdir()
+    (tmp_path / "packed" / "log.gz").write_bytes(gzip.compress(b"\xef\xbb\xbf\n\n" + plain.path.read_bytes()))
+    reference = run_audit(spark, [str(plain.path)], tmp_path / "audit-plain", "exactly-once")
+    result = run_audit(spark, [str(tmp_path / "packed")], tmp_path / "audit-packed", "exactly-once")
+    assert_same_result(result, reference)
+    assert result.records == reference.records == plain.records
 
 
 def test_a_file_neither_json_lines_nor_parquet_in_a_folder_or_a_uri(spark: Any, tmp_path: Path) -> None:
