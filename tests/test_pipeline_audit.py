@@ -15,6 +15,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 from unittest.mock import Mock
@@ -32,7 +33,7 @@ from durable_pipeline.cli import main as cli_main
 from durable_pipeline.errors import AuditInputError
 from durable_pipeline.logs import HEAD_BYTES, check_local_inputs
 from durable_pipeline.report import chart_label, write_report
-from durable_pipeline.spark import stop_session
+from durable_pipeline.spark import job_session, stop_session
 from durable_pipeline.synthetic import SyntheticLogs, write_logs
 from durable_pipeline.topics import topic_filter_pairs
 
@@ -663,6 +664,37 @@ def test_a_gzip_log_without_a_log_extension_is_audited_like_the_plain_one(spark:
     result = run_audit(spark, [str(tmp_path / "packed")], tmp_path / "audit-packed", "exactly-once")
     assert_same_result(result, reference)
     assert result.records == reference.records == plain.records
+
+
+def test_job_session_in_another_thread_leaves_the_running_session_as_it_was(spark: Any) -> None:
+    """A job (the audit CLI's main(), the demo) run in a thread other than the one that started the process's
+    session runs in that session and neither stops it nor changes its settings or log level."""
+    log4j = spark._jvm.org.apache.logging.log4j.LogManager
+    spark.sparkContext.setLogLevel("WARN")
+    partitions = spark.conf.get("spark.sql.shuffle.partitions")
+    seen: dict[str, Any] = {}
+
+    def job() -> None:
+        try:
+            with job_session("local[1]", "job-in-a-thread") as session:
+                seen["same"] = session._jsparkSession.equals(spark._jsparkSession)
+                seen["count"] = session.range(2).count()
+        except BaseException as exc:  # reported to the test's thread
+            seen["error"] = exc
+
+    worker = threading.Thread(target=job)
+    try:
+        worker.start()
+        worker.join(120)
+        assert not worker.is_alive() and "error" not in seen, seen
+        assert seen == {"same": True, "count": 2}
+        assert spark.sparkContext._jsc is not None, "the job stopped the session it did not start"
+        assert spark.range(3).count() == 3
+        assert spark.conf.get("spark.sql.shuffle.partitions") == partitions
+        assert str(log4j.getRootLogger().getLevel()) == "WARN"
+    finally:
+        if spark.sparkContext._jsc is not None:
+            spark.sparkContext.setLogLevel("ERROR")  # as get_session left it for the other tests
 
 
 def test_a_file_neither_json_lines_nor_parquet_in_a_folder_or_a_uri(spark: Any, tmp_path: Path) -> None:
