@@ -15,6 +15,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 from unittest.mock import Mock
@@ -30,9 +31,9 @@ from durable_pipeline.audit import AuditResult, DeviceStats, run_audit
 from durable_pipeline.cli import format_summary
 from durable_pipeline.cli import main as cli_main
 from durable_pipeline.errors import AuditInputError
-from durable_pipeline.logs import check_local_inputs
+from durable_pipeline.logs import HEAD_BYTES, check_local_inputs
 from durable_pipeline.report import chart_label, write_report
-from durable_pipeline.spark import stop_session
+from durable_pipeline.spark import job_session, stop_session
 from durable_pipeline.synthetic import SyntheticLogs, write_logs
 from durable_pipeline.topics import topic_filter_pairs
 
@@ -622,6 +623,78 @@ def test_local_files_are_told_apart_by_extension_else_by_first_bytes(tmp_path: P
     (tmp_path / "e.txt").write_text("")
     with pytest.raises(AuditInputError, match=r"e\.txt is neither JSON lines nor Parquet"):
         check_local_inputs([str(tmp_path / "c"), str(tmp_path / "e.txt")])
+
+
+def test_gzip_a_byte_order_mark_and_blank_lines_are_sniffed_as_spark_reads_them(tmp_path: Path) -> None:
+    """Without a known extension: a gzip file named *.gz is judged by its decompressed start (Spark decompresses
+    by the suffix), a UTF-8 byte order mark and blank lines (beyond the 64 bytes once read) are skipped; a gzip
+    file not named *.gz (Spark reads it raw), gzipped Parquet (Spark's Parquet reader decompresses nothing) and
+    blank lines filling the whole head are refused."""
+    lines = "".join(json.dumps(r) + "\n" for r in good_records()).encode()
+    passing = {
+        "log.txt.gz": gzip.compress(lines),
+        "log.gz": gzip.compress(b"\xef\xbb\xbf" + b"\n" * 1000 + lines),
+        "bom.txt": b"\xef\xbb\xbf" + lines,
+        "blank.txt": b"\r\n" * 200 + lines,
+        "p.gz": b"PAR1....",  # named .gz, not gzip: Spark's Parquet reader reads it as it is
+    }
+    for name, data in passing.items():
+        (tmp_path / name).write_bytes(data)
+    check_local_inputs([str(tmp_path / name) for name in passing])
+    refused = {
+        "gzip.bin": gzip.compress(lines),
+        "parquet.gz": gzip.compress(b"PAR1...."),
+        "cut.gz": gzip.compress(lines)[:2] + b"garbage",
+        "blank.gz": gzip.compress(b"\n" * HEAD_BYTES + lines),
+        "blank.txt2": b"\n" * HEAD_BYTES + lines,
+    }
+    for name, data in refused.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(AuditInputError, match=f"{re.escape(name)} is neither JSON lines nor Parquet"):
+            check_local_inputs([str(tmp_path / name)])
+
+
+def test_a_gzip_log_without_a_log_extension_is_audited_like_the_plain_one(spark: Any, tmp_path: Path) -> None:
+    """The same sniff in Spark's JVM, for the files of a folder: log.gz (a byte order mark and blank lines first)
+    is read decompressed, as its plain JSON lines are."""
+    plain = write_logs(tmp_path / "plain" / "fleet.jsonl", 3, 40, lose=0.1, seed=3)
+    (tmp_path / "packed").mkdir()
+    (tmp_path / "packed" / "log.gz").write_bytes(gzip.compress(b"\xef\xbb\xbf\n\n" + plain.path.read_bytes()))
+    reference = run_audit(spark, [str(plain.path)], tmp_path / "audit-plain", "exactly-once")
+    result = run_audit(spark, [str(tmp_path / "packed")], tmp_path / "audit-packed", "exactly-once")
+    assert_same_result(result, reference)
+    assert result.records == reference.records == plain.records
+
+
+def test_job_session_in_another_thread_leaves_the_running_session_as_it_was(spark: Any) -> None:
+    """A job (the audit CLI's main(), the demo) run in a thread other than the one that started the process's
+    session runs in that session and neither stops it nor changes its settings or log level."""
+    log4j = spark._jvm.org.apache.logging.log4j.LogManager
+    spark.sparkContext.setLogLevel("WARN")
+    partitions = spark.conf.get("spark.sql.shuffle.partitions")
+    seen: dict[str, Any] = {}
+
+    def job() -> None:
+        try:
+            with job_session("local[1]", "job-in-a-thread") as session:
+                seen["same"] = session._jsparkSession.equals(spark._jsparkSession)
+                seen["count"] = session.range(2).count()
+        except BaseException as exc:  # reported to the test's thread
+            seen["error"] = exc
+
+    worker = threading.Thread(target=job)
+    try:
+        worker.start()
+        worker.join(120)
+        assert not worker.is_alive() and "error" not in seen, seen
+        assert seen == {"same": True, "count": 2}
+        assert spark.sparkContext._jsc is not None, "the job stopped the session it did not start"
+        assert spark.range(3).count() == 3
+        assert spark.conf.get("spark.sql.shuffle.partitions") == partitions
+        assert str(log4j.getRootLogger().getLevel()) == "WARN"
+    finally:
+        if spark.sparkContext._jsc is not None:
+            spark.sparkContext.setLogLevel("ERROR")  # as get_session left it for the other tests
 
 
 def test_a_file_neither_json_lines_nor_parquet_in_a_folder_or_a_uri(spark: Any, tmp_path: Path) -> None:

@@ -81,8 +81,9 @@ def _run_audit(args: argparse.Namespace) -> int:
     from .spark import job_session  # noqa: PLC0415
 
     check_local_inputs(args.inputs)  # a wrong local path or file fails before a JVM starts
-    # main() called in a process that already runs a SparkSession (a notebook, a test) audits with that one
-    # (--master is then not used) and leaves it running: only a session the job started is the job's to stop.
+    # main() called in a process that already runs a SparkSession, in any thread (a notebook, a test), audits with
+    # that one (--master is then not used) and leaves it running with its settings and log level as they were:
+    # only a session the job started is the job's to stop (or to set up: get_session).
     with job_session(args.master, "durable-pipeline audit") as spark:
         result = run_audit(
             spark, args.inputs, args.out, args.expect, check_order=not args.ignore_order, count_qos0=args.count_qos0

@@ -109,7 +109,8 @@ def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "
         for client in clients:
             client.close(keep_session=False)  # the devices end their sessions (a no-op for the publisher)
 
-        # A process that already runs a SparkSession (a notebook, a test) runs the demo in it and leaves it running.
+        # A process that already runs a SparkSession, in any thread (a notebook, a test), runs the demo in it and
+        # leaves it running with its settings and log level as they were (job_session).
         with job_session(master, "amqtt-durable-demo") as spark:
             stream = (
                 spark.readStream.format("amqtt-durable")

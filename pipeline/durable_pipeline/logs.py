@@ -5,8 +5,9 @@ Inputs are local paths or URIs of any Hadoop file system Spark is configured for
 ``*.ndjson``, optionally ``.gz``), Parquet files (``*.parquet``), or folders holding either
 (searched recursively; files whose name starts with ``_`` or ``.``, or under such a folder, are
 Spark's or Hadoop's bookkeeping and are skipped; a file with another extension is recognised by
-its first bytes). Listing, sniffing and Parquet schemas all go through Spark's JVM (Hadoop's
-FileSystem API, ``spark.read.parquet``), so a cluster needs nothing but a different master.
+its first bytes, decompressed when it is gzip named ``*.gz``: :func:`_sniff`). Listing, sniffing
+and Parquet schemas all go through Spark's JVM (Hadoop's FileSystem API, ``spark.read.parquet``),
+so a cluster needs nothing but a different master.
 
 Nothing is dropped silently: a JSON line that is not a JSON object of the documented types, a
 truncated Parquet file, a record without a column its kind needs and an unknown ``kind`` each
@@ -20,6 +21,7 @@ import functools
 import logging
 import os
 import re
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -225,52 +227,71 @@ def _walk(fs: Any, folder: Any) -> Iterator[str]:
 
 
 def _format_of(spark: SparkSession, fs: Any, file: str) -> Format:
-    """By extension, else by content: Parquet starts with ``PAR1``, a JSON line with ``{``."""
+    """By extension, else by content: Parquet starts with ``PAR1``, a JSON line with ``{`` (see :func:`_sniff`)."""
     return _check_format(file, lambda: _head(spark, fs, file))
 
 
 def _check_format(file: str, head_of: Callable[[], bytes]) -> Format:
     """:func:`_format_of` given how to read the file's first bytes (``head_of``, called only without a known
     extension): in the JVM through Hadoop, or a local file before any JVM starts (:func:`check_local_inputs`)."""
-    name = file.rsplit("/", 1)[-1].lower().removesuffix(".gz")
+    name = file.rsplit("/", 1)[-1].lower()
+    gzipped = name.endswith(".gz")
+    name = name.removesuffix(".gz")
     if name.endswith(JSON_SUFFIXES):
         return "json"
     if name.endswith(PARQUET_SUFFIXES):
         return "parquet"
-    head = head_of()
-    if head.startswith(b"PAR1"):
+    found = _sniff(head_of(), gzipped=gzipped)
+    if found is None:
+        raise AuditInputError(
+            f"{_file_name(file)} is neither JSON lines nor Parquet (by its extension and its first bytes): "
+            "name delivery logs *.jsonl or *.parquet, or leave other files out of the input folders"
+        )
+    return found
+
+
+HEAD_BYTES = 64 * 1024
+"""How much of a file without a known extension is read to tell its format (room for blank lines first)."""
+_GZIP_MAGIC = b"\x1f\x8b"
+_BOM = b"\xef\xbb\xbf"
+
+
+def _sniff(head: bytes, *, gzipped: bool) -> Format | None:
+    """The format of a file that starts with ``head`` (its first :data:`HEAD_BYTES`), None when neither.
+
+    A file named ``*.gz`` that holds gzip is judged by its decompressed start, as Spark (Hadoop's codec
+    by the name's suffix) reads it: a gzip file without that suffix is read undecompressed, so it is neither.
+    A UTF-8 byte order mark and leading whitespace (blank lines) are skipped, as Spark's JSON reader does.
+    """
+    if gzipped and head.startswith(_GZIP_MAGIC):
+        try:  # a head cut mid-stream decompresses as far as it goes
+            head = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(head, HEAD_BYTES)
+        except zlib.error:
+            return None  # Spark cannot read it either
+    elif head.startswith(b"PAR1"):  # Spark's Parquet reader decompresses nothing: a gzipped Parquet file is neither
         return "parquet"
-    if head.startswith(b"{"):
+    if head.removeprefix(_BOM).lstrip().startswith(b"{"):
         return "json"
-    raise AuditInputError(
-        f"{_file_name(file)} is neither JSON lines nor Parquet (by its extension and its first bytes): "
-        "name delivery logs *.jsonl or *.parquet, or leave other files out of the input folders"
-    )
+    return None
 
 
-def _head(spark: SparkSession, fs: Any, file: str, limit: int = 64) -> bytes:
-    """The first bytes after any leading whitespace, up to 4 (enough to tell PAR1 from ``{``).
+def _head(spark: SparkSession, fs: Any, file: str) -> bytes:
+    """The first :data:`HEAD_BYTES` of a file, through Hadoop (one Py4J call: ``InputStream.readNBytes``).
 
-    Read a byte per Py4J call: only files without a known extension get here, and they stop early.
+    Only files without a known extension get here.
     """
     jvm: Any = spark._jvm
     stream = fs.open(jvm.org.apache.hadoop.fs.Path(file))
     try:
-        head = bytearray()
-        while len(head.lstrip()) < 4 and len(head) < limit:
-            byte = stream.read()
-            if byte < 0:
-                break
-            head.append(byte)
+        return bytes(stream.readNBytes(HEAD_BYTES))
     finally:
         stream.close()
-    return bytes(head.lstrip())
 
 
-def _local_head(path: str, limit: int = 64) -> bytes:
-    """:func:`_head` of a local file: its first ``limit`` bytes after any leading whitespace."""
+def _local_head(path: str) -> bytes:
+    """:func:`_head` of a local file, before any JVM starts."""
     with open(path, "rb") as file:
-        return file.read(limit).lstrip()
+        return file.read(HEAD_BYTES)
 
 
 def read_logs(spark: SparkSession, inputs: Sequence[str]) -> DeliveryLogs:

@@ -72,11 +72,16 @@ def get_session(master: str = DEFAULT_MASTER, app_name: str = "amqtt-durable") -
     return session
 
 
-def active_session() -> SparkSession | None:
-    """The SparkSession this thread already runs (a notebook's, a test session's), or None: no JVM is started."""
+def running_session() -> SparkSession | None:
+    """The SparkSession this process already runs, started in any thread (a notebook's, a test session's), or
+    None when no SparkContext runs: no JVM is started. The calling thread's active session if it has one, else
+    the process's default session (one is made on the running SparkContext if it has none; nothing is changed)."""
+    from pyspark import SparkContext  # noqa: PLC0415
     from pyspark.sql import SparkSession  # noqa: PLC0415
 
-    return SparkSession.getActiveSession()
+    if SparkContext._active_spark_context is None:  # pyspark has no public "is a context running" call
+        return None
+    return SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()  # no options: none applied
 
 
 def stop_session(spark: SparkSession) -> None:
@@ -90,11 +95,24 @@ def stop_session(spark: SparkSession) -> None:
 
 @contextmanager
 def job_session(master: str, app_name: str) -> Iterator[SparkSession]:
-    """The session a job (the audit, the demo) runs in: the one this thread already runs (a notebook's, a
-    test session's), with ``master`` then not used, left running; else a new one on ``master``, stopped when
-    the job ends: only a session the job started is the job's to stop."""
-    running = active_session()
-    spark = running or get_session(master, app_name)
+    """The session a job (the audit, the demo) runs in: the one this process already runs (any thread's, see
+    :func:`running_session`), with ``master`` then not used, left running and as it was (its settings and log
+    level unchanged; only the ``amqtt-durable`` data source is registered in it); else a new one from
+    :func:`get_session` on ``master``, stopped when the job ends: only a session the job started is the job's
+    to stop. Looking for a running session and starting one happen under the lock pyspark's
+    ``SparkSession.builder.getOrCreate()`` takes, so a session another thread starts that way meanwhile is not
+    taken for the job's own."""
+    from pyspark.sql import SparkSession  # noqa: PLC0415
+
+    from .source import AmqttDurableDataSource  # noqa: PLC0415
+
+    with SparkSession.Builder._lock:  # the lock every SparkSession.builder.getOrCreate() takes (an RLock)
+        running = running_session()
+        if running is None:
+            spark = get_session(master, app_name)
+        else:
+            spark = running
+            spark.dataSource.register(AmqttDurableDataSource)
     try:
         yield spark
     finally:
