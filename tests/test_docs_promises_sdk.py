@@ -511,3 +511,27 @@ def test_unsubscribe_removes_a_durable_subscription_an_earlier_run_made(
     broker.stop()
     (session,) = summarize(broker.store)
     assert session.subscriptions == {"kept/#": 1}
+
+
+def test_one_unsubscribe_removes_a_stream_and_a_durable_subscription_an_earlier_run_made(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md, Subscriptions: unsubscribe() also removes a durable subscription that only an
+    earlier run made, in the same call when the filter is a stream subscription of this run too.
+    Before, that call closed the stream only and a second unsubscribe() was needed."""
+    broker = broker_factory(streams=[{"filter": "both/#"}])
+    first = sdk(broker.port, "unsub-both")
+    first.subscribe("both/#", qos=1)
+    first.subscribe("kept/#", qos=1)
+    first.connect(timeout=WAIT)
+    first.close(keep_session=True)
+    later = sdk(broker.port, "unsub-both")
+    later.subscribe_stream("both/#", lambda _event: None)
+    later.connect(timeout=WAIT)
+    later.unsubscribe("both/#")
+    registry = later._registry  # its UNSUBACK arrived: nothing awaits one or waits to be sent
+    assert wait_until(lambda: not registry._unsubscribing and not registry._unsubscribed, WAIT)
+    later.close(keep_session=True)
+    broker.stop()
+    (session,) = summarize(broker.store)
+    assert session.subscriptions == {"kept/#": 1}

@@ -228,8 +228,9 @@ def test_a_publish_to_an_invalid_topic_closes_the_connection_on_every_path(
         assert f"closing the connection of bad: PUBLISH refused: {problem}" in log
 
 
-BAD_FILTERS = (b"a/\xff", b"a/\xed\xa0\x80", b"a/\xc3")
-"""Not UTF-8: a stray byte, an encoded surrogate, a sequence cut short (MQTT-1.5.3-1)."""
+BAD_FILTERS = (b"a/\xff", b"a/\xed\xa0\x80", b"a/\xc3", b"a/\x00b")
+"""Not UTF-8: a stray byte, an encoded surrogate, a sequence cut short (MQTT-1.5.3-1); and
+U+0000, which a string must not hold (MQTT-1.5.3-2)."""
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -261,6 +262,8 @@ def test_a_subscribe_or_unsubscribe_of_a_filter_not_utf8_closes_the_connection_o
     log = broker.log()
     assert "closing the connection of bad: SUBSCRIBE refused: a topic filter is not valid UTF-8 (MQTT-1.5.3-1)" in log
     assert "closing the connection of bad: UNSUBSCRIBE refused: a topic filter is not valid UTF-8" in log
+    assert "closing the connection of bad: SUBSCRIBE refused: a topic filter contains U+0000 (MQTT-1.5.3-2)" in log
+    assert "closing the connection of bad: UNSUBSCRIBE refused: a topic filter contains U+0000" in log
     broker.stop()
     stored = {row.client_id: row.subscriptions for row in summarize(broker.store)}
     assert stored.get("bad", {}) == {}, stored

@@ -42,10 +42,11 @@ class Registry:
         self._streams: dict[str, StreamSubscription] = {}
         self._unsubscribed: set[str] = set()
         self._unsubscribing: dict[int, str] = {}
-        self.broker_held: set[str] | None = None
-        """The filters the broker's session held at the last hello (None: not said), which may
-        include a subscription an earlier run of this client id made: unsubscribe() removes it too."""
         """UNSUBSCRIBEs awaiting their UNSUBACK, by mid: sent again on the next connection if it is lost first."""
+        self.broker_held: set[str] | None = None
+        """The filters the broker's session held at the last hello (None: not said), less those
+        unsubscribed since; it may include a subscription an earlier run of this client id made:
+        unsubscribe() removes it too."""
         self._matched: dict[str, list[Listener]] = {}
         """Listeners per topic seen: matching every filter for every event costs more than the rest
         of the dispatch. Dropped whenever subscriptions change, and when it grows past MATCH_CACHE."""

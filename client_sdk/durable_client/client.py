@@ -426,7 +426,8 @@ class DurableClient:
 
         A durable session's subscription may have been made by an earlier run of this client id
         (the broker keeps it and says so in its hello reply): that one is removed too, now or on
-        connecting. Otherwise a no-op if neither."""
+        connecting, by the same call when the filter is also a stream subscription of this run.
+        Otherwise a no-op if neither (a broker whose hello lists nothing gets the UNSUBSCRIBE)."""
         self._check_open()
         if self._delivery_log is not None:
             self._delivery_log.unsubscribe(topic_filter)
@@ -435,11 +436,19 @@ class DurableClient:
             if stream and self._connected:
                 self._send_request("stream_unsubscribe", filter=topic_filter)
             subscription = self._registry.remove(topic_filter, unsubscribe_later=False)
-            held = self._registry.broker_held is None or topic_filter in self._registry.broker_held
-            inherited = self._durable and not stream and _may_unsubscribe(topic_filter) and held
+            broker_held = self._registry.broker_held
+            if not self._connected:
+                held = True  # deferred: the next hello says what the broker's session holds
+            elif broker_held is not None:
+                held = topic_filter in broker_held  # what it said at this connection's hello
+            else:
+                held = not stream  # a broker that did not say: a stream's filter is taken for a stream only
+            inherited = self._durable and _may_unsubscribe(topic_filter) and held
             tell_broker = subscription is not None or inherited
             if tell_broker and self._connected:
                 self._send_unsubscribe(topic_filter)
+                if broker_held is not None:
+                    broker_held.discard(topic_filter)
             elif tell_broker and self._durable:
                 self._registry.unsubscribe_later(topic_filter)
 
@@ -791,14 +800,19 @@ class DurableClient:
         just started and never saw its SUBACK (a repeated SUBSCRIBE re-queues retained values).
         """
         with self._registry.lock:
+            pending = self._registry.take_unsubscribed()  # before session_lost(), which drops them
             if resend_durable:
                 self._registry.session_lost()
             for subscription in self._registry.subscriptions():
                 self._replay_subscription(subscription, resend_durable, broker_has)
-            self._registry.broker_held = set(broker_has) if broker_has is not None and not resend_durable else None
-            for topic_filter in self._registry.take_unsubscribed():
-                if not resend_durable and (broker_has is None or topic_filter in broker_has):
+            # What the broker's session holds now, whenever its hello says (a new or lost session too).
+            self._registry.broker_held = set(broker_has) if broker_has is not None else None
+            for topic_filter in pending:
+                # A list decides; without one, a lost session holds nothing.
+                if (topic_filter in broker_has) if broker_has is not None else not resend_durable:
                     self._send_unsubscribe(topic_filter)
+                    if self._registry.broker_held is not None:
+                        self._registry.broker_held.discard(topic_filter)
         for stream in self._registry.streams():
             self._open_stream(stream.filter, stream.window, wait=False)
         if self._durable and self._ready_requested:

@@ -404,7 +404,8 @@ def _install_decoder_checks() -> None:
       variable header is read here instead (topic, then packet id if QoS > 0, as amqtt does).
     * A SUBSCRIBE or UNSUBSCRIBE topic filter that is not valid UTF-8 (MQTT-1.5.3-1): amqtt's
       ``decode_string`` turns it into ``str(bytes)``, a valid filter that a durable session would
-      keep for ever. Those two modules get a strict one.
+      keep for ever. Those two modules get a strict one, which also refuses U+0000 (MQTT-1.5.3-2,
+      which amqtt grants and a durable session would keep too).
     """
     original_header = MQTTFixedHeader.from_stream
     if getattr(original_header, "_durable_wrapped", False):
@@ -437,7 +438,7 @@ def _install_decoder_checks() -> None:
 
 
 def _strict_filter_decoder(packet: str) -> Callable[[Any], Awaitable[str]]:
-    """amqtt's ``decode_string`` for the topic filters of ``packet``, refusing invalid UTF-8."""
+    """amqtt's ``decode_string`` for the topic filters of ``packet``, refusing invalid UTF-8 and U+0000."""
 
     async def decode_filter(reader: Any) -> str:
         length_bytes = await read_or_raise(reader, 2)
@@ -446,10 +447,14 @@ def _strict_filter_decoder(packet: str) -> Callable[[Any], Awaitable[str]]:
         length = int.from_bytes(length_bytes, "big")
         raw = await read_or_raise(reader, length) if length else b""
         try:
-            return raw.decode("utf-8")
+            topic_filter = raw.decode("utf-8")
         except UnicodeDecodeError:
             error = ProtocolViolationError(f"{packet} refused: a topic filter is not valid UTF-8 (MQTT-1.5.3-1)")
             raise _refused(reader, error) from None
+        if "\x00" in topic_filter:
+            error = ProtocolViolationError(f"{packet} refused: a topic filter contains U+0000 (MQTT-1.5.3-2)")
+            raise _refused(reader, error)
+        return topic_filter
 
     return decode_filter
 

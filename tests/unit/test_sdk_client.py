@@ -373,6 +373,51 @@ def test_unsubscribe_when_connected_of_a_subscription_an_earlier_run_made(make: 
     assert link.wire() == [("unsubscribe", "earlier/run")]
 
 
+def test_unsubscribe_when_connected_to_a_new_session_of_a_filter_it_does_not_hold_is_a_no_op(make: Any) -> None:
+    """The hello of a new session lists what the broker holds (nothing): that list decides, as for
+    a present session (it was taken for "not said", and an UNSUBSCRIBE went out)."""
+    client, link = make()
+    connect(client, link, session_present=False, subscriptions={})
+    link.clear()
+    client.unsubscribe("never/subscribed")
+    client.unsubscribe("earlier/run")
+    assert link.wire() == []
+    assert client._registry.broker_held == set()
+
+
+def test_an_unsubscribe_deferred_across_a_lost_session_is_sent_if_the_new_hello_names_the_filter(
+    make: Any, tmp_path: Any
+) -> None:
+    """Session present but its epoch changed (lost): the pending UNSUBSCRIBE was dropped even though
+    the broker's session names the filter; a lost session without a list holds nothing."""
+    client, link = make(persistence="disk", state_dir=tmp_path)
+    connect(client, link, session_present=True, epoch=12, subscriptions={})
+    lose(client, link)
+    client.unsubscribe("x")
+    client.unsubscribe("y")
+    connect(client, link, session_present=True, epoch=13, subscriptions={"x": 1})
+    assert ("unsubscribe", "x") in link.wire()
+    assert ("unsubscribe", "y") not in link.wire()
+    lose(client, link)
+    client.unsubscribe("z")
+    connect(client, link, session_present=True, epoch=14)  # lost, and no list: nothing to remove
+    assert ("unsubscribe", "z") not in link.wire()
+
+
+def test_one_unsubscribe_removes_a_stream_and_the_durable_subscription_an_earlier_run_made(make: Any) -> None:
+    """sdk.md: a filter that is a stream subscription of this run and a durable subscription the
+    broker's session names (an earlier run's) goes with one call; a second call sends nothing."""
+    client, link = make()
+    connect(client, link, session_present=True, subscriptions={"s/#": 1})
+    client.subscribe_stream("s/#", lambda e: None)
+    link.clear()
+    client.unsubscribe("s/#")
+    assert link.wire() == [("stream_unsubscribe",), ("unsubscribe", "s/#")]
+    link.clear()
+    client.unsubscribe("s/#")
+    assert link.wire() == []
+
+
 def test_unsubscribe_when_connected(make: Any) -> None:
     client, link = make()
     connect(client, link, session_present=False)
