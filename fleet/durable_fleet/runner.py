@@ -10,6 +10,7 @@ audit's summary and report), ``report.html`` with its charts.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import math
@@ -561,18 +562,18 @@ class FleetRun:
     # ------------------------------------------------------------------ verdict
     def _judge(self, tail: DeliveryTail, duration: float) -> FleetResult:
         from durable_pipeline.audit import run_audit  # noqa: PLC0415 - pyspark loads only for the audit
-        from durable_pipeline.spark import get_session, stop_session  # noqa: PLC0415
+        from durable_pipeline.spark import job_session  # noqa: PLC0415
 
         self.phase = "auditing"
-        spark = self.o.spark or get_session(self.o.master, "amqtt-durable-fleet")
-        try:
+        # A session of the caller's (the option, or one this process runs) is left running as it was.
+        sessions = (
+            contextlib.nullcontext(self.o.spark) if self.o.spark else job_session(self.o.master, "amqtt-durable-fleet")
+        )
+        with sessions as spark:
             audit = run_audit(
                 spark, [str(self.out / "logs")], self.out / "audit", "at-least-once", check_order=True,
                 count_qos0=self.o.qos == 0,
             )
-        finally:
-            if self.o.spark is None:
-                stop_session(spark)
         stats = {row.device: row for row in audit.devices}
         outcomes: list[DeviceOutcome] = []
         for name in self.names:
