@@ -1,19 +1,23 @@
-"""Silent peers on a replication address (review of the replication secret, F2/F3): how many
-connections wait for their handshake is bounded per address, the surplus is closed at once and
-logged at most once per LOG_EVERY, and a stopping primary ends the waiting ones at once instead
-of waiting for them (Python 3.12's Server.wait_closed would wait for every one)."""
+"""Hostile or misconfigured peers of a replication address (review of the replication secret,
+F2/F3/F5): how many connections wait for their handshake is bounded per address, the surplus is
+closed at once and logged at most once per LOG_EVERY, and a stopping primary ends the waiting
+ones at once instead of waiting for them (Python 3.12's Server.wait_closed would wait for every
+one); a backup whose certificate is refused says so and retries as after any refusal."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import ssl
 from pathlib import Path
 
 import pytest
+import trustme
 from replication_helpers import HOST, bounded, following, primary_store
 
-from amqtt_durable.replication.backup import Backup
+from amqtt_durable.replication.backup import AUTH_RETRY, Backup
+from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.gate import PER_HOST
 from amqtt_durable.replication.primary import Primary
 from amqtt_durable.store import open_store
@@ -81,3 +85,58 @@ def test_a_backup_gets_in_once_the_silent_peers_have_gone(tmp_path: Path) -> Non
             db.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_a_backup_whose_certificate_the_primary_refuses_says_so_and_retries_slowly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, secret: bytes | None
+) -> None:
+    """TLS 1.3 tells a client that its certificate was refused only at its first read: the
+    backup logged "the primary ... closed the channel" (or a hint about releases without a
+    secret), retried twice a second, and stayed "connecting" between tries."""
+    ca, stranger = trustme.CA(), trustme.CA()
+    paths = {name: str(tmp_path / f"{name}.pem") for name in ("ca", "node", "stranger")}
+    ca.cert_pem.write_to_path(paths["ca"])
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["node"])
+    stranger.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["stranger"])
+
+    def context(cert: str, *, server: bool) -> ssl.SSLContext:
+        tls = ReplicationConfig.from_mapping({"role": "primary", "tls": {"cert": cert, "ca": paths["ca"]}}).tls
+        assert tls is not None
+        return tls.context(server=server)
+
+    async def main() -> str:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, secret=secret)
+        await primary.start(HOST, 0, context(paths["node"], server=True))
+        backup = Backup(
+            open_store(str(tmp_path / "b")), name="b", secret=secret, tls=context(paths["stranger"], server=False)
+        )
+        try:
+            async with following(backup, primary.port):
+                await bounded(first_refusal.wait(), 20.0)
+            return backup.state
+        finally:
+            await primary.close()
+            backup.db.close()
+            db.close()
+
+    first_refusal = asyncio.Event()
+
+    class Refusals(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "refused (retried in" in record.getMessage():
+                first_refusal.set()
+
+    handler = Refusals()
+    logging.getLogger("amqtt_durable.replication").addHandler(handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="amqtt_durable.replication"):
+            state = asyncio.run(main())
+    finally:
+        logging.getLogger("amqtt_durable.replication").removeHandler(handler)
+    assert state == "disconnected"
+    refusals = [r.getMessage() for r in caplog.records if "backup b: channel to" in r.getMessage()]
+    assert refusals, caplog.text
+    assert f"refused (retried in {AUTH_RETRY:g} s)" in refusals[0], refusals[0]
+    assert "refuse this node's certificate" in refusals[0] and "replication.tls" in refusals[0], refusals[0]

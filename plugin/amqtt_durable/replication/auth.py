@@ -204,8 +204,8 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
         kind, payload = await read_frame(reader, MAX_AUTH_FRAME)
     except asyncio.IncompleteReadError:
         raise AuthError(
-            "the node closed the connection during authentication (does it run a release without "
-            "replication.secret support?)"
+            "the node closed the connection during authentication: with replication.tls it may refuse this "
+            "node's certificate (the same ca on both sides); without, it may run a release without replication.secret"
         ) from None
     if kind == Frame.ERROR:
         raise AuthError(f"refused by the node: {error_text(payload)}")

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from ..store import VERSION_KEY
 from .auth import AuthError, Session, client_handshake, error_text
@@ -99,16 +99,10 @@ class Backup:
         """One connection to the primary, until it ends (raises the reason; always closes)."""
         self.state = "connecting"
         self.in_sync_event.clear()
-        async with asyncio.timeout(self.handshake_timeout):
-            reader, writer = await asyncio.open_connection(
-                host, port, ssl=self.tls, ssl_handshake_timeout=self.handshake_timeout if self.tls else None
-            )
         try:
-            async with asyncio.timeout(self.handshake_timeout):
-                session = await client_handshake(reader, writer, self.secret)
-            session.sender = "the primary"
+            reader, writer, session = await self._open(host, port)
         except BaseException:
-            writer.close()
+            self.state = "disconnected"
             raise
         frames: asyncio.Queue[tuple[Frame, bytes]] = asyncio.Queue(QUEUE_FRAMES)
         receiver = asyncio.get_running_loop().create_task(_receive(reader, frames, session))
@@ -125,8 +119,7 @@ class Backup:
                 done, _ = await asyncio.wait({getter, receiver}, return_when=asyncio.FIRST_COMPLETED)
                 if getter not in done:
                     getter.cancel()
-                    receiver.result()  # raises why the connection ended
-                    raise ConnectionResetError("the primary closed the replication channel")
+                    self._channel_ended(receiver, answered)
                 group = [getter.result()]
                 if not answered:
                     # Caught up with the last primary stays true while that primary cannot be
@@ -149,6 +142,50 @@ class Backup:
                 await receiver
             writer.close()
 
+    async def _open(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]:
+        """Connect and pass the handshake, each within handshake_timeout; a TLS failure is raised
+        as a refusal (AuthError) naming replication.tls."""
+        try:
+            async with asyncio.timeout(self.handshake_timeout):
+                reader, writer = await asyncio.open_connection(
+                    host, port, ssl=self.tls, ssl_handshake_timeout=self.handshake_timeout if self.tls else None
+                )
+        except ssl.SSLError as exc:
+            raise self._tls_refusal(exc) from exc
+        try:
+            async with asyncio.timeout(self.handshake_timeout):
+                session = await client_handshake(reader, writer, self.secret)
+        except (ssl.SSLError, ConnectionResetError, BrokenPipeError, asyncio.IncompleteReadError) as exc:
+            writer.close()
+            if self.tls is None:
+                raise
+            raise self._tls_refusal(exc) from exc
+        except BaseException:
+            writer.close()
+            raise
+        session.sender = "the primary"
+        return reader, writer, session
+
+    def _channel_ended(self, receiver: asyncio.Task[None], answered: bool) -> NoReturn:
+        """Raise why the connection ended: with TLS, an end before the primary's first frame is
+        most likely the primary refusing this node's certificate (TLS 1.3 tells the client only
+        then), retried as a refusal."""
+        try:
+            receiver.result()
+            raise ConnectionResetError("the primary closed the replication channel")
+        except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            if self.tls is not None and not answered:
+                raise self._tls_refusal(exc) from exc
+            raise
+
+    @staticmethod
+    def _tls_refusal(exc: BaseException) -> AuthError:
+        why = str(exc) or type(exc).__name__
+        return AuthError(
+            f"the TLS channel ended before the primary's first frame ({why}): the primary may refuse this "
+            "node's certificate or not use TLS (replication.tls: the same ca on both sides)"
+        )
+
     async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
         """Stay connected to the primary at host:port, reconnecting after a failure, until ``stop``."""
         while not stop.is_set():
@@ -164,7 +201,9 @@ class Backup:
                     pause, exc,
                 )
             except (OSError, TimeoutError, FrameError, ReplicationGapError, StoreMismatchError) as exc:
-                log.warning("replication: backup %s: channel to %s:%s ended: %s", self.name, host, port, exc)
+                log.warning(
+                    "replication: backup %s: channel to %s:%s ended: %s", self.name, host, port, str(exc) or repr(exc)
+                )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(pause):
                     await stop.wait()
