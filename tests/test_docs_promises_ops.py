@@ -193,3 +193,21 @@ def test_a_store_below_a_file_names_the_file(tmp_path: Path) -> None:
     blocking.write_text("not a folder\n")
     with pytest.raises(StoreError, match=f"store '{blocking}/s': '{blocking}' is a file, not a folder"):
         open_store(str(blocking / "s"))
+
+
+def test_a_merged_anchor_that_overrides_its_own_merge_is_not_a_duplicate(tmp_path: Path) -> None:
+    """PyYAML rewrites an anchored mapping's pairs in place when a shallower mapping merges it
+    first; the check reads the pairs as written, so a plugin section built from a base and
+    merged again elsewhere loads as yaml.safe_load loads it."""
+    text = (
+        "b: &B {k: 1}\nouter:\n  inner:\n    a: &A {<<: *B, k: 2}\nm: {<<: *A}\n"
+        "plugins: {amqtt_durable.DurableSessionsPlugin: {}}\n"
+    )
+    path = tmp_path / "broker.yaml"
+    path.write_text(text)
+    assert load_broker_config(str(path)) == yaml.safe_load(text)
+
+
+def test_a_store_below_a_device_names_the_device() -> None:
+    with pytest.raises(StoreError, match="store '/dev/null/s': '/dev/null' is a file, not a folder"):
+        open_store("/dev/null/s")

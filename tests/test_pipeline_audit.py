@@ -647,6 +647,7 @@ def test_gzip_a_byte_order_mark_and_blank_lines_are_sniffed_as_spark_reads_them(
         "cut.gz": gzip.compress(lines)[:2] + b"garbage",
         "blank.gz": gzip.compress(b"\n" * HEAD_BYTES + lines),
         "blank.txt2": b"\n" * HEAD_BYTES + lines,
+        "plain.gz": lines,  # named .gz, not gzip: Spark would try to decompress it
     }
     for name, data in refused.items():
         (tmp_path / name).write_bytes(data)

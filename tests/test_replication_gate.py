@@ -32,15 +32,36 @@ async def closed_by_peer(reader: asyncio.StreamReader) -> bool:
     return True
 
 
+def cluster_pki(folder: Path) -> dict[str, str]:
+    """A cluster CA, a certificate for 127.0.0.1 signed by it, and one from a stranger's CA."""
+    ca, stranger = trustme.CA(), trustme.CA()
+    paths = {name: str(folder / f"{name}.pem") for name in ("ca", "node", "stranger")}
+    ca.cert_pem.write_to_path(paths["ca"])
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["node"])
+    stranger.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["stranger"])
+    return paths
+
+
+def tls_context(paths: dict[str, str], cert: str, *, server: bool) -> ssl.SSLContext:
+    tls = ReplicationConfig.from_mapping({"role": "primary", "tls": {"cert": cert, "ca": paths["ca"]}}).tls
+    assert tls is not None
+    return tls.context(server=server)
+
+
+@pytest.mark.parametrize("with_tls", [False, True], ids=["tcp", "tls"])
 def test_silent_peers_past_the_per_address_bound_are_closed_at_once_and_a_stop_ends_the_rest(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, with_tls: bool
 ) -> None:
+    """With TLS too: a peer that never sends its ClientHello waits at the gate like any other
+    (asyncio's own TLS listener would have held it outside, unbounded)."""
+
     async def main() -> None:
         db, store_id = primary_store(tmp_path / "p")
         primary = Primary(
             db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, secret=SECRET, handshake_timeout=60.0
         )
-        await primary.start(HOST, 0)
+        pki = cluster_pki(tmp_path)
+        await primary.start(HOST, 0, tls_context(pki, pki["node"], server=True) if with_tls else None)
         peers = [await asyncio.open_connection(HOST, primary.port) for _ in range(SILENT)]
         try:
             # Each of the first PER_HOST waits for its handshake (60 s); every later one is closed now.
@@ -94,16 +115,10 @@ def test_a_backup_whose_certificate_the_primary_refuses_says_so_and_retries_slow
     """TLS 1.3 tells a client that its certificate was refused only at its first read: the
     backup logged "the primary ... closed the channel" (or a hint about releases without a
     secret), retried twice a second, and stayed "connecting" between tries."""
-    ca, stranger = trustme.CA(), trustme.CA()
-    paths = {name: str(tmp_path / f"{name}.pem") for name in ("ca", "node", "stranger")}
-    ca.cert_pem.write_to_path(paths["ca"])
-    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["node"])
-    stranger.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["stranger"])
+    paths = cluster_pki(tmp_path)
 
     def context(cert: str, *, server: bool) -> ssl.SSLContext:
-        tls = ReplicationConfig.from_mapping({"role": "primary", "tls": {"cert": cert, "ca": paths["ca"]}}).tls
-        assert tls is not None
-        return tls.context(server=server)
+        return tls_context(paths, cert, server=server)
 
     async def main() -> str:
         db, store_id = primary_store(tmp_path / "p")

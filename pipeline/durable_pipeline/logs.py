@@ -270,6 +270,8 @@ def _sniff(head: bytes, *, gzipped: bool) -> Format | None:
             return None  # Spark cannot read it either
     elif head.startswith(b"PAR1"):  # Spark's Parquet reader decompresses nothing: a gzipped Parquet file is neither
         return "parquet"
+    elif gzipped:  # named *.gz, not gzip: Spark's JSON reader would fail to decompress it
+        return None
     if head.removeprefix(_BOM).lstrip().startswith(b"{"):
         return "json"
     return None

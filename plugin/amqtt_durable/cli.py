@@ -58,9 +58,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one
     silently, so a second ``store:`` would win unseen)."""
 
+    def compose_mapping_node(self, anchor: Any) -> yaml.MappingNode:
+        node = super().compose_mapping_node(anchor)
+        node.written = list(node.value)  # type: ignore[attr-defined]  # merging another mapping rewrites .value
+        return node
+
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         lines: dict[Any, int] = {}
-        for key_node, _ in node.value:
+        pairs: list[tuple[Any, Any]] = getattr(node, "written", None) or node.value or []
+        for key_node, _ in pairs:
             if key_node.tag == YAML_MERGE_TAG:
                 continue  # `<<: *anchor`: a key of its own may override a merged one (YAML merge keys)
             key = self.construct_object(key_node, deep=deep)

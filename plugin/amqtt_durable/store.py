@@ -339,12 +339,17 @@ _TABLE_RANGE = re.compile(rb" (\d+):\d+\['(.*?)' @ \d+ : \d+ \.\. '(.*?)' @ \d+ 
 
 
 def _file_above(path: str) -> str:
-    """The file that stands where a folder on the way to ``path`` should be (``afile`` of
-    ``afile/store``): the one to name, not ``path``."""
+    """What stands where a folder on the way to ``path`` should be (``afile`` of ``afile/store``,
+    ``/dev/null`` of ``/dev/null/store``): the one to name, not ``path``."""
     above = os.path.dirname(os.path.abspath(path))
-    while not os.path.isfile(above) and os.path.dirname(above) != above:
+    while not _not_a_folder(above) and os.path.dirname(above) != above:
         above = os.path.dirname(above)
     return above
+
+
+def _not_a_folder(path: str) -> bool:
+    """Something other than a folder is there (a file, a device, a FIFO, a socket)."""
+    return os.path.exists(path) and not os.path.isdir(path)
 
 
 def _check_folder(path: str, *, create: bool) -> bool:
@@ -359,7 +364,7 @@ def _check_folder(path: str, *, create: bool) -> bool:
     except FileNotFoundError:
         names = None
     except NotADirectoryError as exc:
-        what = f"'{path}'" if os.path.isfile(path) else f"'{path}': '{_file_above(path)}'"
+        what = f"'{path}'" if _not_a_folder(path) else f"'{path}': '{_file_above(path)}'"
         raise StoreError(f"store {what} is a file, not a folder; point 'store' at a folder") from exc
     except OSError as exc:
         raise StoreError(f"cannot read store folder '{path}': {exc.strerror}") from exc

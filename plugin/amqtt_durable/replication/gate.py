@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from typing import Any
 
 log = logging.getLogger("amqtt_durable.replication")
 
@@ -29,7 +30,8 @@ class HandshakeGate:
         self.total = total
         self.turned_away = 0
         """Connections closed at once because too many were waiting (since start)."""
-        self._waiting: dict[asyncio.StreamWriter, str] = {}
+        self._waiting: dict[asyncio.StreamWriter, tuple[str, asyncio.Task[Any] | None]] = {}
+        """Each connection in its handshake: its address, and the task serving it."""
         self._hosts: Counter[str] = Counter()
         self._unlogged = 0
         self._logged_at = float("-inf")
@@ -50,18 +52,21 @@ class HandshakeGate:
                 )
                 self._unlogged, self._logged_at = 0, now
             return False
-        self._waiting[writer] = host
+        self._waiting[writer] = (host, asyncio.current_task())
         self._hosts[host] += 1
         return True
 
     def done(self, writer: asyncio.StreamWriter) -> None:
-        host = self._waiting.pop(writer, None)
+        host, _ = self._waiting.pop(writer, (None, None))
         if host is not None:
             self._hosts[host] -= 1
             if not self._hosts[host]:
                 del self._hosts[host]
 
     def abort_all(self) -> None:
-        """End every connection still in its handshake (a stop, a promotion)."""
-        for writer in list(self._waiting):
-            writer.transport.abort()
+        """End every connection still in its handshake (a stop, a promotion): its task is
+        cancelled, and closes it (aborting the socket under a TLS handshake would leave asyncio's
+        stream without a transport)."""
+        for _, task in list(self._waiting.values()):
+            if task is not None:
+                task.cancel()

@@ -210,13 +210,8 @@ class ReplicationNode:
 
     async def _open_admin(self) -> None:
         host, port = split_address(self.config.listen)
-        self._admin = await asyncio.start_server(
-            self._answer_tool,
-            host,
-            port,
-            ssl=self.server_tls,
-            ssl_handshake_timeout=self.config.handshake_timeout if self.server_tls else None,
-        )
+        # TLS (server_tls) is started in first_frame, once the gate admitted the connection.
+        self._admin = await asyncio.start_server(self._answer_tool, host, port)
 
     async def _close_admin(self) -> None:
         server, self._admin = self._admin, None
@@ -232,12 +227,16 @@ class ReplicationNode:
         if not self._admin_gate.admit(writer, host):
             return
         try:
-            session, kind, _ = await first_frame(reader, writer, self.secret, self.config.handshake_timeout, peer)
+            session, kind, _ = await first_frame(
+                reader, writer, self.secret, self.config.handshake_timeout, peer, tls=self.server_tls
+            )
             if kind in (Frame.STATUS, Frame.PROMOTE):
                 writer.write(session.encode(kind, json.dumps(self.answer(kind)).encode()))
                 await writer.drain()
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ReplicationError) as exc:
             log.info("replication: a connection to %s ended: %r", self.config.listen, exc)
+        except asyncio.CancelledError:
+            pass  # a stop or a promotion (abort_all): not raised on, asyncio would log it as an error
         finally:
             self._admin_gate.done(writer)
             writer.close()

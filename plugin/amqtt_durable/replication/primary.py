@@ -134,6 +134,7 @@ class Primary:
         self.refused = 0
         """Connections refused by the handshake (wrong or missing secret, silent peer)."""
         self.gate = HandshakeGate("the primary's replication address")
+        self._tls: ssl.SSLContext | None = None
         self.on_admin: Callable[[Frame], dict[str, Any]] | None = None
         """Answers a tool's STATUS or PROMOTE frame (replication.node)."""
 
@@ -270,9 +271,8 @@ class Primary:
 
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
         """Serve on host:port; with ``tls`` (a server context of replication.tls), over TLS."""
-        self._server = await asyncio.start_server(
-            self._serve, host, port, ssl=tls, ssl_handshake_timeout=self.handshake_timeout if tls else None
-        )
+        self._tls = tls  # upgraded in first_frame, once the gate admitted the connection
+        self._server = await asyncio.start_server(self._serve, host, port)
         self.port = self._server.sockets[0].getsockname()[1]
         self._spawn(self._watchdog())
         if self._publish is not None:
@@ -321,6 +321,9 @@ class Primary:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, port = writer.get_extra_info("peername")[:2]
         peer = f"{host}:{port}"
+        if self._closed is not None:  # accepted as close() ran: past its abort_all and its wait
+            writer.transport.abort()
+            return
         if not self.gate.admit(writer, host):
             return
         task = asyncio.current_task()
@@ -328,10 +331,8 @@ class Primary:
         self._serving.add(task)
         try:
             first = await self._first_frame(reader, writer, peer)
-        except asyncio.CancelledError:  # a stop that could not wait for the handshake
-            writer.close()
-            self._serving.discard(task)
-            raise
+        except asyncio.CancelledError:  # a stop (gate.abort_all, _end_tasks): the connection ends here
+            first = None  # not raised on: asyncio would log a cancelled connection callback as an error
         finally:
             self.gate.done(writer)
         if first is None:
@@ -396,7 +397,7 @@ class Primary:
     ) -> tuple[Session, Frame, bytes] | None:
         """The peer's session and first frame after the handshake; None when it was refused."""
         try:
-            return await first_frame(reader, writer, self.secret, self.handshake_timeout, peer)
+            return await first_frame(reader, writer, self.secret, self.handshake_timeout, peer, tls=self._tls)
         except (AuthError, FrameError, OSError, TimeoutError, asyncio.IncompleteReadError):
             self.refused += 1
             return None
@@ -509,23 +510,32 @@ class Primary:
 
 
 async def first_frame(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes | None, within: float, peer: str
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    secret: bytes | None,
+    within: float,
+    peer: str,
+    *,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[Session, Frame, bytes]:
-    """The connection's session and a peer's first frame after the handshake (auth.py), within
-    ``within`` seconds; a refusal (a first frame that failed its MAC included) is logged as a
-    WARNING naming the peer and raised (the caller closes the connection)."""
+    """The connection's session and a peer's first frame after the handshake (auth.py; with
+    ``tls``, the TLS handshake first), all within ``within`` seconds; a refusal (a failed TLS
+    handshake, a first frame that failed its MAC included) is logged as a WARNING naming the
+    peer and raised (the caller closes the connection)."""
     try:
         async with asyncio.timeout(within):
+            if tls is not None:
+                await writer.start_tls(tls)
             return await server_handshake(reader, writer, secret, MAX_PEER_FRAME)
-    except AuthError as exc:
+    except (AuthError, FrameError) as exc:
         log.warning("replication: refused a connection from %s: %s", peer, exc)
         raise
     except TimeoutError:
-        what = "the handshake was not completed" if secret is not None else "no first frame"
+        what = "the handshake was not completed" if secret is not None or tls is not None else "no first frame"
         log.warning("replication: refused a connection from %s: %s within %g s", peer, what, within)
         raise
-    except FrameError as exc:
-        log.warning("replication: refused a connection from %s: %s", peer, exc)
+    except ssl.SSLError as exc:
+        log.warning("replication: refused a connection from %s: the TLS handshake failed: %s", peer, exc)
         raise
     except (OSError, asyncio.IncompleteReadError) as exc:
         log.info("replication: a connection from %s ended before its first frame: %r", peer, exc)
