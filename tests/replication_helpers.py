@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import trustme
+
 from amqtt_durable.replication.backup import Backup
 from amqtt_durable.replication.framing import Op
 from amqtt_durable.replication.primary import Primary
@@ -75,3 +77,13 @@ async def following(backup: Backup, port: int) -> AsyncIterator[asyncio.Task[Non
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def cluster_pki(folder: Path) -> dict[str, str]:
+    """A cluster CA, a certificate for 127.0.0.1 signed by it, and one from a stranger's CA."""
+    ca, stranger = trustme.CA(), trustme.CA()
+    paths = {name: str(folder / f"{name}.pem") for name in ("ca", "node", "stranger")}
+    ca.cert_pem.write_to_path(paths["ca"])
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["node"])
+    stranger.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["stranger"])
+    return paths

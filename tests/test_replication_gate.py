@@ -13,8 +13,7 @@ import ssl
 from pathlib import Path
 
 import pytest
-import trustme
-from replication_helpers import HOST, bounded, following, primary_store
+from replication_helpers import HOST, bounded, cluster_pki, following, primary_store
 
 from amqtt_durable.replication.backup import AUTH_RETRY, Backup
 from amqtt_durable.replication.config import ReplicationConfig
@@ -30,16 +29,6 @@ async def closed_by_peer(reader: asyncio.StreamReader) -> bool:
     with contextlib.suppress(ConnectionError):
         return await reader.read(1) == b""
     return True
-
-
-def cluster_pki(folder: Path) -> dict[str, str]:
-    """A cluster CA, a certificate for 127.0.0.1 signed by it, and one from a stranger's CA."""
-    ca, stranger = trustme.CA(), trustme.CA()
-    paths = {name: str(folder / f"{name}.pem") for name in ("ca", "node", "stranger")}
-    ca.cert_pem.write_to_path(paths["ca"])
-    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["node"])
-    stranger.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["stranger"])
-    return paths
 
 
 def tls_context(paths: dict[str, str], cert: str, *, server: bool) -> ssl.SSLContext:

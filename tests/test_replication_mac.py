@@ -91,13 +91,18 @@ async def read_until_closed(reader: asyncio.StreamReader, within: float = 3.0) -
     return received
 
 
-async def replicated_pair(folder: Path, batches: int) -> tuple[Primary, Backup]:
-    """A primary with the secret and ``batches`` batches, a backup (with the secret) that has
-    applied them all, no longer following."""
+async def secured_pair(folder: Path) -> tuple[Primary, Backup]:
+    """A started primary with the secret (its store in folder/p) and a backup with it (folder/b)."""
     db, store_id = primary_store(folder / "p")
     primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=1 << 20, secret=SECRET)
     await primary.start(HOST, 0)
-    backup = Backup(open_store(str(folder / "b")), name="b", secret=SECRET)
+    return primary, Backup(open_store(str(folder / "b")), name="b", secret=SECRET)
+
+
+async def replicated_pair(folder: Path, batches: int) -> tuple[Primary, Backup]:
+    """A primary with the secret and ``batches`` batches, a backup (with the secret) that has
+    applied them all, no longer following."""
+    primary, backup = await secured_pair(folder)
     async with following(backup, primary.port):
         await bounded(backup.in_sync_event.wait())
         await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, batches + 1))))
@@ -214,10 +219,7 @@ def test_a_batch_altered_on_the_wire_with_its_checksums_fixed_is_refused(
                 await forwarding
 
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=1 << 20, secret=SECRET)
-        await primary.start(HOST, 0)
-        backup = Backup(open_store(str(tmp_path / "b")), name="b", secret=SECRET)
+        primary, backup = await secured_pair(tmp_path)
         async with Relay(primary.port, alter) as relay, following(backup, relay.port):
             await bounded(backup.in_sync_event.wait())  # the snapshot of the empty store passed unaltered
             committed = [commit(primary, ops_for(n)) for n in range(1, 6)]
@@ -303,10 +305,7 @@ def test_a_forged_ack_does_not_count_for_the_primary(tmp_path: Path, caplog: pyt
                 await forwarding
 
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=1 << 20, secret=SECRET)
-        await primary.start(HOST, 0)
-        backup = Backup(open_store(str(tmp_path / "b")), name="b", secret=SECRET)
+        primary, backup = await secured_pair(tmp_path)
         async with Relay(primary.port, swallow_and_ack) as relay, following(backup, relay.port):
             await bounded(backup.in_sync_event.wait())
             await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 6))))

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trustme
+from replication_helpers import cluster_pki
 from test_ha_brokers import BACKUP, SERVING, address, node, queue_durable_messages, start
 
 from amqtt_durable.errors import ConfigError
@@ -28,12 +28,7 @@ pytestmark = pytest.mark.timeout(120)
 def pki(tmp_path: Path) -> dict[str, str]:
     """A cluster CA, a certificate for 127.0.0.1 signed by it (key in the same file), and one
     from a stranger's CA."""
-    ca, stranger = trustme.CA(), trustme.CA()
-    paths = {name: str(tmp_path / f"{name}.pem") for name in ("ca", "node", "stranger")}
-    ca.cert_pem.write_to_path(paths["ca"])
-    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["node"])
-    stranger.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["stranger"])
-    return paths
+    return cluster_pki(tmp_path)
 
 
 def tls_settings(pki: dict[str, str], **more: Any) -> dict[str, Any]:
