@@ -534,6 +534,11 @@ class FleetRun:
         self.phase = "draining"
         for publisher in self.publishers:
             publisher.terminate()
+        # A publisher ends after the PUBACKs it still waits for, logging those sends: until it has
+        # ended, "nothing missing" could be read before its last sends were written.
+        stopped_by = time.monotonic() + STOP_WAIT
+        for publisher in self.publishers:
+            publisher.wait_stopped(stopped_by)
         drain_end = time.monotonic() + self.o.drain_timeout
         while time.monotonic() < drain_end:
             self._sample(tail, depth)
