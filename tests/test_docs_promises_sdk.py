@@ -485,6 +485,14 @@ def test_unsubscribe_then_close_leaves_the_session_without_the_filter(
         raw.disconnect()
 
 
+def earlier_run(client: DurableClient, dropped: str) -> None:
+    """A run that leaves durable subscriptions to ``dropped`` and kept/# in the broker's session."""
+    client.subscribe(dropped, qos=1)
+    client.subscribe("kept/#", qos=1)
+    client.connect(timeout=WAIT)
+    client.close(keep_session=True)
+
+
 @pytest.mark.parametrize("connected", [True, False], ids=["connected", "before-connect"])
 def test_unsubscribe_removes_a_durable_subscription_an_earlier_run_made(
     broker: Broker, sdk: Callable[..., DurableClient], connected: bool
@@ -493,11 +501,7 @@ def test_unsubscribe_removes_a_durable_subscription_an_earlier_run_made(
     that calls unsubscribe() on it (connected, or before connect(): sent on connecting) removes
     it from the broker's session. Before, unsubscribe() of a filter this run had not subscribed
     was a no-op and the broker queued for it for ever."""
-    first = sdk(broker.port, "unsub-earlier")
-    first.subscribe("old/#", qos=1)
-    first.subscribe("kept/#", qos=1)
-    first.connect(timeout=WAIT)
-    first.close(keep_session=True)
+    earlier_run(sdk(broker.port, "unsub-earlier"), "old/#")
     later = sdk(broker.port, "unsub-earlier")
     if connected:
         later.connect(timeout=WAIT)
@@ -520,11 +524,7 @@ def test_one_unsubscribe_removes_a_stream_and_a_durable_subscription_an_earlier_
     earlier run made, in the same call when the filter is a stream subscription of this run too.
     Before, that call closed the stream only and a second unsubscribe() was needed."""
     broker = broker_factory(streams=[{"filter": "both/#"}])
-    first = sdk(broker.port, "unsub-both")
-    first.subscribe("both/#", qos=1)
-    first.subscribe("kept/#", qos=1)
-    first.connect(timeout=WAIT)
-    first.close(keep_session=True)
+    earlier_run(sdk(broker.port, "unsub-both"), "both/#")
     later = sdk(broker.port, "unsub-both")
     later.subscribe_stream("both/#", lambda _event: None)
     later.connect(timeout=WAIT)
