@@ -91,6 +91,37 @@ async def read_until_closed(reader: asyncio.StreamReader, within: float = 3.0) -
     return received
 
 
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Bytes from reader to writer, unchanged, until the reader's side ends."""
+    with contextlib.suppress(ConnectionError):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+
+
+async def relay_downstream(
+    backup_side: Streams, primary_side: Streams, on_frame: Callable[[Frame, bytes], Awaitable[None]]
+) -> None:
+    """The backup's HELLO and ACKs go to the primary unchanged; each frame from the primary goes to
+    ``on_frame`` (the attack), until either side ends. When the backup leaves, so does the relay."""
+
+    async def upstream() -> None:
+        try:
+            await pipe(backup_side[0], primary_side[1])
+        finally:
+            primary_side[1].close()
+
+    forwarding = asyncio.create_task(upstream())
+    try:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while not forwarding.done():
+                await on_frame(*await read_frame(primary_side[0]))
+    finally:
+        forwarding.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await forwarding
+
+
 async def secured_pair(folder: Path) -> tuple[Primary, Backup]:
     """A started primary with the secret (its store in folder/p) and a backup with it (folder/b)."""
     db, store_id = primary_store(folder / "p")
@@ -194,29 +225,11 @@ def test_a_batch_altered_on_the_wire_with_its_checksums_fixed_is_refused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def alter(backup_side: Streams, primary_side: Streams) -> None:
-        b_reader, b_writer = backup_side
-        p_reader, p_writer = primary_side
+        async def pass_on_altered(kind: Frame, payload: bytes) -> None:
+            backup_side[1].write(encode_frame(kind, tamper(payload) if kind == Frame.BATCH else payload))
+            await backup_side[1].drain()
 
-        async def upstream() -> None:  # the backup's HELLO and ACKs, unchanged
-            try:
-                with contextlib.suppress(ConnectionError):
-                    while data := await b_reader.read(65536):
-                        p_writer.write(data)
-                        await p_writer.drain()
-            finally:
-                p_writer.close()  # the backup left: so does the relay, on both sides
-
-        forwarding = asyncio.create_task(upstream())
-        try:
-            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-                while not forwarding.done():
-                    kind, payload = await read_frame(p_reader)
-                    b_writer.write(encode_frame(kind, tamper(payload) if kind == Frame.BATCH else payload))
-                    await b_writer.drain()
-        finally:
-            forwarding.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await forwarding
+        await relay_downstream(backup_side, primary_side, pass_on_altered)
 
     async def main() -> None:
         primary, backup = await secured_pair(tmp_path)
@@ -241,12 +254,6 @@ def test_a_pair_with_the_secret_replicates_and_catches_up_through_an_honest_rela
     snapshot (for a second backup) arrive intact."""
 
     async def forward(backup_side: Streams, primary_side: Streams) -> None:
-        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(ConnectionError):
-                while data := await reader.read(65536):
-                    writer.write(data)
-                    await writer.drain()
-
         pipes = {
             asyncio.create_task(pipe(backup_side[0], primary_side[1])),
             asyncio.create_task(pipe(primary_side[0], backup_side[1])),
@@ -275,34 +282,16 @@ def test_a_forged_ack_does_not_count_for_the_primary(tmp_path: Path, caplog: pyt
     without MACs the primary would count the backup as having batches it never received."""
 
     async def swallow_and_ack(backup_side: Streams, primary_side: Streams) -> None:
-        b_reader, b_writer = backup_side
-        p_reader, p_writer = primary_side
+        async def ack_batches_pass_on_the_rest(kind: Frame, payload: bytes) -> None:
+            if kind != Frame.BATCH:
+                backup_side[1].write(encode_frame(kind, payload))
+                await backup_side[1].drain()
+                return
+            seq = int.from_bytes(payload[:8], "big")
+            primary_side[1].write(encode_frame(Frame.ACK, encode_seq(seq)))  # "applied", says the relay
+            await primary_side[1].drain()
 
-        async def upstream() -> None:
-            try:
-                with contextlib.suppress(ConnectionError):
-                    while data := await b_reader.read(65536):
-                        p_writer.write(data)
-                        await p_writer.drain()
-            finally:
-                p_writer.close()
-
-        forwarding = asyncio.create_task(upstream())
-        try:
-            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-                while True:
-                    kind, payload = await read_frame(p_reader)
-                    if kind != Frame.BATCH:
-                        b_writer.write(encode_frame(kind, payload))
-                        await b_writer.drain()
-                        continue
-                    seq = int.from_bytes(payload[:8], "big")
-                    p_writer.write(encode_frame(Frame.ACK, encode_seq(seq)))  # "applied", says the relay
-                    await p_writer.drain()
-        finally:
-            forwarding.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await forwarding
+        await relay_downstream(backup_side, primary_side, ack_batches_pass_on_the_rest)
 
     async def main() -> None:
         primary, backup = await secured_pair(tmp_path)

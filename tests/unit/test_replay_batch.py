@@ -230,17 +230,28 @@ class RunTransport(RecordingTransport):
         runs.end_ack_run()
 
 
+async def _engine_with_queue(
+    tmp_path: Path, qos_of: list[int], window: int = 40, first_seq: int | None = None
+) -> DurableEngine:
+    """An open engine whose durable session "c" has one queued message per entry of ``qos_of``,
+    numbered from ``first_seq`` (a fresh session's first sequence number when None)."""
+    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+    engine.open()
+    await engine.connect("c", clean_session=False)
+    await engine.subscribe("c", "t", 2)
+    if first_seq is not None:
+        session = engine.sessions["c"]
+        session.head_seq = session.next_seq = first_seq
+    for index, qos in enumerate(qos_of):
+        assert engine.route_publish("t", b"%d" % index, qos) is not None
+    await engine.written_so_far()
+    return engine
+
+
 def test_a_run_of_acks_removes_its_entries_once_at_the_end_and_refills_the_window(tmp_path: Path) -> None:
     async def main() -> None:
-        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=40))
-        engine.open()
+        engine = await _engine_with_queue(tmp_path, [1] * 100)
         try:
-            await engine.connect("c", clean_session=False)
-            await engine.subscribe("c", "t", 1)
-            for index in range(100):
-                stored = engine.route_publish("t", b"%d" % index, 1)
-                assert stored is not None
-            await engine.written_so_far()
             transport = RunTransport()
             await engine.attach("c", transport)
             session = engine.sessions["c"]
@@ -360,17 +371,6 @@ def test_packet_seq_finds_the_in_flight_sequence_of_a_packet_id(oldest: int) -> 
         assert packet_seq(packet_id_for(seq), oldest) == seq
 
 
-async def _engine_with_queue(tmp_path: Path, qos_of: list[int], window: int = 40) -> DurableEngine:
-    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
-    engine.open()
-    await engine.connect("c", clean_session=False)
-    await engine.subscribe("c", "t", 2)
-    for index, qos in enumerate(qos_of):
-        assert engine.route_publish("t", b"%d" % index, qos) is not None
-    await engine.written_so_far()
-    return engine
-
-
 def test_the_pump_matches_a_run_of_pubacks_by_packet_id(tmp_path: Path) -> None:
     """QoS 1 acks of a run go to take_pubacks (no callback per message); an id of a QoS 2 message in
     flight, an unknown id and an id acked twice come back as not the pump's, in order."""
@@ -441,16 +441,9 @@ def test_a_puback_with_packet_id_0_is_not_for_the_message_sent_with_id_65535(tmp
     with id 65535, which left the store unacknowledged: lost if the connection then dropped."""
 
     async def main() -> None:
-        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=40))
-        engine.open()
+        engine = await _engine_with_queue(tmp_path, [1] * 10, first_seq=65530)  # a session 65,529 messages old
         try:
-            await engine.connect("c", clean_session=False)
-            await engine.subscribe("c", "t", 1)
             session = engine.sessions["c"]
-            session.head_seq = session.next_seq = 65530  # the counters of a session 65,529 messages old
-            for index in range(10):
-                assert engine.route_publish("t", b"%d" % index, 1) is not None
-            await engine.written_so_far()
             transport = RunTransport()
             await engine.attach("c", transport)
             sent = await transport.wait_for(lambda ps: len(ps) >= 10, LIMIT)
