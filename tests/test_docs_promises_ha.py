@@ -50,7 +50,7 @@ def test_inspect_replication_prints_the_documented_lines_and_json(broker_factory
 def test_sys_topics_carry_mode_batch_and_each_backups_lag_seconds_and_snapshot_rows(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """Watching it: ``role``, ``mode``, ``batch``, ``backups``, ``backups_in_sync`` and per backup
+    """Watching it: ``role``, ``mode``, ``batch``, ``backups``, ``backups_in_sync``, ``refused`` and per backup
     ``state``, ``lag_batches``, ``lag_seconds``, ``snapshot_rows`` (test_ha_brokers checks the values
     of role, backups and state; this checks that every documented topic is published)."""
     primary = start(node(broker_factory, "p", {"metrics_interval": 0.2}, role="primary"), SERVING)
@@ -60,7 +60,7 @@ def test_sys_topics_carry_mode_batch_and_each_backups_lag_seconds_and_snapshot_r
     monitor.subscribe("$SYS/broker/durable/replication/#", 0)
     prefix = "$SYS/broker/durable/replication/"
     documented = {
-        *(prefix + key for key in ("role", "mode", "batch", "backups", "backups_in_sync")),
+        *(prefix + key for key in ("role", "mode", "batch", "backups", "backups_in_sync", "refused")),
         *(f"{prefix}backup/b/{key}" for key in ("state", "lag_batches", "lag_seconds", "snapshot_rows")),
     }
     seen = monitor.wait_for(lambda got: documented <= {m.topic for m in got})

@@ -15,10 +15,15 @@ from pathlib import Path
 import pytest
 from replication_helpers import HOST, bounded, cluster_pki, following, primary_store
 
+from amqtt_durable.errors import DurableError
+from amqtt_durable.process import free_port
 from amqtt_durable.replication.backup import AUTH_RETRY, Backup
 from amqtt_durable.replication.config import ReplicationConfig
+from amqtt_durable.replication.framing import Frame
 from amqtt_durable.replication.gate import PER_HOST
+from amqtt_durable.replication.node import ReplicationNode
 from amqtt_durable.replication.primary import Primary
+from amqtt_durable.replication.tool import ask, format_status
 from amqtt_durable.store import open_store
 
 SECRET = b"replication-secret-of-the-gate-tests-0123456789"
@@ -144,3 +149,85 @@ def test_a_backup_whose_certificate_the_primary_refuses_says_so_and_retries_slow
     assert refusals, caplog.text
     assert f"refused (retried in {AUTH_RETRY:g} s)" in refusals[0], refusals[0]
     assert "refuse this node's certificate" in refusals[0] and "replication.tls" in refusals[0], refusals[0]
+
+
+def test_refused_handshakes_are_logged_once_per_address_and_reason_then_summed_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review F2: every silent peer was one WARNING (a flood wrote megabytes of them). Three waves
+    of PER_HOST silent peers, each refused after handshake_timeout: one line names the first, one
+    line sums up the rest, and the gate counts them all."""
+    waves = 3
+
+    async def main() -> int:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(
+            db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, secret=SECRET, handshake_timeout=0.3
+        )
+        await primary.start(HOST, 0)
+        try:
+            for _ in range(waves):
+                peers = [await asyncio.open_connection(HOST, primary.port) for _ in range(PER_HOST)]
+                try:
+                    ends = await bounded(asyncio.gather(*(closed_by_peer(reader) for reader, _ in peers)), 10.0)
+                    assert all(ends)
+                finally:
+                    for _, writer in peers:
+                        writer.close()
+            return primary.gate.refused
+        finally:
+            await primary.close()  # sums up what was not logged yet
+            db.close()
+
+    with caplog.at_level(logging.WARNING, logger="amqtt_durable.replication"):
+        refused = asyncio.run(main())
+    assert refused == waves * PER_HOST
+    lines = [r.getMessage() for r in caplog.records]
+    named = [line for line in lines if "refused a connection from" in line]
+    assert len(named) == 1 and "the handshake was not completed within 0.3 s" in named[0], lines
+    summed = [line for line in lines if "more connection(s)" in line]
+    assert len(summed) == 1 and f"refused {waves * PER_HOST - 1} more connection(s)" in summed[0], lines
+
+
+def test_a_promotion_closes_an_idle_peer_of_the_tools_listener_at_once_and_status_counts_refusals(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review F3: a backup's promotion closes its tools' listener; a peer silent in its handshake
+    (60 s) must neither hold the promotion up (Python 3.12's wait_closed waits for it) nor stay
+    open (it sees EOF at once). Review F2: the refused connections are counted in STATUS, across
+    the promotion (one replication address, one count)."""
+    secret = SECRET.decode()
+    db, _ = primary_store(tmp_path / "b")
+
+    async def main() -> None:
+        listen, unreachable = f"{HOST}:{free_port()}", f"{HOST}:{free_port()}"
+        config = ReplicationConfig(
+            name="b", role="backup", primary=unreachable, listen=listen, secret=secret, handshake_timeout=60.0
+        )
+        node = ReplicationNode(db, config)
+        await node.start()
+        try:
+            host, port = listen.rsplit(":", 1)
+            idle_reader, idle_writer = await asyncio.open_connection(host, int(port))
+            idle_end = asyncio.ensure_future(closed_by_peer(idle_reader))
+            with pytest.raises(DurableError, match="do not share the replication secret"):
+                await bounded(ask(listen, Frame.STATUS, b"not-the-secret-of-this-cluster"), 10.0)
+            status = await bounded(ask(listen, Frame.STATUS, SECRET), 10.0)  # the idle peer was accepted before
+            assert status["refused"] == 1, status
+            assert "connections refused on its replication address since start: 1" in format_status(status)
+            assert not idle_end.done()
+            started = asyncio.get_running_loop().time()
+            await bounded(node.promote(), 5.0)
+            assert await bounded(idle_end, 2.0), "the idle peer's socket is closed"
+            assert asyncio.get_running_loop().time() - started < 5.0
+            idle_writer.close()
+            status = await bounded(ask(listen, Frame.STATUS, SECRET), 10.0)
+            assert status["role"] == "primary" and status["refused"] == 1, status
+        finally:
+            await bounded(node.stop(), 10.0)
+
+    with caplog.at_level(logging.WARNING, logger="amqtt_durable.replication"):
+        asyncio.run(main())
+    db.close()
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+

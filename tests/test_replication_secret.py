@@ -17,7 +17,7 @@ from test_ha_brokers import BACKUP, SERVING, address, assert_queue_served, node,
 from amqtt_durable.replication.auth import NONCE_BYTES, Session, client_proof, session_keys
 from amqtt_durable.replication.framing import Frame, Hello, encode_frame
 from amqtt_durable.replication.tool import ask
-from conftest import WAIT, Broker, Client, connack_code, run_cli
+from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -136,7 +136,7 @@ def test_a_mismatched_or_wrong_secret_is_a_clear_error_on_both_sides_not_a_hang(
         BACKUP,
     )
     assert without.wait_until(lambda: "authentication required" in without.log(), WAIT), without.log()
-    assert wrong.wait_until(lambda: "does not know the replication secret" in wrong.log(), WAIT), wrong.log()
+    assert wrong.wait_until(lambda: "do not share the replication secret" in wrong.log(), WAIT), wrong.log()
     assert primary.wait_until(lambda: "the peer refused this node" in primary.log(), WAIT), primary.log()
     assert status(primary)["backups"] == []
     # The other way round: a backup with a secret, a primary without one.
@@ -145,3 +145,52 @@ def test_a_mismatched_or_wrong_secret_is_a_clear_error_on_both_sides_not_a_hang(
     assert secured.wait_until(lambda: "this node has none set" in secured.log(), WAIT), secured.log()
     assert "this node has none set" in open_primary.log()
     assert status(open_primary, None)["backups"] == []
+
+
+def closed_by_node(sock: socket.socket) -> bool:
+    """Whether the node closed ``sock`` (EOF, or a reset for a connection it aborted)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionError:
+        return True
+
+
+def test_a_flood_of_idle_connections_leaves_the_pair_in_sync_the_clients_served_and_the_log_short(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], secret_file: Path
+) -> None:
+    """Review F2: idle connections to a primary's replication address were each held for
+    handshake_timeout and each logged when refused (a flood took the file descriptors and wrote
+    megabytes of log). Three waves of 200: meanwhile the backup stays in sync and clients get
+    their CONNACK and PUBACKs (sync mode: each waited for the backup); every connection is closed
+    (most at once); the log names a refusal once and sums up the rest; STATUS counts them all; and
+    the backup, restarted once the flood is over, syncs again."""
+    primary = start(
+        node(broker_factory, "p", role="primary", secret_file=str(secret_file), handshake_timeout=0.5), SERVING
+    )
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary), secret=SECRET), BACKUP)
+    wait_in_sync(primary)
+    host, port = address(primary).rsplit(":", 1)
+    flood, waves = 200, 3
+    publisher = clients(primary.port, "publisher", clean_session=True)
+    for wave in range(waves):
+        idle = [socket.create_connection((host, int(port)), timeout=WAIT) for _ in range(flood)]
+        try:
+            assert connack_code(primary.port) == SERVING
+            publisher.publish("t/flood", payloads(20, prefix=f"w{wave}"))  # each PUBACK waited for the backup
+            assert all(closed_by_node(sock) for sock in idle)
+        finally:
+            for sock in idle:
+                sock.close()
+    wait_in_sync(primary)
+    shown = status(primary)
+    assert shown["refused"] == waves * flood, shown
+    log = primary.log()
+    named = [line for line in log.splitlines() if "refused a connection from" in line]
+    assert len(named) == 1, named  # one per address and reason in 10 s; the old code wrote one per refusal
+    assert len([line for line in log.splitlines() if "connection(s) at once" in line]) <= waves
+    assert "Too many open files" not in log and "Traceback" not in log
+
+    backup.stop()
+    start(backup, BACKUP)
+    wait_in_sync(primary)
+    assert status(backup)["caught_up"] is True

@@ -88,7 +88,7 @@ def test_no_secret_on_either_side_is_the_old_protocol() -> None:
 def test_a_wrong_secret_is_refused_and_the_client_finds_out_first() -> None:
     server, client = asyncio.run(exchange(SECRET, honest(b"another-secret-of-some-length")))
     # The client checks the server's proof first: it refuses the node and sends no proof of its own.
-    assert isinstance(client, AuthError) and "does not know the replication secret" in str(client)
+    assert isinstance(client, AuthError) and "do not share the replication secret" in str(client)
     assert isinstance(server, AuthError) and "the peer refused this node" in str(server)
 
 

@@ -213,7 +213,11 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
         raise await _refuse(writer, f"expected AUTH from the node, got {kind.name}")
     server_nonce, mac = payload[:NONCE_BYTES], payload[NONCE_BYTES:]
     if not hmac.compare_digest(mac, server_proof(secret, client_nonce, server_nonce)):
-        raise await _refuse(writer, "authentication failed: the node does not know the replication secret")
+        raise await _refuse(
+            writer,
+            "authentication failed: the node and the connecting side (backup or tool) do not share the "
+            "replication secret",
+        )
     writer.write(encode_frame(Frame.AUTH, client_proof(secret, client_nonce, server_nonce)))
     await writer.drain()
     to_server, from_server = session_keys(secret, client_nonce, server_nonce)

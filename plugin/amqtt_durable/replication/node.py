@@ -90,7 +90,9 @@ class ReplicationNode:
         self._ha_task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._admin: asyncio.Server | None = None
-        self._admin_gate = HandshakeGate("the backup's replication address")
+        self._admin_gate = HandshakeGate(f"the replication address {config.listen}")
+        """The replication address's bound on connections in their handshake, and its counts of
+        refused ones: the tools' listener of a backup and the listener of a primary share it."""
         self._stepping_down: asyncio.Task[None] | None = None
         self._promoting = False
         """A promotion is under way: it, not a demotion's wind-down, reopens the admin address."""
@@ -141,6 +143,7 @@ class ReplicationNode:
                 "caught_up": self.backup.caught_up,
                 "primary": self._following,
             }
+        status["refused"] = self._admin_gate.refused + self._admin_gate.turned_away
         if self.ha is not None:
             status["members"] = [
                 {"name": m.name, "role": m.role, "store_id": m.store_id, "batch": m.seq, "candidate": m.candidate}
@@ -228,7 +231,8 @@ class ReplicationNode:
             return
         try:
             session, kind, _ = await first_frame(
-                reader, writer, self.secret, self.config.handshake_timeout, peer, tls=self.server_tls
+                reader, writer, self.secret, self.config.handshake_timeout, peer, tls=self.server_tls,
+                gate=self._admin_gate,
             )
             if kind in (Frame.STATUS, Frame.PROMOTE):
                 writer.write(session.encode(kind, json.dumps(self.answer(kind)).encode()))
@@ -344,6 +348,7 @@ class ReplicationNode:
             publish_sync_set=self._publish_sync_set if self.ha is not None and self.config.mode == "sync" else None,
             secret=self.secret,
             handshake_timeout=self.config.handshake_timeout,
+            gate=self._admin_gate,
         )
         primary.on_admin = self.answer
         await primary.start(host, port, self.server_tls)

@@ -103,6 +103,7 @@ class Primary:
         publish_sync_set: Callable[[frozenset[str]], Awaitable[None]] | None = None,
         secret: bytes | None = None,
         handshake_timeout: float = HELLO_TIMEOUT,
+        gate: HandshakeGate | None = None,
     ) -> None:
         position = read_position(db) or (0, 0)
         self.db = db
@@ -131,9 +132,9 @@ class Primary:
         self.secret = secret
         """replication.secret: every peer must pass the handshake of auth.py first."""
         self.handshake_timeout = handshake_timeout
-        self.refused = 0
-        """Connections refused by the handshake (wrong or missing secret, silent peer)."""
-        self.gate = HandshakeGate("the primary's replication address")
+        self.gate = gate if gate is not None else HandshakeGate("the primary's replication address")
+        """Bounds the connections in their handshake and logs the refused ones (a node passes the
+        one its replication address keeps across promotions and demotions)."""
         self._tls: ssl.SSLContext | None = None
         self.on_admin: Callable[[Frame], dict[str, Any]] | None = None
         """Answers a tool's STATUS or PROMOTE frame (replication.node)."""
@@ -397,9 +398,10 @@ class Primary:
     ) -> tuple[Session, Frame, bytes] | None:
         """The peer's session and first frame after the handshake; None when it was refused."""
         try:
-            return await first_frame(reader, writer, self.secret, self.handshake_timeout, peer, tls=self._tls)
+            return await first_frame(
+                reader, writer, self.secret, self.handshake_timeout, peer, tls=self._tls, gate=self.gate
+            )
         except (AuthError, FrameError, OSError, TimeoutError, asyncio.IncompleteReadError):
-            self.refused += 1
             return None
 
     async def _read_acks(self, reader: asyncio.StreamReader, link: BackupLink) -> None:
@@ -517,29 +519,38 @@ async def first_frame(
     peer: str,
     *,
     tls: ssl.SSLContext | None = None,
+    gate: HandshakeGate | None = None,
 ) -> tuple[Session, Frame, bytes]:
     """The connection's session and a peer's first frame after the handshake (auth.py; with
     ``tls``, the TLS handshake first), all within ``within`` seconds; a refusal (a failed TLS
     handshake, a first frame that failed its MAC included) is logged as a WARNING naming the
-    peer and raised (the caller closes the connection)."""
+    peer (through ``gate``, which counts it and keeps a flood from filling the log) and raised
+    (the caller closes the connection)."""
     try:
         async with asyncio.timeout(within):
             if tls is not None:
                 await writer.start_tls(tls)
             return await server_handshake(reader, writer, secret, MAX_PEER_FRAME)
     except (AuthError, FrameError) as exc:
-        log.warning("replication: refused a connection from %s: %s", peer, exc)
+        _refused(writer, peer, gate, str(exc))
         raise
     except TimeoutError:
         what = "the handshake was not completed" if secret is not None or tls is not None else "no first frame"
-        log.warning("replication: refused a connection from %s: %s within %g s", peer, what, within)
+        _refused(writer, peer, gate, f"{what} within {within:g} s")
         raise
     except ssl.SSLError as exc:
-        log.warning("replication: refused a connection from %s: the TLS handshake failed: %s", peer, exc)
+        _refused(writer, peer, gate, f"the TLS handshake failed: {exc}")
         raise
     except (OSError, asyncio.IncompleteReadError) as exc:
         log.info("replication: a connection from %s ended before its first frame: %r", peer, exc)
         raise
+
+
+def _refused(writer: asyncio.StreamWriter, peer: str, gate: HandshakeGate | None, why: str) -> None:
+    if gate is None:
+        log.warning("replication: refused a connection from %s: %s", peer, why)
+    else:
+        gate.refusal(str((writer.get_extra_info("peername") or (peer,))[0]), peer, why)
 
 
 def _next_chunk(rows: Any, limit: int) -> list[Op]:
