@@ -17,6 +17,7 @@ from replication_helpers import HOST, bounded, cluster_pki, following, primary_s
 
 from amqtt_durable.errors import DurableError
 from amqtt_durable.process import free_port
+from amqtt_durable.replication.auth import server_handshake
 from amqtt_durable.replication.backup import AUTH_RETRY, Backup
 from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.framing import Frame
@@ -231,3 +232,67 @@ def test_a_promotion_closes_an_idle_peer_of_the_tools_listener_at_once_and_statu
     db.close()
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
 
+
+def test_a_backup_gives_a_slow_primary_one_handshake_timeout_for_tls_and_the_secret_together(
+    tmp_path: Path,
+) -> None:
+    """Review F4: with TLS and a secret the backup gave the TLS handshake handshake_timeout, then
+    the secret's handshake handshake_timeout again. A primary (a real TLS listener and auth.py)
+    slow by 0.6 of it in each phase (its TLS answer held up by a relay, then its AUTH answer) must
+    time out once, at handshake_timeout from the connect."""
+    pki = cluster_pki(tmp_path)
+    within = 1.0
+    slowness = 0.6 * within  # the slowness under test, not a synchronisation
+
+    async def slow_primary(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.sleep(slowness)
+            await server_handshake(reader, writer, SECRET, 1 << 16)
+            await reader.read()
+        writer.close()
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+        with contextlib.suppress(Exception):
+            first = True
+            while chunk := await reader.read(1 << 16):
+                if first and delay:
+                    await asyncio.sleep(delay)
+                first = False
+                writer.write(chunk)
+                await writer.drain()
+        writer.close()
+
+    async def main() -> float:
+        server = await asyncio.start_server(
+            slow_primary, HOST, 0, ssl=tls_context(pki, pki["node"], server=True), ssl_handshake_timeout=10.0
+        )
+        server_port = server.sockets[0].getsockname()[1]
+        pumps: list[asyncio.Task[None]] = []
+
+        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            up_reader, up_writer = await asyncio.open_connection(HOST, server_port)
+            pumps.append(asyncio.create_task(pump(reader, up_writer, 0.0)))
+            pumps.append(asyncio.create_task(pump(up_reader, writer, slowness)))  # the TLS answer, late
+
+        proxy = await asyncio.start_server(relay, HOST, 0)
+        backup = Backup(
+            open_store(str(tmp_path / "b")), name="b", secret=SECRET, handshake_timeout=within,
+            tls=tls_context(pki, pki["node"], server=False),
+        )
+        started = asyncio.get_running_loop().time()
+        try:
+            with pytest.raises(TimeoutError):
+                _, writer, _ = await bounded(backup._open(HOST, proxy.sockets[0].getsockname()[1]), 10.0)
+                writer.close()
+            return asyncio.get_running_loop().time() - started
+        finally:
+            backup.db.close()
+            proxy.close()
+            server.close()
+            for task in pumps:
+                task.cancel()
+            if pumps:
+                await asyncio.wait(pumps, timeout=5.0)
+
+    elapsed = asyncio.run(main())
+    assert within <= elapsed < 1.5 * within, elapsed

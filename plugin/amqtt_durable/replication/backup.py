@@ -143,17 +143,18 @@ class Backup:
             writer.close()
 
     async def _open(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]:
-        """Connect and pass the handshake, each within handshake_timeout; a TLS failure is raised
-        as a refusal (AuthError) naming replication.tls."""
+        """Connect and pass the handshake (with TLS, the TLS handshake first), all within one
+        handshake_timeout; a TLS failure is raised as a refusal (AuthError) naming replication.tls."""
+        deadline = asyncio.get_running_loop().time() + self.handshake_timeout
         try:
-            async with asyncio.timeout(self.handshake_timeout):
+            async with asyncio.timeout_at(deadline):
                 reader, writer = await asyncio.open_connection(
                     host, port, ssl=self.tls, ssl_handshake_timeout=self.handshake_timeout if self.tls else None
                 )
         except ssl.SSLError as exc:
             raise self._tls_refusal(exc) from exc
         try:
-            async with asyncio.timeout(self.handshake_timeout):
+            async with asyncio.timeout_at(deadline):
                 session = await client_handshake(reader, writer, self.secret)
         except (ssl.SSLError, ConnectionResetError, BrokenPipeError, asyncio.IncompleteReadError) as exc:
             writer.close()
