@@ -186,11 +186,12 @@ def test_a_flood_of_idle_connections_leaves_the_pair_in_sync_the_clients_served_
     assert shown["refused"] == waves * flood, shown
     log = primary.log()
     named = [line for line in log.splitlines() if "refused a connection from" in line]
-    assert len(named) == 1, named  # one per address and reason in 10 s; the old code wrote one per refusal
-    assert len([line for line in log.splitlines() if "connection(s) at once" in line]) <= waves
+    assert 1 <= len(named) <= waves, named  # one per address in 10 s (the waves may span two); the old code: 600
+    assert len([line for line in log.splitlines() if "connection from" in line and " at once" in line]) <= waves
     assert "Too many open files" not in log and "Traceback" not in log
 
     backup.stop()
     start(backup, BACKUP)
+    # The backup's own word: the primary may still show the old link in sync for a moment.
+    assert backup.wait_until(lambda: status(backup)["caught_up"] is True, WAIT), backup.log()
     wait_in_sync(primary)
-    assert status(backup)["caught_up"] is True

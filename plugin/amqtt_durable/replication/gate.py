@@ -4,11 +4,12 @@ Anyone who reaches a replication address can open connections and say nothing; e
 held until ``handshake_timeout``. Unbounded, a few thousand of them take the broker's file
 descriptors (MQTT clients then go unanswered) and fill the log. A gate admits at most
 ``PER_HOST`` such connections from one address and ``TOTAL`` in all; one past either is closed
-at once, counted, and logged at most once per ``LOG_EVERY`` seconds. A refused handshake (a
-wrong or missing secret, a silent peer, a failed TLS handshake) is logged at once the first time
-its address and reason come up in an interval of ``LOG_EVERY`` seconds (at most ``LOG_HOSTS``
-such pairs); the others are counted and summed up in one WARNING when that interval ends. A node
-stopping or being promoted aborts the connections still waiting (from Python 3.12 ``Server.wait_closed`` waits
+at once. Both that and a refused handshake (a wrong or missing secret, a silent peer, a failed
+TLS handshake) are counted, and logged at once the first time that address has that event (the
+same reason) in an interval of ``LOG_EVERY`` seconds: at most ``LOG_PER_HOST`` lines an address
+(a reason may hold the peer's own text, so one address varying what it sends cannot take every
+line) and ``LOG_HOSTS`` in all; the rest are summed up in one WARNING when the interval ends. A node stopping or being
+promoted aborts the connections still waiting (from Python 3.12 ``Server.wait_closed`` waits
 for every connection, so one silent peer would hold a promotion up)."""
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ PER_HOST = 8
 TOTAL = 64
 LOG_EVERY = 10.0
 LOG_HOSTS = 16
+LOG_PER_HOST = 4
+REFUSED = "refused by the handshake"
+TURNED_AWAY = "closed at once"
 
 
 class HandshakeGate:
@@ -36,32 +40,34 @@ class HandshakeGate:
         """Connections closed at once because too many were waiting (since start)."""
         self.refused = 0
         """Connections refused by the handshake (since start): wrong or missing secret, silent peer, TLS."""
-        self._refusals_since = float("-inf")
-        self._refusals_logged: set[tuple[str, str]] = set()
-        """The addresses and reasons logged in this interval (at most ``LOG_HOSTS``)."""
-        self._refusals_unlogged = 0
-        self._summary: asyncio.TimerHandle | None = None
         self._waiting: dict[asyncio.StreamWriter, tuple[str, asyncio.Task[Any] | None]] = {}
         """Each connection in its handshake: its address, and the task serving it."""
         self._hosts: Counter[str] = Counter()
-        self._unlogged = 0
-        self._logged_at = float("-inf")
+        self._interval_start = float("-inf")
+        self._logged: set[tuple[str, str]] = set()
+        """The (address, reason) pairs logged in this interval (at most ``LOG_HOSTS``)."""
+        self._lines_of: Counter[str] = Counter()
+        """Lines logged in this interval per address (at most ``LOG_PER_HOST``)."""
+        self._unlogged: Counter[str] = Counter()
+        """Per kind, the events of this interval left to its summary."""
+        self._summary: asyncio.TimerHandle | None = None
 
     def admit(self, writer: asyncio.StreamWriter, host: str) -> bool:
         """Hold ``writer`` until ``done``; False (and the connection aborted) when full."""
         if len(self._waiting) >= self.total or self._hosts[host] >= self.per_host:
             writer.transport.abort()
             self.turned_away += 1
-            self._unlogged += 1
-            now = time.monotonic()
-            if now - self._logged_at >= LOG_EVERY:
+            if self._may_log(host, TURNED_AWAY, TURNED_AWAY):
                 log.warning(
-                    "replication: %s: closed %d connection(s) at once, the last from %s: %d from that "
-                    "address (at most %d) or %d in all (at most %d) had not finished the handshake",
-                    self.where, self._unlogged, host, self._hosts[host], self.per_host, len(self._waiting),
+                    "replication: %s: closed a connection from %s at once: %d from that address (at most %d) or "
+                    "%d in all (at most %d) had not finished the handshake",
+                    self.where,
+                    host,
+                    self._hosts[host],
+                    self.per_host,
+                    len(self._waiting),
                     self.total,
                 )
-                self._unlogged, self._logged_at = 0, now
             return False
         self._waiting[writer] = (host, asyncio.current_task())
         self._hosts[host] += 1
@@ -74,43 +80,56 @@ class HandshakeGate:
             if not self._hosts[host]:
                 del self._hosts[host]
 
-    def refusal(self, host: str, peer: str, why: str) -> None:
-        """A connection from ``peer`` (at ``host``) refused by the handshake: counted, and logged
-        as a WARNING unless the same address and reason were logged in this interval (or
-        ``LOG_HOSTS`` others were); the ones not logged are summed up in one WARNING when the
-        interval ends."""
+    def refusal(self, writer: asyncio.StreamWriter, peer: str, why: str) -> None:
+        """The admitted connection ``writer`` (from ``peer``) was refused by the handshake."""
         self.refused += 1
-        now = time.monotonic()
-        if now - self._refusals_since >= LOG_EVERY:
-            self._summarize()
-            self._refusals_since = now
-        if (host, why) not in self._refusals_logged and len(self._refusals_logged) < LOG_HOSTS:
-            self._refusals_logged.add((host, why))
+        host, _ = self._waiting.get(writer, (peer, None))
+        if self._may_log(host, REFUSED, why):
             log.warning("replication: refused a connection from %s: %s", peer, why)
-            return
-        self._refusals_unlogged += 1
+
+    def _may_log(self, host: str, kind: str, reason: str) -> bool:
+        """Whether this event is logged now: the first with this reason from ``host`` in this
+        interval (within ``LOG_PER_HOST`` lines for the address and ``LOG_HOSTS`` in all);
+        otherwise it is left to the interval's summary, counted by ``kind``."""
+        now = time.monotonic()
+        if now - self._interval_start >= LOG_EVERY:
+            self._summarize()
+            self._interval_start = now
+        if (host, reason) not in self._logged and len(self._logged) < LOG_HOSTS and self._lines_of[host] < LOG_PER_HOST:
+            self._logged.add((host, reason))
+            self._lines_of[host] += 1
+            return True
+        self._unlogged[kind] += 1
         if self._summary is None:
-            delay = max(0.0, self._refusals_since + LOG_EVERY - now)
+            delay = max(0.0, self._interval_start + LOG_EVERY - now)
             self._summary = asyncio.get_running_loop().call_later(delay, self._summarize)
+        return False
 
     def _summarize(self) -> None:
         if self._summary is not None:
             self._summary.cancel()
             self._summary = None
-        if self._refusals_unlogged:
+        if self._unlogged:
             log.warning(
-                "replication: %s: refused %d more connection(s) (the first from each address for each reason is "
-                "logged, once per %g s); %d refused since start",
-                self.where, self._refusals_unlogged, LOG_EVERY, self.refused,
+                "replication: %s: %d more connection(s) refused by the handshake and %d more closed at once "
+                "(the first for each reason from each address is logged, once per %g s); since start %d refused, "
+                "%d closed at once",
+                self.where,
+                self._unlogged[REFUSED],
+                self._unlogged[TURNED_AWAY],
+                LOG_EVERY,
+                self.refused,
+                self.turned_away,
             )
-        self._refusals_unlogged = 0
-        self._refusals_logged.clear()
-        self._refusals_since = float("-inf")
+        self._unlogged.clear()
+        self._logged.clear()
+        self._lines_of.clear()
+        self._interval_start = float("-inf")
 
     def abort_all(self) -> None:
         """End every connection still in its handshake (a stop, a promotion): its task is
         cancelled, and closes it (aborting the socket under a TLS handshake would leave asyncio's
-        stream without a transport)."""
+        stream without a transport). The interval's summary is logged now."""
         for _, task in list(self._waiting.values()):
             if task is not None:
                 task.cancel()

@@ -519,7 +519,7 @@ async def first_frame(
     peer: str,
     *,
     tls: ssl.SSLContext | None = None,
-    gate: HandshakeGate | None = None,
+    gate: HandshakeGate,
 ) -> tuple[Session, Frame, bytes]:
     """The connection's session and a peer's first frame after the handshake (auth.py; with
     ``tls``, the TLS handshake first), all within ``within`` seconds; a refusal (a failed TLS
@@ -532,25 +532,18 @@ async def first_frame(
                 await writer.start_tls(tls)
             return await server_handshake(reader, writer, secret, MAX_PEER_FRAME)
     except (AuthError, FrameError) as exc:
-        _refused(writer, peer, gate, str(exc))
+        gate.refusal(writer, peer, str(exc))
         raise
     except TimeoutError:
         what = "the handshake was not completed" if secret is not None or tls is not None else "no first frame"
-        _refused(writer, peer, gate, f"{what} within {within:g} s")
+        gate.refusal(writer, peer, f"{what} within {within:g} s")
         raise
     except ssl.SSLError as exc:
-        _refused(writer, peer, gate, f"the TLS handshake failed: {exc}")
+        gate.refusal(writer, peer, f"the TLS handshake failed: {exc}")
         raise
     except (OSError, asyncio.IncompleteReadError) as exc:
         log.info("replication: a connection from %s ended before its first frame: %r", peer, exc)
         raise
-
-
-def _refused(writer: asyncio.StreamWriter, peer: str, gate: HandshakeGate | None, why: str) -> None:
-    if gate is None:
-        log.warning("replication: refused a connection from %s: %s", peer, why)
-    else:
-        gate.refusal(str((writer.get_extra_info("peername") or (peer,))[0]), peer, why)
 
 
 def _next_chunk(rows: Any, limit: int) -> list[Op]:

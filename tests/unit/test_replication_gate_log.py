@@ -1,0 +1,138 @@
+"""How a replication address's gate logs what it turns away (review of fix-caps, findings 1-2):
+the first event for each reason from each address in an interval is logged, at most
+LOG_PER_HOST lines an address and LOG_HOSTS in all; the rest are summed up in one WARNING when
+the interval ends (a timer, not the next event nor a stop), and the next interval logs each
+address again. One address varying its frames (a reason may hold the peer's text) cannot take
+every line. Real
+connections (socket pairs) stand at the gate; the addresses are the gate's own keys."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from amqtt_durable.replication import gate
+from amqtt_durable.replication.gate import LOG_HOSTS, LOG_PER_HOST, HandshakeGate
+
+pytestmark = pytest.mark.timeout(30)
+
+INTERVAL = 0.3
+SUMMARY = "more connection(s) refused by the handshake"
+
+
+class LogWaiter(logging.Handler):
+    """The gate's WARNINGs, and a wait for one that matches."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+        self._arrived = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+        self._arrived.set()
+
+    async def wait_for(self, match: Callable[[str], bool], within: float = 5.0) -> str:
+        async with asyncio.timeout(within):
+            while True:
+                found = [line for line in self.lines if match(line)]
+                if found:
+                    return found[0]
+                self._arrived.clear()
+                await self._arrived.wait()
+
+    def naming(self, host: str) -> list[str]:
+        return [line for line in self.lines if f"from {host}:" in line or f"from {host} " in line]
+
+
+@asynccontextmanager
+async def gate_logs(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[HandshakeGate, LogWaiter]]:
+    monkeypatch.setattr(gate, "LOG_EVERY", INTERVAL)
+    waiter = LogWaiter()
+    logger = logging.getLogger("amqtt_durable.replication")
+    logger.addHandler(waiter)
+    try:
+        yield HandshakeGate("the test's address", per_host=2, total=1000), waiter
+    finally:
+        logger.removeHandler(waiter)
+
+
+async def connection() -> tuple[asyncio.StreamWriter, socket.socket]:
+    ours, theirs = socket.socketpair()
+    _, writer = await asyncio.open_connection(sock=ours)
+    return writer, theirs
+
+
+async def refuse(handshakes: HandshakeGate, host: str, why: str) -> None:
+    """A connection from ``host`` admitted, then refused by its handshake."""
+    writer, other_end = await connection()
+    assert handshakes.admit(writer, host)
+    handshakes.refusal(writer, f"{host}:40000", why)
+    handshakes.done(writer)
+    writer.close()
+    other_end.close()
+
+
+def test_one_line_per_address_and_reason_at_most_log_hosts_and_the_rest_summed_up_by_a_timer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def main() -> None:
+        async with gate_logs(monkeypatch) as (handshakes, logs):
+            hosts = [f"10.0.0.{n}" for n in range(LOG_HOSTS + 4)]
+            for host in hosts:
+                await refuse(handshakes, host, "wrong replication secret")
+                await refuse(handshakes, host, "wrong replication secret")
+            assert [len(logs.naming(host)) for host in hosts] == [1] * LOG_HOSTS + [0] * 4
+            summary = await logs.wait_for(lambda line: SUMMARY in line)  # no stop, no later event
+            assert f"{LOG_HOSTS + 8} more connection(s) refused" in summary and f"{2 * len(hosts)} refused" in summary
+            # The next interval names an address again.
+            await refuse(handshakes, hosts[-1], "wrong replication secret")
+            assert len(logs.naming(hosts[-1])) == 1
+            assert handshakes.refused == 2 * len(hosts) + 1
+
+    asyncio.run(main())
+
+
+def test_an_address_that_varies_its_frames_takes_a_few_lines_not_every_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        async with gate_logs(monkeypatch) as (handshakes, logs):
+            for length in range(3 * LOG_HOSTS):
+                await refuse(handshakes, "10.0.0.66", f"malformed AUTH frame: {length} bytes")
+            await refuse(handshakes, "10.0.0.2", "wrong replication secret")
+            assert len(logs.naming("10.0.0.66")) == LOG_PER_HOST
+            assert logs.naming("10.0.0.2") == [
+                "replication: refused a connection from 10.0.0.2:40000: wrong replication secret"
+            ]
+
+    asyncio.run(main())
+
+
+def test_connections_closed_at_once_have_their_own_line_and_go_into_the_same_summary(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gate's surplus used to be logged only when a later connection came: the last of a flood
+    went unsaid."""
+
+    async def main() -> None:
+        async with gate_logs(monkeypatch) as (handshakes, logs):
+            held = [await connection() for _ in range(2)]
+            for writer, _ in held:
+                assert handshakes.admit(writer, "10.0.0.9")
+            handshakes.refusal(held[0][0], "10.0.0.9:40000", "no first frame within 10 s")
+            handshakes.refusal(held[1][0], "10.0.0.9:40001", "no first frame within 10 s")
+            surplus = [await connection() for _ in range(5)]
+            assert [handshakes.admit(writer, "10.0.0.9") for writer, _ in surplus] == [False] * 5
+            assert len([line for line in logs.naming("10.0.0.9") if "at once" in line]) == 1
+            summary = await logs.wait_for(lambda line: SUMMARY in line)
+            assert "1 more connection(s) refused by the handshake and 4 more closed at once" in summary
+            assert handshakes.turned_away == 5
+            for writer, other_end in held + surplus:
+                writer.close()
+                other_end.close()
+
+    asyncio.run(main())
