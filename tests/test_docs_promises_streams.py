@@ -1,0 +1,201 @@
+"""Promises of docs/streams.md, docs/delivery-log.md, docs/store-layout.md and docs/sdk.md (the
+asyncio client's event loop) that no other test states, each against a real broker.
+
+Each test names the page and the promise it checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import plyvel
+import pytest
+from test_sdk import Recorder, Signals
+
+from conftest import WAIT, Broker, Client, payloads
+from durable_client import AsyncDurableClient, DurableClient, DurableClientError
+from durable_client.delivery_log import message_id
+
+# ------------------------------------------------------------------------------ streams.md
+
+
+def test_a_memory_reader_starts_at_the_first_retained_event_and_a_trimmed_range_is_a_warning_with_the_ids(
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    sdk: Callable[..., DurableClient],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """streams.md: "with persistence="memory" it starts again from the first retained event.
+    Events retention removed before the client read them are reported (a WARNING with the ids)"."""
+    broker = broker_factory(streams=[{"filter": "g/#", "max_count": 2}])
+    publisher = clients(broker.port, "g-pub", clean_session=True)
+    publisher.publish("g/a", payloads(4))  # ids 1..4; retention keeps 3 and 4
+
+    caplog.set_level(logging.WARNING, logger="durable_client")
+    fresh = Recorder()
+    reader = sdk(broker.port, "g-fresh", durable_session=False)
+    reader.subscribe_stream("g/#", fresh)
+    reader.connect()
+    assert [(e.seq, e.payload) for e in fresh.wait(2)] == [(3, b"m0000002"), (4, b"m0000003")]
+    assert not [r for r in caplog.records if "trimmed" in r.getMessage()], "a reader with no position misses nothing"
+
+    behind = Recorder()
+    late = sdk(broker.port, "g-late", durable_session=False)
+    late.connect()
+    late.subscribe_stream("g/#", behind, after={"g/a": 0})  # it processed nothing: wants id 1 on
+    assert [e.seq for e in behind.wait(2)] == [3, 4]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("stream g/a: ids 1 to 2 were trimmed" in text for text in warnings), warnings
+
+
+# ------------------------------------------------------------------------------ delivery-log.md
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_a_stateless_devices_log_has_non_durable_subscribes_raw_receives_at_0_0_and_stream_ids_at_epoch_0(
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    sdk: Callable[..., DurableClient],
+    tmp_path: Path,
+) -> None:
+    """delivery-log.md: `durable` is false for "every subscription of a stateless client";
+    `seq`, `epoch` are "for a stream event the stream log id and epoch 0; both 0 for raw events";
+    `published_at` for raw events is "the receive time"; `id` is the first 16 bytes of SHA-256
+    over the topic, a NUL byte and the payload, in hex."""
+    broker = broker_factory(streams=[{"filter": "st/#", "max_count": 100}])
+    publisher = clients(broker.port, "dl-pub", clean_session=True)
+    publisher.publish("st/a", [b"s1", b"s2"])  # stream ids 1 and 2, logged before the reader comes
+
+    raw, streamed = Recorder(), Recorder()
+    log_path = tmp_path / "stateless.jsonl"
+    device = sdk(broker.port, "dl-stateless", durable_session=False, delivery_log=log_path)
+    device.subscribe("raw/#", listener=raw)
+    device.subscribe_stream("st/#", streamed)
+    device.connect()
+    assert [e.seq for e in streamed.wait(2)] == [1, 2]
+    before = time.time()
+    publisher.publish("raw/x", [b"r1"])
+    raw.wait(1)
+    after = time.time()
+    device.close()
+
+    logged = records(log_path)
+    assert {r["device"] for r in logged} == {"dl-stateless"}
+    subscribes = [r for r in logged if r["kind"] == "subscribe"]
+    assert subscribes == [{**subscribes[0], "topic": "raw/#", "qos": 1, "durable": False}]
+    receives = {r["topic"] + ":" + str(r["seq"]): r for r in logged if r["kind"] == "receive"}
+    assert set(receives) == {"st/a:1", "st/a:2", "raw/x:0"}
+    assert receives["st/a:1"]["epoch"] == receives["st/a:2"]["epoch"] == 0
+    assert receives["st/a:2"]["id"] == message_id("st/a", b"s2")
+    # the formula the page gives, computed here independently of the SDK
+    assert receives["raw/x:0"]["id"] == hashlib.sha256(b"raw/x\x00r1").digest()[:16].hex()
+    assert receives["raw/x:0"]["epoch"] == 0
+    assert before <= receives["raw/x:0"]["published_at"] <= after, "a raw event's published_at is its receive time"
+    assert not any(r["kind"] in ("live", "session_end") for r in logged), "a stateless client has no marker, no session"
+
+
+def test_a_durable_devices_log_says_session_present_and_the_markers_replayed_count(
+    broker: Broker, clients: Callable[..., Client], sdk: Callable[..., DurableClient], tmp_path: Path
+) -> None:
+    """delivery-log.md: `session_present` (connect) is "what CONNACK said"; `replayed_count`
+    (live) is "the marker's replayed count"; `replayed` is true for events delivered before the
+    marker; `durable` is false for a non-durable subscription; session epochs start at 1."""
+    log_path = tmp_path / "durable.jsonl"
+    first = sdk(broker.port, "dl-durable", delivery_log=log_path)
+    first.subscribe("d/#")
+    first.subscribe("n/#", durable=False)
+    first.connect()
+    first.close(keep_session=True)
+    publisher = clients(broker.port, "dl-pub2", clean_session=True)
+    publisher.publish("d/x", payloads(3))
+
+    signals, recorder = Signals(), Recorder()
+    again = sdk(broker.port, "dl-durable", delivery_log=log_path, **signals.kwargs())
+    again.subscribe("d/#", listener=recorder)
+    again.connect()
+    again.ready_for_events()
+    assert signals.live.wait(WAIT)
+    recorder.wait(3)
+    again.close(keep_session=True)
+
+    logged = records(log_path)
+    connects = [r["session_present"] for r in logged if r["kind"] == "connect"]
+    assert connects == [False, True]
+    durable_of = {r["topic"]: r["durable"] for r in logged if r["kind"] == "subscribe"}
+    assert durable_of == {"d/#": True, "n/#": False}
+    lives = [r for r in logged if r["kind"] == "live"]
+    assert lives[-1]["replayed_count"] == signals.markers[-1].replayed == 3
+    receives = [r for r in logged if r["kind"] == "receive"]
+    assert [(r["replayed"], r["redelivered"]) for r in receives] == [(True, False)] * 3
+    assert all(r["epoch"] >= 1 and r["seq"] >= 1 for r in receives)
+
+
+# ------------------------------------------------------------------------------ store-layout.md
+
+
+def test_queue_entries_a_crash_left_of_a_deleted_session_are_removed_at_start_up_with_a_warning_counting_them(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """store-layout.md: "Deleting a session writes its record's removal first; if a crash
+    interrupts the deletion of a long queue, the next start-up removes the rest (a WARNING says
+    how many entries)"."""
+    subscriber = clients(broker.port, "half-deleted")
+    subscriber.subscribe("h/#")
+    subscriber.disconnect()
+    clients(broker.port, "h-pub", clean_session=True).publish("h/x", payloads(3))
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    try:  # what a crash right after the record's removal leaves
+        assert len(list(db.iterator(prefix=b"q", include_value=False))) == 3
+        db.delete(b"s" + b"half-deleted", sync=True)
+    finally:
+        db.close()
+    broker.start()
+    broker.stop()
+    assert "store: deleted 3 queue entries of a session deleted before a crash" in broker.log()
+    db = plyvel.DB(broker.store)
+    try:
+        assert list(db.iterator(prefix=b"q", include_value=False)) == []
+        assert list(db.iterator(prefix=b"m", include_value=False)) == [], "their bodies go with them"
+    finally:
+        db.close()
+
+
+# ------------------------------------------------------------------------------ sdk.md
+
+
+def test_an_async_client_is_tied_to_the_event_loop_of_its_first_coroutine_whichever_it_is(broker: Broker) -> None:
+    """sdk.md: "One loop per client: the first coroutine called ties it to its event loop"."""
+    client = AsyncDurableClient("one-loop", port=broker.port, reconnect_max_delay=0.5)
+    home, other = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        home.run_until_complete(client.ready_for_events())  # not connect(): any coroutine ties it
+        with pytest.raises(DurableClientError, match="one event loop only"):
+            other.run_until_complete(client.connect())
+        home.run_until_complete(client.connect())
+        calls: list[Callable[[], Any]] = [
+            lambda: client.publish("loop/x", b"1"),
+            client.stream_info,
+            lambda: client.unsubscribe("loop/#"),
+            client.ready_for_events,
+            lambda: client.subscribe("loop/#"),
+            client.close,
+        ]
+        for call in calls:
+            with pytest.raises(DurableClientError, match="one event loop only"):
+                other.run_until_complete(call())
+        assert client.connected, "a refused call changed nothing"
+    finally:
+        home.run_until_complete(client.close(keep_session=False))
+        home.close()
+        other.close()
