@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -199,3 +200,59 @@ def test_an_async_client_is_tied_to_the_event_loop_of_its_first_coroutine_whiche
         home.run_until_complete(client.close(keep_session=False))
         home.close()
         other.close()
+
+
+def test_a_real_store_holds_the_keys_and_values_the_store_docstring_documents(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """store-layout.md and store.py's docstring: bodies stored once under b"m" (time, qos, tlen,
+    topic, payload), a reference count under b"c" only for a body queued for 2+ sessions (entry
+    flag SHARED), queue entries b"q" + sid + seq -> msg_id qos flags size, totals b"t" -> depth
+    bytes dropped, session records as JSON under b"s", the sid mark b"n", the store id b"i",
+    stream events under b"e" + tlen + topic + id with the id mark b"L", the retained message
+    under b"r", the version b"1" under b"v"."""
+    broker = broker_factory(streams=[{"filter": "s/#"}])
+    for client_id, filters in (("A", ["t/#"]), ("C", ["t/#", "u/#"])):
+        subscriber = clients(broker.port, client_id)
+        for topic_filter in filters:
+            subscriber.subscribe(topic_filter)
+        subscriber.disconnect()
+    publisher = clients(broker.port, "P", clean_session=True)
+    publisher.publish("t/x", [b"shared"])
+    publisher.publish("u/x", [b"single"])
+    publisher.publish("r/x", [b"ret"], retain=True)
+    publisher.publish("s/a", [b"ev"])
+    broker.stop()
+
+    db = plyvel.DB(broker.store)
+    try:
+        keys = dict(db.iterator())
+    finally:
+        db.close()
+    u64 = struct.Struct(">Q").pack
+    assert keys[b"v"] == b"1"
+    assert len(keys[b"i"]) == 8
+    assert keys[b"n"] == u64(2), "two sessions were ever made"
+    sid = {cid: json.loads(keys[b"s" + cid.encode()])["sid"] for cid in ("A", "C")}
+    assert json.loads(keys[b"sC"])["subscriptions"] == {"t/#": 1, "u/#": 1}
+    bodies = {key: value for key, value in keys.items() if key[:1] == b"m"}
+    assert len(bodies) == 2, "the shared message is stored once"
+    by_topic: dict[str, tuple[int, int, bytes]] = {}
+    for key, value in bodies.items():
+        published_at, qos, tlen = struct.unpack_from(">dBH", value)
+        topic = value[11 : 11 + tlen].decode()
+        by_topic[topic] = (struct.unpack(">Q", key[1:])[0], qos, value[11 + tlen :])
+        assert qos == 1 and abs(published_at - time.time()) < 60
+    shared_id, _, shared_payload = by_topic["t/x"]
+    single_id, _, single_payload = by_topic["u/x"]
+    assert (shared_payload, single_payload) == (b"shared", b"single")
+    assert keys[b"c" + u64(shared_id)] == struct.pack(">I", 2)
+    assert b"c" + u64(single_id) not in keys, "a body with one queue entry has no count"
+    entry = struct.Struct(">QBBI").unpack
+    assert entry(keys[b"q" + u64(sid["A"]) + u64(1)]) == (shared_id, 1, 0x04, 6)  # SHARED
+    assert entry(keys[b"q" + u64(sid["C"]) + u64(2)]) == (single_id, 1, 0x00, 6)
+    assert struct.unpack(">QQQ", keys[b"t" + u64(sid["C"])]) == (2, 12, 0)
+    event = keys[b"e" + struct.pack(">H", 3) + b"s/a" + u64(1)]
+    assert event[8:] == b"\x01ev"
+    assert keys[b"Ls/a"] == u64(1)
+    assert keys[b"rr/x"][8:] == b"\x01ret"
