@@ -21,7 +21,13 @@ import pytest
 from test_sdk import Recorder, Signals
 
 from conftest import WAIT, Broker, Client, payloads
-from durable_client import AsyncDurableClient, DurableClient, DurableClientError
+from durable_client import (
+    AsyncDurableClient,
+    ConnectionInfo,
+    ControlRequestFailed,
+    DurableClient,
+    DurableClientError,
+)
 from durable_client.delivery_log import message_id
 
 # ------------------------------------------------------------------------------ streams.md
@@ -256,3 +262,44 @@ def test_a_real_store_holds_the_keys_and_values_the_store_docstring_documents(
     assert event[8:] == b"\x01ev"
     assert keys[b"Ls/a"] == u64(1)
     assert keys[b"rr/x"][8:] == b"\x01ret"
+
+
+def test_stream_info_gives_each_logs_first_and_last_id_and_refuses_a_filter_no_stream_covers(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient]
+) -> None:
+    """streams.md: "`stream_info` (see the protocol) lists each log's first and last id"; sdk.md's
+    ControlRequestFailed (`code`, `message`) when the broker refuses a request."""
+    broker = broker_factory(streams=[{"filter": "si/#", "max_count": 2}])
+    clients(broker.port, "si-pub", clean_session=True).publish("si/a", payloads(3))
+    clients(broker.port, "si-pub2", clean_session=True).publish("si/b", payloads(1))
+    reader = sdk(broker.port, "si-reader", durable_session=False)
+    reader.connect()
+    bounds = reader.stream_info("si/#")
+    assert dict(bounds) == {"si/a": (2, 3), "si/b": (1, 1)}
+    assert isinstance(bounds.store, int)
+    assert reader.stream_info("si/b") == {"si/b": (1, 1)}
+    with pytest.raises(ControlRequestFailed) as refused:
+        reader.stream_info("other/#")
+    assert refused.value.code == "unknown_stream" and refused.value.message
+
+
+def test_on_connected_gets_the_epoch_and_the_granted_session_expiry_capped_by_the_broker(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md: `on_connected(info)` (`session_present`, `epoch`, granted `session_expiry`);
+    "`session_expiry=seconds` overrides the broker's `session_expiry` for this client, capped by
+    the broker's `max_session_expiry`"; session epochs start at 1."""
+    broker = broker_factory(session_expiry=300, max_session_expiry=60)
+    infos: list[ConnectionInfo] = []
+    capped = sdk(broker.port, "exp-capped", session_expiry=3600, on_connected=infos.append)
+    capped.connect()
+    capped.close(keep_session=True)
+    again = sdk(broker.port, "exp-capped", session_expiry=30, on_connected=infos.append)
+    again.connect()
+    again.close(keep_session=False)
+    default = sdk(broker.port, "exp-default", on_connected=infos.append)
+    default.connect()
+    default.close(keep_session=False)
+    assert [(i.session_present, i.session_expiry) for i in infos] == [(False, 60.0), (True, 30.0), (False, None)]
+    assert infos[0].epoch == infos[1].epoch and infos[0].epoch is not None and infos[0].epoch >= 1
+    assert infos[2].epoch is not None and infos[2].epoch > infos[0].epoch
