@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import struct
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ from durable_client import (
     ControlRequestFailed,
     DurableClient,
     DurableClientError,
+    Event,
 )
 from durable_client.delivery_log import message_id
 
@@ -303,3 +305,28 @@ def test_on_connected_gets_the_epoch_and_the_granted_session_expiry_capped_by_th
     assert [(i.session_present, i.session_expiry) for i in infos] == [(False, 60.0), (True, 30.0), (False, None)]
     assert infos[0].epoch == infos[1].epoch and infos[0].epoch is not None and infos[0].epoch >= 1
     assert infos[2].epoch is not None and infos[2].epoch > infos[0].epoch
+
+
+def test_events_trimmed_while_a_reader_was_behind_are_a_broker_warning_naming_the_ids(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient]
+) -> None:
+    """streams.md: "Events retention removed before the client read them are reported (a WARNING
+    with the ids)": also those trimmed while the reader was connected but behind."""
+    broker = broker_factory(streams=[{"filter": "tw/#", "max_count": 2}])
+    publisher = clients(broker.port, "tw-pub", clean_session=True)
+    release, first_seen, recorder = threading.Event(), threading.Event(), Recorder()
+
+    def slow(event: Event) -> None:
+        first_seen.set()
+        assert release.wait(WAIT), "the test never released the listener"
+        recorder(event)
+
+    reader = sdk(broker.port, "tw-reader", durable_session=False)
+    reader.subscribe_stream("tw/#", slow)  # window 1: one event in flight, the next after its ack
+    reader.connect()
+    publisher.publish("tw/a", payloads(1))
+    assert first_seen.wait(WAIT)
+    publisher.publish("tw/a", payloads(5, "n"))  # ids 2..6; retention keeps 5 and 6 while id 1 is in flight
+    release.set()
+    assert [e.seq for e in recorder.wait(3)] == [1, 5, 6]
+    assert "stream tw/a: ids 2 to 4 were trimmed by retention before they were sent; resuming at id 5" in broker.log()
