@@ -330,3 +330,47 @@ def test_events_trimmed_while_a_reader_was_behind_are_a_broker_warning_naming_th
     release.set()
     assert [e.seq for e in recorder.wait(3)] == [1, 5, 6]
     assert "stream tw/a: ids 2 to 4 were trimmed by retention before they were sent; resuming at id 5" in broker.log()
+
+
+def test_each_kind_of_record_has_exactly_the_columns_the_table_gives_it_and_a_listeners_publish_is_logged(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path
+) -> None:
+    """delivery-log.md: the columns per kind ("a record leaves out the ones that do not apply to
+    its kind"); a `send` is written at the PUBACK (QoS 1) or when handed to the socket (QoS 0,
+    and any publish made from inside a listener)."""
+    log_path = tmp_path / "kinds.jsonl"
+    signals = Signals()
+    replied = threading.Event()
+
+    def reply(event: Event) -> None:
+        if event.topic == "k/in":
+            device.publish("k/out", b"from-listener")  # returns without waiting for its PUBACK
+            replied.set()
+
+    device = sdk(broker.port, "kinds", delivery_log=log_path, **signals.kwargs())
+    device.subscribe("k/in", listener=reply)
+    device.connect()
+    device.ready_for_events()
+    assert signals.live.wait(WAIT)
+    device.publish("k/in", b"go")  # QoS 1: logged at its PUBACK
+    assert replied.wait(WAIT)
+    device.publish("k/zero", b"z", qos=0)
+    device.unsubscribe("k/in")
+    device.close(keep_session=False)
+
+    common = {"kind", "device", "time"}
+    columns = {
+        "send": common | {"topic", "id", "qos"},
+        "receive": common | {"topic", "id", "qos", "replayed", "redelivered", "seq", "epoch", "published_at"},
+        "subscribe": common | {"topic", "qos", "durable"},
+        "unsubscribe": common | {"topic"},
+        "session_end": common,
+        "connect": common | {"session_present"},
+        "live": common | {"replayed_count"},
+    }
+    logged = records(log_path)
+    assert {r["kind"] for r in logged} == set(columns)
+    for record in logged:
+        assert set(record) == columns[record["kind"]], record
+    sends = {(r["topic"], r["qos"]) for r in logged if r["kind"] == "send"}
+    assert sends == {("k/in", 1), ("k/out", 1), ("k/zero", 0)}
