@@ -31,6 +31,8 @@ from durable_client import (
     Event,
 )
 from durable_client.delivery_log import message_id
+from durable_fleet.runner import device_names
+from durable_fleet.schedule import load_schedule
 
 # ------------------------------------------------------------------------------ streams.md
 
@@ -374,3 +376,16 @@ def test_each_kind_of_record_has_exactly_the_columns_the_table_gives_it_and_a_li
         assert set(record) == columns[record["kind"]], record
     sends = {(r["topic"], r["qos"]) for r in logged if r["kind"] == "send"}
     assert sends == {("k/in", 1), ("k/out", 1), ("k/zero", 0)}
+
+
+# ------------------------------------------------------------------------------ fleet.md
+
+
+def test_fleet_devices_are_named_prefix_and_an_index_of_at_least_three_digits(tmp_path: Path) -> None:
+    """fleet.md: devices are named `--prefix` + an index of at least three digits, `dev-000` ...
+    `dev-999`, `dev-1000` ..., and a schedule names them so."""
+    names = device_names("dev-", 1001)
+    assert names[:2] == ["dev-000", "dev-001"] and names[-2:] == ["dev-999", "dev-1000"]
+    script = tmp_path / "faults.yaml"
+    script.write_text("faults:\n  - {at: 5s, kind: drop, device: dev-1000, for: 1s}\n", encoding="utf-8")
+    assert [f.target for f in load_schedule(script, devices=names, duration=45.0)] == ["dev-1000"]
