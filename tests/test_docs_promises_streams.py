@@ -389,3 +389,14 @@ def test_fleet_devices_are_named_prefix_and_an_index_of_at_least_three_digits(tm
     script = tmp_path / "faults.yaml"
     script.write_text("faults:\n  - {at: 5s, kind: drop, device: dev-1000, for: 1s}\n", encoding="utf-8")
     assert [f.target for f in load_schedule(script, devices=names, duration=45.0)] == ["dev-1000"]
+
+
+@pytest.mark.parametrize("window", [0, 1001, 2.0, True, "5"])
+def test_a_stream_window_other_than_a_whole_number_from_1_to_1000_is_a_value_error(window: object) -> None:
+    """streams.md: `window` is "a whole number from 1 to 1000, `None` for the broker's
+    `stream_window`; anything else raises `ValueError`" (before connect(), nothing is sent)."""
+    reader = DurableClient("window-check", durable_session=False)
+    with pytest.raises(ValueError, match="window must be a whole number from 1 to 1000"):
+        reader.subscribe_stream("w/#", lambda event: None, window=window)  # type: ignore[arg-type]
+    reader.subscribe_stream("w/#", lambda event: None, window=1000)
+    reader.close()
