@@ -21,6 +21,7 @@ import plyvel
 import pytest
 from test_sdk import Recorder, Signals
 
+import durable_client
 from conftest import WAIT, Broker, Client, payloads
 from durable_client import (
     AsyncDurableClient,
@@ -400,3 +401,16 @@ def test_a_stream_window_other_than_a_whole_number_from_1_to_1000_is_a_value_err
         reader.subscribe_stream("w/#", lambda event: None, window=window)  # type: ignore[arg-type]
     reader.subscribe_stream("w/#", lambda event: None, window=1000)
     reader.close()
+
+
+def test_every_sdk_error_the_page_lists_is_a_durable_client_error() -> None:
+    """sdk.md: "Errors: `DurableClientError` > `Unconnected`, `ConnectFailed`,
+    `ControlRequestFailed` (`code`, `message`), `RequestTimeout`, `PersistenceError`,
+    `EventNotProcessedError`"."""
+    for name in (
+        "Unconnected", "ConnectFailed", "ControlRequestFailed", "RequestTimeout", "PersistenceError",
+        "EventNotProcessedError",
+    ):
+        assert issubclass(getattr(durable_client, name), durable_client.DurableClientError), name
+    refused = durable_client.ControlRequestFailed("stream_info", "unknown_stream", "no stream covers x/#")
+    assert (refused.code, refused.message) == ("unknown_stream", "no stream covers x/#")
