@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import logging
 import struct
@@ -414,3 +415,32 @@ def test_every_sdk_error_the_page_lists_is_a_durable_client_error() -> None:
         assert issubclass(getattr(durable_client, name), durable_client.DurableClientError), name
     refused = durable_client.ControlRequestFailed("stream_info", "unknown_stream", "no stream covers x/#")
     assert (refused.code, refused.message) == ("unknown_stream", "no stream covers x/#")
+
+
+def test_a_listener_that_keeps_failing_is_retried_with_a_growing_reconnect_delay(
+    broker: Broker, clients: Callable[..., Client], sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md: "A listener that keeps failing is retried with a growing reconnect delay".
+
+    The sdk fixture's delays run from 0.05 s to 0.5 s. Were the delay reset at every reconnect,
+    twelve attempts would come within 11 x (0.05 s + a reconnect), well under 1.2 s; growing (full
+    jitter under a ceiling doubling from 0.05 s to 0.5 s) they take 2.6 s on average, and below
+    1.2 s only with odds far under one in a thousand."""
+    attempts: list[float] = []
+    cond = threading.Condition()
+
+    def failing(event: Event) -> None:
+        with cond:
+            attempts.append(time.monotonic())
+            cond.notify_all()
+        raise RuntimeError("this listener always fails (on purpose)")
+
+    device = sdk(broker.port, "always-fails")
+    device.subscribe("fail/x", listener=failing)
+    device.connect()
+    device.ready_for_events()
+    clients(broker.port, "fail-pub", clean_session=True).publish("fail/x", [b"poison"])
+    with cond:
+        assert cond.wait_for(lambda: len(attempts) >= 12, 3 * WAIT), f"{len(attempts)} attempts"
+    assert attempts[11] - attempts[0] > 1.2, [round(b - a, 3) for a, b in itertools.pairwise(attempts)]
+    assert device.stats.redeliveries_requested >= 12
