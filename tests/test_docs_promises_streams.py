@@ -202,12 +202,13 @@ def test_an_async_client_is_tied_to_the_event_loop_of_its_first_coroutine_whiche
             lambda: client.unsubscribe("loop/#"),
             client.ready_for_events,
             lambda: client.subscribe("loop/#"),
-            client.close,
         ]
         for call in calls:
             with pytest.raises(DurableClientError, match="one event loop only"):
                 other.run_until_complete(call())
         assert client.connected, "a refused call changed nothing"
+        other.run_until_complete(client.close(keep_session=False))  # close() works from any loop
+        assert not client.connected
     finally:
         home.run_until_complete(client.close(keep_session=False))
         home.close()

@@ -332,8 +332,10 @@ class AsyncDurableClient:
     async def close(self, keep_session: bool = True) -> None:
         """Disconnect for good (see DurableClient.close); an event handed over but not finished
         is not acknowledged, so the broker sends it again to the next connection. An ``async for``
-        over ``events()`` ends."""
-        self._bind().close()
+        over ``events()`` ends. Any loop may close the client (a program can always clean up),
+        even once its own loop has ended."""
+        if self._queue is not None:
+            self._queue.close()
         await asyncio.to_thread(self._client.close, keep_session, self._timeout)
 
     # ------------------------------------------------------------------ operations
