@@ -332,7 +332,8 @@ class AsyncDurableClient:
     async def close(self, keep_session: bool = True) -> None:
         """Disconnect for good (see DurableClient.close); an event handed over but not finished
         is not acknowledged, so the broker sends it again to the next connection. An ``async for``
-        over ``events()`` ends."""
+        over ``events()`` ends. Any loop may close the client (a program can always clean up),
+        even once its own loop has ended."""
         if self._queue is not None:
             self._queue.close()
         await asyncio.to_thread(self._client.close, keep_session, self._timeout)
@@ -358,10 +359,12 @@ class AsyncDurableClient:
         )
 
     async def unsubscribe(self, topic_filter: str) -> None:
+        self._bind()
         await asyncio.to_thread(self._client.unsubscribe, topic_filter)
 
     async def ready_for_events(self) -> None:
         """The loop is ready: the broker replays what it queued, then the marker (``live()``)."""
+        self._bind()
         self._client.ready_for_events()
 
     async def live(self) -> Marker:
@@ -374,9 +377,11 @@ class AsyncDurableClient:
 
     async def publish(self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False) -> None:
         """Publish; at QoS 1/2 returns once the broker has it (see DurableClient.publish)."""
+        self._bind()
         await asyncio.to_thread(self._client.publish, topic, payload, qos, retain, timeout=self._timeout)
 
     async def stream_info(self, topic_filter: str = "#") -> StreamBounds:
+        self._bind()
         return await asyncio.to_thread(self._client.stream_info, topic_filter, timeout=self._timeout)
 
     def events(self) -> EventStream:
@@ -403,7 +408,8 @@ class AsyncDurableClient:
 
     # ------------------------------------------------------------------ helpers
     def _bind(self) -> _Queue:
-        """Tie the client to the running event loop (the first coroutine called decides)."""
+        """Tie the client to the running event loop (the first coroutine called decides, whichever it
+        is); DurableClientError from any other loop."""
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop, self._live = loop, asyncio.Event()

@@ -495,7 +495,9 @@ class DurableClient:
         """
         self._check_open()
         _check_filter(topic_filter)
-        if window is not None and not (isinstance(window, int) and 1 <= window <= MAX_STREAM_WINDOW):
+        if window is not None and not (
+            isinstance(window, int) and not isinstance(window, bool) and 1 <= window <= MAX_STREAM_WINDOW
+        ):
             raise ValueError(f"window must be a whole number from 1 to {MAX_STREAM_WINDOW}, got {window!r}")
         positions = _check_after(topic_filter, after)
         with self._lock:

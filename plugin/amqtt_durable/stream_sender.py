@@ -343,9 +343,10 @@ class StreamSender:
         """
         if cursor.next_id < first:
             log.warning(
-                "stream %s: %d events were trimmed by retention before they were sent; resuming at id %d",
+                "stream %s: ids %d to %d were trimmed by retention before they were sent; resuming at id %d",
                 cursor.topic,
-                first - cursor.next_id,
+                cursor.next_id,
+                first - 1,
                 first,
             )
             cursor.next_id = first
