@@ -11,10 +11,12 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import paho.mqtt.client as mqtt
 import pytest
+from test_protocol import request
 
-from conftest import Broker, Client
-from durable_client.protocol import REPLY_TOPIC
+from conftest import Broker, Client, payloads
+from durable_client.protocol import REPLY_TOPIC, decode_frame
 
 # ------------------------------------------------------------------------------ protocol.md
 
@@ -68,3 +70,93 @@ def test_a_request_on_another_control_topic_echoes_what_could_be_read(
     assert (reply["ok"], reply["error"]["code"], reply["op"], reply["req"]) == (False, "unknown_topic", op, req), reply
     hello = next_reply(client, "_durable/v1/ctl", b'{"v": 1, "op": "hello", "req": 1}')
     assert hello["ok"] is True and hello["epoch"] is not None, "end_session on another topic did nothing"
+
+
+# ------------------------------------------------------------------------------ guarantees.md
+
+
+def test_a_client_over_a_lowered_subscription_limit_keeps_its_filters_but_gets_no_new_one(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Subscription limit: "A client that holds more (the limit was lowered) keeps
+    them but gets no new one"; re-subscribing to a filter it holds does not count twice, and
+    unsubscribing frees places."""
+    broker = broker_factory(max_subscriptions_per_client=3)
+    device = clients(broker.port, "over-limit")
+    assert device.subscribe([("low/a", 1), ("low/b", 1), ("low/c", 1)]) == [1, 1, 1]
+    device.disconnect()
+    broker.stop()
+    broker.settings["max_subscriptions_per_client"] = 1
+    broker.start()
+    assert device.connect() is True
+    assert device.subscribe([("low/a", 0), ("low/d", 1)]) == [0, 0x80], "a held filter again, then a new one"
+    warning = [line for line in broker.log().splitlines() if "WARNING" in line and "'low/d'" in line]
+    assert warning and "over-limit" in warning[0] and "max_subscriptions_per_client" in warning[0], broker.log()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("low/d", [b"refused"])
+    for topic in ("low/a", "low/b", "low/c"):
+        publisher.publish(topic, [topic.encode()])
+    assert device.wait_for(lambda ms: len(ms) >= 3)
+    assert sorted(m.payload for m in device.messages) == [b"low/a", b"low/b", b"low/c"]
+    assert [m.qos for m in device.messages if m.topic == "low/a"] == [0], "the re-subscription's QoS"
+    device.unsubscribe(["low/b", "low/c"])
+    assert device.subscribe("low/e") == [0x80], "it holds 1 (low/a): the limit"
+    device.unsubscribe("low/a")
+    assert device.subscribe("low/e") == [1]
+
+
+def test_packet_ids_are_the_sequence_id_mod_65535_plus_1_and_a_resend_after_a_crash_reuses_them(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Recovery buffer: "Packet ids are derived from the queue sequence number
+    (`seq % 65535 + 1`), so a re-send, even after a crash, reuses the original id" (the sequence
+    id is the one an SDK session's frame carries, protocol.md)."""
+    broker = broker_factory(recovery_buffer=5)
+    device = clients(broker.port, "pid-seq", manual_ack=True)
+    assert request(device, "hello").ok
+    device.subscribe("pid/t", 1)
+    assert request(device, "ready").ok
+    clients(broker.port, "pub", clean_session=True).publish("pid/t", payloads(8))
+    assert device.wait_for(lambda ms: len(events_of(device)) >= 5)
+    assert not device.wait_for(lambda ms: len(events_of(device)) > 5, timeout=0.3), "5 in flight at most"
+    first = [(m.mid, decode_frame(m.payload)[0].seq, m.dup) for m in events_of(device)]
+    assert [mid for mid, _, _ in first] == [seq % 65535 + 1 for _, seq, _ in first], first
+    broker.kill()
+    assert device.wait_disconnected()
+    broker.start()
+    again = clients(broker.port, "pid-seq")
+    assert again.session_present is True
+    assert request(again, "hello").ok
+    assert request(again, "ready").ok
+    assert again.wait_for(lambda ms: len(events_of(again)) >= 8)
+    resent = [(m.mid, decode_frame(m.payload)[0].seq, m.dup) for m in events_of(again)]
+    assert resent[:5] == [(mid, seq, True) for mid, seq, _ in first], "the same ids, with DUP=1"
+    assert [mid for mid, _, _ in resent] == [seq % 65535 + 1 for _, seq, _ in resent]
+
+
+def events_of(client: Client) -> list[mqtt.MQTTMessage]:
+    """The session's own messages (not replies or markers)."""
+    return [m for m in client.messages if not m.topic.startswith("$durable/")]
+
+
+def test_a_client_that_never_acknowledges_stalls_only_its_own_window(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Recovery buffer: "Unacknowledged messages are not re-sent on the same
+    connection (MQTT 3.1.1 re-sends on reconnect); a client that never acknowledges stalls only
+    its own window"; the re-send on reconnect is DUP=1, in order."""
+    broker = broker_factory(recovery_buffer=4)
+    stuck = clients(broker.port, "never-acks", manual_ack=True)
+    stuck.subscribe("st/t", 1)
+    healthy = clients(broker.port, "acks")
+    healthy.subscribe("st/t", 1)
+    sent = payloads(20)
+    clients(broker.port, "pub", clean_session=True).publish("st/t", sent)
+    assert [m.payload for m in healthy.wait_messages(20)] == sent, "the other session is not held up"
+    assert [m.payload for m in stuck.wait_messages(4)] == sent[:4]
+    assert not stuck.wait_for(lambda ms: len(ms) > 4, timeout=1.0), "re-sent or sent past the window"
+    stuck.drop()
+    again = clients(broker.port, "never-acks")
+    got = again.wait_messages(20)
+    assert [m.payload for m in got] == sent
+    assert [m.dup for m in got[:4]] == [True] * 4 and not any(m.dup for m in got[4:])
