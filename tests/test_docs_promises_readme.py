@@ -8,15 +8,17 @@ expect exactly what is asserted here.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
 from test_protocol import request
+from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 
-from conftest import Broker, Client, payloads
-from durable_client.protocol import REPLY_TOPIC, decode_frame
+from conftest import WAIT, Broker, Client, payloads
+from durable_client.protocol import FLAG_RETAINED, REPLY_TOPIC, decode_frame
 
 # ------------------------------------------------------------------------------ protocol.md
 
@@ -160,3 +162,66 @@ def test_a_client_that_never_acknowledges_stalls_only_its_own_window(
     got = again.wait_messages(20)
     assert [m.payload for m in got] == sent
     assert [m.dup for m in got[:4]] == [True] * 4 and not any(m.dup for m in got[4:])
+
+
+def test_wildcards_at_the_first_level_do_not_match_dollar_topics_for_durable_sessions(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, lifecycle: "broker-internal messages (`$SYS/...`) reach durable sessions
+    through the same queue. As MQTT requires, filters starting with `+` or `#` do not match `$`
+    topics" (MQTT-4.7.2-1): a queued `$SYS` event reaches a session that names it, not one whose
+    filters start with a wildcard."""
+    wild = clients(broker.port, "wild")
+    assert wild.subscribe([("#", 1), ("+/broker/durable/expired", 1), ("+/+/+/+", 1)]) == [1, 1, 1]
+    wild.disconnect()
+    explicit = clients(broker.port, "explicit")
+    assert explicit.subscribe("$SYS/broker/durable/#", 1) == [1]
+    explicit.disconnect()
+    short = clients(broker.port, "short")
+    assert request(short, "hello", session_expiry=0.2).ok
+    short.disconnect()
+    watcher = clients(broker.port, "watch", clean_session=True)
+    watcher.subscribe(EXPIRED_TOPIC, 1)
+    wait_expired(watcher, "short", timeout=WAIT)
+    clients(broker.port, "pub", clean_session=True).publish("fence/x", [b"fence"])
+    assert explicit.connect() is True
+    assert explicit.wait_for(lambda ms: any(m.topic == EXPIRED_TOPIC for m in ms)), "the named $SYS topic"
+    assert wild.connect() is True
+    assert wild.wait_for(lambda ms: any(m.topic == "fence/x" for m in ms))
+    assert not wild.wait_for(lambda ms: any(m.topic.startswith("$") for m in ms), timeout=0.5)
+    assert [m.topic for m in wild.messages] == ["fence/x"]
+
+
+def test_a_clean_session_gets_one_copy_per_matching_filter(broker: Broker, clients: Callable[..., Client]) -> None:
+    """guarantees.md: "clean sessions, served by amqtt, get one copy per matching filter" (a durable
+    session gets one, at the highest QoS: test_docs_promises)."""
+    clean = clients(broker.port, "clean-overlap", clean_session=True)
+    assert clean.subscribe([("co/#", 0), ("co/b", 1)]) == [0, 1]
+    clients(broker.port, "pub", clean_session=True).publish("co/b", [b"one"], qos=1)
+    assert clean.wait_for(lambda ms: len(ms) >= 2)
+    assert not clean.wait_for(lambda ms: len(ms) > 2, timeout=0.5)
+    assert sorted((m.payload, m.qos) for m in clean.messages) == [(b"one", 0), (b"one", 1)]
+
+
+def test_a_retained_message_queued_with_a_subscription_is_framed_retained_with_its_queueing_time(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """protocol.md, Frames: flag `0x02` retained ("an initial value queued with a new
+    subscription"), and the publish time "for a retained message queued with a new subscription:
+    when it was queued"; a live publish with RETAIN=1 to a subscribed session is neither."""
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("rt/a", [b"initial"], retain=True)
+    stored = time.time()
+    device = clients(broker.port, "rt-sdk")
+    assert request(device, "hello").ok
+    assert request(device, "ready").ok
+    subscribed = time.time()
+    assert subscribed > stored
+    device.subscribe("rt/#", 1)
+    publisher.publish("rt/a", [b"live"], retain=True)
+    assert device.wait_for(lambda ms: len(events_of(device)) >= 2)
+    (initial, live) = [(m.retain, *decode_frame(m.payload)) for m in events_of(device)]
+    assert (initial[0], initial[1].flags, initial[2]) == (True, FLAG_RETAINED, b"initial")
+    assert subscribed <= initial[1].published_at <= time.time(), "the time it was queued, not published"
+    assert (live[0], live[1].flags, live[2]) == (False, 0, b"live")
+    assert initial[1].published_at <= live[1].published_at
