@@ -18,7 +18,15 @@ from test_protocol import request
 from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 
 from conftest import WAIT, Broker, Client, payloads
-from durable_client.protocol import FLAG_RETAINED, REPLY_TOPIC, decode_frame
+from durable_client.protocol import (
+    FLAG_REDELIVERED,
+    FLAG_REPLAYED,
+    FLAG_RETAINED,
+    MARKER_TOPIC,
+    REPLY_TOPIC,
+    STREAM_TOPIC_PREFIX,
+    decode_frame,
+)
 
 # ------------------------------------------------------------------------------ protocol.md
 
@@ -133,6 +141,8 @@ def test_packet_ids_are_the_sequence_id_mod_65535_plus_1_and_a_resend_after_a_cr
     assert again.wait_for(lambda ms: len(events_of(again)) >= 8)
     resent = [(m.mid, decode_frame(m.payload)[0].seq, m.dup) for m in events_of(again)]
     assert resent[:5] == [(mid, seq, True) for mid, seq, _ in first], "the same ids, with DUP=1"
+    flags = [decode_frame(m.payload)[0].flags for m in events_of(again)[:5]]
+    assert flags == [FLAG_REPLAYED | FLAG_REDELIVERED] * 5, "protocol.md: framed replayed and redelivered"
     assert [mid for mid, _, _ in resent] == [seq % 65535 + 1 for _, seq, _ in resent]
 
 
@@ -225,3 +235,25 @@ def test_a_retained_message_queued_with_a_subscription_is_framed_retained_with_i
     assert subscribed <= initial[1].published_at <= time.time(), "the time it was queued, not published"
     assert (live[0], live[1].flags, live[2]) == (False, 0, b"live")
     assert initial[1].published_at <= live[1].published_at
+
+
+def test_replies_markers_and_stream_events_travel_at_qos_0_unretained(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, Topics: the reply, the marker and stream events are QoS 0, also when the
+    request came at QoS 1 or 2 and the stream event was published at QoS 2 (its QoS is in the
+    frame's bits 3-4); a stream event's epoch is 0."""
+    broker = broker_factory(streams=[{"filter": "sq/#"}])
+    device = clients(broker.port, "qos0-replies")
+    assert request(device, "hello", qos=2).ok
+    assert request(device, "stream_subscribe", qos=1, filter="sq/#").ok
+    assert request(device, "ready", qos=1).ok
+    assert device.wait_for(lambda ms: any(m.topic == MARKER_TOPIC for m in ms))
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("sq/a", [b"two"], qos=2)
+    assert device.wait_for(lambda ms: any(m.topic == STREAM_TOPIC_PREFIX + "sq/a" for m in ms))
+    own = [m for m in device.messages if m.topic.startswith("$durable/")]
+    assert {m.topic for m in own} == {REPLY_TOPIC, MARKER_TOPIC, STREAM_TOPIC_PREFIX + "sq/a"}
+    assert [(m.qos, m.retain) for m in own] == [(0, False)] * len(own)
+    frame, payload = decode_frame(own[-1].payload)
+    assert (frame.qos, frame.epoch, frame.seq, payload) == (2, 0, 1, b"two")
