@@ -16,8 +16,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from test_protocol import request
 from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
+from test_scale import RawClient
 
-from conftest import WAIT, Broker, Client, payloads
+from conftest import WAIT, Broker, Client, mqtt_packet, payloads
 from durable_client.protocol import (
     FLAG_REDELIVERED,
     FLAG_REPLAYED,
@@ -257,3 +258,36 @@ def test_replies_markers_and_stream_events_travel_at_qos_0_unretained(
     assert [(m.qos, m.retain) for m in own] == [(0, False)] * len(own)
     frame, payload = decode_frame(own[-1].payload)
     assert (frame.qos, frame.epoch, frame.seq, payload) == (2, 0, 1, b"two")
+
+
+@pytest.mark.parametrize("end", ["disconnect", "sigkill"])
+def test_a_qos2_message_whose_pubrec_came_gets_pubrel_again_not_publish(
+    broker: Broker, clients: Callable[..., Client], end: str
+) -> None:
+    """guarantees.md, Recovery buffer: "A message stays in LevelDB until its PUBACK (QoS 1) or
+    PUBCOMP (QoS 2); a PUBREC is stored too, so PUBREL, not PUBLISH, is re-sent" on reconnect,
+    also after a crash; once PUBCOMP came nothing is sent again."""
+    device = RawClient(broker.port, "q2-out")
+    assert device.connect() is False
+    assert device.subscribe("q2o/t", 2) == 2
+    clients(broker.port, "pub", clean_session=True).publish("q2o/t", [b"exactly once"], qos=2)
+    first, body = device.read_packet()
+    assert first >> 4 == 3 and (first >> 1) & 3 == 2 and body.endswith(b"exactly once"), (first, body)
+    packet_id = body[2 + int.from_bytes(body[:2], "big") :][:2]
+    device.send(mqtt_packet(0x50, packet_id))  # PUBREC
+    assert device.read_packet() == (0x62, packet_id), "PUBREL"
+    if end == "sigkill":
+        broker.kill()
+        broker.start()
+    device.sock.close()  # no PUBCOMP
+    again = RawClient(broker.port, "q2-out")
+    assert again.connect() is True
+    assert again.read_packet() == (0x62, packet_id), "PUBREL again, not the PUBLISH"
+    again.send(mqtt_packet(0x70, packet_id))  # PUBCOMP
+    again.sock.close()
+    last = RawClient(broker.port, "q2-out")
+    assert last.connect() is True
+    last.sock.settimeout(0.5)
+    with pytest.raises(TimeoutError):
+        last.read_packet()
+    last.sock.close()
