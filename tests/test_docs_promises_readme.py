@@ -291,3 +291,19 @@ def test_a_qos2_message_whose_pubrec_came_gets_pubrel_again_not_publish(
     with pytest.raises(TimeoutError):
         last.read_packet()
     last.sock.close()
+
+
+def test_interest_durable_true_undoes_a_non_durable_interest(broker: Broker, clients: Callable[..., Client]) -> None:
+    """protocol.md, `interest`: "`durable: false` makes that filter's subscription non-durable: the
+    broker drops it when the connection ends ... `durable: true` undoes it." Reply: `filter`,
+    `durable`; the hello reply lists the subscriptions the session holds."""
+    device = clients(broker.port, "undo-interest")
+    assert request(device, "hello").ok
+    device.subscribe([("undo/a", 1), ("undo/b", 0)])
+    assert request(device, "interest", filter="undo/a", durable=False).fields == {"filter": "undo/a", "durable": False}
+    assert request(device, "interest", filter="undo/b", durable=False).ok
+    assert request(device, "interest", filter="undo/a").fields == {"filter": "undo/a", "durable": True}
+    device.disconnect()
+    again = clients(broker.port, "undo-interest")
+    assert again.session_present is True
+    assert request(again, "hello").fields["subscriptions"] == {"undo/a": 1}
