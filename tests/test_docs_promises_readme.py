@@ -8,6 +8,7 @@ expect exactly what is asserted here.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -307,3 +308,25 @@ def test_interest_durable_true_undoes_a_non_durable_interest(broker: Broker, cli
     again = clients(broker.port, "undo-interest")
     assert again.session_present is True
     assert request(again, "hello").fields["subscriptions"] == {"undo/a": 1}
+
+
+def test_the_expiry_warning_reads_as_guarantees_md_quotes_it(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Expiry: "the broker logs a WARNING (`durable session <id> expired after <n> s
+    disconnected: <m> queued message(s) and its subscriptions deleted`)", <n> being the session's
+    expiry."""
+    broker = broker_factory(session_expiry=1)
+    watcher = clients(broker.port, "watch", clean_session=True)
+    watcher.subscribe(EXPIRED_TOPIC, 1)
+    device = clients(broker.port, "exp-words")
+    device.subscribe("ew/t", 1)
+    device.disconnect()
+    clients(broker.port, "pub", clean_session=True).publish("ew/t", payloads(2))
+    event = wait_expired(watcher, "exp-words", timeout=WAIT)
+    assert event["messages_dropped"] == 2
+    pattern = (
+        r"WARNING .*durable session exp-words expired after 1 s disconnected: 2 queued message\(s\) and its "
+        r"subscriptions deleted$"
+    )
+    assert any(re.search(pattern, line) for line in broker.log().splitlines()), broker.log()
