@@ -8,9 +8,14 @@ expect exactly what is asserted here.
 from __future__ import annotations
 
 import json
+import queue
 import re
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -29,6 +34,8 @@ from durable_client.protocol import (
     STREAM_TOPIC_PREFIX,
     decode_frame,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------ protocol.md
 
@@ -330,3 +337,35 @@ def test_the_expiry_warning_reads_as_guarantees_md_quotes_it(
         r"subscriptions deleted$"
     )
     assert any(re.search(pattern, line) for line in broker.log().splitlines()), broker.log()
+
+
+# ------------------------------------------------------------------------------ README.md
+
+
+def test_the_readme_asyncio_example_runs_and_prints_a_replayed_reading(
+    broker: Broker, clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """README.md, The SDK: the `AsyncDurableClient` block, run as written (only the port changed):
+    a reading queued before its `ready` (here a retained one, queued with the subscription) is
+    printed as replayed; the loop then waits for live readings until it is stopped."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("For asyncio code") :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    code = code[: code.index("```")]
+    assert '"127.0.0.1", 1883' in code
+    script = tmp_path / "readme_async.py"
+    script.write_text(code.replace('"127.0.0.1", 1883', f'"127.0.0.1", {broker.port}'))
+    clients(broker.port, "pub", clean_session=True).publish("sensors/7/temperature", [b"21.5"], retain=True)
+    child = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in child.stdout or ()], daemon=True).start()
+        line = lines.get(timeout=WAIT)
+        assert line == "sensors/7/temperature b'21.5' replayed\n"
+        assert child.poll() is None, "async for waits for live readings"
+    finally:
+        child.terminate()
+        _, err = child.communicate(timeout=WAIT)
+    assert "Traceback" not in err, err
