@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import queue
 import re
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -24,7 +26,7 @@ from test_protocol import request
 from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 from test_scale import RawClient
 
-from conftest import WAIT, Broker, Client, mqtt_packet, payloads
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
 from durable_client.protocol import (
     FLAG_REDELIVERED,
     FLAG_REPLAYED,
@@ -369,3 +371,32 @@ def test_the_readme_asyncio_example_runs_and_prints_a_replayed_reading(
         child.terminate()
         _, err = child.communicate(timeout=WAIT)
     assert "Traceback" not in err, err
+
+
+def test_a_client_silent_in_the_middle_of_a_packet_is_disconnected_after_one_and_a_half_keepalives(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, The message path: "A client silent for 1.5 times its keep-alive, also in the
+    middle of a packet, is disconnected (MQTT-3.1.2-24)", so its session becomes disconnected and
+    queues; the half-sent PUBLISH is not routed."""
+    watcher = clients(broker.port, "watch", clean_session=True)
+    watcher.subscribe("mid/#", 1)
+    sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    connect = mqtt_string("MQTT") + bytes((4, 0)) + struct.pack(">H", 1) + mqtt_string("mid-packet")  # keep-alive 1 s
+    sock.sendall(mqtt_packet(0x10, connect))
+    assert sock.recv(4)[:1] == b"\x20"
+    sock.sendall(mqtt_packet(0x82, struct.pack(">H", 1) + mqtt_string("mid/q") + b"\x01"))
+    assert sock.recv(5)[:1] == b"\x90"
+    whole = mqtt_packet(0x32, mqtt_string("mid/a") + struct.pack(">H", 2) + b"never finished")
+    sock.sendall(whole[:9])  # the fixed header and part of the body, then silence
+    started = time.monotonic()
+    assert sock.recv(1) == b"", "closed"
+    silent = time.monotonic() - started
+    sock.close()
+    assert 1.3 <= silent <= 1.5 + 2.0, f"closed after {silent:.2f} s of silence, keep-alive 1 s"
+    clients(broker.port, "pub", clean_session=True).publish("mid/q", [b"queued"])
+    assert watcher.wait_for(lambda ms: any(m.payload == b"queued" for m in ms))
+    assert [m.payload for m in watcher.messages] == [b"queued"], "the half-sent PUBLISH was not routed"
+    again = clients(broker.port, "mid-packet")
+    assert again.session_present is True
+    assert [m.payload for m in again.wait_messages(1)] == [b"queued"]
