@@ -400,3 +400,34 @@ def test_a_client_silent_in_the_middle_of_a_packet_is_disconnected_after_one_and
     again = clients(broker.port, "mid-packet")
     assert again.session_present is True
     assert [m.payload for m in again.wait_messages(1)] == [b"queued"]
+
+
+def test_the_hello_is_remembered_with_the_session_across_a_crash(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """protocol.md: "The `hello` is remembered with the session: an SDK session stays one until it
+    ends": after a SIGKILL and a reconnect without `hello`, its messages are held until `ready`,
+    framed, and followed by a marker; once it ended (a clean connect), it is plain again."""
+    device = clients(broker.port, "remembered")
+    assert request(device, "hello").ok
+    device.subscribe("rem/t", 1)
+    device.disconnect()
+    broker.kill()
+    broker.start()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("rem/t", [b"queued"])
+    again = clients(broker.port, "remembered")
+    assert again.session_present is True
+    assert not again.wait_for(lambda ms: len(events_of(again)) > 0, timeout=0.5), "held until ready"
+    assert request(again, "ready").ok
+    assert again.wait_for(lambda ms: any(m.topic == MARKER_TOPIC for m in ms))
+    (message,) = events_of(again)
+    frame, payload = decode_frame(message.payload)
+    assert (payload, frame.replayed) == (b"queued", True)
+    again.disconnect()
+    clients(broker.port, "remembered", clean_session=True).disconnect()  # ends the session
+    plain = clients(broker.port, "remembered")
+    assert plain.session_present is False
+    plain.subscribe("rem/t", 1)
+    publisher.publish("rem/t", [b"plain"])
+    assert [m.payload for m in plain.wait_messages(1)] == [b"plain"], "a new session is a plain one"
