@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
+import plyvel
 import pytest
 from test_protocol import request
+from test_qos2_inbound import connect_publisher, pubrel_due
 from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 from test_scale import RawClient
 
@@ -431,3 +433,24 @@ def test_the_hello_is_remembered_with_the_session_across_a_crash(
     plain.subscribe("rem/t", 1)
     publisher.publish("rem/t", [b"plain"])
     assert [m.payload for m in plain.wait_messages(1)] == [b"plain"], "a new session is a plain one"
+
+
+def test_a_qos2_publish_no_durable_session_or_stream_matches_stores_nothing_not_even_its_id(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Exactly-once from QoS 2 publishers: "a QoS 2 publish that matched no durable
+    session and no stream stores nothing, its id neither"; one a stream matches stores its id."""
+    broker = broker_factory(streams=[{"filter": "q2/logged"}])
+    clean = clients(broker.port, "clean-sub", clean_session=True)
+    clean.subscribe("q2/#", 2)
+    pub = connect_publisher(broker)
+    for packet_id, topic in ((3, "q2/nobody"), (4, "q2/logged")):
+        pub.send(mqtt_packet(0x34, mqtt_string(topic) + struct.pack(">H", packet_id) + b"x"))
+        assert pub.expect(5) == struct.pack(">H", packet_id), "PUBREC"
+    broker.kill()
+    assert pubrel_due(broker) == {"q2-pub": {4}}
+    db = plyvel.DB(broker.store, create_if_missing=False)
+    try:
+        assert not any(b"q2/nobody" in key + value for key, value in db.iterator()), "stored nothing"
+    finally:
+        db.close()
