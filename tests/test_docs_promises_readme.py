@@ -454,3 +454,12 @@ def test_a_qos2_publish_no_durable_session_or_stream_matches_stores_nothing_not_
         assert not any(b"q2/nobody" in key + value for key, value in db.iterator()), "stored nothing"
     finally:
         db.close()
+
+
+def test_hello_without_a_durable_session_grants_nothing(broker: Broker, clients: Callable[..., Client]) -> None:
+    """protocol.md, `hello`: its reply's `epoch`, `session_expiry` and `subscriptions` are null
+    without a durable session (a clean one), also when it asked for an expiry."""
+    clean = clients(broker.port, "clean-hello", clean_session=True)
+    reply = request(clean, "hello", session_expiry=60)
+    assert reply.ok
+    assert reply.fields == {"protocol": 1, "epoch": None, "session_expiry": None, "subscriptions": None}
