@@ -463,3 +463,25 @@ def test_hello_without_a_durable_session_grants_nothing(broker: Broker, clients:
     reply = request(clean, "hello", session_expiry=60)
     assert reply.ok
     assert reply.fields == {"protocol": 1, "epoch": None, "session_expiry": None, "subscriptions": None}
+
+
+def test_expiry_counts_from_the_last_disconnect_however_many_reconnects_came_before(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Expiry: "The time counts from its last disconnect, however many reconnects
+    came before": a session connected past the deadline its earlier disconnect set is not expired
+    while connected nor right after it leaves, but session_expiry after that."""
+    broker = broker_factory(session_expiry=1)
+    monitor = clients(broker.port, "monitor", clean_session=True)
+    monitor.subscribe(EXPIRED_TOPIC, 1)
+    device = clients(broker.port, "reconnects")
+    device.subscribe("rc/t", 1)
+    for _ in range(3):
+        device.disconnect()
+        assert device.connect() is True
+    # Connected for longer than session_expiry after the earlier disconnects' deadlines.
+    assert not monitor.wait_for(lambda ms: len(ms) > 0, timeout=1.5), "expired while connected"
+    device.disconnect()
+    left = time.monotonic()
+    wait_expired(monitor, "reconnects", timeout=WAIT)
+    assert time.monotonic() - left >= 0.9, "counted from an earlier disconnect"
