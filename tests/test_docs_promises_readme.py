@@ -23,13 +23,14 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import plyvel
 import pytest
-from test_protocol import request
+from test_protocol import request, stream_events
 from test_qos2_inbound import connect_publisher, pubrel_due
 from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 from test_scale import RawClient
 
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
 from durable_client.protocol import (
+    CONTROL_TOPIC,
     FLAG_REDELIVERED,
     FLAG_REPLAYED,
     FLAG_RETAINED,
@@ -485,3 +486,21 @@ def test_expiry_counts_from_the_last_disconnect_however_many_reconnects_came_bef
     left = time.monotonic()
     wait_expired(monitor, "reconnects", timeout=WAIT)
     assert time.monotonic() - left >= 0.9, "counted from an earlier disconnect"
+
+
+def test_a_stream_ack_gets_no_reply_unless_it_fails(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, `stream_ack`: "the broker sends the next. No reply unless it fails" (an ack
+    with a `req` included; an ack of a topic with no open stream gets `unknown_stream`)."""
+    broker = broker_factory(streams=[{"filter": "sa/#"}])
+    clients(broker.port, "pub", clean_session=True).publish("sa/a", [b"1", b"2"])
+    reader = clients(broker.port, "reader", clean_session=True)
+    assert request(reader, "stream_subscribe", filter="sa/#").ok  # window 1: one event at a time
+    assert reader.wait_for(lambda ms: len(stream_events(reader)) == 1)
+    replies = sum(1 for m in reader.messages if m.topic == REPLY_TOPIC)
+    reader.paho.publish(CONTROL_TOPIC, b'{"v": 1, "op": "stream_ack", "req": 9, "topic": "sa/a", "id": 1}')
+    assert reader.wait_for(lambda ms: len(stream_events(reader)) == 2), "the next event"
+    refused = next_reply(reader, CONTROL_TOPIC, b'{"v": 1, "op": "stream_ack", "req": 10, "topic": "sb/x", "id": 1}')
+    assert (refused["req"], refused["error"]["code"]) == (10, "unknown_stream")
+    assert sum(1 for m in reader.messages if m.topic == REPLY_TOPIC) == replies + 1, "only the failure answered"
