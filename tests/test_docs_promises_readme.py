@@ -504,3 +504,24 @@ def test_a_stream_ack_gets_no_reply_unless_it_fails(
     refused = next_reply(reader, CONTROL_TOPIC, b'{"v": 1, "op": "stream_ack", "req": 10, "topic": "sb/x", "id": 1}')
     assert (refused["req"], refused["error"]["code"]) == (10, "unknown_stream")
     assert sum(1 for m in reader.messages if m.topic == REPLY_TOPIC) == replies + 1, "only the failure answered"
+
+
+def test_with_sync_true_a_lone_publish_waits_batch_delay_ms_but_connects_and_subscribes_do_not(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Group commit: with `sync: true` a commit starts "at once when
+    `pending_threshold` ... requests wait, otherwise `batch_delay_ms` ... after the first one";
+    "Connects, subscribes and a delivery pump about to send never wait for company"."""
+    broker = broker_factory(sync=True, batch_delay_ms=3000, pending_threshold=3)
+    started = time.monotonic()
+    device = clients(broker.port, "no-company")  # a durable session: stored before its CONNACK
+    assert device.subscribe("gc/t", 1) == [1]  # stored before its SUBACK
+    assert time.monotonic() - started < 2.5, "a connect or subscribe waited for company"
+    publisher = clients(broker.port, "pub", clean_session=True)
+    started = time.monotonic()
+    publisher.publish("gc/t", [b"lone"])
+    assert time.monotonic() - started >= 2.9, "a lone publish is committed batch_delay_ms after it came"
+    started = time.monotonic()
+    publisher.publish("gc/t", payloads(3))  # pipelined: pending_threshold requests wait
+    assert time.monotonic() - started < 2.5, "pending_threshold requests start the commit at once"
+    assert [m.payload for m in device.wait_messages(4)] == [b"lone", *payloads(3)]
