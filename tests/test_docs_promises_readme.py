@@ -525,3 +525,19 @@ def test_with_sync_true_a_lone_publish_waits_batch_delay_ms_but_connects_and_sub
     publisher.publish("gc/t", payloads(3))  # pipelined: pending_threshold requests wait
     assert time.monotonic() - started < 2.5, "pending_threshold requests start the commit at once"
     assert [m.payload for m in device.wait_messages(4)] == [b"lone", *payloads(3)]
+
+
+def test_with_sync_true_and_batch_delay_ms_0_a_lone_publisher_does_not_wait(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Group commit: "`batch_delay_ms: 0` fsyncs at the end of every pass instead"
+    (of waiting for company): a publisher waiting for each PUBACK is not held to 1000 / delay."""
+    broker = broker_factory(sync=True, batch_delay_ms=0, pending_threshold=1000)
+    publisher = clients(broker.port, "pub", clean_session=True)
+    device = clients(broker.port, "dev")
+    device.subscribe("z0/t", 1)
+    started = time.monotonic()
+    for payload in payloads(20):
+        publisher.publish("z0/t", [payload])  # one at a time: each waits for its PUBACK
+    assert time.monotonic() - started < 4.0, "20 lone publishes, each an fsync of its own"
+    assert [m.payload for m in device.wait_messages(20)] == payloads(20)
