@@ -28,6 +28,7 @@ from test_qos2_inbound import connect_publisher, pubrel_due
 from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 from test_scale import RawClient
 
+from amqtt_durable.inspect_store import summarize
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
 from durable_client.protocol import (
     CONTROL_TOPIC,
@@ -541,3 +542,30 @@ def test_with_sync_true_and_batch_delay_ms_0_a_lone_publisher_does_not_wait(
         publisher.publish("z0/t", [payload])  # one at a time: each waits for its PUBACK
     assert time.monotonic() - started < 4.0, "20 lone publishes, each an fsync of its own"
     assert [m.payload for m in device.wait_messages(20)] == payloads(20)
+
+
+def test_drop_oldest_under_a_byte_limit_stops_once_the_new_message_s_bytes_have_gone(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Queue limits: under a byte limit drop-oldest "deletes more of the oldest while
+    the new message does not fit yet and fewer bytes than it brings have gone": it stops as soon as
+    the new message fits, or at the message that makes up its size (then it removed less than
+    that last message more than it adds). Each deleted message is a counted drop."""
+    broker = broker_factory(max_bytes=100, max_bytes_disconnected=100)
+    device = clients(broker.port, "bytes-dev")
+    device.subscribe("ob/t", 1)
+    device.disconnect()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    for payload in (b"a" * 10, b"b" * 10, b"c" * 80):  # 100 bytes: full
+        publisher.publish("ob/t", [payload])
+    publisher.publish("ob/t", [b"d" * 30])  # a and b (20 bytes) leave no room: c goes too
+    for payload in (b"e" * 40, b"f" * 30):  # 100 bytes again
+        publisher.publish("ob/t", [payload])
+    publisher.publish("ob/t", [b"g" * 20])  # d out: 70 + 20 fits
+    broker.stop()
+    (row,) = [row for row in summarize(broker.store) if row.client_id == "bytes-dev"]
+    assert (row.depth, row.bytes, row.dropped) == (3, 90, 4)
+    broker.start()
+    assert device.connect() is True
+    assert [m.payload for m in device.wait_messages(3)] == [b"e" * 40, b"f" * 30, b"g" * 20]
+    assert not device.wait_for(lambda ms: len(ms) > 3, timeout=0.3)
