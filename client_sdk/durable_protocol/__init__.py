@@ -60,6 +60,7 @@ __all__ = [
     "filter_is_valid",
     "parse_request",
     "remaining_length",
+    "request_ids",
 ]
 
 PROTOCOL_VERSION: Final = 1
@@ -259,7 +260,7 @@ def parse_request(payload: bytes) -> Request:
     op = data.get("op")
     try:
         version = data.get("v")
-        if version != PROTOCOL_VERSION:
+        if not _is_int(version) or version != PROTOCOL_VERSION:  # JSON true and 1.0 are not 1
             raise ProtocolError(
                 "unsupported_version", f"'v' is {version!r}; this broker speaks protocol {PROTOCOL_VERSION}"
             )
@@ -284,6 +285,21 @@ def parse_request(payload: bytes) -> Request:
         exc.req = req
         exc.op = op if op in OPS else None
         raise
+
+
+def request_ids(payload: bytes) -> tuple[str | None, int | None]:
+    """The ``op`` (when it is a known one) and ``req`` (when an integer) of a request that is refused
+    before it is parsed (sent to another topic under ``_durable/``), so the error reply echoes them
+    as it does for any refusal; (None, None) when the payload is not a JSON object or its ``req``
+    is not an integer, as ``parse_request`` answers those."""
+    try:
+        data = _json_object(payload)
+    except ProtocolError:
+        return None, None
+    op, req = data.get("op"), data.get("req")
+    if req is not None and not _is_int(req):
+        return None, None
+    return (op if op in OPS else None), req
 
 
 def _json_object(payload: bytes) -> dict[str, Any]:

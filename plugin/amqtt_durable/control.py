@@ -24,6 +24,7 @@ from durable_protocol import (
     encode_reply,
     filter_is_valid,
     parse_request,
+    request_ids,
 )
 
 from .delivery import Transport
@@ -81,7 +82,9 @@ class ControlChannel:
         a hello holds the session's delivery before the SUBSCRIBE that follows it is handled."""
         try:
             if topic != CONTROL_TOPIC:
-                raise ProtocolError("unknown_topic", f"{topic!r} is not a control topic; send to {CONTROL_TOPIC}")
+                op, req = request_ids(payload)
+                message = f"{topic!r} is not a control topic; send to {CONTROL_TOPIC}"
+                raise ProtocolError("unknown_topic", message, req=req, op=op)
             request = parse_request(payload)
         except ProtocolError as exc:
             self._refuse(None, exc)

@@ -86,8 +86,8 @@ class QueueLimits:
         """After drop-oldest removed messages of ``freed`` bytes: may the new one go in now?
 
         One message out makes room for one in; under a byte limit, also its bytes must fit or as
-        many have gone. So a queue above a lowered limit (reverted after a reconnect) never
-        shrinks by more than it grows: no mass purge.
+        many have gone. So a queue above a lowered limit (reverted after a reconnect) shrinks by
+        less than one message more than it grows: no mass purge.
         """
         byte_limit = self.byte_limit()
         return not byte_limit or queued_bytes + size <= byte_limit or freed >= size

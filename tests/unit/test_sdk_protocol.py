@@ -27,6 +27,7 @@ from durable_client.protocol import (
     encode_reply,
     encode_request,
     parse_request,
+    request_ids,
 )
 
 
@@ -105,6 +106,8 @@ def _body(**fields: object) -> bytes:
         (_body(req=True), "malformed"),
         (json.dumps({"op": "hello"}).encode(), "unsupported_version"),
         (json.dumps({"v": 2, "op": "hello"}).encode(), "unsupported_version"),
+        (json.dumps({"v": True, "op": "hello"}).encode(), "unsupported_version"),  # not the integer 1
+        (json.dumps({"v": 1.0, "op": "hello"}).encode(), "unsupported_version"),
         (json.dumps({"v": 1}).encode(), "unknown_op"),
         (json.dumps({"v": 1, "op": "explode"}).encode(), "unknown_op"),
         (json.dumps({"v": 1, "op": "interest"}).encode(), "malformed"),
@@ -145,6 +148,22 @@ def test_error_keeps_the_req_it_could_read() -> None:
     with pytest.raises(ProtocolError) as info:
         parse_request(json.dumps({"v": 1, "op": "nope", "req": 9}).encode())
     assert info.value.req == 9
+
+
+@pytest.mark.parametrize(
+    ("payload", "ids"),
+    [
+        (json.dumps({"v": 1, "op": "ready", "req": 4}).encode(), ("ready", 4)),
+        (json.dumps({"op": "nope", "req": 5}).encode(), (None, 5)),
+        (json.dumps({"op": "ready", "req": "6"}).encode(), (None, None)),
+        (b"[1]", (None, None)),
+        (b"x" * (MAX_REQUEST_BYTES + 1), (None, None)),
+    ],
+)
+def test_request_ids_reads_what_an_error_reply_can_echo(payload: bytes, ids: tuple[str | None, int | None]) -> None:
+    """For a request refused before it is parsed (another topic under _durable/): op and req as
+    parse_request would echo them."""
+    assert request_ids(payload) == ids
 
 
 # ------------------------------------------------------------------ replies
