@@ -1,12 +1,16 @@
 """replication.secret between real broker processes: the attacks of issue 12 on the replication
 address (copy the store as a fake backup, promote a fixed-role backup, replay a handshake, hold a
 connection open) are refused, while the real backup stays in sync and clients get their PUBACKs;
-the tools authenticate with --secret-file or --config; a mismatched pair says why on both sides."""
+the tools authenticate with --secret-file or --config; a mismatched pair says why on both sides;
+the secret can come from an environment variable (secret_env), whose value no error shows."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -195,3 +199,81 @@ def test_a_flood_of_idle_connections_leaves_the_pair_in_sync_the_clients_served_
     # The backup's own word: the primary may still show the old link in sync for a moment.
     assert backup.wait_until(lambda: status(backup)["caught_up"] is True, WAIT), backup.log()
     wait_in_sync(primary)
+
+
+SECRET_VAR = "AMQTT_DURABLE_TEST_REPLICATION_SECRET"
+
+
+def environment(**variables: str | None) -> dict[str, str]:
+    """Ours, with ``variables`` set (None: removed)."""
+    env = {key: value for key, value in os.environ.items() if key not in variables}
+    env.update({key: value for key, value in variables.items() if value is not None})
+    return env
+
+
+def cli_in(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``amqtt-durable ARGS`` as conftest.run_cli runs it, in the environment ``env``."""
+    return subprocess.run(
+        [sys.executable, "-m", "durable_fleet.console", *args],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        check=False,
+        env=env,
+    )
+
+
+def test_a_pair_reading_the_secret_from_environment_variables_replicates_and_the_tools_read_it_too(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Issue 12's containers: replication.secret_env names a variable holding the secret, on each
+    member its own name; a backup whose variable holds another secret is refused; inspect and
+    promote with --config read the variable from their own environment."""
+    primary = node(broker_factory, "p", role="primary", secret_env=SECRET_VAR)
+    primary.env = environment(**{SECRET_VAR: SECRET + "\n"})  # surrounding whitespace stripped
+    start(primary, SERVING)
+    backup = node(broker_factory, "b", role="backup", primary=address(primary), secret_env="B_SECRET")
+    backup.env = environment(B_SECRET=SECRET)
+    start(backup, BACKUP)
+    stranger = node(broker_factory, "s", role="backup", primary=address(primary), secret_env="S_SECRET")
+    stranger.env = environment(S_SECRET="another-secret-0123456789")
+    start(stranger, BACKUP)
+    wait_in_sync(primary)  # status() authenticates with SECRET: the primary holds it
+    queue_durable_messages(primary, clients, 50)  # sync mode: each PUBACK waited for the backup
+    assert stranger.wait_until(lambda: "do not share the replication secret" in stranger.log(), WAIT)
+    assert [row["name"] for row in status(primary)["backups"]] == ["b"]
+
+    shown = cli_in(environment(**{SECRET_VAR: SECRET}), "inspect", "--replication", address(primary),
+                   "--config", str(primary.config_path))  # fmt: skip
+    assert shown.returncode == 0 and "backup b" in shown.stdout and "in_sync" in shown.stdout, shown.stderr
+    unset = cli_in(environment(**{SECRET_VAR: None}), "inspect", "--replication", address(primary),
+                   "--config", str(primary.config_path))  # fmt: skip
+    assert unset.returncode == 1
+    assert f"'replication.secret_env': the environment variable {SECRET_VAR} is not set" in unset.stderr
+    primary.kill()
+    promoted = cli_in(environment(B_SECRET=SECRET), "promote", address(backup), "--config", str(backup.config_path))
+    assert promoted.returncode == 0, promoted.stderr
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
+    assert_queue_served(backup, clients, 50)
+    for output in (primary.log(), backup.log(), stranger.log(), shown.stdout + shown.stderr, unset.stderr):
+        assert SECRET not in output and "another-secret-0123456789" not in output
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (None, f"the environment variable {SECRET_VAR} is not set"),
+        ("", f"the environment variable {SECRET_VAR} is empty"),
+        ("fifteen-chars-1", f"the secret in the environment variable {SECRET_VAR} must be at least 16 characters"),
+    ],
+)
+def test_a_missing_empty_or_short_secret_env_stops_the_broker_naming_key_and_variable_not_value(
+    broker_factory: Callable[..., Broker], value: str | None, words: str
+) -> None:
+    broker = node(broker_factory, "p", role="primary", secret_env=SECRET_VAR)
+    broker.write_config()
+    result = cli_in(environment(**{SECRET_VAR: value}), "broker", "-c", str(broker.config_path))
+    assert result.returncode == 2, result.stderr
+    assert f"'replication.secret_env': {words}" in result.stderr
+    if value:
+        assert value not in result.stdout + result.stderr

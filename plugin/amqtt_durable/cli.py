@@ -183,7 +183,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def tool_credentials(args: argparse.Namespace) -> tuple[bytes | None, ssl.SSLContext | None]:
     """The replication secret and TLS context a tool connects with: the replication section of
-    ``--config`` (secret or secret_file; tls), and ``--secret-file`` (which wins for the secret)."""
+    ``--config`` (secret, secret_file or secret_env, the variable read from this process's
+    environment; tls), and ``--secret-file`` (which wins for the secret)."""
     secret: bytes | None = None
     tls: ssl.SSLContext | None = None
     if args.config is not None:
@@ -201,8 +202,8 @@ def _add_secret_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         metavar="BROKER_YAML",
-        help="connect with the replication settings of this broker.yaml: its secret (replication.secret or "
-        "secret_file) and its TLS certificates (replication.tls)",
+        help="connect with the replication settings of this broker.yaml: its secret (replication.secret, "
+        "secret_file or secret_env, read from this environment) and its TLS certificates (replication.tls)",
     )
     parser.add_argument(
         "--secret-file", metavar="PATH", help="authenticate with the replication secret held in this file"

@@ -163,7 +163,7 @@ def test_the_secret_settings_are_read_and_checked(tmp_path: Path) -> None:
     ("settings", "key", "words"),
     [
         ({"secret": "short"}, "replication.secret", "at least 16"),
-        ({"secret": "s" * 16, "secret_file": "x"}, "replication.secret_file", "not both"),
+        ({"secret": "s" * 16, "secret_file": "x"}, "replication.secret_file", "not secret and secret_file"),
         ({"secret_file": "/nonexistent/secret"}, "replication.secret_file", "cannot read the secret file"),
         ({"secret_file": "EMPTY"}, "replication.secret_file", "is empty"),
         ({"secret_file": "SHORT"}, "replication.secret_file", "must be at least 16 characters, not 15"),
@@ -180,6 +180,57 @@ def test_bad_secret_settings_name_their_key(tmp_path: Path, settings: dict[str, 
     with pytest.raises(ConfigError) as raised:
         ReplicationConfig.from_mapping({"role": "primary", **settings})
     assert raised.value.key == key and words in str(raised.value)
+
+
+ENV_NAME = "AMQTT_DURABLE_UNIT_REPLICATION_SECRET"
+ENV_VALUE = "from-the-environment-0123456789"
+
+
+def test_the_secret_is_read_from_the_environment_variable_secret_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_NAME, f"  {ENV_VALUE}\n")  # as a file mounted into a variable may end
+    config = ReplicationConfig.from_mapping({"role": "primary", "secret_env": ENV_NAME})
+    assert config.shared_secret() == ENV_VALUE.encode() and ENV_VALUE not in repr(config)
+    monkeypatch.setenv(ENV_NAME, "\u00e9" * 16)  # characters, not bytes, are counted; sent as UTF-8
+    assert config.shared_secret() == ("\u00e9" * 16).encode()
+
+
+@pytest.mark.parametrize(
+    ("settings", "value", "words"),
+    [
+        ({"secret_env": ENV_NAME}, None, f"the environment variable {ENV_NAME} is not set"),
+        ({"secret_env": ENV_NAME}, " \n", f"the environment variable {ENV_NAME} is empty"),
+        ({"secret_env": ENV_NAME}, " short-value-123 ", f"variable {ENV_NAME} must be at least 16 characters, not 15"),
+        ({"secret_env": f"{ENV_NAME}={ENV_VALUE}"}, ENV_VALUE, "expected the name of an environment variable"),
+        ({"secret": "s" * 16, "secret_env": ENV_NAME}, ENV_VALUE, "not secret and secret_env"),
+        ({"secret_file": "/nonexistent", "secret_env": ENV_NAME}, ENV_VALUE, "not secret_file and secret_env"),
+    ],
+)
+def test_bad_secret_env_settings_name_the_key_and_the_variable_never_the_value(
+    monkeypatch: pytest.MonkeyPatch, settings: dict[str, Any], value: str | None, words: str
+) -> None:
+    if value is None:
+        monkeypatch.delenv(ENV_NAME, raising=False)
+    else:
+        monkeypatch.setenv(ENV_NAME, value)
+    with pytest.raises(ConfigError) as raised:
+        ReplicationConfig.from_mapping({"role": "primary", **settings})
+    assert raised.value.key == "replication.secret_env" and words in str(raised.value)
+    if value is not None and value.strip():
+        assert value.strip() not in str(raised.value)
+
+
+def test_a_variable_emptied_after_start_up_is_named_when_the_secret_is_read_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tools and the node read the secret through shared_secret(): the same checks, the same key."""
+    monkeypatch.setenv(ENV_NAME, ENV_VALUE)
+    config = ReplicationConfig(role="primary", secret_env=ENV_NAME)
+    monkeypatch.delenv(ENV_NAME)
+    with pytest.raises(ConfigError) as raised:
+        config.shared_secret()
+    assert raised.value.key == "replication.secret_env" and ENV_NAME in str(raised.value)
 
 
 def test_loopback_addresses_are_told_apart() -> None:

@@ -1,6 +1,6 @@
 """Authentication of the replication channel: a mutual challenge-response over a shared secret.
 
-When ``replication.secret`` (or ``secret_file``) is set, every connection to a replication
+When ``replication.secret`` (or ``secret_file``, ``secret_env``) is set, every connection to a replication
 address (a backup's channel, a tool's STATUS or PROMOTE) starts with three AUTH frames, before
 anything else (the connecting side is the *client*, the listening node the *server*)::
 

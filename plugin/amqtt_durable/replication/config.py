@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -159,11 +160,16 @@ class ReplicationConfig:
     secret: str = field(default="", repr=False)
     """Shared secret of the cluster, inline: every connection to a replication address (backups,
     ``promote``, ``inspect --replication``) must prove it knows it (HMAC challenge-response,
-    replication/auth.py). Empty, and no ``secret_file``: no authentication, as before."""
+    replication/auth.py). Empty, and no ``secret_file`` or ``secret_env``: no authentication, as before."""
 
     secret_file: str = ""
     """A file holding the shared secret (surrounding whitespace stripped), read at start-up: keeps
-    the secret out of broker.yaml. Set ``secret`` or ``secret_file``, not both."""
+    the secret out of broker.yaml. Set one of ``secret``, ``secret_file``, ``secret_env``."""
+
+    secret_env: str = ""
+    """The name of an environment variable holding the shared secret (surrounding whitespace
+    stripped), read at start-up, for containers that are handed their secrets that way. Set one
+    of ``secret``, ``secret_file``, ``secret_env``."""
 
     tls: TlsConfig | None = None
     """Mutual TLS on the replication channel and the tools' connections (TlsConfig); absent: plain TCP."""
@@ -176,9 +182,12 @@ class ReplicationConfig:
         _check(self, "replication")
 
     def shared_secret(self) -> bytes | None:
-        """The secret as bytes (read from ``secret_file`` when that is set); None: no secret."""
+        """The secret as bytes (read from ``secret_file`` or ``secret_env`` when one is set);
+        None: no secret."""
         if self.secret_file:
             return read_secret_file(self.secret_file, "replication.secret_file")
+        if self.secret_env:
+            return read_secret_env(self.secret_env, "replication.secret_env")
         return self.secret.encode("utf-8") if self.secret else None
 
     @property
@@ -272,13 +281,40 @@ def read_secret_file(path: str, key: str) -> bytes:
     return secret
 
 
+def read_secret_env(name: str, key: str) -> bytes:
+    """The secret in the environment variable ``name``, stripped; a ConfigError naming ``key`` and
+    ``name`` (never the value) when it is not set, is empty or is shorter than ``MIN_SECRET``
+    characters."""
+    if not name or "=" in name or "\0" in name:  # not echoed: it may be the secret itself, mistyped
+        raise ConfigError(key, "expected the name of an environment variable (without '=')")
+    value = os.environ.get(name)
+    if value is None:
+        raise ConfigError(key, f"the environment variable {name} is not set")
+    secret = value.strip()
+    if not secret:
+        raise ConfigError(key, f"the environment variable {name} is empty")
+    if len(secret) < MIN_SECRET:
+        raise ConfigError(
+            key,
+            f"the secret in the environment variable {name} must be at least {MIN_SECRET} characters, "
+            f"not {len(secret)} ({SECRET_ADVICE})",
+        )
+    return secret.encode("utf-8", "surrogateescape")  # the variable's own bytes, whatever the locale
+
+
+SECRET_KEYS = ("secret", "secret_file", "secret_env")
+
+
 def _check_secret(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
-    if config.secret and config.secret_file:
-        raise bad("secret_file", "set secret or secret_file, not both")
+    given = [key for key in SECRET_KEYS if getattr(config, key)]
+    if len(given) > 1:
+        raise bad(given[-1], f"set one of {', '.join(SECRET_KEYS)}, not {' and '.join(given)}")
     if config.secret and len(config.secret) < MIN_SECRET:
         raise bad("secret", f"must be at least {MIN_SECRET} characters ({SECRET_ADVICE})")
     if config.secret_file:
         read_secret_file(config.secret_file, f"{where}.secret_file")
+    if config.secret_env:
+        read_secret_env(config.secret_env, f"{where}.secret_env")
     if not math.isfinite(config.handshake_timeout) or config.handshake_timeout <= 0:
         raise bad("handshake_timeout", f"must be a finite number of seconds above 0, got {config.handshake_timeout!r}")
 

@@ -65,7 +65,7 @@ class ReplicationNode:
         self.fsync = fsync
         """Whether the backup end fsyncs what it applies: as the broker's own commits (``sync``)."""
         self.secret = config.shared_secret()
-        """replication.secret (or the content of secret_file), read once at start-up."""
+        """replication.secret (or the content of secret_file or of the variable secret_env), read once at start-up."""
         tls = config.tls
         self.server_tls = tls.context(server=True) if tls is not None else None
         self.client_tls = tls.context(server=False) if tls is not None else None
