@@ -22,8 +22,10 @@ import plyvel
 from .errors import DamagedRecordError, StoreError
 from .replication.position import POSITION_KEY
 from .store import (
+    FLAG_RELEASED,
     FLAG_SHARED,
     LAYOUT_VERSION,
+    NO_BODY,
     RETAINED_PREFIX,
     SID_MARK_KEY,
     STORE_ID_KEY,
@@ -73,6 +75,8 @@ class _Queue:
     last_seq: int = 0
     unreadable: int = 0
     """Entries removed: their value did not decode, or their message body is gone or does not decode."""
+    released_kept: int = 0
+    """RELEASED entries (PUBREL due) whose body is gone or does not decode: kept, rewritten to need none."""
 
 
 def repair(path: str, now: float | None = None) -> RepairReport:
@@ -134,10 +138,7 @@ def rebuild(db: Any, now: float) -> RepairReport:
         names = _sessions(db, batch, with_data, now, report)
         for sid, client_id in sorted(names.items()):
             queue = queues.get(sid, _Queue())
-            if queue.unreadable:
-                report.lost.append(
-                    f"client {client_id!r}: {queue.unreadable} queued message(s) unreadable (removed)"
-                )
+            _report_queue(report, client_id, queue)
             _rebuild_totals(db, batch, sid, client_id=client_id, queue=queue, report=report)
             _rebuild_sent_mark(db, batch, sid, client_id=client_id, queue=queue, report=report)
         for sid in sorted(set(queues) - set(names)):
@@ -155,6 +156,17 @@ def rebuild(db: Any, now: float) -> RepairReport:
             report.rebuilt.append("store id did not decode: removed (the broker makes a new one; stream readers "
                                   "see a new store)")
     return report
+
+
+def _report_queue(report: RepairReport, client_id: str, queue: _Queue) -> None:
+    if queue.unreadable:
+        report.lost.append(f"client {client_id!r}: {queue.unreadable} queued message(s) unreadable (removed)")
+    if queue.released_kept:
+        report.rebuilt.append(
+            f"client {client_id!r}: {queue.released_kept} QoS 2 message(s) awaiting PUBCOMP kept without "
+            "their body, which was gone or did not decode (the client has them; their PUBREL is sent "
+            "when it reconnects)"
+        )
 
 
 def _looks_like_ours(db: Any) -> bool:
@@ -215,13 +227,20 @@ def _drop_damaged_retained(db: Any, batch: Any, report: RepairReport) -> None:
 def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]:
     """Count every session's readable entries; remove those that do not decode or whose body is gone
     or does not decode (Body.decode refuses it: a replay would stop there for good), with that body;
-    fix the reference counts of shared bodies."""
+    fix the reference counts of shared bodies.
+
+    A RELEASED entry (PUBREC received, PUBREL due) needs no body: the client has the message and
+    is owed only a PUBREL with the packet id. One whose body is gone or does not decode is kept,
+    rewritten to point at no body (msg_id NO_BODY, not SHARED, size 0), so the broker sends its
+    PUBREL when the client reconnects and the client's QoS 2 flow completes."""
     queues: dict[int, _Queue] = {}
     shared: Counter[int] = Counter()
     undecodable: dict[int, str] = {}
     """Message id -> why its body does not decode."""
     pointing: Counter[int] = Counter()
-    """Message id of an undecodable body -> queue entries found pointing at it."""
+    """Message id of an undecodable body -> queue entries found pointing at it (removed)."""
+    kept_released: Counter[int] = Counter()
+    """Message id of an undecodable body -> RELEASED entries pointing at it (kept without it)."""
     for key, value in db.iterator(prefix=b"q"):
         if len(key) != _ENTRY_KEY_SIZE:
             batch.delete(key)
@@ -232,11 +251,18 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
             entry = Entry.decode(seq_of_entry_key(key), value)
         except struct.error:
             entry = None
-        if entry is None or _body_unusable(db, entry.msg_id, undecodable):
+        if entry is not None and _body_unusable(db, entry, undecodable):
+            if entry.msg_id in undecodable:
+                (kept_released if _released(entry) else pointing)[entry.msg_id] += 1
+            if _released(entry):
+                entry = Entry(entry.seq, NO_BODY, entry.qos, entry.flags & ~FLAG_SHARED, 0)
+                batch.put(key, entry.encode())
+                queue.released_kept += 1
+            else:
+                entry = None
+        if entry is None:
             batch.delete(key)
             queue.unreadable += 1
-            if entry is not None and entry.msg_id in undecodable:
-                pointing[entry.msg_id] += 1
             continue
         queue.depth += 1
         queue.bytes += entry.size
@@ -245,17 +271,31 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
             shared[entry.msg_id] += 1
     for msg_id, why in sorted(undecodable.items()):
         batch.delete(body_key(msg_id))  # nothing points at it any more (its count goes in _fix_refs)
+        kept = (
+            f" ({kept_released[msg_id]} QoS 2 entry(ies) awaiting PUBCOMP kept without it)"
+            if kept_released[msg_id]
+            else ""
+        )
         report.lost.append(
             f"message {msg_id}: its body does not decode ({why}): removed, with the {pointing[msg_id]} "
-            "queue entry(ies) pointing at it"
+            f"queue entry(ies) pointing at it{kept}"
         )
     _fix_refs(db, batch, shared, report)
     return queues
 
 
-def _body_unusable(db: Any, msg_id: int, undecodable: dict[int, str]) -> bool:
+def _released(entry: Entry) -> bool:
+    """A QoS 2 entry whose PUBREC came: only its PUBREL is due, which needs no body."""
+    return entry.qos == 2 and bool(entry.flags & FLAG_RELEASED)
+
+
+def _body_unusable(db: Any, entry: Entry, undecodable: dict[int, str]) -> bool:
     """Is the message body gone, or does it not decode (a replay would stop at it for good)?
-    Those that do not decode are kept in ``undecodable`` with the reason."""
+    Those that do not decode are kept in ``undecodable`` with the reason. A released entry an
+    earlier repair kept without its body (NO_BODY) needs none."""
+    msg_id = entry.msg_id
+    if msg_id == NO_BODY and _released(entry):
+        return False
     if msg_id in undecodable:
         return True
     raw = db.get(body_key(msg_id))

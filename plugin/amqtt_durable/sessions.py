@@ -26,6 +26,9 @@ from .errors import StoreReadError, StoreUnavailableError
 from .queue_policy import Admission, QueueLimits
 from .store import (
     FLAG_RELEASED,
+    FLAG_SHARED,
+    NO_BODY,
+    RELEASED_BODY,
     Body,
     Entry,
     SessionRecord,
@@ -152,10 +155,11 @@ class DurableSession:
         """Was a CONNECT of this client id accepted after the one of ``transport``?"""
         return self.newest is not None and self.newest is not transport
 
-    def read_entries(self, start: int, tail: int, limit: int) -> tuple[list[tuple[Entry, Body]], int | None]:
-        """read_stored with each body decoded."""
+    def read_entries(self, start: int, tail: int, limit: int) -> tuple[list[tuple[Entry, Body | None]], int | None]:
+        """read_stored with each body decoded (None: a RELEASED entry read without its body)."""
         entries, bodies, last = self.read_stored(start, tail, limit)
-        return [(entry, Body.decode(raw)) for entry, raw in zip(entries, bodies, strict=True)], last
+        pairs = zip(entries, bodies, strict=True)
+        return [(entry, None if raw == RELEASED_BODY else Body.decode(raw)) for entry, raw in pairs], last
 
     def read_stored(self, start: int, tail: int, limit: int) -> tuple[list[Entry], list[bytes], int | None]:
         """Up to ``limit`` stored entries from ``start`` to ``tail``, their bodies as stored (in the same
@@ -163,8 +167,10 @@ class DurableSession:
         cut the read short (None: everything up to ``tail`` read).
 
         Entries removed in memory but not yet written are skipped: the store must not bring them back.
-        An entry without a body is removed (logged). A read that fails part way returns what came
-        before the damage (cut short there); one that fails at once raises StoreReadError: the pump
+        An entry without a body is removed (logged), except a RELEASED one: only its PUBREL is due,
+        which needs no body, so when its body is gone or damaged it comes with RELEASED_BODY (a gone
+        one as an entry that points at none, ``_unbodied``). A read that fails part way returns what came before
+        the damage (cut short there); one that fails at once raises StoreReadError: the pump
         reports it and tries again later.
         """
         db = self.engine.db
@@ -186,13 +192,32 @@ class DurableSession:
             bodies = []
             for entry in kept:
                 raw = stored.get(entry.msg_id)
-                if raw is None:
-                    self._bodiless(entry)
-                else:
+                if raw is not None:
                     with_body.append(entry)
                     bodies.append(raw)
+                elif entry.flags & FLAG_RELEASED:  # its PUBREL needs no body
+                    with_body.append(self._unbodied(entry))
+                    bodies.append(RELEASED_BODY)
+                else:
+                    self._bodiless(entry)
             kept = with_body
         return kept, bodies, (entries[-1].seq if cut else None)
+
+    def _unbodied(self, entry: Entry) -> Entry:
+        """A RELEASED entry whose body is gone, as one that points at none (NO_BODY, not SHARED), in
+        memory only: its PUBREL goes all the same, and the PUBCOMP that removes it deletes no body
+        or reference count under its old message id, which a message routed meanwhile may have
+        been given (ids go on past the highest body left). ``amqtt-durable repair`` rewrites such
+        an entry so in the store, before any new message can take its id."""
+        if entry.msg_id == NO_BODY:
+            return entry
+        log.warning(
+            "session %s: the body of QoS 2 message %d, whose PUBREL is due, is gone; "
+            "the PUBREL goes without it",
+            self.client_id,
+            entry.seq,
+        )
+        return Entry(entry.seq, NO_BODY, entry.qos, entry.flags & ~FLAG_SHARED, entry.size)
 
     def _bodiless(self, entry: Entry) -> None:
         log.error("session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq)
@@ -213,14 +238,28 @@ class DurableSession:
                 try:
                     raw = read_stored_bodies(db, [entry.msg_id]).get(entry.msg_id)
                 except (plyvel.Error, ValueError, struct.error) as exc:
-                    if last_seq_looked is None:
+                    if entry.flags & FLAG_RELEASED:
+                        # A damaged body its PUBREL does not need; the PUBCOMP deletes it with the entry.
+                        log.warning(
+                            "session %s: the body of QoS 2 message %d, whose PUBREL is due, is damaged "
+                            "(%s); the PUBREL goes without it",
+                            self.client_id,
+                            entry.seq,
+                            leveldb_detail(exc),
+                        )
+                        raw = RELEASED_BODY
+                    elif last_seq_looked is None:
                         raise StoreReadError(self.client_id, start - 1, leveldb_detail(exc)) from exc
-                    return kept, bodies, last_seq_looked
-                if raw is None:
-                    self._bodiless(entry)
-                else:
+                    else:
+                        return kept, bodies, last_seq_looked
+                if raw is not None:
                     kept.append(entry)
                     bodies.append(raw)
+                elif entry.flags & FLAG_RELEASED:
+                    kept.append(self._unbodied(entry))
+                    bodies.append(RELEASED_BODY)
+                else:
+                    self._bodiless(entry)
             last_seq_looked = entry.seq
         return kept, bodies, (last_seq_looked if cut else None)
 

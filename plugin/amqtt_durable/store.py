@@ -26,6 +26,9 @@ Key layout, version 1 (every integer big-endian, so LevelDB's byte order is nume
 Entry flags: bit 0 RETAIN (retained message on subscribe), bit 1 RELEASED (QoS 2 PUBREC
 received, so PUBREL, not PUBLISH, is re-sent), bit 2 SHARED (the body is counted under b"c";
 without it the entry is the body's only reference). A body is deleted with its last entry.
+A RELEASED entry's body is never needed again (a PUBREL carries only the packet id): delivery
+sends its PUBREL whether the body is there or not, and repair keeps such an entry whose body is
+gone or does not decode, rewritten to msg_id NO_BODY (0, which no message gets), size 0.
 From tlen on, a body is a PUBLISH's topic field as MQTT encodes it, then the payload: replay
 builds each PUBLISH from the stored bytes without decoding them (BODY_TOPIC_FIELD).
 
@@ -99,6 +102,13 @@ _RETAINED_HEAD = struct.Struct(">dB")
 FLAG_RETAIN = 0x01
 FLAG_RELEASED = 0x02
 FLAG_SHARED = 0x04
+
+NO_BODY = 0
+"""The msg_id of a RELEASED entry that has no body (repair's rewrite): message ids start at 1, so no
+body is ever read, counted or deleted under it (deleting ``b"m" + 0`` deletes nothing)."""
+RELEASED_BODY = b""
+"""What DurableSession.read_stored gives as the stored body of a RELEASED entry whose body is gone or
+damaged: the pump sends its PUBREL and never looks at a body for it."""
 
 VERSION_KEY = b"v"
 RETAINED_PREFIX = b"r"

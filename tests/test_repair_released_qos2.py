@@ -1,0 +1,198 @@
+"""``amqtt-durable repair`` keeps a released QoS 2 message (PUBREC received, PUBREL due) whose body
+is gone or does not decode: the client already has the message and is owed only a PUBREL with the
+packet id, so after the repair the broker sends it on reconnect and the client's QoS 2 flow for
+that packet id completes with PUBCOMP; the rest of the queue follows in order. A real store, the
+real repair command, a real broker, a raw-socket client."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+
+import pytest
+from test_scale import RawClient
+
+from amqtt_durable.store import (
+    FLAG_RELEASED,
+    FLAG_SHARED,
+    NO_BODY,
+    Entry,
+    body_key,
+    iter_entries,
+    iter_sessions,
+    open_store,
+    refs_key,
+)
+from conftest import Broker, Client, mqtt_packet, payloads, run_cli
+
+pytestmark = pytest.mark.timeout(120)
+
+_U16 = struct.Struct(">H")
+PUBREL, PUBCOMP, PUBREC = 0x62, 0x70, 0x50
+
+
+def queues(store: str) -> dict[str, list[Entry]]:
+    db = open_store(store, create=False)
+    try:
+        return {record.client_id: list(iter_entries(db, record.sid)) for record in iter_sessions(db)}
+    finally:
+        db.close()
+
+
+def receive_qos2(raw: RawClient, count: int) -> list[bytes]:
+    """Read ``count`` QoS 2 PUBLISHes with their PUBRELs (PUBREC each, PUBCOMP each PUBREL), in the
+    order the broker pipelines them; their payloads in order."""
+    got: list[bytes] = []
+    released: list[int] = []
+    for _ in range(2 * count):  # count PUBLISHes and count PUBRELs
+        first, body = raw.read_packet()
+        if first == PUBREL:
+            released.append(_U16.unpack(body)[0])
+            raw.send(mqtt_packet(PUBCOMP, body))
+            continue
+        assert first >> 4 == 3 and (first >> 1) & 0x03 == 2, f"expected a QoS 2 PUBLISH, got {first:#x}"
+        (topic_len,) = _U16.unpack_from(body)
+        raw.send(mqtt_packet(PUBREC, body[2 + topic_len : 4 + topic_len]))
+        got.append(body[4 + topic_len :])
+    assert len(released) == count, released
+    return got
+
+
+def read_publish(raw: RawClient) -> tuple[int, int, bytes]:
+    """The next packet, a PUBLISH: (QoS, packet id, payload)."""
+    first, body = raw.read_packet()
+    assert first >> 4 == 3, f"expected a PUBLISH, got packet type {first >> 4}"
+    qos = (first >> 1) & 0x03
+    (topic_len,) = _U16.unpack_from(body)
+    (packet_id,) = _U16.unpack_from(body, 2 + topic_len)
+    return qos, packet_id, body[4 + topic_len :]
+
+
+@pytest.mark.parametrize("damage", ["body deleted", "body undecodable"])
+def test_repair_keeps_a_released_qos2_entry_without_its_body_and_its_pubrel_completes_on_reconnect(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], damage: str
+) -> None:
+    broker = broker_factory()
+    other = clients(broker.port, "other")  # a second durable session: the first body is shared
+    assert other.subscribe("q2/#", 1) == [1]
+    other.disconnect()
+    device = RawClient(broker.port, "dev")
+    assert device.connect() is False
+    assert device.subscribe("q2/#", 2) == 2
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("q2/t", [b"first"], qos=2)
+
+    # The device receives it and sends PUBREC; the broker's PUBREL comes; the device goes away
+    # before its PUBCOMP: the entry stays, released.
+    qos, packet_id, payload = read_publish(device)
+    assert (qos, payload) == (2, b"first")
+    device.send(mqtt_packet(PUBREC, _U16.pack(packet_id)))
+    assert device.expect(PUBREL >> 4) == _U16.pack(packet_id)
+    device.close()
+    rest = payloads(5, "rest")
+    publisher.publish("q2/t", rest, qos=2)
+    publisher.disconnect()
+    broker.stop()
+
+    before = queues(broker.store)
+    released = before["dev"][0]
+    assert released.flags & FLAG_RELEASED and released.flags & FLAG_SHARED, before
+    assert before["other"][0].msg_id == released.msg_id
+    db = open_store(broker.store, create=False)
+    try:
+        if damage == "body deleted":
+            db.delete(body_key(released.msg_id))
+        else:  # LevelDB reads it intact; its topic length runs past its end
+            db.put(body_key(released.msg_id), struct.pack(">dBH", 1.0, 2, 500) + b"q2/t")
+    finally:
+        db.close()
+
+    repaired = run_cli("repair", broker.store)
+    assert repaired.returncode == 0, repaired.stderr
+    assert "client 'dev': 1 QoS 2 message(s) awaiting PUBCOMP kept without their body" in repaired.stdout
+    assert "client 'other': 1 queued message(s) unreadable (removed)" in repaired.stdout
+    after = queues(broker.store)
+    kept = after["dev"][0]
+    assert (kept.seq, kept.msg_id, kept.qos, kept.size) == (released.seq, NO_BODY, 2, 0)
+    assert kept.flags & FLAG_RELEASED and not kept.flags & FLAG_SHARED
+    assert [entry.seq for entry in after["dev"]] == [entry.seq for entry in before["dev"]]
+    assert [entry.seq for entry in after["other"]] == [entry.seq for entry in before["other"][1:]]
+    db = open_store(broker.store, create=False)
+    try:  # nothing points at the first message's body any more: neither it nor its reference count is left
+        assert db.get(body_key(released.msg_id)) is None and db.get(refs_key(released.msg_id)) is None
+    finally:
+        db.close()
+    again = run_cli("repair", broker.store)  # a second repair finds nothing more to do
+    assert again.returncode == 0 and "were all consistent" in again.stdout, again.stdout
+
+    broker.start()
+    device = RawClient(broker.port, "dev")
+    assert device.connect() is True
+    assert device.expect(PUBREL >> 4) == _U16.pack(packet_id)  # first, before the rest of the queue
+    device.send(mqtt_packet(PUBCOMP, _U16.pack(packet_id)))
+    assert receive_qos2(device, len(rest)) == rest
+    assert not device.pending_bytes(0.5)  # nothing more: no PUBLISH of the first message
+    device.disconnect(wait_closed=True)
+    other = clients(broker.port, "other")
+    assert [m.payload for m in other.wait_messages(len(rest))] == rest  # its copy of the first is lost
+    other.disconnect()
+    broker.stop()
+
+    shown = run_cli("inspect", broker.store, "--json")
+    assert shown.returncode == 0, shown.stderr
+    depths = {row["client_id"]: row["depth"] for row in json.loads(shown.stdout)}
+    assert depths == {"dev": 0, "other": 0}  # the PUBCOMP removed the released entry
+
+
+@pytest.mark.parametrize("damage", ["body deleted", "body undecodable"])
+def test_without_a_repair_a_released_entry_whose_body_is_gone_or_damaged_still_gets_its_pubrel(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], damage: str
+) -> None:
+    """Delivery never needs the body of a released entry: a broker on a store whose released
+    message lost its body (or holds one that does not decode) sends the PUBREL, then the rest of
+    the queue, without stopping at it or removing it."""
+    broker = broker_factory()
+    device = RawClient(broker.port, "dev")
+    assert device.connect() is False
+    assert device.subscribe("q2/#", 2) == 2
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("q2/t", [b"first"], qos=2)
+    _, packet_id, _ = read_publish(device)
+    device.send(mqtt_packet(PUBREC, _U16.pack(packet_id)))
+    assert device.expect(PUBREL >> 4) == _U16.pack(packet_id)
+    device.close()
+    publisher.publish("q2/t", [b"second"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    released = queues(broker.store)["dev"][0]
+    assert released.flags & FLAG_RELEASED
+    db = open_store(broker.store, create=False)
+    try:
+        if damage == "body deleted":
+            db.delete(body_key(released.msg_id))
+        else:
+            db.put(body_key(released.msg_id), struct.pack(">dBH", 1.0, 2, 500) + b"q2/t")
+    finally:
+        db.close()
+
+    broker.start()
+    device = RawClient(broker.port, "dev")
+    assert device.connect() is True
+    assert device.expect(PUBREL >> 4) == _U16.pack(packet_id)
+    device.send(mqtt_packet(PUBCOMP, _U16.pack(packet_id)))
+    qos, pid, payload = read_publish(device)
+    assert (qos, payload) == (1, b"second")
+    device.send(mqtt_packet(0x40, _U16.pack(pid)))
+    device.disconnect(wait_closed=True)
+    broker.stop()
+    assert queues(broker.store) == {"dev": []}
+    log = broker.log()
+    assert "has no message body" not in log and "reading its queue" not in log
+    word = "gone" if damage == "body deleted" else "damaged"
+    assert f"session dev: the body of QoS 2 message {released.seq}, whose PUBREL is due, is {word}" in log
+    db = open_store(broker.store, create=False)
+    try:
+        assert db.get(body_key(released.msg_id)) is None  # a damaged body went with the entry's PUBCOMP
+    finally:
+        db.close()
