@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -183,3 +184,63 @@ def test_stream_events_through_the_loop_resume_after_the_last_processed_id_and_a
     run(main())
     assert [e.payload for e in first] == payloads(300, "first"), "each once, in order, the failed one again"
     assert [e.seq for e in first] == list(range(1, 301)) and all(e.stream for e in first)
+
+
+def test_close_from_another_thread_s_loop_ends_the_async_for_waiting_in_the_client_s_own_loop(
+    broker: Broker,
+) -> None:
+    """sdk.md: any loop may close the client. The waiting ``async for`` is its own loop's: closing
+    it from another thread resolved that loop's future from the wrong thread, and the loop, never
+    woken, waited for ever."""
+    client = AsyncDurableClient("close-across-threads", port=broker.port, reconnect_max_delay=0.5)
+    waiting = threading.Event()
+    ended: list[str] = []
+
+    async def home() -> None:
+        await client.connect()
+        await client.subscribe("across/#")
+        await client.ready_for_events()
+        async with client.events() as events:
+            waiting.set()
+            async for _ in events:
+                pass
+        ended.append("the async for ended")
+
+    # debug=True: asyncio then refuses a call on the loop from another thread instead of leaving
+    # the loop unwoken until something else happens to wake it (here, often the network thread)
+    home_run = asyncio.wait_for(home(), 2 * WAIT)
+    thread = threading.Thread(target=asyncio.run, args=(home_run,), kwargs={"debug": True}, daemon=True)
+    thread.start()
+    assert waiting.wait(WAIT)
+    run(client.close(keep_session=False))
+    thread.join(WAIT)
+    assert not thread.is_alive() and ended == ["the async for ended"]
+    assert not client.connected
+
+
+def test_close_after_the_client_s_own_loop_was_closed_with_a_consumer_waiting_still_disconnects(
+    broker: Broker,
+) -> None:
+    """The loop a program used is gone (closed with a consumer still waiting): close() from a new
+    loop raised 'Event loop is closed' before it reached the network client, which went on
+    reconnecting."""
+    client = AsyncDurableClient("close-after-its-loop", port=broker.port, reconnect_max_delay=0.5)
+    home = asyncio.new_event_loop()
+    waiting = asyncio.Event()
+
+    async def consume() -> None:
+        async with client.events() as events:
+            waiting.set()
+            async for _ in events:
+                pass
+
+    try:
+        home.run_until_complete(client.connect())
+        home.run_until_complete(client.ready_for_events())
+        consumer = home.create_task(consume())
+        home.run_until_complete(asyncio.wait_for(waiting.wait(), WAIT))
+        assert not consumer.done()
+    finally:
+        home.close()  # the consumer task is left waiting, as a program that ended its loop leaves it
+    run(client.close(keep_session=False))
+    assert not client.connected

@@ -334,9 +334,10 @@ class AsyncDurableClient:
         is not acknowledged, so the broker sends it again to the next connection. An ``async for``
         over ``events()`` ends. Any loop may close the client (a program can always clean up),
         even once its own loop has ended."""
-        if self._queue is not None:
-            self._queue.close()
-        await asyncio.to_thread(self._client.close, keep_session, self._timeout)
+        try:
+            self._close_queue()
+        finally:
+            await asyncio.to_thread(self._client.close, keep_session, self._timeout)
 
     # ------------------------------------------------------------------ operations
     async def subscribe(self, topic_filter: str, qos: int = 1, *, durable: bool = True) -> None:
@@ -419,6 +420,21 @@ class AsyncDurableClient:
             raise DurableClientError("an AsyncDurableClient is used from one event loop only")
         assert self._queue is not None
         return self._queue
+
+    def _close_queue(self) -> None:
+        """The queue belongs to its loop: closed there (an ``async for`` waiting in it ends), or
+        at once when that loop is closed and nothing can wait in it any more."""
+        queue, home = self._queue, self._loop
+        if queue is None or home is None:
+            return
+        if home is asyncio.get_running_loop():
+            queue.close()
+            return
+        try:
+            home.call_soon_threadsafe(queue.close)
+        except RuntimeError:  # the home loop is closed
+            queue.closed = True
+            queue.post()
 
     def _on_live(self, marker: Marker) -> None:
         """The marker was reached (on the event loop: every event before it was processed)."""

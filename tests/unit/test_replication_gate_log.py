@@ -136,3 +136,27 @@ def test_connections_closed_at_once_have_their_own_line_and_go_into_the_same_sum
                 other_end.close()
 
     asyncio.run(main())
+
+
+def test_a_flood_of_connections_closed_at_once_does_not_take_the_lines_that_name_refusals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 64: turned-away connections from 16 addresses took every line of the interval, and a
+    misconfigured backup's refusal went unnamed into the summary."""
+
+    async def main() -> None:
+        async with gate_logs(monkeypatch) as (handshakes, logs):
+            surplus = []
+            for n in range(LOG_HOSTS + 4):
+                host = f"10.1.0.{n}"
+                held = [await connection() for _ in range(3)]  # per_host 2: the third is closed at once
+                assert [handshakes.admit(writer, host) for writer, _ in held] == [True, True, False]
+                surplus += held
+            await refuse(handshakes, "10.0.0.2", "wrong replication secret")
+            assert len(logs.naming("10.0.0.2")) == 1
+            assert len([line for line in logs.lines if "at once:" in line]) == LOG_HOSTS
+            for writer, other_end in surplus:
+                writer.close()
+                other_end.close()
+
+    asyncio.run(main())

@@ -8,9 +8,9 @@ at once. Both that and a refused handshake (a wrong or missing secret, a silent 
 TLS handshake) are counted, and logged at once the first time that address has that event (the
 same reason) in an interval of ``LOG_EVERY`` seconds: at most ``LOG_PER_HOST`` lines an address
 (a reason may hold the peer's own text, so one address varying what it sends cannot take every
-line) and ``LOG_HOSTS`` in all; the rest are summed up in one WARNING when the interval ends. A node stopping or being
-promoted aborts the connections still waiting (from Python 3.12 ``Server.wait_closed`` waits
-for every connection, so one silent peer would hold a promotion up)."""
+line) and ``LOG_HOSTS`` of each kind; the rest are summed up in one WARNING when the interval
+ends. A node stopping or being promoted aborts the connections still waiting (from Python 3.12
+``Server.wait_closed`` waits for every connection, so one silent peer would hold a promotion up)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ class HandshakeGate:
         """The (address, reason) pairs logged in this interval (at most ``LOG_HOSTS``)."""
         self._lines_of: Counter[str] = Counter()
         """Lines logged in this interval per address (at most ``LOG_PER_HOST``)."""
+        self._lines_of_kind: Counter[str] = Counter()
+        """Lines logged in this interval per kind (at most ``LOG_HOSTS`` each: a flood of connections
+        closed at once does not take the lines that name refused handshakes)."""
         self._unlogged: Counter[str] = Counter()
         """Per kind, the events of this interval left to its summary."""
         self._summary: asyncio.TimerHandle | None = None
@@ -83,21 +86,23 @@ class HandshakeGate:
     def refusal(self, writer: asyncio.StreamWriter, peer: str, why: str) -> None:
         """The admitted connection ``writer`` (from ``peer``) was refused by the handshake."""
         self.refused += 1
-        host, _ = self._waiting.get(writer, (peer, None))
+        host, _ = self._waiting.get(writer, (peer.rpartition(":")[0], None))
         if self._may_log(host, REFUSED, why):
             log.warning("replication: refused a connection from %s: %s", peer, why)
 
     def _may_log(self, host: str, kind: str, reason: str) -> bool:
         """Whether this event is logged now: the first with this reason from ``host`` in this
-        interval (within ``LOG_PER_HOST`` lines for the address and ``LOG_HOSTS`` in all);
+        interval (within ``LOG_PER_HOST`` lines for the address and ``LOG_HOSTS`` of its kind);
         otherwise it is left to the interval's summary, counted by ``kind``."""
         now = time.monotonic()
         if now - self._interval_start >= LOG_EVERY:
             self._summarize()
             self._interval_start = now
-        if (host, reason) not in self._logged and len(self._logged) < LOG_HOSTS and self._lines_of[host] < LOG_PER_HOST:
+        fresh = (host, reason) not in self._logged
+        if fresh and self._lines_of_kind[kind] < LOG_HOSTS and self._lines_of[host] < LOG_PER_HOST:
             self._logged.add((host, reason))
             self._lines_of[host] += 1
+            self._lines_of_kind[kind] += 1
             return True
         self._unlogged[kind] += 1
         if self._summary is None:
@@ -124,6 +129,7 @@ class HandshakeGate:
         self._unlogged.clear()
         self._logged.clear()
         self._lines_of.clear()
+        self._lines_of_kind.clear()
         self._interval_start = float("-inf")
 
     def abort_all(self) -> None:

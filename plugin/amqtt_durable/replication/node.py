@@ -227,11 +227,19 @@ class ReplicationNode:
         """A backup's replication address: tools' questions; a backup's HELLO is not for it."""
         host, port = writer.get_extra_info("peername")[:2]
         peer = f"{host}:{port}"
+        if self._admin is None:  # accepted as _close_admin ran: past its abort_all, and its wait_closed waits for it
+            writer.transport.abort()
+            return
         if not self._admin_gate.admit(writer, host):
             return
         try:
             session, kind, _ = await first_frame(
-                reader, writer, self.secret, self.config.handshake_timeout, peer, tls=self.server_tls,
+                reader,
+                writer,
+                self.secret,
+                self.config.handshake_timeout,
+                peer,
+                tls=self.server_tls,
                 gate=self._admin_gate,
             )
             if kind in (Frame.STATUS, Frame.PROMOTE):
