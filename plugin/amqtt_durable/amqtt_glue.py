@@ -49,7 +49,8 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._del_all_subscriptions``: removes the session's own filters (from the mirror)
   instead of trying every filter of the table, at every session's end;
 * ``Broker._run_broadcast``: amqtt's delivery to its own subscribers, visiting only the filters
-  the mirror says match instead of matching every filter of the table per message;
+  the mirror says match instead of matching every filter of the table per message, with what
+  waits to be sent to each connection bounded (``max_pending_clean``, see ``CleanSends``);
 * ``Broker._publish_retained_messages_for_subscription``: retained messages go through the
   session queue, queued by ``add_subscription`` together with the subscription; a clean
   session gets those of its own filters only (amqtt sends, on every CONNECT, those matching
@@ -815,6 +816,88 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
                 await self.broker._broadcast_message(None, SYS_PREFIX + name, str(value).encode(), 0)
 
 
+@dataclasses.dataclass
+class Unsent:
+    """What amqtt still has to send one clean-session connection (see CleanSends)."""
+
+    count: int = 0
+    bytes: int = 0
+    dropped: int = 0
+    """Dropped since the last warning of this connection."""
+    warned: float = -math.inf
+
+
+class CleanSends:
+    """amqtt's sends to its own (clean-session) subscribers, bounded per connection.
+
+    amqtt 0.12.1 starts a task per message and subscriber, with no bound: a subscriber that does
+    not read (its socket full) made the broker hold every later message for it, and its first
+    stuck task kept every later task of every connection in the broadcast loop's deque, which
+    frees finished tasks from its front only. Here a connection with ``max_pending_clean``
+    messages (or ``max_pending_bytes_clean`` payload bytes) not yet sent (QoS 1/2: not yet
+    acknowledged) gets no more until it takes some: a new one is dropped, counted, and logged at
+    most once per ``drop_log_interval``. The tasks live in a set of their own, each gone when done.
+    """
+
+    def __init__(self, engine: DurableEngine) -> None:
+        self.engine = engine
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.stopping = False
+
+    def send(self, handler: Any, client_id: str, topic: str, data: bytes, qos: int) -> None:
+        unsent: Unsent | None = getattr(handler, "durable_unsent", None)
+        if unsent is None:
+            unsent = handler.durable_unsent = Unsent()
+        config = self.engine.config
+        size = len(data or b"")
+        if (config.max_pending_clean and unsent.count >= config.max_pending_clean) or (
+            config.max_pending_bytes_clean and unsent.count and unsent.bytes + size > config.max_pending_bytes_clean
+        ):
+            self._drop(unsent, client_id, topic)
+            return
+        unsent.count += 1
+        unsent.bytes += size
+        task = asyncio.ensure_future(handler.mqtt_publish(topic, data, qos, retain=False))
+        self.tasks.add(task)
+        task.add_done_callback(partial(self._sent, unsent, size, client_id))
+
+    def _sent(self, unsent: Unsent, size: int, client_id: str, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        unsent.count -= 1
+        unsent.bytes -= size
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None and not self.stopping and not isinstance(exc, TimeoutError):  # amqtt logs a timeout
+            log.warning("%s: a message was not delivered: %r", client_id, exc)  # amqtt logged it and went on
+
+    def _drop(self, unsent: Unsent, client_id: str, topic: str) -> None:
+        self.engine.clean_dropped_total += 1
+        unsent.dropped += 1
+        now = time.monotonic()
+        if now - unsent.warned < self.engine.config.drop_log_interval:
+            return
+        config = self.engine.config
+        log.warning(
+            "%s: %d message(s) dropped (the last on %r): %d message(s) of %d payload bytes wait to be sent to "
+            "this clean-session connection, the limit is max_pending_clean %d / max_pending_bytes_clean %d "
+            "(0 = none). The client does not read (or acknowledge) as fast as messages arrive",
+            client_id,
+            unsent.dropped,
+            topic,
+            unsent.count,
+            unsent.bytes,
+            config.max_pending_clean,
+            config.max_pending_bytes_clean,
+        )
+        unsent.warned = now
+        unsent.dropped = 0
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
 class AmqttHooks:
     """The wrappers of the broker instance's internals listed in the module docstring: one method
     per internal, the originals kept to call through."""
@@ -845,6 +928,7 @@ class AmqttHooks:
         self.acl_sessions: dict[str, Session] = {}
         self.closing: set[asyncio.Task[None]] = set()
         self.retained = RetainedTable()
+        self.clean_sends = CleanSends(engine)
 
     def install(self) -> None:
         broker = self.broker
@@ -1080,7 +1164,8 @@ class AmqttHooks:
                 del self.broker._subscriptions[topic_filter]
 
     async def run_broadcast(self, running_tasks: deque[asyncio.Task[Any]]) -> None:
-        # amqtt 0.12.1's _run_broadcast, step for step, but over the matching filters only.
+        # amqtt 0.12.1's _run_broadcast, step for step, but over the matching filters only, and its
+        # sends bounded per connection (CleanSends) instead of appended to ``running_tasks``.
         broadcast = await self.broker._broadcast_queue.get()
         topic = broadcast["topic"]
         if topic is None:
@@ -1096,9 +1181,7 @@ class AmqttHooks:
                     continue
                 handler = self.broker._get_handler(target) if connected else None
                 if handler:
-                    running_tasks.append(
-                        asyncio.ensure_future(handler.mqtt_publish(topic, broadcast["data"], qos, retain=False))
-                    )
+                    self.clean_sends.send(handler, target.client_id, topic, broadcast["data"], qos)
 
     async def publish_retained_for_subscription(self, subscription: tuple[str, int], session: Any) -> None:
         """Retained messages for a subscription the session holds, and only those it may receive.
@@ -1186,6 +1269,7 @@ class AmqttHooks:
     async def shutdown(self) -> None:
         self.shutting_down = True
         await self._original_shutdown()
+        await self.clean_sends.stop()  # as amqtt cancels its broadcast tasks
 
 
 def _abort(writer: Any) -> None:

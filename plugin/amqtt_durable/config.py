@@ -124,6 +124,15 @@ class DurableConfig:
     count twice. 0 means no limit. Routing cost does not grow with filters, but memory does,
     and a durable session's stored record is rewritten whole on every SUBSCRIBE."""
 
+    max_pending_clean: int = 10_000
+    """Messages waiting to be sent to one clean-session connection (amqtt delivers those; a QoS 1/2
+    one waits until acknowledged); past it a new message for that connection is dropped, counted
+    and logged. 0 means no limit. A client that does not read (its socket full) would otherwise
+    make the broker hold every message for it, without bound."""
+
+    max_pending_bytes_clean: int = 16_777_216
+    """The same limit in payload bytes (default 16 MiB); 0 means no limit."""
+
     replication: ReplicationConfig | None = None
     """Primary-backup replication of the store (docs/replication.md); absent: one broker, as before."""
 
@@ -240,15 +249,13 @@ def _check_counts(config: DurableConfig) -> None:
         )
     if not 1 <= config.stream_window <= MAX_STREAM_WINDOW:
         raise ConfigError("stream_window", f"must be between 1 and {MAX_STREAM_WINDOW}, got {config.stream_window!r}")
-    if config.max_subscriptions_per_client < 0:
-        raise ConfigError(
-            "max_subscriptions_per_client",
-            f"must be a whole number, 0 (no limit) or more, got {config.max_subscriptions_per_client!r}",
-        )
+    for key in ("max_subscriptions_per_client", "max_pending_clean"):
+        if getattr(config, key) < 0:
+            raise ConfigError(key, f"must be a whole number, 0 (no limit) or more, got {getattr(config, key)!r}")
 
 
 def _check_byte_limits(config: DurableConfig) -> None:
-    for key in ("max_bytes", "max_bytes_disconnected"):
+    for key in ("max_bytes", "max_bytes_disconnected", "max_pending_bytes_clean"):
         if getattr(config, key) < 0:
             raise ConfigError(key, f"must be 0 (no limit) or more bytes, got {getattr(config, key)!r}")
     if 0 < config.max_bytes_disconnected < config.max_bytes:

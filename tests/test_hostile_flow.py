@@ -1,0 +1,70 @@
+"""Hostile flow control: a connected client that holds the broker's memory by not taking
+what it is sent, or by not finishing what it sends. Each test is the attack itself against a
+real broker process over TCP with a raw socket, and checks that other clients are still served
+and that no message queued for a durable session is lost.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+from test_hostile_wire import CONNACK_ACCEPTED, connack_within, connect_packet, memory_kb
+
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+
+PAYLOAD = 256 * 1024
+COUNT = 160
+"""40 MiB sent (twice) to a subscriber that reads nothing: more than twice the default max_pending_bytes_clean."""
+
+
+def stalled_subscriber(port: int, client_id: str, topic_filter: str, qos: int) -> socket.socket:
+    """A clean-session client that subscribes and then never reads: its receive buffer is made
+    small before connecting, so the broker's writes to it stop at once."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(WAIT)
+    sock.connect((HOST, port))
+    sock.sendall(connect_packet(client_id))
+    assert sock.recv(4) == CONNACK_ACCEPTED
+    sock.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string(topic_filter) + bytes((qos,))))
+    assert sock.recv(5) == b"\x90\x03\x00\x01" + bytes((qos,))
+    return sock
+
+
+def test_a_clean_subscriber_that_never_reads_does_not_make_the_broker_hold_every_message(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """amqtt 0.12.1 started a send task per message for the stalled subscriber and kept them all
+    (and every later task of every connection, behind the first stuck one): memory grew by about
+    three times what was published, without bound. Now at most max_pending_bytes_clean (16 MiB)
+    waits for one connection; the rest for it is dropped, counted and logged."""
+    assert broker.proc is not None
+    pid = broker.proc.pid
+    durable = clients(broker.port, "dev-1")
+    durable.subscribe("orders/#", 1)
+    durable.drop()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    queued = payloads(10, "order")
+    publisher.publish("orders/1", queued, qos=1)
+    reader = clients(broker.port, "reader", clean_session=True)
+    reader.subscribe("feed/#", 0)
+    stalled = stalled_subscriber(broker.port, "stalled", "feed/#", 0)
+    sent = [i.to_bytes(4, "big") * (PAYLOAD // 4) for i in range(COUNT)]
+    held_kb = []
+    for attempt in (1, 2):  # the first fills what may wait for the stalled subscriber; the second may add nothing
+        publisher.publish("feed/a", sent, qos=1)
+        assert len(reader.wait_messages(attempt * COUNT, WAIT + 30)) == attempt * COUNT, "a reader lost messages"
+        held_kb.append(memory_kb(pid, "VmRSS"))
+    published_kb = COUNT * PAYLOAD // 1024
+    assert held_kb[1] - held_kb[0] < published_kb // 4, (
+        f"the broker's memory grew by {held_kb[1] - held_kb[0]} kB when {published_kb} kB more went to a "
+        "subscriber that reads nothing"
+    )
+    assert connack_within(broker.port, WAIT), "a new client was not served"
+    durable.connect()
+    assert [m.payload for m in durable.wait_messages(len(queued))] == queued
+    log = broker.log()
+    assert "stalled: " in log and "wait to be sent to this clean-session connection" in log, log[-3000:]
+    assert "max_pending_bytes_clean 16777216" in log
+    stalled.close()
