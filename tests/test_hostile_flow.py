@@ -9,7 +9,17 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
-from test_hostile_wire import CONNACK_ACCEPTED, connack_within, connect_packet, memory_kb
+import pytest
+from test_hostile_wire import (
+    CONNACK_ACCEPTED,
+    PATHS,
+    connack_within,
+    connect_packet,
+    memory_kb,
+    publish_packet,
+    raw_client,
+    read_until_closed,
+)
 
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
 
@@ -68,3 +78,54 @@ def test_a_clean_subscriber_that_never_reads_does_not_make_the_broker_hold_every
     assert "stalled: " in log and "wait to be sent to this clean-session connection" in log, log[-3000:]
     assert "max_pending_bytes_clean 16777216" in log
     stalled.close()
+
+
+AWAITING_LIMIT = 1000
+"""The default max_awaiting_pubrel."""
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_qos2_publishes_never_released_close_the_connection_at_max_awaiting_pubrel(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], path: str
+) -> None:
+    """amqtt holds every QoS 2 message until its PUBREL, for as long as the connection lasts: a
+    client that never sends PUBREL could make it hold 65535 packets (of up to max_packet_size
+    each) per connection. Past max_awaiting_pubrel the connection is closed, the PUBLISH
+    unacknowledged; what was acknowledged before is kept."""
+    broker = broker_factory(start=False)
+    broker.extra_plugins.update(PATHS[path])
+    broker.start()
+    durable = clients(broker.port, "dev-1")
+    durable.subscribe("q/#", 1)
+    durable.drop()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    queued = payloads(5, "before")
+    publisher.publish("q/before", queued, qos=1)
+    attacker = raw_client(broker.port, "hoarder")
+    body = b"h" * 1024
+    for packet_id in range(1, AWAITING_LIMIT + 1):
+        attacker.sendall(publish_packet(b"q/held", body, 2, packet_id=packet_id))
+    pubrecs = bytearray()
+    while len(pubrecs) < 4 * AWAITING_LIMIT:  # bounded: each recv gets at least a byte or fails
+        chunk = attacker.recv(4 * AWAITING_LIMIT - len(pubrecs))
+        assert chunk, "closed before the PUBRECs of the publishes within the limit"
+        pubrecs += chunk
+    assert bytes(pubrecs[:4]) == b"\x50\x02\x00\x01"
+    resend = publish_packet(b"q/held", body, 2, packet_id=7)
+    attacker.sendall(bytes((resend[0] | 0x08,)) + resend[1:])  # a DUP re-send of one awaiting: counts once
+    assert attacker.recv(4) == b"\x50\x02\x00\x07"
+    attacker.sendall(publish_packet(b"q/held", body, 2, packet_id=AWAITING_LIMIT + 1))
+    assert read_until_closed(attacker, WAIT) == b"", "a QoS 2 PUBLISH past max_awaiting_pubrel was acknowledged"
+    attacker.close()
+    assert connack_within(broker.port, WAIT), "a new client was not served"
+    publisher.publish("q/after", [b"after"], qos=2)
+    durable.connect()
+    got = durable.wait_messages(len(queued) + AWAITING_LIMIT + 1, WAIT + 10)
+    assert [m.payload for m in got if m.topic == "q/before"] == queued, "a queued message was lost"
+    assert len([m for m in got if m.topic == "q/held"]) == AWAITING_LIMIT  # stored before their PUBREC
+    assert got[-1].payload == b"after"
+    assert (
+        f"closing the connection of hoarder: a QoS 2 PUBLISH (packet id {AWAITING_LIMIT + 1}) while "
+        f"{AWAITING_LIMIT} QoS 2 publishes of this connection await their PUBREL, max_awaiting_pubrel is "
+        f"{AWAITING_LIMIT}"
+    ) in broker.log()

@@ -25,7 +25,8 @@ instance the plugin is loaded into and on each connection's handler:
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
   wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
   has work (QoS 2, a clean-session subscriber, a plugin listening for messages);
-  otherwise the plugin sends PUBACK itself;
+  otherwise the plugin sends PUBACK itself. A QoS 2 PUBLISH past ``max_awaiting_pubrel``
+  unreleased ones closes the connection (see ``AwaitingPubrel``);
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
   CONNACK's session-present from the store; refuse another user than the session's owner,
   and (CONNACK 3) any durable CONNECT while the store cannot write;
@@ -1314,6 +1315,69 @@ def _ack_interceptor(
     return handle_ack
 
 
+class AwaitingPubrel:
+    """The QoS 2 publishes of one connection between their PUBLISH and the end of their flow
+    (PUBREL, PUBCOMP), bounded by ``max_awaiting_pubrel``: amqtt holds each in memory until its
+    PUBREL, for as long as the connection lasts. Counted by packet id (a re-send of one that
+    awaits counts once), from the moment its handling starts: handlers start in arrival order, so
+    a burst read at once is counted before any of it is stored."""
+
+    def __init__(self, client_id: str, limit: int) -> None:
+        self.client_id = client_id
+        self.limit = limit
+        self.open: dict[int, int] = {}
+        """packet id -> handlers of it under way (a re-send's and the first copy's)."""
+
+    def admit(self, packet_id: int) -> bool:
+        if packet_id not in self.open and self.limit and len(self.open) >= self.limit:
+            log.warning(
+                "closing the connection of %s: a QoS 2 PUBLISH (packet id %d) while %d QoS 2 publishes of this "
+                "connection await their PUBREL, max_awaiting_pubrel is %d. The client does not answer PUBREC "
+                "with PUBREL (or the operator raise max_awaiting_pubrel, 0 = no limit)",
+                self.client_id,
+                packet_id,
+                len(self.open),
+                self.limit,
+            )
+            return False
+        self.open[packet_id] = self.open.get(packet_id, 0) + 1
+        return True
+
+    def done(self, packet_id: int) -> None:
+        left = self.open[packet_id] - 1
+        if left:
+            self.open[packet_id] = left
+        else:
+            del self.open[packet_id]
+
+
+async def _bounded_qos2(
+    broker: Any,
+    engine: DurableEngine,
+    handler: Any,
+    session: Any,
+    packet: Any,
+    *,
+    awaiting: AwaitingPubrel,
+    original_publish: Callable[[Any], Awaitable[None]],
+    receivers: Callable[[str], Awaitable[dict[str, int] | None]],
+) -> None:
+    """A QoS 2 PUBLISH (control request or message), counted in ``awaiting`` until its flow ends."""
+    packet_id = packet.variable_header.packet_id  # amqtt's decoder reads one for QoS 1 and 2
+    if not awaiting.admit(packet_id):
+        await handler.handle_connection_closed()
+        return
+    try:
+        if packet.topic_name.startswith(CONTROL_PREFIX):
+            await _control_qos2(handler, packet, original_publish)
+        else:
+            await _publish_qos2(
+                broker, engine, handler, session, packet, original_publish=original_publish, receivers=receivers
+            )
+    finally:
+        awaiting.done(packet_id)
+
+
 def _wrap_handler(
     broker: Any,
     engine: DurableEngine,
@@ -1328,6 +1392,7 @@ def _wrap_handler(
     original_connack = handler.mqtt_connack_authorize
     ordering = asyncio.Lock()
     handler.durable_ordering = ordering
+    awaiting = AwaitingPubrel(session.client_id, engine.config.max_awaiting_pubrel)
 
     async def handle_publish(packet: Any) -> None:
         topic = packet.topic_name
@@ -1340,12 +1405,16 @@ def _wrap_handler(
         qos = packet.qos or 0
         packet_id = packet.variable_header.packet_id if packet.variable_header else None
         control = topic.startswith(CONTROL_PREFIX)
-        if control and qos == 2:
-            await _control_qos2(handler, packet, original_publish)
-            return
         if qos == 2:
-            await _publish_qos2(
-                broker, engine, handler, session, packet, original_publish=original_publish, receivers=receivers
+            await _bounded_qos2(
+                broker,
+                engine,
+                handler,
+                session,
+                packet,
+                awaiting=awaiting,
+                original_publish=original_publish,
+                receivers=receivers,
             )
             return
         publishes: InboundPublishes = handler.durable_publishes

@@ -133,6 +133,12 @@ class DurableConfig:
     max_pending_bytes_clean: int = 16_777_216
     """The same limit in payload bytes (default 16 MiB); 0 means no limit."""
 
+    max_awaiting_pubrel: int = 1000
+    """QoS 2 publishes one connection may have awaiting their PUBREL (EMQX's max_awaiting_rel); a
+    QoS 2 PUBLISH with a new packet id past it closes the connection, unacknowledged. 0 means no
+    limit. amqtt holds each such message in memory until its PUBREL: a client that never sends
+    PUBREL could make it hold 65535 packets per connection."""
+
     replication: ReplicationConfig | None = None
     """Primary-backup replication of the store (docs/replication.md); absent: one broker, as before."""
 
@@ -249,7 +255,7 @@ def _check_counts(config: DurableConfig) -> None:
         )
     if not 1 <= config.stream_window <= MAX_STREAM_WINDOW:
         raise ConfigError("stream_window", f"must be between 1 and {MAX_STREAM_WINDOW}, got {config.stream_window!r}")
-    for key in ("max_subscriptions_per_client", "max_pending_clean"):
+    for key in ("max_subscriptions_per_client", "max_pending_clean", "max_awaiting_pubrel"):
         if getattr(config, key) < 0:
             raise ConfigError(key, f"must be a whole number, 0 (no limit) or more, got {getattr(config, key)!r}")
 
