@@ -961,8 +961,14 @@ class AmqttHooks:
         return self.amqtt_index.matches_any(topic)
 
     def over_limit(self, index: SubscriptionIndex, client_id: str, topic_filter: str) -> bool:
-        """True (and a WARNING, at most one per client per interval) when the filter would exceed the limit."""
-        if index.admits(client_id, topic_filter, self.limit):
+        """True (and a WARNING, at most one per client per interval) when the filter would exceed a limit."""
+        byte_limit = self.engine.config.max_subscription_bytes_per_client
+        if not index.admits(client_id, topic_filter, self.limit):
+            held, key, limit = f"{index.count(client_id)} topic filters", "max_subscriptions_per_client", self.limit
+        elif not index.admits_bytes(client_id, topic_filter, byte_limit):
+            held = f"topic filters of {index.filter_bytes(client_id)} bytes (this one: {len(topic_filter.encode())})"
+            key, limit = "max_subscription_bytes_per_client", byte_limit
+        else:
             return False
         now = time.monotonic()
         if now - self.limit_warned.get(client_id, -math.inf) >= _LIMIT_LOG_INTERVAL:
@@ -970,13 +976,14 @@ class AmqttHooks:
                 self.limit_warned.clear()
             self.limit_warned[client_id] = now
             log.warning(
-                "%s: SUBSCRIBE to %r refused (return code 0x80): the client holds %d topic filters, "
-                "max_subscriptions_per_client is %d. The client must unsubscribe from some first, "
-                "or the operator raise max_subscriptions_per_client (0 = no limit)",
+                "%s: SUBSCRIBE to %r refused (return code 0x80): the client holds %s, %s is %d. The client "
+                "must unsubscribe from some first, or the operator raise %s (0 = no limit)",
                 client_id,
-                topic_filter,
-                index.count(client_id),
-                self.limit,
+                topic_filter[:200],
+                held,
+                key,
+                limit,
+                key,
             )
         return True
 
