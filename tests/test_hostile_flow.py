@@ -20,6 +20,7 @@ from test_hostile_wire import (
     raw_client,
     read_until_closed,
 )
+from test_reconnect_races import read_exactly
 
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
 
@@ -129,3 +130,42 @@ def test_qos2_publishes_never_released_close_the_connection_at_max_awaiting_pubr
         f"{AWAITING_LIMIT} QoS 2 publishes of this connection await their PUBREL, max_awaiting_pubrel is "
         f"{AWAITING_LIMIT}"
     ) in broker.log()
+
+
+PINGS = 100_000
+
+
+def ping_round(sock: socket.socket) -> None:
+    """PINGS PINGREQs, each PINGRESP read (in steps of 1000, so no buffer fills)."""
+    for _ in range(PINGS // 1000):
+        sock.sendall(b"\xc0\x00" * 1000)
+        assert read_exactly(sock, 2000) == b"\xd0\x00" * 1000
+
+
+def test_an_unreleased_qos2_publish_does_not_make_the_reader_keep_every_later_packet(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """The plugin's reader ran a task per packet it hands to amqtt (PINGREQ, SUBSCRIBE, PUBREL,
+    QoS 2 PUBLISH, ...) and freed finished ones from the front of its list only: behind one QoS 2
+    publish awaiting its PUBREL, it kept every later packet's task for as long as the connection
+    lasted (about 360 bytes per PINGREQ: 10 million PINGREQs, 20 MB sent, held 3.6 GB)."""
+    assert broker.proc is not None
+    pid = broker.proc.pid
+    device = clients(broker.port, "dev-1")
+    device.subscribe("orders/#", 1)
+    device.drop()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    queued = payloads(5, "order")
+    publisher.publish("orders/1", queued)
+    attacker = raw_client(broker.port, "pinger")
+    attacker.sendall(publish_packet(b"q/held", b"never released", 2, packet_id=1))
+    assert read_exactly(attacker, 4) == b"\x50\x02\x00\x01"
+    rss = []
+    for _ in range(2):  # the first round may grow the heap; the second may only reuse it
+        ping_round(attacker)
+        rss.append(memory_kb(pid, "VmRSS"))
+    assert rss[1] - rss[0] < 12_000, f"{PINGS} more PINGREQs grew the broker by {rss[1] - rss[0]} kB"
+    assert connack_within(broker.port, WAIT), "a new client was not served"
+    device.connect()
+    assert [m.payload for m in device.wait_messages(len(queued))] == queued, "a queued message was lost"
+    attacker.close()

@@ -1846,7 +1846,9 @@ class FastReader:
         self._original_loop = handler._reader_loop
         self._transport: HandlerTransport = handler.durable_transport
         self._publishes: InboundPublishes = handler.durable_publishes
-        self._running: deque[asyncio.Task[None]] = deque()
+        self._running: set[asyncio.Task[None]] = set()
+        """Handlers under way (a set, each gone when done: a list freed from its front only kept every
+        later packet's task behind one QoS 2 publish awaiting its PUBREL)."""
         self._settling: set[asyncio.Task[None]] = set()
         """Handlers of SUBSCRIBE, UNSUBSCRIBE and DISCONNECT not yet done: at EOF they are waited for
         (see ``run``). A QoS 2 PUBLISH's handler is not: it waits for a PUBREL that only this reader
@@ -1933,18 +1935,16 @@ class FastReader:
         method = _HANDLERS.get(packet_type)
         if method is not None:
             task = asyncio.create_task(getattr(handler, method)(packet))
-            self._running.append(task)
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
             if packet_type in _SETTLED_AT_EOF:
                 self._settling.add(task)
                 task.add_done_callback(self._settling.discard)
 
     async def _read_loop(self, stream: asyncio.StreamReader, keepalive: float | None) -> None:
         """Read and handle packets until EOF or ``keepalive`` seconds of silence."""
-        running = self._running
         framing = PacketReader(self._max_packet_size)
         while True:
-            while running and running[0].done():
-                running.popleft()
             data = await _read_some(stream, keepalive)
             if data is None:
                 log.info("%s: nothing received for 1.5 keep-alive periods: disconnecting", self._session.client_id)
@@ -1991,8 +1991,8 @@ class FastReader:
             # cancel meanwhile (stop()) ends the wait; the connection's end follows all the same.
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait(list(self._settling), timeout=CLOSE_GRACE)
-        while running:
-            running.popleft().cancel()
+        for task in list(running):
+            task.cancel()
         await handler.handle_connection_closed()
         handler._reader_stopped.set()
         await handler.stop()
