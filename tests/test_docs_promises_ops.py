@@ -74,6 +74,10 @@ BAD_VALUES: dict[str, Any] = {
     "max_bytes": -1,
     "max_bytes_disconnected": True,
     "max_subscriptions_per_client": -1,
+    "max_subscription_bytes_per_client": -1,
+    "max_pending_clean": -1,
+    "max_pending_bytes_clean": 1.5,
+    "max_awaiting_pubrel": -1,
     "replication": "on",
 }
 

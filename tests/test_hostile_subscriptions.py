@@ -233,3 +233,48 @@ def test_an_unsubscribe_read_just_before_disconnect_and_close_is_stored(
         assert device.session_present is True
         assert request(device, "hello").fields["subscriptions"] == {}, f"round {round_}: the UNSUBSCRIBE was lost"
         device.disconnect()
+
+
+LONG_FILTER = 60_000
+"""Bytes of each filter of the attack below: near MQTT's 65535, far below max_packet_size."""
+BYTE_LIMIT = 1_048_576
+"""The default max_subscription_bytes_per_client."""
+
+
+@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+def test_long_filters_past_max_subscription_bytes_per_client_get_0x80(
+    broker: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """A durable session's stored record holds its filters and is rewritten whole on every
+    SUBSCRIBE: with 250 filters of 60 kB (under max_subscriptions_per_client) each SUBSCRIBE held
+    the event loop for about 0.25 s (another client's round trip: up to 0.6 s), growing with every
+    filter. The filters' bytes are bounded too; a held filter re-subscribed counts once."""
+    device = clients(broker.port, "dev-1")
+    device.subscribe("orders/#", 1)
+    device.drop()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    queued = payloads(5, "order")
+    publisher.publish("orders/1", queued)
+    hog = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    flags = 0x02 if clean else 0x00
+    hog.sendall(mqtt_packet(0x10, mqtt_string("MQTT") + bytes((4, flags, 0, 0)) + mqtt_string("hog")))
+    assert read_exactly(hog, 4)[:2] == b"\x20\x02"
+    fits = BYTE_LIMIT // LONG_FILTER
+    codes = []
+    for i in range(fits + 3):
+        long_filter = f"hog/{i:04d}/".encode() + b"a" * (LONG_FILTER - 9)
+        hog.sendall(mqtt_packet(0x82, (i + 1).to_bytes(2, "big") + mqtt_string(long_filter) + b"\x01"))
+        suback = read_exactly(hog, 5)
+        assert suback[:4] == b"\x90\x03" + (i + 1).to_bytes(2, "big")
+        codes.append(suback[4])
+    assert codes == [1] * fits + [REFUSED] * 3
+    again = f"hog/{0:04d}/".encode() + b"a" * (LONG_FILTER - 9)  # a held filter: a re-subscription
+    hog.sendall(mqtt_packet(0x82, b"\xff\x00" + mqtt_string(again) + b"\x01"))
+    assert read_exactly(hog, 5) == b"\x90\x03\xff\x00\x01"
+    hog.close()
+    log = broker.log()
+    assert f"max_subscription_bytes_per_client is {BYTE_LIMIT}" in log, log[-3000:]
+    assert "hog: SUBSCRIBE to 'hog/" in log
+    assert clients(broker.port, "newcomer", clean_session=True).paho.is_connected()
+    device.connect()
+    assert [m.payload for m in device.wait_messages(len(queued))] == queued, "a queued message was lost"

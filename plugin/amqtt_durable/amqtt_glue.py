@@ -25,7 +25,8 @@ instance the plugin is loaded into and on each connection's handler:
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
   wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
   has work (QoS 2, a clean-session subscriber, a plugin listening for messages);
-  otherwise the plugin sends PUBACK itself;
+  otherwise the plugin sends PUBACK itself. A QoS 2 PUBLISH past ``max_awaiting_pubrel``
+  unreleased ones closes the connection (see ``AwaitingPubrel``);
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
   CONNACK's session-present from the store; refuse another user than the session's owner,
   and (CONNACK 3) any durable CONNECT while the store cannot write;
@@ -49,7 +50,8 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._del_all_subscriptions``: removes the session's own filters (from the mirror)
   instead of trying every filter of the table, at every session's end;
 * ``Broker._run_broadcast``: amqtt's delivery to its own subscribers, visiting only the filters
-  the mirror says match instead of matching every filter of the table per message;
+  the mirror says match instead of matching every filter of the table per message, with what
+  waits to be sent to each connection bounded (``max_pending_clean``, see ``CleanSends``);
 * ``Broker._publish_retained_messages_for_subscription``: retained messages go through the
   session queue, queued by ``add_subscription`` together with the subscription; a clean
   session gets those of its own filters only (amqtt sends, on every CONNECT, those matching
@@ -815,6 +817,88 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
                 await self.broker._broadcast_message(None, SYS_PREFIX + name, str(value).encode(), 0)
 
 
+@dataclasses.dataclass
+class Unsent:
+    """What amqtt still has to send one clean-session connection (see CleanSends)."""
+
+    count: int = 0
+    bytes: int = 0
+    dropped: int = 0
+    """Dropped since the last warning of this connection."""
+    warned: float = -math.inf
+
+
+class CleanSends:
+    """amqtt's sends to its own (clean-session) subscribers, bounded per connection.
+
+    amqtt 0.12.1 starts a task per message and subscriber, with no bound: a subscriber that does
+    not read (its socket full) made the broker hold every later message for it, and its first
+    stuck task kept every later task of every connection in the broadcast loop's deque, which
+    frees finished tasks from its front only. Here a connection with ``max_pending_clean``
+    messages (or ``max_pending_bytes_clean`` payload bytes) not yet sent (QoS 1/2: not yet
+    acknowledged) gets no more until it takes some: a new one is dropped, counted, and logged at
+    most once per ``drop_log_interval``. The tasks live in a set of their own, each gone when done.
+    """
+
+    def __init__(self, engine: DurableEngine) -> None:
+        self.engine = engine
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.stopping = False
+
+    def send(self, handler: Any, client_id: str, topic: str, data: bytes, qos: int) -> None:
+        unsent: Unsent | None = getattr(handler, "durable_unsent", None)
+        if unsent is None:
+            unsent = handler.durable_unsent = Unsent()
+        config = self.engine.config
+        size = len(data or b"")
+        if (config.max_pending_clean and unsent.count >= config.max_pending_clean) or (
+            config.max_pending_bytes_clean and unsent.count and unsent.bytes + size > config.max_pending_bytes_clean
+        ):
+            self._drop(unsent, client_id, topic)
+            return
+        unsent.count += 1
+        unsent.bytes += size
+        task = asyncio.ensure_future(handler.mqtt_publish(topic, data, qos, retain=False))
+        self.tasks.add(task)
+        task.add_done_callback(partial(self._sent, unsent, size, client_id))
+
+    def _sent(self, unsent: Unsent, size: int, client_id: str, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        unsent.count -= 1
+        unsent.bytes -= size
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None and not self.stopping and not isinstance(exc, TimeoutError):  # amqtt logs a timeout
+            log.warning("%s: a message was not delivered: %r", client_id, exc)  # amqtt logged it and went on
+
+    def _drop(self, unsent: Unsent, client_id: str, topic: str) -> None:
+        self.engine.clean_dropped_total += 1
+        unsent.dropped += 1
+        now = time.monotonic()
+        if now - unsent.warned < self.engine.config.drop_log_interval:
+            return
+        config = self.engine.config
+        log.warning(
+            "%s: %d message(s) dropped (the last on %r): %d message(s) of %d payload bytes wait to be sent to "
+            "this clean-session connection, the limit is max_pending_clean %d / max_pending_bytes_clean %d "
+            "(0 = none). The client does not read (or acknowledge) as fast as messages arrive",
+            client_id,
+            unsent.dropped,
+            topic,
+            unsent.count,
+            unsent.bytes,
+            config.max_pending_clean,
+            config.max_pending_bytes_clean,
+        )
+        unsent.warned = now
+        unsent.dropped = 0
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
 class AmqttHooks:
     """The wrappers of the broker instance's internals listed in the module docstring: one method
     per internal, the originals kept to call through."""
@@ -845,6 +929,7 @@ class AmqttHooks:
         self.acl_sessions: dict[str, Session] = {}
         self.closing: set[asyncio.Task[None]] = set()
         self.retained = RetainedTable()
+        self.clean_sends = CleanSends(engine)
 
     def install(self) -> None:
         broker = self.broker
@@ -876,8 +961,14 @@ class AmqttHooks:
         return self.amqtt_index.matches_any(topic)
 
     def over_limit(self, index: SubscriptionIndex, client_id: str, topic_filter: str) -> bool:
-        """True (and a WARNING, at most one per client per interval) when the filter would exceed the limit."""
-        if index.admits(client_id, topic_filter, self.limit):
+        """True (and a WARNING, at most one per client per interval) when the filter would exceed a limit."""
+        byte_limit = self.engine.config.max_subscription_bytes_per_client
+        if not index.admits(client_id, topic_filter, self.limit):
+            held, key, limit = f"{index.count(client_id)} topic filters", "max_subscriptions_per_client", self.limit
+        elif not index.admits_bytes(client_id, topic_filter, byte_limit):
+            held = f"topic filters of {index.filter_bytes(client_id)} bytes (this one: {len(topic_filter.encode())})"
+            key, limit = "max_subscription_bytes_per_client", byte_limit
+        else:
             return False
         now = time.monotonic()
         if now - self.limit_warned.get(client_id, -math.inf) >= _LIMIT_LOG_INTERVAL:
@@ -885,13 +976,14 @@ class AmqttHooks:
                 self.limit_warned.clear()
             self.limit_warned[client_id] = now
             log.warning(
-                "%s: SUBSCRIBE to %r refused (return code 0x80): the client holds %d topic filters, "
-                "max_subscriptions_per_client is %d. The client must unsubscribe from some first, "
-                "or the operator raise max_subscriptions_per_client (0 = no limit)",
+                "%s: SUBSCRIBE to %r refused (return code 0x80): the client holds %s, %s is %d. The client "
+                "must unsubscribe from some first, or the operator raise %s (0 = no limit)",
                 client_id,
-                topic_filter,
-                index.count(client_id),
-                self.limit,
+                topic_filter[:200],
+                held,
+                key,
+                limit,
+                key,
             )
         return True
 
@@ -1080,7 +1172,8 @@ class AmqttHooks:
                 del self.broker._subscriptions[topic_filter]
 
     async def run_broadcast(self, running_tasks: deque[asyncio.Task[Any]]) -> None:
-        # amqtt 0.12.1's _run_broadcast, step for step, but over the matching filters only.
+        # amqtt 0.12.1's _run_broadcast, step for step, but over the matching filters only, and its
+        # sends bounded per connection (CleanSends) instead of appended to ``running_tasks``.
         broadcast = await self.broker._broadcast_queue.get()
         topic = broadcast["topic"]
         if topic is None:
@@ -1096,9 +1189,7 @@ class AmqttHooks:
                     continue
                 handler = self.broker._get_handler(target) if connected else None
                 if handler:
-                    running_tasks.append(
-                        asyncio.ensure_future(handler.mqtt_publish(topic, broadcast["data"], qos, retain=False))
-                    )
+                    self.clean_sends.send(handler, target.client_id, topic, broadcast["data"], qos)
 
     async def publish_retained_for_subscription(self, subscription: tuple[str, int], session: Any) -> None:
         """Retained messages for a subscription the session holds, and only those it may receive.
@@ -1186,6 +1277,7 @@ class AmqttHooks:
     async def shutdown(self) -> None:
         self.shutting_down = True
         await self._original_shutdown()
+        await self.clean_sends.stop()  # as amqtt cancels its broadcast tasks
 
 
 def _abort(writer: Any) -> None:
@@ -1230,6 +1322,69 @@ def _ack_interceptor(
     return handle_ack
 
 
+class AwaitingPubrel:
+    """The QoS 2 publishes of one connection between their PUBLISH and the end of their flow
+    (PUBREL, PUBCOMP), bounded by ``max_awaiting_pubrel``: amqtt holds each in memory until its
+    PUBREL, for as long as the connection lasts. Counted by packet id (a re-send of one that
+    awaits counts once), from the moment its handling starts: handlers start in arrival order, so
+    a burst read at once is counted before any of it is stored."""
+
+    def __init__(self, client_id: str, limit: int) -> None:
+        self.client_id = client_id
+        self.limit = limit
+        self.open: dict[int, int] = {}
+        """packet id -> handlers of it under way (a re-send's and the first copy's)."""
+
+    def admit(self, packet_id: int) -> bool:
+        if packet_id not in self.open and self.limit and len(self.open) >= self.limit:
+            log.warning(
+                "closing the connection of %s: a QoS 2 PUBLISH (packet id %d) while %d QoS 2 publishes of this "
+                "connection await their PUBREL, max_awaiting_pubrel is %d. The client does not answer PUBREC "
+                "with PUBREL (or the operator raise max_awaiting_pubrel, 0 = no limit)",
+                self.client_id,
+                packet_id,
+                len(self.open),
+                self.limit,
+            )
+            return False
+        self.open[packet_id] = self.open.get(packet_id, 0) + 1
+        return True
+
+    def done(self, packet_id: int) -> None:
+        left = self.open[packet_id] - 1
+        if left:
+            self.open[packet_id] = left
+        else:
+            del self.open[packet_id]
+
+
+async def _bounded_qos2(
+    broker: Any,
+    engine: DurableEngine,
+    handler: Any,
+    session: Any,
+    packet: Any,
+    *,
+    awaiting: AwaitingPubrel,
+    original_publish: Callable[[Any], Awaitable[None]],
+    receivers: Callable[[str], Awaitable[dict[str, int] | None]],
+) -> None:
+    """A QoS 2 PUBLISH (control request or message), counted in ``awaiting`` until its flow ends."""
+    packet_id = packet.variable_header.packet_id  # amqtt's decoder reads one for QoS 1 and 2
+    if not awaiting.admit(packet_id):
+        await handler.handle_connection_closed()
+        return
+    try:
+        if packet.topic_name.startswith(CONTROL_PREFIX):
+            await _control_qos2(handler, packet, original_publish)
+        else:
+            await _publish_qos2(
+                broker, engine, handler, session, packet, original_publish=original_publish, receivers=receivers
+            )
+    finally:
+        awaiting.done(packet_id)
+
+
 def _wrap_handler(
     broker: Any,
     engine: DurableEngine,
@@ -1244,6 +1399,7 @@ def _wrap_handler(
     original_connack = handler.mqtt_connack_authorize
     ordering = asyncio.Lock()
     handler.durable_ordering = ordering
+    awaiting = AwaitingPubrel(session.client_id, engine.config.max_awaiting_pubrel)
 
     async def handle_publish(packet: Any) -> None:
         topic = packet.topic_name
@@ -1256,12 +1412,16 @@ def _wrap_handler(
         qos = packet.qos or 0
         packet_id = packet.variable_header.packet_id if packet.variable_header else None
         control = topic.startswith(CONTROL_PREFIX)
-        if control and qos == 2:
-            await _control_qos2(handler, packet, original_publish)
-            return
         if qos == 2:
-            await _publish_qos2(
-                broker, engine, handler, session, packet, original_publish=original_publish, receivers=receivers
+            await _bounded_qos2(
+                broker,
+                engine,
+                handler,
+                session,
+                packet,
+                awaiting=awaiting,
+                original_publish=original_publish,
+                receivers=receivers,
             )
             return
         publishes: InboundPublishes = handler.durable_publishes
@@ -1686,7 +1846,9 @@ class FastReader:
         self._original_loop = handler._reader_loop
         self._transport: HandlerTransport = handler.durable_transport
         self._publishes: InboundPublishes = handler.durable_publishes
-        self._running: deque[asyncio.Task[None]] = deque()
+        self._running: set[asyncio.Task[None]] = set()
+        """Handlers under way (a set, each gone when done: a list freed from its front only kept every
+        later packet's task behind one QoS 2 publish awaiting its PUBREL)."""
         self._settling: set[asyncio.Task[None]] = set()
         """Handlers of SUBSCRIBE, UNSUBSCRIBE and DISCONNECT not yet done: at EOF they are waited for
         (see ``run``). A QoS 2 PUBLISH's handler is not: it waits for a PUBREL that only this reader
@@ -1773,18 +1935,16 @@ class FastReader:
         method = _HANDLERS.get(packet_type)
         if method is not None:
             task = asyncio.create_task(getattr(handler, method)(packet))
-            self._running.append(task)
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
             if packet_type in _SETTLED_AT_EOF:
                 self._settling.add(task)
                 task.add_done_callback(self._settling.discard)
 
     async def _read_loop(self, stream: asyncio.StreamReader, keepalive: float | None) -> None:
         """Read and handle packets until EOF or ``keepalive`` seconds of silence."""
-        running = self._running
         framing = PacketReader(self._max_packet_size)
         while True:
-            while running and running[0].done():
-                running.popleft()
             data = await _read_some(stream, keepalive)
             if data is None:
                 log.info("%s: nothing received for 1.5 keep-alive periods: disconnecting", self._session.client_id)
@@ -1831,8 +1991,8 @@ class FastReader:
             # cancel meanwhile (stop()) ends the wait; the connection's end follows all the same.
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait(list(self._settling), timeout=CLOSE_GRACE)
-        while running:
-            running.popleft().cancel()
+        for task in list(running):
+            task.cancel()
         await handler.handle_connection_closed()
         handler._reader_stopped.set()
         await handler.stop()

@@ -124,6 +124,28 @@ class DurableConfig:
     count twice. 0 means no limit. Routing cost does not grow with filters, but memory does,
     and a durable session's stored record is rewritten whole on every SUBSCRIBE."""
 
+    max_subscription_bytes_per_client: int = 1_048_576
+    """The UTF-8 bytes of one client's topic filters, summed (durable or clean session); a SUBSCRIBE
+    past it gets return code 0x80 for the filters over the limit, as past max_subscriptions_per_client.
+    0 means no limit. A durable session's stored record holds its filters and is rewritten whole on
+    every SUBSCRIBE: with 250 filters of 60 kB (under max_subscriptions_per_client) each SUBSCRIBE
+    held the event loop for about 0.25 s, and the cost grows with every filter added."""
+
+    max_pending_clean: int = 10_000
+    """Messages waiting to be sent to one clean-session connection (amqtt delivers those; a QoS 1/2
+    one waits until acknowledged); past it a new message for that connection is dropped, counted
+    and logged. 0 means no limit. A client that does not read (its socket full) would otherwise
+    make the broker hold every message for it, without bound."""
+
+    max_pending_bytes_clean: int = 16_777_216
+    """The same limit in payload bytes (default 16 MiB); 0 means no limit."""
+
+    max_awaiting_pubrel: int = 1000
+    """QoS 2 publishes one connection may have awaiting their PUBREL (EMQX's max_awaiting_rel); a
+    QoS 2 PUBLISH with a new packet id past it closes the connection, unacknowledged. 0 means no
+    limit. amqtt holds each such message in memory until its PUBREL: a client that never sends
+    PUBREL could make it hold 65535 packets per connection."""
+
     replication: ReplicationConfig | None = None
     """Primary-backup replication of the store (docs/replication.md); absent: one broker, as before."""
 
@@ -240,15 +262,13 @@ def _check_counts(config: DurableConfig) -> None:
         )
     if not 1 <= config.stream_window <= MAX_STREAM_WINDOW:
         raise ConfigError("stream_window", f"must be between 1 and {MAX_STREAM_WINDOW}, got {config.stream_window!r}")
-    if config.max_subscriptions_per_client < 0:
-        raise ConfigError(
-            "max_subscriptions_per_client",
-            f"must be a whole number, 0 (no limit) or more, got {config.max_subscriptions_per_client!r}",
-        )
+    for key in ("max_subscriptions_per_client", "max_pending_clean", "max_awaiting_pubrel"):
+        if getattr(config, key) < 0:
+            raise ConfigError(key, f"must be a whole number, 0 (no limit) or more, got {getattr(config, key)!r}")
 
 
 def _check_byte_limits(config: DurableConfig) -> None:
-    for key in ("max_bytes", "max_bytes_disconnected"):
+    for key in ("max_bytes", "max_bytes_disconnected", "max_pending_bytes_clean", "max_subscription_bytes_per_client"):
         if getattr(config, key) < 0:
             raise ConfigError(key, f"must be 0 (no limit) or more bytes, got {getattr(config, key)!r}")
     if 0 < config.max_bytes_disconnected < config.max_bytes:

@@ -86,6 +86,8 @@ class EngineState:
         """Told of every retained message set or cleared (empty payload), in the order they are stored:
         the glue keeps amqtt's in-memory table in step with the store."""
         self.dropped_total = 0
+        self.clean_dropped_total = 0
+        """Messages not sent to a clean-session connection past max_pending_clean(_bytes) (the glue counts them)."""
         self.expired_total = 0
         self.replayed_total = 0
         self.sent_total = 0

@@ -41,6 +41,7 @@ class EngineMetrics(EngineState):
             "bytes/queued": sum(s.bytes for s in self.sessions.values()),
             "messages/enqueued": self.enqueued_total,
             "messages/dropped": self.dropped_total,
+            "messages/dropped_clean": self.clean_dropped_total,
             "messages/replayed": self.replayed_total,
             "messages/sent": self.sent_total,
             "sessions/expired": self.expired_total,

@@ -73,6 +73,10 @@ class _Node:
         self.filter = ""  # the filter that ends here, once one does
 
 
+def _utf8_size(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
 class SubscriptionIndex:
     """Filters -> {client_id: qos}: filters without wildcards in a dict, the others in a trie of levels.
 
@@ -89,6 +93,7 @@ class SubscriptionIndex:
         self._root = _Node()
         self._filters = 0
         self._held: dict[str, set[str]] = {}  # client id -> its filters
+        self._held_bytes: dict[str, int] = {}  # client id -> the UTF-8 bytes of its filters
 
     def __len__(self) -> int:
         """Distinct filters with at least one subscriber."""
@@ -110,6 +115,7 @@ class SubscriptionIndex:
             if not subscribers:
                 self._filters += 1
             self._held.setdefault(client_id, set()).add(topic_filter)
+            self._held_bytes[client_id] = self._held_bytes.get(client_id, 0) + _utf8_size(topic_filter)
         subscribers[client_id] = qos
 
     def remove(self, client_id: str, topic_filter: str) -> None:
@@ -135,8 +141,10 @@ class SubscriptionIndex:
             self._exact.pop(topic_filter, None)
         held = self._held[client_id]
         held.discard(topic_filter)
+        self._held_bytes[client_id] -= _utf8_size(topic_filter)
         if not held:
             del self._held[client_id]
+            del self._held_bytes[client_id]
         for depth in range(len(path) - 1, 0, -1):  # prune the trie nodes nothing ends at or passes through
             trie_node = path[depth]
             if trie_node.subscribers or trie_node.children:
@@ -157,6 +165,17 @@ class SubscriptionIndex:
         A filter it already has is a re-subscription and does not count twice.
         """
         return not limit or self.count(client_id) < limit or self.holds(client_id, topic_filter)
+
+    def filter_bytes(self, client_id: str) -> int:
+        """The UTF-8 bytes of the filters ``client_id`` is subscribed to, summed."""
+        return self._held_bytes.get(client_id, 0)
+
+    def admits_bytes(self, client_id: str, topic_filter: str, limit: int) -> bool:
+        """May ``client_id`` subscribe to ``topic_filter`` under ``limit`` bytes of filters per client
+        (0: any)? A filter it already has does not count twice."""
+        if not limit or self.holds(client_id, topic_filter):
+            return True
+        return self.filter_bytes(client_id) + _utf8_size(topic_filter) <= limit
 
     def holds(self, client_id: str, topic_filter: str) -> bool:
         """True when ``client_id`` is subscribed to exactly ``topic_filter``."""

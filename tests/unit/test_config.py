@@ -37,6 +37,10 @@ CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
     "max_bytes": (1_000_000, [1.5, "1MB", True, None], [-1]),
     "max_bytes_disconnected": (0, [2.5, "1", False, None], [-1]),
     "max_subscriptions_per_client": (0, [1.5, "1000", True, None], [-1]),
+    "max_subscription_bytes_per_client": (0, [1.5, "1MB", True, None], [-1]),
+    "max_pending_clean": (0, [1.5, "1000", True, None], [-1]),
+    "max_pending_bytes_clean": (0, [2.5, "16MB", False, None], [-1]),
+    "max_awaiting_pubrel": (0, [1.5, "1000", True, None], [-1]),
     # Its own settings' checks name replication.<key>: tests/unit/test_replication_config.py.
     "replication": ({"role": "primary"}, ["primary", 5, True, ["a"]], []),
 }
@@ -75,6 +79,10 @@ def test_defaults() -> None:
     assert config.connect_timeout == 10.0
     assert config.max_packet_size == 1_048_576
     assert config.max_subscriptions_per_client == 1000
+    assert config.max_subscription_bytes_per_client == 1_048_576
+    assert config.max_pending_clean == 10_000
+    assert config.max_pending_bytes_clean == 16_777_216
+    assert config.max_awaiting_pubrel == 1000
 
 
 def test_none_means_defaults() -> None:

@@ -253,3 +253,19 @@ def test_amqtts_retained_table_keeps_its_topic_trie_in_step_whatever_changes_it(
     table.clear()
     assert table.matching("#") == []
     assert len(table.topics) == 0
+
+
+def test_admits_bytes_sums_utf8_bytes_of_distinct_filters_and_frees_them_on_remove() -> None:
+    index = SubscriptionIndex()
+    index.add("c", "a/+", 1)  # 3 bytes
+    index.add("c", "é", 1)  # 2 bytes in UTF-8
+    index.add("c", "a/+", 2)  # a re-subscription adds nothing
+    assert index.filter_bytes("c") == 5
+    assert index.admits_bytes("c", "xyz", 8) is True  # 5 + 3 = 8
+    assert index.admits_bytes("c", "wxyz", 8) is False
+    assert index.admits_bytes("c", "a/+", 5) is True  # held: counts once
+    assert index.admits_bytes("c", "wxyz", 0) is True  # 0: no limit
+    index.remove("c", "é")
+    assert index.filter_bytes("c") == 3
+    index.remove("c", "a/+")
+    assert index.filter_bytes("c") == 0
