@@ -528,7 +528,15 @@ class Pump:
         if item is None or self._stopped or self.transport.closed:
             return
         item.entry.flags |= FLAG_RELEASED
-        self.session.mark_released(item.entry)
+        stored = self.session.mark_released(item.entry)
+        if stored is not None:  # PUBREL once the PUBREC is stored (MQTT-4.3.3: never the PUBLISH again)
+            stored.add_done_callback(lambda written: self._release(seq, written))
+
+    def _release(self, seq: int, written: asyncio.Future[None]) -> None:
+        if written.cancelled() or written.exception() is not None:
+            return  # not stored (a demotion, the store closing): the connection ends, nothing is owed
+        if seq not in self.inflight or self._stopped or self.transport.closed:
+            return  # the next connection sends the PUBREL (the entry is stored released)
         packet_id = packet_id_for(seq)
         self.transport.expect_ack("pubcomp", packet_id, lambda: self._acked(seq))
         self.transport.write(encode_pubrel(packet_id))

@@ -7,6 +7,7 @@ marks through the store's verbs. Its lifecycle (connect, attach, expiry) is life
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import struct
@@ -325,11 +326,15 @@ class DurableSession:
         if mark > self.sent_mark:
             self._queue_sent_mark(mark)
 
-    def mark_released(self, entry: Entry) -> None:
+    def mark_released(self, entry: Entry) -> asyncio.Future[None] | None:
+        """Store that ``entry``'s PUBREC came; the future resolves once it is stored (with sync
+        replication, on the backups too): its PUBREL may go out then, not before, or a crash in
+        between would send the PUBLISH again to a client that may have completed it already.
+        None once the session is deleted."""
         if self.deleted:
-            return
+            return None
         write_entry(self.engine.committer, self.sid, entry)
-        self.engine.committer.flush_soon()
+        return self.engine.committer.commit()
 
     def remove_entry(self, entry: Entry) -> None:
         if self.deleted:
