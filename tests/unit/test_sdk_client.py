@@ -792,3 +792,27 @@ def test_stream_info_maps_topics_to_first_and_last(make: Any) -> None:
     with pytest.raises(RequestTimeout, match="stream_info"):
         client.stream_info(timeout=0.01)
     assert client._waiters == {}
+
+
+@pytest.mark.parametrize(
+    ("after", "error", "words"),
+    [
+        ([("feed/a", 1)], TypeError, "after must be a dict"),
+        ({"feed/+": 1}, ValueError, "is not a topic"),
+        ({"other/a": 1}, ValueError, "is not matched by the stream filter"),
+        ({"feed/a": -1}, ValueError, "0 or more"),
+        ({"feed/a": True}, ValueError, "0 or more"),
+    ],
+)
+def test_subscribe_stream_refuses_a_bad_after_as_streams_md_says_and_registers_nothing(
+    after: object, error: type[Exception], words: str
+) -> None:
+    """streams.md: `after` must be a dict (else TypeError) of topics without wildcards that the
+    filter matches, each with a whole number of 0 or more (else ValueError)."""
+    client = DurableClient("after-checks")
+    try:
+        with pytest.raises(error, match=words):
+            client.subscribe_stream("feed/#", lambda event: None, after=after)  # type: ignore[arg-type]
+        assert list(client._registry.streams()) == []
+    finally:
+        client.close()
