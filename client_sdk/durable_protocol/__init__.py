@@ -307,9 +307,9 @@ def _json_object(payload: bytes) -> dict[str, Any]:
     if len(payload) > MAX_REQUEST_BYTES:
         raise ProtocolError("malformed", f"request of {len(payload)} bytes; the limit is {MAX_REQUEST_BYTES}")
     try:
-        data = json.loads(payload)
+        data = json.loads(payload.decode("utf-8"))  # json.loads(bytes) would take UTF-16 and UTF-32 too
     except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError("malformed", f"request is not JSON: {exc}") from None
+        raise ProtocolError("malformed", f"request is not UTF-8 JSON: {exc}") from None
     except RecursionError:
         raise ProtocolError("malformed", "request nests JSON too deeply") from None
     if not isinstance(data, dict):

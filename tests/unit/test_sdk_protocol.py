@@ -207,3 +207,14 @@ def test_the_sdk_module_is_the_shared_protocol_under_another_name() -> None:
     """The SDK and the plugin must never disagree on a byte: one set of objects, no copy."""
     assert sdk_protocol.__all__ == durable_protocol.__all__
     assert all(getattr(sdk_protocol, name) is getattr(durable_protocol, name) for name in durable_protocol.__all__)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "utf-16-le"])
+def test_a_request_in_another_encoding_than_utf8_is_malformed(encoding: str) -> None:
+    """protocol.md: a request is a JSON object in UTF-8; json.loads(bytes) would read UTF-16 and
+    UTF-32 too (review 65)."""
+    payload = encode_request("hello", 7).decode("utf-8").encode(encoding)
+    with pytest.raises(ProtocolError, match="not UTF-8 JSON") as refused:
+        parse_request(payload)
+    assert refused.value.code == "malformed"
+    assert request_ids(payload) == (None, None)
