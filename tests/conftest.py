@@ -328,11 +328,14 @@ def spark() -> Iterator[Any]:
 
     session = get_session("local[2]", "amqtt-durable-tests")
     # The tests' data is tiny, so compiling generated code for each new query plan costs more than
-    # running it: the tests evaluate interpreted (same results; Spark's own tests run both ways),
-    # one shuffle partition per core. The CLI, demo and docs tests run Spark's defaults in their
-    # own processes.
+    # running it: the tests evaluate interpreted (same results; Spark's own tests run both ways).
+    # Adaptive execution is off: on kilobytes it only re-plans each stage (an audit took about a
+    # quarter longer) to coalesce the shuffle's partitions into one, so the plans keep the one
+    # shuffle partition it ended with. The demo test and the audit CLI tests that run the console
+    # script run Spark's defaults in processes of their own.
     session.conf.set("spark.sql.codegen.wholeStage", "false")
     session.conf.set("spark.sql.codegen.factoryMode", "NO_CODEGEN")
-    session.conf.set("spark.sql.shuffle.partitions", "2")
+    session.conf.set("spark.sql.adaptive.enabled", "false")
+    session.conf.set("spark.sql.shuffle.partitions", "1")
     yield session
     session.stop()
