@@ -196,3 +196,55 @@ def test_without_a_repair_a_released_entry_whose_body_is_gone_or_damaged_still_g
         assert db.get(body_key(released.msg_id)) is None  # a damaged body went with the entry's PUBCOMP
     finally:
         db.close()
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+def test_a_new_message_never_takes_the_id_of_a_gone_body_a_released_entry_still_names(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], read_first: bool
+) -> None:
+    """The released entry's body was the highest one stored; once it is gone, ids went on from the
+    highest body left, so the next message took that id, and the released entry's PUBCOMP deleted
+    the new message's body: another session lost it. ``read_first``: the device reconnects and
+    leaves before PUBCOMP first, so the broker has read the entry without its body."""
+    broker = broker_factory()
+    other = clients(broker.port, "other")
+    assert other.subscribe("o/#", 1) == [1]
+    other.disconnect()
+    device = RawClient(broker.port, "dev")
+    assert device.connect() is False
+    assert device.subscribe("q2/#", 2) == 2
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("q2/t", [b"first"], qos=2)
+    _, packet_id, _ = read_publish(device)
+    pid = _U16.pack(packet_id)
+    device.send(mqtt_packet(PUBREC, pid))
+    assert device.expect(PUBREL >> 4) == pid
+    device.close()
+    publisher.disconnect()
+    broker.stop()
+    released = queues(broker.store)["dev"][0]
+    assert released.flags & FLAG_RELEASED
+    db = open_store(broker.store, create=False)
+    try:
+        db.delete(body_key(released.msg_id))
+    finally:
+        db.close()
+
+    broker.start()
+    if read_first:
+        device = RawClient(broker.port, "dev")
+        assert device.connect() is True
+        assert device.expect(PUBREL >> 4) == pid
+        device.disconnect(wait_closed=True)
+    publisher = clients(broker.port, "pub2", clean_session=True)
+    publisher.publish("o/t", [b"for-other"], qos=1)
+    publisher.disconnect()
+    device = RawClient(broker.port, "dev")
+    assert device.connect() is True
+    assert device.expect(PUBREL >> 4) == pid
+    device.send(mqtt_packet(PUBCOMP, pid))
+    device.disconnect(wait_closed=True)
+    other = clients(broker.port, "other")
+    assert [m.payload for m in other.wait_messages(1, timeout=5)] == [b"for-other"]
+    other.disconnect()
+    broker.stop()

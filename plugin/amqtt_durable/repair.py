@@ -25,6 +25,7 @@ from .store import (
     FLAG_RELEASED,
     FLAG_SHARED,
     LAYOUT_VERSION,
+    MSG_ID_MARK_KEY,
     NO_BODY,
     RETAINED_PREFIX,
     SID_MARK_KEY,
@@ -40,6 +41,7 @@ from .store import (
     encode_refs,
     encode_totals,
     encode_u64,
+    highest_msg_id_in_use,
     leveldb_detail,
     refs_key,
     repair_store,
@@ -56,8 +58,9 @@ _ENTRY_KEY_SIZE = 17
 _U64_SIZE = 8
 SENT_MARK_JUMP = 2**40
 """How far past what is in use a mark that no longer decodes is set (a session's sent mark, the
-highest session number): further than any can have reached, so no new message reuses a sequence
-number a client has seen (the SDK would drop it), and no new session an epoch."""
+highest session number, the highest message id): further than any can have reached, so no new
+message reuses a sequence number a client has seen (the SDK would drop it), no new session an
+epoch, and no new message an id a queue entry may still name."""
 
 
 @dataclass
@@ -150,6 +153,10 @@ def rebuild(db: Any, now: float) -> RepairReport:
         if raw is not None and len(raw) != _U64_SIZE:  # like the sent mark: never lower, so jump past
             batch.put(SID_MARK_KEY, encode_u64(max((*names, *queues, 0)) + SENT_MARK_JUMP))
             report.rebuilt.append("highest session number did not decode: set past every one in use")
+        raw = db.get(MSG_ID_MARK_KEY)
+        if raw is not None and len(raw) != _U64_SIZE:  # ids past it may have been given: jump far past
+            batch.put(MSG_ID_MARK_KEY, encode_u64(highest_msg_id_in_use(db) + SENT_MARK_JUMP))
+            report.rebuilt.append("highest message id did not decode: set past every one in use")
         raw = db.get(STORE_ID_KEY)
         if raw is not None and len(raw) != _U64_SIZE:
             batch.delete(STORE_ID_KEY)

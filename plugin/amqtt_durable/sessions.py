@@ -147,6 +147,9 @@ class DurableSession:
         self._drops_since_log = 0
         self.pubrel_due: set[int] = set()
         """Packet ids of QoS 2 PUBLISHes taken from this session whose PUBREL has not come (b"x" keys)."""
+        self.unbodied: set[int] = set()
+        """Sequences of RELEASED entries rewritten to NO_BODY (``_unbodied``): a read before that write
+        lands must not write it, nor release the old body, twice."""
 
     @property
     def connected(self) -> bool:
@@ -205,20 +208,31 @@ class DurableSession:
         return kept, bodies, (entries[-1].seq if cut else None)
 
     def _unbodied(self, entry: Entry) -> Entry:
-        """A RELEASED entry whose body is gone, as one that points at none (NO_BODY, not SHARED), in
-        memory only: its PUBREL goes all the same, and the PUBCOMP that removes it deletes no body
-        or reference count under its old message id, which a message routed meanwhile may have
-        been given (ids go on past the highest body left). ``amqtt-durable repair`` rewrites such
-        an entry so in the store, before any new message can take its id."""
+        """A RELEASED entry whose body is gone, rewritten to one that points at none (NO_BODY, not
+        SHARED, size 0), in the store too: its PUBREL goes all the same, and the PUBCOMP that removes
+        it deletes no body or reference count under its old message id. The old id's reference is
+        released now (a shared body's count goes down; the id is never given again, b"M"), and the
+        queue's bytes lose its size, in the same batch as the rewrite."""
         if entry.msg_id == NO_BODY:
             return entry
+        rewritten = Entry(entry.seq, NO_BODY, entry.qos, entry.flags & ~FLAG_SHARED, 0)
+        if entry.seq in self.unbodied or self.deleted:
+            return rewritten
         log.warning(
             "session %s: the body of QoS 2 message %d, whose PUBREL is due, is gone; "
             "the PUBREL goes without it",
             self.client_id,
             entry.seq,
         )
-        return Entry(entry.seq, NO_BODY, entry.qos, entry.flags & ~FLAG_SHARED, entry.size)
+        self.unbodied.add(entry.seq)
+        engine = self.engine
+        write_entry(engine.committer, self.sid, rewritten)
+        engine.release_body(entry)
+        self.bytes -= entry.size
+        engine.totals_changed(self)
+        self.limits.on_drained(self.depth, self.connected, self.bytes)
+        engine.committer.flush_soon()
+        return rewritten
 
     def _bodiless(self, entry: Entry) -> None:
         log.error("session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq)

@@ -24,6 +24,7 @@ from amqtt_durable.replication.position import POSITION_KEY, read_position
 from amqtt_durable.store import (
     FLAG_SHARED,
     LAYOUT_VERSION,
+    MSG_ID_MARK_KEY,
     SID_MARK_KEY,
     VERSION_KEY,
     Body,
@@ -182,6 +183,7 @@ def test_start_up_names_a_damaged_session_record(store_path: str) -> None:
         (totals_key(1), "the queue totals of client id 'dev'"),
         (sent_mark_key(1), "the sent mark of client id 'dev'"),
         (SID_MARK_KEY, "the highest session number"),
+        (MSG_ID_MARK_KEY, "the highest message id"),
     ],
 )
 def test_start_up_names_damaged_counters_and_repair_rebuilds_them(store_path: str, key: bytes, named: str) -> None:
@@ -197,6 +199,8 @@ def test_start_up_names_damaged_counters_and_repair_rebuilds_them(store_path: st
         engine = DurableEngine(DurableConfig(store=store_path))
         engine.open()
         assert engine.sessions["dev"].depth == 5
+        if key == MSG_ID_MARK_KEY:  # ids past the damaged mark may have been given
+            assert engine._next_msg_id == 1005 + SENT_MARK_JUMP + 1
         await engine.close()
 
     asyncio.run(main())
