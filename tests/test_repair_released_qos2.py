@@ -19,6 +19,7 @@ from amqtt_durable.store import (
     NO_BODY,
     Entry,
     body_key,
+    entry_key,
     iter_entries,
     iter_sessions,
     open_store,
@@ -248,3 +249,39 @@ def test_a_new_message_never_takes_the_id_of_a_gone_body_a_released_entry_still_
     assert [m.payload for m in other.wait_messages(1, timeout=5)] == [b"for-other"]
     other.disconnect()
     broker.stop()
+
+
+@pytest.mark.parametrize("qos", [0, 1])
+def test_a_released_flag_on_an_entry_that_is_not_qos2_does_not_spare_it_without_its_body(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], qos: int
+) -> None:
+    """Only a QoS 2 entry awaits PUBCOMP: a QoS 0 or 1 entry with the RELEASED flag (damage) whose
+    body is gone is removed like any entry without a body, and the rest of the queue follows. It
+    was passed on with an empty body, and delivery failed on it at every reconnect."""
+    broker = broker_factory()
+    subscriber = clients(broker.port, "dev")
+    assert subscriber.subscribe("t/#", 1) == [1]
+    subscriber.disconnect()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("t/x", [b"one", b"two"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = open_store(broker.store, create=False)
+    try:
+        (sid,) = (record.sid for record in iter_sessions(db) if record.client_id == "dev")
+        damaged = next(iter_entries(db, sid))
+        damaged = Entry(damaged.seq, damaged.msg_id, qos, damaged.flags | FLAG_RELEASED, damaged.size)
+        db.put(entry_key(sid, damaged.seq), damaged.encode())
+        db.delete(body_key(damaged.msg_id))
+    finally:
+        db.close()
+
+    broker.start()
+    subscriber = clients(broker.port, "dev")
+    assert [m.payload for m in subscriber.wait_messages(1, timeout=5)] == [b"two"]
+    subscriber.disconnect()
+    broker.stop()
+    assert queues(broker.store) == {"dev": []}
+    log = broker.log()
+    assert f"session dev: queue entry {damaged.seq} has no message body; removing it" in log
+    assert "Traceback" not in log

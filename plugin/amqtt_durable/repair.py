@@ -22,7 +22,6 @@ import plyvel
 from .errors import DamagedRecordError, StoreError
 from .replication.position import POSITION_KEY
 from .store import (
-    FLAG_RELEASED,
     FLAG_SHARED,
     LAYOUT_VERSION,
     MSG_ID_MARK_KEY,
@@ -35,6 +34,7 @@ from .store import (
     Entry,
     RetainedMessage,
     SessionRecord,
+    awaiting_pubcomp,
     body_key,
     decode_refs,
     decode_totals,
@@ -260,8 +260,8 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
             entry = None
         if entry is not None and _body_unusable(db, entry, undecodable):
             if entry.msg_id in undecodable:
-                (kept_released if _released(entry) else pointing)[entry.msg_id] += 1
-            if _released(entry):
+                (kept_released if awaiting_pubcomp(entry) else pointing)[entry.msg_id] += 1
+            if awaiting_pubcomp(entry):
                 entry = Entry(entry.seq, NO_BODY, entry.qos, entry.flags & ~FLAG_SHARED, 0)
                 batch.put(key, entry.encode())
                 queue.released_kept += 1
@@ -291,17 +291,12 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
     return queues
 
 
-def _released(entry: Entry) -> bool:
-    """A QoS 2 entry whose PUBREC came: only its PUBREL is due, which needs no body."""
-    return entry.qos == 2 and bool(entry.flags & FLAG_RELEASED)
-
-
 def _body_unusable(db: Any, entry: Entry, undecodable: dict[int, str]) -> bool:
     """Is the message body gone, or does it not decode (a replay would stop at it for good)?
     Those that do not decode are kept in ``undecodable`` with the reason. A released entry an
     earlier repair kept without its body (NO_BODY) needs none."""
     msg_id = entry.msg_id
-    if msg_id == NO_BODY and _released(entry):
+    if msg_id == NO_BODY and awaiting_pubcomp(entry):
         return False
     if msg_id in undecodable:
         return True

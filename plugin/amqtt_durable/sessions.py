@@ -33,6 +33,7 @@ from .store import (
     Body,
     Entry,
     SessionRecord,
+    awaiting_pubcomp,
     entry_key,
     erase_entries,
     erase_entry,
@@ -171,7 +172,8 @@ class DurableSession:
         cut the read short (None: everything up to ``tail`` read).
 
         Entries removed in memory but not yet written are skipped: the store must not bring them back.
-        An entry without a body is removed (logged), except a RELEASED one: only its PUBREL is due,
+        An entry without a body is removed (logged), except a QoS 2 RELEASED one (awaiting_pubcomp;
+        the flag on another QoS is damage, and such an entry is removed too): only its PUBREL is due,
         which needs no body, so when its body is gone or damaged it comes with RELEASED_BODY (a gone
         one as an entry that points at none, ``_unbodied``). A read that fails part way returns what came before
         the damage (cut short there); one that fails at once raises StoreReadError: the pump
@@ -199,7 +201,7 @@ class DurableSession:
                 if raw is not None:
                     with_body.append(entry)
                     bodies.append(raw)
-                elif entry.flags & FLAG_RELEASED:  # its PUBREL needs no body
+                elif awaiting_pubcomp(entry):  # its PUBREL needs no body
                     with_body.append(self._unbodied(entry))
                     bodies.append(RELEASED_BODY)
                 else:
@@ -253,7 +255,7 @@ class DurableSession:
                 try:
                     raw = read_stored_bodies(db, [entry.msg_id]).get(entry.msg_id)
                 except (plyvel.Error, ValueError, struct.error) as exc:
-                    if entry.flags & FLAG_RELEASED:
+                    if awaiting_pubcomp(entry):
                         # A damaged body its PUBREL does not need; the PUBCOMP deletes it with the entry.
                         log.warning(
                             "session %s: the body of QoS 2 message %d, whose PUBREL is due, is damaged "
@@ -270,7 +272,7 @@ class DurableSession:
                 if raw is not None:
                     kept.append(entry)
                     bodies.append(raw)
-                elif entry.flags & FLAG_RELEASED:
+                elif awaiting_pubcomp(entry):
                     kept.append(self._unbodied(entry))
                     bodies.append(RELEASED_BODY)
                 else:

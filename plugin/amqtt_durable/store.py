@@ -35,9 +35,10 @@ Key layout, version 1 (every integer big-endian, so LevelDB's byte order is nume
 Entry flags: bit 0 RETAIN (retained message on subscribe), bit 1 RELEASED (QoS 2 PUBREC
 received, so PUBREL, not PUBLISH, is re-sent), bit 2 SHARED (the body is counted under b"c";
 without it the entry is the body's only reference). A body is deleted with its last entry.
-A RELEASED entry's body is never needed again (a PUBREL carries only the packet id): delivery
-sends its PUBREL whether the body is there or not, and repair keeps such an entry whose body is
-gone or does not decode, rewritten to msg_id NO_BODY (0, which no message gets), size 0.
+A RELEASED QoS 2 entry's body is never needed again (a PUBREL carries only the packet id;
+awaiting_pubcomp): delivery sends its PUBREL whether the body is there or not, and repair keeps
+such an entry whose body is gone or does not decode, rewritten to msg_id NO_BODY (0, which no
+message gets), size 0. RELEASED on an entry of another QoS is damage and spares it nothing.
 From tlen on, a body is a PUBLISH's topic field as MQTT encodes it, then the payload: replay
 builds each PUBLISH from the stored bytes without decoding them (BODY_TOPIC_FIELD).
 

@@ -18,6 +18,7 @@ from amqtt_durable.store import (
     Body,
     Entry,
     SessionRecord,
+    awaiting_pubcomp,
     body_key,
     decode_u64,
     encode_refs,
@@ -255,3 +256,11 @@ def test_a_released_entry_read_without_its_body_is_rewritten_to_no_body_in_the_s
         assert db.get(refs_key(50)) == encode_refs(1), "session other's entry still counts"
     finally:
         db.close()
+
+
+def test_only_a_released_qos2_entry_awaits_pubcomp() -> None:
+    assert awaiting_pubcomp(Entry(1, 1, 2, FLAG_RELEASED, 1))
+    assert awaiting_pubcomp(Entry(1, NO_BODY, 2, FLAG_RELEASED | FLAG_SHARED, 1))
+    assert not awaiting_pubcomp(Entry(1, 1, 2, 0, 1))
+    assert not awaiting_pubcomp(Entry(1, 1, 1, FLAG_RELEASED, 1))
+    assert not awaiting_pubcomp(Entry(1, 1, 0, FLAG_RELEASED, 1))
