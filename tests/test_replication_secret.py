@@ -224,11 +224,12 @@ def cli_in(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_pair_reading_the_secret_from_environment_variables_replicates_and_the_tools_read_it_too(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
     """Issue 12's containers: replication.secret_env names a variable holding the secret, on each
-    member its own name; a backup whose variable holds another secret is refused; inspect and
-    promote with --config read the variable from their own environment."""
+    member its own name; a backup whose variable holds another secret is refused; inspect with
+    --config reads the variable from its own environment; with --secret-file too, inspect and
+    promote read the file and not the variable (unset there)."""
     primary = node(broker_factory, "p", role="primary", secret_env=SECRET_VAR)
     primary.env = environment(**{SECRET_VAR: SECRET + "\n"})  # surrounding whitespace stripped
     start(primary, SERVING)
@@ -250,8 +251,15 @@ def test_a_pair_reading_the_secret_from_environment_variables_replicates_and_the
                    "--config", str(primary.config_path))  # fmt: skip
     assert unset.returncode == 1
     assert f"'replication.secret_env': the environment variable {SECRET_VAR} is not set" in unset.stderr
+    # --secret-file wins: the config's secret_env is not read, so its variable need not be set.
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET)
+    by_file = run_cli("inspect", "--replication", address(primary), "--config", str(primary.config_path),
+                      "--secret-file", str(secret_file), env=environment(**{SECRET_VAR: None}))  # fmt: skip
+    assert by_file.returncode == 0 and "backup b" in by_file.stdout, by_file.stderr
     primary.kill()
-    promoted = cli_in(environment(B_SECRET=SECRET), "promote", address(backup), "--config", str(backup.config_path))
+    promoted = run_cli("promote", address(backup), "--config", str(backup.config_path), "--secret-file",
+                       str(secret_file), env=environment(B_SECRET=None))  # fmt: skip
     assert promoted.returncode == 0, promoted.stderr
     assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
     assert_queue_served(backup, clients, 50)
