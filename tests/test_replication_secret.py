@@ -250,7 +250,7 @@ def test_a_pair_reading_the_secret_from_environment_variables_replicates_and_the
     unset = cli_in(environment(**{SECRET_VAR: None}), "inspect", "--replication", address(primary),
                    "--config", str(primary.config_path))  # fmt: skip
     assert unset.returncode == 1
-    assert f"'replication.secret_env': the environment variable {SECRET_VAR} is not set" in unset.stderr
+    assert f"'replication.secret_env': the environment variable '{SECRET_VAR}' is not set" in unset.stderr
     # --secret-file wins: the config's secret_env is not read, so its variable need not be set.
     secret_file = tmp_path / "secret"
     secret_file.write_text(SECRET)
@@ -270,9 +270,9 @@ def test_a_pair_reading_the_secret_from_environment_variables_replicates_and_the
 @pytest.mark.parametrize(
     ("value", "words"),
     [
-        (None, f"the environment variable {SECRET_VAR} is not set"),
-        ("", f"the environment variable {SECRET_VAR} is empty"),
-        ("fifteen-chars-1", f"the secret in the environment variable {SECRET_VAR} must be at least 16 characters"),
+        (None, f"the environment variable '{SECRET_VAR}' is not set"),
+        ("", f"the environment variable '{SECRET_VAR}' is empty"),
+        ("fifteen-chars-1", f"the secret in the environment variable '{SECRET_VAR}' must be at least 16 characters"),
     ],
 )
 def test_a_missing_empty_or_short_secret_env_stops_the_broker_naming_key_and_variable_not_value(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -232,7 +233,8 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         raise ConfigError(key, f"expected one of {', '.join(choices)}, got {value!r}")
     if isinstance(value, str):
         return value
-    if key.endswith(".secret"):  # never echoed: a secret that YAML read as a number is still the secret
+    if key.endswith((".secret", ".secret_env")):  # never echoed: a secret YAML read as a number (pasted
+        # in place of the variable's name, for secret_env) is still the secret
         raise ConfigError(key, f"expected text, got a value of type {type(value).__name__} (quote it in YAML)")
     raise ConfigError(key, f"expected text, got {value!r}")
 
@@ -281,22 +283,29 @@ def read_secret_file(path: str, key: str) -> bytes:
     return secret
 
 
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""What replication.secret_env accepts: a portable environment variable name (POSIX shells'); anything
+else is refused without being shown, as it may be the secret pasted in place of the name."""
+
+
 def read_secret_env(name: str, key: str) -> bytes:
     """The secret in the environment variable ``name``, stripped; a ConfigError naming ``key`` and
     ``name`` (never the value) when it is not set, is empty or is shorter than ``MIN_SECRET``
     characters."""
-    if not name or "=" in name or "\0" in name:  # not echoed: it may be the secret itself, mistyped
-        raise ConfigError(key, "expected the name of an environment variable (without '=')")
+    if not ENV_NAME.fullmatch(name):  # not echoed: it may be the secret itself, pasted in its place
+        raise ConfigError(
+            key, "expected the name of an environment variable (letters, digits and _, not starting with a digit)"
+        )
     value = os.environ.get(name)
     if value is None:
-        raise ConfigError(key, f"the environment variable {name} is not set")
+        raise ConfigError(key, f"the environment variable {name!r} is not set")
     secret = value.strip()
     if not secret:
-        raise ConfigError(key, f"the environment variable {name} is empty")
+        raise ConfigError(key, f"the environment variable {name!r} is empty")
     if len(secret) < MIN_SECRET:
         raise ConfigError(
             key,
-            f"the secret in the environment variable {name} must be at least {MIN_SECRET} characters, "
+            f"the secret in the environment variable {name!r} must be at least {MIN_SECRET} characters, "
             f"not {len(secret)} ({SECRET_ADVICE})",
         )
     return secret.encode("utf-8", "surrogateescape")  # the variable's own bytes, whatever the locale
