@@ -4,6 +4,7 @@ and the secret's settings: each failure named, on both sides, never a hang."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -192,8 +193,29 @@ def test_the_secret_is_read_from_the_environment_variable_secret_env(
     monkeypatch.setenv(ENV_NAME, f"  {ENV_VALUE}\n")  # as a file mounted into a variable may end
     config = ReplicationConfig.from_mapping({"role": "primary", "secret_env": ENV_NAME})
     assert config.shared_secret() == ENV_VALUE.encode() and ENV_VALUE not in repr(config)
-    monkeypatch.setenv(ENV_NAME, "\u00e9" * 16)  # characters, not bytes, are counted; sent as UTF-8
+    monkeypatch.setenv(ENV_NAME, "\u00e9" * 16)
     assert config.shared_secret() == ("\u00e9" * 16).encode()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"\xc2\xa0" + ENV_VALUE.encode() + b"\xe2\x80\x83",  # NO-BREAK SPACE, EM SPACE: not ASCII whitespace
+        b"\xc3\xa9" * 8,  # 8 characters, 16 bytes: bytes are counted
+        b"\t" + ENV_VALUE.encode() + b"\r\n\x0b\x0c",
+        b"\xff\xfe" + ENV_VALUE.encode(),  # not UTF-8
+    ],
+)
+def test_the_same_secret_in_a_file_and_in_a_variable_reads_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: bytes
+) -> None:
+    """A file on one node, a variable on another: both hold these bytes, both nodes must agree."""
+    path = tmp_path / "secret"
+    path.write_bytes(value)
+    monkeypatch.setitem(os.environb, ENV_NAME.encode(), value)  # the variable's bytes as they are
+    from_file = ReplicationConfig.from_mapping({"role": "primary", "secret_file": str(path)}).shared_secret()
+    from_env = ReplicationConfig.from_mapping({"role": "primary", "secret_env": ENV_NAME}).shared_secret()
+    assert from_env == from_file == value.strip()
 
 
 @pytest.mark.parametrize(
