@@ -111,7 +111,11 @@ def test_repair_keeps_a_released_qos2_entry_without_its_body_and_its_pubrel_comp
 
     repaired = run_cli("repair", broker.store)
     assert repaired.returncode == 0, repaired.stderr
-    assert "client 'dev': 1 QoS 2 message(s) awaiting PUBCOMP kept without their body" in repaired.stdout
+    state = "is gone" if damage == "body deleted" else "does not decode"
+    assert (
+        f"client 'dev': queue entry {released.seq} (QoS 2, PUBREL due): its body, message {released.msg_id}, "
+        f"{state}; kept without it (the client has the message; its PUBREL is sent when it reconnects)"
+    ) in repaired.stdout, repaired.stdout
     assert "client 'other': 1 queued message(s) unreadable (removed)" in repaired.stdout
     after = queues(broker.store)
     kept = after["dev"][0]
@@ -190,8 +194,10 @@ def test_without_a_repair_a_released_entry_whose_body_is_gone_or_damaged_still_g
     assert queues(broker.store) == {"dev": []}
     log = broker.log()
     assert "has no message body" not in log and "reading its queue" not in log
-    word = "gone" if damage == "body deleted" else "damaged"
-    assert f"session dev: the body of QoS 2 message {released.seq}, whose PUBREL is due, is {word}" in log
+    state = "is gone; " if damage == "body deleted" else "does not decode ("
+    assert (
+        f"session dev: queue entry {released.seq} (QoS 2, PUBREL due): its body, message {released.msg_id}, {state}"
+    ) in log, log
     db = open_store(broker.store, create=False)
     try:
         assert db.get(body_key(released.msg_id)) is None  # a damaged body went with the entry's PUBCOMP

@@ -221,10 +221,11 @@ class DurableSession:
         if entry.seq in self.unbodied or self.deleted:
             return rewritten
         log.warning(
-            "session %s: the body of QoS 2 message %d, whose PUBREL is due, is gone; "
+            "session %s: queue entry %d (QoS 2, PUBREL due): its body, message %d, is gone; "
             "the PUBREL goes without it",
             self.client_id,
             entry.seq,
+            entry.msg_id,
         )
         self.unbodied.add(entry.seq)
         engine = self.engine
@@ -258,10 +259,11 @@ class DurableSession:
                     if awaiting_pubcomp(entry):
                         # A damaged body its PUBREL does not need; the PUBCOMP deletes it with the entry.
                         log.warning(
-                            "session %s: the body of QoS 2 message %d, whose PUBREL is due, is damaged "
-                            "(%s); the PUBREL goes without it",
+                            "session %s: queue entry %d (QoS 2, PUBREL due): its body, message %d, does "
+                            "not decode (%s); the PUBREL goes without it",
                             self.client_id,
                             entry.seq,
+                            entry.msg_id,
                             leveldb_detail(exc),
                         )
                         raw = RELEASED_BODY
