@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -211,18 +209,6 @@ def environment(**variables: str | None) -> dict[str, str]:
     return env
 
 
-def cli_in(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    """``amqtt-durable ARGS`` as conftest.run_cli runs it, in the environment ``env``."""
-    return subprocess.run(
-        [sys.executable, "-m", "durable_fleet.console", *args],
-        capture_output=True,
-        text=True,
-        timeout=WAIT,
-        check=False,
-        env=env,
-    )
-
-
 def test_a_pair_reading_the_secret_from_environment_variables_replicates_and_the_tools_read_it_too(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
@@ -244,11 +230,11 @@ def test_a_pair_reading_the_secret_from_environment_variables_replicates_and_the
     assert stranger.wait_until(lambda: "do not share the replication secret" in stranger.log(), WAIT)
     assert [row["name"] for row in status(primary)["backups"]] == ["b"]
 
-    shown = cli_in(environment(**{SECRET_VAR: SECRET}), "inspect", "--replication", address(primary),
-                   "--config", str(primary.config_path))  # fmt: skip
+    shown = run_cli("inspect", "--replication", address(primary), "--config", str(primary.config_path),
+                    env=environment(**{SECRET_VAR: SECRET}))  # fmt: skip
     assert shown.returncode == 0 and "backup b" in shown.stdout and "in_sync" in shown.stdout, shown.stderr
-    unset = cli_in(environment(**{SECRET_VAR: None}), "inspect", "--replication", address(primary),
-                   "--config", str(primary.config_path))  # fmt: skip
+    unset = run_cli("inspect", "--replication", address(primary), "--config", str(primary.config_path),
+                    env=environment(**{SECRET_VAR: None}))  # fmt: skip
     assert unset.returncode == 1
     assert f"'replication.secret_env': the environment variable '{SECRET_VAR}' is not set" in unset.stderr
     # --secret-file wins: the config's secret_env is not read, so its variable need not be set.
@@ -280,7 +266,7 @@ def test_a_missing_empty_or_short_secret_env_stops_the_broker_naming_key_and_var
 ) -> None:
     broker = node(broker_factory, "p", role="primary", secret_env=SECRET_VAR)
     broker.write_config()
-    result = cli_in(environment(**{SECRET_VAR: value}), "broker", "-c", str(broker.config_path))
+    result = run_cli("broker", "-c", str(broker.config_path), env=environment(**{SECRET_VAR: value}))
     assert result.returncode == 2, result.stderr
     assert f"'replication.secret_env': {words}" in result.stderr
     if value:
