@@ -223,8 +223,11 @@ class Client:
         return self._disconnected.wait(timeout)
 
 
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``amqtt-durable ARGS`` as a child process, output captured, bounded in time."""
+def run_cli(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``amqtt-durable ARGS`` as a child process, output captured, bounded in time; ``env``: its
+    whole environment (None: ours)."""
     return subprocess.run(
         [sys.executable, "-m", "durable_fleet.console", *args],
         capture_output=True,
@@ -232,6 +235,7 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
         timeout=WAIT,
         check=False,
         cwd=cwd,
+        env=env,
     )
 
 

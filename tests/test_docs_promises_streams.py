@@ -23,6 +23,7 @@ import pytest
 from test_sdk import Recorder, Signals
 
 import durable_client
+from amqtt_durable.store import MSG_ID_RESERVE
 from conftest import WAIT, Broker, Client, payloads
 from durable_client import (
     AsyncDurableClient,
@@ -221,7 +222,8 @@ def test_a_real_store_holds_the_keys_and_values_the_store_docstring_documents(
     """store-layout.md and store.py's docstring: bodies stored once under b"m" (time, qos, tlen,
     topic, payload), a reference count under b"c" only for a body queued for 2+ sessions (entry
     flag SHARED), queue entries b"q" + sid + seq -> msg_id qos flags size, totals b"t" -> depth
-    bytes dropped, session records as JSON under b"s", the sid mark b"n", the store id b"i",
+    bytes dropped, session records as JSON under b"s", the sid mark b"n", the message id mark b"M"
+    (written ahead, MSG_ID_RESERVE ids at a time), the store id b"i",
     stream events under b"e" + tlen + topic + id with the id mark b"L", the retained message
     under b"r", the version b"1" under b"v"."""
     broker = broker_factory(streams=[{"filter": "s/#"}])
@@ -246,6 +248,7 @@ def test_a_real_store_holds_the_keys_and_values_the_store_docstring_documents(
     assert keys[b"v"] == b"1"
     assert len(keys[b"i"]) == 8
     assert keys[b"n"] == u64(2), "two sessions were ever made"
+    assert keys[b"M"] == u64(MSG_ID_RESERVE), "the first message moved the mark ahead by MSG_ID_RESERVE"
     sid = {cid: json.loads(keys[b"s" + cid.encode()])["sid"] for cid in ("A", "C")}
     assert json.loads(keys[b"sC"])["subscriptions"] == {"t/#": 1, "u/#": 1}
     bodies = {key: value for key, value in keys.items() if key[:1] == b"m"}

@@ -24,7 +24,7 @@ from amqtt_durable.errors import DurableError
 from amqtt_durable.process import HOST, free_port
 from amqtt_durable.replication.framing import Frame
 from amqtt_durable.replication.tool import ask
-from amqtt_durable.store import open_store
+from amqtt_durable.store import MSG_ID_MARK_KEY, MSG_ID_RESERVE, encode_u64, open_store
 from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
 from durable_client import DurableClient, Event
 from durable_pipeline.errors import SourceError
@@ -114,6 +114,9 @@ def test_a_backup_refuses_clients_holds_every_acknowledged_publish_and_is_promot
     assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
     assert_queue_served(backup, clients, 300)
     assert wait_status(backup, lambda s: s["role"] == "primary")["batch"] > 0
+    backup.stop()
+    marks = [dict(store_rows(broker)).get(MSG_ID_MARK_KEY) for broker in (primary, backup)]
+    assert marks == [encode_u64(MSG_ID_RESERVE)] * 2, "the message id mark reached the backup in its batch"
 
 
 def refused_at_once(replication_address: str, attack: bytes) -> bytes:

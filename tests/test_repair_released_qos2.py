@@ -19,6 +19,7 @@ from amqtt_durable.store import (
     NO_BODY,
     Entry,
     body_key,
+    entry_key,
     iter_entries,
     iter_sessions,
     open_store,
@@ -69,48 +70,82 @@ def read_publish(raw: RawClient) -> tuple[int, int, bytes]:
     return qos, packet_id, body[4 + topic_len :]
 
 
-@pytest.mark.parametrize("damage", ["body deleted", "body undecodable"])
-def test_repair_keeps_a_released_qos2_entry_without_its_body_and_its_pubrel_completes_on_reconnect(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], damage: str
-) -> None:
-    broker = broker_factory()
-    other = clients(broker.port, "other")  # a second durable session: the first body is shared
-    assert other.subscribe("q2/#", 1) == [1]
-    other.disconnect()
+def released_first(
+    broker: Broker,
+    clients: Callable[..., Client],
+    damage: str,
+    *,
+    then: Callable[[Client], None] = lambda publisher: None,
+    other_filter: str | None = None,
+) -> tuple[int, Entry]:
+    """The set-up every test here shares. Session other (when ``other_filter`` is given, QoS 1)
+    and raw device dev (q2/#, QoS 2); message "first" (QoS 2) goes to dev, which sends PUBREC,
+    gets the PUBREL and goes away before its PUBCOMP: the entry stays, released. ``then`` publishes
+    more with the publisher; the broker stops; the released entry's body is damaged ("body
+    deleted", or "body undecodable": LevelDB reads it intact, its topic length runs past its end).
+    Returns (dev's packet id for "first", the released entry as stored before the damage)."""
+    if other_filter is not None:
+        other = clients(broker.port, "other")
+        assert other.subscribe(other_filter, 1) == [1]
+        other.disconnect()
     device = RawClient(broker.port, "dev")
     assert device.connect() is False
     assert device.subscribe("q2/#", 2) == 2
     publisher = clients(broker.port, "pub", clean_session=True)
     publisher.publish("q2/t", [b"first"], qos=2)
-
-    # The device receives it and sends PUBREC; the broker's PUBREL comes; the device goes away
-    # before its PUBCOMP: the entry stays, released.
     qos, packet_id, payload = read_publish(device)
     assert (qos, payload) == (2, b"first")
     device.send(mqtt_packet(PUBREC, _U16.pack(packet_id)))
     assert device.expect(PUBREL >> 4) == _U16.pack(packet_id)
     device.close()
-    rest = payloads(5, "rest")
-    publisher.publish("q2/t", rest, qos=2)
+    then(publisher)
     publisher.disconnect()
     broker.stop()
-
-    before = queues(broker.store)
-    released = before["dev"][0]
-    assert released.flags & FLAG_RELEASED and released.flags & FLAG_SHARED, before
-    assert before["other"][0].msg_id == released.msg_id
+    released = queues(broker.store)["dev"][0]
+    assert released.flags & FLAG_RELEASED
     db = open_store(broker.store, create=False)
     try:
         if damage == "body deleted":
             db.delete(body_key(released.msg_id))
-        else:  # LevelDB reads it intact; its topic length runs past its end
+        else:
             db.put(body_key(released.msg_id), struct.pack(">dBH", 1.0, 2, 500) + b"q2/t")
     finally:
         db.close()
+    return packet_id, released
+
+
+def fence(broker: Broker, clients: Callable[..., Client], device: RawClient) -> None:
+    """Nothing more is queued for the device before this: a QoS 1 message published now is the
+    next packet it gets (the queue is sent in order), acknowledged."""
+    publisher = clients(broker.port, "fence", clean_session=True)
+    publisher.publish("q2/fence", [b"fence"], qos=1)
+    publisher.disconnect()
+    qos, packet_id, payload = read_publish(device)
+    assert (qos, payload) == (1, b"fence"), payload
+    device.send(mqtt_packet(0x40, _U16.pack(packet_id)))
+
+
+@pytest.mark.parametrize("damage", ["body deleted", "body undecodable"])
+def test_repair_keeps_a_released_qos2_entry_without_its_body_and_its_pubrel_completes_on_reconnect(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], damage: str
+) -> None:
+    broker = broker_factory()
+    rest = payloads(5, "rest")
+    # other: a second durable session, so the first body is shared.
+    packet_id, released = released_first(
+        broker, clients, damage, then=lambda publisher: publisher.publish("q2/t", rest, qos=2), other_filter="q2/#"
+    )
+    before = queues(broker.store)
+    assert released.flags & FLAG_SHARED, before
+    assert before["other"][0].msg_id == released.msg_id
 
     repaired = run_cli("repair", broker.store)
     assert repaired.returncode == 0, repaired.stderr
-    assert "client 'dev': 1 QoS 2 message(s) awaiting PUBCOMP kept without their body" in repaired.stdout
+    state = "is gone" if damage == "body deleted" else "does not decode"
+    assert (
+        f"client 'dev': queue entry {released.seq} (QoS 2, PUBREL due): its body, message {released.msg_id}, "
+        f"{state}; kept without it (the client has the message; its PUBREL is sent when it reconnects)"
+    ) in repaired.stdout, repaired.stdout
     assert "client 'other': 1 queued message(s) unreadable (removed)" in repaired.stdout
     after = queues(broker.store)
     kept = after["dev"][0]
@@ -132,10 +167,10 @@ def test_repair_keeps_a_released_qos2_entry_without_its_body_and_its_pubrel_comp
     assert device.expect(PUBREL >> 4) == _U16.pack(packet_id)  # first, before the rest of the queue
     device.send(mqtt_packet(PUBCOMP, _U16.pack(packet_id)))
     assert receive_qos2(device, len(rest)) == rest
-    assert not device.pending_bytes(0.5)  # nothing more: no PUBLISH of the first message
+    fence(broker, clients, device)  # nothing more came before it: no PUBLISH of the first message
     device.disconnect(wait_closed=True)
     other = clients(broker.port, "other")
-    assert [m.payload for m in other.wait_messages(len(rest))] == rest  # its copy of the first is lost
+    assert [m.payload for m in other.wait_messages(len(rest) + 1)] == [*rest, b"fence"]  # its first is lost
     other.disconnect()
     broker.stop()
 
@@ -153,28 +188,9 @@ def test_without_a_repair_a_released_entry_whose_body_is_gone_or_damaged_still_g
     message lost its body (or holds one that does not decode) sends the PUBREL, then the rest of
     the queue, without stopping at it or removing it."""
     broker = broker_factory()
-    device = RawClient(broker.port, "dev")
-    assert device.connect() is False
-    assert device.subscribe("q2/#", 2) == 2
-    publisher = clients(broker.port, "pub", clean_session=True)
-    publisher.publish("q2/t", [b"first"], qos=2)
-    _, packet_id, _ = read_publish(device)
-    device.send(mqtt_packet(PUBREC, _U16.pack(packet_id)))
-    assert device.expect(PUBREL >> 4) == _U16.pack(packet_id)
-    device.close()
-    publisher.publish("q2/t", [b"second"], qos=1)
-    publisher.disconnect()
-    broker.stop()
-    released = queues(broker.store)["dev"][0]
-    assert released.flags & FLAG_RELEASED
-    db = open_store(broker.store, create=False)
-    try:
-        if damage == "body deleted":
-            db.delete(body_key(released.msg_id))
-        else:
-            db.put(body_key(released.msg_id), struct.pack(">dBH", 1.0, 2, 500) + b"q2/t")
-    finally:
-        db.close()
+    packet_id, released = released_first(
+        broker, clients, damage, then=lambda publisher: publisher.publish("q2/t", [b"second"], qos=1)
+    )
 
     broker.start()
     device = RawClient(broker.port, "dev")
@@ -189,10 +205,80 @@ def test_without_a_repair_a_released_entry_whose_body_is_gone_or_damaged_still_g
     assert queues(broker.store) == {"dev": []}
     log = broker.log()
     assert "has no message body" not in log and "reading its queue" not in log
-    word = "gone" if damage == "body deleted" else "damaged"
-    assert f"session dev: the body of QoS 2 message {released.seq}, whose PUBREL is due, is {word}" in log
+    state = "is gone; " if damage == "body deleted" else "does not decode ("
+    assert (
+        f"session dev: queue entry {released.seq} (QoS 2, PUBREL due): its body, message {released.msg_id}, {state}"
+    ) in log, log
     db = open_store(broker.store, create=False)
     try:
         assert db.get(body_key(released.msg_id)) is None  # a damaged body went with the entry's PUBCOMP
     finally:
         db.close()
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+def test_a_new_message_never_takes_the_id_of_a_gone_body_a_released_entry_still_names(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], read_first: bool
+) -> None:
+    """The released entry's body was the highest one stored; once it is gone, ids went on from the
+    highest body left, so the next message took that id, and the released entry's PUBCOMP deleted
+    the new message's body: another session lost it. ``read_first``: the device reconnects and
+    leaves before PUBCOMP first, so the broker has read the entry without its body."""
+    broker = broker_factory()
+    packet_id, _ = released_first(broker, clients, "body deleted", other_filter="o/#")
+    pid = _U16.pack(packet_id)
+
+    broker.start()
+    if read_first:
+        device = RawClient(broker.port, "dev")
+        assert device.connect() is True
+        assert device.expect(PUBREL >> 4) == pid
+        device.disconnect(wait_closed=True)
+    publisher = clients(broker.port, "pub2", clean_session=True)
+    publisher.publish("o/t", [b"for-other"], qos=1)
+    publisher.disconnect()
+    device = RawClient(broker.port, "dev")
+    assert device.connect() is True
+    assert device.expect(PUBREL >> 4) == pid
+    device.send(mqtt_packet(PUBCOMP, pid))
+    device.disconnect(wait_closed=True)
+    other = clients(broker.port, "other")
+    assert [m.payload for m in other.wait_messages(1, timeout=5)] == [b"for-other"]
+    other.disconnect()
+    broker.stop()
+
+
+@pytest.mark.parametrize("qos", [0, 1])
+def test_a_released_flag_on_an_entry_that_is_not_qos2_does_not_spare_it_without_its_body(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], qos: int
+) -> None:
+    """Only a QoS 2 entry awaits PUBCOMP: a QoS 0 or 1 entry with the RELEASED flag (damage) whose
+    body is gone is removed like any entry without a body, and the rest of the queue follows. It
+    was passed on with an empty body, and delivery failed on it at every reconnect."""
+    broker = broker_factory()
+    subscriber = clients(broker.port, "dev")
+    assert subscriber.subscribe("t/#", 1) == [1]
+    subscriber.disconnect()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("t/x", [b"one", b"two"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = open_store(broker.store, create=False)
+    try:
+        (sid,) = (record.sid for record in iter_sessions(db) if record.client_id == "dev")
+        damaged = next(iter_entries(db, sid))
+        damaged = Entry(damaged.seq, damaged.msg_id, qos, damaged.flags | FLAG_RELEASED, damaged.size)
+        db.put(entry_key(sid, damaged.seq), damaged.encode())
+        db.delete(body_key(damaged.msg_id))
+    finally:
+        db.close()
+
+    broker.start()
+    subscriber = clients(broker.port, "dev")
+    assert [m.payload for m in subscriber.wait_messages(1, timeout=5)] == [b"two"]
+    subscriber.disconnect()
+    broker.stop()
+    assert queues(broker.store) == {"dev": []}
+    log = broker.log()
+    assert f"session dev: queue entry {damaged.seq} has no message body; removing it" in log
+    assert "Traceback" not in log

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -211,24 +209,13 @@ def environment(**variables: str | None) -> dict[str, str]:
     return env
 
 
-def cli_in(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    """``amqtt-durable ARGS`` as conftest.run_cli runs it, in the environment ``env``."""
-    return subprocess.run(
-        [sys.executable, "-m", "durable_fleet.console", *args],
-        capture_output=True,
-        text=True,
-        timeout=WAIT,
-        check=False,
-        env=env,
-    )
-
-
 def test_a_pair_reading_the_secret_from_environment_variables_replicates_and_the_tools_read_it_too(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
     """Issue 12's containers: replication.secret_env names a variable holding the secret, on each
-    member its own name; a backup whose variable holds another secret is refused; inspect and
-    promote with --config read the variable from their own environment."""
+    member its own name; a backup whose variable holds another secret is refused; inspect with
+    --config reads the variable from its own environment; with --secret-file too, inspect and
+    promote read the file and not the variable (unset there)."""
     primary = node(broker_factory, "p", role="primary", secret_env=SECRET_VAR)
     primary.env = environment(**{SECRET_VAR: SECRET + "\n"})  # surrounding whitespace stripped
     start(primary, SERVING)
@@ -243,15 +230,22 @@ def test_a_pair_reading_the_secret_from_environment_variables_replicates_and_the
     assert stranger.wait_until(lambda: "do not share the replication secret" in stranger.log(), WAIT)
     assert [row["name"] for row in status(primary)["backups"]] == ["b"]
 
-    shown = cli_in(environment(**{SECRET_VAR: SECRET}), "inspect", "--replication", address(primary),
-                   "--config", str(primary.config_path))  # fmt: skip
+    shown = run_cli("inspect", "--replication", address(primary), "--config", str(primary.config_path),
+                    env=environment(**{SECRET_VAR: SECRET}))  # fmt: skip
     assert shown.returncode == 0 and "backup b" in shown.stdout and "in_sync" in shown.stdout, shown.stderr
-    unset = cli_in(environment(**{SECRET_VAR: None}), "inspect", "--replication", address(primary),
-                   "--config", str(primary.config_path))  # fmt: skip
+    unset = run_cli("inspect", "--replication", address(primary), "--config", str(primary.config_path),
+                    env=environment(**{SECRET_VAR: None}))  # fmt: skip
     assert unset.returncode == 1
-    assert f"'replication.secret_env': the environment variable {SECRET_VAR} is not set" in unset.stderr
+    assert f"'replication.secret_env': the environment variable '{SECRET_VAR}' is not set" in unset.stderr
+    # --secret-file wins: the config's secret_env is not read, so its variable need not be set.
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET)
+    by_file = run_cli("inspect", "--replication", address(primary), "--config", str(primary.config_path),
+                      "--secret-file", str(secret_file), env=environment(**{SECRET_VAR: None}))  # fmt: skip
+    assert by_file.returncode == 0 and "backup b" in by_file.stdout, by_file.stderr
     primary.kill()
-    promoted = cli_in(environment(B_SECRET=SECRET), "promote", address(backup), "--config", str(backup.config_path))
+    promoted = run_cli("promote", address(backup), "--config", str(backup.config_path), "--secret-file",
+                       str(secret_file), env=environment(B_SECRET=None))  # fmt: skip
     assert promoted.returncode == 0, promoted.stderr
     assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
     assert_queue_served(backup, clients, 50)
@@ -262,9 +256,9 @@ def test_a_pair_reading_the_secret_from_environment_variables_replicates_and_the
 @pytest.mark.parametrize(
     ("value", "words"),
     [
-        (None, f"the environment variable {SECRET_VAR} is not set"),
-        ("", f"the environment variable {SECRET_VAR} is empty"),
-        ("fifteen-chars-1", f"the secret in the environment variable {SECRET_VAR} must be at least 16 characters"),
+        (None, f"the environment variable '{SECRET_VAR}' is not set"),
+        ("", f"the environment variable '{SECRET_VAR}' is empty"),
+        ("fifteen-chars-1", f"the secret in the environment variable '{SECRET_VAR}' must be at least 16 characters"),
     ],
 )
 def test_a_missing_empty_or_short_secret_env_stops_the_broker_naming_key_and_variable_not_value(
@@ -272,7 +266,7 @@ def test_a_missing_empty_or_short_secret_env_stops_the_broker_naming_key_and_var
 ) -> None:
     broker = node(broker_factory, "p", role="primary", secret_env=SECRET_VAR)
     broker.write_config()
-    result = cli_in(environment(**{SECRET_VAR: value}), "broker", "-c", str(broker.config_path))
+    result = run_cli("broker", "-c", str(broker.config_path), env=environment(**{SECRET_VAR: value}))
     assert result.returncode == 2, result.stderr
     assert f"'replication.secret_env': {words}" in result.stderr
     if value:

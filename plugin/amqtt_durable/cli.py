@@ -25,7 +25,7 @@ from .config import DurableConfig
 from .errors import ConfigError, DurableError
 from .inspect_store import format_retained, format_table, summarize, summarize_retained
 from .repair import repair
-from .replication.config import read_secret_file
+from .replication.config import SECRET_KEYS, read_secret_file
 from .replication.framing import Frame
 from .replication.tool import ask, format_status
 
@@ -81,6 +81,20 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def load_broker_config(path: str) -> dict[str, Any]:
     """Read broker.yaml and validate our section before amqtt sees it."""
+    config = read_broker_yaml(path)
+    DurableConfig.from_mapping(_our_section(config, path))
+    return config
+
+
+def _our_section(config: Mapping[str, Any], path: str) -> Mapping[str, Any]:
+    section = plugin_section(config)
+    if section is None:
+        raise ConfigError("plugins", f"'{path}' does not load {PLUGIN_PATH}; add it under 'plugins:'")
+    return section
+
+
+def read_broker_yaml(path: str) -> dict[str, Any]:
+    """broker.yaml as a mapping, our section not validated yet."""
     try:
         with open(path, encoding="utf-8") as handle:
             config = yaml.load(handle, Loader=_UniqueKeyLoader)
@@ -90,10 +104,6 @@ def load_broker_config(path: str) -> dict[str, Any]:
         raise ConfigError("-c", f"'{path}' is not valid YAML: {exc}") from exc
     if not isinstance(config, dict):
         raise ConfigError("-c", f"'{path}' must be a mapping with 'listeners' and 'plugins'")
-    section = plugin_section(config)
-    if section is None:
-        raise ConfigError("plugins", f"'{path}' does not load {PLUGIN_PATH}; add it under 'plugins:'")
-    DurableConfig.from_mapping(section)
     return config
 
 
@@ -184,11 +194,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def tool_credentials(args: argparse.Namespace) -> tuple[bytes | None, ssl.SSLContext | None]:
     """The replication secret and TLS context a tool connects with: the replication section of
     ``--config`` (secret, secret_file or secret_env, the variable read from this process's
-    environment; tls), and ``--secret-file`` (which wins for the secret)."""
+    environment; tls), and ``--secret-file``, which wins for the secret: given, the config's
+    secret, secret_file and secret_env are neither read nor checked (its variable need not be set
+    here, nor its file readable)."""
     secret: bytes | None = None
     tls: ssl.SSLContext | None = None
     if args.config is not None:
-        settings = DurableConfig.from_mapping(plugin_section(load_broker_config(args.config)) or {}).replication
+        section = _our_section(read_broker_yaml(args.config), args.config)
+        replication = section.get("replication")
+        if args.secret_file is not None and isinstance(replication, Mapping):
+            kept = {key: value for key, value in replication.items() if key not in SECRET_KEYS}
+            section = {**section, "replication": kept}
+        settings = DurableConfig.from_mapping(section).replication
         if settings is None:
             raise ConfigError("--config", f"'{args.config}' has no replication section in the plugin's settings")
         secret = settings.shared_secret()

@@ -31,7 +31,7 @@ from durable_protocol import (
 )
 
 from .errors import StoreReadError
-from .store import BODY_TOPIC_FIELD, FLAG_RELEASED, FLAG_RETAIN, Body, Entry
+from .store import BODY_TOPIC_FIELD, FLAG_RELEASED, FLAG_RETAIN, Body, Entry, awaiting_pubcomp
 from .wire import PublishRun, encode_publish, encode_pubrel, packet_id_for
 
 if TYPE_CHECKING:
@@ -353,7 +353,7 @@ class Pump:
         allows = self.read_access.allows
         kept: list[Outgoing] = []
         for item in batch:
-            if item.entry.flags & FLAG_RELEASED or await allows(self.body(item).topic):
+            if awaiting_pubcomp(item.entry) or await allows(self.body(item).topic):
                 kept.append(item)
             elif not self._stopped:
                 self.session.drop_unreadable(item.entry)
@@ -487,7 +487,7 @@ class Pump:
                 replayed += 1
             packet_id = seq % 65535 + 1  # packet_id_for, inlined
             stored = item.stored
-            if qos and entry.flags & FLAG_RELEASED:
+            if qos == 2 and entry.flags & FLAG_RELEASED:  # awaiting_pubcomp(entry), inlined
                 run.add_raw(encode_pubrel(packet_id))
             elif plain and stored is not None:  # as stored: no decoding
                 add_stored(stored, BODY_TOPIC_FIELD, qos, packet_id, dup=dup, retain=bool(entry.flags & FLAG_RETAIN))
@@ -518,7 +518,7 @@ class Pump:
         packet_id = packet_id_for(entry.seq)
         if entry.qos == 1:
             self.transport.expect_ack("puback", packet_id, lambda: self._acked(entry.seq))
-        elif entry.flags & FLAG_RELEASED:
+        elif awaiting_pubcomp(entry):
             self.transport.expect_ack("pubcomp", packet_id, lambda: self._acked(entry.seq))
         else:
             self.transport.expect_ack("pubrec", packet_id, lambda: self._received(entry.seq))

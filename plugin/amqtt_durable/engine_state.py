@@ -66,6 +66,8 @@ class EngineState:
         self.on_expired = on_expired
         self.on_store_health = on_store_health
         self._next_msg_id = 1
+        self._msg_id_mark = 0
+        """The b"M" mark handed to the store: ids up to it may be given without writing it again."""
         self._next_sid = 1
         self._refs: dict[int, int] = {}
         self._dirty: set[DurableSession] = set()

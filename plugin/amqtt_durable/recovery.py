@@ -27,6 +27,7 @@ from .store import (
     GroupCommitter,
     check_writable,
     discard_probe,
+    highest_msg_id_in_use,
     iter_entries,
     iter_pubrel_due,
     iter_sessions,
@@ -36,8 +37,10 @@ from .store import (
     open_store,
     orphaned_keys,
     read_error,
+    read_msg_id_mark,
     read_session_state,
     read_store_id,
+    write_msg_id_mark,
     write_session,
     write_store_id,
 )
@@ -128,7 +131,13 @@ class Recovery(SessionLifecycle):
         self.streams.load()
         self.retained = RetainedMessages(self.committer)
         self.retained.load(self.db)
-        self._next_msg_id = last_msg_id(self.db) + 1
+        mark = read_msg_id_mark(self.db)
+        if mark is None:  # a store from before the mark: past every id a body, count or entry holds
+            mark = highest_msg_id_in_use(self.db)
+            write_msg_id_mark(self.committer, mark)
+        # Never below a stored body, whatever the mark says.
+        self._msg_id_mark = max(mark, last_msg_id(self.db))
+        self._next_msg_id = self._msg_id_mark + 1
         self._next_sid = next_free_sid(self.db)
         now = time.time()
         for record in iter_sessions(self.db):

@@ -22,9 +22,9 @@ import plyvel
 from .errors import DamagedRecordError, StoreError
 from .replication.position import POSITION_KEY
 from .store import (
-    FLAG_RELEASED,
     FLAG_SHARED,
     LAYOUT_VERSION,
+    MSG_ID_MARK_KEY,
     NO_BODY,
     RETAINED_PREFIX,
     SID_MARK_KEY,
@@ -34,12 +34,14 @@ from .store import (
     Entry,
     RetainedMessage,
     SessionRecord,
+    awaiting_pubcomp,
     body_key,
     decode_refs,
     decode_totals,
     encode_refs,
     encode_totals,
     encode_u64,
+    highest_msg_id_in_use,
     leveldb_detail,
     refs_key,
     repair_store,
@@ -56,8 +58,9 @@ _ENTRY_KEY_SIZE = 17
 _U64_SIZE = 8
 SENT_MARK_JUMP = 2**40
 """How far past what is in use a mark that no longer decodes is set (a session's sent mark, the
-highest session number): further than any can have reached, so no new message reuses a sequence
-number a client has seen (the SDK would drop it), and no new session an epoch."""
+highest session number, the highest message id): further than any can have reached, so no new
+message reuses a sequence number a client has seen (the SDK would drop it), no new session an
+epoch, and no new message an id a queue entry may still name."""
 
 
 @dataclass
@@ -75,8 +78,11 @@ class _Queue:
     last_seq: int = 0
     unreadable: int = 0
     """Entries removed: their value did not decode, or their message body is gone or does not decode."""
-    released_kept: int = 0
-    """RELEASED entries (PUBREL due) whose body is gone or does not decode: kept, rewritten to need none."""
+    released_kept: list[tuple[int, int, str]] = field(default_factory=list)
+    """(seq, message id, "is gone" or "does not decode") of QoS 2 RELEASED entries (PUBREL due)
+    whose body is gone or does not decode: kept, rewritten to need none."""
+    no_body_fixed: int = 0
+    """Entries that already pointed at no body (NO_BODY) but were still SHARED or sized: set to neither."""
 
 
 def repair(path: str, now: float | None = None) -> RepairReport:
@@ -150,6 +156,10 @@ def rebuild(db: Any, now: float) -> RepairReport:
         if raw is not None and len(raw) != _U64_SIZE:  # like the sent mark: never lower, so jump past
             batch.put(SID_MARK_KEY, encode_u64(max((*names, *queues, 0)) + SENT_MARK_JUMP))
             report.rebuilt.append("highest session number did not decode: set past every one in use")
+        raw = db.get(MSG_ID_MARK_KEY)
+        if raw is not None and len(raw) != _U64_SIZE:  # ids past it may have been given: jump far past
+            batch.put(MSG_ID_MARK_KEY, encode_u64(highest_msg_id_in_use(db) + SENT_MARK_JUMP))
+            report.rebuilt.append("highest message id did not decode: set past every one in use")
         raw = db.get(STORE_ID_KEY)
         if raw is not None and len(raw) != _U64_SIZE:
             batch.delete(STORE_ID_KEY)
@@ -158,14 +168,27 @@ def rebuild(db: Any, now: float) -> RepairReport:
     return report
 
 
+RELEASED_SHOWN = 20
+"""Kept released entries named one by one per client; more are counted."""
+
+
 def _report_queue(report: RepairReport, client_id: str, queue: _Queue) -> None:
     if queue.unreadable:
         report.lost.append(f"client {client_id!r}: {queue.unreadable} queued message(s) unreadable (removed)")
-    if queue.released_kept:
+    for seq, msg_id, state in queue.released_kept[:RELEASED_SHOWN]:
         report.rebuilt.append(
-            f"client {client_id!r}: {queue.released_kept} QoS 2 message(s) awaiting PUBCOMP kept without "
-            "their body, which was gone or did not decode (the client has them; their PUBREL is sent "
-            "when it reconnects)"
+            f"client {client_id!r}: queue entry {seq} (QoS 2, PUBREL due): its body, message {msg_id}, {state}; "
+            "kept without it (the client has the message; its PUBREL is sent when it reconnects)"
+        )
+    if len(queue.released_kept) > RELEASED_SHOWN:
+        report.rebuilt.append(
+            f"client {client_id!r}: {len(queue.released_kept) - RELEASED_SHOWN} more queue entry(ies) "
+            "(QoS 2, PUBREL due) kept without their body, which is gone or does not decode"
+        )
+    if queue.no_body_fixed:
+        report.rebuilt.append(
+            f"client {client_id!r}: {queue.no_body_fixed} queue entry(ies) (QoS 2, PUBREL due) without a body "
+            "set to not shared, size 0"
         )
 
 
@@ -251,15 +274,9 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
             entry = Entry.decode(seq_of_entry_key(key), value)
         except struct.error:
             entry = None
-        if entry is not None and _body_unusable(db, entry, undecodable):
-            if entry.msg_id in undecodable:
-                (kept_released if _released(entry) else pointing)[entry.msg_id] += 1
-            if _released(entry):
-                entry = Entry(entry.seq, NO_BODY, entry.qos, entry.flags & ~FLAG_SHARED, 0)
-                batch.put(key, entry.encode())
-                queue.released_kept += 1
-            else:
-                entry = None
+        if entry is not None:
+            counted = kept_released if awaiting_pubcomp(entry) else pointing
+            entry = _checked(db, batch, key, entry, queue=queue, undecodable=undecodable, counted=counted)
         if entry is None:
             batch.delete(key)
             queue.unreadable += 1
@@ -272,7 +289,7 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
     for msg_id, why in sorted(undecodable.items()):
         batch.delete(body_key(msg_id))  # nothing points at it any more (its count goes in _fix_refs)
         kept = (
-            f" ({kept_released[msg_id]} QoS 2 entry(ies) awaiting PUBCOMP kept without it)"
+            f" ({kept_released[msg_id]} queue entry(ies) (QoS 2, PUBREL due) kept without it)"
             if kept_released[msg_id]
             else ""
         )
@@ -284,9 +301,28 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
     return queues
 
 
-def _released(entry: Entry) -> bool:
-    """A QoS 2 entry whose PUBREC came: only its PUBREL is due, which needs no body."""
-    return entry.qos == 2 and bool(entry.flags & FLAG_RELEASED)
+def _checked(
+    db: Any, batch: Any, key: bytes, entry: Entry, *, queue: _Queue, undecodable: dict[int, str], counted: Counter[int]
+) -> Entry | None:
+    """``entry`` as kept (rewritten to NO_BODY, not SHARED, size 0 when it awaits PUBCOMP without a
+    usable body, or points at none but is still SHARED or sized: a count of references under id 0
+    must never be written), or None: it goes. ``counted``: entries per undecodable body, kept or not."""
+    released = awaiting_pubcomp(entry)
+    if released and entry.msg_id == NO_BODY and (entry.flags & FLAG_SHARED or entry.size):
+        entry = Entry(entry.seq, NO_BODY, entry.qos, entry.flags & ~FLAG_SHARED, 0)
+        batch.put(key, entry.encode())
+        queue.no_body_fixed += 1
+    if not _body_unusable(db, entry, undecodable):
+        return entry
+    if entry.msg_id in undecodable:
+        counted[entry.msg_id] += 1
+    if not released:
+        return None
+    state = "does not decode" if entry.msg_id in undecodable else "is gone"
+    queue.released_kept.append((entry.seq, entry.msg_id, state))
+    entry = Entry(entry.seq, NO_BODY, entry.qos, entry.flags & ~FLAG_SHARED, 0)
+    batch.put(key, entry.encode())
+    return entry
 
 
 def _body_unusable(db: Any, entry: Entry, undecodable: dict[int, str]) -> bool:
@@ -294,7 +330,7 @@ def _body_unusable(db: Any, entry: Entry, undecodable: dict[int, str]) -> bool:
     Those that do not decode are kept in ``undecodable`` with the reason. A released entry an
     earlier repair kept without its body (NO_BODY) needs none."""
     msg_id = entry.msg_id
-    if msg_id == NO_BODY and _released(entry):
+    if msg_id == NO_BODY and awaiting_pubcomp(entry):
         return False
     if msg_id in undecodable:
         return True

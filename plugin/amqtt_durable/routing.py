@@ -21,9 +21,11 @@ from .sessions import DurableSession
 from .store import (
     FLAG_RETAIN,
     FLAG_SHARED,
+    MSG_ID_RESERVE,
     Body,
     Entry,
     write_body,
+    write_msg_id_mark,
     write_refs,
     write_session,
     write_totals,
@@ -163,6 +165,9 @@ class Routing(EngineMetrics):
         msg_id = self._next_msg_id
         self._next_msg_id += 1
         committer = self.committer
+        if msg_id > self._msg_id_mark:  # the mark goes in this batch, ahead of the body: never an id twice
+            self._msg_id_mark = msg_id + MSG_ID_RESERVE - 1
+            write_msg_id_mark(committer, self._msg_id_mark)
         write_body(committer, msg_id, body)
         if len(accepted) > 1:
             flags |= FLAG_SHARED

@@ -33,6 +33,7 @@ from .store import (
     Body,
     Entry,
     SessionRecord,
+    awaiting_pubcomp,
     entry_key,
     erase_entries,
     erase_entry,
@@ -147,6 +148,9 @@ class DurableSession:
         self._drops_since_log = 0
         self.pubrel_due: set[int] = set()
         """Packet ids of QoS 2 PUBLISHes taken from this session whose PUBREL has not come (b"x" keys)."""
+        self.unbodied: set[int] = set()
+        """Sequences of RELEASED entries rewritten to NO_BODY (``_unbodied``): a read before that write
+        lands must not write it, nor release the old body, twice."""
 
     @property
     def connected(self) -> bool:
@@ -168,7 +172,8 @@ class DurableSession:
         cut the read short (None: everything up to ``tail`` read).
 
         Entries removed in memory but not yet written are skipped: the store must not bring them back.
-        An entry without a body is removed (logged), except a RELEASED one: only its PUBREL is due,
+        An entry without a body is removed (logged), except a QoS 2 RELEASED one (awaiting_pubcomp;
+        the flag on another QoS is damage, and such an entry is removed too): only its PUBREL is due,
         which needs no body, so when its body is gone or damaged it comes with RELEASED_BODY (a gone
         one as an entry that points at none, ``_unbodied``). A read that fails part way returns what came before
         the damage (cut short there); one that fails at once raises StoreReadError: the pump
@@ -196,7 +201,7 @@ class DurableSession:
                 if raw is not None:
                     with_body.append(entry)
                     bodies.append(raw)
-                elif entry.flags & FLAG_RELEASED:  # its PUBREL needs no body
+                elif awaiting_pubcomp(entry):  # its PUBREL needs no body
                     with_body.append(self._unbodied(entry))
                     bodies.append(RELEASED_BODY)
                 else:
@@ -205,20 +210,32 @@ class DurableSession:
         return kept, bodies, (entries[-1].seq if cut else None)
 
     def _unbodied(self, entry: Entry) -> Entry:
-        """A RELEASED entry whose body is gone, as one that points at none (NO_BODY, not SHARED), in
-        memory only: its PUBREL goes all the same, and the PUBCOMP that removes it deletes no body
-        or reference count under its old message id, which a message routed meanwhile may have
-        been given (ids go on past the highest body left). ``amqtt-durable repair`` rewrites such
-        an entry so in the store, before any new message can take its id."""
+        """A RELEASED entry whose body is gone, rewritten to one that points at none (NO_BODY, not
+        SHARED, size 0), in the store too: its PUBREL goes all the same, and the PUBCOMP that removes
+        it deletes no body or reference count under its old message id. The old id's reference is
+        released now (a shared body's count goes down; the id is never given again, b"M"), and the
+        queue's bytes lose its size, in the same batch as the rewrite."""
         if entry.msg_id == NO_BODY:
             return entry
+        rewritten = Entry(entry.seq, NO_BODY, entry.qos, entry.flags & ~FLAG_SHARED, 0)
+        if entry.seq in self.unbodied or self.deleted:
+            return rewritten
         log.warning(
-            "session %s: the body of QoS 2 message %d, whose PUBREL is due, is gone; "
+            "session %s: queue entry %d (QoS 2, PUBREL due): its body, message %d, is gone; "
             "the PUBREL goes without it",
             self.client_id,
             entry.seq,
+            entry.msg_id,
         )
-        return Entry(entry.seq, NO_BODY, entry.qos, entry.flags & ~FLAG_SHARED, entry.size)
+        self.unbodied.add(entry.seq)
+        engine = self.engine
+        write_entry(engine.committer, self.sid, rewritten)
+        engine.release_body(entry)
+        self.bytes -= entry.size
+        engine.totals_changed(self)
+        self.limits.on_drained(self.depth, self.connected, self.bytes)
+        engine.committer.flush_soon()
+        return rewritten
 
     def _bodiless(self, entry: Entry) -> None:
         log.error("session %s: queue entry %d has no message body; removing it", self.client_id, entry.seq)
@@ -239,13 +256,14 @@ class DurableSession:
                 try:
                     raw = read_stored_bodies(db, [entry.msg_id]).get(entry.msg_id)
                 except (plyvel.Error, ValueError, struct.error) as exc:
-                    if entry.flags & FLAG_RELEASED:
+                    if awaiting_pubcomp(entry):
                         # A damaged body its PUBREL does not need; the PUBCOMP deletes it with the entry.
                         log.warning(
-                            "session %s: the body of QoS 2 message %d, whose PUBREL is due, is damaged "
-                            "(%s); the PUBREL goes without it",
+                            "session %s: queue entry %d (QoS 2, PUBREL due): its body, message %d, does "
+                            "not decode (%s); the PUBREL goes without it",
                             self.client_id,
                             entry.seq,
+                            entry.msg_id,
                             leveldb_detail(exc),
                         )
                         raw = RELEASED_BODY
@@ -256,7 +274,7 @@ class DurableSession:
                 if raw is not None:
                     kept.append(entry)
                     bodies.append(raw)
-                elif entry.flags & FLAG_RELEASED:
+                elif awaiting_pubcomp(entry):
                     kept.append(self._unbodied(entry))
                     bodies.append(RELEASED_BODY)
                 else:

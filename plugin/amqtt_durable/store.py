@@ -15,6 +15,15 @@ Key layout, version 1 (every integer big-endian, so LevelDB's byte order is nume
     b"n"                      -> sid:u64                    highest session id ever assigned (an SDK
                                                            client's epoch: never reused, even after
                                                            the session and all its keys are gone)
+    b"M"                      -> msg_id:u64                 at least the highest message id ever given:
+                                                           written ahead, MSG_ID_RESERVE ids at a time,
+                                                           in the batch of (or a batch before) the
+                                                           first message past it, so an id is never
+                                                           given twice, even after its body is gone
+                                                           and a queue entry still points at it. A
+                                                           store without it (an older release) starts
+                                                           past the highest id its bodies, reference
+                                                           counts and queue entries hold (one scan)
     b"q" + sid:u64 + seq:u64  -> msg_id:u64 qos:u8 flags:u8 size:u32       one queue entry
     b"x" + sid:u64 + packet_id:u16 -> b""                 a QoS 2 PUBLISH from that durable session
                                                            was stored (written in the publish's own
@@ -26,9 +35,10 @@ Key layout, version 1 (every integer big-endian, so LevelDB's byte order is nume
 Entry flags: bit 0 RETAIN (retained message on subscribe), bit 1 RELEASED (QoS 2 PUBREC
 received, so PUBREL, not PUBLISH, is re-sent), bit 2 SHARED (the body is counted under b"c";
 without it the entry is the body's only reference). A body is deleted with its last entry.
-A RELEASED entry's body is never needed again (a PUBREL carries only the packet id): delivery
-sends its PUBREL whether the body is there or not, and repair keeps such an entry whose body is
-gone or does not decode, rewritten to msg_id NO_BODY (0, which no message gets), size 0.
+A RELEASED QoS 2 entry's body is never needed again (a PUBREL carries only the packet id;
+awaiting_pubcomp): delivery sends its PUBREL whether the body is there or not, and repair keeps
+such an entry whose body is gone or does not decode, rewritten to msg_id NO_BODY (0, which no
+message gets), size 0. RELEASED on an entry of another QoS is damage and spares it nothing.
 From tlen on, a body is a PUBLISH's topic field as MQTT encodes it, then the payload: replay
 builds each PUBLISH from the stored bytes without decoding them (BODY_TOPIC_FIELD).
 
@@ -253,6 +263,12 @@ class Entry:
     def decode(cls, seq: int, raw: bytes) -> Entry:
         msg_id, qos, flags, size = _ENTRY.unpack(raw)
         return cls(seq, msg_id, qos, flags, size)
+
+
+def awaiting_pubcomp(entry: Entry) -> bool:
+    """A QoS 2 entry whose PUBREC came (RELEASED): only its PUBREL is due, which needs no body. The
+    RELEASED flag on an entry of another QoS (damage) means nothing: it needs its body as any other."""
+    return entry.qos == 2 and bool(entry.flags & FLAG_RELEASED)
 
 
 @dataclass
@@ -575,12 +591,39 @@ def last_sid(db: Any, prefix: bytes) -> int:
 
 SID_MARK_KEY = b"n"
 STORE_ID_KEY = b"i"
+MSG_ID_MARK_KEY = b"M"
+MSG_ID_RESERVE = 1024
+"""Message ids the b"M" mark is moved ahead by at a time: one write per this many messages."""
 
 
 def last_msg_id(db: Any) -> int:
+    """The highest message id a body is stored under; 0 for none."""
     for key in db.iterator(prefix=b"m", reverse=True, include_value=False, verify_checksums=True):
         return int(_U64.unpack_from(key, 1)[0])
     return 0
+
+
+def highest_msg_id_in_use(db: Any) -> int:
+    """The highest message id a body, a reference count or a queue entry holds (reads every queue
+    entry: only for a store without the b"M" mark, once)."""
+    highest = last_msg_id(db)
+    for key in db.iterator(prefix=b"c", reverse=True, include_value=False, verify_checksums=True):
+        highest = max(highest, int(_U64.unpack_from(key, 1)[0]))
+        break
+    for value in db.iterator(prefix=b"q", include_key=False, verify_checksums=True):
+        if len(value) == _ENTRY.size:
+            highest = max(highest, int(_U64.unpack_from(value)[0]))
+    return highest
+
+
+def read_msg_id_mark(db: Any) -> int | None:
+    """The b"M" mark (None: a store written before it existed); DamagedRecordError if it does not decode."""
+    raw = db.get(MSG_ID_MARK_KEY, verify_checksums=True)
+    return None if raw is None else decoded(decode_u64, raw, "the highest message id")
+
+
+def write_msg_id_mark(w: Writes, msg_id: int) -> None:
+    w.put(MSG_ID_MARK_KEY, encode_u64(msg_id))
 
 
 class Writes(Protocol):

@@ -11,10 +11,16 @@ from amqtt_durable.sessions import droppable
 from amqtt_durable.store import (
     FLAG_RELEASED,
     FLAG_SHARED,
+    MSG_ID_MARK_KEY,
+    MSG_ID_RESERVE,
+    NO_BODY,
+    RELEASED_BODY,
     Body,
     Entry,
     SessionRecord,
+    awaiting_pubcomp,
     body_key,
+    decode_u64,
     encode_refs,
     encode_totals,
     encode_u64,
@@ -163,3 +169,98 @@ def test_drop_oldest_keeps_a_qos2_entry_awaiting_pubcomp_reachable(tmp_path: Pat
         await engine.close()
 
     asyncio.run(main())
+
+
+def _released_without_body(path: str) -> None:
+    """Session dev (sid 1, t: QoS 2): entry 1 a released QoS 2 message whose body, message 50, is gone
+    (shared with session other, sid 2, count 2), entry 2 message 10 (stored); no b"M" mark."""
+    db = open_store(path)
+    db.put(session_key("dev"), SessionRecord("dev", 1, {"t": 2}, expires_at=9e18).encode())
+    db.put(session_key("other"), SessionRecord("other", 2, {}, expires_at=9e18).encode())
+    db.put(entry_key(1, 1), Entry(1, 50, 2, FLAG_RELEASED | FLAG_SHARED, 5).encode())
+    db.put(entry_key(2, 1), Entry(1, 50, 1, FLAG_SHARED, 5).encode())
+    db.put(refs_key(50), encode_refs(2))
+    db.put(body_key(10), Body("t", b"ten", 2, 1.0).encode())
+    db.put(entry_key(1, 2), Entry(2, 10, 2, 0, 3).encode())
+    db.put(totals_key(1), encode_totals(2, 8, 0))
+    db.put(totals_key(2), encode_totals(1, 5, 0))
+    db.close()
+
+
+def test_a_store_without_the_message_id_mark_gives_ids_past_every_queue_entry_then_keeps_the_mark(
+    tmp_path: Path,
+) -> None:
+    """Ids went on past the highest stored body: an entry pointing at a gone body with a higher id
+    had its id given to a new message, whose body that entry's removal then deleted."""
+    path = str(tmp_path / "store")
+    _released_without_body(path)
+
+    async def main() -> int:
+        engine = DurableEngine(DurableConfig(store=path))
+        engine.open()
+        assert engine._next_msg_id == 51, "past message 50, which only a queue entry names"
+        engine.route_publish("t", b"new", 1)
+        ops = [key for key, _ in engine.committer._ops]
+        assert MSG_ID_MARK_KEY in ops and ops.index(MSG_ID_MARK_KEY) < ops.index(body_key(51)), (
+            "the mark is written in the batch of the first message past it, ahead of its body"
+        )
+        await engine.committer.commit()
+        await engine.close()
+        return 51
+
+    new_id = asyncio.run(main())
+    db = open_store(path, create=False)
+    try:
+        assert db.get(body_key(new_id)) is not None
+        assert decode_u64(db.get(MSG_ID_MARK_KEY)) == new_id + MSG_ID_RESERVE - 1
+        db.delete(body_key(new_id))  # its body is lost too: its id is still never given again
+    finally:
+        db.close()
+
+    async def again() -> None:
+        engine = DurableEngine(DurableConfig(store=path))
+        engine.open()
+        assert engine._next_msg_id == new_id + MSG_ID_RESERVE
+        await engine.close()
+
+    asyncio.run(again())
+
+
+def test_a_released_entry_read_without_its_body_is_rewritten_to_no_body_in_the_store(tmp_path: Path) -> None:
+    """The rewrite to NO_BODY (size 0, not SHARED) is written, the old body's reference released
+    and the queue's bytes lowered in the same batch; a second read before that write changes nothing."""
+    path = str(tmp_path / "store")
+    _released_without_body(path)
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=path))
+        engine.open()
+        session = engine.sessions["dev"]
+        for _ in range(2):
+            entries, bodies, _ = session.read_stored(1, 2, 10)
+            assert [(e.seq, e.msg_id, e.flags, e.size) for e in entries] == [
+                (1, NO_BODY, FLAG_RELEASED, 0),
+                (2, 10, 0, 3),
+            ]
+            assert bodies[0] == RELEASED_BODY
+        assert session.bytes == 3
+        await engine.committer.commit()
+        await engine.close()
+
+    asyncio.run(main())
+    db = open_store(path, create=False)
+    try:
+        stored = Entry.decode(1, db.get(entry_key(1, 1)))
+        assert (stored.msg_id, stored.flags, stored.size) == (NO_BODY, FLAG_RELEASED, 0)
+        assert db.get(totals_key(1)) == encode_totals(2, 3, 0)
+        assert db.get(refs_key(50)) == encode_refs(1), "session other's entry still counts"
+    finally:
+        db.close()
+
+
+def test_only_a_released_qos2_entry_awaits_pubcomp() -> None:
+    assert awaiting_pubcomp(Entry(1, 1, 2, FLAG_RELEASED, 1))
+    assert awaiting_pubcomp(Entry(1, NO_BODY, 2, FLAG_RELEASED | FLAG_SHARED, 1))
+    assert not awaiting_pubcomp(Entry(1, 1, 2, 0, 1))
+    assert not awaiting_pubcomp(Entry(1, 1, 1, FLAG_RELEASED, 1))
+    assert not awaiting_pubcomp(Entry(1, 1, 0, FLAG_RELEASED, 1))

@@ -4,6 +4,7 @@ and the secret's settings: each failure named, on both sides, never a hang."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -192,16 +193,37 @@ def test_the_secret_is_read_from_the_environment_variable_secret_env(
     monkeypatch.setenv(ENV_NAME, f"  {ENV_VALUE}\n")  # as a file mounted into a variable may end
     config = ReplicationConfig.from_mapping({"role": "primary", "secret_env": ENV_NAME})
     assert config.shared_secret() == ENV_VALUE.encode() and ENV_VALUE not in repr(config)
-    monkeypatch.setenv(ENV_NAME, "\u00e9" * 16)  # characters, not bytes, are counted; sent as UTF-8
+    monkeypatch.setenv(ENV_NAME, "\u00e9" * 16)
     assert config.shared_secret() == ("\u00e9" * 16).encode()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"\xc2\xa0" + ENV_VALUE.encode() + b"\xe2\x80\x83",  # NO-BREAK SPACE, EM SPACE: not ASCII whitespace
+        b"\xc3\xa9" * 8,  # 8 characters, 16 bytes: bytes are counted
+        b"\t" + ENV_VALUE.encode() + b"\r\n\x0b\x0c",
+        b"\xff\xfe" + ENV_VALUE.encode(),  # not UTF-8
+    ],
+)
+def test_the_same_secret_in_a_file_and_in_a_variable_reads_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: bytes
+) -> None:
+    """A file on one node, a variable on another: both hold these bytes, both nodes must agree."""
+    path = tmp_path / "secret"
+    path.write_bytes(value)
+    monkeypatch.setitem(os.environb, ENV_NAME.encode(), value)  # the variable's bytes as they are
+    from_file = ReplicationConfig.from_mapping({"role": "primary", "secret_file": str(path)}).shared_secret()
+    from_env = ReplicationConfig.from_mapping({"role": "primary", "secret_env": ENV_NAME}).shared_secret()
+    assert from_env == from_file == value.strip()
 
 
 @pytest.mark.parametrize(
     ("settings", "value", "words"),
     [
-        ({"secret_env": ENV_NAME}, None, f"the environment variable {ENV_NAME} is not set"),
-        ({"secret_env": ENV_NAME}, " \n", f"the environment variable {ENV_NAME} is empty"),
-        ({"secret_env": ENV_NAME}, " short-value-123 ", f"variable {ENV_NAME} must be at least 16 characters, not 15"),
+        ({"secret_env": ENV_NAME}, None, f"the environment variable '{ENV_NAME}' is not set"),
+        ({"secret_env": ENV_NAME}, " \n", f"the environment variable '{ENV_NAME}' is empty"),
+        ({"secret_env": ENV_NAME}, " short-value-123 ", f"'{ENV_NAME}' must be at least 16 characters, not 15"),
         ({"secret_env": f"{ENV_NAME}={ENV_VALUE}"}, ENV_VALUE, "expected the name of an environment variable"),
         ({"secret": "s" * 16, "secret_env": ENV_NAME}, ENV_VALUE, "not secret and secret_env"),
         ({"secret_file": "/nonexistent", "secret_env": ENV_NAME}, ENV_VALUE, "not secret_file and secret_env"),
@@ -219,6 +241,26 @@ def test_bad_secret_env_settings_name_the_key_and_the_variable_never_the_value(
     assert raised.value.key == "replication.secret_env" and words in str(raised.value)
     if value is not None and value.strip():
         assert value.strip() not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["9LIVES", "MY-SECRET", "a pasted secret 0123456789", "s3cr3t/value+0123456789==", "NAME\n", "N\u00c4ME", "X\0"],
+)
+def test_a_secret_env_that_is_not_a_variable_name_is_refused_without_showing_it(name: str) -> None:
+    """Only [A-Za-z_][A-Za-z0-9_]*: anything else may be the secret pasted in place of the name."""
+    with pytest.raises(ConfigError) as raised:
+        ReplicationConfig.from_mapping({"role": "primary", "secret_env": name})
+    assert raised.value.key == "replication.secret_env"
+    assert "expected the name of an environment variable (letters, digits and _" in str(raised.value)
+    assert name.strip() not in str(raised.value)
+
+
+def test_a_secret_env_yaml_read_as_a_number_is_refused_without_echoing_it() -> None:
+    with pytest.raises(ConfigError) as raised:  # secret_env: 12345678901234567890123, the secret in the name's place
+        ReplicationConfig.from_mapping({"role": "primary", "secret_env": 12345678901234567890123})
+    assert raised.value.key == "replication.secret_env" and "quote it" in str(raised.value)
+    assert "12345678901234567890123" not in str(raised.value)
 
 
 def test_a_variable_emptied_after_start_up_is_named_when_the_secret_is_read_again(

@@ -22,8 +22,11 @@ from amqtt_durable.repair import SENT_MARK_JUMP, RepairReport, repair
 from amqtt_durable.replication.framing import encode_position
 from amqtt_durable.replication.position import POSITION_KEY, read_position
 from amqtt_durable.store import (
+    FLAG_RELEASED,
     FLAG_SHARED,
     LAYOUT_VERSION,
+    MSG_ID_MARK_KEY,
+    NO_BODY,
     SID_MARK_KEY,
     VERSION_KEY,
     Body,
@@ -182,6 +185,7 @@ def test_start_up_names_a_damaged_session_record(store_path: str) -> None:
         (totals_key(1), "the queue totals of client id 'dev'"),
         (sent_mark_key(1), "the sent mark of client id 'dev'"),
         (SID_MARK_KEY, "the highest session number"),
+        (MSG_ID_MARK_KEY, "the highest message id"),
     ],
 )
 def test_start_up_names_damaged_counters_and_repair_rebuilds_them(store_path: str, key: bytes, named: str) -> None:
@@ -197,6 +201,8 @@ def test_start_up_names_damaged_counters_and_repair_rebuilds_them(store_path: st
         engine = DurableEngine(DurableConfig(store=store_path))
         engine.open()
         assert engine.sessions["dev"].depth == 5
+        if key == MSG_ID_MARK_KEY:  # ids past the damaged mark may have been given
+            assert engine._next_msg_id == 1005 + SENT_MARK_JUMP + 1
         await engine.close()
 
     asyncio.run(main())
@@ -434,3 +440,32 @@ def test_repair_clears_the_replication_position_so_backups_get_a_new_snapshot(st
         assert db.get(entry_key(1, 3)) is not None
     finally:
         db.close()
+
+
+def test_repair_sets_an_entry_pointing_at_no_body_to_not_shared_size_0_and_writes_no_count_for_id_0(
+    store_path: str,
+) -> None:
+    """A released QoS 2 entry already rewritten to NO_BODY but still SHARED and sized: its count went
+    under id 0 and its size into the totals. A QoS 1 entry pointing at NO_BODY has no body: removed."""
+    db = open_store(store_path)
+    db.put(session_key("dev"), SessionRecord("dev", 1, {"t": 2}, created_at=NOW).encode())
+    db.put(entry_key(1, 1), Entry(1, NO_BODY, 2, FLAG_RELEASED | FLAG_SHARED, 7).encode())
+    db.put(entry_key(1, 2), Entry(2, NO_BODY, 1, FLAG_RELEASED | FLAG_SHARED, 7).encode())
+    db.put(totals_key(1), encode_totals(2, 14, 0))
+    db.close()
+
+    report = repair(store_path, now=NOW)
+
+    assert report.rebuilt == [
+        "client 'dev': 1 queue entry(ies) (QoS 2, PUBREL due) without a body set to not shared, size 0",
+        "client 'dev': queue totals rebuilt from the queue: 1 message(s), 0 bytes (they said 2 message(s), 14 bytes)",
+    ], report
+    assert report.lost == ["client 'dev': 1 queued message(s) unreadable (removed)"], report
+    db = open_store(store_path)
+    try:
+        assert Entry.decode(1, db.get(entry_key(1, 1))) == Entry(1, NO_BODY, 2, FLAG_RELEASED, 0)
+        assert db.get(entry_key(1, 2)) is None
+        assert db.get(refs_key(NO_BODY)) is None, "no count is written for id 0"
+    finally:
+        db.close()
+    assert repair(store_path, now=NOW) == RepairReport(), "a second repair finds nothing left"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -167,9 +168,10 @@ class ReplicationConfig:
     the secret out of broker.yaml. Set one of ``secret``, ``secret_file``, ``secret_env``."""
 
     secret_env: str = ""
-    """The name of an environment variable holding the shared secret (surrounding whitespace
-    stripped), read at start-up, for containers that are handed their secrets that way. Set one
-    of ``secret``, ``secret_file``, ``secret_env``."""
+    """The name of an environment variable holding the shared secret (its bytes, read as
+    ``secret_file``'s: ASCII whitespace around stripped, bytes counted), read at start-up, for
+    containers that are handed their secrets that way. Set one of ``secret``, ``secret_file``,
+    ``secret_env``."""
 
     tls: TlsConfig | None = None
     """Mutual TLS on the replication channel and the tools' connections (TlsConfig); absent: plain TCP."""
@@ -232,7 +234,8 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         raise ConfigError(key, f"expected one of {', '.join(choices)}, got {value!r}")
     if isinstance(value, str):
         return value
-    if key.endswith(".secret"):  # never echoed: a secret that YAML read as a number is still the secret
+    if key.endswith((".secret", ".secret_env")):  # never echoed: a secret YAML read as a number (pasted
+        # in place of the variable's name, for secret_env) is still the secret
         raise ConfigError(key, f"expected text, got a value of type {type(value).__name__} (quote it in YAML)")
     raise ConfigError(key, f"expected text, got {value!r}")
 
@@ -255,7 +258,7 @@ def _check(config: ReplicationConfig, where: str) -> None:
 
 
 MIN_SECRET = 16
-"""The shortest secret accepted, inline or in a file (characters; bytes in a file)."""
+"""The shortest secret accepted (characters inline; bytes in a file or an environment variable)."""
 SECRET_ADVICE = (
     "a long random string, not a password: e.g. the output of openssl rand -hex 32 "
     "(anyone who reaches a replication address can test guesses of it offline)"
@@ -281,25 +284,33 @@ def read_secret_file(path: str, key: str) -> bytes:
     return secret
 
 
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""What replication.secret_env accepts: a portable environment variable name (POSIX shells'); anything
+else is refused without being shown, as it may be the secret pasted in place of the name."""
+
+
 def read_secret_env(name: str, key: str) -> bytes:
-    """The secret in the environment variable ``name``, stripped; a ConfigError naming ``key`` and
-    ``name`` (never the value) when it is not set, is empty or is shorter than ``MIN_SECRET``
-    characters."""
-    if not name or "=" in name or "\0" in name:  # not echoed: it may be the secret itself, mistyped
-        raise ConfigError(key, "expected the name of an environment variable (without '=')")
-    value = os.environ.get(name)
+    """The secret in the environment variable ``name``, read and stripped exactly as read_secret_file
+    reads a file (bytes, ASCII whitespace stripped, bytes counted), so the same secret in a file on
+    one node and in a variable on another always matches; a ConfigError naming ``key`` and ``name``
+    (never the value) when it is not set, is empty or is shorter than ``MIN_SECRET`` bytes."""
+    if not ENV_NAME.fullmatch(name):  # not echoed: it may be the secret itself, pasted in its place
+        raise ConfigError(
+            key, "expected the name of an environment variable (letters, digits and _, not starting with a digit)"
+        )
+    value = os.environb.get(name.encode("ascii"))  # its own bytes, whatever the locale
     if value is None:
-        raise ConfigError(key, f"the environment variable {name} is not set")
-    secret = value.strip()
+        raise ConfigError(key, f"the environment variable {name!r} is not set")
+    secret = value.strip()  # as a file's: ASCII whitespace only, and bytes counted
     if not secret:
-        raise ConfigError(key, f"the environment variable {name} is empty")
+        raise ConfigError(key, f"the environment variable {name!r} is empty")
     if len(secret) < MIN_SECRET:
         raise ConfigError(
             key,
-            f"the secret in the environment variable {name} must be at least {MIN_SECRET} characters, "
+            f"the secret in the environment variable {name!r} must be at least {MIN_SECRET} characters, "
             f"not {len(secret)} ({SECRET_ADVICE})",
         )
-    return secret.encode("utf-8", "surrogateescape")  # the variable's own bytes, whatever the locale
+    return secret
 
 
 SECRET_KEYS = ("secret", "secret_file", "secret_env")
