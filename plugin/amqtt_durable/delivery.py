@@ -5,6 +5,10 @@ come from the queue sequence (see ``wire.packet_id_for``), entries leave the sto
 PUBACK / PUBCOMP, and anything at or below ``sent_max`` goes out again with DUP set.
 It knows nothing of amqtt: the connection is a ``Transport``.
 
+Batches read from the store (a replay) are sized by ``turns.RunSizes`` (a small first one, then
+growing to the window) and go out in turns of the broker's ``turns.ReplayTurns``, so that many
+sessions replaying at once share the event loop (see turns.py).
+
 SDK sessions (protocol v1, docs/protocol.md) differ in three ways: the pump holds everything
 until the client is ready; it then sends the queue up to the marker point (flagged replayed),
 the marker, and live messages; and every payload carries the frame with the sequence id.
@@ -32,6 +36,7 @@ from durable_protocol import (
 
 from .errors import StoreReadError
 from .store import BODY_TOPIC_FIELD, FLAG_RELEASED, FLAG_RETAIN, Body, Entry
+from .turns import ReplayTurns, RunSizes
 from .wire import PublishRun, encode_publish, encode_pubrel, packet_id_for
 
 if TYPE_CHECKING:
@@ -123,6 +128,7 @@ class Pump:
         *,
         on_sent: Callable[[int, int], None],
         on_read_error: Callable[[str, StoreReadError, float], None],
+        turns: ReplayTurns | None = None,
     ) -> None:
         self.session = session
         self._on_sent = on_sent
@@ -138,6 +144,14 @@ class Pump:
         self.refill = window // 4 if window >= REFILL_CHUNKED_FROM else 1
         self._refilling = False
         self._read_size = READ_FIRST if window >= REFILL_CHUNKED_FROM else READ_CHUNK
+        self._turns = turns
+        """None: batches read from the store go out without waiting for a turn (no other pumps)."""
+        self._runs = RunSizes(window)
+        self._turn_pass: int | None = None
+        """The turns' ``pass_id`` when this pump last had a turn."""
+        self._granted = False
+        """A turn was granted after the batch it was asked for went back to the buffer: the next
+        batch taken uses it."""
         self.inflight: dict[int, Outgoing] = {}
         self.buffer: deque[Outgoing] = deque()
         self.next_fill_seq = session.head_seq
@@ -241,11 +255,16 @@ class Pump:
             self._fill_from_store()
         except StoreReadError:
             return  # the task reads again, and reports and waits if it fails again
+        refilling = self._refilling
         batch = self._take_sendable()
         if not batch:
             return
-        if batch[-1].entry.seq > self.session.stored_mark:
-            self.buffer.extendleft(reversed(batch))  # its mark must be stored first: the task does it
+        turns = self._turns
+        if batch[-1].entry.seq > self.session.stored_mark or (
+            turns is not None and batch[0].stored is not None and not turns.try_take(len(batch), self._runs.first)
+        ):
+            # its mark must be stored first (or, not its first batch, it waits for a turn): the task does it
+            self._put_back(batch, refilling)
             return
         self._write_batch(batch)
 
@@ -320,13 +339,26 @@ class Pump:
         failed and was waited out, or everything taken was dropped as unreadable)."""
         if self.held:
             return []
-        if not self.buffer:
-            try:
+        if len(self.buffer) < self._runs.next:  # a batch cut short by the end of a read would leave a
+            try:  # pass between it and the rest, and the rest would wait for its sent mark's commit
                 self._fill_from_store()
             except StoreReadError as exc:
-                await self._retry_later(exc)
-                return None
+                if not self.buffer:  # else what is read already goes first, and the read is tried again
+                    await self._retry_later(exc)
+                    return None
+        refilling = self._refilling
         batch = self._take_sendable()
+        if batch and self._turns is not None and batch[0].stored is not None:  # read from the store: a turn
+            if self._granted:
+                self._granted = False
+            elif not self._turns.try_take(len(batch), self._runs.first, self._turn_pass):
+                self._put_back(batch, refilling)
+                await self._turns.take(len(batch), self._runs.first, self._turn_pass)
+                self._turn_pass = self._turns.pass_id
+                self._granted = True
+                return None  # take it again: acks, a stop or a drop may have come meanwhile
+            else:
+                self._turn_pass = self._turns.pass_id
         if batch and self.read_access is not None:
             batch = await self._readable(batch)
             if not batch:
@@ -379,12 +411,22 @@ class Pump:
                     append(Outgoing(entry, None, stored))
         self.next_fill_seq = tail + 1 if last_read is None else last_read + 1
 
+    def _put_back(self, batch: list[Outgoing], refilling: bool) -> None:
+        """Undo ``_take_sendable`` (``refilling`` as it was before): the batch waits in the buffer."""
+        self.buffer.extendleft(reversed(batch))
+        self._refilling = refilling
+
     def _take_sendable(self) -> list[Outgoing]:
+        """The next batch: within the window, and a replayed one (read from the store) at most the
+        run size (``RunSizes``)."""
         batch: list[Outgoing] = []
         count = len(self.inflight)
         if self._refilling and self.window - count < self.refill:
             return batch
         self._refilling = False
+        if not self.buffer:
+            return batch
+        limit = self._runs.next if self.buffer[0].stored is not None else self.window
         oldest = next(iter(self.inflight)) if count else None  # sent, so inserted, in seq order
         point = self.marker_point if self._marker_due else None
         while self.buffer:
@@ -399,7 +441,7 @@ class Pump:
                 if oldest is None:
                     oldest = item.entry.seq
             batch.append(self.buffer.popleft())
-            if len(batch) >= self.window:
+            if len(batch) >= limit:
                 break
         return batch
 
@@ -503,6 +545,8 @@ class Pump:
         highest = batch[-1].entry.seq
         session.sent_max = max(sent_max, highest)
         self.transport.write(run.take())
+        if batch[0].stored is not None:
+            self._runs.sent()
         if batch[-1].stored is not None and session.sent_mark < highest + self.window:
             # A replay (the batch was read from the store): the next batch may reach a window past
             # this one, so its mark goes with the write the acks of this batch ask for, and it need
