@@ -96,10 +96,12 @@ class ReplayTurns:
         try:
             await waiter
         except asyncio.CancelledError:
-            if not waiter.done():  # still queued: leave the queue (a granted turn is simply unused)
-                for queued in (self._waiting, self._again):
-                    if item in queued:
-                        queued.remove(item)
+            # The task's cancel cancelled ``waiter`` too: leave the queue at once. A turn granted just
+            # before the cancel was taken off the queue then, and is simply unused.
+            for queued in (self._waiting, self._again):
+                if item in queued:
+                    queued.remove(item)
+                    break
             raise
 
     def _arm(self) -> None:
@@ -119,7 +121,7 @@ class ReplayTurns:
             return
         while waiting and self.used < self.budget:
             waiter, size = waiting.popleft()
-            if not waiter.done():  # a cancelled waiter has left the queue already; this is a guard
+            if not waiter.done():  # else cancelled, its task not yet run to leave the queue: skip it
                 waiter.set_result(None)
                 self.used += size
         self._arm()  # the next pass resets the budget these grants used (and serves who still waits)

@@ -112,6 +112,31 @@ def test_a_cancelled_wait_leaves_the_queue() -> None:
     asyncio.run(main())
 
 
+def test_a_cancelled_wait_leaves_the_queue_at_once() -> None:
+    """A pump stopped while it waits leaves the queue as its task is cancelled, not only when a
+    later pass reaches it: ``waiting`` no longer counts it. (Cancelling the task cancels the future
+    it awaits too, so the queue entry was kept while it was "done", until a pass skipped it.)"""
+
+    async def main() -> None:
+        turns = ReplayTurns(budget=10)
+        asked = [asyncio.ensure_future(turns.take(10, first=False)) for _ in range(8)]  # next pass
+        assert turns.try_take(10, first=False), "this pass's budget"
+        await asyncio.sleep(0)
+        assert turns.waiting == 7, "the next pass granted one turn of 10 (its budget)"
+        since = turns.pass_id
+        asked[-1].cancel()  # the last in the queue: each pass grants one, far from it
+        await asyncio.gather(asked[-1], return_exceptions=True)
+        granted = turns.pass_id - since
+        assert granted < 6, "no pass reached the cancelled one"
+        assert turns.waiting == 7 - granted - 1
+        for waiting in asked[:-1]:
+            waiting.cancel()
+        await asyncio.gather(*asked, return_exceptions=True)
+        assert turns.waiting == 0
+
+    asyncio.run(main())
+
+
 class OrderedTransport(RecordingTransport):
     """A client that acknowledges each write's PUBLISHes in the loop pass after it, as one run,
     and logs (its name, the payloads) of every write in one list shared by all transports."""
