@@ -149,9 +149,9 @@ class Pump:
         self._runs = RunSizes(window)
         self._turn_pass: int | None = None
         """The turns' ``pass_id`` when this pump last had a turn."""
-        self._granted = False
-        """A turn was granted after the batch it was asked for went back to the buffer: the next
-        batch taken uses it."""
+        self._turn_wait: list[Outgoing] = []
+        """The batch waiting for its turn (its messages checked, its sent mark stored): not in flight,
+        so overflow's drop-oldest takes from it first (``drop_buffered``)."""
         self.inflight: dict[int, Outgoing] = {}
         self.buffer: deque[Outgoing] = deque()
         self.next_fill_seq = session.head_seq
@@ -266,6 +266,8 @@ class Pump:
             # its mark must be stored first (or, not its first batch, it waits for a turn): the task does it
             self._put_back(batch, refilling)
             return
+        if turns is not None and batch[0].stored is not None:
+            self._turn_pass = turns.pass_id
         self._write_batch(batch)
 
     async def stop(self) -> None:
@@ -282,12 +284,14 @@ class Pump:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def drop_buffered(self, droppable: Callable[[Entry], bool]) -> Entry | None:
-        """Take the oldest buffered entry ``droppable`` allows out of the buffer (overflow's
-        drop-oldest); None when there is none. In-flight entries are not in the buffer."""
-        for index, item in enumerate(self.buffer):
-            if droppable(item.entry):
-                del self.buffer[index]
-                return item.entry
+        """Take the oldest buffered entry ``droppable`` allows out of the buffer, or out of the batch
+        waiting for its turn (older than the buffer's), for overflow's drop-oldest; None when there
+        is none. In-flight entries are not in the buffer."""
+        for queued in (self._turn_wait, self.buffer):
+            for index, item in enumerate(queued):
+                if droppable(item.entry):
+                    del queued[index]
+                    return item.entry
         return None
 
     @property
@@ -339,6 +343,12 @@ class Pump:
         failed and was waited out, or everything taken was dropped as unreadable)."""
         if self.held:
             return []
+        turns = self._turns
+        if turns is not None and self._turn_pass == turns.pass_id and self._store_next():
+            # One turn per pass: wait for the next before taking the batch, which can then be larger
+            # (acks come meanwhile); taken now it would wait for its turn as it is.
+            await turns.next_pass()
+            return None
         if len(self.buffer) < self._runs.next:  # a batch cut short by the end of a read would leave a
             try:  # pass between it and the rest, and the rest would wait for its sent mark's commit
                 self._fill_from_store()
@@ -346,19 +356,7 @@ class Pump:
                 if not self.buffer:  # else what is read already goes first, and the read is tried again
                     await self._retry_later(exc)
                     return None
-        refilling = self._refilling
         batch = self._take_sendable()
-        if batch and self._turns is not None and batch[0].stored is not None:  # read from the store: a turn
-            if self._granted:
-                self._granted = False
-            elif not self._turns.try_take(len(batch), self._runs.first, self._turn_pass):
-                self._put_back(batch, refilling)
-                await self._turns.take(len(batch), self._runs.first, self._turn_pass)
-                self._turn_pass = self._turns.pass_id
-                self._granted = True
-                return None  # take it again: acks, a stop or a drop may have come meanwhile
-            else:
-                self._turn_pass = self._turns.pass_id
         if batch and self.read_access is not None:
             batch = await self._readable(batch)
             if not batch:
@@ -410,6 +408,12 @@ class Pump:
                 if entry.seq not in inflight:
                     append(Outgoing(entry, None, stored))
         self.next_fill_seq = tail + 1 if last_read is None else last_read + 1
+
+    def _store_next(self) -> bool:
+        """Is the next batch (if any) read from the store?"""
+        if self.buffer:
+            return self.buffer[0].stored is not None
+        return self.next_fill_seq <= self.session.committed_tail
 
     def _put_back(self, batch: list[Outgoing], refilling: bool) -> None:
         """Undo ``_take_sendable`` (``refilling`` as it was before): the batch waits in the buffer."""
@@ -504,8 +508,35 @@ class Pump:
     async def _send(self, batch: list[Outgoing]) -> None:
         if not await self._mark_sent(batch):
             return
+        if self._turns is not None and batch[0].stored is not None:
+            batch = await self._take_turn(self._turns, batch)
+            if not batch:
+                return
         self._write_batch(batch)
         await self.transport.drain()
+
+    async def _take_turn(self, turns: ReplayTurns, batch: list[Outgoing]) -> list[Outgoing]:
+        """A batch read from the store goes out in a turn (turns.py), taken after every other await
+        (the topic ACL, the sent mark's commit): granted at once, or in a pass the task resumes from
+        in the next, it is written before the budget it counts in starts again, and the turn counts
+        no fewer messages than are written. Returns what is left of the batch to write now: [] when
+        the pump stopped meanwhile (the batch is back in the buffer) or overflow dropped it all."""
+        if turns.try_take(len(batch), self._runs.first, self._turn_pass):
+            self._turn_pass = turns.pass_id
+            return batch
+        self._turn_wait = batch
+        try:
+            await turns.take(len(batch), self._runs.first, self._turn_pass)
+        except asyncio.CancelledError:
+            self.buffer.extendleft(reversed(batch))  # stop: what was not sent is the buffer's again
+            raise
+        finally:
+            self._turn_wait = []
+        self._turn_pass = turns.pass_id
+        if self._stopped or self.transport.closed:
+            self.buffer.extendleft(reversed(batch))
+            return []
+        return batch  # without what drop-oldest took meanwhile (the turn counts as asked)
 
     def _write_batch(self, batch: list[Outgoing]) -> None:
         """Write ``batch`` (its sent mark stored): PUBLISHes (PUBRELs of released QoS 2 ones) in one

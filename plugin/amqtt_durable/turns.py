@@ -7,19 +7,24 @@ Two policies, both plain (no amqtt, no store):
   session's first messages go out early; a long replay soon writes whole windows (one write for
   many messages, as before).
 * ``ReplayTurns``: one per broker. A batch read from the store (a replay, or a session catching
-  up) goes out in a turn. A session's first batch always gets its turn at once: it is small, and
-  the session's CONNECT cost the loop more than it. Every later batch gets one in the order the
-  pumps asked, and at most ``budget`` messages of later batches per pass of the event loop; a
-  pump past that waits for the next pass, so that reads of new packets (CONNECTs, PUBLISHes,
-  acks) and the rest of the loop's work come in between. With no pump waiting and budget left,
-  a turn is granted at once, without a pass: a replay alone runs as without turns.
+  up) goes out in a turn, which the pump takes right before the write (after the topic ACL and
+  its sent mark's commit) and which counts the batch's size. A session's first batch always gets
+  its turn at once: it is small, and the session's CONNECT cost the loop more than it. Every later
+  batch gets one in the order the pumps asked, while fewer than ``budget`` messages are counted
+  since the budget started; a pump past that waits for the budget's next start, at most once per
+  pass of the event loop, so that reads of new packets (CONNECTs, PUBLISHes, acks) and the rest of
+  the loop's work come in between. A pump that had a turn waits for that start (``next_pass``)
+  before it takes its next batch. With no pump waiting and budget left, a turn is granted at
+  once, without a pass: a replay alone runs as without turns.
 
 The bound this gives (docs/guarantees.md, "Reconnect storms"): a session's first replayed message
 is written in the pass of the loop its pump starts in (within attach), whatever the other sessions
-have queued, unless that pump must first ask a topic ACL or store its sent mark (then in the first
-pass its task runs after that). Between two passes, pumps write at most ``budget`` messages of
-later batches (plus at most one window, the batch of a pump granted a turn with budget left), and
-the first batches of the sessions attached in that pass (``FIRST_RUN`` each).
+have queued, unless that pump must first ask a topic ACL or store its sent mark (then in the pass
+that resumes its task after that). The later batches counted against one budget are at most
+``budget - 1`` messages plus one window (the last turn), and each is written while that budget
+runs: a granted pump writes in the next pass, before the budget starts again. So one pass of the
+loop writes at most two budgets' worth, 2 x (``budget`` - 1 + window) messages of later batches,
+besides the first batches of the sessions attached in it (``FIRST_RUN`` each).
 """
 
 from __future__ import annotations
@@ -53,11 +58,14 @@ class ReplayTurns:
 
     ``take(size, first, last)`` returns once the pump may send a batch of up to ``size`` messages
     (``last``: ``pass_id`` when this pump had its previous turn, None if never); ``try_take`` is the
-    same without waiting (False: not now). A turn counts in full against its pass's budget, however
-    many messages the pump then sends. A later batch is granted at once only if the budget of this
-    pass is not used up, no pump waits, and this pump had no turn in this pass yet; otherwise it
-    waits, and the waiting get their turns in the order they asked, those that already had one in
-    the pass they asked in behind those that had not: round robin.
+    same without waiting (False: not now). A turn counts ``size`` against its pass's budget; the pump
+    writes at most that, at once (``try_take``) or as soon as its task runs (``take``: in the next
+    pass of the loop, before the next ``_next_pass``), awaiting nothing else. A later batch is
+    granted at once only if the budget of this pass is not used up, no pump waits, and this pump
+    had no turn in this pass yet; otherwise it waits, and the waiting get their turns in the order
+    they asked, those that already had one in the pass they asked in behind those that had not:
+    round robin. ``next_pass`` returns when the next pass begins: a pump that had its turn in this
+    one waits for it before it takes its next batch (which can then be larger: acks came).
     """
 
     def __init__(self, budget: int = TURN_BUDGET) -> None:
@@ -71,6 +79,8 @@ class ReplayTurns:
         self._waiting: deque[tuple[asyncio.Future[None], int]] = deque()
         self._again: deque[tuple[asyncio.Future[None], int]] = deque()
         """Pumps that asked in the pass they had a turn in: queued behind ``_waiting`` at the next pass."""
+        self._passes: list[asyncio.Future[None]] = []
+        """Waiting in ``next_pass``."""
         self._armed = False
 
     @property
@@ -104,6 +114,13 @@ class ReplayTurns:
                     break
             raise
 
+    async def next_pass(self) -> None:
+        """Returns once the next pass has begun (its budget, and the turns it hands out)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._passes.append(waiter)
+        self._arm()
+        await waiter  # a cancel cancels it: the pass skips it
+
     def _arm(self) -> None:
         """The next pass starts a new budget (and hands out turns to those waiting)."""
         if not self._armed:
@@ -117,11 +134,14 @@ class ReplayTurns:
         waiting = self._waiting
         waiting.extend(self._again)
         self._again.clear()
-        if not waiting:
-            return
-        while waiting and self.used < self.budget:
-            waiter, size = waiting.popleft()
-            if not waiter.done():  # else cancelled, its task not yet run to leave the queue: skip it
+        if waiting:
+            while waiting and self.used < self.budget:
+                waiter, size = waiting.popleft()
+                if not waiter.done():  # else cancelled, its task not yet run to leave the queue: skip it
+                    waiter.set_result(None)
+                    self.used += size
+            self._arm()  # the next pass resets the budget these grants used (and serves who still waits)
+        passes, self._passes = self._passes, []
+        for waiter in passes:  # after the grants: those pumps write first
+            if not waiter.done():
                 waiter.set_result(None)
-                self.used += size
-        self._arm()  # the next pass resets the budget these grants used (and serves who still waits)
