@@ -13,7 +13,7 @@ within its attach, never waiting for a turn, so before the last session's first 
 other sessions' first batches (499 x 8 = 3,992, 4% of the 100,000) and the later batches written while
 CONNECTs were still being handled, at most 2 x (turns.TURN_BUDGET - 1 + the window) per pass of the event
 loop, and those passes are few and long, each handling many CONNECTs (1,000 x 100 in bench/RESULTS.md:
-8.2-8.5% of the deliveries in all, 11-13% with amqtt's listen backlog of 100; this test: 4.5-4.8%).  Before (a session's
+8.2-8.5% of the deliveries in all, 11-13% with amqtt's listen backlog of 100; this test: 4.2-4.8%).  Before (a session's
 whole window in one go, sessions one after the other), the last session's first message came after 82% of
 them here, 99.9% at 1,000 x 100.
 """
