@@ -71,6 +71,11 @@ class StormResult:
     storm_s: float | None = None  # t0 -> the last message of the last session (None: not all arrived)
     first_ms: list[float] = field(default_factory=list)  # per session, t0 -> its first message (sorted)
     complete_ms: list[float] = field(default_factory=list)  # per session, t0 -> its last message (sorted)
+    connected_ms: list[float] = field(default_factory=list)  # per session, t0 -> TCP connection made (sorted)
+    connack_ms: list[float] = field(default_factory=list)  # per session, t0 -> its CONNACK (sorted)
+    first_rank: list[int] = field(default_factory=list)
+    """Per session (sorted): how many messages the storm had delivered, to all sessions, before this
+    session's first one (in the order this client read them); the last is the slowest session's."""
     received: int = 0  # distinct messages over all sessions
     complete_sessions: int = 0
     no_session: int = 0  # CONNACK with session_present=0
@@ -239,12 +244,16 @@ class _Session(asyncio.Protocol):
         self.last_seq = -1
         self.first_ns = 0
         self.last_ns = 0
+        self.connected_ns = 0
+        self.connack_ns = 0
+        self.first_rank = -1
         self.counted = False
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self.connected_ns = now_ns()
         transport.write(connect_packet(session_id(self.storm.spec, self.index), self.storm.spec.login, clean=False))
 
     def data_received(self, data: bytes) -> None:
@@ -275,11 +284,13 @@ class _Session(asyncio.Protocol):
                     res.out_of_order += 1
                 self.last_seq = seq
                 self.unique += 1
-                res.received += 1
                 if not self.first_ns:
                     self.first_ns = t
+                    self.first_rank = res.received
+                res.received += 1
                 self.last_ns = t
             elif kind == 2 and end - start >= 2:
+                self.connack_ns = t
                 if buf[start + 1] != 0:
                     res.refused += 1
                 elif not buf[start] & 1:
@@ -380,6 +391,9 @@ async def storm(spec: StormSpec, result: StormResult) -> None:
         result.storm_s = (end_ns - st.t0) / 1e9
     result.first_ms = sorted((s.first_ns - st.t0) / 1e6 for s in st.sessions if s.first_ns)
     result.complete_ms = sorted((s.last_ns - st.t0) / 1e6 for s in st.sessions if s.unique == spec.messages)
+    result.connected_ms = sorted((s.connected_ns - st.t0) / 1e6 for s in st.sessions if s.connected_ns)
+    result.connack_ms = sorted((s.connack_ns - st.t0) / 1e6 for s in st.sessions if s.connack_ns)
+    result.first_rank = sorted(s.first_rank for s in st.sessions if s.first_rank >= 0)
     stop.set()
     if probe_task is not None:
         try:

@@ -132,6 +132,10 @@ ROWS: list[tuple[str, str, str, str]] = [  # label, unit, better, metric
     ("fastest session: t0 -> first message", "ms", "lower", "fastest_first_ms"),
     ("slowest session: t0 -> first message", "ms", "lower", "slowest_first_ms"),
     ("median session: t0 -> first message", "ms", "lower", "median_first_ms"),
+    ("slowest session: deliveries (to all sessions) before its first message", "% of all", "lower",
+     "slowest_first_rank"),
+    ("median session: deliveries before its first message", "% of all", "lower", "median_first_rank"),
+    ("slowest session: t0 -> CONNACK", "ms", "lower", "slowest_connack_ms"),
     ("median session: t0 -> all its messages", "ms", "lower", "median_complete_ms"),
     ("probe publisher: PUBACKs during the storm (one at a time)", "", "", "probe_acks"),
     ("probe publisher: slowest PUBLISH -> PUBACK during the storm", "ms", "lower", "probe_max_ms"),
@@ -144,6 +148,13 @@ def metric(res: StormResult, key: str) -> float | None:
         return res.first_ms[0] if res.first_ms else None
     if key == "median_first_ms":
         return _median(res.first_ms)
+    if key in ("slowest_first_rank", "median_first_rank"):
+        if len(res.first_rank) != res.sessions:
+            return None
+        rank = res.first_rank[-1] if key == "slowest_first_rank" else _median([float(r) for r in res.first_rank])
+        return None if rank is None else 100.0 * rank / res.expected
+    if key == "slowest_connack_ms":
+        return res.connack_ms[-1] if len(res.connack_ms) == res.sessions else None
     if key == "median_complete_ms":
         return _median(res.complete_ms) if len(res.complete_ms) == res.sessions else None
     value = getattr(res, key)

@@ -146,6 +146,12 @@ class DurableConfig:
     limit. amqtt holds each such message in memory until its PUBREL: a client that never sends
     PUBREL could make it hold 65535 packets per connection."""
 
+    listen_backlog: int = 4096
+    """Connections the kernel holds for each TCP listener until the broker accepts them (the
+    listen backlog; amqtt's is 100). Past it, Linux drops a new connection's SYN and the client
+    tries again 1 s later (then 3 s, 7 s): in a reconnect storm of more clients than the backlog,
+    the late ones wait for that. The kernel caps it at net.core.somaxconn."""
+
     replication: ReplicationConfig | None = None
     """Primary-backup replication of the store (docs/replication.md); absent: one broker, as before."""
 
@@ -262,6 +268,8 @@ def _check_counts(config: DurableConfig) -> None:
         )
     if not 1 <= config.stream_window <= MAX_STREAM_WINDOW:
         raise ConfigError("stream_window", f"must be between 1 and {MAX_STREAM_WINDOW}, got {config.stream_window!r}")
+    if config.listen_backlog < 1:
+        raise ConfigError("listen_backlog", f"must be a whole number, 1 or more, got {config.listen_backlog!r}")
     for key in ("max_subscriptions_per_client", "max_pending_clean", "max_awaiting_pubrel"):
         if getattr(config, key) < 0:
             raise ConfigError(key, f"must be a whole number, 0 (no limit) or more, got {getattr(config, key)!r}")

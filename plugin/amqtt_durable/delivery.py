@@ -5,6 +5,10 @@ come from the queue sequence (see ``wire.packet_id_for``), entries leave the sto
 PUBACK / PUBCOMP, and anything at or below ``sent_max`` goes out again with DUP set.
 It knows nothing of amqtt: the connection is a ``Transport``.
 
+Batches read from the store (a replay) are sized by ``turns.RunSizes`` (a small first one, then
+growing to the window) and go out in turns of the broker's ``turns.ReplayTurns``, so that many
+sessions replaying at once share the event loop (see turns.py).
+
 SDK sessions (protocol v1, docs/protocol.md) differ in three ways: the pump holds everything
 until the client is ready; it then sends the queue up to the marker point (flagged replayed),
 the marker, and live messages; and every payload carries the frame with the sequence id.
@@ -32,6 +36,7 @@ from durable_protocol import (
 
 from .errors import StoreReadError
 from .store import BODY_TOPIC_FIELD, FLAG_RELEASED, FLAG_RETAIN, Body, Entry, awaiting_pubcomp
+from .turns import ReplayTurns, RunSizes
 from .wire import PublishRun, encode_publish, encode_pubrel, packet_id_for
 
 if TYPE_CHECKING:
@@ -123,6 +128,7 @@ class Pump:
         *,
         on_sent: Callable[[int, int], None],
         on_read_error: Callable[[str, StoreReadError, float], None],
+        turns: ReplayTurns | None = None,
     ) -> None:
         self.session = session
         self._on_sent = on_sent
@@ -138,6 +144,14 @@ class Pump:
         self.refill = window // 4 if window >= REFILL_CHUNKED_FROM else 1
         self._refilling = False
         self._read_size = READ_FIRST if window >= REFILL_CHUNKED_FROM else READ_CHUNK
+        self._turns = turns
+        """None: batches read from the store go out without waiting for a turn (no other pumps)."""
+        self._runs = RunSizes(window)
+        self._turn_pass: int | None = None
+        """The turns' ``pass_id`` when this pump last had a turn."""
+        self._turn_wait: list[Outgoing] = []
+        """The batch waiting for its turn (its messages checked, its sent mark stored): not in flight,
+        so overflow's drop-oldest takes from it first (``drop_buffered``)."""
         self.inflight: dict[int, Outgoing] = {}
         self.buffer: deque[Outgoing] = deque()
         self.next_fill_seq = session.head_seq
@@ -241,12 +255,19 @@ class Pump:
             self._fill_from_store()
         except StoreReadError:
             return  # the task reads again, and reports and waits if it fails again
+        refilling = self._refilling
         batch = self._take_sendable()
         if not batch:
             return
-        if batch[-1].entry.seq > self.session.stored_mark:
-            self.buffer.extendleft(reversed(batch))  # its mark must be stored first: the task does it
+        turns = self._turns
+        if batch[-1].entry.seq > self.session.stored_mark or (
+            turns is not None and batch[0].stored is not None and not turns.try_take(len(batch), self._runs.first)
+        ):
+            # its mark must be stored first (or, not its first batch, it waits for a turn): the task does it
+            self._put_back(batch, refilling)
             return
+        if turns is not None and batch[0].stored is not None:
+            self._turn_pass = turns.pass_id
         self._write_batch(batch)
 
     async def stop(self) -> None:
@@ -263,12 +284,14 @@ class Pump:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def drop_buffered(self, droppable: Callable[[Entry], bool]) -> Entry | None:
-        """Take the oldest buffered entry ``droppable`` allows out of the buffer (overflow's
-        drop-oldest); None when there is none. In-flight entries are not in the buffer."""
-        for index, item in enumerate(self.buffer):
-            if droppable(item.entry):
-                del self.buffer[index]
-                return item.entry
+        """Take the oldest buffered entry ``droppable`` allows out of the buffer, or out of the batch
+        waiting for its turn (older than the buffer's), for overflow's drop-oldest; None when there
+        is none. In-flight entries are not in the buffer."""
+        for queued in (self._turn_wait, self.buffer):
+            for index, item in enumerate(queued):
+                if droppable(item.entry):
+                    del queued[index]
+                    return item.entry
         return None
 
     @property
@@ -320,12 +343,19 @@ class Pump:
         failed and was waited out, or everything taken was dropped as unreadable)."""
         if self.held:
             return []
-        if not self.buffer:
-            try:
+        turns = self._turns
+        if turns is not None and self._turn_pass == turns.pass_id and self._store_next():
+            # One turn per pass: wait for the next before taking the batch, which can then be larger
+            # (acks come meanwhile); taken now it would wait for its turn as it is.
+            await turns.next_pass()
+            return None
+        if len(self.buffer) < self._runs.next:  # a batch cut short by the end of a read would leave a
+            try:  # pass between it and the rest, and the rest would wait for its sent mark's commit
                 self._fill_from_store()
             except StoreReadError as exc:
-                await self._retry_later(exc)
-                return None
+                if not self.buffer:  # else what is read already goes first, and the read is tried again
+                    await self._retry_later(exc)
+                    return None
         batch = self._take_sendable()
         if batch and self.read_access is not None:
             batch = await self._readable(batch)
@@ -379,12 +409,28 @@ class Pump:
                     append(Outgoing(entry, None, stored))
         self.next_fill_seq = tail + 1 if last_read is None else last_read + 1
 
+    def _store_next(self) -> bool:
+        """Is the next batch (if any) read from the store?"""
+        if self.buffer:
+            return self.buffer[0].stored is not None
+        return self.next_fill_seq <= self.session.committed_tail
+
+    def _put_back(self, batch: list[Outgoing], refilling: bool) -> None:
+        """Undo ``_take_sendable`` (``refilling`` as it was before): the batch waits in the buffer."""
+        self.buffer.extendleft(reversed(batch))
+        self._refilling = refilling
+
     def _take_sendable(self) -> list[Outgoing]:
+        """The next batch: within the window, and a replayed one (read from the store) at most the
+        run size (``RunSizes``)."""
         batch: list[Outgoing] = []
         count = len(self.inflight)
         if self._refilling and self.window - count < self.refill:
             return batch
         self._refilling = False
+        if not self.buffer:
+            return batch
+        limit = self._runs.next if self.buffer[0].stored is not None else self.window
         oldest = next(iter(self.inflight)) if count else None  # sent, so inserted, in seq order
         point = self.marker_point if self._marker_due else None
         while self.buffer:
@@ -399,7 +445,7 @@ class Pump:
                 if oldest is None:
                     oldest = item.entry.seq
             batch.append(self.buffer.popleft())
-            if len(batch) >= self.window:
+            if len(batch) >= limit:
                 break
         return batch
 
@@ -462,8 +508,35 @@ class Pump:
     async def _send(self, batch: list[Outgoing]) -> None:
         if not await self._mark_sent(batch):
             return
+        if self._turns is not None and batch[0].stored is not None:
+            batch = await self._take_turn(self._turns, batch)
+            if not batch:
+                return
         self._write_batch(batch)
         await self.transport.drain()
+
+    async def _take_turn(self, turns: ReplayTurns, batch: list[Outgoing]) -> list[Outgoing]:
+        """A batch read from the store goes out in a turn (turns.py), taken after every other await
+        (the topic ACL, the sent mark's commit): granted at once, or in a pass the task resumes from
+        in the next, it is written before the budget it counts in starts again, and the turn counts
+        no fewer messages than are written. Returns what is left of the batch to write now: [] when
+        the pump stopped meanwhile (the batch is back in the buffer) or overflow dropped it all."""
+        if turns.try_take(len(batch), self._runs.first, self._turn_pass):
+            self._turn_pass = turns.pass_id
+            return batch
+        self._turn_wait = batch
+        try:
+            await turns.take(len(batch), self._runs.first, self._turn_pass)
+        except asyncio.CancelledError:
+            self.buffer.extendleft(reversed(batch))  # stop: what was not sent is the buffer's again
+            raise
+        finally:
+            self._turn_wait = []
+        self._turn_pass = turns.pass_id
+        if self._stopped or self.transport.closed:
+            self.buffer.extendleft(reversed(batch))
+            return []
+        return batch  # without what drop-oldest took meanwhile (the turn counts as asked)
 
     def _write_batch(self, batch: list[Outgoing]) -> None:
         """Write ``batch`` (its sent mark stored): PUBLISHes (PUBRELs of released QoS 2 ones) in one
@@ -503,6 +576,8 @@ class Pump:
         highest = batch[-1].entry.seq
         session.sent_max = max(sent_max, highest)
         self.transport.write(run.take())
+        if batch[0].stored is not None:
+            self._runs.sent()
         if batch[-1].stored is not None and session.sent_mark < highest + self.window:
             # A replay (the batch was read from the store): the next batch may reach a window past
             # this one, so its mark goes with the write the acks of this batch ask for, and it need

@@ -29,6 +29,7 @@ from .store import (
 )
 from .stream_log import StreamLogs
 from .topics import SubscriptionIndex
+from .turns import ReplayTurns
 
 log = logging.getLogger("amqtt_durable")
 
@@ -75,6 +76,8 @@ class EngineState:
         """Sessions whose record changed since the last flush: each is encoded once per commit, not once per
         change (a SUBSCRIBE of 500 filters would encode a growing record 500 times)."""
         self.removing = PendingRemovals()
+        self.replay_turns = ReplayTurns()
+        """Shared by every pump: replayed batches go out in turns (turns.py, reconnect storms)."""
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._trim_task: asyncio.Task[None] | None = None
         self.store_id = 0

@@ -167,6 +167,7 @@ class SessionLifecycle(Routing):
             read_access,
             on_sent=self.note_sent,
             on_read_error=self.queue_read_failed,
+            turns=self.replay_turns,
         )
         if session.ready_for is transport:
             self._release(session, pump)

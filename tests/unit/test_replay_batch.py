@@ -30,6 +30,7 @@ from amqtt_durable.store import (
     write_body,
     write_entry,
 )
+from amqtt_durable.turns import FIRST_RUN
 from amqtt_durable.wire import (
     PacketReader,
     PublishRun,
@@ -470,9 +471,9 @@ def test_attach_writes_the_first_sent_mark_in_its_own_commit(tmp_path: Path) -> 
             transport = RunTransport()
             await engine.attach("c", transport)
             assert read_session_state(engine.db, session.record)[1] == 1 + 40, "stored before the pump runs"
-            assert len(transport.packets) == 16, "the first batch went out within attach"
-            assert session.stored_mark == 1 + 40, "the first send (16 entries) needed no mark of its own"
-            assert session.sent_mark == 16 + 40, "the next batch's is handed to the store with it (replay)"
+            assert len(transport.packets) == FIRST_RUN, "the first batch went out within attach"
+            assert session.stored_mark == 1 + 40, "the first send (FIRST_RUN entries) needed no mark of its own"
+            assert session.sent_mark == FIRST_RUN + 40, "the next batch's is handed to the store with it (replay)"
             await engine.detach("c", transport)
         finally:
             await engine.close()
@@ -481,7 +482,7 @@ def test_attach_writes_the_first_sent_mark_in_its_own_commit(tmp_path: Path) -> 
 
 
 def test_the_first_batch_goes_out_within_attach_unless_something_must_be_awaited(tmp_path: Path) -> None:
-    """attach writes the first batch (16 entries) before it returns, ahead of amqtt's message loop set-up;
+    """attach writes the first batch (FIRST_RUN entries) before it returns, ahead of amqtt's message loop set-up;
     with a topic ACL to ask (an await) the pump's task sends it, as every later batch."""
 
     async def main() -> None:
@@ -489,7 +490,7 @@ def test_the_first_batch_goes_out_within_attach_unless_something_must_be_awaited
         try:
             transport = RunTransport()
             await engine.attach("c", transport)
-            assert [p.payload for p in transport.packets] == [b"%d" % i for i in range(16)]
+            assert [p.payload for p in transport.packets] == [b"%d" % i for i in range(FIRST_RUN)]
             sent = await transport.wait_for(lambda ps: len(ps) >= 40, LIMIT)
             assert [p.payload for p in sent] == [b"%d" % i for i in range(40)], "then the rest, in order, none twice"
             assert not any(p.dup for p in sent)
@@ -589,7 +590,7 @@ def test_a_replay_does_not_wait_for_a_sent_mark_commit_once_per_window(tmp_path:
             sent = await transport.wait_for(lambda ps: len(ps) >= count, LIMIT)
             assert [p.payload for p in sent] == [b"%d" % i for i in range(count)]
             assert transport.uncovered == []
-            assert waits == [], "the first batch (16, within attach) already sent the mark of the next"
+            assert waits == [], "the first batch (within attach) already sent the mark of the next"
             await engine.written_so_far()
             assert session.depth == 0
             assert engine.committer.commits - commits < count // 50, "the marks ride with the acks' writes"

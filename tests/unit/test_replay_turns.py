@@ -1,0 +1,443 @@
+"""Reconnect storms (issue 14, point 3): how pumps share the loop (turns.py), without a broker.
+
+RunSizes and ReplayTurns on their own, then real pumps of one engine (real LevelDB store, in-memory
+transports that acknowledge as a client does): sessions attached together each get their first
+batch within attach and then take turns, instead of one session's whole window after another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from amqtt_durable.config import DurableConfig
+from amqtt_durable.delivery import ReadAccess
+from amqtt_durable.engine import DurableEngine
+from amqtt_durable.turns import FIRST_RUN, TURN_BUDGET, ReplayTurns, RunSizes
+from recording_transport import RecordingTransport, parse_packets
+
+LIMIT = 10.0
+
+
+def test_run_sizes_start_small_and_double_up_to_the_window() -> None:
+    runs = RunSizes(100)
+    sizes = []
+    for _ in range(7):
+        sizes.append((runs.next, runs.first))
+        runs.sent()
+    assert FIRST_RUN == 8
+    assert sizes == [(8, True), (16, False), (32, False), (64, False), (100, False), (100, False), (100, False)]
+    small = RunSizes(5)
+    assert small.next == 5, "never more than the window"
+    small.sent()
+    assert small.next == 5
+    assert RunSizes(1).next == 1
+
+
+def test_a_turn_budget_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        ReplayTurns(0)
+
+
+def test_a_lone_pump_gets_its_turns_at_once_once_per_pass() -> None:
+    async def main() -> None:
+        turns = ReplayTurns(budget=100)
+        assert turns.try_take(25, first=False)
+        had = turns.pass_id
+        assert turns.try_take(25, first=False, last=had) is False, "one turn per pass for a pump"
+        await asyncio.sleep(0)  # the next pass (a grant starts one)
+        assert turns.pass_id == had + 1
+        assert turns.try_take(25, first=False, last=had), "no one waits, budget left: at once"
+        assert turns.try_take(75, first=False) and turns.try_take(1, first=False) is False, "budget used up"
+
+    asyncio.run(main())
+
+
+def test_waiting_pumps_get_turns_round_robin_at_most_the_budget_per_pass() -> None:
+    async def main() -> None:
+        turns = ReplayTurns(budget=30)
+        granted: list[tuple[str, int]] = []
+
+        async def pump(name: str, batches: int) -> None:
+            last = None
+            for _ in range(batches):
+                await turns.take(10, first=False, last=last)
+                last = turns.pass_id
+                granted.append((name, last))
+
+        await asyncio.wait_for(asyncio.gather(*(pump(name, 4) for name in "abcde")), LIMIT)
+        order = "".join(name for name, _ in granted)
+        assert order == "abcde" * 4, "every pump's k-th turn before any pump's (k+1)-th"
+        per_pass: dict[int, int] = {}
+        for _, at in granted:
+            per_pass[at] = per_pass.get(at, 0) + 10
+        assert max(per_pass.values()) <= 30, per_pass
+        assert turns.waiting == 0
+
+    asyncio.run(main())
+
+
+async def _three_waiting(turns: ReplayTurns) -> list[asyncio.Future[None]]:
+    """Three pumps asking for a later batch's turn (10 messages) in a pass whose budget (10) is
+    used up: the next pass grants the first, the other two still wait."""
+    asked = [asyncio.ensure_future(turns.take(10, first=False)) for _ in range(3)]  # they ask in the next pass
+    assert turns.try_take(10, first=False), "this pass's budget"
+    await asyncio.sleep(0)
+    assert turns.waiting == 2
+    return asked
+
+
+def test_a_first_batch_gets_its_turn_at_once_while_later_ones_wait() -> None:
+    async def main() -> None:
+        turns = ReplayTurns(budget=10)
+        asked = await _three_waiting(turns)
+        assert turns.try_take(FIRST_RUN, first=True), "a session's first batch never waits"
+        assert turns.try_take(1, first=False) is False, "a later one queues behind the waiting ones"
+        await asyncio.wait_for(asyncio.gather(*asked), LIMIT)
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_wait_leaves_the_queue() -> None:
+    async def main() -> None:
+        turns = ReplayTurns(budget=10)
+        asked = await _three_waiting(turns)
+        asked[1].cancel()
+        await asyncio.gather(asked[1], return_exceptions=True)
+        assert asked[1].cancelled()
+        await asyncio.wait_for(asyncio.gather(asked[0], asked[2]), LIMIT)
+        assert turns.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_wait_leaves_the_queue_at_once() -> None:
+    """A pump stopped while it waits leaves the queue as its task is cancelled, not only when a
+    later pass reaches it: ``waiting`` no longer counts it. (Cancelling the task cancels the future
+    it awaits too, so the queue entry was kept while it was "done", until a pass skipped it.)"""
+
+    async def main() -> None:
+        turns = ReplayTurns(budget=10)
+        asked = [asyncio.ensure_future(turns.take(10, first=False)) for _ in range(8)]  # next pass
+        assert turns.try_take(10, first=False), "this pass's budget"
+        await asyncio.sleep(0)
+        assert turns.waiting == 7, "the next pass granted one turn of 10 (its budget)"
+        since = turns.pass_id
+        asked[-1].cancel()  # the last in the queue: each pass grants one, far from it
+        await asyncio.gather(asked[-1], return_exceptions=True)
+        granted = turns.pass_id - since
+        assert granted < 6, "no pass reached the cancelled one"
+        assert turns.waiting == 7 - granted - 1
+        for waiting in asked[:-1]:
+            waiting.cancel()
+        await asyncio.gather(*asked, return_exceptions=True)
+        assert turns.waiting == 0
+
+    asyncio.run(main())
+
+
+class OrderedTransport(RecordingTransport):
+    """A client that acknowledges each write's PUBLISHes in the loop pass after it, as one run,
+    and logs (its name, the payloads) of every write in one list shared by all transports."""
+
+    def __init__(self, name: str, log: list[tuple[str, list[bytes]]]) -> None:
+        super().__init__()
+        self.name = name
+        self.log = log
+        self.ack_runs = None
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        publishes = [p for p in parse_packets(data) if p.packet_type == 3]
+        if publishes:
+            self.log.append((self.name, [p.payload for p in publishes]))
+        ids = [p.packet_id for p in publishes if p.packet_id is not None]
+        if ids:
+            asyncio.get_running_loop().call_soon(self._ack, ids)
+
+    def _ack(self, ids: list[int]) -> None:
+        runs = self.ack_runs
+        if runs is None or self.closed:
+            return
+        runs.begin_ack_run()
+        assert runs.take_pubacks(ids) == []
+        runs.end_ack_run()
+
+
+def test_sessions_attached_together_get_their_first_batch_within_attach_then_take_turns(tmp_path: Path) -> None:
+    """20 sessions with 300 queued each attach in one pass. Each one's first batch (FIRST_RUN) is
+    written within its attach; then every session gets its second batch before any gets a third
+    (turns in order, a small budget per pass), and each session gets its whole queue in order, once."""
+    sessions, queued, window = 20, 300, 100
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+        engine.open()
+        engine.replay_turns = ReplayTurns(budget=40)
+        names = [f"c{i}" for i in range(sessions)]
+        try:
+            for name in names:
+                await engine.connect(name, clean_session=False)
+                await engine.subscribe(name, f"t/{name}", 1)
+            for index in range(queued):
+                for name in names:
+                    assert engine.route_publish(f"t/{name}", b"%d" % index, 1) is not None
+            await engine.written_so_far()
+            log: list[tuple[str, list[bytes]]] = []
+            transports = {name: OrderedTransport(name, log) for name in names}
+
+            async def attach(name: str) -> int:
+                await engine.attach(name, transports[name])
+                return len(transports[name].packets)
+
+            within = await asyncio.gather(*(attach(name) for name in names))
+            assert within == [FIRST_RUN] * sessions, "each first batch went out within attach"
+            for transport in transports.values():
+                sent = await transport.wait_for(lambda ps: len(ps) >= queued, LIMIT)
+                assert [p.payload for p in sent] == [b"%d" % i for i in range(queued)], "in order, none twice"
+            writes = [name for name, _ in log]
+            assert sorted(writes[:sessions]) == sorted(names), "every first batch before any second one"
+            assert [len(payloads) for _, payloads in log[:sessions]] == [FIRST_RUN] * sessions
+            assert sorted(writes[sessions : 2 * sessions]) == sorted(names), (
+                "every session's second batch before any session's third: turns in order"
+            )
+            for name in names:
+                await engine.detach(name, transports[name])
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+class PassCounter:
+    """Counts, per pass of the event loop, the messages of later batches (all but a session's first
+    write) written: a callback that reschedules itself with call_soon runs once per pass and closes
+    that pass's count."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.most = 0
+        self.passes = 0
+        self._running = True
+        asyncio.get_running_loop().call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self.most = max(self.most, self.now)
+        self.now = 0
+        self.passes += 1
+        if self._running:
+            asyncio.get_running_loop().call_soon(self._tick)
+
+    def stop(self) -> int:
+        self._running = False
+        self.most = max(self.most, self.now)
+        return self.most
+
+
+class CountingTransport(OrderedTransport):
+    """An OrderedTransport that adds each later write's PUBLISHes to a PassCounter and sets ``done``
+    once ``expected`` PUBLISHes came."""
+
+    def __init__(self, name: str, counter: PassCounter, expected: int) -> None:
+        super().__init__(name, [])
+        self.counter = counter
+        self.expected = expected
+        self.received = 0
+        self.done = asyncio.Event()
+
+    def write(self, data: bytes) -> None:
+        count = sum(1 for p in parse_packets(data) if p.packet_type == 3)
+        if self.received:
+            self.counter.now += count
+        self.received += count
+        if self.received >= self.expected:
+            self.done.set()
+        super().write(data)
+
+
+async def _queued_sessions(engine: DurableEngine, sessions: int, queued: int, topic: str = "t/{name}") -> list[str]:
+    names = [f"c{i}" for i in range(sessions)]
+    for name in names:
+        await engine.connect(name, clean_session=False)
+        await engine.subscribe(name, topic.format(name=name), 1)
+    for index in range(queued):
+        for name in names:
+            assert engine.route_publish(f"t/{name}/{index}", b"%d" % index, 1) is not None
+        if index % 50 == 49:
+            await engine.written_so_far()
+    await engine.written_so_far()
+    return names
+
+
+@pytest.mark.parametrize(("sessions", "queued", "window"), [(300, 200, 20), (200, 300, 100)])
+def test_later_batches_per_pass_of_the_loop_stay_within_the_documented_bound(
+    tmp_path: Path, sessions: int, queued: int, window: int
+) -> None:
+    """docs/guarantees.md, Reconnect storms: one pass of the event loop writes at most 2 x (255 +
+    window) messages of later batches (the turns of two budgets). Real pumps of one engine, every
+    session attached at once, each client acknowledging a write in the next pass. A pump asked for
+    a turn of its batch's size, then re-took a batch that by then could be a whole window (more
+    acks had come): 1,280 messages in one pass at 300 x 200, window 20 (800 at 200 x 300, 100)."""
+    bound = 2 * (TURN_BUDGET - 1 + window)
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+        engine.open()
+        try:
+            names = await _queued_sessions(engine, sessions, queued, "t/{name}/#")
+            counter = PassCounter()
+            transports = {name: CountingTransport(name, counter, queued) for name in names}
+            await asyncio.gather(*(engine.attach(name, transports[name]) for name in names))
+            async with asyncio.timeout(60):
+                for transport in transports.values():
+                    await transport.done.wait()
+            most = counter.stop()
+            assert all(t.received == queued for t in transports.values()), "each message once"
+            assert most <= bound, f"{most} messages of later batches in one pass (bound {bound})"
+            for name in names:
+                await engine.detach(name, transports[name])
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+class WatchedTurns(ReplayTurns):
+    """The real turns, recording the passes in which a pump (a batch of at most ``window``
+    messages; the hog asks for more) was granted a turn, and calling ``on_queue`` once, when a
+    pump queues for one (before it waits)."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+        self.granted_in: set[int] = set()
+        self.on_queue: Callable[[], None] | None = None
+
+    def try_take(self, size: int, first: bool, last: int | None = None) -> bool:
+        took = super().try_take(size, first, last)
+        if took and size <= self.window:
+            self.granted_in.add(self.pass_id)
+        return took
+
+    async def take(self, size: int, first: bool, last: int | None = None) -> None:
+        if size > self.window or self.try_take(size, first, last):
+            await super().take(size, first, last)
+            return
+        hook, self.on_queue = self.on_queue, None
+        if hook is not None:
+            hook()
+        await super().take(size, first, last)
+        self.granted_in.add(self.pass_id)
+
+
+async def _hog(turns: ReplayTurns) -> None:
+    """Another pump that asks for the whole budget every pass: every later batch waits for a
+    turn (granted at the next pass, before the hog's)."""
+    last = None
+    while True:
+        await turns.take(turns.budget, first=False, last=last)
+        last = turns.pass_id
+
+
+class PassTransport(OrderedTransport):
+    """Records the turns' pass of every write after the first; ``acks``: False, the client
+    acknowledges nothing."""
+
+    def __init__(self, turns: ReplayTurns, acks: bool = True) -> None:
+        super().__init__("c", [])
+        self.turns = turns
+        self.acks = acks
+        self.later_writes_in: list[int] = []
+
+    def write(self, data: bytes) -> None:
+        if self.writes:
+            self.later_writes_in.append(self.turns.pass_id)
+        if self.acks:
+            super().write(data)
+        else:
+            RecordingTransport.write(self, data)
+
+
+def test_a_batch_goes_out_in_the_pass_its_turn_is_granted_in_behind_a_topic_acl(tmp_path: Path) -> None:
+    """The turn is taken after the topic ACL is asked (and the sent mark stored), right before the
+    write: a pump granted a turn and then asking the ACL per message wrote its batch passes later,
+    in a pass whose budget it was not counted in."""
+    window, queued = 100, 200
+
+    async def allowed(topic: str) -> bool:  # an ACL plugin that answers in the next pass
+        answer = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(answer.set_result, True)
+        return bool(await answer)
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+        engine.open()
+        turns = engine.replay_turns = WatchedTurns(window)
+        hog = asyncio.ensure_future(_hog(turns))
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t/#", 1)
+            for index in range(queued):
+                engine.route_publish(f"t/{index}", b"%d" % index, 1)  # a topic each: the ACL is asked for each
+            await engine.written_so_far()
+            transport = PassTransport(turns)
+            await engine.attach("c", transport, ReadAccess(allowed))
+            sent = await transport.wait_for(lambda ps: len(ps) >= queued, LIMIT * 2)
+            assert [p.payload for p in sent] == [b"%d" % i for i in range(queued)]
+            assert len(transport.later_writes_in) >= 4, "batches of 16, 32, 64, ..."
+            late = [at for at in transport.later_writes_in if at not in turns.granted_in]
+            assert not late, f"written in passes {late}, granted in {sorted(turns.granted_in)}"
+            await engine.detach("c", transport)
+        finally:
+            hog.cancel()
+            await asyncio.gather(hog, return_exceptions=True)
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_turn_whose_batch_overflow_dropped_is_not_used_by_a_later_batch(tmp_path: Path) -> None:
+    """A pump's batch waits for its turn; meanwhile publishes past max_depth drop it (drop-oldest,
+    the oldest not in flight) and one still uncommitted, so the messages after it are read from the
+    store later. The pump then had a granted turn and nothing to send: its next batch read from the
+    store must take a turn of its own, not go out on the stale one (in a later pass, uncounted)."""
+    window, depth = 100, 24
+
+    async def main() -> None:
+        config = DurableConfig(
+            store=str(tmp_path / "store"), recovery_buffer=window, max_depth=depth, sync=True, batch_delay_ms=50.0
+        )
+        engine = DurableEngine(config)
+        engine.open()
+        turns = engine.replay_turns = WatchedTurns(window)
+        hog = asyncio.ensure_future(_hog(turns))
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t", 1)
+            for index in range(depth):
+                engine.route_publish("t", b"q%d" % index, 1)
+            await engine.written_so_far()
+
+            def overflow() -> None:  # the pump's second batch (16) waits for its turn
+                for index in range(17):  # 16 drop that batch, the 17th the first of these (uncommitted)
+                    engine.route_publish("t", b"n%d" % index, 1)
+
+            turns.on_queue = overflow
+            transport = PassTransport(turns, acks=False)
+            await engine.attach("c", transport)
+            sent = await transport.wait_for(lambda ps: len(ps) >= depth, LIMIT)
+            assert turns.on_queue is None, "the second batch waited"
+            expected = [b"q%d" % i for i in range(FIRST_RUN)] + [b"n%d" % i for i in range(1, 17)]
+            assert [p.payload for p in sent] == expected
+            late = [at for at in transport.later_writes_in if at not in turns.granted_in]
+            assert not late, f"written in passes {late}, granted in {sorted(turns.granted_in)}"
+            await engine.detach("c", transport)
+        finally:
+            hog.cancel()
+            await asyncio.gather(hog, return_exceptions=True)
+            await engine.close()
+
+    asyncio.run(main())
