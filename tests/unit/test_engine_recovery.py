@@ -72,6 +72,8 @@ def test_queue_entries_of_a_session_deleted_before_a_crash_are_removed_at_start(
 def test_a_qos2_entry_waiting_for_pubcomp_is_not_droppable() -> None:
     assert droppable(Entry(1, 1, 2, 0, 1))
     assert not droppable(Entry(1, 1, 2, FLAG_RELEASED, 1))
+    assert droppable(Entry(1, 1, 1, FLAG_RELEASED, 1)), "RELEASED on a QoS 1 entry is damage: it awaits no PUBCOMP"
+    assert droppable(Entry(1, 1, 0, FLAG_RELEASED, 1))
 
 
 def test_expiry_spares_a_session_between_connack_and_delivery_but_not_forever(tmp_path: Path) -> None:
@@ -166,6 +168,31 @@ def test_drop_oldest_keeps_a_qos2_entry_awaiting_pubcomp_reachable(tmp_path: Pat
         session = engine.sessions["dev"]
         entries, _ = session.read_entries(session.head_seq, session.committed_tail, 10)
         assert [(e.seq, body.payload) for e, body in entries] == [(1, b"m1"), (3, b"m3"), (4, b"new")]
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_drop_oldest_drops_a_qos1_entry_with_the_released_flag(tmp_path: Path) -> None:
+    """RELEASED on a QoS 1 entry is damage, not a PUBREL due: drop-oldest drops it as any other."""
+    path = str(tmp_path / "store")
+    db = open_store(path)
+    db.put(session_key("dev"), SessionRecord("dev", 1, {"t": 1}, expires_at=9e18).encode())
+    for seq, flags in ((1, FLAG_RELEASED), (2, 0), (3, 0)):
+        db.put(body_key(seq), Body("t", b"m%d" % seq, 1, 1.0).encode())
+        db.put(entry_key(1, seq), Entry(seq, seq, 1, flags, 2).encode())
+    db.put(totals_key(1), encode_totals(3, 6, 0))
+    db.close()
+
+    async def main() -> None:
+        config = DurableConfig(store=path, max_depth=3, max_depth_disconnected=3, overflow="drop-oldest")
+        engine = DurableEngine(config)
+        engine.open()
+        await engine.route_publish("t", b"new", 1)  # full: the oldest one goes, flag or not
+        session = engine.sessions["dev"]
+        entries, _ = session.read_entries(session.head_seq, session.committed_tail, 10)
+        assert [(e.seq, body.payload) for e, body in entries] == [(2, b"m2"), (3, b"m3"), (4, b"new")]
+        assert session.dropped == 1
         await engine.close()
 
     asyncio.run(main())
