@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from pathlib import Path
+
+import pytest
 
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
@@ -212,6 +216,40 @@ def _released_without_body(path: str) -> None:
     db.put(totals_key(1), encode_totals(2, 8, 0))
     db.put(totals_key(2), encode_totals(1, 5, 0))
     db.close()
+
+
+def test_the_scan_of_a_store_without_the_message_id_mark_is_logged_before_and_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first start of a store from an earlier release reads every queue entry (seconds for
+    millions): it says so before, and after with the count and the time it took. Never again."""
+    path = str(tmp_path / "store")
+    _released_without_body(path)
+
+    async def start() -> None:
+        engine = DurableEngine(DurableConfig(store=path))
+        engine.open()
+        await engine.close()
+
+    with caplog.at_level(logging.INFO, logger="amqtt_durable"):
+        asyncio.run(start())
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    before = (
+        f"durable store {path} has no message id mark (written by an earlier release): reading every queue entry once"
+    )
+    assert before in messages, messages
+    after = [m for m in messages if m.startswith(f"durable store {path}: 3 queue entries read in ")]
+    assert len(after) == 1, messages
+    assert re.fullmatch(
+        r".* read in \d+\.\d s; highest message id in use 50, kept as the mark from now on", after[0]
+    ), after
+    assert messages.index(before) < messages.index(after[0])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="amqtt_durable"):
+        asyncio.run(start())  # the mark is stored now: no scan, no line
+    assert not [
+        r for r in caplog.records if "queue entries read in" in r.getMessage() or "no message id mark" in r.getMessage()
+    ]
 
 
 def test_a_store_without_the_message_id_mark_gives_ids_past_every_queue_entry_then_keeps_the_mark(
