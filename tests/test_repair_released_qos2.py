@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from test_mixed_clients import RECEIVE_ACL_PLUGIN
 from test_scale import RawClient
 
 from amqtt_durable.store import (
@@ -25,7 +27,7 @@ from amqtt_durable.store import (
     open_store,
     refs_key,
 )
-from conftest import Broker, Client, mqtt_packet, payloads, run_cli
+from conftest import WAIT, Broker, Client, mqtt_packet, payloads, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -243,7 +245,7 @@ def test_a_new_message_never_takes_the_id_of_a_gone_body_a_released_entry_still_
     device.send(mqtt_packet(PUBCOMP, pid))
     device.disconnect(wait_closed=True)
     other = clients(broker.port, "other")
-    assert [m.payload for m in other.wait_messages(1, timeout=5)] == [b"for-other"]
+    assert [m.payload for m in other.wait_messages(1, timeout=WAIT)] == [b"for-other"]
     other.disconnect()
     broker.stop()
 
@@ -275,10 +277,62 @@ def test_a_released_flag_on_an_entry_that_is_not_qos2_does_not_spare_it_without_
 
     broker.start()
     subscriber = clients(broker.port, "dev")
-    assert [m.payload for m in subscriber.wait_messages(1, timeout=5)] == [b"two"]
+    assert [m.payload for m in subscriber.wait_messages(1, timeout=WAIT)] == [b"two"]
     subscriber.disconnect()
     broker.stop()
     assert queues(broker.store) == {"dev": []}
     log = broker.log()
     assert f"session dev: queue entry {damaged.seq} has no message body; removing it" in log
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("acl", [False, True])
+def test_a_released_flag_on_a_qos1_entry_with_its_body_still_sends_its_publish(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, acl: bool
+) -> None:
+    """A QoS 1 entry with the RELEASED flag (damage) that has its body is sent as a PUBLISH, never
+    as a PUBREL, and in order. ``acl``: with a receive ACL the pump checks each message's topic;
+    the flag spares a QoS 1 entry nothing there either (one on a topic the user may not read is
+    dropped, not sent)."""
+    broker = broker_factory(start=False)
+    if acl:
+        (tmp_path / "receive_acl.py").write_text(RECEIVE_ACL_PLUGIN)
+        broker.pythonpath.append(str(tmp_path))
+        broker.extra_plugins["receive_acl.ReceiveAcl"] = {"receive": {"alice": ["t/", "secret/"]}}
+    broker.start()
+    subscriber = clients(broker.port, "dev", username="alice")
+    assert subscriber.subscribe("#" if acl else "t/#", 1) == [1]
+    subscriber.disconnect()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    if acl:
+        publisher.publish("secret/x", [b"secret"], qos=1)
+    publisher.publish("t/x", [b"one", b"two"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = open_store(broker.store, create=False)
+    try:
+        (sid,) = (record.sid for record in iter_sessions(db) if record.client_id == "dev")
+        entries = list(iter_entries(db, sid))
+        assert len(entries) == (3 if acl else 2)
+        for entry in entries[:-1]:  # "one" (and "secret"): RELEASED, bodies kept
+            assert db.get(body_key(entry.msg_id)) is not None
+            db.put(
+                entry_key(sid, entry.seq),
+                Entry(entry.seq, entry.msg_id, 1, entry.flags | FLAG_RELEASED, entry.size).encode(),
+            )
+    finally:
+        db.close()
+
+    if acl:  # alice may no longer read what is queued for her under secret/
+        broker.extra_plugins["receive_acl.ReceiveAcl"] = {"receive": {"alice": ["t/"]}}
+    broker.start()
+    subscriber = clients(broker.port, "dev", username="alice")
+    assert subscriber.session_present is True
+    assert [(m.topic, m.payload, m.qos) for m in subscriber.wait_messages(2, timeout=WAIT)] == [
+        ("t/x", b"one", 1),
+        ("t/x", b"two", 1),
+    ]
+    subscriber.disconnect()
+    broker.stop()
+    assert queues(broker.store) == {"dev": []}
+    assert "Traceback" not in broker.log()

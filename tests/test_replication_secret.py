@@ -258,7 +258,7 @@ def test_a_pair_reading_the_secret_from_environment_variables_replicates_and_the
     [
         (None, f"the environment variable '{SECRET_VAR}' is not set"),
         ("", f"the environment variable '{SECRET_VAR}' is empty"),
-        ("fifteen-chars-1", f"the secret in the environment variable '{SECRET_VAR}' must be at least 16 characters"),
+        ("fifteen-chars-1", f"the secret in the environment variable '{SECRET_VAR}' must be at least 16 bytes"),
     ],
 )
 def test_a_missing_empty_or_short_secret_env_stops_the_broker_naming_key_and_variable_not_value(

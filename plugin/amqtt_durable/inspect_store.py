@@ -20,6 +20,8 @@ from .store import (
     iter_sessions,
     open_store,
     read_error,
+    read_msg_id_mark,
+    read_sid_mark,
     totals_key,
 )
 
@@ -73,6 +75,9 @@ def summarize_retained(path: str, now: float | None = None) -> list[RetainedSumm
 def _read(path: str, read: Callable[[Any], T]) -> T:
     db = open_store(path, create=False)
     try:
+        # The marks start-up reads first: a damaged one is named here as there (repair rewrites it).
+        read_sid_mark(db)
+        read_msg_id_mark(db)
         return read(db)
     except plyvel.Error as exc:
         raise read_error(path, exc) from exc

@@ -27,7 +27,6 @@ from .store import (
     GroupCommitter,
     check_writable,
     discard_probe,
-    highest_msg_id_in_use,
     iter_entries,
     iter_pubrel_due,
     iter_sessions,
@@ -40,6 +39,7 @@ from .store import (
     read_msg_id_mark,
     read_session_state,
     read_store_id,
+    scan_msg_ids_in_use,
     write_msg_id_mark,
     write_session,
     write_store_id,
@@ -133,7 +133,7 @@ class Recovery(SessionLifecycle):
         self.retained.load(self.db)
         mark = read_msg_id_mark(self.db)
         if mark is None:  # a store from before the mark: past every id a body, count or entry holds
-            mark = highest_msg_id_in_use(self.db)
+            mark = self._scan_msg_ids()
             write_msg_id_mark(self.committer, mark)
         # Never below a stored body, whatever the mark says.
         self._msg_id_mark = max(mark, last_msg_id(self.db))
@@ -185,6 +185,25 @@ class Recovery(SessionLifecycle):
             log.warning("store: deleted %d queue entries of a session deleted before a crash", dropped)
         for key in keys:  # totals, sent marks, QoS 2 states outlive their queue in such a crash
             self.committer.delete(key)
+
+    def _scan_msg_ids(self) -> int:
+        """The highest message id in use in a store without the b"M" mark (one read of every queue
+        entry, logged before and after: seconds for millions of entries)."""
+        log.info(
+            "durable store %s has no message id mark (written by an earlier release): reading every queue entry once",
+            self.config.store,
+        )
+        started = time.monotonic()
+        mark, read = scan_msg_ids_in_use(self.db)
+        log.info(
+            "durable store %s: %d queue entries read in %.1f s; highest message id in use %d, kept as the "
+            "mark from now on",
+            self.config.store,
+            read,
+            time.monotonic() - started,
+            mark,
+        )
+        return mark
 
     def _reopen_store(self) -> Any:
         """Before a store write is retried: a fresh handle (see GroupCommitter), opened only once

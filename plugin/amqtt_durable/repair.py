@@ -38,6 +38,7 @@ from .store import (
     body_key,
     decode_refs,
     decode_totals,
+    decode_u64,
     encode_refs,
     encode_totals,
     encode_u64,
@@ -156,16 +157,33 @@ def rebuild(db: Any, now: float) -> RepairReport:
         if raw is not None and len(raw) != _U64_SIZE:  # like the sent mark: never lower, so jump past
             batch.put(SID_MARK_KEY, encode_u64(max((*names, *queues, 0)) + SENT_MARK_JUMP))
             report.rebuilt.append("highest session number did not decode: set past every one in use")
-        raw = db.get(MSG_ID_MARK_KEY)
-        if raw is not None and len(raw) != _U64_SIZE:  # ids past it may have been given: jump far past
-            batch.put(MSG_ID_MARK_KEY, encode_u64(highest_msg_id_in_use(db) + SENT_MARK_JUMP))
-            report.rebuilt.append("highest message id did not decode: set past every one in use")
+        _rebuild_msg_id_mark(db, batch, report)
         raw = db.get(STORE_ID_KEY)
         if raw is not None and len(raw) != _U64_SIZE:
             batch.delete(STORE_ID_KEY)
             report.rebuilt.append("store id did not decode: removed (the broker makes a new one; stream readers "
                                   "see a new store)")
     return report
+
+
+def _rebuild_msg_id_mark(db: Any, batch: Any, report: RepairReport) -> None:
+    """The b"M" mark: never below the highest id a body, a count or a queue entry holds. One that
+    does not decode jumps far past (ids past it may have been given); one below it (an earlier
+    release, which keeps no mark, ran on the store since) is raised to it; a store without one
+    (an earlier release's) gets it, so the broker's first start need not read every entry."""
+    raw = db.get(MSG_ID_MARK_KEY)
+    in_use = highest_msg_id_in_use(db)
+    if raw is not None and len(raw) != _U64_SIZE:
+        batch.put(MSG_ID_MARK_KEY, encode_u64(in_use + SENT_MARK_JUMP))
+        report.rebuilt.append("highest message id did not decode: set past every one in use")
+    elif raw is None:
+        batch.put(MSG_ID_MARK_KEY, encode_u64(in_use))
+    elif (mark := decode_u64(raw)) < in_use:
+        batch.put(MSG_ID_MARK_KEY, encode_u64(in_use))
+        report.rebuilt.append(
+            f"highest message id {mark} was below message {in_use}, which is in use (an earlier release "
+            f"wrote the store since): set to {in_use}"
+        )
 
 
 RELEASED_SHOWN = 20

@@ -26,7 +26,6 @@ from .delivery import Pump, Transport
 from .errors import StoreReadError, StoreUnavailableError
 from .queue_policy import Admission, QueueLimits
 from .store import (
-    FLAG_RELEASED,
     FLAG_SHARED,
     NO_BODY,
     RELEASED_BODY,
@@ -65,7 +64,7 @@ class ExpiredSession:
 def droppable(entry: Entry) -> bool:
     """Overflow may drop anything but a QoS 2 message whose PUBREL is due: the client holds its
     packet id until PUBCOMP, so dropping it would wedge that id."""
-    return not entry.flags & FLAG_RELEASED
+    return not awaiting_pubcomp(entry)
 
 
 class PendingRemovals:

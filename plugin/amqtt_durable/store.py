@@ -605,15 +605,24 @@ def last_msg_id(db: Any) -> int:
 
 def highest_msg_id_in_use(db: Any) -> int:
     """The highest message id a body, a reference count or a queue entry holds (reads every queue
-    entry: only for a store without the b"M" mark, once)."""
+    entry: only for a store without the b"M" mark, once, and for repair)."""
+    return scan_msg_ids_in_use(db)[0]
+
+
+def scan_msg_ids_in_use(db: Any) -> tuple[int, int]:
+    """highest_msg_id_in_use, and how many queue entries it read. The entries are read past
+    LevelDB's block cache (fill_cache=False): a read-once scan must not push out what the
+    broker reads next."""
     highest = last_msg_id(db)
     for key in db.iterator(prefix=b"c", reverse=True, include_value=False, verify_checksums=True):
         highest = max(highest, int(_U64.unpack_from(key, 1)[0]))
         break
-    for value in db.iterator(prefix=b"q", include_key=False, verify_checksums=True):
+    read = 0
+    for value in db.iterator(prefix=b"q", include_key=False, verify_checksums=True, fill_cache=False):
+        read += 1
         if len(value) == _ENTRY.size:
             highest = max(highest, int(_U64.unpack_from(value)[0]))
-    return highest
+    return highest, read
 
 
 def read_msg_id_mark(db: Any) -> int | None:

@@ -12,9 +12,13 @@ import pytest
 import yaml
 
 from amqtt_durable.cli import EXIT_BAD_INPUT, PLUGIN_PATH, load_broker_config, main, plugin_section
-from amqtt_durable.errors import ConfigError
+from amqtt_durable.config import DurableConfig
+from amqtt_durable.engine import DurableEngine
+from amqtt_durable.errors import ConfigError, StoreCorruptedError
 from amqtt_durable.inspect_store import SessionSummary, _duration, format_table, summarize
 from amqtt_durable.store import (
+    MSG_ID_MARK_KEY,
+    SID_MARK_KEY,
     Body,
     Entry,
     SessionRecord,
@@ -355,6 +359,29 @@ def test_inspect_corrupted_table_reports_error_not_traceback(
     err = capsys.readouterr().err
     assert code == 1
     assert "corrupted" in err and f"amqtt-durable repair {path}" in err
+
+
+@pytest.mark.parametrize(
+    ("key", "named"),
+    [(MSG_ID_MARK_KEY, "the highest message id"), (SID_MARK_KEY, "the highest session number")],
+)
+@pytest.mark.parametrize("retained", [False, True])
+def test_inspect_names_a_damaged_mark_as_start_up_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], key: bytes, named: str, retained: bool
+) -> None:
+    path = str(tmp_path / "store")
+    build_store(path, time.time())
+    db = open_store(path)
+    db.put(key, b"\x01\x02\x03")  # a mark is 8 bytes
+    db.close()
+    with pytest.raises(StoreCorruptedError) as start_up:
+        DurableEngine(DurableConfig(store=path)).open()
+    assert f"{named}: 3 bytes that do not decode" in str(start_up.value)
+    code = main(["inspect", path, *(["--retained"] if retained else [])])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert captured.out == ""
+    assert captured.err.strip().endswith(str(start_up.value)), captured.err
 
 
 # ------------------------------------------------------------------------------ repair

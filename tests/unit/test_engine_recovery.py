@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from pathlib import Path
+
+import pytest
 
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
@@ -72,6 +76,8 @@ def test_queue_entries_of_a_session_deleted_before_a_crash_are_removed_at_start(
 def test_a_qos2_entry_waiting_for_pubcomp_is_not_droppable() -> None:
     assert droppable(Entry(1, 1, 2, 0, 1))
     assert not droppable(Entry(1, 1, 2, FLAG_RELEASED, 1))
+    assert droppable(Entry(1, 1, 1, FLAG_RELEASED, 1)), "RELEASED on a QoS 1 entry is damage: it awaits no PUBCOMP"
+    assert droppable(Entry(1, 1, 0, FLAG_RELEASED, 1))
 
 
 def test_expiry_spares_a_session_between_connack_and_delivery_but_not_forever(tmp_path: Path) -> None:
@@ -171,6 +177,31 @@ def test_drop_oldest_keeps_a_qos2_entry_awaiting_pubcomp_reachable(tmp_path: Pat
     asyncio.run(main())
 
 
+def test_drop_oldest_drops_a_qos1_entry_with_the_released_flag(tmp_path: Path) -> None:
+    """RELEASED on a QoS 1 entry is damage, not a PUBREL due: drop-oldest drops it as any other."""
+    path = str(tmp_path / "store")
+    db = open_store(path)
+    db.put(session_key("dev"), SessionRecord("dev", 1, {"t": 1}, expires_at=9e18).encode())
+    for seq, flags in ((1, FLAG_RELEASED), (2, 0), (3, 0)):
+        db.put(body_key(seq), Body("t", b"m%d" % seq, 1, 1.0).encode())
+        db.put(entry_key(1, seq), Entry(seq, seq, 1, flags, 2).encode())
+    db.put(totals_key(1), encode_totals(3, 6, 0))
+    db.close()
+
+    async def main() -> None:
+        config = DurableConfig(store=path, max_depth=3, max_depth_disconnected=3, overflow="drop-oldest")
+        engine = DurableEngine(config)
+        engine.open()
+        await engine.route_publish("t", b"new", 1)  # full: the oldest one goes, flag or not
+        session = engine.sessions["dev"]
+        entries, _ = session.read_entries(session.head_seq, session.committed_tail, 10)
+        assert [(e.seq, body.payload) for e, body in entries] == [(2, b"m2"), (3, b"m3"), (4, b"new")]
+        assert session.dropped == 1
+        await engine.close()
+
+    asyncio.run(main())
+
+
 def _released_without_body(path: str) -> None:
     """Session dev (sid 1, t: QoS 2): entry 1 a released QoS 2 message whose body, message 50, is gone
     (shared with session other, sid 2, count 2), entry 2 message 10 (stored); no b"M" mark."""
@@ -185,6 +216,40 @@ def _released_without_body(path: str) -> None:
     db.put(totals_key(1), encode_totals(2, 8, 0))
     db.put(totals_key(2), encode_totals(1, 5, 0))
     db.close()
+
+
+def test_the_scan_of_a_store_without_the_message_id_mark_is_logged_before_and_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first start of a store from an earlier release reads every queue entry (seconds for
+    millions): it says so before, and after with the count and the time it took. Never again."""
+    path = str(tmp_path / "store")
+    _released_without_body(path)
+
+    async def start() -> None:
+        engine = DurableEngine(DurableConfig(store=path))
+        engine.open()
+        await engine.close()
+
+    with caplog.at_level(logging.INFO, logger="amqtt_durable"):
+        asyncio.run(start())
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    before = (
+        f"durable store {path} has no message id mark (written by an earlier release): reading every queue entry once"
+    )
+    assert before in messages, messages
+    after = [m for m in messages if m.startswith(f"durable store {path}: 3 queue entries read in ")]
+    assert len(after) == 1, messages
+    assert re.fullmatch(
+        r".* read in \d+\.\d s; highest message id in use 50, kept as the mark from now on", after[0]
+    ), after
+    assert messages.index(before) < messages.index(after[0])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="amqtt_durable"):
+        asyncio.run(start())  # the mark is stored now: no scan, no line
+    assert not [
+        r for r in caplog.records if "queue entries read in" in r.getMessage() or "no message id mark" in r.getMessage()
+    ]
 
 
 def test_a_store_without_the_message_id_mark_gives_ids_past_every_queue_entry_then_keeps_the_mark(

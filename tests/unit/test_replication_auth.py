@@ -167,7 +167,7 @@ def test_the_secret_settings_are_read_and_checked(tmp_path: Path) -> None:
         ({"secret": "s" * 16, "secret_file": "x"}, "replication.secret_file", "not secret and secret_file"),
         ({"secret_file": "/nonexistent/secret"}, "replication.secret_file", "cannot read the secret file"),
         ({"secret_file": "EMPTY"}, "replication.secret_file", "is empty"),
-        ({"secret_file": "SHORT"}, "replication.secret_file", "must be at least 16 characters, not 15"),
+        ({"secret_file": "SHORT"}, "replication.secret_file", "must be at least 16 bytes, not 15"),
         ({"handshake_timeout": 0}, "replication.handshake_timeout", "above 0"),
     ],
 )
@@ -223,7 +223,8 @@ def test_the_same_secret_in_a_file_and_in_a_variable_reads_the_same(
     [
         ({"secret_env": ENV_NAME}, None, f"the environment variable '{ENV_NAME}' is not set"),
         ({"secret_env": ENV_NAME}, " \n", f"the environment variable '{ENV_NAME}' is empty"),
-        ({"secret_env": ENV_NAME}, " short-value-123 ", f"'{ENV_NAME}' must be at least 16 characters, not 15"),
+        ({"secret_env": ENV_NAME}, " short-value-123 ", f"'{ENV_NAME}' must be at least 16 bytes, not 15"),
+        ({"secret_env": ENV_NAME}, "s" * (64 * 1024 + 1), f"variable '{ENV_NAME}' is larger than 64 KiB"),
         ({"secret_env": f"{ENV_NAME}={ENV_VALUE}"}, ENV_VALUE, "expected the name of an environment variable"),
         ({"secret": "s" * 16, "secret_env": ENV_NAME}, ENV_VALUE, "not secret and secret_env"),
         ({"secret_file": "/nonexistent", "secret_env": ENV_NAME}, ENV_VALUE, "not secret_file and secret_env"),

@@ -38,6 +38,7 @@ from amqtt_durable.store import (
     decode_u64,
     encode_refs,
     encode_totals,
+    encode_u64,
     entry_key,
     iter_sessions,
     open_store,
@@ -469,3 +470,54 @@ def test_repair_sets_an_entry_pointing_at_no_body_to_not_shared_size_0_and_write
     finally:
         db.close()
     assert repair(store_path, now=NOW) == RepairReport(), "a second repair finds nothing left"
+
+
+def test_repair_raises_a_readable_message_id_mark_below_an_id_in_use(store_path: str) -> None:
+    """An earlier release (which keeps no b"M" mark) ran on the store: a released QoS 2 entry names
+    message 2050, whose body is gone, above the mark (1000) and above every body left (2003). The
+    broker would start past 2003 and give 2050 again; repair raises the mark to it."""
+    db = open_store(store_path)
+    session(db, "dev", 2, 3)
+    db.put(entry_key(2, 4), Entry(4, 2050, 2, FLAG_RELEASED, 0).encode())  # its body is gone
+    db.put(totals_key(2), encode_totals(4, 30, 3))
+    db.put(MSG_ID_MARK_KEY, encode_u64(1000))
+    db.close()
+
+    report = repair(store_path, now=NOW)
+
+    assert report.rebuilt == [
+        "client 'dev': queue entry 4 (QoS 2, PUBREL due): its body, message 2050, is gone; kept without it "
+        "(the client has the message; its PUBREL is sent when it reconnects)",
+        "highest message id 1000 was below message 2050, which is in use (an earlier release wrote the store "
+        "since): set to 2050",
+    ], report
+    db = open_store(store_path)
+    try:
+        assert decode_u64(db.get(MSG_ID_MARK_KEY)) == 2050
+    finally:
+        db.close()
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=store_path))
+        engine.open()
+        assert engine._next_msg_id == 2051
+        await engine.close()
+
+    asyncio.run(main())
+    assert repair(store_path, now=NOW) == RepairReport(), "a second repair finds nothing left"
+
+
+def test_repair_gives_a_store_without_the_message_id_mark_one(store_path: str) -> None:
+    """A store of an earlier release has no mark: repair writes it (no line), so the broker's first
+    start need not read every queue entry."""
+    db = open_store(store_path)
+    session(db, "dev", 1, 3)
+    db.put(entry_key(1, 4), Entry(4, 1500, 2, FLAG_RELEASED, 0).encode())
+    db.put(totals_key(1), encode_totals(4, 30, 3))
+    db.close()
+    repair(store_path, now=NOW)
+    db = open_store(store_path)
+    try:
+        assert decode_u64(db.get(MSG_ID_MARK_KEY)) == 1500
+    finally:
+        db.close()

@@ -259,6 +259,8 @@ def _check(config: ReplicationConfig, where: str) -> None:
 
 MIN_SECRET = 16
 """The shortest secret accepted (characters inline; bytes in a file or an environment variable)."""
+MAX_SECRET = 64 * 1024
+"""The longest secret a file or an environment variable may hold, in bytes."""
 SECRET_ADVICE = (
     "a long random string, not a password: e.g. the output of openssl rand -hex 32 "
     "(anyone who reaches a replication address can test guesses of it offline)"
@@ -267,19 +269,19 @@ SECRET_ADVICE = (
 
 def read_secret_file(path: str, key: str) -> bytes:
     """The secret in ``path``, stripped; a ConfigError naming ``key`` when it cannot be read, is
-    empty or is shorter than ``MIN_SECRET`` bytes."""
+    empty, is longer than ``MAX_SECRET`` bytes or is shorter than ``MIN_SECRET`` bytes."""
     try:
         with open(path, "rb") as handle:
-            secret = handle.read(64 * 1024 + 1).strip()
+            secret = handle.read(MAX_SECRET + 1).strip()
     except OSError as exc:
         raise ConfigError(key, f"cannot read the secret file {path!r}: {exc.strerror or exc}") from exc
     if not secret:
         raise ConfigError(key, f"the secret file {path!r} is empty")
-    if len(secret) > 64 * 1024:
+    if len(secret) > MAX_SECRET:
         raise ConfigError(key, f"the secret file {path!r} is larger than 64 KiB")
     if len(secret) < MIN_SECRET:
         raise ConfigError(
-            key, f"the secret in {path!r} must be at least {MIN_SECRET} characters, not {len(secret)} ({SECRET_ADVICE})"
+            key, f"the secret in {path!r} must be at least {MIN_SECRET} bytes, not {len(secret)} ({SECRET_ADVICE})"
         )
     return secret
 
@@ -293,7 +295,8 @@ def read_secret_env(name: str, key: str) -> bytes:
     """The secret in the environment variable ``name``, read and stripped exactly as read_secret_file
     reads a file (bytes, ASCII whitespace stripped, bytes counted), so the same secret in a file on
     one node and in a variable on another always matches; a ConfigError naming ``key`` and ``name``
-    (never the value) when it is not set, is empty or is shorter than ``MIN_SECRET`` bytes."""
+    (never the value) when it is not set, is empty, is longer than ``MAX_SECRET`` bytes (as a file) or is
+    shorter than ``MIN_SECRET`` bytes."""
     if not ENV_NAME.fullmatch(name):  # not echoed: it may be the secret itself, pasted in its place
         raise ConfigError(
             key, "expected the name of an environment variable (letters, digits and _, not starting with a digit)"
@@ -304,10 +307,12 @@ def read_secret_env(name: str, key: str) -> bytes:
     secret = value.strip()  # as a file's: ASCII whitespace only, and bytes counted
     if not secret:
         raise ConfigError(key, f"the environment variable {name!r} is empty")
+    if len(secret) > MAX_SECRET:
+        raise ConfigError(key, f"the environment variable {name!r} is larger than 64 KiB")
     if len(secret) < MIN_SECRET:
         raise ConfigError(
             key,
-            f"the secret in the environment variable {name!r} must be at least {MIN_SECRET} characters, "
+            f"the secret in the environment variable {name!r} must be at least {MIN_SECRET} bytes, "
             f"not {len(secret)} ({SECRET_ADVICE})",
         )
     return secret
