@@ -21,7 +21,7 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._create_server_instance``: a TCP listener is opened as amqtt opens it, with the
   ``listen_backlog`` setting as its listen backlog (amqtt's is asyncio's default, 100: in a
   reconnect storm of 1,000 clients the kernel dropped the SYNs of about half of them, which came
-  back 1 and 2 s later);
+  back 1 and 2 s later; a much larger one slows the recovery from a connection flood);
 * ``Broker._client_connected``: every connection's socket is closed when it ends, whatever
   ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector);
 * ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send

@@ -146,7 +146,7 @@ class DurableConfig:
     limit. amqtt holds each such message in memory until its PUBREL: a client that never sends
     PUBREL could make it hold 65535 packets per connection."""
 
-    listen_backlog: int = 4096
+    listen_backlog: int = 512
     """Connections the kernel holds for each TCP listener until the broker accepts them (the
     listen backlog; amqtt's is 100). Past it, Linux drops a new connection's SYN and the client
     tries again 1 s later (then 3 s, 7 s): in a reconnect storm of more clients than the backlog,
