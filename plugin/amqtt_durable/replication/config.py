@@ -275,13 +275,19 @@ def read_secret_file(path: str, key: str) -> bytes:
             secret = handle.read(MAX_SECRET + 1).strip()
     except OSError as exc:
         raise ConfigError(key, f"cannot read the secret file {path!r}: {exc.strerror or exc}") from exc
+    return _checked_secret(secret, key, f"the secret file {path!r}", repr(path))
+
+
+def _checked_secret(secret: bytes, key: str, source: str, where: str) -> bytes:
+    """``secret`` (read from ``source``, shown as ``where`` in 'the secret in ...'), or a ConfigError
+    naming ``key`` when it is empty, longer than ``MAX_SECRET`` or shorter than ``MIN_SECRET`` bytes."""
     if not secret:
-        raise ConfigError(key, f"the secret file {path!r} is empty")
+        raise ConfigError(key, f"{source} is empty")
     if len(secret) > MAX_SECRET:
-        raise ConfigError(key, f"the secret file {path!r} is larger than 64 KiB")
+        raise ConfigError(key, f"{source} is larger than 64 KiB")
     if len(secret) < MIN_SECRET:
         raise ConfigError(
-            key, f"the secret in {path!r} must be at least {MIN_SECRET} bytes, not {len(secret)} ({SECRET_ADVICE})"
+            key, f"the secret in {where} must be at least {MIN_SECRET} bytes, not {len(secret)} ({SECRET_ADVICE})"
         )
     return secret
 
@@ -304,18 +310,8 @@ def read_secret_env(name: str, key: str) -> bytes:
     value = os.environb.get(name.encode("ascii"))  # its own bytes, whatever the locale
     if value is None:
         raise ConfigError(key, f"the environment variable {name!r} is not set")
-    secret = value.strip()  # as a file's: ASCII whitespace only, and bytes counted
-    if not secret:
-        raise ConfigError(key, f"the environment variable {name!r} is empty")
-    if len(secret) > MAX_SECRET:
-        raise ConfigError(key, f"the environment variable {name!r} is larger than 64 KiB")
-    if len(secret) < MIN_SECRET:
-        raise ConfigError(
-            key,
-            f"the secret in the environment variable {name!r} must be at least {MIN_SECRET} bytes, "
-            f"not {len(secret)} ({SECRET_ADVICE})",
-        )
-    return secret
+    source = f"the environment variable {name!r}"
+    return _checked_secret(value.strip(), key, source, source)  # stripped as a file's: ASCII whitespace, bytes
 
 
 SECRET_KEYS = ("secret", "secret_file", "secret_env")
