@@ -10,6 +10,7 @@ import socket
 from collections.abc import Callable
 
 import pytest
+from raw_mqtt_helpers import raw_connect, raw_subscribe, read_exactly
 from test_hostile_wire import (
     CONNACK_ACCEPTED,
     PATHS,
@@ -17,12 +18,10 @@ from test_hostile_wire import (
     connect_packet,
     memory_kb,
     publish_packet,
-    raw_client,
     read_until_closed,
 )
-from test_reconnect_races import read_exactly
 
-from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+from conftest import HOST, WAIT, Broker, Client, payloads
 
 PAYLOAD = 256 * 1024
 COUNT = 160
@@ -38,8 +37,7 @@ def stalled_subscriber(port: int, client_id: str, topic_filter: str, qos: int) -
     sock.connect((HOST, port))
     sock.sendall(connect_packet(client_id))
     assert sock.recv(4) == CONNACK_ACCEPTED
-    sock.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string(topic_filter) + bytes((qos,))))
-    assert sock.recv(5) == b"\x90\x03\x00\x01" + bytes((qos,))
+    assert raw_subscribe(sock, topic_filter, qos) == qos
     return sock
 
 
@@ -102,7 +100,7 @@ def test_qos2_publishes_never_released_close_the_connection_at_max_awaiting_pubr
     publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(5, "before")
     publisher.publish("q/before", queued, qos=1)
-    attacker = raw_client(broker.port, "hoarder")
+    attacker = raw_connect(broker.port, "hoarder", clean=True)
     body = b"h" * 1024
     for packet_id in range(1, AWAITING_LIMIT + 1):
         attacker.sendall(publish_packet(b"q/held", body, 2, packet_id=packet_id))
@@ -158,7 +156,7 @@ def test_an_unreleased_qos2_publish_does_not_make_the_reader_keep_every_later_pa
     publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(5, "order")
     publisher.publish("orders/1", queued)
-    attacker = raw_client(broker.port, "pinger")
+    attacker = raw_connect(broker.port, "pinger", clean=True)
     attacker.sendall(publish_packet(b"q/held", b"never released", 2, packet_id=1))
     assert read_exactly(attacker, 4) == b"\x50\x02\x00\x01"
     rss = []

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from raw_mqtt_helpers import raw_connect, read_exactly
 from test_protocol import request, stream_events
 
 from amqtt_durable.inspect_store import summarize
@@ -57,19 +58,6 @@ def read_until_closed(sock: socket.socket, timeout: float) -> bytes | None:
             return bytes(got)
         got += chunk
     return None
-
-
-def raw_client(port: int, client_id: str) -> socket.socket:
-    """A connected raw client (CONNACK accepted)."""
-    sock = socket.create_connection((HOST, port), timeout=WAIT)
-    sock.sendall(connect_packet(client_id))
-    reply = b""
-    while len(reply) < 4:
-        chunk = sock.recv(4 - len(reply))
-        assert chunk, "closed before CONNACK"
-        reply += chunk
-    assert reply == CONNACK_ACCEPTED
-    return sock
 
 
 def connack_within(port: int, timeout: float) -> bool:
@@ -160,7 +148,7 @@ def test_connections_without_a_whole_connect_are_closed_after_connect_timeout(
     broker_factory: Callable[..., Broker],
 ) -> None:
     broker = broker_factory(connect_timeout=1.5)
-    connected = raw_client(broker.port, "idle-but-connected")
+    connected = raw_connect(broker.port, "idle-but-connected", clean=True)
     silent = socket.create_connection((HOST, broker.port), timeout=WAIT)
     half = socket.create_connection((HOST, broker.port), timeout=WAIT)
     half.sendall(connect_packet("slow-loris")[:10])
@@ -197,7 +185,7 @@ def test_a_publish_to_an_invalid_topic_closes_the_connection_on_every_path(
     assert watcher.subscribe("#", 2) == [2]
     for topic in BAD_TOPICS:
         for qos in (0, 1, 2):
-            bad = raw_client(broker.port, "bad")
+            bad = raw_connect(broker.port, "bad", clean=True)
             bad.sendall(publish_packet(topic, b"attack", qos) + PINGREQ)
             got = read_until_closed(bad, WAIT)
             assert got is not None, f"{topic!r} at QoS {qos}: the connection stayed open"
@@ -209,7 +197,7 @@ def test_a_publish_to_an_invalid_topic_closes_the_connection_on_every_path(
         with socket.create_connection((HOST, broker.port), timeout=WAIT) as will:
             will.sendall(connect_packet("bad-will", will_topic=topic))
             assert read_until_closed(will, WAIT) == b"", f"a will on {topic!r} was accepted"
-    past_end = raw_client(broker.port, "bad")
+    past_end = raw_connect(broker.port, "bad", clean=True)
     past_end.sendall(b"\x30\x05\x00\x09abc" + PINGREQ)  # a topic length of 9 in a 5-byte packet
     assert read_until_closed(past_end, WAIT) in (b"", b"\xd0\x00")
     past_end.close()
@@ -269,15 +257,6 @@ def test_a_subscribe_or_unsubscribe_of_a_filter_not_utf8_closes_the_connection_o
     assert stored.get("bad", {}) == {}, stored
 
 
-def read_exactly(sock: socket.socket, count: int) -> bytes:
-    reply = b""
-    while len(reply) < count:
-        chunk = sock.recv(count - len(reply))
-        assert chunk, "closed early"
-        reply += chunk
-    return reply
-
-
 def test_a_nul_topic_cannot_forge_a_stream_event(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
@@ -293,7 +272,7 @@ def test_a_nul_topic_cannot_forge_a_stream_event(
     publisher = clients(broker.port, "pub", clean_session=True)
     publisher.publish("s/a", payloads(2, "e"), qos=1)
     for topic in (b"s/a\x00" + struct.pack(">Q", 2), b"k/a\x00b"):
-        bad = raw_client(broker.port, "attacker")
+        bad = raw_connect(broker.port, "attacker", clean=True)
         bad.sendall(publish_packet(topic, b"injected", 1))
         assert read_until_closed(bad, WAIT) == b"", "the NUL topic was acknowledged, or the connection kept"
         bad.close()
@@ -332,7 +311,7 @@ def test_a_publish_past_max_packet_size_is_refused_before_its_body_is_read(
     attack = mqtt_packet(0x32, body)
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # restart the peak-RSS count (VmHWM) from now
     rss_before = memory_kb(pid, "VmRSS")
-    bad = raw_client(broker.port, "big")
+    bad = raw_connect(broker.port, "big", clean=True)
     bad.settimeout(WAIT)
     with contextlib.suppress(OSError):  # the broker closes after the header: the rest meets a reset
         bad.sendall(attack)
@@ -354,7 +333,7 @@ def test_max_packet_size_is_configurable_and_checked_on_every_path(
     broker = broker_factory(start=False, max_packet_size=4096)
     broker.extra_plugins.update(PATHS[path])
     broker.start()
-    fits = raw_client(broker.port, "fits")
+    fits = raw_connect(broker.port, "fits", clean=True)
     fits.sendall(publish_packet(b"t", b"x" * (4096 - 5), 1))  # remaining length exactly 4096
     assert fits.recv(4) == b"\x40\x02\x00\x01"
     fits.sendall(publish_packet(b"t", b"x" * 4092, 1, packet_id=2))  # 4097

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from raw_mqtt_helpers import raw_connect, raw_subscribe, read_exactly
 
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.delivery import AckKind
@@ -97,28 +98,6 @@ class ConnectionGate(BasePlugin):
 '''
 
 
-def raw_connect(port: int, client_id: str, *, clean: bool, username: str | None = None) -> socket.socket:
-    """A raw MQTT 3.1.1 CONNECT (keep-alive 60 s); returns the socket once CONNACK accepted it."""
-    flags = (0x02 if clean else 0) | (0x80 if username is not None else 0)
-    body = mqtt_string("MQTT") + bytes([4, flags, 0, 60]) + mqtt_string(client_id)
-    if username is not None:
-        body += mqtt_string(username)
-    sock = socket.create_connection((HOST, port), timeout=WAIT)
-    sock.sendall(mqtt_packet(0x10, body))
-    connack = read_exactly(sock, 4)
-    assert connack[:1] == b"\x20" and connack[3:4] == b"\x00", connack
-    return sock
-
-
-def read_exactly(sock: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))  # bounded by the socket timeout (WAIT)
-        assert chunk, "connection closed"
-        data += chunk
-    return data
-
-
 @pytest.mark.timeout(120)
 def test_an_older_connection_reaching_its_message_loop_late_leaves_the_session_to_the_newer(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
@@ -144,8 +123,7 @@ def test_an_older_connection_reaching_its_message_loop_late_leaves_the_session_t
     # Let the older connection run its message loop; the SUBACK of the releasing connection comes
     # once that loop (its attach, its end, its detach) is over.
     release = raw_connect(broker.port, "release-after-held", clean=True)
-    release.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("release/none") + b"\x00"))
-    assert read_exactly(release, 5) == b"\x90\x03\x00\x01\x00", "no SUBACK"
+    assert raw_subscribe(release, "release/none", 0) == 0, "no SUBACK"
     release.close()
     older.close()
 
