@@ -21,7 +21,7 @@ from test_hostile_wire import (
     read_until_closed,
 )
 
-from conftest import HOST, WAIT, Broker, Client, payloads
+from conftest import HOST, WAIT, Broker, Client, payloads, queued_while_dropped
 
 PAYLOAD = 256 * 1024
 COUNT = 160
@@ -50,12 +50,8 @@ def test_a_clean_subscriber_that_never_reads_does_not_make_the_broker_hold_every
     waits for one connection; the rest for it is dropped, counted and logged."""
     assert broker.proc is not None
     pid = broker.proc.pid
-    durable = clients(broker.port, "dev-1")
-    durable.subscribe("orders/#", 1)
-    durable.drop()
-    publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(10, "order")
-    publisher.publish("orders/1", queued, qos=1)
+    durable, publisher = queued_while_dropped(clients, broker.port, "orders/#", "orders/1", queued)
     reader = clients(broker.port, "reader", clean_session=True)
     reader.subscribe("feed/#", 0)
     stalled = stalled_subscriber(broker.port, "stalled", "feed/#", 0)
@@ -94,12 +90,8 @@ def test_qos2_publishes_never_released_close_the_connection_at_max_awaiting_pubr
     broker = broker_factory(start=False)
     broker.extra_plugins.update(PATHS[path])
     broker.start()
-    durable = clients(broker.port, "dev-1")
-    durable.subscribe("q/#", 1)
-    durable.drop()
-    publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(5, "before")
-    publisher.publish("q/before", queued, qos=1)
+    durable, publisher = queued_while_dropped(clients, broker.port, "q/#", "q/before", queued)
     attacker = raw_connect(broker.port, "hoarder", clean=True)
     body = b"h" * 1024
     for packet_id in range(1, AWAITING_LIMIT + 1):
@@ -150,12 +142,8 @@ def test_an_unreleased_qos2_publish_does_not_make_the_reader_keep_every_later_pa
     lasted (100,000 PINGREQs, 200 kB sent, held about 66 MB)."""
     assert broker.proc is not None
     pid = broker.proc.pid
-    device = clients(broker.port, "dev-1")
-    device.subscribe("orders/#", 1)
-    device.drop()
-    publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(5, "order")
-    publisher.publish("orders/1", queued)
+    device, _ = queued_while_dropped(clients, broker.port, "orders/#", "orders/1", queued)
     attacker = raw_connect(broker.port, "pinger", clean=True)
     attacker.sendall(publish_packet(b"q/held", b"never released", 2, packet_id=1))
     assert read_exactly(attacker, 4) == b"\x50\x02\x00\x01"

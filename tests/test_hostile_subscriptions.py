@@ -15,7 +15,7 @@ import pytest
 from raw_mqtt_helpers import raw_connect, raw_subscribe
 from test_protocol import request
 
-from conftest import Broker, Client, mqtt_packet, mqtt_string, payloads
+from conftest import Broker, Client, mqtt_packet, mqtt_string, payloads, queued_while_dropped
 from durable_client.protocol import CONTROL_TOPIC, encode_request
 
 REFUSED = 0x80
@@ -244,12 +244,8 @@ def test_long_filters_past_max_subscription_bytes_per_client_get_0x80(
     SUBSCRIBE: with 250 filters of 60 kB (under max_subscriptions_per_client) each SUBSCRIBE held
     the event loop for about 0.25 s (another client's round trip: up to 0.6 s), growing with every
     filter. The filters' bytes are bounded too; a held filter re-subscribed counts once."""
-    device = clients(broker.port, "dev-1")
-    device.subscribe("orders/#", 1)
-    device.drop()
-    publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(5, "order")
-    publisher.publish("orders/1", queued)
+    device, _ = queued_while_dropped(clients, broker.port, "orders/#", "orders/1", queued)
     hog = raw_connect(broker.port, "hog", clean=clean, keepalive=0)
     fits = BYTE_LIMIT // LONG_FILTER
     codes = []
