@@ -98,18 +98,27 @@ class ConnectionGate(BasePlugin):
 '''
 
 
-@pytest.mark.timeout(120)
-def test_an_older_connection_reaching_its_message_loop_late_leaves_the_session_to_the_newer(
+def gated_broker(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
-) -> None:
+) -> tuple[Broker, Client]:
+    """A broker with GATE_PLUGIN (recovery_buffer 10; any user may take a session over: roles are
+    usernames) and durable session dev subscribed to race/t (QoS 1), disconnected: (broker, dev)."""
     (tmp_path / "connection_gate.py").write_text(GATE_PLUGIN)
-    broker = broker_factory(start=False, recovery_buffer=10, session_takeover="any-user")  # roles are usernames
+    broker = broker_factory(start=False, recovery_buffer=10, session_takeover="any-user")
     broker.pythonpath.append(str(tmp_path))
     broker.extra_plugins["connection_gate.ConnectionGate"] = {}
     broker.start()
     device = clients(broker.port, "dev")
     assert device.subscribe("race/t", 1) == [1]
     device.disconnect()
+    return broker, device
+
+
+@pytest.mark.timeout(120)
+def test_an_older_connection_reaching_its_message_loop_late_leaves_the_session_to_the_newer(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    broker, device = gated_broker(broker_factory, clients, tmp_path)
     publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(40, "q")
     publisher.publish("race/t", queued, qos=1)
@@ -146,14 +155,7 @@ def test_an_older_connection_left_open_by_amqtt_is_ended_when_a_later_connect_ta
     older connection must be ended (MQTT-3.1.4-2) so that its client reconnects, rather than stay
     connected and be sent nothing: ``first`` has attached when the later one attaches,
     ``first-late`` attaches after it."""
-    (tmp_path / "connection_gate.py").write_text(GATE_PLUGIN)
-    broker = broker_factory(start=False, recovery_buffer=10, session_takeover="any-user")  # roles are usernames
-    broker.pythonpath.append(str(tmp_path))
-    broker.extra_plugins["connection_gate.ConnectionGate"] = {}
-    broker.start()
-    setup = clients(broker.port, "dev")
-    assert setup.subscribe("race/t", 1) == [1]
-    setup.disconnect()
+    broker, _ = gated_broker(broker_factory, clients, tmp_path)
     queued = payloads(40, "q")
     clients(broker.port, "pub-1", clean_session=True).publish("race/t", queued, qos=1)
     broker.restart(kill=True)
