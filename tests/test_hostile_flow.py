@@ -10,12 +10,11 @@ import socket
 from collections.abc import Callable
 
 import pytest
-from raw_mqtt_helpers import raw_connect, raw_subscribe, read_exactly
+from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly
 from test_hostile_wire import (
     CONNACK_ACCEPTED,
     PATHS,
     connack_within,
-    connect_packet,
     memory_kb,
     publish_packet,
     read_until_closed,

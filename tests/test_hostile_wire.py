@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from raw_mqtt_helpers import raw_connect, read_exactly
+from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly
 from test_protocol import request, stream_events
 
 from amqtt_durable.inspect_store import summarize
@@ -29,14 +29,6 @@ TOPIC_PLUGIN = "amqtt.plugins.topic_checking.TopicTabooPlugin"
 
 
 # ------------------------------------------------------------------ raw MQTT
-def connect_packet(client_id: str, *, will_topic: bytes | None = None, keepalive: int = 60) -> bytes:
-    flags = 0x02 | (0x04 if will_topic is not None else 0)  # clean session, will QoS 0
-    body = mqtt_string("MQTT") + bytes((4, flags)) + struct.pack(">H", keepalive) + mqtt_string(client_id)
-    if will_topic is not None:
-        body += mqtt_string(will_topic) + mqtt_string(b"gone")
-    return mqtt_packet(0x10, body)
-
-
 def publish_packet(topic: bytes, payload: bytes, qos: int, packet_id: int = 1) -> bytes:
     body = mqtt_string(topic) + (struct.pack(">H", packet_id) if qos else b"") + payload
     return mqtt_packet(0x30 | qos << 1, body)
@@ -233,8 +225,7 @@ def test_a_subscribe_or_unsubscribe_of_a_filter_not_utf8_closes_the_connection_o
     receiver = clients(broker.port, "ä-receiver")
     assert receiver.subscribe("zähler/#", 1) == [1], "a filter that is UTF-8 beyond ASCII is fine"
     publisher = clients(broker.port, "pub", clean_session=True)
-    connect_body = mqtt_string("MQTT") + bytes((4, 0)) + struct.pack(">H", 60) + mqtt_string("bad")
-    durable_connect = mqtt_packet(0x10, connect_body)  # clean session 0: what it subscribes is stored
+    durable_connect = connect_packet("bad", clean=False)  # what it subscribes is stored
     for raw in BAD_FILTERS:
         for first, options in ((0x82, b"\x01"), (0xA2, b"")):  # SUBSCRIBE QoS 1, UNSUBSCRIBE
             with socket.create_connection((HOST, broker.port), timeout=WAIT) as bad:
