@@ -243,6 +243,20 @@ def payloads(count: int, prefix: str = "m") -> list[bytes]:
     return [f"{prefix}{i:07d}".encode() for i in range(count)]
 
 
+def queued_while_dropped(
+    clients: Callable[..., Client], port: int, topic_filter: str, topic: str, queued: list[bytes]
+) -> tuple[Client, Client]:
+    """Durable session dev-1 subscribes to ``topic_filter`` (QoS 1) and drops its connection; a
+    clean publisher, pub, then publishes ``queued`` to ``topic`` (QoS 1): a queue to check after
+    an attack. Returns (dev-1, pub), pub still connected."""
+    device = clients(port, "dev-1")
+    device.subscribe(topic_filter, 1)
+    device.drop()
+    publisher = clients(port, "pub", clean_session=True)
+    publisher.publish(topic, queued, qos=1)
+    return device, publisher
+
+
 # --------------------------------------------------------------- raw MQTT 3.1.1 encoding
 mqtt_packet = encode_packet
 """A packet: the first byte, the remaining length, the body (the plugin's own encoder)."""

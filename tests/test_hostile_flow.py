@@ -10,19 +10,17 @@ import socket
 from collections.abc import Callable
 
 import pytest
+from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly
 from test_hostile_wire import (
     CONNACK_ACCEPTED,
     PATHS,
     connack_within,
-    connect_packet,
     memory_kb,
     publish_packet,
-    raw_client,
     read_until_closed,
 )
-from test_reconnect_races import read_exactly
 
-from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+from conftest import HOST, WAIT, Broker, Client, payloads, queued_while_dropped
 
 PAYLOAD = 256 * 1024
 COUNT = 160
@@ -38,8 +36,7 @@ def stalled_subscriber(port: int, client_id: str, topic_filter: str, qos: int) -
     sock.connect((HOST, port))
     sock.sendall(connect_packet(client_id))
     assert sock.recv(4) == CONNACK_ACCEPTED
-    sock.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string(topic_filter) + bytes((qos,))))
-    assert sock.recv(5) == b"\x90\x03\x00\x01" + bytes((qos,))
+    assert raw_subscribe(sock, topic_filter, qos) == qos
     return sock
 
 
@@ -52,12 +49,8 @@ def test_a_clean_subscriber_that_never_reads_does_not_make_the_broker_hold_every
     waits for one connection; the rest for it is dropped, counted and logged."""
     assert broker.proc is not None
     pid = broker.proc.pid
-    durable = clients(broker.port, "dev-1")
-    durable.subscribe("orders/#", 1)
-    durable.drop()
-    publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(10, "order")
-    publisher.publish("orders/1", queued, qos=1)
+    durable, publisher = queued_while_dropped(clients, broker.port, "orders/#", "orders/1", queued)
     reader = clients(broker.port, "reader", clean_session=True)
     reader.subscribe("feed/#", 0)
     stalled = stalled_subscriber(broker.port, "stalled", "feed/#", 0)
@@ -96,13 +89,9 @@ def test_qos2_publishes_never_released_close_the_connection_at_max_awaiting_pubr
     broker = broker_factory(start=False)
     broker.extra_plugins.update(PATHS[path])
     broker.start()
-    durable = clients(broker.port, "dev-1")
-    durable.subscribe("q/#", 1)
-    durable.drop()
-    publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(5, "before")
-    publisher.publish("q/before", queued, qos=1)
-    attacker = raw_client(broker.port, "hoarder")
+    durable, publisher = queued_while_dropped(clients, broker.port, "q/#", "q/before", queued)
+    attacker = raw_connect(broker.port, "hoarder", clean=True)
     body = b"h" * 1024
     for packet_id in range(1, AWAITING_LIMIT + 1):
         attacker.sendall(publish_packet(b"q/held", body, 2, packet_id=packet_id))
@@ -152,13 +141,9 @@ def test_an_unreleased_qos2_publish_does_not_make_the_reader_keep_every_later_pa
     lasted (100,000 PINGREQs, 200 kB sent, held about 66 MB)."""
     assert broker.proc is not None
     pid = broker.proc.pid
-    device = clients(broker.port, "dev-1")
-    device.subscribe("orders/#", 1)
-    device.drop()
-    publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(5, "order")
-    publisher.publish("orders/1", queued)
-    attacker = raw_client(broker.port, "pinger")
+    device, _ = queued_while_dropped(clients, broker.port, "orders/#", "orders/1", queued)
+    attacker = raw_connect(broker.port, "pinger", clean=True)
     attacker.sendall(publish_packet(b"q/held", b"never released", 2, packet_id=1))
     assert read_exactly(attacker, 4) == b"\x50\x02\x00\x01"
     rss = []

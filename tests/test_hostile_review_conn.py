@@ -8,8 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import yaml
+from raw_mqtt_helpers import connect_packet
 from test_hostile_owner import REFUSED, acl_broker, login
-from test_hostile_wire import CONNACK_ACCEPTED, PINGREQ, connect_packet, read_until_closed
+from test_hostile_wire import CONNACK_ACCEPTED, PINGREQ, read_until_closed
 from test_mixed_clients import RECEIVE_ACL_PLUGIN
 from test_qos2_inbound import PUBACK, PUBREC, complete, expect_ack, publish, pubrel_due
 from test_scale import RawClient
@@ -68,12 +69,6 @@ def test_a_clean_subscriber_gets_no_retained_message_it_may_not_receive(
     assert got == [("b/live", False), ("b/state", True)], f"bob read {got}"
 
 
-def durable_connect(client_id: str, user: str) -> bytes:
-    """A raw durable CONNECT (clean_session=false) with a username and no password."""
-    body = mqtt_string("MQTT") + bytes((4, 0x80, 0, 60)) + mqtt_string(client_id) + mqtt_string(user)
-    return mqtt_packet(0x10, body)
-
-
 def test_a_connect_refused_for_ownership_after_a_race_is_closed_and_serves_nothing(
     broker_factory: Callable[..., Broker],
 ) -> None:
@@ -87,7 +82,7 @@ def test_a_connect_refused_for_ownership_after_a_race_is_closed_and_serves_nothi
         socks = [socket.create_connection((HOST, broker.port), timeout=WAIT) for _ in range(2)]
         try:
             for sock, user in zip(socks, ("alice", "bob"), strict=True):
-                sock.sendall(durable_connect(client_id, user))
+                sock.sendall(connect_packet(client_id, clean=False, username=user))
             answers = [read_exactly(sock, 4) for sock in socks]
             assert sorted(answers) == [CONNACK_ACCEPTED, REFUSED], answers
             refused = socks[answers.index(REFUSED)]
@@ -138,7 +133,7 @@ class UserClient(RawClient):
         self.user = user
 
     def connect_packet(self, keepalive: int = 60) -> bytes:
-        return durable_connect(self.client_id, self.user)
+        return connect_packet(self.client_id, clean=False, username=self.user)
 
 
 def test_a_new_owner_s_qos2_publish_is_not_taken_for_the_previous_owner_s_resend(

@@ -8,15 +8,14 @@ routing of everyone else's publishes.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 
 import pytest
+from raw_mqtt_helpers import raw_connect, raw_subscribe
 from test_protocol import request
-from test_reconnect_races import read_exactly
 
-from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+from conftest import Broker, Client, mqtt_packet, mqtt_string, payloads, queued_while_dropped
 from durable_client.protocol import CONTROL_TOPIC, encode_request
 
 REFUSED = 0x80
@@ -218,14 +217,10 @@ def test_an_unsubscribe_read_just_before_disconnect_and_close_is_stored(
     after it, the socket closed at once (what the SDK's unsubscribe() then close() sends), was
     dropped every time: the reader reached EOF and cancelled the packets' handlers it had
     started, so the broker kept queueing for the filter. Packets read before the end are handled."""
-    connect = mqtt_string("MQTT") + bytes([4, 0x00, 0, 60])  # clean_session=false
     for round_ in range(5):
         client_id = f"unsub-close-{round_}"
-        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
-            sock.sendall(mqtt_packet(0x10, connect + mqtt_string(client_id)))
-            assert read_exactly(sock, 4)[:2] == b"\x20\x02"
-            sock.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("uc/t") + b"\x01"))
-            assert read_exactly(sock, 5) == b"\x90\x03\x00\x01\x01"
+        with raw_connect(broker.port, client_id, clean=False) as sock:
+            assert raw_subscribe(sock, "uc/t", 1) == 1
             ready = mqtt_packet(0x30, mqtt_string(CONTROL_TOPIC) + encode_request("ready", 1))
             unsubscribe = mqtt_packet(0xA2, b"\x00\x02" + mqtt_string("uc/t"))
             sock.sendall(ready + unsubscribe + bytes([0xE0, 0]))
@@ -249,28 +244,17 @@ def test_long_filters_past_max_subscription_bytes_per_client_get_0x80(
     SUBSCRIBE: with 250 filters of 60 kB (under max_subscriptions_per_client) each SUBSCRIBE held
     the event loop for about 0.25 s (another client's round trip: up to 0.6 s), growing with every
     filter. The filters' bytes are bounded too; a held filter re-subscribed counts once."""
-    device = clients(broker.port, "dev-1")
-    device.subscribe("orders/#", 1)
-    device.drop()
-    publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(5, "order")
-    publisher.publish("orders/1", queued)
-    hog = socket.create_connection((HOST, broker.port), timeout=WAIT)
-    flags = 0x02 if clean else 0x00
-    hog.sendall(mqtt_packet(0x10, mqtt_string("MQTT") + bytes((4, flags, 0, 0)) + mqtt_string("hog")))
-    assert read_exactly(hog, 4)[:2] == b"\x20\x02"
+    device, _ = queued_while_dropped(clients, broker.port, "orders/#", "orders/1", queued)
+    hog = raw_connect(broker.port, "hog", clean=clean, keepalive=0)
     fits = BYTE_LIMIT // LONG_FILTER
     codes = []
     for i in range(fits + 3):
         long_filter = f"hog/{i:04d}/".encode() + b"a" * (LONG_FILTER - 9)
-        hog.sendall(mqtt_packet(0x82, (i + 1).to_bytes(2, "big") + mqtt_string(long_filter) + b"\x01"))
-        suback = read_exactly(hog, 5)
-        assert suback[:4] == b"\x90\x03" + (i + 1).to_bytes(2, "big")
-        codes.append(suback[4])
+        codes.append(raw_subscribe(hog, long_filter, 1, packet_id=i + 1))
     assert codes == [1] * fits + [REFUSED] * 3
     again = f"hog/{0:04d}/".encode() + b"a" * (LONG_FILTER - 9)  # a held filter: a re-subscription
-    hog.sendall(mqtt_packet(0x82, b"\xff\x00" + mqtt_string(again) + b"\x01"))
-    assert read_exactly(hog, 5) == b"\x90\x03\xff\x00\x01"
+    assert raw_subscribe(hog, again, 1, packet_id=0xFF00) == 1
     hog.close()
     log = broker.log()
     assert f"max_subscription_bytes_per_client is {BYTE_LIMIT}" in log, log[-3000:]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly
 from test_protocol import request, stream_events
 
 from amqtt_durable.inspect_store import summarize
@@ -28,14 +29,6 @@ TOPIC_PLUGIN = "amqtt.plugins.topic_checking.TopicTabooPlugin"
 
 
 # ------------------------------------------------------------------ raw MQTT
-def connect_packet(client_id: str, *, will_topic: bytes | None = None, keepalive: int = 60) -> bytes:
-    flags = 0x02 | (0x04 if will_topic is not None else 0)  # clean session, will QoS 0
-    body = mqtt_string("MQTT") + bytes((4, flags)) + struct.pack(">H", keepalive) + mqtt_string(client_id)
-    if will_topic is not None:
-        body += mqtt_string(will_topic) + mqtt_string(b"gone")
-    return mqtt_packet(0x10, body)
-
-
 def publish_packet(topic: bytes, payload: bytes, qos: int, packet_id: int = 1) -> bytes:
     body = mqtt_string(topic) + (struct.pack(">H", packet_id) if qos else b"") + payload
     return mqtt_packet(0x30 | qos << 1, body)
@@ -57,19 +50,6 @@ def read_until_closed(sock: socket.socket, timeout: float) -> bytes | None:
             return bytes(got)
         got += chunk
     return None
-
-
-def raw_client(port: int, client_id: str) -> socket.socket:
-    """A connected raw client (CONNACK accepted)."""
-    sock = socket.create_connection((HOST, port), timeout=WAIT)
-    sock.sendall(connect_packet(client_id))
-    reply = b""
-    while len(reply) < 4:
-        chunk = sock.recv(4 - len(reply))
-        assert chunk, "closed before CONNACK"
-        reply += chunk
-    assert reply == CONNACK_ACCEPTED
-    return sock
 
 
 def connack_within(port: int, timeout: float) -> bool:
@@ -160,7 +140,7 @@ def test_connections_without_a_whole_connect_are_closed_after_connect_timeout(
     broker_factory: Callable[..., Broker],
 ) -> None:
     broker = broker_factory(connect_timeout=1.5)
-    connected = raw_client(broker.port, "idle-but-connected")
+    connected = raw_connect(broker.port, "idle-but-connected", clean=True)
     silent = socket.create_connection((HOST, broker.port), timeout=WAIT)
     half = socket.create_connection((HOST, broker.port), timeout=WAIT)
     half.sendall(connect_packet("slow-loris")[:10])
@@ -197,7 +177,7 @@ def test_a_publish_to_an_invalid_topic_closes_the_connection_on_every_path(
     assert watcher.subscribe("#", 2) == [2]
     for topic in BAD_TOPICS:
         for qos in (0, 1, 2):
-            bad = raw_client(broker.port, "bad")
+            bad = raw_connect(broker.port, "bad", clean=True)
             bad.sendall(publish_packet(topic, b"attack", qos) + PINGREQ)
             got = read_until_closed(bad, WAIT)
             assert got is not None, f"{topic!r} at QoS {qos}: the connection stayed open"
@@ -209,7 +189,7 @@ def test_a_publish_to_an_invalid_topic_closes_the_connection_on_every_path(
         with socket.create_connection((HOST, broker.port), timeout=WAIT) as will:
             will.sendall(connect_packet("bad-will", will_topic=topic))
             assert read_until_closed(will, WAIT) == b"", f"a will on {topic!r} was accepted"
-    past_end = raw_client(broker.port, "bad")
+    past_end = raw_connect(broker.port, "bad", clean=True)
     past_end.sendall(b"\x30\x05\x00\x09abc" + PINGREQ)  # a topic length of 9 in a 5-byte packet
     assert read_until_closed(past_end, WAIT) in (b"", b"\xd0\x00")
     past_end.close()
@@ -245,8 +225,7 @@ def test_a_subscribe_or_unsubscribe_of_a_filter_not_utf8_closes_the_connection_o
     receiver = clients(broker.port, "ä-receiver")
     assert receiver.subscribe("zähler/#", 1) == [1], "a filter that is UTF-8 beyond ASCII is fine"
     publisher = clients(broker.port, "pub", clean_session=True)
-    connect_body = mqtt_string("MQTT") + bytes((4, 0)) + struct.pack(">H", 60) + mqtt_string("bad")
-    durable_connect = mqtt_packet(0x10, connect_body)  # clean session 0: what it subscribes is stored
+    durable_connect = connect_packet("bad", clean=False)  # what it subscribes is stored
     for raw in BAD_FILTERS:
         for first, options in ((0x82, b"\x01"), (0xA2, b"")):  # SUBSCRIBE QoS 1, UNSUBSCRIBE
             with socket.create_connection((HOST, broker.port), timeout=WAIT) as bad:
@@ -269,15 +248,6 @@ def test_a_subscribe_or_unsubscribe_of_a_filter_not_utf8_closes_the_connection_o
     assert stored.get("bad", {}) == {}, stored
 
 
-def read_exactly(sock: socket.socket, count: int) -> bytes:
-    reply = b""
-    while len(reply) < count:
-        chunk = sock.recv(count - len(reply))
-        assert chunk, "closed early"
-        reply += chunk
-    return reply
-
-
 def test_a_nul_topic_cannot_forge_a_stream_event(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
@@ -293,7 +263,7 @@ def test_a_nul_topic_cannot_forge_a_stream_event(
     publisher = clients(broker.port, "pub", clean_session=True)
     publisher.publish("s/a", payloads(2, "e"), qos=1)
     for topic in (b"s/a\x00" + struct.pack(">Q", 2), b"k/a\x00b"):
-        bad = raw_client(broker.port, "attacker")
+        bad = raw_connect(broker.port, "attacker", clean=True)
         bad.sendall(publish_packet(topic, b"injected", 1))
         assert read_until_closed(bad, WAIT) == b"", "the NUL topic was acknowledged, or the connection kept"
         bad.close()
@@ -332,7 +302,7 @@ def test_a_publish_past_max_packet_size_is_refused_before_its_body_is_read(
     attack = mqtt_packet(0x32, body)
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # restart the peak-RSS count (VmHWM) from now
     rss_before = memory_kb(pid, "VmRSS")
-    bad = raw_client(broker.port, "big")
+    bad = raw_connect(broker.port, "big", clean=True)
     bad.settimeout(WAIT)
     with contextlib.suppress(OSError):  # the broker closes after the header: the rest meets a reset
         bad.sendall(attack)
@@ -354,7 +324,7 @@ def test_max_packet_size_is_configurable_and_checked_on_every_path(
     broker = broker_factory(start=False, max_packet_size=4096)
     broker.extra_plugins.update(PATHS[path])
     broker.start()
-    fits = raw_client(broker.port, "fits")
+    fits = raw_connect(broker.port, "fits", clean=True)
     fits.sendall(publish_packet(b"t", b"x" * (4096 - 5), 1))  # remaining length exactly 4096
     assert fits.recv(4) == b"\x40\x02\x00\x01"
     fits.sendall(publish_packet(b"t", b"x" * 4092, 1, packet_id=2))  # 4097

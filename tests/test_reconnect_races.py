@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from raw_mqtt_helpers import raw_connect, raw_subscribe, read_exactly
 
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.delivery import AckKind
@@ -97,40 +98,27 @@ class ConnectionGate(BasePlugin):
 '''
 
 
-def raw_connect(port: int, client_id: str, *, clean: bool, username: str | None = None) -> socket.socket:
-    """A raw MQTT 3.1.1 CONNECT (keep-alive 60 s); returns the socket once CONNACK accepted it."""
-    flags = (0x02 if clean else 0) | (0x80 if username is not None else 0)
-    body = mqtt_string("MQTT") + bytes([4, flags, 0, 60]) + mqtt_string(client_id)
-    if username is not None:
-        body += mqtt_string(username)
-    sock = socket.create_connection((HOST, port), timeout=WAIT)
-    sock.sendall(mqtt_packet(0x10, body))
-    connack = read_exactly(sock, 4)
-    assert connack[:1] == b"\x20" and connack[3:4] == b"\x00", connack
-    return sock
-
-
-def read_exactly(sock: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))  # bounded by the socket timeout (WAIT)
-        assert chunk, "connection closed"
-        data += chunk
-    return data
-
-
-@pytest.mark.timeout(120)
-def test_an_older_connection_reaching_its_message_loop_late_leaves_the_session_to_the_newer(
+def gated_broker(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
-) -> None:
+) -> tuple[Broker, Client]:
+    """A broker with GATE_PLUGIN (recovery_buffer 10; any user may take a session over: roles are
+    usernames) and durable session dev subscribed to race/t (QoS 1), disconnected: (broker, dev)."""
     (tmp_path / "connection_gate.py").write_text(GATE_PLUGIN)
-    broker = broker_factory(start=False, recovery_buffer=10, session_takeover="any-user")  # roles are usernames
+    broker = broker_factory(start=False, recovery_buffer=10, session_takeover="any-user")
     broker.pythonpath.append(str(tmp_path))
     broker.extra_plugins["connection_gate.ConnectionGate"] = {}
     broker.start()
     device = clients(broker.port, "dev")
     assert device.subscribe("race/t", 1) == [1]
     device.disconnect()
+    return broker, device
+
+
+@pytest.mark.timeout(120)
+def test_an_older_connection_reaching_its_message_loop_late_leaves_the_session_to_the_newer(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    broker, device = gated_broker(broker_factory, clients, tmp_path)
     publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(40, "q")
     publisher.publish("race/t", queued, qos=1)
@@ -144,8 +132,7 @@ def test_an_older_connection_reaching_its_message_loop_late_leaves_the_session_t
     # Let the older connection run its message loop; the SUBACK of the releasing connection comes
     # once that loop (its attach, its end, its detach) is over.
     release = raw_connect(broker.port, "release-after-held", clean=True)
-    release.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("release/none") + b"\x00"))
-    assert read_exactly(release, 5) == b"\x90\x03\x00\x01\x00", "no SUBACK"
+    assert raw_subscribe(release, "release/none", 0) == 0, "no SUBACK"
     release.close()
     older.close()
 
@@ -168,14 +155,7 @@ def test_an_older_connection_left_open_by_amqtt_is_ended_when_a_later_connect_ta
     older connection must be ended (MQTT-3.1.4-2) so that its client reconnects, rather than stay
     connected and be sent nothing: ``first`` has attached when the later one attaches,
     ``first-late`` attaches after it."""
-    (tmp_path / "connection_gate.py").write_text(GATE_PLUGIN)
-    broker = broker_factory(start=False, recovery_buffer=10, session_takeover="any-user")  # roles are usernames
-    broker.pythonpath.append(str(tmp_path))
-    broker.extra_plugins["connection_gate.ConnectionGate"] = {}
-    broker.start()
-    setup = clients(broker.port, "dev")
-    assert setup.subscribe("race/t", 1) == [1]
-    setup.disconnect()
+    broker, _ = gated_broker(broker_factory, clients, tmp_path)
     queued = payloads(40, "q")
     clients(broker.port, "pub-1", clean_session=True).publish("race/t", queued, qos=1)
     broker.restart(kill=True)

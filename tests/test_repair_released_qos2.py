@@ -250,6 +250,48 @@ def test_a_new_message_never_takes_the_id_of_a_gone_body_a_released_entry_still_
     broker.stop()
 
 
+def queue_one_and_two(
+    broker: Broker,
+    clients: Callable[..., Client],
+    topic_filter: str = "t/#",
+    *,
+    username: str | None = None,
+    before: tuple[tuple[str, bytes], ...] = (),
+) -> None:
+    """Session dev (user ``username``) subscribes to ``topic_filter`` (QoS 1) and goes away; a
+    publisher sends ``before`` ((topic, payload) each), then "one" and "two" to t/x, all QoS 1;
+    the broker stops."""
+    subscriber = clients(broker.port, "dev", username=username)
+    assert subscriber.subscribe(topic_filter, 1) == [1]
+    subscriber.disconnect()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    for topic, payload in before:
+        publisher.publish(topic, [payload], qos=1)
+    publisher.publish("t/x", [b"one", b"two"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+
+
+def flag_released(store: str, qos: int, flagged: slice, *, delete_bodies: bool = False) -> list[Entry]:
+    """Damage: dev's queue entries ``flagged`` (each stored with its body) get QoS ``qos`` and the
+    RELEASED flag, and lose their bodies when ``delete_bodies``. Returns dev's entries as they were."""
+    db = open_store(store, create=False)
+    try:
+        (sid,) = (record.sid for record in iter_sessions(db) if record.client_id == "dev")
+        entries = list(iter_entries(db, sid))
+        for entry in entries[flagged]:
+            assert db.get(body_key(entry.msg_id)) is not None
+            db.put(
+                entry_key(sid, entry.seq),
+                Entry(entry.seq, entry.msg_id, qos, entry.flags | FLAG_RELEASED, entry.size).encode(),
+            )
+            if delete_bodies:
+                db.delete(body_key(entry.msg_id))
+    finally:
+        db.close()
+    return entries
+
+
 @pytest.mark.parametrize("qos", [0, 1])
 def test_a_released_flag_on_an_entry_that_is_not_qos2_does_not_spare_it_without_its_body(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], qos: int
@@ -258,22 +300,8 @@ def test_a_released_flag_on_an_entry_that_is_not_qos2_does_not_spare_it_without_
     body is gone is removed like any entry without a body, and the rest of the queue follows. It
     was passed on with an empty body, and delivery failed on it at every reconnect."""
     broker = broker_factory()
-    subscriber = clients(broker.port, "dev")
-    assert subscriber.subscribe("t/#", 1) == [1]
-    subscriber.disconnect()
-    publisher = clients(broker.port, "pub", clean_session=True)
-    publisher.publish("t/x", [b"one", b"two"], qos=1)
-    publisher.disconnect()
-    broker.stop()
-    db = open_store(broker.store, create=False)
-    try:
-        (sid,) = (record.sid for record in iter_sessions(db) if record.client_id == "dev")
-        damaged = next(iter_entries(db, sid))
-        damaged = Entry(damaged.seq, damaged.msg_id, qos, damaged.flags | FLAG_RELEASED, damaged.size)
-        db.put(entry_key(sid, damaged.seq), damaged.encode())
-        db.delete(body_key(damaged.msg_id))
-    finally:
-        db.close()
+    queue_one_and_two(broker, clients)
+    damaged = flag_released(broker.store, qos, slice(1), delete_bodies=True)[0]
 
     broker.start()
     subscriber = clients(broker.port, "dev")
@@ -300,28 +328,10 @@ def test_a_released_flag_on_a_qos1_entry_with_its_body_still_sends_its_publish(
         broker.pythonpath.append(str(tmp_path))
         broker.extra_plugins["receive_acl.ReceiveAcl"] = {"receive": {"alice": ["t/", "secret/"]}}
     broker.start()
-    subscriber = clients(broker.port, "dev", username="alice")
-    assert subscriber.subscribe("#" if acl else "t/#", 1) == [1]
-    subscriber.disconnect()
-    publisher = clients(broker.port, "pub", clean_session=True)
-    if acl:
-        publisher.publish("secret/x", [b"secret"], qos=1)
-    publisher.publish("t/x", [b"one", b"two"], qos=1)
-    publisher.disconnect()
-    broker.stop()
-    db = open_store(broker.store, create=False)
-    try:
-        (sid,) = (record.sid for record in iter_sessions(db) if record.client_id == "dev")
-        entries = list(iter_entries(db, sid))
-        assert len(entries) == (3 if acl else 2)
-        for entry in entries[:-1]:  # "one" (and "secret"): RELEASED, bodies kept
-            assert db.get(body_key(entry.msg_id)) is not None
-            db.put(
-                entry_key(sid, entry.seq),
-                Entry(entry.seq, entry.msg_id, 1, entry.flags | FLAG_RELEASED, entry.size).encode(),
-            )
-    finally:
-        db.close()
+    before = (("secret/x", b"secret"),) if acl else ()
+    queue_one_and_two(broker, clients, "#" if acl else "t/#", username="alice", before=before)
+    entries = flag_released(broker.store, 1, slice(-1))  # "one" (and "secret"): RELEASED, bodies kept
+    assert len(entries) == (3 if acl else 2)
 
     if acl:  # alice may no longer read what is queued for her under secret/
         broker.extra_plugins["receive_acl.ReceiveAcl"] = {"receive": {"alice": ["t/"]}}

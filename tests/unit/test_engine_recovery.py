@@ -154,52 +154,43 @@ def test_a_connection_attaching_while_its_session_is_deleted_gets_no_pump(tmp_pa
     asyncio.run(main())
 
 
-def test_drop_oldest_keeps_a_qos2_entry_awaiting_pubcomp_reachable(tmp_path: Path) -> None:
+def _drop_oldest_with_a_released_first_entry(tmp_path: Path, qos: int) -> tuple[list[tuple[int, bytes]], int]:
+    """A session whose full queue (max_depth 3, drop-oldest) holds three QoS ``qos`` entries, the
+    first with the RELEASED flag, gets a fourth: its queue's (seq, payload) pairs after that, and
+    its count of dropped messages."""
     path = str(tmp_path / "store")
     db = open_store(path)
-    db.put(session_key("dev"), SessionRecord("dev", 1, {"t": 2}, expires_at=9e18).encode())
+    db.put(session_key("dev"), SessionRecord("dev", 1, {"t": qos}, expires_at=9e18).encode())
     for seq, flags in ((1, FLAG_RELEASED), (2, 0), (3, 0)):
-        db.put(body_key(seq), Body("t", b"m%d" % seq, 2, 1.0).encode())
-        db.put(entry_key(1, seq), Entry(seq, seq, 2, flags, 2).encode())
+        db.put(body_key(seq), Body("t", b"m%d" % seq, qos, 1.0).encode())
+        db.put(entry_key(1, seq), Entry(seq, seq, qos, flags, 2).encode())
     db.put(totals_key(1), encode_totals(3, 6, 0))
     db.close()
 
-    async def main() -> None:
+    async def main() -> tuple[list[tuple[int, bytes]], int]:
         config = DurableConfig(store=path, max_depth=3, max_depth_disconnected=3, overflow="drop-oldest")
         engine = DurableEngine(config)
         engine.open()
-        await engine.route_publish("t", b"new", 2)  # full: the oldest droppable one goes
+        await engine.route_publish("t", b"new", qos)  # full: the oldest droppable one goes
         session = engine.sessions["dev"]
         entries, _ = session.read_entries(session.head_seq, session.committed_tail, 10)
-        assert [(e.seq, body.payload) for e, body in entries] == [(1, b"m1"), (3, b"m3"), (4, b"new")]
+        queue_and_dropped = [(e.seq, body.payload) for e, body in entries], session.dropped
         await engine.close()
+        return queue_and_dropped
 
-    asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_drop_oldest_keeps_a_qos2_entry_awaiting_pubcomp_reachable(tmp_path: Path) -> None:
+    queue, _ = _drop_oldest_with_a_released_first_entry(tmp_path, 2)
+    assert queue == [(1, b"m1"), (3, b"m3"), (4, b"new")]
 
 
 def test_drop_oldest_drops_a_qos1_entry_with_the_released_flag(tmp_path: Path) -> None:
     """RELEASED on a QoS 1 entry is damage, not a PUBREL due: drop-oldest drops it as any other."""
-    path = str(tmp_path / "store")
-    db = open_store(path)
-    db.put(session_key("dev"), SessionRecord("dev", 1, {"t": 1}, expires_at=9e18).encode())
-    for seq, flags in ((1, FLAG_RELEASED), (2, 0), (3, 0)):
-        db.put(body_key(seq), Body("t", b"m%d" % seq, 1, 1.0).encode())
-        db.put(entry_key(1, seq), Entry(seq, seq, 1, flags, 2).encode())
-    db.put(totals_key(1), encode_totals(3, 6, 0))
-    db.close()
-
-    async def main() -> None:
-        config = DurableConfig(store=path, max_depth=3, max_depth_disconnected=3, overflow="drop-oldest")
-        engine = DurableEngine(config)
-        engine.open()
-        await engine.route_publish("t", b"new", 1)  # full: the oldest one goes, flag or not
-        session = engine.sessions["dev"]
-        entries, _ = session.read_entries(session.head_seq, session.committed_tail, 10)
-        assert [(e.seq, body.payload) for e, body in entries] == [(2, b"m2"), (3, b"m3"), (4, b"new")]
-        assert session.dropped == 1
-        await engine.close()
-
-    asyncio.run(main())
+    queue, dropped = _drop_oldest_with_a_released_first_entry(tmp_path, 1)
+    assert queue == [(2, b"m2"), (3, b"m3"), (4, b"new")]
+    assert dropped == 1
 
 
 def _released_without_body(path: str) -> None:

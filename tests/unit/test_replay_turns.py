@@ -8,7 +8,8 @@ batch within attach and then take turns, instead of one session's whole window a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -361,6 +362,32 @@ class PassTransport(OrderedTransport):
             RecordingTransport.write(self, data)
 
 
+@contextlib.asynccontextmanager
+async def _subscribed_beside_a_hog(
+    config: DurableConfig, topic_filter: str
+) -> AsyncIterator[tuple[DurableEngine, WatchedTurns]]:
+    """An open engine whose turns are WatchedTurns (window: the recovery buffer) with a hog asking
+    for the whole budget every pass, and durable session c subscribed to ``topic_filter`` (QoS 1);
+    on the way out the hog is cancelled and the engine closed."""
+    engine = DurableEngine(config)
+    engine.open()
+    turns = engine.replay_turns = WatchedTurns(config.recovery_buffer)
+    hog = asyncio.ensure_future(_hog(turns))
+    try:
+        await engine.connect("c", clean_session=False)
+        await engine.subscribe("c", topic_filter, 1)
+        yield engine, turns
+    finally:
+        hog.cancel()
+        await asyncio.gather(hog, return_exceptions=True)
+        await engine.close()
+
+
+def _assert_every_batch_went_out_in_a_pass_granted_to_it(transport: PassTransport, turns: WatchedTurns) -> None:
+    late = [at for at in transport.later_writes_in if at not in turns.granted_in]
+    assert not late, f"written in passes {late}, granted in {sorted(turns.granted_in)}"
+
+
 def test_a_batch_goes_out_in_the_pass_its_turn_is_granted_in_behind_a_topic_acl(tmp_path: Path) -> None:
     """The turn is taken after the topic ACL is asked (and the sent mark stored), right before the
     write: a pump granted a turn and then asking the ACL per message wrote its batch passes later,
@@ -373,13 +400,8 @@ def test_a_batch_goes_out_in_the_pass_its_turn_is_granted_in_behind_a_topic_acl(
         return bool(await answer)
 
     async def main() -> None:
-        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
-        engine.open()
-        turns = engine.replay_turns = WatchedTurns(window)
-        hog = asyncio.ensure_future(_hog(turns))
-        try:
-            await engine.connect("c", clean_session=False)
-            await engine.subscribe("c", "t/#", 1)
+        config = DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window)
+        async with _subscribed_beside_a_hog(config, "t/#") as (engine, turns):
             for index in range(queued):
                 engine.route_publish(f"t/{index}", b"%d" % index, 1)  # a topic each: the ACL is asked for each
             await engine.written_so_far()
@@ -388,13 +410,8 @@ def test_a_batch_goes_out_in_the_pass_its_turn_is_granted_in_behind_a_topic_acl(
             sent = await transport.wait_for(lambda ps: len(ps) >= queued, LIMIT * 2)
             assert [p.payload for p in sent] == [b"%d" % i for i in range(queued)]
             assert len(transport.later_writes_in) >= 4, "batches of 16, 32, 64, ..."
-            late = [at for at in transport.later_writes_in if at not in turns.granted_in]
-            assert not late, f"written in passes {late}, granted in {sorted(turns.granted_in)}"
+            _assert_every_batch_went_out_in_a_pass_granted_to_it(transport, turns)
             await engine.detach("c", transport)
-        finally:
-            hog.cancel()
-            await asyncio.gather(hog, return_exceptions=True)
-            await engine.close()
 
     asyncio.run(main())
 
@@ -410,13 +427,7 @@ def test_a_turn_whose_batch_overflow_dropped_is_not_used_by_a_later_batch(tmp_pa
         config = DurableConfig(
             store=str(tmp_path / "store"), recovery_buffer=window, max_depth=depth, sync=True, batch_delay_ms=50.0
         )
-        engine = DurableEngine(config)
-        engine.open()
-        turns = engine.replay_turns = WatchedTurns(window)
-        hog = asyncio.ensure_future(_hog(turns))
-        try:
-            await engine.connect("c", clean_session=False)
-            await engine.subscribe("c", "t", 1)
+        async with _subscribed_beside_a_hog(config, "t") as (engine, turns):
             for index in range(depth):
                 engine.route_publish("t", b"q%d" % index, 1)
             await engine.written_so_far()
@@ -432,12 +443,7 @@ def test_a_turn_whose_batch_overflow_dropped_is_not_used_by_a_later_batch(tmp_pa
             assert turns.on_queue is None, "the second batch waited"
             expected = [b"q%d" % i for i in range(FIRST_RUN)] + [b"n%d" % i for i in range(1, 17)]
             assert [p.payload for p in sent] == expected
-            late = [at for at in transport.later_writes_in if at not in turns.granted_in]
-            assert not late, f"written in passes {late}, granted in {sorted(turns.granted_in)}"
+            _assert_every_batch_went_out_in_a_pass_granted_to_it(transport, turns)
             await engine.detach("c", transport)
-        finally:
-            hog.cancel()
-            await asyncio.gather(hog, return_exceptions=True)
-            await engine.close()
 
     asyncio.run(main())

@@ -1,0 +1,56 @@
+"""Raw-socket MQTT 3.1.1 client steps for tests that send what paho would not, or must see the
+broker's bytes as they come (connect, subscribe, read), bounded by the socket's timeout (WAIT)."""
+
+from __future__ import annotations
+
+import socket
+
+from conftest import HOST, WAIT, mqtt_packet, mqtt_string
+
+
+def read_exactly(sock: socket.socket, count: int) -> bytes:
+    data = b""
+    while len(data) < count:
+        chunk = sock.recv(count - len(data))  # bounded by the socket timeout (WAIT)
+        assert chunk, "connection closed"
+        data += chunk
+    return data
+
+
+def connect_packet(
+    client_id: str,
+    *,
+    clean: bool = True,
+    username: str | None = None,
+    will_topic: bytes | None = None,
+    keepalive: int = 60,
+) -> bytes:
+    """An MQTT 3.1.1 CONNECT without a password; the will (``will_topic``) is QoS 0, its message "gone"."""
+    flags = (0x02 if clean else 0) | (0x04 if will_topic is not None else 0) | (0x80 if username is not None else 0)
+    body = mqtt_string("MQTT") + bytes((4, flags)) + keepalive.to_bytes(2, "big") + mqtt_string(client_id)
+    if will_topic is not None:
+        body += mqtt_string(will_topic) + mqtt_string(b"gone")
+    if username is not None:
+        body += mqtt_string(username)
+    return mqtt_packet(0x10, body)
+
+
+def raw_connect(
+    port: int, client_id: str, *, clean: bool, username: str | None = None, keepalive: int = 60
+) -> socket.socket:
+    """A raw CONNECT (connect_packet); returns the socket once CONNACK accepted it."""
+    sock = socket.create_connection((HOST, port), timeout=WAIT)
+    sock.sendall(connect_packet(client_id, clean=clean, username=username, keepalive=keepalive))
+    connack = read_exactly(sock, 4)
+    assert connack[:2] == b"\x20\x02" and connack[3:4] == b"\x00", connack
+    assert not (clean and connack[2]), f"a clean session's CONNACK has session present: {connack!r}"
+    return sock
+
+
+def raw_subscribe(sock: socket.socket, topic_filter: str | bytes, qos: int, packet_id: int = 1) -> int:
+    """SUBSCRIBE to one filter; the return code of its SUBACK (whose packet id is checked)."""
+    packet_id_bytes = packet_id.to_bytes(2, "big")
+    sock.sendall(mqtt_packet(0x82, packet_id_bytes + mqtt_string(topic_filter) + bytes((qos,))))
+    suback = read_exactly(sock, 5)
+    assert suback[:4] == b"\x90\x03" + packet_id_bytes, suback
+    return suback[4]
