@@ -86,12 +86,13 @@ def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
 
 # ------------------------------------------------- point 1: descriptor floods
 NOFILE = 256
-SERVING_AGAIN_S = 5.0
+SERVING_AGAIN_S = 30.0
 """Bound on the first CONNACK after the flood. Each time the flood fills the descriptor limit,
 asyncio stops accepting for ACCEPT_RETRY_DELAY (1 s), and the broker then works through the
-connections the flood left in its listen backlog, so on 2 busy cores "within a second" is not
-always met (seen once in a full suite on a loaded machine). Before the fix the broker never
-served again, so any bound tells the two apart."""
+connections the flood left in its listen backlog (up to listen_backlog, 512): about a second on
+a quiet machine, but 5 s was exceeded on 2 cores at load 8 (other tests beside this one). Before
+the fix the broker never served again, so a liberal bound still tells the two apart; the time
+itself is measured in bench, not asserted here."""
 
 
 @pytest.mark.slow  # 5 x the descriptor limit of connections, then connect_timeout: seconds
