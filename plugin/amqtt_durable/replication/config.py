@@ -14,6 +14,7 @@ Two ways to run, as in Patroni:
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 import re
@@ -30,6 +31,7 @@ Role = Literal["auto", "primary", "backup"]
 ROLES: tuple[str, ...] = get_args(Role)
 Mode = Literal["sync", "async"]
 MODES: tuple[str, ...] = get_args(Mode)
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 MIN_LEASE_TTL = 2
 """etcd grants no lease shorter than about 1.5 election timeouts (2 s with its defaults)."""
 
@@ -180,6 +182,19 @@ class ReplicationConfig:
     """Seconds a peer of a replication address has for its first frame and, with a secret, the
     whole handshake; a silent peer is disconnected after it."""
 
+    allow_from: list[str] | None = None
+    """IP addresses and CIDR networks (IPv4 or IPv6) allowed to connect to this node's replication
+    address (a primary's, a backup's for the tools); a connection from any other address is closed
+    at accept, before TLS and the handshake, without taking one of the gate's places (gate.py).
+    None (absent): any address, as before. A network must not have host bits set (10.0.0.0/24,
+    not 10.0.0.1/24); an empty list is refused (it would shut out every backup and tool)."""
+
+    def allowed_networks(self) -> tuple[Network, ...] | None:
+        """``allow_from`` parsed; None: any address may connect."""
+        if self.allow_from is None:
+            return None
+        return parse_allow_from(self.allow_from, "replication.allow_from")
+
     def __post_init__(self) -> None:
         _check(self, "replication")
 
@@ -221,12 +236,8 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         return None if value is None else TlsConfig.from_mapping(value, key)
     if kind in ("int", "float"):
         return SCALARS[kind](key, value)  # the plugin's own rules for numbers
-    if kind == "list[str]":
-        if isinstance(value, str):
-            value = [value]
-        if isinstance(value, list) and all(isinstance(item, str) for item in value):
-            return value
-        raise ConfigError(key, f"expected a list of URLs, got {value!r}")
+    if kind.startswith("list[str]"):
+        return _coerce_list(key, value, kind)
     choices = {"Role": ROLES, "Mode": MODES}.get(kind)
     if choices is not None:
         if value in choices:
@@ -238,6 +249,17 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         # in place of the variable's name, for secret_env) is still the secret
         raise ConfigError(key, f"expected text, got a value of type {type(value).__name__} (quote it in YAML)")
     raise ConfigError(key, f"expected text, got {value!r}")
+
+
+def _coerce_list(key: str, value: Any, kind: str) -> list[str]:
+    if kind == "list[str] | None":  # allow_from: an explicit null is refused too (it does not mean "any address")
+        parse_allow_from(value, key)
+        return list(value)
+    if isinstance(value, str):  # coordinator: one URL, or a list of them
+        value = [value]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return value
+    raise ConfigError(key, f"expected a list of URLs, got {value!r}")
 
 
 def _address(key: str, value: str) -> None:
@@ -255,6 +277,46 @@ def _check(config: ReplicationConfig, where: str) -> None:
     _check_timing(config, bad)
     _check_sizes(config, bad)
     _check_secret(config, where, bad)
+    if config.allow_from is not None:
+        parse_allow_from(config.allow_from, f"{where}.allow_from")
+
+
+ALLOW_FROM_EXAMPLE = "e.g. [10.0.0.2, 10.0.1.0/24, 2001:db8::/64]"
+
+
+def parse_allow_from(entries: Any, key: str) -> tuple[Network, ...]:
+    """``replication.allow_from``'s networks (an address alone is its /32 or /128), or a
+    ConfigError naming ``key`` and the bad entry: not a list, an empty list, an entry that is not
+    text, not an IP address or network, or a network with host bits set (10.0.0.1/24: strict, since
+    it may mean the host 10.0.0.1/32 as well as the network 10.0.0.0/24)."""
+    if not isinstance(entries, list):
+        raise ConfigError(
+            key, f"expected a list of IP addresses or CIDR networks ({ALLOW_FROM_EXAMPLE}), got {entries!r}"
+        )
+    if not entries:
+        raise ConfigError(
+            key,
+            "an empty list would refuse every backup and tool: list their addresses, or leave allow_from out "
+            "to let any address connect",
+        )
+    networks: list[Network] = []
+    for entry in entries:
+        if not isinstance(entry, str):
+            raise ConfigError(key, f"expected an IP address or CIDR network, got {entry!r} (quote it in YAML)")
+        try:
+            network = ipaddress.ip_network(entry)
+        except ValueError as exc:
+            raise ConfigError(key, _bad_network(entry)) from exc
+        networks.append(network)
+    return tuple(networks)
+
+
+def _bad_network(entry: str) -> str:
+    try:
+        network = ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        return f"{entry!r} is not an IP address or CIDR network ({ALLOW_FROM_EXAMPLE})"
+    return f"{entry!r} has host bits set: write the network {network} or the single address {entry.partition('/')[0]}"
 
 
 MIN_SECRET = 16

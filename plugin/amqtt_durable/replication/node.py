@@ -90,7 +90,9 @@ class ReplicationNode:
         self._ha_task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._admin: asyncio.Server | None = None
-        self._admin_gate = HandshakeGate(f"the replication address {config.listen}")
+        self._admin_gate = HandshakeGate(
+            f"the replication address {config.listen}", allow_from=config.allowed_networks()
+        )
         """The replication address's bound on connections in their handshake, and its counts of
         refused ones: the tools' listener of a backup and the listener of a primary share it."""
         self._stepping_down: asyncio.Task[None] | None = None
@@ -143,7 +145,7 @@ class ReplicationNode:
                 "caught_up": self.backup.caught_up,
                 "primary": self._following,
             }
-        status["refused"] = self._admin_gate.refused + self._admin_gate.turned_away
+        status["refused"] = self._admin_gate.refusals
         if self.ha is not None:
             status["members"] = [
                 {"name": m.name, "role": m.role, "store_id": m.store_id, "batch": m.seq, "candidate": m.candidate}

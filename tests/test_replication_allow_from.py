@@ -1,0 +1,102 @@
+"""``replication.allow_from`` between real broker processes (issue 12, securing the replication
+channel): the gate's 64 places for connections in their handshake could be held by anyone with
+enough addresses (8 each), keeping a backup and the tools out for ``handshake_timeout`` at a
+time. With allow_from, a connection from an address outside it is closed at accept and takes no
+place. On Linux all of 127.0.0.0/8 is loopback: the flood comes from 127.0.0.3 and up, the backup
+and the tools from 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+import pytest
+from test_ha_brokers import BACKUP, SERVING, address, node, queue_durable_messages, start, status, wait_status
+
+from amqtt_durable.replication.gate import LOG_HOSTS, TOTAL
+from conftest import WAIT, Broker, Client, run_cli
+
+pytestmark = pytest.mark.timeout(180)
+
+FLOOD_HOSTS = [f"127.0.0.{n}" for n in range(3, 3 + LOG_HOSTS + 4)]
+"""More addresses than the log names in an interval, none in allow_from."""
+EACH = 6
+"""Connections from each: under the 8 an address may hold, 120 in all, over the 64 of the gate."""
+FLOOD = len(FLOOD_HOSTS) * EACH
+NOT_ALLOWED = "not in replication.allow_from"
+
+
+def flood(replication_address: str) -> list[socket.socket]:
+    """``EACH`` silent connections from every address of ``FLOOD_HOSTS``, left open."""
+    host, port = replication_address.rsplit(":", 1)
+    return [
+        socket.create_connection((host, int(port)), timeout=WAIT, source_address=(source, 0))
+        for source in FLOOD_HOSTS
+        for _ in range(EACH)
+    ]
+
+
+def closed_by_node(sock: socket.socket) -> bool:
+    """Whether the node closed ``sock`` (within the socket's timeout, WAIT)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_without_allow_from_a_flood_from_many_addresses_keeps_the_tools_out(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """The gap allow_from closes (passes before and after it): 64 silent connections from 11
+    addresses hold every place of the gate, and the tools' STATUS from another address is closed at once."""
+    primary = start(node(broker_factory, "p", role="primary", handshake_timeout=60), SERVING)
+    peers = flood(address(primary))
+    try:
+        assert all(closed_by_node(sock) for sock in peers[TOTAL:]), "the surplus is closed at once"
+        assert status(primary) is None, "the tools cannot get in while the flood lasts"
+    finally:
+        for sock in peers:
+            sock.close()
+
+
+def test_a_flood_from_addresses_outside_allow_from_takes_no_place_and_a_backup_catches_up(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    settings = {"handshake_timeout": 60, "allow_from": ["127.0.0.1/32", "::1"]}
+    primary = start(node(broker_factory, "p", role="primary", **settings), SERVING)
+    queue_durable_messages(primary, clients, 100)
+    peers = flood(address(primary))
+    try:
+        assert all(closed_by_node(sock) for sock in peers), "every one is closed at accept"
+        backup = start(node(broker_factory, "b", role="backup", primary=address(primary), **settings), BACKUP)
+        peers += flood(address(backup))  # a backup's tools' listener: the same
+        assert all(closed_by_node(sock) for sock in peers)
+        caught_up = wait_status(backup, lambda s: s["caught_up"])
+        shown = wait_status(primary, lambda s: bool(s["backups"]) and s["backups"][0]["state"] == "in_sync")
+        assert shown["backups"][0]["name"] == "b" and caught_up["batch"] == shown["batch"] > 0
+        assert shown["refused"] == caught_up["refused"] == FLOOD
+        inspected = run_cli("inspect", "--replication", address(primary))
+        assert f"connections refused on its replication address since start: {FLOOD}" in inspected.stdout
+    finally:
+        for sock in peers:
+            sock.close()
+    backup.stop()  # a stop sums up what the interval's lines did not name
+    primary.stop()
+    for broker in (primary, backup):
+        lines = broker.log().splitlines()
+        named = [line for line in lines if NOT_ALLOWED in line]
+        assert len(named) == LOG_HOSTS, "one line per address, LOG_HOSTS of them an interval"
+        assert "refused a connection from 127.0.0.3 at once" in named[0]
+        summed = [line for line in lines if "more not in allow_from" in line]
+        assert len(summed) == 1 and f"{FLOOD - LOG_HOSTS} more not in allow_from" in summed[0], summed
+        assert f"{FLOOD} not in allow_from" in summed[0]
+
+
+def test_a_bad_allow_from_stops_the_broker_naming_the_key_and_the_entry(broker_factory: Callable[..., Broker]) -> None:
+    broker = node(broker_factory, "p", role="primary", allow_from=["10.0.0.2", "10.0.1.1/24"])
+    broker.write_config()
+    result = run_cli("broker", "-c", str(broker.config_path))
+    assert result.returncode == 2, result.stderr
+    assert "'replication.allow_from': '10.0.1.1/24' has host bits set" in result.stderr
