@@ -7,10 +7,12 @@ and the tools from 127.0.0.1."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 from collections.abc import Callable
 
 import pytest
+from test_docs_promises_ops import _listen_backlog
 from test_ha_brokers import BACKUP, SERVING, address, node, queue_durable_messages, start, status, wait_status
 
 from amqtt_durable.replication.gate import LOG_HOSTS, TOTAL
@@ -100,3 +102,16 @@ def test_a_bad_allow_from_stops_the_broker_naming_the_key_and_the_entry(broker_f
     result = run_cli("broker", "-c", str(broker.config_path))
     assert result.returncode == 2, result.stderr
     assert "'replication.allow_from': '10.0.1.1/24' has host bits set" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read a listening socket's backlog")
+def test_the_replication_address_listens_with_the_plugins_listen_backlog(broker_factory: Callable[..., Broker]) -> None:
+    """Review of allow_from, finding 1: both replication listeners (a primary's, a backup's for the
+    tools) had asyncio's backlog of 100: past 100 connections not yet accepted, even ones
+    allow_from closes at accept, a backup's or a tool's SYN was dropped and retried 1 s later. They
+    now take ``listen_backlog``, as the MQTT listeners do."""
+    plugin = {"listen_backlog": 7}
+    primary = start(node(broker_factory, "p", plugin, role="primary"), SERVING)
+    backup = start(node(broker_factory, "b", plugin, role="backup", primary=address(primary)), BACKUP)
+    for broker in (primary, backup):
+        assert _listen_backlog(int(address(broker).rsplit(":", 1)[1])) == 7, address(broker)

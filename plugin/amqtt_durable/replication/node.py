@@ -30,6 +30,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..settings import LISTEN_BACKLOG
 from .backup import Backup
 from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
@@ -56,6 +57,7 @@ class ReplicationNode:
         on_promote: Callable[[Primary], Awaitable[None] | None] | None = None,
         on_demote: Callable[[str], Awaitable[None] | None] | None = None,
         fsync: bool = True,
+        listen_backlog: int = LISTEN_BACKLOG,
     ) -> None:
         self.db = db
         self.config = config
@@ -64,6 +66,9 @@ class ReplicationNode:
         self.primary: Primary | None = None
         self.fsync = fsync
         """Whether the backup end fsyncs what it applies: as the broker's own commits (``sync``)."""
+        self.listen_backlog = listen_backlog
+        """The listen backlog of the replication address, a primary's and a backup's (the tools'):
+        the plugin's ``listen_backlog``."""
         self.secret = config.shared_secret()
         """replication.secret (or the content of secret_file or of the variable secret_env), read once at start-up."""
         tls = config.tls
@@ -216,7 +221,7 @@ class ReplicationNode:
     async def _open_admin(self) -> None:
         host, port = split_address(self.config.listen)
         # TLS (server_tls) is started in first_frame, once the gate admitted the connection.
-        self._admin = await asyncio.start_server(self._answer_tool, host, port)
+        self._admin = await asyncio.start_server(self._answer_tool, host, port, backlog=self.listen_backlog)
 
     async def _close_admin(self) -> None:
         server, self._admin = self._admin, None
@@ -359,6 +364,7 @@ class ReplicationNode:
             secret=self.secret,
             handshake_timeout=self.config.handshake_timeout,
             gate=self._admin_gate,
+            backlog=self.listen_backlog,
         )
         primary.on_admin = self.answer
         await primary.start(host, port, self.server_tls)
