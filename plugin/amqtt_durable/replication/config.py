@@ -187,7 +187,9 @@ class ReplicationConfig:
     address (a primary's, a backup's for the tools); a connection from any other address is closed
     at accept, before TLS and the handshake, without taking one of the gate's places (gate.py).
     None (absent): any address, as before. A network must not have host bits set (10.0.0.0/24,
-    not 10.0.0.1/24); an empty list is refused (it would shut out every backup and tool)."""
+    not 10.0.0.1/24); a /0 network is every address of its family (0.0.0.0/0, ::/0); an empty
+    list is refused (it would shut out every backup and tool), and so are scoped (fe80::1%eth0)
+    and IPv4-mapped (::ffff:10.0.0.2) entries (parse_allow_from)."""
 
     def allowed_networks(self) -> tuple[Network, ...] | None:
         """``allow_from`` parsed; None: any address may connect."""
@@ -281,14 +283,18 @@ def _check(config: ReplicationConfig, where: str) -> None:
         parse_allow_from(config.allow_from, f"{where}.allow_from")
 
 
-ALLOW_FROM_EXAMPLE = "e.g. [10.0.0.2, 10.0.1.0/24, 2001:db8::/64]"
+ALLOW_FROM_EXAMPLE = 'e.g. [10.0.0.2, 10.0.1.0/24, "2001:db8::/64"]'
+IPV4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
 
 
 def parse_allow_from(entries: Any, key: str) -> tuple[Network, ...]:
     """``replication.allow_from``'s networks (an address alone is its /32 or /128), or a
     ConfigError naming ``key`` and the bad entry: not a list, an empty list, an entry that is not
-    text, not an IP address or network, or a network with host bits set (10.0.0.1/24: strict, since
-    it may mean the host 10.0.0.1/32 as well as the network 10.0.0.0/24)."""
+    text, not an IP address or network, a network with host bits set (10.0.0.1/24: strict, since
+    it may mean the host 10.0.0.1/32 as well as the network 10.0.0.0/24), a scoped IPv6 entry
+    (fe80::1%eth0: a peer is matched by its address, so the zone would be ignored), or an
+    IPv4-mapped one (::ffff:10.0.0.2: asyncio's IPv6 listeners are IPv6-only, so an IPv4 peer is
+    always seen as its IPv4 address and such an entry would match nobody)."""
     if not isinstance(entries, list):
         raise ConfigError(
             key, f"expected a list of IP addresses or CIDR networks ({ALLOW_FROM_EXAMPLE}), got {entries!r}"
@@ -303,10 +309,26 @@ def parse_allow_from(entries: Any, key: str) -> tuple[Network, ...]:
     for entry in entries:
         if not isinstance(entry, str):
             raise ConfigError(key, f"expected an IP address or CIDR network, got {entry!r} (quote it in YAML)")
+        if "%" in entry:
+            address, _, zone = entry.partition("%")
+            _, slash, prefix = zone.partition("/")
+            raise ConfigError(
+                key,
+                f"{entry!r} has a zone (%...), which allow_from cannot check (a peer is matched by its address "
+                f"alone): write {address}{slash}{prefix}, which matches that address on every interface",
+            )
         try:
             network = ipaddress.ip_network(entry)
         except ValueError as exc:
             raise ConfigError(key, _bad_network(entry)) from exc
+        if isinstance(network, ipaddress.IPv6Network) and network.subnet_of(IPV4_MAPPED):
+            mapped = ipaddress.IPv4Network((int(network.network_address) & 0xFFFFFFFF, network.prefixlen - 96))
+            raise ConfigError(
+                key,
+                f"{entry!r} is an IPv4-mapped IPv6 address, which no peer has (asyncio's IPv6 listeners take "
+                f"IPv6 peers only: an IPv4 peer is seen as its IPv4 address): write the IPv4 "
+                f"{mapped.network_address if mapped.prefixlen == 32 else mapped}",
+            )
         networks.append(network)
     return tuple(networks)
 
@@ -316,7 +338,13 @@ def _bad_network(entry: str) -> str:
         network = ipaddress.ip_network(entry, strict=False)
     except ValueError:
         return f"{entry!r} is not an IP address or CIDR network ({ALLOW_FROM_EXAMPLE})"
-    return f"{entry!r} has host bits set: write the network {network} or the single address {entry.partition('/')[0]}"
+    address = entry.partition("/")[0]
+    if network.prefixlen == 0:
+        return (
+            f"{entry!r} has host bits set, and a /0 network would be every IPv{network.version} address: write the "
+            f"single address {address}, or the network you mean with its own prefix"
+        )
+    return f"{entry!r} has host bits set: write the network {network} or the single address {address}"
 
 
 MIN_SECRET = 16

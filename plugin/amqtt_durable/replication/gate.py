@@ -40,8 +40,10 @@ NOT_ALLOWED = "not in allow_from"
 
 
 def allowed(host: str, networks: Sequence[Network]) -> bool:
-    """Whether the peer address ``host`` is in one of ``networks``; an IPv4-mapped IPv6 address
-    (::ffff:a.b.c.d, a dual-stack listener's IPv4 peer) is also matched as its IPv4 address."""
+    """Whether the peer address ``host`` is in one of ``networks`` (a scoped peer, fe80::1%eth0,
+    by its address alone). An IPv4-mapped IPv6 address (::ffff:a.b.c.d) is also matched as its
+    IPv4 address, though no replication listener sees one: asyncio's IPv6 listening sockets are
+    IPv6-only (IPV6_V6ONLY), so an IPv4 peer comes to an IPv4 socket as its IPv4 address."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
