@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
+import socket
 import ssl
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,7 @@ from amqtt_durable.replication.gate import PER_HOST
 from amqtt_durable.replication.node import ReplicationNode
 from amqtt_durable.replication.primary import Primary
 from amqtt_durable.replication.tool import ask, format_status
+from amqtt_durable.settings import LISTEN_BACKLOG
 from amqtt_durable.store import open_store
 
 SECRET = b"replication-secret-of-the-gate-tests-0123456789"
@@ -298,3 +302,55 @@ def test_a_backup_gives_a_slow_primary_one_handshake_timeout_for_tls_and_the_sec
 
     elapsed = asyncio.run(main())
     assert within <= elapsed < 1.5 * within, elapsed
+
+
+def connects_while_nothing_is_accepted(port: int, count: int, within: float = 5.0) -> int:
+    """How many of ``count`` connections to ``port`` the kernel completes while the caller's event
+    loop (blocked by this call) accepts none: the listen backlog plus one, at most. Past it Linux
+    drops the SYN and the client retries 1 s later, then 3 s: the connection waits for an accept."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        poller = select.poll()
+        for sock in socks:
+            sock.setblocking(False)
+            sock.connect_ex((HOST, port))
+            poller.register(sock, select.POLLOUT)
+        pending = {sock.fileno(): sock for sock in socks}
+        connected = 0
+        deadline = time.monotonic() + within
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(left * 1000):
+                sock = pending.pop(fd)
+                poller.unregister(fd)
+                connected += sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        return connected
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_both_replication_listeners_hold_the_listen_backlog_not_asyncios_100(tmp_path: Path) -> None:
+    """Review of allow_from, finding 1: a backup's tools' listener and a primary's listened with
+    asyncio's default backlog of 100, so a flood (even one allow_from closes at accept) faster
+    than the accepts made a backup's or a tool's SYN wait 1 s, 3 s, ... for a place. Both now
+    listen with the plugin's listen_backlog (512 by default): 300 connections, none accepted yet
+    (this test holds the event loop), all complete."""
+    count = 300
+    assert 100 + 1 < count <= LISTEN_BACKLOG
+    db, _ = primary_store(tmp_path / "b")
+
+    async def main() -> None:
+        listen, unreachable = f"{HOST}:{free_port()}", f"{HOST}:{free_port()}"
+        node = ReplicationNode(db, ReplicationConfig(name="b", role="backup", primary=unreachable, listen=listen))
+        port = int(listen.rsplit(":", 1)[1])
+        await node.start()
+        try:
+            assert connects_while_nothing_is_accepted(port, count) == count, "the backup's tools' listener"
+            await bounded(node.promote(), 10.0)
+            assert node.primary is not None
+            assert connects_while_nothing_is_accepted(port, count) == count, "the primary's listener"
+        finally:
+            await bounded(node.stop(), 10.0)
+
+    asyncio.run(main())
+    db.close()

@@ -723,7 +723,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
             )
             self.replication = ReplicationNode(
                 self.engine.db, settings, coordinator=coordinator, on_promote=self._promoted, on_demote=self._demoted,
-                fsync=self.config.sync,
+                fsync=self.config.sync, listen_backlog=self.config.listen_backlog,
             )
             self.engine.on_store_reopened = self.replication.use_db
             await self.replication.start()

@@ -17,7 +17,7 @@ from durable_protocol import MAX_STREAM_WINDOW, filter_is_valid
 
 from .errors import ConfigError
 from .replication.config import ReplicationConfig
-from .settings import SCALARS
+from .settings import LISTEN_BACKLOG, SCALARS
 
 OverflowPolicy = Literal["drop-oldest", "drop-newest"]
 OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
@@ -146,11 +146,12 @@ class DurableConfig:
     limit. amqtt holds each such message in memory until its PUBREL: a client that never sends
     PUBREL could make it hold 65535 packets per connection."""
 
-    listen_backlog: int = 512
-    """Connections the kernel holds for each TCP listener until the broker accepts them (the
-    listen backlog; amqtt's is 100). Past it, Linux drops a new connection's SYN and the client
-    tries again 1 s later (then 3 s, 7 s): in a reconnect storm of more clients than the backlog,
-    the late ones wait for that. The kernel caps it at net.core.somaxconn."""
+    listen_backlog: int = LISTEN_BACKLOG
+    """Connections the kernel holds for each TCP listener, and for the replication address, until
+    the broker accepts them (the listen backlog; amqtt's and asyncio's is 100). Past it, Linux
+    drops a new connection's SYN and the client tries again 1 s later (then 3 s, 7 s): in a
+    reconnect storm of more clients than the backlog, the late ones wait for that. The kernel caps
+    it at net.core.somaxconn."""
 
     replication: ReplicationConfig | None = None
     """Primary-backup replication of the store (docs/replication.md); absent: one broker, as before."""

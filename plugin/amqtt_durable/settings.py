@@ -10,6 +10,10 @@ from typing import Any
 
 from .errors import ConfigError
 
+LISTEN_BACKLOG = 512
+"""The default of ``listen_backlog``: the listen backlog of the broker's TCP listeners and of its
+replication address (config.DurableConfig.listen_backlog)."""
+
 
 def _as_bool(key: str, value: Any) -> bool:
     if isinstance(value, bool):

@@ -48,6 +48,41 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
         ({**HA, "retained_bytes": 10}, "replication.retained_bytes", "1024"),
         ({**HA, "snapshot_chunk_bytes": True}, "replication.snapshot_chunk_bytes", "whole number"),
         ({**HA, "backups": ["a"]}, "replication.backups", "unknown setting"),
+        ({**HA, "allow_from": "10.0.0.2"}, "replication.allow_from", "expected a list of IP addresses or CIDR"),
+        ({**HA, "allow_from": None}, "replication.allow_from", "expected a list of IP addresses or CIDR"),
+        ({**HA, "allow_from": []}, "replication.allow_from", "an empty list would refuse every backup and tool"),
+        ({**HA, "allow_from": ["10.0.0.2", 10]}, "replication.allow_from", "got 10 (quote it in YAML)"),
+        ({**HA, "allow_from": ["10.0.0.300"]}, "replication.allow_from", "'10.0.0.300' is not an IP address"),
+        ({**HA, "allow_from": ["db1.example"]}, "replication.allow_from", "'db1.example' is not an IP address"),
+        ({**HA, "allow_from": ["10.0.0.0/33"]}, "replication.allow_from", "'10.0.0.0/33' is not an IP address"),
+        (
+            {**HA, "allow_from": ["10.0.0.2", "10.0.1.1/24"]},
+            "replication.allow_from",
+            "'10.0.1.1/24' has host bits set: write the network 10.0.1.0/24 or the single address 10.0.1.1",
+        ),
+        ({**HA, "allow_from": ["2001:db8::1/64"]}, "replication.allow_from", "network 2001:db8::/64 or the single"),
+        (
+            {**HA, "allow_from": ["10.0.0.2/0"]},
+            "replication.allow_from",
+            "'10.0.0.2/0' has host bits set, and a /0 network would be every IPv4 address: write the single "
+            "address 10.0.0.2, or the network you mean with its own prefix",
+        ),
+        ({**HA, "allow_from": ["::1/0"]}, "replication.allow_from", "every IPv6 address: write the single address ::1"),
+        (
+            {**HA, "allow_from": ["10.0.0.2", "fe80::1%eth0"]},
+            "replication.allow_from",
+            "'fe80::1%eth0' has a zone (%...), which allow_from cannot check (a peer is matched by its address "
+            "alone): write fe80::1, which matches that address on every interface",
+        ),
+        ({**HA, "allow_from": ["fe80::%eth0/64"]}, "replication.allow_from", "write fe80::/64, which matches"),
+        (
+            {**HA, "allow_from": ["::ffff:10.0.0.2"]},
+            "replication.allow_from",
+            "'::ffff:10.0.0.2' is an IPv4-mapped IPv6 address, which no peer has (asyncio's IPv6 listeners take "
+            "IPv6 peers only: an IPv4 peer is seen as its IPv4 address): write the IPv4 10.0.0.2",
+        ),
+        ({**HA, "allow_from": ["::ffff:10.0.1.0/120"]}, "replication.allow_from", "write the IPv4 10.0.1.0/24"),
+        ({**HA, "allow_from": ["::ffff:0:0/96"]}, "replication.allow_from", "write the IPv4 0.0.0.0/0"),
     ],
 )
 def test_a_bad_setting_is_named(settings: dict[str, Any], key: str, words: str) -> None:
@@ -55,6 +90,21 @@ def test_a_bad_setting_is_named(settings: dict[str, Any], key: str, words: str) 
         ReplicationConfig.from_mapping(settings)
     assert caught.value.key == key
     assert words in caught.value.problem
+
+
+def test_allow_from_takes_ipv4_and_ipv6_addresses_and_networks_and_defaults_to_any_address() -> None:
+    assert ReplicationConfig.from_mapping(HA).allowed_networks() is None
+    entries = ["10.0.0.2", "10.0.1.0/24", "2001:db8::/64", "::1", "192.168.0.0/255.255.0.0", "0.0.0.0/0", "::/0"]
+    config = ReplicationConfig.from_mapping({**HA, "allow_from": entries})
+    assert config.allow_from == entries
+    shown = [str(network) for network in config.allowed_networks() or ()]
+    assert shown == ["10.0.0.2/32", "10.0.1.0/24", "2001:db8::/64", "::1/128", "192.168.0.0/16", "0.0.0.0/0", "::/0"]
+
+
+def test_allow_from_is_checked_when_the_config_is_built_in_code_too() -> None:
+    with pytest.raises(ConfigError) as caught:
+        ReplicationConfig(role="primary", allow_from=[])
+    assert caught.value.key == "replication.allow_from" and "an empty list" in caught.value.problem
 
 
 def test_not_a_mapping() -> None:

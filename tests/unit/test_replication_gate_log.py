@@ -4,11 +4,14 @@ LOG_PER_HOST lines an address and LOG_HOSTS in all; the rest are summed up in on
 the interval ends (a timer, not the next event nor a stop), and the next interval logs each
 address again. One address varying its frames (a reason may hold the peer's text) cannot take
 every line. Real
-connections (socket pairs) stand at the gate; the addresses are the gate's own keys."""
+connections (socket pairs) stand at the gate; the addresses are the gate's own keys. Each test's
+events fall in one interval however slow the machine (LOG_EVERY is an hour): its summary comes
+from abort_all, as at a stop, except where the timer itself is tested."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -17,11 +20,16 @@ from contextlib import asynccontextmanager
 import pytest
 
 from amqtt_durable.replication import gate
-from amqtt_durable.replication.gate import LOG_HOSTS, LOG_PER_HOST, HandshakeGate
+from amqtt_durable.replication.config import Network
+from amqtt_durable.replication.gate import LOG_HOSTS, LOG_PER_HOST, HandshakeGate, allowed
 
 pytestmark = pytest.mark.timeout(30)
 
-INTERVAL = 0.3
+ONE_INTERVAL = 3600.0
+"""LOG_EVERY while a test's events must fall in one interval (review of allow_from, finding 3: 60
+admits had to fit in 0.3 s)."""
+TIMER = 1.0
+"""LOG_EVERY where the timer's summary is tested: two synchronous calls must fit in it."""
 SUMMARY = "more connection(s) refused by the handshake"
 
 
@@ -51,13 +59,15 @@ class LogWaiter(logging.Handler):
 
 
 @asynccontextmanager
-async def gate_logs(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[HandshakeGate, LogWaiter]]:
-    monkeypatch.setattr(gate, "LOG_EVERY", INTERVAL)
+async def gate_logs(
+    monkeypatch: pytest.MonkeyPatch, allow_from: tuple[Network, ...] | None = None
+) -> AsyncIterator[tuple[HandshakeGate, LogWaiter]]:
+    monkeypatch.setattr(gate, "LOG_EVERY", ONE_INTERVAL)
     waiter = LogWaiter()
     logger = logging.getLogger("amqtt_durable.replication")
     logger.addHandler(waiter)
     try:
-        yield HandshakeGate("the test's address", per_host=2, total=1000), waiter
+        yield HandshakeGate("the test's address", per_host=2, total=1000, allow_from=allow_from), waiter
     finally:
         logger.removeHandler(waiter)
 
@@ -88,12 +98,25 @@ def test_one_line_per_address_and_reason_at_most_log_hosts_and_the_rest_summed_u
                 await refuse(handshakes, host, "wrong replication secret")
                 await refuse(handshakes, host, "wrong replication secret")
             assert [len(logs.naming(host)) for host in hosts] == [1] * LOG_HOSTS + [0] * 4
-            summary = await logs.wait_for(lambda line: SUMMARY in line)  # no stop, no later event
+            handshakes.abort_all()  # as a stop: the interval is summed up now
+            summary = await logs.wait_for(lambda line: SUMMARY in line)
             assert f"{LOG_HOSTS + 8} more connection(s) refused" in summary and f"{2 * len(hosts)} refused" in summary
+            # A timer sums an interval up when it ends, with no stop and no later event.
+            monkeypatch.setattr(gate, "LOG_EVERY", TIMER)
+            pair = [await connection() for _ in range(2)]
+            assert [handshakes.admit(writer, "10.0.0.1") for writer, _ in pair] == [True, True]
+            for n, (writer, _) in enumerate(pair):  # no await between: in one interval of TIMER
+                handshakes.refusal(writer, f"10.0.0.1:4000{n}", "wrong replication secret")
+            for writer, other_end in pair:
+                handshakes.done(writer)
+                writer.close()
+                other_end.close()
+            timed = await logs.wait_for(lambda line: SUMMARY in line and line != summary)
+            assert "1 more connection(s) refused" in timed and f"{2 * len(hosts) + 2} refused" in timed, timed
             # The next interval names an address again.
             await refuse(handshakes, hosts[-1], "wrong replication secret")
             assert len(logs.naming(hosts[-1])) == 1
-            assert handshakes.refused == 2 * len(hosts) + 1
+            assert handshakes.refused == 2 * len(hosts) + 3
 
     asyncio.run(main())
 
@@ -128,8 +151,11 @@ def test_connections_closed_at_once_have_their_own_line_and_go_into_the_same_sum
             surplus = [await connection() for _ in range(5)]
             assert [handshakes.admit(writer, "10.0.0.9") for writer, _ in surplus] == [False] * 5
             assert len([line for line in logs.naming("10.0.0.9") if "at once" in line]) == 1
+            for writer, _ in held:
+                handshakes.done(writer)
+            handshakes.abort_all()  # as a stop: the interval is summed up now
             summary = await logs.wait_for(lambda line: SUMMARY in line)
-            assert "1 more connection(s) refused by the handshake and 4 more closed at once" in summary
+            assert "1 more connection(s) refused by the handshake, 4 more closed at once and 0 more not in" in summary
             assert handshakes.turned_away == 5
             for writer, other_end in held + surplus:
                 writer.close()
@@ -156,6 +182,59 @@ def test_a_flood_of_connections_closed_at_once_does_not_take_the_lines_that_name
             assert len(logs.naming("10.0.0.2")) == 1
             assert len([line for line in logs.lines if "at once:" in line]) == LOG_HOSTS
             for writer, other_end in surplus:
+                writer.close()
+                other_end.close()
+
+    asyncio.run(main())
+
+
+def networks(*entries: str) -> tuple[Network, ...]:
+    return tuple(ipaddress.ip_network(entry) for entry in entries)
+
+
+def test_allow_from_matches_ipv4_ipv6_and_scoped_peers() -> None:
+    """A scoped peer (fe80::1%eth0) matches by its address alone. An IPv4-mapped peer matches its
+    IPv4 entries, though no listener sees one (asyncio's IPv6 listening sockets are IPv6-only)."""
+    allow = networks("10.0.0.0/24", "2001:db8::/64", "fe80::/64")
+    for host in ("10.0.0.7", "::ffff:10.0.0.7", "2001:db8::5", "fe80::1%eth0"):
+        assert allowed(host, allow), host
+    for host in ("10.0.1.7", "::ffff:10.0.1.7", "2001:db8:1::5", "::1", "not an address"):
+        assert not allowed(host, allow), host
+
+
+def test_an_address_outside_allow_from_is_closed_at_once_takes_no_place_and_has_its_own_lines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flood from more addresses than the log names, none allowed: each connection is aborted
+    (its other end reads EOF), no place is taken (an allowed address still gets its 2), LOG_HOSTS
+    lines name the first addresses, the summary counts the rest, and a refused handshake from an
+    allowed address still gets its own line."""
+
+    async def main() -> None:
+        async with gate_logs(monkeypatch, networks("10.0.0.0/24")) as (handshakes, logs):
+            outsiders = [f"192.0.2.{n}" for n in range(LOG_HOSTS + 4)]
+            flood = [await connection() for _ in range(3 * len(outsiders))]
+            hosts = [outsiders[n % len(outsiders)] for n in range(len(flood))]
+            admitted = [handshakes.admit(writer, host) for (writer, _), host in zip(flood, hosts, strict=True)]
+            assert admitted == [False] * len(flood)
+            loop = asyncio.get_running_loop()
+            for _, other_end in flood:
+                other_end.setblocking(False)
+                assert await asyncio.wait_for(loop.sock_recv(other_end, 1), 5.0) == b"", "closed at once"
+            assert handshakes.not_allowed == handshakes.refusals == len(flood)
+            insiders = [await connection() for _ in range(2)]
+            assert [handshakes.admit(writer, "10.0.0.9") for writer, _ in insiders] == [True, True]
+            handshakes.refusal(insiders[0][0], "10.0.0.9:40000", "wrong replication secret")
+            named = [line for line in logs.lines if "not in replication.allow_from" in line]
+            assert len(named) == LOG_HOSTS and "refused a connection from 192.0.2.0 at once" in named[0]
+            assert len(logs.naming("10.0.0.9")) == 1, "the lines of the flood's kind are its own"
+            for writer, _ in insiders:
+                handshakes.done(writer)
+            handshakes.abort_all()  # as a stop: the interval is summed up now
+            summary = await logs.wait_for(lambda line: SUMMARY in line)
+            assert f"{len(flood) - LOG_HOSTS} more not in allow_from" in summary, summary
+            assert f"{len(flood)} not in allow_from" in summary, summary
+            for writer, other_end in flood + insiders:
                 writer.close()
                 other_end.close()
 

@@ -14,6 +14,7 @@ Two ways to run, as in Patroni:
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 import re
@@ -30,6 +31,7 @@ Role = Literal["auto", "primary", "backup"]
 ROLES: tuple[str, ...] = get_args(Role)
 Mode = Literal["sync", "async"]
 MODES: tuple[str, ...] = get_args(Mode)
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 MIN_LEASE_TTL = 2
 """etcd grants no lease shorter than about 1.5 election timeouts (2 s with its defaults)."""
 
@@ -180,6 +182,21 @@ class ReplicationConfig:
     """Seconds a peer of a replication address has for its first frame and, with a secret, the
     whole handshake; a silent peer is disconnected after it."""
 
+    allow_from: list[str] | None = None
+    """IP addresses and CIDR networks (IPv4 or IPv6) allowed to connect to this node's replication
+    address (a primary's, a backup's for the tools); a connection from any other address is closed
+    at accept, before TLS and the handshake, without taking one of the gate's places (gate.py).
+    None (absent): any address, as before. A network must not have host bits set (10.0.0.0/24,
+    not 10.0.0.1/24); a /0 network is every address of its family (0.0.0.0/0, ::/0); an empty
+    list is refused (it would shut out every backup and tool), and so are scoped (fe80::1%eth0)
+    and IPv4-mapped (::ffff:10.0.0.2) entries (parse_allow_from)."""
+
+    def allowed_networks(self) -> tuple[Network, ...] | None:
+        """``allow_from`` parsed; None: any address may connect."""
+        if self.allow_from is None:
+            return None
+        return parse_allow_from(self.allow_from, "replication.allow_from")
+
     def __post_init__(self) -> None:
         _check(self, "replication")
 
@@ -221,12 +238,8 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         return None if value is None else TlsConfig.from_mapping(value, key)
     if kind in ("int", "float"):
         return SCALARS[kind](key, value)  # the plugin's own rules for numbers
-    if kind == "list[str]":
-        if isinstance(value, str):
-            value = [value]
-        if isinstance(value, list) and all(isinstance(item, str) for item in value):
-            return value
-        raise ConfigError(key, f"expected a list of URLs, got {value!r}")
+    if kind.startswith("list[str]"):
+        return _coerce_list(key, value, kind)
     choices = {"Role": ROLES, "Mode": MODES}.get(kind)
     if choices is not None:
         if value in choices:
@@ -238,6 +251,17 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
         # in place of the variable's name, for secret_env) is still the secret
         raise ConfigError(key, f"expected text, got a value of type {type(value).__name__} (quote it in YAML)")
     raise ConfigError(key, f"expected text, got {value!r}")
+
+
+def _coerce_list(key: str, value: Any, kind: str) -> list[str]:
+    if kind == "list[str] | None":  # allow_from: an explicit null is refused too (it does not mean "any address")
+        parse_allow_from(value, key)
+        return list(value)
+    if isinstance(value, str):  # coordinator: one URL, or a list of them
+        value = [value]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return value
+    raise ConfigError(key, f"expected a list of URLs, got {value!r}")
 
 
 def _address(key: str, value: str) -> None:
@@ -255,6 +279,72 @@ def _check(config: ReplicationConfig, where: str) -> None:
     _check_timing(config, bad)
     _check_sizes(config, bad)
     _check_secret(config, where, bad)
+    if config.allow_from is not None:
+        parse_allow_from(config.allow_from, f"{where}.allow_from")
+
+
+ALLOW_FROM_EXAMPLE = 'e.g. [10.0.0.2, 10.0.1.0/24, "2001:db8::/64"]'
+IPV4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+
+
+def parse_allow_from(entries: Any, key: str) -> tuple[Network, ...]:
+    """``replication.allow_from``'s networks (an address alone is its /32 or /128), or a
+    ConfigError naming ``key`` and the bad entry: not a list, an empty list, an entry that is not
+    text, not an IP address or network, a network with host bits set (10.0.0.1/24: strict, since
+    it may mean the host 10.0.0.1/32 as well as the network 10.0.0.0/24), a scoped IPv6 entry
+    (fe80::1%eth0: a peer is matched by its address, so the zone would be ignored), or an
+    IPv4-mapped one (::ffff:10.0.0.2: asyncio's IPv6 listeners are IPv6-only, so an IPv4 peer is
+    always seen as its IPv4 address and such an entry would match nobody)."""
+    if not isinstance(entries, list):
+        raise ConfigError(
+            key, f"expected a list of IP addresses or CIDR networks ({ALLOW_FROM_EXAMPLE}), got {entries!r}"
+        )
+    if not entries:
+        raise ConfigError(
+            key,
+            "an empty list would refuse every backup and tool: list their addresses, or leave allow_from out "
+            "to let any address connect",
+        )
+    networks: list[Network] = []
+    for entry in entries:
+        if not isinstance(entry, str):
+            raise ConfigError(key, f"expected an IP address or CIDR network, got {entry!r} (quote it in YAML)")
+        if "%" in entry:
+            address, _, zone = entry.partition("%")
+            _, slash, prefix = zone.partition("/")
+            raise ConfigError(
+                key,
+                f"{entry!r} has a zone (%...), which allow_from cannot check (a peer is matched by its address "
+                f"alone): write {address}{slash}{prefix}, which matches that address on every interface",
+            )
+        try:
+            network = ipaddress.ip_network(entry)
+        except ValueError as exc:
+            raise ConfigError(key, _bad_network(entry)) from exc
+        if isinstance(network, ipaddress.IPv6Network) and network.subnet_of(IPV4_MAPPED):
+            mapped = ipaddress.IPv4Network((int(network.network_address) & 0xFFFFFFFF, network.prefixlen - 96))
+            raise ConfigError(
+                key,
+                f"{entry!r} is an IPv4-mapped IPv6 address, which no peer has (asyncio's IPv6 listeners take "
+                f"IPv6 peers only: an IPv4 peer is seen as its IPv4 address): write the IPv4 "
+                f"{mapped.network_address if mapped.prefixlen == 32 else mapped}",
+            )
+        networks.append(network)
+    return tuple(networks)
+
+
+def _bad_network(entry: str) -> str:
+    try:
+        network = ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        return f"{entry!r} is not an IP address or CIDR network ({ALLOW_FROM_EXAMPLE})"
+    address = entry.partition("/")[0]
+    if network.prefixlen == 0:
+        return (
+            f"{entry!r} has host bits set, and a /0 network would be every IPv{network.version} address: write the "
+            f"single address {address}, or the network you mean with its own prefix"
+        )
+    return f"{entry!r} has host bits set: write the network {network} or the single address {address}"
 
 
 MIN_SECRET = 16

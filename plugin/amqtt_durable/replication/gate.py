@@ -4,21 +4,28 @@ Anyone who reaches a replication address can open connections and say nothing; e
 held until ``handshake_timeout``. Unbounded, a few thousand of them take the broker's file
 descriptors (MQTT clients then go unanswered) and fill the log. A gate admits at most
 ``PER_HOST`` such connections from one address and ``TOTAL`` in all; one past either is closed
-at once. Both that and a refused handshake (a wrong or missing secret, a silent peer, a failed
-TLS handshake) are counted, and logged at once the first time that address has that event (the
-same reason) in an interval of ``LOG_EVERY`` seconds: at most ``LOG_PER_HOST`` lines an address
-(a reason may hold the peer's own text, so one address varying what it sends cannot take every
-line) and ``LOG_HOSTS`` of each kind; the rest are summed up in one WARNING when the interval
-ends. A node stopping or being promoted aborts the connections still waiting (from Python 3.12
-``Server.wait_closed`` waits for every connection, so one silent peer would hold a promotion up)."""
+at once. With ``replication.allow_from``, a connection from an address outside it is closed at
+once before that, without taking a place, so a flood from outside (from as many addresses as an
+IPv6 /64 holds) cannot fill them. Each of those and a refused handshake (a wrong or missing
+secret, a silent peer, a failed TLS handshake) are counted, and logged at once the first time
+that address has that event (the same reason) in an interval of ``LOG_EVERY`` seconds: at most
+``LOG_PER_HOST`` lines an address (a reason may hold the peer's own text, so one address varying
+what it sends cannot take every line) and ``LOG_HOSTS`` of each kind; the rest are summed up in
+one WARNING when the interval ends. A node stopping or being promoted aborts the connections
+still waiting (from Python 3.12 ``Server.wait_closed`` waits for every connection, so one silent
+peer would hold a promotion up)."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
+
+from .config import Network
 
 log = logging.getLogger("amqtt_durable.replication")
 
@@ -29,13 +36,35 @@ LOG_HOSTS = 16
 LOG_PER_HOST = 4
 REFUSED = "refused by the handshake"
 TURNED_AWAY = "closed at once"
+NOT_ALLOWED = "not in allow_from"
+
+
+def allowed(host: str, networks: Sequence[Network]) -> bool:
+    """Whether the peer address ``host`` is in one of ``networks`` (a scoped peer, fe80::1%eth0,
+    by its address alone). An IPv4-mapped IPv6 address (::ffff:a.b.c.d) is also matched as its
+    IPv4 address, though no replication listener sees one: asyncio's IPv6 listening sockets are
+    IPv6-only (IPV6_V6ONLY), so an IPv4 peer comes to an IPv4 socket as its IPv4 address."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    candidates: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [address]
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        candidates.append(address.ipv4_mapped)
+    return any(candidate in network for candidate in candidates for network in networks)
 
 
 class HandshakeGate:
-    def __init__(self, where: str, per_host: int = PER_HOST, total: int = TOTAL) -> None:
+    def __init__(
+        self, where: str, per_host: int = PER_HOST, total: int = TOTAL, allow_from: Sequence[Network] | None = None
+    ) -> None:
         self.where = where
         self.per_host = per_host
         self.total = total
+        self.allow_from = allow_from
+        """The networks a peer must be in (``replication.allow_from``); None: any address."""
+        self.not_allowed = 0
+        """Connections closed at once because their address is not in ``allow_from`` (since start)."""
         self.turned_away = 0
         """Connections closed at once because too many were waiting (since start)."""
         self.refused = 0
@@ -56,7 +85,18 @@ class HandshakeGate:
         self._summary: asyncio.TimerHandle | None = None
 
     def admit(self, writer: asyncio.StreamWriter, host: str) -> bool:
-        """Hold ``writer`` until ``done``; False (and the connection aborted) when full."""
+        """Hold ``writer`` until ``done``; False (and the connection aborted) when ``host`` is not
+        allowed or the gate is full."""
+        if self.allow_from is not None and not allowed(host, self.allow_from):
+            writer.transport.abort()
+            self.not_allowed += 1
+            if self._may_log(host, NOT_ALLOWED, NOT_ALLOWED):
+                log.warning(
+                    "replication: %s: refused a connection from %s at once: not in replication.allow_from",
+                    self.where,
+                    host,
+                )
+            return False
         if len(self._waiting) >= self.total or self._hosts[host] >= self.per_host:
             writer.transport.abort()
             self.turned_away += 1
@@ -75,6 +115,11 @@ class HandshakeGate:
         self._waiting[writer] = (host, asyncio.current_task())
         self._hosts[host] += 1
         return True
+
+    @property
+    def refusals(self) -> int:
+        """Every connection refused since start: by ``allow_from``, closed at once, by the handshake."""
+        return self.not_allowed + self.turned_away + self.refused
 
     def done(self, writer: asyncio.StreamWriter) -> None:
         host, _ = self._waiting.pop(writer, (None, None))
@@ -116,15 +161,17 @@ class HandshakeGate:
             self._summary = None
         if self._unlogged:
             log.warning(
-                "replication: %s: %d more connection(s) refused by the handshake and %d more closed at once "
-                "(the first for each reason from each address is logged, once per %g s); since start %d refused, "
-                "%d closed at once",
+                "replication: %s: %d more connection(s) refused by the handshake, %d more closed at once and "
+                "%d more not in allow_from (the first for each reason from each address is logged, once per %g s); "
+                "since start %d refused, %d closed at once, %d not in allow_from",
                 self.where,
                 self._unlogged[REFUSED],
                 self._unlogged[TURNED_AWAY],
+                self._unlogged[NOT_ALLOWED],
                 LOG_EVERY,
                 self.refused,
                 self.turned_away,
+                self.not_allowed,
             )
         self._unlogged.clear()
         self._logged.clear()

@@ -30,6 +30,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..settings import LISTEN_BACKLOG
 from .backup import Backup
 from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
@@ -56,6 +57,7 @@ class ReplicationNode:
         on_promote: Callable[[Primary], Awaitable[None] | None] | None = None,
         on_demote: Callable[[str], Awaitable[None] | None] | None = None,
         fsync: bool = True,
+        listen_backlog: int = LISTEN_BACKLOG,
     ) -> None:
         self.db = db
         self.config = config
@@ -64,6 +66,9 @@ class ReplicationNode:
         self.primary: Primary | None = None
         self.fsync = fsync
         """Whether the backup end fsyncs what it applies: as the broker's own commits (``sync``)."""
+        self.listen_backlog = listen_backlog
+        """The listen backlog of the replication address, a primary's and a backup's (the tools'):
+        the plugin's ``listen_backlog``."""
         self.secret = config.shared_secret()
         """replication.secret (or the content of secret_file or of the variable secret_env), read once at start-up."""
         tls = config.tls
@@ -90,7 +95,9 @@ class ReplicationNode:
         self._ha_task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._admin: asyncio.Server | None = None
-        self._admin_gate = HandshakeGate(f"the replication address {config.listen}")
+        self._admin_gate = HandshakeGate(
+            f"the replication address {config.listen}", allow_from=config.allowed_networks()
+        )
         """The replication address's bound on connections in their handshake, and its counts of
         refused ones: the tools' listener of a backup and the listener of a primary share it."""
         self._stepping_down: asyncio.Task[None] | None = None
@@ -143,7 +150,7 @@ class ReplicationNode:
                 "caught_up": self.backup.caught_up,
                 "primary": self._following,
             }
-        status["refused"] = self._admin_gate.refused + self._admin_gate.turned_away
+        status["refused"] = self._admin_gate.refusals
         if self.ha is not None:
             status["members"] = [
                 {"name": m.name, "role": m.role, "store_id": m.store_id, "batch": m.seq, "candidate": m.candidate}
@@ -214,7 +221,7 @@ class ReplicationNode:
     async def _open_admin(self) -> None:
         host, port = split_address(self.config.listen)
         # TLS (server_tls) is started in first_frame, once the gate admitted the connection.
-        self._admin = await asyncio.start_server(self._answer_tool, host, port)
+        self._admin = await asyncio.start_server(self._answer_tool, host, port, backlog=self.listen_backlog)
 
     async def _close_admin(self) -> None:
         server, self._admin = self._admin, None
@@ -357,6 +364,7 @@ class ReplicationNode:
             secret=self.secret,
             handshake_timeout=self.config.handshake_timeout,
             gate=self._admin_gate,
+            backlog=self.listen_backlog,
         )
         primary.on_admin = self.answer
         await primary.start(host, port, self.server_tls)

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..settings import LISTEN_BACKLOG
 from .auth import AuthError, Session, server_handshake
 from .errors import FrameError, ReplicationError
 from .framing import (
@@ -104,6 +105,7 @@ class Primary:
         secret: bytes | None = None,
         handshake_timeout: float = HELLO_TIMEOUT,
         gate: HandshakeGate | None = None,
+        backlog: int = LISTEN_BACKLOG,
     ) -> None:
         position = read_position(db) or (0, 0)
         self.db = db
@@ -113,6 +115,9 @@ class Primary:
         )
         self.ack_timeout = ack_timeout
         self.chunk_bytes = chunk_bytes
+        self.backlog = backlog
+        """The listen backlog of its listener (the plugin's ``listen_backlog``; asyncio's default is
+        100, which a flood of connections fills faster than they are accepted and closed)."""
         self.on_change = on_change
         self.links: dict[int, BackupLink] = {}
         self._next_seq = position[0] + 1
@@ -273,7 +278,7 @@ class Primary:
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
         """Serve on host:port; with ``tls`` (a server context of replication.tls), over TLS."""
         self._tls = tls  # upgraded in first_frame, once the gate admitted the connection
-        self._server = await asyncio.start_server(self._serve, host, port)
+        self._server = await asyncio.start_server(self._serve, host, port, backlog=self.backlog)
         self.port = self._server.sockets[0].getsockname()[1]
         self._spawn(self._watchdog())
         if self._publish is not None:
