@@ -18,7 +18,8 @@ from amqtt_durable.config import DurableConfig
 from amqtt_durable.delivery import ReadAccess
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.turns import FIRST_RUN, TURN_BUDGET, ReplayTurns, RunSizes
-from recording_transport import RecordingTransport, parse_packets
+from durable_client.protocol import MARKER_TOPIC, decode_frame, decode_marker
+from recording_transport import RecordingTransport, Sent, parse_packets
 
 LIMIT = 10.0
 
@@ -445,5 +446,170 @@ def test_a_turn_whose_batch_overflow_dropped_is_not_used_by_a_later_batch(tmp_pa
             assert [p.payload for p in sent] == expected
             _assert_every_batch_went_out_in_a_pass_granted_to_it(transport, turns)
             await engine.detach("c", transport)
+
+    asyncio.run(main())
+
+
+def _publishes(transport: RecordingTransport) -> list[Sent]:
+    return [p for p in transport.packets if p.packet_type == 3]
+
+
+async def _passes(count: int = 20) -> None:
+    """Let every task that can run, run (a granted turn is written in the next pass)."""
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("waits_for", ["turn", "acl"])
+def test_a_hello_while_a_batch_waits_holds_it_until_ready(tmp_path: Path, waits_for: str) -> None:
+    """docs/protocol.md: after hello nothing goes out until ready; then the queue, flagged replayed,
+    then the marker. A hello that came while a batch read from the store waited for its turn (or
+    the topic ACL's answer) let that batch out right after, before ready, framed but not flagged
+    replayed. It goes back to the buffer instead, and out after ready with the flag."""
+    window, queued = 100, 40
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+        engine.open()
+        turns = engine.replay_turns = WatchedTurns(window)
+        hog = asyncio.ensure_future(_hog(turns))
+        helloed = asyncio.Event()
+        transport = OrderedTransport("c", [])
+        before_hello: list[int] = []
+
+        def hello() -> None:
+            before_hello.append(len(_publishes(transport)))
+            engine.hello("c", None)
+            helloed.set()
+
+        async def allowed(topic: str) -> bool:  # an ACL plugin; the hello comes before its answer
+            loop = asyncio.get_running_loop()
+            answer = loop.create_future()
+            if not helloed.is_set():
+                loop.call_soon(hello)
+            loop.call_soon(answer.set_result, True)
+            return bool(await answer)
+
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t", 1)
+            for index in range(queued):
+                engine.route_publish("t", b"q%d" % index, 1)
+            await engine.written_so_far()
+            read_access = None
+            if waits_for == "turn":
+                turns.on_queue = hello  # the second batch waits for its turn
+            else:
+                read_access = ReadAccess(allowed)  # the first batch waits for the ACL
+            await engine.attach("c", transport, read_access)
+            await asyncio.wait_for(helloed.wait(), LIMIT)
+            await _passes()
+            assert len(_publishes(transport)) == before_hello[0], "nothing goes out between hello and ready"
+            assert engine.ready("c", transport)
+            packets = await transport.wait_for(lambda ps: any(p.topic == MARKER_TOPIC for p in ps), LIMIT)
+            sent = [p for p in packets if p.packet_type == 3]
+            plain, framed = sent[: before_hello[0]], sent[before_hello[0] :]
+            assert [p.topic for p in framed] == ["t"] * (queued - len(plain)) + [MARKER_TOPIC]
+            frames = [decode_frame(p.payload) for p in framed[:-1]]
+            assert [p.payload for p in plain] + [payload for _, payload in frames] == [
+                b"q%d" % i for i in range(queued)
+            ]
+            assert all(frame.replayed for frame, _ in frames), "sent after ready, up to its point: replayed"
+            assert decode_marker(framed[-1].payload).replayed == len(frames)
+            await engine.detach("c", transport)
+        finally:
+            hog.cancel()
+            await asyncio.gather(hog, return_exceptions=True)
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_drop_oldest_takes_from_a_batch_waiting_for_the_topic_acl(tmp_path: Path) -> None:
+    """docs/guarantees.md: drop-oldest deletes the oldest message not sent yet. A batch taken from
+    the buffer that waited for the topic ACL was in neither the buffer nor in flight: a publish past
+    max_depth then dropped a newer message (the first after the batch) instead of its oldest."""
+    window, depth = 100, 24
+
+    async def main() -> None:
+        config = DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window, max_depth=depth)
+        engine = DurableEngine(config)
+        engine.open()
+        published = asyncio.Event()
+
+        def overflow() -> None:
+            assert engine.route_publish("t", b"n", 1) is not None
+            published.set()
+
+        async def allowed(topic: str) -> bool:  # an ACL plugin: a publish comes before its answer
+            loop = asyncio.get_running_loop()
+            answer = loop.create_future()
+            if not published.is_set():
+                loop.call_soon(overflow)
+            loop.call_soon(answer.set_result, True)
+            return bool(await answer)
+
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t", 1)
+            for index in range(depth):
+                engine.route_publish("t", b"q%d" % index, 1)
+            await engine.written_so_far()
+            transport = OrderedTransport("c", [])
+            await engine.attach("c", transport, ReadAccess(allowed))
+            sent = await transport.wait_for(lambda ps: len(ps) >= depth, LIMIT)
+            assert published.is_set()
+            assert [p.payload for p in sent] == [b"q%d" % i for i in range(1, depth)] + [b"n"], "q0 dropped"
+            assert engine.sessions["c"].dropped == 1
+            await engine.detach("c", transport)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_drop_oldest_takes_from_a_batch_waiting_for_its_sent_mark(tmp_path: Path) -> None:
+    """As above, while the batch waits for the commit of its sent mark: the client acknowledged the
+    first batch (window 4), and the pump's next batch needs a mark past the one attach stored (its
+    commit is an fsync: the loop runs on meanwhile). Five publishes then fill the queue again and
+    pass max_depth by one: that must drop the waiting batch's oldest, not the first message after it."""
+    window, depth, more = 4, 12, 5
+
+    def publish_more(engine: DurableEngine) -> None:
+        for index in range(more):
+            assert engine.route_publish("t", b"n%d" % index, 1) is not None
+
+    async def main() -> None:
+        config = DurableConfig(
+            store=str(tmp_path / "store"), recovery_buffer=window, max_depth=depth, sync=True, batch_delay_ms=200.0
+        )
+        engine = DurableEngine(config)
+        engine.open()
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t", 1)
+            for index in range(depth):
+                engine.route_publish("t", b"q%d" % index, 1)
+            await engine.written_so_far()
+            transport = RecordingTransport()
+            await engine.attach("c", transport)
+            total, acked = depth + more - 1, 0
+            for _ in range(total):  # bounded: each round acknowledges at least one more
+                sent = await transport.wait_for(lambda ps, seen=acked: len(ps) > seen, LIMIT)
+                for packet in sent[acked:]:
+                    assert packet.packet_id is not None
+                    transport.ack("puback", packet.packet_id)
+                if acked == 0:  # the pump wakes first, takes its next batch and waits for its mark
+                    asyncio.get_running_loop().call_soon(publish_more, engine)
+                acked = len(sent)
+                if acked >= total:
+                    break
+            payloads = b",".join(p.payload for p in transport.packets).decode()
+            expected = [f"q{i}" for i in range(depth) if i != window] + [f"n{i}" for i in range(more)]
+            assert payloads == ",".join(expected), "q4 dropped"
+            assert engine.sessions["c"].dropped == 1
+            await engine.detach("c", transport)
+        finally:
+            await engine.close()
 
     asyncio.run(main())
