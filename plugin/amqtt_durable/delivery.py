@@ -424,7 +424,8 @@ class Pump:
 
     def _take_sendable(self) -> list[Outgoing]:
         """The next batch: within the window, and a replayed one (read from the store) at most the
-        run size (``RunSizes``)."""
+        run size (``RunSizes``). Live entries and entries read from the store (after them in the
+        buffer once the live buffer overflowed) never share a batch."""
         batch: list[Outgoing] = []
         count = len(self.inflight)
         if self._refilling and self.window - count < self.refill:
@@ -432,13 +433,16 @@ class Pump:
         self._refilling = False
         if not self.buffer:
             return batch
-        limit = self._runs.next if self.buffer[0].stored is not None else self.window
+        replay = self.buffer[0].stored is not None
+        limit = self._runs.next if replay else self.window
         oldest = next(iter(self.inflight)) if count else None  # sent, so inserted, in seq order
         point = self.marker_point if self._marker_due else None
         while self.buffer:
             item = self.buffer[0]
             if point is not None and item.entry.seq > point:
                 break  # the marker goes first
+            if (item.stored is not None) is not replay:
+                break  # a batch is all live or all read from the store: only the latter take turns
             if item.entry.qos:
                 if count >= self.window or (oldest is not None and item.entry.seq >= oldest + self.window):
                     self._refilling = True

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from amqtt_durable.config import DurableConfig
-from amqtt_durable.delivery import ReadAccess
+from amqtt_durable.delivery import LIVE_BUFFER, ReadAccess
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.turns import FIRST_RUN, TURN_BUDGET, ReplayTurns, RunSizes
 from durable_client.protocol import MARKER_TOPIC, decode_frame, decode_marker
@@ -521,6 +521,72 @@ def test_a_hello_while_a_batch_waits_holds_it_until_ready(tmp_path: Path, waits_
             hog.cancel()
             await asyncio.gather(hog, return_exceptions=True)
             await engine.close()
+
+    asyncio.run(main())
+
+
+class GrantLog(ReplayTurns):
+    """The real turns, counting the messages they granted turns for and, per turn granted as a
+    session's first batch, how many writes its pump's transport (``transport``) had made before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.granted = 0
+        self.firsts: list[int] = []
+        self.transport: RecordingTransport | None = None
+
+    def try_take(self, size: int, first: bool, last: int | None = None) -> bool:
+        took = super().try_take(size, first, last)
+        if took:
+            self._grant(size, first)
+        return took
+
+    async def take(self, size: int, first: bool, last: int | None = None) -> None:
+        granted = self.granted
+        await super().take(size, first, last)
+        if self.granted == granted:  # not at once (try_take counted that): granted by a pass
+            self._grant(size, first)
+
+    def _grant(self, size: int, first: bool) -> None:
+        self.granted += size
+        if first:
+            assert self.transport is not None
+            self.firsts.append(self.transport.writes)
+
+
+async def _falls_behind(tmp_path: Path) -> tuple[GrantLog, int]:
+    """A session attached with an empty queue gets a burst of LIVE_BUFFER + 76 messages in one
+    pass (window 10, a client that acknowledges each write in the next pass): the first
+    LIVE_BUFFER are kept in memory (live), the rest read from the store after them. Returns the
+    turns and how many messages were read from the store."""
+    total, window = LIVE_BUFFER + 76, 10
+    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+    engine.open()
+    turns = engine.replay_turns = GrantLog()
+    try:
+        await engine.connect("c", clean_session=False)
+        await engine.subscribe("c", "t", 1)
+        transport = turns.transport = OrderedTransport("c", [])
+        await engine.attach("c", transport)
+        for index in range(total):
+            engine.route_publish("t", b"%d" % index, 1)
+        await engine.written_so_far()
+        sent = await transport.wait_for(lambda ps: len(ps) >= total, LIMIT)
+        assert [p.payload for p in sent] == [b"%d" % i for i in range(total)], "in order, once"
+        await engine.detach("c", transport)
+    finally:
+        await engine.close()
+    return turns, total - LIVE_BUFFER
+
+
+def test_messages_read_from_the_store_after_live_ones_take_turns(tmp_path: Path) -> None:
+    """A batch that began with live messages (no turn) went on with those read from the store
+    after them, up to a window of them without a turn: here the 4 live ones left and 6 read from
+    the store. A batch is all live or all read from the store; the latter take turns for all."""
+
+    async def main() -> None:
+        turns, stored = await _falls_behind(tmp_path)
+        assert turns.granted >= stored, f"turns for {turns.granted} of the {stored} messages read from the store"
 
     asyncio.run(main())
 
