@@ -545,6 +545,7 @@ class Pump:
         (the topic ACL, the sent mark's commit): granted at once, or in a pass the task resumes from
         in the next, it is written before the budget it counts in starts again, and the turn counts
         no fewer messages than are written (drop-oldest may take from the batch while it waits).
+        Only the pump's first write may be a first batch (``RunSizes.first``): the one at attach.
         False as ``_prepare``."""
         if turns.try_take(len(batch), self._runs.first, self._turn_pass):
             self._turn_pass = turns.pass_id
@@ -591,8 +592,7 @@ class Pump:
         highest = batch[-1].entry.seq
         session.sent_max = max(sent_max, highest)
         self.transport.write(run.take())
-        if batch[0].stored is not None:
-            self._runs.sent()
+        self._runs.sent(replayed=batch[0].stored is not None)
         if batch[-1].stored is not None and session.sent_mark < highest + self.window:
             # A replay (the batch was read from the store): the next batch may reach a window past
             # this one, so its mark goes with the write the acks of this batch ask for, and it need

@@ -591,6 +591,18 @@ def test_messages_read_from_the_store_after_live_ones_take_turns(tmp_path: Path)
     asyncio.run(main())
 
 
+def test_a_session_that_falls_behind_after_live_messages_gets_no_first_batch_turn(tmp_path: Path) -> None:
+    """Only the batch written at attach is a first batch (a turn at once, whatever others wait
+    for). A pump whose first writes were live messages, and that then fell behind, sent its first
+    batch read from the store as a "first" one again."""
+
+    async def main() -> None:
+        turns, _ = await _falls_behind(tmp_path)
+        assert turns.firsts == [], f"first-batch turns after {turns.firsts} writes"
+
+    asyncio.run(main())
+
+
 def test_drop_oldest_takes_from_a_batch_waiting_for_the_topic_acl(tmp_path: Path) -> None:
     """docs/guarantees.md: drop-oldest deletes the oldest message not sent yet. A batch taken from
     the buffer that waited for the topic ACL was in neither the buffer nor in flight: a publish past
