@@ -143,6 +143,9 @@ class Pump:
         # where that saves little, refill one by one.
         self.refill = window // 4 if window >= REFILL_CHUNKED_FROM else 1
         self._refilling = False
+        self._taken_refilling = False
+        """``_refilling`` as it was before ``_take_sendable`` took the latest batch: what ``_put_back``
+        restores (taking a batch that fills the window sets ``_refilling``)."""
         self._read_size = READ_FIRST if window >= REFILL_CHUNKED_FROM else READ_CHUNK
         self._turns = turns
         """None: batches read from the store go out without waiting for a turn (no other pumps)."""
@@ -256,7 +259,6 @@ class Pump:
             self._fill_from_store()
         except StoreReadError:
             return  # the task reads again, and reports and waits if it fails again
-        refilling = self._refilling
         batch = self._take_sendable()
         if not batch:
             return
@@ -265,7 +267,7 @@ class Pump:
             turns is not None and batch[0].stored is not None and not turns.try_take(len(batch), self._runs.first)
         ):
             # its mark must be stored first (or, not its first batch, it waits for a turn): the task does it
-            self._put_back(batch, refilling)
+            self._put_back(batch)
             return
         if turns is not None and batch[0].stored is not None:
             self._turn_pass = turns.pass_id
@@ -417,10 +419,12 @@ class Pump:
             return self.buffer[0].stored is not None
         return self.next_fill_seq <= self.session.committed_tail
 
-    def _put_back(self, batch: list[Outgoing], refilling: bool) -> None:
-        """Undo ``_take_sendable`` (``refilling`` as it was before): the batch waits in the buffer."""
+    def _put_back(self, batch: list[Outgoing]) -> None:
+        """Undo ``_take_sendable`` (``_refilling`` as it was before, so that the batch, taken again,
+        does not wait for acks it did not need): what is left of the batch waits in the buffer. Every
+        batch taken and not written comes back through here."""
         self.buffer.extendleft(reversed(batch))
-        self._refilling = refilling
+        self._refilling = self._taken_refilling
 
     def _take_sendable(self) -> list[Outgoing]:
         """The next batch: within the window, and a replayed one (read from the store) at most the
@@ -428,6 +432,7 @@ class Pump:
         buffer once the live buffer overflowed) never share a batch."""
         batch: list[Outgoing] = []
         count = len(self.inflight)
+        self._taken_refilling = self._refilling
         if self._refilling and self.window - count < self.refill:
             return batch
         self._refilling = False
@@ -507,7 +512,7 @@ class Pump:
         try:
             ready = await self._prepare(batch)
         except asyncio.CancelledError:
-            self.buffer.extendleft(reversed(batch))  # stop: what was not sent is the buffer's again
+            self._put_back(batch)  # stop: what was not sent is the buffer's again
             raise
         finally:
             self._pending = []
@@ -536,7 +541,7 @@ class Pump:
         connection closed, or an SDK hello now holds the pump; the batch is then back in the buffer
         (after ready it goes out framed, with the replayed flag, before the marker)."""
         if self._stopped or self.transport.closed or self.held:
-            self.buffer.extendleft(reversed(batch))
+            self._put_back(batch)
             return True
         return False
 

@@ -691,3 +691,48 @@ def test_drop_oldest_takes_from_a_batch_waiting_for_its_sent_mark(tmp_path: Path
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_a_batch_a_hello_put_back_goes_out_after_ready_without_waiting_for_acks(tmp_path: Path) -> None:
+    """A batch that fills the window (32, refilled by 8) marks the pump as refilling; put back by a
+    hello while it waited for the topic ACL, the pump stayed marked: after ready it waited for 8
+    acks before sending the 4 messages that fit the window. Put back, the pump is as before the take."""
+    window, first, later = 32, 28, 10
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+        engine.open()
+        asked, answer = asyncio.Event(), asyncio.Event()
+
+        async def allowed(topic: str) -> bool:  # an ACL plugin that answers for t/b when the test says
+            if topic == "t/b":
+                asked.set()
+                await answer.wait()
+            return True
+
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t/#", 1)
+            transport = RecordingTransport()  # a client that acknowledges nothing
+            await engine.attach("c", transport, ReadAccess(allowed))
+            for index in range(first):
+                engine.route_publish("t/a", b"a%d" % index, 1)
+            await transport.wait_for(lambda ps: len(ps) >= first, LIMIT)
+            for index in range(later):
+                engine.route_publish("t/b", b"b%d" % index, 1)
+            await asyncio.wait_for(asked.wait(), LIMIT)  # a batch of 4 (the window is full after it) waits
+            engine.hello("c", None)
+            answer.set()
+            await _passes()
+            assert len(_publishes(transport)) == first, "nothing goes out between hello and ready"
+            assert engine.ready("c", transport)
+            sent = await transport.wait_for(lambda ps: len(ps) >= window, LIMIT)
+            frames = [decode_frame(p.payload) for p in sent[first:]]
+            assert [payload for _, payload in frames] == [b"b%d" % i for i in range(window - first)]
+            assert all(frame.replayed for frame, _ in frames)
+            await engine.detach("c", transport)
+        finally:
+            answer.set()
+            await engine.close()
+
+    asyncio.run(main())
