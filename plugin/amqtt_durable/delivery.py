@@ -388,12 +388,15 @@ class Pump:
             return False
         if refused:
             kept: list[Outgoing] = []
+            unreadable: list[Entry] = []
             for item in batch:
                 if awaiting_pubcomp(item.entry) or self.body(item).topic not in refused:
                     kept.append(item)
                 else:
-                    self.session.drop_unreadable(item.entry)
-            batch[:] = kept
+                    unreadable.append(item.entry)
+            batch[:] = kept  # first: a batch put back (``_send``) holds no entry already removed
+            for entry in unreadable:
+                self.session.drop_unreadable(entry)
         return True
 
     def _fill_from_store(self) -> None:
@@ -507,12 +510,14 @@ class Pump:
 
     async def _send(self, batch: list[Outgoing]) -> None:
         """Write ``batch`` once what it awaits is done (``_prepare``). Meanwhile it is ``_pending``,
-        where drop-oldest sees it; a stop's cancel puts what is left of it back in the buffer."""
+        where drop-oldest sees it; a stop's cancel, or an error (a topic ACL plugin raising), puts
+        what is left of it back in the buffer, where drop-oldest still finds it until the pump goes."""
         self._pending = batch
         try:
             ready = await self._prepare(batch)
-        except asyncio.CancelledError:
-            self._put_back(batch)  # stop: what was not sent is the buffer's again
+        except BaseException:
+            # Not put back yet: ``_interrupted``, which puts it back, is the last step of _prepare.
+            self._put_back(batch)
             raise
         finally:
             self._pending = []

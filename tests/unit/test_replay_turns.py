@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -733,6 +734,54 @@ def test_a_batch_a_hello_put_back_goes_out_after_ready_without_waiting_for_acks(
             await engine.detach("c", transport)
         finally:
             answer.set()
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_drop_oldest_takes_from_a_batch_the_topic_acl_failed_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ACL plugin that raises stops the pump (an internal error; the client's next connection
+    starts another). The batch it raised on was lost from the buffer: until then drop-oldest could
+    not see it and dropped the first message after it. It is put back, so its oldest is dropped."""
+    window, depth = 100, 24
+
+    async def main() -> None:
+        config = DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window, max_depth=depth)
+        engine = DurableEngine(config)
+        engine.open()
+        raised = asyncio.Event()
+
+        async def failing(topic: str) -> bool:  # an ACL plugin that fails once
+            if not raised.is_set():
+                raised.set()
+                raise RuntimeError("ACL backend down")
+            return True
+
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t", 1)
+            for index in range(depth):
+                engine.route_publish("t", b"q%d" % index, 1)
+            await engine.written_so_far()
+            transport = RecordingTransport()
+            with caplog.at_level(logging.ERROR, logger="amqtt_durable.delivery"):
+                await engine.attach("c", transport, ReadAccess(failing))
+                await asyncio.wait_for(raised.wait(), LIMIT)
+                await _passes()
+            assert "stopped by an internal error" in caplog.text
+            assert _publishes(transport) == []
+            assert engine.route_publish("t", b"n", 1) is not None
+            assert engine.sessions["c"].dropped == 1
+            await engine.detach("c", transport)
+            await engine.connect("c", clean_session=False)
+            again = OrderedTransport("c", [])
+            await engine.attach("c", again)
+            sent = await again.wait_for(lambda ps: len(ps) >= depth, LIMIT)
+            assert [p.payload for p in sent] == [b"q%d" % i for i in range(1, depth)] + [b"n"], "q0 dropped"
+            await engine.detach("c", again)
+        finally:
             await engine.close()
 
     asyncio.run(main())
