@@ -649,21 +649,18 @@ def test_drop_oldest_takes_from_a_batch_waiting_for_the_topic_acl(tmp_path: Path
 
 def test_drop_oldest_takes_from_a_batch_waiting_for_its_sent_mark(tmp_path: Path) -> None:
     """As above, while the batch waits for the commit of its sent mark: the client acknowledged the
-    first batch (window 4), and the pump's next batch needs a mark past the one attach stored (its
-    commit is an fsync: the loop runs on meanwhile). Five publishes then fill the queue again and
-    pass max_depth by one: that must drop the waiting batch's oldest, not the first message after it."""
+    first batch (window 4), and the pump's next batch needs a mark past the one attach stored (with
+    sync: true the write of the acks, which carries the mark queued ahead, is still in a thread when
+    the pump takes the batch: it commits a mark of its own). That commit is held until five
+    publishes fill the queue again and pass max_depth by one: that must drop the waiting batch's
+    oldest, not the first message after it."""
     window, depth, more = 4, 12, 5
 
-    def publish_more(engine: DurableEngine) -> None:
-        for index in range(more):
-            assert engine.route_publish("t", b"n%d" % index, 1) is not None
-
     async def main() -> None:
-        config = DurableConfig(
-            store=str(tmp_path / "store"), recovery_buffer=window, max_depth=depth, sync=True, batch_delay_ms=200.0
-        )
+        config = DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window, max_depth=depth, sync=True)
         engine = DurableEngine(config)
         engine.open()
+        waiting, release = asyncio.Event(), asyncio.Event()
         try:
             await engine.connect("c", clean_session=False)
             await engine.subscribe("c", "t", 1)
@@ -672,14 +669,27 @@ def test_drop_oldest_takes_from_a_batch_waiting_for_its_sent_mark(tmp_path: Path
             await engine.written_so_far()
             transport = RecordingTransport()
             await engine.attach("c", transport)
+            session = engine.sessions["c"]
+            real = session.advance_sent_mark
+
+            async def held_mark(highest: int, window: int) -> None:  # the commit, once the test says
+                waiting.set()
+                await release.wait()
+                await real(highest, window)
+
+            session.advance_sent_mark = held_mark  # type: ignore[method-assign]
             total, acked = depth + more - 1, 0
             for _ in range(total):  # bounded: each round acknowledges at least one more
                 sent = await transport.wait_for(lambda ps, seen=acked: len(ps) > seen, LIMIT)
                 for packet in sent[acked:]:
                     assert packet.packet_id is not None
                     transport.ack("puback", packet.packet_id)
-                if acked == 0:  # the pump wakes first, takes its next batch and waits for its mark
-                    asyncio.get_running_loop().call_soon(publish_more, engine)
+                if acked == 0:  # the pump wakes, takes its next batch and waits for its mark
+                    await asyncio.wait_for(waiting.wait(), LIMIT)
+                    for index in range(more):
+                        assert engine.route_publish("t", b"n%d" % index, 1) is not None
+                    session.advance_sent_mark = real  # type: ignore[method-assign]
+                    release.set()
                 acked = len(sent)
                 if acked >= total:
                     break
@@ -689,6 +699,7 @@ def test_drop_oldest_takes_from_a_batch_waiting_for_its_sent_mark(tmp_path: Path
             assert engine.sessions["c"].dropped == 1
             await engine.detach("c", transport)
         finally:
+            release.set()
             await engine.close()
 
     asyncio.run(main())
