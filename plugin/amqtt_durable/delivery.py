@@ -143,15 +143,19 @@ class Pump:
         # where that saves little, refill one by one.
         self.refill = window // 4 if window >= REFILL_CHUNKED_FROM else 1
         self._refilling = False
+        self._taken_refilling = False
+        """``_refilling`` as it was before ``_take_sendable`` took the latest batch: what ``_put_back``
+        restores (taking a batch that fills the window sets ``_refilling``)."""
         self._read_size = READ_FIRST if window >= REFILL_CHUNKED_FROM else READ_CHUNK
         self._turns = turns
         """None: batches read from the store go out without waiting for a turn (no other pumps)."""
         self._runs = RunSizes(window)
         self._turn_pass: int | None = None
         """The turns' ``pass_id`` when this pump last had a turn."""
-        self._turn_wait: list[Outgoing] = []
-        """The batch waiting for its turn (its messages checked, its sent mark stored): not in flight,
-        so overflow's drop-oldest takes from it first (``drop_buffered``)."""
+        self._pending: list[Outgoing] = []
+        """The batch taken from the buffer and not yet written (awaiting the topic ACL, its sent mark's
+        commit or its turn): not in flight and older than the buffer, so overflow's drop-oldest takes
+        from it first (``drop_buffered``)."""
         self.inflight: dict[int, Outgoing] = {}
         self.buffer: deque[Outgoing] = deque()
         self.next_fill_seq = session.head_seq
@@ -255,7 +259,6 @@ class Pump:
             self._fill_from_store()
         except StoreReadError:
             return  # the task reads again, and reports and waits if it fails again
-        refilling = self._refilling
         batch = self._take_sendable()
         if not batch:
             return
@@ -264,7 +267,7 @@ class Pump:
             turns is not None and batch[0].stored is not None and not turns.try_take(len(batch), self._runs.first)
         ):
             # its mark must be stored first (or, not its first batch, it waits for a turn): the task does it
-            self._put_back(batch, refilling)
+            self._put_back(batch)
             return
         if turns is not None and batch[0].stored is not None:
             self._turn_pass = turns.pass_id
@@ -284,10 +287,10 @@ class Pump:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def drop_buffered(self, droppable: Callable[[Entry], bool]) -> Entry | None:
-        """Take the oldest buffered entry ``droppable`` allows out of the buffer, or out of the batch
-        waiting for its turn (older than the buffer's), for overflow's drop-oldest; None when there
-        is none. In-flight entries are not in the buffer."""
-        for queued in (self._turn_wait, self.buffer):
+        """Take the oldest buffered entry ``droppable`` allows out of the batch about to be written
+        (older than the buffer's, see ``_pending``) or the buffer, for overflow's drop-oldest; None
+        when there is none. In-flight entries are not in the buffer."""
+        for queued in (self._pending, self.buffer):
             for index, item in enumerate(queued):
                 if droppable(item.entry):
                     del queued[index]
@@ -340,7 +343,7 @@ class Pump:
 
     async def _next_batch(self) -> list[Outgoing] | None:
         """What may go out now: [] when nothing may, None when the pump should look again (a read
-        failed and was waited out, or everything taken was dropped as unreadable)."""
+        failed and was waited out, or it waited for the turns' next pass)."""
         if self.held:
             return []
         turns = self._turns
@@ -356,12 +359,7 @@ class Pump:
                 if not self.buffer:  # else what is read already goes first, and the read is tried again
                     await self._retry_later(exc)
                     return None
-        batch = self._take_sendable()
-        if batch and self.read_access is not None:
-            batch = await self._readable(batch)
-            if not batch:
-                return None  # all dropped (or stopped): look again
-        return batch
+        return self._take_sendable()
 
     async def _retry_later(self, exc: StoreReadError) -> None:
         """A read of the queue failed: say so, count it, and try again after a growing pause.
@@ -374,23 +372,32 @@ class Pump:
         self._on_read_error(self.session.client_id, exc, delay)
         await asyncio.sleep(delay)
 
-    async def _readable(self, batch: list[Outgoing]) -> list[Outgoing]:
-        """The messages of ``batch`` the connection's user may read; the others are dropped (counted).
+    async def _drop_unreadable(self, batch: list[Outgoing]) -> bool:
+        """Drop (counted) the messages of ``batch`` the connection's user may not read, in place;
+        False when the pump was interrupted meanwhile (``_interrupted``: nothing dropped).
 
-        A PUBREL (RELEASED entry) carries no message and always goes.
+        The ACL is asked per topic first, and ``batch`` filtered after every answer came: while
+        it waits, overflow's drop-oldest may take from it (it is ``_pending``). A PUBREL (RELEASED
+        entry) carries no message and always goes.
         """
         assert self.read_access is not None
         allows = self.read_access.allows
-        kept: list[Outgoing] = []
-        for item in batch:
-            if awaiting_pubcomp(item.entry) or await allows(self.body(item).topic):
-                kept.append(item)
-            elif not self._stopped:
-                self.session.drop_unreadable(item.entry)
-        if self._stopped or self.transport.closed:
-            self.buffer.extendleft(reversed(kept))
-            return []
-        return kept
+        topics = dict.fromkeys(self.body(item).topic for item in batch if not awaiting_pubcomp(item.entry))
+        refused = {topic for topic in topics if not await allows(topic)}
+        if self._interrupted(batch):
+            return False
+        if refused:
+            kept: list[Outgoing] = []
+            unreadable: list[Entry] = []
+            for item in batch:
+                if awaiting_pubcomp(item.entry) or self.body(item).topic not in refused:
+                    kept.append(item)
+                else:
+                    unreadable.append(item.entry)
+            batch[:] = kept  # first: a batch put back (``_send``) holds no entry already removed
+            for entry in unreadable:
+                self.session.drop_unreadable(entry)
+        return True
 
     def _fill_from_store(self) -> None:
         tail = self.session.committed_tail
@@ -415,28 +422,35 @@ class Pump:
             return self.buffer[0].stored is not None
         return self.next_fill_seq <= self.session.committed_tail
 
-    def _put_back(self, batch: list[Outgoing], refilling: bool) -> None:
-        """Undo ``_take_sendable`` (``refilling`` as it was before): the batch waits in the buffer."""
+    def _put_back(self, batch: list[Outgoing]) -> None:
+        """Undo ``_take_sendable`` (``_refilling`` as it was before, so that the batch, taken again,
+        does not wait for acks it did not need): what is left of the batch waits in the buffer. Every
+        batch taken and not written comes back through here."""
         self.buffer.extendleft(reversed(batch))
-        self._refilling = refilling
+        self._refilling = self._taken_refilling
 
     def _take_sendable(self) -> list[Outgoing]:
         """The next batch: within the window, and a replayed one (read from the store) at most the
-        run size (``RunSizes``)."""
+        run size (``RunSizes``). Live entries and entries read from the store (after them in the
+        buffer once the live buffer overflowed) never share a batch."""
         batch: list[Outgoing] = []
         count = len(self.inflight)
+        self._taken_refilling = self._refilling
         if self._refilling and self.window - count < self.refill:
             return batch
         self._refilling = False
         if not self.buffer:
             return batch
-        limit = self._runs.next if self.buffer[0].stored is not None else self.window
+        replay = self.buffer[0].stored is not None
+        limit = self._runs.next if replay else self.window
         oldest = next(iter(self.inflight)) if count else None  # sent, so inserted, in seq order
         point = self.marker_point if self._marker_due else None
         while self.buffer:
             item = self.buffer[0]
             if point is not None and item.entry.seq > point:
                 break  # the marker goes first
+            if (item.stored is not None) is not replay:
+                break  # a batch is all live or all read from the store: only the latter take turns
             if item.entry.qos:
                 if count >= self.window or (oldest is not None and item.entry.seq >= oldest + self.window):
                     self._refilling = True
@@ -494,49 +508,61 @@ class Pump:
             self._replayed_last = entry.seq
         return encode_frame(flags, self.session.sid, entry.seq, body.published_at) + body.payload
 
-    async def _mark_sent(self, batch: list[Outgoing]) -> bool:
-        """Persist the sent mark past ``batch`` if needed; False when the pump stopped meanwhile (the
-        batch is back in the buffer)."""
-        highest = batch[-1].entry.seq
-        if highest > self.session.stored_mark:
-            await self.session.advance_sent_mark(highest, self.window)
-            if self._stopped or self.transport.closed:
-                self.buffer.extendleft(reversed(batch))
-                return False
-        return True
-
     async def _send(self, batch: list[Outgoing]) -> None:
-        if not await self._mark_sent(batch):
-            return
-        if self._turns is not None and batch[0].stored is not None:
-            batch = await self._take_turn(self._turns, batch)
-            if not batch:
-                return
-        self._write_batch(batch)
-        await self.transport.drain()
+        """Write ``batch`` once what it awaits is done (``_prepare``). Meanwhile it is ``_pending``,
+        where drop-oldest sees it; a stop's cancel, or an error (a topic ACL plugin raising), puts
+        what is left of it back in the buffer, where drop-oldest still finds it until the pump goes."""
+        self._pending = batch
+        try:
+            ready = await self._prepare(batch)
+        except BaseException:
+            # Not put back yet: ``_interrupted``, which puts it back, is the last step of _prepare.
+            self._put_back(batch)
+            raise
+        finally:
+            self._pending = []
+        if ready:
+            self._write_batch(batch)
+            await self.transport.drain()
 
-    async def _take_turn(self, turns: ReplayTurns, batch: list[Outgoing]) -> list[Outgoing]:
+    async def _prepare(self, batch: list[Outgoing]) -> bool:
+        """Ask the topic ACL, store the sent mark past ``batch`` and, for a batch read from the store,
+        take its turn, in that order (the turn right before the write, see ``_take_turn``). False
+        when nothing is to be written now: overflow dropped the whole batch, or the pump was
+        interrupted (``_interrupted``: the batch is back in the buffer)."""
+        if self.read_access is not None and not await self._drop_unreadable(batch):
+            return False
+        if batch and batch[-1].entry.seq > self.session.stored_mark:
+            await self.session.advance_sent_mark(batch[-1].entry.seq, self.window)
+            if self._interrupted(batch):
+                return False
+        turns = self._turns
+        if batch and turns is not None and batch[0].stored is not None:
+            return await self._take_turn(turns, batch)
+        return bool(batch)
+
+    def _interrupted(self, batch: list[Outgoing]) -> bool:
+        """Checked after each await of a batch not yet written: True when the pump stopped, the
+        connection closed, or an SDK hello now holds the pump; the batch is then back in the buffer
+        (after ready it goes out framed, with the replayed flag, before the marker)."""
+        if self._stopped or self.transport.closed or self.held:
+            self._put_back(batch)
+            return True
+        return False
+
+    async def _take_turn(self, turns: ReplayTurns, batch: list[Outgoing]) -> bool:
         """A batch read from the store goes out in a turn (turns.py), taken after every other await
         (the topic ACL, the sent mark's commit): granted at once, or in a pass the task resumes from
         in the next, it is written before the budget it counts in starts again, and the turn counts
-        no fewer messages than are written. Returns what is left of the batch to write now: [] when
-        the pump stopped meanwhile (the batch is back in the buffer) or overflow dropped it all."""
+        no fewer messages than are written (drop-oldest may take from the batch while it waits).
+        Only the pump's first write may be a first batch (``RunSizes.first``): the one at attach.
+        False as ``_prepare``."""
         if turns.try_take(len(batch), self._runs.first, self._turn_pass):
             self._turn_pass = turns.pass_id
-            return batch
-        self._turn_wait = batch
-        try:
-            await turns.take(len(batch), self._runs.first, self._turn_pass)
-        except asyncio.CancelledError:
-            self.buffer.extendleft(reversed(batch))  # stop: what was not sent is the buffer's again
-            raise
-        finally:
-            self._turn_wait = []
+            return True
+        await turns.take(len(batch), self._runs.first, self._turn_pass)
         self._turn_pass = turns.pass_id
-        if self._stopped or self.transport.closed:
-            self.buffer.extendleft(reversed(batch))
-            return []
-        return batch  # without what drop-oldest took meanwhile (the turn counts as asked)
+        return not self._interrupted(batch) and bool(batch)
 
     def _write_batch(self, batch: list[Outgoing]) -> None:
         """Write ``batch`` (its sent mark stored): PUBLISHes (PUBRELs of released QoS 2 ones) in one
@@ -576,8 +602,7 @@ class Pump:
         highest = batch[-1].entry.seq
         session.sent_max = max(sent_max, highest)
         self.transport.write(run.take())
-        if batch[0].stored is not None:
-            self._runs.sent()
+        self._runs.sent(replayed=batch[0].stored is not None)
         if batch[-1].stored is not None and session.sent_mark < highest + self.window:
             # A replay (the batch was read from the store): the next batch may reach a window past
             # this one, so its mark goes with the write the acks of this batch ask for, and it need

@@ -8,14 +8,15 @@ Two policies, both plain (no amqtt, no store):
   many messages, as before).
 * ``ReplayTurns``: one per broker. A batch read from the store (a replay, or a session catching
   up) goes out in a turn, which the pump takes right before the write (after the topic ACL and
-  its sent mark's commit) and which counts the batch's size. A session's first batch always gets
-  its turn at once: it is small, and the session's CONNECT cost the loop more than it. Every later
-  batch gets one in the order the pumps asked, while fewer than ``budget`` messages are counted
-  since the budget started; a pump past that waits for the budget's next start, at most once per
-  pass of the event loop, so that reads of new packets (CONNECTs, PUBLISHes, acks) and the rest of
-  the loop's work come in between. A pump that had a turn waits for that start (``next_pass``)
-  before it takes its next batch. With no pump waiting and budget left, a turn is granted at
-  once, without a pass: a replay alone runs as without turns.
+  its sent mark's commit) and which counts the batch's size. A session's first batch (its pump's
+  first write) always gets its turn at once: it is small, and the session's CONNECT cost the loop
+  more than it. Every later batch gets one in the order the pumps asked, while fewer than
+  ``budget`` messages are counted since the budget started; a pump past that waits for the
+  budget's next start, at most once per pass of the event loop, so that reads of new packets
+  (CONNECTs, PUBLISHes, acks) and the rest of the loop's work come in between. A pump that had
+  a turn waits for that start (``next_pass``) before it takes its next batch. With no pump
+  waiting and budget left, a turn is granted at once, without a pass: a replay alone runs as
+  without turns.
 
 The bound this gives (docs/guarantees.md, "Reconnect storms"): a session's first replayed message
 is written in the pass of the loop its pump starts in (within attach), whatever the other sessions
@@ -45,12 +46,16 @@ class RunSizes:
         self.window = window
         self.next = max(1, min(first, window))
         self.first = True
-        """No batch was sent yet (the next one is the session's first)."""
+        """The pump wrote no batch yet: the next one, if read from the store, is the session's first
+        (its turn at once, see ReplayTurns). After a live batch none is: a pump that falls behind
+        later waits for a turn for every batch."""
 
-    def sent(self) -> None:
-        """A batch went out: the next may be twice as large."""
+    def sent(self, replayed: bool = True) -> None:
+        """A batch went out: no later one is the first; after a ``replayed`` one (read from the
+        store) the next may be twice as large."""
         self.first = False
-        self.next = min(self.window, self.next * 2)
+        if replayed:
+            self.next = min(self.window, self.next * 2)
 
 
 class ReplayTurns:

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
 from amqtt_durable.config import DurableConfig
-from amqtt_durable.delivery import ReadAccess
+from amqtt_durable.delivery import LIVE_BUFFER, ReadAccess
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.turns import FIRST_RUN, TURN_BUDGET, ReplayTurns, RunSizes
-from recording_transport import RecordingTransport, parse_packets
+from durable_client.protocol import MARKER_TOPIC, decode_frame, decode_marker
+from recording_transport import RecordingTransport, Sent, parse_packets
 
 LIMIT = 10.0
 
@@ -445,5 +447,352 @@ def test_a_turn_whose_batch_overflow_dropped_is_not_used_by_a_later_batch(tmp_pa
             assert [p.payload for p in sent] == expected
             _assert_every_batch_went_out_in_a_pass_granted_to_it(transport, turns)
             await engine.detach("c", transport)
+
+    asyncio.run(main())
+
+
+def _publishes(transport: RecordingTransport) -> list[Sent]:
+    return [p for p in transport.packets if p.packet_type == 3]
+
+
+async def _passes(count: int = 20) -> None:
+    """Let every task that can run, run (a granted turn is written in the next pass)."""
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("waits_for", ["turn", "acl"])
+def test_a_hello_while_a_batch_waits_holds_it_until_ready(tmp_path: Path, waits_for: str) -> None:
+    """docs/protocol.md: after hello nothing goes out until ready; then the queue, flagged replayed,
+    then the marker. A hello that came while a batch read from the store waited for its turn (or
+    the topic ACL's answer) let that batch out right after, before ready, framed but not flagged
+    replayed. It goes back to the buffer instead, and out after ready with the flag."""
+    window, queued = 100, 40
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+        engine.open()
+        turns = engine.replay_turns = WatchedTurns(window)
+        hog = asyncio.ensure_future(_hog(turns))
+        helloed = asyncio.Event()
+        transport = OrderedTransport("c", [])
+        before_hello: list[int] = []
+
+        def hello() -> None:
+            before_hello.append(len(_publishes(transport)))
+            engine.hello("c", None)
+            helloed.set()
+
+        async def allowed(topic: str) -> bool:  # an ACL plugin; the hello comes before its answer
+            loop = asyncio.get_running_loop()
+            answer = loop.create_future()
+            if not helloed.is_set():
+                loop.call_soon(hello)
+            loop.call_soon(answer.set_result, True)
+            return bool(await answer)
+
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t", 1)
+            for index in range(queued):
+                engine.route_publish("t", b"q%d" % index, 1)
+            await engine.written_so_far()
+            read_access = None
+            if waits_for == "turn":
+                turns.on_queue = hello  # the second batch waits for its turn
+            else:
+                read_access = ReadAccess(allowed)  # the first batch waits for the ACL
+            await engine.attach("c", transport, read_access)
+            await asyncio.wait_for(helloed.wait(), LIMIT)
+            await _passes()
+            assert len(_publishes(transport)) == before_hello[0], "nothing goes out between hello and ready"
+            assert engine.ready("c", transport)
+            packets = await transport.wait_for(lambda ps: any(p.topic == MARKER_TOPIC for p in ps), LIMIT)
+            sent = [p for p in packets if p.packet_type == 3]
+            plain, framed = sent[: before_hello[0]], sent[before_hello[0] :]
+            assert [p.topic for p in framed] == ["t"] * (queued - len(plain)) + [MARKER_TOPIC]
+            frames = [decode_frame(p.payload) for p in framed[:-1]]
+            assert [p.payload for p in plain] + [payload for _, payload in frames] == [
+                b"q%d" % i for i in range(queued)
+            ]
+            assert all(frame.replayed for frame, _ in frames), "sent after ready, up to its point: replayed"
+            assert decode_marker(framed[-1].payload).replayed == len(frames)
+            await engine.detach("c", transport)
+        finally:
+            hog.cancel()
+            await asyncio.gather(hog, return_exceptions=True)
+            await engine.close()
+
+    asyncio.run(main())
+
+
+class GrantLog(ReplayTurns):
+    """The real turns, counting the messages they granted turns for and, per turn granted as a
+    session's first batch, how many writes its pump's transport (``transport``) had made before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.granted = 0
+        self.firsts: list[int] = []
+        self.transport: RecordingTransport | None = None
+
+    def try_take(self, size: int, first: bool, last: int | None = None) -> bool:
+        took = super().try_take(size, first, last)
+        if took:
+            self._grant(size, first)
+        return took
+
+    async def take(self, size: int, first: bool, last: int | None = None) -> None:
+        granted = self.granted
+        await super().take(size, first, last)
+        if self.granted == granted:  # not at once (try_take counted that): granted by a pass
+            self._grant(size, first)
+
+    def _grant(self, size: int, first: bool) -> None:
+        self.granted += size
+        if first:
+            assert self.transport is not None
+            self.firsts.append(self.transport.writes)
+
+
+async def _falls_behind(tmp_path: Path) -> tuple[GrantLog, int]:
+    """A session attached with an empty queue gets a burst of LIVE_BUFFER + 76 messages in one
+    pass (window 10, a client that acknowledges each write in the next pass): the first
+    LIVE_BUFFER are kept in memory (live), the rest read from the store after them. Returns the
+    turns and how many messages were read from the store."""
+    total, window = LIVE_BUFFER + 76, 10
+    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+    engine.open()
+    turns = engine.replay_turns = GrantLog()
+    try:
+        await engine.connect("c", clean_session=False)
+        await engine.subscribe("c", "t", 1)
+        transport = turns.transport = OrderedTransport("c", [])
+        await engine.attach("c", transport)
+        for index in range(total):
+            engine.route_publish("t", b"%d" % index, 1)
+        await engine.written_so_far()
+        sent = await transport.wait_for(lambda ps: len(ps) >= total, LIMIT)
+        assert [p.payload for p in sent] == [b"%d" % i for i in range(total)], "in order, once"
+        await engine.detach("c", transport)
+    finally:
+        await engine.close()
+    return turns, total - LIVE_BUFFER
+
+
+def test_messages_read_from_the_store_after_live_ones_take_turns(tmp_path: Path) -> None:
+    """A batch that began with live messages (no turn) went on with those read from the store
+    after them, up to a window of them without a turn: here the 4 live ones left and 6 read from
+    the store. A batch is all live or all read from the store; the latter take turns for all."""
+
+    async def main() -> None:
+        turns, stored = await _falls_behind(tmp_path)
+        assert turns.granted >= stored, f"turns for {turns.granted} of the {stored} messages read from the store"
+
+    asyncio.run(main())
+
+
+def test_a_session_that_falls_behind_after_live_messages_gets_no_first_batch_turn(tmp_path: Path) -> None:
+    """Only the batch written at attach is a first batch (a turn at once, whatever others wait
+    for). A pump whose first writes were live messages, and that then fell behind, sent its first
+    batch read from the store as a "first" one again."""
+
+    async def main() -> None:
+        turns, _ = await _falls_behind(tmp_path)
+        assert turns.firsts == [], f"first-batch turns after {turns.firsts} writes"
+
+    asyncio.run(main())
+
+
+def test_drop_oldest_takes_from_a_batch_waiting_for_the_topic_acl(tmp_path: Path) -> None:
+    """docs/guarantees.md: drop-oldest deletes the oldest message not sent yet. A batch taken from
+    the buffer that waited for the topic ACL was in neither the buffer nor in flight: a publish past
+    max_depth then dropped a newer message (the first after the batch) instead of its oldest."""
+    window, depth = 100, 24
+
+    async def main() -> None:
+        config = DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window, max_depth=depth)
+        engine = DurableEngine(config)
+        engine.open()
+        published = asyncio.Event()
+
+        def overflow() -> None:
+            assert engine.route_publish("t", b"n", 1) is not None
+            published.set()
+
+        async def allowed(topic: str) -> bool:  # an ACL plugin: a publish comes before its answer
+            loop = asyncio.get_running_loop()
+            answer = loop.create_future()
+            if not published.is_set():
+                loop.call_soon(overflow)
+            loop.call_soon(answer.set_result, True)
+            return bool(await answer)
+
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t", 1)
+            for index in range(depth):
+                engine.route_publish("t", b"q%d" % index, 1)
+            await engine.written_so_far()
+            transport = OrderedTransport("c", [])
+            await engine.attach("c", transport, ReadAccess(allowed))
+            sent = await transport.wait_for(lambda ps: len(ps) >= depth, LIMIT)
+            assert published.is_set()
+            assert [p.payload for p in sent] == [b"q%d" % i for i in range(1, depth)] + [b"n"], "q0 dropped"
+            assert engine.sessions["c"].dropped == 1
+            await engine.detach("c", transport)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_drop_oldest_takes_from_a_batch_waiting_for_its_sent_mark(tmp_path: Path) -> None:
+    """As above, while the batch waits for the commit of its sent mark: the client acknowledged the
+    first batch (window 4), and the pump's next batch needs a mark past the one attach stored (with
+    sync: true the write of the acks, which carries the mark queued ahead, is still in a thread when
+    the pump takes the batch: it commits a mark of its own). That commit is held until five
+    publishes fill the queue again and pass max_depth by one: that must drop the waiting batch's
+    oldest, not the first message after it."""
+    window, depth, more = 4, 12, 5
+
+    async def main() -> None:
+        config = DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window, max_depth=depth, sync=True)
+        engine = DurableEngine(config)
+        engine.open()
+        waiting, release = asyncio.Event(), asyncio.Event()
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t", 1)
+            for index in range(depth):
+                engine.route_publish("t", b"q%d" % index, 1)
+            await engine.written_so_far()
+            transport = RecordingTransport()
+            await engine.attach("c", transport)
+            session = engine.sessions["c"]
+            real = session.advance_sent_mark
+
+            async def held_mark(highest: int, window: int) -> None:  # the commit, once the test says
+                waiting.set()
+                await release.wait()
+                await real(highest, window)
+
+            session.advance_sent_mark = held_mark  # type: ignore[method-assign]
+            total, acked = depth + more - 1, 0
+            for _ in range(total):  # bounded: each round acknowledges at least one more
+                sent = await transport.wait_for(lambda ps, seen=acked: len(ps) > seen, LIMIT)
+                for packet in sent[acked:]:
+                    assert packet.packet_id is not None
+                    transport.ack("puback", packet.packet_id)
+                if acked == 0:  # the pump wakes, takes its next batch and waits for its mark
+                    await asyncio.wait_for(waiting.wait(), LIMIT)
+                    for index in range(more):
+                        assert engine.route_publish("t", b"n%d" % index, 1) is not None
+                    session.advance_sent_mark = real  # type: ignore[method-assign]
+                    release.set()
+                acked = len(sent)
+                if acked >= total:
+                    break
+            payloads = b",".join(p.payload for p in transport.packets).decode()
+            expected = [f"q{i}" for i in range(depth) if i != window] + [f"n{i}" for i in range(more)]
+            assert payloads == ",".join(expected), "q4 dropped"
+            assert engine.sessions["c"].dropped == 1
+            await engine.detach("c", transport)
+        finally:
+            release.set()
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_batch_a_hello_put_back_goes_out_after_ready_without_waiting_for_acks(tmp_path: Path) -> None:
+    """A batch that fills the window (32, refilled by 8) marks the pump as refilling; put back by a
+    hello while it waited for the topic ACL, the pump stayed marked: after ready it waited for 8
+    acks before sending the 4 messages that fit the window. Put back, the pump is as before the take."""
+    window, first, later = 32, 28, 10
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+        engine.open()
+        asked, answer = asyncio.Event(), asyncio.Event()
+
+        async def allowed(topic: str) -> bool:  # an ACL plugin that answers for t/b when the test says
+            if topic == "t/b":
+                asked.set()
+                await answer.wait()
+            return True
+
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t/#", 1)
+            transport = RecordingTransport()  # a client that acknowledges nothing
+            await engine.attach("c", transport, ReadAccess(allowed))
+            for index in range(first):
+                engine.route_publish("t/a", b"a%d" % index, 1)
+            await transport.wait_for(lambda ps: len(ps) >= first, LIMIT)
+            for index in range(later):
+                engine.route_publish("t/b", b"b%d" % index, 1)
+            await asyncio.wait_for(asked.wait(), LIMIT)  # a batch of 4 (the window is full after it) waits
+            engine.hello("c", None)
+            answer.set()
+            await _passes()
+            assert len(_publishes(transport)) == first, "nothing goes out between hello and ready"
+            assert engine.ready("c", transport)
+            sent = await transport.wait_for(lambda ps: len(ps) >= window, LIMIT)
+            frames = [decode_frame(p.payload) for p in sent[first:]]
+            assert [payload for _, payload in frames] == [b"b%d" % i for i in range(window - first)]
+            assert all(frame.replayed for frame, _ in frames)
+            await engine.detach("c", transport)
+        finally:
+            answer.set()
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_drop_oldest_takes_from_a_batch_the_topic_acl_failed_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ACL plugin that raises stops the pump (an internal error; the client's next connection
+    starts another). The batch it raised on was lost from the buffer: until then drop-oldest could
+    not see it and dropped the first message after it. It is put back, so its oldest is dropped."""
+    window, depth = 100, 24
+
+    async def main() -> None:
+        config = DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window, max_depth=depth)
+        engine = DurableEngine(config)
+        engine.open()
+        raised = asyncio.Event()
+
+        async def failing(topic: str) -> bool:  # an ACL plugin that fails once
+            if not raised.is_set():
+                raised.set()
+                raise RuntimeError("ACL backend down")
+            return True
+
+        try:
+            await engine.connect("c", clean_session=False)
+            await engine.subscribe("c", "t", 1)
+            for index in range(depth):
+                engine.route_publish("t", b"q%d" % index, 1)
+            await engine.written_so_far()
+            transport = RecordingTransport()
+            with caplog.at_level(logging.ERROR, logger="amqtt_durable.delivery"):
+                await engine.attach("c", transport, ReadAccess(failing))
+                await asyncio.wait_for(raised.wait(), LIMIT)
+                await _passes()
+            assert "stopped by an internal error" in caplog.text
+            assert _publishes(transport) == []
+            assert engine.route_publish("t", b"n", 1) is not None
+            assert engine.sessions["c"].dropped == 1
+            await engine.detach("c", transport)
+            await engine.connect("c", clean_session=False)
+            again = OrderedTransport("c", [])
+            await engine.attach("c", again)
+            sent = await again.wait_for(lambda ps: len(ps) >= depth, LIMIT)
+            assert [p.payload for p in sent] == [b"q%d" % i for i in range(1, depth)] + [b"n"], "q0 dropped"
+            await engine.detach("c", again)
+        finally:
+            await engine.close()
 
     asyncio.run(main())
