@@ -160,6 +160,8 @@ log = logging.getLogger("amqtt_durable")
 
 AMQTT_VERSION = "0.12.1"
 SYS_PREFIX = "$SYS/broker/durable/"
+MAX_LISTEN_BACKLOG = 2**31 - 1
+"""listen() takes a C int; a larger listen_backlog is passed as this (Linux caps it at somaxconn anyway)."""
 HEALTH_TOPIC = SYS_PREFIX + "store/health"
 NOT_SERVING = "this broker is a replication backup (or stopped being the primary): connect to the primary"
 _SUBSCRIBE_REFUSED = 0x80
@@ -1039,7 +1041,7 @@ class AmqttHooks:
             port,
             reuse_address=True,
             ssl=ssl_context,
-            backlog=self.engine.config.listen_backlog,
+            backlog=min(self.engine.config.listen_backlog, MAX_LISTEN_BACKLOG),  # the kernel caps it lower
         )
 
     async def client_connected(self, listener_name: str, reader: Any, writer: Any) -> None:

@@ -102,6 +102,8 @@ def read_broker_yaml(path: str) -> dict[str, Any]:
         raise ConfigError("-c", f"cannot read config file '{path}': {exc.strerror}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError("-c", f"'{path}' is not valid YAML: {exc}") from exc
+    except ValueError as exc:  # PyYAML's int() or date() of a scalar: 4,301 digits or more, a 13th month
+        raise ConfigError("-c", f"'{path}' holds a value YAML cannot read: {exc}") from exc
     if not isinstance(config, dict):
         raise ConfigError("-c", f"'{path}' must be a mapping with 'listeners' and 'plugins'")
     return config
