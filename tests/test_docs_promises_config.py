@@ -1,0 +1,419 @@
+"""docs/configuration.md, broker.yaml's comments, docs/operations.md (commands, exit codes, the
+stock amqtt command) and docs/architecture.md, promise by promise, against the real command.
+
+test_docs_promises_ops.py checks the table's keys and defaults and one bad value per key; here:
+the edges of what each key accepts, the error's exact form, values no float or C int holds, the
+exit codes of the commands on a running broker's store or on no store, and the project layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_docs_promises_ops import BAD_VALUES
+
+from amqtt_durable.cli import load_broker_config, plugin_section
+from amqtt_durable.config import DurableConfig
+from amqtt_durable.errors import ConfigError
+from conftest import WAIT, Broker, Client, payloads, probe_connack, run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = "amqtt_durable.DurableSessionsPlugin"
+ERROR = re.compile(r"^amqtt_durable config: '([^']+)': \S")
+"""operations.md, Troubleshooting: ``amqtt_durable config: '<key>': <problem>``."""
+
+
+# ------------------------------------------------------------------ what each key accepts
+
+EDGES: list[tuple[dict[str, Any], dict[str, Any], str]] = [
+    # (accepted at the edge, refused one step past it, the key the refusal names)
+    ({"session_expiry": 0}, {"session_expiry": -0.001}, "session_expiry"),
+    ({"max_depth": 1, "max_depth_disconnected": 1}, {"max_depth": 0}, "max_depth"),
+    ({"max_depth": 7, "max_depth_disconnected": 7}, {"max_depth": 7, "max_depth_disconnected": 6},
+     "max_depth_disconnected"),
+    ({"recovery_buffer": 1}, {"recovery_buffer": 0}, "recovery_buffer"),
+    ({"recovery_buffer": 65_535}, {"recovery_buffer": 65_536}, "recovery_buffer"),
+    ({"batch_size": 1}, {"batch_size": 0}, "batch_size"),
+    ({"batch_delay_ms": 0}, {"batch_delay_ms": -1}, "batch_delay_ms"),
+    ({"pending_threshold": 1}, {"pending_threshold": 0}, "pending_threshold"),
+    ({"metrics_interval": 0}, {"metrics_interval": -0.1}, "metrics_interval"),
+    ({"drop_log_interval": 0}, {"drop_log_interval": -0.1}, "drop_log_interval"),
+    ({"max_session_expiry": 0}, {"max_session_expiry": -1}, "max_session_expiry"),
+    ({"stream_window": 1}, {"stream_window": 0}, "stream_window"),
+    ({"stream_window": 1000}, {"stream_window": 1001}, "stream_window"),
+    ({"stream_ack_timeout": 0.001}, {"stream_ack_timeout": 0}, "stream_ack_timeout"),
+    ({"connect_timeout": 0.001}, {"connect_timeout": 0}, "connect_timeout"),
+    ({"max_packet_size": 1024}, {"max_packet_size": 1023}, "max_packet_size"),
+    ({"max_packet_size": 268_435_455}, {"max_packet_size": 268_435_456}, "max_packet_size"),
+    ({"max_bytes": 0}, {"max_bytes": -1}, "max_bytes"),
+    ({"max_bytes": 10, "max_bytes_disconnected": 0}, {"max_bytes": 10, "max_bytes_disconnected": 9},
+     "max_bytes_disconnected"),
+    ({"max_bytes": 10, "max_bytes_disconnected": 10}, {"max_bytes_disconnected": -1}, "max_bytes_disconnected"),
+    ({"max_subscriptions_per_client": 0}, {"max_subscriptions_per_client": -1}, "max_subscriptions_per_client"),
+    ({"max_subscription_bytes_per_client": 0}, {"max_subscription_bytes_per_client": -1},
+     "max_subscription_bytes_per_client"),
+    ({"max_pending_clean": 0}, {"max_pending_clean": -1}, "max_pending_clean"),
+    ({"max_pending_bytes_clean": 0}, {"max_pending_bytes_clean": -1}, "max_pending_bytes_clean"),
+    ({"max_awaiting_pubrel": 0}, {"max_awaiting_pubrel": -1}, "max_awaiting_pubrel"),
+    ({"listen_backlog": 1}, {"listen_backlog": 0}, "listen_backlog"),
+    ({"streams": [{"filter": "a/#", "max_count": 1, "max_age": 0}]},
+     {"streams": [{"filter": "a/#", "max_count": 0}]}, "streams[0].max_count"),
+    ({"streams": [{"filter": "a/+/b"}]}, {"streams": [{"filter": "a/#", "max_age": -1}]}, "streams[0].max_age"),
+    ({"streams": [{"filter": "a/#"}, {"filter": "b/#"}]},
+     {"streams": [{"filter": "a/#"}, {"filter": "a/#"}]}, "streams[1].filter"),
+    ({"overflow": "drop-newest", "session_takeover": "any-user"}, {"overflow": "Drop-Newest"}, "overflow"),
+    ({"sync": True, "queue_qos0": True}, {"queue_qos0": "true"}, "queue_qos0"),
+    ({"store": "relative/folder"}, {"store": "a\0b"}, "store"),
+]
+
+
+@pytest.mark.parametrize(("accepted", "refused", "key"), EDGES)
+def test_each_key_accepts_its_documented_edge_and_refuses_one_step_past_it(
+    accepted: dict[str, Any], refused: dict[str, Any], key: str
+) -> None:
+    """configuration.md, column Accepts: ">= 0", "1 to 65535", ">= max_depth", ... are inclusive."""
+    config = DurableConfig.from_mapping(accepted)
+    for name, value in accepted.items():
+        if name != "streams":
+            assert getattr(config, name) == value
+    with pytest.raises(ConfigError) as raised:
+        DurableConfig.from_mapping(refused)
+    assert raised.value.key == key, raised.value
+    assert ERROR.match(str(raised.value)), raised.value
+
+
+@pytest.mark.parametrize(
+    ("settings", "key"),
+    [
+        ({"max_depth": 100.0}, "max_depth"),  # "whole number": not a float, even a whole one
+        ({"recovery_buffer": True}, "recovery_buffer"),  # YAML's true is no number
+        ({"session_expiry": False}, "session_expiry"),
+        ({"batch_delay_ms": math.inf}, "batch_delay_ms"),  # "finite number"
+        ({"session_expiry": math.nan}, "session_expiry"),
+        ({"connect_timeout": -math.inf}, "connect_timeout"),
+        ({"streams": [{"filter": "$SYS/#"}]}, "streams[0].filter"),  # "outside $ and _durable/"
+        ({"streams": [{"filter": "_durable/x"}]}, "streams[0].filter"),
+        ({"streams": [{"filter": "a/#/b"}]}, "streams[0].filter"),  # "a valid filter"
+        ({"streams": [{"max_count": 5}]}, "streams[0].filter"),
+        ({"streams": [{"filter": "a", "max_size": 5}]}, "streams[0].max_size"),
+        ({"streams": ["a/#"]}, "streams[0]"),
+        ({"store": 5}, "store"),  # "non-empty path"
+    ],
+)
+def test_values_outside_the_accepts_column_are_refused_naming_the_key(settings: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        DurableConfig.from_mapping(settings)
+    assert raised.value.key == key, raised.value
+
+
+def test_a_whole_number_is_taken_where_a_number_is_documented() -> None:
+    config = DurableConfig.from_mapping({"session_expiry": 30, "batch_delay_ms": 0, "stream_ack_timeout": 2})
+    assert (config.session_expiry, config.batch_delay_ms, config.stream_ack_timeout) == (30.0, 0.0, 2.0)
+
+
+@pytest.mark.parametrize(("key", "value"), sorted(BAD_VALUES.items()))
+def test_every_config_error_reads_as_operations_md_quotes_it(key: str, value: Any) -> None:
+    """operations.md: ``amqtt_durable config: '<key>': <problem>``, the key exactly as written."""
+    with pytest.raises(ConfigError) as raised:
+        DurableConfig.from_mapping({key: value})
+    match = ERROR.match(str(raised.value))
+    assert match is not None, raised.value
+    assert match.group(1) == key or match.group(1).startswith((f"{key}.", f"{key}[")), raised.value
+
+
+# ------------------------------------------------------------- values no float or C int holds
+
+
+def _write(folder: Path, text: str) -> Path:
+    path = folder / "bad.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_number_setting_given_an_integer_no_float_holds_stops_the_broker_naming_it(tmp_path: Path) -> None:
+    """A YAML integer of 400 digits for session_expiry ("finite number >= 0") once escaped as an
+    OverflowError traceback (exit 1); it is a bad value of that key: exit 2, the key named."""
+    huge = "1" + "0" * 400
+    for key, text in (
+        ("session_expiry", f"plugins:\n  {PLUGIN}:\n    session_expiry: {huge}\n"),
+        ("replication.lease_ttl", f"plugins:\n  {PLUGIN}:\n    replication:\n      name: a\n"
+         f"      coordinator: [http://127.0.0.1:2379]\n      lease_ttl: {huge}\n"),
+    ):
+        result = run_cli("broker", "-c", str(_write(tmp_path, text)), cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert f"amqtt_durable config: '{key}': must be" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "data").exists(), "no store is created for a refused config"
+
+
+def test_a_yaml_value_python_cannot_read_is_a_config_error_not_a_traceback(tmp_path: Path) -> None:
+    """PyYAML's int() of 5,000 digits (past Python's limit) and its date of a 13th month raised
+    ValueError past the loader: a traceback with exit 1, not the config error (exit 2)."""
+    for value in ("9" * 5000, "2026-13-45"):
+        path = _write(tmp_path, f"plugins:\n  {PLUGIN}:\n    session_expiry: {value}\n")
+        result = run_cli("broker", "-c", str(path), cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"amqtt-durable: amqtt_durable config: '-c': '{path}'"), result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_a_store_path_with_a_nul_is_a_bad_store_not_a_failed_start(tmp_path: Path) -> None:
+    """store ("non-empty path"): a NUL (YAML's "\\0") got past the check and the start failed
+    later, exit 1 with just "embedded null byte"; the same for replication's file paths."""
+    cases = {
+        "store": f'plugins:\n  {PLUGIN}:\n    store: "data\\0x"\n',
+        "replication.secret_file": f'plugins:\n  {PLUGIN}:\n    replication:\n      role: primary\n'
+        '      secret_file: "s\\0x"\n',
+        "replication.tls.cert": f'plugins:\n  {PLUGIN}:\n    replication:\n      role: primary\n'
+        '      tls: {cert: "c\\0x", ca: ca.pem}\n',
+    }
+    for key, text in cases.items():
+        result = run_cli("broker", "-c", str(_write(tmp_path, text)), cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert f"amqtt_durable config: '{key}':" in result.stderr, result.stderr
+
+
+def test_a_lease_longer_than_etcd_grants_is_refused_at_start() -> None:
+    base = {"name": "a", "coordinator": ["http://127.0.0.1:2379"]}
+    assert DurableConfig.from_mapping({"replication": {**base, "lease_ttl": 9_000_000_000}}).replication
+    with pytest.raises(ConfigError, match=re.escape("'replication.lease_ttl': must be at most 9000000000")):
+        DurableConfig.from_mapping({"replication": {**base, "lease_ttl": 9_000_000_001}})
+
+
+def test_extreme_valid_values_start_a_broker_that_serves_and_ctrl_c_stops_it(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """"whole number >= 1" for listen_backlog, capped by the kernel: 2**40 failed the start (listen()
+    takes a C int: "signed integer is greater than maximum", exit 1). Every "finite number" at
+    1e308 starts too, a durable session still gets what was queued while it was away, and
+    operations.md's Ctrl-C (SIGINT) shuts the broker down cleanly, exit status 0."""
+    far = 1e308
+    broker = broker_factory(
+        listen_backlog=2**40,
+        session_expiry=far,
+        max_session_expiry=far,
+        drop_log_interval=far,
+        stream_ack_timeout=far,
+        connect_timeout=far,
+        metrics_interval=far,
+        max_depth=2**62,
+        max_depth_disconnected=2**63,
+    )
+    device = clients(broker.port, "far-1")
+    device.subscribe("far/t", 1)
+    device.disconnect()
+    clients(broker.port, "far-pub", clean_session=True).publish("far/t", payloads(3), qos=1)
+    assert device.connect() is True and device.session_present is True
+    assert [m.payload for m in device.wait_messages(3)] == payloads(3)
+    device.disconnect()
+    broker.stop_signal = signal.SIGINT
+    broker.stop()
+    assert broker.exit_status == 0, broker.log()
+    assert "Traceback" not in broker.log()
+
+
+# --------------------------------------------------------------- commands and exit codes
+
+
+def test_broker_exits_2_for_a_missing_config_file_and_one_without_the_plugin(tmp_path: Path) -> None:
+    """operations.md: exit code 2 for a config file that is missing or does not load the plugin."""
+    missing = run_cli("broker", "-c", str(tmp_path / "absent.yaml"), cwd=tmp_path)
+    assert missing.returncode == 2, missing.stderr
+    assert f"cannot read config file '{tmp_path / 'absent.yaml'}'" in missing.stderr
+    path = _write(tmp_path, "listeners:\n  default: {type: tcp, bind: '127.0.0.1:1'}\nplugins:\n"
+                  "  amqtt.plugins.authentication.AnonymousAuthPlugin: {allow_anonymous: true}\n")
+    without = run_cli("broker", "-c", str(path), cwd=tmp_path)
+    assert without.returncode == 2, without.stderr
+    assert f"does not load {PLUGIN}" in without.stderr
+    not_a_mapping = run_cli("broker", "-c", str(_write(tmp_path, "- a\n- b\n")), cwd=tmp_path)
+    assert not_a_mapping.returncode == 2, not_a_mapping.stderr
+
+
+def test_an_empty_plugin_entry_runs_every_default(broker_factory: Callable[..., Broker], tmp_path: Path) -> None:
+    """configuration.md: every key is optional; `amqtt_durable.DurableSessionsPlugin:` alone
+    (YAML null) is the defaults: the store is ./data/durable, beside where the broker runs."""
+    broker = broker_factory(start=False)
+    broker.settings = {"metrics_interval": 0}
+    broker.write_config()
+    text = broker.config_path.read_text()
+    broker.config = yaml.safe_load(text)
+    broker.config["plugins"][PLUGIN] = None
+    broker.config_path.write_text(yaml.safe_dump(broker.config))
+    assert DurableConfig.from_mapping(plugin_section(load_broker_config(str(broker.config_path)))) == DurableConfig()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "amqtt_durable.cli", "broker", "-c", str(broker.config_path)],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=(tmp_path / "default.log").open("w"),
+    )
+    try:
+        deadline = time.monotonic() + WAIT
+        while not probe_connack(broker.port) and child.poll() is None and time.monotonic() < deadline:
+            threading.Event().wait(0.05)  # bounded poll: the child has no readiness event to wait on
+        assert child.poll() is None, f"the broker exited with {child.returncode}"
+        assert probe_connack(broker.port)
+        assert (tmp_path / "data" / "durable" / "CURRENT").exists()
+    finally:
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(WAIT) == 0
+
+
+def test_inspect_and_repair_refuse_a_running_broker_s_store_and_it_keeps_serving(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """operations.md: inspect (sessions or --retained) and repair need the broker stopped: `store
+    '...' is locked by another process`, exit code 1; a folder without a store: `no store at
+    '...'`, exit code 1. Stopped, `--json` gives exactly the documented fields, retained rows in
+    topic order."""
+    broker = broker_factory()
+    device = clients(broker.port, "insp-1")
+    device.subscribe([("insp/b", 1), ("insp/a/#", 2)])
+    device.disconnect()
+    publisher = clients(broker.port, "insp-pub", clean_session=True)
+    publisher.publish("insp/b", payloads(2), qos=1)
+    publisher.publish("r/z", [b"zz"], qos=1, retain=True)
+    publisher.publish("r/a", [b"a"], qos=0, retain=True)
+    for args in (("inspect", broker.store), ("inspect", broker.store, "--retained"), ("repair", broker.store)):
+        refused = run_cli(*args)
+        assert refused.returncode == 1, (args, refused.stdout, refused.stderr)
+        assert f"store '{broker.store}' is locked by another process" in refused.stderr, refused.stderr
+    assert probe_connack(broker.port)
+    assert device.connect() is True
+    assert [m.payload for m in device.wait_messages(2)] == payloads(2)
+    device.disconnect()
+    publisher.publish("insp/b", [b"queued"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    sessions = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert [row["client_id"] for row in sessions] == ["insp-1"]
+    row = sessions[0]
+    assert set(row) == {"client_id", "depth", "bytes", "oldest_age_s", "subscriptions", "disconnected_at",
+                        "expires_at", "dropped"}
+    assert row["subscriptions"] == {"insp/b": 1, "insp/a/#": 2}
+    assert (row["depth"], row["bytes"], row["dropped"]) == (1, len(b"queued"), 0)
+    assert row["expires_at"] == pytest.approx(row["disconnected_at"] + 300)
+    table = run_cli("inspect", broker.store).stdout.strip().splitlines()
+    assert table[-1] == "1 session(s), 1 queued message(s)"
+    assert "insp/a/#@2" in "".join(table) and "insp/b@1" in "".join(table)
+    retained = json.loads(run_cli("inspect", broker.store, "--retained", "--json").stdout)
+    assert [(r["topic"], r["qos"], r["bytes"]) for r in retained] == [("r/a", 0, 1), ("r/z", 1, 2)]
+    assert all(set(r) == {"topic", "qos", "bytes", "age_s"} for r in retained)
+    nowhere = str(tmp_path / "nowhere")
+    for args in (("inspect", nowhere), ("repair", nowhere)):
+        missing = run_cli(*args)
+        assert missing.returncode == 1, (args, missing.stderr)
+        assert f"no store at '{nowhere}'" in missing.stderr, missing.stderr
+
+
+def test_metrics_interval_0_publishes_no_metric(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """configuration.md: metrics_interval 0 turns the $SYS/broker/durable/ metrics off; the
+    expiry event topic still comes (it is an event, not a metric)."""
+    broker = broker_factory(metrics_interval=0, session_expiry=0.3)
+    watcher = clients(broker.port, "watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/#", 0)
+    device = clients(broker.port, "short-1")
+    device.subscribe("s/t", 1)
+    device.disconnect()
+    assert watcher.wait_for(lambda ms: any(m.topic == "$SYS/broker/durable/expired" for m in ms))
+    assert not watcher.wait_for(lambda ms: any(m.topic != "$SYS/broker/durable/expired" for m in ms), timeout=1.0)
+
+
+def test_debug_flag_logs_at_debug(broker_factory: Callable[..., Broker]) -> None:
+    """operations.md: `amqtt-durable broker -c broker.yaml ... -d for debug logs`."""
+    broker = broker_factory(start=False)
+    broker.argv = [*broker.argv, "-d"]
+    broker.start()
+    assert probe_connack(broker.port)
+    broker.stop()
+    assert " DEBUG " in broker.log(), broker.log()[-2000:]
+
+
+@pytest.mark.skipif(not (Path(sys.executable).parent / "amqtt").exists(), reason="the stock amqtt command")
+def test_the_stock_amqtt_command_reports_a_bad_setting_as_operations_md_says(tmp_path: Path) -> None:
+    """operations.md, With the stock `amqtt` command: exit code 1, a traceback ending in
+    PluginLoadError for a wrong type (look for `wrong value type for field "overflow"`), or in the
+    plugin's own error for a value out of range."""
+    amqtt = str(Path(sys.executable).parent / "amqtt")
+    cases = {
+        "overflow: drop-random": ('wrong value type for field "overflow"', "PluginLoadError"),
+        "max_depth: 0": ("amqtt_durable config: 'max_depth': must be at least 1", "ConfigError"),
+    }
+    for setting, (shown, last) in cases.items():
+        path = _write(tmp_path, f"listeners:\n  default: {{type: tcp, bind: '127.0.0.1:1'}}\n"
+                                f"plugins:\n  {PLUGIN}:\n    store: ./s\n    {setting}\n")
+        result = subprocess.run([amqtt, "-c", str(path)], capture_output=True, text=True, timeout=WAIT,
+                                cwd=tmp_path, check=False)
+        assert result.returncode == 1, result.stderr[-2000:]
+        output = result.stdout + result.stderr
+        assert shown in output, output[-3000:]
+        assert output.strip().splitlines()[-1].startswith(last), output[-500:]
+
+
+# ---------------------------------------------------------------------------- architecture.md
+
+
+def test_architecture_md_names_every_module_in_its_package() -> None:
+    """docs/architecture.md lists each package's modules; a module it does not name is a gap."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    blocks = re.split(r"^(?=\S)", text, flags=re.M)
+    packages = {
+        "plugin/amqtt_durable/": ROOT / "plugin" / "amqtt_durable",
+        "client_sdk/durable_client/": ROOT / "client_sdk" / "durable_client",
+        "pipeline/durable_pipeline/": ROOT / "pipeline" / "durable_pipeline",
+        "fleet/durable_fleet/": ROOT / "fleet" / "durable_fleet",
+    }
+    missing = []
+    for header, folder in packages.items():
+        block = next(b for b in blocks if b.startswith(header))
+        for module in sorted(folder.glob("*.py")):
+            if module.name != "__init__.py" and not re.search(rf"(?<![\w/]){re.escape(module.name)}\b", block):
+                missing.append(f"{header}{module.name}")
+    plugin = next(b for b in blocks if b.startswith("plugin/amqtt_durable/"))
+    replication = plugin[plugin.index("replication/"):]
+    for module in sorted((ROOT / "plugin" / "amqtt_durable" / "replication").glob("*.py")):
+        if module.name != "__init__.py" and not re.search(rf"\b{module.stem}\b", replication):
+            missing.append(f"replication/{module.name}")
+    assert not missing, missing
+
+
+def test_broker_yaml_comment_defaults_are_the_code_s() -> None:
+    """broker.yaml's comments say "(default N" for settings; each N is the dataclass default."""
+    text = (ROOT / "broker.yaml").read_text()
+    defaults = DurableConfig()
+    said = {
+        "session_expiry": r"are kept \(default (\d+)\)",
+        "max_depth": r"connected session \(default (\d+)\)",
+        "max_depth_disconnected": r"disconnected \(default (\d+),",
+        "recovery_buffer": r"per session \(default (\d+), at most 65535\)",
+        "batch_delay_ms": r"batch_delay_ms \(default (\d+)\)",
+        "pending_threshold": r"pending_threshold\s+#?\s*\(default (\d+)\)",
+        "batch_size": r"batch_size \(default (\d+)\)",
+        "metrics_interval": r"0 = off, default (\d+)\)",
+        "max_session_expiry": r"\(seconds, default\s+#\s+(\d+) = 7 days\)",
+        "stream_window": r"per topic before the client's ack \(default (\d+),",
+        "stream_ack_timeout": r"sent again \(default (\d+)\)",
+        "connect_timeout": r"before it is closed \(default (\d+)\)",
+        "max_packet_size": r"\(default (\d+) = 1 MB, at most 268435455\)",
+        "max_subscriptions_per_client": r"durable or clean \(default (\d+);",
+        "max_subscription_bytes_per_client": r"summed \(default (\d+) = 1 MiB;",
+        "max_pending_clean": r"\(default (\d+) and \d+ = 16 MiB;",
+        "max_pending_bytes_clean": r"\(default \d+ and (\d+) = 16 MiB;",
+        "max_awaiting_pubrel": r"awaiting their PUBREL \(default (\d+);",
+        "listen_backlog": r"accepts them \(default (\d+),",
+    }
+    for key, pattern in said.items():
+        found = re.search(pattern, text)
+        assert found is not None, (key, pattern)
+        assert float(found.group(1)) == getattr(defaults, key), key
