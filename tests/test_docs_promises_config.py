@@ -417,3 +417,26 @@ def test_broker_yaml_comment_defaults_are_the_code_s() -> None:
         found = re.search(pattern, text)
         assert found is not None, (key, pattern)
         assert float(found.group(1)) == getattr(defaults, key), key
+
+
+# ----------------------------------------------------------------------------- benchmarks.md
+
+
+def test_benchmarks_md_lists_what_make_bench_runs_in_order_and_every_benchmark() -> None:
+    """benchmarks.md: "`make bench` runs, in this order, ..."; every bench/bench_*.py is named there,
+    and those it says take --quick and --out (and bench_storm's options) have them."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    target = makefile[makefile.index("\nbench:"):]
+    target = target[: target.index("\n\n")]
+    run = re.findall(r"bench/(bench_\w+\.py)", target)
+    said = text[text.index("`make bench` runs, in this order,"):]
+    said = said[: said.index(";")]
+    assert re.findall(r"`(bench_\w+\.py)`", said) == run
+    for script in sorted((ROOT / "bench").glob("bench_*.py")):
+        assert script.name in text, script.name
+    for name in ("bench_durable.py", "bench_sdk.py", "bench_pipeline.py", "bench_fleet.py", "bench_storm.py"):
+        source = (ROOT / "bench" / name).read_text()
+        assert '"--quick"' in source and '"--out"' in source, name
+    storm = (ROOT / "bench" / "bench_storm.py").read_text()
+    assert '"--sessions"' in storm and '"--messages"' in storm
