@@ -274,7 +274,7 @@ def test_inspect_and_repair_refuse_a_running_broker_s_store_and_it_keeps_serving
     """operations.md: inspect (sessions or --retained) and repair need the broker stopped: `store
     '...' is locked by another process`, exit code 1; a folder without a store: `no store at
     '...'`, exit code 1. Stopped, `--json` gives exactly the documented fields, retained rows in
-    topic order."""
+    topic order; a session connected when the broker was killed has no deadline (`-`, null)."""
     broker = broker_factory()
     device = clients(broker.port, "insp-1")
     device.subscribe([("insp/b", 1), ("insp/a/#", 2)])
@@ -293,9 +293,12 @@ def test_inspect_and_repair_refuse_a_running_broker_s_store_and_it_keeps_serving
     device.disconnect()
     publisher.publish("insp/b", [b"queued"], qos=1)
     publisher.disconnect()
-    broker.stop()
+    clients(broker.port, "insp-2").subscribe("insp/c", 0)  # still connected when the broker is killed
+    broker.kill()
     sessions = json.loads(run_cli("inspect", broker.store, "--json").stdout)
-    assert [row["client_id"] for row in sessions] == ["insp-1"]
+    assert [row["client_id"] for row in sessions] == ["insp-1", "insp-2"]
+    killed = sessions[1]
+    assert (killed["disconnected_at"], killed["expires_at"], killed["subscriptions"]) == (None, None, {"insp/c": 0})
     row = sessions[0]
     assert set(row) == {"client_id", "depth", "bytes", "oldest_age_s", "subscriptions", "disconnected_at",
                         "expires_at", "dropped"}
@@ -303,7 +306,8 @@ def test_inspect_and_repair_refuse_a_running_broker_s_store_and_it_keeps_serving
     assert (row["depth"], row["bytes"], row["dropped"]) == (1, len(b"queued"), 0)
     assert row["expires_at"] == pytest.approx(row["disconnected_at"] + 300)
     table = run_cli("inspect", broker.store).stdout.strip().splitlines()
-    assert table[-1] == "1 session(s), 1 queued message(s)"
+    assert table[-1] == "2 session(s), 1 queued message(s)"
+    assert table[-2].split() == ["insp-2", "0", "0", "-", "-", "0", "insp/c@0"], table
     assert "insp/a/#@2" in "".join(table) and "insp/b@1" in "".join(table)
     retained = json.loads(run_cli("inspect", broker.store, "--retained", "--json").stdout)
     assert [(r["topic"], r["qos"], r["bytes"]) for r in retained] == [("r/a", 0, 1), ("r/z", 1, 2)]
