@@ -444,3 +444,38 @@ def test_benchmarks_md_lists_what_make_bench_runs_in_order_and_every_benchmark()
         assert '"--quick"' in source and '"--out"' in source, name
     storm = (ROOT / "bench" / "bench_storm.py").read_text()
     assert '"--sessions"' in storm and '"--messages"' in storm
+
+
+# -------------------------------------------------------------- limits of clean-session sends
+
+
+def test_max_pending_clean_and_its_byte_limit_drop_count_and_warn_once(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """configuration.md `max_pending_clean`: past N messages waiting for a clean-session connection
+    (QoS 1: until acknowledged) a new one is dropped, counted in messages/dropped_clean and logged
+    as a WARNING at most once per drop_log_interval; `max_pending_bytes_clean`: the same in payload
+    bytes, but a connection with nothing waiting still gets a message larger than the limit."""
+    broker = broker_factory(max_pending_clean=3, max_pending_bytes_clean=100, drop_log_interval=60,
+                            metrics_interval=0.2)
+    counted = clients(broker.port, "slow-count", clean_session=True, manual_ack=True)
+    counted.subscribe("pend/count", 1)
+    sized = clients(broker.port, "slow-bytes", clean_session=True, manual_ack=True)
+    sized.subscribe("pend/bytes", 1)
+    watcher = clients(broker.port, "pend-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/messages/dropped_clean", 0)
+    publisher = clients(broker.port, "pend-pub", clean_session=True)
+    publisher.publish("pend/count", payloads(5, "c"), qos=1)  # none acknowledged: 3 wait, 2 dropped
+    publisher.publish("pend/bytes", [b"L" * 500], qos=1)  # nothing waits: sent although > 100 bytes
+    publisher.publish("pend/bytes", [b"s"], qos=1)  # 500 + 1 bytes would wait: dropped
+    assert watcher.wait_for(lambda ms: bool(ms) and ms[-1].payload == b"3"), [m.payload for m in watcher.messages]
+    assert [m.payload for m in counted.wait_messages(3)] == payloads(3, "c")
+    assert [m.payload for m in sized.wait_messages(1)] == [b"L" * 500]
+    assert not counted.wait_for(lambda ms: len(ms) > 3, timeout=0.5) and len(sized.messages) == 1
+    log = broker.log()
+    warnings = [line for line in log.splitlines() if "dropped (the last on" in line]
+    assert len(warnings) == 2, warnings  # one per connection, within drop_log_interval
+    assert any("slow-count: 1 message(s) dropped" in line and "max_pending_clean 3" in line for line in warnings)
+    assert any("slow-bytes: 1 message(s) dropped" in line and "max_pending_bytes_clean 100" in line
+               for line in warnings)
+    assert all(" WARNING " in line for line in warnings)
