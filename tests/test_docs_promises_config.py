@@ -479,3 +479,41 @@ def test_max_pending_clean_and_its_byte_limit_drop_count_and_warn_once(
     assert any("slow-bytes: 1 message(s) dropped" in line and "max_pending_bytes_clean 100" in line
                for line in warnings)
     assert all(" WARNING " in line for line in warnings)
+
+
+# ------------------------------------------------------------------- troubleshooting lines
+
+
+def test_another_amqtt_version_is_refused_with_the_documented_line(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """operations.md: a wrong amqtt version is a broker that cannot start, exit code 1, and
+    Troubleshooting quotes `amqtt_durable was written for amqtt 0.12.1; installed is ...`. The
+    broker runs in a real process whose amqtt says it is 0.13.0 (what a pip upgrade would install)."""
+    broker = broker_factory(start=False)
+    broker.write_config()
+    script = (
+        "import sys, amqtt; amqtt.__version__ = '0.13.0'; "
+        "from durable_fleet.console import console_main; "
+        f"sys.argv = ['amqtt-durable', 'broker', '-c', {str(broker.config_path)!r}]; console_main()"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=WAIT,
+                            check=False, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "amqtt-durable: broker not started: amqtt_durable was written for amqtt 0.12.1; installed is 0.13.0"
+    ), last
+    assert "pip install 'amqtt==0.12.1'" in last
+    assert not probe_connack(broker.port)
+
+
+def test_a_write_probe_left_by_a_crash_is_removed_at_the_next_start(broker_factory: Callable[..., Broker]) -> None:
+    """operations.md, When the disk is full: the probe file `durable-write-probe.tmp` is removed at
+    once, "or at the next start if a crash left it" (megabytes, on a disk that was full)."""
+    broker = broker_factory()
+    broker.kill()
+    probe = Path(broker.store) / "durable-write-probe.tmp"
+    probe.write_bytes(bytes(1 << 20))
+    broker.start()
+    assert not probe.exists()
