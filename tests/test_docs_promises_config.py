@@ -517,3 +517,34 @@ def test_a_write_probe_left_by_a_crash_is_removed_at_the_next_start(broker_facto
     probe.write_bytes(bytes(1 << 20))
     broker.start()
     assert not probe.exists()
+
+
+def _commented_block(text: str, first: str) -> str:
+    """The YAML example commented out in broker.yaml that starts with the line ``first``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == f"#   {first}")
+    indent = lines[start].index("#")
+    block = []
+    for line in lines[start:]:
+        if not line.strip().startswith("#   "):
+            break
+        block.append(line[indent + 2:])
+    return "\n".join(block) + "\n"
+
+
+def test_broker_yaml_s_commented_examples_are_valid_settings(tmp_path: Path) -> None:
+    """broker.yaml's commented `streams:` and `replication:` examples load as they are written
+    (the secret file and the TLS files replaced by real ones: they are the operator's)."""
+    text = (ROOT / "broker.yaml").read_text()
+    streams = yaml.safe_load(_commented_block(text, "streams:"))
+    assert DurableConfig.from_mapping(streams).streams[0].max_age == 86400
+    replication = yaml.safe_load(_commented_block(text, "replication:"))["replication"]
+    assert replication.pop("secret_file") == "/etc/amqtt-durable/replication.secret"
+    assert replication.pop("tls") == {"cert": "node-a.pem", "ca": "cluster-ca.pem"}
+    secret = tmp_path / "replication.secret"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    config = DurableConfig.from_mapping({"replication": {**replication, "secret_file": str(secret)}}).replication
+    assert config is not None
+    assert (config.name, config.listen, config.coordinator, config.mode) == (
+        "a", "127.0.0.1:7883", ["http://127.0.0.1:2379"], "sync")
+    assert config.shared_secret() == b"0123456789abcdef0123456789abcdef"
