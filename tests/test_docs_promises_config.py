@@ -548,3 +548,44 @@ def test_broker_yaml_s_commented_examples_are_valid_settings(tmp_path: Path) -> 
     assert (config.name, config.listen, config.coordinator, config.mode) == (
         "a", "127.0.0.1:7883", ["http://127.0.0.1:2379"], "sync")
     assert config.shared_secret() == b"0123456789abcdef0123456789abcdef"
+
+
+# ------------------------------------------------------------------------------------ metrics
+
+METRIC = "$SYS/broker/durable/"
+
+
+def _latest(client: Client, name: str) -> int | None:
+    values = [int(m.payload) for m in client.messages if m.topic == METRIC + name]
+    return values[-1] if values else None
+
+
+def test_counters_restart_at_0_and_gauges_read_the_store_after_a_restart(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, Metrics: "Counters restart at 0 with the broker"; messages/queued, bytes/queued,
+    sessions/disconnected and retained/messages are "now" (the same after a restart)."""
+    broker = broker_factory(metrics_interval=0.2)
+    device = clients(broker.port, "gauge-1")
+    device.subscribe("g/t", 1)
+    device.disconnect()
+    publisher = clients(broker.port, "gauge-pub", clean_session=True)
+    publisher.publish("g/t", [b"12345", b"678"], qos=1)
+    publisher.publish("g/r", [b"r"], qos=1, retain=True)
+    publisher.disconnect()
+    before = {"messages/enqueued": 2, "messages/queued": 2, "bytes/queued": 8, "sessions/disconnected": 1,
+              "retained/messages": 1}
+    watcher = clients(broker.port, "gauge-watch", clean_session=True)
+    watcher.subscribe(METRIC + "#", 0)
+    assert watcher.wait_for(lambda _: all(_latest(watcher, k) == v for k, v in before.items())), {
+        k: _latest(watcher, k) for k in before
+    }
+    watcher.disconnect()
+    broker.restart(kill=True)
+    after = {"messages/enqueued": 0, "messages/sent": 0, "messages/queued": 2, "bytes/queued": 8,
+             "sessions/disconnected": 1, "retained/messages": 1}
+    again = clients(broker.port, "gauge-watch-2", clean_session=True)
+    again.subscribe(METRIC + "#", 0)
+    assert again.wait_for(lambda _: all(_latest(again, k) == v for k, v in after.items())), {
+        k: _latest(again, k) for k in after
+    }
