@@ -12,6 +12,7 @@ import json
 import math
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 from test_docs_promises_ops import BAD_VALUES
+from test_hostile_wire import publish_packet, raw_client, read_until_closed
 
 from amqtt_durable.cli import load_broker_config, plugin_section
 from amqtt_durable.config import DurableConfig
@@ -589,3 +591,42 @@ def test_counters_restart_at_0_and_gauges_read_the_store_after_a_restart(
     assert again.wait_for(lambda _: all(_latest(again, k) == v for k, v in after.items())), {
         k: _latest(again, k) for k in after
     }
+
+
+# ------------------------------------------------------------------------ max_awaiting_pubrel
+
+
+def _pubrecs(sock: socket.socket, count: int) -> bytes:
+    got = bytearray()
+    while len(got) < 4 * count:  # bounded: each recv gets at least a byte or fails
+        chunk = sock.recv(4 * count - len(got))
+        assert chunk, "closed before the PUBRECs"
+        got += chunk
+    return bytes(got)
+
+
+def test_max_awaiting_pubrel_as_set_and_0_for_no_limit(broker_factory: Callable[..., Broker]) -> None:
+    """configuration.md `max_awaiting_pubrel`: a QoS 2 PUBLISH with a new packet id past it closes
+    the connection unacknowledged (a WARNING names the client and the limit); a re-send of one that
+    awaits counts once; 0 means no limit (here 1,100 awaiting, past the default of 1000)."""
+    limited = broker_factory(max_awaiting_pubrel=2)
+    sock = raw_client(limited.port, "hoard-2")
+    for packet_id in (1, 2):
+        sock.sendall(publish_packet(b"aw/t", b"x", 2, packet_id=packet_id))
+    assert _pubrecs(sock, 2) == b"\x50\x02\x00\x01\x50\x02\x00\x02"
+    resend = publish_packet(b"aw/t", b"x", 2, packet_id=2)
+    sock.sendall(bytes((resend[0] | 0x08,)) + resend[1:])
+    assert _pubrecs(sock, 1) == b"\x50\x02\x00\x02"
+    sock.sendall(publish_packet(b"aw/t", b"x", 2, packet_id=3))
+    assert read_until_closed(sock, WAIT) == b""
+    sock.close()
+    assert any(
+        " WARNING " in line and "closing the connection of hoard-2" in line and "max_awaiting_pubrel is 2" in line
+        for line in limited.log().splitlines()
+    ), limited.log()[-3000:]
+    unlimited = broker_factory(max_awaiting_pubrel=0)
+    sock = raw_client(unlimited.port, "hoard-0")
+    sock.sendall(b"".join(publish_packet(b"aw/t", b"x", 2, packet_id=i) for i in range(1, 1101)))
+    replies = _pubrecs(sock, 1100)
+    assert replies[-4:] == b"\x50\x02" + (1100).to_bytes(2, "big")
+    sock.close()
