@@ -630,3 +630,22 @@ def test_max_awaiting_pubrel_as_set_and_0_for_no_limit(broker_factory: Callable[
     replies = _pubrecs(sock, 1100)
     assert replies[-4:] == b"\x50\x02" + (1100).to_bytes(2, "big")
     sock.close()
+
+
+def test_max_subscription_bytes_per_client_as_set_and_0_for_no_limit(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """configuration.md `max_subscription_bytes_per_client`: the UTF-8 bytes of one client's filters,
+    summed, durable or clean session; past it 0x80 for the filters over the limit; re-subscribing to
+    a held filter does not count twice; 0 means no limit."""
+    broker = broker_factory(max_subscription_bytes_per_client=10)
+    for clean in (False, True):
+        device = clients(broker.port, f"bytes-{clean}", clean_session=clean)
+        assert device.subscribe([("abcde", 1), ("fgh\u00e9", 1)]) == [1, 1]  # 5 + 5 bytes (é is 2)
+        assert device.subscribe([("abcde", 0), ("k", 1)]) == [0, 0x80], clean
+    assert "max_subscription_bytes_per_client" in broker.log()
+    unlimited = broker_factory(max_subscription_bytes_per_client=0)
+    device = clients(unlimited.port, "bytes-0")
+    filters = [(f"{i:02d}/" + "f" * 59_996, 0) for i in range(20)]  # 1.2 MB, past the default 1 MiB
+    for start in range(0, 20, 5):
+        assert device.subscribe(filters[start:start + 5]) == [0] * 5
