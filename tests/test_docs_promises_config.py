@@ -674,3 +674,27 @@ def test_the_one_module_promises_of_architecture_md() -> None:
     for module in sorted((ROOT / "client_sdk").rglob("*.py")):
         found = {m.group(1) for m in importing.finditer(module.read_text())}
         assert module.name == "_paho.py" or "paho" not in found, module
+
+
+def test_messages_sent_counts_re_sends_and_replayed_counts_what_was_queued_before_the_connect(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, Metrics: messages/sent counts sends to durable sessions "re-sends included";
+    messages/replayed the sends of messages queued before their session connected."""
+    broker = broker_factory(metrics_interval=0.2)
+    watcher = clients(broker.port, "sent-watch", clean_session=True)
+    watcher.subscribe(METRIC + "messages/#", 0)
+    device = clients(broker.port, "sent-1", manual_ack=True)
+    device.subscribe("sent/t", 1)
+    publisher = clients(broker.port, "sent-pub", clean_session=True)
+    publisher.publish("sent/t", [b"live"], qos=1)
+    assert [m.payload for m in device.wait_messages(1)] == [b"live"]  # never acknowledged
+    assert watcher.wait_for(lambda _: _latest(watcher, "messages/sent") == 1)
+    assert _latest(watcher, "messages/replayed") == 0
+    device.disconnect()
+    assert device.connect() is True
+    assert device.wait_for(lambda ms: len(ms) == 2)
+    assert device.messages[1].payload == b"live" and device.messages[1].dup
+    assert watcher.wait_for(
+        lambda _: _latest(watcher, "messages/sent") == 2 and _latest(watcher, "messages/replayed") == 1
+    ), (_latest(watcher, "messages/sent"), _latest(watcher, "messages/replayed"))
