@@ -24,11 +24,14 @@ from typing import Any
 import pytest
 import yaml
 from test_docs_promises_ops import BAD_VALUES
+from test_hostile_owner import acl_broker, login
 from test_hostile_wire import publish_packet, raw_client, read_until_closed
 
 from amqtt_durable.cli import load_broker_config, plugin_section
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.errors import ConfigError
+from amqtt_durable.inspect_store import summarize
+from amqtt_durable.process import HOST, free_port
 from conftest import WAIT, Broker, Client, payloads, probe_connack, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,7 +360,7 @@ def test_the_stock_amqtt_command_reports_a_bad_setting_as_operations_md_says(tmp
         "max_depth: 0": ("amqtt_durable config: 'max_depth': must be at least 1", "ConfigError"),
     }
     for setting, (shown, last) in cases.items():
-        path = _write(tmp_path, f"listeners:\n  default: {{type: tcp, bind: '127.0.0.1:1'}}\n"
+        path = _write(tmp_path, f"listeners:\n  default: {{type: tcp, bind: '{HOST}:{free_port()}'}}\n"
                                 f"plugins:\n  {PLUGIN}:\n    store: ./s\n    {setting}\n")
         result = subprocess.run([amqtt, "-c", str(path)], capture_output=True, text=True, timeout=WAIT,
                                 cwd=tmp_path, check=False)
@@ -698,3 +701,27 @@ def test_messages_sent_counts_re_sends_and_replayed_counts_what_was_queued_befor
     assert watcher.wait_for(
         lambda _: _latest(watcher, "messages/sent") == 2 and _latest(watcher, "messages/replayed") == 1
     ), (_latest(watcher, "messages/sent"), _latest(watcher, "messages/replayed"))
+
+
+# --------------------------------------------------------------------------- read access (ACL)
+
+
+def test_with_amqtt_s_acl_a_user_allowed_a_hash_does_not_read_a_itself(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, Limitations: read access is SUBSCRIBE-to-the-topic and RECEIVE together, "so
+    with that plugin a user allowed `a/#` does not read messages on `a` itself"; and the queued one
+    it may not read is dropped and counted in the session's `dropped` (configuration.md)."""
+    broker = acl_broker(broker_factory)
+    alice = login(clients, broker, "alice-lvl", "alice")
+    assert alice.subscribe("secret/#", 1) == [1]  # MQTT: it matches `secret` itself too
+    alice.disconnect()
+    publisher = login(clients, broker, "pub-lvl", "pub", clean_session=True)
+    publisher.publish("secret", [b"parent level"], qos=1)
+    publisher.publish("secret/x", [b"child level"], qos=1)
+    alice.connect()
+    assert alice.wait_for(lambda ms: any(m.topic == "secret/x" for m in ms))
+    assert [(m.topic, m.payload) for m in alice.messages] == [("secret/x", b"child level")]
+    alice.disconnect()
+    broker.stop()
+    assert next(row for row in summarize(broker.store) if row.client_id == "alice-lvl").dropped == 1
