@@ -33,9 +33,9 @@ Mode = Literal["sync", "async"]
 MODES: tuple[str, ...] = get_args(Mode)
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 MIN_LEASE_TTL = 2
+"""etcd grants no lease shorter than about 1.5 election timeouts (2 s with its defaults)."""
 MAX_LEASE_TTL = 9_000_000_000
 """etcd's longest lease (its MaxLeaseTTL), in seconds: it refuses to grant a longer one."""
-"""etcd grants no lease shorter than about 1.5 election timeouts (2 s with its defaults)."""
 
 
 @dataclass(frozen=True)
