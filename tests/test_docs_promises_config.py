@@ -23,9 +23,10 @@ from typing import Any
 
 import pytest
 import yaml
+from raw_mqtt_helpers import raw_connect
 from test_docs_promises_ops import BAD_VALUES
 from test_hostile_owner import acl_broker, login
-from test_hostile_wire import publish_packet, raw_client, read_until_closed
+from test_hostile_wire import publish_packet, read_until_closed
 
 from amqtt_durable.cli import load_broker_config, plugin_section
 from amqtt_durable.config import DurableConfig
@@ -613,7 +614,7 @@ def test_max_awaiting_pubrel_as_set_and_0_for_no_limit(broker_factory: Callable[
     the connection unacknowledged (a WARNING names the client and the limit); a re-send of one that
     awaits counts once; 0 means no limit (here 1,100 awaiting, past the default of 1000)."""
     limited = broker_factory(max_awaiting_pubrel=2)
-    sock = raw_client(limited.port, "hoard-2")
+    sock = raw_connect(limited.port, "hoard-2", clean=True)
     for packet_id in (1, 2):
         sock.sendall(publish_packet(b"aw/t", b"x", 2, packet_id=packet_id))
     assert _pubrecs(sock, 2) == b"\x50\x02\x00\x01\x50\x02\x00\x02"
@@ -628,7 +629,7 @@ def test_max_awaiting_pubrel_as_set_and_0_for_no_limit(broker_factory: Callable[
         for line in limited.log().splitlines()
     ), limited.log()[-3000:]
     unlimited = broker_factory(max_awaiting_pubrel=0)
-    sock = raw_client(unlimited.port, "hoard-0")
+    sock = raw_connect(unlimited.port, "hoard-0", clean=True)
     sock.sendall(b"".join(publish_packet(b"aw/t", b"x", 2, packet_id=i) for i in range(1, 1101)))
     replies = _pubrecs(sock, 1100)
     assert replies[-4:] == b"\x50\x02" + (1100).to_bytes(2, "big")
