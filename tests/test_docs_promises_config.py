@@ -8,8 +8,10 @@ exit codes of the commands on a running broker's store or on no store, and the p
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import re
 import signal
 import socket
@@ -142,53 +144,84 @@ def test_every_config_error_reads_as_operations_md_quotes_it(key: str, value: An
 # ------------------------------------------------------------- values no float or C int holds
 
 
-def _write(folder: Path, text: str) -> Path:
+def _write(folder: Path, text: str | bytes) -> Path:
     path = folder / "bad.yaml"
-    path.write_text(text)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
     return path
 
 
-def test_a_number_setting_given_an_integer_no_float_holds_stops_the_broker_naming_it(tmp_path: Path) -> None:
+def _refused(folder: Path, text: str | bytes) -> ConfigError:
+    """The config error `amqtt-durable broker` stops with for this broker.yaml (load_broker_config
+    is what it runs first; test_a_config_error_is_exit_2_without_a_traceback runs the command)."""
+    with pytest.raises(ConfigError) as raised:
+        load_broker_config(str(_write(folder, text)))
+    return raised.value
+
+
+def _settings(text: str) -> str:
+    return f"plugins:\n  {PLUGIN}:\n{text}"
+
+
+def test_a_number_setting_given_an_integer_no_float_holds_is_a_config_error_naming_it(tmp_path: Path) -> None:
     """A YAML integer of 400 digits for session_expiry ("finite number >= 0") once escaped as an
-    OverflowError traceback (exit 1); it is a bad value of that key: exit 2, the key named."""
+    OverflowError traceback (exit 1); it is a bad value of that key."""
     huge = "1" + "0" * 400
     for key, text in (
-        ("session_expiry", f"plugins:\n  {PLUGIN}:\n    session_expiry: {huge}\n"),
-        ("replication.lease_ttl", f"plugins:\n  {PLUGIN}:\n    replication:\n      name: a\n"
+        ("session_expiry", f"    session_expiry: {huge}\n"),
+        ("replication.lease_ttl", "    replication:\n      name: a\n"
          f"      coordinator: [http://127.0.0.1:2379]\n      lease_ttl: {huge}\n"),
     ):
-        result = run_cli("broker", "-c", str(_write(tmp_path, text)), cwd=tmp_path)
-        assert result.returncode == 2, result.stderr
-        assert f"amqtt_durable config: '{key}': must be" in result.stderr, result.stderr
-        assert "Traceback" not in result.stderr
-    assert not (tmp_path / "data").exists(), "no store is created for a refused config"
+        error = _refused(tmp_path, _settings(text))
+        assert str(error).startswith(f"amqtt_durable config: '{key}': must be"), error
 
 
-def test_a_yaml_value_python_cannot_read_is_a_config_error_not_a_traceback(tmp_path: Path) -> None:
-    """PyYAML's int() of 5,000 digits (past Python's limit) and its date of a 13th month raised
-    ValueError past the loader: a traceback with exit 1, not the config error (exit 2)."""
+def test_a_yaml_value_python_cannot_read_is_an_error_naming_its_key(tmp_path: Path) -> None:
+    """configuration.md: a bad value stops the broker "with an error that names the key". PyYAML's
+    int() of 5,000 digits (past Python's limit) and its date of a 13th month raised ValueError past
+    the loader: a traceback, then an error naming only '-c'; now the key and its line."""
     for value in ("9" * 5000, "2026-13-45"):
-        path = _write(tmp_path, f"plugins:\n  {PLUGIN}:\n    session_expiry: {value}\n")
-        result = run_cli("broker", "-c", str(path), cwd=tmp_path)
-        assert result.returncode == 2, result.stderr
-        assert result.stderr.startswith(f"amqtt-durable: amqtt_durable config: '-c': '{path}'"), result.stderr
-        assert "Traceback" not in result.stderr
+        error = _refused(tmp_path, _settings(f"    session_expiry: {value}\n"))
+        assert error.key == "session_expiry", error
+        assert str(error).startswith("amqtt_durable config: 'session_expiry': line 3: a value YAML cannot read: ")
 
 
-def test_a_store_path_with_a_nul_is_a_bad_store_not_a_failed_start(tmp_path: Path) -> None:
+def test_a_config_file_not_utf_8_or_nested_too_deeply_is_not_yaml(tmp_path: Path) -> None:
+    """operations.md: exit code 2 for a config file that is "not YAML": bytes that are not UTF-8
+    (once reported as a value YAML cannot read) and 3,000 nested lists (once a RecursionError)."""
+    not_utf_8 = _refused(tmp_path, _settings("    store: \xff\xfe\n").encode("latin-1"))
+    assert str(not_utf_8).startswith(f"amqtt_durable config: '-c': '{tmp_path / 'bad.yaml'}' is not valid YAML "
+                                      "(not UTF-8): "), not_utf_8
+    deep = _refused(tmp_path, "a: " + "[" * 3000 + "\n")
+    assert str(deep) == f"amqtt_durable config: '-c': '{tmp_path / 'bad.yaml'}' is not valid YAML: nested too deeply"
+
+
+def test_a_path_or_address_with_a_nul_is_a_bad_value_not_a_failed_start(tmp_path: Path) -> None:
     """store ("non-empty path"): a NUL (YAML's "\\0") got past the check and the start failed
-    later, exit 1 with just "embedded null byte"; the same for replication's file paths."""
+    later, exit 1 with just "embedded null byte"; the same for replication's file paths, and
+    replication.listen's host (the broker stayed up, its replication never started)."""
     cases = {
-        "store": f'plugins:\n  {PLUGIN}:\n    store: "data\\0x"\n',
-        "replication.secret_file": f'plugins:\n  {PLUGIN}:\n    replication:\n      role: primary\n'
-        '      secret_file: "s\\0x"\n',
-        "replication.tls.cert": f'plugins:\n  {PLUGIN}:\n    replication:\n      role: primary\n'
-        '      tls: {cert: "c\\0x", ca: ca.pem}\n',
+        "store": '    store: "data\\0x"\n',
+        "replication.secret_file": '    replication:\n      role: primary\n      secret_file: "s\\0x"\n',
+        "replication.tls.cert": '    replication:\n      role: primary\n      tls: {cert: "c\\0x", ca: ca.pem}\n',
+        "replication.listen": '    replication:\n      role: primary\n      listen: "127.0.0.1\\0x:7883"\n',
     }
     for key, text in cases.items():
-        result = run_cli("broker", "-c", str(_write(tmp_path, text)), cwd=tmp_path)
-        assert result.returncode == 2, result.stderr
-        assert f"amqtt_durable config: '{key}':" in result.stderr, result.stderr
+        error = _refused(tmp_path, _settings(text))
+        assert error.key == key, error
+        assert ERROR.match(str(error)), error
+
+
+def test_a_config_error_is_exit_2_without_a_traceback(tmp_path: Path) -> None:
+    """The command itself, once: the error as the key's, exit code 2, no traceback, no store."""
+    result = run_cli("broker", "-c", str(_write(tmp_path, _settings(f"    session_expiry: {'9' * 5000}\n"))),
+                     cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("amqtt-durable: amqtt_durable config: 'session_expiry': line 3: "), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "data").exists(), "no store is created for a refused config"
 
 
 def test_a_lease_longer_than_etcd_grants_is_refused_at_start() -> None:
@@ -511,6 +544,37 @@ def test_another_amqtt_version_is_refused_with_the_documented_line(
         "amqtt-durable: broker not started: amqtt_durable was written for amqtt 0.12.1; installed is 0.13.0"
     ), last
     assert "pip install 'amqtt==0.12.1'" in last
+    assert not probe_connack(broker.port)
+
+
+@pytest.mark.parametrize("role", ["primary", "backup"])
+def test_a_replication_address_in_use_stops_the_broker_with_exit_1(
+    role: str, broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """operations.md: exit code 1 when the broker cannot start, "a listener's port in use": the
+    replication address too (a primary's listener, a backup's for the tools). amqtt runs the
+    plugin's post-start as a task whose error nobody read: the broker stayed up for good,
+    answering CONNACK 3, with only asyncio's "Task exception was never retrieved"."""
+    with socket.socket() as holder:
+        holder.bind((HOST, 0))
+        holder.listen()
+        address = f"{HOST}:{holder.getsockname()[1]}"
+        replication = {"name": "a", "role": role, "listen": address}
+        if role == "backup":
+            replication["primary"] = f"{HOST}:{free_port()}"
+        broker = broker_factory(start=False, replication=replication)
+        broker.write_config()
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "amqtt_durable.cli", "broker", "-c", str(broker.config_path)],
+            capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+        )
+    assert time.monotonic() - started < WAIT, "the broker took too long to give up"
+    assert result.returncode == 1, result.stderr[-3000:]
+    reason = f"replication.listen {address}: [Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"
+    assert result.stderr.strip().splitlines()[-1] == f"amqtt-durable: broker not started: {reason}", result.stderr
+    assert f"ERROR amqtt_durable: broker not started: {reason}" in result.stderr
+    assert "Task exception was never retrieved" not in result.stderr and "Traceback" not in result.stderr
     assert not probe_connack(broker.port)
 
 

@@ -270,6 +270,8 @@ def _address(key: str, value: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(key, f"expected host:port, got {value!r}")
+    if "\0" in host:  # the resolver would fail it at start (embedded null character)
+        raise ConfigError(key, f"a NUL character in the host of {value!r}")
 
 
 def _check(config: ReplicationConfig, where: str) -> None:
