@@ -35,6 +35,8 @@ from amqtt_durable.config import DurableConfig
 from amqtt_durable.errors import ConfigError
 from amqtt_durable.inspect_store import summarize
 from amqtt_durable.process import HOST, free_port
+from amqtt_durable.replication.position import SNAPSHOT_MARK_KEY
+from amqtt_durable.store import open_store
 from conftest import WAIT, Broker, Client, payloads, probe_connack, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -578,6 +580,29 @@ def test_a_replication_address_in_use_stops_the_broker_with_exit_1(
     assert f"ERROR amqtt_durable: broker not started: {reason}" in result.stderr
     assert "Task exception was never retrieved" not in result.stderr and "Traceback" not in result.stderr
     assert not probe_connack(broker.port)
+
+
+def test_a_fixed_primary_that_cannot_serve_its_store_exits_1(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """The same start, failing after the listener: a store a backup left half-applied (snapshot
+    mark) cannot be a primary's; `role: primary` stayed up answering CONNACK 3, unseen."""
+    broker = broker_factory(start=False, replication={"name": "a", "role": "primary",
+                                                      "listen": f"{HOST}:{free_port()}"})
+    db = open_store(broker.store)
+    db.put(SNAPSHOT_MARK_KEY, b"")
+    db.close()
+    broker.write_config()
+    result = subprocess.run(
+        [sys.executable, "-m", "amqtt_durable.cli", "broker", "-c", str(broker.config_path)],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "amqtt-durable: broker not started: replication: a cannot become primary: its store holds a half-applied "
+        "snapshot."
+    ), result.stderr
+    assert "Task exception was never retrieved" not in result.stderr
 
 
 def test_a_write_probe_left_by_a_crash_is_removed_at_the_next_start(broker_factory: Callable[..., Broker]) -> None:
