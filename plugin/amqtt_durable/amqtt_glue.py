@@ -89,6 +89,8 @@ import dataclasses
 import json
 import logging
 import math
+import os
+import socket
 import time
 from collections import UserDict, deque
 from collections.abc import Awaitable, Callable
@@ -160,6 +162,8 @@ log = logging.getLogger("amqtt_durable")
 
 AMQTT_VERSION = "0.12.1"
 SYS_PREFIX = "$SYS/broker/durable/"
+MAX_LISTEN_BACKLOG = 2**31 - 1
+"""listen() takes a C int; a larger listen_backlog is passed as this (Linux caps it at somaxconn anyway)."""
 HEALTH_TOPIC = SYS_PREFIX + "store/health"
 NOT_SERVING = "this broker is a replication backup (or stopped being the primary): connect to the primary"
 _SUBSCRIBE_REFUSED = 0x80
@@ -513,6 +517,21 @@ async def close_socket(writer: Any) -> None:
         asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
 
 
+def start_failure(broker: Broker) -> str | None:
+    """Why the durable plugin of a started ``broker`` could not start its part (its
+    replication.listen address in use, ...), or None. amqtt does not see it (see _start_failed)."""
+    plugin = next((p for p in broker.plugins_manager.plugins if isinstance(p, DurableSessionsPlugin)), None)
+    return None if plugin is None else plugin.start_failure
+
+
+def _os_reason(exc: OSError | ValueError) -> str:
+    """``[Errno 98] Address already in use``: asyncio's bind error repeats the address, which the
+    caller names already; a resolver's error (gaierror) and a ValueError are kept as they are."""
+    if isinstance(exc, OSError) and not isinstance(exc, socket.gaierror) and exc.errno is not None:
+        return f"[Errno {exc.errno}] {os.strerror(exc.errno)}"
+    return str(exc)
+
+
 def check_internals(broker: Any) -> None:
     """Fail at start-up, naming what is missing, rather than misbehave with another amqtt."""
     missing = [name for name in _BROKER_INTERNALS if not hasattr(broker, name)]
@@ -687,6 +706,8 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metrics_task: asyncio.Task[None] | None = None
         self._health_order = asyncio.Lock()
+        self.start_failure: str | None = None
+        """Why the plugin's part of the start failed (see _start_failed); None: it did not."""
         self.authenticated: dict[str, tuple[str | None, str | None]] = {}
         """Client id -> (username, password) of a CONNECT authenticated as it was read (see
         _install_connect_hooks), so amqtt's own check of it need not verify the password again."""
@@ -726,7 +747,19 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
                 fsync=self.config.sync, listen_backlog=self.config.listen_backlog,
             )
             self.engine.on_store_reopened = self.replication.use_db
-            await self.replication.start()
+            try:
+                await self.replication.start()
+            except (OSError, ValueError) as exc:  # its address cannot be listened on (in use, no such host)
+                self._start_failed(f"replication.listen {settings.listen}: {_os_reason(exc)}")
+            except DurableError as exc:  # a primary that cannot serve its store (replication.node._promote)
+                self._start_failed(str(exc))
+
+    def _start_failed(self, reason: str) -> None:
+        """amqtt runs on_broker_post_start as a task whose exception nobody reads (its listeners
+        are open by then): the broker would stay up answering CONNACK 3. The reason is logged and
+        kept for ``start_failure``, which ``amqtt-durable broker`` asks after the start."""
+        log.error("broker not started: %s", reason)
+        self.start_failure = reason
 
     async def _promoted(self, primary: Primary) -> None:
         """This broker became the primary: load the store replication wrote and serve clients.
@@ -1039,7 +1072,7 @@ class AmqttHooks:
             port,
             reuse_address=True,
             ssl=ssl_context,
-            backlog=self.engine.config.listen_backlog,
+            backlog=min(self.engine.config.listen_backlog, MAX_LISTEN_BACKLOG),  # the kernel caps it lower
         )
 
     async def client_connected(self, listener_name: str, reader: Any, writer: Any) -> None:

@@ -21,6 +21,7 @@ import yaml
 from amqtt.broker import Broker
 from amqtt.errors import BrokerError
 
+from .amqtt_glue import start_failure
 from .config import DurableConfig
 from .errors import ConfigError, DurableError
 from .inspect_store import format_retained, format_table, summarize, summarize_retained
@@ -66,7 +67,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         lines: dict[Any, int] = {}
         pairs: list[tuple[Any, Any]] = getattr(node, "written", None) or node.value or []
-        for key_node, _ in pairs:
+        for key_node, value_node in pairs:
             if key_node.tag == YAML_MERGE_TAG:
                 continue  # `<<: *anchor`: a key of its own may override a merged one (YAML merge keys)
             key = self.construct_object(key_node, deep=deep)
@@ -76,6 +77,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if key in lines:
                 raise ConfigError(str(key), f"given twice in one mapping (lines {lines[key]} and {line}); say it once")
             lines[key] = line
+            try:  # built once here (the loader keeps it for the mapping below), so its error names the key
+                self.construct_object(value_node, deep=deep)
+            except ValueError as exc:  # PyYAML's int() or date() of a scalar: 4,301 digits or more, a 13th month
+                raise ConfigError(str(key), f"line {line}: a value YAML cannot read: {exc}") from exc
         return super().construct_mapping(node, deep=deep)
 
 
@@ -102,6 +107,12 @@ def read_broker_yaml(path: str) -> dict[str, Any]:
         raise ConfigError("-c", f"cannot read config file '{path}': {exc.strerror}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError("-c", f"'{path}' is not valid YAML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError("-c", f"'{path}' is not valid YAML (not UTF-8): {exc}") from exc
+    except RecursionError as exc:  # PyYAML's composer recurses once per level: 3,000 `[`
+        raise ConfigError("-c", f"'{path}' is not valid YAML: nested too deeply") from exc
+    except ValueError as exc:  # one construct_mapping does not name: an item of a list, a key itself
+        raise ConfigError("-c", f"'{path}' holds a value YAML cannot read: {exc}") from exc
     if not isinstance(config, dict):
         raise ConfigError("-c", f"'{path}' must be a mapping with 'listeners' and 'plugins'")
     return config
@@ -140,6 +151,11 @@ async def _serve(config: dict[str, Any], parent: int | None = None) -> int:
         await broker.start()
     except Exception as exc:
         print(f"amqtt-durable: broker not started: {_root_cause(exc)}", file=sys.stderr)
+        return 1
+    failure = start_failure(broker)
+    if failure is not None:
+        await broker.shutdown()
+        print(f"amqtt-durable: broker not started: {failure}", file=sys.stderr)
         return 1
     # Every message allocates a handful of short-lived objects; with CPython's default threshold
     # the collector runs every 700 allocations and costs ~10% of the message rate. Objects that

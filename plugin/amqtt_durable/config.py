@@ -242,6 +242,8 @@ def _check_ranges(config: DurableConfig) -> None:
     _check_streams(config.streams)
     if not config.store:
         raise ConfigError("store", "expected a non-empty folder path")
+    if "\0" in config.store:
+        raise ConfigError("store", f"a folder path cannot hold a NUL character, got {config.store!r}")
 
 
 def _check_choices(config: DurableConfig) -> None:

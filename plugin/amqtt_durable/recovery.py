@@ -27,6 +27,7 @@ from .store import (
     GroupCommitter,
     check_writable,
     discard_probe,
+    holds_queue_entries,
     iter_entries,
     iter_pubrel_due,
     iter_sessions,
@@ -188,7 +189,10 @@ class Recovery(SessionLifecycle):
 
     def _scan_msg_ids(self) -> int:
         """The highest message id in use in a store without the b"M" mark (one read of every queue
-        entry, logged before and after: seconds for millions of entries)."""
+        entry, logged before and after: seconds for millions of entries). A store without queue
+        entries (a new one) has nothing to read: nothing is logged."""
+        if not holds_queue_entries(self.db):
+            return scan_msg_ids_in_use(self.db)[0]
         log.info(
             "durable store %s has no message id mark (written by an earlier release): reading every queue entry once",
             self.config.store,

@@ -29,7 +29,10 @@ def _as_int(key: str, value: Any) -> int:
 
 def _as_float(key: str, value: Any) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # a YAML integer of 309 digits or more: no float holds it
+            raise ConfigError(key, "must be a finite number, got an integer too large for one") from None
     raise ConfigError(key, f"expected a number, got {value!r}")
 
 

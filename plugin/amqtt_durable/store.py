@@ -625,6 +625,11 @@ def scan_msg_ids_in_use(db: Any) -> tuple[int, int]:
     return highest, read
 
 
+def holds_queue_entries(db: Any) -> bool:
+    """Whether any queue entry is stored (a new store holds none)."""
+    return next(db.iterator(prefix=b"q", include_value=False, verify_checksums=True), None) is not None
+
+
 def read_msg_id_mark(db: Any) -> int | None:
     """The b"M" mark (None: a store written before it existed); DamagedRecordError if it does not decode."""
     raw = db.get(MSG_ID_MARK_KEY, verify_checksums=True)

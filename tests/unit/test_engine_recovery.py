@@ -282,6 +282,32 @@ def test_a_store_without_the_message_id_mark_gives_ids_past_every_queue_entry_th
     asyncio.run(again())
 
 
+@pytest.mark.parametrize(("body", "refs"), [(40, 70), (90, 60)])
+def test_a_store_without_the_mark_or_queue_entries_gives_ids_past_its_bodies_and_counts_silently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, body: int, refs: int
+) -> None:
+    """No queue entry to read, so no scan to announce (store-layout.md: "logged when it holds queue
+    entries"), but its message bodies and reference counts still name ids: the next id is past both."""
+    path = str(tmp_path / "store")
+    db = open_store(path)
+    db.put(body_key(body), Body("t", b"b", 1, 1.0).encode())
+    db.put(refs_key(refs), encode_refs(2))
+    db.close()
+
+    async def start() -> int:
+        engine = DurableEngine(DurableConfig(store=path))
+        engine.open()
+        next_id = engine._next_msg_id
+        await engine.close()
+        return next_id
+
+    with caplog.at_level(logging.INFO, logger="amqtt_durable"):
+        assert asyncio.run(start()) == max(body, refs) + 1
+    assert not [
+        r for r in caplog.records if "queue entries read in" in r.getMessage() or "no message id mark" in r.getMessage()
+    ]
+
+
 def test_a_released_entry_read_without_its_body_is_rewritten_to_no_body_in_the_store(tmp_path: Path) -> None:
     """The rewrite to NO_BODY (size 0, not SHARED) is written, the old body's reference released
     and the queue's bytes lowered in the same batch; a second read before that write changes nothing."""

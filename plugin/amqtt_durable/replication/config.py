@@ -34,6 +34,8 @@ MODES: tuple[str, ...] = get_args(Mode)
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 MIN_LEASE_TTL = 2
 """etcd grants no lease shorter than about 1.5 election timeouts (2 s with its defaults)."""
+MAX_LEASE_TTL = 9_000_000_000
+"""etcd's longest lease (its MaxLeaseTTL), in seconds: it refuses to grant a longer one."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class TlsConfig:
             if key == "check_hostname":
                 if not isinstance(value, bool):
                     raise ConfigError(f"{where}.{key}", f"expected true or false, got {value!r}")
-            elif not isinstance(value, str) or not value:
+            elif not isinstance(value, str) or not value or "\0" in value:
                 raise ConfigError(f"{where}.{key}", f"expected a file path, got {value!r}")
             values[key] = value
         for key in ("cert", "ca"):
@@ -268,6 +270,8 @@ def _address(key: str, value: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(key, f"expected host:port, got {value!r}")
+    if "\0" in host:  # the resolver would fail it at start (embedded null character)
+        raise ConfigError(key, f"a NUL character in the host of {value!r}")
 
 
 def _check(config: ReplicationConfig, where: str) -> None:
@@ -365,6 +369,8 @@ def read_secret_file(path: str, key: str) -> bytes:
             secret = handle.read(MAX_SECRET + 1).strip()
     except OSError as exc:
         raise ConfigError(key, f"cannot read the secret file {path!r}: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # a NUL in the path
+        raise ConfigError(key, f"cannot read the secret file {path!r}: {exc}") from exc
     return _checked_secret(secret, key, f"the secret file {path!r}", repr(path))
 
 
@@ -454,6 +460,8 @@ def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str]
 def _check_timing(config: ReplicationConfig, bad: Callable[[str, str], ConfigError]) -> None:
     if config.lease_ttl < MIN_LEASE_TTL:
         raise bad("lease_ttl", f"must be at least {MIN_LEASE_TTL} s (etcd's shortest lease), got {config.lease_ttl}")
+    if config.lease_ttl > MAX_LEASE_TTL:
+        raise bad("lease_ttl", f"must be at most {MAX_LEASE_TTL} s (etcd's longest lease), got {config.lease_ttl}")
     for key in ("loop_wait", "demote_margin", "ack_timeout"):
         value = getattr(config, key)
         if not math.isfinite(value) or value <= 0:
