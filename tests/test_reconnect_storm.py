@@ -72,3 +72,36 @@ def test_storm_of_500_sessions_each_gets_its_backlog_in_order_while_a_publisher_
     print(f"\nstorm: {result.summary()}; all delivered in {result.storm_s:.2f} s, slowest first message "
           f"{result.slowest_first_ms:.0f} ms, after {result.first_rank[-1] / total:.1%} of the deliveries "
           f"(median session {result.first_rank[SESSIONS // 2] / total:.1%})")
+
+
+ATTACH_LIMIT = 64  # attach_limit's default (docs/configuration.md); the broker below runs with it
+BURST_SESSIONS = 600
+BURST_MESSAGES = 5
+
+
+@pytest.mark.slow  # 600 sessions connecting at once: seconds
+@pytest.mark.timeout(600)
+def test_a_publish_during_a_storm_is_acknowledged_before_more_than_a_few_rounds_of_attaches(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """docs/guarantees.md, "Reconnect storms": at most attach_limit sessions are attached at once, so
+    a publish read while the storm's sessions are being attached waits behind a few rounds of
+    attaches, not all of them. By the order of events (no clock): between a probe PUBLISH and its
+    PUBACK, at most 3 x attach_limit sessions get their first message (a PUBLISH is acknowledged
+    within five passes of the event loop after it arrives, each finishing at most attach_limit
+    attaches; 3 x leaves room for the client reading its sessions' messages late). Before the bound
+    every CONNECT's attach ran in the same pass: one publish waited behind hundreds of them."""
+    broker = broker_factory()
+    spec = StormSpec(broker.port, Login(), "burst", BURST_SESSIONS, BURST_MESSAGES, inflight=100,
+                     timeout=PHASE_BOUND_S)
+
+    result = asyncio.run(run_storm(spec))
+
+    assert result.error is None, f"{result.summary()}\n{broker.log()[-3000:]}"
+    assert result.received == BURST_SESSIONS * BURST_MESSAGES, result.summary()
+    assert result.complete_sessions == BURST_SESSIONS, result.summary()
+    assert result.duplicates == 0 and result.out_of_order == 0, result.summary()
+    assert result.probe_acks >= 1, result.summary()
+    assert result.probe_max_firsts is not None
+    assert result.probe_max_firsts <= 3 * ATTACH_LIMIT, result.summary()
+    print(f"\nburst: {result.summary()}")

@@ -127,6 +127,16 @@ class SessionLifecycle(Routing):
     async def attach(
         self, client_id: str, transport: Transport, read_access: ReadAccess | None = None
     ) -> Transport | None:
+        """``_attach`` in one of ``attach_limit`` slots, held until the pump's task has made its first
+        step (docs/guarantees.md, "Reconnect storms")."""
+        async with self.attach_slots:
+            displaced = await self._attach(client_id, transport, read_access)
+            await asyncio.sleep(0)  # the new pump's first step (started by _attach) runs before this one
+            return displaced
+
+    async def _attach(
+        self, client_id: str, transport: Transport, read_access: ReadAccess | None = None
+    ) -> Transport | None:
         """The connection got CONNACK: start sending the session's queue over it, each message only
         if ``read_access`` (None: no topic ACL) lets this connection's user read it. Returns the
         connection the session was attached to until now, if another: the caller ends it.
