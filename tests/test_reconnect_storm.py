@@ -12,8 +12,10 @@ before a quarter of the storm's deliveries (to all sessions) have been made.  Wh
 within its attach, never waiting for a turn, so before the last session's first message come at most the
 other sessions' first batches (499 x 8 = 3,992, 4% of the 100,000) and the later batches written while
 CONNECTs were still being handled, at most 2 x (turns.TURN_BUDGET - 1 + the window) per pass of the event
-loop, and those passes are few and long, each handling many CONNECTs (1,000 x 100 in bench/RESULTS.md:
-8.2-8.5% of the deliveries in all, 11-13% with amqtt's listen backlog of 100; this test: 4.2-4.8%).  Before (a session's
+loop.  Without attach slots those passes were few and long, each handling many CONNECTs (1,000 x 100 in
+bench/RESULTS.md: 8.2-8.5% of the deliveries in all; this test: 4.2-4.8%).  With them (attach_limit, 64),
+sessions attach 64 at a time, a round in a few passes, so the last of 500 waits about 8 rounds for its slot
+while the earlier ones' later batches go out (this test: 9.6%, bench/RESULTS.md for 1,000 x 100).  Before (a session's
 whole window in one go, sessions one after the other), the last session's first message came after 82% of
 them here, 99.9% at 1,000 x 100.
 """
