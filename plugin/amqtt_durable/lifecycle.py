@@ -129,10 +129,16 @@ class SessionLifecycle(Routing):
     ) -> Transport | None:
         """``_attach`` in one of ``attach_limit`` slots, held until the pump's task has made its first
         step (docs/guarantees.md, "Reconnect storms")."""
-        async with self.attach_slots:
+        slots = self.attach_slots
+        await slots.acquire()
+        try:
             displaced = await self._attach(client_id, transport, read_access)
-            await asyncio.sleep(0)  # the new pump's first step (started by _attach) runs before this one
-            return displaced
+        except BaseException:
+            slots.release()
+            raise
+        # Queued behind the first step of the pump _attach started: the slot is freed right after it.
+        asyncio.get_running_loop().call_soon(slots.release)
+        return displaced
 
     async def _attach(
         self, client_id: str, transport: Transport, read_access: ReadAccess | None = None
