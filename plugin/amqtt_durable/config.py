@@ -153,11 +153,12 @@ class DurableConfig:
     reconnect storm of more clients than the backlog, the late ones wait for that. The kernel caps
     it at net.core.somaxconn."""
 
-    attach_limit: int = 64
+    attach_limit: int = 256
     """Durable sessions attached to their new connection at once (after CONNACK: the store's
     commit, the pump's set-up and its first batch); the rest wait their turn in the order they
     came. Bounds the work a reconnect storm puts in one pass of the event loop, so publishes and
-    new CONNECTs are read in between."""
+    new CONNECTs are read in between. 64 bounds a publish's wait more, at the cost of later first
+    messages, a longer storm and longer SUBACK waits for durable newcomers (bench/RESULTS.md)."""
 
     replication: ReplicationConfig | None = None
     """Primary-backup replication of the store (docs/replication.md); absent: one broker, as before."""
