@@ -139,6 +139,9 @@ ROWS: list[tuple[str, str, str, str]] = [  # label, unit, better, metric
     ("median session: t0 -> all its messages", "ms", "lower", "median_complete_ms"),
     ("probe publisher: PUBACKs during the storm (one at a time)", "", "", "probe_acks"),
     ("probe publisher: slowest PUBLISH -> PUBACK during the storm", "ms", "lower", "probe_max_ms"),
+    ("probe publisher: median PUBLISH -> PUBACK during the storm", "ms", "lower", "probe_median_ms"),
+    ("probe publisher: most sessions' first messages between one PUBLISH and its PUBACK", "", "lower",
+     "probe_max_firsts"),
     ("enqueue of the backlog (PUBACKs + flush), not part of the storm", "s", "lower", "enqueue_s"),
 ]
 

@@ -81,6 +81,7 @@ BAD_VALUES: dict[str, Any] = {
     "max_pending_bytes_clean": 1.5,
     "max_awaiting_pubrel": -1,
     "listen_backlog": 0,
+    "attach_limit": 0,
     "replication": "on",
 }
 

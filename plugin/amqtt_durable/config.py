@@ -153,6 +153,13 @@ class DurableConfig:
     reconnect storm of more clients than the backlog, the late ones wait for that. The kernel caps
     it at net.core.somaxconn."""
 
+    attach_limit: int = 256
+    """Durable sessions attached to their new connection at once (after CONNACK: the store's
+    commit, the pump's set-up and its first batch); the rest wait their turn in the order they
+    came. Bounds the work a reconnect storm puts in one pass of the event loop, so publishes and
+    new CONNECTs are read in between. 64 bounds a publish's wait more, at the cost of later first
+    messages, a longer storm and longer SUBACK waits for durable newcomers (bench/RESULTS.md)."""
+
     replication: ReplicationConfig | None = None
     """Primary-backup replication of the store (docs/replication.md); absent: one broker, as before."""
 
@@ -256,7 +263,7 @@ def _check_choices(config: DurableConfig) -> None:
 
 
 def _check_counts(config: DurableConfig) -> None:
-    positive_ints = ("max_depth", "max_depth_disconnected", "batch_size", "pending_threshold")
+    positive_ints = ("max_depth", "max_depth_disconnected", "batch_size", "pending_threshold", "attach_limit")
     for key in positive_ints:
         if getattr(config, key) < 1:
             raise ConfigError(key, f"must be at least 1, got {getattr(config, key)!r}")

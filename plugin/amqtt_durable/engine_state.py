@@ -78,6 +78,8 @@ class EngineState:
         self.removing = PendingRemovals()
         self.replay_turns = ReplayTurns()
         """Shared by every pump: replayed batches go out in turns (turns.py, reconnect storms)."""
+        self.attach_slots = asyncio.Semaphore(config.attach_limit)
+        """Attaches under way at once (``attach_limit``): the rest wait in the order they came."""
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._trim_task: asyncio.Task[None] | None = None
         self.store_id = 0

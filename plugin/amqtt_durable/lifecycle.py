@@ -127,6 +127,42 @@ class SessionLifecycle(Routing):
     async def attach(
         self, client_id: str, transport: Transport, read_access: ReadAccess | None = None
     ) -> Transport | None:
+        """``_attach`` in one of ``attach_limit`` slots, held until the pump's task has made its first
+        step (docs/guarantees.md, "Reconnect storms"). A connection closed while it waited for its
+        slot gives the slot back at once: no commit, no pump.
+
+        While a connection waits for its slot (in a storm, longer than CONNECT_GRACE) and attaches,
+        expiry spares its session (``attach_waiters``); every waiter gets a slot and ends, so that
+        cannot keep a session forever."""
+        session = self.sessions.get(client_id)
+        if session is not None:
+            session.attach_waiters += 1
+        try:
+            return await self._attach_in_slot(client_id, transport, read_access)
+        finally:
+            if session is not None:
+                session.attach_waiters -= 1
+
+    async def _attach_in_slot(
+        self, client_id: str, transport: Transport, read_access: ReadAccess | None
+    ) -> Transport | None:
+        slots = self.attach_slots
+        await slots.acquire()
+        if transport.closed:  # gone while it waited: detach is a no-op for a connection never attached
+            slots.release()
+            return None
+        try:
+            displaced = await self._attach(client_id, transport, read_access)
+        except BaseException:
+            slots.release()
+            raise
+        # Queued behind the first step of the pump _attach started: the slot is freed right after it.
+        asyncio.get_running_loop().call_soon(slots.release)
+        return displaced
+
+    async def _attach(
+        self, client_id: str, transport: Transport, read_access: ReadAccess | None = None
+    ) -> Transport | None:
         """The connection got CONNACK: start sending the session's queue over it, each message only
         if ``read_access`` (None: no topic ACL) lets this connection's user read it. Returns the
         connection the session was attached to until now, if another: the caller ends it.
@@ -352,6 +388,11 @@ class SessionLifecycle(Routing):
                     continue  # reconnected since the deadline was set
                 if session.connecting_until > now:
                     self.expiry.schedule(client_id, session.connecting_until)  # CONNACK sent, attach due
+                    continue
+                if session.attach_waiters:
+                    # Its client is connected and waits for an attach slot (a storm can make that
+                    # longer than CONNECT_GRACE): looked at again later; its attach cancels this.
+                    self.expiry.schedule(client_id, now + CONNECT_GRACE)
                     continue
                 disconnected_at = session.record.disconnected_at
                 dropped = await self.delete_session(session)

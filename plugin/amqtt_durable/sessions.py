@@ -121,6 +121,9 @@ class DurableSession:
         self.dropped = 0
         self.uncommitted: dict[int, Entry] = {}
         self.connecting_until = 0.0
+        self.attach_waiters = 0
+        """Connections of this client id in attach (waiting for an attach slot, or attaching): expiry
+        spares the session meanwhile, however long the queue for slots (SessionLifecycle.attach)."""
         self.ready_for: Transport | None = None
         """The connection whose ready came before its pump existed (see DurableEngine.ready)."""
         self.deleted = False
