@@ -28,16 +28,21 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/amqtt-durable broker -c $(CONFIG)
 
+# The tests run in TEST_WORKERS processes (pytest-xdist); --dist loadgroup keeps each xdist_group
+# (tests/conftest.py puts every test of the session's SparkSession in one) in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(PYTEST)
 
 # The unit tests: pure logic and real LevelDB stores, no broker process (about half a minute).
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q tests/unit
+	$(PYTEST) tests/unit
 
 # Everything but the tests marked slow (Spark, fleet runs, failovers): real brokers, a few minutes.
 test-brokers: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m 'not slow'
+	$(PYTEST) -m 'not slow'
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check plugin client_sdk pipeline fleet tests bench examples

@@ -17,7 +17,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from amqtt_durable.process import HOST, BrokerProcess, ChildExitedError, free_port
+from amqtt_durable.process import HOST, PORT_SLICE_ENV, BrokerProcess, ChildExitedError, free_port
 from amqtt_durable.store import open_store
 from amqtt_durable.wire import encode_packet, encode_string
 from durable_client import DurableClient
@@ -26,6 +26,30 @@ from durable_client.persistence import SessionState
 pytest_plugins = ["etcd_fixture"]  # the `etcd` fixture: a real etcd for the replication tests
 
 WAIT = 15.0
+SPARK_GROUP = "spark"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In a pytest-xdist worker (gw0, gw1, ...), free_port hands out this worker's slice of the
+    ports only (amqtt_durable.process.PORT_SLICE_ENV; inherited by every child it starts): the
+    port a broker of one worker is about to bind, or bind again as it restarts, is never handed
+    to a broker of another."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit():
+        os.environ[PORT_SLICE_ENV] = f"{int(worker[2:])}/{count}"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run in parallel (``make test``: pytest-xdist, ``--dist loadgroup``), every test that uses
+    the session's SparkSession (the ``spark`` fixture) is in one group, which one worker runs:
+    one JVM, started once, as in a serial run."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(SPARK_GROUP))
 
 
 class Broker(BrokerProcess):
@@ -327,7 +351,8 @@ def opened() -> Iterator[list[SessionState]]:
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
-    """One local[2] SparkSession for the whole test session (starting one costs seconds)."""
+    """One local[2] SparkSession for the whole test session (starting one costs seconds); run in
+    parallel, the session of the one worker that runs the Spark group (pytest_collection_modifyitems)."""
     from durable_pipeline.spark import get_session  # noqa: PLC0415 - pyspark loads only for Spark tests
 
     session = get_session("local[2]", "amqtt-durable-tests")
