@@ -28,10 +28,10 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/amqtt-durable broker -c $(CONFIG)
 
-# The tests run in TEST_WORKERS processes (pytest-xdist); --dist loadgroup keeps each xdist_group
-# (tests/conftest.py puts every test of the session's SparkSession in one) in one process.
+# The tests run in TEST_WORKERS processes (pytest-xdist), each test where a worker is free; each
+# worker that runs a Spark test starts its own SparkSession (a JVM).
 TEST_WORKERS ?= 2
-PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
 
 test: $(STAMP)
 	$(PYTEST)

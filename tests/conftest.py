@@ -26,7 +26,6 @@ from durable_client.persistence import SessionState
 pytest_plugins = ["etcd_fixture"]  # the `etcd` fixture: a real etcd for the replication tests
 
 WAIT = 15.0
-SPARK_GROUP = "spark"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -38,18 +37,6 @@ def pytest_configure(config: pytest.Config) -> None:
     count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit():
         os.environ[PORT_SLICE_ENV] = f"{int(worker[2:])}/{count}"
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run in parallel (``make test``: pytest-xdist, ``--dist loadgroup``), every test that uses
-    the session's SparkSession (the ``spark`` fixture) is in one group, which one worker runs:
-    one JVM, started once, as in a serial run."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if "spark" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group(SPARK_GROUP))
 
 
 class Broker(BrokerProcess):
@@ -352,7 +339,7 @@ def opened() -> Iterator[list[SessionState]]:
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
     """One local[2] SparkSession for the whole test session (starting one costs seconds); run in
-    parallel, the session of the one worker that runs the Spark group (pytest_collection_modifyitems)."""
+    parallel (pytest-xdist), one in each worker that runs a Spark test."""
     from durable_pipeline.spark import get_session  # noqa: PLC0415 - pyspark loads only for Spark tests
 
     session = get_session("local[2]", "amqtt-durable-tests")
