@@ -28,16 +28,21 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/amqtt-durable broker -c $(CONFIG)
 
+# The tests run in TEST_WORKERS processes (pytest-xdist), each test where a worker is free; each
+# worker that runs a Spark test starts its own SparkSession (a JVM).
+TEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
+
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(PYTEST)
 
 # The unit tests: pure logic and real LevelDB stores, no broker process (about half a minute).
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q tests/unit
+	$(PYTEST) tests/unit
 
 # Everything but the tests marked slow (Spark, fleet runs, failovers): real brokers, a few minutes.
 test-brokers: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m 'not slow'
+	$(PYTEST) -m 'not slow'
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check plugin client_sdk pipeline fleet tests bench examples

@@ -17,7 +17,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from amqtt_durable.process import HOST, BrokerProcess, ChildExitedError, free_port
+from amqtt_durable.process import HOST, PORT_SLICE_ENV, BrokerProcess, ChildExitedError, free_port
 from amqtt_durable.store import open_store
 from amqtt_durable.wire import encode_packet, encode_string
 from durable_client import DurableClient
@@ -26,6 +26,17 @@ from durable_client.persistence import SessionState
 pytest_plugins = ["etcd_fixture"]  # the `etcd` fixture: a real etcd for the replication tests
 
 WAIT = 15.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In a pytest-xdist worker (gw0, gw1, ...), free_port hands out this worker's slice of the
+    ports only (amqtt_durable.process.PORT_SLICE_ENV; inherited by every child it starts): the
+    port a broker of one worker is about to bind, or bind again as it restarts, is never handed
+    to a broker of another."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit():
+        os.environ[PORT_SLICE_ENV] = f"{int(worker[2:])}/{count}"
 
 
 class Broker(BrokerProcess):
@@ -341,7 +352,8 @@ def opened() -> Iterator[list[SessionState]]:
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
-    """One local[2] SparkSession for the whole test session (starting one costs seconds)."""
+    """One local[2] SparkSession for the whole test session (starting one costs seconds); run in
+    parallel (pytest-xdist), one in each worker that runs a Spark test."""
     from durable_pipeline.spark import get_session  # noqa: PLC0415 - pyspark loads only for Spark tests
 
     session = get_session("local[2]", "amqtt-durable-tests")

@@ -32,11 +32,37 @@ POLL = 0.05
 log = logging.getLogger(__name__)
 
 
+PORT_SLICE_ENV = "AMQTT_DURABLE_PORT_SLICE"
+"""``i/n`` (0 <= i < n) in the environment: ``free_port`` hands out only ports with
+``port // 2 % n == i``, so ``n`` processes that start children side by side, each with its own
+``i`` (the test suite's pytest-xdist workers: tests/conftest.py), never hand out the same port;
+a port one of them is about to bind (or bind again, a broker restarting) stays its own."""
+PORT_TRIES = 200
+"""Ports ``free_port`` asks the kernel for before giving up on finding one in its slice."""
+
+
+def port_slice() -> tuple[int, int] | None:
+    """``(i, n)`` from ``AMQTT_DURABLE_PORT_SLICE``; None when it is not set; ValueError naming it when malformed."""
+    value = os.environ.get(PORT_SLICE_ENV)
+    if not value:
+        return None
+    index, _, count = value.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise ValueError(f"{PORT_SLICE_ENV}={value!r}: expected i/n with 0 <= i < n")
+    return int(index), int(count)
+
+
 def free_port() -> int:
-    """An ephemeral TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    """An ephemeral TCP port on 127.0.0.1 that was free a moment ago (in this process's slice of
+    the ports when ``AMQTT_DURABLE_PORT_SLICE`` is set)."""
+    wanted = port_slice()
+    for _ in range(PORT_TRIES):
+        with socket.socket() as sock:
+            sock.bind((HOST, 0))
+            port = int(sock.getsockname()[1])
+        if wanted is None or port // 2 % wanted[1] == wanted[0]:
+            return port
+    raise RuntimeError(f"no free port in slice {wanted} of {PORT_SLICE_ENV} after {PORT_TRIES} tries")
 
 
 def port_open(port: int) -> bool:

@@ -1,4 +1,5 @@
-"""ChildProcess.await_ready: the two ways a child fails to come up, with real child processes."""
+"""ChildProcess.await_ready: the two ways a child fails to come up, with real child processes;
+free_port's slices of the ports (parallel test workers)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from amqtt_durable.process import ChildExitedError, ChildProcess
+from amqtt_durable.process import PORT_SLICE_ENV, ChildExitedError, ChildProcess, free_port
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -38,3 +39,15 @@ def test_a_ready_child_is_returned_running(tmp_path: Path) -> None:
         assert child.running
     finally:
         child.stop()
+
+
+def test_free_port_hands_out_only_the_ports_of_its_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes with slices 0/2 and 1/2 (two pytest-xdist workers) never get the same port."""
+    for index in (0, 1):
+        monkeypatch.setenv(PORT_SLICE_ENV, f"{index}/2")
+        ports = [free_port() for _ in range(30)]
+        assert all(port // 2 % 2 == index for port in ports), ports
+    for wrong in ("2/2", "1", "a/2", "-1/2"):
+        monkeypatch.setenv(PORT_SLICE_ENV, wrong)
+        with pytest.raises(ValueError, match=f"{PORT_SLICE_ENV}=.*expected i/n"):
+            free_port()
