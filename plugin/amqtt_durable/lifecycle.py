@@ -149,8 +149,13 @@ class SessionLifecycle(Routing):
     ) -> Transport | None:
         slots = self.attach_slots
         await slots.acquire()
-        if transport.closed:  # gone while it waited: never attached (detach restarts the expiry clock)
+        if transport.closed:  # gone while it waited: never attached
             slots.release()
+            session = self.sessions.get(client_id)
+            if session is not None and not session.superseded(transport):
+                # No longer a waiter, but its detach (which starts the expiry clock) is still to
+                # come: spared until then, as between CONNECT and attach.
+                session.connecting_until = time.time() + CONNECT_GRACE
             return None
         try:
             displaced = await self._attach(client_id, transport, read_access)

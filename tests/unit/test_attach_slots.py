@@ -11,6 +11,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
 from recording_transport import RecordingTransport
@@ -121,11 +123,15 @@ def test_a_connection_closed_while_waiting_for_its_slot_is_not_attached(tmp_path
     asyncio.run(main())
 
 
-def test_a_connection_closed_while_waiting_for_its_slot_restarts_its_session_expiry(tmp_path: Path) -> None:
+@pytest.mark.parametrize("left", [10.0, -100.0], ids=["deadline ahead", "deadline passed during the wait"])
+def test_a_connection_closed_while_waiting_for_its_slot_restarts_its_session_expiry(
+    tmp_path: Path, left: float
+) -> None:
     """docs/guarantees.md: a disconnected session's time counts from its last disconnect. A client
     that got CONNACK (session_present=1) and whose connection closed while it waited for its slot
     never attached; before the fix its detach did nothing, so the session kept the deadline of the
-    disconnect before that CONNECT and could be deleted CONNECT_GRACE (30 s) after it."""
+    disconnect before that CONNECT and could be deleted CONNECT_GRACE (30 s) after it, or at once
+    after its wait ended, before its detach. Its non-durable subscriptions end with it."""
 
     async def main() -> None:
         engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), attach_limit=1, session_expiry=600.0))
@@ -134,9 +140,9 @@ def test_a_connection_closed_while_waiting_for_its_slot_restarts_its_session_exp
             await _session_with_a_message(engine, "gone")
             session = engine.sessions["gone"]
             await engine.subscribe("gone", "n/gone", 1)
-            # Disconnected long ago: 10 s of its 600 left.
-            session.record.disconnected_at = time.time() - 590.0
-            session.record.expires_at = old_deadline = time.time() + 10.0
+            # Disconnected long ago: ``left`` seconds of its 600 left (< 0: it passed while its client waited).
+            session.record.disconnected_at = time.time() - 600.0 + left
+            session.record.expires_at = old_deadline = time.time() + left
             engine.expiry.schedule("gone", old_deadline)
             device = RecordingTransport()
             assert await engine.connect("gone", clean_session=False, transport=device) is True  # CONNACK
@@ -145,9 +151,12 @@ def test_a_connection_closed_while_waiting_for_its_slot_restarts_its_session_exp
                 await asyncio.sleep(0)  # one pass: it asks for the slot and waits
                 assert not attaching.done()
                 engine.set_interest("gone", "n/gone", durable=False)  # its SDK's interest, read meanwhile
+                session.connecting_until = 0.0  # CONNECT_GRACE has run out while it waited
                 device.closed = True
             assert await asyncio.wait_for(attaching, LIMIT) is None
             assert session.transport is None, "a closed connection was attached"
+            await engine._expire_due()  # between its attach's end and its detach (the glue awaits in between)
+            assert engine.sessions.get("gone") is session, "expired before its detach"
             before = time.time()
             await engine.detach("gone", device)  # as the glue does when the connection ends
             after = time.time()
