@@ -8,6 +8,7 @@ exit codes of the commands on a running broker's store or on no store, and the p
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import math
@@ -34,10 +35,12 @@ from amqtt_durable.cli import load_broker_config, plugin_section
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.errors import ConfigError
 from amqtt_durable.inspect_store import summarize
-from amqtt_durable.process import HOST, free_port
+from amqtt_durable.process import HOST, ChildExitedError, free_port
+from amqtt_durable.replication.framing import Frame
 from amqtt_durable.replication.position import SNAPSHOT_MARK_KEY
+from amqtt_durable.replication.tool import ask
 from amqtt_durable.store import open_store
-from conftest import WAIT, Broker, Client, payloads, probe_connack, run_cli
+from conftest import WAIT, Broker, Client, connack_code, payloads, probe_connack, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = "amqtt_durable.DurableSessionsPlugin"
@@ -603,6 +606,27 @@ def test_a_fixed_primary_that_cannot_serve_its_store_exits_1(
         "snapshot."
     ), result.stderr
     assert "Task exception was never retrieved" not in result.stderr
+
+
+def test_a_backup_whose_primary_is_unreachable_starts_and_keeps_running(broker_factory: Callable[..., Broker]) -> None:
+    """Beside the start failures above: a backup's primary that cannot be reached is not one. It
+    starts (the CONNACK 3 of a backup, its tools listener answering) and keeps trying; the
+    command does not exit 1 after the start, as it does for its own replication.listen in use."""
+    listen, unreachable = f"{HOST}:{free_port()}", f"{HOST}:{free_port()}"
+    broker = broker_factory(start=False, replication={"name": "b", "role": "backup", "listen": listen,
+                                                      "primary": unreachable})
+    broker.spawn()
+    tried = f"replication: backup b: channel to {unreachable} ended"
+    try:
+        # Its second try comes after a backoff, well after the command's check of the start.
+        assert broker.wait_until(lambda: broker.log().count(tried) >= 2, WAIT), broker.log()[-3000:]
+    except ChildExitedError:
+        raise AssertionError(f"the backup exited with {broker.exit_status}:\n{broker.log()[-3000:]}") from None
+    assert broker.running, broker.log()[-3000:]
+    assert connack_code(broker.port) == 3, "a backup answers CONNACK 3 (server unavailable)"
+    assert asyncio.run(ask(listen, Frame.STATUS))["role"] == "backup"
+    assert "broker not started" not in broker.log()
+    assert broker.running
 
 
 def test_a_write_probe_left_by_a_crash_is_removed_at_the_next_start(broker_factory: Callable[..., Broker]) -> None:

@@ -89,8 +89,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
-import socket
 import time
 from collections import UserDict, deque
 from collections.abc import Awaitable, Callable
@@ -524,14 +522,6 @@ def start_failure(broker: Broker) -> str | None:
     return None if plugin is None else plugin.start_failure
 
 
-def _os_reason(exc: OSError | ValueError) -> str:
-    """``[Errno 98] Address already in use``: asyncio's bind error repeats the address, which the
-    caller names already; a resolver's error (gaierror) and a ValueError are kept as they are."""
-    if isinstance(exc, OSError) and not isinstance(exc, socket.gaierror) and exc.errno is not None:
-        return f"[Errno {exc.errno}] {os.strerror(exc.errno)}"
-    return str(exc)
-
-
 def check_internals(broker: Any) -> None:
     """Fail at start-up, naming what is missing, rather than misbehave with another amqtt."""
     missing = [name for name in _BROKER_INTERNALS if not hasattr(broker, name)]
@@ -749,16 +739,19 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
             self.engine.on_store_reopened = self.replication.use_db
             try:
                 await self.replication.start()
-            except (OSError, ValueError) as exc:  # its address cannot be listened on (in use, no such host)
-                self._start_failed(f"replication.listen {settings.listen}: {_os_reason(exc)}")
-            except DurableError as exc:  # a primary that cannot serve its store (replication.node._promote)
+            except DurableError as exc:
+                # ReplicationListenError: "replication.listen <address>: <why>" (in use, no such
+                # host); or a primary that cannot serve its store (replication.node._promote).
                 self._start_failed(str(exc))
+            except Exception as exc:  # anything else (LevelDB's own error in a promotion, say)
+                self._start_failed(repr(exc), unexpected=True)
 
-    def _start_failed(self, reason: str) -> None:
+    def _start_failed(self, reason: str, *, unexpected: bool = False) -> None:
         """amqtt runs on_broker_post_start as a task whose exception nobody reads (its listeners
-        are open by then): the broker would stay up answering CONNACK 3. The reason is logged and
-        kept for ``start_failure``, which ``amqtt-durable broker`` asks after the start."""
-        log.error("broker not started: %s", reason)
+        are open by then): the broker would stay up answering CONNACK 3. The reason is logged (an
+        ``unexpected`` one with its traceback) and kept for ``start_failure``, which
+        ``amqtt-durable broker`` asks after the start."""
+        log.error("broker not started: %s", reason, exc_info=unexpected)
         self.start_failure = reason
 
     async def _promoted(self, primary: Primary) -> None:

@@ -129,7 +129,8 @@ class SessionLifecycle(Routing):
     ) -> Transport | None:
         """``_attach`` in one of ``attach_limit`` slots, held until the pump's task has made its first
         step (docs/guarantees.md, "Reconnect storms"). A connection closed while it waited for its
-        slot gives the slot back at once: no commit, no pump.
+        slot stays queued; when its turn comes it hands the slot on at once: no commit, no pump
+        (``detach`` then starts its session's expiry clock from this disconnect).
 
         While a connection waits for its slot (in a storm, longer than CONNECT_GRACE) and attaches,
         expiry spares its session (``attach_waiters``); every waiter gets a slot and ends, so that
@@ -148,8 +149,13 @@ class SessionLifecycle(Routing):
     ) -> Transport | None:
         slots = self.attach_slots
         await slots.acquire()
-        if transport.closed:  # gone while it waited: detach is a no-op for a connection never attached
+        if transport.closed:  # gone while it waited: never attached
             slots.release()
+            session = self.sessions.get(client_id)
+            if session is not None and not session.superseded(transport):
+                # No longer a waiter, but its detach (which starts the expiry clock) is still to
+                # come: spared until then, as between CONNECT and attach.
+                session.connecting_until = time.time() + CONNECT_GRACE
             return None
         try:
             displaced = await self._attach(client_id, transport, read_access)
@@ -223,9 +229,19 @@ class SessionLifecycle(Routing):
 
         A connection the broker's own stop ends starts no expiry clock: the session counts as
         connected at the stop, so its deadline counts from the restart (as after a crash), and a
-        maintenance stop longer than ``session_expiry`` expires nobody."""
+        maintenance stop longer than ``session_expiry`` expires nobody.
+
+        A connection that got CONNACK but never attached (closed while it waited for its attach
+        slot) ends the same way for its session: the expiry clock counts from this disconnect, not
+        from the one before its CONNECT (the glue calls this once per connection)."""
         session = self.sessions.get(client_id)
-        if session is None or session.transport is not transport:
+        if session is None:
+            return
+        if session.transport is not transport:
+            never_attached = session.transport is None and session.newest is transport
+            if never_attached and not session.deleted and not broker_stopping:
+                session.drop_non_durable()
+                self._disconnected(session)
             return
         pump, session.pump, session.transport = session.pump, None, None
         if not session.deleted:

@@ -5,10 +5,13 @@ session's attach whose commit waits until the test lets it go."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
@@ -90,9 +93,10 @@ def test_a_session_does_not_expire_while_its_client_waits_for_an_attach_slot(tmp
 
 
 def test_a_connection_closed_while_waiting_for_its_slot_is_not_attached(tmp_path: Path) -> None:
-    """It gives its slot back at once: no commit, no pump for a connection that is gone (its session
-    stays as it was, disconnected, its queue kept). Before, it took its turn: the commit, a pump
-    started on the closed connection (the glue's detach then stopped it)."""
+    """It stays queued and, when its turn comes, hands the slot on at once: no commit, no pump for a
+    connection that is gone (its session disconnected, its queue kept; the glue's detach then starts
+    its expiry clock, see the next test). Before, it took its turn: the commit, a pump started on
+    the closed connection (the glue's detach then stopped it)."""
 
     async def main() -> None:
         engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), attach_limit=1))
@@ -110,8 +114,63 @@ def test_a_connection_closed_while_waiting_for_its_slot_is_not_attached(tmp_path
             assert await asyncio.wait_for(attaching, LIMIT) is None
             assert session.pump is None and session.transport is None, "a closed connection was attached"
             assert not engine.attach_slots.locked(), "the slot is free again"
-            await engine.detach("gone", device)  # as the glue does when the connection ends: a no-op
+            await engine.detach("gone", device)  # as the glue does when the connection ends
             assert engine.sessions["gone"] is session and session.depth == 1
+            assert session.pump is None and session.transport is None
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("left", [10.0, -100.0], ids=["deadline ahead", "deadline passed during the wait"])
+def test_a_connection_closed_while_waiting_for_its_slot_restarts_its_session_expiry(
+    tmp_path: Path, left: float
+) -> None:
+    """docs/guarantees.md: a disconnected session's time counts from its last disconnect. A client
+    that got CONNACK (session_present=1) and whose connection closed while it waited for its slot
+    never attached; before the fix its detach did nothing, so the session kept the deadline of the
+    disconnect before that CONNECT and could be deleted CONNECT_GRACE (30 s) after it, or at once
+    after its wait ended, before its detach. Its non-durable subscriptions end with it."""
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), attach_limit=1, session_expiry=600.0))
+        engine.open()
+        try:
+            await _session_with_a_message(engine, "gone")
+            session = engine.sessions["gone"]
+            await engine.subscribe("gone", "n/gone", 1)
+            # Disconnected long ago: ``left`` seconds of its 600 left (< 0: it passed while its client waited).
+            session.record.disconnected_at = time.time() - 600.0 + left
+            session.record.expires_at = old_deadline = time.time() + left
+            engine.expiry.schedule("gone", old_deadline)
+            device = RecordingTransport()
+            assert await engine.connect("gone", clean_session=False, transport=device) is True  # CONNACK
+            async with slot_held(engine):
+                attaching = asyncio.get_running_loop().create_task(engine.attach("gone", device))
+                await asyncio.sleep(0)  # one pass: it asks for the slot and waits
+                assert not attaching.done()
+                engine.set_interest("gone", "n/gone", durable=False)  # its SDK's interest, read meanwhile
+                session.connecting_until = 0.0  # CONNECT_GRACE has run out while it waited
+                device.closed = True
+            assert await asyncio.wait_for(attaching, LIMIT) is None
+            assert session.transport is None, "a closed connection was attached"
+            await engine._expire_due()  # between its attach's end and its detach (the glue awaits in between)
+            assert engine.sessions.get("gone") is session, "expired before its detach"
+            before = time.time()
+            await engine.detach("gone", device)  # as the glue does when the connection ends
+            after = time.time()
+            expires_at = session.record.expires_at
+            assert expires_at is not None and before + 600.0 <= expires_at <= after + 600.0, (
+                f"the expiry clock did not restart at this disconnect: {expires_at - after:.0f} s left"
+                if expires_at is not None
+                else "no deadline"
+            )
+            assert session.record.disconnected_at is not None and before <= session.record.disconnected_at <= after
+            assert engine.expiry.deadline("gone") == expires_at
+            assert list(session.record.subscriptions) == ["t/gone"], "its non-durable subscription ends with it"
+            await engine._expire_due()
+            assert engine.sessions.get("gone") is session and session.depth == 1
         finally:
             await engine.close()
 

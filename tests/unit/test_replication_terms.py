@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import functools
+import os
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import plyvel
 import pytest
 from amqtt.adapters import StreamWriterAdapter
 from amqtt.errors import MQTTError
@@ -475,6 +480,62 @@ def test_a_clean_stop_whose_last_write_fails_still_ends_replication_and_closes_t
         asyncio.run(bounded(DurableSessionsPlugin.close(plugin)))  # type: ignore[arg-type]
     assert ended == ["replication stopped"]
     assert engine.committer.halted is not None and engine.db.closed
+
+
+@pytest.mark.parametrize(
+    ("failure", "reason"),
+    [
+        (OSError("the store would not load"), "OSError('the store would not load')"),
+        (TimeoutError(), "TimeoutError()"),
+        (plyvel.CorruptionError("Corruption: block checksum mismatch"),
+         "CorruptionError('Corruption: block checksum mismatch')"),
+        (None, f"replication.listen {{listen}}: [Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"),
+    ],
+)
+def test_a_fixed_primary_s_start_failure_is_reported_as_what_failed(
+    tmp_path: Path, failure: BaseException | None, reason: str
+) -> None:
+    """Review 88: the plugin's post-start took every OSError of the replication's start for its
+    listen address (a store error in a fixed primary's promotion read "replication.listen ADDR:
+    the store would not load", a TimeoutError gave an empty reason), and an error neither an
+    OSError nor a DurableError (LevelDB's CorruptionError) went unread: the broker stayed up.
+    Now only the two listeners' bind failures name replication.listen; anything else is itself
+    (the broker's own load raising stands in for the engine's, ``failure``; None: the address is
+    in use)."""
+    engine: DurableEngine | None = None
+
+    async def main() -> None:
+        nonlocal engine
+        with socket.socket() as holder:
+            holder.bind((HOST, 0))
+            holder.listen()
+            listen = f"{HOST}:{holder.getsockname()[1] if failure is None else free_port()}"
+            config = DurableConfig.from_mapping({
+                "store": str(tmp_path / "store"), "metrics_interval": 0,
+                "replication": {"name": "a", "role": "primary", "listen": listen},
+            })
+            engine = DurableEngine(config)
+            engine.open_store()
+
+            def promoted(primary: Primary) -> None:
+                assert failure is not None
+                raise failure
+
+            plugin = SimpleNamespace(
+                engine=engine, config=config, replication=None, start_failure=None, _metrics_task=None,
+                _promoted=promoted, _demoted=lambda reason: None,
+            )
+            plugin._start_failed = functools.partial(DurableSessionsPlugin._start_failed, plugin)  # type: ignore[arg-type]
+            await DurableSessionsPlugin.on_broker_post_start(plugin)  # type: ignore[arg-type]
+            assert plugin.replication is not None and plugin.replication.primary is None
+            await plugin.replication.stop()
+            assert plugin.start_failure == reason.format(listen=listen)
+
+    try:
+        asyncio.run(bounded(main()))
+    finally:
+        if engine is not None:
+            asyncio.run(engine.close())
 
 
 def lease_ends_now(replication: ReplicationNode) -> None:

@@ -6,11 +6,33 @@ every class derives from the plugin's DurableError so callers catch them the sam
 
 from __future__ import annotations
 
+import os
+import socket
+
 from ..errors import DurableError
 
 
 class ReplicationError(DurableError):
     """Base of every replication error."""
+
+
+class ReplicationListenError(ReplicationError):
+    """The replication address (replication.listen) cannot be listened on: in use, no such host.
+    Raised by its two listeners only (a primary's, a backup's for the tools), so a start that
+    fails with it is the address's fault, not the store's."""
+
+    def __init__(self, address: str, cause: OSError | ValueError) -> None:
+        self.address = address
+        self.reason = _os_reason(cause)
+        super().__init__(f"replication.listen {address}: {self.reason}")
+
+
+def _os_reason(exc: OSError | ValueError) -> str:
+    """``[Errno 98] Address already in use``: asyncio's bind error repeats the address, which the
+    message names already; a resolver's error (gaierror) and a ValueError are kept as they are."""
+    if isinstance(exc, OSError) and not isinstance(exc, socket.gaierror) and exc.errno is not None:
+        return f"[Errno {exc.errno}] {os.strerror(exc.errno)}"
+    return str(exc) or repr(exc)
 
 
 class FrameError(ReplicationError):

@@ -23,18 +23,19 @@ backup listens there for them until it is promoted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import ipaddress
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from ..settings import LISTEN_BACKLOG
 from .backup import Backup
 from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
-from .errors import CoordinatorError, ReplicationError
+from .errors import CoordinatorError, ReplicationError, ReplicationListenError
 from .framing import Frame
 from .gate import HandshakeGate
 from .ha import Decision, HaNode
@@ -221,7 +222,8 @@ class ReplicationNode:
     async def _open_admin(self) -> None:
         host, port = split_address(self.config.listen)
         # TLS (server_tls) is started in first_frame, once the gate admitted the connection.
-        self._admin = await asyncio.start_server(self._answer_tool, host, port, backlog=self.listen_backlog)
+        with _listening_on(self.config.listen):
+            self._admin = await asyncio.start_server(self._answer_tool, host, port, backlog=self.listen_backlog)
 
     async def _close_admin(self) -> None:
         server, self._admin = self._admin, None
@@ -367,7 +369,8 @@ class ReplicationNode:
             backlog=self.listen_backlog,
         )
         primary.on_admin = self.answer
-        await primary.start(host, port, self.server_tls)
+        with _listening_on(self.config.listen):
+            await primary.start(host, port, self.server_tls)
         if self.ha is not None and self.ha.role != "primary":
             # The lease's deadline passed during the awaits above (its demotion found no primary
             # yet): this term is over before it began; serving now would be a primary HA calls a backup.
@@ -426,6 +429,16 @@ class ReplicationNode:
         self.backup = self._new_backup()
         if not self._ha_stop.is_set() and not self._promoting:
             await self._open_admin()
+
+
+@contextlib.contextmanager
+def _listening_on(address: str) -> Iterator[None]:
+    """A listener on ``address`` that cannot be opened (in use, no such host) raises
+    ReplicationListenError naming the address and why."""
+    try:
+        yield
+    except (OSError, ValueError) as exc:
+        raise ReplicationListenError(address, exc) from exc
 
 
 def _loopback(host: str) -> bool:
