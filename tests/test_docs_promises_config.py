@@ -585,6 +585,38 @@ def test_a_replication_address_in_use_stops_the_broker_with_exit_1(
     assert not probe_connack(broker.port)
 
 
+def test_a_start_failure_is_the_last_line_even_when_the_shutdown_after_it_fails(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """Review 90: after a plugin start failure `amqtt-durable broker` shuts the broker down, then
+    prints why it did not start; a shutdown that raised (here made to, after amqtt's real one)
+    replaced that line with its traceback. Now the shutdown's error is logged and the reason is
+    still the last line, with exit code 1."""
+    with socket.socket() as holder:
+        holder.bind((HOST, 0))
+        holder.listen()
+        address = f"{HOST}:{holder.getsockname()[1]}"
+        broker = broker_factory(start=False, replication={"name": "a", "role": "primary", "listen": address})
+        broker.write_config()
+        script = (
+            "import amqtt.broker\n"
+            "real = amqtt.broker.Broker.shutdown\n"
+            "async def failing_shutdown(self):\n"
+            "    await real(self)\n"
+            "    raise RuntimeError('the shutdown failed')\n"
+            "amqtt.broker.Broker.shutdown = failing_shutdown\n"
+            "from amqtt_durable.cli import exit_process, main\n"
+            f"exit_process(main(['broker', '-c', {str(broker.config_path)!r}]))\n"
+        )
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                                check=False, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    reason = f"replication.listen {address}: [Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"
+    assert result.stderr.strip().splitlines()[-1] == f"amqtt-durable: broker not started: {reason}", result.stderr
+    assert "ERROR amqtt_durable: shutdown after a failed start failed" in result.stderr
+    assert "RuntimeError: the shutdown failed" in result.stderr
+
+
 def test_a_fixed_primary_that_cannot_serve_its_store_exits_1(
     broker_factory: Callable[..., Broker], tmp_path: Path
 ) -> None:

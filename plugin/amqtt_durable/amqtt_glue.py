@@ -727,24 +727,26 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
             self._metrics_task = asyncio.get_running_loop().create_task(self._publish_metrics())
         settings = self.config.replication
         if settings is not None:
-            coordinator = (
-                EtcdCoordinator(settings.coordinator, prefix=settings.prefix, ttl=settings.lease_ttl)
-                if settings.coordinator
-                else None
-            )
-            self.replication = ReplicationNode(
-                self.engine.db, settings, coordinator=coordinator, on_promote=self._promoted, on_demote=self._demoted,
-                fsync=self.config.sync, listen_backlog=self.config.listen_backlog,
-            )
-            self.engine.on_store_reopened = self.replication.use_db
             try:
+                coordinator = (
+                    EtcdCoordinator(settings.coordinator, prefix=settings.prefix, ttl=settings.lease_ttl)
+                    if settings.coordinator
+                    else None
+                )
+                # Reads the secret (file or variable) and the TLS files: a ConfigError if they went.
+                self.replication = ReplicationNode(
+                    self.engine.db, settings, coordinator=coordinator, on_promote=self._promoted,
+                    on_demote=self._demoted, fsync=self.config.sync, listen_backlog=self.config.listen_backlog,
+                )
+                self.engine.on_store_reopened = self.replication.use_db
                 await self.replication.start()
             except DurableError as exc:
                 # ReplicationListenError: "replication.listen <address>: <why>" (in use, no such
-                # host); or a primary that cannot serve its store (replication.node._promote).
+                # host); a primary that cannot serve its store (replication.node._promote); a
+                # secret or TLS file that cannot be read any more (ConfigError).
                 self._start_failed(str(exc))
             except Exception as exc:  # anything else (LevelDB's own error in a promotion, say)
-                self._start_failed(repr(exc), unexpected=True)
+                self._start_failed(f"replication start: {exc!r}", unexpected=True)
 
     def _start_failed(self, reason: str, *, unexpected: bool = False) -> None:
         """amqtt runs on_broker_post_start as a task whose exception nobody reads (its listeners

@@ -30,6 +30,8 @@ from .replication.config import SECRET_KEYS, read_secret_file
 from .replication.framing import Frame
 from .replication.tool import ask, format_status
 
+log = logging.getLogger("amqtt_durable")
+
 PLUGIN_PATH = "amqtt_durable.DurableSessionsPlugin"
 EXIT_BAD_INPUT = 2
 GC_THRESHOLD = 100_000
@@ -154,7 +156,10 @@ async def _serve(config: dict[str, Any], parent: int | None = None) -> int:
         return 1
     failure = start_failure(broker)
     if failure is not None:
-        await broker.shutdown()
+        try:
+            await broker.shutdown()
+        except Exception:  # logged; the reason the broker did not start stays the last line
+            log.exception("shutdown after a failed start failed")
         print(f"amqtt-durable: broker not started: {failure}", file=sys.stderr)
         return 1
     # Every message allocates a handful of short-lived objects; with CPython's default threshold

@@ -240,6 +240,7 @@ class SessionLifecycle(Routing):
         if session.transport is not transport:
             never_attached = session.transport is None and session.newest is transport
             if never_attached and not session.deleted and not broker_stopping:
+                session.connecting_until = 0.0  # as at attach: its CONNECT's grace ends with it
                 session.drop_non_durable()
                 self._disconnected(session)
             return

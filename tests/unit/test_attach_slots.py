@@ -123,25 +123,33 @@ def test_a_connection_closed_while_waiting_for_its_slot_is_not_attached(tmp_path
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("left", [10.0, -100.0], ids=["deadline ahead", "deadline passed during the wait"])
+@pytest.mark.parametrize(
+    ("expiry", "left"),
+    [(600.0, 10.0), (600.0, -100.0), (0.0, -100.0)],
+    ids=["deadline ahead", "deadline passed during the wait", "session_expiry 0"],
+)
 def test_a_connection_closed_while_waiting_for_its_slot_restarts_its_session_expiry(
-    tmp_path: Path, left: float
+    tmp_path: Path, expiry: float, left: float
 ) -> None:
     """docs/guarantees.md: a disconnected session's time counts from its last disconnect. A client
     that got CONNACK (session_present=1) and whose connection closed while it waited for its slot
     never attached; before the fix its detach did nothing, so the session kept the deadline of the
     disconnect before that CONNECT and could be deleted CONNECT_GRACE (30 s) after it, or at once
-    after its wait ended, before its detach. Its non-durable subscriptions end with it."""
+    after its wait ended, before its detach. Its non-durable subscriptions end with it.
+
+    With ``session_expiry: 0`` it is deleted at its detach: before the second fix the CONNECT_GRACE
+    its closed connection had set when its wait ended still spared it for up to 30 s, past its
+    stored deadline (a returning client got session_present=1)."""
 
     async def main() -> None:
-        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), attach_limit=1, session_expiry=600.0))
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), attach_limit=1, session_expiry=expiry))
         engine.open()
         try:
             await _session_with_a_message(engine, "gone")
             session = engine.sessions["gone"]
             await engine.subscribe("gone", "n/gone", 1)
-            # Disconnected long ago: ``left`` seconds of its 600 left (< 0: it passed while its client waited).
-            session.record.disconnected_at = time.time() - 600.0 + left
+            # Disconnected long ago: ``left`` seconds of its ``expiry`` left (< 0: it passed while its client waited).
+            session.record.disconnected_at = time.time() - expiry + left
             session.record.expires_at = old_deadline = time.time() + left
             engine.expiry.schedule("gone", old_deadline)
             device = RecordingTransport()
@@ -161,7 +169,7 @@ def test_a_connection_closed_while_waiting_for_its_slot_restarts_its_session_exp
             await engine.detach("gone", device)  # as the glue does when the connection ends
             after = time.time()
             expires_at = session.record.expires_at
-            assert expires_at is not None and before + 600.0 <= expires_at <= after + 600.0, (
+            assert expires_at is not None and before + expiry <= expires_at <= after + expiry, (
                 f"the expiry clock did not restart at this disconnect: {expires_at - after:.0f} s left"
                 if expires_at is not None
                 else "no deadline"
@@ -170,7 +178,10 @@ def test_a_connection_closed_while_waiting_for_its_slot_restarts_its_session_exp
             assert engine.expiry.deadline("gone") == expires_at
             assert list(session.record.subscriptions) == ["t/gone"], "its non-durable subscription ends with it"
             await engine._expire_due()
-            assert engine.sessions.get("gone") is session and session.depth == 1
+            if expiry:
+                assert engine.sessions.get("gone") is session and session.depth == 1
+            else:
+                assert "gone" not in engine.sessions, "outlived its deadline (session_expiry 0)"
         finally:
             await engine.close()
 

@@ -485,10 +485,10 @@ def test_a_clean_stop_whose_last_write_fails_still_ends_replication_and_closes_t
 @pytest.mark.parametrize(
     ("failure", "reason"),
     [
-        (OSError("the store would not load"), "OSError('the store would not load')"),
-        (TimeoutError(), "TimeoutError()"),
+        (OSError("the store would not load"), "replication start: OSError('the store would not load')"),
+        (TimeoutError(), "replication start: TimeoutError()"),
         (plyvel.CorruptionError("Corruption: block checksum mismatch"),
-         "CorruptionError('Corruption: block checksum mismatch')"),
+         "replication start: CorruptionError('Corruption: block checksum mismatch')"),
         (None, f"replication.listen {{listen}}: [Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"),
     ],
 )
@@ -530,6 +530,43 @@ def test_a_fixed_primary_s_start_failure_is_reported_as_what_failed(
             assert plugin.replication is not None and plugin.replication.primary is None
             await plugin.replication.stop()
             assert plugin.start_failure == reason.format(listen=listen)
+
+    try:
+        asyncio.run(bounded(main()))
+    finally:
+        if engine is not None:
+            asyncio.run(engine.close())
+
+
+def test_a_secret_file_gone_before_the_replication_starts_is_reported(tmp_path: Path) -> None:
+    """Review 90: the replication node, which reads the secret (file or variable) and the TLS files,
+    was built before the try that reports start failures: a secret file removed between the config's
+    check and the post-start raised out of amqtt's post-start task, unread, and the broker stayed up."""
+    engine: DurableEngine | None = None
+    secret = tmp_path / "secret"
+
+    async def main() -> None:
+        nonlocal engine
+        secret.write_text("s" * 32)
+        config = DurableConfig.from_mapping({
+            "store": str(tmp_path / "store"), "metrics_interval": 0,
+            "replication": {"name": "a", "role": "primary", "listen": f"{HOST}:{free_port()}",
+                            "secret_file": str(secret)},
+        })
+        secret.unlink()
+        engine = DurableEngine(config)
+        engine.open_store()
+        plugin = SimpleNamespace(
+            engine=engine, config=config, replication=None, start_failure=None, _metrics_task=None,
+            _promoted=lambda primary: None, _demoted=lambda reason: None,
+        )
+        plugin._start_failed = functools.partial(DurableSessionsPlugin._start_failed, plugin)  # type: ignore[arg-type]
+        await DurableSessionsPlugin.on_broker_post_start(plugin)  # type: ignore[arg-type]
+        assert plugin.replication is None
+        assert plugin.start_failure == (
+            f"amqtt_durable config: 'replication.secret_file': cannot read the secret file {str(secret)!r}: "
+            "No such file or directory"
+        )
 
     try:
         asyncio.run(bounded(main()))
