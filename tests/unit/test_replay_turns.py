@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -455,6 +455,29 @@ def _publishes(transport: RecordingTransport) -> list[Sent]:
     return [p for p in transport.packets if p.packet_type == 3]
 
 
+async def _queued_on_t(engine: DurableEngine, count: int) -> None:
+    """Session c subscribed to t, with q0, q1, ... (count of them) queued and written."""
+    await engine.connect("c", clean_session=False)
+    await engine.subscribe("c", "t", 1)
+    for index in range(count):
+        engine.route_publish("t", b"q%d" % index, 1)
+    await engine.written_so_far()
+
+
+def _acl_answering_after(act: Callable[[], None], acted: asyncio.Event) -> Callable[[str], Awaitable[bool]]:
+    """An ACL plugin that answers in a later pass, and runs ``act`` before its answer until ``acted`` is set."""
+
+    async def allowed(topic: str) -> bool:
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        if not acted.is_set():
+            loop.call_soon(act)
+        loop.call_soon(answer.set_result, True)
+        return bool(await answer)
+
+    return allowed
+
+
 async def _passes(count: int = 20) -> None:
     """Let every task that can run, run (a granted turn is written in the next pass)."""
     for _ in range(count):
@@ -483,20 +506,10 @@ def test_a_hello_while_a_batch_waits_holds_it_until_ready(tmp_path: Path, waits_
             engine.hello("c", None)
             helloed.set()
 
-        async def allowed(topic: str) -> bool:  # an ACL plugin; the hello comes before its answer
-            loop = asyncio.get_running_loop()
-            answer = loop.create_future()
-            if not helloed.is_set():
-                loop.call_soon(hello)
-            loop.call_soon(answer.set_result, True)
-            return bool(await answer)
+        allowed = _acl_answering_after(hello, helloed)  # the hello comes before its answer
 
         try:
-            await engine.connect("c", clean_session=False)
-            await engine.subscribe("c", "t", 1)
-            for index in range(queued):
-                engine.route_publish("t", b"q%d" % index, 1)
-            await engine.written_so_far()
+            await _queued_on_t(engine, queued)
             read_access = None
             if waits_for == "turn":
                 turns.on_queue = hello  # the second batch waits for its turn
@@ -620,20 +633,10 @@ def test_drop_oldest_takes_from_a_batch_waiting_for_the_topic_acl(tmp_path: Path
             assert engine.route_publish("t", b"n", 1) is not None
             published.set()
 
-        async def allowed(topic: str) -> bool:  # an ACL plugin: a publish comes before its answer
-            loop = asyncio.get_running_loop()
-            answer = loop.create_future()
-            if not published.is_set():
-                loop.call_soon(overflow)
-            loop.call_soon(answer.set_result, True)
-            return bool(await answer)
+        allowed = _acl_answering_after(overflow, published)  # a publish comes before its answer
 
         try:
-            await engine.connect("c", clean_session=False)
-            await engine.subscribe("c", "t", 1)
-            for index in range(depth):
-                engine.route_publish("t", b"q%d" % index, 1)
-            await engine.written_so_far()
+            await _queued_on_t(engine, depth)
             transport = OrderedTransport("c", [])
             await engine.attach("c", transport, ReadAccess(allowed))
             sent = await transport.wait_for(lambda ps: len(ps) >= depth, LIMIT)
@@ -662,11 +665,7 @@ def test_drop_oldest_takes_from_a_batch_waiting_for_its_sent_mark(tmp_path: Path
         engine.open()
         waiting, release = asyncio.Event(), asyncio.Event()
         try:
-            await engine.connect("c", clean_session=False)
-            await engine.subscribe("c", "t", 1)
-            for index in range(depth):
-                engine.route_publish("t", b"q%d" % index, 1)
-            await engine.written_so_far()
+            await _queued_on_t(engine, depth)
             transport = RecordingTransport()
             await engine.attach("c", transport)
             session = engine.sessions["c"]
@@ -771,11 +770,7 @@ def test_drop_oldest_takes_from_a_batch_the_topic_acl_failed_on(
             return True
 
         try:
-            await engine.connect("c", clean_session=False)
-            await engine.subscribe("c", "t", 1)
-            for index in range(depth):
-                engine.route_publish("t", b"q%d" % index, 1)
-            await engine.written_so_far()
+            await _queued_on_t(engine, depth)
             transport = RecordingTransport()
             with caplog.at_level(logging.ERROR, logger="amqtt_durable.delivery"):
                 await engine.attach("c", transport, ReadAccess(failing))
