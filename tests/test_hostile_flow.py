@@ -61,7 +61,10 @@ def test_a_clean_subscriber_that_never_reads_does_not_make_the_broker_hold_every
         assert len(reader.wait_messages(attempt * COUNT, WAIT + 30)) == attempt * COUNT, "a reader lost messages"
         held_kb.append(memory_kb(pid, "VmRSS"))
     published_kb = COUNT * PAYLOAD // 1024
-    assert held_kb[1] - held_kb[0] < published_kb // 4, (
+    # Without the bound the broker grew by about three times what was published; with it the second
+    # round once added 11 MB of 40 MB with a second pytest worker beside it (the allocator's and the
+    # reader's buffers): half of what was published still tells the two apart by a factor of six.
+    assert held_kb[1] - held_kb[0] < published_kb // 2, (
         f"the broker's memory grew by {held_kb[1] - held_kb[0]} kB when {published_kb} kB more went to a "
         "subscriber that reads nothing"
     )
