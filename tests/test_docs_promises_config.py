@@ -268,6 +268,18 @@ def test_extreme_valid_values_start_a_broker_that_serves_and_ctrl_c_stops_it(
     assert "Traceback" not in broker.log()
 
 
+def test_a_listen_backlog_past_a_c_int_also_starts_a_broker_with_a_replication_address(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """The same cap for the replication address's listener: a fixed primary with listen_backlog
+    2**40 exited 1 (`replication start: OverflowError(...)`, listen() takes a C int)."""
+    broker = broker_factory(
+        listen_backlog=2**40, replication={"name": "a", "role": "primary", "listen": f"{HOST}:{free_port()}"}
+    )
+    assert clients(broker.port, "cap-1", clean_session=True).subscribe("cap/t", 1) == [1]
+    assert "broker not started" not in broker.log()
+
+
 # --------------------------------------------------------------- commands and exit codes
 
 

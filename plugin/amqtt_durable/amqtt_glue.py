@@ -152,6 +152,7 @@ from .replication.commits import ReplicatedCommits
 from .replication.etcd import EtcdCoordinator
 from .replication.node import ReplicationNode
 from .replication.primary import Primary
+from .settings import socket_backlog
 from .stream_sender import StreamSender
 from .topics import SubscriptionIndex, TopicIndex, topic_problem
 from .wire import PacketReader, encode_puback, encode_pubcomp
@@ -160,8 +161,6 @@ log = logging.getLogger("amqtt_durable")
 
 AMQTT_VERSION = "0.12.1"
 SYS_PREFIX = "$SYS/broker/durable/"
-MAX_LISTEN_BACKLOG = 2**31 - 1
-"""listen() takes a C int; a larger listen_backlog is passed as this (Linux caps it at somaxconn anyway)."""
 HEALTH_TOPIC = SYS_PREFIX + "store/health"
 NOT_SERVING = "this broker is a replication backup (or stopped being the primary): connect to the primary"
 _SUBSCRIBE_REFUSED = 0x80
@@ -736,7 +735,8 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
                 # Reads the secret (file or variable) and the TLS files: a ConfigError if they went.
                 self.replication = ReplicationNode(
                     self.engine.db, settings, coordinator=coordinator, on_promote=self._promoted,
-                    on_demote=self._demoted, fsync=self.config.sync, listen_backlog=self.config.listen_backlog,
+                    on_demote=self._demoted, fsync=self.config.sync,
+                    listen_backlog=socket_backlog(self.config.listen_backlog),
                 )
                 self.engine.on_store_reopened = self.replication.use_db
                 await self.replication.start()
@@ -1067,7 +1067,7 @@ class AmqttHooks:
             port,
             reuse_address=True,
             ssl=ssl_context,
-            backlog=min(self.engine.config.listen_backlog, MAX_LISTEN_BACKLOG),  # the kernel caps it lower
+            backlog=socket_backlog(self.engine.config.listen_backlog),  # the kernel caps it lower
         )
 
     async def client_connected(self, listener_name: str, reader: Any, writer: Any) -> None:

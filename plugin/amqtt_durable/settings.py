@@ -13,6 +13,13 @@ from .errors import ConfigError
 LISTEN_BACKLOG = 512
 """The default of ``listen_backlog``: the listen backlog of the broker's TCP listeners and of its
 replication address (config.DurableConfig.listen_backlog)."""
+MAX_LISTEN_BACKLOG = 2**31 - 1
+"""listen() takes a C int; a larger listen_backlog is passed as this (Linux caps it at somaxconn anyway)."""
+
+
+def socket_backlog(listen_backlog: int) -> int:
+    """The ``listen_backlog`` setting as every listener (MQTT and replication) passes it to listen()."""
+    return min(listen_backlog, MAX_LISTEN_BACKLOG)
 
 
 def _as_bool(key: str, value: Any) -> bool:
