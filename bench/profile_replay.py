@@ -15,6 +15,7 @@ Needs py-spy (the bench extra) and ptrace permission on the broker's PID (root, 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import shutil
 import signal
@@ -65,8 +66,22 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU time so far (Linux /proc) of process ``pid``, or of its thread ``tid``."""
+    where = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(where).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def broker_cpu(pid: int) -> tuple[float, float]:
+    """(the whole broker process, its main thread: the event loop) CPU seconds so far."""
+    return cpu_seconds(pid), cpu_seconds(pid, pid)
+
+
 def replay_once(args: argparse.Namespace, port: int, login: object, name: str, *,
-                tmp: Path, profile_to: Path | None, pid: int) -> tuple[ReceiveResult, Path | None]:
+                tmp: Path, profile_to: Path | None, pid: int) -> tuple[ReceiveResult, Path | None, tuple[float, float]]:
+    """Queue --n messages and drain them; also returns the broker's CPU seconds (process, main thread)
+    from the subscriber's start to its result (the broker does nothing else meanwhile)."""
     cpus = args.client_cpus if args.pin else None
     topic, sub_id, pub_id = f"prof/{name}", f"prof-sub-{name}", f"prof-pub-{name}"
     tag = name.encode()[:4].ljust(4, b"_")
@@ -85,9 +100,11 @@ def replay_once(args: argparse.Namespace, port: int, login: object, name: str, *
         time.sleep(2.0)  # py-spy attaches
     sspec = SubSpec(port, sub_id, login, False, tag, args.n, 600.0, idle=10.0, need_session=True,  # type: ignore[arg-type]
                     cpus=cpus)
+    cpu_before = broker_cpu(pid)
     with ClientProcess("subscriber", subscriber_main, sspec) as sub:
         sub.expect("ready", CLIENT_START_S)
         res: ReceiveResult = sub.expect("result", 600.0 + RESULT_MARGIN_S)
+    cpu_after = broker_cpu(pid)
     if spy is not None:
         spy.send_signal(signal.SIGINT)  # our own py-spy child, by its PID: it writes the profile and exits
         try:
@@ -96,7 +113,7 @@ def replay_once(args: argparse.Namespace, port: int, login: object, name: str, *
             spy.kill()
             spy.wait(10.0)
     session_roundtrip(port, sub_id, login, clean=True, topic=None, timeout=60.0)  # type: ignore[arg-type]
-    return res, profile_to
+    return res, profile_to, (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
 
 
 def frame_name(frame: str) -> str:
@@ -150,7 +167,7 @@ def analyse(raw: Path) -> tuple[int, Counter[str], Counter[str], Counter[str], C
 
 
 def render(args: argparse.Namespace, info: dict[str, str], command: str, *, base: ReceiveResult,
-           prof: ReceiveResult, raw: Path | None) -> str:
+           prof: ReceiveResult, raw: Path | None, base_cpu: tuple[float, float], prof_cpu: tuple[float, float]) -> str:
     secs = (base.t_last_ns - base.t_connect_ns) / 1e9
     us_per_msg = secs * 1e6 / max(1, base.unique)
     psecs = (prof.t_last_ns - prof.t_connect_ns) / 1e9
@@ -165,13 +182,16 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, *, base
         f"= **{us_per_msg:.2f} µs per message** (wall, broker-bound)",
         f"- with py-spy at {args.rate} Hz (the broker is paused per sample, so this run is slower; only the "
         f"shares are used): {recv_summary(prof, args.n)} in {psecs:.2f} s",
+        f"- broker CPU (/proc, user + system) from the subscriber's start to its result, per message: "
+        f"**{base_cpu[0] * 1e6 / args.n:.2f} µs** without the profiler (main thread {base_cpu[1] * 1e6 / args.n:.2f}), "
+        f"{prof_cpu[0] * 1e6 / args.n:.2f} µs with it (main thread {prof_cpu[1] * 1e6 / args.n:.2f})",
     ]
     if raw is None or not raw.exists():
         return "\n".join([*lines, "", "py-spy produced no profile."]) + "\n"
     total, own, nearest, incl, stages = analyse(raw)
     lines += [
-        f"- {total:,} samples of the broker's busy threads (idle waits excluded); µs/msg = share of samples "
-        f"x {us_per_msg:.2f} µs",
+        f"- {total:,} samples of the broker's busy threads (idle waits excluded) = **{total * 1000 / args.n:.2f} "
+        f"per 1,000 messages**; µs/msg = share of samples x {us_per_msg:.2f} µs",
         "",
         "## Per stage of the replay path",
         "",
@@ -203,13 +223,15 @@ def run(args: argparse.Namespace, tmp: Path, out: dict[str, str], info: dict[str
     log(f"starting ours: {shlex.join(b.argv)}")
     b.start(300.0)
     try:
-        base, _ = replay_once(args, b.port, b.login, "base", tmp=tmp, profile_to=None, pid=b.pid)
+        base, _, base_cpu = replay_once(args, b.port, b.login, "base", tmp=tmp, profile_to=None, pid=b.pid)
         log(f"  replay without profiler: {recv_summary(base, args.n)}")
-        prof, raw = replay_once(args, b.port, b.login, "prof", tmp=tmp, profile_to=tmp / "replay.raw.txt", pid=b.pid)
+        prof, raw, prof_cpu = replay_once(args, b.port, b.login, "prof", tmp=tmp, profile_to=tmp / "replay.raw.txt",
+                                          pid=b.pid)
         log(f"  replay with profiler: {recv_summary(prof, args.n)}")
         if args.keep_raw and raw is not None and raw.exists():
             shutil.copy(raw, args.keep_raw)
-        out["report"] = render(args, info, command, base=base, prof=prof, raw=raw)
+        out["report"] = render(args, info, command, base=base, prof=prof, raw=raw, base_cpu=base_cpu,
+                               prof_cpu=prof_cpu)
     finally:
         log(f"stopped ours: {b.stop(30.0)}")
 
