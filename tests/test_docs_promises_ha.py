@@ -118,6 +118,11 @@ def test_promote_refuses_a_node_with_a_coordinator_and_inspect_lists_the_members
         ({"coordinator": ["http://127.0.0.1:2379"]}, "name", "needed with a coordinator"),
         ({"role": "backup"}, "primary", "needed on a backup"),
         ({"role": "primary", "Mode": "sync"}, "Mode", "unknown setting"),
+        # A lone surrogate passed the check and failed the start with a traceback (exit 1); an
+        # inline secret had no upper bound though the docs give every secret 64 KiB at most.
+        ({"role": "primary", "secret": "0123456789abcdef\ud800"}, "secret", "lone surrogate"),
+        ({"role": "primary", "name": "a\udc80"}, "name", "lone surrogate"),
+        ({"role": "primary", "secret": "s" * (64 * 1024 + 1)}, "secret", "larger than 64 KiB"),
     ],
 )
 def test_bad_replication_settings_stop_the_broker_at_start_up_naming_the_key(

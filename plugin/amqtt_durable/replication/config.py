@@ -70,6 +70,8 @@ class TlsConfig:
                     raise ConfigError(f"{where}.{key}", f"expected true or false, got {value!r}")
             elif not isinstance(value, str) or not value or "\0" in value:
                 raise ConfigError(f"{where}.{key}", f"expected a file path, got {value!r}")
+            else:
+                _text(f"{where}.{key}", value)
             values[key] = value
         for key in ("cert", "ca"):
             if key not in values:
@@ -248,11 +250,25 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
             return value
         raise ConfigError(key, f"expected one of {', '.join(choices)}, got {value!r}")
     if isinstance(value, str):
-        return value
+        return _text(key, value)
     if key.endswith((".secret", ".secret_env")):  # never echoed: a secret YAML read as a number (pasted
         # in place of the variable's name, for secret_env) is still the secret
         raise ConfigError(key, f"expected text, got a value of type {type(value).__name__} (quote it in YAML)")
     raise ConfigError(key, f"expected text, got {value!r}")
+
+
+def _text(key: str, value: str) -> str:
+    """``value``, or a ConfigError naming ``key`` when it holds a lone surrogate (YAML's "\\ud800"),
+    which no UTF-8 encoding carries: the secret, a name or a path would fail later, when it is
+    hashed, sent or opened, instead of at the settings check. The value is not shown: it may be
+    the secret."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            key, f"holds a lone surrogate (\\u{ord(value[exc.start]):04x}), which is not valid text (UTF-8)"
+        ) from None
+    return value
 
 
 def _coerce_list(key: str, value: Any, kind: str) -> list[str]:
@@ -262,7 +278,7 @@ def _coerce_list(key: str, value: Any, kind: str) -> list[str]:
     if isinstance(value, str):  # coordinator: one URL, or a list of them
         value = [value]
     if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return value
+        return [_text(key, item) for item in value]
     raise ConfigError(key, f"expected a list of URLs, got {value!r}")
 
 
@@ -421,6 +437,8 @@ def _check_secret(config: ReplicationConfig, where: str, bad: Callable[[str, str
         raise bad(given[-1], f"set one of {', '.join(SECRET_KEYS)}, not {' and '.join(given)}")
     if config.secret and len(config.secret) < MIN_SECRET:
         raise bad("secret", f"must be at least {MIN_SECRET} characters ({SECRET_ADVICE})")
+    if len(config.secret.encode("utf-8")) > MAX_SECRET:  # as a file's or a variable's
+        raise bad("secret", "is larger than 64 KiB (in UTF-8)")
     if config.secret_file:
         read_secret_file(config.secret_file, f"{where}.secret_file")
     if config.secret_env:
