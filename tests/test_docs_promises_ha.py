@@ -123,6 +123,10 @@ def test_promote_refuses_a_node_with_a_coordinator_and_inspect_lists_the_members
         ({"role": "primary", "secret": "0123456789abcdef\ud800"}, "secret", "lone surrogate"),
         ({"role": "primary", "name": "a\udc80"}, "name", "lone surrogate"),
         ({"role": "primary", "secret": "s" * (64 * 1024 + 1)}, "secret", "larger than 64 KiB"),
+        ({"role": "primary", "cluster": ""}, "cluster", "without '/'"),  # was checked with a coordinator only
+        ({"role": "primary", "lease_ttl": 5.5}, "lease_ttl", "whole number"),
+        ({"role": "primary", "retained_bytes": 1000}, "retained_bytes", "at least 1024"),
+        ({"role": "primary", "demote_margin": 5}, "demote_margin", "below lease_ttl"),
     ],
 )
 def test_bad_replication_settings_stop_the_broker_at_start_up_naming_the_key(

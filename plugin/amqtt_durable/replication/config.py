@@ -458,6 +458,8 @@ def _check_addresses(config: ReplicationConfig, where: str, bad: Callable[[str, 
 
 
 def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
+    if not config.cluster or "/" in config.cluster:  # checked with fixed roles too, as documented
+        raise bad("cluster", f"expected a name without '/', got {config.cluster!r}")
     for url in config.coordinator:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
@@ -467,8 +469,6 @@ def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str]
             raise bad("role", f"must be auto with a coordinator (its lease picks the primary), not {config.role!r}")
         if not config.name:
             raise bad("name", "needed with a coordinator: this broker's unique name in the cluster")
-        if not config.cluster or "/" in config.cluster:
-            raise bad("cluster", f"expected a name without '/', got {config.cluster!r}")
     elif config.role == "auto":
         raise bad("role", "auto needs a coordinator (etcd endpoints); without one, set primary or backup")
     if config.role == "backup":
