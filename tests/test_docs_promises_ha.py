@@ -17,6 +17,8 @@ import yaml
 from replication_helpers import primary_store
 from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, wait_status
 
+from amqtt_durable.config import DurableConfig
+from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import ConfigError
 from amqtt_durable.process import HOST, free_port
 from amqtt_durable.replication.config import ReplicationConfig
@@ -308,5 +310,26 @@ def test_a_backup_catching_up_from_the_log_shows_a_documented_state_while_its_so
         writer.close()
         await primary.close()
         db.close()
+
+    asyncio.run(main())
+
+
+def test_a_new_term_as_primary_carries_every_cumulative_counter_on_dropped_clean_included(tmp_path: Path) -> None:
+    """Role changes, promotion again: cumulative ``$SYS`` counters carry on from the broker's earlier
+    terms (operations.md: ``messages/dropped_clean`` counts "since start"). dropped_clean, counted
+    by the glue for amqtt's clean-session sends, went back to 0 at each new term."""
+    config = DurableConfig(store=str(tmp_path / "store"))
+
+    async def main() -> None:
+        engine = DurableEngine(config)
+        engine.open()
+        engine.clean_dropped_total += 3  # as the glue counts a message dropped for a clean session
+        engine.dropped_total += 2
+        before = engine.metrics()
+        await engine.serve()  # a new term as primary (the store reloaded in place)
+        after = engine.metrics()
+        for name in ("messages/dropped_clean", "messages/dropped", "messages/enqueued", "messages/sent"):
+            assert after[name] == before[name], (name, before[name], after[name])
+        await engine.close()
 
     asyncio.run(main())
