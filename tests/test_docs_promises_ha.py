@@ -126,6 +126,8 @@ def test_promote_refuses_a_node_with_a_coordinator_and_inspect_lists_the_members
         ({"role": "primary", "name": "a\udc80"}, "name", "lone surrogate"),
         ({"role": "primary", "secret": "s" * (64 * 1024 + 1)}, "secret", "larger than 64 KiB"),
         ({"role": "primary", "cluster": ""}, "cluster", "without '/'"),  # was checked with a coordinator only
+        ({"role": "primary", "name": "rack1/a"}, "name", "without '/', '+', '#'"),  # was a $SYS level more
+        ({"role": "primary", "name": "a+"}, "name", "without '/', '+', '#'"),  # a wildcard in a $SYS topic
         ({"role": "primary", "lease_ttl": 5.5}, "lease_ttl", "whole number"),
         ({"role": "primary", "retained_bytes": 1000}, "retained_bytes", "at least 1024"),
         ({"role": "primary", "demote_margin": 5}, "demote_margin", "below lease_ttl"),

@@ -457,9 +457,20 @@ def _check_addresses(config: ReplicationConfig, where: str, bad: Callable[[str, 
         _address(f"{where}.advertise", config.advertise)
 
 
-def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
-    if not config.cluster or "/" in config.cluster:  # checked with fixed roles too, as documented
+def _check_names(config: ReplicationConfig, bad: Callable[[str, str], ConfigError]) -> None:
+    """``name`` and ``cluster``, with fixed roles too (as documented)."""
+    if any(ch in config.name for ch in "/+#\0"):
+        raise bad(
+            "name",
+            f"{config.name!r}: a name without '/', '+', '#' (it is one level of the $SYS topics "
+            "replication/backup/<name>/... and of the etcd key members/<name>)",
+        )
+    if not config.cluster or "/" in config.cluster:
         raise bad("cluster", f"expected a name without '/', got {config.cluster!r}")
+
+
+def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
+    _check_names(config, bad)
     for url in config.coordinator:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
