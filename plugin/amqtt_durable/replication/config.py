@@ -123,7 +123,8 @@ class ReplicationConfig:
     (a failover can lose what was acknowledged but not yet shipped)."""
 
     name: str = ""
-    """This broker's name in the cluster, unique; needed with a coordinator."""
+    """This broker's name in the cluster, unique, without '/', '+', '#' (a level of its $SYS topics
+    and etcd key); needed with a coordinator."""
 
     listen: str = "127.0.0.1:7883"
     """host:port where this broker, as primary, accepts its backups' replication channels."""
