@@ -288,7 +288,7 @@ def test_a_backup_refused_by_its_primary_is_disconnected_in_status_and_inspect_b
     assert f"replication address {address(primary)}: refused: authentication required" in tool.stderr, tool.stderr
 
 
-@pytest.mark.parametrize("listen", ["[::1]:7883", "::1:7883", "127.0.0.1:7883", "[2001:db8::2]:65535"])
+@pytest.mark.parametrize("listen", ["[::1]:7883", "127.0.0.1:7883", "[2001:db8::2]:65535"])
 def test_an_ipv6_replication_address_is_written_in_brackets(listen: str) -> None:
     """Settings: ``listen`` (and ``advertise``, ``primary``, the tools' HOST:PORT) is host:port, an
     IPv6 address in brackets. The brackets were kept in the host, so ``[::1]:7883`` passed the
@@ -305,6 +305,20 @@ def test_a_malformed_bracketed_address_is_refused_naming_the_key(bad: str) -> No
         ReplicationConfig.from_mapping({"role": "primary", "listen": bad})
     assert raised.value.key == "replication.listen" and "expected host:port" in str(raised.value)
     with pytest.raises(ReplicationError, match="expected host:port"):
+        split_address(bad)
+
+
+@pytest.mark.parametrize("key", ["listen", "advertise", "primary"])
+@pytest.mark.parametrize("bad", ["::1", "::1:7883", "2001:db8::10", "fe80::1%eth0:7883"])
+def test_an_ipv6_address_without_brackets_is_refused_naming_the_key(key: str, bad: str) -> None:
+    """Settings: an IPv6 address is written in brackets. Without them the last colon was taken for
+    the port's: ``listen: "::1"`` passed as the host ``:`` and the port 1, and a backup with
+    ``primary: "2001:db8::10"`` tried the host ``2001:db8:`` on port 10 forever."""
+    raw = {"role": "backup", "primary": "127.0.0.1:7883", key: bad}
+    with pytest.raises(ConfigError) as raised:
+        ReplicationConfig.from_mapping(raw)
+    assert raised.value.key == f"replication.{key}" and "brackets" in str(raised.value)
+    with pytest.raises(ReplicationError, match="brackets"):
         split_address(bad)
 
 

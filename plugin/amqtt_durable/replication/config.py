@@ -24,8 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
+from durable_protocol.hostport import split_host_port
+
 from ..errors import ConfigError
 from ..settings import SCALARS
+from .framing import MAX_FRAME
 
 Role = Literal["auto", "primary", "backup"]
 ROLES: tuple[str, ...] = get_args(Role)
@@ -36,6 +39,10 @@ MIN_LEASE_TTL = 2
 """etcd grants no lease shorter than about 1.5 election timeouts (2 s with its defaults)."""
 MAX_LEASE_TTL = 9_000_000_000
 """etcd's longest lease (its MaxLeaseTTL), in seconds: it refuses to grant a longer one."""
+MAX_SNAPSHOT_CHUNK = MAX_FRAME // 2
+"""The largest snapshot_chunk_bytes (128 MiB): a chunk ends with the row that reaches the setting,
+so its frame holds up to the setting plus one row, and a backup refuses a frame over MAX_FRAME
+(it would then refuse every chunk and start the snapshot over, forever)."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,7 @@ class ReplicationConfig:
     (a failover can lose what was acknowledged but not yet shipped)."""
 
     name: str = ""
-    """This broker's name in the cluster, unique, without '/', '+', '#' (a level of its $SYS topics
+    """This broker's name in the cluster, unique, without '/', '+', '#' or NUL (a level of its $SYS topics
     and etcd key); needed with a coordinator."""
 
     listen: str = "127.0.0.1:7883"
@@ -163,7 +170,7 @@ class ReplicationConfig:
     no longer holds up sync acknowledgements (it is caught up again when it returns)."""
 
     snapshot_chunk_bytes: int = 1024 * 1024
-    """Size of one chunk of a snapshot streamed to a backup."""
+    """Size of one chunk of a snapshot streamed to a backup: from 1024 to MAX_SNAPSHOT_CHUNK bytes."""
 
     secret: str = field(default="", repr=False)
     """Shared secret of the cluster, inline: every connection to a replication address (backups,
@@ -284,13 +291,10 @@ def _coerce_list(key: str, value: Any, kind: str) -> list[str]:
 
 
 def _address(key: str, value: str) -> None:
-    host, sep, port = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):  # an IPv6 address in brackets: [::1]:7883
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "[" in host or "]" in host:
-        raise ConfigError(key, f"expected host:port (an IPv6 address in brackets: [::1]:7883), got {value!r}")
-    if "\0" in host:  # the resolver would fail it at start (embedded null character)
-        raise ConfigError(key, f"a NUL character in the host of {value!r}")
+    try:
+        split_host_port(value)
+    except ValueError as exc:
+        raise ConfigError(key, f"{exc}, got {value!r}") from None
 
 
 def _check(config: ReplicationConfig, where: str) -> None:
@@ -463,7 +467,7 @@ def _check_names(config: ReplicationConfig, bad: Callable[[str, str], ConfigErro
     if any(ch in config.name for ch in "/+#\0"):
         raise bad(
             "name",
-            f"{config.name!r}: a name without '/', '+', '#' (it is one level of the $SYS topics "
+            f"{config.name!r}: a name without '/', '+', '#' or a NUL character (it is one level of the $SYS topics "
             "replication/backup/<name>/... and of the etcd key members/<name>)",
         )
     if not config.cluster or "/" in config.cluster:
@@ -473,9 +477,7 @@ def _check_names(config: ReplicationConfig, bad: Callable[[str, str], ConfigErro
 def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
     _check_names(config, bad)
     for url in config.coordinator:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise bad("coordinator", f"expected etcd client URLs like http://127.0.0.1:2379, got {url!r}")
+        _coordinator_url(url, bad)
     if config.coordinator:
         if config.role != "auto":
             raise bad("role", f"must be auto with a coordinator (its lease picks the primary), not {config.role!r}")
@@ -487,6 +489,22 @@ def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str]
         if not config.primary:
             raise bad("primary", "needed on a backup without a coordinator: the primary's host:port")
         _address(f"{where}.primary", config.primary)
+
+
+def _coordinator_url(url: str, bad: Callable[[str, str], ConfigError]) -> None:
+    """An etcd client URL: http://host[:port], the port (2379 when left out) from 1 to 65535; a
+    malformed one (an unclosed IPv6 bracket, a port that is not a number) is refused here, not when
+    etcd.py first connects."""
+    usage = f"expected etcd client URLs like http://127.0.0.1:2379, got {url!r}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # urlsplit: "Invalid IPv6 URL"; .port: not a number, or out of range
+        raise bad("coordinator", f"{usage} ({exc})") from None
+    if parts.scheme != "http" or not parts.hostname:
+        raise bad("coordinator", usage)
+    if port == 0:
+        raise bad("coordinator", f"{usage} (port 0)")
 
 
 def _check_timing(config: ReplicationConfig, bad: Callable[[str, str], ConfigError]) -> None:
@@ -514,3 +532,9 @@ def _check_sizes(config: ReplicationConfig, bad: Callable[[str, str], ConfigErro
     for key in ("retained_bytes", "snapshot_chunk_bytes"):
         if getattr(config, key) < 1024:
             raise bad(key, f"must be at least 1024 bytes, got {getattr(config, key)}")
+    if config.snapshot_chunk_bytes > MAX_SNAPSHOT_CHUNK:
+        raise bad(
+            "snapshot_chunk_bytes",
+            f"must be at most {MAX_SNAPSHOT_CHUNK} bytes (half the largest frame a backup reads: a chunk ends with "
+            f"the row that reaches the setting), got {config.snapshot_chunk_bytes}",
+        )
