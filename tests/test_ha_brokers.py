@@ -156,8 +156,13 @@ def test_promote_names_what_is_wrong() -> None:
     unreachable = run_cli("promote", f"{HOST}:{free_port()}")
     assert unreachable.returncode == 1
     assert "no answer to PROMOTE" in unreachable.stderr and "replication.listen" in unreachable.stderr
-    malformed = run_cli("promote", "no-port")
-    assert malformed.returncode == 1 and "expected host:port" in malformed.stderr
+    for bad in ("no-port", "::1", "127.0.0.1:99999"):  # a usage error (exit 2); 99999 was a traceback
+        malformed = run_cli("promote", bad)
+        assert malformed.returncode == 2, malformed.stderr
+        assert "usage:" in malformed.stderr and "Traceback" not in malformed.stderr
+        assert ("brackets" if bad == "::1" else "expected host:port") in malformed.stderr
+    malformed = run_cli("inspect", "--replication", "2001:db8::10")
+    assert malformed.returncode == 2 and "brackets" in malformed.stderr
 
 
 @pytest.mark.slow

@@ -373,6 +373,16 @@ def test_options_are_checked() -> None:
     assert (parsed.starting, parsed.max_events_per_trigger, parsed.ending) == ({"telemetry/a": 4}, 9, "latest")
 
 
+def test_the_failover_option_takes_ipv6_addresses_in_brackets() -> None:
+    """``failover`` is host:port as the replication settings write it (one parser): the brackets of
+    ``[::1]:1883`` were kept in the host, which then could not be resolved."""
+    parsed = Options.parse({"filter": FILTER, "failover": "[::1]:1883, h2:1884, [2001:db8::10]:1885"})
+    assert parsed.failover == (("::1", 1883), ("h2", 1884), ("2001:db8::10", 1885))
+    for bad in ("::1:1883", "[::1:1883", "h2:0", "h2:65536"):
+        with pytest.raises(SourceError, match="option failover takes host:port entries"):
+            Options.parse({"filter": FILTER, "failover": f"h1:1883,{bad}"})
+
+
 def test_errors_reach_the_spark_user(spark: Any, stream_broker: Broker, streaming: Callable[..., Streaming]) -> None:
     with pytest.raises(Exception, match="no stream log covers the filter 'nope/#'"):
         batch_df(spark, {**options(stream_broker.port), "filter": "nope/#"}).collect()

@@ -58,6 +58,7 @@ from durable_client import (
     RequestTimeout,
     Unconnected,
 )
+from durable_protocol.hostport import split_host_port
 
 from .bulk import BulkRangeReader, arrow_batch
 from .errors import SourceError
@@ -196,14 +197,17 @@ def _float_option(raw: dict[str, str], name: str, default: float) -> float:
 
 
 def _addresses_option(raw: dict[str, str], name: str) -> tuple[tuple[str, int], ...]:
-    """``host:port,host:port``: the other brokers of a replication group."""
+    """``host:port,host:port``: the other brokers of a replication group (an IPv6 address in
+    brackets, ``[::1]:1883``, which are taken off: durable_protocol.hostport)."""
     text = raw.get(name.lower(), "").strip()
     addresses = []
     for entry in filter(None, (part.strip() for part in text.split(","))):
-        host, sep, port = entry.rpartition(":")
-        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-            raise SourceError(f"option {name} takes host:port entries separated by commas, got {entry!r} in {text!r}")
-        addresses.append((host, int(port)))
+        try:
+            addresses.append(split_host_port(entry))
+        except ValueError as exc:
+            raise SourceError(
+                f"option {name} takes host:port entries separated by commas ({exc}), got {entry!r} in {text!r}"
+            ) from None
     return tuple(addresses)
 
 

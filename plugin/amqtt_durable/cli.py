@@ -27,8 +27,9 @@ from .errors import ConfigError, DurableError
 from .inspect_store import format_retained, format_table, summarize, summarize_retained
 from .repair import repair
 from .replication.config import SECRET_KEYS, read_secret_file
+from .replication.errors import ReplicationError
 from .replication.framing import Frame
-from .replication.tool import ask, format_status
+from .replication.tool import ask, format_status, split_address
 
 log = logging.getLogger("amqtt_durable")
 
@@ -236,6 +237,15 @@ def tool_credentials(args: argparse.Namespace) -> tuple[bytes | None, ssl.SSLCon
     return secret, tls
 
 
+def _replication_address(text: str) -> str:
+    """argparse's check of a tool's HOST:PORT: a malformed one is a usage error (exit 2)."""
+    try:
+        split_address(text)
+    except ReplicationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _add_secret_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
@@ -281,7 +291,10 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     inspect.add_argument("store", nargs="?", help="store folder (the plugin's 'store' setting)")
     inspect.add_argument(
-        "--replication", metavar="HOST:PORT", help="show role, backups and lag of the broker replicating there"
+        "--replication",
+        metavar="HOST:PORT",
+        type=_replication_address,
+        help="show role, backups and lag of the broker replicating there",
     )
     _add_secret_options(inspect)
     inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
@@ -290,7 +303,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     promote = commands.add_parser(
         "promote", help="make a backup without a coordinator the primary (the operator's decision)"
     )
-    promote.add_argument("address", metavar="HOST:PORT", help="the backup's replication.listen address")
+    promote.add_argument(
+        "address", metavar="HOST:PORT", type=_replication_address, help="the backup's replication.listen address"
+    )
     _add_secret_options(promote)
     promote.set_defaults(run=_cmd_promote)
     repairs = commands.add_parser(

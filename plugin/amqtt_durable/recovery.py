@@ -50,7 +50,7 @@ from .stream_log import StreamLogs
 log = logging.getLogger("amqtt_durable")
 
 CUMULATIVE = (
-    "dropped_total", "expired_total", "replayed_total", "sent_total", "enqueued_total",
+    "dropped_total", "clean_dropped_total", "expired_total", "replayed_total", "sent_total", "enqueued_total",
     "read_errors", "earlier_commits",
 )
 """Counters that add up over the broker's life: a reload for a new term as primary keeps them."""

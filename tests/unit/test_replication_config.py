@@ -22,6 +22,8 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
     assert backup.coordinator == []
     assert ReplicationConfig.from_mapping({"role": "primary", "advertise": "db1:7883"}).advertised == "db1:7883"
     assert ReplicationConfig.from_mapping({**HA, "coordinator": "http://e:2379"}).coordinator == ["http://e:2379"]
+    assert ReplicationConfig.from_mapping({**HA, "coordinator": "http://[::1]:2379"}).coordinator == ["http://[::1]:2379"]
+    assert ReplicationConfig.from_mapping({**HA, "snapshot_chunk_bytes": 128 << 20}).snapshot_chunk_bytes == 128 << 20
 
 
 @pytest.mark.parametrize(
@@ -35,6 +37,13 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
         ({**HA, "advertise": "db:0"}, "replication.advertise", "host:port"),
         ({**HA, "coordinator": ["https://e:2379"]}, "replication.coordinator", "etcd client URLs"),
         ({**HA, "coordinator": [2379]}, "replication.coordinator", "list of URLs"),
+        ({**HA, "coordinator": ["http://[::1:2379"]}, "replication.coordinator", "'http://[::1:2379' (Invalid IPv6"),
+        ({**HA, "coordinator": ["http://127.0.0.1:abc"]}, "replication.coordinator", "'http://127.0.0.1:abc' (Port"),
+        ({**HA, "coordinator": ["http://e:2379", "http://e:70000"]}, "replication.coordinator", "'http://e:70000'"),
+        ({**HA, "coordinator": ["http://e:0"]}, "replication.coordinator", "(port 0)"),
+        ({**HA, "listen": "::1"}, "replication.listen", "brackets"),
+        ({"role": "backup", "primary": "2001:db8::10"}, "replication.primary", "brackets"),
+        ({**HA, "name": "a\0b"}, "replication.name", "or a NUL character"),
         ({**HA, "cluster": "a/b"}, "replication.cluster", "without '/'"),
         ({"role": "backup"}, "replication.primary", "needed on a backup"),
         ({"role": "backup", "primary": "db1"}, "replication.primary", "host:port"),
@@ -47,6 +56,8 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
         ({**HA, "retained_batches": 0}, "replication.retained_batches", "at least 1"),
         ({**HA, "retained_bytes": 10}, "replication.retained_bytes", "1024"),
         ({**HA, "snapshot_chunk_bytes": True}, "replication.snapshot_chunk_bytes", "whole number"),
+        ({**HA, "snapshot_chunk_bytes": 128 << 20 | 1}, "replication.snapshot_chunk_bytes", "at most 134217728"),
+        ({**HA, "snapshot_chunk_bytes": 256 << 20}, "replication.snapshot_chunk_bytes", "at most 134217728"),
         ({**HA, "backups": ["a"]}, "replication.backups", "unknown setting"),
         ({**HA, "allow_from": "10.0.0.2"}, "replication.allow_from", "expected a list of IP addresses or CIDR"),
         ({**HA, "allow_from": None}, "replication.allow_from", "expected a list of IP addresses or CIDR"),

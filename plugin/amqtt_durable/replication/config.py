@@ -24,8 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
+from durable_protocol.hostport import split_host_port
+
 from ..errors import ConfigError
 from ..settings import SCALARS
+from .framing import MAX_FRAME
 
 Role = Literal["auto", "primary", "backup"]
 ROLES: tuple[str, ...] = get_args(Role)
@@ -36,6 +39,10 @@ MIN_LEASE_TTL = 2
 """etcd grants no lease shorter than about 1.5 election timeouts (2 s with its defaults)."""
 MAX_LEASE_TTL = 9_000_000_000
 """etcd's longest lease (its MaxLeaseTTL), in seconds: it refuses to grant a longer one."""
+MAX_SNAPSHOT_CHUNK = MAX_FRAME // 2
+"""The largest snapshot_chunk_bytes (128 MiB): a chunk ends with the row that reaches the setting,
+so its frame holds up to the setting plus one row, and a backup refuses a frame over MAX_FRAME
+(it would then refuse every chunk and start the snapshot over, forever)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,8 @@ class TlsConfig:
                     raise ConfigError(f"{where}.{key}", f"expected true or false, got {value!r}")
             elif not isinstance(value, str) or not value or "\0" in value:
                 raise ConfigError(f"{where}.{key}", f"expected a file path, got {value!r}")
+            else:
+                _text(f"{where}.{key}", value)
             values[key] = value
         for key in ("cert", "ca"):
             if key not in values:
@@ -121,7 +130,8 @@ class ReplicationConfig:
     (a failover can lose what was acknowledged but not yet shipped)."""
 
     name: str = ""
-    """This broker's name in the cluster, unique; needed with a coordinator."""
+    """This broker's name in the cluster, unique, without '/', '+', '#' or NUL (a level of its $SYS topics
+    and etcd key); needed with a coordinator."""
 
     listen: str = "127.0.0.1:7883"
     """host:port where this broker, as primary, accepts its backups' replication channels."""
@@ -160,7 +170,7 @@ class ReplicationConfig:
     no longer holds up sync acknowledgements (it is caught up again when it returns)."""
 
     snapshot_chunk_bytes: int = 1024 * 1024
-    """Size of one chunk of a snapshot streamed to a backup."""
+    """Size of one chunk of a snapshot streamed to a backup: from 1024 to MAX_SNAPSHOT_CHUNK bytes."""
 
     secret: str = field(default="", repr=False)
     """Shared secret of the cluster, inline: every connection to a replication address (backups,
@@ -248,11 +258,25 @@ def _coerce(key: str, value: Any, kind: str) -> Any:
             return value
         raise ConfigError(key, f"expected one of {', '.join(choices)}, got {value!r}")
     if isinstance(value, str):
-        return value
+        return _text(key, value)
     if key.endswith((".secret", ".secret_env")):  # never echoed: a secret YAML read as a number (pasted
         # in place of the variable's name, for secret_env) is still the secret
         raise ConfigError(key, f"expected text, got a value of type {type(value).__name__} (quote it in YAML)")
     raise ConfigError(key, f"expected text, got {value!r}")
+
+
+def _text(key: str, value: str) -> str:
+    """``value``, or a ConfigError naming ``key`` when it holds a lone surrogate (YAML's "\\ud800"),
+    which no UTF-8 encoding carries: the secret, a name or a path would fail later, when it is
+    hashed, sent or opened, instead of at the settings check. The value is not shown: it may be
+    the secret."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            key, f"holds a lone surrogate (\\u{ord(value[exc.start]):04x}), which is not valid text (UTF-8)"
+        ) from None
+    return value
 
 
 def _coerce_list(key: str, value: Any, kind: str) -> list[str]:
@@ -262,16 +286,15 @@ def _coerce_list(key: str, value: Any, kind: str) -> list[str]:
     if isinstance(value, str):  # coordinator: one URL, or a list of them
         value = [value]
     if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return value
+        return [_text(key, item) for item in value]
     raise ConfigError(key, f"expected a list of URLs, got {value!r}")
 
 
 def _address(key: str, value: str) -> None:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(key, f"expected host:port, got {value!r}")
-    if "\0" in host:  # the resolver would fail it at start (embedded null character)
-        raise ConfigError(key, f"a NUL character in the host of {value!r}")
+    try:
+        split_host_port(value)
+    except ValueError as exc:
+        raise ConfigError(key, f"{exc}, got {value!r}") from None
 
 
 def _check(config: ReplicationConfig, where: str) -> None:
@@ -419,6 +442,8 @@ def _check_secret(config: ReplicationConfig, where: str, bad: Callable[[str, str
         raise bad(given[-1], f"set one of {', '.join(SECRET_KEYS)}, not {' and '.join(given)}")
     if config.secret and len(config.secret) < MIN_SECRET:
         raise bad("secret", f"must be at least {MIN_SECRET} characters ({SECRET_ADVICE})")
+    if len(config.secret.encode("utf-8")) > MAX_SECRET:  # as a file's or a variable's
+        raise bad("secret", "is larger than 64 KiB (in UTF-8)")
     if config.secret_file:
         read_secret_file(config.secret_file, f"{where}.secret_file")
     if config.secret_env:
@@ -437,24 +462,49 @@ def _check_addresses(config: ReplicationConfig, where: str, bad: Callable[[str, 
         _address(f"{where}.advertise", config.advertise)
 
 
+def _check_names(config: ReplicationConfig, bad: Callable[[str, str], ConfigError]) -> None:
+    """``name`` and ``cluster``, with fixed roles too (as documented)."""
+    if any(ch in config.name for ch in "/+#\0"):
+        raise bad(
+            "name",
+            f"{config.name!r}: a name without '/', '+', '#' or a NUL character (it is one level of the $SYS topics "
+            "replication/backup/<name>/... and of the etcd key members/<name>)",
+        )
+    if not config.cluster or "/" in config.cluster:
+        raise bad("cluster", f"expected a name without '/', got {config.cluster!r}")
+
+
 def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
+    _check_names(config, bad)
     for url in config.coordinator:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise bad("coordinator", f"expected etcd client URLs like http://127.0.0.1:2379, got {url!r}")
+        _coordinator_url(url, bad)
     if config.coordinator:
         if config.role != "auto":
             raise bad("role", f"must be auto with a coordinator (its lease picks the primary), not {config.role!r}")
         if not config.name:
             raise bad("name", "needed with a coordinator: this broker's unique name in the cluster")
-        if not config.cluster or "/" in config.cluster:
-            raise bad("cluster", f"expected a name without '/', got {config.cluster!r}")
     elif config.role == "auto":
         raise bad("role", "auto needs a coordinator (etcd endpoints); without one, set primary or backup")
     if config.role == "backup":
         if not config.primary:
             raise bad("primary", "needed on a backup without a coordinator: the primary's host:port")
         _address(f"{where}.primary", config.primary)
+
+
+def _coordinator_url(url: str, bad: Callable[[str, str], ConfigError]) -> None:
+    """An etcd client URL: http://host[:port], the port (2379 when left out) from 1 to 65535; a
+    malformed one (an unclosed IPv6 bracket, a port that is not a number) is refused here, not when
+    etcd.py first connects."""
+    usage = f"expected etcd client URLs like http://127.0.0.1:2379, got {url!r}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # urlsplit: "Invalid IPv6 URL"; .port: not a number, or out of range
+        raise bad("coordinator", f"{usage} ({exc})") from None
+    if parts.scheme != "http" or not parts.hostname:
+        raise bad("coordinator", usage)
+    if port == 0:
+        raise bad("coordinator", f"{usage} (port 0)")
 
 
 def _check_timing(config: ReplicationConfig, bad: Callable[[str, str], ConfigError]) -> None:
@@ -482,3 +532,9 @@ def _check_sizes(config: ReplicationConfig, bad: Callable[[str, str], ConfigErro
     for key in ("retained_bytes", "snapshot_chunk_bytes"):
         if getattr(config, key) < 1024:
             raise bad(key, f"must be at least 1024 bytes, got {getattr(config, key)}")
+    if config.snapshot_chunk_bytes > MAX_SNAPSHOT_CHUNK:
+        raise bad(
+            "snapshot_chunk_bytes",
+            f"must be at most {MAX_SNAPSHOT_CHUNK} bytes (half the largest frame a backup reads: a chunk ends with "
+            f"the row that reaches the setting), got {config.snapshot_chunk_bytes}",
+        )

@@ -8,6 +8,8 @@ import json
 import ssl
 from typing import Any
 
+from durable_protocol.hostport import split_host_port
+
 from .auth import AuthError, client_handshake, error_text
 from .errors import FrameError, ReplicationError
 from .framing import Frame
@@ -16,10 +18,12 @@ ASK_TIMEOUT = 10.0
 
 
 def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ReplicationError(f"replication address {address!r}: expected host:port (its replication.listen)")
-    return host, int(port)
+    """(host, port) of ``host:port`` (durable_protocol.hostport: an IPv6 host in brackets,
+    ``[::1]:7883``, which are taken off); a ReplicationError naming ``address`` otherwise."""
+    try:
+        return split_host_port(address)
+    except ValueError as exc:
+        raise ReplicationError(f"replication address {address!r}: {exc} (its replication.listen)") from None
 
 
 async def ask(
