@@ -95,7 +95,17 @@ class ReplicationNode:
         self._ha_stop = asyncio.Event()
         self._ha_task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
-        self._admin: asyncio.Server | None = None
+        self._listener: asyncio.Server | None = None
+        """The replication address, bound once at start and closed at stop: a role change hands
+        its connections to the other end (``_accept``), never closes and binds it again, so no
+        other process can take the port in between and leave the node without its address."""
+        self._admin_open = False
+        """The backup's end (the tools' STATUS and PROMOTE) answers on the replication address."""
+        self._serving: Primary | None = None
+        """The primary end the replication address hands its connections to, from its start
+        (before the broker loaded the store) until it closed."""
+        self.promotion_failure: str | None = None
+        """Why this node's last promotion failed (inspect shows it); None once one succeeded."""
         self._admin_gate = HandshakeGate(
             f"the replication address {config.listen}", allow_from=config.allowed_networks()
         )
@@ -151,6 +161,8 @@ class ReplicationNode:
                 "caught_up": self.backup.caught_up,
                 "primary": self._following,
             }
+            if self.promotion_failure is not None:
+                status["promotion_failed"] = self.promotion_failure
         status["refused"] = self._admin_gate.refusals
         if self.ha is not None:
             status["members"] = [
@@ -184,6 +196,7 @@ class ReplicationNode:
                 self.config.name or "this broker",
                 self.config.listen,
             )
+        await self._bind()
         if self.ha is None and self.config.role == "primary":
             await self.promote()
             return
@@ -213,30 +226,49 @@ class ReplicationNode:
             await self._ha_task  # a primary releases its lease on the way out
         await self._stop_following()
         if self.primary is not None:
-            await self.primary.close("the broker stops")
+            await self._close_serving(self.primary, "the broker stops")
             self.primary = None
         for task in list(self._closing):
             await _ended(task)
         await self._close_admin()
-
-    async def _open_admin(self) -> None:
-        host, port = split_address(self.config.listen)
-        # TLS (server_tls) is started in first_frame, once the gate admitted the connection.
-        with _listening_on(self.config.listen):
-            self._admin = await asyncio.start_server(self._answer_tool, host, port, backlog=self.listen_backlog)
-
-    async def _close_admin(self) -> None:
-        server, self._admin = self._admin, None
+        server, self._listener = self._listener, None
         if server is not None:
             server.close()
             self._admin_gate.abort_all()
             await server.wait_closed()
 
+    async def _bind(self) -> None:
+        """Listen on the replication address (once: a ReplicationListenError names it and why)."""
+        if self._listener is None:
+            host, port = split_address(self.config.listen)
+            # TLS (server_tls) is started in first_frame, once the gate admitted the connection.
+            with _listening_on(self.config.listen):
+                self._listener = await asyncio.start_server(self._accept, host, port, backlog=self.listen_backlog)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A connection to the replication address: the primary end's while one serves (a
+        closed one aborts it), otherwise the backup's answers to tools."""
+        serving = self._serving
+        if serving is not None:
+            await serving.serve(reader, writer)
+        else:
+            await self._answer_tool(reader, writer)
+
+    async def _open_admin(self) -> None:
+        await self._bind()
+        self._admin_open = True
+
+    async def _close_admin(self) -> None:
+        """The backup's end stops answering (a promotion, a stop); the address stays bound."""
+        if self._admin_open:
+            self._admin_open = False
+            self._admin_gate.abort_all()
+
     async def _answer_tool(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A backup's replication address: tools' questions; a backup's HELLO is not for it."""
         host, port = writer.get_extra_info("peername")[:2]
         peer = f"{host}:{port}"
-        if self._admin is None:  # accepted as _close_admin ran: past its abort_all, and its wait_closed waits for it
+        if not self._admin_open:  # accepted while the role changes, or as the node stops: past their abort_all
             writer.transport.abort()
             return
         if not self._admin_gate.admit(writer, host):
@@ -354,7 +386,19 @@ class ReplicationNode:
         await self._stop_following()
         await self._stepped_down()
         await self._close_admin()
-        host, port = split_address(self.config.listen)
+        try:
+            await self._serve_as_primary()
+        except BaseException as exc:
+            # Whatever failed, the node is a backup again and its tools answer on its address.
+            self.primary = None
+            if not isinstance(exc, asyncio.CancelledError):
+                self.promotion_failure = str(exc) or repr(exc)
+            if not self._ha_stop.is_set():
+                await self._open_admin()
+            raise
+
+    async def _serve_as_primary(self) -> None:
+        _, port = split_address(self.config.listen)
         primary = Primary(
             self.db,
             store_id=read_store_id(self.db),
@@ -369,12 +413,12 @@ class ReplicationNode:
             backlog=self.listen_backlog,
         )
         primary.on_admin = self.answer
-        with _listening_on(self.config.listen):
-            await primary.start(host, port, self.server_tls)
+        primary.serve_accepted(port, self.server_tls)  # on the address bound at start: nothing to bind
+        self._serving = primary
         if self.ha is not None and self.ha.role != "primary":
             # The lease's deadline passed during the awaits above (its demotion found no primary
             # yet): this term is over before it began; serving now would be a primary HA calls a backup.
-            await primary.close("the lease ended while the promotion was under way")
+            await self._close_serving(primary, "the lease ended while the promotion was under way")
             await self._stepped_down()
             if not self._ha_stop.is_set():
                 await self._open_admin()
@@ -387,16 +431,23 @@ class ReplicationNode:
                     await loading
         except BaseException as exc:
             self.primary = None
-            await primary.close(f"the promotion failed ({exc})")
-            if not self._ha_stop.is_set():
-                await self._open_admin()
+            await self._close_serving(primary, f"the promotion failed ({exc})")
             raise
         if self.primary is not primary:  # demoted while the broker was loading (its on_demote has run)
             await self._stepped_down()
             if not self._ha_stop.is_set():
                 await self._open_admin()
             return
+        self.promotion_failure = None
         log.warning("replication: %s is primary from batch %d", self.config.name, primary.log.head_seq)
+
+    async def _close_serving(self, primary: Primary, reason: str) -> None:
+        """Close a primary end; the replication address stops handing it connections."""
+        try:
+            await primary.close(reason)
+        finally:
+            if self._serving is primary:
+                self._serving = None
 
     async def _publish_sync_set(self, members: frozenset[str]) -> None:
         assert self.ha is not None
@@ -420,7 +471,7 @@ class ReplicationNode:
         backup end's position: a write still in flight would otherwise land after the new
         primary's batches, or be missing from the position the backup starts from."""
         if primary is not None:
-            await primary.close(reason)
+            await self._close_serving(primary, reason)
         if stopping is not None:
             try:
                 await stopping

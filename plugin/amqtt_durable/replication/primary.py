@@ -280,6 +280,21 @@ class Primary:
         self._tls = tls  # upgraded in first_frame, once the gate admitted the connection
         self._server = await asyncio.start_server(self._serve, host, port, backlog=self.backlog)
         self.port = self._server.sockets[0].getsockname()[1]
+        self._begin()
+
+    def serve_accepted(self, port: int, tls: ssl.SSLContext | None = None) -> None:
+        """Serve the connections a listener of the caller's accepts on ``port`` and hands to
+        ``serve`` (the node's replication address, kept open across role changes, so a
+        promotion never gives its port away); ``close`` does not close that listener."""
+        self._tls = tls
+        self.port = port
+        self._begin()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection accepted by the caller's listener (see ``serve_accepted``)."""
+        await self._serve(reader, writer)
+
+    def _begin(self) -> None:
         self._spawn(self._watchdog())
         if self._publish is not None:
             self._publishing = self._spawn(self._republish())  # the new primary's set, at first none

@@ -73,6 +73,8 @@ def format_status(status: dict[str, Any]) -> str:
             f"  following {status.get('primary') or '(nobody yet)'}: {status['state']}"
             + (", caught up" if status.get("caught_up") else ", not caught up")
         )
+        if status.get("promotion_failed"):
+            lines.append(f"  its last promotion failed: {status['promotion_failed']}")
     if status.get("refused"):  # a node before this field did not send it
         lines.append(f"  connections refused on its replication address since start: {status['refused']}")
     members = status.get("members")
