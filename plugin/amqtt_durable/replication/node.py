@@ -17,7 +17,9 @@ following the new primary (reads its position, applies batches) only after it, a
 a later promotion. A promotion whose ``on_promote`` fails leaves the node a backup (the HA
 loop releases the lease and tries again later). Tools ask a node over its
 replication address (STATUS, PROMOTE frames): the primary's channel server answers, and a
-backup listens there for them until it is promoted.
+backup answers them itself. That address is bound once, at start, and closed at stop: a role
+change hands its connections to the other end, so a promotion binds no port and cannot leave
+the node without its tools (STATUS shows ``promotion_failed`` after a failed promotion).
 """
 
 from __future__ import annotations
