@@ -152,6 +152,68 @@ def test_strangers_on_the_replication_address_are_cut_off_and_replication_goes_o
     assert_queue_served(backup, clients, 200)
 
 
+class PortSquatter:
+    """Another process's attempt to take ports: a thread binds (and listens on) each port as soon
+    as it is free, until stopped (bounded by a number of tries)."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.taken: list[socket.socket] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._squat, args=(port,), daemon=True) for port in ports]
+        for thread in self.threads:
+            thread.start()
+
+    def _squat(self, port: int) -> None:
+        for _ in range(2_000_000):
+            if self.stop.is_set():
+                return
+            sock = socket.socket()
+            try:
+                sock.bind((HOST, port))
+                sock.listen()
+            except OSError:
+                sock.close()
+            else:
+                self.taken.append(sock)
+                return
+
+    def close(self) -> list[int]:
+        """Stop; the ports it got."""
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(WAIT)
+        ports = [sock.getsockname()[1] for sock in self.taken]
+        for sock in self.taken:
+            sock.close()
+        return ports
+
+
+def test_a_process_grabbing_the_backup_s_ports_during_promote_gets_none_and_the_tools_keep_answering(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """The attack on a promotion: another process takes the backup's MQTT port or its replication
+    address the moment either is free. Neither ever is: the MQTT listener is the backup's from
+    its start, and the replication address stays bound across the promotion (before, the
+    promotion closed it and bound it again; a port taken in between left the node without its
+    tools, tests/unit/test_replication_address.py forces that moment)."""
+    primary = start(node(broker_factory, "p", role="primary"), SERVING)
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    wait_status(backup, lambda s: s["caught_up"])
+    queue_durable_messages(primary, clients, 50)
+    primary.kill()
+    squatter = PortSquatter([backup.port, int(address(backup).rsplit(":", 1)[1])])
+    try:
+        promoted = run_cli("promote", address(backup))
+        assert promoted.returncode == 0, promoted.stderr
+        wait_status(backup, lambda s: s["role"] == "primary")
+    finally:
+        taken = squatter.close()
+    assert taken == [], f"another process took port(s) {taken} of the backup during its promotion"
+    shown = run_cli("inspect", "--replication", address(backup))
+    assert shown.returncode == 0 and "b: primary" in shown.stdout, shown.stderr
+    assert_queue_served(backup, clients, 50)
+
+
 def test_promote_names_what_is_wrong() -> None:
     unreachable = run_cli("promote", f"{HOST}:{free_port()}")
     assert unreachable.returncode == 1
