@@ -4,6 +4,7 @@ primary publishes, and the settings checks the Settings table states."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -13,9 +14,18 @@ from typing import Any
 
 import pytest
 import yaml
+from replication_helpers import primary_store
 from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, wait_status
 
+from amqtt_durable.errors import ConfigError
 from amqtt_durable.process import HOST, free_port
+from amqtt_durable.replication.config import ReplicationConfig
+from amqtt_durable.replication.errors import ReplicationError
+from amqtt_durable.replication.framing import Frame, Hello, encode_frame
+from amqtt_durable.replication.position import SNAPSHOT_MARK_KEY
+from amqtt_durable.replication.primary import Primary
+from amqtt_durable.replication.tool import ask, split_address
+from amqtt_durable.store import open_store
 from conftest import Broker, Client, connack_code, run_cli
 
 pytestmark = pytest.mark.timeout(120)
@@ -180,3 +190,114 @@ def test_a_clean_stop_of_a_primary_releases_the_lease_so_the_backup_takes_over_b
     stopped = time.monotonic()
     assert second.wait_until(lambda: connack_code(second.port) == SERVING, 10), second.log()
     assert time.monotonic() - stopped < 10  # the lease (20 s) did not have to expire
+
+
+def test_two_promotes_at_once_promote_the_backup_once_and_the_second_is_refused(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Without a coordinator: `promote` refuses (exit 1, with the reason) a node that is the primary
+    already, or being promoted. Two PROMOTEs at once (two operators, a retried command) both got
+    ``promoted``: the second promotion failed on the listener the first had opened, logged an ERROR
+    and set the new primary following its old primary's address."""
+    backup = start(node(broker_factory, "b", role="backup", primary=f"{HOST}:{free_port()}"), BACKUP)
+
+    async def both() -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(ask(address(backup), Frame.PROMOTE) for _ in range(2))))
+
+    answers = asyncio.run(both())
+    assert sorted(answer["promoted"] for answer in answers) == [False, True], answers
+    refusal = next(answer for answer in answers if not answer["promoted"])
+    assert refusal["why"].startswith(("it is being promoted already", "it is the primary already")), refusal
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, 15), backup.log()
+    assert wait_status(backup, lambda s: s["role"] == "primary")["backups"] == []
+    again = run_cli("promote", address(backup))
+    assert again.returncode == 1 and "it is the primary already" in again.stderr, again.stderr
+    assert "promotion failed" not in backup.log() and " ERROR " not in backup.log(), backup.log()
+
+
+def test_promote_refuses_a_store_still_in_the_middle_of_a_snapshot(broker_factory: Callable[..., Broker]) -> None:
+    """Without a coordinator: `promote` refuses (exit 1, with the reason) a store still in the middle
+    of a snapshot (here its primary went before the snapshot ended: the store keeps its mark)."""
+    backup = node(broker_factory, "b", role="backup", primary=f"{HOST}:{free_port()}")
+    db = open_store(backup.store)
+    db.put(SNAPSHOT_MARK_KEY, b"")
+    db.close()
+    start(backup, BACKUP)
+    refused = run_cli("promote", address(backup))
+    assert refused.returncode == 1, refused.stdout
+    assert f"{address(backup)} not promoted: its store holds a half-applied snapshot" in refused.stderr
+    assert connack_code(backup.port) == BACKUP
+
+
+def test_a_backup_refused_by_its_primary_is_disconnected_in_status_and_inspect_between_tries(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """Securing the channel: a backup without the secret, facing a primary with one, logs ``refused by
+    the primary: authentication required`` and retries every 5 s; between two tries it is
+    ``disconnected`` in STATUS and `inspect --replication`. The tool without the secret is refused by
+    the primary with the same reason, exit status 1."""
+    secret = "replication-secret-for-the-tests-0123456789"
+    primary = start(node(broker_factory, "p", role="primary", secret=secret), SERVING)
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    assert backup.wait_until(lambda: "refused by the primary: authentication required" in backup.log(), 15)
+    assert "refused (retried in 5 s)" in backup.log(), backup.log()
+    shown = wait_status(backup, lambda s: s["state"] == "disconnected")
+    assert not shown["caught_up"] and shown["primary"] == address(primary)
+    printed = run_cli("inspect", "--replication", address(backup))
+    assert printed.returncode == 0, printed.stderr
+    assert f"  following {address(primary)}: disconnected, not caught up" in printed.stdout.splitlines(), printed
+    tool = run_cli("inspect", "--replication", address(primary))
+    assert tool.returncode == 1, tool.stdout
+    assert f"replication address {address(primary)}: refused: authentication required" in tool.stderr, tool.stderr
+
+
+@pytest.mark.parametrize("listen", ["[::1]:7883", "::1:7883", "127.0.0.1:7883", "[2001:db8::2]:65535"])
+def test_an_ipv6_replication_address_is_written_in_brackets(listen: str) -> None:
+    """Settings: ``listen`` (and ``advertise``, ``primary``, the tools' HOST:PORT) is host:port, an
+    IPv6 address in brackets. The brackets were kept in the host, so ``[::1]:7883`` passed the
+    settings check and then failed to resolve at start (exit 1) and in the tools."""
+    config = ReplicationConfig.from_mapping({"role": "backup", "primary": listen, "listen": listen})
+    host, port = split_address(config.primary)
+    assert (host, port) == (listen.rpartition(":")[0].strip("[]"), int(listen.rpartition(":")[2]))
+    assert "[" not in host and "]" not in host
+
+
+@pytest.mark.parametrize("bad", ["[::1:7883", "::1]:7883", "[[::1]]:7883", "[::1]", "[]:7883"])
+def test_a_malformed_bracketed_address_is_refused_naming_the_key(bad: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        ReplicationConfig.from_mapping({"role": "primary", "listen": bad})
+    assert raised.value.key == "replication.listen" and "expected host:port" in str(raised.value)
+    with pytest.raises(ReplicationError, match="expected host:port"):
+        split_address(bad)
+
+
+def test_a_backup_catching_up_from_the_log_shows_a_documented_state_while_its_socket_is_full(tmp_path: Path) -> None:
+    """Watching it: a backup's state is ``snapshot``, ``catching_up`` or ``in_sync``. A backup caught
+    up from the retained log showed an undocumented ``handshake`` until its sender first had nothing
+    left to send: with more than 4 MiB to send and a slow backup, for as long as that took."""
+
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=256 << 20, ack_timeout=60)
+        await primary.start(HOST, 0)
+        value = b"x" * (64 << 10)
+        first = primary.prepare([(b"m" + (1).to_bytes(8, "big"), value)])
+        primary.committed(first)
+        for n in range(2, 513):  # 32 MiB after batch 1: more than the socket buffers and 4 MiB
+            primary.committed(primary.prepare([(b"m" + n.to_bytes(8, "big"), value)]))
+        _, writer = await asyncio.open_connection(HOST, primary.port)  # never reads: a stalled backup
+        hello = Hello(store_id, first.seq, first.crc, "slow")
+        writer.write(encode_frame(Frame.HELLO, hello.encode()))
+        await writer.drain()
+        seen: list[str] = []
+        async with asyncio.timeout(30):
+            while len(seen) < 50:  # the row's state as inspect would show it, sampled while the sender is stuck
+                seen += [row["state"] for row in primary.status()]
+                await asyncio.sleep(0.01)
+        assert set(seen) <= {"snapshot", "catching_up", "in_sync"}, sorted(set(seen))
+        assert primary.status()[0]["state"] == "catching_up"
+        writer.close()
+        await primary.close()
+        db.close()
+
+    asyncio.run(main())

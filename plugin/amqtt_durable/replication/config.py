@@ -268,8 +268,10 @@ def _coerce_list(key: str, value: Any, kind: str) -> list[str]:
 
 def _address(key: str, value: str) -> None:
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(key, f"expected host:port, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 address in brackets: [::1]:7883
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "[" in host or "]" in host:
+        raise ConfigError(key, f"expected host:port (an IPv6 address in brackets: [::1]:7883), got {value!r}")
     if "\0" in host:  # the resolver would fail it at start (embedded null character)
         raise ConfigError(key, f"a NUL character in the host of {value!r}")
 

@@ -116,6 +116,8 @@ class ReplicationNode:
         self._stepping_down: asyncio.Task[None] | None = None
         self._promoting = False
         """A promotion is under way: it, not a demotion's wind-down, reopens the admin address."""
+        self._operator_promotion: asyncio.Task[None] | None = None
+        """The promotion a tool's PROMOTE started (until it fails): a second PROMOTE is refused."""
         """The last demotion's wind-down: following and promotion wait for it (see ``demote``)."""
 
     def _new_backup(self) -> Backup:
@@ -302,6 +304,14 @@ class ReplicationNode:
             return self.status()
         if self.primary is not None:
             return {"promoted": False, "why": "it is the primary already"}
+        if self._promoting or self._operator_promotion is not None:
+            # A second PROMOTE (two operators, a retried command) must not start a second
+            # promotion: it would fail on the listener the first one opened, and its failure
+            # path would start following the old primary again under the new one.
+            return {
+                "promoted": False,
+                "why": "it is being promoted already (it serves clients once its store is loaded)",
+            }
         if self.ha is not None:
             return {
                 "promoted": False,
@@ -313,6 +323,7 @@ class ReplicationNode:
         behind = "" if self.backup.caught_up else f" (it was {self.backup.state} at batch {self.backup.applied_seq})"
         log.warning("replication: %s promoted by the operator%s", self.config.name or "this backup", behind)
         task = asyncio.get_running_loop().create_task(self._promote_by_operator())
+        self._operator_promotion = task
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         return {"promoted": True, "why": "promoted by the operator" + behind}
@@ -325,6 +336,9 @@ class ReplicationNode:
             log.error("replication: %s: the promotion failed: %s; still a backup", name, exc)
             if not self._ha_stop.is_set() and self.config.primary:
                 self.follow(Leader("primary", self.config.primary))
+        finally:
+            if self.primary is None:  # failed: the operator may try again
+                self._operator_promotion = None
 
     def _decided(self, decision: Decision) -> None:
         self.decisions.append(decision)

@@ -52,7 +52,9 @@ from .threads import in_thread
 
 log = logging.getLogger("amqtt_durable.replication")
 
-LinkState = Literal["handshake", "snapshot", "catching_up", "in_sync"]
+LinkState = Literal["snapshot", "catching_up", "in_sync"]
+"""What STATUS, inspect and $SYS show of a backup (docs/replication.md, Watching it): a link exists
+from its HELLO on, so it is catching up from then until a snapshot starts or it is in sync."""
 HELLO_TIMEOUT = 10.0
 HIGH_WATER = 4 * 1024 * 1024
 """Bytes buffered towards a backup before the sender waits for the socket to drain."""
@@ -64,7 +66,7 @@ class BackupLink:
 
     name: str
     peer: str
-    state: LinkState = "handshake"
+    state: LinkState = "catching_up"
     sent_seq: int = 0
     acked_seq: int = 0
     reason: str = ""
@@ -475,8 +477,6 @@ class Primary:
                     self._resolve()
                 pos = None
                 continue
-            if link.state == "handshake":
-                link.state = "catching_up"
             if pos >= self.log.head_seq:  # a snapshot may hold a batch not yet handed to committed()
                 if link.state != "in_sync":
                     writer.write(link.session.encode(Frame.IN_SYNC, encode_seq(pos)))

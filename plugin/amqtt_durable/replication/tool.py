@@ -16,8 +16,12 @@ ASK_TIMEOUT = 10.0
 
 
 def split_address(address: str) -> tuple[str, int]:
+    """(host, port) of ``host:port``; an IPv6 host is written in brackets (``[::1]:7883``, as in
+    a URL), which are taken off, or bare (``::1:7883``: the port is after the last colon)."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or "[" in host or "]" in host:
         raise ReplicationError(f"replication address {address!r}: expected host:port (its replication.listen)")
     return host, int(port)
 
