@@ -37,7 +37,7 @@ from ..settings import LISTEN_BACKLOG
 from .backup import Backup
 from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
-from .errors import CoordinatorError, ReplicationError, ReplicationListenError
+from .errors import CoordinatorError, PromotionRefusedError, ReplicationError, ReplicationListenError
 from .framing import Frame
 from .gate import HandshakeGate
 from .ha import Decision, HaNode
@@ -112,7 +112,8 @@ class ReplicationNode:
             f"the replication address {config.listen}", allow_from=config.allowed_networks()
         )
         """The replication address's bound on connections in their handshake, and its counts of
-        refused ones: the tools' listener of a backup and the listener of a primary share it."""
+        refused ones: the backup's tools and the primary end (which the address's one listener
+        hands its connections to) share it."""
         self._stepping_down: asyncio.Task[None] | None = None
         self._promoting = False
         """A promotion is under way: it, not a demotion's wind-down, reopens the admin address."""
@@ -387,6 +388,10 @@ class ReplicationNode:
             await _ended(task)  # the backup end's last write is finished
 
     async def promote(self) -> None:
+        """Become primary (see the module's docstring). Refused (PromotionRefusedError, the node
+        unchanged) while another promotion is under way or a primary end serves already."""
+        if self._promoting:
+            raise PromotionRefusedError(f"replication: {self.config.name or 'this broker'} is being promoted already")
         self._promoting = True
         try:
             await self._promote()
@@ -404,6 +409,8 @@ class ReplicationNode:
         await self._close_admin()
         try:
             await self._serve_as_primary()
+        except PromotionRefusedError:
+            raise  # an end serves already: it is left as it is, and so is the node
         except BaseException as exc:
             # Whatever failed, the node is a backup again and its tools answer on its address.
             self.primary = None
@@ -414,6 +421,12 @@ class ReplicationNode:
             raise
 
     async def _serve_as_primary(self) -> None:
+        if self._serving is not None:
+            # Never replace a serving end: the replaced one would be orphaned (never closed, not
+            # even by stop, its tasks pending). No await between this check and ``_serving = ``.
+            raise PromotionRefusedError(
+                f"replication: {self.config.name or 'this broker'} cannot become primary: a primary end serves already"
+            )
         _, port = split_address(self.config.listen)
         primary = Primary(
             self.db,
