@@ -305,6 +305,12 @@ class ReplicationNode:
             return self.status()
         if self.primary is not None:
             return {"promoted": False, "why": "it is the primary already"}
+        if self.ha is not None:
+            return {
+                "promoted": False,
+                "why": "its coordinator decides who is primary: stop the primary, and a caught-up backup "
+                "takes over once its lease ends",
+            }
         if self._promoting or self._operator_promotion is not None:
             # A second PROMOTE (two operators, a retried command) must not start a second
             # promotion: it would fail on the listener the first one opened, and its failure
@@ -312,12 +318,6 @@ class ReplicationNode:
             return {
                 "promoted": False,
                 "why": "it is being promoted already (it serves clients once its store is loaded)",
-            }
-        if self.ha is not None:
-            return {
-                "promoted": False,
-                "why": "its coordinator decides who is primary: stop the primary, and a caught-up backup "
-                "takes over once its lease ends",
             }
         if read_position(self.db) is None:
             return {"promoted": False, "why": "its store holds a half-applied snapshot; let it catch up first"}
