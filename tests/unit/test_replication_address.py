@@ -166,6 +166,21 @@ def test_a_failed_promotion_leaves_a_backup_whose_tools_answer_and_say_why(tmp_p
     db.close()
 
 
+class SlowLoad:
+    """An on_promote whose load of the store lasts until ``loaded`` is set: ``served`` holds the
+    primary ends it was given, ``loading`` is set once a load started."""
+
+    def __init__(self) -> None:
+        self.served: list[Primary] = []
+        self.loading = asyncio.Event()
+        self.loaded = asyncio.Event()
+
+    async def __call__(self, primary: Primary) -> None:
+        self.served.append(primary)
+        self.loading.set()
+        await self.loaded.wait()
+
+
 def others() -> list[asyncio.Task[object]]:
     """The tasks still pending but the test's own."""
     return [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
@@ -217,15 +232,8 @@ def test_a_promotion_while_one_is_under_way_or_an_end_serves_is_refused_and_chan
 
     async def main() -> None:
         config, _ = node_config("the operator")
-        served: list[Primary] = []
-        loading = asyncio.Event()
-        loaded = asyncio.Event()
-
-        async def on_promote(primary: Primary) -> None:
-            served.append(primary)
-            loading.set()
-            await loaded.wait()
-
+        on_promote = SlowLoad()
+        served, loading, loaded = on_promote.served, on_promote.loading, on_promote.loaded
         replication = ReplicationNode(db, config, on_promote=on_promote)
         await replication.start()
         try:
@@ -287,6 +295,64 @@ def test_a_promotion_after_a_failed_one_succeeds_and_clears_promotion_failed(tmp
                 assert "its last promotion failed" not in format_status(backup)
         finally:
             await replication.stop()
+
+    asyncio.run(main())
+    db.close()
+
+
+@pytest.mark.parametrize(
+    "when",
+    [
+        "PROMOTE, then stop at once",
+        "PROMOTE, stop as the store loads",
+        "a fixed primary's start, stop as the store loads",
+    ],
+)
+def test_a_stop_during_a_promotion_leaves_no_primary_serving(tmp_path: Path, when: str) -> None:
+    """The broker stops while a promotion is under way. A promotion not yet loading the store
+    does not load it (no on_promote once stopping); one loading it finishes first and its end
+    is closed by stop. Before: stop closed ``primary`` (still None) and only then waited for
+    the promotion, which set it and stayed serving after stop returned (on_promote run as the
+    broker closed)."""
+    db = backup_store(tmp_path)
+
+    async def main() -> None:
+        config, _ = node_config("the operator")
+        if when.startswith("a fixed primary"):
+            config = ReplicationConfig(name="p", role="primary", listen=config.listen)
+        on_promote = SlowLoad()
+        served, loading, loaded = on_promote.served, on_promote.loading, on_promote.loaded
+        replication = ReplicationNode(db, config, on_promote=on_promote)
+        loop = asyncio.get_running_loop()
+        try:
+            if when == "PROMOTE, then stop at once":  # the promotion has not reached the store's load
+                loaded.set()
+                await replication.start()
+                assert replication.answer(Frame.PROMOTE)["promoted"] is True
+                await bounded(replication.stop(), 15)
+                assert served == []
+                assert replication.answer(Frame.PROMOTE) == {"promoted": False, "why": "the broker stops"}
+            else:
+                if when.startswith("PROMOTE"):
+                    await replication.start()
+                    assert replication.answer(Frame.PROMOTE)["promoted"] is True
+                    starting = None
+                else:
+                    starting = loop.create_task(replication.start())
+                await bounded(loading.wait(), 15)
+                stopping = loop.create_task(replication.stop())
+                await asyncio.sleep(0)  # stop runs up to its wait for the promotion
+                loaded.set()
+                await bounded(stopping, 15)
+                if starting is not None:
+                    await bounded(starting, 15)
+                assert len(served) == 1 and served[0]._closed is not None
+        finally:
+            loaded.set()
+        assert replication.primary is None and replication._serving is None
+        with pytest.raises(ReplicationError):  # nothing answers on the address any more
+            await bounded(ask(config.listen, Frame.STATUS), 15)
+        assert others() == []
 
     asyncio.run(main())
     db.close()

@@ -305,6 +305,8 @@ class ReplicationNode:
             return self.status()
         if self.primary is not None:
             return {"promoted": False, "why": "it is the primary already"}
+        if self._ha_stop.is_set():
+            return {"promoted": False, "why": "the broker stops"}
         if self.ha is not None:
             return {
                 "promoted": False,
@@ -421,6 +423,11 @@ class ReplicationNode:
             raise
 
     async def _serve_as_primary(self) -> None:
+        if self._ha_stop.is_set():
+            # stop() ran during the awaits before: it closed ``primary`` (None then) and closes
+            # the address after this promotion ends; the broker closes, so nothing is loaded.
+            log.info("replication: %s stops: its promotion ends here", self.config.name or "this broker")
+            return
         if self._serving is not None:
             # Never replace a serving end: the replaced one would be orphaned (never closed, not
             # even by stop, its tasks pending). No await between this check and ``_serving = ``.
