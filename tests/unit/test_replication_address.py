@@ -356,3 +356,30 @@ def test_a_stop_during_a_promotion_leaves_no_primary_serving(tmp_path: Path, whe
 
     asyncio.run(main())
     db.close()
+
+
+def test_a_node_promoted_by_the_operator_then_demoted_can_be_promoted_again(tmp_path: Path) -> None:
+    """A PROMOTE is refused only while the promotion it started is under way. Before: the
+    guard was cleared only when that promotion failed, so once it had succeeded every later
+    PROMOTE (after a demotion) was refused with 'being promoted already'."""
+    db = backup_store(tmp_path)
+
+    async def main() -> None:
+        config, _ = node_config("the operator")
+        served: list[Primary] = []
+        replication = ReplicationNode(db, config, on_promote=served.append)
+        await replication.start()
+        try:
+            await promote_by_the_operator("the operator", config.listen)
+            await bounded(wait_role(config.listen, "primary"), 15)
+            replication.demote("the test demotes it")
+            assert replication._stepping_down is not None
+            await bounded(replication._stepping_down, 15)
+            await promote_by_the_operator("the operator", config.listen)
+            await bounded(wait_role(config.listen, "primary"), 15)
+            assert len(served) == 2 and replication.primary is served[1]
+        finally:
+            await replication.stop()
+
+    asyncio.run(main())
+    db.close()

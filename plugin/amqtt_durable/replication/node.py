@@ -118,7 +118,8 @@ class ReplicationNode:
         self._promoting = False
         """A promotion is under way: it, not a demotion's wind-down, reopens the admin address."""
         self._operator_promotion: asyncio.Task[None] | None = None
-        """The promotion a tool's PROMOTE started (until it fails): a second PROMOTE is refused."""
+        """The promotion a tool's PROMOTE started: a second PROMOTE is refused until it ended
+        (``promote``'s own guard, ``_promoting``, is set only once that task runs)."""
         """The last demotion's wind-down: following and promotion wait for it (see ``demote``)."""
 
     def _new_backup(self) -> Backup:
@@ -313,7 +314,8 @@ class ReplicationNode:
                 "why": "its coordinator decides who is primary: stop the primary, and a caught-up backup "
                 "takes over once its lease ends",
             }
-        if self._promoting or self._operator_promotion is not None:
+        under_way = self._operator_promotion
+        if self._promoting or (under_way is not None and not under_way.done()):
             # A second PROMOTE (two operators, a retried command) must not start a second
             # promotion: it would fail on the listener the first one opened, and its failure
             # path would start following the old primary again under the new one.
@@ -339,9 +341,6 @@ class ReplicationNode:
             log.error("replication: %s: the promotion failed: %s; still a backup", name, exc)
             if not self._ha_stop.is_set() and self.config.primary:
                 self.follow(Leader("primary", self.config.primary))
-        finally:
-            if self.primary is None:  # failed: the operator may try again
-                self._operator_promotion = None
 
     def _decided(self, decision: Decision) -> None:
         self.decisions.append(decision)
