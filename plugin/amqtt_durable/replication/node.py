@@ -115,12 +115,12 @@ class ReplicationNode:
         refused ones: the backup's tools and the primary end (which the address's one listener
         hands its connections to) share it."""
         self._stepping_down: asyncio.Task[None] | None = None
+        """The last demotion's wind-down: following and promotion wait for it (see ``demote``)."""
         self._promoting = False
         """A promotion is under way: it, not a demotion's wind-down, reopens the admin address."""
         self._operator_promotion: asyncio.Task[None] | None = None
         """The promotion a tool's PROMOTE started: a second PROMOTE is refused until it ended
         (``promote``'s own guard, ``_promoting``, is set only once that task runs)."""
-        """The last demotion's wind-down: following and promotion wait for it (see ``demote``)."""
 
     def _new_backup(self) -> Backup:
         return Backup(
@@ -317,8 +317,9 @@ class ReplicationNode:
         under_way = self._operator_promotion
         if self._promoting or (under_way is not None and not under_way.done()):
             # A second PROMOTE (two operators, a retried command) must not start a second
-            # promotion: it would fail on the listener the first one opened, and its failure
-            # path would start following the old primary again under the new one.
+            # promotion: promote would refuse it (PromotionRefusedError), and that failure's
+            # path in _promote_by_operator would start following the old primary again under
+            # the new one.
             return {
                 "promoted": False,
                 "why": "it is being promoted already (it serves clients once its store is loaded)",
