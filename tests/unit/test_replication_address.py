@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -383,3 +384,62 @@ def test_a_node_promoted_by_the_operator_then_demoted_can_be_promoted_again(tmp_
 
     asyncio.run(main())
     db.close()
+
+
+def ipv6_loopback() -> bool:
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET6) as sock:
+        sock.bind(("::1", 0))
+        return True
+    return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
+class Logged(logging.Handler):
+    """Sets ``seen`` once a record's message holds ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.seen = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.seen.set()
+
+
+def test_status_and_logs_show_ipv6_addresses_in_brackets(tmp_path: Path) -> None:
+    """STATUS (and inspect, which prints it) and the log write an IPv6 address as ``[::1]:7883``,
+    as the configuration does, never ``::1:7883`` (the port not told from the address): the
+    primary a fixed-role backup follows (also in its log), and each backup's peer on the
+    primary. Before: all bare."""
+    db = backup_store(tmp_path / "b")
+    primary_db, _ = primary_store(tmp_path / "p")
+
+    async def main() -> None:
+        primary_listen = f"[::1]:{free_port()}"
+        primary = ReplicationNode(primary_db, ReplicationConfig(name="p", role="primary", listen=primary_listen))
+        config = ReplicationConfig(name="b", role="backup", primary=primary_listen, listen=f"[::1]:{free_port()}")
+        backup = ReplicationNode(db, config)
+        logged = Logged(f"replication: backup b: channel to {primary_listen} ended")
+        logging.getLogger("amqtt_durable.replication").addHandler(logged)
+        await backup.start()  # before its primary: its channel fails, and the log says to where
+        try:
+            await bounded(logged.seen.wait(), 15)
+            await primary.start()
+            status = await bounded(ask(config.listen, Frame.STATUS), 15)
+            assert status["primary"] == primary_listen, status
+            rows = await bounded(
+                status_when(primary_listen, lambda status: any(row["name"] == "b" for row in status["backups"])), 15
+            )
+            peer = next(row["peer"] for row in rows["backups"] if row["name"] == "b")
+            host, port = split_address(peer)
+            assert peer == f"[{host}]:{port}" and host == "::1", peer
+            assert f"({peer})" in format_status(rows)
+        finally:
+            logging.getLogger("amqtt_durable.replication").removeHandler(logged)
+            await backup.stop()
+            await primary.stop()
+
+    asyncio.run(main())
+    db.close()
+    primary_db.close()

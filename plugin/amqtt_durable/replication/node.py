@@ -43,7 +43,7 @@ from .gate import HandshakeGate
 from .ha import Decision, HaNode
 from .position import read_position, read_store_id
 from .primary import Primary, first_frame
-from .tool import split_address
+from .tool import join_address, split_address
 
 log = logging.getLogger("amqtt_durable.replication")
 
@@ -210,8 +210,7 @@ class ReplicationNode:
         if self.ha is not None:
             self._ha_task = asyncio.get_running_loop().create_task(self.ha.run(self._ha_stop, self._decided))
         else:
-            host, port = split_address(self.config.primary)
-            self.follow(Leader("primary", f"{host}:{port}"))
+            self.follow(self._configured_primary())
 
     async def drain(self) -> None:
         """A primary about to stop: wait (at most ``ack_timeout``) until every in-sync backup
@@ -273,7 +272,7 @@ class ReplicationNode:
     async def _answer_tool(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A backup's replication address: tools' questions; a backup's HELLO is not for it."""
         host, port = writer.get_extra_info("peername")[:2]
-        peer = f"{host}:{port}"
+        peer = join_address(host, port)
         if not self._admin_open:  # accepted while the role changes, or as the node stops: past their abort_all
             writer.transport.abort()
             return
@@ -341,7 +340,12 @@ class ReplicationNode:
             name = self.config.name or "this backup"
             log.error("replication: %s: the promotion failed: %s; still a backup", name, exc)
             if not self._ha_stop.is_set() and self.config.primary:
-                self.follow(Leader("primary", self.config.primary))
+                self.follow(self._configured_primary())
+
+    def _configured_primary(self) -> Leader:
+        """The primary a fixed-role backup follows (replication.primary), its address as STATUS shows it."""
+        assert self.config.primary is not None
+        return Leader("primary", join_address(*split_address(self.config.primary)))
 
     def _decided(self, decision: Decision) -> None:
         self.decisions.append(decision)

@@ -49,6 +49,7 @@ from .gate import HandshakeGate
 from .log import RetainedLog, plan_catch_up
 from .position import SNAPSHOT_MARK_KEY, position_op, read_position
 from .threads import in_thread
+from .tool import join_address
 
 log = logging.getLogger("amqtt_durable.replication")
 
@@ -343,7 +344,7 @@ class Primary:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, port = writer.get_extra_info("peername")[:2]
-        peer = f"{host}:{port}"
+        peer = join_address(host, port)
         if self._closed is not None:  # accepted as close() ran: past its abort_all and its wait
             writer.transport.abort()
             return

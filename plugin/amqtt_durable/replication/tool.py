@@ -26,6 +26,12 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def join_address(host: str, port: int) -> str:
+    """``host:port`` as split_address reads it back and as the configuration writes it: an IPv6
+    host in brackets (``[::1]:7883``), so the port is told from the address where one is shown."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 async def ask(
     address: str, kind: Frame, secret: bytes | None = None, tls: ssl.SSLContext | None = None
 ) -> dict[str, Any]:
