@@ -14,7 +14,9 @@ store, on its own 127.0.0.1 ports):
      sync pair (fixed roles, the backup a separate broker process with its own store), median of --runs;
      for reference a single broker with sync: true (a PUBACK after a local fsync, as a sync pair's
      backup fsyncs each batch before it confirms it)
-  b  the same for an async pair (measured in the same rounds as a, the three set-ups interleaved)
+  b  the same for an async pair (measured in the same rounds as a, the set-ups interleaved); and a sync
+     pair whose replication channel is mutual TLS (replication.tls, docs/replication.md: certificates of a
+     throwaway cluster CA made with trustme, as tests/test_replication_tls.py makes them): the cost of TLS
   c  failover with etcd (role auto): SIGKILL of the primary -> first message delivered by the new
      primary to a waiting SDK client (durable_client.DurableClient with failover=[...]), median of
      --failovers, split into lease (kill -> the backup logs "took the leader lease" / its STATUS says
@@ -40,6 +42,7 @@ import contextlib
 import os
 import random
 import shlex
+import ssl
 import statistics
 import sys
 import threading
@@ -108,8 +111,9 @@ DEFAULT = {"lease_ttl": 5, "loop_wait": 1.0, "demote_margin": 1.0}
 TIMINGS = {"fast": FAST, "default": DEFAULT}
 SDK_RECONNECT = (0.1, 0.5)  # the failover client's reconnect_min_delay / reconnect_max_delay
 SETUPS = {"single": "single broker", "sync": "sync pair (primary)", "async": "async pair (primary)",
-          "fsync": "single broker, sync: true"}
-"""The set-ups of a/b; the last one (each commit fsynced, not a target's) says what a local fsync costs."""
+          "tls": "sync pair, mutual TLS (primary)", "fsync": "single broker, sync: true"}
+"""The set-ups of a/b; "tls" is the sync pair with replication.tls; the last one (each commit fsynced, not a
+target's) says what a local fsync costs."""
 WATCHED = {"plugin": ROOT / "plugin" / "amqtt_durable", "SDK": SDK_DIR, "protocol": PROTOCOL_DIR}
 
 
@@ -123,6 +127,8 @@ class Node:
     name: str
     broker: BrokerProcess
     listen: str
+    tls: ssl.SSLContext | None = None
+    """A client context of its replication.tls, for the tools' questions (STATUS)."""
 
     @property
     def port(self) -> int:
@@ -130,20 +136,41 @@ class Node:
 
 
 def make_node(ctx: Ctx, name: str, replication: dict[str, Any] | None, cpus: tuple[int, ...],
-              **plugin: Any) -> Node:
-    """An amqtt-durable broker with bench_durable's plugin settings (build_brokers) plus ``replication``."""
+              tls: dict[str, str] | None = None, **plugin: Any) -> Node:
+    """An amqtt-durable broker with bench_durable's plugin settings (build_brokers) plus ``replication``
+    (and ``tls``, its replication.tls)."""
     folder = ctx.tmp / name
     folder.mkdir()
     listen = f"{HOST}:{free_port()}"
     settings = dict(plugin)
     if replication is not None:
-        settings["replication"] = {"name": name, "listen": listen, **replication}
+        settings["replication"] = {"name": name, "listen": listen, **replication, **({"tls": tls} if tls else {})}
     if ctx.args.recovery_buffer is not None:
         plugin = {"recovery_buffer": ctx.args.recovery_buffer, **plugin}
     args = argparse.Namespace(**{**vars(ctx.args), "broker_cpus": cpus})
     broker = build_brokers(args, folder, settings)[0][OURS]
     broker.name = name
-    return Node(name, broker, listen)
+    return Node(name, broker, listen, None if tls is None else tls_client(tls))
+
+
+def cluster_tls(folder: Path) -> dict[str, str]:
+    """replication.tls of a throwaway cluster: a CA and one certificate for 127.0.0.1 that every member
+    presents (trustme, as tests/replication_helpers.cluster_pki)."""
+    import trustme  # noqa: PLC0415 - a test dependency, needed by the TLS set-up only
+
+    ca = trustme.CA()
+    paths = {"ca": str(folder / "ca.pem"), "cert": str(folder / "node.pem")}
+    ca.cert_pem.write_to_path(paths["ca"])
+    ca.issue_cert(HOST).private_key_and_cert_chain_pem.write_to_path(paths["cert"])
+    return paths
+
+
+def tls_client(tls: dict[str, str]) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.load_cert_chain(tls["cert"])
+    context.load_verify_locations(cafile=tls["ca"])
+    return context
 
 
 def connack(port: int) -> int | None:
@@ -178,7 +205,7 @@ def start_node(node: Node, code: int, timeout: float = 120.0) -> float:
 
 def status(node: Node) -> dict[str, Any] | None:
     try:
-        return asyncio.run(ask(node.listen, Frame.STATUS))
+        return asyncio.run(ask(node.listen, Frame.STATUS, tls=node.tls))
     except DurableError:
         return None
 
@@ -286,11 +313,13 @@ def scenario_ab(ctx: Ctx, report: Report) -> None:
     single = make_node(ctx, "single", None, args.broker_cpus)
     fsync = make_node(ctx, "single-fsync", None, args.broker_cpus, sync=True)
     pairs: dict[str, tuple[Node, Node]] = {}
-    for mode in ("sync", "async"):
-        primary = make_node(ctx, f"{mode}-primary", {"role": "primary", "mode": mode}, args.broker_cpus)
-        backup = make_node(ctx, f"{mode}-backup", {"role": "backup", "mode": mode, "primary": primary.listen},
-                           args.backup_cpus)
-        pairs[mode] = (primary, backup)
+    tls = cluster_tls(ctx.tmp)
+    for setup, mode in (("sync", "sync"), ("async", "async"), ("tls", "sync")):
+        with_tls = tls if setup == "tls" else None
+        primary = make_node(ctx, f"{setup}-primary", {"role": "primary", "mode": mode}, args.broker_cpus, with_tls)
+        backup = make_node(ctx, f"{setup}-backup", {"role": "backup", "mode": mode, "primary": primary.listen},
+                           args.backup_cpus, with_tls)
+        pairs[setup] = (primary, backup)
     nodes = [single, fsync, *(n for pair in pairs.values() for n in pair)]
     try:
         single.broker.start(args.startup_timeout)
@@ -750,10 +779,15 @@ def render_ab(report: Report) -> list[str]:
     sync_ratio, sync_met = ratio_line(report, "sync", 0.7)
     async_ratio, async_met = ratio_line(report, "async", 0.9)
     fsync_ratio, _ = ratio_line(report, "sync", 0.0, base="fsync")
+    tls_ratio, _ = ratio_line(report, "tls", 0.0)
+    tls_cost, _ = ratio_line(report, "tls", 0.0, base="sync")
     lines += ["", "| ratio (medians) | value | target | met |", "|---|---:|---|---|",
               f"| (a) sync pair / single | {sync_ratio} | >= 0.7x | {sync_met} |",
               f"| (b) async pair / single | {async_ratio} | >= 0.9x | {async_met} |",
               f"| sync pair / single broker with sync: true (both: a PUBACK waits for an fsync) | {fsync_ratio} "
+              "| (none) | |",
+              f"| sync pair over mutual TLS / single | {tls_ratio} | (none) | |",
+              f"| sync pair over mutual TLS / sync pair over plain TCP (the cost of replication.tls) | {tls_cost} "
               "| (none) | |"]
     return lines
 
@@ -856,7 +890,8 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, report:
         f"- scenarios: {args.only}{' (--quick)' if args.quick else ''}", "",
     ]
     if "a" in args.only or "b" in args.only:
-        lines += ["## (a, b) live throughput: single broker vs sync and async pairs", "", *render_ab(report), ""]
+        lines += ["## (a, b) live throughput: single broker vs sync, async and mutual-TLS sync pairs", "",
+                  *render_ab(report), ""]
     if "c" in args.only:
         lines += ["## (c) failover time (median (min-max) in seconds)", "", *render_c(report), ""]
     if "d" in args.only:

@@ -39,6 +39,7 @@ from .framing import (
 )
 from .position import SNAPSHOT_MARK_KEY, position_op, read_position, read_store_id
 from .threads import in_thread
+from .tool import join_address
 
 log = logging.getLogger("amqtt_durable.replication")
 
@@ -189,21 +190,25 @@ class Backup:
 
     async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
         """Stay connected to the primary at host:port, reconnecting after a failure, until ``stop``."""
+        primary = join_address(host, port)
         while not stop.is_set():
             pause = retry
             try:
                 await self.run(host, port)
             except asyncio.IncompleteReadError:
-                log.warning("replication: backup %s: the primary at %s:%s closed the channel", self.name, host, port)
+                log.warning("replication: backup %s: the primary at %s closed the channel", self.name, primary)
             except AuthError as exc:
                 pause = max(retry, AUTH_RETRY)  # a configuration problem: retried, but not twice a second
                 log.warning(
-                    "replication: backup %s: channel to %s:%s refused (retried in %g s): %s", self.name, host, port,
-                    pause, exc,
+                    "replication: backup %s: channel to %s refused (retried in %g s): %s",
+                    self.name,
+                    primary,
+                    pause,
+                    exc,
                 )
             except (OSError, TimeoutError, FrameError, ReplicationGapError, StoreMismatchError) as exc:
                 log.warning(
-                    "replication: backup %s: channel to %s:%s ended: %s", self.name, host, port, str(exc) or repr(exc)
+                    "replication: backup %s: channel to %s ended: %s", self.name, primary, str(exc) or repr(exc)
                 )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(pause):

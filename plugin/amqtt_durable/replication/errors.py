@@ -18,13 +18,19 @@ class ReplicationError(DurableError):
 
 class ReplicationListenError(ReplicationError):
     """The replication address (replication.listen) cannot be listened on: in use, no such host.
-    Raised by its two listeners only (a primary's, a backup's for the tools), so a start that
-    fails with it is the address's fault, not the store's."""
+    Raised only by binding that address, once at start (its one listener hands connections to
+    whichever end the node runs, a backup's tools or a primary's channel), so a start that fails
+    with it is the address's fault, not the store's."""
 
     def __init__(self, address: str, cause: OSError | ValueError) -> None:
         self.address = address
         self.reason = _os_reason(cause)
         super().__init__(f"replication.listen {address}: {self.reason}")
+
+
+class PromotionRefusedError(ReplicationError):
+    """A promotion asked for while another one is under way or a primary end serves already:
+    refused, and nothing of the node changes (no second primary end, which nothing would close)."""
 
 
 def _os_reason(exc: OSError | ValueError) -> str:

@@ -131,7 +131,7 @@ class HandshakeGate:
     def refusal(self, writer: asyncio.StreamWriter, peer: str, why: str) -> None:
         """The admitted connection ``writer`` (from ``peer``) was refused by the handshake."""
         self.refused += 1
-        host, _ = self._waiting.get(writer, (peer.rpartition(":")[0], None))
+        host, _ = self._waiting.get(writer, (peer.rpartition(":")[0].strip("[]"), None))
         if self._may_log(host, REFUSED, why):
             log.warning("replication: refused a connection from %s: %s", peer, why)
 

@@ -17,7 +17,9 @@ following the new primary (reads its position, applies batches) only after it, a
 a later promotion. A promotion whose ``on_promote`` fails leaves the node a backup (the HA
 loop releases the lease and tries again later). Tools ask a node over its
 replication address (STATUS, PROMOTE frames): the primary's channel server answers, and a
-backup listens there for them until it is promoted.
+backup answers them itself. That address is bound once, at start, and closed at stop: a role
+change hands its connections to the other end, so a promotion binds no port and cannot leave
+the node without its tools (STATUS shows ``promotion_failed`` after a failed promotion).
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ from ..settings import LISTEN_BACKLOG
 from .backup import Backup
 from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
-from .errors import CoordinatorError, ReplicationError, ReplicationListenError
+from .errors import CoordinatorError, PromotionRefusedError, ReplicationError, ReplicationListenError
 from .framing import Frame
 from .gate import HandshakeGate
 from .ha import Decision, HaNode
 from .position import read_position, read_store_id
 from .primary import Primary, first_frame
-from .tool import split_address
+from .tool import join_address, split_address
 
 log = logging.getLogger("amqtt_durable.replication")
 
@@ -95,18 +97,30 @@ class ReplicationNode:
         self._ha_stop = asyncio.Event()
         self._ha_task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
-        self._admin: asyncio.Server | None = None
+        self._listener: asyncio.Server | None = None
+        """The replication address, bound once at start and closed at stop: a role change hands
+        its connections to the other end (``_accept``), never closes and binds it again, so no
+        other process can take the port in between and leave the node without its address."""
+        self._admin_open = False
+        """The backup's end (the tools' STATUS and PROMOTE) answers on the replication address."""
+        self._serving: Primary | None = None
+        """The primary end the replication address hands its connections to, from its start
+        (before the broker loaded the store) until it closed."""
+        self.promotion_failure: str | None = None
+        """Why this node's last promotion failed (inspect shows it); None once one succeeded."""
         self._admin_gate = HandshakeGate(
             f"the replication address {config.listen}", allow_from=config.allowed_networks()
         )
         """The replication address's bound on connections in their handshake, and its counts of
-        refused ones: the tools' listener of a backup and the listener of a primary share it."""
+        refused ones: the backup's tools and the primary end (which the address's one listener
+        hands its connections to) share it."""
         self._stepping_down: asyncio.Task[None] | None = None
+        """The last demotion's wind-down: following and promotion wait for it (see ``demote``)."""
         self._promoting = False
         """A promotion is under way: it, not a demotion's wind-down, reopens the admin address."""
         self._operator_promotion: asyncio.Task[None] | None = None
-        """The promotion a tool's PROMOTE started (until it fails): a second PROMOTE is refused."""
-        """The last demotion's wind-down: following and promotion wait for it (see ``demote``)."""
+        """The promotion a tool's PROMOTE started: a second PROMOTE is refused until it ended
+        (``promote``'s own guard, ``_promoting``, is set only once that task runs)."""
 
     def _new_backup(self) -> Backup:
         return Backup(
@@ -153,6 +167,8 @@ class ReplicationNode:
                 "caught_up": self.backup.caught_up,
                 "primary": self._following,
             }
+            if self.promotion_failure is not None:
+                status["promotion_failed"] = self.promotion_failure
         status["refused"] = self._admin_gate.refusals
         if self.ha is not None:
             status["members"] = [
@@ -186,6 +202,7 @@ class ReplicationNode:
                 self.config.name or "this broker",
                 self.config.listen,
             )
+        await self._bind()
         if self.ha is None and self.config.role == "primary":
             await self.promote()
             return
@@ -193,8 +210,7 @@ class ReplicationNode:
         if self.ha is not None:
             self._ha_task = asyncio.get_running_loop().create_task(self.ha.run(self._ha_stop, self._decided))
         else:
-            host, port = split_address(self.config.primary)
-            self.follow(Leader("primary", f"{host}:{port}"))
+            self.follow(self._configured_primary())
 
     async def drain(self) -> None:
         """A primary about to stop: wait (at most ``ack_timeout``) until every in-sync backup
@@ -215,30 +231,49 @@ class ReplicationNode:
             await self._ha_task  # a primary releases its lease on the way out
         await self._stop_following()
         if self.primary is not None:
-            await self.primary.close("the broker stops")
+            await self._close_serving(self.primary, "the broker stops")
             self.primary = None
         for task in list(self._closing):
             await _ended(task)
         await self._close_admin()
-
-    async def _open_admin(self) -> None:
-        host, port = split_address(self.config.listen)
-        # TLS (server_tls) is started in first_frame, once the gate admitted the connection.
-        with _listening_on(self.config.listen):
-            self._admin = await asyncio.start_server(self._answer_tool, host, port, backlog=self.listen_backlog)
-
-    async def _close_admin(self) -> None:
-        server, self._admin = self._admin, None
+        server, self._listener = self._listener, None
         if server is not None:
             server.close()
             self._admin_gate.abort_all()
             await server.wait_closed()
 
+    async def _bind(self) -> None:
+        """Listen on the replication address (once: a ReplicationListenError names it and why)."""
+        if self._listener is None:
+            host, port = split_address(self.config.listen)
+            # TLS (server_tls) is started in first_frame, once the gate admitted the connection.
+            with _listening_on(self.config.listen):
+                self._listener = await asyncio.start_server(self._accept, host, port, backlog=self.listen_backlog)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A connection to the replication address: the primary end's while one serves (a
+        closed one aborts it), otherwise the backup's answers to tools."""
+        serving = self._serving
+        if serving is not None:
+            await serving.serve(reader, writer)
+        else:
+            await self._answer_tool(reader, writer)
+
+    async def _open_admin(self) -> None:
+        await self._bind()
+        self._admin_open = True
+
+    async def _close_admin(self) -> None:
+        """The backup's end stops answering (a promotion, a stop); the address stays bound."""
+        if self._admin_open:
+            self._admin_open = False
+            self._admin_gate.abort_all()
+
     async def _answer_tool(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A backup's replication address: tools' questions; a backup's HELLO is not for it."""
         host, port = writer.get_extra_info("peername")[:2]
-        peer = f"{host}:{port}"
-        if self._admin is None:  # accepted as _close_admin ran: past its abort_all, and its wait_closed waits for it
+        peer = join_address(host, port)
+        if not self._admin_open:  # accepted while the role changes, or as the node stops: past their abort_all
             writer.transport.abort()
             return
         if not self._admin_gate.admit(writer, host):
@@ -270,16 +305,20 @@ class ReplicationNode:
             return self.status()
         if self.primary is not None:
             return {"promoted": False, "why": "it is the primary already"}
+        if self._ha_stop.is_set():
+            return {"promoted": False, "why": "the broker stops"}
         if self.ha is not None:
             return {
                 "promoted": False,
                 "why": "its coordinator decides who is primary: stop the primary, and a caught-up backup "
                 "takes over once its lease ends",
             }
-        if self._promoting or self._operator_promotion is not None:
+        under_way = self._operator_promotion
+        if self._promoting or (under_way is not None and not under_way.done()):
             # A second PROMOTE (two operators, a retried command) must not start a second
-            # promotion: it would fail on the listener the first one opened, and its failure
-            # path would start following the old primary again under the new one.
+            # promotion: promote would refuse it (PromotionRefusedError), and that failure's
+            # path in _promote_by_operator would start following the old primary again under
+            # the new one.
             return {
                 "promoted": False,
                 "why": "it is being promoted already (it serves clients once its store is loaded)",
@@ -301,10 +340,12 @@ class ReplicationNode:
             name = self.config.name or "this backup"
             log.error("replication: %s: the promotion failed: %s; still a backup", name, exc)
             if not self._ha_stop.is_set() and self.config.primary:
-                self.follow(Leader("primary", self.config.primary))
-        finally:
-            if self.primary is None:  # failed: the operator may try again
-                self._operator_promotion = None
+                self.follow(self._configured_primary())
+
+    def _configured_primary(self) -> Leader:
+        """The primary a fixed-role backup follows (replication.primary), its address as STATUS shows it."""
+        assert self.config.primary is not None
+        return Leader("primary", join_address(*split_address(self.config.primary)))
 
     def _decided(self, decision: Decision) -> None:
         self.decisions.append(decision)
@@ -353,6 +394,10 @@ class ReplicationNode:
             await _ended(task)  # the backup end's last write is finished
 
     async def promote(self) -> None:
+        """Become primary (see the module's docstring). Refused (PromotionRefusedError, the node
+        unchanged) while another promotion is under way or a primary end serves already."""
+        if self._promoting:
+            raise PromotionRefusedError(f"replication: {self.config.name or 'this broker'} is being promoted already")
         self._promoting = True
         try:
             await self._promote()
@@ -368,7 +413,32 @@ class ReplicationNode:
         await self._stop_following()
         await self._stepped_down()
         await self._close_admin()
-        host, port = split_address(self.config.listen)
+        try:
+            await self._serve_as_primary()
+        except PromotionRefusedError:
+            raise  # an end serves already: it is left as it is, and so is the node
+        except BaseException as exc:
+            # Whatever failed, the node is a backup again and its tools answer on its address.
+            self.primary = None
+            if not isinstance(exc, asyncio.CancelledError):
+                self.promotion_failure = str(exc) or repr(exc)
+            if not self._ha_stop.is_set():
+                await self._open_admin()
+            raise
+
+    async def _serve_as_primary(self) -> None:
+        if self._ha_stop.is_set():
+            # stop() ran during the awaits before: it closed ``primary`` (None then) and closes
+            # the address after this promotion ends; the broker closes, so nothing is loaded.
+            log.info("replication: %s stops: its promotion ends here", self.config.name or "this broker")
+            return
+        if self._serving is not None:
+            # Never replace a serving end: the replaced one would be orphaned (never closed, not
+            # even by stop, its tasks pending). No await between this check and ``_serving = ``.
+            raise PromotionRefusedError(
+                f"replication: {self.config.name or 'this broker'} cannot become primary: a primary end serves already"
+            )
+        _, port = split_address(self.config.listen)
         primary = Primary(
             self.db,
             store_id=read_store_id(self.db),
@@ -383,12 +453,12 @@ class ReplicationNode:
             backlog=self.listen_backlog,
         )
         primary.on_admin = self.answer
-        with _listening_on(self.config.listen):
-            await primary.start(host, port, self.server_tls)
+        primary.serve_accepted(port, self.server_tls)  # on the address bound at start: nothing to bind
+        self._serving = primary
         if self.ha is not None and self.ha.role != "primary":
             # The lease's deadline passed during the awaits above (its demotion found no primary
             # yet): this term is over before it began; serving now would be a primary HA calls a backup.
-            await primary.close("the lease ended while the promotion was under way")
+            await self._close_serving(primary, "the lease ended while the promotion was under way")
             await self._stepped_down()
             if not self._ha_stop.is_set():
                 await self._open_admin()
@@ -401,16 +471,23 @@ class ReplicationNode:
                     await loading
         except BaseException as exc:
             self.primary = None
-            await primary.close(f"the promotion failed ({exc})")
-            if not self._ha_stop.is_set():
-                await self._open_admin()
+            await self._close_serving(primary, f"the promotion failed ({exc})")
             raise
         if self.primary is not primary:  # demoted while the broker was loading (its on_demote has run)
             await self._stepped_down()
             if not self._ha_stop.is_set():
                 await self._open_admin()
             return
+        self.promotion_failure = None
         log.warning("replication: %s is primary from batch %d", self.config.name, primary.log.head_seq)
+
+    async def _close_serving(self, primary: Primary, reason: str) -> None:
+        """Close a primary end; the replication address stops handing it connections."""
+        try:
+            await primary.close(reason)
+        finally:
+            if self._serving is primary:
+                self._serving = None
 
     async def _publish_sync_set(self, members: frozenset[str]) -> None:
         assert self.ha is not None
@@ -434,7 +511,7 @@ class ReplicationNode:
         backup end's position: a write still in flight would otherwise land after the new
         primary's batches, or be missing from the position the backup starts from."""
         if primary is not None:
-            await primary.close(reason)
+            await self._close_serving(primary, reason)
         if stopping is not None:
             try:
                 await stopping

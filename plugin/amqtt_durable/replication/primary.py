@@ -49,6 +49,7 @@ from .gate import HandshakeGate
 from .log import RetainedLog, plan_catch_up
 from .position import SNAPSHOT_MARK_KEY, position_op, read_position
 from .threads import in_thread
+from .tool import join_address
 
 log = logging.getLogger("amqtt_durable.replication")
 
@@ -282,6 +283,21 @@ class Primary:
         self._tls = tls  # upgraded in first_frame, once the gate admitted the connection
         self._server = await asyncio.start_server(self._serve, host, port, backlog=self.backlog)
         self.port = self._server.sockets[0].getsockname()[1]
+        self._begin()
+
+    def serve_accepted(self, port: int, tls: ssl.SSLContext | None = None) -> None:
+        """Serve the connections a listener of the caller's accepts on ``port`` and hands to
+        ``serve`` (the node's replication address, kept open across role changes, so a
+        promotion never gives its port away); ``close`` does not close that listener."""
+        self._tls = tls
+        self.port = port
+        self._begin()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection accepted by the caller's listener (see ``serve_accepted``)."""
+        await self._serve(reader, writer)
+
+    def _begin(self) -> None:
         self._spawn(self._watchdog())
         if self._publish is not None:
             self._publishing = self._spawn(self._republish())  # the new primary's set, at first none
@@ -328,7 +344,7 @@ class Primary:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, port = writer.get_extra_info("peername")[:2]
-        peer = f"{host}:{port}"
+        peer = join_address(host, port)
         if self._closed is not None:  # accepted as close() ran: past its abort_all and its wait
             writer.transport.abort()
             return

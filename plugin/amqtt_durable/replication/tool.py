@@ -26,6 +26,12 @@ def split_address(address: str) -> tuple[str, int]:
         raise ReplicationError(f"replication address {address!r}: {exc} (its replication.listen)") from None
 
 
+def join_address(host: str, port: int) -> str:
+    """``host:port`` as split_address reads it back and as the configuration writes it: an IPv6
+    host in brackets (``[::1]:7883``), so the port is told from the address where one is shown."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 async def ask(
     address: str, kind: Frame, secret: bytes | None = None, tls: ssl.SSLContext | None = None
 ) -> dict[str, Any]:
@@ -77,6 +83,8 @@ def format_status(status: dict[str, Any]) -> str:
             f"  following {status.get('primary') or '(nobody yet)'}: {status['state']}"
             + (", caught up" if status.get("caught_up") else ", not caught up")
         )
+        if status.get("promotion_failed"):
+            lines.append(f"  its last promotion failed: {status['promotion_failed']}")
     if status.get("refused"):  # a node before this field did not send it
         lines.append(f"  connections refused on its replication address since start: {status['refused']}")
     members = status.get("members")
