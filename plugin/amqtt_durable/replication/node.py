@@ -43,7 +43,7 @@ from .gate import HandshakeGate
 from .ha import Decision, HaNode
 from .position import read_position, read_store_id
 from .primary import Primary, first_frame
-from .tool import join_address, split_address
+from .tool import join_address, split_address, split_peer_address
 
 log = logging.getLogger("amqtt_durable.replication")
 
@@ -209,8 +209,21 @@ class ReplicationNode:
         await self._open_admin()
         if self.ha is not None:
             self._ha_task = asyncio.get_running_loop().create_task(self.ha.run(self._ha_stop, self._decided))
+            self._ha_task.add_done_callback(self._ha_ended)
         else:
             self.follow(self._configured_primary())
+
+    def _ha_ended(self, task: asyncio.Task[None]) -> None:
+        """The HA loop ends only at a stop; one ended by an exception is said, as an ERROR: the
+        node follows no primary and never takes over from here on."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error(
+            "replication HA %s: the HA loop ended: %r; this node follows no primary and takes over from "
+            "none until it restarts",
+            self.config.name or "this broker",
+            task.exception(),
+        )
 
     async def drain(self) -> None:
         """A primary about to stop: wait (at most ``ack_timeout``) until every in-sync backup
@@ -228,7 +241,10 @@ class ReplicationNode:
     async def stop(self) -> None:
         self._ha_stop.set()
         if self._ha_task is not None:
-            await self._ha_task  # a primary releases its lease on the way out
+            # A primary releases its lease on the way out. A loop that failed was logged when it
+            # ended (_ha_ended): the clean-up below runs all the same, so the address is closed.
+            with contextlib.suppress(Exception):
+                await self._ha_task
         await self._stop_following()
         if self.primary is not None:
             await self._close_serving(self.primary, "the broker stops")
@@ -370,7 +386,7 @@ class ReplicationNode:
             previous.cancel()
         self._following = leader.address
         self._follow_stop = asyncio.Event()
-        host, port = split_address(leader.address)
+        host, port = split_peer_address(leader.address, f"the coordinator's leader key (written by {leader.name})")
         self._follow_task = asyncio.get_running_loop().create_task(
             self._follow(previous, host, port, self._follow_stop)
         )

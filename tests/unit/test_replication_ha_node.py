@@ -1,0 +1,106 @@
+"""The HA loop of a real ReplicationNode (real sockets, a real store; the coordinator is the
+fake of test_replication_ha): what it reads from other nodes, how it ends, what a stop during
+its promotion records."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+from replication_helpers import bounded
+from test_replication_address import Logged, backup_store, node_config
+from test_replication_ha import FakeCoordinator
+
+from amqtt_durable.replication.coordinator import Leader
+from amqtt_durable.replication.errors import ReplicationError
+from amqtt_durable.replication.framing import Frame
+from amqtt_durable.replication.ha import Decision
+from amqtt_durable.replication.node import ReplicationNode
+from amqtt_durable.replication.tool import ask, split_address, split_peer_address
+
+LOG = logging.getLogger("amqtt_durable.replication")
+
+
+class Decided(ReplicationNode):
+    """Sets ``decided`` once the HA loop made a decision whose action is ``awaited``."""
+
+    awaited = "follow"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.decided = asyncio.Event()
+
+    def _decided(self, decision: Decision) -> None:
+        super()._decided(decision)
+        if decision.action == self.awaited:
+            self.decided.set()
+
+
+def test_a_leader_address_written_without_brackets_is_followed(tmp_path: Path) -> None:
+    """A node from before addresses were bracketed publishes its replication.listen as it is
+    (``::1:7883``) in the leader key: a backup follows it, the port after the last colon. Before:
+    reading it raised inside the HA loop, which ended silently; the node followed nothing."""
+    db = backup_store(tmp_path)
+
+    async def main() -> None:
+        config, fake = node_config("the lease")
+        assert isinstance(fake, FakeCoordinator)
+        fake.holder, fake.expires = Leader("old", "::1:7883"), 1e18
+        node = Decided(db, config, coordinator=fake)
+        await node.start()
+        try:
+            await bounded(node.decided.wait(), 15)
+            assert node._following == "::1:7883"
+            assert node._follow_task is not None and not node._follow_task.done()
+            assert node._ha_task is not None and not node._ha_task.done()
+        finally:
+            await bounded(node.stop(), 15)
+
+    asyncio.run(main())
+    db.close()
+
+
+def test_a_peer_address_is_read_leniently_and_the_configuration_strictly() -> None:
+    where = "the coordinator's leader key (written by old)"
+    assert split_peer_address("2001:db8::10:7883", where) == ("2001:db8::10", 7883)
+    assert split_peer_address("[::1]:7883", where) == ("::1", 7883)
+    assert split_peer_address("127.0.0.1:7883", where) == ("127.0.0.1", 7883)
+    for wrong in ("::1:0", "::1:x", "[::1:7883", "7883", "host"):
+        with pytest.raises(ReplicationError, match="in the coordinator's leader key") as raised:
+            split_peer_address(wrong, where)
+        assert "replication.listen" not in str(raised.value)
+    with pytest.raises(ReplicationError, match="brackets"):
+        split_address("2001:db8::10:7883")
+
+
+class Failing(ReplicationNode):
+    """A hook of the HA loop raises what the loop does not expect."""
+
+    def position(self) -> tuple[int, int]:
+        raise RuntimeError("the position hook fails")
+
+
+def test_an_ha_loop_ended_by_an_exception_is_logged_and_stop_closes_the_address(tmp_path: Path) -> None:
+    """Before: the loop's end was said nowhere, and stop() raised the loop's exception before it
+    closed the replication address (left bound and answering)."""
+    db = backup_store(tmp_path)
+
+    async def main() -> None:
+        config, fake = node_config("the lease")
+        node = Failing(db, config, coordinator=fake)
+        logged = Logged("the HA loop ended: RuntimeError('the position hook fails')")
+        LOG.addHandler(logged)
+        try:
+            await node.start()
+            await bounded(logged.seen.wait(), 15)
+            await bounded(node.stop(), 15)
+        finally:
+            LOG.removeHandler(logged)
+        assert node._listener is None
+        with pytest.raises(ReplicationError):  # nothing answers on the address any more
+            await bounded(ask(config.listen, Frame.STATUS), 15)
+
+    asyncio.run(main())
+    db.close()
