@@ -104,3 +104,50 @@ def test_an_ha_loop_ended_by_an_exception_is_logged_and_stop_closes_the_address(
 
     asyncio.run(main())
     db.close()
+
+
+class StopDuring(ReplicationNode):
+    """The broker's stop begins while the HA loop's promotion waits for the old role to end."""
+
+    stopping: asyncio.Task[None] | None = None
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.stop_begun = asyncio.Event()
+
+    async def _stepped_down(self) -> None:
+        await super()._stepped_down()
+        if self._promoting and self.stopping is None:
+            self.stopping = asyncio.get_running_loop().create_task(self.stop())
+            self.stop_begun.set()
+            await asyncio.sleep(0)  # stop() begins: it sets _ha_stop and waits for the HA loop
+
+
+def test_a_stop_during_a_lease_promotion_is_recorded_as_a_stop_not_as_a_new_primary(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: the promotion returned as if it had succeeded and the HA loop logged "took the
+    leader lease, now primary" for a node that never served; the lease was kept until the
+    loop's exit demoted the node."""
+    caplog.set_level(logging.INFO, "amqtt_durable.replication")
+    db = backup_store(tmp_path)
+    served: list[object] = []
+
+    async def main() -> None:
+        config, fake = node_config("the lease")
+        assert isinstance(fake, FakeCoordinator)
+        node = StopDuring(db, config, coordinator=fake, on_promote=served.append)
+        await node.start()
+        await bounded(node.stop_begun.wait(), 15)
+        assert node.stopping is not None
+        await bounded(node.stopping, 15)
+        assert served == [] and node.primary is None and node._serving is None
+        assert fake.holder is None
+        assert [decision.action for decision in node.decisions] == ["stopped"], node.decisions
+
+    asyncio.run(main())
+    db.close()
+    messages = [record.getMessage() for record in caplog.records]
+    assert not any("now primary" in message for message in messages), messages
+    assert not any(record.levelno >= logging.ERROR for record in caplog.records), messages
+    assert any("the broker stops: the promotion ended, the lease is released" in message for message in messages)

@@ -33,6 +33,11 @@ class PromotionRefusedError(ReplicationError):
     refused, and nothing of the node changes (no second primary end, which nothing would close)."""
 
 
+class PromotionStoppedError(ReplicationError):
+    """A promotion ended by the broker's stop before the node served as primary: not a failure
+    (nothing to retry, nothing to report), and not a success (the node never served)."""
+
+
 def _os_reason(exc: OSError | ValueError) -> str:
     """``[Errno 98] Address already in use``: asyncio's bind error repeats the address, which the
     message names already; a resolver's error (gaierror) and a ValueError are kept as they are."""

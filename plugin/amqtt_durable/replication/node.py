@@ -37,7 +37,13 @@ from ..settings import LISTEN_BACKLOG
 from .backup import Backup
 from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
-from .errors import CoordinatorError, PromotionRefusedError, ReplicationError, ReplicationListenError
+from .errors import (
+    CoordinatorError,
+    PromotionRefusedError,
+    PromotionStoppedError,
+    ReplicationError,
+    ReplicationListenError,
+)
 from .framing import Frame
 from .gate import HandshakeGate
 from .ha import Decision, HaNode
@@ -204,7 +210,8 @@ class ReplicationNode:
             )
         await self._bind()
         if self.ha is None and self.config.role == "primary":
-            await self.promote()
+            with contextlib.suppress(PromotionStoppedError):  # stop() ran meanwhile: the broker closes
+                await self.promote()
             return
         await self._open_admin()
         if self.ha is not None:
@@ -352,6 +359,8 @@ class ReplicationNode:
     async def _promote_by_operator(self) -> None:
         try:
             await self.promote()
+        except PromotionStoppedError:
+            pass  # the broker stops (logged by the promotion)
         except Exception as exc:
             name = self.config.name or "this backup"
             log.error("replication: %s: the promotion failed: %s; still a backup", name, exc)
@@ -411,7 +420,8 @@ class ReplicationNode:
 
     async def promote(self) -> None:
         """Become primary (see the module's docstring). Refused (PromotionRefusedError, the node
-        unchanged) while another promotion is under way or a primary end serves already."""
+        unchanged) while another promotion is under way or a primary end serves already;
+        PromotionStoppedError when stop() ended it before the node served."""
         if self._promoting:
             raise PromotionRefusedError(f"replication: {self.config.name or 'this broker'} is being promoted already")
         self._promoting = True
@@ -431,6 +441,8 @@ class ReplicationNode:
         await self._close_admin()
         try:
             await self._serve_as_primary()
+        except PromotionStoppedError:
+            raise  # the broker stops: nothing failed, and stop() closes the address
         except PromotionRefusedError:
             raise  # an end serves already: it is left as it is, and so is the node
         except BaseException as exc:
@@ -447,7 +459,7 @@ class ReplicationNode:
             # stop() ran during the awaits before: it closed ``primary`` (None then) and closes
             # the address after this promotion ends; the broker closes, so nothing is loaded.
             log.info("replication: %s stops: its promotion ends here", self.config.name or "this broker")
-            return
+            raise PromotionStoppedError(f"replication: {self.config.name or 'this broker'} stops: not promoted")
         if self._serving is not None:
             # Never replace a serving end: the replaced one would be orphaned (never closed, not
             # even by stop, its tasks pending). No await between this check and ``_serving = ``.
