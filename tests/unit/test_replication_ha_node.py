@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from replication_helpers import bounded
-from test_replication_address import Logged, backup_store, node_config
+from test_replication_address import Logged, SlowLoad, backup_store, node_config
 from test_replication_ha import FakeCoordinator
 
 from amqtt_durable.replication.coordinator import Leader
@@ -151,3 +151,27 @@ def test_a_stop_during_a_lease_promotion_is_recorded_as_a_stop_not_as_a_new_prim
     assert not any("now primary" in message for message in messages), messages
     assert not any(record.levelno >= logging.ERROR for record in caplog.records), messages
     assert any("the broker stops: the promotion ended, the lease is released" in message for message in messages)
+
+
+def test_the_address_is_handed_to_the_primary_end_before_the_store_is_loaded(tmp_path: Path) -> None:
+    """docs/replication.md (Promoting a backup by hand): a PROMOTE during the store's load is
+    answered by the primary end, "it is the primary already" (the docs said the address was
+    handed over once the store was loaded)."""
+    db = backup_store(tmp_path)
+
+    async def main() -> None:
+        config, _ = node_config("the operator")
+        on_promote = SlowLoad()
+        node = ReplicationNode(db, config, on_promote=on_promote)
+        await node.start()
+        try:
+            assert node.answer(Frame.PROMOTE)["promoted"] is True
+            await bounded(on_promote.loading.wait(), 15)
+            answer = await bounded(ask(config.listen, Frame.PROMOTE), 15)
+            assert answer == {"promoted": False, "why": "it is the primary already"}, answer
+        finally:
+            on_promote.loaded.set()
+            await bounded(node.stop(), 15)
+
+    asyncio.run(main())
+    db.close()
