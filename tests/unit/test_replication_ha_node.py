@@ -13,8 +13,9 @@ from replication_helpers import bounded
 from test_replication_address import Logged, SlowLoad, backup_store, node_config
 from test_replication_ha import FakeCoordinator
 
+from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.coordinator import Leader
-from amqtt_durable.replication.errors import ReplicationError
+from amqtt_durable.replication.errors import PromotionRefusedError, ReplicationError
 from amqtt_durable.replication.framing import Frame
 from amqtt_durable.replication.ha import Decision
 from amqtt_durable.replication.node import ReplicationNode
@@ -171,6 +172,51 @@ def test_the_address_is_handed_to_the_primary_end_before_the_store_is_loaded(tmp
             assert answer == {"promoted": False, "why": "it is the primary already"}, answer
         finally:
             on_promote.loaded.set()
+            await bounded(node.stop(), 15)
+
+    asyncio.run(main())
+    db.close()
+
+
+class Steps(ReplicationNode):
+    """Records each step of a promotion that changes the node (the backup end stopped, the
+    tools closed)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.steps: list[str] = []
+
+    async def _stop_following(self) -> None:
+        if self._promoting:
+            self.steps.append("stop following")
+        await super()._stop_following()
+
+    async def _close_admin(self) -> None:
+        if self._promoting:
+            self.steps.append("close the tools")
+        await super()._close_admin()
+
+
+def test_a_promotion_of_a_primary_is_refused_before_any_step(tmp_path: Path) -> None:
+    """PromotionRefusedError leaves the node unchanged, as errors.py says: a primary's promotion
+    is refused before any step. Before: it was refused only after stopping the backup end and
+    closing the tools."""
+    db = backup_store(tmp_path)
+
+    async def main() -> None:
+        config, _ = node_config("the operator")
+        config = ReplicationConfig(name="p", role="primary", listen=config.listen)
+        node = Steps(db, config)
+        await node.start()
+        try:
+            assert node.primary is not None and node.steps == ["stop following", "close the tools"]
+            node.steps.clear()
+            with pytest.raises(PromotionRefusedError, match="a primary end serves already"):
+                await bounded(node.promote(), 15)
+            assert node.steps == [], node.steps
+            status = await bounded(ask(config.listen, Frame.STATUS), 15)
+            assert status["role"] == "primary" and "promotion_failed" not in status, status
+        finally:
             await bounded(node.stop(), 15)
 
     asyncio.run(main())

@@ -30,7 +30,8 @@ class ReplicationListenError(ReplicationError):
 
 class PromotionRefusedError(ReplicationError):
     """A promotion asked for while another one is under way or a primary end serves already:
-    refused, and nothing of the node changes (no second primary end, which nothing would close)."""
+    refused before any step of the promotion, so nothing of the node changes (no second
+    primary end, which nothing would close)."""
 
 
 class PromotionStoppedError(ReplicationError):

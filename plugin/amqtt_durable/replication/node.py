@@ -424,6 +424,8 @@ class ReplicationNode:
         PromotionStoppedError when stop() ended it before the node served."""
         if self._promoting:
             raise PromotionRefusedError(f"replication: {self.config.name or 'this broker'} is being promoted already")
+        if self.primary is not None:  # before any step of the promotion, so the node is left as it is
+            raise PromotionRefusedError(self._serves_already())
         self._promoting = True
         try:
             await self._promote()
@@ -444,7 +446,10 @@ class ReplicationNode:
         except PromotionStoppedError:
             raise  # the broker stops: nothing failed, and stop() closes the address
         except PromotionRefusedError:
-            raise  # an end serves already: it is left as it is, and so is the node
+            # An end serves already: it is left as it is. promote() refused a serving primary
+            # before any step; an end still serving here (one closing at a demotion is waited
+            # for above, and promotions run one at a time) would be a bug: not hidden, not closed.
+            raise
         except BaseException as exc:
             # Whatever failed, the node is a backup again and its tools answer on its address.
             self.primary = None
@@ -453,6 +458,9 @@ class ReplicationNode:
             if not self._ha_stop.is_set():
                 await self._open_admin()
             raise
+
+    def _serves_already(self) -> str:
+        return f"replication: {self.config.name or 'this broker'} cannot become primary: a primary end serves already"
 
     async def _serve_as_primary(self) -> None:
         if self._ha_stop.is_set():
@@ -463,9 +471,7 @@ class ReplicationNode:
         if self._serving is not None:
             # Never replace a serving end: the replaced one would be orphaned (never closed, not
             # even by stop, its tasks pending). No await between this check and ``_serving = ``.
-            raise PromotionRefusedError(
-                f"replication: {self.config.name or 'this broker'} cannot become primary: a primary end serves already"
-            )
+            raise PromotionRefusedError(self._serves_already())
         _, port = split_address(self.config.listen)
         primary = Primary(
             self.db,
