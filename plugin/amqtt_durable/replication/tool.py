@@ -8,7 +8,7 @@ import json
 import ssl
 from typing import Any
 
-from durable_protocol.hostport import split_host_port
+from durable_protocol.hostport import join_host_port, split_host_port
 
 from .auth import AuthError, client_handshake, error_text
 from .errors import FrameError, ReplicationError
@@ -44,8 +44,9 @@ def split_peer_address(address: str, written_in: str) -> tuple[str, int]:
 
 def join_address(host: str, port: int) -> str:
     """``host:port`` as split_address reads it back and as the configuration writes it: an IPv6
-    host in brackets (``[::1]:7883``), so the port is told from the address where one is shown."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    host in brackets (``[::1]:7883``), so the port is told from the address where one is shown
+    (durable_protocol.hostport.join_host_port)."""
+    return join_host_port(host, port)
 
 
 async def ask(
