@@ -375,9 +375,12 @@ def test_options_are_checked() -> None:
 
 def test_the_failover_option_takes_ipv6_addresses_in_brackets() -> None:
     """``failover`` is host:port as the replication settings write it (one parser): the brackets of
-    ``[::1]:1883`` were kept in the host, which then could not be resolved."""
+    ``[::1]:1883`` were kept in the host, which then could not be resolved. The addresses are
+    shown as they are written (one writer, durable_protocol.hostport.join_host_port)."""
     parsed = Options.parse({"filter": FILTER, "failover": "[::1]:1883, h2:1884, [2001:db8::10]:1885"})
     assert parsed.failover == (("::1", 1883), ("h2", 1884), ("2001:db8::10", 1885))
+    # and shown with them in the source's messages (before: "::1:1883", the port not told apart)
+    assert parsed.address == "127.0.0.1:1883, [::1]:1883, h2:1884, [2001:db8::10]:1885", parsed.address
     for bad in ("::1:1883", "[::1:1883", "h2:0", "h2:65536"):
         with pytest.raises(SourceError, match="option failover takes host:port entries"):
             Options.parse({"filter": FILTER, "failover": f"h1:1883,{bad}"})

@@ -1,5 +1,6 @@
 """``host:port`` as the broker's replication settings, its tools and the Spark source's
-``failover`` option write it: one parser, so they accept and refuse the same addresses."""
+``failover`` option write it: one parser, so they accept and refuse the same addresses, and
+one writer, so they show them alike."""
 
 from __future__ import annotations
 
@@ -25,4 +26,10 @@ def split_host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-__all__ = ["USAGE", "split_host_port"]
+def join_host_port(host: str, port: int) -> str:
+    """``host:port`` as split_host_port reads it back: an IPv6 host in brackets (``[::1]:7883``),
+    so the port is told from the address where one is shown."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+__all__ = ["USAGE", "join_host_port", "split_host_port"]

@@ -58,7 +58,7 @@ from durable_client import (
     RequestTimeout,
     Unconnected,
 )
-from durable_protocol.hostport import split_host_port
+from durable_protocol.hostport import join_host_port, split_host_port
 
 from .bulk import BulkRangeReader, arrow_batch
 from .errors import SourceError
@@ -121,7 +121,7 @@ class Options:
 
     @property
     def address(self) -> str:
-        return ", ".join(f"{host}:{port}" for host, port in ((self.host, self.port), *self.failover))
+        return ", ".join(join_host_port(host, port) for host, port in ((self.host, self.port), *self.failover))
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Options:

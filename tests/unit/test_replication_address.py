@@ -393,7 +393,6 @@ def ipv6_loopback() -> bool:
     return False
 
 
-@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
 class Logged(logging.Handler):
     """Sets ``seen`` once a record's message holds ``text``."""
 
@@ -407,6 +406,7 @@ class Logged(logging.Handler):
             self.seen.set()
 
 
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_status_and_logs_show_ipv6_addresses_in_brackets(tmp_path: Path) -> None:
     """STATUS (and inspect, which prints it) and the log write an IPv6 address as ``[::1]:7883``,
     as the configuration does, never ``::1:7883`` (the port not told from the address): the

@@ -30,7 +30,13 @@ class ReplicationListenError(ReplicationError):
 
 class PromotionRefusedError(ReplicationError):
     """A promotion asked for while another one is under way or a primary end serves already:
-    refused, and nothing of the node changes (no second primary end, which nothing would close)."""
+    refused before any step of the promotion, so nothing of the node changes (no second
+    primary end, which nothing would close)."""
+
+
+class PromotionStoppedError(ReplicationError):
+    """A promotion ended by the broker's stop before the node served as primary: not a failure
+    (nothing to retry, nothing to report), and not a success (the node never served)."""
 
 
 def _os_reason(exc: OSError | ValueError) -> str:

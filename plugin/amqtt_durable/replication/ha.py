@@ -46,13 +46,14 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from .coordinator import Coordinator, Leader, Member
-from .errors import CoordinatorError
+from .errors import CoordinatorError, PromotionStoppedError
 
 log = logging.getLogger("amqtt_durable.replication")
 
 Role = Literal["primary", "backup"]
-Action = Literal["renewed", "retry", "demoted", "follow", "wait", "promoted", "bootstrapped"]
-"""A failed promotion is a "wait" (logged as an ERROR when it happens)."""
+Action = Literal["renewed", "retry", "demoted", "follow", "wait", "promoted", "bootstrapped", "stopped"]
+"""A failed promotion is a "wait" (logged as an ERROR when it happens); one ended by the
+broker's stop is "stopped"."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,8 @@ class HaHooks(Protocol):
 
     async def promote(self) -> None:
         """Become primary: stop the backup end, start the primary end, accept clients. Raises
-        (and is left a backup) when the broker cannot serve: the HA loop releases the lease."""
+        (and is left a backup) when the broker cannot serve: the HA loop releases the lease;
+        PromotionStoppedError when the broker's stop ended it: the lease is released too."""
 
     def demote(self, reason: str) -> None:
         """Stop acknowledging publishes now (synchronously), then close client connections
@@ -243,11 +245,18 @@ class HaNode:
                     return Decision("wait", f"{why}, but another node took the lease first")
         except (CoordinatorError, TimeoutError) as exc:
             return Decision("wait", f"the coordinator does not answer ({_why(exc)}): staying a backup", True)
+        return await self._promote_with_lease(started, action, why)
+
+    async def _promote_with_lease(self, started: float, action: Action, why: str) -> Decision:
+        """The lease taken (asked for at ``started``): become primary, or give it back."""
         self.valid_until = started + self.ttl
         self.role = "primary"
         self._arm_deadline()
         try:
             await self.hooks.promote()
+        except PromotionStoppedError:
+            await self._give_back()
+            return Decision("stopped", f"{why}, but the broker stops: the promotion ended, the lease is released")
         except Exception as exc:  # the store would not load, say: stay a backup, try again later
             self._bootstrap_failed = action == "bootstrapped"
             self._promotion_failed = True
@@ -266,6 +275,11 @@ class HaNode:
             self.me.name,
             exc,
         )
+        await self._give_back()
+        return Decision("wait", f"the promotion failed ({exc}): released the lease, still a backup")
+
+    async def _give_back(self) -> None:
+        """A promotion that did not make this node primary: a backup again, the lease released."""
         self.role = "backup"
         self.valid_until = 0.0
         if self._deadline is not None:
@@ -274,7 +288,6 @@ class HaNode:
         with contextlib.suppress(CoordinatorError, TimeoutError):
             async with asyncio.timeout(self.demote_margin):
                 await self.coordinator.release(self.me)
-        return Decision("wait", f"the promotion failed ({exc}): released the lease, still a backup")
 
     def _follow(self, leader: Leader) -> Decision:
         if leader.name == self.me.name:

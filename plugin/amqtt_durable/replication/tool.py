@@ -8,7 +8,7 @@ import json
 import ssl
 from typing import Any
 
-from durable_protocol.hostport import split_host_port
+from durable_protocol.hostport import join_host_port, split_host_port
 
 from .auth import AuthError, client_handshake, error_text
 from .errors import FrameError, ReplicationError
@@ -26,10 +26,27 @@ def split_address(address: str) -> tuple[str, int]:
         raise ReplicationError(f"replication address {address!r}: {exc} (its replication.listen)") from None
 
 
+def split_peer_address(address: str, written_in: str) -> tuple[str, int]:
+    """(host, port) of an address another node wrote (``written_in`` names where, for the error:
+    the coordinator's leader key), read leniently: bracketed as split_address reads it, or an IPv6
+    host without brackets with the port after the last colon (``2001:db8::10:7883``), as a node
+    from before addresses were bracketed publishes its replication.listen. Such a node cannot be
+    corrected by this one, and failing to read it would leave this node following nobody; the
+    configuration is still read strictly (split_address), where the operator can fix it."""
+    try:
+        return split_host_port(address)
+    except ValueError as exc:
+        host, _, port = address.rpartition(":")
+        if ":" in host and not {"[", "]", "\0"} & set(host) and port.isdigit() and 0 < int(port) < 65536:
+            return host, int(port)
+        raise ReplicationError(f"replication address {address!r} in {written_in}: {exc}") from None
+
+
 def join_address(host: str, port: int) -> str:
     """``host:port`` as split_address reads it back and as the configuration writes it: an IPv6
-    host in brackets (``[::1]:7883``), so the port is told from the address where one is shown."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    host in brackets (``[::1]:7883``), so the port is told from the address where one is shown
+    (durable_protocol.hostport.join_host_port)."""
+    return join_host_port(host, port)
 
 
 async def ask(
