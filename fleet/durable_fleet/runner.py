@@ -240,8 +240,7 @@ class FleetRun:
         prepare_out(self.out)
         for name in ("logs", "state", "workers"):
             (self.out / name).mkdir(parents=True)
-        if self.o.faults:
-            dump_schedule(self.o.faults, self.out / "schedule.yaml")
+        dump_schedule(self.o.faults, self.out / "schedule.yaml")  # none too: replayable with --schedule
 
     def _start_broker(self) -> int:
         if self.o.config is None:

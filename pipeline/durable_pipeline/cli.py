@@ -1,8 +1,8 @@
 """``durable-pipeline``: the pipeline's console entry, one subcommand per job.
 
     durable-pipeline audit INPUT... --out DIR --expect exactly-once|at-least-once
-                           [--ignore-order] [--count-qos0] [--master local[2]]
-    durable-pipeline demo [--out ./out] [--events 2000] [--devices 3] [--master local[2]]
+                           [--ignore-order] [--count-qos0] [--master local[2,4]]
+    durable-pipeline demo [--out ./out] [--events 2000] [--devices 3] [--master local[2,4]]
 
 Exit status: 0 the guarantee holds, 1 it does not, 2 the job could not run (bad input, no
 Java): the message on stderr says what and what to do.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import PipelineError
-from .spark import DEFAULT_MASTER
+from .spark import DEFAULT_MASTER, check_master
 
 if TYPE_CHECKING:
     from .audit import AuditResult
@@ -77,10 +77,12 @@ def _add_audit(subcommands: Subcommands) -> None:
 
 def _run_audit(args: argparse.Namespace) -> int:
     from .audit import run_audit  # noqa: PLC0415 - pyspark loads only when a job runs
-    from .logs import check_local_inputs  # noqa: PLC0415
+    from .logs import check_local_inputs, check_out_folder  # noqa: PLC0415
     from .spark import job_session  # noqa: PLC0415
 
-    check_local_inputs(args.inputs)  # a wrong local path or file fails before a JVM starts
+    check_master(args.master)  # a wrong master, local path, file or --out fails before a JVM starts
+    check_local_inputs(args.inputs)
+    check_out_folder(args.out)
     # main() called in a process that already runs a SparkSession, in any thread (a notebook, a test), audits with
     # that one (--master is then not used) and leaves it running with its settings and log level as they were:
     # only a session the job started is the job's to stop (or to set up: get_session).
@@ -137,6 +139,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     if args.events < 2 or args.devices < 1:
         raise PipelineError("the demo needs --events 2 or more and --devices 1 or more")
+    check_master(args.master)  # before the demo's broker and devices start
     result = run_demo(Path(args.out), events=args.events, devices=args.devices, master=args.master)
     print(f"published {result.events_published} events; {result.events_in_parquet} in {args.out}/events (Parquet)")
     print(format_summary(result.audit))

@@ -160,6 +160,16 @@ def check_local_inputs(inputs: Sequence[str]) -> None:
             _check_format(os.path.abspath(raw), functools.partial(_local_head, raw))
 
 
+def check_out_folder(out: str | os.PathLike[str]) -> None:
+    """``--out`` is a local folder on the driver: a URI (hdfs://, s3a://, file://) is refused, not taken for a
+    local folder named after it."""
+    if _URI.match(os.fspath(out)):
+        raise AuditInputError(
+            f"--out {os.fspath(out)} is a URI: the summary, report and charts go to a local folder on the driver "
+            "(the machine running the audit); name a local path"
+        )
+
+
 def _missing(raw: str) -> AuditInputError:
     return AuditInputError(f"input {raw} does not exist: give a delivery-log file or a folder of them")
 

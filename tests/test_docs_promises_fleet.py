@@ -1,0 +1,88 @@
+"""docs/fleet.md's promises not pinned elsewhere: the options' defaults as the page gives them, bad options
+(a port, the audit's master) stopping the run before it starts with exit status 2, and schedule.yaml written
+for every run. No broker, device or Spark job runs here (test_fleet.py runs the fleet)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from amqtt_durable.cli import PLUGIN_PATH
+from durable_fleet.cli import build_parser, options_from
+from durable_fleet.runner import FleetOptions, FleetRun
+from durable_fleet.schedule import load_schedule
+
+BROKER_YAML = {
+    "listeners": {"default": {"type": "tcp", "bind": "127.0.0.1:1883"}},
+    "plugins": {
+        "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
+        PLUGIN_PATH: {"store": "./data/durable"},
+    },
+}
+
+
+@pytest.fixture
+def broker_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ./broker.yaml in the current folder, the page's default `-c`."""
+    (tmp_path / "broker.yaml").write_text(yaml.safe_dump(BROKER_YAML), encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "broker.yaml"
+
+
+def test_the_defaults_the_page_gives(broker_yaml: Path) -> None:
+    """`amqtt-durable fleet`: 20 devices, 100 msg/s, 45 s, 10 faults (drop=3,stall=3,broker_kill=1,
+    device_restart=3), `-c` ./broker.yaml, `--keepalive` 4 s, `--drain-timeout` 60 s, the audit's `--master`
+    local[2], `--out` ./fleet-out, `--prefix` dev-, every 10th message to fleet/broadcast, cpl1, cpl2 and paho;
+    random faults between 5 s after the start and 15 s before the end, stalls 1.5 to 2.5 keep-alives."""
+    parser = build_parser()
+    options = options_from(parser.parse_args(["--seed", "7"]), parser)
+    assert options.config is not None and options.config["plugins"][PLUGIN_PATH] == {"store": "./data/durable"}
+    assert (options.devices, options.rate, options.duration, options.keepalive, options.drain_timeout) == (
+        20, 100.0, 45.0, 4, 60.0
+    )
+    assert (options.master, options.out, options.prefix, options.broadcast_every, options.qos) == (
+        "local[2]", Path("fleet-out"), "dev-", 10, 1
+    )
+    assert dict(options.mix) == {"cpl1": 1, "cpl2": 1, "paho": 1}
+    assert Counter(fault.kind for fault in options.faults) == {
+        "drop": 3, "stall": 3, "broker_kill": 1, "device_restart": 3
+    }
+    assert options.schedule_note == "random, --seed 7"
+    for fault in options.faults:
+        assert fault.at >= 5.0 and fault.at + fault.duration <= 45.0 - 15.0, fault
+        if fault.kind == "stall":
+            assert 1.5 * 4 <= fault.duration <= 2.5 * 4, fault
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--port", "70000"], "--port must be a TCP port from 1 to 65535, got 70000"),
+        (["--port", "0"], "--port must be a TCP port from 1 to 65535, got 0"),
+        (["--master", "nowhere"], "--master 'nowhere' is not a Spark master URL"),
+        (["--master", "local[0]"], "--master 'local[0]' is not a Spark master URL"),
+    ],
+)
+def test_a_bad_port_or_master_stops_the_run_before_it_starts(
+    broker_yaml: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    """"A bad schedule, option or broker.yaml stops the run before it starts, with exit status 2": a port no
+    broker can have (it made every device fail to connect until the 120 s ready timeout) and a master Spark does
+    not take (found only by the audit, after the whole run)."""
+    parser = build_parser()
+    with pytest.raises(SystemExit) as stopped:
+        options_from(parser.parse_args(["--out", str(broker_yaml.parent / "out"), *args]), parser)
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (broker_yaml.parent / "out").exists()
+
+
+def test_a_run_without_faults_writes_a_schedule_that_replays(tmp_path: Path) -> None:
+    """"The schedule used is written to `OUT/schedule.yaml`; replay a run with `--schedule
+    OUT/schedule.yaml`": for a run without faults too (`--faults ""` or an empty script)."""
+    out = tmp_path / "fleet-out"
+    FleetRun(FleetOptions(out=out, config={}, faults=[]))._prepare()
+    assert load_schedule(out / "schedule.yaml", devices=["dev-000"], duration=45.0) == []
