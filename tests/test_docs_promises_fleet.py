@@ -4,6 +4,8 @@ for every run. No broker, device or Spark job runs here (test_fleet.py runs the 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -86,3 +88,19 @@ def test_a_run_without_faults_writes_a_schedule_that_replays(tmp_path: Path) -> 
     out = tmp_path / "fleet-out"
     FleetRun(FleetOptions(out=out, config={}, faults=[]))._prepare()
     assert load_schedule(out / "schedule.yaml", devices=["dev-000"], duration=45.0) == []
+
+
+def test_without_the_pipeline_extra_the_fleet_exits_2_before_it_runs(broker_yaml: Path) -> None:
+    """pipeline.md: without the `pipeline` extra `amqtt-durable fleet` exits with status 2 saying so, before
+    the run (the audit needs pyspark; it was found missing only once the run was over, exit status 3)."""
+    out = broker_yaml.parent / "out"
+    args = ["fleet", "-c", str(broker_yaml), "--out", str(out), "--devices", "1", "--duration", "1",
+            "--faults", "", "--drain-timeout", "1", "--quiet"]
+    code = (
+        "import sys; sys.modules['pyspark'] = None\n"
+        f"from durable_fleet.console import main\nsys.exit(main({args!r}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "needs the pipeline extra (pip install 'amqtt-durable[pipeline]')" in done.stderr, done.stderr
+    assert not out.exists()

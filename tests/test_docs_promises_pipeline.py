@@ -149,3 +149,18 @@ def test_out_is_a_local_folder_a_uri_is_bad_input(tmp_path: Path, out: str) -> N
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert f"--out {out} is a URI" in done.stderr and "local path" in done.stderr, done.stderr
     assert list(work.iterdir()) == []
+
+
+def test_without_the_pipeline_extra_the_command_exits_2_saying_so(tmp_path: Path) -> None:
+    """"an operator who only runs the broker can `pip install amqtt-durable` without it, and then
+    `durable-pipeline` ... exit with status 2 saying so": pyspark made unimportable in the child."""
+    log = write_good_log(tmp_path)
+    code = (
+        "import sys; sys.modules['pyspark'] = None\n"
+        "from durable_pipeline.cli import main\n"
+        f"sys.exit(main(['audit', {str(log)!r}, '--out', {str(tmp_path / 'audit')!r}, '--expect', 'exactly-once']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "need the pipeline extra (pip install 'amqtt-durable[pipeline]')" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

@@ -7,6 +7,7 @@ plugin). ``fleet`` is loaded only when asked for: it needs the pipeline extra (S
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from amqtt_durable.cli import EXIT_BAD_INPUT, add_commands, exit_process, run
@@ -26,9 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PIPELINE_EXTRA = ("pyspark", "pandas", "matplotlib", "psutil")
+"""What the fleet needs beyond the broker (the ``pipeline`` extra): imported before the run, not found missing
+by the audit once the run is over."""
+
+
 def _fleet(argv: list[str]) -> int:
     try:
         from durable_fleet.cli import main as fleet_main  # noqa: PLC0415 - Spark and matplotlib only here
+
+        for module in PIPELINE_EXTRA:
+            importlib.import_module(module)  # the Python packages only: no JVM starts
     except ImportError as exc:
         print(f"amqtt-durable fleet needs the pipeline extra (pip install 'amqtt-durable[pipeline]'): {exc}",
               file=sys.stderr)

@@ -5,7 +5,7 @@
     durable-pipeline demo [--out ./out] [--events 2000] [--devices 3] [--master local[2,4]]
 
 Exit status: 0 the guarantee holds, 1 it does not, 2 the job could not run (bad input, no
-Java): the message on stderr says what and what to do.
+Java, no pipeline extra): the message on stderr says what and what to do.
 
 Adding a subcommand: write ``_add_NAME(subcommands)`` that adds its parser and sets
 ``run=`` to a function of the parsed arguments returning the exit status, and list it in
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 EXIT_HOLDS = 0
 EXIT_FAILS = 1
 EXIT_ERROR = 2
+PIPELINE_EXTRA = ("pyspark", "pandas", "pyarrow", "py4j", "matplotlib")
+"""The ``pipeline`` extra's packages (pyspark[sql] brings pandas, pyarrow and py4j)."""
 MAX_ROWS_PRINTED = 50
 """Devices printed; the report and summary.parquet have all of them."""
 
@@ -172,6 +174,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         status: int = args.run(args)
     except PipelineError as exc:
         print(f"durable-pipeline {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except ModuleNotFoundError as exc:  # installed without the pipeline extra: say so, not a traceback
+        if (exc.name or "").partition(".")[0] not in PIPELINE_EXTRA:
+            raise
+        print(
+            f"durable-pipeline {args.command}: error: the Spark jobs need the pipeline extra "
+            f"(pip install 'amqtt-durable[pipeline]'): {exc}",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
     return status
 
