@@ -164,3 +164,31 @@ def test_without_the_pipeline_extra_the_command_exits_2_saying_so(tmp_path: Path
     assert done.returncode == 2, done.stderr
     assert "need the pipeline extra (pip install 'amqtt-durable[pipeline]')" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def run_demo_cli(out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, "demo", "--out", str(out), "--events", "2", "--devices", "1"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+
+
+def test_the_demo_refuses_an_out_folder_of_other_things_and_deletes_nothing(tmp_path: Path) -> None:
+    """The demo: exit status "2 for bad options, or an `--out` that holds other things and no earlier demo
+    (refused, so nothing of yours is deleted)": it replaced the logs/, store/, events/ ... of any folder."""
+    out = tmp_path / "project"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "mine.txt").write_text("keep", encoding="utf-8")
+    done = run_demo_cli(out)
+    assert done.returncode == 2, done.stderr
+    assert f"--out {out} is not empty and holds no earlier demo" in done.stderr, done.stderr
+    assert (out / "logs" / "mine.txt").read_text(encoding="utf-8") == "keep"
+    assert sorted(p.name for p in out.iterdir()) == ["logs"]
+
+
+def test_the_demo_refuses_an_out_that_is_a_file(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.write_text("a file", encoding="utf-8")
+    done = run_demo_cli(out)
+    assert done.returncode == 2, done.stderr
+    assert f"--out {out} is a file, not a folder" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -24,6 +24,10 @@ from .spark import job_session
 
 STREAM_FILTER = "telemetry/#"
 WAIT = 60.0
+STALE = ("store", "logs", "events", "checkpoint", "audit")
+"""Sub-folders of ``out`` an earlier demo left: a new demo replaces them."""
+MARKER = ".amqtt-durable-demo"
+"""In every demo's output folder: a folder with other things in it and no marker is not the demo's to clear."""
 
 
 @dataclass
@@ -78,11 +82,25 @@ def _device(name: str, port: int, logs: Path, counter: _Counter) -> DurableClien
     return device
 
 
-def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "local[2]") -> DemoResult:
-    """Run the whole demo into ``out`` (created; an earlier demo there is replaced)."""
+def prepare_out(out: Path) -> None:
+    """``out`` made, an earlier demo's results cleared from it; PipelineError for a folder that is not a demo's
+    (its store, logs, events, checkpoint and audit sub-folders would be deleted) or for a file."""
+    if out.exists() and not out.is_dir():
+        raise PipelineError(f"--out {out} is a file, not a folder: name a new or empty folder")
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise PipelineError(
+            f"--out {out} is not empty and holds no earlier demo (the demo replaces its {', '.join(STALE)} "
+            "sub-folders): choose a new or empty folder"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("store", "logs", "events", "checkpoint", "audit"):
+    (out / MARKER).touch()
+    for stale in STALE:
         shutil.rmtree(out / stale, ignore_errors=True)
+
+
+def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "local[2]") -> DemoResult:
+    """Run the whole demo into ``out`` (created; an earlier demo there is replaced: :func:`prepare_out`)."""
+    prepare_out(out)
     logs = out / "logs"
     logs.mkdir()
     broker = _start_broker(out)
