@@ -104,3 +104,20 @@ def test_without_the_pipeline_extra_the_fleet_exits_2_before_it_runs(broker_yaml
     assert done.returncode == 2, done.stderr
     assert "needs the pipeline extra (pip install 'amqtt-durable[pipeline]')" in done.stderr, done.stderr
     assert not out.exists()
+
+
+def test_an_earlier_runs_results_are_replaced(tmp_path: Path) -> None:
+    """"Output in `--out` (...; an earlier run's results are replaced)": its logs, audit, workers, store,
+    report.html, charts, broker.yaml and broker.log go before a new run writes its own."""
+    out = tmp_path / "fleet-out"
+    FleetRun(FleetOptions(out=out, config={}, faults=[]))._prepare()
+    for folder in ("logs/dev-000.jsonl", "audit/summary.parquet", "workers/devices-0.log", "store/CURRENT",
+                   "brokers/a/broker.log", "etcd/etcd.log"):
+        (out / folder).parent.mkdir(parents=True, exist_ok=True)
+        (out / folder).write_text("earlier", encoding="utf-8")
+    for name in ("report.html", "fleet_queue_depth.png", "broker.yaml", "broker.log"):
+        (out / name).write_text("earlier", encoding="utf-8")
+    FleetRun(FleetOptions(out=out, config={}, faults=[]))._prepare()
+    left = sorted(str(path.relative_to(out)) for path in out.rglob("*") if path.is_file())
+    assert left == [".amqtt-durable-fleet", "schedule.yaml"]
+    assert sorted(path.name for path in out.iterdir() if path.is_dir()) == ["logs", "state", "workers"]

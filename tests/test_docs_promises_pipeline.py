@@ -192,3 +192,19 @@ def test_the_demo_refuses_an_out_that_is_a_file(tmp_path: Path) -> None:
     done = run_demo_cli(out)
     assert done.returncode == 2, done.stderr
     assert f"--out {out} is a file, not a folder" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_every_extension_the_page_lists_is_told_without_reading_the_file(tmp_path: Path) -> None:
+    """"A file is told JSON lines or Parquet by its extension, a final `.gz` aside (`.jsonl`, `.json`,
+    `.ndjson`; `.parquet`, `.parq`)": such files pass the check before Spark starts whatever they hold (Spark's
+    read checks the content); without one, the first bytes decide."""
+    from durable_pipeline.errors import AuditInputError  # noqa: PLC0415
+    from durable_pipeline.logs import check_local_inputs  # noqa: PLC0415
+
+    names = ["a.jsonl", "b.json", "c.ndjson", "d.parquet", "e.parq", "f.ndjson.gz", "g.parq.gz", "h.JSONL"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"\x00 not looked at")
+    check_local_inputs([str(tmp_path / name) for name in names])
+    (tmp_path / "i.log").write_bytes(b"\x00 looked at")
+    with pytest.raises(AuditInputError, match=r"i\.log is neither JSON lines nor Parquet"):
+        check_local_inputs([str(tmp_path / "i.log")])
