@@ -4,6 +4,8 @@ for every run. No broker, device or Spark job runs here (test_fleet.py runs the 
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
 from collections import Counter
@@ -66,6 +68,7 @@ def test_the_defaults_the_page_gives(broker_yaml: Path) -> None:
         (["--port", "0"], "--port must be a TCP port from 1 to 65535, got 0"),
         (["--master", "nowhere"], "--master 'nowhere' is not a Spark master URL"),
         (["--master", "local[0]"], "--master 'local[0]' is not a Spark master URL"),
+        (["--out", "hdfs://namenode/fleet"], "is a URI"),
     ],
 )
 def test_a_bad_port_or_master_stops_the_run_before_it_starts(
@@ -73,7 +76,8 @@ def test_a_bad_port_or_master_stops_the_run_before_it_starts(
 ) -> None:
     """"A bad schedule, option or broker.yaml stops the run before it starts, with exit status 2": a port no
     broker can have (it made every device fail to connect until the 120 s ready timeout) and a master Spark does
-    not take (found only by the audit, after the whole run)."""
+    not take (found only by the audit, after the whole run); an --out URI (a local folder named after it was
+    made, and the audit refused it after the run)."""
     parser = build_parser()
     with pytest.raises(SystemExit) as stopped:
         options_from(parser.parse_args(["--out", str(broker_yaml.parent / "out"), *args]), parser)
@@ -121,3 +125,17 @@ def test_an_earlier_runs_results_are_replaced(tmp_path: Path) -> None:
     left = sorted(str(path.relative_to(out)) for path in out.rglob("*") if path.is_file())
     assert left == [".amqtt-durable-fleet", "schedule.yaml"]
     assert sorted(path.name for path in out.iterdir() if path.is_dir()) == ["logs", "state", "workers"]
+
+
+def test_every_fleet_command_the_docs_show_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fleet.md's and README's `amqtt-durable fleet` command lines (with the repository's broker.yaml and
+    examples/fleet_schedule.yaml) pass the checks that stop a run before it starts."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    text = (root / "docs" / "fleet.md").read_text(encoding="utf-8") + (root / "README.md").read_text(encoding="utf-8")
+    commands = sorted(set(re.findall(r"amqtt-durable fleet[^`#\n]*", text)))
+    assert len(commands) >= 5, commands
+    for command in commands:
+        parser = build_parser()
+        options = options_from(parser.parse_args([*shlex.split(command)[2:], "--seed", "1"]), parser)
+        assert options.config is not None, command

@@ -208,3 +208,15 @@ def test_every_extension_the_page_lists_is_told_without_reading_the_file(tmp_pat
     (tmp_path / "i.log").write_bytes(b"\x00 looked at")
     with pytest.raises(AuditInputError, match=r"i\.log is neither JSON lines nor Parquet"):
         check_local_inputs([str(tmp_path / "i.log")])
+
+
+def test_the_demo_refuses_an_out_uri_before_its_broker_starts(tmp_path: Path) -> None:
+    """The demo's `--out` is a local folder, as the audit's: a URI is bad input (exit status 2) before anything
+    runs; no local folder named after it is made."""
+    done = subprocess.run(
+        [*CLI, "demo", "--out", "hdfs://namenode/demo", "--events", "2", "--devices", "1"],
+        capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--out hdfs://namenode/demo is a URI" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -21,7 +21,7 @@ from typing import cast
 from amqtt_durable.cli import load_broker_config
 from amqtt_durable.errors import ConfigError
 from durable_pipeline.errors import PipelineError
-from durable_pipeline.spark import check_master
+from durable_pipeline.spark import check_master, check_out_folder
 
 from .errors import BrokerLostError, FleetError, ScheduleError
 from .model import ALL_FAULT_KINDS, DEVICE_KINDS, DeviceKind, FaultKind
@@ -126,6 +126,7 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"--prefix {args.prefix!r}: use letters, digits and _ . : - only (it is in topic names)")
     try:
         check_master(args.master)  # the audit's; Spark starts only after the run
+        check_out_folder(args.out)  # a local folder: the audit writes under it
     except PipelineError as exc:
         parser.error(str(exc))
     _check_target(args, parser)

@@ -57,8 +57,9 @@ from pyspark.sql import Column, DataFrame, Row, SparkSession, Window
 from pyspark.sql import functions as sf
 
 from .errors import AuditInputError
-from .logs import CACHE_LEVEL, DeliveryLogs, check_out_folder, read_logs, unpersist
+from .logs import CACHE_LEVEL, DeliveryLogs, read_logs, unpersist
 from .report import write_report
+from .spark import check_out_folder
 from .topics import topic_filter_pairs
 
 Guarantee = Literal["exactly-once", "at-least-once"]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import PipelineError
-from .spark import DEFAULT_MASTER, check_master
+from .spark import DEFAULT_MASTER, check_master, check_out_folder
 
 if TYPE_CHECKING:
     from .audit import AuditResult
@@ -79,7 +79,7 @@ def _add_audit(subcommands: Subcommands) -> None:
 
 def _run_audit(args: argparse.Namespace) -> int:
     from .audit import run_audit  # noqa: PLC0415 - pyspark loads only when a job runs
-    from .logs import check_local_inputs, check_out_folder  # noqa: PLC0415
+    from .logs import check_local_inputs  # noqa: PLC0415
     from .spark import job_session  # noqa: PLC0415
 
     check_master(args.master)  # a wrong master, local path, file or --out fails before a JVM starts
@@ -142,6 +142,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     if args.events < 2 or args.devices < 1:
         raise PipelineError("the demo needs --events 2 or more and --devices 1 or more")
     check_master(args.master)  # before the demo's broker and devices start
+    check_out_folder(args.out)
     result = run_demo(Path(args.out), events=args.events, devices=args.devices, master=args.master)
     print(f"published {result.events_published} events; {result.events_in_parquet} in {args.out}/events (Parquet)")
     print(format_summary(result.audit))

@@ -49,6 +49,7 @@ from pyspark.sql.types import (
 )
 
 from .errors import AuditInputError
+from .spark import URI
 
 log = logging.getLogger("durable_pipeline.logs")
 Format = Literal["json", "parquet"]
@@ -94,7 +95,7 @@ one block, unrolled in the heap and read back whole from disk: 10M records in 3 
 did not fit Spark's default 1 GB heap (bench/RESULTS.md); on disk, the heap holds only batches."""
 SCHEMA_READERS = 8
 """Parquet schemas read at once: each is a small Spark job, mostly waiting on the driver."""
-_URI = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/")
+_URI = URI
 """An input that names a file system (``hdfs://nn/x``, ``file:/x``); anything else is a local path."""
 
 
@@ -158,16 +159,6 @@ def check_local_inputs(inputs: Sequence[str]) -> None:
             raise _missing(raw)
         if os.path.isfile(raw):
             _check_format(os.path.abspath(raw), functools.partial(_local_head, raw))
-
-
-def check_out_folder(out: str | os.PathLike[str]) -> None:
-    """``--out`` is a local folder on the driver: a URI (hdfs://, s3a://, file://) is refused, not taken for a
-    local folder named after it."""
-    if _URI.match(os.fspath(out)):
-        raise AuditInputError(
-            f"--out {os.fspath(out)} is a URI: the summary, report and charts go to a local folder on the driver "
-            "(the machine running the audit); name a local path"
-        )
 
 
 def _missing(raw: str) -> AuditInputError:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from .errors import PipelineError
+from .errors import AuditInputError, PipelineError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -30,6 +30,18 @@ _MASTER = re.compile(
     r"|yarn|(spark|k8s)://\S+"
 )
 """The master URLs Spark takes (SparkMasterRegex, and SparkSubmit's yarn, spark:// and k8s://)."""
+URI = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/")
+"""A path that names a file system (``hdfs://nn/x``, ``file:/x``); anything else is a local path."""
+
+
+def check_out_folder(out: str | os.PathLike[str]) -> None:
+    """``--out`` is a local folder on the driver: a URI (hdfs://, s3a://, file://) is refused, not taken for a
+    local folder named after it."""
+    if URI.match(os.fspath(out)):
+        raise AuditInputError(
+            f"--out {os.fspath(out)} is a URI: the summary, report and charts go to a local folder on the driver "
+            "(the machine running the audit); name a local path"
+        )
 
 
 def check_master(master: str) -> None:
