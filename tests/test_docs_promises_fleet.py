@@ -8,16 +8,20 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
 from amqtt_durable.cli import PLUGIN_PATH
+from conftest import Broker
 from durable_fleet.cli import build_parser, options_from
 from durable_fleet.runner import FleetOptions, FleetRun
 from durable_fleet.schedule import load_schedule
+from durable_fleet.worker import PublisherSpec, WorkerSpec
 
 BROKER_YAML = {
     "listeners": {"default": {"type": "tcp", "bind": "127.0.0.1:1883"}},
@@ -139,3 +143,44 @@ def test_every_fleet_command_the_docs_show_is_accepted(monkeypatch: pytest.Monke
         parser = build_parser()
         options = options_from(parser.parse_args([*shlex.split(command)[2:], "--seed", "1"]), parser)
         assert options.config is not None, command
+
+
+def test_a_publisher_whose_harness_was_killed_outright_stops_by_itself_within_a_second(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """"processes whose harness was killed outright notice it within a second and stop by themselves": a publisher
+    (publishing to a real broker) noticed its parent's death but went on publishing until its thread's join
+    timed out (10 s). Its parent here is a stand-in harness, SIGKILLed once the publisher has logged sends."""
+    (tmp_path / "logs").mkdir()
+    spec = WorkerSpec(
+        device_port=broker.port, broker_host="127.0.0.1", broker_port=broker.port, logs=str(tmp_path / "logs"),
+        state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False,
+        publisher=PublisherSpec("pub-0", 50.0, ["dev-000"], 0, 0, 64, 1),
+    )
+    spec.dump(tmp_path / "publisher.json")
+    argv = [sys.executable, "-m", "durable_fleet.worker", str(tmp_path / "publisher.json")]
+    harness_code = (
+        "import subprocess, sys, threading\n"
+        f"worker = subprocess.Popen({argv!r})\n"
+        "print(worker.pid, flush=True)\n"
+        "threading.Event().wait(120)  # until SIGKILLed\n"
+    )
+    harness = subprocess.Popen([sys.executable, "-c", harness_code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert harness.stdout is not None
+        worker = psutil.Process(int(harness.stdout.readline()))
+        sends = tmp_path / "logs" / "pub-0.jsonl"
+        deadline = time.monotonic() + 30
+        while not (sends.exists() and sends.stat().st_size > 0):  # the publisher is publishing
+            assert time.monotonic() < deadline, "the publisher logged no send within 30 s"
+            assert worker.is_running(), "the publisher exited"
+            time.sleep(0.05)  # polling a file another process writes; bounded by the deadline
+        harness.kill()
+        harness.wait(10)
+        killed = time.monotonic()
+        worker.wait(10)  # psutil.TimeoutExpired if it is still running then
+        # It looks for its parent once a second, then stops its thread and waits for the last PUBACKs.
+        assert time.monotonic() - killed < 5.0  # main: over 10 s
+    finally:
+        harness.kill()
+        harness.wait(10)

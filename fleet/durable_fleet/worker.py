@@ -243,6 +243,7 @@ class Publisher:
             client.reconnect_delay_set(3600, 3600)  # paho must not resume this connection: a new client does
             client.on_connect = _set_connected
             client.on_publish = self._on_publish
+            client.on_disconnect = self._on_disconnect
             try:
                 client.connect(self.spec.broker_host, self.spec.broker_port, self.spec.keepalive)
             except OSError:
@@ -272,6 +273,10 @@ class Publisher:
                 self.log.send(message[0], message[1], self.p.qos)
             self.settled.notify_all()
 
+    def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        with self.lock:
+            self.settled.notify_all()  # no PUBACK comes any more: run() stops waiting for them
+
     def _publish(self, client: mqtt.Client, k: int) -> None:
         topic, payload = self._message(k)
         info = client.publish(topic, payload, self.p.qos)
@@ -300,8 +305,8 @@ class Publisher:
                 continue
             stop.wait(min(0.05, 1.0 / self.p.rate))
         if client is not None:
-            with self.lock:  # the last PUBACKs, bounded
-                self.settled.wait_for(lambda: not self.inflight, CLOSE_TIMEOUT)
+            with self.lock:  # the last PUBACKs, bounded; none comes once the connection is gone
+                self.settled.wait_for(lambda: not self.inflight or not client.is_connected(), CLOSE_TIMEOUT)
             client.disconnect()
             client.loop_stop()
         self.log.close()
@@ -336,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parent = os.getppid()
     while not stop.wait(1.0):  # the 1 s wake-up also lets the SIGTERM handler run in the main thread
         if os.getppid() != parent:  # the harness died without stopping us: stop, leave nothing running
+            stop.set()  # the publishers' threads end on it (else each join waited CLOSE_TIMEOUT)
             break
     for thread in threads:
         thread.join(CLOSE_TIMEOUT)
