@@ -156,6 +156,33 @@ def _exited(pidfd: int, timeout: float) -> bool:
     return bool(poller.poll(timeout * 1000))
 
 
+def _stand_in_harness(spec: WorkerSpec, path: Path, then: str) -> subprocess.Popen[str]:
+    """A stand-in for the runner: it writes ``spec`` to ``path`` with its own PID as the harness's, starts a
+    worker on it, prints the worker's PID, then runs ``then`` (Python); its stderr (and the worker's) to
+    ``path.with_suffix(".err")``."""
+    code = (
+        "import dataclasses, os, subprocess, sys, threading\n"
+        "from pathlib import Path\n"
+        "from durable_fleet.worker import WorkerSpec\n"
+        f"path = Path({str(path)!r})\n"
+        "dataclasses.replace(WorkerSpec.load(path), harness_pid=os.getpid()).dump(path)\n"
+        "worker = subprocess.Popen([sys.executable, '-m', 'durable_fleet.worker', str(path)])\n"
+        "print(worker.pid, flush=True)\n"
+        f"{then}\n"
+    )
+    spec.dump(path)
+    with path.with_suffix(".err").open("wb") as err:
+        return subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+        )
+
+
+def _worker_pidfd(harness: subprocess.Popen[str]) -> int:
+    """A pidfd for the worker whose PID the stand-in harness prints (it has not reaped it: still its PID)."""
+    assert harness.stdout is not None
+    return os.pidfd_open(int(harness.stdout.readline()))
+
+
 def test_a_publisher_whose_harness_was_killed_outright_stops_by_itself_within_a_second(
     broker: Broker, clients: Callable[..., Client], tmp_path: Path
 ) -> None:
@@ -168,22 +195,13 @@ def test_a_publisher_whose_harness_was_killed_outright_stops_by_itself_within_a_
     watcher.subscribe("fleet/#", 0)
     spec = WorkerSpec(
         device_port=broker.port, broker_host="127.0.0.1", broker_port=broker.port, logs=str(tmp_path / "logs"),
-        state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False,
+        state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False, harness_pid=0,
         publisher=PublisherSpec("pub-0", 50.0, ["dev-000"], 0, 0, 64, 1),
     )
-    spec.dump(tmp_path / "publisher.json")
-    argv = [sys.executable, "-m", "durable_fleet.worker", str(tmp_path / "publisher.json")]
-    harness_code = (
-        "import subprocess, sys, threading\n"
-        f"worker = subprocess.Popen({argv!r})\n"
-        "print(worker.pid, flush=True)\n"
-        "threading.Event().wait(120)  # until SIGKILLed\n"
-    )
-    harness = subprocess.Popen([sys.executable, "-c", harness_code], stdout=subprocess.PIPE, text=True)
+    harness = _stand_in_harness(spec, tmp_path / "publisher.json", "threading.Event().wait(120)  # until SIGKILLed")
     pidfd = -1
     try:
-        assert harness.stdout is not None
-        pidfd = os.pidfd_open(int(harness.stdout.readline()))  # its harness has not reaped it: still its PID
+        pidfd = _worker_pidfd(harness)
         assert watcher.wait_messages(1, 30), "the publisher's messages reached no subscriber within 30 s"
         assert not _exited(pidfd, 0), "the publisher exited"
         harness.kill()
@@ -192,6 +210,35 @@ def test_a_publisher_whose_harness_was_killed_outright_stops_by_itself_within_a_
         assert _exited(pidfd, CLOSE_TIMEOUT), f"the publisher still ran {CLOSE_TIMEOUT} s after its harness died"
         # It looks for its parent once a second, then stops its thread and waits for the last PUBACKs.
         assert time.monotonic() - killed < CLOSE_TIMEOUT - 2  # main: about 1 s + CLOSE_TIMEOUT
+    finally:
+        harness.kill()
+        harness.wait(10)
+        if pidfd >= 0:
+            if not _exited(pidfd, 0):  # the test failed: leave nothing running
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)
+
+
+def test_a_worker_whose_harness_died_before_it_looked_stops_by_itself(tmp_path: Path) -> None:
+    """The same promise when the harness dies while the worker is still starting: the worker took its parent
+    at that time for the harness (PID 1 by then) and never stopped. It now compares its parent with the PID
+    the runner writes into its spec."""
+    spec = WorkerSpec(
+        device_port=1, broker_host="127.0.0.1", broker_port=1, logs=str(tmp_path / "logs"),
+        state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False, harness_pid=0,
+    )
+    harness = _stand_in_harness(spec, tmp_path / "worker.json", "sys.stdin.readline()  # then exit")
+    pidfd = -1
+    try:
+        pidfd = _worker_pidfd(harness)
+        assert harness.stdin is not None
+        harness.stdin.write("\n")
+        harness.stdin.flush()
+        assert harness.wait(10) == 0
+        gone = time.monotonic()
+        assert _exited(pidfd, CLOSE_TIMEOUT), f"the worker still ran {CLOSE_TIMEOUT} s after its harness exited"
+        assert time.monotonic() - gone < 5.0  # its start (imports), then at once; main: never
+        assert "Traceback" not in (tmp_path / "worker.err").read_text(encoding="utf-8")
     finally:
         harness.kill()
         harness.wait(10)

@@ -271,6 +271,7 @@ class FleetRun:
             state_dir=str(self.out / "state"),
             keepalive=o.keepalive,
             end_sessions=o.config is None,
+            harness_pid=os.getpid(),
         )
         folder = self.out / "workers"
         processes = max(1, min(o.processes, o.devices))

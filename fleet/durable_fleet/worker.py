@@ -82,6 +82,9 @@ class WorkerSpec:
     keepalive: int
     end_sessions: bool
     """On SIGTERM, end the devices' sessions (a broker the harness did not start keeps no litter)."""
+    harness_pid: int
+    """The process that starts this one: once it is no longer the parent (it died, even before this
+    process looked), the worker stops by itself."""
     devices: list[DeviceSpec] = field(default_factory=list)
     publisher: PublisherSpec | None = None
 
@@ -338,11 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     threads = [threading.Thread(target=member.run, args=(stop,), name=member.name, daemon=True) for member in members]
     for thread in threads:
         thread.start()
-    parent = os.getppid()
-    while not stop.wait(1.0):  # the 1 s wake-up also lets the SIGTERM handler run in the main thread
-        if os.getppid() != parent:  # the harness died without stopping us: stop, leave nothing running
+    # Checked at once, then every second (the wake-up also lets the SIGTERM handler run in the main thread).
+    while not stop.is_set():
+        if os.getppid() != spec.harness_pid:  # the harness died without stopping us: stop, leave nothing running
             stop.set()  # the publishers' threads end on it (else each join waited CLOSE_TIMEOUT)
             break
+        stop.wait(1.0)
     for thread in threads:
         thread.join(CLOSE_TIMEOUT)
     status = 0
