@@ -227,6 +227,10 @@ class Publisher:
         """PUBACKs that beat publish() back to this thread. paho calls on_publish under its own
         lock, which publish() takes too, so ours is never held across publish()."""
         self.padding = b"." * max(0, publisher.payload_size - 24)
+        self.current: mqtt.Client | None = None
+        self.gone = False
+        """The current client's connection is lost: paho 2.2 calls on_disconnect before it marks the
+        connection lost, so is_connected() can still say True to a thread woken by that callback."""
 
     def _message(self, k: int) -> tuple[str, bytes]:
         p = self.p
@@ -247,6 +251,8 @@ class Publisher:
             client.on_connect = _set_connected
             client.on_publish = self._on_publish
             client.on_disconnect = self._on_disconnect
+            with self.lock:
+                self.current, self.gone = client, False
             try:
                 client.connect(self.spec.broker_host, self.spec.broker_port, self.spec.keepalive)
             except OSError:
@@ -278,6 +284,8 @@ class Publisher:
 
     def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         with self.lock:
+            if client is self.current:
+                self.gone = True
             self.settled.notify_all()  # no PUBACK comes any more: run() stops waiting for them
 
     def _publish(self, client: mqtt.Client, k: int) -> None:
@@ -309,7 +317,7 @@ class Publisher:
             stop.wait(min(0.05, 1.0 / self.p.rate))
         if client is not None:
             with self.lock:  # the last PUBACKs, bounded; none comes once the connection is gone
-                self.settled.wait_for(lambda: not self.inflight or not client.is_connected(), CLOSE_TIMEOUT)
+                self.settled.wait_for(lambda: not self.inflight or self.gone, CLOSE_TIMEOUT)
             client.disconnect()
             client.loop_stop()
         self.log.close()
