@@ -11,8 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from durable_pipeline.errors import SourceError
+from amqtt_durable.cli import PLUGIN_PATH
+from amqtt_durable.process import BrokerProcess, local_config
+from durable_pipeline.demo import MARKER, prepare_out
+from durable_pipeline.errors import PipelineError, SourceError
 from durable_pipeline.source import AmqttDurableDataSource, Options, _schema
 from durable_pipeline.spark import DEFAULT_MASTER
 
@@ -220,3 +224,42 @@ def test_the_demo_refuses_an_out_uri_before_its_broker_starts(tmp_path: Path) ->
     assert done.returncode == 2, done.stderr
     assert "--out hdfs://namenode/demo is a URI" in done.stderr, done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def _main_demo_output(out: Path) -> None:
+    """What the demo left in ``out`` before it wrote its marker: its folders (with something in them), the
+    broker's log and the broker.yaml it wrote, with the plugin settings the demo has always given it."""
+    for name in ("store", "logs", "events", "checkpoint", "audit"):
+        (out / name).mkdir(parents=True)
+        (out / name / "part").write_text("old", encoding="utf-8")
+    (out / "broker.log").write_text("old log\n", encoding="utf-8")
+    config = local_config(
+        {"plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}}, 1883,
+        store=str(out / "store"), metrics_interval=0, streams=[{"filter": "telemetry/#", "max_count": 1_000_000}],
+    )
+    BrokerProcess(config, out, 1883).write_config()
+
+
+def test_an_earlier_demo_from_before_the_marker_is_replaced(tmp_path: Path) -> None:
+    """"an earlier demo's results are replaced", also those of a demo that wrote no marker yet: a folder of only
+    the demo's own folders and files, its broker.yaml the demo broker's, was refused as not the demo's."""
+    out = tmp_path / "demo-out"
+    _main_demo_output(out)
+    prepare_out(out)
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "broker.log", "broker.yaml"]
+
+
+@pytest.mark.parametrize("extra", ["notes.txt", "other-broker.yaml"])
+def test_a_demo_folder_with_other_things_and_no_marker_is_still_refused(tmp_path: Path, extra: str) -> None:
+    """Anything else in the folder (a file of yours; a broker.yaml that is not the demo broker's) and it is
+    refused as before, nothing deleted."""
+    out = tmp_path / "demo-out"
+    _main_demo_output(out)
+    if extra == "notes.txt":
+        (out / extra).write_text("mine", encoding="utf-8")
+    else:
+        (out / "broker.yaml").write_text(yaml.safe_dump({"plugins": {PLUGIN_PATH: {"store": "./data"}}}), "utf-8")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    with pytest.raises(PipelineError, match="holds no earlier demo"):
+        prepare_out(out)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
