@@ -13,7 +13,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,24 @@ def test_without_the_pipeline_extra_the_fleet_exits_2_before_it_runs(broker_yaml
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        "sys.modules['durable_fleet.runner'] = None",  # a module of the fleet itself missing
+        "import types; sys.modules['durable_fleet.runner'] = types.ModuleType('durable_fleet.runner')",  # a name
+    ],
+)
+def test_a_broken_import_that_is_not_the_extra_is_not_blamed_on_it(broker_yaml: Path, breakage: str) -> None:
+    """Only the pipeline extra's modules missing are "needs the pipeline extra" (exit status 2), as for
+    durable-pipeline: any other failed import (any ImportError was) is a fault, shown with its traceback."""
+    args = ["fleet", "-c", str(broker_yaml), "--out", str(broker_yaml.parent / "out"), "--quiet"]
+    code = f"import sys; {breakage}\nfrom durable_fleet.console import main\nsys.exit(main({args!r}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode not in (0, 2), done.stderr
+    assert "pipeline extra" not in done.stderr and "Traceback" in done.stderr, done.stderr
+    assert "durable_fleet.runner" in done.stderr, done.stderr
+
+
 def test_an_earlier_runs_results_are_replaced(tmp_path: Path) -> None:
     """"Output in `--out` (...; an earlier run's results are replaced)": its logs, audit, workers, store,
     report.html, charts, broker.yaml and broker.log go before a new run writes its own."""
@@ -156,10 +175,12 @@ def _exited(pidfd: int, timeout: float) -> bool:
     return bool(poller.poll(timeout * 1000))
 
 
-def _stand_in_harness(spec: WorkerSpec, path: Path, then: str) -> subprocess.Popen[str]:
-    """A stand-in for the runner: it writes ``spec`` to ``path`` with its own PID as the harness's, starts a
-    worker on it, prints the worker's PID, then runs ``then`` (Python); its stderr (and the worker's) to
-    ``path.with_suffix(".err")``."""
+@contextmanager
+def _stand_in_harness(spec: WorkerSpec, path: Path, then: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A stand-in for the runner and a pidfd for its worker: it writes ``spec`` to ``path`` with its own PID as
+    the harness's, starts a worker on it, prints the worker's PID (the pidfd is opened before the harness can
+    end: it has not reaped the worker, so the PID is still the worker's), then runs ``then`` (Python). Its stderr
+    and the worker's go to ``path.with_suffix(".err")``. Both are killed at the end if still running."""
     code = (
         "import dataclasses, os, subprocess, sys, threading\n"
         "from pathlib import Path\n"
@@ -172,15 +193,21 @@ def _stand_in_harness(spec: WorkerSpec, path: Path, then: str) -> subprocess.Pop
     )
     spec.dump(path)
     with path.with_suffix(".err").open("wb") as err:
-        return subprocess.Popen(
+        harness = subprocess.Popen(
             [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
         )
-
-
-def _worker_pidfd(harness: subprocess.Popen[str]) -> int:
-    """A pidfd for the worker whose PID the stand-in harness prints (it has not reaped it: still its PID)."""
-    assert harness.stdout is not None
-    return os.pidfd_open(int(harness.stdout.readline()))
+    pidfd = -1
+    try:
+        assert harness.stdout is not None
+        pidfd = os.pidfd_open(int(harness.stdout.readline()))
+        yield harness, pidfd
+    finally:
+        harness.kill()
+        harness.wait(10)
+        if pidfd >= 0:
+            if not _exited(pidfd, 0):  # the test failed: leave nothing running
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)
 
 
 def test_a_publisher_whose_harness_was_killed_outright_stops_by_itself_within_a_second(
@@ -198,10 +225,9 @@ def test_a_publisher_whose_harness_was_killed_outright_stops_by_itself_within_a_
         state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False, harness_pid=0,
         publisher=PublisherSpec("pub-0", 50.0, ["dev-000"], 0, 0, 64, 1),
     )
-    harness = _stand_in_harness(spec, tmp_path / "publisher.json", "threading.Event().wait(120)  # until SIGKILLed")
-    pidfd = -1
-    try:
-        pidfd = _worker_pidfd(harness)
+    with _stand_in_harness(spec, tmp_path / "publisher.json", "threading.Event().wait(120)  # until SIGKILLed") as (
+        harness, pidfd
+    ):
         assert watcher.wait_messages(1, 30), "the publisher's messages reached no subscriber within 30 s"
         assert not _exited(pidfd, 0), "the publisher exited"
         harness.kill()
@@ -210,13 +236,6 @@ def test_a_publisher_whose_harness_was_killed_outright_stops_by_itself_within_a_
         assert _exited(pidfd, CLOSE_TIMEOUT), f"the publisher still ran {CLOSE_TIMEOUT} s after its harness died"
         # It looks for its parent once a second, then stops its thread and waits for the last PUBACKs.
         assert time.monotonic() - killed < CLOSE_TIMEOUT - 2  # main: about 1 s + CLOSE_TIMEOUT
-    finally:
-        harness.kill()
-        harness.wait(10)
-        if pidfd >= 0:
-            if not _exited(pidfd, 0):  # the test failed: leave nothing running
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            os.close(pidfd)
 
 
 def test_a_worker_whose_harness_died_before_it_looked_stops_by_itself(tmp_path: Path) -> None:
@@ -227,10 +246,7 @@ def test_a_worker_whose_harness_died_before_it_looked_stops_by_itself(tmp_path: 
         device_port=1, broker_host="127.0.0.1", broker_port=1, logs=str(tmp_path / "logs"),
         state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False, harness_pid=0,
     )
-    harness = _stand_in_harness(spec, tmp_path / "worker.json", "sys.stdin.readline()  # then exit")
-    pidfd = -1
-    try:
-        pidfd = _worker_pidfd(harness)
+    with _stand_in_harness(spec, tmp_path / "worker.json", "sys.stdin.readline()  # then exit") as (harness, pidfd):
         assert harness.stdin is not None
         harness.stdin.write("\n")
         harness.stdin.flush()
@@ -239,10 +255,3 @@ def test_a_worker_whose_harness_died_before_it_looked_stops_by_itself(tmp_path: 
         assert _exited(pidfd, CLOSE_TIMEOUT), f"the worker still ran {CLOSE_TIMEOUT} s after its harness exited"
         assert time.monotonic() - gone < 5.0  # its start (imports), then at once; main: never
         assert "Traceback" not in (tmp_path / "worker.err").read_text(encoding="utf-8")
-    finally:
-        harness.kill()
-        harness.wait(10)
-        if pidfd >= 0:
-            if not _exited(pidfd, 0):  # the test failed: leave nothing running
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            os.close(pidfd)

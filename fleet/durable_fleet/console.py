@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from amqtt_durable.cli import EXIT_BAD_INPUT, add_commands, exit_process, run
+from durable_pipeline.errors import PIPELINE_EXTRA, missing_extra
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,18 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-PIPELINE_EXTRA = ("pyspark", "pandas", "matplotlib", "psutil")
-"""What the fleet needs beyond the broker (the ``pipeline`` extra): imported before the run, not found missing
-by the audit once the run is over."""
-
-
 def _fleet(argv: list[str]) -> int:
     try:
         from durable_fleet.cli import main as fleet_main  # noqa: PLC0415 - Spark and matplotlib only here
 
-        for module in PIPELINE_EXTRA:
+        for module in PIPELINE_EXTRA:  # imported before the run, not found missing by the audit once it is over
             importlib.import_module(module)  # the Python packages only: no JVM starts
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if not missing_extra(exc):  # another module missing is a fault: its traceback
+            raise
         print(f"amqtt-durable fleet needs the pipeline extra (pip install 'amqtt-durable[pipeline]'): {exc}",
               file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import PipelineError
+from .errors import PipelineError, missing_extra
 from .spark import DEFAULT_MASTER, check_master, check_out_folder
 
 if TYPE_CHECKING:
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 EXIT_HOLDS = 0
 EXIT_FAILS = 1
 EXIT_ERROR = 2
-PIPELINE_EXTRA = ("pyspark", "pandas", "pyarrow", "py4j", "matplotlib")
-"""The ``pipeline`` extra's packages (pyspark[sql] brings pandas, pyarrow and py4j)."""
 MAX_ROWS_PRINTED = 50
 """Devices printed; the report and summary.parquet have all of them."""
 
@@ -177,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"durable-pipeline {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except ModuleNotFoundError as exc:  # installed without the pipeline extra: say so, not a traceback
-        if (exc.name or "").partition(".")[0] not in PIPELINE_EXTRA:
+        if not missing_extra(exc):
             raise
         print(
             f"durable-pipeline {args.command}: error: the Spark jobs need the pipeline extra "
