@@ -21,6 +21,7 @@ from typing import cast
 from amqtt_durable.cli import load_broker_config
 from amqtt_durable.errors import ConfigError
 from durable_pipeline.errors import PipelineError
+from durable_pipeline.spark import check_master, check_out_folder
 
 from .errors import BrokerLostError, FleetError, ScheduleError
 from .model import ALL_FAULT_KINDS, DEVICE_KINDS, DeviceKind, FaultKind
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="host of the running broker given by --port")
     parser.add_argument("--ha", action="store_true",
                         help="start a replicated pair from --config instead of one broker: a real etcd (Debian's "
-                        "etcd) and two brokers in sync mode; devices and publishers reach whichever is primary "
+                        "etcd-server) and two brokers in sync mode; devices and publishers reach whichever is primary "
                         "through the harness's proxies; enables the faults primary_kill and partition")
     parser.add_argument("--out", type=Path, default=Path("fleet-out"), help="output folder (default: %(default)s)")
     parser.add_argument("--devices", type=int, default=20, help="simulated devices (default: %(default)s)")
@@ -123,6 +124,17 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"--broadcast-every must be 0 or more, got {args.broadcast_every}")
     if not PREFIX.fullmatch(args.prefix):
         parser.error(f"--prefix {args.prefix!r}: use letters, digits and _ . : - only (it is in topic names)")
+    try:
+        check_master(args.master)  # the audit's; Spark starts only after the run
+        check_out_folder(args.out)  # a local folder: the audit writes under it
+    except PipelineError as exc:
+        parser.error(str(exc))
+    _check_target(args, parser)
+
+
+def _check_target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.port is not None and not 0 < args.port < 65536:
+        parser.error(f"--port must be a TCP port from 1 to 65535, got {args.port}")
     if args.port is None and args.host != "127.0.0.1":
         parser.error("--host names a running broker: give its --port too")
     if args.ha and args.port is not None:

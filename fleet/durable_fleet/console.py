@@ -7,9 +7,11 @@ plugin). ``fleet`` is loaded only when asked for: it needs the pipeline extra (S
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from amqtt_durable.cli import EXIT_BAD_INPUT, add_commands, exit_process, run
+from durable_pipeline.errors import PIPELINE_EXTRA, missing_extra
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _fleet(argv: list[str]) -> int:
     try:
         from durable_fleet.cli import main as fleet_main  # noqa: PLC0415 - Spark and matplotlib only here
-    except ImportError as exc:
+
+        for module in PIPELINE_EXTRA:  # imported before the run, not found missing by the audit once it is over
+            importlib.import_module(module)  # the Python packages only: no JVM starts
+    except ModuleNotFoundError as exc:
+        if not missing_extra(exc):  # another module missing is a fault: its traceback
+            raise
         print(f"amqtt-durable fleet needs the pipeline extra (pip install 'amqtt-durable[pipeline]'): {exc}",
               file=sys.stderr)
         return EXIT_BAD_INPUT

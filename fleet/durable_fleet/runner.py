@@ -240,8 +240,7 @@ class FleetRun:
         prepare_out(self.out)
         for name in ("logs", "state", "workers"):
             (self.out / name).mkdir(parents=True)
-        if self.o.faults:
-            dump_schedule(self.o.faults, self.out / "schedule.yaml")
+        dump_schedule(self.o.faults, self.out / "schedule.yaml")  # none too: replayable with --schedule
 
     def _start_broker(self) -> int:
         if self.o.config is None:
@@ -272,6 +271,7 @@ class FleetRun:
             state_dir=str(self.out / "state"),
             keepalive=o.keepalive,
             end_sessions=o.config is None,
+            harness_pid=os.getpid(),
         )
         folder = self.out / "workers"
         processes = max(1, min(o.processes, o.devices))

@@ -82,6 +82,9 @@ class WorkerSpec:
     keepalive: int
     end_sessions: bool
     """On SIGTERM, end the devices' sessions (a broker the harness did not start keeps no litter)."""
+    harness_pid: int
+    """The process that starts this one: once it is no longer the parent (it died, even before this
+    process looked), the worker stops by itself."""
     devices: list[DeviceSpec] = field(default_factory=list)
     publisher: PublisherSpec | None = None
 
@@ -224,6 +227,10 @@ class Publisher:
         """PUBACKs that beat publish() back to this thread. paho calls on_publish under its own
         lock, which publish() takes too, so ours is never held across publish()."""
         self.padding = b"." * max(0, publisher.payload_size - 24)
+        self.current: mqtt.Client | None = None
+        self.gone = False
+        """The current client's connection is lost: paho 2.2 calls on_disconnect before it marks the
+        connection lost, so is_connected() can still say True to a thread woken by that callback."""
 
     def _message(self, k: int) -> tuple[str, bytes]:
         p = self.p
@@ -243,6 +250,9 @@ class Publisher:
             client.reconnect_delay_set(3600, 3600)  # paho must not resume this connection: a new client does
             client.on_connect = _set_connected
             client.on_publish = self._on_publish
+            client.on_disconnect = self._on_disconnect
+            with self.lock:
+                self.current, self.gone = client, False
             try:
                 client.connect(self.spec.broker_host, self.spec.broker_port, self.spec.keepalive)
             except OSError:
@@ -272,6 +282,12 @@ class Publisher:
                 self.log.send(message[0], message[1], self.p.qos)
             self.settled.notify_all()
 
+    def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        with self.lock:
+            if client is self.current:
+                self.gone = True
+            self.settled.notify_all()  # no PUBACK comes any more: run() stops waiting for them
+
     def _publish(self, client: mqtt.Client, k: int) -> None:
         topic, payload = self._message(k)
         info = client.publish(topic, payload, self.p.qos)
@@ -300,8 +316,8 @@ class Publisher:
                 continue
             stop.wait(min(0.05, 1.0 / self.p.rate))
         if client is not None:
-            with self.lock:  # the last PUBACKs, bounded
-                self.settled.wait_for(lambda: not self.inflight, CLOSE_TIMEOUT)
+            with self.lock:  # the last PUBACKs, bounded; none comes once the connection is gone
+                self.settled.wait_for(lambda: not self.inflight or self.gone, CLOSE_TIMEOUT)
             client.disconnect()
             client.loop_stop()
         self.log.close()
@@ -333,10 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     threads = [threading.Thread(target=member.run, args=(stop,), name=member.name, daemon=True) for member in members]
     for thread in threads:
         thread.start()
-    parent = os.getppid()
-    while not stop.wait(1.0):  # the 1 s wake-up also lets the SIGTERM handler run in the main thread
-        if os.getppid() != parent:  # the harness died without stopping us: stop, leave nothing running
+    # Checked at once, then every second (the wake-up also lets the SIGTERM handler run in the main thread).
+    while not stop.is_set():
+        if os.getppid() != spec.harness_pid:  # the harness died without stopping us: stop, leave nothing running
+            stop.set()  # the publishers' threads end on it (else each join waited CLOSE_TIMEOUT)
             break
+        stop.wait(1.0)
     for thread in threads:
         thread.join(CLOSE_TIMEOUT)
     status = 0

@@ -59,6 +59,7 @@ from pyspark.sql import functions as sf
 from .errors import AuditInputError
 from .logs import CACHE_LEVEL, DeliveryLogs, read_logs, unpersist
 from .report import write_report
+from .spark import check_out_folder
 from .topics import topic_filter_pairs
 
 Guarantee = Literal["exactly-once", "at-least-once"]
@@ -149,11 +150,12 @@ def run_audit(
     lost; both also need every receive in order unless ``check_order`` is false. ``count_qos0``
     expects QoS 0 sends too (module docstring, step 1): for a run meant to show QoS 0 loss. Raises
     AuditInputError for inputs that cannot be audited (see :mod:`durable_pipeline.logs`), for
-    ``out_dir`` naming a file, and for an audit that would check nothing (no subscribe or no
-    send records, or nothing expected): it must not pass.
+    ``out_dir`` naming a file or a URI (it is a local folder), and for an audit that would check nothing
+    (no subscribe or no send records, or nothing expected): it must not pass.
     """
     if expect not in GUARANTEES:
         raise ValueError(f"expect must be one of {', '.join(GUARANTEES)}, not {expect!r}")
+    check_out_folder(out_dir)
     out = _out_folder(Path(out_dir))
     logs = read_logs(spark, inputs)
     try:

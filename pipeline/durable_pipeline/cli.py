@@ -1,11 +1,11 @@
 """``durable-pipeline``: the pipeline's console entry, one subcommand per job.
 
     durable-pipeline audit INPUT... --out DIR --expect exactly-once|at-least-once
-                           [--ignore-order] [--count-qos0] [--master local[2]]
-    durable-pipeline demo [--out ./out] [--events 2000] [--devices 3] [--master local[2]]
+                           [--ignore-order] [--count-qos0] [--master local[2,4]]
+    durable-pipeline demo [--out ./out] [--events 2000] [--devices 3] [--master local[2,4]]
 
 Exit status: 0 the guarantee holds, 1 it does not, 2 the job could not run (bad input, no
-Java): the message on stderr says what and what to do.
+Java, no pipeline extra): the message on stderr says what and what to do.
 
 Adding a subcommand: write ``_add_NAME(subcommands)`` that adds its parser and sets
 ``run=`` to a function of the parsed arguments returning the exit status, and list it in
@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import PipelineError
-from .spark import DEFAULT_MASTER
+from .errors import PipelineError, missing_extra
+from .spark import DEFAULT_MASTER, check_master, check_out_folder
 
 if TYPE_CHECKING:
     from .audit import AuditResult
@@ -80,7 +80,9 @@ def _run_audit(args: argparse.Namespace) -> int:
     from .logs import check_local_inputs  # noqa: PLC0415
     from .spark import job_session  # noqa: PLC0415
 
-    check_local_inputs(args.inputs)  # a wrong local path or file fails before a JVM starts
+    check_master(args.master)  # a wrong master, local path, file or --out fails before a JVM starts
+    check_local_inputs(args.inputs)
+    check_out_folder(args.out)
     # main() called in a process that already runs a SparkSession, in any thread (a notebook, a test), audits with
     # that one (--master is then not used) and leaves it running with its settings and log level as they were:
     # only a session the job started is the job's to stop (or to set up: get_session).
@@ -137,6 +139,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     if args.events < 2 or args.devices < 1:
         raise PipelineError("the demo needs --events 2 or more and --devices 1 or more")
+    check_master(args.master)  # before the demo's broker and devices start
+    check_out_folder(args.out)
     result = run_demo(Path(args.out), events=args.events, devices=args.devices, master=args.master)
     print(f"published {result.events_published} events; {result.events_in_parquet} in {args.out}/events (Parquet)")
     print(format_summary(result.audit))
@@ -169,6 +173,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         status: int = args.run(args)
     except PipelineError as exc:
         print(f"durable-pipeline {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except ModuleNotFoundError as exc:  # installed without the pipeline extra: say so, not a traceback
+        if not missing_extra(exc):
+            raise
+        print(
+            f"durable-pipeline {args.command}: error: the Spark jobs need the pipeline extra "
+            f"(pip install 'amqtt-durable[pipeline]'): {exc}",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
     return status
 

@@ -14,7 +14,11 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import yaml
+
+from amqtt_durable.cli import PLUGIN_PATH
 from amqtt_durable.process import BrokerProcess, free_port, local_config
 from durable_client import DurableClient, Event
 
@@ -23,7 +27,15 @@ from .errors import PipelineError
 from .spark import job_session
 
 STREAM_FILTER = "telemetry/#"
+DEMO_STREAM = {"filter": STREAM_FILTER, "max_count": 1_000_000}
 WAIT = 60.0
+STALE = ("store", "logs", "events", "checkpoint", "audit")
+"""Sub-folders of ``out`` an earlier demo left: a new demo replaces them."""
+BROKER_FILES = ("broker.yaml", "broker.log")
+"""The demo broker's configuration and log, in ``out`` (written anew at each start)."""
+MARKER = ".amqtt-durable-demo"
+"""In every demo's output folder: a folder with other things in it and no marker is not the demo's to clear
+(unless all it holds are a demo's own folders and files: one made before the marker was)."""
 
 
 @dataclass
@@ -41,9 +53,7 @@ def _start_broker(folder: Path) -> BrokerProcess:
     config = local_config(
         {"plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}},
         port,
-        store=str(folder / "store"),
-        metrics_interval=0,
-        streams=[{"filter": STREAM_FILTER, "max_count": 1_000_000}],
+        **_demo_settings(folder),
     )
     broker = BrokerProcess(config, folder, port, wait=WAIT)
     try:
@@ -78,11 +88,49 @@ def _device(name: str, port: int, logs: Path, counter: _Counter) -> DurableClien
     return device
 
 
-def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "local[2]") -> DemoResult:
-    """Run the whole demo into ``out`` (created; an earlier demo there is replaced)."""
+def _demo_settings(folder: Path) -> dict[str, Any]:
+    """The durable plugin's settings of the demo broker whose output is in ``folder``."""
+    return {"store": str(folder / "store"), "metrics_interval": 0, "streams": [DEMO_STREAM]}
+
+
+def _only_the_demos(out: Path) -> bool:
+    """Whether ``out`` holds what a demo made before the marker was: only the demo's folders and files, and
+    its broker.yaml the demo broker's (its stream and a store named store/)."""
+    if not all(
+        (entry.name in STALE and entry.is_dir()) or (entry.name in BROKER_FILES and entry.is_file())
+        for entry in out.iterdir()
+    ):
+        return False
+    try:
+        config = yaml.safe_load((out / "broker.yaml").read_text(encoding="utf-8"))
+        settings = config["plugins"][PLUGIN_PATH]
+        return bool(
+            settings["streams"] == [DEMO_STREAM] and Path(settings["store"]).name == "store"
+            and settings["metrics_interval"] == 0
+        )
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+        return False
+
+
+def prepare_out(out: Path) -> None:
+    """``out`` made, an earlier demo's results cleared from it; PipelineError for a folder that is not a demo's
+    (its store, logs, events, checkpoint and audit sub-folders would be deleted) or for a file."""
+    if out.exists() and not out.is_dir():
+        raise PipelineError(f"--out {out} is a file, not a folder: name a new or empty folder")
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists() and not _only_the_demos(out):
+        raise PipelineError(
+            f"--out {out} is not empty and holds no earlier demo (the demo replaces its {', '.join(STALE)} "
+            "sub-folders): choose a new or empty folder"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("store", "logs", "events", "checkpoint", "audit"):
+    (out / MARKER).touch()
+    for stale in STALE:
         shutil.rmtree(out / stale, ignore_errors=True)
+
+
+def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "local[2]") -> DemoResult:
+    """Run the whole demo into ``out`` (created; an earlier demo there is replaced: :func:`prepare_out`)."""
+    prepare_out(out)
     logs = out / "logs"
     logs.mkdir()
     broker = _start_broker(out)

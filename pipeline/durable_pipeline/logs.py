@@ -49,6 +49,7 @@ from pyspark.sql.types import (
 )
 
 from .errors import AuditInputError
+from .spark import URI
 
 log = logging.getLogger("durable_pipeline.logs")
 Format = Literal["json", "parquet"]
@@ -94,7 +95,7 @@ one block, unrolled in the heap and read back whole from disk: 10M records in 3 
 did not fit Spark's default 1 GB heap (bench/RESULTS.md); on disk, the heap holds only batches."""
 SCHEMA_READERS = 8
 """Parquet schemas read at once: each is a small Spark job, mostly waiting on the driver."""
-_URI = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/")
+_URI = URI
 """An input that names a file system (``hdfs://nn/x``, ``file:/x``); anything else is a local path."""
 
 

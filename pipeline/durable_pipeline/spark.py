@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from .errors import PipelineError
+from .errors import AuditInputError, PipelineError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -23,6 +24,34 @@ if TYPE_CHECKING:
 log = logging.getLogger("durable_pipeline.spark")
 DEFAULT_MASTER = "local[2,4]"
 """Two cores; a failed task is tried up to 4 times, as a cluster does (plain local[2] gives up at once)."""
+_MASTER = re.compile(
+    r"local(\[(\*|[1-9][0-9]*)(\s*,\s*[0-9]+)?\])?"
+    r"|local-cluster\[\s*[1-9][0-9]*\s*,\s*[1-9][0-9]*\s*,\s*[1-9][0-9]*\s*\]"
+    r"|yarn|(spark|k8s)://\S+"
+)
+"""The master URLs Spark takes (SparkMasterRegex, and SparkSubmit's yarn, spark:// and k8s://)."""
+URI = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/")
+"""A path that names a file system (``hdfs://nn/x``, ``file:/x``); anything else is a local path."""
+
+
+def check_out_folder(out: str | os.PathLike[str]) -> None:
+    """``--out`` is a local folder on the driver: a URI (hdfs://, s3a://, file://) is refused, not taken for a
+    local folder named after it."""
+    if URI.match(os.fspath(out)):
+        raise AuditInputError(
+            f"--out {os.fspath(out)} is a URI: the summary, report and charts go to a local folder on the driver "
+            "(the machine running the audit); name a local path"
+        )
+
+
+def check_master(master: str) -> None:
+    """PipelineError naming ``master`` unless Spark would take it: before a JVM starts (and, for the fleet,
+    before its run), instead of Spark's gateway error once it has."""
+    if not _MASTER.fullmatch(master):
+        raise PipelineError(
+            f"--master {master!r} is not a Spark master URL: use local, local[N] or local[N,F] (N threads or *, "
+            "F attempts per task), local-cluster[N,C,M], spark://HOST:PORT, yarn or k8s://HOST:PORT"
+        )
 
 
 def check_java() -> None:
@@ -46,6 +75,7 @@ def check_java() -> None:
 
 def get_session(master: str = DEFAULT_MASTER, app_name: str = "amqtt-durable") -> SparkSession:
     """A SparkSession with the ``amqtt-durable`` data source registered; local mode stays on 127.0.0.1."""
+    check_master(master)
     check_java()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -66,7 +96,10 @@ def get_session(master: str = DEFAULT_MASTER, app_name: str = "amqtt-durable") -
             .config("spark.driver.bindAddress", "127.0.0.1")
             .config("spark.driver.host", "127.0.0.1")
         )
-    session = builder.getOrCreate()
+    try:
+        session = builder.getOrCreate()
+    except Exception as exc:  # the JVM's own output (above, on stderr) says more
+        raise PipelineError(f"Spark did not start on master {master!r}: {exc}") from exc
     session.sparkContext.setLogLevel("ERROR")
     session.dataSource.register(AmqttDurableDataSource)
     return session
