@@ -720,33 +720,37 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
             table[message.topic] = RetainedApplicationMessage(None, message.topic, message.payload, message.qos)
 
     async def on_broker_post_start(self) -> None:
-        if self.engine.loaded:
-            self.engine.start_timers()
-        if self.config.metrics_interval > 0:
-            self._metrics_task = asyncio.get_running_loop().create_task(self._publish_metrics())
-        settings = self.config.replication
-        if settings is not None:
-            try:
-                coordinator = (
-                    EtcdCoordinator(settings.coordinator, prefix=settings.prefix, ttl=settings.lease_ttl)
-                    if settings.coordinator
-                    else None
-                )
-                # Reads the secret (file or variable) and the TLS files: a ConfigError if they went.
-                self.replication = ReplicationNode(
-                    self.engine.db, settings, coordinator=coordinator, on_promote=self._promoted,
-                    on_demote=self._demoted, fsync=self.config.sync,
-                    listen_backlog=socket_backlog(self.config.listen_backlog),
-                )
-                self.engine.on_store_reopened = self.replication.use_db
-                await self.replication.start()
-            except DurableError as exc:
-                # ReplicationListenError: "replication.listen <address>: <why>" (in use, no such
-                # host); a primary that cannot serve its store (replication.node._promote); a
-                # secret or TLS file that cannot be read any more (ConfigError).
-                self._start_failed(str(exc))
-            except Exception as exc:  # anything else (LevelDB's own error in a promotion, say)
-                self._start_failed(f"replication start: {exc!r}", unexpected=True)
+        """The timers, the metrics task and replication; whatever fails is reported (_start_failed)."""
+        stage = "timers start"
+        try:
+            if self.engine.loaded:
+                self.engine.start_timers()
+            if self.config.metrics_interval > 0:
+                self._metrics_task = asyncio.get_running_loop().create_task(self._publish_metrics())
+            settings = self.config.replication
+            if settings is None:
+                return
+            stage = "replication start"
+            coordinator = (
+                EtcdCoordinator(settings.coordinator, prefix=settings.prefix, ttl=settings.lease_ttl)
+                if settings.coordinator
+                else None
+            )
+            # Reads the secret (file or variable) and the TLS files: a ConfigError if they went.
+            self.replication = ReplicationNode(
+                self.engine.db, settings, coordinator=coordinator, on_promote=self._promoted,
+                on_demote=self._demoted, fsync=self.config.sync,
+                listen_backlog=socket_backlog(self.config.listen_backlog),
+            )
+            self.engine.on_store_reopened = self.replication.use_db
+            await self.replication.start()
+        except DurableError as exc:
+            # ReplicationListenError: "replication.listen <address>: <why>" (in use, no such
+            # host); a primary that cannot serve its store (replication.node._promote); a
+            # secret or TLS file that cannot be read any more (ConfigError).
+            self._start_failed(str(exc))
+        except Exception as exc:  # anything else (LevelDB's own error in a promotion, say)
+            self._start_failed(f"{stage}: {exc!r}", unexpected=True)
 
     def _start_failed(self, reason: str, *, unexpected: bool = False) -> None:
         """amqtt runs on_broker_post_start as a task whose exception nobody reads (its listeners
