@@ -233,16 +233,18 @@ class SessionLifecycle(Routing):
 
         A connection that got CONNACK but never attached (closed while it waited for its attach
         slot) ends the same way for its session: the expiry clock counts from this disconnect, not
-        from the one before its CONNECT (the glue calls this once per connection)."""
+        from the one before its CONNECT (the glue calls this once per connection). Its CONNECT's
+        grace ends with it even while an older connection is still attached (CONNECTs read at the
+        same time, whose newer one closed unattached): that one's end then starts the clock alone."""
         session = self.sessions.get(client_id)
         if session is None:
             return
         if session.transport is not transport:
-            never_attached = session.transport is None and session.newest is transport
-            if never_attached and not session.deleted and not broker_stopping:
+            if session.newest is transport and not session.deleted and not broker_stopping:
                 session.connecting_until = 0.0  # as at attach: its CONNECT's grace ends with it
-                session.drop_non_durable()
-                self._disconnected(session)
+                if session.transport is None:  # no other connection has the session
+                    session.drop_non_durable()
+                    self._disconnected(session)
             return
         pump, session.pump, session.transport = session.pump, None, None
         if not session.deleted:
