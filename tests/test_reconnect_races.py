@@ -242,6 +242,27 @@ def test_with_session_expiry_0_a_session_ends_with_its_last_connection_after_a_n
     assert clients(broker.port, "dev").session_present is False
 
 
+def test_connections_closed_right_after_their_connect_end_and_their_sessions_expire(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Found with the test above: a client that sends CONNECT and closes at once left its EOF for
+    the reader, which ended before amqtt's handler start made the disconnect waiter; nothing
+    resolved it, so the connection's message loop never ended (its listener slot held) and its
+    durable session never detached: with session_expiry 0 it never expired (present on the next
+    CONNECT). Each must end, and each session expire."""
+    broker = broker_factory(session_expiry=0)
+    watcher = clients(broker.port, "watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/expired", 1)
+    ids = [f"gone-{n}" for n in range(5)]
+    for client_id in ids:
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(connect_packet(client_id, clean=False))
+    assert watcher.wait_for(lambda ms: {json.loads(m.payload)["client_id"] for m in ms} >= set(ids)), (
+        f"expired: {[json.loads(m.payload)['client_id'] for m in watcher.messages]}"
+    )
+    assert clients(broker.port, ids[0]).session_present is False
+
+
 class Recording:
     """A pump's transport that keeps the payloads of the PUBLISHes written to it."""
 

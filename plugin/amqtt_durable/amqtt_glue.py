@@ -38,6 +38,9 @@ instance the plugin is loaded into and on each connection's handler:
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
 * ``BrokerProtocolHandler.handle_pubrel`` (per connection): a durable publisher's stored QoS 2
   packet id is deleted before PUBCOMP, and a PUBREL amqtt has no flow for still gets PUBCOMP;
+* ``BrokerProtocolHandler.start`` / ``stop`` (per connection): a connection whose reader ended
+  before amqtt's ``start`` made its disconnect waiter (a client that closed right after its
+  CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran;
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
@@ -206,6 +209,7 @@ _HANDLER_INTERNALS = (
     "handle_pubrel",
     "_send_packet",
     "mqtt_publish",
+    "start",
     "stop",
 )
 _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconnected")
@@ -1504,7 +1508,27 @@ def _wrap_handler(
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, handler.handle_pubrel)
+    handler.start = _end_a_connection_closed_during_start(handler, handler.start)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
+
+
+def _end_a_connection_closed_during_start(
+    handler: Any, original: Callable[[], Awaitable[None]]
+) -> Callable[[], Awaitable[None]]:
+    """amqtt's ``start()`` starts the reader task, waits for it to be ready, and only then makes
+    the disconnect waiter its message loop waits on. A client that closed right after its CONNECT
+    leaves an EOF the reader reads at once: it ends (signalling the disconnect to no waiter)
+    before that waiter exists, and nothing resolved it: the message loop waited for ever, holding
+    its listener slot, and a durable session never detached, so it never expired. The end is
+    signalled again once the waiter exists."""
+
+    async def start() -> None:
+        await original()
+        task = handler._reader_task
+        if task is not None and task.done():
+            await handler.handle_connection_closed()
+
+    return start
 
 
 def _stop_waiting_for_a_reader_that_may_never_run(
