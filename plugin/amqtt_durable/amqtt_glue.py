@@ -41,6 +41,9 @@ instance the plugin is loaded into and on each connection's handler:
 * ``BrokerProtocolHandler.start`` / ``stop`` (per connection): a connection whose reader ended
   before amqtt's ``start`` made its disconnect waiter (a client that closed right after its
   CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran;
+* ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` (per connection): a
+  connection that sent DISCONNECT never has its will published (MQTT-3.14.4-3), however its
+  DISCONNECT's handling and its message loop's wait for it fall (see ``_keep_the_disconnect``);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
@@ -110,6 +113,7 @@ from amqtt.mqtt import subscribe as amqtt_subscribe
 from amqtt.mqtt import unsubscribe as amqtt_unsubscribe
 from amqtt.mqtt.connack import NOT_AUTHORIZED, SERVER_UNAVAILABLE, ConnackPacket
 from amqtt.mqtt.constants import QOS_1, QOS_2
+from amqtt.mqtt.disconnect import DisconnectPacket
 from amqtt.mqtt.packet import (
     CONNACK,
     CONNECT,
@@ -211,6 +215,9 @@ _HANDLER_INTERNALS = (
     "mqtt_publish",
     "start",
     "stop",
+    "handle_disconnect",
+    "handle_connection_closed",
+    "wait_disconnect",
 )
 _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconnected")
 
@@ -1508,6 +1515,7 @@ def _wrap_handler(
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, handler.handle_pubrel)
+    _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
 
@@ -1520,15 +1528,44 @@ def _end_a_connection_closed_during_start(
     leaves an EOF the reader reads at once: it ends (signalling the disconnect to no waiter)
     before that waiter exists, and nothing resolved it: the message loop waited for ever, holding
     its listener slot, and a durable session never detached, so it never expired. The end is
-    signalled again once the waiter exists."""
+    signalled again once the waiter exists, with the DISCONNECT the reader read, if any (so no will
+    is published for it, see ``_keep_the_disconnect``)."""
 
     async def start() -> None:
         await original()
         task = handler._reader_task
         if task is not None and task.done():
-            await handler.handle_connection_closed()
+            await handler.handle_disconnect(handler.durable_disconnect)
 
     return start
+
+
+def _keep_the_disconnect(handler: Any) -> None:
+    """MQTT-3.14.4-3: a connection that sent DISCONNECT has its will discarded. amqtt hands the
+    DISCONNECT to a one-shot disconnect waiter and then drops the waiter; its message loop asks for
+    the waiter's result only when it starts, and the end of the connection signals None to
+    whatever waiter is left. When the DISCONNECT was read before the loop asked (while the durable
+    attach waited for a store commit, or in the same read as CONNECT), the loop found no waiter, or
+    a fresh one the connection's end resolved with None, took the None for an abnormal end and
+    published the will. The DISCONNECT is now remembered on the handler as it is handed over (when
+    the reader calls ``handle_disconnect``, before the task that handles it runs: amqtt's own reader,
+    at the connection's end, cancels the handler tasks it started that have not finished), and
+    ``wait_disconnect`` answers it whenever amqtt's answer is None."""
+    original_handle = handler.handle_disconnect
+    original_wait = handler.wait_disconnect
+    handler.durable_disconnect = None
+
+    def handle_disconnect(disconnect: DisconnectPacket | None) -> Awaitable[None]:
+        if isinstance(disconnect, DisconnectPacket):
+            handler.durable_disconnect = disconnect
+        return original_handle(disconnect)  # type: ignore[no-any-return]
+
+    async def wait_disconnect() -> DisconnectPacket | None:
+        result = await original_wait()
+        return handler.durable_disconnect if result is None else result
+
+    handler.handle_disconnect = handle_disconnect
+    handler.wait_disconnect = wait_disconnect
 
 
 def _stop_waiting_for_a_reader_that_may_never_run(

@@ -1,0 +1,88 @@
+"""MQTT-3.14.4-3: a client that sent DISCONNECT has its will discarded; one whose connection
+just drops has it published (MQTT-3.1.2-8).
+
+amqtt hands a DISCONNECT to a one-shot disconnect waiter its message loop asks for only when it
+starts. A DISCONNECT read before that (while the durable attach waited for a store commit, or in
+the same read as the CONNECT) left the loop no waiter, or a fresh one the connection's end
+resolved with None, and amqtt took the None for an abnormal end: it published the will.
+
+Each case runs many clients (the race is a matter of scheduling), then a marker client that drops
+its connection without DISCONNECT: its will is published, and once it is (and, for durable
+sessions, once every session's expiry is, which follows its connection's end) every earlier
+connection's end has been handled.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+
+import pytest
+from raw_mqtt_helpers import connect_packet, read_exactly
+
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
+
+CLIENTS = 20
+DISCONNECT = b"\xe0\x00"
+TOPIC_PLUGIN = "amqtt.plugins.topic_checking.TopicTabooPlugin"
+"""Any topic plugin makes the broker read with amqtt's own loop instead of the plugin's."""
+
+
+def read_until_closed(sock: socket.socket) -> None:
+    """Reads until the broker closes the connection (each recv bounded by the socket's WAIT)."""
+    for _ in range(1000):
+        if not sock.recv(4096):
+            return
+    raise AssertionError("the broker kept sending and never closed the connection")
+
+
+def connack_publish_disconnect(sock: socket.socket, client_id: str, clean: bool, will_topic: bytes) -> None:
+    """CONNECT, CONNACK read, then a QoS 0 PUBLISH and DISCONNECT in one write, and the client's side shut."""
+    sock.sendall(connect_packet(client_id, clean=clean, will_topic=will_topic))
+    assert read_exactly(sock, 4)[:2] == b"\x20\x02"
+    sock.sendall(mqtt_packet(0x30, mqtt_string("data/x") + b"v") + DISCONNECT)
+    sock.shutdown(socket.SHUT_WR)
+    read_until_closed(sock)
+
+
+def connect_disconnect_close(sock: socket.socket, client_id: str, clean: bool, will_topic: bytes) -> None:
+    """CONNECT and DISCONNECT in one write, then the socket closed."""
+    sock.sendall(connect_packet(client_id, clean=clean, will_topic=will_topic) + DISCONNECT)
+
+
+@pytest.mark.parametrize("amqtt_reader", [False, True], ids=["plugin-reader", "amqtt-reader"])
+@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+@pytest.mark.parametrize(
+    "send", [connack_publish_disconnect, connect_disconnect_close], ids=["after-connack", "with-connect"]
+)
+def test_a_client_that_sent_disconnect_has_no_will_and_one_that_dropped_has_it(
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    send: Callable[[socket.socket, str, bool, bytes], None],
+    clean: bool,
+    amqtt_reader: bool,
+) -> None:
+    broker = broker_factory(start=False, session_expiry=0)
+    if amqtt_reader:
+        broker.extra_plugins[TOPIC_PLUGIN] = {}
+    broker.start()
+    watcher = clients(broker.port, "watch", clean_session=True)
+    assert watcher.subscribe([("will/#", 0), ("$SYS/broker/durable/expired", 1)]) == [0, 1]
+    ids = [f"bye-{n}" for n in range(CLIENTS)]
+    for client_id in ids:
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            send(sock, client_id, clean, f"will/{client_id}".encode())
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:  # dropped: no DISCONNECT
+        sock.sendall(connect_packet("dropper", clean=clean, will_topic=b"will/dropper"))
+        assert read_exactly(sock, 4)[:2] == b"\x20\x02"
+    assert watcher.wait_for(lambda ms: any(m.topic == "will/dropper" for m in ms)), (
+        "the will of a client whose connection dropped was not published"
+    )
+    if not clean:  # each expiry follows its connection's end, the will's decision included
+        expected = {*ids, "dropper"}
+        assert watcher.wait_for(
+            lambda ms: {json.loads(m.payload)["client_id"] for m in ms if m.topic.startswith("$SYS")} >= expected
+        )
+    wills = sorted(m.topic for m in watcher.messages if m.topic.startswith("will/") and m.topic != "will/dropper")
+    assert not wills, f"{len(wills)}/{CLIENTS} wills published although their clients sent DISCONNECT: {wills}"
