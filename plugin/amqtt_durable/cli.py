@@ -341,9 +341,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_process(code: int) -> NoReturn:
-    """Exit with ``code`` once a command has returned (the store is closed by then). Skipping
-    interpreter teardown avoids a spurious 'Error in sys.excepthook' CPython prints when plyvel
-    was loaded next to amqtt."""
+    """Exit with ``code`` at once, skipping interpreter teardown (which avoids a spurious 'Error in
+    sys.excepthook' CPython prints when plyvel was loaded next to amqtt). Called once a command has
+    returned (its store closed by then), and by ``_shutdown_after_failed_start`` when the broker's
+    shutdown did not end within ``FAILED_START_SHUTDOWN_TIMEOUT``: that shutdown is left unfinished,
+    so the store may still be open."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
