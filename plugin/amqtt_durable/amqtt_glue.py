@@ -732,7 +732,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
 
     async def on_broker_post_start(self) -> None:
         """The timers, the metrics task and replication; whatever fails is reported (_start_failed)."""
-        stage = "timers start"
+        stage = "timers and metrics task start"
         try:
             if self.engine.loaded:
                 self.engine.start_timers()
