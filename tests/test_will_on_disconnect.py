@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from raw_mqtt_helpers import connect_packet, read_exactly
@@ -27,6 +28,50 @@ CLIENTS = 20
 DISCONNECT = b"\xe0\x00"
 TOPIC_PLUGIN = "amqtt.plugins.topic_checking.TopicTabooPlugin"
 """Any topic plugin makes the broker read with amqtt's own loop instead of the plugin's."""
+CLOSED_PLUGIN = """
+from amqtt.plugins.base import BasePlugin
+
+
+class Closed(BasePlugin):
+    async def on_broker_client_disconnected(self, *, client_id, client_session):
+        await self.context.broadcast_message(f"closed/{client_id}", b"")
+"""
+"""Neither a topic plugin nor a PACKET_RECEIVED listener: the plugin's reader stays in use."""
+
+
+def start_broker(
+    broker_factory: Callable[..., Broker], tmp_path: Path, *, amqtt_reader: bool, **config: object
+) -> Broker:
+    (tmp_path / "closed_marker.py").write_text(CLOSED_PLUGIN)
+    broker = broker_factory(start=False, **config)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["closed_marker.Closed"] = {}
+    if amqtt_reader:
+        broker.extra_plugins[TOPIC_PLUGIN] = {}
+    broker.start()
+    return broker
+
+
+def watch(clients: Callable[..., Client], broker: Broker) -> Client:
+    watcher = clients(broker.port, "watch", clean_session=True)
+    assert watcher.subscribe([("will/#", 0), ("closed/#", 0)]) == [0, 0]
+    return watcher
+
+
+def drop_one(broker: Broker, clean: bool) -> None:
+    """A client whose connection drops without DISCONNECT (its will must be published)."""
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet("dropper", clean=clean, will_topic=b"will/dropper"))
+        assert read_exactly(sock, 4)[:2] == b"\x20\x02"
+
+
+def wills_once_closed(watcher: Client, client_ids: list[str]) -> list[str]:
+    """The will topics published once every client's connection end has been reported."""
+    expected = {f"closed/{client_id}" for client_id in client_ids}
+    assert watcher.wait_for(lambda ms: {m.topic for m in ms} >= expected), (
+        f"connection ends never reported: {sorted(expected - {m.topic for m in watcher.messages})}"
+    )
+    return sorted(m.topic for m in watcher.messages if m.topic.startswith("will/"))
 
 
 def read_until_closed(sock: socket.socket) -> None:
@@ -59,6 +104,7 @@ def connect_disconnect_close(sock: socket.socket, client_id: str, clean: bool, w
 def test_a_client_that_sent_disconnect_has_no_will_and_one_that_dropped_has_it(
     broker_factory: Callable[..., Broker],
     clients: Callable[..., Client],
+    *,
     send: Callable[[socket.socket, str, bool, bytes], None],
     clean: bool,
     amqtt_reader: bool,
@@ -86,3 +132,37 @@ def test_a_client_that_sent_disconnect_has_no_will_and_one_that_dropped_has_it(
         )
     wills = sorted(m.topic for m in watcher.messages if m.topic.startswith("will/") and m.topic != "will/dropper")
     assert not wills, f"{len(wills)}/{CLIENTS} wills published although their clients sent DISCONNECT: {wills}"
+
+
+VIOLATIONS: dict[str, Callable[[str, bool], bytes]] = {
+    "reserved-type": lambda client_id, clean: b"\xf0\x00",
+    "second-connect": lambda client_id, clean: connect_packet(client_id, clean=clean),
+}
+
+
+@pytest.mark.parametrize("amqtt_reader", [False, True], ids=["plugin-reader", "amqtt-reader"])
+@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+@pytest.mark.parametrize("violation", list(VIOLATIONS))
+def test_a_disconnect_after_a_protocol_violation_does_not_discard_the_will(
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    tmp_path: Path,
+    *,
+    violation: str,
+    clean: bool,
+    amqtt_reader: bool,
+) -> None:
+    """The server ends the connection on a reserved packet type or a second CONNECT (MQTT-3.1.0-2):
+    its will is published (MQTT-3.1.2-8), although a DISCONNECT came in the same read after it
+    (both readers handle what they had read)."""
+    broker = start_broker(broker_factory, tmp_path, amqtt_reader=amqtt_reader, session_expiry=60)
+    watcher = watch(clients, broker)
+    ids = [f"bad-{n}" for n in range(5)]
+    for client_id in ids:
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(connect_packet(client_id, clean=clean, will_topic=f"will/{client_id}".encode()))
+            assert read_exactly(sock, 4)[:2] == b"\x20\x02"
+            sock.sendall(VIOLATIONS[violation](client_id, clean) + DISCONNECT)
+            sock.shutdown(socket.SHUT_WR)
+            read_until_closed(sock)
+    assert wills_once_closed(watcher, ids) == sorted(f"will/{client_id}" for client_id in ids)

@@ -41,9 +41,11 @@ instance the plugin is loaded into and on each connection's handler:
 * ``BrokerProtocolHandler.start`` / ``stop`` (per connection): a connection whose reader ended
   before amqtt's ``start`` made its disconnect waiter (a client that closed right after its
   CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran;
-* ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` (per connection): a
-  connection that sent DISCONNECT never has its will published (MQTT-3.14.4-3), however its
-  DISCONNECT's handling and its message loop's wait for it fall (see ``_keep_the_disconnect``);
+* ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` / ``handle_connection_closed``
+  / ``handle_connect`` (per connection): a connection that sent DISCONNECT never has its will
+  published (MQTT-3.14.4-3), however its DISCONNECT's handling and its message loop's wait for it
+  fall, unless the server had already ended it (a protocol violation: then the will is published;
+  see ``_keep_the_disconnect``);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
@@ -218,6 +220,7 @@ _HANDLER_INTERNALS = (
     "handle_disconnect",
     "handle_connection_closed",
     "wait_disconnect",
+    "handle_connect",
 )
 _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconnected")
 
@@ -643,7 +646,7 @@ class HandlerTransport:
     async def end(self) -> None:
         """End this connection as amqtt's own take-over does (MQTT-3.1.4-2): its message loop sees
         the connection closed and runs amqtt's disconnect (the will included)."""
-        await self._handler.handle_connection_closed()
+        await end_connection(self._handler)
 
     def take_ack(self, kind: AckKind, packet_id: int) -> bool:
         """True when the ack was for a message the pump sent (and it has been handled)."""
@@ -1142,7 +1145,7 @@ class AmqttHooks:
                 await displaced.end()
             if durable and self.engine.superseded(session.client_id, transport):
                 log.info("%s: a newer connection has the durable session: ending this one", session.client_id)
-                await handler.handle_connection_closed()
+                await end_connection(handler)
             await self._original_message_loop(session, handler)
         finally:
             handler.durable_control.stop()
@@ -1438,7 +1441,7 @@ async def _bounded_qos2(
     """A QoS 2 PUBLISH (control request or message), counted in ``awaiting`` until its flow ends."""
     packet_id = packet.variable_header.packet_id  # amqtt's decoder reads one for QoS 1 and 2
     if not awaiting.admit(packet_id):
-        await handler.handle_connection_closed()
+        await end_connection(handler)
         return
     try:
         if packet.topic_name.startswith(CONTROL_PREFIX):
@@ -1473,7 +1476,7 @@ def _wrap_handler(
         problem = _malformed_publish(packet)
         if problem is not None:  # before anything is stored, routed or acknowledged
             log.warning("closing the connection of %s: PUBLISH refused: %s", session.client_id, problem)
-            await handler.handle_connection_closed()
+            await end_connection(handler)
             return
         qos = packet.qos or 0
         packet_id = packet.variable_header.packet_id if packet.variable_header else None
@@ -1540,6 +1543,14 @@ def _end_a_connection_closed_during_start(
     return start
 
 
+async def end_connection(handler: Any) -> None:
+    """End a connection on the server's decision (a protocol violation, a publish that could not be
+    stored, a newer connection taking its session): its will is published (MQTT-3.1.2-8), whatever
+    the client sends after (see ``_keep_the_disconnect``)."""
+    handler.durable_ended = True
+    await handler.handle_connection_closed()
+
+
 def _keep_the_disconnect(handler: Any) -> None:
     """MQTT-3.14.4-3: a connection that sent DISCONNECT has its will discarded. amqtt hands the
     DISCONNECT to a one-shot disconnect waiter and then drops the waiter; its message loop asks for
@@ -1550,22 +1561,50 @@ def _keep_the_disconnect(handler: Any) -> None:
     published the will. The DISCONNECT is now remembered on the handler as it is handed over (when
     the reader calls ``handle_disconnect``, before the task that handles it runs: amqtt's own reader,
     at the connection's end, cancels the handler tasks it started that have not finished), and
-    ``wait_disconnect`` answers it whenever amqtt's answer is None."""
+    ``wait_disconnect`` answers it whenever amqtt's answer is None.
+
+    Once the server has ended the connection (``durable_ended``), a DISCONNECT read after counts
+    for nothing: both readers go on handling what they had read (amqtt's own after a reserved
+    packet type or a second CONNECT too), and the will of a connection ended for a protocol
+    violation is published (MQTT-3.1.2-8). The server's ends are ``end_connection``'s callers, a
+    second CONNECT (``handle_connect``, MQTT-3.1.0-2) and whatever the reader task itself ends
+    (amqtt's own reader's reserved packet type; at EOF nothing is read after). Not any None: a
+    write that fails (amqtt's ``_send_packet``) may come before a DISCONNECT the reader has yet to
+    read."""
     original_handle = handler.handle_disconnect
     original_wait = handler.wait_disconnect
+    original_closed = handler.handle_connection_closed
+    original_connect = handler.handle_connect
     handler.durable_disconnect = None
+    handler.durable_ended = False
 
     def handle_disconnect(disconnect: DisconnectPacket | None) -> Awaitable[None]:
-        if isinstance(disconnect, DisconnectPacket):
+        if handler.durable_ended:
+            disconnect = None
+        elif isinstance(disconnect, DisconnectPacket):
             handler.durable_disconnect = disconnect
         return original_handle(disconnect)  # type: ignore[no-any-return]
 
     async def wait_disconnect() -> DisconnectPacket | None:
         result = await original_wait()
+        if handler.durable_ended and handler.durable_disconnect is None:
+            return None
         return handler.durable_disconnect if result is None else result
+
+    def handle_connection_closed() -> Awaitable[None]:
+        task = handler._reader_task
+        if task is not None and task is asyncio.current_task():
+            handler.durable_ended = True
+        return original_closed()  # type: ignore[no-any-return]
+
+    def handle_connect(connect: Any) -> Awaitable[None]:
+        handler.durable_ended = True
+        return original_connect(connect)  # type: ignore[no-any-return]
 
     handler.handle_disconnect = handle_disconnect
     handler.wait_disconnect = wait_disconnect
+    handler.handle_connection_closed = handle_connection_closed
+    handler.handle_connect = handle_connect
 
 
 def _stop_waiting_for_a_reader_that_may_never_run(
@@ -2041,7 +2080,7 @@ class FastReader:
         handler = self._handler
         if packet_type in (RESERVED_0, RESERVED_15):
             log.warning("%s sent a reserved packet type: closing the connection", self._session.client_id)
-            await handler.handle_connection_closed()
+            await end_connection(handler)
             return
         fixed = MQTTFixedHeader(packet_type, flags, len(body))
         packet = await packet_class(fixed).from_stream(BufferReader(body), fixed_header=fixed)
