@@ -46,6 +46,9 @@ instance the plugin is loaded into and on each connection's handler:
   published (MQTT-3.14.4-3), however its DISCONNECT's handling and its message loop's wait for it
   fall, unless the server had already ended it (a protocol violation: then the will is published;
   see ``_keep_the_disconnect``);
+* ``Broker._handle_disconnect``: the will published at a connection's abnormal end is the one
+  its own CONNECT carried, not the one a later CONNECT of the client id gave the shared Session
+  (see ``handle_disconnect``);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
@@ -188,6 +191,7 @@ _BROKER_INTERNALS = (
     "_handle_unsubscription",
     "_publish_retained_messages_for_subscription",
     "_broadcast_message",
+    "_handle_disconnect",
     "_topic_filtering",
     "add_subscription",
     "retained_messages",
@@ -246,6 +250,23 @@ _HANDLERS = {
     PUBLISH: "handle_publish",
     DISCONNECT: "handle_disconnect",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectionWill:
+    """The will of one connection's CONNECT (``topic`` None: none). amqtt keeps only the Session's,
+    which a later CONNECT of the same client id overwrites (see ``handle_disconnect``)."""
+
+    topic: str | None
+    message: bytes | None
+    qos: int | None
+    retain: bool
+
+    @classmethod
+    def of(cls, session: Any) -> ConnectionWill:
+        if not session.will_flag:
+            return cls(None, None, None, retain=False)
+        return cls(session.will_topic, session.will_message, session.will_qos, retain=bool(session.will_retain))
 
 
 class RoutedPayload(bytes):
@@ -326,6 +347,7 @@ def _install_connect_hooks() -> None:
             await close_socket(writer)
             raise MQTTError(f"the connection ended while its CONNECT was read: {exc!r}") from None
         handler.connect_clean_session = bool(session.clean_session)
+        handler.durable_will = ConnectionWill.of(session)
         if session.will_flag:
             problem = publish_topic_problem(session.will_topic or "")
             if problem is not None:  # amqtt's caller logs it and closes the connection
@@ -970,6 +992,7 @@ class AmqttHooks:
         self._original_unsubscription = broker._handle_unsubscription
         self._original_del_subscription = broker._del_subscription
         self._original_broadcast = broker._broadcast_message
+        self._original_handle_disconnect = broker._handle_disconnect
         self._original_cleanup = broker._cleanup_session
         self._original_shutdown = broker.shutdown
         self._original_create_server = broker._create_server_instance
@@ -1001,6 +1024,7 @@ class AmqttHooks:
         broker._run_broadcast = self.run_broadcast
         broker._publish_retained_messages_for_subscription = self.publish_retained_for_subscription
         broker._broadcast_message = self.broadcast_message
+        broker._handle_disconnect = self.handle_disconnect
         broker._cleanup_session = self.cleanup_session
         broker.shutdown = self.shutdown
         broker.retain_message = self.retain_message
@@ -1128,6 +1152,26 @@ class AmqttHooks:
         )
         handler._reader_loop = FastReader(self.broker, self.engine, handler, session).run
         return handler, session
+
+    async def handle_disconnect(self, session: Any, handler: Any, disconnect_waiter: asyncio.Future[Any]) -> None:
+        """The end of a connection's message loop: its will is published unless it sent DISCONNECT,
+        and it is the will of its own CONNECT (``ConnectionWill``), not the Session's: on a
+        take-over amqtt gives the shared Session the new CONNECT's will before it ends the old
+        connection, whose end then published the new client's will (even one that sent DISCONNECT
+        later), and the old client's own was never published (MQTT-3.1.2-8, MQTT-3.14.4-3). amqtt
+        does the rest (CLIENT_DISCONNECTED included), told the will's decision is made."""
+        will: ConnectionWill | None = getattr(handler, "durable_will", None)
+        if will is None:  # not read through init_from_connect
+            await self._original_handle_disconnect(session, handler, disconnect_waiter)
+            return
+        if will.topic is not None and not isinstance(disconnect_waiter.result(), DisconnectPacket):
+            log.debug("%s disconnected abnormally: publishing its will", session.client_id)
+            await self.broker._broadcast_message(session, will.topic, will.message, will.qos)
+            if will.retain:
+                await self.broker.retain_message(session, will.topic, will.message, will.qos)
+        decided: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        decided.set_result(DisconnectPacket())
+        await self._original_handle_disconnect(session, handler, decided)
 
     async def client_message_loop(self, session: Any, handler: Any) -> None:
         # By what this connection's CONNECT asked for: a clean connection must never drive the
