@@ -156,21 +156,27 @@ def test_a_disconnect_after_a_protocol_violation_does_not_discard_the_will(
     assert wills_once_closed(watcher, ids) == sorted(f"will/{client_id}" for client_id in ids)
 
 
-@pytest.mark.parametrize("old_clean", [False, True], ids=["old-durable", "old-clean"])
+@pytest.mark.parametrize(
+    "cleans",
+    [(old, new) for new in (False, True) for old in (False, True)],
+    ids=lambda cleans: "old-{}-new-{}".format(*("clean" if clean else "durable" for clean in cleans)),
+)
 def test_a_taken_over_connection_publishes_its_own_will_and_not_the_new_ones(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, *, old_clean: bool
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, cleans: tuple[bool, bool]
 ) -> None:
     """MQTT-3.1.4-2 / 3.1.2-8 / 3.14.4-3: a connection taken over by a newer CONNECT of its client
-    id ends without DISCONNECT: its own will is published; the newer one, which sends DISCONNECT,
-    has none (amqtt had given the shared Session the new will before ending the old connection,
-    which then published the new client's will)."""
+    id is ended by the broker, without DISCONNECT: its own will is published; the newer one, which
+    sends DISCONNECT, has none. (amqtt had given the shared Session the new will before ending the
+    old connection, which then published the new client's will; and a clean CONNECT deleted the
+    Session and left the old connection open.)"""
+    old_clean, new_clean = cleans
     broker = start_broker(broker_factory, tmp_path, amqtt_reader=False, session_expiry=60)
     watcher = watch(clients, broker)
     with socket.create_connection((HOST, broker.port), timeout=WAIT) as old:
         old.sendall(connect_packet("dev", clean=old_clean, will_topic=b"will/old"))
         assert read_exactly(old, 4)[:2] == b"\x20\x02"
         with socket.create_connection((HOST, broker.port), timeout=WAIT) as new:
-            new.sendall(connect_packet("dev", clean=False, will_topic=b"will/new"))
+            new.sendall(connect_packet("dev", clean=new_clean, will_topic=b"will/new"))
             assert read_exactly(new, 4)[:2] == b"\x20\x02"
             read_until_closed(old)  # taken over: the broker ended it
             new.sendall(DISCONNECT)

@@ -49,6 +49,8 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._handle_disconnect``: the will published at a connection's abnormal end is the one
   its own CONNECT carried, not the one a later CONNECT of the client id gave the shared Session
   (see ``handle_disconnect``);
+* ``Broker._delete_session``: a clean CONNECT of a client id whose connection is live ends that
+  connection (MQTT-3.1.4-2; amqtt deleted its Session and left it open);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
@@ -192,6 +194,7 @@ _BROKER_INTERNALS = (
     "_publish_retained_messages_for_subscription",
     "_broadcast_message",
     "_handle_disconnect",
+    "_delete_session",
     "_topic_filtering",
     "add_subscription",
     "retained_messages",
@@ -993,6 +996,7 @@ class AmqttHooks:
         self._original_del_subscription = broker._del_subscription
         self._original_broadcast = broker._broadcast_message
         self._original_handle_disconnect = broker._handle_disconnect
+        self._original_delete_session = broker._delete_session
         self._original_cleanup = broker._cleanup_session
         self._original_shutdown = broker.shutdown
         self._original_create_server = broker._create_server_instance
@@ -1025,6 +1029,7 @@ class AmqttHooks:
         broker._publish_retained_messages_for_subscription = self.publish_retained_for_subscription
         broker._broadcast_message = self.broadcast_message
         broker._handle_disconnect = self.handle_disconnect
+        broker._delete_session = self.delete_session
         broker._cleanup_session = self.cleanup_session
         broker.shutdown = self.shutdown
         broker.retain_message = self.retain_message
@@ -1173,6 +1178,17 @@ class AmqttHooks:
         decided.set_result(DisconnectPacket())
         await self._original_handle_disconnect(session, handler, decided)
 
+    async def delete_session(self, client_id: str) -> None:
+        """A clean CONNECT of a client id whose connection is live: amqtt deleted the Session and
+        left that connection open (its take-over runs only for a Session it keeps). MQTT-3.1.4-2:
+        the existing client is disconnected, as amqtt's take-over does (its will is published)."""
+        session, handler = self.broker._sessions.get(client_id, (None, None))
+        if session is not None and handler is not None and session.transitions.is_connected():
+            log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
+            await end_connection(handler)
+            await handler.stop()
+        await self._original_delete_session(client_id)
+
     async def client_message_loop(self, session: Any, handler: Any) -> None:
         # By what this connection's CONNECT asked for: a clean connection must never drive the
         # durable session of the same client id that another connection created meanwhile.
@@ -1197,8 +1213,13 @@ class AmqttHooks:
             await handler.stop()
             if durable:
                 await self.engine.detach(session.client_id, transport, broker_stopping=self.shutting_down)
-            current = self.broker._sessions.get(session.client_id, (None, None))[1]
-            if current is not None and current is not handler and session.transitions.state == "disconnected":
+            current_session, current = self.broker._sessions.get(session.client_id, (None, None))
+            if (
+                current_session is session
+                and current is not None
+                and current is not handler
+                and session.transitions.state == "disconnected"
+            ):
                 # amqtt's take-over: this old connection's end marked the shared Session
                 # disconnected while the new one is live; its monitor would then drop the new one.
                 session.transitions.connect()
