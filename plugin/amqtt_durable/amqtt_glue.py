@@ -372,13 +372,22 @@ def _install_connect_hooks() -> None:
 
 async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> None:
     """The checks of a CONNECT that must come before amqtt touches anything (see
-    _install_connect_hooks); a refusal sends CONNACK 5 and raises MQTTError."""
+    _install_connect_hooks): amqtt ends a live connection of the client id (a take-over, or our
+    delete_session for a clean CONNECT) before the CONNACK, and MQTT 3.1.4 has that happen only
+    for a CONNECT that is accepted. A refusal sends CONNACK 5 (CONNACK 3 while the store cannot
+    write and the CONNECT needs a write) and raises MQTTError."""
     try:
         plugin.engine.check_owner(session.client_id, session.username)
     except NotSessionOwnerError as exc:
         log.warning("%s", exc)
         await _refuse_read_connect(writer, plugins_manager)
         raise MQTTError(str(exc)) from None
+    try:
+        plugin.engine.check_writable_for(session.client_id, bool(session.clean_session))
+    except StoreUnavailableError as exc:
+        log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, exc)
+        await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
+        raise MQTTError(f"CONNECT of {session.client_id!r}: {exc}") from None
     broker = plugin.broker
     if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
         log.warning(
