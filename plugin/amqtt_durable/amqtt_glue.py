@@ -1638,9 +1638,10 @@ def _keep_the_disconnect(handler: Any) -> None:
     ``wait_disconnect`` answers it whenever amqtt's answer is None.
 
     Once the server has ended the connection (``durable_ended``), a DISCONNECT read after counts
-    for nothing: both readers go on handling what they had read (amqtt's own after a reserved
-    packet type or a second CONNECT too), and the will of a connection ended for a protocol
-    violation is published (MQTT-3.1.2-8). The server's ends are ``end_connection``'s callers, a
+    for nothing: the plugin's reader handles nothing after it (``FastReader._dispatch_all``), but
+    amqtt's own reader goes on handling what it reads until the connection is stopped (after a
+    reserved packet type or a second CONNECT too), and the will of a connection ended for a
+    protocol violation is published (MQTT-3.1.2-8). The server's ends are ``end_connection``'s callers, a
     second CONNECT (``handle_connect``, MQTT-3.1.0-2) and whatever the reader task itself ends
     (amqtt's own reader's reserved packet type; at EOF nothing is read after). Not any None: a
     write that fails (amqtt's ``_send_packet``) may come before a DISCONNECT the reader has yet to
@@ -2118,10 +2119,14 @@ class FastReader:
         await self._to_amqtt(packet_type, flags, body)
 
     async def _dispatch_all(self, packets: list[tuple[int, bytes]]) -> None:
-        """The packets of one read, in order; runs of acks of one kind go to the pump together."""
+        """The packets of one read, in order; runs of acks of one kind go to the pump together.
+        None after one that made the server end the connection (``durable_ended``: a reserved
+        packet type, a second CONNECT): the connection is over."""
         acks: list[int] = []
         ack_first = 0
         for first, body in packets:
+            if self._handler.durable_ended:
+                break
             if first == ack_first and len(body) == 2:
                 acks.append((body[0] << 8) | body[1])
                 continue
@@ -2183,6 +2188,8 @@ class FastReader:
             packets = framing.feed(data)
             if packets:
                 await self._dispatch_all(packets)
+            if self._handler.durable_ended:
+                return  # the server ended the connection: nothing read after is handled
 
     async def run(self) -> None:
         handler = self._handler
