@@ -597,13 +597,12 @@ def test_a_replication_address_in_use_stops_the_broker_with_exit_1(
     assert not probe_connack(broker.port)
 
 
-def test_a_start_failure_is_the_last_line_even_when_the_shutdown_after_it_fails(
-    broker_factory: Callable[..., Broker], tmp_path: Path
-) -> None:
-    """Review 90: after a plugin start failure `amqtt-durable broker` shuts the broker down, then
-    prints why it did not start; a shutdown that raised (here made to, after amqtt's real one)
-    replaced that line with its traceback. Now the shutdown's error is logged and the reason is
-    still the last line, with exit code 1."""
+def failed_start_with_shutdown(
+    broker_factory: Callable[..., Broker], tmp_path: Path, shutdown: str, timeout: float = 60
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """`amqtt-durable broker` whose plugin start fails (its replication.listen address in use),
+    with amqtt's Broker.shutdown replaced by ``shutdown`` (the text of an ``async def
+    shutdown(self)`` that may call ``real``, amqtt's): the process's result and the reason."""
     with socket.socket() as holder:
         holder.bind((HOST, 0))
         holder.listen()
@@ -611,22 +610,52 @@ def test_a_start_failure_is_the_last_line_even_when_the_shutdown_after_it_fails(
         broker = broker_factory(start=False, replication={"name": "a", "role": "primary", "listen": address})
         broker.write_config()
         script = (
+            "import asyncio, threading\n"
             "import amqtt.broker\n"
             "real = amqtt.broker.Broker.shutdown\n"
-            "async def failing_shutdown(self):\n"
-            "    await real(self)\n"
-            "    raise RuntimeError('the shutdown failed')\n"
-            "amqtt.broker.Broker.shutdown = failing_shutdown\n"
+            f"{shutdown}\n"
+            "amqtt.broker.Broker.shutdown = shutdown\n"
             "from amqtt_durable.cli import exit_process, main\n"
             f"exit_process(main(['broker', '-c', {str(broker.config_path)!r}]))\n"
         )
-        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
                                 check=False, cwd=tmp_path)
+    return result, f"replication.listen {address}: [Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"
+
+
+def test_a_start_failure_is_the_last_line_even_when_the_shutdown_after_it_fails(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """Review 90: after a plugin start failure `amqtt-durable broker` shuts the broker down, then
+    prints why it did not start; a shutdown that raised (here made to, after amqtt's real one)
+    replaced that line with its traceback. Now the shutdown's error is logged and the reason is
+    still the last line, with exit code 1."""
+    failing = "async def shutdown(self):\n    await real(self)\n    raise RuntimeError('the shutdown failed')"
+    result, reason = failed_start_with_shutdown(broker_factory, tmp_path, failing)
     assert result.returncode == 1, result.stderr[-3000:]
-    reason = f"replication.listen {address}: [Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"
     assert result.stderr.strip().splitlines()[-1] == f"amqtt-durable: broker not started: {reason}", result.stderr
     assert "ERROR amqtt_durable: shutdown after a failed start failed" in result.stderr
     assert "RuntimeError: the shutdown failed" in result.stderr
+
+
+def test_a_shutdown_after_a_failed_start_that_hangs_is_left_after_its_timeout_and_the_exit_is_1(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """Review: the shutdown after a plugin start failure had no bound; one that hung (here amqtt's
+    real shutdown, then a wait in a thread that never ends, as a store close stuck on a dead disk
+    would) hung the process for good. Now it is left after FAILED_START_SHUTDOWN_TIMEOUT (shortened
+    here), logged, and the process exits 1 with the reason last."""
+    hanging = (
+        "import amqtt_durable.cli\n"
+        "amqtt_durable.cli.FAILED_START_SHUTDOWN_TIMEOUT = 1.0\n"
+        "async def shutdown(self):\n    await real(self)\n    await asyncio.to_thread(threading.Event().wait)"
+    )
+    started = time.monotonic()
+    result, reason = failed_start_with_shutdown(broker_factory, tmp_path, hanging, timeout=WAIT)
+    assert time.monotonic() - started < WAIT
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == f"amqtt-durable: broker not started: {reason}", result.stderr
+    assert "ERROR amqtt_durable: shutdown after a failed start did not end within 1 s" in result.stderr
 
 
 def test_a_fixed_primary_that_cannot_serve_its_store_exits_1(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from raw_mqtt_helpers import connect_packet, raw_subscribe, read_exactly
 from small_disk import fill, small_disk
 
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, run_cli
@@ -20,6 +21,7 @@ from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, paylo
 HEALTH = "$SYS/broker/durable/store/health"
 CONNACK_ACCEPTED = b"\x20\x02\x00\x00"
 CONNACK_UNAVAILABLE = b"\x20\x02\x00\x03"
+PINGREQ = b"\xc0\x00"
 
 
 def raw_connect(port: int, client_id: str, *, clean: bool) -> tuple[bytes, bool]:
@@ -159,3 +161,31 @@ def test_byte_limits_apply_the_overflow_policy_to_a_disconnected_queue(
     broker.start()
     assert device.connect() is True
     assert [m.payload for m in device.wait_messages(10)] == sent[-10:]
+
+
+def test_a_clean_connect_refused_while_the_store_fails_leaves_the_live_durable_connection(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """A clean CONNECT for the client id of a stored durable session needs a write (the delete): while
+    the store fails it gets CONNACK 3, and the take-over happens only if the CONNECT is accepted
+    (MQTT 3.1.4): the live durable connection of that client id goes on (it was ended before)."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(store=str(disk / "store"))
+        port = broker.port
+        monitor = clients(port, "monitor", clean_session=True)
+        monitor.subscribe(HEALTH, 1)
+        with socket.create_connection((HOST, port), timeout=WAIT) as reader:
+            reader.sendall(connect_packet("reader", clean=False))
+            assert read_exactly(reader, 4) == CONNACK_ACCEPTED
+            assert raw_subscribe(reader, "d/#", 1) == 1
+            publisher = clients(port, "pub", clean_session=True)
+            fill(disk)
+            publisher.paho.publish("d/x", bytes(64 * 1024), qos=1)  # its write finds the disk full
+            wait_health(monitor, "failing")
+
+            assert raw_connect(port, "reader", clean=True) == (CONNACK_UNAVAILABLE, True)
+            # The refused CONNECT was handled in full before its CONNACK: had it ended the reader's
+            # connection, the reader's socket would be closed by now.
+            reader.sendall(PINGREQ)
+            assert read_exactly(reader, 2) == b"\xd0\x00", "the live durable connection goes on"
+        assert "reader: a clean CONNECT takes the client id over" not in broker.log()

@@ -338,3 +338,27 @@ def test_max_packet_size_is_configurable_and_checked_on_every_path(
     log = broker.log()
     assert "closing the connection of fits: a packet of 4097 bytes is larger than max_packet_size (4096" in log
     assert "before its CONNECT was read: a packet of 8193 bytes is larger than max_packet_size (4096" in log
+
+
+@pytest.mark.parametrize("violation", ["reserved-type", "second-connect"])
+def test_nothing_read_after_a_protocol_violation_is_handled(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], violation: str
+) -> None:
+    """A reserved packet type or a second CONNECT (MQTT-3.1.0-2) ends the connection: a QoS 1
+    PUBLISH that came after it in the same read is neither routed nor acknowledged (the plugin's
+    reader handled it: delivered and PUBACKed)."""
+    broker = broker_factory()
+    watcher = clients(broker.port, "watcher", clean_session=True)
+    assert watcher.subscribe("v/#", 1) == [1]
+    durable = clients(broker.port, "dev-1")
+    assert durable.subscribe("v/#", 1) == [1]
+    bad = raw_connect(broker.port, "bad", clean=True)
+    first = b"\xf0\x00" if violation == "reserved-type" else connect_packet("bad", clean=True)
+    bad.sendall(first + publish_packet(b"v/after", b"after the violation", 1, packet_id=7))
+    got = read_until_closed(bad, WAIT)
+    bad.close()
+    assert got == b"", f"the broker answered after the violation: {got!r}"
+    clients(broker.port, "pub", clean_session=True).publish("v/marker", [b"marker"], qos=1)
+    for receiver in (watcher, durable):
+        assert receiver.wait_for(lambda ms: any(m.topic == "v/marker" for m in ms))
+        assert [m.topic for m in receiver.messages] == ["v/marker"]

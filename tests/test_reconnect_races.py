@@ -15,13 +15,14 @@ which makes that interleaving certain instead of a matter of scheduling.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from raw_mqtt_helpers import raw_connect, raw_subscribe, read_exactly
+from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly
 
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.delivery import AckKind
@@ -49,6 +50,10 @@ class ConnectionGate(BasePlugin):
       over. ``first`` goes on once ``second``'s CONNECT is read; ``second`` waits for a connection
       with client id ``release`` (its CONNACK comes after ``first``'s); ``first-late`` enters its
       message loop only after ``second`` has entered its own.
+    * ``second-closes``: as ``second``, but its message loop starts once its reader has seen its
+      client close (so it never attaches); a connection with client id ``after-second-loop``
+      enters its own loop after that loop has started (its handler started, its reader running),
+      and a ``release-after-held`` connection's loop waits for that loop to end, as for ``held``.
     """
 
     @dataclass
@@ -68,7 +73,7 @@ class ConnectionGate(BasePlugin):
             handler.gate_role = role = session.username  # read now: a take-over overwrites it
             if role in ("first", "first-late"):
                 await wait("second read")
-            elif role == "second":
+            elif role in ("second", "second-closes"):
                 events["second read"].set()
                 await wait("release")
             return handler, session
@@ -82,6 +87,16 @@ class ConnectionGate(BasePlugin):
                 finally:
                     events["held done"].set()
                 return
+            if role == "second-closes":
+                events["second loop"].set()
+                try:
+                    await asyncio.wait({handler._reader_task}, timeout=HOLD_LIMIT)  # its client closed it
+                    await message_loop(session, handler)
+                finally:
+                    events["held done"].set()
+                return
+            if session.client_id == "after-second-loop":
+                await wait("second loop")
             if role == "first-late":
                 await wait("second loop")
             elif role == "second":
@@ -184,6 +199,68 @@ def test_an_older_connection_left_open_by_amqtt_is_ended_when_a_later_connect_ta
     assert device.wait_for(lambda ms: ms and ms[-1].payload == live[-1])
     got = list(dict.fromkeys(m.payload for m in device.messages))  # QoS 1: a redelivery may repeat one
     assert got == queued + live
+
+
+@pytest.mark.timeout(120)
+def test_with_session_expiry_0_a_session_ends_with_its_last_connection_after_a_newer_connect_closed_unattached(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """Review: two CONNECTs of one client id read at the same time (amqtt takes neither over); the
+    older attaches, the newer gets CONNACK and is closed by its client before it attaches. Its end
+    left its CONNECT's grace (CONNECT_GRACE, 30 s) on the session while the older stayed attached,
+    so with session_expiry 0 the session outlived its last connection by up to 30 s (guarantees.md,
+    "Expiry": deleted as soon as it disconnects). It must expire when the older one closes."""
+    (tmp_path / "connection_gate.py").write_text(GATE_PLUGIN)
+    broker = broker_factory(start=False, session_expiry=0, session_takeover="any-user")
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["connection_gate.ConnectionGate"] = {}
+    broker.start()
+    watcher = clients(broker.port, "watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/expired", 1)
+
+    older = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    older.sendall(connect_packet("dev", clean=False, username="first"))  # held until the newer is read
+    newer = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    newer.sendall(connect_packet("dev", clean=False, username="second-closes"))  # held until release
+    assert read_exactly(older, 4) == b"\x20\x02\x00\x00", "the older connection got no CONNACK"
+    assert raw_subscribe(older, "t", 1) == 1, "no SUBACK"  # its message loop runs: it has attached
+    release = raw_connect(broker.port, "release", clean=True)
+    assert read_exactly(newer, 4) == b"\x20\x02\x01\x00", "the newer connection got no CONNACK"
+    in_loop = raw_connect(broker.port, "after-second-loop", clean=True)
+    assert raw_subscribe(in_loop, "probe/none", 0) == 0, "no SUBACK"  # the newer one's loop has started
+    newer.close()  # before it attaches
+    ended = raw_connect(broker.port, "release-after-held", clean=True)
+    assert raw_subscribe(ended, "probe/none", 0) == 0, "no SUBACK"  # the newer one's loop (and end) is over
+    for sock in (release, in_loop, ended):
+        sock.close()
+    assert "dev: a newer connection took the durable session" not in broker.log(), "the newer one attached"
+
+    older.close()  # the session's last connection
+    assert watcher.wait_for(lambda ms: any(json.loads(m.payload)["client_id"] == "dev" for m in ms)), (
+        "the session outlived its last connection with session_expiry 0"
+    )
+    assert clients(broker.port, "dev").session_present is False
+
+
+def test_connections_closed_right_after_their_connect_end_and_their_sessions_expire(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Found with the test above: a client that sends CONNECT and closes at once left its EOF for
+    the reader, which ended before amqtt's handler start made the disconnect waiter; nothing
+    resolved it, so the connection's message loop never ended (its listener slot held) and its
+    durable session never detached: with session_expiry 0 it never expired (present on the next
+    CONNECT). Each must end, and each session expire."""
+    broker = broker_factory(session_expiry=0)
+    watcher = clients(broker.port, "watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/expired", 1)
+    ids = [f"gone-{n}" for n in range(5)]
+    for client_id in ids:
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(connect_packet(client_id, clean=False))
+    assert watcher.wait_for(lambda ms: {json.loads(m.payload)["client_id"] for m in ms} >= set(ids)), (
+        f"expired: {[json.loads(m.payload)['client_id'] for m in watcher.messages]}"
+    )
+    assert clients(broker.port, ids[0]).session_present is False
 
 
 class Recording:

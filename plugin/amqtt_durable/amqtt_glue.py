@@ -38,6 +38,19 @@ instance the plugin is loaded into and on each connection's handler:
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
 * ``BrokerProtocolHandler.handle_pubrel`` (per connection): a durable publisher's stored QoS 2
   packet id is deleted before PUBCOMP, and a PUBREL amqtt has no flow for still gets PUBCOMP;
+* ``BrokerProtocolHandler.start`` / ``stop`` (per connection): a connection whose reader ended
+  before amqtt's ``start`` made its disconnect waiter (a client that closed right after its
+  CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran;
+* ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` / ``handle_connection_closed``
+  / ``handle_connect`` (per connection): a connection that sent DISCONNECT never has its will
+  published (MQTT-3.14.4-3), however its DISCONNECT's handling and its message loop's wait for it
+  fall, unless the server had already ended it (a protocol violation: then the will is published;
+  see ``_keep_the_disconnect``);
+* ``Broker._handle_disconnect``: the will published at a connection's abnormal end is the one
+  its own CONNECT carried, not the one a later CONNECT of the client id gave the shared Session
+  (see ``handle_disconnect``);
+* ``Broker._delete_session``: a clean CONNECT of a client id whose connection is live ends that
+  connection (MQTT-3.1.4-2; amqtt deleted its Session and left it open);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
@@ -107,6 +120,7 @@ from amqtt.mqtt import subscribe as amqtt_subscribe
 from amqtt.mqtt import unsubscribe as amqtt_unsubscribe
 from amqtt.mqtt.connack import NOT_AUTHORIZED, SERVER_UNAVAILABLE, ConnackPacket
 from amqtt.mqtt.constants import QOS_1, QOS_2
+from amqtt.mqtt.disconnect import DisconnectPacket
 from amqtt.mqtt.packet import (
     CONNACK,
     CONNECT,
@@ -179,6 +193,8 @@ _BROKER_INTERNALS = (
     "_handle_unsubscription",
     "_publish_retained_messages_for_subscription",
     "_broadcast_message",
+    "_handle_disconnect",
+    "_delete_session",
     "_topic_filtering",
     "add_subscription",
     "retained_messages",
@@ -206,7 +222,12 @@ _HANDLER_INTERNALS = (
     "handle_pubrel",
     "_send_packet",
     "mqtt_publish",
+    "start",
     "stop",
+    "handle_disconnect",
+    "handle_connection_closed",
+    "wait_disconnect",
+    "handle_connect",
 )
 _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconnected")
 
@@ -232,6 +253,23 @@ _HANDLERS = {
     PUBLISH: "handle_publish",
     DISCONNECT: "handle_disconnect",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectionWill:
+    """The will of one connection's CONNECT (``topic`` None: none). amqtt keeps only the Session's,
+    which a later CONNECT of the same client id overwrites (see ``handle_disconnect``)."""
+
+    topic: str | None
+    message: bytes | None
+    qos: int | None
+    retain: bool
+
+    @classmethod
+    def of(cls, session: Any) -> ConnectionWill:
+        if not session.will_flag:
+            return cls(None, None, None, retain=False)
+        return cls(session.will_topic, session.will_message, session.will_qos, retain=bool(session.will_retain))
 
 
 class RoutedPayload(bytes):
@@ -312,6 +350,7 @@ def _install_connect_hooks() -> None:
             await close_socket(writer)
             raise MQTTError(f"the connection ended while its CONNECT was read: {exc!r}") from None
         handler.connect_clean_session = bool(session.clean_session)
+        handler.durable_will = ConnectionWill.of(session)
         if session.will_flag:
             problem = publish_topic_problem(session.will_topic or "")
             if problem is not None:  # amqtt's caller logs it and closes the connection
@@ -333,13 +372,22 @@ def _install_connect_hooks() -> None:
 
 async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> None:
     """The checks of a CONNECT that must come before amqtt touches anything (see
-    _install_connect_hooks); a refusal sends CONNACK 5 and raises MQTTError."""
+    _install_connect_hooks): amqtt ends a live connection of the client id (a take-over, or our
+    delete_session for a clean CONNECT) before the CONNACK, and MQTT 3.1.4 has that happen only
+    for a CONNECT that is accepted. A refusal sends CONNACK 5 (CONNACK 3 while the store cannot
+    write and the CONNECT needs a write) and raises MQTTError."""
     try:
         plugin.engine.check_owner(session.client_id, session.username)
     except NotSessionOwnerError as exc:
         log.warning("%s", exc)
         await _refuse_read_connect(writer, plugins_manager)
         raise MQTTError(str(exc)) from None
+    try:
+        plugin.engine.check_writable_for(session.client_id, bool(session.clean_session))
+    except StoreUnavailableError as exc:
+        log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, exc)
+        await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
+        raise MQTTError(f"CONNECT of {session.client_id!r}: {exc}") from None
     broker = plugin.broker
     if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
         log.warning(
@@ -632,7 +680,7 @@ class HandlerTransport:
     async def end(self) -> None:
         """End this connection as amqtt's own take-over does (MQTT-3.1.4-2): its message loop sees
         the connection closed and runs amqtt's disconnect (the will included)."""
-        await self._handler.handle_connection_closed()
+        await end_connection(self._handler)
 
     def take_ack(self, kind: AckKind, packet_id: int) -> bool:
         """True when the ack was for a message the pump sent (and it has been handled)."""
@@ -720,33 +768,37 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
             table[message.topic] = RetainedApplicationMessage(None, message.topic, message.payload, message.qos)
 
     async def on_broker_post_start(self) -> None:
-        if self.engine.loaded:
-            self.engine.start_timers()
-        if self.config.metrics_interval > 0:
-            self._metrics_task = asyncio.get_running_loop().create_task(self._publish_metrics())
-        settings = self.config.replication
-        if settings is not None:
-            try:
-                coordinator = (
-                    EtcdCoordinator(settings.coordinator, prefix=settings.prefix, ttl=settings.lease_ttl)
-                    if settings.coordinator
-                    else None
-                )
-                # Reads the secret (file or variable) and the TLS files: a ConfigError if they went.
-                self.replication = ReplicationNode(
-                    self.engine.db, settings, coordinator=coordinator, on_promote=self._promoted,
-                    on_demote=self._demoted, fsync=self.config.sync,
-                    listen_backlog=socket_backlog(self.config.listen_backlog),
-                )
-                self.engine.on_store_reopened = self.replication.use_db
-                await self.replication.start()
-            except DurableError as exc:
-                # ReplicationListenError: "replication.listen <address>: <why>" (in use, no such
-                # host); a primary that cannot serve its store (replication.node._promote); a
-                # secret or TLS file that cannot be read any more (ConfigError).
-                self._start_failed(str(exc))
-            except Exception as exc:  # anything else (LevelDB's own error in a promotion, say)
-                self._start_failed(f"replication start: {exc!r}", unexpected=True)
+        """The timers, the metrics task and replication; whatever fails is reported (_start_failed)."""
+        stage = "timers and metrics task start"
+        try:
+            if self.engine.loaded:
+                self.engine.start_timers()
+            if self.config.metrics_interval > 0:
+                self._metrics_task = asyncio.get_running_loop().create_task(self._publish_metrics())
+            settings = self.config.replication
+            if settings is None:
+                return
+            stage = "replication start"
+            coordinator = (
+                EtcdCoordinator(settings.coordinator, prefix=settings.prefix, ttl=settings.lease_ttl)
+                if settings.coordinator
+                else None
+            )
+            # Reads the secret (file or variable) and the TLS files: a ConfigError if they went.
+            self.replication = ReplicationNode(
+                self.engine.db, settings, coordinator=coordinator, on_promote=self._promoted,
+                on_demote=self._demoted, fsync=self.config.sync,
+                listen_backlog=socket_backlog(self.config.listen_backlog),
+            )
+            self.engine.on_store_reopened = self.replication.use_db
+            await self.replication.start()
+        except DurableError as exc:
+            # ReplicationListenError: "replication.listen <address>: <why>" (in use, no such
+            # host); a primary that cannot serve its store (replication.node._promote); a
+            # secret or TLS file that cannot be read any more (ConfigError).
+            self._start_failed(str(exc))
+        except Exception as exc:  # anything else (LevelDB's own error in a promotion, say)
+            self._start_failed(f"{stage}: {exc!r}", unexpected=True)
 
     def _start_failed(self, reason: str, *, unexpected: bool = False) -> None:
         """amqtt runs on_broker_post_start as a task whose exception nobody reads (its listeners
@@ -952,6 +1004,8 @@ class AmqttHooks:
         self._original_unsubscription = broker._handle_unsubscription
         self._original_del_subscription = broker._del_subscription
         self._original_broadcast = broker._broadcast_message
+        self._original_handle_disconnect = broker._handle_disconnect
+        self._original_delete_session = broker._delete_session
         self._original_cleanup = broker._cleanup_session
         self._original_shutdown = broker.shutdown
         self._original_create_server = broker._create_server_instance
@@ -983,6 +1037,8 @@ class AmqttHooks:
         broker._run_broadcast = self.run_broadcast
         broker._publish_retained_messages_for_subscription = self.publish_retained_for_subscription
         broker._broadcast_message = self.broadcast_message
+        broker._handle_disconnect = self.handle_disconnect
+        broker._delete_session = self.delete_session
         broker._cleanup_session = self.cleanup_session
         broker.shutdown = self.shutdown
         broker.retain_message = self.retain_message
@@ -1111,6 +1167,37 @@ class AmqttHooks:
         handler._reader_loop = FastReader(self.broker, self.engine, handler, session).run
         return handler, session
 
+    async def handle_disconnect(self, session: Any, handler: Any, disconnect_waiter: asyncio.Future[Any]) -> None:
+        """The end of a connection's message loop: its will is published unless it sent DISCONNECT,
+        and it is the will of its own CONNECT (``ConnectionWill``), not the Session's: on a
+        take-over amqtt gives the shared Session the new CONNECT's will before it ends the old
+        connection, whose end then published the new client's will (even one that sent DISCONNECT
+        later), and the old client's own was never published (MQTT-3.1.2-8, MQTT-3.14.4-3). amqtt
+        does the rest (CLIENT_DISCONNECTED included), told the will's decision is made."""
+        will: ConnectionWill | None = getattr(handler, "durable_will", None)
+        if will is None:  # not read through init_from_connect
+            await self._original_handle_disconnect(session, handler, disconnect_waiter)
+            return
+        if will.topic is not None and not isinstance(disconnect_waiter.result(), DisconnectPacket):
+            log.debug("%s disconnected abnormally: publishing its will", session.client_id)
+            await self.broker._broadcast_message(session, will.topic, will.message, will.qos)
+            if will.retain:
+                await self.broker.retain_message(session, will.topic, will.message, will.qos)
+        decided: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        decided.set_result(DisconnectPacket())
+        await self._original_handle_disconnect(session, handler, decided)
+
+    async def delete_session(self, client_id: str) -> None:
+        """A clean CONNECT of a client id whose connection is live: amqtt deleted the Session and
+        left that connection open (its take-over runs only for a Session it keeps). MQTT-3.1.4-2:
+        the existing client is disconnected, as amqtt's take-over does (its will is published)."""
+        session, handler = self.broker._sessions.get(client_id, (None, None))
+        if session is not None and handler is not None and session.transitions.is_connected():
+            log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
+            await end_connection(handler)
+            await handler.stop()
+        await self._original_delete_session(client_id)
+
     async def client_message_loop(self, session: Any, handler: Any) -> None:
         # By what this connection's CONNECT asked for: a clean connection must never drive the
         # durable session of the same client id that another connection created meanwhile.
@@ -1127,7 +1214,7 @@ class AmqttHooks:
                 await displaced.end()
             if durable and self.engine.superseded(session.client_id, transport):
                 log.info("%s: a newer connection has the durable session: ending this one", session.client_id)
-                await handler.handle_connection_closed()
+                await end_connection(handler)
             await self._original_message_loop(session, handler)
         finally:
             handler.durable_control.stop()
@@ -1135,8 +1222,13 @@ class AmqttHooks:
             await handler.stop()
             if durable:
                 await self.engine.detach(session.client_id, transport, broker_stopping=self.shutting_down)
-            current = self.broker._sessions.get(session.client_id, (None, None))[1]
-            if current is not None and current is not handler and session.transitions.state == "disconnected":
+            current_session, current = self.broker._sessions.get(session.client_id, (None, None))
+            if (
+                current_session is session
+                and current is not None
+                and current is not handler
+                and session.transitions.state == "disconnected"
+            ):
                 # amqtt's take-over: this old connection's end marked the shared Session
                 # disconnected while the new one is live; its monitor would then drop the new one.
                 session.transitions.connect()
@@ -1423,7 +1515,7 @@ async def _bounded_qos2(
     """A QoS 2 PUBLISH (control request or message), counted in ``awaiting`` until its flow ends."""
     packet_id = packet.variable_header.packet_id  # amqtt's decoder reads one for QoS 1 and 2
     if not awaiting.admit(packet_id):
-        await handler.handle_connection_closed()
+        await end_connection(handler)
         return
     try:
         if packet.topic_name.startswith(CONTROL_PREFIX):
@@ -1458,7 +1550,7 @@ def _wrap_handler(
         problem = _malformed_publish(packet)
         if problem is not None:  # before anything is stored, routed or acknowledged
             log.warning("closing the connection of %s: PUBLISH refused: %s", session.client_id, problem)
-            await handler.handle_connection_closed()
+            await end_connection(handler)
             return
         qos = packet.qos or 0
         packet_id = packet.variable_header.packet_id if packet.variable_header else None
@@ -1500,7 +1592,94 @@ def _wrap_handler(
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, handler.handle_pubrel)
+    _keep_the_disconnect(handler)
+    handler.start = _end_a_connection_closed_during_start(handler, handler.start)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
+
+
+def _end_a_connection_closed_during_start(
+    handler: Any, original: Callable[[], Awaitable[None]]
+) -> Callable[[], Awaitable[None]]:
+    """amqtt's ``start()`` starts the reader task, waits for it to be ready, and only then makes
+    the disconnect waiter its message loop waits on. A client that closed right after its CONNECT
+    leaves an EOF the reader reads at once: it ends (signalling the disconnect to no waiter)
+    before that waiter exists, and nothing resolved it: the message loop waited for ever, holding
+    its listener slot, and a durable session never detached, so it never expired. The end is
+    signalled again once the waiter exists, with the DISCONNECT the reader read, if any (so no will
+    is published for it, see ``_keep_the_disconnect``)."""
+
+    async def start() -> None:
+        await original()
+        task = handler._reader_task
+        if task is not None and task.done():
+            await handler.handle_disconnect(handler.durable_disconnect)
+
+    return start
+
+
+async def end_connection(handler: Any) -> None:
+    """End a connection on the server's decision (a protocol violation, a publish that could not be
+    stored, a newer connection taking its session): its will is published (MQTT-3.1.2-8), whatever
+    the client sends after (see ``_keep_the_disconnect``)."""
+    handler.durable_ended = True
+    await handler.handle_connection_closed()
+
+
+def _keep_the_disconnect(handler: Any) -> None:
+    """MQTT-3.14.4-3: a connection that sent DISCONNECT has its will discarded. amqtt hands the
+    DISCONNECT to a one-shot disconnect waiter and then drops the waiter; its message loop asks for
+    the waiter's result only when it starts, and the end of the connection signals None to
+    whatever waiter is left. When the DISCONNECT was read before the loop asked (while the durable
+    attach waited for a store commit, or in the same read as CONNECT), the loop found no waiter, or
+    a fresh one the connection's end resolved with None, took the None for an abnormal end and
+    published the will. The DISCONNECT is now remembered on the handler as it is handed over (when
+    the reader calls ``handle_disconnect``, before the task that handles it runs: amqtt's own reader,
+    at the connection's end, cancels the handler tasks it started that have not finished), and
+    ``wait_disconnect`` answers it whenever amqtt's answer is None.
+
+    Once the server has ended the connection (``durable_ended``), a DISCONNECT read after counts
+    for nothing: the plugin's reader handles nothing after it (``FastReader._dispatch_all``), but
+    amqtt's own reader goes on handling what it reads until the connection is stopped (after a
+    reserved packet type or a second CONNECT too), and the will of a connection ended for a
+    protocol violation is published (MQTT-3.1.2-8). The server's ends are ``end_connection``'s callers, a
+    second CONNECT (``handle_connect``, MQTT-3.1.0-2) and whatever the reader task itself ends
+    (amqtt's own reader's reserved packet type; at EOF nothing is read after). Not any None: a
+    write that fails (amqtt's ``_send_packet``) may come before a DISCONNECT the reader has yet to
+    read."""
+    original_handle = handler.handle_disconnect
+    original_wait = handler.wait_disconnect
+    original_closed = handler.handle_connection_closed
+    original_connect = handler.handle_connect
+    handler.durable_disconnect = None
+    handler.durable_ended = False
+
+    def handle_disconnect(disconnect: DisconnectPacket | None) -> Awaitable[None]:
+        if handler.durable_ended:
+            disconnect = None
+        elif isinstance(disconnect, DisconnectPacket):
+            handler.durable_disconnect = disconnect
+        return original_handle(disconnect)  # type: ignore[no-any-return]
+
+    async def wait_disconnect() -> DisconnectPacket | None:
+        result = await original_wait()
+        if handler.durable_ended and handler.durable_disconnect is None:
+            return None
+        return handler.durable_disconnect if result is None else result
+
+    def handle_connection_closed() -> Awaitable[None]:
+        task = handler._reader_task
+        if task is not None and task is asyncio.current_task():
+            handler.durable_ended = True
+        return original_closed()  # type: ignore[no-any-return]
+
+    def handle_connect(connect: Any) -> Awaitable[None]:
+        handler.durable_ended = True
+        return original_connect(connect)  # type: ignore[no-any-return]
+
+    handler.handle_disconnect = handle_disconnect
+    handler.wait_disconnect = wait_disconnect
+    handler.handle_connection_closed = handle_connection_closed
+    handler.handle_connect = handle_connect
 
 
 def _stop_waiting_for_a_reader_that_may_never_run(
@@ -1940,10 +2119,14 @@ class FastReader:
         await self._to_amqtt(packet_type, flags, body)
 
     async def _dispatch_all(self, packets: list[tuple[int, bytes]]) -> None:
-        """The packets of one read, in order; runs of acks of one kind go to the pump together."""
+        """The packets of one read, in order; runs of acks of one kind go to the pump together.
+        None after one that made the server end the connection (``durable_ended``: a reserved
+        packet type, a second CONNECT): the connection is over."""
         acks: list[int] = []
         ack_first = 0
         for first, body in packets:
+            if self._handler.durable_ended:
+                break
             if first == ack_first and len(body) == 2:
                 acks.append((body[0] << 8) | body[1])
                 continue
@@ -1976,7 +2159,7 @@ class FastReader:
         handler = self._handler
         if packet_type in (RESERVED_0, RESERVED_15):
             log.warning("%s sent a reserved packet type: closing the connection", self._session.client_id)
-            await handler.handle_connection_closed()
+            await end_connection(handler)
             return
         fixed = MQTTFixedHeader(packet_type, flags, len(body))
         packet = await packet_class(fixed).from_stream(BufferReader(body), fixed_header=fixed)
@@ -2005,6 +2188,8 @@ class FastReader:
             packets = framing.feed(data)
             if packets:
                 await self._dispatch_all(packets)
+            if self._handler.durable_ended:
+                return  # the server ended the connection: nothing read after is handled
 
     async def run(self) -> None:
         handler = self._handler

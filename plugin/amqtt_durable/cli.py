@@ -37,6 +37,8 @@ PLUGIN_PATH = "amqtt_durable.DurableSessionsPlugin"
 EXIT_BAD_INPUT = 2
 GC_THRESHOLD = 100_000
 AMQTT_START_FAILED = "Broker instance can't be started"  # amqtt wraps every start-up error in this
+FAILED_START_SHUTDOWN_TIMEOUT = 10.0
+"""Seconds the shutdown after a failed start may take; past them the process exits 1 without it."""
 
 
 def plugin_entries(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -148,6 +150,28 @@ async def _stop_when_orphaned(parent: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
+async def _shutdown_after_failed_start(broker: Broker, failure: str) -> None:
+    """Shut ``broker`` down, then print why it did not start: the last line, whatever the shutdown
+    did (its error is logged). A shutdown still running after ``FAILED_START_SHUTDOWN_TIMEOUT`` is
+    logged and left: the process exits 1 at once, since returning would let ``asyncio.run`` wait
+    for it (its task, or a thread it waits on, at the executor's shutdown)."""
+    shutdown = asyncio.ensure_future(broker.shutdown())
+    done, _ = await asyncio.wait({shutdown}, timeout=FAILED_START_SHUTDOWN_TIMEOUT)
+    if not done:
+        log.error(
+            "shutdown after a failed start did not end within %g s (FAILED_START_SHUTDOWN_TIMEOUT): exiting without it",
+            FAILED_START_SHUTDOWN_TIMEOUT,
+        )
+    else:
+        try:
+            shutdown.result()
+        except (Exception, asyncio.CancelledError):  # logged; the reason stays the last line
+            log.exception("shutdown after a failed start failed")
+    print(f"amqtt-durable: broker not started: {failure}", file=sys.stderr)
+    if not done:
+        exit_process(1)
+
+
 async def _serve(config: dict[str, Any], parent: int | None = None) -> int:
     try:
         broker = Broker(config)
@@ -157,11 +181,7 @@ async def _serve(config: dict[str, Any], parent: int | None = None) -> int:
         return 1
     failure = start_failure(broker)
     if failure is not None:
-        try:
-            await broker.shutdown()
-        except Exception:  # logged; the reason the broker did not start stays the last line
-            log.exception("shutdown after a failed start failed")
-        print(f"amqtt-durable: broker not started: {failure}", file=sys.stderr)
+        await _shutdown_after_failed_start(broker, failure)
         return 1
     # Every message allocates a handful of short-lived objects; with CPython's default threshold
     # the collector runs every 700 allocations and costs ~10% of the message rate. Objects that
@@ -336,9 +356,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_process(code: int) -> NoReturn:
-    """Exit with ``code`` once a command has returned (the store is closed by then). Skipping
-    interpreter teardown avoids a spurious 'Error in sys.excepthook' CPython prints when plyvel
-    was loaded next to amqtt."""
+    """Exit with ``code`` at once, skipping interpreter teardown (which avoids a spurious 'Error in
+    sys.excepthook' CPython prints when plyvel was loaded next to amqtt). Called once a command has
+    returned (its store closed by then), and by ``_shutdown_after_failed_start`` when the broker's
+    shutdown did not end within ``FAILED_START_SHUTDOWN_TIMEOUT``: that shutdown is left unfinished,
+    so the store may still be open."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

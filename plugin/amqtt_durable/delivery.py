@@ -108,6 +108,12 @@ class Outgoing:
     body: Body | None
     stored: bytes | None = None
 
+    @property
+    def from_store(self) -> bool:
+        """Read from the store (not live). A batch is all one or the other (``Pump._take_sendable``),
+        so its first message says it for the whole batch: whether it is a replay that takes turns."""
+        return self.stored is not None
+
 
 def packet_seq(packet_id: int, oldest: int) -> int:
     """The sequence at or after ``oldest`` (and before ``oldest`` + 65535) whose packet id is
@@ -264,12 +270,12 @@ class Pump:
             return
         turns = self._turns
         if batch[-1].entry.seq > self.session.stored_mark or (
-            turns is not None and batch[0].stored is not None and not turns.try_take(len(batch), self._runs.first)
+            turns is not None and batch[0].from_store and not turns.try_take(len(batch), self._runs.first)
         ):
             # its mark must be stored first (or, not its first batch, it waits for a turn): the task does it
             self._put_back(batch)
             return
-        if turns is not None and batch[0].stored is not None:
+        if turns is not None and batch[0].from_store:
             self._turn_pass = turns.pass_id
         self._write_batch(batch)
 
@@ -419,7 +425,7 @@ class Pump:
     def _store_next(self) -> bool:
         """Is the next batch (if any) read from the store?"""
         if self.buffer:
-            return self.buffer[0].stored is not None
+            return self.buffer[0].from_store
         return self.next_fill_seq <= self.session.committed_tail
 
     def _put_back(self, batch: list[Outgoing]) -> None:
@@ -441,7 +447,7 @@ class Pump:
         self._refilling = False
         if not self.buffer:
             return batch
-        replay = self.buffer[0].stored is not None
+        replay = self.buffer[0].from_store
         limit = self._runs.next if replay else self.window
         oldest = next(iter(self.inflight)) if count else None  # sent, so inserted, in seq order
         point = self.marker_point if self._marker_due else None
@@ -449,7 +455,7 @@ class Pump:
             item = self.buffer[0]
             if point is not None and item.entry.seq > point:
                 break  # the marker goes first
-            if (item.stored is not None) is not replay:
+            if item.from_store is not replay:
                 break  # a batch is all live or all read from the store: only the latter take turns
             if item.entry.qos:
                 if count >= self.window or (oldest is not None and item.entry.seq >= oldest + self.window):
@@ -537,7 +543,7 @@ class Pump:
             if self._interrupted(batch):
                 return False
         turns = self._turns
-        if batch and turns is not None and batch[0].stored is not None:
+        if batch and turns is not None and batch[0].from_store:
             return await self._take_turn(turns, batch)
         return bool(batch)
 
@@ -602,8 +608,8 @@ class Pump:
         highest = batch[-1].entry.seq
         session.sent_max = max(sent_max, highest)
         self.transport.write(run.take())
-        self._runs.sent(replayed=batch[0].stored is not None)
-        if batch[-1].stored is not None and session.sent_mark < highest + self.window:
+        self._runs.sent(replayed=batch[0].from_store)
+        if batch[0].from_store and session.sent_mark < highest + self.window:
             # A replay (the batch was read from the store): the next batch may reach a window past
             # this one, so its mark goes with the write the acks of this batch ask for, and it need
             # not wait for a commit of its own (one mark per batch). Live entries need none: each

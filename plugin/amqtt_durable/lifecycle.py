@@ -59,10 +59,8 @@ class SessionLifecycle(Routing):
         durable one, or a clean one that deletes a durable session): the glue refuses it.
         """
         self.check_owner(client_id, username)
+        self.check_writable_for(client_id, clean_session)
         existing = self.sessions.get(client_id)
-        failure = self.committer.failure
-        if failure is not None and (existing is not None or not clean_session):
-            raise StoreUnavailableError(failure)
         if existing is not None and existing.record.username != username and not clean_session:
             self._pass_to(existing, username, revoke)
         if clean_session:
@@ -89,6 +87,14 @@ class SessionLifecycle(Routing):
             self._disconnected(session)
             raise
         return False
+
+    def check_writable_for(self, client_id: str, clean_session: bool) -> None:
+        """Raise StoreUnavailableError while the store cannot write and a CONNECT of ``client_id``
+        needs a write: a durable one (creates or updates its session), or a clean one for the
+        client id of a durable session (deletes it)."""
+        failure = self.committer.failure
+        if failure is not None and (client_id in self.sessions or not clean_session):
+            raise StoreUnavailableError(failure)
 
     def check_owner(self, client_id: str, username: str | None) -> None:
         """Raise NotSessionOwnerError if, under session_takeover: owner-only, the durable session of
@@ -233,16 +239,18 @@ class SessionLifecycle(Routing):
 
         A connection that got CONNACK but never attached (closed while it waited for its attach
         slot) ends the same way for its session: the expiry clock counts from this disconnect, not
-        from the one before its CONNECT (the glue calls this once per connection)."""
+        from the one before its CONNECT (the glue calls this once per connection). Its CONNECT's
+        grace ends with it even while an older connection is still attached (CONNECTs read at the
+        same time, whose newer one closed unattached): that one's end then starts the clock alone."""
         session = self.sessions.get(client_id)
         if session is None:
             return
         if session.transport is not transport:
-            never_attached = session.transport is None and session.newest is transport
-            if never_attached and not session.deleted and not broker_stopping:
+            if session.newest is transport and not session.deleted and not broker_stopping:
                 session.connecting_until = 0.0  # as at attach: its CONNECT's grace ends with it
-                session.drop_non_durable()
-                self._disconnected(session)
+                if session.transport is None:  # no other connection has the session
+                    session.drop_non_durable()
+                    self._disconnected(session)
             return
         pump, session.pump, session.transport = session.pump, None, None
         if not session.deleted:

@@ -41,17 +41,12 @@ NOT_ALLOWED = "not in allow_from"
 
 def allowed(host: str, networks: Sequence[Network]) -> bool:
     """Whether the peer address ``host`` is in one of ``networks`` (a scoped peer, fe80::1%eth0,
-    by its address alone). An IPv4-mapped IPv6 address (::ffff:a.b.c.d) is also matched as its
-    IPv4 address, though no replication listener sees one: asyncio's IPv6 listening sockets are
-    IPv6-only (IPV6_V6ONLY), so an IPv4 peer comes to an IPv4 socket as its IPv4 address."""
+    by its address alone)."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
         return False
-    candidates: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [address]
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        candidates.append(address.ipv4_mapped)
-    return any(candidate in network for candidate in candidates for network in networks)
+    return any(address in network for network in networks)
 
 
 class HandshakeGate:
