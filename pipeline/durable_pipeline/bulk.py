@@ -44,6 +44,7 @@ from durable_client.protocol import (
     encode_request,
     remaining_length,
 )
+from durable_protocol.hostport import join_host_port
 
 from .errors import SourceError
 
@@ -217,12 +218,12 @@ class BulkRangeReader:
                     reason = _CONNACK_REASONS.get(exc.code, f"code {exc.code}")
                     if exc.code != 3:
                         raise SourceError(
-                            f"the broker at {host}:{port} refused the connection: {reason}"
+                            f"the broker at {join_host_port(host, port)} refused the connection: {reason}"
                         ) from None
-                    problem = f"{host}:{port} refused the connection: {reason} (a backup?)"
+                    problem = f"{join_host_port(host, port)} refused the connection: {reason} (a backup?)"
                 except (OSError, _ClosedError) as exc:
                     self._drop()
-                    problem = f"{host}:{port}: {exc}"
+                    problem = f"{join_host_port(host, port)}: {exc}"
                 else:
                     self.connections += 1
                     return
@@ -428,8 +429,8 @@ class BulkRangeReader:
         except _ClosedError as again:
             raise SourceError(self._no_event(f"{lost}; then {again}")) from None
         host, port = self.addresses[self._index]
-        log.info("stream %s: reconnected to %s:%d after %s; reading on after id %d",
-                 self.topic, host, port, lost, self.expected - 1)
+        log.info("stream %s: reconnected to %s after %s; reading on after id %d",
+                 self.topic, join_host_port(host, port), lost, self.expected - 1)
 
     def _readable(self) -> bool:
         sock = self._sock

@@ -222,14 +222,15 @@ class ReplicationNode:
 
     def _ha_ended(self, task: asyncio.Task[None]) -> None:
         """The HA loop ends only at a stop; one ended by an exception is said, as an ERROR: the
-        node follows no primary and never takes over from here on."""
+        node keeps the primary it followed (if any), follows no new one and never takes over."""
         if task.cancelled() or task.exception() is None:
             return
         log.error(
-            "replication HA %s: the HA loop ended: %r; this node follows no primary and takes over from "
-            "none until it restarts",
+            "replication HA %s: the HA loop ended: %r; until it restarts this node keeps the primary it "
+            "followed (if any), follows no new one and never takes over",
             self.config.name or "this broker",
             task.exception(),
+            exc_info=task.exception(),
         )
 
     async def drain(self) -> None:
