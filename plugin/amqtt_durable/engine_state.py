@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -121,7 +122,17 @@ class EngineState:
             return
         refs = self._refs.get(msg_id)
         if refs is None:
-            refs = read_refs(self.db, msg_id)
+            try:
+                refs = read_refs(self.db, msg_id)
+            except struct.error:
+                log.error(
+                    "message %d: its reference count does not decode: its body is kept (not deleted with its "
+                    "last queue entry); the store is damaged: stop the broker, run 'amqtt-durable repair %s' "
+                    "(rebuilds every count from the queues), then start the broker again",
+                    msg_id,
+                    self.config.store,
+                )
+                return
         refs -= 1
         if refs > 0:
             self._refs[msg_id] = refs

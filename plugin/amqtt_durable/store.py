@@ -164,9 +164,33 @@ def pubrel_key(sid: int, packet_id: int) -> bytes:
     return b"x" + _U64.pack(sid) + _U16.pack(packet_id)
 
 
+KEY_SIZES = {b"q": 17, b"t": 9, b"w": 9, b"x": 11, b"m": 9, b"c": 9}
+"""Prefix -> length of every key under it (a prefix, then a session number or message id, then a
+sequence number or packet id): a key of another length is damage."""
+KEY_NAMES = {
+    b"q": "queue entry",
+    b"t": "queue totals",
+    b"w": "sent mark",
+    b"x": "QoS 2 packet id",
+    b"m": "message body",
+    b"c": "message reference count",
+}
+
+
+def checked_key(key: bytes) -> bytes:
+    """``key`` (under one of KEY_SIZES' prefixes), or DamagedRecordError naming it when its length is wrong
+    (its session number, message id or sequence number cannot be read from it)."""
+    size = KEY_SIZES[key[:1]]
+    if len(key) != size:
+        raise DamagedRecordError(f"a {KEY_NAMES[key[:1]]} key of {len(key)} bytes, not {size} (damaged): {key!r}")
+    return key
+
+
 def iter_pubrel_due(db: Any) -> Iterator[tuple[int, int]]:
-    """(sid, packet id) of every inbound QoS 2 publish whose PUBREL is due."""
+    """(sid, packet id) of every inbound QoS 2 publish whose PUBREL is due; DamagedRecordError names
+    a key of the wrong length."""
     for key in db.iterator(prefix=b"x", include_value=False):
+        checked_key(key)
         yield int(_U64.unpack_from(key, 1)[0]), int(_U16.unpack_from(key, 9)[0])
 
 
@@ -310,19 +334,42 @@ class SessionRecord:
 
     @classmethod
     def decode(cls, client_id: str, raw: bytes) -> SessionRecord:
+        """The record; ValueError, KeyError, TypeError or AttributeError when its JSON is not one (a
+        field of the wrong type or a session number no key can hold: the broker would fail on it later,
+        where nothing names the record)."""
         data: dict[str, Any] = json.loads(raw)
+        sid = int(data["sid"])
+        if not 0 <= sid <= MAX_U64:
+            raise ValueError(f"session number {sid} is not 0 to 2**64 - 1")
         return cls(
             client_id=client_id,
-            sid=int(data["sid"]),
+            sid=sid,
             subscriptions={str(k): int(v) for k, v in data.get("subscriptions", {}).items()},
             created_at=float(data.get("created_at", 0.0)),
-            disconnected_at=data.get("disconnected_at"),
-            expires_at=data.get("expires_at"),
-            username=data.get("username"),
+            disconnected_at=_number_or_none(data, "disconnected_at"),
+            expires_at=_number_or_none(data, "expires_at"),
+            username=_text_or_none(data, "username"),
             sdk=bool(data.get("sdk", False)),
-            expiry=data.get("expiry"),
+            expiry=_number_or_none(data, "expiry"),
             non_durable={str(f) for f in data.get("non_durable", [])},
         )
+
+
+MAX_U64 = 2**64 - 1
+
+
+def _number_or_none(data: dict[str, Any], name: str) -> float | None:
+    value = data.get(name)
+    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+        return value
+    raise TypeError(f"{name} is {value!r}, not a number")
+
+
+def _text_or_none(data: dict[str, Any], name: str) -> str | None:
+    value = data.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    raise TypeError(f"{name} is {value!r}, not a string")
 
 
 def encode_totals(depth: int, size: int, dropped: int) -> bytes:
@@ -552,22 +599,35 @@ def repair_store(path: str) -> None:
         raise StoreError(f"repair of '{path}' failed: {leveldb_detail(exc)}") from exc
 
 
-def iter_entries(db: Any, sid: int, start_seq: int = 0, limit: int | None = None) -> Iterator[Entry]:
-    """Queue entries of one session in order, from ``start_seq`` on."""
+def iter_entries(
+    db: Any, sid: int, start_seq: int = 0, limit: int | None = None, client_id: str | None = None
+) -> Iterator[Entry]:
+    """Queue entries of one session in order, from ``start_seq`` on; DamagedRecordError names one that
+    does not decode (of client id ``client_id``, if given, else of session number ``sid``)."""
     if limit is not None and limit <= 0:
         return
     start = queue_prefix(sid) + _U64.pack(start_seq)
     rows = db.iterator(start=start, stop=queue_prefix(sid + 1), verify_checksums=True)
+    owner = f"client id {client_id!r}" if client_id is not None else f"session number {sid}"
     for count, (key, value) in enumerate(rows, start=1):
-        yield Entry.decode(seq_of_entry_key(key), value)
+        seq = seq_of_entry_key(checked_key(key))
+        yield decoded(partial(Entry.decode, seq), value, f"queue entry {seq} of {owner}")
         if limit is not None and count >= limit:
             return
+
+
+def first_seq(db: Any, sid: int) -> int | None:
+    """The sequence number of a session's first queue entry (its key only: an entry whose value does not
+    decode is met, and named, when delivery reaches it, as any other); None for an empty queue."""
+    for key in db.iterator(prefix=queue_prefix(sid), include_value=False, verify_checksums=True):
+        return seq_of_entry_key(checked_key(key))
+    return None
 
 
 def last_seq(db: Any, sid: int) -> int | None:
     prefix = queue_prefix(sid)
     for key in db.iterator(prefix=prefix, reverse=True, include_value=False, verify_checksums=True):
-        return seq_of_entry_key(key)
+        return seq_of_entry_key(checked_key(key))
     return None
 
 
@@ -583,9 +643,10 @@ def iter_sessions(db: Any) -> Iterator[SessionRecord]:
 
 
 def last_sid(db: Any, prefix: bytes) -> int:
-    """The highest session number under a per-session prefix (b"q", b"t", b"w", b"x"); 0 for none."""
+    """The highest session number under a per-session prefix (b"q", b"t", b"w", b"x"); 0 for none.
+    DamagedRecordError names a last key of the wrong length."""
     for key in db.iterator(prefix=prefix, reverse=True, include_value=False, verify_checksums=True):
-        return int(_U64.unpack_from(key, 1)[0])
+        return int(_U64.unpack_from(checked_key(key), 1)[0])
     return 0
 
 
@@ -597,9 +658,10 @@ MSG_ID_RESERVE = 1024
 
 
 def last_msg_id(db: Any) -> int:
-    """The highest message id a body is stored under; 0 for none."""
+    """The highest message id a body is stored under; 0 for none. DamagedRecordError names a last
+    key of the wrong length."""
     for key in db.iterator(prefix=b"m", reverse=True, include_value=False, verify_checksums=True):
-        return int(_U64.unpack_from(key, 1)[0])
+        return int(_U64.unpack_from(checked_key(key), 1)[0])
     return 0
 
 
@@ -615,7 +677,7 @@ def scan_msg_ids_in_use(db: Any) -> tuple[int, int]:
     broker reads next."""
     highest = last_msg_id(db)
     for key in db.iterator(prefix=b"c", reverse=True, include_value=False, verify_checksums=True):
-        highest = max(highest, int(_U64.unpack_from(key, 1)[0]))
+        highest = max(highest, int(_U64.unpack_from(checked_key(key), 1)[0]))
         break
     read = 0
     for value in db.iterator(prefix=b"q", include_key=False, verify_checksums=True, fill_cache=False):
@@ -821,8 +883,9 @@ def read_refs(db: Any, msg_id: int) -> int:
 
 
 def read_store_id(db: Any) -> int | None:
+    """The store id (None: a store written before it existed); DamagedRecordError if it does not decode."""
     raw = db.get(STORE_ID_KEY, verify_checksums=True)
-    return None if raw is None else decode_u64(raw)
+    return None if raw is None else decoded(decode_u64, raw, "the store id")
 
 
 def read_sid_mark(db: Any) -> int:
@@ -847,7 +910,7 @@ def orphaned_keys(db: Any, known: set[int]) -> tuple[list[int], list[bytes]]:
         key = next(rows, None)
         if key is None:
             break
-        sid = sid_of_entry_key(key)
+        sid = sid_of_entry_key(checked_key(key))
         if sid not in known:
             sids.append(sid)
         sid += 1
@@ -855,7 +918,7 @@ def orphaned_keys(db: Any, known: set[int]) -> tuple[list[int], list[bytes]]:
         key
         for prefix in (b"t", b"w", b"x")
         for key in db.iterator(prefix=prefix, include_value=False, verify_checksums=True)
-        if sid_of_entry_key(key) not in known
+        if sid_of_entry_key(checked_key(key)) not in known
     ]
     return sids, keys
 
