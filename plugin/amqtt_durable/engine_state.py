@@ -22,10 +22,11 @@ from .store import (
     FLAG_SHARED,
     Entry,
     GroupCommitter,
+    decode_refs,
     erase_bodies,
     erase_body,
     erase_refs,
-    read_refs,
+    refs_key,
     write_refs,
 )
 from .stream_log import StreamLogs
@@ -122,14 +123,20 @@ class EngineState:
             return
         refs = self._refs.get(msg_id)
         if refs is None:
+            # A shared body's count is written with it (and cached until then): one missing or
+            # undecodable is damage, and guessing 1 would delete a body other queues still need.
+            raw = self.db.get(refs_key(msg_id), verify_checksums=True)
             try:
-                refs = read_refs(self.db, msg_id)
+                refs = None if raw is None else decode_refs(raw)
             except struct.error:
+                refs = None
+            if refs is None:
                 log.error(
-                    "message %d: its reference count does not decode: its body is kept (not deleted with its "
-                    "last queue entry); the store is damaged: stop the broker, run 'amqtt-durable repair %s' "
-                    "(rebuilds every count from the queues), then start the broker again",
+                    "message %d: its reference count %s: its body is kept (not deleted with its last queue "
+                    "entry); the store is damaged: stop the broker, run 'amqtt-durable repair %s' (rebuilds "
+                    "every count from the queues), then start the broker again",
                     msg_id,
+                    "is missing" if raw is None else "does not decode",
                     self.config.store,
                 )
                 return

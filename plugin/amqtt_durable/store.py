@@ -878,10 +878,6 @@ def read_entry_run(
     return entries, None
 
 
-def read_refs(db: Any, msg_id: int) -> int:
-    return decode_refs(db.get(refs_key(msg_id)))
-
-
 def read_store_id(db: Any) -> int | None:
     """The store id (None: a store written before it existed); DamagedRecordError if it does not decode."""
     raw = db.get(STORE_ID_KEY, verify_checksums=True)
