@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import plyvel
+import pytest
 
 from conftest import WAIT, Broker, Client, run_cli
 
@@ -173,26 +174,34 @@ def test_a_first_queue_entry_that_does_not_decode_stops_only_its_session(
     repaired(broker, "not recovered: client 'dev-1': 1 queued message(s) unreadable (removed)")
 
 
-def test_a_reference_count_that_does_not_decode_stops_no_acknowledgement(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+@pytest.mark.parametrize("count", [b"\x00\x01", None], ids=["cut-short", "missing"])
+def test_a_damaged_reference_count_loses_no_message_of_the_sessions_sharing_the_body(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], count: bytes | None
 ) -> None:
-    """The count of a body shared by dev-1 and dev-2, cut short: the PUBACK that released it ended the
-    client's connection (`reader stopped: error('unpack requires a buffer of 4 bytes')`), so the message
-    came again at every connect and dev-2 never got past it. Now the body is kept, an ERROR names it."""
+    """The count of a body shared by dev-1 and dev-2. Cut short: the PUBACK that released it ended the
+    client's connection (`reader stopped: error('unpack requires a buffer of 4 bytes')`), so dev-2
+    never got past it. Missing: it was taken for 1, dev-1's PUBACK deleted the body, and dev-2's copy
+    was gone (`queue entry 1 has no message body; removing it`). Now the body is kept, an ERROR names it."""
     broker, _ = build(broker_factory, clients)
     db = plyvel.DB(broker.store)
     try:
         key = next(db.iterator(prefix=b"c", include_value=False))
     finally:
         db.close()
-    damage(broker, {key: b"\x00\x01"})
+    if count is None:
+        damage(broker, {}, delete=(key,))
+    else:
+        damage(broker, {key: count})
     broker.start()
     served(broker, clients, ("dev-1", "dev-2", "dev-3"))
     msg_id = int.from_bytes(key[1:], "big")
-    assert f"message {msg_id}: its reference count does not decode" in broker.log(), broker.log()
+    state = "is missing" if count is None else "does not decode"
+    assert f"message {msg_id}: its reference count {state}: its body is kept" in broker.log(), broker.log()
+    assert "has no message body" not in broker.log(), broker.log()
     assert "reader stopped" not in broker.log(), broker.log()
     broker.stop()
-    repaired(broker, "shared message reference count(s) rebuilt from the queues")
+    if count is not None:  # no entry points at the body any more: repair removes the damaged count
+        repaired(broker, "shared message reference count(s) rebuilt from the queues")
 
 
 def test_a_reference_count_key_of_the_wrong_length_is_removed_by_repair(
