@@ -256,3 +256,74 @@ def test_a_sent_mark_that_does_not_decode_is_named_by_inspect_as_at_start(
     device = clients(broker.port, "dev-1")
     got = [m.payload for m in device.wait_messages(QUEUED["dev-1"])]
     assert got == [f"t{i}".encode() for i in range(QUEUED["dev-1"])], got
+
+
+def build_shared(broker_factory: Callable[..., Broker], clients: Callable[..., Client], **settings: Any) -> Broker:
+    """A stopped broker whose store holds t0..t2 for dev-1 and dev-2 (shared bodies); dev-1's entry
+    ``seq`` (1: its first) cut short."""
+    broker = broker_factory(**settings)
+    for client_id in ("dev-1", "dev-2"):
+        device = clients(broker.port, client_id)
+        device.subscribe("t", 1)
+        device.disconnect()
+    clients(broker.port, "pub", clean_session=True).publish("t", [b"t0", b"t1", b"t2"], qos=1)
+    broker.stop()
+    return broker
+
+
+def damage_entry(broker: Broker, seq: int) -> None:
+    db = plyvel.DB(broker.store)
+    try:
+        sid = int(json.loads(db.get(b"sdev-1"))["sid"])
+    finally:
+        db.close()
+    damage(broker, {b"q" + struct.pack(">QQ", sid, seq): b"\x00\x01\x02"})
+
+
+@pytest.mark.parametrize("seq", [1, 2], ids=["first-entry", "deeper-entry"])
+def test_a_damaged_queue_entry_met_by_drop_oldest_stops_no_publish(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], seq: int
+) -> None:
+    """dev-1 offline at its queue limit: drop-oldest decoded the entries it scanned, and the damaged one
+    raised into routing: the PUBLISH was never acknowledged, the publisher's connection ended
+    (`reader stopped: DamagedRecordError(...)`) and dev-2 never got the message. Now the damaged entry
+    is dropped by its key (an ERROR names it) as the oldest, counted as a drop."""
+    broker = build_shared(broker_factory, clients, max_depth=3, max_depth_disconnected=3)
+    damage_entry(broker, seq)
+    broker.start()
+    clients(broker.port, "pub", clean_session=True).publish("t", [b"n0", b"n1"], qos=1)
+    for client_id in ("dev-2", "dev-1"):  # each queue at its limit of 3 kept the newest 3
+        device = clients(broker.port, client_id)
+        got = [m.payload for m in device.wait_messages(3)]
+        assert got == [b"t2", b"n0", b"n1"], (client_id, got, broker.log())
+    named = f"session dev-1: queue entry {seq} of client id 'dev-1': 3 bytes that do not decode: dropped"
+    assert named in broker.log(), broker.log()
+    assert "reader stopped" not in broker.log(), broker.log()
+    broker.stop()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, result.stderr
+    broker.start()
+    served_again = clients(broker.port, "dev-2")
+    assert served_again.session_present
+
+
+@pytest.mark.parametrize("seq", [1, 2], ids=["first-entry", "deeper-entry"])
+def test_a_damaged_queue_entry_does_not_stop_a_clean_session_connect(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], seq: int
+) -> None:
+    """A clean-session CONNECT deletes the old session, whose entries were decoded to be erased: the
+    damaged one raised (`Unhandled exception in client_connected_cb`), no CONNACK came, and the session
+    record was already erased while its entries stayed, so the next start refused the store (orphan
+    entries). Now the damaged entry is erased by its key (an ERROR names it; its body is left for repair)."""
+    broker = build_shared(broker_factory, clients)
+    damage_entry(broker, seq)
+    broker.start()
+    clients(broker.port, "dev-1", clean_session=True).disconnect()  # its CONNACK came (Client asserts it)
+    named = f"queue entry {seq} of client id 'dev-1': 3 bytes that do not decode: erased with its session"
+    assert broker.wait_until(lambda: named in broker.log(), WAIT), broker.log()
+    broker.stop()
+    broker.start()
+    dev2 = clients(broker.port, "dev-2")
+    got = [m.payload for m in dev2.wait_messages(3)]
+    assert got == [b"t0", b"t1", b"t2"], (got, broker.log())
+    assert not clients(broker.port, "dev-1").session_present

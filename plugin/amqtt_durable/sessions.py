@@ -30,6 +30,7 @@ from .store import (
     NO_BODY,
     RELEASED_BODY,
     Body,
+    DamagedEntry,
     Entry,
     SessionRecord,
     awaiting_pubcomp,
@@ -435,10 +436,20 @@ class DurableSession:
         if victim is None:
             start = pump.next_unread if pump is not None else self.head_seq
             removing = self.engine.removing
-            live = (e for e in iter_entries(self.engine.db, self.sid, start) if (self.sid, e.seq) not in removing)
+            stored = iter_entries(self.engine.db, self.sid, start, client_id=self.client_id, keep_damaged=True)
+            live = (e for e in stored if (self.sid, e.seq) not in removing)
             first = found = next(live, None)
             while found is not None and not droppable(found):
                 found = next(live, None)
+            if isinstance(found, DamagedEntry) and found.seq < 0:
+                log.error(
+                    "session %s: %s: its queue is full and this key cannot be dropped: the new message is "
+                    "dropped; stop the broker and run 'amqtt-durable repair %s'",
+                    self.client_id,
+                    found.problem,
+                    self.engine.config.store,
+                )
+                return False
             if found is not None and found.seq <= self.committed_tail:
                 victim = found
                 if victim is first:  # nothing still due before it: later scans may start after it
@@ -450,8 +461,32 @@ class DurableSession:
                 victim = self.uncommitted.pop(next(iter(self.uncommitted)))
             else:
                 return False
-        self.remove_entry(victim)
+        if isinstance(victim, DamagedEntry):
+            self._drop_damaged(victim)
+        else:
+            self.remove_entry(victim)
         return True
+
+    def _drop_damaged(self, entry: DamagedEntry) -> None:
+        """Drop-oldest met an entry that does not decode: it goes by its key. Its message id and size
+        are unknown: its body (and reference count) stay, and its size stays in the byte total, until
+        repair rebuilds them."""
+        if self.deleted:
+            return
+        log.error(
+            "session %s: %s: dropped as the oldest message by its queue limit; the body it points at and "
+            "its size in the queue totals stay until 'amqtt-durable repair %s' (with the broker stopped)",
+            self.client_id,
+            entry.problem,
+            self.engine.config.store,
+        )
+        committer = self.engine.committer
+        committer.delete(entry.key)
+        self.engine.removing.add((self.sid, entry.seq))
+        self.depth -= 1
+        self.engine.totals_changed(self)
+        self.limits.on_drained(self.depth, self.connected, self.bytes)
+        committer.flush_soon()
 
     def drop_unreadable(self, entry: Entry) -> None:
         """The pump may not send this entry: the connection's user may not read its topic."""

@@ -289,6 +289,15 @@ class Entry:
         return cls(seq, msg_id, qos, flags, size)
 
 
+@dataclass(slots=True)
+class DamagedEntry(Entry):
+    """A queue entry that does not decode (iter_entries' keep_damaged): removable by ``key`` only; its
+    message id, QoS and size are unknown (0), so its body and reference count stay for repair."""
+
+    key: bytes = b""
+    problem: str = ""
+
+
 def awaiting_pubcomp(entry: Entry) -> bool:
     """A QoS 2 entry whose PUBREC came (RELEASED): only its PUBREL is due, which needs no body. The
     RELEASED flag on an entry of another QoS (damage) means nothing: it needs its body as any other."""
@@ -600,20 +609,49 @@ def repair_store(path: str) -> None:
 
 
 def iter_entries(
-    db: Any, sid: int, start_seq: int = 0, limit: int | None = None, client_id: str | None = None
+    db: Any,
+    sid: int,
+    start_seq: int = 0,
+    limit: int | None = None,
+    client_id: str | None = None,
+    *,
+    keep_damaged: bool = False,
 ) -> Iterator[Entry]:
     """Queue entries of one session in order, from ``start_seq`` on; DamagedRecordError names one that
-    does not decode (of client id ``client_id``, if given, else of session number ``sid``)."""
+    does not decode (of client id ``client_id``, if given, else of session number ``sid``). With
+    ``keep_damaged`` such an entry comes as a DamagedEntry instead (for those that remove entries
+    by key: drop-oldest, session deletion), and so does a key of the wrong length (its seq -1)."""
     if limit is not None and limit <= 0:
         return
     start = queue_prefix(sid) + _U64.pack(start_seq)
     rows = db.iterator(start=start, stop=queue_prefix(sid + 1), verify_checksums=True)
-    owner = f"client id {client_id!r}" if client_id is not None else f"session number {sid}"
+    key_size = KEY_SIZES[b"q"]
+    entry_size = _ENTRY.size
+    unpack = _ENTRY.unpack
+    seq_of = _U64.unpack_from
     for count, (key, value) in enumerate(rows, start=1):
-        seq = seq_of_entry_key(checked_key(key))
-        yield decoded(partial(Entry.decode, seq), value, f"queue entry {seq} of {owner}")
+        # Decoded here, not through decoded(): this loop reads every entry of a queue being deleted.
+        if len(key) == key_size and len(value) == entry_size:
+            msg_id, qos, flags, size = unpack(value)
+            yield Entry(seq_of(key, 9)[0], msg_id, qos, flags, size)
+        else:
+            damaged = damaged_entry(sid, key, value, client_id)
+            if not keep_damaged:
+                raise DamagedRecordError(damaged.problem)
+            yield damaged
         if limit is not None and count >= limit:
             return
+
+
+def damaged_entry(sid: int, key: bytes, value: bytes, client_id: str | None = None) -> DamagedEntry:
+    """A queue entry whose key or value does not decode, named (repair rebuilds what it can)."""
+    if len(key) != KEY_SIZES[b"q"]:
+        problem = f"a {KEY_NAMES[b'q']} key of {len(key)} bytes, not {KEY_SIZES[b'q']} (damaged): {key!r}"
+        return DamagedEntry(-1, NO_BODY, 0, 0, 0, key, problem)
+    seq = seq_of_entry_key(key)
+    owner = f"client id {client_id!r}" if client_id is not None else f"session number {sid}"
+    problem = f"queue entry {seq} of {owner}: {len(value)} bytes that do not decode"
+    return DamagedEntry(seq, NO_BODY, 0, 0, 0, key, problem)
 
 
 def first_seq(db: Any, sid: int) -> int | None:
