@@ -189,7 +189,7 @@ def _rebuild_msg_id_mark(db: Any, batch: Any, report: RepairReport) -> None:
 
 
 def _highest_msg_id_in_use(db: Any) -> int:
-    """store.highest_msg_id_in_use past keys and entries of the wrong length (removed by this repair)."""
+    """store.scan_msg_ids_in_use's highest id, past keys and entries of the wrong length (removed by this repair)."""
     highest = 0
     for prefix in (b"m", b"c"):
         for key in db.iterator(prefix=prefix, reverse=True, include_value=False):

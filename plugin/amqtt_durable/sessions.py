@@ -233,7 +233,7 @@ class DurableSession:
         self.unbodied.add(entry.seq)
         engine = self.engine
         write_entry(engine.committer, self.sid, rewritten)
-        engine.release_body(entry)
+        engine.release_body(entry, body_gone=True)
         self.bytes -= entry.size
         engine.totals_changed(self)
         self.limits.on_drained(self.depth, self.connected, self.bytes)

@@ -703,14 +703,9 @@ def last_msg_id(db: Any) -> int:
     return 0
 
 
-def highest_msg_id_in_use(db: Any) -> int:
-    """The highest message id a body, a reference count or a queue entry holds (reads every queue
-    entry: only for a store without the b"M" mark, once, and for repair)."""
-    return scan_msg_ids_in_use(db)[0]
-
-
 def scan_msg_ids_in_use(db: Any) -> tuple[int, int]:
-    """highest_msg_id_in_use, and how many queue entries it read. The entries are read past
+    """The highest message id a body, a reference count or a queue entry holds (reads every queue
+    entry: only for a store without the b"M" mark, once), and how many queue entries it read. The entries are read past
     LevelDB's block cache (fill_cache=False): a read-once scan must not push out what the
     broker reads next."""
     highest = last_msg_id(db)
