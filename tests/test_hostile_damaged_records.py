@@ -329,3 +329,31 @@ def test_a_damaged_queue_entry_does_not_stop_a_clean_session_connect(
     got = [m.payload for m in dev2.wait_messages(3)]
     assert got == [b"t0", b"t1", b"t2"], (got, broker.log())
     assert not clients(broker.port, "dev-1").session_present
+
+
+def test_a_damaged_entry_dropped_under_a_byte_limit_leaves_no_bytes_in_an_empty_queue(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """dev-1's only entry (90 bytes) is damaged; drop-oldest drops it by its key, its size unknown. Its
+    90 bytes stayed in the byte total (persisted), so the empty queue refused every 20-byte message,
+    connected or not, across restarts, until repair. Now an empty queue holds no bytes."""
+    broker = broker_factory(max_bytes=100, max_bytes_disconnected=100)
+    device = clients(broker.port, "dev-1")
+    device.subscribe("t", 1)
+    device.disconnect()
+    clients(broker.port, "pub", clean_session=True).publish("t", [b"x" * 90], qos=1)
+    broker.stop()
+    damage_entry(broker, 1)
+    broker.start()
+    clients(broker.port, "pub", clean_session=True).publish("t", [b"a" * 20, b"b" * 20], qos=1)
+    broker.stop()
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 0, result.stderr
+    row = next(line.split() for line in result.stdout.splitlines() if line.startswith("dev-1"))
+    assert row[1:3] == ["2", "40"], (row, broker.log())  # DEPTH, BYTES
+    broker.start()
+    got = [m.payload for m in clients(broker.port, "dev-1").wait_messages(2)]
+    assert got == [b"a" * 20, b"b" * 20], (got, row, broker.log())
+    clients(broker.port, "pub", clean_session=True).publish("t", [b"c" * 20], qos=1)
+    device = clients(broker.port, "dev-1")
+    assert [m.payload for m in device.wait_messages(1)] == [b"c" * 20], broker.log()

@@ -364,8 +364,7 @@ class DurableSession:
         erase_entry(committer, self.sid, entry.seq)
         self.engine.removing.add((self.sid, entry.seq))
         self.engine.release_body(entry)
-        self.depth -= 1
-        self.bytes -= entry.size
+        self._shrink(1, entry.size)
         self.engine.totals_changed(self)
         self.limits.on_drained(self.depth, self.connected, self.bytes)
         committer.flush_soon()
@@ -384,11 +383,16 @@ class DurableSession:
         size = 0
         for entry in entries:
             size += entry.size
-        self.depth -= len(entries)
-        self.bytes -= size
+        self._shrink(len(entries), size)
         engine.totals_changed(self)
         self.limits.on_drained(self.depth, self.connected, self.bytes)
         committer.flush_soon(len(entries))
+
+    def _shrink(self, count: int, size: int) -> None:
+        """``count`` entries of ``size`` bytes in all left the queue. An empty queue holds no bytes:
+        the size of a damaged entry dropped by its key (unknown, so not taken off) goes with the last."""
+        self.depth -= count
+        self.bytes = self.bytes - size if self.depth else 0
 
     def append(self, msg_id: int, qos: int, flags: int, size: int) -> Entry:
         entry = Entry(self.next_seq, msg_id, qos, flags, size)
@@ -469,13 +473,14 @@ class DurableSession:
 
     def _drop_damaged(self, entry: DamagedEntry) -> None:
         """Drop-oldest met an entry that does not decode: it goes by its key. Its message id and size
-        are unknown: its body (and reference count) stay, and its size stays in the byte total, until
-        repair rebuilds them."""
+        are unknown: its body (and reference count) stay until repair rebuilds them, and its size stays
+        in the byte total until the queue is empty (then the total is 0) or repair rebuilds it."""
         if self.deleted:
             return
         log.error(
-            "session %s: %s: dropped as the oldest message by its queue limit; the body it points at and "
-            "its size in the queue totals stay until 'amqtt-durable repair %s' (with the broker stopped)",
+            "session %s: %s: dropped as the oldest message by its queue limit; the body it points at stays, "
+            "and its size in the byte total until the queue is empty, or 'amqtt-durable repair %s' "
+            "(with the broker stopped)",
             self.client_id,
             entry.problem,
             self.engine.config.store,
@@ -483,7 +488,7 @@ class DurableSession:
         committer = self.engine.committer
         committer.delete(entry.key)
         self.engine.removing.add((self.sid, entry.seq))
-        self.depth -= 1
+        self._shrink(1, 0)
         self.engine.totals_changed(self)
         self.limits.on_drained(self.depth, self.connected, self.bytes)
         committer.flush_soon()
