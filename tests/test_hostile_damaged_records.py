@@ -384,3 +384,30 @@ def test_a_queue_entry_key_of_the_wrong_length_inside_a_queue_is_not_delivered(
     assert broker.wait_until(lambda: named in broker.log(), WAIT), broker.log()
     clients(broker.port, "pub", clean_session=True).publish("t", [b"t3"], qos=1)
     assert [m.payload for m in device.wait_messages(4)][3:] == [b"t3"], broker.log()
+
+
+def test_a_damaged_entry_in_an_orphaned_queue_does_not_refuse_the_store(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """dev-1's session record is gone (a crash while deleting it) and its first queue entry is damaged:
+    start-up's orphaned-queue cleanup erases the damaged entry by its key (an ERROR names the session
+    number) with the rest of the queue and goes on; the other sessions are served."""
+    broker = build_shared(broker_factory, clients)
+    db = plyvel.DB(broker.store)
+    try:
+        sid = int(json.loads(db.get(b"sdev-1"))["sid"])
+    finally:
+        db.close()
+    damage(broker, {b"q" + struct.pack(">QQ", sid, 1): b"\x00\x01\x02"}, delete=(b"sdev-1",))
+    broker.start()
+    named = f"queue entry 1 of session number {sid}: 3 bytes that do not decode: erased with its session"
+    assert named in broker.log(), broker.log()
+    dev2 = clients(broker.port, "dev-2")
+    assert [m.payload for m in dev2.wait_messages(3)] == [b"t0", b"t1", b"t2"], broker.log()
+    assert not clients(broker.port, "dev-1").session_present
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    try:
+        assert list(db.iterator(prefix=b"q" + struct.pack(">Q", sid), include_value=False)) == []
+    finally:
+        db.close()
