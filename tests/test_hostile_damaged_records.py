@@ -411,3 +411,34 @@ def test_a_damaged_entry_in_an_orphaned_queue_does_not_refuse_the_store(
         assert list(db.iterator(prefix=b"q" + struct.pack(">Q", sid), include_value=False)) == []
     finally:
         db.close()
+
+
+def test_a_wrong_length_key_after_an_entry_awaiting_pubcomp_is_not_dropped_by_drop_oldest(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """dev-1 offline at its limit of 3; its entry 1 is a QoS 2 message whose PUBREL is due (not
+    droppable) and right after it lies a queue entry key one byte too long. Drop-oldest reaches that key,
+    which it cannot drop by a sequence number: the new message is dropped for dev-1 only (ERROR naming
+    the key); the publisher gets its PUBACK and dev-2 gets the message."""
+    broker = build_shared(broker_factory, clients, max_depth=3, max_depth_disconnected=3)
+    db = plyvel.DB(broker.store)
+    try:
+        sid = int(json.loads(db.get(b"sdev-1"))["sid"])
+        key = b"q" + struct.pack(">QQ", sid, 1)
+        msg_id, _, _, size = struct.unpack(">QBBI", db.get(key))
+        db.put(key, struct.pack(">QBBI", msg_id, 2, 0x02, size), sync=True)  # QoS 2, RELEASED
+        long_key = key + b"\x00"
+        db.put(long_key, db.get(b"q" + struct.pack(">QQ", sid, 2)), sync=True)
+    finally:
+        db.close()
+    broker.start()
+    clients(broker.port, "pub", clean_session=True).publish("t", [b"n0"], qos=1)
+    dev2 = clients(broker.port, "dev-2")
+    got = [m.payload for m in dev2.wait_messages(3)]
+    assert got == [b"t1", b"t2", b"n0"], (got, broker.log())  # dev-2's own limit of 3 dropped t0
+    named = (
+        f"session dev-1: a queue entry key of 18 bytes, not 17 (damaged): {long_key!r}: its queue is full "
+        "and this key cannot be dropped: the new message is dropped"
+    )
+    assert broker.wait_until(lambda: named in broker.log(), WAIT), broker.log()
+    assert "reader stopped" not in broker.log(), broker.log()
