@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,10 +22,11 @@ from .store import (
     FLAG_SHARED,
     Entry,
     GroupCommitter,
+    decode_refs,
     erase_bodies,
     erase_body,
     erase_refs,
-    read_refs,
+    refs_key,
     write_refs,
 )
 from .stream_log import StreamLogs
@@ -32,6 +34,9 @@ from .topics import SubscriptionIndex
 from .turns import ReplayTurns
 
 log = logging.getLogger("amqtt_durable")
+
+_KEPT = "its body is kept (not deleted with its last queue entry)"
+
 
 @dataclass
 class StoreHealth:
@@ -71,6 +76,8 @@ class EngineState:
         """The b"M" mark handed to the store: ids up to it may be given without writing it again."""
         self._next_sid = 1
         self._refs: dict[int, int] = {}
+        self._damaged_refs: set[int] = set()
+        """Message ids whose reference count was found missing or undecodable (logged once each)."""
         self._dirty: set[DurableSession] = set()
         self._unsaved_records: set[DurableSession] = set()
         """Sessions whose record changed since the last flush: each is encoded once per commit, not once per
@@ -113,15 +120,36 @@ class EngineState:
         self.committer.flush_soon()
 
 
-    def release_body(self, entry: Entry) -> None:
-        """One queue entry fewer points at this body; the last one deletes it."""
+    def release_body(self, entry: Entry, body_gone: bool = False) -> None:
+        """One queue entry fewer points at this body; the last one deletes it. ``body_gone``: the
+        caller found the body missing already (only the count is released)."""
         msg_id = entry.msg_id
         if not entry.flags & FLAG_SHARED:
             erase_body(self.committer, msg_id)
             return
         refs = self._refs.get(msg_id)
         if refs is None:
-            refs = read_refs(self.db, msg_id)
+            # A shared body's count is written with it (and cached until then): one missing or
+            # undecodable is damage, and guessing 1 would delete a body other queues still need.
+            if msg_id in self._damaged_refs:
+                return  # logged at its first release: a body fanned out to 10,000 sessions logs once
+            raw = self.db.get(refs_key(msg_id), verify_checksums=True)
+            try:
+                refs = None if raw is None else decode_refs(raw)
+            except struct.error:
+                refs = None
+            if refs is None:
+                self._damaged_refs.add(msg_id)
+                log.error(
+                    "message %d: its reference count %s: %s; the store is damaged: stop the broker, run "
+                    "'amqtt-durable repair %s' (rebuilds every count from the queues), then start the broker "
+                    "again",
+                    msg_id,
+                    "is missing" if raw is None else "does not decode",
+                    "its body is already gone" if body_gone else _KEPT,
+                    self.config.store,
+                )
+                return
         refs -= 1
         if refs > 0:
             self._refs[msg_id] = refs

@@ -13,7 +13,6 @@ from .errors import DamagedRecordError, StoreCorruptedError
 from .store import (
     Body,
     body_key,
-    decode_totals,
     decoded,
     iter_entries,
     iter_retained,
@@ -21,8 +20,9 @@ from .store import (
     open_store,
     read_error,
     read_msg_id_mark,
+    read_session_state,
     read_sid_mark,
-    totals_key,
+    read_store_id,
 )
 
 T = TypeVar("T")
@@ -76,6 +76,7 @@ def _read(path: str, read: Callable[[Any], T]) -> T:
     db = open_store(path, create=False)
     try:
         # The marks start-up reads first: a damaged one is named here as there (repair rewrites it).
+        read_store_id(db)
         read_sid_mark(db)
         read_msg_id_mark(db)
         return read(db)
@@ -91,10 +92,9 @@ def _rows(db: Any, now: float) -> list[SessionSummary]:
     rows: list[SessionSummary] = []
     for record in iter_sessions(db):
         what = f"of client id {record.client_id!r}"
-        raw = db.get(totals_key(record.sid), verify_checksums=True)
-        depth, size, dropped = decoded(decode_totals, raw, f"the queue totals {what}")
+        (depth, size, dropped), _ = read_session_state(db, record)  # the sent mark too, as start-up reads it
         oldest: float | None = None
-        first = next(iter_entries(db, record.sid, 0, 1), None)
+        first = next(iter_entries(db, record.sid, 0, 1, record.client_id), None)
         if first is not None:
             raw = db.get(body_key(first.msg_id), verify_checksums=True)
             if raw is not None:

@@ -20,6 +20,7 @@ from .errors import (
 from .routing import Routing
 from .sessions import DurableSession, ExpiredSession
 from .store import (
+    DamagedEntry,
     SessionRecord,
     erase_entry,
     erase_pubrel_due,
@@ -294,7 +295,7 @@ class SessionLifecycle(Routing):
         dropped = 0
         while True:
             # In chunks, yielding between them: a million-message queue must not stall the broker.
-            deleted = self._delete_entries(session.sid, DELETE_CHUNK)
+            deleted = self._delete_entries(session.sid, DELETE_CHUNK, session.client_id)
             dropped += deleted
             await committer.commit(urgent=True)
             if deleted < DELETE_CHUNK:
@@ -305,13 +306,23 @@ class SessionLifecycle(Routing):
         await committer.commit(urgent=True)
         return dropped
 
-    def _delete_entries(self, sid: int, limit: int | None = None) -> int:
+    def _delete_entries(self, sid: int, limit: int | None = None, client_id: str | None = None) -> int:
         """Queue the deletion of a session's first ``limit`` stored entries (all by default), with
-        their bodies' references; returns how many."""
+        their bodies' references; returns how many. An entry that does not decode goes by its key,
+        named in an ERROR; its body and reference count (its message id is unknown) stay for repair."""
         count = 0
-        for entry in iter_entries(self.db, sid, 0, limit):
-            erase_entry(self.committer, sid, entry.seq)
-            self.release_body(entry)
+        for entry in iter_entries(self.db, sid, 0, limit, client_id, keep_damaged=True):
+            if isinstance(entry, DamagedEntry):
+                self.committer.delete(entry.key)
+                log.error(
+                    "%s: erased with its session; the body it points at, if any, is left in the store: "
+                    "run 'amqtt-durable repair %s' (with the broker stopped) to remove it",
+                    entry.problem,
+                    self.config.store,
+                )
+            else:
+                erase_entry(self.committer, sid, entry.seq)
+                self.release_body(entry)
             count += 1
         return count
 

@@ -27,8 +27,8 @@ from .store import (
     GroupCommitter,
     check_writable,
     discard_probe,
+    first_seq,
     holds_queue_entries,
-    iter_entries,
     iter_pubrel_due,
     iter_sessions,
     last_msg_id,
@@ -70,7 +70,12 @@ class Recovery(SessionLifecycle):
         gets its id now, so a primary stamps every batch with it from the first one."""
         self.db = open_store(self.config.store)
         discard_probe(self.config.store)
-        if read_store_id(self.db) is None:
+        try:
+            stored_id = read_store_id(self.db)
+        except DamagedRecordError as exc:
+            self.db.close()
+            raise StoreCorruptedError(self.config.store, str(exc)) from exc
+        if stored_id is None:
             write_store_id(self.db, secrets.randbits(63))
 
     def load(self, replication: CommitReplication | None = None) -> None:
@@ -144,13 +149,13 @@ class Recovery(SessionLifecycle):
         for record in iter_sessions(self.db):
             session = DurableSession(self, record)
             (session.depth, session.bytes, session.dropped), sent_mark = read_session_state(self.db, record)
-            first = next(iter_entries(self.db, record.sid, 0, 1), None)
+            first = first_seq(self.db, record.sid)
             tail = last_seq(self.db, record.sid)
             session.sent_mark = session.stored_mark = session.sent_max = sent_mark
             # New entries number past the sent mark: a fresh message must never look like a re-send.
             session.committed_tail = max(tail or 0, session.sent_mark)
             session.next_seq = session.committed_tail + 1
-            session.head_seq = first.seq if first is not None else session.next_seq
+            session.head_seq = first if first is not None else session.next_seq
             self.sessions[record.client_id] = session
             self._next_sid = max(self._next_sid, record.sid + 1)
             for topic_filter, qos in record.subscriptions.items():

@@ -42,7 +42,6 @@ from .store import (
     encode_refs,
     encode_totals,
     encode_u64,
-    highest_msg_id_in_use,
     leveldb_detail,
     refs_key,
     repair_store,
@@ -51,12 +50,14 @@ from .store import (
     sid_of_entry_key,
     totals_key,
 )
-from .stream_log import EVENT_PREFIX, decode_event, event_id_of, event_topic
+from .stream_log import EVENT_PREFIX, MARK_PREFIX, decode_event, event_id_of, event_topic
 
 _SID_IN_RECORD = re.compile(rb'"sid"\s*:\s*(\d+)')
 _USERNAME_IN_RECORD = re.compile(rb'"username"\s*:\s*"([^"\\]*)"')
 _ENTRY_KEY_SIZE = 17
 _U64_SIZE = 8
+_ENTRY_SIZE = 14
+_MAX_SID = 2**64 - 1
 SENT_MARK_JUMP = 2**40
 """How far past what is in use a mark that no longer decodes is set (a session's sent mark, the
 highest session number, the highest message id): further than any can have reached, so no new
@@ -140,6 +141,7 @@ def rebuild(db: Any, now: float) -> RepairReport:
         _drop_malformed_keys(db, batch, report)
         _drop_damaged_retained(db, batch, report)
         _drop_damaged_events(db, batch, report)
+        _rebuild_stream_marks(db, batch, report)
         keyed = (_sids_with(db, prefix, size) for prefix, (_, size) in _PER_SESSION_KEYS.items())
         with_data = set(queues).union(*keyed)
         names = _sessions(db, batch, with_data, now, report)
@@ -172,7 +174,7 @@ def _rebuild_msg_id_mark(db: Any, batch: Any, report: RepairReport) -> None:
     release, which keeps no mark, ran on the store since) is raised to it; a store without one
     (an earlier release's) gets it, so the broker's first start need not read every entry."""
     raw = db.get(MSG_ID_MARK_KEY)
-    in_use = highest_msg_id_in_use(db)
+    in_use = _highest_msg_id_in_use(db)
     if raw is not None and len(raw) != _U64_SIZE:
         batch.put(MSG_ID_MARK_KEY, encode_u64(in_use + SENT_MARK_JUMP))
         report.rebuilt.append("highest message id did not decode: set past every one in use")
@@ -184,6 +186,20 @@ def _rebuild_msg_id_mark(db: Any, batch: Any, report: RepairReport) -> None:
             f"highest message id {mark} was below message {in_use}, which is in use (an earlier release "
             f"wrote the store since): set to {in_use}"
         )
+
+
+def _highest_msg_id_in_use(db: Any) -> int:
+    """store.scan_msg_ids_in_use's highest id, past keys and entries of the wrong length (removed by this repair)."""
+    highest = 0
+    for prefix in (b"m", b"c"):
+        for key in db.iterator(prefix=prefix, reverse=True, include_value=False):
+            if len(key) == _U64_SIZE + 1:
+                highest = max(highest, sid_of_entry_key(key))
+                break
+    for value in db.iterator(prefix=b"q", include_key=False, fill_cache=False):
+        if len(value) == _ENTRY_SIZE:
+            highest = max(highest, decode_u64(value[:_U64_SIZE]))
+    return highest
 
 
 RELEASED_SHOWN = 20
@@ -254,6 +270,22 @@ def _drop_damaged_events(db: Any, batch: Any, report: RepairReport) -> None:
         batch.delete(key)
         name = (topic or key[1:]).decode("utf-8", "replace")
         report.lost.append(f"stream {name}: event {event_id} does not decode: removed")
+
+
+def _rebuild_stream_marks(db: Any, batch: Any, report: RepairReport) -> None:
+    """A stream's id mark that does not decode (start-up reads every one): set past the log's last
+    event, far past as the other marks, so no id a reader has seen is given again."""
+    for key, value in db.iterator(prefix=MARK_PREFIX):
+        if len(value) == _U64_SIZE:
+            continue
+        last = 0
+        for event in db.iterator(prefix=EVENT_PREFIX + struct.pack(">H", len(key) - 1) + key[1:], reverse=True,
+                                 include_value=False):
+            last = event_id_of(event) if len(event) == len(key) + 2 + _U64_SIZE else 0
+            break
+        batch.put(key, encode_u64(last + SENT_MARK_JUMP))
+        topic = key[1:].decode("utf-8", "replace")
+        report.rebuilt.append(f"stream {topic}: its id mark did not decode: set past every id it can have given")
 
 
 def _drop_damaged_retained(db: Any, batch: Any, report: RepairReport) -> None:
@@ -367,6 +399,8 @@ def _fix_refs(db: Any, batch: Any, shared: Counter[int], report: RepairReport) -
     """Make every shared body's reference count the number of entries found pointing at it."""
     fixed = 0
     for key, value in db.iterator(prefix=b"c"):
+        if len(key) != _U64_SIZE + 1:
+            continue  # removed by _drop_malformed_keys
         msg_id = sid_of_entry_key(key)
         try:
             stored = decode_refs(value)
@@ -391,8 +425,13 @@ _PER_SESSION_KEYS = {b"t": ("queue totals", 9), b"w": ("sent mark", 9), b"x": ("
 session number from each, so one of another length would stop every start."""
 
 
+_PER_MESSAGE_KEYS = {b"m": ("message body", 9), b"c": ("message reference count", 9)}
+"""Prefix -> (what, key length) of the per-message keys: start-up reads the highest message id from
+the last of each, so one of another length would stop every start."""
+
+
 def _drop_malformed_keys(db: Any, batch: Any, report: RepairReport) -> None:
-    for prefix, (what, size) in _PER_SESSION_KEYS.items():
+    for prefix, (what, size) in {**_PER_SESSION_KEYS, **_PER_MESSAGE_KEYS}.items():
         for key in db.iterator(prefix=prefix, include_value=False):
             if len(key) != size:
                 batch.delete(key)
@@ -419,6 +458,8 @@ def _sessions(db: Any, batch: Any, with_data: set[int], now: float, report: Repa
     for key, value in damaged:
         found = _SID_IN_RECORD.search(value)
         sid = int(found.group(1)) if found else None
+        if sid is not None and sid > _MAX_SID:  # no key can hold it: not a session number
+            sid = None
         if sid is None or sid in names:
             unmatched.append((key, value))
         else:

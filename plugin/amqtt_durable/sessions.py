@@ -23,13 +23,14 @@ import plyvel
 from durable_protocol import LiveSubscription
 
 from .delivery import Pump, Transport
-from .errors import StoreReadError, StoreUnavailableError
+from .errors import DamagedRecordError, StoreReadError, StoreUnavailableError
 from .queue_policy import Admission, QueueLimits
 from .store import (
     FLAG_SHARED,
     NO_BODY,
     RELEASED_BODY,
     Body,
+    DamagedEntry,
     Entry,
     SessionRecord,
     awaiting_pubcomp,
@@ -187,6 +188,15 @@ class DurableSession:
         entries, damage = read_entry_run(db, self.sid, start, tail, limit)
         if damage is not None and not entries:
             raise StoreReadError(self.client_id, start - 1, leveldb_detail(damage)) from damage
+        if isinstance(damage, DamagedRecordError):  # a key of the wrong length: the next read starts past it
+            log.error(
+                "session %s: reading its queue after message %d: %s: passed over (not delivered); stop the "
+                "broker and run 'amqtt-durable repair %s'",
+                self.client_id,
+                entries[-1].seq,
+                damage,
+                self.engine.config.store,
+            )
         cut = damage is not None or len(entries) >= limit
         kept = self.engine.removing.absent(self.sid, entries)
         try:
@@ -232,7 +242,7 @@ class DurableSession:
         self.unbodied.add(entry.seq)
         engine = self.engine
         write_entry(engine.committer, self.sid, rewritten)
-        engine.release_body(entry)
+        engine.release_body(entry, body_gone=True)
         self.bytes -= entry.size
         engine.totals_changed(self)
         self.limits.on_drained(self.depth, self.connected, self.bytes)
@@ -363,8 +373,7 @@ class DurableSession:
         erase_entry(committer, self.sid, entry.seq)
         self.engine.removing.add((self.sid, entry.seq))
         self.engine.release_body(entry)
-        self.depth -= 1
-        self.bytes -= entry.size
+        self._shrink(1, entry.size)
         self.engine.totals_changed(self)
         self.limits.on_drained(self.depth, self.connected, self.bytes)
         committer.flush_soon()
@@ -383,11 +392,16 @@ class DurableSession:
         size = 0
         for entry in entries:
             size += entry.size
-        self.depth -= len(entries)
-        self.bytes -= size
+        self._shrink(len(entries), size)
         engine.totals_changed(self)
         self.limits.on_drained(self.depth, self.connected, self.bytes)
         committer.flush_soon(len(entries))
+
+    def _shrink(self, count: int, size: int) -> None:
+        """``count`` entries of ``size`` bytes in all left the queue. An empty queue holds no bytes:
+        the size of a damaged entry dropped by its key (unknown, so not taken off) goes with the last."""
+        self.depth -= count
+        self.bytes = self.bytes - size if self.depth else 0
 
     def append(self, msg_id: int, qos: int, flags: int, size: int) -> Entry:
         entry = Entry(self.next_seq, msg_id, qos, flags, size)
@@ -435,10 +449,20 @@ class DurableSession:
         if victim is None:
             start = pump.next_unread if pump is not None else self.head_seq
             removing = self.engine.removing
-            live = (e for e in iter_entries(self.engine.db, self.sid, start) if (self.sid, e.seq) not in removing)
+            stored = iter_entries(self.engine.db, self.sid, start, client_id=self.client_id, keep_damaged=True)
+            live = (e for e in stored if (self.sid, e.seq) not in removing)
             first = found = next(live, None)
             while found is not None and not droppable(found):
                 found = next(live, None)
+            if isinstance(found, DamagedEntry) and found.seq < 0:
+                log.error(
+                    "session %s: %s: its queue is full and this key cannot be dropped: the new message is "
+                    "dropped; stop the broker and run 'amqtt-durable repair %s'",
+                    self.client_id,
+                    found.problem,
+                    self.engine.config.store,
+                )
+                return False
             if found is not None and found.seq <= self.committed_tail:
                 victim = found
                 if victim is first:  # nothing still due before it: later scans may start after it
@@ -450,8 +474,33 @@ class DurableSession:
                 victim = self.uncommitted.pop(next(iter(self.uncommitted)))
             else:
                 return False
-        self.remove_entry(victim)
+        if isinstance(victim, DamagedEntry):
+            self._drop_damaged(victim)
+        else:
+            self.remove_entry(victim)
         return True
+
+    def _drop_damaged(self, entry: DamagedEntry) -> None:
+        """Drop-oldest met an entry that does not decode: it goes by its key. Its message id and size
+        are unknown: its body (and reference count) stay until repair rebuilds them, and its size stays
+        in the byte total until the queue is empty (then the total is 0) or repair rebuilds it."""
+        if self.deleted:
+            return
+        log.error(
+            "session %s: %s: dropped as the oldest message by its queue limit; the body it points at stays, "
+            "and its size in the byte total until the queue is empty, or 'amqtt-durable repair %s' "
+            "(with the broker stopped)",
+            self.client_id,
+            entry.problem,
+            self.engine.config.store,
+        )
+        committer = self.engine.committer
+        committer.delete(entry.key)
+        self.engine.removing.add((self.sid, entry.seq))
+        self._shrink(1, 0)
+        self.engine.totals_changed(self)
+        self.limits.on_drained(self.depth, self.connected, self.bytes)
+        committer.flush_soon()
 
     def drop_unreadable(self, entry: Entry) -> None:
         """The pump may not send this entry: the connection's user may not read its topic."""

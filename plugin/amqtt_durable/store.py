@@ -164,9 +164,33 @@ def pubrel_key(sid: int, packet_id: int) -> bytes:
     return b"x" + _U64.pack(sid) + _U16.pack(packet_id)
 
 
+KEY_SIZES = {b"q": 17, b"t": 9, b"w": 9, b"x": 11, b"m": 9, b"c": 9}
+"""Prefix -> length of every key under it (a prefix, then a session number or message id, then a
+sequence number or packet id): a key of another length is damage."""
+KEY_NAMES = {
+    b"q": "queue entry",
+    b"t": "queue totals",
+    b"w": "sent mark",
+    b"x": "QoS 2 packet id",
+    b"m": "message body",
+    b"c": "message reference count",
+}
+
+
+def checked_key(key: bytes) -> bytes:
+    """``key`` (under one of KEY_SIZES' prefixes), or DamagedRecordError naming it when its length is wrong
+    (its session number, message id or sequence number cannot be read from it)."""
+    size = KEY_SIZES[key[:1]]
+    if len(key) != size:
+        raise DamagedRecordError(f"a {KEY_NAMES[key[:1]]} key of {len(key)} bytes, not {size} (damaged): {key!r}")
+    return key
+
+
 def iter_pubrel_due(db: Any) -> Iterator[tuple[int, int]]:
-    """(sid, packet id) of every inbound QoS 2 publish whose PUBREL is due."""
+    """(sid, packet id) of every inbound QoS 2 publish whose PUBREL is due; DamagedRecordError names
+    a key of the wrong length."""
     for key in db.iterator(prefix=b"x", include_value=False):
+        checked_key(key)
         yield int(_U64.unpack_from(key, 1)[0]), int(_U16.unpack_from(key, 9)[0])
 
 
@@ -265,6 +289,15 @@ class Entry:
         return cls(seq, msg_id, qos, flags, size)
 
 
+@dataclass(slots=True)
+class DamagedEntry(Entry):
+    """A queue entry that does not decode (iter_entries' keep_damaged): removable by ``key`` only; its
+    message id, QoS and size are unknown (0), so its body and reference count stay for repair."""
+
+    key: bytes = b""
+    problem: str = ""
+
+
 def awaiting_pubcomp(entry: Entry) -> bool:
     """A QoS 2 entry whose PUBREC came (RELEASED): only its PUBREL is due, which needs no body. The
     RELEASED flag on an entry of another QoS (damage) means nothing: it needs its body as any other."""
@@ -310,19 +343,42 @@ class SessionRecord:
 
     @classmethod
     def decode(cls, client_id: str, raw: bytes) -> SessionRecord:
+        """The record; ValueError, KeyError, TypeError or AttributeError when its JSON is not one (a
+        field of the wrong type or a session number no key can hold: the broker would fail on it later,
+        where nothing names the record)."""
         data: dict[str, Any] = json.loads(raw)
+        sid = int(data["sid"])
+        if not 0 <= sid <= MAX_U64:
+            raise ValueError(f"session number {sid} is not 0 to 2**64 - 1")
         return cls(
             client_id=client_id,
-            sid=int(data["sid"]),
+            sid=sid,
             subscriptions={str(k): int(v) for k, v in data.get("subscriptions", {}).items()},
             created_at=float(data.get("created_at", 0.0)),
-            disconnected_at=data.get("disconnected_at"),
-            expires_at=data.get("expires_at"),
-            username=data.get("username"),
+            disconnected_at=_number_or_none(data, "disconnected_at"),
+            expires_at=_number_or_none(data, "expires_at"),
+            username=_text_or_none(data, "username"),
             sdk=bool(data.get("sdk", False)),
-            expiry=data.get("expiry"),
+            expiry=_number_or_none(data, "expiry"),
             non_durable={str(f) for f in data.get("non_durable", [])},
         )
+
+
+MAX_U64 = 2**64 - 1
+
+
+def _number_or_none(data: dict[str, Any], name: str) -> float | None:
+    value = data.get(name)
+    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+        return value
+    raise TypeError(f"{name} is {value!r}, not a number")
+
+
+def _text_or_none(data: dict[str, Any], name: str) -> str | None:
+    value = data.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    raise TypeError(f"{name} is {value!r}, not a string")
 
 
 def encode_totals(depth: int, size: int, dropped: int) -> bytes:
@@ -552,22 +608,64 @@ def repair_store(path: str) -> None:
         raise StoreError(f"repair of '{path}' failed: {leveldb_detail(exc)}") from exc
 
 
-def iter_entries(db: Any, sid: int, start_seq: int = 0, limit: int | None = None) -> Iterator[Entry]:
-    """Queue entries of one session in order, from ``start_seq`` on."""
+def iter_entries(
+    db: Any,
+    sid: int,
+    start_seq: int = 0,
+    limit: int | None = None,
+    client_id: str | None = None,
+    *,
+    keep_damaged: bool = False,
+) -> Iterator[Entry]:
+    """Queue entries of one session in order, from ``start_seq`` on; DamagedRecordError names one that
+    does not decode (of client id ``client_id``, if given, else of session number ``sid``). With
+    ``keep_damaged`` such an entry comes as a DamagedEntry instead (for those that remove entries
+    by key: drop-oldest, session deletion), and so does a key of the wrong length (its seq -1)."""
     if limit is not None and limit <= 0:
         return
     start = queue_prefix(sid) + _U64.pack(start_seq)
     rows = db.iterator(start=start, stop=queue_prefix(sid + 1), verify_checksums=True)
+    key_size = KEY_SIZES[b"q"]
+    entry_size = _ENTRY.size
+    unpack = _ENTRY.unpack
+    seq_of = _U64.unpack_from
     for count, (key, value) in enumerate(rows, start=1):
-        yield Entry.decode(seq_of_entry_key(key), value)
+        # Decoded here, not through decoded(): this loop reads every entry of a queue being deleted.
+        if len(key) == key_size and len(value) == entry_size:
+            msg_id, qos, flags, size = unpack(value)
+            yield Entry(seq_of(key, 9)[0], msg_id, qos, flags, size)
+        else:
+            damaged = damaged_entry(sid, key, value, client_id)
+            if not keep_damaged:
+                raise DamagedRecordError(damaged.problem)
+            yield damaged
         if limit is not None and count >= limit:
             return
+
+
+def damaged_entry(sid: int, key: bytes, value: bytes, client_id: str | None = None) -> DamagedEntry:
+    """A queue entry whose key or value does not decode, named (repair rebuilds what it can)."""
+    if len(key) != KEY_SIZES[b"q"]:
+        problem = f"a {KEY_NAMES[b'q']} key of {len(key)} bytes, not {KEY_SIZES[b'q']} (damaged): {key!r}"
+        return DamagedEntry(-1, NO_BODY, 0, 0, 0, key, problem)
+    seq = seq_of_entry_key(key)
+    owner = f"client id {client_id!r}" if client_id is not None else f"session number {sid}"
+    problem = f"queue entry {seq} of {owner}: {len(value)} bytes that do not decode"
+    return DamagedEntry(seq, NO_BODY, 0, 0, 0, key, problem)
+
+
+def first_seq(db: Any, sid: int) -> int | None:
+    """The sequence number of a session's first queue entry (its key only: an entry whose value does not
+    decode is met, and named, when delivery reaches it, as any other); None for an empty queue."""
+    for key in db.iterator(prefix=queue_prefix(sid), include_value=False, verify_checksums=True):
+        return seq_of_entry_key(checked_key(key))
+    return None
 
 
 def last_seq(db: Any, sid: int) -> int | None:
     prefix = queue_prefix(sid)
     for key in db.iterator(prefix=prefix, reverse=True, include_value=False, verify_checksums=True):
-        return seq_of_entry_key(key)
+        return seq_of_entry_key(checked_key(key))
     return None
 
 
@@ -583,9 +681,10 @@ def iter_sessions(db: Any) -> Iterator[SessionRecord]:
 
 
 def last_sid(db: Any, prefix: bytes) -> int:
-    """The highest session number under a per-session prefix (b"q", b"t", b"w", b"x"); 0 for none."""
+    """The highest session number under a per-session prefix (b"q", b"t", b"w", b"x"); 0 for none.
+    DamagedRecordError names a last key of the wrong length."""
     for key in db.iterator(prefix=prefix, reverse=True, include_value=False, verify_checksums=True):
-        return int(_U64.unpack_from(key, 1)[0])
+        return int(_U64.unpack_from(checked_key(key), 1)[0])
     return 0
 
 
@@ -597,25 +696,21 @@ MSG_ID_RESERVE = 1024
 
 
 def last_msg_id(db: Any) -> int:
-    """The highest message id a body is stored under; 0 for none."""
+    """The highest message id a body is stored under; 0 for none. DamagedRecordError names a last
+    key of the wrong length."""
     for key in db.iterator(prefix=b"m", reverse=True, include_value=False, verify_checksums=True):
-        return int(_U64.unpack_from(key, 1)[0])
+        return int(_U64.unpack_from(checked_key(key), 1)[0])
     return 0
 
 
-def highest_msg_id_in_use(db: Any) -> int:
-    """The highest message id a body, a reference count or a queue entry holds (reads every queue
-    entry: only for a store without the b"M" mark, once, and for repair)."""
-    return scan_msg_ids_in_use(db)[0]
-
-
 def scan_msg_ids_in_use(db: Any) -> tuple[int, int]:
-    """highest_msg_id_in_use, and how many queue entries it read. The entries are read past
+    """The highest message id a body, a reference count or a queue entry holds (reads every queue
+    entry: only for a store without the b"M" mark, once), and how many queue entries it read. The entries are read past
     LevelDB's block cache (fill_cache=False): a read-once scan must not push out what the
     broker reads next."""
     highest = last_msg_id(db)
     for key in db.iterator(prefix=b"c", reverse=True, include_value=False, verify_checksums=True):
-        highest = max(highest, int(_U64.unpack_from(key, 1)[0]))
+        highest = max(highest, int(_U64.unpack_from(checked_key(key), 1)[0]))
         break
     read = 0
     for value in db.iterator(prefix=b"q", include_key=False, verify_checksums=True, fill_cache=False):
@@ -796,7 +891,8 @@ def read_entry_run(
     db: Any, sid: int, start_seq: int, tail: int, limit: int
 ) -> tuple[list[Entry], BaseException | None]:
     """Up to ``limit`` queue entries of one session from ``start_seq`` to ``tail``, in one iterator pass,
-    and the error that cut the run short (plyvel.Error, ValueError, struct.error; None: no damage met)."""
+    and the error that cut the run short (plyvel.Error, ValueError, struct.error; DamagedRecordError
+    naming a key of the wrong length; None: no damage met)."""
     entries: list[Entry] = []
     if limit <= 0:
         return entries, None
@@ -804,11 +900,14 @@ def read_entry_run(
     unpack_seq = _U64.unpack_from
     unpack = _ENTRY.unpack
     prefix = queue_prefix(sid)
+    key_size = KEY_SIZES[b"q"]
     if tail < start_seq:
         return entries, None
     rows = db.iterator(start=prefix + _U64.pack(start_seq), stop=prefix + _U64.pack(tail + 1), verify_checksums=True)
     try:
         for key, value in islice(rows, limit):
+            if len(key) != key_size:  # its seq would be read from its first 17 bytes: a real entry's
+                return entries, DamagedRecordError(damaged_entry(sid, key, value).problem)
             msg_id, qos, flags, size = unpack(value)
             append(Entry(unpack_seq(key, 9)[0], msg_id, qos, flags, size))
     except (plyvel.Error, ValueError, struct.error) as exc:
@@ -816,13 +915,10 @@ def read_entry_run(
     return entries, None
 
 
-def read_refs(db: Any, msg_id: int) -> int:
-    return decode_refs(db.get(refs_key(msg_id)))
-
-
 def read_store_id(db: Any) -> int | None:
+    """The store id (None: a store written before it existed); DamagedRecordError if it does not decode."""
     raw = db.get(STORE_ID_KEY, verify_checksums=True)
-    return None if raw is None else decode_u64(raw)
+    return None if raw is None else decoded(decode_u64, raw, "the store id")
 
 
 def read_sid_mark(db: Any) -> int:
@@ -847,7 +943,7 @@ def orphaned_keys(db: Any, known: set[int]) -> tuple[list[int], list[bytes]]:
         key = next(rows, None)
         if key is None:
             break
-        sid = sid_of_entry_key(key)
+        sid = sid_of_entry_key(checked_key(key))
         if sid not in known:
             sids.append(sid)
         sid += 1
@@ -855,7 +951,7 @@ def orphaned_keys(db: Any, known: set[int]) -> tuple[list[int], list[bytes]]:
         key
         for prefix in (b"t", b"w", b"x")
         for key in db.iterator(prefix=prefix, include_value=False, verify_checksums=True)
-        if sid_of_entry_key(key) not in known
+        if sid_of_entry_key(checked_key(key)) not in known
     ]
     return sids, keys
 

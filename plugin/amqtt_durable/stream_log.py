@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .config import StreamConfig
-from .store import GroupCommitter, leveldb_detail
+from .errors import DamagedRecordError
+from .store import GroupCommitter, decoded, leveldb_detail
 from .topics import filters_overlap, matches, topic_problem
 
 if TYPE_CHECKING:
@@ -135,6 +136,14 @@ def _mark_topic(key: bytes) -> str | None:
     return topic if topic_problem(topic) is None else None
 
 
+def _decode_mark(raw: bytes) -> int:
+    return int(_U64.unpack(raw)[0])
+
+
+def _published_at(raw: bytes) -> float:
+    return float(_EVENT_HEAD.unpack_from(raw)[0])
+
+
 def encode_event(published_at: float, qos: int, payload: bytes) -> bytes:
     return _EVENT_HEAD.pack(published_at, qos) + payload
 
@@ -205,7 +214,8 @@ class StreamLogs:
         self._logs.clear()
         marks: dict[str, int] = {}
         for key, value in self._db.iterator(prefix=MARK_PREFIX):
-            marks[key[1:].decode("utf-8")] = int(_U64.unpack(value)[0])
+            topic = key[1:].decode("utf-8")  # migrate_legacy_events removed marks whose topic is not UTF-8
+            marks[topic] = decoded(_decode_mark, value, f"the id mark of stream {topic!r}")
         with self._db.iterator(prefix=EVENT_PREFIX) as events:
             for key, value in events:
                 topic_bytes = event_topic(key)
@@ -213,14 +223,17 @@ class StreamLogs:
                     log.warning("stream log: skipping malformed key %r", key)
                     events.seek(key + b"\x00")
                     continue
-                topic = topic_bytes.decode("utf-8")
+                try:
+                    topic = topic_bytes.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DamagedRecordError(f"a stream event key whose topic {topic_bytes!r} is not UTF-8") from exc
                 first = event_id_of(key)
                 last = first
                 prefix = key[: -_U64.size]
                 for last_key in self._db.iterator(prefix=prefix, reverse=True, include_value=False):
                     last = event_id_of(last_key)
                     break
-                published_at = float(_EVENT_HEAD.unpack_from(value)[0])
+                published_at = decoded(_published_at, value, f"event {first} of stream {topic!r}")
                 mark = marks.pop(topic, 0)
                 self._logs[topic] = _Log(self.logged(topic), first, max(last, mark), published_at)
                 # Every key of this topic is the prefix and 8 bytes: nine 0xff bytes are past them.

@@ -14,14 +14,13 @@ without ``b"R"`` has never been replicated (position 0). A backup that restarts 
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
+from .. import store
 from .framing import Op, decode_position, encode_position
 
 POSITION_KEY = b"R"
 SNAPSHOT_MARK_KEY = b"R\x00snapshot"
-_U64 = struct.Struct(">Q")
 
 
 def position_op(seq: int, crc: int) -> Op:
@@ -39,6 +38,7 @@ def read_position(db: Any) -> tuple[int, int] | None:
 
 
 def read_store_id(db: Any) -> int:
-    """The store id (store.py's ``b"i"``), 0 for a store that has none yet."""
-    raw = db.get(b"i")
-    return 0 if raw is None else int(_U64.unpack(raw)[0])
+    """The store id (store.py's ``b"i"``), 0 for a store that has none yet; DamagedRecordError names
+    one that does not decode (store.read_store_id)."""
+    stored = store.read_store_id(db)
+    return 0 if stored is None else stored
