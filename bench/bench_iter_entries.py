@@ -40,8 +40,7 @@ def before(db: Any, sid: int) -> Iterator[Entry]:
 
 @contextmanager
 def entry_store(count: int) -> Iterator[Any]:
-    """A store in a temporary folder holding ``count`` queue entries of session 7 (also for
-    bench_read_entry_run.py)."""
+    """A store in a temporary folder holding ``count`` queue entries of session 7."""
     folder = tempfile.mkdtemp()
     try:
         db = open_store(folder)

@@ -359,33 +359,6 @@ def test_a_damaged_entry_dropped_under_a_byte_limit_leaves_no_bytes_in_an_empty_
     assert [m.payload for m in device.wait_messages(1)] == [b"c" * 20], broker.log()
 
 
-def test_a_queue_entry_key_of_the_wrong_length_inside_a_queue_is_not_delivered(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
-) -> None:
-    """A real key of dev-1's entry 1 plus one byte, with entry 1's value: the replay read it as a second
-    entry 1. Now the read stops there and names it (ERROR); the next read starts past it."""
-    broker = build_shared(broker_factory, clients)
-    db = plyvel.DB(broker.store)
-    try:
-        sid = int(json.loads(db.get(b"sdev-1"))["sid"])
-        key = b"q" + struct.pack(">QQ", sid, 1)
-        long_key = key + b"\x00"
-        db.put(long_key, db.get(key), sync=True)
-    finally:
-        db.close()
-    broker.start()
-    device = clients(broker.port, "dev-1")
-    got = [m.payload for m in device.wait_messages(3)]
-    assert got == [b"t0", b"t1", b"t2"], (got, broker.log())
-    named = (
-        "session dev-1: reading its queue after message 1: "
-        f"a queue entry key of 18 bytes, not 17 (damaged): {long_key!r}: passed over"
-    )
-    assert broker.wait_until(lambda: named in broker.log(), WAIT), broker.log()
-    clients(broker.port, "pub", clean_session=True).publish("t", [b"t3"], qos=1)
-    assert [m.payload for m in device.wait_messages(4)][3:] == [b"t3"], broker.log()
-
-
 def test_a_damaged_entry_in_an_orphaned_queue_does_not_refuse_the_store(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:

@@ -23,7 +23,7 @@ import plyvel
 from durable_protocol import LiveSubscription
 
 from .delivery import Pump, Transport
-from .errors import DamagedRecordError, StoreReadError, StoreUnavailableError
+from .errors import StoreReadError, StoreUnavailableError
 from .queue_policy import Admission, QueueLimits
 from .store import (
     FLAG_SHARED,
@@ -188,15 +188,6 @@ class DurableSession:
         entries, damage = read_entry_run(db, self.sid, start, tail, limit)
         if damage is not None and not entries:
             raise StoreReadError(self.client_id, start - 1, leveldb_detail(damage)) from damage
-        if isinstance(damage, DamagedRecordError):  # a key of the wrong length: the next read starts past it
-            log.error(
-                "session %s: reading its queue after message %d: %s: passed over (not delivered); stop the "
-                "broker and run 'amqtt-durable repair %s'",
-                self.client_id,
-                entries[-1].seq,
-                damage,
-                self.engine.config.store,
-            )
         cut = damage is not None or len(entries) >= limit
         kept = self.engine.removing.absent(self.sid, entries)
         try:

@@ -891,8 +891,7 @@ def read_entry_run(
     db: Any, sid: int, start_seq: int, tail: int, limit: int
 ) -> tuple[list[Entry], BaseException | None]:
     """Up to ``limit`` queue entries of one session from ``start_seq`` to ``tail``, in one iterator pass,
-    and the error that cut the run short (plyvel.Error, ValueError, struct.error; DamagedRecordError
-    naming a key of the wrong length; None: no damage met)."""
+    and the error that cut the run short (plyvel.Error, ValueError, struct.error; None: no damage met)."""
     entries: list[Entry] = []
     if limit <= 0:
         return entries, None
@@ -900,14 +899,11 @@ def read_entry_run(
     unpack_seq = _U64.unpack_from
     unpack = _ENTRY.unpack
     prefix = queue_prefix(sid)
-    key_size = KEY_SIZES[b"q"]
     if tail < start_seq:
         return entries, None
     rows = db.iterator(start=prefix + _U64.pack(start_seq), stop=prefix + _U64.pack(tail + 1), verify_checksums=True)
     try:
         for key, value in islice(rows, limit):
-            if len(key) != key_size:  # its seq would be read from its first 17 bytes: a real entry's
-                return entries, DamagedRecordError(damaged_entry(sid, key, value).problem)
             msg_id, qos, flags, size = unpack(value)
             append(Entry(unpack_seq(key, 9)[0], msg_id, qos, flags, size))
     except (plyvel.Error, ValueError, struct.error) as exc:
