@@ -15,6 +15,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from raw_mqtt_helpers import connect_packet, raw_subscribe, read_exactly
 from small_disk import fill, small_disk
+from test_hostile_owner import PASSWORDS, REFUSED, acl_broker, login
 
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, run_cli
 
@@ -189,3 +190,39 @@ def test_a_clean_connect_refused_while_the_store_fails_leaves_the_live_durable_c
             reader.sendall(PINGREQ)
             assert read_exactly(reader, 2) == b"\xd0\x00", "the live durable connection goes on"
         assert "reader: a clean CONNECT takes the client id over" not in broker.log()
+
+
+def connack_with_password(port: int, client_id: str, user: str, password: str, *, clean: bool) -> bytes:
+    """The CONNACK's bytes to a CONNECT with a username and password over a raw socket."""
+    body = mqtt_string("MQTT") + bytes([4, 0xC0 | (0x02 if clean else 0), 0, 60]) + mqtt_string(client_id)
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body + mqtt_string(user) + mqtt_string(password)))
+        return read_exactly(sock, 4)
+
+
+def test_a_wrong_password_gets_connack_5_while_the_store_fails_too(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md: a CONNECT that fails authentication gets CONNACK 5. The early store check (a
+    CONNECT that needs a write while the store fails gets 3) ran before the credentials were checked,
+    so a wrong password got 3 in an outage: "server unavailable" to a client with bad credentials,
+    and to anyone a way to learn that the store fails and which client ids have a durable session.
+    A right password still gets 3 then."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = acl_broker(broker_factory, store=str(disk / "store"))
+        port = broker.port
+        monitor = login(clients, broker, "mon", "monitor", clean_session=True)
+        monitor.subscribe(HEALTH, 1)
+        alice = login(clients, broker, "alice-dev", "alice")
+        assert alice.subscribe("secret/#", 1) == [1]
+        alice.disconnect()
+        publisher = login(clients, broker, "pub", "pub", clean_session=True)
+        fill(disk)
+        publisher.paho.publish("secret/x", bytes(64 * 1024), qos=1)  # its write finds the disk full
+        wait_health(monitor, "failing")
+
+        assert connack_with_password(port, "new-id", "bob", "WRONG", clean=False) == REFUSED
+        assert connack_with_password(port, "alice-dev", "alice", "WRONG", clean=True) == REFUSED
+        assert connack_with_password(port, "alice-dev", "bob", "WRONG", clean=True) == REFUSED
+        assert connack_with_password(port, "new-id", "bob", PASSWORDS["bob"], clean=False) == CONNACK_UNAVAILABLE
+        assert connack_with_password(port, "alice-dev", "alice", PASSWORDS["alice"], clean=True) == CONNACK_UNAVAILABLE

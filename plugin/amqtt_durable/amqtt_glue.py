@@ -375,19 +375,19 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     _install_connect_hooks): amqtt ends a live connection of the client id (a take-over, or our
     delete_session for a clean CONNECT) before the CONNACK, and MQTT 3.1.4 has that happen only
     for a CONNECT that is accepted. A refusal sends CONNACK 5 (CONNACK 3 while the store cannot
-    write and the CONNECT needs a write) and raises MQTTError."""
+    write and the CONNECT needs a write, once its owner, will topic and credentials passed: a
+    wrong password gets 5 in an outage too, and tells nothing of the store) and raises MQTTError."""
     try:
         plugin.engine.check_owner(session.client_id, session.username)
     except NotSessionOwnerError as exc:
         log.warning("%s", exc)
         await _refuse_read_connect(writer, plugins_manager)
         raise MQTTError(str(exc)) from None
+    unwritable: StoreUnavailableError | None = None
     try:
         plugin.engine.check_writable_for(session.client_id, bool(session.clean_session))
     except StoreUnavailableError as exc:
-        log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, exc)
-        await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
-        raise MQTTError(f"CONNECT of {session.client_id!r}: {exc}") from None
+        unwritable = exc
     broker = plugin.broker
     if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
         log.warning(
@@ -399,15 +399,20 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         )
         await _refuse_read_connect(writer, plugins_manager)
         raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
-    if session.client_id in broker._sessions:
-        if not await broker._authenticate(session, None):
-            log.warning(
-                "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
-                session.client_id,
-                session.username,
-            )
-            await _refuse_read_connect(writer, plugins_manager)
-            raise MQTTError(f"CONNECT of {session.client_id!r}: authentication failed")
+    taken_over = session.client_id in broker._sessions
+    if (taken_over or unwritable is not None) and not await broker._authenticate(session, None):
+        log.warning(
+            "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
+            session.client_id,
+            session.username,
+        )
+        await _refuse_read_connect(writer, plugins_manager)
+        raise MQTTError(f"CONNECT of {session.client_id!r}: authentication failed")
+    if unwritable is not None:
+        log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, unwritable)
+        await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
+        raise MQTTError(f"CONNECT of {session.client_id!r}: {unwritable}")
+    if taken_over:
         plugin.authenticated[session.client_id] = (session.username, session.password)
 
 
