@@ -11,7 +11,6 @@ import importlib
 import sys
 
 from amqtt_durable.cli import EXIT_BAD_INPUT, add_commands, exit_process, run
-from durable_pipeline.errors import PIPELINE_EXTRA, missing_extra
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fleet(argv: list[str]) -> int:
+    from durable_pipeline.errors import PIPELINE_EXTRA, missing_extra  # noqa: PLC0415 - the broker loads no pipeline
+
     try:
         from durable_fleet.cli import main as fleet_main  # noqa: PLC0415 - Spark and matplotlib only here
 
