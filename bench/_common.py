@@ -51,9 +51,7 @@ BROKER_YAML = ROOT / "broker.yaml"
 STOCK = "stock"
 OURS = "ours"
 MOSQUITTO = "mosquitto"
-OURS_ASYNCIO = "ours-asyncio"  # bench_durable.py --ours-asyncio: ours again, on the asyncio loop (event_loop)
-BROKER_TITLES = {STOCK: "stock amqtt", OURS: "amqtt-durable", MOSQUITTO: "Mosquitto",
-                 OURS_ASYNCIO: "amqtt-durable on the asyncio loop"}
+BROKER_TITLES = {STOCK: "stock amqtt", OURS: "amqtt-durable", MOSQUITTO: "Mosquitto"}
 MOSQUITTO_PACKAGE = "mosquitto"  # the Debian package (persistence on), the third broker of the comparisons
 SETTLE_S = 0.5  # let the broker process a DISCONNECT before publishing to the now-offline session
 CLIENT_START_S = 60.0  # spawn a client process, pre-encode, connect

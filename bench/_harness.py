@@ -22,7 +22,6 @@ from _common import (
     CLIENT_START_S,
     MOSQUITTO,
     OURS,
-    OURS_ASYNCIO,
     PLUGIN_DIR,
     PROTOCOL_DIR,
     RESULT_MARGIN_S,
@@ -164,8 +163,7 @@ class Ceiling:
 
 @dataclass
 class Results:
-    values: dict[str, dict[str, Value]] = field(
-        default_factory=lambda: {STOCK: {}, OURS: {}, MOSQUITTO: {}, OURS_ASYNCIO: {}})
+    values: dict[str, dict[str, Value]] = field(default_factory=lambda: {STOCK: {}, OURS: {}, MOSQUITTO: {}})
     notes: list[str] = field(default_factory=list)
     ceiling: Ceiling = field(default_factory=Ceiling)
 
@@ -252,10 +250,8 @@ def warmup(ctx: Ctx, b: BrokerProcess) -> None:
 
 
 def build_brokers(args: argparse.Namespace, tmp: Path, ours_settings: dict[str, object] | None = None, *,
-                  mosquitto: str | None = None,
-                  asyncio_loop: bool = False) -> tuple[dict[str, BrokerProcess], Path | None]:
-    """Stock and our broker (and Mosquitto when ``mosquitto`` names its executable; with
-    ``asyncio_loop`` ours a second time, on the asyncio loop, with its own store and port);
+                  mosquitto: str | None = None) -> tuple[dict[str, BrokerProcess], Path | None]:
+    """Stock and our broker (and Mosquitto when ``mosquitto`` names its executable);
     ``ours_settings`` adds or overrides plugin settings of ours."""
     pw_file = tmp / "passwords.txt"
     write_password_file(pw_file, USERNAME, PASSWORD)
@@ -284,13 +280,32 @@ def build_brokers(args: argparse.Namespace, tmp: Path, ours_settings: dict[str, 
                                       tmp / "ours.log", login, cpus)
     else:
         store = tmp / "store"
-        brokers[OURS] = _ours_broker(args, tmp, OURS, ours_port, store, ours_settings, login, cpus)
-    if asyncio_loop and not args.ours_standin:
-        port = free_port()
-        while port in {b.port for b in brokers.values()}:  # bounded in practice, as above
-            port = free_port()
-        brokers[OURS_ASYNCIO] = _ours_broker(args, tmp, OURS_ASYNCIO, port, tmp / "store-asyncio",
-                                             {**(ours_settings or {}), "event_loop": "asyncio"}, login, cpus)
+        depth = max(2_000_000, 2 * args.big)
+        write_config(ours_cfg, {
+            "listeners": listener_config(ours_port),
+            "plugins": {
+                "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
+                "amqtt_durable.DurableSessionsPlugin": {
+                    "store": str(store),
+                    "max_depth": depth,
+                    "max_depth_disconnected": depth,
+                    "recovery_buffer": 100,
+                    "session_expiry": 3600,
+                    **(ours_settings or {}),
+                },
+            },
+        })
+        env: dict[str, str] | None = None
+        if args.ours_cmd:
+            prefix = shlex.split(args.ours_cmd)
+        elif args.snapshot:
+            # PYTHONPATH comes before the editable install's .pth entry, so the copy is what gets imported
+            env = {**os.environ, "PYTHONPATH": str(snapshot_packages([PLUGIN_DIR, PROTOCOL_DIR], tmp / "snapshot"))}
+            prefix = [str(VENV_BIN / "python"), "-m", "amqtt_durable.cli", "broker"]
+        else:
+            prefix = [str(VENV_BIN / "amqtt-durable"), "broker"]
+        argv = [*prefix, "-c", str(ours_cfg)]
+        brokers[OURS] = BrokerProcess(OURS, argv, ours_port, tmp / "ours.log", login, cpus, env)
     if mosquitto is not None:
         taken = {b.port for b in brokers.values()}
         port = free_port()
@@ -299,39 +314,6 @@ def build_brokers(args: argparse.Namespace, tmp: Path, ours_settings: dict[str, 
         brokers[MOSQUITTO] = mosquitto_broker(mosquitto, tmp / "mosquitto", port, login,
                                               max_queued=max(2_000_000, 2 * args.big), cpus=cpus)
     return brokers, store
-
-
-def _ours_broker(args: argparse.Namespace, tmp: Path, name: str, port: int, store: Path,  # noqa: PLR0917
-                 settings: dict[str, object] | None, login: Login, cpus: tuple[int, ...] | None) -> BrokerProcess:
-    cfg = tmp / f"{name}.yaml"
-    depth = max(2_000_000, 2 * args.big)
-    write_config(cfg, {
-        "listeners": listener_config(port),
-        "plugins": {
-            "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
-            "amqtt_durable.DurableSessionsPlugin": {
-                "store": str(store),
-                "max_depth": depth,
-                "max_depth_disconnected": depth,
-                "recovery_buffer": 100,
-                "session_expiry": 3600,
-                **(settings or {}),
-            },
-        },
-    })
-    env: dict[str, str] | None = None
-    if args.ours_cmd:
-        prefix = shlex.split(args.ours_cmd)
-    elif args.snapshot:
-        # PYTHONPATH comes before the editable install's .pth entry, so the copy is what gets imported
-        snapshot = tmp / "snapshot"
-        if not (snapshot / PLUGIN_DIR.name).is_dir():
-            snapshot_packages([PLUGIN_DIR, PROTOCOL_DIR], snapshot)
-        env = {**os.environ, "PYTHONPATH": str(snapshot)}
-        prefix = [str(VENV_BIN / "python"), "-m", "amqtt_durable.cli", "broker"]
-    else:
-        prefix = [str(VENV_BIN / "amqtt-durable"), "broker"]
-    return BrokerProcess(name, [*prefix, "-c", str(cfg)], port, tmp / f"{name}.log", login, cpus, env)
 
 
 def plugin_source_dir(args: argparse.Namespace, tmp: Path) -> Path:

@@ -52,7 +52,6 @@ from _common import (
     CLIENT_START_S,
     MOSQUITTO,
     OURS,
-    OURS_ASYNCIO,
     PLUGIN_DIR,
     RESULT_MARGIN_S,
     ROOT,
@@ -423,9 +422,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ours-standin", action="store_true",
                    help="development only: run stock amqtt (file auth) in place of amqtt-durable")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (configs, logs, store)")
-    p.add_argument("--ours-asyncio", action="store_true",
-                   help="also run our broker on the asyncio event loop (event_loop: asyncio, its own store and "
-                        "port) as a fourth broker, interleaved like the others; ours runs on uvloop, the default")
     p.add_argument("--mosquitto", action=argparse.BooleanOptionalAction, default=True,
                    help="run Mosquitto as a third broker, installing the Debian package when missing (default on)")
     args = p.parse_args(argv)
@@ -483,8 +479,6 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
            started: datetime, elapsed: float) -> str:
     ours_title = BROKER_TITLES[OURS] + (" (STAND-IN: stock amqtt)" if args.ours_standin else "")
     pinning = describe_pinning(args, "client processes")
-    loops = bool(results.values[OURS_ASYNCIO])  # --ours-asyncio: its column and uvloop/asyncio
-    extra_head = f" {BROKER_TITLES[OURS_ASYNCIO]} | ours uvloop/asyncio |" if loops else ""
     lines = [
         "# amqtt-durable benchmark",
         "",
@@ -507,8 +501,8 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
         *render_ceiling(args, results),
         "",
         f"| metric | unit | {BROKER_TITLES[STOCK]} | {ours_title} | {BROKER_TITLES[MOSQUITTO]} | ours/stock "
-        f"| ours/Mosquitto |{extra_head} better | target | met |",
-        "|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if loops else "") + "---|---|---|",
+        "| ours/Mosquitto | better | target | met |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     wanted = set(args.only) | {""}
     for m in METRICS:
@@ -516,8 +510,7 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
             continue
         s, o = results.values[STOCK].get(m.key), results.values[OURS].get(m.key)
         q = results.values[MOSQUITTO].get(m.key)
-        a = results.values[OURS_ASYNCIO].get(m.key)
-        if s is None and o is None and q is None and a is None:
+        if s is None and o is None and q is None:
             continue
         ratio = fmt_ratio(o, s) if m.better else "—"
         ratio_q = fmt_ratio(o, q) if m.better else "—"
@@ -526,9 +519,8 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, results
             target = m.target.text
             verdict = m.target.check(number_of(s), number_of(o), args)
             met = "n/a" if verdict is None else ("**met**" if verdict else "**not met**")
-        extra = f" {fmt_value(a)} | {fmt_ratio(o, a) if m.better else '—'} |" if loops else ""
         lines.append(f"| {m.label} | {m.unit} | {fmt_value(s)} | {fmt_value(o)} | {fmt_value(q)} | {ratio} "
-                     f"| {ratio_q} |{extra} {m.better} "
+                     f"| {ratio_q} | {m.better} "
                      f"| {target} | {met} |")
     if results.notes:
         lines += ["", "Notes:", ""]
@@ -552,7 +544,7 @@ def run_scenarios(ctx: Ctx, brokers: dict[str, BrokerProcess]) -> None:
 
 
 def run(args: argparse.Namespace, tmp: Path, results: Results, info: dict[str, str]) -> None:
-    brokers, store = build_brokers(args, tmp, mosquitto=info.get("mosquitto_bin"), asyncio_loop=args.ours_asyncio)
+    brokers, store = build_brokers(args, tmp, mosquitto=info.get("mosquitto_bin"))
     ctx = Ctx(args, tmp, brokers[STOCK].login, results, brokers, store, args.client_cpus if args.pin else None)
     source_dir = plugin_source_dir(args, tmp)
     source_at_start = source_fingerprint(source_dir)

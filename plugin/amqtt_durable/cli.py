@@ -14,7 +14,7 @@ import os
 import signal
 import ssl
 import sys
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 import yaml
@@ -91,13 +91,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def load_broker_config(path: str) -> dict[str, Any]:
     """Read broker.yaml and validate our section before amqtt sees it."""
-    return load_broker_settings(path)[0]
-
-
-def load_broker_settings(path: str) -> tuple[dict[str, Any], DurableConfig]:
-    """broker.yaml, and our section of it validated."""
     config = read_broker_yaml(path)
-    return config, DurableConfig.from_mapping(_our_section(config, path))
+    DurableConfig.from_mapping(_our_section(config, path))
+    return config
 
 
 def _our_section(config: Mapping[str, Any], path: str) -> Mapping[str, Any]:
@@ -176,28 +172,7 @@ async def _shutdown_after_failed_start(broker: Broker, failure: str) -> None:
         exit_process(1)
 
 
-def loop_name(loop: asyncio.AbstractEventLoop) -> str:
-    """``uvloop`` or ``asyncio``: the event loop a broker runs on (``event_loop``'s values)."""
-    return "uvloop" if type(loop).__module__.split(".")[0] == "uvloop" else "asyncio"
-
-
-def run_on_event_loop(main: Coroutine[Any, Any, int], event_loop: str) -> int:
-    """Run ``main`` to its end on the loop the ``event_loop`` setting names. uvloop that cannot be
-    imported is a warning naming the setting, then the asyncio loop."""
-    if event_loop == "uvloop":
-        try:
-            import uvloop  # noqa: PLC0415 - only the broker command needs it
-        except ImportError as exc:
-            log.warning("event_loop: uvloop cannot be imported (%s); running on the asyncio loop", exc)
-        else:
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                return runner.run(main)
-    return asyncio.run(main)
-
-
 async def _serve(config: dict[str, Any], parent: int | None = None) -> int:
-    loop = asyncio.get_running_loop()
-    log.info("event loop: %s (%s.%s)", loop_name(loop), type(loop).__module__, type(loop).__qualname__)
     try:
         broker = Broker(config)
         await broker.start()
@@ -214,6 +189,7 @@ async def _serve(config: dict[str, Any], parent: int | None = None) -> int:
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD, 50, 100)
     stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     watch = asyncio.create_task(_stop_when_orphaned(parent, stop)) if parent is not None else None
@@ -231,11 +207,11 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     )
     logging.getLogger("transitions").setLevel(logging.WARNING)
     try:
-        config, settings = load_broker_settings(args.config)
+        config = load_broker_config(args.config)
     except ConfigError as exc:
         print(f"amqtt-durable: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return run_on_event_loop(_serve(config, args.parent_pid), settings.event_loop)
+    return asyncio.run(_serve(config, args.parent_pid))
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:

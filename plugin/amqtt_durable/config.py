@@ -23,8 +23,6 @@ OverflowPolicy = Literal["drop-oldest", "drop-newest"]
 OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
 SessionTakeover = Literal["owner-only", "any-user"]
 TAKEOVER_POLICIES: tuple[str, ...] = get_args(SessionTakeover)
-EventLoop = Literal["uvloop", "asyncio"]
-EVENT_LOOPS: tuple[str, ...] = get_args(EventLoop)
 STREAM_KEYS = ("filter", "max_count", "max_age")
 MIN_PACKET_SIZE = 1024
 MAX_PACKET_SIZE = 268_435_455
@@ -162,12 +160,6 @@ class DurableConfig:
     new CONNECTs are read in between. 64 bounds a publish's wait more, at the cost of later first
     messages, a longer storm and longer SUBACK waits for durable newcomers (bench/RESULTS.md)."""
 
-    event_loop: EventLoop = "uvloop"
-    """The event loop ``amqtt-durable broker`` runs the broker on: uvloop (libuv, in C) or Python's
-    own asyncio loop. uvloop when it cannot be imported: a warning, then the asyncio loop. A broker
-    started another way (the stock ``amqtt`` command, a program's own loop) runs on the loop it was
-    given."""
-
     replication: ReplicationConfig | None = None
     """Primary-backup replication of the store (docs/replication.md); absent: one broker, as before."""
 
@@ -198,9 +190,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return _streams(key, value)
     if kind == "ReplicationConfig | None":
         return None if value is None else ReplicationConfig.from_mapping(value, key)
-    choices = {"OverflowPolicy": OVERFLOW_POLICIES, "SessionTakeover": TAKEOVER_POLICIES, "EventLoop": EVENT_LOOPS}.get(
-        kind
-    )
+    choices = {"OverflowPolicy": OVERFLOW_POLICIES, "SessionTakeover": TAKEOVER_POLICIES}.get(kind)
     if choices is not None:
         if value in choices:
             return value
@@ -270,8 +260,6 @@ def _check_choices(config: DurableConfig) -> None:
         raise ConfigError(
             "session_takeover", f"expected one of {', '.join(TAKEOVER_POLICIES)}, got {config.session_takeover!r}"
         )
-    if config.event_loop not in EVENT_LOOPS:
-        raise ConfigError("event_loop", f"expected one of {', '.join(EVENT_LOOPS)}, got {config.event_loop!r}")
 
 
 def _check_counts(config: DurableConfig) -> None:
