@@ -301,3 +301,24 @@ def test_the_demo_refuses_an_out_whose_demo_folders_are_symlinks_with_exit_2(tmp
     assert "Traceback" not in done.stderr, done.stderr
     assert sorted(p.name for p in elsewhere.iterdir()) == ["mine.txt"]
     assert not (out / MARKER).exists()
+
+
+def test_the_demo_refuses_an_out_that_is_a_dangling_symlink_with_exit_2(tmp_path: Path) -> None:
+    """An --out that is a symbolic link to nothing. Before: mkdir raised FileExistsError, uncaught (a
+    traceback, exit 1). Now: exit status 2 naming the link and its target; nothing made at the target."""
+    out, missing = tmp_path / "demo-out", tmp_path / "missing"
+    out.symlink_to(missing, target_is_directory=True)
+    done = run_demo_cli(out)
+    assert done.returncode == 2, done.stderr
+    assert f"--out {out} is a symbolic link to {missing}, which does not exist" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert out.is_symlink() and not missing.exists()
+
+
+def test_an_out_that_is_a_symlink_to_a_folder_is_followed(tmp_path: Path) -> None:
+    """The docstring's other half: an --out that is itself a link to a folder is used (the user named it)."""
+    out, target = tmp_path / "demo-out", tmp_path / "target"
+    target.mkdir()
+    out.symlink_to(target, target_is_directory=True)
+    prepare_out(out)
+    assert sorted(p.name for p in target.iterdir()) == [MARKER]

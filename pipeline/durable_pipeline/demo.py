@@ -10,6 +10,7 @@ its checkpoint), and the audit of OUT/logs into OUT/audit (report.html).
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from dataclasses import dataclass
@@ -116,7 +117,13 @@ def _only_the_demos(out: Path) -> bool:
 def prepare_out(out: Path) -> None:
     """``out`` made, an earlier demo's results cleared from it; PipelineError for a folder that is not a demo's
     (its store, logs, events, checkpoint and audit sub-folders would be deleted), for one that holds a symbolic
-    link (the demo makes none; symbolic links are never followed) or for a file."""
+    link (the demo makes none; no link in ``out`` is followed), for a file, or for a symbolic link to nothing.
+    An ``out`` that is itself a symbolic link to a folder is followed: the user named it."""
+    if out.is_symlink() and not out.exists():
+        raise PipelineError(
+            f"--out {out} is a symbolic link to {os.readlink(out)}, which does not exist: "
+            "make that folder, or name a new or empty folder"
+        )
     if out.exists() and not out.is_dir():
         raise PipelineError(f"--out {out} is a file, not a folder: name a new or empty folder")
     links = sorted(entry.name for entry in out.iterdir() if entry.is_symlink()) if out.exists() else []
