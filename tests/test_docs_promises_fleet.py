@@ -317,3 +317,31 @@ def test_a_worker_spec_written_before_harness_pid_runs_without_a_harness_watch(b
         if worker.poll() is None:
             worker.kill()
             worker.wait(10)
+
+
+def test_a_worker_started_by_hand_exits_at_once_saying_its_harness_is_gone(tmp_path: Path) -> None:
+    """docs/fleet.md: a worker started by hand from a spec with a harness_pid (its parent is not that harness,
+    which still runs here) exits at once, status 0, saying its harness is gone; no device built."""
+    harness = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        spec = WorkerSpec(
+            device_port=1, broker_host="127.0.0.1", broker_port=1, logs=str(tmp_path / "logs"),
+            state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False, harness_pid=harness.pid,
+            devices=[DeviceSpec("dev-000", "cpl1")],
+        )  # fmt: skip
+        path = tmp_path / "worker.json"
+        spec.dump(path)
+        done = subprocess.run(
+            [sys.executable, "-m", "durable_fleet.worker", str(path)],
+            check=False, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert harness.poll() is None  # the harness named in the spec still runs
+    finally:
+        assert harness.stdin is not None
+        harness.stdin.close()
+        harness.wait(30)
+    assert done.returncode == 0, done.stderr
+    assert f"the harness (PID {harness.pid}) that wrote {path} is gone: stopping before any device starts" in (
+        done.stderr
+    ), done.stderr
+    assert not (tmp_path / "logs").exists()
