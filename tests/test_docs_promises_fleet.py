@@ -4,6 +4,8 @@ for every run. No broker, device or Spark job runs here (test_fleet.py runs the 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import select
@@ -25,7 +27,7 @@ from conftest import Broker, Client
 from durable_fleet.cli import build_parser, options_from
 from durable_fleet.runner import FleetOptions, FleetRun
 from durable_fleet.schedule import load_schedule
-from durable_fleet.worker import CLOSE_TIMEOUT, PublisherSpec, WorkerSpec
+from durable_fleet.worker import CLOSE_TIMEOUT, DeviceSpec, PublisherSpec, WorkerSpec
 
 BROKER_YAML = {
     "listeners": {"default": {"type": "tcp", "bind": "127.0.0.1:1883"}},
@@ -255,3 +257,91 @@ def test_a_worker_whose_harness_died_before_it_looked_stops_by_itself(tmp_path: 
         assert _exited(pidfd, CLOSE_TIMEOUT), f"the worker still ran {CLOSE_TIMEOUT} s after its harness exited"
         assert time.monotonic() - gone < 5.0  # its start (imports), then at once; main: never
         assert "Traceback" not in (tmp_path / "worker.err").read_text(encoding="utf-8")
+
+
+def _dead_pid() -> int:
+    """The PID of a process that has exited (and been reaped): a harness that died."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    return gone.pid
+
+
+def test_a_worker_whose_harness_died_before_it_started_builds_nothing(tmp_path: Path) -> None:
+    """Before: the worker built its devices (their clients, their delivery logs) and only then looked for its
+    harness. Now it looks first: no device, no log file, exit 0 with a WARNING saying why."""
+    spec = WorkerSpec(
+        device_port=1, broker_host="127.0.0.1", broker_port=1, logs=str(tmp_path / "logs"),
+        state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False, harness_pid=_dead_pid(),
+        devices=[DeviceSpec("dev-000", "cpl1"), DeviceSpec("dev-001", "paho")],
+    )  # fmt: skip
+    path = tmp_path / "worker.json"
+    spec.dump(path)
+    done = subprocess.run(
+        [sys.executable, "-m", "durable_fleet.worker", str(path)],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "logs").exists(), list((tmp_path / "logs").iterdir())
+    assert f"the harness (PID {spec.harness_pid}) that wrote {path} is gone" in done.stderr, done.stderr
+
+
+def test_a_worker_spec_written_before_harness_pid_runs_without_a_harness_watch(broker: Broker, tmp_path: Path) -> None:
+    """A spec written by an older version has no harness_pid. Before: WorkerSpec.load raised TypeError and the
+    worker exited 1 with a traceback. Now it runs as such a worker did (its device connects, writes its
+    delivery log), says once that it does not watch its harness, and stops on SIGTERM."""
+    spec = WorkerSpec(
+        device_port=broker.port, broker_host="127.0.0.1", broker_port=broker.port, logs=str(tmp_path / "logs"),
+        state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False, harness_pid=0,
+        devices=[DeviceSpec("old-dev-000", "cpl1")],
+    )  # fmt: skip
+    raw = json.loads(json.dumps(dataclasses.asdict(spec)))
+    del raw["harness_pid"]  # as an older version wrote it
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(raw), encoding="utf-8")
+    assert WorkerSpec.load(path).harness_pid is None
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "durable_fleet.worker", str(path)], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert worker.stderr is not None
+        first = worker.stderr.readline()  # its first line, or "" if it exited (EOF)
+        assert "has no harness_pid (written by an older version)" in first, first + worker.stderr.read()
+        log_file = tmp_path / "logs" / "old-dev-000.jsonl"
+        assert log_file.exists()  # the device was built
+        worker.send_signal(signal.SIGTERM)
+        status = worker.wait(CLOSE_TIMEOUT + 20)
+        rest = worker.stderr.read()
+        assert status == 0, rest
+        assert "Traceback" not in rest
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(10)
+
+
+def test_a_worker_started_by_hand_exits_at_once_saying_its_harness_is_gone(tmp_path: Path) -> None:
+    """docs/fleet.md: a worker started by hand from a spec with a harness_pid (its parent is not that harness,
+    which still runs here) exits at once, status 0, saying its harness is gone; no device built."""
+    harness = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        spec = WorkerSpec(
+            device_port=1, broker_host="127.0.0.1", broker_port=1, logs=str(tmp_path / "logs"),
+            state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False, harness_pid=harness.pid,
+            devices=[DeviceSpec("dev-000", "cpl1")],
+        )  # fmt: skip
+        path = tmp_path / "worker.json"
+        spec.dump(path)
+        done = subprocess.run(
+            [sys.executable, "-m", "durable_fleet.worker", str(path)],
+            check=False, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert harness.poll() is None  # the harness named in the spec still runs
+    finally:
+        assert harness.stdin is not None
+        harness.stdin.close()
+        harness.wait(30)
+    assert done.returncode == 0, done.stderr
+    assert f"the harness (PID {harness.pid}) that wrote {path} is gone: stopping before any device starts" in (
+        done.stderr
+    ), done.stderr
+    assert not (tmp_path / "logs").exists()

@@ -6,6 +6,7 @@ run the jobs)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -263,3 +264,61 @@ def test_a_demo_folder_with_other_things_and_no_marker_is_still_refused(tmp_path
     with pytest.raises(PipelineError, match="holds no earlier demo"):
         prepare_out(out)
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+
+def test_a_symlink_in_an_earlier_demos_out_is_refused_and_nothing_is_followed(tmp_path: Path) -> None:
+    """An earlier demo's --out (its marker there) in which ``logs`` became a symbolic link to another folder.
+    Before: the marker was enough; the link was not cleared (rmtree refuses links, the error ignored) and the
+    demo's devices wrote their logs through it into that folder. Now: refused, naming the link; nothing of the
+    other folder or of --out is touched."""
+    out, elsewhere = tmp_path / "demo-out", tmp_path / "elsewhere"
+    _main_demo_output(out)
+    (out / MARKER).touch()
+    shutil.rmtree(out / "logs")
+    elsewhere.mkdir()
+    (elsewhere / "mine.txt").write_text("keep", encoding="utf-8")
+    (out / "logs").symlink_to(elsewhere, target_is_directory=True)
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    with pytest.raises(PipelineError, match=r"holds a symbolic link the demo did not make \(logs\)"):
+        prepare_out(out)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+    assert (out / "logs").is_symlink() and sorted(p.name for p in elsewhere.iterdir()) == ["mine.txt"]
+
+
+def test_the_demo_refuses_an_out_whose_demo_folders_are_symlinks_with_exit_2(tmp_path: Path) -> None:
+    """A folder that looks like a demo's from before the marker but whose store/ is a symbolic link to another
+    folder. Before: accepted as the demo's (is_dir followed the link); the demo broker put its store there.
+    Now: exit status 2 naming the link, nothing deleted."""
+    out, elsewhere = tmp_path / "demo-out", tmp_path / "elsewhere"
+    _main_demo_output(out)
+    shutil.rmtree(out / "store")
+    elsewhere.mkdir()
+    (elsewhere / "mine.txt").write_text("keep", encoding="utf-8")
+    (out / "store").symlink_to(elsewhere, target_is_directory=True)
+    done = run_demo_cli(out)
+    assert done.returncode == 2, done.stderr
+    assert f"--out {out} holds a symbolic link the demo did not make (store)" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["mine.txt"]
+    assert not (out / MARKER).exists()
+
+
+def test_the_demo_refuses_an_out_that_is_a_dangling_symlink_with_exit_2(tmp_path: Path) -> None:
+    """An --out that is a symbolic link to nothing. Before: mkdir raised FileExistsError, uncaught (a
+    traceback, exit 1). Now: exit status 2 naming the link and its target; nothing made at the target."""
+    out, missing = tmp_path / "demo-out", tmp_path / "missing"
+    out.symlink_to(missing, target_is_directory=True)
+    done = run_demo_cli(out)
+    assert done.returncode == 2, done.stderr
+    assert f"--out {out} is a symbolic link to {missing}, which does not exist" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert out.is_symlink() and not missing.exists()
+
+
+def test_an_out_that_is_a_symlink_to_a_folder_is_followed(tmp_path: Path) -> None:
+    """The docstring's other half: an --out that is itself a link to a folder is used (the user named it)."""
+    out, target = tmp_path / "demo-out", tmp_path / "target"
+    target.mkdir()
+    out.symlink_to(target, target_is_directory=True)
+    prepare_out(out)
+    assert sorted(p.name for p in target.iterdir()) == [MARKER]

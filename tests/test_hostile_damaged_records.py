@@ -17,6 +17,7 @@ from typing import Any
 import plyvel
 import pytest
 
+from amqtt_durable.store import encode_totals
 from conftest import WAIT, Broker, Client, run_cli
 
 STREAMS = [{"filter": "log/#"}]
@@ -415,3 +416,44 @@ def test_a_wrong_length_key_after_an_entry_awaiting_pubcomp_is_not_dropped_by_dr
     )
     assert broker.wait_until(lambda: named in broker.log(), WAIT), broker.log()
     assert "reader stopped" not in broker.log(), broker.log()
+
+
+def test_totals_of_an_empty_queue_are_set_to_zero_at_start_with_one_warning(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """dev-1's queue is empty but its stored totals say 0 messages and 90 bytes, as an earlier release
+    left them after drop-oldest dropped a damaged entry by its key (dev-2: 1 message counted, no entry).
+    Before: the load took the totals as stored; under a 100-byte limit dev-1's empty queue refused every
+    20-byte message, across restarts, until repair. Now the load sets them to 0 and says so once."""
+    broker = broker_factory(max_bytes=100, max_bytes_disconnected=100)
+    for client_id in ("dev-1", "dev-2"):
+        device = clients(broker.port, client_id)
+        device.subscribe("t", 1)
+        device.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    try:
+        sids = {key[1:].decode(): int(json.loads(value)["sid"]) for key, value in db.iterator(prefix=b"s")}
+    finally:
+        db.close()
+    damage(
+        broker,
+        {
+            b"t" + struct.pack(">Q", sids["dev-1"]): encode_totals(0, 90, 0),
+            b"t" + struct.pack(">Q", sids["dev-2"]): encode_totals(1, 90, 0),
+        },
+    )
+    broker.start()
+    clients(broker.port, "pub", clean_session=True).publish("t", [b"a" * 20, b"b" * 20], qos=1)
+    broker.stop()
+    said = [line for line in broker.log().splitlines() if "queue totals that did not fit their queue" in line]
+    assert len(said) == 1 and "2 session(s)" in said[0] and "'dev-1', 'dev-2'" in said[0], broker.log()
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split()[1:3] for line in result.stdout.splitlines() if line.startswith("dev-")}
+    assert rows == {"dev-1": ["2", "40"], "dev-2": ["2", "40"]}, (rows, broker.log())  # DEPTH, BYTES
+    broker.start()
+    for client_id in ("dev-1", "dev-2"):
+        got = [m.payload for m in clients(broker.port, client_id).wait_messages(2)]
+        assert got == [b"a" * 20, b"b" * 20], (client_id, got, broker.log())
+    assert "did not fit their queue" not in broker.log().split(said[0])[-1], broker.log()  # once, not again

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from pathlib import Path
+
+import pytest
+from replication_helpers import primary_store
 
 from amqtt_durable.process import EtcdProcess, free_port
+from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.coordinator import Leader, Member
 from amqtt_durable.replication.errors import CoordinatorError
 from amqtt_durable.replication.etcd import EtcdCoordinator
 from amqtt_durable.replication.ha import Decision, HaNode
+from amqtt_durable.replication.node import ReplicationNode
+from amqtt_durable.replication.position import position_op
+from amqtt_durable.replication.primary import Primary
 
 TTL = 2
 BOUND = 30.0
@@ -182,3 +191,58 @@ def test_a_partitioned_primary_demotes_itself_before_the_other_takes_the_lease(e
         assert await coord_b.leader() is None  # b released the lease as it stopped
 
     asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+def test_a_stop_while_a_lease_promotion_loads_the_store_ends_as_stopped(
+    etcd: EtcdProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review 119: the broker's stop begins while the promotion the lease started is loading the
+    store (``on_promote`` under way). Before: once the load ended, the node logged "is primary
+    from batch" and the HA loop recorded "bootstrapped ... now primary" for a broker that was
+    stopping; only the loop's exit demoted it. Now: a "stopped" decision, the broker's work
+    stopped as at a demotion, the lease released, nothing logged as primary."""
+    caplog.set_level(logging.DEBUG, "amqtt_durable.replication")
+    db, _ = primary_store(tmp_path / "b")
+    db.put(*position_op(0, 0))
+    loading, loaded = asyncio.Event(), asyncio.Event()
+    served: list[Primary] = []
+    work_stopped: list[str] = []
+
+    async def load(primary: Primary) -> None:  # the broker's on_promote: loads until told
+        served.append(primary)
+        loading.set()
+        await loaded.wait()
+
+    async def main() -> None:
+        config = ReplicationConfig(
+            name="b",
+            role="auto",
+            listen=f"127.0.0.1:{free_port()}",
+            coordinator=[etcd.url],
+            cluster="stop-while-loading",
+            lease_ttl=10,
+            loop_wait=0.1,
+            demote_margin=1.0,
+        )
+        coord = EtcdCoordinator([etcd.url], prefix=config.prefix, ttl=10, timeout=1.0)
+        node = ReplicationNode(db, config, coordinator=coord, on_promote=load, on_demote=work_stopped.append)
+        await node.start()
+        await asyncio.wait_for(loading.wait(), BOUND)  # a new cluster: b claims it and loads
+        reader = EtcdCoordinator([etcd.url], prefix=config.prefix, ttl=10, timeout=1.0)
+        assert await reader.leader() == Leader("b", config.listen)
+        stopping = asyncio.create_task(node.stop())
+        await asyncio.wait_for(node._ha_stop.wait(), BOUND)  # stop() began
+        loaded.set()  # the load ends after the stop began
+        await asyncio.wait_for(stopping, BOUND)
+        assert [decision.action for decision in node.decisions] == ["stopped"], node.decisions
+        assert node.primary is None and node._serving is None
+        assert work_stopped == ["the broker stops"]
+        assert len(served) == 1
+        assert await reader.leader() is None  # released at once (its TTL is 10 s)
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+    db.close()
+    messages = [record.getMessage() for record in caplog.records]
+    claims = [m for m in messages if "now primary" in m or "is primary from" in m or "demoted" in m]
+    assert claims == [], messages
+    assert any("the broker stops: the promotion ended, the lease is released" in m for m in messages), messages

@@ -82,9 +82,10 @@ class WorkerSpec:
     keepalive: int
     end_sessions: bool
     """On SIGTERM, end the devices' sessions (a broker the harness did not start keeps no litter)."""
-    harness_pid: int
+    harness_pid: int | None = None
     """The process that starts this one: once it is no longer the parent (it died, even before this
-    process looked), the worker stops by itself."""
+    process started), the worker stops by itself. None in a spec an older version wrote (it had no
+    such field): that worker runs as it did then, with no watch of its harness (said at its start)."""
     devices: list[DeviceSpec] = field(default_factory=list)
     publisher: PublisherSpec | None = None
 
@@ -97,6 +98,10 @@ class WorkerSpec:
         devices = [DeviceSpec(**device) for device in raw.pop("devices")]
         publisher = raw.pop("publisher")
         return WorkerSpec(**raw, devices=devices, publisher=PublisherSpec(**publisher) if publisher else None)
+
+    def harness_gone(self) -> bool:
+        """The harness that wrote this spec is no longer this process's parent (False without a harness_pid)."""
+        return self.harness_pid is not None and os.getppid() != self.harness_pid
 
 
 def _log_path(spec: WorkerSpec, name: str) -> Path:
@@ -339,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     threading.excepthook = _die  # a device or publisher thread that fails takes the process down: noticed
     spec = WorkerSpec.load(args.spec)
+    if spec.harness_gone():  # the harness died while this process started: build nothing (no client, no log)
+        log.warning(
+            "the harness (PID %d) that wrote %s is gone: stopping before any device starts", spec.harness_pid, args.spec
+        )
+        return 0
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     members: list[SdkDevice | PahoDevice | Publisher] = [
@@ -346,12 +356,18 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if spec.publisher is not None:
         members.append(Publisher(spec, spec.publisher))
+    if spec.harness_pid is None:
+        log.warning(
+            "%s has no harness_pid (written by an older version): this worker does not stop by itself when its "
+            "harness dies; stop it with SIGTERM",
+            args.spec,
+        )
     threads = [threading.Thread(target=member.run, args=(stop,), name=member.name, daemon=True) for member in members]
     for thread in threads:
         thread.start()
     # Checked at once, then every second (the wake-up also lets the SIGTERM handler run in the main thread).
     while not stop.is_set():
-        if os.getppid() != spec.harness_pid:  # the harness died without stopping us: stop, leave nothing running
+        if spec.harness_gone():  # the harness died without stopping us: stop, leave nothing running
             stop.set()  # the publishers' threads end on it (else each join waited CLOSE_TIMEOUT)
             break
         stop.wait(1.0)

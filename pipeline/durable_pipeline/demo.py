@@ -10,6 +10,7 @@ its checkpoint), and the audit of OUT/logs into OUT/audit (report.html).
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from dataclasses import dataclass
@@ -97,7 +98,8 @@ def _only_the_demos(out: Path) -> bool:
     """Whether ``out`` holds what a demo made before the marker was: only the demo's folders and files, and
     its broker.yaml the demo broker's (its stream and a store named store/)."""
     if not all(
-        (entry.name in STALE and entry.is_dir()) or (entry.name in BROKER_FILES and entry.is_file())
+        not entry.is_symlink()
+        and ((entry.name in STALE and entry.is_dir()) or (entry.name in BROKER_FILES and entry.is_file()))
         for entry in out.iterdir()
     ):
         return False
@@ -114,9 +116,24 @@ def _only_the_demos(out: Path) -> bool:
 
 def prepare_out(out: Path) -> None:
     """``out`` made, an earlier demo's results cleared from it; PipelineError for a folder that is not a demo's
-    (its store, logs, events, checkpoint and audit sub-folders would be deleted) or for a file."""
+    (its store, logs, events, checkpoint and audit sub-folders would be deleted), for one that holds a symbolic
+    link (the demo makes none; no link in ``out`` is followed), for a file, or for a symbolic link to nothing.
+    An ``out`` that is itself a symbolic link to a folder is followed: the user named it."""
+    if out.is_symlink() and not out.exists():
+        raise PipelineError(
+            f"--out {out} is a symbolic link to {os.readlink(out)}, which does not exist: "
+            "make that folder, or name a new or empty folder"
+        )
     if out.exists() and not out.is_dir():
         raise PipelineError(f"--out {out} is a file, not a folder: name a new or empty folder")
+    links = sorted(entry.name for entry in out.iterdir() if entry.is_symlink()) if out.exists() else []
+    if links:
+        # The demo makes no symbolic link: one in --out is someone else's, and the demo would write (or clear)
+        # through it into another folder. Refused like other things, even after an earlier demo.
+        raise PipelineError(
+            f"--out {out} holds a symbolic link the demo did not make ({', '.join(links)}): the demo would write "
+            "through it into another folder; remove it or choose a new or empty folder"
+        )
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists() and not _only_the_demos(out):
         raise PipelineError(
             f"--out {out} is not empty and holds no earlier demo (the demo replaces its {', '.join(STALE)} "

@@ -145,11 +145,35 @@ class Recovery(SessionLifecycle):
         self._msg_id_mark = max(mark, last_msg_id(self.db))
         self._next_msg_id = self._msg_id_mark + 1
         self._next_sid = next_free_sid(self.db)
+        normalised = self._load_sessions()
+        by_sid = {session.sid: session for session in self.sessions.values()}
+        for sid, packet_id in iter_pubrel_due(self.db):
+            if sid in by_sid:
+                by_sid[sid].pubrel_due.add(packet_id)
+        self._drop_orphans(set(by_sid))
+        if normalised:
+            self._said_normalised(normalised)
+        self.committer.flush_now()
+        self.loaded = True
+        log.info(
+            "durable store %s: %d session(s), %d queued message(s), %d retained message(s)",
+            config.store,
+            len(self.sessions),
+            sum(s.depth for s in self.sessions.values()),
+            len(self.retained),
+        )
+
+    def _load_sessions(self) -> list[str]:
+        """Every session record, its totals and bounds (keys only); the client ids whose totals
+        were normalised (``_normalise_totals``)."""
         now = time.time()
+        normalised: list[str] = []
         for record in iter_sessions(self.db):
             session = DurableSession(self, record)
             (session.depth, session.bytes, session.dropped), sent_mark = read_session_state(self.db, record)
             first = first_seq(self.db, record.sid)
+            if self._normalise_totals(session, empty=first is None):
+                normalised.append(record.client_id)
             tail = last_seq(self.db, record.sid)
             session.sent_mark = session.stored_mark = session.sent_max = sent_mark
             # New entries number past the sent mark: a fresh message must never look like a re-send.
@@ -167,20 +191,34 @@ class Recovery(SessionLifecycle):
                 record.expires_at = now + session.expiry_seconds()
                 write_session(self.committer, record)
             self.expiry.schedule(record.client_id, record.expires_at)
-        by_sid = {session.sid: session for session in self.sessions.values()}
-        for sid, packet_id in iter_pubrel_due(self.db):
-            if sid in by_sid:
-                by_sid[sid].pubrel_due.add(packet_id)
-        self._drop_orphans(set(by_sid))
-        self.committer.flush_now()
-        self.loaded = True
-        log.info(
-            "durable store %s: %d session(s), %d queued message(s), %d retained message(s)",
-            config.store,
-            len(self.sessions),
-            sum(s.depth for s in self.sessions.values()),
-            len(self.retained),
+        return normalised
+
+    def _said_normalised(self, normalised: list[str]) -> None:
+        """One WARNING for every session whose totals the load set to 0."""
+        shown = ", ".join(repr(client_id) for client_id in normalised[:5])
+        more = f" and {len(normalised) - 5} more" if len(normalised) > 5 else ""
+        log.warning(
+            "durable store %s: %d session(s) had queue totals that did not fit their queue (bytes in an "
+            "empty queue, or messages counted in a queue without entries; an earlier release left such "
+            "totals after dropping a damaged entry): set to 0 for %s%s",
+            self.config.store,
+            len(normalised),
+            shown,
+            more,
         )
+
+    def _normalise_totals(self, session: DurableSession, *, empty: bool) -> bool:
+        """An empty queue (no entry key) counts no message, and a queue that counts no message holds
+        no bytes: the size of a damaged entry dropped by its key stays in the byte total only while
+        the queue is not empty (sessions.py), and a store from before that rule kept it for good.
+        True when the totals were changed (written with the load's first batch)."""
+        depth = 0 if empty else session.depth
+        size = session.bytes if depth else 0
+        if (depth, size) == (session.depth, session.bytes):
+            return False
+        session.depth, session.bytes = depth, size
+        self.totals_changed(session)
+        return True
 
     def _drop_orphans(self, known: set[int]) -> None:
         """Delete queue entries of sessions whose record is gone: a crash in the middle of deleting

@@ -508,13 +508,38 @@ class ReplicationNode:
             self.primary = None
             await self._close_serving(primary, f"the promotion failed ({exc})")
             raise
+        await self._loaded(primary)
+
+    async def _loaded(self, primary: Primary) -> None:
+        """The broker loaded the store for ``primary``: the node is primary now, unless it was
+        demoted or its stop began meanwhile."""
         if self.primary is not primary:  # demoted while the broker was loading (its on_demote has run)
             await self._stepped_down()
             if not self._ha_stop.is_set():
                 await self._open_admin()
             return
+        if self._ha_stop.is_set():
+            await self._stopped_while_loading(primary)
         self.promotion_failure = None
         log.warning("replication: %s is primary from batch %d", self.config.name, primary.log.head_seq)
+
+    async def _stopped_while_loading(self, primary: Primary) -> None:
+        """stop() began while the broker loaded the store: this term ends before it served. The
+        broker's work stops as at a demotion (quietly: the node never was primary), then
+        PromotionStoppedError: the HA loop records "stopped" and releases the lease."""
+        self.primary = None
+        stopping = self.on_demote("the broker stops") if self.on_demote is not None else None
+        await self._close_serving(primary, "the broker stops")
+        if stopping is not None:
+            try:
+                await stopping
+            except Exception:
+                log.exception("replication: %s: stopping the broker's work failed", self.config.name)
+        log.info(
+            "replication: %s stops: its promotion ends here, its store loaded: not primary",
+            self.config.name or "this broker",
+        )
+        raise PromotionStoppedError(f"replication: {self.config.name or 'this broker'} stops: not promoted")
 
     async def _close_serving(self, primary: Primary, reason: str) -> None:
         """Close a primary end; the replication address stops handing it connections."""
