@@ -26,6 +26,8 @@ from durable_client.persistence import SessionState
 pytest_plugins = ["etcd_fixture"]  # the `etcd` fixture: a real etcd for the replication tests
 
 WAIT = 15.0
+SPARK_JIT = "-XX:TieredStopAtLevel=1"
+"""The JVM option the suite's Spark JVMs run with (pytest_configure): C1, the JIT's quick tier, only."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,6 +39,12 @@ def pytest_configure(config: pytest.Config) -> None:
     count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit():
         os.environ[PORT_SLICE_ENV] = f"{int(worker[2:])}/{count}"
+    # Every Spark JVM of the suite (the `spark` fixture's, and those of the demo, the fleet and the docs'
+    # examples started as child processes, which inherit this) compiles with the JIT's first tier only: a
+    # JVM that lives for seconds to minutes on kilobytes of data spent more CPU compiling with C2 than running
+    # (the demo test: 87 s of CPU, 66 s with this). The JIT tier changes no result. Set only when the caller
+    # set no submit arguments of their own.
+    os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-java-options {SPARK_JIT} pyspark-shell")
 
 
 class Broker(BrokerProcess):
