@@ -64,7 +64,9 @@ def check_java() -> None:
             "(apt install openjdk-17-jre-headless) or set JAVA_HOME"
         )
     out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60, check=False).stderr
-    first = out.splitlines()[0] if out else ""
+    # The version line, not the first: with JAVA_TOOL_OPTIONS set the JVM prints "Picked up ..." before it.
+    lines = out.splitlines()
+    first = next((line for line in lines if " version " in line), lines[0] if lines else "")
     version = first.split('"')[1] if first.count('"') >= 2 else ""
     major = version.split(".")[0]
     if not major.isdigit() or int(major) < 17:
