@@ -592,9 +592,15 @@ def repair_store(path: str) -> None:
     LevelDB's repair does not take the store's lock, so a broker using the store is detected
     first by trying to open it (an open that fails for corruption is what repair is for).
     """
-    names = os.listdir(path) if os.path.isdir(path) else None
-    if names is None:
-        raise StoreError(f"no store at '{path}' (folder does not exist)")
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        raise StoreError(f"no store at '{path}' (folder does not exist)") from None
+    except NotADirectoryError:  # the path, or a folder above it, is a file: named as the broker names it
+        what = f"'{path}'" if _not_a_folder(path) else f"'{path}': '{_file_above(path)}'"
+        raise StoreError(f"store {what} is a file, not a folder; point 'store' at a folder") from None
+    except OSError as exc:
+        raise StoreError(f"cannot read store folder '{path}': {exc.strerror}") from exc
     if "CURRENT" not in names and not any(_LEVELDB_DATA.match(name) for name in names):
         raise StoreError(f"no store at '{path}' (no LevelDB files there; is it the plugin's 'store' folder?)")
     try:

@@ -1,0 +1,136 @@
+"""docs/operations.md's store procedures walked as an operator would, wrong turns included:
+backing up, restoring and moving a store; inspect and repair pointed at the wrong path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import Broker, Client, payloads, probe_connack, run_cli
+
+
+def _start_on(broker_factory: Callable[..., Broker], store: Path) -> Broker:
+    return broker_factory(store=str(store))
+
+
+def test_backup_restore_and_move_of_a_store_as_operations_md_says(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """operations.md, Backing up, restoring and moving a store: a copy of a stopped broker's folder
+    is the whole store anywhere; copied *into* an existing folder it is refused, named, untouched;
+    after a restore, what was acknowledged since the copy comes again."""
+    first = broker_factory()
+    device = clients(first.port, "bk-1")
+    device.subscribe("bk/t", 1)
+    device.disconnect()
+    publisher = clients(first.port, "bk-pub", clean_session=True)
+    publisher.publish("bk/t", payloads(3), qos=1)
+    publisher.publish("bk/r", [b"kept"], qos=1, retain=True)
+    publisher.disconnect()
+    first.stop()
+    assert first.exit_status == 0, first.log()
+
+    backups = tmp_path / "backups"
+    backups.mkdir()
+    backup = backups / "durable-copy"
+    shutil.copytree(first.store, backup)  # cp -a STORE /backups/durable-copy
+    listed = json.loads(run_cli("inspect", str(backup), "--json").stdout)
+    assert [(row["client_id"], row["depth"]) for row in listed] == [("bk-1", 3)]
+
+    # The wrong turn: the copy put *into* an existing folder (cp -a COPY data/durable, data/durable there).
+    existing = tmp_path / "restore" / "durable"
+    existing.mkdir(parents=True)
+    shutil.copytree(backup, existing / "durable-copy")
+    wrong = broker_factory(start=False, store=str(existing))
+    wrong.write_config()
+    refused = run_cli("broker", "-c", str(wrong.config_path))
+    assert refused.returncode == 1, refused.stderr
+    assert f"store folder '{existing}' holds files (durable-copy) but no LevelDB store" in refused.stderr
+    assert sorted(p.name for p in existing.iterdir()) == ["durable-copy"], "nothing is created beside the copy"
+
+    # A copy that missed LevelDB's CURRENT file (cp interrupted, a glob that skipped it).
+    partial = tmp_path / "partial"
+    shutil.copytree(backup, partial)
+    (partial / "CURRENT").unlink()
+    before = sorted(p.name for p in partial.iterdir())
+    half = broker_factory(start=False, store=str(partial))
+    half.write_config()
+    refused = run_cli("broker", "-c", str(half.config_path))
+    assert refused.returncode == 1, refused.stderr
+    assert f"store '{partial}' is corrupted or unreadable" in refused.stderr
+    assert "CURRENT, the file naming the live MANIFEST, is missing" in refused.stderr
+    assert sorted(p.name for p in partial.iterdir()) == before
+
+    # Restore as documented: the folder itself at the store path. The first broker's own store is
+    # used meanwhile (its messages acknowledged), then the copy brings them back: at-least-once.
+    again = _start_on(broker_factory, Path(first.store))
+    device = clients(again.port, "bk-1")
+    assert [m.payload for m in device.wait_messages(3)] == payloads(3)
+    device.disconnect()
+    again.stop()
+    shutil.rmtree(first.store)  # moved aside / removed
+    shutil.copytree(backup, first.store)
+    restored = _start_on(broker_factory, Path(first.store))
+    device = clients(restored.port, "bk-1")
+    assert [m.payload for m in device.wait_messages(3)] == payloads(3)
+    reader = clients(restored.port, "bk-reader", clean_session=True)
+    reader.subscribe("bk/r", 1)
+    assert [m.payload for m in reader.wait_messages(1)] == [b"kept"]
+    reader.disconnect()
+    device.disconnect()
+    restored.stop()
+
+    # Move: the folder renamed, `store` pointed at its new path.
+    moved = tmp_path / "elsewhere" / "durable"
+    moved.parent.mkdir()
+    shutil.move(str(backup), str(moved))
+    at_new_path = _start_on(broker_factory, moved)
+    assert probe_connack(at_new_path.port)
+    device = clients(at_new_path.port, "bk-1")
+    assert [m.payload for m in device.wait_messages(3)] == payloads(3)
+    device.disconnect()
+
+
+def test_repair_of_a_file_names_the_file_and_inspect_of_a_folder_of_other_files_names_them(tmp_path: Path) -> None:
+    """A store path that is a file (or below one) is named as such by repair, as by inspect and
+    the broker (repair said 'folder does not exist'); inspect of a folder holding other files
+    says so (operations.md, inspect)."""
+    file = tmp_path / "notes.txt"
+    file.write_text("not a store")
+    for args, named in (
+        (("repair", str(file)), f"store '{file}' is a file, not a folder"),
+        (("repair", str(file / "durable")), f"store '{file / 'durable'}': '{file}' is a file, not a folder"),
+        (("inspect", str(file)), f"store '{file}' is a file, not a folder"),
+    ):
+        result = run_cli(*args)
+        assert result.returncode == 1, (args, result.stderr)
+        assert named in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+    assert file.read_text() == "not a store"
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "durable").mkdir()
+    shown = run_cli("inspect", str(data))
+    assert shown.returncode == 1
+    assert f"store folder '{data}' holds files (durable) but no LevelDB store" in shown.stderr
+    empty = run_cli("inspect", str(data / "durable"))
+    assert (empty.returncode, f"no store at '{data / 'durable'}'" in empty.stderr) == (1, True), empty.stderr
+    assert list((data / "durable").iterdir()) == [], "inspect creates nothing"
+
+
+def test_inspect_without_a_store_or_with_both_a_store_and_replication_is_a_usage_error(tmp_path: Path) -> None:
+    """operations.md: `inspect` takes a store folder or `--replication HOST:PORT`; neither, both,
+    or `--retained` with `--replication` is a usage error, exit code 2 (was exit 1 with a config
+    error naming a 'store' setting for the first, and the store silently ignored for the second)."""
+    for args in (
+        ("inspect",),
+        ("inspect", "--json"),
+        ("inspect", str(tmp_path), "--replication", "127.0.0.1:1"),
+        ("inspect", "--replication", "127.0.0.1:1", "--retained"),
+    ):
+        result = run_cli(*args)
+        assert result.returncode == 2, (args, result.returncode, result.stderr)
+        assert "usage: amqtt-durable inspect" in result.stderr, result.stderr
+        assert "amqtt_durable config" not in result.stderr
