@@ -8,6 +8,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
+
 from conftest import Broker, Client, payloads, probe_connack, run_cli
 
 
@@ -148,3 +150,19 @@ def test_the_replication_tools_pointed_at_an_mqtt_listener_say_nothing_answered(
     assert "no answer to STATUS (TimeoutError: nothing answered within 10 s)" in result.stderr, result.stderr
     assert "its replication.listen" in result.stderr
     assert probe_connack(broker.port)
+
+
+def test_a_listener_whose_host_is_unknown_is_named_by_broker_not_started(broker_factory: Callable[..., Broker]) -> None:
+    """operations.md: a listener's host unknown is exit 1 with `broker not started: listener
+    '<name>' <host>:<port>: ...` (the line was the bare `[Errno -2] Name or service not known`,
+    naming neither the listener nor the host)."""
+    broker = broker_factory(start=False)
+    broker.write_config()
+    config = yaml.safe_load(broker.config_path.read_text())
+    config["listeners"]["second"] = {"type": "tcp", "bind": f"nosuchhost.invalid:{broker.port}"}
+    broker.config_path.write_text(yaml.safe_dump(config))
+    result = run_cli("broker", "-c", str(broker.config_path))
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"amqtt-durable: broker not started: listener 'second' nosuchhost.invalid:{broker.port}: ")
+    assert not probe_connack(broker.port), "the other listener is closed again"
