@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import yaml
+from small_disk import fill, small_disk
 
 from conftest import Broker, Client, payloads, probe_connack, run_cli
 
@@ -166,3 +167,42 @@ def test_a_listener_whose_host_is_unknown_is_named_by_broker_not_started(broker_
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"amqtt-durable: broker not started: listener 'second' nosuchhost.invalid:{broker.port}: ")
     assert not probe_connack(broker.port), "the other listener is closed again"
+
+
+def test_on_a_full_disk_the_broker_does_not_start_and_repair_changes_nothing(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """operations.md: a broker started on a full disk exits 1 naming `No space left on device`;
+    `repair` then refuses before LevelDB's repair runs, and nothing is lost: once space is freed
+    the queue is there. (LevelDB's repair moved the store's log to lost/ and failed writing its
+    MANIFEST, after which the next open deleted the log's new table: every record it held lost.)"""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        store = str(disk / "store")
+        broker = broker_factory(store=store)
+        device = clients(broker.port, "full-1")
+        device.subscribe("full/t", 1)
+        device.disconnect()
+        publisher = clients(broker.port, "full-pub", clean_session=True)
+        publisher.publish("full/t", payloads(3), qos=1)
+        publisher.disconnect()
+        broker.kill()  # what it acknowledged is in the store's log, not yet in a table
+        filler = fill(disk)
+        started = run_cli("broker", "-c", str(broker.config_path))
+        assert started.returncode == 1, started.stderr
+        assert "broker not started: cannot read store" in started.stderr
+        assert "No space left on device" in started.stderr
+        refused = run_cli("repair", store)
+        filler.unlink()
+        listed = json.loads(run_cli("inspect", store, "--json").stdout)
+        assert [(row["client_id"], row["depth"]) for row in listed] == [("full-1", 3)], "the queue is kept"
+        assert refused.returncode == 1, refused.stderr
+        assert f"repair of '{store}' not started" in refused.stderr, refused.stderr
+        assert "nothing was changed" in refused.stderr
+        assert not (Path(store) / "lost").exists()
+        repaired = run_cli("repair", store)
+        assert repaired.returncode == 0, repaired.stderr
+        broker.start()
+        device = clients(broker.port, "full-1")
+        assert [m.payload for m in device.wait_messages(3)] == payloads(3)
+        device.disconnect()
+        broker.stop()

@@ -608,6 +608,18 @@ def repair_store(path: str) -> None:
     except plyvel.Error as exc:  # damage is exactly what repair is for; a lock is not
         if _is_lock_error(exc):
             raise StoreLockedError(path) from exc
+    # LevelDB's repair moves the logs to lost/ once their records are in a new table, and writes the
+    # new MANIFEST last: failing for space there, it left a store whose next open deleted that table
+    # as obsolete, with every record the logs held. So its disk must first take what it writes: the
+    # logs' table, a copy of a damaged table (the largest), the MANIFEST (check_writable's margin).
+    largest_table = max((e.stat().st_size for e in os.scandir(path) if e.name.endswith((".ldb", ".sst"))), default=0)
+    try:
+        check_writable(path, extra=largest_table)
+    except OSError as exc:
+        raise StoreError(
+            f"repair of '{path}' not started: its folder cannot take the writes a repair needs "
+            f"({exc.strerror or exc}); nothing was changed. Free space on the store's disk, then run repair again"
+        ) from exc
     try:
         plyvel.repair_db(path, paranoid_checks=True)  # checksums verified: a damaged block is dropped, not kept
     except plyvel.Error as exc:
@@ -972,13 +984,14 @@ PROBE_MARGIN = 1 << 20
 PROBE_NAME = "durable-write-probe.tmp"
 
 
-def check_writable(path: str) -> None:
-    """Raise OSError unless the store's folder takes a write as large as reopening the store needs.
+def check_writable(path: str, extra: int = 0) -> None:
+    """Raise OSError unless the store's folder takes a write as large as reopening the store needs
+    (and ``extra`` bytes more).
 
     Reopening LevelDB turns its logs into a table, so a store is only closed for a reopen once
     that can succeed: a store that cannot open again could not be read either.
     """
-    need = PROBE_MARGIN + sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".log"))
+    need = PROBE_MARGIN + extra + sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".log"))
     probe = os.path.join(path, PROBE_NAME)
     try:
         with open(probe, "wb") as out:
