@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 from small_disk import fill, small_disk
 
+from amqtt_durable.store import held_lock
 from conftest import Broker, Client, payloads, probe_connack, run_cli
 
 
@@ -206,3 +207,24 @@ def test_on_a_full_disk_the_broker_does_not_start_and_repair_changes_nothing(
         assert [m.payload for m in device.wait_messages(3)] == payloads(3)
         device.disconnect()
         broker.stop()
+
+
+def test_while_repair_rewrites_a_store_a_broker_or_inspect_started_on_it_is_refused_as_locked(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """operations.md: repair needs the broker stopped, and a broker started while LevelDB's repair
+    (which takes no lock) rewrites the store must not open it half rewritten: repair holds the
+    store's lock meanwhile, so a broker or `inspect` gets `store '...' is locked by another
+    process`, exit code 1 (they opened it). The lock is the one repair holds around
+    plyvel.repair_db (store.held_lock); held here as repair holds it."""
+    broker = broker_factory()
+    broker.stop()
+    with held_lock(broker.store):
+        started = run_cli("broker", "-c", str(broker.config_path))
+        listed = run_cli("inspect", broker.store)
+        repaired = run_cli("repair", broker.store)  # a second repair: its check that nothing holds the store
+    for result in (started, listed, repaired):
+        assert result.returncode == 1, result.stderr
+        assert f"store '{broker.store}' is locked by another process" in result.stderr, result.stderr
+    assert run_cli("repair", broker.store).returncode == 0, "released once repair is done"
+    assert broker.start() is broker

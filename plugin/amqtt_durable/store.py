@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -621,9 +622,27 @@ def repair_store(path: str) -> None:
             f"({exc.strerror or exc}); nothing was changed. Free space on the store's disk, then run repair again"
         ) from exc
     try:
-        plyvel.repair_db(path, paranoid_checks=True)  # checksums verified: a damaged block is dropped, not kept
+        with held_lock(path):
+            plyvel.repair_db(path, paranoid_checks=True)  # checksums verified: a damaged block is dropped, not kept
     except plyvel.Error as exc:
         raise StoreError(f"repair of '{path}' failed: {leveldb_detail(exc)}") from exc
+
+
+@contextlib.contextmanager
+def held_lock(path: str) -> Iterator[None]:
+    """LevelDB's lock on the store (an fcntl lock of its LOCK file), held by this process while
+    LevelDB's repair, which takes none, rewrites the store: a broker or ``inspect`` started
+    meanwhile is refused as 'locked by another process' instead of opening a store half rewritten.
+    (Closing the descriptor releases it; LevelDB in this process opens the store again after.)"""
+    descriptor = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:  # taken between the open that checked it and now
+            raise StoreLockedError(path) from exc
+        yield
+    finally:
+        os.close(descriptor)
 
 
 def iter_entries(
