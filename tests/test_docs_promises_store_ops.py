@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import plyvel
 import yaml
 from small_disk import fill, small_disk
 
@@ -228,3 +229,30 @@ def test_while_repair_rewrites_a_store_a_broker_or_inspect_started_on_it_is_refu
         assert f"store '{broker.store}' is locked by another process" in result.stderr, result.stderr
     assert run_cli("repair", broker.store).returncode == 0, "released once repair is done"
     assert broker.start() is broker
+
+
+def test_a_store_of_another_layout_is_named_as_another_release_s_and_repair_refuses_it(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, Troubleshooting: another release's store (layout version b'2') is not called
+    corrupted with the advice to run repair (which cannot change a layout); repair refuses it,
+    exit code 1, its records untouched (it said 'repaired ...', exit code 0, and the broker still
+    refused the store)."""
+    broker = broker_factory()
+    device = clients(broker.port, "layout-1")
+    device.subscribe("layout/t", 1)
+    device.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    db.put(b"v", b"2")
+    before = dict(db.iterator())
+    db.close()
+    named = "was written by another release of amqtt_durable: layout version b'2', this release reads b'1'"
+    for args in (("broker", "-c", str(broker.config_path)), ("inspect", broker.store), ("repair", broker.store)):
+        result = run_cli(*args)
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        assert f"store '{broker.store}' {named}" in result.stderr, (args, result.stderr)
+        assert "corrupted" not in result.stderr and "repaired" not in result.stdout
+    db = plyvel.DB(broker.store)
+    assert dict(db.iterator()) == before
+    db.close()

@@ -57,6 +57,20 @@ class StoreCorruptedError(StoreError):
         )
 
 
+class ForeignLayoutError(StoreError):
+    """The store was written by another release of this plugin (another layout version): not
+    damage, so not something repair changes."""
+
+    def __init__(self, path: str, version: bytes, reads: bytes) -> None:
+        self.path = path
+        self.version = version
+        super().__init__(
+            f"store '{path}' was written by another release of amqtt_durable: layout version {version!r}, "
+            f"this release reads {reads!r}. Run the release that wrote it, or point 'store' at another folder; "
+            "'amqtt-durable repair' does not change a store's layout (it refuses such a store)."
+        )
+
+
 class InternalsMismatchError(DurableError):
     """The installed amqtt lacks an internal the glue module needs."""
 

@@ -90,6 +90,7 @@ import plyvel
 
 from .errors import (
     DamagedRecordError,
+    ForeignLayoutError,
     NotPrimaryError,
     StoreCorruptedError,
     StoreError,
@@ -576,7 +577,7 @@ def open_store(path: str, *, create: bool = True) -> Any:
                 raise StoreCorruptedError(path, "it holds data but no layout version key")
             db.put(VERSION_KEY, LAYOUT_VERSION, sync=True)
         elif version != LAYOUT_VERSION:
-            raise StoreCorruptedError(path, f"layout version {version!r}, this release reads {LAYOUT_VERSION!r}")
+            raise ForeignLayoutError(path, version, LAYOUT_VERSION)
     except plyvel.Error as exc:
         db.close()
         raise read_error(path, exc) from exc
@@ -593,22 +594,7 @@ def repair_store(path: str) -> None:
     LevelDB's repair does not take the store's lock, so a broker using the store is detected
     first by trying to open it (an open that fails for corruption is what repair is for).
     """
-    try:
-        names = os.listdir(path)
-    except FileNotFoundError:
-        raise StoreError(f"no store at '{path}' (folder does not exist)") from None
-    except NotADirectoryError:  # the path, or a folder above it, is a file: named as the broker names it
-        what = f"'{path}'" if _not_a_folder(path) else f"'{path}': '{_file_above(path)}'"
-        raise StoreError(f"store {what} is a file, not a folder; point 'store' at a folder") from None
-    except OSError as exc:
-        raise StoreError(f"cannot read store folder '{path}': {exc.strerror}") from exc
-    if "CURRENT" not in names and not any(_LEVELDB_DATA.match(name) for name in names):
-        raise StoreError(f"no store at '{path}' (no LevelDB files there; is it the plugin's 'store' folder?)")
-    try:
-        plyvel.DB(path, create_if_missing=False).close()
-    except plyvel.Error as exc:  # damage is exactly what repair is for; a lock is not
-        if _is_lock_error(exc):
-            raise StoreLockedError(path) from exc
+    _check_repairable(path)
     # LevelDB's repair moves the logs to lost/ once their records are in a new table, and writes the
     # new MANIFEST last: failing for space there, it left a store whose next open deleted that table
     # as obsolete, with every record the logs held. So its disk must first take what it writes: the
@@ -626,6 +612,35 @@ def repair_store(path: str) -> None:
             plyvel.repair_db(path, paranoid_checks=True)  # checksums verified: a damaged block is dropped, not kept
     except plyvel.Error as exc:
         raise StoreError(f"repair of '{path}' failed: {leveldb_detail(exc)}") from exc
+
+
+def _check_repairable(path: str) -> None:
+    """A LevelDB store at ``path`` that no process holds and no other release wrote, else StoreError."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        raise StoreError(f"no store at '{path}' (folder does not exist)") from None
+    except NotADirectoryError:  # the path, or a folder above it, is a file: named as the broker names it
+        what = f"'{path}'" if _not_a_folder(path) else f"'{path}': '{_file_above(path)}'"
+        raise StoreError(f"store {what} is a file, not a folder; point 'store' at a folder") from None
+    except OSError as exc:
+        raise StoreError(f"cannot read store folder '{path}': {exc.strerror}") from exc
+    if "CURRENT" not in names and not any(_LEVELDB_DATA.match(name) for name in names):
+        raise StoreError(f"no store at '{path}' (no LevelDB files there; is it the plugin's 'store' folder?)")
+    try:
+        opened = plyvel.DB(path, create_if_missing=False)
+    except plyvel.Error as exc:  # damage is exactly what repair is for; a lock is not
+        if _is_lock_error(exc):
+            raise StoreLockedError(path) from exc
+        return
+    try:  # another release's store is not damage: refused before anything is rewritten
+        version = opened.get(VERSION_KEY)
+    except plyvel.Error:
+        version = None  # unreadable: damage, repair's to handle (rebuild() checks it again after)
+    finally:
+        opened.close()
+    if version is not None and version != LAYOUT_VERSION:
+        raise ForeignLayoutError(path, version, LAYOUT_VERSION)
 
 
 @contextlib.contextmanager
