@@ -3,16 +3,31 @@ backing up, restoring and moving a store; inspect and repair pointed at the wron
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import plyvel
 import yaml
-from small_disk import fill, small_disk
+from small_disk import fill, leave_free, remount_read_only, small_disk
+from test_hostile_store import folder_digest
 
-from amqtt_durable.store import held_lock
+from amqtt_durable.store import (
+    Body,
+    Entry,
+    SessionRecord,
+    body_key,
+    encode_totals,
+    entry_key,
+    held_lock,
+    open_store,
+    repaired_store,
+    session_key,
+    totals_key,
+)
 from conftest import Broker, Client, payloads, probe_connack, run_cli
 
 
@@ -256,3 +271,217 @@ def test_a_store_of_another_layout_is_named_as_another_release_s_and_repair_refu
     db = plyvel.DB(broker.store)
     assert dict(db.iterator()) == before
     db.close()
+
+
+def _rewrite_tables(path: str, **options: object) -> list[Path]:
+    """Compact the (closed) store into new table files written with ``options``; their paths."""
+    db = plyvel.DB(path, **options)
+    db.compact_range()
+    db.close()
+    return sorted(Path(path).glob("*.ldb"))
+
+
+def test_a_damaged_layout_version_value_is_damage_that_repair_restores_not_another_release(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """The layout version key's value byte damaged on disk ('1' become '3', its block's checksum
+    no longer matching): the broker and inspect say corrupted, run repair; repair must not then
+    refuse it as another release's store (it read the value without verifying the checksum, so
+    the operator was stuck between the two): it restores the key, exit code 0."""
+    broker = broker_factory()
+    device = clients(broker.port, "ver-1")
+    device.subscribe("ver/t", 1)
+    device.disconnect()
+    publisher = clients(broker.port, "ver-pub", clean_session=True)
+    publisher.publish("ver/t", payloads(3), qos=1)
+    publisher.disconnect()
+    broker.stop()
+    # Uncompressed, one record per block: the damage hits the version key's block only.
+    tables = _rewrite_tables(broker.store, compression=None, block_size=1)
+    # The key "v" at the start of its block: shared 0, 9 key bytes ("v" + 8 of sequence and type), value 1 byte.
+    found = [(t, m.end() - 1) for t in tables for m in re.finditer(rb"\x00\x09\x01v.{8}1", t.read_bytes(), re.S)]
+    assert len(found) == 1, found
+    table, offset = found[0]
+    data = bytearray(table.read_bytes())
+    data[offset] = ord("3")
+    table.write_bytes(bytes(data))
+
+    listed = run_cli("inspect", broker.store)
+    assert listed.returncode == 1, listed.stderr
+    assert f"store '{broker.store}' is corrupted or unreadable" in listed.stderr, listed.stderr
+    assert f"run 'amqtt-durable repair {broker.store}'" in listed.stderr
+    repaired = run_cli("repair", broker.store)
+    assert repaired.returncode == 0, repaired.stderr
+    assert "another release" not in repaired.stderr
+    assert "rebuilt: layout version key restored" in repaired.stdout, repaired.stdout
+    rows = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert [(row["client_id"], row["depth"]) for row in rows] == [("ver-1", 3)]
+    broker.start()
+    device = clients(broker.port, "ver-1")
+    assert [m.payload for m in device.wait_messages(3)] == payloads(3)
+    device.disconnect()
+
+
+BODY_SIZE = 1000
+BODIES = 8000
+"""8,000 incompressible 1 KB bodies: about 8 MB."""
+
+
+def _body(index: int) -> bytes:
+    head = f"m{index:07d}:".encode()
+    return head + hashlib.shake_256(head).digest(BODY_SIZE - len(head))
+
+
+def _store_of_damaged_tables(path: Path) -> int:
+    """A store (as the plugin writes one) of one session queueing BODIES messages, compacted into
+    table files each damaged in one block; how many tables."""
+    open_store(str(path)).close()  # a store of this release (its layout version key)
+    db = plyvel.DB(str(path), write_buffer_size=1 << 20, max_file_size=1 << 20)  # 1 MB table files
+    db.put(session_key("dmg-1"), SessionRecord("dmg-1", 1, {"dmg/t": 1}, created_at=1.8e9).encode())
+    for first in range(1, BODIES + 1, 500):  # several memtables, merged by the compaction into 2 MB tables
+        with db.write_batch() as batch:
+            for seq in range(first, first + 500):
+                batch.put(body_key(seq), Body("dmg/t", _body(seq), 1, 1.8e9).encode())
+                batch.put(entry_key(1, seq), Entry(seq, seq, 1, 0, BODY_SIZE).encode())
+    db.put(totals_key(1), encode_totals(BODIES, BODIES * BODY_SIZE, 0))
+    db.close()
+    tables = _rewrite_tables(str(path), max_file_size=1 << 20)
+    assert len(tables) >= 6, tables
+    for table in tables:  # a few bytes in the middle: one data block's checksum fails, the rest reads
+        data = bytearray(table.read_bytes())
+        for offset in range(8):
+            data[len(data) // 2 + offset] ^= 0xFF
+        table.write_bytes(bytes(data))
+    return len(tables)
+
+
+def _tables(store: Path) -> dict[str, str]:
+    return {name: digest for name, digest in folder_digest(str(store)).items() if name.endswith(".ldb")}
+
+
+def _depth(store: Path) -> int:
+    shown = run_cli("inspect", str(store), "--json")
+    assert shown.returncode == 0, shown.stderr
+    return int(json.loads(shown.stdout)[0]["depth"])
+
+
+def test_repair_refuses_a_disk_without_room_for_a_copy_of_every_damaged_table_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """operations.md: repair first checks that the store's disk has twice the store's table and
+    log files free, plus 1 MB. LevelDB's repair writes a copy of the readable records of every
+    damaged table (and drops a copy that fails without a word), and the reopen compacts every
+    table: with room for only the largest table's copy (the check was the logs, the largest table
+    and 1 MB), repair said 'repaired', exit code 0, having dropped thousands of readable messages.
+    Refused, nothing changed; with the room it asks for, nothing readable is lost."""
+    made = tmp_path / "made"
+    count = _store_of_damaged_tables(made)
+    reference = tmp_path / "reference"
+    shutil.copytree(made, reference)
+    assert run_cli("repair", str(reference)).returncode == 0
+    kept = _depth(reference)  # what a repair with room to spare keeps
+    assert 0 < kept < BODIES
+    store_size = sum(p.stat().st_size for p in made.iterdir() if p.suffix in (".ldb", ".log"))
+    largest = max(p.stat().st_size for p in made.glob("*.ldb"))
+    with small_disk(tmp_path / "disk", 64) as disk:
+        store = disk / "store"
+        shutil.copytree(made, store)
+        filler = fill(disk)
+        old_estimate = largest + (1 << 20)
+        leave_free(disk, filler, old_estimate + (1 << 20))
+        assert old_estimate + (1 << 20) < 2 * store_size + (1 << 20), (count, store_size)
+        before = _tables(store)
+        refused = run_cli("repair", str(store))
+        assert refused.returncode == 1, (refused.stdout, refused.stderr)
+        assert f"repair of '{store}' not started" in refused.stderr, refused.stderr
+        assert "No space left on device" in refused.stderr and "nothing was changed" in refused.stderr
+        assert "twice the store's table and log files plus 1 MB" in refused.stderr
+        assert "Free space on the store's disk, then run repair again" in refused.stderr
+        # (The open that checks the store is not held by a broker, as inspect's, starts a new log and MANIFEST.)
+        assert _tables(store) == before, "no table file changed"
+        assert not (store / "lost").exists(), "nothing moved to lost/"
+        # Room as asked for (a page over): the repair keeps every readable message.
+        leave_free(disk, filler, 2 * store_size + (1 << 20) + 8192)
+        repaired = run_cli("repair", str(store))
+        assert repaired.returncode == 0, repaired.stderr
+        assert _depth(store) == kept, "every message the repair with room to spare keeps"
+
+
+def test_repair_on_a_read_only_disk_names_the_error_and_does_not_ask_to_free_space(tmp_path: Path) -> None:
+    """repair's refusal advises freeing space only when the disk is full (or over quota); on a
+    read-only file system it names that error (it said 'Free space on the store's disk')."""
+    with small_disk(tmp_path / "disk", 8) as disk:
+        store = disk / "store"
+        db = open_store(str(store))
+        db.close()
+        remount_read_only(disk)
+        refused = run_cli("repair", str(store))
+    assert refused.returncode == 1, refused.stderr
+    assert f"repair of '{store}' not started: its folder cannot be written (Read-only file system)" in refused.stderr
+    assert "nothing was changed" in refused.stderr
+    assert "Free space" not in refused.stderr, refused.stderr
+
+
+def test_a_damaged_store_of_another_release_is_reported_as_such_after_leveldb_s_repair_exit_1(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md: another release's store that does not open (here CURRENT is gone) can only
+    be read after LevelDB's repair: repair then says so (LevelDB's repair ran, nothing of the
+    plugin's rebuilt), exit code 1; it said 'repaired', exit code 0."""
+    broker = broker_factory()
+    device = clients(broker.port, "old-1")
+    device.subscribe("old/t", 1)
+    device.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    db.put(b"v", b"2")
+    db.close()
+    (Path(broker.store) / "CURRENT").unlink()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "repaired" not in result.stdout, result.stdout
+    assert f"store '{broker.store}' was written by another release of amqtt_durable: layout version b'2'" in (
+        result.stderr
+    )
+    assert "It did not open, so LevelDB's repair has run on it" in result.stderr, result.stderr
+    assert "none of its sessions, queue totals or references was rebuilt" in result.stderr
+    started = run_cli("broker", "-c", str(broker.config_path))
+    assert started.returncode == 1
+    assert "was written by another release of amqtt_durable: layout version b'2'" in started.stderr
+
+
+def test_repair_holds_the_store_s_lock_until_the_rebuilt_store_is_closed(tmp_path: Path) -> None:
+    """The lock repair holds covers the rebuild too (it was released before the store was opened
+    again for it: a broker started in between opened a store whose bookkeeping was not rebuilt),
+    and LevelDB opening the store in repair's own process does not end it."""
+    store = tmp_path / "store"
+    db = open_store(str(store))
+    db.close()
+    with repaired_store(str(store)) as opened:
+        assert opened.get(b"v") == b"1"
+        listed = run_cli("inspect", str(store))
+        assert listed.returncode == 1
+        assert f"store '{store}' is locked by another process" in listed.stderr, listed.stderr
+    assert run_cli("inspect", str(store)).returncode == 0
+
+
+def test_a_backup_copied_into_the_live_store_s_folder_is_warned_about(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """operations.md: `cp -a /backups/durable-1 data/durable` with `data/durable` still holding the
+    old store puts the copy inside it; the broker then runs on the old store, and says so with a
+    WARNING naming the copy (it said nothing)."""
+    broker = broker_factory()
+    broker.stop()
+    backup = tmp_path / "durable-1"
+    shutil.copytree(broker.store, backup)
+    shutil.copytree(backup, Path(broker.store) / "durable-1")
+    broker.start()
+    assert probe_connack(broker.port)
+    log = broker.log()
+    assert "WARNING" in log and f"store folder '{broker.store}' holds a folder 'durable-1' that is itself" in log, log
+    broker.stop()
+    shown = run_cli("inspect", broker.store)
+    assert shown.returncode == 0
+    assert "holds a folder 'durable-1' that is itself a LevelDB store" in shown.stderr, shown.stderr
+

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -436,6 +437,25 @@ def _not_a_folder(path: str) -> bool:
     return os.path.exists(path) and not os.path.isdir(path)
 
 
+def _warn_nested_stores(path: str, names: list[str]) -> None:
+    """A WARNING for each folder in the store's folder that is itself a store: a backup copied
+    *into* the live store's folder (``cp -a /backups/durable-1 data/durable`` with ``data/durable``
+    there) is not what the broker uses, and nothing else says so."""
+    for name in names:
+        if _LEVELDB_DATA.match(name) or name in _LEVELDB_BOOKKEEPING:
+            continue
+        if os.path.isfile(os.path.join(path, name, "CURRENT")):
+            log.warning(
+                "store folder '%s' holds a folder '%s' that is itself a LevelDB store (a backup copied into the "
+                "store's folder?): it is not used; '%s' is the store in use. To restore that copy, stop the broker "
+                "and put it in place of '%s' (operations.md, Backing up, restoring and moving a store)",
+                path,
+                name,
+                path,
+                path,
+            )
+
+
 def _check_folder(path: str, *, create: bool) -> bool:
     """Is ``path`` a LevelDB store (True), or an empty or missing folder to create one in (False)?
 
@@ -453,6 +473,7 @@ def _check_folder(path: str, *, create: bool) -> bool:
     except OSError as exc:
         raise StoreError(f"cannot read store folder '{path}': {exc.strerror}") from exc
     if names is not None and "CURRENT" in names:
+        _warn_nested_stores(path, names)
         return True
     data = sorted(name for name in names or () if _LEVELDB_DATA.match(name))
     if data:
@@ -588,28 +609,84 @@ def open_store(path: str, *, create: bool = True) -> Any:
 
 
 def repair_store(path: str) -> None:
-    """LevelDB's own repair: rebuilds the tables from every readable record (``repair.repair``
-    then rebuilds the plugin's bookkeeping on top).
+    """LevelDB's own repair (only): rebuilds the tables from every readable record. ``repaired_store``
+    is the repair ``amqtt-durable repair`` runs (the plugin's bookkeeping rebuilt on top)."""
+    _start_repair(path)
+    with held_lock(path):
+        _repair_db(path)
+
+
+@contextlib.contextmanager
+def repaired_store(path: str) -> Iterator[Any]:
+    """LevelDB's own repair, then the repaired store, open, for ``repair.rebuild``: the store's lock
+    is held from before LevelDB's repair (which takes none) until the store is closed again, so a
+    broker or ``inspect`` started meanwhile is refused as locked instead of opening a store whose
+    bookkeeping is not rebuilt yet.
 
     LevelDB's repair does not take the store's lock, so a broker using the store is detected
     first by trying to open it (an open that fails for corruption is what repair is for).
+    ForeignLayoutError after LevelDB's repair ran: another release's store that did not open.
     """
+    _start_repair(path)
+    with held_lock(path):
+        _repair_db(path)
+        try:
+            db = plyvel.DB(path, create_if_missing=False, paranoid_checks=True)
+        except plyvel.Error as exc:
+            detail = leveldb_detail(exc)
+            raise StoreError(f"repair of '{path}' failed: the repaired store does not open: {detail}") from exc
+        # LevelDB's lock, taken by this open, is this process's fcntl lock of LOCK, the same as
+        # held_lock's: held_lock closes its descriptor (which drops every lock this process holds
+        # on the file) only after the store is closed.
+        try:
+            try:
+                version = db.get(VERSION_KEY, verify_checksums=True)
+            except plyvel.Error as exc:
+                raise StoreError(f"repair of '{path}' failed: {leveldb_detail(exc)}") from exc
+            if version is not None and version != LAYOUT_VERSION:
+                raise ForeignLayoutError(path, version, LAYOUT_VERSION, repaired=True)
+            yield db
+        finally:
+            db.close()
+
+
+REPAIR_SPACE_FACTOR = 2
+"""Repair's free-space check: this many times the store's log and table files, plus PROBE_MARGIN."""
+
+
+def repair_space(path: str) -> int:
+    """Bytes the disk must take for a repair of the store at ``path``. LevelDB's repair writes a
+    table of each log's records and a copy of each damaged table's readable records (any table may
+    be damaged: all of them), then the reopen compacts every table (repair puts them all at level 0)
+    into new ones before removing the old: about the store's size twice, plus the MANIFEST's margin.
+    A copy that fails for space is dropped by LevelDB's repair without a word (its readable records
+    lost), a failed MANIFEST write leaves a store that does not open."""
+    data = sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith((".ldb", ".sst", ".log")))
+    return REPAIR_SPACE_FACTOR * data + PROBE_MARGIN
+
+
+def _start_repair(path: str) -> None:
+    """A store repair may rewrite (``_check_repairable``) on a disk that takes what it writes, else StoreError."""
     _check_repairable(path)
-    # LevelDB's repair moves the logs to lost/ once their records are in a new table, and writes the
-    # new MANIFEST last: failing for space there, it left a store whose next open deleted that table
-    # as obsolete, with every record the logs held. So its disk must first take what it writes: the
-    # logs' table, a copy of a damaged table (the largest), the MANIFEST (check_writable's margin).
-    largest_table = max((e.stat().st_size for e in os.scandir(path) if e.name.endswith((".ldb", ".sst"))), default=0)
+    need = repair_space(path)
+    logs = sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".log"))
     try:
-        check_writable(path, extra=largest_table)
+        check_writable(path, extra=need - PROBE_MARGIN - logs)  # check_writable adds the logs and the margin
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreError(
+                f"repair of '{path}' not started: its folder cannot take the writes a repair needs "
+                f"({exc.strerror}: it needs {need / 1e6:.1f} MB free, twice the store's table and log files "
+                "plus 1 MB); nothing was changed. Free space on the store's disk, then run repair again"
+            ) from exc
         raise StoreError(
-            f"repair of '{path}' not started: its folder cannot take the writes a repair needs "
-            f"({exc.strerror or exc}); nothing was changed. Free space on the store's disk, then run repair again"
+            f"repair of '{path}' not started: its folder cannot be written ({exc.strerror or exc}); nothing was changed"
         ) from exc
+
+
+def _repair_db(path: str) -> None:
     try:
-        with held_lock(path):
-            plyvel.repair_db(path, paranoid_checks=True)  # checksums verified: a damaged block is dropped, not kept
+        plyvel.repair_db(path, paranoid_checks=True)  # checksums verified: a damaged block is dropped, not kept
     except plyvel.Error as exc:
         raise StoreError(f"repair of '{path}' failed: {leveldb_detail(exc)}") from exc
 
@@ -634,9 +711,9 @@ def _check_repairable(path: str) -> None:
             raise StoreLockedError(path) from exc
         return
     try:  # another release's store is not damage: refused before anything is rewritten
-        version = opened.get(VERSION_KEY)
-    except plyvel.Error:
-        version = None  # unreadable: damage, repair's to handle (rebuild() checks it again after)
+        version = opened.get(VERSION_KEY, verify_checksums=True)
+    except plyvel.Error:  # a checksum error too: a damaged version key is repair's to restore
+        version = None  # unreadable: damage, repair's to handle (repaired_store checks it again after)
     finally:
         opened.close()
     if version is not None and version != LAYOUT_VERSION:
@@ -648,7 +725,8 @@ def held_lock(path: str) -> Iterator[None]:
     """LevelDB's lock on the store (an fcntl lock of its LOCK file), held by this process while
     LevelDB's repair, which takes none, rewrites the store: a broker or ``inspect`` started
     meanwhile is refused as 'locked by another process' instead of opening a store half rewritten.
-    (Closing the descriptor releases it; LevelDB in this process opens the store again after.)"""
+    LevelDB opening the store in this process meanwhile takes the same lock (fcntl locks are the
+    process's), and closing this descriptor drops it even for LevelDB: close the store first."""
     descriptor = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
