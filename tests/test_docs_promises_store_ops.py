@@ -485,3 +485,18 @@ def test_a_backup_copied_into_the_live_store_s_folder_is_warned_about(
     assert shown.returncode == 0
     assert "holds a folder 'durable-1' that is itself a LevelDB store" in shown.stderr, shown.stderr
 
+
+def test_a_websocket_listener_whose_host_is_unknown_is_named_by_broker_not_started(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """As for a TCP listener: `broker not started: listener '<name>' <host>:<port>: ...` (a `type:
+    ws` listener gave the bare `[Errno -2] Name or service not known`)."""
+    broker = broker_factory(start=False)
+    broker.write_config()
+    config = yaml.safe_load(broker.config_path.read_text())
+    config["listeners"]["web"] = {"type": "ws", "bind": f"nosuchhost.invalid:{broker.port + 1}"}
+    broker.config_path.write_text(yaml.safe_dump(config))
+    result = run_cli("broker", "-c", str(broker.config_path))
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"amqtt-durable: broker not started: listener 'web' nosuchhost.invalid:{broker.port + 1}: ")

@@ -1121,9 +1121,9 @@ class AmqttHooks:
         self, listener_name: str, listener_type: Any, address: str | None, port: int, ssl_context: Any
     ) -> Any:
         """amqtt's TCP listener with the ``listen_backlog`` setting; others as amqtt opens them."""
-        if listener_type != ListenerType.TCP:
-            return await self._original_create_server(listener_name, listener_type, address, port, ssl_context)
         try:
+            if listener_type != ListenerType.TCP:
+                return await self._original_create_server(listener_name, listener_type, address, port, ssl_context)
             return await asyncio.start_server(
                 partial(self.broker.stream_connected, listener_name=listener_name),
                 address,
