@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import plyvel
 import yaml
-from small_disk import fill, leave_free, remount_read_only, small_disk
+from small_disk import fill, free_bytes, leave_free, remount_read_only, small_disk
 from test_hostile_store import folder_digest
 
 from amqtt_durable.store import (
@@ -220,6 +221,35 @@ def test_on_a_full_disk_the_broker_does_not_start_and_repair_changes_nothing(
         assert repaired.returncode == 0, repaired.stderr
         broker.start()
         device = clients(broker.port, "full-1")
+        assert [m.payload for m in device.wait_messages(3)] == payloads(3)
+        device.disconnect()
+        broker.stop()
+
+
+def test_a_probe_file_a_killed_process_left_on_a_full_disk_is_removed_before_the_store_opens(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """operations.md: the probe file `durable-write-probe.tmp` a crash left is removed at the next
+    start. A process killed during a space check leaves it holding the space it allocated; the
+    broker removed it only after LevelDB's open, which failed for that very space: exit 1, probe
+    kept, no start until someone found the file."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        store = str(disk / "store")
+        broker = broker_factory(store=store)
+        device = clients(broker.port, "probe-1")
+        device.subscribe("probe/t", 1)
+        device.disconnect()
+        publisher = clients(broker.port, "probe-pub", clean_session=True)
+        publisher.publish("probe/t", payloads(3), qos=1)
+        publisher.disconnect()
+        broker.kill()  # what it acknowledged is in the store's log: the next open must write a table
+        probe = Path(store) / "durable-write-probe.tmp"
+        with probe.open("wb") as out:  # what a space check killed mid-way leaves: every free byte allocated
+            os.posix_fallocate(out.fileno(), 0, free_bytes(disk))
+        assert free_bytes(disk) < (1 << 20), "the probe holds the disk's free space"
+        broker.start()
+        assert not probe.exists()
+        device = clients(broker.port, "probe-1")
         assert [m.payload for m in device.wait_messages(3)] == payloads(3)
         device.disconnect()
         broker.stop()

@@ -73,8 +73,9 @@ class ForeignLayoutError(StoreError):
         )
         if repaired:  # it did not open (damaged), so its version was only readable after LevelDB's repair
             super().__init__(
-                f"{named} It did not open, so LevelDB's repair has run on it (its readable records kept in new "
-                f"table files, its logs and damaged table files moved to '{path}/lost'), but none of its sessions, "
+                f"{named} It did not open, so LevelDB's repair has run on it (its readable records kept: the logs' "
+                f"and damaged tables' in new table files; the logs, damaged tables and old MANIFESTs moved to "
+                f"'{path}/lost'), but none of its sessions, "
                 "queue totals or references was rebuilt (this release does not know that layout): run the "
                 "release that wrote it (its repair too)."
             )

@@ -726,7 +726,8 @@ def held_lock(path: str) -> Iterator[None]:
     LevelDB's repair, which takes none, rewrites the store: a broker or ``inspect`` started
     meanwhile is refused as 'locked by another process' instead of opening a store half rewritten.
     LevelDB opening the store in this process meanwhile takes the same lock (fcntl locks are the
-    process's), and closing this descriptor drops it even for LevelDB: close the store first."""
+    process's), and closing this descriptor drops it even for LevelDB: close the store first. Nothing
+    else in this process may open the store or its LOCK meanwhile: even a failed open drops the lock."""
     descriptor = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -1116,7 +1117,7 @@ def check_writable(path: str, extra: int = 0) -> None:
 def discard_probe(path: str) -> None:
     """Remove the probe file; at open too, as a crash during a probe leaves it (megabytes, on a
     disk that was full)."""
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # no store there: open_store names why
         os.remove(os.path.join(path, PROBE_NAME))
 
 
