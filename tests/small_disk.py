@@ -52,3 +52,23 @@ def fill(disk: Path) -> Path:
                 chunk = chunk[: len(chunk) // 2]
     assert os.statvfs(disk).f_bavail == 0, "the disk still has free blocks"
     return filler
+
+
+def free_bytes(disk: Path) -> int:
+    stats = os.statvfs(disk)
+    return stats.f_bavail * stats.f_frsize
+
+
+def leave_free(disk: Path, filler: Path, size: int) -> None:
+    """Shrink ``filler`` (from ``fill``) so that ``disk`` has ``size`` bytes free (to a page)."""
+    os.truncate(filler, filler.stat().st_size - (size - free_bytes(disk)))
+    assert abs(free_bytes(disk) - size) <= 8192, (free_bytes(disk), size)
+
+
+def remount_read_only(disk: Path) -> None:
+    """Make the tmpfs at ``disk`` read-only (a disk the kernel remounted so after errors)."""
+    done = subprocess.run(
+        ["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True, timeout=10, check=False
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot remount the tmpfs read-only: {done.stderr.strip()}")

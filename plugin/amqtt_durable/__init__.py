@@ -5,13 +5,21 @@ Load it from broker.yaml as ``amqtt_durable.DurableSessionsPlugin``.
 
 from .amqtt_glue import DurableSessionsPlugin
 from .config import DurableConfig
-from .errors import ConfigError, DurableError, StoreCorruptedError, StoreError, StoreLockedError
+from .errors import (
+    ConfigError,
+    DurableError,
+    ForeignLayoutError,
+    StoreCorruptedError,
+    StoreError,
+    StoreLockedError,
+)
 
 __all__ = [
     "ConfigError",
     "DurableConfig",
     "DurableError",
     "DurableSessionsPlugin",
+    "ForeignLayoutError",
     "StoreCorruptedError",
     "StoreError",
     "StoreLockedError",

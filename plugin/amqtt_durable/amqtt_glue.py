@@ -102,6 +102,7 @@ import dataclasses
 import json
 import logging
 import math
+import socket
 import time
 from collections import UserDict, deque
 from collections.abc import Awaitable, Callable
@@ -1120,16 +1121,19 @@ class AmqttHooks:
         self, listener_name: str, listener_type: Any, address: str | None, port: int, ssl_context: Any
     ) -> Any:
         """amqtt's TCP listener with the ``listen_backlog`` setting; others as amqtt opens them."""
-        if listener_type != ListenerType.TCP:
-            return await self._original_create_server(listener_name, listener_type, address, port, ssl_context)
-        return await asyncio.start_server(
-            partial(self.broker.stream_connected, listener_name=listener_name),
-            address,
-            port,
-            reuse_address=True,
-            ssl=ssl_context,
-            backlog=socket_backlog(self.engine.config.listen_backlog),  # the kernel caps it lower
-        )
+        try:
+            if listener_type != ListenerType.TCP:
+                return await self._original_create_server(listener_name, listener_type, address, port, ssl_context)
+            return await asyncio.start_server(
+                partial(self.broker.stream_connected, listener_name=listener_name),
+                address,
+                port,
+                reuse_address=True,
+                ssl=ssl_context,
+                backlog=socket_backlog(self.engine.config.listen_backlog),  # the kernel caps it lower
+            )
+        except socket.gaierror as exc:  # bare "Name or service not known": name the listener and its host
+            raise OSError(f"listener '{listener_name}' {address}:{port}: {exc}") from None
 
     async def client_connected(self, listener_name: str, reader: Any, writer: Any) -> None:
         reader.durable_max_packet_size = self.engine.config.max_packet_size

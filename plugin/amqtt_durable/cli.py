@@ -215,12 +215,14 @@ def _cmd_broker(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    if (args.store is None) == (args.replication is None):  # argparse's usage error: exit code 2
+        args.usage("give a store folder (broker stopped) or --replication HOST:PORT (broker running), one of them")
+    if args.replication is not None and args.retained:
+        args.usage("--retained lists a stopped broker's store, not --replication")
     if args.replication is not None:
         status = asyncio.run(ask(args.replication, Frame.STATUS, *tool_credentials(args)))
         print(json.dumps(status, indent=2) if args.json else format_status(status))
         return 0
-    if args.store is None:
-        raise ConfigError("store", "give a store folder (or --replication host:port for a running broker)")
     if args.retained:
         retained = summarize_retained(args.store)
         print(json.dumps([row.as_json() for row in retained], indent=2) if args.json else format_retained(retained))
@@ -319,7 +321,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     _add_secret_options(inspect)
     inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
     inspect.add_argument("--retained", action="store_true", help="list the retained messages instead of the sessions")
-    inspect.set_defaults(run=_cmd_inspect)
+    inspect.set_defaults(run=_cmd_inspect, usage=inspect.error)
     promote = commands.add_parser(
         "promote", help="make a backup without a coordinator the primary (the operator's decision)"
     )

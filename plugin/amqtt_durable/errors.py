@@ -45,7 +45,8 @@ class StoreLockedError(StoreError):
 
 
 class StoreCorruptedError(StoreError):
-    """LevelDB reports corruption, or the store's layout version is unknown."""
+    """LevelDB reports corruption, or a record does not decode (another layout version is
+    ForeignLayoutError, not this: not damage)."""
 
     def __init__(self, path: str, detail: str) -> None:
         self.path = path
@@ -54,6 +55,34 @@ class StoreCorruptedError(StoreError):
             f"run 'amqtt-durable repair {path}' (LevelDB's repair keeps every readable record, then session "
             "records and queue totals are rebuilt from the queues) with the broker stopped, then start the "
             "broker again."
+        )
+
+
+class ForeignLayoutError(StoreError):
+    """The store was written by another release of this plugin (another layout version): not
+    damage, so not something repair changes, and not a StoreCorruptedError (which earlier
+    builds raised for it): catch StoreError for both."""
+
+    def __init__(self, path: str, version: bytes, reads: bytes, *, repaired: bool = False) -> None:
+        self.path = path
+        self.version = version
+        self.repaired = repaired
+        named = (
+            f"store '{path}' was written by another release of amqtt_durable: layout version {version!r}, "
+            f"this release reads {reads!r}."
+        )
+        if repaired:  # it did not open (damaged), so its version was only readable after LevelDB's repair
+            super().__init__(
+                f"{named} It did not open, so LevelDB's repair has run on it (its readable records kept: the logs' "
+                f"and damaged tables' in new table files; the logs, damaged tables and old MANIFESTs moved to "
+                f"'{path}/lost'), but none of its sessions, "
+                "queue totals or references was rebuilt (this release does not know that layout): run the "
+                "release that wrote it (its repair too)."
+            )
+            return
+        super().__init__(
+            f"{named} Run the release that wrote it, or point 'store' at another folder; "
+            "'amqtt-durable repair' does not change a store's layout (it refuses such a store)."
         )
 
 

@@ -68,8 +68,8 @@ class Recovery(SessionLifecycle):
     def open_store(self) -> None:
         """Only open the store: a replication backup writes it until it is promoted. A new store
         gets its id now, so a primary stamps every batch with it from the first one."""
+        discard_probe(self.config.store)  # first: a probe a killed process left may hold the space the open needs
         self.db = open_store(self.config.store)
-        discard_probe(self.config.store)
         try:
             stored_id = read_store_id(self.db)
         except DamagedRecordError as exc:
@@ -254,7 +254,7 @@ class Recovery(SessionLifecycle):
 
     def _reopen_store(self) -> Any:
         """Before a store write is retried: a fresh handle (see GroupCommitter), opened only once
-        the folder takes a probe write, so the store is not left closed and unreadable."""
+        the disk can allocate a probe file, so the store is not left closed and unreadable."""
         check_writable(self.config.store)
         if not self.db.closed:
             self.db.close()

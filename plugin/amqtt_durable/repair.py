@@ -44,7 +44,7 @@ from .store import (
     encode_u64,
     leveldb_detail,
     refs_key,
-    repair_store,
+    repaired_store,
     sent_mark_key,
     seq_of_entry_key,
     sid_of_entry_key,
@@ -90,18 +90,12 @@ class _Queue:
 def repair(path: str, now: float | None = None) -> RepairReport:
     """Repair the store at ``path`` (broker stopped) and say what was rebuilt and what is lost."""
     archived = _archived_tables(path)
-    repair_store(path)
+    with repaired_store(path) as db:  # the store's lock held until it is closed again
+        try:
+            report = rebuild(db, time.time() if now is None else now)
+        except plyvel.Error as exc:
+            raise StoreError(f"repair of '{path}' failed while rebuilding: {leveldb_detail(exc)}") from exc
     damaged = sorted(_archived_tables(path) - archived)
-    try:
-        db = plyvel.DB(path, create_if_missing=False, paranoid_checks=True)
-    except plyvel.Error as exc:
-        raise StoreError(f"repair of '{path}' failed: the repaired store does not open: {leveldb_detail(exc)}") from exc
-    try:
-        report = rebuild(db, time.time() if now is None else now)
-    except plyvel.Error as exc:
-        raise StoreError(f"repair of '{path}' failed while rebuilding: {leveldb_detail(exc)}") from exc
-    finally:
-        db.close()
     report.lost[:0] = [
         f"table file {name} was damaged (moved to {os.path.join(path, 'lost', name)}): records only it held "
         "are gone, and older versions of them may be back (a message already delivered may be sent again)"

@@ -73,6 +73,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -89,6 +91,7 @@ import plyvel
 
 from .errors import (
     DamagedRecordError,
+    ForeignLayoutError,
     NotPrimaryError,
     StoreCorruptedError,
     StoreError,
@@ -434,6 +437,25 @@ def _not_a_folder(path: str) -> bool:
     return os.path.exists(path) and not os.path.isdir(path)
 
 
+def _warn_nested_stores(path: str, names: list[str]) -> None:
+    """A WARNING for each folder in the store's folder that is itself a store: a backup copied
+    *into* the live store's folder (``cp -a /backups/durable-1 data/durable`` with ``data/durable``
+    there) is not what the broker uses, and nothing else says so."""
+    for name in names:
+        if _LEVELDB_DATA.match(name) or name in _LEVELDB_BOOKKEEPING:
+            continue
+        if os.path.isfile(os.path.join(path, name, "CURRENT")):
+            log.warning(
+                "store folder '%s' holds a folder '%s' that is itself a LevelDB store (a backup copied into the "
+                "store's folder?): it is not used; '%s' is the store in use. To restore that copy, stop the broker "
+                "and put it in place of '%s' (operations.md, Backing up, restoring and moving a store)",
+                path,
+                name,
+                path,
+                path,
+            )
+
+
 def _check_folder(path: str, *, create: bool) -> bool:
     """Is ``path`` a LevelDB store (True), or an empty or missing folder to create one in (False)?
 
@@ -451,6 +473,7 @@ def _check_folder(path: str, *, create: bool) -> bool:
     except OSError as exc:
         raise StoreError(f"cannot read store folder '{path}': {exc.strerror}") from exc
     if names is not None and "CURRENT" in names:
+        _warn_nested_stores(path, names)
         return True
     data = sorted(name for name in names or () if _LEVELDB_DATA.match(name))
     if data:
@@ -575,7 +598,7 @@ def open_store(path: str, *, create: bool = True) -> Any:
                 raise StoreCorruptedError(path, "it holds data but no layout version key")
             db.put(VERSION_KEY, LAYOUT_VERSION, sync=True)
         elif version != LAYOUT_VERSION:
-            raise StoreCorruptedError(path, f"layout version {version!r}, this release reads {LAYOUT_VERSION!r}")
+            raise ForeignLayoutError(path, version, LAYOUT_VERSION)
     except plyvel.Error as exc:
         db.close()
         raise read_error(path, exc) from exc
@@ -586,26 +609,134 @@ def open_store(path: str, *, create: bool = True) -> Any:
 
 
 def repair_store(path: str) -> None:
-    """LevelDB's own repair: rebuilds the tables from every readable record (``repair.repair``
-    then rebuilds the plugin's bookkeeping on top).
+    """LevelDB's own repair (only): rebuilds the tables from every readable record. ``repaired_store``
+    is the repair ``amqtt-durable repair`` runs (the plugin's bookkeeping rebuilt on top)."""
+    _start_repair(path)
+    with held_lock(path):
+        _repair_db(path)
+
+
+@contextlib.contextmanager
+def repaired_store(path: str) -> Iterator[Any]:
+    """LevelDB's own repair, then the repaired store, open, for ``repair.rebuild``: the store's lock
+    is held from before LevelDB's repair (which takes none) until the store is closed again, so a
+    broker or ``inspect`` started meanwhile is refused as locked instead of opening a store whose
+    bookkeeping is not rebuilt yet.
 
     LevelDB's repair does not take the store's lock, so a broker using the store is detected
     first by trying to open it (an open that fails for corruption is what repair is for).
+    ForeignLayoutError after LevelDB's repair ran: another release's store that did not open.
     """
-    names = os.listdir(path) if os.path.isdir(path) else None
-    if names is None:
-        raise StoreError(f"no store at '{path}' (folder does not exist)")
-    if "CURRENT" not in names and not any(_LEVELDB_DATA.match(name) for name in names):
-        raise StoreError(f"no store at '{path}' (no LevelDB files there; is it the plugin's 'store' folder?)")
+    _start_repair(path)
+    with held_lock(path):
+        _repair_db(path)
+        try:
+            db = plyvel.DB(path, create_if_missing=False, paranoid_checks=True)
+        except plyvel.Error as exc:
+            detail = leveldb_detail(exc)
+            raise StoreError(f"repair of '{path}' failed: the repaired store does not open: {detail}") from exc
+        # LevelDB's lock, taken by this open, is this process's fcntl lock of LOCK, the same as
+        # held_lock's: held_lock closes its descriptor (which drops every lock this process holds
+        # on the file) only after the store is closed.
+        try:
+            try:
+                version = db.get(VERSION_KEY, verify_checksums=True)
+            except plyvel.Error as exc:
+                raise StoreError(f"repair of '{path}' failed: {leveldb_detail(exc)}") from exc
+            if version is not None and version != LAYOUT_VERSION:
+                raise ForeignLayoutError(path, version, LAYOUT_VERSION, repaired=True)
+            yield db
+        finally:
+            db.close()
+
+
+REPAIR_SPACE_FACTOR = 2
+"""Repair's free-space check: this many times the store's log and table files, plus PROBE_MARGIN."""
+
+
+def repair_space(path: str) -> int:
+    """Bytes the disk must take for a repair of the store at ``path``. LevelDB's repair writes a
+    table of each log's records and a copy of each damaged table's readable records (any table may
+    be damaged: all of them), then the reopen compacts every table (repair puts them all at level 0)
+    into new ones before removing the old: about the store's size twice, plus the MANIFEST's margin.
+    A copy that fails for space is dropped by LevelDB's repair without a word (its readable records
+    lost), a failed MANIFEST write leaves a store that does not open."""
+    data = sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith((".ldb", ".sst", ".log")))
+    return REPAIR_SPACE_FACTOR * data + PROBE_MARGIN
+
+
+def _start_repair(path: str) -> None:
+    """A store repair may rewrite (``_check_repairable``) on a disk that takes what it writes, else StoreError."""
+    _check_repairable(path)
+    need = repair_space(path)
+    logs = sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".log"))
     try:
-        plyvel.DB(path, create_if_missing=False).close()
-    except plyvel.Error as exc:  # damage is exactly what repair is for; a lock is not
-        if _is_lock_error(exc):
-            raise StoreLockedError(path) from exc
+        check_writable(path, extra=need - PROBE_MARGIN - logs)  # check_writable adds the logs and the margin
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreError(
+                f"repair of '{path}' not started: its folder cannot take the writes a repair needs "
+                f"({exc.strerror}: it needs {need / 1e6:.1f} MB free, twice the store's table and log files "
+                "plus 1 MB); nothing was changed. Free space on the store's disk, then run repair again"
+            ) from exc
+        raise StoreError(
+            f"repair of '{path}' not started: its folder cannot be written ({exc.strerror or exc}); nothing was changed"
+        ) from exc
+
+
+def _repair_db(path: str) -> None:
     try:
         plyvel.repair_db(path, paranoid_checks=True)  # checksums verified: a damaged block is dropped, not kept
     except plyvel.Error as exc:
         raise StoreError(f"repair of '{path}' failed: {leveldb_detail(exc)}") from exc
+
+
+def _check_repairable(path: str) -> None:
+    """A LevelDB store at ``path`` that no process holds and no other release wrote, else StoreError."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        raise StoreError(f"no store at '{path}' (folder does not exist)") from None
+    except NotADirectoryError:  # the path, or a folder above it, is a file: named as the broker names it
+        what = f"'{path}'" if _not_a_folder(path) else f"'{path}': '{_file_above(path)}'"
+        raise StoreError(f"store {what} is a file, not a folder; point 'store' at a folder") from None
+    except OSError as exc:
+        raise StoreError(f"cannot read store folder '{path}': {exc.strerror}") from exc
+    if "CURRENT" not in names and not any(_LEVELDB_DATA.match(name) for name in names):
+        raise StoreError(f"no store at '{path}' (no LevelDB files there; is it the plugin's 'store' folder?)")
+    try:
+        opened = plyvel.DB(path, create_if_missing=False)
+    except plyvel.Error as exc:  # damage is exactly what repair is for; a lock is not
+        if _is_lock_error(exc):
+            raise StoreLockedError(path) from exc
+        return
+    try:  # another release's store is not damage: refused before anything is rewritten
+        version = opened.get(VERSION_KEY, verify_checksums=True)
+    except plyvel.Error:  # a checksum error too: a damaged version key is repair's to restore
+        version = None  # unreadable: damage, repair's to handle (repaired_store checks it again after)
+    finally:
+        opened.close()
+    if version is not None and version != LAYOUT_VERSION:
+        raise ForeignLayoutError(path, version, LAYOUT_VERSION)
+
+
+@contextlib.contextmanager
+def held_lock(path: str) -> Iterator[None]:
+    """LevelDB's lock on the store (an fcntl lock of its LOCK file), held by this process while
+    LevelDB's repair, which takes none, rewrites the store: a broker or ``inspect`` started
+    meanwhile is refused as 'locked by another process' instead of opening a store half rewritten.
+    LevelDB opening the store in this process meanwhile takes the same lock (fcntl locks are the
+    process's), and closing this descriptor drops it even for LevelDB: close the store first. Nothing
+    else in this process may open the store or its LOCK meanwhile: even a failed open drops the lock."""
+    descriptor = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:  # taken between the open that checked it and now
+            raise StoreLockedError(path) from exc
+        yield
+    finally:
+        os.close(descriptor)
 
 
 def iter_entries(
@@ -966,21 +1097,19 @@ PROBE_MARGIN = 1 << 20
 PROBE_NAME = "durable-write-probe.tmp"
 
 
-def check_writable(path: str) -> None:
-    """Raise OSError unless the store's folder takes a write as large as reopening the store needs.
+def check_writable(path: str, extra: int = 0) -> None:
+    """Raise OSError unless the store's disk can allocate as much as reopening the store needs
+    (and ``extra`` bytes more).
 
     Reopening LevelDB turns its logs into a table, so a store is only closed for a reopen once
     that can succeed: a store that cannot open again could not be read either.
     """
-    need = PROBE_MARGIN + sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".log"))
+    need = PROBE_MARGIN + extra + sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".log"))
     probe = os.path.join(path, PROBE_NAME)
     try:
         with open(probe, "wb") as out:
-            chunk = bytes(min(need, PROBE_MARGIN))
-            while need > 0:
-                need -= out.write(chunk[:need])
-            out.flush()
-            os.fsync(out.fileno())
+            # Reserved, not written: a repair's check of a 10 GB store would otherwise write 20 GB of zeros.
+            os.posix_fallocate(out.fileno(), 0, need)
     finally:
         discard_probe(path)
 
@@ -988,7 +1117,7 @@ def check_writable(path: str) -> None:
 def discard_probe(path: str) -> None:
     """Remove the probe file; at open too, as a crash during a probe leaves it (megabytes, on a
     disk that was full)."""
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # no store there: open_store names why
         os.remove(os.path.join(path, PROBE_NAME))
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import plyvel
 import pytest
 
-from amqtt_durable.errors import StoreCorruptedError, StoreError, StoreLockedError
+from amqtt_durable.errors import ForeignLayoutError, StoreCorruptedError, StoreError, StoreLockedError
 from amqtt_durable.store import (
     FLAG_RELEASED,
     FLAG_RETAIN,
@@ -188,16 +188,17 @@ def test_open_store_on_a_file_is_a_store_error(tmp_path: Path) -> None:
     assert str(path) in str(info.value)
 
 
-def test_wrong_layout_version_is_corruption(store_path: str) -> None:
+def test_wrong_layout_version_is_another_release_s_store_not_damage(store_path: str) -> None:
+    """Not 'corrupted ... run repair': repair cannot change a layout (it refuses such a store)."""
     db = open_store(store_path)
     db.put(VERSION_KEY, b"9")
     db.close()
-    with pytest.raises(StoreCorruptedError) as info:
+    with pytest.raises(ForeignLayoutError) as info:
         open_store(store_path)
     message = str(info.value)
     assert store_path in message
-    assert "b'9'" in message and "b'1'" in message
-    assert f"amqtt-durable repair {store_path}" in message
+    assert "layout version b'9', this release reads b'1'" in message
+    assert "another release" in message and f"amqtt-durable repair {store_path}" not in message
     # open_store closed the LevelDB handle it failed on: the LOCK is free again.
     reopened = plyvel.DB(store_path)
     try:

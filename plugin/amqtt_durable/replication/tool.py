@@ -69,8 +69,12 @@ async def ask(
     except AuthError as exc:
         raise ReplicationError(f"replication address {address}: {exc}") from None
     except (OSError, TimeoutError, asyncio.IncompleteReadError, FrameError) as exc:
+        # asyncio.timeout's TimeoutError says nothing of its own: what listens there (an MQTT listener,
+        # say) kept silent. (A connect's ETIMEDOUT is a TimeoutError with its own message.)
+        silent = isinstance(exc, TimeoutError) and not str(exc)
+        detail = f"nothing answered within {ASK_TIMEOUT:g} s" if silent else str(exc)
         raise ReplicationError(
-            f"replication address {address}: no answer to {kind.name} ({type(exc).__name__}: {exc}); "
+            f"replication address {address}: no answer to {kind.name} ({type(exc).__name__}: {detail}); "
             "is a broker with replication listening there (its replication.listen)?"
         ) from None
     if answered == Frame.ERROR:
