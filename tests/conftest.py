@@ -246,12 +246,13 @@ def run_cli(
     *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``amqtt-durable ARGS`` as a child process, output captured, bounded in time; ``env``: its
-    whole environment (None: ours)."""
+    whole environment (None: ours). The bound is well above WAIT: a replication tool waits its own
+    10 s for an answer, plus the interpreter's start on a loaded machine."""
     return subprocess.run(
         [sys.executable, "-m", "durable_fleet.console", *args],
         capture_output=True,
         text=True,
-        timeout=WAIT,
+        timeout=4 * WAIT,
         check=False,
         cwd=cwd,
         env=env,
