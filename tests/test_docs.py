@@ -118,6 +118,15 @@ def shell_commands() -> list[tuple[str, list[str]]]:
 CONSOLE = {"amqtt-durable", "durable-pipeline"}
 
 
+def test_the_readme_names_the_makefile_s_number_of_test_workers() -> None:
+    """README: "All three run the tests in N processes": N is the Makefile's TEST_WORKERS default."""
+    workers = re.search(r"^TEST_WORKERS \?= (\d+)$", (ROOT / "Makefile").read_text(), re.M)
+    said = re.search(r"run the tests in (\w+) processes", " ".join((ROOT / "README.md").read_text().split()))
+    assert workers and said
+    words = ["one", "two", "three", "four", "five", "six"]
+    assert said.group(1) == words[int(workers.group(1)) - 1], (said.group(0), workers.group(0))
+
+
 @pytest.mark.parametrize(("page", "words"), shell_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else v)
 def test_shell_commands_exist(page: str, words: list[str]) -> None:
     program = Path(words[0]).name
