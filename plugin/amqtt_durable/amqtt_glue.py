@@ -1240,6 +1240,8 @@ class AmqttHooks:
 
     async def add_subscription(self, subscription: tuple[str, int], session: Any) -> int:
         topic_filter, qos = subscription
+        if not filter_is_valid(topic_filter) or qos not in (0, 1, 2):
+            return _SUBSCRIBE_REFUSED  # as a durable session's; amqtt alone granted an empty filter
         if not self.engine.is_durable(session.client_id):
             if self.over_limit(self.amqtt_index, session.client_id, topic_filter):
                 return _SUBSCRIBE_REFUSED
@@ -1247,8 +1249,6 @@ class AmqttHooks:
             if granted != _SUBSCRIBE_REFUSED:
                 self.amqtt_index.add(session.client_id, topic_filter, granted)
             return granted
-        if not filter_is_valid(topic_filter) or qos not in (0, 1, 2):
-            return _SUBSCRIBE_REFUSED
         if self.engine.committer.failure is not None:
             log.warning("%s: SUBSCRIBE %s refused: the store cannot write now", session.client_id, topic_filter)
             return _SUBSCRIBE_REFUSED

@@ -1,0 +1,95 @@
+"""Promises of README.md and docs/guarantees.md found by a later sentence-by-sentence audit
+(CONNECT checks, SUBSCRIBE return codes, a clean CONNECT ending a live connection) that no other
+test states, each against a real broker with raw MQTT 3.1.1 packets.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+import pytest
+from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly
+from test_hostile_wire import read_until_closed
+
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+
+PINGREQ = b"\xc0\x00"
+PINGRESP = b"\xd0\x00"
+
+
+def connack(port: int, packet: bytes) -> bytes | None:
+    """The CONNACK ``packet`` gets (None: the connection closed without one)."""
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(packet)
+        reply = read_until_closed(sock, WAIT)
+    assert reply is not None, "a refused CONNECT's connection must be closed"
+    return reply or None
+
+
+def test_a_durable_connect_without_a_client_id_is_refused_with_connack_2(broker: Broker) -> None:
+    """guarantees.md, Created: a durable session needs a non-empty client id; clean_session=false
+    with an empty one gets CONNACK 2 (identifier rejected) and its connection closed (MQTT-3.1.3-8),
+    while clean_session=true with an empty one is accepted (MQTT-3.1.3-6)."""
+    assert connack(broker.port, connect_packet("", clean=False)) == b"\x20\x02\x00\x02"
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet("", clean=True))
+        assert read_exactly(sock, 4) == b"\x20\x02\x00\x00"
+        sock.sendall(PINGREQ)
+        assert read_exactly(sock, 2) == PINGRESP
+
+
+def test_only_mqtt_3_1_1_connects_are_accepted(broker: Broker) -> None:
+    """guarantees.md, The message path: a CONNECT of another protocol level (MQTT 5's 5) gets
+    CONNACK 1; one with another protocol name (MQTT 3.1's MQIsdp) is closed without a CONNACK."""
+    level_5 = mqtt_string("MQTT") + bytes((5, 0x02)) + (60).to_bytes(2, "big") + mqtt_string("v5")
+    assert connack(broker.port, mqtt_packet(0x10, level_5)) == b"\x20\x02\x00\x01"
+    mqtt_3_1 = mqtt_string("MQIsdp") + bytes((3, 0x02)) + (60).to_bytes(2, "big") + mqtt_string("v3")
+    assert connack(broker.port, mqtt_packet(0x10, mqtt_3_1)) is None
+
+
+@pytest.mark.parametrize("clean", [True, False], ids=["clean", "durable"])
+def test_an_invalid_topic_filter_gets_0x80_and_the_others_in_the_subscribe_are_granted(
+    broker: Broker, clean: bool
+) -> None:
+    """guarantees.md, The message path: a topic filter that is empty (MQTT-4.7.3-1), has `#` other
+    than as the whole last level or `+` other than as a whole level (MQTT-4.7.1-2/3), or asks for
+    QoS 3, gets return code 0x80, clean and durable sessions alike; the other filters of the SUBSCRIBE are granted and
+    the connection stays up. (amqtt alone granted an empty filter to a clean session.)"""
+    sock = raw_connect(broker.port, f"filters-{clean}", clean=clean)
+    filters = [("", 1), ("a/#/b", 1), ("a+", 1), ("#/a", 0), ("ok/q", 3), ("ok/+", 1), ("ok/#", 2)]
+    body = b"\x00\x09" + b"".join(mqtt_string(f) + bytes((qos,)) for f, qos in filters)
+    sock.sendall(mqtt_packet(0x82, body))
+    assert read_exactly(sock, 11) == b"\x90\x09\x00\x09" + bytes((0x80, 0x80, 0x80, 0x80, 0x80, 1, 2))
+    sock.sendall(PINGREQ)
+    assert read_exactly(sock, 2) == PINGRESP
+    sock.close()
+
+
+def test_a_clean_connect_ends_the_live_durable_connection_and_deletes_its_session(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """guarantees.md: clean_session=true with the same client id deletes the stored session, and a
+    clean CONNECT of a client id whose connection is live ends that connection (MQTT-3.1.4-2); that
+    connection ended without DISCONNECT, so its will is published (MQTT-3.1.2-8)."""
+    watcher = clients(broker.port, "watch", clean_session=True)
+    assert watcher.subscribe("will/#", 0) == [0]
+    live = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    live.sendall(connect_packet("dev-7", clean=False, will_topic=b"will/dev-7"))
+    assert read_exactly(live, 4) == b"\x20\x02\x00\x00"
+    live.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("c/t") + b"\x01"))
+    assert read_exactly(live, 5) == b"\x90\x03\x00\x01\x01"
+
+    clean = raw_connect(broker.port, "dev-7", clean=True)
+    assert read_until_closed(live, WAIT) is not None, "the live connection must be ended"
+    live.close()
+    assert watcher.wait_for(lambda ms: [m.topic for m in ms] == ["will/dev-7"]), "its will must be published"
+    clients(broker.port, "pub", clean_session=True).publish("c/t", payloads(2), qos=1)
+    clean.sendall(PINGREQ)
+    assert read_exactly(clean, 2) == PINGRESP, "the clean connection is served (and sent no queued message)"
+    clean.sendall(b"\xe0\x00")
+    clean.close()
+
+    again = clients(broker.port, "dev-7")
+    assert again.session_present is False, "the stored session was deleted"
+    assert not again.wait_for(lambda ms: len(ms) > 0, timeout=0.5), "with its subscription and queue"
