@@ -5,15 +5,20 @@ test states, each against a real broker with raw MQTT 3.1.1 packets.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly
 from test_hostile_wire import read_until_closed
 
+from amqtt_durable.config import DurableConfig
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
 
+ROOT = Path(__file__).resolve().parents[1]
 PINGREQ = b"\xc0\x00"
 PINGRESP = b"\xd0\x00"
 
@@ -93,3 +98,22 @@ def test_a_clean_connect_ends_the_live_durable_connection_and_deletes_its_sessio
     again = clients(broker.port, "dev-7")
     assert again.session_present is False, "the stored session was deleted"
     assert not again.wait_for(lambda ms: len(ms) > 0, timeout=0.5), "with its subscription and queue"
+
+
+DEFAULT_QUOTED = re.compile(r"`([a-z_0-9]+)`(?:[^`()]{0,40}\(|, )default:? ([0-9][0-9,.]*)( MiB)?")
+
+
+def test_every_default_the_pages_quote_is_the_code_s() -> None:
+    """README.md, guarantees.md and protocol.md quote defaults beside the settings they describe
+    ("`max_depth` (default 100,000)", "`max_pending_bytes_clean` payload bytes (default 16 MiB)",
+    "(`listen_backlog`, default 512"); each is the DurableConfig default."""
+    defaults = {field.name: field.default for field in dataclasses.fields(DurableConfig)}
+    quoted: list[tuple[str, str, float]] = []
+    for page in ("README.md", "docs/guarantees.md", "docs/protocol.md"):
+        text = " ".join((ROOT / page).read_text().split())
+        for key, number, mib in DEFAULT_QUOTED.findall(text):
+            if key in defaults:
+                quoted.append((page, key, float(number.replace(",", "")) * (2**20 if mib else 1)))
+    assert len(quoted) >= 17, quoted
+    wrong = [(page, key, value, defaults[key]) for page, key, value in quoted if value != defaults[key]]
+    assert not wrong, wrong
