@@ -58,17 +58,50 @@ def test_an_invalid_topic_filter_gets_0x80_and_the_others_in_the_subscribe_are_g
     broker: Broker, clean: bool
 ) -> None:
     """guarantees.md, The message path: a topic filter that is empty (MQTT-4.7.3-1), has `#` other
-    than as the whole last level or `+` other than as a whole level (MQTT-4.7.1-2/3), or asks for
-    QoS 3, gets return code 0x80, clean and durable sessions alike; the other filters of the SUBSCRIBE are granted and
+    than as the whole last level or `+` other than as a whole level (MQTT-4.7.1-2/3) gets return
+    code 0x80, clean and durable sessions alike; the other filters of the SUBSCRIBE are granted and
     the connection stays up. (amqtt alone granted an empty filter to a clean session.)"""
     sock = raw_connect(broker.port, f"filters-{clean}", clean=clean)
-    filters = [("", 1), ("a/#/b", 1), ("a+", 1), ("#/a", 0), ("ok/q", 3), ("ok/+", 1), ("ok/#", 2)]
+    filters = [("", 1), ("a/#/b", 1), ("a+", 1), ("#/a", 0), ("ok/+", 1), ("ok/#", 2)]
     body = b"\x00\x09" + b"".join(mqtt_string(f) + bytes((qos,)) for f, qos in filters)
     sock.sendall(mqtt_packet(0x82, body))
-    assert read_exactly(sock, 11) == b"\x90\x09\x00\x09" + bytes((0x80, 0x80, 0x80, 0x80, 0x80, 1, 2))
+    assert read_exactly(sock, 10) == b"\x90\x08\x00\x09" + bytes((0x80, 0x80, 0x80, 0x80, 1, 2))
     sock.sendall(PINGREQ)
     assert read_exactly(sock, 2) == PINGRESP
     sock.close()
+
+
+@pytest.mark.parametrize("amqtt_reader", [False, True], ids=["plugin-reader", "amqtt-reader"])
+@pytest.mark.parametrize("clean", [True, False], ids=["clean", "durable"])
+@pytest.mark.parametrize(
+    "payload",
+    [b"", mqtt_string("ok/1") + b"\x01" + mqtt_string("ok/2") + b"\x03"],
+    ids=["no-filter", "qos-3"],
+)
+def test_a_subscribe_without_a_filter_or_asking_qos_3_closes_the_connection(
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    clean: bool,
+    amqtt_reader: bool,
+    payload: bytes,
+) -> None:
+    """guarantees.md, The message path: a SUBSCRIBE that holds no topic filter (MQTT-3.8.3-3) or
+    asks for a QoS other than 0, 1 or 2 (MQTT-3-8.3-4) is a protocol violation: the connection is
+    closed with no SUBACK, nothing granted, on either reader, with a WARNING naming the client.
+    (amqtt answered the first with an empty SUBACK and the second with 0x80.)"""
+    broker = broker_factory(start=False)
+    if amqtt_reader:  # any topic plugin makes the broker read with amqtt's loop
+        broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
+    broker.start()
+    sock = raw_connect(broker.port, f"bad-sub-{clean}", clean=clean)
+    sock.sendall(mqtt_packet(0x82, b"\x00\x03" + payload))
+    assert read_until_closed(sock, WAIT) == b"", "closed, and no SUBACK"
+    sock.close()
+    assert f"closing the connection of bad-sub-{clean}: SUBSCRIBE refused" in broker.log()
+    if not clean:
+        again = clients(broker.port, f"bad-sub-{clean}")
+        clients(broker.port, "pub", clean_session=True).publish("ok/1", [b"x"], qos=1)
+        assert not again.wait_for(lambda ms: len(ms) > 0, timeout=0.5), "nothing was granted"
 
 
 def test_a_clean_connect_ends_the_live_durable_connection_and_deletes_its_session(

@@ -454,7 +454,7 @@ def _install_refusal_filter() -> None:
 
 
 def _install_decoder_checks() -> None:
-    """Three refusals in amqtt's decoders; a ProtocolViolationError ends amqtt's reader loop, which
+    """Four refusals in amqtt's decoders; a ProtocolViolationError ends amqtt's reader loop, which
     closes the connection (an MQTTError would make it skip the rest and read on, out of step).
 
     * A packet's remaining length past the connection's ``max_packet_size`` (set on its reader
@@ -468,6 +468,8 @@ def _install_decoder_checks() -> None:
       ``decode_string`` turns it into ``str(bytes)``, a valid filter that a durable session would
       keep for ever. Those two modules get a strict one, which also refuses U+0000 (MQTT-1.5.3-2,
       which amqtt grants and a durable session would keep too).
+    * A SUBSCRIBE without a topic filter (MQTT-3.8.3-3) or asking for a QoS other than 0, 1
+      or 2 (MQTT-3-8.3-4): amqtt answers the first with an empty SUBACK and hands the second on.
     """
     original_header = MQTTFixedHeader.from_stream
     if getattr(original_header, "_durable_wrapped", False):
@@ -496,6 +498,20 @@ def _install_decoder_checks() -> None:
     MQTTFixedHeader.from_stream = classmethod(header_from_stream)
     PublishVariableHeader.from_stream = classmethod(publish_from_stream)
     amqtt_subscribe.decode_string = _strict_filter_decoder("SUBSCRIBE")
+    original_subscribe_payload = amqtt_subscribe.SubscribePayload.from_stream
+
+    async def subscribe_payload_from_stream(
+        cls: type[amqtt_subscribe.SubscribePayload], reader: Any, fixed: Any, variable: Any
+    ) -> amqtt_subscribe.SubscribePayload:
+        payload = await original_subscribe_payload.__func__(cls, reader, fixed, variable)
+        if not payload.topics:
+            raise _refused(reader, ProtocolViolationError("SUBSCRIBE refused: it holds no topic filter (MQTT-3.8.3-3)"))
+        if any(qos not in (0, 1, 2) for _, qos in payload.topics):
+            error = ProtocolViolationError("SUBSCRIBE refused: a requested QoS is not 0, 1 or 2 (MQTT-3-8.3-4)")
+            raise _refused(reader, error)
+        return payload
+
+    amqtt_subscribe.SubscribePayload.from_stream = classmethod(subscribe_payload_from_stream)
     amqtt_unsubscribe.decode_string = _strict_filter_decoder("UNSUBSCRIBE")
 
 
