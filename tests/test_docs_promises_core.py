@@ -150,3 +150,40 @@ def test_every_default_the_pages_quote_is_the_code_s() -> None:
     assert len(quoted) >= 17, quoted
     wrong = [(page, key, value, defaults[key]) for page, key, value in quoted if value != defaults[key]]
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize("amqtt_reader", [False, True], ids=["plugin-reader", "amqtt-reader"])
+def test_a_packet_with_fixed_header_flags_mqtt_does_not_allow_closes_the_connection(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], amqtt_reader: bool
+) -> None:
+    """guarantees.md, The message path: a packet whose fixed header flags are not those MQTT 3.1.1
+    gives its type (PUBREL, SUBSCRIBE and UNSUBSCRIBE 0010, every other but PUBLISH 0000) closes the
+    connection (MQTT-2.2.2-2) unanswered, with a WARNING naming the client; nothing read after it
+    is handled, and the will is published. (amqtt answered each as if its flags were right.)"""
+    broker = broker_factory(start=False)
+    if amqtt_reader:
+        broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
+    broker.start()
+    watcher = clients(broker.port, "watch", clean_session=True)
+    assert watcher.subscribe([("after/#", 1), ("will/#", 0)]) == [1, 0]
+    bad = {
+        "pubrel": b"\x60\x02\x00\x01",
+        "subscribe": mqtt_packet(0x80, b"\x00\x01" + mqtt_string("s/t") + b"\x01"),
+        "unsubscribe": mqtt_packet(0xA0, b"\x00\x01" + mqtt_string("s/t")),
+        "puback": b"\x42\x02\x00\x01",
+        "pingreq": b"\xc1\x00",
+        "disconnect": b"\xe8\x00",
+    }
+    for name, packet in bad.items():
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(connect_packet(f"flags-{name}", clean=False, will_topic=f"will/{name}".encode()))
+            assert read_exactly(sock, 4) == b"\x20\x02\x00\x00"
+            after = mqtt_packet(0x32, mqtt_string(f"after/{name}") + b"\x00\x07" + b"v")
+            sock.sendall(packet + after)
+            assert read_until_closed(sock, WAIT) == b"", f"{name}: closed, unanswered"
+        assert f"flags-{name}: packet type" in broker.log(), f"{name}: a WARNING names the client"
+    wills = sorted(f"will/{name}" for name in bad)
+    assert watcher.wait_for(lambda ms: sorted(m.topic for m in ms) == wills), [m.topic for m in watcher.messages]
+    clients(broker.port, "pub", clean_session=True).publish("after/probe", [b"p"], qos=1)
+    assert watcher.wait_for(lambda ms: any(m.topic == "after/probe" for m in ms))
+    assert sorted(m.topic for m in watcher.messages) == sorted([*wills, "after/probe"]), "nothing after was routed"

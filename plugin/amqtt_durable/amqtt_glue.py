@@ -235,6 +235,22 @@ _ACK_KINDS: dict[int, AckKind] = {PUBACK: "puback", PUBREC: "pubrec", PUBCOMP: "
 READ_SIZE = 1 << 16
 """Bytes FastReader asks the socket for at a time."""
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
+_FIXED_FLAGS = {PUBREL: 0x02, SUBSCRIBE: 0x02, UNSUBSCRIBE: 0x02}
+"""MQTT-2.2.2-1: the fixed header flags of every packet type but PUBLISH (0 where not listed);
+any other value is malformed and the connection is closed (MQTT-2.2.2-2, MQTT-3.6.1-1,
+MQTT-3.8.1-1, MQTT-3.10.1-1)."""
+
+
+def fixed_flags_problem(packet_type: int, flags: int) -> ProtocolViolationError | None:
+    """The refusal of a fixed header whose flags MQTT 3.1.1 does not allow for its packet type."""
+    if packet_type in (PUBLISH, RESERVED_0, RESERVED_15):
+        return None  # PUBLISH's flags are its own; a reserved type is refused as such
+    required = _FIXED_FLAGS.get(packet_type, 0)
+    if flags == required:
+        return None
+    return ProtocolViolationError(
+        f"packet type {packet_type} with fixed header flags {flags:#06b}, not {required:#06b} (MQTT-2.2.2-2)"
+    )
 """Packet types whose handling a connection's end waits for (FastReader.run): they need nothing more
 from the peer."""
 
@@ -454,9 +470,11 @@ def _install_refusal_filter() -> None:
 
 
 def _install_decoder_checks() -> None:
-    """Four refusals in amqtt's decoders; a ProtocolViolationError ends amqtt's reader loop, which
+    """Five refusals in amqtt's decoders; a ProtocolViolationError ends amqtt's reader loop, which
     closes the connection (an MQTTError would make it skip the rest and read on, out of step).
 
+    * Fixed header flags MQTT 3.1.1 does not allow for the packet type (fixed_flags_problem):
+      amqtt took a PUBREL, SUBSCRIBE or UNSUBSCRIBE whatever its flags.
     * A packet's remaining length past the connection's ``max_packet_size`` (set on its reader
       as ``durable_max_packet_size``; readers without one are not affected), before the body
       is read: amqtt would read a body of any size into memory.
@@ -477,6 +495,8 @@ def _install_decoder_checks() -> None:
 
     async def header_from_stream(cls: type[MQTTFixedHeader], reader: Any) -> MQTTFixedHeader | None:
         header = await original_header.__func__(cls, reader)
+        if header is not None and (problem := fixed_flags_problem(header.packet_type, header.flags)) is not None:
+            raise _refused(reader, problem)
         limit = getattr(reader, "durable_max_packet_size", None)
         if header is not None and limit is not None and header.remaining_length > limit:
             raise _refused(reader, PacketTooLargeError(header.remaining_length, limit))
@@ -498,6 +518,13 @@ def _install_decoder_checks() -> None:
     MQTTFixedHeader.from_stream = classmethod(header_from_stream)
     PublishVariableHeader.from_stream = classmethod(publish_from_stream)
     amqtt_subscribe.decode_string = _strict_filter_decoder("SUBSCRIBE")
+    amqtt_unsubscribe.decode_string = _strict_filter_decoder("UNSUBSCRIBE")
+    _install_subscribe_payload_check()
+
+
+def _install_subscribe_payload_check() -> None:
+    """A SUBSCRIBE without a topic filter or asking for a QoS other than 0, 1 or 2 is refused
+    once its payload is read (see _install_decoder_checks)."""
     original_subscribe_payload = amqtt_subscribe.SubscribePayload.from_stream
 
     async def subscribe_payload_from_stream(
@@ -512,7 +539,6 @@ def _install_decoder_checks() -> None:
         return payload
 
     amqtt_subscribe.SubscribePayload.from_stream = classmethod(subscribe_payload_from_stream)
-    amqtt_unsubscribe.decode_string = _strict_filter_decoder("UNSUBSCRIBE")
 
 
 def _strict_filter_decoder(packet: str) -> Callable[[Any], Awaitable[str]]:
@@ -2148,6 +2174,10 @@ class FastReader:
         for first, body in packets:
             if self._handler.durable_ended:
                 break
+            if (problem := fixed_flags_problem(first >> 4, first & 0x0F)) is not None:
+                if acks:
+                    await self._take_acks(ack_first, acks)
+                raise problem  # run() logs it and ends the connection
             if first == ack_first and len(body) == 2:
                 acks.append((body[0] << 8) | body[1])
                 continue
