@@ -44,6 +44,28 @@ def test_a_durable_connect_without_a_client_id_is_refused_with_connack_2(broker:
         assert read_exactly(sock, 2) == PINGRESP
 
 
+@pytest.mark.parametrize(
+    ("flags", "will"),
+    [(0x02 | 0x04 | 0x18, True), (0x02 | 0x08, False), (0x02 | 0x20, False)],
+    ids=["will-qos-3", "will-qos-without-will", "will-retain-without-will"],
+)
+def test_a_connect_whose_will_flags_mqtt_does_not_allow_is_closed_without_connack(
+    broker: Broker, clients: Callable[..., Client], flags: int, will: bool
+) -> None:
+    """guarantees.md, The message path: a CONNECT whose will QoS is 3 (MQTT-3.1.2-14), or that sets
+    a will QoS or the will retain flag without a will (MQTT-3.1.2-13/15), is refused: the connection
+    is closed without a CONNACK, and no will of it is ever published. (amqtt accepted all three.)"""
+    watcher = clients(broker.port, "watch", clean_session=True)
+    assert watcher.subscribe("will/#", 2) == [2]
+    body = mqtt_string("MQTT") + bytes((4, flags)) + (60).to_bytes(2, "big") + mqtt_string("bad-will")
+    if will:
+        body += mqtt_string("will/bad") + mqtt_string("gone")
+    assert connack(broker.port, mqtt_packet(0x10, body)) is None
+    clients(broker.port, "pub", clean_session=True).publish("will/probe", [b"p"], qos=1)
+    assert watcher.wait_for(lambda ms: any(m.topic == "will/probe" for m in ms))
+    assert [m.topic for m in watcher.messages] == ["will/probe"], "no will was published"
+
+
 def test_only_mqtt_3_1_1_connects_are_accepted(broker: Broker) -> None:
     """guarantees.md, The message path: a CONNECT of another protocol level (MQTT 5's 5) gets
     CONNACK 1; one with another protocol name (MQTT 3.1's MQIsdp) is closed without a CONNACK."""
@@ -74,30 +96,37 @@ def test_an_invalid_topic_filter_gets_0x80_and_the_others_in_the_subscribe_are_g
 @pytest.mark.parametrize("amqtt_reader", [False, True], ids=["plugin-reader", "amqtt-reader"])
 @pytest.mark.parametrize("clean", [True, False], ids=["clean", "durable"])
 @pytest.mark.parametrize(
-    "payload",
-    [b"", mqtt_string("ok/1") + b"\x01" + mqtt_string("ok/2") + b"\x03"],
-    ids=["no-filter", "qos-3"],
+    "packet",
+    [
+        (0x82, b""),
+        (0x82, mqtt_string("ok/1") + b"\x01" + mqtt_string("ok/2") + b"\x03"),
+        (0xA2, b""),
+    ],
+    ids=["subscribe-no-filter", "subscribe-qos-3", "unsubscribe-no-filter"],
 )
 def test_a_subscribe_without_a_filter_or_asking_qos_3_closes_the_connection(
     broker_factory: Callable[..., Broker],
     clients: Callable[..., Client],
     clean: bool,
     amqtt_reader: bool,
-    payload: bytes,
+    packet: tuple[int, bytes],
 ) -> None:
     """guarantees.md, The message path: a SUBSCRIBE that holds no topic filter (MQTT-3.8.3-3) or
-    asks for a QoS other than 0, 1 or 2 (MQTT-3-8.3-4) is a protocol violation: the connection is
-    closed with no SUBACK, nothing granted, on either reader, with a WARNING naming the client.
-    (amqtt answered the first with an empty SUBACK and the second with 0x80.)"""
+    asks for a QoS other than 0, 1 or 2 (MQTT-3-8.3-4), and an UNSUBSCRIBE that holds no topic
+    filter (MQTT-3.10.3-2), are protocol violations: the connection is closed with no SUBACK /
+    UNSUBACK, nothing granted, on either reader, with a WARNING naming the client. (amqtt answered
+    the first with an empty SUBACK, the second with 0x80 for QoS 3, the third with an UNSUBACK.)"""
     broker = broker_factory(start=False)
     if amqtt_reader:  # any topic plugin makes the broker read with amqtt's loop
         broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
     broker.start()
     sock = raw_connect(broker.port, f"bad-sub-{clean}", clean=clean)
-    sock.sendall(mqtt_packet(0x82, b"\x00\x03" + payload))
+    first, payload = packet
+    sock.sendall(mqtt_packet(first, b"\x00\x03" + payload))
     assert read_until_closed(sock, WAIT) == b"", "closed, and no SUBACK"
     sock.close()
-    assert f"closing the connection of bad-sub-{clean}: SUBSCRIBE refused" in broker.log()
+    kind = "UNSUBSCRIBE" if first == 0xA2 else "SUBSCRIBE"
+    assert f"closing the connection of bad-sub-{clean}: {kind} refused" in broker.log()
     if not clean:
         again = clients(broker.port, f"bad-sub-{clean}")
         clients(broker.port, "pub", clean_session=True).publish("ok/1", [b"x"], qos=1)

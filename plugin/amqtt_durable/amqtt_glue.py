@@ -367,10 +367,9 @@ def _install_connect_hooks() -> None:
             raise MQTTError(f"the connection ended while its CONNECT was read: {exc!r}") from None
         handler.connect_clean_session = bool(session.clean_session)
         handler.durable_will = ConnectionWill.of(session)
-        if session.will_flag:
-            problem = publish_topic_problem(session.will_topic or "")
-            if problem is not None:  # amqtt's caller logs it and closes the connection
-                raise MQTTError(f"CONNECT of {session.client_id!r} refused: will {problem}")
+        problem = _will_problem(session)
+        if problem is not None:  # amqtt's caller logs it and closes the connection
+            raise MQTTError(f"CONNECT of {session.client_id!r} refused: will {problem}")
         plugin = next((p for p in plugins_manager._plugins if isinstance(p, DurableSessionsPlugin)), None)
         if plugin is not None and not plugin.engine.serving:
             log.debug("CONNECT of %r refused (CONNACK 3): %s", session.client_id, NOT_SERVING)  # routine on a backup
@@ -384,6 +383,19 @@ def _install_connect_hooks() -> None:
 
     init_from_connect._durable_wrapped = True  # type: ignore[attr-defined]
     BrokerProtocolHandler.init_from_connect = staticmethod(init_from_connect)
+
+
+def _will_problem(session: Any) -> str | None:
+    """What is wrong with the will of a CONNECT just read (its Session), or None: a topic no client
+    may publish to, a will QoS of 3 (MQTT-3.1.2-14), or a will QoS or retain flag without a will
+    (MQTT-3.1.2-13/15); amqtt took all three."""
+    if not session.will_flag:
+        if session.will_qos or session.will_retain:
+            return "QoS or retain flag set without a will flag (MQTT-3.1.2-13, MQTT-3.1.2-15)"
+        return None
+    if session.will_qos not in (0, 1, 2):
+        return f"QoS {session.will_qos} (MQTT-3.1.2-14)"
+    return publish_topic_problem(session.will_topic or "")
 
 
 async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> None:
@@ -487,7 +499,8 @@ def _install_decoder_checks() -> None:
       keep for ever. Those two modules get a strict one, which also refuses U+0000 (MQTT-1.5.3-2,
       which amqtt grants and a durable session would keep too).
     * A SUBSCRIBE without a topic filter (MQTT-3.8.3-3) or asking for a QoS other than 0, 1
-      or 2 (MQTT-3-8.3-4): amqtt answers the first with an empty SUBACK and hands the second on.
+      or 2 (MQTT-3-8.3-4), an UNSUBSCRIBE without a topic filter (MQTT-3.10.3-2): amqtt answers
+      the first and the last with an empty SUBACK / an UNSUBACK and hands the second on.
     """
     original_header = MQTTFixedHeader.from_stream
     if getattr(original_header, "_durable_wrapped", False):
@@ -523,8 +536,9 @@ def _install_decoder_checks() -> None:
 
 
 def _install_subscribe_payload_check() -> None:
-    """A SUBSCRIBE without a topic filter or asking for a QoS other than 0, 1 or 2 is refused
-    once its payload is read (see _install_decoder_checks)."""
+    """A SUBSCRIBE without a topic filter or asking for a QoS other than 0, 1 or 2, and an
+    UNSUBSCRIBE without a topic filter, are refused once their payload is read (see
+    _install_decoder_checks)."""
     original_subscribe_payload = amqtt_subscribe.SubscribePayload.from_stream
 
     async def subscribe_payload_from_stream(
@@ -539,6 +553,18 @@ def _install_subscribe_payload_check() -> None:
         return payload
 
     amqtt_subscribe.SubscribePayload.from_stream = classmethod(subscribe_payload_from_stream)
+    original_unsubscribe_payload = amqtt_unsubscribe.UnubscribePayload.from_stream
+
+    async def unsubscribe_payload_from_stream(
+        cls: type[amqtt_unsubscribe.UnubscribePayload], reader: Any, fixed: Any, variable: Any
+    ) -> amqtt_unsubscribe.UnubscribePayload:
+        payload = await original_unsubscribe_payload.__func__(cls, reader, fixed, variable)
+        if not payload.topics:
+            error = ProtocolViolationError("UNSUBSCRIBE refused: it holds no topic filter (MQTT-3.10.3-2)")
+            raise _refused(reader, error)
+        return payload
+
+    amqtt_unsubscribe.UnubscribePayload.from_stream = classmethod(unsubscribe_payload_from_stream)
 
 
 def _strict_filter_decoder(packet: str) -> Callable[[Any], Awaitable[str]]:
