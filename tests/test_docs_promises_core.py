@@ -216,3 +216,35 @@ def test_a_packet_with_fixed_header_flags_mqtt_does_not_allow_closes_the_connect
     clients(broker.port, "pub", clean_session=True).publish("after/probe", [b"p"], qos=1)
     assert watcher.wait_for(lambda ms: any(m.topic == "after/probe" for m in ms))
     assert sorted(m.topic for m in watcher.messages) == sorted([*wills, "after/probe"]), "nothing after was routed"
+
+
+@pytest.mark.parametrize("amqtt_reader", [False, True], ids=["plugin-reader", "amqtt-reader"])
+@pytest.mark.parametrize("clean", [True, False], ids=["clean", "durable"])
+def test_a_packet_identifier_0_closes_the_connection_before_anything_is_routed(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool, amqtt_reader: bool
+) -> None:
+    """guarantees.md, The message path: a PUBLISH at QoS 1 or 2, a SUBSCRIBE or an UNSUBSCRIBE whose
+    packet identifier is 0 (MQTT-2.3.1-1) closes the connection unanswered, before anything of it
+    is stored, routed or acknowledged. (amqtt routed such a QoS 1 PUBLISH without a PUBACK, and
+    answered the others as usual.)"""
+    broker = broker_factory(start=False)
+    if amqtt_reader:
+        broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
+    broker.start()
+    watcher = clients(broker.port, "watch", clean_session=True)
+    assert watcher.subscribe("z/#", 2) == [2]
+    bad = {
+        "qos1": mqtt_packet(0x32, mqtt_string("z/1") + b"\x00\x00" + b"v"),
+        "qos2": mqtt_packet(0x34, mqtt_string("z/2") + b"\x00\x00" + b"v"),
+        "subscribe": mqtt_packet(0x82, b"\x00\x00" + mqtt_string("z/3") + b"\x01"),
+        "unsubscribe": mqtt_packet(0xA2, b"\x00\x00" + mqtt_string("z/3")),
+    }
+    for name, packet in bad.items():
+        sock = raw_connect(broker.port, f"id0-{name}", clean=clean)
+        sock.sendall(packet)
+        assert read_until_closed(sock, WAIT) == b"", f"{name}: closed, unanswered"
+        sock.close()
+        assert f"closing the connection of id0-{name}:" in broker.log(), f"{name}: a WARNING names the client"
+    clients(broker.port, "pub", clean_session=True).publish("z/probe", [b"p"], qos=1)
+    assert watcher.wait_for(lambda ms: any(m.topic == "z/probe" for m in ms))
+    assert [m.topic for m in watcher.messages] == ["z/probe"], "nothing was routed"

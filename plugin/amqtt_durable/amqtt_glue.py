@@ -178,6 +178,7 @@ SYS_PREFIX = "$SYS/broker/durable/"
 HEALTH_TOPIC = SYS_PREFIX + "store/health"
 NOT_SERVING = "this broker is a replication backup (or stopped being the primary): connect to the primary"
 _SUBSCRIBE_REFUSED = 0x80
+PACKET_ID_0 = "its packet identifier is 0 (MQTT-2.3.1-1)"
 TOPIC_PAST_END = "PUBLISH refused: its topic length runs past the packet's end (MQTT-1.5.3)"
 CLOSE_GRACE = 5.0
 """Seconds a closed connection's unsent bytes (a refusing CONNACK) get before the socket is aborted."""
@@ -500,7 +501,9 @@ def _install_decoder_checks() -> None:
       which amqtt grants and a durable session would keep too).
     * A SUBSCRIBE without a topic filter (MQTT-3.8.3-3) or asking for a QoS other than 0, 1
       or 2 (MQTT-3-8.3-4), an UNSUBSCRIBE without a topic filter (MQTT-3.10.3-2): amqtt answers
-      the first and the last with an empty SUBACK / an UNSUBACK and hands the second on.
+      the first and the last with an empty SUBACK / an UNSUBACK and hands the second on; and a
+      PUBLISH (QoS > 0), SUBSCRIBE or UNSUBSCRIBE whose packet identifier is 0 (MQTT-2.3.1-1):
+      amqtt routed such a QoS 1 PUBLISH and never acknowledged it.
     """
     original_header = MQTTFixedHeader.from_stream
     if getattr(original_header, "_durable_wrapped", False):
@@ -525,6 +528,8 @@ def _install_decoder_checks() -> None:
         except ProtocolViolationError as exc:
             raise _refused(reader, exc) from None
         packet_id = await decode_packet_id(reader) if has_packet_id else None
+        if packet_id == 0:
+            raise _refused(reader, ProtocolViolationError(f"PUBLISH refused: {PACKET_ID_0}"))
         return cls(topic, packet_id)
 
     header_from_stream._durable_wrapped = True  # type: ignore[attr-defined]
@@ -545,6 +550,8 @@ def _install_subscribe_payload_check() -> None:
         cls: type[amqtt_subscribe.SubscribePayload], reader: Any, fixed: Any, variable: Any
     ) -> amqtt_subscribe.SubscribePayload:
         payload = await original_subscribe_payload.__func__(cls, reader, fixed, variable)
+        if variable.packet_id == 0:
+            raise _refused(reader, ProtocolViolationError(f"SUBSCRIBE refused: {PACKET_ID_0}"))
         if not payload.topics:
             raise _refused(reader, ProtocolViolationError("SUBSCRIBE refused: it holds no topic filter (MQTT-3.8.3-3)"))
         if any(qos not in (0, 1, 2) for _, qos in payload.topics):
@@ -559,6 +566,8 @@ def _install_subscribe_payload_check() -> None:
         cls: type[amqtt_unsubscribe.UnubscribePayload], reader: Any, fixed: Any, variable: Any
     ) -> amqtt_unsubscribe.UnubscribePayload:
         payload = await original_unsubscribe_payload.__func__(cls, reader, fixed, variable)
+        if variable.packet_id == 0:
+            raise _refused(reader, ProtocolViolationError(f"UNSUBSCRIBE refused: {PACKET_ID_0}"))
         if not payload.topics:
             error = ProtocolViolationError("UNSUBSCRIBE refused: it holds no topic filter (MQTT-3.10.3-2)")
             raise _refused(reader, error)
