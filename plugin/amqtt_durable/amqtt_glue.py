@@ -360,7 +360,8 @@ def _install_connect_hooks() -> None:
     async def init_from_connect(reader: Any, writer: Any, plugins_manager: Any, *args: Any) -> tuple[Any, Any]:
         try:
             handler, session = await original(reader, writer, plugins_manager, *args)
-        except PacketTooLargeError as exc:  # as an MQTTError, so amqtt closes it and frees its listener slot
+        except ProtocolViolationError as exc:  # as an MQTTError, so amqtt closes it and frees its listener slot
+            # Too large, or fixed header flags MQTT does not allow: no client id yet, so the address.
             log.warning("closing a connection from %s before its CONNECT was read: %s", _peer(writer), exc)
             raise MQTTError(str(exc)) from None
         except ConnectionError as exc:  # amqtt catches no OSError here: its listener slot would stay taken
