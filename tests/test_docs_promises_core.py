@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly
-from test_hostile_wire import read_until_closed
+from test_hostile_wire import PATHS, read_until_closed
 
 from amqtt_durable.config import DurableConfig
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
@@ -30,6 +30,14 @@ def connack(port: int, packet: bytes) -> bytes | None:
         reply = read_until_closed(sock, WAIT)
     assert reply is not None, "a refused CONNECT's connection must be closed"
     return reply or None
+
+
+def broker_reading_on(broker_factory: Callable[..., Broker], path: str) -> Broker:
+    """A started broker whose connections are read on ``path``, the plugin's reader or amqtt's
+    (test_hostile_wire.PATHS)."""
+    broker = broker_factory(start=False)
+    broker.extra_plugins.update(PATHS[path])
+    return broker.start()
 
 
 def test_a_durable_connect_without_a_client_id_is_refused_with_connack_2(broker: Broker) -> None:
@@ -93,7 +101,7 @@ def test_an_invalid_topic_filter_gets_0x80_and_the_others_in_the_subscribe_are_g
     sock.close()
 
 
-@pytest.mark.parametrize("amqtt_reader", [False, True], ids=["plugin-reader", "amqtt-reader"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("clean", [True, False], ids=["clean", "durable"])
 @pytest.mark.parametrize(
     "packet",
@@ -108,18 +116,15 @@ def test_a_subscribe_without_a_filter_or_asking_qos_3_closes_the_connection(
     broker_factory: Callable[..., Broker],
     clients: Callable[..., Client],
     clean: bool,
-    amqtt_reader: bool,
+    path: str,
     packet: tuple[int, bytes],
 ) -> None:
     """guarantees.md, The message path: a SUBSCRIBE that holds no topic filter (MQTT-3.8.3-3) or
-    asks for a QoS other than 0, 1 or 2 (MQTT-3-8.3-4), and an UNSUBSCRIBE that holds no topic
+    asks for a QoS other than 0, 1 or 2 (MQTT-3.8.3-4), and an UNSUBSCRIBE that holds no topic
     filter (MQTT-3.10.3-2), are protocol violations: the connection is closed with no SUBACK /
     UNSUBACK, nothing granted, on either reader, with a WARNING naming the client. (amqtt answered
     the first with an empty SUBACK, the second with 0x80 for QoS 3, the third with an UNSUBACK.)"""
-    broker = broker_factory(start=False)
-    if amqtt_reader:  # any topic plugin makes the broker read with amqtt's loop
-        broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
-    broker.start()
+    broker = broker_reading_on(broker_factory, path)
     sock = raw_connect(broker.port, f"bad-sub-{clean}", clean=clean)
     first, payload = packet
     sock.sendall(mqtt_packet(first, b"\x00\x03" + payload))
@@ -181,18 +186,15 @@ def test_every_default_the_pages_quote_is_the_code_s() -> None:
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("amqtt_reader", [False, True], ids=["plugin-reader", "amqtt-reader"])
+@pytest.mark.parametrize("path", PATHS)
 def test_a_packet_with_fixed_header_flags_mqtt_does_not_allow_closes_the_connection(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], amqtt_reader: bool
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], path: str
 ) -> None:
     """guarantees.md, The message path: a packet whose fixed header flags are not those MQTT 3.1.1
     gives its type (PUBREL, SUBSCRIBE and UNSUBSCRIBE 0010, every other but PUBLISH 0000) closes the
     connection (MQTT-2.2.2-2) unanswered, with a WARNING naming the client; nothing read after it
     is handled, and the will is published. (amqtt answered each as if its flags were right.)"""
-    broker = broker_factory(start=False)
-    if amqtt_reader:
-        broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
-    broker.start()
+    broker = broker_reading_on(broker_factory, path)
     watcher = clients(broker.port, "watch", clean_session=True)
     assert watcher.subscribe([("after/#", 1), ("will/#", 0)]) == [1, 0]
     bad = {
@@ -218,19 +220,16 @@ def test_a_packet_with_fixed_header_flags_mqtt_does_not_allow_closes_the_connect
     assert sorted(m.topic for m in watcher.messages) == sorted([*wills, "after/probe"]), "nothing after was routed"
 
 
-@pytest.mark.parametrize("amqtt_reader", [False, True], ids=["plugin-reader", "amqtt-reader"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("clean", [True, False], ids=["clean", "durable"])
 def test_a_packet_identifier_0_closes_the_connection_before_anything_is_routed(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool, amqtt_reader: bool
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool, path: str
 ) -> None:
     """guarantees.md, The message path: a PUBLISH at QoS 1 or 2, a SUBSCRIBE or an UNSUBSCRIBE whose
     packet identifier is 0 (MQTT-2.3.1-1) closes the connection unanswered, before anything of it
     is stored, routed or acknowledged. (amqtt routed such a QoS 1 PUBLISH without a PUBACK, and
     answered the others as usual.)"""
-    broker = broker_factory(start=False)
-    if amqtt_reader:
-        broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
-    broker.start()
+    broker = broker_reading_on(broker_factory, path)
     watcher = clients(broker.port, "watch", clean_session=True)
     assert watcher.subscribe("z/#", 2) == [2]
     bad = {

@@ -511,7 +511,7 @@ def _install_decoder_checks() -> None:
       keep for ever. Those two modules get a strict one, which also refuses U+0000 (MQTT-1.5.3-2,
       which amqtt grants and a durable session would keep too).
     * A SUBSCRIBE without a topic filter (MQTT-3.8.3-3) or asking for a QoS other than 0, 1
-      or 2 (MQTT-3-8.3-4), an UNSUBSCRIBE without a topic filter (MQTT-3.10.3-2): amqtt answers
+      or 2 (MQTT-3.8.3-4), an UNSUBSCRIBE without a topic filter (MQTT-3.10.3-2): amqtt answers
       the first and the last with an empty SUBACK / an UNSUBACK and hands the second on; and a
       PUBLISH (QoS > 0), SUBSCRIBE or UNSUBSCRIBE whose packet identifier is 0 (MQTT-2.3.1-1):
       amqtt routed such a QoS 1 PUBLISH and never acknowledged it.
@@ -555,36 +555,29 @@ def _install_subscribe_payload_check() -> None:
     """A SUBSCRIBE without a topic filter or asking for a QoS other than 0, 1 or 2, and an
     UNSUBSCRIBE without a topic filter, are refused once their payload is read (see
     _install_decoder_checks)."""
-    original_subscribe_payload = amqtt_subscribe.SubscribePayload.from_stream
+    subscribe_payload, unsubscribe_payload = amqtt_subscribe.SubscribePayload, amqtt_unsubscribe.UnubscribePayload
+    subscribe_payload.from_stream = _checked_payload(subscribe_payload.from_stream, "SUBSCRIBE", "MQTT-3.8.3-3")
+    unsubscribe_payload.from_stream = _checked_payload(unsubscribe_payload.from_stream, "UNSUBSCRIBE", "MQTT-3.10.3-2")
 
-    async def subscribe_payload_from_stream(
-        cls: type[amqtt_subscribe.SubscribePayload], reader: Any, fixed: Any, variable: Any
-    ) -> amqtt_subscribe.SubscribePayload:
-        payload = await original_subscribe_payload.__func__(cls, reader, fixed, variable)
+
+def _checked_payload(original: Any, packet: str, empty_rule: str) -> Any:
+    """amqtt's ``from_stream`` (a bound classmethod) of a SUBSCRIBE or UNSUBSCRIBE payload, wrapped
+    to refuse packet identifier 0, a payload without a topic filter (``empty_rule``) and, in a
+    SUBSCRIBE, a requested QoS other than 0, 1 or 2."""
+
+    async def payload_from_stream(cls: type, reader: Any, fixed: Any, variable: Any) -> Any:
+        payload = await original.__func__(cls, reader, fixed, variable)
         if variable.packet_id == 0:
-            raise _refused(reader, ProtocolViolationError(f"SUBSCRIBE refused: {PACKET_ID_0}"))
-        if not payload.topics:
-            raise _refused(reader, ProtocolViolationError("SUBSCRIBE refused: it holds no topic filter (MQTT-3.8.3-3)"))
-        if any(qos not in (0, 1, 2) for _, qos in payload.topics):
-            error = ProtocolViolationError("SUBSCRIBE refused: a requested QoS is not 0, 1 or 2 (MQTT-3-8.3-4)")
-            raise _refused(reader, error)
-        return payload
+            problem = PACKET_ID_0
+        elif not payload.topics:
+            problem = f"it holds no topic filter ({empty_rule})"
+        elif packet == "SUBSCRIBE" and any(qos not in (0, 1, 2) for _, qos in payload.topics):
+            problem = "a requested QoS is not 0, 1 or 2 (MQTT-3.8.3-4)"
+        else:
+            return payload
+        raise _refused(reader, ProtocolViolationError(f"{packet} refused: {problem}"))
 
-    amqtt_subscribe.SubscribePayload.from_stream = classmethod(subscribe_payload_from_stream)
-    original_unsubscribe_payload = amqtt_unsubscribe.UnubscribePayload.from_stream
-
-    async def unsubscribe_payload_from_stream(
-        cls: type[amqtt_unsubscribe.UnubscribePayload], reader: Any, fixed: Any, variable: Any
-    ) -> amqtt_unsubscribe.UnubscribePayload:
-        payload = await original_unsubscribe_payload.__func__(cls, reader, fixed, variable)
-        if variable.packet_id == 0:
-            raise _refused(reader, ProtocolViolationError(f"UNSUBSCRIBE refused: {PACKET_ID_0}"))
-        if not payload.topics:
-            error = ProtocolViolationError("UNSUBSCRIBE refused: it holds no topic filter (MQTT-3.10.3-2)")
-            raise _refused(reader, error)
-        return payload
-
-    amqtt_unsubscribe.UnubscribePayload.from_stream = classmethod(unsubscribe_payload_from_stream)
+    return classmethod(payload_from_stream)
 
 
 def _strict_filter_decoder(packet: str) -> Callable[[Any], Awaitable[str]]:
