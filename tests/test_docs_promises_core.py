@@ -199,6 +199,7 @@ def test_a_packet_with_fixed_header_flags_mqtt_does_not_allow_closes_the_connect
     assert watcher.subscribe([("after/#", 1), ("will/#", 0)]) == [1, 0]
     bad = {
         "pubrel": b"\x60\x02\x00\x01",
+        "pubrel-dup": b"\x6a\x02\x00\x01",  # what paho-mqtt <= 1.3.1 re-sends (guarantees.md)
         "subscribe": mqtt_packet(0x80, b"\x00\x01" + mqtt_string("s/t") + b"\x01"),
         "unsubscribe": mqtt_packet(0xA0, b"\x00\x01" + mqtt_string("s/t")),
         "puback": b"\x42\x02\x00\x01",
