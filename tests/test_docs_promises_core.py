@@ -222,6 +222,46 @@ def test_a_packet_with_fixed_header_flags_mqtt_does_not_allow_closes_the_connect
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_a_reserved_or_server_only_packet_type_closes_the_connection(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], path: str
+) -> None:
+    """guarantees.md, The message path: a reserved packet type (0 or 15, whatever its body) or a
+    type only servers send (CONNACK, SUBACK, UNSUBACK, PINGRESP; MQTT 3.1.1 section 4.8) closes the
+    connection unanswered, with a WARNING naming the client, on both readers; nothing read after
+    it is handled (a QoS 1 PUBLISH in the same write is neither routed nor PUBACKed), and the will
+    is published. (amqtt's reader logged a reserved type and read on, PUBACKing what followed, and
+    ignored the server-only types; the plugin's took a type 0 with a 2-byte body for an ack run.)"""
+    broker = broker_reading_on(broker_factory, path)
+    watcher = clients(broker.port, "watch", clean_session=True)
+    assert watcher.subscribe([("after/#", 1), ("will/#", 0)]) == [1, 0]
+    bad = {
+        "reserved0": (b"\x00\x00", "packet type 0 is reserved"),
+        "reserved0-2": (b"\x00\x02\x00\x01", "packet type 0 is reserved"),  # shaped like an ack
+        "reserved15": (b"\xf0\x00", "packet type 15 is reserved"),
+        "reserved15-flags": (b"\xf7\x02\x00\x01", "packet type 15 is reserved"),
+        "connack": (b"\x20\x02\x00\x00", "packet type 2 (CONNACK) is sent by servers only"),
+        "suback": (b"\x90\x03\x00\x01\x00", "packet type 9 (SUBACK) is sent by servers only"),
+        "unsuback": (b"\xb0\x02\x00\x01", "packet type 11 (UNSUBACK) is sent by servers only"),
+        "pingresp": (b"\xd0\x00", "packet type 13 (PINGRESP) is sent by servers only"),
+    }
+    for name, (packet, refusal) in bad.items():
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(connect_packet(f"type-{name}", clean=False, will_topic=f"will/{name}".encode()))
+            assert read_exactly(sock, 4) == b"\x20\x02\x00\x00"
+            after = mqtt_packet(0x32, mqtt_string(f"after/{name}") + b"\x00\x07" + b"v")
+            sock.sendall(packet + after)
+            assert read_until_closed(sock, WAIT) == b"", f"{name}: closed, unanswered"
+        warning = f"closing the connection of type-{name}: {refusal}"
+        assert warning in broker.log(), f"{name}: a WARNING names the client"
+    wills = sorted(f"will/{name}" for name in bad)
+    assert watcher.wait_for(lambda ms: sorted(m.topic for m in ms) == wills), [m.topic for m in watcher.messages]
+    clients(broker.port, "pub", clean_session=True).publish("after/probe", [b"p"], qos=1)
+    assert watcher.wait_for(lambda ms: any(m.topic == "after/probe" for m in ms))
+    assert sorted(m.topic for m in watcher.messages) == sorted([*wills, "after/probe"]), "nothing after was routed"
+    assert "reader stopped" not in broker.log()
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("clean", [True, False], ids=["clean", "durable"])
 def test_a_packet_identifier_0_closes_the_connection_before_anything_is_routed(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool, path: str

@@ -154,10 +154,43 @@ def test_a_first_packet_with_flags_mqtt_does_not_allow_frees_its_connection_slot
     assert_the_listener_still_serves(broker)
     log = broker.log()
     before_connect = r"closing a connection from 127\.0\.0\.1:\d+ before its CONNECT was read: "
-    for packet_type in (1, 14, 12):  # CONNECT, DISCONNECT, PINGREQ
-        refusal = f"packet type {packet_type} with fixed header flags 0b0001, not 0b0000 (MQTT-2.2.2-2)"
+    refusals = [
+        "packet type 1 with fixed header flags 0b0001, not 0b0000 (MQTT-2.2.2-2)",
+        # review 139: a first DISCONNECT or PINGREQ is refused first for not being a CONNECT
+        *(f"its first packet is of type {packet_type}, not CONNECT (MQTT-3.1.0-1)" for packet_type in (14, 12)),
+    ]
+    for refusal in refusals:
         warning = re.compile(f"WARNING .*{before_connect}{re.escape(refusal)}")
         assert len(warning.findall(log)) == 2, refusal
+    assert "Unhandled exception" not in log
+
+
+def test_a_first_packet_that_is_not_a_connect_is_refused_at_once_and_frees_its_slot(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Review 139: a first packet that is not a CONNECT (MQTT-3.1.0-1) was read by amqtt as a
+    CONNECT body: a 2-byte one (a reserved type 15, a PINGREQ) hung until connect_timeout (10 s),
+    others were closed only once their body was read. Now it is refused on its fixed header, with
+    the WARNING guarantees.md promises naming the peer's address, and its listener slot is freed
+    (max_connections 2, three of each)."""
+    broker = broker_with_two_connection_slots(broker_factory)
+    firsts = {15: b"\xf0\x00", 12: b"\xc0\x00", 2: b"\x20\x02\x00\x00", 8: b"\x82\x06\x00\x01\x00\x01t\x01"}
+    for _ in range(3):
+        for packet in firsts.values():
+            with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+                sock.sendall(packet)
+                assert read_until_closed(sock, 5.0) == b"", f"{packet!r}: closed, unanswered, before connect_timeout"
+    assert_the_listener_still_serves(broker)
+    log = broker.log()
+    before_connect = r"closing a connection from 127\.0\.0\.1:\d+ before its CONNECT was read: "
+    for packet_type in firsts:
+        refusal = f"its first packet is of type {packet_type}, not CONNECT (MQTT-3.1.0-1)"
+        warning = re.compile(f"WARNING .*{before_connect}{re.escape(refusal)}")
+        assert len(warning.findall(log)) == 3, refusal
+        amqtt_s = re.compile(f"WARNING .*Failed to initialize client session: .*{re.escape(refusal)}")
+        assert len(amqtt_s.findall(log)) == 3, f"amqtt's own WARNING, as guarantees.md quotes it: {refusal}"
+    assert len(re.findall(r"WARNING .*Invalid connection from \(client @=127\.0\.0\.1:\d+\)", log)) == 12
+    assert "no complete CONNECT within connect_timeout" not in log
     assert "Unhandled exception" not in log
 
 

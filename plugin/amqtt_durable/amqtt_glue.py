@@ -244,21 +244,37 @@ any other value is malformed and the connection is closed (MQTT-2.2.2-2, MQTT-3.
 MQTT-3.8.1-1, MQTT-3.10.1-1)."""
 
 
-def _flags_allowed(first: int) -> bool:
-    """Whether a packet's first byte has the fixed header flags MQTT 3.1.1 gives its type: PUBLISH's
-    flags are its own, and a reserved type is refused as such, elsewhere."""
+_CLIENT_BOUND = {CONNACK: "CONNACK", SUBACK: "SUBACK", UNSUBACK: "UNSUBACK", PINGRESP: "PINGRESP"}
+"""Packet types only a server sends (MQTT 3.1.1 section 2.2.1): one sent to the server is a
+protocol violation (section 4.8), and the connection is closed (amqtt ignored them)."""
+
+
+def _refused_at_server(first: int) -> bool:
+    """Whether the server refuses a packet of this first byte: a reserved type (0 or 15), a type
+    only a server sends, or fixed header flags other than MQTT 3.1.1 gives its type (PUBLISH's are
+    its own)."""
     packet_type = first >> 4
-    return packet_type in (PUBLISH, RESERVED_0, RESERVED_15) or first & 0x0F == _FIXED_FLAGS.get(packet_type, 0)
+    if packet_type in (RESERVED_0, RESERVED_15) or packet_type in _CLIENT_BOUND:
+        return True
+    return packet_type != PUBLISH and first & 0x0F != _FIXED_FLAGS.get(packet_type, 0)
 
 
-_BAD_FIRST = tuple(not _flags_allowed(first) for first in range(256))
-"""Indexed by a packet's first byte: True where its fixed header flags are refused. One tuple index
-(5-25 ns) where computing it took 120-440 ns a packet (bench/bench_fixed_flags.py)."""
+_BAD_FIRST = tuple(_refused_at_server(first) for first in range(256))
+"""Indexed by the first byte of a packet sent to the server: True where it is refused (reserved
+type, server-only type, or fixed header flags). One tuple index (5-25 ns) where computing the flags
+check took 120-440 ns a packet (bench/bench_fixed_flags.py)."""
 
 
-def fixed_flags_refusal(first: int) -> ProtocolViolationError:
+def first_byte_refusal(first: int) -> ProtocolViolationError:
     """Why a packet whose first byte ``_BAD_FIRST`` marks is refused."""
     packet_type, flags = first >> 4, first & 0x0F
+    if packet_type in (RESERVED_0, RESERVED_15):
+        return ProtocolViolationError(f"packet type {packet_type} is reserved (MQTT 3.1.1 section 2.2.1)")
+    if packet_type in _CLIENT_BOUND:
+        name = _CLIENT_BOUND[packet_type]
+        return ProtocolViolationError(
+            f"packet type {packet_type} ({name}) is sent by servers only (MQTT 3.1.1 section 4.8)"
+        )
     required = _FIXED_FLAGS.get(packet_type, 0)
     return ProtocolViolationError(
         f"packet type {packet_type} with fixed header flags {flags:#06b}, not {required:#06b} (MQTT-2.2.2-2)"
@@ -368,10 +384,12 @@ def _install_connect_hooks() -> None:
         return
 
     async def init_from_connect(reader: Any, writer: Any, plugins_manager: Any, *args: Any) -> tuple[Any, Any]:
+        reader.durable_awaiting_connect = True  # the decoder checks refuse a first packet not a CONNECT
         try:
             handler, session = await original(reader, writer, plugins_manager, *args)
         except ProtocolViolationError as exc:  # as an MQTTError, so amqtt closes it and frees its listener slot
-            # Too large, or fixed header flags MQTT does not allow: no client id yet, so the address.
+            # Not a CONNECT, too large, or fixed header flags MQTT does not allow: no client id yet,
+            # so the address.
             log.warning("closing a connection from %s before its CONNECT was read: %s", _peer(writer), exc)
             raise MQTTError(str(exc)) from None
         except ConnectionError as exc:  # amqtt catches no OSError here: its listener slot would stay taken
@@ -494,11 +512,16 @@ def _install_refusal_filter() -> None:
 
 
 def _install_decoder_checks() -> None:
-    """Five refusals in amqtt's decoders; a ProtocolViolationError ends amqtt's reader loop, which
+    """Six refusals in amqtt's decoders; a ProtocolViolationError ends amqtt's reader loop, which
     closes the connection (an MQTTError would make it skip the rest and read on, out of step).
 
-    * Fixed header flags MQTT 3.1.1 does not allow for the packet type (``_BAD_FIRST``):
-      amqtt took a PUBREL, SUBSCRIBE or UNSUBSCRIBE whatever its flags.
+    * A connection's first packet that is not a CONNECT (MQTT-3.1.0-1), on its fixed header (the
+      reader is marked ``durable_awaiting_connect`` by ``init_from_connect``): amqtt read any
+      first packet as a CONNECT body, waiting for bytes that might never come.
+    * A first byte the server refuses (``_BAD_FIRST``): a reserved packet type (amqtt logged it
+      and read on), a type only servers send (amqtt ignored it), or fixed header flags MQTT
+      3.1.1 does not allow for the type (amqtt took a PUBREL, SUBSCRIBE or UNSUBSCRIBE whatever
+      its flags).
     * A packet's remaining length past the connection's ``max_packet_size`` (set on its reader
       as ``durable_max_packet_size``; readers without one are not affected), before the body
       is read: amqtt would read a body of any size into memory.
@@ -522,11 +545,8 @@ def _install_decoder_checks() -> None:
 
     async def header_from_stream(cls: type[MQTTFixedHeader], reader: Any) -> MQTTFixedHeader | None:
         header = await original_header.__func__(cls, reader)
-        if header is not None and _BAD_FIRST[first := (header.packet_type << 4) | header.flags]:
-            raise _refused(reader, fixed_flags_refusal(first))
-        limit = getattr(reader, "durable_max_packet_size", None)
-        if header is not None and limit is not None and header.remaining_length > limit:
-            raise _refused(reader, PacketTooLargeError(header.remaining_length, limit))
+        if header is not None:
+            _check_header(reader, header)
         return header
 
     async def publish_from_stream(cls: type[PublishVariableHeader], reader: Any, fixed: Any) -> PublishVariableHeader:
@@ -549,6 +569,21 @@ def _install_decoder_checks() -> None:
     amqtt_subscribe.decode_string = _strict_filter_decoder("SUBSCRIBE")
     amqtt_unsubscribe.decode_string = _strict_filter_decoder("UNSUBSCRIBE")
     _install_subscribe_payload_check()
+
+
+def _check_header(reader: Any, header: MQTTFixedHeader) -> None:
+    """The fixed header checks of ``_install_decoder_checks``: first packet a CONNECT, first byte,
+    remaining length."""
+    if getattr(reader, "durable_awaiting_connect", False):
+        reader.durable_awaiting_connect = False
+        if header.packet_type != CONNECT:
+            packet_type = header.packet_type
+            raise ProtocolViolationError(f"its first packet is of type {packet_type}, not CONNECT (MQTT-3.1.0-1)")
+    if _BAD_FIRST[first := (header.packet_type << 4) | header.flags]:
+        raise _refused(reader, first_byte_refusal(first))
+    limit = getattr(reader, "durable_max_packet_size", None)
+    if limit is not None and header.remaining_length > limit:
+        raise _refused(reader, PacketTooLargeError(header.remaining_length, limit))
 
 
 def _install_subscribe_payload_check() -> None:
@@ -1726,10 +1761,10 @@ def _keep_the_disconnect(handler: Any) -> None:
     Once the server has ended the connection (``durable_ended``), a DISCONNECT read after counts
     for nothing: the plugin's reader handles nothing after it (``FastReader._dispatch_all``), but
     amqtt's own reader goes on handling what it reads until the connection is stopped (after a
-    reserved packet type or a second CONNECT too), and the will of a connection ended for a
-    protocol violation is published (MQTT-3.1.2-8). The server's ends are ``end_connection``'s callers, a
-    second CONNECT (``handle_connect``, MQTT-3.1.0-2) and whatever the reader task itself ends
-    (amqtt's own reader's reserved packet type; at EOF nothing is read after). Not any None: a
+    second CONNECT too), and the will of a connection ended for a protocol violation is published
+    (MQTT-3.1.2-8). The server's ends are ``end_connection``'s callers, a second CONNECT
+    (``handle_connect``, MQTT-3.1.0-2) and whatever the reader task itself ends (a packet the
+    decoder checks refuse; at EOF nothing is read after). Not any None: a
     write that fails (amqtt's ``_send_packet``) may come before a DISCONNECT the reader has yet to
     read."""
     original_handle = handler.handle_disconnect
@@ -2196,15 +2231,16 @@ class FastReader:
         return True
 
     async def _dispatch(self, first: int, body: bytes) -> None:
-        """One packet the ack runs of _dispatch_all do not take. Fixed header flags MQTT does not
-        allow raise ProtocolViolationError (run() logs it and ends the connection); PUBLISH's are
-        its own, and an ack in a run has its flags 0, so neither fast path looks them up."""
+        """One packet the ack runs of _dispatch_all do not take. A first byte ``_BAD_FIRST`` refuses
+        (reserved type, server-only type, fixed header flags MQTT does not allow) raises
+        ProtocolViolationError (run() logs it and ends the connection); PUBLISH's flags are its
+        own, and an ack in a run has its flags 0, so neither fast path looks them up."""
         packet_type, flags = first >> 4, first & 0x0F
         if packet_type == PUBLISH:
             if self._publish_inline(flags, body):
                 return
         elif _BAD_FIRST[first]:
-            raise fixed_flags_refusal(first)
+            raise first_byte_refusal(first)
         kind = _ACK_KINDS.get(packet_type)
         if kind is not None and len(body) == 2 and self._transport.take_ack(kind, int.from_bytes(body, "big")):
             return
@@ -2212,10 +2248,12 @@ class FastReader:
 
     async def _dispatch_all(self, packets: list[tuple[int, bytes]]) -> None:
         """The packets of one read, in order; runs of acks of one kind go to the pump together.
-        None after one that made the server end the connection (``durable_ended``: a reserved
-        packet type, a second CONNECT): the connection is over."""
+        None after one that made the server end the connection (``durable_ended``: a second
+        CONNECT) or was refused (run() ends the connection): the connection is over. ``ack_first``
+        is -1, a first byte no packet has, while no run is open: 0 would take a reserved type 0
+        with a 2-byte body for an ack."""
         acks: list[int] = []
-        ack_first = 0
+        ack_first = -1
         for first, body in packets:
             if self._handler.durable_ended:
                 break
@@ -2230,7 +2268,7 @@ class FastReader:
                 ack_first = first
                 acks.append((body[0] << 8) | body[1])
                 continue
-            ack_first = 0
+            ack_first = -1
             try:
                 await self._dispatch(first, body)
             except (MQTTError, AMQTTError) as exc:
@@ -2249,10 +2287,6 @@ class FastReader:
     async def _to_amqtt(self, packet_type: int, flags: int, body: bytes) -> None:
         """A packet the inline paths do not take: decoded by amqtt's classes and handled as amqtt does."""
         handler = self._handler
-        if packet_type in (RESERVED_0, RESERVED_15):
-            log.warning("%s sent a reserved packet type: closing the connection", self._session.client_id)
-            await end_connection(handler)
-            return
         fixed = MQTTFixedHeader(packet_type, flags, len(body))
         packet = await packet_class(fixed).from_stream(BufferReader(body), fixed_header=fixed)
         if packet_type == CONNECT:
