@@ -11,9 +11,10 @@ instance the plugin is loaded into and on each connection's handler:
   amqtt holds a Session of its client id (amqtt would take its connection over and give it the
   CONNECT's will first); a CONNECT past ``max_packet_size`` is refused as amqtt's own errors
   are, so amqtt frees its listener slot;
-* ``MQTTFixedHeader.from_stream`` (class-level, neutral for readers without a limit): a packet
-  past ``max_packet_size`` is refused before amqtt reads its body (CONNECT, and every packet
-  on amqtt's own reader loop);
+* ``MQTTFixedHeader.from_stream`` (class-level): a first packet that is not a CONNECT, a first
+  byte the server refuses (``_BAD_FIRST``: reserved type, server-only type, fixed header flags)
+  and a packet past ``max_packet_size`` (readers without a limit: not checked) are refused
+  before amqtt reads the body (CONNECT, and every packet on amqtt's own reader loop);
 * ``PublishVariableHeader.from_stream`` (class-level): a PUBLISH topic no client may publish to
   ends the connection (amqtt skips a wildcard one and reads on out of step, and passes U+0000);
 * ``Broker._authenticate``: a CONNECT already authenticated as it was read (see
