@@ -263,7 +263,8 @@ def _refused_at_server(first: int) -> bool:
 _BAD_FIRST = tuple(_refused_at_server(first) for first in range(256))
 """Indexed by the first byte of a packet sent to the server: True where it is refused (reserved
 type, server-only type, or fixed header flags). One tuple index (5-25 ns) where computing the flags
-check took 120-440 ns a packet (bench/bench_fixed_flags.py)."""
+check took 120-440 ns a packet (bench/bench_fixed_flags.py). Only for a broker connection's reader:
+amqtt's own client in the same process reads CONNACK, SUBACK and PINGRESP through the same code."""
 
 
 def first_byte_refusal(first: int) -> ProtocolViolationError:
@@ -386,6 +387,7 @@ def _install_connect_hooks() -> None:
 
     async def init_from_connect(reader: Any, writer: Any, plugins_manager: Any, *args: Any) -> tuple[Any, Any]:
         reader.durable_awaiting_connect = True  # the decoder checks refuse a first packet not a CONNECT
+        reader.durable_server_side = True  # and first bytes a server refuses (not on a client's reader)
         try:
             handler, session = await original(reader, writer, plugins_manager, *args)
         except ProtocolViolationError as exc:  # as an MQTTError, so amqtt closes it and frees its listener slot
@@ -519,7 +521,9 @@ def _install_decoder_checks() -> None:
     * A connection's first packet that is not a CONNECT (MQTT-3.1.0-1), on its fixed header (the
       reader is marked ``durable_awaiting_connect`` by ``init_from_connect``): amqtt read any
       first packet as a CONNECT body, waiting for bytes that might never come.
-    * A first byte the server refuses (``_BAD_FIRST``): a reserved packet type (amqtt logged it
+    * On a broker connection's reader (marked ``durable_server_side`` by ``init_from_connect``:
+      the patch is the class's, process-wide, and amqtt's own client reads CONNACK, SUBACK and
+      PINGRESP through it), a first byte the server refuses (``_BAD_FIRST``): a reserved packet type (amqtt logged it
       and read on), a type only servers send (amqtt ignored it), or fixed header flags MQTT
       3.1.1 does not allow for the type (amqtt took a PUBREL, SUBSCRIBE or UNSUBSCRIBE whatever
       its flags).
@@ -580,7 +584,7 @@ def _check_header(reader: Any, header: MQTTFixedHeader) -> None:
         if header.packet_type != CONNECT:
             packet_type = header.packet_type
             raise ProtocolViolationError(f"its first packet is of type {packet_type}, not CONNECT (MQTT-3.1.0-1)")
-    if _BAD_FIRST[first := (header.packet_type << 4) | header.flags]:
+    if getattr(reader, "durable_server_side", False) and _BAD_FIRST[first := (header.packet_type << 4) | header.flags]:
         raise _refused(reader, first_byte_refusal(first))
     limit = getattr(reader, "durable_max_packet_size", None)
     if limit is not None and header.remaining_length > limit:
