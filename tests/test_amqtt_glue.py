@@ -137,3 +137,52 @@ def test_the_retained_topic_trie_follows_amqtts_table_through_publishes_and_a_re
         [sys.executable, str(script)], capture_output=True, text=True, timeout=4 * WAIT, check=False
     )
     assert result.stdout.splitlines() == ["['a/1', 'b/1']", "['a/1', 'b/1']"], result.stdout + result.stderr
+
+
+AMQTT_CLIENT = """
+import asyncio, os
+from amqtt.broker import Broker
+from amqtt.client import MQTTClient
+
+HOST, PORT, STORE, WAIT = {host!r}, {port}, {store!r}, {wait}
+
+
+async def main() -> str:
+    broker = Broker({{
+        "listeners": {{"default": {{"type": "tcp", "bind": f"{{HOST}}:{{PORT}}"}}}},
+        "plugins": {{
+            "amqtt.plugins.authentication.AnonymousAuthPlugin": {{"allow_anonymous": True}},
+            "amqtt_durable.DurableSessionsPlugin": {{"store": STORE, "metrics_interval": 0}},
+        }},
+    }})
+    await broker.start()
+    client = MQTTClient(client_id="embedded", config={{"auto_reconnect": False}})
+    try:
+        await asyncio.wait_for(client.connect(f"mqtt://{{HOST}}:{{PORT}}/"), WAIT)
+        granted = await asyncio.wait_for(client.subscribe([("e/t", 1)]), WAIT)
+        await asyncio.wait_for(client.publish("e/t", b"x", qos=1), WAIT)
+        message = await asyncio.wait_for(client.deliver_message(), WAIT)
+        await asyncio.wait_for(client.ping(), WAIT)
+        await asyncio.wait_for(client.disconnect(), WAIT)
+        return f"suback {{granted}} got {{message.publish_packet.payload.data!r}}"
+    except Exception as exc:  # the answer is the test's evidence
+        return f"failed: {{exc!r}}"
+    finally:
+        await broker.shutdown()
+
+
+print(asyncio.run(main()), flush=True)
+os._exit(0)
+"""
+
+
+def test_amqtts_own_client_in_the_brokers_process_connects_subscribes_and_pings(tmp_path: Path) -> None:
+    """The decoder checks patch amqtt's fixed header reader for the whole process; amqtt's own client
+    (a bridge, an app embedding the broker) reads CONNACK, SUBACK and PINGRESP through it, packets a
+    server refuses from clients: the checks apply to the broker's connections only."""
+    script = tmp_path / "amqtt_client.py"
+    script.write_text(AMQTT_CLIENT.format(host=HOST, port=free_port(), store=str(tmp_path / "store"), wait=WAIT))
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=2 * WAIT, check=False
+    )
+    assert result.stdout.strip() == "suback [1] got b'x'", result.stdout + result.stderr

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 from raw_mqtt_helpers import connect_packet
@@ -97,13 +99,9 @@ def test_a_connect_refused_for_ownership_after_a_race_is_closed_and_serves_nothi
     assert late_refusals, "the race never reached the refusal at CONNACK time"
 
 
-def test_oversized_connects_do_not_use_up_a_listeners_connection_slots(
-    broker_factory: Callable[..., Broker],
-) -> None:
-    """A CONNECT announcing more than max_packet_size is refused before its body is read; that
-    refusal escaped amqtt's connection handler before it gave back the listener's connection slot,
-    so a few 5-byte packets made a listener with max_connections refuse everyone for good."""
-    broker = broker_factory(start=False, max_packet_size=4096)
+def broker_with_two_connection_slots(broker_factory: Callable[..., Broker], **settings: Any) -> Broker:
+    """A started broker whose listener serves at most 2 connections at a time (max_connections)."""
+    broker = broker_factory(start=False, **settings)
     write_config = broker.write_config
 
     def with_max_connections() -> Path:
@@ -114,15 +112,86 @@ def test_oversized_connects_do_not_use_up_a_listeners_connection_slots(
         return path
 
     broker.write_config = with_max_connections  # type: ignore[method-assign]
-    broker.start()
+    return broker.start()
+
+
+def assert_the_listener_still_serves(broker: Broker) -> None:
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet("after-the-flood"))
+        assert read_exactly(sock, 4) == CONNACK_ACCEPTED, "the listener no longer serves anyone"
+
+
+def test_oversized_connects_do_not_use_up_a_listeners_connection_slots(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """A CONNECT announcing more than max_packet_size is refused before its body is read; that
+    refusal escaped amqtt's connection handler before it gave back the listener's connection slot,
+    so a few 5-byte packets made a listener with max_connections refuse everyone for good."""
+    broker = broker_with_two_connection_slots(broker_factory, max_packet_size=4096)
     for _ in range(3):
         with socket.create_connection((HOST, broker.port), timeout=WAIT) as big_connect:
             big_connect.sendall(b"\x10\xff\xff\xff\x7f")  # a CONNECT announcing 256 MB
             assert read_until_closed(big_connect, WAIT) == b""
-    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
-        sock.sendall(connect_packet("after-the-flood"))
-        assert read_exactly(sock, 4) == CONNACK_ACCEPTED, "the listener no longer serves anyone"
+    assert_the_listener_still_serves(broker)
     assert "before its CONNECT was read: a packet of 268435455 bytes is larger than max_packet_size" in broker.log()
+
+
+def test_a_first_packet_with_flags_mqtt_does_not_allow_frees_its_connection_slot(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Review 131: a first packet whose fixed header flags MQTT 3.1.1 does not allow (a CONNECT sent
+    as 0x11, a DISCONNECT as 0xe1, a PINGREQ as 0xc1) is refused before a CONNECT is read; that
+    refusal escaped amqtt's connection handler (an ERROR "Unhandled exception in
+    client_connected_cb") before it gave back the listener's connection slot, so three such
+    connections locked everyone out of a listener with max_connections 2. Now the WARNING that
+    guarantees.md promises, naming the peer's address (there is no client id yet)."""
+    broker = broker_with_two_connection_slots(broker_factory)
+    rest_of_a_connect = connect_packet("bad-flags")[1:]
+    for first in (0x11, 0xE1, 0xC1) * 2:
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(bytes((first,)) + rest_of_a_connect)
+            assert read_until_closed(sock, WAIT) == b"", f"{first:#x}: closed, unanswered"
+    assert_the_listener_still_serves(broker)
+    log = broker.log()
+    before_connect = r"closing a connection from 127\.0\.0\.1:\d+ before its CONNECT was read: "
+    refusals = [
+        "packet type 1 with fixed header flags 0b0001, not 0b0000 (MQTT-2.2.2-2)",
+        # review 139: a first DISCONNECT or PINGREQ is refused first for not being a CONNECT
+        *(f"its first packet is of type {packet_type}, not CONNECT (MQTT-3.1.0-1)" for packet_type in (14, 12)),
+    ]
+    for refusal in refusals:
+        warning = re.compile(f"WARNING .*{before_connect}{re.escape(refusal)}")
+        assert len(warning.findall(log)) == 2, refusal
+    assert "Unhandled exception" not in log
+
+
+def test_a_first_packet_that_is_not_a_connect_is_refused_at_once_and_frees_its_slot(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Review 139: a first packet that is not a CONNECT (MQTT-3.1.0-1) was read by amqtt as a
+    CONNECT body: a 2-byte one (a reserved type 15, a PINGREQ) hung until connect_timeout (10 s),
+    others were closed only once their body was read. Now it is refused on its fixed header, with
+    the WARNING guarantees.md promises naming the peer's address, and its listener slot is freed
+    (max_connections 2, three of each)."""
+    broker = broker_with_two_connection_slots(broker_factory)
+    firsts = {15: b"\xf0\x00", 12: b"\xc0\x00", 2: b"\x20\x02\x00\x00", 8: b"\x82\x06\x00\x01\x00\x01t\x01"}
+    for _ in range(3):
+        for packet in firsts.values():
+            with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+                sock.sendall(packet)
+                assert read_until_closed(sock, 5.0) == b"", f"{packet!r}: closed, unanswered, before connect_timeout"
+    assert_the_listener_still_serves(broker)
+    log = broker.log()
+    before_connect = r"closing a connection from 127\.0\.0\.1:\d+ before its CONNECT was read: "
+    for packet_type in firsts:
+        refusal = f"its first packet is of type {packet_type}, not CONNECT (MQTT-3.1.0-1)"
+        warning = re.compile(f"WARNING .*{before_connect}{re.escape(refusal)}")
+        assert len(warning.findall(log)) == 3, refusal
+        amqtt_s = re.compile(f"WARNING .*Failed to initialize client session: .*{re.escape(refusal)}")
+        assert len(amqtt_s.findall(log)) == 3, f"amqtt's own WARNING, as guarantees.md quotes it: {refusal}"
+    assert len(re.findall(r"WARNING .*Invalid connection from \(client @=127\.0\.0\.1:\d+\)", log)) == 12
+    assert "no complete CONNECT within connect_timeout" not in log
+    assert "Unhandled exception" not in log
 
 
 class UserClient(RawClient):

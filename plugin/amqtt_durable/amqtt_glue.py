@@ -11,9 +11,10 @@ instance the plugin is loaded into and on each connection's handler:
   amqtt holds a Session of its client id (amqtt would take its connection over and give it the
   CONNECT's will first); a CONNECT past ``max_packet_size`` is refused as amqtt's own errors
   are, so amqtt frees its listener slot;
-* ``MQTTFixedHeader.from_stream`` (class-level, neutral for readers without a limit): a packet
-  past ``max_packet_size`` is refused before amqtt reads its body (CONNECT, and every packet
-  on amqtt's own reader loop);
+* ``MQTTFixedHeader.from_stream`` (class-level): a first packet that is not a CONNECT, a first
+  byte the server refuses (``_BAD_FIRST``: reserved type, server-only type, fixed header flags)
+  and a packet past ``max_packet_size`` (readers without a limit: not checked) are refused
+  before amqtt reads the body (CONNECT, and every packet on amqtt's own reader loop);
 * ``PublishVariableHeader.from_stream`` (class-level): a PUBLISH topic no client may publish to
   ends the connection (amqtt skips a wildcard one and reads on out of step, and passes U+0000);
 * ``Broker._authenticate``: a CONNECT already authenticated as it was read (see
@@ -179,6 +180,7 @@ SYS_PREFIX = "$SYS/broker/durable/"
 HEALTH_TOPIC = SYS_PREFIX + "store/health"
 NOT_SERVING = "this broker is a replication backup (or stopped being the primary): connect to the primary"
 _SUBSCRIBE_REFUSED = 0x80
+PACKET_ID_0 = "its packet identifier is 0 (MQTT-2.3.1-1)"
 TOPIC_PAST_END = "PUBLISH refused: its topic length runs past the packet's end (MQTT-1.5.3)"
 CLOSE_GRACE = 5.0
 """Seconds a closed connection's unsent bytes (a refusing CONNACK) get before the socket is aborted."""
@@ -238,6 +240,49 @@ READ_SIZE = 1 << 16
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
 """Packet types whose handling a connection's end waits for (FastReader.run): they need nothing more
 from the peer."""
+_FIXED_FLAGS = {PUBREL: 0x02, SUBSCRIBE: 0x02, UNSUBSCRIBE: 0x02}
+"""MQTT-2.2.2-1: the fixed header flags of every packet type but PUBLISH (0 where not listed);
+any other value is malformed and the connection is closed (MQTT-2.2.2-2, MQTT-3.6.1-1,
+MQTT-3.8.1-1, MQTT-3.10.1-1)."""
+
+
+_CLIENT_BOUND = {CONNACK: "CONNACK", SUBACK: "SUBACK", UNSUBACK: "UNSUBACK", PINGRESP: "PINGRESP"}
+"""Packet types only a server sends (MQTT 3.1.1 section 2.2.1): one sent to the server is a
+protocol violation (section 4.8), and the connection is closed (amqtt ignored them)."""
+
+
+def _refused_at_server(first: int) -> bool:
+    """Whether the server refuses a packet of this first byte: a reserved type (0 or 15), a type
+    only a server sends, or fixed header flags other than MQTT 3.1.1 gives its type (PUBLISH's are
+    its own)."""
+    packet_type = first >> 4
+    if packet_type in (RESERVED_0, RESERVED_15) or packet_type in _CLIENT_BOUND:
+        return True
+    return packet_type != PUBLISH and first & 0x0F != _FIXED_FLAGS.get(packet_type, 0)
+
+
+_BAD_FIRST = tuple(_refused_at_server(first) for first in range(256))
+"""Indexed by the first byte of a packet sent to the server: True where it is refused (reserved
+type, server-only type, or fixed header flags). One tuple index (5-25 ns) where computing the flags
+check took 120-440 ns a packet (bench/bench_fixed_flags.py). Only for a broker connection's reader:
+amqtt's own client in the same process reads CONNACK, SUBACK and PINGRESP through the same code."""
+
+
+def first_byte_refusal(first: int) -> ProtocolViolationError:
+    """Why a packet whose first byte ``_BAD_FIRST`` marks is refused."""
+    packet_type, flags = first >> 4, first & 0x0F
+    if packet_type in (RESERVED_0, RESERVED_15):
+        return ProtocolViolationError(f"packet type {packet_type} is reserved (MQTT 3.1.1 section 2.2.1)")
+    if packet_type in _CLIENT_BOUND:
+        name = _CLIENT_BOUND[packet_type]
+        return ProtocolViolationError(
+            f"packet type {packet_type} ({name}) is sent by servers only (MQTT 3.1.1 section 4.8)"
+        )
+    required = _FIXED_FLAGS.get(packet_type, 0)
+    return ProtocolViolationError(
+        f"packet type {packet_type} with fixed header flags {flags:#06b}, not {required:#06b} (MQTT-2.2.2-2)"
+    )
+
 
 _HANDLERS = {
     CONNACK: "handle_connack",
@@ -342,9 +387,13 @@ def _install_connect_hooks() -> None:
         return
 
     async def init_from_connect(reader: Any, writer: Any, plugins_manager: Any, *args: Any) -> tuple[Any, Any]:
+        reader.durable_awaiting_connect = True  # the decoder checks refuse a first packet not a CONNECT
+        reader.durable_server_side = True  # and first bytes a server refuses (not on a client's reader)
         try:
             handler, session = await original(reader, writer, plugins_manager, *args)
-        except PacketTooLargeError as exc:  # as an MQTTError, so amqtt closes it and frees its listener slot
+        except ProtocolViolationError as exc:  # as an MQTTError, so amqtt closes it and frees its listener slot
+            # Not a CONNECT, too large, or fixed header flags MQTT does not allow: no client id yet,
+            # so the address.
             log.warning("closing a connection from %s before its CONNECT was read: %s", _peer(writer), exc)
             raise MQTTError(str(exc)) from None
         except ConnectionError as exc:  # amqtt catches no OSError here: its listener slot would stay taken
@@ -352,10 +401,9 @@ def _install_connect_hooks() -> None:
             raise MQTTError(f"the connection ended while its CONNECT was read: {exc!r}") from None
         handler.connect_clean_session = bool(session.clean_session)
         handler.durable_will = ConnectionWill.of(session)
-        if session.will_flag:
-            problem = publish_topic_problem(session.will_topic or "")
-            if problem is not None:  # amqtt's caller logs it and closes the connection
-                raise MQTTError(f"CONNECT of {session.client_id!r} refused: will {problem}")
+        problem = _will_problem(session)
+        if problem is not None:  # amqtt's caller logs it and closes the connection
+            raise MQTTError(f"CONNECT of {session.client_id!r} refused: will {problem}")
         plugin = next((p for p in plugins_manager._plugins if isinstance(p, DurableSessionsPlugin)), None)
         if plugin is not None and not plugin.engine.serving:
             log.debug("CONNECT of %r refused (CONNACK 3): %s", session.client_id, NOT_SERVING)  # routine on a backup
@@ -369,6 +417,19 @@ def _install_connect_hooks() -> None:
 
     init_from_connect._durable_wrapped = True  # type: ignore[attr-defined]
     BrokerProtocolHandler.init_from_connect = staticmethod(init_from_connect)
+
+
+def _will_problem(session: Any) -> str | None:
+    """What is wrong with the will of a CONNECT just read (its Session), or None: a topic no client
+    may publish to, a will QoS of 3 (MQTT-3.1.2-14), or a will QoS or retain flag without a will
+    (MQTT-3.1.2-13/15); amqtt took all three."""
+    if not session.will_flag:
+        if session.will_qos or session.will_retain:
+            return "QoS or retain flag set without a will flag (MQTT-3.1.2-13, MQTT-3.1.2-15)"
+        return None
+    if session.will_qos not in (0, 1, 2):
+        return f"QoS {session.will_qos} (MQTT-3.1.2-14)"
+    return publish_topic_problem(session.will_topic or "")
 
 
 async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> None:
@@ -455,9 +516,18 @@ def _install_refusal_filter() -> None:
 
 
 def _install_decoder_checks() -> None:
-    """Three refusals in amqtt's decoders; a ProtocolViolationError ends amqtt's reader loop, which
+    """Six refusals in amqtt's decoders; a ProtocolViolationError ends amqtt's reader loop, which
     closes the connection (an MQTTError would make it skip the rest and read on, out of step).
 
+    * A connection's first packet that is not a CONNECT (MQTT-3.1.0-1), on its fixed header (the
+      reader is marked ``durable_awaiting_connect`` by ``init_from_connect``): amqtt read any
+      first packet as a CONNECT body, waiting for bytes that might never come.
+    * On a broker connection's reader (marked ``durable_server_side`` by ``init_from_connect``:
+      the patch is the class's, process-wide, and amqtt's own client reads CONNACK, SUBACK and
+      PINGRESP through it), a first byte the server refuses (``_BAD_FIRST``): a reserved packet type (amqtt logged it
+      and read on), a type only servers send (amqtt ignored it), or fixed header flags MQTT
+      3.1.1 does not allow for the type (amqtt took a PUBREL, SUBSCRIBE or UNSUBSCRIBE whatever
+      its flags).
     * A packet's remaining length past the connection's ``max_packet_size`` (set on its reader
       as ``durable_max_packet_size``; readers without one are not affected), before the body
       is read: amqtt would read a body of any size into memory.
@@ -469,6 +539,11 @@ def _install_decoder_checks() -> None:
       ``decode_string`` turns it into ``str(bytes)``, a valid filter that a durable session would
       keep for ever. Those two modules get a strict one, which also refuses U+0000 (MQTT-1.5.3-2,
       which amqtt grants and a durable session would keep too).
+    * A SUBSCRIBE without a topic filter (MQTT-3.8.3-3) or asking for a QoS other than 0, 1
+      or 2 (MQTT-3.8.3-4), an UNSUBSCRIBE without a topic filter (MQTT-3.10.3-2): amqtt answers
+      the first and the last with an empty SUBACK / an UNSUBACK and hands the second on; and a
+      PUBLISH (QoS > 0), SUBSCRIBE or UNSUBSCRIBE whose packet identifier is 0 (MQTT-2.3.1-1):
+      amqtt routed such a QoS 1 PUBLISH and never acknowledged it.
     """
     original_header = MQTTFixedHeader.from_stream
     if getattr(original_header, "_durable_wrapped", False):
@@ -476,9 +551,8 @@ def _install_decoder_checks() -> None:
 
     async def header_from_stream(cls: type[MQTTFixedHeader], reader: Any) -> MQTTFixedHeader | None:
         header = await original_header.__func__(cls, reader)
-        limit = getattr(reader, "durable_max_packet_size", None)
-        if header is not None and limit is not None and header.remaining_length > limit:
-            raise _refused(reader, PacketTooLargeError(header.remaining_length, limit))
+        if header is not None:
+            _check_header(reader, header)
         return header
 
     async def publish_from_stream(cls: type[PublishVariableHeader], reader: Any, fixed: Any) -> PublishVariableHeader:
@@ -491,6 +565,8 @@ def _install_decoder_checks() -> None:
         except ProtocolViolationError as exc:
             raise _refused(reader, exc) from None
         packet_id = await decode_packet_id(reader) if has_packet_id else None
+        if packet_id == 0:
+            raise _refused(reader, ProtocolViolationError(f"PUBLISH refused: {PACKET_ID_0}"))
         return cls(topic, packet_id)
 
     header_from_stream._durable_wrapped = True  # type: ignore[attr-defined]
@@ -498,6 +574,51 @@ def _install_decoder_checks() -> None:
     PublishVariableHeader.from_stream = classmethod(publish_from_stream)
     amqtt_subscribe.decode_string = _strict_filter_decoder("SUBSCRIBE")
     amqtt_unsubscribe.decode_string = _strict_filter_decoder("UNSUBSCRIBE")
+    _install_subscribe_payload_check()
+
+
+def _check_header(reader: Any, header: MQTTFixedHeader) -> None:
+    """The fixed header checks of ``_install_decoder_checks``: first packet a CONNECT, first byte,
+    remaining length."""
+    if getattr(reader, "durable_awaiting_connect", False):
+        reader.durable_awaiting_connect = False
+        if header.packet_type != CONNECT:
+            packet_type = header.packet_type
+            raise ProtocolViolationError(f"its first packet is of type {packet_type}, not CONNECT (MQTT-3.1.0-1)")
+    if getattr(reader, "durable_server_side", False) and _BAD_FIRST[first := (header.packet_type << 4) | header.flags]:
+        raise _refused(reader, first_byte_refusal(first))
+    limit = getattr(reader, "durable_max_packet_size", None)
+    if limit is not None and header.remaining_length > limit:
+        raise _refused(reader, PacketTooLargeError(header.remaining_length, limit))
+
+
+def _install_subscribe_payload_check() -> None:
+    """A SUBSCRIBE without a topic filter or asking for a QoS other than 0, 1 or 2, and an
+    UNSUBSCRIBE without a topic filter, are refused once their payload is read (see
+    _install_decoder_checks)."""
+    subscribe_payload, unsubscribe_payload = amqtt_subscribe.SubscribePayload, amqtt_unsubscribe.UnubscribePayload
+    subscribe_payload.from_stream = _checked_payload(subscribe_payload.from_stream, "SUBSCRIBE", "MQTT-3.8.3-3")
+    unsubscribe_payload.from_stream = _checked_payload(unsubscribe_payload.from_stream, "UNSUBSCRIBE", "MQTT-3.10.3-2")
+
+
+def _checked_payload(original: Any, packet: str, empty_rule: str) -> Any:
+    """amqtt's ``from_stream`` (a bound classmethod) of a SUBSCRIBE or UNSUBSCRIBE payload, wrapped
+    to refuse packet identifier 0, a payload without a topic filter (``empty_rule``) and, in a
+    SUBSCRIBE, a requested QoS other than 0, 1 or 2."""
+
+    async def payload_from_stream(cls: type, reader: Any, fixed: Any, variable: Any) -> Any:
+        payload = await original.__func__(cls, reader, fixed, variable)
+        if variable.packet_id == 0:
+            problem = PACKET_ID_0
+        elif not payload.topics:
+            problem = f"it holds no topic filter ({empty_rule})"
+        elif packet == "SUBSCRIBE" and any(qos not in (0, 1, 2) for _, qos in payload.topics):
+            problem = "a requested QoS is not 0, 1 or 2 (MQTT-3.8.3-4)"
+        else:
+            return payload
+        raise _refused(reader, ProtocolViolationError(f"{packet} refused: {problem}"))
+
+    return classmethod(payload_from_stream)
 
 
 def _strict_filter_decoder(packet: str) -> Callable[[Any], Awaitable[str]]:
@@ -1244,6 +1365,8 @@ class AmqttHooks:
 
     async def add_subscription(self, subscription: tuple[str, int], session: Any) -> int:
         topic_filter, qos = subscription
+        if not filter_is_valid(topic_filter) or qos not in (0, 1, 2):
+            return _SUBSCRIBE_REFUSED  # as a durable session's; amqtt alone granted an empty filter
         if not self.engine.is_durable(session.client_id):
             if self.over_limit(self.amqtt_index, session.client_id, topic_filter):
                 return _SUBSCRIBE_REFUSED
@@ -1251,8 +1374,6 @@ class AmqttHooks:
             if granted != _SUBSCRIBE_REFUSED:
                 self.amqtt_index.add(session.client_id, topic_filter, granted)
             return granted
-        if not filter_is_valid(topic_filter) or qos not in (0, 1, 2):
-            return _SUBSCRIBE_REFUSED
         if self.engine.committer.failure is not None:
             log.warning("%s: SUBSCRIBE %s refused: the store cannot write now", session.client_id, topic_filter)
             return _SUBSCRIBE_REFUSED
@@ -1649,10 +1770,10 @@ def _keep_the_disconnect(handler: Any) -> None:
     Once the server has ended the connection (``durable_ended``), a DISCONNECT read after counts
     for nothing: the plugin's reader handles nothing after it (``FastReader._dispatch_all``), but
     amqtt's own reader goes on handling what it reads until the connection is stopped (after a
-    reserved packet type or a second CONNECT too), and the will of a connection ended for a
-    protocol violation is published (MQTT-3.1.2-8). The server's ends are ``end_connection``'s callers, a
-    second CONNECT (``handle_connect``, MQTT-3.1.0-2) and whatever the reader task itself ends
-    (amqtt's own reader's reserved packet type; at EOF nothing is read after). Not any None: a
+    second CONNECT too), and the will of a connection ended for a protocol violation is published
+    (MQTT-3.1.2-8). The server's ends are ``end_connection``'s callers, a second CONNECT
+    (``handle_connect``, MQTT-3.1.0-2) and whatever the reader task itself ends (a packet the
+    decoder checks refuse; at EOF nothing is read after). Not any None: a
     write that fails (amqtt's ``_send_packet``) may come before a DISCONNECT the reader has yet to
     read."""
     original_handle = handler.handle_disconnect
@@ -2119,9 +2240,16 @@ class FastReader:
         return True
 
     async def _dispatch(self, first: int, body: bytes) -> None:
+        """One packet the ack runs of _dispatch_all do not take. A first byte ``_BAD_FIRST`` refuses
+        (reserved type, server-only type, fixed header flags MQTT does not allow) raises
+        ProtocolViolationError (run() logs it and ends the connection); PUBLISH's flags are its
+        own, and an ack in a run has its flags 0, so neither fast path looks them up."""
         packet_type, flags = first >> 4, first & 0x0F
-        if packet_type == PUBLISH and self._publish_inline(flags, body):
-            return
+        if packet_type == PUBLISH:
+            if self._publish_inline(flags, body):
+                return
+        elif _BAD_FIRST[first]:
+            raise first_byte_refusal(first)
         kind = _ACK_KINDS.get(packet_type)
         if kind is not None and len(body) == 2 and self._transport.take_ack(kind, int.from_bytes(body, "big")):
             return
@@ -2129,10 +2257,12 @@ class FastReader:
 
     async def _dispatch_all(self, packets: list[tuple[int, bytes]]) -> None:
         """The packets of one read, in order; runs of acks of one kind go to the pump together.
-        None after one that made the server end the connection (``durable_ended``: a reserved
-        packet type, a second CONNECT): the connection is over."""
+        None after one that made the server end the connection (``durable_ended``: a second
+        CONNECT) or was refused (run() ends the connection): the connection is over. ``ack_first``
+        is -1, a first byte no packet has, while no run is open: 0 would take a reserved type 0
+        with a 2-byte body for an ack."""
         acks: list[int] = []
-        ack_first = 0
+        ack_first = -1
         for first, body in packets:
             if self._handler.durable_ended:
                 break
@@ -2147,7 +2277,7 @@ class FastReader:
                 ack_first = first
                 acks.append((body[0] << 8) | body[1])
                 continue
-            ack_first = 0
+            ack_first = -1
             try:
                 await self._dispatch(first, body)
             except (MQTTError, AMQTTError) as exc:
@@ -2166,10 +2296,6 @@ class FastReader:
     async def _to_amqtt(self, packet_type: int, flags: int, body: bytes) -> None:
         """A packet the inline paths do not take: decoded by amqtt's classes and handled as amqtt does."""
         handler = self._handler
-        if packet_type in (RESERVED_0, RESERVED_15):
-            log.warning("%s sent a reserved packet type: closing the connection", self._session.client_id)
-            await end_connection(handler)
-            return
         fixed = MQTTFixedHeader(packet_type, flags, len(body))
         packet = await packet_class(fixed).from_stream(BufferReader(body), fixed_header=fixed)
         if packet_type == CONNECT:
