@@ -37,6 +37,7 @@ from durable_protocol import (
 )
 
 from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, open_group_committed
+from ._options import check_bool, check_callable, check_options, check_qos, check_seconds, check_topic
 from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, topic_matches
 from ._receiver import Handed, Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
@@ -145,16 +146,18 @@ class DurableClient:
         SIGKILL loses no mark (each is written to the OS at once); a power loss makes at most
         the last group's events, none of them acknowledged, come again.
         """
-        if not isinstance(client_id, str) or not client_id:
-            raise ValueError("client_id must be a non-empty string: the broker finds the durable session by it")
-        if keepalive < 1:
-            raise ValueError(f"keepalive must be 1 second or more, got {keepalive!r}")
-        if session_expiry is not None and not session_expiry >= 0:
-            raise ValueError(f"session_expiry must be a number of seconds, 0 or more, got {session_expiry!r}")
+        host, port, others = check_options(
+            client_id=client_id, host=host, port=port, keepalive=keepalive, session_expiry=session_expiry,
+            username=username, password=password, durable_session=durable_session,
+            reconnect_min_delay=reconnect_min_delay, reconnect_max_delay=reconnect_max_delay,
+            delivery_log=delivery_log, state_dir=state_dir, failover=failover,
+            on_connected=on_connected, on_disconnected=on_disconnected, on_session_lost=on_session_lost,
+            on_live=on_live, on_persistence_fallback=on_persistence_fallback,
+        )
         self.client_id = client_id
         self.host = host
         self.port = port
-        self._addresses, self._address_index = _addresses(host, port, failover), 0
+        self._addresses, self._address_index = [(host, port), *others], 0
         self._keepalive = keepalive
         self._username = username
         self._password = password
@@ -302,6 +305,8 @@ class DurableClient:
         (or Unconnected, while disconnected) is raised afterwards: the broker then drops the
         session only when it expires.
         """
+        check_bool("keep_session", keep_session)
+        check_seconds("timeout", timeout, low=0)
         if self._closed:
             return
         on_network_thread = self._on_network_thread()
@@ -392,8 +397,10 @@ class DurableClient:
         """
         self._check_open()
         _check_filter(topic_filter)
-        if qos not in (0, 1, 2):
-            raise ValueError(f"qos must be 0, 1 or 2, got {qos!r}")
+        check_qos(qos)
+        check_bool("durable", durable)
+        check_callable("listener", listener)
+        check_seconds("timeout", timeout, low=0)
         if (
             self._subscribe(topic_filter, qos, durable, listener)
             and not self._on_network_thread()
@@ -495,6 +502,8 @@ class DurableClient:
         """
         self._check_open()
         _check_filter(topic_filter)
+        check_callable("listener", listener, optional=False)
+        check_seconds("timeout", timeout, low=0)
         if window is not None and not (
             isinstance(window, int) and not isinstance(window, bool) and 1 <= window <= MAX_STREAM_WINDOW
         ):
@@ -534,6 +543,7 @@ class DurableClient:
         """
         self._check_open()
         _check_filter(topic_filter)
+        check_seconds("timeout", timeout, low=0)
         if self._on_network_thread():
             raise DurableClientError(
                 "stream_info() cannot wait for its reply on the network thread (called from a listener or callback)"
@@ -569,6 +579,9 @@ class DurableClient:
         """
         self._check_open()
         data = _publishable(topic, payload)
+        check_qos(qos)
+        check_bool("retain", retain)
+        check_seconds("timeout", timeout, low=0)
         if not self._connected:
             raise Unconnected(f"not connected to {self.host}:{self.port} (reconnecting): nothing was published")
         handle = self._link_or_raise().publish(topic, data, qos, retain)
@@ -1144,20 +1157,10 @@ def _safe(callback: Callable[_P, None] | None, *args: _P.args, **kwargs: _P.kwar
 
 def _publishable(topic: str, payload: bytes | str) -> bytes:
     """The payload's bytes; ValueError for the SDK's own control topics, TypeError for other payloads."""
-    if topic.startswith(CONTROL_PREFIX):
-        raise ValueError(f"topics under {CONTROL_PREFIX} are the SDK's control channel; cannot publish to {topic}")
+    check_topic(topic)
     if isinstance(payload, str):
         return payload.encode()
     if isinstance(payload, bytes | bytearray | memoryview):
         return bytes(payload)
     raise TypeError(f"payload must be bytes or str, got {type(payload).__name__}")
 
-
-def _addresses(host: str, port: int, failover: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
-    addresses = [(host, port)]
-    for entry in failover:
-        host_port = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
-        if not (host_port and isinstance(entry[1], int) and 0 < entry[1] < 65536):
-            raise ValueError(f"failover takes (host, port) pairs of the group's other brokers, got {entry!r}")
-        addresses.append(entry)
-    return addresses

@@ -1,0 +1,283 @@
+"""docs/sdk.md, "Bad input": the SDK refuses a bad option or argument where it is given, with a
+ValueError naming it, instead of failing later (at the first connect, on the network thread, or by
+the broker closing the connection again after every reconnect).
+
+The refusals need no broker; what they protect is checked against a real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_sdk import Recorder
+
+from amqtt_durable.process import free_port
+from conftest import HOST, WAIT, Broker, Client, payloads
+from durable_client import (
+    AsyncDurableClient,
+    ConnectionInfo,
+    DurableClient,
+    Marker,
+    PersistenceError,
+    Unconnected,
+)
+
+BAD_OPTIONS = [
+    ({"host": ""}, "host"),
+    ({"host": 127001}, "host"),
+    ({"host": "127.0.0.1:1883"}, "host"),  # the port is its own option
+    ({"host": "[127.0.0.1]"}, "host"),  # brackets only around an IPv6 address
+    ({"port": 0}, "port"),
+    ({"port": 65536}, "port"),
+    ({"port": "1883"}, "port"),
+    ({"port": True}, "port"),
+    ({"keepalive": "30"}, "keepalive"),
+    ({"keepalive": 65536}, "keepalive"),
+    ({"session_expiry": "60"}, "session_expiry"),
+    ({"session_expiry": float("nan")}, "session_expiry"),
+    ({"reconnect_min_delay": "0.1"}, "reconnect_min_delay"),
+    ({"reconnect_max_delay": None}, "reconnect_max_delay"),
+    ({"username": 5}, "username"),
+    ({"password": b"secret"}, "password"),
+    ({"durable_session": "no"}, "durable_session"),
+    ({"on_connected": "print"}, "on_connected"),
+    ({"on_live": 5}, "on_live"),
+    ({"delivery_log": 5}, "delivery_log"),
+    ({"failover": "127.0.0.1:1884"}, "failover"),
+    ({"failover": None}, "failover"),
+    ({"failover": [("127.0.0.1", 70000)]}, "failover port"),
+    ({"failover": [("127.0.0.1", True)]}, "failover port"),
+    ({"failover": [("", 1884)]}, "failover host"),
+    ({"failover": [("10.0.0.1:1884", 1884)]}, "failover host"),
+    ({"client_id": "a\x00b"}, "client_id"),
+    ({"client_id": "x" * 65536}, "client_id"),
+]
+
+
+@pytest.mark.parametrize(("options", "named"), BAD_OPTIONS, ids=[repr(o)[:40] for o, _ in BAD_OPTIONS])
+def test_a_bad_constructor_option_is_a_value_error_naming_it(options: dict[str, Any], named: str) -> None:
+    """sdk.md, Bad input: every option is checked when the client is created; a value of the wrong
+    type or out of range raises ValueError naming the option (before: most were accepted and
+    failed at connect() as a ConnectFailed about the network, or with a bare TypeError)."""
+    arguments: dict[str, Any] = {"client_id": "bad-option", **options}
+    client_id = arguments.pop("client_id")
+    with pytest.raises(ValueError, match=rf"^{named} must"):
+        DurableClient(client_id, **arguments)
+
+
+def test_the_async_client_checks_request_timeout_and_on_live_too() -> None:
+    with pytest.raises(ValueError, match=r"^request_timeout must"):
+        AsyncDurableClient("bad-async", request_timeout="10")
+    with pytest.raises(ValueError, match=r"^on_live must"):
+        AsyncDurableClient("bad-async", on_live="print")
+
+
+@pytest.mark.parametrize(("host", "kept"), [("::1", "::1"), ("[::1]", "::1"), ("[2001:db8::10]", "2001:db8::10")])
+def test_an_ipv6_host_is_taken_with_or_without_brackets(host: str, kept: str) -> None:
+    """sdk.md, Bad input: an IPv6 address may be written bare or in brackets, as the broker's
+    tools show it (``[::1]:7883``); the brackets are taken off (before, ``[::1]`` was handed to
+    the resolver as it was, and every connect failed with "Name or service not known")."""
+    client = DurableClient("v6", host, 1883, failover=[(host, 1884)])
+    assert client.host == kept
+    assert client._addresses == [(kept, 1883), (kept, 1884)]
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        ((None, b"x"), "topic"),
+        (("", b"x"), "topic"),
+        (("t", b"x", "1"), "qos"),
+        (("t", b"x", 3), "qos"),
+        (("t", b"x", 1, "yes"), "retain"),
+    ],
+)
+def test_a_bad_publish_argument_is_a_value_error_naming_it(
+    broker: Broker, sdk: Callable[..., DurableClient], args: tuple[Any, ...], named: str
+) -> None:
+    client = sdk(broker.port, "bad-publish-args", durable_session=False)
+    client.connect(timeout=5)
+    with pytest.raises(ValueError, match=rf"^{named} must"):
+        client.publish(*args)
+
+
+@pytest.mark.parametrize("topic", ["a\x00b", "$SYS/mine", "a/+/b", "a/#", "a/\ud800"])
+def test_a_topic_no_client_may_publish_to_is_refused_and_the_connection_stays_up(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], topic: str
+) -> None:
+    """sdk.md, Bad input: publish() refuses a topic the broker would close the connection for
+    (U+0000, a leading ``$``: guarantees.md) with ValueError, and sends nothing. Before, the
+    message went out, the broker closed the connection, publish() raised RequestTimeout saying
+    the message "is re-sent after a reconnect", and it was: each reconnect was closed again."""
+    receiver = clients(broker.port, "after-refusal", clean_session=True)
+    receiver.subscribe("fine", 1)
+    client = sdk(broker.port, "bad-topic", durable_session=False)
+    client.connect(timeout=5)
+    with pytest.raises(ValueError, match=r"publish to|broker's own"):
+        client.publish(topic, b"x", qos=1, timeout=2)
+    client.publish("fine", b"still connected", qos=1, timeout=5)
+    assert [m.payload for m in receiver.wait_messages(1)] == [b"still connected"]
+    assert client.connected and client.stats.reconnects == 0
+
+
+def test_a_listener_that_is_not_callable_is_refused_at_subscribe(
+    broker: Broker, sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md, Bad input: a listener must be a function. Before, ``listener=5`` was registered, its
+    every event "raised", and the client reconnected for ever to get the event again."""
+    client = sdk(broker.port, "bad-listener")
+    with pytest.raises(ValueError, match=r"^listener must"):
+        client.subscribe("t", listener=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^listener must"):
+        client.subscribe_stream("t", None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^timeout must"):
+        client.subscribe("t", timeout=0)
+    client.connect(timeout=5)
+    assert client.connected
+
+
+def test_failover_takes_two_item_lists_as_json_or_yaml_give_them(
+    broker: Broker, sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md, failover: (host, port) pairs, tuples or two-item lists (a list read from JSON or
+    YAML). The first address is dead; the client moves on to the broker in the list."""
+    recorder = Recorder()
+    client = sdk(free_port(), "failover-list", failover=[[HOST, broker.port]])
+    client.subscribe("fo/t", listener=recorder)
+    client.connect(timeout=10)
+    assert client.port == broker.port
+    client.ready_for_events()
+    client.publish("fo/t", b"via the list", qos=1)
+    assert [e.payload for e in recorder.wait(1)] == [b"via the list"]
+
+
+def test_the_async_client_refuses_a_bad_topic_without_touching_the_connection(broker: Broker) -> None:
+    async def main() -> None:
+        async with AsyncDurableClient("async-bad-topic", port=broker.port, durable_session=False) as client:
+            with pytest.raises(ValueError, match="broker's own"):
+                await client.publish("$SYS/x", b"x")
+            await client.publish("fine", b"y")
+            assert client.connected
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+# ------------------------------------------------------------------------------ sdk.md, promises that held
+
+
+def test_the_marker_carries_epoch_replayed_first_and_last_seq_and_the_live_subscriptions(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md, Ready for events: the marker carries `epoch`, `replayed`, `first_seq`, `last_seq`
+    (None when nothing was replayed) and `live` (filter, qos, durable)."""
+    markers: list[Marker] = []
+    live = threading.Event()
+
+    def on_live(marker: Marker) -> None:
+        markers.append(marker)
+        live.set()
+
+    first = sdk(broker.port, "marker-fields", on_live=on_live)
+    first.subscribe("mk/#", qos=1)
+    first.subscribe("mk-nd", qos=0, durable=False)
+    first.connect()
+    first.ready_for_events()
+    assert live.wait(WAIT)
+    assert (markers[0].replayed, markers[0].first_seq, markers[0].last_seq) == (0, None, None)
+    assert {(s.filter, s.qos, s.durable) for s in markers[0].live} == {("mk/#", 1, True), ("mk-nd", 0, False)}
+    first.close(keep_session=True)
+
+    clients(broker.port, "pub", clean_session=True).publish("mk/a", payloads(3))
+    recorder, live = Recorder(), threading.Event()
+    again = sdk(broker.port, "marker-fields", on_live=on_live, on_connected=lambda info: epochs.append(info.epoch))
+    epochs: list[int | None] = []
+    again.subscribe("mk/#", listener=recorder)
+    again.connect()
+    again.ready_for_events()
+    assert live.wait(WAIT)
+    events = recorder.wait(3)
+    marker = markers[-1]
+    assert marker.replayed == 3 and all(e.replayed for e in events)
+    assert (marker.first_seq, marker.last_seq) == (events[0].seq, events[-1].seq)
+    assert marker.epoch == events[0].epoch == epochs[0]
+
+
+def test_cpl2_marks_live_under_state_dir_in_a_folder_named_by_the_percent_encoded_client_id(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path
+) -> None:
+    """sdk.md, CPL-2: the marks are kept under `state_dir/<client_id>/`, the id percent-encoded
+    where it is not a safe file name; a second client on the same folder is a PersistenceError."""
+    state = tmp_path / "state"
+    plain = sdk(broker.port, "plain-id", persistence="disk", state_dir=state)
+    odd = sdk(broker.port, "site/a b", persistence="disk", state_dir=state)
+    plain.connect()
+    odd.connect()
+    assert sorted(p.name for p in state.iterdir()) == ["plain-id", "site%2Fa%20b"]
+    with pytest.raises(PersistenceError, match="in use"):
+        DurableClient("plain-id", port=broker.port, persistence="disk", state_dir=state)
+
+
+def test_subscribe_stream_after_an_id_replays_from_the_next_id_and_a_reconnect_resumes_after_the_last_processed(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """streams.md: `after={topic: last id}` starts the stream at the next id; the client's
+    positions then resume a reconnect (here across a broker restart) after the last processed."""
+    broker = broker_factory(streams=[{"filter": "rp/#"}])
+    clients(broker.port, "rp-pub", clean_session=True).publish("rp/a", payloads(10))
+    recorder = Recorder()
+    reader = sdk(broker.port, "rp-reader", durable_session=False)
+    reader.connect()
+    reader.subscribe_stream("rp/#", recorder, after={"rp/a": 6}, window=4)
+    assert [(e.seq, e.payload, e.stream, e.epoch) for e in recorder.wait(4)] == [
+        (seq, b"m%07d" % (seq - 1), True, 0) for seq in range(7, 11)
+    ]
+    broker.restart(kill=True)
+    clients(broker.port, "rp-pub2", clean_session=True).publish("rp/a", [b"eleventh"])
+    assert [e.seq for e in recorder.wait(5)] == [7, 8, 9, 10, 11], "nothing again, nothing skipped"
+    assert recorder.events[-1].payload == b"eleventh"
+
+
+def test_across_a_broker_restart_the_callbacks_fire_publish_is_unconnected_and_the_session_comes_back(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md, Subscriptions, reconnection and closing: `on_disconnected(reason)` when the link
+    goes, `publish()` raises `Unconnected` meanwhile, the cache stays readable and `stale`; then
+    `on_connected(info)` with `session_present` and the same epoch, and what was queued while the
+    client was away comes, replayed, exactly once."""
+    infos: list[ConnectionInfo] = []
+    reasons: list[str] = []
+    connected, lost = threading.Event(), threading.Event()
+
+    def on_connected(info: ConnectionInfo) -> None:
+        infos.append(info)
+        connected.set()
+
+    def on_disconnected(reason: str) -> None:
+        reasons.append(reason)
+        lost.set()
+
+    recorder = Recorder()
+    device = sdk(broker.port, "restart-cb", on_connected=on_connected, on_disconnected=on_disconnected)
+    device.subscribe("rc/t", listener=recorder)
+    device.connect()
+    device.ready_for_events()
+    clients(broker.port, "rc-pub", clean_session=True).publish("rc/t", [b"before"])
+    recorder.wait(1)
+    connected.clear()
+    broker.stop()
+    assert lost.wait(WAIT) and isinstance(reasons[0], str)
+    assert not device.connected and device.cache.stale and device.cache.get("rc/t") == b"before"
+    with pytest.raises(Unconnected):
+        device.publish("rc/t", b"while away")
+    broker.start()
+    assert connected.wait(WAIT)
+    assert infos[-1].session_present and infos[-1].epoch == infos[0].epoch
+    clients(broker.port, "rc-pub2", clean_session=True).publish("rc/t", [b"after"])
+    events = recorder.wait(2)
+    assert [e.payload for e in events] == [b"before", b"after"]
+    assert not device.cache.stale and device.stats.reconnects == 1
