@@ -141,6 +141,21 @@ def test_a_listener_that_is_not_callable_is_refused_at_subscribe(
     assert client.connected
 
 
+@pytest.mark.parametrize("bad_filter", [None, 5, "", "a/#/b", "_durable/v1/x"])
+def test_unsubscribe_refuses_what_subscribe_refuses(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path, bad_filter: object
+) -> None:
+    """sdk.md, Bad input: a filter subscribe() refuses is a ValueError in unsubscribe() too
+    (before: a silent no-op, that even wrote an `unsubscribe` record of it to the delivery log)."""
+    log = tmp_path / "log.jsonl"
+    client = sdk(broker.port, "bad-unsubscribe", delivery_log=log)
+    client.connect(timeout=5)
+    with pytest.raises(ValueError, match=r"topic filter|SDK's own topics"):
+        client.unsubscribe(bad_filter)  # type: ignore[arg-type]
+    assert '"kind": "unsubscribe"' not in log.read_text()
+    assert client.connected
+
+
 def test_failover_takes_two_item_lists_as_json_or_yaml_give_them(
     broker: Broker, sdk: Callable[..., DurableClient]
 ) -> None:

@@ -434,8 +434,10 @@ class DurableClient:
         A durable session's subscription may have been made by an earlier run of this client id
         (the broker keeps it and says so in its hello reply): that one is removed too, now or on
         connecting, by the same call when the filter is also a stream subscription of this run.
-        Otherwise a no-op if neither (a broker whose hello lists nothing gets the UNSUBSCRIBE)."""
+        Otherwise a no-op if neither (a broker whose hello lists nothing gets the UNSUBSCRIBE).
+        A filter ``subscribe()`` would refuse is refused here too (ValueError): no session holds it."""
         self._check_open()
+        _check_filter(topic_filter)
         if self._delivery_log is not None:
             self._delivery_log.unsubscribe(topic_filter)
         with self._lock:
@@ -450,7 +452,7 @@ class DurableClient:
                 held = topic_filter in broker_held  # what it said at this connection's hello
             else:
                 held = not stream  # a broker that did not say: a stream's filter is taken for a stream only
-            inherited = self._durable and _may_unsubscribe(topic_filter) and held
+            inherited = self._durable and held
             tell_broker = subscription is not None or inherited
             if tell_broker and self._connected:
                 self._send_unsubscribe(topic_filter)
@@ -1118,15 +1120,6 @@ def _check_filter(topic_filter: str) -> None:
             f"{topic_filter!r} is not a valid MQTT topic filter ('#' only as the whole last level, '+' only "
             "as a whole level, no U+0000 or lone surrogate, at most 65535 bytes)"
         )
-
-
-def _may_unsubscribe(topic_filter: str) -> bool:
-    """A filter a broker's session may hold: valid, and not one of the SDK's own topics."""
-    try:
-        _check_filter(topic_filter)
-    except ValueError:
-        return False
-    return True
 
 
 def _check_after(topic_filter: str, after: dict[str, int] | None) -> dict[str, int]:
