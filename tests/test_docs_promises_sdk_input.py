@@ -13,11 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import plyvel
 import pytest
 from test_sdk import Recorder
 
 from amqtt_durable.process import free_port
-from conftest import HOST, WAIT, Broker, Client, payloads
+from conftest import HOST, WAIT, Broker, Client, payloads, run_cli
 from durable_client import (
     AsyncDurableClient,
     ConnectionInfo,
@@ -296,3 +297,46 @@ def test_across_a_broker_restart_the_callbacks_fire_publish_is_unconnected_and_t
     events = recorder.wait(2)
     assert [e.payload for e in events] == [b"before", b"after"]
     assert not device.cache.stale and device.stats.reconnects == 1
+
+
+def test_a_qos2_subscription_of_an_sdk_session_is_made_at_qos1_and_its_events_come_once(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: QoS 2 subscriptions of an SDK session are made at QoS 1 (dedup gives exactly-once)."""
+    markers: list[Marker] = []
+    live = threading.Event()
+    recorder = Recorder()
+
+    def on_live(marker: Marker) -> None:
+        markers.append(marker)
+        live.set()
+
+    device = sdk(broker.port, "q2-device", on_live=on_live)
+    device.subscribe("q2/t", qos=2, listener=recorder)
+    device.connect()
+    device.ready_for_events()
+    assert live.wait(WAIT)
+    assert [(s.filter, s.qos) for s in markers[0].live] == [("q2/t", 1)]
+    clients(broker.port, "q2-pub", clean_session=True).publish("q2/t", payloads(5), qos=2)
+    events = recorder.wait(5)
+    assert [(e.payload, e.qos) for e in events] == [(p, 1) for p in payloads(5)]
+
+
+# ------------------------------------------------------------------------------ store-layout.md
+
+
+def test_a_store_with_data_but_no_version_key_is_refused(broker_factory: Callable[..., Broker]) -> None:
+    """store-layout.md: "a store with another version, or with data but no version, is refused"."""
+    broker = broker_factory(start=False)
+    db = plyvel.DB(broker.store, create_if_missing=True)
+    db.put(b"s\x00\x00\x00\x00\x00\x00\x00\x01", b"{}")
+    db.close()
+    broker.write_config()
+    result = run_cli("broker", "-c", str(broker.config_path))
+    assert result.returncode == 1
+    assert "no layout version" in result.stderr
+    db = plyvel.DB(broker.store)
+    try:
+        assert db.get(b"v") is None, "a refused store is not stamped with a version"
+    finally:
+        db.close()
