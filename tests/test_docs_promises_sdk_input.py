@@ -138,6 +138,8 @@ def test_a_listener_that_is_not_callable_is_refused_at_subscribe(
         client.subscribe_stream("t", None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^timeout must"):
         client.subscribe("t", timeout=0)
+    with pytest.raises(ValueError, match=r"^timeout must"):
+        client.connect(timeout="5")  # type: ignore[arg-type]
     client.connect(timeout=5)
     assert client.connected
 

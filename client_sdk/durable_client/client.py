@@ -5,8 +5,8 @@ connection: it runs paho's loop, reconnects with backoff, and calls every listen
 callback (on_connected, on_live, ...), one at a time, in arrival order. Listeners should be
 quick; they may call publish() (which then does not wait for the PUBACK: the PUBACK can only
 arrive on this very thread), subscribe() and unsubscribe(). Application threads may call
-every method; the ones that wait (connect, publish, subscribe_stream, stream_info, close)
-wait on events set by the network thread, each wait bounded by a timeout.
+every method; the ones that wait (connect, publish, subscribe, subscribe_stream, stream_info,
+close) wait on events set by the network thread, each wait bounded by a timeout.
 
 Each connection is set up the same way (docs/protocol.md): CONNECT, ``hello`` (which says
 the session's epoch), then the subscriptions the broker may have lost, the streams, and
@@ -240,8 +240,7 @@ class DurableClient:
             raise Unconnected("this client was closed; create a new DurableClient to connect again")
         if self._thread is not None:
             raise DurableClientError("connect() was called already: the client reconnects on its own")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be more than 0 seconds, got {timeout!r}")
+        check_seconds("timeout", timeout, low=0)
         first = _FirstConnect()
         self._first = first
         self._handshake_timeout = timeout
