@@ -8,6 +8,7 @@ The refusals need no broker; what they protect is checked against a real one.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -342,3 +343,29 @@ def test_a_store_with_data_but_no_version_key_is_refused(broker_factory: Callabl
         assert db.get(b"v") is None, "a refused store is not stamped with a version"
     finally:
         db.close()
+
+
+# ------------------------------------------------------------------------------ streams.md
+
+
+def test_a_position_past_the_logs_end_is_an_sdk_warning_and_the_topic_waits_until_the_log_passes_it(
+    broker_factory: Callable[..., Broker],
+    sdk: Callable[..., DurableClient],
+    clients: Callable[..., Client],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """streams.md: a position past a log's last id is a WARNING from the SDK naming the topic and
+    the log's last id; nothing is sent on the topic until the log passes the position."""
+    broker = broker_factory(streams=[{"filter": "ah/#"}])
+    publisher = clients(broker.port, "ah-pub", clean_session=True)
+    publisher.publish("ah/a", payloads(3))
+    caplog.set_level(logging.WARNING, logger="durable_client")
+    recorder = Recorder()
+    reader = sdk(broker.port, "ah-reader", durable_session=False)
+    reader.connect()
+    reader.subscribe_stream("ah/#", recorder, after={"ah/a": 5})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("stream ah/a: this client has processed ids past the log's last id 3" in w for w in warnings), warnings
+    publisher.publish("ah/a", [b"id4", b"id5", b"id6"])
+    events = recorder.wait(1)
+    assert [(e.seq, e.payload) for e in events] == [(6, b"id6")], "ids 4 and 5 are at or below the position"
