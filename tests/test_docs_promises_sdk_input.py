@@ -16,6 +16,7 @@ from typing import Any
 
 import plyvel
 import pytest
+from test_hostile_wire import wait_until
 from test_sdk import Recorder
 
 from amqtt_durable.process import free_port
@@ -24,6 +25,8 @@ from durable_client import (
     AsyncDurableClient,
     ConnectionInfo,
     DurableClient,
+    DurableClientError,
+    Event,
     Marker,
     PersistenceError,
     Unconnected,
@@ -369,3 +372,33 @@ def test_a_position_past_the_logs_end_is_an_sdk_warning_and_the_topic_waits_unti
     publisher.publish("ah/a", [b"id4", b"id5", b"id6"])
     events = recorder.wait(1)
     assert [(e.seq, e.payload) for e in events] == [(6, b"id6")], "ids 4 and 5 are at or below the position"
+
+
+def test_stream_info_reads_an_emptied_log_as_last_plus_1_last_and_needs_a_connection_and_another_thread(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """streams.md: `stream_info()` gives `(last + 1, last)` for a log retention emptied; it raises
+    `Unconnected` without a connection and `DurableClientError` from a listener."""
+    broker = broker_factory(streams=[{"filter": "se/#", "max_age": 0.5}])
+    clients(broker.port, "se-pub", clean_session=True).publish("se/a", payloads(3))
+    reader = sdk(broker.port, "se-reader", durable_session=False)
+    with pytest.raises(Unconnected):
+        reader.stream_info()
+    reader.connect()
+    assert dict(reader.stream_info()) == {"se/a": (1, 3)}
+    assert wait_until(lambda: dict(reader.stream_info()) == {"se/a": (4, 3)}, WAIT)
+
+    from_listener: list[BaseException] = []
+    called = threading.Event()
+
+    def listener(_event: Event) -> None:
+        try:
+            reader.stream_info()
+        except BaseException as exc:
+            from_listener.append(exc)
+        called.set()
+
+    reader.subscribe_stream("se/#", listener)
+    clients(broker.port, "se-pub2", clean_session=True).publish("se/a", [b"fourth"])
+    assert called.wait(WAIT)
+    assert len(from_listener) == 1 and type(from_listener[0]) is DurableClientError
