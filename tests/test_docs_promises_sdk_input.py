@@ -8,12 +8,16 @@ The refusals need no broker; what they protect is checked against a real one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 import threading
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import numpy
 import plyvel
 import pytest
 from test_hostile_wire import wait_until
@@ -30,7 +34,9 @@ from durable_client import (
     Marker,
     PersistenceError,
     Unconnected,
+    WrongTypeError,
 )
+from durable_protocol.hostport import split_host_port
 
 BAD_OPTIONS = [
     ({"host": ""}, "host"),
@@ -48,7 +54,9 @@ BAD_OPTIONS = [
     ({"reconnect_min_delay": "0.1"}, "reconnect_min_delay"),
     ({"reconnect_max_delay": None}, "reconnect_max_delay"),
     ({"username": 5}, "username"),
-    ({"password": b"secret"}, "password"),
+    ({"password": 5}, "password"),
+    ({"password": b"x" * 65536}, "password"),
+    ({"host": "my host"}, "host"),  # the message says "without spaces": so does the check
     ({"durable_session": "no"}, "durable_session"),
     ({"on_connected": "print"}, "on_connected"),
     ({"on_live": 5}, "on_live"),
@@ -157,7 +165,7 @@ def test_unsubscribe_refuses_what_subscribe_refuses(
     log = tmp_path / "log.jsonl"
     client = sdk(broker.port, "bad-unsubscribe", delivery_log=log)
     client.connect(timeout=5)
-    with pytest.raises(ValueError, match=r"topic filter|SDK's own topics"):
+    with pytest.raises(ValueError, match=r"^topic_filter"):
         client.unsubscribe(bad_filter)  # type: ignore[arg-type]
     assert '"kind": "unsubscribe"' not in log.read_text()
     assert client.connected
@@ -402,3 +410,269 @@ def test_stream_info_reads_an_emptied_log_as_last_plus_1_last_and_needs_a_connec
     clients(broker.port, "se-pub2", clean_session=True).publish("se/a", [b"fourth"])
     assert called.wait(WAIT)
     assert len(from_listener) == 1 and type(from_listener[0]) is DurableClientError
+
+
+# ------------------------------------------------------------------------------ review 128
+
+
+WRONG_TYPES: list[tuple[dict[str, Any], str]] = [
+    ({"host": 127001}, "host"),
+    ({"port": "1883"}, "port"),
+    ({"port": 1883.0}, "port"),
+    ({"keepalive": "30"}, "keepalive"),
+    ({"session_expiry": "60"}, "session_expiry"),
+    ({"reconnect_min_delay": "0.1"}, "reconnect_min_delay"),
+    ({"username": 5}, "username"),
+    ({"password": 5}, "password"),
+    ({"durable_session": 1}, "durable_session"),
+    ({"on_connected": "print"}, "on_connected"),
+    ({"state_dir": 5}, "state_dir"),
+    ({"failover": None}, "failover"),
+    ({"failover": ["h:1884"]}, "failover"),
+    ({"client_id": 5}, "client_id"),
+    ({"persistence": 2}, "persistence"),
+    ({"fsync_batch": "64"}, "fsync_batch"),
+]
+
+
+@pytest.mark.parametrize(("options", "named"), WRONG_TYPES, ids=[repr(o)[:40] for o, _ in WRONG_TYPES])
+def test_a_wrong_type_is_a_value_error_and_a_type_error(options: dict[str, Any], named: str) -> None:
+    """sdk.md, Bad input: a value of the wrong type raises WrongTypeError, both a ValueError (as
+    every bad option) and a TypeError (as Python's own checks raise): either ``except`` catches it."""
+    arguments: dict[str, Any] = {"client_id": "wrong-type", **options}
+    client_id = arguments.pop("client_id")
+    for caught in (TypeError, ValueError, WrongTypeError):
+        with pytest.raises(caught, match=rf"^{named} must"):
+            DurableClient(client_id, **arguments)
+
+
+def test_a_wrong_type_argument_is_a_type_error_too_payload_and_after_included() -> None:
+    """sdk.md, Bad input: the docs' TypeError for a payload neither bytes nor str and for an
+    ``after`` that is not a dict holds, and each is a ValueError like every other refusal."""
+    client = DurableClient("wrong-type-args")
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("payload", lambda: client.publish("t", 5)),  # type: ignore[arg-type]
+        ("after", lambda: client.subscribe_stream("s/#", print, after=[("s/a", 1)])),  # type: ignore[arg-type]
+        ("qos", lambda: client.publish("t", b"x", "1")),  # type: ignore[arg-type]
+        ("retain", lambda: client.publish("t", b"x", 1, 0)),  # type: ignore[arg-type]
+        ("timeout", lambda: client.subscribe("t", timeout="5")),  # type: ignore[arg-type]
+        ("topic", lambda: client.publish(None, b"x")),  # type: ignore[arg-type]
+        ("topic_filter", lambda: client.subscribe(5)),  # type: ignore[arg-type]
+        ("window", lambda: client.subscribe_stream("s/#", print, window=2.0)),  # type: ignore[arg-type]
+        ("keep_session", lambda: client.close(keep_session=0)),  # type: ignore[arg-type]
+    ]
+    for named, call in calls:
+        for caught in (TypeError, ValueError):
+            with pytest.raises(caught, match=rf"^{named} must"):
+                call()
+
+
+def test_inputs_that_worked_before_the_checks_still_work(broker: Broker, clients: Callable[..., Client]) -> None:
+    """Review 128: the checks refused what worked before them. An MQTT password is binary data
+    (bytes, NUL and all); whole numbers may be numpy integers, seconds any real number (a numpy
+    float, a Fraction), ``failover`` any iterable (a generator)."""
+    receiver = clients(broker.port, "worked-before-rx", clean_session=True)
+    receiver.subscribe("wb/#", 1)
+    client = DurableClient(
+        "worked-before",
+        port=numpy.int64(free_port()),  # dead: the client moves on to the failover address
+        username="user",
+        password=b"pw\x00\xff",
+        keepalive=numpy.int32(30),
+        session_expiry=numpy.int64(60),
+        reconnect_min_delay=Fraction(1, 20),
+        reconnect_max_delay=numpy.float64(0.5),
+        failover=((HOST, numpy.int64(port)) for port in [broker.port]),
+    )
+    try:
+        client.connect(timeout=numpy.float64(10))
+        assert client.port == broker.port
+        client.publish("wb/a", b"1", qos=numpy.int8(1), timeout=Fraction(5))
+        client.subscribe("wb/b", qos=numpy.uint8(1), timeout=numpy.float32(5))
+        assert [m.payload for m in receiver.wait_messages(1)] == [b"1"]
+        assert client.connected
+    finally:
+        client.close()
+    # a string password is sent as UTF-8 as before; only the size limit applies to it
+    DurableClient("pw-str", password="p\x00w")
+
+
+def test_a_timeout_too_long_for_a_wait_is_refused_before_anything_starts(
+    broker: Broker, sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md, Bad input: a timeout above threading.TIMEOUT_MAX is refused. Before, connect(timeout=1e10)
+    passed the check, started the network thread and then raised OverflowError; a second connect()
+    said it "was called already"."""
+    client = sdk(broker.port, "huge-timeout", durable_session=False)
+    for caught in (ValueError,):
+        with pytest.raises(caught, match=r"^timeout must be a finite number of seconds, more than 0 and at most"):
+            client.connect(timeout=1e10)
+    client.connect(timeout=5)
+    assert client.connected
+    with pytest.raises(ValueError, match=r"^timeout must"):
+        client.publish("t", b"x", timeout=1e10)
+    with pytest.raises(ValueError, match=r"^timeout must"):
+        client.close(timeout=1e10)
+    assert client.connected
+    client.close(timeout=5)
+    assert not client.connected
+
+
+def test_the_async_client_checks_keep_session_before_closing_anything(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """Review 128: AsyncDurableClient.close(keep_session=0) closed its event queue before the check
+    raised, so the client went on connected but its ``async for`` got nothing more."""
+    publisher = clients(broker.port, "ks-pub", clean_session=True)
+
+    async def main() -> None:
+        async with AsyncDurableClient("async-keep-session", port=broker.port) as client:
+            await client.subscribe("ks/#")
+            await client.ready_for_events()
+            with pytest.raises(ValueError, match=r"^keep_session must be True or False"):
+                await client.close(keep_session=0)  # type: ignore[arg-type]
+            await asyncio.to_thread(publisher.publish, "ks/a", [b"still delivered"])
+            got: list[Event] = []
+            async with client.events() as events:
+                async for event in events:
+                    got.append(event)
+                    break
+            assert [e.payload for e in got] == [b"still delivered"]
+
+    asyncio.run(asyncio.wait_for(main(), 2 * WAIT))
+
+
+def test_every_refusal_message_starts_with_the_name_and_shows_a_long_value_cut_short(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md, Bad input: the message starts with the option's name, for the topic of publish(),
+    the topic filter of subscribe()/unsubscribe()/subscribe_stream()/stream_info() and the ``after``
+    of a stream that is already read; a long value is shown cut short (a 65536-byte topic put about
+    65,000 characters in the message)."""
+    broker = broker_factory(streams=[{"filter": "mv/#"}])
+    client = sdk(broker.port, "messages", durable_session=False)
+    client.connect(timeout=5)
+    topics = ["a\x00b", "$SYS/x", "_durable/v1/ctl", "a/+", "a/#", "x" * 65536, "a/\ud800"]
+    for topic in topics:
+        with pytest.raises(ValueError, match=r"^topic: ") as raised:
+            client.publish(topic, b"x")
+        assert len(str(raised.value)) < 400
+    for bad_filter in ["a/#/b", "_durable/v1/x", "$durable/v1/reply", "x" * 65536]:
+        for call in (client.subscribe, client.unsubscribe, client.stream_info):
+            with pytest.raises(ValueError, match=r"^topic_filter: ") as raised:
+                call(bad_filter)
+            assert len(str(raised.value)) < 400
+    client.subscribe_stream("mv/#", print)
+    with pytest.raises(ValueError, match=r"^after: the stream subscription 'mv/#' already reads mv/a"):
+        client.subscribe_stream("mv/a", print, after={"mv/a": 0})
+    with pytest.raises(ValueError, match=r"^after: "):
+        client.subscribe_stream("mv/#", print, after={"other/a": 0})
+    assert client.connected
+
+
+def test_a_client_id_too_long_for_its_cpl2_folder_is_refused_not_a_fall_back_to_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """sdk.md, CPL-2: the folder state_dir/<client_id>/ is the percent-encoded id; one longer than
+    the file system's name limit (255 bytes here) is refused at construction. Before, the client
+    fell back to memory with a warning: exactly-once across restarts silently lost."""
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(ValueError, match=r"^client_id: .* 400 bytes percent-encoded, more than the 255 bytes"):
+        DurableClient("x" * 100 + "/" * 100, persistence="disk", state_dir=tmp_path / "state")
+    assert not caplog.records
+    fits = DurableClient("y" * 255, persistence="disk", state_dir=tmp_path / "state")
+    assert fits.persistence_level == "disk"
+    fits.close()
+    assert DurableClient("x" * 100 + "/" * 100).persistence_level == "memory"  # CPL-1 makes no folder
+
+
+def test_one_host_parser_brackets_only_around_an_ipv6_address() -> None:
+    """Review 128: the SDK's host check and hostport.split_host_port (the replication settings, the
+    tools, the Spark source's failover) agree: brackets only around an IPv6 address."""
+    for bracketed in ("[127.0.0.1]", "[localhost]"):
+        with pytest.raises(ValueError, match=r"^host must"):
+            DurableClient("brackets", host=bracketed)
+        with pytest.raises(ValueError, match="brackets around something other than an IPv6 address"):
+            split_host_port(f"{bracketed}:1883")
+    assert split_host_port("[::1]:1883") == ("::1", 1883)
+    assert DurableClient("brackets", host="[::1]").host == "::1"
+
+
+class _PubcompHolder:
+    """A TCP relay between the SDK and the real broker that holds the broker's PUBCOMP (MQTT packet
+    type 7) until ``release`` is set: the QoS 2 flow then stands between PUBREC and PUBCOMP."""
+
+    def __init__(self, broker_port: int) -> None:
+        self.held, self.release = threading.Event(), threading.Event()
+        self._server = socket.create_server((HOST, 0))
+        self.port = self._server.getsockname()[1]
+        self._broker_port = broker_port
+        self._sockets: list[socket.socket] = [self._server]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            device, _ = self._server.accept()
+            broker = socket.create_connection((HOST, self._broker_port), timeout=WAIT)
+            self._sockets += [device, broker]
+            threading.Thread(target=self._plain, args=(device, broker), daemon=True).start()
+            self._packets(broker, device)
+
+    @staticmethod
+    def _plain(source: socket.socket, target: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                target.sendall(data)
+
+    def _packets(self, source: socket.socket, target: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            reader = source.makefile("rb")
+            while header := reader.read(1):
+                length, shift, lengths = 0, 0, b""
+                while True:  # MQTT's remaining length: at most 4 bytes
+                    byte = reader.read(1)
+                    lengths += byte
+                    length |= (byte[0] & 0x7F) << shift
+                    shift += 7
+                    if not byte[0] & 0x80 or len(lengths) == 4:
+                        break
+                packet = header + lengths + reader.read(length)
+                if header[0] >> 4 == 7 and not self.release.is_set():
+                    self.held.set()
+                    self.release.wait(WAIT)
+                target.sendall(packet)
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+
+
+def test_a_qos2_send_record_is_written_after_the_pubcomp(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path
+) -> None:
+    """delivery-log.md: a `send` record is written once the broker has acknowledged the publish, its
+    PUBCOMP at QoS 2 (not at the PUBREC before it). The broker's PUBCOMP is held back by a relay."""
+    relay = _PubcompHolder(broker.port)
+    log = tmp_path / "log.jsonl"
+    try:
+        client = sdk(relay.port, "qos2-send-record", durable_session=False, delivery_log=log)
+        client.connect(timeout=WAIT)
+        done = threading.Event()
+
+        def publish() -> None:
+            client.publish("q2/a", b"exactly once", qos=2, timeout=WAIT)
+            done.set()
+
+        publisher = threading.Thread(target=publish)
+        publisher.start()
+        assert relay.held.wait(WAIT), "the broker's PUBCOMP reached the relay"
+        assert not done.is_set()
+        assert '"kind": "send"' not in log.read_text(), "no send record before the PUBCOMP"
+        relay.release.set()
+        publisher.join(WAIT)
+        assert done.is_set()
+        sends = [line for line in log.read_text().splitlines() if '"kind": "send"' in line]
+        assert len(sends) == 1 and '"topic": "q2/a"' in sends[0] and '"qos": 2' in sends[0]
+    finally:
+        relay.release.set()
+        relay.close()

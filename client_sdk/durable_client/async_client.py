@@ -35,7 +35,7 @@ from typing import Any, Final, Self
 
 from durable_protocol import Marker
 
-from ._options import check_callable, check_seconds
+from ._options import check_bool, check_callable, check_seconds
 from ._receiver import Handed
 from .cache import LastValueCache
 from .client import Completion, DurableClient, _safe
@@ -333,7 +333,9 @@ class AsyncDurableClient:
         """Disconnect for good (see DurableClient.close); an event handed over but not finished
         is not acknowledged, so the broker sends it again to the next connection. An ``async for``
         over ``events()`` ends. Any loop may close the client (a program can always clean up),
-        even once its own loop has ended."""
+        even once its own loop has ended. A ``keep_session`` other than True or False is refused
+        before anything is closed."""
+        check_bool("keep_session", keep_session)
         try:
             self._close_queue()
         finally:

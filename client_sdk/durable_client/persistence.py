@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
 
-from .errors import PersistenceError
+from .errors import PersistenceError, WrongTypeError
 from .events import PersistenceLevel
 
 log = logging.getLogger("durable_client")
@@ -471,9 +471,17 @@ def open_state(
     if level == "memory":
         return MemoryState()
     if level != "disk":
-        raise ValueError(f"persistence must be 'memory' or 'disk', got {level!r}")
+        error = ValueError if isinstance(level, str) else WrongTypeError
+        raise error(f"persistence must be 'memory' or 'disk', got {level!r}")
     if state_dir is None:
         raise ValueError("persistence='disk' needs state_dir: the folder that keeps state_dir/<client_id>/")
+    name, limit = state_folder(state_dir, client_id).name, _name_max(state_dir)
+    if len(name.encode()) > limit:
+        # Refused, not a fall-back to memory: that would silently lose exactly-once across restarts.
+        raise ValueError(
+            f"client_id: with persistence='disk' it names the folder state_dir/<client_id>/, {len(name.encode())} "
+            f"bytes percent-encoded, more than the {limit} bytes a file name may have there; use a shorter client_id"
+        )
     try:
         disk = DiskState(state_dir, client_id, compact_after=compact_after, group_commit=group_commit)
     except OSError as exc:
@@ -481,6 +489,17 @@ def open_state(
         on_fallback(exc)
         return MemoryState()
     return FallbackState(disk, on_fallback)
+
+
+def _name_max(state_dir: str | os.PathLike[str]) -> int:
+    """The most bytes of a file name in ``state_dir`` (or its nearest existing parent): 255 on most."""
+    path = Path(state_dir).absolute()
+    for folder in (path, *path.parents):
+        try:
+            return os.pathconf(folder, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            continue
+    return 255
 
 
 def _warn_fallback(folder: Path, exc: OSError) -> None:
