@@ -33,7 +33,8 @@ def parse_host(text: str) -> str:
 def split_host_port(text: str) -> tuple[str, int]:
     """(host, port) of ``host:port``, the port from 1 to 65535; a ValueError saying what is wrong
     (without ``text``: the caller names it). An IPv6 host is written in brackets, as in a URL
-    (``[::1]:7883``), which are taken off; one without them is refused (``::1:7883`` could be the
+    (``[::1]:7883``), which are taken off; a bracket that does not wrap the host (``[::1:7883``,
+    ``::1]:7883``) is refused with USAGE; an IPv6 host without them is refused (``::1:7883`` could be the
     host ``::1`` or ``::1:7883`` without a port, and ``::1`` alone would be read as the host ``:``
     and the port 1). The host is then checked as parse_host checks one (brackets only around an
     IPv6 address, no space or NUL)."""
@@ -41,6 +42,8 @@ def split_host_port(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(USAGE)
     bracketed = host.startswith("[") and host.endswith("]")
+    if not bracketed and ("[" in host or "]" in host):
+        raise ValueError(USAGE)
     if ":" in host and not bracketed:
         raise ValueError("an IPv6 address must be written in brackets, e.g. [::1]:7883 or [2001:db8::10]:7883")
     try:
