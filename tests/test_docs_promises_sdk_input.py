@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -52,6 +53,10 @@ BAD_OPTIONS = [
     ({"session_expiry": "60"}, "session_expiry"),
     ({"session_expiry": float("nan")}, "session_expiry"),
     ({"reconnect_min_delay": "0.1"}, "reconnect_min_delay"),
+    ({"reconnect_min_delay": 0}, "reconnect_min_delay"),  # more than 0 (Backoff's own check before)
+    ({"reconnect_min_delay": -1}, "reconnect_min_delay"),
+    ({"session_expiry": 10**400}, "session_expiry"),  # too large for a float: not an OverflowError
+    ({"reconnect_max_delay": Fraction(10**400, 3)}, "reconnect_max_delay"),
     ({"reconnect_max_delay": None}, "reconnect_max_delay"),
     ({"username": 5}, "username"),
     ({"password": 5}, "password"),
@@ -676,3 +681,64 @@ def test_a_qos2_send_record_is_written_after_the_pubcomp(
     finally:
         relay.release.set()
         relay.close()
+
+
+def test_a_number_too_large_for_a_float_is_a_value_error_naming_the_option() -> None:
+    """Review 137: seconds are converted with float(), which raised OverflowError (not a ValueError)
+    for 10**400 or Fraction(10**400, 3)."""
+    client = DurableClient("too-large")
+    for value in (10**400, -(10**400), Fraction(10**400, 3)):
+        with pytest.raises(ValueError, match=r"^timeout must be a finite number of seconds"):
+            client.subscribe("t", timeout=value)
+        with pytest.raises(ValueError, match=r"^session_expiry must"):
+            DurableClient("too-large", session_expiry=value)
+
+
+def test_a_non_string_topic_in_after_is_a_wrong_type_error() -> None:
+    """Review 137: a key of ``after`` that is not a string (1, b"a/x") is a wrong type, a TypeError
+    too; an empty or wildcard string stays a plain ValueError."""
+    client = DurableClient("after-keys")
+    for key in (1, b"a/x"):
+        for caught in (TypeError, ValueError):
+            with pytest.raises(caught, match=r"^after: .* is not a topic"):
+                client.subscribe_stream("a/#", print, after={key: 5})  # type: ignore[dict-item]
+    for key in ("", "a/+"):
+        with pytest.raises(ValueError, match=r"^after: .* is not a topic") as raised:
+            client.subscribe_stream("a/#", print, after={key: 5})
+        assert not isinstance(raised.value, TypeError)
+
+
+def test_an_endless_failover_iterator_is_refused_past_the_limit() -> None:
+    """sdk.md: ``failover`` holds at most 1000 addresses; an endless generator was read forever at
+    construction."""
+
+    def endless() -> Any:
+        port = 0
+        while True:
+            port = port % 65535 + 1
+            yield ("127.0.0.1", port)
+
+    with pytest.raises(ValueError, match=r"^failover must hold at most 1000"):
+        DurableClient("endless", failover=endless())
+    many = [("127.0.0.1", port) for port in range(2000, 3000)]
+    assert len(DurableClient("thousand", failover=iter(many))._addresses) == 1001
+
+
+def test_a_state_dir_too_long_for_its_files_paths_is_refused_not_a_fall_back_to_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """sdk.md, CPL-2: a state_dir whose folder's files would pass the path limit (PC_PATH_MAX) is
+    refused at construction, naming state_dir. Before, with a client id under the name limit, the
+    client fell back to memory ([Errno 36] File name too long): exactly-once across restarts lost."""
+    caplog.set_level(logging.WARNING)
+    limit = os.pathconf(tmp_path, "PC_PATH_MAX")
+    long_dir = tmp_path.joinpath(*["d" * 199] * ((limit - len(str(tmp_path))) // 200))
+    assert len(str(long_dir / ("c" * 200))) >= limit  # the folder alone: mkdir fails
+    with pytest.raises(ValueError, match=r"^state_dir: .* more than the \d+ bytes a path may have") as raised:
+        DurableClient("c" * 200, persistence="disk", state_dir=long_dir)
+    assert "client_id" in str(raised.value)
+    assert not caplog.records
+    short = tmp_path / "s"
+    fits = DurableClient("c" * 200, persistence="disk", state_dir=short)
+    assert fits.persistence_level == "disk"
+    fits.close()

@@ -31,6 +31,9 @@ MAX_STRING = 65_535
 MAX_SECONDS = threading.TIMEOUT_MAX
 """The longest wait Python's threads take (about 292 years): a longer timeout is refused."""
 
+MAX_FAILOVER = 1000
+"""The most addresses ``failover`` may hold (the client tries each in turn)."""
+
 _SHOWN = 60  # characters of a value's repr shown in a message
 
 
@@ -134,7 +137,10 @@ def check_seconds(
     )
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise WrongTypeError(f"{usage}, got {_show(value)}")
-    number = float(value)
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):  # 10**400, Fraction(10**400, 3): too large for a float
+        raise ValueError(f"{usage}, got {_show(value)}") from None
     if not (math.isfinite(number) and (number >= low if inclusive else number > low) and number <= high):
         raise ValueError(f"{usage}, got {_show(value)}")
     return number
@@ -258,7 +264,8 @@ def check_after(topic_filter: str, after: object) -> dict[str, int]:
     positions: dict[str, int] = {}
     for topic, last_id in after.items():
         if not isinstance(topic, str) or not topic or "+" in topic or "#" in topic:
-            raise ValueError(f"after: {_show(topic)} is not a topic (a non-empty string without wildcards)")
+            error = ValueError if isinstance(topic, str) else WrongTypeError
+            raise error(f"after: {_show(topic)} is not a topic (a non-empty string without wildcards)")
         if not topic_matches(topic_filter, topic):
             raise ValueError(
                 f"after: the topic {_show(topic)} is not matched by the stream filter {_show(topic_filter)}"
@@ -268,12 +275,15 @@ def check_after(topic_filter: str, after: object) -> dict[str, int]:
 
 
 def check_failover(failover: object) -> list[tuple[str, int]]:
-    """``failover``: any iterable (not a string) of (host, port) pairs (tuples or two-item lists),
-    each checked as ``host`` and ``port``."""
+    """``failover``: any iterable (not a string) of at most MAX_FAILOVER (host, port) pairs (tuples
+    or two-item lists), each checked as ``host`` and ``port``. The bound also ends the reading of
+    an endless iterator (a generator that never stops), which would otherwise never return."""
     if isinstance(failover, str | bytes) or not isinstance(failover, Iterable):
         raise WrongTypeError(f"failover must be a list of (host, port) pairs, got {_show(failover)}")
     addresses: list[tuple[str, int]] = []
     for entry in failover:
+        if len(addresses) == MAX_FAILOVER:
+            raise ValueError(f"failover must hold at most {MAX_FAILOVER} (host, port) pairs, got more")
         usage = f"failover must hold (host, port) pairs (the group's other brokers), got {_show(entry)}"
         if not isinstance(entry, tuple | list):
             raise WrongTypeError(usage)
@@ -299,6 +309,7 @@ def _show(value: object) -> str:
 
 
 __all__ = [
+    "MAX_FAILOVER",
     "MAX_SECONDS",
     "MAX_STRING",
     "check_after",

@@ -482,6 +482,15 @@ def open_state(
             f"client_id: with persistence='disk' it names the folder state_dir/<client_id>/, {len(name.encode())} "
             f"bytes percent-encoded, more than the {limit} bytes a file name may have there; use a shorter client_id"
         )
+    folder, path_limit = state_folder(state_dir, client_id).absolute(), _path_max(state_dir)
+    longest = len(os.fsencode(folder)) + _LONGEST_FILE
+    if longest >= path_limit:
+        # The same: the folder or a file in it could not be made ([Errno 36] File name too long).
+        raise ValueError(
+            f"state_dir: with persistence='disk' the files of state_dir/<client_id>/ take paths of up to "
+            f"{longest} bytes there, more than the {path_limit - 1} bytes a path may have; use a shorter "
+            "state_dir or client_id"
+        )
     try:
         disk = DiskState(state_dir, client_id, compact_after=compact_after, group_commit=group_commit)
     except OSError as exc:
@@ -491,15 +500,30 @@ def open_state(
     return FallbackState(disk, on_fallback)
 
 
+_LONGEST_FILE = len(b"/journal.") + 20
+"""Bytes a file in the folder adds to its path: ``/journal.<gen>``, the generation a 64-bit number
+at most, is longer than ``/lock``, ``/snapshot`` and ``/snapshot.tmp``."""
+
+
 def _name_max(state_dir: str | os.PathLike[str]) -> int:
     """The most bytes of a file name in ``state_dir`` (or its nearest existing parent): 255 on most."""
+    return _pathconf(state_dir, "PC_NAME_MAX", 255)
+
+
+def _path_max(state_dir: str | os.PathLike[str]) -> int:
+    """The most bytes of a path in ``state_dir`` (or its nearest existing parent), its ending NUL
+    included: 4096 on Linux."""
+    return _pathconf(state_dir, "PC_PATH_MAX", 4096)
+
+
+def _pathconf(state_dir: str | os.PathLike[str], name: str, default: int) -> int:
     path = Path(state_dir).absolute()
     for folder in (path, *path.parents):
         try:
-            return os.pathconf(folder, "PC_NAME_MAX")
+            return os.pathconf(folder, name)
         except (OSError, ValueError):
             continue
-    return 255
+    return default
 
 
 def _warn_fallback(folder: Path, exc: OSError) -> None:
