@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import threading
 from collections.abc import Callable
@@ -742,3 +743,55 @@ def test_a_state_dir_too_long_for_its_files_paths_is_refused_not_a_fall_back_to_
     fits = DurableClient("c" * 200, persistence="disk", state_dir=short)
     assert fits.persistence_level == "disk"
     fits.close()
+
+
+def test_a_relative_state_dir_is_measured_as_given_not_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sdk.md, CPL-2: the path limit applies to the path as the client gives it to the kernel. A
+    short relative state_dir in a current folder deeper than the limit works; before, its absolute
+    path was measured and the client was refused with "state_dir: ... more than 4095 bytes"."""
+    limit = os.pathconf(tmp_path, "PC_PATH_MAX")
+    monkeypatch.chdir(tmp_path)
+    for _ in range(limit // 200 + 1):  # made step by step: the whole path is too long for one mkdir
+        os.mkdir("d" * 200)
+        os.chdir("d" * 200)
+    assert len(os.fsencode(Path.cwd())) > limit
+    client = DurableClient("deep", persistence="disk", state_dir="s")
+    try:
+        assert client.persistence_level == "disk"
+        assert os.path.exists("s/deep/lock")
+    finally:
+        client.close()
+    os.chdir(tmp_path)
+    shutil.rmtree("d" * 200)  # relative: rmtree works by descriptors below it
+
+
+def test_a_deleted_current_folder_is_an_io_error_falling_back_to_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """sdk.md, CPL-2: an I/O error at the state folder falls back to CPL-1 with a WARNING. With the
+    current folder deleted, a relative state_dir cannot be made absolute: before, Path.absolute()
+    raised FileNotFoundError out of the constructor."""
+    caplog.set_level(logging.WARNING)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    fell_back: list[OSError] = []
+    client = DurableClient("cwd-gone", persistence="disk", state_dir="s", on_persistence_fallback=fell_back.append)
+    try:
+        assert client.persistence_level == "memory"
+        assert [type(error) for error in fell_back] == [FileNotFoundError]
+        assert any("CPL-2 -> CPL-1" in record.getMessage() for record in caplog.records)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("name", ["state_dir", "delivery_log"])
+@pytest.mark.parametrize("path", ["s\x00t", Path("s\x00t")])
+def test_a_nul_in_a_path_option_is_a_value_error_naming_it(name: str, path: str | Path) -> None:
+    """sdk.md, Bad input: a path with U+0000 is refused naming the option; before, os.mkdir or
+    open raised a bare ValueError ("embedded null byte"), the option not named."""
+    with pytest.raises(ValueError, match=rf"^{name}: a path cannot hold U\+0000"):
+        DurableClient("nul-path", **{name: path})

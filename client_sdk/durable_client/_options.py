@@ -77,8 +77,13 @@ def check_options(
         )
     check_bool("durable_session", durable_session)
     for name, path in (("delivery_log", delivery_log), ("state_dir", state_dir)):
-        if path is not None and not isinstance(path, str | os.PathLike):
+        if path is None:
+            continue
+        if not isinstance(path, str | os.PathLike):
             raise WrongTypeError(f"{name} must be a path (str or os.PathLike) or None, got {_show(path)}")
+        given = os.fspath(path)
+        if ("\0" if isinstance(given, str) else b"\0") in given:  # open/mkdir: a bare "embedded null byte"
+            raise ValueError(f"{name}: a path cannot hold U+0000 (NUL), got {_show(path)}")
     for name, callback in callbacks.items():
         check_callable(name, callback)
     return checked

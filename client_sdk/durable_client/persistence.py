@@ -482,7 +482,9 @@ def open_state(
             f"client_id: with persistence='disk' it names the folder state_dir/<client_id>/, {len(name.encode())} "
             f"bytes percent-encoded, more than the {limit} bytes a file name may have there; use a shorter client_id"
         )
-    folder, path_limit = state_folder(state_dir, client_id).absolute(), _path_max(state_dir)
+    # The path as DiskState gives it to the kernel, whose limit applies to that string: a relative
+    # state_dir is not made absolute (a deep current folder does not count).
+    folder, path_limit = state_folder(state_dir, client_id), _path_max(state_dir)
     longest = len(os.fsencode(folder)) + _LONGEST_FILE
     if longest >= path_limit:
         # The same: the folder or a file in it could not be made ([Errno 36] File name too long).
@@ -517,12 +519,18 @@ def _path_max(state_dir: str | os.PathLike[str]) -> int:
 
 
 def _pathconf(state_dir: str | os.PathLike[str], name: str, default: int) -> int:
-    path = Path(state_dir).absolute()
+    """``os.pathconf(name)`` of ``state_dir`` or its nearest parent that answers with a limit;
+    ``default`` when none does (-1 is "no limit": the next parent is asked)."""
+    path = Path(state_dir)
+    with contextlib.suppress(OSError):  # the current folder deleted: the path as given is walked
+        path = path.absolute()
     for folder in (path, *path.parents):
         try:
-            return os.pathconf(folder, name)
+            value = os.pathconf(folder, name)
         except (OSError, ValueError):
             continue
+        if value > 0:
+            return value
     return default
 
 
