@@ -387,6 +387,15 @@ def test_the_failover_option_takes_ipv6_addresses_in_brackets() -> None:
             Options.parse({"filter": FILTER, "failover": f"h1:1883,{bad}"})
 
 
+def test_the_failover_option_holds_at_most_the_sdks_limit() -> None:
+    """pipeline.md: ``failover`` holds at most 1000 addresses (the SDK's limit). Before, 1001 were
+    parsed and the driver's client then raised the SDK's bare ValueError, not a SourceError."""
+    entries = [f"h{n}:1883" for n in range(1001)]
+    assert len(Options.parse({"filter": FILTER, "failover": ",".join(entries[:1000])}).failover) == 1000
+    with pytest.raises(SourceError, match=r"^option failover holds at most 1000 host:port entries.*got 1001$"):
+        Options.parse({"filter": FILTER, "failover": ",".join(entries)})
+
+
 @pytest.mark.parametrize("bad", ["localhost:1883", "[127.0.0.1]", "my host", ""])
 def test_a_bad_host_option_is_a_source_error_naming_it(bad: str) -> None:
     """pipeline.md: a bad option is a SourceError naming it. ``host`` is checked as the SDK checks its

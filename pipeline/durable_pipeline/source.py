@@ -58,6 +58,7 @@ from durable_client import (
     RequestTimeout,
     Unconnected,
 )
+from durable_client._options import MAX_FAILOVER
 from durable_protocol.hostport import join_host_port, parse_host, split_host_port
 
 from .bulk import BulkRangeReader, arrow_batch
@@ -212,7 +213,8 @@ def _float_option(raw: dict[str, str], name: str, default: float) -> float:
 
 def _addresses_option(raw: dict[str, str], name: str) -> tuple[tuple[str, int], ...]:
     """``host:port,host:port``: the other brokers of a replication group (an IPv6 address in
-    brackets, ``[::1]:1883``, which are taken off: durable_protocol.hostport)."""
+    brackets, ``[::1]:1883``, which are taken off: durable_protocol.hostport), at most the SDK's
+    MAX_FAILOVER of them."""
     text = raw.get(name.lower(), "").strip()
     addresses = []
     for entry in filter(None, (part.strip() for part in text.split(","))):
@@ -222,6 +224,11 @@ def _addresses_option(raw: dict[str, str], name: str) -> tuple[tuple[str, int], 
             raise SourceError(
                 f"option {name} takes host:port entries separated by commas ({exc}), got {entry!r} in {text!r}"
             ) from None
+    if len(addresses) > MAX_FAILOVER:  # the SDK's limit: its client would raise a bare ValueError
+        raise SourceError(
+            f"option {name} holds at most {MAX_FAILOVER} host:port entries (the group's other brokers), "
+            f"got {len(addresses)}"
+        )
     return tuple(addresses)
 
 
