@@ -9,7 +9,7 @@ import json
 import ssl
 from typing import Any
 
-from durable_protocol.hostport import join_host_port, split_host_port
+from durable_protocol.hostport import join_host_port, parse_host, split_host_port
 
 from .auth import AuthError, client_handshake, error_text
 from .errors import FrameError, ReplicationError
@@ -41,8 +41,9 @@ def split_peer_address(address: str, written_in: str) -> tuple[str, int]:
     except ValueError as exc:
         host, _, port = address.rpartition(":")
         if port.isdigit() and 0 < int(port) < 65536:
-            if ":" in host and not {"[", "]", "\0"} & set(host):
-                return host, int(port)
+            if ":" in host:  # only a real IPv6 address: not '::1 x', 'fe80::1/64', a tab or newline
+                with contextlib.suppress(ValueError):
+                    return parse_host(f"[{host}]"), int(port)
             if len(host) > 2 and host[0] == "[" and host[-1] == "]" and ":" not in host:
                 with contextlib.suppress(ValueError):
                     return split_host_port(f"{host[1:-1]}:{port}")
