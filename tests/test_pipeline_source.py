@@ -23,6 +23,7 @@ from durable_pipeline.errors import SourceError
 from durable_pipeline.source import (
     STORE_KEY,
     AmqttDurableDataSource,
+    BrokerLink,
     IdRange,
     Options,
     RangeGroup,
@@ -384,6 +385,31 @@ def test_the_failover_option_takes_ipv6_addresses_in_brackets() -> None:
     for bad in ("::1:1883", "[::1:1883", "h2:0", "h2:65536"):
         with pytest.raises(SourceError, match="option failover takes host:port entries"):
             Options.parse({"filter": FILTER, "failover": f"h1:1883,{bad}"})
+
+
+def test_the_failover_option_holds_at_most_the_sdks_limit() -> None:
+    """pipeline.md: ``failover`` holds at most 1000 addresses (the SDK's limit). Before, 1001 were
+    parsed and the driver's client then raised the SDK's bare ValueError, not a SourceError."""
+    entries = [f"h{n}:1883" for n in range(1001)]
+    assert len(Options.parse({"filter": FILTER, "failover": ",".join(entries[:1000])}).failover) == 1000
+    with pytest.raises(SourceError, match=r"^option failover holds at most 1000 host:port entries.*got 1001$"):
+        Options.parse({"filter": FILTER, "failover": ",".join(entries)})
+
+
+@pytest.mark.parametrize("bad", ["localhost:1883", "[127.0.0.1]", "my host", ""])
+def test_a_bad_host_option_is_a_source_error_naming_it(bad: str) -> None:
+    """pipeline.md: a bad option is a SourceError naming it. ``host`` is checked as the SDK checks its
+    own (durable_protocol.hostport.parse_host); before, it surfaced as the SDK's bare ValueError."""
+    with pytest.raises(SourceError, match=r"^option host must be a host name or an IP address"):
+        BrokerLink(Options.parse({"host": bad, "port": "1", "filter": "a/#", "timeout": "0.5"}))
+
+
+def test_an_ipv6_host_in_brackets_is_kept_without_them_for_the_read_tasks() -> None:
+    """The read tasks (bulk.py) connect to ``opts.host`` as it is: ``[::1]`` must reach them as ``::1``
+    (before, the driver's SDK took the brackets off but socket.create_connection(("[::1]", port)) failed)."""
+    assert Options.parse({"filter": FILTER, "host": "[::1]"}).host == "::1"
+    assert Options.parse({"filter": FILTER, "host": " ::1 "}).host == "::1"
+    assert Options.parse({"filter": FILTER}).host == "127.0.0.1"
 
 
 def test_errors_reach_the_spark_user(spark: Any, stream_broker: Broker, streaming: Callable[..., Streaming]) -> None:

@@ -18,6 +18,7 @@ from .errors import (
     PersistenceError,
     RequestTimeout,
     Unconnected,
+    WrongTypeError,
 )
 from .events import ConnectionInfo, Event, Listener, PersistenceLevel, Stats, StreamBounds
 
@@ -43,4 +44,5 @@ __all__ = [
     "Stats",
     "StreamBounds",
     "Unconnected",
+    "WrongTypeError",
 ]

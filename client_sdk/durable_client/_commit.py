@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Final
 
+from ._options import check_seconds, check_whole
 from .events import PersistenceLevel
 from .persistence import SessionState, open_state
 
@@ -59,20 +60,11 @@ HeldAck = tuple[int, int, tuple[str, int] | None]
 
 def check_group_options(fsync_batch: object, fsync_delay_ms: object) -> tuple[int, float]:
     """The client options ``fsync_batch`` and ``fsync_delay_ms``, validated; ValueError names the bad one."""
-    if not isinstance(fsync_batch, int) or isinstance(fsync_batch, bool) or not 1 <= fsync_batch <= MAX_FSYNC_BATCH:
-        raise ValueError(
-            f"fsync_batch must be a whole number of events from 1 to {MAX_FSYNC_BATCH} (1 = an fsync per event), "
-            f"got {fsync_batch!r}"
-        )
-    if (
-        not isinstance(fsync_delay_ms, int | float)
-        or isinstance(fsync_delay_ms, bool)
-        or not 0 <= fsync_delay_ms <= MAX_FSYNC_DELAY_MS
-    ):
-        raise ValueError(
-            f"fsync_delay_ms must be a number of milliseconds from 0 to {MAX_FSYNC_DELAY_MS:g}, got {fsync_delay_ms!r}"
-        )
-    return fsync_batch, float(fsync_delay_ms)
+    batch = check_whole("fsync_batch", fsync_batch, 1, MAX_FSYNC_BATCH, "a whole number of events")
+    delay_ms = check_seconds(
+        "fsync_delay_ms", fsync_delay_ms, low=0, inclusive=True, high=MAX_FSYNC_DELAY_MS, unit="milliseconds"
+    )
+    return batch, delay_ms
 
 
 def open_group_committed(

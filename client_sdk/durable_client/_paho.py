@@ -107,7 +107,7 @@ class PahoLink:
         keepalive: int,
         clean_session: bool,
         username: str | None,
-        password: str | None,
+        password: str | bytes | None,
         connect_timeout: float,
         on_connack: Callable[[ConnAck], None],
         on_message: Callable[[Inbound], None],
@@ -132,7 +132,7 @@ class PahoLink:
             self._client.on_log = lambda _client, _userdata, _level, text: paho_log.debug("%s", text)
         self._client.connect_timeout = connect_timeout
         if username is not None:
-            self._client.username_pw_set(username, password)
+            self._client.username_pw_set(username, password)  # type: ignore[arg-type]  # bytes sent as they are
         self._keepalive = keepalive
         self._client.connect_async(host, port, keepalive)
         self._client.on_socket_register_write = _noop_socket_callback

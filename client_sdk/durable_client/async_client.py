@@ -35,6 +35,7 @@ from typing import Any, Final, Self
 
 from durable_protocol import Marker
 
+from ._options import check_bool, check_callable, check_seconds
 from ._receiver import Handed
 from .cache import LastValueCache
 from .client import Completion, DurableClient, _safe
@@ -302,10 +303,9 @@ class AsyncDurableClient:
         request_timeout: float = REQUEST_TIMEOUT,
         **options: Any,
     ) -> None:
-        if not request_timeout > 0:
-            raise ValueError(f"request_timeout must be more than 0 seconds, got {request_timeout!r}")
-        self._timeout = request_timeout
+        self._timeout = check_seconds("request_timeout", request_timeout, low=0)
         self._user_on_live: Callable[[Marker], None] | None = options.pop("on_live", None)
+        check_callable("on_live", self._user_on_live)
         self._client = DurableClient(client_id, host, port, on_live=self._on_live, **options)
         self._batcher = _Batcher(self._client)
         self._client._defer_to(self._batcher.hand, self._batcher.flush)
@@ -333,7 +333,9 @@ class AsyncDurableClient:
         """Disconnect for good (see DurableClient.close); an event handed over but not finished
         is not acknowledged, so the broker sends it again to the next connection. An ``async for``
         over ``events()`` ends. Any loop may close the client (a program can always clean up),
-        even once its own loop has ended."""
+        even once its own loop has ended. A ``keep_session`` other than True or False is refused
+        before anything is closed."""
+        check_bool("keep_session", keep_session)
         try:
             self._close_queue()
         finally:

@@ -10,11 +10,11 @@ import random
 
 
 class Backoff:
-    """Delays in [min_delay, min(max_delay, min_delay * 2**attempt)], drawn uniformly."""
+    """Delays in [min_delay, min(max_delay, min_delay * 2**attempt)], drawn uniformly.
+
+    ``min_delay`` is more than 0 (DurableClient checks its ``reconnect_min_delay`` where it is given)."""
 
     def __init__(self, min_delay: float, max_delay: float, rng: random.Random | None = None) -> None:
-        if not min_delay > 0:
-            raise ValueError(f"reconnect_min_delay must be more than 0 seconds, got {min_delay!r}")
         if not max_delay >= min_delay:
             raise ValueError(
                 f"reconnect_max_delay ({max_delay!r}) must be at least reconnect_min_delay ({min_delay!r})"

@@ -5,8 +5,8 @@ connection: it runs paho's loop, reconnects with backoff, and calls every listen
 callback (on_connected, on_live, ...), one at a time, in arrival order. Listeners should be
 quick; they may call publish() (which then does not wait for the PUBACK: the PUBACK can only
 arrive on this very thread), subscribe() and unsubscribe(). Application threads may call
-every method; the ones that wait (connect, publish, subscribe_stream, stream_info, close)
-wait on events set by the network thread, each wait bounded by a timeout.
+every method; the ones that wait (connect, publish, subscribe, subscribe_stream, stream_info,
+close) wait on events set by the network thread, each wait bounded by a timeout.
 
 Each connection is set up the same way (docs/protocol.md): CONNECT, ``hello`` (which says
 the session's epoch), then the subscriptions the broker may have lost, the streams, and
@@ -21,22 +21,25 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, ParamSpec
 
-from durable_protocol import (
-    CONTROL_PREFIX,
-    CONTROL_TOPIC,
-    MAX_STREAM_WINDOW,
-    Marker,
-    Reply,
-    encode_request,
-    filter_is_valid,
-)
+from durable_protocol import CONTROL_TOPIC, Marker, Reply, encode_request
 
 from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, open_group_committed
+from ._options import (
+    check_after,
+    check_bool,
+    check_callable,
+    check_filter,
+    check_options,
+    check_qos,
+    check_seconds,
+    check_topic,
+    check_window,
+)
 from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, topic_matches
 from ._receiver import Handed, Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
@@ -51,13 +54,13 @@ from .errors import (
     EventNotProcessedError,
     RequestTimeout,
     Unconnected,
+    WrongTypeError,
 )
 from .events import ConnectionInfo, Listener, PersistenceLevel, Stats, StreamBounds
 
 log = logging.getLogger("durable_client")
 
 _P = ParamSpec("_P")
-_MAX_STRING = 65_535  # an MQTT string's most bytes (its length is two bytes)
 
 _LOOP_TIMEOUT: Final = 0.25
 """Longest the network thread sleeps in select(): bounds how late it notices a handshake deadline."""
@@ -101,7 +104,7 @@ class DurableClient:
         *,
         keepalive: int = 30,
         username: str | None = None,
-        password: str | None = None,
+        password: str | bytes | None = None,
         session_expiry: float | None = None,
         persistence: PersistenceLevel = "memory",
         state_dir: str | os.PathLike[str] | None = None,
@@ -116,7 +119,7 @@ class DurableClient:
         delivery_log: str | os.PathLike[str] | None = None,
         fsync_batch: int = DEFAULT_FSYNC_BATCH,
         fsync_delay_ms: float = DEFAULT_FSYNC_DELAY_MS,
-        failover: Sequence[tuple[str, int]] = (),
+        failover: Iterable[tuple[str, int]] = (),
     ) -> None:
         """Nothing touches the network until connect().
 
@@ -145,22 +148,24 @@ class DurableClient:
         SIGKILL loses no mark (each is written to the OS at once); a power loss makes at most
         the last group's events, none of them acknowledged, come again.
         """
-        if not isinstance(client_id, str) or not client_id:
-            raise ValueError("client_id must be a non-empty string: the broker finds the durable session by it")
-        if keepalive < 1:
-            raise ValueError(f"keepalive must be 1 second or more, got {keepalive!r}")
-        if session_expiry is not None and not session_expiry >= 0:
-            raise ValueError(f"session_expiry must be a number of seconds, 0 or more, got {session_expiry!r}")
+        checked = check_options(
+            client_id=client_id, host=host, port=port, keepalive=keepalive, session_expiry=session_expiry,
+            username=username, password=password, durable_session=durable_session,
+            reconnect_min_delay=reconnect_min_delay, reconnect_max_delay=reconnect_max_delay,
+            delivery_log=delivery_log, state_dir=state_dir, failover=failover,
+            on_connected=on_connected, on_disconnected=on_disconnected, on_session_lost=on_session_lost,
+            on_live=on_live, on_persistence_fallback=on_persistence_fallback,
+        )
         self.client_id = client_id
-        self.host = host
-        self.port = port
-        self._addresses, self._address_index = _addresses(host, port, failover), 0
-        self._keepalive = keepalive
-        self._username = username
-        self._password = password
-        self._session_expiry = session_expiry
+        self.host: str = checked["host"]
+        self.port: int = checked["port"]
+        self._addresses, self._address_index = [(self.host, self.port), *checked["failover"]], 0
+        self._keepalive: int = checked["keepalive"]
+        self._username: str | None = checked["username"]
+        self._password: str | bytes | None = checked["password"]
+        self._session_expiry: float | None = checked["session_expiry"]
         self._durable = durable_session
-        self._backoff = Backoff(reconnect_min_delay, reconnect_max_delay)
+        self._backoff = Backoff(checked["reconnect_min_delay"], checked["reconnect_max_delay"])
         self._on_connected = on_connected
         self._on_disconnected = on_disconnected
         self._on_session_lost = on_session_lost
@@ -237,8 +242,7 @@ class DurableClient:
             raise Unconnected("this client was closed; create a new DurableClient to connect again")
         if self._thread is not None:
             raise DurableClientError("connect() was called already: the client reconnects on its own")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be more than 0 seconds, got {timeout!r}")
+        timeout = check_seconds("timeout", timeout, low=0)
         first = _FirstConnect()
         self._first = first
         self._handshake_timeout = timeout
@@ -302,6 +306,8 @@ class DurableClient:
         (or Unconnected, while disconnected) is raised afterwards: the broker then drops the
         session only when it expires.
         """
+        check_bool("keep_session", keep_session)
+        timeout = check_seconds("timeout", timeout, low=0)
         if self._closed:
             return
         on_network_thread = self._on_network_thread()
@@ -391,9 +397,11 @@ class DurableClient:
         sent again on reconnect).
         """
         self._check_open()
-        _check_filter(topic_filter)
-        if qos not in (0, 1, 2):
-            raise ValueError(f"qos must be 0, 1 or 2, got {qos!r}")
+        check_filter(topic_filter)
+        qos = check_qos(qos)
+        check_bool("durable", durable)
+        check_callable("listener", listener)
+        timeout = check_seconds("timeout", timeout, low=0)
         if (
             self._subscribe(topic_filter, qos, durable, listener)
             and not self._on_network_thread()
@@ -427,8 +435,10 @@ class DurableClient:
         A durable session's subscription may have been made by an earlier run of this client id
         (the broker keeps it and says so in its hello reply): that one is removed too, now or on
         connecting, by the same call when the filter is also a stream subscription of this run.
-        Otherwise a no-op if neither (a broker whose hello lists nothing gets the UNSUBSCRIBE)."""
+        Otherwise a no-op if neither (a broker whose hello lists nothing gets the UNSUBSCRIBE).
+        A filter ``subscribe()`` would refuse is refused here too (ValueError): no session holds it."""
         self._check_open()
+        check_filter(topic_filter)
         if self._delivery_log is not None:
             self._delivery_log.unsubscribe(topic_filter)
         with self._lock:
@@ -443,7 +453,7 @@ class DurableClient:
                 held = topic_filter in broker_held  # what it said at this connection's hello
             else:
                 held = not stream  # a broker that did not say: a stream's filter is taken for a stream only
-            inherited = self._durable and _may_unsubscribe(topic_filter) and held
+            inherited = self._durable and held
             tell_broker = subscription is not None or inherited
             if tell_broker and self._connected:
                 self._send_unsubscribe(topic_filter)
@@ -494,19 +504,18 @@ class DurableClient:
         broker keeps one cursor per topic and connection.
         """
         self._check_open()
-        _check_filter(topic_filter)
-        if window is not None and not (
-            isinstance(window, int) and not isinstance(window, bool) and 1 <= window <= MAX_STREAM_WINDOW
-        ):
-            raise ValueError(f"window must be a whole number from 1 to {MAX_STREAM_WINDOW}, got {window!r}")
-        positions = _check_after(topic_filter, after)
+        check_filter(topic_filter)
+        check_callable("listener", listener, optional=False)
+        timeout = check_seconds("timeout", timeout, low=0)
+        window = check_window(window)
+        positions = check_after(topic_filter, after)
         with self._lock:
             for stream in self._registry.streams():
                 moved = sorted(topic for topic in positions if topic_matches(stream.filter, topic))
                 if moved:
                     raise ValueError(
-                        f"the stream subscription {stream.filter!r} already reads {', '.join(moved)}: 'after' cannot "
-                        "move it; unsubscribe it first"
+                        f"after: the stream subscription {stream.filter!r} already reads {', '.join(moved)}, which "
+                        "'after' cannot move; unsubscribe it first"
                     )
             for topic, last_id in positions.items():
                 self._state.record_stream(topic, last_id)
@@ -533,7 +542,8 @@ class DurableClient:
         called from a listener, whose thread is the one the reply arrives on.
         """
         self._check_open()
-        _check_filter(topic_filter)
+        check_filter(topic_filter)
+        timeout = check_seconds("timeout", timeout, low=0)
         if self._on_network_thread():
             raise DurableClientError(
                 "stream_info() cannot wait for its reply on the network thread (called from a listener or callback)"
@@ -569,6 +579,9 @@ class DurableClient:
         """
         self._check_open()
         data = _publishable(topic, payload)
+        qos = check_qos(qos)
+        check_bool("retain", retain)
+        timeout = check_seconds("timeout", timeout, low=0)
         if not self._connected:
             raise Unconnected(f"not connected to {self.host}:{self.port} (reconnecting): nothing was published")
         handle = self._link_or_raise().publish(topic, data, qos, retain)
@@ -1095,43 +1108,6 @@ def _session_lost(*, expected: bool, session_present: bool, recorded_epoch: int 
     return recorded_epoch is not None and epoch is not None and epoch != recorded_epoch
 
 
-def _check_filter(topic_filter: str) -> None:
-    if not isinstance(topic_filter, str) or not topic_filter:
-        raise ValueError("a topic filter must be a non-empty string")
-    if topic_filter.startswith((CONTROL_PREFIX, "$durable/")):
-        raise ValueError(f"{topic_filter!r}: the SDK's own topics cannot be subscribed to")
-    if not filter_is_valid(topic_filter) or len(topic_filter.encode("utf-8")) > _MAX_STRING:
-        raise ValueError(
-            f"{topic_filter!r} is not a valid MQTT topic filter ('#' only as the whole last level, '+' only "
-            "as a whole level, no U+0000 or lone surrogate, at most 65535 bytes)"
-        )
-
-
-def _may_unsubscribe(topic_filter: str) -> bool:
-    """A filter a broker's session may hold: valid, and not one of the SDK's own topics."""
-    try:
-        _check_filter(topic_filter)
-    except ValueError:
-        return False
-    return True
-
-
-def _check_after(topic_filter: str, after: dict[str, int] | None) -> dict[str, int]:
-    """subscribe_stream's ``after``: concrete topics the filter matches, each with an id of 0 or more."""
-    if after is None:
-        return {}
-    if not isinstance(after, dict):
-        raise TypeError(f"after must be a dict of topic -> last id processed, got {type(after).__name__}")
-    for topic, last_id in after.items():
-        if not isinstance(topic, str) or not topic or "+" in topic or "#" in topic:
-            raise ValueError(f"after: {topic!r} is not a topic (a non-empty string without wildcards)")
-        if not topic_matches(topic_filter, topic):
-            raise ValueError(f"after: the topic {topic!r} is not matched by the stream filter {topic_filter!r}")
-        if not isinstance(last_id, int) or isinstance(last_id, bool) or last_id < 0:
-            raise ValueError(f"after: the id of {topic!r} must be a whole number, 0 or more, got {last_id!r}")
-    return dict(after)
-
-
 def _safe(callback: Callable[_P, None] | None, *args: _P.args, **kwargs: _P.kwargs) -> None:
     """Run an application callback; its exception is logged, never allowed to stop the network thread."""
     if callback is None:
@@ -1143,21 +1119,12 @@ def _safe(callback: Callable[_P, None] | None, *args: _P.args, **kwargs: _P.kwar
 
 
 def _publishable(topic: str, payload: bytes | str) -> bytes:
-    """The payload's bytes; ValueError for the SDK's own control topics, TypeError for other payloads."""
-    if topic.startswith(CONTROL_PREFIX):
-        raise ValueError(f"topics under {CONTROL_PREFIX} are the SDK's control channel; cannot publish to {topic}")
+    """The payload's bytes; ValueError for a topic one cannot publish to, WrongTypeError (a TypeError
+    and a ValueError) for a payload neither bytes nor str."""
+    check_topic(topic)
     if isinstance(payload, str):
         return payload.encode()
     if isinstance(payload, bytes | bytearray | memoryview):
         return bytes(payload)
-    raise TypeError(f"payload must be bytes or str, got {type(payload).__name__}")
+    raise WrongTypeError(f"payload must be bytes or str, got {type(payload).__name__}")
 
-
-def _addresses(host: str, port: int, failover: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
-    addresses = [(host, port)]
-    for entry in failover:
-        host_port = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
-        if not (host_port and isinstance(entry[1], int) and 0 < entry[1] < 65536):
-            raise ValueError(f"failover takes (host, port) pairs of the group's other brokers, got {entry!r}")
-        addresses.append(entry)
-    return addresses

@@ -14,6 +14,12 @@ class DurableClientError(Exception):
     """Base of every error the SDK raises on purpose: catch it to handle them all."""
 
 
+class WrongTypeError(ValueError, TypeError):
+    """An option or argument of the wrong type (docs/sdk.md, "Bad input"): a ValueError like every
+    bad option (``except ValueError`` catches any), and a TypeError too, as Python's own checks
+    raise for a wrong type (``except TypeError`` catches it)."""
+
+
 class Unconnected(DurableClientError):  # noqa: N818
     """The operation needs a live connection (GemFire's UnconnectedException).
 

@@ -10,8 +10,8 @@ PersistenceLevel: TypeAlias = Literal["memory", "disk"]
 """Where the client keeps what it has processed (the stateless-client seed's CPL-1 / CPL-2).
 
 ``memory`` (CPL-1): exactly-once while the process lives; after a restart events processed
-shortly before it may be delivered again. ``disk`` (CPL-2): exactly-once across restarts,
-each processed event costing one fsync.
+shortly before it may be delivered again. ``disk`` (CPL-2): exactly-once across restarts, the
+marks fsynced once per group of events (docs/sdk.md, "CPL-2: group commit").
 """
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
 
-from .errors import PersistenceError
+from .errors import PersistenceError, WrongTypeError
 from .events import PersistenceLevel
 
 log = logging.getLogger("durable_client")
@@ -471,9 +471,28 @@ def open_state(
     if level == "memory":
         return MemoryState()
     if level != "disk":
-        raise ValueError(f"persistence must be 'memory' or 'disk', got {level!r}")
+        error = ValueError if isinstance(level, str) else WrongTypeError
+        raise error(f"persistence must be 'memory' or 'disk', got {level!r}")
     if state_dir is None:
         raise ValueError("persistence='disk' needs state_dir: the folder that keeps state_dir/<client_id>/")
+    name, limit = state_folder(state_dir, client_id).name, _name_max(state_dir)
+    if len(name.encode()) > limit:
+        # Refused, not a fall-back to memory: that would silently lose exactly-once across restarts.
+        raise ValueError(
+            f"client_id: with persistence='disk' it names the folder state_dir/<client_id>/, {len(name.encode())} "
+            f"bytes percent-encoded, more than the {limit} bytes a file name may have there; use a shorter client_id"
+        )
+    # The path as DiskState gives it to the kernel, whose limit applies to that string: a relative
+    # state_dir is not made absolute (a deep current folder does not count).
+    folder, path_limit = state_folder(state_dir, client_id), _path_max(state_dir)
+    longest = len(os.fsencode(folder)) + _LONGEST_FILE
+    if longest >= path_limit:
+        # The same: the folder or a file in it could not be made ([Errno 36] File name too long).
+        raise ValueError(
+            f"state_dir: with persistence='disk' the files of state_dir/<client_id>/ take paths of up to "
+            f"{longest} bytes there, more than the {path_limit - 1} bytes a path may have; use a shorter "
+            "state_dir or client_id"
+        )
     try:
         disk = DiskState(state_dir, client_id, compact_after=compact_after, group_commit=group_commit)
     except OSError as exc:
@@ -481,6 +500,38 @@ def open_state(
         on_fallback(exc)
         return MemoryState()
     return FallbackState(disk, on_fallback)
+
+
+_LONGEST_FILE = len(b"/journal.") + 20
+"""Bytes a file in the folder adds to its path: ``/journal.<gen>``, the generation a 64-bit number
+at most, is longer than ``/lock``, ``/snapshot`` and ``/snapshot.tmp``."""
+
+
+def _name_max(state_dir: str | os.PathLike[str]) -> int:
+    """The most bytes of a file name in ``state_dir`` (or its nearest existing parent): 255 on most."""
+    return _pathconf(state_dir, "PC_NAME_MAX", 255)
+
+
+def _path_max(state_dir: str | os.PathLike[str]) -> int:
+    """The most bytes of a path in ``state_dir`` (or its nearest existing parent), its ending NUL
+    included: 4096 on Linux."""
+    return _pathconf(state_dir, "PC_PATH_MAX", 4096)
+
+
+def _pathconf(state_dir: str | os.PathLike[str], name: str, default: int) -> int:
+    """``os.pathconf(name)`` of ``state_dir`` or its nearest parent that answers with a limit;
+    ``default`` when none does (-1 is "no limit": the next parent is asked)."""
+    path = Path(state_dir)
+    with contextlib.suppress(OSError):  # the current folder deleted: the path as given is walked
+        path = path.absolute()
+    for folder in (path, *path.parents):
+        try:
+            value = os.pathconf(folder, name)
+        except (OSError, ValueError):
+            continue
+        if value > 0:
+            return value
+    return default
 
 
 def _warn_fallback(folder: Path, exc: OSError) -> None:

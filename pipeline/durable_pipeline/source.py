@@ -58,7 +58,8 @@ from durable_client import (
     RequestTimeout,
     Unconnected,
 )
-from durable_protocol.hostport import join_host_port, split_host_port
+from durable_client._options import MAX_FAILOVER
+from durable_protocol.hostport import join_host_port, parse_host, split_host_port
 
 from .bulk import BulkRangeReader, arrow_batch
 from .errors import SourceError
@@ -152,7 +153,7 @@ class Options:
                 "read task), not both"
             )
         return cls(
-            host=raw.get("host", "127.0.0.1"),
+            host=_host_option(raw, "host"),
             port=_int_option(raw, "port", 1883, low=1, high=65535),
             filter=topic_filter,
             starting=_offsets_option(raw, "startingOffsets", ("earliest", "latest"), topic_filter),
@@ -167,6 +168,20 @@ class Options:
             timeout=_float_option(raw, "timeout", DEFAULT_TIMEOUT),
             failover=_addresses_option(raw, "failover"),
         )
+
+
+def _host_option(raw: dict[str, str], name: str) -> str:
+    """A host name or an IP address without a port (durable_protocol.hostport.parse_host, as the
+    SDK takes its ``host``): an IPv6 address bare or in brackets, kept without them (the read
+    tasks connect to it as it is)."""
+    text = raw.get(name.lower(), "127.0.0.1")
+    try:
+        return parse_host(text.strip())
+    except ValueError as exc:
+        raise SourceError(
+            f"option {name} must be a host name or an IP address, without a port (that is the option port; an IPv6 "
+            f"address bare or in brackets: ::1 or [::1]), got {text!r}: {exc}"
+        ) from None
 
 
 def _int_option(raw: dict[str, str], name: str, default: int, *, low: int, high: int | None = None) -> int:
@@ -198,7 +213,8 @@ def _float_option(raw: dict[str, str], name: str, default: float) -> float:
 
 def _addresses_option(raw: dict[str, str], name: str) -> tuple[tuple[str, int], ...]:
     """``host:port,host:port``: the other brokers of a replication group (an IPv6 address in
-    brackets, ``[::1]:1883``, which are taken off: durable_protocol.hostport)."""
+    brackets, ``[::1]:1883``, which are taken off: durable_protocol.hostport), at most the SDK's
+    MAX_FAILOVER of them."""
     text = raw.get(name.lower(), "").strip()
     addresses = []
     for entry in filter(None, (part.strip() for part in text.split(","))):
@@ -208,6 +224,11 @@ def _addresses_option(raw: dict[str, str], name: str) -> tuple[tuple[str, int], 
             raise SourceError(
                 f"option {name} takes host:port entries separated by commas ({exc}), got {entry!r} in {text!r}"
             ) from None
+    if len(addresses) > MAX_FAILOVER:  # the SDK's limit: its client would raise a bare ValueError
+        raise SourceError(
+            f"option {name} holds at most {MAX_FAILOVER} host:port entries (the group's other brokers), "
+            f"got {len(addresses)}"
+        )
     return tuple(addresses)
 
 

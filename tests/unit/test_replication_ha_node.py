@@ -68,12 +68,21 @@ def test_a_peer_address_is_read_leniently_and_the_configuration_strictly() -> No
     assert split_peer_address("2001:db8::10:7883", where) == ("2001:db8::10", 7883)
     assert split_peer_address("[::1]:7883", where) == ("::1", 7883)
     assert split_peer_address("127.0.0.1:7883", where) == ("127.0.0.1", 7883)
-    for wrong in ("::1:0", "::1:x", "[::1:7883", "7883", "host"):
+    # What an older node accepted in its listen/advertise and published as written.
+    assert split_peer_address("[10.0.0.1]:7883", where) == ("10.0.0.1", 7883)
+    assert split_peer_address("[node-a.example]:7883", where) == ("node-a.example", 7883)
+    bad_bare = ("::1 x:7883", "fe80::1/64:7883", "a:b\tc:7883", "::1\n:7883", "a:b:7883", "::1\x00:7883")
+    for wrong in (
+        *("::1:0", "::1:x", "[::1:7883", "::1]:7883", "7883", "host", "[]:7883", "[a b]:7883", "[[a]]:7883"),
+        *bad_bare,  # review 143: the unbracketed branch took any host with a colon, not only IPv6 addresses
+    ):
         with pytest.raises(ReplicationError, match="in the coordinator's leader key") as raised:
             split_peer_address(wrong, where)
         assert "replication.listen" not in str(raised.value)
     with pytest.raises(ReplicationError, match="brackets"):
         split_address("2001:db8::10:7883")
+    with pytest.raises(ReplicationError, match="brackets"):
+        split_address("[10.0.0.1]:7883")
 
 
 class Failing(ReplicationNode):

@@ -244,7 +244,7 @@ def test_default_options_are_valid() -> None:
         ({"fsync_batch": 2.5}, "fsync_batch"),
         ({"fsync_batch": True}, "fsync_batch"),
         ({"fsync_batch": "64"}, "fsync_batch"),
-        ({"fsync_delay_ms": -1}, "fsync_delay_ms must be a number of milliseconds from 0 to 1000"),
+        ({"fsync_delay_ms": -1}, "fsync_delay_ms must be a finite number of milliseconds, at least 0 and at most 1000"),
         ({"fsync_delay_ms": 1000.5}, "fsync_delay_ms"),
         ({"fsync_delay_ms": float("nan")}, "fsync_delay_ms"),
         ({"fsync_delay_ms": "5"}, "fsync_delay_ms"),

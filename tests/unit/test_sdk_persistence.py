@@ -17,6 +17,7 @@ from durable_client.persistence import (
     FallbackState,
     MemoryState,
     SessionState,
+    _pathconf,
     open_state,
     state_folder,
 )
@@ -281,3 +282,12 @@ def test_open_state_validates_its_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'memory' or 'disk'"):
         open_state("cloud", "c1", tmp_path, lambda exc: None)  # type: ignore[arg-type]
     assert open_state("memory", "c1", None, lambda exc: None).level == "memory"
+
+
+def test_a_pathconf_answer_of_minus_one_is_no_limit_not_a_limit_of_minus_one(tmp_path: Path) -> None:
+    """Review 143: os.pathconf returns -1 without an exception for "no limit"; _pathconf returned
+    it as the limit (every name or path then "too long"). It now asks the parents, then the default."""
+    if os.pathconf(tmp_path, "PC_SYMLINK_MAX") != -1:
+        pytest.skip("PC_SYMLINK_MAX has a limit here: no real -1 answer to test with")
+    assert _pathconf(tmp_path, "PC_SYMLINK_MAX", 1234) == 1234
+    assert _pathconf(tmp_path, "PC_NAME_MAX", 1234) == os.pathconf(tmp_path, "PC_NAME_MAX") > 0

@@ -4,11 +4,12 @@ replication address (framing's STATUS and PROMOTE frames)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 from typing import Any
 
-from durable_protocol.hostport import join_host_port, split_host_port
+from durable_protocol.hostport import join_host_port, parse_host, split_host_port
 
 from .auth import AuthError, client_handshake, error_text
 from .errors import FrameError, ReplicationError
@@ -30,15 +31,22 @@ def split_peer_address(address: str, written_in: str) -> tuple[str, int]:
     """(host, port) of an address another node wrote (``written_in`` names where, for the error:
     the coordinator's leader key), read leniently: bracketed as split_address reads it, or an IPv6
     host without brackets with the port after the last colon (``2001:db8::10:7883``), as a node
-    from before addresses were bracketed publishes its replication.listen. Such a node cannot be
-    corrected by this one, and failing to read it would leave this node following nobody; the
-    configuration is still read strictly (split_address), where the operator can fix it."""
+    from before addresses were bracketed publishes its replication.listen, or brackets around a
+    host that is not an IPv6 address (``[10.0.0.1]:7883``, taken off), which such a node accepted
+    in its listen or advertise and published as written. Such a node cannot be corrected by this
+    one, and failing to read it would leave this node following nobody; the configuration is
+    still read strictly (split_address), where the operator can fix it."""
     try:
         return split_host_port(address)
     except ValueError as exc:
         host, _, port = address.rpartition(":")
-        if ":" in host and not {"[", "]", "\0"} & set(host) and port.isdigit() and 0 < int(port) < 65536:
-            return host, int(port)
+        if port.isdigit() and 0 < int(port) < 65536:
+            if ":" in host:  # only a real IPv6 address: not '::1 x', 'fe80::1/64', a tab or newline
+                with contextlib.suppress(ValueError):
+                    return parse_host(f"[{host}]"), int(port)
+            if len(host) > 2 and host[0] == "[" and host[-1] == "]" and ":" not in host:
+                with contextlib.suppress(ValueError):
+                    return split_host_port(f"{host[1:-1]}:{port}")
         raise ReplicationError(f"replication address {address!r} in {written_in}: {exc}") from None
 
 
