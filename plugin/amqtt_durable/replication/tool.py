@@ -79,8 +79,11 @@ async def ask(
     except (OSError, TimeoutError, asyncio.IncompleteReadError, FrameError) as exc:
         # asyncio.timeout's TimeoutError says nothing of its own: what listens there (an MQTT listener,
         # say) kept silent. (A connect's ETIMEDOUT is a TimeoutError with its own message.)
+        # An MQTT listener closes at once a connection whose first packet is not a CONNECT.
         silent = isinstance(exc, TimeoutError) and not str(exc)
         detail = f"nothing answered within {ASK_TIMEOUT:g} s" if silent else str(exc)
+        if isinstance(exc, asyncio.IncompleteReadError):
+            detail = "the connection was closed without an answer"
         raise ReplicationError(
             f"replication address {address}: no answer to {kind.name} ({type(exc).__name__}: {detail}); "
             "is a broker with replication listening there (its replication.listen)?"
