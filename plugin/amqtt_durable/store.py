@@ -661,17 +661,15 @@ def repair_space(path: str) -> int:
     into new ones before removing the old: about the store's size twice, plus the MANIFEST's margin.
     A copy that fails for space is dropped by LevelDB's repair without a word (its readable records
     lost), a failed MANIFEST write leaves a store that does not open."""
-    data = sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith((".ldb", ".sst", ".log")))
-    return REPAIR_SPACE_FACTOR * data + PROBE_MARGIN
+    return REPAIR_SPACE_FACTOR * _files_size(path, (".ldb", ".sst", ".log")) + PROBE_MARGIN
 
 
 def _start_repair(path: str) -> None:
     """A store repair may rewrite (``_check_repairable``) on a disk that takes what it writes, else StoreError."""
     _check_repairable(path)
     need = repair_space(path)
-    logs = sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".log"))
     try:
-        check_writable(path, extra=need - PROBE_MARGIN - logs)  # check_writable adds the logs and the margin
+        reserve(path, need)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StoreError(
@@ -1097,14 +1095,22 @@ PROBE_MARGIN = 1 << 20
 PROBE_NAME = "durable-write-probe.tmp"
 
 
-def check_writable(path: str, extra: int = 0) -> None:
-    """Raise OSError unless the store's disk can allocate as much as reopening the store needs
-    (and ``extra`` bytes more).
+def check_writable(path: str) -> None:
+    """Raise OSError unless the store's disk can allocate as much as reopening the store needs.
 
     Reopening LevelDB turns its logs into a table, so a store is only closed for a reopen once
     that can succeed: a store that cannot open again could not be read either.
     """
-    need = PROBE_MARGIN + extra + sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".log"))
+    reserve(path, PROBE_MARGIN + _files_size(path, (".log",)))
+
+
+def _files_size(path: str, suffixes: tuple[str, ...]) -> int:
+    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.name.endswith(suffixes))
+
+
+def reserve(path: str, need: int) -> None:
+    """Raise OSError unless the disk of the store at ``path`` can allocate ``need`` bytes (a probe
+    file in its folder, removed at once)."""
     probe = os.path.join(path, PROBE_NAME)
     try:
         with open(probe, "wb") as out:
