@@ -269,9 +269,7 @@ def build_brokers(args: argparse.Namespace, tmp: Path, ours_settings: dict[str, 
     brokers[STOCK] = BrokerProcess(STOCK, [str(VENV_BIN / "amqtt"), "-c", str(stock_cfg)], stock_port,
                                    tmp / "stock.log", login, cpus)
 
-    ours_port = free_port()
-    while ours_port == stock_port:  # bounded in practice: the kernel hands out a different port next time
-        ours_port = free_port()
+    ours_port = free_port()  # not stock_port: free_port hands out every other port of its block before one again
     ours_cfg = tmp / "ours.yaml"
     store: Path | None = None
     if args.ours_standin:
@@ -307,11 +305,7 @@ def build_brokers(args: argparse.Namespace, tmp: Path, ours_settings: dict[str, 
         argv = [*prefix, "-c", str(ours_cfg)]
         brokers[OURS] = BrokerProcess(OURS, argv, ours_port, tmp / "ours.log", login, cpus, env)
     if mosquitto is not None:
-        taken = {b.port for b in brokers.values()}
-        port = free_port()
-        while port in taken:  # bounded in practice, as above
-            port = free_port()
-        brokers[MOSQUITTO] = mosquitto_broker(mosquitto, tmp / "mosquitto", port, login,
+        brokers[MOSQUITTO] = mosquitto_broker(mosquitto, tmp / "mosquitto", free_port(), login,
                                               max_queued=max(2_000_000, 2 * args.big), cpus=cpus)
     return brokers, store
 

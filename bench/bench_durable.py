@@ -30,7 +30,7 @@ per-client queue as large as the backlogs, the same 100-message in-flight window
 Stock amqtt only queues for offline clients whose session is not anonymous, so the stock
 broker runs with allow_anonymous=false + FileAuthPlugin and every client logs in with a
 username/password (to both brokers).  Both brokers run as separate subprocesses on their own
-ephemeral 127.0.0.1 port (all three brokers); only those PIDs (and our client processes) are ever signalled.
+127.0.0.1 port from free_port (all three brokers); only those PIDs (and our client processes) are ever signalled.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Real brokers (subprocesses on ephemeral 127.0.0.1 ports), real LevelDB, real paho clients."""
+"""Real brokers (subprocesses on 127.0.0.1 ports from free_port), real LevelDB, real paho clients."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ SPARK_JIT = "-XX:TieredStopAtLevel=1"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """In a pytest-xdist worker (gw0, gw1, ...), free_port hands out this worker's slice of the
+    """In a pytest-xdist worker (gw0, gw1, ...), free_port hands out this worker's block of its
     ports only (amqtt_durable.process.PORT_SLICE_ENV; inherited by every child it starts): the
     port a broker of one worker is about to bind, or bind again as it restarts, is never handed
     to a broker of another."""

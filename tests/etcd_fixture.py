@@ -1,5 +1,5 @@
 """A real etcd for the tests: Debian's etcd-server (``make setup`` installs it), one member on
-127.0.0.1 ephemeral client and peer ports, a data dir in the test's tmp folder, ended by PID
+127.0.0.1 client and peer ports from free_port, a data dir in the test's tmp folder, ended by PID
 (``amqtt_durable.process.EtcdProcess``, which the fleet's HA runs use too).
 
 Registered as a pytest plugin by tests/conftest.py (``pytest_plugins``): a test asks for the

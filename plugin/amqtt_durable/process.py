@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -33,12 +35,45 @@ log = logging.getLogger(__name__)
 
 
 PORT_SLICE_ENV = "AMQTT_DURABLE_PORT_SLICE"
-"""``i/n`` (0 <= i < n) in the environment: ``free_port`` hands out only ports with
-``port // 2 % n == i``, so ``n`` processes that start children side by side, each with its own
-``i`` (the test suite's pytest-xdist workers: tests/conftest.py), never hand out the same port;
-a port one of them is about to bind (or bind again, a broker restarting) stays its own."""
-PORT_TRIES = 200
-"""Ports ``free_port`` asks the kernel for before giving up on finding one in its slice."""
+"""``i/n`` (0 <= i < n) in the environment: ``free_port`` hands out only ports of the ``i``-th of
+``n`` equal, disjoint blocks of its pool (``port_block``), so ``n`` processes that start children
+side by side, each with its own ``i`` (the test suite's pytest-xdist workers: tests/conftest.py),
+never hand out the same port; a port one of them is about to bind (or bind again, a broker
+restarting) stays its own. Children inherit it, and draw from their parent's block."""
+PORT_FLOOR = 10000
+"""The lowest port ``free_port`` hands out: the ports below it are left to the services that
+expect them (etcd's 2379, Spark's 4040, 8080, ...)."""
+EPHEMERAL_FALLBACK = (32768, 65535)
+"""The ephemeral range assumed where the kernel's cannot be read: Linux's default (32768-60999)
+and IANA's (49152-65535, BSD, macOS, Windows) both lie in it."""
+MIN_POOL = 1024
+"""Fewer ports than this outside the ephemeral range, and ``port_pool`` gives up avoiding it."""
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's ephemeral port range, first and last (Linux: net.ipv4.ip_local_port_range), from
+    which it picks the local port of every outgoing connection and of every bind to port 0;
+    ``EPHEMERAL_FALLBACK`` when it cannot be read."""
+    try:
+        first, last = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return EPHEMERAL_FALLBACK
+    return (first, last) if 0 < first <= last <= 65535 else EPHEMERAL_FALLBACK
+
+
+def port_pool(ephemeral: tuple[int, int]) -> range:
+    """The ports ``free_port`` draws from: those from ``PORT_FLOOR`` up to the ephemeral range, or,
+    with fewer than ``MIN_POOL`` there, those above it. No outgoing connection and no bind to port
+    0, of any process, is ever given one of them, so a port handed out stays free until a child
+    binds it (unless someone binds it by number). Where the ephemeral range leaves no room on
+    either side, all of ``PORT_FLOOR``-65535: then an outgoing connection may take a port handed
+    out before its child binds it."""
+    first, last = ephemeral
+    below, above = range(PORT_FLOOR, first), range(max(PORT_FLOOR, last + 1), 65536)
+    for pool in (below, above):
+        if len(pool) >= MIN_POOL:
+            return pool
+    return range(PORT_FLOOR, 65536)
 
 
 def port_slice() -> tuple[int, int] | None:
@@ -52,17 +87,76 @@ def port_slice() -> tuple[int, int] | None:
     return int(index), int(count)
 
 
-def free_port() -> int:
-    """An ephemeral TCP port on 127.0.0.1 that was free a moment ago (in this process's slice of
-    the ports when ``AMQTT_DURABLE_PORT_SLICE`` is set)."""
-    wanted = port_slice()
-    for _ in range(PORT_TRIES):
-        with socket.socket() as sock:
-            sock.bind((HOST, 0))
-            port = int(sock.getsockname()[1])
-        if wanted is None or port // 2 % wanted[1] == wanted[0]:
-            return port
-    raise RuntimeError(f"no free port in slice {wanted} of {PORT_SLICE_ENV} after {PORT_TRIES} tries")
+def port_block(pool: range, part: tuple[int, int] | None) -> range:
+    """Block ``i`` of the ``n`` equal, disjoint, consecutive blocks ``pool`` is cut into (``part``
+    ``(i, n)``); all of ``pool`` for None. ValueError when a block would hold no port."""
+    if part is None:
+        return pool
+    index, count = part
+    block = pool[index * len(pool) // count : (index + 1) * len(pool) // count]
+    if not block:
+        raise ValueError(f"{PORT_SLICE_ENV}={index}/{count}: {len(pool)} ports cannot be cut into {count} blocks")
+    return block
+
+
+def bindable(port: int, host: str = HOST) -> bool:
+    """Whether a plain socket can bind ``host``:``port`` now. Without SO_REUSEADDR, so a port any
+    socket is bound to (listening or not) fails, and so does one a closed connection still holds in
+    TIME_WAIT: a port that passes can be bound by any server, whether it sets SO_REUSEADDR (asyncio,
+    amqtt, etcd) or not."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, port))
+    except OSError:
+        return False
+    return True
+
+
+class PortCursor:
+    """Hands out the ports of ``block`` in turn, from ``start`` (an index into it), wrapping round
+    at its end: a port comes back only after every other port of the block was handed out, so the
+    port of a broker that stopped (and may start again) is not given to a new one. A port that is
+    not ``bindable`` is passed over; RuntimeError when none of the block is. Thread-safe."""
+
+    def __init__(self, block: range, start: int = 0) -> None:
+        if not block:
+            raise ValueError("a PortCursor needs at least one port")
+        self.block = block
+        self._next = start % len(block)
+        self._lock = threading.Lock()
+
+    def take(self, host: str = HOST) -> int:
+        with self._lock:
+            for _ in range(len(self.block)):  # each port of the block at most once
+                port = self.block[self._next]
+                self._next = (self._next + 1) % len(self.block)
+                if bindable(port, host):
+                    return port
+        raise RuntimeError(
+            f"no free port on {host} among the {len(self.block)} ports {self.block[0]}-{self.block[-1]}:"
+            " every one is bound or held by a connection in TIME_WAIT; stop what holds them, or give"
+            f" this process a larger block ({PORT_SLICE_ENV})"
+        )
+
+
+_cursors: dict[range, PortCursor] = {}
+_cursors_lock = threading.Lock()
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port that ``host`` (127.0.0.1) can bind now, for a child process to listen on: from
+    ``port_pool`` (outside the kernel's ephemeral range, so no outgoing connection takes it
+    meanwhile), in this process's block of it (``AMQTT_DURABLE_PORT_SLICE``), handed out in turn by
+    one ``PortCursor`` per block. The cursor starts at a random port of the block, so two processes
+    drawing from one block (a test and a child it started, or two test runs side by side) are
+    unlikely to meet."""
+    block = port_block(port_pool(ephemeral_ports()), port_slice())
+    with _cursors_lock:
+        cursor = _cursors.get(block)
+        if cursor is None:
+            cursor = _cursors[block] = PortCursor(block, random.randrange(len(block)))
+    return cursor.take(host)
 
 
 def port_open(port: int) -> bool:

@@ -416,9 +416,9 @@ def test_status_and_logs_show_ipv6_addresses_in_brackets(tmp_path: Path) -> None
     primary_db, _ = primary_store(tmp_path / "p")
 
     async def main() -> None:
-        primary_listen = f"[::1]:{free_port()}"
+        primary_listen = f"[::1]:{free_port('::1')}"
         primary = ReplicationNode(primary_db, ReplicationConfig(name="p", role="primary", listen=primary_listen))
-        config = ReplicationConfig(name="b", role="backup", primary=primary_listen, listen=f"[::1]:{free_port()}")
+        config = ReplicationConfig(name="b", role="backup", primary=primary_listen, listen=f"[::1]:{free_port('::1')}")
         backup = ReplicationNode(db, config)
         logged = Logged(f"replication: backup b: channel to {primary_listen} ended")
         logging.getLogger("amqtt_durable.replication").addHandler(logged)
