@@ -29,8 +29,10 @@ run: $(STAMP)
 	$(VENV)/bin/amqtt-durable broker -c $(CONFIG)
 
 # The tests run in TEST_WORKERS processes (pytest-xdist), each test where a worker is free; each
-# worker that runs a Spark test starts its own SparkSession (a JVM).
-TEST_WORKERS ?= 2
+# worker that runs a Spark test starts its own SparkSession (a JVM). free_port gives each worker its
+# own block of ports outside the kernel's ephemeral range (plugin/amqtt_durable/process.py), so
+# brokers of three workers never race each other or an outgoing connection for a port.
+TEST_WORKERS ?= 3
 PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
 
 test: $(STAMP)
