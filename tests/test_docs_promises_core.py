@@ -263,6 +263,42 @@ def test_a_reserved_or_server_only_packet_type_closes_the_connection(
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("clean", [True, False], ids=["clean", "durable"])
+def test_a_second_connect_closes_the_connection_and_nothing_after_it_is_handled(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool, path: str
+) -> None:
+    """guarantees.md, The message path: a second CONNECT (MQTT-3.1.0-2) closes the connection
+    unanswered, on both readers, with a WARNING naming the client; the QoS 1 PUBLISHes that came
+    after it in the same write are neither stored, routed nor PUBACKed, and the will is published.
+    (amqtt's reader logged an ERROR and read on: it stored those PUBLISHes for a durable subscriber,
+    and the connection stayed open until the client closed it.)"""
+    broker = broker_reading_on(broker_factory, path)
+    watcher = clients(broker.port, "watch", clean_session=True)
+    assert watcher.subscribe([("after/#", 1), ("will/#", 0)]) == [1, 0]
+    keeper = clients(broker.port, "keeper")  # offline while the violations come: anything routed is stored
+    assert keeper.subscribe("after/#", 1) == [1]
+    keeper.disconnect()
+    ids = [f"again-{n}" for n in range(3)]
+    for client_id in ids:
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(connect_packet(client_id, clean=clean, will_topic=f"will/{client_id}".encode()))
+            assert read_exactly(sock, 4)[:2] == b"\x20\x02"
+            after = [mqtt_packet(0x32, mqtt_string(f"after/{client_id}") + bytes((0, n)) + b"v") for n in (7, 8)]
+            sock.sendall(connect_packet(client_id, clean=clean) + b"".join(after))
+            assert read_until_closed(sock, WAIT) == b"", f"{client_id}: closed, unanswered"
+        warning = f"closing the connection of {client_id}: a second CONNECT on the connection (MQTT-3.1.0-2)"
+        assert warning in broker.log(), f"{client_id}: a WARNING names the client"
+    wills = sorted(f"will/{client_id}" for client_id in ids)
+    assert watcher.wait_for(lambda ms: sorted(m.topic for m in ms) == wills), [m.topic for m in watcher.messages]
+    clients(broker.port, "pub", clean_session=True).publish("after/probe", [b"p"], qos=1)
+    assert watcher.wait_for(lambda ms: any(m.topic == "after/probe" for m in ms))
+    assert sorted(m.topic for m in watcher.messages) == sorted([*wills, "after/probe"]), "nothing after was routed"
+    keeper = clients(broker.port, "keeper")
+    assert keeper.wait_for(lambda ms: any(m.topic == "after/probe" for m in ms))
+    assert [m.topic for m in keeper.messages] == ["after/probe"], "nothing after was stored"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("clean", [True, False], ids=["clean", "durable"])
 def test_a_packet_identifier_0_closes_the_connection_before_anything_is_routed(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool, path: str
 ) -> None:
