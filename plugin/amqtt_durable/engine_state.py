@@ -89,6 +89,8 @@ class EngineState:
         """Attaches under way at once (``attach_limit``): the rest wait in the order they came."""
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._trim_task: asyncio.Task[None] | None = None
+        self._deletions: set[asyncio.Task[int]] = set()
+        """Queue deletions a clean CONNECT left running after a failed write (``_delete_for_clean_connect``)."""
         self.store_id = 0
         """Random, made with the store: stream readers compare it to notice a wiped or replaced store."""
         self.streams: StreamLogs
