@@ -291,9 +291,9 @@ class SessionLifecycle(Routing):
 
         Before, the CONNECT waited for the whole deletion whatever happened, and a full disk left
         the client without a CONNACK until it had room again."""
-        self._forget(session)
+        pump = self._forget(session)
         erased = self.committer.commit(urgent=True, fail_fast=True)
-        deletion = asyncio.get_running_loop().create_task(self._erase_queue(session))
+        deletion = asyncio.get_running_loop().create_task(self._erase_queue(session, pump))
         self._deletions.add(deletion)
         deletion.add_done_callback(partial(self._deleted_in_background, session.client_id))
         await erased
@@ -324,12 +324,11 @@ class SessionLifecycle(Routing):
         The session stops taking messages first; then everything pending is written, so the
         store holds exactly its entries (none half-written, none already removed) when they go.
         """
-        self._forget(session)
-        return await self._erase_queue(session)
+        return await self._erase_queue(session, self._forget(session))
 
-    def _forget(self, session: DurableSession) -> None:
-        """The first step of a deletion, with no await: the session stops taking messages and its
-        record's erasure is queued."""
+    def _forget(self, session: DurableSession) -> Pump | None:
+        """The first step of a deletion, with no await: the session stops taking messages, its
+        record's erasure is queued, and its pump is taken from it (returned, to be stopped)."""
         session.deleted = True  # from now on nothing writes for it: acks, records, totals
         self.sessions.pop(session.client_id, None)
         # Its record goes first, before any await: a crash midway leaves no half session to come
@@ -338,11 +337,12 @@ class SessionLifecycle(Routing):
         self.expiry.cancel(session.client_id)
         for topic_filter in session.record.subscriptions:
             self.index.remove(session.client_id, topic_filter)
-
-    async def _erase_queue(self, session: DurableSession) -> int:
-        """The rest of a deletion after ``_forget``: the pump stopped, the queue and the session's
-        other keys erased; returns the messages dropped."""
         pump, session.pump, session.transport = session.pump, None, None
+        return pump
+
+    async def _erase_queue(self, session: DurableSession, pump: Pump | None) -> int:
+        """The rest of a deletion after ``_forget``: its pump stopped, the queue and the session's
+        other keys erased; returns the messages dropped."""
         if pump is not None:
             await pump.stop()
         committer = self.committer
