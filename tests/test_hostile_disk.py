@@ -259,6 +259,48 @@ def test_a_clean_connect_whose_session_erasure_fails_gets_connack_3_and_the_sess
     assert "CONNACK 3" in broker.log()
 
 
+def test_a_clean_connect_retried_after_connack_3_is_refused_until_the_session_erasure_is_written(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """After that CONNACK 3 the session is gone from the broker's memory, its record's erasure not
+    written. The client's retry (paho retries after CONNACK 3) is refused with CONNACK 3 too, and a
+    restart then finds the session whole: had the retry been accepted (CONNACK 0, "your session is
+    discarded", as it was), that restart would have brought the session back (MQTT-3.1.2-6). Once
+    the disk has room the erasure is written, and a retry is accepted: a restart finds no session."""
+    client_id = "dev-" + "x" * 8000
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(store=str(disk / "store"))
+        port = broker.port
+        stored_session(clients, port, client_id, 20)
+        filler = fill(disk)
+        assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True), "the erasure failed"
+        assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True), "the retry is refused too"
+        broker.kill()
+        filler.unlink()
+        broker.start()
+        dev = clients(port, client_id)
+        assert dev.session_present is True, "neither CONNECT deleted anything"
+        assert [m.payload for m in dev.wait_messages(20)] == payloads(20)
+        dev.disconnect()
+
+        monitor = clients(port, "monitor", clean_session=True)
+        monitor.subscribe(HEALTH, 1)
+        filler = fill(disk)
+        assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True)
+        assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True)
+        wait_health(monitor, "failing")
+        filler.unlink()
+        assert monitor.wait_for(lambda _: [h["status"] for h in health_states(monitor)][-1:] == ["ok"], WAIT + 10), (
+            f"the store did not recover: {health_states(monitor)}"
+        )
+        assert raw_connect(port, client_id, clean=True) == (CONNACK_ACCEPTED, False), "erasure written: accepted"
+        broker.kill()
+        broker.start()
+        dev = clients(port, client_id)
+        assert dev.session_present is False, "the accepted clean CONNECT's session is gone for good"
+        assert not dev.wait_for(bool, timeout=0.5), "with its queue"
+
+
 def connack_with_password(port: int, client_id: str, user: str, password: str, *, clean: bool) -> bytes:
     """The CONNACK's bytes to a CONNECT with a username and password over a raw socket."""
     body = mqtt_string("MQTT") + bytes([4, 0xC0 | (0x02 if clean else 0), 0, 60]) + mqtt_string(client_id)

@@ -88,12 +88,12 @@ class DurableEngine(Recovery):
             self._trim_task.cancel()
             await asyncio.gather(self._trim_task, return_exceptions=True)
             self._trim_task = None
-        if self._deletions:
+        if self._deletions.tasks:
             # Queue deletions a clean CONNECT left running finish while the store writes (for at most
             # DELETION_GRACE); one waiting for a failing store is cancelled: what it has not erased,
             # the next load deletes (orphaned entries).
             grace = 0.0 if self.committer.failure is not None else DELETION_GRACE
-            _, unfinished = await asyncio.wait(list(self._deletions), timeout=grace)
+            _, unfinished = await asyncio.wait(list(self._deletions.tasks), timeout=grace)
             for deletion in unfinished:
                 deletion.cancel()
             await asyncio.gather(*unfinished, return_exceptions=True)

@@ -67,6 +67,13 @@ class SessionLifecycle(Routing):
         """
         self.check_owner(client_id, username)
         self.check_writable_for(client_id, clean_session)
+        if clean_session and self._deletions.unerased(client_id):
+            # A session of this client id was deleted and its record's erasure is not written yet
+            # (a clean CONNECT refused with CONNACK 3 after that write failed, or a deletion under
+            # way): accepted only once it is, so a restart cannot bring back the session this
+            # CONNECT is told is gone (MQTT-3.1.2-6); refused if the write fails.
+            await self.committer.commit(urgent=True, fail_fast=True)
+            self.check_owner(client_id, username)  # a session of the client id created meanwhile
         existing = self.sessions.get(client_id)
         if existing is not None and existing.record.username != username and not clean_session:
             self._pass_to(existing, username, revoke)
@@ -98,9 +105,12 @@ class SessionLifecycle(Routing):
     def check_writable_for(self, client_id: str, clean_session: bool) -> None:
         """Raise StoreUnavailableError while the store cannot write and a CONNECT of ``client_id``
         needs a write: a durable one (creates or updates its session), or a clean one for the
-        client id of a durable session (deletes it)."""
+        client id of a durable session (deletes it) or of a deleted one whose record's erasure is
+        not written yet (a clean CONNECT refused with CONNACK 3 is refused again when retried)."""
         failure = self.committer.failure
-        if failure is not None and (client_id in self.sessions or not clean_session):
+        if failure is None:
+            return
+        if not clean_session or client_id in self.sessions or self._deletions.unerased(client_id):
             raise StoreUnavailableError(failure)
 
     def check_owner(self, client_id: str, username: str | None) -> None:
@@ -294,7 +304,7 @@ class SessionLifecycle(Routing):
         pump = self._forget(session)
         erased = self.committer.commit(urgent=True, fail_fast=True)
         deletion = asyncio.get_running_loop().create_task(self._erase_queue(session, pump))
-        self._deletions.add(deletion)
+        self._deletions.tasks.add(deletion)
         deletion.add_done_callback(partial(self._deleted_in_background, session.client_id))
         await erased
         failing = self.committer.when_failing()
@@ -306,7 +316,7 @@ class SessionLifecycle(Routing):
             deletion.result()  # a deletion that failed (the broker demoted) fails the CONNECT, as before
 
     def _deleted_in_background(self, client_id: str, deletion: asyncio.Task[int]) -> None:
-        self._deletions.discard(deletion)
+        self._deletions.tasks.discard(deletion)
         if deletion.cancelled():
             return  # the broker stopping or demoted: the next start deletes what is left (orphans)
         error = deletion.exception()
@@ -334,6 +344,7 @@ class SessionLifecycle(Routing):
         # Its record goes first, before any await: a crash midway leaves no half session to come
         # back, and a new session of the same client id, created meanwhile, writes its record after.
         erase_session(self.committer, session.client_id)
+        self._deletions.record_erasure_queued(session.client_id, self.committer)
         self.expiry.cancel(session.client_id)
         for topic_filter in session.record.subscriptions:
             self.index.remove(session.client_id, topic_filter)
