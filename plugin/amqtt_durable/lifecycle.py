@@ -312,8 +312,11 @@ class SessionLifecycle(Routing):
             await asyncio.wait((deletion, failing), return_when=asyncio.FIRST_COMPLETED)
         finally:
             failing.cancel()
-        if deletion.done():
-            deletion.result()  # a deletion that failed (the broker demoted) fails the CONNECT, as before
+        if deletion.done() and not deletion.cancelled():
+            # A deletion that failed (the broker demoted) fails the CONNECT, as before. One the stop
+            # cancelled does not cancel this task: the record's erasure is written, the CONNECT
+            # accepted, and the stop ends its connection; the next start deletes what is left.
+            deletion.result()
 
     def _deleted_in_background(self, client_id: str, deletion: asyncio.Task[int]) -> None:
         self._deletions.tasks.discard(deletion)
