@@ -588,15 +588,14 @@ def _install_decoder_checks() -> None:
 def _check_header(reader: Any, header: MQTTFixedHeader) -> None:
     """The fixed header checks of ``_install_decoder_checks``: first packet a CONNECT (with flags
     0000), every later one's first byte (no CONNECT), remaining length."""
-    first = (header.packet_type << 4) | header.flags
     if getattr(reader, "durable_awaiting_connect", False):
         reader.durable_awaiting_connect = False
         if header.packet_type != CONNECT:
             packet_type = header.packet_type
             raise ProtocolViolationError(f"its first packet is of type {packet_type}, not CONNECT (MQTT-3.1.0-1)")
         if header.flags:
-            raise first_byte_refusal(first)
-    elif getattr(reader, "durable_server_side", False) and _BAD_FIRST[first]:
+            raise first_byte_refusal((CONNECT << 4) | header.flags)
+    elif getattr(reader, "durable_server_side", False) and _BAD_FIRST[first := header.packet_type << 4 | header.flags]:
         raise _refused(reader, first_byte_refusal(first))
     limit = getattr(reader, "durable_max_packet_size", None)
     if limit is not None and header.remaining_length > limit:
