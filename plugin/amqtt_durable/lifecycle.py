@@ -62,8 +62,9 @@ class SessionLifecycle(Routing):
         user without the subscriptions in ``revoke`` (those the topic ACL refuses the new user).
 
         Raises StoreUnavailableError while the store cannot write and the CONNECT needs a write (a
-        durable one, or a clean one that deletes a durable session), or when that write fails: the
-        glue refuses it (CONNACK 3).
+        durable one, a clean one that deletes a durable session, or a clean one of a client id whose
+        deleted session's record erasure is not written yet), or when that write fails: the glue
+        refuses it (CONNACK 3).
         """
         self.check_owner(client_id, username)
         self.check_writable_for(client_id, clean_session)
