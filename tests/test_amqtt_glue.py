@@ -12,11 +12,35 @@ from pathlib import Path
 
 from conftest import HOST, WAIT, free_port
 
-MONITOR_RACE = """
+CHILD_PRELUDE = """
 import asyncio, os, struct, sys
 from amqtt.broker import Broker
 
-HOST, PORT, STORE, WAIT = {host!r}, {port}, {store!r}, {wait}
+
+def durable_broker(port: int) -> Broker:
+    \"\"\"An in-process broker with the durable plugin (store STORE) for anonymous clients on HOST:port.\"\"\"
+    return Broker({
+        "listeners": {"default": {"type": "tcp", "bind": f"{HOST}:{port}"}},
+        "plugins": {
+            "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
+            "amqtt_durable.DurableSessionsPlugin": {"store": STORE, "metrics_interval": 0},
+        },
+    })
+"""
+"""What every child script starts with, after HOST, STORE and WAIT (see ``run_child``)."""
+
+
+def run_child(tmp_path: Path, name: str, script: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run CHILD_PRELUDE and ``script`` in a child interpreter, with HOST, STORE (in ``tmp_path``)
+    and WAIT set; its output."""
+    path = tmp_path / f"{name}.py"
+    constants = f"HOST, STORE, WAIT = {HOST!r}, {str(tmp_path / 'store')!r}, {WAIT}\n"
+    path.write_text(constants + CHILD_PRELUDE + script)
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+MONITOR_RACE = """
+PORT = {port}
 
 
 def connect_packet(client_id: bytes) -> bytes:
@@ -25,13 +49,7 @@ def connect_packet(client_id: bytes) -> bytes:
 
 
 async def main() -> str:
-    broker = Broker({{
-        "listeners": {{"default": {{"type": "tcp", "bind": f"{{HOST}}:{{PORT}}"}}}},
-        "plugins": {{
-            "amqtt.plugins.authentication.AnonymousAuthPlugin": {{"allow_anonymous": True}},
-            "amqtt_durable.DurableSessionsPlugin": {{"store": STORE, "metrics_interval": 0}},
-        }},
-    }})
+    broker = durable_broker(PORT)
     await broker.start()
     try:
         reader, writer = await asyncio.open_connection(HOST, PORT)
@@ -58,19 +76,11 @@ os._exit(0)
 def test_session_monitor_cleanup_spares_a_reconnected_session(tmp_path: Path) -> None:
     """amqtt's monitor picks disconnected anonymous sessions, then cleans them up with awaits in
     between; a session that reconnected meanwhile must keep its new connection."""
-    script = tmp_path / "monitor_race.py"
-    script.write_text(MONITOR_RACE.format(host=HOST, port=free_port(), store=str(tmp_path / "store"), wait=WAIT))
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=2 * WAIT, check=False
-    )
+    result = run_child(tmp_path, "monitor_race", MONITOR_RACE.format(port=free_port()), 2 * WAIT)
     assert result.stdout.strip() == "alive", result.stdout + result.stderr
 
 
 RETAINED_TRIE = """
-import asyncio, os, struct, sys
-from amqtt.broker import Broker
-
-HOST, STORE, WAIT = {host!r}, {store!r}, {wait}
 PORTS = {ports!r}
 
 
@@ -91,13 +101,7 @@ def state(broker: Broker) -> list[str]:
 
 
 async def run(port: int, retain: bool) -> list[str]:
-    broker = Broker({{
-        "listeners": {{"default": {{"type": "tcp", "bind": f"{{HOST}}:{{port}}"}}}},
-        "plugins": {{
-            "amqtt.plugins.authentication.AnonymousAuthPlugin": {{"allow_anonymous": True}},
-            "amqtt_durable.DurableSessionsPlugin": {{"store": STORE, "metrics_interval": 0}},
-        }},
-    }})
+    broker = durable_broker(port)
     await broker.start()
     try:
         if retain:
@@ -130,31 +134,19 @@ def test_the_retained_topic_trie_follows_amqtts_table_through_publishes_and_a_re
     """The trie the retained look-ups walk is amqtt's retained table's own (RetainedTable): set and
     cleared by publishes, emptied by amqtt's start, refilled from the store. On the old code the
     table was a plain dict, with no trie (this test then fails on ``table.matching``)."""
-    script = tmp_path / "retained_trie.py"
     ports = [free_port(), free_port()]
-    script.write_text(RETAINED_TRIE.format(host=HOST, ports=ports, store=str(tmp_path / "store"), wait=WAIT))
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=4 * WAIT, check=False
-    )
+    result = run_child(tmp_path, "retained_trie", RETAINED_TRIE.format(ports=ports), 4 * WAIT)
     assert result.stdout.splitlines() == ["['a/1', 'b/1']", "['a/1', 'b/1']"], result.stdout + result.stderr
 
 
 AMQTT_CLIENT = """
-import asyncio, os
-from amqtt.broker import Broker
 from amqtt.client import MQTTClient
 
-HOST, PORT, STORE, WAIT = {host!r}, {port}, {store!r}, {wait}
+PORT = {port}
 
 
 async def main() -> str:
-    broker = Broker({{
-        "listeners": {{"default": {{"type": "tcp", "bind": f"{{HOST}}:{{PORT}}"}}}},
-        "plugins": {{
-            "amqtt.plugins.authentication.AnonymousAuthPlugin": {{"allow_anonymous": True}},
-            "amqtt_durable.DurableSessionsPlugin": {{"store": STORE, "metrics_interval": 0}},
-        }},
-    }})
+    broker = durable_broker(PORT)
     await broker.start()
     client = MQTTClient(client_id="embedded", config={{"auto_reconnect": False}})
     try:
@@ -180,9 +172,5 @@ def test_amqtts_own_client_in_the_brokers_process_connects_subscribes_and_pings(
     """The decoder checks patch amqtt's fixed header reader for the whole process; amqtt's own client
     (a bridge, an app embedding the broker) reads CONNACK, SUBACK and PINGRESP through it, packets a
     server refuses from clients: the checks apply to the broker's connections only."""
-    script = tmp_path / "amqtt_client.py"
-    script.write_text(AMQTT_CLIENT.format(host=HOST, port=free_port(), store=str(tmp_path / "store"), wait=WAIT))
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=2 * WAIT, check=False
-    )
+    result = run_child(tmp_path, "amqtt_client", AMQTT_CLIENT.format(port=free_port()), 2 * WAIT)
     assert result.stdout.strip() == "suback [1] got b'x'", result.stdout + result.stderr

@@ -186,6 +186,39 @@ def test_every_default_the_pages_quote_is_the_code_s() -> None:
     assert not wrong, wrong
 
 
+def watching(broker: Broker, clients: Callable[..., Client]) -> Client:
+    """A clean client subscribed to after/# (QoS 1) and will/# (QoS 0)."""
+    watcher = clients(broker.port, "watch", clean_session=True)
+    assert watcher.subscribe([("after/#", 1), ("will/#", 0)]) == [1, 0]
+    return watcher
+
+
+def closed_unanswered(
+    broker: Broker, client_id: str, name: str, packet: bytes, *, clean: bool = False, publishes: int = 1
+) -> None:
+    """``client_id`` connects with a will on will/<name>, then sends ``packet`` followed, in the same
+    write, by ``publishes`` QoS 1 PUBLISHes to after/<name> (packet ids 7, 8, ...): the broker closes
+    the connection without answering anything."""
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet(client_id, clean=clean, will_topic=f"will/{name}".encode()))
+        assert read_exactly(sock, 4) == b"\x20\x02\x00\x00"
+        after = [mqtt_packet(0x32, mqtt_string(f"after/{name}") + bytes((0, 7 + n)) + b"v") for n in range(publishes)]
+        sock.sendall(packet + b"".join(after))
+        assert read_until_closed(sock, WAIT) == b"", f"{name}: closed, unanswered"
+
+
+def only_the_wills_were_routed(
+    broker: Broker, clients: Callable[..., Client], watcher: Client, names: list[str]
+) -> None:
+    """The ``watching`` watcher got the will of each of ``names`` and, once a probe is published to
+    after/probe, that probe: nothing after/<name> was routed."""
+    wills = sorted(f"will/{name}" for name in names)
+    assert watcher.wait_for(lambda ms: sorted(m.topic for m in ms) == wills), [m.topic for m in watcher.messages]
+    clients(broker.port, "pub", clean_session=True).publish("after/probe", [b"p"], qos=1)
+    assert watcher.wait_for(lambda ms: any(m.topic == "after/probe" for m in ms))
+    assert sorted(m.topic for m in watcher.messages) == sorted([*wills, "after/probe"]), "nothing after was routed"
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_a_packet_with_fixed_header_flags_mqtt_does_not_allow_closes_the_connection(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], path: str
@@ -195,8 +228,7 @@ def test_a_packet_with_fixed_header_flags_mqtt_does_not_allow_closes_the_connect
     connection (MQTT-2.2.2-2) unanswered, with a WARNING naming the client; nothing read after it
     is handled, and the will is published. (amqtt answered each as if its flags were right.)"""
     broker = broker_reading_on(broker_factory, path)
-    watcher = clients(broker.port, "watch", clean_session=True)
-    assert watcher.subscribe([("after/#", 1), ("will/#", 0)]) == [1, 0]
+    watcher = watching(broker, clients)
     bad = {
         "pubrel": b"\x60\x02\x00\x01",
         "pubrel-dup": b"\x6a\x02\x00\x01",  # what paho-mqtt <= 1.3.1 re-sends (guarantees.md)
@@ -207,18 +239,9 @@ def test_a_packet_with_fixed_header_flags_mqtt_does_not_allow_closes_the_connect
         "disconnect": b"\xe8\x00",
     }
     for name, packet in bad.items():
-        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
-            sock.sendall(connect_packet(f"flags-{name}", clean=False, will_topic=f"will/{name}".encode()))
-            assert read_exactly(sock, 4) == b"\x20\x02\x00\x00"
-            after = mqtt_packet(0x32, mqtt_string(f"after/{name}") + b"\x00\x07" + b"v")
-            sock.sendall(packet + after)
-            assert read_until_closed(sock, WAIT) == b"", f"{name}: closed, unanswered"
+        closed_unanswered(broker, f"flags-{name}", name, packet)
         assert f"flags-{name}: packet type" in broker.log(), f"{name}: a WARNING names the client"
-    wills = sorted(f"will/{name}" for name in bad)
-    assert watcher.wait_for(lambda ms: sorted(m.topic for m in ms) == wills), [m.topic for m in watcher.messages]
-    clients(broker.port, "pub", clean_session=True).publish("after/probe", [b"p"], qos=1)
-    assert watcher.wait_for(lambda ms: any(m.topic == "after/probe" for m in ms))
-    assert sorted(m.topic for m in watcher.messages) == sorted([*wills, "after/probe"]), "nothing after was routed"
+    only_the_wills_were_routed(broker, clients, watcher, list(bad))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -232,8 +255,7 @@ def test_a_reserved_or_server_only_packet_type_closes_the_connection(
     is published. (amqtt's reader logged a reserved type and read on, PUBACKing what followed, and
     ignored the server-only types; the plugin's took a type 0 with a 2-byte body for an ack run.)"""
     broker = broker_reading_on(broker_factory, path)
-    watcher = clients(broker.port, "watch", clean_session=True)
-    assert watcher.subscribe([("after/#", 1), ("will/#", 0)]) == [1, 0]
+    watcher = watching(broker, clients)
     bad = {
         "reserved0": (b"\x00\x00", "packet type 0 is reserved"),
         "reserved0-2": (b"\x00\x02\x00\x01", "packet type 0 is reserved"),  # shaped like an ack
@@ -245,20 +267,38 @@ def test_a_reserved_or_server_only_packet_type_closes_the_connection(
         "pingresp": (b"\xd0\x00", "packet type 13 (PINGRESP) is sent by servers only"),
     }
     for name, (packet, refusal) in bad.items():
-        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
-            sock.sendall(connect_packet(f"type-{name}", clean=False, will_topic=f"will/{name}".encode()))
-            assert read_exactly(sock, 4) == b"\x20\x02\x00\x00"
-            after = mqtt_packet(0x32, mqtt_string(f"after/{name}") + b"\x00\x07" + b"v")
-            sock.sendall(packet + after)
-            assert read_until_closed(sock, WAIT) == b"", f"{name}: closed, unanswered"
+        closed_unanswered(broker, f"type-{name}", name, packet)
         warning = f"closing the connection of type-{name}: {refusal}"
         assert warning in broker.log(), f"{name}: a WARNING names the client"
-    wills = sorted(f"will/{name}" for name in bad)
-    assert watcher.wait_for(lambda ms: sorted(m.topic for m in ms) == wills), [m.topic for m in watcher.messages]
-    clients(broker.port, "pub", clean_session=True).publish("after/probe", [b"p"], qos=1)
-    assert watcher.wait_for(lambda ms: any(m.topic == "after/probe" for m in ms))
-    assert sorted(m.topic for m in watcher.messages) == sorted([*wills, "after/probe"]), "nothing after was routed"
+    only_the_wills_were_routed(broker, clients, watcher, list(bad))
     assert "reader stopped" not in broker.log()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("clean", [True, False], ids=["clean", "durable"])
+def test_a_second_connect_closes_the_connection_and_nothing_after_it_is_handled(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean: bool, path: str
+) -> None:
+    """guarantees.md, The message path: a second CONNECT (MQTT-3.1.0-2) closes the connection
+    unanswered, on both readers, with a WARNING naming the client; the QoS 1 PUBLISHes that came
+    after it in the same write are neither stored, routed nor PUBACKed, and the will is published.
+    (amqtt's reader logged an ERROR and read on: it stored those PUBLISHes for a durable subscriber,
+    and the connection stayed open until the client closed it.)"""
+    broker = broker_reading_on(broker_factory, path)
+    watcher = watching(broker, clients)
+    keeper = clients(broker.port, "keeper")  # offline while the violations come: anything routed is stored
+    assert keeper.subscribe("after/#", 1) == [1]
+    keeper.disconnect()
+    ids = [f"again-{n}" for n in range(3)]
+    for client_id in ids:
+        again = connect_packet(client_id, clean=clean)
+        closed_unanswered(broker, client_id, client_id, again, clean=clean, publishes=2)
+        warning = f"closing the connection of {client_id}: a second CONNECT on the connection (MQTT-3.1.0-2)"
+        assert warning in broker.log(), f"{client_id}: a WARNING names the client"
+    only_the_wills_were_routed(broker, clients, watcher, ids)
+    keeper = clients(broker.port, "keeper")
+    assert keeper.wait_for(lambda ms: any(m.topic == "after/probe" for m in ms))
+    assert [m.topic for m in keeper.messages] == ["after/probe"], "nothing after was stored"
 
 
 @pytest.mark.parametrize("path", PATHS)

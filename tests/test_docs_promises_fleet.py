@@ -266,13 +266,13 @@ def _dead_pid() -> int:
     return gone.pid
 
 
-def test_a_worker_whose_harness_died_before_it_started_builds_nothing(tmp_path: Path) -> None:
-    """Before: the worker built its devices (their clients, their delivery logs) and only then looked for its
-    harness. Now it looks first: no device, no log file, exit 0 with a WARNING saying why."""
+def _run_worker_of(tmp_path: Path, harness_pid: int, devices: list[DeviceSpec]) -> tuple[Path, str]:
+    """A worker run to its end from a spec naming ``harness_pid`` (no broker behind its ports): the
+    spec's path and the worker's stderr, once it exited 0 having built no device (no log folder)."""
     spec = WorkerSpec(
         device_port=1, broker_host="127.0.0.1", broker_port=1, logs=str(tmp_path / "logs"),
-        state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False, harness_pid=_dead_pid(),
-        devices=[DeviceSpec("dev-000", "cpl1"), DeviceSpec("dev-001", "paho")],
+        state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False, harness_pid=harness_pid,
+        devices=devices,
     )  # fmt: skip
     path = tmp_path / "worker.json"
     spec.dump(path)
@@ -282,7 +282,15 @@ def test_a_worker_whose_harness_died_before_it_started_builds_nothing(tmp_path: 
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / "logs").exists(), list((tmp_path / "logs").iterdir())
-    assert f"the harness (PID {spec.harness_pid}) that wrote {path} is gone" in done.stderr, done.stderr
+    return path, done.stderr
+
+
+def test_a_worker_whose_harness_died_before_it_started_builds_nothing(tmp_path: Path) -> None:
+    """Before: the worker built its devices (their clients, their delivery logs) and only then looked for its
+    harness. Now it looks first: no device, no log file, exit 0 with a WARNING saying why."""
+    harness_pid = _dead_pid()
+    path, stderr = _run_worker_of(tmp_path, harness_pid, [DeviceSpec("dev-000", "cpl1"), DeviceSpec("dev-001", "paho")])
+    assert f"the harness (PID {harness_pid}) that wrote {path} is gone" in stderr, stderr
 
 
 def test_a_worker_spec_written_before_harness_pid_runs_without_a_harness_watch(broker: Broker, tmp_path: Path) -> None:
@@ -324,24 +332,11 @@ def test_a_worker_started_by_hand_exits_at_once_saying_its_harness_is_gone(tmp_p
     which still runs here) exits at once, status 0, saying its harness is gone; no device built."""
     harness = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        spec = WorkerSpec(
-            device_port=1, broker_host="127.0.0.1", broker_port=1, logs=str(tmp_path / "logs"),
-            state_dir=str(tmp_path / "state"), keepalive=4, end_sessions=False, harness_pid=harness.pid,
-            devices=[DeviceSpec("dev-000", "cpl1")],
-        )  # fmt: skip
-        path = tmp_path / "worker.json"
-        spec.dump(path)
-        done = subprocess.run(
-            [sys.executable, "-m", "durable_fleet.worker", str(path)],
-            check=False, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        path, stderr = _run_worker_of(tmp_path, harness.pid, [DeviceSpec("dev-000", "cpl1")])
         assert harness.poll() is None  # the harness named in the spec still runs
     finally:
         assert harness.stdin is not None
         harness.stdin.close()
         harness.wait(30)
-    assert done.returncode == 0, done.stderr
-    assert f"the harness (PID {harness.pid}) that wrote {path} is gone: stopping before any device starts" in (
-        done.stderr
-    ), done.stderr
-    assert not (tmp_path / "logs").exists()
+    said = f"the harness (PID {harness.pid}) that wrote {path} is gone: stopping before any device starts"
+    assert said in stderr, stderr

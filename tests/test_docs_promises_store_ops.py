@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import plyvel
+import pytest
 import yaml
 from small_disk import fill, free_bytes, leave_free, remount_read_only, small_disk
 from test_hostile_store import folder_digest
@@ -173,19 +174,24 @@ def test_the_replication_tools_pointed_at_an_mqtt_listener_say_it_closed_without
     assert probe_connack(broker.port)
 
 
-def test_a_listener_whose_host_is_unknown_is_named_by_broker_not_started(broker_factory: Callable[..., Broker]) -> None:
+@pytest.mark.parametrize("kind", ["tcp", "ws"])
+def test_a_listener_whose_host_is_unknown_is_named_by_broker_not_started(
+    broker_factory: Callable[..., Broker], kind: str
+) -> None:
     """operations.md: a listener's host unknown is exit 1 with `broker not started: listener
     '<name>' <host>:<port>: ...` (the line was the bare `[Errno -2] Name or service not known`,
-    naming neither the listener nor the host)."""
+    naming neither the listener nor the host; a `type: ws` listener's too), and the other
+    listener, opened first, is closed again."""
     broker = broker_factory(start=False)
     broker.write_config()
     config = yaml.safe_load(broker.config_path.read_text())
-    config["listeners"]["second"] = {"type": "tcp", "bind": f"nosuchhost.invalid:{broker.port}"}
+    port = broker.port + 1
+    config["listeners"]["second"] = {"type": kind, "bind": f"nosuchhost.invalid:{port}"}
     broker.config_path.write_text(yaml.safe_dump(config))
     result = run_cli("broker", "-c", str(broker.config_path))
     assert result.returncode == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"amqtt-durable: broker not started: listener 'second' nosuchhost.invalid:{broker.port}: ")
+    assert last.startswith(f"amqtt-durable: broker not started: listener 'second' nosuchhost.invalid:{port}: ")
     assert not probe_connack(broker.port), "the other listener is closed again"
 
 
@@ -516,19 +522,3 @@ def test_a_backup_copied_into_the_live_store_s_folder_is_warned_about(
     shown = run_cli("inspect", broker.store)
     assert shown.returncode == 0
     assert "holds a folder 'durable-1' that is itself a LevelDB store" in shown.stderr, shown.stderr
-
-
-def test_a_websocket_listener_whose_host_is_unknown_is_named_by_broker_not_started(
-    broker_factory: Callable[..., Broker],
-) -> None:
-    """As for a TCP listener: `broker not started: listener '<name>' <host>:<port>: ...` (a `type:
-    ws` listener gave the bare `[Errno -2] Name or service not known`)."""
-    broker = broker_factory(start=False)
-    broker.write_config()
-    config = yaml.safe_load(broker.config_path.read_text())
-    config["listeners"]["web"] = {"type": "ws", "bind": f"nosuchhost.invalid:{broker.port + 1}"}
-    broker.config_path.write_text(yaml.safe_dump(config))
-    result = run_cli("broker", "-c", str(broker.config_path))
-    assert result.returncode == 1, result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"amqtt-durable: broker not started: listener 'web' nosuchhost.invalid:{broker.port + 1}: ")

@@ -9,6 +9,7 @@ served with every message they had queued.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections.abc import Callable
@@ -36,12 +37,16 @@ def build(broker_factory: Callable[..., Broker], clients: Callable[..., Client])
     publisher.publish("u", [f"u{i}".encode() for i in range(QUEUED["dev-3"])], qos=1)
     publisher.publish("log/x", [b"e0", b"e1"], qos=1)
     broker.stop()
+    return broker, session_numbers(broker)
+
+
+def session_numbers(broker: Broker) -> dict[str, int]:
+    """Each client id's session number, read from the stopped broker's store."""
     db = plyvel.DB(broker.store)
     try:
-        sids = {key[1:].decode(): int(json.loads(value)["sid"]) for key, value in db.iterator(prefix=b"s")}
+        return {key[1:].decode(): int(json.loads(value)["sid"]) for key, value in db.iterator(prefix=b"s")}
     finally:
         db.close()
-    return broker, sids
 
 
 def damage(broker: Broker, put: dict[bytes, bytes], delete: tuple[bytes, ...] = ()) -> None:
@@ -90,52 +95,83 @@ def served(broker: Broker, clients: Callable[..., Client], client_ids: tuple[str
         assert got == expected, (client_id, got, broker.log())
 
 
-def test_a_store_id_of_the_wrong_length_is_named_and_repaired(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
-) -> None:
-    """The store id (b"i") was read with a bare struct.unpack: start-up said only `unpack requires a
-    buffer of 8 bytes`, naming neither the store nor the record, and inspect did not see it."""
-    broker, _ = build(broker_factory, clients)
-    damage(broker, {b"i": b"\x01\x02\x03"})
-    refused(broker, "the store id: 3 bytes that do not decode")
-    inspect_refuses(broker, "the store id: 3 bytes that do not decode")
-    repaired(broker, "rebuilt: store id did not decode: removed")
-    broker.start()
-    served(broker, clients, ("dev-1", "dev-2", "dev-3"))
-
-
 def session_record(sid: int, **fields: Any) -> bytes:
     return json.dumps({"sid": sid, "subscriptions": {"t": 1}, "created_at": 1.0, **fields}).encode()
 
 
-def test_a_session_record_with_a_field_of_the_wrong_type_is_named_and_rebuilt(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
-) -> None:
-    """JSON that parses but holds a string where a deadline goes: start-up failed later with a bare
-    `'<' not supported between instances of 'float' and 'str'`, inspect showed it, and repair called
-    the store consistent, so no start ever succeeded again."""
-    broker, sids = build(broker_factory, clients)
-    damage(broker, {b"sdev-1": session_record(sids["dev-1"], expires_at="soon", disconnected_at=1.0)})
-    named = "the session record of client id 'dev-1' does not decode (TypeError: expires_at is 'soon', not a number)"
-    refused(broker, named)
-    inspect_refuses(broker, named)
-    repaired(broker, f"rebuilt: client 'dev-1': session record rebuilt (session number {sids['dev-1']})")
-    broker.start()
-    served(broker, clients, ("dev-1", "dev-2", "dev-3"))
+@dataclasses.dataclass(frozen=True)
+class Damage:
+    """One record damaged (``records``, given each client's session number), what start-up (and
+    inspect, where ``inspect``) names, and what repair says it did (``{sid}``: dev-1's session number)."""
+
+    records: Callable[[dict[str, int]], dict[bytes, bytes]]
+    named: str
+    repaired: str
+    inspect: bool = True
 
 
-def test_a_session_number_no_key_can_hold_is_named_and_repair_does_not_crash(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+NAMED_AND_REPAIRED = {
+    # The store id (b"i") was read with a bare struct.unpack: start-up said only `unpack requires a
+    # buffer of 8 bytes`, naming neither the store nor the record, and inspect did not see it.
+    "store-id-wrong-length": Damage(
+        lambda sids: {b"i": b"\x01\x02\x03"},
+        "the store id: 3 bytes that do not decode",
+        "rebuilt: store id did not decode: removed",
+    ),
+    # JSON that parses but holds a string where a deadline goes: start-up failed later with a bare
+    # `'<' not supported between instances of 'float' and 'str'`, inspect showed it, and repair called
+    # the store consistent, so no start ever succeeded again.
+    "session-record-field-of-wrong-type": Damage(
+        lambda sids: {b"sdev-1": session_record(sids["dev-1"], expires_at="soon", disconnected_at=1.0)},
+        "the session record of client id 'dev-1' does not decode (TypeError: expires_at is 'soon', not a number)",
+        "rebuilt: client 'dev-1': session record rebuilt (session number {sid})",
+    ),
+    # A session number of 2**70: start-up said `error: int too large to convert`, inspect and repair
+    # ended in a struct.error traceback. Its number is no session's: repair matches it to the one
+    # queue left without a record (dev-1's).
+    "session-number-no-key-can-hold": Damage(
+        lambda sids: {b"sdev-1": session_record(2**70)},
+        "the session record of client id 'dev-1' does not decode (ValueError: session number",
+        "rebuilt: client 'dev-1': session record rebuilt (session number {sid})",
+    ),
+    # A stream's id mark (b"L") cut short: start-up said only `error: unpack requires a buffer of 8
+    # bytes`, and repair left it as it was, so the broker never started again.
+    "stream-id-mark": Damage(
+        lambda sids: {b"Llog/x": b"\x00\x02"},
+        "the id mark of stream 'log/x': 2 bytes that do not decode",
+        "rebuilt: stream log/x: its id mark did not decode: set past every id it can have given",
+        inspect=False,
+    ),
+    # The first event of a log cut short: start-up said only `error: unpack_from requires ...`.
+    "stream-event": Damage(
+        lambda sids: {b"e\x00\x05log/x" + struct.pack(">Q", 1): b"\x00\x01\x02"},
+        "event 1 of stream 'log/x': 3 bytes that do not decode",
+        "not recovered: stream log/x: event 1 does not decode: removed",
+        inspect=False,
+    ),
+    # The docs promise inspect names what start-up names; a sent mark cut short stopped start-up by
+    # name, but inspect never read the sent mark and listed the store as sound.
+    "sent-mark": Damage(
+        lambda sids: {b"w" + struct.pack(">Q", sids["dev-1"]): b"\x00\x02"},
+        "the sent mark of client id 'dev-1': 2 bytes that do not decode",
+        "rebuilt: client 'dev-1': sent mark rebuilt past the queue",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", NAMED_AND_REPAIRED)
+def test_a_damaged_record_is_named_at_start_and_repaired(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], case: str
 ) -> None:
-    """A session number of 2**70: start-up said `error: int too large to convert`, inspect and repair
-    ended in a struct.error traceback."""
+    """Start-up refuses the store naming the record (and inspect too, where it reads it), repair
+    rebuilds or removes it, and every session is then served all it had queued."""
+    damaged = NAMED_AND_REPAIRED[case]
     broker, sids = build(broker_factory, clients)
-    damage(broker, {b"sdev-1": session_record(2**70)})
-    named = "the session record of client id 'dev-1' does not decode (ValueError: session number"
-    refused(broker, named)
-    inspect_refuses(broker, named)
-    # Its number is no session's: matched to the one queue left without a record (dev-1's).
-    repaired(broker, f"rebuilt: client 'dev-1': session record rebuilt (session number {sids['dev-1']})")
+    damage(broker, damaged.records(sids))
+    refused(broker, damaged.named)
+    if damaged.inspect:
+        inspect_refuses(broker, damaged.named)
+    repaired(broker, damaged.repaired.format(sid=sids["dev-1"]))
     broker.start()
     served(broker, clients, ("dev-1", "dev-2", "dev-3"))
 
@@ -218,49 +254,6 @@ def test_a_reference_count_key_of_the_wrong_length_is_removed_by_repair(
     served(broker, clients, ("dev-1", "dev-2", "dev-3"))
 
 
-def test_a_stream_id_mark_that_does_not_decode_is_named_and_rebuilt(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
-) -> None:
-    """A stream's id mark (b"L") cut short: start-up said only `error: unpack requires a buffer of 8
-    bytes`, and repair left it as it was, so the broker never started again."""
-    broker, _ = build(broker_factory, clients)
-    damage(broker, {b"Llog/x": b"\x00\x02"})
-    refused(broker, "the id mark of stream 'log/x': 2 bytes that do not decode")
-    repaired(broker, "rebuilt: stream log/x: its id mark did not decode: set past every id it can have given")
-    broker.start()
-    served(broker, clients, ("dev-1", "dev-2", "dev-3"))
-
-
-def test_a_stream_event_that_does_not_decode_is_named_at_start(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
-) -> None:
-    """The first event of a log cut short: start-up said only `error: unpack_from requires ...`."""
-    broker, _ = build(broker_factory, clients)
-    damage(broker, {b"e\x00\x05log/x" + struct.pack(">Q", 1): b"\x00\x01\x02"})
-    refused(broker, "event 1 of stream 'log/x': 3 bytes that do not decode")
-    repaired(broker, "not recovered: stream log/x: event 1 does not decode: removed")
-    broker.start()
-    served(broker, clients, ("dev-1", "dev-2", "dev-3"))
-
-
-def test_a_sent_mark_that_does_not_decode_is_named_by_inspect_as_at_start(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
-) -> None:
-    """The docs promise inspect names what start-up names; a sent mark cut short stopped start-up by
-    name, but inspect never read the sent mark and listed the store as sound."""
-    broker, sids = build(broker_factory, clients)
-    damage(broker, {b"w" + struct.pack(">Q", sids["dev-1"]): b"\x00\x02"})
-    named = "the sent mark of client id 'dev-1': 2 bytes that do not decode"
-    refused(broker, named)
-    inspect_refuses(broker, named)
-    repaired(broker, "rebuilt: client 'dev-1': sent mark rebuilt past the queue")
-    broker.start()
-    served(broker, clients, ("dev-2", "dev-3"))
-    device = clients(broker.port, "dev-1")
-    got = [m.payload for m in device.wait_messages(QUEUED["dev-1"])]
-    assert got == [f"t{i}".encode() for i in range(QUEUED["dev-1"])], got
-
-
 def build_shared(broker_factory: Callable[..., Broker], clients: Callable[..., Client], **settings: Any) -> Broker:
     """A stopped broker whose store holds t0..t2 for dev-1 and dev-2 (shared bodies); dev-1's entry
     ``seq`` (1: its first) cut short."""
@@ -275,11 +268,7 @@ def build_shared(broker_factory: Callable[..., Broker], clients: Callable[..., C
 
 
 def damage_entry(broker: Broker, seq: int) -> None:
-    db = plyvel.DB(broker.store)
-    try:
-        sid = int(json.loads(db.get(b"sdev-1"))["sid"])
-    finally:
-        db.close()
+    sid = session_numbers(broker)["dev-1"]
     damage(broker, {b"q" + struct.pack(">QQ", sid, seq): b"\x00\x01\x02"})
 
 
@@ -369,11 +358,7 @@ def test_a_damaged_entry_in_an_orphaned_queue_does_not_refuse_the_store(
     start-up's orphaned-queue cleanup erases the damaged entry by its key (an ERROR names the session
     number) with the rest of the queue and goes on; the other sessions are served."""
     broker = build_shared(broker_factory, clients)
-    db = plyvel.DB(broker.store)
-    try:
-        sid = int(json.loads(db.get(b"sdev-1"))["sid"])
-    finally:
-        db.close()
+    sid = session_numbers(broker)["dev-1"]
     damage(broker, {b"q" + struct.pack(">QQ", sid, 1): b"\x00\x01\x02"}, delete=(b"sdev-1",))
     broker.start()
     named = f"queue entry 1 of session number {sid}: 3 bytes that do not decode: erased with its session"
@@ -433,11 +418,7 @@ def test_totals_of_an_empty_queue_are_set_to_zero_at_start_with_one_warning(
         device.subscribe("t", 1)
         device.disconnect()
     broker.stop()
-    db = plyvel.DB(broker.store)
-    try:
-        sids = {key[1:].decode(): int(json.loads(value)["sid"]) for key, value in db.iterator(prefix=b"s")}
-    finally:
-        db.close()
+    sids = session_numbers(broker)
     damage(
         broker,
         {

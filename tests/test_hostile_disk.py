@@ -14,7 +14,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 from raw_mqtt_helpers import connect_packet, raw_subscribe, read_exactly
-from small_disk import fill, small_disk
+from small_disk import fill, leave_free, small_disk
 from test_hostile_owner import PASSWORDS, REFUSED, acl_broker, login
 
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, run_cli
@@ -190,6 +190,115 @@ def test_a_clean_connect_refused_while_the_store_fails_leaves_the_live_durable_c
             reader.sendall(PINGREQ)
             assert read_exactly(reader, 2) == b"\xd0\x00", "the live durable connection goes on"
         assert "reader: a clean CONNECT takes the client id over" not in broker.log()
+
+
+def stored_session(clients: Callable[..., Client], port: int, client_id: str, queued: int) -> None:
+    """A disconnected durable session of ``client_id`` subscribed to d/# with ``queued`` messages."""
+    device = clients(port, client_id)
+    device.subscribe("d/#", 1)
+    device.disconnect()
+    clients(port, "pub", clean_session=True).publish("d/x", payloads(queued))
+
+
+def test_a_clean_connect_whose_queue_deletion_fails_is_answered_at_once_and_the_rest_deleted_later(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """A clean CONNECT deletes the client id's durable session. The disk is full, but no write has
+    failed yet, so the check before the CONNACK passes: the record's erasure fits in the room left,
+    the erasure of its 3,000 queue entries does not. The CONNECT is accepted at once (CONNACK 0,
+    served), its record's erasure being written; the queue goes once the disk has room, and a
+    restart in between deletes what is left. (The CONNECT waited for the whole deletion, retried
+    until it was written: no CONNACK until the disk had room again.)"""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(store=str(disk / "store"))
+        port = broker.port
+        stored_session(clients, port, "dev", 3000)
+        monitor = clients(port, "monitor", clean_session=True)
+        monitor.subscribe(HEALTH, 1)
+        filler = fill(disk)
+        leave_free(disk, filler, 32 * 1024)
+        with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+            sock.sendall(connect_packet("dev", clean=True))
+            assert read_exactly(sock, 4) == CONNACK_ACCEPTED, "accepted at once, no session present"
+            sock.sendall(PINGREQ)
+            assert read_exactly(sock, 2) == b"\xd0\x00", "and served"
+            wait_health(monitor, "failing")  # the queue's erasure found the disk full
+            broker.kill()
+        filler.unlink()
+        broker.start()
+        dev = clients(port, "dev")
+        assert dev.session_present is False, "its record's erasure was written before the CONNACK"
+        assert not dev.wait_for(bool, timeout=0.5), "nothing of its queue is left"
+        dev.disconnect()
+        broker.stop()
+    assert "store: deleted 3000 queue entries of a session whose deletion a crash or a stop cut short" in broker.log()
+
+
+def test_a_clean_connect_whose_session_erasure_fails_gets_connack_3_and_the_session_stays_whole(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """The same with a client id of 8,000 bytes, whose record's erasure does not fit either: the
+    CONNECT gets CONNACK 3 at once and is closed, and a restart before the disk has room again finds
+    the session whole, queue included. (The CONNECT waited, unanswered, until the disk had room.)"""
+    client_id = "dev-" + "x" * 8000
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(store=str(disk / "store"))
+        port = broker.port
+        stored_session(clients, port, client_id, 20)
+        filler = fill(disk)
+        with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+            sock.sendall(connect_packet(client_id, clean=True))
+            assert read_exactly(sock, 4) == CONNACK_UNAVAILABLE, "refused at once"
+            assert sock.recv(1) == b"", "and closed"
+        broker.kill()
+        filler.unlink()
+        broker.start()
+        dev = clients(port, client_id)
+        assert dev.session_present is True, "the refused CONNECT deleted nothing"
+        assert [m.payload for m in dev.wait_messages(20)] == payloads(20)
+    assert "CONNACK 3" in broker.log()
+
+
+def test_a_clean_connect_retried_after_connack_3_is_refused_until_the_session_erasure_is_written(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """After that CONNACK 3 the session is gone from the broker's memory, its record's erasure not
+    written. The client's retry (paho retries after CONNACK 3) is refused with CONNACK 3 too, and a
+    restart then finds the session whole: had the retry been accepted (CONNACK 0, "your session is
+    discarded", as it was), that restart would have brought the session back (MQTT-3.1.2-6). Once
+    the disk has room the erasure is written, and a retry is accepted: a restart finds no session."""
+    client_id = "dev-" + "x" * 8000
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(store=str(disk / "store"))
+        port = broker.port
+        stored_session(clients, port, client_id, 20)
+        filler = fill(disk)
+        assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True), "the erasure failed"
+        assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True), "the retry is refused too"
+        broker.kill()
+        filler.unlink()
+        broker.start()
+        dev = clients(port, client_id)
+        assert dev.session_present is True, "neither CONNECT deleted anything"
+        assert [m.payload for m in dev.wait_messages(20)] == payloads(20)
+        dev.disconnect()
+
+        monitor = clients(port, "monitor", clean_session=True)
+        monitor.subscribe(HEALTH, 1)
+        filler = fill(disk)
+        assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True)
+        assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True)
+        wait_health(monitor, "failing")
+        filler.unlink()
+        assert monitor.wait_for(lambda _: [h["status"] for h in health_states(monitor)][-1:] == ["ok"], WAIT + 10), (
+            f"the store did not recover: {health_states(monitor)}"
+        )
+        assert raw_connect(port, client_id, clean=True) == (CONNACK_ACCEPTED, False), "erasure written: accepted"
+        broker.kill()
+        broker.start()
+        dev = clients(port, client_id)
+        assert dev.session_present is False, "the accepted clean CONNECT's session is gone for good"
+        assert not dev.wait_for(bool, timeout=0.5), "with its queue"
 
 
 def connack_with_password(port: int, client_id: str, user: str, password: str, *, clean: bool) -> bytes:

@@ -12,7 +12,8 @@ instance the plugin is loaded into and on each connection's handler:
   CONNECT's will first); a CONNECT past ``max_packet_size`` is refused as amqtt's own errors
   are, so amqtt frees its listener slot;
 * ``MQTTFixedHeader.from_stream`` (class-level): a first packet that is not a CONNECT, a first
-  byte the server refuses (``_BAD_FIRST``: reserved type, server-only type, fixed header flags)
+  byte the server refuses (``_BAD_FIRST``: reserved type, server-only type, a second CONNECT,
+  fixed header flags)
   and a packet past ``max_packet_size`` (readers without a limit: not checked) are refused
   before amqtt reads the body (CONNECT, and every packet on amqtt's own reader loop);
 * ``PublishVariableHeader.from_stream`` (class-level): a PUBLISH topic no client may publish to
@@ -43,7 +44,7 @@ instance the plugin is loaded into and on each connection's handler:
   before amqtt's ``start`` made its disconnect waiter (a client that closed right after its
   CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran;
 * ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` / ``handle_connection_closed``
-  / ``handle_connect`` (per connection): a connection that sent DISCONNECT never has its will
+  (per connection): a connection that sent DISCONNECT never has its will
   published (MQTT-3.14.4-3), however its DISCONNECT's handling and its message loop's wait for it
   fall, unless the server had already ended it (a protocol violation: then the will is published;
   see ``_keep_the_disconnect``);
@@ -230,7 +231,6 @@ _HANDLER_INTERNALS = (
     "handle_disconnect",
     "handle_connection_closed",
     "wait_disconnect",
-    "handle_connect",
 )
 _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconnected")
 
@@ -252,20 +252,24 @@ protocol violation (section 4.8), and the connection is closed (amqtt ignored th
 
 
 def _refused_at_server(first: int) -> bool:
-    """Whether the server refuses a packet of this first byte: a reserved type (0 or 15), a type
-    only a server sends, or fixed header flags other than MQTT 3.1.1 gives its type (PUBLISH's are
-    its own)."""
+    """Whether the server refuses a packet of this first byte once the connection's CONNECT was
+    read: a reserved type (0 or 15), a type only a server sends, a CONNECT (MQTT-3.1.0-2), or fixed
+    header flags other than MQTT 3.1.1 gives its type (PUBLISH's are its own)."""
     packet_type = first >> 4
-    if packet_type in (RESERVED_0, RESERVED_15) or packet_type in _CLIENT_BOUND:
+    if packet_type in (RESERVED_0, RESERVED_15, CONNECT) or packet_type in _CLIENT_BOUND:
         return True
     return packet_type != PUBLISH and first & 0x0F != _FIXED_FLAGS.get(packet_type, 0)
 
 
 _BAD_FIRST = tuple(_refused_at_server(first) for first in range(256))
-"""Indexed by the first byte of a packet sent to the server: True where it is refused (reserved
-type, server-only type, or fixed header flags). One tuple index (5-25 ns) where computing the flags
+"""Indexed by the first byte of a packet sent to the server after its CONNECT: True where it is
+refused (reserved type, server-only type, a second CONNECT, or fixed header flags). One tuple index
+(5-25 ns) where computing the flags
 check took 120-440 ns a packet (bench/bench_fixed_flags.py). Only for a broker connection's reader:
 amqtt's own client in the same process reads CONNACK, SUBACK and PINGRESP through the same code."""
+
+
+SECOND_CONNECT = "a second CONNECT on the connection (MQTT-3.1.0-2)"
 
 
 def first_byte_refusal(first: int) -> ProtocolViolationError:
@@ -278,6 +282,8 @@ def first_byte_refusal(first: int) -> ProtocolViolationError:
         return ProtocolViolationError(
             f"packet type {packet_type} ({name}) is sent by servers only (MQTT 3.1.1 section 4.8)"
         )
+    if packet_type == CONNECT and not flags:
+        return ProtocolViolationError(SECOND_CONNECT)
     required = _FIXED_FLAGS.get(packet_type, 0)
     return ProtocolViolationError(
         f"packet type {packet_type} with fixed header flags {flags:#06b}, not {required:#06b} (MQTT-2.2.2-2)"
@@ -525,9 +531,11 @@ def _install_decoder_checks() -> None:
     * On a broker connection's reader (marked ``durable_server_side`` by ``init_from_connect``:
       the patch is the class's, process-wide, and amqtt's own client reads CONNACK, SUBACK and
       PINGRESP through it), a first byte the server refuses (``_BAD_FIRST``): a reserved packet type (amqtt logged it
-      and read on), a type only servers send (amqtt ignored it), or fixed header flags MQTT
-      3.1.1 does not allow for the type (amqtt took a PUBREL, SUBSCRIBE or UNSUBSCRIBE whatever
-      its flags).
+      and read on), a type only servers send (amqtt ignored it), a second CONNECT (MQTT-3.1.0-2:
+      amqtt logged it and read on, storing for durable subscribers what came after it, and a
+      connection whose second CONNECT came with two PUBLISHes in one write stayed open until the
+      client closed it), or fixed header flags MQTT 3.1.1 does not allow for the type (amqtt took a PUBREL, SUBSCRIBE or
+      UNSUBSCRIBE whatever its flags).
     * A packet's remaining length past the connection's ``max_packet_size`` (set on its reader
       as ``durable_max_packet_size``; readers without one are not affected), before the body
       is read: amqtt would read a body of any size into memory.
@@ -578,14 +586,16 @@ def _install_decoder_checks() -> None:
 
 
 def _check_header(reader: Any, header: MQTTFixedHeader) -> None:
-    """The fixed header checks of ``_install_decoder_checks``: first packet a CONNECT, first byte,
-    remaining length."""
+    """The fixed header checks of ``_install_decoder_checks``: first packet a CONNECT (with flags
+    0000), every later one's first byte (no CONNECT), remaining length."""
     if getattr(reader, "durable_awaiting_connect", False):
         reader.durable_awaiting_connect = False
         if header.packet_type != CONNECT:
             packet_type = header.packet_type
             raise ProtocolViolationError(f"its first packet is of type {packet_type}, not CONNECT (MQTT-3.1.0-1)")
-    if getattr(reader, "durable_server_side", False) and _BAD_FIRST[first := (header.packet_type << 4) | header.flags]:
+        if header.flags:
+            raise first_byte_refusal((CONNECT << 4) | header.flags)
+    elif getattr(reader, "durable_server_side", False) and _BAD_FIRST[first := header.packet_type << 4 | header.flags]:
         raise _refused(reader, first_byte_refusal(first))
     limit = getattr(reader, "durable_max_packet_size", None)
     if limit is not None and header.remaining_length > limit:
@@ -1769,17 +1779,15 @@ def _keep_the_disconnect(handler: Any) -> None:
 
     Once the server has ended the connection (``durable_ended``), a DISCONNECT read after counts
     for nothing: the plugin's reader handles nothing after it (``FastReader._dispatch_all``), but
-    amqtt's own reader goes on handling what it reads until the connection is stopped (after a
-    second CONNECT too), and the will of a connection ended for a protocol violation is published
-    (MQTT-3.1.2-8). The server's ends are ``end_connection``'s callers, a second CONNECT
-    (``handle_connect``, MQTT-3.1.0-2) and whatever the reader task itself ends (a packet the
-    decoder checks refuse; at EOF nothing is read after). Not any None: a
+    amqtt's own reader goes on handling what it reads until the connection is stopped, and the will
+    of a connection ended for a protocol violation is published (MQTT-3.1.2-8). The server's ends
+    are ``end_connection``'s callers and whatever the reader task itself ends (a packet the decoder
+    checks or ``_BAD_FIRST`` refuse, a second CONNECT among them; at EOF nothing is read after). Not any None: a
     write that fails (amqtt's ``_send_packet``) may come before a DISCONNECT the reader has yet to
     read."""
     original_handle = handler.handle_disconnect
     original_wait = handler.wait_disconnect
     original_closed = handler.handle_connection_closed
-    original_connect = handler.handle_connect
     handler.durable_disconnect = None
     handler.durable_ended = False
 
@@ -1802,14 +1810,9 @@ def _keep_the_disconnect(handler: Any) -> None:
             handler.durable_ended = True
         return original_closed()  # type: ignore[no-any-return]
 
-    def handle_connect(connect: Any) -> Awaitable[None]:
-        handler.durable_ended = True
-        return original_connect(connect)  # type: ignore[no-any-return]
-
     handler.handle_disconnect = handle_disconnect
     handler.wait_disconnect = wait_disconnect
     handler.handle_connection_closed = handle_connection_closed
-    handler.handle_connect = handle_connect
 
 
 def _stop_waiting_for_a_reader_that_may_never_run(
@@ -2241,7 +2244,7 @@ class FastReader:
 
     async def _dispatch(self, first: int, body: bytes) -> None:
         """One packet the ack runs of _dispatch_all do not take. A first byte ``_BAD_FIRST`` refuses
-        (reserved type, server-only type, fixed header flags MQTT does not allow) raises
+        (reserved type, server-only type, a second CONNECT, fixed header flags MQTT does not allow) raises
         ProtocolViolationError (run() logs it and ends the connection); PUBLISH's flags are its
         own, and an ack in a run has its flags 0, so neither fast path looks them up."""
         packet_type, flags = first >> 4, first & 0x0F
@@ -2257,8 +2260,8 @@ class FastReader:
 
     async def _dispatch_all(self, packets: list[tuple[int, bytes]]) -> None:
         """The packets of one read, in order; runs of acks of one kind go to the pump together.
-        None after one that made the server end the connection (``durable_ended``: a second
-        CONNECT) or was refused (run() ends the connection): the connection is over. ``ack_first``
+        None after one that made the server end the connection (``durable_ended``: see
+        ``end_connection``) or was refused (run() ends the connection): the connection is over. ``ack_first``
         is -1, a first byte no packet has, while no run is open: 0 would take a reserved type 0
         with a 2-byte body for an ack."""
         acks: list[int] = []
@@ -2298,9 +2301,6 @@ class FastReader:
         handler = self._handler
         fixed = MQTTFixedHeader(packet_type, flags, len(body))
         packet = await packet_class(fixed).from_stream(BufferReader(body), fixed_header=fixed)
-        if packet_type == CONNECT:
-            await handler.handle_connect(packet)
-            return
         method = _HANDLERS.get(packet_type)
         if method is not None:
             task = asyncio.create_task(getattr(handler, method)(packet))

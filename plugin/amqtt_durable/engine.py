@@ -16,6 +16,7 @@ import logging
 import time
 
 from .engine_state import StoreHealth
+from .lifecycle import DELETION_GRACE
 from .recovery import Recovery
 from .sessions import DurableSession, ExpiredSession
 from .store import CommitReplication
@@ -87,6 +88,15 @@ class DurableEngine(Recovery):
             self._trim_task.cancel()
             await asyncio.gather(self._trim_task, return_exceptions=True)
             self._trim_task = None
+        if self._deletions.tasks:
+            # Queue deletions a clean CONNECT left running finish while the store writes (for at most
+            # DELETION_GRACE); one waiting for a failing store is cancelled: what it has not erased,
+            # the next load deletes (orphaned entries).
+            grace = 0.0 if self.committer.failure is not None else DELETION_GRACE
+            _, unfinished = await asyncio.wait(list(self._deletions.tasks), timeout=grace)
+            for deletion in unfinished:
+                deletion.cancel()
+            await asyncio.gather(*unfinished, return_exceptions=True)
 
     async def close(self) -> None:
         await self._stop_work()

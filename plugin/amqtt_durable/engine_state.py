@@ -17,7 +17,7 @@ from typing import Any, Literal
 from .config import DurableConfig
 from .expiry import ExpiryTracker
 from .retained import RetainedMessages
-from .sessions import DurableSession, ExpiredSession, PendingRemovals
+from .sessions import DurableSession, ExpiredSession, PendingRemovals, SessionDeletions
 from .store import (
     FLAG_SHARED,
     Entry,
@@ -89,6 +89,10 @@ class EngineState:
         """Attaches under way at once (``attach_limit``): the rest wait in the order they came."""
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._trim_task: asyncio.Task[None] | None = None
+        self._deletions = SessionDeletions()
+        """The queue deletions clean CONNECTs left running (``_delete_for_clean_connect``), and the
+        client ids whose session record's erasure is not written yet: a clean CONNECT of one is
+        accepted only once it is (``SessionLifecycle.connect``)."""
         self.store_id = 0
         """Random, made with the store: stream readers compare it to notice a wiped or replaced store."""
         self.streams: StreamLogs

@@ -11,9 +11,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from functools import partial
 
 from .delivery import Pump, ReadAccess, Transport
 from .errors import (
+    NotPrimaryError,
     NotSessionOwnerError,
     StoreUnavailableError,
 )
@@ -37,6 +39,9 @@ log = logging.getLogger("amqtt_durable")
 CONNECT_GRACE = 30.0
 """Seconds between CONNACK and the start of delivery during which expiry leaves a session alone."""
 DELETE_CHUNK = 10_000
+DELETION_GRACE = 5.0
+"""Seconds a stopping engine lets the queue deletions a clean CONNECT left running finish (while the
+store writes); the next load deletes what they had not erased."""
 
 
 class SessionLifecycle(Routing):
@@ -57,16 +62,25 @@ class SessionLifecycle(Routing):
         user without the subscriptions in ``revoke`` (those the topic ACL refuses the new user).
 
         Raises StoreUnavailableError while the store cannot write and the CONNECT needs a write (a
-        durable one, or a clean one that deletes a durable session): the glue refuses it.
+        durable one, a clean one that deletes a durable session, or a clean one of a client id whose
+        deleted session's record erasure is not written yet), or when that write fails: the glue
+        refuses it (CONNACK 3).
         """
         self.check_owner(client_id, username)
         self.check_writable_for(client_id, clean_session)
+        if clean_session and self._deletions.unerased(client_id):
+            # A session of this client id was deleted and its record's erasure is not written yet
+            # (a clean CONNECT refused with CONNACK 3 after that write failed, or a deletion under
+            # way): accepted only once it is, so a restart cannot bring back the session this
+            # CONNECT is told is gone (MQTT-3.1.2-6); refused if the write fails.
+            await self.committer.commit(urgent=True, fail_fast=True)
+            self.check_owner(client_id, username)  # a session of the client id created meanwhile
         existing = self.sessions.get(client_id)
         if existing is not None and existing.record.username != username and not clean_session:
             self._pass_to(existing, username, revoke)
         if clean_session:
             if existing is not None:
-                await self.delete_session(existing)
+                await self._delete_for_clean_connect(existing)
             return False
         if existing is not None:
             existing.newest = transport
@@ -92,9 +106,12 @@ class SessionLifecycle(Routing):
     def check_writable_for(self, client_id: str, clean_session: bool) -> None:
         """Raise StoreUnavailableError while the store cannot write and a CONNECT of ``client_id``
         needs a write: a durable one (creates or updates its session), or a clean one for the
-        client id of a durable session (deletes it)."""
+        client id of a durable session (deletes it) or of a deleted one whose record's erasure is
+        not written yet (a clean CONNECT refused with CONNACK 3 is refused again when retried)."""
         failure = self.committer.failure
-        if failure is not None and (client_id in self.sessions or not clean_session):
+        if failure is None:
+            return
+        if not clean_session or client_id in self.sessions or self._deletions.unerased(client_id):
             raise StoreUnavailableError(failure)
 
     def check_owner(self, client_id: str, username: str | None) -> None:
@@ -273,21 +290,74 @@ class SessionLifecycle(Routing):
         self.expiry.schedule(session.client_id, session.record.expires_at)
         self._arm_expiry()
 
+    async def _delete_for_clean_connect(self, session: DurableSession) -> None:
+        """A clean CONNECT deletes the durable session of its client id, and its CONNACK waits for
+        the whole deletion to be written, unless a write of it fails (a failure the check before it
+        could not know of, such as a disk that filled since the last write). Then the CONNECT is
+        answered at once: StoreUnavailableError (CONNACK 3) when the failed write is the erasure of
+        the session's record, the first; accepted when that one was written. Either way the
+        deletion goes on (``_deletions``): the committer keeps failed writes in order and retries
+        them. A restart before they are written finds a refused CONNECT's session whole, and
+        deletes what an accepted one's left of its queue (recovery's orphans).
+
+        Before, the CONNECT waited for the whole deletion whatever happened, and a full disk left
+        the client without a CONNACK until it had room again."""
+        pump = self._forget(session)
+        erased = self.committer.commit(urgent=True, fail_fast=True)
+        deletion = asyncio.get_running_loop().create_task(self._erase_queue(session, pump))
+        self._deletions.tasks.add(deletion)
+        deletion.add_done_callback(partial(self._deleted_in_background, session.client_id))
+        await erased
+        failing = self.committer.when_failing()
+        try:
+            await asyncio.wait((deletion, failing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failing.cancel()
+        if deletion.done() and not deletion.cancelled():
+            # A deletion that failed (the broker demoted) fails the CONNECT, as before. One the stop
+            # cancelled does not cancel this task: the record's erasure is written, the CONNECT
+            # accepted, and the stop ends its connection; the next start deletes what is left.
+            deletion.result()
+
+    def _deleted_in_background(self, client_id: str, deletion: asyncio.Task[int]) -> None:
+        self._deletions.tasks.discard(deletion)
+        if deletion.cancelled():
+            return  # the broker stopping or demoted: the next start deletes what is left (orphans)
+        error = deletion.exception()
+        if error is not None and not isinstance(error, NotPrimaryError):
+            log.warning(
+                "%s: deleting the queue of its former durable session stopped (%s); the next start deletes "
+                "what is left",
+                client_id,
+                error,
+            )
+
     async def delete_session(self, session: DurableSession) -> int:
         """Remove a session with its queue and subscriptions; returns the messages dropped.
 
         The session stops taking messages first; then everything pending is written, so the
         store holds exactly its entries (none half-written, none already removed) when they go.
         """
+        return await self._erase_queue(session, self._forget(session))
+
+    def _forget(self, session: DurableSession) -> Pump | None:
+        """The first step of a deletion, with no await: the session stops taking messages, its
+        record's erasure is queued, and its pump is taken from it (returned, to be stopped)."""
         session.deleted = True  # from now on nothing writes for it: acks, records, totals
         self.sessions.pop(session.client_id, None)
         # Its record goes first, before any await: a crash midway leaves no half session to come
         # back, and a new session of the same client id, created meanwhile, writes its record after.
         erase_session(self.committer, session.client_id)
+        self._deletions.record_erasure_queued(session.client_id, self.committer)
         self.expiry.cancel(session.client_id)
         for topic_filter in session.record.subscriptions:
             self.index.remove(session.client_id, topic_filter)
         pump, session.pump, session.transport = session.pump, None, None
+        return pump
+
+    async def _erase_queue(self, session: DurableSession, pump: Pump | None) -> int:
+        """The rest of a deletion after ``_forget``: its pump stopped, the queue and the session's
+        other keys erased; returns the messages dropped."""
         if pump is not None:
             await pump.stop()
         committer = self.committer

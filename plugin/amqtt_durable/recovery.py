@@ -222,11 +222,14 @@ class Recovery(SessionLifecycle):
 
     def _drop_orphans(self, known: set[int]) -> None:
         """Delete queue entries of sessions whose record is gone: a crash in the middle of deleting
-        a session (its record goes first) leaves them; nothing else can reach them."""
+        a session (its record goes first), or a stop that cancelled a deletion a clean CONNECT left
+        running (engine ``_stop_work``), leaves them; nothing else can reach them."""
         sids, keys = orphaned_keys(self.db, known)
         for sid in sids:
             dropped = self._delete_entries(sid)
-            log.warning("store: deleted %d queue entries of a session deleted before a crash", dropped)
+            log.warning(
+                "store: deleted %d queue entries of a session whose deletion a crash or a stop cut short", dropped
+            )
         for key in keys:  # totals, sent marks, QoS 2 states outlive their queue in such a crash
             self.committer.delete(key)
 

@@ -49,6 +49,7 @@ from .store import (
 
 if TYPE_CHECKING:
     from .engine_state import EngineState
+    from .store import GroupCommitter
 
 log = logging.getLogger("amqtt_durable")
 
@@ -104,6 +105,31 @@ class PendingRemovals:
 
     def written(self) -> None:
         self._writing = set()
+
+
+class SessionDeletions:
+    """Deletions of whole sessions under way: the queue erasures clean CONNECTs left running
+    (``tasks``), and the client ids of deleted sessions whose record's erasure is not written yet."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[int]] = set()
+        self._unerased: dict[str, int] = {}
+
+    def record_erasure_queued(self, client_id: str, committer: GroupCommitter) -> None:
+        """The erasure of ``client_id``'s session record was just handed to ``committer``: the id
+        counts as unerased until the write that holds it (a failed write keeps its callbacks with
+        its operations, and the retry that writes them runs them)."""
+        self._unerased[client_id] = self._unerased.get(client_id, 0) + 1
+        committer.when_written(partial(self._written, client_id))
+
+    def _written(self, client_id: str) -> None:
+        left = self._unerased.pop(client_id, 1) - 1
+        if left > 0:
+            self._unerased[client_id] = left
+
+    def unerased(self, client_id: str) -> bool:
+        """Is the erasure of a deleted session's record of ``client_id`` not written yet?"""
+        return client_id in self._unerased
 
 
 class DurableSession:

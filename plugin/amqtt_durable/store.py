@@ -1211,6 +1211,18 @@ class GroupCommitter:
         self.failure: BaseException | None = None
         """The last write error while writes fail; None while they succeed."""
         self.failing_since = 0.0
+        self._failing_waiters: set[asyncio.Future[None]] = set()
+
+    def when_failing(self) -> asyncio.Future[None]:
+        """A future that resolves as writes start failing (at once while they fail); cancel it to
+        stop waiting."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.failure is not None:
+            waiter.set_result(None)
+            return waiter
+        self._failing_waiters.add(waiter)
+        waiter.add_done_callback(self._failing_waiters.discard)
+        return waiter
 
     def _asked(self) -> bool:
         """Is a write due: operations added, a commit asked, or a ``flush_soon`` whose writes
@@ -1449,11 +1461,18 @@ class GroupCommitter:
         self._retry = loop.call_later(self._retry_delay, self._try_again)
         if first:
             self.failing_since = time.time()
+            self._tell_failing()
             if self.on_health is not None:
                 self.on_health(error, self.failing_since)
         else:
             log.info("store write failed again: %s; next try in %.2f s", error, self._retry_delay)
         self._retry_delay = min(2 * self._retry_delay, RETRY_MAX)
+
+    def _tell_failing(self) -> None:
+        """Resolve the futures of ``when_failing``: writes have started failing."""
+        for failing in list(self._failing_waiters):
+            if not failing.done():
+                failing.set_result(None)
 
     def _try_again(self) -> None:
         self._retry = None

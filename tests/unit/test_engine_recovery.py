@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from amqtt_durable import engine as engine_module
+from amqtt_durable import lifecycle
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.sessions import droppable
@@ -29,6 +31,7 @@ from amqtt_durable.store import (
     encode_totals,
     encode_u64,
     entry_key,
+    iter_entries,
     open_store,
     refs_key,
     sent_mark_key,
@@ -152,6 +155,75 @@ def test_a_connection_attaching_while_its_session_is_deleted_gets_no_pump(tmp_pa
         await engine.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("grace", [0.0, None], ids=["cancelled-after-its-grace", "finished-in-its-grace"])
+def test_a_stop_gives_a_clean_connects_deletion_its_grace_then_cancels_it_and_the_next_start_deletes_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, grace: float | None
+) -> None:
+    """A clean CONNECT's deletion of the old session is still under way when the engine stops
+    (``_stop_work``): it gets DELETION_GRACE while the store writes, then it is cancelled (here the
+    grace is 0, or the default, long enough). The CONNECT waiting for it is answered (its record's
+    erasure is written), not cancelled with it. A new durable session of the same client id, made
+    meanwhile, keeps every message; what the cancelled deletion left, the next start deletes."""
+    monkeypatch.setattr(lifecycle, "DELETE_CHUNK", 10)  # 200 chunks: still deleting at the stop
+    if grace is not None:
+        monkeypatch.setattr(engine_module, "DELETION_GRACE", grace)
+    path = str(tmp_path / "store")
+
+    async def main() -> tuple[int, int]:
+        engine = DurableEngine(DurableConfig(store=path))
+        engine.open()
+        await engine.connect("dev", clean_session=False)
+        await engine.subscribe("dev", "t", 1)
+        for i in range(2000):
+            engine.route_publish("t", b"old-%d" % i, 1)
+        await engine.committer.commit(urgent=True)
+        old_sid = engine.sessions["dev"].sid
+        connecting = asyncio.get_running_loop().create_task(engine.connect("dev", clean_session=True))
+        for _ in range(10):  # loop passes, up to the deletion it starts
+            if engine._deletions.tasks:
+                break
+            await asyncio.sleep(0)
+        assert engine._deletions.tasks and "dev" not in engine.sessions
+        assert await engine.connect("dev", clean_session=False) is False, "a new session of the same client id"
+        await engine.subscribe("dev", "t", 1)
+        await asyncio.gather(*[engine.route_publish("t", b"new-%d" % i, 1) for i in range(30)])
+        new_sid = engine.sessions["dev"].sid
+        assert new_sid != old_sid
+        assert engine._deletions.tasks and not connecting.done(), "the old queue's deletion is under way at the stop"
+        await engine.close()
+        assert not engine._deletions.tasks
+        assert await connecting is False, "the clean CONNECT is answered, not cancelled with the deletion"
+        return old_sid, new_sid
+
+    old_sid, new_sid = asyncio.run(main())
+    db = open_store(path, create=False)
+    try:
+        left = len(list(iter_entries(db, old_sid)))
+    finally:
+        db.close()
+    if grace is None:
+        assert left == 0, "finished within its grace"
+    else:
+        assert 0 < left < 2000, "cancelled midway"
+
+    async def reopened() -> None:
+        engine = DurableEngine(DurableConfig(store=path))
+        with caplog.at_level(logging.WARNING, logger="amqtt_durable"):
+            engine.open()
+        session = engine.sessions["dev"]
+        assert (session.sid, session.depth) == (new_sid, 30)
+        assert [Body.decode(engine.db.get(body_key(e.msg_id))).payload for e in iter_entries(engine.db, new_sid)] == [
+            b"new-%d" % i for i in range(30)
+        ]
+        assert list(iter_entries(engine.db, old_sid)) == []
+        await engine.close()
+
+    asyncio.run(reopened())
+    orphans = [r.getMessage() for r in caplog.records if "cut short" in r.getMessage()]
+    expected = f"store: deleted {left} queue entries of a session whose deletion a crash or a stop cut short"
+    assert orphans == ([expected] if left else [])
 
 
 def _drop_oldest_with_a_released_first_entry(tmp_path: Path, qos: int) -> tuple[list[tuple[int, bytes]], int]:

@@ -145,6 +145,37 @@ def test_retries_back_off_while_the_store_stays_unwritable(db: Any, store_path: 
         reopen.close()
 
 
+def test_when_failing_resolves_as_writes_start_failing_and_at_once_while_they_fail(db: Any, store_path: str) -> None:
+    """What a clean CONNECT waits on beside its session's deletion (lifecycle): the first failed write
+    resolves it; while writes fail a new one is resolved already; a cancelled one is forgotten."""
+    reopen = Reopener(db, store_path)
+    health: list[tuple[str, float]] = []
+
+    async def main() -> None:
+        committer = make(db, reopen, health)
+        failing = committer.when_failing()
+        forgotten = committer.when_failing()
+        forgotten.cancel()
+        committer.put(b"k", b"v")
+        written = committer.commit(urgent=True)
+        await asyncio.wait_for(written, GENEROUS)
+        assert not failing.done(), "a write that succeeds resolves nothing"
+        committer.put(b"k", b"w")
+        patient = committer.commit(urgent=True)
+        reopen.handles[-1].close()  # the next write fails, as on a full disk
+        await asyncio.wait_for(failing, GENEROUS)
+        assert not patient.done() and committer.failure is not None
+        assert committer.when_failing().done(), "while writes fail: at once"
+        assert committer._failing_waiters == set(), "none kept once resolved or cancelled"
+        await asyncio.wait_for(patient, GENEROUS)
+        assert not committer.when_failing().done(), "writes succeed again"
+
+    try:
+        run(main)
+    finally:
+        reopen.close()
+
+
 def test_failure_of_before_flush_is_retried_like_a_failed_write(db: Any, store_path: str) -> None:
     reopen = Reopener(db, store_path)
     health: list[tuple[str, float]] = []
