@@ -23,6 +23,8 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
     assert ReplicationConfig.from_mapping({"role": "primary", "advertise": "db1:7883"}).advertised == "db1:7883"
     assert ReplicationConfig.from_mapping({**HA, "coordinator": "http://e:2379"}).coordinator == ["http://e:2379"]
     assert ReplicationConfig.from_mapping({**HA, "coordinator": "http://[::1]:2379"}).coordinator == ["http://[::1]:2379"]
+    assert ReplicationConfig.from_mapping({**HA, "coordinator": ["http://e/", "http://f:2379/"]}).coordinator == [
+        "http://e/", "http://f:2379/"]
     assert ReplicationConfig.from_mapping({**HA, "snapshot_chunk_bytes": 128 << 20}).snapshot_chunk_bytes == 128 << 20
 
 
@@ -41,6 +43,11 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
         ({**HA, "coordinator": ["http://127.0.0.1:abc"]}, "replication.coordinator", "'http://127.0.0.1:abc' (Port"),
         ({**HA, "coordinator": ["http://e:2379", "http://e:70000"]}, "replication.coordinator", "'http://e:70000'"),
         ({**HA, "coordinator": ["http://e:0"]}, "replication.coordinator", "(port 0)"),
+        # etcd.py uses host and port only: a user, a path or a query was silently ignored
+        ({**HA, "coordinator": ["http://root:pw@e:2379"]}, "replication.coordinator", "authentication is not supp"),
+        ({**HA, "coordinator": ["http://e:2379/etcd"]}, "replication.coordinator", "'http://e:2379/etcd' (a path"),
+        ({**HA, "coordinator": ["http://e:2379?timeout=5"]}, "replication.coordinator", "a path, query or fragment"),
+        ({**HA, "coordinator": ["http://e:2379#x"]}, "replication.coordinator", "a path, query or fragment"),
         ({**HA, "listen": "::1"}, "replication.listen", "brackets"),
         ({"role": "backup", "primary": "2001:db8::10"}, "replication.primary", "brackets"),
         ({**HA, "name": "a\0b"}, "replication.name", "or a NUL character"),
