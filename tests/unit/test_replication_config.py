@@ -54,6 +54,10 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
         ({**HA, "cluster": "a/b"}, "replication.cluster", "without '/'"),
         ({"role": "backup"}, "replication.primary", "needed on a backup"),
         ({"role": "backup", "primary": "db1"}, "replication.primary", "host:port"),
+        # a primary that goes unused was not checked at all
+        ({"role": "primary", "primary": "::1"}, "replication.primary", "brackets"),
+        ({"role": "primary", "primary": "db1"}, "replication.primary", "host:port"),
+        ({**HA, "primary": "10.0.0.1:7883"}, "replication.primary", "with a coordinator, its lease names the primary"),
         ({**HA, "lease_ttl": 1}, "replication.lease_ttl", "at least 2"),
         ({**HA, "lease_ttl": 2.5}, "replication.lease_ttl", "whole number"),
         ({**HA, "demote_margin": 5}, "replication.demote_margin", "below lease_ttl"),

@@ -485,10 +485,12 @@ def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str]
             raise bad("name", "needed with a coordinator: this broker's unique name in the cluster")
     elif config.role == "auto":
         raise bad("role", "auto needs a coordinator (etcd endpoints); without one, set primary or backup")
-    if config.role == "backup":
-        if not config.primary:
-            raise bad("primary", "needed on a backup without a coordinator: the primary's host:port")
-        _address(f"{where}.primary", config.primary)
+    if config.role == "backup" and not config.primary:
+        raise bad("primary", "needed on a backup without a coordinator: the primary's host:port")
+    if config.primary:
+        if config.coordinator:  # the leader key names the primary: this one would be ignored
+            raise bad("primary", "a fixed-role backup's setting: with a coordinator, its lease names the primary")
+        _address(f"{where}.primary", config.primary)  # on role: primary too (kept for a later role: backup)
 
 
 def _coordinator_url(url: str, bad: Callable[[str, str], ConfigError]) -> None:
