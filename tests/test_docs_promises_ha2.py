@@ -5,14 +5,20 @@ real etcd."""
 
 from __future__ import annotations
 
+import base64
+import json
+import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from test_ha_brokers import BACKUP, HA_TIMING, SERVING, node, start, wait_status
 
 from amqtt_durable.process import HOST, free_port
-from conftest import run_cli
+from conftest import Broker, connack_code, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -145,3 +151,99 @@ def test_a_secret_is_never_echoed_in_a_settings_error(tmp_path: Path) -> None:
     for replication in ({"role": "primary", "secret_env": pasted + "!"}, {"role": "primary", "secret": pasted[:9]}):
         stderr = _refused(tmp_path, replication)
         assert pasted[:9] not in stderr, stderr
+
+
+# --- the keys in etcd (Design: Coordination) -------------------------------------------------------
+
+
+def _etcd(etcd: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One call to etcd's JSON gateway, as etcd.py makes them (and as an operator's curl would)."""
+    request = urllib.request.Request(
+        etcd.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        answer: dict[str, Any] = json.loads(reply.read())
+    return answer
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _etcd_keys(etcd: Any, prefix: str) -> dict[str, bytes]:
+    """Every key under ``prefix`` and its value."""
+    end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    kvs = _etcd(etcd, "/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end)}).get("kvs") or []
+    return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")) for kv in kvs}
+
+
+CLUSTER = "/amqtt-durable/amqtt-durable/"
+
+
+def test_the_keys_in_etcd_are_the_documented_ones_and_a_clean_stop_revokes_a_members_entry(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """Keys under /amqtt-durable/<cluster>/: ``leader`` JSON name + address (``advertise`` when set:
+    "published in the leader key"), ``initialize`` the node that claimed the bootstrap, ``sync``
+    (sync mode) the backups the primary waits for, ``members/<name>`` JSON name, role, store_id,
+    batch, candidate, "revoked on a clean stop" (gone at once, not ``lease_ttl`` later)."""
+    ha = {"coordinator": [etcd.url], "lease_ttl": 30, "loop_wait": 0.3, "demote_margin": 1}
+    advertised = f"localhost:{free_port()}"  # reaches 127.0.0.1: backups dial the advertised address
+    first = start(node(broker_factory, "a", **ha, listen=f"{HOST}:{advertised.rpartition(':')[2]}",
+                       advertise=advertised), SERVING)  # fmt: skip
+    second = start(node(broker_factory, "b", **ha), BACKUP)
+    wait_status(first, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+
+    def published() -> dict[str, bytes] | None:
+        keys = _etcd_keys(etcd, CLUSTER)
+        members = {k: json.loads(v) for k, v in keys.items() if k.startswith(CLUSTER + "members/")}
+        sync = keys.get(CLUSTER + "sync")
+        if [m.get("candidate") for _, m in sorted(members.items())] != [False, True] or sync is None:
+            return None
+        return keys if json.loads(sync)["members"] == ["b"] else None
+
+    keys: dict[str, bytes] | None = None
+
+    def seen() -> bool:
+        nonlocal keys
+        keys = published()
+        return keys is not None
+
+    assert first.wait_until(seen, 20), _etcd_keys(etcd, CLUSTER)
+    assert keys is not None
+    assert set(keys) == {CLUSTER + name for name in ("leader", "initialize", "sync", "members/a", "members/b")}
+    assert json.loads(keys[CLUSTER + "leader"]) == {"name": "a", "address": advertised}
+    assert keys[CLUSTER + "initialize"] == b"a"
+    a, b = (json.loads(keys[CLUSTER + f"members/{name}"]) for name in "ab")
+    assert set(a) == set(b) == {"name", "role", "store_id", "batch", "candidate"}
+    assert (a["name"], a["role"], b["name"], b["role"]) == ("a", "primary", "b", "backup")
+    assert a["store_id"] == b["store_id"] and isinstance(b["batch"], int)
+
+    second.terminate()
+    assert second.wait_stopped(time.monotonic() + 15), second.log()
+    remaining = _etcd_keys(etcd, CLUSTER + "members/")
+    assert set(remaining) == {CLUSTER + "members/a"}, remaining  # its 30 s member lease was revoked
+
+
+def test_the_initialize_claim_is_permanent_until_deleted_by_hand_then_the_next_empty_node_bootstraps(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """Coordination: "every later node finds the claim and waits for a primary to follow ("not caught
+    up with the last one")"; the claim is permanent; "delete the claim by hand (etcdctl del
+    /amqtt-durable/<cluster>/initialize) and the next empty node bootstraps"."""
+    ha = {"coordinator": [etcd.url], "cluster": "c1", **HA_TIMING}
+    prefix = "/amqtt-durable/c1/"
+    claimed = {"key": _b64(prefix + "initialize"), "value": _b64("ghost")}  # claimed by a node that died
+    _etcd(etcd, "/v3/kv/put", claimed)
+    waiting = start(node(broker_factory, "a", **ha), BACKUP)
+    assert waiting.wait_until(lambda: "not caught up with the last one" in waiting.log(), 20), waiting.log()
+    shown = wait_status(waiting, lambda s: [m["name"] for m in s.get("members", [])] == ["a"])
+    assert (shown["role"], shown["caught_up"]) == ("backup", False)
+    assert connack_code(waiting.port) == BACKUP  # several cycles later: still waiting
+    assert _etcd_keys(etcd, prefix + "initialize") == {prefix + "initialize": b"ghost"}
+    assert "now primary" not in waiting.log()
+
+    _etcd(etcd, "/v3/kv/deleterange", {"key": _b64(prefix + "initialize")})  # etcdctl del ...
+    assert waiting.wait_until(lambda: connack_code(waiting.port) == SERVING, 20), waiting.log()
+    assert "a new cluster, claimed its bootstrap: took the leader lease, now primary" in waiting.log()
+    assert _etcd_keys(etcd, prefix + "initialize") == {prefix + "initialize": b"a"}
