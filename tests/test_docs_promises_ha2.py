@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
 import urllib.request
 from collections.abc import Callable
@@ -15,10 +16,20 @@ from typing import Any
 
 import pytest
 import yaml
-from test_ha_brokers import BACKUP, HA_TIMING, SERVING, node, start, wait_status
+from test_ha_brokers import (
+    BACKUP,
+    HA_TIMING,
+    SERVING,
+    address,
+    assert_queue_served,
+    node,
+    queue_durable_messages,
+    start,
+    wait_status,
+)
 
 from amqtt_durable.process import HOST, free_port
-from conftest import Broker, connack_code, run_cli
+from conftest import Broker, Client, connack_code, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -247,3 +258,41 @@ def test_the_initialize_claim_is_permanent_until_deleted_by_hand_then_the_next_e
     assert waiting.wait_until(lambda: connack_code(waiting.port) == SERVING, 20), waiting.log()
     assert "a new cluster, claimed its bootstrap: took the leader lease, now primary" in waiting.log()
     assert _etcd_keys(etcd, prefix + "initialize") == {prefix + "initialize": b"a"}
+
+
+# --- catching a returning backup up: the retained log or a snapshot ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("retained", "plan"),
+    [
+        ({}, r"the backup is \d+ batches behind; sent from the log"),
+        ({"retained_batches": 2}, r"the backup is at batch \d+, too far behind: the retained log starts at \d+"),
+        ({"retained_bytes": 1024}, r"the backup is at batch \d+, too far behind: the retained log starts at \d+"),
+    ],
+)
+def test_a_returning_backup_is_caught_up_from_the_retained_log_while_its_position_is_there_else_by_snapshot(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], retained: dict[str, int], plan: str
+) -> None:
+    """A backup that comes back after a restart is caught up "from the primary's retained log of
+    recent batches (retained_batches, retained_bytes) when its position is still there, otherwise
+    from a snapshot"; either way it ends in_sync holding every acknowledged publish."""
+    primary = start(node(broker_factory, "p", role="primary", **retained), SERVING)
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+    backup.terminate()
+    assert backup.wait_stopped(time.monotonic() + 15), backup.log()
+    wait_status(primary, lambda s: s["backups"] == [])
+    queue_durable_messages(primary, clients, 40)  # 40 PUBACKs, each after its own commit: many batches
+
+    start(backup, BACKUP)
+    head = wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])["batch"]
+    lines = [
+        line for line in primary.log().splitlines() if "replication: backup b (" in line and "connected at" in line
+    ]
+    assert re.search(plan, lines[-1]), lines
+    wait_status(backup, lambda s: s["batch"] == head)
+    promoted = run_cli("promote", address(backup))
+    assert promoted.returncode == 0, promoted.stderr
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, 15), backup.log()
+    assert_queue_served(backup, clients, 40)
