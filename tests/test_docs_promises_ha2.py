@@ -5,17 +5,22 @@ real etcd."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
+import os
 import re
+import signal
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from replication_helpers import bounded, commit, primary_store
 from test_ha_brokers import (
     BACKUP,
     HA_TIMING,
@@ -29,7 +34,10 @@ from test_ha_brokers import (
 )
 
 from amqtt_durable.process import HOST, free_port
-from conftest import Broker, Client, connack_code, run_cli
+from amqtt_durable.replication.auth import Session
+from amqtt_durable.replication.framing import Frame, Hello, encode_frame, encode_seq
+from amqtt_durable.replication.primary import Primary
+from conftest import WAIT, Broker, Client, connack_code, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -279,7 +287,8 @@ def test_a_returning_backup_is_caught_up_from_the_retained_log_while_its_positio
     from a snapshot"; either way it ends in_sync holding every acknowledged publish."""
     primary = start(node(broker_factory, "p", role="primary", **retained), SERVING)
     backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
-    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+    head = wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])["batch"]
+    wait_status(backup, lambda s: s["caught_up"] and s["batch"] >= head)  # its store holds the snapshot
     backup.terminate()
     assert backup.wait_stopped(time.monotonic() + 15), backup.log()
     wait_status(primary, lambda s: s["backups"] == [])
@@ -290,9 +299,104 @@ def test_a_returning_backup_is_caught_up_from_the_retained_log_while_its_positio
     lines = [
         line for line in primary.log().splitlines() if "replication: backup b (" in line and "connected at" in line
     ]
-    assert re.search(plan, lines[-1]), lines
+    assert re.search(plan, lines[-1]), (lines, backup.log())
     wait_status(backup, lambda s: s["batch"] == head)
     promoted = run_cli("promote", address(backup))
     assert promoted.returncode == 0, promoted.stderr
     assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, 15), backup.log()
     assert_queue_served(backup, clients, 40)
+
+
+@contextlib.contextmanager
+def _paused(broker: Broker) -> Iterator[None]:
+    """SIGSTOP the broker for the block (it reads and acknowledges nothing), SIGCONT after, always."""
+    assert broker.pid is not None
+    os.kill(broker.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+
+
+def test_in_sync_mode_a_lost_backup_holds_pubacks_for_ack_timeout_then_the_primary_goes_on_and_catches_it_up(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """What each mode guarantees, "Backup lost" (sync): "the primary goes on after ack_timeout without
+    it, and catches it up when it returns"; Watching it: a backup that "stops acknowledging for
+    ack_timeout" is logged as a WARNING by the primary."""
+    primary = start(node(broker_factory, "p", role="primary", ack_timeout=2), SERVING)
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+    subscriber = clients(primary.port, "device")  # a durable session: each publish is stored for it
+    subscriber.subscribe("t/#", 1)
+    subscriber.disconnect()
+    publisher = clients(primary.port, "publisher", clean_session=True)
+    publisher.publish("t/before", [b"stored on 2 machines"])
+    with _paused(backup):
+        held = publisher.paho.publish("t/during", b"held", qos=1)
+        held.wait_for_publish(1.0)
+        assert not held.is_published()  # the in-sync backup has not stored it: no PUBACK yet
+        held.wait_for_publish(WAIT)
+        assert held.is_published()  # ack_timeout later the primary went on without it
+        assert "replication: backup b (" in primary.log() and "no ack for 2 s: disconnected, no longer counted" in (
+            primary.log()
+        )
+        warned = [line for line in primary.log().splitlines() if "no ack for 2 s" in line]
+        assert " WARNING " in warned[0], warned
+        publisher.publish("t/alone", [b"acknowledged by the primary alone"])
+    head = wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])["batch"]
+    assert wait_status(backup, lambda s: s["batch"] >= head)["caught_up"]
+    backup_has = run_cli("promote", address(backup))  # what it holds: all three, in order
+    assert backup_has.returncode == 0, backup_has.stderr
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, 15), backup.log()
+    device = clients(backup.port, "device")
+    got = [m.payload for m in device.wait_messages(3)]
+    assert got == [b"stored on 2 machines", b"held", b"acknowledged by the primary alone"], got
+
+
+def test_a_backup_sent_a_snapshot_is_in_sync_only_once_it_acknowledged_it(tmp_path: Path) -> None:
+    """Replacing a dead machine: "watch it with inspect --replication until its row says in_sync";
+    Protocol 5: from IN_SYNC on "the backup counts for sync mode". A backup's receive queue holds up
+    to 1,024 frames (a GiB of 1 MiB snapshot chunks), so a backup may apply a snapshot for seconds
+    after the primary sent its last chunk: its row said in_sync (and sync publishes waited for it,
+    until ack_timeout dropped it) while its store still lacked the snapshot. Now the row says
+    catching_up, and a commit is acknowledged without that backup, until it acknowledges the
+    snapshot's batch."""
+
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=64 << 20, ack_timeout=60)
+        await primary.start(HOST, 0)
+        for n in range(1, 6):
+            await bounded(commit(primary, [(b"m" + n.to_bytes(8, "big"), b"x" * 100)]))
+        reader, writer = await asyncio.open_connection(HOST, primary.port)  # reads all, applies nothing yet
+        writer.write(encode_frame(Frame.HELLO, Hello(1, 0, 0, "new").encode()))  # a new, empty store
+        await writer.drain()
+        session = Session(None)
+        kinds: list[Frame] = []
+        async with asyncio.timeout(30):
+            while Frame.SNAP_END not in kinds:
+                kinds.append((await session.read(reader))[0])
+        assert [row["state"] for row in primary.status()] == ["catching_up"]
+        assert Frame.IN_SYNC not in kinds
+        unconfirmed = commit(primary, [(b"m" + (6).to_bytes(8, "big"), b"y")])
+        await bounded(unconfirmed)  # the backup does not count yet: the primary acknowledges alone
+        kinds = [(await bounded(session.read(reader)))[0]]  # batch 6
+        writer.write(session.encode(Frame.ACK, encode_seq(5)))  # the snapshot (batch 5) is applied
+        await writer.drain()
+        async with asyncio.timeout(30):
+            while Frame.IN_SYNC not in kinds:
+                kinds.append((await session.read(reader))[0])
+        assert [row["state"] for row in primary.status()] == ["in_sync"]
+        waiting = commit(primary, [(b"m" + (7).to_bytes(8, "big"), b"z")])
+        await asyncio.sleep(0)  # (one loop pass: not a synchronisation, the future must stay open)
+        assert not waiting.done()  # in sync now: batch 7 waits for the backup
+        writer.write(session.encode(Frame.ACK, encode_seq(6)))
+        writer.write(session.encode(Frame.ACK, encode_seq(7)))
+        await writer.drain()
+        await bounded(waiting)
+        writer.close()
+        await primary.close()
+        db.close()
+
+    asyncio.run(main())

@@ -460,9 +460,12 @@ class Primary:
             self.log.pin(link, None)
 
     async def _send_from(self, writer: asyncio.StreamWriter, link: BackupLink, pos: int | None) -> None:
+        snapshot_seq = 0
+        """The batch the last snapshot sent holds: the backup is in sync only once it acknowledged it
+        (its receive queue may hold many chunks it has not applied yet)."""
         while True:
             if pos is None:
-                pos = await self._send_snapshot(writer, link)
+                pos = snapshot_seq = await self._send_snapshot(writer, link)
                 link.state = "catching_up"
             for item in self.log.since(pos):
                 writer.write(link.session.encode(Frame.BATCH, item.data))
@@ -479,6 +482,10 @@ class Primary:
                 pos = None
                 continue
             if pos >= self.log.head_seq:  # a snapshot may hold a batch not yet handed to committed()
+                if link.state != "in_sync" and link.acked_seq < snapshot_seq:
+                    await writer.drain()
+                    await self._acked_or_beyond(link, snapshot_seq, pos)  # then send what came meanwhile
+                    continue
                 if link.state != "in_sync":
                     writer.write(link.session.encode(Frame.IN_SYNC, encode_seq(pos)))
                     link.state = "in_sync"
@@ -489,6 +496,16 @@ class Primary:
                     self._resolve()
                 await writer.drain()
                 await self.log.wait_beyond(pos)
+
+    async def _acked_or_beyond(self, link: BackupLink, seq: int, pos: int) -> None:
+        """Return once ``link`` acknowledged batch ``seq`` or a batch after ``pos`` is in the log."""
+        waiters = {asyncio.ensure_future(self._acked.wait()), asyncio.ensure_future(self.log.wait_beyond(pos))}
+        try:
+            if link.acked_seq < seq and self.log.head_seq <= pos:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
 
     async def _send_snapshot(self, writer: asyncio.StreamWriter, link: BackupLink) -> int:
         """Stream a LevelDB snapshot; returns the batch number it holds."""
