@@ -400,3 +400,22 @@ def test_a_backup_sent_a_snapshot_is_in_sync_only_once_it_acknowledged_it(tmp_pa
         db.close()
 
     asyncio.run(main())
+
+
+def test_a_backup_without_a_name_is_backup_in_its_primarys_status_and_sys_topics(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Settings, ``name``: "a backup without one is ``backup`` in its primary's status and ``$SYS``
+    topics"; Watching it: ``backup/<name>/state`` is ``in_sync`` once it is."""
+    primary = start(node(broker_factory, "p", {"metrics_interval": 0.2}, role="primary"), SERVING)
+    unnamed = {"role": "backup", "primary": address(primary), "listen": f"{HOST}:{free_port()}"}
+    start(broker_factory(start=False, name="b", replication=unnamed), BACKUP)
+    wait_status(primary, lambda s: [(row["name"], row["state"]) for row in s["backups"]] == [("backup", "in_sync")])
+    shown = run_cli("inspect", "--replication", address(primary))
+    assert shown.returncode == 0, shown.stderr
+    assert re.fullmatch(rf"  backup backup \({re.escape(HOST)}:\d+\): in_sync, acked \d+, lag \d+ batches / .* s",
+                        shown.stdout.splitlines()[1]), shown.stdout  # fmt: skip
+    monitor = clients(primary.port, "monitor", clean_session=True)
+    monitor.subscribe("$SYS/broker/durable/replication/backup/+/state", 0)
+    assert monitor.wait_for(lambda got: any(m.payload == b"in_sync" for m in got)), monitor.messages
+    assert {m.topic for m in monitor.messages} == {"$SYS/broker/durable/replication/backup/backup/state"}
