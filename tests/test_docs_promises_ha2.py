@@ -72,6 +72,8 @@ def _tool_cases(folder: Path) -> list[tuple[list[str], int, str]]:
         (["promote", "db1"], 2, "replication address 'db1': expected host:port"),
         (["promote", "127.0.0.1:0"], 2, "expected host:port"),
         (["promote", "[10.0.0.1]:7883"], 2, "expected host:port"),
+        (["promote", "127.0.0.1:\uff17\uff18\uff18\uff13"], 2, "expected host:port"),  # fullwidth digits
+        (["inspect", "--replication", "127.0.0.1:\u00b2"], 2, "expected host:port"),  # was int()'s own message
         (["inspect", "--replication"], 2, "argument --replication: expected one argument"),
         (["inspect", "--replication", closed, "--retained"], 2, "--retained lists a stopped broker's store"),
         (["inspect", str(folder), "--replication", closed], 2, "give a store folder (broker stopped) or --replication"),

@@ -54,6 +54,10 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
         ({**HA, "cluster": "a/b"}, "replication.cluster", "without '/'"),
         ({"role": "backup"}, "replication.primary", "needed on a backup"),
         ({"role": "backup", "primary": "db1"}, "replication.primary", "host:port"),
+        # str.isdigit() let other digits through: U+0663 was port 3, fullwidth 7883 port 7883, U+00B2 int()'s error
+        ({**HA, "listen": "db1:\u0663"}, "replication.listen", "expected host:port"),
+        ({**HA, "advertise": "db1:\uff17\uff18\uff18\uff13"}, "replication.advertise", "expected host:port"),
+        ({"role": "backup", "primary": "db1:\u00b2"}, "replication.primary", "expected host:port"),
         # a primary that goes unused was not checked at all
         ({"role": "primary", "primary": "::1"}, "replication.primary", "brackets"),
         ({"role": "primary", "primary": "db1"}, "replication.primary", "host:port"),
