@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
-from durable_protocol.hostport import split_host_port
+from durable_protocol.hostport import parse_host, split_host_port
 
 from ..errors import ConfigError
 from ..settings import SCALARS
@@ -506,6 +506,10 @@ def _coordinator_url(url: str, bad: Callable[[str, str], ConfigError]) -> None:
         raise bad("coordinator", f"{usage} ({exc})") from None
     if parts.scheme != "http" or not parts.hostname:
         raise bad("coordinator", usage)
+    try:
+        parse_host(parts.hostname)  # a space or NUL in it: urlsplit keeps them
+    except ValueError as exc:
+        raise bad("coordinator", f"{usage} ({exc})") from None
     if port == 0:
         raise bad("coordinator", f"{usage} (port 0)")
     if "@" in parts.netloc:  # etcd.py sends no credentials: a user or password here would be ignored
