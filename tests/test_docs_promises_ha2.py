@@ -421,3 +421,21 @@ def test_a_backup_without_a_name_is_backup_in_its_primarys_status_and_sys_topics
     monitor.subscribe("$SYS/broker/durable/replication/backup/+/state", 0)
     assert monitor.wait_for(lambda got: any(m.payload == b"in_sync" for m in got)), monitor.messages
     assert {m.topic for m in monitor.messages} == {"$SYS/broker/durable/replication/backup/backup/state"}
+
+
+def test_a_second_broker_with_the_primarys_name_says_the_names_clash(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """Settings, ``name``: "this broker's unique name in the cluster". A second broker given the
+    primary's name took the leader key naming it for its own from before a restart, and waited, at
+    INFO, "for it to end" (never, while the primary lives): now it says, at ERROR, that another
+    broker holds the lease under its name, and stays a backup."""
+    ha = {"coordinator": [etcd.url], **HA_TIMING}
+    start(node(broker_factory, "a", **ha), SERVING)
+    twin = start(broker_factory(start=False, name="twin", replication={"name": "a", "listen": f"{HOST}:{free_port()}",
+                                                                       **ha}), BACKUP)  # fmt: skip
+    said = "another broker holds the leader lease under this node's name, a"
+    assert twin.wait_until(lambda: said in twin.log(), 20), twin.log()
+    line = next(line for line in twin.log().splitlines() if said in line)
+    assert " ERROR " in line and "names must be unique in the cluster" in line, line
+    assert connack_code(twin.port) == BACKUP
