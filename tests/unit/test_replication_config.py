@@ -61,6 +61,14 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
         ({"role": "backup", "primary": "db1:\u00b2"}, "replication.primary", "expected host:port"),
         # a primary that goes unused was not checked at all
         ({"role": "primary", "primary": "::1"}, "replication.primary", "brackets"),
+        # a backup following itself retried every 0.5 s, logging "the primary ... closed the channel"
+        ({"role": "backup", "primary": "127.0.0.1:7883"}, "replication.primary", "this node's own replication address"),
+        (
+            {"role": "backup", "primary": "[::1]:7884", "listen": "[::1]:7884"},
+            "replication.primary",
+            "'[::1]:7884' is this node's own",
+        ),
+        ({"role": "backup", "primary": "db2:7883", "advertise": "db2:7883"}, "replication.primary", "own replication"),
         ({"role": "primary", "primary": "db1"}, "replication.primary", "host:port"),
         ({**HA, "primary": "10.0.0.1:7883"}, "replication.primary", "with a coordinator, its lease names the primary"),
         ({**HA, "lease_ttl": 1}, "replication.lease_ttl", "at least 2"),

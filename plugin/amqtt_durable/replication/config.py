@@ -491,6 +491,12 @@ def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str]
         if config.coordinator:  # the leader key names the primary: this one would be ignored
             raise bad("primary", "a fixed-role backup's setting: with a coordinator, its lease names the primary")
         _address(f"{where}.primary", config.primary)  # on role: primary too (kept for a later role: backup)
+        if config.role == "backup" and split_host_port(config.primary) in (
+            split_host_port(config.listen),
+            split_host_port(config.advertise) if config.advertise else None,
+        ):
+            raise bad("primary", f"{config.primary!r} is this node's own replication address (listen or advertise): "
+                      "give the primary's replication.listen")  # fmt: skip
 
 
 def _coordinator_url(url: str, bad: Callable[[str, str], ConfigError]) -> None:
