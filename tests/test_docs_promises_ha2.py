@@ -37,6 +37,7 @@ from amqtt_durable.process import HOST, free_port
 from amqtt_durable.replication.auth import Session
 from amqtt_durable.replication.framing import Frame, Hello, encode_frame, encode_seq
 from amqtt_durable.replication.primary import Primary
+from amqtt_durable.replication.tool import ask
 from conftest import WAIT, Broker, Client, connack_code, run_cli
 
 pytestmark = pytest.mark.timeout(120)
@@ -402,6 +403,52 @@ def test_a_backup_sent_a_snapshot_is_in_sync_only_once_it_acknowledged_it(tmp_pa
         db.close()
 
     asyncio.run(main())
+
+
+def test_a_store_without_a_replication_position_started_as_primary_waits_for_the_snapshots_ack(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """The same promise for a snapshot "at batch 0": a single broker's store (rows, no replication
+    position) restarted as role: primary snapshots at batch 0 until its first commit. The primary
+    took snapshot batch 0 for "no snapshot sent" and said IN_SYNC right after SNAP_END, before any
+    acknowledgement: the row said in_sync while the backup had applied nothing."""
+    single = broker_factory(start=False, name="p")
+    start(single, SERVING)
+    queue_durable_messages(single, clients, 300)
+    single.terminate()
+    assert single.wait_stopped(time.monotonic() + WAIT), single.log()
+    single.settings["replication"] = {"name": "p", "role": "primary", "listen": f"{HOST}:{free_port()}"}
+    start(single, SERVING)
+    host, port = address(single).rsplit(":", 1)
+
+    async def main() -> None:
+        assert (await ask(address(single), Frame.STATUS))["batch"] == 0  # no replication position yet
+        reader, writer = await asyncio.open_connection(host, int(port))  # reads all, applies nothing yet
+        writer.write(encode_frame(Frame.HELLO, Hello(1, 0, 0, "new").encode()))  # a new, empty store
+        await writer.drain()
+        session = Session(None)
+        kinds: list[Frame] = []
+        async with asyncio.timeout(WAIT):
+            while Frame.SNAP_END not in kinds:
+                kinds.append((await session.read(reader))[0])
+        row = (await ask(address(single), Frame.STATUS))["backups"]
+        assert [(r["state"], r["acked"]) for r in row] == [("catching_up", 0)], row
+        writer.write(session.encode(Frame.ACK, encode_seq(0)))  # the snapshot (batch 0) is applied
+        await writer.drain()
+        async with asyncio.timeout(WAIT):
+            while Frame.IN_SYNC not in kinds:
+                kinds.append((await session.read(reader))[0])
+        row = (await ask(address(single), Frame.STATUS))["backups"]
+        assert [r["state"] for r in row] == ["in_sync"], row
+        writer.close()
+
+    asyncio.run(main())
+    backup = start(node(broker_factory, "b", role="backup", primary=address(single)), BACKUP)
+    wait_status(backup, lambda s: s["caught_up"])
+    single.kill()
+    assert run_cli("promote", address(backup)).returncode == 0
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
+    assert_queue_served(backup, clients, 300)
 
 
 def test_a_backup_without_a_name_is_backup_in_its_primarys_status_and_sys_topics(
