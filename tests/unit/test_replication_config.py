@@ -49,6 +49,8 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
         ({**HA, "coordinator": ["http://e:2379?timeout=5"]}, "replication.coordinator", "a path, query or fragment"),
         ({**HA, "coordinator": ["http://e:2379#x"]}, "replication.coordinator", "a path, query or fragment"),
         ({**HA, "coordinator": ["http://e 1:2379"]}, "replication.coordinator", "(a space or NUL in the host)"),
+        ({**HA, "coordinator": ["http://\uff4cocalhost:2379"]}, "replication.coordinator", "(a host in non-ASCII"),
+        ({**HA, "coordinator": ["http://b\u00fccher.example"]}, "replication.coordinator", "its ASCII xn-- form"),
         ({**HA, "listen": "::1"}, "replication.listen", "brackets"),
         ({"role": "backup", "primary": "2001:db8::10"}, "replication.primary", "brackets"),
         ({**HA, "name": "a\0b"}, "replication.name", "or a NUL character"),

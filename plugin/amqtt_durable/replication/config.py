@@ -501,9 +501,10 @@ def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str]
 
 def _coordinator_url(url: str, bad: Callable[[str, str], ConfigError]) -> None:
     """An etcd client URL: http://host[:port], the port (2379 when left out) from 1 to 65535; a
-    malformed one (an unclosed IPv6 bracket, a port that is not a number) is refused here, not when
-    etcd.py first connects, and so is one with parts etcd.py would ignore (a user or password: it
-    sends no credentials; a path, query or fragment: it calls /v3/... on host:port)."""
+    malformed one (an unclosed IPv6 bracket, a port that is not a number, a host in non-ASCII
+    characters: etcd.py's Host header is ASCII) is refused here, not when etcd.py first connects,
+    and so is one with parts etcd.py would ignore (a user or password: it sends no credentials; a
+    path, query or fragment: it calls /v3/... on host:port)."""
     usage = f"expected etcd client URLs like http://127.0.0.1:2379, got {url!r}"
     try:
         parts = urlsplit(url)
@@ -518,6 +519,9 @@ def _coordinator_url(url: str, bad: Callable[[str, str], ConfigError]) -> None:
         raise bad("coordinator", f"{usage} ({exc})") from None
     if port == 0:
         raise bad("coordinator", f"{usage} (port 0)")
+    if not parts.hostname.isascii():  # etcd.py's Host header is ASCII: every call would fail
+        raise bad("coordinator", f"{usage} (a host in non-ASCII characters: write an internationalised name "
+                  "in its ASCII xn-- form)")  # fmt: skip
     if "@" in parts.netloc:  # etcd.py sends no credentials: a user or password here would be ignored
         raise bad("coordinator", f"{usage} (a user or password in the URL: etcd authentication is not supported)")
     if parts.path not in ("", "/") or parts.query or parts.fragment or url.endswith(("?", "#")):
