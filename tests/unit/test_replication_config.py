@@ -65,6 +65,16 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
         ({"role": "primary", "primary": "::1"}, "replication.primary", "brackets"),
         # a backup following itself retried every 0.5 s, logging "the primary ... closed the channel"
         ({"role": "backup", "primary": "127.0.0.1:7883"}, "replication.primary", "this node's own replication address"),
+        (  # a host name's case does not matter
+            {"role": "backup", "primary": "DB1:7883", "listen": "db1:7883"},
+            "replication.primary",
+            "this node's own replication address",
+        ),
+        (
+            {"role": "backup", "primary": "[2001:DB8::1]:7883", "advertise": "[2001:db8::1]:7883"},
+            "replication.primary",
+            "this node's own replication address",
+        ),
         (
             {"role": "backup", "primary": "[::1]:7884", "listen": "[::1]:7884"},
             "replication.primary",

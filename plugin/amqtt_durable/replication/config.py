@@ -491,12 +491,19 @@ def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str]
         if config.coordinator:  # the leader key names the primary: this one would be ignored
             raise bad("primary", "a fixed-role backup's setting: with a coordinator, its lease names the primary")
         _address(f"{where}.primary", config.primary)  # on role: primary too (kept for a later role: backup)
-        if config.role == "backup" and split_host_port(config.primary) in (
-            split_host_port(config.listen),
-            split_host_port(config.advertise) if config.advertise else None,
+        if config.role == "backup" and _as_written(config.primary) in (
+            _as_written(config.listen),
+            _as_written(config.advertise) if config.advertise else None,
         ):
             raise bad("primary", f"{config.primary!r} is this node's own replication address (listen or advertise): "
                       "give the primary's replication.listen")  # fmt: skip
+
+
+def _as_written(address: str) -> tuple[str, int]:
+    """(host, port) of a checked address for comparing two: the host as written but for its case
+    (``DB1`` is ``db1``); a name is not resolved (``localhost`` is not ``127.0.0.1``)."""
+    host, port = split_host_port(address)
+    return host.lower(), port
 
 
 def _coordinator_url(url: str, bad: Callable[[str, str], ConfigError]) -> None:
