@@ -51,6 +51,7 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
         ({**HA, "coordinator": ["http://e 1:2379"]}, "replication.coordinator", "(a space or NUL in the host)"),
         ({**HA, "coordinator": ["http://\uff4cocalhost:2379"]}, "replication.coordinator", "(a host in non-ASCII"),
         ({**HA, "coordinator": ["http://b\u00fccher.example"]}, "replication.coordinator", "its ASCII xn-- form"),
+        ({**HA, "coordinator": ["http://\u212aeeper:2379"]}, "replication.coordinator", "(a host in non-ASCII"),
         ({**HA, "listen": "::1"}, "replication.listen", "brackets"),
         ({"role": "backup", "primary": "2001:db8::10"}, "replication.primary", "brackets"),
         ({**HA, "name": "a\0b"}, "replication.name", "or a NUL character"),

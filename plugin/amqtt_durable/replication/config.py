@@ -526,7 +526,7 @@ def _coordinator_url(url: str, bad: Callable[[str, str], ConfigError]) -> None:
         raise bad("coordinator", f"{usage} ({exc})") from None
     if port == 0:
         raise bad("coordinator", f"{usage} (port 0)")
-    if not parts.hostname.isascii():  # etcd.py's Host header is ASCII: every call would fail
+    if not parts.netloc.isascii():  # etcd.py's Host header (netloc, not the lower-cased hostname: K, U+212A) is ASCII
         raise bad("coordinator", f"{usage} (a host in non-ASCII characters: write an internationalised name "
                   "in its ASCII xn-- form)")  # fmt: skip
     if "@" in parts.netloc:  # etcd.py sends no credentials: a user or password here would be ignored
