@@ -293,7 +293,8 @@ def test_an_ipv6_replication_address_is_written_in_brackets(listen: str) -> None
     """Settings: ``listen`` (and ``advertise``, ``primary``, the tools' HOST:PORT) is host:port, an
     IPv6 address in brackets. The brackets were kept in the host, so ``[::1]:7883`` passed the
     settings check and then failed to resolve at start (exit 1) and in the tools."""
-    config = ReplicationConfig.from_mapping({"role": "backup", "primary": listen, "listen": listen})
+    assert ReplicationConfig.from_mapping({"role": "primary", "listen": listen}).listen == listen
+    config = ReplicationConfig.from_mapping({"role": "backup", "primary": listen, "listen": "127.0.0.1:7999"})
     host, port = split_address(config.primary)
     assert (host, port) == (listen.rpartition(":")[0].strip("[]"), int(listen.rpartition(":")[2]))
     assert "[" not in host and "]" not in host

@@ -31,7 +31,7 @@ def parse_host(text: str) -> str:
 
 
 def split_host_port(text: str) -> tuple[str, int]:
-    """(host, port) of ``host:port``, the port from 1 to 65535; a ValueError saying what is wrong
+    """(host, port) of ``host:port``, the port from 1 to 65535 in ASCII digits; a ValueError saying what is wrong
     (without ``text``: the caller names it). An IPv6 host is written in brackets, as in a URL
     (``[::1]:7883``), which are taken off; a bracket that does not wrap the host (``[::1:7883``,
     ``::1]:7883``) is refused with USAGE; an IPv6 host without them is refused (``::1:7883`` could be the
@@ -39,7 +39,9 @@ def split_host_port(text: str) -> tuple[str, int]:
     and the port 1). The host is then checked as parse_host checks one (brackets only around an
     IPv6 address, no space or NUL)."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # ASCII digits only: str.isdigit() takes other scripts' digits (U+0663, U+FF17, which int() reads
+    # as 3 and 7) and superscripts (U+00B2, which int() cannot read)
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(USAGE)
     bracketed = host.startswith("[") and host.endswith("]")
     if not bracketed and ("[" in host or "]" in host):

@@ -103,23 +103,24 @@ def _our_section(config: Mapping[str, Any], path: str) -> Mapping[str, Any]:
     return section
 
 
-def read_broker_yaml(path: str) -> dict[str, Any]:
-    """broker.yaml as a mapping, our section not validated yet."""
+def read_broker_yaml(path: str, option: str = "-c") -> dict[str, Any]:
+    """broker.yaml as a mapping, our section not validated yet; its problems name ``option``, the
+    command line's option that gave ``path`` (the broker's ``-c``, the tools' ``--config``)."""
     try:
         with open(path, encoding="utf-8") as handle:
             config = yaml.load(handle, Loader=_UniqueKeyLoader)
     except OSError as exc:
-        raise ConfigError("-c", f"cannot read config file '{path}': {exc.strerror}") from exc
+        raise ConfigError(option, f"cannot read config file '{path}': {exc.strerror}") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError("-c", f"'{path}' is not valid YAML: {exc}") from exc
+        raise ConfigError(option, f"'{path}' is not valid YAML: {exc}") from exc
     except UnicodeDecodeError as exc:
-        raise ConfigError("-c", f"'{path}' is not valid YAML (not UTF-8): {exc}") from exc
+        raise ConfigError(option, f"'{path}' is not valid YAML (not UTF-8): {exc}") from exc
     except RecursionError as exc:  # PyYAML's composer recurses once per level: 3,000 `[`
-        raise ConfigError("-c", f"'{path}' is not valid YAML: nested too deeply") from exc
+        raise ConfigError(option, f"'{path}' is not valid YAML: nested too deeply") from exc
     except ValueError as exc:  # one construct_mapping does not name: an item of a list, a key itself
-        raise ConfigError("-c", f"'{path}' holds a value YAML cannot read: {exc}") from exc
+        raise ConfigError(option, f"'{path}' holds a value YAML cannot read: {exc}") from exc
     if not isinstance(config, dict):
-        raise ConfigError("-c", f"'{path}' must be a mapping with 'listeners' and 'plugins'")
+        raise ConfigError(option, f"'{path}' must be a mapping with 'listeners' and 'plugins'")
     return config
 
 
@@ -244,7 +245,7 @@ def tool_credentials(args: argparse.Namespace) -> tuple[bytes | None, ssl.SSLCon
     secret: bytes | None = None
     tls: ssl.SSLContext | None = None
     if args.config is not None:
-        section = _our_section(read_broker_yaml(args.config), args.config)
+        section = _our_section(read_broker_yaml(args.config, "--config"), args.config)
         replication = section.get("replication")
         if args.secret_file is not None and isinstance(replication, Mapping):
             kept = {key: value for key, value in replication.items() if key not in SECRET_KEYS}

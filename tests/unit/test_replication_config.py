@@ -23,6 +23,8 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
     assert ReplicationConfig.from_mapping({"role": "primary", "advertise": "db1:7883"}).advertised == "db1:7883"
     assert ReplicationConfig.from_mapping({**HA, "coordinator": "http://e:2379"}).coordinator == ["http://e:2379"]
     assert ReplicationConfig.from_mapping({**HA, "coordinator": "http://[::1]:2379"}).coordinator == ["http://[::1]:2379"]
+    assert ReplicationConfig.from_mapping({**HA, "coordinator": ["http://e/", "http://f:2379/"]}).coordinator == [
+        "http://e/", "http://f:2379/"]
     assert ReplicationConfig.from_mapping({**HA, "snapshot_chunk_bytes": 128 << 20}).snapshot_chunk_bytes == 128 << 20
 
 
@@ -41,12 +43,47 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
         ({**HA, "coordinator": ["http://127.0.0.1:abc"]}, "replication.coordinator", "'http://127.0.0.1:abc' (Port"),
         ({**HA, "coordinator": ["http://e:2379", "http://e:70000"]}, "replication.coordinator", "'http://e:70000'"),
         ({**HA, "coordinator": ["http://e:0"]}, "replication.coordinator", "(port 0)"),
+        # etcd.py uses host and port only: a user, a path or a query was silently ignored
+        ({**HA, "coordinator": ["http://root:pw@e:2379"]}, "replication.coordinator", "authentication is not supp"),
+        ({**HA, "coordinator": ["http://e:2379/etcd"]}, "replication.coordinator", "'http://e:2379/etcd' (a path"),
+        ({**HA, "coordinator": ["http://e:2379?timeout=5"]}, "replication.coordinator", "a path, query or fragment"),
+        ({**HA, "coordinator": ["http://e:2379#x"]}, "replication.coordinator", "a path, query or fragment"),
+        ({**HA, "coordinator": ["http://e 1:2379"]}, "replication.coordinator", "(a space or NUL in the host)"),
+        ({**HA, "coordinator": ["http://\uff4cocalhost:2379"]}, "replication.coordinator", "(a host in non-ASCII"),
+        ({**HA, "coordinator": ["http://b\u00fccher.example"]}, "replication.coordinator", "its ASCII xn-- form"),
+        ({**HA, "coordinator": ["http://\u212aeeper:2379"]}, "replication.coordinator", "(a host in non-ASCII"),
         ({**HA, "listen": "::1"}, "replication.listen", "brackets"),
         ({"role": "backup", "primary": "2001:db8::10"}, "replication.primary", "brackets"),
         ({**HA, "name": "a\0b"}, "replication.name", "or a NUL character"),
         ({**HA, "cluster": "a/b"}, "replication.cluster", "without '/'"),
         ({"role": "backup"}, "replication.primary", "needed on a backup"),
         ({"role": "backup", "primary": "db1"}, "replication.primary", "host:port"),
+        # str.isdigit() let other digits through: U+0663 was port 3, fullwidth 7883 port 7883, U+00B2 int()'s error
+        ({**HA, "listen": "db1:\u0663"}, "replication.listen", "expected host:port"),
+        ({**HA, "advertise": "db1:\uff17\uff18\uff18\uff13"}, "replication.advertise", "expected host:port"),
+        ({"role": "backup", "primary": "db1:\u00b2"}, "replication.primary", "expected host:port"),
+        # a primary that goes unused was not checked at all
+        ({"role": "primary", "primary": "::1"}, "replication.primary", "brackets"),
+        # a backup following itself retried every 0.5 s, logging "the primary ... closed the channel"
+        ({"role": "backup", "primary": "127.0.0.1:7883"}, "replication.primary", "this node's own replication address"),
+        (  # a host name's case does not matter
+            {"role": "backup", "primary": "DB1:7883", "listen": "db1:7883"},
+            "replication.primary",
+            "this node's own replication address",
+        ),
+        (
+            {"role": "backup", "primary": "[2001:DB8::1]:7883", "advertise": "[2001:db8::1]:7883"},
+            "replication.primary",
+            "this node's own replication address",
+        ),
+        (
+            {"role": "backup", "primary": "[::1]:7884", "listen": "[::1]:7884"},
+            "replication.primary",
+            "'[::1]:7884' is this node's own",
+        ),
+        ({"role": "backup", "primary": "db2:7883", "advertise": "db2:7883"}, "replication.primary", "own replication"),
+        ({"role": "primary", "primary": "db1"}, "replication.primary", "host:port"),
+        ({**HA, "primary": "10.0.0.1:7883"}, "replication.primary", "with a coordinator, its lease names the primary"),
         ({**HA, "lease_ttl": 1}, "replication.lease_ttl", "at least 2"),
         ({**HA, "lease_ttl": 2.5}, "replication.lease_ttl", "whole number"),
         ({**HA, "demote_margin": 5}, "replication.demote_margin", "below lease_ttl"),

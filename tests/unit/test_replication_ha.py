@@ -208,13 +208,17 @@ def test_a_backup_follows_the_leader_and_waits_for_its_own_stale_key() -> None:
     async def main() -> None:
         clock = Clock()
         fake = FakeCoordinator(clock)
-        fake.holder, fake.expires = Leader("a", "old:7000"), clock.now + TTL
+        fake.holder, fake.expires = Leader("a", "a:7000"), clock.now + TTL
         restarted = node(fake, Hooks())
         decision = await restarted.run_cycle()
         assert decision.action == "wait"
         assert "before it restarted" in decision.reason
         other = node(fake, Hooks(), "b")
-        assert (await other.run_cycle()).reason == "following primary a at old:7000"
+        assert (await other.run_cycle()).reason == "following primary a at a:7000"
+        fake.holder = Leader("a", "elsewhere:7000")  # another broker with the same name
+        clash = await restarted.run_cycle()
+        assert (clash.action, clash.level) == ("wait", logging.ERROR)
+        assert "another broker holds the leader lease under this node's name, a, at elsewhere:7000" in clash.reason
 
     run(main())
 

@@ -85,6 +85,15 @@ def test_a_peer_address_is_read_leniently_and_the_configuration_strictly() -> No
         split_address("[10.0.0.1]:7883")
 
 
+def test_a_peer_addresss_port_is_ascii_digits_in_the_lenient_reading_too() -> None:
+    """The lenient fallback read its port with str.isdigit() and int(), as the strict reading did
+    before: a superscript digit raised int()'s bare ValueError, an Arabic-Indic digit was port 3."""
+    where = "the coordinator's leader key (written by old)"
+    for wrong in ("db1:\u00b2", "2001:db8::10:\u0663", "[10.0.0.1]:\u0663", "2001:db8::10:\uff17\uff18\uff18\uff13"):
+        with pytest.raises(ReplicationError, match="in the coordinator's leader key"):
+            split_peer_address(wrong, where)
+
+
 class Failing(ReplicationNode):
     """A hook of the HA loop raises what the loop does not expect."""
 

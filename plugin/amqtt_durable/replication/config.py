@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
-from durable_protocol.hostport import split_host_port
+from durable_protocol.hostport import parse_host, split_host_port
 
 from ..errors import ConfigError
 from ..settings import SCALARS
@@ -485,16 +485,33 @@ def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str]
             raise bad("name", "needed with a coordinator: this broker's unique name in the cluster")
     elif config.role == "auto":
         raise bad("role", "auto needs a coordinator (etcd endpoints); without one, set primary or backup")
-    if config.role == "backup":
-        if not config.primary:
-            raise bad("primary", "needed on a backup without a coordinator: the primary's host:port")
-        _address(f"{where}.primary", config.primary)
+    if config.role == "backup" and not config.primary:
+        raise bad("primary", "needed on a backup without a coordinator: the primary's host:port")
+    if config.primary:
+        if config.coordinator:  # the leader key names the primary: this one would be ignored
+            raise bad("primary", "a fixed-role backup's setting: with a coordinator, its lease names the primary")
+        _address(f"{where}.primary", config.primary)  # on role: primary too (kept for a later role: backup)
+        if config.role == "backup" and _as_written(config.primary) in (
+            _as_written(config.listen),
+            _as_written(config.advertise) if config.advertise else None,
+        ):
+            raise bad("primary", f"{config.primary!r} is this node's own replication address (listen or advertise): "
+                      "give the primary's replication.listen")  # fmt: skip
+
+
+def _as_written(address: str) -> tuple[str, int]:
+    """(host, port) of a checked address for comparing two: the host as written but for its case
+    (``DB1`` is ``db1``); a name is not resolved (``localhost`` is not ``127.0.0.1``)."""
+    host, port = split_host_port(address)
+    return host.lower(), port
 
 
 def _coordinator_url(url: str, bad: Callable[[str, str], ConfigError]) -> None:
     """An etcd client URL: http://host[:port], the port (2379 when left out) from 1 to 65535; a
-    malformed one (an unclosed IPv6 bracket, a port that is not a number) is refused here, not when
-    etcd.py first connects."""
+    malformed one (an unclosed IPv6 bracket, a port that is not a number, a host in non-ASCII
+    characters: etcd.py's Host header is ASCII) is refused here, not when etcd.py first connects,
+    and so is one with parts etcd.py would ignore (a user or password: it sends no credentials; a
+    path, query or fragment: it calls /v3/... on host:port)."""
     usage = f"expected etcd client URLs like http://127.0.0.1:2379, got {url!r}"
     try:
         parts = urlsplit(url)
@@ -503,8 +520,19 @@ def _coordinator_url(url: str, bad: Callable[[str, str], ConfigError]) -> None:
         raise bad("coordinator", f"{usage} ({exc})") from None
     if parts.scheme != "http" or not parts.hostname:
         raise bad("coordinator", usage)
+    try:
+        parse_host(parts.hostname)  # a space or NUL in it: urlsplit keeps them
+    except ValueError as exc:
+        raise bad("coordinator", f"{usage} ({exc})") from None
     if port == 0:
         raise bad("coordinator", f"{usage} (port 0)")
+    if not parts.netloc.isascii():  # etcd.py's Host header (netloc, not the lower-cased hostname: K, U+212A) is ASCII
+        raise bad("coordinator", f"{usage} (a host in non-ASCII characters: write an internationalised name "
+                  "in its ASCII xn-- form)")  # fmt: skip
+    if "@" in parts.netloc:  # etcd.py sends no credentials: a user or password here would be ignored
+        raise bad("coordinator", f"{usage} (a user or password in the URL: etcd authentication is not supported)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise bad("coordinator", f"{usage} (a path, query or fragment, which would be ignored: host and port only)")
 
 
 def _check_timing(config: ReplicationConfig, bad: Callable[[str, str], ConfigError]) -> None:

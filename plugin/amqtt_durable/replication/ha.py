@@ -62,6 +62,8 @@ class Decision:
     reason: str
     unanswered: bool = False
     """The coordinator did not answer this cycle (unreachable, refused, too slow)."""
+    level: int | None = None
+    """The level to log it at, when not the action's (a configuration error is an ERROR)."""
 
 
 class HaHooks(Protocol):
@@ -291,6 +293,15 @@ class HaNode:
 
     def _follow(self, leader: Leader) -> Decision:
         if leader.name == self.me.name:
+            if leader.address != self.me.address:
+                return Decision(
+                    "wait",
+                    f"another broker holds the leader lease under this node's name, {self.me.name}, at "
+                    f"{leader.address} (this node is {self.me.address}): names must be unique in the cluster, "
+                    "give one of them another replication.name (if this node's address changed since it held "
+                    "the lease, wait for the lease to end)",
+                    level=logging.ERROR,
+                )
             return Decision("wait", "the lease still names this node from before it restarted: waiting for it to end")
         self._promotion_failed = self._bootstrap_failed = False  # another node is primary: a new term
         self.hooks.follow(leader)
@@ -330,7 +341,7 @@ class HaNode:
     def _log(self, decision: Decision) -> None:
         """A tired operator reads these: a reason repeated from the previous cycle is DEBUG, and
         the coordinator not answering is one WARNING when it starts, one INFO when it ends."""
-        level = _LEVELS.get(decision.action, logging.INFO)
+        level = decision.level or _LEVELS.get(decision.action, logging.INFO)
         if decision.unanswered:
             if self._unanswered_since is None:
                 self._unanswered_since = self.clock()

@@ -4,7 +4,8 @@ Backups connect to the primary (so a backup follows whichever node holds the lea
 connection is served by one sender task and one ack reader. A new connection is first
 caught up (log.plan_catch_up: the retained log, or a LevelDB snapshot streamed in chunks
 while the primary keeps committing, then the batches since); once the sender has reached
-the newest batch it tells the backup IN_SYNC and the backup counts for sync replication.
+the newest batch, and the backup acknowledged the snapshot's batch if it was sent one, it
+tells the backup IN_SYNC and the backup counts for sync replication.
 
 The sync-mode contract (XAP's sync replication): the future ``committed`` returns resolves
 once every backup that is connected and in sync acknowledged the batch (applied and synced
@@ -70,6 +71,9 @@ class BackupLink:
     state: LinkState = "catching_up"
     sent_seq: int = 0
     acked_seq: int = 0
+    acks: int = 0
+    """ACK frames received on this connection (a snapshot at batch 0 is acknowledged with 0, the
+    ``acked_seq`` it starts from)."""
     reason: str = ""
     """Why it is caught up the way it is (the catch-up plan's reason)."""
     snapshot_rows: int = 0
@@ -436,6 +440,7 @@ class Primary:
             if seq > link.sent_seq:
                 raise FrameError("ACK", f"ack of batch {seq}, only {link.sent_seq} were sent")
             link.acked_seq = seq
+            link.acks += 1
             link.last_progress = time.monotonic()
             if link.state == "in_sync":
                 self._last_acked[link.name] = seq
@@ -460,9 +465,15 @@ class Primary:
             self.log.pin(link, None)
 
     async def _send_from(self, writer: asyncio.StreamWriter, link: BackupLink, pos: int | None) -> None:
+        snapshot: tuple[int, int] | None = None
+        """The batch the last snapshot sent holds and the ACK frames received before its SNAP_END:
+        the backup is in sync only once it acknowledged that batch with a later ACK (its receive
+        queue may hold many chunks it has not applied yet; a snapshot may be at batch 0, a store
+        with rows but no replication position yet)."""
         while True:
             if pos is None:
                 pos = await self._send_snapshot(writer, link)
+                snapshot = (pos, link.acks)
                 link.state = "catching_up"
             for item in self.log.since(pos):
                 writer.write(link.session.encode(Frame.BATCH, item.data))
@@ -479,6 +490,10 @@ class Primary:
                 pos = None
                 continue
             if pos >= self.log.head_seq:  # a snapshot may hold a batch not yet handed to committed()
+                if link.state != "in_sync" and snapshot is not None and not _acked(link, snapshot):
+                    await writer.drain()
+                    await self._acked_or_beyond(link, snapshot, pos)  # then send what came meanwhile
+                    continue
                 if link.state != "in_sync":
                     writer.write(link.session.encode(Frame.IN_SYNC, encode_seq(pos)))
                     link.state = "in_sync"
@@ -489,6 +504,17 @@ class Primary:
                     self._resolve()
                 await writer.drain()
                 await self.log.wait_beyond(pos)
+
+    async def _acked_or_beyond(self, link: BackupLink, snapshot: tuple[int, int], pos: int) -> None:
+        """Return once ``link`` acknowledged the ``snapshot`` (see ``_acked``), or at the next
+        acknowledgement, or once a batch after ``pos`` is in the log."""
+        waiters = {asyncio.ensure_future(self._acked.wait()), asyncio.ensure_future(self.log.wait_beyond(pos))}
+        try:
+            if not _acked(link, snapshot) and self.log.head_seq <= pos:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
 
     async def _send_snapshot(self, writer: asyncio.StreamWriter, link: BackupLink) -> int:
         """Stream a LevelDB snapshot; returns the batch number it holds."""
@@ -565,6 +591,14 @@ async def first_frame(
     except (OSError, asyncio.IncompleteReadError) as exc:
         log.info("replication: a connection from %s ended before its first frame: %r", peer, exc)
         raise
+
+
+def _acked(link: BackupLink, snapshot: tuple[int, int]) -> bool:
+    """Whether ``link`` acknowledged ``snapshot`` (its batch, the ACK frames received before its
+    SNAP_END): an ACK came after those, of that batch or a later one. (Counting ACK frames tells a
+    snapshot at batch 0 from no acknowledgement: ``acked_seq`` starts at 0.)"""
+    seq, acks_before = snapshot
+    return link.acks > acks_before and link.acked_seq >= seq
 
 
 def _next_chunk(rows: Any, limit: int) -> list[Op]:

@@ -40,7 +40,7 @@ def split_peer_address(address: str, written_in: str) -> tuple[str, int]:
         return split_host_port(address)
     except ValueError as exc:
         host, _, port = address.rpartition(":")
-        if port.isdigit() and 0 < int(port) < 65536:
+        if port.isascii() and port.isdigit() and 0 < int(port) < 65536:  # not "²" (int() fails), "٣" (3)
             if ":" in host:  # only a real IPv6 address: not '::1 x', 'fe80::1/64', a tab or newline
                 with contextlib.suppress(ValueError):
                     return parse_host(f"[{host}]"), int(port)
