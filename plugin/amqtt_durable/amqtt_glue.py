@@ -748,6 +748,10 @@ class RetainedTable(UserDict[str, RetainedApplicationMessage]):
         return [(topic, data[topic]) for topic in self.topics.matching(topic_filter)]
 
 
+WS_HIGH_WATER = 65_536
+"""Bytes written to a websocket connection in one loop pass past which it counts as congested."""
+
+
 class HandlerTransport:
     """A pump's view of one client connection: raw writes, and acks taken before amqtt sees them.
 
@@ -762,6 +766,7 @@ class HandlerTransport:
         self.ack_runs: AckRuns | None = None
         """The pump of this connection, told where a run of acks (take_acks) begins and ends."""
         self._pending: list[bytes] = []
+        self._pending_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -774,9 +779,22 @@ class HandlerTransport:
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._flush)
         self._pending.append(data)
+        self._pending_bytes += len(data)
+
+    @property
+    def congested(self) -> bool:
+        """More is unsent to the client than its socket's write buffer limit (asyncio's high-water
+        mark, 64 KiB): it does not read as fast as it is written to, and ``drain`` would wait."""
+        writer = self._handler.writer
+        if isinstance(writer, StreamWriterAdapter):
+            transport = writer._writer.transport
+            high: int = transport.get_write_buffer_limits()[1]
+            return self._pending_bytes + int(transport.get_write_buffer_size()) > high
+        return bool(self._tasks) or self._pending_bytes > WS_HIGH_WATER  # a websocket write is done once drained
 
     def _flush(self) -> None:
         data, self._pending = b"".join(self._pending), []
+        self._pending_bytes = 0
         if not data or self.closed:
             return
         writer = self._handler.writer
@@ -1821,7 +1839,12 @@ def _stop_waiting_for_a_reader_that_may_never_run(
     (a device giving up) whose client id connected again at once was taken over inside amqtt's
     CONNECT handling before its reader ran, and the new connection never got its CONNACK. Once
     the task has ended, however it ended, the events are set (``_reader_ready`` too: the old
-    connection's set-up then goes on, and its message loop ends as a superseded connection's does)."""
+    connection's set-up then goes on, and its message loop ends as a superseded connection's does).
+
+    Its ``writer.close()`` then waits for the unsent bytes to drain: for a client that does not
+    read (its socket full), for ever, and the connection kept its listener slot, its handler and
+    every unsent byte. A TCP connection still open CLOSE_GRACE after ``stop()`` began is aborted
+    (``close_socket``'s bound), which ends that wait."""
 
     def reader_ended(_task: Any) -> None:
         handler._reader_ready.set()
@@ -1831,7 +1854,15 @@ def _stop_waiting_for_a_reader_that_may_never_run(
         task = handler._reader_task
         if task is not None and not task.done():
             task.add_done_callback(reader_ended)
-        await original()
+        writer = handler.writer
+        abort = None
+        if isinstance(writer, StreamWriterAdapter):
+            abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, writer._writer.transport.abort)
+        try:
+            await original()
+        finally:
+            if abort is not None:
+                abort.cancel()
 
     return stop
 
@@ -1955,6 +1986,9 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
         open_streams=open_streams,
         may_subscribe=may_subscribe if acl else None,
         may_receive=may_receive if acl else None,
+        congested=lambda: bool(handler.durable_transport.congested),
+        end_connection=partial(end_connection, handler),
+        max_pending_bytes=config.max_pending_control_bytes,
     )
 
 

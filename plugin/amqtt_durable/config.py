@@ -146,6 +146,14 @@ class DurableConfig:
     limit. amqtt holds each such message in memory until its PUBREL: a client that never sends
     PUBREL could make it hold 65535 packets per connection."""
 
+    max_pending_control_bytes: int = 1_048_576
+    """Bytes of control requests (``_durable/v1/ctl``) one connection may have waiting to be
+    handled; past it the connection is closed. Requests wait while the client does not read what
+    the broker sends it (more unsent than the socket's 64 KiB write buffer): a request of 45
+    bytes can ask for a reply of a megabyte (``hello`` lists the session's subscriptions), so a
+    client sending requests without reading their replies made the broker hold every reply.
+    0 means no limit (requests still wait for the client to read)."""
+
     listen_backlog: int = LISTEN_BACKLOG
     """Connections the kernel holds for each TCP listener, and for the replication address, until
     the broker accepts them (the listen backlog; amqtt's and asyncio's is 100). Past it, Linux
@@ -286,7 +294,13 @@ def _check_counts(config: DurableConfig) -> None:
 
 
 def _check_byte_limits(config: DurableConfig) -> None:
-    for key in ("max_bytes", "max_bytes_disconnected", "max_pending_bytes_clean", "max_subscription_bytes_per_client"):
+    for key in (
+        "max_bytes",
+        "max_bytes_disconnected",
+        "max_pending_bytes_clean",
+        "max_subscription_bytes_per_client",
+        "max_pending_control_bytes",
+    ):
         if getattr(config, key) < 0:
             raise ConfigError(key, f"must be 0 (no limit) or more bytes, got {getattr(config, key)!r}")
     if 0 < config.max_bytes_disconnected < config.max_bytes:

@@ -4,14 +4,21 @@ The glue hands over every PUBLISH under ``_durable/``; nothing here imports amqt
 acts only on the connection's own session, and only for the user that owns it; a refused one
 changes nothing, and every reply (or error) goes back to this connection alone on
 ``$durable/v1/reply``.
+
+Replies are not written faster than the client reads them: while the broker holds more unsent
+for the connection than its socket's write buffer limit (``congested``), later requests wait in
+order until the client reads, and past ``max_pending_control_bytes`` of waiting requests the
+connection is closed (a request of 45 bytes can ask for a reply of a megabyte: ``hello`` lists
+the session's subscriptions).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from durable_protocol import (
@@ -49,6 +56,43 @@ class StreamAgent(Protocol):
     def stop(self) -> None: ...
 
 
+class PendingRequests:
+    """The bytes of one connection's control requests waiting to be handled, against
+    ``max_pending_control_bytes`` (0: no limit)."""
+
+    def __init__(self, client_id: str, limit: int) -> None:
+        self.client_id = client_id
+        self.limit = limit
+        self.count = 0
+        self.bytes = 0
+
+    def admit(self, size: int) -> bool:
+        """Count one more waiting request of ``size`` bytes; False (nothing counted) past the
+        limit. One request always fits when none waits, whatever its size."""
+        if self.limit and self.count and self.bytes + size > self.limit:
+            return False
+        self.count += 1
+        self.bytes += size
+        return True
+
+    def done(self, size: int) -> None:
+        self.count -= 1
+        self.bytes -= size
+
+    def clear(self) -> None:
+        self.count = self.bytes = 0
+
+    def warn(self) -> None:
+        log.warning(
+            "closing the connection of %s: %d control request(s) of %d bytes wait to be handled while the "
+            "client does not read the replies, max_pending_control_bytes is %d (0 = no limit)",
+            self.client_id,
+            self.count,
+            self.bytes,
+            self.limit,
+        )
+
+
 class ControlChannel:
     """Handles one connection's requests; ops that wait (session deletion, ACL checks) keep the order."""
 
@@ -63,6 +107,9 @@ class ControlChannel:
         open_streams: Callable[[], StreamAgent],
         may_subscribe: Callable[[str], Awaitable[bool]] | None = None,
         may_receive: Callable[[str], Awaitable[bool]] | None = None,
+        congested: Callable[[], bool] = lambda: False,
+        end_connection: Callable[[], Coroutine[Any, Any, None]] | None = None,
+        max_pending_bytes: int = 0,
     ) -> None:
         self._engine = engine
         self._transport = transport
@@ -73,44 +120,80 @@ class ControlChannel:
         self._may_subscribe = may_subscribe
         self._may_receive = may_receive
         self._streams: StreamAgent | None = None
-        self._waiting: deque[Request] = deque()
+        self._congested = congested
+        self._end_connection = end_connection
+        self._waiting: deque[tuple[str, bytes]] = deque()
+        self._pending = PendingRequests(client_id, max_pending_bytes)
         self._worker: asyncio.Task[None] | None = None
+        self._ending: asyncio.Task[None] | None = None
         self._stopped = False
 
     def submit(self, topic: str, payload: bytes) -> None:
         """One PUBLISH under ``_durable/``. Ops that need no wait are done before this returns, so
-        a hello holds the session's delivery before the SUBSCRIBE that follows it is handled."""
+        a hello holds the session's delivery before the SUBSCRIBE that follows it is handled;
+        while a request that waits is under way, or the client does not read what the broker
+        sends it (``congested``), requests wait their turn in order, bounded in bytes."""
+        if self._stopped:
+            return
+        if self._worker is None and not self._congested():
+            request = self._parse(topic, payload)
+            if request is None:
+                return
+            if request.op not in _AWAITING_OPS:
+                self._run(request)
+                return
+        if not self._pending.admit(len(payload)):
+            self._overflow()
+            return
+        self._waiting.append((topic, payload))
+        if self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(self._work())
+
+    def _parse(self, topic: str, payload: bytes) -> Request | None:
+        """The request, or None once refused (with a reply)."""
         try:
             if topic != CONTROL_TOPIC:
                 op, req = request_ids(payload)
                 message = f"{topic!r} is not a control topic; send to {CONTROL_TOPIC}"
                 raise ProtocolError("unknown_topic", message, req=req, op=op)
-            request = parse_request(payload)
+            return parse_request(payload)
         except ProtocolError as exc:
             self._refuse(None, exc)
-            return
-        if self._stopped:
-            return
-        if self._worker is not None or request.op in _AWAITING_OPS:
-            self._waiting.append(request)
-            if self._worker is None:
-                self._worker = asyncio.get_running_loop().create_task(self._work())
-            return
-        self._run(request)
+            return None
+
+    def _overflow(self) -> None:
+        """Too many bytes of requests wait: the client sends requests and does not read the
+        replies. Its connection is closed; the requests handled before stay done."""
+        self._pending.warn()
+        self._stopped = True
+        self._waiting.clear()
+        self._pending.clear()
+        if self._end_connection is not None and self._ending is None:
+            self._ending = asyncio.get_running_loop().create_task(self._end_connection())
 
     def stop(self) -> None:
         """The connection ended: stream positions are forgotten (the client holds them). A request
         being handled finishes (a session deletion half done would leave its queue behind)."""
         self._stopped = True
         self._waiting.clear()
+        self._pending.clear()
         if self._streams is not None:
             self._streams.stop()
             self._streams = None
 
     async def _work(self) -> None:
         try:
-            while self._waiting:
-                request = self._waiting.popleft()
+            while self._waiting and not self._stopped:
+                if self._congested():  # the client reads slower than replies come: wait for it
+                    with contextlib.suppress(ConnectionError):
+                        await self._transport.drain()
+                    if self._stopped or self._transport.closed:
+                        break
+                topic, payload = self._waiting.popleft()
+                self._pending.done(len(payload))
+                request = self._parse(topic, payload)
+                if request is None:
+                    continue
                 if request.op in _AWAITING_OPS:
                     await self._run_awaiting(request)
                 else:

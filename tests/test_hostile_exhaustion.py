@@ -1,0 +1,112 @@
+"""Resource exhaustion by clients that speak valid MQTT and valid control requests: each test is
+the attack itself against a real broker process over TCP with a raw socket, and checks that the
+broker bounds what the client can take, that other clients are still served and that no message
+queued for a durable session is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+
+import pytest
+from raw_mqtt_helpers import connect_packet, read_exactly
+from test_hostile_wire import (
+    PATHS,
+    connack_within,
+    memory_kb,
+    publish_packet,
+    read_until_closed,
+)
+
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, queued_while_dropped
+
+FILTERS = 500
+FILTER_BYTES = 1000
+"""500 filters of 1000 bytes: under the default max_subscription_bytes_per_client (1 MiB), and a
+``hello`` reply (which lists them) of about 500 kB."""
+
+HELLOS = 100
+PAD = 60_000
+"""100 requests of 60 kB (under the 65,536-byte request limit): 6 MB sent, 50 MB of replies asked for."""
+
+
+def starved_durable_client(port: int, client_id: str) -> socket.socket:
+    """A durable client whose receive buffer is made small before connecting, so what the broker
+    writes to it stops at once when it does not read."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(WAIT)
+    sock.connect((HOST, port))
+    sock.sendall(connect_packet(client_id, clean=False))
+    assert read_exactly(sock, 4)[:2] == b"\x20\x02"
+    return sock
+
+
+def read_packet(sock: socket.socket) -> tuple[int, bytes]:
+    first = read_exactly(sock, 1)[0]
+    length, shift = 0, 0
+    while True:
+        byte = read_exactly(sock, 1)[0]
+        length |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            break
+    return first, read_exactly(sock, length)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_control_requests_whose_replies_are_never_read_are_bounded_by_max_pending_control_bytes(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], path: str
+) -> None:
+    """A ``hello`` of 45 bytes asks for a reply listing the session's subscriptions: up to 1 MiB
+    under the default max_subscription_bytes_per_client. The broker wrote every reply, read or
+    not: 840 kB of hellos sent without reading made it grow by 780 MB in 3 s, and a new client's
+    CONNECT went unanswered meanwhile. Now, while the client does not read, its requests wait, and
+    past max_pending_control_bytes (1 MiB) of them its connection is closed with a WARNING."""
+    broker = broker_factory(start=False)
+    broker.extra_plugins.update(PATHS[path])
+    broker.start()
+    assert broker.proc is not None
+    pid = broker.proc.pid
+    queued = payloads(5, "before")
+    durable, publisher = queued_while_dropped(clients, broker.port, "q/#", "q/before", queued)
+    attacker = starved_durable_client(broker.port, "hoarder")
+    body = b"\x00\x01" + b"".join(
+        mqtt_string(f"f/{i:04d}/".ljust(FILTER_BYTES, "x")) + b"\x00" for i in range(FILTERS)
+    )
+    attacker.sendall(mqtt_packet(0x82, body))
+    first, suback = read_packet(attacker)
+    assert first == 0x90 and suback[2:] == bytes(FILTERS), "the filters were not all granted"
+    before_kb = memory_kb(pid, "VmRSS")
+    hello = json.dumps({"v": 1, "op": "hello", "pad": "x" * PAD}).encode()
+    try:
+        for _ in range(HELLOS):
+            attacker.sendall(publish_packet(b"_durable/v1/ctl", hello, 0))
+    except OSError:  # closed by the broker while sending: what is expected
+        pass
+    closed = read_until_closed(attacker, WAIT)
+    assert closed is not None, ("the connection of a client that never reads stays open", broker.log()[-3000:])
+    grown_kb = memory_kb(pid, "VmHWM") - before_kb
+    # Without the bound the broker held every reply (about 50 MB, and the JSON it was encoded from);
+    # with it at most 1 MiB of requests, one reply and the socket's buffer.
+    assert grown_kb < 25_000, f"the broker grew by {grown_kb} kB for a client that read nothing"
+    attacker.close()
+    log = broker.log()
+    assert "closing the connection of hoarder: " in log, log[-3000:]
+    assert "max_pending_control_bytes is 1048576" in log
+    assert connack_within(broker.port, WAIT), "a new client was not served"
+    publisher.publish("q/after", [b"after"], qos=1)
+    durable.connect()
+    got = durable.wait_messages(len(queued) + 1)
+    assert [m.payload for m in got] == [*queued, b"after"], "a queued message was lost"
+    again = starved_durable_client(broker.port, "hoarder")  # the attacker's own session is intact
+    again.sendall(publish_packet(b"_durable/v1/ctl", json.dumps({"v": 1, "op": "hello", "req": 1}).encode(), 0))
+    first, reply = read_packet(again)
+    assert first == 0x30, first
+    fields = json.loads(reply[2 + len(b"$durable/v1/reply") :])
+    assert fields["ok"] and len(fields["subscriptions"]) == FILTERS, str(fields)[:300]
+    again.close()
+
+
