@@ -18,8 +18,10 @@ from test_hostile_wire import (
     memory_kb,
     publish_packet,
     read_until_closed,
+    wait_until,
 )
 
+from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, queued_while_dropped
 
 FILTERS = 500
@@ -110,3 +112,45 @@ def test_control_requests_whose_replies_are_never_read_are_bounded_by_max_pendin
     again.close()
 
 
+
+
+@pytest.mark.parametrize("half", [b"", b"\x30\x20\x00\x05feed/"], ids=["nothing", "half-a-publish"])
+def test_a_silent_client_is_disconnected_after_1_5_keepalives_on_amqtt_s_own_reader(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], half: bytes
+) -> None:
+    """guarantees.md: "A client silent for 1.5 times its keep-alive, also in the middle of a packet,
+    is disconnected (MQTT-3.1.2-24)". Only the plugin's reader did it: with a topic plugin loaded
+    (amqtt's own reader loop), a client that went silent, or half-open, kept its connection for as
+    long as the broker ran (amqtt's handle_read_timeout does nothing), holding its socket and
+    leaving its durable session "connected", its will unpublished. A client that pings is kept."""
+    broker = broker_factory(start=False)
+    broker.extra_plugins.update(PATHS["amqtt-reader"])
+    broker.start()
+    alive = clients(broker.port, "alive", clean_session=True, auto_start=False)
+    alive.connect(keepalive=1)
+    alive.subscribe("will/#", 0)
+    silent = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    will = connect_packet("silent", clean=False, will_topic=b"will/silent", keepalive=1)
+    silent.sendall(will + half)
+    assert read_exactly(silent, 4)[:2] == b"\x20\x02"
+    assert read_until_closed(silent, WAIT) == b"", "a client silent for 1.5 keep-alives stays connected"
+    silent.close()
+    assert [m.payload for m in alive.wait_messages(1)] == [b"gone"], "its will was not published"
+    assert not alive.wait_disconnected(0), "a client that pings was disconnected"
+    assert "silent: nothing received for 1.5 keep-alive periods: disconnecting" in broker.log()
+
+
+def test_a_silent_websocket_client_is_disconnected_after_1_5_keepalives(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Websocket connections are read by amqtt's own loop too: a client whose network loop stopped
+    (no PINGREQ, nothing read) was never disconnected."""
+    broker = broker_factory(start=False)
+    broker.ws_port = free_port()
+    broker.start()
+    stopped = clients(broker.ws_port, "ws-silent", clean_session=False, transport="websockets", auto_start=False)
+    stopped.connect(keepalive=1)
+    stopped.paho.loop_stop()  # silent from now on
+    line = "ws-silent: nothing received for 1.5 keep-alive periods: disconnecting"
+    assert wait_until(lambda: line in broker.log(), WAIT), broker.log()[-2000:]
+    assert connack_within(broker.port, WAIT), "a new client was not served"

@@ -169,6 +169,7 @@ from .replication.etcd import EtcdCoordinator
 from .replication.node import ReplicationNode
 from .replication.primary import Primary
 from .settings import socket_backlog
+from .silence import SilenceWatch
 from .stream_sender import StreamSender
 from .topics import SubscriptionIndex, TopicIndex, topic_problem
 from .wire import PacketReader, encode_puback, encode_pubcomp
@@ -2344,6 +2345,44 @@ class FastReader:
                 self._settling.add(task)
                 task.add_done_callback(self._settling.discard)
 
+    def _watch_silence(self) -> SilenceWatch | None:
+        """MQTT-3.1.2-24 on amqtt's own loop, which never ends a silent connection (see silence.py):
+        every chunk the connection receives counts as heard; 1.5 keep-alive periods without one
+        end the connection as the server's decision (the will is published)."""
+        if self._session.keep_alive <= 0:
+            return None
+        handler = self._handler
+        client_id = self._session.client_id
+
+        def silent() -> None:
+            log.info("%s: nothing received for 1.5 keep-alive periods: disconnecting", client_id)
+            task = asyncio.get_running_loop().create_task(end_connection(handler))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+        watch = SilenceWatch(1.5 * self._session.keep_alive, silent)
+        reader = handler.reader
+        if isinstance(reader, StreamReaderAdapter):
+            stream = reader._reader
+            feed_data = stream.feed_data
+
+            def feed(data: bytes) -> None:
+                watch.heard()
+                feed_data(data)
+
+            stream.feed_data = feed
+        else:  # a websocket connection: its adapter's reads
+            read = reader.read
+
+            async def read_heard(n: int = -1) -> bytes:
+                data: bytes = await read(n)
+                watch.heard()
+                return data
+
+            reader.read = read_heard
+        watch.start()
+        return watch
+
     async def _read_loop(self, stream: asyncio.StreamReader, keepalive: float | None) -> None:
         """Read and handle packets until EOF or ``keepalive`` seconds of silence."""
         framing = PacketReader(self._max_packet_size)
@@ -2368,7 +2407,12 @@ class FastReader:
             or MQTTEvents.PACKET_RECEIVED in plugins._event_plugin_callbacks
             or plugins._topic_plugins
         ):
-            await self._original_loop()
+            watch = self._watch_silence()
+            try:
+                await self._original_loop()
+            finally:
+                if watch is not None:
+                    watch.stop()
             return
         stream = handler.reader._reader
         # MQTT-3.1.2-24: silent for 1.5 keep-alive periods means gone (amqtt only logs it, which
