@@ -154,3 +154,39 @@ def test_a_silent_websocket_client_is_disconnected_after_1_5_keepalives(
     line = "ws-silent: nothing received for 1.5 keep-alive periods: disconnecting"
     assert wait_until(lambda: line in broker.log(), WAIT), broker.log()[-2000:]
     assert connack_within(broker.port, WAIT), "a new client was not served"
+
+
+POSITIONS = 1800
+"""Positions of topics without a log in one stream_subscribe: about 56 kB, under the request limit."""
+
+
+def test_stream_positions_of_topics_without_a_log_are_bounded_by_max_stream_entries_per_client(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """A stream_subscribe keeps the position of every topic in ``after`` that has no log yet, until
+    the connection ends: 200 requests of 56 kB (11 MB) grew the broker by 52 MB, without end. Past
+    max_stream_entries_per_client (10000) filters and kept positions a stream_subscribe is refused,
+    changes nothing, and the connection goes on."""
+    broker = broker_factory(streams=[{"filter": "t/#"}])
+    assert broker.proc is not None
+    pid = broker.proc.pid
+    client = starved_durable_client(broker.port, "positions")
+    before_kb = memory_kb(pid, "VmRSS")
+    codes = []
+    for r in range(40):
+        after = {f"t/{r}/{i:05d}/yyyyyyyyyy": i for i in range(POSITIONS)}
+        request = json.dumps({"v": 1, "op": "stream_subscribe", "req": r, "filter": "t/#", "after": after})
+        client.sendall(publish_packet(b"_durable/v1/ctl", request.encode(), 0))
+        _, reply = read_packet(client)
+        fields = json.loads(reply[2 + len(b"$durable/v1/reply") :])
+        codes.append(None if fields["ok"] else fields["error"]["code"])
+    grown_kb = memory_kb(pid, "VmRSS") - before_kb
+    kept = 10_000 // POSITIONS
+    assert codes == [None] * kept + ["malformed"] * (40 - kept), codes
+    assert grown_kb < 20_000, f"the broker grew by {grown_kb} kB"
+    info = json.dumps({"v": 1, "op": "stream_info", "req": 99, "filter": "t/#"}).encode()
+    client.sendall(publish_packet(b"_durable/v1/ctl", info, 0))
+    assert json.loads(read_packet(client)[1][2 + len(b"$durable/v1/reply") :])["ok"], "the connection goes on"
+    client.close()
+    assert "positions: stream_subscribe 't/#' refused" in broker.log()
+    assert "max_stream_entries_per_client is 10000" in broker.log()

@@ -1976,6 +1976,8 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
             default_window=config.stream_window,
             ack_timeout=config.stream_ack_timeout,
             may_receive=may_receive if acl else None,
+            max_entries=config.max_stream_entries_per_client,
+            client_id=session.client_id,
         )
 
     return ControlChannel(

@@ -87,8 +87,14 @@ class StreamSender:
         default_window: int,
         ack_timeout: float,
         may_receive: MayReceive | None = None,
+        max_entries: int = 0,
+        client_id: str = "",
     ) -> None:
         self._logs = logs
+        self._max_entries = max_entries
+        """``max_stream_entries_per_client``: open filters plus positions kept for topics without a
+        log (0: no limit)."""
+        self._client_id = client_id
         self._transport = transport
         self._default_window = default_window
         self._ack_timeout = ack_timeout
@@ -124,6 +130,7 @@ class StreamSender:
             return {"topics": {}, "gaps": {}, "ahead": {}}
         window = self._checked_window(topic_filter, window)
         after = after or {}
+        self._check_entries(topic_filter, after)
         open_before = set(self._cursors)  # their positions stand; ``after`` cannot put them ahead
         self._filters[topic_filter] = window
         self._logs.register(self)
@@ -143,6 +150,35 @@ class StreamSender:
             # Ids are never reused by one store: a position past the end means another store.
             log.warning("stream subscribe %s: positions past the log end (a wiped store?): %s", topic_filter, ahead)
         return {"topics": topics, "gaps": gaps, "ahead": ahead}
+
+    def _check_entries(self, topic_filter: str, after: dict[str, int]) -> None:
+        """ProtocolError, before anything changes, when the subscription would make the connection
+        hold more than ``max_entries`` filters and kept positions: both stay until it ends, and a
+        client could otherwise add some 1,800 positions per 64 kB request, without end."""
+        if not self._max_entries:
+            return
+        new_positions = sum(
+            1
+            for topic in after
+            if topic not in self._pending_after and matches(topic, topic_filter) and self._logs.bounds(topic) is None
+        )
+        held = len(self._filters) + len(self._pending_after)
+        wanted = held + (topic_filter not in self._filters) + new_positions
+        if wanted <= self._max_entries:
+            return
+        log.warning(
+            "%s: stream_subscribe %r refused: the connection would hold %d stream filters and positions of "
+            "topics without a log, max_stream_entries_per_client is %d",
+            self._client_id,
+            topic_filter,
+            wanted,
+            self._max_entries,
+        )
+        raise ProtocolError(
+            "malformed",
+            f"this subscription would make the connection hold {wanted} stream filters and positions of "
+            f"topics without a log; the limit is {self._max_entries} (max_stream_entries_per_client)",
+        )
 
     def _checked_window(self, topic_filter: str, window: int | None) -> int:
         """The subscription's window; ProtocolError for a filter no stream covers or a bad window."""
