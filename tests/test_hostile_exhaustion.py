@@ -190,3 +190,22 @@ def test_stream_positions_of_topics_without_a_log_are_bounded_by_max_stream_entr
     client.close()
     assert "positions: stream_subscribe 't/#' refused" in broker.log()
     assert "max_stream_entries_per_client is 10000" in broker.log()
+
+
+REFUSED = 2000
+
+
+def test_refused_control_requests_are_logged_at_most_once_per_drop_log_interval(broker: Broker) -> None:
+    """Every refused control request was logged (INFO, some 200 bytes for a request of 30): a client
+    sending them as fast as it reads the replies filled the broker's log at several MB/s. Now one
+    line per connection per drop_log_interval (10 s); every request is still answered."""
+    client = starved_durable_client(broker.port, "noisy")
+    request = publish_packet(b"_durable/v1/ctl", b'{"v":1,"op":"x"}', 0)
+    for _batch in range(REFUSED // 100):
+        client.sendall(request * 100)
+        for _ in range(100):
+            _, reply = read_packet(client)
+            assert json.loads(reply[2 + len(b"$durable/v1/reply") :])["error"]["code"] == "unknown_op"
+    client.close()
+    lines = [line for line in broker.log().splitlines() if "noisy: control request refused" in line]
+    assert 1 <= len(lines) <= 2, f"{len(lines)} log lines for {REFUSED} refused requests"

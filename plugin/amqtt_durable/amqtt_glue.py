@@ -1978,6 +1978,7 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
             may_receive=may_receive if acl else None,
             max_entries=config.max_stream_entries_per_client,
             client_id=session.client_id,
+            log_interval=config.drop_log_interval,
         )
 
     return ControlChannel(
@@ -1992,6 +1993,7 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
         congested=lambda: bool(handler.durable_transport.congested),
         end_connection=partial(end_connection, handler),
         max_pending_bytes=config.max_pending_control_bytes,
+        log_interval=config.drop_log_interval,
     )
 
 

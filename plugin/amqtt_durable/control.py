@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
@@ -54,6 +56,28 @@ class StreamAgent(Protocol):
     def unsubscribe(self, topic_filter: str) -> bool: ...
 
     def stop(self) -> None: ...
+
+
+class LogBudget:
+    """At most one log line per ``interval`` seconds (``drop_log_interval``) for one connection's
+    refusals; the lines left out are counted and the next line says how many. A client sending
+    refused requests as fast as it can wrote one line (some 200 bytes) per request of 30."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._last = -math.inf
+        self.left_out = 0
+
+    def take(self) -> int | None:
+        """None: leave this line out (counted); else log it, with this many left out since the last."""
+        now = self._clock()
+        if now - self._last < self.interval:
+            self.left_out += 1
+            return None
+        self._last = now
+        left_out, self.left_out = self.left_out, 0
+        return left_out
 
 
 class PendingRequests:
@@ -110,6 +134,7 @@ class ControlChannel:
         congested: Callable[[], bool] = lambda: False,
         end_connection: Callable[[], Coroutine[Any, Any, None]] | None = None,
         max_pending_bytes: int = 0,
+        log_interval: float = 0.0,
     ) -> None:
         self._engine = engine
         self._transport = transport
@@ -124,6 +149,7 @@ class ControlChannel:
         self._end_connection = end_connection
         self._waiting: deque[tuple[str, bytes]] = deque()
         self._pending = PendingRequests(client_id, max_pending_bytes)
+        self._log_budget = LogBudget(log_interval)
         self._worker: asyncio.Task[None] | None = None
         self._ending: asyncio.Task[None] | None = None
         self._stopped = False
@@ -350,7 +376,10 @@ class ControlChannel:
     def _refuse(self, request: Request | None, error: ProtocolError) -> None:
         op = request.op if request is not None else error.op
         req = request.req if request is not None else error.req
-        log.info("%s: control request refused (%s): %s", self._client_id, error.code, error.message)
+        left_out = self._log_budget.take()
+        if left_out is not None:
+            also = f" ({left_out} more refused since the last such line)" if left_out else ""
+            log.info("%s: control request refused (%s): %s%s", self._client_id, error.code, error.message, also)
         self._write(encode_error(op, req, error))
 
     def _write(self, body: bytes) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -89,12 +91,15 @@ class StreamSender:
         may_receive: MayReceive | None = None,
         max_entries: int = 0,
         client_id: str = "",
+        log_interval: float = 0.0,
     ) -> None:
         self._logs = logs
         self._max_entries = max_entries
         """``max_stream_entries_per_client``: open filters plus positions kept for topics without a
         log (0: no limit)."""
         self._client_id = client_id
+        self._log_interval = log_interval
+        self._warned = -math.inf
         self._transport = transport
         self._default_window = default_window
         self._ack_timeout = ack_timeout
@@ -166,14 +171,17 @@ class StreamSender:
         wanted = held + (topic_filter not in self._filters) + new_positions
         if wanted <= self._max_entries:
             return
-        log.warning(
-            "%s: stream_subscribe %r refused: the connection would hold %d stream filters and positions of "
-            "topics without a log, max_stream_entries_per_client is %d",
-            self._client_id,
-            topic_filter,
-            wanted,
-            self._max_entries,
-        )
+        now = time.monotonic()
+        if now - self._warned >= self._log_interval:  # at most once per drop_log_interval
+            self._warned = now
+            log.warning(
+                "%s: stream_subscribe %r refused: the connection would hold %d stream filters and positions of "
+                "topics without a log, max_stream_entries_per_client is %d",
+                self._client_id,
+                topic_filter,
+                wanted,
+                self._max_entries,
+            )
         raise ProtocolError(
             "malformed",
             f"this subscription would make the connection hold {wanted} stream filters and positions of "

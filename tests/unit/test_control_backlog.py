@@ -9,7 +9,7 @@ from pathlib import Path
 
 from test_replay_marker import run
 
-from amqtt_durable.control import ControlChannel, PendingRequests
+from amqtt_durable.control import ControlChannel, LogBudget, PendingRequests
 from amqtt_durable.engine import DurableEngine
 from durable_client.protocol import CONTROL_TOPIC, encode_request
 from recording_transport import RecordingTransport
@@ -114,3 +114,15 @@ def test_past_max_pending_control_bytes_the_connection_is_ended_and_nothing_more
         assert "dev" in engine.sessions, "the session is kept"
 
     run(tmp_path, body)
+
+
+def test_log_budget_lets_one_line_through_per_interval_and_counts_the_rest() -> None:
+    now = [100.0]
+    budget = LogBudget(10.0, clock=lambda: now[0])
+    assert budget.take() == 0
+    assert [budget.take() for _ in range(5)] == [None] * 5
+    now[0] += 10.0
+    assert budget.take() == 5, "the next line says how many were left out"
+    assert budget.take() is None
+    every = LogBudget(0.0, clock=lambda: now[0])
+    assert [every.take() for _ in range(3)] == [0, 0, 0], "0: every line"
