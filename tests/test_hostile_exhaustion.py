@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 from collections.abc import Callable
 
 import pytest
@@ -75,9 +76,7 @@ def test_control_requests_whose_replies_are_never_read_are_bounded_by_max_pendin
     queued = payloads(5, "before")
     durable, publisher = queued_while_dropped(clients, broker.port, "q/#", "q/before", queued)
     attacker = starved_durable_client(broker.port, "hoarder")
-    body = b"\x00\x01" + b"".join(
-        mqtt_string(f"f/{i:04d}/".ljust(FILTER_BYTES, "x")) + b"\x00" for i in range(FILTERS)
-    )
+    body = b"\x00\x01" + b"".join(mqtt_string(f"f/{i:04d}/".ljust(FILTER_BYTES, "x")) + b"\x00" for i in range(FILTERS))
     attacker.sendall(mqtt_packet(0x82, body))
     first, suback = read_packet(attacker)
     assert first == 0x90 and suback[2:] == bytes(FILTERS), "the filters were not all granted"
@@ -93,7 +92,7 @@ def test_control_requests_whose_replies_are_never_read_are_bounded_by_max_pendin
     grown_kb = memory_kb(pid, "VmHWM") - before_kb
     # Without the bound the broker held every reply (about 50 MB, and the JSON it was encoded from);
     # with it at most 1 MiB of requests, one reply and the socket's buffer.
-    assert grown_kb < 25_000, f"the broker grew by {grown_kb} kB for a client that read nothing"
+    assert grown_kb < 25_000, f"the broker grew by {grown_kb} kB for a client that had read nothing"
     attacker.close()
     log = broker.log()
     assert "closing the connection of hoarder: " in log, log[-3000:]
@@ -110,8 +109,6 @@ def test_control_requests_whose_replies_are_never_read_are_bounded_by_max_pendin
     fields = json.loads(reply[2 + len(b"$durable/v1/reply") :])
     assert fields["ok"] and len(fields["subscriptions"]) == FILTERS, str(fields)[:300]
     again.close()
-
-
 
 
 @pytest.mark.parametrize("half", [b"", b"\x30\x20\x00\x05feed/"], ids=["nothing", "half-a-publish"])
@@ -154,6 +151,161 @@ def test_a_silent_websocket_client_is_disconnected_after_1_5_keepalives(
     line = "ws-silent: nothing received for 1.5 keep-alive periods: disconnecting"
     assert wait_until(lambda: line in broker.log(), WAIT), broker.log()[-2000:]
     assert connack_within(broker.port, WAIT), "a new client was not served"
+
+
+CTL = b"_durable/v1/ctl"
+
+
+def congested_durable_client(port: int, client_id: str) -> socket.socket:
+    """A durable client that never reads, with 40 replies of 500 kB asked for (20 MB): more than the
+    broker's socket buffer holds (at most 4 MB on Linux), so later requests wait."""
+    sock = starved_durable_client(port, client_id)
+    body = b"\x00\x01" + b"".join(mqtt_string(f"f/{i:04d}/".ljust(FILTER_BYTES, "x")) + b"\x00" for i in range(FILTERS))
+    sock.sendall(mqtt_packet(0x82, body))
+    first, _ = read_packet(sock)
+    assert first == 0x90
+    sock.sendall(publish_packet(CTL, json.dumps({"v": 1, "op": "hello"}).encode(), 0) * 40)
+    return sock
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    ("packet", "count"),
+    [(publish_packet(b"_durable/" + b"x" * 60_000, b"", 0), 300), (publish_packet(CTL, b"", 0), 50_000)],
+    ids=["60-kB-topic", "empty-payload"],
+)
+def test_waiting_requests_count_their_topic_and_an_overhead_against_max_pending_control_bytes(
+    broker_factory: Callable[..., Broker], path: str, packet: bytes, count: int
+) -> None:
+    """Only the payload was counted: a PUBLISH under ``_durable/`` with a 60 kB topic and no
+    payload, or an empty request, counted 0 bytes, so a client that did not read its replies could
+    make the broker hold requests without end (tens of MB) and was never disconnected. Now each
+    waiting request counts its topic, its payload and 200 bytes, and the connection is closed."""
+    broker = broker_factory(start=False)
+    broker.extra_plugins.update(PATHS[path])
+    broker.start()
+    attacker = congested_durable_client(broker.port, "hoarder")
+    try:
+        for _ in range(count // 1000 or count):
+            attacker.sendall(packet * (1000 if count >= 1000 else 1))
+    except OSError:  # closed by the broker while sending: what is expected
+        pass
+    # Not read before: reading the replies would let the waiting requests be handled.
+    line = "closing the connection of hoarder: "
+    assert wait_until(lambda: line in broker.log(), WAIT), ("requests counted as nothing", broker.log()[-1500:])
+    assert read_until_closed(attacker, WAIT) is not None
+    attacker.close()
+
+
+def test_unknown_topic_errors_and_log_lines_show_a_long_topic_cut(broker: Broker) -> None:
+    """The ``unknown_topic`` error and its log line held the whole topic, up to 65 kB."""
+    client = starved_durable_client(broker.port, "long")
+    client.sendall(publish_packet(b"_durable/" + b"y" * 60_000, b'{"v":1,"op":"hello","req":5}', 0))
+    _, reply = read_packet(client)
+    client.close()
+    fields = json.loads(reply[2 + len(b"$durable/v1/reply") :])
+    assert fields["error"]["code"] == "unknown_topic" and fields["req"] == 5, str(fields)[:300]
+    assert len(fields["error"]["message"]) < 200, fields["error"]["message"][:300]
+    lines = [line for line in broker.log().splitlines() if "long: control request refused" in line]
+    assert lines and all(len(line) < 400 for line in lines), [line[:300] for line in lines]
+
+
+STREAM_TOPICS = 40
+STREAM_EVENTS = 1000
+
+
+def test_a_consumer_acking_each_stream_event_as_fast_as_it_reads_is_not_disconnected(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """protocol.md allows a ``stream_ack`` per event. While the broker's writes to the connection
+    were behind (stream events, not replies), each ack waited as a control request and counted
+    toward max_pending_control_bytes: a consumer reading 40 topics with window 1000 as fast as it
+    could was reset after some 26,500 events, logged as a client that does not read its replies.
+    An ack on an open stream has no reply: it is handled on arrival."""
+    broker = broker_factory(streams=[{"filter": "s/#", "max_count": 100000}])
+    pub = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    pub.sendall(connect_packet("pub", clean=True))
+    read_exactly(pub, 4)
+    pub.sendall(
+        b"".join(
+            publish_packet(f"s/{t:03d}".encode(), b"e" * 200, 1, packet_id=(t * STREAM_EVENTS + i) % 65535 + 1)
+            for t in range(STREAM_TOPICS)
+            for i in range(STREAM_EVENTS)
+        )
+    )
+    read_exactly(pub, 4 * STREAM_TOPICS * STREAM_EVENTS)  # every PUBACK: stored
+    pub.close()
+    sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    sock.sendall(connect_packet("reader", clean=True))
+    read_exactly(sock, 4)
+    subscribe = {"v": 1, "op": "stream_subscribe", "req": 1, "filter": "s/#", "window": 1000}
+    sock.sendall(publish_packet(CTL, json.dumps(subscribe).encode(), 0))
+    prefix = b"$durable/v1/stream/"
+    got = 0
+    try:
+        for _ in range(STREAM_TOPICS * STREAM_EVENTS + 1):  # the events and the reply
+            _, packet = read_packet(sock)
+            (length,) = struct.unpack(">H", packet[:2])
+            topic = packet[2 : 2 + length]
+            if not topic.startswith(prefix):
+                continue
+            event_id = struct.unpack(">BBQQd", packet[2 + length : 2 + length + 26])[3]
+            ack = {"v": 1, "op": "stream_ack", "topic": topic[len(prefix) :].decode(), "id": event_id}
+            sock.sendall(publish_packet(CTL, json.dumps(ack).encode(), 0))
+            got += 1
+    except OSError as exc:
+        raise AssertionError(f"disconnected after {got} events: {exc!r}; {broker.log()[-1500:]}") from exc
+    finally:
+        sock.close()
+    assert got == STREAM_TOPICS * STREAM_EVENTS
+    assert "closing the connection of reader" not in broker.log()
+
+
+AHEAD_TOPICS = 4
+AHEAD_EVENTS = 5000
+
+
+def test_acks_for_events_not_read_do_not_pour_the_log_into_the_broker_s_memory(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """An ack is handled on arrival, but the events it makes room for wait for the client to read:
+    a client that reads nothing and acks ids far ahead (window 10) would otherwise have the broker
+    write its whole log (20 MB here) to a connection it does not read."""
+    broker = broker_factory(streams=[{"filter": "a/#", "max_count": 100000}])
+    assert broker.proc is not None
+    pid = broker.proc.pid
+    pub = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    pub.sendall(connect_packet("pub", clean=True))
+    read_exactly(pub, 4)
+    for t in range(AHEAD_TOPICS):
+        pub.sendall(
+            b"".join(
+                publish_packet(f"a/{t}".encode(), b"e" * 1000, 1, packet_id=i % 65535 + 1) for i in range(AHEAD_EVENTS)
+            )
+        )
+        read_exactly(pub, 4 * AHEAD_EVENTS)  # every PUBACK: stored
+    pub.close()
+    sock = starved_durable_client(broker.port, "ahead")
+    before_kb = memory_kb(pid, "VmRSS")
+    subscribe = {"v": 1, "op": "stream_subscribe", "req": 1, "filter": "a/#", "window": 10}
+    sock.sendall(publish_packet(CTL, json.dumps(subscribe).encode(), 0))
+    acks = b"".join(
+        publish_packet(CTL, json.dumps({"v": 1, "op": "stream_ack", "topic": f"a/{t}", "id": 10**9}).encode(), 0)
+        for t in range(AHEAD_TOPICS)
+    )
+    for _ in range(AHEAD_EVENTS // 10):
+        sock.sendall(acks)
+    info = {"v": 1, "op": "stream_info", "req": 2, "filter": "a/#"}
+    sock.sendall(publish_packet(CTL, json.dumps(info).encode(), 0))
+    for _ in range(AHEAD_TOPICS * AHEAD_EVENTS + 2):  # read until its reply: every ack was handled
+        _, packet = read_packet(sock)
+        if packet.startswith(b"\x00\x11$durable/v1/reply") and b'"req":2' in packet:
+            break
+    else:
+        raise AssertionError("no reply to stream_info")
+    grown_kb = memory_kb(pid, "VmHWM") - before_kb
+    sock.close()
+    assert grown_kb < 10_000, f"the broker grew by {grown_kb} kB for a client that had read nothing"
 
 
 POSITIONS = 1800

@@ -155,8 +155,9 @@ class DurableConfig:
 
     max_pending_control_bytes: int = 1_048_576
     """Bytes of control requests (``_durable/v1/ctl``) one connection may have waiting to be
-    handled; past it the connection is closed. Requests wait while the client does not read what
-    the broker sends it (more unsent than the socket's 64 KiB write buffer): a request of 45
+    handled, each counted as its topic, its payload and 200 bytes; past it the connection is
+    closed. Requests wait while the client does not read what the broker sends it (more unsent
+    than the socket's 64 KiB write buffer; a ``stream_ack`` on an open stream does not): a request of 45
     bytes can ask for a reply of a megabyte (``hello`` lists the session's subscriptions), so a
     client sending requests without reading their replies made the broker hold every reply.
     0 means no limit (requests still wait for the client to read)."""

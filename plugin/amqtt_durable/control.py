@@ -9,7 +9,10 @@ Replies are not written faster than the client reads them: while the broker hold
 for the connection than its socket's write buffer limit (``congested``), later requests wait in
 order until the client reads, and past ``max_pending_control_bytes`` of waiting requests the
 connection is closed (a request of 45 bytes can ask for a reply of a megabyte: ``hello`` lists
-the session's subscriptions).
+the session's subscriptions). A waiting request counts its topic, its payload and
+``REQUEST_OVERHEAD`` (an empty request still takes memory to hold). A ``stream_ack`` on an open
+stream, which has no reply, is handled on arrival instead of waiting (see ``submit``); the events
+it makes room for wait for the client to read, as replies do.
 """
 
 from __future__ import annotations
@@ -44,6 +47,19 @@ log = logging.getLogger("amqtt_durable")
 
 _REPLY_TOPIC = REPLY_TOPIC.encode()
 _AWAITING_OPS = frozenset({"end_session", "stream_subscribe", "stream_info"})
+REQUEST_OVERHEAD = 200
+"""Bytes counted for each waiting request besides its topic and payload: what holding one costs
+in memory (the queue entry, its tuple, str and bytes objects: some 150 bytes in CPython 3.12)."""
+SHOWN_TOPIC_CHARS = 100
+"""A topic under ``_durable/`` other than the control topic is kept (and shown in the
+``unknown_topic`` error and log line) cut to this many characters and "...": it may be 65 kB long."""
+_UNSUBSCRIBE = b"stream_unsubscribe"
+
+
+def _may_unsubscribe(payload: bytes) -> bool:
+    """Whether a request may be a ``stream_unsubscribe``: it names the op, or holds a JSON escape
+    (which could spell it)."""
+    return _UNSUBSCRIBE in payload or b"\\" in payload
 
 
 class StreamAgent(Protocol):
@@ -51,7 +67,11 @@ class StreamAgent(Protocol):
 
     async def subscribe(self, topic_filter: str, after: dict[str, int], window: int | None) -> dict[str, Any]: ...
 
-    def ack(self, topic: str, event_id: int) -> None: ...
+    def ack(self, topic: str, event_id: int, refill: bool = True) -> None: ...
+
+    def refill(self, topic: str) -> None: ...
+
+    def is_open(self, topic: str) -> bool: ...
 
     def unsubscribe(self, topic_filter: str) -> bool: ...
 
@@ -108,8 +128,9 @@ class PendingRequests:
 
     def warn(self) -> None:
         log.warning(
-            "closing the connection of %s: %d control request(s) of %d bytes wait to be handled while the "
-            "client does not read the replies, max_pending_control_bytes is %d (0 = no limit)",
+            "closing the connection of %s: %d control request(s) counted as %d bytes wait to be handled while "
+            "the broker has not written earlier replies or stream events to the client (it reads slower than it "
+            "sends requests), max_pending_control_bytes is %d (0 = no limit)",
             self.client_id,
             self.count,
             self.bytes,
@@ -147,7 +168,14 @@ class ControlChannel:
         self._streams: StreamAgent | None = None
         self._congested = congested
         self._end_connection = end_connection
-        self._waiting: deque[tuple[str, bytes]] = deque()
+        self._waiting: deque[tuple[str, bytes, int]] = deque()
+        """Requests that wait: (topic, payload, bytes counted)."""
+        self._unsubscribes_waiting = 0
+        """Waiting requests that may be a stream_unsubscribe (``_may_unsubscribe``): while one
+        waits, acks wait too, so an ack it would refuse is refused."""
+        self._to_refill: set[str] = set()
+        """Stream topics acked on arrival while congested: their next events wait for the client."""
+        self._refiller: asyncio.Task[None] | None = None
         self._pending = PendingRequests(client_id, max_pending_bytes)
         self._log_budget = LogBudget(log_interval)
         self._worker: asyncio.Task[None] | None = None
@@ -158,7 +186,13 @@ class ControlChannel:
         """One PUBLISH under ``_durable/``. Ops that need no wait are done before this returns, so
         a hello holds the session's delivery before the SUBSCRIBE that follows it is handled;
         while a request that waits is under way, or the client does not read what the broker
-        sends it (``congested``), requests wait their turn in order, bounded in bytes."""
+        sends it (``congested``), requests wait their turn in order, bounded in bytes (topic,
+        payload and ``REQUEST_OVERHEAD`` each). Except a ``stream_ack`` on a stream open on
+        this connection, while no ``stream_unsubscribe`` waits: it has no reply and no waiting
+        request changes what it does, so it is handled on arrival (a consumer reading events as
+        fast as they come, acking each, would otherwise fill the limit with acks). While the
+        client is behind, the events such an ack makes room for are sent once it has read (an ack
+        for ids not yet read must not pour the log into the broker's memory)."""
         if self._stopped:
             return
         if self._worker is None and not self._congested():
@@ -168,19 +202,71 @@ class ControlChannel:
             if request.op not in _AWAITING_OPS:
                 self._run(request)
                 return
-        if not self._pending.admit(len(payload)):
+        elif topic == CONTROL_TOPIC and self._ack_at_once(payload):
+            return
+        size = len(topic) + len(payload) + REQUEST_OVERHEAD  # the topic as sent, though kept cut
+        if topic != CONTROL_TOPIC:
+            topic = _shown(topic)
+        if not self._pending.admit(size):
             self._overflow()
             return
-        self._waiting.append((topic, payload))
+        self._waiting.append((topic, payload, size))
+        if _may_unsubscribe(payload):
+            self._unsubscribes_waiting += 1
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._work())
+
+    def _ack_at_once(self, payload: bytes) -> bool:
+        """True once a ``stream_ack`` on an open stream is handled (it writes no reply)."""
+        if self._streams is None or self._unsubscribes_waiting:
+            return False
+        try:
+            request = parse_request(payload)
+        except ProtocolError:
+            return False  # refused in its turn, with its reply
+        if (
+            request.op != "stream_ack"
+            or request.client_id not in (None, self._client_id)
+            or request.topic is None
+            or not self._streams.is_open(request.topic)
+        ):
+            return False
+        if not self._congested():
+            self._run(request)
+            return True
+        assert request.id is not None  # parse_request requires it
+        try:
+            self._streams.ack(request.topic, request.id, refill=False)
+        except Exception:  # as in _run: the reader loop must survive any one request
+            log.exception("%s: control request stream_ack failed", self._client_id)
+            return True
+        self._to_refill.add(request.topic)
+        if self._refiller is None:
+            self._refiller = asyncio.get_running_loop().create_task(self._refill())
+        return True
+
+    async def _refill(self) -> None:
+        """Once the client has read, send the events the acks taken on arrival made room for."""
+        try:
+            while self._to_refill and not self._stopped:
+                with contextlib.suppress(OSError):
+                    await self._transport.drain()
+                if self._stopped or self._transport.closed or self._streams is None:
+                    break
+                topics, self._to_refill = self._to_refill, set()
+                for topic in sorted(topics):
+                    self._streams.refill(topic)
+        except Exception:
+            log.exception("%s: sending stream events after acks failed", self._client_id)
+        finally:
+            self._refiller = None
 
     def _parse(self, topic: str, payload: bytes) -> Request | None:
         """The request, or None once refused (with a reply)."""
         try:
             if topic != CONTROL_TOPIC:
                 op, req = request_ids(payload)
-                message = f"{topic!r} is not a control topic; send to {CONTROL_TOPIC}"
+                message = f"{_shown(topic)!r} is not a control topic; send to {CONTROL_TOPIC}"
                 raise ProtocolError("unknown_topic", message, req=req, op=op)
             return parse_request(payload)
         except ProtocolError as exc:
@@ -194,15 +280,20 @@ class ControlChannel:
         self._stopped = True
         self._waiting.clear()
         self._pending.clear()
+        self._unsubscribes_waiting = 0
         if self._end_connection is not None and self._ending is None:
             self._ending = asyncio.get_running_loop().create_task(self._end_connection())
 
     def stop(self) -> None:
         """The connection ended: stream positions are forgotten (the client holds them). A request
-        being handled finishes (a session deletion half done would leave its queue behind)."""
+        being handled finishes (a session deletion half done would leave its queue behind); the
+        requests still waiting are dropped unhandled (a QoS 1 or 2 request among them was
+        acknowledged on arrival: the acknowledgement says received, not handled)."""
         self._stopped = True
         self._waiting.clear()
         self._pending.clear()
+        self._unsubscribes_waiting = 0
+        self._to_refill.clear()
         if self._streams is not None:
             self._streams.stop()
             self._streams = None
@@ -211,12 +302,14 @@ class ControlChannel:
         try:
             while self._waiting and not self._stopped:
                 if self._congested():  # the client reads slower than replies come: wait for it
-                    with contextlib.suppress(ConnectionError):
+                    with contextlib.suppress(OSError):  # ConnectionError, TimeoutError, EHOSTUNREACH...
                         await self._transport.drain()
                     if self._stopped or self._transport.closed:
                         break
-                topic, payload = self._waiting.popleft()
-                self._pending.done(len(payload))
+                topic, payload, size = self._waiting.popleft()
+                self._pending.done(size)
+                if _may_unsubscribe(payload):
+                    self._unsubscribes_waiting -= 1
                 request = self._parse(topic, payload)
                 if request is None:
                     continue
@@ -385,6 +478,14 @@ class ControlChannel:
     def _write(self, body: bytes) -> None:
         if not self._transport.closed:
             self._transport.write(encode_publish(_REPLY_TOPIC, body, 0, 0, dup=False, retain=False))
+
+
+def _shown(topic: str) -> str:
+    """A topic cut to ``SHOWN_TOPIC_CHARS`` (and "...") for an error message or a log line; a cut
+    one is left as it is."""
+    if len(topic) <= SHOWN_TOPIC_CHARS + 3:
+        return topic
+    return topic[:SHOWN_TOPIC_CHARS] + "..."
 
 
 _IMMEDIATE: dict[str, Callable[[ControlChannel, Request], dict[str, Any] | None]] = {

@@ -235,8 +235,19 @@ class StreamSender:
             self._logs.unregister(self)
         return True
 
-    def ack(self, topic: str, event_id: int) -> None:
-        """Cumulative: every in-flight id <= ``event_id`` is done; then the next go out."""
+    def is_open(self, topic: str) -> bool:
+        """Whether ``topic`` has a cursor on this connection (an ack on it is not refused)."""
+        return topic in self._cursors
+
+    def refill(self, topic: str) -> None:
+        """Send the next events of ``topic`` up to its window (after an ``ack`` without refill)."""
+        cursor = self._cursors.get(topic)
+        if cursor is not None:
+            self._pump(cursor)
+
+    def ack(self, topic: str, event_id: int, refill: bool = True) -> None:
+        """Cumulative: every in-flight id <= ``event_id`` is done; then the next go out (unless
+        ``refill`` is False: ``refill(topic)`` sends them later)."""
         cursor = self._cursors.get(topic)
         if cursor is None:
             raise ProtocolError("unknown_stream", f"no open stream on {topic!r}")
@@ -253,7 +264,8 @@ class StreamSender:
             if not cursor.inflight and cursor.timer is not None:
                 cursor.timer.cancel()
                 cursor.timer = None
-        self._pump(cursor)
+        if refill:
+            self._pump(cursor)
 
     def stop(self) -> None:
         """The connection ended: cancel timers and checks, stop hearing about appends."""

@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 from test_replay_marker import run
+from test_streams import make_logs, passes, put
+from test_streams import run as run_streams
 
-from amqtt_durable.control import ControlChannel, LogBudget, PendingRequests
+from amqtt_durable.control import REQUEST_OVERHEAD, ControlChannel, LogBudget, PendingRequests
 from amqtt_durable.engine import DurableEngine
+from amqtt_durable.stream_sender import StreamSender
 from durable_client.protocol import CONTROL_TOPIC, encode_request
 from recording_transport import RecordingTransport
 
@@ -98,7 +102,7 @@ def test_past_max_pending_control_bytes_the_connection_is_ended_and_nothing_more
             open_streams=lambda: None,  # type: ignore[arg-type,return-value]
             congested=lambda: transport.congested,
             end_connection=end,
-            max_pending_bytes=3 * len(request),
+            max_pending_bytes=3 * (len(CONTROL_TOPIC) + len(request) + REQUEST_OVERHEAD),
         )
         for _ in range(3):
             channel.submit(CONTROL_TOPIC, request)
@@ -112,6 +116,81 @@ def test_past_max_pending_control_bytes_the_connection_is_ended_and_nothing_more
             await asyncio.sleep(0)
         assert transport.packets == [], "nothing is handled once the connection is being ended"
         assert "dev" in engine.sessions, "the session is kept"
+
+    run(tmp_path, body)
+
+
+def test_a_stream_ack_on_an_open_stream_is_handled_on_arrival_and_its_events_wait_for_the_reader(db: Any) -> None:
+    """An ack has no reply: it does not wait behind requests held for a client that is behind,
+    but the events it makes room for do; while a stream_unsubscribe waits, acks wait in order (an
+    ack it closes the stream for is refused, as in order)."""
+    logs, committer = make_logs(db)
+    for _ in range(5):
+        put(logs, committer, "s/a")
+
+    async def body() -> None:
+        transport = SlowReader()
+        sender = StreamSender(logs, transport, default_window=2, ack_timeout=60.0)
+        channel = ControlChannel(
+            None,  # type: ignore[arg-type]  # stream ops only
+            transport,
+            "dev",
+            True,
+            open_streams=lambda: sender,
+            congested=lambda: transport.congested,
+            max_pending_bytes=10_000,
+        )
+        channel.submit(CONTROL_TOPIC, encode_request("stream_subscribe", 1, filter="s/#"))
+        await transport.wait_for(lambda ps: len(ps) == 3)  # the reply and a window of 2 events
+        transport.congested = True
+        channel.submit(CONTROL_TOPIC, b"not json")  # waits for the client to read
+        channel.submit(CONTROL_TOPIC, encode_request("stream_ack", topic="s/a", id=2))
+        assert sender.cursors["s/a"] == (3, 0), "the ack was not handled on arrival"
+        await passes()
+        assert len(transport.packets) == 3, "the next events must wait for the client to read"
+        channel.submit(CONTROL_TOPIC, encode_request("stream_unsubscribe", 3, filter="s/#"))
+        channel.submit(CONTROL_TOPIC, encode_request("stream_ack", 4, topic="s/a", id=4))
+        transport.reads.set()
+        packets = await transport.wait_for(lambda ps: sum(p.topic == "$durable/v1/reply" for p in ps) == 4)
+        replies = [json.loads(p.payload) for p in packets if p.topic == "$durable/v1/reply"]
+        assert [(r["req"], r["ok"]) for r in replies] == [(1, True), (None, False), (3, True), (4, False)], replies
+        assert replies[-1]["error"]["code"] == "unknown_stream"
+        sender.stop()
+
+    run_streams(body)
+
+
+class BrokenLink(SlowReader):
+    """A connection whose wait for the client ends in an OSError other than ConnectionError."""
+
+    async def drain(self) -> None:
+        await self.reads.wait()
+        self.congested = False
+        raise TimeoutError(110, "Connection timed out")
+
+
+def test_an_os_error_while_waiting_for_the_client_does_not_kill_the_worker(tmp_path: Path) -> None:
+    """Only ConnectionError was suppressed: a drain that raised TimeoutError (or EHOSTUNREACH) ended
+    the worker task with "Task exception was never retrieved" and the waiting requests with it."""
+
+    async def body(engine: DurableEngine) -> None:
+        await engine.connect("dev", clean_session=False)
+        transport = BrokenLink()
+        transport.congested = True
+        channel = ControlChannel(
+            engine,
+            transport,
+            "dev",
+            False,
+            open_streams=lambda: None,  # type: ignore[arg-type,return-value]
+            congested=lambda: transport.congested,
+            max_pending_bytes=10_000,
+        )
+        for req in (1, 2):
+            channel.submit(CONTROL_TOPIC, encode_request("hello", req))
+        transport.reads.set()
+        packets = await transport.wait_for(lambda ps: len(ps) == 2)
+        assert [json.loads(p.payload)["req"] for p in packets] == [1, 2]
 
     run(tmp_path, body)
 
