@@ -6,6 +6,7 @@ queued for a durable session is lost.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import struct
@@ -21,6 +22,7 @@ from test_hostile_wire import (
     read_until_closed,
     wait_until,
 )
+from websockets.asyncio.client import connect as ws_connect
 
 from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, queued_while_dropped
@@ -119,12 +121,12 @@ def test_a_silent_client_is_disconnected_after_1_5_keepalives_on_amqtt_s_own_rea
     is disconnected (MQTT-3.1.2-24)". Only the plugin's reader did it: with a topic plugin loaded
     (amqtt's own reader loop), a client that went silent, or half-open, kept its connection for as
     long as the broker ran (amqtt's handle_read_timeout does nothing), holding its socket and
-    leaving its durable session "connected", its will unpublished. A client that pings is kept."""
+    leaving its durable session "connected", its will unpublished. A client within its keep-alive is kept."""
     broker = broker_factory(start=False)
     broker.extra_plugins.update(PATHS["amqtt-reader"])
     broker.start()
     alive = clients(broker.port, "alive", clean_session=True, auto_start=False)
-    alive.connect(keepalive=1)
+    alive.connect(keepalive=4)  # paho's loop wakes once a second: keep-alive 1 left it 0.5 s of margin
     alive.subscribe("will/#", 0)
     silent = socket.create_connection((HOST, broker.port), timeout=WAIT)
     will = connect_packet("silent", clean=False, will_topic=b"will/silent", keepalive=1)
@@ -306,6 +308,59 @@ def test_acks_for_events_not_read_do_not_pour_the_log_into_the_broker_s_memory(
     grown_kb = memory_kb(pid, "VmHWM") - before_kb
     sock.close()
     assert grown_kb < 10_000, f"the broker grew by {grown_kb} kB for a client that had read nothing"
+
+
+@pytest.mark.parametrize("transport", ["tcp", "websocket"])
+def test_a_client_uploading_a_large_publish_in_slow_pieces_is_not_silent(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], transport: str
+) -> None:
+    """MQTT over websockets may split a packet across websocket messages (MQTT 3.1.1 section 6).
+    amqtt's websocket reader waits for a whole fixed header or body over as many messages as it
+    takes, and only that wait counted as heard: a client sending a 100 kB PUBLISH in 50 pieces,
+    one every 0.2 s, with keep-alive 2 was disconnected as silent after 3 s. Every websocket
+    message counts now (a TCP connection's every chunk already did)."""
+    broker = broker_factory(start=False)
+    broker.extra_plugins.update(PATHS["amqtt-reader"])
+    broker.ws_port = free_port()
+    broker.start()
+    sub = clients(broker.port, "sub", clean_session=True)
+    sub.subscribe("up/#", 0)
+    packet = publish_packet(b"up/big", b"p" * 100_000, 0)
+    step = -(-len(packet) // 50)
+    pieces = [packet[i : i + step] for i in range(0, len(packet), step)]
+    connect = connect_packet("uploader", clean=True, keepalive=2)
+
+    async def paced() -> None:
+        await asyncio.sleep(0.2)  # the client's slow uplink (the input under test, not a synchronisation)
+
+    if transport == "websocket":
+
+        async def upload() -> None:
+            async with ws_connect(f"ws://{HOST}:{broker.ws_port}/", subprotocols=["mqtt"]) as ws:  # type: ignore[list-item]
+                await ws.send(connect)
+                assert bytes(await ws.recv())[:2] == b"\x20\x02"  # type: ignore[arg-type]
+                for piece in pieces:
+                    await ws.send(piece)
+                    await paced()
+                got = sub.wait_messages(1)
+                assert len(got[0].payload) == 100_000
+
+        asyncio.run(upload())
+    else:
+
+        async def upload_tcp() -> None:
+            sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
+            sock.sendall(connect)
+            assert read_exactly(sock, 4)[:2] == b"\x20\x02"
+            for piece in pieces:
+                sock.sendall(piece)
+                await paced()
+            got = sub.wait_messages(1)
+            assert len(got[0].payload) == 100_000
+            sock.close()
+
+        asyncio.run(upload_tcp())
+    assert "uploader: nothing received for 1.5 keep-alive periods" not in broker.log()
 
 
 POSITIONS = 1800

@@ -2351,7 +2351,8 @@ class FastReader:
 
     def _watch_silence(self) -> SilenceWatch | None:
         """MQTT-3.1.2-24 on amqtt's own loop, which never ends a silent connection (see silence.py):
-        every chunk the connection receives counts as heard; 1.5 keep-alive periods without one
+        every chunk a TCP connection receives, and every message a websocket one receives (a
+        websocket ping is not one), counts as heard; 1.5 keep-alive periods without one
         end the connection as the server's decision (the will is published)."""
         if self._session.keep_alive <= 0:
             return None
@@ -2375,15 +2376,17 @@ class FastReader:
                 feed_data(data)
 
             stream.feed_data = feed
-        else:  # a websocket connection: its adapter's reads
-            read = reader.read
+        else:  # a websocket connection: every websocket message received (the adapter's read(n)
+            # waits for n bytes over as many messages as it takes: a PUBLISH sent in slow pieces)
+            protocol = reader._protocol
+            recv = protocol.recv
 
-            async def read_heard(n: int = -1) -> bytes:
-                data: bytes = await read(n)
+            async def recv_heard(*args: Any, **kwargs: Any) -> Any:
+                message = await recv(*args, **kwargs)
                 watch.heard()
-                return data
+                return message
 
-            reader.read = read_heard
+            protocol.recv = recv_heard
         watch.start()
         return watch
 
