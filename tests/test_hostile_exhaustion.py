@@ -216,21 +216,26 @@ STREAM_TOPICS = 40
 STREAM_EVENTS = 1000
 
 
+@pytest.mark.parametrize("name", ["s/{:03d}", "s/\u00e9{:03d}"], ids=["ascii", "non-ascii"])
 def test_a_consumer_acking_each_stream_event_as_fast_as_it_reads_is_not_disconnected(
-    broker_factory: Callable[..., Broker],
+    broker_factory: Callable[..., Broker], name: str
 ) -> None:
     """protocol.md allows a ``stream_ack`` per event. While the broker's writes to the connection
     were behind (stream events, not replies), each ack waited as a control request and counted
     toward max_pending_control_bytes: a consumer reading 40 topics with window 1000 as fast as it
     could was reset after some 26,500 events, logged as a client that does not read its replies.
-    An ack on an open stream has no reply: it is handled on arrival."""
+    An ack on an open stream has no reply: it is handled on arrival. While a request waits
+    (a stream_info here), acks still do not wait unless it is a stream_unsubscribe: on non-ASCII
+    topics every ack held a JSON escape (json.dumps writes \\u00e9, as the SDK does) and counted
+    as a possible unsubscribe, so they waited again and the consumer was reset after some 27,000
+    events."""
     broker = broker_factory(streams=[{"filter": "s/#", "max_count": 100000}])
     pub = socket.create_connection((HOST, broker.port), timeout=WAIT)
     pub.sendall(connect_packet("pub", clean=True))
     read_exactly(pub, 4)
     pub.sendall(
         b"".join(
-            publish_packet(f"s/{t:03d}".encode(), b"e" * 200, 1, packet_id=(t * STREAM_EVENTS + i) % 65535 + 1)
+            publish_packet(name.format(t).encode(), b"e" * 200, 1, packet_id=(t * STREAM_EVENTS + i) % 65535 + 1)
             for t in range(STREAM_TOPICS)
             for i in range(STREAM_EVENTS)
         )
@@ -245,7 +250,7 @@ def test_a_consumer_acking_each_stream_event_as_fast_as_it_reads_is_not_disconne
     prefix = b"$durable/v1/stream/"
     got = 0
     try:
-        for _ in range(STREAM_TOPICS * STREAM_EVENTS + 1):  # the events and the reply
+        for _ in range(STREAM_TOPICS * STREAM_EVENTS + 2):  # the events and the replies
             _, packet = read_packet(sock)
             (length,) = struct.unpack(">H", packet[:2])
             topic = packet[2 : 2 + length]
@@ -253,8 +258,11 @@ def test_a_consumer_acking_each_stream_event_as_fast_as_it_reads_is_not_disconne
                 continue
             event_id = struct.unpack(">BBQQd", packet[2 + length : 2 + length + 26])[3]
             ack = {"v": 1, "op": "stream_ack", "topic": topic[len(prefix) :].decode(), "id": event_id}
-            sock.sendall(publish_packet(CTL, json.dumps(ack).encode(), 0))
+            sock.sendall(publish_packet(CTL, json.dumps(ack).encode(), 0))  # ensure_ascii, as the SDK
             got += 1
+            if got == 2000:  # a request that waits its turn, ahead of the next acks
+                info = {"v": 1, "op": "stream_info", "req": 2, "filter": name.format(0)}
+                sock.sendall(publish_packet(CTL, json.dumps(info).encode(), 0))
     except OSError as exc:
         raise AssertionError(f"disconnected after {got} events: {exc!r}; {broker.log()[-1500:]}") from exc
     finally:
@@ -307,6 +315,60 @@ def test_acks_for_events_not_read_do_not_pour_the_log_into_the_broker_s_memory(
         raise AssertionError("no reply to stream_info")
     grown_kb = memory_kb(pid, "VmHWM") - before_kb
     sock.close()
+    assert grown_kb < 10_000, f"the broker grew by {grown_kb} kB for a client that had read nothing"
+
+
+APPEND_ROUNDS = 4000
+
+
+def test_acks_for_events_not_read_do_not_pour_the_log_out_while_events_are_appended(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """An ack taken on arrival while the client is behind held back only the refill of that ack:
+    the next append to the topic sent a window again, so a client that read nothing and acked
+    10**9 on each topic after every append had the broker write 10,910 events (11 MB) to it at
+    4,000 appends per topic, 2,950 (what the socket buffers take) with the topic held until the
+    client has read."""
+    broker = broker_factory(streams=[{"filter": "a/#", "max_count": 100000}])
+    assert broker.proc is not None
+    pid = broker.proc.pid
+    pub = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    pub.sendall(connect_packet("pub", clean=True))
+    read_exactly(pub, 4)
+    for t in range(AHEAD_TOPICS):
+        pub.sendall(
+            b"".join(
+                publish_packet(f"a/{t}".encode(), b"e" * 1000, 1, packet_id=i % 65535 + 1) for i in range(AHEAD_EVENTS)
+            )
+        )
+        read_exactly(pub, 4 * AHEAD_EVENTS)  # every PUBACK: stored
+    sock = starved_durable_client(broker.port, "ahead")
+    before_kb = memory_kb(pid, "VmRSS")
+    subscribe = {"v": 1, "op": "stream_subscribe", "req": 1, "filter": "a/#", "window": 10}
+    sock.sendall(publish_packet(CTL, json.dumps(subscribe).encode(), 0))
+    acks = b"".join(
+        publish_packet(CTL, json.dumps({"v": 1, "op": "stream_ack", "topic": f"a/{t}", "id": 10**9}).encode(), 0)
+        for t in range(AHEAD_TOPICS)
+    )
+    appends = b"".join(publish_packet(f"a/{t}".encode(), b"n", 1, packet_id=t + 1) for t in range(AHEAD_TOPICS))
+    for _ in range(APPEND_ROUNDS):
+        sock.sendall(acks)
+        pub.sendall(appends)
+        read_exactly(pub, 4 * AHEAD_TOPICS)  # stored, and the senders told
+    pub.close()
+    grown_kb = memory_kb(pid, "VmHWM") - before_kb
+    info = {"v": 1, "op": "stream_info", "req": 2, "filter": "a/#"}
+    sock.sendall(publish_packet(CTL, json.dumps(info).encode(), 0))
+    events = 0
+    for _ in range(AHEAD_TOPICS * (AHEAD_EVENTS + APPEND_ROUNDS) + 2):  # read until its reply
+        _, packet = read_packet(sock)
+        if packet.startswith(b"\x00\x11$durable/v1/reply") and b'"req":2' in packet:
+            break
+        events += packet[2:21] == b"$durable/v1/stream/"
+    else:
+        raise AssertionError("no reply to stream_info")
+    sock.close()
+    assert events < 6000, f"{events} events of 1 kB written to a client that had read nothing"
     assert grown_kb < 10_000, f"the broker grew by {grown_kb} kB for a client that had read nothing"
 
 

@@ -53,13 +53,6 @@ in memory (the queue entry, its tuple, str and bytes objects: some 150 bytes in 
 SHOWN_TOPIC_CHARS = 100
 """A topic under ``_durable/`` other than the control topic is kept (and shown in the
 ``unknown_topic`` error and log line) cut to this many characters and "...": it may be 65 kB long."""
-_UNSUBSCRIBE = b"stream_unsubscribe"
-
-
-def _may_unsubscribe(payload: bytes) -> bool:
-    """Whether a request may be a ``stream_unsubscribe``: it names the op, or holds a JSON escape
-    (which could spell it)."""
-    return _UNSUBSCRIBE in payload or b"\\" in payload
 
 
 class StreamAgent(Protocol):
@@ -168,11 +161,11 @@ class ControlChannel:
         self._streams: StreamAgent | None = None
         self._congested = congested
         self._end_connection = end_connection
-        self._waiting: deque[tuple[str, bytes, int]] = deque()
-        """Requests that wait: (topic, payload, bytes counted)."""
+        self._waiting: deque[tuple[str, bytes, int, bool]] = deque()
+        """Requests that wait: (topic, payload, bytes counted, is a stream_unsubscribe)."""
         self._unsubscribes_waiting = 0
-        """Waiting requests that may be a stream_unsubscribe (``_may_unsubscribe``): while one
-        waits, acks wait too, so an ack it would refuse is refused."""
+        """Waiting stream_unsubscribe requests: while one waits, acks wait too, so an ack it
+        would refuse is refused."""
         self._to_refill: set[str] = set()
         """Stream topics acked on arrival while congested: their next events wait for the client."""
         self._refiller: asyncio.Task[None] | None = None
@@ -188,13 +181,15 @@ class ControlChannel:
         while a request that waits is under way, or the client does not read what the broker
         sends it (``congested``), requests wait their turn in order, bounded in bytes (topic,
         payload and ``REQUEST_OVERHEAD`` each). Except a ``stream_ack`` on a stream open on
-        this connection, while no ``stream_unsubscribe`` waits: it has no reply and no waiting
+        this connection, naming no other client_id, while no ``stream_unsubscribe`` waits (an
+        ack that is not one of those waits in order, counted): it has no reply and no waiting
         request changes what it does, so it is handled on arrival (a consumer reading events as
         fast as they come, acking each, would otherwise fill the limit with acks). While the
         client is behind, the events such an ack makes room for are sent once it has read (an ack
         for ids not yet read must not pour the log into the broker's memory)."""
         if self._stopped:
             return
+        unsubscribe = False
         if self._worker is None and not self._congested():
             request = self._parse(topic, payload)
             if request is None:
@@ -202,48 +197,53 @@ class ControlChannel:
             if request.op not in _AWAITING_OPS:
                 self._run(request)
                 return
-        elif topic == CONTROL_TOPIC and self._ack_at_once(payload):
-            return
+        elif topic == CONTROL_TOPIC:
+            handled, unsubscribe = self._ack_at_once(payload)
+            if handled:
+                return
         size = len(topic) + len(payload) + REQUEST_OVERHEAD  # the topic as sent, though kept cut
         if topic != CONTROL_TOPIC:
             topic = _shown(topic)
         if not self._pending.admit(size):
             self._overflow()
             return
-        self._waiting.append((topic, payload, size))
-        if _may_unsubscribe(payload):
-            self._unsubscribes_waiting += 1
+        self._waiting.append((topic, payload, size, unsubscribe))
+        self._unsubscribes_waiting += unsubscribe
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._work())
 
-    def _ack_at_once(self, payload: bytes) -> bool:
-        """True once a ``stream_ack`` on an open stream is handled (it writes no reply)."""
-        if self._streams is None or self._unsubscribes_waiting:
-            return False
+    def _ack_at_once(self, payload: bytes) -> tuple[bool, bool]:
+        """(handled, is an unsubscribe) of a request to the control topic that would wait: handled
+        once a ``stream_ack`` on an open stream is done (it writes no reply); else whether it is
+        a valid ``stream_unsubscribe`` (one that waits holds back the acks after it)."""
         try:
             request = parse_request(payload)
         except ProtocolError:
-            return False  # refused in its turn, with its reply
+            return False, False  # refused in its turn, with its reply
+        if request.op == "stream_unsubscribe":
+            return False, True
         if (
             request.op != "stream_ack"
-            or request.client_id not in (None, self._client_id)
+            or self._streams is None
+            or self._unsubscribes_waiting
+            or request.client_id not in (None, self._client_id)  # refused in its turn
             or request.topic is None
             or not self._streams.is_open(request.topic)
         ):
-            return False
+            return False, False
         if not self._congested():
             self._run(request)
-            return True
+            return True, False
         assert request.id is not None  # parse_request requires it
         try:
             self._streams.ack(request.topic, request.id, refill=False)
         except Exception:  # as in _run: the reader loop must survive any one request
             log.exception("%s: control request stream_ack failed", self._client_id)
-            return True
+            return True, False
         self._to_refill.add(request.topic)
         if self._refiller is None:
             self._refiller = asyncio.get_running_loop().create_task(self._refill())
-        return True
+        return True, False
 
     async def _refill(self) -> None:
         """Once the client has read, send the events the acks taken on arrival made room for."""
@@ -306,10 +306,9 @@ class ControlChannel:
                         await self._transport.drain()
                     if self._stopped or self._transport.closed:
                         break
-                topic, payload, size = self._waiting.popleft()
+                topic, payload, size, unsubscribe = self._waiting.popleft()
                 self._pending.done(size)
-                if _may_unsubscribe(payload):
-                    self._unsubscribes_waiting -= 1
+                self._unsubscribes_waiting -= unsubscribe
                 request = self._parse(topic, payload)
                 if request is None:
                     continue

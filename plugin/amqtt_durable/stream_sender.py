@@ -54,7 +54,8 @@ class _Cursor:
     """One topic of one connection: the next id to send and the ids in flight."""
 
     __slots__ = (
-        "acked", "closed", "inflight", "next_id", "read_failures", "resends", "timer", "topic", "topic_bytes", "window",
+        "acked", "closed", "held", "inflight", "next_id", "read_failures", "resends", "timer", "topic", "topic_bytes",
+        "window",
     )  # fmt: skip
 
     def __init__(self, topic: str, window: int, start: int) -> None:
@@ -69,6 +70,9 @@ class _Cursor:
         self.timer: asyncio.TimerHandle | None = None
         """The resend timer; after a failed read, the retry of that read."""
         self.closed = False
+        self.held = False
+        """Set by ``ack(refill=False)``: no new event is sent (whatever appends come) until
+        ``refill``; resends of ids in flight still go."""
         self.read_failures = 0
         self.resends = 0
         """Resends since the client last acknowledged progress: each doubles the wait for the next."""
@@ -240,14 +244,17 @@ class StreamSender:
         return topic in self._cursors
 
     def refill(self, topic: str) -> None:
-        """Send the next events of ``topic`` up to its window (after an ``ack`` without refill)."""
+        """Send the next events of ``topic`` up to its window again (held since an ``ack`` without refill)."""
         cursor = self._cursors.get(topic)
         if cursor is not None:
+            cursor.held = False
             self._pump(cursor)
 
     def ack(self, topic: str, event_id: int, refill: bool = True) -> None:
-        """Cumulative: every in-flight id <= ``event_id`` is done; then the next go out (unless
-        ``refill`` is False: ``refill(topic)`` sends them later)."""
+        """Cumulative: every in-flight id <= ``event_id`` is done; then the next go out. With
+        ``refill`` False the topic is held instead: no new event of it is sent, not even on an
+        append, until ``refill(topic)`` (or an ack with refill); resends of ids still in flight
+        go on, at most a window per backed-off ack timeout."""
         cursor = self._cursors.get(topic)
         if cursor is None:
             raise ProtocolError("unknown_stream", f"no open stream on {topic!r}")
@@ -264,6 +271,7 @@ class StreamSender:
             if not cursor.inflight and cursor.timer is not None:
                 cursor.timer.cancel()
                 cursor.timer = None
+        cursor.held = not refill
         if refill:
             self._pump(cursor)
 
@@ -408,8 +416,8 @@ class StreamSender:
             cursor.next_id = first
 
     def _pump(self, cursor: _Cursor) -> None:
-        """Fill the window: one read of up to ``room`` events."""
-        if self._stopped or cursor.closed or self._transport.closed:
+        """Fill the window: one read of up to ``room`` events (none while the cursor is held)."""
+        if self._stopped or cursor.closed or cursor.held or self._transport.closed:
             return
         bounds = self._logs.bounds(cursor.topic)
         if bounds is None:

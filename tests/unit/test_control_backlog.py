@@ -160,6 +160,79 @@ def test_a_stream_ack_on_an_open_stream_is_handled_on_arrival_and_its_events_wai
     run_streams(body)
 
 
+def test_an_ack_taken_while_the_client_is_behind_holds_its_topic_until_the_client_reads(db: Any) -> None:
+    """The ack without refill skipped only its own refill: the next append sent a window of new
+    events to the client that had not read, and acks after each append poured the log out."""
+    logs, committer = make_logs(db)
+    for _ in range(3):
+        put(logs, committer, "s/a")
+
+    async def body() -> None:
+        transport = SlowReader()
+        sender = StreamSender(logs, transport, default_window=2, ack_timeout=60.0)
+        await sender.subscribe("s/#")
+        await transport.wait_for(lambda ps: len(ps) == 2)
+        sender.ack("s/a", 10**9, refill=False)
+        for _ in range(3):
+            put(logs, committer, "s/a")
+            await passes()
+        assert len(transport.packets) == 2, "an append sent events to a topic held since an ack without refill"
+        sender.refill("s/a")
+        await transport.wait_for(lambda ps: len(ps) == 4)  # the next window once the client reads
+        sender.stop()
+
+    run_streams(body)
+
+
+def test_only_a_waiting_stream_unsubscribe_makes_acks_wait_however_it_is_spelled(db: Any) -> None:
+    """Any waiting request whose payload held a backslash counted as a possible unsubscribe, and
+    json.dumps escapes every non-ASCII character: each ack on such a topic waited (and held the
+    next ones back) until max_pending_control_bytes closed the connection. The op is parsed: an
+    ack on a non-ASCII topic is handled on arrival while another request waits, a
+    stream_unsubscribe spelled with escapes still holds acks back, and an ack naming another
+    client id waits to be refused in its turn."""
+    logs, committer = make_logs(db)
+    for _ in range(6):
+        put(logs, committer, "s/\u00e9")
+
+    async def body() -> None:
+        transport = SlowReader()
+        sender = StreamSender(logs, transport, default_window=3, ack_timeout=60.0)
+        channel = ControlChannel(
+            None,  # type: ignore[arg-type]  # stream ops only
+            transport,
+            "dev",
+            True,
+            open_streams=lambda: sender,
+            congested=lambda: transport.congested,
+            max_pending_bytes=10_000,
+        )
+        channel.submit(CONTROL_TOPIC, encode_request("stream_subscribe", 1, filter="s/#"))
+        await transport.wait_for(lambda ps: len(ps) == 4)  # the reply and a window of 3 events
+        transport.congested = True
+        channel.submit(CONTROL_TOPIC, b"not json")  # waits its turn (then refused)
+        ack = encode_request("stream_ack", topic="s/\u00e9", id=1)
+        assert b"\\u00e9" in ack
+        channel.submit(CONTROL_TOPIC, ack)
+        assert sender.cursors["s/\u00e9"] == (4, 2), "an ack on a non-ASCII topic waited"
+        channel.submit(CONTROL_TOPIC, encode_request("stream_ack", 3, client_id="other", topic="s/\u00e9", id=2))
+        assert sender.cursors["s/\u00e9"] == (4, 2), "an ack naming another client id was handled on arrival"
+        channel.submit(CONTROL_TOPIC, encode_request("stream_ack", topic="s/\u00e9", id=2))
+        assert sender.cursors["s/\u00e9"] == (4, 1), "an ack waited behind one that is not an unsubscribe"
+        escaped = b'{"v":1,"op":"stream_\\u0075nsubscribe","req":4,"filter":"s/#"}'
+        channel.submit(CONTROL_TOPIC, escaped)
+        channel.submit(CONTROL_TOPIC, encode_request("stream_ack", 5, topic="s/\u00e9", id=3))
+        assert sender.cursors["s/\u00e9"] == (4, 1), "an ack was handled on arrival while an unsubscribe waited"
+        transport.reads.set()
+        packets = await transport.wait_for(lambda ps: sum(p.topic == "$durable/v1/reply" for p in ps) == 5)
+        replies = [json.loads(p.payload) for p in packets if p.topic == "$durable/v1/reply"]
+        expected = [(1, True), (None, False), (3, False), (4, True), (5, False)]
+        assert [(r["req"], r["ok"]) for r in replies] == expected, replies
+        sender.stop()
+
+    run_streams(body)
+
+
 class BrokenLink(SlowReader):
     """A connection whose wait for the client ends in an OSError other than ConnectionError."""
 
