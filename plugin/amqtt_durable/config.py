@@ -157,8 +157,9 @@ class DurableConfig:
     """Bytes of control requests (``_durable/v1/ctl``) one connection may have waiting to be
     handled, each counted as its topic, its payload and 200 bytes; past it the connection is
     closed. Requests wait while the client does not read what the broker sends it (more unsent
-    than the socket's 64 KiB write buffer; a ``stream_ack`` on an open stream does not): a request of 45
-    bytes can ask for a reply of a megabyte (``hello`` lists the session's subscriptions), so a
+    than the socket's 64 KiB write buffer; a ``stream_ack`` on an open stream, naming no other
+    client_id, does not, except while a ``stream_unsubscribe`` waits): a request of 45 bytes can
+    ask for a reply of a megabyte (``hello`` lists the session's subscriptions), so a
     client sending requests without reading their replies made the broker hold every reply.
     0 means no limit (requests still wait for the client to read)."""
 
