@@ -158,7 +158,8 @@ class DurableConfig:
     handled, each counted as its topic, its payload and 200 bytes; past it the connection is
     closed. Requests wait while the client does not read what the broker sends it (more unsent
     than the socket's 64 KiB write buffer; a ``stream_ack`` on an open stream, naming no other
-    client_id, does not, except while a ``stream_unsubscribe`` waits): a request of 45 bytes can
+    client_id, does not, except while a waiting ``stream_unsubscribe``'s filter matches its
+    topic): a request of 45 bytes can
     ask for a reply of a megabyte (``hello`` lists the session's subscriptions), so a
     client sending requests without reading their replies made the broker hold every reply.
     0 means no limit (requests still wait for the client to read)."""

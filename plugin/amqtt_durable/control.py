@@ -22,7 +22,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
@@ -41,6 +41,7 @@ from durable_protocol import (
 
 from .delivery import Transport
 from .engine import DurableEngine, DurableSession
+from .topics import matches
 from .wire import encode_publish
 
 log = logging.getLogger("amqtt_durable")
@@ -161,11 +162,11 @@ class ControlChannel:
         self._streams: StreamAgent | None = None
         self._congested = congested
         self._end_connection = end_connection
-        self._waiting: deque[tuple[str, bytes, int, bool]] = deque()
-        """Requests that wait: (topic, payload, bytes counted, is a stream_unsubscribe)."""
-        self._unsubscribes_waiting = 0
-        """Waiting stream_unsubscribe requests: while one waits, acks wait too, so an ack it
-        would refuse is refused."""
+        self._waiting: deque[tuple[str, bytes, int, str | None]] = deque()
+        """Requests that wait: (topic, payload, bytes counted, the filter of a stream_unsubscribe)."""
+        self._unsubscribes_waiting: Counter[str] = Counter()
+        """Filters of the waiting stream_unsubscribe requests: an ack on a topic one of them matches
+        waits too, so an ack it would refuse is refused; acks on other topics do not wait for it."""
         self._to_refill: set[str] = set()
         """Stream topics acked on arrival while congested: their next events wait for the client."""
         self._refiller: asyncio.Task[None] | None = None
@@ -181,15 +182,16 @@ class ControlChannel:
         while a request that waits is under way, or the client does not read what the broker
         sends it (``congested``), requests wait their turn in order, bounded in bytes (topic,
         payload and ``REQUEST_OVERHEAD`` each). Except a ``stream_ack`` on a stream open on
-        this connection, naming no other client_id, while no ``stream_unsubscribe`` waits (an
-        ack that is not one of those waits in order, counted): it has no reply and no waiting
+        this connection, naming no other client_id, while no waiting ``stream_unsubscribe``'s
+        filter matches its topic (an ack that is not one of those waits in order, counted): it
+        has no reply and no waiting
         request changes what it does, so it is handled on arrival (a consumer reading events as
         fast as they come, acking each, would otherwise fill the limit with acks). While the
         client is behind, the events such an ack makes room for are sent once it has read (an ack
         for ids not yet read must not pour the log into the broker's memory)."""
         if self._stopped:
             return
-        unsubscribe = False
+        unsubscribe: str | None = None
         if self._worker is None and not self._congested():
             request = self._parse(topic, payload)
             if request is None:
@@ -201,6 +203,11 @@ class ControlChannel:
             handled, unsubscribe = self._ack_at_once(payload)
             if handled:
                 return
+        self._wait(topic, payload, unsubscribe)
+
+    def _wait(self, topic: str, payload: bytes, unsubscribe: str | None) -> None:
+        """Queue a request for its turn (``unsubscribe``: the filter of a stream_unsubscribe), or
+        close the connection past ``max_pending_control_bytes``."""
         size = len(topic) + len(payload) + REQUEST_OVERHEAD  # the topic as sent, though kept cut
         if topic != CONTROL_TOPIC:
             topic = _shown(topic)
@@ -208,42 +215,45 @@ class ControlChannel:
             self._overflow()
             return
         self._waiting.append((topic, payload, size, unsubscribe))
-        self._unsubscribes_waiting += unsubscribe
+        if unsubscribe is not None:
+            self._unsubscribes_waiting[unsubscribe] += 1
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._work())
 
-    def _ack_at_once(self, payload: bytes) -> tuple[bool, bool]:
-        """(handled, is an unsubscribe) of a request to the control topic that would wait: handled
-        once a ``stream_ack`` on an open stream is done (it writes no reply); else whether it is
-        a valid ``stream_unsubscribe`` (one that waits holds back the acks after it)."""
+    def _ack_at_once(self, payload: bytes) -> tuple[bool, str | None]:
+        """(handled, the filter of a stream_unsubscribe) of a request to the control topic that
+        would wait: handled once a ``stream_ack`` on an open stream is done (it writes no reply);
+        else the filter of a valid ``stream_unsubscribe`` (while it waits, it holds back the acks
+        on topics it matches)."""
         try:
             request = parse_request(payload)
         except ProtocolError:
-            return False, False  # refused in its turn, with its reply
+            return False, None  # refused in its turn, with its reply
         if request.op == "stream_unsubscribe":
-            return False, True
+            topic_filter = request.filter or "#"
+            return False, topic_filter if filter_is_valid(topic_filter) else None  # a bad one changes nothing
         if (
             request.op != "stream_ack"
             or self._streams is None
-            or self._unsubscribes_waiting
             or request.client_id not in (None, self._client_id)  # refused in its turn
             or request.topic is None
             or not self._streams.is_open(request.topic)
+            or any(matches(request.topic, topic_filter) for topic_filter in self._unsubscribes_waiting)
         ):
-            return False, False
+            return False, None
         if not self._congested():
             self._run(request)
-            return True, False
+            return True, None
         assert request.id is not None  # parse_request requires it
         try:
             self._streams.ack(request.topic, request.id, refill=False)
         except Exception:  # as in _run: the reader loop must survive any one request
             log.exception("%s: control request stream_ack failed", self._client_id)
-            return True, False
+            return True, None
         self._to_refill.add(request.topic)
         if self._refiller is None:
             self._refiller = asyncio.get_running_loop().create_task(self._refill())
-        return True, False
+        return True, None
 
     async def _refill(self) -> None:
         """Once the client has read, send the events the acks taken on arrival made room for."""
@@ -255,7 +265,10 @@ class ControlChannel:
                     break
                 topics, self._to_refill = self._to_refill, set()
                 for topic in sorted(topics):
-                    self._streams.refill(topic)
+                    try:
+                        self._streams.refill(topic)
+                    except Exception:  # one topic's failure must not leave the others held for good
+                        log.exception("%s: sending stream events of %r after acks failed", self._client_id, topic)
         except Exception:
             log.exception("%s: sending stream events after acks failed", self._client_id)
         finally:
@@ -280,7 +293,7 @@ class ControlChannel:
         self._stopped = True
         self._waiting.clear()
         self._pending.clear()
-        self._unsubscribes_waiting = 0
+        self._unsubscribes_waiting.clear()
         if self._end_connection is not None and self._ending is None:
             self._ending = asyncio.get_running_loop().create_task(self._end_connection())
 
@@ -292,7 +305,7 @@ class ControlChannel:
         self._stopped = True
         self._waiting.clear()
         self._pending.clear()
-        self._unsubscribes_waiting = 0
+        self._unsubscribes_waiting.clear()
         self._to_refill.clear()
         if self._streams is not None:
             self._streams.stop()
@@ -308,7 +321,8 @@ class ControlChannel:
                         break
                 topic, payload, size, unsubscribe = self._waiting.popleft()
                 self._pending.done(size)
-                self._unsubscribes_waiting -= unsubscribe
+                if unsubscribe is not None:
+                    self._unsubscribes_waiting -= Counter((unsubscribe,))  # drops a filter at 0
                 request = self._parse(topic, payload)
                 if request is None:
                     continue

@@ -122,7 +122,7 @@ def test_past_max_pending_control_bytes_the_connection_is_ended_and_nothing_more
 
 def test_a_stream_ack_on_an_open_stream_is_handled_on_arrival_and_its_events_wait_for_the_reader(db: Any) -> None:
     """An ack has no reply: it does not wait behind requests held for a client that is behind,
-    but the events it makes room for do; while a stream_unsubscribe waits, acks wait in order (an
+    but the events it makes room for do; while a stream_unsubscribe of its topic waits, acks wait in order (an
     ack it closes the stream for is refused, as in order)."""
     logs, committer = make_logs(db)
     for _ in range(5):
@@ -228,6 +228,47 @@ def test_only_a_waiting_stream_unsubscribe_makes_acks_wait_however_it_is_spelled
         replies = [json.loads(p.payload) for p in packets if p.topic == "$durable/v1/reply"]
         expected = [(1, True), (None, False), (3, False), (4, True), (5, False)]
         assert [(r["req"], r["ok"]) for r in replies] == expected, replies
+        sender.stop()
+
+    run_streams(body)
+
+
+
+def test_a_waiting_stream_unsubscribe_holds_back_only_the_acks_on_topics_its_filter_matches(db: Any) -> None:
+    """Every ack waited behind any waiting stream_unsubscribe, counted: a consumer acking each event
+    that unsubscribed one filter while behind was disconnected by max_pending_control_bytes (review
+    160: 26,531 of 40,000 events). An unsubscribe changes only the topics its filter matches, so
+    only acks on those wait for it."""
+    logs, committer = make_logs(db)
+    for topic in ("s/a", "s/b"):
+        for _ in range(4):
+            put(logs, committer, topic)
+
+    async def body() -> None:
+        transport = SlowReader()
+        sender = StreamSender(logs, transport, default_window=2, ack_timeout=60.0)
+        channel = ControlChannel(
+            None,  # type: ignore[arg-type]  # stream ops only
+            transport,
+            "dev",
+            True,
+            open_streams=lambda: sender,
+            congested=lambda: transport.congested,
+            max_pending_bytes=10_000,
+        )
+        channel.submit(CONTROL_TOPIC, encode_request("stream_subscribe", 1, filter="s/a"))
+        channel.submit(CONTROL_TOPIC, encode_request("stream_subscribe", 4, filter="s/b"))
+        await transport.wait_for(lambda ps: len(ps) == 6)  # two replies and a window of 2 on each topic
+        transport.congested = True
+        channel.submit(CONTROL_TOPIC, encode_request("stream_unsubscribe", 2, filter="s/b"))
+        channel.submit(CONTROL_TOPIC, encode_request("stream_ack", topic="s/a", id=1))
+        assert sender.cursors["s/a"] == (3, 1), "an ack on a topic the waiting unsubscribe does not match waited"
+        channel.submit(CONTROL_TOPIC, encode_request("stream_ack", 3, topic="s/b", id=1))
+        assert sender.cursors["s/b"] == (3, 2), "an ack on the topic the waiting unsubscribe closes was handled first"
+        transport.reads.set()
+        packets = await transport.wait_for(lambda ps: sum(p.topic == "$durable/v1/reply" for p in ps) == 4)
+        replies = [json.loads(p.payload) for p in packets if p.topic == "$durable/v1/reply"]
+        assert [(r["req"], r["ok"]) for r in replies] == [(1, True), (4, True), (2, True), (3, False)], replies
         sender.stop()
 
     run_streams(body)
