@@ -80,6 +80,8 @@ EDGES: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     ({"max_pending_clean": 0}, {"max_pending_clean": -1}, "max_pending_clean"),
     ({"max_pending_bytes_clean": 0}, {"max_pending_bytes_clean": -1}, "max_pending_bytes_clean"),
     ({"max_awaiting_pubrel": 0}, {"max_awaiting_pubrel": -1}, "max_awaiting_pubrel"),
+    ({"max_stream_entries_per_client": 0}, {"max_stream_entries_per_client": -1}, "max_stream_entries_per_client"),
+    ({"max_pending_control_bytes": 0}, {"max_pending_control_bytes": -1}, "max_pending_control_bytes"),
     ({"listen_backlog": 1}, {"listen_backlog": 0}, "listen_backlog"),
     ({"streams": [{"filter": "a/#", "max_count": 1, "max_age": 0}]},
      {"streams": [{"filter": "a/#", "max_count": 0}]}, "streams[0].max_count"),
@@ -478,6 +480,8 @@ def test_broker_yaml_comment_defaults_are_the_code_s() -> None:
         "max_pending_bytes_clean": r"\(default \d+ and (\d+) = 16 MiB;",
         "max_awaiting_pubrel": r"awaiting their PUBREL \(default (\d+);",
         "listen_backlog": r"accepts them \(default (\d+),",
+        "max_stream_entries_per_client": r"without\s+#\s+a log \(default (\d+);",
+        "max_pending_control_bytes": r"waiting to be handled\s+#\s+\(default (\d+) = 1 MiB;",
     }
     for key, pattern in said.items():
         found = re.search(pattern, text)

@@ -170,6 +170,7 @@ from .replication.etcd import EtcdCoordinator
 from .replication.node import ReplicationNode
 from .replication.primary import Primary
 from .settings import socket_backlog
+from .silence import SilenceWatch
 from .stream_sender import StreamSender
 from .topics import SubscriptionIndex, TopicIndex, topic_problem
 from .wire import PacketReader, encode_puback, encode_pubcomp
@@ -758,6 +759,10 @@ class RetainedTable(UserDict[str, RetainedApplicationMessage]):
         return [(topic, data[topic]) for topic in self.topics.matching(topic_filter)]
 
 
+WS_HIGH_WATER = 65_536
+"""Bytes written to a websocket connection in one loop pass past which it counts as congested."""
+
+
 class HandlerTransport:
     """A pump's view of one client connection: raw writes, and acks taken before amqtt sees them.
 
@@ -772,6 +777,7 @@ class HandlerTransport:
         self.ack_runs: AckRuns | None = None
         """The pump of this connection, told where a run of acks (take_acks) begins and ends."""
         self._pending: list[bytes] = []
+        self._pending_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -784,9 +790,22 @@ class HandlerTransport:
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._flush)
         self._pending.append(data)
+        self._pending_bytes += len(data)
+
+    @property
+    def congested(self) -> bool:
+        """More is unsent to the client than its socket's write buffer limit (asyncio's high-water
+        mark, 64 KiB): it does not read as fast as it is written to, and ``drain`` would wait."""
+        writer = self._handler.writer
+        if isinstance(writer, StreamWriterAdapter):
+            transport = writer._writer.transport
+            high: int = transport.get_write_buffer_limits()[1]
+            return self._pending_bytes + int(transport.get_write_buffer_size()) > high
+        return bool(self._tasks) or self._pending_bytes > WS_HIGH_WATER  # a websocket write is done once drained
 
     def _flush(self) -> None:
         data, self._pending = b"".join(self._pending), []
+        self._pending_bytes = 0
         if not data or self.closed:
             return
         writer = self._handler.writer
@@ -1824,7 +1843,12 @@ def _stop_waiting_for_a_reader_that_may_never_run(
     (a device giving up) whose client id connected again at once was taken over inside amqtt's
     CONNECT handling before its reader ran, and the new connection never got its CONNACK. Once
     the task has ended, however it ended, the events are set (``_reader_ready`` too: the old
-    connection's set-up then goes on, and its message loop ends as a superseded connection's does)."""
+    connection's set-up then goes on, and its message loop ends as a superseded connection's does).
+
+    Its ``writer.close()`` then waits for the unsent bytes to drain: for a client that does not
+    read (its socket full), for ever, and the connection kept its listener slot, its handler and
+    every unsent byte. A TCP connection still open CLOSE_GRACE after ``stop()`` began is aborted
+    (``close_socket``'s bound), which ends that wait."""
 
     def reader_ended(_task: Any) -> None:
         handler._reader_ready.set()
@@ -1834,7 +1858,15 @@ def _stop_waiting_for_a_reader_that_may_never_run(
         task = handler._reader_task
         if task is not None and not task.done():
             task.add_done_callback(reader_ended)
-        await original()
+        writer = handler.writer
+        abort = None
+        if isinstance(writer, StreamWriterAdapter):
+            abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, writer._writer.transport.abort)
+        try:
+            await original()
+        finally:
+            if abort is not None:
+                abort.cancel()
 
     return stop
 
@@ -1947,6 +1979,9 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
             default_window=config.stream_window,
             ack_timeout=config.stream_ack_timeout,
             may_receive=may_receive if acl else None,
+            max_entries=config.max_stream_entries_per_client,
+            client_id=session.client_id,
+            log_interval=config.drop_log_interval,
         )
 
     return ControlChannel(
@@ -1958,6 +1993,10 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
         open_streams=open_streams,
         may_subscribe=may_subscribe if acl else None,
         may_receive=may_receive if acl else None,
+        congested=lambda: bool(handler.durable_transport.congested),
+        end_connection=partial(end_connection, handler),
+        max_pending_bytes=config.max_pending_control_bytes,
+        log_interval=config.drop_log_interval,
     )
 
 
@@ -2310,6 +2349,47 @@ class FastReader:
                 self._settling.add(task)
                 task.add_done_callback(self._settling.discard)
 
+    def _watch_silence(self) -> SilenceWatch | None:
+        """MQTT-3.1.2-24 on amqtt's own loop, which never ends a silent connection (see silence.py):
+        every chunk a TCP connection receives, and every message a websocket one receives (a
+        websocket ping is not one), counts as heard; 1.5 keep-alive periods without one
+        end the connection as the server's decision (the will is published)."""
+        if self._session.keep_alive <= 0:
+            return None
+        handler = self._handler
+        client_id = self._session.client_id
+
+        def silent() -> None:
+            log.info("%s: nothing received for 1.5 keep-alive periods: disconnecting", client_id)
+            task = asyncio.get_running_loop().create_task(end_connection(handler))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+        watch = SilenceWatch(1.5 * self._session.keep_alive, silent)
+        reader = handler.reader
+        if isinstance(reader, StreamReaderAdapter):
+            stream = reader._reader
+            feed_data = stream.feed_data
+
+            def feed(data: bytes) -> None:
+                watch.heard()
+                feed_data(data)
+
+            stream.feed_data = feed
+        else:  # a websocket connection: every websocket message received (the adapter's read(n)
+            # waits for n bytes over as many messages as it takes: a PUBLISH sent in slow pieces)
+            protocol = reader._protocol
+            recv = protocol.recv
+
+            async def recv_heard(*args: Any, **kwargs: Any) -> Any:
+                message = await recv(*args, **kwargs)
+                watch.heard()
+                return message
+
+            protocol.recv = recv_heard
+        watch.start()
+        return watch
+
     async def _read_loop(self, stream: asyncio.StreamReader, keepalive: float | None) -> None:
         """Read and handle packets until EOF or ``keepalive`` seconds of silence."""
         framing = PacketReader(self._max_packet_size)
@@ -2334,7 +2414,12 @@ class FastReader:
             or MQTTEvents.PACKET_RECEIVED in plugins._event_plugin_callbacks
             or plugins._topic_plugins
         ):
-            await self._original_loop()
+            watch = self._watch_silence()
+            try:
+                await self._original_loop()
+            finally:
+                if watch is not None:
+                    watch.stop()
             return
         stream = handler.reader._reader
         # MQTT-3.1.2-24: silent for 1.5 keep-alive periods means gone (amqtt only logs it, which

@@ -146,6 +146,24 @@ class DurableConfig:
     limit. amqtt holds each such message in memory until its PUBREL: a client that never sends
     PUBREL could make it hold 65535 packets per connection."""
 
+    max_stream_entries_per_client: int = 10_000
+    """Stream filters (``stream_subscribe``) one connection may hold open, plus the positions it
+    presented in ``after`` for topics that have no log yet (kept until such a log appears); a
+    ``stream_subscribe`` past it is refused (``malformed``) and changes nothing. Both stay until
+    the connection ends: without a bound a client added some 1,800 positions per 64 kB request
+    (52 MB of broker memory for 11 MB sent), without end. 0 means no limit."""
+
+    max_pending_control_bytes: int = 1_048_576
+    """Bytes of control requests (``_durable/v1/ctl``) one connection may have waiting to be
+    handled, each counted as its topic, its payload and 200 bytes; past it the connection is
+    closed. Requests wait while the client does not read what the broker sends it (more unsent
+    than the socket's 64 KiB write buffer; a ``stream_ack`` on an open stream, naming no other
+    client_id, does not, except while a waiting ``stream_unsubscribe``'s filter matches its
+    topic): a request of 45 bytes can
+    ask for a reply of a megabyte (``hello`` lists the session's subscriptions), so a
+    client sending requests without reading their replies made the broker hold every reply.
+    0 means no limit (requests still wait for the client to read)."""
+
     listen_backlog: int = LISTEN_BACKLOG
     """Connections the kernel holds for each TCP listener, and for the replication address, until
     the broker accepts them (the listen backlog; amqtt's and asyncio's is 100). Past it, Linux
@@ -280,13 +298,24 @@ def _check_counts(config: DurableConfig) -> None:
         raise ConfigError("stream_window", f"must be between 1 and {MAX_STREAM_WINDOW}, got {config.stream_window!r}")
     if config.listen_backlog < 1:
         raise ConfigError("listen_backlog", f"must be a whole number, 1 or more, got {config.listen_backlog!r}")
-    for key in ("max_subscriptions_per_client", "max_pending_clean", "max_awaiting_pubrel"):
+    for key in (
+        "max_subscriptions_per_client",
+        "max_pending_clean",
+        "max_awaiting_pubrel",
+        "max_stream_entries_per_client",
+    ):
         if getattr(config, key) < 0:
             raise ConfigError(key, f"must be a whole number, 0 (no limit) or more, got {getattr(config, key)!r}")
 
 
 def _check_byte_limits(config: DurableConfig) -> None:
-    for key in ("max_bytes", "max_bytes_disconnected", "max_pending_bytes_clean", "max_subscription_bytes_per_client"):
+    for key in (
+        "max_bytes",
+        "max_bytes_disconnected",
+        "max_pending_bytes_clean",
+        "max_subscription_bytes_per_client",
+        "max_pending_control_bytes",
+    ):
         if getattr(config, key) < 0:
             raise ConfigError(key, f"must be 0 (no limit) or more bytes, got {getattr(config, key)!r}")
     if 0 < config.max_bytes_disconnected < config.max_bytes:

@@ -4,14 +4,26 @@ The glue hands over every PUBLISH under ``_durable/``; nothing here imports amqt
 acts only on the connection's own session, and only for the user that owns it; a refused one
 changes nothing, and every reply (or error) goes back to this connection alone on
 ``$durable/v1/reply``.
+
+Replies are not written faster than the client reads them: while the broker holds more unsent
+for the connection than its socket's write buffer limit (``congested``), later requests wait in
+order until the client reads, and past ``max_pending_control_bytes`` of waiting requests the
+connection is closed (a request of 45 bytes can ask for a reply of a megabyte: ``hello`` lists
+the session's subscriptions). A waiting request counts its topic, its payload and
+``REQUEST_OVERHEAD`` (an empty request still takes memory to hold). A ``stream_ack`` on an open
+stream, which has no reply, is handled on arrival instead of waiting (see ``submit``); the events
+it makes room for wait for the client to read, as replies do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections import deque
-from collections.abc import Awaitable, Callable
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from durable_protocol import (
@@ -29,12 +41,19 @@ from durable_protocol import (
 
 from .delivery import Transport
 from .engine import DurableEngine, DurableSession
+from .topics import matches
 from .wire import encode_publish
 
 log = logging.getLogger("amqtt_durable")
 
 _REPLY_TOPIC = REPLY_TOPIC.encode()
 _AWAITING_OPS = frozenset({"end_session", "stream_subscribe", "stream_info"})
+REQUEST_OVERHEAD = 200
+"""Bytes counted for each waiting request besides its topic and payload: what holding one costs
+in memory (the queue entry, its tuple, str and bytes objects: some 150 bytes in CPython 3.12)."""
+SHOWN_TOPIC_CHARS = 100
+"""A topic under ``_durable/`` other than the control topic is kept (and shown in the
+``unknown_topic`` error and log line) cut to this many characters and "...": it may be 65 kB long."""
 
 
 class StreamAgent(Protocol):
@@ -42,11 +61,75 @@ class StreamAgent(Protocol):
 
     async def subscribe(self, topic_filter: str, after: dict[str, int], window: int | None) -> dict[str, Any]: ...
 
-    def ack(self, topic: str, event_id: int) -> None: ...
+    def ack(self, topic: str, event_id: int, refill: bool = True) -> None: ...
+
+    def refill(self, topic: str) -> None: ...
+
+    def is_open(self, topic: str) -> bool: ...
 
     def unsubscribe(self, topic_filter: str) -> bool: ...
 
     def stop(self) -> None: ...
+
+
+class LogBudget:
+    """At most one log line per ``interval`` seconds (``drop_log_interval``) for one connection's
+    refusals; the lines left out are counted and the next line says how many. A client sending
+    refused requests as fast as it can wrote one line (some 200 bytes) per request of 30."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._last = -math.inf
+        self.left_out = 0
+
+    def take(self) -> int | None:
+        """None: leave this line out (counted); else log it, with this many left out since the last."""
+        now = self._clock()
+        if now - self._last < self.interval:
+            self.left_out += 1
+            return None
+        self._last = now
+        left_out, self.left_out = self.left_out, 0
+        return left_out
+
+
+class PendingRequests:
+    """The bytes of one connection's control requests waiting to be handled, against
+    ``max_pending_control_bytes`` (0: no limit)."""
+
+    def __init__(self, client_id: str, limit: int) -> None:
+        self.client_id = client_id
+        self.limit = limit
+        self.count = 0
+        self.bytes = 0
+
+    def admit(self, size: int) -> bool:
+        """Count one more waiting request of ``size`` bytes; False (nothing counted) past the
+        limit. One request always fits when none waits, whatever its size."""
+        if self.limit and self.count and self.bytes + size > self.limit:
+            return False
+        self.count += 1
+        self.bytes += size
+        return True
+
+    def done(self, size: int) -> None:
+        self.count -= 1
+        self.bytes -= size
+
+    def clear(self) -> None:
+        self.count = self.bytes = 0
+
+    def warn(self) -> None:
+        log.warning(
+            "closing the connection of %s: %d control request(s) counted as %d bytes wait to be handled while "
+            "the broker has not written earlier replies or stream events to the client (it reads slower than it "
+            "sends requests), max_pending_control_bytes is %d (0 = no limit)",
+            self.client_id,
+            self.count,
+            self.bytes,
+            self.limit,
+        )
 
 
 class ControlChannel:
@@ -63,6 +146,10 @@ class ControlChannel:
         open_streams: Callable[[], StreamAgent],
         may_subscribe: Callable[[str], Awaitable[bool]] | None = None,
         may_receive: Callable[[str], Awaitable[bool]] | None = None,
+        congested: Callable[[], bool] = lambda: False,
+        end_connection: Callable[[], Coroutine[Any, Any, None]] | None = None,
+        max_pending_bytes: int = 0,
+        log_interval: float = 0.0,
     ) -> None:
         self._engine = engine
         self._transport = transport
@@ -73,44 +160,172 @@ class ControlChannel:
         self._may_subscribe = may_subscribe
         self._may_receive = may_receive
         self._streams: StreamAgent | None = None
-        self._waiting: deque[Request] = deque()
+        self._congested = congested
+        self._end_connection = end_connection
+        self._waiting: deque[tuple[str, bytes, int, str | None]] = deque()
+        """Requests that wait: (topic, payload, bytes counted, the filter of a stream_unsubscribe)."""
+        self._unsubscribes_waiting: Counter[str] = Counter()
+        """Filters of the waiting stream_unsubscribe requests: an ack on a topic one of them matches
+        waits too, so an ack it would refuse is refused; acks on other topics do not wait for it."""
+        self._to_refill: set[str] = set()
+        """Stream topics acked on arrival while congested: their next events wait for the client."""
+        self._refiller: asyncio.Task[None] | None = None
+        self._pending = PendingRequests(client_id, max_pending_bytes)
+        self._log_budget = LogBudget(log_interval)
         self._worker: asyncio.Task[None] | None = None
+        self._ending: asyncio.Task[None] | None = None
         self._stopped = False
 
     def submit(self, topic: str, payload: bytes) -> None:
         """One PUBLISH under ``_durable/``. Ops that need no wait are done before this returns, so
-        a hello holds the session's delivery before the SUBSCRIBE that follows it is handled."""
+        a hello holds the session's delivery before the SUBSCRIBE that follows it is handled;
+        while a request that waits is under way, or the client does not read what the broker
+        sends it (``congested``), requests wait their turn in order, bounded in bytes (topic,
+        payload and ``REQUEST_OVERHEAD`` each). Except a ``stream_ack`` on a stream open on
+        this connection, naming no other client_id, while no waiting ``stream_unsubscribe``'s
+        filter matches its topic (an ack that is not one of those waits in order, counted): it
+        has no reply and no waiting
+        request changes what it does, so it is handled on arrival (a consumer reading events as
+        fast as they come, acking each, would otherwise fill the limit with acks). While the
+        client is behind, the events such an ack makes room for are sent once it has read (an ack
+        for ids not yet read must not pour the log into the broker's memory)."""
+        if self._stopped:
+            return
+        unsubscribe: str | None = None
+        if self._worker is None and not self._congested():
+            request = self._parse(topic, payload)
+            if request is None:
+                return
+            if request.op not in _AWAITING_OPS:
+                self._run(request)
+                return
+        elif topic == CONTROL_TOPIC:
+            handled, unsubscribe = self._ack_at_once(payload)
+            if handled:
+                return
+        self._wait(topic, payload, unsubscribe)
+
+    def _wait(self, topic: str, payload: bytes, unsubscribe: str | None) -> None:
+        """Queue a request for its turn (``unsubscribe``: the filter of a stream_unsubscribe), or
+        close the connection past ``max_pending_control_bytes``."""
+        size = len(topic) + len(payload) + REQUEST_OVERHEAD  # the topic as sent, though kept cut
+        if topic != CONTROL_TOPIC:
+            topic = _shown(topic)
+        if not self._pending.admit(size):
+            self._overflow()
+            return
+        self._waiting.append((topic, payload, size, unsubscribe))
+        if unsubscribe is not None:
+            self._unsubscribes_waiting[unsubscribe] += 1
+        if self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(self._work())
+
+    def _ack_at_once(self, payload: bytes) -> tuple[bool, str | None]:
+        """(handled, the filter of a stream_unsubscribe) of a request to the control topic that
+        would wait: handled once a ``stream_ack`` on an open stream is done (it writes no reply);
+        else the filter of a valid ``stream_unsubscribe`` (while it waits, it holds back the acks
+        on topics it matches)."""
+        try:
+            request = parse_request(payload)
+        except ProtocolError:
+            return False, None  # refused in its turn, with its reply
+        if request.op == "stream_unsubscribe":
+            topic_filter = request.filter or "#"
+            return False, topic_filter if filter_is_valid(topic_filter) else None  # a bad one changes nothing
+        if (
+            request.op != "stream_ack"
+            or self._streams is None
+            or request.client_id not in (None, self._client_id)  # refused in its turn
+            or request.topic is None
+            or not self._streams.is_open(request.topic)
+            or any(matches(request.topic, topic_filter) for topic_filter in self._unsubscribes_waiting)
+        ):
+            return False, None
+        if not self._congested():
+            self._run(request)
+            return True, None
+        assert request.id is not None  # parse_request requires it
+        try:
+            self._streams.ack(request.topic, request.id, refill=False)
+        except Exception:  # as in _run: the reader loop must survive any one request
+            log.exception("%s: control request stream_ack failed", self._client_id)
+            return True, None
+        self._to_refill.add(request.topic)
+        if self._refiller is None:
+            self._refiller = asyncio.get_running_loop().create_task(self._refill())
+        return True, None
+
+    async def _refill(self) -> None:
+        """Once the client has read, send the events the acks taken on arrival made room for."""
+        try:
+            while self._to_refill and not self._stopped:
+                with contextlib.suppress(OSError):
+                    await self._transport.drain()
+                if self._stopped or self._transport.closed or self._streams is None:
+                    break
+                topics, self._to_refill = self._to_refill, set()
+                for topic in sorted(topics):
+                    try:
+                        self._streams.refill(topic)
+                    except Exception:  # one topic's failure must not leave the others held for good
+                        log.exception("%s: sending stream events of %r after acks failed", self._client_id, topic)
+        except Exception:
+            log.exception("%s: sending stream events after acks failed", self._client_id)
+        finally:
+            self._refiller = None
+
+    def _parse(self, topic: str, payload: bytes) -> Request | None:
+        """The request, or None once refused (with a reply)."""
         try:
             if topic != CONTROL_TOPIC:
                 op, req = request_ids(payload)
-                message = f"{topic!r} is not a control topic; send to {CONTROL_TOPIC}"
+                message = f"{_shown(topic)!r} is not a control topic; send to {CONTROL_TOPIC}"
                 raise ProtocolError("unknown_topic", message, req=req, op=op)
-            request = parse_request(payload)
+            return parse_request(payload)
         except ProtocolError as exc:
             self._refuse(None, exc)
-            return
-        if self._stopped:
-            return
-        if self._worker is not None or request.op in _AWAITING_OPS:
-            self._waiting.append(request)
-            if self._worker is None:
-                self._worker = asyncio.get_running_loop().create_task(self._work())
-            return
-        self._run(request)
+            return None
+
+    def _overflow(self) -> None:
+        """Too many bytes of requests wait: the client sends requests and does not read the
+        replies. Its connection is closed; the requests handled before stay done."""
+        self._pending.warn()
+        self._stopped = True
+        self._waiting.clear()
+        self._pending.clear()
+        self._unsubscribes_waiting.clear()
+        if self._end_connection is not None and self._ending is None:
+            self._ending = asyncio.get_running_loop().create_task(self._end_connection())
 
     def stop(self) -> None:
         """The connection ended: stream positions are forgotten (the client holds them). A request
-        being handled finishes (a session deletion half done would leave its queue behind)."""
+        being handled finishes (a session deletion half done would leave its queue behind); the
+        requests still waiting are dropped unhandled (a QoS 1 or 2 request among them was
+        acknowledged on arrival: the acknowledgement says received, not handled)."""
         self._stopped = True
         self._waiting.clear()
+        self._pending.clear()
+        self._unsubscribes_waiting.clear()
+        self._to_refill.clear()
         if self._streams is not None:
             self._streams.stop()
             self._streams = None
 
     async def _work(self) -> None:
         try:
-            while self._waiting:
-                request = self._waiting.popleft()
+            while self._waiting and not self._stopped:
+                if self._congested():  # the client reads slower than replies come: wait for it
+                    with contextlib.suppress(OSError):  # ConnectionError, TimeoutError, EHOSTUNREACH...
+                        await self._transport.drain()
+                    if self._stopped or self._transport.closed:
+                        break
+                topic, payload, size, unsubscribe = self._waiting.popleft()
+                self._pending.done(size)
+                if unsubscribe is not None:
+                    self._unsubscribes_waiting -= Counter((unsubscribe,))  # drops a filter at 0
+                request = self._parse(topic, payload)
+                if request is None:
+                    continue
                 if request.op in _AWAITING_OPS:
                     await self._run_awaiting(request)
                 else:
@@ -267,12 +482,23 @@ class ControlChannel:
     def _refuse(self, request: Request | None, error: ProtocolError) -> None:
         op = request.op if request is not None else error.op
         req = request.req if request is not None else error.req
-        log.info("%s: control request refused (%s): %s", self._client_id, error.code, error.message)
+        left_out = self._log_budget.take()
+        if left_out is not None:
+            also = f" ({left_out} more refused since the last such line)" if left_out else ""
+            log.info("%s: control request refused (%s): %s%s", self._client_id, error.code, error.message, also)
         self._write(encode_error(op, req, error))
 
     def _write(self, body: bytes) -> None:
         if not self._transport.closed:
             self._transport.write(encode_publish(_REPLY_TOPIC, body, 0, 0, dup=False, retain=False))
+
+
+def _shown(topic: str) -> str:
+    """A topic cut to ``SHOWN_TOPIC_CHARS`` (and "...") for an error message or a log line; a cut
+    one is left as it is."""
+    if len(topic) <= SHOWN_TOPIC_CHARS + 3:
+        return topic
+    return topic[:SHOWN_TOPIC_CHARS] + "..."
 
 
 _IMMEDIATE: dict[str, Callable[[ControlChannel, Request], dict[str, Any] | None]] = {

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -52,7 +54,8 @@ class _Cursor:
     """One topic of one connection: the next id to send and the ids in flight."""
 
     __slots__ = (
-        "acked", "closed", "inflight", "next_id", "read_failures", "resends", "timer", "topic", "topic_bytes", "window",
+        "acked", "closed", "held", "inflight", "next_id", "read_failures", "resends", "timer", "topic", "topic_bytes",
+        "window",
     )  # fmt: skip
 
     def __init__(self, topic: str, window: int, start: int) -> None:
@@ -67,6 +70,9 @@ class _Cursor:
         self.timer: asyncio.TimerHandle | None = None
         """The resend timer; after a failed read, the retry of that read."""
         self.closed = False
+        self.held = False
+        """Set by ``ack(refill=False)``: no new event is sent (whatever appends come) until
+        ``refill``; resends of ids in flight still go."""
         self.read_failures = 0
         self.resends = 0
         """Resends since the client last acknowledged progress: each doubles the wait for the next."""
@@ -87,8 +93,17 @@ class StreamSender:
         default_window: int,
         ack_timeout: float,
         may_receive: MayReceive | None = None,
+        max_entries: int = 0,
+        client_id: str = "",
+        log_interval: float = 0.0,
     ) -> None:
         self._logs = logs
+        self._max_entries = max_entries
+        """``max_stream_entries_per_client``: open filters plus positions kept for topics without a
+        log (0: no limit)."""
+        self._client_id = client_id
+        self._log_interval = log_interval
+        self._warned = -math.inf
         self._transport = transport
         self._default_window = default_window
         self._ack_timeout = ack_timeout
@@ -124,6 +139,7 @@ class StreamSender:
             return {"topics": {}, "gaps": {}, "ahead": {}}
         window = self._checked_window(topic_filter, window)
         after = after or {}
+        self._check_entries(topic_filter, after)
         open_before = set(self._cursors)  # their positions stand; ``after`` cannot put them ahead
         self._filters[topic_filter] = window
         self._logs.register(self)
@@ -143,6 +159,38 @@ class StreamSender:
             # Ids are never reused by one store: a position past the end means another store.
             log.warning("stream subscribe %s: positions past the log end (a wiped store?): %s", topic_filter, ahead)
         return {"topics": topics, "gaps": gaps, "ahead": ahead}
+
+    def _check_entries(self, topic_filter: str, after: dict[str, int]) -> None:
+        """ProtocolError, before anything changes, when the subscription would make the connection
+        hold more than ``max_entries`` filters and kept positions: both stay until it ends, and a
+        client could otherwise add some 1,800 positions per 64 kB request, without end."""
+        if not self._max_entries:
+            return
+        new_positions = sum(
+            1
+            for topic in after
+            if topic not in self._pending_after and matches(topic, topic_filter) and self._logs.bounds(topic) is None
+        )
+        held = len(self._filters) + len(self._pending_after)
+        wanted = held + (topic_filter not in self._filters) + new_positions
+        if wanted <= self._max_entries:
+            return
+        now = time.monotonic()
+        if now - self._warned >= self._log_interval:  # at most once per drop_log_interval
+            self._warned = now
+            log.warning(
+                "%s: stream_subscribe %r refused: the connection would hold %d stream filters and positions of "
+                "topics without a log, max_stream_entries_per_client is %d",
+                self._client_id,
+                topic_filter,
+                wanted,
+                self._max_entries,
+            )
+        raise ProtocolError(
+            "malformed",
+            f"this subscription would make the connection hold {wanted} stream filters and positions of "
+            f"topics without a log; the limit is {self._max_entries} (max_stream_entries_per_client)",
+        )
 
     def _checked_window(self, topic_filter: str, window: int | None) -> int:
         """The subscription's window; ProtocolError for a filter no stream covers or a bad window."""
@@ -191,8 +239,22 @@ class StreamSender:
             self._logs.unregister(self)
         return True
 
-    def ack(self, topic: str, event_id: int) -> None:
-        """Cumulative: every in-flight id <= ``event_id`` is done; then the next go out."""
+    def is_open(self, topic: str) -> bool:
+        """Whether ``topic`` has a cursor on this connection (an ack on it is not refused)."""
+        return topic in self._cursors
+
+    def refill(self, topic: str) -> None:
+        """Send the next events of ``topic`` up to its window again (held since an ``ack`` without refill)."""
+        cursor = self._cursors.get(topic)
+        if cursor is not None:
+            cursor.held = False
+            self._pump(cursor)
+
+    def ack(self, topic: str, event_id: int, refill: bool = True) -> None:
+        """Cumulative: every in-flight id <= ``event_id`` is done; then the next go out. With
+        ``refill`` False the topic is held instead: no new event of it is sent, not even on an
+        append, until ``refill(topic)`` (or an ack with refill); resends of ids still in flight
+        go on, at most a window per backed-off ack timeout."""
         cursor = self._cursors.get(topic)
         if cursor is None:
             raise ProtocolError("unknown_stream", f"no open stream on {topic!r}")
@@ -209,7 +271,9 @@ class StreamSender:
             if not cursor.inflight and cursor.timer is not None:
                 cursor.timer.cancel()
                 cursor.timer = None
-        self._pump(cursor)
+        cursor.held = not refill
+        if refill:
+            self._pump(cursor)
 
     def stop(self) -> None:
         """The connection ended: cancel timers and checks, stop hearing about appends."""
@@ -352,8 +416,8 @@ class StreamSender:
             cursor.next_id = first
 
     def _pump(self, cursor: _Cursor) -> None:
-        """Fill the window: one read of up to ``room`` events."""
-        if self._stopped or cursor.closed or self._transport.closed:
+        """Fill the window: one read of up to ``room`` events (none while the cursor is held)."""
+        if self._stopped or cursor.closed or cursor.held or self._transport.closed:
             return
         bounds = self._logs.bounds(cursor.topic)
         if bounds is None:
