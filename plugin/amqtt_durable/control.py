@@ -41,7 +41,7 @@ from durable_protocol import (
 
 from .delivery import Transport
 from .engine import DurableEngine, DurableSession
-from .topics import matches
+from .topics import SubscriptionIndex
 from .wire import encode_publish
 
 log = logging.getLogger("amqtt_durable")
@@ -167,6 +167,9 @@ class ControlChannel:
         self._unsubscribes_waiting: Counter[str] = Counter()
         """Filters of the waiting stream_unsubscribe requests: an ack on a topic one of them matches
         waits too, so an ack it would refuse is refused; acks on other topics do not wait for it."""
+        self._unsubscribe_index = SubscriptionIndex()
+        """The same filters, indexed: an ack looks up its topic's levels, not every waiting filter
+        (a client that does not read could queue thousands, each matched against every ack)."""
         self._to_refill: set[str] = set()
         """Stream topics acked on arrival while congested: their next events wait for the client."""
         self._refiller: asyncio.Task[None] | None = None
@@ -217,6 +220,7 @@ class ControlChannel:
         self._waiting.append((topic, payload, size, unsubscribe))
         if unsubscribe is not None:
             self._unsubscribes_waiting[unsubscribe] += 1
+            self._unsubscribe_index.add("", unsubscribe, 0)
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._work())
 
@@ -238,7 +242,7 @@ class ControlChannel:
             or request.client_id not in (None, self._client_id)  # refused in its turn
             or request.topic is None
             or not self._streams.is_open(request.topic)
-            or any(matches(request.topic, topic_filter) for topic_filter in self._unsubscribes_waiting)
+            or self._unsubscribe_index.matches_any(request.topic)
         ):
             return False, None
         if not self._congested():
@@ -294,6 +298,7 @@ class ControlChannel:
         self._waiting.clear()
         self._pending.clear()
         self._unsubscribes_waiting.clear()
+        self._unsubscribe_index = SubscriptionIndex()
         if self._end_connection is not None and self._ending is None:
             self._ending = asyncio.get_running_loop().create_task(self._end_connection())
 
@@ -306,6 +311,7 @@ class ControlChannel:
         self._waiting.clear()
         self._pending.clear()
         self._unsubscribes_waiting.clear()
+        self._unsubscribe_index = SubscriptionIndex()
         self._to_refill.clear()
         if self._streams is not None:
             self._streams.stop()
@@ -322,7 +328,10 @@ class ControlChannel:
                 topic, payload, size, unsubscribe = self._waiting.popleft()
                 self._pending.done(size)
                 if unsubscribe is not None:
-                    self._unsubscribes_waiting -= Counter((unsubscribe,))  # drops a filter at 0
+                    self._unsubscribes_waiting[unsubscribe] -= 1
+                    if not self._unsubscribes_waiting[unsubscribe]:
+                        del self._unsubscribes_waiting[unsubscribe]
+                        self._unsubscribe_index.remove("", unsubscribe)
                 request = self._parse(topic, payload)
                 if request is None:
                     continue

@@ -233,7 +233,6 @@ def test_only_a_waiting_stream_unsubscribe_makes_acks_wait_however_it_is_spelled
     run_streams(body)
 
 
-
 def test_a_waiting_stream_unsubscribe_holds_back_only_the_acks_on_topics_its_filter_matches(db: Any) -> None:
     """Every ack waited behind any waiting stream_unsubscribe, counted: a consumer acking each event
     that unsubscribed one filter while behind was disconnected by max_pending_control_bytes (review
