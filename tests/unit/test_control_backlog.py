@@ -33,6 +33,20 @@ class SlowReader(RecordingTransport):
         self.congested = False
 
 
+def stream_channel(transport: SlowReader, sender: StreamSender) -> ControlChannel:
+    """A durable session's control channel for stream ops only (no engine), congested while
+    ``transport`` says so, with room for 10,000 bytes of waiting requests."""
+    return ControlChannel(
+        None,  # type: ignore[arg-type]  # stream ops only
+        transport,
+        "dev",
+        True,
+        open_streams=lambda: sender,
+        congested=lambda: transport.congested,
+        max_pending_bytes=10_000,
+    )
+
+
 def test_pending_requests_count_bytes_and_always_admit_one() -> None:
     pending = PendingRequests("dev", 100)
     assert pending.admit(500), "one request fits whatever its size when none waits"
@@ -131,15 +145,7 @@ def test_a_stream_ack_on_an_open_stream_is_handled_on_arrival_and_its_events_wai
     async def body() -> None:
         transport = SlowReader()
         sender = StreamSender(logs, transport, default_window=2, ack_timeout=60.0)
-        channel = ControlChannel(
-            None,  # type: ignore[arg-type]  # stream ops only
-            transport,
-            "dev",
-            True,
-            open_streams=lambda: sender,
-            congested=lambda: transport.congested,
-            max_pending_bytes=10_000,
-        )
+        channel = stream_channel(transport, sender)
         channel.submit(CONTROL_TOPIC, encode_request("stream_subscribe", 1, filter="s/#"))
         await transport.wait_for(lambda ps: len(ps) == 3)  # the reply and a window of 2 events
         transport.congested = True
@@ -198,15 +204,7 @@ def test_only_a_waiting_stream_unsubscribe_makes_acks_wait_however_it_is_spelled
     async def body() -> None:
         transport = SlowReader()
         sender = StreamSender(logs, transport, default_window=3, ack_timeout=60.0)
-        channel = ControlChannel(
-            None,  # type: ignore[arg-type]  # stream ops only
-            transport,
-            "dev",
-            True,
-            open_streams=lambda: sender,
-            congested=lambda: transport.congested,
-            max_pending_bytes=10_000,
-        )
+        channel = stream_channel(transport, sender)
         channel.submit(CONTROL_TOPIC, encode_request("stream_subscribe", 1, filter="s/#"))
         await transport.wait_for(lambda ps: len(ps) == 4)  # the reply and a window of 3 events
         transport.congested = True
@@ -246,15 +244,7 @@ def test_a_waiting_stream_unsubscribe_holds_back_only_the_acks_on_topics_its_fil
     async def body() -> None:
         transport = SlowReader()
         sender = StreamSender(logs, transport, default_window=2, ack_timeout=60.0)
-        channel = ControlChannel(
-            None,  # type: ignore[arg-type]  # stream ops only
-            transport,
-            "dev",
-            True,
-            open_streams=lambda: sender,
-            congested=lambda: transport.congested,
-            max_pending_bytes=10_000,
-        )
+        channel = stream_channel(transport, sender)
         channel.submit(CONTROL_TOPIC, encode_request("stream_subscribe", 1, filter="s/a"))
         channel.submit(CONTROL_TOPIC, encode_request("stream_subscribe", 4, filter="s/b"))
         await transport.wait_for(lambda ps: len(ps) == 6)  # two replies and a window of 2 on each topic
