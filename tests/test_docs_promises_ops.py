@@ -80,6 +80,8 @@ BAD_VALUES: dict[str, Any] = {
     "max_pending_clean": -1,
     "max_pending_bytes_clean": 1.5,
     "max_awaiting_pubrel": -1,
+    "max_pending_control_bytes": "1MB",
+    "max_stream_entries_per_client": 1.5,
     "listen_backlog": 0,
     "attach_limit": 0,
     "replication": "on",
