@@ -187,8 +187,8 @@ class ControlChannel:
         payload and ``REQUEST_OVERHEAD`` each). Except a ``stream_ack`` on a stream open on
         this connection, naming no other client_id, while no waiting ``stream_unsubscribe``'s
         filter matches its topic (an ack that is not one of those waits in order, counted): it
-        has no reply and no waiting
-        request changes what it does, so it is handled on arrival (a consumer reading events as
+        has no reply and no waiting request changes what it does, so it is handled on arrival (a
+        consumer reading events as
         fast as they come, acking each, would otherwise fill the limit with acks). While the
         client is behind, the events such an ack makes room for are sent once it has read (an ack
         for ids not yet read must not pour the log into the broker's memory)."""
@@ -234,8 +234,10 @@ class ControlChannel:
         except ProtocolError:
             return False, None  # refused in its turn, with its reply
         if request.op == "stream_unsubscribe":
-            topic_filter = request.filter or "#"
-            return False, topic_filter if filter_is_valid(topic_filter) else None  # a bad one changes nothing
+            try:
+                return False, self._filter(request)
+            except ProtocolError:
+                return False, None  # refused in its turn: it changes nothing
         if (
             request.op != "stream_ack"
             or self._streams is None
@@ -294,11 +296,7 @@ class ControlChannel:
         """Too many bytes of requests wait: the client sends requests and does not read the
         replies. Its connection is closed; the requests handled before stay done."""
         self._pending.warn()
-        self._stopped = True
-        self._waiting.clear()
-        self._pending.clear()
-        self._unsubscribes_waiting.clear()
-        self._unsubscribe_index = SubscriptionIndex()
+        self._drop_waiting()
         if self._end_connection is not None and self._ending is None:
             self._ending = asyncio.get_running_loop().create_task(self._end_connection())
 
@@ -307,15 +305,19 @@ class ControlChannel:
         being handled finishes (a session deletion half done would leave its queue behind); the
         requests still waiting are dropped unhandled (a QoS 1 or 2 request among them was
         acknowledged on arrival: the acknowledgement says received, not handled)."""
+        self._drop_waiting()
+        self._to_refill.clear()
+        if self._streams is not None:
+            self._streams.stop()
+            self._streams = None
+
+    def _drop_waiting(self) -> None:
+        """No request is handled any more on this connection: forget the waiting ones."""
         self._stopped = True
         self._waiting.clear()
         self._pending.clear()
         self._unsubscribes_waiting.clear()
         self._unsubscribe_index = SubscriptionIndex()
-        self._to_refill.clear()
-        if self._streams is not None:
-            self._streams.stop()
-            self._streams = None
 
     async def _work(self) -> None:
         try:
