@@ -281,16 +281,10 @@ AHEAD_TOPICS = 4
 AHEAD_EVENTS = 5000
 
 
-def test_acks_for_events_not_read_do_not_pour_the_log_into_the_broker_s_memory(
-    broker_factory: Callable[..., Broker],
-) -> None:
-    """An ack is handled on arrival, but the events it makes room for wait for the client to read:
-    a client that reads nothing and acks ids far ahead (window 10) would otherwise have the broker
-    write its whole log (20 MB here) to a connection it does not read."""
-    broker = broker_factory(streams=[{"filter": "a/#", "max_count": 100000}])
-    assert broker.proc is not None
-    pid = broker.proc.pid
-    pub = socket.create_connection((HOST, broker.port), timeout=WAIT)
+def fill_ahead_logs(port: int) -> socket.socket:
+    """AHEAD_EVENTS events of 1,000 bytes in each of the AHEAD_TOPICS logs a/<t>, every one
+    PUBACKed (stored); returns the publisher's connection, still open."""
+    pub = socket.create_connection((HOST, port), timeout=WAIT)
     pub.sendall(connect_packet("pub", clean=True))
     read_exactly(pub, 4)
     for t in range(AHEAD_TOPICS):
@@ -300,6 +294,19 @@ def test_acks_for_events_not_read_do_not_pour_the_log_into_the_broker_s_memory(
             )
         )
         read_exactly(pub, 4 * AHEAD_EVENTS)  # every PUBACK: stored
+    return pub
+
+
+def test_acks_for_events_not_read_do_not_pour_the_log_into_the_broker_s_memory(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """An ack is handled on arrival, but the events it makes room for wait for the client to read:
+    a client that reads nothing and acks ids far ahead (window 10) would otherwise have the broker
+    write its whole log (20 MB here) to a connection it does not read."""
+    broker = broker_factory(streams=[{"filter": "a/#", "max_count": 100000}])
+    assert broker.proc is not None
+    pid = broker.proc.pid
+    pub = fill_ahead_logs(broker.port)
     pub.close()
     sock = starved_durable_client(broker.port, "ahead")
     before_kb = memory_kb(pid, "VmRSS")
@@ -338,16 +345,7 @@ def test_acks_for_events_not_read_do_not_pour_the_log_out_while_events_are_appen
     broker = broker_factory(streams=[{"filter": "a/#", "max_count": 100000}])
     assert broker.proc is not None
     pid = broker.proc.pid
-    pub = socket.create_connection((HOST, broker.port), timeout=WAIT)
-    pub.sendall(connect_packet("pub", clean=True))
-    read_exactly(pub, 4)
-    for t in range(AHEAD_TOPICS):
-        pub.sendall(
-            b"".join(
-                publish_packet(f"a/{t}".encode(), b"e" * 1000, 1, packet_id=i % 65535 + 1) for i in range(AHEAD_EVENTS)
-            )
-        )
-        read_exactly(pub, 4 * AHEAD_EVENTS)  # every PUBACK: stored
+    pub = fill_ahead_logs(broker.port)
     sock = starved_durable_client(broker.port, "ahead")
     before_kb = memory_kb(pid, "VmRSS")
     subscribe = {"v": 1, "op": "stream_subscribe", "req": 1, "filter": "a/#", "window": 10}
