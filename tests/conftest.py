@@ -47,6 +47,19 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-java-options {SPARK_JIT} pyspark-shell")
 
 
+SPARK_TIMEOUT = 300
+"""Seconds a test using the ``spark`` fixture may take: the first such test in each worker also starts the
+session's JVM, which passed the suite's 120 s on a machine at load 4-7 and failed that worker's other Spark tests."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests using the session-wide ``spark`` fixture get SPARK_TIMEOUT unless they set their own
+    (pytest-timeout counts a fixture's setup in the first test that uses it)."""
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SPARK_TIMEOUT))
+
+
 class Broker(BrokerProcess):
     """An amqtt broker with the durable plugin, run by ``amqtt-durable broker`` as a child process."""
 
