@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,6 +46,19 @@ def pytest_configure(config: pytest.Config) -> None:
     # (the demo test: 87 s of CPU, 66 s with this). The JIT tier changes no result. Set only when the caller
     # set no submit arguments of their own.
     os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-java-options {SPARK_JIT} pyspark-shell")
+
+
+SPARK_TIMEOUT = 300
+"""Seconds a test using the ``spark`` fixture may take: the first such test in each worker also starts the
+session's JVM, which passed the suite's 120 s on a machine at load 4-7 and failed that worker's other Spark tests."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests using the session-wide ``spark`` fixture get SPARK_TIMEOUT unless they set their own
+    (pytest-timeout counts a fixture's setup in the first test that uses it)."""
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SPARK_TIMEOUT))
 
 
 class Broker(BrokerProcess):
@@ -100,6 +114,16 @@ class Broker(BrokerProcess):
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """SIGSTOP the broker for the block (it reads, writes and acknowledges nothing), SIGCONT after, always."""
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.pid, signal.SIGCONT)
 
 
 def probe_connack(port: int) -> bool:

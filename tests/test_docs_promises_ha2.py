@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
-import os
 import re
-import signal
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -310,17 +307,6 @@ def test_a_returning_backup_is_caught_up_from_the_retained_log_while_its_positio
     assert_queue_served(backup, clients, 40)
 
 
-@contextlib.contextmanager
-def _paused(broker: Broker) -> Iterator[None]:
-    """SIGSTOP the broker for the block (it reads and acknowledges nothing), SIGCONT after, always."""
-    assert broker.pid is not None
-    os.kill(broker.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(broker.pid, signal.SIGCONT)
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_lost_backup_holds_sync_pubacks_for_ack_timeout_then_the_primary_goes_on_and_catches_it_up(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], mode: str
@@ -336,7 +322,7 @@ def test_a_lost_backup_holds_sync_pubacks_for_ack_timeout_then_the_primary_goes_
     subscriber.disconnect()
     publisher = clients(primary.port, "publisher", clean_session=True)
     publisher.publish("t/before", [b"stored on 2 machines"])
-    with _paused(backup):
+    with backup.paused():
         held = publisher.paho.publish("t/during", b"held", qos=1)
         held.wait_for_publish(1.0)
         if mode == "sync":

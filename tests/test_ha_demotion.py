@@ -8,13 +8,11 @@ paused with SIGSTOP (and always continued) to hold its replication acks."""
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +29,6 @@ from conftest import WAIT, Broker, Client, connack_code, mqtt_packet, mqtt_strin
 from durable_fleet.proxy import TcpRelay
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@contextlib.contextmanager
-def paused(broker: Broker) -> Iterator[None]:
-    """SIGSTOP the broker for the block (it neither reads nor acknowledges), SIGCONT after."""
-    assert broker.pid is not None
-    os.kill(broker.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(broker.pid, signal.SIGCONT)
 
 
 def relayed_pair(
@@ -106,7 +93,7 @@ def test_a_commit_held_across_the_lease_deadline_is_not_acknowledged_and_the_cli
     assert publisher.client.wait_for(lambda _: len(publisher.acked_mids) == 20)
     level = wait_status(first, lambda s: s["backups"][0]["lag_batches"] == 0)["batch"]
 
-    with paused(second):
+    with second.paused():
         for payload in payloads(5, "held-"):
             publisher.publish(payload)
         wait_status(first, lambda s: s["batch"] > level and s["backups"][0]["lag_batches"] > 0)  # held
@@ -292,7 +279,7 @@ def test_a_clean_stop_of_a_primary_leaves_no_acknowledged_publish_unshipped(
     wait_status(backup, lambda s: s["caught_up"])
     durable_subscriber(primary, clients)
     big = [b"%06d" % n + b"x" * 16_378 for n in range(1500)]
-    with paused(backup):
+    with backup.paused():
         clients(primary.port, "publisher", clean_session=True).publish("t/a", big)  # every PUBACK came
         primary.terminate()
         with contextlib.suppress(ChildExitedError):  # without the wait for the backups: gone at once

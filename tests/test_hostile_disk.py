@@ -200,6 +200,19 @@ def stored_session(clients: Callable[..., Client], port: int, client_id: str, qu
     clients(port, "pub", clean_session=True).publish("d/x", payloads(queued))
 
 
+def assert_whole_after_restart(
+    broker: Broker, filler: Path, clients: Callable[..., Client], client_id: str, why: str
+) -> Client:
+    """Kill the broker, give the disk room, start it again: ``client_id``'s session of stored_session is whole."""
+    broker.kill()
+    filler.unlink()
+    broker.start()
+    dev = clients(broker.port, client_id)
+    assert dev.session_present is True, why
+    assert [m.payload for m in dev.wait_messages(20)] == payloads(20)
+    return dev
+
+
 def test_a_clean_connect_whose_queue_deletion_fails_is_answered_at_once_and_the_rest_deleted_later(
     tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
@@ -250,12 +263,7 @@ def test_a_clean_connect_whose_session_erasure_fails_gets_connack_3_and_the_sess
             sock.sendall(connect_packet(client_id, clean=True))
             assert read_exactly(sock, 4) == CONNACK_UNAVAILABLE, "refused at once"
             assert sock.recv(1) == b"", "and closed"
-        broker.kill()
-        filler.unlink()
-        broker.start()
-        dev = clients(port, client_id)
-        assert dev.session_present is True, "the refused CONNECT deleted nothing"
-        assert [m.payload for m in dev.wait_messages(20)] == payloads(20)
+        assert_whole_after_restart(broker, filler, clients, client_id, "the refused CONNECT deleted nothing")
     assert "CONNACK 3" in broker.log()
 
 
@@ -275,13 +283,7 @@ def test_a_clean_connect_retried_after_connack_3_is_refused_until_the_session_er
         filler = fill(disk)
         assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True), "the erasure failed"
         assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True), "the retry is refused too"
-        broker.kill()
-        filler.unlink()
-        broker.start()
-        dev = clients(port, client_id)
-        assert dev.session_present is True, "neither CONNECT deleted anything"
-        assert [m.payload for m in dev.wait_messages(20)] == payloads(20)
-        dev.disconnect()
+        assert_whole_after_restart(broker, filler, clients, client_id, "neither CONNECT deleted anything").disconnect()
 
         monitor = clients(port, "monitor", clean_session=True)
         monitor.subscribe(HEALTH, 1)

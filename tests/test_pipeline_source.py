@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-from conftest import Broker, Client, free_port
+from conftest import SPARK_TIMEOUT, Broker, Client, free_port
 from durable_pipeline.errors import SourceError
 from durable_pipeline.source import (
     STORE_KEY,
@@ -36,6 +36,18 @@ pytestmark = pytest.mark.slow  # Spark: a JVM and Python workers, seconds per te
 FILTER = "telemetry/#"
 QUERY_WAIT = 60.0
 """awaitTermination bound for a query that must stop on its own (an error)."""
+
+
+def test_spark_tests_have_room_for_the_jvm_start(request: pytest.FixtureRequest) -> None:
+    """Every collected test using the ``spark`` fixture has at least SPARK_TIMEOUT, not the suite's 120 s:
+    the first one in a worker also starts the JVM."""
+    spark_tests = [item for item in request.session.items if "spark" in getattr(item, "fixturenames", ())]
+    if not spark_tests:
+        pytest.skip("no test using the spark fixture is selected")
+    for item in spark_tests:
+        marker = item.get_closest_marker("timeout")
+        assert marker is not None, item.nodeid
+        assert marker.args[0] >= SPARK_TIMEOUT, item.nodeid
 
 
 def streams(max_count: int = 100_000) -> list[dict[str, Any]]:

@@ -237,6 +237,8 @@ _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconne
 
 _ACK_KINDS: dict[int, AckKind] = {PUBACK: "puback", PUBREC: "pubrec", PUBCOMP: "pubcomp"}
 READ_SIZE = 1 << 16
+SILENT = "%s: nothing received for 1.5 keep-alive periods: disconnecting"
+"""Logged (INFO) when MQTT-3.1.2-24 ends a connection, on either reader loop."""
 """Bytes FastReader asks the socket for at a time."""
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
 """Packet types whose handling a connection's end waits for (FastReader.run): they need nothing more
@@ -2360,7 +2362,7 @@ class FastReader:
         client_id = self._session.client_id
 
         def silent() -> None:
-            log.info("%s: nothing received for 1.5 keep-alive periods: disconnecting", client_id)
+            log.info(SILENT, client_id)
             task = asyncio.get_running_loop().create_task(end_connection(handler))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
@@ -2396,7 +2398,7 @@ class FastReader:
         while True:
             data = await _read_some(stream, keepalive)
             if data is None:
-                log.info("%s: nothing received for 1.5 keep-alive periods: disconnecting", self._session.client_id)
+                log.info(SILENT, self._session.client_id)
                 return
             if not data:
                 return  # EOF
