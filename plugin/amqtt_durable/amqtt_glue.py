@@ -104,7 +104,6 @@ import dataclasses
 import json
 import logging
 import math
-import socket
 import time
 from collections import UserDict, deque
 from collections.abc import Awaitable, Callable
@@ -164,6 +163,7 @@ from .errors import (
     ProtocolViolationError,
     StoreError,
     StoreUnavailableError,
+    os_error_reason,
 )
 from .replication.commits import ReplicatedCommits
 from .replication.etcd import EtcdCoordinator
@@ -1284,8 +1284,8 @@ class AmqttHooks:
                 ssl=ssl_context,
                 backlog=socket_backlog(self.engine.config.listen_backlog),  # the kernel caps it lower
             )
-        except socket.gaierror as exc:  # bare "Name or service not known": name the listener and its host
-            raise OSError(f"listener '{listener_name}' {address}:{port}: {exc}") from None
+        except OSError as exc:  # name the listener and its address, as replication.listen's errors do
+            raise OSError(f"listener '{listener_name}' {address}:{port}: {os_error_reason(exc)}") from None
 
     async def client_connected(self, listener_name: str, reader: Any, writer: Any) -> None:
         reader.durable_max_packet_size = self.engine.config.max_packet_size
