@@ -25,6 +25,17 @@ REPLY = "$durable/v1/reply"
 MARKER = "$durable/v1/marker"
 
 
+@pytest.fixture(params=["plugin-reader", "amqtt-reader"])
+def either_reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Broker:
+    """A broker read by the plugin's reader, or by amqtt's own loop (a topic plugin loaded: amqtt's
+    TopicTabooPlugin, which refuses nothing used here): "the guarantees are the same there"
+    (docs/guarantees.md:103-109)."""
+    broker = broker_factory(start=False)
+    if request.param == "amqtt-reader":
+        broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
+    return broker.start()
+
+
 # ------------------------------------------------------------------ helpers
 def raw_connack(port: int, packet: bytes) -> tuple[bytes, socket.socket]:
     """Send ``packet`` on a new connection; the bytes read back (b'' when closed unanswered) and the socket."""
@@ -132,11 +143,12 @@ def seen_disconnected(clients: Callable[..., Client], port: int, count: int) -> 
 # ------------------------------------------------------------------ CONNECT and session_present
 # ------------------------------------------------------------------ message path
 def test_recovery_buffer_default_is_an_in_flight_window_of_100(
-    broker: Broker, clients: Callable[..., Client]
+    either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
     """docs/configuration.md:193 `recovery_buffer` default `100`: "also the in-flight window";
     docs/guarantees.md:399-400 "at most that many QoS 1/2 messages are sent and not yet acknowledged";
     docs/guarantees.md:269 "a full window of 32 or more refills a quarter at a time"."""
+    broker = either_reader
     device = clients(broker.port, "win-dev", manual_ack=True)
     device.subscribe("win/t", 1)
     device.drop()
@@ -164,9 +176,12 @@ def test_default_subscription_limit_is_1000(broker: Broker, clients: Callable[..
 @pytest.mark.parametrize(
     "will_topic", [b"$SYS/x", b"", b"w/+", b"w/#", b"w/\x00"], ids=["dollar", "empty", "plus", "hash", "nul"]
 )
-def test_a_connect_with_an_invalid_will_topic_is_closed_without_connack(broker: Broker, will_topic: bytes) -> None:
+def test_a_connect_with_an_invalid_will_topic_is_closed_without_connack(
+    either_reader: Broker, will_topic: bytes
+) -> None:
     """docs/guarantees.md:200-202: "A CONNECT whose will topic is empty, holds `+`, `#` or U+0000, or
     starts with `$` ... is refused: the connection is closed without a CONNACK"."""
+    broker = either_reader
     sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
     with sock:
         sock.sendall(connect_packet("will-bad", clean=False, will_topic=will_topic))
@@ -179,10 +194,11 @@ def test_a_connect_with_an_invalid_will_topic_is_closed_without_connack(broker: 
 # ------------------------------------------------------------------ QoS 2
 # ------------------------------------------------------------------ expiry and $SYS
 # ------------------------------------------------------------------ control protocol
-def test_control_hello_reply_fields_and_cap(broker: Broker, clients: Callable[..., Client]) -> None:
+def test_control_hello_reply_fields_and_cap(either_reader: Broker, clients: Callable[..., Client]) -> None:
     """docs/protocol.md:82 hello: "Reply: `protocol`, `epoch` ..., `session_expiry` (granted, null for
     the broker default ...), `subscriptions` (... {filter: qos} the session holds)" and
     docs/configuration.md:200 `max_session_expiry` default 604800: "longer asks are capped"."""
+    broker = either_reader
     client = clients(broker.port, "hello-dev")
     client.subscribe("h/#", 1)
     reply = control(client, {"v": 1, "op": "hello", "req": 7, "session_expiry": 10_000_000})
@@ -243,10 +259,11 @@ def test_hello_session_expiry_override_is_the_stored_deadline(broker: Broker, cl
 
 
 def test_plain_durable_session_ready_gets_an_unframed_replay_and_a_marker(
-    broker: Broker, clients: Callable[..., Client]
+    either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
     """docs/protocol.md:84: "A session that never said `hello` gets the marker too (its events
     unframed)"; :91 "Without a `hello`, a durable session is a plain MQTT session: no frames, no hold"."""
+    broker = either_reader
     device = clients(broker.port, "plain-dev")
     device.subscribe("plain/t", 1)
     device.drop()
@@ -260,11 +277,12 @@ def test_plain_durable_session_ready_gets_an_unframed_replay_and_a_marker(
 
 
 def test_brand_new_sdk_session_marker_has_replayed_0_and_null_seqs(
-    broker: Broker, clients: Callable[..., Client]
+    either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
     """docs/protocol.md:121-124: "`first_seq` / `last_seq` are their sequence ids (null when none) ...
     A brand-new session gets a marker too, with `replayed: 0`"; after the marker, live events are
     framed without the `replayed` flag (:35)."""
+    broker = either_reader
     device = clients(broker.port, "new-sdk")
     hello = control(device, {"v": 1, "op": "hello", "req": 1})
     assert device.subscribe("new/t", 1) == [1]
@@ -318,10 +336,11 @@ def test_stream_ids_retention_gaps_and_info(
 
 
 def test_will_of_dropped_durable_client_queued_for_disconnected_durable_subscriber(
-    broker: Broker, clients: Callable[..., Client]
+    either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
     """docs/guarantees.md:98: "Wills ... reach durable sessions through the same queue"; a client that
     sent DISCONNECT never has its will published (docs/guarantees.md:184-185)."""
+    broker = either_reader
     sub = clients(broker.port, "wq-sub")
     sub.subscribe("wq/#", 1)
     sub.drop()
@@ -343,12 +362,13 @@ def test_will_of_dropped_durable_client_queued_for_disconnected_durable_subscrib
 
 # ------------------------------------------------------------------ third batch
 def test_resubscribe_requeues_retained_but_reconnect_does_not(
-    broker: Broker, clients: Callable[..., Client]
+    either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
     """docs/guarantees.md:95-97: retained messages matching a new subscription "are queued, with the
     subscription and before any live message it matches ...; they are not sent again on every
     reconnect (MQTT-3.3.1-6)"; docs/protocol.md:82 "a repeated SUBSCRIBE re-queues retained messages,
     MQTT-3.8.4-3"."""
+    broker = either_reader
     clients(broker.port, "rr-pub", clean_session=True).publish("rr/t", [b"ret"], qos=1, retain=True)
     device = clients(broker.port, "rr-dev")
     device.subscribe("rr/t", 1)
@@ -363,9 +383,10 @@ def test_resubscribe_requeues_retained_but_reconnect_does_not(
     assert [(m.payload, m.retain) for m in again.messages] == [(b"live", False)]
 
 
-def test_anonymous_owner_refuses_a_named_user(broker: Broker, clients: Callable[..., Client]) -> None:
+def test_anonymous_owner_refuses_a_named_user(either_reader: Broker, clients: Callable[..., Client]) -> None:
     """docs/guarantees.md:63-64: "a session belongs to the user (CONNECT username; none counts as one
     user too) whose CONNECT created it" and owner-only refuses "any other user" with CONNACK 5."""
+    broker = either_reader
     clients(broker.port, "anon-owned").disconnect()
     sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
     with sock:
@@ -375,11 +396,12 @@ def test_anonymous_owner_refuses_a_named_user(broker: Broker, clients: Callable[
 
 
 def test_unknown_topic_error_cuts_the_topic_to_100_characters(
-    broker: Broker, clients: Callable[..., Client]
+    either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
     """docs/protocol.md:19-22: "A PUBLISH under `_durable/` other than `_durable/v1/ctl` gets the error
     `unknown_topic` ...; its message, and the broker's log line, show the topic cut to 100
     characters"."""
+    broker = either_reader
     topic = "_durable/" + "".join(chr(ord("a") + i % 26) for i in range(191))
     client = clients(broker.port, "cut-dev", clean_session=True)
     client.paho.publish(topic, b"{}", qos=0)
@@ -424,9 +446,10 @@ def test_repair_of_a_healthy_store_keeps_the_sessions(broker: Broker, clients: C
     assert [m.payload for m in again.wait_messages(3)] == payloads(3)
 
 
-def test_marker_lists_non_durable_interest(broker: Broker, clients: Callable[..., Client]) -> None:
+def test_marker_lists_non_durable_interest(either_reader: Broker, clients: Callable[..., Client]) -> None:
     """docs/protocol.md:117-123: the marker's `live` lists the session's subscriptions as
     {"filter", "qos", "durable"}."""
+    broker = either_reader
     device = clients(broker.port, "mk-dev")
     control(device, {"v": 1, "op": "hello", "req": 1})
     device.subscribe([("mk/a", 1), ("mk/b", 0)])
@@ -441,9 +464,12 @@ def test_marker_lists_non_durable_interest(broker: Broker, clients: Callable[...
 
 
 # ------------------------------------------------------------------ fourth batch
-def test_frame_publish_time_is_when_the_broker_received_it(broker: Broker, clients: Callable[..., Client]) -> None:
+def test_frame_publish_time_is_when_the_broker_received_it(
+    either_reader: Broker, clients: Callable[..., Client]
+) -> None:
     """docs/protocol.md:38: "publish time, Unix seconds, as the broker received it"; :37 sequence ids
     increase along the delivery order."""
+    broker = either_reader
     import time  # noqa: PLC0415
 
     device = clients(broker.port, "pt-sdk")
@@ -460,10 +486,14 @@ def test_frame_publish_time_is_when_the_broker_received_it(broker: Broker, clien
     assert [f[3] for f in frames] == sorted({f[3] for f in frames})
 
 
-def test_retained_initial_value_before_ready_counts_in_marker(broker: Broker, clients: Callable[..., Client]) -> None:
+def test_retained_initial_value_before_ready_counts_in_marker(
+    either_reader: Broker, clients: Callable[..., Client]
+) -> None:
     """docs/protocol.md:82 hello "holds delivery before a SUBSCRIBE that follows it is handled"; :124 "A
     brand-new session gets a marker too, with `replayed: 0`, or more when messages arrived between its
-    SUBSCRIBE and its `ready`"."""
+    SUBSCRIBE and its `ready`: a retained message queued with a SUBSCRIBE handled before the `ready`
+    counts too (it comes before the marker, flags `0x03`, replayed and retained)"."""
+    broker = either_reader
     clients(broker.port, "iv-pub", clean_session=True).publish("iv/t", [b"seed"], qos=1, retain=True)
     device = clients(broker.port, "iv-sdk")
     control(device, {"v": 1, "op": "hello", "req": 1})
@@ -475,10 +505,9 @@ def test_retained_initial_value_before_ready_counts_in_marker(broker: Broker, cl
     assert topics == ["iv/t", MARKER]
     marker = json.loads(next(m.payload for m in device.messages if m.topic == MARKER))
     [initial] = [m for m in device.messages if m.topic == "iv/t"]
-    flags = frame(initial.payload)[1]
-    assert flags & 0x02
-    print("marker", marker, "flags", flags)
-    assert marker["replayed"] == (1 if flags & 0x01 else 0)
+    seq, flags = frame(initial.payload)[3], frame(initial.payload)[1]
+    assert flags == 0x03, "replayed and retained"
+    assert (marker["replayed"], marker["first_seq"], marker["last_seq"]) == (1, seq, seq)
 
 
 # ------------------------------------------------------------------ fifth batch
@@ -508,10 +537,11 @@ def publish_body(body: bytes) -> tuple[str, bytes]:
 
 @pytest.mark.parametrize("qos", [1, 2])
 def test_a_control_request_at_qos_1_or_2_is_accepted_and_a_retransmission_handled_again(
-    broker: Broker, qos: int
+    either_reader: Broker, qos: int
 ) -> None:
     """docs/protocol.md:13: `_durable/v1/ctl` "a control request (JSON), QoS 0 (QoS 1 and 2 are accepted,
     but a retransmitted request is handled again)"."""
+    broker = either_reader
     sock = raw_connect(broker.port, f"ctlq{qos}", clean=False)
     with sock:
         replies: list[dict[str, Any]] = []
@@ -536,9 +566,12 @@ def test_a_control_request_at_qos_1_or_2_is_accepted_and_a_retransmission_handle
         assert [r["req"] for r in replies] == [1, 1] and all(r["ok"] for r in replies)
 
 
-def test_pubacks_go_out_in_the_order_the_publishes_arrived(broker: Broker, clients: Callable[..., Client]) -> None:
+def test_pubacks_go_out_in_the_order_the_publishes_arrived(
+    either_reader: Broker, clients: Callable[..., Client]
+) -> None:
     """docs/guarantees.md:110-111: "PUBACKs go out in the order the PUBLISHes arrived, each once its
     message is durable"."""
+    broker = either_reader
     device = clients(broker.port, "order-dev")
     device.subscribe("order/durable", 1)
     sock = raw_connect(broker.port, "order-pub", clean=True)
@@ -556,9 +589,10 @@ def test_pubacks_go_out_in_the_order_the_publishes_arrived(broker: Broker, clien
     assert all(p[:2] == b"\x40\x02" for p in got)
 
 
-def test_a_client_id_that_is_not_utf8_is_accepted_as_str_of_bytes(broker: Broker) -> None:
+def test_a_client_id_that_is_not_utf8_is_accepted_as_str_of_bytes(either_reader: Broker) -> None:
     """docs/operations.md:384-386: "CONNECT strings that are not valid UTF-8 (client id, will topic,
     username) are turned into `str(bytes)` by amqtt's CONNECT decoder and accepted as such"."""
+    broker = either_reader
     raw_id = b"\xff\xfeid"
     body = mqtt_string("MQTT") + bytes((4, 0x00)) + (30).to_bytes(2, "big") + mqtt_string(raw_id)
     sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
@@ -590,3 +624,23 @@ def test_no_store_health_message_while_the_store_never_failed(broker: Broker, cl
     clients(broker.port, "health-pub", clean_session=True).publish("health/sentinel", [b"s"], qos=1)
     assert watcher.wait_for(lambda ms: any(m.topic == "health/sentinel" for m in ms))
     assert [m.topic for m in watcher.messages] == ["health/sentinel"]
+
+
+@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+def test_a_retained_message_comes_once_per_new_matching_filter(
+    broker: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """docs/guarantees.md:29-36: a durable session "gets each message once, at the highest QoS" of its
+    matching filters, but "A retained message sent because of a SUBSCRIBE ... comes once per new filter
+    that matches it, at that filter's QoS, durable and clean sessions alike"."""
+    clients(broker.port, "ov-ret-pub", clean_session=True).publish("ovr/b", [b"ret"], qos=1, retain=True)
+    device = clients(broker.port, f"ov-ret-{clean}", clean_session=clean)
+    assert device.subscribe([("ovr/#", 0), ("ovr/b", 1)]) == [0, 1]
+    assert device.wait_for(lambda ms: len(ms) >= 2)
+    clients(broker.port, "ov-live-pub", clean_session=True).publish("ovr/b", [b"live"], qos=1)
+    copies = 1 if not clean else 2
+    assert device.wait_for(lambda ms: sum(m.payload == b"live" for m in ms) >= copies)
+    retained = sorted((m.qos, m.retain) for m in device.messages if m.payload == b"ret")
+    assert retained == [(0, True), (1, True)]
+    live = sorted(m.qos for m in device.messages if m.payload == b"live")
+    assert live == ([1] if not clean else [0, 1])
