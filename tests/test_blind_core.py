@@ -644,3 +644,56 @@ def test_a_retained_message_comes_once_per_new_matching_filter(
     assert retained == [(0, True), (1, True)]
     live = sorted(m.qos for m in device.messages if m.payload == b"live")
     assert live == ([1] if not clean else [0, 1])
+
+
+def test_repair_refuses_a_folder_of_other_files_as_no_store(tmp_path: Path) -> None:
+    """docs/operations.md:48-50: "A path that is missing or a folder without LevelDB files (empty, or
+    holding only other files ...) is refused with `no store at '...'` ...; exit code 1, untouched"."""
+    other = tmp_path / "data"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    result = run_cli("repair", str(other))
+    assert result.returncode == 1
+    assert f"no store at '{other}'" in result.stderr, result.stderr
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+def test_ready_replays_what_was_queued_up_to_it_then_the_marker_then_live(
+    either_reader: Broker, clients: Callable[..., Client]
+) -> None:
+    """docs/protocol.md:84: "`ready` ... Ends the hold: the broker sends the recovery buffer and what was
+    queued up to this point (flag `replayed`), then a marker, then live messages"; :121 "`replayed`
+    counts the messages sent before it with the `replayed` flag"."""
+    broker = either_reader
+    device = clients(broker.port, "rl-sdk")
+    control(device, {"v": 1, "op": "hello", "req": 1})
+    device.subscribe("rl/t", 1)
+    device.drop()
+    pub = clients(broker.port, "rl-pub", clean_session=True)
+    pub.publish("rl/t", payloads(300), qos=1)
+    again = clients(broker.port, "rl-sdk")
+    assert control(again, {"v": 1, "op": "ready", "req": 2})["ok"] is True
+    pub.publish("rl/t", [b"live"], qos=1)  # queued after the ready was handled
+    assert again.wait_for(lambda ms: any(m.topic == "rl/t" and m.payload.endswith(b"live") for m in ms))
+    stream = [m for m in again.messages if m.topic in ("rl/t", MARKER)]
+    assert [m.topic for m in stream] == ["rl/t"] * 300 + [MARKER, "rl/t"]
+    replayed = [frame(m.payload) for m in stream[:300]]
+    assert [f[5] for f in replayed] == payloads(300) and all(f[1] == 0x01 for f in replayed)
+    marker = json.loads(stream[300].payload)
+    assert (marker["replayed"], marker["first_seq"], marker["last_seq"]) == (300, replayed[0][3], replayed[-1][3])
+    live = frame(stream[301].payload)
+    assert live[1] == 0 and live[5] == b"live" and live[3] > replayed[-1][3]
+
+
+def test_inspect_shows_no_deadline_for_a_session_connected_at_a_clean_stop(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:32-35: time until expiry "`-`: no deadline stored, as for a session that was
+    connected when the broker was killed or stopped"; `--json`: "null where none"."""
+    device = clients(broker.port, "stop-dev")
+    device.subscribe("stop/t", 1)
+    broker.stop()
+    [row] = inspect_json(broker.store)
+    assert (row["disconnected_at"], row["expires_at"]) == (None, None)
+    table = run_cli("inspect", broker.store).stdout.strip().splitlines()
+    assert table[-2].split() == ["stop-dev", "0", "0", "-", "-", "0", "stop/t@1"], table
