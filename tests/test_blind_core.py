@@ -8,6 +8,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -697,3 +698,65 @@ def test_inspect_shows_no_deadline_for_a_session_connected_at_a_clean_stop(
     assert (row["disconnected_at"], row["expires_at"]) == (None, None)
     table = run_cli("inspect", broker.store).stdout.strip().splitlines()
     assert table[-2].split() == ["stop-dev", "0", "0", "-", "-", "0", "stop/t@1"], table
+
+
+def test_hello_session_expiry_must_be_a_number_0_or_more_and_null_is_absent(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """docs/protocol.md:82 hello `session_expiry` "(seconds, optional: a finite number >= 0, else
+    `malformed`)"; "An optional field given as JSON `null` counts as absent"."""
+    device = clients(broker.port, "exp-args")
+    for bad in (-1, True, "10"):
+        reply = control(device, {"v": 1, "op": "hello", "session_expiry": bad})
+        assert reply["ok"] is False and reply["error"]["code"] == "malformed", bad
+    assert control(device, {"v": 1, "op": "hello", "session_expiry": 60})["session_expiry"] == 60
+    reply = control(device, {"v": 1, "op": "hello", "session_expiry": None, "client_id": None})
+    assert reply["ok"] is True and reply["session_expiry"] is None, "null removes the override as absence does"
+    reply = control(device, {"v": 1, "op": "hello", "client_id": ""})
+    assert reply["error"]["code"] == "malformed"
+
+
+def wait_past(start: float, seconds: float) -> None:
+    """Let ``seconds`` pass since ``start`` (time.monotonic()): a rate limit's interval, not a synchronisation."""
+    import time  # noqa: PLC0415
+
+    threading.Event().wait(max(0.0, start + seconds - time.monotonic()))
+
+
+def test_the_line_after_a_quiet_interval_counts_what_was_left_out(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/configuration.md:199 `drop_log_interval`: overflow warnings at most once per interval per
+    session ("drops are always counted"), and refused control requests logged "(INFO; the next line
+    says how many were left out; every request is still answered)"; docs/guarantees.md:394 "logged as a
+    WARNING with the count, ...: `session <id>: queue full at its limit of <n> messages (overflow
+    <policy>): dropped <k> message(s) since the last warning, <total> in all`"; docs/protocol.md:107."""
+    import time  # noqa: PLC0415
+
+    broker = broker_factory(drop_log_interval=1, max_depth=1, max_depth_disconnected=1)
+    client = clients(broker.port, "quiet-ctl", clean_session=True)
+    device = clients(broker.port, "quiet-dev")
+    device.subscribe("quiet/t", 1)
+    device.drop()
+    pub = clients(broker.port, "quiet-pub", clean_session=True)
+    start = time.monotonic()
+    for _ in range(3):
+        assert control(client, {"v": 1, "op": "nope"})["error"]["code"] == "unknown_op"
+    pub.publish("quiet/t", payloads(4), qos=1)  # 3 drops: the first logged, 2 left out
+    wait_past(start, 1.05)
+    assert control(client, {"v": 1, "op": "nope"})["error"]["code"] == "unknown_op"
+    pub.publish("quiet/t", [b"late"], qos=1)  # the 4th drop
+    refusals = [line for line in broker.log().splitlines() if "quiet-ctl" in line and "refused" in line]
+    assert len(refusals) == 2 and all(" INFO " in line for line in refusals), refusals
+    assert refusals[0].endswith("quiet-ctl: control request refused (unknown_op): 'op' is 'nope'; known ops are "
+                                "hello, interest, ready, end_session, stream_subscribe, stream_ack, "
+                                "stream_unsubscribe, stream_info"), refusals[0]
+    assert refusals[1].endswith("(2 more refused since the last such line)"), refusals[1]
+    assert broker.wait_until(
+        lambda: len([line for line in broker.log().splitlines() if "quiet-dev" in line and "WARNING" in line]) == 2,
+        WAIT,
+    )
+    warnings = [line for line in broker.log().splitlines() if "quiet-dev" in line and "WARNING" in line]
+    prefix = "session quiet-dev: queue full at its limit of 1 messages (overflow drop-oldest): dropped "
+    assert warnings[0].endswith(prefix + "1 message(s) since the last warning, 1 in all"), warnings
+    assert warnings[1].endswith(prefix + "3 message(s) since the last warning, 4 in all"), warnings
