@@ -760,3 +760,53 @@ def test_the_line_after_a_quiet_interval_counts_what_was_left_out(
     prefix = "session quiet-dev: queue full at its limit of 1 messages (overflow drop-oldest): dropped "
     assert warnings[0].endswith(prefix + "1 message(s) since the last warning, 1 in all"), warnings
     assert warnings[1].endswith(prefix + "3 message(s) since the last warning, 4 in all"), warnings
+
+
+@pytest.mark.parametrize("publish_qos", [0, 1, 2])
+def test_clean_subscribers_get_min_of_publish_and_subscription_qos(
+    either_reader: Broker, clients: Callable[..., Client], publish_qos: int
+) -> None:
+    """docs/guarantees.md:29 "Delivered QoS = min(publish QoS, subscription QoS)", durable and clean
+    sessions alike (MQTT-3.8.4-6: never more than the publish's QoS, never more than granted)."""
+    broker = either_reader
+    subscribers = {qos: clients(broker.port, f"minq-{qos}", clean_session=True) for qos in (0, 1, 2)}
+    for qos, subscriber in subscribers.items():
+        assert subscriber.subscribe("minq/t", qos) == [qos]
+    clients(broker.port, "minq-pub", clean_session=True).publish("minq/t", [b"x"], qos=publish_qos)
+    for qos, subscriber in subscribers.items():
+        [message] = subscriber.wait_messages(1)
+        assert message.qos == min(qos, publish_qos), (qos, publish_qos, message.qos)
+
+
+def test_a_forced_qos_message_to_a_clean_subscriber_is_capped_by_its_subscription(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/guarantees.md:29 (min of the message's QoS and the subscription's): the broker's own
+    `$SYS/broker/durable/expired` event, published at QoS 1 (docs/guarantees.md:86), and a QoS 1 will
+    reach a clean QoS 0 subscriber at QoS 0."""
+    broker = broker_factory(session_expiry=0)
+    watcher = clients(broker.port, "cap-watch", clean_session=True)
+    assert watcher.subscribe([("$SYS/broker/durable/expired", 0), ("cap/#", 0)]) == [0, 0]
+    sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    flags = 0x04 | 0x08  # a will at QoS 1
+    body = mqtt_string("MQTT") + bytes((4, flags)) + (60).to_bytes(2, "big") + mqtt_string("cap-dev")
+    sock.sendall(mqtt_packet(0x10, body + mqtt_string("cap/will") + mqtt_string("gone")))
+    assert read_exactly(sock, 4)[3] == 0
+    sock.close()  # no DISCONNECT: the will goes, and the session (expiry 0) expires
+    assert watcher.wait_for(lambda ms: {m.topic for m in ms} >= {"cap/will", "$SYS/broker/durable/expired"})
+    assert [m.qos for m in watcher.messages] == [0, 0]
+
+
+@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+def test_a_retained_qos0_message_comes_at_qos_0_to_a_qos_1_subscription(
+    either_reader: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """docs/guarantees.md:95-97: retained messages matching a new subscription come with "RETAIN=1, QoS
+    min(subscription, retained)"; docs/guarantees.md:29 "Delivered QoS = min(publish QoS, subscription
+    QoS)" (a retained message stored at QoS 0 is not raised to QoS 1)."""
+    broker = either_reader
+    clients(broker.port, "r0-pub", clean_session=True).publish("r0/t", [b"zero"], qos=0, retain=True)
+    subscriber = clients(broker.port, f"r0-sub-{clean}", clean_session=clean)
+    assert subscriber.subscribe("r0/t", 1) == [1]
+    [message] = subscriber.wait_messages(1)
+    assert (message.payload, message.retain, message.qos) == (b"zero", True, 0)

@@ -328,9 +328,30 @@ class ConnectionWill:
 
 
 class RoutedPayload(bytes):
-    """A payload already queued for durable sessions, so the broadcast does not queue it twice."""
+    """A payload already queued for durable sessions, so the broadcast does not queue it twice.
+    ``qos``: its publish's QoS, the most amqtt's delivery may give a clean subscriber (MQTT-3.8.4-6;
+    amqtt 0.12.1 sent every message at the subscription's QoS). Made by ``routed``."""
 
     __slots__ = ()
+    qos = QOS_2
+
+
+class _RoutedQos0(RoutedPayload):
+    __slots__ = ()
+    qos = 0
+
+
+class _RoutedQos1(RoutedPayload):
+    __slots__ = ()
+    qos = QOS_1
+
+
+_ROUTED: dict[int, type[RoutedPayload]] = {0: _RoutedQos0, QOS_1: _RoutedQos1, QOS_2: RoutedPayload}
+
+
+def routed(payload: bytes | bytearray, qos: int) -> RoutedPayload:
+    """``payload`` marked as queued for durable sessions, published at ``qos``."""
+    return _ROUTED[qos](payload)
 
 
 class SessionStates:
@@ -1482,9 +1503,13 @@ class AmqttHooks:
         topic = broadcast["topic"]
         if topic is None:
             return
+        data = broadcast["data"]
+        # Never more than the message's own QoS (MQTT-3.8.4-6): a publish's, or the one forced (wills,
+        # $SYS); amqtt 0.12.1 gave every subscriber its subscription's QoS, or the forced one.
+        most = data.qos if isinstance(data, RoutedPayload) else broadcast.get("qos", QOS_2)
         for topic_filter in list(self.amqtt_index.matching_filters(topic)):
             for target, sub_qos in list(self.broker._subscriptions.get(topic_filter, ())):
-                qos = broadcast.get("qos", sub_qos)
+                qos = min(most, sub_qos)
                 if not await self.broker._topic_filtering(target, topic=topic, action=Action.RECEIVE):
                     continue
                 connected = target.transitions.state == "connected"
@@ -1493,7 +1518,7 @@ class AmqttHooks:
                     continue
                 handler = self.broker._get_handler(target) if connected else None
                 if handler:
-                    self.clean_sends.send(handler, target.client_id, topic, broadcast["data"], qos)
+                    self.clean_sends.send(handler, target.client_id, topic, data, qos)
 
     async def publish_retained_for_subscription(self, subscription: tuple[str, int], session: Any) -> None:
         """Retained messages for a subscription the session holds, and only those it may receive.
@@ -1513,8 +1538,10 @@ class AmqttHooks:
                 item for item in retained
                 if await self.broker._topic_filtering(session, item[0], Action.RECEIVE)
             ]
-        sends = [
-            handler.mqtt_publish(topic, message.data, min(qos, message.qos or qos), retain=True)
+        sends = [  # at most the retained message's own QoS (0 included), as durable sessions get it
+            handler.mqtt_publish(
+                topic, message.data, qos if message.qos is None else min(qos, message.qos), retain=True
+            )
             for topic, message in retained
         ]
         await asyncio.gather(*sends, return_exceptions=True)  # as amqtt's: one failed send stops no other
@@ -1917,7 +1944,7 @@ async def _publish_qos2(
     except StoreUnavailableError as exc:
         handler.durable_acks.refuse(exc)
         return
-    packet.payload.data = RoutedPayload(packet.data)
+    packet.payload.data = routed(packet.data, QOS_2)
     await original_publish(packet)
 
 
@@ -2062,7 +2089,7 @@ async def _control_qos2(handler: Any, packet: Any, original_publish: Callable[[A
     wrapper drops the message."""
     handler.durable_control.submit(packet.topic_name, bytes(packet.data))
     packet.fixed_header.flags &= ~0x01  # never retained
-    packet.payload.data = RoutedPayload(packet.data)
+    packet.payload.data = routed(packet.data, QOS_2)
     await original_publish(packet)
 
 
@@ -2152,7 +2179,7 @@ class InboundPublishes:
 def hand_to_amqtt(session: Any, topic: str, payload: bytes, qos: int, *, packet_id: int | None, retain: bool) -> None:
     """Give an already-queued publish to amqtt's own delivery (clean subscribers, retain, events),
     as amqtt's QoS 0/1 flow would, without its PUBACK: the plugin acknowledges in order itself."""
-    message = IncomingApplicationMessage(packet_id, topic, qos, RoutedPayload(payload), retain)
+    message = IncomingApplicationMessage(packet_id, topic, qos, routed(payload, qos), retain)
     message.publish_packet = PublishPacket.build(topic, payload, packet_id, False, qos, retain)
     session.delivered_message_queue.put_nowait(message)
 
