@@ -16,7 +16,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import pytest
 import yaml
-from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly
+from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly, read_packet
 
 from amqtt_durable.process import ChildProcess
 from conftest import HOST, WAIT, Broker, Client, free_port, mqtt_packet, mqtt_string, payloads, probe_connack, run_cli
@@ -515,19 +515,6 @@ def test_retained_initial_value_before_ready_counts_in_marker(
 def ctl_publish(packet_id: int, qos: int, request: dict[str, Any], dup: bool = False) -> bytes:
     first = 0x30 | (qos << 1) | (0x08 if dup else 0)
     return mqtt_packet(first, mqtt_string(CTL) + packet_id.to_bytes(2, "big") + json.dumps(request).encode())
-
-
-def read_packet(sock: socket.socket) -> tuple[int, bytes]:
-    """(first byte, body) of the next packet (remaining length below 16384)."""
-    first = read_exactly(sock, 1)[0]
-    length, shift = 0, 0
-    while True:
-        byte = read_exactly(sock, 1)[0]
-        length |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            break
-    return first, read_exactly(sock, length) if length else b""
 
 
 def publish_body(body: bytes) -> tuple[str, bytes]:
