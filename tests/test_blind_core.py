@@ -797,3 +797,29 @@ def test_a_retained_qos0_message_comes_at_qos_0_to_a_qos_1_subscription(
     assert subscriber.subscribe("r0/t", 1) == [1]
     [message] = subscriber.wait_messages(1)
     assert (message.payload, message.retain, message.qos) == (b"zero", True, 0)
+
+
+def test_inspect_text_header_durations_and_a_past_deadline(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:30-40: inspect's rows under the header `CLIENT ID  DEPTH  BYTES  OLDEST  EXPIRES
+    IN  DROPPED  SUBSCRIPTIONS`; "ages and times read `45s` (under 2 minutes), `5m` (under 2 hours) or
+    `3.5h`, an expiry already past `due` (the broker deletes that session when it starts)";
+    docs/guarantees.md:79 "The deadline is stored, so it holds across restarts"."""
+    import time  # noqa: PLC0415
+
+    broker = broker_factory(metrics_interval=1, session_expiry=1)
+    device = clients(broker.port, "due-dev")
+    device.subscribe("due/t", 1)
+    start = time.monotonic()
+    device.disconnect()
+    seen_disconnected(clients, broker.port, 1)
+    broker.stop()
+    table = run_cli("inspect", broker.store).stdout.splitlines()
+    header = ["CLIENT ID", "DEPTH", "BYTES", "OLDEST", "EXPIRES IN", "DROPPED", "SUBSCRIPTIONS"]
+    assert table[0].split() == " ".join(header).split(" ")
+    wait_past(start, 1.2)
+    table = run_cli("inspect", broker.store).stdout.splitlines()
+    assert table[1].split() == ["due-dev", "0", "0", "-", "due", "0", "due/t@1"], table
+    broker.start()
+    assert clients(broker.port, "due-dev").session_present is False
