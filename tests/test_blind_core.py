@@ -691,7 +691,7 @@ def test_hello_session_expiry_must_be_a_number_0_or_more_and_null_is_absent(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
     """docs/protocol.md:82 hello `session_expiry` "(seconds, optional: a finite number >= 0, else
-    `malformed`)"; "An optional field given as JSON `null` counts as absent"."""
+    `malformed`)"; "A field given as JSON `null` counts as absent"."""
     device = clients(broker.port, "exp-args")
     for bad in (-1, True, "10"):
         reply = control(device, {"v": 1, "op": "hello", "session_expiry": bad})
@@ -823,3 +823,46 @@ def test_inspect_text_header_durations_and_a_past_deadline(
     assert table[1].split() == ["due-dev", "0", "0", "-", "due", "0", "due/t@1"], table
     broker.start()
     assert clients(broker.port, "due-dev").session_present is False
+
+
+def test_interest_durable_null_counts_as_absent(broker: Broker, clients: Callable[..., Client]) -> None:
+    """docs/protocol.md: "A field given as JSON `null` counts as absent"; `interest`'s
+    `durable` is "(bool, default true)"."""
+    device = clients(broker.port, "null-int")
+    device.subscribe("ni/t", 1)
+    reply = control(device, {"v": 1, "op": "interest", "filter": "ni/t", "durable": None})
+    assert (reply["ok"], reply["durable"]) == (True, True), reply
+    control(device, {"v": 1, "op": "ready"})
+    assert device.wait_for(lambda ms: any(m.topic == MARKER for m in ms))
+    marker = json.loads(next(m.payload for m in device.messages if m.topic == MARKER))
+    assert marker["live"] == [{"filter": "ni/t", "qos": 1, "durable": True}], marker
+
+
+def test_stream_subscribe_after_null_counts_as_absent(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/protocol.md: "A field given as JSON `null` counts as absent" (`stream_subscribe`'s
+    `after`: topics not listed start at the log's first event)."""
+    broker = stream_broker(broker_factory)
+    clients(broker.port, "null-after-pub", clean_session=True).publish("log/a", [b"e1", b"e2"], qos=1)
+    reader = clients(broker.port, "null-after", clean_session=True)
+    reply = control(reader, {"v": 1, "op": "stream_subscribe", "filter": "log/#", "after": None})
+    assert (reply["ok"], reply["topics"], reply["gaps"]) == (True, {"log/a": {"first": 1, "last": 2}}, {}), reply
+    assert reader.wait_for(lambda ms: len(stream_events(reader, "log/a")) >= 1)
+    assert [(event_id, body) for _, event_id, body in stream_events(reader, "log/a")] == [(1, b"e1")]  # window 1
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "name"),
+    [({"topic": None, "id": None}, "topic"), ({"topic": "log/a", "id": None}, "id")],
+)
+def test_a_required_field_given_as_null_is_refused_as_missing(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], request_fields: dict[str, Any], name: str
+) -> None:
+    """docs/protocol.md: "A field given as JSON `null` counts as absent: ... one the op needs is missing
+    (`malformed`, `<op> needs '<field>'`...)"."""
+    broker = stream_broker(broker_factory)
+    reader = clients(broker.port, f"null-ack-{name}", clean_session=True)
+    assert control(reader, {"v": 1, "op": "stream_subscribe", "filter": "log/#"})["ok"] is True
+    reply = control(reader, {"v": 1, "op": "stream_ack", **request_fields})
+    assert reply["error"] == {"code": "malformed", "message": f"stream_ack needs '{name}'"}, reply
