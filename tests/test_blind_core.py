@@ -620,7 +620,7 @@ def test_a_retained_message_comes_once_per_new_matching_filter(
 ) -> None:
     """docs/guarantees.md:29-36: a durable session "gets each message once, at the highest QoS" of its
     matching filters, but "A retained message sent because of a SUBSCRIBE ... comes once per new filter
-    that matches it, at that filter's QoS, durable and clean sessions alike"."""
+    that matches it, at the lower of that filter's QoS and its own, durable and clean sessions alike"."""
     clients(broker.port, "ov-ret-pub", clean_session=True).publish("ovr/b", [b"ret"], qos=1, retain=True)
     device = clients(broker.port, f"ov-ret-{clean}", clean_session=clean)
     assert device.subscribe([("ovr/#", 0), ("ovr/b", 1)]) == [0, 1]
@@ -633,6 +633,19 @@ def test_a_retained_message_comes_once_per_new_matching_filter(
     live = sorted(m.qos for m in device.messages if m.payload == b"live")
     assert live == ([1] if not clean else [0, 1])
 
+
+@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+def test_a_retained_qos0_message_comes_at_qos_0_once_per_new_matching_filter(
+    broker: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """docs/guarantees.md: a retained message sent because of a SUBSCRIBE "comes once per new filter
+    that matches it, at the lower of that filter's QoS and its own ... one stored at QoS 0 twice at
+    QoS 0"."""
+    clients(broker.port, f"ov0-pub-{clean}", clean_session=True).publish("ov0/b", [b"ret"], qos=0, retain=True)
+    device = clients(broker.port, f"ov0-{clean}", clean_session=clean)
+    assert device.subscribe([("ov0/#", 0), ("ov0/b", 1)]) == [0, 1]
+    assert device.wait_for(lambda ms: len(ms) >= 2)
+    assert sorted((m.payload, m.qos, m.retain) for m in device.messages) == [(b"ret", 0, True)] * 2
 
 def test_repair_refuses_a_folder_of_other_files_as_no_store(tmp_path: Path) -> None:
     """docs/operations.md:48-50: "A path that is missing or a folder without LevelDB files (empty, or
@@ -823,6 +836,22 @@ def test_inspect_text_header_durations_and_a_past_deadline(
     assert table[1].split() == ["due-dev", "0", "0", "-", "due", "0", "due/t@1"], table
     broker.start()
     assert clients(broker.port, "due-dev").session_present is False
+
+
+@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+def test_a_repeated_subscribe_at_a_lower_qos_caps_delivery(
+    either_reader: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """MQTT-3.8.4-3: a SUBSCRIBE of a filter the session holds replaces that subscription, its QoS
+    too; docs/guarantees.md "Delivered QoS = min(publish QoS, subscription QoS)"."""
+    broker = either_reader
+    sub = clients(broker.port, f"resub-{clean}", clean_session=clean)
+    pub = clients(broker.port, f"resub-pub-{clean}", clean_session=True)
+    for granted in (2, 0, 1):
+        assert sub.subscribe("resub/t", granted) == [granted]
+        pub.publish("resub/t", [f"at {granted}".encode()], qos=2)
+        assert sub.wait_for(lambda ms, g=granted: any(m.payload == f"at {g}".encode() for m in ms))
+    assert [(m.payload, m.qos) for m in sub.messages] == [(b"at 2", 2), (b"at 0", 0), (b"at 1", 1)]
 
 
 def test_interest_durable_null_counts_as_absent(broker: Broker, clients: Callable[..., Client]) -> None:

@@ -62,7 +62,8 @@ instance the plugin is loaded into and on each connection's handler:
   sessions' subscriptions live in the store, not in amqtt's table, so amqtt never delivers to
   them itself; a SUBSCRIBE or UNSUBSCRIBE of a durable session is stored by one commit for all
   its filters (amqtt's way, a commit per filter, made a packet of n filters cost n record writes);
-  both kinds obey ``max_subscriptions_per_client``;
+  both kinds obey ``max_subscriptions_per_client``; a clean session's repeated SUBSCRIBE of a
+  filter replaces the QoS of its entry in amqtt's table (amqtt kept the first, MQTT-3.8.4-3);
 * ``Broker._del_subscription`` (with ``add_subscription``): keeps a trie mirror of amqtt's own
   table (clean sessions' filters), so that asking "does amqtt have a subscriber for this
   topic?" on every publish does not cost a match per filter;
@@ -1420,12 +1421,7 @@ class AmqttHooks:
         if not filter_is_valid(topic_filter) or qos not in (0, 1, 2):
             return _SUBSCRIBE_REFUSED  # as a durable session's; amqtt alone granted an empty filter
         if not self.engine.is_durable(session.client_id):
-            if self.over_limit(self.amqtt_index, session.client_id, topic_filter):
-                return _SUBSCRIBE_REFUSED
-            granted = int(await self._original_add_subscription(subscription, session))
-            if granted != _SUBSCRIBE_REFUSED:
-                self.amqtt_index.add(session.client_id, topic_filter, granted)
-            return granted
+            return await self._add_clean_subscription(subscription, session)
         if self.engine.committer.failure is not None:
             log.warning("%s: SUBSCRIBE %s refused: the store cannot write now", session.client_id, topic_filter)
             return _SUBSCRIBE_REFUSED
@@ -1443,6 +1439,22 @@ class AmqttHooks:
         if self.broker.plugins_manager._topic_plugins:  # what the user may not read is not even queued
             retained = [item for item in retained if await _may_read(self.broker, session, item[0])]
         self.engine.add_subscription(session.client_id, topic_filter, granted, retained)  # stored by the SUBSCRIBE
+        return granted
+
+    async def _add_clean_subscription(self, subscription: tuple[str, int], session: Any) -> int:
+        """amqtt's, mirrored in ``amqtt_index``, a repeated SUBSCRIBE replacing the QoS it holds."""
+        topic_filter, _ = subscription
+        if self.over_limit(self.amqtt_index, session.client_id, topic_filter):
+            return _SUBSCRIBE_REFUSED
+        granted = int(await self._original_add_subscription(subscription, session))
+        if granted != _SUBSCRIBE_REFUSED:
+            self.amqtt_index.add(session.client_id, topic_filter, granted)
+            # amqtt 0.12.1 keeps an entry the session already holds, QoS and all: a repeated
+            # SUBSCRIBE replaces the subscription, its QoS the one granted (MQTT-3.8.4-3).
+            entries = self.broker._subscriptions[topic_filter]
+            for position, (target, _) in enumerate(entries):
+                if target.client_id == session.client_id:
+                    entries[position] = (session, granted)
         return granted
 
     async def handle_subscription(self, session: Any, handler: Any, waiter: Any) -> None:
