@@ -241,6 +241,17 @@ def test_config_store_relative_path_from_cwd(tmp_path: Path) -> None:
         broker.stop()
 
 
+def test_a_config_naming_max_qos_is_refused(tmp_path: Path) -> None:
+    """docs/configuration.md: "amqtt 0.12.1 has no `max-qos` ...: a config naming it is refused
+    (`amqtt-durable: broker not started: can not match "max-qos" to any data class field`, exit code 1)"."""
+    path = write_config(tmp_path, {})
+    path.write_text(path.read_text(encoding="utf-8") + "max-qos: 1\n", encoding="utf-8")
+    result = run_cli("broker", "-c", str(path), cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        'amqtt-durable: broker not started: can not match "max-qos" to any data class field'
+    ), result.stderr[-3000:]
+
 # ------------------------------------------------------------------ second batch: less travelled promises
 def test_hello_session_expiry_override_is_the_stored_deadline(broker: Broker, clients: Callable[..., Client]) -> None:
     """docs/protocol.md:82: hello "sets its expiry override, capped by the broker's

@@ -1429,17 +1429,16 @@ class AmqttHooks:
             return _SUBSCRIBE_REFUSED
         if not await self.broker._topic_filtering(session, topic_filter, Action.SUBSCRIBE):
             return _SUBSCRIBE_REFUSED
-        max_qos = self.broker.config.get("max-qos", qos)
-        granted = min(qos, max_qos) if isinstance(max_qos, int) else qos
+        # The QoS asked is granted: amqtt 0.12.1's config has no max-qos (BrokerConfig refuses it).
         # Retained messages are queued with the subscription, before any live message can be.
         retained = [
-            (topic, bytes(message.data), granted if message.qos is None else min(granted, message.qos))
+            (topic, bytes(message.data), qos if message.qos is None else min(qos, message.qos))
             for topic, message in self.retained.matching(topic_filter)
         ]
         if self.broker.plugins_manager._topic_plugins:  # what the user may not read is not even queued
             retained = [item for item in retained if await _may_read(self.broker, session, item[0])]
-        self.engine.add_subscription(session.client_id, topic_filter, granted, retained)  # stored by the SUBSCRIBE
-        return granted
+        self.engine.add_subscription(session.client_id, topic_filter, qos, retained)  # stored by the SUBSCRIBE
+        return qos
 
     async def _add_clean_subscription(self, subscription: tuple[str, int], session: Any) -> int:
         """amqtt's, mirrored in ``amqtt_index``, a repeated SUBSCRIBE replacing the QoS it holds."""
