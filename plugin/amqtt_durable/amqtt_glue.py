@@ -1450,10 +1450,13 @@ class AmqttHooks:
             self.amqtt_index.add(session.client_id, topic_filter, granted)
             # amqtt 0.12.1 keeps an entry the session already holds, QoS and all: a repeated
             # SUBSCRIBE replaces the subscription, its QoS the one granted (MQTT-3.8.4-3).
-            entries = self.broker._subscriptions[topic_filter]
-            for position, (target, _) in enumerate(entries):
-                if target.client_id == session.client_id:
-                    entries[position] = (session, granted)
+            # Only for the client id's current session: a late SUBSCRIBE of a connection taken over
+            # must not point the entry back at the old, dead session.
+            if self.broker._sessions.get(session.client_id, (None,))[0] is session:
+                entries = self.broker._subscriptions[topic_filter]
+                for position, (target, _) in enumerate(entries):
+                    if target.client_id == session.client_id:
+                        entries[position] = (session, granted)
         return granted
 
     async def handle_subscription(self, session: Any, handler: Any, waiter: Any) -> None:
