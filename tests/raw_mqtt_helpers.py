@@ -17,6 +17,19 @@ def read_exactly(sock: socket.socket, count: int) -> bytes:
     return data
 
 
+def read_packet(sock: socket.socket) -> tuple[int, bytes]:
+    """(first byte, body) of the next packet the broker sends."""
+    first = read_exactly(sock, 1)[0]
+    length, shift = 0, 0
+    while True:
+        byte = read_exactly(sock, 1)[0]
+        length |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            break
+    return first, read_exactly(sock, length)
+
+
 def connect_packet(
     client_id: str,
     *,

@@ -13,7 +13,7 @@ import struct
 from collections.abc import Callable
 
 import pytest
-from raw_mqtt_helpers import connect_packet, read_exactly
+from raw_mqtt_helpers import connect_packet, read_exactly, read_packet
 from test_hostile_wire import (
     PATHS,
     connack_within,
@@ -47,18 +47,6 @@ def starved_durable_client(port: int, client_id: str) -> socket.socket:
     sock.sendall(connect_packet(client_id, clean=False))
     assert read_exactly(sock, 4)[:2] == b"\x20\x02"
     return sock
-
-
-def read_packet(sock: socket.socket) -> tuple[int, bytes]:
-    first = read_exactly(sock, 1)[0]
-    length, shift = 0, 0
-    while True:
-        byte = read_exactly(sock, 1)[0]
-        length |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            break
-    return first, read_exactly(sock, length)
 
 
 @pytest.mark.parametrize("path", PATHS)

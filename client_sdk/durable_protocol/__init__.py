@@ -267,7 +267,7 @@ def parse_request(payload: bytes) -> Request:
         if op not in OPS:
             raise ProtocolError("unknown_op", f"'op' is {op!r}; known ops are {', '.join(OPS)}")
         for name in _REQUIRED.get(op, ()):
-            if name not in data:
+            if data.get(name) is None:  # absent or null: a null field counts as absent
                 raise ProtocolError("malformed", f"{op} needs '{name}'")
         return Request(
             op=op,
@@ -322,8 +322,10 @@ def _is_int(value: object) -> bool:
 
 
 def _optional(data: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
-    value = data.get(name, default)
-    if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+    value = data.get(name)
+    if value is None:  # absent or null
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ProtocolError("malformed", f"'{name}' must be a {kind.__name__}, got {value!r}")
     if kind is str and value == "":
         raise ProtocolError("malformed", f"'{name}' must not be empty")
@@ -340,7 +342,9 @@ def _expiry(data: dict[str, Any]) -> float | None:
 
 
 def _after(data: dict[str, Any]) -> dict[str, int]:
-    value = data.get("after", {})
+    value = data.get("after")
+    if value is None:  # absent or null
+        return {}
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and k and _is_int(v) and v >= 0 for k, v in value.items()
     ):

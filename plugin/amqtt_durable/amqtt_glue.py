@@ -62,7 +62,8 @@ instance the plugin is loaded into and on each connection's handler:
   sessions' subscriptions live in the store, not in amqtt's table, so amqtt never delivers to
   them itself; a SUBSCRIBE or UNSUBSCRIBE of a durable session is stored by one commit for all
   its filters (amqtt's way, a commit per filter, made a packet of n filters cost n record writes);
-  both kinds obey ``max_subscriptions_per_client``;
+  both kinds obey ``max_subscriptions_per_client``; a clean session's repeated SUBSCRIBE of a
+  filter replaces the QoS of its entry in amqtt's table (amqtt kept the first, MQTT-3.8.4-3);
 * ``Broker._del_subscription`` (with ``add_subscription``): keeps a trie mirror of amqtt's own
   table (clean sessions' filters), so that asking "does amqtt have a subscriber for this
   topic?" on every publish does not cost a match per filter;
@@ -104,7 +105,6 @@ import dataclasses
 import json
 import logging
 import math
-import socket
 import time
 from collections import UserDict, deque
 from collections.abc import Awaitable, Callable
@@ -164,6 +164,7 @@ from .errors import (
     ProtocolViolationError,
     StoreError,
     StoreUnavailableError,
+    os_error_reason,
 )
 from .replication.commits import ReplicatedCommits
 from .replication.etcd import EtcdCoordinator
@@ -328,9 +329,30 @@ class ConnectionWill:
 
 
 class RoutedPayload(bytes):
-    """A payload already queued for durable sessions, so the broadcast does not queue it twice."""
+    """A payload already queued for durable sessions, so the broadcast does not queue it twice.
+    ``qos``: its publish's QoS, the most amqtt's delivery may give a clean subscriber (MQTT-3.8.4-6;
+    amqtt 0.12.1 sent every message at the subscription's QoS). Made by ``routed``."""
 
     __slots__ = ()
+    qos = QOS_2
+
+
+class _RoutedQos0(RoutedPayload):
+    __slots__ = ()
+    qos = 0
+
+
+class _RoutedQos1(RoutedPayload):
+    __slots__ = ()
+    qos = QOS_1
+
+
+_ROUTED: dict[int, type[RoutedPayload]] = {0: _RoutedQos0, QOS_1: _RoutedQos1, QOS_2: RoutedPayload}
+
+
+def routed(payload: bytes | bytearray, qos: int) -> RoutedPayload:
+    """``payload`` marked as queued for durable sessions, published at ``qos``."""
+    return _ROUTED[qos](payload)
 
 
 class SessionStates:
@@ -1284,8 +1306,8 @@ class AmqttHooks:
                 ssl=ssl_context,
                 backlog=socket_backlog(self.engine.config.listen_backlog),  # the kernel caps it lower
             )
-        except socket.gaierror as exc:  # bare "Name or service not known": name the listener and its host
-            raise OSError(f"listener '{listener_name}' {address}:{port}: {exc}") from None
+        except OSError as exc:  # name the listener and its address, as replication.listen's errors do
+            raise OSError(f"listener '{listener_name}' {address}:{port}: {os_error_reason(exc)}") from None
 
     async def client_connected(self, listener_name: str, reader: Any, writer: Any) -> None:
         reader.durable_max_packet_size = self.engine.config.max_packet_size
@@ -1399,12 +1421,7 @@ class AmqttHooks:
         if not filter_is_valid(topic_filter) or qos not in (0, 1, 2):
             return _SUBSCRIBE_REFUSED  # as a durable session's; amqtt alone granted an empty filter
         if not self.engine.is_durable(session.client_id):
-            if self.over_limit(self.amqtt_index, session.client_id, topic_filter):
-                return _SUBSCRIBE_REFUSED
-            granted = int(await self._original_add_subscription(subscription, session))
-            if granted != _SUBSCRIBE_REFUSED:
-                self.amqtt_index.add(session.client_id, topic_filter, granted)
-            return granted
+            return await self._add_clean_subscription(subscription, session)
         if self.engine.committer.failure is not None:
             log.warning("%s: SUBSCRIBE %s refused: the store cannot write now", session.client_id, topic_filter)
             return _SUBSCRIBE_REFUSED
@@ -1412,16 +1429,34 @@ class AmqttHooks:
             return _SUBSCRIBE_REFUSED
         if not await self.broker._topic_filtering(session, topic_filter, Action.SUBSCRIBE):
             return _SUBSCRIBE_REFUSED
-        max_qos = self.broker.config.get("max-qos", qos)
-        granted = min(qos, max_qos) if isinstance(max_qos, int) else qos
+        # The QoS asked is granted: amqtt 0.12.1's config has no max-qos (BrokerConfig refuses it).
         # Retained messages are queued with the subscription, before any live message can be.
         retained = [
-            (topic, bytes(message.data), granted if message.qos is None else min(granted, message.qos))
+            (topic, bytes(message.data), qos if message.qos is None else min(qos, message.qos))
             for topic, message in self.retained.matching(topic_filter)
         ]
         if self.broker.plugins_manager._topic_plugins:  # what the user may not read is not even queued
             retained = [item for item in retained if await _may_read(self.broker, session, item[0])]
-        self.engine.add_subscription(session.client_id, topic_filter, granted, retained)  # stored by the SUBSCRIBE
+        self.engine.add_subscription(session.client_id, topic_filter, qos, retained)  # stored by the SUBSCRIBE
+        return qos
+
+    async def _add_clean_subscription(self, subscription: tuple[str, int], session: Any) -> int:
+        """amqtt's, mirrored in ``amqtt_index``, a repeated SUBSCRIBE replacing the QoS it holds."""
+        topic_filter, _ = subscription
+        if self.over_limit(self.amqtt_index, session.client_id, topic_filter):
+            return _SUBSCRIBE_REFUSED
+        granted = int(await self._original_add_subscription(subscription, session))
+        if granted != _SUBSCRIBE_REFUSED:
+            self.amqtt_index.add(session.client_id, topic_filter, granted)
+            # amqtt 0.12.1 keeps an entry the session already holds, QoS and all: a repeated
+            # SUBSCRIBE replaces the subscription, its QoS the one granted (MQTT-3.8.4-3).
+            # Only for the client id's current session: a late SUBSCRIBE of a connection taken over
+            # must not point the entry back at the old, dead session.
+            if self.broker._sessions.get(session.client_id, (None,))[0] is session:
+                entries = self.broker._subscriptions[topic_filter]
+                for position, (target, _) in enumerate(entries):
+                    if target.client_id == session.client_id:
+                        entries[position] = (session, granted)
         return granted
 
     async def handle_subscription(self, session: Any, handler: Any, waiter: Any) -> None:
@@ -1482,9 +1517,13 @@ class AmqttHooks:
         topic = broadcast["topic"]
         if topic is None:
             return
+        data = broadcast["data"]
+        # Never more than the message's own QoS (MQTT-3.8.4-6): a publish's, or the one forced (wills,
+        # $SYS); amqtt 0.12.1 gave every subscriber its subscription's QoS, or the forced one.
+        most = data.qos if isinstance(data, RoutedPayload) else broadcast.get("qos", QOS_2)
         for topic_filter in list(self.amqtt_index.matching_filters(topic)):
             for target, sub_qos in list(self.broker._subscriptions.get(topic_filter, ())):
-                qos = broadcast.get("qos", sub_qos)
+                qos = min(most, sub_qos)
                 if not await self.broker._topic_filtering(target, topic=topic, action=Action.RECEIVE):
                     continue
                 connected = target.transitions.state == "connected"
@@ -1493,7 +1532,7 @@ class AmqttHooks:
                     continue
                 handler = self.broker._get_handler(target) if connected else None
                 if handler:
-                    self.clean_sends.send(handler, target.client_id, topic, broadcast["data"], qos)
+                    self.clean_sends.send(handler, target.client_id, topic, data, qos)
 
     async def publish_retained_for_subscription(self, subscription: tuple[str, int], session: Any) -> None:
         """Retained messages for a subscription the session holds, and only those it may receive.
@@ -1513,8 +1552,10 @@ class AmqttHooks:
                 item for item in retained
                 if await self.broker._topic_filtering(session, item[0], Action.RECEIVE)
             ]
-        sends = [
-            handler.mqtt_publish(topic, message.data, min(qos, message.qos or qos), retain=True)
+        sends = [  # at most the retained message's own QoS (0 included), as durable sessions get it
+            handler.mqtt_publish(
+                topic, message.data, qos if message.qos is None else min(qos, message.qos), retain=True
+            )
             for topic, message in retained
         ]
         await asyncio.gather(*sends, return_exceptions=True)  # as amqtt's: one failed send stops no other
@@ -1917,7 +1958,7 @@ async def _publish_qos2(
     except StoreUnavailableError as exc:
         handler.durable_acks.refuse(exc)
         return
-    packet.payload.data = RoutedPayload(packet.data)
+    packet.payload.data = routed(packet.data, QOS_2)
     await original_publish(packet)
 
 
@@ -2062,7 +2103,7 @@ async def _control_qos2(handler: Any, packet: Any, original_publish: Callable[[A
     wrapper drops the message."""
     handler.durable_control.submit(packet.topic_name, bytes(packet.data))
     packet.fixed_header.flags &= ~0x01  # never retained
-    packet.payload.data = RoutedPayload(packet.data)
+    packet.payload.data = routed(packet.data, QOS_2)
     await original_publish(packet)
 
 
@@ -2152,7 +2193,7 @@ class InboundPublishes:
 def hand_to_amqtt(session: Any, topic: str, payload: bytes, qos: int, *, packet_id: int | None, retain: bool) -> None:
     """Give an already-queued publish to amqtt's own delivery (clean subscribers, retain, events),
     as amqtt's QoS 0/1 flow would, without its PUBACK: the plugin acknowledges in order itself."""
-    message = IncomingApplicationMessage(packet_id, topic, qos, RoutedPayload(payload), retain)
+    message = IncomingApplicationMessage(packet_id, topic, qos, routed(payload, qos), retain)
     message.publish_packet = PublishPacket.build(topic, payload, packet_id, False, qos, retain)
     session.delivered_message_queue.put_nowait(message)
 

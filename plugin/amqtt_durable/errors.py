@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 
 class DurableError(Exception):
     """Base of every error this package raises on purpose."""
@@ -141,3 +144,11 @@ class NotPrimaryError(StoreUnavailableError):
             f"this broker is not the primary of its replication group ({reason}): nothing is "
             "acknowledged here; clients reconnect to the primary and send again",
         )
+
+
+def os_error_reason(exc: OSError | ValueError) -> str:
+    """``[Errno 98] Address already in use``: asyncio's bind error repeats the address, which the
+    message names already; a resolver's error (gaierror) and a ValueError are kept as they are."""
+    if isinstance(exc, OSError) and not isinstance(exc, socket.gaierror) and exc.errno is not None:
+        return f"[Errno {exc.errno}] {os.strerror(exc.errno)}"
+    return str(exc) or repr(exc)

@@ -121,7 +121,7 @@ def format_table(rows: list[SessionSummary], now: float | None = None) -> str:
     lines = [header]
     for row in rows:
         expires = "-" if row.expires_at is None else _duration(row.expires_at - now)
-        oldest = "-" if row.oldest_age_s is None else _duration(row.oldest_age_s)
+        oldest = "-" if row.oldest_age_s is None else _age(row.oldest_age_s)
         subs = ",".join(f"{f}@{q}" for f, q in sorted(row.subscriptions.items())) or "-"
         lines.append((row.client_id, str(row.depth), str(row.bytes), oldest, expires, str(row.dropped), subs))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

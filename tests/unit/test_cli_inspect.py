@@ -277,6 +277,25 @@ def test_oldest_age_never_negative(tmp_path: Path) -> None:
     assert rows[0].oldest_age_s == 0.0
 
 
+def test_an_oldest_age_of_0_reads_as_an_age_not_due() -> None:
+    """operations.md: OLDEST is an age (`0s` ...); `due` is only an expiry already past."""
+    row = SessionSummary("c", 1, 2, 0.0, {"a": 1}, None, 1_000.0, 0)
+    assert format_table([row], now=1_000.0).splitlines()[1].split() == ["c", "1", "2", "0s", "due", "0", "a@1"]
+
+
+def test_the_header_is_exact_for_narrow_cells_and_padded_to_the_widest_cell() -> None:
+    """operations.md: "each column as wide as its widest cell, header included, and two spaces between
+    columns, trailing spaces cut: the header reads `CLIENT ID  DEPTH  BYTES  OLDEST  EXPIRES IN  DROPPED
+    SUBSCRIPTIONS` only while no cell is wider than its column's name"."""
+    exact = "CLIENT ID  DEPTH  BYTES  OLDEST  EXPIRES IN  DROPPED  SUBSCRIPTIONS"
+    narrow = SessionSummary("c", 1, 2, None, {"a": 1}, None, None, 0)
+    assert format_table([narrow], now=0.0).splitlines()[0] == exact
+    wide = SessionSummary("a-long-client-id", 1, 2, None, {"a": 1}, None, None, 0)
+    table = format_table([wide], now=0.0).splitlines()
+    assert table[0] == "CLIENT ID".ljust(len("a-long-client-id")) + exact.removeprefix("CLIENT ID")
+    assert table[1] == "a-long-client-id  1      2      -       -           0        a@1"
+
+
 def test_format_table_empty() -> None:
     text = format_table([], now=0.0)
     assert text.splitlines()[-1] == "0 session(s), 0 queued message(s)"

@@ -137,6 +137,35 @@ def test_parse_request_refuses_each_malformed_case(payload: bytes, code: str) ->
     assert info.value.code == code
 
 
+_REQUIRED_VALUES: dict[str, dict[str, object]] = {
+    "interest": {"filter": "a/#"},
+    "stream_subscribe": {"filter": "a/#"},
+    "stream_unsubscribe": {"filter": "a/#"},
+    "stream_ack": {"topic": "a/b", "id": 1},
+}
+_FIELDS = ("req", "client_id", "session_expiry", "filter", "durable", "after", "window", "topic", "id")
+
+
+@pytest.mark.parametrize("op", durable_protocol.OPS)
+def test_an_optional_field_given_as_null_counts_as_absent(op: str) -> None:
+    """protocol.md: "A field given as JSON `null` counts as absent: an optional one takes its default", for
+    every op and field."""
+    required = _REQUIRED_VALUES.get(op, {})
+    absent = parse_request(json.dumps({"v": 1, "op": op, **required}).encode())
+    for name in _FIELDS:
+        if name not in required:
+            with_null = parse_request(json.dumps({"v": 1, "op": op, **required, name: None}).encode())
+            assert with_null == absent, name
+
+
+@pytest.mark.parametrize(("op", "name"), [(op, name) for op, fields in _REQUIRED_VALUES.items() for name in fields])
+def test_a_required_field_given_as_null_is_missing(op: str, name: str) -> None:
+    body = {"v": 1, "op": op, **_REQUIRED_VALUES[op], name: None}
+    with pytest.raises(ProtocolError) as info:
+        parse_request(json.dumps(body).encode())
+    assert (info.value.code, info.value.message) == ("malformed", f"{op} needs '{name}'")
+
+
 def test_infinite_expiry_is_malformed() -> None:
     # json.dumps writes Infinity, which json.loads accepts: the check must catch it.
     with pytest.raises(ProtocolError) as info:

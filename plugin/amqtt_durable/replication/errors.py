@@ -6,10 +6,7 @@ every class derives from the plugin's DurableError so callers catch them the sam
 
 from __future__ import annotations
 
-import os
-import socket
-
-from ..errors import DurableError
+from ..errors import DurableError, os_error_reason
 
 
 class ReplicationError(DurableError):
@@ -24,7 +21,7 @@ class ReplicationListenError(ReplicationError):
 
     def __init__(self, address: str, cause: OSError | ValueError) -> None:
         self.address = address
-        self.reason = _os_reason(cause)
+        self.reason = os_error_reason(cause)
         super().__init__(f"replication.listen {address}: {self.reason}")
 
 
@@ -37,14 +34,6 @@ class PromotionRefusedError(ReplicationError):
 class PromotionStoppedError(ReplicationError):
     """A promotion ended by the broker's stop before the node served as primary: not a failure
     (nothing to retry, nothing to report), and not a success (the node never served)."""
-
-
-def _os_reason(exc: OSError | ValueError) -> str:
-    """``[Errno 98] Address already in use``: asyncio's bind error repeats the address, which the
-    message names already; a resolver's error (gaierror) and a ValueError are kept as they are."""
-    if isinstance(exc, OSError) and not isinstance(exc, socket.gaierror) and exc.errno is not None:
-        return f"[Errno {exc.errno}] {os.strerror(exc.errno)}"
-    return str(exc) or repr(exc)
 
 
 class FrameError(ReplicationError):
