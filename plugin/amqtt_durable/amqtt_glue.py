@@ -9,7 +9,8 @@ instance the plugin is loaded into and on each connection's handler:
   (CONNACK 5), before amqtt touches anything, another user's CONNECT to a durable session, a
   will its user may not publish (topic ACL), and a CONNECT that fails authentication while
   amqtt holds a Session of its client id (amqtt would take its connection over and give it the
-  CONNECT's will first); a CONNECT past ``max_packet_size`` is refused as amqtt's own errors
+  CONNECT's will first), and (CONNACK 3) a CONNECT that would create a durable session past
+  ``max_durable_sessions``; a CONNECT past ``max_packet_size`` is refused as amqtt's own errors
   are, so amqtt frees its listener slot;
 * ``MQTTFixedHeader.from_stream`` (class-level): a first packet that is not a CONNECT, a first
   byte the server refuses (``_BAD_FIRST``: reserved type, server-only type, a second CONNECT,
@@ -35,7 +36,8 @@ instance the plugin is loaded into and on each connection's handler:
   unreleased ones closes the connection (see ``AwaitingPubrel``);
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
   CONNACK's session-present from the store; refuse another user than the session's owner,
-  and (CONNACK 3) any durable CONNECT while the store cannot write;
+  and (CONNACK 3) any durable CONNECT while the store cannot write, and one that would create a
+  durable session past ``max_durable_sessions`` (decided here, exactly, for CONNECTs read at once);
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
 * ``BrokerProtocolHandler.handle_pubrel`` (per connection): a durable publisher's stored QoS 2
@@ -162,6 +164,7 @@ from .errors import (
     NotSessionOwnerError,
     PacketTooLargeError,
     ProtocolViolationError,
+    SessionLimitError,
     StoreError,
     StoreUnavailableError,
 )
@@ -444,8 +447,9 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     _install_connect_hooks): amqtt ends a live connection of the client id (a take-over, or our
     delete_session for a clean CONNECT) before the CONNACK, and MQTT 3.1.4 has that happen only
     for a CONNECT that is accepted. A refusal sends CONNACK 5 (CONNACK 3 while the store cannot
-    write and the CONNECT needs a write, once its owner, will topic and credentials passed: a
-    wrong password gets 5 in an outage too, and tells nothing of the store) and raises MQTTError."""
+    write and the CONNECT needs a write, or when it would create a durable session past
+    ``max_durable_sessions``, once its owner, will topic and credentials passed: a wrong password
+    gets 5 then too, and tells nothing of the store) and raises MQTTError."""
     try:
         plugin.engine.check_owner(session.client_id, session.username)
     except NotSessionOwnerError as exc:
@@ -457,6 +461,11 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         plugin.engine.check_writable_for(session.client_id, bool(session.clean_session))
     except StoreUnavailableError as exc:
         unwritable = exc
+    full: SessionLimitError | None = None
+    try:
+        plugin.engine.check_session_limit(session.client_id, bool(session.clean_session))
+    except SessionLimitError as exc:
+        full = exc
     broker = plugin.broker
     if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
         log.warning(
@@ -469,7 +478,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         await _refuse_read_connect(writer, plugins_manager)
         raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
     taken_over = session.client_id in broker._sessions
-    if (taken_over or unwritable is not None) and not await broker._authenticate(session, None):
+    if (taken_over or unwritable is not None or full is not None) and not await broker._authenticate(session, None):
         log.warning(
             "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
             session.client_id,
@@ -481,8 +490,22 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, unwritable)
         await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
         raise MQTTError(f"CONNECT of {session.client_id!r}: {unwritable}")
+    if full is not None:  # amqtt has created nothing for it (a Session it would keep for ever)
+        _warn_session_limit(plugin.engine, session.client_id)
+        await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
+        raise MQTTError(str(full))
     if taken_over:
         plugin.authenticated[session.client_id] = (session.username, session.password)
+
+
+def _warn_session_limit(engine: DurableEngine, client_id: str) -> None:
+    """A CONNECT refused by ``max_durable_sessions``: counted, and a WARNING at most once per
+    ``drop_log_interval`` (an attacker cycling client ids makes one refusal per CONNECT). amqtt's
+    own two WARNINGs about the refused connection are lowered to DEBUG (``_ROUTINE_REFUSAL``)."""
+    _ROUTINE_REFUSAL.set(True)
+    why = engine.session_limit.refuse(client_id)
+    if why is not None:
+        log.warning("%s", why)
 
 
 async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: int = NOT_AUTHORIZED) -> None:
@@ -502,12 +525,14 @@ async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: i
 
 
 _ROUTINE_REFUSAL: contextvars.ContextVar[bool] = contextvars.ContextVar("durable_routine_refusal", default=False)
-"""Set in a connection's task when its CONNECT was refused because this broker is a backup."""
+"""Set in a connection's task when its CONNECT was refused because this broker is a backup, or by
+``max_durable_sessions`` (whose own WARNING is rate-limited)."""
 
 
 class _RoutineRefusalFilter(logging.Filter):
     """amqtt logs two WARNINGs for every CONNECT a plugin refuses; on a backup every client retry
-    is one (our own line is at DEBUG): in that connection's task they are lowered to DEBUG."""
+    is one (our own line is at DEBUG), and past ``max_durable_sessions`` every attempt of an
+    attacker (our own line is rate-limited): in that connection's task they are lowered to DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno == logging.WARNING and _ROUTINE_REFUSAL.get():
@@ -1949,11 +1974,12 @@ async def _route_qos2(
         return stored
 
 
-async def _refuse_connect(handler: Any, session: Any, return_code: int, why: str) -> NoReturn:
+async def _refuse_connect(handler: Any, session: Any, return_code: int, why: str | None) -> NoReturn:
     """Refuse a CONNECT when its CONNACK is due, then end the connection: amqtt would go on serving
     it whatever the CONNACK said, so its connection handling is ended by the error raised here
-    (amqtt logs and drops it)."""
-    log.warning("%s", why)
+    (amqtt logs and drops it). ``why`` is logged as a WARNING (None: already said)."""
+    if why is not None:
+        log.warning("%s", why)
     session.parent = 0  # MQTT-3.2.2-4: no session present with a refusal
     await handler._send_packet(ConnackPacket.build(0, return_code))
     session.transitions.disconnect()
@@ -2003,7 +2029,8 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
 async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
     """CONNACK is due: create, wipe or take the stored session and set session-present from the
     store. Refuses the CONNECT (raises) with CONNACK 5 when the session belongs to another user,
-    and while the store cannot write with CONNACK 3 when the CONNECT needs a write."""
+    and with CONNACK 3 while the store cannot write when the CONNECT needs a write, or when it
+    would create a durable session past ``max_durable_sessions``."""
     stored = engine.sessions.get(session.client_id)
     passes = stored is not None and stored.record.username != session.username
     try:
@@ -2017,6 +2044,12 @@ async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, ses
     except StoreUnavailableError as exc:
         why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {exc}"
         await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
+    except SessionLimitError:  # the last slot taken by a CONNECT handled at the same time as this one
+        _warn_session_limit(engine, session.client_id)
+        if broker._sessions.get(session.client_id, (None, None))[1] is handler:
+            del broker._sessions[session.client_id]  # amqtt would keep this refused Session for ever
+            await broker._del_all_subscriptions(session)
+        await _refuse_connect(handler, session, SERVER_UNAVAILABLE, None)
     if not session.clean_session:
         session.parent = 1 if present else 0
         # A Session amqtt cached from an earlier clean connection may still hold amqtt-level

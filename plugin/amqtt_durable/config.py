@@ -164,6 +164,13 @@ class DurableConfig:
     client sending requests without reading their replies made the broker hold every reply.
     0 means no limit (requests still wait for the client to read)."""
 
+    max_durable_sessions: int = 100_000
+    """Durable sessions the store may hold: a CONNECT with clean_session=false that would create a
+    new one while it holds that many is refused with CONNACK 3 (server unavailable), until a
+    session ends (expiry, a clean CONNECT, end_session). A durable session's reconnect and clean
+    sessions are never refused by it. 0 means no limit. Without a bound any client id connecting
+    with clean_session=false made the broker keep a session (20 to 40 kB of memory each)."""
+
     listen_backlog: int = LISTEN_BACKLOG
     """Connections the kernel holds for each TCP listener, and for the replication address, until
     the broker accepts them (the listen backlog; amqtt's and asyncio's is 100). Past it, Linux
@@ -303,6 +310,7 @@ def _check_counts(config: DurableConfig) -> None:
         "max_pending_clean",
         "max_awaiting_pubrel",
         "max_stream_entries_per_client",
+        "max_durable_sessions",
     ):
         if getattr(config, key) < 0:
             raise ConfigError(key, f"must be a whole number, 0 (no limit) or more, got {getattr(config, key)!r}")

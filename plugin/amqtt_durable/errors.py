@@ -141,3 +141,15 @@ class NotPrimaryError(StoreUnavailableError):
             f"this broker is not the primary of its replication group ({reason}): nothing is "
             "acknowledged here; clients reconnect to the primary and send again",
         )
+
+
+class SessionLimitError(DurableError):
+    """A CONNECT with clean_session=false would create a durable session past ``max_durable_sessions``."""
+
+    def __init__(self, client_id: str, limit: int) -> None:
+        self.client_id = client_id
+        self.limit = limit
+        super().__init__(
+            f"CONNECT of client id {client_id!r} refused: the store holds max_durable_sessions ({limit}) "
+            "durable sessions"
+        )

@@ -17,6 +17,7 @@ from .delivery import Pump, ReadAccess, Transport
 from .errors import (
     NotPrimaryError,
     NotSessionOwnerError,
+    SessionLimitError,
     StoreUnavailableError,
 )
 from .routing import Routing
@@ -61,6 +62,9 @@ class SessionLifecycle(Routing):
         NotSessionOwnerError, unless session_takeover is any-user; then the session passes to that
         user without the subscriptions in ``revoke`` (those the topic ACL refuses the new user).
 
+        Raises SessionLimitError when the CONNECT would create a durable session while the store
+        holds ``max_durable_sessions`` (the glue refuses it, CONNACK 3).
+
         Raises StoreUnavailableError while the store cannot write and the CONNECT needs a write (a
         durable one, a clean one that deletes a durable session, or a clean one of a client id whose
         deleted session's record erasure is not written yet), or when that write fails: the glue
@@ -88,6 +92,9 @@ class SessionLifecycle(Routing):
             # that (no attach, no detach) must not leave the session immortal, hence a time limit.
             existing.connecting_until = time.time() + CONNECT_GRACE
             return True
+        # No await since ``existing`` was read: of CONNECTs handled at once, exactly as many as
+        # there are free slots create a session.
+        self.check_session_limit(client_id, clean_session)
         record = SessionRecord(client_id=client_id, sid=self._next_sid, username=username)
         self._next_sid += 1
         self.sessions[client_id] = session = DurableSession(self, record)
@@ -113,6 +120,14 @@ class SessionLifecycle(Routing):
             return
         if not clean_session or client_id in self.sessions or self._deletions.unerased(client_id):
             raise StoreUnavailableError(failure)
+
+    def check_session_limit(self, client_id: str, clean_session: bool) -> None:
+        """Raise SessionLimitError if a CONNECT of ``client_id`` would create a durable session while the
+        store holds ``max_durable_sessions``: a durable CONNECT of a client id without one. ``connect``
+        decides (no await between its check and the session's creation); the glue asks first, to
+        refuse before amqtt touches anything."""
+        if not clean_session and client_id not in self.sessions and not self.session_limit.admits(len(self.sessions)):
+            raise SessionLimitError(client_id, self.config.max_durable_sessions)
 
     def check_owner(self, client_id: str, username: str | None) -> None:
         """Raise NotSessionOwnerError if, under session_takeover: owner-only, the durable session of

@@ -1,0 +1,69 @@
+"""Limits at the door: durable sessions in the store (``max_durable_sessions``).
+
+Plain counting and policy, no amqtt, no store: the engine asks ``SessionLimit`` whether a CONNECT
+may create one more durable session (the count is the engine's, loaded from the store). Each
+refusal is counted (the $SYS counter ``sessions/refused``) and gets a WARNING at most once per
+``drop_log_interval`` for all clients together: an attacker cycling client ids would otherwise
+write a line per attempt.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+
+class LogBudget:
+    """At most one log line per ``interval`` seconds (``drop_log_interval``) for one kind of refusal
+    (one connection's control requests, or every client's refusals at the door); the lines left out
+    are counted and the next line says how many. A client sending refused requests as fast as it
+    can wrote one line (some 200 bytes) per request of 30."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._last = -math.inf
+        self.left_out = 0
+
+    def take(self) -> int | None:
+        """None: leave this line out (counted); else log it, with this many left out since the last."""
+        now = self._clock()
+        if now - self._last < self.interval:
+            self.left_out += 1
+            return None
+        self._last = now
+        left_out, self.left_out = self.left_out, 0
+        return left_out
+
+
+def _left_out(count: int) -> str:
+    return f" ({count} more such refusal(s) since the last line)" if count else ""
+
+
+class SessionLimit:
+    """``max_durable_sessions`` (0: no limit): a CONNECT with clean_session=false that would create
+    a new durable session is refused while the store holds that many; an existing session's
+    CONNECT and clean sessions are never concerned (the caller asks only for a new one)."""
+
+    def __init__(self, limit: int, log_interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit = limit
+        self.refused = 0
+        """CONNECTs refused since the broker started (carried over a new term as primary)."""
+        self._budget = LogBudget(log_interval, clock)
+
+    def admits(self, held: int) -> bool:
+        """May one more durable session be created while ``held`` exist?"""
+        return not self.limit or held < self.limit
+
+    def refuse(self, client_id: str) -> str | None:
+        """Count one refused CONNECT; the WARNING to log, or None (rate-limited: counted, left out)."""
+        self.refused += 1
+        left_out = self._budget.take()
+        if left_out is None:
+            return None
+        return (
+            f"CONNECT of client id {client_id!r} refused (CONNACK 3, server unavailable): the store holds "
+            f"max_durable_sessions ({self.limit}) durable sessions; a new one is accepted once a session "
+            f"ends (expiry, a clean CONNECT, end_session){_left_out(left_out)}"
+        )

@@ -1,0 +1,121 @@
+"""Limits at the door against a real broker process over TCP: ``max_durable_sessions`` (a client
+cycling fresh client ids with clean_session=false must not grow the store and the broker's memory
+without bound; docs/operations.md, "What a client may hold, and its limits"; docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly
+from test_hostile_wire import read_until_closed
+
+from amqtt_durable.inspect_store import summarize
+from conftest import HOST, WAIT, Broker, Client, payloads, queued_while_dropped
+
+SYS = "$SYS/broker/durable/"
+LIMIT_LINE = "refused (CONNACK 3, server unavailable): the store holds max_durable_sessions"
+
+
+def connack_codes(port: int, client_ids: list[str], *, at_once: bool) -> dict[str, int]:
+    """CONNECT (clean_session=false) with each client id, each on its own socket; the return code
+    of each CONNACK. ``at_once``: every CONNECT is sent before any CONNACK is read, so the broker
+    reads them in the same passes of its loop. A refused connection must be closed by the broker;
+    an accepted one is closed by this client after its CONNACK."""
+    socks = {client_id: socket.create_connection((HOST, port), timeout=WAIT) for client_id in client_ids}
+    codes: dict[str, int] = {}
+    try:
+        if at_once:
+            for client_id, sock in socks.items():
+                sock.sendall(connect_packet(client_id, clean=False))
+        for client_id, sock in socks.items():
+            if not at_once:
+                sock.sendall(connect_packet(client_id, clean=False))
+            connack = read_exactly(sock, 4)
+            assert connack[:2] == b"\x20\x02", connack
+            codes[client_id] = connack[3]
+            if connack[3]:
+                assert connack[2] == 0, f"a refusal has no session present: {connack!r}"
+                assert read_until_closed(sock, WAIT) == b"", f"{client_id}: refused but left open"
+    finally:
+        for sock in socks.values():
+            sock.close()
+    return codes
+
+
+def latest(client: Client, name: str) -> int | None:
+    values = [int(m.payload) for m in client.messages if m.topic == SYS + name]
+    return values[-1] if values else None
+
+
+def attack(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], *, at_once: bool
+) -> None:
+    limit, extra = 8, 6
+    broker = broker_factory(max_durable_sessions=limit, metrics_interval=0.2)
+    watcher = clients(broker.port, "ops", clean_session=True)
+    watcher.subscribe(SYS + "#", 0)
+    queued = payloads(5)
+    device, publisher = queued_while_dropped(clients, broker.port, "q/#", "q/1", queued)  # one session held
+    attackers = [f"attacker-{i:03d}" for i in range(limit + extra)]
+    codes = connack_codes(broker.port, attackers, at_once=at_once)
+    accepted = sorted(c for c, code in codes.items() if code == 0)
+    refused = sorted(c for c, code in codes.items() if code == 3)
+    assert len(accepted) == limit - 1 and len(refused) == extra + 1, codes
+    # The durable session that was there reconnects with its queue; a publisher is still served.
+    assert device.connect() is True
+    assert [m.payload for m in device.wait_messages(len(queued))] == queued
+    publisher.publish("q/1", [b"after"], qos=1)
+    assert device.wait_for(lambda messages: messages[-1].payload == b"after")
+    assert watcher.wait_for(lambda _: latest(watcher, "sessions/refused") == extra + 1), broker.log()
+    assert clients(broker.port, "clean-newcomer", clean_session=True).connect_reason == 0, "clean: not counted"
+    log = broker.log()
+    assert log.count(LIMIT_LINE) == 1, "one WARNING per drop_log_interval (10 s)"
+    assert f"max_durable_sessions ({limit}) durable sessions" in log
+    assert "Failed to initialize client session" not in log and "Error while handling client session" not in log
+    broker.stop()
+    assert {row.client_id for row in summarize(broker.store)} == {"dev-1", *accepted}
+
+
+def test_a_loop_of_fresh_durable_client_ids_gets_exactly_the_free_slots_the_rest_connack_3(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    attack(broker_factory, clients, at_once=False)
+
+
+def test_durable_connects_read_at_once_past_the_limit_create_exactly_the_free_slots(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    attack(broker_factory, clients, at_once=True)
+
+
+def test_a_clean_connect_and_an_expiry_free_a_slot(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    broker = broker_factory(max_durable_sessions=2, session_expiry=1)
+    watcher = clients(broker.port, "ops", clean_session=True)
+    watcher.subscribe(SYS + "expired", 1)
+    keeper = raw_connect(broker.port, "keeper", clean=False)  # connected: never expires
+    clients(broker.port, "short").disconnect()  # expires 1 s after this
+    assert connack_codes(broker.port, ["third"], at_once=False) == {"third": 3}
+    assert watcher.wait_for(lambda messages: any(b'"short"' in m.payload for m in messages))
+    assert connack_codes(broker.port, ["third"], at_once=False) == {"third": 0}, "expiry freed a slot"
+    assert connack_codes(broker.port, ["fourth"], at_once=False) == {"fourth": 3}
+    keeper.close()
+    assert clients(broker.port, "keeper", clean_session=True).session_present is False  # ends its session
+    assert connack_codes(broker.port, ["fourth"], at_once=False) == {"fourth": 0}, "a clean CONNECT freed one"
+
+
+def test_the_count_after_a_restart_is_the_stores(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    broker = broker_factory(max_durable_sessions=2)
+    device, _ = queued_while_dropped(clients, broker.port, "q/#", "q/1", [b"kept"])
+    assert connack_codes(broker.port, ["other"], at_once=False) == {"other": 0}
+    broker.kill()
+    broker.start()
+    assert connack_codes(broker.port, ["newcomer"], at_once=False) == {"newcomer": 3}
+    assert device.connect() is True
+    assert [m.payload for m in device.wait_messages(1)] == [b"kept"]
+    assert connack_codes(broker.port, ["other"], at_once=False) == {"other": 0}, "an existing session reconnects"
