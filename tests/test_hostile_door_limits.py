@@ -1,6 +1,7 @@
 """Limits at the door against a real broker process over TCP: ``max_durable_sessions`` (a client
 cycling fresh client ids with clean_session=false must not grow the store and the broker's memory
-without bound; docs/operations.md, "What a client may hold, and its limits"; docs/configuration.md).
+without bound) and ``max_connections_per_address`` (docs/operations.md, "What a client may hold,
+and its limits"; docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import socket
 from collections.abc import Callable
 
 from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly
+from test_hostile_review_conn import broker_with_two_connection_slots
 from test_hostile_wire import read_until_closed
 
 from amqtt_durable.inspect_store import summarize
@@ -119,3 +121,39 @@ def test_the_count_after_a_restart_is_the_stores(
     assert device.connect() is True
     assert [m.payload for m in device.wait_messages(1)] == [b"kept"]
     assert connack_codes(broker.port, ["other"], at_once=False) == {"other": 0}, "an existing session reconnects"
+
+
+def test_connections_from_one_address_past_the_limit_are_closed_before_anything_is_read(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    broker = broker_factory(max_connections_per_address=3, metrics_interval=0.2)
+    watcher = clients(broker.port, "ops", clean_session=True)  # one of the three
+    watcher.subscribe(SYS + "connections/refused", 0)
+    held = [raw_connect(broker.port, f"held-{i}", clean=True) for i in range(2)]
+    for _ in range(3):
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            assert read_until_closed(sock, WAIT) == b"", "closed at once, nothing sent"
+    leaving = held.pop()
+    leaving.sendall(bytes((0xE0, 0)))  # DISCONNECT; the broker's close of it is its end there
+    assert read_until_closed(leaving, WAIT) == b""
+    leaving.close()
+    held.append(raw_connect(broker.port, "again", clean=True))  # a closed connection freed its place
+    assert watcher.wait_for(lambda _: latest(watcher, "connections/refused") == 3), broker.log()
+    log = broker.log()
+    assert log.count("closing a new connection from 127.0.0.1 before reading anything") == 1, log
+    assert "max_connections_per_address (3)" in log
+    for sock in held:
+        sock.close()
+
+
+def test_a_connection_past_the_address_limit_does_not_wait_for_a_listener_slot(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """configuration.md: closed before it takes a place among its listener's max_connections.
+    amqtt's own limit would keep it accepted but unread until a connection ends."""
+    broker = broker_with_two_connection_slots(broker_factory, max_connections_per_address=2)
+    held = [raw_connect(broker.port, f"held-{i}", clean=True) for i in range(2)]  # both slots taken
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        assert read_until_closed(sock, WAIT) == b"", "closed at once, not left waiting for a slot"
+    for sock in held:
+        sock.close()

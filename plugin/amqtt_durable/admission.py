@@ -1,10 +1,12 @@
-"""Limits at the door: durable sessions in the store (``max_durable_sessions``).
+"""Limits at the door: durable sessions in the store (``max_durable_sessions``) and open
+connections per remote address (``max_connections_per_address``).
 
 Plain counting and policy, no amqtt, no store: the engine asks ``SessionLimit`` whether a CONNECT
-may create one more durable session (the count is the engine's, loaded from the store). Each
-refusal is counted (the $SYS counter ``sessions/refused``) and gets a WARNING at most once per
-``drop_log_interval`` for all clients together: an attacker cycling client ids would otherwise
-write a line per attempt.
+may create one more durable session (the count is the engine's, loaded from the store), and the
+glue asks ``AddressConnections`` whether a new connection may open. Each refusal is counted (the
+$SYS counters ``sessions/refused`` and ``connections/refused``) and gets a WARNING at most once
+per ``drop_log_interval`` for all clients together: an attacker cycling client ids or ports would
+otherwise write a line per attempt.
 """
 
 from __future__ import annotations
@@ -66,4 +68,44 @@ class SessionLimit:
             f"CONNECT of client id {client_id!r} refused (CONNACK 3, server unavailable): the store holds "
             f"max_durable_sessions ({self.limit}) durable sessions; a new one is accepted once a session "
             f"ends (expiry, a clean CONNECT, end_session){_left_out(left_out)}"
+        )
+
+
+class AddressConnections:
+    """``max_connections_per_address`` (0: no limit): the connections open from each remote IP
+    address; one past the limit is refused (the caller closes it). An address is forgotten
+    when its last connection closes, so the table holds only addresses with open connections."""
+
+    def __init__(self, limit: int, log_interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit = limit
+        self.open_by_address: dict[str, int] = {}
+        self.refused = 0
+        """Connections refused since the broker started."""
+        self._budget = LogBudget(log_interval, clock)
+
+    def open(self, address: str) -> bool:
+        """A connection from ``address`` was accepted: True (counted; call ``close`` at its end), or
+        False past the limit (not counted, ``refusal`` says what to log)."""
+        held = self.open_by_address.get(address, 0)
+        if self.limit and held >= self.limit:
+            self.refused += 1
+            return False
+        self.open_by_address[address] = held + 1
+        return True
+
+    def close(self, address: str) -> None:
+        held = self.open_by_address.get(address, 0) - 1
+        if held > 0:
+            self.open_by_address[address] = held
+        else:
+            self.open_by_address.pop(address, None)
+
+    def refusal(self, address: str) -> str | None:
+        """The WARNING of a refusal ``open`` just counted, or None (rate-limited: left out)."""
+        left_out = self._budget.take()
+        if left_out is None:
+            return None
+        return (
+            f"closing a new connection from {address} before reading anything: it has "
+            f"max_connections_per_address ({self.limit}) connections open{_left_out(left_out)}"
         )

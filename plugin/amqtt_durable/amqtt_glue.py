@@ -26,7 +26,8 @@ instance the plugin is loaded into and on each connection's handler:
   reconnect storm of 1,000 clients the kernel dropped the SYNs of about half of them, which came
   back 1 and 2 s later; a much larger one slows the recovery from a connection flood);
 * ``Broker._client_connected``: every connection's socket is closed when it ends, whatever
-  ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector);
+  ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector), and one from
+  an address with ``max_connections_per_address`` open is closed as it is accepted;
 * ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
   its whole CONNECT;
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
@@ -153,6 +154,7 @@ from transitions import MachineError
 
 from durable_protocol import CONTROL_PREFIX, filter_is_valid
 
+from .admission import AddressConnections
 from .config import DurableConfig
 from .control import ControlChannel
 from .delivery import AckKind, AckRuns, ReadAccess
@@ -933,7 +935,8 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         _install_connect_hooks()
         _install_decoder_checks()
         _install_refusal_filter()
-        AmqttHooks(broker, self.engine, self.authenticated).install()
+        self.hooks = AmqttHooks(broker, self.engine, self.authenticated)
+        self.hooks.install()
 
     async def on_broker_pre_start(self) -> None:
         # Broker.start() has just emptied amqtt's table; the listeners are not open yet.
@@ -1077,7 +1080,10 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
     async def _publish_metrics(self) -> None:
         while True:
             await asyncio.sleep(self.config.metrics_interval)
-            metrics: dict[str, object] = dict(self.engine.metrics()) if self.engine.serving else {}
+            metrics: dict[str, object] = {}
+            if self.engine.serving:
+                metrics.update(self.engine.metrics())
+                metrics["connections/refused"] = self.hooks.addresses.refused
             if self.replication is not None:
                 metrics.update(self.replication.metrics())
             for name, value in metrics.items():
@@ -1200,6 +1206,7 @@ class AmqttHooks:
         self.closing: set[asyncio.Task[None]] = set()
         self.retained = RetainedTable()
         self.clean_sends = CleanSends(engine)
+        self.addresses = AddressConnections(engine.config.max_connections_per_address, engine.config.drop_log_interval)
 
     def install(self) -> None:
         broker = self.broker
@@ -1311,11 +1318,24 @@ class AmqttHooks:
             raise OSError(f"listener '{listener_name}' {address}:{port}: {exc}") from None
 
     async def client_connected(self, listener_name: str, reader: Any, writer: Any) -> None:
+        """Every connection, TCP and websocket, as it is accepted: one from an address that has
+        ``max_connections_per_address`` open is closed at once, before amqtt takes one of its
+        listener's ``max_connections`` slots or reads a byte (no CONNACK: nothing was read)."""
+        peer = writer.get_peer_info()
+        address = None if peer is None else str(peer[0])  # None: amqtt closes it itself
+        if address is not None and not self.addresses.open(address):
+            why = self.addresses.refusal(address)
+            if why is not None:
+                log.warning("%s", why)
+            _abort(writer)
+            return
         reader.durable_max_packet_size = self.engine.config.max_packet_size
         try:
             await self._original_client_connected(listener_name, reader, writer)
         finally:
             await close_socket(writer)
+            if address is not None:
+                self.addresses.close(address)
 
     def end_silent(self, writer: Any) -> None:
         log.warning(

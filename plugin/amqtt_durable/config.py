@@ -171,6 +171,11 @@ class DurableConfig:
     sessions are never refused by it. 0 means no limit. Without a bound any client id connecting
     with clean_session=false made the broker keep a session (20 to 40 kB of memory each)."""
 
+    max_connections_per_address: int = 0
+    """Connections open at once from one remote IP address; a new one past it is closed as soon as
+    it is accepted, before anything is read (no CONNACK). 0 (the default) means no limit: devices
+    behind one NAT gateway share its address."""
+
     listen_backlog: int = LISTEN_BACKLOG
     """Connections the kernel holds for each TCP listener, and for the replication address, until
     the broker accepts them (the listen backlog; amqtt's and asyncio's is 100). Past it, Linux
@@ -311,6 +316,7 @@ def _check_counts(config: DurableConfig) -> None:
         "max_awaiting_pubrel",
         "max_stream_entries_per_client",
         "max_durable_sessions",
+        "max_connections_per_address",
     ):
         if getattr(config, key) < 0:
             raise ConfigError(key, f"must be a whole number, 0 (no limit) or more, got {getattr(config, key)!r}")

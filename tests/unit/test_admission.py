@@ -1,5 +1,5 @@
-"""max_durable_sessions: the counting and policy (admission.py), and the engine's exact session
-count over a real store, without a broker."""
+"""max_durable_sessions and max_connections_per_address: the counting and policy (admission.py),
+and the engine's exact session count over a real store, without a broker."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_replay_marker import publish, run
 
-from amqtt_durable.admission import SessionLimit
+from amqtt_durable.admission import AddressConnections, SessionLimit
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import SessionLimitError
 
@@ -40,6 +40,35 @@ def test_every_session_refusal_is_counted_and_logged_at_most_once_per_interval_n
     later = limit.refuse("attacker-5")
     assert later is not None and "'attacker-5'" in later and "(3 more such refusal(s) since the last line)" in later
     assert limit.refused == 5
+
+
+def test_address_connections_counts_per_address_refuses_past_the_limit_and_forgets_closed_addresses() -> None:
+    clock = Clock()
+    table = AddressConnections(2, 10.0, clock)
+    assert table.open("10.0.0.1") and table.open("10.0.0.1")
+    assert not table.open("10.0.0.1"), "a third from one address"
+    assert table.open("10.0.0.2"), "another address has its own count"
+    assert table.refused == 1 and table.open_by_address == {"10.0.0.1": 2, "10.0.0.2": 1}
+    line = table.refusal("10.0.0.1")
+    assert line is not None and "10.0.0.1" in line and "max_connections_per_address (2)" in line
+    assert not table.open("10.0.0.1")
+    assert table.refusal("10.0.0.1") is None, "rate-limited"
+    table.close("10.0.0.1")
+    assert table.open("10.0.0.1"), "a closed connection frees its place"
+    for _ in range(2):
+        table.close("10.0.0.1")
+    table.close("10.0.0.2")
+    assert table.open_by_address == {}, "an address without open connections is forgotten"
+    assert table.refused == 2
+    clock.now += 10.0
+    line = table.refusal("10.0.0.3")
+    assert line is not None and "(1 more such refusal(s) since the last line)" in line
+
+
+def test_no_limit_on_connections_per_address_by_default() -> None:
+    table = AddressConnections(0, 10.0)
+    assert all(table.open("10.0.0.1") for _ in range(10_000))
+    assert table.refused == 0
 
 
 def test_the_engine_creates_no_durable_session_past_the_limit_but_takes_back_existing_and_clean_ones(
