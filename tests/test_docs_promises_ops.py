@@ -84,6 +84,7 @@ BAD_VALUES: dict[str, Any] = {
     "max_stream_entries_per_client": 1.5,
     "max_durable_sessions": -1,
     "max_connections_per_address": 2.5,
+    "max_keepalive": 65_536,
     "listen_backlog": 0,
     "attach_limit": 0,
     "replication": "on",

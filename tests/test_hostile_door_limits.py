@@ -157,3 +157,36 @@ def test_a_connection_past_the_address_limit_does_not_wait_for_a_listener_slot(
         assert read_until_closed(sock, WAIT) == b"", "closed at once, not left waiting for a slot"
     for sock in held:
         sock.close()
+
+
+def connack_of(port: int, client_id: str, keepalive: int, *, clean: bool = True) -> bytes:
+    """The CONNACK a CONNECT with this keep-alive gets (a refused one's connection must be closed by
+    the broker); the connection is closed here."""
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet(client_id, clean=clean, keepalive=keepalive))
+        connack = read_exactly(sock, 4)
+        if connack[3]:
+            assert read_until_closed(sock, WAIT) == b"", "refused but left open"
+        return connack
+
+
+def test_max_keepalive_refuses_keepalive_0_and_above_it_with_connack_2(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    broker = broker_factory(max_keepalive=60)
+    assert connack_of(broker.port, "none", 0) == b"\x20\x02\x00\x02"
+    assert connack_of(broker.port, "long", 61) == b"\x20\x02\x00\x02"
+    assert connack_of(broker.port, "long", 65535) == b"\x20\x02\x00\x02"
+    assert connack_of(broker.port, "fine", 60) == b"\x20\x02\x00\x00"
+    assert connack_of(broker.port, "short", 1) == b"\x20\x02\x00\x00"
+    assert connack_of(broker.port, "dev", 0, clean=False) == b"\x20\x02\x00\x02", "a durable CONNECT too"
+    assert clients(broker.port, "dev").session_present is False, "nothing was created for the refused one"
+    log = broker.log()
+    assert log.count("refused (CONNACK 2, identifier rejected): its keep-alive is 0 s") == 1, log
+    assert "max_keepalive (60)" in log
+    assert "Failed to initialize client session" not in log
+
+
+def test_keepalive_0_is_accepted_by_default(broker_factory: Callable[..., Broker]) -> None:
+    broker = broker_factory()
+    assert connack_of(broker.port, "none", 0) == b"\x20\x02\x00\x00"

@@ -1,12 +1,14 @@
-"""Limits at the door: durable sessions in the store (``max_durable_sessions``) and open
-connections per remote address (``max_connections_per_address``).
+"""Limits at the door: durable sessions in the store (``max_durable_sessions``), open
+connections per remote address (``max_connections_per_address``) and the keep-alive a CONNECT
+may ask for (``max_keepalive``).
 
 Plain counting and policy, no amqtt, no store: the engine asks ``SessionLimit`` whether a CONNECT
 may create one more durable session (the count is the engine's, loaded from the store), and the
-glue asks ``AddressConnections`` whether a new connection may open. Each refusal is counted (the
-$SYS counters ``sessions/refused`` and ``connections/refused``) and gets a WARNING at most once
-per ``drop_log_interval`` for all clients together: an attacker cycling client ids or ports would
-otherwise write a line per attempt.
+glue asks ``AddressConnections`` whether a new connection may open and ``KeepAliveLimit`` whether
+a CONNECT's keep-alive is allowed. Each refusal gets a WARNING at most once per
+``drop_log_interval`` for all clients together (an attacker cycling client ids or ports would
+otherwise write a line per attempt); the first two are counted (the $SYS counters
+``sessions/refused`` and ``connections/refused``).
 """
 
 from __future__ import annotations
@@ -108,4 +110,27 @@ class AddressConnections:
         return (
             f"closing a new connection from {address} before reading anything: it has "
             f"max_connections_per_address ({self.limit}) connections open{_left_out(left_out)}"
+        )
+
+
+class KeepAliveLimit:
+    """``max_keepalive`` (0: no limit), as Mosquitto 2 applies it to MQTT 3.1.1 clients, which have
+    no way to be told another keep-alive: a CONNECT with keep-alive 0 (none: a silent client is
+    never disconnected) or above the limit is refused (CONNACK 2, identifier rejected)."""
+
+    def __init__(self, maximum: int, log_interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.maximum = maximum
+        self._budget = LogBudget(log_interval, clock)
+
+    def admits(self, keepalive: int) -> bool:
+        return not self.maximum or 0 < keepalive <= self.maximum
+
+    def refusal(self, client_id: str, keepalive: int) -> str | None:
+        """The WARNING of a refused CONNECT, or None (rate-limited: left out)."""
+        left_out = self._budget.take()
+        if left_out is None:
+            return None
+        return (
+            f"CONNECT of client id {client_id!r} refused (CONNACK 2, identifier rejected): its keep-alive is "
+            f"{keepalive} s, and max_keepalive ({self.maximum}) allows 1 to {self.maximum} s{_left_out(left_out)}"
         )

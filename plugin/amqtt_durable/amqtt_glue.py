@@ -9,9 +9,10 @@ instance the plugin is loaded into and on each connection's handler:
   (CONNACK 5), before amqtt touches anything, another user's CONNECT to a durable session, a
   will its user may not publish (topic ACL), and a CONNECT that fails authentication while
   amqtt holds a Session of its client id (amqtt would take its connection over and give it the
-  CONNECT's will first), and (CONNACK 3) a CONNECT that would create a durable session past
-  ``max_durable_sessions``; a CONNECT past ``max_packet_size`` is refused as amqtt's own errors
-  are, so amqtt frees its listener slot;
+  CONNECT's will first), (CONNACK 3) a CONNECT that would create a durable session past
+  ``max_durable_sessions``, and (CONNACK 2) a keep-alive ``max_keepalive`` does not allow; a
+  CONNECT past ``max_packet_size`` is refused as amqtt's own errors are, so amqtt frees its
+  listener slot;
 * ``MQTTFixedHeader.from_stream`` (class-level): a first packet that is not a CONNECT, a first
   byte the server refuses (``_BAD_FIRST``: reserved type, server-only type, a second CONNECT,
   fixed header flags)
@@ -124,7 +125,7 @@ from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
 from amqtt.mqtt import subscribe as amqtt_subscribe
 from amqtt.mqtt import unsubscribe as amqtt_unsubscribe
-from amqtt.mqtt.connack import NOT_AUTHORIZED, SERVER_UNAVAILABLE, ConnackPacket
+from amqtt.mqtt.connack import IDENTIFIER_REJECTED, NOT_AUTHORIZED, SERVER_UNAVAILABLE, ConnackPacket
 from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.disconnect import DisconnectPacket
 from amqtt.mqtt.packet import (
@@ -154,7 +155,7 @@ from transitions import MachineError
 
 from durable_protocol import CONTROL_PREFIX, filter_is_valid
 
-from .admission import AddressConnections
+from .admission import AddressConnections, KeepAliveLimit
 from .config import DurableConfig
 from .control import ControlChannel
 from .delivery import AckKind, AckRuns, ReadAccess
@@ -422,6 +423,8 @@ def _install_connect_hooks() -> None:
             _ROUTINE_REFUSAL.set(True)  # amqtt's own WARNINGs about this connection become DEBUG
             await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
             raise MQTTError(f"CONNECT of {session.client_id!r}: {NOT_SERVING}")
+        if plugin is not None:
+            await _check_keepalive(plugin.keepalive_limit, session, writer, plugins_manager)
         if plugin is None or not session.client_id:
             return handler, session
         await _check_connect(plugin, session, writer, plugins_manager)
@@ -429,6 +432,19 @@ def _install_connect_hooks() -> None:
 
     init_from_connect._durable_wrapped = True  # type: ignore[attr-defined]
     BrokerProtocolHandler.init_from_connect = staticmethod(init_from_connect)
+
+
+async def _check_keepalive(limit: KeepAliveLimit, session: Any, writer: Any, plugins_manager: Any) -> None:
+    """``max_keepalive``: a keep-alive it does not allow gets CONNACK 2 (identifier rejected, as
+    Mosquitto 2 answers MQTT 3.1.1 clients), before amqtt touches anything; raises MQTTError."""
+    if limit.admits(session.keep_alive):
+        return
+    _ROUTINE_REFUSAL.set(True)  # amqtt's own two WARNINGs become DEBUG: ours is rate-limited
+    why = limit.refusal(session.client_id, session.keep_alive)
+    if why is not None:
+        log.warning("%s", why)
+    await _refuse_read_connect(writer, plugins_manager, IDENTIFIER_REJECTED)
+    raise MQTTError(f"CONNECT of {session.client_id!r}: keep-alive {session.keep_alive} s refused (max_keepalive)")
 
 
 def _will_problem(session: Any) -> str | None:
@@ -528,13 +544,14 @@ async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: i
 
 _ROUTINE_REFUSAL: contextvars.ContextVar[bool] = contextvars.ContextVar("durable_routine_refusal", default=False)
 """Set in a connection's task when its CONNECT was refused because this broker is a backup, or by
-``max_durable_sessions`` (whose own WARNING is rate-limited)."""
+``max_durable_sessions`` or ``max_keepalive`` (whose own WARNINGs are rate-limited)."""
 
 
 class _RoutineRefusalFilter(logging.Filter):
     """amqtt logs two WARNINGs for every CONNECT a plugin refuses; on a backup every client retry
-    is one (our own line is at DEBUG), and past ``max_durable_sessions`` every attempt of an
-    attacker (our own line is rate-limited): in that connection's task they are lowered to DEBUG."""
+    is one (our own line is at DEBUG), and past ``max_durable_sessions`` or ``max_keepalive`` every
+    attempt of an attacker (our own line is rate-limited): in that connection's task they are
+    lowered to DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno == logging.WARNING and _ROUTINE_REFUSAL.get():
@@ -928,6 +945,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self._health_order = asyncio.Lock()
         self.start_failure: str | None = None
         """Why the plugin's part of the start failed (see _start_failed); None: it did not."""
+        self.keepalive_limit = KeepAliveLimit(config.max_keepalive, config.drop_log_interval)
         self.authenticated: dict[str, tuple[str | None, str | None]] = {}
         """Client id -> (username, password) of a CONNECT authenticated as it was read (see
         _install_connect_hooks), so amqtt's own check of it need not verify the password again."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_replay_marker import publish, run
 
-from amqtt_durable.admission import AddressConnections, SessionLimit
+from amqtt_durable.admission import AddressConnections, KeepAliveLimit, SessionLimit
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import SessionLimitError
 
@@ -131,3 +131,18 @@ def test_the_count_after_a_reopen_is_the_stores_and_ended_sessions_free_their_sl
             await engine.connect("e", clean_session=False)
 
     run(tmp_path, lowered, max_durable_sessions=1)
+
+
+def test_keepalive_limit_refuses_zero_and_above_the_maximum_and_zero_is_no_limit() -> None:
+    clock = Clock()
+    limit = KeepAliveLimit(60, 10.0, clock)
+    assert [limit.admits(k) for k in (0, 1, 60, 61, 65535)] == [False, True, True, False, False]
+    unlimited = KeepAliveLimit(0, 10.0, clock)
+    assert all(unlimited.admits(k) for k in (0, 1, 65535))
+    line = limit.refusal("dev", 0)
+    assert line is not None and "'dev'" in line and "keep-alive is 0 s" in line and "max_keepalive (60)" in line
+    assert "CONNACK 2" in line
+    assert limit.refusal("dev", 61) is None, "rate-limited"
+    clock.now += 10.0
+    line = limit.refusal("dev", 61)
+    assert line is not None and "(1 more such refusal(s) since the last line)" in line
