@@ -7,14 +7,18 @@ and its limits"; docs/configuration.md).
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Callable
 
+import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly
 from test_hostile_review_conn import broker_with_two_connection_slots
 from test_hostile_wire import read_until_closed
 
 from amqtt_durable.inspect_store import summarize
+from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, payloads, queued_while_dropped
+from durable_client import ConnectFailed, DurableClient
 
 SYS = "$SYS/broker/durable/"
 LIMIT_LINE = "refused (CONNACK 3, server unavailable): the store holds max_durable_sessions"
@@ -190,3 +194,45 @@ def test_max_keepalive_refuses_keepalive_0_and_above_it_with_connack_2(
 def test_keepalive_0_is_accepted_by_default(broker_factory: Callable[..., Broker]) -> None:
     broker = broker_factory()
     assert connack_of(broker.port, "none", 0) == b"\x20\x02\x00\x00"
+
+
+def test_an_sdk_end_session_frees_a_slot_and_a_new_sdk_session_past_the_limit_fails_connect(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md: without failover a CONNACK 3 at connect() fails at once (ConnectFailed); configuration.md:
+    end_session frees a place."""
+    broker = broker_factory(max_durable_sessions=1)
+    holder = sdk(broker.port, "holder")
+    holder.connect(timeout=WAIT)
+    newcomer = sdk(broker.port, "newcomer")
+    with pytest.raises(ConnectFailed, match="Server unavailable"):
+        newcomer.connect(timeout=WAIT)
+    holder.close(keep_session=False)  # end_session
+    sdk(broker.port, "newcomer").connect(timeout=WAIT)
+
+
+def test_an_sdk_client_with_failover_goes_round_its_list_until_a_place_frees(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md / replication.md: CONNACK 3 from a broker at max_durable_sessions moves a client with
+    failover on round its list (here a dead address) and back, until a place frees."""
+    broker = broker_factory(max_durable_sessions=1)
+    holder = raw_connect(broker.port, "holder", clean=False)
+    client = sdk(broker.port, "roaming", failover=[(HOST, free_port())])
+    connecting = threading.Thread(target=client.connect, kwargs={"timeout": 4 * WAIT})
+    connecting.start()
+    try:
+        assert broker.wait_until(lambda: "client id 'roaming' refused (CONNACK 3" in broker.log(), WAIT)
+        holder.close()
+        assert clients_free_a_place(broker.port, "holder")
+    finally:
+        connecting.join(4 * WAIT)
+    assert not connecting.is_alive()
+    assert client.connected and client.port == broker.port
+
+
+def clients_free_a_place(port: int, client_id: str) -> bool:
+    """A clean CONNECT of ``client_id`` ends its durable session (the connection is closed here)."""
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet(client_id, clean=True))
+        return read_exactly(sock, 4) == b"\x20\x02\x00\x00"
