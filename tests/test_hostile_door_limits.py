@@ -11,9 +11,9 @@ import threading
 from collections.abc import Callable
 
 import pytest
-from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly
+from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly
 from test_hostile_review_conn import broker_with_two_connection_slots
-from test_hostile_wire import read_until_closed
+from test_hostile_wire import publish_packet, read_until_closed
 
 from amqtt_durable.inspect_store import summarize
 from amqtt_durable.process import free_port
@@ -125,6 +125,60 @@ def test_the_count_after_a_restart_is_the_stores(
     assert device.connect() is True
     assert [m.payload for m in device.wait_messages(1)] == [b"kept"]
     assert connack_codes(broker.port, ["other"], at_once=False) == {"other": 0}, "an existing session reconnects"
+
+
+def refused_round(broker: Broker, watcher: Client, live: socket.socket) -> bool:
+    """One place free: a durable CONNECT of X (whose clean connection ``live`` is served) and of six
+    newcomers, all sent before any CONNACK is read, X's connection opened last and its CONNECT sent
+    first. Whether X's was refused; its connection is closed by the broker then (checked)."""
+    ids = [f"new-{i}" for i in range(6)]
+    socks = {cid: socket.create_connection((HOST, broker.port), timeout=WAIT) for cid in [*ids, "X"]}
+    try:
+        for cid, sock in reversed(list(socks.items())):
+            sock.sendall(connect_packet(cid, clean=False, will_topic=b"w/" + cid.encode()))
+        codes = {cid: read_exactly(sock, 4)[3] for cid, sock in socks.items()}
+        assert sorted(codes.values()) == [0] + [3] * 6, codes
+        if codes["X"]:
+            assert read_until_closed(socks["X"], WAIT) == b"", "refused but left open"
+        return codes["X"] != 0
+    finally:
+        for sock in socks.values():
+            sock.close()
+
+
+def test_a_durable_connect_refused_by_the_limit_leaves_the_live_connection_of_its_client_id_alone(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """MQTT 3.1.4: a take-over only for an accepted CONNECT. The place is decided as the CONNECT is
+    read: one refused then never reached amqtt's take-over of X's live connection (which ended it,
+    deleted its subscriptions and published no will) before losing the place at its CONNACK."""
+    for _ in range(5):  # X's CONNECT, sent last, loses the one place (else a new broker and again)
+        broker = broker_factory(max_durable_sessions=2)
+        watcher = clients(broker.port, "watch", clean_session=True)
+        watcher.subscribe("w/#", 0)
+        keeper = raw_connect(broker.port, "keeper", clean=False)  # one session of two
+        live = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        live.sendall(connect_packet("X", clean=True, will_topic=b"w/X"))
+        assert read_exactly(live, 4) == b"\x20\x02\x00\x00"
+        assert raw_subscribe(live, "x/#", 0) == 0
+        if refused_round(broker, watcher, live):
+            break
+        keeper.close()
+        live.close()
+        broker.stop()
+    else:
+        pytest.fail("X's CONNECT won the place in every round")
+    live.sendall(bytes((0xC0, 0)))  # PINGREQ
+    assert read_exactly(live, 2) == b"\xd0\x00", "the live connection of X is still served"
+    clients(broker.port, "pub", clean_session=True).publish("x/1", [b"still"], qos=0)
+    expected = publish_packet(b"x/1", b"still", 0)
+    assert read_exactly(live, len(expected)) == expected, "and keeps its subscription"
+    clients(broker.port, "pub2", clean_session=True).publish("w/marker", [b"m"], qos=0)
+    assert watcher.wait_for(lambda messages: messages[-1].topic == "w/marker")
+    assert "w/X" not in [m.topic for m in watcher.messages], "no will of X published"
+    assert "performing take-over" not in broker.log()
+    keeper.close()
+    live.close()
 
 
 def test_connections_from_one_address_past_the_limit_are_closed_before_anything_is_read(

@@ -2,8 +2,9 @@
 connections per remote address (``max_connections_per_address``) and the keep-alive a CONNECT
 may ask for (``max_keepalive``).
 
-Plain counting and policy, no amqtt, no store: the engine asks ``SessionLimit`` whether a CONNECT
-may create one more durable session (the count is the engine's, loaded from the store), and the
+Plain counting and policy, no amqtt, no store: the engine asks ``SessionLimit`` for a place for a
+durable CONNECT as it is read, held until its CONNACK (the sessions counted are the engine's,
+loaded from the store), and the
 glue asks ``AddressConnections`` whether a new connection may open and ``KeepAliveLimit`` whether
 a CONNECT's keep-alive is allowed. Each refusal gets a WARNING at most once per
 ``drop_log_interval`` for all clients together (an attacker cycling client ids or ports would
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 
 class LogBudget:
@@ -45,20 +48,72 @@ def _left_out(count: int) -> str:
     return f" ({count} more such refusal(s) since the last line)" if count else ""
 
 
+@dataclass
+class Reservation:
+    """A place among ``max_durable_sessions`` held for one connection's durable CONNECT of
+    ``client_id``, from the moment it is read until its CONNACK (``SessionLimit.reserve``)."""
+
+    client_id: str
+    held: bool = True
+
+
 class SessionLimit:
     """``max_durable_sessions`` (0: no limit): a CONNECT with clean_session=false that would create
     a new durable session is refused while the store holds that many; an existing session's
-    CONNECT and clean sessions are never concerned (the caller asks only for a new one)."""
+    CONNECT and clean sessions are never concerned.
+
+    The decision is taken as the CONNECT is read, before amqtt touches anything (a take-over of a
+    live connection of the client id comes before the CONNACK): an admitted durable CONNECT holds
+    a ``Reservation`` until its CONNACK turns it into its session (``use``) or its connection ends
+    (``release``). The places taken are the sessions plus the client ids with a reservation and
+    no session (two connections of one client id hold one place), so the limit holds exactly
+    however many CONNECTs are between their read and their CONNACK."""
 
     def __init__(self, limit: int, log_interval: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
         self.refused = 0
         """CONNECTs refused since the broker started (carried over a new term as primary)."""
         self._budget = LogBudget(log_interval, clock)
+        self._reserved: Counter[str] = Counter()
+        """Client id -> reservations held for it."""
 
-    def admits(self, held: int) -> bool:
-        """May one more durable session be created while ``held`` exist?"""
-        return not self.limit or held < self.limit
+    def has_place(self, client_id: str, sessions: Collection[str]) -> bool:
+        """May ``client_id`` have a durable session while the store holds ``sessions``: it has one,
+        a place is held for it, or the places taken are fewer than the limit."""
+        if not self.limit or client_id in sessions or client_id in self._reserved:
+            return True
+        if len(sessions) + len(self._reserved) < self.limit:
+            return True  # without counting the reserved client ids that have a session meanwhile
+        return len(sessions) + sum(1 for held in self._reserved if held not in sessions) < self.limit
+
+    def reserve(self, client_id: str, sessions: Collection[str]) -> Reservation | None:
+        """A durable CONNECT of ``client_id`` was read: its reservation (give it to ``use`` or
+        ``release``), or None when there is no place for it (``refuse``)."""
+        if not self.has_place(client_id, sessions):
+            return None
+        self._reserved[client_id] += 1
+        return Reservation(client_id)
+
+    def use(self, reservation: Reservation | None) -> bool:
+        """The CONNACK of a durable CONNECT is due: its reservation ends (the caller creates the
+        session, if any, before anything else can take a place); whether it held one."""
+        if reservation is None or not reservation.held:
+            return False
+        self.release(reservation)
+        return True
+
+    def release(self, reservation: Reservation) -> None:
+        """The reservation ends (its connection ended, or ``use``); a second call does nothing."""
+        if not reservation.held:
+            return
+        reservation.held = False
+        self._reserved[reservation.client_id] -= 1
+        if not self._reserved[reservation.client_id]:
+            del self._reserved[reservation.client_id]
+
+    @property
+    def reservations(self) -> int:
+        return self._reserved.total()
 
     def refuse(self, client_id: str) -> str | None:
         """Count one refused CONNECT; the WARNING to log, or None (rate-limited: counted, left out)."""

@@ -38,8 +38,8 @@ instance the plugin is loaded into and on each connection's handler:
   unreleased ones closes the connection (see ``AwaitingPubrel``);
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
   CONNACK's session-present from the store; refuse another user than the session's owner,
-  and (CONNACK 3) any durable CONNECT while the store cannot write, and one that would create a
-  durable session past ``max_durable_sessions`` (decided here, exactly, for CONNECTs read at once);
+  and (CONNACK 3) any durable CONNECT while the store cannot write (a new durable session takes the
+  place ``max_durable_sessions`` reserved for it as its CONNECT was read);
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
 * ``BrokerProtocolHandler.handle_pubrel`` (per connection): a durable publisher's stored QoS 2
@@ -155,7 +155,7 @@ from transitions import MachineError
 
 from durable_protocol import CONTROL_PREFIX, filter_is_valid
 
-from .admission import AddressConnections, KeepAliveLimit
+from .admission import AddressConnections, KeepAliveLimit, Reservation
 from .config import DurableConfig
 from .control import ControlChannel
 from .delivery import AckKind, AckRuns, ReadAccess
@@ -427,7 +427,11 @@ def _install_connect_hooks() -> None:
             await _check_keepalive(plugin.keepalive_limit, session, writer, plugins_manager)
         if plugin is None or not session.client_id:
             return handler, session
-        await _check_connect(plugin, session, writer, plugins_manager)
+        try:
+            await _check_connect(plugin, session, writer, plugins_manager)
+        except MQTTError:
+            _release_reservation(plugin.engine, writer)  # a refused CONNECT's place is free at once
+            raise
         return handler, session
 
     init_from_connect._durable_wrapped = True  # type: ignore[attr-defined]
@@ -479,11 +483,13 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         plugin.engine.check_writable_for(session.client_id, bool(session.clean_session))
     except StoreUnavailableError as exc:
         unwritable = exc
-    full: SessionLimitError | None = None
-    try:
-        plugin.engine.check_session_limit(session.client_id, bool(session.clean_session))
-    except SessionLimitError as exc:
-        full = exc
+    full = False
+    if not session.clean_session and unwritable is None:
+        # Decided here, with no await since the count was read: a place held for this connection
+        # until its CONNACK (or its end), so the CONNACK cannot refuse it once amqtt has taken a
+        # live connection of the client id over.
+        writer.durable_reservation = plugin.engine.reserve_session(session.client_id)
+        full = writer.durable_reservation is None
     broker = plugin.broker
     if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
         log.warning(
@@ -496,7 +502,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         await _refuse_read_connect(writer, plugins_manager)
         raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
     taken_over = session.client_id in broker._sessions
-    if (taken_over or unwritable is not None or full is not None) and not await broker._authenticate(session, None):
+    if (taken_over or unwritable is not None or full) and not await broker._authenticate(session, None):
         log.warning(
             "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
             session.client_id,
@@ -508,12 +514,20 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, unwritable)
         await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
         raise MQTTError(f"CONNECT of {session.client_id!r}: {unwritable}")
-    if full is not None:  # amqtt has created nothing for it (a Session it would keep for ever)
+    if full:  # amqtt has created nothing for it (a Session it would keep for ever)
         _warn_session_limit(plugin.engine, session.client_id)
         await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
-        raise MQTTError(str(full))
+        raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
     if taken_over:
         plugin.authenticated[session.client_id] = (session.username, session.password)
+
+
+def _release_reservation(engine: DurableEngine, writer: Any) -> None:
+    """The place a durable CONNECT read on this connection held (``max_durable_sessions``) is
+    free: it was refused, or its connection ended (nothing if its CONNACK already used it)."""
+    reservation: Reservation | None = getattr(writer, "durable_reservation", None)
+    if reservation is not None:
+        engine.session_limit.release(reservation)
 
 
 def _warn_session_limit(engine: DurableEngine, client_id: str) -> None:
@@ -1352,6 +1366,7 @@ class AmqttHooks:
             await self._original_client_connected(listener_name, reader, writer)
         finally:
             await close_socket(writer)
+            _release_reservation(self.engine, writer)
             if address is not None:
                 self.addresses.close(address)
 
@@ -2012,12 +2027,11 @@ async def _route_qos2(
         return stored
 
 
-async def _refuse_connect(handler: Any, session: Any, return_code: int, why: str | None) -> NoReturn:
+async def _refuse_connect(handler: Any, session: Any, return_code: int, why: str) -> NoReturn:
     """Refuse a CONNECT when its CONNACK is due, then end the connection: amqtt would go on serving
     it whatever the CONNACK said, so its connection handling is ended by the error raised here
-    (amqtt logs and drops it). ``why`` is logged as a WARNING (None: already said)."""
-    if why is not None:
-        log.warning("%s", why)
+    (amqtt logs and drops it)."""
+    log.warning("%s", why)
     session.parent = 0  # MQTT-3.2.2-4: no session present with a refusal
     await handler._send_packet(ConnackPacket.build(0, return_code))
     session.transitions.disconnect()
@@ -2067,27 +2081,26 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
 async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
     """CONNACK is due: create, wipe or take the stored session and set session-present from the
     store. Refuses the CONNECT (raises) with CONNACK 5 when the session belongs to another user,
-    and with CONNACK 3 while the store cannot write when the CONNECT needs a write, or when it
-    would create a durable session past ``max_durable_sessions``."""
+    and with CONNACK 3 while the store cannot write when the CONNECT needs a write. A new durable
+    session has the place reserved for it as its CONNECT was read (``max_durable_sessions``)."""
     stored = engine.sessions.get(session.client_id)
     passes = stored is not None and stored.record.username != session.username
     try:
         engine.check_owner(session.client_id, session.username)
         revoke = await _refused_subscriptions(broker, engine, session)
         present = await engine.connect(
-            session.client_id, bool(session.clean_session), session.username, handler.durable_transport, revoke
+            session.client_id,
+            bool(session.clean_session),
+            session.username,
+            handler.durable_transport,
+            revoke,
+            reservation=getattr(handler.writer, "durable_reservation", None),  # taken as it was read
         )
     except NotSessionOwnerError as exc:  # created by a CONNECT read at the same time as this one
         await _refuse_connect(handler, session, NOT_AUTHORIZED, str(exc))
     except StoreUnavailableError as exc:
         why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {exc}"
         await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
-    except SessionLimitError:  # the last slot taken by a CONNECT handled at the same time as this one
-        _warn_session_limit(engine, session.client_id)
-        if broker._sessions.get(session.client_id, (None, None))[1] is handler:
-            del broker._sessions[session.client_id]  # amqtt would keep this refused Session for ever
-            await broker._del_all_subscriptions(session)
-        await _refuse_connect(handler, session, SERVER_UNAVAILABLE, None)
     if not session.clean_session:
         session.parent = 1 if present else 0
         # A Session amqtt cached from an earlier clean connection may still hold amqtt-level

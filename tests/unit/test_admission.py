@@ -22,11 +22,53 @@ class Clock:
         return self.now
 
 
-def test_session_limit_admits_below_the_limit_only_and_zero_is_no_limit() -> None:
+def test_session_limit_has_a_place_below_the_limit_or_for_an_existing_session_and_zero_is_no_limit() -> None:
     limit = SessionLimit(3, 10.0)
-    assert [limit.admits(held) for held in range(5)] == [True, True, True, False, False]
+    assert [limit.has_place("new", {f"s{i}" for i in range(held)}) for held in range(5)] == [True] * 3 + [False] * 2
+    assert limit.has_place("s0", {"s0", "s1", "s2"}), "an existing session takes no new place"
     unlimited = SessionLimit(0, 10.0)
-    assert all(unlimited.admits(held) for held in (0, 1, 10**9))
+    assert unlimited.has_place("new", {f"s{i}" for i in range(1000)})
+    assert unlimited.reserve("new", {f"s{i}" for i in range(1000)}) is not None
+
+
+def test_a_reservation_holds_a_place_until_it_is_used_or_released_once() -> None:
+    limit = SessionLimit(2, 10.0)
+    held = limit.reserve("b", {"a"})
+    assert held is not None and limit.reserve("c", {"a"}) is None, "b's CONNECT holds the last place"
+    assert limit.use(held) is True and limit.reservations == 0
+    assert limit.use(held) is False, "used once"
+    assert limit.reserve("c", {"a", "b"}) is None, "b's place is now its session"
+    other = limit.reserve("c", {"a"})  # b's session gone
+    assert other is not None
+    limit.release(other)
+    limit.release(other)  # its connection's end after a refusal: nothing more
+    assert limit.reservations == 0 and limit.reserve("c", {"a"}) is not None
+
+
+def test_two_connects_of_one_client_id_hold_one_place() -> None:
+    limit = SessionLimit(3, 10.0)
+    first, second = limit.reserve("b", {"a"}), limit.reserve("b", {"a"})
+    assert first is not None and second is not None
+    assert limit.reserve("c", {"a"}) is not None, "a, b and c: three places"
+    assert limit.reserve("d", {"a"}) is None
+    limit.release(first)
+    assert limit.reserve("d", {"a"}) is None, "the other CONNECT of b still holds b's place"
+    limit.release(second)
+    assert limit.reserve("d", {"a"}) is not None
+
+
+def test_a_reserved_client_id_is_counted_once_whether_its_session_exists_or_not() -> None:
+    limit = SessionLimit(2, 10.0)
+    held = limit.reserve("a", {"a", "b"})
+    assert held is not None, "a CONNECT of an existing session always gets its reservation"
+    assert limit.reserve("c", {"a", "b"}) is None
+    assert limit.reserve("c", {"b"}) is None, "a's session ended before its CONNACK: its CONNECT keeps the place"
+    limit.use(held)
+    assert limit.reserve("c", {"b"}) is not None
+    late = limit.reserve("d", {"b"})
+    assert late is None, "b's session and c's reservation (2 of 2)"
+    again = limit.reserve("c", {"b", "c"})
+    assert again is not None and limit.reserve("d", {"b", "c"}) is None, "c: its session and a reservation, one place"
 
 
 def test_every_session_refusal_is_counted_and_logged_at_most_once_per_interval_naming_the_limit() -> None:
@@ -103,6 +145,29 @@ def test_connects_handled_at_once_create_exactly_as_many_sessions_as_there_are_f
         assert len(engine.sessions) == 6
 
     run(tmp_path, body, max_durable_sessions=6)
+
+
+def test_a_connect_with_its_reservation_gets_the_place_held_for_it(tmp_path: Path) -> None:
+    async def body(engine: DurableEngine) -> None:
+        await engine.connect("a", clean_session=False)
+        await engine.connect("b", clean_session=False)
+        held = engine.reserve_session("a")
+        assert held is not None
+        await engine.delete_session(engine.sessions["a"])  # expiry or end_session before a's CONNACK
+        assert engine.reserve_session("c") is None, "a's CONNECT keeps a's place"
+        with pytest.raises(SessionLimitError):
+            await engine.connect("c", clean_session=False)
+        assert await engine.connect("a", clean_session=False, reservation=held) is False
+        assert set(engine.sessions) == {"a", "b"} and engine.session_limit.reservations == 0
+        await engine.delete_session(engine.sessions["b"])
+        newcomer = engine.reserve_session("c")
+        assert newcomer is not None and engine.reserve_session("d") is None
+        refused = await asyncio.gather(engine.connect("d", clean_session=False), return_exceptions=True)
+        assert isinstance(refused[0], SessionLimitError), "without a reservation: the place is c's"
+        assert await engine.connect("c", clean_session=False, reservation=newcomer) is False
+        assert set(engine.sessions) == {"a", "c"}
+
+    run(tmp_path, body, max_durable_sessions=2)
 
 
 def test_the_count_after_a_reopen_is_the_stores_and_ended_sessions_free_their_slot(tmp_path: Path) -> None:
