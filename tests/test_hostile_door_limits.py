@@ -6,6 +6,8 @@ and its limits"; docs/configuration.md).
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import socket
 import threading
 from collections.abc import Callable
@@ -14,6 +16,8 @@ import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly
 from test_hostile_review_conn import broker_with_two_connection_slots
 from test_hostile_wire import publish_packet, read_until_closed
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import InvalidStatus
 
 from amqtt_durable.inspect_store import summarize
 from amqtt_durable.process import free_port
@@ -21,6 +25,7 @@ from conftest import HOST, WAIT, Broker, Client, payloads, queued_while_dropped
 from durable_client import ConnectFailed, DurableClient
 
 SYS = "$SYS/broker/durable/"
+PROBES = itertools.count()
 LIMIT_LINE = "refused (CONNACK 3, server unavailable): the store holds max_durable_sessions"
 
 
@@ -215,6 +220,126 @@ def test_a_connection_past_the_address_limit_does_not_wait_for_a_listener_slot(
         assert read_until_closed(sock, WAIT) == b"", "closed at once, not left waiting for a slot"
     for sock in held:
         sock.close()
+
+
+def place_free(port: int) -> bool:
+    """A new TCP connection from 127.0.0.1 gets CONNACK 0 (it then ends with a DISCONNECT)."""
+    try:
+        with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+            sock.sendall(connect_packet(f"probe-{next(PROBES)}", clean=True))
+            if sock.recv(4) != b"\x20\x02\x00\x00":
+                return False
+            sock.sendall(bytes((0xE0, 0)))
+            read_until_closed(sock, WAIT)
+            return True
+    except OSError:
+        return False
+
+
+def websocket_connack(ws_port: int, client_id: str, *, keepalive: int = 60, disconnect: bool = True) -> bytes:
+    """CONNECT over a websocket connection; its CONNACK (the connection is then closed here, after
+    a DISCONNECT if ``disconnect``). Raises websockets' InvalidStatus when the upgrade is refused."""
+
+    async def run() -> bytes:
+        async with ws_connect(f"ws://{HOST}:{ws_port}/", subprotocols=["mqtt"]) as ws:  # type: ignore[list-item]
+            await ws.send(connect_packet(client_id, clean=True, keepalive=keepalive))
+            connack = bytes(await asyncio.wait_for(ws.recv(), WAIT))  # type: ignore[arg-type]
+            if disconnect:
+                await ws.send(bytes((0xE0, 0)))
+            return connack
+
+    return asyncio.run(run())
+
+
+def test_a_websocket_upgrade_past_the_address_limit_gets_http_503_and_is_never_upgraded(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """configuration.md: on a websocket listener the upgrade request is read, and one past the limit is
+    answered HTTP 503 instead of 101; TCP and websocket connections share an address's count."""
+    broker = broker_factory(start=False, max_connections_per_address=2)
+    broker.ws_port = free_port()
+    broker.start()
+    held_ws = clients(broker.ws_port, "held-ws", clean_session=True, transport="websockets")
+    held_tcp = raw_connect(broker.port, "held-tcp", clean=True)
+    for _ in range(3):
+        with pytest.raises(InvalidStatus) as refused:
+            websocket_connack(broker.ws_port, "past")
+        assert refused.value.response.status_code == 503
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        assert read_until_closed(sock, WAIT) == b"", "a TCP one past the limit: closed at once"
+    held_ws.disconnect()
+    assert broker.wait_until(lambda: place_free(broker.port), WAIT), "the websocket connection's end freed its place"
+    assert websocket_connack(broker.ws_port, "again") == b"\x20\x02\x00\x00"
+    log = broker.log()
+    assert log.count("answering the websocket upgrade request of a new connection from 127.0.0.1 with HTTP 503") == 1
+    held_tcp.close()
+
+
+def test_every_end_of_a_websocket_connection_gives_its_address_place_back(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    broker = broker_factory(start=False, max_connections_per_address=1, max_keepalive=60)
+    broker.ws_port = free_port()
+    broker.start()
+    assert broker.wait_until(lambda: place_free(broker.port), WAIT)
+    ends = [
+        lambda: websocket_connack(broker.ws_port, "ws", disconnect=True) == b"\x20\x02\x00\x00",
+        lambda: websocket_connack(broker.ws_port, "ws", disconnect=False) == b"\x20\x02\x00\x00",
+        lambda: websocket_connack(broker.ws_port, "ws", keepalive=0, disconnect=False) == b"\x20\x02\x00\x02",
+        lambda: plain_http_get(broker.ws_port).startswith(b"HTTP/1.1 426"),  # the upgrade fails after its check
+    ]
+    for end in ends:
+        for _ in range(3):
+            assert end()
+            assert broker.wait_until(lambda: place_free(broker.port), WAIT), "the address is locked out"
+
+
+def plain_http_get(port: int) -> bytes:
+    """A GET without an upgrade to the websocket listener: the broker's answer, read to its close."""
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        return read_until_closed(sock, WAIT) or b""
+
+
+def test_a_connection_waiting_for_a_listener_slot_counts_until_the_broker_sees_it_closed(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """configuration.md: one waiting for a max_connections place counts too, also when its client has
+    closed it meanwhile (the broker sees that once it has its place and reads it)."""
+    broker = broker_with_two_connection_slots(broker_factory, max_connections_per_address=3)
+    held = [raw_connect(broker.port, f"held-{i}", clean=True) for i in range(2)]  # both slots taken
+    waiting = socket.create_connection((HOST, broker.port), timeout=WAIT)  # the third: waits for a slot
+    waiting.close()
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        assert read_until_closed(sock, WAIT) == b"", "the closed waiting connection still counts"
+    leaving = held.pop()
+    leaving.sendall(bytes((0xE0, 0)))  # DISCONNECT: its slot goes to the waiting one, which is seen closed
+    assert read_until_closed(leaving, WAIT) == b""
+    leaving.close()
+    held.append(raw_connect(broker.port, "next", clean=True))  # the slot the closed one gave back
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as third:  # counted: 3 of 3, waits
+        third.sendall(connect_packet("third", clean=True))
+        held[0].sendall(bytes((0xE0, 0)))
+        assert read_exactly(third, 4) == b"\x20\x02\x00\x00", "the closed one no longer counts"
+    for sock in held:
+        sock.close()
+
+
+def test_a_half_open_connection_holds_its_address_place_until_the_keepalive_check_closes_it(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """operations.md: a device whose old connection is half-open (silent: the broker cannot tell) cannot
+    reconnect from the same address past a small limit until 1.5 times the keep-alive closes it."""
+    broker = broker_factory(max_connections_per_address=1)
+    assert broker.wait_until(lambda: place_free(broker.port), WAIT), "the start-up check's connection has ended"
+    old = raw_connect(broker.port, "device", clean=False, keepalive=1)  # then silent, as a half-open one
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        assert read_until_closed(sock, WAIT) == b"", "the device's reconnect is closed at once"
+    assert read_until_closed(old, WAIT) == b"", "closed by the broker after 1.5 s of silence"
+    assert broker.wait_until(lambda: place_free(broker.port), WAIT)
+    device = raw_connect(broker.port, "device", clean=False)
+    device.close()
+    old.close()
 
 
 def connack_of(port: int, client_id: str, keepalive: int, *, clean: bool = True) -> bytes:

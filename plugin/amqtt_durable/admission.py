@@ -157,15 +157,18 @@ class AddressConnections:
         else:
             self.open_by_address.pop(address, None)
 
-    def refusal(self, address: str) -> str | None:
-        """The WARNING of a refusal ``open`` just counted, or None (rate-limited: left out)."""
+    def refusal(self, address: str, *, websocket: bool = False) -> str | None:
+        """The WARNING of a refusal ``open`` just counted (of a TCP connection as it is accepted, or
+        of a websocket upgrade request), or None (rate-limited: left out)."""
         left_out = self._budget.take()
         if left_out is None:
             return None
-        return (
-            f"closing a new connection from {address} before reading anything: it has "
-            f"max_connections_per_address ({self.limit}) connections open{_left_out(left_out)}"
+        what = (
+            f"answering the websocket upgrade request of a new connection from {address} with HTTP 503"
+            if websocket
+            else f"closing a new connection from {address} before reading anything"
         )
+        return f"{what}: it has max_connections_per_address ({self.limit}) connections open{_left_out(left_out)}"
 
 
 class KeepAliveLimit:

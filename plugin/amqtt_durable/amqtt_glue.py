@@ -25,10 +25,12 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._create_server_instance``: a TCP listener is opened as amqtt opens it, with the
   ``listen_backlog`` setting as its listen backlog (amqtt's is asyncio's default, 100: in a
   reconnect storm of 1,000 clients the kernel dropped the SYNs of about half of them, which came
-  back 1 and 2 s later; a much larger one slows the recovery from a connection flood);
+  back 1 and 2 s later; a much larger one slows the recovery from a connection flood); a
+  websocket listener's upgrade request from an address with ``max_connections_per_address``
+  open is answered HTTP 503 (websockets' ``process_request``);
 * ``Broker._client_connected``: every connection's socket is closed when it ends, whatever
-  ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector), and one from
-  an address with ``max_connections_per_address`` open is closed as it is accepted;
+  ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector), and a TCP one
+  from an address with ``max_connections_per_address`` open is closed as it is accepted;
 * ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
   its whole CONNECT;
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
@@ -113,6 +115,7 @@ import time
 from collections import UserDict, deque
 from collections.abc import Awaitable, Callable
 from functools import partial
+from http import HTTPStatus
 from typing import Any, NoReturn
 
 import amqtt
@@ -1334,10 +1337,14 @@ class AmqttHooks:
     async def create_server_instance(
         self, listener_name: str, listener_type: Any, address: str | None, port: int, ssl_context: Any
     ) -> Any:
-        """amqtt's TCP listener with the ``listen_backlog`` setting; others as amqtt opens them."""
+        """amqtt's TCP listener with the ``listen_backlog`` setting; others as amqtt opens them, a
+        websocket listener's upgrade requests checked by ``websocket_upgrade``."""
         try:
             if listener_type != ListenerType.TCP:
-                return await self._original_create_server(listener_name, listener_type, address, port, ssl_context)
+                server = await self._original_create_server(listener_name, listener_type, address, port, ssl_context)
+                if listener_type == ListenerType.WS:  # websockets' Server calls it for each request it reads
+                    server.process_request = self.websocket_upgrade
+                return server
             return await asyncio.start_server(
                 partial(self.broker.stream_connected, listener_name=listener_name),
                 address,
@@ -1349,12 +1356,32 @@ class AmqttHooks:
         except socket.gaierror as exc:  # bare "Name or service not known": name the listener and its host
             raise OSError(f"listener '{listener_name}' {address}:{port}: {exc}") from None
 
+    def websocket_upgrade(self, connection: Any, request: Any) -> Any:
+        """A websocket listener's upgrade request, read: one from an address that has
+        ``max_connections_per_address`` open is answered HTTP 503 instead of the upgrade (websockets
+        then closes it); any other counts from here until its connection's task ends, whatever
+        ends it (a failed handshake included). ``client_connected`` does not count it again."""
+        del request
+        address = str(connection.remote_address[0])
+        if not self.addresses.open(address):
+            why = self.addresses.refusal(address, websocket=True)
+            if why is not None:
+                log.warning("%s", why)
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "Too many connections from this address.\n")
+        connection.durable_counted = True
+        task = asyncio.current_task()
+        assert task is not None  # websockets calls it in the connection's handler task
+        task.add_done_callback(lambda _: self.addresses.close(address))
+        return None
+
     async def client_connected(self, listener_name: str, reader: Any, writer: Any) -> None:
-        """Every connection, TCP and websocket, as it is accepted: one from an address that has
-        ``max_connections_per_address`` open is closed at once, before amqtt takes one of its
-        listener's ``max_connections`` slots or reads a byte (no CONNACK: nothing was read)."""
+        """Every connection as it is accepted: a TCP one (after its TLS handshake on a TLS listener)
+        from an address that has ``max_connections_per_address`` open is closed at once, before
+        amqtt takes one of its listener's ``max_connections`` slots or reads a byte (no CONNACK:
+        nothing was read); a websocket one was counted at its upgrade (``websocket_upgrade``)."""
         peer = writer.get_peer_info()
-        address = None if peer is None else str(peer[0])  # None: amqtt closes it itself
+        counted = getattr(getattr(writer, "_protocol", None), "durable_counted", False)  # amqtt's WebSocketsWriter
+        address = None if peer is None or counted else str(peer[0])  # None: amqtt closes it itself
         if address is not None and not self.addresses.open(address):
             why = self.addresses.refusal(address)
             if why is not None:
