@@ -56,7 +56,8 @@ instance the plugin is loaded into and on each connection's handler:
   see ``_keep_the_disconnect``);
 * ``Broker._handle_disconnect``: the will published at a connection's abnormal end is the one
   its own CONNECT carried, not the one a later CONNECT of the client id gave the shared Session
-  (see ``handle_disconnect``);
+  (see ``handle_disconnect``); amqtt's Session of a client id without a durable session (ended
+  while connected) is removed then, and that of an expired one at its expiry (``forget_session``);
 * ``Broker._delete_session``: a clean CONNECT of a client id whose connection is live ends that
   connection (MQTT-3.1.4-2; amqtt deleted its Session and left it open);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
@@ -1097,6 +1098,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
             }
         ).encode()
         self._spawn(self.broker._broadcast_message(None, SYS_PREFIX + "expired", payload, 1))
+        self._spawn(self.hooks.forget_session(expired.client_id))
 
     def _on_store_health(self, health: StoreHealth) -> None:
         self._spawn(self._publish_health(json.dumps(dataclasses.asdict(health)).encode()))
@@ -1441,6 +1443,7 @@ class AmqttHooks:
         will: ConnectionWill | None = getattr(handler, "durable_will", None)
         if will is None:  # not read through init_from_connect
             await self._original_handle_disconnect(session, handler, disconnect_waiter)
+            await self.forget_session(session.client_id)
             return
         if will.topic is not None and not isinstance(disconnect_waiter.result(), DisconnectPacket):
             log.debug("%s disconnected abnormally: publishing its will", session.client_id)
@@ -1450,6 +1453,19 @@ class AmqttHooks:
         decided: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         decided.set_result(DisconnectPacket())
         await self._original_handle_disconnect(session, handler, decided)
+        await self.forget_session(session.client_id)  # its durable session ended while it was connected
+
+    async def forget_session(self, client_id: str) -> None:
+        """amqtt's Session of ``client_id`` goes once the client id has neither a connection nor a
+        durable session (its session expired, or ended by end_session while connected): amqtt's
+        session monitor removes only anonymous and clean ones, so with a password plugin every
+        durable client id stayed in its table for ever (a client cycling fresh client ids grew
+        the broker's memory by its sessions every session_expiry). A clean CONNECT's deletion is
+        amqtt's own (``delete_session``)."""
+        entry = self.broker._sessions.get(client_id)
+        if entry is None or entry[0].transitions.state != "disconnected" or self.engine.is_durable(client_id):
+            return
+        await self.cleanup_session(client_id)
 
     async def delete_session(self, client_id: str) -> None:
         """A clean CONNECT of a client id whose connection is live: amqtt deleted the Session and
