@@ -9,11 +9,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import struct
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly
+from test_hostile_owner import PASSWORDS, REFUSED, acl_broker
+from test_hostile_owner import raw_connect as owner_connect
 from test_hostile_review_conn import broker_with_two_connection_slots
 from test_hostile_wire import publish_packet, read_until_closed
 from websockets.asyncio.client import connect as ws_connect
@@ -21,7 +25,7 @@ from websockets.exceptions import InvalidStatus
 
 from amqtt_durable.inspect_store import summarize
 from amqtt_durable.process import free_port
-from conftest import HOST, WAIT, Broker, Client, payloads, queued_while_dropped
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, queued_while_dropped
 from durable_client import ConnectFailed, DurableClient
 
 SYS = "$SYS/broker/durable/"
@@ -415,3 +419,107 @@ def clients_free_a_place(port: int, client_id: str) -> bool:
     with socket.create_connection((HOST, port), timeout=WAIT) as sock:
         sock.sendall(connect_packet(client_id, clean=True))
         return read_exactly(sock, 4) == b"\x20\x02\x00\x00"
+
+
+SLOW_AUTH = '''
+import asyncio
+from pathlib import Path
+
+from amqtt.plugins.base import BaseAuthPlugin
+
+ENTERED = Path({entered!r})
+GATE = Path({gate!r})
+
+
+class SlowAuth(BaseAuthPlugin):
+    """A slow authentication backend (an HTTP or LDAP call): user "slow" waits until the test opens
+    the gate (bounded), then is refused; everyone else is accepted at once."""
+
+    async def authenticate(self, *, session):
+        if session.username != "slow":
+            return True
+        ENTERED.write_text("1")
+        for _ in range(600):
+            if GATE.exists():
+                break
+            await asyncio.sleep(0.05)
+        return False
+'''
+
+
+def test_an_unauthenticated_connect_does_not_take_a_place_from_a_legitimate_device(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """configuration.md: max_durable_sessions is checked after the CONNECT's credentials. A CONNECT
+    whose credentials are still being checked (and then fail) holds no place: a device gets in
+    while the store holds fewer sessions than the limit."""
+    entered, gate = tmp_path / "entered", tmp_path / "gate"
+    (tmp_path / "slow_auth.py").write_text(SLOW_AUTH.format(entered=str(entered), gate=str(gate)))
+    broker = broker_factory(start=False, max_durable_sessions=1)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["slow_auth.SlowAuth"] = {}
+    broker.start()
+    attacker = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    try:
+        attacker.sendall(connect_packet("attacker", clean=False, username="slow"))
+        assert broker.wait_until(entered.exists, WAIT), "the attacker's CONNECT is being authenticated"
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as device:
+            device.sendall(connect_packet("device", clean=False))
+            connack = read_exactly(device, 4)
+        assert connack == b"\x20\x02\x00\x00", f"the store holds 0 of 1 sessions, yet the device got {connack!r}"
+        gate.write_text("1")
+        assert read_exactly(attacker, 4) == b"\x20\x02\x00\x05", "the attacker is refused (CONNACK 5)"
+    finally:
+        gate.write_text("1")
+        attacker.close()
+
+
+def bad_login(port: int, client_id: str) -> bytes:
+    """A durable CONNECT with a wrong password; the broker's answer."""
+    body = mqtt_string("MQTT") + bytes([4, 0xC0, 0, 60]) + mqtt_string(client_id)  # username, password
+    body += mqtt_string("alice") + mqtt_string(PASSWORDS["alice"] + "-wrong")
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        return read_exactly(sock, 4)
+
+
+def test_no_ending_between_read_and_connack_leaks_a_place(broker_factory: Callable[..., Broker]) -> None:
+    """Every way a durable CONNECT's connection ends before its CONNACK gives its place back: a will
+    topic the ACL refuses, a wrong password, a reset right after the CONNECT."""
+    broker = acl_broker(broker_factory, max_durable_sessions=1, publish_acl={"bob": ["bob/#"]})
+    for i in range(5):
+        assert owner_connect(broker.port, f"will-{i}", "bob", will=True) == REFUSED  # will topic refused
+        assert bad_login(broker.port, f"bad-{i}") == REFUSED  # amqtt's own authentication
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:  # reset after the CONNECT
+            sock.sendall(connect_packet(f"reset-{i}", clean=False))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    for i in range(5):  # a reset CONNECT may have been handled whole (a session): a clean CONNECT ends it
+        assert clients_free_a_place(broker.port, f"reset-{i}")
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet("final", clean=False))
+        ok = read_exactly(sock, 4)
+    assert ok == b"\x20\x02\x00\x00", f"a leaked reservation holds the only place: {ok!r}"
+
+
+def test_a_new_durable_connect_still_authenticating_at_connect_timeout_is_closed_without_connack(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """configuration.md, connect_timeout: a CONNECT whose credentials are checked as it is read (one
+    that would create a durable session) must have them checked within connect_timeout, or its
+    connection is closed with no CONNACK; it holds no place (max_durable_sessions 1)."""
+    entered, gate = tmp_path / "entered", tmp_path / "gate"
+    (tmp_path / "slow_auth.py").write_text(SLOW_AUTH.format(entered=str(entered), gate=str(gate)))
+    broker = broker_factory(start=False, max_durable_sessions=1, connect_timeout=1)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["slow_auth.SlowAuth"] = {}
+    broker.start()
+    try:
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as slow:
+            slow.sendall(connect_packet("slow-device", clean=False, username="slow"))
+            assert broker.wait_until(entered.exists, WAIT)
+            assert read_until_closed(slow, WAIT) == b"", "closed at connect_timeout, no CONNACK"
+    finally:
+        gate.write_text("1")
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as device:
+        device.sendall(connect_packet("device", clean=False))
+        assert read_exactly(device, 4) == b"\x20\x02\x00\x00"

@@ -475,7 +475,10 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     for a CONNECT that is accepted. A refusal sends CONNACK 5 (CONNACK 3 while the store cannot
     write and the CONNECT needs a write, or when it would create a durable session past
     ``max_durable_sessions``, once its owner, will topic and credentials passed: a wrong password
-    gets 5 then too, and tells nothing of the store) and raises MQTTError."""
+    gets 5 then too, and tells nothing of the store) and raises MQTTError. A CONNECT that would
+    create a durable session is authenticated here (amqtt is told, ``authenticated``), so one whose
+    credentials are slow to check or fail holds no place meanwhile: the place is reserved after
+    the last await."""
     try:
         plugin.engine.check_owner(session.client_id, session.username)
     except NotSessionOwnerError as exc:
@@ -487,13 +490,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         plugin.engine.check_writable_for(session.client_id, bool(session.clean_session))
     except StoreUnavailableError as exc:
         unwritable = exc
-    full = False
-    if not session.clean_session and unwritable is None:
-        # Decided here, with no await since the count was read: a place held for this connection
-        # until its CONNACK (or its end), so the CONNACK cannot refuse it once amqtt has taken a
-        # live connection of the client id over.
-        writer.durable_reservation = plugin.engine.reserve_session(session.client_id)
-        full = writer.durable_reservation is None
+    durable_new = not session.clean_session and unwritable is None and not plugin.engine.is_durable(session.client_id)
     broker = plugin.broker
     if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
         log.warning(
@@ -506,7 +503,8 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         await _refuse_read_connect(writer, plugins_manager)
         raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
     taken_over = session.client_id in broker._sessions
-    if (taken_over or unwritable is not None or full) and not await broker._authenticate(session, None):
+    checked = taken_over or unwritable is not None or durable_new
+    if checked and not await broker._authenticate(session, None):
         log.warning(
             "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
             session.client_id,
@@ -518,11 +516,22 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, unwritable)
         await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
         raise MQTTError(f"CONNECT of {session.client_id!r}: {unwritable}")
+    try:  # again after the awaits: another user's CONNECT of the client id may have created its session meanwhile
+        plugin.engine.check_owner(session.client_id, session.username)
+    except NotSessionOwnerError as exc:
+        log.warning("%s (its session was created while this CONNECT was checked)", exc)
+        await _refuse_read_connect(writer, plugins_manager)
+        raise MQTTError(str(exc)) from None
+    full = False
+    if not session.clean_session:
+        # After every await: the place is held from here until its CONNACK (or the connection's end).
+        writer.durable_reservation = plugin.engine.reserve_session(session.client_id)
+        full = writer.durable_reservation is None
     if full:  # amqtt has created nothing for it (a Session it would keep for ever)
         _warn_session_limit(plugin.engine, session.client_id)
         await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
         raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
-    if taken_over:
+    if checked:
         plugin.authenticated[session.client_id] = (session.username, session.password)
 
 
@@ -2144,6 +2153,8 @@ async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, ses
     except StoreUnavailableError as exc:
         why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {exc}"
         await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
+    except SessionLimitError as exc:  # its place is reserved as it is read: not expected, refused as there
+        await _refuse_connect(handler, session, SERVER_UNAVAILABLE, str(exc))
     if not session.clean_session:
         session.parent = 1 if present else 0
         # A Session amqtt cached from an earlier clean connection may still hold amqtt-level
