@@ -111,3 +111,33 @@ def test_amqtt_forgets_a_client_id_whose_session_ended_by_end_session_and_keeps_
     assert broker.wait_until(lambda: not [c for c in amqtt_table(monitor) if c.startswith("ending")], WAIT)
     table = amqtt_table(monitor)
     assert "kept" in table and "monitor" in table, table
+
+
+def failed_login(port: int, client_id: str, *, clean: bool) -> bytes:
+    """A CONNECT of alice with a wrong password; the broker's answer."""
+    flags = 0xC0 | (0x02 if clean else 0)  # username, password
+    body = mqtt_string("MQTT") + bytes([4, flags, 0, 60]) + mqtt_string(client_id)
+    body += mqtt_string("alice") + mqtt_string(PASSWORDS["alice"] + "-wrong")
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        answer = sock.recv(4)
+        assert sock.recv(1) == b"", "closed after CONNACK 5"
+        return answer
+
+
+def test_failed_logins_with_fresh_client_ids_leave_nothing_in_amqtts_table(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """amqtt put the Session of a CONNECT that failed its authentication in its table, marked
+    connected, and nothing ever removed it: every failed login with a fresh client id (durable,
+    clean, or one amqtt generated for an empty client id) grew the broker's memory for ever."""
+    broker = password_broker(broker_factory, tmp_path)
+    monitor = login(clients, broker, "monitor", "monitor", clean_session=True)
+    monitor.subscribe("probe/#", 0)
+    before = amqtt_table(monitor)
+    for i in range(30):
+        assert failed_login(broker.port, f"durable-{i}", clean=False) == b"\x20\x02\x00\x05"
+        assert failed_login(broker.port, f"clean-{i}", clean=True) == b"\x20\x02\x00\x05"
+        assert failed_login(broker.port, "", clean=True) == b"\x20\x02\x00\x05"
+    after = amqtt_table(monitor)
+    assert after == before, f"amqtt's table grew by {sorted(set(after) - set(before))[:5]}... ({len(after)})"

@@ -1868,6 +1868,8 @@ def _wrap_handler(
                 publishes.hand_over(topic, bytes(data), qos, packet_id, retain=retain, stored=None)
 
     async def connack_authorize(authorize: bool) -> None:
+        if not authorize:  # amqtt's own authentication failed: it would keep this Session for ever
+            _forget_refused(broker, engine, handler, session.client_id)
         if authorize and not engine.serving:  # demoted since its CONNECT was read (checked there too)
             why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {NOT_SERVING}"
             await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
@@ -1884,6 +1886,17 @@ def _wrap_handler(
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
+
+
+def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, client_id: str) -> None:
+    """A CONNECT that failed amqtt's authentication: amqtt has put its Session in its table, marked
+    connected, and never removes it (its session monitor skips connected Sessions, and
+    ``forget_session`` disconnected ones), so every failed login with a fresh client id (a
+    generated one too) grew the broker's memory for ever. It goes, unless a durable session has the
+    client id (bounded by ``max_durable_sessions``) or another connection's Session replaced it."""
+    entry = broker._sessions.get(client_id)
+    if entry is not None and entry[1] is handler and not engine.is_durable(client_id):
+        del broker._sessions[client_id]
 
 
 def _end_a_connection_closed_during_start(
