@@ -32,7 +32,7 @@ instance the plugin is loaded into and on each connection's handler:
   ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector), and a TCP one
   from an address with ``max_connections_per_address`` open is closed as it is accepted;
 * ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
-  its whole CONNECT;
+  its whole CONNECT (and have it authenticated, when that is done as it is read);
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
   wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
   has work (QoS 2, a clean-session subscriber, a plugin listening for messages);
@@ -41,7 +41,8 @@ instance the plugin is loaded into and on each connection's handler:
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
   CONNACK's session-present from the store; refuse another user than the session's owner,
   and (CONNACK 3) any durable CONNECT while the store cannot write (a new durable session takes the
-  place ``max_durable_sessions`` reserved for it as its CONNECT was read);
+  place ``max_durable_sessions`` reserved for it as its CONNECT was read); a CONNECT refused by
+  amqtt's own authentication leaves no Session in amqtt's table (``_forget_refused``);
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
 * ``BrokerProtocolHandler.handle_pubrel`` (per connection): a durable publisher's stored QoS 2
@@ -398,7 +399,8 @@ def _install_connect_hooks() -> None:
     user publish (amqtt would publish and retain it unchecked), and a CONNECT that fails
     authentication while amqtt holds a Session of its client id: amqtt would first give that
     Session the CONNECT's will (or delete it, clean) and take its connection over, and only then
-    check the password. connack_authorize checks the owner again, authoritatively."""
+    check the password (a CONNECT that would create a durable session is authenticated here too,
+    before it reserves a place). connack_authorize checks the owner again, authoritatively."""
     original = BrokerProtocolHandler.init_from_connect
     if getattr(original, "_durable_wrapped", False):
         return
