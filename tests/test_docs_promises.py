@@ -34,6 +34,8 @@ METRICS = {
     "messages/replayed",
     "messages/sent",
     "sessions/expired",
+    "sessions/refused",
+    "connections/refused",
     "retained/messages",
     "store/commits",
     "store/read_errors",
@@ -57,7 +59,7 @@ def wait_for_more(client: Client, count: int) -> bool:
 def test_every_documented_metric_is_published_as_a_decimal_at_qos_0(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """operations.md, Metrics: thirteen topics, plain decimal numbers, QoS 0; messages/dropped
+    """operations.md, Metrics: fifteen topics, plain decimal numbers, QoS 0; messages/dropped
     counts overflow drops and sessions/expired counts expiries."""
     broker = broker_factory(metrics_interval=0.2, session_expiry=1, max_depth=2, max_depth_disconnected=2)
     watcher = clients(broker.port, "ops", clean_session=True)

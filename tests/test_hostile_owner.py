@@ -30,15 +30,21 @@ ACL = {"alice": ["secret/#"], "bob": ["bob/#"], "monitor": ["$SYS/#"]}
 REFUSED = b"\x20\x02\x00\x05"
 
 
-def acl_broker(broker_factory: Callable[..., Broker], **settings: object) -> Broker:
-    """File authentication and amqtt's own topic ACL plugin. A CONNECT with a username needs that
-    user's password; one without (the fixture's readiness probe) stays anonymous."""
+def acl_broker(
+    broker_factory: Callable[..., Broker], publish_acl: dict[str, list[str]] | None = None, **settings: object
+) -> Broker:
+    """File authentication and amqtt's own topic ACL plugin (with ``publish_acl``, publishing too).
+    A CONNECT with a username needs that user's password; one without (the fixture's readiness
+    probe) stays anonymous."""
     broker: Broker = broker_factory(start=False, **settings)
     hasher = Argon2Hasher(time_cost=1, memory_cost=8, parallelism=1)
     password_file = broker.folder / "passwd"
     password_file.write_text("".join(f"{user}:{hasher.hash(pw)}\n" for user, pw in PASSWORDS.items()))
     broker.extra_plugins["amqtt.plugins.authentication.FileAuthPlugin"] = {"password_file": str(password_file)}
     broker.extra_plugins["amqtt.plugins.topic_checking.TopicAccessControlListPlugin"] = {"acl": ACL}
+    if publish_acl is not None:
+        plugin_config = broker.extra_plugins["amqtt.plugins.topic_checking.TopicAccessControlListPlugin"]
+        plugin_config["publish_acl"] = {**publish_acl, "anonymous": ["#"]}
     return broker.start()
 
 

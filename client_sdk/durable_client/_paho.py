@@ -70,7 +70,8 @@ class ConnAck:
     session_present: bool
     reason: str
     unavailable: bool = False
-    """CONNACK 3, server unavailable: a replication backup (or a broker whose store cannot write)."""
+    """CONNACK 3, server unavailable: a replication backup (or a broker whose store cannot write,
+    or that holds ``max_durable_sessions`` sessions and was asked for a new one)."""
 
 
 class PublishHandle:

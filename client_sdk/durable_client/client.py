@@ -124,9 +124,11 @@ class DurableClient:
         """Nothing touches the network until connect().
 
         ``failover=[(host, port), ...]``: the other brokers of a replication group (docs/
-        replication.md). A connection that fails, or a CONNACK 3 (a backup refuses clients),
-        moves the client on to the next address, round the list from ``host:port``; the
-        session, its epoch and sequence ids are the same on whichever broker is primary.
+        replication.md). A connection that fails, or a CONNACK 3 (a backup refuses clients; so
+        does a primary whose store cannot write, or one holding ``max_durable_sessions`` to a
+        new session), moves the client on to the next address, round the list from
+        ``host:port``; the session, its epoch and sequence ids are the same on whichever broker
+        is primary.
 
         ``session_expiry`` asks the broker to keep this session that many seconds after a
         disconnect (capped by the broker). ``persistence="disk"`` keeps processed marks under
@@ -705,7 +707,10 @@ class DurableClient:
         if not ack.accepted:
             text = f"the broker at {self.host}:{self.port} refused the connection: {ack.reason}"
             if ack.unavailable and len(self._addresses) > 1:
-                self._problem(f"{text} (a backup, or its store cannot write): trying the next broker")
+                self._problem(
+                    f"{text} (a backup, its store cannot write, or it holds max_durable_sessions): "
+                    "trying the next broker"
+                )
                 self._next_address()
             elif not self._fail_first(text):
                 log.warning("%s; retrying", text)

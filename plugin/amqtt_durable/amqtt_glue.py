@@ -9,8 +9,10 @@ instance the plugin is loaded into and on each connection's handler:
   (CONNACK 5), before amqtt touches anything, another user's CONNECT to a durable session, a
   will its user may not publish (topic ACL), and a CONNECT that fails authentication while
   amqtt holds a Session of its client id (amqtt would take its connection over and give it the
-  CONNECT's will first); a CONNECT past ``max_packet_size`` is refused as amqtt's own errors
-  are, so amqtt frees its listener slot;
+  CONNECT's will first), (CONNACK 3) a CONNECT that would create a durable session past
+  ``max_durable_sessions``, and (CONNACK 2) a keep-alive ``max_keepalive`` does not allow; a
+  CONNECT past ``max_packet_size`` is refused as amqtt's own errors are, so amqtt frees its
+  listener slot;
 * ``MQTTFixedHeader.from_stream`` (class-level): a first packet that is not a CONNECT, a first
   byte the server refuses (``_BAD_FIRST``: reserved type, server-only type, a second CONNECT,
   fixed header flags)
@@ -23,11 +25,14 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._create_server_instance``: a TCP listener is opened as amqtt opens it, with the
   ``listen_backlog`` setting as its listen backlog (amqtt's is asyncio's default, 100: in a
   reconnect storm of 1,000 clients the kernel dropped the SYNs of about half of them, which came
-  back 1 and 2 s later; a much larger one slows the recovery from a connection flood);
+  back 1 and 2 s later; a much larger one slows the recovery from a connection flood); a
+  websocket listener's upgrade request from an address with ``max_connections_per_address``
+  open is answered HTTP 503 (websockets' ``process_request``);
 * ``Broker._client_connected``: every connection's socket is closed when it ends, whatever
-  ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector);
+  ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector), and a TCP one
+  from an address with ``max_connections_per_address`` open is closed as it is accepted;
 * ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
-  its whole CONNECT;
+  its whole CONNECT (and have it authenticated, when that is done as it is read);
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
   wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
   has work (QoS 2, a clean-session subscriber, a plugin listening for messages);
@@ -35,7 +40,9 @@ instance the plugin is loaded into and on each connection's handler:
   unreleased ones closes the connection (see ``AwaitingPubrel``);
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
   CONNACK's session-present from the store; refuse another user than the session's owner,
-  and (CONNACK 3) any durable CONNECT while the store cannot write;
+  and (CONNACK 3) any durable CONNECT while the store cannot write (a new durable session takes the
+  place ``max_durable_sessions`` reserved for it as its CONNECT was read); a CONNECT refused by
+  amqtt's own authentication leaves no Session in amqtt's table (``_forget_refused``);
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
 * ``BrokerProtocolHandler.handle_pubrel`` (per connection): a durable publisher's stored QoS 2
@@ -50,7 +57,8 @@ instance the plugin is loaded into and on each connection's handler:
   see ``_keep_the_disconnect``);
 * ``Broker._handle_disconnect``: the will published at a connection's abnormal end is the one
   its own CONNECT carried, not the one a later CONNECT of the client id gave the shared Session
-  (see ``handle_disconnect``);
+  (see ``handle_disconnect``); amqtt's Session of a client id without a durable session (ended
+  while connected) is removed then, and that of an expired one at its expiry (``forget_session``);
 * ``Broker._delete_session``: a clean CONNECT of a client id whose connection is live ends that
   connection (MQTT-3.1.4-2; amqtt deleted its Session and left it open);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
@@ -109,6 +117,7 @@ import time
 from collections import UserDict, deque
 from collections.abc import Awaitable, Callable
 from functools import partial
+from http import HTTPStatus
 from typing import Any, NoReturn
 
 import amqtt
@@ -121,7 +130,7 @@ from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
 from amqtt.mqtt import subscribe as amqtt_subscribe
 from amqtt.mqtt import unsubscribe as amqtt_unsubscribe
-from amqtt.mqtt.connack import NOT_AUTHORIZED, SERVER_UNAVAILABLE, ConnackPacket
+from amqtt.mqtt.connack import IDENTIFIER_REJECTED, NOT_AUTHORIZED, SERVER_UNAVAILABLE, ConnackPacket
 from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.disconnect import DisconnectPacket
 from amqtt.mqtt.packet import (
@@ -151,6 +160,7 @@ from transitions import MachineError
 
 from durable_protocol import CONTROL_PREFIX, filter_is_valid
 
+from .admission import AddressConnections, KeepAliveLimit, Reservation
 from .config import DurableConfig
 from .control import ControlChannel
 from .delivery import AckKind, AckRuns, ReadAccess
@@ -162,6 +172,7 @@ from .errors import (
     NotSessionOwnerError,
     PacketTooLargeError,
     ProtocolViolationError,
+    SessionLimitError,
     StoreError,
     StoreUnavailableError,
     os_error_reason,
@@ -412,7 +423,8 @@ def _install_connect_hooks() -> None:
     user publish (amqtt would publish and retain it unchecked), and a CONNECT that fails
     authentication while amqtt holds a Session of its client id: amqtt would first give that
     Session the CONNECT's will (or delete it, clean) and take its connection over, and only then
-    check the password. connack_authorize checks the owner again, authoritatively."""
+    check the password (a CONNECT that would create a durable session is authenticated here too,
+    before it reserves a place). connack_authorize checks the owner again, authoritatively."""
     original = BrokerProtocolHandler.init_from_connect
     if getattr(original, "_durable_wrapped", False):
         return
@@ -441,13 +453,32 @@ def _install_connect_hooks() -> None:
             _ROUTINE_REFUSAL.set(True)  # amqtt's own WARNINGs about this connection become DEBUG
             await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
             raise MQTTError(f"CONNECT of {session.client_id!r}: {NOT_SERVING}")
+        if plugin is not None:
+            await _check_keepalive(plugin.keepalive_limit, session, writer, plugins_manager)
         if plugin is None or not session.client_id:
             return handler, session
-        await _check_connect(plugin, session, writer, plugins_manager)
+        try:
+            await _check_connect(plugin, session, writer, plugins_manager)
+        except MQTTError:
+            _release_reservation(plugin.engine, writer)  # a refused CONNECT's place is free at once
+            raise
         return handler, session
 
     init_from_connect._durable_wrapped = True  # type: ignore[attr-defined]
     BrokerProtocolHandler.init_from_connect = staticmethod(init_from_connect)
+
+
+async def _check_keepalive(limit: KeepAliveLimit, session: Any, writer: Any, plugins_manager: Any) -> None:
+    """``max_keepalive``: a keep-alive it does not allow gets CONNACK 2 (identifier rejected, as
+    Mosquitto 2 answers MQTT 3.1.1 clients), before amqtt touches anything; raises MQTTError."""
+    if limit.admits(session.keep_alive):
+        return
+    _ROUTINE_REFUSAL.set(True)  # amqtt's own two WARNINGs become DEBUG: ours is rate-limited
+    why = limit.refusal(session.client_id, session.keep_alive)
+    if why is not None:
+        log.warning("%s", why)
+    await _refuse_read_connect(writer, plugins_manager, IDENTIFIER_REJECTED)
+    raise MQTTError(f"CONNECT of {session.client_id!r}: keep-alive {session.keep_alive} s refused (max_keepalive)")
 
 
 def _will_problem(session: Any) -> str | None:
@@ -468,8 +499,12 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     _install_connect_hooks): amqtt ends a live connection of the client id (a take-over, or our
     delete_session for a clean CONNECT) before the CONNACK, and MQTT 3.1.4 has that happen only
     for a CONNECT that is accepted. A refusal sends CONNACK 5 (CONNACK 3 while the store cannot
-    write and the CONNECT needs a write, once its owner, will topic and credentials passed: a
-    wrong password gets 5 in an outage too, and tells nothing of the store) and raises MQTTError."""
+    write and the CONNECT needs a write, or when it would create a durable session past
+    ``max_durable_sessions``, once its owner, will topic and credentials passed: a wrong password
+    gets 5 then too, and tells nothing of the store) and raises MQTTError. A CONNECT that would
+    create a durable session is authenticated here (amqtt is told, ``authenticated``), so one whose
+    credentials are slow to check or fail holds no place meanwhile: the place is reserved after
+    the last await."""
     try:
         plugin.engine.check_owner(session.client_id, session.username)
     except NotSessionOwnerError as exc:
@@ -481,6 +516,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         plugin.engine.check_writable_for(session.client_id, bool(session.clean_session))
     except StoreUnavailableError as exc:
         unwritable = exc
+    durable_new = not session.clean_session and unwritable is None and not plugin.engine.is_durable(session.client_id)
     broker = plugin.broker
     if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
         log.warning(
@@ -493,7 +529,8 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         await _refuse_read_connect(writer, plugins_manager)
         raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
     taken_over = session.client_id in broker._sessions
-    if (taken_over or unwritable is not None) and not await broker._authenticate(session, None):
+    checked = taken_over or unwritable is not None or durable_new
+    if checked and not await broker._authenticate(session, None):
         log.warning(
             "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
             session.client_id,
@@ -505,8 +542,41 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, unwritable)
         await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
         raise MQTTError(f"CONNECT of {session.client_id!r}: {unwritable}")
-    if taken_over:
+    try:  # again after the awaits: another user's CONNECT of the client id may have created its session meanwhile
+        plugin.engine.check_owner(session.client_id, session.username)
+    except NotSessionOwnerError as exc:
+        log.warning("%s (its session was created while this CONNECT was checked)", exc)
+        await _refuse_read_connect(writer, plugins_manager)
+        raise MQTTError(str(exc)) from None
+    full = False
+    if not session.clean_session:
+        # After every await: the place is held from here until its CONNACK (or the connection's end).
+        writer.durable_reservation = plugin.engine.reserve_session(session.client_id)
+        full = writer.durable_reservation is None
+    if full:  # amqtt has created nothing for it (a Session it would keep for ever)
+        _warn_session_limit(plugin.engine, session.client_id)
+        await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
+        raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
+    if checked:
         plugin.authenticated[session.client_id] = (session.username, session.password)
+
+
+def _release_reservation(engine: DurableEngine, writer: Any) -> None:
+    """The place a durable CONNECT read on this connection held (``max_durable_sessions``) is
+    free: it was refused, or its connection ended (nothing if its CONNACK already used it)."""
+    reservation: Reservation | None = getattr(writer, "durable_reservation", None)
+    if reservation is not None:
+        engine.session_limit.release(reservation)
+
+
+def _warn_session_limit(engine: DurableEngine, client_id: str) -> None:
+    """A CONNECT refused by ``max_durable_sessions``: counted, and a WARNING at most once per
+    ``drop_log_interval`` (an attacker cycling client ids makes one refusal per CONNECT). amqtt's
+    own two WARNINGs about the refused connection are lowered to DEBUG (``_ROUTINE_REFUSAL``)."""
+    _ROUTINE_REFUSAL.set(True)
+    why = engine.session_limit.refuse(client_id)
+    if why is not None:
+        log.warning("%s", why)
 
 
 async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: int = NOT_AUTHORIZED) -> None:
@@ -526,12 +596,15 @@ async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: i
 
 
 _ROUTINE_REFUSAL: contextvars.ContextVar[bool] = contextvars.ContextVar("durable_routine_refusal", default=False)
-"""Set in a connection's task when its CONNECT was refused because this broker is a backup."""
+"""Set in a connection's task when its CONNECT was refused because this broker is a backup, or by
+``max_durable_sessions`` or ``max_keepalive`` (whose own WARNINGs are rate-limited)."""
 
 
 class _RoutineRefusalFilter(logging.Filter):
     """amqtt logs two WARNINGs for every CONNECT a plugin refuses; on a backup every client retry
-    is one (our own line is at DEBUG): in that connection's task they are lowered to DEBUG."""
+    is one (our own line is at DEBUG), and past ``max_durable_sessions`` or ``max_keepalive`` every
+    attempt of an attacker (our own line is rate-limited): in that connection's task they are
+    lowered to DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno == logging.WARNING and _ROUTINE_REFUSAL.get():
@@ -925,6 +998,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self._health_order = asyncio.Lock()
         self.start_failure: str | None = None
         """Why the plugin's part of the start failed (see _start_failed); None: it did not."""
+        self.keepalive_limit = KeepAliveLimit(config.max_keepalive, config.drop_log_interval)
         self.authenticated: dict[str, tuple[str | None, str | None]] = {}
         """Client id -> (username, password) of a CONNECT authenticated as it was read (see
         _install_connect_hooks), so amqtt's own check of it need not verify the password again."""
@@ -932,7 +1006,8 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         _install_connect_hooks()
         _install_decoder_checks()
         _install_refusal_filter()
-        AmqttHooks(broker, self.engine, self.authenticated).install()
+        self.hooks = AmqttHooks(broker, self.engine, self.authenticated)
+        self.hooks.install()
 
     async def on_broker_pre_start(self) -> None:
         # Broker.start() has just emptied amqtt's table; the listeners are not open yet.
@@ -1058,6 +1133,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
             }
         ).encode()
         self._spawn(self.broker._broadcast_message(None, SYS_PREFIX + "expired", payload, 1))
+        self._spawn(self.hooks.forget_session(expired.client_id))
 
     def _on_store_health(self, health: StoreHealth) -> None:
         self._spawn(self._publish_health(json.dumps(dataclasses.asdict(health)).encode()))
@@ -1076,7 +1152,10 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
     async def _publish_metrics(self) -> None:
         while True:
             await asyncio.sleep(self.config.metrics_interval)
-            metrics: dict[str, object] = dict(self.engine.metrics()) if self.engine.serving else {}
+            metrics: dict[str, object] = {}
+            if self.engine.serving:
+                metrics.update(self.engine.metrics())
+                metrics["connections/refused"] = self.hooks.addresses.refused
             if self.replication is not None:
                 metrics.update(self.replication.metrics())
             for name, value in metrics.items():
@@ -1199,6 +1278,7 @@ class AmqttHooks:
         self.closing: set[asyncio.Task[None]] = set()
         self.retained = RetainedTable()
         self.clean_sends = CleanSends(engine)
+        self.addresses = AddressConnections(engine.config.max_connections_per_address, engine.config.drop_log_interval)
 
     def install(self) -> None:
         broker = self.broker
@@ -1294,10 +1374,14 @@ class AmqttHooks:
     async def create_server_instance(
         self, listener_name: str, listener_type: Any, address: str | None, port: int, ssl_context: Any
     ) -> Any:
-        """amqtt's TCP listener with the ``listen_backlog`` setting; others as amqtt opens them."""
+        """amqtt's TCP listener with the ``listen_backlog`` setting; others as amqtt opens them, a
+        websocket listener's upgrade requests checked by ``websocket_upgrade``."""
         try:
             if listener_type != ListenerType.TCP:
-                return await self._original_create_server(listener_name, listener_type, address, port, ssl_context)
+                server = await self._original_create_server(listener_name, listener_type, address, port, ssl_context)
+                if listener_type == ListenerType.WS:  # websockets' Server calls it for each request it reads
+                    server.process_request = self.websocket_upgrade
+                return server
             return await asyncio.start_server(
                 partial(self.broker.stream_connected, listener_name=listener_name),
                 address,
@@ -1309,12 +1393,46 @@ class AmqttHooks:
         except OSError as exc:  # name the listener and its address, as replication.listen's errors do
             raise OSError(f"listener '{listener_name}' {address}:{port}: {os_error_reason(exc)}") from None
 
+    def websocket_upgrade(self, connection: Any, request: Any) -> Any:
+        """A websocket listener's upgrade request, read: one from an address that has
+        ``max_connections_per_address`` open is answered HTTP 503 instead of the upgrade (websockets
+        then closes it); any other counts from here until its connection's task ends, whatever
+        ends it (a failed handshake included). ``client_connected`` does not count it again."""
+        del request
+        address = str(connection.remote_address[0])
+        if not self.addresses.open(address):
+            why = self.addresses.refusal(address, websocket=True)
+            if why is not None:
+                log.warning("%s", why)
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "Too many connections from this address.\n")
+        connection.durable_counted = True
+        task = asyncio.current_task()
+        assert task is not None  # websockets calls it in the connection's handler task
+        task.add_done_callback(lambda _: self.addresses.close(address))
+        return None
+
     async def client_connected(self, listener_name: str, reader: Any, writer: Any) -> None:
+        """Every connection as it is accepted: a TCP one (after its TLS handshake on a TLS listener)
+        from an address that has ``max_connections_per_address`` open is closed at once, before
+        amqtt takes one of its listener's ``max_connections`` slots or reads a byte (no CONNACK:
+        nothing was read); a websocket one was counted at its upgrade (``websocket_upgrade``)."""
+        peer = writer.get_peer_info()
+        counted = getattr(getattr(writer, "_protocol", None), "durable_counted", False)  # amqtt's WebSocketsWriter
+        address = None if peer is None or counted else str(peer[0])  # None: amqtt closes it itself
+        if address is not None and not self.addresses.open(address):
+            why = self.addresses.refusal(address)
+            if why is not None:
+                log.warning("%s", why)
+            _abort(writer)
+            return
         reader.durable_max_packet_size = self.engine.config.max_packet_size
         try:
             await self._original_client_connected(listener_name, reader, writer)
         finally:
             await close_socket(writer)
+            _release_reservation(self.engine, writer)
+            if address is not None:
+                self.addresses.close(address)
 
     def end_silent(self, writer: Any) -> None:
         log.warning(
@@ -1360,6 +1478,7 @@ class AmqttHooks:
         will: ConnectionWill | None = getattr(handler, "durable_will", None)
         if will is None:  # not read through init_from_connect
             await self._original_handle_disconnect(session, handler, disconnect_waiter)
+            await self.forget_session(session.client_id)
             return
         if will.topic is not None and not isinstance(disconnect_waiter.result(), DisconnectPacket):
             log.debug("%s disconnected abnormally: publishing its will", session.client_id)
@@ -1369,6 +1488,19 @@ class AmqttHooks:
         decided: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         decided.set_result(DisconnectPacket())
         await self._original_handle_disconnect(session, handler, decided)
+        await self.forget_session(session.client_id)  # its durable session ended while it was connected
+
+    async def forget_session(self, client_id: str) -> None:
+        """amqtt's Session of ``client_id`` goes once the client id has neither a connection nor a
+        durable session (its session expired, or ended by end_session while connected): amqtt's
+        session monitor removes only anonymous and clean ones, so with a password plugin every
+        durable client id stayed in its table for ever (a client cycling fresh client ids grew
+        the broker's memory by its sessions every session_expiry). A clean CONNECT's deletion is
+        amqtt's own (``delete_session``)."""
+        entry = self.broker._sessions.get(client_id)
+        if entry is None or entry[0].transitions.state != "disconnected" or self.engine.is_durable(client_id):
+            return
+        await self.cleanup_session(client_id)
 
     async def delete_session(self, client_id: str) -> None:
         """A clean CONNECT of a client id whose connection is live: amqtt deleted the Session and
@@ -1781,6 +1913,8 @@ def _wrap_handler(
                 publishes.hand_over(topic, bytes(data), qos, packet_id, retain=retain, stored=None)
 
     async def connack_authorize(authorize: bool) -> None:
+        if not authorize:  # amqtt's own authentication failed: it would keep this Session for ever
+            _forget_refused(broker, engine, handler, session.client_id)
         if authorize and not engine.serving:  # demoted since its CONNECT was read (checked there too)
             why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {NOT_SERVING}"
             await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
@@ -1797,6 +1931,17 @@ def _wrap_handler(
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
+
+
+def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, client_id: str) -> None:
+    """A CONNECT that failed amqtt's authentication: amqtt has put its Session in its table, marked
+    connected, and never removes it (its session monitor skips connected Sessions, and
+    ``forget_session`` disconnected ones), so every failed login with a fresh client id (a
+    generated one too) grew the broker's memory for ever. It goes, unless a durable session has the
+    client id (bounded by ``max_durable_sessions``) or another connection's Session replaced it."""
+    entry = broker._sessions.get(client_id)
+    if entry is not None and entry[1] is handler and not engine.is_durable(client_id):
+        del broker._sessions[client_id]
 
 
 def _end_a_connection_closed_during_start(
@@ -2046,20 +2191,28 @@ def _control_channel(broker: Any, engine: DurableEngine, handler: Any, session: 
 async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
     """CONNACK is due: create, wipe or take the stored session and set session-present from the
     store. Refuses the CONNECT (raises) with CONNACK 5 when the session belongs to another user,
-    and while the store cannot write with CONNACK 3 when the CONNECT needs a write."""
+    and with CONNACK 3 while the store cannot write when the CONNECT needs a write. A new durable
+    session has the place reserved for it as its CONNECT was read (``max_durable_sessions``)."""
     stored = engine.sessions.get(session.client_id)
     passes = stored is not None and stored.record.username != session.username
     try:
         engine.check_owner(session.client_id, session.username)
         revoke = await _refused_subscriptions(broker, engine, session)
         present = await engine.connect(
-            session.client_id, bool(session.clean_session), session.username, handler.durable_transport, revoke
+            session.client_id,
+            bool(session.clean_session),
+            session.username,
+            handler.durable_transport,
+            revoke,
+            reservation=getattr(handler.writer, "durable_reservation", None),  # taken as it was read
         )
     except NotSessionOwnerError as exc:  # created by a CONNECT read at the same time as this one
         await _refuse_connect(handler, session, NOT_AUTHORIZED, str(exc))
     except StoreUnavailableError as exc:
         why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {exc}"
         await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
+    except SessionLimitError as exc:  # its place is reserved as it is read: not expected, refused as there
+        await _refuse_connect(handler, session, SERVER_UNAVAILABLE, str(exc))
     if not session.clean_session:
         session.parent = 1 if present else 0
         # A Session amqtt cached from an earlier clean connection may still hold amqtt-level

@@ -26,6 +26,8 @@ TAKEOVER_POLICIES: tuple[str, ...] = get_args(SessionTakeover)
 STREAM_KEYS = ("filter", "max_count", "max_age")
 MIN_PACKET_SIZE = 1024
 MAX_PACKET_SIZE = 268_435_455
+MAX_KEEPALIVE = 65_535
+"""MQTT's keep-alive is two bytes."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,23 @@ class DurableConfig:
     client sending requests without reading their replies made the broker hold every reply.
     0 means no limit (requests still wait for the client to read)."""
 
+    max_durable_sessions: int = 100_000
+    """Durable sessions the store may hold: a CONNECT with clean_session=false that would create a
+    new one while it holds that many is refused with CONNACK 3 (server unavailable), until a
+    session ends (expiry, a clean CONNECT, end_session). A durable session's reconnect and clean
+    sessions are never refused by it. 0 means no limit. Without a bound any client id connecting
+    with clean_session=false made the broker keep a session (20 to 40 kB of memory each)."""
+
+    max_connections_per_address: int = 0
+    """Connections open at once from one remote IP address; a new one past it is closed as soon as
+    it is accepted, before anything is read (no CONNACK). 0 (the default) means no limit: devices
+    behind one NAT gateway share its address."""
+
+    max_keepalive: int = 0
+    """Longest keep-alive a CONNECT may ask for, in seconds (as Mosquitto 2's max_keepalive for MQTT
+    3.1.1 clients): a CONNECT with keep-alive 0 (none) or above it gets CONNACK 2 (identifier
+    rejected). 0 (the default) allows any keep-alive, 0 included, as MQTT does."""
+
     listen_backlog: int = LISTEN_BACKLOG
     """Connections the kernel holds for each TCP listener, and for the replication address, until
     the broker accepts them (the listen backlog; amqtt's and asyncio's is 100). Past it, Linux
@@ -296,6 +315,10 @@ def _check_counts(config: DurableConfig) -> None:
         )
     if not 1 <= config.stream_window <= MAX_STREAM_WINDOW:
         raise ConfigError("stream_window", f"must be between 1 and {MAX_STREAM_WINDOW}, got {config.stream_window!r}")
+    if not 0 <= config.max_keepalive <= MAX_KEEPALIVE:
+        raise ConfigError(
+            "max_keepalive", f"must be between 0 (no limit) and {MAX_KEEPALIVE} seconds, got {config.max_keepalive!r}"
+        )
     if config.listen_backlog < 1:
         raise ConfigError("listen_backlog", f"must be a whole number, 1 or more, got {config.listen_backlog!r}")
     for key in (
@@ -303,6 +326,8 @@ def _check_counts(config: DurableConfig) -> None:
         "max_pending_clean",
         "max_awaiting_pubrel",
         "max_stream_entries_per_client",
+        "max_durable_sessions",
+        "max_connections_per_address",
     ):
         if getattr(config, key) < 0:
             raise ConfigError(key, f"must be a whole number, 0 (no limit) or more, got {getattr(config, key)!r}")

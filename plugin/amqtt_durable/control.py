@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
@@ -39,6 +37,7 @@ from durable_protocol import (
     request_ids,
 )
 
+from .admission import LogBudget
 from .delivery import Transport
 from .engine import DurableEngine, DurableSession
 from .topics import SubscriptionIndex
@@ -70,28 +69,6 @@ class StreamAgent(Protocol):
     def unsubscribe(self, topic_filter: str) -> bool: ...
 
     def stop(self) -> None: ...
-
-
-class LogBudget:
-    """At most one log line per ``interval`` seconds (``drop_log_interval``) for one connection's
-    refusals; the lines left out are counted and the next line says how many. A client sending
-    refused requests as fast as it can wrote one line (some 200 bytes) per request of 30."""
-
-    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.interval = interval
-        self._clock = clock
-        self._last = -math.inf
-        self.left_out = 0
-
-    def take(self) -> int | None:
-        """None: leave this line out (counted); else log it, with this many left out since the last."""
-        now = self._clock()
-        if now - self._last < self.interval:
-            self.left_out += 1
-            return None
-        self._last = now
-        left_out, self.left_out = self.left_out, 0
-        return left_out
 
 
 class PendingRequests:

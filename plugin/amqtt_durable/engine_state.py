@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .admission import SessionLimit
 from .config import DurableConfig
 from .expiry import ExpiryTracker
 from .retained import RetainedMessages
@@ -67,6 +68,9 @@ class EngineState:
         self.loaded = False
         """Whether sessions were loaded from the store (a replication backup's engine is not)."""
         self.sessions: dict[str, DurableSession] = {}
+        # max_durable_sessions against len(sessions): the store's sessions, as loaded and kept since.
+        # It counts refused CONNECTs; a reload for a new term keeps it (Recovery.load).
+        self.session_limit = SessionLimit(config.max_durable_sessions, config.drop_log_interval)
         self.index = SubscriptionIndex()
         self.expiry = ExpiryTracker()
         self.on_expired = on_expired

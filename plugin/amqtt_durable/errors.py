@@ -152,3 +152,15 @@ def os_error_reason(exc: OSError | ValueError) -> str:
     if isinstance(exc, OSError) and not isinstance(exc, socket.gaierror) and exc.errno is not None:
         return f"[Errno {exc.errno}] {os.strerror(exc.errno)}"
     return str(exc) or repr(exc)
+
+
+class SessionLimitError(DurableError):
+    """A CONNECT with clean_session=false would create a durable session past ``max_durable_sessions``."""
+
+    def __init__(self, client_id: str, limit: int) -> None:
+        self.client_id = client_id
+        self.limit = limit
+        super().__init__(
+            f"CONNECT of client id {client_id!r} refused: the store holds max_durable_sessions ({limit}) "
+            "durable sessions"
+        )

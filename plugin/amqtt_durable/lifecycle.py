@@ -13,10 +13,12 @@ import time
 from collections.abc import Iterable
 from functools import partial
 
+from .admission import Reservation
 from .delivery import Pump, ReadAccess, Transport
 from .errors import (
     NotPrimaryError,
     NotSessionOwnerError,
+    SessionLimitError,
     StoreUnavailableError,
 )
 from .routing import Routing
@@ -53,6 +55,8 @@ class SessionLifecycle(Routing):
         username: str | None = None,
         transport: Transport | None = None,
         revoke: Iterable[str] = (),
+        *,
+        reservation: Reservation | None = None,
     ) -> bool:
         """CONNECT arrived (over ``transport``, which becomes the one connection that may attach);
         returns session_present. A clean session wipes any stored one.
@@ -61,11 +65,17 @@ class SessionLifecycle(Routing):
         NotSessionOwnerError, unless session_takeover is any-user; then the session passes to that
         user without the subscriptions in ``revoke`` (those the topic ACL refuses the new user).
 
+        ``reservation``: the place among ``max_durable_sessions`` taken for this CONNECT as it was
+        read (``reserve_session``); it ends here, turned into the session if one is created. Without
+        one, raises SessionLimitError when the CONNECT would create a durable session while there
+        is no place for it.
+
         Raises StoreUnavailableError while the store cannot write and the CONNECT needs a write (a
         durable one, a clean one that deletes a durable session, or a clean one of a client id whose
         deleted session's record erasure is not written yet), or when that write fails: the glue
         refuses it (CONNACK 3).
         """
+        reserved = self.session_limit.use(reservation)
         self.check_owner(client_id, username)
         self.check_writable_for(client_id, clean_session)
         if clean_session and self._deletions.unerased(client_id):
@@ -88,6 +98,9 @@ class SessionLifecycle(Routing):
             # that (no attach, no detach) must not leave the session immortal, hence a time limit.
             existing.connecting_until = time.time() + CONNECT_GRACE
             return True
+        # No await since the reservation was used and ``existing`` read: its place is this session's.
+        if not reserved:
+            self.check_session_limit(client_id, clean_session)
         record = SessionRecord(client_id=client_id, sid=self._next_sid, username=username)
         self._next_sid += 1
         self.sessions[client_id] = session = DurableSession(self, record)
@@ -113,6 +126,19 @@ class SessionLifecycle(Routing):
             return
         if not clean_session or client_id in self.sessions or self._deletions.unerased(client_id):
             raise StoreUnavailableError(failure)
+
+    def reserve_session(self, client_id: str) -> Reservation | None:
+        """A durable CONNECT of ``client_id`` was read: a place among ``max_durable_sessions`` held
+        for it until its ``connect`` (pass it there) or ``session_limit.release``; None when there
+        is none (the CONNECT is refused). Always one for a client id with a session: should that
+        session end before the CONNACK, the CONNECT still has its place."""
+        return self.session_limit.reserve(client_id, self.sessions.keys())
+
+    def check_session_limit(self, client_id: str, clean_session: bool) -> None:
+        """Raise SessionLimitError if a CONNECT of ``client_id`` without a reservation would create a
+        durable session while there is no place for it (``SessionLimit.has_place``)."""
+        if not clean_session and not self.session_limit.has_place(client_id, self.sessions.keys()):
+            raise SessionLimitError(client_id, self.config.max_durable_sessions)
 
     def check_owner(self, client_id: str, username: str | None) -> None:
         """Raise NotSessionOwnerError if, under session_takeover: owner-only, the durable session of

@@ -45,6 +45,7 @@ class EngineMetrics(EngineState):
             "messages/replayed": self.replayed_total,
             "messages/sent": self.sent_total,
             "sessions/expired": self.expired_total,
+            "sessions/refused": self.session_limit.refused,
             "retained/messages": len(self.retained),
             "store/commits": self.earlier_commits + self.committer.commits,
             "store/read_errors": self.read_errors + self.streams.read_errors,

@@ -92,11 +92,13 @@ class Recovery(SessionLifecycle):
                 if handle is not None:
                     handle.cancel()
             db, on_retained, on_reopened = self.db, self.on_retained, self.on_store_reopened
+            session_limit = self.session_limit  # its refusal count is cumulative too
             counters = {name: getattr(self, name) for name in CUMULATIVE}
             if self.loaded:
                 counters["earlier_commits"] += self.committer.commits
             EngineState.__init__(self, self.config, self.on_expired, self.on_store_health)
             self.db, self.on_retained, self.on_store_reopened = db, on_retained, on_reopened
+            self.session_limit = session_limit
             for name, value in counters.items():
                 setattr(self, name, value)
         self.load_started = True

@@ -43,6 +43,9 @@ CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
     "max_awaiting_pubrel": (0, [1.5, "1000", True, None], [-1]),
     "max_stream_entries_per_client": (0, [1.5, "10000", True, None], [-1]),
     "max_pending_control_bytes": (0, [2.5, "1MB", False, None], [-1]),
+    "max_durable_sessions": (0, [1.5, "100k", True, None], [-1]),
+    "max_connections_per_address": (1, [2.5, "10", False, None], [-1]),
+    "max_keepalive": (65_535, [1.5, "60", True, None], [-1, 65_536]),
     "listen_backlog": (1, [1.5, "4096", True, None], [0, -1]),
     "attach_limit": (1, [1.5, "64", True, None], [0, -1]),
     # Its own settings' checks name replication.<key>: tests/unit/test_replication_config.py.

@@ -1,0 +1,143 @@
+"""amqtt keeps an in-memory Session per client id until its session monitor removes it, and it
+removes only anonymous and clean ones: with a password plugin, every durable client id would stay
+in amqtt's table after its durable session ended (expiry, a clean CONNECT, end_session), so a
+client cycling fresh client ids would grow the broker's memory without bound. Against a real
+broker with file authentication; a probe plugin reports amqtt's table."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from pwdlib.hashers.argon2 import Argon2Hasher
+from test_hostile_owner import PASSWORDS, login
+from test_recovery_and_crash import EXPIRED_TOPIC
+
+from conftest import HOST, WAIT, Broker, Client, connack_code, mqtt_packet, mqtt_string
+from durable_client import DurableClient
+
+PROBE_PLUGIN = '''
+import json
+
+from amqtt.plugins.base import BasePlugin
+
+
+class AmqttSessions(BasePlugin):
+    """Test plugin: a message to probe/sessions is answered on probe/sessions/ids with the client
+    ids of amqtt's session table."""
+
+    async def on_broker_message_received(self, *, client_id, message):
+        if message.topic == "probe/sessions":
+            ids = sorted(self.context._broker_instance._sessions)
+            await self.context.broadcast_message("probe/sessions/ids", json.dumps(ids).encode())
+'''
+
+
+def login_and_leave(port: int, client_id: str, user: str, *, clean: bool) -> None:
+    """CONNECT with the user's password, CONNACK 0, DISCONNECT."""
+    flags = 0xC0 | (0x02 if clean else 0)
+    body = mqtt_string("MQTT") + bytes([4, flags, 0, 60]) + mqtt_string(client_id)
+    body += mqtt_string(user) + mqtt_string(PASSWORDS[user])
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        assert sock.recv(4) == b"\x20\x02\x00\x00"
+        sock.sendall(bytes((0xE0, 0)))
+        assert sock.recv(1) == b"", "closed after DISCONNECT"
+
+
+def wait_expired(monitor: Client, client_ids: list[str]) -> None:
+    """Until the $SYS expired events of every one of ``client_ids`` arrived."""
+    wanted = set(client_ids)
+    assert monitor.wait_for(
+        lambda ms: {json.loads(m.payload)["client_id"] for m in ms if m.topic == EXPIRED_TOPIC} >= wanted, 4 * WAIT
+    )
+
+
+def amqtt_table(monitor: Client) -> list[str]:
+    """The client ids in amqtt's session table (the probe plugin's answer)."""
+    before = len(monitor.messages)
+    monitor.paho.publish("probe/sessions", b"", qos=0)
+    assert monitor.wait_for(lambda ms: any(m.topic == "probe/sessions/ids" for m in ms[before:]))
+    return json.loads(next(m.payload for m in monitor.messages[before:] if m.topic == "probe/sessions/ids"))
+
+
+def password_broker(broker_factory: Callable[..., Broker], tmp_path: Path, **settings: object) -> Broker:
+    """File authentication, no anonymous clients (as a deployment with passwords runs), and the probe."""
+    (tmp_path / "amqtt_sessions_probe.py").write_text(PROBE_PLUGIN)
+    broker: Broker = broker_factory(start=False, **settings)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["amqtt_sessions_probe.AmqttSessions"] = {}
+    hasher = Argon2Hasher(time_cost=1, memory_cost=8, parallelism=1)
+    password_file = tmp_path / "passwd"
+    password_file.write_text("".join(f"{user}:{hasher.hash(PASSWORDS[user])}\n" for user in ("alice", "monitor")))
+    broker.extra_plugins["amqtt.plugins.authentication.AnonymousAuthPlugin"] = {"allow_anonymous": False}
+    broker.extra_plugins["amqtt.plugins.authentication.FileAuthPlugin"] = {"password_file": str(password_file)}
+    broker.ready = lambda: connack_code(broker.port) == 5  # type: ignore[method-assign]  # anonymous: refused
+    return broker.start()
+
+
+def test_amqtt_forgets_an_authenticated_durable_client_id_once_its_session_expires(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    broker = password_broker(broker_factory, tmp_path, session_expiry=1)
+    monitor = login(clients, broker, "monitor", "monitor", clean_session=True)
+    monitor.subscribe("probe/#", 0)
+    monitor.subscribe(EXPIRED_TOPIC, 1)
+    for cycle in range(3):
+        ids = [f"cycle{cycle}-{i}" for i in range(10)]
+        for client_id in ids:
+            login_and_leave(broker.port, client_id, "alice", clean=False)
+        wait_expired(monitor, ids)
+        left = [client_id for client_id in amqtt_table(monitor) if client_id.startswith("cycle")]
+        assert left == [], f"cycle {cycle}: amqtt still holds {left}"
+
+
+def test_amqtt_forgets_a_client_id_whose_session_ended_by_end_session_and_keeps_live_ones(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient],
+    tmp_path: Path,
+) -> None:
+    broker = password_broker(broker_factory, tmp_path)
+    monitor = login(clients, broker, "monitor", "monitor", clean_session=True)
+    monitor.subscribe("probe/#", 0)
+    kept = sdk(broker.port, "kept", username="alice", password=PASSWORDS["alice"])
+    kept.connect(timeout=WAIT)
+    kept.close(keep_session=True)  # disconnected, its durable session kept
+    for i in range(5):
+        ending = sdk(broker.port, f"ending-{i}", username="alice", password=PASSWORDS["alice"])
+        ending.connect(timeout=WAIT)
+        ending.close(keep_session=False)  # end_session, then DISCONNECT
+    assert broker.wait_until(lambda: not [c for c in amqtt_table(monitor) if c.startswith("ending")], WAIT)
+    table = amqtt_table(monitor)
+    assert "kept" in table and "monitor" in table, table
+
+
+def failed_login(port: int, client_id: str, *, clean: bool) -> bytes:
+    """A CONNECT of alice with a wrong password; the broker's answer."""
+    flags = 0xC0 | (0x02 if clean else 0)  # username, password
+    body = mqtt_string("MQTT") + bytes([4, flags, 0, 60]) + mqtt_string(client_id)
+    body += mqtt_string("alice") + mqtt_string(PASSWORDS["alice"] + "-wrong")
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        answer = sock.recv(4)
+        assert sock.recv(1) == b"", "closed after CONNACK 5"
+        return answer
+
+
+def test_failed_logins_with_fresh_client_ids_leave_nothing_in_amqtts_table(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """amqtt put the Session of a CONNECT that failed its authentication in its table, marked
+    connected, and nothing ever removed it: every failed login with a fresh client id (durable,
+    clean, or one amqtt generated for an empty client id) grew the broker's memory for ever."""
+    broker = password_broker(broker_factory, tmp_path)
+    monitor = login(clients, broker, "monitor", "monitor", clean_session=True)
+    monitor.subscribe("probe/#", 0)
+    before = amqtt_table(monitor)
+    for i in range(30):
+        assert failed_login(broker.port, f"durable-{i}", clean=False) == b"\x20\x02\x00\x05"
+        assert failed_login(broker.port, f"clean-{i}", clean=True) == b"\x20\x02\x00\x05"
+        assert failed_login(broker.port, "", clean=True) == b"\x20\x02\x00\x05"
+    after = amqtt_table(monitor)
+    assert after == before, f"amqtt's table grew by {sorted(set(after) - set(before))[:5]}... ({len(after)})"
