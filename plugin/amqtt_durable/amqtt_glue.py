@@ -32,7 +32,8 @@ instance the plugin is loaded into and on each connection's handler:
   ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector), and a TCP one
   from an address with ``max_connections_per_address`` open is closed as it is accepted;
 * ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
-  its whole CONNECT (and have it authenticated, when that is done as it is read);
+  its whole CONNECT (and have it authenticated, when that is done as it is read); one closed
+  then gets no CONNACK, and nothing of its CONNECT is acted on, even if its credentials pass later;
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
   wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
   has work (QoS 2, a clean-session subscriber, a plugin listening for messages);
@@ -480,7 +481,8 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     gets 5 then too, and tells nothing of the store) and raises MQTTError. A CONNECT that would
     create a durable session is authenticated here (amqtt is told, ``authenticated``), so one whose
     credentials are slow to check or fail holds no place meanwhile: the place is reserved after
-    the last await."""
+    the last await. One whose connection was closed at ``connect_timeout`` meanwhile raises
+    MQTTError after that await, with no CONNACK, whatever its credentials."""
     try:
         plugin.engine.check_owner(session.client_id, session.username)
     except NotSessionOwnerError as exc:
@@ -494,19 +496,13 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         unwritable = exc
     durable_new = not session.clean_session and unwritable is None and not plugin.engine.is_durable(session.client_id)
     broker = plugin.broker
-    if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
-        log.warning(
-            "CONNECT of client id %r by user %r refused (CONNACK 5): the topic ACL says it may not publish "
-            "its will to %r",
-            session.client_id,
-            session.username,
-            session.will_topic,
-        )
-        await _refuse_read_connect(writer, plugins_manager)
-        raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
+    await _check_will_topic(broker, session, writer, plugins_manager)
     taken_over = session.client_id in broker._sessions
     checked = taken_over or unwritable is not None or durable_new
-    if checked and not await broker._authenticate(session, None):
+    authentic = not checked or await broker._authenticate(session, None)
+    if _timed_out(writer):  # after the last await: nothing of a CONNECT closed at connect_timeout is acted on
+        raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout while it was checked")
+    if not authentic:
         log.warning(
             "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
             session.client_id,
@@ -535,6 +531,26 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
     if checked:
         plugin.authenticated[session.client_id] = (session.username, session.password)
+
+
+async def _check_will_topic(broker: Any, session: Any, writer: Any, plugins_manager: Any) -> None:
+    """A will topic the topic ACL says the CONNECT's user may not publish to: CONNACK 5, MQTTError."""
+    if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
+        log.warning(
+            "CONNECT of client id %r by user %r refused (CONNACK 5): the topic ACL says it may not publish "
+            "its will to %r",
+            session.client_id,
+            session.username,
+            session.will_topic,
+        )
+        await _refuse_read_connect(writer, plugins_manager)
+        raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
+
+
+def _timed_out(writer: Any) -> bool:
+    """Whether this connection was closed at ``connect_timeout`` (``end_silent``): its CONNECT, read
+    or being checked, gets no CONNACK and nothing of it is acted on."""
+    return bool(getattr(writer, "durable_timed_out", False))
 
 
 def _release_reservation(engine: DurableEngine, writer: Any) -> None:
@@ -1411,6 +1427,7 @@ class AmqttHooks:
                 self.addresses.close(address)
 
     def end_silent(self, writer: Any) -> None:
+        writer.durable_timed_out = True  # a CONNECT still being checked stops at its next step (_timed_out)
         log.warning(
             "closing the connection from %s: no complete CONNECT within connect_timeout (%g s)",
             _peer(writer),
@@ -1430,6 +1447,9 @@ class AmqttHooks:
             handler, session = await self._original_initialize(reader, writer, *args)
         finally:
             deadline.cancel()
+        if _timed_out(writer):  # during amqtt's delete_session of a clean CONNECT: no CONNACK, no session
+            self.authenticated.pop(session.client_id, None)
+            raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout")
         reader.durable_client_id = session.client_id  # for the decoder checks' log lines
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
