@@ -1360,7 +1360,10 @@ class AmqttHooks:
     async def authenticate(self, session: Any, listener: Any) -> bool:
         if self.authenticated.pop(session.client_id, None) == (session.username, session.password):
             return True  # checked when its CONNECT was read, with these very credentials
-        return bool(await self._original_authenticate(session, listener))
+        authentic = bool(await self._original_authenticate(session, listener))
+        if not authentic:  # amqtt next puts this CONNECT's Session over the client id's entry (_forget_refused)
+            session.durable_entry_before = self.broker._sessions.get(session.client_id)
+        return authentic
 
 
     async def create_server_instance(
@@ -1891,7 +1894,7 @@ def _wrap_handler(
 
     async def connack_authorize(authorize: bool) -> None:
         if not authorize:  # amqtt's own authentication failed: it would keep this Session for ever
-            _forget_refused(broker, engine, handler, session.client_id)
+            _forget_refused(broker, engine, handler, session)
         if authorize and not engine.serving:  # demoted since its CONNECT was read (checked there too)
             why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {NOT_SERVING}"
             await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
@@ -1910,14 +1913,23 @@ def _wrap_handler(
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
 
 
-def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, client_id: str) -> None:
+def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
     """A CONNECT that failed amqtt's authentication: amqtt has put its Session in its table, marked
     connected, and never removes it (its session monitor skips connected Sessions, and
     ``forget_session`` disconnected ones), so every failed login with a fresh client id (a
-    generated one too) grew the broker's memory for ever. It goes, unless a durable session has the
-    client id (bounded by ``max_durable_sessions``) or another connection's Session replaced it."""
+    generated one too) grew the broker's memory for ever. The entry it replaced (noted by
+    ``authenticate`` as the check failed: a connection of the same client id that connected while
+    this one was checked, which then got nothing) is put back; with none, the entry goes, unless a
+    durable session has the client id (bounded by ``max_durable_sessions``). Nothing changes if
+    another connection's Session replaced it since."""
+    client_id = session.client_id
     entry = broker._sessions.get(client_id)
-    if entry is not None and entry[1] is handler and not engine.is_durable(client_id):
+    if entry is None or entry[1] is not handler:
+        return
+    before = getattr(session, "durable_entry_before", None)
+    if before is not None:
+        broker._sessions[client_id] = before
+    elif not engine.is_durable(client_id):
         del broker._sessions[client_id]
 
 
