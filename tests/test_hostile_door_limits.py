@@ -463,6 +463,21 @@ def slow_auth_broker(
     return broker, entered, gate
 
 
+def closed_at_connect_timeout(broker: Broker, entered: Path, gate: Path, connect: bytes) -> bytes:
+    """Send ``connect`` (user "slow" of ``slow_auth_broker``) and wait until its credentials are
+    being checked; what the broker sends before it closes the connection; then the gate opens
+    (the check returns its result after the connection was closed)."""
+    entered.unlink(missing_ok=True)
+    gate.unlink(missing_ok=True)
+    try:
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(connect)
+            assert broker.wait_until(entered.exists, WAIT), "its credentials are being checked"
+            return read_until_closed(sock, WAIT)
+    finally:
+        gate.write_text("1")
+
+
 def test_an_unauthenticated_connect_does_not_take_a_place_from_a_legitimate_device(
     broker_factory: Callable[..., Broker], tmp_path: Path
 ) -> None:
@@ -519,13 +534,8 @@ def test_a_new_durable_connect_still_authenticating_at_connect_timeout_is_closed
     that would create a durable session) must have them checked within connect_timeout, or its
     connection is closed with no CONNACK; it holds no place (max_durable_sessions 1)."""
     broker, entered, gate = slow_auth_broker(broker_factory, tmp_path, False, max_durable_sessions=1, connect_timeout=1)
-    try:
-        with socket.create_connection((HOST, broker.port), timeout=WAIT) as slow:
-            slow.sendall(connect_packet("slow-device", clean=False, username="slow"))
-            assert broker.wait_until(entered.exists, WAIT)
-            assert read_until_closed(slow, WAIT) == b"", "closed at connect_timeout, no CONNACK"
-    finally:
-        gate.write_text("1")
+    connect = connect_packet("slow-device", clean=False, username="slow")
+    assert closed_at_connect_timeout(broker, entered, gate, connect) == b"", "closed at connect_timeout, no CONNACK"
     with socket.create_connection((HOST, broker.port), timeout=WAIT) as device:
         device.sendall(connect_packet("device", clean=False))
         assert read_exactly(device, 4) == b"\x20\x02\x00\x00"
@@ -542,13 +552,8 @@ def test_a_connect_closed_at_connect_timeout_creates_no_session_and_publishes_no
     )
     watcher = clients(broker.port, "watcher", clean_session=True)
     watcher.subscribe([("will/#", 0), (SYS + "sessions/disconnected", 0), (SYS + "sessions/connected", 0)])
-    try:
-        with socket.create_connection((HOST, broker.port), timeout=WAIT) as late:
-            late.sendall(connect_packet("late", clean=False, username="slow", will_topic=b"will/late"))
-            assert broker.wait_until(entered.exists, WAIT)
-            assert read_until_closed(late, WAIT) == b"", "closed at connect_timeout, no CONNACK"
-    finally:
-        gate.write_text("1")
+    connect = connect_packet("late", clean=False, username="slow", will_topic=b"will/late")
+    assert closed_at_connect_timeout(broker, entered, gate, connect) == b"", "closed at connect_timeout, no CONNACK"
     # The credentials now pass; a session or a will would show within a few metrics intervals.
     watcher.wait_for(lambda ms: any(m.topic == "will/late" or _held(m) for m in ms), 3)
     assert [m.topic for m in watcher.messages if m.topic == "will/late"] == [], "its will was published"
@@ -574,15 +579,8 @@ def test_a_take_over_closed_at_connect_timeout_does_not_end_the_live_connection(
     broker, entered, gate = slow_auth_broker(broker_factory, tmp_path, True, connect_timeout=1)
     live = clients(broker.port, "tk", clean_session=True)
     for clean in (True, False):
-        entered.unlink(missing_ok=True)
-        gate.unlink(missing_ok=True)
-        try:
-            with socket.create_connection((HOST, broker.port), timeout=WAIT) as late:
-                late.sendall(connect_packet("tk", clean=clean, username="slow"))
-                assert broker.wait_until(entered.exists, WAIT)
-                assert read_until_closed(late, WAIT) == b"", "closed at connect_timeout, no CONNACK"
-        finally:
-            gate.write_text("1")
+        connect = connect_packet("tk", clean=clean, username="slow")
+        assert closed_at_connect_timeout(broker, entered, gate, connect) == b"", "closed at connect_timeout, no CONNACK"
         assert not live.wait_disconnected(3), f"a CONNECT (clean={clean}) closed at connect_timeout ended it"
     publisher = clients(broker.port, "pub", clean_session=True)
     assert live.subscribe("t/#", 1) == [1]
