@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pwdlib.hashers.argon2 import Argon2Hasher
+from raw_mqtt_helpers import connect_packet, read_exactly
+from test_hostile_door_limits import slow_auth_broker
 from test_hostile_owner import PASSWORDS, login
 from test_recovery_and_crash import EXPIRED_TOPIC
 
@@ -141,3 +143,27 @@ def test_failed_logins_with_fresh_client_ids_leave_nothing_in_amqtts_table(
         assert failed_login(broker.port, "", clean=True) == b"\x20\x02\x00\x05"
     after = amqtt_table(monitor)
     assert after == before, f"amqtt's table grew by {sorted(set(after) - set(before))[:5]}... ({len(after)})"
+
+
+def test_a_failed_login_racing_a_live_connection_of_its_client_id_leaves_that_connection_its_messages(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """guarantees.md: amqtt keeps nothing of a CONNECT that failed authentication. A failed login
+    (a slow password check) of client id "dup" while a legitimate clean connection of "dup"
+    connects and subscribes: amqtt's table entry of the legitimate one is put back, and it still
+    gets its messages."""
+    broker, entered, gate = slow_auth_broker(broker_factory, tmp_path, False)
+    try:
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as failing:
+            failing.sendall(connect_packet("dup", clean=True, username="slow"))
+            assert broker.wait_until(entered.exists, WAIT), "the failing login is being authenticated"
+            live = clients(broker.port, "dup", clean_session=True)
+            assert live.subscribe("t/#", 1) == [1]
+            gate.write_text("1")
+            assert read_exactly(failing, 4) == b"\x20\x02\x00\x05"
+        publisher = clients(broker.port, "pub", clean_session=True)
+        publisher.publish("t/1", [b"hello"], qos=1)
+        got = live.wait_for(lambda ms: any(m.topic == "t/1" for m in ms), 5)
+        assert got, "the live connection of 'dup' gets nothing: its entry in amqtt's table is gone"
+    finally:
+        gate.write_text("1")

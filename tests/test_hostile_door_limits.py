@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import paho.mqtt.client as mqtt
 import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly
 from test_hostile_owner import PASSWORDS, REFUSED, acl_broker
@@ -429,11 +430,12 @@ from amqtt.plugins.base import BaseAuthPlugin
 
 ENTERED = Path({entered!r})
 GATE = Path({gate!r})
+RESULT = {result!r}
 
 
 class SlowAuth(BaseAuthPlugin):
     """A slow authentication backend (an HTTP or LDAP call): user "slow" waits until the test opens
-    the gate (bounded), then is refused; everyone else is accepted at once."""
+    the gate (bounded), then gets RESULT; everyone else is accepted at once."""
 
     async def authenticate(self, *, session):
         if session.username != "slow":
@@ -443,8 +445,37 @@ class SlowAuth(BaseAuthPlugin):
             if GATE.exists():
                 break
             await asyncio.sleep(0.05)
-        return False
+        return RESULT
 '''
+
+
+def slow_auth_broker(
+    broker_factory: Callable[..., Broker], tmp_path: Path, result: bool, **settings: object
+) -> tuple[Broker, Path, Path]:
+    """A broker with SlowAuth (user "slow" gets ``result`` once the gate file exists); the broker,
+    the file SlowAuth writes when it starts checking, and the gate file."""
+    entered, gate = tmp_path / "entered", tmp_path / "gate"
+    (tmp_path / "slow_auth.py").write_text(SLOW_AUTH.format(entered=str(entered), gate=str(gate), result=result))
+    broker = broker_factory(start=False, **settings)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["slow_auth.SlowAuth"] = {}
+    broker.start()
+    return broker, entered, gate
+
+
+def closed_at_connect_timeout(broker: Broker, entered: Path, gate: Path, connect: bytes) -> bytes:
+    """Send ``connect`` (user "slow" of ``slow_auth_broker``) and wait until its credentials are
+    being checked; what the broker sends before it closes the connection; then the gate opens
+    (the check returns its result after the connection was closed)."""
+    entered.unlink(missing_ok=True)
+    gate.unlink(missing_ok=True)
+    try:
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(connect)
+            assert broker.wait_until(entered.exists, WAIT), "its credentials are being checked"
+            return read_until_closed(sock, WAIT)
+    finally:
+        gate.write_text("1")
 
 
 def test_an_unauthenticated_connect_does_not_take_a_place_from_a_legitimate_device(
@@ -453,12 +484,7 @@ def test_an_unauthenticated_connect_does_not_take_a_place_from_a_legitimate_devi
     """configuration.md: max_durable_sessions is checked after the CONNECT's credentials. A CONNECT
     whose credentials are still being checked (and then fail) holds no place: a device gets in
     while the store holds fewer sessions than the limit."""
-    entered, gate = tmp_path / "entered", tmp_path / "gate"
-    (tmp_path / "slow_auth.py").write_text(SLOW_AUTH.format(entered=str(entered), gate=str(gate)))
-    broker = broker_factory(start=False, max_durable_sessions=1)
-    broker.pythonpath.append(str(tmp_path))
-    broker.extra_plugins["slow_auth.SlowAuth"] = {}
-    broker.start()
+    broker, entered, gate = slow_auth_broker(broker_factory, tmp_path, False, max_durable_sessions=1)
     attacker = socket.create_connection((HOST, broker.port), timeout=WAIT)
     try:
         attacker.sendall(connect_packet("attacker", clean=False, username="slow"))
@@ -507,19 +533,56 @@ def test_a_new_durable_connect_still_authenticating_at_connect_timeout_is_closed
     """configuration.md, connect_timeout: a CONNECT whose credentials are checked as it is read (one
     that would create a durable session) must have them checked within connect_timeout, or its
     connection is closed with no CONNACK; it holds no place (max_durable_sessions 1)."""
-    entered, gate = tmp_path / "entered", tmp_path / "gate"
-    (tmp_path / "slow_auth.py").write_text(SLOW_AUTH.format(entered=str(entered), gate=str(gate)))
-    broker = broker_factory(start=False, max_durable_sessions=1, connect_timeout=1)
-    broker.pythonpath.append(str(tmp_path))
-    broker.extra_plugins["slow_auth.SlowAuth"] = {}
-    broker.start()
-    try:
-        with socket.create_connection((HOST, broker.port), timeout=WAIT) as slow:
-            slow.sendall(connect_packet("slow-device", clean=False, username="slow"))
-            assert broker.wait_until(entered.exists, WAIT)
-            assert read_until_closed(slow, WAIT) == b"", "closed at connect_timeout, no CONNACK"
-    finally:
-        gate.write_text("1")
+    broker, entered, gate = slow_auth_broker(broker_factory, tmp_path, False, max_durable_sessions=1, connect_timeout=1)
+    connect = connect_packet("slow-device", clean=False, username="slow")
+    assert closed_at_connect_timeout(broker, entered, gate, connect) == b"", "closed at connect_timeout, no CONNACK"
     with socket.create_connection((HOST, broker.port), timeout=WAIT) as device:
         device.sendall(connect_packet("device", clean=False))
         assert read_exactly(device, 4) == b"\x20\x02\x00\x00"
+
+
+def test_a_connect_closed_at_connect_timeout_creates_no_session_and_publishes_no_will(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """configuration.md connect_timeout: a CONNECT whose credentials are checked as it is read and
+    not by then has its connection closed with no CONNACK, and nothing of it is acted on even if its
+    credentials pass later: no durable session (the $SYS count stays 0), no will published."""
+    broker, entered, gate = slow_auth_broker(
+        broker_factory, tmp_path, True, connect_timeout=1, max_durable_sessions=5, metrics_interval=0.2
+    )
+    watcher = clients(broker.port, "watcher", clean_session=True)
+    watcher.subscribe([("will/#", 0), (SYS + "sessions/disconnected", 0), (SYS + "sessions/connected", 0)])
+    connect = connect_packet("late", clean=False, username="slow", will_topic=b"will/late")
+    assert closed_at_connect_timeout(broker, entered, gate, connect) == b"", "closed at connect_timeout, no CONNACK"
+    # The credentials now pass; a session or a will would show within a few metrics intervals.
+    watcher.wait_for(lambda ms: any(m.topic == "will/late" or _held(m) for m in ms), 3)
+    assert [m.topic for m in watcher.messages if m.topic == "will/late"] == [], "its will was published"
+    assert [m.payload for m in watcher.messages if _held(m)] == [], "a durable session was created"
+    # Its place was never taken: max_durable_sessions 5 still admits five devices.
+    for i in range(5):
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as device:
+            device.sendall(connect_packet(f"device-{i}", clean=False))
+            assert read_exactly(device, 4) == b"\x20\x02\x00\x00"
+
+
+def _held(message: mqtt.MQTTMessage) -> bool:
+    """A $SYS sessions count above 0 (a durable session exists)."""
+    return message.topic.startswith(SYS + "sessions/") and int(message.payload) > 0
+
+
+def test_a_take_over_closed_at_connect_timeout_does_not_end_the_live_connection(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """configuration.md connect_timeout: a CONNECT that takes over a connected client id has its
+    credentials checked as it is read, or its connection is closed with no CONNACK; once closed,
+    its credentials passing later must not end the live connection (clean and durable CONNECTs)."""
+    broker, entered, gate = slow_auth_broker(broker_factory, tmp_path, True, connect_timeout=1)
+    live = clients(broker.port, "tk", clean_session=True)
+    for clean in (True, False):
+        connect = connect_packet("tk", clean=clean, username="slow")
+        assert closed_at_connect_timeout(broker, entered, gate, connect) == b"", "closed at connect_timeout, no CONNACK"
+        assert not live.wait_disconnected(3), f"a CONNECT (clean={clean}) closed at connect_timeout ended it"
+    publisher = clients(broker.port, "pub", clean_session=True)
+    assert live.subscribe("t/#", 1) == [1]
+    publisher.publish("t/1", [b"hello"], qos=1)
+    assert live.wait_for(lambda ms: any(m.topic == "t/1" for m in ms), 5), "the live connection gets nothing"

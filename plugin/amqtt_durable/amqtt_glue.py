@@ -32,7 +32,8 @@ instance the plugin is loaded into and on each connection's handler:
   ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector), and a TCP one
   from an address with ``max_connections_per_address`` open is closed as it is accepted;
 * ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
-  its whole CONNECT (and have it authenticated, when that is done as it is read);
+  its whole CONNECT (and have it authenticated, when that is done as it is read); one closed
+  then gets no CONNACK, and nothing of its CONNECT is acted on, even if its credentials pass later;
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
   wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
   has work (QoS 2, a clean-session subscriber, a plugin listening for messages);
@@ -504,7 +505,8 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     gets 5 then too, and tells nothing of the store) and raises MQTTError. A CONNECT that would
     create a durable session is authenticated here (amqtt is told, ``authenticated``), so one whose
     credentials are slow to check or fail holds no place meanwhile: the place is reserved after
-    the last await."""
+    the last await. One whose connection was closed at ``connect_timeout`` meanwhile raises
+    MQTTError after that await, with no CONNACK, whatever its credentials."""
     try:
         plugin.engine.check_owner(session.client_id, session.username)
     except NotSessionOwnerError as exc:
@@ -518,19 +520,13 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         unwritable = exc
     durable_new = not session.clean_session and unwritable is None and not plugin.engine.is_durable(session.client_id)
     broker = plugin.broker
-    if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
-        log.warning(
-            "CONNECT of client id %r by user %r refused (CONNACK 5): the topic ACL says it may not publish "
-            "its will to %r",
-            session.client_id,
-            session.username,
-            session.will_topic,
-        )
-        await _refuse_read_connect(writer, plugins_manager)
-        raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
+    await _check_will_topic(broker, session, writer, plugins_manager)
     taken_over = session.client_id in broker._sessions
     checked = taken_over or unwritable is not None or durable_new
-    if checked and not await broker._authenticate(session, None):
+    authentic = not checked or await broker._authenticate(session, None)
+    if _timed_out(writer):  # after the last await: nothing of a CONNECT closed at connect_timeout is acted on
+        raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout while it was checked")
+    if not authentic:
         log.warning(
             "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
             session.client_id,
@@ -559,6 +555,26 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
     if checked:
         plugin.authenticated[session.client_id] = (session.username, session.password)
+
+
+async def _check_will_topic(broker: Any, session: Any, writer: Any, plugins_manager: Any) -> None:
+    """A will topic the topic ACL says the CONNECT's user may not publish to: CONNACK 5, MQTTError."""
+    if session.will_flag and not await broker._topic_filtering(session, session.will_topic, Action.PUBLISH):
+        log.warning(
+            "CONNECT of client id %r by user %r refused (CONNACK 5): the topic ACL says it may not publish "
+            "its will to %r",
+            session.client_id,
+            session.username,
+            session.will_topic,
+        )
+        await _refuse_read_connect(writer, plugins_manager)
+        raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
+
+
+def _timed_out(writer: Any) -> bool:
+    """Whether this connection was closed at ``connect_timeout`` (``end_silent``): its CONNECT, read
+    or being checked, gets no CONNACK and nothing of it is acted on."""
+    return bool(getattr(writer, "durable_timed_out", False))
 
 
 def _release_reservation(engine: DurableEngine, writer: Any) -> None:
@@ -1368,7 +1384,10 @@ class AmqttHooks:
     async def authenticate(self, session: Any, listener: Any) -> bool:
         if self.authenticated.pop(session.client_id, None) == (session.username, session.password):
             return True  # checked when its CONNECT was read, with these very credentials
-        return bool(await self._original_authenticate(session, listener))
+        authentic = bool(await self._original_authenticate(session, listener))
+        if not authentic:  # amqtt next puts this CONNECT's Session over the client id's entry (_forget_refused)
+            session.durable_entry_before = self.broker._sessions.get(session.client_id)
+        return authentic
 
 
     async def create_server_instance(
@@ -1435,6 +1454,7 @@ class AmqttHooks:
                 self.addresses.close(address)
 
     def end_silent(self, writer: Any) -> None:
+        writer.durable_timed_out = True  # a CONNECT still being checked stops at its next step (_timed_out)
         log.warning(
             "closing the connection from %s: no complete CONNECT within connect_timeout (%g s)",
             _peer(writer),
@@ -1454,6 +1474,9 @@ class AmqttHooks:
             handler, session = await self._original_initialize(reader, writer, *args)
         finally:
             deadline.cancel()
+        if _timed_out(writer):  # during amqtt's delete_session of a clean CONNECT: no CONNACK, no session
+            self.authenticated.pop(session.client_id, None)
+            raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout")
         reader.durable_client_id = session.client_id  # for the decoder checks' log lines
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
@@ -1914,7 +1937,7 @@ def _wrap_handler(
 
     async def connack_authorize(authorize: bool) -> None:
         if not authorize:  # amqtt's own authentication failed: it would keep this Session for ever
-            _forget_refused(broker, engine, handler, session.client_id)
+            _forget_refused(broker, engine, handler, session)
         if authorize and not engine.serving:  # demoted since its CONNECT was read (checked there too)
             why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {NOT_SERVING}"
             await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
@@ -1933,14 +1956,23 @@ def _wrap_handler(
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
 
 
-def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, client_id: str) -> None:
+def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
     """A CONNECT that failed amqtt's authentication: amqtt has put its Session in its table, marked
     connected, and never removes it (its session monitor skips connected Sessions, and
     ``forget_session`` disconnected ones), so every failed login with a fresh client id (a
-    generated one too) grew the broker's memory for ever. It goes, unless a durable session has the
-    client id (bounded by ``max_durable_sessions``) or another connection's Session replaced it."""
+    generated one too) grew the broker's memory for ever. The entry it replaced (noted by
+    ``authenticate`` as the check failed: a connection of the same client id that connected while
+    this one was checked, which then got nothing) is put back; with none, the entry goes, unless a
+    durable session has the client id (bounded by ``max_durable_sessions``). Nothing changes if
+    another connection's Session replaced it since."""
+    client_id = session.client_id
     entry = broker._sessions.get(client_id)
-    if entry is not None and entry[1] is handler and not engine.is_durable(client_id):
+    if entry is None or entry[1] is not handler:
+        return
+    before = getattr(session, "durable_entry_before", None)
+    if before is not None:
+        broker._sessions[client_id] = before
+    elif not engine.is_durable(client_id):
         del broker._sessions[client_id]
 
 
