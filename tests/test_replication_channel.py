@@ -380,3 +380,57 @@ def test_a_published_backup_that_leaves_holds_acks_until_the_set_without_it_is_p
         await primary.close()
 
     asyncio.run(main())
+
+
+def test_a_backed_up_backup_leaves_the_live_path_and_gets_the_rest_from_the_log(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=256 << 20, ack_timeout=60)
+        await primary.start(HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        gate = hold_writes(backup)
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            (link,) = primary.links.values()
+            assert link.live  # in sync and sent everything: commits write to it themselves
+            # 16 MiB in one loop pass: more than the sockets take, so the primary's buffer passes HIGH_WATER
+            big = b"v" * (256 * 1024)
+            futures = [commit(primary, [(b"m" + n.to_bytes(8, "big"), big)]) for n in range(1, 65)]
+            assert not link.live  # its sender drains the socket and sends the later batches from the log
+            assert link.sent_seq < 64
+            gate.set()
+            await bounded(asyncio.gather(*futures))
+            assert backup.applied_seq == 64
+            await bounded(commit(primary, ops_for(65)))
+            assert content(backup.db) == content(db)
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_batch_already_in_the_backups_snapshot_is_not_sent_again(tmp_path: Path) -> None:
+    """A snapshot taken after a batch was written locally but before ``committed`` (a synced commit
+    written in a worker thread) holds that batch: the link is in sync past the log's head."""
+
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        events: list[str] = []
+        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, ack_timeout=60)
+        primary.on_change = lambda _, what: events.append(what)
+        await primary.start(HOST, 0)
+        await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 6))))
+        written = primary.prepare(ops_for(6))
+        write(db, written.ops)  # not yet handed to committed()
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            assert backup.applied_seq == 6 and backup.snapshots == 1
+            await bounded(primary.committed(written))
+            await bounded(commit(primary, ops_for(7)))
+            assert backup.applied_seq == 7
+            assert content(backup.db) == content(db)
+            connections = [what for what in events if what.startswith(("connected", "disconnected"))]
+            assert len(connections) == 1 and connections[0].startswith("connected at batch 0"), events  # no gap
+        await primary.close()
+
+    asyncio.run(main())

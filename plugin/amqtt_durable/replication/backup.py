@@ -51,6 +51,12 @@ AUTH_RETRY = 5.0
 """Seconds before a backup refused by the handshake (a secret that does not match) tries again."""
 WIPE_CHUNK = 10_000
 """Keys deleted per write batch when a snapshot starts."""
+INLINE_OPS = 5000
+"""Without ``sync`` (no fsync), batches that arrived together and hold at most this many operations
+(the primary's default batch_size) are written on the event loop, as the primary writes its own
+commits: a write of that size takes milliseconds at most, a thread hand-off per batch costs more
+CPU than a small write. Larger groups, and every synced write, go to a worker thread."""
+"""Keys deleted per write batch when a snapshot starts."""
 
 
 class Backup:
@@ -105,9 +111,9 @@ class Backup:
         except BaseException:
             self.state = "disconnected"
             raise
-        frames: asyncio.Queue[tuple[Frame, bytes]] = asyncio.Queue(QUEUE_FRAMES)
+        frames: asyncio.Queue[tuple[Frame, bytes] | None] = asyncio.Queue(QUEUE_FRAMES)
         receiver = asyncio.get_running_loop().create_task(_receive(reader, frames, session))
-        getter: asyncio.Task[tuple[Frame, bytes]] | None = None
+        receiver.add_done_callback(lambda _: _put_end(frames))
         answered = False
         try:
             seq = 0 if self.partial else self.applied_seq
@@ -116,28 +122,35 @@ class Backup:
             await writer.drain()
             self.state = "catching_up"
             while True:
-                getter = asyncio.get_running_loop().create_task(frames.get())
-                done, _ = await asyncio.wait({getter, receiver}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
+                # Every frame received is applied before the end of the channel is reported. The
+                # receiver's end mark (None) is not queued when the queue was full as it ended:
+                # then the receiver is done once the queue is empty.
+                if frames.empty() and receiver.done():
                     self._channel_ended(receiver, answered)
-                group = [getter.result()]
+                first = await frames.get()
+                if first is None:
+                    self._channel_ended(receiver, answered)
+                group, ended = [first], False
                 if not answered:
                     # Caught up with the last primary stays true while that primary cannot be
                     # reached (the HA loop promotes on it), also while its address only answers
                     # tools (a backup's); a primary that answers decides anew.
                     self.caught_up, answered = False, True
                 while not frames.empty():
-                    group.append(frames.get_nowait())
+                    frame = frames.get_nowait()
+                    if frame is None:
+                        ended = True
+                        break
+                    group.append(frame)
                 ack = await self._apply(group)
                 if ack is not None:
                     writer.write(session.encode(Frame.ACK, encode_seq(ack)))
                     await writer.drain()
+                if ended:
+                    self._channel_ended(receiver, answered)
         finally:
             self.state = "disconnected"
             self.in_sync_event.clear()
-            if getter is not None:
-                getter.cancel()
             receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await receiver
@@ -275,7 +288,10 @@ class Backup:
             last = batch
         if last is not None:
             ops.append(position_op(last.seq, last.crc))
-            await in_thread(_write, self.db, ops, self.sync)
+            if self.sync or len(ops) > INLINE_OPS:
+                await in_thread(_write, self.db, ops, self.sync)
+            else:  # as the primary writes its own commits without sync: on the loop, no thread hand-off
+                _write(self.db, ops, False)
             self._applied(last.seq, last.crc)
         if refused is not None:
             raise refused
@@ -283,7 +299,7 @@ class Backup:
 
 
 async def _receive(
-    reader: asyncio.StreamReader, frames: asyncio.Queue[tuple[Frame, bytes]], session: Session
+    reader: asyncio.StreamReader, frames: asyncio.Queue[tuple[Frame, bytes] | None], session: Session
 ) -> None:
     """Queue the primary's frames; a frame that fails its MAC (with a secret) ends the connection
     here, before it is queued: nothing in it is applied."""
@@ -291,13 +307,21 @@ async def _receive(
         await frames.put(await session.read(reader))
 
 
+def _put_end(frames: asyncio.Queue[tuple[Frame, bytes] | None]) -> None:
+    """Queue the receiver's end mark behind its frames (when the queue is full, the reader of the
+    queue finds the receiver done once it emptied it)."""
+    with contextlib.suppress(asyncio.QueueFull):
+        frames.put_nowait(None)
+
+
 def _write(db: Any, ops: list[Op], sync: bool) -> None:
     with db.write_batch(sync=sync) as batch:
+        delete, put = batch.delete, batch.put
         for key, value in ops:
             if value is None:
-                batch.delete(key)
+                delete(key)
             else:
-                batch.put(key, value)
+                put(key, value)
 
 
 def _wipe(db: Any) -> None:

@@ -84,6 +84,11 @@ class BackupLink:
     writer: asyncio.StreamWriter | None = None
     session: Session = field(default_factory=Session)
     """The connection's frames (with replication.secret: each one MACed, auth.Session)."""
+    live: bool = False
+    """In sync, sent everything, and its socket not backed up: ``committed`` writes each new batch
+    to it at once, in the commit's own loop pass (its sender task sleeps until ``wake``)."""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a live link must go back to its sender task (its socket is backed up or closing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,9 +186,29 @@ class Primary:
             if link.state == "in_sync" and link.acked_seq >= link.sent_seq:
                 link.last_progress = now
         self.log.append(batch.seq, batch.crc, batch.data)
+        for link in self.links.values():
+            if link.live:
+                self._send_live(link, batch)
         self._waiting.append((batch.seq, future))
         self._resolve()
         return future
+
+    def _send_live(self, link: BackupLink, batch: PreparedBatch) -> None:
+        """Write ``batch`` to a live link now (no task switch per batch): its sender is parked."""
+        assert link.writer is not None
+        if batch.seq <= link.sent_seq:  # already in the snapshot it was sent (written before this call)
+            return
+        transport = link.writer.transport
+        if transport.is_closing():  # its tasks end it; nothing more is written to it
+            link.live = False
+            link.wake.set()
+            return
+        link.writer.write(link.session.encode(Frame.BATCH, batch.data))
+        link.sent_seq = batch.seq
+        self.log.pin(link, batch.seq)
+        if transport.get_write_buffer_size() > HIGH_WATER:  # the sender waits for the socket to drain
+            link.live = False
+            link.wake.set()
 
     def status(self) -> list[dict[str, Any]]:
         """One row per connected backup, for inspect and ``$SYS/broker/durable/replication/...``:
@@ -502,8 +527,22 @@ class Primary:
                     link.last_progress = time.monotonic()
                     self._changed(link, f"in sync at batch {pos}")
                     self._resolve()
-                await writer.drain()
-                await self.log.wait_beyond(pos)
+                pos = await self._live(writer, link, pos)
+
+    async def _live(self, writer: asyncio.StreamWriter, link: BackupLink, pos: int) -> int:
+        """An in-sync link sent everything up to ``pos``: drain its socket; then, unless batches
+        came meanwhile, ``committed`` writes the next batches to it itself, until its socket backs
+        up or closes. Returns the last batch sent."""
+        await writer.drain()
+        if pos < self.log.head_seq:
+            return pos
+        link.wake.clear()
+        link.live = True
+        try:
+            await link.wake.wait()
+        finally:
+            link.live = False
+        return link.sent_seq
 
     async def _acked_or_beyond(self, link: BackupLink, snapshot: tuple[int, int], pos: int) -> None:
         """Return once ``link`` acknowledged the ``snapshot`` (see ``_acked``), or at the next
