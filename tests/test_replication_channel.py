@@ -434,3 +434,48 @@ def test_a_batch_already_in_the_backups_snapshot_is_not_sent_again(tmp_path: Pat
         await primary.close()
 
     asyncio.run(main())
+
+
+def test_ship_calls_back_in_commit_order_and_a_failing_callback_leaves_the_channel_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, ack_timeout=60)
+        await primary.start(HOST, 0)
+        outcomes: list[tuple[int, BaseException | None]] = []
+        both = asyncio.Event()
+
+        def failing(error: BaseException | None) -> None:
+            outcomes.append((1, error))
+            raise RuntimeError("a caller's bug")
+
+        def recording(error: BaseException | None) -> None:
+            outcomes.append((2, error))
+            both.set()
+
+        alone = primary.prepare(ops_for(1))
+        write(db, alone.ops)
+        primary.ship(alone, lambda error: outcomes.append((0, error)))
+        assert outcomes == [(0, None)]  # no backup in sync: called back before ship returns
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        gate = hold_writes(backup)
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            for n, then in ((2, failing), (3, recording)):
+                prepared = primary.prepare(ops_for(n))
+                write(db, prepared.ops)
+                primary.ship(prepared, then)
+            assert outcomes == [(0, None)]  # the backup has confirmed neither
+            gate.set()
+            await bounded(both.wait())
+            assert outcomes == [(0, None), (1, None), (2, None)]
+            await bounded(commit(primary, ops_for(4)))  # the ack reader survived the callback's error
+            assert backup.applied_seq == 4
+            late = primary.prepare(ops_for(5))
+        await primary.close()
+        primary.ship(late, lambda error: outcomes.append((5, error)))  # after close: called back with why
+        assert outcomes[-1][0] == 5 and "the primary stopped" in str(outcomes[-1][1])
+
+    asyncio.run(main())
+    assert "a shipped batch's callback failed" in caplog.text
