@@ -6,6 +6,7 @@ and catch-up of a new backup.
     .venv/bin/python bench/bench_replication.py --out /tmp/replication.md   # full run
     .venv/bin/python bench/bench_replication.py --quick                      # small numbers, a smoke run
     .venv/bin/python bench/bench_replication.py --only c --failovers 5
+    .venv/bin/python bench/bench_replication.py --only ab --setups single,sync --baseline main   # a change vs main
 
 Scenarios (QoS 1, 64-byte payloads; every broker is an `amqtt-durable broker` process with its own
 store, on its own 127.0.0.1 ports):
