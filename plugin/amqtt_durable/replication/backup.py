@@ -51,19 +51,24 @@ AUTH_RETRY = 5.0
 """Seconds before a backup refused by the handshake (a secret that does not match) tries again."""
 WIPE_CHUNK = 10_000
 """Keys deleted per write batch when a snapshot starts."""
+INLINE_BYTES = 1 << 20
+"""The most frame payload a group written on the event loop holds (see INLINE_OPS)."""
 INLINE_OPS = 5000
-"""Without ``sync`` (no fsync), batches that arrived together and hold at most this many operations
-(the primary's default batch_size) are written on the event loop, as the primary writes its own
-commits: a write of that size takes milliseconds at most, a thread hand-off per batch costs more
-CPU than a small write. Larger groups, and every synced write, go to a worker thread."""
-"""Keys deleted per write batch when a snapshot starts."""
+"""Without ``sync`` (no fsync), while the backup is in sync, batches that arrived together are
+written on the event loop, as the primary writes its own commits, when their frames hold at most
+INLINE_BYTES of payload and they make at most INLINE_OPS operations with the position op: a thread
+hand-off per batch costs more CPU than such a write, and these bounds keep the loop's stall short
+(milliseconds, longer when LevelDB slows its writes down for a compaction, as on the primary).
+Every synced write, every write while catching up (a group is then everything received, up to
+QUEUE_FRAMES frames: hundreds of MiB) and every larger group go to a worker thread, and the loop
+(the HA cycle, CONNACK 3 answers, tools' questions) goes on meanwhile."""
 
 
 class Backup:
     """Replicates a primary's store into ``db`` (a plyvel DB this object writes alone)."""
 
     def __init__(
-                self,
+        self,
         db: Any,
         *,
         name: str,
@@ -231,13 +236,15 @@ class Backup:
         """Apply frames in order; returns the batch number to acknowledge, if any."""
         ack: int | None = None
         batches: list[Batch] = []
+        size = 0
         for kind, payload in group:
             if kind == Frame.BATCH:
                 batches.append(decode_batch(payload))
+                size += len(payload)
                 continue
             if batches:
-                ack = await self._write_batches(batches)
-                batches = []
+                ack = await self._write_batches(batches, size)
+                batches, size = [], 0
             if kind == Frame.SNAP_BEGIN:
                 self.state = "snapshot"
                 self.caught_up = False
@@ -265,12 +272,13 @@ class Backup:
             else:
                 raise FrameError("frame", f"unexpected {kind.name} from the primary")
         if batches:
-            ack = await self._write_batches(batches)
+            ack = await self._write_batches(batches, size)
         return ack
 
-    async def _write_batches(self, batches: list[Batch]) -> int | None:
-        """Write the batches that follow in order (one synced write batch); then refuse the
-        first that does not. Returns the last batch written."""
+    async def _write_batches(self, batches: list[Batch], size: int) -> int | None:
+        """Write the batches that follow in order (one write batch, synced with ``sync``); then
+        refuse the first that does not. ``size``: their frames' payload bytes (INLINE_BYTES).
+        Returns the last batch written."""
         if self.partial:
             raise ReplicationGapError(0, batches[0].seq)
         ops: list[Op] = []
@@ -288,9 +296,9 @@ class Backup:
             last = batch
         if last is not None:
             ops.append(position_op(last.seq, last.crc))
-            if self.sync or len(ops) > INLINE_OPS:
+            if self.sync or self.state != "in_sync" or size > INLINE_BYTES or len(ops) > INLINE_OPS:
                 await in_thread(_write, self.db, ops, self.sync)
-            else:  # as the primary writes its own commits without sync: on the loop, no thread hand-off
+            else:  # a small group, as the primary writes its own commits without sync: on the loop
                 _write(self.db, ops, False)
             self._applied(last.seq, last.crc)
         if refused is not None:
