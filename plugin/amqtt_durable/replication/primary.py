@@ -90,8 +90,8 @@ class BackupLink:
     session: Session = field(default_factory=Session)
     """The connection's frames (with replication.secret: each one MACed, auth.Session)."""
     live: bool = False
-    """In sync, sent everything, and its socket not backed up: ``committed`` writes each new batch
-    to it at once, in the commit's own loop pass (its sender task sleeps until ``wake``)."""
+    """In sync, sent everything, and its socket not backed up: ``ship`` writes each new batch to
+    it at once, in the commit's own loop pass (its sender task sleeps until ``wake``)."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when a live link must go back to its sender task (its socket is backed up or closing)."""
 
@@ -106,7 +106,8 @@ class PreparedBatch:
 
 
 class Primary:
-    """Serves backups on ``host:port``; ``prepare``/``committed`` around each local commit."""
+    """Serves backups on ``host:port``; ``prepare`` and ``ship`` (or ``committed``) around each
+    local commit."""
 
     def __init__(
         self,
@@ -525,7 +526,7 @@ class Primary:
                     self._resolve()
                 pos = None
                 continue
-            if pos >= self.log.head_seq:  # a snapshot may hold a batch not yet handed to committed()
+            if pos >= self.log.head_seq:  # a snapshot may hold a batch not yet handed to ship()
                 if link.state != "in_sync" and snapshot is not None and not _acked(link, snapshot):
                     await writer.drain()
                     await self._acked_or_beyond(link, snapshot, pos)  # then send what came meanwhile
@@ -542,8 +543,8 @@ class Primary:
 
     async def _live(self, writer: asyncio.StreamWriter, link: BackupLink, pos: int) -> int:
         """An in-sync link sent everything up to ``pos``: drain its socket; then, unless batches
-        came meanwhile, ``committed`` writes the next batches to it itself, until its socket backs
-        up or closes. Returns the last batch sent."""
+        came meanwhile, ``ship`` writes the next batches to it itself, until its socket backs up
+        or closes. Returns the last batch sent."""
         await writer.drain()
         if pos < self.log.head_seq:
             return pos
