@@ -56,9 +56,10 @@ INLINE_BYTES = 1 << 20
 INLINE_OPS = 5000
 """Without ``sync`` (no fsync), while the backup is in sync, batches that arrived together are
 written on the event loop, as the primary writes its own commits, when their frames hold at most
-INLINE_BYTES of payload and they make at most INLINE_OPS operations with the position op: a thread
-hand-off per batch costs more CPU than such a write, and these bounds keep the loop's stall short
-(milliseconds, longer when LevelDB slows its writes down for a compaction, as on the primary).
+INLINE_BYTES of payload and their operations, with the position op added, number at most
+INLINE_OPS: a thread hand-off per batch costs more CPU than such a write, and these bounds keep
+the loop's stall short (milliseconds; longer when LevelDB slows its writes down for a
+compaction, as on the primary).
 Every synced write, every write while catching up (a group is then everything received, up to
 QUEUE_FRAMES frames: hundreds of MiB) and every larger group go to a worker thread, and the loop
 (the HA cycle, CONNACK 3 answers, tools' questions) goes on meanwhile."""
