@@ -5,18 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from replication_helpers import HOST, bounded, commit, content, following, ops_for, primary_store, write
 
+from amqtt_durable.replication import backup as backup_module
 from amqtt_durable.replication.backup import Backup, BackupState
 from amqtt_durable.replication.errors import ReplicationGapError
 from amqtt_durable.replication.framing import (
     Batch,
     Frame,
+    Op,
     encode_batch,
     encode_frame,
     encode_ops,
@@ -661,5 +665,116 @@ def test_live_and_log_paths_interleave_without_gap_and_no_release_before_every_i
             assert fast.snapshots == slow.snapshots == 1
             assert counts["backed_up"] >= 4 and counts["parked"] >= 6, counts  # both paths taken, often
         await primary.close()
+
+    asyncio.run(main())
+
+
+def hold_threaded_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Every write a worker thread makes for a backup waits (bounded) for ``release`` after
+    setting ``started``; writes on the event loop's thread go through."""
+    started, release = threading.Event(), threading.Event()
+    real_write = backup_module._write
+
+    def held_write(db: Any, ops: list[Op], sync: bool) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            release.wait(30)
+        real_write(db, ops, sync)
+
+    monkeypatch.setattr(backup_module, "_write", held_write)
+    release.set()
+    return started, release
+
+
+async def in_sync_at(primary: Primary, backups: list[Backup], last: int) -> None:
+    """The primary commits batches 1..last; each backup follows it until it applied them."""
+    for n in range(1, last + 1):
+        commit(primary, ops_for(n))
+    for backup in backups:
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(backup.wait_applied(last))
+
+
+async def cancel_during_a_threaded_write(
+    backup: Backup, primary: Primary, last: int, started: threading.Event, release: threading.Event
+) -> None:
+    """The primary commits up to batch ``last``; the backup follows it and its task is
+    cancelled (as node.follow of a new leader or a stop does) while a worker thread writes a
+    catch-up group, which then ends."""
+    for n in range(primary.log.head_seq + 1, last + 1):
+        commit(primary, ops_for(n))
+    started.clear()
+    release.clear()
+    task = asyncio.create_task(backup.follow(HOST, primary.port, asyncio.Event(), retry=0.05))
+    try:
+        await bounded(asyncio.to_thread(started.wait, 30))
+        task.cancel()
+        await asyncio.sleep(0)  # one loop pass: the cancellation reaches the task before the write ends
+    finally:
+        release.set()
+        await bounded(asyncio.wait({task}))
+
+
+def test_a_write_finished_under_a_cancellation_is_the_position_the_backup_reports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread's write ends after the task was cancelled: the store holds it, and the
+    position the backup reports (status, etcd) says so (it stayed at the batch before)."""
+    started, release = hold_threaded_writes(monkeypatch)
+
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=100_000, log_max_bytes=1 << 30)
+        await primary.start(HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b", sync=False)
+        await in_sync_at(primary, [backup], 2)
+        await cancel_during_a_threaded_write(backup, primary, 49, started, release)
+        await primary.close()
+        on_disk = read_position(backup.db)
+        assert on_disk is not None and on_disk[0] > 2
+        assert (backup.applied_seq, backup.applied_crc) == on_disk
+
+    asyncio.run(main())
+
+
+def test_a_backup_cancelled_during_a_write_gets_a_snapshot_from_a_new_primary_that_never_had_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B2 in sync with P1 at batch 5 drops out; B catches up P1's 6..40 in a worker thread and
+    its task is cancelled during that write (it follows the new leader); B2 becomes primary P2
+    (at batch 5) and commits its own batch 6. A HELLO at batch 5 (the position before the
+    write) matches P2's batch 5 and P2 would send only its batch 6: B would keep P1's rows
+    that P2 never had. B says what its store holds: P2 sees a history past its own and sends
+    a snapshot."""
+    started, release = hold_threaded_writes(monkeypatch)
+
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p1")
+        events: list[str] = []
+        p1 = Primary(db, store_id=store_id, log_max_batches=100_000, log_max_bytes=1 << 30)
+        await p1.start(HOST, 0)
+        b2 = Backup(open_store(str(tmp_path / "b2")), name="b2", sync=False)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b", sync=False)
+        await in_sync_at(p1, [b2, backup], 5)
+        await cancel_during_a_threaded_write(backup, p1, 40, started, release)
+        await p1.close()
+        p2 = Primary(
+            b2.db,
+            store_id=store_id,
+            log_max_batches=100_000,
+            log_max_bytes=1 << 30,
+            on_change=lambda _, e: events.append(e),
+        )
+        await p2.start(HOST, 0)
+        commit(p2, [(b"p2-own", b"1")])
+        snapshots = backup.snapshots
+        async with following(backup, p2.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(backup.wait_applied(6))
+        await p2.close()
+        assert any("diverged" in e for e in events), events
+        assert backup.snapshots == snapshots + 1
+        assert content(backup.db) == content(b2.db)
 
     asyncio.run(main())

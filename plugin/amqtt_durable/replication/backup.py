@@ -103,6 +103,20 @@ class Backup:
             event = self.applied_event
             await event.wait()
 
+    def _read_store(self) -> None:
+        """Take the position, the partial mark and the store id from the store, the truth: a
+        write in a worker thread that the task's cancellation interrupted finished (in_thread
+        waits for it) without the in-memory state following it."""
+        position = read_position(self.db)
+        if position is None:  # a snapshot under way: as while it is applied (HELLO says batch 0)
+            self.partial = True
+            return
+        if self.partial:  # only a snapshot's end clears the mark: its write finished
+            self.snapshots += 1
+            self.partial = False
+        self.store_id = read_store_id(self.db)
+        self._applied(*position)
+
     def _applied(self, seq: int, crc: int) -> None:
         self.applied_seq, self.applied_crc = seq, crc
         event, self.applied_event = self.applied_event, asyncio.Event()
@@ -122,6 +136,7 @@ class Backup:
         receiver.add_done_callback(lambda _: _put_end(frames))
         answered = False
         try:
+            self._read_store()
             seq = 0 if self.partial else self.applied_seq
             hello = Hello(self.store_id, seq, self.applied_crc, self.name)
             writer.write(session.encode(Frame.HELLO, hello.encode()))
@@ -148,7 +163,7 @@ class Backup:
                         ended = True
                         break
                     group.append(frame)
-                ack = await self._apply(group)
+                ack = await self._apply_or_read_store(group)
                 if ack is not None:
                     writer.write(session.encode(Frame.ACK, encode_seq(ack)))
                     await writer.drain()
@@ -232,6 +247,15 @@ class Backup:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(pause):
                     await stop.wait()
+
+    async def _apply_or_read_store(self, group: list[tuple[Frame, bytes]]) -> int | None:
+        """``_apply``; when cancelled, a write in a worker thread may have finished under the
+        cancellation: the in-memory position (position(), status) is read from the store."""
+        try:
+            return await self._apply(group)
+        except asyncio.CancelledError:
+            self._read_store()
+            raise
 
     async def _apply(self, group: list[tuple[Frame, bytes]]) -> int | None:
         """Apply frames in order; returns the batch number to acknowledge, if any."""
