@@ -250,11 +250,16 @@ class Backup:
 
     async def _apply_or_read_store(self, group: list[tuple[Frame, bytes]]) -> int | None:
         """``_apply``; when cancelled, a write in a worker thread may have finished under the
-        cancellation: the in-memory position (position(), status) is read from the store."""
+        cancellation: the in-memory position (position(), status) is read from the store. A store
+        already closed (shutdown) must not turn the cancellation into an error: the next run()
+        reads the store again anyway."""
         try:
             return await self._apply(group)
         except asyncio.CancelledError:
-            self._read_store()
+            try:
+                self._read_store()
+            except Exception:
+                log.exception("replication backup %s: its position not read back after a cancelled write", self.name)
             raise
 
     async def _apply(self, group: list[tuple[Frame, bytes]]) -> int | None:
