@@ -512,14 +512,15 @@ def mosquitto_broker(binary: str, folder: Path, port: int, login: Login, *, max_
 # --------------------------------------------------------------------------- code under test
 
 
-def snapshot_packages(package_dirs: Sequence[Path], dest: Path, *, git_root: Path | None = None) -> Path:
+def snapshot_packages(package_dirs: Sequence[Path], dest: Path, *, git_root: Path | None = None,
+                      ref: str = "HEAD") -> Path:
     """Copy package folders into `dest` and return `dest`, for PYTHONPATH / sys.path.
 
     A benchmark that imports the copy measures one version of the code even when the working
     tree changes during the run (folders on PYTHONPATH or sys.path come before the editable
     install). With `git_root` the copies are the folders as committed in HEAD (`git archive`),
-    so the code under test is exactly the reported revision; otherwise the working tree's
-    (without __pycache__).
+    so the code under test is exactly the reported revision (or git ``ref``); otherwise the working
+    tree's (without __pycache__).
     """
     dest.mkdir(parents=True, exist_ok=True)
     if git_root is None:
@@ -528,12 +529,12 @@ def snapshot_packages(package_dirs: Sequence[Path], dest: Path, *, git_root: Pat
         return dest
     for package_dir in package_dirs:
         rel = package_dir.resolve().relative_to(git_root.resolve()).as_posix()
-        archive = subprocess.run(["git", "-C", str(git_root), "archive", "--format=tar", "HEAD", rel],
+        archive = subprocess.run(["git", "-C", str(git_root), "archive", "--format=tar", ref, rel],
                                  capture_output=True, timeout=60, check=True).stdout
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             members = [m for m in tar.getmembers() if m.isfile() and m.name.startswith(rel + "/")]
             if not members:
-                raise BenchError(f"{rel} is not in git HEAD")
+                raise BenchError(f"{rel} is not in git {ref}")
             for member in members:
                 member.name = f"{package_dir.name}/{member.name[len(rel) + 1:]}"
             tar.extractall(dest, members=members, filter="data")

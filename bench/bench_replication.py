@@ -6,6 +6,7 @@ and catch-up of a new backup.
     .venv/bin/python bench/bench_replication.py --out /tmp/replication.md   # full run
     .venv/bin/python bench/bench_replication.py --quick                      # small numbers, a smoke run
     .venv/bin/python bench/bench_replication.py --only c --failovers 5
+    .venv/bin/python bench/bench_replication.py --only ab --setups single,sync --baseline main   # a change vs main
 
 Scenarios (QoS 1, 64-byte payloads; every broker is an `amqtt-durable broker` process with its own
 store, on its own 127.0.0.1 ports):
@@ -44,6 +45,7 @@ import random
 import shlex
 import ssl
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -78,6 +80,7 @@ from _common import (
     recv_summary,
     run_in_temp_folder,
     run_publisher,
+    snapshot_packages,
     use_code_snapshot,
     write_report,
 )
@@ -114,6 +117,9 @@ SETUPS = {"single": "single broker", "sync": "sync pair (primary)", "async": "as
           "tls": "sync pair, mutual TLS (primary)", "fsync": "single broker, sync: true"}
 """The set-ups of a/b; "tls" is the sync pair with replication.tls; the last one (each commit fsynced, not a
 target's) says what a local fsync costs."""
+BASELINE = {"base-single": "single broker (baseline code)", "base-sync": "sync pair (primary, baseline code)"}
+"""With --baseline REF: the single broker and the sync pair again, run from the code of git REF, interleaved with
+the others (a change measured against the code it replaces in one run)."""
 WATCHED = {"plugin": ROOT / "plugin" / "amqtt_durable", "SDK": SDK_DIR, "protocol": PROTOCOL_DIR}
 
 
@@ -136,9 +142,9 @@ class Node:
 
 
 def make_node(ctx: Ctx, name: str, replication: dict[str, Any] | None, cpus: tuple[int, ...],
-              tls: dict[str, str] | None = None, **plugin: Any) -> Node:
+              tls: dict[str, str] | None = None, *, code: Path | None = None, **plugin: Any) -> Node:
     """An amqtt-durable broker with bench_durable's plugin settings (build_brokers) plus ``replication``
-    (and ``tls``, its replication.tls)."""
+    (and ``tls``, its replication.tls); ``code``: a folder of package copies to run it from (--baseline)."""
     folder = ctx.tmp / name
     folder.mkdir()
     listen = f"{HOST}:{free_port()}"
@@ -150,6 +156,9 @@ def make_node(ctx: Ctx, name: str, replication: dict[str, Any] | None, cpus: tup
     args = argparse.Namespace(**{**vars(ctx.args), "broker_cpus": cpus})
     broker = build_brokers(args, folder, settings)[0][OURS]
     broker.name = name
+    if code is not None:  # first on PYTHONPATH, before the code under test
+        broker.child.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+            str(code), os.environ.get("PYTHONPATH")]))}
     return Node(name, broker, listen, None if tls is None else tls_client(tls))
 
 
@@ -308,30 +317,54 @@ class Report:
 # --------------------------------------------------------------------------- a, b: live throughput
 
 
+def setup_labels(args: argparse.Namespace) -> dict[str, str]:
+    """The a/b set-ups of this run (--setups, plus the --baseline ones), in the order they run."""
+    labels = {key: SETUPS[key] for key in args.setups}
+    if args.baseline:
+        labels |= {key: f"{text[:-1]} {args.baseline})" for key, text in BASELINE.items()}
+    return labels
+
+
+def ab_nodes(ctx: Ctx, wanted: dict[str, str]) -> dict[str, tuple[Node, Node | None]]:
+    """Each a/b set-up's broker, or primary and backup (not started)."""
+    args = ctx.args
+    setups: dict[str, tuple[Node, Node | None]] = {}
+    if "single" in wanted:
+        setups["single"] = (make_node(ctx, "single", None, args.broker_cpus), None)
+    if "base-single" in wanted:
+        setups["base-single"] = (make_node(ctx, "base-single", None, args.broker_cpus, code=args.baseline_path), None)
+    tls = cluster_tls(ctx.tmp) if "tls" in wanted else None
+    for setup, mode in (("sync", "sync"), ("async", "async"), ("tls", "sync"), ("base-sync", "sync")):
+        if setup not in wanted:
+            continue
+        with_tls = tls if setup == "tls" else None
+        code = args.baseline_path if setup.startswith("base-") else None
+        primary = make_node(ctx, f"{setup}-primary", {"role": "primary", "mode": mode}, args.broker_cpus, with_tls,
+                            code=code)
+        backup = make_node(ctx, f"{setup}-backup", {"role": "backup", "mode": mode, "primary": primary.listen},
+                           args.backup_cpus, with_tls, code=code)
+        setups[setup] = (primary, backup)
+    if "fsync" in wanted:
+        setups["fsync"] = (make_node(ctx, "single-fsync", None, args.broker_cpus, sync=True), None)
+    return setups
+
+
 def scenario_ab(ctx: Ctx, report: Report) -> None:
     args = ctx.args
-    single = make_node(ctx, "single", None, args.broker_cpus)
-    fsync = make_node(ctx, "single-fsync", None, args.broker_cpus, sync=True)
-    pairs: dict[str, tuple[Node, Node]] = {}
-    tls = cluster_tls(ctx.tmp)
-    for setup, mode in (("sync", "sync"), ("async", "async"), ("tls", "sync")):
-        with_tls = tls if setup == "tls" else None
-        primary = make_node(ctx, f"{setup}-primary", {"role": "primary", "mode": mode}, args.broker_cpus, with_tls)
-        backup = make_node(ctx, f"{setup}-backup", {"role": "backup", "mode": mode, "primary": primary.listen},
-                           args.backup_cpus, with_tls)
-        pairs[setup] = (primary, backup)
-    nodes = [single, fsync, *(n for pair in pairs.values() for n in pair)]
+    wanted = setup_labels(args)
+    setups = ab_nodes(ctx, wanted)
+    nodes = [n for pair in setups.values() for n in pair if n is not None]
     try:
-        single.broker.start(args.startup_timeout)
-        fsync.broker.start(args.startup_timeout)
-        for primary, backup in pairs.values():
+        for primary, backup in setups.values():
+            if backup is None:
+                primary.broker.start(args.startup_timeout)
+                continue
             start_node(primary, SERVING)
             start_node(backup, REFUSING)
             wait_in_sync(primary, backup)
-        setups: dict[str, tuple[Node, Node | None]] = {"single": (single, None), **pairs, "fsync": (fsync, None)}
         for primary, _ in setups.values():
             warmup(ctx, primary.broker)
-        names = list(setups)
+        names = [name for name in wanted if name in setups]
         for rep in range(args.runs):
             shift = rep % len(names)
             for setup in names[shift:] + names[:shift]:
@@ -758,37 +791,52 @@ def ratio_line(report: Report, setup: str, target: float, base: str = "single") 
     return f"{ratio:.2f}x", "**met**" if ratio >= target else "**not met**"
 
 
-def render_ab(report: Report) -> list[str]:
-    lines = [f"| metric | unit | {' | '.join(SETUPS.values())} |", "|---|---|" + "---:|" * len(SETUPS)]
+def round_ratios(report: Report, setup: str, base: str) -> list[float]:
+    """``setup``'s rate over ``base``'s, run by run (each run of the two close in time)."""
+    a, b = report.live.get(setup, {}).get("rate"), report.live.get(base, {}).get("rate")
+    if a is None or b is None:
+        return []
+    return [x / y for x, y in zip(a.values, b.values, strict=False)
+            if isinstance(x, int | float) and isinstance(y, int | float) and y]
+
+
+def render_ab(args: argparse.Namespace, report: Report) -> list[str]:
+    labels = setup_labels(args)
+    lines = [f"| metric | unit | {' | '.join(labels.values())} |", "|---|---|" + "---:|" * len(labels)]
     for key, label, unit in (("rate", "live throughput, end to end", "msgs/s"),
                              ("pub_rate", "publisher PUBACK rate", "msgs/s"),
                              ("cpu_primary", "CPU of the (primary) broker per message, live run", "µs"),
                              ("cpu_backup", "CPU of the backup broker per message, live run", "µs"),
                              ("per_batch", "messages per replicated batch (N / batches the primary numbered)", ""),
                              ("p50", "latency p50", "ms"), ("p99", "latency p99", "ms"), ("recv", "received", "")):
-        cells = [cell(report.live.get(s, {}).get(key)) for s in SETUPS]
+        cells = [cell(report.live.get(s, {}).get(key)) for s in labels]
         lines.append(f"| {label} | {unit} | {' | '.join(cells)} |")
     single_cpu = report.live.get("single", {}).get("cpu_primary")
     estimate = []
-    for setup in SETUPS:
+    for setup in labels:
         runs = report.live.get(setup, {}).get("cpu_primary")
         s, p = (single_cpu.median() if single_cpu else None), (runs.median() if runs else None)
         estimate.append("—" if not s or not p else f"{s / p:.2f}x")
     lines.append("| CPU-bound estimate: single's CPU per message / this broker's (a backup on a machine of its own, "
                  f"the broker's core the bottleneck) | | {' | '.join(estimate)} |")
-    sync_ratio, sync_met = ratio_line(report, "sync", 0.7)
-    async_ratio, async_met = ratio_line(report, "async", 0.9)
-    fsync_ratio, _ = ratio_line(report, "sync", 0.0, base="fsync")
-    tls_ratio, _ = ratio_line(report, "tls", 0.0)
-    tls_cost, _ = ratio_line(report, "tls", 0.0, base="sync")
-    lines += ["", "| ratio (medians) | value | target | met |", "|---|---:|---|---|",
-              f"| (a) sync pair / single | {sync_ratio} | >= 0.7x | {sync_met} |",
-              f"| (b) async pair / single | {async_ratio} | >= 0.9x | {async_met} |",
-              f"| sync pair / single broker with sync: true (both: a PUBACK waits for an fsync) | {fsync_ratio} "
-              "| (none) | |",
-              f"| sync pair over mutual TLS / single | {tls_ratio} | (none) | |",
-              f"| sync pair over mutual TLS / sync pair over plain TCP (the cost of replication.tls) | {tls_cost} "
-              "| (none) | |"]
+    rows = [("(a) sync pair / single", "sync", "single", 0.7), ("(b) async pair / single", "async", "single", 0.9),
+            ("sync pair / single broker with sync: true (both: a PUBACK waits for an fsync)", "sync", "fsync", 0.0),
+            ("sync pair over mutual TLS / single", "tls", "single", 0.0),
+            ("sync pair over mutual TLS / sync pair over plain TCP (the cost of replication.tls)", "tls", "sync", 0.0),
+            (f"(a) at {args.baseline}: its sync pair / its single broker", "base-sync", "base-single", 0.7),
+            (f"sync pair of this code / sync pair of {args.baseline}", "sync", "base-sync", 0.0),
+            (f"single broker of this code / single broker of {args.baseline}", "single", "base-single", 0.0)]
+    lines += ["", "| ratio | of the medians | median of the per-run ratios (min-max) | target | met |",
+              "|---|---:|---:|---|---|"]
+    for text, setup, base, target in rows:
+        if setup not in labels or base not in labels:
+            continue
+        value, met = ratio_line(report, setup, target, base=base)
+        per_run = round_ratios(report, setup, base)
+        spread = "—" if not per_run else (f"{statistics.median(per_run):.2f}x ({min(per_run):.2f}-"
+                                          f"{max(per_run):.2f})")
+        lines.append(f"| {text} | {value} | {spread} | {f'>= {target}x' if target else '(none)'} | "
+                     f"{met if target else ''} |")
     return lines
 
 
@@ -891,7 +939,7 @@ def render(args: argparse.Namespace, info: dict[str, str], command: str, report:
     ]
     if "a" in args.only or "b" in args.only:
         lines += ["## (a, b) live throughput: single broker vs sync, async and mutual-TLS sync pairs", "",
-                  *render_ab(report), ""]
+                  *render_ab(args, report), ""]
     if "c" in args.only:
         lines += ["## (c) failover time (median (min-max) in seconds)", "", *render_c(report), ""]
     if "d" in args.only:
@@ -940,6 +988,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backup-cpus", type=lambda s: tuple(sorted({int(x) for x in s.split(",") if x.strip()})),
                    default=(1,), help="CPUs for the backups (default 1: beside the load clients, not on the "
                                       "primary's core, as if on another machine)")
+    p.add_argument("--setups", default=",".join(SETUPS),
+                   help=f"a/b set-ups to run, comma-separated (default all: {','.join(SETUPS)})")
+    p.add_argument("--baseline", default=None, metavar="REF",
+                   help="a/b: also run the single broker and the sync pair from the code of git REF (e.g. main), "
+                        "interleaved with the others")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (configs, logs, stores)")
     args = p.parse_args(argv)
     quick = args.quick
@@ -959,6 +1012,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if min(args.n, args.runs, args.failovers, args.loss_failovers, args.backlog, args.inflight) < 1:
         p.error("sizes and counts must be positive")
     check_pin_arguments(p, args)
+    args.setups = [t.strip() for t in args.setups.split(",") if t.strip()]
+    if not args.setups or set(args.setups) - set(SETUPS):
+        p.error(f"--setups takes names from {', '.join(SETUPS)}")
+    args.baseline_path = None
     # what build_brokers reads: our broker only, run by this Python from the code copy on PYTHONPATH
     args.big, args.ours_standin, args.snapshot = args.backlog, False, False
     args.ours_cmd = shlex.join([sys.executable, "-m", "amqtt_durable.cli", "broker"])
@@ -967,6 +1024,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, tmp: Path, report: Report, info: dict[str, str]) -> None:
     _, _, info["code"] = use_code_snapshot(args.code, WATCHED, tmp, ROOT, report.note)
+    if args.baseline:
+        args.baseline_path = snapshot_packages(list(WATCHED.values()), tmp / "baseline", git_root=ROOT,
+                                               ref=args.baseline)
+        info["code"] += f"; baseline: copies of {args.baseline} ({ref_revision(args.baseline)})"
     info["git"] = git_revision(ROOT, ["plugin", "client_sdk"])
     ctx = Ctx(args, tmp, LOGIN, report.ctx_notes, {}, None, args.client_cpus if args.pin else None)
     if "a" in args.only or "b" in args.only:
@@ -983,6 +1044,15 @@ def run(args: argparse.Namespace, tmp: Path, report: Report, info: dict[str, str
             guarded(report, "d", lambda: scenario_d(ctx, report, etcd))
     finally:
         etcd.stop()
+
+
+def ref_revision(ref: str) -> str:
+    """`<short hash> <subject>` of git ``ref``."""
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %s", ref], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def guarded(report: Report, what: str, body: Callable[[], None]) -> None:

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from replication_helpers import HOST, bounded, commit, content, following, ops_for, primary_store, write
 
-from amqtt_durable.replication.backup import Backup
+from amqtt_durable.replication import backup as backup_module
+from amqtt_durable.replication.backup import Backup, BackupState
 from amqtt_durable.replication.errors import ReplicationGapError
 from amqtt_durable.replication.framing import (
     Batch,
     Frame,
+    Op,
     encode_batch,
     encode_frame,
     encode_ops,
@@ -21,8 +28,8 @@ from amqtt_durable.replication.framing import (
     read_frame,
 )
 from amqtt_durable.replication.position import position_op, read_position
-from amqtt_durable.replication.primary import BackupLink, Primary
-from amqtt_durable.store import open_store
+from amqtt_durable.replication.primary import BackupLink, PreparedBatch, Primary
+from amqtt_durable.store import STORE_ID_KEY, open_store
 
 
 def hold_writes(backup: Backup) -> asyncio.Event:
@@ -30,9 +37,9 @@ def hold_writes(backup: Backup) -> asyncio.Event:
     gate = asyncio.Event()
     real_write = backup._write_batches
 
-    async def held_write(batches: list[Batch]) -> int | None:
+    async def held_write(batches: list[Batch], size: int) -> int | None:
         await gate.wait()
-        return await real_write(batches)
+        return await real_write(batches, size)
 
     backup._write_batches = held_write  # type: ignore[method-assign]
     return gate
@@ -378,5 +385,396 @@ def test_a_published_backup_that_leaves_holds_acks_until_the_set_without_it_is_p
         await bounded(held)
         assert published[-1] == frozenset()
         await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_backed_up_backup_leaves_the_live_path_and_gets_the_rest_from_the_log(tmp_path: Path) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=256 << 20, ack_timeout=60)
+        await primary.start(HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        gate = hold_writes(backup)
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            (link,) = primary.links.values()
+            assert link.live  # in sync and sent everything: commits write to it themselves
+            # 16 MiB in one loop pass: more than the sockets take, so the primary's buffer passes HIGH_WATER
+            big = b"v" * (256 * 1024)
+            futures = [commit(primary, [(b"m" + n.to_bytes(8, "big"), big)]) for n in range(1, 65)]
+            assert not link.live  # its sender drains the socket and sends the later batches from the log
+            assert link.sent_seq < 64
+            gate.set()
+            await bounded(asyncio.gather(*futures))
+            assert backup.applied_seq == 64
+            await bounded(commit(primary, ops_for(65)))
+            assert content(backup.db) == content(db)
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_batch_already_in_the_backups_snapshot_is_not_sent_again(tmp_path: Path) -> None:
+    """A snapshot taken after a batch was written locally but before ``committed`` (a synced commit
+    written in a worker thread) holds that batch: the link is in sync past the log's head."""
+
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        events: list[str] = []
+        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, ack_timeout=60)
+        primary.on_change = lambda _, what: events.append(what)
+        await primary.start(HOST, 0)
+        await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 6))))
+        written = primary.prepare(ops_for(6))
+        write(db, written.ops)  # not yet handed to committed()
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            assert backup.applied_seq == 6 and backup.snapshots == 1
+            await bounded(primary.committed(written))
+            await bounded(commit(primary, ops_for(7)))
+            assert backup.applied_seq == 7
+            assert content(backup.db) == content(db)
+            connections = [what for what in events if what.startswith(("connected", "disconnected"))]
+            assert len(connections) == 1 and connections[0].startswith("connected at batch 0"), events  # no gap
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def test_ship_calls_back_in_commit_order_and_a_failing_callback_leaves_the_channel_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, ack_timeout=60)
+        await primary.start(HOST, 0)
+        outcomes: list[tuple[int, BaseException | None]] = []
+        both = asyncio.Event()
+
+        def failing(error: BaseException | None) -> None:
+            outcomes.append((1, error))
+            raise RuntimeError("a caller's bug")
+
+        def recording(error: BaseException | None) -> None:
+            outcomes.append((2, error))
+            both.set()
+
+        alone = primary.prepare(ops_for(1))
+        write(db, alone.ops)
+        primary.ship(alone, lambda error: outcomes.append((0, error)))
+        assert outcomes == [(0, None)]  # no backup in sync: called back before ship returns
+        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        gate = hold_writes(backup)
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            for n, then in ((2, failing), (3, recording)):
+                prepared = primary.prepare(ops_for(n))
+                write(db, prepared.ops)
+                primary.ship(prepared, then)
+            assert outcomes == [(0, None)]  # the backup has confirmed neither
+            gate.set()
+            await bounded(both.wait())
+            assert outcomes == [(0, None), (1, None), (2, None)]
+            await bounded(commit(primary, ops_for(4)))  # the ack reader survived the callback's error
+            assert backup.applied_seq == 4
+            late = primary.prepare(ops_for(5))
+        await primary.close()
+        primary.ship(late, lambda error: outcomes.append((5, error)))  # after close: called back with why
+        assert outcomes[-1][0] == 5 and "the primary stopped" in str(outcomes[-1][1])
+
+    asyncio.run(main())
+    assert "a shipped batch's callback failed" in caplog.text
+
+
+def _batch_frames(store_id: int, count: int, value: bytes) -> list[tuple[Frame, bytes]]:
+    """BATCH frames 1..count, as the primary sends them: a body of ``value`` and a total each."""
+    frames = []
+    for seq in range(1, count + 1):
+        data, _ = encode_batch(seq, store_id, [(b"m" + seq.to_bytes(8, "big"), value), (b"t", seq.to_bytes(8, "big"))])
+        frames.append((Frame.BATCH, data))
+    return frames
+
+
+def _level_backup(folder: Path, state: BackupState) -> tuple[Backup, int]:
+    """A backup without sync at batch 0 of a store, in ``state``, as its channel would leave it."""
+    db = open_store(str(folder))
+    store_id = 12345
+    db.put(STORE_ID_KEY, store_id.to_bytes(8, "big"))
+    db.put(*position_op(0, 0))  # type: ignore[arg-type]
+    backup = Backup(db, name="b", sync=False)
+    assert not backup.partial
+    backup.state = state
+    return backup, store_id
+
+
+@pytest.mark.parametrize("state", ["in_sync", "catching_up"])
+def test_a_backup_without_sync_keeps_its_event_loop_responsive_while_it_writes_a_large_group(
+    tmp_path: Path, state: BackupState
+) -> None:
+    """A group is everything in the receive queue: during catch-up, or after a pause while in
+    sync, up to 1,024 frames. 200 frames of 1 MiB (few operations) written on the event loop
+    blocked it 0.5-1.5 s (the HA cycle, CONNACK 3 answers, tools' questions all waited); they are
+    written in a worker thread, and the loop keeps running."""
+
+    async def main() -> None:
+        backup, store_id = _level_backup(tmp_path / "b", state)
+        group = _batch_frames(store_id, 200, b"v" * (1 << 20))
+        gaps: list[float] = []
+        passes_during_write = 0
+
+        async def ticker(write: asyncio.Task[int | None]) -> None:
+            nonlocal passes_during_write
+            last = time.perf_counter()
+            while not write.done():
+                passes_during_write += 1
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        write = asyncio.create_task(backup._apply(group))
+        await asyncio.sleep(0)  # one pass: the write's first step ran (written on the loop: all of it)
+        await bounded(ticker(write))
+        assert await write == 200
+        assert backup.applied_seq == 200
+        assert passes_during_write > 0, "the group was written in one pass of the event loop"
+        # a loop pass on a loaded machine, far below the write's own time when it ran on the loop
+        assert max(gaps) < 0.3, f"the backup's event loop was blocked {max(gaps):.3f} s"
+        assert backup.db.get(b"m" + (200).to_bytes(8, "big")) == b"v" * (1 << 20)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("state", "on_the_loop"), [("in_sync", True), ("catching_up", False)])
+def test_a_backup_without_sync_writes_a_small_group_on_the_event_loop_only_in_sync(
+    tmp_path: Path, state: BackupState, on_the_loop: bool
+) -> None:
+    """A few small batches in sync (the steady state): written in the pass that reads them, no
+    thread hand-off (the write is over before any other task runs). While catching up, a worker
+    thread writes them (the receive queue may hold much more behind them)."""
+
+    async def main() -> None:
+        backup, store_id = _level_backup(tmp_path / "b", state)
+        write = asyncio.create_task(backup._apply(_batch_frames(store_id, 10, b"v" * 1000)))
+        await asyncio.sleep(0)  # one pass: the write's first step ran
+        assert write.done() is on_the_loop
+        assert await bounded(write) == 10
+        assert backup.applied_seq == 10
+
+    asyncio.run(main())
+
+
+class _Releases:
+    """The callbacks ``ship`` makes, checked as they come: in commit order, each only once every
+    in-sync backup acknowledged its batch."""
+
+    def __init__(self, primary: Primary) -> None:
+        self.primary = primary
+        self.released: list[int] = []
+        self.violations: list[str] = []
+        self.progressed = asyncio.Event()
+
+    def then(self, seq: int) -> Callable[[BaseException | None], None]:
+        def released(error: BaseException | None) -> None:
+            assert error is None
+            self.violations += [
+                f"batch {seq} released, {link.name} acked only {link.acked_seq}"
+                for link in self.primary.in_sync()
+                if link.acked_seq < seq
+            ]
+            if self.released and self.released[-1] != seq - 1:
+                self.violations.append(f"batch {seq} released after {self.released[-1]}")
+            self.released.append(seq)
+            self.progressed.set()
+
+        return released
+
+    async def up_to(self, seq: int) -> None:
+        while not self.released or self.released[-1] < seq:
+            self.progressed.clear()
+            await self.progressed.wait()
+
+
+def _count_live_path(primary: Primary) -> dict[str, int]:
+    """Counts how often a link's sender parked on the live path and how often a live socket
+    backed up (the link went back to its sender and the retained log)."""
+    counts = {"parked": 0, "backed_up": 0}
+    real_live, real_send_live = primary._live, primary._send_live
+
+    async def counting_live(writer: asyncio.StreamWriter, link: BackupLink, pos: int) -> int:
+        counts["parked"] += 1
+        return await real_live(writer, link, pos)
+
+    def counting_send_live(link: BackupLink, batch: PreparedBatch) -> None:
+        real_send_live(link, batch)
+        counts["backed_up"] += not link.live
+
+    primary._live = counting_live  # type: ignore[method-assign]
+    primary._send_live = counting_send_live  # type: ignore[method-assign]
+    return counts
+
+
+def test_live_and_log_paths_interleave_without_gap_and_no_release_before_every_in_sync_ack(tmp_path: Path) -> None:
+    """Two backups, one fast, one whose writes are held at random; batches of random sizes, some large
+    enough to push a link off the live path (> 4 MiB buffered) and, after each round drains, back.
+    Every callback comes in commit order, only once every in-sync backup acknowledged the batch;
+    no gap, no reconnect."""
+
+    async def main() -> None:
+        rng = random.Random(163)
+        db, store_id = primary_store(tmp_path / "p")
+        events: list[str] = []
+        primary = Primary(db, store_id=store_id, log_max_batches=100_000, log_max_bytes=1 << 30, ack_timeout=60)
+        primary.on_change = lambda link, what: events.append(f"{link.name}: {what}")
+        counts = _count_live_path(primary)
+        await primary.start(HOST, 0)
+        fast = Backup(open_store(str(tmp_path / "fast")), name="fast", sync=False)
+        slow = Backup(open_store(str(tmp_path / "slow")), name="slow", sync=False)
+        gate = hold_writes(slow)
+        gate.set()
+        releases = _Releases(primary)
+        n = 0
+        async with following(fast, primary.port), following(slow, primary.port):
+            await bounded(fast.in_sync_event.wait())
+            await bounded(slow.in_sync_event.wait())
+            for _round in range(8):
+                for _ in range(60):
+                    n += 1
+                    size = rng.choice([10, 100, 1000, 300_000, 1_500_000])
+                    value = rng.randbytes(8) * (size // 8)
+                    prepared = primary.prepare([*ops_for(n), (b"x" + n.to_bytes(8, "big"), value)])
+                    write(db, prepared.ops)
+                    primary.ship(prepared, releases.then(prepared.seq))
+                    r = rng.random()
+                    if r < 0.05:
+                        gate.clear()  # the slow backup stops writing for a while
+                    elif r < 0.15:
+                        gate.set()
+                    if r < 0.5:
+                        await asyncio.sleep(0)  # a loop pass between some commits, as under load
+                gate.set()
+                await bounded(releases.up_to(n), 60)
+            await bounded(fast.wait_applied(n))
+            await bounded(slow.wait_applied(n))
+            assert releases.violations == []
+            assert releases.released == list(range(1, n + 1))
+            assert content(fast.db) == content(db) == content(slow.db)
+            assert not [e for e in events if "disconnected" in e or "fell behind" in e], events
+            assert fast.snapshots == slow.snapshots == 1
+            assert counts["backed_up"] >= 4 and counts["parked"] >= 6, counts  # both paths taken, often
+        await primary.close()
+
+    asyncio.run(main())
+
+
+def hold_threaded_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Every write a worker thread makes for a backup waits (bounded) for ``release`` after
+    setting ``started``; writes on the event loop's thread go through."""
+    started, release = threading.Event(), threading.Event()
+    real_write = backup_module._write
+
+    def held_write(db: Any, ops: list[Op], sync: bool) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            release.wait(30)
+        real_write(db, ops, sync)
+
+    monkeypatch.setattr(backup_module, "_write", held_write)
+    release.set()
+    return started, release
+
+
+async def in_sync_at(primary: Primary, backups: list[Backup], last: int) -> None:
+    """The primary commits batches 1..last; each backup follows it until it applied them."""
+    for n in range(1, last + 1):
+        commit(primary, ops_for(n))
+    for backup in backups:
+        async with following(backup, primary.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(backup.wait_applied(last))
+
+
+async def cancel_during_a_threaded_write(
+    backup: Backup, primary: Primary, last: int, started: threading.Event, release: threading.Event
+) -> None:
+    """The primary commits up to batch ``last``; the backup follows it and its task is
+    cancelled (as node.follow of a new leader or a stop does) while a worker thread writes a
+    catch-up group, which then ends."""
+    for n in range(primary.log.head_seq + 1, last + 1):
+        commit(primary, ops_for(n))
+    started.clear()
+    release.clear()
+    task = asyncio.create_task(backup.follow(HOST, primary.port, asyncio.Event(), retry=0.05))
+    try:
+        await bounded(asyncio.to_thread(started.wait, 30))
+        task.cancel()
+        await asyncio.sleep(0)  # one loop pass: the cancellation reaches the task before the write ends
+    finally:
+        release.set()
+        await bounded(asyncio.wait({task}))
+
+
+def test_a_write_finished_under_a_cancellation_is_the_position_the_backup_reports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread's write ends after the task was cancelled: the store holds it, and the
+    position the backup reports (status, etcd) says so (it stayed at the batch before)."""
+    started, release = hold_threaded_writes(monkeypatch)
+
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        primary = Primary(db, store_id=store_id, log_max_batches=100_000, log_max_bytes=1 << 30)
+        await primary.start(HOST, 0)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b", sync=False)
+        await in_sync_at(primary, [backup], 2)
+        await cancel_during_a_threaded_write(backup, primary, 49, started, release)
+        await primary.close()
+        on_disk = read_position(backup.db)
+        assert on_disk is not None and on_disk[0] > 2
+        assert (backup.applied_seq, backup.applied_crc) == on_disk
+
+    asyncio.run(main())
+
+
+def test_a_backup_cancelled_during_a_write_gets_a_snapshot_from_a_new_primary_that_never_had_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B2 in sync with P1 at batch 5 drops out; B catches up P1's 6..40 in a worker thread and
+    its task is cancelled during that write (it follows the new leader); B2 becomes primary P2
+    (at batch 5) and commits its own batch 6. A HELLO at batch 5 (the position before the
+    write) matches P2's batch 5 and P2 would send only its batch 6: B would keep P1's rows
+    that P2 never had. B says what its store holds: P2 sees a history past its own and sends
+    a snapshot."""
+    started, release = hold_threaded_writes(monkeypatch)
+
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p1")
+        events: list[str] = []
+        p1 = Primary(db, store_id=store_id, log_max_batches=100_000, log_max_bytes=1 << 30)
+        await p1.start(HOST, 0)
+        b2 = Backup(open_store(str(tmp_path / "b2")), name="b2", sync=False)
+        backup = Backup(open_store(str(tmp_path / "b")), name="b", sync=False)
+        await in_sync_at(p1, [b2, backup], 5)
+        await cancel_during_a_threaded_write(backup, p1, 40, started, release)
+        await p1.close()
+        p2 = Primary(
+            b2.db,
+            store_id=store_id,
+            log_max_batches=100_000,
+            log_max_bytes=1 << 30,
+            on_change=lambda _, e: events.append(e),
+        )
+        await p2.start(HOST, 0)
+        commit(p2, [(b"p2-own", b"1")])
+        snapshots = backup.snapshots
+        async with following(backup, p2.port):
+            await bounded(backup.in_sync_event.wait())
+            await bounded(backup.wait_applied(6))
+        await p2.close()
+        assert any("diverged" in e for e in events), events
+        assert backup.snapshots == snapshots + 1
+        assert content(backup.db) == content(b2.db)
 
     asyncio.run(main())

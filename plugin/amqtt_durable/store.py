@@ -1142,8 +1142,9 @@ class CommitReplication(Protocol):
     def withdraw(self, batch: Any) -> None:
         """The local write of ``batch`` failed; the retry reuses its number."""
 
-    def committed(self, batch: Any) -> asyncio.Future[None] | None:
-        """Written locally: ship it. A future: acknowledge once it resolves; None: now."""
+    def committed(self, batch: Any, then: Callable[[BaseException | None], None]) -> bool:
+        """Written locally: ship it. True: acknowledge once ``then`` is called with None (with an
+        error: never); False: now."""
 
     def may_acknowledge(self) -> bool:
         """False once this broker is no longer the primary."""
@@ -1372,16 +1373,16 @@ class GroupCommitter:
         self, batch: Any, after: list[Callable[[], None]], waiters: list[tuple[asyncio.Future[None], int]]
     ) -> None:
         """Deliver and acknowledge a written commit: at once, or in sync replication once every
-        in-sync backup has it (the primary resolves those futures in commit order)."""
-        shipped = self.replication.committed(batch) if self.replication is not None else None
-        if shipped is not None:
-            for waiter, kind in waiters:
-                if kind == _LOCAL and not waiter.done():
-                    waiter.set_result(None)
-        if shipped is None:
+        in-sync backup has it (the primary calls back in commit order, in the loop pass that
+        learns it)."""
+        if self.replication is None:
             self._complete(after, waiters)
-        else:
-            shipped.add_done_callback(lambda done: self._complete(after, waiters, done.exception()))
+            return
+        for waiter, kind in waiters:  # written here: local waiters are never held for the backups
+            if kind == _LOCAL and not waiter.done():
+                waiter.set_result(None)
+        if not self.replication.committed(batch, lambda error: self._complete(after, waiters, error)):
+            self._complete(after, waiters)
 
     def _complete(
         self,

@@ -15,7 +15,7 @@ from amqtt_durable.replication.commits import ReplicatedCommits
 from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.node import ReplicationNode
 from amqtt_durable.replication.position import read_position
-from amqtt_durable.replication.primary import PreparedBatch, Primary
+from amqtt_durable.replication.primary import PreparedBatch, Primary, Shipped
 from amqtt_durable.store import GroupCommitter
 
 BOUND = 5.0
@@ -30,14 +30,14 @@ class HeldShipping(ReplicatedCommits):
         self.shipped: list[asyncio.Future[None]] = []
         self.shipping = asyncio.Event()
 
-    def committed(self, batch: PreparedBatch) -> asyncio.Future[None] | None:
-        real = super().committed(batch)
-        if real is None:
-            return None
+    def committed(self, batch: PreparedBatch, then: Shipped) -> bool:
+        if not super().committed(batch, lambda _: None):  # shipped for real; the outcome is the test's
+            return False
         held: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        held.add_done_callback(lambda done: then(done.exception()))
         self.shipped.append(held)
         self.shipping.set()
-        return held
+        return True
 
 
 def run(db: Any, test: Callable[[GroupCommitter, HeldShipping], Awaitable[None]]) -> None:

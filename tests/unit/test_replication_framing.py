@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 import pytest
 
@@ -168,3 +169,28 @@ def test_a_pin_keeps_the_batches_a_backup_still_needs_up_to_the_hard_limit() -> 
         log.append(seq, seq, b"x" * 10)
     assert log.first_seq > 23  # past pin_max_bytes the pin is dropped: that backup needs a snapshot
     assert plan_catch_up(log, 1, 1, 22, 22).kind == "snapshot"
+
+
+def raw_batch(ops_bytes: bytes) -> bytes:
+    """A batch around ``ops_bytes`` as given (count and operations), its checksum right."""
+    body = (7).to_bytes(8, "big") + (8).to_bytes(8, "big") + ops_bytes
+    return body + zlib.crc32(body).to_bytes(4, "big")
+
+
+PUT = (3).to_bytes(4, "big") + b"\x00" + b"key" + (5).to_bytes(4, "big") + b"value"
+
+
+@pytest.mark.parametrize(
+    ("ops_bytes", "why"),
+    [
+        ((2).to_bytes(4, "big") + PUT, "truncated"),  # one operation fewer than counted
+        ((1).to_bytes(4, "big") + PUT[:-1], "truncated"),  # the value ends early
+        ((1).to_bytes(4, "big") + (9).to_bytes(4, "big") + b"\x01" + b"key", "truncated"),  # a key into the CRC
+        ((1).to_bytes(4, "big") + PUT + b"\x00", "1 bytes after the last operation"),
+        ((1).to_bytes(4, "big") + (3).to_bytes(4, "big") + b"\x02" + b"key", "unknown operation kind 2"),
+    ],
+)
+def test_a_batch_whose_operations_do_not_fit_its_length_is_refused(ops_bytes: bytes, why: str) -> None:
+    decode_batch(raw_batch((1).to_bytes(4, "big") + PUT))  # the well-formed one decodes
+    with pytest.raises(FrameError, match=why):
+        decode_batch(raw_batch(ops_bytes))

@@ -51,13 +51,25 @@ AUTH_RETRY = 5.0
 """Seconds before a backup refused by the handshake (a secret that does not match) tries again."""
 WIPE_CHUNK = 10_000
 """Keys deleted per write batch when a snapshot starts."""
+INLINE_BYTES = 1 << 20
+"""The most frame payload a group written on the event loop holds (see INLINE_OPS)."""
+INLINE_OPS = 5000
+"""Without ``sync`` (no fsync), while the backup is in sync, batches that arrived together are
+written on the event loop, as the primary writes its own commits, when their frames hold at most
+INLINE_BYTES of payload and their operations, with the position op added, number at most
+INLINE_OPS: a thread hand-off per batch costs more CPU than such a write, and these bounds keep
+the loop's stall short (milliseconds; longer when LevelDB slows its writes down for a
+compaction, as on the primary).
+Every synced write, every write while catching up (a group is then everything received, up to
+QUEUE_FRAMES frames: hundreds of MiB) and every larger group go to a worker thread, and the loop
+(the HA cycle, CONNACK 3 answers, tools' questions) goes on meanwhile."""
 
 
 class Backup:
     """Replicates a primary's store into ``db`` (a plyvel DB this object writes alone)."""
 
     def __init__(
-                self,
+        self,
         db: Any,
         *,
         name: str,
@@ -91,6 +103,20 @@ class Backup:
             event = self.applied_event
             await event.wait()
 
+    def _read_store(self) -> None:
+        """Take the position, the partial mark and the store id from the store, the truth: a
+        write in a worker thread that the task's cancellation interrupted finished (in_thread
+        waits for it) without the in-memory state following it."""
+        position = read_position(self.db)
+        if position is None:  # a snapshot under way: as while it is applied (HELLO says batch 0)
+            self.partial = True
+            return
+        if self.partial:  # only a snapshot's end clears the mark: its write finished
+            self.snapshots += 1
+            self.partial = False
+        self.store_id = read_store_id(self.db)
+        self._applied(*position)
+
     def _applied(self, seq: int, crc: int) -> None:
         self.applied_seq, self.applied_crc = seq, crc
         event, self.applied_event = self.applied_event, asyncio.Event()
@@ -105,39 +131,47 @@ class Backup:
         except BaseException:
             self.state = "disconnected"
             raise
-        frames: asyncio.Queue[tuple[Frame, bytes]] = asyncio.Queue(QUEUE_FRAMES)
+        frames: asyncio.Queue[tuple[Frame, bytes] | None] = asyncio.Queue(QUEUE_FRAMES)
         receiver = asyncio.get_running_loop().create_task(_receive(reader, frames, session))
-        getter: asyncio.Task[tuple[Frame, bytes]] | None = None
+        receiver.add_done_callback(lambda _: _put_end(frames))
         answered = False
         try:
+            self._read_store()
             seq = 0 if self.partial else self.applied_seq
             hello = Hello(self.store_id, seq, self.applied_crc, self.name)
             writer.write(session.encode(Frame.HELLO, hello.encode()))
             await writer.drain()
             self.state = "catching_up"
             while True:
-                getter = asyncio.get_running_loop().create_task(frames.get())
-                done, _ = await asyncio.wait({getter, receiver}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
+                # Every frame received is applied before the end of the channel is reported. The
+                # receiver's end mark (None) is not queued when the queue was full as it ended:
+                # then the receiver is done once the queue is empty.
+                if frames.empty() and receiver.done():
                     self._channel_ended(receiver, answered)
-                group = [getter.result()]
+                first = await frames.get()
+                if first is None:
+                    self._channel_ended(receiver, answered)
+                group, ended = [first], False
                 if not answered:
                     # Caught up with the last primary stays true while that primary cannot be
                     # reached (the HA loop promotes on it), also while its address only answers
                     # tools (a backup's); a primary that answers decides anew.
                     self.caught_up, answered = False, True
                 while not frames.empty():
-                    group.append(frames.get_nowait())
-                ack = await self._apply(group)
+                    frame = frames.get_nowait()
+                    if frame is None:
+                        ended = True
+                        break
+                    group.append(frame)
+                ack = await self._apply_or_read_store(group)
                 if ack is not None:
                     writer.write(session.encode(Frame.ACK, encode_seq(ack)))
                     await writer.drain()
+                if ended:
+                    self._channel_ended(receiver, answered)
         finally:
             self.state = "disconnected"
             self.in_sync_event.clear()
-            if getter is not None:
-                getter.cancel()
             receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await receiver
@@ -214,17 +248,33 @@ class Backup:
                 async with asyncio.timeout(pause):
                     await stop.wait()
 
+    async def _apply_or_read_store(self, group: list[tuple[Frame, bytes]]) -> int | None:
+        """``_apply``; when cancelled, a write in a worker thread may have finished under the
+        cancellation: the in-memory position (position(), status) is read from the store. A store
+        already closed (shutdown) must not turn the cancellation into an error: the next run()
+        reads the store again anyway."""
+        try:
+            return await self._apply(group)
+        except asyncio.CancelledError:
+            try:
+                self._read_store()
+            except Exception:
+                log.exception("replication backup %s: its position not read back after a cancelled write", self.name)
+            raise
+
     async def _apply(self, group: list[tuple[Frame, bytes]]) -> int | None:
         """Apply frames in order; returns the batch number to acknowledge, if any."""
         ack: int | None = None
         batches: list[Batch] = []
+        size = 0
         for kind, payload in group:
             if kind == Frame.BATCH:
                 batches.append(decode_batch(payload))
+                size += len(payload)
                 continue
             if batches:
-                ack = await self._write_batches(batches)
-                batches = []
+                ack = await self._write_batches(batches, size)
+                batches, size = [], 0
             if kind == Frame.SNAP_BEGIN:
                 self.state = "snapshot"
                 self.caught_up = False
@@ -252,12 +302,13 @@ class Backup:
             else:
                 raise FrameError("frame", f"unexpected {kind.name} from the primary")
         if batches:
-            ack = await self._write_batches(batches)
+            ack = await self._write_batches(batches, size)
         return ack
 
-    async def _write_batches(self, batches: list[Batch]) -> int | None:
-        """Write the batches that follow in order (one synced write batch); then refuse the
-        first that does not. Returns the last batch written."""
+    async def _write_batches(self, batches: list[Batch], size: int) -> int | None:
+        """Write the batches that follow in order (one write batch, synced with ``sync``); then
+        refuse the first that does not. ``size``: their frames' payload bytes (INLINE_BYTES).
+        Returns the last batch written."""
         if self.partial:
             raise ReplicationGapError(0, batches[0].seq)
         ops: list[Op] = []
@@ -275,7 +326,10 @@ class Backup:
             last = batch
         if last is not None:
             ops.append(position_op(last.seq, last.crc))
-            await in_thread(_write, self.db, ops, self.sync)
+            if self.sync or self.state != "in_sync" or size > INLINE_BYTES or len(ops) > INLINE_OPS:
+                await in_thread(_write, self.db, ops, self.sync)
+            else:  # a small group, as the primary writes its own commits without sync: on the loop
+                _write(self.db, ops, False)
             self._applied(last.seq, last.crc)
         if refused is not None:
             raise refused
@@ -283,7 +337,7 @@ class Backup:
 
 
 async def _receive(
-    reader: asyncio.StreamReader, frames: asyncio.Queue[tuple[Frame, bytes]], session: Session
+    reader: asyncio.StreamReader, frames: asyncio.Queue[tuple[Frame, bytes] | None], session: Session
 ) -> None:
     """Queue the primary's frames; a frame that fails its MAC (with a secret) ends the connection
     here, before it is queued: nothing in it is applied."""
@@ -291,13 +345,21 @@ async def _receive(
         await frames.put(await session.read(reader))
 
 
+def _put_end(frames: asyncio.Queue[tuple[Frame, bytes] | None]) -> None:
+    """Queue the receiver's end mark behind its frames (when the queue is full, the reader of the
+    queue finds the receiver done once it emptied it)."""
+    with contextlib.suppress(asyncio.QueueFull):
+        frames.put_nowait(None)
+
+
 def _write(db: Any, ops: list[Op], sync: bool) -> None:
     with db.write_batch(sync=sync) as batch:
+        delete, put = batch.delete, batch.put
         for key, value in ops:
             if value is None:
-                batch.delete(key)
+                delete(key)
             else:
-                batch.put(key, value)
+                put(key, value)
 
 
 def _wipe(db: Any) -> None:

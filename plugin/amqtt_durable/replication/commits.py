@@ -7,12 +7,11 @@ in-sync backup confirmed it; in async mode at once, the batch following right af
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from .config import Mode
 from .framing import Op
-from .primary import PreparedBatch, Primary
+from .primary import PreparedBatch, Primary, Shipped
 
 
 class ReplicatedCommits:
@@ -29,14 +28,16 @@ class ReplicatedCommits:
     def withdraw(self, batch: PreparedBatch) -> None:
         self.primary.withdraw(batch)
 
-    def committed(self, batch: PreparedBatch) -> asyncio.Future[None] | None:
-        shipped = self.primary.committed(batch)
+    def committed(self, batch: PreparedBatch, then: Shipped) -> bool:
+        """Ship the batch. Sync mode: True, and ``then`` gets the outcome once every in-sync backup
+        has it (or never will); async mode: False, acknowledged now, the batch following right
+        after (a demotion that fails it is nobody's concern)."""
         if self.mode == "sync":
-            return shipped
-        shipped.add_done_callback(_retrieve)  # async: nobody waits; a demotion fails it quietly
-        return None
+            self.primary.ship(batch, then)
+            return True
+        self.primary.ship(batch, _ignore)
+        return False
 
 
-def _retrieve(future: asyncio.Future[None]) -> None:
-    if not future.cancelled():
-        future.exception()
+def _ignore(_: BaseException | None) -> None:
+    pass

@@ -101,42 +101,45 @@ class Batch:
 
 def encode_ops(ops: Sequence[Op]) -> bytes:
     parts = [_U32.pack(len(ops))]
+    append, head, u32 = parts.append, _OP_HEAD.pack, _U32.pack  # bound once: this runs per operation
     for key, value in ops:
-        if value is None:
-            parts += (_OP_HEAD.pack(len(key), 1), key)
-        else:
-            parts += (_OP_HEAD.pack(len(key), 0), key, _U32.pack(len(value)), value)
+        append(head(len(key), 0 if value is not None else 1))
+        append(key)
+        if value is not None:
+            append(u32(len(value)))
+            append(value)
     return b"".join(parts)
 
 
-def decode_ops(data: bytes | memoryview, offset: int = 0, what: str = "batch") -> tuple[list[Op], int]:
-    """The operations at ``offset`` and the offset after them."""
-    view = memoryview(data)
+def decode_ops(data: bytes, offset: int = 0, what: str = "batch", end: int | None = None) -> tuple[list[Op], int]:
+    """The operations at ``offset`` and the offset after them; none may reach past ``end`` (the
+    end of ``data`` by default)."""
+    limit = len(data) if end is None else end
+    head, u32 = _OP_HEAD.unpack_from, _U32.unpack_from
     try:
-        (count,) = _U32.unpack_from(view, offset)
+        (count,) = u32(data, offset)
         offset += 4
         ops: list[Op] = []
+        append = ops.append
         for _ in range(count):
-            klen, kind = _OP_HEAD.unpack_from(view, offset)
-            offset += 5
-            key = bytes(view[offset : offset + klen])
-            if len(key) != klen:
-                raise FrameError(what, "truncated key")
-            offset += klen
-            if kind == 1:
-                ops.append((key, None))
-                continue
-            if kind != 0:
+            klen, kind = head(data, offset)
+            start = offset + 5
+            offset = start + klen
+            if kind == 0:
+                (vlen,) = u32(data, offset)
+                value = offset + 4
+                append((data[start:offset], data[value : value + vlen]))
+                offset = value + vlen
+            elif kind == 1:
+                append((data[start:offset], None))
+            else:
                 raise FrameError(what, f"unknown operation kind {kind}")
-            (vlen,) = _U32.unpack_from(view, offset)
-            offset += 4
-            value = bytes(view[offset : offset + vlen])
-            if len(value) != vlen:
-                raise FrameError(what, "truncated value")
-            offset += vlen
-            ops.append((key, value))
     except struct.error as exc:
         raise FrameError(what, f"truncated ({exc})") from exc
+    # A slice past the end is silently short, and offsets only grow: one check covers every operation
+    # (the loop ends anyway, as each operation moves on by at least 5 bytes until a header is past the data).
+    if offset > limit:
+        raise FrameError(what, f"truncated: the operations reach byte {offset} of {limit}")
     return ops, offset
 
 
@@ -147,17 +150,17 @@ def encode_batch(seq: int, store_id: int, ops: Sequence[Op]) -> tuple[bytes, int
     return body + _U32.pack(crc), crc
 
 
-def decode_batch(data: bytes | memoryview) -> Batch:
-    view = memoryview(data)
-    if len(view) < 20 + 4:
-        raise FrameError("batch", f"{len(view)} bytes is shorter than a batch header")
-    (crc,) = _U32.unpack_from(view, len(view) - 4)
-    if zlib.crc32(view[:-4]) != crc:
+def decode_batch(data: bytes) -> Batch:
+    if len(data) < 20 + 4:
+        raise FrameError("batch", f"{len(data)} bytes is shorter than a batch header")
+    end = len(data) - 4
+    (crc,) = _U32.unpack_from(data, end)
+    if zlib.crc32(memoryview(data)[:end]) != crc:
         raise FrameError("batch", "checksum mismatch")
-    seq, store_id = _BATCH_HEAD.unpack_from(view, 0)
-    ops, end = decode_ops(view[:-4], 16)
-    if end != len(view) - 4:
-        raise FrameError("batch", f"{len(view) - 4 - end} bytes after the last operation")
+    seq, store_id = _BATCH_HEAD.unpack_from(data, 0)
+    ops, stop = decode_ops(data, 16, end=end)
+    if stop != end:
+        raise FrameError("batch", f"{end - stop} bytes after the last operation")
     return Batch(seq, store_id, tuple(ops), crc)
 
 

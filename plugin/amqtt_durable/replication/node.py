@@ -100,6 +100,7 @@ class ReplicationNode:
         self._following: str | None = None
         self._follow_stop = asyncio.Event()
         self._follow_task: asyncio.Task[None] | None = None
+        self._ends: set[asyncio.Task[None]] = set()
         self._ha_stop = asyncio.Event()
         self._ha_task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
@@ -398,12 +399,14 @@ class ReplicationNode:
         self._follow_stop = asyncio.Event()
         host, port = split_peer_address(leader.address, f"the coordinator's leader key (written by {leader.name})")
         self._follow_task = asyncio.get_running_loop().create_task(
-            self._follow(previous, host, port, self._follow_stop)
+            self._follow(set(self._ends), host, port, self._follow_stop)
         )
+        self._ends.add(self._follow_task)
+        self._follow_task.add_done_callback(self._ends.discard)
 
-    async def _follow(self, previous: asyncio.Task[None] | None, host: str, port: int, stop: asyncio.Event) -> None:
-        if previous is not None:
-            await _ended(previous)
+    async def _follow(self, previous: set[asyncio.Task[None]], host: str, port: int, stop: asyncio.Event) -> None:
+        for task in previous:
+            await _ended(task)
         await self._stepped_down()  # the demoted broker's last write is finished; the backup end starts after it
         await self.backup.follow(host, port, stop, retry=min(0.5, self.config.loop_wait))
 
@@ -417,7 +420,8 @@ class ReplicationNode:
         if task is not None:
             self._follow_stop.set()
             task.cancel()
-            await _ended(task)  # the backup end's last write is finished
+        for end in list(self._ends):
+            await _ended(end)  # the backup end's last write is finished
 
     async def promote(self) -> None:
         """Become primary (see the module's docstring). Refused (PromotionRefusedError, the node

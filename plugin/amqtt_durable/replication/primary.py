@@ -8,15 +8,17 @@ the newest batch, and the backup acknowledged the snapshot's batch if it was sen
 tells the backup IN_SYNC and the backup counts for sync replication.
 
 The sync-mode contract (XAP's sync replication): the future ``committed`` returns resolves
-once every backup that is connected and in sync acknowledged the batch (applied and synced
-it). A backup that drops out, or stays silent past ``ack_timeout`` with batches outstanding,
-is disconnected and no longer counted, so one dead backup does not stop the primary; it is
-caught up again when it comes back. The order of a commit (store.GroupCommitter through
+(``ship``'s callback is called) once every backup that is connected and in sync acknowledged
+the batch (applied it, and synced it when its broker's ``sync`` is true). A backup that drops
+out, or stays silent past ``ack_timeout`` with batches outstanding, is disconnected and no
+longer counted, so one dead backup does not stop the primary; it is caught up again when it
+comes back. The order of a commit (store.GroupCommitter through
 replication/commits.py)::
 
     prepared = primary.prepare(ops)        # numbers the batch, adds the position op
     write prepared.ops locally             # a retried write reuses the same prepared batch
     future = primary.committed(prepared)   # retained, shipped; sync mode acks after the future
+    # or primary.ship(prepared, then): then(None) in the loop pass that learns the backups have it
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 from ..settings import LISTEN_BACKLOG
@@ -54,6 +57,8 @@ from .tool import join_address
 
 log = logging.getLogger("amqtt_durable.replication")
 
+Shipped = Callable[[BaseException | None], None]
+"""What ``ship`` calls with the outcome of a batch: None, every in-sync backup has it; an error, none will."""
 LinkState = Literal["snapshot", "catching_up", "in_sync"]
 """What STATUS, inspect and $SYS show of a backup (docs/replication.md, Watching it): a link exists
 from its HELLO on, so it is catching up from then until a snapshot starts or it is in sync."""
@@ -84,6 +89,11 @@ class BackupLink:
     writer: asyncio.StreamWriter | None = None
     session: Session = field(default_factory=Session)
     """The connection's frames (with replication.secret: each one MACed, auth.Session)."""
+    live: bool = False
+    """In sync, sent everything, and its socket not backed up: ``ship`` writes each new batch to
+    it at once, in the commit's own loop pass (its sender task sleeps until ``wake``)."""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a live link must go back to its sender task (its socket is backed up or closing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +106,8 @@ class PreparedBatch:
 
 
 class Primary:
-    """Serves backups on ``host:port``; ``prepare``/``committed`` around each local commit."""
+    """Serves backups on ``host:port``; ``prepare`` and ``ship`` (or ``committed``) around each
+    local commit."""
 
     def __init__(
         self,
@@ -128,7 +139,7 @@ class Primary:
         self.on_change = on_change
         self.links: dict[int, BackupLink] = {}
         self._next_seq = position[0] + 1
-        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._waiting: deque[tuple[int, Shipped]] = deque()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._serving: set[asyncio.Task[None]] = set()
@@ -173,17 +184,45 @@ class Primary:
         """The batch is written locally: retain and ship it; the future says every in-sync
         backup has it (at once when none is in sync)."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.ship(batch, partial(_settle, future))
+        return future
+
+    def ship(self, batch: PreparedBatch, then: Shipped) -> None:
+        """``committed`` with a callback for the future: ``then(None)`` once every in-sync backup
+        has the batch (at once when none is in sync), ``then(error)`` when none ever will (the
+        primary closed). Called in commit order, in the loop pass that learns it (the callbacks
+        of a future would wait for the next pass: one more event-loop turn per batch before its
+        PUBACKs)."""
         if self._closed is not None:
-            future.set_exception(self._closed)
-            return future
+            _call(then, self._closed)
+            return
         now = time.monotonic()
         for link in self.links.values():
             if link.state == "in_sync" and link.acked_seq >= link.sent_seq:
                 link.last_progress = now
         self.log.append(batch.seq, batch.crc, batch.data)
-        self._waiting.append((batch.seq, future))
+        for link in self.links.values():
+            if link.live:
+                self._send_live(link, batch)
+        self._waiting.append((batch.seq, then))
         self._resolve()
-        return future
+
+    def _send_live(self, link: BackupLink, batch: PreparedBatch) -> None:
+        """Write ``batch`` to a live link now (no task switch per batch): its sender is parked."""
+        assert link.writer is not None
+        if batch.seq <= link.sent_seq:  # already in the snapshot it was sent (written before this call)
+            return
+        transport = link.writer.transport
+        if transport.is_closing():  # its tasks end it; nothing more is written to it
+            link.live = False
+            link.wake.set()
+            return
+        link.writer.write(link.session.encode(Frame.BATCH, batch.data))
+        link.sent_seq = batch.seq
+        self.log.pin(link, batch.seq)
+        if transport.get_write_buffer_size() > HIGH_WATER:  # the sender waits for the socket to drain
+            link.live = False
+            link.wake.set()
 
     def status(self) -> list[dict[str, Any]]:
         """One row per connected backup, for inspect and ``$SYS/broker/durable/replication/...``:
@@ -249,9 +288,8 @@ class Primary:
             members = acked.keys() | self.sync_set
             upto = min((acked.get(n, self._last_acked.get(n, 0)) for n in members), default=self.log.head_seq)
         while self._waiting and self._waiting[0][0] <= upto:
-            _, future = self._waiting.popleft()
-            if not future.done():
-                future.set_result(None)
+            _, then = self._waiting.popleft()
+            _call(then, None)
 
     def _wanted_sync_set(self) -> frozenset[str]:
         """In-sync backups that also applied everything up to where they became in sync: batches
@@ -323,9 +361,8 @@ class Primary:
                 link.writer.close()
         await self._end_tasks()
         while self._waiting:
-            _, future = self._waiting.popleft()
-            if not future.done():
-                future.set_exception(self._closed)
+            _, then = self._waiting.popleft()
+            _call(then, self._closed)
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -489,7 +526,7 @@ class Primary:
                     self._resolve()
                 pos = None
                 continue
-            if pos >= self.log.head_seq:  # a snapshot may hold a batch not yet handed to committed()
+            if pos >= self.log.head_seq:  # a snapshot may hold a batch not yet handed to ship()
                 if link.state != "in_sync" and snapshot is not None and not _acked(link, snapshot):
                     await writer.drain()
                     await self._acked_or_beyond(link, snapshot, pos)  # then send what came meanwhile
@@ -502,8 +539,22 @@ class Primary:
                     link.last_progress = time.monotonic()
                     self._changed(link, f"in sync at batch {pos}")
                     self._resolve()
-                await writer.drain()
-                await self.log.wait_beyond(pos)
+                pos = await self._live(writer, link, pos)
+
+    async def _live(self, writer: asyncio.StreamWriter, link: BackupLink, pos: int) -> int:
+        """An in-sync link sent everything up to ``pos``: drain its socket; then, unless batches
+        came meanwhile, ``ship`` writes the next batches to it itself, until its socket backs up
+        or closes. Returns the last batch sent."""
+        await writer.drain()
+        if pos < self.log.head_seq:
+            return pos
+        link.wake.clear()
+        link.live = True
+        try:
+            await link.wake.wait()
+        finally:
+            link.live = False
+        return link.sent_seq
 
     async def _acked_or_beyond(self, link: BackupLink, snapshot: tuple[int, int], pos: int) -> None:
         """Return once ``link`` acknowledged the ``snapshot`` (see ``_acked``), or at the next
@@ -591,6 +642,24 @@ async def first_frame(
     except (OSError, asyncio.IncompleteReadError) as exc:
         log.info("replication: a connection from %s ended before its first frame: %r", peer, exc)
         raise
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _call(then: Shipped, error: BaseException | None) -> None:
+    """A ``ship`` callback, run where the primary learns the outcome (an ack reader, ``close``):
+    its failure is logged, not raised into the replication channel."""
+    try:
+        then(error)
+    except Exception:
+        log.exception("replication: a shipped batch's callback failed")
 
 
 def _acked(link: BackupLink, snapshot: tuple[int, int]) -> bool:
