@@ -209,7 +209,8 @@ class DurableClient:
         self._session_present = False
         self._had_session = False  # a durable session was set up in this process
         self._ready_requested = False  # set by ready_for_events()
-        self._ready_sent = False  # on the current connection
+        self._ready_sent = False  # on the current connection (or waiting for its set-up's acks: _ready_deferred)
+        self._ready_deferred = False  # `ready` goes out once this connection's (UN)SUBACKs are in
         self._redelivering = False  # a listener failed; nothing processed since
         self._connections = 0
         self._init_requests_and_acks()
@@ -262,7 +263,7 @@ class DurableClient:
                 on_message=self._handle_message,
                 on_lost=self._handle_lost,
                 on_subscribed=self._handle_subscribed,
-                on_unsubscribed=self._registry.unsubscribed,
+                on_unsubscribed=self._handle_unsubscribed,
                 on_burst=self._end_burst,
             )
         thread = threading.Thread(target=self._run, name=f"durable-client-{self.client_id}", daemon=True)
@@ -466,7 +467,9 @@ class DurableClient:
         """Say the listeners are in place: the broker then replays what it queued, then a marker.
 
         Until then a durable session is held (GemFire's readyForEvents). Remembered: every
-        reconnect sends it again, after the subscriptions. A no-op on a stateless client.
+        reconnect sends it again, after the subscriptions. It goes out once the connection's
+        SUBSCRIBEs and UNSUBSCRIBEs are confirmed, so the marker lists them. A no-op on a
+        stateless client.
         """
         self._check_open()
         if not self._durable:
@@ -474,7 +477,23 @@ class DurableClient:
         with self._lock:
             self._ready_requested = True
             if self._connected and not self._ready_sent:
-                self._ready_sent = True
+                self._send_ready()
+
+    def _send_ready(self) -> None:
+        """(Holding _lock.) Send ``ready`` on this connection once the broker has acknowledged every
+        SUBSCRIBE and UNSUBSCRIBE still open: the broker handles a SUBSCRIBE after control requests
+        that arrived before it (protocol.md), so a ``ready`` sent along with them would get a marker
+        whose ``live`` list, and replay, do not include them yet."""
+        self._ready_sent = True
+        self._ready_deferred = not self._registry.settled()
+        if not self._ready_deferred:
+            self._send_request("ready")
+
+    def _send_deferred_ready(self) -> None:
+        """A SUBACK or UNSUBACK arrived (network thread): the deferred ``ready`` goes out once none is open."""
+        with self._lock:
+            if self._ready_deferred and self._connected and self._registry.settled():
+                self._ready_deferred = False
                 self._send_request("ready")
 
     def subscribe_stream(
@@ -717,7 +736,7 @@ class DurableClient:
         self._new_generation()
         with self._lock:
             self._session_present = ack.session_present
-            self._ready_sent = False
+            self._ready_sent = self._ready_deferred = False
             self._hello_req = req = next(self._req_ids)
             payload = encode_request("hello", req, session_expiry=self._session_expiry)
         self._link_or_raise().publish(CONTROL_TOPIC, payload, 0)
@@ -831,8 +850,7 @@ class DurableClient:
         for stream in self._registry.streams():
             self._open_stream(stream.filter, stream.window, wait=False)
         if self._durable and self._ready_requested:
-            self._ready_sent = True
-            self._send_request("ready")
+            self._send_ready()
 
     def _send_unsubscribe(self, topic_filter: str) -> None:
         """UNSUBSCRIBE; a durable session's is sent again after a reconnect until its UNSUBACK
@@ -1001,8 +1019,13 @@ class DurableClient:
             self._delivery_log.live(marker)
         _safe(self._on_live, marker)
 
+    def _handle_unsubscribed(self, mid: int) -> None:
+        self._registry.unsubscribed(mid)
+        self._send_deferred_ready()
+
     def _handle_subscribed(self, mid: int, ok: bool) -> None:
         subscription = self._registry.subscribed(mid, ok)
+        self._send_deferred_ready()
         if subscription is not None and ok and self._delivery_log is not None:
             # From the SUBACK on, the broker routes to it: what the audit may expect.
             self._delivery_log.subscribe(subscription.filter, subscription.qos, subscription.durable and self._durable)
@@ -1020,6 +1043,7 @@ class DurableClient:
         with self._lock:
             was_connected = self._connected
             self._connected = False
+            self._ready_deferred = False
             self._hello_req = None
             self._handshake_deadline = None
             waiters = list(self._waiters.values())

@@ -69,6 +69,7 @@ class FakeLink:
         self.client: DurableClient | None = None
         self.suback = True
         """Confirm each SUBSCRIBE from another thread, as the network thread would (subscribe() waits)."""
+        self._subacks: list[threading.Thread] = []
         self._mid = 100
 
     def publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> FakeHandle:
@@ -88,8 +89,15 @@ class FakeLink:
         self.sent.append(("subscribe", topic_filter, qos))
         if self.suback and self.client is not None:
             # Blocks on the registry lock until the caller has stored the mid, as a real SUBACK would.
-            threading.Thread(target=self.client._handle_subscribed, args=(self._mid, True)).start()
+            suback = threading.Thread(target=self.client._handle_subscribed, args=(self._mid, True))
+            self._subacks.append(suback)
+            suback.start()
         return self._mid
+
+    def settle(self) -> None:
+        """Wait until every SUBACK the link sent has been handled (a deferred ``ready`` went out)."""
+        for suback in self._subacks:
+            suback.join(5.0)
 
     def unsubscribe(self, topic_filter: str) -> int:
         self._mid += 1
@@ -294,6 +302,7 @@ def test_reconnect_with_session_present_replays_only_what_the_broker_dropped(mak
     client._state.record_stream("other/x", 3)
     lose(client, link)
     connect(client, link, session_present=True)
+    link.settle()
     assert link.wire() == [
         ("interest", "n/#", False),
         ("subscribe", "n/#", 1),
@@ -347,7 +356,29 @@ def test_subscriptions_made_while_disconnected_go_out_on_connect(make: Any) -> N
     client.ready_for_events()
     assert link.sent == []
     connect(client, link, session_present=False)
+    link.settle()
     assert link.wire() == [("interest", "early/#", False), ("subscribe", "early/#", 1), ("ready",)]
+
+
+def test_ready_waits_for_the_subacks_and_unsubacks_of_the_connections_set_up(make: Any) -> None:
+    """sdk.md, the marker lists the live subscriptions: the broker handles a SUBSCRIBE after control
+    requests that arrived before it (protocol.md), so a `ready` sent along with the set-up's
+    SUBSCRIBEs and UNSUBSCRIBEs got a marker without them (a new session's `live` was empty)."""
+    client, link = make()
+    link.suback = False
+    client.subscribe("a/#")
+    client.unsubscribe("old/#")
+    client.ready_for_events()
+    connect(client, link, session_present=True, subscriptions={"old/#": 1})
+    assert link.wire() == [("subscribe", "a/#", 1), ("unsubscribe", "old/#")]
+    subscription = client._registry.get("a/#")
+    assert subscription is not None and subscription.mid is not None
+    client._handle_subscribed(subscription.mid, True)
+    assert ("ready",) not in link.wire()  # the UNSUBACK is still due
+    client._handle_unsubscribed(link._mid)
+    assert link.wire()[-1] == ("ready",)
+    client.ready_for_events()  # one ready per connection
+    assert link.wire().count(("ready",)) == 1
 
 
 def test_unsubscribe_while_disconnected_is_sent_on_reconnect(make: Any) -> None:
@@ -452,6 +483,7 @@ def test_session_present_zero_after_a_session_means_lost(make: Any, recorder: Re
     lose(client, link)
     recorder.calls.clear()
     connect(client, link, session_present=False, epoch=13)
+    link.settle()
     assert recorder.names() == ["session_lost", "connected"]
     assert link.wire() == [
         ("subscribe", "d/#", 1),
