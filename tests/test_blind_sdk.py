@@ -141,14 +141,14 @@ def publish(clients: Callable[..., Client], port: int, topic: str, bodies: list[
 
 
 def test_defaults_host_and_port() -> None:
-    """sdk.md:167 `DurableClient(client_id, host="127.0.0.1", port=1883, ...)`; sdk.md:137
+    """sdk.md:177 `DurableClient(client_id, host="127.0.0.1", port=1883, ...)`; sdk.md:147
     `client.host` and `client.port` name the address in use."""
     client = DurableClient("blind-defaults")
     assert (client.host, client.port) == ("127.0.0.1", 1883)
 
 
 def test_port_out_of_range_message_is_as_documented() -> None:
-    """sdk.md:156-157 a bad value raises `ValueError` whose message starts with the option's
+    """sdk.md:166-167 a bad value raises `ValueError` whose message starts with the option's
     name (`port must be a whole number from 1 to 65535, got 70000`)."""
     with pytest.raises(ValueError) as info:
         DurableClient("blind-port", port=70000)
@@ -156,8 +156,8 @@ def test_port_out_of_range_message_is_as_documented() -> None:
 
 
 def test_seconds_refuse_a_decimal_as_a_wrong_type_and_take_a_fraction() -> None:
-    """sdk.md:163-164 seconds may be any real number (`int`, `float`, `Fraction`, numpy: a
-    `numbers.Real`, which a `Decimal` is not); sdk.md:159-162 a value of the wrong type raises
+    """sdk.md:173-174 seconds may be any real number (`int`, `float`, `Fraction`, numpy: a
+    `numbers.Real`, which a `Decimal` is not); sdk.md:169-172 a value of the wrong type raises
     `WrongTypeError`, both a `ValueError` and a `TypeError`."""
     from decimal import Decimal  # noqa: PLC0415
     from fractions import Fraction  # noqa: PLC0415
@@ -173,9 +173,9 @@ def test_seconds_refuse_a_decimal_as_a_wrong_type_and_take_a_fraction() -> None:
 
 
 def test_publish_checks_topic_before_the_connection() -> None:
-    """sdk.md:155 options and arguments are checked where they are given, before anything is
-    sent; sdk.md:157 `topic: '$SYS/x' starts with $: ...`; sdk.md:195-197 not under `_durable/`:
-    the SDK refuses both before anything is sent; sdk.md:109 `publish()` raises `Unconnected` while disconnected."""
+    """sdk.md:165 options and arguments are checked where they are given, before anything is
+    sent; sdk.md:167 `topic: '$SYS/x' starts with $: ...`; sdk.md:203-207 not under `_durable/`:
+    the SDK refuses both before anything is sent; sdk.md:115 `publish()` raises `Unconnected` while disconnected."""
     client = DurableClient("blind-pubcheck")
     with pytest.raises(ValueError) as info:
         client.publish("$SYS/x", b"1")
@@ -190,7 +190,7 @@ def test_publish_checks_topic_before_the_connection() -> None:
 
 @pytest.mark.parametrize("timeout", [None, 0, -1, float("inf"), float("nan")])
 def test_a_timeout_is_finite_above_0_and_none_is_not_one(timeout: Any) -> None:
-    """sdk.md:201-203 every `timeout` a finite number of seconds above 0 ... `None` is not a
+    """sdk.md:211-213 every `timeout` a finite number of seconds above 0 ... `None` is not a
     timeout: every wait is bounded (`subscribe`, `publish`, `stream_info`, `connect`, `close`)."""
     client = DurableClient("blind-timeout")
     calls: list[Callable[[], Any]] = [
@@ -207,7 +207,7 @@ def test_a_timeout_is_finite_above_0_and_none_is_not_one(timeout: Any) -> None:
 
 
 def test_close_checks_keep_session_before_closing(broker: Broker, made: list[DurableClient]) -> None:
-    """sdk.md:165 the flags (... `keep_session`) must be `True` or `False`; sdk.md:204
+    """sdk.md:175 the flags (... `keep_session`) must be `True` or `False`; sdk.md:214
     `close(keep_session=...)` is checked before anything is closed."""
     client = new_client(made, broker.port, "blind-close-check")
     client.connect(timeout=WAIT)
@@ -225,19 +225,21 @@ def fleet(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_fleet_refuses_broker_kill_with_ha_and_primary_kill_without(tmp_path: Path) -> None:
-    """fleet.md:258-260 `broker_kill` is refused with `--ha` (use primary_kill), and primary_kill
+    """fleet.md:139-141 `broker_kill` is refused with `--ha` (use primary_kill), and primary_kill
     or partition without `--ha`, each with the reason; `--ha` needs `--config` (not `--port`);
-    fleet.md:197 a bad option stops the run before it starts, with exit status 2."""
+    fleet.md:25-26 with `--port` no broker kills (`broker_kill` in `--faults` is refused, exit status 2);
+    fleet.md:77 a bad option stops the run before it starts, with exit status 2."""
     (tmp_path / "broker.yaml").write_text(Path(__file__).parent.parent.joinpath("broker.yaml").read_text())
     port = str(free_port())
     for args in (["--ha", "--faults", "broker_kill=1"], ["--port", port, "--faults", "primary_kill=1"],
-                 ["--port", port, "--faults", "partition=1"], ["--ha", "--port", port]):
+                 ["--port", port, "--faults", "partition=1"], ["--ha", "--port", port],
+                 ["--port", port, "--faults", "broker_kill=1"]):
         out = fleet(tmp_path, *args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
 
 
 def test_fleet_refuses_an_out_folder_with_other_things(tmp_path: Path) -> None:
-    """fleet.md:212-213 Output in `--out` (... a folder that holds other things and no earlier run is refused)."""
+    """fleet.md:92-93 Output in `--out` (... a folder that holds other things and no earlier run is refused)."""
     out_dir = tmp_path / "fleet-out"
     out_dir.mkdir()
     (out_dir / "mine.txt").write_text("precious")
@@ -249,7 +251,7 @@ def test_fleet_refuses_an_out_folder_with_other_things(tmp_path: Path) -> None:
 def test_resubscribing_a_filter_replaces_its_listener(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:112 `subscribe(topic_filter, ...)`: calling it again for the same filter changes that
+    """sdk.md:118-122 `subscribe(topic_filter, ...)`: calling it again for the same filter changes that
     subscription (one listener per filter: the new listener replaces the old); an event goes to the
     listener of every subscription whose filter matches its topic."""
     seen, old, wide = Seen(), Seen(), Seen()
@@ -270,7 +272,7 @@ def test_resubscribing_a_filter_replaces_its_listener(
 
 
 def test_a_state_folder_in_use_by_another_process_is_a_persistence_error(broker: Broker, tmp_path: Path) -> None:
-    """sdk.md:36 a lock keeps two processes off one folder; sdk.md:148 `PersistenceError` (for
+    """sdk.md:39 a lock keeps two processes off one folder; sdk.md:158 `PersistenceError` (for
     example a state folder in use by another process)."""
     state = tmp_path / "state"
     script = (
@@ -297,7 +299,7 @@ def test_a_state_folder_in_use_by_another_process_is_a_persistence_error(broker:
 def test_stream_events_update_the_cache_and_carry_log_ids(
     broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:101 live events (and stream events) update [the cache]; delivery-log.md:66 for a stream
+    """sdk.md:104 live events (and stream events) update [the cache]; delivery-log.md:20 for a stream
     event [seq is] the stream log id and epoch 0; protocol.md:36 epoch 0 for stream events."""
     broker = stream_broker(broker_factory)
     seen = Seen()
@@ -323,8 +325,8 @@ def test_stream_events_update_the_cache_and_carry_log_ids(
     ],
 )
 def test_a_bad_schedule_stops_the_fleet_naming_file_fault_and_field(tmp_path: Path, fault: str, field: str) -> None:
-    """fleet.md:184-187 times like `500ms`, `5s`, `1m30s` or plain seconds; devices are named
-    `--prefix` + an index of at least three digits (`dev-000` ...); fleet.md:197-198 a bad schedule
+    """fleet.md:64-67 times like `500ms`, `5s`, `1m30s` or plain seconds; devices are named
+    `--prefix` + an index of at least three digits (`dev-000` ...); fleet.md:77-78 a bad schedule
     ... stops the run before it starts, with exit status 2 and the file, fault number and field named."""
     schedule = tmp_path / "sched.yaml"
     schedule.write_text(f"faults:\n  - {{at: 1500ms, kind: drop, device: dev-001, for: 1m30s}}\n  - {fault}\n")
@@ -338,9 +340,9 @@ def test_a_bad_schedule_stops_the_fleet_naming_file_fault_and_field(tmp_path: Pa
 def test_ready_before_connect_marker_lists_the_subscriptions(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:115-116 Subscriptions, streams and `ready_for_events()` may be called before `connect()`;
-    sdk.md:11-14 the marker carries ... the live subscriptions (`live`, each a `LiveSubscription` with
-    `filter`, `qos` and `durable`); sdk.md:118-120 `unsubscribe()` of an earlier run's subscription
+    """sdk.md:125-126 Subscriptions, streams and `ready_for_events()` may be called before `connect()`;
+    sdk.md:8-17 the marker carries ... the live subscriptions (`live`, each a `LiveSubscription` with
+    `filter`, `qos` and `durable`); sdk.md:128-130 `unsubscribe()` of an earlier run's subscription
     called while disconnected (the next hello decides). Also after a restart of the client."""
     seen = Seen()
     client = new_client(made, broker.port, "blind-early", seen)
@@ -365,7 +367,7 @@ def test_ready_before_connect_marker_lists_the_subscriptions(
 def test_a_destroyed_entry_blocks_initial_values_until_the_next_marker_and_reads_count_valid_only(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:103-116 a destroyed entry stays destroyed until the next marker (a reconnect's), which
+    """sdk.md:106-115 a destroyed entry stays destroyed until the next marker (a reconnect's), which
     removes it; `cache.get(topic, default=None)` is the value of a valid entry, else `default`;
     `topic in cache`, `len(cache)` and iteration count valid entries only; `entry()` shows any state."""
     publish(clients, broker.port, "t/1", [b"seed"], retain=True)
@@ -408,7 +410,7 @@ def test_a_field_out_of_its_range_is_malformed_and_changes_nothing(
 ) -> None:
     """protocol.md:101-104 `malformed`: a field of the wrong type or out of its range (`session_expiry`
     0 or more, `window` 1 to 1000, `after` ids 0 or more, `id` 1 or more, a string field empty);
-    protocol.md:106 a refused request changes nothing: the connection stays up."""
+    protocol.md:108 a refused request changes nothing: the connection stays up."""
     broker = stream_broker(broker_factory)
     raw = clients(broker.port, "blind-range")
     reply = ctl(raw, {"v": 1, "req": 5, **request_fields})
@@ -428,7 +430,7 @@ def test_a_request_in_another_encoding_than_utf8_is_malformed(broker: Broker, cl
 def test_subscribe_stream_to_a_filter_no_stream_covers(
     broker_factory: Callable[..., Broker], made: list[DurableClient]
 ) -> None:
-    """streams.md:18-23 connected, `subscribe_stream` returns at the broker's answer, and a refusal
+    """streams.md:17-23 connected, `subscribe_stream` returns at the broker's answer, and a refusal
     raises `ControlRequestFailed` (`unknown_stream` for a filter no configured stream covers) and keeps
     nothing; called before `connect()`, a refusal at the connect is a WARNING (`the broker refused
     'stream_subscribe' ...`)."""
@@ -450,7 +452,7 @@ def test_subscribe_stream_to_a_filter_no_stream_covers(
 def test_one_network_thread_calls_every_listener_and_callback_one_at_a_time(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:147-148 Threads: `connect()` starts one network thread; it calls every listener and
+    """sdk.md:154-155 Threads: `connect()` starts one network thread; it calls every listener and
     callback, one at a time (README.md:73 the listener runs on the client's network thread, in order)."""
     threads: list[tuple[str, int]] = []
     busy = threading.Lock()
@@ -491,10 +493,10 @@ def test_one_network_thread_calls_every_listener_and_callback_one_at_a_time(
 def test_a_cpl2_client_with_a_delivery_log_resumes_a_stream_after_the_logs_last_receive(
     broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
-    """delivery-log.md:86-92 a `DurableClient` created with both [`persistence="disk"` and a delivery
+    """delivery-log.md:40-44 a `DurableClient` created with both [`persistence="disk"` and a delivery
     log] reads the last 64 KiB of its existing log before it connects and takes the last `receive`
     records of its own client id: ... the device's very last `receive`, when it is a stream event,
-    moves that topic's position forward; delivery-log.md:66 for a stream event [seq is] the stream
+    moves that topic's position forward; delivery-log.md:20 for a stream event [seq is] the stream
     log id and epoch 0."""
     broker = stream_broker(broker_factory)
     log = tmp_path / "reader.jsonl"
@@ -522,3 +524,21 @@ def test_a_cpl2_client_with_a_delivery_log_resumes_a_stream_after_the_logs_last_
     assert second.wait(lambda: len(second.events) >= 1)
     c2.close()
     assert [(e.seq, e.payload) for e in second.events] == [(6, b"e6")]
+
+
+def test_the_async_clients_coroutines_and_shared_attributes() -> None:
+    """sdk.md:260-266 `subscribe`, `subscribe_stream`, `unsubscribe`, `publish`, `stream_info`,
+    `connect` and `close(keep_session=...)` are coroutines; `ready_for_events()` and `live()` are
+    coroutines too, `events()` is not; `cache`, `stats`, `connected` and `persistence_level` are
+    the threaded client's."""
+    import inspect  # noqa: PLC0415
+
+    from durable_client import AsyncDurableClient  # noqa: PLC0415
+
+    for name in ("subscribe", "subscribe_stream", "unsubscribe", "publish", "stream_info", "connect", "close",
+                 "ready_for_events", "live"):
+        assert inspect.iscoroutinefunction(getattr(AsyncDurableClient, name)), name
+    assert not inspect.iscoroutinefunction(AsyncDurableClient.events)
+    client = AsyncDurableClient("blind-async-attrs", HOST, free_port())
+    assert client.connected is False and client.persistence_level == "memory"
+    assert client.cache.get("x") is None and client.stats is not None
