@@ -33,7 +33,6 @@ from durable_client import (
 STREAMS = [{"filter": "telemetry/#", "max_count": 1000, "max_age": 0}]
 CTL = "_durable/v1/ctl"
 REPLY = "$durable/v1/reply"
-MARKER = "$durable/v1/marker"
 
 
 class Seen:
@@ -46,33 +45,26 @@ class Seen:
         self.connected: list[Any] = []
         self.disconnected: list[Any] = []
 
-    def on_event(self, event: Event) -> None:
+    def _add(self, bucket: list[Any], item: Any) -> None:
         with self.cond:
-            self.events.append(event)
+            bucket.append(item)
             self.cond.notify_all()
+
+    def on_event(self, event: Event) -> None:
+        self._add(self.events, event)
 
     def on_live(self, marker: Marker) -> None:
-        with self.cond:
-            self.markers.append(marker)
-            self.cond.notify_all()
+        self._add(self.markers, marker)
 
     def on_connected(self, info: Any) -> None:
-        with self.cond:
-            self.connected.append(info)
-            self.cond.notify_all()
+        self._add(self.connected, info)
 
     def on_disconnected(self, reason: Any) -> None:
-        with self.cond:
-            self.disconnected.append(reason)
-            self.cond.notify_all()
+        self._add(self.disconnected, reason)
 
     def wait(self, predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
         with self.cond:
             return self.cond.wait_for(predicate, timeout)
-
-    def payloads(self) -> list[bytes]:
-        with self.cond:
-            return [e.payload for e in self.events]
 
 
 class LogWatch(logging.Handler):
