@@ -133,14 +133,14 @@ def publish(clients: Callable[..., Client], port: int, topic: str, bodies: list[
 
 
 def test_defaults_host_and_port() -> None:
-    """sdk.md:177 `DurableClient(client_id, host="127.0.0.1", port=1883, ...)`; sdk.md:147
+    """sdk.md:180 `DurableClient(client_id, host="127.0.0.1", port=1883, ...)`; sdk.md:150
     `client.host` and `client.port` name the address in use."""
     client = DurableClient("blind-defaults")
     assert (client.host, client.port) == ("127.0.0.1", 1883)
 
 
 def test_port_out_of_range_message_is_as_documented() -> None:
-    """sdk.md:166-167 a bad value raises `ValueError` whose message starts with the option's
+    """sdk.md:169-170 a bad value raises `ValueError` whose message starts with the option's
     name (`port must be a whole number from 1 to 65535, got 70000`)."""
     with pytest.raises(ValueError) as info:
         DurableClient("blind-port", port=70000)
@@ -148,8 +148,8 @@ def test_port_out_of_range_message_is_as_documented() -> None:
 
 
 def test_seconds_refuse_a_decimal_as_a_wrong_type_and_take_a_fraction() -> None:
-    """sdk.md:173-174 seconds may be any real number (`int`, `float`, `Fraction`, numpy: a
-    `numbers.Real`, which a `Decimal` is not); sdk.md:169-172 a value of the wrong type raises
+    """sdk.md:176-177 seconds may be any real number (`int`, `float`, `Fraction`, numpy: a
+    `numbers.Real`, which a `Decimal` is not); sdk.md:172-175 a value of the wrong type raises
     `WrongTypeError`, both a `ValueError` and a `TypeError`."""
     from decimal import Decimal  # noqa: PLC0415
     from fractions import Fraction  # noqa: PLC0415
@@ -165,8 +165,8 @@ def test_seconds_refuse_a_decimal_as_a_wrong_type_and_take_a_fraction() -> None:
 
 
 def test_publish_checks_topic_before_the_connection() -> None:
-    """sdk.md:165 options and arguments are checked where they are given, before anything is
-    sent; sdk.md:167 `topic: '$SYS/x' starts with $: ...`; sdk.md:203-207 not under `_durable/`:
+    """sdk.md:168 options and arguments are checked where they are given, before anything is
+    sent; sdk.md:170 `topic: '$SYS/x' starts with $: ...`; sdk.md:206-210 not under `_durable/`:
     the SDK refuses both before anything is sent; sdk.md:115 `publish()` raises `Unconnected` while disconnected."""
     client = DurableClient("blind-pubcheck")
     with pytest.raises(ValueError) as info:
@@ -182,7 +182,7 @@ def test_publish_checks_topic_before_the_connection() -> None:
 
 @pytest.mark.parametrize("timeout", [None, 0, -1, float("inf"), float("nan")])
 def test_a_timeout_is_finite_above_0_and_none_is_not_one(timeout: Any) -> None:
-    """sdk.md:211-213 every `timeout` a finite number of seconds above 0 ... `None` is not a
+    """sdk.md:214-216 every `timeout` a finite number of seconds above 0 ... `None` is not a
     timeout: every wait is bounded (`subscribe`, `publish`, `stream_info`, `connect`, `close`)."""
     client = DurableClient("blind-timeout")
     calls: list[Callable[[], Any]] = [
@@ -199,7 +199,7 @@ def test_a_timeout_is_finite_above_0_and_none_is_not_one(timeout: Any) -> None:
 
 
 def test_close_checks_keep_session_before_closing(broker: Broker, made: list[DurableClient]) -> None:
-    """sdk.md:175 the flags (... `keep_session`) must be `True` or `False`; sdk.md:214
+    """sdk.md:178 the flags (... `keep_session`) must be `True` or `False`; sdk.md:217
     `close(keep_session=...)` is checked before anything is closed."""
     client = new_client(made, broker.port, "blind-close-check")
     client.connect(timeout=WAIT)
@@ -264,7 +264,7 @@ def test_resubscribing_a_filter_replaces_its_listener(
 
 
 def test_a_state_folder_in_use_by_another_process_is_a_persistence_error(broker: Broker, tmp_path: Path) -> None:
-    """sdk.md:39 a lock keeps two processes off one folder; sdk.md:158 `PersistenceError` (for
+    """sdk.md:39 a lock keeps two processes off one folder; sdk.md:161 `PersistenceError` (for
     example a state folder in use by another process)."""
     state = tmp_path / "state"
     script = (
@@ -333,7 +333,7 @@ def test_ready_before_connect_marker_lists_the_subscriptions(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
     """sdk.md:125-126 Subscriptions, streams and `ready_for_events()` may be called before `connect()`;
-    sdk.md:8-17 the marker carries ... the live subscriptions (`live`, each a `LiveSubscription` with
+    sdk.md:8-16 the marker carries ... the live subscriptions (`live`, each a `LiveSubscription` with
     `filter`, `qos` and `durable`); sdk.md:128-130 `unsubscribe()` of an earlier run's subscription
     called while disconnected (the next hello decides). Also after a restart of the client."""
     seen = Seen()
@@ -402,7 +402,7 @@ def test_a_field_out_of_its_range_is_malformed_and_changes_nothing(
 ) -> None:
     """protocol.md:101-104 `malformed`: a field of the wrong type or out of its range (`session_expiry`
     0 or more, `window` 1 to 1000, `after` ids 0 or more, `id` 1 or more, a string field empty);
-    protocol.md:108 a refused request changes nothing: the connection stays up."""
+    protocol.md:107 a refused request changes nothing: the connection stays up."""
     broker = stream_broker(broker_factory)
     raw = clients(broker.port, "blind-range")
     reply = ctl(raw, {"v": 1, "req": 5, **request_fields})
@@ -444,7 +444,7 @@ def test_subscribe_stream_to_a_filter_no_stream_covers(
 def test_one_network_thread_calls_every_listener_and_callback_one_at_a_time(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:154-155 Threads: `connect()` starts one network thread; it calls every listener and
+    """sdk.md:157-158 Threads: `connect()` starts one network thread; it calls every listener and
     callback, one at a time (README.md:73 the listener runs on the client's network thread, in order)."""
     threads: list[tuple[str, int]] = []
     busy = threading.Lock()
@@ -519,7 +519,7 @@ def test_a_cpl2_client_with_a_delivery_log_resumes_a_stream_after_the_logs_last_
 
 
 def test_the_async_clients_coroutines_and_shared_attributes() -> None:
-    """sdk.md:260-266 `subscribe`, `subscribe_stream`, `unsubscribe`, `publish`, `stream_info`,
+    """sdk.md:264-269 `subscribe`, `subscribe_stream`, `unsubscribe`, `publish`, `stream_info`,
     `connect` and `close(keep_session=...)` are coroutines; `ready_for_events()` and `live()` are
     coroutines too, `events()` is not; `cache`, `stats`, `connected` and `persistence_level` are
     the threaded client's."""
