@@ -534,3 +534,61 @@ def test_the_async_clients_coroutines_and_shared_attributes() -> None:
     client = AsyncDurableClient("blind-async-attrs", HOST, free_port())
     assert client.connected is False and client.persistence_level == "memory"
     assert client.cache.get("x") is None and client.stats is not None
+
+
+def test_the_hold_keeps_the_sessions_messages_not_stream_events(
+    broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md:6-8 after (re)connecting the broker sends none of the session's messages until
+    `ready_for_events()` (stream events of `subscribe_stream` are not held); sdk.md:17-18 events that
+    arrived between its SUBSCRIBE and `ready_for_events()` count as replayed."""
+    broker = stream_broker(broker_factory)
+    publish(clients, broker.port, "telemetry/h", [b"s1"])
+    seen = Seen()
+    client = new_client(made, broker.port, "blind-hold-streams", seen)
+    client.subscribe("q/#", listener=seen.on_event)
+    client.subscribe_stream("telemetry/#", seen.on_event)
+    client.connect(timeout=WAIT)
+    publish(clients, broker.port, "q/a", [b"q1"])
+    assert seen.wait(lambda: [e.payload for e in seen.events] == [b"s1"])  # the stream, not the held queue
+    publish(clients, broker.port, "telemetry/h", [b"s2"])
+    assert seen.wait(lambda: len(seen.events) == 2)
+    assert [e.payload for e in seen.events] == [b"s1", b"s2"] and not seen.markers
+    client.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1 and len(seen.events) == 3)
+    assert seen.events[2].payload == b"q1" and seen.events[2].replayed and seen.markers[0].replayed == 1
+
+
+@pytest.mark.parametrize("qos", [1, 2])
+def test_a_control_request_at_qos_1_or_2_is_acknowledged_and_answered(
+    broker: Broker, clients: Callable[..., Client], qos: int
+) -> None:
+    """protocol.md:13 `_durable/v1/ctl` ... QoS 0 (QoS 1 and 2 are accepted, but a retransmitted
+    request is handled again); protocol.md:62-63 the PUBACK (or PUBREC) of a request sent at QoS 1
+    or 2 says it was received."""
+    raw = clients(broker.port, f"blind-ctl-qos{qos}")
+    seen = sum(1 for m in raw.wait_messages(0) if m.topic == REPLY)
+    info = raw.paho.publish(CTL, json.dumps({"v": 1, "op": "hello", "req": 11}).encode(), qos=qos)
+    info.wait_for_publish(WAIT)
+    assert info.is_published()
+    assert raw.wait_for(lambda ms: sum(1 for m in ms if m.topic == REPLY) > seen)
+    reply = json.loads([m.payload for m in raw.messages if m.topic == REPLY][seen])
+    assert (reply["op"], reply["req"], reply["ok"]) == ("hello", 11, True)
+
+
+def test_a_str_payload_is_sent_as_utf8_and_one_that_cannot_be_is_a_value_error_naming_it(
+    broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md:169-171 a bad value raises `ValueError` whose message starts with the option's or
+    argument's name; sdk.md:173-174 a payload that is neither `bytes` nor `str` is a `TypeError` (so a
+    `str` is a payload: sent as UTF-8, as the password is; a lone surrogate cannot be)."""
+    receiver = clients(broker.port, "blind-str-rx", clean_session=True)
+    receiver.subscribe("str/#", 1)
+    client = new_client(made, broker.port, "blind-str", durable_session=False)
+    client.connect(timeout=WAIT)
+    client.publish("str/a", "grüße")
+    assert receiver.wait_for(lambda ms: len(ms) == 1) and receiver.messages[0].payload == "grüße".encode()
+    with pytest.raises(ValueError, match=r"^payload") as refused:
+        client.publish("str/a", "bad \ud800")
+    assert not isinstance(refused.value, UnicodeError)
+    assert client.connected

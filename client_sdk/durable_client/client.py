@@ -1147,7 +1147,12 @@ def _publishable(topic: str, payload: bytes | str) -> bytes:
     and a ValueError) for a payload neither bytes nor str."""
     check_topic(topic)
     if isinstance(payload, str):
-        return payload.encode()
+        try:
+            return payload.encode()
+        except UnicodeEncodeError:  # a lone surrogate: a ValueError that names the argument, as every other
+            raise ValueError(
+                f"payload must be bytes or a str valid in UTF-8 (a lone surrogate is not), got {payload[:40]!r}"
+            ) from None
     if isinstance(payload, bytes | bytearray | memoryview):
         return bytes(payload)
     raise WrongTypeError(f"payload must be bytes or str, got {type(payload).__name__}")
