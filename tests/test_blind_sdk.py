@@ -592,3 +592,23 @@ def test_a_str_payload_is_sent_as_utf8_and_one_that_cannot_be_is_a_value_error_n
         client.publish("str/a", "bad \ud800")
     assert not isinstance(refused.value, UnicodeError)
     assert client.connected
+
+
+@pytest.mark.parametrize(
+    ("named", "call"),
+    [
+        ("host", lambda: DurableClient("c", host="h\ud800")),
+        ("failover host", lambda: DurableClient("c", failover=[("h\ud800", 1884)])),
+        ("state_dir", lambda: DurableClient("c", persistence="disk", state_dir="/tmp/\ud800")),
+        ("delivery_log", lambda: DurableClient("c", delivery_log="/tmp/\ud800.jsonl")),
+        ("after", lambda: DurableClient("c").subscribe_stream("t/#", print, after={"t/\ud800": 1})),
+        ("after", lambda: DurableClient("c").subscribe_stream("t/#", print, after={"t/a\x00": 1})),
+    ],
+)
+def test_a_string_no_encoding_can_carry_is_a_value_error_naming_the_option(named: str, call: Callable[[], Any]) -> None:
+    """sdk.md:169-171 a bad value raises `ValueError` whose message starts with the option's or
+    argument's name; sdk.md:184-185 `host` a host name or an IP address; streams.md:31-32 `after` a
+    dict of topics ... (else `ValueError`). A lone surrogate names no host, file or topic."""
+    with pytest.raises(ValueError, match=f"^{named}") as refused:
+        call()
+    assert not isinstance(refused.value, UnicodeError), refused.value
