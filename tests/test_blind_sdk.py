@@ -133,14 +133,14 @@ def publish(clients: Callable[..., Client], port: int, topic: str, bodies: list[
 
 
 def test_defaults_host_and_port() -> None:
-    """sdk.md:180 `DurableClient(client_id, host="127.0.0.1", port=1883, ...)`; sdk.md:150
+    """sdk.md:187 `DurableClient(client_id, host="127.0.0.1", port=1883, ...)`; sdk.md:157
     `client.host` and `client.port` name the address in use."""
     client = DurableClient("blind-defaults")
     assert (client.host, client.port) == ("127.0.0.1", 1883)
 
 
 def test_port_out_of_range_message_is_as_documented() -> None:
-    """sdk.md:169-170 a bad value raises `ValueError` whose message starts with the option's
+    """sdk.md:176-177 a bad value raises `ValueError` whose message starts with the option's
     name (`port must be a whole number from 1 to 65535, got 70000`)."""
     with pytest.raises(ValueError) as info:
         DurableClient("blind-port", port=70000)
@@ -148,8 +148,8 @@ def test_port_out_of_range_message_is_as_documented() -> None:
 
 
 def test_seconds_refuse_a_decimal_as_a_wrong_type_and_take_a_fraction() -> None:
-    """sdk.md:176-177 seconds may be any real number (`int`, `float`, `Fraction`, numpy: a
-    `numbers.Real`, which a `Decimal` is not); sdk.md:172-175 a value of the wrong type raises
+    """sdk.md:184 seconds may be any real number (`int`, `float`, `Fraction`, numpy: a
+    `numbers.Real`, which a `Decimal` is not); sdk.md:179-181 a value of the wrong type raises
     `WrongTypeError`, both a `ValueError` and a `TypeError`."""
     from decimal import Decimal  # noqa: PLC0415
     from fractions import Fraction  # noqa: PLC0415
@@ -165,9 +165,9 @@ def test_seconds_refuse_a_decimal_as_a_wrong_type_and_take_a_fraction() -> None:
 
 
 def test_publish_checks_topic_before_the_connection() -> None:
-    """sdk.md:168 options and arguments are checked where they are given, before anything is
-    sent; sdk.md:170 `topic: '$SYS/x' starts with $: ...`; sdk.md:206-210 not under `_durable/`:
-    the SDK refuses both before anything is sent; sdk.md:115 `publish()` raises `Unconnected` while disconnected."""
+    """sdk.md:175 options and arguments are checked where they are given, before anything is
+    sent; sdk.md:177 `topic: '$SYS/x' starts with $: ...`; sdk.md:217-219 not under `_durable/`:
+    the SDK refuses both before anything is sent; sdk.md:116 `publish()` raises `Unconnected` while disconnected."""
     client = DurableClient("blind-pubcheck")
     with pytest.raises(ValueError) as info:
         client.publish("$SYS/x", b"1")
@@ -182,7 +182,7 @@ def test_publish_checks_topic_before_the_connection() -> None:
 
 @pytest.mark.parametrize("timeout", [None, 0, -1, float("inf"), float("nan")])
 def test_a_timeout_is_finite_above_0_and_none_is_not_one(timeout: Any) -> None:
-    """sdk.md:214-216 every `timeout` a finite number of seconds above 0 ... `None` is not a
+    """sdk.md:223-225 every `timeout` a finite number of seconds above 0 ... `None` is not a
     timeout: every wait is bounded (`subscribe`, `publish`, `stream_info`, `connect`, `close`)."""
     client = DurableClient("blind-timeout")
     calls: list[Callable[[], Any]] = [
@@ -199,7 +199,7 @@ def test_a_timeout_is_finite_above_0_and_none_is_not_one(timeout: Any) -> None:
 
 
 def test_close_checks_keep_session_before_closing(broker: Broker, made: list[DurableClient]) -> None:
-    """sdk.md:178 the flags (... `keep_session`) must be `True` or `False`; sdk.md:217
+    """sdk.md:185 the flags (... `keep_session`) must be `True` or `False`; sdk.md:226
     `close(keep_session=...)` is checked before anything is closed."""
     client = new_client(made, broker.port, "blind-close-check")
     client.connect(timeout=WAIT)
@@ -243,7 +243,7 @@ def test_fleet_refuses_an_out_folder_with_other_things(tmp_path: Path) -> None:
 def test_resubscribing_a_filter_replaces_its_listener(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:118-122 `subscribe(topic_filter, ...)`: calling it again for the same filter changes that
+    """sdk.md:119-123 `subscribe(topic_filter, ...)`: calling it again for the same filter changes that
     subscription (one listener per filter: the new listener replaces the old); an event goes to the
     listener of every subscription whose filter matches its topic."""
     seen, old, wide = Seen(), Seen(), Seen()
@@ -264,7 +264,7 @@ def test_resubscribing_a_filter_replaces_its_listener(
 
 
 def test_a_state_folder_in_use_by_another_process_is_a_persistence_error(broker: Broker, tmp_path: Path) -> None:
-    """sdk.md:39 a lock keeps two processes off one folder; sdk.md:161 `PersistenceError` (for
+    """sdk.md:40 a lock keeps two processes off one folder; sdk.md:168 `PersistenceError` (for
     example a state folder in use by another process)."""
     state = tmp_path / "state"
     script = (
@@ -291,7 +291,7 @@ def test_a_state_folder_in_use_by_another_process_is_a_persistence_error(broker:
 def test_stream_events_update_the_cache_and_carry_log_ids(
     broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:104 live events (and stream events) update [the cache]; delivery-log.md:20 for a stream
+    """sdk.md:105 live events (and stream events) update [the cache]; delivery-log.md:20 for a stream
     event [seq is] the stream log id and epoch 0; protocol.md:36 epoch 0 for stream events."""
     broker = stream_broker(broker_factory)
     seen = Seen()
@@ -332,9 +332,9 @@ def test_a_bad_schedule_stops_the_fleet_naming_file_fault_and_field(tmp_path: Pa
 def test_ready_before_connect_marker_lists_the_subscriptions(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:125-126 Subscriptions, streams and `ready_for_events()` may be called before `connect()`;
-    sdk.md:8-16 the marker carries ... the live subscriptions (`live`, each a `LiveSubscription` with
-    `filter`, `qos` and `durable`); sdk.md:128-130 `unsubscribe()` of an earlier run's subscription
+    """sdk.md:126-127 Subscriptions, streams and `ready_for_events()` may be called before `connect()`;
+    sdk.md:9-17 the marker carries ... the live subscriptions (`live`, each a `LiveSubscription` with
+    `filter`, `qos` and `durable`); sdk.md:130-131 `unsubscribe()` of an earlier run's subscription
     called while disconnected (the next hello decides). Also after a restart of the client."""
     seen = Seen()
     client = new_client(made, broker.port, "blind-early", seen)
@@ -359,7 +359,7 @@ def test_ready_before_connect_marker_lists_the_subscriptions(
 def test_a_destroyed_entry_blocks_initial_values_until_the_next_marker_and_reads_count_valid_only(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:106-115 a destroyed entry stays destroyed until the next marker (a reconnect's), which
+    """sdk.md:109-116 a destroyed entry stays destroyed until the next marker (a reconnect's), which
     removes it; `cache.get(topic, default=None)` is the value of a valid entry, else `default`;
     `topic in cache`, `len(cache)` and iteration count valid entries only; `entry()` shows any state."""
     publish(clients, broker.port, "t/1", [b"seed"], retain=True)
@@ -422,7 +422,7 @@ def test_a_request_in_another_encoding_than_utf8_is_malformed(broker: Broker, cl
 def test_subscribe_stream_to_a_filter_no_stream_covers(
     broker_factory: Callable[..., Broker], made: list[DurableClient]
 ) -> None:
-    """streams.md:17-23 connected, `subscribe_stream` returns at the broker's answer, and a refusal
+    """streams.md:18-23 connected, `subscribe_stream` returns at the broker's answer, and a refusal
     raises `ControlRequestFailed` (`unknown_stream` for a filter no configured stream covers) and keeps
     nothing; called before `connect()`, a refusal at the connect is a WARNING (`the broker refused
     'stream_subscribe' ...`)."""
@@ -444,7 +444,7 @@ def test_subscribe_stream_to_a_filter_no_stream_covers(
 def test_one_network_thread_calls_every_listener_and_callback_one_at_a_time(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:157-158 Threads: `connect()` starts one network thread; it calls every listener and
+    """sdk.md:164-165 Threads: `connect()` starts one network thread; it calls every listener and
     callback, one at a time (README.md:73 the listener runs on the client's network thread, in order)."""
     threads: list[tuple[str, int]] = []
     busy = threading.Lock()
@@ -519,7 +519,7 @@ def test_a_cpl2_client_with_a_delivery_log_resumes_a_stream_after_the_logs_last_
 
 
 def test_the_async_clients_coroutines_and_shared_attributes() -> None:
-    """sdk.md:264-269 `subscribe`, `subscribe_stream`, `unsubscribe`, `publish`, `stream_info`,
+    """sdk.md:273-278 `subscribe`, `subscribe_stream`, `unsubscribe`, `publish`, `stream_info`,
     `connect` and `close(keep_session=...)` are coroutines; `ready_for_events()` and `live()` are
     coroutines too, `events()` is not; `cache`, `stats`, `connected` and `persistence_level` are
     the threaded client's."""
@@ -579,8 +579,8 @@ def test_a_control_request_at_qos_1_or_2_is_acknowledged_and_answered(
 def test_a_str_payload_is_sent_as_utf8_and_one_that_cannot_be_is_a_value_error_naming_it(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:169-171 a bad value raises `ValueError` whose message starts with the option's or
-    argument's name; sdk.md:173-174 a payload that is neither `bytes` nor `str` is a `TypeError` (so a
+    """sdk.md:176-177 a bad value raises `ValueError` whose message starts with the option's or
+    argument's name; sdk.md:181-182 a payload that is neither `bytes` nor `str` is a `TypeError` (so a
     `str` is a payload: sent as UTF-8, as the password is; a lone surrogate cannot be)."""
     receiver = clients(broker.port, "blind-str-rx", clean_session=True)
     receiver.subscribe("str/#", 1)
@@ -606,8 +606,8 @@ def test_a_str_payload_is_sent_as_utf8_and_one_that_cannot_be_is_a_value_error_n
     ],
 )
 def test_a_string_no_encoding_can_carry_is_a_value_error_naming_the_option(named: str, call: Callable[[], Any]) -> None:
-    """sdk.md:169-171 a bad value raises `ValueError` whose message starts with the option's or
-    argument's name; sdk.md:184-185 `host` a host name or an IP address; streams.md:31-32 `after` a
+    """sdk.md:176-177 a bad value raises `ValueError` whose message starts with the option's or
+    argument's name; sdk.md:194-196 `host` a host name or an IP address; streams.md:30-32 `after` a
     dict of topics ... (else `ValueError`). A lone surrogate names no host, file or topic."""
     with pytest.raises(ValueError, match=f"^{named}") as refused:
         call()
