@@ -422,7 +422,7 @@ def test_a_request_in_another_encoding_than_utf8_is_malformed(broker: Broker, cl
 def test_subscribe_stream_to_a_filter_no_stream_covers(
     broker_factory: Callable[..., Broker], made: list[DurableClient]
 ) -> None:
-    """streams.md:18-23 connected, `subscribe_stream` returns at the broker's answer, and a refusal
+    """streams.md:18-24 connected, `subscribe_stream` returns at the broker's answer, and a refusal
     raises `ControlRequestFailed` (`unknown_stream` for a filter no configured stream covers) and keeps
     nothing; called before `connect()`, a refusal at the connect is a WARNING (`the broker refused
     'stream_subscribe' ...`)."""
@@ -439,6 +439,43 @@ def test_subscribe_stream_to_a_filter_no_stream_covers(
     assert refused.value.code == "unknown_stream" and refused.value.message
     with pytest.raises(ControlRequestFailed):  # nothing was kept: the same call is refused the same way
         client.subscribe_stream("other/#", lambda e: None)
+
+
+@pytest.mark.parametrize("persistence", ["memory", "disk"])
+def test_a_refused_stream_subscribe_keeps_none_of_its_after_positions(
+    broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client],
+    tmp_path: Path, persistence: str,
+) -> None:
+    """streams.md:18-22 connected, a refusal raises `ControlRequestFailed` and keeps nothing;
+    streams.md:29-30 `after` replaces the client's positions for those topics: a refused call's
+    `after` (here over `max_stream_entries_per_client`) leaves them as they were: none for
+    telemetry/a (read from id 1), 3 for telemetry/b (read from 4), also after a restart on disk."""
+    broker = stream_broker(broker_factory, max_stream_entries_per_client=1)
+    publisher = clients(broker.port, "blind-after-pub", clean_session=True)
+    publisher.publish("telemetry/a", [b"1", b"2", b"3"])
+    publisher.publish("telemetry/b", [b"1", b"2", b"3"])
+    options: dict[str, Any] = {"persistence": persistence, "durable_session": False}
+    if persistence == "disk":
+        options["state_dir"] = str(tmp_path / "state")
+    client = new_client(made, broker.port, "blind-after", **options)
+    client.connect(timeout=WAIT)
+    client.subscribe_stream("telemetry/b", lambda e: None, after={"telemetry/b": 3})  # nothing to read
+    client.unsubscribe("telemetry/b")
+    client.subscribe_stream("telemetry/c", lambda e: None)  # the one entry allowed
+    with pytest.raises(ControlRequestFailed):
+        client.subscribe_stream("telemetry/+", lambda e: None, after={"telemetry/a": 2, "telemetry/b": 1})
+    client.unsubscribe("telemetry/c")
+    if persistence == "disk":
+        client.close()
+        client = new_client(made, broker.port, "blind-after", **options)
+        client.connect(timeout=WAIT)
+    seen = Seen()
+    client.subscribe_stream("telemetry/+", seen.on_event)
+    assert seen.wait(lambda: len(seen.events) == 3)
+    publisher.publish("telemetry/b", [b"4"])
+    assert seen.wait(lambda: len(seen.events) == 4)
+    assert [(e.topic, e.seq) for e in seen.events] == [("telemetry/a", 1), ("telemetry/a", 2), ("telemetry/a", 3),
+                                                       ("telemetry/b", 4)]
 
 
 def test_one_network_thread_calls_every_listener_and_callback_one_at_a_time(
@@ -607,7 +644,7 @@ def test_a_str_payload_is_sent_as_utf8_and_one_that_cannot_be_is_a_value_error_n
 )
 def test_a_string_no_encoding_can_carry_is_a_value_error_naming_the_option(named: str, call: Callable[[], Any]) -> None:
     """sdk.md:176-177 a bad value raises `ValueError` whose message starts with the option's or
-    argument's name; sdk.md:194-196 `host` a host name or an IP address; streams.md:30-32 `after` a
+    argument's name; sdk.md:194-196 `host` a host name or an IP address; streams.md:31-33 `after` a
     dict of topics ... (else `ValueError`). A lone surrogate names no host, file or topic."""
     with pytest.raises(ValueError, match=f"^{named}") as refused:
         call()

@@ -536,6 +536,8 @@ class DurableClient:
                         f"after: the stream subscription {stream.filter!r} already reads {', '.join(moved)}, which "
                         "'after' cannot move; unsubscribe it first"
                     )
+            held = self._state.positions()
+            replaced: dict[str, int | None] = {topic: held.get(topic) for topic in positions}
             for topic, last_id in positions.items():
                 self._state.record_stream(topic, last_id)
             previous = self._registry.put_stream(StreamSubscription(topic_filter, listener, window))
@@ -545,8 +547,11 @@ class DurableClient:
         if waiter is None:
             return
         reply = self._await(waiter, timeout, "stream_subscribe")
-        if not reply.ok:
-            self._registry.remove_stream(topic_filter)
+        if not reply.ok:  # nothing kept: neither the stream nor its ``after`` positions
+            with self._lock:
+                self._registry.remove_stream(topic_filter)
+                if replaced:
+                    self._state.restore_streams(replaced)
             raise ControlRequestFailed("stream_subscribe", reply.error_code or "?", reply.error_message or "")
 
     def stream_info(self, topic_filter: str = "#", *, timeout: float = _REQUEST_TIMEOUT) -> StreamBounds:
