@@ -1030,7 +1030,6 @@ class DurableClient:
 
     def _handle_subscribed(self, mid: int, ok: bool) -> None:
         subscription = self._registry.subscribed(mid, ok)
-        self._send_deferred_ready()
         if subscription is not None and ok and self._delivery_log is not None:
             # From the SUBACK on, the broker routes to it: what the audit may expect.
             self._delivery_log.subscribe(subscription.filter, subscription.qos, subscription.durable and self._durable)
@@ -1039,6 +1038,7 @@ class DurableClient:
                 "the broker refused the subscription to %s (not authorized?); it is tried again on reconnect",
                 subscription.filter,
             )
+        self._send_deferred_ready()  # last: it raises Unconnected when the connection was just lost
 
     def _handle_lost(self, reason: str) -> None:
         self._stream_acks.drop()

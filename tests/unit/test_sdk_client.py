@@ -6,6 +6,7 @@ of a (re)connection is checked without a broker or a thread.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -71,10 +72,16 @@ class FakeLink:
         """Confirm each SUBSCRIBE from another thread, as the network thread would (subscribe() waits)."""
         self._subacks: list[threading.Thread] = []
         self._mid = 100
+        self.unqueued: set[str] = set()
+        """Ops whose request paho does not queue (the connection was just lost: Unconnected)."""
 
     def publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> FakeHandle:
         if topic == CONTROL_TOPIC:
             request = parse_request(payload)
+            if request.op in self.unqueued:
+                handle = FakeHandle(False)
+                handle.queued = False
+                return handle
             self.sent.append(("request", request))
             if self.respond is not None and self.client is not None:
                 answer = self.respond(request)
@@ -468,6 +475,25 @@ def test_sdk_topics_cannot_be_subscribed_or_published(make: Any) -> None:
             client.subscribe(bad)
     with pytest.raises(ValueError, match="control channel"):
         client.publish("_durable/v1/ctl", b"{}")
+
+
+def test_a_subacks_delivery_log_record_is_written_when_the_deferred_ready_cannot_be_sent(
+    make: Any, tmp_path: Path
+) -> None:
+    """The SUBACK that lets the deferred ``ready`` go out is recorded (``subscribe``) first: a
+    connection lost just then (paho does not queue the ``ready``: Unconnected) skipped the record."""
+    log_path = tmp_path / "log.jsonl"
+    client, link = make(delivery_log=str(log_path))
+    link.suback = False
+    client.subscribe("d/#")
+    client.ready_for_events()
+    connect(client, link, session_present=False)
+    assert link.wire() == [("subscribe", "d/#", 1)], "ready waits for the SUBACK"
+    link.unqueued.add("ready")
+    with pytest.raises(Unconnected):
+        client._handle_subscribed(client._registry.subscriptions()[0].mid or 0, True)
+    client.close()
+    assert [json.loads(line)["kind"] for line in log_path.read_text().splitlines()] == ["connect", "subscribe"]
 
 
 # ------------------------------------------------------------- session loss
