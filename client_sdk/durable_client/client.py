@@ -598,8 +598,10 @@ class DurableClient:
         """Publish; at QoS 1/2 wait (up to ``timeout``) until the broker has it.
 
         Raises Unconnected while disconnected (nothing is queued: GemFire's updates are not
-        allowed while disconnected either), RequestTimeout when the PUBACK is late (the
-        message may still arrive). From a listener it returns without waiting.
+        allowed while disconnected either), and when the connection is lost as the message is
+        handed to paho (at QoS 1/2 paho keeps it and sends it after the reconnect);
+        RequestTimeout when the PUBACK is late (the message may still arrive). At QoS 0 and from
+        a listener it returns once paho has queued the message, without waiting.
         """
         self._check_open()
         data = _publishable(topic, payload)
@@ -837,29 +839,33 @@ class DurableClient:
         ``broker_has`` ({filter: qos}, from the hello reply) is what the broker's session
         holds: a durable subscription it already has is not sent again, even by a client that
         just started and never saw its SUBACK (a repeated SUBSCRIBE re-queues retained values).
+        The UNSUBSCRIBEs still due go first (the broker applies them in order): the filters they
+        free count no more against ``max_subscriptions_per_client`` when the SUBSCRIBEs arrive.
         """
         with self._registry.lock:
             pending = self._registry.take_unsubscribed()  # before session_lost(), which drops them
             if resend_durable:
                 self._registry.session_lost()
-            for subscription in self._registry.subscriptions():
-                self._replay_subscription(subscription, resend_durable, broker_has)
             # What the broker's session holds now, whenever its hello says (a new or lost session too).
             self._registry.broker_held = set(broker_has) if broker_has is not None else None
-            for topic_filter in pending:
+            for topic_filter in pending:  # never a filter of the registry: subscribing it drops it here
                 # A list decides; without one, a lost session holds nothing.
                 if (topic_filter in broker_has) if broker_has is not None else not resend_durable:
                     self._send_unsubscribe(topic_filter)
                     if self._registry.broker_held is not None:
                         self._registry.broker_held.discard(topic_filter)
+            for subscription in self._registry.subscriptions():
+                self._replay_subscription(subscription, resend_durable, broker_has)
         for stream in self._registry.streams():
             self._open_stream(stream.filter, stream.window, wait=False)
         if self._durable and self._ready_requested:
             self._send_ready()
 
     def _send_unsubscribe(self, topic_filter: str) -> None:
-        """UNSUBSCRIBE; a durable session's is sent again after a reconnect until its UNSUBACK
-        arrives (the broker would otherwise keep the subscription, and queue for it, for ever)."""
+        """UNSUBSCRIBE; a durable session's whose UNSUBACK has not arrived when the connection is
+        lost is sent again after the reconnect if the broker's session still holds the filter
+        (see _replay_subscriptions; the broker would otherwise keep the subscription, and queue for
+        it, for ever)."""
         with self._registry.lock:  # the UNSUBACK (network thread) waits until the mid is recorded
             mid = self._link_or_raise().unsubscribe(topic_filter)
             if not self._durable:

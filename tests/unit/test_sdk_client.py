@@ -377,12 +377,13 @@ def test_ready_waits_for_the_subacks_and_unsubacks_of_the_connections_set_up(mak
     client.unsubscribe("old/#")
     client.ready_for_events()
     connect(client, link, session_present=True, subscriptions={"old/#": 1})
-    assert link.wire() == [("subscribe", "a/#", 1), ("unsubscribe", "old/#")]
+    assert link.wire() == [("unsubscribe", "old/#"), ("subscribe", "a/#", 1)]
     subscription = client._registry.get("a/#")
     assert subscription is not None and subscription.mid is not None
+    unsubscribe_mid = subscription.mid - 1  # the UNSUBSCRIBE went just before
     client._handle_subscribed(subscription.mid, True)
     assert ("ready",) not in link.wire()  # the UNSUBACK is still due
-    client._handle_unsubscribed(link._mid)
+    client._handle_unsubscribed(unsubscribe_mid)
     assert link.wire()[-1] == ("ready",)
     client.ready_for_events()  # one ready per connection
     assert link.wire().count(("ready",)) == 1
@@ -400,6 +401,21 @@ def test_unsubscribe_while_disconnected_is_sent_on_reconnect(make: Any) -> None:
     client.unsubscribe("earlier/run")  # the broker's session holds it: an earlier run subscribed it
     connect(client, link, session_present=True, subscriptions={"d/#": 1, "earlier/run": 1})
     assert link.wire() == [("unsubscribe", "d/#"), ("unsubscribe", "earlier/run")]
+
+
+def test_a_reconnect_sends_the_unsubscribes_still_due_before_the_subscribes(make: Any) -> None:
+    """The broker applies them in order: a filter unsubscribed frees its place under
+    max_subscriptions_per_client before the SUBSCRIBEs arrive (sent after them, a subscription
+    refused for want of room stayed refused although the UNSUBSCRIBE made room)."""
+    client, link = make()
+    connect(client, link, session_present=False)
+    client.subscribe("a/#")
+    client.subscribe("b/#")
+    lose(client, link)
+    client.unsubscribe("a/#")
+    client.subscribe("c/#")
+    connect(client, link, session_present=True, subscriptions={"a/#": 1})
+    assert link.wire() == [("unsubscribe", "a/#"), ("subscribe", "b/#", 1), ("subscribe", "c/#", 1)]
 
 
 def test_unsubscribe_when_connected_of_a_subscription_an_earlier_run_made(make: Any) -> None:
