@@ -452,8 +452,8 @@ def test_the_markers_live_list_leaves_out_refused_and_unsubscribed_filters(
 def test_a_request_nested_too_deeply_is_malformed_with_req_null(
     broker: Broker, clients: Callable[..., Client], depth: int, ok: bool
 ) -> None:
-    """protocol.md:101-102 `malformed`: JSON nested deeper than the parser allows (a little under 1000
-    levels); protocol.md:111-113 such a request is answered with `op` and `req` null; protocol.md:109-110
+    """protocol.md:106-107 `malformed`: JSON nested deeper than the parser allows (a little under 1000
+    levels); protocol.md:119-121 such a request is answered with `op` and `req` null; protocol.md:115-116
     the connection stays up."""
     raw = clients(broker.port, "blind-deep")
     body = b'{"v": 1, "op": "hello", "req": 7, "x": ' + b"[" * depth + b"]" * depth + b"}"
@@ -479,9 +479,9 @@ def test_a_request_nested_too_deeply_is_malformed_with_req_null(
 def test_a_field_out_of_its_range_is_malformed_and_changes_nothing(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], request_fields: dict[str, Any]
 ) -> None:
-    """protocol.md:101-106 `malformed`: a field of the wrong type or out of its range (`session_expiry`
+    """protocol.md:106-112 `malformed`: a field of the wrong type or out of its range (`session_expiry`
     0 or more, `window` 1 to 1000, `after` ids 0 or more, `id` 1 or more, a string field empty);
-    protocol.md:109-110 a refused request changes nothing: the connection stays up."""
+    protocol.md:115-116 a refused request changes nothing: the connection stays up."""
     broker = stream_broker(broker_factory)
     raw = clients(broker.port, "blind-range")
     reply = ctl(raw, {"v": 1, "req": 5, **request_fields})
