@@ -55,17 +55,12 @@ instance the plugin is loaded into and on each connection's handler:
   connection (MQTT-3.1.4-2; amqtt deleted its Session and left it open);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
-* ``BrokerProtocolHandler._pending_unsubscriptions`` / ``get_next_pending_unsubscription`` (per
-  connection): a connection's SUBSCRIBEs and UNSUBSCRIBEs share one queue, taken in arrival
-  order by the message loop's subscription waiter (MQTT 3.1.1 section 4.6, 3.10.4; see
-  ``_one_queue_for_subscribe_and_unsubscribe``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
   lifetime, and end a connection whose client id a later CONNECT took (amqtt misses the case
   of two CONNECTs read at the same time);
 * ``Broker.add_subscription`` / ``_handle_subscription`` / ``_handle_unsubscription``: durable
   sessions' subscriptions live in the store, not in amqtt's table, so amqtt never delivers to
-  them itself; an UNSUBSCRIBE the shared queue hands to ``_handle_subscription`` is passed on
-  to ``_handle_unsubscription``; a SUBSCRIBE or UNSUBSCRIBE of a durable session is stored by one commit for all
+  them itself; a SUBSCRIBE or UNSUBSCRIBE of a durable session is stored by one commit for all
   its filters (amqtt's way, a commit per filter, made a packet of n filters cost n record writes);
   both kinds obey ``max_subscriptions_per_client``; a clean session's repeated SUBSCRIBE of a
   filter replaces the QoS of its entry in amqtt's table (amqtt kept the first, MQTT-3.8.4-3);
@@ -148,7 +143,7 @@ from amqtt.mqtt.packet import (
     UNSUBSCRIBE,
     MQTTFixedHeader,
 )
-from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler, UnSubscription
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
@@ -238,10 +233,6 @@ _HANDLER_INTERNALS = (
     "handle_disconnect",
     "handle_connection_closed",
     "wait_disconnect",
-    "handle_subscribe",
-    "handle_unsubscribe",
-    "get_next_pending_subscription",
-    "get_next_pending_unsubscription",
 )
 _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconnected")
 
@@ -1469,12 +1460,7 @@ class AmqttHooks:
         return granted
 
     async def handle_subscription(self, session: Any, handler: Any, waiter: Any) -> None:
-        """amqtt's, for a durable session with one commit before the SUBACK for all the filters.
-        The waiter may hold an UNSUBSCRIBE (one queue for both, see
-        ``_one_queue_for_subscribe_and_unsubscribe``): it is handled as one."""
-        if isinstance(waiter.result(), UnSubscription):
-            await self.handle_unsubscription(session, handler, waiter)
-            return
+        """amqtt's, for a durable session with one commit before the SUBACK for all the filters."""
         if not self.engine.is_durable(session.client_id):
             await self._original_subscription(session, handler, waiter)
             return
@@ -1809,7 +1795,6 @@ def _wrap_handler(
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, handler.handle_pubrel)
     _keep_the_disconnect(handler)
-    _one_queue_for_subscribe_and_unsubscribe(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
 
@@ -1840,24 +1825,6 @@ async def end_connection(handler: Any) -> None:
     the client sends after (see ``_keep_the_disconnect``)."""
     handler.durable_ended = True
     await handler.handle_connection_closed()
-
-
-def _one_queue_for_subscribe_and_unsubscribe(handler: Any) -> None:
-    """A connection's SUBSCRIBEs and UNSUBSCRIBEs are applied in the order they arrived (MQTT 3.1.1
-    section 4.6; 3.10.4: after an UNSUBSCRIBE nothing more is sent for its filters, a SUBSCRIBE
-    after it adds them again). amqtt queues them apart, and its message loop, when both queues had
-    one, applied the SUBSCRIBE first: ``UNSUBSCRIBE f`` then ``SUBSCRIBE f`` sent back to back left
-    no subscription though the SUBACK granted it, and ``SUBSCRIBE e, SUBSCRIBE f, UNSUBSCRIBE f``
-    one the UNSUBACK had removed. Here amqtt's ``handle_unsubscribe`` (called by either reader,
-    one task per packet, in arrival order) queues into the SUBSCRIBE queue, the loop's
-    subscription waiter takes both kinds one at a time (``AmqttHooks.handle_subscription`` passes
-    an UNSUBSCRIBE on), and its unsubscription waiter waits until the loop cancels it."""
-    handler._pending_unsubscriptions = handler._pending_subscriptions
-
-    async def no_unsubscription() -> None:
-        await asyncio.get_running_loop().create_future()  # every UNSUBSCRIBE comes as a "subscription"
-
-    handler.get_next_pending_unsubscription = no_unsubscription
 
 
 def _keep_the_disconnect(handler: Any) -> None:
