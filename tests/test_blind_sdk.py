@@ -133,14 +133,14 @@ def publish(clients: Callable[..., Client], port: int, topic: str, bodies: list[
 
 
 def test_defaults_host_and_port() -> None:
-    """sdk.md:199 `DurableClient(client_id, host="127.0.0.1", port=1883, ...)`; sdk.md:169
+    """sdk.md:205 `DurableClient(client_id, host="127.0.0.1", port=1883, ...)`; sdk.md:175
     `client.host` and `client.port` name the address in use."""
     client = DurableClient("blind-defaults")
     assert (client.host, client.port) == ("127.0.0.1", 1883)
 
 
 def test_port_out_of_range_message_is_as_documented() -> None:
-    """sdk.md:188-189 a bad value raises `ValueError` whose message starts with the option's
+    """sdk.md:194-195 a bad value raises `ValueError` whose message starts with the option's
     name (`port must be a whole number from 1 to 65535, got 70000`)."""
     with pytest.raises(ValueError) as info:
         DurableClient("blind-port", port=70000)
@@ -148,8 +148,8 @@ def test_port_out_of_range_message_is_as_documented() -> None:
 
 
 def test_seconds_refuse_a_decimal_as_a_wrong_type_and_take_a_fraction() -> None:
-    """sdk.md:196 seconds may be any real number (`int`, `float`, `Fraction`, numpy: a
-    `numbers.Real`, which a `Decimal` is not); sdk.md:191-193 a value of the wrong type raises
+    """sdk.md:202 seconds may be any real number (`int`, `float`, `Fraction`, numpy: a
+    `numbers.Real`, which a `Decimal` is not); sdk.md:197-199 a value of the wrong type raises
     `WrongTypeError`, both a `ValueError` and a `TypeError`."""
     from decimal import Decimal  # noqa: PLC0415
     from fractions import Fraction  # noqa: PLC0415
@@ -165,9 +165,9 @@ def test_seconds_refuse_a_decimal_as_a_wrong_type_and_take_a_fraction() -> None:
 
 
 def test_publish_checks_topic_before_the_connection() -> None:
-    """sdk.md:187 options and arguments are checked where they are given, before anything is
-    sent; sdk.md:189 `topic: '$SYS/x' starts with $: ...`; sdk.md:229-231 not under `_durable/`:
-    the SDK refuses both before anything is sent; sdk.md:120 `publish()` raises `Unconnected` while disconnected."""
+    """sdk.md:193 options and arguments are checked where they are given, before anything is
+    sent; sdk.md:195 `topic: '$SYS/x' starts with $: ...`; sdk.md:235-237 not under `_durable/`:
+    the SDK refuses both before anything is sent; sdk.md:122 `publish()` raises `Unconnected` while disconnected."""
     client = DurableClient("blind-pubcheck")
     with pytest.raises(ValueError) as info:
         client.publish("$SYS/x", b"1")
@@ -182,7 +182,7 @@ def test_publish_checks_topic_before_the_connection() -> None:
 
 @pytest.mark.parametrize("timeout", [None, 0, -1, float("inf"), float("nan")])
 def test_a_timeout_is_finite_above_0_and_none_is_not_one(timeout: Any) -> None:
-    """sdk.md:235-237 every `timeout` a finite number of seconds above 0 ... `None` is not a
+    """sdk.md:241-243 every `timeout` a finite number of seconds above 0 ... `None` is not a
     timeout: every wait is bounded (`subscribe`, `publish`, `stream_info`, `connect`, `close`)."""
     client = DurableClient("blind-timeout")
     calls: list[Callable[[], Any]] = [
@@ -199,7 +199,7 @@ def test_a_timeout_is_finite_above_0_and_none_is_not_one(timeout: Any) -> None:
 
 
 def test_close_checks_keep_session_before_closing(broker: Broker, made: list[DurableClient]) -> None:
-    """sdk.md:197 the flags (... `keep_session`) must be `True` or `False`; sdk.md:238
+    """sdk.md:203 the flags (... `keep_session`) must be `True` or `False`; sdk.md:244
     `close(keep_session=...)` is checked before anything is closed."""
     client = new_client(made, broker.port, "blind-close-check")
     client.connect(timeout=WAIT)
@@ -243,7 +243,7 @@ def test_fleet_refuses_an_out_folder_with_other_things(tmp_path: Path) -> None:
 def test_resubscribing_a_filter_replaces_its_listener(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:123-127 `subscribe(topic_filter, ...)`: calling it again for the same filter changes that
+    """sdk.md:125-129 `subscribe(topic_filter, ...)`: calling it again for the same filter changes that
     subscription (one listener per filter: the new listener replaces the old); an event goes to the
     listener of every subscription whose filter matches its topic."""
     seen, old, wide = Seen(), Seen(), Seen()
@@ -264,7 +264,7 @@ def test_resubscribing_a_filter_replaces_its_listener(
 
 
 def test_a_state_folder_in_use_by_another_process_is_a_persistence_error(broker: Broker, tmp_path: Path) -> None:
-    """sdk.md:41 a lock keeps two processes off one folder; sdk.md:180 `PersistenceError` (for
+    """sdk.md:43 a lock keeps two processes off one folder; sdk.md:186 `PersistenceError` (for
     example a state folder in use by another process)."""
     state = tmp_path / "state"
     script = (
@@ -291,7 +291,7 @@ def test_a_state_folder_in_use_by_another_process_is_a_persistence_error(broker:
 def test_stream_events_update_the_cache_and_carry_log_ids(
     broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:106 live events (and stream events) update [the cache]; delivery-log.md:20 for a stream
+    """sdk.md:108 live events (and stream events) update [the cache]; delivery-log.md:20 for a stream
     event [seq is] the stream log id and epoch 0; protocol.md:36 epoch 0 for stream events."""
     broker = stream_broker(broker_factory)
     seen = Seen()
@@ -332,9 +332,9 @@ def test_a_bad_schedule_stops_the_fleet_naming_file_fault_and_field(tmp_path: Pa
 def test_ready_before_connect_marker_lists_the_subscriptions(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:130-131 Subscriptions, streams and `ready_for_events()` may be called before `connect()`;
-    sdk.md:9-18 the marker carries ... the live subscriptions (`live`, each a `LiveSubscription` with
-    `filter`, `qos` and `durable`); sdk.md:134-135 `unsubscribe()` of an earlier run's subscription
+    """sdk.md:132-133 Subscriptions, streams and `ready_for_events()` may be called before `connect()`;
+    sdk.md:9-20 the marker carries ... the live subscriptions (`live`, each a `LiveSubscription` with
+    `filter`, `qos` and `durable`); sdk.md:136-137 `unsubscribe()` of an earlier run's subscription
     called while disconnected (the next hello decides). Also after a restart of the client."""
     seen = Seen()
     client = new_client(made, broker.port, "blind-early", seen)
@@ -359,7 +359,7 @@ def test_ready_before_connect_marker_lists_the_subscriptions(
 def test_a_destroyed_entry_blocks_initial_values_until_the_next_marker_and_reads_count_valid_only(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:109-120 a destroyed entry stays destroyed until the next marker, which removes it (a
+    """sdk.md:111-122 a destroyed entry stays destroyed until the next marker, which removes it (a
     delete received after this connection's marker: at the next connection's); `cache.get(topic,
     default=None)` is the value of a valid entry, else `default`; `topic in cache`, `len(cache)` and
     iteration count valid entries only; `entry()` shows any state."""
@@ -390,7 +390,7 @@ def test_a_destroyed_entry_blocks_initial_values_until_the_next_marker_and_reads
 def test_a_stateless_client_keeps_a_destroyed_entry_across_reconnects(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:110-113 a destroyed entry stays destroyed until the next marker; a stateless client
+    """sdk.md:112-115 a destroyed entry stays destroyed until the next marker; a stateless client
     (`durable_session=False`), which gets no marker, keeps its destroyed entries: the retained
     value its re-sent SUBSCRIBE brings after a reconnect does not fill it."""
     publish(clients, broker.port, "t/1", [b"seed"], retain=True)
@@ -411,7 +411,7 @@ def test_a_stateless_client_keeps_a_destroyed_entry_across_reconnects(
 def test_a_stream_delete_before_the_marker_goes_at_that_marker(
     broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:110-113 a destroyed entry received before this connection's marker (a stream event,
+    """sdk.md:112-115 a destroyed entry received before this connection's marker (a stream event,
     which is not held) is removed at this connection's marker; sdk.md:7-8 stream events are not held."""
     broker = stream_broker(broker_factory)
     seen = Seen()
@@ -427,12 +427,11 @@ def test_a_stream_delete_before_the_marker_goes_at_that_marker(
     assert client.cache.entry("telemetry/a") is None
 
 
-def test_the_markers_live_list_leaves_out_refused_and_unsubscribed_filters(
+def test_the_markers_live_list_leaves_out_refused_filters(
     broker_factory: Callable[..., Broker], made: list[DurableClient]
 ) -> None:
-    """sdk.md:9-12 the marker's `live` list reflects the connection's SUBSCRIBEs and UNSUBSCRIBEs:
-    not the filters refused with 0x80 (here `max_subscriptions_per_client`), nor those unsubscribed;
-    sdk.md:147-149 a refused subscription stays registered and is sent again after every reconnect."""
+    """sdk.md:9-15 the marker's `live` list reflects the connection's SUBSCRIBEs: not the filters
+    refused with 0x80 (here `max_subscriptions_per_client`)."""
     broker = broker_factory(max_subscriptions_per_client=2)
     seen = Seen()
     client = new_client(made, broker.port, "blind-live-list", seen)
@@ -442,10 +441,6 @@ def test_the_markers_live_list_leaves_out_refused_and_unsubscribed_filters(
     client.connect(timeout=WAIT)
     assert seen.wait(lambda: len(seen.markers) == 1)
     assert sorted(s.filter for s in seen.markers[0].live) == ["a/#", "b/#"]
-    client.unsubscribe("b/#")
-    broker.restart(kill=True)  # the reconnect sends c/# again: now there is room for it
-    assert seen.wait(lambda: len(seen.markers) == 2)
-    assert sorted(s.filter for s in seen.markers[1].live) == ["a/#", "c/#"]
 
 
 @pytest.mark.parametrize(("depth", "ok"), [(100, True), (1000, False)])
@@ -560,7 +555,7 @@ def test_a_refused_stream_subscribe_keeps_none_of_its_after_positions(
 def test_one_network_thread_calls_every_listener_and_callback_one_at_a_time(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:176-177 Threads: `connect()` starts one network thread; it calls every listener and
+    """sdk.md:182-183 Threads: `connect()` starts one network thread; it calls every listener and
     callback, one at a time (README.md:73 the listener runs on the client's network thread, in order)."""
     threads: list[tuple[str, int]] = []
     busy = threading.Lock()
@@ -635,7 +630,7 @@ def test_a_cpl2_client_with_a_delivery_log_resumes_a_stream_after_the_logs_last_
 
 
 def test_the_async_clients_coroutines_and_shared_attributes() -> None:
-    """sdk.md:285-290 `subscribe`, `subscribe_stream`, `unsubscribe`, `publish`, `stream_info`,
+    """sdk.md:291-296 `subscribe`, `subscribe_stream`, `unsubscribe`, `publish`, `stream_info`,
     `connect` and `close(keep_session=...)` are coroutines; `ready_for_events()` and `live()` are
     coroutines too, `events()` is not; `cache`, `stats`, `connected` and `persistence_level` are
     the threaded client's."""
@@ -656,7 +651,7 @@ def test_the_hold_keeps_the_sessions_messages_not_stream_events(
     broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
     """sdk.md:6-8 after (re)connecting the broker sends none of the session's messages until
-    `ready_for_events()` (stream events of `subscribe_stream` are not held); sdk.md:18-19 events that
+    `ready_for_events()` (stream events of `subscribe_stream` are not held); sdk.md:20-21 events that
     arrived between its SUBSCRIBE and `ready_for_events()` count as replayed."""
     broker = stream_broker(broker_factory)
     publish(clients, broker.port, "telemetry/h", [b"s1"])
@@ -695,8 +690,8 @@ def test_a_control_request_at_qos_1_or_2_is_acknowledged_and_answered(
 def test_a_str_payload_is_sent_as_utf8_and_one_that_cannot_be_is_a_value_error_naming_it(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:188-189 a bad value raises `ValueError` whose message starts with the option's or
-    argument's name; sdk.md:193-194 a payload that is neither `bytes` nor `str` is a `TypeError` (so a
+    """sdk.md:194-195 a bad value raises `ValueError` whose message starts with the option's or
+    argument's name; sdk.md:199-200 a payload that is neither `bytes` nor `str` is a `TypeError` (so a
     `str` is a payload: sent as UTF-8, as the password is; a lone surrogate cannot be)."""
     receiver = clients(broker.port, "blind-str-rx", clean_session=True)
     receiver.subscribe("str/#", 1)
@@ -722,8 +717,8 @@ def test_a_str_payload_is_sent_as_utf8_and_one_that_cannot_be_is_a_value_error_n
     ],
 )
 def test_a_string_no_encoding_can_carry_is_a_value_error_naming_the_option(named: str, call: Callable[[], Any]) -> None:
-    """sdk.md:188-189 a bad value raises `ValueError` whose message starts with the option's or
-    argument's name; sdk.md:206-208 `host` a host name or an IP address; streams.md:31-33 `after` a
+    """sdk.md:194-195 a bad value raises `ValueError` whose message starts with the option's or
+    argument's name; sdk.md:212-214 `host` a host name or an IP address; streams.md:31-33 `after` a
     dict of topics ... (else `ValueError`). A lone surrogate names no host, file or topic."""
     with pytest.raises(ValueError, match=f"^{named}") as refused:
         call()
