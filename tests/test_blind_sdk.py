@@ -496,7 +496,7 @@ def test_a_request_in_another_encoding_than_utf8_is_malformed(broker: Broker, cl
 def test_subscribe_stream_to_a_filter_no_stream_covers(
     broker_factory: Callable[..., Broker], made: list[DurableClient]
 ) -> None:
-    """streams.md:18-24 connected, `subscribe_stream` returns at the broker's answer, and a refusal
+    """streams.md:18-25 connected, `subscribe_stream` returns at the broker's answer, and a refusal
     raises `ControlRequestFailed` (`unknown_stream` for a filter no configured stream covers) and keeps
     nothing; called before `connect()`, a refusal at the connect is a WARNING (`the broker refused
     'stream_subscribe' ...`)."""
@@ -520,8 +520,8 @@ def test_a_refused_stream_subscribe_keeps_none_of_its_after_positions(
     broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client],
     tmp_path: Path, persistence: str,
 ) -> None:
-    """streams.md:18-22 connected, a refusal raises `ControlRequestFailed` and keeps nothing;
-    streams.md:29-30 `after` replaces the client's positions for those topics: a refused call's
+    """streams.md:18-23 connected, a refusal raises `ControlRequestFailed` and keeps nothing;
+    streams.md:30-31 `after` replaces the client's positions for those topics: a refused call's
     `after` (here over `max_stream_entries_per_client`) leaves them as they were: none for
     telemetry/a (read from id 1), 3 for telemetry/b (read from 4), also after a restart on disk."""
     broker = stream_broker(broker_factory, max_stream_entries_per_client=1)
@@ -718,7 +718,7 @@ def test_a_str_payload_is_sent_as_utf8_and_one_that_cannot_be_is_a_value_error_n
 )
 def test_a_string_no_encoding_can_carry_is_a_value_error_naming_the_option(named: str, call: Callable[[], Any]) -> None:
     """sdk.md:194-195 a bad value raises `ValueError` whose message starts with the option's or
-    argument's name; sdk.md:212-214 `host` a host name or an IP address; streams.md:31-33 `after` a
+    argument's name; sdk.md:212-214 `host` a host name or an IP address; streams.md:32-34 `after` a
     dict of topics ... (else `ValueError`). A lone surrogate names no host, file or topic."""
     with pytest.raises(ValueError, match=f"^{named}") as refused:
         call()

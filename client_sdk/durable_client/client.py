@@ -551,7 +551,7 @@ class DurableClient:
             with self._lock:
                 self._registry.remove_stream(topic_filter)
                 if replaced:
-                    self._state.restore_streams(replaced)
+                    self._state.restore_streams(replaced, if_at=positions)
             raise ControlRequestFailed("stream_subscribe", reply.error_code or "?", reply.error_message or "")
 
     def stream_info(self, topic_filter: str = "#", *, timeout: float = _REQUEST_TIMEOUT) -> StreamBounds:

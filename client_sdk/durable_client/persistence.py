@@ -95,9 +95,11 @@ class SessionState(ABC):
     def record_stream(self, topic: str, event_id: int) -> None: ...
 
     @abstractmethod
-    def restore_streams(self, previous: dict[str, int | None]) -> None:
+    def restore_streams(self, previous: dict[str, int | None], *, if_at: dict[str, int]) -> None:
         """Put stream positions back as they were (``None``: the topic had none): the ``after``
-        positions of a ``stream_subscribe`` the broker refused."""
+        positions of a ``stream_subscribe`` the broker refused. A topic is put back only while
+        its position is still ``if_at[topic]`` (the one ``after`` set): one that another stream
+        has moved on since keeps its new position."""
 
     @property
     def unsynced(self) -> int:
@@ -152,9 +154,11 @@ class MemoryState(SessionState):
         with self._lock:
             self._positions[topic] = event_id
 
-    def restore_streams(self, previous: dict[str, int | None]) -> None:
+    def restore_streams(self, previous: dict[str, int | None], *, if_at: dict[str, int]) -> None:
         with self._lock:
             for topic, event_id in previous.items():
+                if self._positions.get(topic) != if_at[topic]:
+                    continue
                 if event_id is None:
                     self._positions.pop(topic, None)
                 else:
@@ -338,11 +342,11 @@ class DiskState(SessionState):
         line = f"s {event_id} {json.dumps(topic, ensure_ascii=False)}\n".encode()
         self._write(line, lambda: self._mem.record_stream(topic, event_id), self._group_commit)
 
-    def restore_streams(self, previous: dict[str, int | None]) -> None:
+    def restore_streams(self, previous: dict[str, int | None], *, if_at: dict[str, int]) -> None:
         """The journal has no record that removes a position: a new snapshot generation holds the
         positions as restored (rare: a refused ``stream_subscribe`` with ``after``)."""
         with self._lock:
-            self._mem.restore_streams(previous)
+            self._mem.restore_streams(previous, if_at=if_at)
             self._compact()
 
     @property
@@ -451,8 +455,8 @@ class FallbackState(SessionState):
     def record_stream(self, topic: str, event_id: int) -> None:
         self._mutate(lambda state: state.record_stream(topic, event_id))
 
-    def restore_streams(self, previous: dict[str, int | None]) -> None:
-        self._mutate(lambda state: state.restore_streams(previous))
+    def restore_streams(self, previous: dict[str, int | None], *, if_at: dict[str, int]) -> None:
+        self._mutate(lambda state: state.restore_streams(previous, if_at=if_at))
 
     @property
     def unsynced(self) -> int:
