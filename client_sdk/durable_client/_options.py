@@ -84,6 +84,10 @@ def check_options(
         given = os.fspath(path)
         if ("\0" if isinstance(given, str) else b"\0") in given:  # open/mkdir: a bare "embedded null byte"
             raise ValueError(f"{name}: a path cannot hold U+0000 (NUL), got {_show(path)}")
+        try:
+            os.fsencode(given)  # a lone surrogate outside surrogateescape's range names no file
+        except UnicodeEncodeError:
+            raise ValueError(f"{name}: a path the file system cannot encode, got {_show(path)}") from None
     for name, callback in callbacks.items():
         check_callable(name, callback)
     return checked
@@ -106,6 +110,7 @@ def check_host(option: str, host: object) -> str:
     if not isinstance(host, str):
         raise WrongTypeError(f"{usage}, got {_show(host)}")
     try:
+        host.encode("utf-8")  # a lone surrogate names no host (parse_host leaves encodings to the resolver)
         return parse_host(host)
     except ValueError as exc:
         raise ValueError(
@@ -268,9 +273,11 @@ def check_after(topic_filter: str, after: object) -> dict[str, int]:
         raise WrongTypeError(f"after must be a dict of topic -> last id processed, got {type(after).__name__}")
     positions: dict[str, int] = {}
     for topic, last_id in after.items():
-        if not isinstance(topic, str) or not topic or "+" in topic or "#" in topic:
+        if not isinstance(topic, str) or not topic or "+" in topic or "#" in topic or not filter_is_valid(topic):
             error = ValueError if isinstance(topic, str) else WrongTypeError
-            raise error(f"after: {_show(topic)} is not a topic (a non-empty string without wildcards)")
+            raise error(
+                f"after: {_show(topic)} is not a topic (a non-empty string without wildcards, U+0000 or lone surrogate)"
+            )
         if not topic_matches(topic_filter, topic):
             raise ValueError(
                 f"after: the topic {_show(topic)} is not matched by the stream filter {_show(topic_filter)}"

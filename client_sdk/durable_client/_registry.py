@@ -129,6 +129,11 @@ class Registry:
                     return subscription
             return None
 
+    def settled(self) -> bool:
+        """No SUBSCRIBE waits for its SUBACK and no UNSUBSCRIBE for its UNSUBACK."""
+        with self.lock:
+            return not self._unsubscribing and all(s.mid is None for s in self._subscriptions.values())
+
     def wait_settled(self, timeout: float) -> bool:
         """Wait until no subscription waits for its SUBACK; False when ``timeout`` ran out first."""
         with self.lock:

@@ -4,7 +4,8 @@ It follows GemFire's client cache rules (seeds/gemfire-durable-client-messaging.
 durable client receives three kinds of events that must not overwrite each other blindly:
 
 * live events (neither ``replayed`` nor ``retained``) put the newest value per topic; an empty
-  payload destroys the entry, leaving a tombstone until the next marker;
+  payload destroys the entry, leaving a tombstone until the next marker (for ever on a
+  stateless client, which gets none);
 * replayed events were queued while the client was away: listeners see them, the cache does
   not (a current value must not be overwritten by old news);
 * retained events are initial values of a new subscription (GemFire's register-interest

@@ -211,7 +211,8 @@ class DurableClient:
         self._session_present = False
         self._had_session = False  # a durable session was set up in this process
         self._ready_requested = False  # set by ready_for_events()
-        self._ready_sent = False  # on the current connection
+        self._ready_sent = False  # on the current connection (or waiting for its set-up's acks: _ready_deferred)
+        self._ready_deferred = False  # `ready` goes out once this connection's (UN)SUBACKs are in
         self._redelivering = False  # a listener failed; nothing processed since
         self._connections = 0
         self._init_requests_and_acks()
@@ -264,7 +265,7 @@ class DurableClient:
                 on_message=self._handle_message,
                 on_lost=self._handle_lost,
                 on_subscribed=self._handle_subscribed,
-                on_unsubscribed=self._registry.unsubscribed,
+                on_unsubscribed=self._handle_unsubscribed,
                 on_burst=self._end_burst,
             )
         thread = threading.Thread(target=self._run, name=f"durable-client-{self.client_id}", daemon=True)
@@ -468,7 +469,9 @@ class DurableClient:
         """Say the listeners are in place: the broker then replays what it queued, then a marker.
 
         Until then a durable session is held (GemFire's readyForEvents). Remembered: every
-        reconnect sends it again, after the subscriptions. A no-op on a stateless client.
+        reconnect sends it again, after the subscriptions. It goes out once the connection's
+        SUBSCRIBEs and UNSUBSCRIBEs are confirmed, so the marker lists them. A no-op on a
+        stateless client.
         """
         self._check_open()
         if not self._durable:
@@ -476,7 +479,23 @@ class DurableClient:
         with self._lock:
             self._ready_requested = True
             if self._connected and not self._ready_sent:
-                self._ready_sent = True
+                self._send_ready()
+
+    def _send_ready(self) -> None:
+        """(Holding _lock.) Send ``ready`` on this connection once the broker has acknowledged every
+        SUBSCRIBE and UNSUBSCRIBE still open: the broker handles a SUBSCRIBE after control requests
+        that arrived before it (protocol.md), so a ``ready`` sent along with them would get a marker
+        whose ``live`` list, and replay, do not include them yet."""
+        self._ready_sent = True
+        self._ready_deferred = not self._registry.settled()
+        if not self._ready_deferred:
+            self._send_request("ready")
+
+    def _send_deferred_ready(self) -> None:
+        """A SUBACK or UNSUBACK arrived (network thread): the deferred ``ready`` goes out once none is open."""
+        with self._lock:
+            if self._ready_deferred and self._connected and self._registry.settled():
+                self._ready_deferred = False
                 self._send_request("ready")
 
     def subscribe_stream(
@@ -519,6 +538,8 @@ class DurableClient:
                         f"after: the stream subscription {stream.filter!r} already reads {', '.join(moved)}, which "
                         "'after' cannot move; unsubscribe it first"
                     )
+            held = self._state.positions()
+            replaced: dict[str, int | None] = {topic: held.get(topic) for topic in positions}
             for topic, last_id in positions.items():
                 self._state.record_stream(topic, last_id)
             previous = self._registry.put_stream(StreamSubscription(topic_filter, listener, window))
@@ -528,8 +549,11 @@ class DurableClient:
         if waiter is None:
             return
         reply = self._await(waiter, timeout, "stream_subscribe")
-        if not reply.ok:
-            self._registry.remove_stream(topic_filter)
+        if not reply.ok:  # nothing kept: neither the stream nor its ``after`` positions
+            with self._lock:
+                self._registry.remove_stream(topic_filter)
+                if replaced:
+                    self._state.restore_streams(replaced, if_at=positions)
             raise ControlRequestFailed("stream_subscribe", reply.error_code or "?", reply.error_message or "")
 
     def stream_info(self, topic_filter: str = "#", *, timeout: float = _REQUEST_TIMEOUT) -> StreamBounds:
@@ -576,8 +600,10 @@ class DurableClient:
         """Publish; at QoS 1/2 wait (up to ``timeout``) until the broker has it.
 
         Raises Unconnected while disconnected (nothing is queued: GemFire's updates are not
-        allowed while disconnected either), RequestTimeout when the PUBACK is late (the
-        message may still arrive). From a listener it returns without waiting.
+        allowed while disconnected either), and when the connection is lost as the message is
+        handed to paho (at QoS 1/2 paho keeps it and sends it after the reconnect);
+        RequestTimeout when the PUBACK is late (the message may still arrive). At QoS 0 and from
+        a listener it returns once paho has queued the message, without waiting.
         """
         self._check_open()
         data = _publishable(topic, payload)
@@ -722,7 +748,7 @@ class DurableClient:
         self._new_generation()
         with self._lock:
             self._session_present = ack.session_present
-            self._ready_sent = False
+            self._ready_sent = self._ready_deferred = False
             self._hello_req = req = next(self._req_ids)
             payload = encode_request("hello", req, session_expiry=self._session_expiry)
         self._link_or_raise().publish(CONTROL_TOPIC, payload, 0)
@@ -818,30 +844,34 @@ class DurableClient:
         ``broker_has`` ({filter: qos}, from the hello reply) is what the broker's session
         holds: a durable subscription it already has is not sent again, even by a client that
         just started and never saw its SUBACK (a repeated SUBSCRIBE re-queues retained values).
+        The UNSUBSCRIBEs still due go first, so the filters they free count no more against
+        ``max_subscriptions_per_client`` if the broker applies them first (amqtt 0.12.1 applies
+        a SUBSCRIBE first when both are waiting).
         """
         with self._registry.lock:
             pending = self._registry.take_unsubscribed()  # before session_lost(), which drops them
             if resend_durable:
                 self._registry.session_lost()
-            for subscription in self._registry.subscriptions():
-                self._replay_subscription(subscription, resend_durable, broker_has)
             # What the broker's session holds now, whenever its hello says (a new or lost session too).
             self._registry.broker_held = set(broker_has) if broker_has is not None else None
-            for topic_filter in pending:
+            for topic_filter in pending:  # never a filter of the registry: subscribing it drops it here
                 # A list decides; without one, a lost session holds nothing.
                 if (topic_filter in broker_has) if broker_has is not None else not resend_durable:
                     self._send_unsubscribe(topic_filter)
                     if self._registry.broker_held is not None:
                         self._registry.broker_held.discard(topic_filter)
+            for subscription in self._registry.subscriptions():
+                self._replay_subscription(subscription, resend_durable, broker_has)
         for stream in self._registry.streams():
             self._open_stream(stream.filter, stream.window, wait=False)
         if self._durable and self._ready_requested:
-            self._ready_sent = True
-            self._send_request("ready")
+            self._send_ready()
 
     def _send_unsubscribe(self, topic_filter: str) -> None:
-        """UNSUBSCRIBE; a durable session's is sent again after a reconnect until its UNSUBACK
-        arrives (the broker would otherwise keep the subscription, and queue for it, for ever)."""
+        """UNSUBSCRIBE; a durable session's whose UNSUBACK has not arrived when the connection is
+        lost is sent again after the reconnect if the broker's session still holds the filter
+        (see _replay_subscriptions; the broker would otherwise keep the subscription, and queue for
+        it, for ever)."""
         with self._registry.lock:  # the UNSUBACK (network thread) waits until the mid is recorded
             mid = self._link_or_raise().unsubscribe(topic_filter)
             if not self._durable:
@@ -1006,6 +1036,10 @@ class DurableClient:
             self._delivery_log.live(marker)
         _safe(self._on_live, marker)
 
+    def _handle_unsubscribed(self, mid: int) -> None:
+        self._registry.unsubscribed(mid)
+        self._send_deferred_ready()
+
     def _handle_subscribed(self, mid: int, ok: bool) -> None:
         subscription = self._registry.subscribed(mid, ok)
         if subscription is not None and ok and self._delivery_log is not None:
@@ -1016,6 +1050,7 @@ class DurableClient:
                 "the broker refused the subscription to %s (not authorized?); it is tried again on reconnect",
                 subscription.filter,
             )
+        self._send_deferred_ready()  # last: it raises Unconnected when the connection was just lost
 
     def _handle_lost(self, reason: str) -> None:
         self._stream_acks.drop()
@@ -1025,6 +1060,7 @@ class DurableClient:
         with self._lock:
             was_connected = self._connected
             self._connected = False
+            self._ready_deferred = False
             self._hello_req = None
             self._handshake_deadline = None
             waiters = list(self._waiters.values())
@@ -1128,7 +1164,12 @@ def _publishable(topic: str, payload: bytes | str) -> bytes:
     and a ValueError) for a payload neither bytes nor str."""
     check_topic(topic)
     if isinstance(payload, str):
-        return payload.encode()
+        try:
+            return payload.encode()
+        except UnicodeEncodeError:  # a lone surrogate: a ValueError that names the argument, as every other
+            raise ValueError(
+                f"payload must be bytes or a str valid in UTF-8 (a lone surrogate is not), got {payload[:40]!r}"
+            ) from None
     if isinstance(payload, bytes | bytearray | memoryview):
         return bytes(payload)
     raise WrongTypeError(f"payload must be bytes or str, got {type(payload).__name__}")

@@ -18,6 +18,8 @@ them to ``state_dir/<client_id>/``, version 1 of this layout:
   ``e <epoch> <seq>`` (session mark), ``r`` (session reset), ``s <id> <topic as JSON>``
   (stream position). Every record is an assignment, so replaying one twice is harmless. A
   last line cut short by a crash (no newline) is ignored and cut off on load.
+  No record removes a stream position: ``restore_streams()`` (a refused ``stream_subscribe``
+  puts back the positions its ``after`` set) writes a new snapshot generation instead.
 
 When is a record durable? A record is in the OS when ``record()`` returns, so a SIGKILL of the
 process cannot lose it. Against a power loss it needs an ``fsync``: by default ``record()``
@@ -92,6 +94,13 @@ class SessionState(ABC):
     @abstractmethod
     def record_stream(self, topic: str, event_id: int) -> None: ...
 
+    @abstractmethod
+    def restore_streams(self, previous: dict[str, int | None], *, if_at: dict[str, int]) -> None:
+        """Put stream positions back as they were (``None``: the topic had none): the ``after``
+        positions of a ``stream_subscribe`` the broker refused. A topic is put back only while
+        its position is still ``if_at[topic]`` (the one ``after`` set): one that another stream
+        has moved on since keeps its new position."""
+
     @property
     def unsynced(self) -> int:
         """Records written to the OS but not yet made durable by ``sync()`` (always 0 in memory)."""
@@ -144,6 +153,16 @@ class MemoryState(SessionState):
     def record_stream(self, topic: str, event_id: int) -> None:
         with self._lock:
             self._positions[topic] = event_id
+
+    def restore_streams(self, previous: dict[str, int | None], *, if_at: dict[str, int]) -> None:
+        with self._lock:
+            for topic, event_id in previous.items():
+                if self._positions.get(topic) != if_at[topic]:
+                    continue
+                if event_id is None:
+                    self._positions.pop(topic, None)
+                else:
+                    self._positions[topic] = event_id
 
     def copy(self) -> MemoryState:
         with self._lock:
@@ -323,6 +342,13 @@ class DiskState(SessionState):
         line = f"s {event_id} {json.dumps(topic, ensure_ascii=False)}\n".encode()
         self._write(line, lambda: self._mem.record_stream(topic, event_id), self._group_commit)
 
+    def restore_streams(self, previous: dict[str, int | None], *, if_at: dict[str, int]) -> None:
+        """The journal has no record that removes a position: a new snapshot generation holds the
+        positions as restored (rare: a refused ``stream_subscribe`` with ``after``)."""
+        with self._lock:
+            self._mem.restore_streams(previous, if_at=if_at)
+            self._compact()
+
     @property
     def unsynced(self) -> int:
         return self._unsynced
@@ -428,6 +454,9 @@ class FallbackState(SessionState):
 
     def record_stream(self, topic: str, event_id: int) -> None:
         self._mutate(lambda state: state.record_stream(topic, event_id))
+
+    def restore_streams(self, previous: dict[str, int | None], *, if_at: dict[str, int]) -> None:
+        self._mutate(lambda state: state.restore_streams(previous, if_at=if_at))
 
     @property
     def unsynced(self) -> int:

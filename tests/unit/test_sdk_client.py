@@ -6,6 +6,7 @@ of a (re)connection is checked without a broker or a thread.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -69,11 +70,18 @@ class FakeLink:
         self.client: DurableClient | None = None
         self.suback = True
         """Confirm each SUBSCRIBE from another thread, as the network thread would (subscribe() waits)."""
+        self._subacks: list[threading.Thread] = []
         self._mid = 100
+        self.unqueued: set[str] = set()
+        """Ops whose request paho does not queue (the connection was just lost: Unconnected)."""
 
     def publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> FakeHandle:
         if topic == CONTROL_TOPIC:
             request = parse_request(payload)
+            if request.op in self.unqueued:
+                handle = FakeHandle(False)
+                handle.queued = False
+                return handle
             self.sent.append(("request", request))
             if self.respond is not None and self.client is not None:
                 answer = self.respond(request)
@@ -88,8 +96,15 @@ class FakeLink:
         self.sent.append(("subscribe", topic_filter, qos))
         if self.suback and self.client is not None:
             # Blocks on the registry lock until the caller has stored the mid, as a real SUBACK would.
-            threading.Thread(target=self.client._handle_subscribed, args=(self._mid, True)).start()
+            suback = threading.Thread(target=self.client._handle_subscribed, args=(self._mid, True))
+            self._subacks.append(suback)
+            suback.start()
         return self._mid
+
+    def settle(self) -> None:
+        """Wait until every SUBACK the link sent has been handled (a deferred ``ready`` went out)."""
+        for suback in self._subacks:
+            suback.join(5.0)
 
     def unsubscribe(self, topic_filter: str) -> int:
         self._mid += 1
@@ -294,6 +309,7 @@ def test_reconnect_with_session_present_replays_only_what_the_broker_dropped(mak
     client._state.record_stream("other/x", 3)
     lose(client, link)
     connect(client, link, session_present=True)
+    link.settle()
     assert link.wire() == [
         ("interest", "n/#", False),
         ("subscribe", "n/#", 1),
@@ -347,7 +363,30 @@ def test_subscriptions_made_while_disconnected_go_out_on_connect(make: Any) -> N
     client.ready_for_events()
     assert link.sent == []
     connect(client, link, session_present=False)
+    link.settle()
     assert link.wire() == [("interest", "early/#", False), ("subscribe", "early/#", 1), ("ready",)]
+
+
+def test_ready_waits_for_the_subacks_and_unsubacks_of_the_connections_set_up(make: Any) -> None:
+    """sdk.md, the marker lists the live subscriptions: the broker handles a SUBSCRIBE after control
+    requests that arrived before it (protocol.md), so a `ready` sent along with the set-up's
+    SUBSCRIBEs and UNSUBSCRIBEs got a marker without them (a new session's `live` was empty)."""
+    client, link = make()
+    link.suback = False
+    client.subscribe("a/#")
+    client.unsubscribe("old/#")
+    client.ready_for_events()
+    connect(client, link, session_present=True, subscriptions={"old/#": 1})
+    assert link.wire() == [("unsubscribe", "old/#"), ("subscribe", "a/#", 1)]
+    subscription = client._registry.get("a/#")
+    assert subscription is not None and subscription.mid is not None
+    unsubscribe_mid = subscription.mid - 1  # the UNSUBSCRIBE went just before
+    client._handle_subscribed(subscription.mid, True)
+    assert ("ready",) not in link.wire()  # the UNSUBACK is still due
+    client._handle_unsubscribed(unsubscribe_mid)
+    assert link.wire()[-1] == ("ready",)
+    client.ready_for_events()  # one ready per connection
+    assert link.wire().count(("ready",)) == 1
 
 
 def test_unsubscribe_while_disconnected_is_sent_on_reconnect(make: Any) -> None:
@@ -362,6 +401,21 @@ def test_unsubscribe_while_disconnected_is_sent_on_reconnect(make: Any) -> None:
     client.unsubscribe("earlier/run")  # the broker's session holds it: an earlier run subscribed it
     connect(client, link, session_present=True, subscriptions={"d/#": 1, "earlier/run": 1})
     assert link.wire() == [("unsubscribe", "d/#"), ("unsubscribe", "earlier/run")]
+
+
+def test_a_reconnect_sends_the_unsubscribes_still_due_before_the_subscribes(make: Any) -> None:
+    """A filter unsubscribed can free its place under max_subscriptions_per_client before the
+    SUBSCRIBEs arrive (sent after them, a subscription refused for want of room stayed refused
+    although the UNSUBSCRIBE made room)."""
+    client, link = make()
+    connect(client, link, session_present=False)
+    client.subscribe("a/#")
+    client.subscribe("b/#")
+    lose(client, link)
+    client.unsubscribe("a/#")
+    client.subscribe("c/#")
+    connect(client, link, session_present=True, subscriptions={"a/#": 1})
+    assert link.wire() == [("unsubscribe", "a/#"), ("subscribe", "b/#", 1), ("subscribe", "c/#", 1)]
 
 
 def test_unsubscribe_when_connected_of_a_subscription_an_earlier_run_made(make: Any) -> None:
@@ -439,6 +493,25 @@ def test_sdk_topics_cannot_be_subscribed_or_published(make: Any) -> None:
         client.publish("_durable/v1/ctl", b"{}")
 
 
+def test_a_subacks_delivery_log_record_is_written_when_the_deferred_ready_cannot_be_sent(
+    make: Any, tmp_path: Path
+) -> None:
+    """The SUBACK that lets the deferred ``ready`` go out is recorded (``subscribe``) first: a
+    connection lost just then (paho does not queue the ``ready``: Unconnected) skipped the record."""
+    log_path = tmp_path / "log.jsonl"
+    client, link = make(delivery_log=str(log_path))
+    link.suback = False
+    client.subscribe("d/#")
+    client.ready_for_events()
+    connect(client, link, session_present=False)
+    assert link.wire() == [("subscribe", "d/#", 1)], "ready waits for the SUBACK"
+    link.unqueued.add("ready")
+    with pytest.raises(Unconnected):
+        client._handle_subscribed(client._registry.subscriptions()[0].mid or 0, True)
+    client.close()
+    assert [json.loads(line)["kind"] for line in log_path.read_text().splitlines()] == ["connect", "subscribe"]
+
+
 # ------------------------------------------------------------- session loss
 def test_session_present_zero_after_a_session_means_lost(make: Any, recorder: Recorder) -> None:
     client, link = make()
@@ -452,6 +525,7 @@ def test_session_present_zero_after_a_session_means_lost(make: Any, recorder: Re
     lose(client, link)
     recorder.calls.clear()
     connect(client, link, session_present=False, epoch=13)
+    link.settle()
     assert recorder.names() == ["session_lost", "connected"]
     assert link.wire() == [
         ("subscribe", "d/#", 1),

@@ -71,6 +71,53 @@ def test_disk_state_survives_close_and_reopen(tmp_path: Path, opened: list[Sessi
     assert again.positions() == {"s/a b": 3, "s/ünï\ncode": 8}
 
 
+@pytest.mark.parametrize("group_commit", [False, True])
+def test_restored_stream_positions_survive_close_and_reopen(
+    tmp_path: Path, opened: list[SessionState], group_commit: bool
+) -> None:
+    """A refused stream_subscribe's ``after`` positions are put back: an old value again, a new
+    topic gone (the journal has no removal: a snapshot holds the result, with the mark)."""
+    state = disk(tmp_path, opened, group_commit=group_commit)
+    state.record(7, 41)
+    state.record_stream("s/a", 3)
+    state.record_stream("s/a", 1)  # a refused call's ``after``
+    state.record_stream("s/new", 5)
+    state.restore_streams({"s/a": 3, "s/new": None}, if_at={"s/a": 1, "s/new": 5})
+    assert state.positions() == {"s/a": 3}
+    state.close()
+    again = disk(tmp_path, opened)
+    assert (again.get_mark(7), again.positions()) == (41, {"s/a": 3})
+
+
+def test_restore_streams_in_memory_and_through_the_fallback(tmp_path: Path) -> None:
+    memory = MemoryState(positions={"s/a": 3, "s/new": 5})
+    memory.restore_streams({"s/new": None, "s/gone": None, "s/a": 2}, if_at={"s/new": 5, "s/gone": 1, "s/a": 3})
+    assert memory.positions() == {"s/a": 2}
+    fallback = FallbackState(DiskState(tmp_path, "fb"), lambda exc: None)
+    fallback.record_stream("s/new", 5)
+    fallback.restore_streams({"s/new": None}, if_at={"s/new": 5})
+    assert fallback.positions() == {}
+    fallback.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_restore_streams_leaves_a_position_another_stream_moved_since(
+    tmp_path: Path, opened: list[SessionState], kind: str
+) -> None:
+    """Between a stream_subscribe's ``after`` and its refusal another stream may read the topic on:
+    its position is kept, not put back (the other topics of the call are)."""
+    state: SessionState = MemoryState() if kind == "memory" else disk(tmp_path, opened)
+    state.record_stream("s/a", 3)
+    state.record_stream("s/a", 1)  # the refused call's ``after``
+    state.record_stream("s/b", 2)  # the refused call's ``after`` too, for a topic without a position
+    state.record_stream("s/a", 9)  # another stream read s/a on meanwhile
+    state.restore_streams({"s/a": 3, "s/b": None}, if_at={"s/a": 1, "s/b": 2})
+    assert state.positions() == {"s/a": 9}
+    if kind == "disk":
+        state.close()
+        assert disk(tmp_path, opened).positions() == {"s/a": 9}
+
+
 def test_every_record_is_on_disk_before_a_sigkill(tmp_path: Path, opened: list[SessionState]) -> None:
     script = textwrap.dedent(
         f"""
