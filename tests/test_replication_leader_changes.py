@@ -140,9 +140,10 @@ def test_two_leader_changes_during_a_threaded_write_new_primary_gets_a_stale_hel
 def test_a_cancelled_apply_on_a_closed_store_still_ends_cancelled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The store is closed while the cancelled task's thread write is held (what the broker
-    does after a stop() that returned early): _read_store in the cancellation handler raises
-    RuntimeError('Database is closed'), which replaces the CancelledError."""
+    """The store is closed while the cancelled task's thread write is held (what the broker did
+    after a stop() that returned early): reading the position back in the cancellation handler
+    fails ('Database is closed'), and the task still ends cancelled (the error replaced the
+    CancelledError before)."""
     started, release = hold_threaded_writes(monkeypatch)
 
     async def main() -> None:
