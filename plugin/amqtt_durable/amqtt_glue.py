@@ -507,12 +507,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     credentials are slow to check or fail holds no place meanwhile: the place is reserved after
     the last await. One whose connection was closed at ``connect_timeout`` meanwhile raises
     MQTTError after that await, with no CONNACK, whatever its credentials."""
-    try:
-        plugin.engine.check_owner(session.client_id, session.username)
-    except NotSessionOwnerError as exc:
-        log.warning("%s", exc)
-        await _refuse_read_connect(writer, plugins_manager)
-        raise MQTTError(str(exc)) from None
+    await _check_owner(plugin, session, writer, plugins_manager)
     unwritable: StoreUnavailableError | None = None
     try:
         plugin.engine.check_writable_for(session.client_id, bool(session.clean_session))
@@ -538,23 +533,31 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
         log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, unwritable)
         await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
         raise MQTTError(f"CONNECT of {session.client_id!r}: {unwritable}")
-    try:  # again after the awaits: another user's CONNECT of the client id may have created its session meanwhile
-        plugin.engine.check_owner(session.client_id, session.username)
-    except NotSessionOwnerError as exc:
-        log.warning("%s (its session was created while this CONNECT was checked)", exc)
-        await _refuse_read_connect(writer, plugins_manager)
-        raise MQTTError(str(exc)) from None
-    full = False
+    # Again after the awaits: another user's CONNECT of the client id may have created its session meanwhile.
+    meanwhile = " (its session was created while this CONNECT was checked)"
+    await _check_owner(plugin, session, writer, plugins_manager, meanwhile)
     if not session.clean_session:
         # After every await: the place is held from here until its CONNACK (or the connection's end).
         writer.durable_reservation = plugin.engine.reserve_session(session.client_id)
-        full = writer.durable_reservation is None
-    if full:  # amqtt has created nothing for it (a Session it would keep for ever)
-        _warn_session_limit(plugin.engine, session.client_id)
-        await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
-        raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
+        if writer.durable_reservation is None:  # amqtt has created nothing for it (a Session it would keep for ever)
+            _warn_session_limit(plugin.engine, session.client_id)
+            await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
+            raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
     if checked:
         plugin.authenticated[session.client_id] = (session.username, session.password)
+
+
+async def _check_owner(
+    plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any, why: str = ""
+) -> None:
+    """A client id whose durable session another user owns: CONNACK 5, MQTTError (``why`` ends the WARNING).
+    Suspends only to refuse: a CONNECT it lets through reaches its caller's next line in the same step."""
+    try:
+        plugin.engine.check_owner(session.client_id, session.username)
+    except NotSessionOwnerError as exc:
+        log.warning("%s%s", exc, why)
+        await _refuse_read_connect(writer, plugins_manager)
+        raise MQTTError(str(exc)) from None
 
 
 async def _check_will_topic(broker: Any, session: Any, writer: Any, plugins_manager: Any) -> None:
