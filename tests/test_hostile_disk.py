@@ -6,9 +6,10 @@ where the machine does not allow mounting one, the test is skipped with the reas
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,22 @@ def stored_session(clients: Callable[..., Client], port: int, client_id: str, qu
     clients(port, "pub", clean_session=True).publish("d/x", payloads(queued))
 
 
+LONG_ID = "dev-" + "x" * 8000
+"""A client id whose record's erasure does not fit in what a full disk leaves."""
+
+
+@contextlib.contextmanager
+def full_disk_with_a_long_id_session(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> Iterator[tuple[Broker, Path, Path]]:
+    """A broker on a small disk holding LONG_ID's session with 20 queued messages, the disk then
+    filled: (broker, the disk, the filler file to delete for room)."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(store=str(disk / "store"))
+        stored_session(clients, broker.port, LONG_ID, 20)
+        yield broker, disk, fill(disk)
+
+
 def assert_whole_after_restart(
     broker: Broker, filler: Path, clients: Callable[..., Client], client_id: str, why: str
 ) -> Client:
@@ -253,13 +270,9 @@ def test_a_clean_connect_whose_session_erasure_fails_gets_connack_3_and_the_sess
     """The same with a client id of 8,000 bytes, whose record's erasure does not fit either: the
     CONNECT gets CONNACK 3 at once and is closed, and a restart before the disk has room again finds
     the session whole, queue included. (The CONNECT waited, unanswered, until the disk had room.)"""
-    client_id = "dev-" + "x" * 8000
-    with small_disk(tmp_path / "disk", 16) as disk:
-        broker = broker_factory(store=str(disk / "store"))
-        port = broker.port
-        stored_session(clients, port, client_id, 20)
-        filler = fill(disk)
-        with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+    client_id = LONG_ID
+    with full_disk_with_a_long_id_session(tmp_path, broker_factory, clients) as (broker, _, filler):
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
             sock.sendall(connect_packet(client_id, clean=True))
             assert read_exactly(sock, 4) == CONNACK_UNAVAILABLE, "refused at once"
             assert sock.recv(1) == b"", "and closed"
@@ -275,23 +288,20 @@ def test_a_clean_connect_retried_after_connack_3_is_refused_until_the_session_er
     restart then finds the session whole: had the retry been accepted (CONNACK 0, "your session is
     discarded", as it was), that restart would have brought the session back (MQTT-3.1.2-6). Once
     the disk has room the erasure is written, and a retry is accepted: a restart finds no session."""
-    client_id = "dev-" + "x" * 8000
-    with small_disk(tmp_path / "disk", 16) as disk:
-        broker = broker_factory(store=str(disk / "store"))
+    client_id = LONG_ID
+    with full_disk_with_a_long_id_session(tmp_path, broker_factory, clients) as (broker, disk, filler):
         port = broker.port
-        stored_session(clients, port, client_id, 20)
-        filler = fill(disk)
         assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True), "the erasure failed"
         assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True), "the retry is refused too"
         assert_whole_after_restart(broker, filler, clients, client_id, "neither CONNECT deleted anything").disconnect()
 
         monitor = clients(port, "monitor", clean_session=True)
         monitor.subscribe(HEALTH, 1)
-        filler = fill(disk)
+        refill = fill(disk)
         assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True)
         assert raw_connect(port, client_id, clean=True) == (CONNACK_UNAVAILABLE, True)
         wait_health(monitor, "failing")
-        filler.unlink()
+        refill.unlink()
         assert monitor.wait_for(lambda _: [h["status"] for h in health_states(monitor)][-1:] == ["ok"], WAIT + 10), (
             f"the store did not recover: {health_states(monitor)}"
         )
