@@ -1,0 +1,380 @@
+"""Black-box checks of the operator's promises (docs/operations.md, docs/configuration.md),
+written from the documents alone: real broker processes, real paho clients over TCP, the real
+``amqtt-durable`` command. Each test quotes the promise it checks."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import plyvel
+import pytest
+from raw_mqtt_helpers import raw_connect, read_packet
+from test_blind_core import closed_by_broker, control, inspect_json, seen_disconnected
+
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, probe_connack, run_cli
+
+
+# ------------------------------------------------------------------ helpers
+def inspect_lines(store: str, *options: str) -> list[str]:
+    """``amqtt-durable inspect STORE [options]``'s lines; exit code 0 asserted."""
+    result = run_cli("inspect", store, *options)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.splitlines()
+
+
+def assert_laid_out(lines: list[str], cells: list[list[str]]) -> None:
+    """operations.md, inspect: "each column as wide as its widest cell, header included, and two
+    spaces between columns, trailing spaces cut". ``cells``: the header's and each row's cells."""
+    starts = [0]
+    for column in range(len(cells[0]) - 1):
+        starts.append(starts[-1] + max(len(row[column]) for row in cells) + 2)
+    assert len(lines) == len(cells), lines
+    for line, row in zip(lines, cells, strict=True):
+        assert line == line.rstrip(), f"trailing spaces: {line!r}"
+        for start, cell in zip(starts, row, strict=True):
+            assert line[start:start + len(cell)] == cell, (line, cell, start)
+            assert start == 0 or line[start - 2:start] == "  ", (line, cell, start)
+
+
+def hello_and_leave(broker: Broker, clients: Callable[..., Client], client_id: str, expiry: float) -> None:
+    """A durable session whose hello asks ``expiry`` seconds (docs/protocol.md, hello), then a DISCONNECT."""
+    device = clients(broker.port, client_id)
+    assert control(device, {"v": 1, "op": "hello", "session_expiry": expiry})["ok"] is True
+    device.disconnect()
+
+
+# ------------------------------------------------------------------ inspect: sessions
+def test_inspect_lays_out_wide_cells_lists_sessions_by_client_id_and_subscriptions_by_filter(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:36-43 inspect's table: "each column as wide as its widest cell, header
+    included, and two spaces between columns, trailing spaces cut", subscriptions as `filter@qos`
+    ("comma-separated in filter order, `-` for none"), "one row per session in client id order"; then
+    `<n> session(s), <m> queued message(s)`."""
+    broker = broker_factory(metrics_interval=0.2)
+    wide = "a-client-id-wider-than-its-column-name"
+    for client_id, filters in (("zeta", [("x/#", 1), ("a/b", 0), ("m/+", 2)]), (wide, [("x/y", 1)]), ("Bare", [])):
+        device = clients(broker.port, client_id)
+        if filters:
+            device.subscribe(filters)
+        device.disconnect()
+    clients(broker.port, "pub", clean_session=True).publish("x/y", payloads(3), qos=1)
+    seen_disconnected(clients, broker.port, 3)
+    broker.stop()
+    lines = inspect_lines(broker.store)
+    rows = [line.split() for line in lines[1:-1]]
+    assert [row[0] for row in rows] == ["Bare", wide, "zeta"], lines  # "B" < "a" < "z" in UTF-8
+    assert [row[-1] for row in rows] == ["-", "x/y@1", "a/b@0,m/+@2,x/#@1"], lines
+    header = ["CLIENT ID", "DEPTH", "BYTES", "OLDEST", "EXPIRES IN", "DROPPED", "SUBSCRIPTIONS"]
+    assert_laid_out(lines[:-1], [header, *rows])
+    assert lines[0] != "CLIENT ID  DEPTH  BYTES  OLDEST  EXPIRES IN  DROPPED  SUBSCRIPTIONS"  # a wider cell
+    assert lines[-1] == "3 session(s), 6 queued message(s)", lines
+
+
+def test_inspect_rounds_times_to_the_unit_the_page_names(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:43-46: "ages and times read `45s` (under 2 minutes ...), `5m` (under 2
+    hours) or `3.5h`", "rounded to the nearest second, minute or tenth of an hour" (so a session
+    expiring in just under 2 hours reads `120m`). Each session's expiry is its hello's."""
+    broker = broker_factory(metrics_interval=0.2)
+    expiries = {"secs": 110, "mins": 300, "edge": 7200, "hours": 12600}
+    for client_id, expiry in expiries.items():
+        hello_and_leave(broker, clients, client_id, expiry)
+    seen_disconnected(clients, broker.port, len(expiries))
+    broker.stop()
+    shown = {line.split()[0]: line.split()[4] for line in inspect_lines(broker.store)[1:-1]}
+    seconds = re.fullmatch(r"(\d+)s", shown["secs"])
+    assert seconds is not None and 90 <= int(seconds.group(1)) <= 110, shown  # a loaded machine: seconds pass
+    assert (shown["mins"], shown["edge"], shown["hours"]) == ("5m", "120m", "3.5h"), shown
+
+
+def test_inspect_shows_a_queue_s_drops_bytes_and_oldest_age_and_dash_for_an_empty_queue(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:32-45: inspect shows "queue depth and bytes, age of the oldest queued
+    message, ... dropped count"; `--json` "`oldest_age_s` ... null where none"; configuration.md:24
+    `overflow` default `drop-oldest`: the oldest queued message goes."""
+    broker = broker_factory(max_depth=2, max_depth_disconnected=2, metrics_interval=0.2)
+    for client_id in ("full", "empty"):
+        device = clients(broker.port, client_id)
+        device.subscribe(f"{client_id}/t", 1)
+        device.disconnect()
+    sent = [b"one", b"two22", b"three333", b"four4444"]
+    clients(broker.port, "pub", clean_session=True).publish("full/t", sent, qos=1)
+    seen_disconnected(clients, broker.port, 2)
+    broker.stop()
+    rows = {row["client_id"]: row for row in inspect_json(broker.store)}
+    full, empty = rows["full"], rows["empty"]
+    assert (full["depth"], full["bytes"], full["dropped"]) == (2, len(sent[2]) + len(sent[3]), 2), full
+    assert isinstance(full["oldest_age_s"], float) and 0 <= full["oldest_age_s"] < 60, full
+    assert (empty["depth"], empty["bytes"], empty["dropped"], empty["oldest_age_s"]) == (0, 0, 0, None), empty
+    table = {line.split()[0]: line.split() for line in inspect_lines(broker.store)[1:-1]}
+    assert table["full"][1:3] == ["2", str(len(sent[2]) + len(sent[3]))] and table["full"][5] == "2", table
+    assert re.fullmatch(r"\d+s", table["full"][3]), table
+    assert table["empty"][1:4] == ["0", "0", "-"] and table["empty"][5] == "0", table
+
+
+def test_inspect_of_a_new_store_prints_the_header_and_counts_of_zero(broker_factory: Callable[..., Broker]) -> None:
+    """docs/operations.md:41-43: "(a store without sessions: the header and `0 session(s), 0 queued
+    message(s)`)"; :49-51 `--retained`: header `TOPIC`, `QOS`, `BYTES`, `AGE`, then
+    `<n> retained message(s)`; `--json`: a list (empty)."""
+    broker = broker_factory()
+    broker.stop()
+    assert inspect_lines(broker.store) == [
+        "CLIENT ID  DEPTH  BYTES  OLDEST  EXPIRES IN  DROPPED  SUBSCRIPTIONS",
+        "0 session(s), 0 queued message(s)",
+    ]
+    assert inspect_lines(broker.store, "--retained") == ["TOPIC  QOS  BYTES  AGE", "0 retained message(s)"]
+    for options in ((), ("--retained",)):
+        assert json.loads("\n".join(inspect_lines(broker.store, *options, "--json"))) == []
+
+
+# ------------------------------------------------------------------ inspect: retained
+def test_inspect_retained_lists_topics_in_order_laid_out_like_the_sessions(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:48-51: "With `--retained` it lists the retained messages instead, in topic
+    order: topic, QoS, payload bytes and age (header `TOPIC`, `QOS`, `BYTES`, `AGE`, laid out the
+    same way), then `<n> retained message(s)`"; a retained message cleared by an empty retained
+    PUBLISH is gone (MQTT-3.3.1-10)."""
+    publisher = clients(broker.port, "pub", clean_session=True)
+    long_topic = "plant/a-topic-wider-than-its-column-name/temperature"
+    publisher.publish(long_topic, [b"21.5"], qos=1, retain=True)
+    publisher.publish("a/b", [b"x" * 1234], qos=0, retain=True)
+    publisher.publish("Z/z", [b"zz"], qos=2, retain=True)
+    publisher.publish("gone", [b"soon cleared"], qos=1, retain=True)
+    publisher.publish("gone", [b""], qos=1, retain=True)
+    publisher.disconnect()
+    broker.stop()
+    lines = inspect_lines(broker.store, "--retained")
+    rows = [line.split() for line in lines[1:-1]]
+    assert [row[:3] for row in rows] == [["Z/z", "2", "2"], ["a/b", "0", "1234"], [long_topic, "1", "4"]], lines
+    assert all(re.fullmatch(r"\d+s", row[3]) for row in rows), lines
+    assert_laid_out(lines[:-1], [["TOPIC", "QOS", "BYTES", "AGE"], *rows])
+    assert lines[-1] == "3 retained message(s)"
+    listed = json.loads("\n".join(inspect_lines(broker.store, "--retained", "--json")))
+    assert [(row["topic"], row["qos"], row["bytes"]) for row in listed] == [
+        ("Z/z", 2, 2), ("a/b", 0, 1234), (long_topic, 1, 4)
+    ]
+
+
+# ------------------------------------------------------------------ folders that are not stores
+def test_inspect_and_repair_of_a_missing_path_create_nothing(tmp_path: Path) -> None:
+    """docs/operations.md:51-53 "A missing or empty folder: `no store at '...'` ...; each exit code 1,
+    and nothing is created"; :60-62 repair: "A path that is missing ... is refused with `no store at
+    '...'` ...; exit code 1, untouched"."""
+    nowhere = tmp_path / "data" / "durable"
+    for command in ("inspect", "repair"):
+        refused = run_cli(command, str(nowhere))
+        assert refused.returncode == 1, refused.stderr
+        assert f"no store at '{nowhere}'" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert list(tmp_path.iterdir()) == [], command
+
+
+def test_a_folder_holding_only_leveldb_s_lock_and_log_files_counts_as_empty(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/configuration.md:19 `store`: "a new store is created only in a missing or empty folder
+    (LevelDB's `LOCK`, `LOG` and `LOG.old` files alone, left by a crash while creating it, count as
+    empty ...)"; inspect of an empty folder: `no store at '...'` (operations.md:51)."""
+    broker = broker_factory(start=False)
+    store = Path(broker.store)
+    store.mkdir()
+    for name in ("LOCK", "LOG", "LOG.old"):
+        (store / name).write_text("")
+    refused = run_cli("inspect", broker.store)
+    assert (refused.returncode, f"no store at '{store}'" in refused.stderr) == (1, True), refused.stderr
+    broker.start()
+    device = clients(broker.port, "after-crash")
+    device.subscribe("t", 1)
+    device.disconnect()
+    broker.stop()
+    assert [row["client_id"] for row in inspect_json(broker.store)] == ["after-crash"]
+
+
+# ------------------------------------------------------------------ a damaged table file
+def damaged_table_store(broker_factory: Callable[..., Broker], clients: Callable[..., Client]) -> tuple[Broker, str]:
+    """A stopped broker whose store's one table file (the log turned into a table by inspect's open,
+    operations.md:74-76) is cut in half, as a torn copy would leave it; that file's name."""
+    broker = broker_factory()
+    device = clients(broker.port, "dev")
+    device.subscribe("t", 1)
+    device.drop()
+    clients(broker.port, "pub", clean_session=True).publish("t", payloads(50), qos=1)
+    broker.stop()
+    assert [row["depth"] for row in inspect_json(broker.store)] == [50]
+    [table] = Path(broker.store).glob("*.ldb")
+    data = table.read_bytes()
+    table.write_bytes(data[: len(data) // 2])
+    return broker, table.name
+
+
+def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_moves_it_to_lost(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:17-21 broker: exit code 1 when "the broker cannot start (store locked or
+    corrupted ...)": `amqtt-durable: broker not started: ...`; :198-205 "`store '...' is corrupted or
+    unreadable: ...` ... The message names the damage: ... a table file cut short (`table file
+    000123.ldb is truncated or damaged`)", inspect names the same damage; :77-78 repair "a damaged
+    table file's readable records are copied, the file itself moved to `STORE/lost/`", and it prints
+    `not recovered: ...` for "damaged table files"; :80-82 "the layout version key, if lost (... or
+    nothing at all, e.g. every record was in a damaged table ...)"; then the broker starts again."""
+    broker, table = damaged_table_store(broker_factory, clients)
+    named = f"store '{broker.store}' is corrupted or unreadable: table file {table} is truncated or damaged"
+    started = run_cli("broker", "-c", str(broker.write_config()))
+    assert started.returncode == 1, started.stderr[-2000:]
+    assert started.stderr.strip().splitlines()[-1].startswith(f"amqtt-durable: broker not started: {named}")
+    listed = run_cli("inspect", broker.store)
+    assert listed.returncode == 1 and named in listed.stderr, listed.stderr
+    repaired = run_cli("repair", broker.store)
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    not_recovered = [line.strip() for line in repaired.stdout.splitlines() if "not recovered:" in line]
+    assert any(table in line for line in not_recovered), repaired.stdout
+    assert (Path(broker.store) / "lost" / table).exists()
+    assert "rebuilt: layout version key restored" in repaired.stdout, repaired.stdout
+    assert inspect_lines(broker.store)[-1].endswith("queued message(s)")
+    broker.start()
+    assert probe_connack(broker.port)
+
+
+# ------------------------------------------------------------------ metrics
+def test_messages_queued_and_bytes_queued_count_a_message_once_per_queue(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:369-372 Metrics: `sessions/connected` "durable sessions with a connection
+    now", `sessions/disconnected` "without one", `messages/queued` "messages in all queues now (a
+    message queued for 3 sessions counts 3)", `bytes/queued` "payload bytes in all queues now"."""
+    broker = broker_factory(metrics_interval=0.2)
+    for client_id in ("q-1", "q-2", "q-3"):
+        device = clients(broker.port, client_id)
+        device.subscribe("fan/t", 1)
+        device.disconnect()
+    live = clients(broker.port, "q-live")
+    live.subscribe("other/t", 1)
+    clients(broker.port, "pub", clean_session=True).publish("fan/t", [b"12345"], qos=1)
+    expected = {"messages/queued": b"3", "bytes/queued": b"15", "sessions/disconnected": b"3",
+                "sessions/connected": b"1"}
+    watcher = clients(broker.port, "watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/#", 0)
+
+    def latest() -> dict[str, bytes]:
+        seen = {m.topic.removeprefix("$SYS/broker/durable/"): m.payload for m in watcher.messages}
+        return {topic: seen.get(topic, b"") for topic in expected}
+
+    assert watcher.wait_for(lambda _: latest() == expected, WAIT), latest()
+
+
+# ------------------------------------------------------------------ upgrading: a store without the message id mark
+def store_of_an_earlier_release(broker_factory: Callable[..., Broker], clients: Callable[..., Client]) -> Broker:
+    """A stopped broker whose store holds 3 messages queued for 2 sessions (6 queue entries) and, as
+    one an earlier release wrote (docs/operations.md:144), no message id mark (key `M`,
+    docs/store-layout.md:81): removed with plyvel, as that release never wrote it."""
+    broker = broker_factory()
+    for client_id in ("up-1", "up-2"):
+        device = clients(broker.port, client_id)
+        device.subscribe("up/t", 1)
+        device.disconnect()
+    clients(broker.port, "pub", clean_session=True).publish("up/t", payloads(3, "old"), qos=1)
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    try:
+        assert db.get(b"M") is not None
+        db.delete(b"M", sync=True)
+    finally:
+        db.close()
+    return broker
+
+
+def assert_old_then_new(broker: Broker, clients: Callable[..., Client]) -> None:
+    """Both sessions get their 3 old messages, then 3 new ones: no new message took an old one's id."""
+    devices = [clients(broker.port, client_id, manual_ack=False) for client_id in ("up-1", "up-2")]
+    clients(broker.port, "pub-2", clean_session=True).publish("up/t", payloads(3, "new"), qos=1)
+    for device in devices:
+        assert device.session_present is True
+        got = [m.payload for m in device.wait_messages(6)]
+        assert got == payloads(3, "old") + payloads(3, "new"), (device.client_id, got)
+
+
+def test_the_first_start_of_a_store_without_the_mark_reads_every_queue_entry_once_and_logs_it(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:144-152 Upgrading: the first start of a store without the message id mark
+    "logs, at INFO, `durable store STORE has no message id mark (written by an earlier release):
+    reading every queue entry once` before and `durable store STORE: N queue entries read in S s;
+    highest message id in use M, kept as the mark from now on` after"; "Later starts read the mark
+    and skip this"; "no new message is given an id a queue entry still holds"."""
+    broker = store_of_an_earlier_release(broker_factory, clients)
+    broker.start()
+    log = broker.log()
+    before = (f"durable store {broker.store} has no message id mark (written by an earlier release): "
+              "reading every queue entry once")
+    lines = [line for line in log.splitlines() if before in line]
+    assert len(lines) == 1 and " INFO " in lines[0], log[-3000:]
+    after = re.findall(
+        rf"durable store {re.escape(broker.store)}: (\d+) queue entries read in [\d.]+ s; highest message id in use "
+        r"(\d+), kept as the mark from now on", log)
+    assert len(after) == 1 and int(after[0][0]) == 6 and int(after[0][1]) >= 3, log[-3000:]
+    assert_old_then_new(broker, clients)
+    broker.restart(kill=False)
+    assert broker.log().count(before) == 1, "a later start reads the mark"
+
+
+def test_repair_raises_a_mark_an_earlier_release_left_below_an_id_in_use(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:92-97 repair: "a highest message id mark that decodes but is below an id a
+    message body, a reference count or a queue entry holds ...: set to that id (`rebuilt: highest
+    message id N was below message M, which is in use (an earlier release wrote the store since):
+    set to M`); a store without the mark gets one, without a line, so the broker's next start need
+    not read every queue entry for it"; :153-157 "run `amqtt-durable repair STORE` ... Repair raises
+    the mark past every id in use"."""
+    broker = store_of_an_earlier_release(broker_factory, clients)
+    without = run_cli("repair", broker.store)
+    assert without.returncode == 0, without.stdout + without.stderr
+    assert "message id" not in without.stdout, without.stdout
+    broker.start()
+    assert "has no message id mark" not in broker.log(), "repair gave the store its mark"
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    try:
+        db.put(b"M", struct.pack(">Q", 1), sync=True)  # what an earlier release leaves: a mark below ids in use
+    finally:
+        db.close()
+    raised = run_cli("repair", broker.store)
+    assert raised.returncode == 0, raised.stdout + raised.stderr
+    found = re.findall(
+        r"rebuilt: highest message id 1 was below message (\d+), which is in use \(an earlier release wrote the "
+        r"store since\): set to (\d+)", raised.stdout)
+    assert len(found) == 1 and found[0][0] == found[0][1] and int(found[0][0]) >= 3, raised.stdout
+    broker.start()
+    assert_old_then_new(broker, clients)
+
+
+# ------------------------------------------------------------------ max_packet_size at its edge
+@pytest.mark.parametrize("limit", [1024, None], ids=["1024", "default"])
+def test_a_packet_of_max_packet_size_is_served_and_one_byte_more_closes_the_connection(
+    broker_factory: Callable[..., Broker], limit: int | None
+) -> None:
+    """docs/configuration.md:38 `max_packet_size` default `1048576`: "Largest packet a client may send
+    (remaining length, bytes); a larger one closes the connection before its body is read"."""
+    size = 1_048_576 if limit is None else limit
+    broker = broker_factory() if limit is None else broker_factory(max_packet_size=limit)
+    topic = b"big/t"
+    for remaining, served in ((size, True), (size + 1, False)):
+        sock = raw_connect(broker.port, f"big-{remaining}", clean=True)
+        payload = b"p" * (remaining - 2 - len(topic) - 2)
+        packet = mqtt_packet(0x32, mqtt_string(topic) + struct.pack(">H", 7) + payload)
+        sock.sendall(packet[: len(packet) - len(payload)])  # header, topic and packet id: the body waits
+        if served:
+            sock.sendall(payload)
+            assert read_packet(sock) == (0x40, struct.pack(">H", 7)), remaining
+        else:
+            assert closed_by_broker(sock), "closed before its body is read, unanswered"
+        sock.close()
+
