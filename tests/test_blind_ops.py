@@ -15,7 +15,18 @@ import pytest
 from raw_mqtt_helpers import raw_connect, read_packet
 from test_blind_core import closed_by_broker, control, inspect_json, seen_disconnected
 
-from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, probe_connack, run_cli
+from conftest import (
+    WAIT,
+    Broker,
+    Client,
+    free_port,
+    mqtt_packet,
+    mqtt_string,
+    payloads,
+    probe_connack,
+    queued_while_dropped,
+    run_cli,
+)
 
 
 # ------------------------------------------------------------------ helpers
@@ -203,10 +214,7 @@ def damaged_table_store(broker_factory: Callable[..., Broker], clients: Callable
     """A stopped broker whose store's one table file (the log turned into a table by inspect's open,
     operations.md:74-76) is cut in half, as a torn copy would leave it; that file's name."""
     broker = broker_factory()
-    device = clients(broker.port, "dev")
-    device.subscribe("t", 1)
-    device.drop()
-    clients(broker.port, "pub", clean_session=True).publish("t", payloads(50), qos=1)
+    queued_while_dropped(clients, broker.port, "t", "t", payloads(50))
     broker.stop()
     assert [row["depth"] for row in inspect_json(broker.store)] == [50]
     [table] = Path(broker.store).glob("*.ldb")
@@ -241,6 +249,55 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
     assert inspect_lines(broker.store)[-1].endswith("queued message(s)")
     broker.start()
     assert probe_connack(broker.port)
+
+
+# ------------------------------------------------------------------ repair's report
+def test_repair_reports_a_queue_without_its_session_record_and_the_broker_deletes_it(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:128-132 repair prints "each thing it could not recover (`not recovered:
+    ...`): ... queues without a session record (their client id is lost; the broker deletes them
+    when it starts)"; :63-65 its write probe `durable-write-probe.tmp` "is removed at once"; the
+    other session keeps its queue."""
+    broker = broker_factory()
+    for client_id in ("kept", "orphan"):
+        device = clients(broker.port, client_id)
+        device.subscribe("t", 1)
+        device.disconnect()
+    clients(broker.port, "pub", clean_session=True).publish("t", payloads(3), qos=1)
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    try:
+        db.delete(b"s" + b"orphan", sync=True)  # the session record (docs/store-layout.md: one per client id)
+    finally:
+        db.close()
+    repaired = run_cli("repair", broker.store)
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    lost = [line for line in repaired.stdout.splitlines() if line.strip().startswith("not recovered:")]
+    assert len(lost) == 1 and "3 queued message(s)" in lost[0], repaired.stdout
+    assert "client id is lost; the broker deletes them when it starts" in lost[0], lost
+    assert not (Path(broker.store) / "durable-write-probe.tmp").exists()
+    broker.start()
+    assert "store: deleted 3 queue entries of a session whose deletion a crash or a stop cut short" in broker.log()
+    assert [m.payload for m in clients(broker.port, "kept").wait_messages(3)] == payloads(3)
+    assert clients(broker.port, "orphan").session_present is False
+
+
+def test_repair_of_a_replicated_store_clears_its_position(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:134-135 "A replicated store's position is cleared too (`rebuilt: replication
+    position cleared`): its backups then get a new snapshot from it" (a fixed-role primary, no etcd)."""
+    broker = broker_factory(replication={"role": "primary", "listen": f"127.0.0.1:{free_port()}"})
+    queued_while_dropped(clients, broker.port, "t", "t", payloads(3))
+    broker.stop()
+    repaired = run_cli("repair", broker.store)
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    assert "  rebuilt: replication position cleared" in repaired.stdout, repaired.stdout
+    again = run_cli("repair", broker.store)
+    assert "replication position cleared" not in again.stdout, "a store without a position has none to clear"
+    broker.start()
+    assert [m.payload for m in clients(broker.port, "dev-1").wait_messages(3)] == payloads(3)
 
 
 # ------------------------------------------------------------------ metrics
