@@ -435,3 +435,22 @@ def test_a_packet_of_max_packet_size_is_served_and_one_byte_more_closes_the_conn
             assert closed_by_broker(sock), "closed before its body is read, unanswered"
         sock.close()
 
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_metrics_come_every_10_seconds_by_default(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:360-361 "Every `metrics_interval` seconds (default 10; 0 = off) the plugin
+    publishes, at QoS 0, plain decimal numbers under `$SYS/broker/durable/`"; configuration.md:30
+    `metrics_interval` default `10`. Two publications of one metric about 10 s apart."""
+    broker = broker_factory(start=False)
+    del broker.settings["metrics_interval"]  # the tests' brokers turn it off; here: the default
+    broker.start()
+    watcher = clients(broker.port, "watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/messages/enqueued", 0)
+    assert watcher.wait_for(lambda ms: len(ms) >= 2, timeout=2 * 10 + WAIT), "two publications"
+    first, second = watcher.messages[:2]
+    assert (first.payload, second.payload, first.qos) == (b"0", b"0", 0)
+    assert 9.5 <= second.timestamp - first.timestamp <= 12.5, (first.timestamp, second.timestamp)  # paho: monotonic
