@@ -13,7 +13,7 @@ from pathlib import Path
 import plyvel
 import pytest
 from raw_mqtt_helpers import raw_connect, read_packet
-from test_blind_core import closed_by_broker, control, inspect_json, seen_disconnected
+from test_blind_core import MARKER, closed_by_broker, control, frame, inspect_json, seen_disconnected, stream_events
 
 from conftest import (
     WAIT,
@@ -227,19 +227,23 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
     """docs/operations.md:17-21 broker: exit code 1 when "the broker cannot start (store locked or
-    corrupted ...)": `amqtt-durable: broker not started: ...`; :198-205 "`store '...' is corrupted or
+    corrupted ...)": `amqtt-durable: broker not started: ...`; :198-208 "`store '...' is corrupted or
     unreadable: ...` ... The message names the damage: ... a table file cut short (`table file
     000123.ldb is truncated or damaged`)", inspect names the same damage; :77-78 repair "a damaged
     table file's readable records are copied, the file itself moved to `STORE/lost/`", and it prints
     `not recovered: ...` for "damaged table files"; :80-82 "the layout version key, if lost (... or
     nothing at all, e.g. every record was in a damaged table ...)"; then the broker starts again."""
     broker, table = damaged_table_store(broker_factory, clients)
+    torn = (Path(broker.store) / table).read_bytes()
     named = f"store '{broker.store}' is corrupted or unreadable: table file {table} is truncated or damaged"
     started = run_cli("broker", "-c", str(broker.write_config()))
     assert started.returncode == 1, started.stderr[-2000:]
     assert started.stderr.strip().splitlines()[-1].startswith(f"amqtt-durable: broker not started: {named}")
     listed = run_cli("inspect", broker.store)
     assert listed.returncode == 1 and named in listed.stderr, listed.stderr
+    # :200-202 "The broker writes no record to a store it refuses and leaves its table files as they are"
+    assert [path.name for path in Path(broker.store).glob("*.ldb")] == [table]
+    assert (Path(broker.store) / table).read_bytes() == torn
     repaired = run_cli("repair", broker.store)
     assert repaired.returncode == 0, repaired.stdout + repaired.stderr
     not_recovered = [line.strip() for line in repaired.stdout.splitlines() if "not recovered:" in line]
@@ -304,7 +308,7 @@ def test_repair_of_a_replicated_store_clears_its_position(
 def test_messages_queued_and_bytes_queued_count_a_message_once_per_queue(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:369-372 Metrics: `sessions/connected` "durable sessions with a connection
+    """docs/operations.md:370-373 Metrics: `sessions/connected` "durable sessions with a connection
     now", `sessions/disconnected` "without one", `messages/queued` "messages in all queues now (a
     message queued for 3 sessions counts 3)", `bytes/queued` "payload bytes in all queues now"."""
     broker = broker_factory(metrics_interval=0.2)
@@ -442,7 +446,7 @@ def test_a_packet_of_max_packet_size_is_served_and_one_byte_more_closes_the_conn
 def test_metrics_come_every_10_seconds_by_default(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:360-361 "Every `metrics_interval` seconds (default 10; 0 = off) the plugin
+    """docs/operations.md:365-366 "Every `metrics_interval` seconds (default 10; 0 = off) the plugin
     publishes, at QoS 0, plain decimal numbers under `$SYS/broker/durable/`"; configuration.md:30
     `metrics_interval` default `10`. Two publications of one metric about 10 s apart."""
     broker = broker_factory(start=False)
@@ -454,3 +458,58 @@ def test_metrics_come_every_10_seconds_by_default(
     first, second = watcher.messages[:2]
     assert (first.payload, second.payload, first.qos) == (b"0", b"0", 0)
     assert 9.5 <= second.timestamp - first.timestamp <= 12.5, (first.timestamp, second.timestamp)  # paho: monotonic
+
+
+# ------------------------------------------------------------------ limitations
+def test_a_client_id_that_said_hello_stays_an_sdk_session_for_a_plain_client_until_the_session_ends(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:483-484 "a client id that said `hello` stays an SDK session (held until
+    ready, framed payloads) until the session ends; a plain MQTT client should not reuse it"."""
+    device = clients(broker.port, "sdk-id")
+    assert control(device, {"v": 1, "op": "hello"})["ok"] is True
+    device.subscribe("sd/t", 1)
+    device.disconnect()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("sd/t", [b"queued"], qos=1)
+    plain = clients(broker.port, "sdk-id")  # no hello this time
+    assert plain.session_present is True
+    assert not plain.wait_for(lambda ms: any(m.topic == "sd/t" for m in ms), timeout=1.0), "held until ready"
+    assert control(plain, {"v": 1, "op": "ready"})["ok"] is True
+    assert plain.wait_for(lambda ms: any(m.topic == MARKER for m in ms))
+    [queued] = [m for m in plain.messages if m.topic == "sd/t"]
+    assert frame(queued.payload)[5] == b"queued" and len(queued.payload) == 26 + len(b"queued"), "framed"
+    plain.disconnect()
+    clients(broker.port, "sdk-id", clean_session=True).disconnect()  # the session ends
+    fresh = clients(broker.port, "sdk-id")
+    assert fresh.session_present is False
+    fresh.subscribe("sd/t", 1)
+    publisher.publish("sd/t", [b"plain now"], qos=1)
+    assert [m.payload for m in fresh.wait_messages(1)] == [b"plain now"], "neither held nor framed"
+
+
+def test_a_stream_log_no_configured_stream_covers_is_kept_and_goes_on_when_covered_again(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:488-489 "Stream logs of topics no longer covered by a configured stream are
+    kept (never trimmed), so a typo in `streams` does not destroy data"; configuration.md:33 a covered
+    topic's log has "ids 1, 2, 3, ..."."""
+    broker = broker_factory(streams=[{"filter": "log/#", "max_count": 10}])
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("log/a", payloads(5), qos=1)
+    broker.stop()
+    broker.settings["streams"] = [{"filter": "lgo/#", "max_count": 1}]  # the typo
+    broker.start()
+    clients(broker.port, "pub-typo", clean_session=True).publish("log/a", [b"not logged"], qos=1)
+    broker.stop()
+    broker.settings["streams"] = [{"filter": "log/#", "max_count": 10}]
+    broker.start()
+    clients(broker.port, "pub-again", clean_session=True).publish("log/a", [b"sixth"], qos=1)
+    reader = clients(broker.port, "reader", clean_session=True)
+    info = control(reader, {"v": 1, "op": "stream_info", "filter": "log/#"})
+    assert info["topics"] == {"log/a": {"first": 1, "last": 6, "count": 6}}, info
+    assert control(reader, {"v": 1, "op": "stream_subscribe", "filter": "log/#", "window": 10})["ok"] is True
+    assert reader.wait_for(lambda ms: len(stream_events(reader, "log/a")) >= 6)
+    assert [(event_id, body) for _, event_id, body in stream_events(reader, "log/a")] == [
+        *enumerate(payloads(5), start=1), (6, b"sixth")
+    ]
