@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -513,3 +515,52 @@ def test_a_stream_log_no_configured_stream_covers_is_kept_and_goes_on_when_cover
     assert [(event_id, body) for _, event_id, body in stream_events(reader, "log/a")] == [
         *enumerate(payloads(5), start=1), (6, b"sixth")
     ]
+
+
+# ------------------------------------------------------------------ the broker command
+def test_a_setting_of_amqtt_s_own_that_amqtt_refuses_is_exit_1_broker_not_started(tmp_path: Path) -> None:
+    """docs/operations.md:17-22 `broker`: exit code 2 for a bad config of the plugin, 1 when the
+    broker cannot start, among others for "a setting of amqtt's own that amqtt refuses, e.g.
+    `listeners: 5` (`broker not started: wrong value type for field "listeners" ...`)"; a config file
+    that is YAML but not a mapping is a bad config (exit code 2)."""
+    config = tmp_path / "broker.yaml"
+    config.write_text(
+        "listeners: 5\nplugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: true\n"
+        f"  amqtt_durable.DurableSessionsPlugin:\n    store: {tmp_path / 'store'}\n", encoding="utf-8")
+    refused = run_cli("broker", "-c", str(config))
+    assert refused.returncode == 1, refused.stderr[-2000:]
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith('amqtt-durable: broker not started: wrong value type for field "listeners"'), last
+    config.write_text("- a list\n- not a mapping\n", encoding="utf-8")
+    not_a_mapping = run_cli("broker", "-c", str(config))
+    assert not_a_mapping.returncode == 2, not_a_mapping.stderr[-2000:]
+    assert "Traceback" not in not_a_mapping.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_connection_without_a_connect_is_closed_after_10_seconds_by_default(broker: Broker) -> None:
+    """docs/configuration.md:37 `connect_timeout` default `10`: "Seconds a new connection has to send
+    its whole CONNECT; then it is closed"."""
+    with socket.create_connection(("127.0.0.1", broker.port), timeout=WAIT) as sock:
+        sock.sendall(b"\x10")  # a CONNECT begun, never finished
+        opened = time.monotonic()
+        assert closed_by_broker(sock)  # within WAIT (15 s)
+        assert 9.5 <= time.monotonic() - opened <= 13, time.monotonic() - opened
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_an_unacknowledged_stream_event_comes_again_after_5_seconds_by_default(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/configuration.md:35 `stream_ack_timeout` default `5`: "Seconds before an unacknowledged
+    stream event is sent again"."""
+    broker = broker_factory(streams=[{"filter": "log/#"}])
+    clients(broker.port, "pub", clean_session=True).publish("log/a", [b"e1"], qos=1)
+    reader = clients(broker.port, "reader", clean_session=True)
+    assert control(reader, {"v": 1, "op": "stream_subscribe", "filter": "log/#"})["ok"] is True
+    assert reader.wait_for(lambda ms: len(stream_events(reader, "log/a")) >= 2, timeout=2 * 5 + WAIT)
+    first, second = [m for m in reader.messages if m.topic == "$durable/v1/stream/log/a"][:2]
+    assert [event[1:] for event in stream_events(reader, "log/a")[:2]] == [(1, b"e1")] * 2
+    assert 4.5 <= second.timestamp - first.timestamp <= 7.5, (first.timestamp, second.timestamp)
