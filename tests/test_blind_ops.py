@@ -64,7 +64,7 @@ def hello_and_leave(broker: Broker, clients: Callable[..., Client], client_id: s
 def test_inspect_lays_out_wide_cells_lists_sessions_by_client_id_and_subscriptions_by_filter(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:38-44 inspect's table: "each column as wide as its widest cell, header
+    """docs/operations.md:38-45 inspect's table: "each column as wide as its widest cell, header
     included, and two spaces between columns, trailing spaces cut", subscriptions as `filter@qos`
     ("comma-separated in filter order, `-` for none"), "one row per session in client id order"; then
     `<n> session(s), <m> queued message(s)`."""
@@ -91,7 +91,7 @@ def test_inspect_lays_out_wide_cells_lists_sessions_by_client_id_and_subscriptio
 def test_inspect_rounds_times_to_the_unit_the_page_names(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:45-48: "ages and times read `45s` (under 2 minutes ...), `5m` (under 2
+    """docs/operations.md:46-49: "ages and times read `45s` (under 2 minutes ...), `5m` (under 2
     hours) or `3.5h`", "rounded to the nearest second, minute or tenth of an hour" (so a session
     expiring in just under 2 hours reads `120m`). Each session's expiry is its hello's."""
     broker = broker_factory(metrics_interval=0.2)
@@ -109,9 +109,10 @@ def test_inspect_rounds_times_to_the_unit_the_page_names(
 def test_inspect_shows_a_queue_s_drops_bytes_and_oldest_age_and_dash_for_an_empty_queue(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:34-51: inspect shows "queue depth and bytes, age of the oldest queued
-    message, ... dropped count"; `--json` "`oldest_age_s` ... null where none"; configuration.md:24
-    `overflow` default `drop-oldest`: the oldest queued message goes."""
+    """docs/operations.md:34-52: inspect shows "queue depth and payload bytes, age of the oldest queued
+    message, ... dropped count (since the session was created, across restarts and reconnects)";
+    `--json` "`oldest_age_s` ... null where none"; configuration.md:24 `overflow` default
+    `drop-oldest`: the oldest queued message goes."""
     broker = broker_factory(max_depth=2, max_depth_disconnected=2, metrics_interval=0.2)
     for client_id in ("full", "empty"):
         device = clients(broker.port, client_id)
@@ -130,12 +131,20 @@ def test_inspect_shows_a_queue_s_drops_bytes_and_oldest_age_and_dash_for_an_empt
     assert table["full"][1:3] == ["2", str(len(sent[2]) + len(sent[3]))] and table["full"][5] == "2", table
     assert re.fullmatch(r"\d+s", table["full"][3]), table
     assert table["empty"][1:4] == ["0", "0", "-"] and table["empty"][5] == "0", table
+    broker.start()  # "dropped count (since the session was created, across restarts and reconnects)"
+    drained = clients(broker.port, "full")
+    assert [m.payload for m in drained.wait_messages(2)] == sent[2:]
+    drained.disconnect()
+    seen_disconnected(clients, broker.port, 2)
+    broker.stop()
+    again = {row["client_id"]: row for row in inspect_json(broker.store)}["full"]
+    assert (again["depth"], again["bytes"], again["dropped"], again["oldest_age_s"]) == (0, 0, 2, None), again
 
 
 def test_inspect_of_a_new_store_prints_the_header_and_counts_of_zero(broker_factory: Callable[..., Broker]) -> None:
-    """docs/operations.md:44-45: "(a store without sessions: the header and `0 session(s), 0 queued
+    """docs/operations.md:45-46: "(a store without sessions: the header and `0 session(s), 0 queued
     message(s)`)";
-    :50-53 `--retained`: header `TOPIC`, `QOS`, `BYTES`, `AGE`, then
+    :51-54 `--retained`: header `TOPIC`, `QOS`, `BYTES`, `AGE`, then
     `<n> retained message(s)`; `--json`: a list (empty)."""
     broker = broker_factory()
     broker.stop()
@@ -152,7 +161,7 @@ def test_inspect_of_a_new_store_prints_the_header_and_counts_of_zero(broker_fact
 def test_inspect_retained_lists_topics_in_order_laid_out_like_the_sessions(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:50-53: "With `--retained` it lists the retained messages instead, in topic
+    """docs/operations.md:51-54: "With `--retained` it lists the retained messages instead, in topic
     order: topic, QoS, payload bytes and age (header `TOPIC`, `QOS`, `BYTES`, `AGE`, laid out the
     same way), then `<n> retained message(s)`"; a retained message cleared by an empty retained
     PUBLISH is gone (MQTT-3.3.1-10)."""
@@ -179,8 +188,8 @@ def test_inspect_retained_lists_topics_in_order_laid_out_like_the_sessions(
 
 # ------------------------------------------------------------------ folders that are not stores
 def test_inspect_and_repair_of_a_missing_path_create_nothing(tmp_path: Path) -> None:
-    """docs/operations.md:53-55 "A missing or empty folder: `no store at '...'` ...; each exit code 1,
-    and nothing is created"; :62-64 repair: "A path that is missing ... is refused with `no store at
+    """docs/operations.md:54-56 "A missing or empty folder: `no store at '...'` ...; each exit code 1,
+    and nothing is created"; :63-65 repair: "A path that is missing ... is refused with `no store at
     '...'` ...; exit code 1, untouched"."""
     nowhere = tmp_path / "data" / "durable"
     for command in ("inspect", "repair"):
@@ -196,7 +205,7 @@ def test_a_folder_holding_only_leveldb_s_lock_and_log_files_counts_as_empty(
 ) -> None:
     """docs/configuration.md:19 `store`: "a new store is created only in a missing or empty folder
     (LevelDB's `LOCK`, `LOG` and `LOG.old` files alone, left by a crash while creating it, count as
-    empty ...)"; inspect of an empty folder: `no store at '...'` (operations.md:53)."""
+    empty ...)"; inspect of an empty folder: `no store at '...'` (operations.md:54)."""
     broker = broker_factory(start=False)
     store = Path(broker.store)
     store.mkdir()
@@ -215,7 +224,7 @@ def test_a_folder_holding_only_leveldb_s_lock_and_log_files_counts_as_empty(
 # ------------------------------------------------------------------ a damaged table file
 def damaged_table_store(broker_factory: Callable[..., Broker], clients: Callable[..., Client]) -> tuple[Broker, str]:
     """A stopped broker whose store's one table file (the log turned into a table by inspect's open,
-    operations.md:75-77) is cut in half, as a torn copy would leave it; that file's name."""
+    operations.md:76-78) is cut in half, as a torn copy would leave it; that file's name."""
     broker = broker_factory()
     queued_while_dropped(clients, broker.port, "t", "t", payloads(50))
     broker.stop()
@@ -230,11 +239,11 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
     """docs/operations.md:17-23 broker: exit code 1 when "the broker cannot start (store locked or
-    corrupted ...)": `amqtt-durable: broker not started: ...`; :200-210 "`store '...' is corrupted or
+    corrupted ...)": `amqtt-durable: broker not started: ...`; :201-211 "`store '...' is corrupted or
     unreadable: ...` ... The message names the damage: ... a table file cut short (`table file
-    000123.ldb is truncated or damaged`)", inspect names the same damage; :79-80 repair "a damaged
+    000123.ldb is truncated or damaged`)", inspect names the same damage; :80-81 repair "a damaged
     table file's readable records are copied, the file itself moved to `STORE/lost/`", and it prints
-    `not recovered: ...` for "damaged table files"; :82-84 "the layout version key, if lost (... or
+    `not recovered: ...` for "damaged table files"; :83-85 "the layout version key, if lost (... or
     nothing at all, e.g. every record was in a damaged table ...)"; then the broker starts again."""
     broker, table = damaged_table_store(broker_factory, clients)
     torn = (Path(broker.store) / table).read_bytes()
@@ -244,7 +253,7 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
     assert started.stderr.strip().splitlines()[-1].startswith(f"amqtt-durable: broker not started: {named}")
     listed = run_cli("inspect", broker.store)
     assert listed.returncode == 1 and named in listed.stderr, listed.stderr
-    # :202-204 "The broker writes no record to a store it refuses and leaves its table files as they are"
+    # :203-205 "The broker writes no record to a store it refuses and leaves its table files as they are"
     assert [path.name for path in Path(broker.store).glob("*.ldb")] == [table]
     assert (Path(broker.store) / table).read_bytes() == torn
     repaired = run_cli("repair", broker.store)
@@ -262,9 +271,9 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
 def test_repair_reports_a_queue_without_its_session_record_and_the_broker_deletes_it(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:130-134 repair prints "each thing it could not recover (`not recovered:
+    """docs/operations.md:131-135 repair prints "each thing it could not recover (`not recovered:
     ...`): ... queues without a session record (their client id is lost; the broker deletes them
-    when it starts)"; :65-67 its write probe `durable-write-probe.tmp` "is removed at once"; the
+    when it starts)"; :66-68 its write probe `durable-write-probe.tmp` "is removed at once"; the
     other session keeps its queue."""
     broker = broker_factory()
     for client_id in ("kept", "orphan"):
@@ -293,7 +302,7 @@ def test_repair_reports_a_queue_without_its_session_record_and_the_broker_delete
 def test_repair_of_a_replicated_store_clears_its_position(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:136-137 "A replicated store's position is cleared too (`rebuilt: replication
+    """docs/operations.md:137-138 "A replicated store's position is cleared too (`rebuilt: replication
     position cleared`): its backups then get a new snapshot from it" (a fixed-role primary, no etcd)."""
     broker = broker_factory(replication={"role": "primary", "listen": f"127.0.0.1:{free_port()}"})
     queued_while_dropped(clients, broker.port, "t", "t", payloads(3))
@@ -311,7 +320,7 @@ def test_repair_of_a_replicated_store_clears_its_position(
 def test_messages_queued_and_bytes_queued_count_a_message_once_per_queue(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:372-375 Metrics: `sessions/connected` "durable sessions with a connection
+    """docs/operations.md:373-376 Metrics: `sessions/connected` "durable sessions with a connection
     now", `sessions/disconnected` "without one", `messages/queued` "messages in all queues now (a
     message queued for 3 sessions counts 3)", `bytes/queued` "payload bytes in all queues now"."""
     broker = broker_factory(metrics_interval=0.2)
@@ -337,7 +346,7 @@ def test_messages_queued_and_bytes_queued_count_a_message_once_per_queue(
 # ------------------------------------------------------------------ upgrading: a store without the message id mark
 def store_of_an_earlier_release(broker_factory: Callable[..., Broker], clients: Callable[..., Client]) -> Broker:
     """A stopped broker whose store holds 3 messages queued for 2 sessions (6 queue entries) and, as
-    one an earlier release wrote (docs/operations.md:146), no message id mark (key `M`,
+    one an earlier release wrote (docs/operations.md:147), no message id mark (key `M`,
     docs/store-layout.md:81): removed with plyvel, as that release never wrote it."""
     broker = broker_factory()
     for client_id in ("up-1", "up-2"):
@@ -368,7 +377,7 @@ def assert_old_then_new(broker: Broker, clients: Callable[..., Client]) -> None:
 def test_the_first_start_of_a_store_without_the_mark_reads_every_queue_entry_once_and_logs_it(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:146-154 Upgrading: the first start of a store without the message id mark
+    """docs/operations.md:147-155 Upgrading: the first start of a store without the message id mark
     "logs, at INFO, `durable store STORE has no message id mark (written by an earlier release):
     reading every queue entry once` before and `durable store STORE: N queue entries read in S s;
     highest message id in use M, kept as the mark from now on` after"; "Later starts read the mark
@@ -392,11 +401,11 @@ def test_the_first_start_of_a_store_without_the_mark_reads_every_queue_entry_onc
 def test_repair_raises_a_mark_an_earlier_release_left_below_an_id_in_use(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:94-99 repair: "a highest message id mark that decodes but is below an id a
+    """docs/operations.md:95-100 repair: "a highest message id mark that decodes but is below an id a
     message body, a reference count or a queue entry holds ...: set to that id (`rebuilt: highest
     message id N was below message M, which is in use (an earlier release wrote the store since):
     set to M`); a store without the mark gets one, without a line, so the broker's next start need
-    not read every queue entry for it"; :155-159 "run `amqtt-durable repair STORE` ... Repair raises
+    not read every queue entry for it"; :156-160 "run `amqtt-durable repair STORE` ... Repair raises
     the mark past every id in use"."""
     broker = store_of_an_earlier_release(broker_factory, clients)
     without = run_cli("repair", broker.store)
@@ -449,7 +458,7 @@ def test_a_packet_of_max_packet_size_is_served_and_one_byte_more_closes_the_conn
 def test_metrics_come_every_10_seconds_by_default(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:367-368 "Every `metrics_interval` seconds (default 10; 0 = off) the plugin
+    """docs/operations.md:368-369 "Every `metrics_interval` seconds (default 10; 0 = off) the plugin
     publishes, at QoS 0, plain decimal numbers under `$SYS/broker/durable/`"; configuration.md:30
     `metrics_interval` default `10`. Two publications of one metric about 10 s apart."""
     broker = broker_factory(start=False)
@@ -467,7 +476,7 @@ def test_metrics_come_every_10_seconds_by_default(
 def test_a_client_id_that_said_hello_stays_an_sdk_session_for_a_plain_client_until_the_session_ends(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:485-486 "a client id that said `hello` stays an SDK session (held until
+    """docs/operations.md:486-487 "a client id that said `hello` stays an SDK session (held until
     ready, framed payloads) until the session ends; a plain MQTT client should not reuse it"."""
     device = clients(broker.port, "sdk-id")
     assert control(device, {"v": 1, "op": "hello"})["ok"] is True
@@ -494,7 +503,7 @@ def test_a_client_id_that_said_hello_stays_an_sdk_session_for_a_plain_client_unt
 def test_a_stream_log_no_configured_stream_covers_is_kept_and_goes_on_when_covered_again(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:490-491 "Stream logs of topics no longer covered by a configured stream are
+    """docs/operations.md:491-492 "Stream logs of topics no longer covered by a configured stream are
     kept (never trimmed), so a typo in `streams` does not destroy data"; configuration.md:33 a covered
     topic's log has "ids 1, 2, 3, ..."."""
     broker = broker_factory(streams=[{"filter": "log/#", "max_count": 10}])
