@@ -239,7 +239,7 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
     """docs/operations.md:17-23 broker: exit code 1 when "the broker cannot start (store locked or
-    corrupted ...)": `amqtt-durable: broker not started: ...`; :201-211 "`store '...' is corrupted or
+    corrupted ...)": `amqtt-durable: broker not started: ...`; :204-214 "`store '...' is corrupted or
     unreadable: ...` ... The message names the damage: ... a table file cut short (`table file
     000123.ldb is truncated or damaged`)", inspect names the same damage; :80-81 repair "a damaged
     table file's readable records are copied, the file itself moved to `STORE/lost/`", and it prints
@@ -253,7 +253,7 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
     assert started.stderr.strip().splitlines()[-1].startswith(f"amqtt-durable: broker not started: {named}")
     listed = run_cli("inspect", broker.store)
     assert listed.returncode == 1 and named in listed.stderr, listed.stderr
-    # :203-205 "The broker writes no record to a store it refuses and leaves its table files as they are"
+    # :206-208 "The broker writes no record to a store it refuses and leaves its table files as they are"
     assert [path.name for path in Path(broker.store).glob("*.ldb")] == [table]
     assert (Path(broker.store) / table).read_bytes() == torn
     repaired = run_cli("repair", broker.store)
@@ -271,7 +271,7 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
 def test_repair_reports_a_queue_without_its_session_record_and_the_broker_deletes_it(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:131-135 repair prints "each thing it could not recover (`not recovered:
+    """docs/operations.md:131-138 repair prints "each thing it could not recover (`not recovered:
     ...`): ... queues without a session record (their client id is lost; the broker deletes them
     when it starts)"; :66-68 its write probe `durable-write-probe.tmp` "is removed at once"; the
     other session keeps its queue."""
@@ -299,10 +299,36 @@ def test_repair_reports_a_queue_without_its_session_record_and_the_broker_delete
     assert clients(broker.port, "orphan").session_present is False
 
 
+def test_repair_of_a_sound_store_says_it_was_consistent_and_changes_no_record(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:131-135 repair "prints `repaired 'STORE'; start the broker to use it`, then,
+    each on a line indented two spaces, each thing it rebuilt ... and each thing it could not recover
+    ..., or, when there was neither, `session records, queue totals and message references were all
+    consistent`": a store a SIGKILL left (shared bodies, QoS 2, retained, a stream log) is sound."""
+    broker = broker_factory(streams=[{"filter": "log/#"}])
+    for client_id in ("a", "b"):
+        device = clients(broker.port, client_id)
+        device.subscribe("t", 2)
+        device.disconnect()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("t", payloads(3), qos=2)
+    publisher.publish("r", [b"kept"], qos=1, retain=True)
+    publisher.publish("log/x", [b"e1"], qos=1)
+    broker.kill()
+    repaired = run_cli("repair", broker.store)
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    assert repaired.stdout.splitlines() == [
+        f"repaired '{broker.store}'; start the broker to use it",
+        "  session records, queue totals and message references were all consistent",
+    ]
+    assert [(row["client_id"], row["depth"]) for row in inspect_json(broker.store)] == [("a", 3), ("b", 3)]
+
+
 def test_repair_of_a_replicated_store_clears_its_position(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:137-138 "A replicated store's position is cleared too (`rebuilt: replication
+    """docs/operations.md:140-141 "A replicated store's position is cleared too (`rebuilt: replication
     position cleared`): its backups then get a new snapshot from it" (a fixed-role primary, no etcd)."""
     broker = broker_factory(replication={"role": "primary", "listen": f"127.0.0.1:{free_port()}"})
     queued_while_dropped(clients, broker.port, "t", "t", payloads(3))
@@ -320,7 +346,7 @@ def test_repair_of_a_replicated_store_clears_its_position(
 def test_messages_queued_and_bytes_queued_count_a_message_once_per_queue(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:373-376 Metrics: `sessions/connected` "durable sessions with a connection
+    """docs/operations.md:376-379 Metrics: `sessions/connected` "durable sessions with a connection
     now", `sessions/disconnected` "without one", `messages/queued` "messages in all queues now (a
     message queued for 3 sessions counts 3)", `bytes/queued` "payload bytes in all queues now"."""
     broker = broker_factory(metrics_interval=0.2)
@@ -346,7 +372,7 @@ def test_messages_queued_and_bytes_queued_count_a_message_once_per_queue(
 # ------------------------------------------------------------------ upgrading: a store without the message id mark
 def store_of_an_earlier_release(broker_factory: Callable[..., Broker], clients: Callable[..., Client]) -> Broker:
     """A stopped broker whose store holds 3 messages queued for 2 sessions (6 queue entries) and, as
-    one an earlier release wrote (docs/operations.md:147), no message id mark (key `M`,
+    one an earlier release wrote (docs/operations.md:150), no message id mark (key `M`,
     docs/store-layout.md:81): removed with plyvel, as that release never wrote it."""
     broker = broker_factory()
     for client_id in ("up-1", "up-2"):
@@ -377,7 +403,7 @@ def assert_old_then_new(broker: Broker, clients: Callable[..., Client]) -> None:
 def test_the_first_start_of_a_store_without_the_mark_reads_every_queue_entry_once_and_logs_it(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:147-155 Upgrading: the first start of a store without the message id mark
+    """docs/operations.md:150-158 Upgrading: the first start of a store without the message id mark
     "logs, at INFO, `durable store STORE has no message id mark (written by an earlier release):
     reading every queue entry once` before and `durable store STORE: N queue entries read in S s;
     highest message id in use M, kept as the mark from now on` after"; "Later starts read the mark
@@ -405,7 +431,7 @@ def test_repair_raises_a_mark_an_earlier_release_left_below_an_id_in_use(
     message body, a reference count or a queue entry holds ...: set to that id (`rebuilt: highest
     message id N was below message M, which is in use (an earlier release wrote the store since):
     set to M`); a store without the mark gets one, without a line, so the broker's next start need
-    not read every queue entry for it"; :156-160 "run `amqtt-durable repair STORE` ... Repair raises
+    not read every queue entry for it"; :159-163 "run `amqtt-durable repair STORE` ... Repair raises
     the mark past every id in use"."""
     broker = store_of_an_earlier_release(broker_factory, clients)
     without = run_cli("repair", broker.store)
@@ -458,7 +484,7 @@ def test_a_packet_of_max_packet_size_is_served_and_one_byte_more_closes_the_conn
 def test_metrics_come_every_10_seconds_by_default(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:368-369 "Every `metrics_interval` seconds (default 10; 0 = off) the plugin
+    """docs/operations.md:371-372 "Every `metrics_interval` seconds (default 10; 0 = off) the plugin
     publishes, at QoS 0, plain decimal numbers under `$SYS/broker/durable/`"; configuration.md:30
     `metrics_interval` default `10`. Two publications of one metric about 10 s apart."""
     broker = broker_factory(start=False)
@@ -476,7 +502,7 @@ def test_metrics_come_every_10_seconds_by_default(
 def test_a_client_id_that_said_hello_stays_an_sdk_session_for_a_plain_client_until_the_session_ends(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:486-487 "a client id that said `hello` stays an SDK session (held until
+    """docs/operations.md:489-490 "a client id that said `hello` stays an SDK session (held until
     ready, framed payloads) until the session ends; a plain MQTT client should not reuse it"."""
     device = clients(broker.port, "sdk-id")
     assert control(device, {"v": 1, "op": "hello"})["ok"] is True
@@ -503,7 +529,7 @@ def test_a_client_id_that_said_hello_stays_an_sdk_session_for_a_plain_client_unt
 def test_a_stream_log_no_configured_stream_covers_is_kept_and_goes_on_when_covered_again(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:491-492 "Stream logs of topics no longer covered by a configured stream are
+    """docs/operations.md:494-495 "Stream logs of topics no longer covered by a configured stream are
     kept (never trimmed), so a typo in `streams` does not destroy data"; configuration.md:33 a covered
     topic's log has "ids 1, 2, 3, ..."."""
     broker = broker_factory(streams=[{"filter": "log/#", "max_count": 10}])
