@@ -64,7 +64,7 @@ def hello_and_leave(broker: Broker, clients: Callable[..., Client], client_id: s
 def test_inspect_lays_out_wide_cells_lists_sessions_by_client_id_and_subscriptions_by_filter(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:38-45 inspect's table: "each column as wide as its widest cell, header
+    """docs/operations.md:39-47 inspect's table: "each column as wide as its widest cell, header
     included, and two spaces between columns, trailing spaces cut", subscriptions as `filter@qos`
     ("comma-separated in filter order, `-` for none"), "one row per session in client id order"; then
     `<n> session(s), <m> queued message(s)`."""
@@ -88,10 +88,37 @@ def test_inspect_lays_out_wide_cells_lists_sessions_by_client_id_and_subscriptio
     assert lines[-1] == "3 session(s), 6 queued message(s)", lines
 
 
+def test_inspect_keeps_one_line_per_row_whatever_characters_a_client_chose(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """docs/operations.md:40-43 "one row per session", :53-55 `--retained` one row per retained
+    message: a client id, filter or topic a client chose with a newline, a tab, a terminal escape
+    or a backslash cannot split a row or forge another; they read escaped as Python writes them
+    (`\\n`, `\\t`, `\\x1b`, `\\\\`), and `--json` gives them as they are."""
+    client_id = "dev\nfake-row  0  0  -  -  0  x@1\t\x1b[31m\\"
+    device = clients(broker.port, client_id)
+    device.subscribe("a\nb/#", 1)
+    device.disconnect()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("top\nic", [b"x"], qos=1, retain=True)
+    publisher.disconnect()
+    broker.stop()
+    lines = inspect_lines(broker.store)
+    assert len(lines) == 3 and lines[-1] == "1 session(s), 0 queued message(s)", lines
+    assert lines[1].startswith("dev\\nfake-row  0  0  -  -  0  x@1\\t\\x1b[31m\\\\  "), lines
+    assert lines[1].endswith("  a\\nb/#@1"), lines
+    [row] = inspect_json(broker.store)
+    assert (row["client_id"], row["subscriptions"]) == (client_id, {"a\nb/#": 1})
+    retained = inspect_lines(broker.store, "--retained")
+    assert len(retained) == 3 and retained[1].startswith("top\\nic  1  "), retained
+    [listed] = json.loads("\n".join(inspect_lines(broker.store, "--retained", "--json")))
+    assert listed["topic"] == "top\nic"
+
+
 def test_inspect_rounds_times_to_the_unit_the_page_names(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:46-49: "ages and times read `45s` (under 2 minutes ...), `5m` (under 2
+    """docs/operations.md:48-50: "ages and times read `45s` (under 2 minutes ...), `5m` (under 2
     hours) or `3.5h`", "rounded to the nearest second, minute or tenth of an hour" (so a session
     expiring in just under 2 hours reads `120m`). Each session's expiry is its hello's."""
     broker = broker_factory(metrics_interval=0.2)
@@ -109,7 +136,7 @@ def test_inspect_rounds_times_to_the_unit_the_page_names(
 def test_inspect_shows_a_queue_s_drops_bytes_and_oldest_age_and_dash_for_an_empty_queue(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:34-52: inspect shows "queue depth and payload bytes, age of the oldest queued
+    """docs/operations.md:35-53: inspect shows "queue depth and payload bytes, age of the oldest queued
     message, ... dropped count (since the session was created, across restarts and reconnects)";
     `--json` "`oldest_age_s` ... null where none"; configuration.md:24 `overflow` default
     `drop-oldest`: the oldest queued message goes."""
@@ -142,9 +169,9 @@ def test_inspect_shows_a_queue_s_drops_bytes_and_oldest_age_and_dash_for_an_empt
 
 
 def test_inspect_of_a_new_store_prints_the_header_and_counts_of_zero(broker_factory: Callable[..., Broker]) -> None:
-    """docs/operations.md:45-46: "(a store without sessions: the header and `0 session(s), 0 queued
+    """docs/operations.md:47-48: "(a store without sessions: the header and `0 session(s), 0 queued
     message(s)`)";
-    :51-54 `--retained`: header `TOPIC`, `QOS`, `BYTES`, `AGE`, then
+    :53-55 `--retained`: header `TOPIC`, `QOS`, `BYTES`, `AGE`, then
     `<n> retained message(s)`; `--json`: a list (empty)."""
     broker = broker_factory()
     broker.stop()
@@ -161,7 +188,7 @@ def test_inspect_of_a_new_store_prints_the_header_and_counts_of_zero(broker_fact
 def test_inspect_retained_lists_topics_in_order_laid_out_like_the_sessions(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:51-54: "With `--retained` it lists the retained messages instead, in topic
+    """docs/operations.md:53-55: "With `--retained` it lists the retained messages instead, in topic
     order: topic, QoS, payload bytes and age (header `TOPIC`, `QOS`, `BYTES`, `AGE`, laid out the
     same way), then `<n> retained message(s)`"; a retained message cleared by an empty retained
     PUBLISH is gone (MQTT-3.3.1-10)."""
@@ -188,8 +215,8 @@ def test_inspect_retained_lists_topics_in_order_laid_out_like_the_sessions(
 
 # ------------------------------------------------------------------ folders that are not stores
 def test_inspect_and_repair_of_a_missing_path_create_nothing(tmp_path: Path) -> None:
-    """docs/operations.md:54-56 "A missing or empty folder: `no store at '...'` ...; each exit code 1,
-    and nothing is created"; :63-65 repair: "A path that is missing ... is refused with `no store at
+    """docs/operations.md:56-58 "A missing or empty folder: `no store at '...'` ...; each exit code 1,
+    and nothing is created"; :65-67 repair: "A path that is missing ... is refused with `no store at
     '...'` ...; exit code 1, untouched"."""
     nowhere = tmp_path / "data" / "durable"
     for command in ("inspect", "repair"):
@@ -205,7 +232,7 @@ def test_a_folder_holding_only_leveldb_s_lock_and_log_files_counts_as_empty(
 ) -> None:
     """docs/configuration.md:19 `store`: "a new store is created only in a missing or empty folder
     (LevelDB's `LOCK`, `LOG` and `LOG.old` files alone, left by a crash while creating it, count as
-    empty ...)"; inspect of an empty folder: `no store at '...'` (operations.md:54)."""
+    empty ...)"; inspect of an empty folder: `no store at '...'` (operations.md:56)."""
     broker = broker_factory(start=False)
     store = Path(broker.store)
     store.mkdir()
@@ -224,7 +251,7 @@ def test_a_folder_holding_only_leveldb_s_lock_and_log_files_counts_as_empty(
 # ------------------------------------------------------------------ a damaged table file
 def damaged_table_store(broker_factory: Callable[..., Broker], clients: Callable[..., Client]) -> tuple[Broker, str]:
     """A stopped broker whose store's one table file (the log turned into a table by inspect's open,
-    operations.md:76-78) is cut in half, as a torn copy would leave it; that file's name."""
+    operations.md:78-80) is cut in half, as a torn copy would leave it; that file's name."""
     broker = broker_factory()
     queued_while_dropped(clients, broker.port, "t", "t", payloads(50))
     broker.stop()
@@ -239,11 +266,11 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
     """docs/operations.md:17-23 broker: exit code 1 when "the broker cannot start (store locked or
-    corrupted ...)": `amqtt-durable: broker not started: ...`; :204-214 "`store '...' is corrupted or
+    corrupted ...)": `amqtt-durable: broker not started: ...`; :206-216 "`store '...' is corrupted or
     unreadable: ...` ... The message names the damage: ... a table file cut short (`table file
-    000123.ldb is truncated or damaged`)", inspect names the same damage; :80-81 repair "a damaged
+    000123.ldb is truncated or damaged`)", inspect names the same damage; :82-83 repair "a damaged
     table file's readable records are copied, the file itself moved to `STORE/lost/`", and it prints
-    `not recovered: ...` for "damaged table files"; :83-85 "the layout version key, if lost (... or
+    `not recovered: ...` for "damaged table files"; :85-87 "the layout version key, if lost (... or
     nothing at all, e.g. every record was in a damaged table ...)"; then the broker starts again."""
     broker, table = damaged_table_store(broker_factory, clients)
     torn = (Path(broker.store) / table).read_bytes()
@@ -253,7 +280,7 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
     assert started.stderr.strip().splitlines()[-1].startswith(f"amqtt-durable: broker not started: {named}")
     listed = run_cli("inspect", broker.store)
     assert listed.returncode == 1 and named in listed.stderr, listed.stderr
-    # :206-208 "The broker writes no record to a store it refuses and leaves its table files as they are"
+    # :208-210 "The broker writes no record to a store it refuses and leaves its table files as they are"
     assert [path.name for path in Path(broker.store).glob("*.ldb")] == [table]
     assert (Path(broker.store) / table).read_bytes() == torn
     repaired = run_cli("repair", broker.store)
@@ -271,9 +298,9 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
 def test_repair_reports_a_queue_without_its_session_record_and_the_broker_deletes_it(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:131-138 repair prints "each thing it could not recover (`not recovered:
+    """docs/operations.md:133-140 repair prints "each thing it could not recover (`not recovered:
     ...`): ... queues without a session record (their client id is lost; the broker deletes them
-    when it starts)"; :66-68 its write probe `durable-write-probe.tmp` "is removed at once"; the
+    when it starts)"; :68-70 its write probe `durable-write-probe.tmp` "is removed at once"; the
     other session keeps its queue."""
     broker = broker_factory()
     for client_id in ("kept", "orphan"):
@@ -302,7 +329,7 @@ def test_repair_reports_a_queue_without_its_session_record_and_the_broker_delete
 def test_repair_of_a_sound_store_says_it_was_consistent_and_changes_no_record(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:131-135 repair "prints `repaired 'STORE'; start the broker to use it`, then,
+    """docs/operations.md:133-137 repair "prints `repaired 'STORE'; start the broker to use it`, then,
     each on a line indented two spaces, each thing it rebuilt ... and each thing it could not recover
     ..., or, when there was neither, `session records, queue totals and message references were all
     consistent`": a store a SIGKILL left (shared bodies, QoS 2, retained, a stream log) is sound."""
@@ -328,7 +355,7 @@ def test_repair_of_a_sound_store_says_it_was_consistent_and_changes_no_record(
 def test_repair_of_a_replicated_store_clears_its_position(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:140-141 "A replicated store's position is cleared too (`rebuilt: replication
+    """docs/operations.md:142-143 "A replicated store's position is cleared too (`rebuilt: replication
     position cleared`): its backups then get a new snapshot from it" (a fixed-role primary, no etcd)."""
     broker = broker_factory(replication={"role": "primary", "listen": f"127.0.0.1:{free_port()}"})
     queued_while_dropped(clients, broker.port, "t", "t", payloads(3))
@@ -346,7 +373,7 @@ def test_repair_of_a_replicated_store_clears_its_position(
 def test_messages_queued_and_bytes_queued_count_a_message_once_per_queue(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:376-379 Metrics: `sessions/connected` "durable sessions with a connection
+    """docs/operations.md:378-381 Metrics: `sessions/connected` "durable sessions with a connection
     now", `sessions/disconnected` "without one", `messages/queued` "messages in all queues now (a
     message queued for 3 sessions counts 3)", `bytes/queued` "payload bytes in all queues now"."""
     broker = broker_factory(metrics_interval=0.2)
@@ -372,7 +399,7 @@ def test_messages_queued_and_bytes_queued_count_a_message_once_per_queue(
 # ------------------------------------------------------------------ upgrading: a store without the message id mark
 def store_of_an_earlier_release(broker_factory: Callable[..., Broker], clients: Callable[..., Client]) -> Broker:
     """A stopped broker whose store holds 3 messages queued for 2 sessions (6 queue entries) and, as
-    one an earlier release wrote (docs/operations.md:150), no message id mark (key `M`,
+    one an earlier release wrote (docs/operations.md:152), no message id mark (key `M`,
     docs/store-layout.md:81): removed with plyvel, as that release never wrote it."""
     broker = broker_factory()
     for client_id in ("up-1", "up-2"):
@@ -403,7 +430,7 @@ def assert_old_then_new(broker: Broker, clients: Callable[..., Client]) -> None:
 def test_the_first_start_of_a_store_without_the_mark_reads_every_queue_entry_once_and_logs_it(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:150-158 Upgrading: the first start of a store without the message id mark
+    """docs/operations.md:152-160 Upgrading: the first start of a store without the message id mark
     "logs, at INFO, `durable store STORE has no message id mark (written by an earlier release):
     reading every queue entry once` before and `durable store STORE: N queue entries read in S s;
     highest message id in use M, kept as the mark from now on` after"; "Later starts read the mark
@@ -427,11 +454,11 @@ def test_the_first_start_of_a_store_without_the_mark_reads_every_queue_entry_onc
 def test_repair_raises_a_mark_an_earlier_release_left_below_an_id_in_use(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:95-100 repair: "a highest message id mark that decodes but is below an id a
+    """docs/operations.md:97-102 repair: "a highest message id mark that decodes but is below an id a
     message body, a reference count or a queue entry holds ...: set to that id (`rebuilt: highest
     message id N was below message M, which is in use (an earlier release wrote the store since):
     set to M`); a store without the mark gets one, without a line, so the broker's next start need
-    not read every queue entry for it"; :159-163 "run `amqtt-durable repair STORE` ... Repair raises
+    not read every queue entry for it"; :161-165 "run `amqtt-durable repair STORE` ... Repair raises
     the mark past every id in use"."""
     broker = store_of_an_earlier_release(broker_factory, clients)
     without = run_cli("repair", broker.store)
@@ -484,7 +511,7 @@ def test_a_packet_of_max_packet_size_is_served_and_one_byte_more_closes_the_conn
 def test_metrics_come_every_10_seconds_by_default(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:371-372 "Every `metrics_interval` seconds (default 10; 0 = off) the plugin
+    """docs/operations.md:373-374 "Every `metrics_interval` seconds (default 10; 0 = off) the plugin
     publishes, at QoS 0, plain decimal numbers under `$SYS/broker/durable/`"; configuration.md:30
     `metrics_interval` default `10`. Two publications of one metric about 10 s apart."""
     broker = broker_factory(start=False)
@@ -502,7 +529,7 @@ def test_metrics_come_every_10_seconds_by_default(
 def test_a_client_id_that_said_hello_stays_an_sdk_session_for_a_plain_client_until_the_session_ends(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:489-490 "a client id that said `hello` stays an SDK session (held until
+    """docs/operations.md:491-492 "a client id that said `hello` stays an SDK session (held until
     ready, framed payloads) until the session ends; a plain MQTT client should not reuse it"."""
     device = clients(broker.port, "sdk-id")
     assert control(device, {"v": 1, "op": "hello"})["ok"] is True
@@ -529,7 +556,7 @@ def test_a_client_id_that_said_hello_stays_an_sdk_session_for_a_plain_client_unt
 def test_a_stream_log_no_configured_stream_covers_is_kept_and_goes_on_when_covered_again(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:494-495 "Stream logs of topics no longer covered by a configured stream are
+    """docs/operations.md:496-497 "Stream logs of topics no longer covered by a configured stream are
     kept (never trimmed), so a typo in `streams` does not destroy data"; configuration.md:33 a covered
     topic's log has "ids 1, 2, 3, ..."."""
     broker = broker_factory(streams=[{"filter": "log/#", "max_count": 10}])
