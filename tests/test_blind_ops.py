@@ -369,6 +369,39 @@ def test_repair_of_a_replicated_store_clears_its_position(
     assert [m.payload for m in clients(broker.port, "dev-1").wait_messages(3)] == payloads(3)
 
 
+def test_repair_escapes_a_stream_topic_so_it_cannot_forge_a_line(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, repair: each thing it rebuilt or could not recover is "on a line indented two
+    spaces", as `rebuilt: stream TOPIC: its id mark did not decode: ...`, and "client ids and topics in
+    its lines are escaped as in inspect": a stream topic a client chose with a newline and a line of
+    its own cannot forge a `rebuilt:` line. The topic's id mark and one of its events are damaged
+    (keys from docs/store-layout.md: `L` + topic, `e` + the topic's byte length + topic + id)."""
+    topic = "log/x\n  rebuilt: forged line"
+    broker = broker_factory(streams=[{"filter": "log/#"}])
+    clients(broker.port, "pub", clean_session=True).publish(topic, [b"e1", b"e2"], qos=1)
+    broker.stop()
+    raw = topic.encode("utf-8")
+    db = plyvel.DB(broker.store)
+    try:
+        assert db.get(b"L" + raw) is not None
+        event = b"e" + struct.pack(">H", len(raw)) + raw + struct.pack(">Q", 1)
+        assert db.get(event) is not None
+        db.put(b"L" + raw, b"bad", sync=True)
+        db.put(event, b"\xff", sync=True)
+    finally:
+        db.close()
+    repaired = run_cli("repair", broker.store)
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    lines = repaired.stdout.splitlines()
+    assert not any(line.lstrip().startswith("rebuilt: forged line") for line in lines), lines
+    shown = "log/x\\n  rebuilt: forged line"
+    assert lines[1:] == [
+        f"  rebuilt: stream {shown}: its id mark did not decode: set past every id it can have given",
+        f"  not recovered: stream {shown}: event 1 does not decode: removed",
+    ], lines
+
+
 # ------------------------------------------------------------------ metrics
 def test_messages_queued_and_bytes_queued_count_a_message_once_per_queue(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
