@@ -64,13 +64,15 @@ def hello_and_leave(broker: Broker, clients: Callable[..., Client], client_id: s
 def test_inspect_lays_out_wide_cells_lists_sessions_by_client_id_and_subscriptions_by_filter(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:39-47 inspect's table: "each column as wide as its widest cell, header
-    included, and two spaces between columns, trailing spaces cut", subscriptions as `filter@qos`
-    ("comma-separated in filter order, `-` for none"), "one row per session in client id order"; then
-    `<n> session(s), <m> queued message(s)`."""
+    """docs/operations.md, Operator commands, inspect's table: "each column as wide as its widest
+    cell, ... header included, and two spaces between columns, trailing spaces cut", subscriptions as
+    `filter@qos` ("comma-separated, sorted by filter in code-point order, as client ids: `B` before
+    `a`; `-` for none"), "one row per session in client id order"; then `<n> session(s), <m> queued
+    message(s)`."""
     broker = broker_factory(metrics_interval=0.2)
     wide = "a-client-id-wider-than-its-column-name"
-    for client_id, filters in (("zeta", [("x/#", 1), ("a/b", 0), ("m/+", 2)]), (wide, [("x/y", 1)]), ("Bare", [])):
+    sessions = (("zeta", [("x/#", 1), ("a/b", 0), ("m/+", 2), ("B/c", 1)]), (wide, [("x/y", 1)]), ("Bare", []))
+    for client_id, filters in sessions:
         device = clients(broker.port, client_id)
         if filters:
             device.subscribe(filters)
@@ -81,7 +83,7 @@ def test_inspect_lays_out_wide_cells_lists_sessions_by_client_id_and_subscriptio
     lines = inspect_lines(broker.store)
     rows = [line.split() for line in lines[1:-1]]
     assert [row[0] for row in rows] == ["Bare", wide, "zeta"], lines  # "B" < "a" < "z" in UTF-8
-    assert [row[-1] for row in rows] == ["-", "x/y@1", "a/b@0,m/+@2,x/#@1"], lines
+    assert [row[-1] for row in rows] == ["-", "x/y@1", "B/c@1,a/b@0,m/+@2,x/#@1"], lines
     header = ["CLIENT ID", "DEPTH", "BYTES", "OLDEST", "EXPIRES IN", "DROPPED", "SUBSCRIPTIONS"]
     assert_laid_out(lines[:-1], [header, *rows])
     assert lines[0] != "CLIENT ID  DEPTH  BYTES  OLDEST  EXPIRES IN  DROPPED  SUBSCRIPTIONS"  # a wider cell
@@ -91,11 +93,13 @@ def test_inspect_lays_out_wide_cells_lists_sessions_by_client_id_and_subscriptio
 def test_inspect_keeps_one_line_per_row_whatever_characters_a_client_chose(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:40-43 "one row per session", :53-55 `--retained` one row per retained
-    message: a client id, filter or topic a client chose with a newline, a tab, a terminal escape
-    or a backslash cannot split a row or forge another; they read escaped as Python writes them
-    (`\\n`, `\\t`, `\\x1b`, `\\\\`), and `--json` gives them as they are."""
-    client_id = "dev\nfake-row  0  0  -  -  0  x@1\t\x1b[31m\\"
+    """operations.md, inspect: "one row per session", with `--retained` one row per retained message:
+    a client id, filter or topic a client chose with a newline, a tab, a terminal escape, a backslash,
+    a format character (U+200D) or a space other than the ASCII space (U+00A0) cannot split a row or
+    forge another; they read escaped as Python writes them (`\\n`, `\\t`, `\\x1b`, `\\\\`, `\\u200d`,
+    `\\xa0`), "spaces, commas and `@` show as they are", each column is as wide as its widest cell,
+    "counted in characters of the escaped text", and `--json` gives them as they are."""
+    client_id = "dev\nfake-row  0  0  -  -  0  x@1,y@2\t\x1b[31m\\\u200d\xa0\u00e9"
     device = clients(broker.port, client_id)
     device.subscribe("a\nb/#", 1)
     device.disconnect()
@@ -105,8 +109,11 @@ def test_inspect_keeps_one_line_per_row_whatever_characters_a_client_chose(
     broker.stop()
     lines = inspect_lines(broker.store)
     assert len(lines) == 3 and lines[-1] == "1 session(s), 0 queued message(s)", lines
-    assert lines[1].startswith("dev\\nfake-row  0  0  -  -  0  x@1\\t\\x1b[31m\\\\  "), lines
+    escaped = "dev\\nfake-row  0  0  -  -  0  x@1,y@2\\t\\x1b[31m\\\\\\u200d\\xa0\u00e9"
+    assert lines[1].startswith(escaped + "  "), lines
     assert lines[1].endswith("  a\\nb/#@1"), lines
+    header = ["CLIENT ID", "DEPTH", "BYTES", "OLDEST", "EXPIRES IN", "DROPPED", "SUBSCRIPTIONS"]
+    assert_laid_out(lines[:-1], [header, [escaped, *lines[1][len(escaped):].split()]])
     [row] = inspect_json(broker.store)
     assert (row["client_id"], row["subscriptions"]) == (client_id, {"a\nb/#": 1})
     retained = inspect_lines(broker.store, "--retained")
