@@ -125,7 +125,7 @@ def test_inspect_keeps_one_line_per_row_whatever_characters_a_client_chose(
 def test_inspect_rounds_times_to_the_unit_the_page_names(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:48-50: "ages and times read `45s` (under 2 minutes ...), `5m` (under 2
+    """docs/operations.md, Operator commands, inspect: "ages and times read `45s` (under 2 minutes ...), `5m` (under 2
     hours) or `3.5h`", "rounded to the nearest second, minute or tenth of an hour" (so a session
     expiring in just under 2 hours reads `120m`). Each session's expiry is its hello's."""
     broker = broker_factory(metrics_interval=0.2)
@@ -143,9 +143,9 @@ def test_inspect_rounds_times_to_the_unit_the_page_names(
 def test_inspect_shows_a_queue_s_drops_bytes_and_oldest_age_and_dash_for_an_empty_queue(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:35-53: inspect shows "queue depth and payload bytes, age of the oldest queued
+    """docs/operations.md, Operator commands: inspect shows "queue depth and payload bytes, age of the oldest queued
     message, ... dropped count (since the session was created, across restarts and reconnects)";
-    `--json` "`oldest_age_s` ... null where none"; configuration.md:24 `overflow` default
+    `--json` "`oldest_age_s` ... null where none"; configuration.md, `overflow` default
     `drop-oldest`: the oldest queued message goes."""
     broker = broker_factory(max_depth=2, max_depth_disconnected=2, metrics_interval=0.2)
     for client_id in ("full", "empty"):
@@ -176,9 +176,8 @@ def test_inspect_shows_a_queue_s_drops_bytes_and_oldest_age_and_dash_for_an_empt
 
 
 def test_inspect_of_a_new_store_prints_the_header_and_counts_of_zero(broker_factory: Callable[..., Broker]) -> None:
-    """docs/operations.md:47-48: "(a store without sessions: the header and `0 session(s), 0 queued
-    message(s)`)";
-    :53-55 `--retained`: header `TOPIC`, `QOS`, `BYTES`, `AGE`, then
+    """docs/operations.md, Operator commands, inspect: "(a store without sessions: the header and
+    `0 session(s), 0 queued message(s)`)"; with `--retained`: header `TOPIC`, `QOS`, `BYTES`, `AGE`, then
     `<n> retained message(s)`; `--json`: a list (empty)."""
     broker = broker_factory()
     broker.stop()
@@ -195,10 +194,10 @@ def test_inspect_of_a_new_store_prints_the_header_and_counts_of_zero(broker_fact
 def test_inspect_retained_lists_topics_in_order_laid_out_like_the_sessions(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:53-55: "With `--retained` it lists the retained messages instead, in topic
-    order: topic, QoS, payload bytes and age (header `TOPIC`, `QOS`, `BYTES`, `AGE`, laid out the
-    same way), then `<n> retained message(s)`"; a retained message cleared by an empty retained
-    PUBLISH is gone (MQTT-3.3.1-10)."""
+    """docs/operations.md, Operator commands, inspect: "With `--retained` it lists the retained
+    messages instead, in topic order: topic, QoS, payload bytes and age (header `TOPIC`, `QOS`,
+    `BYTES`, `AGE`, laid out the same way), then `<n> retained message(s)`"; a retained message
+    cleared by an empty retained PUBLISH is gone (MQTT-3.3.1-10)."""
     publisher = clients(broker.port, "pub", clean_session=True)
     long_topic = "plant/a-topic-wider-than-its-column-name/temperature"
     publisher.publish(long_topic, [b"21.5"], qos=1, retain=True)
@@ -222,9 +221,9 @@ def test_inspect_retained_lists_topics_in_order_laid_out_like_the_sessions(
 
 # ------------------------------------------------------------------ folders that are not stores
 def test_inspect_and_repair_of_a_missing_path_create_nothing(tmp_path: Path) -> None:
-    """docs/operations.md:56-58 "A missing or empty folder: `no store at '...'` ...; each exit code 1,
-    and nothing is created"; :65-67 repair: "A path that is missing ... is refused with `no store at
-    '...'` ...; exit code 1, untouched"."""
+    """docs/operations.md, Operator commands, inspect: "A missing or empty folder: `no store at
+    '...'` ...; each exit code 1, and nothing is created"; repair: "A path that is missing ... is
+    refused with `no store at '...'` ...; exit code 1, untouched"."""
     nowhere = tmp_path / "data" / "durable"
     for command in ("inspect", "repair"):
         refused = run_cli(command, str(nowhere))
@@ -237,9 +236,10 @@ def test_inspect_and_repair_of_a_missing_path_create_nothing(tmp_path: Path) -> 
 def test_a_folder_holding_only_leveldb_s_lock_and_log_files_counts_as_empty(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/configuration.md:19 `store`: "a new store is created only in a missing or empty folder
+    """docs/configuration.md, `store`: "a new store is created only in a missing or empty folder
     (LevelDB's `LOCK`, `LOG` and `LOG.old` files alone, left by a crash while creating it, count as
-    empty ...)"; inspect of an empty folder: `no store at '...'` (operations.md:56)."""
+    empty ...)"; inspect of an empty folder: `no store at '...'` (operations.md, inspect: "A missing
+    or empty folder")."""
     broker = broker_factory(start=False)
     store = Path(broker.store)
     store.mkdir()
@@ -258,7 +258,8 @@ def test_a_folder_holding_only_leveldb_s_lock_and_log_files_counts_as_empty(
 # ------------------------------------------------------------------ a damaged table file
 def damaged_table_store(broker_factory: Callable[..., Broker], clients: Callable[..., Client]) -> tuple[Broker, str]:
     """A stopped broker whose store's one table file (the log turned into a table by inspect's open,
-    operations.md:78-80) is cut in half, as a torn copy would leave it; that file's name."""
+    operations.md, Troubleshooting: "LevelDB's open alone, as `inspect`'s, ... may turn the old log
+    into a table") is cut in half, as a torn copy would leave it; that file's name."""
     broker = broker_factory()
     queued_while_dropped(clients, broker.port, "t", "t", payloads(50))
     broker.stop()
@@ -272,12 +273,12 @@ def damaged_table_store(broker_factory: Callable[..., Broker], clients: Callable
 def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_moves_it_to_lost(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:17-23 broker: exit code 1 when "the broker cannot start (store locked or
-    corrupted ...)": `amqtt-durable: broker not started: ...`; :206-216 "`store '...' is corrupted or
+    """docs/operations.md, Operator commands, `broker`: exit code 1 when "the broker cannot start (store locked or
+    corrupted ...)": `amqtt-durable: broker not started: ...`; Troubleshooting: "`store '...' is corrupted or
     unreadable: ...` ... The message names the damage: ... a table file cut short (`table file
-    000123.ldb is truncated or damaged`)", inspect names the same damage; :82-83 repair "a damaged
+    000123.ldb is truncated or damaged`)", inspect names the same damage; repair "a damaged
     table file's readable records are copied, the file itself moved to `STORE/lost/`", and it prints
-    `not recovered: ...` for "damaged table files"; :85-87 "the layout version key, if lost (... or
+    `not recovered: ...` for "damaged table files"; "the layout version key, if lost (... or
     nothing at all, e.g. every record was in a damaged table ...)"; then the broker starts again."""
     broker, table = damaged_table_store(broker_factory, clients)
     torn = (Path(broker.store) / table).read_bytes()
@@ -287,7 +288,7 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
     assert started.stderr.strip().splitlines()[-1].startswith(f"amqtt-durable: broker not started: {named}")
     listed = run_cli("inspect", broker.store)
     assert listed.returncode == 1 and named in listed.stderr, listed.stderr
-    # :208-210 "The broker writes no record to a store it refuses and leaves its table files as they are"
+    # Troubleshooting: "The broker writes no record to a store it refuses and leaves its table files as they are"
     assert [path.name for path in Path(broker.store).glob("*.ldb")] == [table]
     assert (Path(broker.store) / table).read_bytes() == torn
     repaired = run_cli("repair", broker.store)
@@ -305,9 +306,9 @@ def test_a_truncated_table_file_is_named_by_the_broker_and_inspect_and_repair_mo
 def test_repair_reports_a_queue_without_its_session_record_and_the_broker_deletes_it(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:133-140 repair prints "each thing it could not recover (`not recovered:
+    """docs/operations.md, Operator commands: repair prints "each thing it could not recover (`not recovered:
     ...`): ... queues without a session record (their client id is lost; the broker deletes them
-    when it starts)"; :68-70 its write probe `durable-write-probe.tmp` "is removed at once"; the
+    when it starts)"; its write probe `durable-write-probe.tmp` "is removed at once"; the
     other session keeps its queue."""
     broker = broker_factory()
     for client_id in ("kept", "orphan"):
@@ -336,7 +337,7 @@ def test_repair_reports_a_queue_without_its_session_record_and_the_broker_delete
 def test_repair_of_a_sound_store_says_it_was_consistent_and_changes_no_record(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:133-137 repair "prints `repaired 'STORE'; start the broker to use it`, then,
+    """docs/operations.md, Operator commands: repair "prints `repaired 'STORE'; start the broker to use it`, then,
     each on a line indented two spaces, each thing it rebuilt ... and each thing it could not recover
     ..., or, when there was neither, `session records, queue totals and message references were all
     consistent`": a store a SIGKILL left (shared bodies, QoS 2, retained, a stream log) is sound."""
@@ -362,8 +363,9 @@ def test_repair_of_a_sound_store_says_it_was_consistent_and_changes_no_record(
 def test_repair_of_a_replicated_store_clears_its_position(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:142-143 "A replicated store's position is cleared too (`rebuilt: replication
-    position cleared`): its backups then get a new snapshot from it" (a fixed-role primary, no etcd)."""
+    """docs/operations.md, Operator commands, repair: "A replicated store's position is cleared too
+    (`rebuilt: replication position cleared`): its backups then get a new snapshot from it" (a
+    fixed-role primary, no etcd)."""
     broker = broker_factory(replication={"role": "primary", "listen": f"127.0.0.1:{free_port()}"})
     queued_while_dropped(clients, broker.port, "t", "t", payloads(3))
     broker.stop()
@@ -413,7 +415,7 @@ def test_repair_escapes_a_stream_topic_so_it_cannot_forge_a_line(
 def test_messages_queued_and_bytes_queued_count_a_message_once_per_queue(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:378-381 Metrics: `sessions/connected` "durable sessions with a connection
+    """docs/operations.md, Metrics: `sessions/connected` "durable sessions with a connection
     now", `sessions/disconnected` "without one", `messages/queued` "messages in all queues now (a
     message queued for 3 sessions counts 3)", `bytes/queued` "payload bytes in all queues now"."""
     broker = broker_factory(metrics_interval=0.2)
@@ -439,8 +441,9 @@ def test_messages_queued_and_bytes_queued_count_a_message_once_per_queue(
 # ------------------------------------------------------------------ upgrading: a store without the message id mark
 def store_of_an_earlier_release(broker_factory: Callable[..., Broker], clients: Callable[..., Client]) -> Broker:
     """A stopped broker whose store holds 3 messages queued for 2 sessions (6 queue entries) and, as
-    one an earlier release wrote (docs/operations.md:152), no message id mark (key `M`,
-    docs/store-layout.md:81): removed with plyvel, as that release never wrote it."""
+    one an earlier release wrote (docs/operations.md, Upgrading: "a store written by an earlier
+    release (one without the message id mark)"), no message id mark (key `M`, docs/store-layout.md):
+    removed with plyvel, as that release never wrote it."""
     broker = broker_factory()
     for client_id in ("up-1", "up-2"):
         device = clients(broker.port, client_id)
@@ -470,7 +473,7 @@ def assert_old_then_new(broker: Broker, clients: Callable[..., Client]) -> None:
 def test_the_first_start_of_a_store_without_the_mark_reads_every_queue_entry_once_and_logs_it(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:152-160 Upgrading: the first start of a store without the message id mark
+    """docs/operations.md, Upgrading: the first start of a store without the message id mark
     "logs, at INFO, `durable store STORE has no message id mark (written by an earlier release):
     reading every queue entry once` before and `durable store STORE: N queue entries read in S s;
     highest message id in use M, kept as the mark from now on` after"; "Later starts read the mark
@@ -494,11 +497,11 @@ def test_the_first_start_of_a_store_without_the_mark_reads_every_queue_entry_onc
 def test_repair_raises_a_mark_an_earlier_release_left_below_an_id_in_use(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:97-102 repair: "a highest message id mark that decodes but is below an id a
+    """docs/operations.md, Operator commands, repair: "a highest message id mark that decodes but is below an id a
     message body, a reference count or a queue entry holds ...: set to that id (`rebuilt: highest
     message id N was below message M, which is in use (an earlier release wrote the store since):
     set to M`); a store without the mark gets one, without a line, so the broker's next start need
-    not read every queue entry for it"; :161-165 "run `amqtt-durable repair STORE` ... Repair raises
+    not read every queue entry for it"; Upgrading: "run `amqtt-durable repair STORE` ... Repair raises
     the mark past every id in use"."""
     broker = store_of_an_earlier_release(broker_factory, clients)
     without = run_cli("repair", broker.store)
@@ -527,7 +530,7 @@ def test_repair_raises_a_mark_an_earlier_release_left_below_an_id_in_use(
 def test_a_packet_of_max_packet_size_is_served_and_one_byte_more_closes_the_connection(
     broker_factory: Callable[..., Broker], limit: int | None
 ) -> None:
-    """docs/configuration.md:38 `max_packet_size` default `1048576`: "Largest packet a client may send
+    """docs/configuration.md, `max_packet_size` default `1048576`: "Largest packet a client may send
     (remaining length, bytes); a larger one closes the connection before its body is read"."""
     size = 1_048_576 if limit is None else limit
     broker = broker_factory() if limit is None else broker_factory(max_packet_size=limit)
@@ -551,8 +554,8 @@ def test_a_packet_of_max_packet_size_is_served_and_one_byte_more_closes_the_conn
 def test_metrics_come_every_10_seconds_by_default(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:373-374 "Every `metrics_interval` seconds (default 10; 0 = off) the plugin
-    publishes, at QoS 0, plain decimal numbers under `$SYS/broker/durable/`"; configuration.md:30
+    """docs/operations.md, Metrics: "Every `metrics_interval` seconds (default 10; 0 = off) the plugin
+    publishes, at QoS 0, plain decimal numbers under `$SYS/broker/durable/`"; configuration.md,
     `metrics_interval` default `10`. Two publications of one metric about 10 s apart."""
     broker = broker_factory(start=False)
     del broker.settings["metrics_interval"]  # the tests' brokers turn it off; here: the default
@@ -569,7 +572,7 @@ def test_metrics_come_every_10_seconds_by_default(
 def test_a_client_id_that_said_hello_stays_an_sdk_session_for_a_plain_client_until_the_session_ends(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:491-492 "a client id that said `hello` stays an SDK session (held until
+    """docs/operations.md, Limitations: "a client id that said `hello` stays an SDK session (held until
     ready, framed payloads) until the session ends; a plain MQTT client should not reuse it"."""
     device = clients(broker.port, "sdk-id")
     assert control(device, {"v": 1, "op": "hello"})["ok"] is True
@@ -596,8 +599,8 @@ def test_a_client_id_that_said_hello_stays_an_sdk_session_for_a_plain_client_unt
 def test_a_stream_log_no_configured_stream_covers_is_kept_and_goes_on_when_covered_again(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:496-497 "Stream logs of topics no longer covered by a configured stream are
-    kept (never trimmed), so a typo in `streams` does not destroy data"; configuration.md:33 a covered
+    """docs/operations.md, Limitations: "Stream logs of topics no longer covered by a configured stream are
+    kept (never trimmed), so a typo in `streams` does not destroy data"; configuration.md, `streams`: a covered
     topic's log has "ids 1, 2, 3, ..."."""
     broker = broker_factory(streams=[{"filter": "log/#", "max_count": 10}])
     publisher = clients(broker.port, "pub", clean_session=True)
@@ -622,7 +625,7 @@ def test_a_stream_log_no_configured_stream_covers_is_kept_and_goes_on_when_cover
 
 # ------------------------------------------------------------------ the broker command
 def test_a_setting_of_amqtt_s_own_that_amqtt_refuses_is_exit_1_broker_not_started(tmp_path: Path) -> None:
-    """docs/operations.md:17-23 `broker`: exit code 2 for a bad config of the plugin, 1 when the
+    """docs/operations.md, Operator commands, `broker`: exit code 2 for a bad config of the plugin, 1 when the
     broker cannot start, among others for "a setting of amqtt's own that amqtt refuses, e.g.
     `listeners: 5` (`broker not started: wrong value type for field "listeners" ...`)"; a config file
     that is YAML but not a mapping is a bad config (exit code 2)."""
@@ -643,7 +646,7 @@ def test_a_setting_of_amqtt_s_own_that_amqtt_refuses_is_exit_1_broker_not_starte
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_connection_without_a_connect_is_closed_after_10_seconds_by_default(broker: Broker) -> None:
-    """docs/configuration.md:37 `connect_timeout` default `10`: "Seconds a new connection has to send
+    """docs/configuration.md, `connect_timeout` default `10`: "Seconds a new connection has to send
     its whole CONNECT; then it is closed"."""
     with socket.create_connection(("127.0.0.1", broker.port), timeout=WAIT) as sock:
         sock.sendall(b"\x10")  # a CONNECT begun, never finished
@@ -657,7 +660,7 @@ def test_a_connection_without_a_connect_is_closed_after_10_seconds_by_default(br
 def test_an_unacknowledged_stream_event_comes_again_after_5_seconds_by_default(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/configuration.md:35 `stream_ack_timeout` default `5`: "Seconds before an unacknowledged
+    """docs/configuration.md, `stream_ack_timeout` default `5`: "Seconds before an unacknowledged
     stream event is sent again"."""
     broker = broker_factory(streams=[{"filter": "log/#"}])
     clients(broker.port, "pub", clean_session=True).publish("log/a", [b"e1"], qos=1)
