@@ -235,22 +235,20 @@ class SessionLifecycle(Routing):
         if session.pump is not None:
             await session.pump.stop()
         # Acks and drops of the previous connection may still be pending: the pump reads the
-        # store, so let it see them. The pump's first sent mark goes in the same commit.
+        # store, so let it see them. The session's connection (its record, no longer disconnected)
+        # and the pump's first sent mark go in the same commit: the first replayed message waits for
+        # it. Set before the wait: a session deleted meanwhile writes no record (_save_record), and a
+        # newer connection's attach or end writes its own after this one.
+        self._store_connected(session)
         session.advance_sent_mark_for_attach(self.config.recovery_buffer)
         await self.committer.commit(urgent=True)
-        if session.deleted:
-            return None  # a clean CONNECT of the same client id removed it meanwhile
-        if session.superseded(transport):
-            return None  # a newer connection came meanwhile; its attach takes the session
+        if self._attach_dropped(session, transport):
+            return None
         previous = session.pump  # stopped above, unless another attach ran meanwhile
         displaced = session.transport if session.transport is not transport else None
         session.transport = transport
         session.limits.on_connect(session.depth, session.bytes)
-        self.expiry.cancel(client_id)
         session.connecting_until = 0.0  # attached: expiry counts from this connection's end, not its CONNECT
-        session.record.disconnected_at = None
-        session.record.expires_at = None
-        self._save_record(session)
         session.replay_upto = session.committed_tail
         session.pump = pump = Pump(
             session,
@@ -267,6 +265,20 @@ class SessionLifecycle(Routing):
         if previous is not None:
             await previous.stop()  # at once: it sends nothing more, whatever the new one does
         return displaced
+
+    @staticmethod
+    def _attach_dropped(session: DurableSession, transport: Transport) -> bool:
+        """After an await of ``_attach``: a clean CONNECT of the same client id removed the session
+        meanwhile, or a newer connection came, whose attach takes the session (or whose end starts
+        the expiry clock)."""
+        return session.deleted or session.superseded(transport)
+
+    def _store_connected(self, session: DurableSession) -> None:
+        """The session has a connection: no expiry clock, no disconnect time in its record (saved)."""
+        self.expiry.cancel(session.client_id)
+        session.record.disconnected_at = None
+        session.record.expires_at = None
+        self._save_record(session)
 
     def superseded(self, client_id: str, transport: Transport) -> bool:
         """Was a later CONNECT of the client id accepted than the one of this connection? MQTT-3.1.4-2

@@ -23,10 +23,12 @@ from amqtt_durable.store import (
     FLAG_SHARED,
     Body,
     Entry,
+    SessionRecord,
     body_key,
     read_entry_run,
     read_session_state,
     read_stored_bodies,
+    session_key,
     write_body,
     write_entry,
 )
@@ -232,11 +234,11 @@ class RunTransport(RecordingTransport):
 
 
 async def _engine_with_queue(
-    tmp_path: Path, qos_of: list[int], window: int = 40, first_seq: int | None = None
+    tmp_path: Path, qos_of: list[int], window: int = 40, first_seq: int | None = None, *, sync: bool = False
 ) -> DurableEngine:
     """An open engine whose durable session "c" has one queued message per entry of ``qos_of``,
     numbered from ``first_seq`` (a fresh session's first sequence number when None)."""
-    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window, sync=sync))
     engine.open()
     await engine.connect("c", clean_session=False)
     await engine.subscribe("c", "t", 2)
@@ -506,6 +508,69 @@ def test_the_first_batch_goes_out_within_attach_unless_something_must_be_awaited
             resent = await checked.wait_for(lambda ps: len(ps) >= 40, LIMIT)
             assert [(p.payload, p.dup) for p in resent] == [(b"%d" % i, True) for i in range(40)]
             await engine.detach("c", checked)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+class FlushingTransport(RunTransport):
+    """Like the glue's transport (HandlerTransport): writes are queued for one socket write at the
+    end of the loop pass (``flush``); each flush records what LevelDB held when it sent."""
+
+    def __init__(self, engine: DurableEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.queued: list[bytes] = []
+        self.covered: list[bool] = []
+        self.stored_connected: list[bool] = []
+        """At each flush that sends a PUBLISH: did the stored session record say connected?"""
+
+    def write(self, data: bytes) -> None:
+        if not self.queued:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.queued.append(data)
+
+    def flush(self) -> None:
+        data, self.queued = b"".join(self.queued), []
+        if data:
+            stored = read_session_state(self.engine.db, self.engine.sessions["c"].record)[1]
+            ids = [p.packet_id for p in parse_packets(data) if p.packet_type == 3 and p.packet_id is not None]
+            self.covered.append(all(packet_id - 1 <= stored for packet_id in ids))
+            if ids:
+                record = SessionRecord.decode("c", self.engine.db.get(session_key("c")))
+                self.stored_connected.append(record.disconnected_at is None and record.expires_at is None)
+            super().write(data)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_the_first_publish_leaves_after_the_commit_that_stores_the_sessions_connection(
+    tmp_path: Path, sync: bool
+) -> None:
+    """docs/guarantees.md: a session's first batch waits for the commit that stores the session's
+    connection and the batch's sent mark. The record's connection (no disconnect time, no expiry
+    deadline) was saved after that commit, so with sync true the first PUBLISH reached the socket
+    while LevelDB still held the previous disconnect (the next commit carried it; with sync false the
+    commit at the end of the pass happened to write it first)."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 50, window=40, sync=sync)
+        try:
+            earlier = RunTransport()
+            await engine.attach("c", earlier)
+            await earlier.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            await engine.detach("c", earlier)  # unacknowledged: the next connection gets them again
+            await engine.written_so_far()
+            stored = SessionRecord.decode("c", engine.db.get(session_key("c")))
+            assert stored.disconnected_at is not None and stored.expires_at is not None
+            await engine.connect("c", clean_session=False)
+            transport = FlushingTransport(engine)
+            await engine.attach("c", transport)
+            await transport.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            assert transport.stored_connected and all(transport.stored_connected), (
+                "a PUBLISH left while the stored record still held the previous disconnect"
+            )
+            await engine.detach("c", transport)
         finally:
             await engine.close()
 
