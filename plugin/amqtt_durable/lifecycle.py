@@ -244,6 +244,14 @@ class SessionLifecycle(Routing):
         await self.committer.commit(urgent=True)
         if self._attach_dropped(session, transport):
             return None
+        if session.record.disconnected_at is not None:
+            # The previous connection ended while that commit was awaited (sync, sync replication,
+            # or a failing store) and started the expiry clock: this connection's record again, in
+            # a commit of its own.
+            self._store_connected(session)
+            await self.committer.commit(urgent=True)
+            if self._attach_dropped(session, transport):
+                return None
         previous = session.pump  # stopped above, unless another attach ran meanwhile
         displaced = session.transport if session.transport is not transport else None
         session.transport = transport
@@ -314,7 +322,7 @@ class SessionLifecycle(Routing):
         if pump is not None:
             await pump.stop()
         if session.deleted:
-            return
+            return  # removed meanwhile, or a newer connection attached while the pump stopped: it has the session
         session.limits.on_disconnect()
         if not broker_stopping:
             self._disconnected(session)

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import plyvel
 import pytest
+from test_replicated_commits import HeldShipping
 
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.delivery import ReadAccess, packet_seq
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import PacketTooLargeError, ProtocolViolationError
+from amqtt_durable.replication.primary import Primary
 from amqtt_durable.sessions import PendingRemovals
 from amqtt_durable.store import (
     BODY_TOPIC_FIELD,
@@ -573,6 +575,59 @@ def test_the_first_publish_leaves_after_the_commit_that_stores_the_sessions_conn
             await engine.detach("c", transport)
         finally:
             await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_take_over_whose_commit_waits_stores_its_connection_when_the_old_connection_ends_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """Sync replication holds the attach's commit until the backups acknowledge it. The connection
+    taken over ends during that wait and starts the expiry clock (its record: disconnected); the new
+    connection's attach stores its connection again, in a commit its first PUBLISH waits for, and
+    cancels the clock: no expiry deadline while it is connected."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 50, window=40)
+        primary = Primary(engine.db, store_id=7, log_max_batches=100, log_max_bytes=1 << 20)
+        try:
+            old = RunTransport()
+            await engine.attach("c", old)
+            await old.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            engine.committer.replication = shipping = HeldShipping(primary)
+            await engine.connect("c", clean_session=False)
+            new = FlushingTransport(engine)
+            attach = asyncio.create_task(engine.attach("c", new))
+            await asyncio.wait_for(shipping.shipping.wait(), LIMIT)  # the attach's commit, held
+            assert not attach.done()
+            await engine.detach("c", old)
+            assert engine.sessions["c"].record.disconnected_at is not None
+            for _ in range(10):  # acknowledge every shipped commit until the attach is done
+                shipping.shipping.clear()
+                for held in shipping.shipped:
+                    if not held.done():
+                        held.set_result(None)
+                shipped = asyncio.ensure_future(shipping.shipping.wait())
+                await asyncio.wait({attach, shipped}, timeout=LIMIT, return_when=asyncio.FIRST_COMPLETED)
+                shipped.cancel()
+                if attach.done():
+                    break
+            assert await attach is None, "the old connection was gone already: none to end"
+            record = engine.sessions["c"].record
+            assert record.disconnected_at is None and record.expires_at is None
+            assert engine.expiry.deadline("c") is None, "an expiry clock runs while the session is connected"
+            await new.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            assert new.stored_connected and all(new.stored_connected), (
+                "a PUBLISH left while the stored record held the old connection's end"
+            )
+            engine.committer.replication = None
+            for held in shipping.shipped:
+                if not held.done():
+                    held.set_result(None)
+            await engine.detach("c", new)
+        finally:
+            await engine.close()
+            await primary.close()
 
     asyncio.run(main())
 
