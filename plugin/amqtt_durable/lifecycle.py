@@ -321,7 +321,7 @@ class SessionLifecycle(Routing):
             session.drop_non_durable()  # with the connection, before any await lets a publish in
         if pump is not None:
             await pump.stop()
-        if session.deleted:
+        if session.deleted or session.transport is not None:
             return  # removed meanwhile, or a newer connection attached while the pump stopped: it has the session
         session.limits.on_disconnect()
         if not broker_stopping:

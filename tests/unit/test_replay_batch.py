@@ -632,6 +632,36 @@ def test_a_take_over_whose_commit_waits_stores_its_connection_when_the_old_conne
     asyncio.run(main())
 
 
+def test_a_connection_attached_while_the_old_ones_pump_stops_keeps_its_session_connected(tmp_path: Path) -> None:
+    """The old connection ends (its detach waits for its pump's task to stop) and the new one attaches
+    in that wait. The old connection's end then found the session attached again and still applied
+    the disconnected queue limits, started the expiry clock and stored it disconnected."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 50, window=40)
+        try:
+            old = RunTransport()
+            await engine.attach("c", old)
+            await old.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            await engine.connect("c", clean_session=False)
+            new = RunTransport()
+            detach = asyncio.create_task(engine.detach("c", old))  # first steps in this order
+            attach = asyncio.create_task(engine.attach("c", new))
+            await asyncio.wait_for(asyncio.gather(detach, attach), LIMIT)
+            session = engine.sessions["c"]
+            assert session.transport is new
+            assert session.record.disconnected_at is None and engine.expiry.deadline("c") is None
+            await engine.written_so_far()
+            stored = SessionRecord.decode("c", engine.db.get(session_key("c")))
+            assert stored.disconnected_at is None and stored.expires_at is None
+            await new.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            await engine.detach("c", new)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
 def test_no_publish_is_written_before_a_stored_sent_mark_covers_it(tmp_path: Path) -> None:
     """The default committer (sync: false) writes at the end of the loop pass. A live publish raises
     its session's sent mark in its own batch, and the pump took that queued mark for a stored one:
