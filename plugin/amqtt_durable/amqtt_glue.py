@@ -61,7 +61,8 @@ instance the plugin is loaded into and on each connection's handler:
   (see ``handle_disconnect``); amqtt's Session of a client id without a durable session (ended
   while connected) is removed then, and that of an expired one at its expiry (``forget_session``);
 * ``Broker._delete_session``: a clean CONNECT of a client id whose connection is live ends that
-  connection (MQTT-3.1.4-2; amqtt deleted its Session and left it open);
+  connection (MQTT-3.1.4-2; amqtt deleted its Session and left it open), without waiting for its
+  client (a websocket's closing handshake: ``let_go``);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
@@ -1531,11 +1532,15 @@ class AmqttHooks:
     async def delete_session(self, client_id: str) -> None:
         """A clean CONNECT of a client id whose connection is live: amqtt deleted the Session and
         left that connection open (its take-over runs only for a Session it keeps). MQTT-3.1.4-2:
-        the existing client is disconnected, as amqtt's take-over does (its will is published)."""
+        the existing client is disconnected, as amqtt's take-over does (its will is published),
+        without waiting for it (``let_go``): the CONNECT waited, with its ``connect_timeout``
+        running, for the closing handshake of a websocket client that does not answer it (10 s),
+        was closed at connect_timeout with no CONNACK, and so was every reconnect until then."""
         session, handler = self.broker._sessions.get(client_id, (None, None))
         if session is not None and handler is not None and session.transitions.is_connected():
             log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
             await end_connection(handler)
+            await let_go(handler.writer)
             await handler.stop()
         await self._original_delete_session(client_id)
 
@@ -1795,6 +1800,16 @@ def _abort(writer: Any) -> None:
     transport = getattr(getattr(writer, "_protocol", None), "transport", None)  # amqtt's WebSocketsWriter
     if transport is not None:
         transport.abort()
+
+
+async def let_go(writer: Any) -> None:
+    """Close a connection without waiting for its client: a TCP one as ``close_socket`` does (its
+    unsent bytes still go, for at most CLOSE_GRACE), a websocket one at once (``_abort``), without
+    the closing handshake, for whose answer websockets waits up to its close_timeout, 10 s."""
+    if isinstance(writer, StreamWriterAdapter):
+        await close_socket(writer)
+    else:
+        _abort(writer)
 
 
 def _peer(writer: Any) -> str:
