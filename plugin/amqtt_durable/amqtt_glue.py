@@ -25,12 +25,13 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._create_server_instance``: a TCP listener is opened as amqtt opens it, with the
   ``listen_backlog`` setting as its listen backlog (amqtt's is asyncio's default, 100: in a
   reconnect storm of 1,000 clients the kernel dropped the SYNs of about half of them, which came
-  back 1 and 2 s later; a much larger one slows the recovery from a connection flood); a
-  websocket listener's upgrade request from an address with ``max_connections_per_address``
-  open is answered HTTP 503 (websockets' ``process_request``);
+  back 1 and 2 s later; a much larger one slows the recovery from a connection flood), and a
+  connection from an address with ``max_connections_per_address`` open is closed as it is
+  accepted, on a TLS listener before its TLS handshake (``tcp_accepted``); a websocket
+  listener's upgrade request from such an address is answered HTTP 503 (websockets'
+  ``process_request``);
 * ``Broker._client_connected``: every connection's socket is closed when it ends, whatever
-  ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector), and a TCP one
-  from an address with ``max_connections_per_address`` open is closed as it is accepted;
+  ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector);
 * ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
   its whole CONNECT (and have it authenticated, when that is done as it is read); one closed
   then gets no CONNACK, and nothing of its CONNECT is acted on, even if its credentials pass later;
@@ -115,6 +116,7 @@ import dataclasses
 import json
 import logging
 import math
+import ssl
 import time
 from collections import UserDict, deque
 from collections.abc import Awaitable, Callable
@@ -1397,8 +1399,9 @@ class AmqttHooks:
     async def create_server_instance(
         self, listener_name: str, listener_type: Any, address: str | None, port: int, ssl_context: Any
     ) -> Any:
-        """amqtt's TCP listener with the ``listen_backlog`` setting; others as amqtt opens them, a
-        websocket listener's upgrade requests checked by ``websocket_upgrade``."""
+        """amqtt's TCP listener with the ``listen_backlog`` setting, its connections counted as they
+        are accepted (``tcp_accepted``, which does a TLS listener's handshake); others as amqtt opens
+        them, a websocket listener's upgrade requests checked by ``websocket_upgrade``."""
         try:
             if listener_type != ListenerType.TCP:
                 server = await self._original_create_server(listener_name, listener_type, address, port, ssl_context)
@@ -1406,21 +1409,54 @@ class AmqttHooks:
                     server.process_request = self.websocket_upgrade
                 return server
             return await asyncio.start_server(
-                partial(self.broker.stream_connected, listener_name=listener_name),
+                partial(self.tcp_accepted, listener_name=listener_name, ssl_context=ssl_context),
                 address,
                 port,
                 reuse_address=True,
-                ssl=ssl_context,
                 backlog=socket_backlog(self.engine.config.listen_backlog),  # the kernel caps it lower
             )
         except OSError as exc:  # name the listener and its address, as replication.listen's errors do
             raise OSError(f"listener '{listener_name}' {address}:{port}: {os_error_reason(exc)}") from None
 
+    async def tcp_accepted(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        listener_name: str,
+        ssl_context: ssl.SSLContext | None,
+    ) -> None:
+        """A TCP listener's connection, as it is accepted: one from an address that has
+        ``max_connections_per_address`` open is closed at once, before anything else: on a TLS
+        listener before its TLS handshake (asyncio's TLS server did the handshake first, a refused
+        connection cost the broker a handshake's cryptography), and before amqtt takes one of its
+        listener's ``max_connections`` slots or reads a byte (no CONNACK: nothing was read). Any
+        other counts from here until its end, whatever ends it (a failed handshake included)."""
+        peer = writer.get_extra_info("peername")
+        address = None if not peer else str(peer[0])  # None: amqtt closes it itself
+        if address is not None and not self.addresses.open(address):
+            why = self.addresses.refusal(address)
+            if why is not None:
+                log.warning("%s", why)
+            writer.transport.abort()
+            return
+        try:
+            if ssl_context is not None:
+                try:
+                    await writer.start_tls(ssl_context)  # asyncio closes the connection if it fails
+                except OSError as exc:  # ssl.SSLError, a reset, asyncio's handshake timeout (60 s)
+                    log.debug("TLS handshake with %s on listener '%s' failed: %r", address, listener_name, exc)
+                    return
+            await self.broker.stream_connected(reader, writer, listener_name)
+        finally:
+            if address is not None:
+                self.addresses.close(address)
+
     def websocket_upgrade(self, connection: Any, request: Any) -> Any:
         """A websocket listener's upgrade request, read: one from an address that has
         ``max_connections_per_address`` open is answered HTTP 503 instead of the upgrade (websockets
         then closes it); any other counts from here until its connection's task ends, whatever
-        ends it (a failed handshake included). ``client_connected`` does not count it again."""
+        ends it (a failed handshake included)."""
         del request
         address = str(connection.remote_address[0])
         if not self.addresses.open(address):
@@ -1428,34 +1464,21 @@ class AmqttHooks:
             if why is not None:
                 log.warning("%s", why)
             return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "Too many connections from this address.\n")
-        connection.durable_counted = True
         task = asyncio.current_task()
         assert task is not None  # websockets calls it in the connection's handler task
         task.add_done_callback(lambda _: self.addresses.close(address))
         return None
 
     async def client_connected(self, listener_name: str, reader: Any, writer: Any) -> None:
-        """Every connection as it is accepted: a TCP one (after its TLS handshake on a TLS listener)
-        from an address that has ``max_connections_per_address`` open is closed at once, before
-        amqtt takes one of its listener's ``max_connections`` slots or reads a byte (no CONNACK:
-        nothing was read); a websocket one was counted at its upgrade (``websocket_upgrade``)."""
-        peer = writer.get_peer_info()
-        counted = getattr(getattr(writer, "_protocol", None), "durable_counted", False)  # amqtt's WebSocketsWriter
-        address = None if peer is None or counted else str(peer[0])  # None: amqtt closes it itself
-        if address is not None and not self.addresses.open(address):
-            why = self.addresses.refusal(address)
-            if why is not None:
-                log.warning("%s", why)
-            _abort(writer)
-            return
+        """Every connection amqtt handles (a TCP one was counted by ``tcp_accepted``, a websocket one
+        by ``websocket_upgrade``): its socket is closed at its end, whatever ended it, and the place
+        its durable CONNECT reserved is given back."""
         reader.durable_max_packet_size = self.engine.config.max_packet_size
         try:
             await self._original_client_connected(listener_name, reader, writer)
         finally:
             await close_socket(writer)
             _release_reservation(self.engine, writer)
-            if address is not None:
-                self.addresses.close(address)
 
     def end_silent(self, writer: Any) -> None:
         writer.durable_timed_out = True  # a CONNECT still being checked stops at its next step (_timed_out)
