@@ -14,17 +14,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from replication_helpers import (
-    HOST,
-    bounded,
-    commit,
-    content,
-    following,
-    in_sync,
-    new_backup,
-    ops_for,
-    started_primary,
-)
+from replication_helpers import HOST, bounded, commit, content, following, in_sync, new_backup, ops_for, started_primary
 
 from amqtt_durable.replication.backup import Backup
 from amqtt_durable.replication.errors import FrameError
