@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -255,4 +256,41 @@ def test_a_clean_take_over_of_a_websocket_client_that_answers_nothing_gets_its_c
         assert read_until_closed(new, WAIT) == b""
     assert monitor.wait_for(lambda ms: any(m.topic == "will/dev" for m in ms)), "no will of the connection taken over"
     assert broker.wait_until(lambda: "dev" not in amqtt_table(monitor), WAIT), "amqtt keeps a Session of 'dev'"
+    assert [m.payload for m in monitor.messages if m.topic == "will/dev"] == [b"gone"], "the will, once"
+
+
+def test_a_durable_take_over_of_a_websocket_client_that_answers_nothing_gets_its_connack_and_the_messages_in_flight(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """MQTT-3.1.4-2 and configuration.md connect_timeout, for a durable (clean_session=false)
+    CONNECT: it takes the client id over from a websocket client that answers nothing, gets its
+    CONNACK (session present) well within connect_timeout, and the message the old connection had
+    in flight, unacknowledged, is delivered again on the new one, with DUP (MQTT-4.4.0-1); the old
+    connection's will is published once. amqtt's take-over waited 10 s (websockets' close_timeout)
+    for the old client's close frame before the new CONNACK: past connect_timeout (1 s here)."""
+    broker = password_broker(broker_factory, tmp_path, websocket=True, connect_timeout=1)
+    monitor = login(clients, broker, "monitor", "monitor", clean_session=True)
+    monitor.subscribe([("will/#", 0)])
+    old = StuckWebsocket(broker.ws_port)
+    old.send(alice_connect("dev", clean=False, will_topic="will/dev"))
+    assert old.receive() == b"\x20\x02\x00\x00"
+    old.send(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("t/#") + b"\x01"))
+    assert old.receive() == b"\x90\x03\x00\x01\x01"
+    monitor.publish("t/1", [b"in flight"], qos=1)
+    in_flight = old.receive()  # not acknowledged
+    assert in_flight[:1] == b"\x32" and in_flight.endswith(b"in flight"), in_flight
+    packet_id = in_flight[2 + len(mqtt_string("t/1")) : 4 + len(mqtt_string("t/1"))]
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as new:
+        began = time.monotonic()
+        new.sendall(alice_connect("dev", clean=False))
+        connack = read_exactly(new, 4)
+        took = time.monotonic() - began
+        assert connack == b"\x20\x02\x01\x00" and took < 3, (connack, took)
+        assert read_packet(new) == (0x3A, mqtt_string("t/1") + packet_id + b"in flight"), "again, with DUP"
+        new.sendall(b"\x40\x02" + packet_id)  # PUBACK
+        assert read_until_closed(old.sock, WAIT) is not None, "the connection taken over is still open"
+        old.sock.close()
+        new.sendall(bytes((0xE0, 0)))  # DISCONNECT
+        assert read_until_closed(new, WAIT) == b""
+    assert monitor.wait_for(lambda ms: any(m.topic == "will/dev" for m in ms)), "no will of the connection taken over"
     assert [m.payload for m in monitor.messages if m.topic == "will/dev"] == [b"gone"], "the will, once"

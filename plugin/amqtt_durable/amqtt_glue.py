@@ -51,7 +51,9 @@ instance the plugin is loaded into and on each connection's handler:
   packet id is deleted before PUBCOMP, and a PUBREL amqtt has no flow for still gets PUBCOMP;
 * ``BrokerProtocolHandler.start`` / ``stop`` (per connection): a connection whose reader ended
   before amqtt's ``start`` made its disconnect waiter (a client that closed right after its
-  CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran;
+  CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran,
+  nor, when amqtt takes the connection over for a newer durable CONNECT of its client id, for
+  its client (a websocket's closing handshake: ``let_go``);
 * ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` / ``handle_connection_closed``
   (per connection): a connection that sent DISCONNECT never has its will
   published (MQTT-3.14.4-3), however its DISCONNECT's handling and its message loop's wait for it
@@ -620,6 +622,11 @@ async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: i
 _ROUTINE_REFUSAL: contextvars.ContextVar[bool] = contextvars.ContextVar("durable_routine_refusal", default=False)
 """Set in a connection's task when its CONNECT was refused because this broker is a backup, or by
 ``max_durable_sessions`` or ``max_keepalive`` (whose own WARNINGs are rate-limited)."""
+_CONNECTING: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_connecting", default=None)
+"""Set in a connection's task to its handler from the end of its CONNECT's read until its CONNACK
+(``initialize_client_session`` to ``connack_authorize``): a ``stop()`` of another connection in
+that time is amqtt's take-over of a client id whose (durable) Session it keeps (see
+``_stop_waiting_for_a_reader_that_may_never_run``)."""
 
 
 class _RoutineRefusalFilter(logging.Filter):
@@ -1504,6 +1511,7 @@ class AmqttHooks:
         if _timed_out(writer):  # during amqtt's delete_session of a clean CONNECT: no CONNACK, no session
             self.authenticated.pop(session.client_id, None)
             raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout")
+        _CONNECTING.set(handler)  # until its CONNACK: amqtt may take a live connection of the client id over
         reader.durable_client_id = session.client_id  # for the decoder checks' log lines
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
@@ -1977,6 +1985,7 @@ def _wrap_handler(
                 publishes.hand_over(topic, bytes(data), qos, packet_id, retain=retain, stored=None)
 
     async def connack_authorize(authorize: bool) -> None:
+        _CONNECTING.set(None)  # amqtt's take-over, if any, is done
         if not authorize:  # amqtt's own authentication failed: it would keep this Session for ever
             _forget_refused(broker, engine, handler, session)
         if authorize and not engine.serving:  # demoted since its CONNECT was read (checked there too)
@@ -2109,7 +2118,15 @@ def _stop_waiting_for_a_reader_that_may_never_run(
     Its ``writer.close()`` then waits for the unsent bytes to drain: for a client that does not
     read (its socket full), for ever, and the connection kept its listener slot, its handler and
     every unsent byte. A TCP connection still open CLOSE_GRACE after ``stop()`` began is aborted
-    (``close_socket``'s bound), which ends that wait."""
+    (``close_socket``'s bound), which ends that wait.
+
+    amqtt's take-over of a client id whose Session it keeps (a durable CONNECT of a connected client
+    id, MQTT-3.1.4-2) stops the old connection in the new CONNECT's task before its CONNACK
+    (``_CONNECTING``): that connection is let go first (``let_go``), as ``delete_session`` does for a clean
+    CONNECT's; ``stop()`` waited for a websocket client's answer to the closing handshake
+    (websockets' close_timeout, 10 s), and the new CONNACK with it. The durable session loses
+    nothing: its queue and the messages in flight on the old connection are in the store, sent
+    again (DUP) on the new one."""
 
     def reader_ended(_task: Any) -> None:
         handler._reader_ready.set()
@@ -2120,6 +2137,8 @@ def _stop_waiting_for_a_reader_that_may_never_run(
         if task is not None and not task.done():
             task.add_done_callback(reader_ended)
         writer = handler.writer
+        if _CONNECTING.get() not in (None, handler):  # a newer CONNECT of its client id takes it over
+            await let_go(writer)
         abort = None
         if isinstance(writer, StreamWriterAdapter):
             abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, writer._writer.transport.abort)
