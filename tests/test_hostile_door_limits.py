@@ -290,6 +290,29 @@ def test_a_tls_connection_past_the_address_limit_is_closed_before_its_tls_handsh
     held_tcp.close()
 
 
+def test_a_broker_stopped_with_connections_before_their_connect_logs_no_error(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """operations.md ("Ctrl-C or SIGTERM shuts it down cleanly"): SIGTERM while connections wait, on the TLS listener in
+    their TLS handshake (a silent one, one with half a ClientHello) and on the plain one for their
+    CONNECT, stops the broker cleanly, with no ERROR: each such connection's task was cancelled,
+    which asyncio logged as an ERROR with a CancelledError traceback, one per connection."""
+    broker, tls_port, _ = tls_broker(broker_factory, tmp_path, max_connections_per_address=3)
+    assert broker.wait_until(lambda: place_free(broker.port), WAIT), "the start-up check's connection has ended"
+    with (
+        socket.create_connection((HOST, tls_port), timeout=WAIT),
+        socket.create_connection((HOST, tls_port), timeout=WAIT) as half_hello,
+        socket.create_connection((HOST, broker.port), timeout=WAIT),
+    ):
+        half_hello.sendall(b"\x16\x03\x01\x00\x50")  # a handshake record's header; the record never comes
+        assert broker.wait_until(lambda: not place_free(broker.port), WAIT), "the three are counted"
+        broker.stop()
+    assert broker.exit_status == 0, broker.log()
+    log = broker.log()
+    for bad in ("Traceback", "Task was destroyed", "Unhandled exception", " ERROR "):
+        assert bad not in log, log
+
+
 def place_free(port: int) -> bool:
     """A new TCP connection from 127.0.0.1 gets CONNACK 0 (it then ends with a DISCONNECT)."""
     try:

@@ -1438,7 +1438,12 @@ class AmqttHooks:
         listener before its TLS handshake (asyncio's TLS server did the handshake first, a refused
         connection cost the broker a handshake's cryptography), and before amqtt takes one of its
         listener's ``max_connections`` slots or reads a byte (no CONNACK: nothing was read). Any
-        other counts from here until its end, whatever ends it (a failed handshake included)."""
+        other counts from here until its end, whatever ends it (a failed handshake included).
+
+        Its task, cancelled as the broker stops (a connection in its TLS handshake or waiting for
+        its CONNECT), ends without the cancellation: asyncio's ``start_server`` logged a cancelled
+        one as an ERROR with a CancelledError traceback, one per such connection. Its connection is
+        closed by then (by ``start_tls`` when cancelled, by ``client_connected`` after it)."""
         peer = writer.get_extra_info("peername")
         address = None if not peer else str(peer[0])  # None: amqtt closes it itself
         if address is not None and not self.addresses.open(address):
@@ -1455,6 +1460,8 @@ class AmqttHooks:
                     log.debug("TLS handshake with %s on listener '%s' failed: %r", address, listener_name, exc)
                     return
             await self.broker.stream_connected(reader, writer, listener_name)
+        except asyncio.CancelledError:
+            log.debug("connection from %s on listener '%s' ended: the broker is stopping", address, listener_name)
         finally:
             if address is not None:
                 self.addresses.close(address)
