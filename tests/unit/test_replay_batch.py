@@ -15,7 +15,7 @@ import pytest
 from test_replicated_commits import HeldShipping
 
 from amqtt_durable.config import DurableConfig
-from amqtt_durable.delivery import ReadAccess, packet_seq
+from amqtt_durable.delivery import ReadAccess, Transport, packet_seq
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import PacketTooLargeError, ProtocolViolationError
 from amqtt_durable.replication.primary import Primary
@@ -579,6 +579,20 @@ def test_the_first_publish_leaves_after_the_commit_that_stores_the_sessions_conn
     asyncio.run(main())
 
 
+async def _acknowledge_until_done(shipping: HeldShipping, attach: asyncio.Task[Transport | None]) -> None:
+    """Acknowledge every commit ``shipping`` holds, and those shipped after, until ``attach`` is done."""
+    for _ in range(10):
+        shipping.shipping.clear()
+        for held in shipping.shipped:
+            if not held.done():
+                held.set_result(None)
+        shipped = asyncio.ensure_future(shipping.shipping.wait())
+        await asyncio.wait({attach, shipped}, timeout=LIMIT, return_when=asyncio.FIRST_COMPLETED)
+        shipped.cancel()
+        if attach.done():
+            return
+
+
 def test_a_take_over_whose_commit_waits_stores_its_connection_when_the_old_connection_ends_meanwhile(
     tmp_path: Path,
 ) -> None:
@@ -602,16 +616,7 @@ def test_a_take_over_whose_commit_waits_stores_its_connection_when_the_old_conne
             assert not attach.done()
             await engine.detach("c", old)
             assert engine.sessions["c"].record.disconnected_at is not None
-            for _ in range(10):  # acknowledge every shipped commit until the attach is done
-                shipping.shipping.clear()
-                for held in shipping.shipped:
-                    if not held.done():
-                        held.set_result(None)
-                shipped = asyncio.ensure_future(shipping.shipping.wait())
-                await asyncio.wait({attach, shipped}, timeout=LIMIT, return_when=asyncio.FIRST_COMPLETED)
-                shipped.cancel()
-                if attach.done():
-                    break
+            await _acknowledge_until_done(shipping, attach)
             assert await attach is None, "the old connection was gone already: none to end"
             record = engine.sessions["c"].record
             assert record.disconnected_at is None and record.expires_at is None
@@ -625,6 +630,48 @@ def test_a_take_over_whose_commit_waits_stores_its_connection_when_the_old_conne
                 if not held.done():
                     held.set_result(None)
             await engine.detach("c", new)
+        finally:
+            await engine.close()
+            await primary.close()
+
+    asyncio.run(main())
+
+
+def test_an_attach_a_newer_connect_drops_during_its_commit_leaves_the_session_its_expiry_deadline(
+    tmp_path: Path,
+) -> None:
+    """docs/guarantees.md, Expiry: the time counts from the session's last disconnect. An attach
+    stores the session's connection (no expiry deadline) ahead of its commit; a newer CONNECT
+    accepted during that commit drops it, and when that newer connection then neither attaches nor
+    detaches (its CONNACK write failed), nothing else would give the session a deadline again: it
+    stayed connected in memory and in LevelDB, with no connection, and never expired."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 5)
+        primary = Primary(engine.db, store_id=7, log_max_batches=100, log_max_bytes=1 << 20)
+        try:
+            first = RunTransport()
+            await engine.attach("c", first)
+            await engine.detach("c", first)
+            record = engine.sessions["c"].record
+            disconnected = (record.disconnected_at, record.expires_at)
+            deadline = engine.expiry.deadline("c")
+            assert None not in disconnected and deadline is not None
+            engine.committer.replication = shipping = HeldShipping(primary)
+            dropped = RunTransport()
+            await engine.connect("c", clean_session=False, transport=dropped)
+            attach = asyncio.create_task(engine.attach("c", dropped))
+            await asyncio.wait_for(shipping.shipping.wait(), LIMIT)  # the attach's commit, held
+            await engine.connect("c", clean_session=False, transport=RunTransport())  # never attaches
+            await _acknowledge_until_done(shipping, attach)
+            assert await attach is None
+            engine.committer.replication = None
+            await engine.detach("c", dropped)  # superseded: its end leaves the session to the newer one
+            assert engine.expiry.deadline("c") == deadline, "the session lost its expiry deadline"
+            assert (record.disconnected_at, record.expires_at) == disconnected
+            await engine.written_so_far()
+            stored = SessionRecord.decode("c", engine.db.get(session_key("c")))
+            assert (stored.disconnected_at, stored.expires_at) == disconnected
         finally:
             await engine.close()
             await primary.close()
