@@ -234,23 +234,35 @@ class SessionLifecycle(Routing):
             return None
         if session.pump is not None:
             await session.pump.stop()
+            if self._attach_dropped(session, transport):
+                return None
         # Acks and drops of the previous connection may still be pending: the pump reads the
-        # store, so let it see them. The pump's first sent mark goes in the same commit.
+        # store, so let it see them. The session's connection (its record, no longer disconnected)
+        # and the pump's first sent mark go in the same commit: the first replayed message waits for
+        # it. Set before the wait: a session deleted meanwhile writes no record (_save_record), and a
+        # newer connection's attach or end writes its own after this one.
+        disconnect = session.record.disconnected_at, session.record.expires_at
+        self._store_connected(session)
         session.advance_sent_mark_for_attach(self.config.recovery_buffer)
         await self.committer.commit(urgent=True)
-        if session.deleted:
-            return None  # a clean CONNECT of the same client id removed it meanwhile
-        if session.superseded(transport):
-            return None  # a newer connection came meanwhile; its attach takes the session
+        if self._attach_dropped(session, transport):
+            self._restore_disconnect(session, *disconnect)
+            return None
+        if session.record.disconnected_at is not None:
+            # The previous connection ended while that commit was awaited (sync, sync replication,
+            # or a failing store) and started the expiry clock: this connection's record again, in
+            # a commit of its own.
+            disconnect = session.record.disconnected_at, session.record.expires_at
+            self._store_connected(session)
+            await self.committer.commit(urgent=True)
+            if self._attach_dropped(session, transport):
+                self._restore_disconnect(session, *disconnect)
+                return None
         previous = session.pump  # stopped above, unless another attach ran meanwhile
         displaced = session.transport if session.transport is not transport else None
         session.transport = transport
         session.limits.on_connect(session.depth, session.bytes)
-        self.expiry.cancel(client_id)
         session.connecting_until = 0.0  # attached: expiry counts from this connection's end, not its CONNECT
-        session.record.disconnected_at = None
-        session.record.expires_at = None
-        self._save_record(session)
         session.replay_upto = session.committed_tail
         session.pump = pump = Pump(
             session,
@@ -267,6 +279,38 @@ class SessionLifecycle(Routing):
         if previous is not None:
             await previous.stop()  # at once: it sends nothing more, whatever the new one does
         return displaced
+
+    @staticmethod
+    def _attach_dropped(session: DurableSession, transport: Transport) -> bool:
+        """After an await of ``_attach``: a clean CONNECT of the same client id removed the session
+        meanwhile, or a newer connection came, whose attach takes the session (or whose end starts
+        the expiry clock)."""
+        return session.deleted or session.superseded(transport)
+
+    def _restore_disconnect(
+        self, session: DurableSession, disconnected_at: float | None, expires_at: float | None
+    ) -> None:
+        """An attach dropped after ``_store_connected``: unless something else has the session now (a
+        connection attached, another attach under way, an end that started the clock, a deletion),
+        its record and expiry clock go back to the disconnect before that attach. Else, when the
+        newer connection neither attaches nor ends (its CONNACK write failed), the session never
+        expired. The newer CONNECT's grace still spares the session (``connecting_until``)."""
+        record = session.record
+        if session.deleted or session.transport is not None or session.attach_waiters > 1:
+            return
+        if record.disconnected_at is not None or disconnected_at is None or expires_at is None:
+            return
+        record.disconnected_at, record.expires_at = disconnected_at, expires_at
+        self._save_record(session)
+        self.expiry.schedule(session.client_id, expires_at)
+        self._arm_expiry()
+
+    def _store_connected(self, session: DurableSession) -> None:
+        """The session has a connection: no expiry clock, no disconnect time in its record (saved)."""
+        self.expiry.cancel(session.client_id)
+        session.record.disconnected_at = None
+        session.record.expires_at = None
+        self._save_record(session)
 
     def superseded(self, client_id: str, transport: Transport) -> bool:
         """Was a later CONNECT of the client id accepted than the one of this connection? MQTT-3.1.4-2
@@ -301,8 +345,8 @@ class SessionLifecycle(Routing):
             session.drop_non_durable()  # with the connection, before any await lets a publish in
         if pump is not None:
             await pump.stop()
-        if session.deleted:
-            return
+        if session.deleted or session.transport is not None:
+            return  # removed meanwhile, or a newer connection attached while the pump stopped: it has the session
         session.limits.on_disconnect()
         if not broker_stopping:
             self._disconnected(session)

@@ -12,21 +12,25 @@ from pathlib import Path
 
 import plyvel
 import pytest
+from test_replicated_commits import HeldShipping
 
 from amqtt_durable.config import DurableConfig
-from amqtt_durable.delivery import ReadAccess, packet_seq
+from amqtt_durable.delivery import ReadAccess, Transport, packet_seq
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.errors import PacketTooLargeError, ProtocolViolationError
+from amqtt_durable.replication.primary import Primary
 from amqtt_durable.sessions import PendingRemovals
 from amqtt_durable.store import (
     BODY_TOPIC_FIELD,
     FLAG_SHARED,
     Body,
     Entry,
+    SessionRecord,
     body_key,
     read_entry_run,
     read_session_state,
     read_stored_bodies,
+    session_key,
     write_body,
     write_entry,
 )
@@ -232,11 +236,11 @@ class RunTransport(RecordingTransport):
 
 
 async def _engine_with_queue(
-    tmp_path: Path, qos_of: list[int], window: int = 40, first_seq: int | None = None
+    tmp_path: Path, qos_of: list[int], window: int = 40, first_seq: int | None = None, *, sync: bool = False
 ) -> DurableEngine:
     """An open engine whose durable session "c" has one queued message per entry of ``qos_of``,
     numbered from ``first_seq`` (a fresh session's first sequence number when None)."""
-    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window))
+    engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), recovery_buffer=window, sync=sync))
     engine.open()
     await engine.connect("c", clean_session=False)
     await engine.subscribe("c", "t", 2)
@@ -506,6 +510,199 @@ def test_the_first_batch_goes_out_within_attach_unless_something_must_be_awaited
             resent = await checked.wait_for(lambda ps: len(ps) >= 40, LIMIT)
             assert [(p.payload, p.dup) for p in resent] == [(b"%d" % i, True) for i in range(40)]
             await engine.detach("c", checked)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+class FlushingTransport(RunTransport):
+    """Like the glue's transport (HandlerTransport): writes are queued for one socket write at the
+    end of the loop pass (``flush``); each flush records what LevelDB held when it sent."""
+
+    def __init__(self, engine: DurableEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.queued: list[bytes] = []
+        self.covered: list[bool] = []
+        self.stored_connected: list[bool] = []
+        """At each flush that sends a PUBLISH: did the stored session record say connected?"""
+
+    def write(self, data: bytes) -> None:
+        if not self.queued:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.queued.append(data)
+
+    def flush(self) -> None:
+        data, self.queued = b"".join(self.queued), []
+        if data:
+            stored = read_session_state(self.engine.db, self.engine.sessions["c"].record)[1]
+            ids = [p.packet_id for p in parse_packets(data) if p.packet_type == 3 and p.packet_id is not None]
+            self.covered.append(all(packet_id - 1 <= stored for packet_id in ids))
+            if ids:
+                record = SessionRecord.decode("c", self.engine.db.get(session_key("c")))
+                self.stored_connected.append(record.disconnected_at is None and record.expires_at is None)
+            super().write(data)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_the_first_publish_leaves_after_the_commit_that_stores_the_sessions_connection(
+    tmp_path: Path, sync: bool
+) -> None:
+    """docs/guarantees.md: a session's first batch waits for the commit that stores the session's
+    connection and the batch's sent mark. The record's connection (no disconnect time, no expiry
+    deadline) was saved after that commit, so with sync true the first PUBLISH reached the socket
+    while LevelDB still held the previous disconnect (the next commit carried it; with sync false the
+    commit at the end of the pass happened to write it first)."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 50, window=40, sync=sync)
+        try:
+            earlier = RunTransport()
+            await engine.attach("c", earlier)
+            await earlier.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            await engine.detach("c", earlier)  # unacknowledged: the next connection gets them again
+            await engine.written_so_far()
+            stored = SessionRecord.decode("c", engine.db.get(session_key("c")))
+            assert stored.disconnected_at is not None and stored.expires_at is not None
+            await engine.connect("c", clean_session=False)
+            transport = FlushingTransport(engine)
+            await engine.attach("c", transport)
+            await transport.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            assert transport.stored_connected and all(transport.stored_connected), (
+                "a PUBLISH left while the stored record still held the previous disconnect"
+            )
+            await engine.detach("c", transport)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+async def _acknowledge_until_done(shipping: HeldShipping, attach: asyncio.Task[Transport | None]) -> None:
+    """Acknowledge every commit ``shipping`` holds, and those shipped after, until ``attach`` is done."""
+    for _ in range(10):
+        shipping.shipping.clear()
+        for held in shipping.shipped:
+            if not held.done():
+                held.set_result(None)
+        shipped = asyncio.ensure_future(shipping.shipping.wait())
+        await asyncio.wait({attach, shipped}, timeout=LIMIT, return_when=asyncio.FIRST_COMPLETED)
+        shipped.cancel()
+        if attach.done():
+            return
+
+
+def test_a_take_over_whose_commit_waits_stores_its_connection_when_the_old_connection_ends_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """Sync replication holds the attach's commit until the backups acknowledge it. The connection
+    taken over ends during that wait and starts the expiry clock (its record: disconnected); the new
+    connection's attach stores its connection again, in a commit its first PUBLISH waits for, and
+    cancels the clock: no expiry deadline while it is connected."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 50, window=40)
+        primary = Primary(engine.db, store_id=7, log_max_batches=100, log_max_bytes=1 << 20)
+        try:
+            old = RunTransport()
+            await engine.attach("c", old)
+            await old.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            engine.committer.replication = shipping = HeldShipping(primary)
+            await engine.connect("c", clean_session=False)
+            new = FlushingTransport(engine)
+            attach = asyncio.create_task(engine.attach("c", new))
+            await asyncio.wait_for(shipping.shipping.wait(), LIMIT)  # the attach's commit, held
+            assert not attach.done()
+            await engine.detach("c", old)
+            assert engine.sessions["c"].record.disconnected_at is not None
+            await _acknowledge_until_done(shipping, attach)
+            assert await attach is None, "the old connection was gone already: none to end"
+            record = engine.sessions["c"].record
+            assert record.disconnected_at is None and record.expires_at is None
+            assert engine.expiry.deadline("c") is None, "an expiry clock runs while the session is connected"
+            await new.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            assert new.stored_connected and all(new.stored_connected), (
+                "a PUBLISH left while the stored record held the old connection's end"
+            )
+            engine.committer.replication = None
+            for held in shipping.shipped:
+                if not held.done():
+                    held.set_result(None)
+            await engine.detach("c", new)
+        finally:
+            await engine.close()
+            await primary.close()
+
+    asyncio.run(main())
+
+
+def test_an_attach_a_newer_connect_drops_during_its_commit_leaves_the_session_its_expiry_deadline(
+    tmp_path: Path,
+) -> None:
+    """docs/guarantees.md, Expiry: the time counts from the session's last disconnect. An attach
+    stores the session's connection (no expiry deadline) ahead of its commit; a newer CONNECT
+    accepted during that commit drops it, and when that newer connection then neither attaches nor
+    detaches (its CONNACK write failed), nothing else would give the session a deadline again: it
+    stayed connected in memory and in LevelDB, with no connection, and never expired."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 5)
+        primary = Primary(engine.db, store_id=7, log_max_batches=100, log_max_bytes=1 << 20)
+        try:
+            first = RunTransport()
+            await engine.attach("c", first)
+            await engine.detach("c", first)
+            record = engine.sessions["c"].record
+            disconnected = (record.disconnected_at, record.expires_at)
+            deadline = engine.expiry.deadline("c")
+            assert None not in disconnected and deadline is not None
+            engine.committer.replication = shipping = HeldShipping(primary)
+            dropped = RunTransport()
+            await engine.connect("c", clean_session=False, transport=dropped)
+            attach = asyncio.create_task(engine.attach("c", dropped))
+            await asyncio.wait_for(shipping.shipping.wait(), LIMIT)  # the attach's commit, held
+            await engine.connect("c", clean_session=False, transport=RunTransport())  # never attaches
+            await _acknowledge_until_done(shipping, attach)
+            assert await attach is None
+            engine.committer.replication = None
+            await engine.detach("c", dropped)  # superseded: its end leaves the session to the newer one
+            assert engine.expiry.deadline("c") == deadline, "the session lost its expiry deadline"
+            assert (record.disconnected_at, record.expires_at) == disconnected
+            await engine.written_so_far()
+            stored = SessionRecord.decode("c", engine.db.get(session_key("c")))
+            assert (stored.disconnected_at, stored.expires_at) == disconnected
+        finally:
+            await engine.close()
+            await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_attached_while_the_old_ones_pump_stops_keeps_its_session_connected(tmp_path: Path) -> None:
+    """The old connection ends (its detach waits for its pump's task to stop) and the new one attaches
+    in that wait. The old connection's end then found the session attached again and still applied
+    the disconnected queue limits, started the expiry clock and stored it disconnected."""
+
+    async def main() -> None:
+        engine = await _engine_with_queue(tmp_path, [1] * 50, window=40)
+        try:
+            old = RunTransport()
+            await engine.attach("c", old)
+            await old.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            await engine.connect("c", clean_session=False)
+            new = RunTransport()
+            detach = asyncio.create_task(engine.detach("c", old))  # first steps in this order
+            attach = asyncio.create_task(engine.attach("c", new))
+            await asyncio.wait_for(asyncio.gather(detach, attach), LIMIT)
+            session = engine.sessions["c"]
+            assert session.transport is new
+            assert session.record.disconnected_at is None and engine.expiry.deadline("c") is None
+            await engine.written_so_far()
+            stored = SessionRecord.decode("c", engine.db.get(session_key("c")))
+            assert stored.disconnected_at is None and stored.expires_at is None
+            await new.wait_for(lambda ps: len(ps) >= 40, LIMIT)
+            await engine.detach("c", new)
         finally:
             await engine.close()
 
