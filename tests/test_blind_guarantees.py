@@ -337,6 +337,9 @@ def test_a_qos2_publish_left_without_pubrec_comes_again_with_dup_and_the_same_id
         ("stream_subscribe", {"filter": "sw/#", "window": True}),
         ("stream_subscribe", {"filter": "sw/#", "after": {"sw/a": 1.0}}),
         ("stream_subscribe", {"filter": "sw/#", "after": {"sw/a": -1}}),
+        ("stream_subscribe", {"filter": "sw/#", "after": {"sw/+": 1}}),
+        ("stream_subscribe", {"filter": "sw/#", "after": {"sw/#": 1}}),
+        ("stream_subscribe", {"filter": "sw/#", "after": {"sw/\u0000": 1}}),
         ("stream_ack", {"topic": "sw/a", "id": 1.0}),
         ("stream_ack", {"topic": "sw/a", "id": True}),
         ("stream_subscribe", {"filter": ""}),
@@ -349,7 +352,9 @@ def test_whole_number_fields_take_integers_only_and_string_fields_refuse_empty(
     """docs/protocol.md:106-112: `malformed` for "a field of the wrong type or out of its range:
     ... `window` a whole number from 1 to 1000; `after` ids whole numbers, 0 or more; `id` a whole
     number, 1 or more; a string field empty" (JSON 2.0 or true is not a whole number, as `v` 1.0
-    and true are refused as not 1, :69-70). A refused request changes nothing."""
+    and true are refused as not 1, :69-70); `after` keys topics, not filters or names holding
+    U+0000 (a wildcard key named no topic and was kept as a position of a topic without a log,
+    using up max_stream_entries_per_client). A refused request changes nothing."""
     broker = broker_factory(streams=[{"filter": "sw/#", "max_count": 10}])
     client = clients(broker.port, "whole")
     reply = request(client, op, **fields)
@@ -407,3 +412,181 @@ def test_a_stream_ack_past_the_last_event_sent_is_refused_or_ignored_without_ski
     assert reader.wait_for(lambda ms: len([m for m in ms if m.topic == stream]) >= 3), "event 3 comes"
     events = [(frame_seq(m.payload), m.payload[26:]) for m in reader.messages if m.topic == stream]
     assert events == list(zip([1, 2, 3], payloads(3, "e"), strict=True)), events
+
+
+# ------------------------------------------------------------------ retained and re-subscribed, on the wire
+def publish_id(body: bytes) -> bytes:
+    """The packet id of a QoS 1/2 PUBLISH's body."""
+    start = 2 + int.from_bytes(body[:2], "big")
+    return body[start : start + 2]
+
+
+def publish_parts(first: int, body: bytes) -> tuple[int, bool, bool, str, bytes]:
+    """(QoS, DUP, RETAIN, topic, payload) of a PUBLISH read as (first byte, body)."""
+    assert first >> 4 == 3, hex(first)
+    qos, end = (first >> 1) & 3, 2 + int.from_bytes(body[:2], "big")
+    return qos, bool(first & 0x08), bool(first & 0x01), body[2:end].decode(), body[end + (2 if qos else 0) :]
+
+
+def test_retained_messages_of_a_new_subscription_queue_behind_what_the_session_has_and_before_live(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/guarantees.md:110-112: "Retained messages matching a new subscription are queued, with
+    the subscription and before any live message it matches, behind what the session already has
+    (RETAIN=1, QoS min(subscription, retained))". With a window of 1 and two messages still queued,
+    a SUBSCRIBE's retained message comes after them, and a live one published after the SUBACK
+    after it."""
+    broker = broker_factory(recovery_buffer=1)
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("rb/state", [b"on"], qos=2, retain=True)
+    device = raw_connect(broker.port, "rb-dev", clean=False)
+    assert raw_subscribe(device, "rb/q", 1) == 1
+    publisher.publish("rb/q", [b"q0", b"q1", b"q2"])
+    first, body = read_packet(device)
+    assert publish_parts(first, body)[3:] == ("rb/q", b"q0")
+    assert raw_subscribe(device, "rb/+", 1, packet_id=2) == 1  # the window (1) is full: nothing else came
+    publisher.publish("rb/state", [b"live"])
+    got = []
+    for _ in range(4):
+        device.sendall(mqtt_packet(0x40, publish_id(body)))  # PUBACK the one in flight
+        first, body = read_packet(device)
+        got.append(publish_parts(first, body))
+    assert got == [
+        (1, False, False, "rb/q", b"q1"),
+        (1, False, False, "rb/q", b"q2"),
+        (1, False, True, "rb/state", b"on"),
+        (1, False, False, "rb/state", b"live"),
+    ], got
+    device.close()
+
+
+def test_a_resubscribe_at_a_lower_qos_leaves_the_queued_messages_at_theirs(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/guarantees.md:41-43: "A SUBSCRIBE of a filter the session already holds replaces that
+    subscription: messages published after it come at the new QoS (those already queued for a
+    durable session keep the QoS they were queued at)"."""
+    broker = broker_factory(recovery_buffer=1)
+    device = raw_connect(broker.port, "rq-dev", clean=False)
+    assert raw_subscribe(device, "rq/t", 2) == 2
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("rq/t", [b"p0", b"p1", b"p2"], qos=2)
+    first, body = read_packet(device)
+    assert publish_parts(first, body) == (2, False, False, "rq/t", b"p0")
+    assert raw_subscribe(device, "rq/t", 1, packet_id=2) == 1
+    publisher.publish("rq/t", [b"new"], qos=2)
+    got = [publish_parts(first, body)]
+    while len(got) < 4:
+        packet_id = publish_id(body)
+        if got[-1][0] == 2:
+            device.sendall(mqtt_packet(0x50, packet_id))  # PUBREC
+            assert read_packet(device) == (0x62, packet_id)
+            device.sendall(mqtt_packet(0x70, packet_id))  # PUBCOMP
+        else:
+            device.sendall(mqtt_packet(0x40, packet_id))
+        first, body = read_packet(device)
+        got.append(publish_parts(first, body))
+    assert [(qos, payload) for qos, _, _, _, payload in got] == [(2, b"p0"), (2, b"p1"), (2, b"p2"), (1, b"new")]
+    device.close()
+
+
+# ------------------------------------------------------------------ packet size bound
+def test_a_packet_exactly_max_packet_size_long_is_read_and_one_byte_more_closes(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """docs/guarantees.md (Packet size): "a packet whose remaining length is larger than
+    `max_packet_size` ... closes the connection right after its fixed header": one whose remaining
+    length is exactly the limit is not larger, and is acknowledged."""
+    broker = broker_factory(max_packet_size=1024)
+    sock = raw_connect(broker.port, "ps", clean=True)
+    head = mqtt_string("ps/t") + b"\x00\x07"
+    sock.sendall(mqtt_packet(0x32, head + b"x" * (1024 - len(head))))
+    assert read_packet(sock) == (0x40, b"\x00\x07")
+    sock.sendall(mqtt_packet(0x32, b"\x00\x04ps/t\x00\x08" + b"x" * (1025 - len(head))))
+    sock.settimeout(WAIT)
+    assert sock.recv(16) == b"", "closed unanswered"
+    sock.close()
+    assert "1025" in broker.log() and "1024" in broker.log()
+
+
+# ------------------------------------------------------------------ streams
+def test_every_publish_to_a_logged_topic_is_logged_qos_0_and_retained_ones_too(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/streams.md:183-184: "Every publish to a logged topic is appended to its log";
+    docs/protocol.md:35: flag bits 3-4 carry "the publish QoS of a stream event": a QoS 0, a
+    retained QoS 1 and a QoS 2 publish get ids 1, 2, 3 and their own QoS in the frame."""
+    broker = broker_factory(streams=[{"filter": "lg/#", "max_count": 10}])
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("lg/a", [b"zero"], qos=0)
+    publisher.publish("lg/a", [b"one"], qos=1, retain=True)
+    publisher.publish("lg/a", [b"two"], qos=2)
+    reader = clients(broker.port, "lg-reader", clean_session=True)
+    reply = request(reader, "stream_subscribe", filter="lg/#", window=10)
+    assert reply.fields["topics"] == {"lg/a": {"first": 1, "last": 3}}, reply
+    stream = "$durable/v1/stream/lg/a"
+    assert reader.wait_for(lambda ms: len([m for m in ms if m.topic == stream]) >= 3)
+    events = [
+        (frame_seq(m.payload), (m.payload[1] & 0x18) >> 3, m.payload[26:]) for m in reader.messages if m.topic == stream
+    ]
+    assert events == [(1, 0, b"zero"), (2, 1, b"one"), (3, 2, b"two")]
+
+
+def test_an_empty_control_request_is_malformed_with_op_and_req_null(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """docs/protocol.md:106-122: not UTF-8 JSON is `malformed`, "answered with `op` and `req`
+    null"; :52: "an empty one counts too" (an empty PUBLISH to the control topic is a request)."""
+    client = clients(broker.port, "empty-ctl")
+    reply = request(client, "", raw=b"")
+    assert (reply.ok, reply.op, reply.req, reply.error_code) == (False, None, None, "malformed"), reply
+
+
+def test_a_message_left_in_flight_replays_with_dup_and_the_redelivered_and_replayed_flags(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """docs/protocol.md:35 flags `0x01` replayed, `0x04` redelivered (sent before); :89 `ready`:
+    "the broker sends the recovery buffer and what was queued up to this point (flag
+    `replayed`), then a marker"; :133 `replayed` counts the messages sent before the marker with
+    that flag; docs/guarantees.md:24-26: a message that may have been sent before goes out again
+    only with DUP=1."""
+    device = clients(broker.port, "rd-dev", manual_ack=True)
+    assert request(device, "hello").ok
+    assert device.subscribe("rd/t", 1) == [1]
+    assert request(device, "ready").ok
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("rd/t", [b"sent"])
+    assert device.wait_for(lambda ms: any(m.topic == "rd/t" for m in ms))
+    device.drop()
+    publisher.publish("rd/t", [b"queued"])
+    again = clients(broker.port, "rd-dev", manual_ack=True)
+    assert request(again, "hello").ok
+    assert request(again, "ready").ok
+    assert again.wait_for(lambda ms: any(m.topic == "$durable/v1/marker" for m in ms))
+    got = [(m.payload[26:], m.dup, m.payload[1]) for m in again.messages if m.topic == "rd/t"]
+    assert got == [(b"sent", True, 0x05), (b"queued", False, 0x01)], got
+    marker = json.loads(next(m.payload for m in again.messages if m.topic == "$durable/v1/marker"))
+    assert marker["replayed"] == 2, marker
+
+
+def test_after_topics_outside_the_filter_unknown_fields_and_closing_an_unopened_filter(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/protocol.md, Requests: "Fields an op does not take are ignored"; `stream_subscribe`:
+    "an `after` topic the filter does not match is ignored"; `stream_unsubscribe`: "Reply: `filter`
+    (also for a filter that is not open: there is nothing to close)"."""
+    broker = broker_factory(streams=[{"filter": "ig/#", "max_count": 10}])
+    clients(broker.port, "pub", clean_session=True).publish("ig/a", payloads(2, "e"))
+    reader = clients(broker.port, "ig-reader", clean_session=True)
+    reply = request(reader, "stream_subscribe", filter="ig/a", after={"ig/b": 1, "elsewhere": 5}, colour="blue")
+    assert reply.ok and reply.fields == {
+        "filter": "ig/a",
+        "topics": {"ig/a": {"first": 1, "last": 2}},
+        "gaps": {},
+        "ahead": {},
+    }, reply
+    stream = "$durable/v1/stream/ig/a"
+    assert reader.wait_for(lambda ms: any(m.topic == stream for m in ms))
+    assert frame_seq(next(m.payload for m in reader.messages if m.topic == stream)) == 1
+    closed = request(reader, "stream_unsubscribe", filter="ig/never")
+    assert (closed.ok, closed.fields) == (True, {"filter": "ig/never"}), closed
