@@ -592,3 +592,69 @@ def test_after_topics_outside_the_filter_unknown_fields_and_closing_an_unopened_
     assert frame_seq(next(m.payload for m in reader.messages if m.topic == stream)) == 1
     closed = request(reader, "stream_unsubscribe", filter="ig/never")
     assert (closed.ok, closed.fields) == (True, {"filter": "ig/never"}), closed
+
+
+def test_retained_messages_of_a_new_subscription_obey_the_queue_limit(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/guarantees.md:110-114: retained messages matching a new subscription are queued and
+    "count against the queue's limits as any message: more than the queue has room for are handled
+    by its `overflow` policy, one at a time"; :422-428 drops are counted per session."""
+    broker = broker_factory(max_depth=2, max_depth_disconnected=2, recovery_buffer=1)
+    publisher = clients(broker.port, "pub", clean_session=True)
+    retained = {f"rl/{i}": f"v{i}".encode() for i in range(4)}
+    for topic, value in retained.items():
+        publisher.publish(topic, [value], retain=True)
+    device = clients(broker.port, "rl-dev")
+    assert device.subscribe("rl/#", 1) == [1]
+    assert device.wait_for(lambda ms: len(ms) >= 2)
+    assert nothing_more(device, 2)
+    assert all(m.retain and retained[m.topic] == m.payload for m in device.messages)
+    device.disconnect()
+    broker.stop()
+    assert dropped(broker, "rl-dev") == 2
+
+
+def test_a_qos2_message_waiting_for_its_pubcomp_is_never_dropped_by_overflow(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/guarantees.md:407-412: drop-oldest deletes "the oldest one not sent yet: messages in
+    flight, and QoS 2 messages waiting for their PUBCOMP, are never dropped"; :432-434 a QoS 2
+    message stays until its PUBCOMP and a PUBREC is stored, so PUBREL is re-sent. A message whose
+    PUBREC came holds its place in a queue of 2 while later ones overflow; its PUBREL comes again
+    after a reconnect, and once PUBCOMP comes the newest message follows."""
+    broker = broker_factory(max_depth=2, max_depth_disconnected=2, recovery_buffer=1, **METRICS)
+    device = raw_connect(broker.port, "pc-dev", clean=False)
+    assert raw_subscribe(device, "pc/t", 2) == 2
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("pc/t", [b"p0"], qos=2)
+    first, body = read_packet(device)
+    packet_id = publish_id(body)
+    assert publish_parts(first, body) == (2, False, False, "pc/t", b"p0")
+    device.sendall(mqtt_packet(0x50, packet_id))  # PUBREC
+    assert read_packet(device) == (0x62, packet_id)  # PUBREL; no PUBCOMP yet
+    publisher.publish("pc/t", [b"p1", b"p2", b"p3"], qos=2)  # p1, then p2 dropped: p0 stays
+    device.close()
+    seen_away(clients, broker, 1)
+    again = raw_connect(broker.port, "pc-dev", clean=False)
+    assert read_packet(again) == (0x62, packet_id), "PUBREL again: p0 was kept"
+    again.sendall(mqtt_packet(0x70, packet_id))  # PUBCOMP
+    first, body = read_packet(again)
+    assert publish_parts(first, body) == (2, False, False, "pc/t", b"p3")
+    again.close()
+    broker.stop()
+    assert dropped(broker, "pc-dev") == 2
+
+
+def test_a_keepalive_of_0_turns_the_silence_check_off(broker: Broker) -> None:
+    """docs/guarantees.md:177-179: "A client silent for 1.5 times its keep-alive ... is
+    disconnected (...; a keep-alive of 0 turns the check off, MQTT-3.1.2-10, unless
+    `max_keepalive` is set)": silent for 2 s (past 1.5 x 0 and 1.5 x 1), it is still served."""
+    sock = raw_connect(broker.port, "ka0", clean=True, keepalive=0)
+    sock.settimeout(2.0)
+    with pytest.raises(TimeoutError):
+        sock.recv(1)  # the broker neither writes nor closes
+    sock.settimeout(WAIT)
+    sock.sendall(bytes((0xC0, 0)))  # PINGREQ
+    assert read_packet(sock) == (0xD0, b"")
+    sock.close()
