@@ -658,3 +658,31 @@ def test_a_keepalive_of_0_turns_the_silence_check_off(broker: Broker) -> None:
     sock.sendall(bytes((0xC0, 0)))  # PINGREQ
     assert read_packet(sock) == (0xD0, b"")
     sock.close()
+
+
+def test_a_hello_after_ready_frames_what_follows_and_holds_nothing(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """docs/protocol.md:87 `hello`: "Marks the session as an SDK session (framed events, the
+    session's messages held until `ready` ...)"; "A `hello` after the connection's `ready` holds
+    nothing: the messages after it come at once, framed"; :89 one marker per connection."""
+    device = clients(broker.port, "late-hello")
+    assert device.subscribe("lh/t", 1) == [1]
+    assert request(device, "ready").fields == {"already": False}
+    assert device.wait_for(lambda ms: any(m.topic == "$durable/v1/marker" for m in ms))
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("lh/t", [b"plain"])
+    assert device.wait_for(lambda ms: any(m.topic == "lh/t" for m in ms))
+    hello = request(device, "hello")
+    assert hello.ok and hello.fields["subscriptions"] == {"lh/t": 1}
+    publisher.publish("lh/t", [b"framed"])
+    assert device.wait_for(lambda ms: len([m for m in ms if m.topic == "lh/t"]) >= 2), "not held"
+    first, second = [m.payload for m in device.messages if m.topic == "lh/t"]
+    assert first == b"plain"
+    assert (second[0], second[1], int.from_bytes(second[2:10], "big"), second[26:]) == (
+        1,
+        0,
+        hello.fields["epoch"],
+        b"framed",
+    )
+    assert len([m for m in device.messages if m.topic == "$durable/v1/marker"]) == 1
