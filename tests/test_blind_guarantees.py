@@ -48,6 +48,21 @@ def seen_away(clients: Callable[..., Client], broker: Broker, count: int) -> Non
 METRICS = {"metrics_interval": 0.05}
 
 
+@pytest.fixture(params=["plugin-reader", "amqtt-reader"])
+def on_either_reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Callable[..., Broker]:
+    """Starts a broker with the given settings, read by the plugin's reader or by amqtt's own loop
+    (a topic plugin loaded, amqtt's TopicTabooPlugin, which refuses nothing used here): "the
+    guarantees are the same there" (docs/guarantees.md:118-124)."""
+
+    def start(**settings: object) -> Broker:
+        broker = broker_factory(start=False, **settings)
+        if request.param == "amqtt-reader":
+            broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
+        return broker.start()
+
+    return start
+
+
 def dropped(broker: Broker, client_id: str) -> int:
     """The session's stored drop count (the `dropped` column of `amqtt-durable inspect`); broker stopped."""
     return {row.client_id: row.dropped for row in summarize(broker.store)}[client_id]
@@ -55,14 +70,14 @@ def dropped(broker: Broker, client_id: str) -> int:
 
 # ------------------------------------------------------------------ queue limits and overflow
 def test_the_disconnected_limit_stays_after_a_reconnect_until_the_queue_drains_to_80_percent(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
     """docs/guarantees.md:399-401: "After a reconnect the larger limit stays until the queue drains
     to 80% of `max_depth_disconnected`; then the limit reverts to `max_depth`. Reverting never purges
     anything: it only lowers the bar for new messages." With limits 2 and 10 and 10 queued: at 9 a new
     message is still queued (10 <= 10, nothing dropped); once the queue is at 8 (80%) the limit is 2,
     so the next one drops the oldest message not sent yet (drop-oldest), and nothing else goes."""
-    broker = broker_factory(max_depth=2, max_depth_disconnected=10, recovery_buffer=1, **METRICS)
+    broker = on_either_reader(max_depth=2, max_depth_disconnected=10, recovery_buffer=1, **METRICS)
     device = clients(broker.port, "expand", manual_ack=True)
     device.subscribe("ex/t", 1)
     device.disconnect()
@@ -161,7 +176,7 @@ def test_an_expired_sessions_messages_dropped_counts_what_overflow_left_queued(
 
 # ------------------------------------------------------------------ QoS and overlapping filters
 def test_overlapping_filters_queue_one_copy_at_the_highest_qos_and_a_qos0_match_is_not_queued(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
     """docs/guarantees.md:33-35: "A durable session with several filters matching a topic (`a/#`
     and `a/b`) gets each message once, at the highest QoS those subscriptions grant"; :45-47: a
@@ -170,7 +185,7 @@ def test_overlapping_filters_queue_one_copy_at_the_highest_qos_and_a_qos0_match_
     `ol/b` at 2: a QoS 2 publish to ol/b is queued once at QoS 2, a QoS 1 publish to ol/b once at
     QoS 1, one to ol/c (only the QoS 0 filter) not at all. Read on the wire: paho hands a QoS 2
     message to on_message only at its PUBREL, after a QoS 1 message sent behind it."""
-    broker = broker_factory(**METRICS)
+    broker = on_either_reader(**METRICS)
     device = raw_connect(broker.port, "overlap", clean=False)
     device.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("ol/#") + b"\x00" + mqtt_string("ol/b") + b"\x02"))
     assert read_packet(device) == (0x90, b"\x00\x01\x00\x02")
@@ -431,14 +446,14 @@ def publish_parts(first: int, body: bytes) -> tuple[int, bool, bool, str, bytes]
 
 
 def test_retained_messages_of_a_new_subscription_queue_behind_what_the_session_has_and_before_live(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
     """docs/guarantees.md:110-112: "Retained messages matching a new subscription are queued, with
     the subscription and before any live message it matches, behind what the session already has
     (RETAIN=1, QoS min(subscription, retained))". With a window of 1 and two messages still queued,
     a SUBSCRIBE's retained message comes after them, and a live one published after the SUBACK
     after it."""
-    broker = broker_factory(recovery_buffer=1)
+    broker = on_either_reader(recovery_buffer=1)
     publisher = clients(broker.port, "pub", clean_session=True)
     publisher.publish("rb/state", [b"on"], qos=2, retain=True)
     device = raw_connect(broker.port, "rb-dev", clean=False)
@@ -463,12 +478,12 @@ def test_retained_messages_of_a_new_subscription_queue_behind_what_the_session_h
 
 
 def test_a_resubscribe_at_a_lower_qos_leaves_the_queued_messages_at_theirs(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
     """docs/guarantees.md:41-43: "A SUBSCRIBE of a filter the session already holds replaces that
     subscription: messages published after it come at the new QoS (those already queued for a
     durable session keep the QoS they were queued at)"."""
-    broker = broker_factory(recovery_buffer=1)
+    broker = on_either_reader(recovery_buffer=1)
     device = raw_connect(broker.port, "rq-dev", clean=False)
     assert raw_subscribe(device, "rq/t", 2) == 2
     publisher = clients(broker.port, "pub", clean_session=True)
@@ -494,12 +509,12 @@ def test_a_resubscribe_at_a_lower_qos_leaves_the_queued_messages_at_theirs(
 
 # ------------------------------------------------------------------ packet size bound
 def test_a_packet_exactly_max_packet_size_long_is_read_and_one_byte_more_closes(
-    broker_factory: Callable[..., Broker],
+    on_either_reader: Callable[..., Broker],
 ) -> None:
     """docs/guarantees.md (Packet size): "a packet whose remaining length is larger than
     `max_packet_size` ... closes the connection right after its fixed header": one whose remaining
     length is exactly the limit is not larger, and is acknowledged."""
-    broker = broker_factory(max_packet_size=1024)
+    broker = on_either_reader(max_packet_size=1024)
     sock = raw_connect(broker.port, "ps", clean=True)
     head = mqtt_string("ps/t") + b"\x00\x07"
     sock.sendall(mqtt_packet(0x32, head + b"x" * (1024 - len(head))))
@@ -616,14 +631,14 @@ def test_retained_messages_of_a_new_subscription_obey_the_queue_limit(
 
 
 def test_a_qos2_message_waiting_for_its_pubcomp_is_never_dropped_by_overflow(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
     """docs/guarantees.md:407-412: drop-oldest deletes "the oldest one not sent yet: messages in
     flight, and QoS 2 messages waiting for their PUBCOMP, are never dropped"; :432-434 a QoS 2
     message stays until its PUBCOMP and a PUBREC is stored, so PUBREL is re-sent. A message whose
     PUBREC came holds its place in a queue of 2 while later ones overflow; its PUBREL comes again
     after a reconnect, and once PUBCOMP comes the newest message follows."""
-    broker = broker_factory(max_depth=2, max_depth_disconnected=2, recovery_buffer=1, **METRICS)
+    broker = on_either_reader(max_depth=2, max_depth_disconnected=2, recovery_buffer=1, **METRICS)
     device = raw_connect(broker.port, "pc-dev", clean=False)
     assert raw_subscribe(device, "pc/t", 2) == 2
     publisher = clients(broker.port, "pub", clean_session=True)
@@ -686,3 +701,29 @@ def test_a_hello_after_ready_frames_what_follows_and_holds_nothing(
         b"framed",
     )
     assert len([m for m in device.messages if m.topic == "$durable/v1/marker"]) == 1
+
+
+def test_an_expiry_event_is_queued_for_a_disconnected_durable_sys_subscriber(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/guarantees.md:113-114: "Wills and broker-internal messages (`$SYS/...`) reach durable
+    sessions through the same queue"; :99-104 the expiry event, published at QoS 1 on
+    `$SYS/broker/durable/expired`; :27-28 RETAIN=0 on queued messages. The watcher's own expiry is
+    set longer with a `hello` (protocol.md:87)."""
+    broker = broker_factory(session_expiry=1, max_session_expiry=3600, **METRICS)
+    watcher = clients(broker.port, "sys-watcher")
+    assert request(watcher, "hello", session_expiry=600).fields["session_expiry"] == 600
+    assert watcher.subscribe("$SYS/broker/durable/expired", 1) == [1]
+    watcher.disconnect()
+    seen_away(clients, broker, 1)
+    victim = clients(broker.port, "victim")
+    victim.disconnect()
+    monitor = clients(broker.port, "monitor", clean_session=True)
+    monitor.subscribe(EXPIRED_TOPIC, 1)
+    wait_expired(monitor, "victim", timeout=WAIT)
+    assert watcher.connect() is True
+    assert request(watcher, "ready").ok
+    assert watcher.wait_for(lambda ms: any(m.topic == EXPIRED_TOPIC for m in ms))
+    (event,) = [m for m in watcher.messages if m.topic == EXPIRED_TOPIC]
+    body = json.loads(event.payload[26:])
+    assert (body["client_id"], body["messages_dropped"], event.qos, event.retain) == ("victim", 0, 1, False)
