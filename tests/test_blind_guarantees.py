@@ -727,3 +727,74 @@ def test_an_expiry_event_is_queued_for_a_disconnected_durable_sys_subscriber(
     (event,) = [m for m in watcher.messages if m.topic == EXPIRED_TOPIC]
     body = json.loads(event.payload[26:])
     assert (body["client_id"], body["messages_dropped"], event.qos, event.retain) == ("victim", 0, 1, False)
+
+
+def test_a_qos2_publish_sent_again_before_its_pubrel_is_routed_once_on_any_connection(
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/guarantees.md:7-13: for a durable publisher, "Until its PUBREL comes, a PUBLISH with
+    that packet id (DUP or not, on any connection ...) gets PUBREC and is not routed again
+    (MQTT-4.3.3-2). PUBREL deletes the stored id and PUBCOMP follows ..., so the id is free for a
+    new message". Re-sent on the same connection with DUP, then on a new connection without DUP
+    (no crash); after PUBCOMP the same id carries a new message."""
+    broker = on_either_reader()
+    subscriber = clients(broker.port, "q2-sub")
+    assert subscriber.subscribe("q2a/t", 2) == [2]
+    publisher = raw_connect(broker.port, "q2-durable-pub", clean=False)
+    packet = mqtt_packet(0x34, mqtt_string("q2a/t") + b"\x00\x15" + b"once")
+    publisher.sendall(packet)
+    assert read_packet(publisher) == (0x50, b"\x00\x15")
+    publisher.sendall(bytes((packet[0] | 0x08,)) + packet[1:])  # DUP, same connection
+    assert read_packet(publisher) == (0x50, b"\x00\x15")
+    publisher.close()
+    again = raw_connect(broker.port, "q2-durable-pub", clean=False)
+    assert read_packet(again) == (0x50, b"\x00\x15"), "its PUBREC, sent again on the reconnect"
+    again.sendall(packet)  # not DUP, another connection
+    assert read_packet(again) == (0x50, b"\x00\x15")
+    again.sendall(mqtt_packet(0x62, b"\x00\x15"))  # PUBREL
+    assert read_packet(again) == (0x70, b"\x00\x15")
+    again.sendall(mqtt_packet(0x34, mqtt_string("q2a/t") + b"\x00\x15" + b"new"))
+    assert read_packet(again) == (0x50, b"\x00\x15")
+    again.sendall(mqtt_packet(0x62, b"\x00\x15"))
+    assert read_packet(again) == (0x70, b"\x00\x15")
+    assert subscriber.wait_for(lambda ms: len(ms) >= 2)
+    assert nothing_more(subscriber, 2)
+    assert [m.payload for m in subscriber.messages] == [b"once", b"new"]
+    again.close()
+
+
+def test_a_reconnected_publisher_owing_a_pubrel_is_served_at_once_and_its_packet_id_freed(
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/guarantees.md:7-16: until its PUBREL comes, the packet id of a durable publisher's QoS 2
+    PUBLISH is held; "On a reconnect the broker sends again the PUBREC of each QoS 2 publish still
+    awaiting its PUBREL ...; the client may send the PUBREL when it likes: nothing else of the
+    connection waits for it". "PUBREL
+    deletes the stored id and PUBCOMP follows ..., so the id is free for a new message". A
+    publisher that subscribes before its PUBREL gets its SUBACK at once (amqtt held the
+    connection's message loop up to 10 s for that PUBREL, then lost the message for clean
+    subscribers and the next one with that packet id for durable ones)."""
+    broker = on_either_reader()
+    durable = clients(broker.port, "q2r-durable")
+    assert durable.subscribe("q2r/t", 2) == [2]
+    clean = clients(broker.port, "q2r-clean", clean_session=True)
+    assert clean.subscribe("q2r/t", 2) == [2]
+    publisher = raw_connect(broker.port, "q2r-pub", clean=False)
+    publisher.sendall(mqtt_packet(0x34, mqtt_string("q2r/t") + b"\x00\x15" + b"first"))
+    assert read_packet(publisher) == (0x50, b"\x00\x15")
+    publisher.close()  # gone before its PUBREL
+    again = raw_connect(broker.port, "q2r-pub", clean=False)
+    assert read_packet(again) == (0x50, b"\x00\x15"), "its PUBREC again"
+    again.settimeout(3.0)  # well below amqtt's 10 s
+    assert raw_subscribe(again, "q2r/other", 1, packet_id=5) == 1
+    again.sendall(mqtt_packet(0x62, b"\x00\x15"))  # PUBREL
+    assert read_packet(again) == (0x70, b"\x00\x15")
+    again.sendall(mqtt_packet(0x34, mqtt_string("q2r/t") + b"\x00\x15" + b"second"))
+    assert read_packet(again) == (0x50, b"\x00\x15")
+    again.sendall(mqtt_packet(0x62, b"\x00\x15"))
+    assert read_packet(again) == (0x70, b"\x00\x15")
+    for subscriber in (durable, clean):
+        assert subscriber.wait_for(lambda ms: len(ms) >= 2), subscriber.client_id
+        assert nothing_more(subscriber, 2)
+        assert [m.payload for m in subscriber.messages] == [b"first", b"second"], subscriber.client_id
+    again.close()

@@ -51,6 +51,9 @@ instance the plugin is loaded into and on each connection's handler:
 * ``BrokerProtocolHandler.start`` / ``stop`` (per connection): a connection whose reader ended
   before amqtt's ``start`` made its disconnect waiter (a client that closed right after its
   CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran;
+* ``BrokerProtocolHandler._retry_deliveries`` (per connection): the re-sent PUBRECs of a
+  reconnecting publisher's QoS 2 publishes awaiting PUBREL wait for it beside the connection, not
+  up to 10 s in ``start`` (see ``_retry_without_waiting_for_pubrel``);
 * ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` / ``handle_connection_closed``
   (per connection): a connection that sent DISCONNECT never has its will
   published (MQTT-3.14.4-3), however its DISCONNECT's handling and its message loop's wait for it
@@ -1957,6 +1960,7 @@ def _wrap_handler(
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
+    handler._retry_deliveries = _retry_without_waiting_for_pubrel(handler)
 
 
 def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
@@ -1997,6 +2001,40 @@ def _end_a_connection_closed_during_start(
             await handler.handle_disconnect(handler.durable_disconnect)
 
     return start
+
+
+def _retry_without_waiting_for_pubrel(handler: Any) -> Callable[[], Awaitable[None]]:
+    """amqtt's ``start()`` ends with ``_retry_deliveries`` (MQTT-4.4.0-1), which also re-ran the flow
+    of each inbound QoS 2 publish of a reconnecting durable publisher still awaiting its PUBREL (no
+    crash between: after one amqtt remembers none): PUBREC again, then up to 10 s for the PUBREL.
+    ``start()`` waited for it, and with it the connection's message loop: a client that did not
+    send that PUBREL at once (one whose process restarted, or that subscribed first) got its SUBACK
+    and PUBCOMP 10 s late; then the flow was cancelled, so its message never reached clean
+    subscribers, and amqtt kept the packet id, so a new publish with it after the PUBCOMP reached
+    no durable session. Those flows now run beside the connection, until the PUBREL or the
+    connection's end (whose waiters amqtt cancels: the next connection retries again); amqtt's
+    retry of outbound messages (clean sessions only: the pump sends durable ones) is as it was."""
+    running: set[asyncio.Task[None]] = set()
+
+    def settled(task: asyncio.Task[None]) -> None:
+        running.discard(task)
+        if not task.cancelled():
+            task.exception()  # a write to a closed connection: nothing to do, nothing to report
+
+    async def retry_deliveries() -> None:
+        session = handler.session
+        for message in list(session.inflight_in.values()):
+            task = asyncio.create_task(handler._handle_message_flow(message))
+            running.add(task)
+            task.add_done_callback(settled)
+        outbound = [
+            asyncio.create_task(asyncio.wait_for(handler._handle_message_flow(message), 10))
+            for message in list(session.inflight_out.values())
+        ]
+        if outbound:
+            await asyncio.wait(outbound)
+
+    return retry_deliveries
 
 
 async def end_connection(handler: Any) -> None:
