@@ -245,6 +245,8 @@ _HANDLER_INTERNALS = (
     "mqtt_publish",
     "start",
     "stop",
+    "_retry_deliveries",
+    "_handle_message_flow",
     "handle_disconnect",
     "handle_connection_closed",
     "wait_disconnect",
