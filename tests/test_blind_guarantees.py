@@ -798,3 +798,47 @@ def test_a_reconnected_publisher_owing_a_pubrel_is_served_at_once_and_its_packet
         assert nothing_more(subscriber, 2)
         assert [m.payload for m in subscriber.messages] == [b"first", b"second"], subscriber.client_id
     again.close()
+
+
+# ------------------------------------------------------------------ topic matching at the edges
+FILTERS = ["tm/#", "tm/+", "+/+", "tm/+/x", "#", "+"]
+TOPICS = ["tm", "tm/", "/x", "tm//x", "tm/a/x", "x", "/"]
+
+
+def expected_matches(topic_filter: str, topic: str) -> bool:
+    """MQTT 3.1.1 section 4.7: `+` one whole level (empty too), `#` the rest, also the parent level."""
+    levels, pattern = topic.split("/"), topic_filter.split("/")
+    for index, part in enumerate(pattern):
+        if part == "#":
+            return True
+        if index >= len(levels) or (part != "+" and part != levels[index]):
+            return False
+    return len(levels) == len(pattern)
+
+
+def test_durable_and_clean_sessions_match_empty_levels_and_parent_levels_alike(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """docs/guarantees.md:130-135: routing walks a trie of the wildcard filters (durable sessions'
+    filters, and a mirror of amqtt's table of clean sessions' filters); MQTT 3.1.1 section 4.7: `tm/#`
+    also matches `tm` (MQTT-4.7.1-2), `+` matches an empty level (`tm/`, `/x`, `tm//x`). A durable and
+    a clean subscriber of the same filter get the same messages: those MQTT says match."""
+    subscribers = []
+    for index, topic_filter in enumerate(FILTERS):
+        for clean in (False, True):
+            subscriber = clients(broker.port, f"tm-{index}-{clean}", clean_session=clean)
+            assert subscriber.subscribe(topic_filter, 1) == [1]
+            subscribers.append((topic_filter, subscriber))
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("tm/end", [b"first"])
+    for topic in TOPICS:
+        publisher.publish(topic, [b"m"])
+    publisher.publish("tm/a/x", [b"last"])
+    published = ["tm/end", *TOPICS, "tm/a/x"]
+    for topic_filter, subscriber in subscribers:
+        count = len([t for t in published if expected_matches(topic_filter, t)])
+        assert subscriber.wait_for(lambda ms, n=count: len(ms) >= n), (topic_filter, subscriber.client_id)
+    for topic_filter, subscriber in subscribers:
+        expected = [t for t in published if expected_matches(topic_filter, t)]
+        assert nothing_more(subscriber, len(expected), timeout=0.1)
+        assert [m.topic for m in subscriber.messages] == expected, (topic_filter, subscriber.client_id)
