@@ -842,3 +842,26 @@ def test_durable_and_clean_sessions_match_empty_levels_and_parent_levels_alike(
         expected = [t for t in published if expected_matches(topic_filter, t)]
         assert nothing_more(subscriber, len(expected), timeout=0.1)
         assert [m.topic for m in subscriber.messages] == expected, (topic_filter, subscriber.client_id)
+
+
+def test_a_take_over_gets_the_unacknowledged_messages_first_with_dup_and_ends_the_old_connection(
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/guarantees.md:75-77: "Take-over: a second connection with the same client id ... takes
+    the session over (amqtt closes the old one); delivery continues on the new connection,
+    unacknowledged messages first"; :24-26 with DUP=1; :445-446 they were not re-sent on the old
+    connection."""
+    broker = on_either_reader(recovery_buffer=3)
+    old = clients(broker.port, "tk-dev", manual_ack=True)
+    assert old.subscribe("tk/t", 1) == [1]
+    publisher = clients(broker.port, "pub", clean_session=True)
+    sent = payloads(5)
+    publisher.publish("tk/t", sent)
+    assert old.wait_for(lambda ms: len(ms) >= 3)
+    new = clients(broker.port, "tk-dev")
+    assert new.session_present is True
+    assert old.wait_disconnected(), "amqtt closes the old connection"
+    assert new.wait_for(lambda ms: len(ms) >= 5)
+    assert nothing_more(new, 5)
+    assert [(m.payload, m.dup) for m in new.messages] == [(p, i < 3) for i, p in enumerate(sent)]
+    assert [m.payload for m in old.messages] == sent[:3]
