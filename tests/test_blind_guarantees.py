@@ -865,3 +865,46 @@ def test_a_take_over_gets_the_unacknowledged_messages_first_with_dup_and_ends_th
     assert nothing_more(new, 5)
     assert [(m.payload, m.dup) for m in new.messages] == [(p, i < 3) for i, p in enumerate(sent)]
     assert [m.payload for m in old.messages] == sent[:3]
+
+
+@pytest.mark.parametrize(
+    ("after", "gaps", "ahead", "first_sent"),
+    [
+        (0, {"gb/a": [1, 2]}, {}, 3),
+        (1, {"gb/a": [2, 2]}, {}, 3),
+        (2, {}, {}, 3),
+        (4, {}, {}, 5),
+        (5, {}, {}, None),
+        (6, {}, {"gb/a": 5}, None),
+    ],
+)
+def test_stream_positions_at_the_edges_of_a_trimmed_log(
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    after: int,
+    gaps: dict[str, list[int]],
+    ahead: dict[str, int],
+    first_sent: int | None,
+) -> None:
+    """docs/protocol.md:91 `stream_subscribe`: "from the id after `after[topic]`"; `gaps` "{topic:
+    [first missing id, last missing id]} for positions retention already trimmed"; `ahead` "where
+    the position presented is past the log's end". A log of 5 events keeping 3 (ids 3 to 5, docs/
+    streams.md `max_count`): a position of 2 misses nothing, 5 is the end (nothing to send, not
+    ahead), 6 is ahead."""
+    broker = broker_factory(streams=[{"filter": "gb/#", "max_count": 3}])
+    clients(broker.port, "pub", clean_session=True).publish("gb/a", payloads(5, "e"))
+    reader = clients(broker.port, "gb-reader", clean_session=True)
+    reply = request(reader, "stream_subscribe", filter="gb/#", after={"gb/a": after}, window=10)
+    assert reply.ok and (reply.fields["topics"], reply.fields["gaps"], reply.fields["ahead"]) == (
+        {"gb/a": {"first": 3, "last": 5}},
+        gaps,
+        ahead,
+    ), reply
+    stream = "$durable/v1/stream/gb/a"
+    if first_sent is None:
+        assert not reader.wait_for(lambda ms: any(m.topic == stream for m in ms), timeout=0.3)
+    else:
+        count = 5 - first_sent + 1
+        assert reader.wait_for(lambda ms: len([m for m in ms if m.topic == stream]) >= count)
+        ids = [frame_seq(m.payload) for m in reader.messages if m.topic == stream]
+        assert ids == list(range(first_sent, 6)), ids
