@@ -6,15 +6,16 @@ raw sockets over TCP to 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable
 
 import pytest
-from raw_mqtt_helpers import raw_connect, raw_subscribe, read_packet
+from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_packet
 from test_protocol import request
 from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 
 from amqtt_durable.inspect_store import summarize
-from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
 
 
 def frame_seq(payload: bytes) -> int:
@@ -868,7 +869,7 @@ def test_a_take_over_gets_the_unacknowledged_messages_first_with_dup_and_ends_th
 
 
 @pytest.mark.parametrize(
-    ("after", "gaps", "ahead", "first_sent"),
+    "case",
     [
         (0, {"gb/a": [1, 2]}, {}, 3),
         (1, {"gb/a": [2, 2]}, {}, 3),
@@ -881,16 +882,14 @@ def test_a_take_over_gets_the_unacknowledged_messages_first_with_dup_and_ends_th
 def test_stream_positions_at_the_edges_of_a_trimmed_log(
     broker_factory: Callable[..., Broker],
     clients: Callable[..., Client],
-    after: int,
-    gaps: dict[str, list[int]],
-    ahead: dict[str, int],
-    first_sent: int | None,
+    case: tuple[int, dict[str, list[int]], dict[str, int], int | None],
 ) -> None:
     """docs/protocol.md:91 `stream_subscribe`: "from the id after `after[topic]`"; `gaps` "{topic:
     [first missing id, last missing id]} for positions retention already trimmed"; `ahead` "where
     the position presented is past the log's end". A log of 5 events keeping 3 (ids 3 to 5, docs/
     streams.md `max_count`): a position of 2 misses nothing, 5 is the end (nothing to send, not
     ahead), 6 is ahead."""
+    after, gaps, ahead, first_sent = case
     broker = broker_factory(streams=[{"filter": "gb/#", "max_count": 3}])
     clients(broker.port, "pub", clean_session=True).publish("gb/a", payloads(5, "e"))
     reader = clients(broker.port, "gb-reader", clean_session=True)
@@ -908,3 +907,62 @@ def test_stream_positions_at_the_edges_of_a_trimmed_log(
         assert reader.wait_for(lambda ms: len([m for m in ms if m.topic == stream]) >= count)
         ids = [frame_seq(m.payload) for m in reader.messages if m.topic == stream]
         assert ids == list(range(first_sent, 6)), ids
+
+
+def test_a_client_id_of_65535_bytes_keeps_its_durable_session_across_a_sigkill(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/guarantees.md:60-61 and 70-71: a durable session is created by a CONNECT with
+    clean_session=false and a non-empty client id, "session_present in CONNACK comes from the store
+    ... also after a broker restart or crash. Subscriptions come back without re-subscribing". The
+    edge value: MQTT's longest client id (65,535 UTF-8 bytes, MQTT-3.1.3-5 lets a server accept it)."""
+    broker = broker_factory()
+    client_id = "L" * 65535
+    device = raw_connect(broker.port, client_id, clean=False)
+    assert raw_subscribe(device, "lid/t", 1) == 1
+    device.sendall(mqtt_packet(0xE0, b""))
+    device.close()
+    seen = clients(broker.port, "seen", clean_session=True)
+    seen.publish("lid/t", [b"kept"])
+    broker.kill()
+    broker.start()
+    again = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    again.sendall(connect_packet(client_id, clean=False))
+    assert read_packet(again) == (0x20, b"\x01\x00"), "session present"
+    first, body = read_packet(again)
+    assert publish_parts(first, body) == (1, False, False, "lid/t", b"kept")
+    again.close()
+
+
+@pytest.mark.parametrize(
+    ("queued", "new", "kept"),
+    [
+        ([100, 100, 100], 150, [100, 150]),  # the docs' example: two of 100 bytes go for one of 150
+        ([100, 50, 100], 100, [50, 100, 100]),  # 50 bytes must go: the oldest (100) makes it up
+        ([40, 40, 200], 100, [200, 100]),  # 40 then 40: fewer bytes than 100 gone after one, so two
+    ],
+)
+def test_drop_oldest_under_a_byte_limit_deletes_only_what_the_new_message_needs(
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    queued: list[int],
+    new: int,
+    kept: list[int],
+) -> None:
+    """docs/guarantees.md:413-417: under a byte limit drop-oldest "deletes more of the oldest while
+    the new message does not fit yet and fewer bytes than it brings have gone: it stops at the
+    message that makes up the new one's size, so what it removes exceeds what it adds by less than
+    that last message (two of 100 bytes for one of 150), never more". Limit 300 bytes, queue as given."""
+    broker = broker_factory(max_bytes=300, max_bytes_disconnected=300, **METRICS)
+    device = clients(broker.port, "bytes-dev")
+    device.subscribe("by/t", 1)
+    device.disconnect()
+    seen_away(clients, broker, 1)
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("by/t", [bytes([65 + i]) * size for i, size in enumerate(queued)])
+    publisher.publish("by/t", [b"n" * new])
+    assert device.connect() is True
+    assert device.wait_for(lambda ms: len(ms) >= len(kept))
+    assert nothing_more(device, len(kept))
+    assert [len(m.payload) for m in device.messages] == kept
+    assert device.messages[-1].payload == b"n" * new
