@@ -49,6 +49,25 @@ def seen_away(clients: Callable[..., Client], broker: Broker, count: int) -> Non
 METRICS = {"metrics_interval": 0.05}
 
 
+def away_subscriber(
+    clients: Callable[..., Client], broker: Broker, client_id: str, topic_filter: str, *, manual_ack: bool = False
+) -> Client:
+    """A durable session subscribed to ``topic_filter`` (QoS 1), disconnected once the broker saw it go
+    (a broker with METRICS); connect() it again to read its queue."""
+    device = clients(broker.port, client_id, manual_ack=manual_ack)
+    assert device.subscribe(topic_filter, 1) == [1]
+    device.disconnect()
+    seen_away(clients, broker, 1)
+    return device
+
+
+def drops_at_the_end(broker: Broker, device: Client) -> int:
+    """Disconnect ``device``, stop the broker and return its session's stored drop count."""
+    device.disconnect()
+    broker.stop()
+    return dropped(broker, device.client_id)
+
+
 @pytest.fixture(params=["plugin-reader", "amqtt-reader"])
 def on_either_reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Callable[..., Broker]:
     """Starts a broker with the given settings, read by the plugin's reader or by amqtt's own loop
@@ -79,10 +98,7 @@ def test_the_disconnected_limit_stays_after_a_reconnect_until_the_queue_drains_t
     message is still queued (10 <= 10, nothing dropped); once the queue is at 8 (80%) the limit is 2,
     so the next one drops the oldest message not sent yet (drop-oldest), and nothing else goes."""
     broker = on_either_reader(max_depth=2, max_depth_disconnected=10, recovery_buffer=1, **METRICS)
-    device = clients(broker.port, "expand", manual_ack=True)
-    device.subscribe("ex/t", 1)
-    device.disconnect()
-    seen_away(clients, broker, 1)
+    device = away_subscriber(clients, broker, "expand", "ex/t", manual_ack=True)
     publisher = clients(broker.port, "pub", clean_session=True)
     queued = payloads(10)
     publisher.publish("ex/t", queued)
@@ -96,9 +112,7 @@ def test_the_disconnected_limit_stays_after_a_reconnect_until_the_queue_drains_t
     acked_through(device, 11)
     assert nothing_more(device, 11), [m.payload for m in device.messages]
     assert [m.payload for m in device.messages] == [*queued[:4], *queued[5:], b"x", b"y"]
-    device.disconnect()
-    broker.stop()
-    assert dropped(broker, "expand") == 1
+    assert drops_at_the_end(broker, device) == 1
 
 
 def test_a_message_exactly_at_the_byte_limit_is_queued_and_pushes_out_the_older_ones(
@@ -108,10 +122,7 @@ def test_a_message_exactly_at_the_byte_limit_is_queued_and_pushes_out_the_older_
     whatever the policy"; one exactly as large as the limit is not larger, so drop-oldest deletes
     the older ones until it fits, and it is queued. One byte more is dropped and deletes nothing."""
     broker = broker_factory(max_bytes=300, max_bytes_disconnected=300, **METRICS)
-    device = clients(broker.port, "edge")
-    device.subscribe("eb/t", 1)
-    device.disconnect()
-    seen_away(clients, broker, 1)
+    device = away_subscriber(clients, broker, "edge", "eb/t")
     publisher = clients(broker.port, "pub", clean_session=True)
     publisher.publish("eb/t", [b"a" * 100, b"b" * 100])
     publisher.publish("eb/t", [b"c" * 301])  # larger than the limit: dropped alone
@@ -120,9 +131,7 @@ def test_a_message_exactly_at_the_byte_limit_is_queued_and_pushes_out_the_older_
     assert device.wait_for(lambda ms: len(ms) >= 1)
     assert nothing_more(device, 1)
     assert [m.payload for m in device.messages] == [b"d" * 300]
-    device.disconnect()
-    broker.stop()
-    assert dropped(broker, "edge") == 3
+    assert drops_at_the_end(broker, device) == 3
 
 
 def test_a_queue_filled_exactly_to_its_limit_drops_nothing(
@@ -132,10 +141,7 @@ def test_a_queue_filled_exactly_to_its_limit_drops_nothing(
     would be passed": exactly `max_depth_disconnected` messages and exactly `max_bytes_disconnected`
     bytes pass neither, so nothing is dropped; the next message drops the oldest one."""
     broker = broker_factory(max_depth=3, max_depth_disconnected=3, max_bytes=30, max_bytes_disconnected=30, **METRICS)
-    device = clients(broker.port, "exact")
-    device.subscribe("ed/t", 1)
-    device.disconnect()
-    seen_away(clients, broker, 1)
+    device = away_subscriber(clients, broker, "exact", "ed/t")
     publisher = clients(broker.port, "pub", clean_session=True)
     full = [b"0" * 10, b"1" * 10, b"2" * 10]
     publisher.publish("ed/t", full)
@@ -150,9 +156,7 @@ def test_a_queue_filled_exactly_to_its_limit_drops_nothing(
     assert device.wait_for(lambda ms: len(ms) >= 6)
     assert nothing_more(device, 6)
     assert [m.payload for m in device.messages[3:]] == [b"1" * 10, b"2" * 10, b"3"]
-    device.disconnect()
-    broker.stop()
-    assert dropped(broker, "exact") == 1
+    assert drops_at_the_end(broker, device) == 1
 
 
 def test_an_expired_sessions_messages_dropped_counts_what_overflow_left_queued(
@@ -164,10 +168,7 @@ def test_an_expired_sessions_messages_dropped_counts_what_overflow_left_queued(
     broker = broker_factory(max_depth=3, max_depth_disconnected=3, session_expiry=1, **METRICS)
     monitor = clients(broker.port, "monitor", clean_session=True)
     monitor.subscribe(EXPIRED_TOPIC, 1)
-    device = clients(broker.port, "short")
-    device.subscribe("ov/t", 1)
-    device.disconnect()
-    seen_away(clients, broker, 1)
+    away_subscriber(clients, broker, "short", "ov/t")
     clients(broker.port, "pub", clean_session=True).publish("ov/t", payloads(5))
     event = wait_expired(monitor, "short", timeout=WAIT)
     assert event["messages_dropped"] == 3
@@ -433,6 +434,19 @@ def test_a_stream_ack_past_the_last_event_sent_is_refused_or_ignored_without_ski
 
 
 # ------------------------------------------------------------------ retained and re-subscribed, on the wire
+def release(sock: socket.socket, packet_id: bytes) -> None:
+    """PUBREL of an inbound QoS 2 publish, and its PUBCOMP."""
+    sock.sendall(mqtt_packet(0x62, packet_id))
+    assert read_packet(sock) == (0x70, packet_id)
+
+
+def publish_exactly_once(sock: socket.socket, topic: str, payload: bytes, packet_id: bytes) -> None:
+    """A whole QoS 2 publish: PUBLISH, PUBREC, PUBREL, PUBCOMP."""
+    sock.sendall(mqtt_packet(0x34, mqtt_string(topic) + packet_id + payload))
+    assert read_packet(sock) == (0x50, packet_id)
+    release(sock, packet_id)
+
+
 def publish_id(body: bytes) -> bytes:
     """The packet id of a QoS 1/2 PUBLISH's body."""
     start = 2 + int.from_bytes(body[:2], "big")
@@ -626,9 +640,7 @@ def test_retained_messages_of_a_new_subscription_obey_the_queue_limit(
     assert device.wait_for(lambda ms: len(ms) >= 2)
     assert nothing_more(device, 2)
     assert all(m.retain and retained[m.topic] == m.payload for m in device.messages)
-    device.disconnect()
-    broker.stop()
-    assert dropped(broker, "rl-dev") == 2
+    assert drops_at_the_end(broker, device) == 2
 
 
 def test_a_qos2_message_waiting_for_its_pubcomp_is_never_dropped_by_overflow(
@@ -752,12 +764,8 @@ def test_a_qos2_publish_sent_again_before_its_pubrel_is_routed_once_on_any_conne
     assert read_packet(again) == (0x50, b"\x00\x15"), "its PUBREC, sent again on the reconnect"
     again.sendall(packet)  # not DUP, another connection
     assert read_packet(again) == (0x50, b"\x00\x15")
-    again.sendall(mqtt_packet(0x62, b"\x00\x15"))  # PUBREL
-    assert read_packet(again) == (0x70, b"\x00\x15")
-    again.sendall(mqtt_packet(0x34, mqtt_string("q2a/t") + b"\x00\x15" + b"new"))
-    assert read_packet(again) == (0x50, b"\x00\x15")
-    again.sendall(mqtt_packet(0x62, b"\x00\x15"))
-    assert read_packet(again) == (0x70, b"\x00\x15")
+    release(again, b"\x00\x15")
+    publish_exactly_once(again, "q2a/t", b"new", b"\x00\x15")  # the id is free again
     assert subscriber.wait_for(lambda ms: len(ms) >= 2)
     assert nothing_more(subscriber, 2)
     assert [m.payload for m in subscriber.messages] == [b"once", b"new"]
@@ -770,9 +778,9 @@ def test_a_reconnected_publisher_owing_a_pubrel_is_served_at_once_and_its_packet
     """docs/guarantees.md:7-16: until its PUBREL comes, the packet id of a durable publisher's QoS 2
     PUBLISH is held; "On a reconnect the broker sends again the PUBREC of each QoS 2 publish still
     awaiting its PUBREL ...; the client may send the PUBREL when it likes: nothing else of the
-    connection waits for it". "PUBREL
-    deletes the stored id and PUBCOMP follows ..., so the id is free for a new message". A
-    publisher that subscribes before its PUBREL gets its SUBACK at once (amqtt held the
+    connection waits for it". "PUBREL deletes the stored id and PUBCOMP follows ..., so the id is
+    free for a new message". A publisher that subscribes before its PUBREL gets its SUBACK at once
+    (amqtt held the
     connection's message loop up to 10 s for that PUBREL, then lost the message for clean
     subscribers and the next one with that packet id for durable ones)."""
     broker = on_either_reader()
@@ -788,12 +796,8 @@ def test_a_reconnected_publisher_owing_a_pubrel_is_served_at_once_and_its_packet
     assert read_packet(again) == (0x50, b"\x00\x15"), "its PUBREC again"
     again.settimeout(3.0)  # well below amqtt's 10 s
     assert raw_subscribe(again, "q2r/other", 1, packet_id=5) == 1
-    again.sendall(mqtt_packet(0x62, b"\x00\x15"))  # PUBREL
-    assert read_packet(again) == (0x70, b"\x00\x15")
-    again.sendall(mqtt_packet(0x34, mqtt_string("q2r/t") + b"\x00\x15" + b"second"))
-    assert read_packet(again) == (0x50, b"\x00\x15")
-    again.sendall(mqtt_packet(0x62, b"\x00\x15"))
-    assert read_packet(again) == (0x70, b"\x00\x15")
+    release(again, b"\x00\x15")
+    publish_exactly_once(again, "q2r/t", b"second", b"\x00\x15")
     for subscriber in (durable, clean):
         assert subscriber.wait_for(lambda ms: len(ms) >= 2), subscriber.client_id
         assert nothing_more(subscriber, 2)
@@ -954,10 +958,7 @@ def test_drop_oldest_under_a_byte_limit_deletes_only_what_the_new_message_needs(
     message that makes up the new one's size, so what it removes exceeds what it adds by less than
     that last message (two of 100 bytes for one of 150), never more". Limit 300 bytes, queue as given."""
     broker = broker_factory(max_bytes=300, max_bytes_disconnected=300, **METRICS)
-    device = clients(broker.port, "bytes-dev")
-    device.subscribe("by/t", 1)
-    device.disconnect()
-    seen_away(clients, broker, 1)
+    device = away_subscriber(clients, broker, "bytes-dev", "by/t")
     publisher = clients(broker.port, "pub", clean_session=True)
     publisher.publish("by/t", [bytes([65 + i]) * size for i, size in enumerate(queued)])
     publisher.publish("by/t", [b"n" * new])
