@@ -362,6 +362,21 @@ def test_a_qos2_publish_left_without_pubrec_comes_again_with_dup_and_the_same_id
         ("stream_subscribe", {"filter": ""}),
         ("interest", {"filter": ""}),
     ],
+    ids=[
+        "window-2.0",
+        "window-0",
+        "window-1001",
+        "window-true",
+        "after-id-1.0",
+        "after-id-minus-1",
+        "after-key-plus",
+        "after-key-hash",
+        "after-key-nul",
+        "ack-id-1.0",
+        "ack-id-true",
+        "empty-stream-filter",
+        "empty-interest-filter",
+    ],
 )
 def test_whole_number_fields_take_integers_only_and_string_fields_refuse_empty(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], op: str, fields: dict[str, object]
