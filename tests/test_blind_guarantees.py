@@ -72,7 +72,7 @@ def drops_at_the_end(broker: Broker, device: Client) -> int:
 def on_either_reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Callable[..., Broker]:
     """Starts a broker with the given settings, read by the plugin's reader or by amqtt's own loop
     (a topic plugin loaded, amqtt's TopicTabooPlugin, which refuses nothing used here): "the
-    guarantees are the same there" (docs/guarantees.md:128-130)."""
+    guarantees are the same there" (docs/guarantees.md:130-132)."""
 
     def start(**settings: object) -> Broker:
         broker = broker_factory(start=False, **settings)
@@ -92,7 +92,7 @@ def dropped(broker: Broker, client_id: str) -> int:
 def test_the_disconnected_limit_stays_after_a_reconnect_until_the_queue_drains_to_80_percent(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:406-408: "After a reconnect the larger limit stays until the queue drains
+    """docs/guarantees.md:408-410: "After a reconnect the larger limit stays until the queue drains
     to 80% of `max_depth_disconnected`; then the limit reverts to `max_depth`. Reverting never purges
     anything: it only lowers the bar for new messages." With limits 2 and 10 and 10 queued: at 9 a new
     message is still queued (10 <= 10, nothing dropped); once the queue is at 8 (80%) the limit is 2,
@@ -118,7 +118,7 @@ def test_the_disconnected_limit_stays_after_a_reconnect_until_the_queue_drains_t
 def test_a_message_exactly_at_the_byte_limit_is_queued_and_pushes_out_the_older_ones(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:409-425: "A message larger than the byte limit itself is dropped (counted)
+    """docs/guarantees.md:411-427: "A message larger than the byte limit itself is dropped (counted)
     whatever the policy"; one exactly as large as the limit is not larger, so drop-oldest deletes
     the older ones until it fits, and it is queued. One byte more is dropped and deletes nothing."""
     broker = broker_factory(max_bytes=300, max_bytes_disconnected=300, **METRICS)
@@ -137,7 +137,7 @@ def test_a_message_exactly_at_the_byte_limit_is_queued_and_pushes_out_the_older_
 def test_a_queue_filled_exactly_to_its_limit_drops_nothing(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:404-414: "A queue is full when either its message or its byte limit
+    """docs/guarantees.md:406-416: "A queue is full when either its message or its byte limit
     would be passed": exactly `max_depth_disconnected` messages and exactly `max_bytes_disconnected`
     bytes pass neither, so nothing is dropped; the next message drops the oldest one."""
     broker = broker_factory(max_depth=3, max_depth_disconnected=3, max_bytes=30, max_bytes_disconnected=30, **METRICS)
@@ -162,7 +162,7 @@ def test_a_queue_filled_exactly_to_its_limit_drops_nothing(
 def test_an_expired_sessions_messages_dropped_counts_what_overflow_left_queued(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:103-107 and 414-434: overflow drops are counted as drops when they happen;
+    """docs/guarantees.md:105-109 and 416-436: overflow drops are counted as drops when they happen;
     the expiry event's `messages_dropped` and its WARNING's `<m> queued message(s)` count what the
     queue held at expiry: 3 of 5 published to a queue limited to 3, not 5."""
     broker = broker_factory(max_depth=3, max_depth_disconnected=3, session_expiry=1, **METRICS)
@@ -180,8 +180,8 @@ def test_an_expired_sessions_messages_dropped_counts_what_overflow_left_queued(
 def test_overlapping_filters_queue_one_copy_at_the_highest_qos_and_a_qos0_match_is_not_queued(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:37-39: "A durable session with several filters matching a topic (`a/#`
-    and `a/b`) gets each message once, at the highest QoS those subscriptions grant"; :49-51: a
+    """docs/guarantees.md:39-41: "A durable session with several filters matching a topic (`a/#`
+    and `a/b`) gets each message once, at the highest QoS those subscriptions grant"; :51-53: a
     message delivered at QoS 0 ("matching a QoS 0 subscription") is not queued for a disconnected
     session (queue_qos0 false by default); :24-25 FIFO. So while disconnected, with `ol/#` at 0 and
     `ol/b` at 2: a QoS 2 publish to ol/b is queued once at QoS 2, a QoS 1 publish to ol/b once at
@@ -214,9 +214,9 @@ def test_overlapping_filters_queue_one_copy_at_the_highest_qos_and_a_qos0_match_
 def test_a_will_reaches_a_durable_subscriber_at_the_lower_of_its_qos_and_the_subscriptions(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:33-34: "Delivered QoS = min(publish QoS, subscription QoS), durable and
-    clean sessions alike ..., wills ... too"; :119-120: wills reach durable sessions through the same
-    queue; :31-32 RETAIN=0 on queued messages: a QoS 2 retained will, queued for a disconnected
+    """docs/guarantees.md:35-36: "Delivered QoS = min(publish QoS, subscription QoS), durable and
+    clean sessions alike ..., wills ... too"; :121-122: wills reach durable sessions through the same
+    queue; :33-34 RETAIN=0 on queued messages: a QoS 2 retained will, queued for a disconnected
     QoS 1 durable subscriber, comes at QoS 1 with RETAIN=0; a new subscription gets it retained."""
     watcher = clients(broker.port, "watcher")
     assert watcher.subscribe("wl/+/status", 1) == [1]
@@ -241,10 +241,10 @@ def test_a_will_reaches_a_durable_subscriber_at_the_lower_of_its_qos_and_the_sub
 def test_an_empty_retained_publish_deletes_the_retained_message_and_is_still_delivered(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:52-58: a RETAIN=1 PUBLISH "with an empty payload deletes the topic's
+    """docs/guarantees.md:54-60: a RETAIN=1 PUBLISH "with an empty payload deletes the topic's
     retained message (MQTT-3.3.1-10/11), and the deletion is stored the same way"; MQTT-3.3.1-10 also
     has it "processed as normal by the Server and sent to Clients with a subscription matching the
-    topic": a durable subscriber that was away gets it queued (empty, RETAIN=0, :31-32), and after a
+    topic": a durable subscriber that was away gets it queued (empty, RETAIN=0, :33-34), and after a
     restart a new subscriber gets no retained message."""
     broker = broker_factory()
     publisher = clients(broker.port, "pub", clean_session=True)
@@ -270,7 +270,7 @@ def test_an_empty_retained_publish_deletes_the_retained_message_and_is_still_del
 def test_a_retained_publish_under_durable_is_never_retained(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:59: "Nothing under `_durable/` is ever retained"; docs/protocol.md:18-19:
+    """docs/guarantees.md:61: "Nothing under `_durable/` is ever retained"; docs/protocol.md:18-19:
     every PUBLISH under `_durable/` is "never routed, retained or queued". A RETAIN=1 control
     request is answered as usual, and neither right after it nor after a restart does a new
     subscription to `#` or `_durable/#` get anything retained."""
@@ -317,7 +317,7 @@ def test_a_topic_of_65535_bytes_is_queued_stored_and_delivered_whole(
 
 # ------------------------------------------------------------------ QoS 2 towards a subscriber
 def test_a_qos2_publish_left_without_pubrec_comes_again_with_dup_and_the_same_id(broker: Broker) -> None:
-    """docs/guarantees.md:28-30, 439-453: a message that may have been sent before goes out again
+    """docs/guarantees.md:30-32, 441-455: a message that may have been sent before goes out again
     only with DUP=1, at reconnect time, with the same packet id (:443-444); unacknowledged messages
     are not re-sent on the same connection. A QoS 2 PUBLISH interrupted before its PUBREC."""
     device = raw_connect(broker.port, "q2-nopubrec", clean=False)
@@ -478,7 +478,7 @@ def publish_parts(first: int, body: bytes) -> tuple[int, bool, bool, str, bytes]
 def test_retained_messages_of_a_new_subscription_queue_behind_what_the_session_has_and_before_live(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:114-116: "Retained messages matching a new subscription are queued, with
+    """docs/guarantees.md:116-118: "Retained messages matching a new subscription are queued, with
     the subscription and before any live message it matches, behind what the session already has
     (RETAIN=1, QoS min(subscription, retained))". With a window of 1 and two messages still queued,
     a SUBSCRIBE's retained message comes after them, and a live one published after the SUBACK
@@ -510,7 +510,7 @@ def test_retained_messages_of_a_new_subscription_queue_behind_what_the_session_h
 def test_a_resubscribe_at_a_lower_qos_leaves_the_queued_messages_at_theirs(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:45-47: "A SUBSCRIBE of a filter the session already holds replaces that
+    """docs/guarantees.md:47-49: "A SUBSCRIBE of a filter the session already holds replaces that
     subscription: messages published after it come at the new QoS (those already queued for a
     durable session keep the QoS they were queued at)"."""
     broker = on_either_reader(recovery_buffer=1)
@@ -595,7 +595,7 @@ def test_a_message_left_in_flight_replays_with_dup_and_the_redelivered_and_repla
     """docs/protocol.md:35 flags `0x01` replayed, `0x04` redelivered (sent before); :90 `ready`:
     "the broker sends the recovery buffer and what was queued up to this point (flag
     `replayed`), then a marker"; :134 `replayed` counts the messages sent before the marker with
-    that flag; docs/guarantees.md:28-30: a message that may have been sent before goes out again
+    that flag; docs/guarantees.md:30-32: a message that may have been sent before goes out again
     only with DUP=1."""
     device = clients(broker.port, "rd-dev", manual_ack=True)
     assert request(device, "hello").ok
@@ -642,9 +642,9 @@ def test_after_topics_outside_the_filter_unknown_fields_and_closing_an_unopened_
 def test_retained_messages_of_a_new_subscription_obey_the_queue_limit(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:114-118: retained messages matching a new subscription are queued and
+    """docs/guarantees.md:116-120: retained messages matching a new subscription are queued and
     "count against the queue's limits as any message: more than the queue has room for are handled
-    by its `overflow` policy, one at a time"; :429-435 drops are counted per session."""
+    by its `overflow` policy, one at a time"; :431-437 drops are counted per session."""
     broker = broker_factory(max_depth=2, max_depth_disconnected=2, recovery_buffer=1)
     publisher = clients(broker.port, "pub", clean_session=True)
     retained = {f"rl/{i}": f"v{i}".encode() for i in range(4)}
@@ -661,8 +661,8 @@ def test_retained_messages_of_a_new_subscription_obey_the_queue_limit(
 def test_a_qos2_message_waiting_for_its_pubcomp_is_never_dropped_by_overflow(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:414-419: drop-oldest deletes "the oldest one not sent yet: messages in
-    flight, and QoS 2 messages waiting for their PUBCOMP, are never dropped"; :439-441 a QoS 2
+    """docs/guarantees.md:416-421: drop-oldest deletes "the oldest one not sent yet: messages in
+    flight, and QoS 2 messages waiting for their PUBCOMP, are never dropped"; :441-443 a QoS 2
     message stays until its PUBCOMP and a PUBREC is stored, so PUBREL is re-sent. A message whose
     PUBREC came holds its place in a queue of 2 while later ones overflow; its PUBREL comes again
     after a reconnect, and once PUBCOMP comes the newest message follows."""
@@ -690,7 +690,7 @@ def test_a_qos2_message_waiting_for_its_pubcomp_is_never_dropped_by_overflow(
 
 
 def test_a_keepalive_of_0_turns_the_silence_check_off(broker: Broker) -> None:
-    """docs/guarantees.md:181-183: "A client silent for 1.5 times its keep-alive ... is
+    """docs/guarantees.md:183-185: "A client silent for 1.5 times its keep-alive ... is
     disconnected (...; a keep-alive of 0 turns the check off, MQTT-3.1.2-10, unless
     `max_keepalive` is set)": silent for 2 s (past 1.5 x 0 and 1.5 x 1), it is still served."""
     sock = raw_connect(broker.port, "ka0", clean=True, keepalive=0)
@@ -734,9 +734,9 @@ def test_a_hello_after_ready_frames_what_follows_and_holds_nothing(
 def test_an_expiry_event_is_queued_for_a_disconnected_durable_sys_subscriber(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:119-120: "Wills and broker-internal messages (`$SYS/...`) reach durable
-    sessions through the same queue"; :103-108 the expiry event, published at QoS 1 on
-    `$SYS/broker/durable/expired`; :31-32 RETAIN=0 on queued messages. The watcher's own expiry is
+    """docs/guarantees.md:121-122: "Wills and broker-internal messages (`$SYS/...`) reach durable
+    sessions through the same queue"; :105-110 the expiry event, published at QoS 1 on
+    `$SYS/broker/durable/expired`; :33-34 RETAIN=0 on queued messages. The watcher's own expiry is
     set longer with a `hello` (protocol.md:87)."""
     broker = broker_factory(session_expiry=1, max_session_expiry=3600, **METRICS)
     watcher = clients(broker.port, "sys-watcher")
@@ -839,7 +839,7 @@ def expected_matches(topic_filter: str, topic: str) -> bool:
 def test_durable_and_clean_sessions_match_empty_levels_and_parent_levels_alike(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:136-141: routing walks a trie of the wildcard filters (durable sessions'
+    """docs/guarantees.md:138-143: routing walks a trie of the wildcard filters (durable sessions'
     filters, and a mirror of amqtt's table of clean sessions' filters); MQTT 3.1.1 section 4.7: `tm/#`
     also matches `tm` (MQTT-4.7.1-2), `+` matches an empty level (`tm/`, `/x`, `tm//x`). A durable and
     a clean subscriber of the same filter get the same messages: those MQTT says match."""
@@ -867,9 +867,9 @@ def test_durable_and_clean_sessions_match_empty_levels_and_parent_levels_alike(
 def test_a_take_over_gets_the_unacknowledged_messages_first_with_dup_and_ends_the_old_connection(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:79-81: "Take-over: a second connection with the same client id ... takes
+    """docs/guarantees.md:81-83: "Take-over: a second connection with the same client id ... takes
     the session over (amqtt closes the old one); delivery continues on the new connection,
-    unacknowledged messages first"; :28-30 with DUP=1; :452-453 they were not re-sent on the old
+    unacknowledged messages first"; :30-32 with DUP=1; :454-455 they were not re-sent on the old
     connection."""
     broker = on_either_reader(recovery_buffer=3)
     old = clients(broker.port, "tk-dev", manual_ack=True)
@@ -931,7 +931,7 @@ def test_stream_positions_at_the_edges_of_a_trimmed_log(
 def test_a_client_id_of_65535_bytes_keeps_its_durable_session_across_a_sigkill(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:64-65 and 74-75: a durable session is created by a CONNECT with
+    """docs/guarantees.md:66-67 and 76-77: a durable session is created by a CONNECT with
     clean_session=false and a non-empty client id, "session_present in CONNACK comes from the store
     ... also after a broker restart or crash. Subscriptions come back without re-subscribing". The
     edge value: MQTT's longest client id (65,535 UTF-8 bytes, MQTT-3.1.3-5 lets a server accept it)."""
@@ -968,7 +968,7 @@ def test_drop_oldest_under_a_byte_limit_deletes_only_what_the_new_message_needs(
     new: int,
     kept: list[int],
 ) -> None:
-    """docs/guarantees.md:420-424: under a byte limit drop-oldest "deletes more of the oldest while
+    """docs/guarantees.md:422-426: under a byte limit drop-oldest "deletes more of the oldest while
     the new message does not fit yet and fewer bytes than it brings have gone: it stops at the
     message that makes up the new one's size, so what it removes exceeds what it adds by less than
     that last message (two of 100 bytes for one of 150), never more". Limit 300 bytes, queue as given."""
