@@ -10,7 +10,7 @@ import socket
 from collections.abc import Callable
 
 import pytest
-from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_packet
+from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly, read_packet
 from test_protocol import request
 from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 
@@ -817,6 +817,63 @@ def test_a_reconnected_publisher_owing_a_pubrel_is_served_at_once_and_its_packet
         assert subscriber.wait_for(lambda ms: len(ms) >= 2), subscriber.client_id
         assert nothing_more(subscriber, 2)
         assert [m.payload for m in subscriber.messages] == [b"first", b"second"], subscriber.client_id
+    again.close()
+
+
+def reconnect_with_pubrel(port: int, client_id: str, packet_id: bytes, *, pipelined: bool) -> socket.socket:
+    """CONNECT (clean_session=0) and the PUBREL it owes for ``packet_id``: in the same write, or
+    right after CONNACK (session present)."""
+    sock = socket.create_connection((HOST, port), timeout=WAIT)
+    pubrel = mqtt_packet(0x62, packet_id)
+    if pipelined:
+        sock.sendall(connect_packet(client_id, clean=False) + pubrel)
+        connack = read_exactly(sock, 4)
+    else:
+        sock.sendall(connect_packet(client_id, clean=False))
+        connack = read_exactly(sock, 4)
+        sock.sendall(pubrel)
+    assert connack[:2] == b"\x20\x02" and connack[3] == 0, connack
+    return sock
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["nothing-stored", "stored"])
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pubrel-with-connect", "pubrel-after-connack"])
+def test_a_pubrel_sent_at_once_on_the_reconnect_completes_the_flow(
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client], pipelined: bool, stored: bool
+) -> None:
+    """docs/guarantees.md, Guarantees, Exactly-once: "the client may send the PUBREL when it likes",
+    "PUBREL deletes the stored id and PUBCOMP follows ..., so the id is free for a new message". A
+    reconnecting durable publisher sends its owed PUBREL at once (MQTT-3.1.4: packets may follow
+    CONNECT without waiting for CONNACK), before the broker re-sent the PUBREC: the message reaches
+    the clean subscriber once, and the id then carries a new message to a durable session. Its
+    first publish matched a durable session (stored) or none (nothing stored: the durable
+    subscriber came after it). A PUBREL read in the same write as the CONNECT was answered with a
+    bare PUBCOMP before the re-run flow waited for it: the message never reached clean
+    subscribers and the next one with that id counted as a re-send."""
+    packet_id = b"\x00\x21"
+    broker = on_either_reader()
+    if stored:
+        assert clients(broker.port, "race-early").subscribe("race/#", 2) == [2]
+    clean = clients(broker.port, "race-clean", clean_session=True)
+    assert clean.subscribe("race/t", 2) == [2]
+    publisher = raw_connect(broker.port, "race-pub", clean=False)
+    publisher.sendall(mqtt_packet(0x34, mqtt_string("race/t") + packet_id + b"first"))
+    assert read_packet(publisher) == (0x50, packet_id)
+    publisher.close()  # gone before its PUBREL
+    durable = clients(broker.port, "race-durable")
+    assert durable.subscribe("race/t", 2) == [2]
+    again = reconnect_with_pubrel(broker.port, "race-pub", packet_id, pipelined=pipelined)
+    seen = [read_packet(again)]
+    while seen[-1] != (0x70, packet_id):  # a PUBREC may come first (bounded by the socket timeout)
+        assert len(seen) < 3 and seen[-1] == (0x50, packet_id), seen
+        seen.append(read_packet(again))
+    assert clean.wait_for(lambda ms: len(ms) >= 1), f"first lost for clean subscribers; the broker sent {seen}"
+    publish_exactly_once(again, "race/t", b"second", packet_id)
+    assert durable.wait_for(lambda ms: any(m.payload == b"second" for m in ms)), f"the broker sent {seen}"
+    assert clean.wait_for(lambda ms: len(ms) >= 2)
+    assert nothing_more(clean, 2)
+    assert [m.payload for m in clean.messages] == [b"first", b"second"]
+    assert [m.payload for m in durable.messages] == [b"second"]
     again.close()
 
 
