@@ -372,6 +372,7 @@ def test_a_qos2_publish_left_without_pubrec_comes_again_with_dup_and_the_same_id
         ("stream_subscribe", {"filter": "sw/#", "after": {"sw/+": 1}}),
         ("stream_subscribe", {"filter": "sw/#", "after": {"sw/#": 1}}),
         ("stream_subscribe", {"filter": "sw/#", "after": {"sw/\u0000": 1}}),
+        ("stream_subscribe", {"filter": "sw/#", "after": {"sw/\ud800": 1}}),  # sent as the JSON escape
         ("stream_ack", {"topic": "sw/a", "id": 1.0}),
         ("stream_ack", {"topic": "sw/a", "id": True}),
         ("stream_subscribe", {"filter": ""}),
@@ -387,6 +388,7 @@ def test_a_qos2_publish_left_without_pubrec_comes_again_with_dup_and_the_same_id
         "after-key-plus",
         "after-key-hash",
         "after-key-nul",
+        "after-key-lone-surrogate",
         "ack-id-1.0",
         "ack-id-true",
         "empty-stream-filter",
