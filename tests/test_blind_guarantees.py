@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Callable
 
 import pytest
@@ -892,39 +891,6 @@ def test_a_pubrel_sent_at_once_on_the_reconnect_completes_the_flow(
     assert nothing_more(clean, 2)
     assert [m.payload for m in clean.messages] == [b"first", b"second"]
     assert [m.payload for m in durable.messages] == [b"second"]
-    again.close()
-
-
-def test_a_publisher_back_after_amqtt_dropped_its_anonymous_session_gets_pubcomp_and_clean_subscribers_nothing(
-    broker: Broker, clients: Callable[..., Client]
-) -> None:
-    """docs/guarantees.md:13-25: a QoS 2 message reaches clean-session subscribers only at its
-    PUBREL, from amqtt's memory of the publisher's session; with `allow_anonymous: true` amqtt's
-    session monitor drops it about a second after the disconnect: "then no PUBREC comes again, the
-    PUBREL still gets its PUBCOMP, and the message never reaches clean-session subscribers"
-    (durable sessions have it queued since the PUBLISH), and the id is free for a new message. The
-    publisher stays away 2.5 s (the scenario, not a synchronisation: past the monitor's pass)."""
-    durable = clients(broker.port, "gone-durable")
-    assert durable.subscribe("gone/t", 2) == [2]
-    clean = clients(broker.port, "gone-clean", clean_session=True)
-    assert clean.subscribe("gone/t", 2) == [2]
-    publisher = raw_connect(broker.port, "gone-pub", clean=False)
-    publisher.sendall(mqtt_packet(0x34, mqtt_string("gone/t") + b"\x00\x07" + b"first"))
-    assert read_packet(publisher) == (0x50, b"\x00\x07")
-    publisher.close()
-    assert durable.wait_for(lambda ms: len(ms) >= 1)
-    time.sleep(2.5)
-    again = socket.create_connection((HOST, broker.port), timeout=WAIT)
-    again.sendall(connect_packet("gone-pub", clean=False) + mqtt_packet(0x62, b"\x00\x07"))
-    assert read_exactly(again, 4) == b"\x20\x02\x01\x00"  # session present: the durable session
-    assert read_packet(again) == (0x70, b"\x00\x07"), "PUBCOMP, no PUBREC first"
-    assert nothing_more(clean, 0)
-    publish_exactly_once(again, "gone/t", b"second", b"\x00\x07")
-    for subscriber, seen in ((durable, [b"first", b"second"]), (clean, [b"second"])):
-        count = len(seen)
-        assert subscriber.wait_for(lambda ms, n=count: len(ms) >= n), subscriber.client_id
-        assert nothing_more(subscriber, count)
-        assert [m.payload for m in subscriber.messages] == seen, subscriber.client_id
     again.close()
 
 
