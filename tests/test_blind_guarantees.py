@@ -894,6 +894,30 @@ def test_a_pubrel_sent_at_once_on_the_reconnect_completes_the_flow(
     again.close()
 
 
+@pytest.mark.parametrize("clean_publisher", [True, False])
+def test_a_duplicate_pubrel_in_one_write_delivers_once(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], clean_publisher: bool
+) -> None:
+    """docs/guarantees.md, Exactly-once: a QoS 2 message reaches each subscriber once, and MQTT-4.3.3
+    wants a PUBCOMP for every PUBREL. A publisher that sends its PUBREL twice in one write (a
+    re-send) gets two PUBCOMPs, and the clean subscriber the message once. The second PUBREL,
+    handled before the flow the first released had ended, delivered the message again and got no
+    PUBCOMP (amqtt's flow then found its message gone)."""
+    packet_id = b"\x00\x21"
+    broker = broker_factory()
+    clean = clients(broker.port, "dup-clean", clean_session=True)
+    assert clean.subscribe("dup/#", 2) == [2]
+    publisher = raw_connect(broker.port, "dup-pub", clean=clean_publisher)
+    publisher.sendall(mqtt_packet(0x34, mqtt_string("dup/t") + packet_id + b"first"))
+    assert read_packet(publisher) == (0x50, packet_id)
+    publisher.sendall(mqtt_packet(0x62, packet_id) + mqtt_packet(0x62, packet_id))
+    assert read_packet(publisher) == (0x70, packet_id)
+    assert read_packet(publisher) == (0x70, packet_id)
+    assert clean.wait_for(lambda ms: len(ms) >= 1)
+    assert nothing_more(clean, 1, timeout=1.0), [m.payload for m in clean.messages]
+    publisher.close()
+
+
 # ------------------------------------------------------------------ topic matching at the edges
 FILTERS = ["tm/#", "tm/+", "+/+", "tm/+/x", "#", "+"]
 TOPICS = ["tm", "tm/", "/x", "tm//x", "tm/a/x", "x", "/"]

@@ -2252,7 +2252,9 @@ def _pubrel_handler(
     A message amqtt still holds for the id with no flow waiting (a PUBREL read in the same write as
     a reconnect's CONNECT, before ``_retry_without_waiting_for_pubrel`` made the flow's waiter) is
     delivered as its flow would have (``_released``): answered with a bare PUBCOMP, it never reached
-    clean subscribers and its id stayed held, so the next PUBLISH with it counted as a re-send.
+    clean subscribers and its id stayed held, so the next PUBLISH with it counted as a re-send. A
+    PUBREL sent again while the flow its first one released has not yet ended (both read in one
+    write) gets a bare PUBCOMP: that flow delivers the message, once.
     """
 
     async def handle_pubrel(packet: Any) -> None:
@@ -2260,10 +2262,12 @@ def _pubrel_handler(
         if not handler.connect_clean_session:
             await engine.pubrel_received(session.client_id, packet_id)
         waiter = handler._pubrel_waiters.get(packet_id)
-        if waiter is not None and not waiter.done():
+        if waiter is None or waiter.cancelled():  # a message amqtt holds without a flow waiting (yet)
+            _released(handler, session, packet_id, packet)  # is delivered all the same
+        elif not waiter.done():
             await original(packet)  # amqtt's flow delivers to its own subscribers, then PUBCOMP
-        else:  # a message amqtt holds without a flow waiting (yet) is delivered all the same
-            _released(handler, session, packet_id, packet)
+        else:  # a PUBREL sent again before the flow its first one released has ended: that flow delivers
+            handler.durable_transport.write(encode_pubcomp(packet_id))
 
     return handle_pubrel
 
