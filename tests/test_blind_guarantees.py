@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly, read_packet
 from test_protocol import request
+from test_qos2_inbound import pubrel_due
 from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 
 from amqtt_durable.inspect_store import summarize
@@ -916,6 +917,30 @@ def test_a_duplicate_pubrel_in_one_write_delivers_once(
     assert clean.wait_for(lambda ms: len(ms) >= 1)
     assert nothing_more(clean, 1, timeout=1.0), [m.payload for m in clean.messages]
     publisher.close()
+
+
+def test_a_pubrel_sent_twice_gets_its_pubcomp_only_once_the_deletion_is_written(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """docs/guarantees.md, Exactly-once: "PUBREL deletes the stored id and PUBCOMP follows once the
+    deletion is written". A PUBREL sent twice while the deletion is still being written (a long
+    batch_delay_ms) got its PUBCOMP at once for the second one, which found the id gone from memory:
+    a SIGKILL right at that PUBCOMP left the id stored, so the client's next publish with it would
+    have been taken for a re-send and never routed."""
+    packet_id = b"\x00\x21"
+    broker = broker_factory(start=False, sync=True, batch_delay_ms=1500, pending_threshold=1000)
+    named_users_only(broker)
+    broker.start()
+    durable = clients(broker.port, "twice-durable", username=USER)
+    assert durable.subscribe("twice/#", 2) == [2]
+    durable.disconnect()
+    publisher = raw_connect(broker.port, "twice-pub", clean=False, username=USER)
+    publisher.sendall(mqtt_packet(0x34, mqtt_string("twice/t") + packet_id + b"first"))
+    assert read_packet(publisher) == (0x50, packet_id)
+    publisher.sendall(mqtt_packet(0x62, packet_id) + mqtt_packet(0x62, packet_id))
+    assert read_packet(publisher) == (0x70, packet_id)
+    broker.kill()
+    assert pubrel_due(broker) == {}
 
 
 # ------------------------------------------------------------------ topic matching at the edges
