@@ -346,10 +346,19 @@ def _after(data: dict[str, Any]) -> dict[str, int]:
     if value is None:  # absent or null
         return {}
     if not isinstance(value, dict) or not all(
-        isinstance(k, str) and k and _is_int(v) and v >= 0 for k, v in value.items()
+        isinstance(k, str) and _is_topic(k) and _is_int(v) and v >= 0 for k, v in value.items()
     ):
-        raise ProtocolError("malformed", "'after' must map topics to ids (whole numbers, 0 or more)")
+        raise ProtocolError(
+            "malformed",
+            "'after' must map topics (no wildcards, U+0000 or lone surrogate) to ids (whole numbers, 0 or more)",
+        )
     return dict(value)
+
+
+def _is_topic(topic: str) -> bool:
+    """A topic name a log can have: a valid filter without wildcards (a key such as 'a/+' names no
+    topic, and kept as a position it would only use up max_stream_entries_per_client)."""
+    return filter_is_valid(topic) and "+" not in topic and "#" not in topic
 
 
 def _window(data: dict[str, Any]) -> int | None:

@@ -48,12 +48,16 @@ instance the plugin is loaded into and on each connection's handler:
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
 * ``BrokerProtocolHandler.handle_pubrel`` (per connection): a durable publisher's stored QoS 2
-  packet id is deleted before PUBCOMP, and a PUBREL amqtt has no flow for still gets PUBCOMP;
+  packet id is deleted before PUBCOMP, and a PUBREL amqtt has no flow for still gets PUBCOMP
+  (and the message amqtt holds for it, if any, goes to amqtt's delivery);
 * ``BrokerProtocolHandler.start`` / ``stop`` (per connection): a connection whose reader ended
   before amqtt's ``start`` made its disconnect waiter (a client that closed right after its
   CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran,
   nor, when amqtt takes the connection over for a newer durable CONNECT of its client id, for
   its client (a websocket's closing handshake: ``let_go``);
+* ``BrokerProtocolHandler._retry_deliveries`` (per connection): the re-sent PUBRECs of a
+  reconnecting publisher's QoS 2 publishes awaiting PUBREL wait for it beside the connection, not
+  up to 10 s in ``start`` (see ``_retry_without_waiting_for_pubrel``);
 * ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` / ``handle_connection_closed``
   (per connection): a connection that sent DISCONNECT never has its will
   published (MQTT-3.14.4-3), however its DISCONNECT's handling and its message loop's wait for it
@@ -160,6 +164,7 @@ from amqtt.mqtt.packet import (
 )
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
+from amqtt.mqtt.pubrec import PubrecPacket
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
 from transitions import MachineError
@@ -247,6 +252,8 @@ _HANDLER_INTERNALS = (
     "mqtt_publish",
     "start",
     "stop",
+    "_retry_deliveries",
+    "_handle_message_flow",
     "handle_disconnect",
     "handle_connection_closed",
     "wait_disconnect",
@@ -2011,6 +2018,7 @@ def _wrap_handler(
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
+    handler._retry_deliveries = _retry_without_waiting_for_pubrel(handler)
 
 
 def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
@@ -2051,6 +2059,82 @@ def _end_a_connection_closed_during_start(
             await handler.handle_disconnect(handler.durable_disconnect)
 
     return start
+
+
+def _retry_without_waiting_for_pubrel(handler: Any) -> Callable[[], Awaitable[None]]:
+    """amqtt's ``start()`` ends with ``_retry_deliveries`` (MQTT-4.4.0-1), which also re-ran the flow
+    of each inbound QoS 2 publish of a reconnecting durable publisher still awaiting its PUBREL (no
+    crash between: after one amqtt remembers none): PUBREC again, then up to 10 s for the PUBREL.
+    ``start()`` waited for it, and with it the connection's message loop: a client that did not
+    send that PUBREL at once (one whose process restarted, or that subscribed first) got its SUBACK
+    and PUBCOMP 10 s late; then the flow was cancelled, so its message never reached clean
+    subscribers, and amqtt kept the packet id, so a new publish with it after the PUBCOMP reached
+    no durable session. Those flows now run beside the connection (``_awaiting_pubrel``), until
+    the PUBREL or the connection's end (whose waiters amqtt cancels: the next connection retries
+    again). Each one's PUBREL waiter is in place before this returns, so a PUBREL the reader
+    handles from then on resolves it; one handled before (sent in the same write as the CONNECT)
+    finds the message in ``inflight_in`` and completes the flow itself (``_pubrel_handler``). An id
+    whose flow amqtt runs already (a re-sent PUBLISH read before this ran) is left to that flow.
+    amqtt's retry of outbound messages (clean sessions only: the pump sends durable ones) is as it
+    was."""
+    running: set[asyncio.Task[None]] = set()
+
+    def settled(client_id: str, task: asyncio.Task[None]) -> None:
+        running.discard(task)
+        if task.cancelled():  # the connection ended (amqtt cancels its waiters)
+            return
+        error = task.exception()
+        if error is not None and not isinstance(error, OSError):  # OSError: a write to a closed connection
+            log.warning("%s: a QoS 2 flow awaiting its PUBREL failed: %r", client_id, error)
+
+    async def retry_deliveries() -> None:
+        session = handler.session
+        waiters: dict[int, asyncio.Future[Any]] = handler._pubrel_waiters
+        for message in list(session.inflight_in.values()):
+            waiter = waiters.get(message.packet_id)
+            if waiter is not None and not waiter.done():
+                continue
+            waiter = asyncio.get_running_loop().create_future()
+            waiters[message.packet_id] = waiter
+            task = asyncio.create_task(_awaiting_pubrel(handler, session, message, waiter))
+            running.add(task)
+            task.add_done_callback(partial(settled, session.client_id))
+        outbound = [
+            asyncio.create_task(asyncio.wait_for(handler._handle_message_flow(message), 10))
+            for message in list(session.inflight_out.values())
+        ]
+        if outbound:
+            await asyncio.wait(outbound)
+
+    return retry_deliveries
+
+
+async def _awaiting_pubrel(
+    handler: Any, session: Any, message: IncomingApplicationMessage, waiter: asyncio.Future[Any]
+) -> None:
+    """amqtt's inbound QoS 2 flow, re-run on a reconnect with a waiter made beforehand: PUBREC again
+    (unless the PUBREL came already), then at the PUBREL the message goes to amqtt's delivery and
+    PUBCOMP follows (``_released``)."""
+    packet_id = message.packet_id
+    try:
+        if not waiter.done():
+            message.pubrec_packet = PubrecPacket.build(packet_id)
+            await handler._send_packet(message.pubrec_packet)
+        pubrel = await waiter
+    finally:
+        if handler._pubrel_waiters.get(packet_id) is waiter:
+            del handler._pubrel_waiters[packet_id]
+    _released(handler, session, packet_id, pubrel)
+
+
+def _released(handler: Any, session: Any, packet_id: int, pubrel: Any) -> None:
+    """The end of an inbound QoS 2 flow at its PUBREL, as amqtt's ends: the message awaiting it (if
+    amqtt still holds one) goes to amqtt's own delivery and leaves ``inflight_in``; PUBCOMP."""
+    message = session.inflight_in.pop(packet_id, None)
+    if message is not None:
+        message.pubrel_packet = pubrel
+        session.delivered_message_queue.put_nowait(message)
+    handler.durable_transport.write(encode_pubcomp(packet_id))
 
 
 async def end_connection(handler: Any) -> None:
@@ -2165,6 +2249,12 @@ def _pubrel_handler(
 
     amqtt answers only a PUBREL its in-memory flow waits for; after a restart (or once amqtt
     dropped an anonymous session) there is none, yet MQTT-4.3.3 wants a PUBCOMP for every PUBREL.
+    A message amqtt still holds for the id with no flow waiting (a PUBREL read in the same write as
+    a reconnect's CONNECT, before ``_retry_without_waiting_for_pubrel`` made the flow's waiter) is
+    delivered as its flow would have (``_released``): answered with a bare PUBCOMP, it never reached
+    clean subscribers and its id stayed held, so the next PUBLISH with it counted as a re-send. A
+    PUBREL sent again while the flow its first one released has not yet ended (both read in one
+    write) gets a bare PUBCOMP: that flow delivers the message, once.
     """
 
     async def handle_pubrel(packet: Any) -> None:
@@ -2172,9 +2262,11 @@ def _pubrel_handler(
         if not handler.connect_clean_session:
             await engine.pubrel_received(session.client_id, packet_id)
         waiter = handler._pubrel_waiters.get(packet_id)
-        if waiter is not None and not waiter.done():
+        if waiter is None or waiter.cancelled():  # a message amqtt holds without a flow waiting (yet)
+            _released(handler, session, packet_id, packet)  # is delivered all the same
+        elif not waiter.done():
             await original(packet)  # amqtt's flow delivers to its own subscribers, then PUBCOMP
-        else:
+        else:  # a PUBREL sent again before the flow its first one released has ended: that flow delivers
             handler.durable_transport.write(encode_pubcomp(packet_id))
 
     return handle_pubrel

@@ -534,13 +534,19 @@ class SessionLifecycle(Routing):
         self.committer.flush_soon()
 
     async def pubrel_received(self, client_id: str, packet_id: int) -> None:
-        """PUBREL came: forget the packet id, durably, before PUBCOMP lets the client reuse it."""
+        """PUBREL came: forget the packet id, durably, before PUBCOMP lets the client reuse it. A
+        PUBREL sent again while that deletion is being written waits for the same write."""
         session = self.sessions.get(client_id)
-        if session is None or session.deleted or packet_id not in session.pubrel_due:
+        if session is None or session.deleted:
             return
-        session.pubrel_due.discard(packet_id)
-        erase_pubrel_due(self.committer, session.sid, packet_id)
-        await self.committer.commit()
+        erasing = session.pubrel_erasing.get(packet_id)
+        if packet_id in session.pubrel_due:
+            session.pubrel_due.discard(packet_id)
+            erase_pubrel_due(self.committer, session.sid, packet_id)
+            erasing = session.pubrel_erasing[packet_id] = self.committer.commit()
+            erasing.add_done_callback(partial(_erased, session.pubrel_erasing, packet_id))
+        if erasing is not None:
+            await asyncio.shield(erasing)  # one PUBREL's connection ending does not cancel the write for another
 
     def _arm_expiry(self) -> None:
         if self._expiry_timer is not None:
@@ -586,3 +592,8 @@ class SessionLifecycle(Routing):
             log.exception("session expiry failed; it is tried again at the next deadline")
         finally:
             self._arm_expiry()
+
+
+def _erased(erasing: dict[int, asyncio.Future[None]], packet_id: int, done: asyncio.Future[None]) -> None:
+    if erasing.get(packet_id) is done:  # not a later PUBREL's write of the same id, reused meanwhile
+        del erasing[packet_id]

@@ -177,6 +177,9 @@ class DurableSession:
         self._drops_since_log = 0
         self.pubrel_due: set[int] = set()
         """Packet ids of QoS 2 PUBLISHes taken from this session whose PUBREL has not come (b"x" keys)."""
+        self.pubrel_erasing: dict[int, asyncio.Future[None]] = {}
+        """The write of each packet id's deletion at its PUBREL, until done: a PUBREL sent again
+        meanwhile (the id already gone from ``pubrel_due``) waits for it too before its PUBCOMP."""
         self.unbodied: set[int] = set()
         """Sequences of RELEASED entries rewritten to NO_BODY (``_unbodied``): a read before that write
         lands must not write it, nor release the old body, twice."""
