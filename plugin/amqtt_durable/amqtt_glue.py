@@ -64,12 +64,19 @@ instance the plugin is loaded into and on each connection's handler:
   connection (MQTT-3.1.4-2; amqtt deleted its Session and left it open);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
+* ``BrokerProtocolHandler.handle_subscribe`` / ``handle_unsubscribe`` /
+  ``get_next_pending_subscription`` / ``get_next_pending_unsubscription`` (per connection), with
+  ``wait_disconnect`` and ``stop``: a connection's SUBSCRIBEs and UNSUBSCRIBEs share one queue
+  (``SubscriptionChanges``), taken in arrival order by the message loop's subscription waiter
+  (MQTT 3.1.1 section 4.6, 3.10.4), and the connection's end (DISCONNECT, EOF, reset, a
+  take-over) waits until all are applied (see ``_one_queue_of_subscription_changes``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
   lifetime, and end a connection whose client id a later CONNECT took (amqtt misses the case
   of two CONNECTs read at the same time);
 * ``Broker.add_subscription`` / ``_handle_subscription`` / ``_handle_unsubscription``: durable
   sessions' subscriptions live in the store, not in amqtt's table, so amqtt never delivers to
-  them itself; a SUBSCRIBE or UNSUBSCRIBE of a durable session is stored by one commit for all
+  them itself; an UNSUBSCRIBE the shared queue hands to ``_handle_subscription`` is passed on
+  to ``_handle_unsubscription``; a SUBSCRIBE or UNSUBSCRIBE of a durable session is stored by one commit for all
   its filters (amqtt's way, a commit per filter, made a packet of n filters cost n record writes);
   both kinds obey ``max_subscriptions_per_client``; a clean session's repeated SUBSCRIBE of a
   filter replaces the QoS of its entry in amqtt's table (amqtt kept the first, MQTT-3.8.4-3);
@@ -153,7 +160,7 @@ from amqtt.mqtt.packet import (
     UNSUBSCRIBE,
     MQTTFixedHeader,
 )
-from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler, Subscription, UnSubscription
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
@@ -185,6 +192,7 @@ from .replication.primary import Primary
 from .settings import socket_backlog
 from .silence import SilenceWatch
 from .stream_sender import StreamSender
+from .subscription_changes import SubscriptionChanges
 from .topics import SubscriptionIndex, TopicIndex, topic_problem
 from .wire import PacketReader, encode_puback, encode_pubcomp
 
@@ -199,6 +207,9 @@ PACKET_ID_0 = "its packet identifier is 0 (MQTT-2.3.1-1)"
 TOPIC_PAST_END = "PUBLISH refused: its topic length runs past the packet's end (MQTT-1.5.3)"
 CLOSE_GRACE = 5.0
 """Seconds a closed connection's unsent bytes (a refusing CONNACK) get before the socket is aborted."""
+CHANGES_GRACE = 5.0
+"""Seconds the end of a connection waits for the SUBSCRIBEs and UNSUBSCRIBEs it read before to be
+applied (see ``_one_queue_of_subscription_changes``); those still waiting then are dropped (WARNING)."""
 _LIMIT_LOG_INTERVAL = 10.0  # seconds between two "over the subscription limit" warnings of one client
 _BROKER_INTERNALS = (
     "_authenticate",
@@ -245,6 +256,10 @@ _HANDLER_INTERNALS = (
     "handle_disconnect",
     "handle_connection_closed",
     "wait_disconnect",
+    "handle_subscribe",
+    "handle_unsubscribe",
+    "get_next_pending_subscription",
+    "get_next_pending_unsubscription",
 )
 _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconnected")
 
@@ -1545,6 +1560,7 @@ class AmqttHooks:
         durable = not handler.connect_clean_session and self.engine.is_durable(session.client_id)
         transport: HandlerTransport = handler.durable_transport
         read_access = _read_access(self.broker, session)
+        handler.durable_loop_task = asyncio.current_task()
         displaced = await self.engine.attach(session.client_id, transport, read_access) if durable else None
         try:
             # MQTT-3.1.4-2: the connection whose CONNECT came last has the session; an older one is
@@ -1559,6 +1575,13 @@ class AmqttHooks:
             await self._original_message_loop(session, handler)
         finally:
             handler.durable_control.stop()
+            dropped = handler.durable_changes.close()
+            if dropped:
+                log.warning(
+                    "%s: %d SUBSCRIBE/UNSUBSCRIBE read before the connection ended not applied: dropped",
+                    session.client_id,
+                    dropped,
+                )
             # amqtt leaves the connection open when its loop ends on a bad PUBLISH topic.
             await handler.stop()
             if durable:
@@ -1618,6 +1641,20 @@ class AmqttHooks:
         return granted
 
     async def handle_subscription(self, session: Any, handler: Any, waiter: Any) -> None:
+        """The loop's next SUBSCRIBE or UNSUBSCRIBE, in arrival order (one queue for both, see
+        ``_one_queue_of_subscription_changes``), taken off the queue once applied."""
+        change = waiter.result()
+        try:
+            if isinstance(change, UnSubscription):
+                await self.handle_unsubscription(session, handler, waiter)
+            else:
+                await self._handle_subscribe(session, handler, waiter)
+        finally:
+            changes: SubscriptionChanges[Any] | None = getattr(handler, "durable_changes", None)
+            if changes is not None:
+                changes.done(change)
+
+    async def _handle_subscribe(self, session: Any, handler: Any, waiter: Any) -> None:
         """amqtt's, for a durable session with one commit before the SUBACK for all the filters."""
         if not self.engine.is_durable(session.client_id):
             await self._original_subscription(session, handler, waiter)
@@ -1957,6 +1994,7 @@ def _wrap_handler(
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
+    _one_queue_of_subscription_changes(handler)
 
 
 def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
@@ -2092,6 +2130,69 @@ def _stop_waiting_for_a_reader_that_may_never_run(
                 abort.cancel()
 
     return stop
+
+
+def _one_queue_of_subscription_changes(handler: Any) -> None:
+    """A connection's SUBSCRIBEs and UNSUBSCRIBEs are applied in the order they arrived, their
+    SUBACKs and UNSUBACKs sent in that order (MQTT 3.1.1 section 4.6, 3.10.4), and none the
+    connection's reader has handed over is lost at its end. amqtt 0.12.1 queued the two kinds apart
+    and its message loop applied a waiting SUBSCRIBE before a waiting UNSUBSCRIBE (``UNSUBSCRIBE f``
+    then ``SUBSCRIBE f`` sent back to back left no subscription although the SUBACK granted it);
+    once it had a DISCONNECT (or the connection's close) it applied at most one more of each, and
+    ``stop()`` emptied both queues (two UNSUBSCRIBEs and a DISCONNECT in one write: a durable
+    session kept the second's filter for ever).
+
+    Here both kinds go to one ``SubscriptionChanges`` (``handle_subscribe`` / ``handle_unsubscribe``,
+    called by either reader in arrival order), the loop's subscription waiter takes them one at a
+    time (``AmqttHooks.handle_subscription`` passes an UNSUBSCRIBE on) and its unsubscription waiter
+    waits until the loop cancels it. The end waits until every change has been applied (at most
+    ``CHANGES_GRACE``): ``wait_disconnect`` returns the end to the loop only then, and ``stop()`` (the
+    reader's at a DISCONNECT, EOF or reset, a take-over's, any but the loop's own: the loop cannot
+    apply while it waits there) stops the connection only then. Once the loop has ended
+    (``close()``) nothing is waited for."""
+    changes: SubscriptionChanges[Subscription | UnSubscription] = SubscriptionChanges()
+    handler.durable_changes = changes
+    handler.durable_loop_task = None
+    original_wait = handler.wait_disconnect
+    original_stop = handler.stop
+
+    async def handle_subscribe(packet: Any) -> None:
+        changes.add(Subscription(*_packet_id_and_payload(packet, "SUBSCRIBE")))
+
+    async def handle_unsubscribe(packet: Any) -> None:
+        changes.add(UnSubscription(*_packet_id_and_payload(packet, "UNSUBSCRIBE")))
+
+    async def no_unsubscription() -> None:
+        await asyncio.get_running_loop().create_future()  # every UNSUBSCRIBE comes as a "subscription"
+
+    async def applied() -> None:
+        with contextlib.suppress(TimeoutError):  # the loop drops what is left as it ends (WARNING)
+            async with asyncio.timeout(CHANGES_GRACE):
+                await changes.drained()
+
+    async def wait_disconnect() -> DisconnectPacket | None:
+        result = await original_wait()
+        await applied()
+        return result
+
+    async def stop() -> None:
+        if asyncio.current_task() is not handler.durable_loop_task:
+            await applied()
+        await original_stop()
+
+    handler.handle_subscribe = handle_subscribe
+    handler.handle_unsubscribe = handle_unsubscribe
+    handler.get_next_pending_subscription = changes.next
+    handler.get_next_pending_unsubscription = no_unsubscription
+    handler.wait_disconnect = wait_disconnect
+    handler.stop = stop
+
+
+def _packet_id_and_payload(packet: Any, kind: str) -> tuple[int, Any]:
+    """A decoded SUBSCRIBE's or UNSUBSCRIBE's packet id and its topics, checked as amqtt's handlers do."""
+    if packet.variable_header is None or packet.payload is None:
+        raise MQTTError(f"{kind} packet: variable header or payload not initialized.")
+    return packet.variable_header.packet_id, packet.payload.topics
 
 
 def _pubrel_handler(
@@ -2673,9 +2774,11 @@ class FastReader:
         if self._settling and ended_by_peer:
             # Unlike amqtt's own reader, which cancels them: an UNSUBSCRIBE (or SUBSCRIBE) right
             # before DISCONNECT and the socket's close must still be stored, or the broker keeps
-            # queueing for a filter the client dropped. Their handlers only hand the packet to
-            # amqtt's message loop, so this takes a loop pass or two (CLOSE_GRACE bounds it). A
-            # cancel meanwhile (stop()) ends the wait; the connection's end follows all the same.
+            # queueing for a filter the client dropped. Their handlers only queue the packet for the
+            # message loop, so this takes a loop pass (CLOSE_GRACE bounds it); ``stop()`` below then
+            # waits until the loop has applied every queued change (see
+            # ``_one_queue_of_subscription_changes``). A cancel meanwhile (stop()) ends the wait;
+            # the connection's end follows all the same.
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait(list(self._settling), timeout=CLOSE_GRACE)
         for task in list(running):

@@ -1,0 +1,218 @@
+"""MQTT 3.1.1 section 4.6 and 3.10.4: a connection's SUBSCRIBEs and UNSUBSCRIBEs are applied in the
+order they arrive, their SUBACKs and UNSUBACKs sent in that order, and none read before the
+connection's end (a DISCONNECT, a dropped socket) is lost (docs/guarantees.md).
+
+amqtt 0.12.1 queued the two kinds apart; its message loop applied a waiting SUBSCRIBE before a
+waiting UNSUBSCRIBE, and once it had read a DISCONNECT (or the connection closed) applied at most
+one more of each: the rest were dropped. The packets here go in ONE write (raw sockets), on both
+readers (the plugin's, and amqtt's own, used when a topic plugin is loaded), for durable and clean
+sessions. What a session holds is seen by publishing: a client publishes to each filter's topic,
+then to a sentinel topic the session also holds; by the sentinel's arrival, a filter's message has
+arrived if the session holds the filter (one publisher, one session queue: in order).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+import pytest
+from raw_mqtt_helpers import raw_connect, raw_subscribe, read_packet
+
+from conftest import Broker, Client, mqtt_packet, mqtt_string
+
+TOPIC_PLUGIN = "amqtt.plugins.topic_checking.TopicTabooPlugin"
+"""Any topic plugin makes the broker read with amqtt's own loop instead of the plugin's."""
+SUBACK, UNSUBACK, PUBLISH = 9, 11, 3
+DISCONNECT = b"\xe0\x00"
+Packet = tuple[bytes, tuple[int, int]]
+"""A packet and the ack (type, packet id) it must get."""
+
+
+@pytest.fixture(params=["plugin-reader", "amqtt-reader"])
+def reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Broker:
+    """A broker read by the plugin's reader, or by amqtt's own loop (a topic plugin loaded)."""
+    broker = broker_factory(start=False)
+    if request.param == "amqtt-reader":
+        broker.extra_plugins[TOPIC_PLUGIN] = {}
+    return broker.start()
+
+
+SESSIONS = pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+
+
+def subscribe(topic_filter: str, packet_id: int) -> Packet:
+    """A QoS 0 SUBSCRIBE of one filter."""
+    body = packet_id.to_bytes(2, "big") + mqtt_string(topic_filter) + b"\x00"
+    return mqtt_packet(0x82, body), (SUBACK, packet_id)
+
+
+def unsubscribe(topic_filter: str, packet_id: int) -> Packet:
+    """An UNSUBSCRIBE of one filter."""
+    return mqtt_packet(0xA2, packet_id.to_bytes(2, "big") + mqtt_string(topic_filter)), (UNSUBACK, packet_id)
+
+
+def acks(sock: socket.socket, count: int) -> list[tuple[int, int]]:
+    """The next ``count`` SUBACKs / UNSUBACKs (type, packet id); every SUBACK grants QoS 0 to all its filters."""
+    got = []
+    for _ in range(count):
+        first, body = read_packet(sock)  # bounded by the socket's timeout
+        assert first >> 4 in (SUBACK, UNSUBACK), (first, body)
+        assert first >> 4 == UNSUBACK or not body[2:].strip(b"\x00"), f"SUBSCRIBE refused: {body!r}"
+        got.append((first >> 4, int.from_bytes(body[:2], "big")))
+    return got
+
+
+def send_in_one_write(sock: socket.socket, packets: list[Packet], *, then: bytes = b"") -> None:
+    """Sends the packets (and ``then``) in one write; their acks must come back in the same order."""
+    sock.sendall(b"".join(packet for packet, _ in packets) + then)
+    assert acks(sock, len(packets)) == [ack for _, ack in packets], "not handled in the order they arrived"
+
+
+def topics_until_sentinel(sock: socket.socket, publisher: Client, topics: list[str]) -> list[str]:
+    """Publishes to each topic, then to the sentinel; the topics ``sock`` receives up to the sentinel."""
+    for topic in topics:
+        publisher.publish(topic, [b"m"])
+    publisher.publish("sentinel", [b"s"])
+    received = []
+    for _ in range(len(topics) + 1):
+        first, body = read_packet(sock)
+        assert first >> 4 == PUBLISH and not first & 0x06, f"a QoS 0 PUBLISH expected: {first:#x} {body!r}"
+        received.append(body[2 : 2 + int.from_bytes(body[:2], "big")].decode())
+        if received[-1] == "sentinel":
+            return received
+    raise AssertionError(f"no sentinel: {received}")
+
+
+def connected(broker: Broker, client_id: str, *, clean: bool, filters: tuple[str, ...] = ()) -> socket.socket:
+    """A raw client holding the sentinel and ``filters`` (each SUBACK awaited)."""
+    sock = raw_connect(broker.port, client_id, clean=clean)
+    for packet_id, topic_filter in enumerate(("sentinel", *filters), start=1):
+        assert raw_subscribe(sock, topic_filter, 0, packet_id=packet_id) == 0
+    return sock
+
+
+def closed_by_broker(sock: socket.socket) -> bool:
+    """True once the broker has closed the connection (bounded by the socket's timeout)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@SESSIONS
+def test_subscribe_unsubscribe_subscribe_in_one_write_ends_subscribed(
+    reader: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """SUBSCRIBE a, UNSUBSCRIBE a, SUBSCRIBE a, behind SUBSCRIBEs of other filters (amqtt applied
+    the UNSUBSCRIBE while the SUBSCRIBEs before it still waited: its UNSUBACK came first)."""
+    with connected(reader, "order-sus", clean=clean) as sock:
+        lead = [subscribe(f"g{i}/#", 10 + i) for i in range(3)]
+        send_in_one_write(sock, [*lead, subscribe("a/#", 2), unsubscribe("a/#", 3), subscribe("a/#", 4)])
+        publisher = clients(reader.port, "order-pub", clean_session=True)
+        assert topics_until_sentinel(sock, publisher, ["a/x"]) == ["a/x", "sentinel"]
+
+
+@SESSIONS
+def test_unsubscribe_then_subscribe_of_a_filter_in_one_write_keeps_it(
+    reader: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """UNSUBSCRIBE f then SUBSCRIBE f (before the UNSUBACK): amqtt applied the SUBSCRIBE first, then
+    removed the filter its SUBACK had granted. Alone, then behind a SUBSCRIBE of another filter."""
+    with connected(reader, "order-resub", clean=clean, filters=("a/#", "b/#")) as sock:
+        send_in_one_write(sock, [unsubscribe("a/#", 3), subscribe("a/#", 4)])
+        send_in_one_write(sock, [subscribe("g/#", 5), unsubscribe("b/#", 6), subscribe("b/#", 7)])
+        publisher = clients(reader.port, "order-pub", clean_session=True)
+        assert topics_until_sentinel(sock, publisher, ["a/x", "b/x"]) == ["a/x", "b/x", "sentinel"]
+
+
+@SESSIONS
+def test_subscribe_then_unsubscribe_behind_other_subscribes_leaves_no_subscription(
+    reader: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """The pair behind five SUBSCRIBEs: amqtt applied the UNSUBSCRIBE while the SUBSCRIBE still
+    waited, and the filter its UNSUBACK removed stayed."""
+    with connected(reader, "order-unsub", clean=clean) as sock:
+        lead = [subscribe(f"g{i}/#", 10 + i) for i in range(5)]
+        send_in_one_write(sock, [*lead, subscribe("f/#", 2), unsubscribe("f/#", 3)])
+        publisher = clients(reader.port, "order-pub", clean_session=True)
+        assert topics_until_sentinel(sock, publisher, ["f/x"]) == ["sentinel"]
+
+
+@SESSIONS
+def test_two_unsubscribes_and_disconnect_in_one_write_are_both_applied(
+    reader: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """Both UNSUBACKs come, in order, before the broker closes the connection, and the durable
+    session holds neither filter after a reconnect (amqtt dropped the second: kept for ever). A
+    clean session's are behind a SUBSCRIBE (amqtt's reader, slower, had applied the two before)."""
+    lead = [subscribe("g/#", 2)] if clean else []
+    with connected(reader, "order-bye", clean=clean, filters=("a/#", "b/#")) as sock:
+        send_in_one_write(sock, [*lead, unsubscribe("a/#", 3), unsubscribe("b/#", 4)], then=DISCONNECT)
+        assert closed_by_broker(sock)
+    if clean:
+        return  # a clean session ends with its connection: the UNSUBACKs are all there is to see
+    with raw_connect(reader.port, "order-bye", clean=False) as again:
+        publisher = clients(reader.port, "order-pub", clean_session=True)
+        assert topics_until_sentinel(again, publisher, ["a/x", "b/x"]) == ["sentinel"]
+
+
+@SESSIONS
+def test_subscribes_and_disconnect_in_one_write_are_all_applied(
+    reader: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """SUBSCRIBE a, UNSUBSCRIBE s, SUBSCRIBE b, then DISCONNECT: every SUBACK and UNSUBACK comes, in
+    order, before the close, and the durable session holds a and b, not s, after a reconnect."""
+    with connected(reader, "order-sub-bye", clean=clean, filters=("s/#",)) as sock:
+        changes = [subscribe("a/#", 3), unsubscribe("s/#", 4), subscribe("b/#", 5)]
+        send_in_one_write(sock, changes, then=DISCONNECT)
+        assert closed_by_broker(sock)
+    if clean:
+        return
+    with raw_connect(reader.port, "order-sub-bye", clean=False) as again:
+        publisher = clients(reader.port, "order-pub", clean_session=True)
+        assert topics_until_sentinel(again, publisher, ["a/x", "s/x", "b/x"]) == ["a/x", "b/x", "sentinel"]
+
+
+@pytest.mark.parametrize("half_close", [False, True], ids=["closed", "half-closed"])
+def test_unsubscribes_right_before_a_dropped_socket_are_applied(
+    reader: Broker, clients: Callable[..., Client], half_close: bool
+) -> None:
+    """A durable session's UNSUBSCRIBEs, then the socket closes (no DISCONNECT): the session holds
+    none of their filters after a reconnect. Half-closed, the client still reads: every UNSUBACK
+    comes before the broker closes its side. Closed, the reconnect may come while the broker still
+    ends the old connection (a take-over): they are applied all the same."""
+    sock = connected(reader, "order-drop", clean=False, filters=("a/#", "b/#", "c/#"))
+    with sock:
+        sock.sendall(b"".join(unsubscribe(f, 3 + i)[0] for i, f in enumerate(("a/#", "b/#", "c/#"))))
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+            assert acks(sock, 3) == [(UNSUBACK, 3), (UNSUBACK, 4), (UNSUBACK, 5)]
+            assert closed_by_broker(sock)
+    with raw_connect(reader.port, "order-drop", clean=False) as again:
+        publisher = clients(reader.port, "order-pub", clean_session=True)
+        assert topics_until_sentinel(again, publisher, ["a/x", "b/x", "c/x"]) == ["sentinel"]
+
+
+@SESSIONS
+def test_unsubscribes_of_a_connection_taken_over_are_applied(
+    reader: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """A durable session's connection sends 30 UNSUBSCRIBEs in one write and a newer connection of
+    its client id takes the session over at once (a durable CONNECT; a clean one ends the session
+    anyway, so then the older one's UNSUBACKs are checked): none is lost (amqtt's take-over emptied
+    the queue of those not yet applied)."""
+    filters = [f"t{i}/#" for i in range(30)]
+    sock = connected(reader, "order-take", clean=False)
+    with sock:
+        body = (2).to_bytes(2, "big") + b"".join(mqtt_string(f) + b"\x00" for f in filters)
+        sock.sendall(mqtt_packet(0x82, body))
+        assert acks(sock, 1) == [(SUBACK, 2)]
+        sock.sendall(b"".join(unsubscribe(f, 10 + i)[0] for i, f in enumerate(filters)))
+        with raw_connect(reader.port, "order-take", clean=clean) as newer:
+            assert acks(sock, len(filters)) == [(UNSUBACK, 10 + i) for i in range(len(filters))]
+            assert closed_by_broker(sock)
+            if clean:
+                return
+            publisher = clients(reader.port, "order-pub", clean_session=True)
+            assert topics_until_sentinel(newer, publisher, [f"t{i}/x" for i in range(30)]) == ["sentinel"]
