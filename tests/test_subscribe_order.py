@@ -14,12 +14,13 @@ arrived if the session holds the filter (one publisher, one session queue: in or
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 
 import pytest
-from raw_mqtt_helpers import raw_connect, raw_subscribe, read_packet
+from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly, read_packet
 
-from conftest import Broker, Client, mqtt_packet, mqtt_string
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
 
 TOPIC_PLUGIN = "amqtt.plugins.topic_checking.TopicTabooPlugin"
 """Any topic plugin makes the broker read with amqtt's own loop instead of the plugin's."""
@@ -216,3 +217,111 @@ def test_unsubscribes_of_a_connection_taken_over_are_applied(
                 return
             publisher = clients(reader.port, "order-pub", clean_session=True)
             assert topics_until_sentinel(newer, publisher, [f"t{i}/x" for i in range(30)]) == ["sentinel"]
+
+
+def subscribe_qos1(topic_filter: str, packet_id: int) -> bytes:
+    """A QoS 1 SUBSCRIBE of one filter."""
+    return mqtt_packet(0x82, packet_id.to_bytes(2, "big") + mqtt_string(topic_filter) + b"\x01")
+
+
+def waiting_for_a_retained_puback(port: int, client_id: str, *, clean: bool, filters: int = 1) -> socket.socket:
+    """A connection that SUBSCRIBEs at QoS 1 to ``filters`` filters r0/#, r1/#, ... each matching a
+    retained QoS 1 message, and never PUBACKs the first: a clean session's message loop sends the
+    retained messages of a SUBSCRIBE itself and waits (amqtt: up to 5 s) for each one's PUBACK."""
+    sock = raw_connect(port, client_id, clean=clean)
+    sock.sendall(b"".join(subscribe_qos1(f"r{k}/#", 1 + k) for k in range(filters)))
+    kinds = sorted(read_packet(sock)[0] >> 4 for _ in range(2))
+    assert kinds == [PUBLISH, SUBACK] if clean else [SUBACK], kinds
+    return sock
+
+
+@pytest.mark.parametrize("new_clean", [True, False], ids=["new-clean", "new-durable"])
+@pytest.mark.parametrize("old_clean", [True, False], ids=["old-clean", "old-durable"])
+def test_take_over_of_a_connection_waiting_for_a_retained_puback_is_answered_at_once(
+    broker: Broker, clients: Callable[..., Client], old_clean: bool, new_clean: bool
+) -> None:
+    """The older connection's loop waits for the PUBACK of a retained message its SUBSCRIBE sent (a
+    device that died): the take-over's CONNACK does not wait for it (the wait for the older one's
+    changes cancelled amqtt's PUBACK waiters only after it: the CONNACK took 5 s)."""
+    publisher = clients(broker.port, "ret-pub", clean_session=True)
+    publisher.publish("r0/1", [b"retained"], qos=1, retain=True)
+    with waiting_for_a_retained_puback(broker.port, "ret-dev", clean=old_clean):
+        started = time.monotonic()
+        with raw_connect(broker.port, "ret-dev", clean=new_clean):
+            seconds = time.monotonic() - started
+    assert seconds < 1.0, f"the take-over's CONNACK came after {seconds:.3f} s"
+
+
+def test_broker_stops_at_once_with_connections_waiting_for_a_retained_puback(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """Three clean connections each wait for the PUBACK of a retained message, three more SUBSCRIBEs
+    queued behind: the broker (SIGTERM) stops within 5 s (each connection's end waited 5 s)."""
+    publisher = clients(broker.port, "ret-pub", clean_session=True)
+    for k in range(4):
+        publisher.publish(f"r{k}/1", [b"retained"], qos=1, retain=True)
+    socks = [waiting_for_a_retained_puback(broker.port, f"ret-{i}", clean=True, filters=4) for i in range(3)]
+    started = time.monotonic()
+    broker.terminate()
+    stopped = broker.wait_stopped(started + WAIT)
+    seconds = time.monotonic() - started
+    for sock in socks:
+        sock.close()
+    assert stopped and seconds < 5.0, f"the broker stopped after {seconds:.2f} s"
+
+
+def test_changes_still_waiting_when_the_grace_runs_out_are_dropped_with_a_warning(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """A clean session's loop is stuck sending the retained messages of its first SUBSCRIBE (the
+    client reads nothing of its 10 MB: the sockets' buffers are full); four more changes and a DISCONNECT follow. 5 s
+    after the DISCONNECT the WARNING counts the four dropped (the first, under way, completes) and
+    none of them is applied after: once the client reads, it gets the first's SUBACK and retained
+    messages, then the close (amqtt's loop applied one more after the close, uncounted)."""
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    for i in range(50):
+        publisher.publish(f"big/{i}", [b"x" * 200_000], qos=1, retain=True)
+    sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    with sock:
+        sock.sendall(connect_packet("grace-dev", clean=True))
+        assert read_exactly(sock, 4)[3] == 0
+        later = [subscribe("a/#", 2), subscribe("b/#", 3), unsubscribe("a/#", 4), subscribe("c/#", 5)]
+        sock.sendall(mqtt_packet(0x82, (1).to_bytes(2, "big") + mqtt_string("big/#") + b"\x00"))
+        sock.sendall(b"".join(packet for packet, _ in later) + DISCONNECT)
+        warning = "grace-dev: 4 SUBSCRIBE/UNSUBSCRIBE read before the connection ended not applied: dropped"
+        assert broker.wait_until(lambda: warning in broker.log(), WAIT), broker.log()[-3000:]
+        got = []
+        while not closed_at_packet(sock, got):  # bounded: the broker closes after the retained messages
+            assert len(got) <= 60, got
+    assert [ack for ack in got if ack[0] != PUBLISH] == [(SUBACK, 1)], got
+    assert len([line for line in broker.log().splitlines() if "grace-dev" in line and "dropped" in line]) == 1
+
+
+def closed_at_packet(sock: socket.socket, got: list[tuple[int, int]]) -> bool:
+    """Reads one packet into ``got`` as (type, packet id of an ack, else 0); True once the broker closed."""
+    try:
+        first, body = read_packet(sock)
+    except (AssertionError, ConnectionResetError):  # read_exactly asserts at EOF
+        return True
+    got.append((first >> 4, int.from_bytes(body[:2], "big") if first >> 4 in (SUBACK, UNSUBACK) else 0))
+    return False
+
+
+@pytest.mark.parametrize("bad", [b"\x00\x00", b"\x90\x03\x00\x01\x00"], ids=["reserved", "suback"])
+def test_changes_read_before_a_protocol_violation_are_applied(
+    reader: Broker, clients: Callable[..., Client], bad: bytes
+) -> None:
+    """SUBSCRIBE a, UNSUBSCRIBE s, then a packet that closes the connection, in one write: both are
+    applied, their SUBACK and UNSUBACK sent before the close, on either reader (the plugin's cancelled
+    their handlers before they queued them: nothing applied; amqtt's applied both)."""
+    for round_ in range(3):
+        client_id = f"viol-{round_}"
+        with connected(reader, client_id, clean=False, filters=("s/#",)) as sock:
+            sock.sendall(subscribe("a/#", 3)[0] + unsubscribe("s/#", 4)[0] + bad)
+            got: list[tuple[int, int]] = []
+            while not closed_at_packet(sock, got):
+                assert len(got) <= 2, got
+        assert got == [(SUBACK, 3), (UNSUBACK, 4)], got
+        with raw_connect(reader.port, client_id, clean=False) as again:
+            publisher = clients(reader.port, f"viol-pub-{round_}", clean_session=True)
+            assert topics_until_sentinel(again, publisher, ["a/x", "s/x"]) == ["a/x", "sentinel"]

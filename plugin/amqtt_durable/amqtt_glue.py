@@ -260,6 +260,7 @@ _HANDLER_INTERNALS = (
     "handle_unsubscribe",
     "get_next_pending_subscription",
     "get_next_pending_unsubscription",
+    "_stop_waiters",
 )
 _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconnected")
 
@@ -1575,13 +1576,7 @@ class AmqttHooks:
             await self._original_message_loop(session, handler)
         finally:
             handler.durable_control.stop()
-            dropped = handler.durable_changes.close()
-            if dropped:
-                log.warning(
-                    "%s: %d SUBSCRIBE/UNSUBSCRIBE read before the connection ended not applied: dropped",
-                    session.client_id,
-                    dropped,
-                )
+            _drop_waiting_changes(handler.durable_changes, session.client_id)
             # amqtt leaves the connection open when its loop ends on a bad PUBLISH topic.
             await handler.stop()
             if durable:
@@ -2108,8 +2103,10 @@ def _stop_waiting_for_a_reader_that_may_never_run(
 
     Its ``writer.close()`` then waits for the unsent bytes to drain: for a client that does not
     read (its socket full), for ever, and the connection kept its listener slot, its handler and
-    every unsent byte. A TCP connection still open CLOSE_GRACE after ``stop()`` began is aborted
-    (``close_socket``'s bound), which ends that wait."""
+    every unsent byte. A TCP connection still open CLOSE_GRACE after amqtt's ``stop()`` began is
+    aborted (``close_socket``'s bound), which ends that wait. The ``stop()`` callers see (wrapped by
+    ``_one_queue_of_subscription_changes``) first waits up to CHANGES_GRACE for the connection's
+    SUBSCRIBEs and UNSUBSCRIBEs to be applied: the abort comes CLOSE_GRACE after that wait."""
 
     def reader_ended(_task: Any) -> None:
         handler._reader_ready.set()
@@ -2143,32 +2140,46 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     session kept the second's filter for ever).
 
     Here both kinds go to one ``SubscriptionChanges`` (``handle_subscribe`` / ``handle_unsubscribe``,
-    called by either reader in arrival order), the loop's subscription waiter takes them one at a
+    called by either reader in arrival order, queue the change as they are called, not in the task
+    the reader makes of what they return: both readers cancel the tasks that have not run when the
+    connection ends, which dropped a change the plugin's reader read right before a protocol
+    violation while amqtt's applied it), the loop's subscription waiter takes them one at a
     time (``AmqttHooks.handle_subscription`` passes an UNSUBSCRIBE on) and its unsubscription waiter
     waits until the loop cancels it. The end waits until every change has been applied (at most
     ``CHANGES_GRACE``): ``wait_disconnect`` returns the end to the loop only then, and ``stop()`` (the
     reader's at a DISCONNECT, EOF or reset, a take-over's, any but the loop's own: the loop cannot
-    apply while it waits there) stops the connection only then. Once the loop has ended
-    (``close()``) nothing is waited for."""
+    apply while it waits there) stops the connection only then (so a take-over's CONNACK waits
+    for the older connection's changes, and in a reconnect storm for that connection's loop to get
+    its ``attach_limit`` slot first: nothing else applies them); that ``stop()`` first cancels the
+    handler's PUBACK/PUBREC/PUBCOMP waiters, as amqtt's ``stop()`` does first (a clean session's loop
+    sends the retained messages of a SUBSCRIBE and waits up to 5 s for each QoS 1 one's PUBACK: a
+    take-over's CONNACK, a broker's shutdown waited for it; the loop then ends, dropping the rest).
+    When a wait runs out, the queue is closed: what still waits is dropped (WARNING with the exact
+    count: the change being applied completes, nothing after it is handed out). Once the loop has
+    ended (``close()``) nothing is waited for."""
     changes: SubscriptionChanges[Subscription | UnSubscription] = SubscriptionChanges()
     handler.durable_changes = changes
     handler.durable_loop_task = None
     original_wait = handler.wait_disconnect
     original_stop = handler.stop
 
-    async def handle_subscribe(packet: Any) -> None:
+    def handle_subscribe(packet: Any) -> Awaitable[None]:
         changes.add(Subscription(*_packet_id_and_payload(packet, "SUBSCRIBE")))
+        return _nothing()
 
-    async def handle_unsubscribe(packet: Any) -> None:
+    def handle_unsubscribe(packet: Any) -> Awaitable[None]:
         changes.add(UnSubscription(*_packet_id_and_payload(packet, "UNSUBSCRIBE")))
+        return _nothing()
 
     async def no_unsubscription() -> None:
         await asyncio.get_running_loop().create_future()  # every UNSUBSCRIBE comes as a "subscription"
 
     async def applied() -> None:
-        with contextlib.suppress(TimeoutError):  # the loop drops what is left as it ends (WARNING)
+        try:
             async with asyncio.timeout(CHANGES_GRACE):
                 await changes.drained()
+        except TimeoutError:  # none is handed out any more: none is applied after the end
+            _drop_waiting_changes(changes, handler.session.client_id if handler.session else None)
 
     async def wait_disconnect() -> DisconnectPacket | None:
         result = await original_wait()
@@ -2177,6 +2188,7 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
 
     async def stop() -> None:
         if asyncio.current_task() is not handler.durable_loop_task:
+            handler._stop_waiters()  # a loop waiting for a retained message's PUBACK goes on at once
             await applied()
         await original_stop()
 
@@ -2186,6 +2198,20 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     handler.get_next_pending_unsubscription = no_unsubscription
     handler.wait_disconnect = wait_disconnect
     handler.stop = stop
+
+
+async def _nothing() -> None:
+    """The task a reader makes of a SUBSCRIBE or UNSUBSCRIBE: the change was queued by the call."""
+
+
+def _drop_waiting_changes(changes: SubscriptionChanges[Any], client_id: str | None) -> None:
+    """Closes the connection's queue of changes (none is handed out any more), with a WARNING naming
+    the client and how many waiting were dropped (the one being applied is not: it completes)."""
+    dropped = changes.close()
+    if dropped:
+        log.warning(
+            "%s: %d SUBSCRIBE/UNSUBSCRIBE read before the connection ended not applied: dropped", client_id, dropped
+        )
 
 
 def _packet_id_and_payload(packet: Any, kind: str) -> tuple[int, Any]:
@@ -2772,13 +2798,12 @@ class FastReader:
         except Exception as exc:  # amqtt's loop also ends the connection on anything unexpected
             log.warning("%s: reader stopped: %r", self._session.client_id, exc)
         if self._settling and ended_by_peer:
-            # Unlike amqtt's own reader, which cancels them: an UNSUBSCRIBE (or SUBSCRIBE) right
-            # before DISCONNECT and the socket's close must still be stored, or the broker keeps
-            # queueing for a filter the client dropped. Their handlers only queue the packet for the
-            # message loop, so this takes a loop pass (CLOSE_GRACE bounds it); ``stop()`` below then
-            # waits until the loop has applied every queued change (see
-            # ``_one_queue_of_subscription_changes``). A cancel meanwhile (stop()) ends the wait;
-            # the connection's end follows all the same.
+            # Unlike amqtt's own reader, which cancels them: a DISCONNECT's handler signals the end
+            # to the message loop. SUBSCRIBEs and UNSUBSCRIBEs were queued as they were read (their
+            # tasks do nothing more), and ``stop()`` below waits until the loop has applied every
+            # queued change (see ``_one_queue_of_subscription_changes``). This takes a loop pass
+            # (CLOSE_GRACE bounds it); a cancel meanwhile (stop()) ends the wait; the connection's
+            # end follows all the same.
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait(list(self._settling), timeout=CLOSE_GRACE)
         for task in list(running):

@@ -22,10 +22,13 @@ class SubscriptionChanges(Generic[Change]):
     def __init__(self) -> None:
         self._changes: deque[Change] = deque()
         self._arrived = asyncio.Event()
-        """Set while a change waits (or the queue is closed)."""
+        """Set by ``add()``; ``next()`` clears it before it waits (``close()`` leaves it: a closed
+        queue hands nothing out)."""
         self._empty = asyncio.Event()
         """Set while no change waits or is being applied (or the queue is closed)."""
         self._empty.set()
+        self._applying: Change | None = None
+        """The head ``next()`` handed out, until ``done()``: being applied, it is not dropped."""
         self.closed = False
 
     def __len__(self) -> int:
@@ -45,19 +48,26 @@ class SubscriptionChanges(Generic[Change]):
         while not self._changes or self.closed:
             self._arrived.clear()
             await self._arrived.wait()
-        return self._changes[0]
+        self._applying = self._changes[0]
+        return self._applying
 
     def done(self, change: Change) -> None:
         """``change``, the one ``next()`` handed out, has been applied."""
+        if self._applying is change:
+            self._applying = None
         if self._changes and self._changes[0] is change:
             self._changes.popleft()
         if not self._changes:
             self._empty.set()
 
     def close(self) -> int:
-        """Nothing applies changes any more (the message loop ended): those waiting are dropped and
-        ``drained()`` returns at once. Returns how many were dropped."""
-        dropped = len(self._changes)
+        """No change is handed out any more (the message loop ended, or the connection's end stopped
+        waiting for them): those waiting are dropped and ``drained()`` returns at once. Returns how
+        many were dropped: not the one being applied (handed out, not yet done), which the loop
+        completes. Closing a closed queue drops nothing more."""
+        if self.closed:
+            return 0
+        dropped = len(self._changes) - (1 if self._changes and self._changes[0] is self._applying else 0)
         self._changes.clear()
         self.closed = True
         self._empty.set()

@@ -115,3 +115,17 @@ def test_close_drops_what_waits_and_ends_every_wait() -> None:
         taker.cancel()
 
     run(main)
+
+
+def test_close_does_not_count_the_change_being_applied_and_counts_once() -> None:
+    async def main() -> None:
+        changes: SubscriptionChanges[str] = SubscriptionChanges()
+        for change in ("sub a", "unsub a", "sub b"):
+            changes.add(change)
+        head = await changes.next()  # handed out: being applied
+        assert changes.close() == 2, "the one under way completes: not dropped"
+        changes.done(head)
+        assert changes.close() == 0, "a closed queue drops nothing more"
+        assert await drained_within(changes, 0.01)
+
+    run(main)
