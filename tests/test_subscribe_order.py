@@ -325,3 +325,32 @@ def test_changes_read_before_a_protocol_violation_are_applied(
         with raw_connect(reader.port, client_id, clean=False) as again:
             publisher = clients(reader.port, f"viol-pub-{round_}", clean_session=True)
             assert topics_until_sentinel(again, publisher, ["a/x", "s/x"]) == ["a/x", "sentinel"]
+
+
+def test_unsubscribes_arriving_with_the_take_over_are_all_acknowledged_before_the_close(
+    reader: Broker, clients: Callable[..., Client]
+) -> None:
+    """The newer CONNECT's last byte is sent right after the older connection's 10 UNSUBSCRIBEs, so
+    the take-over comes while they wait: its end waits until all are applied, every UNSUBACK is
+    sent before the close, and the session holds none of the filters (3 rounds: a take-over that
+    stopped the older connection first lost the UNSUBACKs of those applied after; 100 of them, each
+    its own store commit, keep amqtt's reader's loop busy past the take-over)."""
+    filters = [f"t{i}/#" for i in range(100)]
+    for round_ in range(3):
+        client_id = f"race-{round_}"
+        old = connected(reader, client_id, clean=False)
+        with old, socket.create_connection((HOST, reader.port), timeout=WAIT) as new:
+            body = (2).to_bytes(2, "big") + b"".join(mqtt_string(f) + b"\x00" for f in filters)
+            old.sendall(mqtt_packet(0x82, body))
+            assert acks(old, 1) == [(SUBACK, 2)]
+            connect = connect_packet(client_id, clean=False)
+            new.sendall(connect[:-1])  # the broker waits for the last byte
+            old.sendall(b"".join(unsubscribe(f, 10 + i)[0] for i, f in enumerate(filters)))
+            new.sendall(connect[-1:])
+            got: list[tuple[int, int]] = []
+            while not closed_at_packet(old, got):
+                assert len(got) <= len(filters), got
+            assert got == [(UNSUBACK, 10 + i) for i in range(len(filters))], f"round {round_}: {got}"
+            assert read_exactly(new, 4)[3] == 0
+            publisher = clients(reader.port, f"race-pub-{round_}", clean_session=True)
+            assert topics_until_sentinel(new, publisher, [f"t{i}/x" for i in range(0, 100, 9)]) == ["sentinel"]
