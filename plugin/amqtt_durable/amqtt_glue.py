@@ -209,7 +209,8 @@ CLOSE_GRACE = 5.0
 """Seconds a closed connection's unsent bytes (a refusing CONNACK) get before the socket is aborted."""
 CHANGES_GRACE = 5.0
 """Seconds the end of a connection waits for the SUBSCRIBEs and UNSUBSCRIBEs it read before to be
-applied (see ``_one_queue_of_subscription_changes``); those still waiting then are dropped (WARNING)."""
+applied (see ``_one_queue_of_subscription_changes``); those still waiting then are dropped (WARNING)
+and none is applied after."""
 _LIMIT_LOG_INTERVAL = 10.0  # seconds between two "over the subscription limit" warnings of one client
 _BROKER_INTERNALS = (
     "_authenticate",
@@ -2152,8 +2153,10 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     for the older connection's changes, and in a reconnect storm for that connection's loop to get
     its ``attach_limit`` slot first: nothing else applies them); that ``stop()`` first cancels the
     handler's PUBACK/PUBREC/PUBCOMP waiters, as amqtt's ``stop()`` does first (a clean session's loop
-    sends the retained messages of a SUBSCRIBE and waits up to 5 s for each QoS 1 one's PUBACK: a
-    take-over's CONNACK, a broker's shutdown waited for it; the loop then ends, dropping the rest).
+    sends the retained messages of a SUBSCRIBE, each in its own task, and waits up to 5 s for the
+    QoS 1 ones' PUBACKs: a take-over's CONNACK, a broker's shutdown waited for them; the SUBSCRIBE
+    then counts as applied at once. A later SUBSCRIBE's retained messages get new waiters, which
+    are waited for, within the bound).
     When a wait runs out, the queue is closed: what still waits is dropped (WARNING with the exact
     count: the change being applied completes, nothing after it is handed out). Once the loop has
     ended (``close()``) nothing is waited for."""
