@@ -117,9 +117,11 @@ SETUPS = {"single": "single broker", "sync": "sync pair (primary)", "async": "as
           "tls": "sync pair, mutual TLS (primary)", "fsync": "single broker, sync: true"}
 """The set-ups of a/b; "tls" is the sync pair with replication.tls; the last one (each commit fsynced, not a
 target's) says what a local fsync costs."""
-BASELINE = {"base-single": "single broker (baseline code)", "base-sync": "sync pair (primary, baseline code)"}
-"""With --baseline REF: the single broker and the sync pair again, run from the code of git REF, interleaved with
-the others (a change measured against the code it replaces in one run)."""
+BASELINE = {"base-single": "single broker (baseline code)", "base-sync": "sync pair (primary, baseline code)",
+            "base-async": "async pair (primary, baseline code)"}
+"""With --baseline REF: the single broker and the sync pair again (and the async pair when "async" is among the
+set-ups), run from the code of git REF, interleaved with the others (a change measured against the code it
+replaces in one run)."""
 WATCHED = {"plugin": ROOT / "plugin" / "amqtt_durable", "SDK": SDK_DIR, "protocol": PROTOCOL_DIR}
 
 
@@ -321,7 +323,8 @@ def setup_labels(args: argparse.Namespace) -> dict[str, str]:
     """The a/b set-ups of this run (--setups, plus the --baseline ones), in the order they run."""
     labels = {key: SETUPS[key] for key in args.setups}
     if args.baseline:
-        labels |= {key: f"{text[:-1]} {args.baseline})" for key, text in BASELINE.items()}
+        labels |= {key: f"{text[:-1]} {args.baseline})" for key, text in BASELINE.items()
+                   if key != "base-async" or "async" in args.setups}
     return labels
 
 
@@ -334,7 +337,8 @@ def ab_nodes(ctx: Ctx, wanted: dict[str, str]) -> dict[str, tuple[Node, Node | N
     if "base-single" in wanted:
         setups["base-single"] = (make_node(ctx, "base-single", None, args.broker_cpus, code=args.baseline_path), None)
     tls = cluster_tls(ctx.tmp) if "tls" in wanted else None
-    for setup, mode in (("sync", "sync"), ("async", "async"), ("tls", "sync"), ("base-sync", "sync")):
+    for setup, mode in (("sync", "sync"), ("async", "async"), ("tls", "sync"), ("base-sync", "sync"),
+                        ("base-async", "async")):
         if setup not in wanted:
             continue
         with_tls = tls if setup == "tls" else None
@@ -825,6 +829,8 @@ def render_ab(args: argparse.Namespace, report: Report) -> list[str]:
             ("sync pair over mutual TLS / sync pair over plain TCP (the cost of replication.tls)", "tls", "sync", 0.0),
             (f"(a) at {args.baseline}: its sync pair / its single broker", "base-sync", "base-single", 0.7),
             (f"sync pair of this code / sync pair of {args.baseline}", "sync", "base-sync", 0.0),
+            (f"(b) at {args.baseline}: its async pair / its single broker", "base-async", "base-single", 0.9),
+            (f"async pair of this code / async pair of {args.baseline}", "async", "base-async", 0.0),
             (f"single broker of this code / single broker of {args.baseline}", "single", "base-single", 0.0)]
     lines += ["", "| ratio | of the medians | median of the per-run ratios (min-max) | target | met |",
               "|---|---:|---:|---|---|"]
@@ -991,8 +997,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--setups", default=",".join(SETUPS),
                    help=f"a/b set-ups to run, comma-separated (default all: {','.join(SETUPS)})")
     p.add_argument("--baseline", default=None, metavar="REF",
-                   help="a/b: also run the single broker and the sync pair from the code of git REF (e.g. main), "
-                        "interleaved with the others")
+                   help="a/b: also run the single broker and the sync pair (and the async pair, when async is "
+                        "among --setups) from the code of git REF (e.g. main), interleaved with the others")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (configs, logs, stores)")
     args = p.parse_args(argv)
     quick = args.quick

@@ -122,8 +122,8 @@ def format_table(rows: list[SessionSummary], now: float | None = None) -> str:
     for row in rows:
         expires = "-" if row.expires_at is None else _duration(row.expires_at - now)
         oldest = "-" if row.oldest_age_s is None else _age(row.oldest_age_s)
-        subs = ",".join(f"{f}@{q}" for f, q in sorted(row.subscriptions.items())) or "-"
-        lines.append((row.client_id, str(row.depth), str(row.bytes), oldest, expires, str(row.dropped), subs))
+        subs = ",".join(f"{shown(f)}@{q}" for f, q in sorted(row.subscriptions.items())) or "-"
+        lines.append((shown(row.client_id), str(row.depth), str(row.bytes), oldest, expires, str(row.dropped), subs))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)).rstrip() for line in lines]
     text.append(f"{len(rows)} session(s), {sum(r.depth for r in rows)} queued message(s)")
@@ -132,11 +132,22 @@ def format_table(rows: list[SessionSummary], now: float | None = None) -> str:
 
 def format_retained(rows: list[RetainedSummary]) -> str:
     lines = [("TOPIC", "QOS", "BYTES", "AGE")]
-    lines += [(row.topic, str(row.qos), str(row.bytes), _age(row.age_s)) for row in rows]
+    lines += [(shown(row.topic), str(row.qos), str(row.bytes), _age(row.age_s)) for row in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(4)]
     text = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)).rstrip() for line in lines]
     text.append(f"{len(rows)} retained message(s)")
     return "\n".join(text)
+
+
+def shown(text: str) -> str:
+    """A client's string (client id, filter, topic) as one table cell: a backslash and every
+    character that is not printable (a newline, a tab, a terminal escape, ...) escaped as in a
+    Python string, so that no client can split a row, forge one or drive the terminal."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(
+        ch if ch.isprintable() and ch != "\\" else ch.encode("unicode_escape").decode("ascii") for ch in text
+    )
 
 
 def _age(seconds: float) -> str:

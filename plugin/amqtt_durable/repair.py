@@ -20,6 +20,7 @@ from typing import Any
 import plyvel
 
 from .errors import DamagedRecordError, StoreError
+from .inspect_store import shown
 from .replication.position import POSITION_KEY
 from .store import (
     FLAG_SHARED,
@@ -263,7 +264,7 @@ def _drop_damaged_events(db: Any, batch: Any, report: RepairReport) -> None:
                 continue
         batch.delete(key)
         name = (topic or key[1:]).decode("utf-8", "replace")
-        report.lost.append(f"stream {name}: event {event_id} does not decode: removed")
+        report.lost.append(f"stream {shown(name)}: event {event_id} does not decode: removed")
 
 
 def _rebuild_stream_marks(db: Any, batch: Any, report: RepairReport) -> None:
@@ -279,7 +280,9 @@ def _rebuild_stream_marks(db: Any, batch: Any, report: RepairReport) -> None:
             break
         batch.put(key, encode_u64(last + SENT_MARK_JUMP))
         topic = key[1:].decode("utf-8", "replace")
-        report.rebuilt.append(f"stream {topic}: its id mark did not decode: set past every id it can have given")
+        report.rebuilt.append(
+            f"stream {shown(topic)}: its id mark did not decode: set past every id it can have given"
+        )
 
 
 def _drop_damaged_retained(db: Any, batch: Any, report: RepairReport) -> None:

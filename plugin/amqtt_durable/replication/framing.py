@@ -50,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -100,15 +100,40 @@ class Batch:
 
 
 def encode_ops(ops: Sequence[Op]) -> bytes:
-    parts = [_U32.pack(len(ops))]
-    append, head, u32 = parts.append, _OP_HEAD.pack, _U32.pack  # bound once: this runs per operation
+    return b"".join(_op_parts(ops, [_U32.pack(len(ops))]))
+
+
+def _op_parts(ops: Sequence[Op], parts: list[bytes]) -> list[bytes]:
+    """``parts`` with the operations' bytes appended (this runs per operation of every commit a
+    primary ships): a put's head, key and value length are one ``struct`` call (a ``Struct`` per key
+    length, as keys of a kind have one length), so a put is two parts instead of four."""
+    append, delete_head, puts = parts.append, _OP_HEAD.pack, _PUT_HEADS
     for key, value in ops:
-        append(head(len(key), 0 if value is not None else 1))
-        append(key)
-        if value is not None:
-            append(u32(len(value)))
-            append(value)
-    return b"".join(parts)
+        if value is None:
+            append(delete_head(len(key), 1))
+            append(key)
+            continue
+        klen = len(key)
+        pack = puts.get(klen)
+        if pack is None:
+            pack = _put_head(klen)
+        append(pack(klen, 0, key, len(value)))
+        append(value)
+    return parts
+
+
+_PUT_HEADS: dict[int, Callable[..., bytes]] = {}
+"""``klen:u32 kind:u8 key vlen:u32`` packers by key length (bounded: see _put_head)."""
+_PUT_HEADS_MAX = 256
+
+
+def _put_head(klen: int) -> Callable[..., bytes]:
+    """The packer of a put's head for keys of ``klen`` bytes; kept for at most _PUT_HEADS_MAX
+    lengths (the store's keys come in a handful of lengths; a longer tail is packed anew)."""
+    pack = struct.Struct(f">IB{klen}sI").pack
+    if len(_PUT_HEADS) < _PUT_HEADS_MAX:
+        _PUT_HEADS[klen] = pack
+    return pack
 
 
 def decode_ops(data: bytes, offset: int = 0, what: str = "batch", end: int | None = None) -> tuple[list[Op], int]:
@@ -145,7 +170,7 @@ def decode_ops(data: bytes, offset: int = 0, what: str = "batch", end: int | Non
 
 def encode_batch(seq: int, store_id: int, ops: Sequence[Op]) -> tuple[bytes, int]:
     """The encoded batch and its CRC-32 (its identity)."""
-    body = _BATCH_HEAD.pack(seq, store_id) + encode_ops(ops)
+    body = b"".join(_op_parts(ops, [_BATCH_HEAD.pack(seq, store_id), _U32.pack(len(ops))]))
     crc = zlib.crc32(body)
     return body + _U32.pack(crc), crc
 

@@ -51,7 +51,9 @@ class RetainedLog:
         self.base_seq = last_seq
         """Number of the newest batch that left the log (or the store's position at start)."""
         self.base_crc = last_crc
-        self._changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None
+        """Set by the next append for whoever waits in ``wait_beyond`` (made only when one waits:
+        ``append`` runs once per commit)."""
 
     @property
     def head_seq(self) -> int:
@@ -87,8 +89,9 @@ class RetainedLog:
             gone = self._items.popleft()
             self._bytes -= len(gone.data)
             self.base_seq, self.base_crc = gone.seq, gone.crc
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     def pin(self, owner: object, seq: int | None) -> None:
         """Keep the batches after ``seq`` for ``owner`` (None: release)."""
@@ -119,6 +122,8 @@ class RetainedLog:
     async def wait_beyond(self, seq: int) -> None:
         """Return once a batch after ``seq`` is in the log."""
         while self.head_seq <= seq:
+            if self._changed is None:
+                self._changed = asyncio.Event()
             await self._changed.wait()
 
 

@@ -196,12 +196,11 @@ class Primary:
         if self._closed is not None:
             _call(then, self._closed)
             return
+        self.log.append(batch.seq, batch.crc, batch.data)
         now = time.monotonic()
         for link in self.links.values():
-            if link.state == "in_sync" and link.acked_seq >= link.sent_seq:
+            if link.state == "in_sync" and link.acked_seq >= link.sent_seq:  # level until now: lag counts from here
                 link.last_progress = now
-        self.log.append(batch.seq, batch.crc, batch.data)
-        for link in self.links.values():
             if link.live:
                 self._send_live(link, batch)
         self._waiting.append((batch.seq, then))
