@@ -252,6 +252,37 @@ def test_take_over_of_a_connection_waiting_for_a_retained_puback_is_answered_at_
     assert seconds < 1.0, f"the take-over's CONNACK came after {seconds:.3f} s"
 
 
+def stuck_on_big_retained_messages(port: int, client_id: str, publisher: Client) -> socket.socket:
+    """A clean connection whose SUBSCRIBE big/# matches 10 MB of retained messages it never reads
+    (its loop is stuck sending them: the sockets' buffers are full)."""
+    for i in range(50):
+        publisher.publish(f"big/{i}", [b"x" * 200_000], qos=1, retain=True)
+    sock = socket.create_connection((HOST, port), timeout=WAIT)
+    sock.sendall(connect_packet(client_id, clean=True))
+    assert read_exactly(sock, 4)[3] == 0
+    sock.sendall(mqtt_packet(0x82, (1).to_bytes(2, "big") + mqtt_string("big/#") + b"\x00"))
+    return sock
+
+
+@pytest.mark.parametrize("new_clean", [True, False], ids=["new-clean", "new-durable"])
+def test_take_over_of_a_stuck_connection_with_a_waiting_subscribe_is_answered_within_the_grace(
+    broker: Broker, clients: Callable[..., Client], new_clean: bool
+) -> None:
+    """The older connection is stuck (``stuck_on_big_retained_messages``) with one more SUBSCRIBE
+    queued behind: the take-over's CONNACK comes at most CHANGES_GRACE (5 s) later, not 5 s for the
+    changes then CLOSE_GRACE more for the full socket (10 s: the newer connection's connect_timeout
+    closed it, a clean one got no CONNACK)."""
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    newer = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    with newer, stuck_on_big_retained_messages(broker.port, "stuck-dev", publisher) as sock:
+        sock.sendall(subscribe("c/#", 2)[0])
+        started = time.monotonic()
+        newer.sendall(connect_packet("stuck-dev", clean=new_clean))
+        assert read_exactly(newer, 4) == b"\x20\x02\x00\x00"
+        seconds = time.monotonic() - started
+    assert seconds < 6.0, f"the take-over's CONNACK came after {seconds:.2f} s"
+
+
 def test_broker_stops_at_once_with_connections_waiting_for_a_retained_puback(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
@@ -279,14 +310,8 @@ def test_changes_still_waiting_when_the_grace_runs_out_are_dropped_with_a_warnin
     none of them is applied after: once the client reads, it gets the first's SUBACK and retained
     messages, then the close (amqtt's loop applied one more after the close, uncounted)."""
     publisher = clients(broker.port, "big-pub", clean_session=True)
-    for i in range(50):
-        publisher.publish(f"big/{i}", [b"x" * 200_000], qos=1, retain=True)
-    sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
-    with sock:
-        sock.sendall(connect_packet("grace-dev", clean=True))
-        assert read_exactly(sock, 4)[3] == 0
+    with stuck_on_big_retained_messages(broker.port, "grace-dev", publisher) as sock:
         later = [subscribe("a/#", 2), subscribe("b/#", 3), unsubscribe("a/#", 4), subscribe("c/#", 5)]
-        sock.sendall(mqtt_packet(0x82, (1).to_bytes(2, "big") + mqtt_string("big/#") + b"\x00"))
         sock.sendall(b"".join(packet for packet, _ in later) + DISCONNECT)
         warning = "grace-dev: 4 SUBSCRIBE/UNSUBSCRIBE read before the connection ended not applied: dropped"
         assert broker.wait_until(lambda: warning in broker.log(), WAIT), broker.log()[-3000:]

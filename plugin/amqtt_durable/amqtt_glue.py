@@ -1989,8 +1989,8 @@ def _wrap_handler(
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, handler.handle_pubrel)
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
-    handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
     _one_queue_of_subscription_changes(handler)
+    handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
 
 
 def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
@@ -2104,10 +2104,13 @@ def _stop_waiting_for_a_reader_that_may_never_run(
 
     Its ``writer.close()`` then waits for the unsent bytes to drain: for a client that does not
     read (its socket full), for ever, and the connection kept its listener slot, its handler and
-    every unsent byte. A TCP connection still open CLOSE_GRACE after amqtt's ``stop()`` began is
-    aborted (``close_socket``'s bound), which ends that wait. The ``stop()`` callers see (wrapped by
-    ``_one_queue_of_subscription_changes``) first waits up to CHANGES_GRACE for the connection's
-    SUBSCRIBEs and UNSUBSCRIBEs to be applied: the abort comes CLOSE_GRACE after that wait."""
+    every unsent byte. A TCP connection still open CLOSE_GRACE after ``stop()`` began is aborted
+    (``close_socket``'s bound), which ends that wait. This wraps the ``stop()`` of
+    ``_one_queue_of_subscription_changes``, which first waits up to CHANGES_GRACE for the
+    connection's SUBSCRIBEs and UNSUBSCRIBEs to be applied: the abort's CLOSE_GRACE counts from
+    before that wait, one bound for both (a take-over of a connection whose client reads nothing
+    and whose changes wait behind a SUBSCRIBE it cannot complete was CONNACKed 10 s later, when the
+    newer connection's ``connect_timeout`` had closed it)."""
 
     def reader_ended(_task: Any) -> None:
         handler._reader_ready.set()
