@@ -252,14 +252,20 @@ def test_take_over_of_a_connection_waiting_for_a_retained_puback_is_answered_at_
     assert seconds < 1.0, f"the take-over's CONNACK came after {seconds:.3f} s"
 
 
-def stuck_on_big_retained_messages(port: int, client_id: str, publisher: Client) -> socket.socket:
+def stuck_on_big_retained_messages(
+    port: int, client_id: str, publisher: Client, *, qos2_first: bool = False
+) -> socket.socket:
     """A clean connection whose SUBSCRIBE big/# matches 10 MB of retained messages it never reads
-    (its loop is stuck sending them: the sockets' buffers are full)."""
+    (its loop is stuck sending them: the sockets' buffers are full). With ``qos2_first``, it
+    first PUBLISHes q2/a at QoS 2 (packet id 7) and reads the PUBREC, sending no PUBREL."""
     for i in range(50):
         publisher.publish(f"big/{i}", [b"x" * 200_000], qos=1, retain=True)
     sock = socket.create_connection((HOST, port), timeout=WAIT)
     sock.sendall(connect_packet(client_id, clean=True))
     assert read_exactly(sock, 4)[3] == 0
+    if qos2_first:
+        sock.sendall(mqtt_packet(0x34, mqtt_string("q2/a") + (7).to_bytes(2, "big") + b"hello"))
+        assert read_packet(sock)[0] >> 4 == 5  # PUBREC
     sock.sendall(mqtt_packet(0x82, (1).to_bytes(2, "big") + mqtt_string("big/#") + b"\x00"))
     return sock
 
@@ -281,6 +287,27 @@ def test_take_over_of_a_stuck_connection_with_a_waiting_subscribe_is_answered_wi
         assert read_exactly(newer, 4) == b"\x20\x02\x00\x00"
         seconds = time.monotonic() - started
     assert seconds < 6.0, f"the take-over's CONNACK came after {seconds:.2f} s"
+
+
+def test_a_qos2_publish_whose_pubrel_comes_during_the_take_over_wait_is_delivered(
+    reader: Broker, clients: Callable[..., Client]
+) -> None:
+    """A clean connection's QoS 2 PUBLISH got its PUBREC; the connection is stuck
+    (``stuck_on_big_retained_messages``), a SUBSCRIBE waits behind, and a newer durable connection
+    takes the client id over (amqtt's take-over: the older connection's reader goes on reading):
+    its PUBREL, read while the take-over waits for the SUBSCRIBE, gets the message to its
+    subscribers (that wait began by cancelling amqtt's PUBREL waiters with its PUBACK, PUBREC and
+    PUBCOMP ones: the PUBREL got a PUBCOMP, the message was never delivered)."""
+    publisher = clients(reader.port, "big-pub", clean_session=True)
+    watcher = clients(reader.port, "q2-watcher", clean_session=True)
+    watcher.subscribe("q2/#", qos=2)
+    newer = socket.create_connection((HOST, reader.port), timeout=WAIT)
+    with newer, stuck_on_big_retained_messages(reader.port, "q2-dev", publisher, qos2_first=True) as sock:
+        sock.sendall(subscribe("c/#", 2)[0])
+        newer.sendall(connect_packet("q2-dev", clean=False))
+        assert reader.wait_until(lambda: "q2-dev is already connected, performing take-over" in reader.log(), WAIT)
+        sock.sendall(mqtt_packet(0x62, (7).to_bytes(2, "big")))  # PUBREL
+        assert watcher.wait_for(lambda got: any(m.topic == "q2/a" for m in got), timeout=WAIT), reader.log()[-3000:]
 
 
 def test_broker_stops_at_once_with_connections_waiting_for_a_retained_puback(

@@ -261,7 +261,6 @@ _HANDLER_INTERNALS = (
     "handle_unsubscribe",
     "get_next_pending_subscription",
     "get_next_pending_unsubscription",
-    "_stop_waiters",
 )
 _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconnected")
 
@@ -2155,11 +2154,12 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     apply while it waits there) stops the connection only then (so a take-over's CONNACK waits
     for the older connection's changes, and in a reconnect storm for that connection's loop to get
     its ``attach_limit`` slot first: nothing else applies them); that ``stop()`` first cancels the
-    handler's PUBACK/PUBREC/PUBCOMP waiters, as amqtt's ``stop()`` does first (a clean session's loop
-    sends the retained messages of a SUBSCRIBE, each in its own task, and waits up to 5 s for the
-    QoS 1 ones' PUBACKs: a take-over's CONNACK, a broker's shutdown waited for them; the SUBSCRIBE
-    then counts as applied at once. A later SUBSCRIBE's retained messages get new waiters, which
-    are waited for, within the bound).
+    handler's PUBACK/PUBREC/PUBCOMP waiters, as amqtt's ``stop()`` does first, not its PUBREL ones
+    (``_stop_outgoing_waiters``; a clean session's loop sends the retained messages of a
+    SUBSCRIBE, each in its own task, and waits up to 5 s for the QoS 1 ones' PUBACKs: a
+    take-over's CONNACK, a broker's shutdown waited for them; the SUBSCRIBE then counts as applied
+    at once. A later SUBSCRIBE's retained messages get new waiters, which are waited for, within
+    the bound).
     When a wait runs out, the queue is closed: what still waits is dropped (WARNING with the exact
     count: the change being applied completes, nothing after it is handed out). Once the loop has
     ended (``close()``) nothing is waited for."""
@@ -2194,7 +2194,7 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
 
     async def stop() -> None:
         if asyncio.current_task() is not handler.durable_loop_task:
-            handler._stop_waiters()  # a loop waiting for a retained message's PUBACK goes on at once
+            _stop_outgoing_waiters(handler)  # a loop waiting for a retained message's PUBACK goes on at once
             await applied()
         await original_stop()
 
@@ -2204,6 +2204,16 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     handler.get_next_pending_unsubscription = no_unsubscription
     handler.wait_disconnect = wait_disconnect
     handler.stop = stop
+
+
+def _stop_outgoing_waiters(handler: Any) -> None:
+    """Cancels the handler's waits for the PUBACKs, PUBRECs and PUBCOMPs of what it sent, as
+    amqtt 0.12.1's ``_stop_waiters`` does, but not its waits for the PUBRELs of the client's own
+    QoS 2 PUBLISHes: a PUBREL read while the connection's end waits for its changes still gets
+    the message delivered (amqtt's ``stop()`` cancels those after the wait)."""
+    for waiters in (handler._puback_waiters, handler._pubrec_waiters, handler._pubcomp_waiters):
+        for waiter in waiters.values():
+            waiter.cancel()
 
 
 async def _nothing() -> None:
