@@ -1637,15 +1637,18 @@ class AmqttHooks:
 
     async def handle_subscription(self, session: Any, handler: Any, waiter: Any) -> None:
         """The loop's next SUBSCRIBE or UNSUBSCRIBE, in arrival order (one queue for both, see
-        ``_one_queue_of_subscription_changes``), taken off the queue once applied."""
+        ``_one_queue_of_subscription_changes``), taken off the queue once applied; not applied
+        if the queue was closed (the connection's end stopped waiting) since it was taken."""
         change = waiter.result()
+        changes: SubscriptionChanges[Any] | None = getattr(handler, "durable_changes", None)
+        if changes is not None and not changes.start(change):
+            return
         try:
             if isinstance(change, UnSubscription):
                 await self.handle_unsubscription(session, handler, waiter)
             else:
                 await self._handle_subscribe(session, handler, waiter)
         finally:
-            changes: SubscriptionChanges[Any] | None = getattr(handler, "durable_changes", None)
             if changes is not None:
                 changes.done(change)
 

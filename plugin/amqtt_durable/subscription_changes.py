@@ -15,9 +15,10 @@ Change = TypeVar("Change")
 
 
 class SubscriptionChanges(Generic[Change]):
-    """A FIFO whose head stays in it while it is applied: ``next()`` hands the head out, ``done()``
-    removes it once applied, so ``drained()`` (empty, or closed) means every change that arrived
-    has been applied. One consumer: the connection's message loop."""
+    """A FIFO whose head stays in it while it is applied: ``next()`` hands the head out, ``start()``
+    marks it as being applied, ``done()`` removes it once applied, so ``drained()`` (empty, or
+    closed) means every change that arrived has been applied. One consumer: the connection's
+    message loop."""
 
     def __init__(self) -> None:
         self._changes: deque[Change] = deque()
@@ -28,7 +29,7 @@ class SubscriptionChanges(Generic[Change]):
         """Set while no change waits or is being applied (or the queue is closed)."""
         self._empty.set()
         self._applying: Change | None = None
-        """The head ``next()`` handed out, until ``done()``: being applied, it is not dropped."""
+        """The head ``start()`` began applying, until ``done()``: it is not dropped."""
         self.closed = False
 
     def __len__(self) -> int:
@@ -48,8 +49,16 @@ class SubscriptionChanges(Generic[Change]):
         while not self._changes or self.closed:
             self._arrived.clear()
             await self._arrived.wait()
-        self._applying = self._changes[0]
-        return self._applying
+        return self._changes[0]
+
+    def start(self, change: Change) -> bool:
+        """The consumer begins applying ``change``, the one ``next()`` handed out: ``close()`` no
+        longer drops it. False if the queue was closed since it was handed out (the loop had not
+        begun it: it was dropped, and counted, with the rest): it is not to be applied."""
+        if self.closed:
+            return False
+        self._applying = change
+        return True
 
     def done(self, change: Change) -> None:
         """``change``, the one ``next()`` handed out, has been applied."""
@@ -63,8 +72,8 @@ class SubscriptionChanges(Generic[Change]):
     def close(self) -> int:
         """No change is handed out any more (the message loop ended, or the connection's end stopped
         waiting for them): those waiting are dropped and ``drained()`` returns at once. Returns how
-        many were dropped: not the one being applied (handed out, not yet done), which the loop
-        completes. Closing a closed queue drops nothing more."""
+        many were dropped: not the one being applied (``start()``, not yet ``done()``), which the
+        loop completes; one handed out but not started is dropped. Closing a closed queue drops nothing more."""
         if self.closed:
             return 0
         dropped = len(self._changes) - (1 if self._changes and self._changes[0] is self._applying else 0)

@@ -32,6 +32,7 @@ async def apply_all(changes: SubscriptionChanges[str], applied: list[str]) -> No
     """The message loop's part: take the head, apply it, mark it done, for ever."""
     while True:
         change = await changes.next()
+        assert changes.start(change)
         await asyncio.sleep(0)  # applying takes a loop pass (a commit), as a real one does
         applied.append(change)
         changes.done(change)
@@ -122,10 +123,25 @@ def test_close_does_not_count_the_change_being_applied_and_counts_once() -> None
         changes: SubscriptionChanges[str] = SubscriptionChanges()
         for change in ("sub a", "unsub a", "sub b"):
             changes.add(change)
-        head = await changes.next()  # handed out: being applied
+        head = await changes.next()
+        assert changes.start(head)  # being applied
         assert changes.close() == 2, "the one under way completes: not dropped"
         changes.done(head)
         assert changes.close() == 0, "a closed queue drops nothing more"
+        assert await drained_within(changes, 0.01)
+
+    run(main)
+
+
+def test_a_change_handed_out_but_not_started_when_closed_is_dropped_and_counted() -> None:
+    async def main() -> None:
+        changes: SubscriptionChanges[str] = SubscriptionChanges()
+        for change in ("sub a", "unsub a"):
+            changes.add(change)
+        head = await changes.next()  # taken by the loop, which has not begun it yet
+        assert changes.close() == 2, "not under way: dropped with the rest"
+        assert not changes.start(head), "closed since it was handed out: not to be applied"
+        changes.done(head)
         assert await drained_within(changes, 0.01)
 
     run(main)
