@@ -69,6 +69,9 @@ class Broker(BrokerProcess):
         self.folder = folder
         self.ws_port: int | None = None
         """Set before start() to add a websocket listener on this port."""
+        self.tls: tuple[int, str] | None = None
+        """Set before start() to add a TLS listener: its port, and a PEM file with its private key and
+        certificate chain (replication_helpers.cluster_pki's "node")."""
         self.store = str(folder / "store")
         self.settings: dict[str, Any] = {"store": self.store, "metrics_interval": 0, **plugin_settings}
         self.extra_plugins: dict[str, Any] = {}
@@ -79,6 +82,10 @@ class Broker(BrokerProcess):
         listeners: dict[str, Any] = {"default": {"type": "tcp", "bind": f"{HOST}:{self.port}"}}
         if self.ws_port is not None:
             listeners["ws"] = {"type": "ws", "bind": f"{HOST}:{self.ws_port}"}
+        if self.tls is not None:
+            tls_port, pem = self.tls
+            tls = {"ssl": True, "certfile": pem, "keyfile": pem}
+            listeners["tls"] = {"type": "tcp", "bind": f"{HOST}:{tls_port}", **tls}
         self.config = {
             "listeners": listeners,
             "plugins": {

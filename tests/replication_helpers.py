@@ -79,6 +79,34 @@ async def following(backup: Backup, port: int) -> AsyncIterator[asyncio.Task[Non
             await task
 
 
+async def started_primary(
+    folder: Path, *, log_max_batches: int = 100, log_max_bytes: int = 1 << 20, **settings: Any
+) -> Primary:
+    """A Primary on a new store in ``folder`` (``primary_store``: its ``db`` and ``store_id``),
+    serving on a free 127.0.0.1 port; ``settings``: Primary's others."""
+    db, store_id = primary_store(folder)
+    primary = Primary(db, store_id=store_id, log_max_batches=log_max_batches, log_max_bytes=log_max_bytes, **settings)
+    await primary.start(HOST, 0)
+    return primary
+
+
+def new_backup(folder: Path, name: str, **settings: Any) -> Backup:
+    """A Backup named ``name`` on its store in ``folder / name`` (made or reopened)."""
+    return Backup(open_store(str(folder / name)), name=name, **settings)
+
+
+@contextlib.asynccontextmanager
+async def in_sync(port: int, *backups: Backup) -> AsyncIterator[None]:
+    """Each of ``backups`` follows the primary at ``port`` until the block ends (``following``);
+    the block begins once every one of them is in sync."""
+    async with contextlib.AsyncExitStack() as stack:
+        for backup in backups:
+            await stack.enter_async_context(following(backup, port))
+        for backup in backups:
+            await bounded(backup.in_sync_event.wait())
+        yield
+
+
 def cluster_pki(folder: Path) -> dict[str, str]:
     """A cluster CA, a certificate for 127.0.0.1 signed by it, and one from a stranger's CA."""
     ca, stranger = trustme.CA(), trustme.CA()

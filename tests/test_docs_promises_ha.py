@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 from replication_helpers import primary_store
-from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, wait_status
+from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, ha_pair, node, start, static_pair, wait_status
 
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
@@ -37,9 +37,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_inspect_replication_prints_the_documented_lines_and_json(broker_factory: Callable[..., Broker]) -> None:
     """Watching it: ``a: primary, at batch N, sync replication`` then ``backup b (peer): in_sync,
     acked N, lag 0 batches / 0.0 s``; ``--json`` is the raw status; a backup says whom it follows."""
-    primary = start(node(broker_factory, "p", role="primary", mode="async"), SERVING)
-    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
-    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+    primary, backup = static_pair(broker_factory, mode="async")
 
     shown = run_cli("inspect", "--replication", address(primary))
     assert shown.returncode == 0, shown.stderr
@@ -66,9 +64,7 @@ def test_sys_topics_carry_mode_batch_and_each_backups_lag_seconds_and_snapshot_r
     """Watching it: ``role``, ``mode``, ``batch``, ``backups``, ``backups_in_sync``, ``refused`` and per backup
     ``state``, ``lag_batches``, ``lag_seconds``, ``snapshot_rows`` (test_ha_brokers checks the values
     of role, backups and state; this checks that every documented topic is published)."""
-    primary = start(node(broker_factory, "p", {"metrics_interval": 0.2}, role="primary"), SERVING)
-    start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
-    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+    primary, _ = static_pair(broker_factory, {"metrics_interval": 0.2})
     monitor = clients(primary.port, "monitor", clean_session=True)
     monitor.subscribe("$SYS/broker/durable/replication/#", 0)
     prefix = "$SYS/broker/durable/replication/"
@@ -160,9 +156,7 @@ def test_a_backups_refusals_leave_no_warning_in_its_log(
 ) -> None:
     """Role changes: a backup's refusals (CONNACK 3) are logged at DEBUG, amqtt's own WARNINGs
     about them included; the primary logs a backup that drops out as a WARNING (Watching it)."""
-    primary = start(node(broker_factory, "p", role="primary"), SERVING)
-    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
-    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+    primary, backup = static_pair(broker_factory)
     for _ in range(5):
         assert connack_code(backup.port) == BACKUP
     wait_status(backup, lambda s: s["caught_up"])  # a round trip after the refusals were handled
@@ -195,10 +189,7 @@ def test_a_clean_stop_of_a_primary_releases_the_lease_so_the_backup_takes_over_b
 ) -> None:
     """Role changes, clean stop of a primary (SIGTERM): with a coordinator, the lease is released,
     so the backup takes over at its next cycle, not ``lease_ttl`` after the last renewal."""
-    ha = {"coordinator": [etcd.url], "lease_ttl": 20, "loop_wait": 0.5, "demote_margin": 1}
-    first = start(node(broker_factory, "a", **ha), SERVING)
-    second = start(node(broker_factory, "b", **ha), BACKUP)
-    wait_status(second, lambda s: s["caught_up"])
+    first, second = ha_pair(broker_factory, etcd, lease_ttl=20, loop_wait=0.5, demote_margin=1)
     first.terminate()
     assert first.wait_stopped(time.monotonic() + 15), first.log()
     stopped = time.monotonic()

@@ -27,6 +27,7 @@ from test_ha_brokers import (
     node,
     queue_durable_messages,
     start,
+    static_pair,
     wait_status,
 )
 
@@ -314,9 +315,7 @@ def test_a_lost_backup_holds_sync_pubacks_for_ack_timeout_then_the_primary_goes_
     """What each mode guarantees, "Backup lost": sync, "the primary goes on after ack_timeout without
     it, and catches it up when it returns"; async, "no effect on acknowledgements". Watching it: a
     backup that "stops acknowledging for ack_timeout" is logged as a WARNING by the primary."""
-    primary = start(node(broker_factory, "p", role="primary", mode=mode, ack_timeout=2), SERVING)
-    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
-    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+    primary, backup = static_pair(broker_factory, mode=mode, ack_timeout=2)
     subscriber = clients(primary.port, "device")  # a durable session: each publish is stored for it
     subscriber.subscribe("t/#", 1)
     subscriber.disconnect()

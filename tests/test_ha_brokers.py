@@ -78,6 +78,36 @@ def wait_status(broker: Broker, check: Callable[[dict[str, Any]], bool], timeout
     return seen[-1]
 
 
+def ha_pair(
+    broker_factory: Callable[..., Broker], etcd: Any, plugin: dict[str, Any] | None = None, **settings: Any
+) -> tuple[Broker, Broker]:
+    """Two nodes with etcd as coordinator, HA_TIMING unless ``settings`` (their replication settings)
+    say otherwise, ``plugin`` their plugin settings: a, started first, is the primary (CONNACK 0);
+    b its backup (CONNACK 3), returned once it says it is caught up."""
+    ha = {"coordinator": [etcd.url], **HA_TIMING, **settings}
+    first = start(node(broker_factory, "a", plugin, **ha), SERVING)
+    second = start(node(broker_factory, "b", plugin, **ha), BACKUP)
+    wait_status(second, lambda s: s["caught_up"])
+    return first, second
+
+
+def static_pair(
+    broker_factory: Callable[..., Broker],
+    plugin: dict[str, Any] | None = None,
+    *,
+    backup: dict[str, Any] | None = None,
+    **primary: Any,
+) -> tuple[Broker, Broker]:
+    """Two nodes without a coordinator: p, role primary (replication settings ``primary``, plugin
+    settings ``plugin``), and b, role backup following p (replication settings ``backup``), each
+    started (CONNACK 0 and 3); returned once p lists b in sync and b says it is caught up."""
+    first = start(node(broker_factory, "p", plugin, role="primary", **primary), SERVING)
+    second = start(node(broker_factory, "b", role="backup", primary=address(first), **(backup or {})), BACKUP)
+    wait_status(first, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+    wait_status(second, lambda s: s["caught_up"])
+    return first, second
+
+
 def queue_durable_messages(primary: Broker, clients: Callable[..., Client], count: int) -> None:
     """A durable subscriber leaves; ``count`` QoS 1 publishes are acknowledged for it."""
     subscriber = clients(primary.port, "device")
@@ -98,9 +128,7 @@ def assert_queue_served(broker: Broker, clients: Callable[..., Client], count: i
 def test_a_backup_refuses_clients_holds_every_acknowledged_publish_and_is_promoted_by_the_operator(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    primary = start(node(broker_factory, "p", role="primary"), SERVING)
-    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
-    wait_status(backup, lambda s: s["caught_up"])
+    primary, backup = static_pair(broker_factory)
     queue_durable_messages(primary, clients, 300)
 
     shown = run_cli("inspect", "--replication", address(primary))
@@ -136,9 +164,7 @@ def refused_at_once(replication_address: str, attack: bytes) -> bytes:
 def test_strangers_on_the_replication_address_are_cut_off_and_replication_goes_on(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    primary = start(node(broker_factory, "p", role="primary"), SERVING)
-    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
-    wait_status(backup, lambda s: s["caught_up"])
+    primary, backup = static_pair(broker_factory)
     huge_hello = bytes([Frame.HELLO]) + (200 * 1024 * 1024).to_bytes(4, "big")  # a 200 MiB frame announced
     garbage = bytes(range(256))
     for target in (primary, backup):
@@ -205,9 +231,7 @@ def test_a_process_grabbing_the_backup_s_ports_during_promote_gets_none_and_the_
     promotion closed it and bound it again; a port taken in between left the node without its
     tools: this test failed in 4 of 8 runs on main at 2250aa5; tests/unit/test_replication_address.py forces
     that moment)."""
-    primary = start(node(broker_factory, "p", role="primary"), SERVING)
-    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
-    wait_status(backup, lambda s: s["caught_up"])
+    primary, backup = static_pair(broker_factory)
     queue_durable_messages(primary, clients, 50)
     primary.kill()
     squatter = PortSquatter([backup.port, int(address(backup).rsplit(":", 1)[1])])
@@ -241,10 +265,7 @@ def test_promote_names_what_is_wrong() -> None:
 def test_the_etcd_lease_fails_over_to_the_backup_and_the_old_primary_rejoins(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
 ) -> None:
-    ha = {"coordinator": [etcd.url], **HA_TIMING}
-    first = start(node(broker_factory, "a", **ha), SERVING)
-    second = start(node(broker_factory, "b", **ha), BACKUP)
-    wait_status(second, lambda s: s["caught_up"])
+    first, second = ha_pair(broker_factory, etcd)
     queue_durable_messages(first, clients, 200)
 
     first.kill()
@@ -302,10 +323,7 @@ def publish_to(broker: Broker, clients: Callable[..., Client], messages: list[by
 def test_a_cpl2_sdk_client_is_exactly_once_and_in_order_across_two_failovers(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any, tmp_path: Path
 ) -> None:
-    ha = {"coordinator": [etcd.url], **HA_TIMING}
-    first = start(node(broker_factory, "a", **ha), SERVING)
-    second = start(node(broker_factory, "b", **ha), BACKUP)
-    wait_status(second, lambda s: s["caught_up"])
+    first, second = ha_pair(broker_factory, etcd)
     consumer = HeldConsumer(tmp_path / "state", first, [second])
     batches = [payloads(150, "one-"), payloads(150, "two-")]
     try:
@@ -366,14 +384,6 @@ def assert_every_acknowledged_publish_arrives_in_order(
     assert not missing, f"{len(missing)} acknowledged publishes lost, e.g. {sorted(missing)[:3]}"
     order = {payload: index for index, payload in enumerate(published)}
     assert [order[p] for p in received] == sorted(order[p] for p in set(received)), "out of order or duplicated"
-
-
-def ha_pair(broker_factory: Callable[..., Broker], etcd: Any, **settings: Any) -> tuple[Broker, Broker]:
-    ha = {"coordinator": [etcd.url], **HA_TIMING, **settings}
-    first = start(node(broker_factory, "a", **ha), SERVING)
-    second = start(node(broker_factory, "b", **ha), BACKUP)
-    wait_status(second, lambda s: s["caught_up"])
-    return first, second
 
 
 @pytest.mark.slow
@@ -441,11 +451,7 @@ def test_a_backup_still_catching_up_is_not_promoted_and_loses_nothing_acknowledg
 def test_a_stream_reader_reads_on_across_a_failover_with_the_same_ids(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
 ) -> None:
-    ha = {"coordinator": [etcd.url], **HA_TIMING}
-    logged = {"streams": [{"filter": "telemetry/#"}]}
-    first = start(node(broker_factory, "a", logged, **ha), SERVING)
-    second = start(node(broker_factory, "b", logged, **ha), BACKUP)
-    wait_status(second, lambda s: s["caught_up"])
+    first, second = ha_pair(broker_factory, etcd, {"streams": [{"filter": "telemetry/#"}]})
     events = [f"event-{i}".encode() for i in range(1, 201)]
     publisher = clients(first.port, "stream-publisher", clean_session=True)
     publisher.publish("telemetry/a", events)
@@ -495,9 +501,7 @@ def test_async_mode_can_lose_only_a_tail_of_acknowledged_publishes_never_a_hole(
 def test_sys_topics_show_the_role_the_backups_and_their_lag(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    primary = start(node(broker_factory, "p", {"metrics_interval": 0.2}, role="primary"), SERVING)
-    backup = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
-    wait_status(backup, lambda s: s["caught_up"])
+    primary, _ = static_pair(broker_factory, {"metrics_interval": 0.2})
     monitor = clients(primary.port, "monitor", clean_session=True)
     monitor.subscribe("$SYS/broker/durable/replication/#", 0)
     wanted = {

@@ -17,7 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_ha_brokers import BACKUP, FAILOVER_WAIT, HA_TIMING, SERVING, address, node, start, status, wait_status
+from test_ha_brokers import (
+    BACKUP,
+    FAILOVER_WAIT,
+    HA_TIMING,
+    SERVING,
+    address,
+    ha_pair,
+    node,
+    start,
+    static_pair,
+    status,
+    wait_status,
+)
 from test_ha_partition import in_sync_set
 from test_ha_partition import relays as relays  # noqa: PLC0414  (the fixture, by its own name)
 from test_qos2_inbound import PUBREC, complete, expect_ack, publish
@@ -274,9 +286,7 @@ def test_a_clean_stop_of_a_primary_leaves_no_acknowledged_publish_unshipped(
     """Finding 5: async mode acknowledges after the local write. The backup is paused, so about
     24 MiB of acknowledged batches wait in the primary; a clean stop (SIGTERM) must ship them
     before the replication end closes."""
-    primary = start(node(broker_factory, "p", role="primary", mode="async", ack_timeout=60), SERVING)
-    backup = start(node(broker_factory, "b", role="backup", primary=address(primary), ack_timeout=60), BACKUP)
-    wait_status(backup, lambda s: s["caught_up"])
+    primary, backup = static_pair(broker_factory, mode="async", ack_timeout=60, backup={"ack_timeout": 60})
     durable_subscriber(primary, clients)
     big = [b"%06d" % n + b"x" * 16_378 for n in range(1500)]
     with backup.paused():
@@ -299,10 +309,7 @@ def test_a_backup_whose_store_cannot_be_loaded_gives_the_lease_back_and_tries_ag
 ) -> None:
     """Finding 7: the promotion's load fails (a damaged session record in the backup's store): the
     HA loop must go on (an ERROR naming the problem, the lease released, still a backup)."""
-    ha = {"coordinator": [etcd.url], **HA_TIMING}
-    first = start(node(broker_factory, "a", **ha), SERVING)
-    second = start(node(broker_factory, "b", **ha), BACKUP)
-    wait_status(second, lambda s: s["caught_up"])
+    first, second = ha_pair(broker_factory, etcd)
     durable_subscriber(first, clients)
     second.kill()
     db = open_store(second.store, create=False)

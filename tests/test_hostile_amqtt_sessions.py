@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from pwdlib.hashers.argon2 import Argon2Hasher
-from raw_mqtt_helpers import connect_packet, read_exactly
+from raw_mqtt_helpers import connect_packet, raw_subscribe, read_exactly, read_packet
 from test_hostile_door_limits import slow_auth_broker
 from test_hostile_owner import PASSWORDS, login
+from test_hostile_wire import read_until_closed
 from test_recovery_and_crash import EXPIRED_TOPIC
+from websockets.client import ClientProtocol
+from websockets.frames import Frame, Opcode
+from websockets.protocol import State
+from websockets.typing import Subprotocol
+from websockets.uri import parse_uri
 
+from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, connack_code, mqtt_packet, mqtt_string
 from durable_client import DurableClient
 
@@ -65,10 +73,14 @@ def amqtt_table(monitor: Client) -> list[str]:
     return json.loads(next(m.payload for m in monitor.messages[before:] if m.topic == "probe/sessions/ids"))
 
 
-def password_broker(broker_factory: Callable[..., Broker], tmp_path: Path, **settings: object) -> Broker:
+def password_broker(
+    broker_factory: Callable[..., Broker], tmp_path: Path, *, websocket: bool = False, **settings: object
+) -> Broker:
     """File authentication, no anonymous clients (as a deployment with passwords runs), and the probe."""
     (tmp_path / "amqtt_sessions_probe.py").write_text(PROBE_PLUGIN)
     broker: Broker = broker_factory(start=False, **settings)
+    if websocket:
+        broker.ws_port = free_port()
     broker.pythonpath.append(str(tmp_path))
     broker.extra_plugins["amqtt_sessions_probe.AmqttSessions"] = {}
     hasher = Argon2Hasher(time_cost=1, memory_cost=8, parallelism=1)
@@ -167,3 +179,118 @@ def test_a_failed_login_racing_a_live_connection_of_its_client_id_leaves_that_co
         assert got, "the live connection of 'dup' gets nothing: its entry in amqtt's table is gone"
     finally:
         gate.write_text("1")
+
+
+class StuckWebsocket:
+    """A websocket MQTT client over a raw socket (websockets' sans-I/O protocol) that answers
+    nothing the broker sends: in particular not the close frame of the broker's closing handshake,
+    which the broker then waits for (websockets' close_timeout, 10 s) before it drops the connection."""
+
+    def __init__(self, ws_port: int) -> None:
+        self.sock = socket.create_connection((HOST, ws_port), timeout=WAIT)
+        self.protocol = ClientProtocol(parse_uri(f"ws://{HOST}:{ws_port}/"), subprotocols=[Subprotocol("mqtt")])
+        self.protocol.send_request(self.protocol.connect())
+        self._flush()
+        while self.protocol.state is State.CONNECTING:
+            self._receive()
+        assert self.protocol.state is State.OPEN, self.protocol.handshake_exc
+
+    def _flush(self) -> None:
+        for data in self.protocol.data_to_send():
+            self.sock.sendall(data)
+
+    def _receive(self) -> bool:
+        data = self.sock.recv(65536)
+        if data:
+            self.protocol.receive_data(data)
+        else:
+            self.protocol.receive_eof()
+        return bool(data)
+
+    def send(self, packet: bytes) -> None:
+        self.protocol.send_binary(packet)
+        self._flush()
+
+    def receive(self) -> bytes:
+        """The next binary message (an MQTT packet, as the broker frames them)."""
+        while True:
+            for event in self.protocol.events_received():
+                if isinstance(event, Frame) and event.opcode is Opcode.BINARY:
+                    return bytes(event.data)
+            assert self._receive(), "closed"
+
+
+def alice_connect(client_id: str, *, clean: bool, will_topic: str | None = None) -> bytes:
+    """A CONNECT of alice with her password; with ``will_topic``, a will (QoS 0, "gone")."""
+    flags = 0xC0 | (0x02 if clean else 0) | (0x04 if will_topic is not None else 0)
+    body = mqtt_string("MQTT") + bytes([4, flags, 0, 60]) + mqtt_string(client_id)
+    if will_topic is not None:
+        body += mqtt_string(will_topic) + mqtt_string("gone")
+    return mqtt_packet(0x10, body + mqtt_string("alice") + mqtt_string(PASSWORDS["alice"]))
+
+
+def test_a_clean_take_over_of_a_websocket_client_that_answers_nothing_gets_its_connack_within_connect_timeout(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """MQTT-3.1.4-2 and configuration.md connect_timeout: a clean CONNECT of a client id connected
+    over a websocket by a client that answers nothing (not the closing handshake either) ends that
+    connection, whose will is published once, and gets its CONNACK within connect_timeout (1 s).
+    The take-over waited for the old client's close frame (websockets waits 10 s) with the new
+    CONNECT's connect_timeout running: both connections ended, the new one with no CONNACK, and so
+    did every reconnect of the client id until then. amqtt's table keeps no Session of it after."""
+    broker = password_broker(broker_factory, tmp_path, websocket=True, connect_timeout=1)
+    monitor = login(clients, broker, "monitor", "monitor", clean_session=True)
+    monitor.subscribe([("probe/#", 0), ("will/#", 0)])
+    old = StuckWebsocket(broker.ws_port)
+    old.send(alice_connect("dev", clean=True, will_topic="will/dev"))
+    assert old.receive() == b"\x20\x02\x00\x00"
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as new:
+        new.sendall(alice_connect("dev", clean=True))
+        assert read_exactly(new, 4) == b"\x20\x02\x00\x00"
+        assert read_until_closed(old.sock, WAIT) is not None, "the connection taken over is still open"
+        old.sock.close()
+        assert raw_subscribe(new, "t/#", 0) == 0
+        monitor.publish("t/1", [b"to the new connection"], qos=0)
+        assert read_packet(new) == (0x30, mqtt_string("t/1") + b"to the new connection")
+        new.sendall(bytes((0xE0, 0)))  # DISCONNECT
+        assert read_until_closed(new, WAIT) == b""
+    assert monitor.wait_for(lambda ms: any(m.topic == "will/dev" for m in ms)), "no will of the connection taken over"
+    assert broker.wait_until(lambda: "dev" not in amqtt_table(monitor), WAIT), "amqtt keeps a Session of 'dev'"
+    assert [m.payload for m in monitor.messages if m.topic == "will/dev"] == [b"gone"], "the will, once"
+
+
+def test_a_durable_take_over_of_a_websocket_client_that_answers_nothing_gets_its_connack_and_the_messages_in_flight(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """MQTT-3.1.4-2 and configuration.md connect_timeout, for a durable (clean_session=false)
+    CONNECT: it takes the client id over from a websocket client that answers nothing, gets its
+    CONNACK (session present) well within connect_timeout, and the message the old connection had
+    in flight, unacknowledged, is delivered again on the new one, with DUP (MQTT-4.4.0-1); the old
+    connection's will is published once. amqtt's take-over waited 10 s (websockets' close_timeout)
+    for the old client's close frame before the new CONNACK: past connect_timeout (1 s here)."""
+    broker = password_broker(broker_factory, tmp_path, websocket=True, connect_timeout=1)
+    monitor = login(clients, broker, "monitor", "monitor", clean_session=True)
+    monitor.subscribe([("will/#", 0)])
+    old = StuckWebsocket(broker.ws_port)
+    old.send(alice_connect("dev", clean=False, will_topic="will/dev"))
+    assert old.receive() == b"\x20\x02\x00\x00"
+    old.send(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("t/#") + b"\x01"))
+    assert old.receive() == b"\x90\x03\x00\x01\x01"
+    monitor.publish("t/1", [b"in flight"], qos=1)
+    in_flight = old.receive()  # not acknowledged
+    assert in_flight[:1] == b"\x32" and in_flight.endswith(b"in flight"), in_flight
+    packet_id = in_flight[2 + len(mqtt_string("t/1")) : 4 + len(mqtt_string("t/1"))]
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as new:
+        began = time.monotonic()
+        new.sendall(alice_connect("dev", clean=False))
+        connack = read_exactly(new, 4)
+        took = time.monotonic() - began
+        assert connack == b"\x20\x02\x01\x00" and took < 3, (connack, took)
+        assert read_packet(new) == (0x3A, mqtt_string("t/1") + packet_id + b"in flight"), "again, with DUP"
+        new.sendall(b"\x40\x02" + packet_id)  # PUBACK
+        assert read_until_closed(old.sock, WAIT) is not None, "the connection taken over is still open"
+        old.sock.close()
+        new.sendall(bytes((0xE0, 0)))  # DISCONNECT
+        assert read_until_closed(new, WAIT) == b""
+    assert monitor.wait_for(lambda ms: any(m.topic == "will/dev" for m in ms)), "no will of the connection taken over"
+    assert [m.payload for m in monitor.messages if m.topic == "will/dev"] == [b"gone"], "the will, once"

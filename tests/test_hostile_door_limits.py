@@ -7,8 +7,10 @@ and its limits"; docs/configuration.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable
@@ -17,6 +19,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly
+from replication_helpers import cluster_pki
 from test_hostile_owner import PASSWORDS, REFUSED, acl_broker
 from test_hostile_owner import raw_connect as owner_connect
 from test_hostile_review_conn import broker_with_two_connection_slots
@@ -225,6 +228,89 @@ def test_a_connection_past_the_address_limit_does_not_wait_for_a_listener_slot(
         assert read_until_closed(sock, WAIT) == b"", "closed at once, not left waiting for a slot"
     for sock in held:
         sock.close()
+
+
+def tls_broker(
+    broker_factory: Callable[..., Broker], tmp_path: Path, **settings: object
+) -> tuple[Broker, int, ssl.SSLContext]:
+    """A broker with a TLS listener too (a certificate for 127.0.0.1); the broker, the TLS
+    listener's port and a client context that trusts it."""
+    pki = cluster_pki(tmp_path)
+    broker = broker_factory(start=False, **settings)
+    broker.tls = (free_port(), pki["node"])
+    broker.start()
+    return broker, broker.tls[0], ssl.create_default_context(cafile=pki["ca"])
+
+
+def tls_connect(port: int, context: ssl.SSLContext, client_id: str) -> ssl.SSLSocket:
+    """A clean CONNECT over TLS; the connection, once CONNACK accepted it."""
+    sock = context.wrap_socket(socket.create_connection((HOST, port), timeout=WAIT), server_hostname=HOST)
+    sock.sendall(connect_packet(client_id, clean=True))
+    assert read_exactly(sock, 4) == b"\x20\x02\x00\x00"
+    return sock
+
+
+def answer_to_client_hello(port: int, context: ssl.SSLContext) -> bytes | None:
+    """What the broker sends back to a TLS ClientHello before it closes the connection (b"":
+    nothing, not even a ServerHello), or None if the connection is still open."""
+    hello = ssl.MemoryBIO()
+    tls = context.wrap_bio(ssl.MemoryBIO(), hello, server_hostname=HOST)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        with contextlib.suppress(ConnectionError):  # closed already
+            sock.sendall(hello.read())
+        return read_until_closed(sock, WAIT)
+
+
+def test_a_tls_connection_past_the_address_limit_is_closed_before_its_tls_handshake(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """configuration.md: a TCP connection past max_connections_per_address is closed as soon as it
+    is accepted, on a TLS listener before its TLS handshake (no cryptography for it: it was done
+    first, a full handshake per refused connection). TLS and plain TCP connections share an
+    address's count; a TLS connection's end, a failed handshake's included, gives its place back."""
+    broker, tls_port, context = tls_broker(broker_factory, tmp_path, max_connections_per_address=2)
+    assert broker.wait_until(lambda: place_free(broker.port), WAIT), "the start-up check's connection has ended"
+    held_tls = tls_connect(tls_port, context, "held-tls")
+    held_tcp = raw_connect(broker.port, "held-tcp", clean=True)
+    for _ in range(3):
+        assert answer_to_client_hello(tls_port, context) == b"", "closed at once: no ServerHello, no handshake"
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        assert read_until_closed(sock, WAIT) == b"", "a plain TCP one past the limit: closed at once"
+    held_tls.close()
+    assert broker.wait_until(lambda: place_free(broker.port), WAIT), "the TLS connection's end freed its place"
+    with socket.create_connection((HOST, tls_port), timeout=WAIT) as failing:  # not TLS: its handshake fails
+        failing.sendall(connect_packet("not-tls", clean=True))
+        assert read_until_closed(failing, WAIT) is not None, "a failed handshake ends the connection"
+    assert broker.wait_until(lambda: place_free(broker.port), WAIT), "the failed handshake's end freed its place"
+    tls_connect(tls_port, context, "again").close()
+    log = broker.log()
+    assert log.count("closing a new connection from 127.0.0.1 before reading anything") == 1, log
+    held_tcp.close()
+
+
+def test_a_broker_stopped_with_connections_before_their_connect_logs_no_error(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """operations.md ("Ctrl-C or SIGTERM shuts it down cleanly"): SIGTERM while connections wait, on the TLS listener in
+    their TLS handshake (a silent one, one with half a ClientHello) and on the plain one for their
+    CONNECT, stops the broker cleanly, with no ERROR: each such connection's task was cancelled,
+    which asyncio logged as an ERROR with a CancelledError traceback, one per connection."""
+    broker, tls_port, _ = tls_broker(broker_factory, tmp_path, max_connections_per_address=3)
+    assert broker.wait_until(lambda: place_free(broker.port), WAIT), "the start-up check's connection has ended"
+    with (
+        socket.create_connection((HOST, tls_port), timeout=WAIT),
+        socket.create_connection((HOST, tls_port), timeout=WAIT) as half_hello,
+        socket.create_connection((HOST, broker.port), timeout=WAIT),
+    ):
+        half_hello.sendall(b"\x16\x03\x01\x00\x50")  # a handshake record's header; the record never comes
+        assert broker.wait_until(lambda: not place_free(broker.port), WAIT), "the three are counted"
+        broker.stop()
+    assert broker.exit_status == 0, broker.log()
+    log = broker.log()
+    for bad in ("Traceback", "Task was destroyed", "Unhandled exception", " ERROR "):
+        assert bad not in log, log
 
 
 def place_free(port: int) -> bool:

@@ -12,7 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from replication_helpers import HOST, bounded, commit, content, following, ops_for, primary_store, write
+from replication_helpers import (
+    HOST,
+    bounded,
+    commit,
+    content,
+    following,
+    in_sync,
+    new_backup,
+    ops_for,
+    primary_store,
+    started_primary,
+    write,
+)
 
 from amqtt_durable.replication import backup as backup_module
 from amqtt_durable.replication.backup import Backup, BackupState
@@ -47,13 +59,10 @@ def hold_writes(backup: Backup) -> asyncio.Event:
 
 def test_primary_ships_10000_batches_to_two_backups_identically(tmp_path: Path) -> None:
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=1 << 20)
-        await primary.start(HOST, 0)
-        backups = [Backup(open_store(str(tmp_path / name)), name=name) for name in ("b1", "b2")]
-        async with following(backups[0], primary.port), following(backups[1], primary.port):
-            for backup in backups:
-                await bounded(backup.in_sync_event.wait())
+        primary = await started_primary(tmp_path / "p", log_max_batches=1000)
+        db = primary.db
+        backups = [new_backup(tmp_path, name) for name in ("b1", "b2")]
+        async with in_sync(primary.port, *backups):
             futures = []
             for n in range(1, 10_001):
                 futures.append(commit(primary, ops_for(n)))
@@ -77,28 +86,21 @@ def test_primary_ships_10000_batches_to_two_backups_identically(tmp_path: Path) 
 
 def test_a_restarted_backup_resumes_from_its_applied_batch(tmp_path: Path) -> None:
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
         events: list[str] = []
-        primary = Primary(
-            db,
-            store_id=store_id,
-            log_max_batches=1000,
-            log_max_bytes=1 << 20,
-            on_change=lambda link, what: events.append(what),
+        primary = await started_primary(
+            tmp_path / "p", log_max_batches=1000, on_change=lambda link, what: events.append(what)
         )
-        await primary.start(HOST, 0)
-        backup = Backup(open_store(str(tmp_path / "b")), name="b")
-        async with following(backup, primary.port):
-            await bounded(backup.in_sync_event.wait())
+        db = primary.db
+        backup = new_backup(tmp_path, "b")
+        async with in_sync(primary.port, backup):
             await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 501))))
             assert backup.applied_seq == 500  # sync: every in-sync backup confirmed
         backup.db.close()  # the backup's process is gone
         for n in range(501, 801):
             commit(primary, ops_for(n))
-        again = Backup(open_store(str(tmp_path / "b")), name="b")
+        again = new_backup(tmp_path, "b")
         assert again.applied_seq == 500
-        async with following(again, primary.port):
-            await bounded(again.in_sync_event.wait())
+        async with in_sync(primary.port, again):
             await bounded(again.wait_applied(800))
             assert again.snapshots == 0
             assert any("300 batches behind" in what for what in events)
@@ -110,27 +112,23 @@ def test_a_restarted_backup_resumes_from_its_applied_batch(tmp_path: Path) -> No
 
 def test_a_backup_outside_the_log_gets_a_snapshot_while_the_primary_commits(tmp_path: Path) -> None:
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
         gone = asyncio.Event()
-        primary = Primary(
-            db,
-            store_id=store_id,
+        primary = await started_primary(
+            tmp_path / "p",
             log_max_batches=50,
-            log_max_bytes=1 << 20,
             chunk_bytes=4096,
             on_change=lambda _, what: gone.set() if what.startswith("disconnected") else None,
         )
-        await primary.start(HOST, 0)
-        backup = Backup(open_store(str(tmp_path / "b")), name="b")
-        async with following(backup, primary.port):
-            await bounded(backup.in_sync_event.wait())
+        db = primary.db
+        backup = new_backup(tmp_path, "b")
+        async with in_sync(primary.port, backup):
             await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 101))))
         backup.db.close()
         await bounded(gone.wait())  # until the primary sees it gone, the backup's position is pinned
         for n in range(101, 1501):
             commit(primary, ops_for(n))
         assert primary.log.first_seq > 101  # the backup's next batch left the retained log
-        again = Backup(open_store(str(tmp_path / "b")), name="b")
+        again = new_backup(tmp_path, "b")
         during_snapshot = 0
 
         async def keep_committing() -> None:
@@ -154,15 +152,11 @@ def test_a_backup_outside_the_log_gets_a_snapshot_while_the_primary_commits(tmp_
 
 def test_sync_future_waits_for_every_in_sync_backup(tmp_path: Path) -> None:
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, ack_timeout=60)
-        await primary.start(HOST, 0)
-        fast = Backup(open_store(str(tmp_path / "fast")), name="fast")
-        slow = Backup(open_store(str(tmp_path / "slow")), name="slow")
+        primary = await started_primary(tmp_path / "p", ack_timeout=60)
+        fast = new_backup(tmp_path, "fast")
+        slow = new_backup(tmp_path, "slow")
         gate = hold_writes(slow)
-        async with following(fast, primary.port), following(slow, primary.port):
-            await bounded(fast.in_sync_event.wait())
-            await bounded(slow.in_sync_event.wait())
+        async with in_sync(primary.port, fast, slow):
             future = commit(primary, ops_for(1))
             await bounded(fast.wait_applied(1))
             await bounded(primary.wait_acked("fast", 1))
@@ -177,21 +171,15 @@ def test_sync_future_waits_for_every_in_sync_backup(tmp_path: Path) -> None:
 
 def test_a_silent_backup_is_dropped_and_no_longer_holds_acks(tmp_path: Path) -> None:
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
         dropped: list[BackupLink] = []
-        primary = Primary(
-            db,
-            store_id=store_id,
-            log_max_batches=100,
-            log_max_bytes=1 << 20,
+        primary = await started_primary(
+            tmp_path / "p",
             ack_timeout=0.2,
             on_change=lambda link, what: dropped.append(link) if "no ack" in what else None,
         )
-        await primary.start(HOST, 0)
-        stuck = Backup(open_store(str(tmp_path / "stuck")), name="stuck")
+        stuck = new_backup(tmp_path, "stuck")
         hold_writes(stuck)  # never released
-        async with following(stuck, primary.port):
-            await bounded(stuck.in_sync_event.wait())
+        async with in_sync(primary.port, stuck):
             await bounded(commit(primary, ops_for(1)))  # resolves once the watchdog drops it
             assert [link.name for link in dropped] == ["stuck"]
         await primary.close()
@@ -201,13 +189,10 @@ def test_a_silent_backup_is_dropped_and_no_longer_holds_acks(tmp_path: Path) -> 
 
 def test_close_fails_batches_still_waiting(tmp_path: Path) -> None:
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, ack_timeout=60)
-        await primary.start(HOST, 0)
-        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        primary = await started_primary(tmp_path / "p", ack_timeout=60)
+        backup = new_backup(tmp_path, "b")
         hold_writes(backup)  # never released
-        async with following(backup, primary.port):
-            await bounded(backup.in_sync_event.wait())
+        async with in_sync(primary.port, backup):
             future = commit(primary, ops_for(1))
             await primary.close("the primary lost its lease")
             assert future.done()
@@ -235,7 +220,7 @@ def test_a_backup_refuses_a_gap_and_applies_nothing_out_of_order(tmp_path: Path)
             writer.close()
 
         server = await asyncio.start_server(fake_primary, HOST, 0)
-        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        backup = new_backup(tmp_path, "b")
         with pytest.raises(ReplicationGapError, match="batch 3 received after batch 1"):
             await bounded(backup.run(HOST, server.sockets[0].getsockname()[1]))
         assert backup.applied_seq == 1
@@ -249,12 +234,11 @@ def test_a_backup_refuses_a_gap_and_applies_nothing_out_of_order(tmp_path: Path)
 
 def test_a_backup_killed_during_a_snapshot_gets_a_new_one(tmp_path: Path) -> None:
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=10, log_max_bytes=1 << 20, chunk_bytes=2048)
-        await primary.start(HOST, 0)
+        primary = await started_primary(tmp_path / "p", log_max_batches=10, chunk_bytes=2048)
+        db = primary.db
         for n in range(1, 1001):
             commit(primary, ops_for(n))
-        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        backup = new_backup(tmp_path, "b")
         real_apply = backup._apply
         some_rows = asyncio.Event()
         dead = asyncio.Event()
@@ -270,11 +254,10 @@ def test_a_backup_killed_during_a_snapshot_gets_a_new_one(tmp_path: Path) -> Non
         async with following(backup, primary.port):
             await bounded(some_rows.wait())
         backup.db.close()
-        again = Backup(open_store(str(tmp_path / "b")), name="b")
+        again = new_backup(tmp_path, "b")
         assert again.partial  # the snapshot mark says the store is incomplete
         assert read_position(again.db) is None
-        async with following(again, primary.port):
-            await bounded(again.in_sync_event.wait())
+        async with in_sync(primary.port, again):
             assert again.snapshots == 1
             assert content(again.db) == content(db)
         await primary.close()
@@ -284,12 +267,10 @@ def test_a_backup_killed_during_a_snapshot_gets_a_new_one(tmp_path: Path) -> Non
 
 def test_a_restarted_primary_numbers_on_and_its_backup_needs_no_snapshot(tmp_path: Path) -> None:
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20)
-        await primary.start(HOST, 0)
-        backup = Backup(open_store(str(tmp_path / "b")), name="b")
-        async with following(backup, primary.port):
-            await bounded(backup.in_sync_event.wait())
+        primary = await started_primary(tmp_path / "p")
+        db, store_id = primary.db, primary.store_id
+        backup = new_backup(tmp_path, "b")
+        async with in_sync(primary.port, backup):
             await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 101))))
         await primary.close()
         db.close()
@@ -300,8 +281,7 @@ def test_a_restarted_primary_numbers_on_and_its_backup_needs_no_snapshot(tmp_pat
         )
         await primary.start(HOST, 0)
         assert primary.prepare([]).seq == 101
-        async with following(backup, primary.port):
-            await bounded(backup.in_sync_event.wait())
+        async with in_sync(primary.port, backup):
             assert any("up to date at batch 100" in e for e in events), events
             assert backup.snapshots == 1  # only the first, from empty
         await primary.close()
@@ -311,15 +291,11 @@ def test_a_restarted_primary_numbers_on_and_its_backup_needs_no_snapshot(tmp_pat
 
 def test_a_backup_whose_history_diverged_gets_a_snapshot(tmp_path: Path) -> None:
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
         events: list[str] = []
-        primary = Primary(
-            db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, on_change=lambda _, e: events.append(e)
-        )
-        await primary.start(HOST, 0)
-        backup = Backup(open_store(str(tmp_path / "b")), name="b")
-        async with following(backup, primary.port):
-            await bounded(backup.in_sync_event.wait())
+        primary = await started_primary(tmp_path / "p", on_change=lambda _, e: events.append(e))
+        db, store_id = primary.db, primary.store_id
+        backup = new_backup(tmp_path, "b")
+        async with in_sync(primary.port, backup):
             await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 51))))
         # the backup's store gets a batch 51 the primary never had (a former primary's, async mode)
         _, foreign_crc = encode_batch(51, store_id, [(b"m-foreign", b"lost")])
@@ -327,8 +303,7 @@ def test_a_backup_whose_history_diverged_gets_a_snapshot(tmp_path: Path) -> None
         for n in range(51, 61):
             commit(primary, ops_for(n))
         again = Backup(backup.db, name="b")
-        async with following(again, primary.port):
-            await bounded(again.in_sync_event.wait())
+        async with in_sync(primary.port, again):
             assert any("diverged" in e for e in events)
             assert again.snapshots == 1
             assert again.db.get(b"m-foreign") is None
@@ -340,7 +315,6 @@ def test_a_backup_whose_history_diverged_gets_a_snapshot(tmp_path: Path) -> None
 
 def test_a_published_backup_that_leaves_holds_acks_until_the_set_without_it_is_published(tmp_path: Path) -> None:
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
         published: list[frozenset[str]] = []
         news = asyncio.Event()
         gate = asyncio.Event()
@@ -357,24 +331,19 @@ def test_a_published_backup_that_leaves_holds_acks_until_the_set_without_it_is_p
             while primary.sync_set != members:
                 await news.wait()
 
-        primary = Primary(
-            db,
-            store_id=store_id,
-            log_max_batches=100,
-            log_max_bytes=1 << 20,
+        primary = await started_primary(
+            tmp_path / "p",
             ack_timeout=60,
             publish_sync_set=publish,
             on_change=lambda _, what: gone.set() if what.startswith("disconnected") else None,
         )
-        await primary.start(HOST, 0)
         first = commit(primary, ops_for(1))
         assert not first.done()  # nothing is acknowledged before the first publication
         gate.set()
         await bounded(first)
         assert published == [frozenset()]
-        backup = Backup(open_store(str(tmp_path / "b")), name="b")
-        async with following(backup, primary.port):
-            await bounded(backup.in_sync_event.wait())
+        backup = new_backup(tmp_path, "b")
+        async with in_sync(primary.port, backup):
             await bounded(commit(primary, ops_for(2)))
             await bounded(until_published(frozenset({"b"})))
             gate.clear()  # the coordinator stops answering for a while
@@ -391,13 +360,11 @@ def test_a_published_backup_that_leaves_holds_acks_until_the_set_without_it_is_p
 
 def test_a_backed_up_backup_leaves_the_live_path_and_gets_the_rest_from_the_log(tmp_path: Path) -> None:
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=256 << 20, ack_timeout=60)
-        await primary.start(HOST, 0)
-        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        primary = await started_primary(tmp_path / "p", log_max_batches=1000, log_max_bytes=256 << 20, ack_timeout=60)
+        db = primary.db
+        backup = new_backup(tmp_path, "b")
         gate = hold_writes(backup)
-        async with following(backup, primary.port):
-            await bounded(backup.in_sync_event.wait())
+        async with in_sync(primary.port, backup):
             (link,) = primary.links.values()
             assert link.live  # in sync and sent everything: commits write to it themselves
             # 16 MiB in one loop pass: more than the sockets take, so the primary's buffer passes HIGH_WATER
@@ -420,17 +387,14 @@ def test_a_batch_already_in_the_backups_snapshot_is_not_sent_again(tmp_path: Pat
     written in a worker thread) holds that batch: the link is in sync past the log's head."""
 
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
         events: list[str] = []
-        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, ack_timeout=60)
-        primary.on_change = lambda _, what: events.append(what)
-        await primary.start(HOST, 0)
+        primary = await started_primary(tmp_path / "p", ack_timeout=60, on_change=lambda _, what: events.append(what))
+        db = primary.db
         await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, 6))))
         written = primary.prepare(ops_for(6))
         write(db, written.ops)  # not yet handed to committed()
-        backup = Backup(open_store(str(tmp_path / "b")), name="b")
-        async with following(backup, primary.port):
-            await bounded(backup.in_sync_event.wait())
+        backup = new_backup(tmp_path, "b")
+        async with in_sync(primary.port, backup):
             assert backup.applied_seq == 6 and backup.snapshots == 1
             await bounded(primary.committed(written))
             await bounded(commit(primary, ops_for(7)))
@@ -447,9 +411,8 @@ def test_ship_calls_back_in_commit_order_and_a_failing_callback_leaves_the_chann
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=100, log_max_bytes=1 << 20, ack_timeout=60)
-        await primary.start(HOST, 0)
+        primary = await started_primary(tmp_path / "p", ack_timeout=60)
+        db = primary.db
         outcomes: list[tuple[int, BaseException | None]] = []
         both = asyncio.Event()
 
@@ -465,10 +428,9 @@ def test_ship_calls_back_in_commit_order_and_a_failing_callback_leaves_the_chann
         write(db, alone.ops)
         primary.ship(alone, lambda error: outcomes.append((0, error)))
         assert outcomes == [(0, None)]  # no backup in sync: called back before ship returns
-        backup = Backup(open_store(str(tmp_path / "b")), name="b")
+        backup = new_backup(tmp_path, "b")
         gate = hold_writes(backup)
-        async with following(backup, primary.port):
-            await bounded(backup.in_sync_event.wait())
+        async with in_sync(primary.port, backup):
             for n, then in ((2, failing), (3, recording)):
                 prepared = primary.prepare(ops_for(n))
                 write(db, prepared.ops)
@@ -624,21 +586,23 @@ def test_live_and_log_paths_interleave_without_gap_and_no_release_before_every_i
 
     async def main() -> None:
         rng = random.Random(163)
-        db, store_id = primary_store(tmp_path / "p")
         events: list[str] = []
-        primary = Primary(db, store_id=store_id, log_max_batches=100_000, log_max_bytes=1 << 30, ack_timeout=60)
-        primary.on_change = lambda link, what: events.append(f"{link.name}: {what}")
+        primary = await started_primary(
+            tmp_path / "p",
+            log_max_batches=100_000,
+            log_max_bytes=1 << 30,
+            ack_timeout=60,
+            on_change=lambda link, what: events.append(f"{link.name}: {what}"),
+        )
         counts = _count_live_path(primary)
-        await primary.start(HOST, 0)
-        fast = Backup(open_store(str(tmp_path / "fast")), name="fast", sync=False)
-        slow = Backup(open_store(str(tmp_path / "slow")), name="slow", sync=False)
+        db = primary.db
+        fast = new_backup(tmp_path, "fast", sync=False)
+        slow = new_backup(tmp_path, "slow", sync=False)
         gate = hold_writes(slow)
         gate.set()
         releases = _Releases(primary)
         n = 0
-        async with following(fast, primary.port), following(slow, primary.port):
-            await bounded(fast.in_sync_event.wait())
-            await bounded(slow.in_sync_event.wait())
+        async with in_sync(primary.port, fast, slow):
             for _round in range(8):
                 for _ in range(60):
                     n += 1
@@ -691,8 +655,7 @@ async def in_sync_at(primary: Primary, backups: list[Backup], last: int) -> None
     for n in range(1, last + 1):
         commit(primary, ops_for(n))
     for backup in backups:
-        async with following(backup, primary.port):
-            await bounded(backup.in_sync_event.wait())
+        async with in_sync(primary.port, backup):
             await bounded(backup.wait_applied(last))
 
 
@@ -724,10 +687,8 @@ def test_a_write_finished_under_a_cancellation_is_the_position_the_backup_report
     started, release = hold_threaded_writes(monkeypatch)
 
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=100_000, log_max_bytes=1 << 30)
-        await primary.start(HOST, 0)
-        backup = Backup(open_store(str(tmp_path / "b")), name="b", sync=False)
+        primary = await started_primary(tmp_path / "p", log_max_batches=100_000, log_max_bytes=1 << 30)
+        backup = new_backup(tmp_path, "b", sync=False)
         await in_sync_at(primary, [backup], 2)
         await cancel_during_a_threaded_write(backup, primary, 49, started, release)
         await primary.close()
@@ -750,12 +711,11 @@ def test_a_backup_cancelled_during_a_write_gets_a_snapshot_from_a_new_primary_th
     started, release = hold_threaded_writes(monkeypatch)
 
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p1")
         events: list[str] = []
-        p1 = Primary(db, store_id=store_id, log_max_batches=100_000, log_max_bytes=1 << 30)
-        await p1.start(HOST, 0)
-        b2 = Backup(open_store(str(tmp_path / "b2")), name="b2", sync=False)
-        backup = Backup(open_store(str(tmp_path / "b")), name="b", sync=False)
+        p1 = await started_primary(tmp_path / "p1", log_max_batches=100_000, log_max_bytes=1 << 30)
+        store_id = p1.store_id
+        b2 = new_backup(tmp_path, "b2", sync=False)
+        backup = new_backup(tmp_path, "b", sync=False)
         await in_sync_at(p1, [b2, backup], 5)
         await cancel_during_a_threaded_write(backup, p1, 40, started, release)
         await p1.close()
@@ -769,8 +729,7 @@ def test_a_backup_cancelled_during_a_write_gets_a_snapshot_from_a_new_primary_th
         await p2.start(HOST, 0)
         commit(p2, [(b"p2-own", b"1")])
         snapshots = backup.snapshots
-        async with following(backup, p2.port):
-            await bounded(backup.in_sync_event.wait())
+        async with in_sync(p2.port, backup):
             await bounded(backup.wait_applied(6))
         await p2.close()
         assert any("diverged" in e for e in events), events

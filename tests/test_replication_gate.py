@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from replication_helpers import HOST, bounded, cluster_pki, following, primary_store
+from replication_helpers import HOST, bounded, cluster_pki, following, new_backup, primary_store
 
 from amqtt_durable.errors import DurableError
 from amqtt_durable.process import free_port
@@ -95,7 +95,7 @@ def test_a_backup_gets_in_once_the_silent_peers_have_gone(tmp_path: Path) -> Non
         )
         await primary.start(HOST, 0)
         peers = [await asyncio.open_connection(HOST, primary.port) for _ in range(PER_HOST)]
-        backup = Backup(open_store(str(tmp_path / "b")), name="b", secret=SECRET)
+        backup = new_backup(tmp_path, "b", secret=SECRET)
         try:
             for _, writer in peers:
                 writer.close()

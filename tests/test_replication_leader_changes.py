@@ -10,7 +10,7 @@ import contextlib
 from pathlib import Path
 
 import pytest
-from replication_helpers import HOST, bounded, commit, ops_for, primary_store
+from replication_helpers import HOST, bounded, commit, new_backup, ops_for, started_primary
 from test_replication_channel import content, hold_threaded_writes, in_sync_at
 
 from amqtt_durable.process import free_port
@@ -32,9 +32,7 @@ def test_two_leader_changes_during_a_threaded_write_stop_waits_for_it(
     started, release = hold_threaded_writes(monkeypatch)
 
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=100_000, log_max_bytes=1 << 30)
-        await primary.start(HOST, 0)
+        primary = await started_primary(tmp_path / "p", log_max_batches=100_000, log_max_bytes=1 << 30)
         bdb = open_store(str(tmp_path / "b"))
         await in_sync_at(primary, [Backup(bdb, name="b", sync=False)], 2)
         for n in range(3, 41):
@@ -75,7 +73,6 @@ def test_two_leader_changes_during_a_threaded_write_new_primary_gets_a_stale_hel
     started, release = hold_threaded_writes(monkeypatch)
 
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p1")
         events: list[str] = []
         changed = asyncio.Event()
 
@@ -86,9 +83,9 @@ def test_two_leader_changes_during_a_threaded_write_new_primary_gets_a_stale_hel
                 changed.clear()
                 await changed.wait()
 
-        p1 = Primary(db, store_id=store_id, log_max_batches=100_000, log_max_bytes=1 << 30)
-        await p1.start(HOST, 0)
-        b2 = Backup(open_store(str(tmp_path / "b2")), name="b2", sync=False)
+        p1 = await started_primary(tmp_path / "p1", log_max_batches=100_000, log_max_bytes=1 << 30)
+        store_id = p1.store_id
+        b2 = new_backup(tmp_path, "b2", sync=False)
         bdb = open_store(str(tmp_path / "b"))
         await in_sync_at(p1, [b2, Backup(bdb, name="b", sync=False)], 5)
         for n in range(6, 41):
@@ -147,10 +144,8 @@ def test_a_cancelled_apply_on_a_closed_store_still_ends_cancelled(
     started, release = hold_threaded_writes(monkeypatch)
 
     async def main() -> None:
-        db, store_id = primary_store(tmp_path / "p")
-        primary = Primary(db, store_id=store_id, log_max_batches=100_000, log_max_bytes=1 << 30)
-        await primary.start(HOST, 0)
-        backup = Backup(open_store(str(tmp_path / "b")), name="b", sync=False)
+        primary = await started_primary(tmp_path / "p", log_max_batches=100_000, log_max_bytes=1 << 30)
+        backup = new_backup(tmp_path, "b", sync=False)
         await in_sync_at(primary, [backup], 2)
         for n in range(3, 41):
             commit(primary, ops_for(n))

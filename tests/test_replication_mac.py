@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from replication_helpers import HOST, bounded, commit, content, following, ops_for, primary_store
+from replication_helpers import HOST, bounded, commit, content, following, in_sync, new_backup, ops_for, started_primary
 
 from amqtt_durable.replication.backup import Backup
 from amqtt_durable.replication.errors import FrameError
@@ -124,18 +124,15 @@ async def relay_downstream(
 
 async def secured_pair(folder: Path) -> tuple[Primary, Backup]:
     """A started primary with the secret (its store in folder/p) and a backup with it (folder/b)."""
-    db, store_id = primary_store(folder / "p")
-    primary = Primary(db, store_id=store_id, log_max_batches=1000, log_max_bytes=1 << 20, secret=SECRET)
-    await primary.start(HOST, 0)
-    return primary, Backup(open_store(str(folder / "b")), name="b", secret=SECRET)
+    primary = await started_primary(folder / "p", log_max_batches=1000, secret=SECRET)
+    return primary, new_backup(folder, "b", secret=SECRET)
 
 
 async def replicated_pair(folder: Path, batches: int) -> tuple[Primary, Backup]:
     """A primary with the secret and ``batches`` batches, a backup (with the secret) that has
     applied them all, no longer following."""
     primary, backup = await secured_pair(folder)
-    async with following(backup, primary.port):
-        await bounded(backup.in_sync_event.wait())
+    async with in_sync(primary.port, backup):
         await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(1, batches + 1))))
         await bounded(backup.wait_applied(batches))
     return primary, backup
@@ -264,7 +261,7 @@ def test_a_pair_with_the_secret_replicates_and_catches_up_through_an_honest_rela
 
     async def main() -> None:
         primary, backup = await replicated_pair(tmp_path, 200)
-        late = Backup(open_store(str(tmp_path / "late")), name="late", secret=SECRET)
+        late = new_backup(tmp_path, "late", secret=SECRET)
         async with Relay(primary.port, forward) as relay, following(late, relay.port):
             await bounded(late.in_sync_event.wait())  # a snapshot of 200 batches' rows
             await bounded(asyncio.gather(*(commit(primary, ops_for(n)) for n in range(201, 301))))

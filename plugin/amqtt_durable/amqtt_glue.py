@@ -25,12 +25,13 @@ instance the plugin is loaded into and on each connection's handler:
 * ``Broker._create_server_instance``: a TCP listener is opened as amqtt opens it, with the
   ``listen_backlog`` setting as its listen backlog (amqtt's is asyncio's default, 100: in a
   reconnect storm of 1,000 clients the kernel dropped the SYNs of about half of them, which came
-  back 1 and 2 s later; a much larger one slows the recovery from a connection flood); a
-  websocket listener's upgrade request from an address with ``max_connections_per_address``
-  open is answered HTTP 503 (websockets' ``process_request``);
+  back 1 and 2 s later; a much larger one slows the recovery from a connection flood), and a
+  connection from an address with ``max_connections_per_address`` open is closed as it is
+  accepted, on a TLS listener before its TLS handshake (``tcp_accepted``); a websocket
+  listener's upgrade request from such an address is answered HTTP 503 (websockets'
+  ``process_request``);
 * ``Broker._client_connected``: every connection's socket is closed when it ends, whatever
-  ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector), and a TCP one
-  from an address with ``max_connections_per_address`` open is closed as it is accepted;
+  ended it (amqtt leaves the socket of a failed CONNECT to the garbage collector);
 * ``Broker._initialize_client_session``: a connection gets ``connect_timeout`` seconds to send
   its whole CONNECT (and have it authenticated, when that is done as it is read); one closed
   then gets no CONNACK, and nothing of its CONNECT is acted on, even if its credentials pass later;
@@ -50,7 +51,9 @@ instance the plugin is loaded into and on each connection's handler:
   packet id is deleted before PUBCOMP, and a PUBREL amqtt has no flow for still gets PUBCOMP;
 * ``BrokerProtocolHandler.start`` / ``stop`` (per connection): a connection whose reader ended
   before amqtt's ``start`` made its disconnect waiter (a client that closed right after its
-  CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran;
+  CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran,
+  nor, when amqtt takes the connection over for a newer durable CONNECT of its client id, for
+  its client (a websocket's closing handshake: ``let_go``);
 * ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` / ``handle_connection_closed``
   (per connection): a connection that sent DISCONNECT never has its will
   published (MQTT-3.14.4-3), however its DISCONNECT's handling and its message loop's wait for it
@@ -61,7 +64,8 @@ instance the plugin is loaded into and on each connection's handler:
   (see ``handle_disconnect``); amqtt's Session of a client id without a durable session (ended
   while connected) is removed then, and that of an expired one at its expiry (``forget_session``);
 * ``Broker._delete_session``: a clean CONNECT of a client id whose connection is live ends that
-  connection (MQTT-3.1.4-2; amqtt deleted its Session and left it open);
+  connection (MQTT-3.1.4-2; amqtt deleted its Session and left it open), without waiting for its
+  client (a websocket's closing handshake: ``let_go``);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``BrokerProtocolHandler.handle_subscribe`` / ``handle_unsubscribe`` /
@@ -121,6 +125,7 @@ import dataclasses
 import json
 import logging
 import math
+import ssl
 import time
 from collections import UserDict, deque
 from collections.abc import Awaitable, Callable
@@ -633,6 +638,11 @@ async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: i
 _ROUTINE_REFUSAL: contextvars.ContextVar[bool] = contextvars.ContextVar("durable_routine_refusal", default=False)
 """Set in a connection's task when its CONNECT was refused because this broker is a backup, or by
 ``max_durable_sessions`` or ``max_keepalive`` (whose own WARNINGs are rate-limited)."""
+_CONNECTING: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_connecting", default=None)
+"""Set in a connection's task to its handler from the end of its CONNECT's read until its CONNACK
+(``initialize_client_session`` to ``connack_authorize``): a ``stop()`` of another connection in
+that time is amqtt's take-over of a client id whose (durable) Session it keeps (see
+``_stop_waiting_for_a_reader_that_may_never_run``)."""
 
 
 class _RoutineRefusalFilter(logging.Filter):
@@ -1412,8 +1422,9 @@ class AmqttHooks:
     async def create_server_instance(
         self, listener_name: str, listener_type: Any, address: str | None, port: int, ssl_context: Any
     ) -> Any:
-        """amqtt's TCP listener with the ``listen_backlog`` setting; others as amqtt opens them, a
-        websocket listener's upgrade requests checked by ``websocket_upgrade``."""
+        """amqtt's TCP listener with the ``listen_backlog`` setting, its connections counted as they
+        are accepted (``tcp_accepted``, which does a TLS listener's handshake); others as amqtt opens
+        them, a websocket listener's upgrade requests checked by ``websocket_upgrade``."""
         try:
             if listener_type != ListenerType.TCP:
                 server = await self._original_create_server(listener_name, listener_type, address, port, ssl_context)
@@ -1421,21 +1432,61 @@ class AmqttHooks:
                     server.process_request = self.websocket_upgrade
                 return server
             return await asyncio.start_server(
-                partial(self.broker.stream_connected, listener_name=listener_name),
+                partial(self.tcp_accepted, listener_name=listener_name, ssl_context=ssl_context),
                 address,
                 port,
                 reuse_address=True,
-                ssl=ssl_context,
                 backlog=socket_backlog(self.engine.config.listen_backlog),  # the kernel caps it lower
             )
         except OSError as exc:  # name the listener and its address, as replication.listen's errors do
             raise OSError(f"listener '{listener_name}' {address}:{port}: {os_error_reason(exc)}") from None
 
+    async def tcp_accepted(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        listener_name: str,
+        ssl_context: ssl.SSLContext | None,
+    ) -> None:
+        """A TCP listener's connection, as it is accepted: one from an address that has
+        ``max_connections_per_address`` open is closed at once, before anything else: on a TLS
+        listener before its TLS handshake (asyncio's TLS server did the handshake first, a refused
+        connection cost the broker a handshake's cryptography), and before amqtt takes one of its
+        listener's ``max_connections`` slots or reads a byte (no CONNACK: nothing was read). Any
+        other counts from here until its end, whatever ends it (a failed handshake included).
+
+        Its task, cancelled as the broker stops (a connection in its TLS handshake or waiting for
+        its CONNECT), ends without the cancellation: asyncio's ``start_server`` logged a cancelled
+        one as an ERROR with a CancelledError traceback, one per such connection. Its connection is
+        closed by then (by ``start_tls`` when cancelled, by ``client_connected`` after it)."""
+        peer = writer.get_extra_info("peername")
+        address = None if not peer else str(peer[0])  # None: amqtt closes it itself
+        if address is not None and not self.addresses.open(address):
+            why = self.addresses.refusal(address)
+            if why is not None:
+                log.warning("%s", why)
+            writer.transport.abort()
+            return
+        try:
+            if ssl_context is not None:
+                try:
+                    await writer.start_tls(ssl_context)  # asyncio closes the connection if it fails
+                except OSError as exc:  # ssl.SSLError, a reset, asyncio's handshake timeout (60 s)
+                    log.debug("TLS handshake with %s on listener '%s' failed: %r", address, listener_name, exc)
+                    return
+            await self.broker.stream_connected(reader, writer, listener_name)
+        except asyncio.CancelledError:
+            log.debug("connection from %s on listener '%s' ended: the broker is stopping", address, listener_name)
+        finally:
+            if address is not None:
+                self.addresses.close(address)
+
     def websocket_upgrade(self, connection: Any, request: Any) -> Any:
         """A websocket listener's upgrade request, read: one from an address that has
         ``max_connections_per_address`` open is answered HTTP 503 instead of the upgrade (websockets
         then closes it); any other counts from here until its connection's task ends, whatever
-        ends it (a failed handshake included). ``client_connected`` does not count it again."""
+        ends it (a failed handshake included)."""
         del request
         address = str(connection.remote_address[0])
         if not self.addresses.open(address):
@@ -1443,34 +1494,21 @@ class AmqttHooks:
             if why is not None:
                 log.warning("%s", why)
             return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "Too many connections from this address.\n")
-        connection.durable_counted = True
         task = asyncio.current_task()
         assert task is not None  # websockets calls it in the connection's handler task
         task.add_done_callback(lambda _: self.addresses.close(address))
         return None
 
     async def client_connected(self, listener_name: str, reader: Any, writer: Any) -> None:
-        """Every connection as it is accepted: a TCP one (after its TLS handshake on a TLS listener)
-        from an address that has ``max_connections_per_address`` open is closed at once, before
-        amqtt takes one of its listener's ``max_connections`` slots or reads a byte (no CONNACK:
-        nothing was read); a websocket one was counted at its upgrade (``websocket_upgrade``)."""
-        peer = writer.get_peer_info()
-        counted = getattr(getattr(writer, "_protocol", None), "durable_counted", False)  # amqtt's WebSocketsWriter
-        address = None if peer is None or counted else str(peer[0])  # None: amqtt closes it itself
-        if address is not None and not self.addresses.open(address):
-            why = self.addresses.refusal(address)
-            if why is not None:
-                log.warning("%s", why)
-            _abort(writer)
-            return
+        """Every connection amqtt handles (a TCP one was counted by ``tcp_accepted``, a websocket one
+        by ``websocket_upgrade``): its socket is closed at its end, whatever ended it, and the place
+        its durable CONNECT reserved is given back."""
         reader.durable_max_packet_size = self.engine.config.max_packet_size
         try:
             await self._original_client_connected(listener_name, reader, writer)
         finally:
             await close_socket(writer)
             _release_reservation(self.engine, writer)
-            if address is not None:
-                self.addresses.close(address)
 
     def end_silent(self, writer: Any) -> None:
         writer.durable_timed_out = True  # a CONNECT still being checked stops at its next step (_timed_out)
@@ -1496,6 +1534,7 @@ class AmqttHooks:
         if _timed_out(writer):  # during amqtt's delete_session of a clean CONNECT: no CONNACK, no session
             self.authenticated.pop(session.client_id, None)
             raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout")
+        _CONNECTING.set(handler)  # until its CONNACK: amqtt may take a live connection of the client id over
         reader.durable_client_id = session.client_id  # for the decoder checks' log lines
         session.clean_session = handler.connect_clean_session
         handler.durable_transport = HandlerTransport(handler)
@@ -1547,11 +1586,16 @@ class AmqttHooks:
     async def delete_session(self, client_id: str) -> None:
         """A clean CONNECT of a client id whose connection is live: amqtt deleted the Session and
         left that connection open (its take-over runs only for a Session it keeps). MQTT-3.1.4-2:
-        the existing client is disconnected, as amqtt's take-over does (its will is published)."""
+        the existing client is disconnected, as amqtt's take-over does (its will is published),
+        without waiting for it once its SUBSCRIBEs and UNSUBSCRIBEs are applied (``durable_let_go``):
+        the CONNECT waited, with its ``connect_timeout``
+        running, for the closing handshake of a websocket client that does not answer it (10 s),
+        was closed at connect_timeout with no CONNACK, and so was every reconnect until then."""
         session, handler = self.broker._sessions.get(client_id, (None, None))
         if session is not None and handler is not None and session.transitions.is_connected():
             log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
             await end_connection(handler)
+            await handler.durable_let_go()
             await handler.stop()
         await self._original_delete_session(client_id)
 
@@ -1832,6 +1876,16 @@ def _abort(writer: Any) -> None:
         transport.abort()
 
 
+async def let_go(writer: Any) -> None:
+    """Close a connection without waiting for its client: a TCP one as ``close_socket`` does (its
+    unsent bytes still go, for at most CLOSE_GRACE), a websocket one at once (``_abort``), without
+    the closing handshake, for whose answer websockets waits up to its close_timeout, 10 s."""
+    if isinstance(writer, StreamWriterAdapter):
+        await close_socket(writer)
+    else:
+        _abort(writer)
+
+
 def _peer(writer: Any) -> str:
     peer = writer.get_peer_info()
     return "an unknown address" if peer is None else f"{peer[0]}:{peer[1]}"
@@ -1974,6 +2028,7 @@ def _wrap_handler(
                 publishes.hand_over(topic, bytes(data), qos, packet_id, retain=retain, stored=None)
 
     async def connack_authorize(authorize: bool) -> None:
+        _CONNECTING.set(None)  # amqtt's take-over, if any, is done
         if not authorize:  # amqtt's own authentication failed: it would keep this Session for ever
             _forget_refused(broker, engine, handler, session)
         if authorize and not engine.serving:  # demoted since its CONNECT was read (checked there too)
@@ -2112,7 +2167,16 @@ def _stop_waiting_for_a_reader_that_may_never_run(
     connection's SUBSCRIBEs and UNSUBSCRIBEs to be applied: the abort's CLOSE_GRACE counts from
     before that wait, one bound for both (a take-over of a connection whose client reads nothing
     and whose changes wait behind a SUBSCRIBE it cannot complete was CONNACKed 10 s later, when the
-    newer connection's ``connect_timeout`` had closed it)."""
+    newer connection's ``connect_timeout`` had closed it).
+
+    amqtt's take-over of a client id whose Session it keeps (a durable CONNECT of a connected client
+    id, MQTT-3.1.4-2) stops the old connection in the new CONNECT's task before its CONNACK
+    (``_CONNECTING``): that connection is let go first (``durable_let_go``: once the changes it sent
+    are applied), as ``delete_session`` does for a clean CONNECT's; ``stop()`` waited for a
+    websocket client's answer to the closing handshake (websockets' close_timeout, 10 s), and the
+    new CONNACK with it. The durable session loses
+    nothing: its queue and the messages in flight on the old connection are in the store, sent
+    again (DUP) on the new one."""
 
     def reader_ended(_task: Any) -> None:
         handler._reader_ready.set()
@@ -2123,6 +2187,8 @@ def _stop_waiting_for_a_reader_that_may_never_run(
         if task is not None and not task.done():
             task.add_done_callback(reader_ended)
         writer = handler.writer
+        if _CONNECTING.get() not in (None, handler):  # a newer CONNECT of its client id takes it over
+            await handler.durable_let_go()
         abort = None
         if isinstance(writer, StreamWriterAdapter):
             abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, writer._writer.transport.abort)
@@ -2201,12 +2267,20 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
             await applied()
         await original_stop()
 
+    async def let_go_once_applied() -> None:
+        """A take-over ends the connection without waiting for its client (``let_go``), but only
+        once the changes it sent are applied: their SUBACKs and UNSUBACKs go out before the close."""
+        _stop_outgoing_waiters(handler)
+        await applied()
+        await let_go(handler.writer)
+
     handler.handle_subscribe = handle_subscribe
     handler.handle_unsubscribe = handle_unsubscribe
     handler.get_next_pending_subscription = changes.next
     handler.get_next_pending_unsubscription = no_unsubscription
     handler.wait_disconnect = wait_disconnect
     handler.stop = stop
+    handler.durable_let_go = let_go_once_applied
 
 
 def _stop_outgoing_waiters(handler: Any) -> None:
