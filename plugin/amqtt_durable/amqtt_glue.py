@@ -566,6 +566,11 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
             raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
     if checked:
         plugin.authenticated[session.client_id] = (session.username, session.password)
+        # Its checks are done: what is left (a take-over's wait for the older connection) is the
+        # broker's work, not the client's, and must not close it at connect_timeout.
+        deadline = getattr(writer, "durable_connect_deadline", None)
+        if deadline is not None:
+            deadline.cancel()
 
 
 async def _check_owner(
@@ -1527,6 +1532,7 @@ class AmqttHooks:
 
     async def initialize_client_session(self, reader: Any, writer: Any, *args: Any) -> tuple[Any, Any]:
         deadline = asyncio.get_running_loop().call_later(self.engine.config.connect_timeout, self.end_silent, writer)
+        writer.durable_connect_deadline = deadline  # cancelled once a checked CONNECT passed (_check_connect)
         try:
             handler, session = await self._original_initialize(reader, writer, *args)
         finally:
