@@ -427,11 +427,13 @@ def test_a_stream_delete_before_the_marker_goes_at_that_marker(
     assert client.cache.entry("telemetry/a") is None
 
 
-def test_the_markers_live_list_leaves_out_refused_filters(
+def test_the_markers_live_list_leaves_out_refused_and_unsubscribed_filters(
     broker_factory: Callable[..., Broker], made: list[DurableClient]
 ) -> None:
-    """sdk.md:9-15 the marker's `live` list reflects the connection's SUBSCRIBEs: not the filters
-    refused with 0x80 (here `max_subscriptions_per_client`)."""
+    """sdk.md:9-12 the marker's `live` list reflects the connection's SUBSCRIBEs and UNSUBSCRIBEs:
+    not the filters refused with 0x80 (here `max_subscriptions_per_client`), nor those unsubscribed;
+    a refused subscription stays registered and is sent again after every reconnect, after the
+    UNSUBSCRIBEs still due, which the broker applies first (they were sent first)."""
     broker = broker_factory(max_subscriptions_per_client=2)
     seen = Seen()
     client = new_client(made, broker.port, "blind-live-list", seen)
@@ -441,6 +443,10 @@ def test_the_markers_live_list_leaves_out_refused_filters(
     client.connect(timeout=WAIT)
     assert seen.wait(lambda: len(seen.markers) == 1)
     assert sorted(s.filter for s in seen.markers[0].live) == ["a/#", "b/#"]
+    client.unsubscribe("b/#")
+    broker.restart(kill=True)  # the reconnect sends c/# again: now there is room for it
+    assert seen.wait(lambda: len(seen.markers) == 2)
+    assert sorted(s.filter for s in seen.markers[1].live) == ["a/#", "c/#"]
 
 
 @pytest.mark.parametrize(("depth", "ok"), [(100, True), (1000, False)])

@@ -442,3 +442,65 @@ def test_delivery_logs_record_sends_and_processed_events_with_matching_ids(
     assert [r["seq"] for r in receives] == [e.seq for e in recorder.events]
     assert got[1] == {**got[1], "topic": "audit/#", "qos": 1, "durable": True}
     assert got[-2] == {**got[-2], "topic": "audit/#"}
+
+
+def test_a_filter_unsubscribed_and_subscribed_again_at_once_stays_subscribed(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: unsubscribe() returns once the UNSUBSCRIBE is sent, subscribe() at its SUBACK. The
+    broker applied the SUBSCRIBE first when both had arrived (amqtt queued them apart), then the
+    UNSUBSCRIBE: the filter was gone, live messages lost (19 of 20 rounds)."""
+    device, signals, recorder = listening(sdk, broker, "dev-resub", "x/#")
+    device.subscribe("sentinel", listener=recorder)
+    assert signals.live.wait(WAIT)
+    publisher = clients(broker.port, "pub", clean_session=True)
+    for round_ in range(5):
+        device.unsubscribe("x/#")
+        device.subscribe("x/#", listener=recorder)
+        publisher.publish("x/a", [b"x%d" % round_])
+        publisher.publish("sentinel", [b"s%d" % round_])  # after x/a, from the same publisher
+        assert recorder.wait_until(lambda events, r=round_: events[-1].payload == b"s%d" % r)
+    assert recorder.payloads() == [p for r in range(5) for p in (b"x%d" % r, b"s%d" % r)]
+
+
+def test_an_unsubscribe_behind_the_connections_subscribes_is_applied_after_them(
+    broker: Broker, sdk: Callable[..., DurableClient]
+) -> None:
+    """on_connected runs after the connection's SUBSCRIBEs went out, before their SUBACKs: an
+    UNSUBSCRIBE of one of them sent there is applied after it (the broker applied it first when
+    an earlier SUBSCRIBE was still queued, and the filter stayed: in the marker, and queued)."""
+    signals = Signals()
+    holder: list[DurableClient] = []
+
+    def on_connected(_info: Any) -> None:
+        holder[0].unsubscribe("b/#")
+        holder[0].subscribe("c/#")
+
+    device = sdk(broker.port, "dev-unsub-early", on_connected=on_connected, **signals.kwargs())
+    holder.append(device)
+    device.subscribe("a/#")
+    device.subscribe("b/#")
+    device.ready_for_events()
+    device.connect()
+    assert signals.live.wait(WAIT)
+    assert sorted(s.filter for s in signals.markers[0].live) == ["a/#", "c/#"]
+
+
+def test_unsubscribes_right_before_close_are_applied(broker: Broker, sdk: Callable[..., DurableClient]) -> None:
+    """sdk.md: an `unsubscribe()` followed at once by `close()` is applied before the session is
+    left: the UNSUBSCRIBEs and the DISCONNECT go out back to back, and the broker applied at most
+    one more SUBSCRIBE/UNSUBSCRIBE once it had read the DISCONNECT (the session kept the rest)."""
+    filters = ["keep/#", *(f"drop{i}/#" for i in range(5))]
+    device, signals, _ = listening(sdk, broker, "dev-unsub-close", filters[0])
+    for topic_filter in filters[1:]:
+        device.subscribe(topic_filter)
+    assert signals.live.wait(WAIT)
+    for topic_filter in filters[1:]:
+        device.unsubscribe(topic_filter)
+    device.close(keep_session=True)
+    again_signals = Signals()
+    again = sdk(broker.port, "dev-unsub-close", **again_signals.kwargs())
+    again.connect()
+    again.ready_for_events()
+    assert again_signals.live.wait(WAIT)
+    assert [s.filter for s in again_signals.markers[0].live] == ["keep/#"]

@@ -844,9 +844,8 @@ class DurableClient:
         ``broker_has`` ({filter: qos}, from the hello reply) is what the broker's session
         holds: a durable subscription it already has is not sent again, even by a client that
         just started and never saw its SUBACK (a repeated SUBSCRIBE re-queues retained values).
-        The UNSUBSCRIBEs still due go first, so the filters they free count no more against
-        ``max_subscriptions_per_client`` if the broker applies them first (amqtt 0.12.1 applies
-        a SUBSCRIBE first when both are waiting).
+        The UNSUBSCRIBEs still due go first (the broker applies them in order): the filters they
+        free count no more against ``max_subscriptions_per_client`` when the SUBSCRIBEs arrive.
         """
         with self._registry.lock:
             pending = self._registry.take_unsubscribed()  # before session_lost(), which drops them

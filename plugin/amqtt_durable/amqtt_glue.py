@@ -72,12 +72,19 @@ instance the plugin is loaded into and on each connection's handler:
   client (a websocket's closing handshake: ``let_go``);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
+* ``BrokerProtocolHandler.handle_subscribe`` / ``handle_unsubscribe`` /
+  ``get_next_pending_subscription`` / ``get_next_pending_unsubscription`` (per connection), with
+  ``wait_disconnect`` and ``stop``: a connection's SUBSCRIBEs and UNSUBSCRIBEs share one queue
+  (``SubscriptionChanges``), taken in arrival order by the message loop's subscription waiter
+  (MQTT 3.1.1 section 4.6, 3.10.4), and the connection's end (DISCONNECT, EOF, reset, a
+  take-over) waits until all are applied (see ``_one_queue_of_subscription_changes``);
 * ``Broker._client_message_loop``: attach the session's delivery pump for the connection's
   lifetime, and end a connection whose client id a later CONNECT took (amqtt misses the case
   of two CONNECTs read at the same time);
 * ``Broker.add_subscription`` / ``_handle_subscription`` / ``_handle_unsubscription``: durable
   sessions' subscriptions live in the store, not in amqtt's table, so amqtt never delivers to
-  them itself; a SUBSCRIBE or UNSUBSCRIBE of a durable session is stored by one commit for all
+  them itself; an UNSUBSCRIBE the shared queue hands to ``_handle_subscription`` is passed on
+  to ``_handle_unsubscription``; a SUBSCRIBE or UNSUBSCRIBE of a durable session is stored by one commit for all
   its filters (amqtt's way, a commit per filter, made a packet of n filters cost n record writes);
   both kinds obey ``max_subscriptions_per_client``; a clean session's repeated SUBSCRIBE of a
   filter replaces the QoS of its entry in amqtt's table (amqtt kept the first, MQTT-3.8.4-3);
@@ -162,7 +169,7 @@ from amqtt.mqtt.packet import (
     UNSUBSCRIBE,
     MQTTFixedHeader,
 )
-from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler, Subscription, UnSubscription
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.mqtt.pubrec import PubrecPacket
 from amqtt.plugins.base import BasePlugin
@@ -195,6 +202,7 @@ from .replication.primary import Primary
 from .settings import socket_backlog
 from .silence import SilenceWatch
 from .stream_sender import StreamSender
+from .subscription_changes import SubscriptionChanges
 from .topics import SubscriptionIndex, TopicIndex, topic_problem
 from .wire import PacketReader, encode_puback, encode_pubcomp
 
@@ -209,6 +217,10 @@ PACKET_ID_0 = "its packet identifier is 0 (MQTT-2.3.1-1)"
 TOPIC_PAST_END = "PUBLISH refused: its topic length runs past the packet's end (MQTT-1.5.3)"
 CLOSE_GRACE = 5.0
 """Seconds a closed connection's unsent bytes (a refusing CONNACK) get before the socket is aborted."""
+CHANGES_GRACE = 5.0
+"""Seconds the end of a connection waits for the SUBSCRIBEs and UNSUBSCRIBEs it read before to be
+applied (see ``_one_queue_of_subscription_changes``); those still waiting then are dropped (WARNING)
+and none is applied after."""
 _LIMIT_LOG_INTERVAL = 10.0  # seconds between two "over the subscription limit" warnings of one client
 _BROKER_INTERNALS = (
     "_authenticate",
@@ -257,6 +269,10 @@ _HANDLER_INTERNALS = (
     "handle_disconnect",
     "handle_connection_closed",
     "wait_disconnect",
+    "handle_subscribe",
+    "handle_unsubscribe",
+    "get_next_pending_subscription",
+    "get_next_pending_unsubscription",
 )
 _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconnected")
 
@@ -557,6 +573,11 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
             raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
     if checked:
         plugin.authenticated[session.client_id] = (session.username, session.password)
+        # Its checks are done: what is left (a take-over's wait for the older connection) is the
+        # broker's work, not the client's, and must not close it at connect_timeout.
+        deadline = getattr(writer, "durable_connect_deadline", None)
+        if deadline is not None:
+            deadline.cancel()
 
 
 async def _check_owner(
@@ -1518,6 +1539,7 @@ class AmqttHooks:
 
     async def initialize_client_session(self, reader: Any, writer: Any, *args: Any) -> tuple[Any, Any]:
         deadline = asyncio.get_running_loop().call_later(self.engine.config.connect_timeout, self.end_silent, writer)
+        writer.durable_connect_deadline = deadline  # cancelled once a checked CONNECT passed (_check_connect)
         try:
             handler, session = await self._original_initialize(reader, writer, *args)
         finally:
@@ -1578,14 +1600,15 @@ class AmqttHooks:
         """A clean CONNECT of a client id whose connection is live: amqtt deleted the Session and
         left that connection open (its take-over runs only for a Session it keeps). MQTT-3.1.4-2:
         the existing client is disconnected, as amqtt's take-over does (its will is published),
-        without waiting for it (``let_go``): the CONNECT waited, with its ``connect_timeout``
+        without waiting for it once its SUBSCRIBEs and UNSUBSCRIBEs are applied (``durable_let_go``):
+        the CONNECT waited, with its ``connect_timeout``
         running, for the closing handshake of a websocket client that does not answer it (10 s),
         was closed at connect_timeout with no CONNACK, and so was every reconnect until then."""
         session, handler = self.broker._sessions.get(client_id, (None, None))
         if session is not None and handler is not None and session.transitions.is_connected():
             log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
             await end_connection(handler)
-            await let_go(handler.writer)
+            await handler.durable_let_go()
             await handler.stop()
         await self._original_delete_session(client_id)
 
@@ -1595,6 +1618,7 @@ class AmqttHooks:
         durable = not handler.connect_clean_session and self.engine.is_durable(session.client_id)
         transport: HandlerTransport = handler.durable_transport
         read_access = _read_access(self.broker, session)
+        handler.durable_loop_task = asyncio.current_task()
         displaced = await self.engine.attach(session.client_id, transport, read_access) if durable else None
         try:
             # MQTT-3.1.4-2: the connection whose CONNECT came last has the session; an older one is
@@ -1609,6 +1633,7 @@ class AmqttHooks:
             await self._original_message_loop(session, handler)
         finally:
             handler.durable_control.stop()
+            _drop_waiting_changes(handler.durable_changes, session.client_id)
             # amqtt leaves the connection open when its loop ends on a bad PUBLISH topic.
             await handler.stop()
             if durable:
@@ -1668,6 +1693,23 @@ class AmqttHooks:
         return granted
 
     async def handle_subscription(self, session: Any, handler: Any, waiter: Any) -> None:
+        """The loop's next SUBSCRIBE or UNSUBSCRIBE, in arrival order (one queue for both, see
+        ``_one_queue_of_subscription_changes``), taken off the queue once applied; not applied
+        if the queue was closed (the connection's end stopped waiting) since it was taken."""
+        change = waiter.result()
+        changes: SubscriptionChanges[Any] | None = getattr(handler, "durable_changes", None)
+        if changes is not None and not changes.start(change):
+            return
+        try:
+            if isinstance(change, UnSubscription):
+                await self.handle_unsubscription(session, handler, waiter)
+            else:
+                await self._handle_subscribe(session, handler, waiter)
+        finally:
+            if changes is not None:
+                changes.done(change)
+
+    async def _handle_subscribe(self, session: Any, handler: Any, waiter: Any) -> None:
         """amqtt's, for a durable session with one commit before the SUBACK for all the filters."""
         if not self.engine.is_durable(session.client_id):
             await self._original_subscription(session, handler, waiter)
@@ -2017,6 +2059,7 @@ def _wrap_handler(
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, handler.handle_pubrel)
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
+    _one_queue_of_subscription_changes(handler)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
     handler._retry_deliveries = _retry_without_waiting_for_pubrel(handler)
 
@@ -2209,13 +2252,19 @@ def _stop_waiting_for_a_reader_that_may_never_run(
     Its ``writer.close()`` then waits for the unsent bytes to drain: for a client that does not
     read (its socket full), for ever, and the connection kept its listener slot, its handler and
     every unsent byte. A TCP connection still open CLOSE_GRACE after ``stop()`` began is aborted
-    (``close_socket``'s bound), which ends that wait.
+    (``close_socket``'s bound), which ends that wait. This wraps the ``stop()`` of
+    ``_one_queue_of_subscription_changes``, which first waits up to CHANGES_GRACE for the
+    connection's SUBSCRIBEs and UNSUBSCRIBEs to be applied: the abort's CLOSE_GRACE counts from
+    before that wait, one bound for both (a take-over of a connection whose client reads nothing
+    and whose changes wait behind a SUBSCRIBE it cannot complete was CONNACKed 10 s later, when the
+    newer connection's ``connect_timeout`` had closed it).
 
     amqtt's take-over of a client id whose Session it keeps (a durable CONNECT of a connected client
     id, MQTT-3.1.4-2) stops the old connection in the new CONNECT's task before its CONNACK
-    (``_CONNECTING``): that connection is let go first (``let_go``), as ``delete_session`` does for a clean
-    CONNECT's; ``stop()`` waited for a websocket client's answer to the closing handshake
-    (websockets' close_timeout, 10 s), and the new CONNACK with it. The durable session loses
+    (``_CONNECTING``): that connection is let go first (``durable_let_go``: once the changes it sent
+    are applied), as ``delete_session`` does for a clean CONNECT's; ``stop()`` waited for a
+    websocket client's answer to the closing handshake (websockets' close_timeout, 10 s), and the
+    new CONNACK with it. The durable session loses
     nothing: its queue and the messages in flight on the old connection are in the store, sent
     again (DUP) on the new one."""
 
@@ -2229,7 +2278,7 @@ def _stop_waiting_for_a_reader_that_may_never_run(
             task.add_done_callback(reader_ended)
         writer = handler.writer
         if _CONNECTING.get() not in (None, handler):  # a newer CONNECT of its client id takes it over
-            await let_go(writer)
+            await handler.durable_let_go()
         abort = None
         if isinstance(writer, StreamWriterAdapter):
             abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, writer._writer.transport.abort)
@@ -2240,6 +2289,119 @@ def _stop_waiting_for_a_reader_that_may_never_run(
                 abort.cancel()
 
     return stop
+
+
+def _one_queue_of_subscription_changes(handler: Any) -> None:
+    """A connection's SUBSCRIBEs and UNSUBSCRIBEs are applied in the order they arrived, their
+    SUBACKs and UNSUBACKs sent in that order (MQTT 3.1.1 section 4.6, 3.10.4), and none the
+    connection's reader has handed over is lost at its end. amqtt 0.12.1 queued the two kinds apart
+    and its message loop applied a waiting SUBSCRIBE before a waiting UNSUBSCRIBE (``UNSUBSCRIBE f``
+    then ``SUBSCRIBE f`` sent back to back left no subscription although the SUBACK granted it);
+    once it had a DISCONNECT (or the connection's close) it applied at most one more of each, and
+    ``stop()`` emptied both queues (two UNSUBSCRIBEs and a DISCONNECT in one write: a durable
+    session kept the second's filter for ever).
+
+    Here both kinds go to one ``SubscriptionChanges`` (``handle_subscribe`` / ``handle_unsubscribe``,
+    called by either reader in arrival order, queue the change as they are called, not in the task
+    the reader makes of what they return: both readers cancel the tasks that have not run when the
+    connection ends, which dropped a change the plugin's reader read right before a protocol
+    violation while amqtt's applied it), the loop's subscription waiter takes them one at a
+    time (``AmqttHooks.handle_subscription`` passes an UNSUBSCRIBE on) and its unsubscription waiter
+    waits until the loop cancels it. The end waits until every change has been applied (at most
+    ``CHANGES_GRACE``): ``wait_disconnect`` returns the end to the loop only then, and ``stop()`` (the
+    reader's at a DISCONNECT, EOF or reset, a take-over's, any but the loop's own: the loop cannot
+    apply while it waits there) stops the connection only then (so a take-over's CONNACK waits
+    for the older connection's changes, and in a reconnect storm for that connection's loop to get
+    its ``attach_limit`` slot first: nothing else applies them); that ``stop()`` first cancels the
+    handler's PUBACK/PUBREC/PUBCOMP waiters, as amqtt's ``stop()`` does first, not its PUBREL ones
+    (``_stop_outgoing_waiters``; a clean session's loop sends the retained messages of a
+    SUBSCRIBE, each in its own task, and waits up to 5 s for the QoS 1 ones' PUBACKs: a
+    take-over's CONNACK, a broker's shutdown waited for them; the SUBSCRIBE then counts as applied
+    at once. A later SUBSCRIBE's retained messages get new waiters, which are waited for, within
+    the bound).
+    When a wait runs out, the queue is closed: what still waits is dropped (WARNING with the exact
+    count: the change being applied completes, nothing after it is handed out). Once the loop has
+    ended (``close()``) nothing is waited for."""
+    changes: SubscriptionChanges[Subscription | UnSubscription] = SubscriptionChanges()
+    handler.durable_changes = changes
+    handler.durable_loop_task = None
+    original_wait = handler.wait_disconnect
+    original_stop = handler.stop
+
+    def handle_subscribe(packet: Any) -> Awaitable[None]:
+        changes.add(Subscription(*_packet_id_and_payload(packet, "SUBSCRIBE")))
+        return _nothing()
+
+    def handle_unsubscribe(packet: Any) -> Awaitable[None]:
+        changes.add(UnSubscription(*_packet_id_and_payload(packet, "UNSUBSCRIBE")))
+        return _nothing()
+
+    async def no_unsubscription() -> None:
+        await asyncio.get_running_loop().create_future()  # every UNSUBSCRIBE comes as a "subscription"
+
+    async def applied() -> None:
+        try:
+            async with asyncio.timeout(CHANGES_GRACE):
+                await changes.drained()
+        except TimeoutError:  # none is handed out any more: none is applied after the end
+            _drop_waiting_changes(changes, handler.session.client_id if handler.session else None)
+
+    async def wait_disconnect() -> DisconnectPacket | None:
+        result = await original_wait()
+        await applied()
+        return result
+
+    async def stop() -> None:
+        if asyncio.current_task() is not handler.durable_loop_task:
+            _stop_outgoing_waiters(handler)  # a loop waiting for a retained message's PUBACK goes on at once
+            await applied()
+        await original_stop()
+
+    async def let_go_once_applied() -> None:
+        """A take-over ends the connection without waiting for its client (``let_go``), but only
+        once the changes it sent are applied: their SUBACKs and UNSUBACKs go out before the close."""
+        _stop_outgoing_waiters(handler)
+        await applied()
+        await let_go(handler.writer)
+
+    handler.handle_subscribe = handle_subscribe
+    handler.handle_unsubscribe = handle_unsubscribe
+    handler.get_next_pending_subscription = changes.next
+    handler.get_next_pending_unsubscription = no_unsubscription
+    handler.wait_disconnect = wait_disconnect
+    handler.stop = stop
+    handler.durable_let_go = let_go_once_applied
+
+
+def _stop_outgoing_waiters(handler: Any) -> None:
+    """Cancels the handler's waits for the PUBACKs, PUBRECs and PUBCOMPs of what it sent, as
+    amqtt 0.12.1's ``_stop_waiters`` does, but not its waits for the PUBRELs of the client's own
+    QoS 2 PUBLISHes: a PUBREL read while the connection's end waits for its changes still gets
+    the message delivered (amqtt's ``stop()`` cancels those after the wait)."""
+    for waiters in (handler._puback_waiters, handler._pubrec_waiters, handler._pubcomp_waiters):
+        for waiter in waiters.values():
+            waiter.cancel()
+
+
+async def _nothing() -> None:
+    """The task a reader makes of a SUBSCRIBE or UNSUBSCRIBE: the change was queued by the call."""
+
+
+def _drop_waiting_changes(changes: SubscriptionChanges[Any], client_id: str | None) -> None:
+    """Closes the connection's queue of changes (none is handed out any more), with a WARNING naming
+    the client and how many waiting were dropped (the one being applied is not: it completes)."""
+    dropped = changes.close()
+    if dropped:
+        log.warning(
+            "%s: %d SUBSCRIBE/UNSUBSCRIBE read before the connection ended not applied: dropped", client_id, dropped
+        )
+
+
+def _packet_id_and_payload(packet: Any, kind: str) -> tuple[int, Any]:
+    """A decoded SUBSCRIBE's or UNSUBSCRIBE's packet id and its topics, checked as amqtt's handlers do."""
+    if packet.variable_header is None or packet.payload is None:
+        raise MQTTError(f"{kind} packet: variable header or payload not initialized.")
+    return packet.variable_header.packet_id, packet.payload.topics
 
 
 def _pubrel_handler(
@@ -2827,11 +2989,12 @@ class FastReader:
         except Exception as exc:  # amqtt's loop also ends the connection on anything unexpected
             log.warning("%s: reader stopped: %r", self._session.client_id, exc)
         if self._settling and ended_by_peer:
-            # Unlike amqtt's own reader, which cancels them: an UNSUBSCRIBE (or SUBSCRIBE) right
-            # before DISCONNECT and the socket's close must still be stored, or the broker keeps
-            # queueing for a filter the client dropped. Their handlers only hand the packet to
-            # amqtt's message loop, so this takes a loop pass or two (CLOSE_GRACE bounds it). A
-            # cancel meanwhile (stop()) ends the wait; the connection's end follows all the same.
+            # Unlike amqtt's own reader, which cancels them: a DISCONNECT's handler signals the end
+            # to the message loop. SUBSCRIBEs and UNSUBSCRIBEs were queued as they were read (their
+            # tasks do nothing more), and ``stop()`` below waits until the loop has applied every
+            # queued change (see ``_one_queue_of_subscription_changes``). This takes a loop pass
+            # (CLOSE_GRACE bounds it); a cancel meanwhile (stop()) ends the wait; the connection's
+            # end follows all the same.
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait(list(self._settling), timeout=CLOSE_GRACE)
         for task in list(running):

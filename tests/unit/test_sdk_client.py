@@ -404,9 +404,9 @@ def test_unsubscribe_while_disconnected_is_sent_on_reconnect(make: Any) -> None:
 
 
 def test_a_reconnect_sends_the_unsubscribes_still_due_before_the_subscribes(make: Any) -> None:
-    """A filter unsubscribed can free its place under max_subscriptions_per_client before the
-    SUBSCRIBEs arrive (sent after them, a subscription refused for want of room stayed refused
-    although the UNSUBSCRIBE made room)."""
+    """The broker applies them in order: a filter unsubscribed frees its place under
+    max_subscriptions_per_client before the SUBSCRIBEs arrive (sent after them, a subscription
+    refused for want of room stayed refused although the UNSUBSCRIBE made room)."""
     client, link = make()
     connect(client, link, session_present=False)
     client.subscribe("a/#")
