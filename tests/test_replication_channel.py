@@ -660,11 +660,17 @@ async def in_sync_at(primary: Primary, backups: list[Backup], last: int) -> None
 
 
 async def cancel_during_a_threaded_write(
-    backup: Backup, primary: Primary, last: int, started: threading.Event, release: threading.Event
-) -> None:
+    backup: Backup,
+    primary: Primary,
+    last: int,
+    started: threading.Event,
+    release: threading.Event,
+    *,
+    while_held: Callable[[], None] = lambda: None,
+) -> asyncio.Task[None]:
     """The primary commits up to batch ``last``; the backup follows it and its task is
     cancelled (as node.follow of a new leader or a stop does) while a worker thread writes a
-    catch-up group, which then ends."""
+    catch-up group, which then ends (``while_held`` runs before it does). The ended task."""
     for n in range(primary.log.head_seq + 1, last + 1):
         commit(primary, ops_for(n))
     started.clear()
@@ -674,9 +680,11 @@ async def cancel_during_a_threaded_write(
         await bounded(asyncio.to_thread(started.wait, 30))
         task.cancel()
         await asyncio.sleep(0)  # one loop pass: the cancellation reaches the task before the write ends
+        while_held()
     finally:
         release.set()
         await bounded(asyncio.wait({task}))
+    return task
 
 
 def test_a_write_finished_under_a_cancellation_is_the_position_the_backup_reports(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from replication_helpers import HOST, bounded, commit, new_backup, ops_for, started_primary
-from test_replication_channel import content, hold_threaded_writes, in_sync_at
+from test_replication_channel import cancel_during_a_threaded_write, content, hold_threaded_writes, in_sync_at
 
 from amqtt_durable.process import free_port
 from amqtt_durable.replication.backup import Backup
@@ -147,19 +147,11 @@ def test_a_cancelled_apply_on_a_closed_store_still_ends_cancelled(
         primary = await started_primary(tmp_path / "p", log_max_batches=100_000, log_max_bytes=1 << 30)
         backup = new_backup(tmp_path, "b", sync=False)
         await in_sync_at(primary, [backup], 2)
-        for n in range(3, 41):
-            commit(primary, ops_for(n))
-        started.clear()
-        release.clear()
-        task = asyncio.create_task(backup.follow(HOST, primary.port, asyncio.Event(), retry=0.05))
         try:
-            await bounded(asyncio.to_thread(started.wait, 30))
-            task.cancel()
-            await asyncio.sleep(0)
-            backup.db.close()
+            task = await cancel_during_a_threaded_write(
+                backup, primary, 40, started, release, while_held=backup.db.close
+            )
         finally:
-            release.set()
-            await bounded(asyncio.wait({task}))
             await primary.close()
         assert task.cancelled(), repr(task.exception())
 
