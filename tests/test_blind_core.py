@@ -30,7 +30,7 @@ MARKER = "$durable/v1/marker"
 def either_reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Broker:
     """A broker read by the plugin's reader, or by amqtt's own loop (a topic plugin loaded: amqtt's
     TopicTabooPlugin, which refuses nothing used here): "the guarantees are the same there"
-    (docs/guarantees.md:103-109)."""
+    (docs/guarantees.md)."""
     broker = broker_factory(start=False)
     if request.param == "amqtt-reader":
         broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
@@ -146,9 +146,9 @@ def seen_disconnected(clients: Callable[..., Client], port: int, count: int) -> 
 def test_recovery_buffer_default_is_an_in_flight_window_of_100(
     either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/configuration.md:193 `recovery_buffer` default `100`: "also the in-flight window";
-    docs/guarantees.md:399-400 "at most that many QoS 1/2 messages are sent and not yet acknowledged";
-    docs/guarantees.md:269 "a full window of 32 or more refills a quarter at a time"."""
+    """docs/configuration.md `recovery_buffer` default `100`: "also the in-flight window";
+    docs/guarantees.md "at most that many QoS 1/2 messages are sent and not yet acknowledged";
+    docs/guarantees.md "a full window of 32 or more refills a quarter at a time"."""
     broker = either_reader
     device = clients(broker.port, "win-dev", manual_ack=True)
     device.subscribe("win/t", 1)
@@ -167,7 +167,7 @@ def test_recovery_buffer_default_is_an_in_flight_window_of_100(
 
 
 def test_default_subscription_limit_is_1000(broker: Broker, clients: Callable[..., Client]) -> None:
-    """docs/configuration.md:209: `max_subscriptions_per_client` default `1000`."""
+    """docs/configuration.md: `max_subscriptions_per_client` default `1000`."""
     client = clients(broker.port, "lim1000", clean_session=True)
     filters = [(f"d/{i}", 0) for i in range(1001)]
     codes = client.subscribe(filters)
@@ -180,7 +180,7 @@ def test_default_subscription_limit_is_1000(broker: Broker, clients: Callable[..
 def test_a_connect_with_an_invalid_will_topic_is_closed_without_connack(
     either_reader: Broker, will_topic: bytes
 ) -> None:
-    """docs/guarantees.md:200-202: "A CONNECT whose will topic is empty, holds `+`, `#` or U+0000, or
+    """docs/guarantees.md: "A CONNECT whose will topic is empty, holds `+`, `#` or U+0000, or
     starts with `$` ... is refused: the connection is closed without a CONNACK"."""
     broker = either_reader
     sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
@@ -196,9 +196,9 @@ def test_a_connect_with_an_invalid_will_topic_is_closed_without_connack(
 # ------------------------------------------------------------------ expiry and $SYS
 # ------------------------------------------------------------------ control protocol
 def test_control_hello_reply_fields_and_cap(either_reader: Broker, clients: Callable[..., Client]) -> None:
-    """docs/protocol.md:82 hello: "Reply: `protocol`, `epoch` ..., `session_expiry` (granted, null for
+    """docs/protocol.md hello: "Reply: `protocol`, `epoch` ..., `session_expiry` (granted, null for
     the broker default ...), `subscriptions` (... {filter: qos} the session holds)" and
-    docs/configuration.md:200 `max_session_expiry` default 604800: "longer asks are capped"."""
+    docs/configuration.md `max_session_expiry` default 604800: "longer asks are capped"."""
     broker = either_reader
     client = clients(broker.port, "hello-dev")
     client.subscribe("h/#", 1)
@@ -213,7 +213,7 @@ def test_control_hello_reply_fields_and_cap(either_reader: Broker, clients: Call
 
 # ------------------------------------------------------------------ the command line
 def test_inspect_usage_errors_exit_2(tmp_path: Path) -> None:
-    """docs/operations.md:42-43: "It takes a store folder or `--replication HOST:PORT`: neither, both,
+    """docs/operations.md: "It takes a store folder or `--replication HOST:PORT`: neither, both,
     or `--retained` with `--replication` is a usage error (exit code 2)"."""
     store = str(tmp_path / "s")
     assert run_cli("inspect").returncode == 2
@@ -222,7 +222,7 @@ def test_inspect_usage_errors_exit_2(tmp_path: Path) -> None:
 
 
 def test_config_store_relative_path_from_cwd(tmp_path: Path) -> None:
-    """docs/configuration.md:187: "A relative path is taken from the folder the broker is started in,
+    """docs/configuration.md: "A relative path is taken from the folder the broker is started in,
     not the config file's"."""
     conf_dir = tmp_path / "conf"
     conf_dir.mkdir()
@@ -254,9 +254,9 @@ def test_a_config_naming_max_qos_is_refused(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ second batch: less travelled promises
 def test_hello_session_expiry_override_is_the_stored_deadline(broker: Broker, clients: Callable[..., Client]) -> None:
-    """docs/protocol.md:82: hello "sets its expiry override, capped by the broker's
+    """docs/protocol.md: hello "sets its expiry override, capped by the broker's
     `max_session_expiry`; a `hello` without `session_expiry` removes the override"; the deadline is
-    stored (docs/guarantees.md:79) and shown by inspect (`expires_at`)."""
+    stored (docs/guarantees.md) and shown by inspect (`expires_at`)."""
     broker.stop()
     broker.settings["metrics_interval"] = 1
     broker.start()
@@ -273,7 +273,7 @@ def test_hello_session_expiry_override_is_the_stored_deadline(broker: Broker, cl
 def test_plain_durable_session_ready_gets_an_unframed_replay_and_a_marker(
     either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:84: "A session that never said `hello` gets the marker too (its events
+    """docs/protocol.md: "A session that never said `hello` gets the marker too (its events
     unframed)"; :91 "Without a `hello`, a durable session is a plain MQTT session: no frames, no hold"."""
     broker = either_reader
     device = clients(broker.port, "plain-dev")
@@ -291,7 +291,7 @@ def test_plain_durable_session_ready_gets_an_unframed_replay_and_a_marker(
 def test_brand_new_sdk_session_marker_has_replayed_0_and_null_seqs(
     either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:121-124: "`first_seq` / `last_seq` are their sequence ids (null when none) ...
+    """docs/protocol.md: "`first_seq` / `last_seq` are their sequence ids (null when none) ...
     A brand-new session gets a marker too, with `replayed: 0`"; after the marker, live events are
     framed without the `replayed` flag (:35)."""
     broker = either_reader
@@ -326,8 +326,8 @@ def stream_events(client: Client, topic: str) -> list[tuple[int, int, bytes]]:
 def test_stream_ids_retention_gaps_and_info(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/configuration.md:201 "every topic a filter matches gets its own log with ids 1, 2, 3, ...
-    kept up to `max_count` events"; docs/protocol.md:86 reply `topics` ({topic: {first, last}}), `gaps`
+    """docs/configuration.md "every topic a filter matches gets its own log with ids 1, 2, 3, ...
+    kept up to `max_count` events"; docs/protocol.md reply `topics` ({topic: {first, last}}), `gaps`
     ({topic: [first missing id, last missing id]}), :89 `stream_info` `topics` {first, last, count} and
     `store`; :36 epoch 0 for stream events."""
     broker = stream_broker(broker_factory)
@@ -350,8 +350,8 @@ def test_stream_ids_retention_gaps_and_info(
 def test_will_of_dropped_durable_client_queued_for_disconnected_durable_subscriber(
     either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:98: "Wills ... reach durable sessions through the same queue"; a client that
-    sent DISCONNECT never has its will published (docs/guarantees.md:184-185)."""
+    """docs/guarantees.md: "Wills ... reach durable sessions through the same queue"; a client that
+    sent DISCONNECT never has its will published (docs/guarantees.md)."""
     broker = either_reader
     sub = clients(broker.port, "wq-sub")
     sub.subscribe("wq/#", 1)
@@ -376,9 +376,9 @@ def test_will_of_dropped_durable_client_queued_for_disconnected_durable_subscrib
 def test_resubscribe_requeues_retained_but_reconnect_does_not(
     either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:95-97: retained messages matching a new subscription "are queued, with the
+    """docs/guarantees.md: retained messages matching a new subscription "are queued, with the
     subscription and before any live message it matches ...; they are not sent again on every
-    reconnect (MQTT-3.3.1-6)"; docs/protocol.md:82 "a repeated SUBSCRIBE re-queues retained messages,
+    reconnect (MQTT-3.3.1-6)"; docs/protocol.md "a repeated SUBSCRIBE re-queues retained messages,
     MQTT-3.8.4-3"."""
     broker = either_reader
     clients(broker.port, "rr-pub", clean_session=True).publish("rr/t", [b"ret"], qos=1, retain=True)
@@ -396,7 +396,7 @@ def test_resubscribe_requeues_retained_but_reconnect_does_not(
 
 
 def test_anonymous_owner_refuses_a_named_user(either_reader: Broker, clients: Callable[..., Client]) -> None:
-    """docs/guarantees.md:63-64: "a session belongs to the user (CONNECT username; none counts as one
+    """docs/guarantees.md: "a session belongs to the user (CONNECT username; none counts as one
     user too) whose CONNECT created it" and owner-only refuses "any other user" with CONNACK 5."""
     broker = either_reader
     clients(broker.port, "anon-owned").disconnect()
@@ -410,7 +410,7 @@ def test_anonymous_owner_refuses_a_named_user(either_reader: Broker, clients: Ca
 def test_unknown_topic_error_cuts_the_topic_to_100_characters(
     either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:19-22: "A PUBLISH under `_durable/` other than `_durable/v1/ctl` gets the error
+    """docs/protocol.md: "A PUBLISH under `_durable/` other than `_durable/v1/ctl` gets the error
     `unknown_topic` ...; its message, and the broker's log line, show the topic cut to 100
     characters"."""
     broker = either_reader
@@ -427,7 +427,7 @@ def test_unknown_topic_error_cuts_the_topic_to_100_characters(
 def test_overflow_warning_at_most_once_per_interval(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:392-395 and docs/configuration.md:199: drops are "logged as a WARNING with the
+    """docs/guarantees.md and docs/configuration.md: drops are "logged as a WARNING with the
     count, at most once per `drop_log_interval` seconds per session" (default 10)."""
     broker = broker_factory(max_depth=1, max_depth_disconnected=1)
     device = clients(broker.port, "once-dev")
@@ -442,7 +442,7 @@ def test_overflow_warning_at_most_once_per_interval(
 
 
 def test_repair_of_a_healthy_store_keeps_the_sessions(broker: Broker, clients: Callable[..., Client]) -> None:
-    """docs/operations.md:44-66: `amqtt-durable repair STORE` "rebuilds the plugin's bookkeeping"; a
+    """docs/operations.md: `amqtt-durable repair STORE` "rebuilds the plugin's bookkeeping"; a
     store that needs nothing keeps its sessions and queues ("Then start the broker again")."""
     device = clients(broker.port, "rep-dev")
     device.subscribe("rep/t", 1)
@@ -459,7 +459,7 @@ def test_repair_of_a_healthy_store_keeps_the_sessions(broker: Broker, clients: C
 
 
 def test_marker_lists_non_durable_interest(either_reader: Broker, clients: Callable[..., Client]) -> None:
-    """docs/protocol.md:117-123: the marker's `live` lists the session's subscriptions as
+    """docs/protocol.md: the marker's `live` lists the session's subscriptions as
     {"filter", "qos", "durable"}."""
     broker = either_reader
     device = clients(broker.port, "mk-dev")
@@ -479,7 +479,7 @@ def test_marker_lists_non_durable_interest(either_reader: Broker, clients: Calla
 def test_frame_publish_time_is_when_the_broker_received_it(
     either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:38: "publish time, Unix seconds, as the broker received it"; :37 sequence ids
+    """docs/protocol.md: "publish time, Unix seconds, as the broker received it"; :37 sequence ids
     increase along the delivery order."""
     broker = either_reader
     import time  # noqa: PLC0415
@@ -501,7 +501,7 @@ def test_frame_publish_time_is_when_the_broker_received_it(
 def test_retained_initial_value_before_ready_counts_in_marker(
     either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:82 hello "holds delivery before a SUBSCRIBE that follows it is handled"; :124 "A
+    """docs/protocol.md hello "holds delivery before a SUBSCRIBE that follows it is handled"; :124 "A
     brand-new session gets a marker too, with `replayed: 0`, or more when messages arrived between its
     SUBSCRIBE and its `ready`: a retained message queued with a SUBSCRIBE handled before the `ready`
     counts too (it comes before the marker, flags `0x03`, replayed and retained)"."""
@@ -538,7 +538,7 @@ def publish_body(body: bytes) -> tuple[str, bytes]:
 def test_a_control_request_at_qos_1_or_2_is_accepted_and_a_retransmission_handled_again(
     either_reader: Broker, qos: int
 ) -> None:
-    """docs/protocol.md:13: `_durable/v1/ctl` "a control request (JSON), QoS 0 (QoS 1 and 2 are accepted,
+    """docs/protocol.md: `_durable/v1/ctl` "a control request (JSON), QoS 0 (QoS 1 and 2 are accepted,
     but a retransmitted request is handled again)"."""
     broker = either_reader
     sock = raw_connect(broker.port, f"ctlq{qos}", clean=False)
@@ -568,7 +568,7 @@ def test_a_control_request_at_qos_1_or_2_is_accepted_and_a_retransmission_handle
 def test_pubacks_go_out_in_the_order_the_publishes_arrived(
     either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:110-111: "PUBACKs go out in the order the PUBLISHes arrived, each once its
+    """docs/guarantees.md: "PUBACKs go out in the order the PUBLISHes arrived, each once its
     message is durable"."""
     broker = either_reader
     device = clients(broker.port, "order-dev")
@@ -589,7 +589,7 @@ def test_pubacks_go_out_in_the_order_the_publishes_arrived(
 
 
 def test_a_client_id_that_is_not_utf8_is_accepted_as_str_of_bytes(either_reader: Broker) -> None:
-    """docs/operations.md:384-386: "CONNECT strings that are not valid UTF-8 (client id, will topic,
+    """docs/operations.md: "CONNECT strings that are not valid UTF-8 (client id, will topic,
     username) are turned into `str(bytes)` by amqtt's CONNECT decoder and accepted as such"."""
     broker = either_reader
     raw_id = b"\xff\xfeid"
@@ -604,8 +604,8 @@ def test_a_client_id_that_is_not_utf8_is_accepted_as_str_of_bytes(either_reader:
 
 
 def test_refused_control_requests_are_logged_once_per_interval(broker: Broker, clients: Callable[..., Client]) -> None:
-    """docs/protocol.md:106-107: "The broker logs refusals (INFO) at most once per `drop_log_interval`
-    per connection"; every request is still answered (docs/configuration.md:199)."""
+    """docs/protocol.md: "The broker logs refusals (INFO) at most once per `drop_log_interval`
+    per connection"; every request is still answered (docs/configuration.md)."""
     client = clients(broker.port, "refused-log", clean_session=True)
     for req in range(5):
         reply = control(client, {"v": 1, "op": "no-such-op", "req": req})
@@ -616,7 +616,7 @@ def test_refused_control_requests_are_logged_once_per_interval(broker: Broker, c
 
 
 def test_no_store_health_message_while_the_store_never_failed(broker: Broker, clients: Callable[..., Client]) -> None:
-    """docs/operations.md:344-345: "No retained message there [`$SYS/broker/durable/store/health`] means
+    """docs/operations.md: "No retained message there [`$SYS/broker/durable/store/health`] means
     the store has not failed since the broker started"."""
     watcher = clients(broker.port, "health-watch", clean_session=True)
     watcher.subscribe([("$SYS/broker/durable/store/health", 1), ("health/sentinel", 1)])
@@ -629,7 +629,7 @@ def test_no_store_health_message_while_the_store_never_failed(broker: Broker, cl
 def test_a_retained_message_comes_once_per_new_matching_filter(
     broker: Broker, clients: Callable[..., Client], clean: bool
 ) -> None:
-    """docs/guarantees.md:29-36: a durable session "gets each message once, at the highest QoS" of its
+    """docs/guarantees.md: a durable session "gets each message once, at the highest QoS" of its
     matching filters, but "A retained message sent because of a SUBSCRIBE ... comes once per new filter
     that matches it, at the lower of that filter's QoS and its own, durable and clean sessions alike"."""
     clients(broker.port, "ov-ret-pub", clean_session=True).publish("ovr/b", [b"ret"], qos=1, retain=True)
@@ -659,7 +659,7 @@ def test_a_retained_qos0_message_comes_at_qos_0_once_per_new_matching_filter(
     assert sorted((m.payload, m.qos, m.retain) for m in device.messages) == [(b"ret", 0, True)] * 2
 
 def test_repair_refuses_a_folder_of_other_files_as_no_store(tmp_path: Path) -> None:
-    """docs/operations.md:48-50: "A path that is missing or a folder without LevelDB files (empty, or
+    """docs/operations.md: "A path that is missing or a folder without LevelDB files (empty, or
     holding only other files ...) is refused with `no store at '...'` ...; exit code 1, untouched"."""
     other = tmp_path / "data"
     other.mkdir()
@@ -673,7 +673,7 @@ def test_repair_refuses_a_folder_of_other_files_as_no_store(tmp_path: Path) -> N
 def test_ready_replays_what_was_queued_up_to_it_then_the_marker_then_live(
     either_reader: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:84: "`ready` ... Ends the hold: the broker sends the recovery buffer and what was
+    """docs/protocol.md: "`ready` ... Ends the hold: the broker sends the recovery buffer and what was
     queued up to this point (flag `replayed`), then a marker, then live messages"; :121 "`replayed`
     counts the messages sent before it with the `replayed` flag"."""
     broker = either_reader
@@ -700,7 +700,7 @@ def test_ready_replays_what_was_queued_up_to_it_then_the_marker_then_live(
 def test_inspect_shows_no_deadline_for_a_session_connected_at_a_clean_stop(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:32-35: time until expiry "`-`: no deadline stored, as for a session that was
+    """docs/operations.md: time until expiry "`-`: no deadline stored, as for a session that was
     connected when the broker was killed or stopped"; `--json`: "null where none"."""
     device = clients(broker.port, "stop-dev")
     device.subscribe("stop/t", 1)
@@ -714,7 +714,7 @@ def test_inspect_shows_no_deadline_for_a_session_connected_at_a_clean_stop(
 def test_hello_session_expiry_must_be_a_number_0_or_more_and_null_is_absent(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:82 hello `session_expiry` "(seconds, optional: a finite number >= 0, else
+    """docs/protocol.md hello `session_expiry` "(seconds, optional: a finite number >= 0, else
     `malformed`)"; "A field given as JSON `null` counts as absent"."""
     device = clients(broker.port, "exp-args")
     for bad in (-1, True, "10"):
@@ -737,11 +737,11 @@ def wait_past(start: float, seconds: float) -> None:
 def test_the_line_after_a_quiet_interval_counts_what_was_left_out(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/configuration.md:199 `drop_log_interval`: overflow warnings at most once per interval per
+    """docs/configuration.md `drop_log_interval`: overflow warnings at most once per interval per
     session ("drops are always counted"), and refused control requests logged "(INFO; the next line
-    says how many were left out; every request is still answered)"; docs/guarantees.md:394 "logged as a
+    says how many were left out; every request is still answered)"; docs/guarantees.md "logged as a
     WARNING with the count, ...: `session <id>: queue full at its limit of <n> messages (overflow
-    <policy>): dropped <k> message(s) since the last warning, <total> in all`"; docs/protocol.md:107."""
+    <policy>): dropped <k> message(s) since the last warning, <total> in all`"; docs/protocol.md."""
     import time  # noqa: PLC0415
 
     broker = broker_factory(drop_log_interval=1, max_depth=1, max_depth_disconnected=1)
@@ -778,7 +778,7 @@ def test_the_line_after_a_quiet_interval_counts_what_was_left_out(
 def test_clean_subscribers_get_min_of_publish_and_subscription_qos(
     either_reader: Broker, clients: Callable[..., Client], publish_qos: int
 ) -> None:
-    """docs/guarantees.md:29 "Delivered QoS = min(publish QoS, subscription QoS)", durable and clean
+    """docs/guarantees.md "Delivered QoS = min(publish QoS, subscription QoS)", durable and clean
     sessions alike (MQTT-3.8.4-6: never more than the publish's QoS, never more than granted)."""
     broker = either_reader
     subscribers = {qos: clients(broker.port, f"minq-{qos}", clean_session=True) for qos in (0, 1, 2)}
@@ -793,8 +793,8 @@ def test_clean_subscribers_get_min_of_publish_and_subscription_qos(
 def test_a_forced_qos_message_to_a_clean_subscriber_is_capped_by_its_subscription(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:29 (min of the message's QoS and the subscription's): the broker's own
-    `$SYS/broker/durable/expired` event, published at QoS 1 (docs/guarantees.md:86), and a QoS 1 will
+    """docs/guarantees.md (min of the message's QoS and the subscription's): the broker's own
+    `$SYS/broker/durable/expired` event, published at QoS 1 (docs/guarantees.md), and a QoS 1 will
     reach a clean QoS 0 subscriber at QoS 0."""
     broker = broker_factory(session_expiry=0)
     watcher = clients(broker.port, "cap-watch", clean_session=True)
@@ -813,8 +813,8 @@ def test_a_forced_qos_message_to_a_clean_subscriber_is_capped_by_its_subscriptio
 def test_a_retained_qos0_message_comes_at_qos_0_to_a_qos_1_subscription(
     either_reader: Broker, clients: Callable[..., Client], clean: bool
 ) -> None:
-    """docs/guarantees.md:95-97: retained messages matching a new subscription come with "RETAIN=1, QoS
-    min(subscription, retained)"; docs/guarantees.md:29 "Delivered QoS = min(publish QoS, subscription
+    """docs/guarantees.md: retained messages matching a new subscription come with "RETAIN=1, QoS
+    min(subscription, retained)"; docs/guarantees.md "Delivered QoS = min(publish QoS, subscription
     QoS)" (a retained message stored at QoS 0 is not raised to QoS 1)."""
     broker = either_reader
     clients(broker.port, "r0-pub", clean_session=True).publish("r0/t", [b"zero"], qos=0, retain=True)
@@ -827,11 +827,11 @@ def test_a_retained_qos0_message_comes_at_qos_0_to_a_qos_1_subscription(
 def test_inspect_text_header_durations_and_a_past_deadline(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/operations.md:30-40: inspect's rows under the header `CLIENT ID`, `DEPTH`, `BYTES`, `OLDEST`,
+    """docs/operations.md: inspect's rows under the header `CLIENT ID`, `DEPTH`, `BYTES`, `OLDEST`,
     `EXPIRES IN`, `DROPPED`, `SUBSCRIPTIONS` ("the header reads `CLIENT ID  DEPTH  BYTES  OLDEST  EXPIRES
     IN  DROPPED  SUBSCRIPTIONS` only while no cell is wider than its column's name"); "ages and times
     read `45s` (under 2 minutes), `5m` (under 2 hours) or `3.5h`, an expiry already past `due` (the
-    broker deletes that session when it starts)"; docs/guarantees.md:79 "The deadline is stored, so it
+    broker deletes that session when it starts)"; docs/guarantees.md "The deadline is stored, so it
     holds across restarts"."""
     import time  # noqa: PLC0415
 

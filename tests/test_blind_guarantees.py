@@ -76,7 +76,7 @@ def named_users_only(broker: Broker) -> None:
     """``allow_anonymous: false``: a CONNECT needs a username (any, no password), and amqtt counts
     no session as anonymous, so it keeps a disconnected durable session in memory (with
     ``allow_anonymous: true`` its session monitor deletes it about a second after the disconnect:
-    docs/guarantees.md:18-25). Clients connect with ``username=USER``."""
+    docs/guarantees.md). Clients connect with ``username=USER``."""
     broker.extra_plugins["amqtt.plugins.authentication.AnonymousAuthPlugin"] = {"allow_anonymous": False}
     broker.ready = lambda: connack_code(broker.port) == 5  # type: ignore[method-assign]  # anonymous: refused
 
@@ -85,7 +85,7 @@ def named_users_only(broker: Broker) -> None:
 def on_either_reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Callable[..., Broker]:
     """Starts a broker with the given settings, read by the plugin's reader or by amqtt's own loop
     (a topic plugin loaded, amqtt's TopicTabooPlugin, which refuses nothing used here): "the
-    guarantees are the same there" (docs/guarantees.md:138-140)."""
+    guarantees are the same there" (docs/guarantees.md)."""
 
     def start(*, named: bool = False, **settings: object) -> Broker:
         broker = broker_factory(start=False, **settings)
@@ -107,7 +107,7 @@ def dropped(broker: Broker, client_id: str) -> int:
 def test_the_disconnected_limit_stays_after_a_reconnect_until_the_queue_drains_to_80_percent(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:416-418: "After a reconnect the larger limit stays until the queue drains
+    """docs/guarantees.md: "After a reconnect the larger limit stays until the queue drains
     to 80% of `max_depth_disconnected`; then the limit reverts to `max_depth`. Reverting never purges
     anything: it only lowers the bar for new messages." With limits 2 and 10 and 10 queued: at 9 a new
     message is still queued (10 <= 10, nothing dropped); once the queue is at 8 (80%) the limit is 2,
@@ -133,7 +133,7 @@ def test_the_disconnected_limit_stays_after_a_reconnect_until_the_queue_drains_t
 def test_a_message_exactly_at_the_byte_limit_is_queued_and_pushes_out_the_older_ones(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:419-435: "A message larger than the byte limit itself is dropped (counted)
+    """docs/guarantees.md: "A message larger than the byte limit itself is dropped (counted)
     whatever the policy"; one exactly as large as the limit is not larger, so drop-oldest deletes
     the older ones until it fits, and it is queued. One byte more is dropped and deletes nothing."""
     broker = broker_factory(max_bytes=300, max_bytes_disconnected=300, **METRICS)
@@ -152,7 +152,7 @@ def test_a_message_exactly_at_the_byte_limit_is_queued_and_pushes_out_the_older_
 def test_a_queue_filled_exactly_to_its_limit_drops_nothing(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:414-424: "A queue is full when either its message or its byte limit
+    """docs/guarantees.md: "A queue is full when either its message or its byte limit
     would be passed": exactly `max_depth_disconnected` messages and exactly `max_bytes_disconnected`
     bytes pass neither, so nothing is dropped; the next message drops the oldest one."""
     broker = broker_factory(max_depth=3, max_depth_disconnected=3, max_bytes=30, max_bytes_disconnected=30, **METRICS)
@@ -177,7 +177,7 @@ def test_a_queue_filled_exactly_to_its_limit_drops_nothing(
 def test_an_expired_sessions_messages_dropped_counts_what_overflow_left_queued(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:113-117 and 424-444: overflow drops are counted as drops when they happen;
+    """docs/guarantees.md and 424-444: overflow drops are counted as drops when they happen;
     the expiry event's `messages_dropped` and its WARNING's `<m> queued message(s)` count what the
     queue held at expiry: 3 of 5 published to a queue limited to 3, not 5."""
     broker = broker_factory(max_depth=3, max_depth_disconnected=3, session_expiry=1, **METRICS)
@@ -195,7 +195,7 @@ def test_an_expired_sessions_messages_dropped_counts_what_overflow_left_queued(
 def test_overlapping_filters_queue_one_copy_at_the_highest_qos_and_a_qos0_match_is_not_queued(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:47-49: "A durable session with several filters matching a topic (`a/#`
+    """docs/guarantees.md: "A durable session with several filters matching a topic (`a/#`
     and `a/b`) gets each message once, at the highest QoS those subscriptions grant"; :51-53: a
     message delivered at QoS 0 ("matching a QoS 0 subscription") is not queued for a disconnected
     session (queue_qos0 false by default); :24-25 FIFO. So while disconnected, with `ol/#` at 0 and
@@ -229,7 +229,7 @@ def test_overlapping_filters_queue_one_copy_at_the_highest_qos_and_a_qos0_match_
 def test_a_will_reaches_a_durable_subscriber_at_the_lower_of_its_qos_and_the_subscriptions(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:43-44: "Delivered QoS = min(publish QoS, subscription QoS), durable and
+    """docs/guarantees.md: "Delivered QoS = min(publish QoS, subscription QoS), durable and
     clean sessions alike ..., wills ... too"; :121-122: wills reach durable sessions through the same
     queue; :33-34 RETAIN=0 on queued messages: a QoS 2 retained will, queued for a disconnected
     QoS 1 durable subscriber, comes at QoS 1 with RETAIN=0; a new subscription gets it retained."""
@@ -256,7 +256,7 @@ def test_a_will_reaches_a_durable_subscriber_at_the_lower_of_its_qos_and_the_sub
 def test_an_empty_retained_publish_deletes_the_retained_message_and_is_still_delivered(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:62-68: a RETAIN=1 PUBLISH "with an empty payload deletes the topic's
+    """docs/guarantees.md: a RETAIN=1 PUBLISH "with an empty payload deletes the topic's
     retained message (MQTT-3.3.1-10/11), and the deletion is stored the same way"; MQTT-3.3.1-10 also
     has it "processed as normal by the Server and sent to Clients with a subscription matching the
     topic": a durable subscriber that was away gets it queued (empty, RETAIN=0, :33-34), and after a
@@ -285,7 +285,7 @@ def test_an_empty_retained_publish_deletes_the_retained_message_and_is_still_del
 def test_a_retained_publish_under_durable_is_never_retained(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:69: "Nothing under `_durable/` is ever retained"; docs/protocol.md:18-19:
+    """docs/guarantees.md: "Nothing under `_durable/` is ever retained"; docs/protocol.md:
     every PUBLISH under `_durable/` is "never routed, retained or queued". A RETAIN=1 control
     request is answered as usual, and neither right after it nor after a restart does a new
     subscription to `#` or `_durable/#` get anything retained."""
@@ -309,7 +309,7 @@ def test_a_retained_publish_under_durable_is_never_retained(
 def test_a_topic_of_65535_bytes_is_queued_stored_and_delivered_whole(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:5-6 and 28-30: a QoS 1 PUBLISH is written to LevelDB for every durable
+    """docs/guarantees.md and 28-30: a QoS 1 PUBLISH is written to LevelDB for every durable
     session it matches before PUBACK and survives the broker dying. MQTT's longest topic (65,535
     UTF-8 bytes, within the default `max_packet_size` of 1 MB) is an edge value: queued while
     away, kept across a SIGKILL, delivered with its topic whole; retained too."""
@@ -332,7 +332,7 @@ def test_a_topic_of_65535_bytes_is_queued_stored_and_delivered_whole(
 
 # ------------------------------------------------------------------ QoS 2 towards a subscriber
 def test_a_qos2_publish_left_without_pubrec_comes_again_with_dup_and_the_same_id(broker: Broker) -> None:
-    """docs/guarantees.md:38-40, 449-463: a message that may have been sent before goes out again
+    """docs/guarantees.md: a message that may have been sent before goes out again
     only with DUP=1, at reconnect time, with the same packet id (:443-444); unacknowledged messages
     are not re-sent on the same connection. A QoS 2 PUBLISH interrupted before its PUBREC."""
     device = raw_connect(broker.port, "q2-nopubrec", clean=False)
@@ -398,7 +398,7 @@ def test_a_qos2_publish_left_without_pubrec_comes_again_with_dup_and_the_same_id
 def test_whole_number_fields_take_integers_only_and_string_fields_refuse_empty(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], op: str, fields: dict[str, object]
 ) -> None:
-    """docs/protocol.md:107-114: `malformed` for "a field of the wrong type or out of its range: ...
+    """docs/protocol.md: `malformed` for "a field of the wrong type or out of its range: ...
     `window` a whole number from 1 to 1000; `after` ids whole numbers, 0 or more; `id` a whole
     number, 1 or more; a string field empty" (JSON 2.0 or true is not a whole number, as `v` 1.0 and
     true are refused as not 1, :69-70); `after` keys topics, not filters or names holding U+0000 or
@@ -414,7 +414,7 @@ def test_whole_number_fields_take_integers_only_and_string_fields_refuse_empty(
 def test_the_requests_of_a_clean_session_that_need_a_durable_one_get_no_session(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:86-95 column "Needs a durable session": `interest`, `ready` and
+    """docs/protocol.md column "Needs a durable session": `interest`, `ready` and
     `end_session` are refused with `no_session` on a clean session (echoing `op` and `req`), and
     `hello` there is answered with `epoch`, `session_expiry` and `subscriptions` null."""
     client = clients(broker.port, "clean-ctl", clean_session=True)
@@ -429,7 +429,7 @@ def test_the_requests_of_a_clean_session_that_need_a_durable_one_get_no_session(
 def test_an_explicit_subscription_to_the_reply_topic_gets_no_other_connections_replies(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:24-26: "Replies, markers and stream events are written to the one
+    """docs/protocol.md: "Replies, markers and stream events are written to the one
     connection concerned, never routed; ... subscribing to them explicitly receives nothing"."""
     spy = clients(broker.port, "spy", clean_session=True)
     assert spy.subscribe([("$durable/v1/reply", 1), ("$durable/#", 1)]) == [1, 1]
@@ -446,7 +446,7 @@ def test_an_explicit_subscription_to_the_reply_topic_gets_no_other_connections_r
 def test_a_stream_ack_past_the_last_event_sent_is_refused_or_ignored_without_skipping_events(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:151-153: "`stream_ack` with `id` N releases every id up to N of that topic,
+    """docs/protocol.md: "`stream_ack` with `id` N releases every id up to N of that topic,
     and the broker fills the window again at once. An `id` past the last one sent on the connection
     counts as that last one: events not sent yet still come, none is skipped": with a window of 1
     and 3 events logged, an ack of id 3 right after event 1 came lets event 2 come, and event 3
@@ -496,7 +496,7 @@ def publish_parts(first: int, body: bytes) -> tuple[int, bool, bool, str, bytes]
 def test_retained_messages_of_a_new_subscription_queue_behind_what_the_session_has_and_before_live(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:124-126: "Retained messages matching a new subscription are queued, with
+    """docs/guarantees.md: "Retained messages matching a new subscription are queued, with
     the subscription and before any live message it matches, behind what the session already has
     (RETAIN=1, QoS min(subscription, retained))". With a window of 1 and two messages still queued,
     a SUBSCRIBE's retained message comes after them, and a live one published after the SUBACK
@@ -528,7 +528,7 @@ def test_retained_messages_of_a_new_subscription_queue_behind_what_the_session_h
 def test_a_resubscribe_at_a_lower_qos_leaves_the_queued_messages_at_theirs(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:55-57: "A SUBSCRIBE of a filter the session already holds replaces that
+    """docs/guarantees.md: "A SUBSCRIBE of a filter the session already holds replaces that
     subscription: messages published after it come at the new QoS (those already queued for a
     durable session keep the QoS they were queued at)"."""
     broker = on_either_reader(recovery_buffer=1)
@@ -578,8 +578,8 @@ def test_a_packet_exactly_max_packet_size_long_is_read_and_one_byte_more_closes(
 def test_every_publish_to_a_logged_topic_is_logged_qos_0_and_retained_ones_too(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/streams.md:16: "Every publish to a logged topic is appended to its log";
-    docs/protocol.md:35: flag bits 3-4 carry "the publish QoS of a stream event": a QoS 0, a
+    """docs/streams.md: "Every publish to a logged topic is appended to its log";
+    docs/protocol.md: flag bits 3-4 carry "the publish QoS of a stream event": a QoS 0, a
     retained QoS 1 and a QoS 2 publish get ids 1, 2, 3 and their own QoS in the frame."""
     broker = broker_factory(streams=[{"filter": "lg/#", "max_count": 10}])
     publisher = clients(broker.port, "pub", clean_session=True)
@@ -600,7 +600,7 @@ def test_every_publish_to_a_logged_topic_is_logged_qos_0_and_retained_ones_too(
 def test_an_empty_control_request_is_malformed_with_op_and_req_null(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:107-124: not UTF-8 JSON is `malformed`, "answered with `op` and `req`
+    """docs/protocol.md: not UTF-8 JSON is `malformed`, "answered with `op` and `req`
     null"; :51-53: "an empty one counts too" (an empty PUBLISH to the control topic is a request)."""
     client = clients(broker.port, "empty-ctl")
     reply = request(client, "", raw=b"")
@@ -610,10 +610,10 @@ def test_an_empty_control_request_is_malformed_with_op_and_req_null(
 def test_a_message_left_in_flight_replays_with_dup_and_the_redelivered_and_replayed_flags(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:35 flags `0x01` replayed, `0x04` redelivered (sent before); :90 `ready`:
+    """docs/protocol.md flags `0x01` replayed, `0x04` redelivered (sent before); :90 `ready`:
     "the broker sends the recovery buffer and what was queued up to this point (flag
     `replayed`), then a marker"; :134 `replayed` counts the messages sent before the marker with
-    that flag; docs/guarantees.md:38-40: a message that may have been sent before goes out again
+    that flag; docs/guarantees.md: a message that may have been sent before goes out again
     only with DUP=1."""
     device = clients(broker.port, "rd-dev", manual_ack=True)
     assert request(device, "hello").ok
@@ -660,7 +660,7 @@ def test_after_topics_outside_the_filter_unknown_fields_and_closing_an_unopened_
 def test_retained_messages_of_a_new_subscription_obey_the_queue_limit(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:124-128: retained messages matching a new subscription are queued and
+    """docs/guarantees.md: retained messages matching a new subscription are queued and
     "count against the queue's limits as any message: more than the queue has room for are handled
     by its `overflow` policy, one at a time"; :431-437 drops are counted per session."""
     broker = broker_factory(max_depth=2, max_depth_disconnected=2, recovery_buffer=1)
@@ -679,7 +679,7 @@ def test_retained_messages_of_a_new_subscription_obey_the_queue_limit(
 def test_a_qos2_message_waiting_for_its_pubcomp_is_never_dropped_by_overflow(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:424-429: drop-oldest deletes "the oldest one not sent yet: messages in
+    """docs/guarantees.md: drop-oldest deletes "the oldest one not sent yet: messages in
     flight, and QoS 2 messages waiting for their PUBCOMP, are never dropped"; :441-443 a QoS 2
     message stays until its PUBCOMP and a PUBREC is stored, so PUBREL is re-sent. A message whose
     PUBREC came holds its place in a queue of 2 while later ones overflow; its PUBREL comes again
@@ -708,7 +708,7 @@ def test_a_qos2_message_waiting_for_its_pubcomp_is_never_dropped_by_overflow(
 
 
 def test_a_keepalive_of_0_turns_the_silence_check_off(broker: Broker) -> None:
-    """docs/guarantees.md:191-193: "A client silent for 1.5 times its keep-alive ... is
+    """docs/guarantees.md: "A client silent for 1.5 times its keep-alive ... is
     disconnected (...; a keep-alive of 0 turns the check off, MQTT-3.1.2-10, unless
     `max_keepalive` is set)": silent for 2 s (past 1.5 x 0 and 1.5 x 1), it is still served."""
     sock = raw_connect(broker.port, "ka0", clean=True, keepalive=0)
@@ -724,7 +724,7 @@ def test_a_keepalive_of_0_turns_the_silence_check_off(broker: Broker) -> None:
 def test_a_hello_after_ready_frames_what_follows_and_holds_nothing(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/protocol.md:88 `hello`: "Marks the session as an SDK session (framed events, the
+    """docs/protocol.md `hello`: "Marks the session as an SDK session (framed events, the
     session's messages held until `ready` ...)"; "A `hello` after the connection's `ready` holds
     nothing: the messages after it come at once, framed"; :90 one marker per connection."""
     device = clients(broker.port, "late-hello")
@@ -752,10 +752,10 @@ def test_a_hello_after_ready_frames_what_follows_and_holds_nothing(
 def test_an_expiry_event_is_queued_for_a_disconnected_durable_sys_subscriber(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:129-130: "Wills and broker-internal messages (`$SYS/...`) reach durable
+    """docs/guarantees.md: "Wills and broker-internal messages (`$SYS/...`) reach durable
     sessions through the same queue"; :105-110 the expiry event, published at QoS 1 on
     `$SYS/broker/durable/expired`; :33-34 RETAIN=0 on queued messages. The watcher's own expiry is
-    set longer with a `hello` (protocol.md:87)."""
+    set longer with a `hello` (protocol.md)."""
     broker = broker_factory(session_expiry=1, max_session_expiry=3600, **METRICS)
     watcher = clients(broker.port, "sys-watcher")
     assert request(watcher, "hello", session_expiry=600).fields["session_expiry"] == 600
@@ -778,7 +778,7 @@ def test_an_expiry_event_is_queued_for_a_disconnected_durable_sys_subscriber(
 def test_a_qos2_publish_sent_again_before_its_pubrel_is_routed_once_on_any_connection(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:7-12: for a durable publisher, "Until its PUBREL comes, a PUBLISH with
+    """docs/guarantees.md: for a durable publisher, "Until its PUBREL comes, a PUBLISH with
     that packet id (DUP or not, on any connection ...) gets PUBREC and is not routed again
     (MQTT-4.3.3-2). PUBREL deletes the stored id and PUBCOMP follows ..., so the id is free for a
     new message". Re-sent on the same connection with DUP, then on a new connection without DUP
@@ -808,7 +808,7 @@ def test_a_qos2_publish_sent_again_before_its_pubrel_is_routed_once_on_any_conne
 def test_a_reconnected_publisher_owing_a_pubrel_is_served_at_once_and_its_packet_id_freed(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:7-27: until its PUBREL comes, the packet id of a durable publisher's QoS 2
+    """docs/guarantees.md: until its PUBREL comes, the packet id of a durable publisher's QoS 2
     PUBLISH is held; "On a reconnect the broker sends again the PUBREC of each QoS 2 publish still
     awaiting its PUBREL ...; the client may send the PUBREL when it likes: nothing else of the
     connection waits for it". "PUBREL deletes the stored id and PUBCOMP follows ..., so the id is
@@ -962,7 +962,7 @@ def expected_matches(topic_filter: str, topic: str) -> bool:
 def test_durable_and_clean_sessions_match_empty_levels_and_parent_levels_alike(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:146-151: routing walks a trie of the wildcard filters (durable sessions'
+    """docs/guarantees.md: routing walks a trie of the wildcard filters (durable sessions'
     filters, and a mirror of amqtt's table of clean sessions' filters); MQTT 3.1.1 section 4.7: `tm/#`
     also matches `tm` (MQTT-4.7.1-2), `+` matches an empty level (`tm/`, `/x`, `tm//x`). A durable and
     a clean subscriber of the same filter get the same messages: those MQTT says match."""
@@ -990,7 +990,7 @@ def test_durable_and_clean_sessions_match_empty_levels_and_parent_levels_alike(
 def test_a_take_over_gets_the_unacknowledged_messages_first_with_dup_and_ends_the_old_connection(
     on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:89-91: "Take-over: a second connection with the same client id ... takes
+    """docs/guarantees.md: "Take-over: a second connection with the same client id ... takes
     the session over (amqtt closes the old one); delivery continues on the new connection,
     unacknowledged messages first"; :30-32 with DUP=1; :454-455 they were not re-sent on the old
     connection."""
@@ -1026,7 +1026,7 @@ def test_stream_positions_at_the_edges_of_a_trimmed_log(
     clients: Callable[..., Client],
     case: tuple[int, dict[str, list[int]], dict[str, int], int | None],
 ) -> None:
-    """docs/protocol.md:92 `stream_subscribe`: "from the id after `after[topic]`"; `gaps` "{topic:
+    """docs/protocol.md `stream_subscribe`: "from the id after `after[topic]`"; `gaps` "{topic:
     [first missing id, last missing id]} for positions retention already trimmed"; `ahead` "where
     the position presented is past the log's end". A log of 5 events keeping 3 (ids 3 to 5, docs/
     streams.md `max_count`): a position of 2 misses nothing, 5 is the end (nothing to send, not
@@ -1054,7 +1054,7 @@ def test_stream_positions_at_the_edges_of_a_trimmed_log(
 def test_a_client_id_of_65535_bytes_keeps_its_durable_session_across_a_sigkill(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """docs/guarantees.md:74-75 and 84-85: a durable session is created by a CONNECT with
+    """docs/guarantees.md and 84-85: a durable session is created by a CONNECT with
     clean_session=false and a non-empty client id, "session_present in CONNACK comes from the store
     ... also after a broker restart or crash. Subscriptions come back without re-subscribing". The
     edge value: MQTT's longest client id (65,535 UTF-8 bytes, MQTT-3.1.3-5 lets a server accept it)."""
@@ -1091,7 +1091,7 @@ def test_drop_oldest_under_a_byte_limit_deletes_only_what_the_new_message_needs(
     new: int,
     kept: list[int],
 ) -> None:
-    """docs/guarantees.md:430-434: under a byte limit drop-oldest "deletes more of the oldest while
+    """docs/guarantees.md: under a byte limit drop-oldest "deletes more of the oldest while
     the new message does not fit yet and fewer bytes than it brings have gone: it stops at the
     message that makes up the new one's size, so what it removes exceeds what it adds by less than
     that last message (two of 100 bytes for one of 150), never more". Limit 300 bytes, queue as given."""

@@ -1,7 +1,7 @@
 """Black-box tests written from README.md and docs/ alone (sdk.md, streams.md, protocol.md,
 delivery-log.md, replication.md, pipeline.md, fleet.md): each test quotes the promise it
-checks (page:line) and runs it against real brokers, real SDK and paho clients over TCP to
-127.0.0.1 and the real command-line tools.
+checks (by its words, not a line number, which drifts) and runs it against real brokers, real
+SDK and paho clients over TCP to 127.0.0.1 and the real command-line tools.
 """
 
 from __future__ import annotations
@@ -133,14 +133,14 @@ def publish(clients: Callable[..., Client], port: int, topic: str, bodies: list[
 
 
 def test_defaults_host_and_port() -> None:
-    """sdk.md:205 `DurableClient(client_id, host="127.0.0.1", port=1883, ...)`; sdk.md:175
+    """sdk.md `DurableClient(client_id, host="127.0.0.1", port=1883, ...)`; sdk.md
     `client.host` and `client.port` name the address in use."""
     client = DurableClient("blind-defaults")
     assert (client.host, client.port) == ("127.0.0.1", 1883)
 
 
 def test_port_out_of_range_message_is_as_documented() -> None:
-    """sdk.md:194-195 a bad value raises `ValueError` whose message starts with the option's
+    """sdk.md a bad value raises `ValueError` whose message starts with the option's
     name (`port must be a whole number from 1 to 65535, got 70000`)."""
     with pytest.raises(ValueError) as info:
         DurableClient("blind-port", port=70000)
@@ -148,8 +148,8 @@ def test_port_out_of_range_message_is_as_documented() -> None:
 
 
 def test_seconds_refuse_a_decimal_as_a_wrong_type_and_take_a_fraction() -> None:
-    """sdk.md:202 seconds may be any real number (`int`, `float`, `Fraction`, numpy: a
-    `numbers.Real`, which a `Decimal` is not); sdk.md:197-199 a value of the wrong type raises
+    """sdk.md seconds may be any real number (`int`, `float`, `Fraction`, numpy: a
+    `numbers.Real`, which a `Decimal` is not); sdk.md a value of the wrong type raises
     `WrongTypeError`, both a `ValueError` and a `TypeError`."""
     from decimal import Decimal  # noqa: PLC0415
     from fractions import Fraction  # noqa: PLC0415
@@ -165,9 +165,9 @@ def test_seconds_refuse_a_decimal_as_a_wrong_type_and_take_a_fraction() -> None:
 
 
 def test_publish_checks_topic_before_the_connection() -> None:
-    """sdk.md:193 options and arguments are checked where they are given, before anything is
-    sent; sdk.md:195 `topic: '$SYS/x' starts with $: ...`; sdk.md:235-237 not under `_durable/`:
-    the SDK refuses both before anything is sent; sdk.md:122 `publish()` raises `Unconnected` while disconnected."""
+    """sdk.md options and arguments are checked where they are given, before anything is
+    sent; sdk.md `topic: '$SYS/x' starts with $: ...`; sdk.md not under `_durable/`:
+    the SDK refuses both before anything is sent; sdk.md `publish()` raises `Unconnected` while disconnected."""
     client = DurableClient("blind-pubcheck")
     with pytest.raises(ValueError) as info:
         client.publish("$SYS/x", b"1")
@@ -182,7 +182,7 @@ def test_publish_checks_topic_before_the_connection() -> None:
 
 @pytest.mark.parametrize("timeout", [None, 0, -1, float("inf"), float("nan")])
 def test_a_timeout_is_finite_above_0_and_none_is_not_one(timeout: Any) -> None:
-    """sdk.md:241-243 every `timeout` a finite number of seconds above 0 ... `None` is not a
+    """sdk.md every `timeout` a finite number of seconds above 0 ... `None` is not a
     timeout: every wait is bounded (`subscribe`, `publish`, `stream_info`, `connect`, `close`)."""
     client = DurableClient("blind-timeout")
     calls: list[Callable[[], Any]] = [
@@ -199,7 +199,7 @@ def test_a_timeout_is_finite_above_0_and_none_is_not_one(timeout: Any) -> None:
 
 
 def test_close_checks_keep_session_before_closing(broker: Broker, made: list[DurableClient]) -> None:
-    """sdk.md:203 the flags (... `keep_session`) must be `True` or `False`; sdk.md:244
+    """sdk.md the flags (... `keep_session`) must be `True` or `False`; sdk.md
     `close(keep_session=...)` is checked before anything is closed."""
     client = new_client(made, broker.port, "blind-close-check")
     client.connect(timeout=WAIT)
@@ -217,10 +217,10 @@ def fleet(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_fleet_refuses_broker_kill_with_ha_and_primary_kill_without(tmp_path: Path) -> None:
-    """fleet.md:139-141 `broker_kill` is refused with `--ha` (use primary_kill), and primary_kill
+    """fleet.md `broker_kill` is refused with `--ha` (use primary_kill), and primary_kill
     or partition without `--ha`, each with the reason; `--ha` needs `--config` (not `--port`);
-    fleet.md:25-26 with `--port` no broker kills (`broker_kill` in `--faults` is refused, exit status 2);
-    fleet.md:77 a bad option stops the run before it starts, with exit status 2."""
+    fleet.md with `--port` no broker kills (`broker_kill` in `--faults` is refused, exit status 2);
+    fleet.md a bad option stops the run before it starts, with exit status 2."""
     (tmp_path / "broker.yaml").write_text(Path(__file__).parent.parent.joinpath("broker.yaml").read_text())
     port = str(free_port())
     for args in (["--ha", "--faults", "broker_kill=1"], ["--port", port, "--faults", "primary_kill=1"],
@@ -231,7 +231,7 @@ def test_fleet_refuses_broker_kill_with_ha_and_primary_kill_without(tmp_path: Pa
 
 
 def test_fleet_refuses_an_out_folder_with_other_things(tmp_path: Path) -> None:
-    """fleet.md:92-93 Output in `--out` (... a folder that holds other things and no earlier run is refused)."""
+    """fleet.md Output in `--out` (... a folder that holds other things and no earlier run is refused)."""
     out_dir = tmp_path / "fleet-out"
     out_dir.mkdir()
     (out_dir / "mine.txt").write_text("precious")
@@ -243,7 +243,7 @@ def test_fleet_refuses_an_out_folder_with_other_things(tmp_path: Path) -> None:
 def test_resubscribing_a_filter_replaces_its_listener(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:125-129 `subscribe(topic_filter, ...)`: calling it again for the same filter changes that
+    """sdk.md `subscribe(topic_filter, ...)`: calling it again for the same filter changes that
     subscription (one listener per filter: the new listener replaces the old); an event goes to the
     listener of every subscription whose filter matches its topic."""
     seen, old, wide = Seen(), Seen(), Seen()
@@ -264,7 +264,7 @@ def test_resubscribing_a_filter_replaces_its_listener(
 
 
 def test_a_state_folder_in_use_by_another_process_is_a_persistence_error(broker: Broker, tmp_path: Path) -> None:
-    """sdk.md:43 a lock keeps two processes off one folder; sdk.md:186 `PersistenceError` (for
+    """sdk.md a lock keeps two processes off one folder; sdk.md `PersistenceError` (for
     example a state folder in use by another process)."""
     state = tmp_path / "state"
     script = (
@@ -291,8 +291,8 @@ def test_a_state_folder_in_use_by_another_process_is_a_persistence_error(broker:
 def test_stream_events_update_the_cache_and_carry_log_ids(
     broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:108 live events (and stream events) update [the cache]; delivery-log.md:20 for a stream
-    event [seq is] the stream log id and epoch 0; protocol.md:36 epoch 0 for stream events."""
+    """sdk.md live events (and stream events) update [the cache]; delivery-log.md for a stream
+    event [seq is] the stream log id and epoch 0; protocol.md epoch 0 for stream events."""
     broker = stream_broker(broker_factory)
     seen = Seen()
     client = new_client(made, broker.port, "blind-scache", durable_session=False)
@@ -317,8 +317,8 @@ def test_stream_events_update_the_cache_and_carry_log_ids(
     ],
 )
 def test_a_bad_schedule_stops_the_fleet_naming_file_fault_and_field(tmp_path: Path, fault: str, field: str) -> None:
-    """fleet.md:64-67 times like `500ms`, `5s`, `1m30s` or plain seconds; devices are named
-    `--prefix` + an index of at least three digits (`dev-000` ...); fleet.md:77-78 a bad schedule
+    """fleet.md times like `500ms`, `5s`, `1m30s` or plain seconds; devices are named
+    `--prefix` + an index of at least three digits (`dev-000` ...); fleet.md a bad schedule
     ... stops the run before it starts, with exit status 2 and the file, fault number and field named."""
     schedule = tmp_path / "sched.yaml"
     schedule.write_text(f"faults:\n  - {{at: 1500ms, kind: drop, device: dev-001, for: 1m30s}}\n  - {fault}\n")
@@ -332,9 +332,9 @@ def test_a_bad_schedule_stops_the_fleet_naming_file_fault_and_field(tmp_path: Pa
 def test_ready_before_connect_marker_lists_the_subscriptions(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:132-133 Subscriptions, streams and `ready_for_events()` may be called before `connect()`;
-    sdk.md:9-20 the marker carries ... the live subscriptions (`live`, each a `LiveSubscription` with
-    `filter`, `qos` and `durable`); sdk.md:136-137 `unsubscribe()` of an earlier run's subscription
+    """sdk.md Subscriptions, streams and `ready_for_events()` may be called before `connect()`;
+    sdk.md the marker carries ... the live subscriptions (`live`, each a `LiveSubscription` with
+    `filter`, `qos` and `durable`); sdk.md `unsubscribe()` of an earlier run's subscription
     called while disconnected (the next hello decides). Also after a restart of the client."""
     seen = Seen()
     client = new_client(made, broker.port, "blind-early", seen)
@@ -359,7 +359,7 @@ def test_ready_before_connect_marker_lists_the_subscriptions(
 def test_a_destroyed_entry_blocks_initial_values_until_the_next_marker_and_reads_count_valid_only(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:111-122 a destroyed entry stays destroyed until the next marker, which removes it (a
+    """sdk.md a destroyed entry stays destroyed until the next marker, which removes it (a
     delete received after this connection's marker: at the next connection's); `cache.get(topic,
     default=None)` is the value of a valid entry, else `default`; `topic in cache`, `len(cache)` and
     iteration count valid entries only; `entry()` shows any state."""
@@ -390,7 +390,7 @@ def test_a_destroyed_entry_blocks_initial_values_until_the_next_marker_and_reads
 def test_a_stateless_client_keeps_a_destroyed_entry_across_reconnects(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:112-115 a destroyed entry stays destroyed until the next marker; a stateless client
+    """sdk.md a destroyed entry stays destroyed until the next marker; a stateless client
     (`durable_session=False`), which gets no marker, keeps its destroyed entries: the retained
     value its re-sent SUBSCRIBE brings after a reconnect does not fill it."""
     publish(clients, broker.port, "t/1", [b"seed"], retain=True)
@@ -411,8 +411,8 @@ def test_a_stateless_client_keeps_a_destroyed_entry_across_reconnects(
 def test_a_stream_delete_before_the_marker_goes_at_that_marker(
     broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:112-115 a destroyed entry received before this connection's marker (a stream event,
-    which is not held) is removed at this connection's marker; sdk.md:7-8 stream events are not held."""
+    """sdk.md a destroyed entry received before this connection's marker (a stream event,
+    which is not held) is removed at this connection's marker; sdk.md stream events are not held."""
     broker = stream_broker(broker_factory)
     seen = Seen()
     client = new_client(made, broker.port, "blind-tomb-stream", seen)
@@ -430,7 +430,7 @@ def test_a_stream_delete_before_the_marker_goes_at_that_marker(
 def test_the_markers_live_list_leaves_out_refused_and_unsubscribed_filters(
     broker_factory: Callable[..., Broker], made: list[DurableClient]
 ) -> None:
-    """sdk.md:9-12 the marker's `live` list reflects the connection's SUBSCRIBEs and UNSUBSCRIBEs:
+    """sdk.md the marker's `live` list reflects the connection's SUBSCRIBEs and UNSUBSCRIBEs:
     not the filters refused with 0x80 (here `max_subscriptions_per_client`), nor those unsubscribed;
     a refused subscription stays registered and is sent again after every reconnect, after the
     UNSUBSCRIBEs still due, which the broker applies first (they were sent first)."""
@@ -453,8 +453,8 @@ def test_the_markers_live_list_leaves_out_refused_and_unsubscribed_filters(
 def test_a_request_nested_too_deeply_is_malformed_with_req_null(
     broker: Broker, clients: Callable[..., Client], depth: int, ok: bool
 ) -> None:
-    """protocol.md:106-107 `malformed`: JSON nested deeper than the parser allows (a little under 1000
-    levels); protocol.md:119-121 such a request is answered with `op` and `req` null; protocol.md:115-116
+    """protocol.md `malformed`: JSON nested deeper than the parser allows (a little under 1000
+    levels); protocol.md such a request is answered with `op` and `req` null; protocol.md
     the connection stays up."""
     raw = clients(broker.port, "blind-deep")
     body = b'{"v": 1, "op": "hello", "req": 7, "x": ' + b"[" * depth + b"]" * depth + b"}"
@@ -480,9 +480,9 @@ def test_a_request_nested_too_deeply_is_malformed_with_req_null(
 def test_a_field_out_of_its_range_is_malformed_and_changes_nothing(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], request_fields: dict[str, Any]
 ) -> None:
-    """protocol.md:106-112 `malformed`: a field of the wrong type or out of its range (`session_expiry`
+    """protocol.md `malformed`: a field of the wrong type or out of its range (`session_expiry`
     0 or more, `window` 1 to 1000, `after` ids 0 or more, `id` 1 or more, a string field empty);
-    protocol.md:115-116 a refused request changes nothing: the connection stays up."""
+    protocol.md a refused request changes nothing: the connection stays up."""
     broker = stream_broker(broker_factory)
     raw = clients(broker.port, "blind-range")
     reply = ctl(raw, {"v": 1, "req": 5, **request_fields})
@@ -493,7 +493,7 @@ def test_a_field_out_of_its_range_is_malformed_and_changes_nothing(
 
 
 def test_a_request_in_another_encoding_than_utf8_is_malformed(broker: Broker, clients: Callable[..., Client]) -> None:
-    """protocol.md:46 A request is a JSON object in UTF-8 (no other encoding is read)."""
+    """protocol.md A request is a JSON object in UTF-8 (no other encoding is read)."""
     raw = clients(broker.port, "blind-utf16")
     reply = ctl(raw, json.dumps({"v": 1, "op": "hello", "req": 1}).encode("utf-16"))
     assert (reply["ok"], reply["error"]["code"]) == (False, "malformed")
@@ -502,7 +502,7 @@ def test_a_request_in_another_encoding_than_utf8_is_malformed(broker: Broker, cl
 def test_subscribe_stream_to_a_filter_no_stream_covers(
     broker_factory: Callable[..., Broker], made: list[DurableClient]
 ) -> None:
-    """streams.md:18-25 connected, `subscribe_stream` returns at the broker's answer, and a refusal
+    """streams.md connected, `subscribe_stream` returns at the broker's answer, and a refusal
     raises `ControlRequestFailed` (`unknown_stream` for a filter no configured stream covers) and keeps
     nothing; called before `connect()`, a refusal at the connect is a WARNING (`the broker refused
     'stream_subscribe' ...`)."""
@@ -526,8 +526,8 @@ def test_a_refused_stream_subscribe_keeps_none_of_its_after_positions(
     broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client],
     tmp_path: Path, persistence: str,
 ) -> None:
-    """streams.md:18-23 connected, a refusal raises `ControlRequestFailed` and keeps nothing;
-    streams.md:30-31 `after` replaces the client's positions for those topics: a refused call's
+    """streams.md connected, a refusal raises `ControlRequestFailed` and keeps nothing;
+    streams.md `after` replaces the client's positions for those topics: a refused call's
     `after` (here over `max_stream_entries_per_client`) leaves them as they were: none for
     telemetry/a (read from id 1), 3 for telemetry/b (read from 4), also after a restart on disk."""
     broker = stream_broker(broker_factory, max_stream_entries_per_client=1)
@@ -561,8 +561,8 @@ def test_a_refused_stream_subscribe_keeps_none_of_its_after_positions(
 def test_one_network_thread_calls_every_listener_and_callback_one_at_a_time(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:182-183 Threads: `connect()` starts one network thread; it calls every listener and
-    callback, one at a time (README.md:73 the listener runs on the client's network thread, in order)."""
+    """sdk.md Threads: `connect()` starts one network thread; it calls every listener and
+    callback, one at a time (README.md the listener runs on the client's network thread, in order)."""
     threads: list[tuple[str, int]] = []
     busy = threading.Lock()
     overlapped = threading.Event()
@@ -602,10 +602,10 @@ def test_one_network_thread_calls_every_listener_and_callback_one_at_a_time(
 def test_a_cpl2_client_with_a_delivery_log_resumes_a_stream_after_the_logs_last_receive(
     broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
-    """delivery-log.md:40-44 a `DurableClient` created with both [`persistence="disk"` and a delivery
+    """delivery-log.md a `DurableClient` created with both [`persistence="disk"` and a delivery
     log] reads the last 64 KiB of its existing log before it connects and takes the last `receive`
     records of its own client id: ... the device's very last `receive`, when it is a stream event,
-    moves that topic's position forward; delivery-log.md:20 for a stream event [seq is] the stream
+    moves that topic's position forward; delivery-log.md for a stream event [seq is] the stream
     log id and epoch 0."""
     broker = stream_broker(broker_factory)
     log = tmp_path / "reader.jsonl"
@@ -636,7 +636,7 @@ def test_a_cpl2_client_with_a_delivery_log_resumes_a_stream_after_the_logs_last_
 
 
 def test_the_async_clients_coroutines_and_shared_attributes() -> None:
-    """sdk.md:291-296 `subscribe`, `subscribe_stream`, `unsubscribe`, `publish`, `stream_info`,
+    """sdk.md `subscribe`, `subscribe_stream`, `unsubscribe`, `publish`, `stream_info`,
     `connect` and `close(keep_session=...)` are coroutines; `ready_for_events()` and `live()` are
     coroutines too, `events()` is not; `cache`, `stats`, `connected` and `persistence_level` are
     the threaded client's."""
@@ -656,8 +656,8 @@ def test_the_async_clients_coroutines_and_shared_attributes() -> None:
 def test_the_hold_keeps_the_sessions_messages_not_stream_events(
     broker_factory: Callable[..., Broker], made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:6-8 after (re)connecting the broker sends none of the session's messages until
-    `ready_for_events()` (stream events of `subscribe_stream` are not held); sdk.md:20-21 events that
+    """sdk.md after (re)connecting the broker sends none of the session's messages until
+    `ready_for_events()` (stream events of `subscribe_stream` are not held); sdk.md events that
     arrived between its SUBSCRIBE and `ready_for_events()` count as replayed."""
     broker = stream_broker(broker_factory)
     publish(clients, broker.port, "telemetry/h", [b"s1"])
@@ -680,8 +680,8 @@ def test_the_hold_keeps_the_sessions_messages_not_stream_events(
 def test_a_control_request_at_qos_1_or_2_is_acknowledged_and_answered(
     broker: Broker, clients: Callable[..., Client], qos: int
 ) -> None:
-    """protocol.md:13 `_durable/v1/ctl` ... QoS 0 (QoS 1 and 2 are accepted, but a retransmitted
-    request is handled again); protocol.md:62-63 the PUBACK (or PUBREC) of a request sent at QoS 1
+    """protocol.md `_durable/v1/ctl` ... QoS 0 (QoS 1 and 2 are accepted, but a retransmitted
+    request is handled again); protocol.md the PUBACK (or PUBREC) of a request sent at QoS 1
     or 2 says it was received."""
     raw = clients(broker.port, f"blind-ctl-qos{qos}")
     seen = sum(1 for m in raw.wait_messages(0) if m.topic == REPLY)
@@ -696,8 +696,8 @@ def test_a_control_request_at_qos_1_or_2_is_acknowledged_and_answered(
 def test_a_str_payload_is_sent_as_utf8_and_one_that_cannot_be_is_a_value_error_naming_it(
     broker: Broker, made: list[DurableClient], clients: Callable[..., Client]
 ) -> None:
-    """sdk.md:194-195 a bad value raises `ValueError` whose message starts with the option's or
-    argument's name; sdk.md:199-200 a payload that is neither `bytes` nor `str` is a `TypeError` (so a
+    """sdk.md a bad value raises `ValueError` whose message starts with the option's or
+    argument's name; sdk.md a payload that is neither `bytes` nor `str` is a `TypeError` (so a
     `str` is a payload: sent as UTF-8, as the password is; a lone surrogate cannot be)."""
     receiver = clients(broker.port, "blind-str-rx", clean_session=True)
     receiver.subscribe("str/#", 1)
@@ -723,8 +723,8 @@ def test_a_str_payload_is_sent_as_utf8_and_one_that_cannot_be_is_a_value_error_n
     ],
 )
 def test_a_string_no_encoding_can_carry_is_a_value_error_naming_the_option(named: str, call: Callable[[], Any]) -> None:
-    """sdk.md:194-195 a bad value raises `ValueError` whose message starts with the option's or
-    argument's name; sdk.md:212-214 `host` a host name or an IP address; streams.md:32-34 `after` a
+    """sdk.md a bad value raises `ValueError` whose message starts with the option's or
+    argument's name; sdk.md `host` a host name or an IP address; streams.md `after` a
     dict of topics ... (else `ValueError`). A lone surrogate names no host, file or topic."""
     with pytest.raises(ValueError, match=f"^{named}") as refused:
         call()
