@@ -198,9 +198,14 @@ class SessionLifecycle(Routing):
         self, client_id: str, transport: Transport, read_access: ReadAccess | None
     ) -> Transport | None:
         slots = self.attach_slots
-        await slots.acquire()
+        slots.attaching += 1
+        try:
+            await slots.acquire()
+        except BaseException:
+            slots.attaching -= 1
+            raise
         if transport.closed:  # gone while it waited: never attached
-            slots.release()
+            self._release_slot()
             session = self.sessions.get(client_id)
             if session is not None and not session.superseded(transport):
                 # No longer a waiter, but its detach (which starts the expiry clock) is still to
@@ -210,11 +215,15 @@ class SessionLifecycle(Routing):
         try:
             displaced = await self._attach(client_id, transport, read_access)
         except BaseException:
-            slots.release()
+            self._release_slot()
             raise
         # Queued behind the first step of the pump _attach started: the slot is freed right after it.
-        asyncio.get_running_loop().call_soon(slots.release)
+        asyncio.get_running_loop().call_soon(self._release_slot)
         return displaced
+
+    def _release_slot(self) -> None:
+        self.attach_slots.attaching -= 1
+        self.attach_slots.release()
 
     async def _attach(
         self, client_id: str, transport: Transport, read_access: ReadAccess | None = None
@@ -244,7 +253,12 @@ class SessionLifecycle(Routing):
         disconnect = session.record.disconnected_at, session.record.expires_at
         self._store_connected(session)
         session.advance_sent_mark_for_attach(self.config.recovery_buffer)
-        await self.committer.commit(urgent=True)
+        # The only attach under way (no reconnect storm): its commit is written at once when the store
+        # does not sync (no loop pass), and its first batch goes to the socket within this step. In a
+        # storm the attaches of a pass share the pass's commit, as do their first batches its end.
+        commit = self.committer.commit_now() if self.attach_slots.attaching == 1 else self.committer.commit(urgent=True)
+        at_once = commit.done()  # written in this step: the fast path
+        await commit
         if self._attach_dropped(session, transport):
             self._restore_disconnect(session, *disconnect)
             return None
@@ -275,7 +289,7 @@ class SessionLifecycle(Routing):
         )
         if session.ready_for is transport:
             self._release(session, pump)
-        pump.start()
+        pump.start(at_once=at_once)
         if previous is not None:
             await previous.stop()  # at once: it sends nothing more, whatever the new one does
         return displaced

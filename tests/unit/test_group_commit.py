@@ -309,3 +309,49 @@ def test_flush_now_writes_and_resolves_everything(db: Any) -> None:
         assert called == [1, 2], "nothing runs twice after flush_now"
 
     run(main)
+
+
+def test_commit_now_writes_in_the_callers_step_without_sync_and_at_the_pass_end_with_it(db: Any) -> None:
+    """commit_now (a lone connection's attach): without sync the write, with every operation added so
+    far, runs before it returns, so awaiting it costs no loop pass; with sync it is an urgent commit
+    (the fsync runs in a worker thread)."""
+
+    async def main() -> None:
+        committer = make(db, sync=False)
+        committer.put(b"a", b"1")
+        later = committer.commit()  # waits for company (the long delay) on its own
+        committer.put(b"b", b"2")
+        now = committer.commit_now()
+        assert now.done() and later.done(), "written in this step, the earlier commit's operations with it"
+        assert (db.get(b"a"), db.get(b"b"), committer.commits) == (b"1", b"2", 1)
+
+        synced = make(db, sync=True)
+        synced.put(b"c", b"3")
+        waiter = synced.commit_now()
+        assert not waiter.done() and db.get(b"c") is None
+        await asyncio.wait_for(waiter, GENEROUS)
+        assert db.get(b"c") == b"3"
+
+    run(main)
+
+
+def test_join_pass_write_resolves_after_that_writes_waiters_and_asks_for_none(db: Any) -> None:
+    """join_pass_write (a lone attach's pump): None when no write is asked for the end of the pass (it
+    asks for none: nothing is written); else a future resolved by that write, after its other waiters."""
+
+    async def main() -> None:
+        committer = make(db, sync=False)
+        assert committer.join_pass_write() is None
+        committer.put(b"a", b"1")
+        committer.flush_soon()  # waits for company (the long delay): not this pass's write
+        assert committer.join_pass_write() is None
+        order: list[str] = []
+        first = committer.commit(urgent=True)
+        joined = committer.join_pass_write()
+        assert joined is not None
+        first.add_done_callback(lambda _: order.append("commit"))
+        joined.add_done_callback(lambda _: order.append("joined"))
+        await asyncio.wait_for(joined, GENEROUS)
+        assert order == ["commit", "joined"] and committer.commits == 1 and db.get(b"a") == b"1"
+
+    run(main)
