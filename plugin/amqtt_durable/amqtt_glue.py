@@ -942,7 +942,7 @@ class HandlerTransport:
     def write(self, data: bytes) -> None:
         """Queue bytes for one socket write at the end of this loop pass (many acks, one syscall)."""
         if not self._pending:
-            asyncio.get_running_loop().call_soon(self.flush)
+            asyncio.get_running_loop().call_soon(self._flush)
         self._pending.append(data)
         self._pending_bytes += len(data)
 
@@ -957,9 +957,7 @@ class HandlerTransport:
             return self._pending_bytes + int(transport.get_write_buffer_size()) > high
         return bool(self._tasks) or self._pending_bytes > WS_HIGH_WATER  # a websocket write is done once drained
 
-    def flush(self) -> None:
-        """Write what is queued now rather than at the end of the loop pass (a lone attach's first
-        batch: the first replayed message goes out before amqtt sets up the connection's message loop)."""
+    def _flush(self) -> None:
         data, self._pending = b"".join(self._pending), []
         self._pending_bytes = 0
         if not data or self.closed:
@@ -979,7 +977,7 @@ class HandlerTransport:
                 await self._handler.writer.drain()
 
     async def drain(self) -> None:
-        self.flush()
+        self._flush()
         writer = self._handler.writer
         if isinstance(writer, StreamWriterAdapter) and not self.closed:
             await writer.drain()

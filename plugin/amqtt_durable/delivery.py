@@ -249,20 +249,12 @@ class Pump:
         self._marker_due = True
         self._wake.set()
 
-    def start(self, at_once: bool = False) -> None:
-        """Send the first batch now if it needs no wait (see ``_send_first``), then the rest from a task.
+    def start(self) -> None:
+        """Send the first batch now if it needs no wait (see ``_send_first``), then the rest from a task."""
+        self._send_first()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"durable-pump-{self.session.client_id}")
 
-        ``at_once``: the attach took no loop pass (a lone attach, its commit written in its own step):
-        the first batch goes to the socket now rather than at the end of the pass, and the task joins
-        the write asked for the end of this pass, if any, before its next batch: the attaches that
-        began after this one in this pass wait for that write, so their first batches still go before
-        this pump's second."""
-        self._send_first(flush=at_once)
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(at_once), name=f"durable-pump-{self.session.client_id}"
-        )
-
-    def _send_first(self, flush: bool = False) -> None:
+    def _send_first(self) -> None:
         """The first batch, written at once (the first replayed message goes out before amqtt sets up
         its message loop) when nothing in it has to be awaited: no topic ACL to ask, its sent mark
         already stored (attach's commit wrote it), the connection open. Otherwise, or when the read
@@ -286,9 +278,6 @@ class Pump:
         if turns is not None and batch[0].from_store:
             self._turn_pass = turns.pass_id
         self._write_batch(batch)
-        flush_now = getattr(self.transport, "flush", None) if flush else None  # the glue's transport
-        if flush_now is not None:
-            flush_now()
 
     async def stop(self) -> None:
         """Stop sending; acks arriving later are ignored, so unacked entries go out again on the
@@ -330,12 +319,8 @@ class Pump:
             self.next_fill_seq = entry.seq + 1
         self._wake.set()
 
-    async def _run(self, after_pass_write: bool = False) -> None:
+    async def _run(self) -> None:
         try:
-            if after_pass_write:
-                write = self.session.engine.committer.join_pass_write()
-                if write is not None:
-                    await asyncio.gather(write, return_exceptions=True)  # failed: the order no longer matters
             await self._deliver()
         except asyncio.CancelledError:
             raise

@@ -32,7 +32,7 @@ from .store import (
 )
 from .stream_log import StreamLogs
 from .topics import SubscriptionIndex
-from .turns import AttachSlots, ReplayTurns
+from .turns import ReplayTurns
 
 log = logging.getLogger("amqtt_durable")
 
@@ -89,7 +89,7 @@ class EngineState:
         self.removing = PendingRemovals()
         self.replay_turns = ReplayTurns()
         """Shared by every pump: replayed batches go out in turns (turns.py, reconnect storms)."""
-        self.attach_slots = AttachSlots(config.attach_limit)
+        self.attach_slots = asyncio.Semaphore(config.attach_limit)
         """Attaches under way at once (``attach_limit``): the rest wait in the order they came."""
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._trim_task: asyncio.Task[None] | None = None

@@ -198,14 +198,9 @@ class SessionLifecycle(Routing):
         self, client_id: str, transport: Transport, read_access: ReadAccess | None
     ) -> Transport | None:
         slots = self.attach_slots
-        slots.attaching += 1
-        try:
-            await slots.acquire()
-        except BaseException:
-            slots.attaching -= 1
-            raise
+        await slots.acquire()
         if transport.closed:  # gone while it waited: never attached
-            self._release_slot()
+            slots.release()
             session = self.sessions.get(client_id)
             if session is not None and not session.superseded(transport):
                 # No longer a waiter, but its detach (which starts the expiry clock) is still to
@@ -215,15 +210,11 @@ class SessionLifecycle(Routing):
         try:
             displaced = await self._attach(client_id, transport, read_access)
         except BaseException:
-            self._release_slot()
+            slots.release()
             raise
         # Queued behind the first step of the pump _attach started: the slot is freed right after it.
-        asyncio.get_running_loop().call_soon(self._release_slot)
+        asyncio.get_running_loop().call_soon(slots.release)
         return displaced
-
-    def _release_slot(self) -> None:
-        self.attach_slots.attaching -= 1
-        self.attach_slots.release()
 
     async def _attach(
         self, client_id: str, transport: Transport, read_access: ReadAccess | None = None
@@ -253,12 +244,7 @@ class SessionLifecycle(Routing):
         disconnect = session.record.disconnected_at, session.record.expires_at
         self._store_connected(session)
         session.advance_sent_mark_for_attach(self.config.recovery_buffer)
-        # The only attach under way (no reconnect storm): its commit is written at once when the store
-        # does not sync (no loop pass), and its first batch goes to the socket within this step. In a
-        # storm the attaches of a pass share the pass's commit, as do their first batches its end.
-        commit = self.committer.commit_now() if self.attach_slots.attaching == 1 else self.committer.commit(urgent=True)
-        at_once = commit.done()  # written in this step: the fast path
-        await commit
+        await self.committer.commit(urgent=True)
         if self._attach_dropped(session, transport):
             self._restore_disconnect(session, *disconnect)
             return None
@@ -289,7 +275,7 @@ class SessionLifecycle(Routing):
         )
         if session.ready_for is transport:
             self._release(session, pump)
-        pump.start(at_once=at_once)
+        pump.start()
         if previous is not None:
             await previous.stop()  # at once: it sends nothing more, whatever the new one does
         return displaced

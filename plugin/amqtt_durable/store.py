@@ -1286,30 +1286,6 @@ class GroupCommitter:
         self._schedule(loop)
         return waiter
 
-    def commit_now(self) -> asyncio.Future[None]:
-        """``commit(urgent=True)``, written in this step instead of at the end of the loop pass when the
-        write runs in the loop thread (``sync`` off) and nothing stands in its way (no write under
-        way, none failing): the future is then done on return, unless sync replication waits for
-        the backups, and awaiting it costs no loop pass. A lone connection's attach, whose first
-        replayed message waits for this write (its sent mark)."""
-        waiter = self.commit(urgent=True)
-        soon = self._soon
-        if not self._sync and soon is not None:
-            soon.cancel()
-            self._start_flush()
-        return waiter
-
-    def join_pass_write(self) -> asyncio.Future[None] | None:
-        """A future resolved with the write asked for the end of this loop pass (urgent commits, a
-        threshold reached), after that write's other waiters; None when none is asked for. Asks
-        for no write of its own; fails (StoreUnavailableError) as that write fails, rather than
-        waiting for the retry."""
-        if self._soon is None:
-            return None
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((waiter, _FAIL_FAST))
-        return waiter
-
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._writing or self._soon is not None or self.failure is not None or self.halted is not None:
             return  # while writes fail, only the retry timer writes

@@ -150,13 +150,3 @@ class ReplayTurns:
         for waiter in passes:  # after the grants: those pumps write first
             if not waiter.done():
                 waiter.set_result(None)
-
-
-class AttachSlots(asyncio.Semaphore):
-    """``attach_limit`` slots for attaches (docs/guarantees.md, "Reconnect storms"), which also count the
-    connections waiting for one or holding one (``attaching``, kept by ``SessionLifecycle``): an attach
-    that is the only one under way writes its commit and first batch at once."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(limit)
-        self.attaching = 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from amqtt_durable.delivery import AckKind
 from amqtt_durable.wire import split_packets
@@ -86,26 +85,3 @@ class RecordingTransport:
                 self._changed.clear()
                 await self._changed.wait()
             return packets
-
-
-class QueuedWrites(RecordingTransport):
-    """As the glue's HandlerTransport: writes wait for ``flush`` (at the end of the loop pass, or when a
-    lone attach's pump calls it), which hands them to ``sent`` as one write. Put it before another
-    RecordingTransport subclass in the bases: ``sent`` is that class's ``write``."""
-
-    def __init__(self, *args: Any) -> None:  # a subclass's arguments, passed on
-        super().__init__(*args)
-        self.queued: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        if not self.queued:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self.queued.append(data)
-
-    def flush(self) -> None:
-        data, self.queued = b"".join(self.queued), []
-        if data:
-            self.sent(data)
-
-    def sent(self, data: bytes) -> None:
-        super().write(data)

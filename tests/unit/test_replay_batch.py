@@ -45,7 +45,7 @@ from amqtt_durable.wire import (
     packet_id_for,
     remaining_length,
 )
-from recording_transport import QueuedWrites, RecordingTransport, parse_packets
+from recording_transport import RecordingTransport, parse_packets
 
 LIMIT = 5.0
 
@@ -516,25 +516,33 @@ def test_the_first_batch_goes_out_within_attach_unless_something_must_be_awaited
     asyncio.run(main())
 
 
-class FlushingTransport(QueuedWrites, RunTransport):
+class FlushingTransport(RunTransport):
     """Like the glue's transport (HandlerTransport): writes are queued for one socket write at the
     end of the loop pass (``flush``); each flush records what LevelDB held when it sent."""
 
     def __init__(self, engine: DurableEngine) -> None:
         super().__init__()
         self.engine = engine
+        self.queued: list[bytes] = []
         self.covered: list[bool] = []
         self.stored_connected: list[bool] = []
         """At each flush that sends a PUBLISH: did the stored session record say connected?"""
 
-    def sent(self, data: bytes) -> None:
-        stored = read_session_state(self.engine.db, self.engine.sessions["c"].record)[1]
-        ids = [p.packet_id for p in parse_packets(data) if p.packet_type == 3 and p.packet_id is not None]
-        self.covered.append(all(packet_id - 1 <= stored for packet_id in ids))
-        if ids:
-            record = SessionRecord.decode("c", self.engine.db.get(session_key("c")))
-            self.stored_connected.append(record.disconnected_at is None and record.expires_at is None)
-        super().sent(data)
+    def write(self, data: bytes) -> None:
+        if not self.queued:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.queued.append(data)
+
+    def flush(self) -> None:
+        data, self.queued = b"".join(self.queued), []
+        if data:
+            stored = read_session_state(self.engine.db, self.engine.sessions["c"].record)[1]
+            ids = [p.packet_id for p in parse_packets(data) if p.packet_type == 3 and p.packet_id is not None]
+            self.covered.append(all(packet_id - 1 <= stored for packet_id in ids))
+            if ids:
+                record = SessionRecord.decode("c", self.engine.db.get(session_key("c")))
+                self.stored_connected.append(record.disconnected_at is None and record.expires_at is None)
+            super().write(data)
 
 
 @pytest.mark.parametrize("sync", [False, True])

@@ -20,7 +20,7 @@ from amqtt_durable.delivery import LIVE_BUFFER, ReadAccess
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.turns import FIRST_RUN, TURN_BUDGET, ReplayTurns, RunSizes
 from durable_client.protocol import MARKER_TOPIC, decode_frame, decode_marker
-from recording_transport import QueuedWrites, RecordingTransport, Sent, parse_packets
+from recording_transport import RecordingTransport, Sent, parse_packets
 
 LIMIT = 10.0
 
@@ -207,56 +207,6 @@ def test_sessions_attached_together_get_their_first_batch_within_attach_then_tak
             assert sorted(writes[sessions : 2 * sessions]) == sorted(names), (
                 "every session's second batch before any session's third: turns in order"
             )
-            for name in names:
-                await engine.detach(name, transports[name])
-        finally:
-            await engine.close()
-
-    asyncio.run(main())
-
-
-class SocketTransport(QueuedWrites, OrderedTransport):
-    """An OrderedTransport behind a queue, as the glue's HandlerTransport (``QueuedWrites``)."""
-
-
-@pytest.mark.parametrize("sync", [False, True])
-def test_a_lone_attach_commits_and_sends_its_first_batch_in_its_own_step_attaches_together_share_the_pass(
-    tmp_path: Path, sync: bool
-) -> None:
-    """docs/guarantees.md, Reconnect storms: an attach that is the only one under way (no other
-    connection waiting for an attach slot or holding one), with sync off, writes its commit in its
-    own step and its first batch to the socket before it returns; otherwise the attach's commit is
-    the one written at the end of the pass, and its first batch leaves at the end of a pass. With
-    attach_limit 1: c0 attaches alone; c1 gets its slot while c2 still waits for one, so it is not
-    alone; c2 is, once c1's slot is free. With sync every attach awaits its commit's fsync: none is
-    sent within its attach."""
-
-    async def main() -> None:
-        config = DurableConfig(store=str(tmp_path / "store"), recovery_buffer=40, attach_limit=1, sync=sync)
-        engine = DurableEngine(config)
-        engine.open()
-        try:
-            names = await _queued_sessions(engine, 3, 50, "t/{name}/#")
-            log: list[tuple[str, list[bytes]]] = []
-            transports = {name: SocketTransport(name, log) for name in names}
-            at_return: dict[str, tuple[int, bool, int]] = {}
-
-            async def attach(name: str) -> None:
-                await engine.attach(name, transports[name])
-                transport = transports[name]
-                at_return[name] = (len(transport.packets), bool(transport.queued), engine.committer.commits)
-
-            before = engine.committer.commits
-            await asyncio.gather(*(attach(name) for name in names))
-            if sync:
-                assert [at_return[name][:2] for name in names] == [(0, True)] * 3, "each waits for the pass end"
-            else:
-                assert at_return["c0"] == (FIRST_RUN, False, before + 1), "c0: written and sent in its own step"
-                assert at_return["c1"][:2] == (0, True), "c1: its first batch waits for the end of the pass"
-                assert at_return["c2"][:2] == (FIRST_RUN, False), "c2: alone again once c1's slot is free"
-            for name, transport in transports.items():
-                sent = await transport.wait_for(lambda ps: len(ps) >= 50, LIMIT)
-                assert [p.payload for p in sent] == [b"%d" % i for i in range(50)], name
             for name in names:
                 await engine.detach(name, transports[name])
         finally:
