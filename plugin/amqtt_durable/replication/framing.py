@@ -106,11 +106,15 @@ def encode_ops(ops: Sequence[Op]) -> bytes:
 def _op_parts(ops: Sequence[Op], parts: list[bytes]) -> list[bytes]:
     """``parts`` with the operations' bytes appended (this runs per operation of every commit a
     primary ships): a put's head, key and value length are one ``struct`` call (a ``Struct`` per key
-    length, as keys of a kind have one length), so a put is two parts instead of four."""
-    append, delete_head, puts = parts.append, _OP_HEAD.pack, _PUT_HEADS
+    length, as keys of a kind have one length), so a put is two parts instead of four; a delete's
+    head is the same bytes for every key of a length, made once."""
+    append, puts, deletes = parts.append, _PUT_HEADS, _DELETE_HEADS
     for key, value in ops:
         if value is None:
-            append(delete_head(len(key), 1))
+            head = deletes.get(len(key))
+            if head is None:
+                head = _delete_head(len(key))
+            append(head)
             append(key)
             continue
         klen = len(key)
@@ -134,6 +138,17 @@ def _put_head(klen: int) -> Callable[..., bytes]:
     if len(_PUT_HEADS) < _PUT_HEADS_MAX:
         _PUT_HEADS[klen] = pack
     return pack
+
+
+_DELETE_HEADS: dict[int, bytes] = {}
+"""``klen:u32 kind:u8`` of a delete, by key length (bounded as _PUT_HEADS)."""
+
+
+def _delete_head(klen: int) -> bytes:
+    head = _OP_HEAD.pack(klen, 1)
+    if len(_DELETE_HEADS) < _PUT_HEADS_MAX:
+        _DELETE_HEADS[klen] = head
+    return head
 
 
 def decode_ops(data: bytes, offset: int = 0, what: str = "batch", end: int | None = None) -> tuple[list[Op], int]:
