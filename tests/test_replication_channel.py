@@ -27,10 +27,8 @@ from replication_helpers import (
     write,
 )
 
-from amqtt_durable.process import free_port
 from amqtt_durable.replication import backup as backup_module
-from amqtt_durable.replication.backup import ASYNC_ACK_INTERVAL, Backup, BackupState
-from amqtt_durable.replication.config import Mode, ReplicationConfig
+from amqtt_durable.replication.backup import Backup, BackupState
 from amqtt_durable.replication.errors import FrameError, ReplicationGapError
 from amqtt_durable.replication.framing import (
     CheckedBatch,
@@ -42,7 +40,6 @@ from amqtt_durable.replication.framing import (
     encode_position,
     read_frame,
 )
-from amqtt_durable.replication.node import ReplicationNode
 from amqtt_durable.replication.position import position_op, read_position
 from amqtt_durable.replication.primary import BackupLink, PreparedBatch, Primary
 from amqtt_durable.store import STORE_ID_KEY, open_store
@@ -267,49 +264,6 @@ def test_a_batch_whose_operations_do_not_decode_leaves_nothing_of_its_group_in_t
         assert backup.db.get(b"m" + (2).to_bytes(8, "big")) is None
 
     asyncio.run(main())
-
-
-def test_an_async_backup_in_sync_acknowledges_at_most_once_per_interval_and_the_newest_batch_last(
-    tmp_path: Path,
-) -> None:
-    """With ``ack_interval`` (an async pair's backup), an in-sync backup writes an ACK at once when
-    its last is older than the interval, otherwise the newest batch applied once the interval is
-    over: a burst of 300 batches costs the primary a few ACKs, and the last batch is acknowledged
-    without a later one coming."""
-    interval = 0.5
-
-    async def main() -> None:
-        primary = await started_primary(tmp_path / "p", log_max_batches=1000)
-        backup = new_backup(tmp_path, "b", sync=False, ack_interval=interval)
-        async with in_sync(primary.port, backup):
-            await bounded(primary.wait_acked("b", 0))  # the snapshot's batch, acknowledged at once
-            (link,) = primary.links.values()
-            loop = asyncio.get_running_loop()
-            acks, start = link.acks, loop.time()
-            for n in range(1, 301):
-                commit(primary, ops_for(n))
-                if n % 10 == 0:
-                    await asyncio.sleep(0)  # a loop pass between some commits, as under load
-            await bounded(backup.wait_applied(300))
-            await bounded(primary.wait_acked("b", 300))
-            elapsed = loop.time() - start
-            assert link.acked_seq == 300
-            assert 1 <= link.acks - acks <= 2 + elapsed / interval, (link.acks - acks, elapsed)
-            assert content(backup.db) == content(primary.db)
-        await primary.close()
-
-    asyncio.run(main())
-
-
-@pytest.mark.parametrize(("mode", "interval"), [("async", ASYNC_ACK_INTERVAL), ("sync", 0.0)])
-def test_only_an_async_pair_s_backup_acknowledges_lazily(tmp_path: Path, mode: Mode, interval: float) -> None:
-    """A sync pair's primary acknowledges publishes on the backup's ACKs: they are never held back."""
-    config = ReplicationConfig(
-        name="b", role="backup", mode=mode, primary=f"{HOST}:{free_port()}", listen=f"{HOST}:{free_port()}"
-    )
-    node = ReplicationNode(open_store(str(tmp_path / "b")), config, fsync=False)
-    assert node.backup.ack_interval == interval
-    node.db.close()
 
 
 def test_a_backup_killed_during_a_snapshot_gets_a_new_one(tmp_path: Path) -> None:

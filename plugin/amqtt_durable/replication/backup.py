@@ -45,8 +45,6 @@ from .tool import join_address
 log = logging.getLogger("amqtt_durable.replication")
 
 BackupState = Literal["disconnected", "connecting", "snapshot", "catching_up", "in_sync"]
-ASYNC_ACK_INTERVAL = 0.01
-"""Seconds between two ACKs of an in-sync backup of an async pair (_Acks)."""
 QUEUE_FRAMES = 1024
 """Frames received but not yet applied; past it the socket is not read (TCP back-pressure)."""
 _KEPT = frozenset({SNAPSHOT_MARK_KEY, VERSION_KEY})
@@ -80,12 +78,8 @@ class Backup:
         secret: bytes | None = None,
         handshake_timeout: float = 10.0,
         tls: ssl.SSLContext | None = None,
-        ack_interval: float = 0.0,
     ) -> None:
         self.db = db
-        self.ack_interval = ack_interval
-        """0: every group applied is acknowledged at once. Above 0 (an async pair's backup,
-        ASYNC_ACK_INTERVAL): once in sync, at most one ACK per this many seconds (see _Acks)."""
         self.tls = tls
         """replication.tls: a client context (the primary's certificate must be signed by the CA)."""
         self.secret = secret
@@ -141,7 +135,6 @@ class Backup:
         frames: asyncio.Queue[tuple[Frame, bytes] | None] = asyncio.Queue(QUEUE_FRAMES)
         receiver = asyncio.get_running_loop().create_task(_receive(reader, frames, session))
         receiver.add_done_callback(lambda _: _put_end(frames))
-        acks = _Acks(writer, session, self.ack_interval)
         answered = False
         try:
             self._read_store()
@@ -173,22 +166,17 @@ class Backup:
                     group.append(frame)
                 ack = await self._apply_or_read_store(group)
                 if ack is not None:
-                    acks.send(ack, lazy=self._level())
+                    writer.write(session.encode(Frame.ACK, encode_seq(ack)))
                     await writer.drain()
                 if ended:
                     self._channel_ended(receiver, answered)
         finally:
-            acks.close()
             self.state = "disconnected"
             self.in_sync_event.clear()
             receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await receiver
             writer.close()
-
-    def _level(self) -> bool:
-        """In sync on this connection (IN_SYNC received, no snapshot since): its ACKs may be lazy."""
-        return self.state == "in_sync"
 
     async def _open(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]:
         """Connect and pass the handshake (with TLS, the TLS handshake first), all within one
@@ -348,58 +336,6 @@ class Backup:
         if refused is not None:
             raise refused
         return None if last is None else last.seq
-
-
-class _Acks:
-    """Writes a connection's ACK frames. A lazy one (``interval`` above 0, in sync) is written at
-    once when the last ACK is at least ``interval`` seconds old, otherwise that long after the last
-    one, with the newest number applied by then: an async pair's primary waits for no ACK, and
-    reading one per group costs its event loop a wake-up per batch. Every ACK still means what it
-    says (applied, synced with ``sync``); the primary's lag figures are at most ``interval`` late."""
-
-    def __init__(self, writer: asyncio.StreamWriter, session: Session, interval: float) -> None:
-        self.writer = writer
-        self.session = session
-        self.interval = interval
-        self.loop = asyncio.get_running_loop()
-        self.last = -interval
-        """When the last ACK was written (loop time)."""
-        self.pending: int | None = None
-        self.timer: asyncio.TimerHandle | None = None
-
-    def send(self, seq: int, *, lazy: bool) -> None:
-        if not lazy or self.interval <= 0:
-            self._write(seq)
-            return
-        self.pending = seq
-        if self.timer is not None:
-            return
-        wait = self.last + self.interval - self.loop.time()
-        if wait <= 0:
-            self._write(seq)
-        else:
-            self.timer = self.loop.call_later(wait, self._write_pending)
-
-    def _write_pending(self) -> None:
-        self.timer = None
-        if self.pending is not None:
-            self._write(self.pending)
-
-    def _write(self, seq: int) -> None:
-        """ACK ``seq`` now (it covers a pending one: numbers only grow on a connection)."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.pending = None
-        self.writer.write(self.session.encode(Frame.ACK, encode_seq(seq)))
-        self.last = self.loop.time()
-
-    def close(self) -> None:
-        """The connection ends: a pending ACK is dropped (the next HELLO says where the store is)."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.pending = None
 
 
 async def _receive(

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from ..settings import LISTEN_BACKLOG
-from .backup import ASYNC_ACK_INTERVAL, Backup
+from .backup import Backup
 from .config import ReplicationConfig
 from .coordinator import Coordinator, Leader
 from .errors import (
@@ -137,7 +137,6 @@ class ReplicationNode:
             secret=self.secret,
             handshake_timeout=self.config.handshake_timeout,
             tls=self.client_tls,
-            ack_interval=ASYNC_ACK_INTERVAL if self.config.mode == "async" else 0.0,
         )
 
     def use_db(self, db: Any) -> None:
