@@ -103,12 +103,14 @@ def dir_size(path: Path) -> int:
 
 
 def source_fingerprint(package_dir: Path) -> dict[str, str]:
-    """sha256 of every .py file of a package folder (to notice code changing under a running benchmark)."""
+    """sha256 of every .py file of a package folder, its subpackages' included (amqtt_durable/replication),
+    by path inside it (to notice code changing under a running benchmark, and to tell versions apart)."""
     if not package_dir.is_dir():
         return {}
     return {
-        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(package_dir.glob("*.py"))
+        path.relative_to(package_dir).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(package_dir.rglob("*.py"))
+        if "__pycache__" not in path.parts
     }
 
 

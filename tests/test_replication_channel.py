@@ -7,7 +7,8 @@ import contextlib
 import random
 import threading
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,9 @@ from replication_helpers import (
 
 from amqtt_durable.replication import backup as backup_module
 from amqtt_durable.replication.backup import Backup, BackupState
-from amqtt_durable.replication.errors import ReplicationGapError
+from amqtt_durable.replication.errors import FrameError, ReplicationGapError
 from amqtt_durable.replication.framing import (
-    Batch,
+    CheckedBatch,
     Frame,
     Op,
     encode_batch,
@@ -49,7 +50,7 @@ def hold_writes(backup: Backup) -> asyncio.Event:
     gate = asyncio.Event()
     real_write = backup._write_batches
 
-    async def held_write(batches: list[Batch], size: int) -> int | None:
+    async def held_write(batches: list[CheckedBatch], size: int) -> int | None:
         await gate.wait()
         return await real_write(batches, size)
 
@@ -201,33 +202,66 @@ def test_close_fails_batches_still_waiting(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+async def snapshot_then_batches(
+    tmp_path: Path, db: Any, batches: list[bytes], error: type[Exception], match: str
+) -> Backup:
+    """A fake primary sends the backup an initial image of ``db`` at batch 0, then ``batches`` in
+    one write (one group on the backup), which fail its run with ``error``; the backup."""
+
+    async def fake_primary(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_frame(reader)  # HELLO
+        writer.write(encode_frame(Frame.SNAP_BEGIN))
+        writer.write(encode_frame(Frame.SNAP_CHUNK, encode_ops(content(db))))
+        writer.write(encode_frame(Frame.SNAP_END, encode_position(0, 0)))
+        writer.write(b"".join(encode_frame(Frame.BATCH, batch) for batch in batches))
+        await writer.drain()
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                await read_frame(reader)
+        writer.close()
+
+    server = await asyncio.start_server(fake_primary, HOST, 0)
+    backup = new_backup(tmp_path, "b")
+    with pytest.raises(error, match=match):
+        await bounded(backup.run(HOST, server.sockets[0].getsockname()[1]))
+    server.close()
+    await bounded(server.wait_closed())
+    return backup
+
+
 def test_a_backup_refuses_a_gap_and_applies_nothing_out_of_order(tmp_path: Path) -> None:
     async def main() -> None:
         db, store_id = primary_store(tmp_path / "p")
         first, crc = encode_batch(1, store_id, ops_for(1))
         third, _ = encode_batch(3, store_id, ops_for(3))
-
-        async def fake_primary(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await read_frame(reader)  # HELLO
-            writer.write(encode_frame(Frame.SNAP_BEGIN))
-            writer.write(encode_frame(Frame.SNAP_CHUNK, encode_ops(content(db))))
-            writer.write(encode_frame(Frame.SNAP_END, encode_position(0, 0)))
-            writer.write(encode_frame(Frame.BATCH, first) + encode_frame(Frame.BATCH, third))
-            await writer.drain()
-            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-                while True:
-                    await read_frame(reader)
-            writer.close()
-
-        server = await asyncio.start_server(fake_primary, HOST, 0)
-        backup = new_backup(tmp_path, "b")
-        with pytest.raises(ReplicationGapError, match="batch 3 received after batch 1"):
-            await bounded(backup.run(HOST, server.sockets[0].getsockname()[1]))
+        backup = await snapshot_then_batches(
+            tmp_path, db, [first, third], ReplicationGapError, "batch 3 received after batch 1"
+        )
         assert backup.applied_seq == 1
         assert read_position(backup.db) == (1, crc)
         assert backup.db.get(b"m" + (3).to_bytes(8, "big")) is None
-        server.close()
-        await bounded(server.wait_closed())
+
+    asyncio.run(main())
+
+
+def test_a_batch_whose_operations_do_not_decode_leaves_nothing_of_its_group_in_the_store(tmp_path: Path) -> None:
+    """The backup decodes a group's operations straight into one LevelDB write batch: a batch whose
+    checksum matches but whose operations reach past its end (a faulty primary) fails the channel,
+    and neither it nor the well-formed batch before it in the group is written."""
+
+    async def main() -> None:
+        db, store_id = primary_store(tmp_path / "p")
+        first, _ = encode_batch(1, store_id, ops_for(1))
+        good, _ = encode_batch(2, store_id, ops_for(2))
+        body = good[: len(good) - 4]
+        count = int.from_bytes(body[16:20], "big")
+        damaged = body[:16] + (count + 1).to_bytes(4, "big") + body[20:]  # one operation more than it holds
+        second = damaged + zlib.crc32(damaged).to_bytes(4, "big")
+        backup = await snapshot_then_batches(tmp_path, db, [first, second], FrameError, "truncated")
+        assert backup.applied_seq == 0
+        assert read_position(backup.db) == (0, 0)
+        assert backup.db.get(b"m" + (1).to_bytes(8, "big")) is None  # batch 1's body: not written either
+        assert backup.db.get(b"m" + (2).to_bytes(8, "big")) is None
 
     asyncio.run(main())
 
@@ -639,11 +673,11 @@ def hold_threaded_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Eve
     started, release = threading.Event(), threading.Event()
     real_write = backup_module._write
 
-    def held_write(db: Any, ops: list[Op], sync: bool) -> None:
+    def held_write(db: Any, ops: list[Op], sync: bool, batches: Sequence[CheckedBatch] = ()) -> None:
         if threading.current_thread() is not threading.main_thread():
             started.set()
             release.wait(30)
-        real_write(db, ops, sync)
+        real_write(db, ops, sync, batches)
 
     monkeypatch.setattr(backup_module, "_write", held_write)
     release.set()

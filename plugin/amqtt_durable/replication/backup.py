@@ -21,17 +21,18 @@ import asyncio
 import contextlib
 import logging
 import ssl
+from collections.abc import Sequence
 from typing import Any, Literal, NoReturn
 
 from ..store import VERSION_KEY
 from .auth import AuthError, Session, client_handshake, error_text
 from .errors import FrameError, ReplicationGapError, StoreMismatchError
 from .framing import (
-    Batch,
+    CheckedBatch,
     Frame,
     Hello,
     Op,
-    decode_batch,
+    check_batch,
     decode_ops,
     decode_position,
     decode_seq,
@@ -265,11 +266,11 @@ class Backup:
     async def _apply(self, group: list[tuple[Frame, bytes]]) -> int | None:
         """Apply frames in order; returns the batch number to acknowledge, if any."""
         ack: int | None = None
-        batches: list[Batch] = []
+        batches: list[CheckedBatch] = []
         size = 0
         for kind, payload in group:
             if kind == Frame.BATCH:
-                batches.append(decode_batch(payload))
+                batches.append(check_batch(payload))
                 size += len(payload)
                 continue
             if batches:
@@ -305,14 +306,14 @@ class Backup:
             ack = await self._write_batches(batches, size)
         return ack
 
-    async def _write_batches(self, batches: list[Batch], size: int) -> int | None:
-        """Write the batches that follow in order (one write batch, synced with ``sync``); then
-        refuse the first that does not. ``size``: their frames' payload bytes (INLINE_BYTES).
-        Returns the last batch written."""
+    async def _write_batches(self, batches: list[CheckedBatch], size: int) -> int | None:
+        """Write the batches that follow in order (one write batch, synced with ``sync``, their
+        operations decoded straight into it); then refuse the first that does not. ``size``:
+        their frames' payload bytes (INLINE_BYTES). Returns the last batch written."""
         if self.partial:
             raise ReplicationGapError(0, batches[0].seq)
-        ops: list[Op] = []
-        last: Batch | None = None
+        following: list[CheckedBatch] = []
+        last: CheckedBatch | None = None
         refused: Exception | None = None
         for batch in batches:
             expected = self.applied_seq if last is None else last.seq
@@ -322,14 +323,15 @@ class Backup:
                 refused = ReplicationGapError(expected, batch.seq)
             if refused is not None:
                 break
-            ops.extend(batch.ops)
+            following.append(batch)
             last = batch
         if last is not None:
-            ops.append(position_op(last.seq, last.crc))
-            if self.sync or self.state != "in_sync" or size > INLINE_BYTES or len(ops) > INLINE_OPS:
-                await in_thread(_write, self.db, ops, self.sync)
+            position = [position_op(last.seq, last.crc)]
+            count = sum(batch.count for batch in following) + 1
+            if self.sync or self.state != "in_sync" or size > INLINE_BYTES or count > INLINE_OPS:
+                await in_thread(_write, self.db, position, self.sync, following)
             else:  # a small group, as the primary writes its own commits without sync: on the loop
-                _write(self.db, ops, False)
+                _write(self.db, position, False, following)
             self._applied(last.seq, last.crc)
         if refused is not None:
             raise refused
@@ -352,9 +354,13 @@ def _put_end(frames: asyncio.Queue[tuple[Frame, bytes] | None]) -> None:
         frames.put_nowait(None)
 
 
-def _write(db: Any, ops: list[Op], sync: bool) -> None:
-    with db.write_batch(sync=sync) as batch:
+def _write(db: Any, ops: list[Op], sync: bool, batches: Sequence[CheckedBatch] = ()) -> None:
+    """Write ``batches``' operations, then ``ops``, as one LevelDB write batch; nothing of it when
+    an operation does not decode (or a put fails)."""
+    with db.write_batch(sync=sync, transaction=True) as batch:
         delete, put = batch.delete, batch.put
+        for checked in batches:
+            checked.apply(put, delete)
         for key, value in ops:
             if value is None:
                 delete(key)

@@ -35,9 +35,5 @@ class ReplicatedCommits:
         if self.mode == "sync":
             self.primary.ship(batch, then)
             return True
-        self.primary.ship(batch, _ignore)
+        self.primary.ship(batch, None)
         return False
-
-
-def _ignore(_: BaseException | None) -> None:
-    pass

@@ -106,11 +106,15 @@ def encode_ops(ops: Sequence[Op]) -> bytes:
 def _op_parts(ops: Sequence[Op], parts: list[bytes]) -> list[bytes]:
     """``parts`` with the operations' bytes appended (this runs per operation of every commit a
     primary ships): a put's head, key and value length are one ``struct`` call (a ``Struct`` per key
-    length, as keys of a kind have one length), so a put is two parts instead of four."""
-    append, delete_head, puts = parts.append, _OP_HEAD.pack, _PUT_HEADS
+    length, as keys of a kind have one length), so a put is two parts instead of four; a delete's
+    head is the same bytes for every key of a length, made once."""
+    append, puts, deletes = parts.append, _PUT_HEADS, _DELETE_HEADS
     for key, value in ops:
         if value is None:
-            append(delete_head(len(key), 1))
+            head = deletes.get(len(key))
+            if head is None:
+                head = _delete_head(len(key))
+            append(head)
             append(key)
             continue
         klen = len(key)
@@ -136,16 +140,49 @@ def _put_head(klen: int) -> Callable[..., bytes]:
     return pack
 
 
+_DELETE_HEADS: dict[int, bytes] = {}
+"""``klen:u32 kind:u8`` of a delete, by key length (bounded as _PUT_HEADS)."""
+
+
+def _delete_head(klen: int) -> bytes:
+    head = _OP_HEAD.pack(klen, 1)
+    if len(_DELETE_HEADS) < _PUT_HEADS_MAX:
+        _DELETE_HEADS[klen] = head
+    return head
+
+
 def decode_ops(data: bytes, offset: int = 0, what: str = "batch", end: int | None = None) -> tuple[list[Op], int]:
     """The operations at ``offset`` and the offset after them; none may reach past ``end`` (the
     end of ``data`` by default)."""
+    ops, put, delete = _collecting()
+    return ops, apply_ops(data, put, delete, offset=offset, what=what, end=end)
+
+
+def _collecting() -> tuple[list[Op], Callable[[bytes, bytes], object], Callable[[bytes], object]]:
+    """A list of operations, and the ``put`` and ``delete`` that append to it."""
+    ops: list[Op] = []
+    append = ops.append
+    return ops, lambda key, value: append((key, value)), lambda key: append((key, None))
+
+
+def apply_ops(
+    data: bytes,
+    put: Callable[[bytes, bytes], object],
+    delete: Callable[[bytes], object],
+    *,
+    offset: int = 0,
+    what: str = "batch",
+    end: int | None = None,
+) -> int:
+    """Hand the operations at ``offset`` to ``put`` and ``delete`` (a LevelDB write batch's, on a
+    backup: no list of operations in between), in order; the offset after them. FrameError when
+    one reaches past ``end`` (the end of ``data`` by default): that check comes after the calls, so
+    a caller writing them uses a write batch that is not written when this raises."""
     limit = len(data) if end is None else end
     head, u32 = _OP_HEAD.unpack_from, _U32.unpack_from
     try:
         (count,) = u32(data, offset)
         offset += 4
-        ops: list[Op] = []
-        append = ops.append
         for _ in range(count):
             klen, kind = head(data, offset)
             start = offset + 5
@@ -153,10 +190,10 @@ def decode_ops(data: bytes, offset: int = 0, what: str = "batch", end: int | Non
             if kind == 0:
                 (vlen,) = u32(data, offset)
                 value = offset + 4
-                append((data[start:offset], data[value : value + vlen]))
+                put(data[start:offset], data[value : value + vlen])
                 offset = value + vlen
             elif kind == 1:
-                append((data[start:offset], None))
+                delete(data[start:offset])
             else:
                 raise FrameError(what, f"unknown operation kind {kind}")
     except struct.error as exc:
@@ -165,7 +202,7 @@ def decode_ops(data: bytes, offset: int = 0, what: str = "batch", end: int | Non
     # (the loop ends anyway, as each operation moves on by at least 5 bytes until a header is past the data).
     if offset > limit:
         raise FrameError(what, f"truncated: the operations reach byte {offset} of {limit}")
-    return ops, offset
+    return offset
 
 
 def encode_batch(seq: int, store_id: int, ops: Sequence[Op]) -> tuple[bytes, int]:
@@ -175,7 +212,28 @@ def encode_batch(seq: int, store_id: int, ops: Sequence[Op]) -> tuple[bytes, int
     return body + _U32.pack(crc), crc
 
 
-def decode_batch(data: bytes) -> Batch:
+@dataclass(frozen=True, slots=True)
+class CheckedBatch:
+    """An encoded batch whose checksum matched, its operations not decoded yet (``apply``)."""
+
+    seq: int
+    store_id: int
+    crc: int
+    count: int
+    """Its operations."""
+    data: bytes
+
+    def apply(self, put: Callable[[bytes, bytes], object], delete: Callable[[bytes], object]) -> None:
+        """Hand its operations to ``put`` and ``delete`` (apply_ops); FrameError when they do not
+        end exactly before the checksum."""
+        end = len(self.data) - 4
+        stop = apply_ops(self.data, put, delete, offset=16, end=end)
+        if stop != end:
+            raise FrameError("batch", f"{end - stop} bytes after the last operation")
+
+
+def check_batch(data: bytes) -> CheckedBatch:
+    """The batch's header, its checksum checked (FrameError when it does not match)."""
     if len(data) < 20 + 4:
         raise FrameError("batch", f"{len(data)} bytes is shorter than a batch header")
     end = len(data) - 4
@@ -183,10 +241,15 @@ def decode_batch(data: bytes) -> Batch:
     if zlib.crc32(memoryview(data)[:end]) != crc:
         raise FrameError("batch", "checksum mismatch")
     seq, store_id = _BATCH_HEAD.unpack_from(data, 0)
-    ops, stop = decode_ops(data, 16, end=end)
-    if stop != end:
-        raise FrameError("batch", f"{end - stop} bytes after the last operation")
-    return Batch(seq, store_id, tuple(ops), crc)
+    (count,) = _U32.unpack_from(data, 16)
+    return CheckedBatch(seq, store_id, crc, count, data)
+
+
+def decode_batch(data: bytes) -> Batch:
+    checked = check_batch(data)
+    ops, put, delete = _collecting()
+    checked.apply(put, delete)
+    return Batch(checked.seq, checked.store_id, tuple(ops), checked.crc)
 
 
 def ops_size(ops: Iterable[Op]) -> int:

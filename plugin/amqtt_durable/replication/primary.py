@@ -187,14 +187,15 @@ class Primary:
         self.ship(batch, partial(_settle, future))
         return future
 
-    def ship(self, batch: PreparedBatch, then: Shipped) -> None:
+    def ship(self, batch: PreparedBatch, then: Shipped | None) -> None:
         """``committed`` with a callback for the future: ``then(None)`` once every in-sync backup
         has the batch (at once when none is in sync), ``then(error)`` when none ever will (the
         primary closed). Called in commit order, in the loop pass that learns it (the callbacks
         of a future would wait for the next pass: one more event-loop turn per batch before its
-        PUBACKs)."""
+        PUBACKs). ``then`` None (async mode): nobody waits for the outcome."""
         if self._closed is not None:
-            _call(then, self._closed)
+            if then is not None:
+                _call(then, self._closed)
             return
         self.log.append(batch.seq, batch.crc, batch.data)
         now = time.monotonic()
@@ -203,8 +204,9 @@ class Primary:
                 link.last_progress = now
             if link.live:
                 self._send_live(link, batch)
-        self._waiting.append((batch.seq, then))
-        self._resolve()
+        if then is not None:
+            self._waiting.append((batch.seq, then))
+            self._resolve()
 
     def _send_live(self, link: BackupLink, batch: PreparedBatch) -> None:
         """Write ``batch`` to a live link now (no task switch per batch): its sender is parked."""
@@ -275,6 +277,8 @@ class Primary:
         if self._closed is not None:
             return
         if self._publish is None:
+            if not self._waiting:  # async mode: nobody waits (every ACK calls this)
+                return
             upto = min((link.acked_seq for link in self.in_sync()), default=self.log.head_seq)
         else:
             self._republish_soon()
