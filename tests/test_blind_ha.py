@@ -1,0 +1,377 @@
+"""Black-box checks of docs/replication.md, README.md's "High availability" and docs/fleet.md's
+``--ha`` parts that no other test pins: real broker processes on 127.0.0.1 ports, a real etcd, real
+paho clients and the real ``amqtt-durable`` command. Each test quotes the promise it checks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_ha_brokers import (
+    BACKUP,
+    FAILOVER_WAIT,
+    HA_TIMING,
+    SERVING,
+    address,
+    ha_pair,
+    node,
+    start,
+    static_pair,
+    wait_status,
+)
+
+from amqtt_durable.cli import load_broker_config
+from amqtt_durable.errors import ConfigError
+from amqtt_durable.process import HOST, free_port
+from amqtt_durable.replication.framing import Frame, encode_frame, read_frame
+from amqtt_durable.store import open_store
+from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "4f9a1c0e7b2d8a6f3e5c9b1d0a7f2e4c"
+
+
+def _broker_yaml(folder: Path, replication: dict[str, Any]) -> Path:
+    """A broker.yaml in ``folder``: one TCP listener on a free port, the store in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "broker.yaml"
+    plugin = {"store": str(folder / "store"), "replication": replication}
+    listeners = {"default": {"type": "tcp", "bind": f"{HOST}:{free_port()}"}}
+    config = {"listeners": listeners, "plugins": {"amqtt_durable.DurableSessionsPlugin": plugin}}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@contextlib.contextmanager
+def _listening(port: int) -> Iterator[socket.socket]:
+    """Another process's server on ``port`` (here, this test's socket)."""
+    with socket.socket() as taken:
+        taken.bind((HOST, port))
+        taken.listen()
+        yield taken
+
+
+@pytest.mark.parametrize("role", ["primary", "backup"])
+def test_a_replication_address_in_use_at_start_stops_the_broker_naming_it(tmp_path: Path, role: str) -> None:
+    """Promotion binds no port: "the replication address (`listen`) is bound once at start ... (a port in use at start
+    stops the broker: `broker not started: replication.listen ADDRESS: REASON`)" (operations.md: exit 1 when the
+    broker cannot start, ``replication.listen``'s port in use included)."""
+    port = free_port()
+    replication: dict[str, Any] = {"role": role, "listen": f"{HOST}:{port}"}
+    if role == "backup":
+        replication["primary"] = f"{HOST}:{free_port()}"
+    config = _broker_yaml(tmp_path, replication)
+    with _listening(port):
+        result = run_cli("broker", "-c", str(config))
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    expected = f"amqtt-durable: broker not started: replication.listen {HOST}:{port}: [Errno 98] Address already in use"
+    assert last == expected, result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_durable_subscriber_gets_a_publish_in_sync_mode_only_once_the_backup_stored_it_in_async_at_once(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], mode: str
+) -> None:
+    """What each mode guarantees, "A message reaches subscribers": sync, "a durable session: after the
+    same confirmation, so nothing is delivered to it that a failover could take back; a clean-session
+    subscriber: as it is routed"; async, "a durable session: after the local commit". Limits: "A
+    clean-session subscriber ... gets a publish as it is routed, without waiting for the local commit
+    nor, in sync mode, for the backups' confirmation". The backup is SIGSTOPped: in sync mode neither
+    the PUBACK nor the durable delivery comes until ``ack_timeout`` drops the backup; in async mode
+    both come at once. (The table said "A message reaches subscribers after the same confirmation"
+    of every subscriber: a clean-session one got it at once.)"""
+    primary, backup = static_pair(broker_factory, mode=mode, ack_timeout=3)
+    durable = clients(primary.port, "device")
+    clean = clients(primary.port, "watcher", clean_session=True)
+    for subscriber in (durable, clean):
+        subscriber.subscribe("t/#", 1)
+    publisher = clients(primary.port, "publisher", clean_session=True)
+    publisher.publish("t/before", [b"both stored it"])
+    for subscriber in (durable, clean):
+        assert [m.payload for m in subscriber.wait_messages(1)] == [b"both stored it"]
+    with backup.paused():
+        sent = publisher.paho.publish("t/during", b"while the backup sleeps", qos=1)
+        assert clean.wait_messages(2)[-1].payload == b"while the backup sleeps"  # as it is routed
+        if mode == "async":
+            assert durable.wait_messages(2)[-1].payload == b"while the backup sleeps"
+            sent.wait_for_publish(WAIT)
+            assert sent.is_published()
+        else:
+            # Within 1 s of the publish (ack_timeout is 3 s): neither the durable delivery nor the PUBACK.
+            assert len(durable.wait_messages(2, timeout=1.0)) == 1, "delivered before the backup stored it"
+            assert not sent.is_published()
+            sent.wait_for_publish(WAIT)  # ack_timeout later the primary goes on without the backup
+            assert sent.is_published()
+            assert durable.wait_messages(2)[-1].payload == b"while the backup sleeps"
+
+
+@pytest.mark.slow
+def test_a_fixed_role_backup_waits_for_the_operator_and_then_resends_what_was_in_flight_with_dup(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Without a coordinator: "The primary never steps down by itself and a backup never takes over
+    by itself." Clients: "On the new primary a durable session gets `session_present=1`, its whole
+    queue, and DUP on what was in flight"; sync mode: "nothing acknowledged is lost; in-flight
+    messages come again from the new primary, with DUP where its copy holds their sent mark"."""
+    primary, backup = static_pair(broker_factory)
+    device = clients(primary.port, "device", manual_ack=True)  # receives, never acknowledges
+    device.subscribe("t/#", 1)
+    publisher = clients(primary.port, "publisher", clean_session=True)
+    sent = payloads(5, "inflight")
+    publisher.publish("t/a", sent)
+    assert [m.payload for m in device.wait_messages(5)] == sent
+    assert not any(m.dup for m in device.messages)
+    publisher.publish("t/a", payloads(3, "queued"))  # beyond none: queued behind the in-flight ones
+    assert device.wait_messages(8)[-1].payload == payloads(3, "queued")[-1]
+
+    primary.kill()
+    wait_status(backup, lambda s: s["state"] == "disconnected")  # it saw its primary go
+    assert connack_code(backup.port) == BACKUP, "a fixed-role backup took over by itself"
+    promoted = run_cli("promote", address(backup))
+    assert promoted.returncode == 0, promoted.stderr
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
+
+    again = clients(backup.port, "device", manual_ack=True)
+    assert again.session_present is True
+    got = again.wait_messages(8)
+    assert [m.payload for m in got] == sent + payloads(3, "queued")
+    assert all(m.dup for m in got), [(m.payload, m.dup) for m in got]
+
+
+@pytest.mark.slow
+def test_a_failed_promotion_of_a_fixed_role_backup_is_logged_shown_by_inspect_and_it_stays_a_backup(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Without a coordinator: "`promote` answers once the promotion has started, before the store is loaded. A
+    promotion that fails after that (the store does not load) is logged as an ERROR (`the promotion failed: REASON;
+    still a backup`); the node stays a backup, follows `primary` again, and its replication address keeps answering:
+    `inspect --replication` shows `its last promotion failed: REASON`"."""
+    gone = f"{HOST}:{free_port()}"
+    backup = node(broker_factory, "b", role="backup", primary=gone)
+    Path(backup.store).parent.mkdir(parents=True, exist_ok=True)
+    db = open_store(backup.store)
+    db.put(b"sbroken-device", b"\xff not a session record")  # a damaged session record
+    db.close()
+    start(backup, BACKUP)
+
+    answered = run_cli("promote", address(backup))
+    assert answered.returncode == 0, answered.stderr
+    failed = "the promotion failed: "
+    assert backup.wait_until(lambda: failed in backup.log(), WAIT), backup.log()
+    line = next(line for line in backup.log().splitlines() if failed in line)
+    assert " ERROR " in line and line.rstrip().endswith("; still a backup") and "broken-device" in line, line
+    reason = line.split(failed, 1)[1].rsplit("; still a backup", 1)[0]
+
+    shown = run_cli("inspect", "--replication", address(backup))
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith("b: backup, at batch "), lines
+    assert lines[1].startswith(f"  following {gone}: "), lines
+    assert f"  its last promotion failed: {reason}" in lines, lines
+    assert connack_code(backup.port) == BACKUP
+
+
+def test_the_coordinators_urls_are_tried_in_order(broker_factory: Callable[..., Broker], etcd: Any) -> None:
+    """Settings, ``coordinator``: "etcd client URLs (`http://host:2379`; port 2379 when left out ...),
+    tried in order": a first URL where nothing listens does not keep the node from etcd at the second."""
+    dead = f"http://{HOST}:{free_port()}"
+    first = start(node(broker_factory, "a", coordinator=[dead, etcd.url], **HA_TIMING), SERVING)
+    wait_status(first, lambda s: [(m["name"], m["role"]) for m in s.get("members", [])] == [("a", "primary")])
+
+
+@pytest.mark.slow
+def test_failover_waits_for_the_lease_and_ends_within_lease_ttl_plus_loop_wait(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """Start a pair with etcd: "Failover time is at most `lease_ttl` (the lease expires) + `loop_wait` (the backup's
+    next check) + promotion + the client's reconnect" (README: "serves ... 2 to 3 s later with short lease
+    settings"); "No split brain": nobody else can be primary before the lease could have ended, that is
+    ``lease_ttl`` after the last renewal, which was at most ``loop_wait`` before the kill. Bounds here: at least
+    lease_ttl - loop_wait - 0.2 s; at most lease_ttl + loop_wait + 2 s (promotion, the CONNECT probe every 0.1 s, a
+    loaded 2-core machine)."""
+    first, second = ha_pair(broker_factory, etcd)
+    wait_status(first, lambda s: [b["state"] for b in s["backups"]] == ["in_sync"])
+    killed = time.monotonic()
+    first.kill()
+    assert second.wait_until(lambda: connack_code(second.port) == SERVING, FAILOVER_WAIT), second.log()
+    took = time.monotonic() - killed
+    ttl, loop_wait = HA_TIMING["lease_ttl"], HA_TIMING["loop_wait"]
+    assert ttl - loop_wait - 0.2 <= took <= ttl + loop_wait + 2.0, took
+    assert "now primary" in second.log(), second.log()
+
+
+class _ErrorNode:
+    """A fake node on a replication address: whatever a tool asks, it answers one ERROR frame with
+    ``text`` and closes (as a node refusing a connection does)."""
+
+    def __init__(self, text: bytes) -> None:
+        self.text = text
+        self.port = free_port()
+        self.ready = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(read_frame(reader), WAIT)
+            writer.write(encode_frame(Frame.ERROR, self.text))
+            await writer.drain()
+        writer.close()
+
+    async def _serve(self) -> None:
+        server = await asyncio.start_server(self._answer, HOST, self.port)
+        self.ready.set()
+        async with server:
+            await asyncio.to_thread(self.stop.wait, 4 * WAIT)
+
+    def __enter__(self) -> _ErrorNode:
+        self.thread.start()
+        assert self.ready.wait(WAIT)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(WAIT)
+
+
+def test_a_peers_error_text_is_shown_escaped_and_cut_at_200_characters(tmp_path: Path) -> None:
+    """Securing the channel: "A peer's ERROR text is shown (in the log, by the tools) with characters that are not
+    printable escaped (`\\n`, `\\x1b`) and cut at 200 characters"; "A tool prints the same reason and exits with
+    status 1"."""
+    text = "bad\n\x1b[2J" + "y" * 400
+    with _ErrorNode(text.encode()) as fake:
+        for argv in (["inspect", "--replication"], ["promote"]):
+            result = run_cli(*argv, f"{HOST}:{fake.port}")
+            assert result.returncode == 1, result.stderr
+            assert "\x1b" not in result.stderr and len(result.stderr.splitlines()) == 1, repr(result.stderr)
+            reason = result.stderr.split("refused: ", 1)[1].rstrip("\n")
+            assert reason.startswith("bad\\n\\x1b[2Jyyy"), reason
+            shown = reason.split("...", 1)[0]
+            assert len(shown) == 200, (len(shown), reason)
+
+
+def test_a_relative_secret_file_is_read_from_the_working_directory_not_broker_yamls_folder(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """Securing the channel, the tools: "A relative path in broker.yaml (`secret_file`, `tls.cert`, `.key`, `.ca`, like
+    `store`) is read from the working directory of the process, the broker's and the tool's alike, not from
+    broker.yaml's folder: run the tool from the broker's working directory, or give absolute paths"."""
+    secret = tmp_path / "secrets" / "replication.secret"
+    secret.parent.mkdir()
+    secret.write_text(SECRET + "\n")
+    relative = os.path.relpath(secret, Path.cwd())  # the broker runs in this process's directory
+    primary = start(node(broker_factory, "p", role="primary", secret_file=relative), SERVING)
+
+    tool_config = tmp_path / "conf" / "broker.yaml"
+    tool_config.parent.mkdir()
+    tool_config.write_text(
+        yaml.safe_dump(
+            {
+                "plugins": {
+                    "amqtt_durable.DurableSessionsPlugin": {
+                        "store": "store",
+                        "replication": {"role": "primary", "secret_file": "replication.secret"},
+                    }
+                }
+            }
+        )
+    )
+    (tool_config.parent / "replication.secret").write_text("not the cluster's secret, but 16+\n")
+
+    from_secrets = run_cli("inspect", "--replication", address(primary), "--config", str(tool_config),
+                           cwd=secret.parent)  # fmt: skip
+    assert from_secrets.returncode == 0, from_secrets.stderr
+    assert from_secrets.stdout.startswith("p: primary, at batch "), from_secrets.stdout
+
+    from_conf = run_cli("inspect", "--replication", address(primary), "--config", str(tool_config), cwd=tmp_path)
+    assert from_conf.returncode == 1, from_conf.stdout
+    assert "'replication.secret_file': cannot read" in from_conf.stderr, from_conf.stderr
+
+
+def test_fleet_refuses_a_schedule_whose_primary_kill_and_partition_overlap(tmp_path: Path) -> None:
+    """fleet.md, ``--ha``: "Random primary kills and partitions never overlap ...; in a script they must
+    not either"; "A bad schedule ... stops the run before it starts, with exit status 2 and the file,
+    fault number and field named"."""
+    (tmp_path / "broker.yaml").write_text((Path(__file__).parent.parent / "broker.yaml").read_text())
+    schedule = tmp_path / "overlap.yaml"
+    faults = [{"at": "8s", "kind": "primary_kill", "for": "4s"}, {"at": "10s", "kind": "partition", "for": "4s"}]
+    schedule.write_text(yaml.safe_dump({"faults": faults}))
+    result = run_cli("fleet", "--ha", "--schedule", str(schedule), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert str(schedule) in result.stderr and "overlap" in result.stderr, result.stderr
+    assert not (tmp_path / "out" / "etcd").exists()  # stopped before it started anything
+
+
+@pytest.mark.parametrize(
+    ("replication", "key", "words"),
+    [
+        ({"role": "primary", "name": "a#"}, "name", "#"),
+        ({"role": "primary", "name": "a\x00b"}, "name", "NUL"),
+        ({"role": "primary", "cluster": "a/b"}, "cluster", "/"),
+        ({"role": "primary", "lease_ttl": 2.5, "loop_wait": 0.5, "demote_margin": 0.5}, "lease_ttl", "whole"),
+        ({"role": "primary", "lease_ttl": 5, "demote_margin": 5, "loop_wait": 0.1}, "demote_margin", "below"),
+        ({"role": "primary", "snapshot_chunk_bytes": 134217729}, "snapshot_chunk_bytes", "134217728"),
+        ({"role": "backup", "listen": "127.0.0.1:7999", "primary": "127.0.0.1:7999"}, "primary", "listen"),
+        (
+            {
+                "role": "backup",
+                "listen": "127.0.0.1:7999",
+                "advertise": "db1.example:7883",
+                "primary": "DB1.example:7883",
+            },
+            "primary",
+            "advertise",
+        ),
+        ({"coordinator": ["http://127.0.0.1:0"], "name": "a"}, "coordinator", "127.0.0.1:0"),
+        ({"coordinator": ["http://127.0.0.1:70000"], "name": "a"}, "coordinator", "70000"),
+        ({"coordinator": ["http://127.0.0.1:2379?x=1"], "name": "a"}, "coordinator", "query"),
+        ({"coordinator": ["http://127.0.0.1:2379#f"], "name": "a"}, "coordinator", "fragment"),
+        ({"coordinator": ["http://[::1:2379"], "name": "a"}, "coordinator", "[::1:2379"),
+        ({"coordinator": ["http://\u00e9tcd.example:2379"], "name": "a"}, "coordinator", "xn--"),
+    ],
+)
+def test_replication_settings_the_table_refuses_are_refused_naming_the_key(
+    tmp_path: Path, replication: dict[str, Any], key: str, words: str
+) -> None:
+    """Settings ("checked at start-up like every other setting"; configuration.md: exit code 2, the key
+    named): ``name`` "without `/`, `+`, `#` or a NUL character"; ``cluster`` "not empty, without `/`";
+    ``lease_ttl`` "whole seconds"; ``demote_margin`` "below `lease_ttl`"; ``snapshot_chunk_bytes`` "at
+    most 134217728"; ``primary`` "not its own `listen` or `advertise` (compared as written but for the
+    host's case ...)"; ``coordinator``: "a malformed entry (an unclosed
+    bracket, a port that is not a number from 1 to 65535, a host in non-ASCII characters: write an
+    internationalised name in its `xn--` form) is refused at start, naming it, and so is one with ... a
+    path, a query or a fragment"."""
+    # broker.yaml's check as `amqtt-durable broker -c` runs it before amqtt starts (the CLI run, exit code 2,
+    # costs seconds each: test_a_refused_replication_setting_stops_the_broker_with_exit_2 runs it for two).
+    with pytest.raises(ConfigError) as refused:
+        load_broker_config(str(_broker_yaml(tmp_path, replication)))
+    assert refused.value.key == f"replication.{key}" and words in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("replication", "words"),
+    [
+        ({"role": "primary", "cluster": ""}, "'replication.cluster': expected a name, not empty and without '/'"),
+        ({"role": "primary", "name": "dev+1"}, "'replication.name': 'dev+1': a name without '/', '+', '#'"),
+    ],
+)
+def test_a_refused_replication_setting_stops_the_broker_with_exit_2(
+    tmp_path: Path, replication: dict[str, Any], words: str
+) -> None:
+    """configuration.md: a bad setting "stops the broker with an error that names the key (exit code 2)";
+    ``cluster`` "not empty" (an empty one was refused as "expected a name without '/', got ''", which it is)."""
+    result = run_cli("broker", "-c", str(_broker_yaml(tmp_path, replication)))
+    assert result.returncode == 2, result.stderr
+    assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
