@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from raw_mqtt_helpers import connect_packet, read_exactly
 from test_ha_brokers import (
     BACKUP,
     FAILOVER_WAIT,
@@ -35,6 +36,8 @@ from amqtt_durable.process import HOST, free_port
 from amqtt_durable.replication.framing import Frame, encode_frame, read_frame
 from amqtt_durable.store import open_store
 from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
+from durable_client import DurableClient, Event
+from durable_fleet.proxy import TcpRelay
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,7 +120,6 @@ def test_a_durable_subscriber_gets_a_publish_in_sync_mode_only_once_the_backup_s
             assert durable.wait_messages(2)[-1].payload == b"while the backup sleeps"
 
 
-@pytest.mark.slow
 def test_a_fixed_role_backup_waits_for_the_operator_and_then_resends_what_was_in_flight_with_dup(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
@@ -150,7 +152,6 @@ def test_a_fixed_role_backup_waits_for_the_operator_and_then_resends_what_was_in
     assert all(m.dup for m in got), [(m.payload, m.dup) for m in got]
 
 
-@pytest.mark.slow
 def test_a_failed_promotion_of_a_fixed_role_backup_is_logged_shown_by_inspect_and_it_stays_a_backup(
     broker_factory: Callable[..., Broker],
 ) -> None:
@@ -375,3 +376,109 @@ def test_a_refused_replication_setting_stops_the_broker_with_exit_2(
     result = run_cli("broker", "-c", str(_broker_yaml(tmp_path, replication)))
     assert result.returncode == 2, result.stderr
     assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def _durable_connack(port: int, client_id: str) -> bytes:
+    """The CONNACK (4 bytes) a durable CONNECT of ``client_id`` gets; the connection is then closed."""
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet(client_id, clean=False))
+        connack = read_exactly(sock, 4)
+        with contextlib.suppress(OSError):
+            sock.sendall(bytes([0xE0, 0]))  # DISCONNECT: the session stays
+        return connack
+
+
+def test_an_sdk_client_whose_first_address_is_a_backup_moves_on_to_the_primary(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient]
+) -> None:
+    """Clients, SDK: "A failed connection or a CONNACK 3 moves it to the next address"; README: "A backup
+    refuses clients with CONNACK 3, so the SDK (`DurableClient(..., failover=[(host, port)])`) ... move[s]
+    to the primary"."""
+    primary, backup = static_pair(broker_factory)
+    client = sdk(backup.port, "sdk-dev", failover=[(HOST, primary.port)])
+    got: list[bytes] = []
+    arrived = threading.Event()
+
+    def on_event(event: Event) -> None:
+        got.append(event.payload)
+        arrived.set()
+
+    client.subscribe("t/#", qos=1, listener=on_event)
+    client.connect(timeout=WAIT)
+    assert client.connected and client.port == primary.port
+    client.ready_for_events()
+    clients(primary.port, "publisher", clean_session=True).publish("t/a", [b"via the primary"])
+    assert arrived.wait(WAIT) and got == [b"via the primary"]
+
+
+def test_a_promoted_backup_counts_the_replicated_durable_sessions_against_max_durable_sessions(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Role changes, "`max_durable_sessions` in a group: a broker counts the durable sessions of its own
+    store, so a backup promoted to primary counts those replicated to it, as loaded ... A primary at the
+    limit answers a CONNECT that would create a session with CONNACK 3, as a backup does"."""
+    limit = {"max_durable_sessions": 2}
+    primary = start(node(broker_factory, "p", limit, role="primary"), SERVING)
+    backup = start(node(broker_factory, "b", limit, role="backup", primary=address(primary)), BACKUP)
+    accepted, unavailable = b"\x20\x02\x00\x00", b"\x20\x02\x00\x03"
+    assert [_durable_connack(primary.port, name) for name in ("d1", "d2")] == [accepted, accepted]
+    assert _durable_connack(primary.port, "d3") == unavailable  # at the limit: no third session
+    head = wait_status(primary, lambda s: [b["state"] for b in s["backups"]] == ["in_sync"])["batch"]
+    wait_status(backup, lambda s: s["caught_up"] and s["batch"] >= head)
+
+    primary.kill()
+    promoted = run_cli("promote", address(backup))
+    assert promoted.returncode == 0, promoted.stderr
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
+    assert _durable_connack(backup.port, "d3") == unavailable  # the two replicated sessions count
+    assert _durable_connack(backup.port, "d1") == b"\x20\x02\x01\x00"  # an existing one: session present
+
+
+@pytest.mark.slow
+def test_a_killed_backup_drops_out_of_the_members_when_its_entry_expires(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """The most advanced backup takes over: "Every broker writes its position in etcd each `loop_wait`
+    ... under a lease of its own that ends `lease_ttl` seconds after its last cycle ... A broker that is
+    stopped or cut off from etcd drops out when its entry expires". Bounds: not before lease_ttl -
+    loop_wait - 0.2 s after the SIGKILL, and within lease_ttl + 2 loop_wait (the primary's next read)
+    + 2 s."""
+    first, second = ha_pair(broker_factory, etcd)
+    wait_status(first, lambda s: sorted(m["name"] for m in s.get("members", [])) == ["a", "b"])
+    killed = time.monotonic()
+    second.kill()
+    wait_status(first, lambda s: [m["name"] for m in s.get("members", [])] == ["a"], FAILOVER_WAIT)
+    took = time.monotonic() - killed
+    ttl, loop_wait = HA_TIMING["lease_ttl"], HA_TIMING["loop_wait"]
+    assert ttl - loop_wait - 0.2 <= took <= ttl + 2 * loop_wait + 2.0, took
+    assert connack_code(first.port) == SERVING
+
+
+@pytest.mark.slow
+def test_a_node_cut_off_from_its_coordinator_waits_as_a_backup_logging_one_warning_then_one_info(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """Coordination: "coordinator unreachable -> "wait""; Logging: "the coordinator not answering, for a
+    primary as for a backup, is one WARNING when it starts and one INFO line, "the coordinator answers
+    again after N s", when it ends". A new cluster's first node, cut off from etcd from its start, refuses
+    clients; once etcd answers, it bootstraps and serves."""
+    relay = TcpRelay(HOST, etcd.client_port)
+    relay.start()
+    try:
+        relay.cut()
+        alone = start(node(broker_factory, "a", coordinator=[f"http://{relay.address}"], **HA_TIMING), BACKUP)
+        silent = "replication HA a: the coordinator does not answer"
+        assert alone.wait_until(lambda: silent in alone.log(), FAILOVER_WAIT), alone.log()
+        # Several more HA cycles go by silent: each makes new calls, which the blackhole holds (cut()
+        # again counts the connections held).
+        assert alone.wait_until(lambda: relay.cut() >= 3, FAILOVER_WAIT), alone.log()
+        assert connack_code(alone.port) == BACKUP
+        relay.heal()
+        assert alone.wait_until(lambda: connack_code(alone.port) == SERVING, FAILOVER_WAIT), alone.log()
+    finally:
+        relay.stop()
+    lines = alone.log().splitlines()
+    warned = [line for line in lines if silent in line]
+    assert len(warned) == 1 and " WARNING " in warned[0], warned
+    again = [line for line in lines if "replication HA a: the coordinator answers again after " in line]
+    assert len(again) == 1 and " INFO " in again[0], again
