@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 from raw_mqtt_helpers import connect_packet, read_exactly
+from test_docs_promises_ha2 import CLUSTER, _b64, _etcd
 from test_ha_brokers import (
     BACKUP,
     FAILOVER_WAIT,
@@ -29,6 +30,7 @@ from test_ha_brokers import (
     static_pair,
     wait_status,
 )
+from test_ha_partition import in_sync_set
 
 from amqtt_durable.cli import load_broker_config
 from amqtt_durable.errors import ConfigError
@@ -482,3 +484,42 @@ def test_a_node_cut_off_from_its_coordinator_waits_as_a_backup_logging_one_warni
     assert len(warned) == 1 and " WARNING " in warned[0], warned
     again = [line for line in lines if "replication HA a: the coordinator answers again after " in line]
     assert len(again) == 1 and " INFO " in again[0], again
+
+
+def _etcd_key(etcd: Any, key: str) -> dict[str, Any] | None:
+    """The key's record in etcd (value, mod_revision, ...), None when absent."""
+    kvs = _etcd(etcd, "/v3/kv/range", {"key": _b64(CLUSTER + key)}).get("kvs") or []
+    return kvs[0] if kvs else None
+
+
+@pytest.mark.slow
+def test_a_backup_dropped_from_the_synchronous_set_does_not_take_over_when_the_primary_dies(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
+) -> None:
+    """No split brain: "In sync mode the primary also publishes in etcd the backups it waits for; only
+    those may be promoted, so a backup dropped for being slow cannot take over without the publishes
+    acknowledged after it left"; Limits: "nobody becomes primary: ... the group waits rather than serve a
+    store that may lack acknowledged publishes". The backup is paused past ``ack_timeout`` while a publish
+    is acknowledged without it; the primary then dies: the backup goes on with its HA cycles (its member
+    entry rewritten) with no leader, and never serves."""
+    first, second = ha_pair(broker_factory, etcd, ack_timeout=1)
+    durable = clients(first.port, "device")
+    durable.subscribe("t/#", 1)
+    durable.disconnect()
+    assert first.wait_until(lambda: in_sync_set(etcd, "b"), WAIT), first.log()
+    publisher = clients(first.port, "publisher", clean_session=True)
+    with second.paused():
+        publisher.publish("t/a", [b"acknowledged without b"])  # after ack_timeout dropped b
+        assert first.wait_until(lambda: not in_sync_set(etcd, "b"), WAIT), first.log()
+        first.kill()
+    assert second.wait_until(lambda: _etcd_key(etcd, "leader") is None, FAILOVER_WAIT), "the lease never ended"
+    entry = _etcd_key(etcd, "members/b")
+    assert entry is not None
+    since = int(entry["mod_revision"])
+
+    def cycles_without_a_leader() -> bool:
+        current = _etcd_key(etcd, "members/b")
+        return current is not None and int(current["mod_revision"]) >= since + 3
+
+    assert second.wait_until(cycles_without_a_leader, FAILOVER_WAIT), second.log()  # three more HA cycles
+    assert _etcd_key(etcd, "leader") is None and connack_code(second.port) == BACKUP, second.log()
