@@ -30,6 +30,7 @@ from test_ha_brokers import (
     static_pair,
     wait_status,
 )
+from test_ha_brokers import status as node_status
 from test_ha_partition import in_sync_set
 
 from amqtt_durable.cli import load_broker_config
@@ -523,3 +524,42 @@ def test_a_backup_dropped_from_the_synchronous_set_does_not_take_over_when_the_p
 
     assert second.wait_until(cycles_without_a_leader, FAILOVER_WAIT), second.log()  # three more HA cycles
     assert _etcd_key(etcd, "leader") is None and connack_code(second.port) == BACKUP, second.log()
+
+
+def test_sys_topics_follow_a_backup_that_leaves_and_count_a_refused_connection(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Watching it: "Every `metrics_interval` the primary publishes under `$SYS/broker/durable/replication/`:
+    `role`, `mode`, `batch` (the newest batch number), `backups`, `backups_in_sync`, `refused` (connections
+    its replication address refused since start, by the handshake, ...)"; "a frame ... that fails its
+    checksum closes that connection at once, with a log line naming it, and the node goes on"; `inspect
+    --replication`: "`connections refused on its replication address since start: N`, shown once there is
+    one"."""
+    primary, backup = static_pair(broker_factory, {"metrics_interval": 0.2})
+    prefix = "$SYS/broker/durable/replication/"
+    monitor = clients(primary.port, "monitor", clean_session=True)
+    monitor.subscribe(prefix + "#", 0)
+
+    def latest(key: str) -> bytes | None:
+        return next((m.payload for m in reversed(monitor.messages) if m.topic == prefix + key), None)
+
+    assert monitor.wait_for(lambda _: latest("backups_in_sync") == b"1" and latest("refused") == b"0")
+    host, port = address(primary).rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT) as stranger:
+        stranger.sendall(b"\x01\x00\x00\x00\x04junkjunk")  # a HELLO whose checksum is wrong
+        while stranger.recv(4096):  # the node closes it; bounded by the socket's timeout
+            pass
+    backup.kill()
+    assert monitor.wait_for(
+        lambda _: (latest("backups"), latest("backups_in_sync"), latest("refused")) == (b"0", b"0", b"1")
+    ), [(m.topic, m.payload) for m in monitor.messages[-12:]]
+    assert primary.wait_until(lambda: f"{HOST}:" in primary.log() and "checksum" in primary.log(), WAIT), primary.log()
+
+    def batch_published() -> bool:
+        current = node_status(primary)  # nothing is published meanwhile: the batch stays
+        return current is not None and latest("batch") == str(current["batch"]).encode()
+
+    assert monitor.wait_for(lambda _: batch_published())
+    shown = run_cli("inspect", "--replication", address(primary))
+    assert "  connections refused on its replication address since start: 1" in shown.stdout.splitlines(), shown
+    assert "backup b" not in shown.stdout, shown.stdout  # its row went with its connection
