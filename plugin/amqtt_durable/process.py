@@ -8,6 +8,7 @@ Only processes started here are ever signalled, by their own PID; every wait has
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -183,6 +184,28 @@ class ChildExitedError(RuntimeError):
     """The child ended while we waited for it to become ready: its log says why."""
 
 
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT noted, not acted on, for the block (the spawn of a child and the keeping
+    of its handle), then raised again: a harness stopped by one (``amqtt-durable fleet`` turns
+    SIGTERM into SystemExit) unwinds only once the child it started is in hand to be stopped,
+    never from inside ``subprocess.Popen`` with the child running and no handle. Only in the main
+    thread, which runs Python's signal handlers, and only over handlers set from Python."""
+    stops = (signal.SIGTERM, signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or any(signal.getsignal(s) is None for s in stops):
+        yield
+        return
+    noted: list[int] = []
+    before = {stop: signal.signal(stop, lambda signum, _frame: noted.append(signum)) for stop in stops}
+    try:
+        yield
+    finally:
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
+        if noted:
+            signal.raise_signal(noted[0])
+
+
 class ChildProcess:
     """One command, started again after each kill; output appended to ``log_path``.
 
@@ -218,7 +241,7 @@ class ChildProcess:
     def start(self) -> Self:
         if self.running:
             raise RuntimeError(f"{self.argv[2:]} is running already (pid {self.pid})")
-        with self.log_path.open("ab") as out:
+        with self.log_path.open("ab") as out, _stop_signals_held():
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          env=self.env, preexec_fn=self.preexec_fn)  # noqa: PLW1509 - no locks taken
         return self
@@ -241,12 +264,17 @@ class ChildProcess:
         """Return once the started child is ``ready``; else stop it and raise.
 
         ChildExitedError if the child ends first; RuntimeError if ``ready`` does not hold
-        within ``timeout`` seconds. Both name ``name``, what was awaited and the log.
+        within ``timeout`` seconds. Both name ``name``, what was awaited and the log. Any other
+        exception while waiting (a signal's SystemExit, KeyboardInterrupt) stops the child first:
+        the caller, which never got this handle back, could not.
         """
         try:
             became_ready = self.wait_until(ready, timeout)
         except ChildExitedError as exc:
             raise ChildExitedError(f"{name} exited with status {self.exit_status}; see {self.log_path}") from exc
+        except BaseException:  # SIGTERM's SystemExit, Ctrl-C, ... while it got ready: the child goes too
+            self.stop()
+            raise
         if not became_ready:
             self.stop()
             raise RuntimeError(f"{name} did not {waiting_for} within {timeout:g} s; see {self.log_path}")
