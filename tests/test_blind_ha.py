@@ -609,3 +609,54 @@ def test_a_sigterm_while_fleet_ha_starts_etcd_leaves_no_etcd_running(tmp_path: P
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     assert left == [], f"processes the harness started outlived it: {named}"
+
+
+@pytest.mark.slow
+def test_an_old_async_primary_whose_last_batches_never_reached_the_new_one_rejoins_by_snapshot(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Start a pair: "The old primary comes back as a backup ... It finds the lease taken, follows the new primary
+    and is caught up (a snapshot when its last batches never reached the new primary, as after a kill in async
+    mode)"; async mode, "Primary SIGKILLed": "the batches the backup had not applied yet are lost"; Protocol:
+    otherwise *snapshot*, "with the reason (... history diverged: a former primary whose last batches never
+    reached the new one ...)". Here with fixed roles: the old primary is started again as the new one's
+    backup; its store ends as the new primary's, without the publishes only it had."""
+    primary = start(node(broker_factory, "p", role="primary", mode="async"), SERVING)
+    host, port = address(primary).rsplit(":", 1)
+    channel = TcpRelay(host, int(port))  # the replication channel, which a cut turns into a blackhole
+    channel.start()
+    try:
+        backup = start(node(broker_factory, "b", role="backup", primary=channel.address), BACKUP)
+        wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+        device = clients(primary.port, "device")
+        device.subscribe("t/#", 1)
+        device.disconnect()
+        publisher = clients(primary.port, "publisher", clean_session=True)
+        publisher.publish("t/a", [b"on both"])
+        head = wait_status(primary, lambda s: [b["lag_batches"] for b in s["backups"]] == [0])["batch"]
+        wait_status(backup, lambda s: s["batch"] >= head)
+        channel.cut()  # from now on nothing reaches the backup
+        publisher.publish("t/a", [b"only on the old primary"])  # async: acknowledged at the local commit
+        primary.kill()
+    finally:
+        channel.stop()
+    promoted = run_cli("promote", address(backup))
+    assert promoted.returncode == 0, promoted.stderr
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
+    clients(backup.port, "publisher-2", clean_session=True).publish("t/a", [b"on the new primary"])
+
+    primary.settings["replication"] = {**primary.settings["replication"], "role": "backup", "primary": address(backup)}
+    start(primary, BACKUP)  # the old primary, now the new one's backup
+    wait_status(backup, lambda s: [(b["name"], b["state"]) for b in s["backups"]] == [("p", "in_sync")])
+    assert "backup p (" in backup.log() and "its history diverged" in backup.log(), backup.log()
+    assert "): snapshot at batch " in backup.log(), backup.log()
+    head = wait_status(backup, lambda s: s["backups"][0]["lag_batches"] == 0)["batch"]
+    wait_status(primary, lambda s: s["caught_up"] and s["batch"] >= head)
+
+    backup.kill()  # the old primary, promoted again, serves what the new one had: not its lost publish
+    promoted = run_cli("promote", address(primary))
+    assert promoted.returncode == 0, promoted.stderr
+    assert primary.wait_until(lambda: connack_code(primary.port) == SERVING, WAIT), primary.log()
+    again = clients(primary.port, "device")
+    assert again.wait_for(lambda got: len(got) >= 2), [m.payload for m in again.messages]
+    assert [m.payload for m in again.messages] == [b"on both", b"on the new primary"]
