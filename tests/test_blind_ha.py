@@ -660,3 +660,23 @@ def test_an_old_async_primary_whose_last_batches_never_reached_the_new_one_rejoi
     again = clients(primary.port, "device")
     assert again.wait_for(lambda got: len(got) >= 2), [m.payload for m in again.messages]
     assert [m.payload for m in again.messages] == [b"on both", b"on the new primary"]
+
+
+def test_backups_reach_the_leader_at_its_advertised_address(broker_factory: Callable[..., Broker], etcd: Any) -> None:
+    """Settings, ``advertise``: "host:port backups use to reach `listen`, if it differs (published in the
+    leader key)". The primary's ``advertise`` is a relay to its ``listen``: its backup's channel goes
+    through the relay."""
+    ha = {"coordinator": [etcd.url], **HA_TIMING}
+    first = node(broker_factory, "a", **ha)
+    host, port = address(first).rsplit(":", 1)
+    relay = TcpRelay(host, int(port))
+    relay.start()
+    try:
+        first.settings["replication"]["advertise"] = relay.address
+        start(first, SERVING)
+        second = start(node(broker_factory, "b", **ha), BACKUP)
+        wait_status(first, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+        assert wait_status(second, lambda s: s["caught_up"])["primary"] == relay.address
+        assert relay.cut() >= 1  # the backup's channel is one of the relay's connections
+    finally:
+        relay.stop()
