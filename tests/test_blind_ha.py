@@ -680,3 +680,25 @@ def test_backups_reach_the_leader_at_its_advertised_address(broker_factory: Call
         assert relay.cut() >= 1  # the backup's channel is one of the relay's connections
     finally:
         relay.stop()
+
+
+@pytest.mark.slow
+def test_a_clean_stop_of_an_async_primary_names_a_backup_slower_than_ack_timeout(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Role changes, "Clean stop of a primary (SIGTERM ...): ... the broker waits, at most `ack_timeout`,
+    until every in-sync backup acknowledged all batches ... In async mode a clean stop therefore loses
+    nothing acknowledged (a backup slower than `ack_timeout` is named in a WARNING)"."""
+    primary, backup = static_pair(broker_factory, mode="async", ack_timeout=2)
+    device = clients(primary.port, "device")
+    device.subscribe("t/#", 1)
+    device.disconnect()
+    with backup.paused():
+        clients(primary.port, "publisher", clean_session=True).publish("t/a", [b"acknowledged, not shipped"])
+        stopping = time.monotonic()
+        primary.terminate()
+        assert primary.wait_stopped(time.monotonic() + FAILOVER_WAIT), primary.log()
+    took = time.monotonic() - stopping
+    warned = [line for line in primary.log().splitlines() if "short of batch" in line]
+    assert len(warned) == 1 and " WARNING " in warned[0] and "backup(s) b " in warned[0], primary.log()
+    assert 2.0 <= took < 2.0 + WAIT, took  # it waited ack_timeout for the backup, not for ever
