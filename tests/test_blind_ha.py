@@ -101,7 +101,7 @@ def test_a_durable_subscriber_gets_a_publish_in_sync_mode_only_once_the_backup_s
     the PUBACK nor the durable delivery comes until ``ack_timeout`` drops the backup; in async mode
     both come at once. (The table said "A message reaches subscribers after the same confirmation"
     of every subscriber: a clean-session one got it at once.)"""
-    primary, backup = static_pair(broker_factory, mode=mode, ack_timeout=3)
+    primary, backup = static_pair(broker_factory, mode=mode, ack_timeout=2)
     durable = clients(primary.port, "device")
     clean = clients(primary.port, "watcher", clean_session=True)
     for subscriber in (durable, clean):
@@ -118,7 +118,7 @@ def test_a_durable_subscriber_gets_a_publish_in_sync_mode_only_once_the_backup_s
             sent.wait_for_publish(WAIT)
             assert sent.is_published()
         else:
-            # Within 1 s of the publish (ack_timeout is 3 s): neither the durable delivery nor the PUBACK.
+            # Within 1 s of the publish (ack_timeout is 2 s): neither the durable delivery nor the PUBACK.
             assert len(durable.wait_messages(2, timeout=1.0)) == 1, "delivered before the backup stored it"
             assert not sent.is_published()
             sent.wait_for_publish(WAIT)  # ack_timeout later the primary goes on without the backup
