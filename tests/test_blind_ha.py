@@ -89,41 +89,46 @@ def test_a_replication_address_in_use_at_start_stops_the_broker_naming_it(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize(("mode", "qos"), [("sync", 1), ("sync", 2), ("async", 1), ("async", 2)])
 def test_a_durable_subscriber_gets_a_publish_in_sync_mode_only_once_the_backup_stored_it_in_async_at_once(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], mode: str
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], mode: str, qos: int
 ) -> None:
     """What each mode guarantees, "A message reaches subscribers": sync, "a durable session: after the
     same confirmation, so nothing is delivered to it that a failover could take back; a clean-session
-    subscriber: as it is routed"; async, "a durable session: after the local commit". Limits: "A
-    clean-session subscriber ... gets a publish as it is routed, without waiting for the local commit
-    nor, in sync mode, for the backups' confirmation". The backup is SIGSTOPped: in sync mode neither
-    the PUBACK nor the durable delivery comes until ``ack_timeout`` drops the backup; in async mode
-    both come at once. (The table said "A message reaches subscribers after the same confirmation"
-    of every subscriber: a clean-session one got it at once.)"""
-    primary, backup = static_pair(broker_factory, mode=mode, ack_timeout=2)
+    subscriber: a QoS 0 or 1 publish as it is routed, a QoS 2 one after its PUBREL, which follows the
+    PUBREC that the confirmation holds back"; async, "a durable session: after the local commit". The
+    backup is SIGSTOPped. Sync (ack_timeout 2 s): neither the PUBACK/PUBCOMP nor the durable delivery
+    (nor, for QoS 2, the clean one) arrives before ack_timeout drops the backup (load can delay them,
+    never make them early); a QoS 1 publish reaches the clean subscriber before its PUBACK. Async
+    (ack_timeout 30 s, longer than any wait here): all of them arrive while the backup sleeps."""
+    ack_timeout = 2 if mode == "sync" else 30
+    primary, backup = static_pair(broker_factory, mode=mode, ack_timeout=ack_timeout)
     durable = clients(primary.port, "device")
     clean = clients(primary.port, "watcher", clean_session=True)
     for subscriber in (durable, clean):
         subscriber.subscribe("t/#", 1)
     publisher = clients(primary.port, "publisher", clean_session=True)
-    publisher.publish("t/before", [b"both stored it"])
+    publisher.publish("t/before", [b"both stored it"], qos=qos)
     for subscriber in (durable, clean):
         assert [m.payload for m in subscriber.wait_messages(1)] == [b"both stored it"]
+    acked: list[float] = []  # when the PUBACK (QoS 2: the PUBCOMP) arrived, in paho's network thread
+    publisher.paho.on_publish = lambda *_: acked.append(time.monotonic())
     with backup.paused():
-        sent = publisher.paho.publish("t/during", b"while the backup sleeps", qos=1)
-        assert clean.wait_messages(2)[-1].payload == b"while the backup sleeps"  # as it is routed
-        if mode == "async":
-            assert durable.wait_messages(2)[-1].payload == b"while the backup sleeps"
-            sent.wait_for_publish(WAIT)
-            assert sent.is_published()
-        else:
-            # Within 1 s of the publish (ack_timeout is 2 s): neither the durable delivery nor the PUBACK.
-            assert len(durable.wait_messages(2, timeout=1.0)) == 1, "delivered before the backup stored it"
-            assert not sent.is_published()
-            sent.wait_for_publish(WAIT)  # ack_timeout later the primary goes on without the backup
-            assert sent.is_published()
-            assert durable.wait_messages(2)[-1].payload == b"while the backup sleeps"
+        t_pub = time.monotonic()
+        sent = publisher.paho.publish("t/during", b"while the backup sleeps", qos=qos)
+        sent.wait_for_publish(ack_timeout + WAIT)
+        assert sent.is_published()
+        got = {name: who.wait_messages(2)[-1] for name, who in (("durable", durable), ("clean", clean))}
+    assert [m.payload for m in got.values()] == [b"while the backup sleeps"] * 2
+    arrived = {"PUBACK": acked[-1], **{name: m.timestamp for name, m in got.items()}}  # paho's monotonic stamps
+    after = {name: round(at - t_pub, 3) for name, at in arrived.items()}
+    if mode == "async":
+        assert all(took < ack_timeout for took in after.values()), after  # nobody waited for the backup
+        return
+    held = ["PUBACK", "durable"] + (["clean"] if qos == 2 else [])
+    assert all(after[name] >= ack_timeout - 0.1 for name in held), after
+    if qos == 1:
+        assert arrived["clean"] < arrived["PUBACK"], after  # as it is routed
 
 
 def test_a_fixed_role_backup_waits_for_the_operator_and_then_resends_what_was_in_flight_with_dup(
