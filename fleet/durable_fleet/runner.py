@@ -250,7 +250,8 @@ class FleetRun:
                 raise FleetError("--ha starts a replicated pair from a broker.yaml (--config), not --port")
             return self.o.port
         if self.o.ha:
-            self.pair = HaPair(self.o.config, self.out, metrics_interval=SAMPLE_INTERVAL).start()
+            self.pair = HaPair(self.o.config, self.out, metrics_interval=SAMPLE_INTERVAL)
+            self.pair.start()  # kept first: a signal during the start still finds it to stop
             return 0  # no fixed broker port: the proxies route to the primary
         port = free_port()
         config = local_config(self.o.config, port, store=str(self.out / "store"), metrics_interval=SAMPLE_INTERVAL)

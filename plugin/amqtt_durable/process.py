@@ -371,9 +371,9 @@ class BrokerProcess(ChildProcess):
 
 def _parent_death_signal() -> Callable[[], None] | None:
     """A ``preexec_fn`` that has the kernel send the child SIGTERM when the thread that started it
-    ends (Linux's ``prctl(PR_SET_PDEATHSIG)``; a parent already gone by then: SIGTERM at once);
+    ends (Linux's ``prctl(PR_SET_PDEATHSIG)``);
     None where there is no such call. libc is loaded here, in the parent, so the child after
-    ``fork`` only calls it."""
+    ``fork`` only calls it. The child ends there instead when the parent is already gone."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -383,9 +383,12 @@ def _parent_death_signal() -> Callable[[], None] | None:
     parent = os.getpid()
 
     def ask() -> None:
+        # The child still runs the parent's Python handlers until exec: a SIGTERM to one of them (a
+        # noting or exiting handler) would only set a flag and the exec would go on.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before the call: no signal will come
-            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(1)
 
     return ask
 

@@ -27,6 +27,7 @@ from amqtt_durable.process import (
     ChildProcess,
     EtcdProcess,
     PortCursor,
+    _parent_death_signal,
     bindable,
     ephemeral_ports,
     free_port,
@@ -188,9 +189,31 @@ def test_an_etcd_stops_by_itself_when_the_process_that_started_it_is_sigkilled(t
         harness.wait(10.0)
     try:
         readable, _, _ = select.select([ended], [], [], 10.0)
+        if not readable:
+            signal.pidfd_send_signal(ended, signal.SIGKILL)  # the test failed: end the etcd it left
         assert readable, f"etcd (pid {pid}) outlived the SIGKILLed process that started it by 10 s"
     finally:
         os.close(ended)
+
+
+def test_a_child_whose_parent_died_before_it_asked_for_the_parent_death_signal_never_execs() -> None:
+    """The parent-death request in the child runs before exec, under the parent's Python handlers:
+    a SIGTERM the child sends itself there would only set their flag and the program would run on,
+    orphaned. Here the parent counts as gone (the recorded pid is not the child's parent); a
+    Python SIGTERM handler is set, as the fleet's is."""
+    ask = _parent_death_signal()
+    if ask is None:
+        pytest.skip("no prctl here")
+    assert ask.__closure__ is not None
+    ask.__closure__[ask.__code__.co_freevars.index("parent")].cell_contents = -1
+    with handlers({signal.SIGTERM: exits}):
+        child = subprocess.Popen(["sleep", "30"], preexec_fn=ask)  # noqa: PLW1509 - the very call under test
+    try:
+        assert child.wait(10.0) == 1, "the child ran its program although its parent counted as gone"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10.0)
 
 
 def free_pair() -> range:
