@@ -157,7 +157,8 @@ class HaPair:
 
     def _start(self) -> None:
         try:
-            self.etcd = EtcdProcess(self.out / "etcd").start()
+            self.etcd = EtcdProcess(self.out / "etcd")  # kept before it starts: stop() ends it, whatever comes
+            self.etcd.start()
         except RuntimeError as exc:
             raise FleetError(f"--ha: {exc}") from exc
         for name in NAMES:

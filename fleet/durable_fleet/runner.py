@@ -250,7 +250,8 @@ class FleetRun:
                 raise FleetError("--ha starts a replicated pair from a broker.yaml (--config), not --port")
             return self.o.port
         if self.o.ha:
-            self.pair = HaPair(self.o.config, self.out, metrics_interval=SAMPLE_INTERVAL).start()
+            self.pair = HaPair(self.o.config, self.out, metrics_interval=SAMPLE_INTERVAL)
+            self.pair.start()  # kept first: a signal during the start still finds it to stop
             return 0  # no fixed broker port: the proxies route to the primary
         port = free_port()
         config = local_config(self.o.config, port, store=str(self.out / "store"), metrics_interval=SAMPLE_INTERVAL)
@@ -462,9 +463,6 @@ class FleetRun:
         tail = DeliveryTail(
             self.out / "logs", {name: (command_topic(name), BROADCAST_TOPIC) for name in self.names}, time.time()
         )
-        broker_port = self._start_broker()
-        upstream = self.pair.router if self.pair is not None else None
-        self.proxy = FaultProxy(self.broker_host, broker_port, upstream=upstream)
         depth: _QueueDepth | None = None
         errors: list[BaseException] = []
         stop = threading.Event()
@@ -473,7 +471,10 @@ class FleetRun:
             threading.Thread(target=self._drive_faults, args=(stop, errors, kinds), name=name, daemon=True)
             for name, kinds in (("fleet-faults", link_kinds), ("fleet-broker-faults", BROKER_FAULTS))
         ]
-        try:
+        try:  # a SIGTERM while the broker (or the pair) starts still stops what was started
+            broker_port = self._start_broker()
+            upstream = self.pair.router if self.pair is not None else None
+            self.proxy = FaultProxy(self.broker_host, broker_port, upstream=upstream)
             proxy_port = self.proxy.start()
             publish_port = broker_port
             if upstream is not None:

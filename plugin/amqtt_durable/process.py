@@ -8,6 +8,8 @@ Only processes started here are ever signalled, by their own PID; every wait has
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -20,7 +22,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -46,6 +48,8 @@ expect them (etcd's 2379, Spark's 4040, 8080, ...)."""
 EPHEMERAL_FALLBACK = (32768, 65535)
 """The ephemeral range assumed where the kernel's cannot be read: Linux's default (32768-60999)
 and IANA's (49152-65535, BSD, macOS, Windows) both lie in it."""
+PR_SET_PDEATHSIG = 1
+"""Linux's prctl option: the signal the kernel sends a process when the thread that started it ends."""
 MIN_POOL = 1024
 """Fewer ports than this outside the ephemeral range, and ``port_pool`` gives up avoiding it."""
 
@@ -183,6 +187,35 @@ class ChildExitedError(RuntimeError):
     """The child ended while we waited for it to become ready: its log says why."""
 
 
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT noted, not acted on, for the block (the spawn of a child and the keeping
+    of its handle on its ``ChildProcess``), then raised again, each distinct one in the order they
+    came: a harness stopped by one (``amqtt-durable fleet`` turns SIGTERM into SystemExit) never
+    unwinds from inside ``subprocess.Popen`` with the child running and no handle. That helps a
+    caller that holds the ``ChildProcess`` before ``start`` (it can stop the child) and
+    ``BrokerProcess.start``/``EtcdProcess.start`` (they stop it on any exception). Only in the main
+    thread, which runs Python's signal handlers, and only a signal whose handler is neither ignored
+    (SIG_IGN: holding it would swap it for a handler, which ``exec`` resets to the default, and the
+    child would no longer inherit the ignoring) nor set outside Python. Each handler swapped is put
+    back on the way out, whatever happens meanwhile (a signal while they are swapped included)."""
+    noted: list[int] = []
+    try:
+        with contextlib.ExitStack() as restore:
+            if threading.current_thread() is threading.main_thread():
+                for stop in (signal.SIGTERM, signal.SIGINT):
+                    handler = signal.getsignal(stop)
+                    if handler is None or handler == signal.SIG_IGN:
+                        continue
+                    restore.callback(signal.signal, stop, handler)  # put back even if a signal comes now
+                    signal.signal(stop, lambda signum, _frame: noted.append(signum))
+            yield
+    finally:
+        with contextlib.ExitStack() as each:  # every one raised, even if an earlier handler raises
+            for signum in reversed(dict.fromkeys(noted)):
+                each.callback(signal.raise_signal, signum)
+
+
 class ChildProcess:
     """One command, started again after each kill; output appended to ``log_path``.
 
@@ -218,7 +251,7 @@ class ChildProcess:
     def start(self) -> Self:
         if self.running:
             raise RuntimeError(f"{self.argv[2:]} is running already (pid {self.pid})")
-        with self.log_path.open("ab") as out:
+        with self.log_path.open("ab") as out, _stop_signals_held():
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          env=self.env, preexec_fn=self.preexec_fn)  # noqa: PLW1509 - no locks taken
         return self
@@ -241,12 +274,17 @@ class ChildProcess:
         """Return once the started child is ``ready``; else stop it and raise.
 
         ChildExitedError if the child ends first; RuntimeError if ``ready`` does not hold
-        within ``timeout`` seconds. Both name ``name``, what was awaited and the log.
+        within ``timeout`` seconds. Both name ``name``, what was awaited and the log. Any other
+        exception while waiting (a signal's SystemExit, KeyboardInterrupt) stops the child first:
+        the caller, which never got this handle back, could not.
         """
         try:
             became_ready = self.wait_until(ready, timeout)
         except ChildExitedError as exc:
             raise ChildExitedError(f"{name} exited with status {self.exit_status}; see {self.log_path}") from exc
+        except BaseException:  # SIGTERM's SystemExit, Ctrl-C, ... while it got ready: the child goes too
+            self.stop()
+            raise
         if not became_ready:
             self.stop()
             raise RuntimeError(f"{name} did not {waiting_for} within {timeout:g} s; see {self.log_path}")
@@ -316,14 +354,43 @@ class BrokerProcess(ChildProcess):
         return port_open(self.port)
 
     def start(self) -> Self:
-        """Start and return once ready; RuntimeError naming the log if not within ``wait`` seconds."""
-        self.spawn()
-        return self.await_ready("the broker", self.ready, self.wait, f"open {HOST}:{self.port}")
+        """Start and return once ready; RuntimeError naming the log if not within ``wait`` seconds.
+        On any exception (a signal's SystemExit while it spawns included) the broker is stopped first."""
+        try:
+            self.spawn()
+            return self.await_ready("the broker", self.ready, self.wait, f"open {HOST}:{self.port}")
+        except BaseException:
+            self.stop()
+            raise
 
     def restart(self, kill: bool = True) -> Self:
         """SIGKILL (or stop, with ``kill`` False) and start again on the same port and store."""
         self.kill() if kill else self.stop()
         return self.start()
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel send the child SIGTERM when the thread that started it
+    ends (Linux's ``prctl(PR_SET_PDEATHSIG)``);
+    None where there is no such call. libc is loaded here, in the parent, so the child after
+    ``fork`` only calls it. The child ends there instead when the parent is already gone."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def ask() -> None:
+        # The child still runs the parent's Python handlers until exec: a SIGTERM to one of them (a
+        # noting or exiting handler) would only set a flag and the exec would go on.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: no signal will come
+            os._exit(1)
+
+    return ask
 
 
 class EtcdProcess(ChildProcess):
@@ -333,6 +400,9 @@ class EtcdProcess(ChildProcess):
 
     ``start`` returns once the member answers a read through its v3 JSON gateway; RuntimeError
     (naming the remedy or the log) when the binary is missing or the member never gets ready.
+    On Linux the member gets SIGTERM from the kernel when the thread that started it ends (a
+    tool SIGKILLed included), so a tool killed without cleaning up leaves no etcd behind; start
+    it from a thread that lives as long as it should.
     """
 
     ready_wait = 20.0
@@ -360,6 +430,7 @@ class EtcdProcess(ChildProcess):
             ],
             folder / "etcd.log",
             wait=10.0,
+            preexec_fn=_parent_death_signal(),
         )  # fmt: skip
 
     def ready(self) -> bool:
@@ -372,5 +443,11 @@ class EtcdProcess(ChildProcess):
             return False
 
     def start(self) -> Self:
-        super().start()
-        return self.await_ready("etcd", self.ready, self.ready_wait, "become ready")
+        """Start and return once ready; on any exception (a signal's SystemExit while it spawns
+        included) the member is stopped first."""
+        try:
+            super().start()
+            return self.await_ready("etcd", self.ready, self.ready_wait, "become ready")
+        except BaseException:
+            self.stop()
+            raise

@@ -1,12 +1,22 @@
 """ChildProcess.await_ready: the two ways a child fails to come up, with real child processes;
-free_port: its ports outside the kernel's ephemeral range, each parallel test worker's block of
+ChildProcess.start's holding of SIGTERM/SIGINT while it spawns (real signals, sent by the child
+before its exec); EtcdProcess: stopped when its start is interrupted, and ending with the
+process that started it; free_port: its ports outside the kernel's ephemeral range, each parallel test worker's block of
 them, and the cursor that hands them out in turn."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
+import shutil
+import signal
 import socket
+import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 
 import pytest
 
@@ -15,7 +25,9 @@ from amqtt_durable.process import (
     PORT_SLICE_ENV,
     ChildExitedError,
     ChildProcess,
+    EtcdProcess,
     PortCursor,
+    _parent_death_signal,
     bindable,
     ephemeral_ports,
     free_port,
@@ -52,6 +64,156 @@ def test_a_ready_child_is_returned_running(tmp_path: Path) -> None:
         assert child.running
     finally:
         child.stop()
+
+
+@contextlib.contextmanager
+def handlers(new: dict[int, Callable[[int, FrameType | None], object] | signal.Handlers]) -> Iterator[None]:
+    """``new``'s signal handlers for the block, the previous ones back after it."""
+    before = {signum: signal.signal(signum, handler) for signum, handler in new.items()}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def signals_parent(*signums: int) -> Callable[[], None]:
+    """A preexec_fn: the child, between its fork and its exec, sends its parent (us) ``signums``."""
+    return lambda: [os.kill(os.getppid(), signum) for signum in signums] and None
+
+
+def exits(signum: int, _frame: FrameType | None) -> None:
+    sys.exit(f"stopped by signal {signum}")
+
+
+def test_a_stop_signal_during_the_spawn_unwinds_only_once_the_child_is_kept(tmp_path: Path) -> None:
+    """SIGTERM (a handler that exits, as ``amqtt-durable fleet``'s) arrives while Popen waits for the
+    child's exec: start still keeps the running child's handle, then raises SystemExit; the handler
+    is ours again afterwards. (Without the hold, SystemExit unwinds from inside Popen: no handle.)"""
+    sleeper = shutil.which("sleep")
+    assert sleeper is not None
+    child = ChildProcess([sleeper, "60"], tmp_path / "child.log", wait=5.0,
+                         preexec_fn=signals_parent(signal.SIGTERM))
+    with handlers({signal.SIGTERM: exits}):
+        with pytest.raises(SystemExit, match="stopped by signal 15"):
+            child.start()
+        assert signal.getsignal(signal.SIGTERM) is exits
+    try:
+        assert child.proc is not None and child.running
+    finally:
+        if child.pid is not None:
+            os.kill(child.pid, signal.SIGKILL)
+        if child.proc is not None:
+            child.proc.wait(5.0)
+
+
+def test_every_stop_signal_noted_during_the_spawn_is_raised_again(tmp_path: Path) -> None:
+    """SIGTERM and SIGINT both during the spawn: both handlers run afterwards, even though the first
+    one to run raises (each raises SystemExit here)."""
+    seen: list[int] = []
+
+    def note_and_exit(signum: int, _frame: FrameType | None) -> None:
+        seen.append(signum)
+        sys.exit(signum)
+
+    child = python_child(tmp_path, "pass")
+    child.preexec_fn = signals_parent(signal.SIGTERM, signal.SIGINT)
+    with handlers({signal.SIGTERM: note_and_exit, signal.SIGINT: note_and_exit}), pytest.raises(SystemExit):
+        child.start()
+    assert child.proc is not None
+    child.proc.wait(5.0)
+    assert sorted(seen) == [signal.SIGINT, signal.SIGTERM], seen
+
+
+def ignored_signals(pid: int) -> int:
+    """The SigIgn mask of ``pid`` (Linux's /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no SigIgn line for pid {pid}")
+
+
+def test_a_child_inherits_an_ignored_sigint(tmp_path: Path) -> None:
+    """A harness started with SIGINT ignored (``cmd &`` in a script): its children ignore it too;
+    holding the signal over the spawn must not replace SIG_IGN by a handler that exec resets."""
+    sleeper = shutil.which("sleep")
+    assert sleeper is not None
+    child = ChildProcess([sleeper, "60"], tmp_path / "child.log", wait=5.0)
+    with handlers({signal.SIGINT: signal.SIG_IGN}):
+        child.start()
+    try:
+        assert child.pid is not None
+        pid = child.pid
+        assert child.wait_until(lambda: os.readlink(f"/proc/{pid}/exe") == os.path.realpath(sleeper), 5.0)
+        assert ignored_signals(pid) & (1 << (signal.SIGINT - 1)), "the child does not ignore SIGINT"
+    finally:
+        child.stop()
+
+
+def test_an_etcd_whose_start_is_interrupted_by_a_stop_signal_is_stopped(tmp_path: Path) -> None:
+    """``EtcdProcess(folder).start()`` with SIGTERM during its spawn: the caller never gets the
+    object, so start stops the member before SystemExit leaves it."""
+    etcd = EtcdProcess(tmp_path / "etcd")
+    first = etcd.preexec_fn
+
+    def then_signal() -> None:
+        if first is not None:
+            first()
+        os.kill(os.getppid(), signal.SIGTERM)
+
+    etcd.preexec_fn = then_signal
+    with handlers({signal.SIGTERM: exits}), pytest.raises(SystemExit):
+        etcd.start()
+    assert etcd.proc is not None and etcd.proc.poll() is not None, "etcd still runs"
+
+
+def test_an_etcd_stops_by_itself_when_the_process_that_started_it_is_sigkilled(tmp_path: Path) -> None:
+    """docs/fleet.md: "processes whose harness was killed outright notice it within a second and stop
+    by themselves": etcd too (the kernel's parent-death signal)."""
+    code = (
+        "import pathlib, sys, time\n"
+        "from amqtt_durable.process import EtcdProcess\n"
+        f"etcd = EtcdProcess(pathlib.Path({str(tmp_path / 'etcd')!r})).start()\n"
+        "print(etcd.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    harness = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert harness.stdout is not None
+        line = harness.stdout.readline()  # bounded by the test's timeout; empty if the harness failed
+        assert line.strip().isdigit(), f"the harness printed {line!r}"
+        pid = int(line)
+        ended = os.pidfd_open(pid)  # readable once etcd has ended
+    finally:
+        harness.kill()
+        harness.wait(10.0)
+    try:
+        readable, _, _ = select.select([ended], [], [], 10.0)
+        if not readable:
+            signal.pidfd_send_signal(ended, signal.SIGKILL)  # the test failed: end the etcd it left
+        assert readable, f"etcd (pid {pid}) outlived the SIGKILLed process that started it by 10 s"
+    finally:
+        os.close(ended)
+
+
+def test_a_child_whose_parent_died_before_it_asked_for_the_parent_death_signal_never_execs() -> None:
+    """The parent-death request in the child runs before exec, under the parent's Python handlers:
+    a SIGTERM the child sends itself there would only set their flag and the program would run on,
+    orphaned. Here the parent counts as gone (the recorded pid is not the child's parent); a
+    Python SIGTERM handler is set, as the fleet's is."""
+    ask = _parent_death_signal()
+    if ask is None:
+        pytest.skip("no prctl here")
+    assert ask.__closure__ is not None
+    ask.__closure__[ask.__code__.co_freevars.index("parent")].cell_contents = -1
+    with handlers({signal.SIGTERM: exits}):
+        child = subprocess.Popen(["sleep", "30"], preexec_fn=ask)  # noqa: PLW1509 - the very call under test
+    try:
+        assert child.wait(10.0) == 1, "the child ran its program although its parent counted as gone"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10.0)
 
 
 def free_pair() -> range:

@@ -471,7 +471,7 @@ def _check_names(config: ReplicationConfig, bad: Callable[[str, str], ConfigErro
             "replication/backup/<name>/... and of the etcd key members/<name>)",
         )
     if not config.cluster or "/" in config.cluster:
-        raise bad("cluster", f"expected a name without '/', got {config.cluster!r}")
+        raise bad("cluster", f"expected a name, not empty and without '/', got {config.cluster!r}")
 
 
 def _check_roles(config: ReplicationConfig, where: str, bad: Callable[[str, str], ConfigError]) -> None:
