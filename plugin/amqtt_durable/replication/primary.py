@@ -40,6 +40,7 @@ from .auth import AuthError, Session, server_handshake
 from .errors import FrameError, ReplicationError
 from .framing import (
     MAX_PEER_FRAME,
+    NAME_IN_USE,
     Frame,
     Hello,
     Op,
@@ -65,6 +66,9 @@ from its HELLO on, so it is catching up from then until a snapshot starts or it 
 HELLO_TIMEOUT = 10.0
 HIGH_WATER = 4 * 1024 * 1024
 """Bytes buffered towards a backup before the sender waits for the socket to drain."""
+NAME_LOG_EVERY = 60.0
+"""Seconds between two ERROR lines about refusals of one name (a refused backup retries every
+few seconds: the refusals in between are counted in the next line)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -74,6 +78,8 @@ class BackupLink:
     name: str
     peer: str
     state: LinkState = "catching_up"
+    instance: int = 0
+    """The backup's broker process (its HELLO; 0: an earlier version's, which does not say)."""
     sent_seq: int = 0
     acked_seq: int = 0
     acks: int = 0
@@ -152,6 +158,8 @@ class Primary:
         ones that may be promoted; acknowledgements wait for each of them."""
         self._last_acked: dict[str, int] = {}
         self._publishing: asyncio.Task[None] | None = None
+        self._name_refusals: dict[str, tuple[float, int]] = {}
+        """Per refused name: when its last ERROR line was logged, and the refusals since."""
         self.secret = secret
         """replication.secret: every peer must pass the handshake of auth.py first."""
         self.handshake_timeout = handshake_timeout
@@ -425,10 +433,10 @@ class Primary:
                 writer.write(link.session.encode(kind, json.dumps(self.on_admin(kind)).encode()))
                 await writer.drain()
                 return  # a tool's question, not a backup
-            if kind != Frame.HELLO:
-                raise FrameError("HELLO", f"first frame is {kind.name}")
-            hello = Hello.decode(payload)
-            link.name = hello.name
+            hello = self._hello(link, kind, payload)
+            if hello is None:
+                ended = ""  # refused for its name, and logged so
+                return
             self.links[key] = link
             acks = asyncio.get_running_loop().create_task(self._read_acks(reader, link))
             sender = asyncio.get_running_loop().create_task(self._send(writer, link, hello))
@@ -454,7 +462,64 @@ class Primary:
             self._serving.discard(task)
             self._resolve()
             self._progressed()  # a backup gone is no longer waited for
-        self._changed(link, ended)
+        if ended:
+            self._changed(link, ended)
+
+    def _hello(self, link: BackupLink, kind: Frame, payload: bytes) -> Hello | None:
+        """A backup's HELLO, its name and instance given to ``link``; None when refused for its name."""
+        if kind != Frame.HELLO:
+            raise FrameError("HELLO", f"first frame is {kind.name}")
+        hello = Hello.decode(payload)
+        link.name, link.instance = hello.name, hello.instance
+        return hello if self._take_name(link) else None
+
+    def _take_name(self, link: BackupLink) -> bool:
+        """Whether ``link`` (its HELLO read) may serve under its name. A name is one backup's:
+        another connection under it from the same broker process (the same ``instance``: that
+        backup reconnected before this primary saw its old connection end, a half-dead TCP
+        connection) is closed and replaced by ``link``; one from another process (another
+        broker given the same name, or an earlier version's backup, which does not say) keeps
+        the name, and ``link`` is refused with an ERROR frame saying why (the backup retries)."""
+        for key, other in list(self.links.items()):
+            if other.name != link.name:
+                continue
+            if link.instance and other.instance == link.instance:
+                self.links.pop(key)
+                self.log.pin(other, None)
+                self._changed(other, f"replaced by its new connection from {link.peer} (the same broker reconnected)")
+                if other.writer is not None:
+                    other.writer.transport.abort()
+                self._resolve()
+                continue
+            why = (
+                f"backup name {link.name} {NAME_IN_USE} {other.peer} (this connection: {link.peer}); "
+                "give each backup its own replication.name"
+            )
+            assert link.writer is not None
+            link.writer.write(link.session.encode(Frame.ERROR, why.encode("utf-8")))
+            self._name_refused(link, other)
+            return False
+        return True
+
+    def _name_refused(self, link: BackupLink, holder: BackupLink) -> None:
+        """An ERROR line naming the name and both addresses: the first refusal of a name, then at
+        most one every NAME_LOG_EVERY seconds while its refusals go on, with their count."""
+        now = time.monotonic()
+        logged, since = self._name_refusals.get(link.name, (-NAME_LOG_EVERY, 0))
+        if now - logged < NAME_LOG_EVERY:
+            self._name_refusals[link.name] = (logged, since + 1)
+            return
+        self._name_refusals[link.name] = (now, 0)
+        log.error(
+            "replication: refused backup name %s from %s: the name %s %s, another broker process; names "
+            "must be unique in the cluster: give one of them another replication.name (it retries; refusals "
+            "of this name are logged at most once a minute%s)",
+            link.name,
+            link.peer,
+            NAME_IN_USE,
+            holder.peer,
+            f", {since} more since the last line" if since else "",
+        )
 
     async def _first_frame(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str

@@ -1,0 +1,149 @@
+"""Two backups under one replication.name (a broker-c.yaml copied from broker-b.yaml, its name left
+as it was), as real broker processes on one primary: the second is refused, says why, and joins
+once the name is free; the sync acknowledgement never counts one of them for both."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from replication_helpers import HOST, bounded, new_backup, started_primary
+from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, status, wait_status
+
+from amqtt_durable.process import free_port
+from amqtt_durable.replication.framing import NAME_IN_USE, Frame, Hello, encode_frame, read_frame
+from conftest import WAIT, Broker, Client, run_cli
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def refused_twin(first: Broker, second: Broker) -> None:
+    """``second`` (the later broker under ``first``'s name) was refused by the primary, and says so."""
+    assert second.wait_until(lambda: "ERROR" in second.log() and "is in use" in second.log(), WAIT), second.log()
+
+
+def test_a_second_backup_under_a_connected_name_is_refused_and_joins_once_the_name_is_free(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    primary = start(node(broker_factory, "p", role="primary"), SERVING)
+    first = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    [row] = wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])["backups"]
+    first_peer = row["peer"]
+    twin = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    refused_twin(first, twin)
+
+    log = primary.log()
+    named = [line for line in log.splitlines() if "ERROR" in line and "backup name b" in line]
+    assert named, log
+    assert first_peer in named[0] and "refused" in named[0]
+    rows = wait_status(primary, lambda s: len(s["backups"]) == 1)["backups"]
+    assert [(row["name"], row["state"]) for row in rows] == [("b", "in_sync")]
+    assert status(twin)["state"] == "disconnected" and not status(twin)["caught_up"]
+    assert "disconnected" not in [line for line in log.splitlines() if "backup b" in line][-1]
+
+    first.stop()  # the name is free: the twin, retrying, joins
+    wait_status(twin, lambda s: s["caught_up"])
+    rows = wait_status(primary, lambda s: [r["state"] for r in s["backups"]] == ["in_sync"])["backups"]
+    assert rows[0]["peer"] != first_peer
+
+
+def test_sync_acknowledgement_waits_for_the_backup_under_the_name_not_its_twin(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """With a coordinator in sync mode the primary's synchronous set is of names: two backups under
+    one name were one entry, and a publish was acknowledged once either of them had it."""
+    ha = {"coordinator": [etcd.url], **HA_TIMING, "ack_timeout": 60}
+    primary = start(node(broker_factory, "a", **ha), SERVING)
+    first = start(node(broker_factory, "b", **ha), BACKUP)
+    wait_status(first, lambda s: s["caught_up"])
+    twin = start(node(broker_factory, "b", **ha), BACKUP)
+    assert twin.wait_until(
+        lambda: "is in use" in twin.log() or len((status(primary) or {}).get("backups", [])) == 2, WAIT
+    ), twin.log()
+    subscriber = Client(primary.port, "device")  # a durable session: each publish to it is stored
+    subscriber.subscribe("t/#", 1)
+    subscriber.disconnect()
+    publisher = Client(primary.port, "publisher", clean_session=True)
+    try:
+        with first.paused():  # the backup that connected first under "b" confirms nothing
+            info = publisher.paho.publish("t/x", b"stored on two machines?", qos=1)
+            acked = threading.Event()
+            info_waiter = threading.Thread(target=lambda: (info.wait_for_publish(10), acked.set()), daemon=True)
+            info_waiter.start()
+            assert not acked.wait(5), "PUBACK while the backup b that was in sync first had not confirmed"
+        assert acked.wait(WAIT) and info.is_published()
+    finally:
+        publisher.disconnect()
+
+
+def test_two_unnamed_backups_are_one_name_backup_and_the_second_is_refused(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """docs/replication.md, `name`: a backup without one is `backup`; a second one is refused as a
+    second backup under any connected name is."""
+    primary = start(node(broker_factory, "p", role="primary"), SERVING)
+
+    def unnamed() -> Broker:  # node()'s broker without replication.name
+        replication = {"listen": f"{HOST}:{free_port()}", "role": "backup", "primary": address(primary)}
+        return broker_factory(start=False, name="u", replication=replication)
+
+    first = start(unnamed(), BACKUP)
+    rows = wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])["backups"]
+    assert rows[0]["name"] == "backup"
+    second = start(unnamed(), BACKUP)
+    refused_twin(first, second)
+    assert "refused backup name backup from" in primary.log()
+    shown = run_cli("inspect", "--replication", address(second))
+    assert shown.returncode == 0 and "is in use by the backup connected from" in shown.stdout, shown
+    assert [row["name"] for row in status(primary)["backups"]] == ["backup"]
+
+
+async def hello(port: int, name: str, instance: int) -> tuple[asyncio.StreamWriter, Frame, bytes]:
+    """A backup's connection as a HELLO from ``name``/``instance`` at batch 0; the primary's first answer."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    writer.write(encode_frame(Frame.HELLO, Hello(0, 0, 0, name, instance=instance).encode()))
+    kind, payload = await bounded(read_frame(reader))
+    return writer, kind, payload
+
+
+def test_a_reconnect_of_the_same_backup_replaces_its_old_connection_another_instance_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backup whose old connection the primary has not seen end (half-dead TCP) reconnects: the
+    same broker process (its HELLO's instance) takes the name over at once, never locked out; a
+    HELLO under that name from another process gets an ERROR frame, logged once a minute."""
+
+    async def scenario() -> None:
+        primary = await started_primary(tmp_path / "p")
+        backup = new_backup(tmp_path, "b")
+        old = asyncio.create_task(backup.run(HOST, primary.port))  # one connection, not retried
+        await bounded(backup.in_sync_event.wait())
+        [row] = primary.status()
+        for _ in range(2):
+            writer, kind, payload = await hello(primary.port, "b", backup.instance + 1)
+            assert kind == Frame.ERROR and NAME_IN_USE in payload.decode(), payload
+            assert f"{NAME_IN_USE} {row['peer']}" in payload.decode()
+            writer.close()
+        assert [r["peer"] for r in primary.status()] == [row["peer"]] and not old.done()
+
+        writer, kind, _ = await hello(primary.port, "b", backup.instance)
+        assert kind == Frame.SNAP_BEGIN  # store 0 at batch 0: served, not refused
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await bounded(old)  # the old connection was closed by the primary
+        [again] = primary.status()
+        assert again["name"] == "b" and again["peer"] != row["peer"]
+        writer.close()
+        await primary.close()
+        backup.db.close()
+        primary.db.close()
+
+    with caplog.at_level(logging.INFO, logger="amqtt_durable.replication"):
+        asyncio.run(scenario())
+    refusals = [r for r in caplog.records if r.levelno == logging.ERROR and "refused backup name b" in r.message]
+    assert len(refusals) == 1, [r.message for r in refusals]  # the second within a minute: counted, not logged
+    assert any("replaced by its new connection" in r.message for r in caplog.records)
