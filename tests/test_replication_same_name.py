@@ -16,6 +16,9 @@ from replication_helpers import HOST, bounded, new_backup, started_primary
 from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, status, wait_status
 
 from amqtt_durable.process import free_port
+from amqtt_durable.replication.coordinator import Member
+from amqtt_durable.replication.errors import MemberNameTakenError
+from amqtt_durable.replication.etcd import EtcdCoordinator
 from amqtt_durable.replication.framing import NAME_IN_USE, Frame, Hello, encode_frame, read_frame
 from conftest import WAIT, Broker, Client, run_cli
 
@@ -62,9 +65,10 @@ def test_sync_acknowledgement_waits_for_the_backup_under_the_name_not_its_twin(
     first = start(node(broker_factory, "b", **ha), BACKUP)
     wait_status(first, lambda s: s["caught_up"])
     twin = start(node(broker_factory, "b", **ha), BACKUP)
-    assert twin.wait_until(
-        lambda: "is in use" in twin.log() or len((status(primary) or {}).get("backups", [])) == 2, WAIT
-    ), twin.log()
+    clash = "another broker publishes its position under this node's name, b, at " + address(first)
+    assert twin.wait_until(lambda: clash in twin.log() or len((status(primary) or {}).get("backups", [])) == 2, WAIT), (
+        twin.log()
+    )
     subscriber = Client(primary.port, "device")  # a durable session: each publish to it is stored
     subscriber.subscribe("t/#", 1)
     subscriber.disconnect()
@@ -79,6 +83,36 @@ def test_sync_acknowledgement_waits_for_the_backup_under_the_name_not_its_twin(
         assert acked.wait(WAIT) and info.is_published()
     finally:
         publisher.disconnect()
+    assert [(row["name"], row["state"]) for row in status(primary)["backups"]] == [("b", "in_sync")]
+    assert next(line for line in twin.log().splitlines() if clash in line).split()[2] == "ERROR"
+    first.stop()  # a clean stop withdraws its record: the twin publishes its own, follows and catches up
+    wait_status(twin, lambda s: s["caught_up"])
+    assert [m["name"] for m in wait_status(primary, lambda s: len(s["members"]) == 2)["members"]] == ["a", "b"]
+
+
+def test_a_members_record_is_one_brokers_under_its_name(etcd: Any) -> None:
+    """members/<name> in etcd: another broker's record under that name (another address) is left as
+    it is and named in MemberNameTakenError; this node's from before it restarted (its address) is
+    taken over at once."""
+
+    async def main() -> None:
+        first, twin, restarted, reader = (
+            EtcdCoordinator([etcd.url], prefix="/amqtt-durable/t/", ttl=5, timeout=1.0) for _ in range(4)
+        )
+        mine = Member("b", "backup", 9, 100, True, "127.0.0.1:7001")
+        await first.publish_member(mine)
+        with pytest.raises(MemberNameTakenError) as taken:
+            await twin.publish_member(Member("b", "backup", 9, 5, False, "127.0.0.1:7002"))
+        assert taken.value.holder == mine and "127.0.0.1:7001" in str(taken.value)
+        await first.publish_member(mine)  # still its own: renewed and rewritten
+        assert await reader.members() == [mine]
+        again = Member("b", "backup", 9, 101, True, "127.0.0.1:7001")
+        await restarted.publish_member(again)  # the same address, a new process: its old record taken over
+        assert await reader.members() == [again]
+        await first.withdraw_member()  # the old process's lease no longer holds the record
+        assert await reader.members() == [again]
+
+    asyncio.run(asyncio.wait_for(main(), 30))
 
 
 def test_two_unnamed_backups_are_one_name_backup_and_the_second_is_refused(

@@ -365,7 +365,8 @@ def test_in_sync_mode_only_a_member_of_the_published_set_takes_over() -> None:
 
 
 def member(name: str, seq: int, *, store_id: int = 7, role: str = "backup", candidate: bool = True) -> Member:
-    return Member(name, role, store_id, seq, candidate)
+    """The record ``name`` publishes (its replication address as three_nodes gives it)."""
+    return Member(name, role, store_id, seq, candidate, f"{name}:7000")
 
 
 def test_only_live_candidates_of_the_same_store_strictly_ahead_hold_a_backup_back() -> None:
@@ -456,7 +457,7 @@ def test_every_member_publishes_its_position_and_role() -> None:
         a.hooks.seq = 6  # type: ignore[attr-defined]
         await a.run_cycle()
         assert sorted(await fake.members(), key=lambda m: m.name) == [
-            Member("a", "primary", 7, 6, False), member("b", 5), member("c", 4),
+            Member("a", "primary", 7, 6, False, "a:7000"), member("b", 5), member("c", 4),
         ]  # fmt: skip
         assert [m.name for m in a.members] == ["a", "b", "c"]
 
