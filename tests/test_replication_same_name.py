@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,16 @@ def test_a_second_backup_under_a_connected_name_is_refused_and_joins_once_the_na
     first = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
     [row] = wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])["backups"]
     first_peer = row["peer"]
+    port = address(primary).rsplit(":", 1)[1]
+    sockets = subprocess.run(
+        ["ss", "-tnoH", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        check=True,
+    ).stdout
+    [line] = [line for line in sockets.splitlines() if first_peer in line]
+    assert "timer:(keepalive," in line, sockets  # a backup's machine lost without a FIN is found dead
     twin = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
     refused_twin(first, twin)
 
