@@ -14,9 +14,11 @@ Keys (under ``prefix``, e.g. ``/amqtt-durable/<cluster>/``)::
     initialize  -> name of the node that bootstrapped the cluster (no lease, never removed)
     sync        -> {"leader": ..., "members": [...]}  the synchronous set, written only by the
                    leader (a transaction comparing the leader key's value), no lease
-    members/<name> -> {"name", "role", "store_id", "batch", "candidate"}  each node's position,
-                   put every cycle under the node's own member lease (TTL ``ttl``, renewed
-                   each cycle): a node that stops cycling drops out by itself
+    members/<name> -> {"name", "role", "store_id", "batch", "candidate", "address"}  each node's
+                   position, put every cycle under the node's own member lease (TTL ``ttl``,
+                   renewed each cycle): a node that stops cycling drops out by itself. Put only
+                   where absent, under the node's own lease, or at its address (its own from
+                   before a restart): another broker's record under the name is left alone
 
 The leader key is created only if absent (a transaction comparing its create_revision to 0,
 Patroni's etcd3 ``attempt_to_acquire_leader``), so two nodes never both hold it.
