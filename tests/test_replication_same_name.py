@@ -39,15 +39,16 @@ def test_a_second_backup_under_a_connected_name_is_refused_and_joins_once_the_na
     [row] = wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])["backups"]
     first_peer = row["peer"]
     port = address(primary).rsplit(":", 1)[1]
-    sockets = subprocess.run(
-        ["ss", "-tnoH", "state", "established", f"( sport = :{port} )"],
-        capture_output=True,
-        text=True,
-        timeout=WAIT,
-        check=True,
-    ).stdout
-    [line] = [line for line in sockets.splitlines() if first_peer in line]
-    assert "timer:(keepalive," in line, sockets  # a backup's machine lost without a FIN is found dead
+
+    def keepalive_timer() -> bool:  # shown while nothing is in flight (a retransmission timer would be)
+        sockets = subprocess.run(
+            ["ss", "-tnoH", "state", "established", f"( sport = :{port} )"],
+            capture_output=True, text=True, timeout=WAIT, check=True,
+        ).stdout  # fmt: skip
+        return any(first_peer in line and "timer:(keepalive," in line for line in sockets.splitlines())
+
+    # A backup whose machine is lost without a FIN is found dead by TCP keepalive.
+    assert primary.wait_until(keepalive_timer, WAIT)
     twin = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
     refused_twin(first, twin)
 
