@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from amqtt_durable.replication.coordinator import Coordinator, Leader, Member
-from amqtt_durable.replication.errors import CoordinatorError
+from amqtt_durable.replication.errors import CoordinatorError, MemberNameTakenError
 from amqtt_durable.replication.ha import Decision, HaNode, ahead_of
 from amqtt_durable.replication.tool import format_status
 
@@ -82,7 +82,11 @@ class FakeCoordinator(Coordinator):
         return self.sync
 
     async def publish_member(self, member: Member) -> None:
+        """As etcd's: a live record under the name at another address is another broker's."""
         await self._reach()
+        held = self.records.get(member.name)
+        if held is not None and self.clock() < held[1] and held[0].address not in ("", member.address):
+            raise MemberNameTakenError(held[0])
         self.records[member.name] = (member, self.clock() + self.ttl)
 
     async def members(self) -> list[Member]:
@@ -584,3 +588,29 @@ def test_a_failed_bootstrap_does_not_let_a_lagging_node_take_over_after_it_follo
         assert ha.role == "backup", "a backup that is not caught up took the lease"
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_node_whose_name_another_broker_publishes_under_waits_with_an_error_and_a_primary_serves_on() -> None:
+    """docs/replication.md, One name, one backup: members/<name> at another address is another
+    broker's; a backup takes no primary to follow and never takes over; a primary keeps its lease."""
+
+    async def main() -> None:
+        clock, fake, _, primary = await a_primary()
+        twin_hooks = Hooks()
+        twin = HaNode(fake, twin_hooks, name="a", address="x:7000", loop_wait=1.0, demote_margin=MARGIN, clock=clock)
+        decision = await twin.run_cycle()
+        assert (decision.action, decision.level) == ("wait", logging.ERROR)
+        assert "another broker publishes its position under this node's name, a, at a:7000" in decision.reason
+        assert twin_hooks.followed == [] and twin_hooks.promoted == 0 and twin.role == "backup"
+
+        other = Member("a", "backup", 7, 0, False, "x:7000")
+        fake.records["a"] = (other, clock() + TTL)  # the twin's record, while the primary's had lapsed
+        assert (await primary.run_cycle()).action == "renewed"  # the lease decides: still primary
+        assert fake.records["a"][0] == other  # left as it was
+
+        clock.now += TTL  # the other record ends: the twin publishes its own, reads the leader key
+        fake.expires = clock() + TTL
+        assert "another broker holds the leader lease under this node's name" in (await twin.run_cycle()).reason
+        assert fake.records["a"][0].address == "x:7000"
+
+    run(main())

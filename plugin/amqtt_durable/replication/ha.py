@@ -179,7 +179,7 @@ class HaNode:
             async with asyncio.timeout(self.loop_wait / 2):
                 await self.coordinator.publish_member(self.record())
                 self.members = await self.coordinator.members()
-        except (CoordinatorError, TimeoutError) as exc:  # MemberNameTakenError too: the leader key decides
+        except (CoordinatorError, MemberNameTakenError, TimeoutError) as exc:  # the leader key decides
             log.debug("replication HA %s: could not publish this node's position: %s", self.me.name, _why(exc))
 
     def _demote(self, why: str, *, unanswered: bool = False) -> Decision:
