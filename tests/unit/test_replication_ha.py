@@ -592,25 +592,36 @@ def test_a_failed_bootstrap_does_not_let_a_lagging_node_take_over_after_it_follo
 
 def test_a_node_whose_name_another_broker_publishes_under_waits_with_an_error_and_a_primary_serves_on() -> None:
     """docs/replication.md, One name, one backup: members/<name> at another address is another
-    broker's; a backup takes no primary to follow and never takes over; a primary keeps its lease."""
+    broker's; a backup takes no primary to follow and never takes over until that record ends; a
+    primary keeps its lease; the leader key under the node's own name is said as before."""
 
     async def main() -> None:
         clock, fake, _, primary = await a_primary()
-        twin_hooks = Hooks()
-        twin = HaNode(fake, twin_hooks, name="a", address="x:7000", loop_wait=1.0, demote_margin=MARGIN, clock=clock)
+        assert (await node(fake, Hooks(), "b").run_cycle()).action == "follow"
+
+        def twin_of(name: str) -> tuple[Hooks, HaNode]:
+            hooks = Hooks()
+            return hooks, HaNode(
+                fake, hooks, name=name, address="x:7000", loop_wait=1.0, demote_margin=MARGIN, clock=clock
+            )
+
+        twin_hooks, twin = twin_of("b")
         decision = await twin.run_cycle()
         assert (decision.action, decision.level) == ("wait", logging.ERROR)
-        assert "another broker publishes its position under this node's name, a, at a:7000" in decision.reason
+        assert "another broker publishes its position under this node's name, b, at b:7000" in decision.reason
         assert twin_hooks.followed == [] and twin_hooks.promoted == 0 and twin.role == "backup"
+        assert fake.records["b"][0].address == "b:7000"  # left as it was
+
+        reason = (await twin_of("a")[1].run_cycle()).reason  # the primary's name: the leader key's check
+        assert reason.startswith("another broker holds the leader lease under this node's name, a, at a:7000")
 
         other = Member("a", "backup", 7, 0, False, "x:7000")
-        fake.records["a"] = (other, clock() + TTL)  # the twin's record, while the primary's had lapsed
+        fake.records["a"] = (other, clock() + TTL)  # another broker's record under the primary's name
         assert (await primary.run_cycle()).action == "renewed"  # the lease decides: still primary
-        assert fake.records["a"][0] == other  # left as it was
+        assert fake.records["a"][0] == other
 
-        clock.now += TTL  # the other record ends: the twin publishes its own, reads the leader key
+        clock.now += TTL  # b's record ends (b stopped): the twin publishes its own and follows a
         fake.expires = clock() + TTL
-        assert "another broker holds the leader lease under this node's name" in (await twin.run_cycle()).reason
-        assert fake.records["a"][0].address == "x:7000"
+        assert (await twin.run_cycle()).action == "follow" and twin_hooks.followed == [Leader("a", "a:7000")]
 
     run(main())

@@ -246,20 +246,26 @@ class HaNode:
                 if not await self.coordinator.acquire(self.me):
                     return Decision("wait", f"{why}, but another node took the lease first")
         except MemberNameTakenError as exc:
-            return self._name_taken(exc.holder)
+            return await self._name_taken(exc.holder)
         except (CoordinatorError, TimeoutError) as exc:
             return Decision("wait", f"the coordinator does not answer ({_why(exc)}): staying a backup", True)
         return await self._promote_with_lease(started, action, why)
 
-    def _name_taken(self, holder: Member) -> Decision:
-        """The coordinator's record under this node's name is another node's: this node neither
-        follows a primary nor takes over until it can publish its own (one name, one member)."""
+    async def _name_taken(self, holder: Member) -> Decision:
+        """The coordinator's record under this node's name is another node's: this node takes no
+        primary to follow and never takes over until it can publish its own (one name, one
+        member). When the leader key holds this node's name, that is said instead (``_follow``)."""
+        with contextlib.suppress(CoordinatorError, TimeoutError):
+            async with asyncio.timeout(self.ttl):
+                leader = await self.coordinator.leader()
+            if leader is not None and leader.name == self.me.name:
+                return self._follow(leader)  # a wait: never follows a leader of its own name
         return Decision(
             "wait",
             f"another broker publishes its position under this node's name, {self.me.name}, at "
             f"{holder.address} (this node is {self.me.address}): names must be unique in the "
-            "cluster, give one of them another replication.name; this node follows no primary and never takes "
-            "over until that record ends",
+            "cluster, give one of them another replication.name; this node takes no primary to follow and never "
+            "takes over until that record ends",
             level=logging.ERROR,
         )
 
