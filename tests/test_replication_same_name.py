@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import socket
 import subprocess
 import threading
 from collections.abc import Callable
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from replication_helpers import HOST, bounded, new_backup, started_primary
+from replication_helpers import HOST, bounded, commit, new_backup, ops_for, started_primary
 from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, status, wait_status
 
 from amqtt_durable.process import free_port
@@ -21,6 +23,7 @@ from amqtt_durable.replication.coordinator import Member
 from amqtt_durable.replication.errors import MemberNameTakenError
 from amqtt_durable.replication.etcd import EtcdCoordinator
 from amqtt_durable.replication.framing import NAME_IN_USE, Frame, Hello, encode_frame, read_frame
+from amqtt_durable.replication.primary import KEEPALIVE, USER_TIMEOUT_MS, BackupLink
 from conftest import WAIT, Broker, Client, run_cli
 
 pytestmark = pytest.mark.timeout(180)
@@ -56,9 +59,13 @@ def test_a_second_backup_under_a_connected_name_is_refused_and_joins_once_the_na
     named = [line for line in log.splitlines() if "ERROR" in line and "backup name b" in line]
     assert named, log
     assert first_peer in named[0] and "refused" in named[0]
+    # docs/replication.md, One name, one backup: the primary's ERROR line as quoted there
+    assert f"the name b is in use by the backup connected from {first_peer}, another broker process" in named[0]
     rows = wait_status(primary, lambda s: len(s["backups"]) == 1)["backups"]
     assert [(row["name"], row["state"]) for row in rows] == [("b", "in_sync")]
-    assert status(twin)["state"] == "disconnected" and not status(twin)["caught_up"]
+    # Between its tries the twin is briefly connecting or catching up: its refusal is what holds.
+    refused = wait_status(twin, lambda s: f"{NAME_IN_USE} {first_peer}" in s.get("refused_by_primary", ""))
+    assert not refused["caught_up"] and refused["state"] != "in_sync"
     assert "disconnected" not in [line for line in log.splitlines() if "backup b" in line][-1]
 
     first.stop()  # the name is free: the twin, retrying, joins
@@ -193,3 +200,55 @@ def test_a_reconnect_of_the_same_backup_replaces_its_old_connection_another_inst
     refusals = [r for r in caplog.records if r.levelno == logging.ERROR and "refused backup name b" in r.message]
     assert len(refusals) == 1, [r.message for r in refusals]  # the second within a minute: counted, not logged
     assert any("replaced by its new connection" in r.message for r in caplog.records)
+
+
+def test_a_backup_that_takes_nothing_is_dropped_by_the_ack_watchdog_and_its_name_is_free(tmp_path: Path) -> None:
+    """A backup in sync that stops reading (its machine lost with batches in flight: keepalive
+    never probes such a connection) is aborted after ack_timeout, not closed (a close waits for a
+    write buffer that never empties), and dropped at once: a backup under its name is served
+    within the bound. Its connection carries TCP keepalive and TCP_USER_TIMEOUT (read back)."""
+
+    async def scenario() -> None:
+        dropped = asyncio.Event()
+
+        def changed(link: BackupLink, what: str) -> None:
+            if what.startswith("no ack for"):
+                dropped.set()
+
+        primary = await started_primary(tmp_path / "p", log_max_bytes=256 << 20, ack_timeout=0.5, on_change=changed)
+        await bounded(commit(primary, ops_for(1)))  # no backup: acknowledged at once
+        head = (primary.store_id, 1, primary.log.crc_of(1) or 0)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few KiB
+        sock.connect((HOST, primary.port))
+        reader, stalled = await asyncio.open_connection(sock=sock)
+        stalled.write(encode_frame(Frame.HELLO, Hello(*head, "b", instance=7).encode()))
+        kind, _ = await bounded(read_frame(reader))
+        assert kind == Frame.IN_SYNC
+        [link] = primary.links.values()
+        served = link.writer.get_extra_info("socket") if link.writer is not None else None
+        assert served is not None
+        assert served.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        options = [
+            served.getsockopt(socket.IPPROTO_TCP, getattr(socket, o))
+            for o in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT")
+        ]
+        assert options == list(KEEPALIVE)
+        assert served.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == USER_TIMEOUT_MS == 25_000
+        for n in range(2, 42):  # 10 MiB the peer never reads: the primary's write buffer stays full
+            commit(primary, [(b"big" + n.to_bytes(8, "big"), secrets.token_bytes(256 * 1024))])
+        assert link.writer is not None and link.writer.transport.get_write_buffer_size() > 0
+        writer, kind, _ = await hello(primary.port, "b", 8)
+        assert kind == Frame.ERROR  # the name is still the stalled backup's
+        writer.close()
+        await bounded(dropped.wait(), 2.0)  # ack_timeout 0.5 s, checked every 0.125 s
+        assert not primary.links  # dropped in the same loop pass, not once its buffer drains
+        writer, kind, _ = await hello(primary.port, "b", 8)
+        assert kind != Frame.ERROR, kind  # the name is free: the replacement is served
+        writer.close()
+        stalled.close()
+        await primary.close()
+        primary.db.close()
+
+    asyncio.run(scenario())
+

@@ -72,6 +72,11 @@ KEEPALIVE = (10, 5, 3)
 backup whose machine or path died without closing its connection (no FIN, no RST) is found
 dead about 25 s after the connection's last traffic, even while no batch is sent, and its name
 is free again for the same backup restarted, or a replacement under that name."""
+USER_TIMEOUT_MS = (KEEPALIVE[0] + KEEPALIVE[1] * KEEPALIVE[2]) * 1000
+"""TCP_USER_TIMEOUT on a backup's connection (milliseconds, keepalive's total): keepalive never
+probes a connection with data in flight (unacknowledged batches, a snapshot, a catch-up), whose
+retransmissions would run for up to about 15 minutes (tcp_retries2); with it the kernel ends such
+a connection once data sent stays unacknowledged this long, and the backup's name is free."""
 NAME_LOG_EVERY = 60.0
 """Seconds between two ERROR lines about refusals of one name (a refused backup retries every
 few seconds: the refusals in between are counted in the next line)."""
@@ -521,11 +526,12 @@ class Primary:
             return
         self._name_refusals[link.name] = (now, 0)
         log.error(
-            "replication: refused backup name %s from %s: the name %s %s, another broker process; names "
+            "replication: refused backup name %s from %s: the name %s %s %s, another broker process; names "
             "must be unique in the cluster: give one of them another replication.name (it retries; refusals "
             "of this name are logged at most once a minute%s)",
             link.name,
             link.peer,
+            link.name,
             NAME_IN_USE,
             holder.peer,
             f", {since} more since the last line" if since else "",
@@ -606,14 +612,20 @@ class Primary:
                     await self._acked_or_beyond(link, snapshot, pos)  # then send what came meanwhile
                     continue
                 if link.state != "in_sync":
-                    writer.write(link.session.encode(Frame.IN_SYNC, encode_seq(pos)))
-                    link.state = "in_sync"
-                    link.in_sync_at = pos
-                    self._last_acked[link.name] = link.acked_seq
-                    link.last_progress = time.monotonic()
-                    self._changed(link, f"in sync at batch {pos}")
-                    self._resolve()
+                    self._in_sync(writer, link, pos)
                 pos = await self._live(writer, link, pos)
+
+    def _in_sync(self, writer: asyncio.StreamWriter, link: BackupLink, pos: int) -> None:
+        """``link`` has every batch up to ``pos``, the newest: IN_SYNC, and counted from now on."""
+        if writer.transport.is_closing():  # aborted (the watchdog): never in sync again
+            raise ConnectionResetError("the connection to the backup was aborted")
+        writer.write(link.session.encode(Frame.IN_SYNC, encode_seq(pos)))
+        link.state = "in_sync"
+        link.in_sync_at = pos
+        self._last_acked[link.name] = link.acked_seq
+        link.last_progress = time.monotonic()
+        self._changed(link, f"in sync at batch {pos}")
+        self._resolve()
 
     async def _live(self, writer: asyncio.StreamWriter, link: BackupLink, pos: int) -> int:
         """An in-sync link sent everything up to ``pos``: drain its socket; then, unless batches
@@ -670,17 +682,22 @@ class Primary:
         return position[0]
 
     async def _watchdog(self) -> None:
-        """Disconnect an in-sync backup silent past ``ack_timeout`` with batches outstanding."""
+        """Disconnect an in-sync backup silent past ``ack_timeout`` with batches outstanding: its
+        connection is aborted (a close would wait for its write buffer to reach a backup that
+        takes nothing) and its link dropped at once, so its name is free for a backup under it."""
         while True:
             await asyncio.sleep(self.ack_timeout / 4)
             now = time.monotonic()
-            for link in list(self.links.values()):
+            for key, link in list(self.links.items()):
                 stalled = link.state == "in_sync" and link.acked_seq < link.sent_seq
                 if stalled and now - link.last_progress > self.ack_timeout and link.writer is not None:
                     self._changed(link, f"no ack for {self.ack_timeout:g} s: disconnected, no longer counted")
                     link.state = "catching_up"
-                    link.writer.close()
+                    self.links.pop(key, None)
+                    self.log.pin(link, None)
+                    link.writer.transport.abort()  # its reader ends, and its sender with it
                     self._resolve()
+                    self._progressed()
 
 
 async def first_frame(
@@ -719,7 +736,8 @@ async def first_frame(
 
 
 def _keepalive(writer: asyncio.StreamWriter) -> None:
-    """TCP keepalive (KEEPALIVE) on a backup's connection, where the platform has the options."""
+    """TCP keepalive (KEEPALIVE) and TCP_USER_TIMEOUT (USER_TIMEOUT_MS) on a backup's connection,
+    where the platform has the options."""
     sock = writer.get_extra_info("socket")
     if sock is None:
         return
@@ -727,6 +745,8 @@ def _keepalive(writer: asyncio.StreamWriter) -> None:
     for option, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE, strict=True):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
