@@ -19,6 +19,7 @@ from replication_helpers import HOST, bounded, commit, new_backup, ops_for, star
 from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, status, wait_status
 
 from amqtt_durable.process import free_port
+from amqtt_durable.replication.auth import AuthError
 from amqtt_durable.replication.coordinator import Member
 from amqtt_durable.replication.errors import MemberNameTakenError
 from amqtt_durable.replication.etcd import EtcdCoordinator
@@ -252,3 +253,37 @@ def test_a_backup_that_takes_nothing_is_dropped_by_the_ack_watchdog_and_its_name
 
     asyncio.run(scenario())
 
+
+def test_a_backup_falls_back_to_a_hello_without_its_instance_for_an_earlier_versions_primary(tmp_path: Path) -> None:
+    """An earlier version's primary reads all of the HELLO after its header as the name (UTF-8)
+    and closes the channel when that fails: the instance's 0xFF byte always fails it, and the
+    backup's next HELLO to that primary leaves the instance out (read there as the name it is)."""
+    names: list[str] = []
+
+    async def earlier_primary(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _, payload = await read_frame(reader)
+        try:
+            names.append(payload[len(Hello(0, 0, 0, "").encode()) :].decode("utf-8"))  # its Hello.decode
+            writer.write(encode_frame(Frame.ERROR, f"served {names[-1]}".encode()))  # then its answer
+            await writer.drain()
+        except UnicodeDecodeError:
+            pass  # its FrameError: the connection closed, no frame
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(earlier_primary, HOST, 0)
+        port = server.sockets[0].getsockname()[1]
+        backup = new_backup(tmp_path, "b")
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await bounded(backup.run(HOST, port))
+        assert names == [] and backup.plain_hello == {f"{HOST}:{port}"}
+        with pytest.raises(AuthError, match=r"served b$"):  # answered: the form stays
+            await bounded(backup.run(HOST, port))
+        with pytest.raises(AuthError, match=r"served b$"):
+            await bounded(backup.run(HOST, port))
+        assert names == ["b", "b"] and backup.plain_hello == {f"{HOST}:{port}"}
+        server.close()
+        await server.wait_closed()
+        backup.db.close()
+
+    asyncio.run(scenario())
