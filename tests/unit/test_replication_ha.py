@@ -609,6 +609,7 @@ def test_a_node_whose_name_another_broker_publishes_under_waits_with_an_error_an
         decision = await twin.run_cycle()
         assert (decision.action, decision.level) == ("wait", logging.ERROR)
         assert "another broker publishes its position under this node's name, b, at b:7000" in decision.reason
+        assert "or this node restarted at a new address: that record ends within lease_ttl" in decision.reason
         assert twin_hooks.followed == [] and twin_hooks.promoted == 0 and twin.role == "backup"
         assert fake.records["b"][0].address == "b:7000"  # left as it was
 

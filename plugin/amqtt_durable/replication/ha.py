@@ -264,8 +264,8 @@ class HaNode:
             "wait",
             f"another broker publishes its position under this node's name, {self.me.name}, at "
             f"{holder.address} (this node is {self.me.address}): names must be unique in the "
-            "cluster, give one of them another replication.name; this node takes no primary to follow and never "
-            "takes over until that record ends",
+            "cluster, give one of them another replication.name, or this node restarted at a new address: that "
+            "record ends within lease_ttl; this node takes no primary to follow and never takes over until then",
             level=logging.ERROR,
         )
 
