@@ -56,9 +56,11 @@ def test_a_second_backup_under_a_connected_name_is_refused_and_joins_once_the_na
     twin = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
     refused_twin(first, twin)
 
-    log = primary.log()
-    named = [line for line in log.splitlines() if "ERROR" in line and "backup name b" in line]
-    assert named, log
+    def named_lines() -> list[str]:
+        return [line for line in primary.log().splitlines() if "ERROR" in line and "backup name b" in line]
+
+    assert primary.wait_until(lambda: bool(named_lines()), WAIT), primary.log()
+    log, named = primary.log(), named_lines()
     assert first_peer in named[0] and "refused" in named[0]
     # docs/replication.md, One name, one backup: the primary's ERROR line as quoted there
     assert f"the name b is in use by the backup connected from {first_peer}, another broker process" in named[0]

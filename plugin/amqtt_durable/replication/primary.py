@@ -510,9 +510,9 @@ class Primary:
                 f"backup name {link.name} {NAME_IN_USE} {other.peer} (this connection: {link.peer}); "
                 "give each backup its own replication.name"
             )
+            self._name_refused(link, other)  # logged first: the refused backup's own line comes after it
             assert link.writer is not None
             link.writer.write(link.session.encode(Frame.ERROR, why.encode("utf-8")))
-            self._name_refused(link, other)
             return False
         return True
 
