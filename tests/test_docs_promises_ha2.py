@@ -235,7 +235,8 @@ def test_the_keys_in_etcd_are_the_documented_ones_and_a_clean_stop_revokes_a_mem
     assert json.loads(keys[CLUSTER + "leader"]) == {"name": "a", "address": advertised}
     assert keys[CLUSTER + "initialize"] == b"a"
     a, b = (json.loads(keys[CLUSTER + f"members/{name}"]) for name in "ab")
-    assert set(a) == set(b) == {"name", "role", "store_id", "batch", "candidate"}
+    assert set(a) == set(b) == {"name", "role", "store_id", "batch", "candidate", "address"}
+    assert a["address"] == advertised  # each member's replication address (One name, one backup)
     assert (a["name"], a["role"], b["name"], b["role"]) == ("a", "primary", "b", "backup")
     assert a["store_id"] == b["store_id"] and isinstance(b["batch"], int)
 

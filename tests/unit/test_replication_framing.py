@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from pathlib import Path
 
 import pytest
 
+from amqtt_durable.replication.backup import Backup
 from amqtt_durable.replication.errors import FrameError
 from amqtt_durable.replication.framing import (
     MAX_PEER_FRAME,
@@ -19,6 +21,7 @@ from amqtt_durable.replication.framing import (
     read_frame,
 )
 from amqtt_durable.replication.log import RetainedLog, plan_catch_up
+from amqtt_durable.store import open_store
 
 OPS = [(b"q\x00\x01", b"entry"), (b"m\x00", b""), (b"t\x07", None), (b"\xff" * 300, b"v" * 70_000)]
 
@@ -85,6 +88,38 @@ def test_frames_round_trip_and_damage_is_detected() -> None:
             await read_frame(reader)
 
     asyncio.run(main())
+
+
+HEADER = Hello(store_id=5, seq=6, crc=7, name="").encode()
+"""A HELLO's fixed header (version, store, batch, crc) without a name."""
+
+
+def test_hello_carries_the_backup_process_after_a_nul_and_an_earlier_versions_hello_reads_as_unknown() -> None:
+    hello = Hello(store_id=5, seq=6, crc=7, name="b-é", instance=0xFF00_0000_0000_0001)
+    assert hello.encode() == HEADER + "b-é".encode() + b"\x00" + (0xFF00_0000_0000_0001).to_bytes(8, "big")
+    assert Hello.decode(hello.encode()) == hello
+    assert Hello.decode(HEADER + b"b") == Hello(5, 6, 7, "b", instance=0)  # no NUL: an earlier version's
+    assert Hello(5, 6, 7, "b").encode() == HEADER + b"b"  # instance 0 (unknown) is not sent
+    assert Hello.decode(HEADER + b"b\x00" + bytes(8)) == Hello(5, 6, 7, "b", instance=0)  # an explicit 0: unknown
+    assert Hello.decode(HEADER + b"\x00" + (9).to_bytes(8, "big")) == Hello(5, 6, 7, "", instance=9)  # no name
+
+
+@pytest.mark.parametrize("tail", [b"\x00", b"\x00" + bytes(7), b"\x00" + bytes(9), b"\x00" + bytes(8) + b"\x00"])
+def test_a_hello_whose_instance_is_not_eight_bytes_is_refused(tail: bytes) -> None:
+    with pytest.raises(FrameError, match="HELLO"):
+        Hello.decode(HEADER + b"b" + tail)
+
+
+def test_a_backups_hello_is_never_read_as_a_name_by_an_earlier_versions_primary(tmp_path: Path) -> None:
+    """An earlier version decodes all after the header as the name (UTF-8): the instance's top byte
+    0xFF makes that fail every time, so the backup falls back to a HELLO without it."""
+    db = open_store(str(tmp_path / "b"))
+    for _ in range(200):
+        instance = Backup(db, name="b").instance
+        assert instance >> 56 == 0xFF
+        with pytest.raises(UnicodeDecodeError):
+            Hello(5, 6, 7, "b", instance=instance).encode()[len(HEADER) :].decode("utf-8")
+    db.close()
 
 
 def test_a_frame_longer_than_the_limit_is_refused_before_its_payload_arrives() -> None:

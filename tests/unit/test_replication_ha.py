@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from amqtt_durable.replication.coordinator import Coordinator, Leader, Member
-from amqtt_durable.replication.errors import CoordinatorError
+from amqtt_durable.replication.errors import CoordinatorError, MemberNameTakenError
 from amqtt_durable.replication.ha import Decision, HaNode, ahead_of
 from amqtt_durable.replication.tool import format_status
 
@@ -82,7 +82,11 @@ class FakeCoordinator(Coordinator):
         return self.sync
 
     async def publish_member(self, member: Member) -> None:
+        """As etcd's: a live record under the name at another address is another broker's."""
         await self._reach()
+        held = self.records.get(member.name)
+        if held is not None and self.clock() < held[1] and held[0].address not in ("", member.address):
+            raise MemberNameTakenError(held[0])
         self.records[member.name] = (member, self.clock() + self.ttl)
 
     async def members(self) -> list[Member]:
@@ -365,7 +369,8 @@ def test_in_sync_mode_only_a_member_of_the_published_set_takes_over() -> None:
 
 
 def member(name: str, seq: int, *, store_id: int = 7, role: str = "backup", candidate: bool = True) -> Member:
-    return Member(name, role, store_id, seq, candidate)
+    """The record ``name`` publishes (its replication address as three_nodes gives it)."""
+    return Member(name, role, store_id, seq, candidate, f"{name}:7000")
 
 
 def test_only_live_candidates_of_the_same_store_strictly_ahead_hold_a_backup_back() -> None:
@@ -456,7 +461,7 @@ def test_every_member_publishes_its_position_and_role() -> None:
         a.hooks.seq = 6  # type: ignore[attr-defined]
         await a.run_cycle()
         assert sorted(await fake.members(), key=lambda m: m.name) == [
-            Member("a", "primary", 7, 6, False), member("b", 5), member("c", 4),
+            Member("a", "primary", 7, 6, False, "a:7000"), member("b", 5), member("c", 4),
         ]  # fmt: skip
         assert [m.name for m in a.members] == ["a", "b", "c"]
 
@@ -583,3 +588,41 @@ def test_a_failed_bootstrap_does_not_let_a_lagging_node_take_over_after_it_follo
         assert ha.role == "backup", "a backup that is not caught up took the lease"
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_node_whose_name_another_broker_publishes_under_waits_with_an_error_and_a_primary_serves_on() -> None:
+    """docs/replication.md, One name, one backup: members/<name> at another address is another
+    broker's; a backup takes no primary to follow and never takes over until that record ends; a
+    primary keeps its lease; the leader key under the node's own name is said as before."""
+
+    async def main() -> None:
+        clock, fake, _, primary = await a_primary()
+        assert (await node(fake, Hooks(), "b").run_cycle()).action == "follow"
+
+        def twin_of(name: str) -> tuple[Hooks, HaNode]:
+            hooks = Hooks()
+            return hooks, HaNode(
+                fake, hooks, name=name, address="x:7000", loop_wait=1.0, demote_margin=MARGIN, clock=clock
+            )
+
+        twin_hooks, twin = twin_of("b")
+        decision = await twin.run_cycle()
+        assert (decision.action, decision.level) == ("wait", logging.ERROR)
+        assert "another broker publishes its position under this node's name, b, at b:7000" in decision.reason
+        assert "or this node restarted at a new address: that record ends within lease_ttl" in decision.reason
+        assert twin_hooks.followed == [] and twin_hooks.promoted == 0 and twin.role == "backup"
+        assert fake.records["b"][0].address == "b:7000"  # left as it was
+
+        reason = (await twin_of("a")[1].run_cycle()).reason  # the primary's name: the leader key's check
+        assert reason.startswith("another broker holds the leader lease under this node's name, a, at a:7000")
+
+        other = Member("a", "backup", 7, 0, False, "x:7000")
+        fake.records["a"] = (other, clock() + TTL)  # another broker's record under the primary's name
+        assert (await primary.run_cycle()).action == "renewed"  # the lease decides: still primary
+        assert fake.records["a"][0] == other
+
+        clock.now += TTL  # b's record ends (b stopped): the twin publishes its own and follows a
+        fake.expires = clock() + TTL
+        assert (await twin.run_cycle()).action == "follow" and twin_hooks.followed == [Leader("a", "a:7000")]
+
+    run(main())

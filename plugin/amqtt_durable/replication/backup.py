@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import ssl
+import time
 from collections.abc import Sequence
 from typing import Any, Literal, NoReturn
 
@@ -28,6 +30,7 @@ from ..store import VERSION_KEY
 from .auth import AuthError, Session, client_handshake, error_text
 from .errors import FrameError, ReplicationGapError, StoreMismatchError
 from .framing import (
+    NAME_IN_USE,
     CheckedBatch,
     Frame,
     Hello,
@@ -50,6 +53,12 @@ QUEUE_FRAMES = 1024
 _KEPT = frozenset({SNAPSHOT_MARK_KEY, VERSION_KEY})
 AUTH_RETRY = 5.0
 """Seconds before a backup refused by the handshake (a secret that does not match) tries again."""
+NAME_LOG_EVERY = 60.0
+"""Seconds between two ERROR lines of a backup refused, again and again, for its name."""
+INSTANCE_MARK = 0xFF << 56
+"""The top byte of every random instance: 0xFF is never UTF-8, so an earlier version's primary,
+which decodes all of the HELLO after its header as the name, always refuses a HELLO with an
+instance (never takes one for a name) and the backup falls back to one without (``plain_hello``)."""
 WIPE_CHUNK = 10_000
 """Keys deleted per write batch when a snapshot starts."""
 INLINE_BYTES = 1 << 20
@@ -66,6 +75,10 @@ QUEUE_FRAMES frames: hundreds of MiB) and every larger group go to a worker thre
 (the HA cycle, CONNACK 3 answers, tools' questions) goes on meanwhile."""
 
 
+class NameInUseError(AuthError):
+    """The primary refused this backup: another broker's backup is connected under its name."""
+
+
 class Backup:
     """Replicates a primary's store into ``db`` (a plyvel DB this object writes alone)."""
 
@@ -78,8 +91,21 @@ class Backup:
         secret: bytes | None = None,
         handshake_timeout: float = 10.0,
         tls: ssl.SSLContext | None = None,
+        instance: int | None = None,
     ) -> None:
         self.db = db
+        self.instance = instance or INSTANCE_MARK | secrets.randbits(56)
+        """This broker process in its HELLO (never 0): a primary replaces an older connection of
+        the same instance under the same name, and refuses one of another (NameInUseError)."""
+        self.plain_hello: set[str] = set()
+        """The primaries (host:port) this backup's HELLO leaves its instance out for: one that
+        closed the channel on a HELLO before its first frame (an earlier version's primary, which
+        reads all after the header as the name, refuses the instance's 0xFF byte). Each such end
+        switches the form for that address."""
+        self._hello_to = ("", False)
+        """The primary the last HELLO went to, and whether it left the instance out."""
+        self.refused: str | None = None
+        """Why the primary refused this backup's name (NameInUseError) until it is accepted."""
         self.tls = tls
         """replication.tls: a client context (the primary's certificate must be signed by the CA)."""
         self.secret = secret
@@ -139,7 +165,7 @@ class Backup:
         try:
             self._read_store()
             seq = 0 if self.partial else self.applied_seq
-            hello = Hello(self.store_id, seq, self.applied_crc, self.name)
+            hello = self._hello(seq, join_address(host, port))
             writer.write(session.encode(Frame.HELLO, hello.encode()))
             await writer.drain()
             self.state = "catching_up"
@@ -154,6 +180,7 @@ class Backup:
                     self._channel_ended(receiver, answered)
                 group, ended = [first], False
                 if not answered:
+                    self._answered(first[0])
                     # Caught up with the last primary stays true while that primary cannot be
                     # reached (the HA loop promotes on it), also while its address only answers
                     # tools (a backup's); a primary that answers decides anew.
@@ -206,7 +233,10 @@ class Backup:
     def _channel_ended(self, receiver: asyncio.Task[None], answered: bool) -> NoReturn:
         """Raise why the connection ended: with TLS, an end before the primary's first frame is
         most likely the primary refusing this node's certificate (TLS 1.3 tells the client only
-        then), retried as a refusal."""
+        then), retried as a refusal; an end before it switches the form of the next HELLO to
+        that primary (``_switch_hello``)."""
+        if not answered:
+            self._switch_hello()
         try:
             receiver.result()
             raise ConnectionResetError("the primary closed the replication channel")
@@ -223,13 +253,57 @@ class Backup:
             "node's certificate or not use TLS (replication.tls: the same ca on both sides)"
         )
 
+    def _hello(self, seq: int, primary: str) -> Hello:
+        """The HELLO to the primary at ``primary``: with this process's instance unless
+        ``plain_hello`` says; remembered (``_hello_to``) for ``_switch_hello``."""
+        plain = primary in self.plain_hello
+        self._hello_to = (primary, plain)
+        return Hello(self.store_id, seq, self.applied_crc, self.name, instance=0 if plain else self.instance)
+
+    def _switch_hello(self) -> None:
+        """The primary closed the channel on the last HELLO before its first frame: the next
+        HELLO to it takes the other form (``plain_hello``)."""
+        primary, plain = self._hello_to
+        if plain:
+            self.plain_hello.discard(primary)
+            return
+        self.plain_hello.add(primary)
+        log.warning(
+            "replication: backup %s: the primary at %s closed the channel before answering its HELLO (an earlier "
+            "version's primary does so for the process id after the name): the next HELLO to it leaves the id out",
+            self.name,
+            primary,
+        )
+
+    def _answered(self, kind: Frame) -> None:
+        """The primary's first frame on this connection: anything but ERROR accepts the backup."""
+        if self.refused is not None and kind != Frame.ERROR:
+            log.info("replication: backup %s: accepted by the primary: its name is free again", self.name)
+            self.refused = None
+
     async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
         """Stay connected to the primary at host:port, reconnecting after a failure, until ``stop``."""
         primary = join_address(host, port)
+        logged = -NAME_LOG_EVERY
         while not stop.is_set():
             pause = retry
             try:
                 await self.run(host, port)
+            except NameInUseError as exc:  # another broker's backup holds the name: wait until it is free
+                pause = max(retry, AUTH_RETRY)
+                self.refused = str(exc)
+                now = time.monotonic()
+                level = logging.ERROR if now - logged >= NAME_LOG_EVERY else logging.DEBUG
+                logged = now if level == logging.ERROR else logged
+                log.log(
+                    level,
+                    "replication: backup %s: channel to %s refused for its name (retried every %g s, this line "
+                    "at most once a minute): %s",
+                    self.name,
+                    primary,
+                    pause,
+                    exc,
+                )
             except asyncio.IncompleteReadError:
                 log.warning("replication: backup %s: the primary at %s closed the channel", self.name, primary)
             except AuthError as exc:
@@ -294,7 +368,8 @@ class Backup:
                 self._applied(seq, crc)
                 ack = seq
             elif kind == Frame.ERROR:
-                raise AuthError(f"refused by the primary: {error_text(payload)}")
+                refusal = NameInUseError if NAME_IN_USE in payload.decode("utf-8", "replace") else AuthError
+                raise refusal(f"refused by the primary: {error_text(payload)}")
             elif kind == Frame.IN_SYNC:
                 decode_seq(payload)
                 self.state = "in_sync"

@@ -47,11 +47,13 @@ class Member:
     candidate: bool
     """A backup that may take over: caught up with the last primary, and its last promotion
     did not fail. Only candidates hold the others back (ha.ahead_of)."""
+    address: str = ""
+    """Its replication address (replication.advertise or listen); "" in an earlier version's record."""
 
     def encode(self) -> bytes:
         record = {
             "name": self.name, "role": self.role, "store_id": self.store_id, "batch": self.seq,
-            "candidate": self.candidate,
+            "candidate": self.candidate, "address": self.address,
         }  # fmt: skip
         return json.dumps(record, sort_keys=True).encode("utf-8")
 
@@ -60,7 +62,7 @@ class Member:
         record = json.loads(raw)
         return cls(
             str(record["name"]), str(record["role"]), int(record["store_id"]), int(record["batch"]),
-            bool(record["candidate"]),
+            bool(record["candidate"]), str(record.get("address", "")),
         )  # fmt: skip
 
 
@@ -106,7 +108,10 @@ class Coordinator(ABC):
     async def publish_member(self, member: Member) -> None:
         """Write this node's record under its own lease of ``ttl`` seconds and renew that lease
         (a new one when it expired): called every cycle, so the record outlives the node by at
-        most ``ttl``."""
+        most ``ttl``. The record's key is the member's name: one another broker wrote under that
+        name, at another address, is left as it is, and MemberNameTakenError names it (a record
+        at this node's address, or without one, is this node's from before it restarted: it is
+        taken over)."""
 
     @abstractmethod
     async def members(self) -> list[Member]:

@@ -6,7 +6,12 @@ every class derives from the plugin's DurableError so callers catch them the sam
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..errors import DurableError, os_error_reason
+
+if TYPE_CHECKING:
+    from .coordinator import Member
 
 
 class ReplicationError(DurableError):
@@ -99,3 +104,12 @@ class CoordinatorError(ReplicationError):
             f"coordinator {endpoint}: {detail}. A primary that cannot renew its lease demotes itself "
             "before the lease ends; check that etcd runs and is reachable from this broker"
         )
+
+
+class MemberNameTakenError(ReplicationError):
+    """The coordinator's record of this node's name (members/<name>) is another broker's (at
+    another address), until that record expires. It is not overwritten."""
+
+    def __init__(self, holder: Member) -> None:
+        self.holder = holder
+        super().__init__(f"members/{holder.name} is held by the broker at {holder.address}")

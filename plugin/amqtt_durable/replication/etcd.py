@@ -14,9 +14,11 @@ Keys (under ``prefix``, e.g. ``/amqtt-durable/<cluster>/``)::
     initialize  -> name of the node that bootstrapped the cluster (no lease, never removed)
     sync        -> {"leader": ..., "members": [...]}  the synchronous set, written only by the
                    leader (a transaction comparing the leader key's value), no lease
-    members/<name> -> {"name", "role", "store_id", "batch", "candidate"}  each node's position,
-                   put every cycle under the node's own member lease (TTL ``ttl``, renewed
-                   each cycle): a node that stops cycling drops out by itself
+    members/<name> -> {"name", "role", "store_id", "batch", "candidate", "address"}  each node's
+                   position, put every cycle under the node's own member lease (TTL ``ttl``,
+                   renewed each cycle): a node that stops cycling drops out by itself. Put only
+                   where absent, under the node's own lease, or at its address (its own from
+                   before a restart): another broker's record under the name is left alone
 
 The leader key is created only if absent (a transaction comparing its create_revision to 0,
 Patroni's etcd3 ``attempt_to_acquire_leader``), so two nodes never both hold it.
@@ -31,7 +33,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .coordinator import Coordinator, Leader, Member
-from .errors import CoordinatorError
+from .errors import CoordinatorError, MemberNameTakenError
 
 REQUEST_TIMEOUT = 2.0
 """Seconds one gateway call may take (callers may bound it tighter)."""
@@ -132,7 +134,27 @@ class EtcdCoordinator(Coordinator):
             grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
             self.member_lease = int(grant["ID"])
         key = _b64(self.prefix + "members/" + member.name)
-        await self._call("/v3/kv/put", {"key": key, "value": _b64(member.encode()), "lease": str(self.member_lease)})
+        put = {"request_put": {"key": key, "value": _b64(member.encode()), "lease": str(self.member_lease)}}
+        for compare in (
+            {"key": key, "target": "LEASE", "result": "EQUAL", "lease": str(self.member_lease)},  # ours already
+            {"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"},  # nobody's
+        ):
+            reply = await self._call(
+                "/v3/kv/txn", {"compare": [compare], "success": [put], "failure": [{"request_range": {"key": key}}]}
+            )
+            if reply.get("succeeded"):
+                return
+            kvs = (reply.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
+            if kvs:
+                holder = _member(kvs[0], member.name)
+                if holder.address and holder.address != member.address:
+                    raise MemberNameTakenError(holder)
+                # At this node's address (or from an earlier version, which does not say): this node
+                # before it restarted, its record not expired yet; it is this node's from now on.
+                await self._call("/v3/kv/put", put["request_put"])
+                return
+        # Created and gone again between the two transactions (a record that just expired): the next cycle
+        raise CoordinatorError(", ".join(self.endpoints), f"members/{member.name} changed while it was written")
 
     async def members(self) -> list[Member]:
         reply = await self._call("/v3/kv/range", {"key": self._members_from, "range_end": self._members_end})
@@ -161,6 +183,14 @@ class EtcdCoordinator(Coordinator):
             except (OSError, TimeoutError, ValueError) as exc:
                 errors.append(f"{endpoint}: {type(exc).__name__}: {exc}")
         raise CoordinatorError(", ".join(self.endpoints), f"{path} failed ({'; '.join(errors)})")
+
+
+def _member(kv: dict[str, Any], name: str) -> Member:
+    """The record in ``kv`` (a range result), or one that says only its name when it does not decode."""
+    try:
+        return Member.decode(base64.b64decode(kv.get("value", "")))
+    except (ValueError, KeyError, TypeError):
+        return Member(name, "?", 0, 0, False)
 
 
 def _create_if_absent(key: str, put: dict[str, str]) -> dict[str, Any]:

@@ -25,7 +25,10 @@ payload's length; ``length`` includes the 16 bytes). Without a secret, frames ha
 Frame types (backup -> primary: HELLO, ACK; primary -> backup: the rest):
 
 =========  ===================================================================
-HELLO      version:u16 store_id:u64 seq:u64 crc:u32 name(utf-8): where the backup is
+HELLO      version:u16 store_id:u64 seq:u64 crc:u32 name(utf-8) [0x00 instance:u64]: where
+           the backup is, and which broker process it is (``instance``, random per process,
+           never 0; absent from an earlier version's HELLO: read as 0, unknown). A name holds
+           no NUL character, so the optional field follows one
 SNAP_BEGIN (empty): the backup wipes its store and marks a snapshot in progress
 SNAP_CHUNK ops (count:u32 op*count, as in a batch): rows of the primary's snapshot
 SNAP_END   seq:u64 crc:u32: the snapshot holds every batch up to ``seq``
@@ -73,6 +76,10 @@ MAX_PEER_FRAME = 64 * 1024
 """The longest frame a node reads from a peer that connected to it (a backup's HELLO and ACKs, a
 tool's STATUS or PROMOTE are all small): refused before its payload is read, so a stranger on
 the replication address cannot make a node buffer ``MAX_FRAME`` bytes per connection."""
+
+NAME_IN_USE = "is in use by the backup connected from"
+"""In the ERROR frame with which a primary refuses a backup whose name another broker's backup
+connection holds: the refused backup recognises the refusal by these words."""
 
 
 class Frame(IntEnum):
@@ -301,25 +308,29 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> tu
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """Where a backup is: the store it replicates, the last batch it applied (0, 0: none)."""
+    """Where a backup is: the store it replicates, the last batch it applied (0, 0: none), its
+    name, and which broker process it is (``instance``: 0 when its HELLO did not say)."""
 
     store_id: int
     seq: int
     crc: int
     name: str
     version: int = PROTOCOL_VERSION
+    instance: int = 0
 
     def encode(self) -> bytes:
-        return _HELLO.pack(self.version, self.store_id, self.seq, self.crc) + self.name.encode("utf-8")
+        head = _HELLO.pack(self.version, self.store_id, self.seq, self.crc) + self.name.encode("utf-8")
+        return head + b"\x00" + _U64.pack(self.instance) if self.instance else head
 
     @classmethod
     def decode(cls, payload: bytes) -> Hello:
         try:
             version, store_id, seq, crc = _HELLO.unpack_from(payload, 0)
-            name = payload[_HELLO.size :].decode("utf-8")
+            name, nul, rest = payload[_HELLO.size :].partition(b"\x00")
+            instance = int(_U64.unpack(rest)[0]) if nul else 0
+            return cls(store_id, seq, crc, name.decode("utf-8"), version, instance)
         except (struct.error, UnicodeDecodeError) as exc:
             raise FrameError("HELLO", str(exc)) from exc
-        return cls(store_id, seq, crc, name, version)
 
 
 def encode_position(seq: int, crc: int) -> bytes:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from .coordinator import Coordinator, Leader, Member
-from .errors import CoordinatorError, PromotionStoppedError
+from .errors import CoordinatorError, MemberNameTakenError, PromotionStoppedError
 
 log = logging.getLogger("amqtt_durable.replication")
 
@@ -179,7 +179,7 @@ class HaNode:
             async with asyncio.timeout(self.loop_wait / 2):
                 await self.coordinator.publish_member(self.record())
                 self.members = await self.coordinator.members()
-        except (CoordinatorError, TimeoutError) as exc:
+        except (CoordinatorError, MemberNameTakenError, TimeoutError) as exc:  # the leader key decides
             log.debug("replication HA %s: could not publish this node's position: %s", self.me.name, _why(exc))
 
     def _demote(self, why: str, *, unanswered: bool = False) -> Decision:
@@ -245,9 +245,29 @@ class HaNode:
                 started = self.clock()
                 if not await self.coordinator.acquire(self.me):
                     return Decision("wait", f"{why}, but another node took the lease first")
+        except MemberNameTakenError as exc:
+            return await self._name_taken(exc.holder)
         except (CoordinatorError, TimeoutError) as exc:
             return Decision("wait", f"the coordinator does not answer ({_why(exc)}): staying a backup", True)
         return await self._promote_with_lease(started, action, why)
+
+    async def _name_taken(self, holder: Member) -> Decision:
+        """The coordinator's record under this node's name is another node's: this node takes no
+        primary to follow and never takes over until it can publish its own (one name, one
+        member). When the leader key holds this node's name, that is said instead (``_follow``)."""
+        with contextlib.suppress(CoordinatorError, TimeoutError):
+            async with asyncio.timeout(self.ttl):
+                leader = await self.coordinator.leader()
+            if leader is not None and leader.name == self.me.name:
+                return self._follow(leader)  # a wait: never follows a leader of its own name
+        return Decision(
+            "wait",
+            f"another broker publishes its position under this node's name, {self.me.name}, at "
+            f"{holder.address} (this node is {self.me.address}): names must be unique in the "
+            "cluster, give one of them another replication.name, or this node restarted at a new address: that "
+            "record ends within lease_ttl; this node takes no primary to follow and never takes over until then",
+            level=logging.ERROR,
+        )
 
     async def _promote_with_lease(self, started: float, action: Action, why: str) -> Decision:
         """The lease taken (asked for at ``started``): become primary, or give it back."""
@@ -311,7 +331,7 @@ class HaNode:
         """What this node publishes about itself now."""
         store_id, seq = self.hooks.position()
         candidate = self.role == "backup" and self.hooks.caught_up() and not self._promotion_failed
-        return Member(self.me.name, self.role, store_id, seq, candidate)
+        return Member(self.me.name, self.role, store_id, seq, candidate, self.me.address)
 
     # --- the loop -----------------------------------------------------------------------------
 

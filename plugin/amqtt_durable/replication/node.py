@@ -30,6 +30,7 @@ import inspect
 import ipaddress
 import json
 import logging
+import secrets
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -83,6 +84,9 @@ class ReplicationNode:
         tls = config.tls
         self.server_tls = tls.context(server=True) if tls is not None else None
         self.client_tls = tls.context(server=False) if tls is not None else None
+        self.instance = secrets.randbits(64) or 1
+        """This broker process, in its backup end's HELLO (one for every term as a backup): a
+        primary tells a reconnect of this backup from another broker under the same name by it."""
         self.backup = self._new_backup()
         self.ha = (
             HaNode(
@@ -137,6 +141,7 @@ class ReplicationNode:
             secret=self.secret,
             handshake_timeout=self.config.handshake_timeout,
             tls=self.client_tls,
+            instance=self.instance,
         )
 
     def use_db(self, db: Any) -> None:
@@ -176,6 +181,8 @@ class ReplicationNode:
             }
             if self.promotion_failure is not None:
                 status["promotion_failed"] = self.promotion_failure
+            if self.backup.refused is not None:
+                status["refused_by_primary"] = self.backup.refused
         status["refused"] = self._admin_gate.refusals
         if self.ha is not None:
             status["members"] = [

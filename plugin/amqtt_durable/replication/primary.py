@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import ssl
 import time
 from collections import deque
@@ -40,6 +41,7 @@ from .auth import AuthError, Session, server_handshake
 from .errors import FrameError, ReplicationError
 from .framing import (
     MAX_PEER_FRAME,
+    NAME_IN_USE,
     Frame,
     Hello,
     Op,
@@ -65,6 +67,19 @@ from its HELLO on, so it is catching up from then until a snapshot starts or it 
 HELLO_TIMEOUT = 10.0
 HIGH_WATER = 4 * 1024 * 1024
 """Bytes buffered towards a backup before the sender waits for the socket to drain."""
+KEEPALIVE = (10, 5, 3)
+"""TCP keepalive on a backup's connection (seconds idle, seconds between probes, probes): a
+backup whose machine or path died without closing its connection (no FIN, no RST) is found
+dead about 25 s after the connection's last traffic, even while no batch is sent, and its name
+is free again for the same backup restarted, or a replacement under that name."""
+USER_TIMEOUT_MS = (KEEPALIVE[0] + KEEPALIVE[1] * KEEPALIVE[2]) * 1000
+"""TCP_USER_TIMEOUT on a backup's connection (milliseconds, keepalive's total): keepalive never
+probes a connection with data in flight (unacknowledged batches, a snapshot, a catch-up), whose
+retransmissions would run for up to about 15 minutes (tcp_retries2); with it the kernel ends such
+a connection once data sent stays unacknowledged this long, and the backup's name is free."""
+NAME_LOG_EVERY = 60.0
+"""Seconds between two ERROR lines about refusals of one name (a refused backup retries every
+few seconds: the refusals in between are counted in the next line)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -74,6 +89,8 @@ class BackupLink:
     name: str
     peer: str
     state: LinkState = "catching_up"
+    instance: int = 0
+    """The backup's broker process (its HELLO; 0: an earlier version's, which does not say)."""
     sent_seq: int = 0
     acked_seq: int = 0
     acks: int = 0
@@ -152,6 +169,8 @@ class Primary:
         ones that may be promoted; acknowledgements wait for each of them."""
         self._last_acked: dict[str, int] = {}
         self._publishing: asyncio.Task[None] | None = None
+        self._name_refusals: dict[str, tuple[float, int]] = {}
+        """Per refused name: when its last ERROR line was logged, and the refusals since."""
         self.secret = secret
         """replication.secret: every peer must pass the handshake of auth.py first."""
         self.handshake_timeout = handshake_timeout
@@ -429,10 +448,10 @@ class Primary:
                 writer.write(link.session.encode(kind, json.dumps(self.on_admin(kind)).encode()))
                 await writer.drain()
                 return  # a tool's question, not a backup
-            if kind != Frame.HELLO:
-                raise FrameError("HELLO", f"first frame is {kind.name}")
-            hello = Hello.decode(payload)
-            link.name = hello.name
+            hello = self._hello(link, kind, payload)
+            if hello is None:
+                ended = ""  # refused for its name, and logged so
+                return
             self.links[key] = link
             acks = asyncio.get_running_loop().create_task(self._read_acks(reader, link))
             sender = asyncio.get_running_loop().create_task(self._send(writer, link, hello))
@@ -458,7 +477,69 @@ class Primary:
             self._serving.discard(task)
             self._resolve()
             self._progressed()  # a backup gone is no longer waited for
-        self._changed(link, ended)
+        if ended:
+            self._changed(link, ended)
+
+    def _hello(self, link: BackupLink, kind: Frame, payload: bytes) -> Hello | None:
+        """A backup's HELLO, its name and instance given to ``link``; None when refused for its name."""
+        if kind != Frame.HELLO:
+            raise FrameError("HELLO", f"first frame is {kind.name}")
+        hello = Hello.decode(payload)
+        link.name, link.instance = hello.name, hello.instance
+        if not self._take_name(link):
+            return None
+        assert link.writer is not None
+        _keepalive(link.writer)
+        return hello
+
+    def _take_name(self, link: BackupLink) -> bool:
+        """Whether ``link`` (its HELLO read) may serve under its name. A name is one backup's:
+        another connection under it from the same broker process (the same ``instance``: that
+        backup reconnected before this primary saw its old connection end, a half-dead TCP
+        connection) is closed and replaced by ``link``; one from another process (another
+        broker given the same name, or an earlier version's backup, which does not say) keeps
+        the name, and ``link`` is refused with an ERROR frame saying why (the backup retries)."""
+        for key, other in list(self.links.items()):
+            if other.name != link.name:
+                continue
+            if link.instance and other.instance == link.instance:
+                self.links.pop(key)
+                self.log.pin(other, None)
+                self._changed(other, f"replaced by its new connection from {link.peer} (the same broker reconnected)")
+                if other.writer is not None:
+                    other.writer.transport.abort()
+                self._resolve()
+                continue
+            why = (
+                f"backup name {link.name} {NAME_IN_USE} {other.peer} (this connection: {link.peer}); "
+                "give each backup its own replication.name"
+            )
+            self._name_refused(link, other)  # logged first: the refused backup's own line comes after it
+            assert link.writer is not None
+            link.writer.write(link.session.encode(Frame.ERROR, why.encode("utf-8")))
+            return False
+        return True
+
+    def _name_refused(self, link: BackupLink, holder: BackupLink) -> None:
+        """An ERROR line naming the name and both addresses: the first refusal of a name, then at
+        most one every NAME_LOG_EVERY seconds while its refusals go on, with their count."""
+        now = time.monotonic()
+        logged, since = self._name_refusals.get(link.name, (-NAME_LOG_EVERY, 0))
+        if now - logged < NAME_LOG_EVERY:
+            self._name_refusals[link.name] = (logged, since + 1)
+            return
+        self._name_refusals[link.name] = (now, 0)
+        log.error(
+            "replication: refused backup name %s from %s: the name %s %s %s, another broker process; names "
+            "must be unique in the cluster: give one of them another replication.name (it retries; refusals "
+            "of this name are logged at most once a minute%s)",
+            link.name,
+            link.peer,
+            link.name,
+            NAME_IN_USE,
+            holder.peer,
+            f", {since} more since the last line" if since else "",
+        )
 
     async def _first_frame(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str
@@ -535,14 +616,20 @@ class Primary:
                     await self._acked_or_beyond(link, snapshot, pos)  # then send what came meanwhile
                     continue
                 if link.state != "in_sync":
-                    writer.write(link.session.encode(Frame.IN_SYNC, encode_seq(pos)))
-                    link.state = "in_sync"
-                    link.in_sync_at = pos
-                    self._last_acked[link.name] = link.acked_seq
-                    link.last_progress = time.monotonic()
-                    self._changed(link, f"in sync at batch {pos}")
-                    self._resolve()
+                    self._in_sync(writer, link, pos)
                 pos = await self._live(writer, link, pos)
+
+    def _in_sync(self, writer: asyncio.StreamWriter, link: BackupLink, pos: int) -> None:
+        """``link`` has every batch up to ``pos``, the newest: IN_SYNC, and counted from now on."""
+        if writer.transport.is_closing():  # aborted (the watchdog): never in sync again
+            raise ConnectionResetError("the connection to the backup was aborted")
+        writer.write(link.session.encode(Frame.IN_SYNC, encode_seq(pos)))
+        link.state = "in_sync"
+        link.in_sync_at = pos
+        self._last_acked[link.name] = link.acked_seq
+        link.last_progress = time.monotonic()
+        self._changed(link, f"in sync at batch {pos}")
+        self._resolve()
 
     async def _live(self, writer: asyncio.StreamWriter, link: BackupLink, pos: int) -> int:
         """An in-sync link sent everything up to ``pos``: drain its socket; then, unless batches
@@ -599,17 +686,22 @@ class Primary:
         return position[0]
 
     async def _watchdog(self) -> None:
-        """Disconnect an in-sync backup silent past ``ack_timeout`` with batches outstanding."""
+        """Disconnect an in-sync backup silent past ``ack_timeout`` with batches outstanding: its
+        connection is aborted (a close would wait for its write buffer to reach a backup that
+        takes nothing) and its link dropped at once, so its name is free for a backup under it."""
         while True:
             await asyncio.sleep(self.ack_timeout / 4)
             now = time.monotonic()
-            for link in list(self.links.values()):
+            for key, link in list(self.links.items()):
                 stalled = link.state == "in_sync" and link.acked_seq < link.sent_seq
                 if stalled and now - link.last_progress > self.ack_timeout and link.writer is not None:
                     self._changed(link, f"no ack for {self.ack_timeout:g} s: disconnected, no longer counted")
                     link.state = "catching_up"
-                    link.writer.close()
+                    self.links.pop(key, None)
+                    self.log.pin(link, None)
+                    link.writer.transport.abort()  # its reader ends, and its sender with it
                     self._resolve()
+                    self._progressed()
 
 
 async def first_frame(
@@ -645,6 +737,20 @@ async def first_frame(
     except (OSError, asyncio.IncompleteReadError) as exc:
         log.info("replication: a connection from %s ended before its first frame: %r", peer, exc)
         raise
+
+
+def _keepalive(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive (KEEPALIVE) and TCP_USER_TIMEOUT (USER_TIMEOUT_MS) on a backup's connection,
+    where the platform has the options."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE, strict=True):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

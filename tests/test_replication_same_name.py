@@ -1,0 +1,291 @@
+"""Two backups under one replication.name (a broker-c.yaml copied from broker-b.yaml, its name left
+as it was), as real broker processes on one primary: the second is refused, says why, and joins
+once the name is free; the sync acknowledgement never counts one of them for both."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from replication_helpers import HOST, bounded, commit, new_backup, ops_for, started_primary
+from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, status, wait_status
+
+from amqtt_durable.process import free_port
+from amqtt_durable.replication.auth import AuthError
+from amqtt_durable.replication.coordinator import Member
+from amqtt_durable.replication.errors import MemberNameTakenError
+from amqtt_durable.replication.etcd import EtcdCoordinator
+from amqtt_durable.replication.framing import NAME_IN_USE, Frame, Hello, encode_frame, read_frame
+from amqtt_durable.replication.primary import KEEPALIVE, USER_TIMEOUT_MS, BackupLink
+from conftest import WAIT, Broker, Client, run_cli
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def refused_twin(first: Broker, second: Broker) -> None:
+    """``second`` (the later broker under ``first``'s name) was refused by the primary, and says so."""
+    assert second.wait_until(lambda: "ERROR" in second.log() and "is in use" in second.log(), WAIT), second.log()
+
+
+def test_a_second_backup_under_a_connected_name_is_refused_and_joins_once_the_name_is_free(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    primary = start(node(broker_factory, "p", role="primary"), SERVING)
+    first = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    [row] = wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])["backups"]
+    first_peer = row["peer"]
+    port = address(primary).rsplit(":", 1)[1]
+
+    def keepalive_timer() -> bool:  # shown while nothing is in flight (a retransmission timer would be)
+        sockets = subprocess.run(
+            ["ss", "-tnoH", "state", "established", f"( sport = :{port} )"],
+            capture_output=True, text=True, timeout=WAIT, check=True,
+        ).stdout  # fmt: skip
+        return any(first_peer in line and "timer:(keepalive," in line for line in sockets.splitlines())
+
+    # A backup whose machine is lost without a FIN is found dead by TCP keepalive.
+    assert primary.wait_until(keepalive_timer, WAIT)
+    twin = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    refused_twin(first, twin)
+
+    def named_lines() -> list[str]:
+        return [line for line in primary.log().splitlines() if "ERROR" in line and "backup name b" in line]
+
+    assert primary.wait_until(lambda: bool(named_lines()), WAIT), primary.log()
+    log, named = primary.log(), named_lines()
+    assert first_peer in named[0] and "refused" in named[0]
+    # docs/replication.md, One name, one backup: the primary's ERROR line as quoted there
+    assert f"the name b is in use by the backup connected from {first_peer}, another broker process" in named[0]
+    rows = wait_status(primary, lambda s: len(s["backups"]) == 1)["backups"]
+    assert [(row["name"], row["state"]) for row in rows] == [("b", "in_sync")]
+    # Between its tries the twin is briefly connecting or catching up: its refusal is what holds.
+    refused = wait_status(twin, lambda s: f"{NAME_IN_USE} {first_peer}" in s.get("refused_by_primary", ""))
+    assert not refused["caught_up"] and refused["state"] != "in_sync"
+    assert "disconnected" not in [line for line in log.splitlines() if "backup b" in line][-1]
+
+    first.stop()  # the name is free: the twin, retrying, joins
+    wait_status(twin, lambda s: s["caught_up"])
+    rows = wait_status(primary, lambda s: [r["state"] for r in s["backups"]] == ["in_sync"])["backups"]
+    assert rows[0]["peer"] != first_peer
+
+
+def test_sync_acknowledgement_waits_for_the_backup_under_the_name_not_its_twin(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """With a coordinator in sync mode the primary's synchronous set is of names: two backups under
+    one name were one entry, and a publish was acknowledged once either of them had it."""
+    ha = {"coordinator": [etcd.url], **HA_TIMING, "ack_timeout": 60}
+    primary = start(node(broker_factory, "a", **ha), SERVING)
+    first = start(node(broker_factory, "b", **ha), BACKUP)
+    wait_status(first, lambda s: s["caught_up"])
+    twin = start(node(broker_factory, "b", **ha), BACKUP)
+    clash = "another broker publishes its position under this node's name, b, at " + address(first)
+    assert twin.wait_until(lambda: clash in twin.log() or len((status(primary) or {}).get("backups", [])) == 2, WAIT), (
+        twin.log()
+    )
+    subscriber = Client(primary.port, "device")  # a durable session: each publish to it is stored
+    subscriber.subscribe("t/#", 1)
+    subscriber.disconnect()
+    publisher = Client(primary.port, "publisher", clean_session=True)
+    try:
+        with first.paused():  # the backup that connected first under "b" confirms nothing
+            info = publisher.paho.publish("t/x", b"stored on two machines?", qos=1)
+            acked = threading.Event()
+            info_waiter = threading.Thread(target=lambda: (info.wait_for_publish(10), acked.set()), daemon=True)
+            info_waiter.start()
+            assert not acked.wait(5), "PUBACK while the backup b that was in sync first had not confirmed"
+        assert acked.wait(WAIT) and info.is_published()
+    finally:
+        publisher.disconnect()
+    assert [(row["name"], row["state"]) for row in status(primary)["backups"]] == [("b", "in_sync")]
+    assert next(line for line in twin.log().splitlines() if clash in line).split()[2] == "ERROR"
+    first.stop()  # a clean stop withdraws its record: the twin publishes its own, follows and catches up
+    wait_status(twin, lambda s: s["caught_up"])
+    assert [m["name"] for m in wait_status(primary, lambda s: len(s["members"]) == 2)["members"]] == ["a", "b"]
+
+
+def test_a_members_record_is_one_brokers_under_its_name(etcd: Any) -> None:
+    """members/<name> in etcd: another broker's record under that name (another address) is left as
+    it is and named in MemberNameTakenError; this node's from before it restarted (its address) is
+    taken over at once."""
+
+    async def main() -> None:
+        first, twin, restarted, reader = (
+            EtcdCoordinator([etcd.url], prefix="/amqtt-durable/t/", ttl=5, timeout=1.0) for _ in range(4)
+        )
+        mine = Member("b", "backup", 9, 100, True, "127.0.0.1:7001")
+        await first.publish_member(mine)
+        with pytest.raises(MemberNameTakenError) as taken:
+            await twin.publish_member(Member("b", "backup", 9, 5, False, "127.0.0.1:7002"))
+        assert taken.value.holder == mine and "127.0.0.1:7001" in str(taken.value)
+        await first.publish_member(mine)  # still its own: renewed and rewritten
+        assert await reader.members() == [mine]
+        again = Member("b", "backup", 9, 101, True, "127.0.0.1:7001")
+        await restarted.publish_member(again)  # the same address, a new process: its old record taken over
+        assert await reader.members() == [again]
+        await first.withdraw_member()  # the old process's lease no longer holds the record
+        assert await reader.members() == [again]
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_two_unnamed_backups_are_one_name_backup_and_the_second_is_refused(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """docs/replication.md, `name`: a backup without one is `backup`; a second one is refused as a
+    second backup under any connected name is."""
+    primary = start(node(broker_factory, "p", role="primary"), SERVING)
+
+    def unnamed() -> Broker:  # node()'s broker without replication.name
+        replication = {"listen": f"{HOST}:{free_port()}", "role": "backup", "primary": address(primary)}
+        return broker_factory(start=False, name="u", replication=replication)
+
+    first = start(unnamed(), BACKUP)
+    rows = wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])["backups"]
+    assert rows[0]["name"] == "backup"
+    second = start(unnamed(), BACKUP)
+    refused_twin(first, second)
+    assert "refused backup name backup from" in primary.log()
+    shown = run_cli("inspect", "--replication", address(second))
+    assert shown.returncode == 0 and "is in use by the backup connected from" in shown.stdout, shown
+    assert [row["name"] for row in status(primary)["backups"]] == ["backup"]
+
+
+async def hello(port: int, name: str, instance: int) -> tuple[asyncio.StreamWriter, Frame, bytes]:
+    """A backup's connection as a HELLO from ``name``/``instance`` at batch 0; the primary's first answer."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    writer.write(encode_frame(Frame.HELLO, Hello(0, 0, 0, name, instance=instance).encode()))
+    kind, payload = await bounded(read_frame(reader))
+    return writer, kind, payload
+
+
+def test_a_reconnect_of_the_same_backup_replaces_its_old_connection_another_instance_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backup whose old connection the primary has not seen end (half-dead TCP) reconnects: the
+    same broker process (its HELLO's instance) takes the name over at once, never locked out; a
+    HELLO under that name from another process gets an ERROR frame, logged once a minute."""
+
+    async def scenario() -> None:
+        primary = await started_primary(tmp_path / "p")
+        backup = new_backup(tmp_path, "b")
+        old = asyncio.create_task(backup.run(HOST, primary.port))  # one connection, not retried
+        await bounded(backup.in_sync_event.wait())
+        [row] = primary.status()
+        for _ in range(2):
+            writer, kind, payload = await hello(primary.port, "b", backup.instance + 1)
+            assert kind == Frame.ERROR and NAME_IN_USE in payload.decode(), payload
+            assert f"{NAME_IN_USE} {row['peer']}" in payload.decode()
+            writer.close()
+        assert [r["peer"] for r in primary.status()] == [row["peer"]] and not old.done()
+
+        writer, kind, _ = await hello(primary.port, "b", backup.instance)
+        assert kind == Frame.SNAP_BEGIN  # store 0 at batch 0: served, not refused
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await bounded(old)  # the old connection was closed by the primary
+        [again] = primary.status()
+        assert again["name"] == "b" and again["peer"] != row["peer"]
+        writer.close()
+        await primary.close()
+        backup.db.close()
+        primary.db.close()
+
+    with caplog.at_level(logging.INFO, logger="amqtt_durable.replication"):
+        asyncio.run(scenario())
+    refusals = [r for r in caplog.records if r.levelno == logging.ERROR and "refused backup name b" in r.message]
+    assert len(refusals) == 1, [r.message for r in refusals]  # the second within a minute: counted, not logged
+    assert any("replaced by its new connection" in r.message for r in caplog.records)
+
+
+def test_a_backup_that_takes_nothing_is_dropped_by_the_ack_watchdog_and_its_name_is_free(tmp_path: Path) -> None:
+    """A backup in sync that stops reading (its machine lost with batches in flight: keepalive
+    never probes such a connection) is aborted after ack_timeout, not closed (a close waits for a
+    write buffer that never empties), and dropped at once: a backup under its name is served
+    within the bound. Its connection carries TCP keepalive and TCP_USER_TIMEOUT (read back)."""
+
+    async def scenario() -> None:
+        dropped = asyncio.Event()
+
+        def changed(link: BackupLink, what: str) -> None:
+            if what.startswith("no ack for"):
+                dropped.set()
+
+        primary = await started_primary(tmp_path / "p", log_max_bytes=256 << 20, ack_timeout=0.5, on_change=changed)
+        await bounded(commit(primary, ops_for(1)))  # no backup: acknowledged at once
+        head = (primary.store_id, 1, primary.log.crc_of(1) or 0)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few KiB
+        sock.connect((HOST, primary.port))
+        reader, stalled = await asyncio.open_connection(sock=sock)
+        stalled.write(encode_frame(Frame.HELLO, Hello(*head, "b", instance=7).encode()))
+        kind, _ = await bounded(read_frame(reader))
+        assert kind == Frame.IN_SYNC
+        [link] = primary.links.values()
+        served = link.writer.get_extra_info("socket") if link.writer is not None else None
+        assert served is not None
+        assert served.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        options = [
+            served.getsockopt(socket.IPPROTO_TCP, getattr(socket, o))
+            for o in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT")
+        ]
+        assert options == list(KEEPALIVE)
+        assert served.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == USER_TIMEOUT_MS == 25_000
+        for n in range(2, 42):  # 10 MiB the peer never reads: the primary's write buffer stays full
+            commit(primary, [(b"big" + n.to_bytes(8, "big"), secrets.token_bytes(256 * 1024))])
+        assert link.writer is not None and link.writer.transport.get_write_buffer_size() > 0
+        writer, kind, _ = await hello(primary.port, "b", 8)
+        assert kind == Frame.ERROR  # the name is still the stalled backup's
+        writer.close()
+        await bounded(dropped.wait(), 2.0)  # ack_timeout 0.5 s, checked every 0.125 s
+        assert not primary.links  # dropped in the same loop pass, not once its buffer drains
+        writer, kind, _ = await hello(primary.port, "b", 8)
+        assert kind != Frame.ERROR, kind  # the name is free: the replacement is served
+        writer.close()
+        stalled.close()
+        await primary.close()
+        primary.db.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_backup_falls_back_to_a_hello_without_its_instance_for_an_earlier_versions_primary(tmp_path: Path) -> None:
+    """An earlier version's primary reads all of the HELLO after its header as the name (UTF-8)
+    and closes the channel when that fails: the instance's 0xFF byte always fails it, and the
+    backup's next HELLO to that primary leaves the instance out (read there as the name it is)."""
+    names: list[str] = []
+
+    async def earlier_primary(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _, payload = await read_frame(reader)
+        try:
+            names.append(payload[len(Hello(0, 0, 0, "").encode()) :].decode("utf-8"))  # its Hello.decode
+            writer.write(encode_frame(Frame.ERROR, f"served {names[-1]}".encode()))  # then its answer
+            await writer.drain()
+        except UnicodeDecodeError:
+            pass  # its FrameError: the connection closed, no frame
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(earlier_primary, HOST, 0)
+        port = server.sockets[0].getsockname()[1]
+        backup = new_backup(tmp_path, "b")
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await bounded(backup.run(HOST, port))
+        assert names == [] and backup.plain_hello == {f"{HOST}:{port}"}
+        with pytest.raises(AuthError, match=r"served b$"):  # answered: the form stays
+            await bounded(backup.run(HOST, port))
+        with pytest.raises(AuthError, match=r"served b$"):
+            await bounded(backup.run(HOST, port))
+        assert names == ["b", "b"] and backup.plain_hello == {f"{HOST}:{port}"}
+        server.close()
+        await server.wait_closed()
+        backup.db.close()
+
+    asyncio.run(scenario())
