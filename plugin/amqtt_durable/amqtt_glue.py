@@ -175,6 +175,7 @@ from amqtt.mqtt.pubrec import PubrecPacket
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
 from transitions import MachineError
+from websockets.exceptions import ConnectionClosed
 
 from durable_protocol import CONTROL_PREFIX, filter_is_valid
 
@@ -2049,7 +2050,7 @@ def _wrap_handler(
             await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
         if authorize and session.client_id:
             await _connect_durable(broker, engine, handler, session)
-        await original_connack(authorize)
+        await _send_connack(handler, session, original_connack, authorize)
 
     handler.handle_publish = handle_publish
     handler.mqtt_connack_authorize = connack_authorize
@@ -2062,6 +2063,23 @@ def _wrap_handler(
     _one_queue_of_subscription_changes(handler)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
     handler._retry_deliveries = _retry_without_waiting_for_pubrel(handler)
+
+
+async def _send_connack(
+    handler: Any, session: Any, original_connack: Callable[[bool], Awaitable[None]], authorize: bool
+) -> None:
+    """amqtt's CONNACK. A client that closed before it: amqtt's write catches only a reset, so over
+    a websocket websockets' ConnectionClosed escaped its connection handling (an ERROR "connection
+    handler failed") and nothing after ran: no attach, no detach, so a new durable session never
+    expired (and held its place of max_durable_sessions), and amqtt kept its Session "connected"
+    for ever. The connection now ends as any other: its loop runs, finds it closed (attach does
+    nothing) and its end starts the session's expiry clock; amqtt forgets a clean one's Session."""
+    try:
+        await original_connack(authorize)
+    except (ConnectionClosed, OSError) as exc:
+        log.debug("%s: the connection closed before its CONNACK: %r", session.client_id, exc)
+        handler.writer.is_closed = True  # HandlerTransport.closed: nothing more is written to it
+        await handler.handle_connection_closed()
 
 
 def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
