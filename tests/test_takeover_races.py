@@ -12,14 +12,41 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from raw_mqtt_helpers import connect_packet, read_exactly
+import pytest
+from raw_mqtt_helpers import connect_packet, raw_subscribe, read_exactly, read_packet
 from test_hostile_amqtt_sessions import PROBE_PLUGIN, StuckWebsocket, amqtt_table
+from test_hostile_wire import read_until_closed
 from test_recovery_and_crash import EXPIRED_TOPIC
+from test_subscribe_order import stuck_on_big_retained_messages, subscribe
 
 from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client
 
 CONNACK_ACCEPTED = b"\x20\x02\x00\x00"
+GATED_AUTH = '''
+import asyncio
+from pathlib import Path
+
+from amqtt.plugins.base import BaseAuthPlugin
+
+ENTERED = Path({entered!r})
+GATE = Path({gate!r})
+
+
+class GatedAuth(BaseAuthPlugin):
+    """User "slow" waits until the test opens the gate (bounded), then passes; user "bad" fails."""
+
+    async def authenticate(self, *, session):
+        if session.username == "bad":
+            return False
+        if session.username == "slow":
+            ENTERED.write_text("1")
+            for _ in range(600):
+                if GATE.exists():
+                    break
+                await asyncio.sleep(0.05)
+        return True
+'''
 
 
 def expired_ids(messages: list) -> set[str]:  # type: ignore[type-arg]
@@ -81,3 +108,66 @@ def test_clean_websocket_connections_closed_before_their_connack_leave_no_amqtt_
     )
     log = broker.log()
     assert "connection handler failed" not in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("first_clean", "second_clean"),
+    [(True, True), (True, False), (False, True), (False, False)],
+    ids=["clean-clean", "clean-durable", "durable-clean", "durable-durable"],
+)
+def test_of_two_connects_read_during_a_take_over_wait_the_newer_one_ends_the_older(
+    broker: Broker, clients: Callable[..., Client], first_clean: bool, second_clean: bool
+) -> None:
+    """MQTT-3.1.4-2. The connection of "dev" is stuck with a SUBSCRIBE waiting behind (a take-over
+    waits up to 5 s for it); a first CONNECT of "dev" starts that take-over and a second is read
+    while it waits. Before the fix, when either was clean, both got CONNACK and the first was never
+    ended: clean then durable, the durable one (SUBACK 0) got nothing, the clean one the message."""
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    with stuck_on_big_retained_messages(broker.port, "dev", publisher) as stuck:
+        stuck.sendall(subscribe("c/#", 2)[0])  # one more SUBSCRIBE waits behind: the take-over waits
+        first = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        second = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        with first, second:
+            first.sendall(connect_packet("dev", clean=first_clean))
+            marker = "a clean CONNECT takes the client id over" if first_clean else "dev is already connected"
+            assert broker.wait_until(lambda: marker in broker.log(), WAIT), broker.log()[-2000:]
+            second.sendall(connect_packet("dev", clean=second_clean))
+            assert read_exactly(first, 4) == CONNACK_ACCEPTED
+            present = not first_clean and not second_clean  # the session the first one created
+            assert read_exactly(second, 4) == bytes((0x20, 2, present, 0))
+            assert read_until_closed(first, WAIT) is not None, "the older connection was not ended"
+            assert raw_subscribe(second, "t/#", 1) == 1
+            publisher.publish("t/1", [b"to the newest"], qos=1)
+            first_byte, body = read_packet(second)
+            assert first_byte >> 4 == 3 and body.endswith(b"to the newest"), (first_byte, body)
+
+
+def test_a_connect_that_waited_for_its_turn_is_authenticated_before_it_takes_the_connection_over(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """The first CONNECT of "dev" (clean) is slow to authenticate and holds the client id's turn; a
+    clean CONNECT of "dev" with wrong credentials, read meanwhile, was not authenticated as it was
+    read (amqtt held no Session of "dev" then) and waits. When its turn comes amqtt holds the first
+    one's: it is refused (CONNACK 5) before amqtt's delete_session ends the first connection."""
+    entered, gate = tmp_path / "entered", tmp_path / "gate"
+    (tmp_path / "gated_auth.py").write_text(GATED_AUTH.format(entered=str(entered), gate=str(gate)))
+    broker = broker_factory(start=False)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["gated_auth.GatedAuth"] = {}
+    broker.start()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    first = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    intruder = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    with first, intruder:
+        first.sendall(connect_packet("dev", clean=True, username="slow"))
+        assert broker.wait_until(entered.exists, WAIT)
+        intruder.sendall(connect_packet("dev", clean=True, username="bad"))
+        waits = "dev: CONNECT waits for the client id's earlier CONNECT to be answered"
+        assert broker.wait_until(lambda: waits in broker.log(), WAIT), broker.log()[-2000:]
+        gate.write_text("1")
+        assert read_exactly(first, 4) == CONNACK_ACCEPTED
+        assert read_exactly(intruder, 4) == b"\x20\x02\x00\x05"
+        assert raw_subscribe(first, "t/#", 0) == 0, "the first connection was ended by a refused CONNECT"
+        publisher.publish("t/1", [b"still here"], qos=0)
+        first_byte, body = read_packet(first)
+        assert first_byte >> 4 == 3 and body.endswith(b"still here"), (first_byte, body)

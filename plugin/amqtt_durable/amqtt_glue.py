@@ -488,8 +488,10 @@ def _install_connect_hooks() -> None:
         if plugin is None or not session.client_id:
             return handler, session
         try:
-            await _check_connect(plugin, session, writer, plugins_manager)
+            checked = await _check_connect(plugin, session, writer, plugins_manager)
+            await _take_connect_turn(plugin, session, writer, plugins_manager, checked=checked)
         except MQTTError:
+            _end_connect_turn(writer)
             _release_reservation(plugin.engine, writer)  # a refused CONNECT's place is free at once
             raise
         return handler, session
@@ -524,7 +526,7 @@ def _will_problem(session: Any) -> str | None:
     return publish_topic_problem(session.will_topic or "")
 
 
-async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> None:
+async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> bool:
     """The checks of a CONNECT that must come before amqtt touches anything (see
     _install_connect_hooks): amqtt ends a live connection of the client id (a take-over, or our
     delete_session for a clean CONNECT) before the CONNACK, and MQTT 3.1.4 has that happen only
@@ -551,13 +553,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     if _timed_out(writer):  # after the last await: nothing of a CONNECT closed at connect_timeout is acted on
         raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout while it was checked")
     if not authentic:
-        log.warning(
-            "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
-            session.client_id,
-            session.username,
-        )
-        await _refuse_read_connect(writer, plugins_manager)
-        raise MQTTError(f"CONNECT of {session.client_id!r}: authentication failed")
+        await _refuse_unauthentic(session, writer, plugins_manager)
     if unwritable is not None:
         log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, unwritable)
         await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
@@ -573,12 +569,51 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
             await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
             raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
     if checked:
-        plugin.authenticated[session.client_id] = (session.username, session.password)
-        # Its checks are done: what is left (a take-over's wait for the older connection) is the
-        # broker's work, not the client's, and must not close it at connect_timeout.
-        deadline = getattr(writer, "durable_connect_deadline", None)
-        if deadline is not None:
-            deadline.cancel()
+        _checks_passed(plugin, session, writer)
+    return checked
+
+
+async def _take_connect_turn(
+    plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any, *, checked: bool
+) -> None:
+    """After its checks (``checked``: authenticated as it was read), a CONNECT waits for its client
+    id's turn (``ConnectTurns``), given back at its CONNACK or its connection's end."""
+    if plugin.connect_turns.busy(session.client_id):
+        log.info("%s: CONNECT waits for the client id's earlier CONNECT to be answered", session.client_id)
+    writer.durable_connect_turn = await plugin.connect_turns.take(session.client_id)
+    if _timed_out(writer):  # closed at connect_timeout while it waited for its turn
+        raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout while it waited for its turn")
+    if not checked and session.client_id in plugin.broker._sessions:
+        # A CONNECT of the client id got its CONNACK while this one waited for its turn: amqtt
+        # would take that connection over before it checks this one's credentials.
+        authentic = await plugin.broker._authenticate(session, None)
+        if _timed_out(writer):
+            raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout while it was checked")
+        if not authentic:
+            await _refuse_unauthentic(session, writer, plugins_manager)
+        _checks_passed(plugin, session, writer)
+
+
+def _checks_passed(plugin: DurableSessionsPlugin, session: Any, writer: Any) -> None:
+    """A CONNECT authenticated as it was read (amqtt is told, ``authenticated``): what is left (the
+    wait for its client id's turn, a take-over's wait for the older connection, the broker's store
+    work for its CONNACK) is the broker's work, not the client's, and must not close it at
+    connect_timeout."""
+    plugin.authenticated[session.client_id] = (session.username, session.password)
+    deadline = getattr(writer, "durable_connect_deadline", None)
+    if deadline is not None:
+        deadline.cancel()
+
+
+async def _refuse_unauthentic(session: Any, writer: Any, plugins_manager: Any) -> NoReturn:
+    """A CONNECT whose credentials failed as it was read: CONNACK 5, MQTTError."""
+    log.warning(
+        "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
+        session.client_id,
+        session.username,
+    )
+    await _refuse_read_connect(writer, plugins_manager)
+    raise MQTTError(f"CONNECT of {session.client_id!r}: authentication failed")
 
 
 async def _check_owner(
@@ -656,6 +691,62 @@ _CONNECTING: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_conne
 (``initialize_client_session`` to ``connack_authorize``): a ``stop()`` of another connection in
 that time is amqtt's take-over of a client id whose (durable) Session it keeps (see
 ``_stop_waiting_for_a_reader_that_may_never_run``)."""
+
+
+class ConnectTurns:
+    """One CONNECT of a client id at a time from the end of its checks (``_check_connect``) to its
+    CONNACK, in the order their checks ended (MQTT-3.1.4-2: the newest connection wins, every
+    older one is closed). amqtt ends only the connection its table holds for the client id (its
+    take-over, or ``delete_session`` for a clean CONNECT) and puts a CONNECT's own there just before
+    its CONNACK: two CONNECTs read while a take-over waited for the older connection (up to 5 s)
+    each ended that one and neither ended the other, so both stayed connected (a durable one then
+    got nothing, the clean one its messages). In turn, each finds the one before it in amqtt's
+    table and ends it, and the engine sees their CONNECTs in the same order."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, tuple[asyncio.Lock, int]] = {}
+        """Client id -> (its lock, the CONNECTs holding or waiting for it); no entry when none."""
+
+    async def take(self, client_id: str) -> Callable[[], None]:
+        """Wait for the client id's turn; returns what gives it back (once, at the CONNACK or the end)."""
+        lock, users = self._queues.get(client_id, (None, 0))
+        if lock is None:
+            lock = asyncio.Lock()
+        self._queues[client_id] = (lock, users + 1)
+        try:
+            await lock.acquire()
+        except BaseException:
+            self._leave(client_id)
+            raise
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                lock.release()
+                self._leave(client_id)
+
+        return give_back
+
+    def busy(self, client_id: str) -> bool:
+        """Does a CONNECT of the client id hold its turn (``take`` would wait)?"""
+        return client_id in self._queues
+
+    def _leave(self, client_id: str) -> None:
+        lock, users = self._queues[client_id]
+        if users == 1:
+            del self._queues[client_id]
+        else:
+            self._queues[client_id] = (lock, users - 1)
+
+
+def _end_connect_turn(writer: Any) -> None:
+    """This connection's CONNECT gives its client id's turn back (``ConnectTurns``), if it holds it."""
+    give_back: Callable[[], None] | None = getattr(writer, "durable_connect_turn", None)
+    if give_back is not None:
+        writer.durable_connect_turn = None
+        give_back()
 
 
 class _RoutineRefusalFilter(logging.Filter):
@@ -1057,6 +1148,7 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self.start_failure: str | None = None
         """Why the plugin's part of the start failed (see _start_failed); None: it did not."""
         self.keepalive_limit = KeepAliveLimit(config.max_keepalive, config.drop_log_interval)
+        self.connect_turns = ConnectTurns()
         self.authenticated: dict[str, tuple[str | None, str | None]] = {}
         """Client id -> (username, password) of a CONNECT authenticated as it was read (see
         _install_connect_hooks), so amqtt's own check of it need not verify the password again."""
@@ -1520,6 +1612,7 @@ class AmqttHooks:
         try:
             await self._original_client_connected(listener_name, reader, writer)
         finally:
+            _end_connect_turn(writer)
             await close_socket(writer)
             _release_reservation(self.engine, writer)
 
@@ -2080,6 +2173,8 @@ async def _send_connack(
         log.debug("%s: the connection closed before its CONNACK: %r", session.client_id, exc)
         handler.writer.is_closed = True  # HandlerTransport.closed: nothing more is written to it
         await handler.handle_connection_closed()
+    finally:
+        _end_connect_turn(handler.writer)  # the client id's next CONNECT takes this connection over
 
 
 def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
