@@ -569,7 +569,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
             await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
             raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
     if checked:
-        _checks_passed(plugin, session, writer)
+        _authenticated(plugin, session)
     return checked
 
 
@@ -577,32 +577,26 @@ async def _take_connect_turn(
     plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any, *, checked: bool
 ) -> None:
     """After its checks (``checked``: authenticated as it was read), a CONNECT waits for its client
-    id's turn (``ConnectTurns``), given back at its CONNACK or its connection's end."""
-    if plugin.connect_turns.busy(session.client_id):
-        log.info("%s: CONNECT waits for the client id's earlier CONNECT to be answered", session.client_id)
-    writer.durable_connect_turn = await plugin.connect_turns.take(session.client_id)
-    if _timed_out(writer):  # closed at connect_timeout while it waited for its turn
-        raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout while it waited for its turn")
-    if not checked and session.client_id in plugin.broker._sessions:
-        # A CONNECT of the client id got its CONNACK while this one waited for its turn: amqtt
-        # would take that connection over before it checks this one's credentials.
-        authentic = await plugin.broker._authenticate(session, None)
-        if _timed_out(writer):
-            raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout while it was checked")
-        if not authentic:
-            await _refuse_unauthentic(session, writer, plugins_manager)
-        _checks_passed(plugin, session, writer)
-
-
-def _checks_passed(plugin: DurableSessionsPlugin, session: Any, writer: Any) -> None:
-    """A CONNECT authenticated as it was read (amqtt is told, ``authenticated``): what is left (the
-    wait for its client id's turn, a take-over's wait for the older connection, the broker's store
-    work for its CONNACK) is the broker's work, not the client's, and must not close it at
-    connect_timeout."""
-    plugin.authenticated[session.client_id] = (session.username, session.password)
+    id's turn (``ConnectTurns``), given back at its CONNACK or its connection's end. What is left
+    from here (that wait, a take-over's wait for the older connection, the broker's store work for
+    the CONNACK) is the broker's work, not the client's: it does not count against connect_timeout."""
     deadline = getattr(writer, "durable_connect_deadline", None)
     if deadline is not None:
         deadline.cancel()
+    if plugin.connect_turns.busy(session.client_id):
+        log.info("%s: CONNECT waits for the client id's earlier CONNECT to be answered", session.client_id)
+    writer.durable_connect_turn = await plugin.connect_turns.take(session.client_id)
+    if not checked and session.client_id in plugin.broker._sessions:
+        # A CONNECT of the client id got its CONNACK while this one waited for its turn: amqtt
+        # would take that connection over before it checks this one's credentials.
+        if not await plugin.broker._authenticate(session, None):
+            await _refuse_unauthentic(session, writer, plugins_manager)
+        _authenticated(plugin, session)
+
+
+def _authenticated(plugin: DurableSessionsPlugin, session: Any) -> None:
+    """A CONNECT authenticated as it was read: amqtt's own check of it passes without asking again."""
+    plugin.authenticated[session.client_id] = (session.username, session.password)
 
 
 async def _refuse_unauthentic(session: Any, writer: Any, plugins_manager: Any) -> NoReturn:
@@ -1081,8 +1075,10 @@ class HandlerTransport:
 
     async def end(self) -> None:
         """End this connection as amqtt's own take-over does (MQTT-3.1.4-2): its message loop sees
-        the connection closed and runs amqtt's disconnect (the will included)."""
-        await end_connection(self._handler)
+        the connection closed and runs amqtt's disconnect (the will, unless a DISCONNECT was read
+        before the close), and the connection is let go once its changes are applied (a websocket
+        aborted, not waited for)."""
+        await take_over(self._handler)
 
     def take_ack(self, kind: AckKind, packet_id: int) -> bool:
         """True when the ack was for a message the pump sent (and it has been handled)."""
@@ -1633,14 +1629,11 @@ class AmqttHooks:
 
     async def initialize_client_session(self, reader: Any, writer: Any, *args: Any) -> tuple[Any, Any]:
         deadline = asyncio.get_running_loop().call_later(self.engine.config.connect_timeout, self.end_silent, writer)
-        writer.durable_connect_deadline = deadline  # cancelled once a checked CONNECT passed (_check_connect)
+        writer.durable_connect_deadline = deadline  # cancelled once its checks passed (_take_connect_turn)
         try:
             handler, session = await self._original_initialize(reader, writer, *args)
         finally:
             deadline.cancel()
-        if _timed_out(writer):  # during amqtt's delete_session of a clean CONNECT: no CONNACK, no session
-            self.authenticated.pop(session.client_id, None)
-            raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout")
         _CONNECTING.set(handler)  # until its CONNACK: amqtt may take a live connection of the client id over
         reader.durable_client_id = session.client_id  # for the decoder checks' log lines
         session.clean_session = handler.connect_clean_session
@@ -1693,16 +1686,15 @@ class AmqttHooks:
     async def delete_session(self, client_id: str) -> None:
         """A clean CONNECT of a client id whose connection is live: amqtt deleted the Session and
         left that connection open (its take-over runs only for a Session it keeps). MQTT-3.1.4-2:
-        the existing client is disconnected, as amqtt's take-over does (its will is published),
-        without waiting for it once its SUBSCRIBEs and UNSUBSCRIBEs are applied (``durable_let_go``):
-        the CONNECT waited, with its ``connect_timeout``
-        running, for the closing handshake of a websocket client that does not answer it (10 s),
+        the existing client is disconnected, as amqtt's take-over does (``take_over``: its will is
+        published, unless it sent DISCONNECT before it was closed), without waiting for it once its
+        SUBSCRIBEs and UNSUBSCRIBEs are applied (``durable_let_go``): the CONNECT waited, with its
+        ``connect_timeout`` running, for the closing handshake of a websocket client that does not answer it (10 s),
         was closed at connect_timeout with no CONNACK, and so was every reconnect until then."""
         session, handler = self.broker._sessions.get(client_id, (None, None))
         if session is not None and handler is not None and session.transitions.is_connected():
             log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
-            await end_connection(handler)
-            await handler.durable_let_go()
+            await take_over(handler)
             await handler.stop()
         await self._original_delete_session(client_id)
 
@@ -1723,7 +1715,7 @@ class AmqttHooks:
                 await displaced.end()
             if durable and self.engine.superseded(session.client_id, transport):
                 log.info("%s: a newer connection has the durable session: ending this one", session.client_id)
-                await end_connection(handler)
+                await handler.handle_connection_closed()  # as a take-over (``take_over``)
             await self._original_message_loop(session, handler)
         finally:
             handler.durable_control.stop()
@@ -2151,9 +2143,11 @@ def _wrap_handler(
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, handler.handle_pubrel)
+    # The changes' queue first: _keep_the_disconnect's wait_disconnect then answers once the changes
+    # are applied, so a DISCONNECT read meanwhile (during a take-over's wait) discards the will.
+    _one_queue_of_subscription_changes(handler)
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
-    _one_queue_of_subscription_changes(handler)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
     handler._retry_deliveries = _retry_without_waiting_for_pubrel(handler)
 
@@ -2293,10 +2287,21 @@ def _released(handler: Any, session: Any, packet_id: int, pubrel: Any) -> None:
     handler.durable_transport.write(encode_pubcomp(packet_id))
 
 
+async def take_over(handler: Any) -> None:
+    """End the connection of a client id a newer CONNECT takes over (MQTT-3.1.4-2), as amqtt's own
+    take-over does: its message loop sees it closed and runs amqtt's disconnect, whose will is
+    published unless the connection sent DISCONNECT before it was closed (MQTT-3.14.4-3: read
+    while the take-over waited for its SUBSCRIBEs and UNSUBSCRIBEs, it discards the will, as on
+    amqtt's take-over; a clean CONNECT's published it); it is let go once those are applied
+    (``durable_let_go``: a websocket aborted, not waited for)."""
+    await handler.handle_connection_closed()
+    await handler.durable_let_go()
+
+
 async def end_connection(handler: Any) -> None:
     """End a connection on the server's decision (a protocol violation, a publish that could not be
-    stored, a newer connection taking its session): its will is published (MQTT-3.1.2-8), whatever
-    the client sends after (see ``_keep_the_disconnect``)."""
+    stored): its will is published (MQTT-3.1.2-8), whatever the client sends after (see
+    ``_keep_the_disconnect``). A take-over is ``take_over``."""
     handler.durable_ended = True
     await handler.handle_connection_closed()
 

@@ -88,3 +88,33 @@ def test_an_attach_dropped_after_stopping_the_live_connection_s_pump_has_that_co
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_with_session_expiry_0_a_session_ends_with_its_last_connection_after_a_newer_connect_closed_unattached(
+    tmp_path: Path,
+) -> None:
+    """Review: the older connection is attached, a newer CONNECT accepted, and the newer connection
+    closes before it attaches (the broker now takes the older one over before the newer CONNACK;
+    this was reachable through it when two CONNECTs were read at the same time). The newer one's
+    end left its CONNECT's grace (CONNECT_GRACE, 30 s) on the session while the older stayed
+    attached, so with session_expiry 0 the session outlived its last connection by up to 30 s. It
+    expires when the older one ends."""
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=str(tmp_path / "store"), session_expiry=0))
+        engine.open()
+        try:
+            older, newer = RecordingTransport(), RecordingTransport()
+            await engine.connect("dev", clean_session=False, transport=older)
+            assert await engine.attach("dev", older) is None
+            assert await engine.connect("dev", clean_session=False, transport=newer) is True
+            await engine.detach("dev", newer)  # closed before it attached
+            session = engine.sessions["dev"]
+            assert session.transport is older and session.connecting_until == 0.0
+            await engine.detach("dev", older)  # the session's last connection
+            await engine._expire_due()
+            assert "dev" not in engine.sessions, "the session outlived its last connection with session_expiry 0"
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
