@@ -579,19 +579,22 @@ async def _take_connect_turn(
     """After its checks (``checked``: authenticated as it was read), a CONNECT waits for its client
     id's turn (``ConnectTurns``), given back at its CONNACK or its connection's end. What is left
     from here (that wait, a take-over's wait for the older connection, the broker's store work for
-    the CONNACK) is the broker's work, not the client's: it does not count against connect_timeout."""
+    the CONNACK) is the broker's work, not the client's: it does not count against connect_timeout.
+
+    Any other CONNECT's credentials are checked before its turn too (not bounded by connect_timeout,
+    as amqtt's own check after it was not): one slow to authenticate, or failing, never holds up
+    another CONNECT of its client id, and one that fails never reaches amqtt's take-over of the
+    connection an earlier CONNECT of its client id made meanwhile."""
     deadline = getattr(writer, "durable_connect_deadline", None)
     if deadline is not None:
         deadline.cancel()
-    if plugin.connect_turns.busy(session.client_id):
-        log.info("%s: CONNECT waits for the client id's earlier CONNECT to be answered", session.client_id)
-    writer.durable_connect_turn = await plugin.connect_turns.take(session.client_id)
-    if not checked and session.client_id in plugin.broker._sessions:
-        # A CONNECT of the client id got its CONNACK while this one waited for its turn: amqtt
-        # would take that connection over before it checks this one's credentials.
+    if not checked:
         if not await plugin.broker._authenticate(session, None):
             await _refuse_unauthentic(session, writer, plugins_manager)
         _authenticated(plugin, session)
+    if plugin.connect_turns.busy(session.client_id):
+        log.info("%s: CONNECT waits for the client id's earlier CONNECT to be answered", session.client_id)
+    writer.durable_connect_turn = await plugin.connect_turns.take(session.client_id)
 
 
 def _authenticated(plugin: DurableSessionsPlugin, session: Any) -> None:
