@@ -48,6 +48,27 @@ class GatedAuth(BaseAuthPlugin):
         return True
 '''
 
+ONE_TIME_AUTH = '''
+from pathlib import Path
+
+from amqtt.plugins.base import BaseAuthPlugin
+
+CALLS = Path({calls!r})
+
+
+class OneTimeAuth(BaseAuthPlugin):
+    """User "bad" fails; user "otp" holds a one-time credential: only its first check passes (counted)."""
+
+    async def authenticate(self, *, session):
+        if session.username == "bad":
+            return False
+        if session.username == "otp":
+            calls = int(CALLS.read_text()) if CALLS.exists() else 0
+            CALLS.write_text(str(calls + 1))
+            return calls == 0
+        return True
+'''
+
 
 def expired_ids(messages: list) -> set[str]:  # type: ignore[type-arg]
     return {json.loads(m.payload)["client_id"] for m in messages if m.topic == EXPIRED_TOPIC}
@@ -173,3 +194,33 @@ def test_a_connect_slow_to_authenticate_holds_up_no_other_connect_of_its_client_
         gate.write_text("1")
         assert read_exactly(slow, 4) == CONNACK_ACCEPTED
         assert read_until_closed(live, WAIT) is not None, "the slow CONNECT, answered last, did not take dev over"
+
+
+def test_a_failing_connect_does_not_use_up_anothers_checked_credentials(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """Review 307 (2). A clean CONNECT of "dev" with a one-time credential is checked as it is read
+    and waits, in its turn, for the take-over of the stuck connection; one with wrong credentials is
+    read meanwhile. Before the fix the failing one's check took the first one's record of checked
+    credentials (kept per client id), so amqtt checked the first one again after the take-over had
+    ended the live connection: the one-time credential failed, CONNACK 5."""
+    calls = tmp_path / "calls"
+    (tmp_path / "one_time_auth.py").write_text(ONE_TIME_AUTH.format(calls=str(calls)))
+    broker = broker_factory(start=False)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["one_time_auth.OneTimeAuth"] = {}
+    broker.start()
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    with stuck_on_big_retained_messages(broker.port, "dev", publisher) as stuck:
+        stuck.sendall(subscribe("c/#", 2)[0])  # one more SUBSCRIBE waits behind: the take-over waits
+        first = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        intruder = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        with first, intruder:
+            first.sendall(connect_packet("dev", clean=True, username="otp"))
+            marker = "a clean CONNECT takes the client id over"
+            assert broker.wait_until(lambda: marker in broker.log(), WAIT), broker.log()[-2000:]
+            intruder.sendall(connect_packet("dev", clean=True, username="bad"))
+            assert read_exactly(intruder, 4) == b"\x20\x02\x00\x05"
+            assert read_exactly(first, 4) == CONNACK_ACCEPTED, calls.read_text()
+            assert calls.read_text() == "1", "the one-time credential was checked more than once"
+            assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"

@@ -534,7 +534,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     write and the CONNECT needs a write, or when it would create a durable session past
     ``max_durable_sessions``, once its owner, will topic and credentials passed: a wrong password
     gets 5 then too, and tells nothing of the store) and raises MQTTError. A CONNECT that would
-    create a durable session is authenticated here (amqtt is told, ``authenticated``), so one whose
+    create a durable session is authenticated here (amqtt is told, ``_authenticated``), so one whose
     credentials are slow to check or fail holds no place meanwhile: the place is reserved after
     the last await. One whose connection was closed at ``connect_timeout`` meanwhile raises
     MQTTError after that await, with no CONNACK, whatever its credentials."""
@@ -549,7 +549,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     await _check_will_topic(broker, session, writer, plugins_manager)
     taken_over = session.client_id in broker._sessions
     checked = taken_over or unwritable is not None or durable_new
-    authentic = not checked or await broker._authenticate(session, None)
+    authentic = not checked or await plugin.hooks.check_credentials(session)
     if _timed_out(writer):  # after the last await: nothing of a CONNECT closed at connect_timeout is acted on
         raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout while it was checked")
     if not authentic:
@@ -569,7 +569,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
             await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
             raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
     if checked:
-        _authenticated(plugin, session)
+        _authenticated(session)
     return checked
 
 
@@ -589,17 +589,26 @@ async def _take_connect_turn(
     if deadline is not None:
         deadline.cancel()
     if not checked:
-        if not await plugin.broker._authenticate(session, None):
+        if not await plugin.hooks.check_credentials(session):
             await _refuse_unauthentic(session, writer, plugins_manager)
-        _authenticated(plugin, session)
+        _authenticated(session)
     if plugin.connect_turns.busy(session.client_id):
         log.info("%s: CONNECT waits for the client id's earlier CONNECT to be answered", session.client_id)
     writer.durable_connect_turn = await plugin.connect_turns.take(session.client_id)
 
 
-def _authenticated(plugin: DurableSessionsPlugin, session: Any) -> None:
+_VERIFIED: contextvars.ContextVar[tuple[str, str | None, str | None] | None] = contextvars.ContextVar(
+    "durable_verified", default=None
+)
+"""Set in a connection's task to (client id, username, password) once its CONNECT's credentials
+passed as it was read (``_authenticated``): amqtt's own check of that CONNECT, in the same task,
+passes without asking the plugins again (``AmqttHooks.authenticate``). Per connection: another
+CONNECT of the client id, whatever its credentials, neither sees nor takes it."""
+
+
+def _authenticated(session: Any) -> None:
     """A CONNECT authenticated as it was read: amqtt's own check of it passes without asking again."""
-    plugin.authenticated[session.client_id] = (session.username, session.password)
+    _VERIFIED.set((session.client_id, session.username, session.password))
 
 
 async def _refuse_unauthentic(session: Any, writer: Any, plugins_manager: Any) -> NoReturn:
@@ -1148,14 +1157,11 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         """Why the plugin's part of the start failed (see _start_failed); None: it did not."""
         self.keepalive_limit = KeepAliveLimit(config.max_keepalive, config.drop_log_interval)
         self.connect_turns = ConnectTurns()
-        self.authenticated: dict[str, tuple[str | None, str | None]] = {}
-        """Client id -> (username, password) of a CONNECT authenticated as it was read (see
-        _install_connect_hooks), so amqtt's own check of it need not verify the password again."""
         _install_session_states()
         _install_connect_hooks()
         _install_decoder_checks()
         _install_refusal_filter()
-        self.hooks = AmqttHooks(broker, self.engine, self.authenticated)
+        self.hooks = AmqttHooks(broker, self.engine)
         self.hooks.install()
 
     async def on_broker_pre_start(self) -> None:
@@ -1397,12 +1403,9 @@ class AmqttHooks:
     """The wrappers of the broker instance's internals listed in the module docstring: one method
     per internal, the originals kept to call through."""
 
-    def __init__(
-        self, broker: Any, engine: DurableEngine, authenticated: dict[str, tuple[str | None, str | None]]
-    ) -> None:
+    def __init__(self, broker: Any, engine: DurableEngine) -> None:
         self.broker = broker
         self.engine = engine
-        self.authenticated = authenticated
         self._original_authenticate = broker._authenticate
         self._original_client_connected = broker._client_connected
         self._original_initialize = broker._initialize_client_session
@@ -1514,9 +1517,14 @@ class AmqttHooks:
                 allowed[client_id] = qos
         return allowed
 
+    async def check_credentials(self, session: Any) -> bool:
+        """A CONNECT's credentials checked as it is read (amqtt's own check, by the auth plugins)."""
+        return bool(await self._original_authenticate(session, None))
+
     async def authenticate(self, session: Any, listener: Any) -> bool:
-        if self.authenticated.pop(session.client_id, None) == (session.username, session.password):
-            return True  # checked when its CONNECT was read, with these very credentials
+        if _VERIFIED.get() == (session.client_id, session.username, session.password):
+            _VERIFIED.set(None)
+            return True  # this connection's CONNECT was checked as it was read, with these very credentials
         authentic = bool(await self._original_authenticate(session, listener))
         if not authentic:  # amqtt next puts this CONNECT's Session over the client id's entry (_forget_refused)
             session.durable_entry_before = self.broker._sessions.get(session.client_id)
