@@ -196,6 +196,35 @@ def test_a_connect_slow_to_authenticate_holds_up_no_other_connect_of_its_client_
         assert read_until_closed(live, WAIT) is not None, "the slow CONNECT, answered last, did not take dev over"
 
 
+def test_another_users_connect_checked_before_its_turn_leaves_the_owners_connection_alone(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Review 307 (1). "dev" has no durable session; alice's durable CONNECT waits for a take-over
+    of the stuck connection and mallory's is read meanwhile: both pass the owner check as they are
+    read. alice's CONNACK makes her the owner. Before the fix, mallory's turn then came and amqtt's
+    take-over ended alice's connection before mallory was refused (CONNACK 5): the owner's
+    connection must stay up."""
+    broker = broker_factory()
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    with stuck_on_big_retained_messages(broker.port, "dev", publisher) as stuck:
+        stuck.sendall(subscribe("c/#", 2)[0])  # one more SUBSCRIBE waits behind: the take-over waits
+        alice = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        mallory = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        with alice, mallory:
+            alice.sendall(connect_packet("dev", clean=False, username="alice"))
+            assert broker.wait_until(lambda: "dev is already connected" in broker.log(), WAIT), broker.log()[-2000:]
+            mallory.sendall(connect_packet("dev", clean=False, username="mallory"))
+            waits = "waits for the client id's earlier CONNECT"
+            assert broker.wait_until(lambda: waits in broker.log(), WAIT), broker.log()[-2000:]
+            assert read_exactly(alice, 4) == CONNACK_ACCEPTED
+            assert read_exactly(mallory, 4) == b"\x20\x02\x00\x05"
+            assert read_until_closed(mallory, WAIT) is not None
+            assert raw_subscribe(alice, "t/#", 1) == 1, "alice's connection was ended"
+            publisher.publish("t/1", [b"to the owner"], qos=1)
+            first_byte, body = read_packet(alice)
+            assert first_byte >> 4 == 3 and body.endswith(b"to the owner"), (first_byte, body)
+
+
 def test_a_failing_connect_does_not_use_up_anothers_checked_credentials(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:

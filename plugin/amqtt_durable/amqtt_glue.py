@@ -584,7 +584,11 @@ async def _take_connect_turn(
     Any other CONNECT's credentials are checked before its turn too (not bounded by connect_timeout,
     as amqtt's own check after it was not): one slow to authenticate, or failing, never holds up
     another CONNECT of its client id, and one that fails never reaches amqtt's take-over of the
-    connection an earlier CONNECT of its client id made meanwhile."""
+    connection an earlier CONNECT of its client id made meanwhile.
+
+    In its turn the owner is checked again (CONNACK 5, the turn given back by the caller): a CONNECT
+    of another user of the client id, answered while this one waited, may have created its durable
+    session, and amqtt's take-over would end the owner's connection before the CONNACK's own check."""
     deadline = getattr(writer, "durable_connect_deadline", None)
     if deadline is not None:
         deadline.cancel()
@@ -595,6 +599,7 @@ async def _take_connect_turn(
     if plugin.connect_turns.busy(session.client_id):
         log.info("%s: CONNECT waits for the client id's earlier CONNECT to be answered", session.client_id)
     writer.durable_connect_turn = await plugin.connect_turns.take(session.client_id)
+    await _check_owner(plugin, session, writer, plugins_manager, " (its session was created while it waited its turn)")
 
 
 _VERIFIED: contextvars.ContextVar[tuple[str, str | None, str | None] | None] = contextvars.ContextVar(
