@@ -1097,6 +1097,12 @@ class HandlerTransport:
         aborted, not waited for)."""
         await take_over(self._handler)
 
+    async def fail(self) -> None:
+        """End this connection on the server's decision (a publish that could not be stored:
+        ``OrderedAcks``), not as a take-over: ``end_connection`` (its will published whatever it
+        sends after, nothing it sends after is handled)."""
+        await end_connection(self._handler)
+
     def take_ack(self, kind: AckKind, packet_id: int) -> bool:
         """True when the ack was for a message the pump sent (and it has been handled)."""
         if kind == "puback" and self.ack_runs is not None:
@@ -2315,9 +2321,11 @@ async def take_over(handler: Any) -> None:
 
 
 async def end_connection(handler: Any) -> None:
-    """End a connection on the server's decision (a protocol violation, a publish that could not be
-    stored): its will is published (MQTT-3.1.2-8), whatever the client sends after (see
-    ``_keep_the_disconnect``). A take-over is ``take_over``."""
+    """End a connection on the server's decision: a protocol violation (a malformed PUBLISH, a QoS 2
+    PUBLISH past ``max_awaiting_pubrel``), a keep-alive passed without any bytes (``FastReader``), a
+    publish that could not be stored (``HandlerTransport.fail``). Its will is published
+    (MQTT-3.1.2-8), whatever the client sends after (see ``_keep_the_disconnect``), and the plugin's
+    reader handles nothing it reads after (``FastReader``). A take-over is ``take_over``."""
     handler.durable_ended = True
     await handler.handle_connection_closed()
 
@@ -2895,7 +2903,7 @@ class OrderedAcks:
     async def _end(self) -> None:
         with contextlib.suppress(OSError):  # gone already: ending it is all that is left
             await self._transport.drain()  # the PUBACKs of the publishes stored before it
-        await self._transport.end()
+        await self._transport.fail()
 
 
 async def _read_some(stream: asyncio.StreamReader, idle: float | None) -> bytes | None:

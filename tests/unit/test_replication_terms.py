@@ -266,7 +266,7 @@ class EndingTransport(RecordingTransport):
         super().__init__()
         self.ended = asyncio.Event()
 
-    async def end(self) -> None:
+    async def fail(self) -> None:  # review 307 (3): not ``end``, which is a take-over
         self.ended.set()
 
 
