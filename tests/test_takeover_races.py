@@ -253,3 +253,28 @@ def test_a_failing_connect_does_not_use_up_anothers_checked_credentials(
             assert read_exactly(first, 4) == CONNACK_ACCEPTED, calls.read_text()
             assert calls.read_text() == "1", "the one-time credential was checked more than once"
             assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"
+
+
+def test_the_wait_for_a_client_ids_turn_is_bounded_by_connect_timeout(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Review 307 (4). The first CONNECT of "dev" holds the client id's turn while its take-over
+    waits (up to 5 s) for the stuck connection; a second one waits for the turn, holding a listener
+    slot, a place of its address and (durable) one of max_durable_sessions. Before the fix that wait
+    had no bound; now, past connect_timeout (1 s here) from its start, CONNACK 3 and the connection
+    closed, while the first CONNECT is still answered."""
+    broker = broker_factory(connect_timeout=1)
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    with stuck_on_big_retained_messages(broker.port, "dev", publisher) as stuck:
+        stuck.sendall(subscribe("c/#", 2)[0])  # one more SUBSCRIBE waits behind: the take-over waits
+        first = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        waiting = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        with first, waiting:
+            first.sendall(connect_packet("dev", clean=False))
+            assert broker.wait_until(lambda: "dev is already connected" in broker.log(), WAIT), broker.log()[-2000:]
+            waiting.sendall(connect_packet("dev", clean=False))
+            assert read_exactly(waiting, 4) == b"\x20\x02\x00\x03", broker.log()[-2000:]
+            assert read_until_closed(waiting, WAIT) is not None
+            assert "was not answered within connect_timeout (1 s)" in broker.log()
+            assert read_exactly(first, 4) == CONNACK_ACCEPTED
+            assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"

@@ -580,6 +580,7 @@ async def _take_connect_turn(
     id's turn (``ConnectTurns``), given back at its CONNACK or its connection's end. What is left
     from here (that wait, a take-over's wait for the older connection, the broker's store work for
     the CONNACK) is the broker's work, not the client's: it does not count against connect_timeout.
+    The wait for the turn is bounded by connect_timeout of its own, from its start: then CONNACK 3.
 
     Any other CONNECT's credentials are checked before its turn too (not bounded by connect_timeout,
     as amqtt's own check after it was not): one slow to authenticate, or failing, never holds up
@@ -598,7 +599,18 @@ async def _take_connect_turn(
         _authenticated(session)
     if plugin.connect_turns.busy(session.client_id):
         log.info("%s: CONNECT waits for the client id's earlier CONNECT to be answered", session.client_id)
-    writer.durable_connect_turn = await plugin.connect_turns.take(session.client_id)
+    limit = plugin.engine.config.connect_timeout
+    try:
+        writer.durable_connect_turn = await plugin.connect_turns.take(session.client_id, limit)
+    except TimeoutError:
+        log.warning(
+            "%s: CONNECT refused (CONNACK 3): the client id's earlier CONNECT was not answered within "
+            "connect_timeout (%g s) of this one's checks",
+            session.client_id,
+            limit,
+        )
+        await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
+        raise MQTTError(f"CONNECT of {session.client_id!r}: its turn did not come within connect_timeout") from None
     await _check_owner(plugin, session, writer, plugins_manager, " (its session was created while it waited its turn)")
 
 
@@ -718,14 +730,17 @@ class ConnectTurns:
         self._queues: dict[str, tuple[asyncio.Lock, int]] = {}
         """Client id -> (its lock, the CONNECTs holding or waiting for it); no entry when none."""
 
-    async def take(self, client_id: str) -> Callable[[], None]:
-        """Wait for the client id's turn; returns what gives it back (once, at the CONNACK or the end)."""
+    async def take(self, client_id: str, limit: float) -> Callable[[], None]:
+        """Wait for the client id's turn; returns what gives it back (once, at the CONNACK or the end).
+        TimeoutError when it has not come within ``limit`` seconds (the waiter holds a listener slot,
+        a place of its address and, durable, one of ``max_durable_sessions``)."""
         lock, users = self._queues.get(client_id, (None, 0))
         if lock is None:
             lock = asyncio.Lock()
         self._queues[client_id] = (lock, users + 1)
         try:
-            await lock.acquire()
+            async with asyncio.timeout(limit):
+                await lock.acquire()
         except BaseException:
             self._leave(client_id)
             raise
