@@ -2653,9 +2653,13 @@ async def _refuse_connect(handler: Any, session: Any, return_code: int, why: str
     (amqtt logs and drops it)."""
     log.warning("%s", why)
     session.parent = 0  # MQTT-3.2.2-4: no session present with a refusal
-    await handler._send_packet(ConnackPacket.build(0, return_code))
+    try:  # a client gone meanwhile: over a websocket ConnectionClosed escaped amqtt's handling (see _send_connack)
+        await handler._send_packet(ConnackPacket.build(0, return_code))
+    except (ConnectionClosed, OSError) as exc:
+        log.debug("%s: the connection closed before its refusal: %r", session.client_id, exc)
     session.transitions.disconnect()
-    await handler.writer.close()
+    with contextlib.suppress(ConnectionClosed, OSError):
+        await handler.writer.close()
     raise AMQTTError(f"{session.client_id}: CONNECT refused when its CONNACK was due")
 
 
