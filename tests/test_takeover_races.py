@@ -7,9 +7,10 @@ every older one is closed; a session none of them keeps expires like any disconn
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,49 +30,70 @@ from pathlib import Path
 
 from amqtt.plugins.base import BaseAuthPlugin
 
-ENTERED = Path({entered!r})
-GATE = Path({gate!r})
+FOLDER = Path({folder!r})
 
 
 class GatedAuth(BaseAuthPlugin):
-    """User "slow" waits until the test opens the gate (bounded), then passes; user "bad" fails."""
+    """User "bad" fails; user "slow" waits until the test opens the gate (bounded), then passes;
+    user "otp" holds a one-time credential: only its first check passes (each check counted)."""
 
     async def authenticate(self, *, session):
         if session.username == "bad":
             return False
         if session.username == "slow":
-            ENTERED.write_text("1")
+            (FOLDER / "entered").write_text("1")
             for _ in range(600):
-                if GATE.exists():
+                if (FOLDER / "gate").exists():
                     break
                 await asyncio.sleep(0.05)
-        return True
-'''
-
-ONE_TIME_AUTH = '''
-from pathlib import Path
-
-from amqtt.plugins.base import BaseAuthPlugin
-
-CALLS = Path({calls!r})
-
-
-class OneTimeAuth(BaseAuthPlugin):
-    """User "bad" fails; user "otp" holds a one-time credential: only its first check passes (counted)."""
-
-    async def authenticate(self, *, session):
-        if session.username == "bad":
-            return False
         if session.username == "otp":
-            calls = int(CALLS.read_text()) if CALLS.exists() else 0
-            CALLS.write_text(str(calls + 1))
-            return calls == 0
+            calls = FOLDER / "calls"
+            checks = int(calls.read_text()) if calls.exists() else 0
+            calls.write_text(str(checks + 1))
+            return checks == 0
         return True
 '''
 
 
 def expired_ids(messages: list) -> set[str]:  # type: ignore[type-arg]
     return {json.loads(m.payload)["client_id"] for m in messages if m.topic == EXPIRED_TOPIC}
+
+
+def gated_broker(broker_factory: Callable[..., Broker], folder: Path) -> Broker:
+    """A started broker whose auth plugin is GATED_AUTH, its files in ``folder``."""
+    (folder / "gated_auth.py").write_text(GATED_AUTH.format(folder=str(folder)))
+    broker = broker_factory(start=False)
+    broker.pythonpath.append(str(folder))
+    broker.extra_plugins["gated_auth.GatedAuth"] = {}
+    broker.start()
+    return broker
+
+
+def assert_served(sock: socket.socket, publisher: Client, payload: bytes) -> None:
+    """The connection is up and served: its SUBSCRIBE t/# is granted, a publish to t/1 reaches it."""
+    assert raw_subscribe(sock, "t/#", 1) == 1, "the connection was ended"
+    publisher.publish("t/1", [payload], qos=1)
+    first_byte, body = read_packet(sock)
+    assert first_byte >> 4 == 3 and body.endswith(payload), (first_byte, body)
+
+
+@contextlib.contextmanager
+def a_take_over_waiting(
+    broker: Broker, publisher: Client, *, clean: bool, username: str | None = None
+) -> Iterator[tuple[socket.socket, socket.socket, socket.socket]]:
+    """The connection of "dev" stuck with one more SUBSCRIBE waiting behind (a take-over waits up to
+    5 s for it: ``stuck_on_big_retained_messages``), and a first CONNECT of "dev" (``clean``,
+    ``username``) whose take-over of it has begun. Yields (stuck, first, second): the second
+    connection is open and has sent nothing."""
+    with stuck_on_big_retained_messages(broker.port, "dev", publisher) as stuck:
+        stuck.sendall(subscribe("c/#", 2)[0])
+        first = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        second = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        with first, second:
+            first.sendall(connect_packet("dev", clean=clean, username=username))
+            marker = "a clean CONNECT takes the client id over" if clean else "dev is already connected"
+            assert broker.wait_until(lambda: marker in broker.log(), WAIT), broker.log()[-2000:]
+            yield stuck, first, second
 
 
 def connect_then_close_over_websocket(ws_port: int, client_id: str, *, clean: bool) -> None:
@@ -144,23 +166,13 @@ def test_of_two_connects_read_during_a_take_over_wait_the_newer_one_ends_the_old
     while it waits. Before the fix, when either was clean, both got CONNACK and the first was never
     ended: clean then durable, the durable one (SUBACK 0) got nothing, the clean one the message."""
     publisher = clients(broker.port, "big-pub", clean_session=True)
-    with stuck_on_big_retained_messages(broker.port, "dev", publisher) as stuck:
-        stuck.sendall(subscribe("c/#", 2)[0])  # one more SUBSCRIBE waits behind: the take-over waits
-        first = socket.create_connection((HOST, broker.port), timeout=WAIT)
-        second = socket.create_connection((HOST, broker.port), timeout=WAIT)
-        with first, second:
-            first.sendall(connect_packet("dev", clean=first_clean))
-            marker = "a clean CONNECT takes the client id over" if first_clean else "dev is already connected"
-            assert broker.wait_until(lambda: marker in broker.log(), WAIT), broker.log()[-2000:]
-            second.sendall(connect_packet("dev", clean=second_clean))
-            assert read_exactly(first, 4) == CONNACK_ACCEPTED
-            present = not first_clean and not second_clean  # the session the first one created
-            assert read_exactly(second, 4) == bytes((0x20, 2, present, 0))
-            assert read_until_closed(first, WAIT) is not None, "the older connection was not ended"
-            assert raw_subscribe(second, "t/#", 1) == 1
-            publisher.publish("t/1", [b"to the newest"], qos=1)
-            first_byte, body = read_packet(second)
-            assert first_byte >> 4 == 3 and body.endswith(b"to the newest"), (first_byte, body)
+    with a_take_over_waiting(broker, publisher, clean=first_clean) as (_, first, second):
+        second.sendall(connect_packet("dev", clean=second_clean))
+        assert read_exactly(first, 4) == CONNACK_ACCEPTED
+        present = not first_clean and not second_clean  # the session the first one created
+        assert read_exactly(second, 4) == bytes((0x20, 2, present, 0))
+        assert read_until_closed(first, WAIT) is not None, "the older connection was not ended"
+        assert_served(second, publisher, b"to the newest")
 
 
 def test_a_connect_slow_to_authenticate_holds_up_no_other_connect_of_its_client_id(
@@ -171,11 +183,7 @@ def test_a_connect_slow_to_authenticate_holds_up_no_other_connect_of_its_client_
     of "dev" with wrong credentials (CONNACK 5 at once, before amqtt touches anything) nor a
     legitimate one (CONNACK 0, served); once the slow one passes, it takes "dev" over."""
     entered, gate = tmp_path / "entered", tmp_path / "gate"
-    (tmp_path / "gated_auth.py").write_text(GATED_AUTH.format(entered=str(entered), gate=str(gate)))
-    broker = broker_factory(start=False)
-    broker.pythonpath.append(str(tmp_path))
-    broker.extra_plugins["gated_auth.GatedAuth"] = {}
-    broker.start()
+    broker = gated_broker(broker_factory, tmp_path)
     publisher = clients(broker.port, "pub", clean_session=True)
     slow = socket.create_connection((HOST, broker.port), timeout=WAIT)
     intruder = socket.create_connection((HOST, broker.port), timeout=WAIT)
@@ -187,10 +195,7 @@ def test_a_connect_slow_to_authenticate_holds_up_no_other_connect_of_its_client_
         assert read_exactly(intruder, 4) == b"\x20\x02\x00\x05"
         live.sendall(connect_packet("dev", clean=True))
         assert read_exactly(live, 4) == CONNACK_ACCEPTED
-        assert raw_subscribe(live, "t/#", 0) == 0
-        publisher.publish("t/1", [b"served"], qos=0)
-        first_byte, body = read_packet(live)
-        assert first_byte >> 4 == 3 and body.endswith(b"served"), (first_byte, body)
+        assert_served(live, publisher, b"served")
         gate.write_text("1")
         assert read_exactly(slow, 4) == CONNACK_ACCEPTED
         assert read_until_closed(live, WAIT) is not None, "the slow CONNECT, answered last, did not take dev over"
@@ -206,23 +211,14 @@ def test_another_users_connect_checked_before_its_turn_leaves_the_owners_connect
     connection must stay up."""
     broker = broker_factory()
     publisher = clients(broker.port, "big-pub", clean_session=True)
-    with stuck_on_big_retained_messages(broker.port, "dev", publisher) as stuck:
-        stuck.sendall(subscribe("c/#", 2)[0])  # one more SUBSCRIBE waits behind: the take-over waits
-        alice = socket.create_connection((HOST, broker.port), timeout=WAIT)
-        mallory = socket.create_connection((HOST, broker.port), timeout=WAIT)
-        with alice, mallory:
-            alice.sendall(connect_packet("dev", clean=False, username="alice"))
-            assert broker.wait_until(lambda: "dev is already connected" in broker.log(), WAIT), broker.log()[-2000:]
-            mallory.sendall(connect_packet("dev", clean=False, username="mallory"))
-            waits = "waits for the client id's earlier CONNECT"
-            assert broker.wait_until(lambda: waits in broker.log(), WAIT), broker.log()[-2000:]
-            assert read_exactly(alice, 4) == CONNACK_ACCEPTED
-            assert read_exactly(mallory, 4) == b"\x20\x02\x00\x05"
-            assert read_until_closed(mallory, WAIT) is not None
-            assert raw_subscribe(alice, "t/#", 1) == 1, "alice's connection was ended"
-            publisher.publish("t/1", [b"to the owner"], qos=1)
-            first_byte, body = read_packet(alice)
-            assert first_byte >> 4 == 3 and body.endswith(b"to the owner"), (first_byte, body)
+    with a_take_over_waiting(broker, publisher, clean=False, username="alice") as (_, alice, mallory):
+        mallory.sendall(connect_packet("dev", clean=False, username="mallory"))
+        waits = "waits for the client id's earlier CONNECT"
+        assert broker.wait_until(lambda: waits in broker.log(), WAIT), broker.log()[-2000:]
+        assert read_exactly(alice, 4) == CONNACK_ACCEPTED
+        assert read_exactly(mallory, 4) == b"\x20\x02\x00\x05"
+        assert read_until_closed(mallory, WAIT) is not None
+        assert_served(alice, publisher, b"to the owner")
 
 
 def test_a_failing_connect_does_not_use_up_anothers_checked_credentials(
@@ -234,25 +230,14 @@ def test_a_failing_connect_does_not_use_up_anothers_checked_credentials(
     credentials (kept per client id), so amqtt checked the first one again after the take-over had
     ended the live connection: the one-time credential failed, CONNACK 5."""
     calls = tmp_path / "calls"
-    (tmp_path / "one_time_auth.py").write_text(ONE_TIME_AUTH.format(calls=str(calls)))
-    broker = broker_factory(start=False)
-    broker.pythonpath.append(str(tmp_path))
-    broker.extra_plugins["one_time_auth.OneTimeAuth"] = {}
-    broker.start()
+    broker = gated_broker(broker_factory, tmp_path)
     publisher = clients(broker.port, "big-pub", clean_session=True)
-    with stuck_on_big_retained_messages(broker.port, "dev", publisher) as stuck:
-        stuck.sendall(subscribe("c/#", 2)[0])  # one more SUBSCRIBE waits behind: the take-over waits
-        first = socket.create_connection((HOST, broker.port), timeout=WAIT)
-        intruder = socket.create_connection((HOST, broker.port), timeout=WAIT)
-        with first, intruder:
-            first.sendall(connect_packet("dev", clean=True, username="otp"))
-            marker = "a clean CONNECT takes the client id over"
-            assert broker.wait_until(lambda: marker in broker.log(), WAIT), broker.log()[-2000:]
-            intruder.sendall(connect_packet("dev", clean=True, username="bad"))
-            assert read_exactly(intruder, 4) == b"\x20\x02\x00\x05"
-            assert read_exactly(first, 4) == CONNACK_ACCEPTED, calls.read_text()
-            assert calls.read_text() == "1", "the one-time credential was checked more than once"
-            assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"
+    with a_take_over_waiting(broker, publisher, clean=True, username="otp") as (stuck, first, intruder):
+        intruder.sendall(connect_packet("dev", clean=True, username="bad"))
+        assert read_exactly(intruder, 4) == b"\x20\x02\x00\x05"
+        assert read_exactly(first, 4) == CONNACK_ACCEPTED, calls.read_text()
+        assert calls.read_text() == "1", "the one-time credential was checked more than once"
+        assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"
 
 
 def test_the_wait_for_a_client_ids_turn_is_bounded_by_connect_timeout(
@@ -265,16 +250,10 @@ def test_the_wait_for_a_client_ids_turn_is_bounded_by_connect_timeout(
     closed, while the first CONNECT is still answered."""
     broker = broker_factory(connect_timeout=1)
     publisher = clients(broker.port, "big-pub", clean_session=True)
-    with stuck_on_big_retained_messages(broker.port, "dev", publisher) as stuck:
-        stuck.sendall(subscribe("c/#", 2)[0])  # one more SUBSCRIBE waits behind: the take-over waits
-        first = socket.create_connection((HOST, broker.port), timeout=WAIT)
-        waiting = socket.create_connection((HOST, broker.port), timeout=WAIT)
-        with first, waiting:
-            first.sendall(connect_packet("dev", clean=False))
-            assert broker.wait_until(lambda: "dev is already connected" in broker.log(), WAIT), broker.log()[-2000:]
-            waiting.sendall(connect_packet("dev", clean=False))
-            assert read_exactly(waiting, 4) == b"\x20\x02\x00\x03", broker.log()[-2000:]
-            assert read_until_closed(waiting, WAIT) is not None
-            assert "was not answered within connect_timeout (1 s)" in broker.log()
-            assert read_exactly(first, 4) == CONNACK_ACCEPTED
-            assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"
+    with a_take_over_waiting(broker, publisher, clean=False) as (stuck, first, waiting):
+        waiting.sendall(connect_packet("dev", clean=False))
+        assert read_exactly(waiting, 4) == b"\x20\x02\x00\x03", broker.log()[-2000:]
+        assert read_until_closed(waiting, WAIT) is not None
+        assert "was not answered within connect_timeout (1 s)" in broker.log()
+        assert read_exactly(first, 4) == CONNACK_ACCEPTED
+        assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"
