@@ -454,7 +454,8 @@ def _install_connect_hooks() -> None:
     authentication while amqtt holds a Session of its client id: amqtt would first give that
     Session the CONNECT's will (or delete it, clean) and take its connection over, and only then
     check the password (a CONNECT that would create a durable session is authenticated here too,
-    before it reserves a place). connack_authorize checks the owner again, authoritatively."""
+    before it reserves a place). The owner is checked again once the CONNECT's turn comes
+    (``_take_connect_turn``), and by connack_authorize, authoritatively."""
     original = BrokerProtocolHandler.init_from_connect
     if getattr(original, "_durable_wrapped", False):
         return
