@@ -184,3 +184,36 @@ def test_a_taken_over_connection_publishes_its_own_will_and_not_the_new_ones(
             read_until_closed(new)
     assert watcher.wait_for(lambda ms: sum(m.topic == "closed/dev" for m in ms) >= 2), "both ends never reported"
     assert sorted(m.topic for m in watcher.messages if m.topic.startswith("will/")) == ["will/old"]
+
+
+@pytest.mark.parametrize("new_clean", [True, False], ids=["new-clean", "new-durable"])
+def test_a_disconnect_read_while_a_take_over_waits_discards_the_older_connection_s_will(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, new_clean: bool
+) -> None:
+    """MQTT-3.14.4-3, on both paths of a take-over: the older connection (with a will) is stuck
+    sending retained messages it does not read, a SUBSCRIBE waiting behind, so the take-over waits
+    for it (up to 5 s); it sends DISCONNECT meanwhile, before the broker closes it: no will. A
+    clean CONNECT's take-over published it (the DISCONNECT counted for nothing once the take-over
+    had begun), a durable one's did not."""
+    broker = start_broker(broker_factory, tmp_path, amqtt_reader=False, session_expiry=60)
+    watcher = watch(clients, broker)
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    for i in range(50):
+        publisher.publish(f"big/{i}", [b"x" * 200_000], qos=1, retain=True)
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as old:
+        old.sendall(connect_packet("dev", clean=True, will_topic=b"will/old"))
+        assert read_exactly(old, 4) == b"\x20\x02\x00\x00"
+        old.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("big/#") + b"\x00"))
+        old.sendall(mqtt_packet(0x82, b"\x00\x02" + mqtt_string("c/#") + b"\x02"))  # waits behind
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as new:
+            new.sendall(connect_packet("dev", clean=new_clean))
+            marker = "a clean CONNECT takes the client id over" if new_clean else "dev is already connected"
+            assert broker.wait_until(lambda: marker in broker.log(), WAIT), broker.log()[-2000:]
+            old.sendall(DISCONNECT)
+            assert read_exactly(new, 4) == b"\x20\x02\x00\x00"  # the older connection is closed by now
+            new.sendall(DISCONNECT)
+            new.shutdown(socket.SHUT_WR)
+            read_until_closed(new)
+            # both ends reported (each after its will, if any, through the same queue)
+            assert watcher.wait_for(lambda ms: sum(m.topic == "closed/dev" for m in ms) >= 2), broker.log()[-2000:]
+    assert [m.topic for m in watcher.messages if m.topic.startswith("will/")] == []

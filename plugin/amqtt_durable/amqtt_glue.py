@@ -175,6 +175,7 @@ from amqtt.mqtt.pubrec import PubrecPacket
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
 from transitions import MachineError
+from websockets.exceptions import ConnectionClosed
 
 from durable_protocol import CONTROL_PREFIX, filter_is_valid
 
@@ -453,7 +454,8 @@ def _install_connect_hooks() -> None:
     authentication while amqtt holds a Session of its client id: amqtt would first give that
     Session the CONNECT's will (or delete it, clean) and take its connection over, and only then
     check the password (a CONNECT that would create a durable session is authenticated here too,
-    before it reserves a place). connack_authorize checks the owner again, authoritatively."""
+    before it reserves a place). The owner is checked again once the CONNECT's turn comes
+    (``_take_connect_turn``), and by connack_authorize, authoritatively."""
     original = BrokerProtocolHandler.init_from_connect
     if getattr(original, "_durable_wrapped", False):
         return
@@ -487,8 +489,10 @@ def _install_connect_hooks() -> None:
         if plugin is None or not session.client_id:
             return handler, session
         try:
-            await _check_connect(plugin, session, writer, plugins_manager)
+            checked = await _check_connect(plugin, session, writer, plugins_manager)
+            await _take_connect_turn(plugin, session, writer, plugins_manager, checked=checked)
         except MQTTError:
+            _end_connect_turn(writer)
             _release_reservation(plugin.engine, writer)  # a refused CONNECT's place is free at once
             raise
         return handler, session
@@ -523,7 +527,7 @@ def _will_problem(session: Any) -> str | None:
     return publish_topic_problem(session.will_topic or "")
 
 
-async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> None:
+async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> bool:
     """The checks of a CONNECT that must come before amqtt touches anything (see
     _install_connect_hooks): amqtt ends a live connection of the client id (a take-over, or our
     delete_session for a clean CONNECT) before the CONNACK, and MQTT 3.1.4 has that happen only
@@ -531,7 +535,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     write and the CONNECT needs a write, or when it would create a durable session past
     ``max_durable_sessions``, once its owner, will topic and credentials passed: a wrong password
     gets 5 then too, and tells nothing of the store) and raises MQTTError. A CONNECT that would
-    create a durable session is authenticated here (amqtt is told, ``authenticated``), so one whose
+    create a durable session is authenticated here (amqtt is told, ``_authenticated``), so one whose
     credentials are slow to check or fail holds no place meanwhile: the place is reserved after
     the last await. One whose connection was closed at ``connect_timeout`` meanwhile raises
     MQTTError after that await, with no CONNACK, whatever its credentials."""
@@ -546,17 +550,11 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     await _check_will_topic(broker, session, writer, plugins_manager)
     taken_over = session.client_id in broker._sessions
     checked = taken_over or unwritable is not None or durable_new
-    authentic = not checked or await broker._authenticate(session, None)
+    authentic = not checked or await plugin.hooks.check_credentials(session)
     if _timed_out(writer):  # after the last await: nothing of a CONNECT closed at connect_timeout is acted on
         raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout while it was checked")
     if not authentic:
-        log.warning(
-            "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
-            session.client_id,
-            session.username,
-        )
-        await _refuse_read_connect(writer, plugins_manager)
-        raise MQTTError(f"CONNECT of {session.client_id!r}: authentication failed")
+        await _refuse_unauthentic(session, writer, plugins_manager)
     if unwritable is not None:
         log.warning("%s: CONNECT refused with CONNACK 3 (server unavailable): %s", session.client_id, unwritable)
         await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
@@ -572,12 +570,74 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
             await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
             raise MQTTError(str(SessionLimitError(session.client_id, plugin.config.max_durable_sessions)))
     if checked:
-        plugin.authenticated[session.client_id] = (session.username, session.password)
-        # Its checks are done: what is left (a take-over's wait for the older connection) is the
-        # broker's work, not the client's, and must not close it at connect_timeout.
-        deadline = getattr(writer, "durable_connect_deadline", None)
-        if deadline is not None:
-            deadline.cancel()
+        _authenticated(session)
+    return checked
+
+
+async def _take_connect_turn(
+    plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any, *, checked: bool
+) -> None:
+    """After its checks (``checked``: authenticated as it was read), a CONNECT waits for its client
+    id's turn (``ConnectTurns``), given back at its CONNACK or its connection's end. What is left
+    from here (that wait, a take-over's wait for the older connection, the broker's store work for
+    the CONNACK) is the broker's work, not the client's: it does not count against connect_timeout.
+    The wait for the turn is bounded by connect_timeout of its own, from its start: then CONNACK 3.
+
+    Any other CONNECT's credentials are checked before its turn too (not bounded by connect_timeout,
+    as amqtt's own check after it was not): one slow to authenticate, or failing, never holds up
+    another CONNECT of its client id, and one that fails never reaches amqtt's take-over of the
+    connection an earlier CONNECT of its client id made meanwhile.
+
+    In its turn the owner is checked again (CONNACK 5, the turn given back by the caller): a CONNECT
+    of another user of the client id, answered while this one waited, may have created its durable
+    session, and amqtt's take-over would end the owner's connection before the CONNACK's own check."""
+    deadline = getattr(writer, "durable_connect_deadline", None)
+    if deadline is not None:
+        deadline.cancel()
+    if not checked:
+        if not await plugin.hooks.check_credentials(session):
+            await _refuse_unauthentic(session, writer, plugins_manager)
+        _authenticated(session)
+    if plugin.connect_turns.busy(session.client_id):
+        log.info("%s: CONNECT waits for the client id's earlier CONNECT to be answered", session.client_id)
+    limit = plugin.engine.config.connect_timeout
+    try:
+        writer.durable_connect_turn = await plugin.connect_turns.take(session.client_id, limit)
+    except TimeoutError:
+        log.warning(
+            "%s: CONNECT refused (CONNACK 3): the client id's earlier CONNECT was not answered within "
+            "connect_timeout (%g s) of this one's checks",
+            session.client_id,
+            limit,
+        )
+        await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
+        raise MQTTError(f"CONNECT of {session.client_id!r}: its turn did not come within connect_timeout") from None
+    await _check_owner(plugin, session, writer, plugins_manager, " (its session was created while it waited its turn)")
+
+
+_VERIFIED: contextvars.ContextVar[tuple[str, str | None, str | None] | None] = contextvars.ContextVar(
+    "durable_verified", default=None
+)
+"""Set in a connection's task to (client id, username, password) once its CONNECT's credentials
+passed as it was read (``_authenticated``): amqtt's own check of that CONNECT, in the same task,
+passes without asking the plugins again (``AmqttHooks.authenticate``). Per connection: another
+CONNECT of the client id, whatever its credentials, neither sees nor takes it."""
+
+
+def _authenticated(session: Any) -> None:
+    """A CONNECT authenticated as it was read: amqtt's own check of it passes without asking again."""
+    _VERIFIED.set((session.client_id, session.username, session.password))
+
+
+async def _refuse_unauthentic(session: Any, writer: Any, plugins_manager: Any) -> NoReturn:
+    """A CONNECT whose credentials failed as it was read: CONNACK 5, MQTTError."""
+    log.warning(
+        "CONNECT of client id %r by user %r refused (CONNACK 5): authentication failed",
+        session.client_id,
+        session.username,
+    )
+    await _refuse_read_connect(writer, plugins_manager)
+    raise MQTTError(f"CONNECT of {session.client_id!r}: authentication failed")
 
 
 async def _check_owner(
@@ -655,6 +715,65 @@ _CONNECTING: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_conne
 (``initialize_client_session`` to ``connack_authorize``): a ``stop()`` of another connection in
 that time is amqtt's take-over of a client id whose (durable) Session it keeps (see
 ``_stop_waiting_for_a_reader_that_may_never_run``)."""
+
+
+class ConnectTurns:
+    """One CONNECT of a client id at a time from the end of its checks (``_check_connect``) to its
+    CONNACK, in the order their checks ended (MQTT-3.1.4-2: the newest connection wins, every
+    older one is closed). amqtt ends only the connection its table holds for the client id (its
+    take-over, or ``delete_session`` for a clean CONNECT) and puts a CONNECT's own there just before
+    its CONNACK: two CONNECTs read while a take-over waited for the older connection (up to 5 s)
+    each ended that one and neither ended the other, so both stayed connected (a durable one then
+    got nothing, the clean one its messages). In turn, each finds the one before it in amqtt's
+    table and ends it, and the engine sees their CONNECTs in the same order."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, tuple[asyncio.Lock, int]] = {}
+        """Client id -> (its lock, the CONNECTs holding or waiting for it); no entry when none."""
+
+    async def take(self, client_id: str, limit: float) -> Callable[[], None]:
+        """Wait for the client id's turn; returns what gives it back (once, at the CONNACK or the end).
+        TimeoutError when it has not come within ``limit`` seconds (the waiter holds a listener slot,
+        a place of its address and, durable, one of ``max_durable_sessions``)."""
+        lock, users = self._queues.get(client_id, (None, 0))
+        if lock is None:
+            lock = asyncio.Lock()
+        self._queues[client_id] = (lock, users + 1)
+        try:
+            async with asyncio.timeout(limit):
+                await lock.acquire()
+        except BaseException:
+            self._leave(client_id)
+            raise
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                lock.release()
+                self._leave(client_id)
+
+        return give_back
+
+    def busy(self, client_id: str) -> bool:
+        """Does a CONNECT of the client id hold its turn (``take`` would wait)?"""
+        return client_id in self._queues
+
+    def _leave(self, client_id: str) -> None:
+        lock, users = self._queues[client_id]
+        if users == 1:
+            del self._queues[client_id]
+        else:
+            self._queues[client_id] = (lock, users - 1)
+
+
+def _end_connect_turn(writer: Any) -> None:
+    """This connection's CONNECT gives its client id's turn back (``ConnectTurns``), if it holds it."""
+    give_back: Callable[[], None] | None = getattr(writer, "durable_connect_turn", None)
+    if give_back is not None:
+        writer.durable_connect_turn = None
+        give_back()
 
 
 class _RoutineRefusalFilter(logging.Filter):
@@ -989,7 +1108,15 @@ class HandlerTransport:
 
     async def end(self) -> None:
         """End this connection as amqtt's own take-over does (MQTT-3.1.4-2): its message loop sees
-        the connection closed and runs amqtt's disconnect (the will included)."""
+        the connection closed and runs amqtt's disconnect (the will, unless a DISCONNECT was read
+        before the close), and the connection is let go once its changes are applied (a websocket
+        aborted, not waited for)."""
+        await take_over(self._handler)
+
+    async def fail(self) -> None:
+        """End this connection on the server's decision (a publish that could not be stored:
+        ``OrderedAcks``), not as a take-over: ``end_connection`` (its will published whatever it
+        sends after, nothing it sends after is handled)."""
         await end_connection(self._handler)
 
     def take_ack(self, kind: AckKind, packet_id: int) -> bool:
@@ -1056,14 +1183,12 @@ class DurableSessionsPlugin(BasePlugin[BrokerContext]):  # type: ignore[misc]  #
         self.start_failure: str | None = None
         """Why the plugin's part of the start failed (see _start_failed); None: it did not."""
         self.keepalive_limit = KeepAliveLimit(config.max_keepalive, config.drop_log_interval)
-        self.authenticated: dict[str, tuple[str | None, str | None]] = {}
-        """Client id -> (username, password) of a CONNECT authenticated as it was read (see
-        _install_connect_hooks), so amqtt's own check of it need not verify the password again."""
+        self.connect_turns = ConnectTurns()
         _install_session_states()
         _install_connect_hooks()
         _install_decoder_checks()
         _install_refusal_filter()
-        self.hooks = AmqttHooks(broker, self.engine, self.authenticated)
+        self.hooks = AmqttHooks(broker, self.engine)
         self.hooks.install()
 
     async def on_broker_pre_start(self) -> None:
@@ -1305,12 +1430,9 @@ class AmqttHooks:
     """The wrappers of the broker instance's internals listed in the module docstring: one method
     per internal, the originals kept to call through."""
 
-    def __init__(
-        self, broker: Any, engine: DurableEngine, authenticated: dict[str, tuple[str | None, str | None]]
-    ) -> None:
+    def __init__(self, broker: Any, engine: DurableEngine) -> None:
         self.broker = broker
         self.engine = engine
-        self.authenticated = authenticated
         self._original_authenticate = broker._authenticate
         self._original_client_connected = broker._client_connected
         self._original_initialize = broker._initialize_client_session
@@ -1422,9 +1544,14 @@ class AmqttHooks:
                 allowed[client_id] = qos
         return allowed
 
+    async def check_credentials(self, session: Any) -> bool:
+        """A CONNECT's credentials checked as it is read (amqtt's own check, by the auth plugins)."""
+        return bool(await self._original_authenticate(session, None))
+
     async def authenticate(self, session: Any, listener: Any) -> bool:
-        if self.authenticated.pop(session.client_id, None) == (session.username, session.password):
-            return True  # checked when its CONNECT was read, with these very credentials
+        if _VERIFIED.get() == (session.client_id, session.username, session.password):
+            _VERIFIED.set(None)
+            return True  # this connection's CONNECT was checked as it was read, with these very credentials
         authentic = bool(await self._original_authenticate(session, listener))
         if not authentic:  # amqtt next puts this CONNECT's Session over the client id's entry (_forget_refused)
             session.durable_entry_before = self.broker._sessions.get(session.client_id)
@@ -1519,6 +1646,7 @@ class AmqttHooks:
         try:
             await self._original_client_connected(listener_name, reader, writer)
         finally:
+            _end_connect_turn(writer)
             await close_socket(writer)
             _release_reservation(self.engine, writer)
 
@@ -1539,14 +1667,11 @@ class AmqttHooks:
 
     async def initialize_client_session(self, reader: Any, writer: Any, *args: Any) -> tuple[Any, Any]:
         deadline = asyncio.get_running_loop().call_later(self.engine.config.connect_timeout, self.end_silent, writer)
-        writer.durable_connect_deadline = deadline  # cancelled once a checked CONNECT passed (_check_connect)
+        writer.durable_connect_deadline = deadline  # cancelled once its checks passed (_take_connect_turn)
         try:
             handler, session = await self._original_initialize(reader, writer, *args)
         finally:
             deadline.cancel()
-        if _timed_out(writer):  # during amqtt's delete_session of a clean CONNECT: no CONNACK, no session
-            self.authenticated.pop(session.client_id, None)
-            raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout")
         _CONNECTING.set(handler)  # until its CONNACK: amqtt may take a live connection of the client id over
         reader.durable_client_id = session.client_id  # for the decoder checks' log lines
         session.clean_session = handler.connect_clean_session
@@ -1599,16 +1724,15 @@ class AmqttHooks:
     async def delete_session(self, client_id: str) -> None:
         """A clean CONNECT of a client id whose connection is live: amqtt deleted the Session and
         left that connection open (its take-over runs only for a Session it keeps). MQTT-3.1.4-2:
-        the existing client is disconnected, as amqtt's take-over does (its will is published),
-        without waiting for it once its SUBSCRIBEs and UNSUBSCRIBEs are applied (``durable_let_go``):
-        the CONNECT waited, with its ``connect_timeout``
-        running, for the closing handshake of a websocket client that does not answer it (10 s),
+        the existing client is disconnected, as amqtt's take-over does (``take_over``: its will is
+        published, unless it sent DISCONNECT before it was closed), without waiting for it once its
+        SUBSCRIBEs and UNSUBSCRIBEs are applied (``durable_let_go``): the CONNECT waited, with its
+        ``connect_timeout`` running, for the closing handshake of a websocket client that does not answer it (10 s),
         was closed at connect_timeout with no CONNACK, and so was every reconnect until then."""
         session, handler = self.broker._sessions.get(client_id, (None, None))
         if session is not None and handler is not None and session.transitions.is_connected():
             log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
-            await end_connection(handler)
-            await handler.durable_let_go()
+            await take_over(handler)
             await handler.stop()
         await self._original_delete_session(client_id)
 
@@ -1629,7 +1753,7 @@ class AmqttHooks:
                 await displaced.end()
             if durable and self.engine.superseded(session.client_id, transport):
                 log.info("%s: a newer connection has the durable session: ending this one", session.client_id)
-                await end_connection(handler)
+                await handler.handle_connection_closed()  # as a take-over (``take_over``)
             await self._original_message_loop(session, handler)
         finally:
             handler.durable_control.stop()
@@ -2049,7 +2173,7 @@ def _wrap_handler(
             await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
         if authorize and session.client_id:
             await _connect_durable(broker, engine, handler, session)
-        await original_connack(authorize)
+        await _send_connack(handler, session, original_connack, authorize)
 
     handler.handle_publish = handle_publish
     handler.mqtt_connack_authorize = connack_authorize
@@ -2057,11 +2181,32 @@ def _wrap_handler(
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, handler.handle_pubrel)
+    # The changes' queue first: _keep_the_disconnect's wait_disconnect then answers once the changes
+    # are applied, so a DISCONNECT read meanwhile (during a take-over's wait) discards the will.
+    _one_queue_of_subscription_changes(handler)
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
-    _one_queue_of_subscription_changes(handler)
     handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
     handler._retry_deliveries = _retry_without_waiting_for_pubrel(handler)
+
+
+async def _send_connack(
+    handler: Any, session: Any, original_connack: Callable[[bool], Awaitable[None]], authorize: bool
+) -> None:
+    """amqtt's CONNACK. A client that closed before it: amqtt's write catches only a reset, so over
+    a websocket websockets' ConnectionClosed escaped its connection handling (an ERROR "connection
+    handler failed") and nothing after ran: no attach, no detach, so a new durable session never
+    expired (and held its place of max_durable_sessions), and amqtt kept its Session "connected"
+    for ever. The connection now ends as any other: its loop runs, finds it closed (attach does
+    nothing) and its end starts the session's expiry clock; amqtt forgets a clean one's Session."""
+    try:
+        await original_connack(authorize)
+    except (ConnectionClosed, OSError) as exc:
+        log.debug("%s: the connection closed before its CONNACK: %r", session.client_id, exc)
+        handler.writer.is_closed = True  # HandlerTransport.closed: nothing more is written to it
+        await handler.handle_connection_closed()
+    finally:
+        _end_connect_turn(handler.writer)  # the client id's next CONNECT takes this connection over
 
 
 def _forget_refused(broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
@@ -2180,10 +2325,23 @@ def _released(handler: Any, session: Any, packet_id: int, pubrel: Any) -> None:
     handler.durable_transport.write(encode_pubcomp(packet_id))
 
 
+async def take_over(handler: Any) -> None:
+    """End the connection of a client id a newer CONNECT takes over (MQTT-3.1.4-2), as amqtt's own
+    take-over does: its message loop sees it closed and runs amqtt's disconnect, whose will is
+    published unless the connection sent DISCONNECT before it was closed (MQTT-3.14.4-3: read
+    while the take-over waited for its SUBSCRIBEs and UNSUBSCRIBEs, it discards the will, as on
+    amqtt's take-over; a clean CONNECT's published it); it is let go once those are applied
+    (``durable_let_go``: a websocket aborted, not waited for)."""
+    await handler.handle_connection_closed()
+    await handler.durable_let_go()
+
+
 async def end_connection(handler: Any) -> None:
-    """End a connection on the server's decision (a protocol violation, a publish that could not be
-    stored, a newer connection taking its session): its will is published (MQTT-3.1.2-8), whatever
-    the client sends after (see ``_keep_the_disconnect``)."""
+    """End a connection on the server's decision: a protocol violation (a malformed PUBLISH, a QoS 2
+    PUBLISH past ``max_awaiting_pubrel``), a keep-alive passed without any bytes (``FastReader``), a
+    publish that could not be stored (``HandlerTransport.fail``). Its will is published
+    (MQTT-3.1.2-8), whatever the client sends after (see ``_keep_the_disconnect``), and the plugin's
+    reader handles nothing it reads after (``FastReader``). A take-over is ``take_over``."""
     handler.durable_ended = True
     await handler.handle_connection_closed()
 
@@ -2496,9 +2654,13 @@ async def _refuse_connect(handler: Any, session: Any, return_code: int, why: str
     (amqtt logs and drops it)."""
     log.warning("%s", why)
     session.parent = 0  # MQTT-3.2.2-4: no session present with a refusal
-    await handler._send_packet(ConnackPacket.build(0, return_code))
+    try:  # a client gone meanwhile: over a websocket ConnectionClosed escaped amqtt's handling (see _send_connack)
+        await handler._send_packet(ConnackPacket.build(0, return_code))
+    except (ConnectionClosed, OSError) as exc:
+        log.debug("%s: the connection closed before its refusal: %r", session.client_id, exc)
     session.transitions.disconnect()
-    await handler.writer.close()
+    with contextlib.suppress(ConnectionClosed, OSError):
+        await handler.writer.close()
     raise AMQTTError(f"{session.client_id}: CONNECT refused when its CONNACK was due")
 
 
@@ -2761,7 +2923,7 @@ class OrderedAcks:
     async def _end(self) -> None:
         with contextlib.suppress(OSError):  # gone already: ending it is all that is left
             await self._transport.drain()  # the PUBACKs of the publishes stored before it
-        await self._transport.end()
+        await self._transport.fail()
 
 
 async def _read_some(stream: asyncio.StreamReader, idle: float | None) -> bytes | None:

@@ -235,7 +235,11 @@ class SessionLifecycle(Routing):
         if session.pump is not None:
             await session.pump.stop()
             if self._attach_dropped(session, transport):
-                return None
+                # The pump stopped is that of the connection attached until now: it would stay
+                # connected, sent nothing until the next attach. A newer CONNECT than its own was
+                # accepted, so it goes (the caller ends it), unless it is the newest one.
+                current = session.transport
+                return current if current is not None and session.superseded(current) else None
         # Acks and drops of the previous connection may still be pending: the pump reads the
         # store, so let it see them. The session's connection (its record, no longer disconnected)
         # and the pump's first sent mark go in the same commit: the first replayed message waits for
@@ -294,11 +298,18 @@ class SessionLifecycle(Routing):
         connection attached, another attach under way, an end that started the clock, a deletion),
         its record and expiry clock go back to the disconnect before that attach. Else, when the
         newer connection neither attaches nor ends (its CONNACK write failed), the session never
-        expired. The newer CONNECT's grace still spares the session (``connecting_until``)."""
+        expired. The newer CONNECT's grace still spares the session (``connecting_until``).
+
+        A session with no disconnect before that attach (created by that connection's CONNECT: a
+        loaded one counts as disconnected at the start) starts its clock now; before, it had no
+        deadline at all, and never expired."""
         record = session.record
         if session.deleted or session.transport is not None or session.attach_waiters > 1:
             return
-        if record.disconnected_at is not None or disconnected_at is None or expires_at is None:
+        if record.disconnected_at is not None:
+            return
+        if disconnected_at is None or expires_at is None:
+            self._disconnected(session)
             return
         record.disconnected_at, record.expires_at = disconnected_at, expires_at
         self._save_record(session)

@@ -266,7 +266,7 @@ class EndingTransport(RecordingTransport):
         super().__init__()
         self.ended = asyncio.Event()
 
-    async def end(self) -> None:
+    async def fail(self) -> None:  # review 307 (3): not ``end``, which is a take-over
         self.ended.set()
 
 
@@ -424,7 +424,7 @@ def test_a_subscribe_or_unsubscribe_a_demotion_overtakes_is_refused_not_acknowle
             _topic_filtering=allowed, config={}, retained_messages={},
             plugins_manager=SimpleNamespace(_topic_plugins=[]),
         )  # fmt: skip
-        hooks = AmqttHooks(broker, engine, {})
+        hooks = AmqttHooks(broker, engine)
         session = SimpleNamespace(client_id="dev")
         connection = AbortedTransport()
         writer = StreamWriterAdapter(SimpleNamespace(transport=connection))  # type: ignore[arg-type]

@@ -1,0 +1,259 @@
+"""Connections of one client id that end or overlap around their CONNACK (review 301).
+
+A websocket client that closes before its CONNACK, and CONNECTs of one client id read while a
+take-over waits for the older connection (up to 5 s): MQTT-3.1.4-2, the newest connection wins and
+every older one is closed; a session none of them keeps expires like any disconnected one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from raw_mqtt_helpers import connect_packet, raw_subscribe, read_exactly, read_packet
+from test_hostile_amqtt_sessions import PROBE_PLUGIN, StuckWebsocket, amqtt_table
+from test_hostile_wire import read_until_closed
+from test_recovery_and_crash import EXPIRED_TOPIC
+from test_subscribe_order import stuck_on_big_retained_messages, subscribe
+
+from amqtt_durable.process import free_port
+from conftest import HOST, WAIT, Broker, Client
+
+CONNACK_ACCEPTED = b"\x20\x02\x00\x00"
+GATED_AUTH = '''
+import asyncio
+from pathlib import Path
+
+from amqtt.plugins.base import BaseAuthPlugin
+
+FOLDER = Path({folder!r})
+
+
+class GatedAuth(BaseAuthPlugin):
+    """User "bad" fails; user "slow" waits until the test opens the gate (bounded), then passes;
+    user "otp" holds a one-time credential: only its first check passes (each check counted)."""
+
+    async def authenticate(self, *, session):
+        if session.username == "bad":
+            return False
+        if session.username == "slow":
+            (FOLDER / "entered").write_text("1")
+            for _ in range(600):
+                if (FOLDER / "gate").exists():
+                    break
+                await asyncio.sleep(0.05)
+        if session.username == "otp":
+            calls = FOLDER / "calls"
+            checks = int(calls.read_text()) if calls.exists() else 0
+            calls.write_text(str(checks + 1))
+            return checks == 0
+        return True
+'''
+
+
+def expired_ids(messages: list) -> set[str]:  # type: ignore[type-arg]
+    return {json.loads(m.payload)["client_id"] for m in messages if m.topic == EXPIRED_TOPIC}
+
+
+def gated_broker(broker_factory: Callable[..., Broker], folder: Path) -> Broker:
+    """A started broker whose auth plugin is GATED_AUTH, its files in ``folder``."""
+    (folder / "gated_auth.py").write_text(GATED_AUTH.format(folder=str(folder)))
+    broker = broker_factory(start=False)
+    broker.pythonpath.append(str(folder))
+    broker.extra_plugins["gated_auth.GatedAuth"] = {}
+    broker.start()
+    return broker
+
+
+def assert_served(sock: socket.socket, publisher: Client, payload: bytes) -> None:
+    """The connection is up and served: its SUBSCRIBE t/# is granted, a publish to t/1 reaches it."""
+    assert raw_subscribe(sock, "t/#", 1) == 1, "the connection was ended"
+    publisher.publish("t/1", [payload], qos=1)
+    first_byte, body = read_packet(sock)
+    assert first_byte >> 4 == 3 and body.endswith(payload), (first_byte, body)
+
+
+@contextlib.contextmanager
+def a_take_over_waiting(
+    broker: Broker, publisher: Client, *, clean: bool, username: str | None = None
+) -> Iterator[tuple[socket.socket, socket.socket, socket.socket]]:
+    """The connection of "dev" stuck with one more SUBSCRIBE waiting behind (a take-over waits up to
+    5 s for it: ``stuck_on_big_retained_messages``), and a first CONNECT of "dev" (``clean``,
+    ``username``) whose take-over of it has begun. Yields (stuck, first, second): the second
+    connection is open and has sent nothing."""
+    with stuck_on_big_retained_messages(broker.port, "dev", publisher) as stuck:
+        stuck.sendall(subscribe("c/#", 2)[0])
+        first = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        second = socket.create_connection((HOST, broker.port), timeout=WAIT)
+        with first, second:
+            first.sendall(connect_packet("dev", clean=clean, username=username))
+            marker = "a clean CONNECT takes the client id over" if clean else "dev is already connected"
+            assert broker.wait_until(lambda: marker in broker.log(), WAIT), broker.log()[-2000:]
+            yield stuck, first, second
+
+
+def connect_then_close_over_websocket(ws_port: int, client_id: str, *, clean: bool) -> None:
+    """A CONNECT, a close frame, the socket closed, in one go: the broker's CONNACK write fails."""
+    ws = StuckWebsocket(ws_port)
+    ws.protocol.send_binary(connect_packet(client_id, clean=clean))
+    ws.protocol.send_close()
+    ws._flush()
+    ws.sock.close()
+
+
+def test_durable_websocket_connections_closed_before_their_connack_expire(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """Before the fix, websockets' ConnectionClosed from the CONNACK write escaped amqtt's connection
+    handling ("ERROR websockets.server: connection handler failed"): no attach, no detach, so each
+    new durable session had no expiry deadline. 20 of them with max_durable_sessions 20 locked every
+    new durable client out (CONNACK 3) until a restart."""
+    broker = broker_factory(start=False, session_expiry=1, max_durable_sessions=20)
+    broker.ws_port = free_port()
+    broker.start()
+    monitor = clients(broker.port, "monitor", clean_session=True)
+    monitor.subscribe(EXPIRED_TOPIC, 1)
+    ghosts = {f"g{i}" for i in range(20)}
+    for client_id in sorted(ghosts):
+        connect_then_close_over_websocket(broker.ws_port, client_id, clean=False)
+    assert monitor.wait_for(lambda ms: ghosts <= expired_ids(ms), 4 * WAIT), (
+        sorted(ghosts - expired_ids(monitor.messages)),
+        broker.log()[-3000:],
+    )
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as late:
+        late.sendall(connect_packet("late", clean=False))
+        assert read_exactly(late, 4) == CONNACK_ACCEPTED, "a place of max_durable_sessions is still held"
+    log = broker.log()
+    assert "connection handler failed" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_clean_websocket_connections_closed_before_their_connack_leave_no_amqtt_session(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """The same for clean CONNECTs: amqtt kept each one's Session "connected" in its table for ever."""
+    (tmp_path / "amqtt_sessions_probe.py").write_text(PROBE_PLUGIN)
+    broker = broker_factory(start=False)
+    broker.ws_port = free_port()
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["amqtt_sessions_probe.AmqttSessions"] = {}
+    broker.start()
+    ids = {f"c{i}" for i in range(30)}
+    for client_id in sorted(ids):
+        connect_then_close_over_websocket(broker.ws_port, client_id, clean=True)
+    monitor = clients(broker.port, "monitor", clean_session=True)
+    monitor.subscribe("probe/#", 0)
+    assert broker.wait_until(lambda: not ids & set(amqtt_table(monitor)), 2 * WAIT), sorted(
+        ids & set(amqtt_table(monitor))
+    )
+    log = broker.log()
+    assert "connection handler failed" not in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("first_clean", "second_clean"),
+    [(True, True), (True, False), (False, True), (False, False)],
+    ids=["clean-clean", "clean-durable", "durable-clean", "durable-durable"],
+)
+def test_of_two_connects_read_during_a_take_over_wait_the_newer_one_ends_the_older(
+    broker: Broker, clients: Callable[..., Client], first_clean: bool, second_clean: bool
+) -> None:
+    """MQTT-3.1.4-2. The connection of "dev" is stuck with a SUBSCRIBE waiting behind (a take-over
+    waits up to 5 s for it); a first CONNECT of "dev" starts that take-over and a second is read
+    while it waits. Before the fix, when either was clean, both got CONNACK and the first was never
+    ended: clean then durable, the durable one (SUBACK 0) got nothing, the clean one the message."""
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    with a_take_over_waiting(broker, publisher, clean=first_clean) as (_, first, second):
+        second.sendall(connect_packet("dev", clean=second_clean))
+        assert read_exactly(first, 4) == CONNACK_ACCEPTED
+        present = not first_clean and not second_clean  # the session the first one created
+        assert read_exactly(second, 4) == bytes((0x20, 2, present, 0))
+        assert read_until_closed(first, WAIT) is not None, "the older connection was not ended"
+        assert_served(second, publisher, b"to the newest")
+
+
+def test_a_connect_slow_to_authenticate_holds_up_no_other_connect_of_its_client_id(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """CONNECTs of one client id are answered one at a time, but credentials are checked before a
+    CONNECT's turn: a first clean CONNECT of "dev" slow to authenticate holds up neither a CONNECT
+    of "dev" with wrong credentials (CONNACK 5 at once, before amqtt touches anything) nor a
+    legitimate one (CONNACK 0, served); once the slow one passes, it takes "dev" over."""
+    entered, gate = tmp_path / "entered", tmp_path / "gate"
+    broker = gated_broker(broker_factory, tmp_path)
+    publisher = clients(broker.port, "pub", clean_session=True)
+    slow = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    intruder = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    live = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    with slow, intruder, live:
+        slow.sendall(connect_packet("dev", clean=True, username="slow"))
+        assert broker.wait_until(entered.exists, WAIT)
+        intruder.sendall(connect_packet("dev", clean=True, username="bad"))
+        assert read_exactly(intruder, 4) == b"\x20\x02\x00\x05"
+        live.sendall(connect_packet("dev", clean=True))
+        assert read_exactly(live, 4) == CONNACK_ACCEPTED
+        assert_served(live, publisher, b"served")
+        gate.write_text("1")
+        assert read_exactly(slow, 4) == CONNACK_ACCEPTED
+        assert read_until_closed(live, WAIT) is not None, "the slow CONNECT, answered last, did not take dev over"
+
+
+def test_another_users_connect_checked_before_its_turn_leaves_the_owners_connection_alone(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Review 307 (1). "dev" has no durable session; alice's durable CONNECT waits for a take-over
+    of the stuck connection and mallory's is read meanwhile: both pass the owner check as they are
+    read. alice's CONNACK makes her the owner. Before the fix, mallory's turn then came and amqtt's
+    take-over ended alice's connection before mallory was refused (CONNACK 5): the owner's
+    connection must stay up."""
+    broker = broker_factory()
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    with a_take_over_waiting(broker, publisher, clean=False, username="alice") as (_, alice, mallory):
+        mallory.sendall(connect_packet("dev", clean=False, username="mallory"))
+        waits = "waits for the client id's earlier CONNECT"
+        assert broker.wait_until(lambda: waits in broker.log(), WAIT), broker.log()[-2000:]
+        assert read_exactly(alice, 4) == CONNACK_ACCEPTED
+        assert read_exactly(mallory, 4) == b"\x20\x02\x00\x05"
+        assert read_until_closed(mallory, WAIT) is not None
+        assert_served(alice, publisher, b"to the owner")
+
+
+def test_a_failing_connect_does_not_use_up_anothers_checked_credentials(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """Review 307 (2). A clean CONNECT of "dev" with a one-time credential is checked as it is read
+    and waits, in its turn, for the take-over of the stuck connection; one with wrong credentials is
+    read meanwhile. Before the fix the failing one's check took the first one's record of checked
+    credentials (kept per client id), so amqtt checked the first one again after the take-over had
+    ended the live connection: the one-time credential failed, CONNACK 5."""
+    calls = tmp_path / "calls"
+    broker = gated_broker(broker_factory, tmp_path)
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    with a_take_over_waiting(broker, publisher, clean=True, username="otp") as (stuck, first, intruder):
+        intruder.sendall(connect_packet("dev", clean=True, username="bad"))
+        assert read_exactly(intruder, 4) == b"\x20\x02\x00\x05"
+        assert read_exactly(first, 4) == CONNACK_ACCEPTED, calls.read_text()
+        assert calls.read_text() == "1", "the one-time credential was checked more than once"
+        assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"
+
+
+def test_the_wait_for_a_client_ids_turn_is_bounded_by_connect_timeout(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Review 307 (4). The first CONNECT of "dev" holds the client id's turn while its take-over
+    waits (up to 5 s) for the stuck connection; a second one waits for the turn, holding a listener
+    slot, a place of its address and (durable) one of max_durable_sessions. Before the fix that wait
+    had no bound; now, past connect_timeout (1 s here) from its start, CONNACK 3 and the connection
+    closed, while the first CONNECT is still answered."""
+    broker = broker_factory(connect_timeout=1)
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    with a_take_over_waiting(broker, publisher, clean=False) as (stuck, first, waiting):
+        waiting.sendall(connect_packet("dev", clean=False))
+        assert read_exactly(waiting, 4) == b"\x20\x02\x00\x03", broker.log()[-2000:]
+        assert read_until_closed(waiting, WAIT) is not None
+        assert "was not answered within connect_timeout (1 s)" in broker.log()
+        assert read_exactly(first, 4) == CONNACK_ACCEPTED
+        assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"
