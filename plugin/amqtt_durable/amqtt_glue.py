@@ -39,7 +39,8 @@ instance the plugin is loaded into and on each connection's handler:
   wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
   has work (QoS 2, a clean-session subscriber, a plugin listening for messages);
   otherwise the plugin sends PUBACK itself. A QoS 2 PUBLISH past ``max_awaiting_pubrel``
-  unreleased ones closes the connection (see ``AwaitingPubrel``);
+  unreleased ones of the client (earlier connections' too) closes the connection (see
+  ``AwaitingPubrel``);
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
   CONNACK's session-present from the store; refuse another user than the session's owner,
   and (CONNACK 3) any durable CONNECT while the store cannot write (a new durable session takes the
@@ -1928,27 +1929,38 @@ def _ack_interceptor(
 
 
 class AwaitingPubrel:
-    """The QoS 2 publishes of one connection between their PUBLISH and the end of their flow
-    (PUBREL, PUBCOMP), bounded by ``max_awaiting_pubrel``: amqtt holds each in memory until its
-    PUBREL, for as long as the connection lasts. Counted by packet id (a re-send of one that
-    awaits counts once), from the moment its handling starts: handlers start in arrival order, so
-    a burst read at once is counted before any of it is stored."""
+    """The QoS 2 publishes of one client between their PUBLISH and their PUBREL, bounded by
+    ``max_awaiting_pubrel``: amqtt holds each in memory (its Session's ``inflight_in``) until its
+    PUBREL, for as long as it keeps the Session, so also those an earlier connection of a durable
+    session left awaiting (carried over to the next connection). Counted by packet id (a re-send
+    of one that awaits, carried over or not, counts once), from the moment its handling starts:
+    handlers start in arrival order, so a burst read at once is counted before any of it is stored.
+    A PUBREL frees the place of its id, carried over or not. A client holding the limit or more
+    already (two connections of its client id adding at once) can still re-send and release those;
+    only new ids are refused until it is below the limit."""
 
-    def __init__(self, client_id: str, limit: int) -> None:
+    def __init__(self, client_id: str, limit: int, held: dict[int, Any]) -> None:
         self.client_id = client_id
         self.limit = limit
+        self.held = held
+        """The Session's publishes awaiting their PUBREL (amqtt's ``inflight_in``), by packet id."""
         self.open: dict[int, int] = {}
-        """packet id -> handlers of it under way (a re-send's and the first copy's)."""
+        """packet id -> handlers of it under way (a re-send's and the first copy's), not yet in ``held``."""
+
+    def count(self) -> int:
+        return len(self.held) + sum(1 for packet_id in self.open if packet_id not in self.held)
 
     def admit(self, packet_id: int) -> bool:
-        if packet_id not in self.open and self.limit and len(self.open) >= self.limit:
+        new = packet_id not in self.open and packet_id not in self.held
+        if new and self.limit and self.count() >= self.limit:
             log.warning(
                 "closing the connection of %s: a QoS 2 PUBLISH (packet id %d) while %d QoS 2 publishes of this "
-                "connection await their PUBREL, max_awaiting_pubrel is %d. The client does not answer PUBREC "
-                "with PUBREL (or the operator raise max_awaiting_pubrel, 0 = no limit)",
+                "client await their PUBREL (this connection's and those an earlier one left), max_awaiting_pubrel "
+                "is %d. The client does not answer PUBREC with PUBREL (or the operator raise max_awaiting_pubrel, "
+                "0 = no limit)",
                 self.client_id,
                 packet_id,
-                len(self.open),
+                self.count(),
                 self.limit,
             )
             return False
@@ -2004,7 +2016,7 @@ def _wrap_handler(
     original_connack = handler.mqtt_connack_authorize
     ordering = asyncio.Lock()
     handler.durable_ordering = ordering
-    awaiting = AwaitingPubrel(session.client_id, engine.config.max_awaiting_pubrel)
+    awaiting = AwaitingPubrel(session.client_id, engine.config.max_awaiting_pubrel, session.inflight_in)
 
     async def handle_publish(packet: Any) -> None:
         topic = packet.topic_name
