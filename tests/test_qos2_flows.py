@@ -1,7 +1,16 @@
-"""`max_awaiting_pubrel` counts what a durable session's earlier connections left awaiting their PUBREL
-(docs/configuration.md, docs/guarantees.md): it counted only the current connection's, so a publisher
-that reconnected after every few unreleased QoS 2 publishes made the broker hold any number of them.
-Raw sockets; both readers (the plugin's, and amqtt's own, used when a topic plugin is loaded).
+"""QoS 2 publishers' flows at a connection's edges (docs/guarantees.md, Exactly-once; docs/configuration.md,
+`max_awaiting_pubrel`). Raw sockets, so the packets go in one write; both readers (the plugin's, and
+amqtt's own, used when a topic plugin is loaded).
+
+A QoS 2 publish released as its connection ends reaches every subscriber once: a publisher sent its
+PUBREL and then ended the connection in the same write (PUBREL + DISCONNECT, PUBREL then EOF, several
+PUBRELs then DISCONNECT). The broker sent PUBCOMP, yet the message was queued to amqtt's delivery
+after the connection's message loop had stopped taking from that queue: clean-session subscribers
+never got it. Also when a take-over of the client id races with the PUBREL.
+
+`max_awaiting_pubrel` counts what a durable session's earlier connections left awaiting their PUBREL:
+it counted only the current connection's, so a publisher that reconnected after every few unreleased
+QoS 2 publishes made the broker hold any number of them.
 """
 
 from __future__ import annotations
@@ -9,13 +18,15 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
-from raw_mqtt_helpers import raw_connect, read_packet
+import pytest
+from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly, read_packet
 from test_blind_guarantees import USER
 from test_blind_guarantees import on_either_reader as on_either_reader  # noqa: PLC0414  (the fixture, by its own name)
 
-from conftest import Broker, Client, mqtt_packet, mqtt_string
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
 
 PUBREC, PUBREL, PUBCOMP = 0x50, 0x62, 0x70
+DISCONNECT = b"\xe0\x00"
 
 
 def subscribers(clients: Callable[..., Client], broker: Broker, topic_filter: str) -> list[Client]:
@@ -28,12 +39,116 @@ def subscribers(clients: Callable[..., Client], broker: Broker, topic_filter: st
     return made
 
 
+def published_unreleased(sock: socket.socket, topic: str, bodies: list[bytes]) -> list[bytes]:
+    """QoS 2 PUBLISHes of ``bodies`` (packet ids 1, 2, ...), each PUBREC read; the packet ids."""
+    packet_ids = [index.to_bytes(2, "big") for index in range(1, len(bodies) + 1)]
+    for packet_id, body in zip(packet_ids, bodies, strict=True):
+        sock.sendall(mqtt_packet(0x34, mqtt_string(topic) + packet_id + body))
+        assert read_packet(sock) == (PUBREC, packet_id)
+    return packet_ids
+
+
+def pubcomps_then_closed(sock: socket.socket, packet_ids: list[bytes]) -> None:
+    """A PUBCOMP for each PUBREL, in order, then the broker closes the connection."""
+    for packet_id in packet_ids:
+        assert read_packet(sock) == (PUBCOMP, packet_id)
+    assert sock.recv(1) == b"", "the connection stays open"  # bounded by the socket's timeout
+
+
 def each_got_once(subscribers: list[Client], expected: list[bytes]) -> None:
     """Every subscriber gets ``expected``, in order, and nothing more (within half a second after)."""
     for subscriber in subscribers:
         subscriber.wait_for(lambda ms: len(ms) >= len(expected))
         assert not subscriber.wait_for(lambda ms: len(ms) > len(expected), timeout=0.5), subscriber.client_id
         assert [m.payload for m in subscriber.messages] == expected, subscriber.client_id
+
+
+PUBLISHERS = pytest.mark.parametrize("clean", [True, False], ids=["clean-publisher", "durable-publisher"])
+
+
+@PUBLISHERS
+@pytest.mark.parametrize("end", ["disconnect", "eof"])
+def test_a_pubrel_and_the_connections_end_in_one_write_deliver_the_message(
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client], clean: bool, end: str
+) -> None:
+    """PUBREL + DISCONNECT in one write, or PUBREL then EOF (the socket shut for writing right
+    after it): PUBCOMP comes, and every subscriber gets the message once."""
+    broker = on_either_reader()
+    receivers = subscribers(clients, broker, "rel/#")
+    with raw_connect(broker.port, "rel-pub", clean=clean) as publisher:
+        [packet_id] = published_unreleased(publisher, "rel/t", [b"released"])
+        pubrel = mqtt_packet(PUBREL, packet_id)
+        if end == "disconnect":
+            publisher.sendall(pubrel + DISCONNECT)
+        else:
+            publisher.sendall(pubrel)
+            publisher.shutdown(socket.SHUT_WR)
+        pubcomps_then_closed(publisher, [packet_id])
+    each_got_once(receivers, [b"released"])
+
+
+@PUBLISHERS
+def test_several_pubrels_and_a_disconnect_in_one_write_deliver_all_in_order(
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client], clean: bool
+) -> None:
+    """Five QoS 2 publishes, each PUBREC read, then their five PUBRELs and DISCONNECT in one write:
+    five PUBCOMPs, and every subscriber gets the five once each, in publish order."""
+    broker = on_either_reader()
+    receivers = subscribers(clients, broker, "rel/#")
+    bodies = [f"m{index}".encode() for index in range(5)]
+    with raw_connect(broker.port, "rel-pub", clean=clean) as publisher:
+        packet_ids = published_unreleased(publisher, "rel/t", bodies)
+        publisher.sendall(b"".join(mqtt_packet(PUBREL, packet_id) for packet_id in packet_ids) + DISCONNECT)
+        pubcomps_then_closed(publisher, packet_ids)
+    each_got_once(receivers, bodies)
+
+
+def connect_owing(port: int, client_id: str, pubrels: list[bytes]) -> socket.socket:
+    """A durable CONNECT (username USER) and, in the same write, the PUBRELs the client owes for
+    ``pubrels`` (MQTT-4.4.0-1: sent again on a reconnect, as it cannot know whether the broker read
+    them); returns once CONNACK (session present) came."""
+    sock = socket.create_connection((HOST, port), timeout=WAIT)
+    sock.sendall(connect_packet(client_id, clean=False, username=USER) + b"".join(
+        mqtt_packet(PUBREL, packet_id) for packet_id in pubrels
+    ))
+    assert read_exactly(sock, 4) == b"\x20\x02\x01\x00", "CONNACK, session present"
+    return sock
+
+
+def until_pubcomp(sock: socket.socket, packet_id: bytes) -> list[tuple[int, bytes]]:
+    """The packets read up to the PUBCOMP of ``packet_id``: a PUBREC of it may come first (the
+    message was still held: the take-over came before its PUBREL was read)."""
+    seen = [read_packet(sock)]
+    while seen[-1] != (PUBCOMP, packet_id):  # bounded: at most one PUBREC first, then the socket timeout
+        assert len(seen) < 3 and seen[-1] == (PUBREC, packet_id), seen
+        seen.append(read_packet(sock))
+    return seen
+
+
+@pytest.mark.parametrize("then", [b"", DISCONNECT], ids=["pubrel", "pubrel-disconnect"])
+def test_a_pubrel_racing_a_take_over_of_the_client_id_delivers_once(
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client], then: bytes
+) -> None:
+    """docs/guarantees.md, Exactly-once: a QoS 2 message reaches each subscriber once. A durable
+    publisher sends its PUBREL (alone, or with a DISCONNECT in the same write) and, at once, a new
+    connection of its client id CONNECTs with that PUBREL again (it never saw the PUBCOMP):
+    whichever connection the broker reads it on first releases the message, the other gets a bare
+    PUBCOMP. Ten rounds, each a new packet id: every subscriber gets the ten once each, in order."""
+    broker = on_either_reader(named=True)
+    receivers = subscribers(clients, broker, "race/#")
+    sock = raw_connect(broker.port, "race-pub", clean=False, username=USER)
+    bodies = [f"r{index}".encode() for index in range(10)]
+    for index, body in enumerate(bodies, start=1):
+        packet_id = index.to_bytes(2, "big")
+        sock.sendall(mqtt_packet(0x34, mqtt_string("race/t") + packet_id + body))
+        assert read_packet(sock) == (PUBREC, packet_id)
+        sock.sendall(mqtt_packet(PUBREL, packet_id) + then)
+        again = connect_owing(broker.port, "race-pub", [packet_id])
+        until_pubcomp(again, packet_id)
+        sock.close()
+        sock = again
+    sock.close()
+    each_got_once(receivers, bodies)
 
 
 def release(sock: socket.socket, packet_id: bytes) -> None:

@@ -36,11 +36,12 @@ instance the plugin is loaded into and on each connection's handler:
   its whole CONNECT (and have it authenticated, when that is done as it is read); one closed
   then gets no CONNACK, and nothing of its CONNECT is acted on, even if its credentials pass later;
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
-  wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
-  has work (QoS 2, a clean-session subscriber, a plugin listening for messages);
-  otherwise the plugin sends PUBACK itself. A QoS 2 PUBLISH past ``max_awaiting_pubrel``
-  unreleased ones of the client (earlier connections' too) closes the connection (see
-  ``AwaitingPubrel``);
+  wait for the group commit before PUBACK / PUBREC. A QoS 0/1 message goes to amqtt's own
+  delivery when it has work (a clean-session subscriber, a plugin listening for messages), and the
+  plugin sends PUBACK itself; a QoS 2 one is held in amqtt's Session (``inflight_in``) until its
+  PUBREL, without amqtt's task waiting for it (``_await_pubrel``). A QoS 2 PUBLISH past
+  ``max_awaiting_pubrel`` unreleased ones of the client (earlier connections' too) closes the
+  connection (see ``AwaitingPubrel``);
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
   CONNACK's session-present from the store; refuse another user than the session's owner,
   and (CONNACK 3) any durable CONNECT while the store cannot write (a new durable session takes the
@@ -48,17 +49,21 @@ instance the plugin is loaded into and on each connection's handler:
   amqtt's own authentication leaves no Session in amqtt's table (``_forget_refused``);
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
-* ``BrokerProtocolHandler.handle_pubrel`` (per connection): a durable publisher's stored QoS 2
-  packet id is deleted before PUBCOMP, and a PUBREL amqtt has no flow for still gets PUBCOMP
-  (and the message amqtt holds for it, if any, goes to amqtt's delivery);
+* ``BrokerProtocolHandler.handle_pubrel`` (per connection): the message held for it goes to
+  amqtt's delivery as the reader hands the PUBREL over, a durable publisher's stored QoS 2 packet
+  id is deleted before PUBCOMP, and a PUBREL with no message held still gets PUBCOMP;
 * ``BrokerProtocolHandler.start`` / ``stop`` (per connection): a connection whose reader ended
   before amqtt's ``start`` made its disconnect waiter (a client that closed right after its
   CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran,
   nor, when amqtt takes the connection over for a newer durable CONNECT of its client id, for
   its client (a websocket's closing handshake: ``let_go``);
-* ``BrokerProtocolHandler._retry_deliveries`` (per connection): the re-sent PUBRECs of a
-  reconnecting publisher's QoS 2 publishes awaiting PUBREL wait for it beside the connection, not
-  up to 10 s in ``start`` (see ``_retry_without_waiting_for_pubrel``);
+* ``BrokerProtocolHandler._retry_deliveries`` (per connection): the PUBRECs of a reconnecting
+  publisher's QoS 2 publishes awaiting PUBREL are sent again, and nothing waits for the PUBRELs
+  (amqtt waited up to 10 s in ``start``, see ``_retry_without_waiting_for_pubrel``);
+* ``BrokerProtocolHandler.mqtt_deliver_next_message`` (per connection), with ``wait_disconnect``
+  and ``stop``: the connection's end waits (bounded) until the message loop has taken what the
+  client published (a QoS 2 message released with the DISCONNECT), and the loop's end hands what
+  is left to the broker (see ``PublishedMessages``);
 * ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` / ``handle_connection_closed``
   (per connection): a connection that sent DISCONNECT never has its will
   published (MQTT-3.14.4-3), however its DISCONNECT's handling and its message loop's wait for it
@@ -172,7 +177,6 @@ from amqtt.mqtt.packet import (
 )
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler, Subscription, UnSubscription
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
-from amqtt.mqtt.pubrec import PubrecPacket
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
 from transitions import MachineError
@@ -205,7 +209,7 @@ from .silence import SilenceWatch
 from .stream_sender import StreamSender
 from .subscription_changes import SubscriptionChanges
 from .topics import SubscriptionIndex, TopicIndex, topic_problem
-from .wire import PacketReader, encode_puback, encode_pubcomp
+from .wire import PacketReader, encode_puback, encode_pubcomp, encode_pubrec
 
 log = logging.getLogger("amqtt_durable")
 
@@ -1633,6 +1637,7 @@ class AmqttHooks:
                 await end_connection(handler)
             await self._original_message_loop(session, handler)
         finally:
+            handler.durable_published.end()
             handler.durable_control.stop()
             _drop_waiting_changes(handler.durable_changes, session.client_id)
             # amqtt leaves the connection open when its loop ends on a bad PUBLISH topic.
@@ -1649,6 +1654,10 @@ class AmqttHooks:
                 # amqtt's take-over: this old connection's end marked the shared Session
                 # disconnected while the new one is live; its monitor would then drop the new one.
                 session.transitions.connect()
+            try:  # last: nothing is read any more, and nothing above is skipped if it fails
+                await hand_over_what_is_left(self.broker, session, handler)
+            except Exception as exc:  # as amqtt's loop would have ended on it
+                log.warning("%s: a message it published was not delivered: %r", session.client_id, exc)
 
     async def add_subscription(self, subscription: tuple[str, int], session: Any) -> int:
         topic_filter, qos = subscription
@@ -1983,23 +1992,20 @@ async def _bounded_qos2(
     packet: Any,
     *,
     awaiting: AwaitingPubrel,
-    original_publish: Callable[[Any], Awaitable[None]],
     receivers: Callable[[str], Awaitable[dict[str, int] | None]],
 ) -> None:
-    """A QoS 2 PUBLISH (control request or message), counted in ``awaiting`` until its flow ends."""
+    """A QoS 2 PUBLISH (control request or message), counted in ``awaiting`` until its PUBREL."""
     packet_id = packet.variable_header.packet_id  # amqtt's decoder reads one for QoS 1 and 2
     if not awaiting.admit(packet_id):
         await end_connection(handler)
         return
     try:
         if packet.topic_name.startswith(CONTROL_PREFIX):
-            await _control_qos2(handler, packet, original_publish)
+            _control_qos2(handler, session, packet)
         else:
-            await _publish_qos2(
-                broker, engine, handler, session, packet, original_publish=original_publish, receivers=receivers
-            )
+            await _publish_qos2(broker, engine, handler, session, packet, receivers=receivers)
     finally:
-        awaiting.done(packet_id)
+        awaiting.done(packet_id)  # from here on counted in the Session's inflight_in, if it got PUBREC
 
 
 def _wrap_handler(
@@ -2012,7 +2018,6 @@ def _wrap_handler(
     receivers: Callable[[str], Awaitable[dict[str, int] | None]],
 ) -> None:
     """Per-connection wrappers: persist before acknowledging, and the stored session-present."""
-    original_publish = handler.handle_publish
     original_connack = handler.mqtt_connack_authorize
     ordering = asyncio.Lock()
     handler.durable_ordering = ordering
@@ -2037,7 +2042,6 @@ def _wrap_handler(
                 session,
                 packet,
                 awaiting=awaiting,
-                original_publish=original_publish,
                 receivers=receivers,
             )
             return
@@ -2068,7 +2072,7 @@ def _wrap_handler(
     handler.handle_puback = _ack_interceptor(handler, "puback", handler.handle_puback)
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
-    handler.handle_pubrel = _pubrel_handler(engine, handler, session, handler.handle_pubrel)
+    handler.handle_pubrel = _pubrel_handler(engine, handler, session)
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
     _one_queue_of_subscription_changes(handler)
@@ -2123,37 +2127,15 @@ def _retry_without_waiting_for_pubrel(handler: Any) -> Callable[[], Awaitable[No
     ``start()`` waited for it, and with it the connection's message loop: a client that did not
     send that PUBREL at once (one whose process restarted, or that subscribed first) got its SUBACK
     and PUBCOMP 10 s late; then the flow was cancelled, so its message never reached clean
-    subscribers, and amqtt kept the packet id, so a new publish with it after the PUBCOMP reached
-    no durable session. Those flows now run beside the connection (``_awaiting_pubrel``), until
-    the PUBREL or the connection's end (whose waiters amqtt cancels: the next connection retries
-    again). Each one's PUBREL waiter is in place before this returns, so a PUBREL the reader
-    handles from then on resolves it; one handled before (sent in the same write as the CONNECT)
-    finds the message in ``inflight_in`` and completes the flow itself (``_pubrel_handler``). An id
-    whose flow amqtt runs already (a re-sent PUBLISH read before this ran) is left to that flow.
-    amqtt's retry of outbound messages (clean sessions only: the pump sends durable ones) is as it
-    was."""
-    running: set[asyncio.Task[None]] = set()
-
-    def settled(client_id: str, task: asyncio.Task[None]) -> None:
-        running.discard(task)
-        if task.cancelled():  # the connection ended (amqtt cancels its waiters)
-            return
-        error = task.exception()
-        if error is not None and not isinstance(error, OSError):  # OSError: a write to a closed connection
-            log.warning("%s: a QoS 2 flow awaiting its PUBREL failed: %r", client_id, error)
+    subscribers. Here the PUBREC of each goes again and nothing waits: its PUBREL, whenever it is
+    read, releases the message (``_pubrel_handler``); one read before this ran (in the same write as
+    the CONNECT) released it already, so no PUBREC goes for it. amqtt's retry of outbound messages
+    (clean sessions only: the pump sends durable ones) is as it was."""
 
     async def retry_deliveries() -> None:
         session = handler.session
-        waiters: dict[int, asyncio.Future[Any]] = handler._pubrel_waiters
-        for message in list(session.inflight_in.values()):
-            waiter = waiters.get(message.packet_id)
-            if waiter is not None and not waiter.done():
-                continue
-            waiter = asyncio.get_running_loop().create_future()
-            waiters[message.packet_id] = waiter
-            task = asyncio.create_task(_awaiting_pubrel(handler, session, message, waiter))
-            running.add(task)
-            task.add_done_callback(partial(settled, session.client_id))
+        for packet_id in list(session.inflight_in):
+            handler.durable_transport.write(encode_pubrec(packet_id))
         outbound = [
             asyncio.create_task(asyncio.wait_for(handler._handle_message_flow(message), 10))
             for message in list(session.inflight_out.values())
@@ -2162,34 +2144,6 @@ def _retry_without_waiting_for_pubrel(handler: Any) -> Callable[[], Awaitable[No
             await asyncio.wait(outbound)
 
     return retry_deliveries
-
-
-async def _awaiting_pubrel(
-    handler: Any, session: Any, message: IncomingApplicationMessage, waiter: asyncio.Future[Any]
-) -> None:
-    """amqtt's inbound QoS 2 flow, re-run on a reconnect with a waiter made beforehand: PUBREC again
-    (unless the PUBREL came already), then at the PUBREL the message goes to amqtt's delivery and
-    PUBCOMP follows (``_released``)."""
-    packet_id = message.packet_id
-    try:
-        if not waiter.done():
-            message.pubrec_packet = PubrecPacket.build(packet_id)
-            await handler._send_packet(message.pubrec_packet)
-        pubrel = await waiter
-    finally:
-        if handler._pubrel_waiters.get(packet_id) is waiter:
-            del handler._pubrel_waiters[packet_id]
-    _released(handler, session, packet_id, pubrel)
-
-
-def _released(handler: Any, session: Any, packet_id: int, pubrel: Any) -> None:
-    """The end of an inbound QoS 2 flow at its PUBREL, as amqtt's ends: the message awaiting it (if
-    amqtt still holds one) goes to amqtt's own delivery and leaves ``inflight_in``; PUBCOMP."""
-    message = session.inflight_in.pop(packet_id, None)
-    if message is not None:
-        message.pubrel_packet = pubrel
-        session.delivered_message_queue.put_nowait(message)
-    handler.durable_transport.write(encode_pubcomp(packet_id))
 
 
 async def end_connection(handler: Any) -> None:
@@ -2325,18 +2279,23 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     apply while it waits there) stops the connection only then (so a take-over's CONNACK waits
     for the older connection's changes, and in a reconnect storm for that connection's loop to get
     its ``attach_limit`` slot first: nothing else applies them); that ``stop()`` first cancels the
-    handler's PUBACK/PUBREC/PUBCOMP waiters, as amqtt's ``stop()`` does first, not its PUBREL ones
+    handler's PUBACK/PUBREC/PUBCOMP waiters, as amqtt's ``stop()`` does first
     (``_stop_outgoing_waiters``; a clean session's loop sends the retained messages of a
     SUBSCRIBE, each in its own task, and waits up to 5 s for the QoS 1 ones' PUBACKs: a
     take-over's CONNACK, a broker's shutdown waited for them; the SUBSCRIBE then counts as applied
     at once. A later SUBSCRIBE's retained messages get new waiters, which are waited for, within
     the bound).
+    The same wait covers what the client published (``PublishedMessages``: the loop hands it to
+    the broker, a QoS 2 message released by a PUBREL read with the DISCONNECT among them).
     When a wait runs out, the queue is closed: what still waits is dropped (WARNING with the exact
-    count: the change being applied completes, nothing after it is handed out). Once the loop has
-    ended (``close()``) nothing is waited for."""
+    count: the change being applied completes, nothing after it is handed out); the published
+    messages are not dropped (the loop's end hands them over). Once the loop has ended
+    (``close()``) nothing is waited for."""
     changes: SubscriptionChanges[Subscription | UnSubscription] = SubscriptionChanges()
     handler.durable_changes = changes
     handler.durable_loop_task = None
+    published = PublishedMessages(handler)
+    handler.durable_published = published
     original_wait = handler.wait_disconnect
     original_stop = handler.stop
 
@@ -2355,6 +2314,7 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
         try:
             async with asyncio.timeout(CHANGES_GRACE):
                 await changes.drained()
+                await published.handed_over()
         except TimeoutError:  # none is handed out any more: none is applied after the end
             _drop_waiting_changes(changes, handler.session.client_id if handler.session else None)
 
@@ -2385,11 +2345,74 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     handler.durable_let_go = let_go_once_applied
 
 
+class PublishedMessages:
+    """What the client published waits in its Session's ``delivered_message_queue`` (a QoS 0/1
+    message as it is read, a QoS 2 one at its PUBREL) until the connection's message loop hands it
+    to the broker (amqtt's ``_handle_message_delivery``: clean subscribers, retain, events), one per
+    loop pass. amqtt's loop stopped taking from the queue once it had the connection's end: the
+    messages read with a DISCONNECT or right before an EOF stayed there, never delivered.
+    ``handed_over`` waits until the loop has taken every one (or has ended: then
+    ``AmqttHooks.client_message_loop`` hands the rest over, ``hand_over_what_is_left``), and until
+    the PUBCOMPs that wait for the deletion of a durable publisher's packet id are written
+    (``pubcomp_once_written``): a client that shut its socket for writing right after its PUBREL
+    still reads them."""
+
+    def __init__(self, handler: Any) -> None:
+        self._handler = handler
+        self._taken = asyncio.Event()
+        self.loop_ended = False
+        self._erasing: set[asyncio.Future[None]] = set()
+        original = handler.mqtt_deliver_next_message
+
+        async def next_message() -> Any:
+            message = await original()
+            self._taken.set()
+            return message
+
+        handler.mqtt_deliver_next_message = next_message
+
+    def end(self) -> None:
+        """The connection's message loop has ended: nothing waits for it any more."""
+        self.loop_ended = True
+        self._taken.set()
+
+    def pubcomp_once_written(self, erasing: asyncio.Future[None], client_id: str, packet_id: int) -> None:
+        """PUBCOMP once the packet id's deletion (``erasing``) is written; none when it could not be
+        (the client sends the PUBREL again on its next connection)."""
+        self._erasing.add(erasing)
+        erasing.add_done_callback(self._erasing.discard)
+        erasing.add_done_callback(partial(_pubcomp_if_written, self._handler.durable_transport, client_id, packet_id))
+
+    async def handed_over(self) -> None:
+        """Returns once the loop has taken every message waiting in the queue, or has ended, and
+        the PUBCOMPs waiting for a write are written. Unbounded: the caller bounds it
+        (``CHANGES_GRACE``)."""
+        queue = self._handler.session.delivered_message_queue
+        while not queue.empty() and not self.loop_ended:
+            self._taken.clear()
+            await self._taken.wait()
+        if self._erasing:
+            await asyncio.wait(list(self._erasing))
+
+
+async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> None:
+    """After the connection's message loop ended: the messages its client published still waiting
+    in the Session's queue go to the broker as the loop would have handed them (as many as wait
+    now: on a Session a newer connection took over, that connection's loop takes what comes after)."""
+    queue = session.delivered_message_queue
+    for _ in range(queue.qsize()):
+        if queue.empty():  # a newer connection's loop took it
+            return
+        taken: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        taken.set_result(queue.get_nowait())
+        await broker._handle_message_delivery(session, handler, taken)
+
+
 def _stop_outgoing_waiters(handler: Any) -> None:
     """Cancels the handler's waits for the PUBACKs, PUBRECs and PUBCOMPs of what it sent, as
-    amqtt 0.12.1's ``_stop_waiters`` does, but not its waits for the PUBRELs of the client's own
-    QoS 2 PUBLISHes: a PUBREL read while the connection's end waits for its changes still gets
-    the message delivered (amqtt's ``stop()`` cancels those after the wait)."""
+    amqtt 0.12.1's ``_stop_waiters`` does. Nothing waits for the PUBRELs of the client's own QoS 2
+    PUBLISHes (``_await_pubrel``): a PUBREL read while the connection's end waits for its changes
+    still gets the message delivered (``_pubrel_handler``)."""
     for waiters in (handler._puback_waiters, handler._pubrec_waiters, handler._pubcomp_waiters):
         for waiter in waiters.values():
             waiter.cancel()
@@ -2416,34 +2439,64 @@ def _packet_id_and_payload(packet: Any, kind: str) -> tuple[int, Any]:
     return packet.variable_header.packet_id, packet.payload.topics
 
 
-def _pubrel_handler(
-    engine: DurableEngine, handler: Any, session: Any, original: Callable[[Any], Awaitable[None]]
-) -> Callable[[Any], Awaitable[None]]:
-    """PUBREL of an inbound QoS 2 publish: its stored packet id goes first, then PUBCOMP.
+def _pubrel_handler(engine: DurableEngine, handler: Any, session: Any) -> Callable[[Any], Awaitable[None]]:
+    """PUBREL of an inbound QoS 2 publish: the message awaiting it (``_await_pubrel``), if amqtt's
+    Session holds one, goes to amqtt's own delivery (clean subscribers, retain, events) and leaves
+    ``inflight_in``; a durable publisher's stored packet id is deleted; PUBCOMP follows (once that
+    deletion is written). All of it but the PUBCOMP's write is done as the reader hands the PUBREL
+    over, not in the task it makes of what this returns: both readers cancel the tasks that have not
+    run when the connection ends, and amqtt's flow, ended by the connection's end, queued the message
+    after the connection's message loop had stopped taking from the queue. So a PUBREL and a
+    DISCONNECT (or EOF) in one write lost the message for clean subscribers though PUBCOMP came; the
+    end of the connection waits (bounded) for what was released to be handed to the broker
+    (``_one_queue_of_subscription_changes``, ``AmqttHooks.client_message_loop``).
 
-    amqtt answers only a PUBREL its in-memory flow waits for; after a restart (or once amqtt
-    dropped an anonymous session) there is none, yet MQTT-4.3.3 wants a PUBCOMP for every PUBREL.
-    A message amqtt still holds for the id with no flow waiting (a PUBREL read in the same write as
-    a reconnect's CONNECT, before ``_retry_without_waiting_for_pubrel`` made the flow's waiter) is
-    delivered as its flow would have (``_released``): answered with a bare PUBCOMP, it never reached
-    clean subscribers and its id stayed held, so the next PUBLISH with it counted as a re-send. A
-    PUBREL sent again while the flow its first one released has not yet ended (both read in one
-    write) gets a bare PUBCOMP: that flow delivers the message, once.
+    MQTT-4.3.3 wants a PUBCOMP for every PUBREL, also one amqtt has no message for (after a restart,
+    once amqtt dropped an anonymous session, or a PUBREL sent again: the message went with the first,
+    once); a repeated one waits for the same deletion (``DurableEngine.pubrel_released``).
     """
+    transport: HandlerTransport = handler.durable_transport
 
-    async def handle_pubrel(packet: Any) -> None:
+    def handle_pubrel(packet: Any) -> Awaitable[None]:
         packet_id = packet.packet_id
-        if not handler.connect_clean_session:
-            await engine.pubrel_received(session.client_id, packet_id)
-        waiter = handler._pubrel_waiters.get(packet_id)
-        if waiter is None or waiter.cancelled():  # a message amqtt holds without a flow waiting (yet)
-            _released(handler, session, packet_id, packet)  # is delivered all the same
-        elif not waiter.done():
-            await original(packet)  # amqtt's flow delivers to its own subscribers, then PUBCOMP
-        else:  # a PUBREL sent again before the flow its first one released has ended: that flow delivers
-            handler.durable_transport.write(encode_pubcomp(packet_id))
+        erasing = None if handler.connect_clean_session else engine.pubrel_released(session.client_id, packet_id)
+        message = session.inflight_in.pop(packet_id, None)
+        if message is not None:
+            message.pubrel_packet = packet
+            session.delivered_message_queue.put_nowait(message)
+        if erasing is None:
+            transport.write(encode_pubcomp(packet_id))
+        else:
+            handler.durable_published.pubcomp_once_written(erasing, session.client_id, packet_id)
+        return _nothing()
 
     return handle_pubrel
+
+
+def _pubcomp_if_written(
+    transport: HandlerTransport, client_id: str, packet_id: int, erasing: asyncio.Future[None]
+) -> None:
+    """PUBCOMP, the packet id's deletion (``erasing``) done: none if it could not be written."""
+    error = None if erasing.cancelled() else erasing.exception()
+    if erasing.cancelled() or error is not None:
+        log.warning("%s: no PUBCOMP for packet id %d: its deletion was not written (%r)", client_id, packet_id, error)
+        return
+    transport.write(encode_pubcomp(packet_id))
+
+
+def _await_pubrel(handler: Any, session: Any, packet: Any) -> None:
+    """amqtt's inbound QoS 2 flow up to PUBREC, without a task waiting for the PUBREL: the message
+    is held in the Session's ``inflight_in`` until its PUBREL (``_pubrel_handler``), across
+    connections while amqtt keeps the Session, and PUBREC goes. A re-send of an id held keeps the
+    first copy (the same message, MQTT-4.3.3-2)."""
+    packet_id = packet.variable_header.packet_id
+    if packet_id not in session.inflight_in:
+        message = IncomingApplicationMessage(
+            packet_id, packet.topic_name, QOS_2, routed(packet.data, QOS_2), packet.retain_flag
+        )
+        message.publish_packet = packet
+        session.inflight_in[packet_id] = message
+    handler.durable_transport.write(encode_pubrec(packet_id))
 
 
 async def _publish_qos2(
@@ -2453,11 +2506,11 @@ async def _publish_qos2(
     session: Any,
     packet: Any,
     *,
-    original_publish: Callable[[Any], Awaitable[None]],
     receivers: Callable[[str], Awaitable[dict[str, int] | None]],
 ) -> None:
-    """amqtt's PUBREC / PUBREL flow, after the message and its packet id are durable (never on a
-    broker that is not the primary: the connection is closed instead, as for QoS 1)."""
+    """PUBREC, and the message held for its PUBREL (``_await_pubrel``), once the message and its
+    packet id are durable (never on a broker that is not the primary: the connection is closed
+    instead, as for QoS 1)."""
     if not engine.serving:
         handler.durable_acks.refuse(NotPrimaryError(NOT_SERVING))
         return
@@ -2468,8 +2521,7 @@ async def _publish_qos2(
     except StoreUnavailableError as exc:
         handler.durable_acks.refuse(exc)
         return
-    packet.payload.data = routed(packet.data, QOS_2)
-    await original_publish(packet)
+    _await_pubrel(handler, session, packet)
 
 
 async def _route_qos2(
@@ -2581,9 +2633,12 @@ async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, ses
     if not session.clean_session:
         session.parent = 1 if present else 0
         # A Session amqtt cached from an earlier clean connection may still hold amqtt-level
-        # subscriptions; they would deliver beside the pump, with clashing packet ids.
+        # subscriptions; they would deliver beside the pump, with clashing packet ids. Its
+        # ``delivered_message_queue`` is kept: what it holds the client published (released by
+        # an earlier connection taken over just now), still to be handed to the broker.
         await broker._del_all_subscriptions(session)
-        session.clear_queues()
+        while not session.retained_messages.empty():
+            session.retained_messages.get_nowait()
         if passes:  # the previous user's QoS 2 publishes awaiting PUBREL, as the engine forgot them
             session.inflight_in.clear()
 
@@ -2616,13 +2671,12 @@ def _read_access(broker: Any, session: Any) -> ReadAccess | None:
     return ReadAccess(partial(_may_read, broker, session))
 
 
-async def _control_qos2(handler: Any, packet: Any, original_publish: Callable[[Any], Awaitable[None]]) -> None:
-    """A control request at QoS 2: never routed; amqtt completes the exchange and the broadcast
-    wrapper drops the message."""
+def _control_qos2(handler: Any, session: Any, packet: Any) -> None:
+    """A control request at QoS 2: never routed; the exchange completes as a message's does, and
+    the broadcast wrapper drops the message released."""
     handler.durable_control.submit(packet.topic_name, bytes(packet.data))
     packet.fixed_header.flags &= ~0x01  # never retained
-    packet.payload.data = routed(packet.data, QOS_2)
-    await original_publish(packet)
+    _await_pubrel(handler, session, packet)
 
 
 class InboundPublishes:
