@@ -103,6 +103,24 @@ def test_several_pubrels_and_a_disconnect_in_one_write_deliver_all_in_order(
     each_got_once(receivers, bodies)
 
 
+@PUBLISHERS
+def test_a_pubrel_sent_right_behind_its_publish_releases_that_message(
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client], clean: bool
+) -> None:
+    """A PUBLISH (QoS 2) and its PUBREL in one write, without waiting for the PUBREC: PUBREC, then
+    PUBCOMP, and every subscriber gets the message once. The PUBREL was handled while the PUBLISH
+    was still being stored: it found no message to release and got a bare PUBCOMP, and the message
+    then waited for a PUBREL that had come already (never reaching clean subscribers)."""
+    broker = on_either_reader()
+    receivers = subscribers(clients, broker, "rel/#")
+    with raw_connect(broker.port, "rel-pub", clean=clean) as publisher:
+        packet_id = b"\x00\x07"
+        publish = mqtt_packet(0x34, mqtt_string("rel/t") + packet_id + b"eager")
+        publisher.sendall(publish + mqtt_packet(PUBREL, packet_id))
+        assert [read_packet(publisher), read_packet(publisher)] == [(PUBREC, packet_id), (PUBCOMP, packet_id)]
+    each_got_once(receivers, [b"eager"])
+
+
 def connect_owing(port: int, client_id: str, pubrels: list[bytes]) -> socket.socket:
     """A durable CONNECT (username USER) and, in the same write, the PUBRELs the client owes for
     ``pubrels`` (MQTT-4.4.0-1: sent again on a reconnect, as it cannot know whether the broker read

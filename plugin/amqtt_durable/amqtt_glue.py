@@ -1955,6 +1955,8 @@ class AwaitingPubrel:
         """The Session's publishes awaiting their PUBREL (amqtt's ``inflight_in``), by packet id."""
         self.open: dict[int, int] = {}
         """packet id -> handlers of it under way (a re-send's and the first copy's), not yet in ``held``."""
+        self._after: dict[int, list[Callable[[], None]]] = {}
+        """packet id -> what waits for its handlers to end (a PUBREL read while they run)."""
 
     def count(self) -> int:
         return len(self.held) + sum(1 for packet_id in self.open if packet_id not in self.held)
@@ -1980,8 +1982,14 @@ class AwaitingPubrel:
         left = self.open[packet_id] - 1
         if left:
             self.open[packet_id] = left
-        else:
-            del self.open[packet_id]
+            return
+        del self.open[packet_id]
+        for then in self._after.pop(packet_id, ()):
+            then()
+
+    def after(self, packet_id: int, then: Callable[[], None]) -> None:
+        """Runs ``then`` once the handlers of ``packet_id`` under way (``open``) have ended."""
+        self._after.setdefault(packet_id, []).append(then)
 
 
 async def _bounded_qos2(
@@ -2072,7 +2080,7 @@ def _wrap_handler(
     handler.handle_puback = _ack_interceptor(handler, "puback", handler.handle_puback)
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
-    handler.handle_pubrel = _pubrel_handler(engine, handler, session)
+    handler.handle_pubrel = _pubrel_handler(engine, handler, session, awaiting)
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
     _one_queue_of_subscription_changes(handler)
@@ -2362,6 +2370,10 @@ class PublishedMessages:
         self._taken = asyncio.Event()
         self.loop_ended = False
         self._erasing: set[asyncio.Future[None]] = set()
+        self._deferred: set[asyncio.Future[None]] = set()
+        self._in_turn: dict[int, Callable[[], None]] = {}
+        """PUBRELs read, not yet handled, in the order they were read (by a running count)."""
+        self._read = 0
         original = handler.mqtt_deliver_next_message
 
         async def next_message() -> Any:
@@ -2383,22 +2395,63 @@ class PublishedMessages:
         erasing.add_done_callback(self._erasing.discard)
         erasing.add_done_callback(partial(_pubcomp_if_written, self._handler.durable_transport, client_id, packet_id))
 
+    def release_in_turn(self, release: Callable[[], None]) -> Awaitable[None]:
+        """A PUBREL as it is read: ``release`` runs in the task the reader makes of what this returns
+        (after the packets read before it have started), or at the connection's end if that task
+        never runs (``release_all_read``), whichever comes first; in the order they were read."""
+        self._read += 1
+        self._in_turn[self._read] = release
+        return self._release_up_to(self._read)
+
+    async def _release_up_to(self, turn: int) -> None:
+        self.release_all_read(turn)
+
+    def release_all_read(self, up_to: int | None = None) -> None:
+        """Handles the PUBRELs read and not yet handled (those read up to ``up_to``), in order."""
+        for turn in list(self._in_turn):
+            if up_to is not None and turn > up_to:
+                return
+            self._in_turn.pop(turn)()
+
+    def deferred(self, release: Callable[[], None]) -> Callable[[], None]:
+        """``release`` (a PUBREL waiting for its PUBLISH's handling), to be run later: waited for by
+        ``handed_over``, whether it is run or dropped."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._deferred.add(done)
+        done.add_done_callback(self._deferred.discard)
+
+        def run() -> None:
+            try:
+                release()
+            finally:
+                if not done.done():
+                    done.set_result(None)
+
+        return run
+
     async def handed_over(self) -> None:
-        """Returns once the loop has taken every message waiting in the queue, or has ended, and
-        the PUBCOMPs waiting for a write are written. Unbounded: the caller bounds it
+        """Returns once the PUBRELs read are handled (``release_in_turn``) and those waiting for their
+        PUBLISH's handling are done, the loop has taken every message waiting in the queue (or has
+        ended), and the PUBCOMPs waiting for a write are written. Unbounded: the caller bounds it
         (``CHANGES_GRACE``)."""
+        self.release_all_read()
+        if self._deferred:
+            await asyncio.wait(list(self._deferred))
         queue = self._handler.session.delivered_message_queue
         while not queue.empty() and not self.loop_ended:
             self._taken.clear()
             await self._taken.wait()
         if self._erasing:
             await asyncio.wait(list(self._erasing))
+        with contextlib.suppress(OSError):  # gone already: nothing to write to
+            await self._handler.durable_transport.drain()  # the PUBCOMPs, before the connection is closed
 
 
 async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> None:
     """After the connection's message loop ended: the messages its client published still waiting
     in the Session's queue go to the broker as the loop would have handed them (as many as wait
     now: on a Session a newer connection took over, that connection's loop takes what comes after)."""
+    handler.durable_published.release_all_read()
     queue = session.delivered_message_queue
     for _ in range(queue.qsize()):
         if queue.empty():  # a newer connection's loop took it
@@ -2439,25 +2492,32 @@ def _packet_id_and_payload(packet: Any, kind: str) -> tuple[int, Any]:
     return packet.variable_header.packet_id, packet.payload.topics
 
 
-def _pubrel_handler(engine: DurableEngine, handler: Any, session: Any) -> Callable[[Any], Awaitable[None]]:
+def _pubrel_handler(
+    engine: DurableEngine, handler: Any, session: Any, awaiting: AwaitingPubrel
+) -> Callable[[Any], Awaitable[None]]:
     """PUBREL of an inbound QoS 2 publish: the message awaiting it (``_await_pubrel``), if amqtt's
     Session holds one, goes to amqtt's own delivery (clean subscribers, retain, events) and leaves
     ``inflight_in``; a durable publisher's stored packet id is deleted; PUBCOMP follows (once that
     deletion is written). All of it but the PUBCOMP's write is done as the reader hands the PUBREL
-    over, not in the task it makes of what this returns: both readers cancel the tasks that have not
-    run when the connection ends, and amqtt's flow, ended by the connection's end, queued the message
-    after the connection's message loop had stopped taking from the queue. So a PUBREL and a
+    over, in the task it makes of what this returns, after the packets read before it have started
+    (a QoS 2 PUBLISH, a re-send with its packet id: PUBREC, then PUBCOMP), or at the connection's end,
+    whichever comes first (``PublishedMessages.release_in_turn``): both readers cancel the tasks
+    that have not run when the connection ends, and amqtt's flow, ended by the connection's end,
+    queued the message after the connection's message loop had stopped taking from the queue. So a PUBREL and a
     DISCONNECT (or EOF) in one write lost the message for clean subscribers though PUBCOMP came; the
     end of the connection waits (bounded) for what was released to be handed to the broker
     (``_one_queue_of_subscription_changes``, ``AmqttHooks.client_message_loop``).
 
     MQTT-4.3.3 wants a PUBCOMP for every PUBREL, also one amqtt has no message for (after a restart,
     once amqtt dropped an anonymous session, or a PUBREL sent again: the message went with the first,
-    once); a repeated one waits for the same deletion (``DurableEngine.pubrel_released``).
+    once); a repeated one waits for the same deletion (``DurableEngine.pubrel_released``). A PUBREL
+    read while a PUBLISH with its packet id is still being handled (sent without waiting for the
+    PUBREC) is done once that handling has ended (``AwaitingPubrel.after``): its PUBCOMP follows
+    that PUBREC, and it releases the message that PUBLISH brought, not nothing.
     """
     transport: HandlerTransport = handler.durable_transport
 
-    def handle_pubrel(packet: Any) -> Awaitable[None]:
+    def release(packet: Any) -> None:
         packet_id = packet.packet_id
         erasing = None if handler.connect_clean_session else engine.pubrel_released(session.client_id, packet_id)
         message = session.inflight_in.pop(packet_id, None)
@@ -2468,7 +2528,17 @@ def _pubrel_handler(engine: DurableEngine, handler: Any, session: Any) -> Callab
             transport.write(encode_pubcomp(packet_id))
         else:
             handler.durable_published.pubcomp_once_written(erasing, session.client_id, packet_id)
-        return _nothing()
+
+    def release_after_its_publish(packet: Any) -> None:
+        if packet.packet_id in awaiting.open:  # its PUBLISH is still being handled: released after it
+            published: PublishedMessages = handler.durable_published
+            awaiting.after(packet.packet_id, published.deferred(partial(release, packet)))
+        else:
+            release(packet)
+
+    def handle_pubrel(packet: Any) -> Awaitable[None]:
+        published: PublishedMessages = handler.durable_published
+        return published.release_in_turn(partial(release_after_its_publish, packet))
 
     return handle_pubrel
 
