@@ -16,10 +16,11 @@ QoS 2 publishes made the broker hold any number of them.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 
 import pytest
-from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly, read_packet
+from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly, read_packet
 from test_blind_guarantees import USER
 from test_blind_guarantees import on_either_reader as on_either_reader  # noqa: PLC0414  (the fixture, by its own name)
 
@@ -212,3 +213,38 @@ def test_max_awaiting_pubrel_counts_what_earlier_connections_left_awaiting(
         for packet_id in ids[1:]:
             release(third, packet_id)
     each_got_once(receivers, [b"m1", b"m2", b"m3", b"m4"])
+
+
+def test_a_take_over_of_a_connection_whose_socket_is_full_is_connacked_at_once(
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """A durable subscriber stops reading (its receive buffer small, 4 MB queued for it at QoS 1:
+    the broker's writes to it stall) and connects again with its client id: CONNACK comes well
+    within the 5 s close grace (a take-over waited for the old connection's unsent bytes to drain,
+    which they never do, and was CONNACKed after that grace ran out). Nothing queued is lost: the
+    new connection gets every message (DUP re-sends of those in flight allowed)."""
+    broker = on_either_reader(named=True)
+    stalled = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.settimeout(WAIT)
+    stalled.connect((HOST, broker.port))
+    stalled.sendall(connect_packet("full-sub", clean=False, username=USER))
+    assert read_exactly(stalled, 4)[:2] == b"\x20\x02"
+    assert raw_subscribe(stalled, "full/#", 1) == 1
+    bodies = [index.to_bytes(4, "big") * 50_000 for index in range(20)]
+    clients(broker.port, "full-pub", clean_session=True, username=USER).publish("full/t", bodies, qos=1)
+    assert read_exactly(stalled, 1)[0] & 0xF0 == 0x30, "the broker sends nothing"  # it writes to the socket
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as again:
+        started = time.monotonic()
+        again.sendall(connect_packet("full-sub", clean=False, username=USER))
+        assert read_exactly(again, 4) == b"\x20\x02\x01\x00", "CONNACK, session present"
+        took = time.monotonic() - started
+        assert took < 2.0, f"the take-over's CONNACK took {took:.2f} s"
+        received: list[bytes] = []
+        while sorted(set(received)) != sorted(bodies):  # bounded: each read by the socket's timeout
+            first, body = read_packet(again)
+            assert first & 0xF6 == 0x32, hex(first)  # PUBLISH QoS 1
+            packet_id = body[2 + int.from_bytes(body[:2], "big") : 4 + int.from_bytes(body[:2], "big")]
+            received.append(body[4 + int.from_bytes(body[:2], "big") :])
+            again.sendall(mqtt_packet(0x40, packet_id))
+    stalled.close()

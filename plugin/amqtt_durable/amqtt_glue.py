@@ -952,6 +952,11 @@ class HandlerTransport:
         self._pending_bytes += len(data)
 
     @property
+    def unsent(self) -> bool:
+        """Bytes written here wait for this loop pass's end to go to the socket."""
+        return bool(self._pending)
+
+    @property
     def congested(self) -> bool:
         """More is unsent to the client than its socket's write buffer limit (asyncio's high-water
         mark, 64 KiB): it does not read as fast as it is written to, and ``drain`` would wait."""
@@ -2318,11 +2323,11 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     async def no_unsubscription() -> None:
         await asyncio.get_running_loop().create_future()  # every UNSUBSCRIBE comes as a "subscription"
 
-    async def applied() -> None:
+    async def applied(*, drain: bool = True) -> None:
         try:
             async with asyncio.timeout(CHANGES_GRACE):
                 await changes.drained()
-                await published.handed_over()
+                await published.handed_over(drain=drain)
         except TimeoutError:  # none is handed out any more: none is applied after the end
             _drop_waiting_changes(changes, handler.session.client_id if handler.session else None)
 
@@ -2341,7 +2346,7 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
         """A take-over ends the connection without waiting for its client (``let_go``), but only
         once the changes it sent are applied: their SUBACKs and UNSUBACKs go out before the close."""
         _stop_outgoing_waiters(handler)
-        await applied()
+        await applied(drain=False)  # the replaced client sends its PUBRELs again on the new connection
         await let_go(handler.writer)
 
     handler.handle_subscribe = handle_subscribe
@@ -2362,8 +2367,11 @@ class PublishedMessages:
     ``handed_over`` waits until the loop has taken every one (or has ended: then
     ``AmqttHooks.client_message_loop`` hands the rest over, ``hand_over_what_is_left``), and until
     the PUBCOMPs that wait for the deletion of a durable publisher's packet id are written
-    (``pubcomp_once_written``): a client that shut its socket for writing right after its PUBREL
-    still reads them."""
+    (``pubcomp_once_written``). The PUBCOMPs written once the end began (or as it begins, still
+    waiting for the loop pass's write) are drained before the close: a client that shut its socket
+    for writing right after its PUBREL still reads them. A take-over drains nothing (the replaced
+    client sends its PUBREL again on the new connection): an old connection whose client reads
+    nothing, its socket full, held the new CONNACK for the whole close grace."""
 
     def __init__(self, handler: Any) -> None:
         self._handler = handler
@@ -2374,6 +2382,8 @@ class PublishedMessages:
         self._in_turn: dict[int, Callable[[], None]] = {}
         """PUBRELs read, not yet handled, in the order they were read (by a running count)."""
         self._read = 0
+        self._ending = False
+        self._wrote_at_end = False
         original = handler.mqtt_deliver_next_message
 
         async def next_message() -> Any:
@@ -2393,7 +2403,13 @@ class PublishedMessages:
         (the client sends the PUBREL again on its next connection)."""
         self._erasing.add(erasing)
         erasing.add_done_callback(self._erasing.discard)
-        erasing.add_done_callback(partial(_pubcomp_if_written, self._handler.durable_transport, client_id, packet_id))
+        erasing.add_done_callback(partial(_pubcomp_if_written, self.pubcomp, client_id, packet_id))
+
+    def pubcomp(self, packet_id: int) -> None:
+        """Writes the PUBCOMP of ``packet_id``; one written once the end began is drained before the close."""
+        self._handler.durable_transport.write(encode_pubcomp(packet_id))
+        if self._ending:
+            self._wrote_at_end = True
 
     def release_in_turn(self, release: Callable[[], None]) -> Awaitable[None]:
         """A PUBREL as it is read: ``release`` runs in the task the reader makes of what this returns
@@ -2429,11 +2445,13 @@ class PublishedMessages:
 
         return run
 
-    async def handed_over(self) -> None:
+    async def handed_over(self, *, drain: bool) -> None:
         """Returns once the PUBRELs read are handled (``release_in_turn``) and those waiting for their
         PUBLISH's handling are done, the loop has taken every message waiting in the queue (or has
-        ended), and the PUBCOMPs waiting for a write are written. Unbounded: the caller bounds it
-        (``CHANGES_GRACE``)."""
+        ended), and the PUBCOMPs waiting for a write are written (and, with ``drain``, those written
+        since this began have left the buffer). Unbounded: the caller bounds it (``CHANGES_GRACE``)."""
+        self._ending = True
+        self._wrote_at_end = self._handler.durable_transport.unsent  # a PUBCOMP written in this loop pass
         self.release_all_read()
         if self._deferred:
             await asyncio.wait(list(self._deferred))
@@ -2443,8 +2461,9 @@ class PublishedMessages:
             await self._taken.wait()
         if self._erasing:
             await asyncio.wait(list(self._erasing))
-        with contextlib.suppress(OSError):  # gone already: nothing to write to
-            await self._handler.durable_transport.drain()  # the PUBCOMPs, before the connection is closed
+        if drain and self._wrote_at_end:
+            with contextlib.suppress(OSError):  # gone already: nothing to write to
+                await self._handler.durable_transport.drain()  # the PUBCOMPs, before the connection is closed
 
 
 async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> None:
@@ -2515,7 +2534,6 @@ def _pubrel_handler(
     PUBREC) is done once that handling has ended (``AwaitingPubrel.after``): its PUBCOMP follows
     that PUBREC, and it releases the message that PUBLISH brought, not nothing.
     """
-    transport: HandlerTransport = handler.durable_transport
 
     def release(packet: Any) -> None:
         packet_id = packet.packet_id
@@ -2525,7 +2543,7 @@ def _pubrel_handler(
             message.pubrel_packet = packet
             session.delivered_message_queue.put_nowait(message)
         if erasing is None:
-            transport.write(encode_pubcomp(packet_id))
+            handler.durable_published.pubcomp(packet_id)
         else:
             handler.durable_published.pubcomp_once_written(erasing, session.client_id, packet_id)
 
@@ -2544,14 +2562,14 @@ def _pubrel_handler(
 
 
 def _pubcomp_if_written(
-    transport: HandlerTransport, client_id: str, packet_id: int, erasing: asyncio.Future[None]
+    pubcomp: Callable[[int], None], client_id: str, packet_id: int, erasing: asyncio.Future[None]
 ) -> None:
     """PUBCOMP, the packet id's deletion (``erasing``) done: none if it could not be written."""
     error = None if erasing.cancelled() else erasing.exception()
     if erasing.cancelled() or error is not None:
         log.warning("%s: no PUBCOMP for packet id %d: its deletion was not written (%r)", client_id, packet_id, error)
         return
-    transport.write(encode_pubcomp(packet_id))
+    pubcomp(packet_id)
 
 
 def _await_pubrel(handler: Any, session: Any, packet: Any) -> None:
