@@ -105,21 +105,32 @@ def test_several_pubrels_and_a_disconnect_in_one_write_deliver_all_in_order(
 
 
 @PUBLISHERS
+@pytest.mark.parametrize("end", ["none", "disconnect", "eof"])
 def test_a_pubrel_sent_right_behind_its_publish_releases_that_message(
-    on_either_reader: Callable[..., Broker], clients: Callable[..., Client], clean: bool
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client], clean: bool, end: str
 ) -> None:
-    """A PUBLISH (QoS 2) and its PUBREL in one write, without waiting for the PUBREC: PUBREC, then
-    PUBCOMP, and every subscriber gets the message once. The PUBREL was handled while the PUBLISH
-    was still being stored: it found no message to release and got a bare PUBCOMP, and the message
-    then waited for a PUBREL that had come already (never reaching clean subscribers)."""
+    """docs/guarantees.md, Exactly-once: a PUBLISH (QoS 2) and its PUBREL in one write, without
+    waiting for the PUBREC, the connection kept, or ended right behind them (DISCONNECT in the same
+    write, or the socket shut for writing): PUBREC, then PUBCOMP, and every subscriber gets the
+    message once. Five rounds, a connection each. The PUBREL was handled while the PUBLISH was
+    still being stored: it found no message to release and got a bare PUBCOMP, and the message then
+    waited for a PUBREL that had come already (never reaching clean subscribers); at the
+    connection's end the readers cancelled the PUBLISH's handling (PUBCOMP without PUBREC, the
+    message lost)."""
     broker = on_either_reader()
     receivers = subscribers(clients, broker, "rel/#")
-    with raw_connect(broker.port, "rel-pub", clean=clean) as publisher:
-        packet_id = b"\x00\x07"
-        publish = mqtt_packet(0x34, mqtt_string("rel/t") + packet_id + b"eager")
-        publisher.sendall(publish + mqtt_packet(PUBREL, packet_id))
-        assert [read_packet(publisher), read_packet(publisher)] == [(PUBREC, packet_id), (PUBCOMP, packet_id)]
-    each_got_once(receivers, [b"eager"])
+    bodies = [b"eager%d" % index for index in range(5)]
+    for index, body in enumerate(bodies, start=1):
+        with raw_connect(broker.port, "rel-pub", clean=clean) as publisher:
+            packet_id = index.to_bytes(2, "big")
+            publish = mqtt_packet(0x34, mqtt_string("rel/t") + packet_id + body)
+            publisher.sendall(publish + mqtt_packet(PUBREL, packet_id) + (DISCONNECT if end == "disconnect" else b""))
+            if end == "eof":
+                publisher.shutdown(socket.SHUT_WR)
+            assert [read_packet(publisher), read_packet(publisher)] == [(PUBREC, packet_id), (PUBCOMP, packet_id)]
+            if end != "none":
+                assert publisher.recv(1) == b"", "the connection stays open"  # bounded by the socket's timeout
+    each_got_once(receivers, bodies)
 
 
 def connect_owing(port: int, client_id: str, pubrels: list[bytes]) -> socket.socket:

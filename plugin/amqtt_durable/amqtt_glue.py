@@ -1962,6 +1962,8 @@ class AwaitingPubrel:
         """packet id -> handlers of it under way (a re-send's and the first copy's), not yet in ``held``."""
         self._after: dict[int, list[Callable[[], None]]] = {}
         """packet id -> what waits for its handlers to end (a PUBREL read while they run)."""
+        self.handling: set[asyncio.Future[None]] = set()
+        """The handlings under way (``_bounded_qos2``), held until they end."""
 
     def count(self) -> int:
         return len(self.held) + sum(1 for packet_id in self.open if packet_id not in self.held)
@@ -2007,18 +2009,42 @@ async def _bounded_qos2(
     awaiting: AwaitingPubrel,
     receivers: Callable[[str], Awaitable[dict[str, int] | None]],
 ) -> None:
-    """A QoS 2 PUBLISH (control request or message), counted in ``awaiting`` until its PUBREL."""
+    """A QoS 2 PUBLISH (control request or message), counted in ``awaiting`` until its PUBREL.
+
+    Its handling goes on when the reader's task for it is cancelled (both readers cancel the tasks
+    under way at the connection's end): a PUBREL read right behind it waits for that handling
+    (``AwaitingPubrel.after``) and the connection's end waits for that PUBREL (bounded,
+    ``PublishedMessages.handed_over``). Cancelled, a PUBLISH and its PUBREL sent with a DISCONNECT
+    or right before an EOF got a PUBCOMP without a PUBREC, the message never stored or delivered."""
     packet_id = packet.variable_header.packet_id  # amqtt's decoder reads one for QoS 1 and 2
     if not awaiting.admit(packet_id):
         await end_connection(handler)
         return
+
+    async def handle() -> None:
+        try:
+            if packet.topic_name.startswith(CONTROL_PREFIX):
+                _control_qos2(handler, session, packet)
+            else:
+                await _publish_qos2(broker, engine, handler, session, packet, receivers=receivers)
+        finally:
+            awaiting.done(packet_id)  # from here on counted in the Session's inflight_in, if it got PUBREC
+
+    task = asyncio.ensure_future(handle())
+    awaiting.handling.add(task)
+    task.add_done_callback(awaiting.handling.discard)
     try:
-        if packet.topic_name.startswith(CONTROL_PREFIX):
-            _control_qos2(handler, session, packet)
-        else:
-            await _publish_qos2(broker, engine, handler, session, packet, receivers=receivers)
-    finally:
-        awaiting.done(packet_id)  # from here on counted in the Session's inflight_in, if it got PUBREC
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(partial(_failure_logged, session.client_id))
+        raise
+
+
+def _failure_logged(client_id: str, task: asyncio.Future[None]) -> None:
+    """A QoS 2 PUBLISH's handling no one awaits any more (the reader's task was cancelled) has
+    ended: its error, if any, is logged."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s: a QoS 2 PUBLISH's handling failed: %r", client_id, task.exception())
 
 
 def _wrap_handler(
@@ -2939,8 +2965,10 @@ class FastReader:
 
     amqtt's loop wraps every read in ``wait_for`` and every packet in a task. This one reads
     whole packets from the socket buffer; QoS 0/1 PUBLISH and the acks of pump-sent messages
-    are handled inline, everything else is decoded by amqtt's packet classes and dispatched
-    exactly as amqtt does. It steps aside (runs amqtt's loop) for non-TCP connections and
+    are handled inline (a QoS 1 one goes amqtt's way while a QoS 2 one is being routed), everything
+    else is decoded by amqtt's packet classes and dispatched as amqtt does, but at EOF the handlers
+    of SUBSCRIBE, UNSUBSCRIBE and DISCONNECT under way are waited for (``_settling``), not
+    cancelled. It steps aside (runs amqtt's loop) for non-TCP connections and
     when plugins listen to raw packets or filter topics, which the inline path would skip.
     """
 
@@ -2956,8 +2984,9 @@ class FastReader:
         later packet's task behind one QoS 2 publish awaiting its PUBREL)."""
         self._settling: set[asyncio.Task[None]] = set()
         """Handlers of SUBSCRIBE, UNSUBSCRIBE and DISCONNECT not yet done: at EOF they are waited for
-        (see ``run``). A QoS 2 PUBLISH's handler is not: it waits for a PUBREL that only this reader
-        could deliver."""
+        (see ``run``). A QoS 2 PUBLISH's is not: it ends at PUBREC, and its handling goes on once
+        its task is cancelled (``_bounded_qos2``; the connection's end waits for a PUBREL read
+        behind it, ``PublishedMessages.handed_over``)."""
         self._max_packet_size = engine.config.max_packet_size
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
