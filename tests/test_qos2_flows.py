@@ -133,6 +133,28 @@ def test_a_pubrel_sent_right_behind_its_publish_releases_that_message(
     each_got_once(receivers, bodies)
 
 
+@PUBLISHERS
+def test_a_publish_read_behind_a_pubrel_reaches_subscribers_after_the_released_message(
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client], clean: bool
+) -> None:
+    """docs/guarantees.md, FIFO: QoS 2 "A" got its PUBREC; then its PUBREL and a QoS 1 PUBLISH "B"
+    in one write: PUBCOMP and PUBACK, and a clean and a durable subscriber (QoS 1: paho reports a
+    QoS 2 message only at its PUBREL, after a QoS 1 one sent behind it) get A, then B (the plugin's
+    reader queued B, handled as it was read, before the PUBREL's task released A: clean
+    subscribers got B first)."""
+    broker = on_either_reader()
+    receivers = []
+    for client_id, clean_session in (("clean-1", True), ("durable-1", False)):
+        receivers.append(clients(broker.port, client_id, clean_session=clean_session, username=USER))
+        assert receivers[-1].subscribe("ord/#", 1) == [1]
+    with raw_connect(broker.port, "ord-pub", clean=clean) as publisher:
+        [packet_id] = published_unreleased(publisher, "ord/t", [b"A"])
+        publish_b = mqtt_packet(0x32, mqtt_string("ord/t") + b"\x00\x09" + b"B")
+        publisher.sendall(mqtt_packet(PUBREL, packet_id) + publish_b)
+        assert sorted([read_packet(publisher), read_packet(publisher)]) == [(0x40, b"\x00\x09"), (PUBCOMP, packet_id)]
+    each_got_once(receivers, [b"A", b"B"])
+
+
 def connect_owing(port: int, client_id: str, pubrels: list[bytes]) -> socket.socket:
     """A durable CONNECT (username USER) and, in the same write, the PUBRELs the client owes for
     ``pubrels`` (MQTT-4.4.0-1: sent again on a reconnect, as it cannot know whether the broker read

@@ -50,8 +50,9 @@ instance the plugin is loaded into and on each connection's handler:
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
 * ``BrokerProtocolHandler.handle_pubrel`` (per connection): the message held for it goes to
-  amqtt's delivery as the reader hands the PUBREL over, a durable publisher's stored QoS 2 packet
-  id is deleted before PUBCOMP, and a PUBREL with no message held still gets PUBCOMP;
+  amqtt's delivery in the task the reader makes of the PUBREL, or before a PUBLISH read after it
+  is handled, whichever comes first (in the order they were read), a durable publisher's stored
+  QoS 2 packet id is deleted before PUBCOMP, and a PUBREL with no message held still gets PUBCOMP;
 * ``BrokerProtocolHandler.start`` / ``stop`` (per connection): a connection whose reader ended
   before amqtt's ``start`` made its disconnect waiter (a client that closed right after its
   CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran,
@@ -2979,6 +2980,7 @@ class FastReader:
         self._original_loop = handler._reader_loop
         self._transport: HandlerTransport = handler.durable_transport
         self._publishes: InboundPublishes = handler.durable_publishes
+        self._published: PublishedMessages = handler.durable_published
         self._running: set[asyncio.Task[None]] = set()
         """Handlers under way (a set, each gone when done: a list freed from its front only kept every
         later packet's task behind one QoS 2 publish awaiting its PUBREL)."""
@@ -3007,6 +3009,7 @@ class FastReader:
         if qos and not packet_id:
             return False
         payload = body[start:]
+        self._published.release_all_read()  # a message released by a PUBREL read before it goes first
         if topic.startswith(CONTROL_PREFIX):
             self._publishes.control(topic, payload, qos, packet_id)
         else:  # no topic ACL plugin (run() stepped aside otherwise): every session may receive it
