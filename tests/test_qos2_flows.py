@@ -281,3 +281,36 @@ def test_a_take_over_of_a_connection_whose_socket_is_full_is_connacked_at_once(
             received.append(body[4 + int.from_bytes(body[:2], "big") :])
             again.sendall(mqtt_packet(0x40, packet_id))
     stalled.close()
+
+
+def test_qos1_publishes_and_a_disconnect_in_one_write_reach_clean_subscribers(
+    on_either_reader: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Five QoS 1 PUBLISHes and a DISCONNECT in one write, ten rounds: every message that got its
+    PUBACK reaches a clean and a durable subscriber, once, in publish order (on amqtt's reader the
+    task it cancelled at the DISCONNECT still stored, acknowledged and queued its message, after
+    the connection's last hand-over to the broker: clean subscribers never got it)."""
+    broker = on_either_reader()
+    receivers = []
+    for client_id, clean_session in (("clean-1", True), ("durable-1", False)):
+        receivers.append(clients(broker.port, client_id, clean_session=clean_session, username=USER))
+        assert receivers[-1].subscribe("five/#", 1) == [1]
+    sent: list[bytes] = []
+    acknowledged: list[bytes] = []
+    for round_ in range(10):
+        bodies = {index.to_bytes(2, "big"): b"r%d-%d" % (round_, index) for index in range(1, 6)}
+        sent += bodies.values()
+        with raw_connect(broker.port, "five-pub", clean=True) as publisher:
+            publisher.sendall(
+                b"".join(mqtt_packet(0x32, mqtt_string("five/t") + pid + body) for pid, body in bodies.items())
+                + DISCONNECT
+            )
+            while chunk := publisher.recv(4):  # bounded: PUBACKs (4 bytes each), then the close; the socket's timeout
+                chunk += read_exactly(publisher, 4 - len(chunk)) if len(chunk) < 4 else b""
+                assert chunk[:2] == b"\x40\x02", chunk
+                acknowledged.append(bodies[chunk[2:]])
+    for subscriber in receivers:
+        subscriber.wait_for(lambda ms: {m.payload for m in ms} >= set(acknowledged))
+        got = [m.payload for m in subscriber.messages]
+        assert set(acknowledged) <= set(got), (subscriber.client_id, sorted(set(acknowledged) - set(got)))
+        assert got == [body for body in sent if body in got], subscriber.client_id  # once each, in order

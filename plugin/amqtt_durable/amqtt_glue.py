@@ -240,6 +240,7 @@ _BROKER_INTERNALS = (
     "_publish_retained_messages_for_subscription",
     "_broadcast_message",
     "_handle_disconnect",
+    "_handle_message_delivery",
     "_delete_session",
     "_topic_filtering",
     "add_subscription",
@@ -1332,6 +1333,7 @@ class AmqttHooks:
         self._original_del_subscription = broker._del_subscription
         self._original_broadcast = broker._broadcast_message
         self._original_handle_disconnect = broker._handle_disconnect
+        self._original_message_delivery = broker._handle_message_delivery
         self._original_delete_session = broker._delete_session
         self._original_cleanup = broker._cleanup_session
         self._original_shutdown = broker.shutdown
@@ -1366,6 +1368,7 @@ class AmqttHooks:
         broker._publish_retained_messages_for_subscription = self.publish_retained_for_subscription
         broker._broadcast_message = self.broadcast_message
         broker._handle_disconnect = self.handle_disconnect
+        broker._handle_message_delivery = self.handle_message_delivery
         broker._delete_session = self.delete_session
         broker._cleanup_session = self.cleanup_session
         broker.shutdown = self.shutdown
@@ -1565,13 +1568,25 @@ class AmqttHooks:
         handler.durable_acks = OrderedAcks(handler.durable_transport, session.client_id)
         handler.durable_control = _control_channel(self.broker, self.engine, handler, session)
         handler.durable_publishes = InboundPublishes(
-            self.engine, session, handler.durable_acks, handler.durable_control, self.amqtt_wants
+            self.engine,
+            partial(_put_published, handler),
+            handler.durable_acks,
+            handler.durable_control,
+            self.amqtt_wants,
         )
         _wrap_handler(
             self.broker, self.engine, handler, session, amqtt_wants=self.amqtt_wants, receivers=self.receivers
         )
         handler._reader_loop = FastReader(self.broker, self.engine, handler, session).run
         return handler, session
+
+    async def handle_message_delivery(self, session: Any, handler: Any, wait_deliver: asyncio.Future[Any]) -> bool:
+        """amqtt's delivery of a message its client published: the message loop's is handled, not
+        left in hand (``PublishedMessages.in_hand``)."""
+        published: PublishedMessages | None = getattr(handler, "durable_published", None)
+        if published is not None:
+            published.handled()
+        return bool(await self._original_message_delivery(session, handler, wait_deliver))
 
     async def handle_disconnect(self, session: Any, handler: Any, disconnect_waiter: asyncio.Future[Any]) -> None:
         """The end of a connection's message loop: its will is published unless it sent DISCONNECT,
@@ -2411,14 +2426,47 @@ class PublishedMessages:
         self._read = 0
         self._ending = False
         self._wrote_at_end = False
+        self._broker: Any = None
+        """Set once the loop's end handed the rest over (``hand_over_what_is_left``)."""
+        self._late: set[asyncio.Task[None]] = set()
+        self._in_hand: list[Any] = []
+        """The message the loop took from the queue and has not handed to the broker: amqtt's loop
+        drops it when the connection's end comes in the same pass (five QoS 1 PUBLISHes and a
+        DISCONNECT in one write: the third was acknowledged, never delivered to clean subscribers)."""
         original = handler.mqtt_deliver_next_message
 
         async def next_message() -> Any:
             message = await original()
+            self._in_hand = [message]
             self._taken.set()
             return message
 
         handler.mqtt_deliver_next_message = next_message
+
+    def put(self, message: Any) -> None:
+        """``message`` to amqtt's delivery: into the Session's queue, or, once the loop's end handed
+        over what was left, to the broker directly (a PUBLISH's handling the reader cancelled at a
+        DISCONNECT still stores, acknowledges and hands over its message: it was left in the queue,
+        never delivered to clean subscribers)."""
+        if self._broker is None:
+            self._handler.session.delivered_message_queue.put_nowait(message)
+            return
+        task = asyncio.ensure_future(_deliver_late(self._broker, self._handler, message))
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
+
+    def handled(self) -> None:
+        """The message the loop took is being handed to the broker."""
+        self._in_hand = []
+
+    def in_hand(self) -> list[Any]:
+        """The message the loop took and never handed to the broker (none or one); it is now."""
+        taken, self._in_hand = self._in_hand, []
+        return taken
+
+    def left_over_handed(self, broker: Any) -> None:
+        """The loop's end handed what was left over: what comes later goes to ``broker`` directly."""
+        self._broker = broker
 
     def end(self) -> None:
         """The connection's message loop has ended: nothing waits for it any more."""
@@ -2496,15 +2544,39 @@ class PublishedMessages:
 async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> None:
     """After the connection's message loop ended: the messages its client published still waiting
     in the Session's queue go to the broker as the loop would have handed them (as many as wait
-    now: on a Session a newer connection took over, that connection's loop takes what comes after)."""
+    now: on a Session a newer connection took over, that connection's loop takes what comes after),
+    the one the loop took and dropped first (``PublishedMessages.in_hand``); what the connection
+    hands over after this goes to the broker directly (``PublishedMessages.put``)."""
     handler.durable_published.release_all_read()
     queue = session.delivered_message_queue
-    for _ in range(queue.qsize()):
-        if queue.empty():  # a newer connection's loop took it
-            return
-        taken: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        taken.set_result(queue.get_nowait())
-        await broker._handle_message_delivery(session, handler, taken)
+    try:
+        for message in handler.durable_published.in_hand():
+            await _deliver_late(broker, handler, message)
+        for _ in range(queue.qsize()):
+            if queue.empty():  # a newer connection's loop took it
+                return
+            taken: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            taken.set_result(queue.get_nowait())
+            await broker._handle_message_delivery(session, handler, taken)
+    finally:
+        handler.durable_published.left_over_handed(broker)
+
+
+def _put_published(handler: Any, message: Any) -> None:
+    """``message``, published by the handler's client, to amqtt's delivery (``PublishedMessages.put``)."""
+    published: PublishedMessages = handler.durable_published
+    published.put(message)
+
+
+async def _deliver_late(broker: Any, handler: Any, message: Any) -> None:
+    """A message its publisher's connection handed over after its loop's end: to the broker as
+    the loop would have (``PublishedMessages.put``)."""
+    taken: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    taken.set_result(message)
+    try:
+        await broker._handle_message_delivery(handler.session, handler, taken)
+    except Exception as exc:  # as amqtt's loop would have ended on it
+        log.warning("%s: a message it published was not delivered: %r", handler.session.client_id, exc)
 
 
 def _stop_outgoing_waiters(handler: Any) -> None:
@@ -2568,7 +2640,7 @@ def _pubrel_handler(
         message = session.inflight_in.pop(packet_id, None)
         if message is not None:
             message.pubrel_packet = packet
-            session.delivered_message_queue.put_nowait(message)
+            handler.durable_published.put(message)
         if erasing is None:
             handler.durable_published.pubcomp(packet_id)
         else:
@@ -2803,13 +2875,14 @@ class InboundPublishes:
     def __init__(
         self,
         engine: DurableEngine,
-        session: Any,
+        deliver: Callable[[Any], None],
         acks: OrderedAcks,
         control: ControlChannel,
         amqtt_wants: Callable[[str], bool],
     ) -> None:
         self._engine = engine
-        self._session = session
+        self._deliver = deliver
+        """Hands a message to amqtt's delivery (``PublishedMessages.put``)."""
         self._acks = acks
         self._control = control
         self._amqtt_wants = amqtt_wants
@@ -2862,7 +2935,7 @@ class InboundPublishes:
         if self._refused_here(qos):
             return
         if self._amqtt_wants(topic):
-            hand_to_amqtt(self._session, topic, payload, qos, packet_id=packet_id or None, retain=retain)
+            self._deliver(amqtt_message(topic, payload, qos, packet_id=packet_id or None, retain=retain))
         if qos == 1 and packet_id:
             self._acks.add(stored, packet_id)
 
@@ -2877,12 +2950,12 @@ class InboundPublishes:
         return True
 
 
-def hand_to_amqtt(session: Any, topic: str, payload: bytes, qos: int, *, packet_id: int | None, retain: bool) -> None:
-    """Give an already-queued publish to amqtt's own delivery (clean subscribers, retain, events),
-    as amqtt's QoS 0/1 flow would, without its PUBACK: the plugin acknowledges in order itself."""
+def amqtt_message(topic: str, payload: bytes, qos: int, *, packet_id: int | None, retain: bool) -> Any:
+    """An already-queued publish as amqtt's QoS 0/1 flow gives it to its own delivery (clean
+    subscribers, retain, events), without its PUBACK: the plugin acknowledges in order itself."""
     message = IncomingApplicationMessage(packet_id, topic, qos, routed(payload, qos), retain)
     message.publish_packet = PublishPacket.build(topic, payload, packet_id, False, qos, retain)
-    session.delivered_message_queue.put_nowait(message)
+    return message
 
 
 class OrderedAcks:
