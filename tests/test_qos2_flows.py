@@ -4,9 +4,14 @@ amqtt's own, used when a topic plugin is loaded).
 
 A QoS 2 publish released as its connection ends reaches every subscriber once: a publisher sent its
 PUBREL and then ended the connection in the same write (PUBREL + DISCONNECT, PUBREL then EOF, several
-PUBRELs then DISCONNECT). The broker sent PUBCOMP, yet the message was queued to amqtt's delivery
-after the connection's message loop had stopped taking from that queue: clean-session subscribers
-never got it. Also when a take-over of the client id races with the PUBREL.
+PUBRELs then DISCONNECT), also a PUBLISH and its PUBREL together. With a durable publisher the broker
+sent PUBCOMP, yet the message was queued to amqtt's delivery after the connection's message loop had
+stopped taking from that queue: clean-session subscribers never got it (main's broker delivers it
+when the publisher is a clean session; those cases guard against a regression). Also when a
+take-over of the client id races with the PUBREL, and a take-over of a connection whose socket is
+full is CONNACKed at once (a regression of this branch). What a publisher sends behind a PUBREL
+reaches subscribers after the released message, and QoS 1 PUBLISHes read with a DISCONNECT reach
+clean subscribers (amqtt's reader; the plugin's reader guards against a regression).
 
 `max_awaiting_pubrel` counts what a durable session's earlier connections left awaiting their PUBREL:
 it counted only the current connection's, so a publisher that reconnected after every few unreleased
