@@ -1969,11 +1969,18 @@ class AwaitingPubrel:
     already (two connections of its client id adding at once) can still re-send and release those;
     only new ids are refused until it is below the limit."""
 
-    def __init__(self, client_id: str, limit: int, held: dict[int, Any]) -> None:
+    def __init__(
+        self, client_id: str, limit: int, held: dict[int, Any], releases: dict[int, int] | None = None
+    ) -> None:
         self.client_id = client_id
         self.limit = limit
         self.held = held
         """The Session's publishes awaiting their PUBREL (amqtt's ``inflight_in``), by packet id."""
+        self.releases: dict[int, int] = {} if releases is None else releases
+        """The Session's (shared by its connections): packet id -> PUBRELs of it handled so far. A
+        handler of a PUBLISH (a DUP re-send on one connection during a take-over) that a PUBREL of
+        its id (read on the other) overtook does not hold the message again (``_await_pubrel``):
+        ``open`` is this connection's only."""
         self.open: dict[int, int] = {}
         """packet id -> handlers of it under way (a re-send's and the first copy's), not yet in ``held``."""
         self._after: dict[int, list[Callable[[], None]]] = {}
@@ -2010,6 +2017,13 @@ class AwaitingPubrel:
         for then in self._after.pop(packet_id, ()):
             then()
 
+    def released(self, packet_id: int) -> None:
+        """A PUBREL of ``packet_id`` has been handled (its message, if held, has left ``held``)."""
+        self.releases[packet_id] = self.releases.get(packet_id, 0) + 1
+
+    def releases_of(self, packet_id: int) -> int:
+        return self.releases.get(packet_id, 0)
+
     def after(self, packet_id: int, then: Callable[[], None]) -> None:
         """Runs ``then`` once the handlers of ``packet_id`` under way (``open``) have ended."""
         self._after.setdefault(packet_id, []).append(then)
@@ -2037,12 +2051,18 @@ async def _bounded_qos2(
         await end_connection(handler)
         return
 
+    releases = awaiting.releases_of(packet_id)
+
+    def not_released() -> bool:
+        """No PUBREL of this id was handled since this handling began."""
+        return awaiting.releases_of(packet_id) == releases
+
     async def handle() -> None:
         try:
             if packet.topic_name.startswith(CONTROL_PREFIX):
                 _control_qos2(handler, session, packet)
             else:
-                await _publish_qos2(broker, engine, handler, session, packet, receivers=receivers)
+                await _publish_qos2(broker, engine, handler, session, packet, receivers=receivers, hold=not_released)
         finally:
             awaiting.done(packet_id)  # from here on counted in the Session's inflight_in, if it got PUBREC
 
@@ -2076,7 +2096,12 @@ def _wrap_handler(
     original_connack = handler.mqtt_connack_authorize
     ordering = asyncio.Lock()
     handler.durable_ordering = ordering
-    awaiting = AwaitingPubrel(session.client_id, engine.config.max_awaiting_pubrel, session.inflight_in)
+    awaiting = AwaitingPubrel(
+        session.client_id,
+        engine.config.max_awaiting_pubrel,
+        session.inflight_in,
+        session.__dict__.setdefault("durable_pubrels_handled", {}),
+    )
 
     async def handle_publish(packet: Any) -> None:
         topic = packet.topic_name
@@ -2638,6 +2663,7 @@ def _pubrel_handler(
         packet_id = packet.packet_id
         erasing = None if handler.connect_clean_session else engine.pubrel_released(session.client_id, packet_id)
         message = session.inflight_in.pop(packet_id, None)
+        awaiting.released(packet_id)
         if message is not None:
             message.pubrel_packet = packet
             handler.durable_published.put(message)
@@ -2671,13 +2697,14 @@ def _pubcomp_if_written(
     pubcomp(packet_id)
 
 
-def _await_pubrel(handler: Any, session: Any, packet: Any) -> None:
+def _await_pubrel(handler: Any, session: Any, packet: Any, *, hold: bool = True) -> None:
     """amqtt's inbound QoS 2 flow up to PUBREC, without a task waiting for the PUBREL: the message
     is held in the Session's ``inflight_in`` until its PUBREL (``_pubrel_handler``), across
     connections while amqtt keeps the Session, and PUBREC goes. A re-send of an id held keeps the
-    first copy (the same message, MQTT-4.3.3-2)."""
+    first copy (the same message, MQTT-4.3.3-2); one whose id a PUBREL released while it was
+    handled (``hold`` False: on the other connection of a take-over) holds nothing again."""
     packet_id = packet.variable_header.packet_id
-    if packet_id not in session.inflight_in:
+    if hold and packet_id not in session.inflight_in:
         message = IncomingApplicationMessage(
             packet_id, packet.topic_name, QOS_2, routed(packet.data, QOS_2), packet.retain_flag
         )
@@ -2694,8 +2721,9 @@ async def _publish_qos2(
     packet: Any,
     *,
     receivers: Callable[[str], Awaitable[dict[str, int] | None]],
+    hold: Callable[[], bool],
 ) -> None:
-    """PUBREC, and the message held for its PUBREL (``_await_pubrel``), once the message and its
+    """PUBREC, and the message held for its PUBREL (``_await_pubrel``, if ``hold()``), once the message and its
     packet id are durable (never on a broker that is not the primary: the connection is closed
     instead, as for QoS 1)."""
     if not engine.serving:
@@ -2708,7 +2736,7 @@ async def _publish_qos2(
     except StoreUnavailableError as exc:
         handler.durable_acks.refuse(exc)
         return
-    _await_pubrel(handler, session, packet)
+    _await_pubrel(handler, session, packet, hold=hold())
 
 
 async def _route_qos2(

@@ -4,10 +4,13 @@ over from earlier connections too) and the handlers under way, each packet id on
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
+from amqtt.mqtt.publish import PublishPacket
 
-from amqtt_durable.amqtt_glue import AwaitingPubrel
+from amqtt_durable.amqtt_glue import AwaitingPubrel, _await_pubrel
+from amqtt_durable.wire import encode_pubrec
 
 
 def test_held_ids_count_and_a_resend_of_one_counts_once() -> None:
@@ -45,3 +48,28 @@ def test_a_client_over_the_limit_may_resend_and_release_but_not_add(caplog: pyte
 def test_0_is_no_limit() -> None:
     awaiting = AwaitingPubrel("pub", 0, {})
     assert all(awaiting.admit(packet_id) for packet_id in range(1, 2001))
+
+
+def test_a_publish_handled_while_a_pubrel_of_its_id_was_handled_elsewhere_holds_nothing_again() -> None:
+    """A take-over: a DUP re-send's handler runs on one connection while the PUBREL of its id is
+    handled on the other (AwaitingPubrel.open is per connection, the Session's held publishes and
+    its count of PUBRELs handled are shared): at its PUBREC the message is not held again, which
+    would keep a stale entry awaiting a PUBREL that already came; a later new publish of the id is."""
+    held: dict[int, object] = {}
+    releases: dict[int, int] = {}
+    old, new = AwaitingPubrel("pub", 0, held, releases), AwaitingPubrel("pub", 0, held, releases)
+    written: list[bytes] = []
+    handler = SimpleNamespace(durable_transport=SimpleNamespace(write=written.append))
+    session = SimpleNamespace(inflight_in=held)
+    packet = PublishPacket.build("t", b"m", 7, True, 2, False)
+    assert new.admit(7)
+    before = new.releases_of(7)
+    old.released(7)  # the PUBREL, read on the old connection, released the id meanwhile
+    _await_pubrel(handler, session, packet, hold=new.releases_of(7) == before)
+    new.done(7)
+    assert held == {}, "held again after its PUBREL"
+    assert written == [encode_pubrec(7)], "PUBREC all the same"
+    assert new.admit(7)
+    before = new.releases_of(7)
+    _await_pubrel(handler, session, packet, hold=new.releases_of(7) == before)
+    assert list(held) == [7], "a publish no PUBREL overtook is held"
