@@ -36,10 +36,12 @@ instance the plugin is loaded into and on each connection's handler:
   its whole CONNECT (and have it authenticated, when that is done as it is read); one closed
   then gets no CONNACK, and nothing of its CONNECT is acted on, even if its credentials pass later;
 * ``BrokerProtocolHandler.handle_publish`` (per connection): route to durable sessions and
-  wait for the group commit before PUBACK / PUBREC. amqtt's own publish flow runs only when it
-  has work (QoS 2, a clean-session subscriber, a plugin listening for messages);
-  otherwise the plugin sends PUBACK itself. A QoS 2 PUBLISH past ``max_awaiting_pubrel``
-  unreleased ones closes the connection (see ``AwaitingPubrel``);
+  wait for the group commit before PUBACK / PUBREC. A QoS 0/1 message goes to amqtt's own
+  delivery when it has work (a clean-session subscriber, a plugin listening for messages), and the
+  plugin sends PUBACK itself; a QoS 2 one is held in amqtt's Session (``inflight_in``) until its
+  PUBREL, without amqtt's task waiting for it (``_await_pubrel``). A QoS 2 PUBLISH past
+  ``max_awaiting_pubrel`` unreleased ones of the client (earlier connections' too) closes the
+  connection (see ``AwaitingPubrel``);
 * ``BrokerProtocolHandler.mqtt_connack_authorize``: create/wipe the stored session and set
   CONNACK's session-present from the store; refuse another user than the session's owner,
   and (CONNACK 3) any durable CONNECT while the store cannot write (a new durable session takes the
@@ -47,17 +49,22 @@ instance the plugin is loaded into and on each connection's handler:
   amqtt's own authentication leaves no Session in amqtt's table (``_forget_refused``);
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
   connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
-* ``BrokerProtocolHandler.handle_pubrel`` (per connection): a durable publisher's stored QoS 2
-  packet id is deleted before PUBCOMP, and a PUBREL amqtt has no flow for still gets PUBCOMP
-  (and the message amqtt holds for it, if any, goes to amqtt's delivery);
+* ``BrokerProtocolHandler.handle_pubrel`` (per connection): the message held for it goes to
+  amqtt's delivery in the task the reader makes of the PUBREL, or before a PUBLISH read after it
+  is handled, whichever comes first (in the order they were read), a durable publisher's stored
+  QoS 2 packet id is deleted before PUBCOMP, and a PUBREL with no message held still gets PUBCOMP;
 * ``BrokerProtocolHandler.start`` / ``stop`` (per connection): a connection whose reader ended
   before amqtt's ``start`` made its disconnect waiter (a client that closed right after its
   CONNECT) still ends its message loop, and ``stop`` does not wait for a reader that never ran,
   nor, when amqtt takes the connection over for a newer durable CONNECT of its client id, for
   its client (a websocket's closing handshake: ``let_go``);
-* ``BrokerProtocolHandler._retry_deliveries`` (per connection): the re-sent PUBRECs of a
-  reconnecting publisher's QoS 2 publishes awaiting PUBREL wait for it beside the connection, not
-  up to 10 s in ``start`` (see ``_retry_without_waiting_for_pubrel``);
+* ``BrokerProtocolHandler._retry_deliveries`` (per connection): the PUBRECs of a reconnecting
+  publisher's QoS 2 publishes awaiting PUBREL are sent again, and nothing waits for the PUBRELs
+  (amqtt waited up to 10 s in ``start``, see ``_retry_without_waiting_for_pubrel``);
+* ``BrokerProtocolHandler.mqtt_deliver_next_message`` (per connection), with ``wait_disconnect``
+  and ``stop``: the connection's end waits (bounded) until the message loop has taken what the
+  client published (a QoS 2 message released with the DISCONNECT), and the loop's end hands what
+  is left to the broker (see ``PublishedMessages``);
 * ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` / ``handle_connection_closed``
   (per connection): a connection that sent DISCONNECT never has its will
   published (MQTT-3.14.4-3), however its DISCONNECT's handling and its message loop's wait for it
@@ -171,7 +178,6 @@ from amqtt.mqtt.packet import (
 )
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler, Subscription, UnSubscription
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
-from amqtt.mqtt.pubrec import PubrecPacket
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
 from transitions import MachineError
@@ -205,7 +211,7 @@ from .silence import SilenceWatch
 from .stream_sender import StreamSender
 from .subscription_changes import SubscriptionChanges
 from .topics import SubscriptionIndex, TopicIndex, topic_problem
-from .wire import PacketReader, encode_puback, encode_pubcomp
+from .wire import PacketReader, encode_puback, encode_pubcomp, encode_pubrec
 
 log = logging.getLogger("amqtt_durable")
 
@@ -235,6 +241,7 @@ _BROKER_INTERNALS = (
     "_publish_retained_messages_for_subscription",
     "_broadcast_message",
     "_handle_disconnect",
+    "_handle_message_delivery",
     "_delete_session",
     "_topic_filtering",
     "add_subscription",
@@ -1066,6 +1073,11 @@ class HandlerTransport:
         self._pending_bytes += len(data)
 
     @property
+    def unsent(self) -> bool:
+        """Bytes written here wait for this loop pass's end to go to the socket."""
+        return bool(self._pending)
+
+    @property
     def congested(self) -> bool:
         """More is unsent to the client than its socket's write buffer limit (asyncio's high-water
         mark, 64 KiB): it does not read as fast as it is written to, and ``drain`` would wait."""
@@ -1443,6 +1455,7 @@ class AmqttHooks:
         self._original_del_subscription = broker._del_subscription
         self._original_broadcast = broker._broadcast_message
         self._original_handle_disconnect = broker._handle_disconnect
+        self._original_message_delivery = broker._handle_message_delivery
         self._original_delete_session = broker._delete_session
         self._original_cleanup = broker._cleanup_session
         self._original_shutdown = broker.shutdown
@@ -1477,6 +1490,7 @@ class AmqttHooks:
         broker._publish_retained_messages_for_subscription = self.publish_retained_for_subscription
         broker._broadcast_message = self.broadcast_message
         broker._handle_disconnect = self.handle_disconnect
+        broker._handle_message_delivery = self.handle_message_delivery
         broker._delete_session = self.delete_session
         broker._cleanup_session = self.cleanup_session
         broker.shutdown = self.shutdown
@@ -1679,13 +1693,25 @@ class AmqttHooks:
         handler.durable_acks = OrderedAcks(handler.durable_transport, session.client_id)
         handler.durable_control = _control_channel(self.broker, self.engine, handler, session)
         handler.durable_publishes = InboundPublishes(
-            self.engine, session, handler.durable_acks, handler.durable_control, self.amqtt_wants
+            self.engine,
+            partial(_put_published, handler),
+            handler.durable_acks,
+            handler.durable_control,
+            self.amqtt_wants,
         )
         _wrap_handler(
             self.broker, self.engine, handler, session, amqtt_wants=self.amqtt_wants, receivers=self.receivers
         )
         handler._reader_loop = FastReader(self.broker, self.engine, handler, session).run
         return handler, session
+
+    async def handle_message_delivery(self, session: Any, handler: Any, wait_deliver: asyncio.Future[Any]) -> bool:
+        """amqtt's delivery of a message its client published: the message loop's is handled, not
+        left in hand (``PublishedMessages.in_hand``)."""
+        published: PublishedMessages | None = getattr(handler, "durable_published", None)
+        if published is not None:
+            published.handled()
+        return bool(await self._original_message_delivery(session, handler, wait_deliver))
 
     async def handle_disconnect(self, session: Any, handler: Any, disconnect_waiter: asyncio.Future[Any]) -> None:
         """The end of a connection's message loop: its will is published unless it sent DISCONNECT,
@@ -1756,6 +1782,7 @@ class AmqttHooks:
                 await handler.handle_connection_closed()  # as a take-over (``take_over``)
             await self._original_message_loop(session, handler)
         finally:
+            handler.durable_published.end()
             handler.durable_control.stop()
             _drop_waiting_changes(handler.durable_changes, session.client_id)
             # amqtt leaves the connection open when its loop ends on a bad PUBLISH topic.
@@ -1772,6 +1799,10 @@ class AmqttHooks:
                 # amqtt's take-over: this old connection's end marked the shared Session
                 # disconnected while the new one is live; its monitor would then drop the new one.
                 session.transitions.connect()
+            try:  # last: nothing is read any more, and nothing above is skipped if it fails
+                await hand_over_what_is_left(self.broker, session, handler)
+            except Exception as exc:  # as amqtt's loop would have ended on it
+                log.warning("%s: a message it published was not delivered: %r", session.client_id, exc)
 
     async def add_subscription(self, subscription: tuple[str, int], session: Any) -> int:
         topic_filter, qos = subscription
@@ -2052,27 +2083,49 @@ def _ack_interceptor(
 
 
 class AwaitingPubrel:
-    """The QoS 2 publishes of one connection between their PUBLISH and the end of their flow
-    (PUBREL, PUBCOMP), bounded by ``max_awaiting_pubrel``: amqtt holds each in memory until its
-    PUBREL, for as long as the connection lasts. Counted by packet id (a re-send of one that
-    awaits counts once), from the moment its handling starts: handlers start in arrival order, so
-    a burst read at once is counted before any of it is stored."""
+    """The QoS 2 publishes of one client between their PUBLISH and their PUBREL, bounded by
+    ``max_awaiting_pubrel``: amqtt holds each in memory (its Session's ``inflight_in``) until its
+    PUBREL, for as long as it keeps the Session, so also those an earlier connection of a durable
+    session left awaiting (carried over to the next connection). Counted by packet id (a re-send
+    of one that awaits, carried over or not, counts once), from the moment its handling starts:
+    handlers start in arrival order, so a burst read at once is counted before any of it is stored.
+    A PUBREL frees the place of its id, carried over or not. A client holding the limit or more
+    already (two connections of its client id adding at once) can still re-send and release those;
+    only new ids are refused until it is below the limit."""
 
-    def __init__(self, client_id: str, limit: int) -> None:
+    def __init__(
+        self, client_id: str, limit: int, held: dict[int, Any], releases: dict[int, int] | None = None
+    ) -> None:
         self.client_id = client_id
         self.limit = limit
+        self.held = held
+        """The Session's publishes awaiting their PUBREL (amqtt's ``inflight_in``), by packet id."""
+        self.releases: dict[int, int] = {} if releases is None else releases
+        """The Session's (shared by its connections): packet id -> PUBRELs of it handled so far. A
+        handler of a PUBLISH (a DUP re-send on one connection during a take-over) that a PUBREL of
+        its id (read on the other) overtook does not hold the message again (``_await_pubrel``):
+        ``open`` is this connection's only."""
         self.open: dict[int, int] = {}
-        """packet id -> handlers of it under way (a re-send's and the first copy's)."""
+        """packet id -> handlers of it under way (a re-send's and the first copy's), not yet in ``held``."""
+        self._after: dict[int, list[Callable[[], None]]] = {}
+        """packet id -> what waits for its handlers to end (a PUBREL read while they run)."""
+        self.handling: set[asyncio.Future[None]] = set()
+        """The handlings under way (``_bounded_qos2``), held until they end."""
+
+    def count(self) -> int:
+        return len(self.held) + sum(1 for packet_id in self.open if packet_id not in self.held)
 
     def admit(self, packet_id: int) -> bool:
-        if packet_id not in self.open and self.limit and len(self.open) >= self.limit:
+        new = packet_id not in self.open and packet_id not in self.held
+        if new and self.limit and self.count() >= self.limit:
             log.warning(
                 "closing the connection of %s: a QoS 2 PUBLISH (packet id %d) while %d QoS 2 publishes of this "
-                "connection await their PUBREL, max_awaiting_pubrel is %d. The client does not answer PUBREC "
-                "with PUBREL (or the operator raise max_awaiting_pubrel, 0 = no limit)",
+                "client await their PUBREL (this connection's and those an earlier one left), max_awaiting_pubrel "
+                "is %d. The client does not answer PUBREC with PUBREL (or the operator raise max_awaiting_pubrel, "
+                "0 = no limit)",
                 self.client_id,
                 packet_id,
-                len(self.open),
+                self.count(),
                 self.limit,
             )
             return False
@@ -2083,8 +2136,21 @@ class AwaitingPubrel:
         left = self.open[packet_id] - 1
         if left:
             self.open[packet_id] = left
-        else:
-            del self.open[packet_id]
+            return
+        del self.open[packet_id]
+        for then in self._after.pop(packet_id, ()):
+            then()
+
+    def released(self, packet_id: int) -> None:
+        """A PUBREL of ``packet_id`` has been handled (its message, if held, has left ``held``)."""
+        self.releases[packet_id] = self.releases.get(packet_id, 0) + 1
+
+    def releases_of(self, packet_id: int) -> int:
+        return self.releases.get(packet_id, 0)
+
+    def after(self, packet_id: int, then: Callable[[], None]) -> None:
+        """Runs ``then`` once the handlers of ``packet_id`` under way (``open``) have ended."""
+        self._after.setdefault(packet_id, []).append(then)
 
 
 async def _bounded_qos2(
@@ -2095,23 +2161,50 @@ async def _bounded_qos2(
     packet: Any,
     *,
     awaiting: AwaitingPubrel,
-    original_publish: Callable[[Any], Awaitable[None]],
     receivers: Callable[[str], Awaitable[dict[str, int] | None]],
 ) -> None:
-    """A QoS 2 PUBLISH (control request or message), counted in ``awaiting`` until its flow ends."""
+    """A QoS 2 PUBLISH (control request or message), counted in ``awaiting`` until its PUBREL.
+
+    Its handling goes on when the reader's task for it is cancelled (both readers cancel the tasks
+    under way at the connection's end): a PUBREL read right behind it waits for that handling
+    (``AwaitingPubrel.after``) and the connection's end waits for that PUBREL (bounded,
+    ``PublishedMessages.handed_over``). Cancelled, a PUBLISH and its PUBREL sent with a DISCONNECT
+    or right before an EOF got a PUBCOMP without a PUBREC, the message never stored or delivered."""
     packet_id = packet.variable_header.packet_id  # amqtt's decoder reads one for QoS 1 and 2
     if not awaiting.admit(packet_id):
         await end_connection(handler)
         return
+
+    releases = awaiting.releases_of(packet_id)
+
+    def not_released() -> bool:
+        """No PUBREL of this id was handled since this handling began."""
+        return awaiting.releases_of(packet_id) == releases
+
+    async def handle() -> None:
+        try:
+            if packet.topic_name.startswith(CONTROL_PREFIX):
+                _control_qos2(handler, session, packet)
+            else:
+                await _publish_qos2(broker, engine, handler, session, packet, receivers=receivers, hold=not_released)
+        finally:
+            awaiting.done(packet_id)  # from here on counted in the Session's inflight_in, if it got PUBREC
+
+    task = asyncio.ensure_future(handle())
+    awaiting.handling.add(task)
+    task.add_done_callback(awaiting.handling.discard)
     try:
-        if packet.topic_name.startswith(CONTROL_PREFIX):
-            await _control_qos2(handler, packet, original_publish)
-        else:
-            await _publish_qos2(
-                broker, engine, handler, session, packet, original_publish=original_publish, receivers=receivers
-            )
-    finally:
-        awaiting.done(packet_id)
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(partial(_failure_logged, session.client_id))
+        raise
+
+
+def _failure_logged(client_id: str, task: asyncio.Future[None]) -> None:
+    """A QoS 2 PUBLISH's handling no one awaits any more (the reader's task was cancelled) has
+    ended: its error, if any, is logged."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s: a QoS 2 PUBLISH's handling failed: %r", client_id, task.exception())
 
 
 def _wrap_handler(
@@ -2124,11 +2217,15 @@ def _wrap_handler(
     receivers: Callable[[str], Awaitable[dict[str, int] | None]],
 ) -> None:
     """Per-connection wrappers: persist before acknowledging, and the stored session-present."""
-    original_publish = handler.handle_publish
     original_connack = handler.mqtt_connack_authorize
     ordering = asyncio.Lock()
     handler.durable_ordering = ordering
-    awaiting = AwaitingPubrel(session.client_id, engine.config.max_awaiting_pubrel)
+    awaiting = AwaitingPubrel(
+        session.client_id,
+        engine.config.max_awaiting_pubrel,
+        session.inflight_in,
+        session.__dict__.setdefault("durable_pubrels_handled", {}),
+    )
 
     async def handle_publish(packet: Any) -> None:
         topic = packet.topic_name
@@ -2149,7 +2246,6 @@ def _wrap_handler(
                 session,
                 packet,
                 awaiting=awaiting,
-                original_publish=original_publish,
                 receivers=receivers,
             )
             return
@@ -2180,7 +2276,7 @@ def _wrap_handler(
     handler.handle_puback = _ack_interceptor(handler, "puback", handler.handle_puback)
     handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
     handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
-    handler.handle_pubrel = _pubrel_handler(engine, handler, session, handler.handle_pubrel)
+    handler.handle_pubrel = _pubrel_handler(engine, handler, session, awaiting)
     # The changes' queue first: _keep_the_disconnect's wait_disconnect then answers once the changes
     # are applied, so a DISCONNECT read meanwhile (during a take-over's wait) discards the will.
     _one_queue_of_subscription_changes(handler)
@@ -2256,37 +2352,15 @@ def _retry_without_waiting_for_pubrel(handler: Any) -> Callable[[], Awaitable[No
     ``start()`` waited for it, and with it the connection's message loop: a client that did not
     send that PUBREL at once (one whose process restarted, or that subscribed first) got its SUBACK
     and PUBCOMP 10 s late; then the flow was cancelled, so its message never reached clean
-    subscribers, and amqtt kept the packet id, so a new publish with it after the PUBCOMP reached
-    no durable session. Those flows now run beside the connection (``_awaiting_pubrel``), until
-    the PUBREL or the connection's end (whose waiters amqtt cancels: the next connection retries
-    again). Each one's PUBREL waiter is in place before this returns, so a PUBREL the reader
-    handles from then on resolves it; one handled before (sent in the same write as the CONNECT)
-    finds the message in ``inflight_in`` and completes the flow itself (``_pubrel_handler``). An id
-    whose flow amqtt runs already (a re-sent PUBLISH read before this ran) is left to that flow.
-    amqtt's retry of outbound messages (clean sessions only: the pump sends durable ones) is as it
-    was."""
-    running: set[asyncio.Task[None]] = set()
-
-    def settled(client_id: str, task: asyncio.Task[None]) -> None:
-        running.discard(task)
-        if task.cancelled():  # the connection ended (amqtt cancels its waiters)
-            return
-        error = task.exception()
-        if error is not None and not isinstance(error, OSError):  # OSError: a write to a closed connection
-            log.warning("%s: a QoS 2 flow awaiting its PUBREL failed: %r", client_id, error)
+    subscribers. Here the PUBREC of each goes again and nothing waits: its PUBREL, whenever it is
+    read, releases the message (``_pubrel_handler``); one read before this ran (in the same write as
+    the CONNECT) released it already, so no PUBREC goes for it. amqtt's retry of outbound messages
+    (clean sessions only: the pump sends durable ones) is as it was."""
 
     async def retry_deliveries() -> None:
         session = handler.session
-        waiters: dict[int, asyncio.Future[Any]] = handler._pubrel_waiters
-        for message in list(session.inflight_in.values()):
-            waiter = waiters.get(message.packet_id)
-            if waiter is not None and not waiter.done():
-                continue
-            waiter = asyncio.get_running_loop().create_future()
-            waiters[message.packet_id] = waiter
-            task = asyncio.create_task(_awaiting_pubrel(handler, session, message, waiter))
-            running.add(task)
-            task.add_done_callback(partial(settled, session.client_id))
+        for packet_id in list(session.inflight_in):
+            handler.durable_transport.write(encode_pubrec(packet_id))
         outbound = [
             asyncio.create_task(asyncio.wait_for(handler._handle_message_flow(message), 10))
             for message in list(session.inflight_out.values())
@@ -2295,34 +2369,6 @@ def _retry_without_waiting_for_pubrel(handler: Any) -> Callable[[], Awaitable[No
             await asyncio.wait(outbound)
 
     return retry_deliveries
-
-
-async def _awaiting_pubrel(
-    handler: Any, session: Any, message: IncomingApplicationMessage, waiter: asyncio.Future[Any]
-) -> None:
-    """amqtt's inbound QoS 2 flow, re-run on a reconnect with a waiter made beforehand: PUBREC again
-    (unless the PUBREL came already), then at the PUBREL the message goes to amqtt's delivery and
-    PUBCOMP follows (``_released``)."""
-    packet_id = message.packet_id
-    try:
-        if not waiter.done():
-            message.pubrec_packet = PubrecPacket.build(packet_id)
-            await handler._send_packet(message.pubrec_packet)
-        pubrel = await waiter
-    finally:
-        if handler._pubrel_waiters.get(packet_id) is waiter:
-            del handler._pubrel_waiters[packet_id]
-    _released(handler, session, packet_id, pubrel)
-
-
-def _released(handler: Any, session: Any, packet_id: int, pubrel: Any) -> None:
-    """The end of an inbound QoS 2 flow at its PUBREL, as amqtt's ends: the message awaiting it (if
-    amqtt still holds one) goes to amqtt's own delivery and leaves ``inflight_in``; PUBCOMP."""
-    message = session.inflight_in.pop(packet_id, None)
-    if message is not None:
-        message.pubrel_packet = pubrel
-        session.delivered_message_queue.put_nowait(message)
-    handler.durable_transport.write(encode_pubcomp(packet_id))
 
 
 async def take_over(handler: Any) -> None:
@@ -2471,18 +2517,23 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     apply while it waits there) stops the connection only then (so a take-over's CONNACK waits
     for the older connection's changes, and in a reconnect storm for that connection's loop to get
     its ``attach_limit`` slot first: nothing else applies them); that ``stop()`` first cancels the
-    handler's PUBACK/PUBREC/PUBCOMP waiters, as amqtt's ``stop()`` does first, not its PUBREL ones
+    handler's PUBACK/PUBREC/PUBCOMP waiters, as amqtt's ``stop()`` does first
     (``_stop_outgoing_waiters``; a clean session's loop sends the retained messages of a
     SUBSCRIBE, each in its own task, and waits up to 5 s for the QoS 1 ones' PUBACKs: a
     take-over's CONNACK, a broker's shutdown waited for them; the SUBSCRIBE then counts as applied
     at once. A later SUBSCRIBE's retained messages get new waiters, which are waited for, within
     the bound).
+    The same wait covers what the client published (``PublishedMessages``: the loop hands it to
+    the broker, a QoS 2 message released by a PUBREL read with the DISCONNECT among them).
     When a wait runs out, the queue is closed: what still waits is dropped (WARNING with the exact
-    count: the change being applied completes, nothing after it is handed out). Once the loop has
-    ended (``close()``) nothing is waited for."""
+    count: the change being applied completes, nothing after it is handed out); the published
+    messages are not dropped (the loop's end hands them over). Once the loop has ended
+    (``close()``) nothing is waited for."""
     changes: SubscriptionChanges[Subscription | UnSubscription] = SubscriptionChanges()
     handler.durable_changes = changes
     handler.durable_loop_task = None
+    published = PublishedMessages(handler)
+    handler.durable_published = published
     original_wait = handler.wait_disconnect
     original_stop = handler.stop
 
@@ -2497,10 +2548,11 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     async def no_unsubscription() -> None:
         await asyncio.get_running_loop().create_future()  # every UNSUBSCRIBE comes as a "subscription"
 
-    async def applied() -> None:
+    async def applied(*, drain: bool = True) -> None:
         try:
             async with asyncio.timeout(CHANGES_GRACE):
                 await changes.drained()
+                await published.handed_over(drain=drain)
         except TimeoutError:  # none is handed out any more: none is applied after the end
             _drop_waiting_changes(changes, handler.session.client_id if handler.session else None)
 
@@ -2519,7 +2571,7 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
         """A take-over ends the connection without waiting for its client (``let_go``), but only
         once the changes it sent are applied: their SUBACKs and UNSUBACKs go out before the close."""
         _stop_outgoing_waiters(handler)
-        await applied()
+        await applied(drain=False)  # the replaced client sends its PUBRELs again on the new connection
         await let_go(handler.writer)
 
     handler.handle_subscribe = handle_subscribe
@@ -2531,11 +2583,190 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     handler.durable_let_go = let_go_once_applied
 
 
+class PublishedMessages:
+    """What the client published waits in its Session's ``delivered_message_queue`` (a QoS 0/1
+    message as it is read, a QoS 2 one at its PUBREL) until the connection's message loop hands it
+    to the broker (amqtt's ``_handle_message_delivery``: clean subscribers, retain, events), one per
+    loop pass. amqtt's loop stopped taking from the queue once it had the connection's end: the
+    messages read with a DISCONNECT or right before an EOF stayed there, never delivered.
+    ``handed_over`` waits until the loop has taken every one (or has ended: then
+    ``AmqttHooks.client_message_loop`` hands the rest over, ``hand_over_what_is_left``), and until
+    the PUBCOMPs that wait for the deletion of a durable publisher's packet id are written
+    (``pubcomp_once_written``). The PUBCOMPs written once the end began (or as it begins, still
+    waiting for the loop pass's write) are drained before the close: a client that shut its socket
+    for writing right after its PUBREL still reads them. A take-over drains nothing (the replaced
+    client sends its PUBREL again on the new connection): an old connection whose client reads
+    nothing, its socket full, held the new CONNACK for the whole close grace."""
+
+    def __init__(self, handler: Any) -> None:
+        self._handler = handler
+        self._taken = asyncio.Event()
+        self.loop_ended = False
+        self._erasing: set[asyncio.Future[None]] = set()
+        self._deferred: set[asyncio.Future[None]] = set()
+        self._in_turn: dict[int, Callable[[], None]] = {}
+        """PUBRELs read, not yet handled, in the order they were read (by a running count)."""
+        self._read = 0
+        self._ending = False
+        self._wrote_at_end = False
+        self._broker: Any = None
+        """Set once the loop's end handed the rest over (``hand_over_what_is_left``)."""
+        self._late: set[asyncio.Task[None]] = set()
+        self._in_hand: list[Any] = []
+        """The message the loop took from the queue and has not handed to the broker: amqtt's loop
+        drops it when the connection's end comes in the same pass (five QoS 1 PUBLISHes and a
+        DISCONNECT in one write: the third was acknowledged, never delivered to clean subscribers)."""
+        original = handler.mqtt_deliver_next_message
+
+        async def next_message() -> Any:
+            message = await original()
+            self._in_hand = [message]
+            self._taken.set()
+            return message
+
+        handler.mqtt_deliver_next_message = next_message
+
+    def put(self, message: Any) -> None:
+        """``message`` to amqtt's delivery: into the Session's queue, or, once the loop's end handed
+        over what was left, to the broker directly (a PUBLISH's handling the reader cancelled at a
+        DISCONNECT still stores, acknowledges and hands over its message: it was left in the queue,
+        never delivered to clean subscribers)."""
+        if self._broker is None:
+            self._handler.session.delivered_message_queue.put_nowait(message)
+            return
+        task = asyncio.ensure_future(_deliver_late(self._broker, self._handler, message))
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
+
+    def handled(self) -> None:
+        """The message the loop took is being handed to the broker."""
+        self._in_hand = []
+
+    def in_hand(self) -> list[Any]:
+        """The message the loop took and never handed to the broker (none or one); it is now."""
+        taken, self._in_hand = self._in_hand, []
+        return taken
+
+    def left_over_handed(self, broker: Any) -> None:
+        """The loop's end handed what was left over: what comes later goes to ``broker`` directly."""
+        self._broker = broker
+
+    def end(self) -> None:
+        """The connection's message loop has ended: nothing waits for it any more."""
+        self.loop_ended = True
+        self._taken.set()
+
+    def pubcomp_once_written(self, erasing: asyncio.Future[None], client_id: str, packet_id: int) -> None:
+        """PUBCOMP once the packet id's deletion (``erasing``) is written; none when it could not be
+        (the client sends the PUBREL again on its next connection)."""
+        self._erasing.add(erasing)
+        erasing.add_done_callback(self._erasing.discard)
+        erasing.add_done_callback(partial(_pubcomp_if_written, self.pubcomp, client_id, packet_id))
+
+    def pubcomp(self, packet_id: int) -> None:
+        """Writes the PUBCOMP of ``packet_id``; one written once the end began is drained before the close."""
+        self._handler.durable_transport.write(encode_pubcomp(packet_id))
+        if self._ending:
+            self._wrote_at_end = True
+
+    def release_in_turn(self, release: Callable[[], None]) -> Awaitable[None]:
+        """A PUBREL as it is read: ``release`` runs in the task the reader makes of what this returns
+        (after the packets read before it have started), or at the connection's end if that task
+        never runs (``release_all_read``), whichever comes first; in the order they were read."""
+        self._read += 1
+        self._in_turn[self._read] = release
+        return self._release_up_to(self._read)
+
+    async def _release_up_to(self, turn: int) -> None:
+        self.release_all_read(turn)
+
+    def release_all_read(self, up_to: int | None = None) -> None:
+        """Handles the PUBRELs read and not yet handled (those read up to ``up_to``), in order."""
+        for turn in list(self._in_turn):
+            if up_to is not None and turn > up_to:
+                return
+            self._in_turn.pop(turn)()
+
+    def deferred(self, release: Callable[[], None]) -> Callable[[], None]:
+        """``release`` (a PUBREL waiting for its PUBLISH's handling), to be run later: waited for by
+        ``handed_over``, whether it is run or dropped."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._deferred.add(done)
+        done.add_done_callback(self._deferred.discard)
+
+        def run() -> None:
+            try:
+                release()
+            finally:
+                if not done.done():
+                    done.set_result(None)
+
+        return run
+
+    async def handed_over(self, *, drain: bool) -> None:
+        """Returns once the PUBRELs read are handled (``release_in_turn``) and those waiting for their
+        PUBLISH's handling are done, the loop has taken every message waiting in the queue (or has
+        ended), and the PUBCOMPs waiting for a write are written (and, with ``drain``, those written
+        since this began have left the buffer). Unbounded: the caller bounds it (``CHANGES_GRACE``)."""
+        self._ending = True
+        self._wrote_at_end = self._handler.durable_transport.unsent  # a PUBCOMP written in this loop pass
+        self.release_all_read()
+        if self._deferred:
+            await asyncio.wait(list(self._deferred))
+        queue = self._handler.session.delivered_message_queue
+        while not queue.empty() and not self.loop_ended:
+            self._taken.clear()
+            await self._taken.wait()
+        if self._erasing:
+            await asyncio.wait(list(self._erasing))
+        if drain and self._wrote_at_end:
+            with contextlib.suppress(OSError):  # gone already: nothing to write to
+                await self._handler.durable_transport.drain()  # the PUBCOMPs, before the connection is closed
+
+
+async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> None:
+    """After the connection's message loop ended: the messages its client published still waiting
+    in the Session's queue go to the broker as the loop would have handed them (as many as wait
+    now: on a Session a newer connection took over, that connection's loop takes what comes after),
+    the one the loop took and dropped first (``PublishedMessages.in_hand``); what the connection
+    hands over after this goes to the broker directly (``PublishedMessages.put``)."""
+    handler.durable_published.release_all_read()
+    queue = session.delivered_message_queue
+    try:
+        for message in handler.durable_published.in_hand():
+            await _deliver_late(broker, handler, message)
+        for _ in range(queue.qsize()):
+            if queue.empty():  # a newer connection's loop took it
+                return
+            taken: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            taken.set_result(queue.get_nowait())
+            await broker._handle_message_delivery(session, handler, taken)
+    finally:
+        handler.durable_published.left_over_handed(broker)
+
+
+def _put_published(handler: Any, message: Any) -> None:
+    """``message``, published by the handler's client, to amqtt's delivery (``PublishedMessages.put``)."""
+    published: PublishedMessages = handler.durable_published
+    published.put(message)
+
+
+async def _deliver_late(broker: Any, handler: Any, message: Any) -> None:
+    """A message its publisher's connection handed over after its loop's end: to the broker as
+    the loop would have (``PublishedMessages.put``)."""
+    taken: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    taken.set_result(message)
+    try:
+        await broker._handle_message_delivery(handler.session, handler, taken)
+    except Exception as exc:  # as amqtt's loop would have ended on it
+        log.warning("%s: a message it published was not delivered: %r", handler.session.client_id, exc)
+
+
 def _stop_outgoing_waiters(handler: Any) -> None:
     """Cancels the handler's waits for the PUBACKs, PUBRECs and PUBCOMPs of what it sent, as
-    amqtt 0.12.1's ``_stop_waiters`` does, but not its waits for the PUBRELs of the client's own
-    QoS 2 PUBLISHes: a PUBREL read while the connection's end waits for its changes still gets
-    the message delivered (amqtt's ``stop()`` cancels those after the wait)."""
+    amqtt 0.12.1's ``_stop_waiters`` does. Nothing waits for the PUBRELs of the client's own QoS 2
+    PUBLISHes (``_await_pubrel``): a PUBREL read while the connection's end waits for its changes
+    still gets the message delivered (``_pubrel_handler``)."""
     for waiters in (handler._puback_waiters, handler._pubrec_waiters, handler._pubcomp_waiters):
         for waiter in waiters.values():
             waiter.cancel()
@@ -2563,33 +2794,81 @@ def _packet_id_and_payload(packet: Any, kind: str) -> tuple[int, Any]:
 
 
 def _pubrel_handler(
-    engine: DurableEngine, handler: Any, session: Any, original: Callable[[Any], Awaitable[None]]
+    engine: DurableEngine, handler: Any, session: Any, awaiting: AwaitingPubrel
 ) -> Callable[[Any], Awaitable[None]]:
-    """PUBREL of an inbound QoS 2 publish: its stored packet id goes first, then PUBCOMP.
+    """PUBREL of an inbound QoS 2 publish: the message awaiting it (``_await_pubrel``), if amqtt's
+    Session holds one, goes to amqtt's own delivery (clean subscribers, retain, events) and leaves
+    ``inflight_in``; a durable publisher's stored packet id is deleted; PUBCOMP follows (once that
+    deletion is written). All of it but the PUBCOMP's write is done as the reader hands the PUBREL
+    over, in the task it makes of what this returns, after the packets read before it have started
+    (a QoS 2 PUBLISH, a re-send with its packet id: PUBREC, then PUBCOMP), or at the connection's end,
+    whichever comes first (``PublishedMessages.release_in_turn``): both readers cancel the tasks
+    that have not run when the connection ends, and amqtt's flow, ended by the connection's end,
+    queued the message after the connection's message loop had stopped taking from the queue. So a PUBREL and a
+    DISCONNECT (or EOF) in one write lost the message for clean subscribers though PUBCOMP came; the
+    end of the connection waits (bounded) for what was released to be handed to the broker
+    (``_one_queue_of_subscription_changes``, ``AmqttHooks.client_message_loop``).
 
-    amqtt answers only a PUBREL its in-memory flow waits for; after a restart (or once amqtt
-    dropped an anonymous session) there is none, yet MQTT-4.3.3 wants a PUBCOMP for every PUBREL.
-    A message amqtt still holds for the id with no flow waiting (a PUBREL read in the same write as
-    a reconnect's CONNECT, before ``_retry_without_waiting_for_pubrel`` made the flow's waiter) is
-    delivered as its flow would have (``_released``): answered with a bare PUBCOMP, it never reached
-    clean subscribers and its id stayed held, so the next PUBLISH with it counted as a re-send. A
-    PUBREL sent again while the flow its first one released has not yet ended (both read in one
-    write) gets a bare PUBCOMP: that flow delivers the message, once.
+    MQTT-4.3.3 wants a PUBCOMP for every PUBREL, also one amqtt has no message for (after a restart,
+    once amqtt dropped an anonymous session, or a PUBREL sent again: the message went with the first,
+    once); a repeated one waits for the same deletion (``DurableEngine.pubrel_released``). A PUBREL
+    read while a PUBLISH with its packet id is still being handled (sent without waiting for the
+    PUBREC) is done once that handling has ended (``AwaitingPubrel.after``): its PUBCOMP follows
+    that PUBREC, and it releases the message that PUBLISH brought, not nothing.
     """
 
-    async def handle_pubrel(packet: Any) -> None:
+    def release(packet: Any) -> None:
         packet_id = packet.packet_id
-        if not handler.connect_clean_session:
-            await engine.pubrel_received(session.client_id, packet_id)
-        waiter = handler._pubrel_waiters.get(packet_id)
-        if waiter is None or waiter.cancelled():  # a message amqtt holds without a flow waiting (yet)
-            _released(handler, session, packet_id, packet)  # is delivered all the same
-        elif not waiter.done():
-            await original(packet)  # amqtt's flow delivers to its own subscribers, then PUBCOMP
-        else:  # a PUBREL sent again before the flow its first one released has ended: that flow delivers
-            handler.durable_transport.write(encode_pubcomp(packet_id))
+        erasing = None if handler.connect_clean_session else engine.pubrel_released(session.client_id, packet_id)
+        message = session.inflight_in.pop(packet_id, None)
+        awaiting.released(packet_id)
+        if message is not None:
+            message.pubrel_packet = packet
+            handler.durable_published.put(message)
+        if erasing is None:
+            handler.durable_published.pubcomp(packet_id)
+        else:
+            handler.durable_published.pubcomp_once_written(erasing, session.client_id, packet_id)
+
+    def release_after_its_publish(packet: Any) -> None:
+        if packet.packet_id in awaiting.open:  # its PUBLISH is still being handled: released after it
+            published: PublishedMessages = handler.durable_published
+            awaiting.after(packet.packet_id, published.deferred(partial(release, packet)))
+        else:
+            release(packet)
+
+    def handle_pubrel(packet: Any) -> Awaitable[None]:
+        published: PublishedMessages = handler.durable_published
+        return published.release_in_turn(partial(release_after_its_publish, packet))
 
     return handle_pubrel
+
+
+def _pubcomp_if_written(
+    pubcomp: Callable[[int], None], client_id: str, packet_id: int, erasing: asyncio.Future[None]
+) -> None:
+    """PUBCOMP, the packet id's deletion (``erasing``) done: none if it could not be written."""
+    error = None if erasing.cancelled() else erasing.exception()
+    if erasing.cancelled() or error is not None:
+        log.warning("%s: no PUBCOMP for packet id %d: its deletion was not written (%r)", client_id, packet_id, error)
+        return
+    pubcomp(packet_id)
+
+
+def _await_pubrel(handler: Any, session: Any, packet: Any, *, hold: bool = True) -> None:
+    """amqtt's inbound QoS 2 flow up to PUBREC, without a task waiting for the PUBREL: the message
+    is held in the Session's ``inflight_in`` until its PUBREL (``_pubrel_handler``), across
+    connections while amqtt keeps the Session, and PUBREC goes. A re-send of an id held keeps the
+    first copy (the same message, MQTT-4.3.3-2); one whose id a PUBREL released while it was
+    handled (``hold`` False: on the other connection of a take-over) holds nothing again."""
+    packet_id = packet.variable_header.packet_id
+    if hold and packet_id not in session.inflight_in:
+        message = IncomingApplicationMessage(
+            packet_id, packet.topic_name, QOS_2, routed(packet.data, QOS_2), packet.retain_flag
+        )
+        message.publish_packet = packet
+        session.inflight_in[packet_id] = message
+    handler.durable_transport.write(encode_pubrec(packet_id))
 
 
 async def _publish_qos2(
@@ -2599,11 +2878,12 @@ async def _publish_qos2(
     session: Any,
     packet: Any,
     *,
-    original_publish: Callable[[Any], Awaitable[None]],
     receivers: Callable[[str], Awaitable[dict[str, int] | None]],
+    hold: Callable[[], bool],
 ) -> None:
-    """amqtt's PUBREC / PUBREL flow, after the message and its packet id are durable (never on a
-    broker that is not the primary: the connection is closed instead, as for QoS 1)."""
+    """PUBREC, and the message held for its PUBREL (``_await_pubrel``, if ``hold()``), once the message and its
+    packet id are durable (never on a broker that is not the primary: the connection is closed
+    instead, as for QoS 1)."""
     if not engine.serving:
         handler.durable_acks.refuse(NotPrimaryError(NOT_SERVING))
         return
@@ -2614,8 +2894,7 @@ async def _publish_qos2(
     except StoreUnavailableError as exc:
         handler.durable_acks.refuse(exc)
         return
-    packet.payload.data = routed(packet.data, QOS_2)
-    await original_publish(packet)
+    _await_pubrel(handler, session, packet, hold=hold())
 
 
 async def _route_qos2(
@@ -2731,9 +3010,12 @@ async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, ses
     if not session.clean_session:
         session.parent = 1 if present else 0
         # A Session amqtt cached from an earlier clean connection may still hold amqtt-level
-        # subscriptions; they would deliver beside the pump, with clashing packet ids.
+        # subscriptions; they would deliver beside the pump, with clashing packet ids. Its
+        # ``delivered_message_queue`` is kept: what it holds the client published (released by
+        # an earlier connection taken over just now), still to be handed to the broker.
         await broker._del_all_subscriptions(session)
-        session.clear_queues()
+        while not session.retained_messages.empty():
+            session.retained_messages.get_nowait()
         if passes:  # the previous user's QoS 2 publishes awaiting PUBREL, as the engine forgot them
             session.inflight_in.clear()
 
@@ -2766,13 +3048,12 @@ def _read_access(broker: Any, session: Any) -> ReadAccess | None:
     return ReadAccess(partial(_may_read, broker, session))
 
 
-async def _control_qos2(handler: Any, packet: Any, original_publish: Callable[[Any], Awaitable[None]]) -> None:
-    """A control request at QoS 2: never routed; amqtt completes the exchange and the broadcast
-    wrapper drops the message."""
+def _control_qos2(handler: Any, session: Any, packet: Any) -> None:
+    """A control request at QoS 2: never routed; the exchange completes as a message's does, and
+    the broadcast wrapper drops the message released."""
     handler.durable_control.submit(packet.topic_name, bytes(packet.data))
     packet.fixed_header.flags &= ~0x01  # never retained
-    packet.payload.data = routed(packet.data, QOS_2)
-    await original_publish(packet)
+    _await_pubrel(handler, session, packet)
 
 
 class InboundPublishes:
@@ -2784,13 +3065,14 @@ class InboundPublishes:
     def __init__(
         self,
         engine: DurableEngine,
-        session: Any,
+        deliver: Callable[[Any], None],
         acks: OrderedAcks,
         control: ControlChannel,
         amqtt_wants: Callable[[str], bool],
     ) -> None:
         self._engine = engine
-        self._session = session
+        self._deliver = deliver
+        """Hands a message to amqtt's delivery (``PublishedMessages.put``)."""
         self._acks = acks
         self._control = control
         self._amqtt_wants = amqtt_wants
@@ -2843,7 +3125,7 @@ class InboundPublishes:
         if self._refused_here(qos):
             return
         if self._amqtt_wants(topic):
-            hand_to_amqtt(self._session, topic, payload, qos, packet_id=packet_id or None, retain=retain)
+            self._deliver(amqtt_message(topic, payload, qos, packet_id=packet_id or None, retain=retain))
         if qos == 1 and packet_id:
             self._acks.add(stored, packet_id)
 
@@ -2858,12 +3140,12 @@ class InboundPublishes:
         return True
 
 
-def hand_to_amqtt(session: Any, topic: str, payload: bytes, qos: int, *, packet_id: int | None, retain: bool) -> None:
-    """Give an already-queued publish to amqtt's own delivery (clean subscribers, retain, events),
-    as amqtt's QoS 0/1 flow would, without its PUBACK: the plugin acknowledges in order itself."""
+def amqtt_message(topic: str, payload: bytes, qos: int, *, packet_id: int | None, retain: bool) -> Any:
+    """An already-queued publish as amqtt's QoS 0/1 flow gives it to its own delivery (clean
+    subscribers, retain, events), without its PUBACK: the plugin acknowledges in order itself."""
     message = IncomingApplicationMessage(packet_id, topic, qos, routed(payload, qos), retain)
     message.publish_packet = PublishPacket.build(topic, payload, packet_id, False, qos, retain)
-    session.delivered_message_queue.put_nowait(message)
+    return message
 
 
 class OrderedAcks:
@@ -2947,8 +3229,10 @@ class FastReader:
 
     amqtt's loop wraps every read in ``wait_for`` and every packet in a task. This one reads
     whole packets from the socket buffer; QoS 0/1 PUBLISH and the acks of pump-sent messages
-    are handled inline, everything else is decoded by amqtt's packet classes and dispatched
-    exactly as amqtt does. It steps aside (runs amqtt's loop) for non-TCP connections and
+    are handled inline (a QoS 1 one goes amqtt's way while a QoS 2 one is being routed), everything
+    else is decoded by amqtt's packet classes and dispatched as amqtt does, but at EOF the handlers
+    of SUBSCRIBE, UNSUBSCRIBE and DISCONNECT under way are waited for (``_settling``), not
+    cancelled. It steps aside (runs amqtt's loop) for non-TCP connections and
     when plugins listen to raw packets or filter topics, which the inline path would skip.
     """
 
@@ -2959,13 +3243,15 @@ class FastReader:
         self._original_loop = handler._reader_loop
         self._transport: HandlerTransport = handler.durable_transport
         self._publishes: InboundPublishes = handler.durable_publishes
+        self._published: PublishedMessages = handler.durable_published
         self._running: set[asyncio.Task[None]] = set()
         """Handlers under way (a set, each gone when done: a list freed from its front only kept every
         later packet's task behind one QoS 2 publish awaiting its PUBREL)."""
         self._settling: set[asyncio.Task[None]] = set()
         """Handlers of SUBSCRIBE, UNSUBSCRIBE and DISCONNECT not yet done: at EOF they are waited for
-        (see ``run``). A QoS 2 PUBLISH's handler is not: it waits for a PUBREL that only this reader
-        could deliver."""
+        (see ``run``). A QoS 2 PUBLISH's is not: it ends at PUBREC, and its handling goes on once
+        its task is cancelled (``_bounded_qos2``; the connection's end waits for a PUBREL read
+        behind it, ``PublishedMessages.handed_over``)."""
         self._max_packet_size = engine.config.max_packet_size
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
@@ -2986,6 +3272,7 @@ class FastReader:
         if qos and not packet_id:
             return False
         payload = body[start:]
+        self._published.release_all_read()  # a message released by a PUBREL read before it goes first
         if topic.startswith(CONTROL_PREFIX):
             self._publishes.control(topic, payload, qos, packet_id)
         else:  # no topic ACL plugin (run() stepped aside otherwise): every session may receive it

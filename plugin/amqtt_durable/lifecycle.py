@@ -544,20 +544,21 @@ class SessionLifecycle(Routing):
         write_pubrel_due(self.committer, session.sid, packet_id)
         self.committer.flush_soon()
 
-    async def pubrel_received(self, client_id: str, packet_id: int) -> None:
-        """PUBREL came: forget the packet id, durably, before PUBCOMP lets the client reuse it. A
-        PUBREL sent again while that deletion is being written waits for the same write."""
+    def pubrel_released(self, client_id: str, packet_id: int) -> asyncio.Future[None] | None:
+        """PUBREL came: forget the packet id, durably, before PUBCOMP lets the client reuse it.
+        Returns the write PUBCOMP waits for (None: nothing to wait for); a PUBREL sent again while
+        that deletion is being written gets the same write. Called as the PUBREL is read, so a
+        connection ending right after it cannot leave the id stored."""
         session = self.sessions.get(client_id)
         if session is None or session.deleted:
-            return
+            return None
         erasing = session.pubrel_erasing.get(packet_id)
         if packet_id in session.pubrel_due:
             session.pubrel_due.discard(packet_id)
             erase_pubrel_due(self.committer, session.sid, packet_id)
             erasing = session.pubrel_erasing[packet_id] = self.committer.commit()
             erasing.add_done_callback(partial(_erased, session.pubrel_erasing, packet_id))
-        if erasing is not None:
-            await asyncio.shield(erasing)  # one PUBREL's connection ending does not cancel the write for another
+        return erasing
 
     def _arm_expiry(self) -> None:
         if self._expiry_timer is not None:

@@ -16,6 +16,7 @@ from .errors import PacketTooLargeError, ProtocolViolationError
 
 _U16 = struct.Struct(">H")
 PUBACK_FIXED = 0x40
+PUBREC_FIXED = 0x50
 PUBREL_FIXED = 0x62
 PUBCOMP_FIXED = 0x70
 
@@ -113,6 +114,10 @@ class PublishRun:
 
 def encode_puback(packet_id: int) -> bytes:
     return bytes((PUBACK_FIXED, 2)) + _U16.pack(packet_id)
+
+
+def encode_pubrec(packet_id: int) -> bytes:
+    return bytes((PUBREC_FIXED, 2)) + _U16.pack(packet_id)
 
 
 def encode_pubrel(packet_id: int) -> bytes:

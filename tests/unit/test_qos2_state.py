@@ -50,9 +50,11 @@ def test_a_packet_id_is_written_with_its_message_and_survives_a_restart_until_pu
         engine.open()
         assert engine.pubrel_due("pub", 7), "the re-send after the crash is known"
         assert not engine.pubrel_due("pub", 8) and not engine.pubrel_due("sub", 7)
-        await engine.pubrel_received("pub", 7)
-        assert not engine.pubrel_due("pub", 7)
-        await engine.pubrel_received("pub", 7)  # a second PUBREL changes nothing
+        erasing = engine.pubrel_released("pub", 7)
+        assert erasing is not None and not engine.pubrel_due("pub", 7)
+        assert engine.pubrel_released("pub", 7) is erasing, "a second PUBREL waits for the same write"
+        await erasing
+        assert engine.pubrel_released("pub", 7) is None  # and once it is written, changes nothing
         engine.db.close()  # a crash right after PUBCOMP: the deletion is already written
 
     asyncio.run(publish())

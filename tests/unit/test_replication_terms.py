@@ -418,8 +418,8 @@ def test_a_subscribe_or_unsubscribe_a_demotion_overtakes_is_refused_not_acknowle
         broker = SimpleNamespace(
             **dict.fromkeys(("_authenticate", "_client_connected", "_initialize_client_session",
                              "_client_message_loop", "add_subscription", "_handle_subscription",
-                             "_handle_unsubscription", "_handle_disconnect", "_delete_session",
-                             "_del_subscription", "_publish_retained_messages_for_subscription",
+                             "_handle_unsubscription", "_handle_disconnect", "_handle_message_delivery",
+                             "_delete_session", "_del_subscription", "_publish_retained_messages_for_subscription",
                              "_broadcast_message", "_cleanup_session", "shutdown", "_create_server_instance")),
             _topic_filtering=allowed, config={}, retained_messages={},
             plugins_manager=SimpleNamespace(_topic_plugins=[]),
