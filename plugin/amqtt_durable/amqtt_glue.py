@@ -2620,7 +2620,9 @@ class PublishedMessages:
 
         async def next_message() -> Any:
             message = await original()
-            self._in_hand = [message]
+            # None: amqtt's answer for a connection no longer attached (closed before its CONNACK,
+            # see _send_connack), no message to hand over later
+            self._in_hand = [] if message is None else [message]
             self._taken.set()
             return message
 
