@@ -321,3 +321,40 @@ def test_a_nodes_backup_hello_carries_the_instance_mark(tmp_path: Path) -> None:
     asyncio.run(scenario())
     assert len(hellos) == 2 and all(h.instance >> 56 == 0xFF for h in hellos), hellos
     assert hellos[1].instance == 0xFFAB_CDEF_0123_4567 and hellos[1].name == "backup"
+
+
+def test_tcp_user_timeout_is_unset_again_when_an_in_sync_backup_falls_behind(tmp_path: Path) -> None:
+    """An in-sync backup that fell out of the retained log gets a snapshot: TCP_USER_TIMEOUT is 0
+    again from then on (until it is in sync again)."""
+    seen: list[tuple[str, int]] = []
+
+    def changed(link: BackupLink, what: str) -> None:
+        sock = link.writer.get_extra_info("socket") if link.writer is not None else None
+        for event in ("in sync at batch", "fell behind", "snapshot at batch"):
+            if sock is not None and what.startswith(event):
+                seen.append((event, sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)))
+
+    async def scenario() -> None:
+        primary = await started_primary(tmp_path / "p", ack_timeout=60, on_change=changed)
+        await bounded(commit(primary, ops_for(1)))
+        head = (primary.store_id, 1, primary.log.crc_of(1) or 0)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((HOST, primary.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(encode_frame(Frame.HELLO, Hello(*head, "b", instance=7).encode()))
+        kind, _ = await bounded(read_frame(reader))
+        assert kind == Frame.IN_SYNC
+        for n in range(2, 82):  # 20 MiB it does not read yet: past the kernel buffers, 1 MiB log, 4 MiB pin
+            commit(primary, [(b"big" + n.to_bytes(8, "big"), secrets.token_bytes(256 * 1024))])
+        kinds: set[Frame] = set()
+        while Frame.SNAP_BEGIN not in kinds:  # now it reads: the sender goes on, and finds it behind
+            kinds.add((await bounded(read_frame(reader)))[0])
+        writer.close()
+        await primary.close()
+        primary.db.close()
+
+    asyncio.run(scenario())
+    in_sync, behind, snapshot = seen[:3]
+    assert in_sync == ("in sync at batch", USER_TIMEOUT_MS) and behind[0] == "fell behind", seen
+    assert snapshot == ("snapshot at batch", 0), seen
