@@ -15,16 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from replication_helpers import HOST, bounded, commit, new_backup, ops_for, started_primary
+from replication_helpers import HOST, bounded, commit, in_sync, new_backup, ops_for, started_primary
 from test_ha_brokers import BACKUP, HA_TIMING, SERVING, address, node, start, status, wait_status
 
 from amqtt_durable.process import free_port
-from amqtt_durable.replication.auth import AuthError
+from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.coordinator import Member
 from amqtt_durable.replication.errors import MemberNameTakenError
 from amqtt_durable.replication.etcd import EtcdCoordinator
 from amqtt_durable.replication.framing import NAME_IN_USE, Frame, Hello, encode_frame, read_frame
+from amqtt_durable.replication.node import ReplicationNode
 from amqtt_durable.replication.primary import KEEPALIVE, USER_TIMEOUT_MS, BackupLink
+from amqtt_durable.store import open_store
 from conftest import WAIT, Broker, Client, run_cli
 
 pytestmark = pytest.mark.timeout(180)
@@ -205,11 +207,14 @@ def test_a_reconnect_of_the_same_backup_replaces_its_old_connection_another_inst
     assert any("replaced by its new connection" in r.message for r in caplog.records)
 
 
-def test_a_backup_that_takes_nothing_is_dropped_by_the_ack_watchdog_and_its_name_is_free(tmp_path: Path) -> None:
+def test_a_backup_that_takes_nothing_is_dropped_by_the_ack_watchdog_and_its_name_is_free(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A backup in sync that stops reading (its machine lost with batches in flight: keepalive
     never probes such a connection) is aborted after ack_timeout, not closed (a close waits for a
     write buffer that never empties), and dropped at once: a backup under its name is served
-    within the bound. Its connection carries TCP keepalive and TCP_USER_TIMEOUT (read back)."""
+    within the bound, every commit waiting for it completes, and the drop is logged once. Its
+    connection carries TCP keepalive and, in sync, TCP_USER_TIMEOUT (read back)."""
 
     async def scenario() -> None:
         dropped = asyncio.Event()
@@ -218,7 +223,7 @@ def test_a_backup_that_takes_nothing_is_dropped_by_the_ack_watchdog_and_its_name
             if what.startswith("no ack for"):
                 dropped.set()
 
-        primary = await started_primary(tmp_path / "p", log_max_bytes=256 << 20, ack_timeout=0.5, on_change=changed)
+        primary = await started_primary(tmp_path / "p", log_max_bytes=256 << 20, ack_timeout=2.0, on_change=changed)
         await bounded(commit(primary, ops_for(1)))  # no backup: acknowledged at once
         head = (primary.store_id, 1, primary.log.crc_of(1) or 0)
         sock = socket.socket()
@@ -238,14 +243,17 @@ def test_a_backup_that_takes_nothing_is_dropped_by_the_ack_watchdog_and_its_name
         ]
         assert options == list(KEEPALIVE)
         assert served.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == USER_TIMEOUT_MS == 25_000
-        for n in range(2, 42):  # 10 MiB the peer never reads: the primary's write buffer stays full
-            commit(primary, [(b"big" + n.to_bytes(8, "big"), secrets.token_bytes(256 * 1024))])
-        assert link.writer is not None and link.writer.transport.get_write_buffer_size() > 0
+        # Nothing outstanding yet (the watchdog cannot have fired): the name is the stalled backup's.
         writer, kind, _ = await hello(primary.port, "b", 8)
-        assert kind == Frame.ERROR  # the name is still the stalled backup's
+        assert kind == Frame.ERROR
         writer.close()
-        await bounded(dropped.wait(), 2.0)  # ack_timeout 0.5 s, checked every 0.125 s
+        commits = [  # 10 MiB the peer never reads: past the kernel's buffers, the primary's write buffer stays full
+            commit(primary, [(b"big" + n.to_bytes(8, "big"), secrets.token_bytes(256 * 1024))]) for n in range(2, 42)
+        ]
+        assert link.writer is not None and link.writer.transport.get_write_buffer_size() > 0
+        await bounded(dropped.wait(), 8.0)  # ack_timeout 2 s, checked every 0.5 s
         assert not primary.links  # dropped in the same loop pass, not once its buffer drains
+        await bounded(asyncio.gather(*commits))  # no longer waited for: every commit completes
         writer, kind, _ = await hello(primary.port, "b", 8)
         assert kind != Frame.ERROR, kind  # the name is free: the replacement is served
         writer.close()
@@ -253,39 +261,100 @@ def test_a_backup_that_takes_nothing_is_dropped_by_the_ack_watchdog_and_its_name
         await primary.close()
         primary.db.close()
 
+    with caplog.at_level(logging.INFO, logger="amqtt_durable.replication"):
+        asyncio.run(scenario())
+    stalled_peer = next(r.message for r in caplog.records if "no ack for" in r.message).split("(")[1].split(")")[0]
+    ends = [r.message for r in caplog.records if stalled_peer in r.message and "disconnected" in r.message]
+    assert len(ends) == 1 and "no ack for 2 s" in ends[0], ends  # not also "the backup closed the channel"
+
+
+def test_tcp_user_timeout_is_set_only_once_a_backup_is_in_sync(tmp_path: Path) -> None:
+    """A slow backup may keep its window closed for long while it applies a queue of snapshot
+    chunks: TCP_USER_TIMEOUT would cut its snapshot, again and again. It is 0 (the kernel's
+    default) during the snapshot, 25 s once the backup is in sync; keepalive from the HELLO on."""
+    seen: dict[str, tuple[int, int]] = {}
+
+    def changed(link: BackupLink, what: str) -> None:
+        sock = link.writer.get_extra_info("socket") if link.writer is not None else None
+        for event in ("snapshot at batch", "in sync at batch"):
+            if what.startswith(event) and sock is not None and event not in seen:
+                keepalive = sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+                seen[event] = (keepalive, sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+
+    async def scenario() -> None:
+        primary = await started_primary(tmp_path / "p", on_change=changed)
+        await bounded(commit(primary, ops_for(50)))
+        backup = new_backup(tmp_path, "b")
+        async with in_sync(primary.port, backup):
+            assert backup.snapshots == 1
+        await primary.close()
+        backup.db.close()
+        primary.db.close()
+
     asyncio.run(scenario())
+    assert seen == {"snapshot at batch": (1, 0), "in sync at batch": (1, USER_TIMEOUT_MS)}
 
 
-def test_a_backup_falls_back_to_a_hello_without_its_instance_for_an_earlier_versions_primary(tmp_path: Path) -> None:
-    """An earlier version's primary reads all of the HELLO after its header as the name (UTF-8)
-    and closes the channel when that fails: the instance's 0xFF byte always fails it, and the
-    backup's next HELLO to that primary leaves the instance out (read there as the name it is)."""
-    names: list[str] = []
+def test_a_nodes_backup_hello_carries_the_instance_mark(tmp_path: Path) -> None:
+    """ReplicationNode's backups (one per term, ``_new_backup``) send its instance with the top
+    byte 0xFF whatever random value the node drew: an earlier version's primary then refuses the
+    HELLO rather than take the instance for part of the name (it did 1 time in 111 unmarked)."""
+    hellos: list[Hello] = []
 
-    async def earlier_primary(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        _, payload = await read_frame(reader)
-        try:
-            names.append(payload[len(Hello(0, 0, 0, "").encode()) :].decode("utf-8"))  # its Hello.decode
-            writer.write(encode_frame(Frame.ERROR, f"served {names[-1]}".encode()))  # then its answer
-            await writer.drain()
-        except UnicodeDecodeError:
-            pass  # its FrameError: the connection closed, no frame
+    async def primary(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hellos.append(Hello.decode((await read_frame(reader))[1]))
         writer.close()
 
     async def scenario() -> None:
-        server = await asyncio.start_server(earlier_primary, HOST, 0)
+        server = await asyncio.start_server(primary, HOST, 0)
         port = server.sockets[0].getsockname()[1]
-        backup = new_backup(tmp_path, "b")
-        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
-            await bounded(backup.run(HOST, port))
-        assert names == [] and backup.plain_hello == {f"{HOST}:{port}"}
-        with pytest.raises(AuthError, match=r"served b$"):  # answered: the form stays
-            await bounded(backup.run(HOST, port))
-        with pytest.raises(AuthError, match=r"served b$"):
-            await bounded(backup.run(HOST, port))
-        assert names == ["b", "b"] and backup.plain_hello == {f"{HOST}:{port}"}
+        db = open_store(str(tmp_path / "b"))
+        node = ReplicationNode(db, ReplicationConfig(role="backup", primary=f"{HOST}:{port}"))
+        node.instance = 0x00AB_CDEF_0123_4567  # a draw whose top byte is not 0xFF
+        for backup in (node.backup, node._new_backup()):
+            with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+                await bounded(backup.run(HOST, port))
         server.close()
         await server.wait_closed()
-        backup.db.close()
+        db.close()
 
     asyncio.run(scenario())
+    assert len(hellos) == 2 and all(h.instance >> 56 == 0xFF for h in hellos), hellos
+    assert hellos[1].instance == 0xFFAB_CDEF_0123_4567 and hellos[1].name == "backup"
+
+
+def test_tcp_user_timeout_is_unset_again_when_an_in_sync_backup_falls_behind(tmp_path: Path) -> None:
+    """An in-sync backup that fell out of the retained log gets a snapshot: TCP_USER_TIMEOUT is 0
+    again from then on (until it is in sync again)."""
+    seen: list[tuple[str, int]] = []
+
+    def changed(link: BackupLink, what: str) -> None:
+        sock = link.writer.get_extra_info("socket") if link.writer is not None else None
+        for event in ("in sync at batch", "fell behind", "snapshot at batch"):
+            if sock is not None and what.startswith(event):
+                seen.append((event, sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)))
+
+    async def scenario() -> None:
+        primary = await started_primary(tmp_path / "p", ack_timeout=60, on_change=changed)
+        await bounded(commit(primary, ops_for(1)))
+        head = (primary.store_id, 1, primary.log.crc_of(1) or 0)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((HOST, primary.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(encode_frame(Frame.HELLO, Hello(*head, "b", instance=7).encode()))
+        kind, _ = await bounded(read_frame(reader))
+        assert kind == Frame.IN_SYNC
+        for n in range(2, 82):  # 20 MiB it does not read yet: past the kernel buffers, 1 MiB log, 4 MiB pin
+            commit(primary, [(b"big" + n.to_bytes(8, "big"), secrets.token_bytes(256 * 1024))])
+        kinds: set[Frame] = set()
+        while Frame.SNAP_BEGIN not in kinds:  # now it reads: the sender goes on, and finds it behind
+            kinds.add((await bounded(read_frame(reader)))[0])
+        writer.close()
+        await primary.close()
+        primary.db.close()
+
+    asyncio.run(scenario())
+    in_sync, behind, snapshot = seen[:3]
+    assert in_sync == ("in sync at batch", USER_TIMEOUT_MS) and behind[0] == "fell behind", seen
+    assert snapshot == ("snapshot at batch", 0), seen

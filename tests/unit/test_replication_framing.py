@@ -112,7 +112,7 @@ def test_a_hello_whose_instance_is_not_eight_bytes_is_refused(tail: bytes) -> No
 
 def test_a_backups_hello_is_never_read_as_a_name_by_an_earlier_versions_primary(tmp_path: Path) -> None:
     """An earlier version decodes all after the header as the name (UTF-8): the instance's top byte
-    0xFF makes that fail every time, so the backup falls back to a HELLO without it."""
+    0xFF makes that fail every time (that primary refuses the HELLO, never takes it for a name)."""
     db = open_store(str(tmp_path / "b"))
     for _ in range(200):
         instance = Backup(db, name="b").instance

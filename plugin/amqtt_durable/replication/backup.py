@@ -56,9 +56,11 @@ AUTH_RETRY = 5.0
 NAME_LOG_EVERY = 60.0
 """Seconds between two ERROR lines of a backup refused, again and again, for its name."""
 INSTANCE_MARK = 0xFF << 56
-"""The top byte of every random instance: 0xFF is never UTF-8, so an earlier version's primary,
-which decodes all of the HELLO after its header as the name, always refuses a HELLO with an
-instance (never takes one for a name) and the backup falls back to one without (``plain_hello``)."""
+"""The top byte of every instance a backup sends (``Backup`` sets it on whatever instance it is
+given): 0xFF is never UTF-8, so an earlier version's primary, which decodes all of the HELLO
+after its header as the name, always refuses a HELLO with an instance (never takes one for a
+name with a NUL in it). Such a backup cannot follow that primary: it retries until the primary
+runs this version too."""
 WIPE_CHUNK = 10_000
 """Keys deleted per write batch when a snapshot starts."""
 INLINE_BYTES = 1 << 20
@@ -94,16 +96,11 @@ class Backup:
         instance: int | None = None,
     ) -> None:
         self.db = db
-        self.instance = instance or INSTANCE_MARK | secrets.randbits(56)
-        """This broker process in its HELLO (never 0): a primary replaces an older connection of
-        the same instance under the same name, and refuses one of another (NameInUseError)."""
-        self.plain_hello: set[str] = set()
-        """The primaries (host:port) this backup's HELLO leaves its instance out for: one that
-        closed the channel on a HELLO before its first frame (an earlier version's primary, which
-        reads all after the header as the name, refuses the instance's 0xFF byte). Each such end
-        switches the form for that address."""
-        self._hello_to = ("", False)
-        """The primary the last HELLO went to, and whether it left the instance out."""
+        low = (1 << 56) - 1
+        self.instance = INSTANCE_MARK | ((instance or secrets.randbits(56)) & low)
+        """This broker process in its HELLO (its top byte INSTANCE_MARK, never 0): a primary
+        replaces an older connection of the same instance under the same name, and refuses one
+        of another (NameInUseError)."""
         self.refused: str | None = None
         """Why the primary refused this backup's name (NameInUseError) until it is accepted."""
         self.tls = tls
@@ -165,7 +162,7 @@ class Backup:
         try:
             self._read_store()
             seq = 0 if self.partial else self.applied_seq
-            hello = self._hello(seq, join_address(host, port))
+            hello = Hello(self.store_id, seq, self.applied_crc, self.name, instance=self.instance)
             writer.write(session.encode(Frame.HELLO, hello.encode()))
             await writer.drain()
             self.state = "catching_up"
@@ -233,10 +230,7 @@ class Backup:
     def _channel_ended(self, receiver: asyncio.Task[None], answered: bool) -> NoReturn:
         """Raise why the connection ended: with TLS, an end before the primary's first frame is
         most likely the primary refusing this node's certificate (TLS 1.3 tells the client only
-        then), retried as a refusal; an end before it switches the form of the next HELLO to
-        that primary (``_switch_hello``)."""
-        if not answered:
-            self._switch_hello()
+        then), retried as a refusal."""
         try:
             receiver.result()
             raise ConnectionResetError("the primary closed the replication channel")
@@ -251,28 +245,6 @@ class Backup:
         return AuthError(
             f"the TLS channel ended before the primary's first frame ({why}): the primary may refuse this "
             "node's certificate or not use TLS (replication.tls: the same ca on both sides)"
-        )
-
-    def _hello(self, seq: int, primary: str) -> Hello:
-        """The HELLO to the primary at ``primary``: with this process's instance unless
-        ``plain_hello`` says; remembered (``_hello_to``) for ``_switch_hello``."""
-        plain = primary in self.plain_hello
-        self._hello_to = (primary, plain)
-        return Hello(self.store_id, seq, self.applied_crc, self.name, instance=0 if plain else self.instance)
-
-    def _switch_hello(self) -> None:
-        """The primary closed the channel on the last HELLO before its first frame: the next
-        HELLO to it takes the other form (``plain_hello``)."""
-        primary, plain = self._hello_to
-        if plain:
-            self.plain_hello.discard(primary)
-            return
-        self.plain_hello.add(primary)
-        log.warning(
-            "replication: backup %s: the primary at %s closed the channel before answering its HELLO (an earlier "
-            "version's primary does so for the process id after the name): the next HELLO to it leaves the id out",
-            self.name,
-            primary,
         )
 
     def _answered(self, kind: Frame) -> None:

@@ -27,8 +27,9 @@ Frame types (backup -> primary: HELLO, ACK; primary -> backup: the rest):
 =========  ===================================================================
 HELLO      version:u16 store_id:u64 seq:u64 crc:u32 name(utf-8) [0x00 instance:u64]: where
            the backup is, and which broker process it is (``instance``, random per process,
-           never 0; absent from an earlier version's HELLO: read as 0, unknown). A name holds
-           no NUL character, so the optional field follows one
+           its top byte 0xFF; absent from an earlier version's HELLO: read as 0, unknown). A
+           name holds no NUL character, so the optional field follows one. An earlier
+           version's primary refuses a HELLO with it (0xFF is never UTF-8)
 SNAP_BEGIN (empty): the backup wipes its store and marks a snapshot in progress
 SNAP_CHUNK ops (count:u32 op*count, as in a batch): rows of the primary's snapshot
 SNAP_END   seq:u64 crc:u32: the snapshot holds every batch up to ``seq``

@@ -84,9 +84,10 @@ class ReplicationNode:
         tls = config.tls
         self.server_tls = tls.context(server=True) if tls is not None else None
         self.client_tls = tls.context(server=False) if tls is not None else None
-        self.instance = secrets.randbits(64) or 1
-        """This broker process, in its backup end's HELLO (one for every term as a backup): a
-        primary tells a reconnect of this backup from another broker under the same name by it."""
+        self.instance = secrets.randbits(64)
+        """This broker process, in its backup end's HELLO (one for every term as a backup; the
+        Backup sets its top byte to INSTANCE_MARK): a primary tells a reconnect of this backup
+        from another broker under the same name by it."""
         self.backup = self._new_backup()
         self.ha = (
             HaNode(

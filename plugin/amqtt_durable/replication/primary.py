@@ -73,10 +73,13 @@ backup whose machine or path died without closing its connection (no FIN, no RST
 dead about 25 s after the connection's last traffic, even while no batch is sent, and its name
 is free again for the same backup restarted, or a replacement under that name."""
 USER_TIMEOUT_MS = (KEEPALIVE[0] + KEEPALIVE[1] * KEEPALIVE[2]) * 1000
-"""TCP_USER_TIMEOUT on a backup's connection (milliseconds, keepalive's total): keepalive never
-probes a connection with data in flight (unacknowledged batches, a snapshot, a catch-up), whose
-retransmissions would run for up to about 15 minutes (tcp_retries2); with it the kernel ends such
-a connection once data sent stays unacknowledged this long, and the backup's name is free."""
+"""TCP_USER_TIMEOUT on an in-sync backup's connection (milliseconds, keepalive's total): keepalive
+never probes a connection with data in flight (unacknowledged batches), whose retransmissions
+would run for up to about 15 minutes (tcp_retries2); with it the kernel ends such a connection
+once data sent stays unacknowledged this long, and the backup's name is free. Not set during a
+snapshot or a catch-up (0 again when an in-sync backup falls behind): a slow backup may keep
+its receive window closed longer than this while it applies a queue of snapshot chunks, and a
+cut snapshot starts again from the beginning."""
 NAME_LOG_EVERY = 60.0
 """Seconds between two ERROR lines about refusals of one name (a refused backup retries every
 few seconds: the refusals in between are counted in the next line)."""
@@ -466,19 +469,26 @@ class Primary:
             log.exception("replication: the channel to backup %s (%s) failed", link.name, peer)
             ended = f"disconnected (failed: {exc!r})"
         finally:
-            self.links.pop(key, None)
-            self.log.pin(link, None)
             helpers = {extra for extra in (acks, sender) if extra is not None}
-            for extra in helpers:
-                extra.cancel()
-            if helpers:  # a sender reading a snapshot in a thread finishes that read first
-                await asyncio.wait(helpers)
-            writer.close()
-            self._serving.discard(task)
-            self._resolve()
-            self._progressed()  # a backup gone is no longer waited for
+            if self.links.pop(key, None) is None and helpers:  # served, and dropped already, logged
+                ended = ""  # why: the watchdog's abort, or a new connection of the same backup
+            await self._end_peer(writer, link, helpers, task)
         if ended:
             self._changed(link, ended)
+
+    async def _end_peer(
+        self, writer: asyncio.StreamWriter, link: BackupLink, helpers: set[asyncio.Task[None]], task: asyncio.Task[None]
+    ) -> None:
+        """A peer's connection ended (its link out of ``links``): its tasks and connection end."""
+        self.log.pin(link, None)
+        for extra in helpers:
+            extra.cancel()
+        if helpers:  # a sender reading a snapshot in a thread finishes that read first
+            await asyncio.wait(helpers)
+        writer.close()
+        self._serving.discard(task)
+        self._resolve()
+        self._progressed()  # a backup gone is no longer waited for
 
     def _hello(self, link: BackupLink, kind: Frame, payload: bytes) -> Hello | None:
         """A backup's HELLO, its name and instance given to ``link``; None when refused for its name."""
@@ -607,6 +617,7 @@ class Primary:
                 self._changed(link, f"fell behind the retained log (at {pos}, log from {self.log.first_seq}): snapshot")
                 if link.state == "in_sync":
                     link.state = "catching_up"
+                    _user_timeout(writer, 0)
                     self._resolve()
                 pos = None
                 continue
@@ -624,6 +635,7 @@ class Primary:
         if writer.transport.is_closing():  # aborted (the watchdog): never in sync again
             raise ConnectionResetError("the connection to the backup was aborted")
         writer.write(link.session.encode(Frame.IN_SYNC, encode_seq(pos)))
+        _user_timeout(writer, USER_TIMEOUT_MS)
         link.state = "in_sync"
         link.in_sync_at = pos
         self._last_acked[link.name] = link.acked_seq
@@ -740,8 +752,7 @@ async def first_frame(
 
 
 def _keepalive(writer: asyncio.StreamWriter) -> None:
-    """TCP keepalive (KEEPALIVE) and TCP_USER_TIMEOUT (USER_TIMEOUT_MS) on a backup's connection,
-    where the platform has the options."""
+    """TCP keepalive (KEEPALIVE) on a backup's connection, where the platform has the options."""
     sock = writer.get_extra_info("socket")
     if sock is None:
         return
@@ -749,8 +760,15 @@ def _keepalive(writer: asyncio.StreamWriter) -> None:
     for option, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE, strict=True):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-    if hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
+
+
+def _user_timeout(writer: asyncio.StreamWriter, ms: int) -> None:
+    """TCP_USER_TIMEOUT on a backup's connection (0: the kernel's default), where the platform has
+    it (not on a socket already closed: the connection ends anyway)."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, ms)
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
