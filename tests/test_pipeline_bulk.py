@@ -181,6 +181,8 @@ def answering_but_sending_no_event(server: socket.socket, stop: threading.Event)
                 chunk = conn.recv(65536)
             except TimeoutError:
                 continue
+            except ConnectionResetError:  # the reader gave up and closed with unread bytes: its end
+                return
             if not chunk:
                 return
             data += chunk
