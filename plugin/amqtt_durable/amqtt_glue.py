@@ -2620,8 +2620,9 @@ class PublishedMessages:
 
         async def next_message() -> Any:
             message = await original()
-            # None: amqtt's answer for a connection no longer attached (closed before its CONNACK,
-            # see _send_connack), no message to hand over later
+            # None: what amqtt's call answers when the loop's end cancels it (at the end of every
+            # connection): no message to hand over later (handed over, it fired MESSAGE_RECEIVED
+            # with no message, and a plugin reading message.topic raised)
             self._in_hand = [] if message is None else [message]
             self._taken.set()
             return message
