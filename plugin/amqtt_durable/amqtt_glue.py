@@ -2684,7 +2684,10 @@ class PublishedMessages:
         self.release_all_read(turn)
 
     def release_all_read(self, up_to: int | None = None) -> None:
-        """Handles the PUBRELs read and not yet handled (those read up to ``up_to``), in order."""
+        """Handles the PUBRELs read and not yet handled (those read up to ``up_to``), in order. Called
+        for every QoS 0/1 PUBLISH the plugin's reader routes: with none pending, nothing is built."""
+        if not self._in_turn:
+            return
         for turn in list(self._in_turn):
             if up_to is not None and turn > up_to:
                 return
