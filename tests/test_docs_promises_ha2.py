@@ -204,7 +204,8 @@ def test_the_keys_in_etcd_are_the_documented_ones_and_a_clean_stop_revokes_a_mem
     broker_factory: Callable[..., Broker], etcd: Any
 ) -> None:
     """Keys under /amqtt-durable/<cluster>/: ``leader`` JSON name + address (``advertise`` when set:
-    "published in the leader key"), ``initialize`` the node that claimed the bootstrap, ``sync``
+    "published in the leader key"), ``primary`` the same for the last node that took the lease, kept
+    after it ends, ``initialize`` the node that claimed the bootstrap, ``sync``
     (sync mode) the backups the primary waits for, ``members/<name>`` JSON name, role, store_id,
     batch, candidate, "revoked on a clean stop" (gone at once, not ``lease_ttl`` later)."""
     ha = {"coordinator": [etcd.url], "lease_ttl": 30, "loop_wait": 0.3, "demote_margin": 1}
@@ -231,8 +232,10 @@ def test_the_keys_in_etcd_are_the_documented_ones_and_a_clean_stop_revokes_a_mem
 
     assert first.wait_until(seen, 20), _etcd_keys(etcd, CLUSTER)
     assert keys is not None
-    assert set(keys) == {CLUSTER + name for name in ("leader", "initialize", "sync", "members/a", "members/b")}
+    names = ("leader", "primary", "initialize", "sync", "members/a", "members/b")
+    assert set(keys) == {CLUSTER + name for name in names}
     assert json.loads(keys[CLUSTER + "leader"]) == {"name": "a", "address": advertised}
+    assert json.loads(keys[CLUSTER + "primary"]) == {"name": "a", "address": advertised}
     assert keys[CLUSTER + "initialize"] == b"a"
     a, b = (json.loads(keys[CLUSTER + f"members/{name}"]) for name in "ab")
     assert set(a) == set(b) == {"name", "role", "store_id", "batch", "candidate", "address"}

@@ -33,7 +33,9 @@ def test_one_lease_holder_at_a_time_and_the_lease_ends_with_its_ttl(etcd: EtcdPr
         a, b = coordinator(etcd), coordinator(etcd)
         me, other = Leader("a", "127.0.0.1:1"), Leader("b", "127.0.0.1:2")
         assert await a.leader() is None
+        assert await a.former_primaries() == frozenset()
         assert await a.acquire(me)
+        assert await b.former_primaries() == frozenset({"a"})  # the last to take the lease
         assert not await b.acquire(other)
         assert await b.leader() == me
         assert await a.renew(me)
@@ -46,9 +48,12 @@ def test_one_lease_holder_at_a_time_and_the_lease_ends_with_its_ttl(etcd: EtcdPr
         assert await b.sync_members() == frozenset({"b", "c"})
         await expired(b)  # a stopped renewing: etcd expires the lease by itself
         assert not await a.renew(me)
+        assert await b.former_primaries() == frozenset({"a"})  # kept after the lease ended
         assert await b.acquire(other)
         await b.release(other)
         assert await a.leader() is None
+        # b took it last; a published the synchronous set last: both may hold acknowledged publishes
+        assert await a.former_primaries() == frozenset({"a", "b"})
 
     asyncio.run(asyncio.wait_for(main(), BOUND))
 
@@ -146,6 +151,9 @@ class Node:
 
     def position(self) -> tuple[int, int]:
         return 1, 0
+
+    def store_whole(self) -> bool:
+        return False
 
     def follow(self, leader: Leader) -> None:
         self.followed.append(leader)

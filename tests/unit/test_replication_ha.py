@@ -35,6 +35,8 @@ class FakeCoordinator(Coordinator):
         self.expires = 0.0
         self.initialized_by: str | None = None
         self.sync: frozenset[str] | None = None
+        self.sync_leader: str | None = None
+        self.last_primary: str | None = None
         self.down = False
         self.hang: asyncio.Event | None = None
         self.records: dict[str, tuple[Member, float]] = {}
@@ -56,6 +58,7 @@ class FakeCoordinator(Coordinator):
         if self.holder is not None:
             return False
         self.holder, self.expires = me, self.clock() + self.ttl
+        self.last_primary = me.name
         return True
 
     async def renew(self, me: Leader) -> bool:
@@ -74,12 +77,16 @@ class FakeCoordinator(Coordinator):
         await self._reach()
         if self.holder != me:
             return False
-        self.sync = members
+        self.sync, self.sync_leader = members, me.name
         return True
 
     async def sync_members(self) -> frozenset[str] | None:
         await self._reach()
         return self.sync
+
+    async def former_primaries(self) -> frozenset[str]:
+        await self._reach()
+        return frozenset(name for name in (self.last_primary, self.sync_leader) if name is not None)
 
     async def publish_member(self, member: Member) -> None:
         """As etcd's: a live record under the name at another address is another broker's."""
@@ -105,8 +112,9 @@ class FakeCoordinator(Coordinator):
 
 
 class Hooks:
-    def __init__(self, *, caught_up: bool = True, seq: int = 0, store_id: int = 7) -> None:
+    def __init__(self, *, caught_up: bool = True, seq: int = 0, store_id: int = 7, whole: bool = True) -> None:
         self.is_caught_up = caught_up
+        self.whole = whole
         self.seq = seq
         self.store_id = store_id
         self.fail_promotion = False
@@ -120,6 +128,9 @@ class Hooks:
 
     def position(self) -> tuple[int, int]:
         return self.store_id, self.seq
+
+    def store_whole(self) -> bool:
+        return self.whole
 
     def follow(self, leader: Leader) -> None:
         self.followed.append(leader)
@@ -544,7 +555,8 @@ def test_a_reason_repeated_from_the_previous_cycle_is_logged_at_debug(caplog: py
     hooks = Hooks(caught_up=False)
     run_cycles(node(fake, hooks), clock, {2: lambda: setattr(hooks, "is_caught_up", True)}, 4)
     records = ha_records(caplog)
-    assert [level for level, _ in records] == [logging.INFO, logging.DEBUG, logging.INFO, logging.DEBUG], records
+    # waiting because it is not known to be caught up is a WARNING (docs/replication.md), once
+    assert [level for level, _ in records] == [logging.WARNING, logging.DEBUG, logging.INFO, logging.DEBUG], records
     assert "not caught up" in records[0][1] and "took the leader lease" in records[2][1]
 
 
@@ -581,7 +593,7 @@ def test_a_failed_bootstrap_does_not_let_a_lagging_node_take_over_after_it_follo
         hooks = FailsFirstPromotion(caught_up=False)  # a new cluster: nobody caught up yet
         ha = node(coordinator, hooks)
         assert (await ha.run_cycle()).action == "wait"  # bootstrapped, but the promotion failed
-        coordinator.holder, coordinator.expires = Leader("b", "b:7000"), clock.now + TTL
+        assert await coordinator.acquire(Leader("b", "b:7000"))  # b takes the lease (and is its last taker)
         assert (await ha.run_cycle()).action == "follow"
         clock.now += TTL + 1  # b is gone; this node never caught up with it
         await ha.run_cycle()
@@ -624,5 +636,92 @@ def test_a_node_whose_name_another_broker_publishes_under_waits_with_an_error_an
         clock.now += TTL  # b's record ends (b stopped): the twin publishes its own and follows a
         fake.expires = clock() + TTL
         assert (await twin.run_cycle()).action == "follow" and twin_hooks.followed == [Leader("a", "a:7000")]
+
+    run(main())
+
+
+# --- after a full stop of the group: no primary, nobody caught up (docs/replication.md) ---------
+
+
+def full_stop(sync: frozenset[str] | None = frozenset({"b"})) -> tuple[Clock, FakeCoordinator]:
+    """A cluster whose primary "a" (the last to take the lease; in sync mode it published ``sync``)
+    and every backup stopped: no lease, no member record left."""
+    clock = Clock()
+    fake = FakeCoordinator(clock)
+    fake.initialized_by, fake.last_primary = "a", "a"
+    if sync is not None:
+        fake.sync, fake.sync_leader = sync, "a"
+    return clock, fake
+
+
+def restarted(fake: FakeCoordinator, name: str, seq: int, *, whole: bool = True) -> tuple[Hooks, HaNode]:
+    hooks = Hooks(caught_up=False, seq=seq, whole=whole)
+    return hooks, node(fake, hooks, name)
+
+
+def test_after_a_full_stop_a_node_that_may_lack_acknowledged_publishes_waits_with_a_warning() -> None:
+    async def main() -> None:
+        _, fake = full_stop()
+        hooks, c = restarted(fake, "c", 500)  # not the last primary, not in its synchronous set
+        decision = await c.run_cycle()
+        assert (decision.action, decision.level) == ("wait", logging.WARNING)
+        assert "nor the last primary or in its synchronous set (a, b): it may lack acknowledged" in decision.reason
+        assert (hooks.promoted, fake.holder) == (0, None)
+        _, unknown = full_stop(None)
+        unknown.last_primary = None  # an earlier version's async cluster: no former primary recorded
+        decision = await restarted(unknown, "a", 500)[1].run_cycle()
+        assert (decision.action, decision.level) == ("wait", logging.WARNING)
+        assert "the coordinator names no former primary" in decision.reason
+        _, whole_not = full_stop()
+        decision = await restarted(whole_not, "b", 0, whole=False)[1].run_cycle()  # in the set, store empty
+        assert (decision.action, decision.level) == ("wait", logging.WARNING)
+        assert "its store holds no whole replicated history" in decision.reason and whole_not.holder is None
+
+    run(main())
+
+
+def test_after_a_full_stop_a_member_of_the_synchronous_set_alone_takes_over_after_waiting_for_the_others() -> None:
+    async def main() -> None:
+        clock, fake = full_stop()
+        hooks, b = restarted(fake, "b", 400)
+        decision = await b.run_cycle()
+        assert decision.action == "wait" and "waiting up to 10 s for a (the last primary" in decision.reason
+        clock.now += TTL - 0.5
+        assert (await b.run_cycle()).action == "wait"
+        clock.now += 0.5
+        decision = await b.run_cycle()
+        assert decision.action == "promoted" and "after a full stop of the group" in decision.reason
+        assert (hooks.promoted, fake.holder, fake.last_primary) == (1, Leader("b", "b:7000"), "b")
+
+    run(main())
+
+
+def test_after_a_full_stop_the_most_advanced_takes_over_and_the_last_primary_wins_a_tie() -> None:
+    async def main() -> None:
+        for a_seq, b_seq, expected in ((400, 410, "b"), (410, 400, "a"), (400, 400, "a")):
+            _, fake = full_stop()
+            a_hooks, a = restarted(fake, "a", a_seq)
+            b_hooks, b = restarted(fake, "b", b_seq)
+            await a.run_cycle()  # each publishes its record: both are running
+            await b.run_cycle()
+            await a.run_cycle()
+            await b.run_cycle()
+            assert (a_hooks.promoted, b_hooks.promoted) == ((1, 0) if expected == "a" else (0, 1)), (a_seq, b_seq)
+            assert fake.holder is not None and fake.holder.name == expected
+
+    run(main())
+
+
+def test_after_a_full_stop_in_async_mode_only_the_last_primary_takes_over() -> None:
+    async def main() -> None:
+        clock, fake = full_stop(None)
+        b_hooks, b = restarted(fake, "b", 390)
+        a_hooks, a = restarted(fake, "a", 400)
+        for _ in range(3):
+            await b.run_cycle()
+            clock.now += TTL
+        assert (b_hooks.promoted, fake.holder) == (0, None)
+        await a.run_cycle()  # the lease's last holder: whatever was acknowledged, it acknowledged it
+        assert (a_hooks.promoted, fake.holder) == (1, Leader("a", "a:7000"))
 
     run(main())

@@ -100,6 +100,14 @@ class Coordinator(ABC):
         batch (Patroni's /sync key); False when ``me`` is not the leader."""
 
     @abstractmethod
+    async def former_primaries(self) -> frozenset[str]:
+        """The nodes that held the leader lease last, kept after their leases ended: the last node
+        to take it (recorded with it, Patroni's leader history) and the leader that last
+        published the synchronous set. Empty when neither was ever recorded (a new cluster;
+        one of an earlier version in async mode). After a full stop of the group they, with the
+        synchronous set, are the nodes that may take over without being caught up (ha.py)."""
+
+    @abstractmethod
     async def sync_members(self) -> frozenset[str] | None:
         """The backups last recorded by ``publish_sync``; None when none was ever recorded
         (async mode): then any caught-up backup may be promoted."""
