@@ -64,12 +64,16 @@ def served_by(broker: Broker) -> bool:
     return broker.wait_until(lambda: connack_code(broker.port) == SERVING, FAILOVER_WAIT)
 
 
+@pytest.mark.parametrize("etcd_too", [False, True], ids=["etcd-ran-on", "etcd-killed-too"])
 def test_both_restarted_elect_a_primary_that_serves_every_acknowledged_publish(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess, etcd_too: bool
 ) -> None:
     first, second = ha_pair(broker_factory, etcd)
     queue_durable_messages(first, clients, QUEUED)
     kill_all(first, second)
+    if etcd_too:  # the power cut took etcd's machine too: it starts again on its data folder
+        etcd.kill()
+        etcd.start()
 
     restarted = time.monotonic()
     first.spawn()
@@ -90,35 +94,28 @@ def test_both_restarted_elect_a_primary_that_serves_every_acknowledged_publish(
     assert caught_up["role"] == "backup"
 
 
-def test_the_former_backup_restarted_alone_takes_over_and_the_former_primary_follows_it(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
+@pytest.mark.parametrize(
+    "alone",
+    [
+        "b",  # the former backup: it was in a's synchronous set, so it holds every acknowledged publish
+        "a",  # the former primary, the last to take the lease: it acknowledged every publish itself
+    ],
+)
+def test_a_node_restarted_alone_takes_over_if_it_holds_every_acknowledged_publish_and_the_other_follows_it(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess, alone: str
 ) -> None:
     first, second = ha_pair(broker_factory, etcd)
     queue_durable_messages(first, clients, QUEUED)
     assert sync_set(etcd) == frozenset({"b"})
     kill_all(first, second)
+    restarted, other = (first, second) if alone == "a" else (second, first)
 
-    second.spawn()  # b was in a's synchronous set: it holds every acknowledged publish
-    assert served_by(second), second.log()
-    assert lease_holder(etcd) == "b"
-    assert_queue_served(second, clients, QUEUED)
-    start(first, BACKUP)
-    assert wait_status(first, lambda s: s["caught_up"])["primary"] == address(second)
-
-
-def test_the_former_primary_restarted_alone_takes_over_and_the_former_backup_follows_it(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
-) -> None:
-    first, second = ha_pair(broker_factory, etcd)
-    queue_durable_messages(first, clients, QUEUED)
-    kill_all(first, second)
-
-    first.spawn()  # the last primary: it acknowledged every publish itself
-    assert served_by(first), first.log()
-    assert lease_holder(etcd) == "a"
-    assert_queue_served(first, clients, QUEUED)
-    start(second, BACKUP)
-    assert wait_status(second, lambda s: s["caught_up"])["primary"] == address(first)
+    restarted.spawn()
+    assert served_by(restarted), restarted.log()
+    assert lease_holder(etcd) == alone
+    assert_queue_served(restarted, clients, QUEUED)
+    start(other, BACKUP)
+    assert wait_status(other, lambda s: s["caught_up"])["primary"] == address(restarted)
 
 
 def stale_node_restarted_alone(
