@@ -725,3 +725,26 @@ def test_after_a_full_stop_in_async_mode_only_the_last_primary_takes_over() -> N
         assert (a_hooks.promoted, fake.holder) == (1, Leader("a", "a:7000"))
 
     run(main())
+
+
+def test_after_a_full_stop_of_an_earlier_versions_cluster_the_synchronous_sets_writer_takes_over() -> None:
+    """docs/replication.md (a rolling upgrade with a coordinator): an earlier version recorded no
+    last primary; in sync mode the synchronous set names its writer, which takes the lease."""
+
+    async def main() -> None:
+        clock, fake = full_stop(frozenset())  # the backups were gone: the primary acknowledged alone
+        fake.last_primary = None
+        b_hooks, b = restarted(fake, "b", 300)
+        a_hooks, a = restarted(fake, "a", 420)
+        decision = await b.run_cycle()
+        assert (decision.action, decision.level) == ("wait", logging.WARNING)
+        assert await a.run_cycle() == Decision(
+            "promoted",
+            "no primary after a full stop of the group, and this node holds every acknowledged publish (the last "
+            "primary or in its synchronous set) and is the most advanced: took the leader lease, now primary",
+        )
+        assert (a_hooks.promoted, b_hooks.promoted, fake.last_primary) == (1, 0, "a")
+        clock.now += 1
+        assert (await b.run_cycle()).action == "follow"
+
+    run(main())
