@@ -142,6 +142,9 @@ def stale_node_restarted_alone(
     assert third.wait_until(lambda: WAITING in third.log(), FAILOVER_WAIT), third.log()
     assert "WARNING" in next(line for line in third.log().splitlines() if WAITING in line)
     assert lease_holder(etcd) is None and connack_code(third.port) == BACKUP, third.log()
+    shown = run_cli("inspect", "--replication", address(third))
+    assert shown.returncode == 0, shown.stderr
+    assert f"  its last HA cycle: no primary, but this node is {WAITING}" in shown.stdout, shown.stdout
     return first, second, third, later
 
 

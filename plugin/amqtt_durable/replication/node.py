@@ -188,6 +188,9 @@ class ReplicationNode:
                 status["promotion_failed"] = self.promotion_failure
             if self.backup.refused is not None:
                 status["refused_by_primary"] = self.backup.refused
+            last = self.ha.last if self.ha is not None else None
+            if last is not None and last.action == "wait":  # no primary followed: why (after a full stop, say)
+                status["waiting"] = last.reason
         status["refused"] = self._admin_gate.refusals
         if self.ha is not None:
             status["members"] = [
@@ -199,9 +202,8 @@ class ReplicationNode:
     def metrics(self) -> dict[str, object]:
         """``status`` flattened into $SYS/broker/durable/replication/... topics."""
         status = self.status()
-        flat: dict[str, object] = {
-            f"replication/{key}": value for key, value in status.items() if key not in ("backups", "members", "name")
-        }
+        left_out = ("backups", "members", "name", "waiting")
+        flat: dict[str, object] = {f"replication/{key}": value for key, value in status.items() if key not in left_out}
         backups = status.get("backups", [])
         if status["role"] == "primary":
             flat["replication/backups"] = len(backups)
