@@ -179,3 +179,21 @@ def test_the_operator_promotes_a_node_that_may_lack_acknowledged_publishes_and_i
     assert refused.returncode == 1 and "it is the primary already" in refused.stderr
     start(first, BACKUP)  # the old primary's later batches never reached c: it gets a snapshot
     assert wait_status(first, lambda s: s["caught_up"])["primary"] == address(third)
+
+
+def test_in_async_mode_only_the_last_primary_takes_over_after_a_full_stop(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
+) -> None:
+    first, second = ha_pair(broker_factory, etcd, mode="async")
+    queue_durable_messages(first, clients, QUEUED)
+    assert sync_set(etcd) is None  # async mode publishes no synchronous set
+    kill_all(first, second)
+
+    second.spawn()  # b cannot know what a acknowledged after b's last batch: it waits
+    waiting = "not caught up with the last one, nor the last primary or in its synchronous set (a)"
+    assert second.wait_until(lambda: waiting in second.log(), FAILOVER_WAIT), second.log()
+    assert lease_holder(etcd) is None and connack_code(second.port) == BACKUP
+    first.spawn()  # a, the last to take the lease
+    assert served_by(first), first.log()
+    assert_queue_served(first, clients, QUEUED)
+    assert wait_status(second, lambda s: s["caught_up"])["primary"] == address(first)
