@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+
+import pytest
 
 from amqtt_durable.replication.threads import in_thread
 
@@ -36,3 +39,36 @@ def test_a_caller_cancelled_twice_still_ends_only_after_the_thread() -> None:
         assert task.cancelled() and finished.is_set()
 
     asyncio.run(main())
+
+
+def test_an_error_of_a_cancelled_callers_thread_is_logged_an_error_unless_the_store_was_closed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nobody else sees the error of a thread whose caller was cancelled: a failed write is an
+    ERROR; plyvel's "Database is closed" (the owner closed the store: a stop) a WARNING."""
+    caplog.set_level(logging.WARNING, "amqtt_durable.replication")
+
+    async def cancelled_with(error: Exception) -> None:
+        release = threading.Event()
+
+        def work() -> None:
+            assert release.wait(30)
+            raise error
+
+        task = asyncio.ensure_future(in_thread(work))
+        for _ in range(5):  # loop passes, for the task to reach its wait for the thread
+            await asyncio.sleep(0)
+        task.cancel()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        release.set()
+        await asyncio.wait_for(asyncio.wait({task}), 30)
+        assert task.cancelled()
+
+    asyncio.run(cancelled_with(OSError("No space left on device")))
+    asyncio.run(cancelled_with(RuntimeError("Database is closed")))
+    logged = [(record.levelno, record.getMessage().rpartition(": ")[2]) for record in caplog.records]
+    assert logged == [
+        (logging.ERROR, "OSError('No space left on device')"),
+        (logging.WARNING, "RuntimeError('Database is closed')"),
+    ], logged
