@@ -88,7 +88,7 @@ def test_both_restarted_elect_a_primary_that_serves_every_acknowledged_publish(
     print(f"{primary.settings['replication']['name']} elected {time.monotonic() - restarted:.1f} s after the restart")
     other = second if primary is first else first
     assert lease_holder(etcd) == primary.settings["replication"]["name"]
-    assert connack_code(other.port) == BACKUP
+    assert other.wait_until(lambda: connack_code(other.port) == BACKUP, WAIT), other.log()  # may still be starting
     assert_queue_served(primary, clients, QUEUED)
     caught_up = wait_status(other, lambda s: s["caught_up"] and s["primary"] == address(primary))
     assert caught_up["role"] == "backup"
