@@ -53,12 +53,14 @@ class FakeCoordinator(Coordinator):
         await self._reach()
         return self.holder
 
-    async def acquire(self, me: Leader) -> bool:
+    async def acquire(self, me: Leader, *, keep_sync: bool = True) -> bool:
         await self._reach()
         if self.holder is not None:
             return False
         self.holder, self.expires = me, self.clock() + self.ttl
         self.last_primary = me.name
+        if not keep_sync:
+            self.sync = self.sync_leader = None
         return True
 
     async def renew(self, me: Leader) -> bool:
@@ -746,5 +748,113 @@ def test_after_a_full_stop_of_an_earlier_versions_cluster_the_synchronous_sets_w
         assert (a_hooks.promoted, b_hooks.promoted, fake.last_primary) == (1, 0, "a")
         clock.now += 1
         assert (await b.run_cycle()).action == "follow"
+
+    run(main())
+
+
+def test_a_promote_arriving_while_a_cycle_reads_the_coordinator_is_accepted() -> None:
+    """Review 236: every backup cycle cleared the "found no primary" mark at its start, so a
+    PROMOTE arriving while the cycle waited for the coordinator was refused (6.3% of them at
+    random times) though nothing had changed. The mark is the coordinator's last answer now."""
+
+    async def main() -> None:
+        _, fake = full_stop()
+        hooks, c = restarted(fake, "c", 500)
+        assert (await c.run_cycle()).action == "wait"  # no primary
+        fake.hang = asyncio.Event()
+        cycle = asyncio.ensure_future(c.run_cycle())
+        for _ in range(5):  # the cycle runs into the coordinator's first call and waits there
+            await asyncio.sleep(0)
+        assert not cycle.done()
+        assert c.request_takeover() is None, "refused mid-cycle"
+        fake.hang.set()
+        assert (await cycle).action == "promoted" and hooks.promoted == 1
+
+        _, fake = full_stop()
+        _, d = restarted(fake, "d", 500)
+        fake.down = True
+        assert (await d.run_cycle()).unanswered
+        assert d.request_takeover() is not None  # its last cycle could not tell
+        fake.down = False
+        assert await fake.acquire(Leader("a", "a:7000"))
+        assert (await d.run_cycle()).action == "follow"
+        assert d.request_takeover() is not None  # a primary holds the lease
+
+    run(main())
+
+
+def test_after_a_full_stop_a_last_primary_whose_promotion_fails_holds_a_synchronous_backup_back_no_longer() -> None:
+    """Review 236: a (the last primary, batch 410) cannot become primary (its store will not load,
+    its port is taken): it took and released the lease every cycle, and b (in the synchronous
+    set, batch 400, holding every acknowledged publish) deferred to it forever. A node publishes
+    its failed promotion; such a member holds nobody back."""
+
+    async def main() -> None:
+        clock, fake = full_stop()
+        a_hooks, a = restarted(fake, "a", 410)
+        a_hooks.fail_promotion = True
+        b_hooks, b = restarted(fake, "b", 400)
+        for _ in range(4):
+            await a.run_cycle()
+            await b.run_cycle()
+            clock.now += 1
+        assert b_hooks.promoted == 1 and fake.holder == Leader("b", "b:7000"), b.last
+        assert fake.records["a"][0].promotion_failed
+        assert (await a.run_cycle()).action == "follow" and not a.record().promotion_failed  # a new term
+
+    run(main())
+
+
+def test_a_node_in_async_mode_removes_the_synchronous_set_with_the_lease_it_takes() -> None:
+    """Review 236: async primaries publish no synchronous set, so one left from an earlier period
+    in sync mode stayed, and after a full stop its members (far behind the async primary, which
+    acknowledged alone) counted as holding every acknowledged publish. A node in async mode
+    removes it in the step that takes the lease; one in sync mode keeps it until it publishes its own."""
+
+    async def main() -> None:
+        clock, fake = full_stop(frozenset({"b"}))  # the sync-mode period: a published {b}
+        fake.initialized_by = "a"
+        kept = node(fake, Hooks(caught_up=True), "b")  # sync mode: keeps the set until it publishes
+        assert (await kept.run_cycle()).action == "promoted" and fake.sync == frozenset({"b"})
+        fake.holder = None
+        a_hooks = Hooks(caught_up=True, seq=100_000)
+        a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN, mode="async",
+                   clock=clock)  # fmt: skip
+        fake.sync, fake.sync_leader = frozenset({"a"}), "b"  # b's set, in its sync-mode period
+        assert (await a.run_cycle()).action == "promoted" and (fake.sync, fake.sync_leader) == (None, None)
+        fake.holder = None  # a full stop: a acknowledged alone meanwhile
+        clock.now += TTL
+        b_hooks, b = restarted(fake, "b", 5)
+        for _ in range(3):
+            decision = await b.run_cycle()
+            clock.now += TTL
+        assert b_hooks.promoted == 0 and "synchronous set (a)" in decision.reason, decision
+
+    run(main())
+
+
+def test_after_a_full_stop_the_wait_for_the_others_restarts_after_a_stale_record_or_an_unanswered_cycle() -> None:
+    """docs/replication.md: a node that may take over waits up to lease_ttl from the first of its
+    cycles in a row that find no primary and let it take over. Review 236: the wait began at the
+    first cycle even when a peer's record from before the stop held it back, or etcd did not
+    answer, so once that record expired (or etcd answered) it took the lease at once."""
+
+    async def main() -> None:
+        clock, fake = full_stop()
+        stale = Member("a", "primary", 7, 410, False, "a:7000")  # a's record from before the kill
+        fake.records["a"] = (stale, clock() + TTL - 1)
+        hooks, b = restarted(fake, "b", 400)
+        assert "a holds every acknowledged publish too and is further ahead" in (await b.run_cycle()).reason
+        clock.now += TTL - 0.5  # the record expired: the wait for a starts now
+        assert "waiting up to 10 s for a" in (await b.run_cycle()).reason
+        clock.now += TTL - 1
+        assert (await b.run_cycle()).action == "wait"
+        fake.down = True
+        clock.now += 2
+        assert (await b.run_cycle()).unanswered
+        fake.down = False  # etcd answers again: a row of cycles begins again
+        assert "waiting up to 10 s for a" in (await b.run_cycle()).reason
+        clock.now += TTL
+        assert (await b.run_cycle()).action == "promoted" and hooks.promoted == 1
 
     run(main())

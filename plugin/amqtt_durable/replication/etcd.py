@@ -15,8 +15,10 @@ Keys (under ``prefix``, e.g. ``/amqtt-durable/<cluster>/``)::
                    last node that took the lease, kept after it ended (a full stop's election)
     initialize  -> name of the node that bootstrapped the cluster (no lease, never removed)
     sync        -> {"leader": ..., "members": [...]}  the synchronous set, written only by the
-                   leader (a transaction comparing the leader key's value), no lease
-    members/<name> -> {"name", "role", "store_id", "batch", "candidate", "address"}  each node's
+                   leader (a transaction comparing the leader key's value), no lease; deleted
+                   in the transaction that puts ``leader`` for a node in async mode
+    members/<name> -> {"name", "role", "store_id", "batch", "candidate", "address",
+                   "promotion_failed"}  each node's
                    position, put every cycle under the node's own member lease (TTL ``ttl``,
                    renewed each cycle): a node that stops cycling drops out by itself. Put only
                    where absent, under the node's own lease, or at its address (its own from
@@ -73,12 +75,14 @@ class EtcdCoordinator(Coordinator):
             return None
         return Leader.decode(base64.b64decode(kvs[0].get("value", "")))
 
-    async def acquire(self, me: Leader) -> bool:
+    async def acquire(self, me: Leader, *, keep_sync: bool = True) -> bool:
         grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
         lease = int(grant["ID"])
         put = {"key": self._leader_key, "value": _b64(me.encode()), "lease": str(lease)}
         taken = _create_if_absent(self._leader_key, put)
         taken["success"].append({"request_put": {"key": self._primary_key, "value": _b64(me.encode())}})
+        if not keep_sync:
+            taken["success"].append({"request_delete_range": {"key": self._sync_key}})
         reply = await self._call("/v3/kv/txn", taken)
         if reply.get("succeeded"):
             self.lease_id = lease

@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from .config import Mode
 from .coordinator import Coordinator, Leader, Member
 from .errors import CoordinatorError, MemberNameTakenError, PromotionStoppedError
 
@@ -107,6 +108,7 @@ class HaNode:
         address: str,
         loop_wait: float,
         demote_margin: float,
+        mode: Mode = "sync",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if demote_margin <= 0 or demote_margin >= coordinator.ttl:
@@ -116,6 +118,8 @@ class HaNode:
         self.me = Leader(name, address)
         self.loop_wait = loop_wait
         self.demote_margin = demote_margin
+        self.mode = mode
+        """replication.mode: in async mode taking the lease removes an earlier synchronous set."""
         self.clock = clock
         self.role: Role = "backup"
         self.valid_until = 0.0
@@ -130,12 +134,14 @@ class HaNode:
         """The members' records as last read (inspect shows them)."""
         self._previous_reason: str | None = None
         self._full_stop_since: float | None = None
+        """When this node, not caught up, first found no primary in a row of cycles that let it take
+        over after a full stop of the group (any other cycle ends the row): it waits up to ``ttl``
+        from then for the others that may take over to start."""
         self._found_no_primary = False
-        """The last backup cycle read the coordinator and found no leader (``promote`` may ask then)."""
+        """The coordinator's last answer to this backup was that no node holds the lease (``promote``
+        may ask then); False after a cycle that could not tell. Kept while a cycle is under way."""
         self._operator_takeover = False
         """``amqtt-durable promote`` asked this node to take the free lease at its next cycle."""
-        """When this node, not caught up, first found no primary in a row of cycles (a full stop
-        of the group): it waits up to ``ttl`` from then for the others that may take over to start."""
         self._unanswered_since: float | None = None
 
     @property
@@ -244,11 +250,12 @@ class HaNode:
 
     async def _as_backup(self) -> Decision:
         started = self.clock()
-        self._found_no_primary = False
+        waited_since, self._full_stop_since = self._full_stop_since, None  # kept only by a full stop's wait
         try:
             async with asyncio.timeout(self.ttl):  # the coordinator's calls only, not the promotion
                 await self.coordinator.publish_member(self.record())
                 leader = await self.coordinator.leader()
+                self._found_no_primary = leader is None
                 self.members = await self.coordinator.members()
                 if leader is not None:
                     if self._operator_takeover:
@@ -259,23 +266,24 @@ class HaNode:
                             leader.name,
                         )
                     return self._follow(leader)
-                self._found_no_primary = True
-                chosen = await self._without_primary()
+                chosen = await self._without_primary(waited_since)
                 if isinstance(chosen, Decision):
                     return chosen
                 action, why = chosen
                 started = self.clock()
-                self._full_stop_since = None
-                if not await self.coordinator.acquire(self.me):
+                if not await self.coordinator.acquire(self.me, keep_sync=self.mode == "sync"):
                     return Decision("wait", f"{why}, but another node took the lease first")
         except MemberNameTakenError as exc:
+            self._found_no_primary = False
             return await self._name_taken(exc.holder)
         except (CoordinatorError, TimeoutError) as exc:
+            self._found_no_primary = False
             return Decision("wait", f"the coordinator does not answer ({_why(exc)}): staying a backup", True)
         return await self._promote_with_lease(started, action, why)
 
-    async def _without_primary(self) -> Decision | tuple[Action, str]:
-        """Nobody holds the lease: whether this node takes it (the action and why) or waits."""
+    async def _without_primary(self, waited_since: float | None) -> Decision | tuple[Action, str]:
+        """Nobody holds the lease: whether this node takes it (the action and why) or waits
+        (``waited_since``: ``_full_stop_since`` as the previous cycle left it)."""
         if self._operator_takeover:
             self._operator_takeover = False
             return "promoted", (
@@ -286,7 +294,7 @@ class HaNode:
             return await self._as_caught_up()
         if self._bootstrap_failed or await self.coordinator.initialize(self.me.name):
             return "bootstrapped", "a new cluster, claimed its bootstrap"
-        waiting = await self._after_full_stop()
+        waiting = await self._after_full_stop(waited_since)
         if waiting is not None:
             return waiting
         return "promoted", (
@@ -314,19 +322,19 @@ class HaNode:
             )
         return "promoted", "no primary, and this node is caught up and the most advanced"
 
-    async def _after_full_stop(self) -> Decision | None:
+    async def _after_full_stop(self, waited_since: float | None) -> Decision | None:
         """No primary, and no primary told this node IN_SYNC since it started: the whole group
         stopped (a power cut) or this node restarted while the primary was gone. None: it may
         take the lease (Patroni's rule after a full stop). Only a node that holds every
         acknowledged publish may: the last primary (it acknowledged them) or, when one was
         published, a member of its synchronous set (every acknowledgement waited for them), its
         store whole; and of those, only the most advanced one running (the last primary on a
-        tie), after waiting up to ``ttl`` for those not running yet to start."""
+        tie) whose last promotion did not fail, after waiting up to ``ttl`` (from
+        ``waited_since``, else now) for those not running yet to start."""
         former = await self.coordinator.former_primaries()
         sync_set = await self.coordinator.sync_members()
         eligible = former | (sync_set or frozenset())
         if self.me.name not in eligible:
-            self._full_stop_since = None
             known = ", ".join(sorted(eligible))
             return Decision(
                 "wait",
@@ -341,7 +349,6 @@ class HaNode:
                 level=logging.WARNING,
             )
         if not self.hooks.store_whole():
-            self._full_stop_since = None
             return Decision(
                 "wait",
                 "no primary, and this node is not caught up with the last one: its store holds no whole "
@@ -349,15 +356,13 @@ class HaNode:
                 "though its name is the last primary's or in its synchronous set",
                 level=logging.WARNING,
             )
-        now = self.clock()
-        if self._full_stop_since is None:
-            self._full_stop_since = now
         store_id, seq = self.hooks.position()
         others = {member.name: member for member in self.members if member.name != self.me.name}
         ahead = [
             member
             for member in others.values()
             if (member.name in eligible or (sync_set is None and member.candidate))
+            and not member.promotion_failed
             and member.store_id == store_id
             and (member.seq > seq or (member.seq == seq and member.name in former and self.me.name not in former))
         ]
@@ -369,6 +374,8 @@ class HaNode:
                 f"too and is further ahead or was primary last (batch {best.seq}, this node {seq}): leaving the "
                 "lease to it",
             )
+        now = self.clock()
+        self._full_stop_since = now if waited_since is None else waited_since
         missing = sorted(eligible - others.keys() - {self.me.name})
         if missing and now - self._full_stop_since < self.ttl:
             return Decision(
@@ -452,7 +459,6 @@ class HaNode:
                 )
             return Decision("wait", "the lease still names this node from before it restarted: waiting for it to end")
         self._promotion_failed = self._bootstrap_failed = False  # another node is primary: a new term
-        self._full_stop_since = None
         self.hooks.follow(leader)
         return Decision("follow", f"following primary {leader.name} at {leader.address}")
 
@@ -460,7 +466,7 @@ class HaNode:
         """What this node publishes about itself now."""
         store_id, seq = self.hooks.position()
         candidate = self.role == "backup" and self.hooks.caught_up() and not self._promotion_failed
-        return Member(self.me.name, self.role, store_id, seq, candidate, self.me.address)
+        return Member(self.me.name, self.role, store_id, seq, candidate, self.me.address, self._promotion_failed)
 
     # --- the loop -----------------------------------------------------------------------------
 
