@@ -858,3 +858,42 @@ def test_after_a_full_stop_the_wait_for_the_others_restarts_after_a_stale_record
         assert (await b.run_cycle()).action == "promoted" and hooks.promoted == 1
 
     run(main())
+
+
+class AcquireHeld(FakeCoordinator):
+    """Its ``acquire`` waits for ``go``: a PROMOTE can arrive after the cycle decided."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self.go = asyncio.Event()
+
+    async def acquire(self, me: Leader, *, keep_sync: bool = True) -> bool:
+        await self.go.wait()
+        return await super().acquire(me, keep_sync=keep_sync)
+
+
+def test_a_promote_accepted_while_the_node_takes_the_lease_by_itself_leaves_no_takeover_for_later() -> None:
+    """A PROMOTE accepted mid-cycle, after the cycle had decided to take the lease on its own: the
+    request is done with once the lease is taken, so after a later demotion the node does not
+    take a free lease without the checks; a demoted node accepts no promote before a backup cycle."""
+
+    async def main() -> None:
+        clock = Clock()
+        fake = AcquireHeld(clock)
+        fake.initialized_by = "old"
+        ha = node(fake, Hooks(caught_up=True))
+        fake.go.set()
+        assert (await ha.run_cycle()).action == "promoted"
+        clock.now += TTL  # its lease ends: demoted
+        assert (await ha.run_cycle()).action == "demoted"
+        assert ha.request_takeover() is not None  # no backup cycle since its term
+        fake.go.clear()
+        cycle = asyncio.ensure_future(ha.run_cycle())  # caught up, no primary: it takes the lease itself
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert ha.request_takeover() is None  # accepted: its last answer found no primary
+        fake.go.set()
+        assert (await cycle).action == "promoted" and "caught up" in cycle.result().reason
+        assert not ha._operator_takeover
+
+    run(main())

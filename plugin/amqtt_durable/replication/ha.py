@@ -205,6 +205,7 @@ class HaNode:
     def _demote(self, why: str, *, unanswered: bool = False) -> Decision:
         reason = f"{why}: demoted, no longer acknowledging; clients closed, rejoining as a backup"
         self.role = "backup"
+        self._found_no_primary = False  # from before its term: promote waits for a backup cycle
         self.valid_until = 0.0
         if self._deadline is not None:
             self._deadline.cancel()
@@ -405,7 +406,9 @@ class HaNode:
         )
 
     async def _promote_with_lease(self, started: float, action: Action, why: str) -> Decision:
-        """The lease taken (asked for at ``started``): become primary, or give it back."""
+        """The lease taken (asked for at ``started``): become primary, or give it back. An operator's
+        promote that arrived during this cycle is done with too (never a takeover later)."""
+        self._operator_takeover = False
         self.valid_until = started + self.ttl
         self.role = "primary"
         self._arm_deadline()
