@@ -204,9 +204,10 @@ def test_the_keys_in_etcd_are_the_documented_ones_and_a_clean_stop_revokes_a_mem
     broker_factory: Callable[..., Broker], etcd: Any
 ) -> None:
     """Keys under /amqtt-durable/<cluster>/: ``leader`` JSON name + address (``advertise`` when set:
-    "published in the leader key"), ``initialize`` the node that claimed the bootstrap, ``sync``
+    "published in the leader key"), ``primary`` the same for the last node that took the lease, kept
+    after it ends, ``initialize`` the node that claimed the bootstrap, ``sync``
     (sync mode) the backups the primary waits for, ``members/<name>`` JSON name, role, store_id,
-    batch, candidate, "revoked on a clean stop" (gone at once, not ``lease_ttl`` later)."""
+    batch, candidate, address, promotion_failed, "revoked on a clean stop" (gone at once, not ``lease_ttl`` later)."""
     ha = {"coordinator": [etcd.url], "lease_ttl": 30, "loop_wait": 0.3, "demote_margin": 1}
     advertised = f"localhost:{free_port()}"  # reaches 127.0.0.1: backups dial the advertised address
     first = start(node(broker_factory, "a", **ha, listen=f"{HOST}:{advertised.rpartition(':')[2]}",
@@ -231,11 +232,14 @@ def test_the_keys_in_etcd_are_the_documented_ones_and_a_clean_stop_revokes_a_mem
 
     assert first.wait_until(seen, 20), _etcd_keys(etcd, CLUSTER)
     assert keys is not None
-    assert set(keys) == {CLUSTER + name for name in ("leader", "initialize", "sync", "members/a", "members/b")}
+    names = ("leader", "primary", "initialize", "sync", "members/a", "members/b")
+    assert set(keys) == {CLUSTER + name for name in names}
     assert json.loads(keys[CLUSTER + "leader"]) == {"name": "a", "address": advertised}
+    assert json.loads(keys[CLUSTER + "primary"]) == {"name": "a", "address": advertised}
     assert keys[CLUSTER + "initialize"] == b"a"
     a, b = (json.loads(keys[CLUSTER + f"members/{name}"]) for name in "ab")
-    assert set(a) == set(b) == {"name", "role", "store_id", "batch", "candidate", "address"}
+    assert set(a) == set(b) == {"name", "role", "store_id", "batch", "candidate", "address", "promotion_failed"}
+    assert a["promotion_failed"] is b["promotion_failed"] is False
     assert a["address"] == advertised  # each member's replication address (One name, one backup)
     assert (a["name"], a["role"], b["name"], b["role"]) == ("a", "primary", "b", "backup")
     assert a["store_id"] == b["store_id"] and isinstance(b["batch"], int)

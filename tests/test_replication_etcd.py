@@ -33,7 +33,9 @@ def test_one_lease_holder_at_a_time_and_the_lease_ends_with_its_ttl(etcd: EtcdPr
         a, b = coordinator(etcd), coordinator(etcd)
         me, other = Leader("a", "127.0.0.1:1"), Leader("b", "127.0.0.1:2")
         assert await a.leader() is None
+        assert await a.former_primaries() == frozenset()
         assert await a.acquire(me)
+        assert await b.former_primaries() == frozenset({"a"})  # the last to take the lease
         assert not await b.acquire(other)
         assert await b.leader() == me
         assert await a.renew(me)
@@ -46,9 +48,12 @@ def test_one_lease_holder_at_a_time_and_the_lease_ends_with_its_ttl(etcd: EtcdPr
         assert await b.sync_members() == frozenset({"b", "c"})
         await expired(b)  # a stopped renewing: etcd expires the lease by itself
         assert not await a.renew(me)
+        assert await b.former_primaries() == frozenset({"a"})  # kept after the lease ended
         assert await b.acquire(other)
         await b.release(other)
         assert await a.leader() is None
+        # b took it last; a published the synchronous set last: both may hold acknowledged publishes
+        assert await a.former_primaries() == frozenset({"a", "b"})
 
     asyncio.run(asyncio.wait_for(main(), BOUND))
 
@@ -68,6 +73,9 @@ def test_members_publish_their_records_under_their_own_leases(etcd: EtcdProcess)
         await gone(reader, "b")  # b stopped publishing: its record expires by itself with its lease
         await b.publish_member(Member("b", "backup", 9, 118, True))  # b resumes: a new lease, the record again
         assert [m.name for m in await reader.members()] == ["b"]
+        failed = Member("b", "backup", 9, 118, False, "127.0.0.1:2", promotion_failed=True)
+        await b.publish_member(failed)  # its promotion failed: said in its record
+        assert await reader.members() == [failed]
 
     asyncio.run(asyncio.wait_for(main(), BOUND))
 
@@ -146,6 +154,9 @@ class Node:
 
     def position(self) -> tuple[int, int]:
         return 1, 0
+
+    def store_whole(self) -> bool:
+        return False
 
     def follow(self, leader: Leader) -> None:
         self.followed.append(leader)
@@ -246,3 +257,112 @@ def test_a_stop_while_a_lease_promotion_loads_the_store_ends_as_stopped(
     claims = [m for m in messages if "now primary" in m or "is primary from" in m or "demoted" in m]
     assert claims == [], messages
     assert any("the broker stops: the promotion ended, the lease is released" in m for m in messages), messages
+
+
+class WholeNode(Node):
+    """A node restarted after a full stop: not caught up, its store whole at batch ``seq``."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__(caught_up=False)
+        self.seq = seq
+
+    def position(self) -> tuple[int, int]:
+        return 1, self.seq
+
+    def store_whole(self) -> bool:
+        return True
+
+
+class Said:
+    """``HaNode.run``'s ``on_decision``: the first decision whose reason contains ``says``."""
+
+    def __init__(self, says: str) -> None:
+        self.says = says
+        self.decision: Decision | None = None
+        self.event = asyncio.Event()
+
+    def __call__(self, decision: Decision) -> None:
+        if self.decision is None and self.says in decision.reason:
+            self.decision = decision
+            self.event.set()
+
+    async def wait(self) -> Decision:
+        await asyncio.wait_for(self.event.wait(), BOUND)
+        assert self.decision is not None
+        return self.decision
+
+
+def test_a_node_in_async_mode_removes_a_synchronous_set_left_from_sync_mode_when_it_takes_the_lease(
+    etcd: EtcdProcess, tmp_path: Path
+) -> None:
+    """Review 236: a was primary in sync mode and published {b}; the group was switched to async
+    mode; a took the lease again and acknowledged alone; full stop. b, far behind, started alone
+    took the lease (the old set named it). docs/replication.md: in async mode only the last
+    primary takes over. Taking the lease in async mode removes the set in the same transaction."""
+
+    async def main() -> None:
+        a = Leader("a", "127.0.0.1:7001")
+        era = coordinator(etcd)
+        assert await era.initialize("a")
+        assert await era.acquire(a)
+        assert await era.publish_sync(a, frozenset({"b"}))  # the sync-mode period
+        await era.release(a)
+        assert await era.acquire(a)  # sync mode again: the set stays until a publishes its own
+        assert await era.sync_members() == frozenset({"b"})
+        await era.release(a)
+        a_hooks = WholeNode(seq=100_000)
+        a_ha = HaNode(coordinator(etcd), a_hooks, name="a", address=a.address, loop_wait=0.2, demote_margin=0.5,
+                      mode="async")  # fmt: skip
+        stop = asyncio.Event()
+        runner = asyncio.create_task(a_ha.run(stop))
+        await asyncio.wait_for(a_hooks.promoted.wait(), 3 * TTL)  # after waiting for b: the async period
+        assert await era.sync_members() is None and await era.former_primaries() == frozenset({"a"})
+        stop.set()
+        await asyncio.wait_for(runner, BOUND)  # a full stop (a clean one here; a kill is the same)
+        b_hooks = WholeNode(seq=5)
+        b = HaNode(coordinator(etcd), b_hooks, name="b", address="127.0.0.1:7002", loop_wait=0.2, demote_margin=0.5)
+        stop = asyncio.Event()
+        said = Said("synchronous set (a): it may lack")
+        runner = asyncio.create_task(b.run(stop, said))
+        decision = await said.wait()
+        assert decision.level == logging.WARNING and not b_hooks.promoted.is_set()
+        stop.set()
+        await asyncio.wait_for(runner, BOUND)
+        assert await era.leader() is None
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+    db, _ = primary_store(tmp_path / "c")
+    config = ReplicationConfig(name="c", role="auto", mode="async", coordinator=[etcd.url], cluster="modes")
+    node = ReplicationNode(db, config, coordinator=coordinator(etcd))
+    assert node.ha is not None and node.ha.mode == "async"  # the broker's replication.mode reaches the HA loop
+    db.close()
+
+
+def test_a_promote_is_accepted_whenever_the_nodes_cycles_find_no_primary(etcd: EtcdProcess) -> None:
+    """Review 236: a PROMOTE to a waiting node (no primary, nothing changing) arriving while its
+    cycle waited for etcd was refused ('could not tell'): 6.3% of them at random times."""
+
+    async def main() -> tuple[int, list[str]]:
+        former = coordinator(etcd)
+        assert await former.initialize("a")
+        assert await former.acquire(Leader("a", "127.0.0.1:7001"))  # the last primary: a
+        await former.release(Leader("a", "127.0.0.1:7001"))
+        c = HaNode(coordinator(etcd), Node(caught_up=False), name="c", address="127.0.0.1:7003",
+                   loop_wait=0.05, demote_margin=0.5)  # fmt: skip
+        stop = asyncio.Event()
+        said = Said("nor the last primary")
+        runner = asyncio.create_task(c.run(stop, said))
+        await said.wait()
+        refusals = []
+        for trial in range(100):
+            await asyncio.sleep(0.003 * (trial % 17))  # at spread points of the cycles
+            refused = c.request_takeover()
+            if refused is not None:
+                refusals.append(refused)
+            c._operator_takeover = False  # withdrawn before a cycle acts on it: c keeps waiting
+        stop.set()
+        await asyncio.wait_for(runner, BOUND)
+        return len(refusals), refusals
+
+    refused, why = asyncio.run(asyncio.wait_for(main(), BOUND))
+    assert refused == 0, why[:3]

@@ -23,7 +23,15 @@ from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.coordinator import Member
 from amqtt_durable.replication.errors import MemberNameTakenError
 from amqtt_durable.replication.etcd import EtcdCoordinator
-from amqtt_durable.replication.framing import NAME_IN_USE, Frame, Hello, encode_frame, read_frame
+from amqtt_durable.replication.framing import (
+    NAME_IN_USE,
+    Frame,
+    Hello,
+    decode_position,
+    encode_frame,
+    encode_seq,
+    read_frame,
+)
 from amqtt_durable.replication.node import ReplicationNode
 from amqtt_durable.replication.primary import KEEPALIVE, USER_TIMEOUT_MS, BackupLink
 from amqtt_durable.store import open_store
@@ -358,3 +366,51 @@ def test_tcp_user_timeout_is_unset_again_when_an_in_sync_backup_falls_behind(tmp
     in_sync, behind, snapshot = seen[:3]
     assert in_sync == ("in sync at batch", USER_TIMEOUT_MS) and behind[0] == "fell behind", seen
     assert snapshot == ("snapshot at batch", 0), seen
+
+
+def test_a_replaced_connection_whose_snapshot_ack_arrives_with_the_new_hello_is_never_in_sync(
+    tmp_path: Path,
+) -> None:
+    """The old connection of a backup acknowledges its snapshot in the very loop pass in which its
+    reconnect's HELLO replaces it (the same broker process: the old connection is aborted): its
+    sender, woken by that acknowledgement, must not mark the dead connection in sync (it did,
+    without the guard in Primary._in_sync: "in sync at batch N" for a connection already ended,
+    and the name's last acknowledged batch taken from it); the new connection is served."""
+
+    async def scenario() -> None:
+        events: list[tuple[str, str]] = []
+        primary = await started_primary(tmp_path / "p", on_change=lambda link, what: events.append((link.peer, what)))
+        for n in range(1, 4):
+            await bounded(commit(primary, ops_for(n)))  # no backup: acknowledged at once
+        old_reader, old = await asyncio.open_connection(HOST, primary.port)
+        old.write(encode_frame(Frame.HELLO, Hello(0, 0, 0, "b", instance=7).encode()))
+        kinds = []
+        while not kinds or kinds[-1] != Frame.SNAP_END:
+            kind, payload = await bounded(read_frame(old_reader))
+            kinds.append(kind)
+        assert kinds[0] == Frame.SNAP_BEGIN
+        snapshot_seq = decode_position(payload)[0]
+        [old_link] = primary.links.values()
+        [old_served] = primary._serving  # the old connection's task
+        new_reader, new = await asyncio.open_connection(HOST, primary.port)
+        for _ in range(1000):  # loop passes until the primary accepted it and waits for its first frame
+            if primary.gate._waiting:
+                break
+            await asyncio.sleep(0)
+        assert primary.gate._waiting, "the new connection was not accepted"
+        # The old connection's ACK of the snapshot and the new one's HELLO reach the primary together.
+        old.write(encode_frame(Frame.ACK, encode_seq(snapshot_seq)))
+        new.write(encode_frame(Frame.HELLO, Hello(0, 0, 0, "b", instance=7).encode()))
+        kind, _ = await bounded(read_frame(new_reader))
+        assert kind == Frame.SNAP_BEGIN  # the reconnect is served
+        assert any(peer == old_link.peer and what.startswith("replaced by its new connection") for peer, what in events)
+        await bounded(asyncio.wait({old_served}))  # its sender and reader ended with it
+        old_events = [what for peer, what in events if peer == old_link.peer]
+        assert not any(what.startswith("in sync") for what in old_events), old_events
+        assert old_link.state != "in_sync" and primary.in_sync() == []
+        old.close()
+        new.close()
+        await primary.close()
+        primary.db.close()
+
+    asyncio.run(scenario())

@@ -9,7 +9,8 @@ The faults ``primary_kill`` and ``partition`` hit whichever broker is primary wh
 begin. Each begins only once the pair is whole (one primary, the other a caught-up backup in
 the synchronous set etcd holds: the only backup that may take over) and ends once it is
 whole again, so a fault never leaves the pair without a broker able to take over (a backup
-that is not caught up never takes the lease, docs/replication.md).
+that is not caught up takes the lease only after a full stop of the pair, and only as the last
+primary or a member of its synchronous set: docs/replication.md).
 """
 
 from __future__ import annotations

@@ -324,7 +324,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     inspect.add_argument("--retained", action="store_true", help="list the retained messages instead of the sessions")
     inspect.set_defaults(run=_cmd_inspect, usage=inspect.error)
     promote = commands.add_parser(
-        "promote", help="make a backup without a coordinator the primary (the operator's decision)"
+        "promote",
+        help="make a backup the primary (the operator's decision); with a coordinator, only while no primary "
+        "holds the lease",
     )
     promote.add_argument(
         "address", metavar="HOST:PORT", type=_replication_address, help="the backup's replication.listen address"

@@ -49,11 +49,15 @@ class Member:
     did not fail. Only candidates hold the others back (ha.ahead_of)."""
     address: str = ""
     """Its replication address (replication.advertise or listen); "" in an earlier version's record."""
+    promotion_failed: bool = False
+    """Its last promotion failed (the store would not load, the port was taken): after a full stop
+    of the group it holds no other node that may take over back (ha.py). False in an earlier
+    version's record."""
 
     def encode(self) -> bytes:
         record = {
             "name": self.name, "role": self.role, "store_id": self.store_id, "batch": self.seq,
-            "candidate": self.candidate, "address": self.address,
+            "candidate": self.candidate, "address": self.address, "promotion_failed": self.promotion_failed,
         }  # fmt: skip
         return json.dumps(record, sort_keys=True).encode("utf-8")
 
@@ -62,7 +66,7 @@ class Member:
         record = json.loads(raw)
         return cls(
             str(record["name"]), str(record["role"]), int(record["store_id"]), int(record["batch"]),
-            bool(record["candidate"]), str(record.get("address", "")),
+            bool(record["candidate"]), str(record.get("address", "")), bool(record.get("promotion_failed", False)),
         )  # fmt: skip
 
 
@@ -78,8 +82,12 @@ class Coordinator(ABC):
         """The current lease holder, None when nobody holds it."""
 
     @abstractmethod
-    async def acquire(self, me: Leader) -> bool:
-        """Take the leader key under a new lease if nobody holds it; False if somebody does."""
+    async def acquire(self, me: Leader, *, keep_sync: bool = True) -> bool:
+        """Take the leader key under a new lease if nobody holds it; False if somebody does.
+        ``me`` becomes the last primary (``former_primaries``) in the same atomic step, and with
+        ``keep_sync`` False (a primary in async mode, which publishes no synchronous set) the
+        synchronous set an earlier primary published is removed in it too: nobody but ``me``
+        holds what it acknowledges."""
 
     @abstractmethod
     async def renew(self, me: Leader) -> bool:
@@ -98,6 +106,14 @@ class Coordinator(ABC):
     async def publish_sync(self, me: Leader, members: frozenset[str]) -> bool:
         """As the leader (checked atomically), record the backups that hold every acknowledged
         batch (Patroni's /sync key); False when ``me`` is not the leader."""
+
+    @abstractmethod
+    async def former_primaries(self) -> frozenset[str]:
+        """The nodes that held the leader lease last, kept after their leases ended: the last node
+        to take it (recorded with it, Patroni's leader history) and the leader that last
+        published the synchronous set. Empty when neither was ever recorded (a new cluster;
+        one of an earlier version in async mode). After a full stop of the group they, with the
+        synchronous set, are the nodes that may take over without being caught up (ha.py)."""
 
     @abstractmethod
     async def sync_members(self) -> frozenset[str] | None:

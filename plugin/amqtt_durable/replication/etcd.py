@@ -11,10 +11,14 @@ on (ha.py). No dependency is added. Tested against Debian's etcd-server 3.4.23.
 Keys (under ``prefix``, e.g. ``/amqtt-durable/<cluster>/``)::
 
     leader      -> {"name": ..., "address": ...}   put with the leader's lease (expires with it)
+    primary     -> the same, put in the same transaction as ``leader`` but without a lease: the
+                   last node that took the lease, kept after it ended (a full stop's election)
     initialize  -> name of the node that bootstrapped the cluster (no lease, never removed)
     sync        -> {"leader": ..., "members": [...]}  the synchronous set, written only by the
-                   leader (a transaction comparing the leader key's value), no lease
-    members/<name> -> {"name", "role", "store_id", "batch", "candidate", "address"}  each node's
+                   leader (a transaction comparing the leader key's value), no lease; deleted
+                   in the transaction that puts ``leader`` for a node in async mode
+    members/<name> -> {"name", "role", "store_id", "batch", "candidate", "address",
+                   "promotion_failed"}  each node's
                    position, put every cycle under the node's own member lease (TTL ``ttl``,
                    renewed each cycle): a node that stops cycling drops out by itself. Put only
                    where absent, under the node's own lease, or at its address (its own from
@@ -57,6 +61,7 @@ class EtcdCoordinator(Coordinator):
         self._leader_key = _b64(self.prefix + "leader")
         self._init_key = _b64(self.prefix + "initialize")
         self._sync_key = _b64(self.prefix + "sync")
+        self._primary_key = _b64(self.prefix + "primary")
         self.member_lease: int | None = None
         self._members_from = _b64(self.prefix + "members/")
         self._members_end = _b64(self.prefix + "members0")  # "/" + 1: the range of every members/ key
@@ -70,11 +75,15 @@ class EtcdCoordinator(Coordinator):
             return None
         return Leader.decode(base64.b64decode(kvs[0].get("value", "")))
 
-    async def acquire(self, me: Leader) -> bool:
+    async def acquire(self, me: Leader, *, keep_sync: bool = True) -> bool:
         grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
         lease = int(grant["ID"])
         put = {"key": self._leader_key, "value": _b64(me.encode()), "lease": str(lease)}
-        reply = await self._call("/v3/kv/txn", _create_if_absent(self._leader_key, put))
+        taken = _create_if_absent(self._leader_key, put)
+        taken["success"].append({"request_put": {"key": self._primary_key, "value": _b64(me.encode())}})
+        if not keep_sync:
+            taken["success"].append({"request_delete_range": {"key": self._sync_key}})
+        reply = await self._call("/v3/kv/txn", taken)
         if reply.get("succeeded"):
             self.lease_id = lease
             return True
@@ -119,11 +128,26 @@ class EtcdCoordinator(Coordinator):
         return bool(reply.get("succeeded"))
 
     async def sync_members(self) -> frozenset[str] | None:
+        record = await self._sync_record()
+        return None if record is None else frozenset(record["members"])
+
+    async def former_primaries(self) -> frozenset[str]:
+        names = set()
+        reply = await self._call("/v3/kv/range", {"key": self._primary_key})
+        for kv in reply.get("kvs") or []:
+            names.add(Leader.decode(base64.b64decode(kv.get("value", ""))).name)
+        record = await self._sync_record()
+        if record is not None:
+            names.add(str(record["leader"]))
+        return frozenset(names)
+
+    async def _sync_record(self) -> dict[str, Any] | None:
         reply = await self._call("/v3/kv/range", {"key": self._sync_key})
         kvs = reply.get("kvs") or []
         if not kvs:
             return None
-        return frozenset(json.loads(base64.b64decode(kvs[0].get("value", "")))["members"])
+        record: dict[str, Any] = json.loads(base64.b64decode(kvs[0].get("value", "")))
+        return record
 
     async def publish_member(self, member: Member) -> None:
         if self.member_lease is not None:
@@ -193,7 +217,7 @@ def _member(kv: dict[str, Any], name: str) -> Member:
         return Member(name, "?", 0, 0, False)
 
 
-def _create_if_absent(key: str, put: dict[str, str]) -> dict[str, Any]:
+def _create_if_absent(key: str, put: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
     """A transaction that puts only if ``key`` does not exist (its create_revision is 0)."""
     return {
         "compare": [{"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],

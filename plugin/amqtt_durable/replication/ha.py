@@ -3,6 +3,7 @@
 ``HaNode.run_cycle`` is called every ``loop_wait`` seconds; each call returns a
 ``Decision`` whose ``reason`` is logged and shown by inspect. The broker gives the node its
 hooks: ``caught_up()`` (the backup end says IN_SYNC), ``position()`` (store id, last batch),
+``store_whole()`` (a replicated history, no half-applied snapshot),
 ``follow(leader)``, ``promote()`` and ``demote(reason)``. Nothing of this runs without a
 coordinator configured.
 
@@ -27,8 +28,11 @@ acknowledged anything without a backup (so it holds every acknowledged batch), a
 live candidate of the same store is further ahead (``ahead_of``: every node publishes its
 position each cycle, Patroni's member keys; in async mode the most advanced backup holds the
 most acknowledged publishes); or when it bootstraps a new cluster (the one-time
-``initialize`` claim). A backup's published position is final one cycle after the primary
-died, well before the lease can expire (``loop_wait <= (ttl - demote_margin) / 2``).
+``initialize`` claim); or, not caught up, after a full stop of the group (``_after_full_stop``:
+the last primary or a member of its synchronous set, the most advanced running); or when the
+operator's ``promote`` asked it to (``request_takeover``: no check that it holds every
+acknowledged publish, the lease still taken atomically). A backup's published position is final
+one cycle after the primary died, well before the lease can expire (``loop_wait <= (ttl - demote_margin) / 2``).
 
 Logging (``run``): a decision whose reason repeats the previous cycle's is logged at DEBUG;
 the coordinator not answering is one WARNING when it starts and one INFO line when it
@@ -45,6 +49,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from .config import Mode
 from .coordinator import Coordinator, Leader, Member
 from .errors import CoordinatorError, MemberNameTakenError, PromotionStoppedError
 
@@ -75,6 +80,9 @@ class HaHooks(Protocol):
     def position(self) -> tuple[int, int]:
         """(store id, last batch) of this node's store: a primary's newest, a backup's last applied."""
 
+    def store_whole(self) -> bool:
+        """The store holds a whole replicated history: at least one batch, no snapshot half applied."""
+
     def follow(self, leader: Leader) -> None:
         """Replicate from ``leader`` (reconnect the backup end if it follows another)."""
 
@@ -100,6 +108,7 @@ class HaNode:
         address: str,
         loop_wait: float,
         demote_margin: float,
+        mode: Mode = "sync",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if demote_margin <= 0 or demote_margin >= coordinator.ttl:
@@ -109,6 +118,8 @@ class HaNode:
         self.me = Leader(name, address)
         self.loop_wait = loop_wait
         self.demote_margin = demote_margin
+        self.mode = mode
+        """replication.mode: in async mode taking the lease removes an earlier synchronous set."""
         self.clock = clock
         self.role: Role = "backup"
         self.valid_until = 0.0
@@ -122,6 +133,15 @@ class HaNode:
         self.members: list[Member] = []
         """The members' records as last read (inspect shows them)."""
         self._previous_reason: str | None = None
+        self._full_stop_since: float | None = None
+        """When this node, not caught up, first found no primary in a row of cycles that let it take
+        over after a full stop of the group (any other cycle ends the row): it waits up to ``ttl``
+        from then for the others that may take over to start."""
+        self._found_no_primary = False
+        """The coordinator's last answer to this backup was that no node holds the lease (``promote``
+        may ask then); False after a cycle that could not tell. Kept while a cycle is under way."""
+        self._operator_takeover = False
+        """``amqtt-durable promote`` asked this node to take the free lease at its next cycle."""
         self._unanswered_since: float | None = None
 
     @property
@@ -185,6 +205,7 @@ class HaNode:
     def _demote(self, why: str, *, unanswered: bool = False) -> Decision:
         reason = f"{why}: demoted, no longer acknowledging; clients closed, rejoining as a backup"
         self.role = "backup"
+        self._found_no_primary = False  # from before its term: promote waits for a backup cycle
         self.valid_until = 0.0
         if self._deadline is not None:
             self._deadline.cancel()
@@ -208,48 +229,163 @@ class HaNode:
 
     # --- backup -------------------------------------------------------------------------------
 
+    def request_takeover(self) -> str | None:
+        """``amqtt-durable promote`` on a node with a coordinator, the operator's decision: take the
+        lease at the next cycle if it is still free, without the checks that this node holds
+        every acknowledged publish (the lease is still taken atomically: no split brain). None:
+        accepted; else why not: only a backup whose last cycle found no primary is promoted so."""
+        if self.role == "primary":
+            return "it is the primary already"
+        if not self._found_no_primary:
+            return (
+                "its coordinator decides who is primary: a primary holds the lease (or this node's last HA cycle "
+                "could not tell); promote takes the lease only while the coordinator has no primary"
+            )
+        self._operator_takeover = True
+        log.warning(
+            "replication HA %s: promoted by the operator: takes the leader lease at its next cycle if it is "
+            "still free, whether or not it holds every acknowledged publish",
+            self.me.name,
+        )
+        return None
+
     async def _as_backup(self) -> Decision:
         started = self.clock()
+        waited_since, self._full_stop_since = self._full_stop_since, None  # kept only by a full stop's wait
         try:
             async with asyncio.timeout(self.ttl):  # the coordinator's calls only, not the promotion
                 await self.coordinator.publish_member(self.record())
                 leader = await self.coordinator.leader()
+                self._found_no_primary = leader is None
                 self.members = await self.coordinator.members()
                 if leader is not None:
+                    if self._operator_takeover:
+                        self._operator_takeover = False
+                        log.warning(
+                            "replication HA %s: the operator's promote is void: %s took the leader lease first",
+                            self.me.name,
+                            leader.name,
+                        )
                     return self._follow(leader)
-                if not self.hooks.caught_up():
-                    if not (self._bootstrap_failed or await self.coordinator.initialize(self.me.name)):
-                        return Decision(
-                            "wait", "no primary, but this node is not caught up with the last one: not taking the lease"
-                        )
-                    action: Action = "bootstrapped"
-                    why = "a new cluster, claimed its bootstrap"
-                else:
-                    sync_set = await self.coordinator.sync_members()
-                    if sync_set is not None and self.me.name not in sync_set:
-                        return Decision(
-                            "wait",
-                            "no primary, but this node is not in the synchronous set the last primary published "
-                            f"({', '.join(sorted(sync_set)) or 'none'}): it may lack acknowledged publishes",
-                        )
-                    mine = self.record()
-                    ahead = ahead_of(mine, self.members, sync_set)
-                    if ahead:
-                        best = max(ahead, key=lambda member: member.seq)
-                        return Decision(
-                            "wait",
-                            f"no primary, but {best.name} is further ahead (batch {best.seq}, this node "
-                            f"{mine.seq}): leaving the lease to it",
-                        )
-                    action, why = "promoted", "no primary, and this node is caught up and the most advanced"
+                chosen = await self._without_primary(waited_since)
+                if isinstance(chosen, Decision):
+                    return chosen
+                action, why = chosen
                 started = self.clock()
-                if not await self.coordinator.acquire(self.me):
+                if not await self.coordinator.acquire(self.me, keep_sync=self.mode == "sync"):
                     return Decision("wait", f"{why}, but another node took the lease first")
         except MemberNameTakenError as exc:
+            self._found_no_primary = False
             return await self._name_taken(exc.holder)
         except (CoordinatorError, TimeoutError) as exc:
+            self._found_no_primary = False
             return Decision("wait", f"the coordinator does not answer ({_why(exc)}): staying a backup", True)
         return await self._promote_with_lease(started, action, why)
+
+    async def _without_primary(self, waited_since: float | None) -> Decision | tuple[Action, str]:
+        """Nobody holds the lease: whether this node takes it (the action and why) or waits
+        (``waited_since``: ``_full_stop_since`` as the previous cycle left it)."""
+        if self._operator_takeover:
+            self._operator_takeover = False
+            return "promoted", (
+                "no primary, and the operator promoted this node (amqtt-durable promote): it may lack "
+                "acknowledged publishes"
+            )
+        if self.hooks.caught_up():
+            return await self._as_caught_up()
+        if self._bootstrap_failed or await self.coordinator.initialize(self.me.name):
+            return "bootstrapped", "a new cluster, claimed its bootstrap"
+        waiting = await self._after_full_stop(waited_since)
+        if waiting is not None:
+            return waiting
+        return "promoted", (
+            "no primary after a full stop of the group, and this node holds every acknowledged "
+            "publish (the last primary or in its synchronous set) and is the most advanced"
+        )
+
+    async def _as_caught_up(self) -> Decision | tuple[Action, str]:
+        """No primary, and this node was caught up with the last one (Patroni's healthiest node)."""
+        sync_set = await self.coordinator.sync_members()
+        if sync_set is not None and self.me.name not in sync_set:
+            return Decision(
+                "wait",
+                "no primary, but this node is not in the synchronous set the last primary published "
+                f"({', '.join(sorted(sync_set)) or 'none'}): it may lack acknowledged publishes",
+            )
+        mine = self.record()
+        ahead = ahead_of(mine, self.members, sync_set)
+        if ahead:
+            best = max(ahead, key=lambda member: member.seq)
+            return Decision(
+                "wait",
+                f"no primary, but {best.name} is further ahead (batch {best.seq}, this node "
+                f"{mine.seq}): leaving the lease to it",
+            )
+        return "promoted", "no primary, and this node is caught up and the most advanced"
+
+    async def _after_full_stop(self, waited_since: float | None) -> Decision | None:
+        """No primary, and no primary told this node IN_SYNC since it started: the whole group
+        stopped (a power cut) or this node restarted while the primary was gone. None: it may
+        take the lease (Patroni's rule after a full stop). Only a node that holds every
+        acknowledged publish may: the last primary (it acknowledged them) or, when one was
+        published, a member of its synchronous set (every acknowledgement waited for them), its
+        store whole; and of those, only the most advanced one running (the last primary on a
+        tie) whose last promotion did not fail, after waiting up to ``ttl`` (from
+        ``waited_since``, else now) for those not running yet to start."""
+        former = await self.coordinator.former_primaries()
+        sync_set = await self.coordinator.sync_members()
+        eligible = former | (sync_set or frozenset())
+        if self.me.name not in eligible:
+            known = ", ".join(sorted(eligible))
+            return Decision(
+                "wait",
+                "no primary, but this node is not caught up with the last one"
+                + (
+                    f", nor the last primary or in its synchronous set ({known}): it may lack acknowledged "
+                    "publishes; not taking the lease until one of them is primary again"
+                    if known
+                    else ", and the coordinator names no former primary: not taking the lease"
+                )
+                + " (or the operator promotes a node: docs/replication.md, After a full stop of the group)",
+                level=logging.WARNING,
+            )
+        if not self.hooks.store_whole():
+            return Decision(
+                "wait",
+                "no primary, and this node is not caught up with the last one: its store holds no whole "
+                "replicated history (empty, or a snapshot half applied), so it is not taking the lease "
+                "though its name is the last primary's or in its synchronous set",
+                level=logging.WARNING,
+            )
+        store_id, seq = self.hooks.position()
+        others = {member.name: member for member in self.members if member.name != self.me.name}
+        ahead = [
+            member
+            for member in others.values()
+            if (member.name in eligible or (sync_set is None and member.candidate))
+            and not member.promotion_failed
+            and member.store_id == store_id
+            and (member.seq > seq or (member.seq == seq and member.name in former and self.me.name not in former))
+        ]
+        if ahead:
+            best = max(ahead, key=lambda member: member.seq)
+            return Decision(
+                "wait",
+                f"no primary after a full stop of the group, and {best.name} holds every acknowledged publish "
+                f"too and is further ahead or was primary last (batch {best.seq}, this node {seq}): leaving the "
+                "lease to it",
+            )
+        now = self.clock()
+        self._full_stop_since = now if waited_since is None else waited_since
+        missing = sorted(eligible - others.keys() - {self.me.name})
+        if missing and now - self._full_stop_since < self.ttl:
+            return Decision(
+                "wait",
+                f"no primary after a full stop of the group: waiting up to {self.ttl:g} s for "
+                f"{', '.join(missing)} (the last primary or in its synchronous set) to start, "
+                "in case it is further ahead",
+            )
+        return None
 
     async def _name_taken(self, holder: Member) -> Decision:
         """The coordinator's record under this node's name is another node's: this node takes no
@@ -270,7 +406,9 @@ class HaNode:
         )
 
     async def _promote_with_lease(self, started: float, action: Action, why: str) -> Decision:
-        """The lease taken (asked for at ``started``): become primary, or give it back."""
+        """The lease taken (asked for at ``started``): become primary, or give it back. An operator's
+        promote that arrived during this cycle is done with too (never a takeover later)."""
+        self._operator_takeover = False
         self.valid_until = started + self.ttl
         self.role = "primary"
         self._arm_deadline()
@@ -331,7 +469,7 @@ class HaNode:
         """What this node publishes about itself now."""
         store_id, seq = self.hooks.position()
         candidate = self.role == "backup" and self.hooks.caught_up() and not self._promotion_failed
-        return Member(self.me.name, self.role, store_id, seq, candidate, self.me.address)
+        return Member(self.me.name, self.role, store_id, seq, candidate, self.me.address, self._promotion_failed)
 
     # --- the loop -----------------------------------------------------------------------------
 

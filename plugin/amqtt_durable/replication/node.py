@@ -54,6 +54,10 @@ from .tool import join_address, split_address, split_peer_address
 
 log = logging.getLogger("amqtt_durable.replication")
 
+PROMOTING = "it is being promoted already (it serves clients once its store is loaded)"
+HALF_SNAPSHOT = "its store holds a half-applied snapshot; let it catch up first"
+"""Why ``promote`` refuses a node, with or without a coordinator."""
+
 
 class ReplicationNode:
     """The replication side of one broker over its open store ``db``."""
@@ -97,6 +101,7 @@ class ReplicationNode:
                 address=config.advertised,
                 loop_wait=config.loop_wait,
                 demote_margin=config.demote_margin,
+                mode=config.mode,
             )
             if coordinator is not None
             else None
@@ -184,6 +189,9 @@ class ReplicationNode:
                 status["promotion_failed"] = self.promotion_failure
             if self.backup.refused is not None:
                 status["refused_by_primary"] = self.backup.refused
+            last = self.ha.last if self.ha is not None else None
+            if last is not None and last.action == "wait":  # no primary followed: why (after a full stop, say)
+                status["waiting"] = last.reason
         status["refused"] = self._admin_gate.refusals
         if self.ha is not None:
             status["members"] = [
@@ -195,9 +203,8 @@ class ReplicationNode:
     def metrics(self) -> dict[str, object]:
         """``status`` flattened into $SYS/broker/durable/replication/... topics."""
         status = self.status()
-        flat: dict[str, object] = {
-            f"replication/{key}": value for key, value in status.items() if key not in ("backups", "members", "name")
-        }
+        left_out = ("backups", "members", "name", "waiting")
+        flat: dict[str, object] = {f"replication/{key}": value for key, value in status.items() if key not in left_out}
         backups = status.get("backups", [])
         if status["role"] == "primary":
             flat["replication/backups"] = len(backups)
@@ -341,23 +348,16 @@ class ReplicationNode:
         if self._ha_stop.is_set():
             return {"promoted": False, "why": "the broker stops"}
         if self.ha is not None:
-            return {
-                "promoted": False,
-                "why": "its coordinator decides who is primary: stop the primary, and a caught-up backup "
-                "takes over once its lease ends",
-            }
+            return self._request_takeover()
         under_way = self._operator_promotion
         if self._promoting or (under_way is not None and not under_way.done()):
             # A second PROMOTE (two operators, a retried command) must not start a second
             # promotion: promote would refuse it (PromotionRefusedError), and that failure's
             # path in _promote_by_operator would start following the old primary again under
             # the new one.
-            return {
-                "promoted": False,
-                "why": "it is being promoted already (it serves clients once its store is loaded)",
-            }
+            return {"promoted": False, "why": PROMOTING}
         if read_position(self.db) is None:
-            return {"promoted": False, "why": "its store holds a half-applied snapshot; let it catch up first"}
+            return {"promoted": False, "why": HALF_SNAPSHOT}
         behind = "" if self.backup.caught_up else f" (it was {self.backup.state} at batch {self.backup.applied_seq})"
         log.warning("replication: %s promoted by the operator%s", self.config.name or "this backup", behind)
         task = asyncio.get_running_loop().create_task(self._promote_by_operator())
@@ -365,6 +365,23 @@ class ReplicationNode:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         return {"promoted": True, "why": "promoted by the operator" + behind}
+
+    def _request_takeover(self) -> dict[str, Any]:
+        """PROMOTE on a node with a coordinator: it takes the free lease at its next HA cycle."""
+        assert self.ha is not None
+        if self._promoting:
+            return {"promoted": False, "why": PROMOTING}
+        if read_position(self.db) is None:
+            return {"promoted": False, "why": HALF_SNAPSHOT}
+        refused = self.ha.request_takeover()
+        if refused is not None:
+            return {"promoted": False, "why": refused}
+        behind = "" if self.backup.caught_up else f", at batch {self.backup.applied_seq}, not known to be caught up"
+        return {
+            "promoted": True,
+            "why": f"the operator's decision: no primary holds the lease; this node{behind} takes it at its next "
+            "HA cycle unless another node takes it first",
+        }
 
     async def _promote_by_operator(self) -> None:
         try:
@@ -395,6 +412,9 @@ class ReplicationNode:
         if primary is not None:
             return primary.store_id, primary.log.head_seq
         return self.backup.store_id, self.backup.applied_seq
+
+    def store_whole(self) -> bool:
+        return self.primary is not None or (not self.backup.partial and self.backup.applied_seq > 0)
 
     def follow(self, leader: Leader) -> None:
         if self._following == leader.address and self._follow_task is not None and not self._follow_task.done():

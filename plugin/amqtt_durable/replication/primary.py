@@ -632,7 +632,7 @@ class Primary:
 
     def _in_sync(self, writer: asyncio.StreamWriter, link: BackupLink, pos: int) -> None:
         """``link`` has every batch up to ``pos``, the newest: IN_SYNC, and counted from now on."""
-        if writer.transport.is_closing():  # aborted (the watchdog): never in sync again
+        if writer.transport.is_closing():  # aborted (the watchdog, or replaced by its reconnect): never in sync
             raise ConnectionResetError("the connection to the backup was aborted")
         writer.write(link.session.encode(Frame.IN_SYNC, encode_seq(pos)))
         _user_timeout(writer, USER_TIMEOUT_MS)

@@ -119,6 +119,8 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(f"  its last promotion failed: {status['promotion_failed']}")
         if status.get("refused_by_primary"):
             lines.append(f"  {status['refused_by_primary']}")
+        if status.get("waiting"):
+            lines.append(f"  its last HA cycle: {status['waiting']}")
     if status.get("refused"):  # a node before this field did not send it
         lines.append(f"  connections refused on its replication address since start: {status['refused']}")
     members = status.get("members")

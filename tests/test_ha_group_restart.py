@@ -1,0 +1,199 @@
+"""A full stop of a coordinated group (the primary and every backup SIGKILLed, as a power cut
+does), then its brokers started again, with a real etcd that kept running: a restarted node
+has not been told IN_SYNC by any primary, so the group elects the way docs/replication.md
+(After a full stop of the group) says: only the last primary or a member of its synchronous
+set, the most advanced of those running. A primary is elected within a bounded time, the
+durable subscriber gets every acknowledged publish with session_present=1, and a node that may
+lack acknowledged publishes never takes the lease."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from test_ha_brokers import (
+    BACKUP,
+    FAILOVER_WAIT,
+    HA_TIMING,
+    SERVING,
+    address,
+    assert_queue_served,
+    ha_pair,
+    node,
+    queue_durable_messages,
+    start,
+    wait_status,
+)
+
+from amqtt_durable.process import EtcdProcess
+from amqtt_durable.replication.config import ReplicationConfig
+from amqtt_durable.replication.etcd import EtcdCoordinator
+from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
+
+pytestmark = pytest.mark.timeout(180)
+
+QUEUED = 200
+WAITING = "not caught up with the last one, nor the last primary"
+"""The start of the WARNING of a node that waits after a full stop (docs/replication.md)."""
+
+
+def coordinator(etcd: EtcdProcess) -> EtcdCoordinator:
+    prefix = ReplicationConfig(coordinator=[etcd.url], name="test").prefix
+    return EtcdCoordinator([etcd.url], prefix=prefix, ttl=HA_TIMING["lease_ttl"])
+
+
+def lease_holder(etcd: EtcdProcess) -> str | None:
+    leader = asyncio.run(coordinator(etcd).leader())
+    return None if leader is None else leader.name
+
+
+def sync_set(etcd: EtcdProcess) -> frozenset[str] | None:
+    return asyncio.run(coordinator(etcd).sync_members())
+
+
+def kill_all(*brokers: Broker) -> None:
+    """SIGKILL each, the primary first: no broker is left running to publish a new synchronous set."""
+    for broker in brokers:
+        broker.kill()
+
+
+def served_by(broker: Broker) -> bool:
+    return broker.wait_until(lambda: connack_code(broker.port) == SERVING, FAILOVER_WAIT)
+
+
+@pytest.mark.parametrize("etcd_too", [False, True], ids=["etcd-ran-on", "etcd-killed-too"])
+def test_both_restarted_elect_a_primary_that_serves_every_acknowledged_publish(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess, etcd_too: bool
+) -> None:
+    first, second = ha_pair(broker_factory, etcd)
+    queue_durable_messages(first, clients, QUEUED)
+    kill_all(first, second)
+    if etcd_too:  # the power cut took etcd's machine too: it starts again on its data folder
+        etcd.kill()
+        etcd.start()
+
+    restarted = time.monotonic()
+    first.spawn()
+    second.spawn()
+
+    def serving() -> list[Broker]:
+        return [broker for broker in (first, second) if connack_code(broker.port) == SERVING]
+
+    elected = first.wait_until(lambda: len(serving()) > 0, FAILOVER_WAIT)
+    assert elected, f"no primary elected in {FAILOVER_WAIT} s\n{first.log()}\n{second.log()}"
+    [primary] = serving()
+    print(f"{primary.settings['replication']['name']} elected {time.monotonic() - restarted:.1f} s after the restart")
+    other = second if primary is first else first
+    assert lease_holder(etcd) == primary.settings["replication"]["name"]
+    assert other.wait_until(lambda: connack_code(other.port) == BACKUP, WAIT), other.log()  # may still be starting
+    assert_queue_served(primary, clients, QUEUED)
+    caught_up = wait_status(other, lambda s: s["caught_up"] and s["primary"] == address(primary))
+    assert caught_up["role"] == "backup"
+
+
+@pytest.mark.parametrize(
+    "alone",
+    [
+        "b",  # the former backup: it was in a's synchronous set, so it holds every acknowledged publish
+        "a",  # the former primary, the last to take the lease: it acknowledged every publish itself
+    ],
+)
+def test_a_node_restarted_alone_takes_over_if_it_holds_every_acknowledged_publish_and_the_other_follows_it(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess, alone: str
+) -> None:
+    first, second = ha_pair(broker_factory, etcd)
+    queue_durable_messages(first, clients, QUEUED)
+    assert sync_set(etcd) == frozenset({"b"})
+    kill_all(first, second)
+    restarted, other = (first, second) if alone == "a" else (second, first)
+
+    restarted.spawn()
+    assert served_by(restarted), restarted.log()
+    assert lease_holder(etcd) == alone
+    assert_queue_served(restarted, clients, QUEUED)
+    start(other, BACKUP)
+    assert wait_status(other, lambda s: s["caught_up"])["primary"] == address(restarted)
+
+
+def stale_node_restarted_alone(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
+) -> tuple[Broker, Broker, Broker, list[bytes]]:
+    """a primary, b and c its backups; c is killed, then ``later`` publishes are acknowledged by a
+    and b only; a and b are killed; c alone is started again and waits, with a WARNING, without
+    the lease. Returns (a, b, c, later), a and b stopped."""
+    ha: dict[str, Any] = {"coordinator": [etcd.url], **HA_TIMING}
+    first, second = ha_pair(broker_factory, etcd)
+    third = start(node(broker_factory, "c", **ha), BACKUP)
+    wait_status(third, lambda s: s["caught_up"])
+    assert first.wait_until(lambda: sync_set(etcd) == frozenset({"b", "c"}), WAIT)
+    queue_durable_messages(first, clients, QUEUED)
+    third.kill()  # c leaves: the publishes below are acknowledged by a and b only
+    assert first.wait_until(lambda: sync_set(etcd) == frozenset({"b"}), WAIT)
+    later = payloads(100, "later-")
+    publisher = clients(first.port, "publisher", clean_session=True)
+    publisher.publish("t/a", later)
+    publisher.disconnect()
+    kill_all(first, second)
+
+    third.spawn()  # c lacks the later publishes: it must not take the lease
+    assert third.wait_until(lambda: WAITING in third.log(), FAILOVER_WAIT), third.log()
+    assert "WARNING" in next(line for line in third.log().splitlines() if WAITING in line)
+    assert lease_holder(etcd) is None and connack_code(third.port) == BACKUP, third.log()
+    shown = run_cli("inspect", "--replication", address(third))
+    assert shown.returncode == 0, shown.stderr
+    assert f"  its last HA cycle: no primary, but this node is {WAITING}" in shown.stdout, shown.stdout
+    return first, second, third, later
+
+
+def test_a_node_that_may_lack_acknowledged_publishes_waits_for_one_that_holds_them(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
+) -> None:
+    _, second, third, later = stale_node_restarted_alone(broker_factory, clients, etcd)
+    second.spawn()  # b, in the last synchronous set, holds them: it takes over, c follows it
+    assert served_by(second), second.log()
+    device = clients(second.port, "device")
+    assert device.session_present is True
+    received = device.wait_messages(QUEUED + len(later))
+    assert [m.payload for m in received] == payloads(QUEUED) + later
+    assert connack_code(third.port) == BACKUP
+    assert wait_status(third, lambda s: s["caught_up"])["primary"] == address(second)
+
+
+def test_the_operator_promotes_a_node_that_may_lack_acknowledged_publishes_and_it_serves_what_it_has(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
+) -> None:
+    first, _, third, _ = stale_node_restarted_alone(broker_factory, clients, etcd)
+    promoted = run_cli("promote", address(third))  # a and b are lost for good: the operator's decision
+    assert promoted.returncode == 0, promoted.stderr
+    assert "the operator's decision: no primary holds the lease" in promoted.stdout, promoted.stdout
+    assert served_by(third), third.log()
+    assert lease_holder(etcd) == "c"
+    device = clients(third.port, "device")
+    assert device.session_present is True
+    assert [m.payload for m in device.wait_messages(QUEUED)] == payloads(QUEUED)  # not the later ones
+    assert not device.wait_for(lambda messages: len(messages) > QUEUED, 1.0)
+    refused = run_cli("promote", address(third))
+    assert refused.returncode == 1 and "it is the primary already" in refused.stderr
+    start(first, BACKUP)  # the old primary's later batches never reached c: it gets a snapshot
+    assert wait_status(first, lambda s: s["caught_up"])["primary"] == address(third)
+
+
+def test_in_async_mode_only_the_last_primary_takes_over_after_a_full_stop(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
+) -> None:
+    first, second = ha_pair(broker_factory, etcd, mode="async")
+    queue_durable_messages(first, clients, QUEUED)
+    assert sync_set(etcd) is None  # async mode publishes no synchronous set
+    kill_all(first, second)
+
+    second.spawn()  # b cannot know what a acknowledged after b's last batch: it waits
+    waiting = "not caught up with the last one, nor the last primary or in its synchronous set (a)"
+    assert second.wait_until(lambda: waiting in second.log(), FAILOVER_WAIT), second.log()
+    assert lease_holder(etcd) is None and connack_code(second.port) == BACKUP
+    first.spawn()  # a, the last to take the lease
+    assert served_by(first), first.log()
+    assert_queue_served(first, clients, QUEUED)
+    assert wait_status(second, lambda s: s["caught_up"])["primary"] == address(first)
