@@ -1,0 +1,408 @@
+"""Blind tests of docs/pipeline.md and docs/fleet.md, written from the pages alone as a user runs them: the
+``amqtt-durable`` source through Spark's own reader API against a real broker (its schema as documented, its
+defaults, a bad value of each documented option), the ``durable-pipeline`` command as a child process, and the
+audit of delivery logs the SDK wrote against a real broker. Each test quotes the promise it checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import WAIT, Broker, Client, run_cli
+from durable_client import DurableClient, Event
+
+PIPELINE = str(Path(sys.executable).with_name("durable-pipeline"))
+FILTER = "telemetry/#"
+
+
+def load(spark: Any, opts: dict[str, Any], stream: bool = False) -> Any:
+    """``spark.read`` (or ``readStream``) ``.format("amqtt-durable")`` with every option set, loaded."""
+    reader = (spark.readStream if stream else spark.read).format("amqtt-durable")
+    for key, value in opts.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def publish(client: Client, topic: str, count: int, qos: int = 1) -> None:
+    client.publish(topic, [f"{topic}:{i}".encode() for i in range(1, count + 1)], qos=qos)
+
+
+@pytest.fixture
+def stream_broker(broker_factory: Callable[..., Broker]) -> Broker:
+    return broker_factory(streams=[{"filter": FILTER}])
+
+
+@pytest.fixture
+def publisher(stream_broker: Broker, clients: Callable[..., Client]) -> Client:
+    return clients(stream_broker.port, "blind-pub", clean_session=True)
+
+
+# ------------------------------------------------------------------ the source, through Spark
+@pytest.mark.slow
+def test_the_columns_are_topic_id_payload_binary_qos_published_at(
+    spark: Any, stream_broker: Broker, publisher: Client
+) -> None:
+    """pipeline.md: `.load()   # topic, id, payload (binary), qos, published_at`; "startingOffsets (`earliest`
+    default ...)", "endingOffsets (batch: `latest` ...)": a batch read without either reads every event, ids
+    1, 2, 3, ... per topic (streams.md), each with the QoS it was published at."""
+    before = time.time()
+    publish(publisher, "telemetry/a", 3, qos=1)
+    publish(publisher, "telemetry/b", 2, qos=2)
+    after = time.time()
+    frame = load(spark, {"port": stream_broker.port, "filter": FILTER})
+    assert frame.columns == ["topic", "id", "payload", "qos", "published_at"]
+    assert frame.schema["payload"].dataType.typeName() == "binary"
+    assert frame.schema["topic"].dataType.typeName() == "string"
+    assert frame.schema["id"].dataType.typeName() in {"long", "integer"}
+    assert frame.schema["qos"].dataType.typeName() in {"integer", "byte", "short", "long"}
+    rows = sorted(frame.collect(), key=lambda r: (r.topic, r.id))
+    assert [(r.topic, r.id, bytes(r.payload), r.qos) for r in rows] == [
+        ("telemetry/a", 1, b"telemetry/a:1", 1),
+        ("telemetry/a", 2, b"telemetry/a:2", 1),
+        ("telemetry/a", 3, b"telemetry/a:3", 1),
+        ("telemetry/b", 1, b"telemetry/b:1", 2),
+        ("telemetry/b", 2, b"telemetry/b:2", 2),
+    ]
+    for row in rows:
+        stamp = row.published_at.timestamp() if hasattr(row.published_at, "timestamp") else row.published_at
+        assert before - 1 <= stamp <= after + 1, row
+    explicit = load(spark, {"port": stream_broker.port, "filter": FILTER, "endingOffsets": "latest"})
+    assert explicit.count() == 5
+
+
+@pytest.mark.slow
+def test_ids_per_partition_and_num_partitions_set_the_read_tasks(
+    spark: Any, stream_broker: Broker, publisher: Client
+) -> None:
+    """pipeline.md: "Partitions per topic, and per id range within a topic (`idsPerPartition`, default
+    100000)"; "`numPartitions` (instead of `idsPerPartition`) sets the number of read tasks per micro-batch";
+    "`numPartitions` (default: per topic and `idsPerPartition`; not with `idsPerPartition`)"."""
+    publish(publisher, "telemetry/a", 25)
+    publish(publisher, "telemetry/b", 5)
+    base = {"port": stream_broker.port, "filter": FILTER}
+    default = load(spark, base)
+    assert default.rdd.getNumPartitions() == 2, "one per topic"
+    split = load(spark, {**base, "idsPerPartition": 10})
+    assert split.rdd.getNumPartitions() == 3 + 1, "telemetry/a in 10-id ranges, telemetry/b in one"
+    assert sorted((r.topic, r.id) for r in split.collect()) == sorted(
+        [("telemetry/a", i) for i in range(1, 26)] + [("telemetry/b", i) for i in range(1, 6)]
+    )
+    one = load(spark, {**base, "numPartitions": 1})
+    assert one.rdd.getNumPartitions() == 1
+    assert one.count() == 30
+    three = load(spark, {**base, "numPartitions": 3})
+    assert three.rdd.getNumPartitions() == 3
+    assert three.count() == 30
+
+
+@pytest.mark.slow
+def test_a_host_name_and_a_host_with_spaces_around_it_are_read_from(
+    spark: Any, stream_broker: Broker, publisher: Client
+) -> None:
+    """pipeline.md: "`host` (a host name or an IP address ... (spaces around it are stripped)"."""
+    publish(publisher, "telemetry/a", 4)
+    for host in ("localhost", "  127.0.0.1 "):
+        frame = load(spark, {"host": host, "port": stream_broker.port, "filter": FILTER, "timeout": 10})
+        assert sorted(r.id for r in frame.collect()) == [1, 2, 3, 4], host
+
+
+BAD_OPTIONS = [
+    ("port", "abc"),
+    ("port", "0"),
+    ("port", "65536"),
+    ("window", "0"),
+    ("window", "1001"),
+    ("window", "many"),
+    ("timeout", "0"),
+    ("timeout", "-1"),
+    ("timeout", "soon"),
+    ("idsPerPartition", "0"),
+    ("idsPerPartition", "ten"),
+    ("numPartitions", "0"),
+    ("maxEventsPerTrigger", "0"),
+    ("maxEventsPerTrigger", "x"),
+    ("startingOffsets", "newest"),
+    ("startingOffsets", "{not json"),
+    ("endingOffsets", "earliest"),
+    ("endingOffsets", "[1, 2]"),
+    ("failOnDataLoss", "maybe"),
+    ("failover", "nohostport"),
+    ("failover", "h:0"),
+    ("host", "127.0.0.1:1883"),
+    ("host", "[localhost]"),
+    ("host", "my host"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("option", "value"), BAD_OPTIONS)
+def test_a_bad_value_of_a_documented_option_is_a_source_error_naming_it(
+    spark: Any, stream_broker: Broker, option: str, value: str
+) -> None:
+    """pipeline.md, Options: "... is a `SourceError` naming the option"; "Unknown options, an unknown stream
+    ... and an unreachable broker each give a `SourceError` that says what to do". Read through Spark as a
+    user does, against a running broker that has the stream: only the option is wrong."""
+    opts = {"port": str(stream_broker.port), "filter": FILTER, "timeout": "5", option: value}
+    with pytest.raises(Exception, match="SourceError") as raised:
+        load(spark, opts).collect()
+    assert option in str(raised.value), str(raised.value)[-2000:]
+
+
+@pytest.mark.slow
+def test_an_unknown_option_names_itself_and_the_options_there_are(spark: Any, stream_broker: Broker) -> None:
+    """pipeline.md: "Unknown options ... each give a `SourceError` that says what to do"."""
+    with pytest.raises(Exception, match="SourceError") as raised:
+        load(spark, {"port": stream_broker.port, "filter": FILTER, "maxEventsPerBatch": "5"}).collect()
+    text = str(raised.value)
+    assert "maxeventsperbatch" in text.lower(), "Spark hands the source its option names in lower case"
+    assert "maxEventsPerTrigger" in text, "what to do: the options there are"
+
+
+@pytest.mark.slow
+def test_a_missing_filter_is_a_source_error_naming_it(spark: Any, stream_broker: Broker) -> None:
+    """pipeline.md: "`filter` (required)"."""
+    with pytest.raises(Exception, match="SourceError") as raised:
+        load(spark, {"port": stream_broker.port}).collect()
+    assert "filter" in str(raised.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_starting_offsets_latest_reads_only_what_comes_after_the_query_starts(
+    spark: Any, stream_broker: Broker, publisher: Client, tmp_path: Path
+) -> None:
+    """pipeline.md: "`startingOffsets` (`earliest` default, `latest`, or JSON ...)": a streaming query from
+    `latest` skips what the stream log held when it started and writes what comes after, once."""
+    publish(publisher, "telemetry/a", 5)
+    query = (
+        load(spark, {"port": stream_broker.port, "filter": FILTER, "startingOffsets": "latest"}, stream=True)
+        .writeStream.format("parquet")
+        .option("path", str(tmp_path / "events"))
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .start()
+    )
+    try:
+        query.processAllAvailable()
+        publisher.publish("telemetry/a", [b"late-1", b"late-2"])
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    rows = spark.read.parquet(str(tmp_path / "events")).collect()
+    assert sorted((r.id, bytes(r.payload)) for r in rows) == [(6, b"late-1"), (7, b"late-2")]
+
+
+@pytest.mark.slow
+def test_a_batch_json_range_on_one_topic_of_several_reads_that_range_only(
+    spark: Any, stream_broker: Broker, publisher: Client
+) -> None:
+    """pipeline.md: "`startingOffsets` ... JSON `{"topic": last id already processed}`" and "Batch reads of an
+    id range: ... reads exactly ids 11 to 20", with another topic under the filter beside it."""
+    publish(publisher, "telemetry/a", 25)
+    publish(publisher, "telemetry/b", 25)
+    frame = load(
+        spark,
+        {
+            "port": stream_broker.port,
+            "filter": FILTER,
+            "startingOffsets": json.dumps({"telemetry/a": 10}),
+            "endingOffsets": json.dumps({"telemetry/a": 20}),
+        },
+    )
+    ids = sorted((r.topic, r.id) for r in frame.collect())
+    assert [i for t, i in ids if t == "telemetry/a"] == list(range(11, 21))
+
+
+# ------------------------------------------------------------------ the audit of logs the SDK wrote
+def sdk_run(port: int, logs: Path) -> int:
+    """A subscriber (SDK, delivery log) subscribed at QoS 1, away for part of the run; a publisher (SDK, delivery
+    log) sending at QoS 1 before, during and after. Returns how many messages were sent."""
+    got: list[Event] = []
+    subscriber = DurableClient("blind-sub", "127.0.0.1", port, delivery_log=str(logs / "sub.jsonl"))
+    subscriber.subscribe("plant/+/temp", qos=1, listener=got.append)
+    subscriber.connect(timeout=WAIT)
+    subscriber.ready_for_events()
+    publisher = DurableClient("blind-pub", "127.0.0.1", port, delivery_log=str(logs / "pub.jsonl"))
+    publisher.connect(timeout=WAIT)
+    for i in range(10):
+        publisher.publish(f"plant/{i % 2}/temp", f"live-{i}".encode(), qos=1, timeout=WAIT)
+    subscriber.close(keep_session=True)  # away: the broker queues what follows
+    for i in range(10):
+        publisher.publish(f"plant/{i % 2}/temp", f"away-{i}".encode(), qos=1, timeout=WAIT)
+    back = DurableClient("blind-sub", "127.0.0.1", port, delivery_log=str(logs / "sub.jsonl"))
+    done = threading.Event()
+    seen: list[Event] = []
+
+    def on_event(event: Event) -> None:
+        seen.append(event)
+        if len(seen) == 10:
+            done.set()
+
+    back.subscribe("plant/+/temp", qos=1, listener=on_event)
+    back.connect(timeout=WAIT)
+    back.ready_for_events()
+    assert done.wait(WAIT), [e.payload for e in seen]
+    assert all(e.replayed for e in seen)
+    back.close(keep_session=True)
+    publisher.close(keep_session=False)
+    return 20
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_audit_command_judges_logs_the_sdk_wrote_against_a_real_broker(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """pipeline.md: "`.venv/bin/durable-pipeline audit out/logs --out out/audit --expect exactly-once`"; "the SDK
+    writes them with `DurableClient(..., delivery_log=PATH)`"; "`summary.parquet`, `report.html` and the PNGs
+    go there"; "Exit status 0 when the guarantee holds". The console script in a process of its own."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sent = sdk_run(broker.port, logs)
+    assert sum(1 for r in records(logs / "pub.jsonl") if r["kind"] == "send") == sent
+    out = tmp_path / "audit"
+    done = subprocess.run(
+        [PIPELINE, "audit", str(logs), "--out", str(out), "--expect", "exactly-once"],
+        capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert (out / "summary.parquet").exists() and (out / "report.html").is_file()
+    assert list(out.glob("*.png")), "PNG charts"
+    assert "exactly-once holds" in done.stdout
+    assert any(line.split()[:4] == ["ALL", str(sent), str(sent), "0"] for line in done.stdout.splitlines()), (
+        done.stdout
+    )
+    # "Per receiving device and overall it reports expected vs received, lost, duplicated, out of order, replay
+    # latency p50/p99 and time to drain, into `summary.parquet`": the subscriber was away for 10 of them.
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    rows = pq.read_table(out / "summary.parquet").to_pylist()
+    assert {r["device"] for r in rows} >= {"blind-sub"}, rows
+    device = next(r for r in rows if r["device"] == "blind-sub")
+    assert (device["expected"], device["received"], device["lost"], device["duplicated"]) == (sent, sent, 0, 0)
+    assert device["replay_p50_ms"] is not None and device["replay_p99_ms"] is not None, device
+    assert device["drain_p50_s"] is not None, device
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_duplicate_fails_exactly_once_not_at_least_once_and_a_cut_line_is_bad_input(
+    spark: Any, broker: Broker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pipeline.md: "Exit status 0 when the guarantee holds (exactly-once: nothing lost, nothing duplicated;
+    at-least-once: nothing lost ...), 1 when it does not, 2 on bad input (... corrupt files ...), with the file
+    and the problem named". A receive the SDK logged, logged twice, is a duplicate; a line cut short is a
+    corrupt file. main() in this process, with the session's Spark."""
+    from durable_pipeline.cli import main  # noqa: PLC0415 - pyspark loads only for Spark tests
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sent = sdk_run(broker.port, logs)
+    lines = (logs / "sub.jsonl").read_text(encoding="utf-8").splitlines()
+    receive = next(line for line in lines if json.loads(line)["kind"] == "receive")
+    with (logs / "sub.jsonl").open("a", encoding="utf-8") as log:
+        log.write(receive + "\n")
+    status = main(["audit", str(logs), "--out", str(tmp_path / "a1"), "--expect", "exactly-once"])
+    output = capsys.readouterr().out
+    assert status == 1, output
+    assert any(line.split()[:6] == ["ALL", str(sent), str(sent + 1), "0", "1", "0"] for line in output.splitlines())
+    status = main(["audit", str(logs), "--out", str(tmp_path / "a2"), "--expect", "at-least-once"])
+    assert status == 0, capsys.readouterr().out
+    with (logs / "sub.jsonl").open("a", encoding="utf-8") as log:
+        log.write(receive[: len(receive) // 2])  # a last line cut short by a crash
+    status = main(["audit", str(logs), "--out", str(tmp_path / "a3"), "--expect", "at-least-once"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "sub.jsonl" in err, err
+
+
+# ------------------------------------------------------------------ durable-pipeline and fleet on the command line
+def pipeline_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PIPELINE, *args], capture_output=True, text=True, timeout=4 * WAIT, check=False, cwd=cwd)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["demo", "--devices", "0"],
+        ["demo", "--events", "many"],
+        ["demo", "--devices", "-3"],
+        ["demo", "--master", "local[0]"],
+        ["demo", "--nonsense"],
+        ["audit", "logs", "--out", "o", "--expect", "twice"],
+        ["audit", "logs", "--out", "o", "--expect", "exactly-once", "--master", "nowhere"],
+        ["nonsense"],
+    ],
+)
+def test_bad_options_of_durable_pipeline_exit_2_before_anything_runs(tmp_path: Path, args: list[str]) -> None:
+    """pipeline.md: demo: "Exit status ... 2 for bad options"; audit: "2 on bad input", "a master URL Spark does
+    not take is bad input, found before Spark starts". Nothing is made in the working folder."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "x.jsonl").write_text("{}\n", encoding="utf-8")
+    done = pipeline_cli(*args, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip(), "the problem is named"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"], "nothing started, nothing written"
+
+
+def test_the_documented_flags_are_in_the_commands_help() -> None:
+    """pipeline.md: demo "--events, --devices, --master" and `--out`; audit: "`--expect` and `--out` (both
+    required), `--ignore-order`, `--count-qos0`, `--master` (default `local[2,4]`...)"."""
+    demo = pipeline_cli("demo", "--help")
+    assert demo.returncode == 0
+    for flag in ("--out", "--events", "--devices", "--master"):
+        assert flag in demo.stdout, flag
+    audit = pipeline_cli("audit", "--help")
+    assert audit.returncode == 0
+    for flag in ("--out", "--expect", "--ignore-order", "--count-qos0", "--master", "exactly-once", "at-least-once"):
+        assert flag in audit.stdout, flag
+    assert "local[2,4]" in audit.stdout
+
+
+def test_fleet_ha_with_port_is_refused_it_needs_a_config(tmp_path: Path) -> None:
+    """fleet.md: "`--ha` needs `--config` (not `--port`)"; "A bad ... option ... stops the run before it starts,
+    with exit status 2"."""
+    done = run_cli("fleet", "--ha", "--port", "1883", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--ha" in done.stderr and "--port" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--rate", "0"], "--rate"),
+        (["--rate", "fast"], "--rate"),
+        (["--duration", "0"], "--duration"),
+        (["--processes", "0"], "--processes"),
+        (["--publishers", "0"], "--publishers"),
+        (["--keepalive", "0"], "--keepalive"),
+        (["--drain-timeout", "-1"], "--drain-timeout"),
+        (["--mix", "cpl3=1"], "cpl3"),
+        (["--faults", "drop=-1"], "drop"),
+        (["--seed", "x"], "--seed"),
+        (["--schedule", "no-such-schedule.yaml"], "no-such-schedule.yaml"),
+        (["-c", "no-such-broker.yaml"], "no-such-broker.yaml"),
+    ],
+)
+def test_fleet_bad_options_exit_2_before_the_run(tmp_path: Path, args: list[str], named: str) -> None:
+    """fleet.md: "A bad schedule, option or broker.yaml stops the run before it starts, with exit status 2 and
+    the file, fault number and field named"."""
+    (tmp_path / "broker.yaml").write_text(
+        (Path(__file__).parent.parent / "broker.yaml").read_text(encoding="utf-8"), encoding="utf-8"
+    )
+    done = run_cli("fleet", *args, "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert named in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
