@@ -100,7 +100,7 @@ def test_ids_per_partition_and_num_partitions_set_the_read_tasks(
     assert one.count() == 30
     three = load(spark, {**base, "numPartitions": 3})
     assert three.rdd.getNumPartitions() == 3
-    assert three.count() == 30
+    assert three.rdd.glom().map(len).collect() == [10, 10, 10], "the batch's ids dealt into tasks of equal size"
 
 
 @pytest.mark.slow
@@ -218,6 +218,71 @@ def test_a_batch_json_range_on_one_topic_of_several_reads_that_range_only(
     )
     ids = sorted((r.topic, r.id) for r in frame.collect())
     assert [i for t, i in ids if t == "telemetry/a"] == list(range(11, 21))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stream_from_json_offsets_with_max_events_per_trigger_reads_each_event_once_in_small_batches(
+    spark: Any, stream_broker: Broker, publisher: Client, tmp_path: Path
+) -> None:
+    """pipeline.md: "`startingOffsets` (... or JSON `{"topic": last id already processed}`)",
+    "`maxEventsPerTrigger`", "Exactly once ... into a file sink with a checkpoint"."""
+    publish(publisher, "telemetry/a", 25)
+    query = (
+        load(
+            spark,
+            {"port": stream_broker.port, "filter": FILTER, "startingOffsets": json.dumps({"telemetry/a": 3}),
+             "maxEventsPerTrigger": 10},
+            stream=True,
+        )
+        .writeStream.format("parquet")
+        .option("path", str(tmp_path / "events"))
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .start()
+    )
+    try:
+        query.processAllAvailable()
+        batches = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
+    finally:
+        query.stop()
+    assert max(batches) <= 10 and sum(batches) == 22, batches
+    ids = sorted(r.id for r in spark.read.parquet(str(tmp_path / "events")).collect())
+    assert ids == list(range(4, 26))
+
+
+@pytest.mark.slow
+def test_the_readers_move_on_to_a_failover_address_when_the_host_is_down(
+    spark: Any, stream_broker: Broker, publisher: Client
+) -> None:
+    """pipeline.md: "`failover` (`host:port,host:port` ...: the other brokers of a replication group ...; the
+    readers move on to whichever is primary": the `host`/`port` broker is down, the one under `failover` is up
+    (a broker without replication serves as its own primary)."""
+    from conftest import free_port  # noqa: PLC0415
+
+    publish(publisher, "telemetry/a", 6)
+    frame = load(
+        spark,
+        {"port": free_port(), "failover": f"127.0.0.1:{stream_broker.port}", "filter": FILTER, "timeout": 10},
+    )
+    assert sorted(r.id for r in frame.collect()) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow
+def test_ending_offsets_on_a_streaming_query_is_refused(spark: Any, stream_broker: Broker, tmp_path: Path) -> None:
+    """pipeline.md: "`endingOffsets` is refused on a streaming query (it is for batch reads)"."""
+    with pytest.raises(Exception, match="SourceError") as raised:
+        query = (
+            load(spark, {"port": stream_broker.port, "filter": FILTER, "endingOffsets": "latest"}, stream=True)
+            .writeStream.format("parquet")
+            .option("path", str(tmp_path / "events"))
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .start()
+        )
+        try:
+            query.awaitTermination(60)
+        finally:
+            query.stop()
+    assert "endingOffsets" in str(raised.value)
 
 
 # ------------------------------------------------------------------ the audit of logs the SDK wrote
@@ -406,3 +471,70 @@ def test_fleet_bad_options_exit_2_before_the_run(tmp_path: Path, args: list[str]
     assert done.returncode == 2, done.stdout + done.stderr
     assert named in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("fault", "named"),
+    [
+        ("{at: 5s, kind: drop, device: dev-005, for: 2s}", "fault 1: device"),  # --devices 5: dev-000 .. dev-004
+        ("{at: 5s, kind: drop, device: dev-03, for: 2s}", "fault 1: device"),  # fewer than three digits
+        ("{at: 25s, kind: drop, device: dev-001, for: 10s}", "fault 1: for"),  # heals after the run's 30 s
+        ("{at: 5 parsecs, kind: drop, device: dev-001, for: 1s}", "fault 1: at"),
+        ("{at: 5s, kind: drop, for: 1s}", "fault 1: device"),
+    ],
+)
+def test_a_scripted_fault_the_run_cannot_apply_is_refused_naming_fault_and_field(
+    tmp_path: Path, fault: str, named: str
+) -> None:
+    """fleet.md: "devices are named `--prefix` + an index of at least three digits, `dev-000` ... `dev-999`,
+    `dev-1000` ..., one of the run's `--devices` or `all`; every fault must end, `at` plus `for`, within
+    `--duration`"; "A bad schedule ... stops the run before it starts, with exit status 2 and the file, fault
+    number and field named"."""
+    (tmp_path / "broker.yaml").write_text(
+        (Path(__file__).parent.parent / "broker.yaml").read_text(encoding="utf-8"), encoding="utf-8"
+    )
+    schedule = tmp_path / "faults.yaml"
+    schedule.write_text(f"faults:\n  - {fault}\n", encoding="utf-8")
+    done = run_cli(
+        "fleet", "--schedule", str(schedule), "--devices", "5", "--duration", "30s", "--out", str(tmp_path / "out"),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "faults.yaml" in done.stderr and named in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_example_schedule_runs_and_every_device_holds(tmp_path: Path) -> None:
+    """fleet.md: "as in `examples/fleet_schedule.yaml` (`amqtt-durable fleet --schedule
+    examples/fleet_schedule.yaml`)", on a smaller fleet that still has its dev-010 and its 26.5 s: "Exit status 0:
+    every device held"; "the summary table on stdout (per device kind: expected, received, lost, duplicated, out
+    of order)"; the output folder's `report.html`, `audit/` (summary.parquet), `logs/`, `workers/`,
+    `broker.yaml`, `broker.log`, `schedule.yaml` (the schedule used: "replay a run with `--schedule
+    OUT/schedule.yaml`")."""
+    root = Path(__file__).parent.parent
+    (tmp_path / "broker.yaml").write_text((root / "broker.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "durable_fleet.console", "fleet", "--schedule",
+         str(root / "examples" / "fleet_schedule.yaml"),
+         "--devices", "11", "--duration", "30s", "--rate", "50", "--out", str(out)],
+        capture_output=True, text=True, timeout=360, check=False, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    header = next(line.split() for line in done.stdout.splitlines() if line.startswith("kind"))
+    assert header[:2] == ["kind", "devices"]
+    assert " ".join(header[2:]).startswith("expected received lost duplicated out of order"), header
+    kinds = {line.split()[0] for line in done.stdout.splitlines() if line.split()[:1] in (["cpl1"], ["cpl2"], ["paho"])}
+    assert kinds == {"cpl1", "cpl2", "paho"}
+    for name in ("report.html", "broker.yaml", "broker.log", "schedule.yaml"):
+        assert (out / name).is_file(), name
+    assert (out / "audit" / "summary.parquet").exists() and (out / "audit" / "report.html").is_file()
+    assert sorted(p.name for p in (out / "logs").glob("dev-*.jsonl")) == [f"dev-{i:03d}.jsonl" for i in range(11)]
+    assert any((out / "workers").glob("*.json"))
+    import yaml  # noqa: PLC0415
+
+    used = yaml.safe_load((out / "schedule.yaml").read_text(encoding="utf-8"))["faults"]
+    example = yaml.safe_load((root / "examples" / "fleet_schedule.yaml").read_text(encoding="utf-8"))["faults"]
+    assert [(f["kind"], f.get("device")) for f in used] == [(f["kind"], f.get("device")) for f in example]
