@@ -285,36 +285,70 @@ def test_ending_offsets_on_a_streaming_query_is_refused(spark: Any, stream_broke
     assert "endingOffsets" in str(raised.value)
 
 
+@pytest.mark.slow
+def test_a_filter_inside_a_configured_stream_reads_only_its_topics(
+    spark: Any, stream_broker: Broker, publisher: Client
+) -> None:
+    """pipeline.md: "an unknown stream (a filter no `streams` entry covers)" is the error, so a filter a
+    `streams` entry covers (`telemetry/#` covers `telemetry/a` and `telemetry/+`) is read, its topics only."""
+    publish(publisher, "telemetry/a", 3)
+    publish(publisher, "telemetry/b", 2)
+    publish(publisher, "telemetry/b/deep", 2)
+    one = load(spark, {"port": stream_broker.port, "filter": "telemetry/a"})
+    assert sorted((r.topic, r.id) for r in one.collect()) == [("telemetry/a", i) for i in (1, 2, 3)]
+    level = load(spark, {"port": stream_broker.port, "filter": "telemetry/+"})
+    assert sorted({r.topic for r in level.collect()}) == ["telemetry/a", "telemetry/b"]
+    assert level.count() == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value", ['{"telemetry/a": -1}', '{"telemetry/a": "ten"}', '{"telemetry/a": 1.5}'])
+def test_a_json_offset_that_is_not_an_id_is_a_source_error(spark: Any, stream_broker: Broker, value: str) -> None:
+    """pipeline.md: "`startingOffsets` (... JSON `{"topic": last id already processed}`)": ids are 1, 2, 3, ...
+    (0: nothing processed yet), so a negative, a string or a fraction is a bad option, named."""
+    with pytest.raises(Exception, match="SourceError") as raised:
+        load(spark, {"port": stream_broker.port, "filter": FILTER, "startingOffsets": value}).collect()
+    assert "startingOffsets" in str(raised.value)
+
+
 # ------------------------------------------------------------------ the audit of logs the SDK wrote
 def sdk_run(port: int, logs: Path) -> int:
-    """A subscriber (SDK, delivery log) subscribed at QoS 1, away for part of the run; a publisher (SDK, delivery
-    log) sending at QoS 1 before, during and after. Returns how many messages were sent."""
-    got: list[Event] = []
-    subscriber = DurableClient("blind-sub", "127.0.0.1", port, delivery_log=str(logs / "sub.jsonl"))
-    subscriber.subscribe("plant/+/temp", qos=1, listener=got.append)
-    subscriber.connect(timeout=WAIT)
-    subscriber.ready_for_events()
+    """A subscriber (SDK, CPL-2, delivery log: exactly-once across its restart) subscribed at QoS 1, away for part
+    of the run; a publisher (SDK, delivery log) sending at QoS 1 while it is there and while it is away. Returns
+    how many messages were sent."""
+    state = logs.parent / "state"
+    received: list[Event] = []
+    arrived = threading.Condition()
+
+    def on_event(event: Event) -> None:
+        with arrived:
+            received.append(event)
+            arrived.notify_all()
+
+    def subscriber() -> DurableClient:
+        client = DurableClient(
+            "blind-sub", "127.0.0.1", port, persistence="disk", state_dir=str(state),
+            delivery_log=str(logs / "sub.jsonl"),
+        )
+        client.subscribe("plant/+/temp", qos=1, listener=on_event)
+        client.connect(timeout=WAIT)
+        client.ready_for_events()
+        return client
+
+    first = subscriber()
     publisher = DurableClient("blind-pub", "127.0.0.1", port, delivery_log=str(logs / "pub.jsonl"))
     publisher.connect(timeout=WAIT)
     for i in range(10):
         publisher.publish(f"plant/{i % 2}/temp", f"live-{i}".encode(), qos=1, timeout=WAIT)
-    subscriber.close(keep_session=True)  # away: the broker queues what follows
+    with arrived:
+        assert arrived.wait_for(lambda: len(received) == 10, WAIT), [e.payload for e in received]
+    first.close(keep_session=True)  # away: the broker queues what follows
     for i in range(10):
         publisher.publish(f"plant/{i % 2}/temp", f"away-{i}".encode(), qos=1, timeout=WAIT)
-    back = DurableClient("blind-sub", "127.0.0.1", port, delivery_log=str(logs / "sub.jsonl"))
-    done = threading.Event()
-    seen: list[Event] = []
-
-    def on_event(event: Event) -> None:
-        seen.append(event)
-        if len(seen) == 10:
-            done.set()
-
-    back.subscribe("plant/+/temp", qos=1, listener=on_event)
-    back.connect(timeout=WAIT)
-    back.ready_for_events()
-    assert done.wait(WAIT), [e.payload for e in seen]
-    assert all(e.replayed for e in seen)
+    back = subscriber()
+    with arrived:
+        assert arrived.wait_for(lambda: len(received) >= 20, WAIT), [e.payload for e in received]
+    assert [e.replayed for e in received] == [False] * 10 + [True] * 10, [(e.payload, e.replayed) for e in received]
     back.close(keep_session=True)
     publisher.close(keep_session=False)
     return 20
@@ -390,6 +424,35 @@ def test_a_duplicate_fails_exactly_once_not_at_least_once_and_a_cut_line_is_bad_
     err = capsys.readouterr().err
     assert status == 2, err
     assert "sub.jsonl" in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_audit_takes_several_inputs_a_file_uri_and_a_gzipped_ndjson_file(
+    spark: Any, broker: Broker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pipeline.md: "Reads delivery logs (JSON lines or Parquet, files or folders)"; "An input is a local path or
+    a URI of any Hadoop file system Spark is configured for: ... `file:///abs/path`"; "A file is told JSON lines
+    or Parquet by its extension, a final `.gz` aside (`.jsonl`, `.json`, `.ndjson`; ...)"; "(in a gzip file
+    named `*.gz`, as Spark reads it: decompressed)"."""
+    import gzip  # noqa: PLC0415
+
+    from durable_pipeline.cli import main  # noqa: PLC0415 - pyspark loads only for Spark tests
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sent = sdk_run(broker.port, logs)
+    packed = tmp_path / "elsewhere" / "sub.ndjson.gz"
+    packed.parent.mkdir()
+    packed.write_bytes(gzip.compress((logs / "sub.jsonl").read_bytes()))
+    (logs / "sub.jsonl").unlink()
+    status = main(
+        ["audit", (logs / "pub.jsonl").resolve().as_uri(), str(packed), "--out", str(tmp_path / "audit"),
+         "--expect", "exactly-once"]
+    )
+    output = capsys.readouterr().out
+    assert status == 0, output
+    assert any(line.split()[:4] == ["ALL", str(sent), str(sent), "0"] for line in output.splitlines()), output
 
 
 # ------------------------------------------------------------------ durable-pipeline and fleet on the command line
@@ -471,6 +534,27 @@ def test_fleet_bad_options_exit_2_before_the_run(tmp_path: Path, args: list[str]
     assert done.returncode == 2, done.stdout + done.stderr
     assert named in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_fleet_faults_sets_the_kinds_it_names_and_none_of_the_others(tmp_path: Path) -> None:
+    """fleet.md: "default counts `drop=3,stall=3,broker_kill=1,device_restart=3`, set with `--faults`, where a
+    kind left out gets none: `--faults drop=5` is five drops and nothing else" (the page's `--qos 0 --faults
+    drop=5` run); "`--mix` weights, default `cpl1=1,cpl2=1,paho=1`, across `--processes` processes, default 8";
+    "`--publishers` processes, default 2"."""
+    from collections import Counter  # noqa: PLC0415
+
+    from durable_fleet.cli import build_parser, options_from  # noqa: PLC0415
+
+    (tmp_path / "broker.yaml").write_text(
+        (Path(__file__).parent.parent / "broker.yaml").read_text(encoding="utf-8"), encoding="utf-8"
+    )
+    parser = build_parser()
+    config = ["-c", str(tmp_path / "broker.yaml"), "--out", str(tmp_path / "out")]
+    options = options_from(parser.parse_args([*config, "--qos", "0", "--faults", "drop=5", "--seed", "1"]), parser)
+    assert Counter(f.kind for f in options.faults) == {"drop": 5}
+    options = options_from(parser.parse_args([*config, "--faults", "stall=1,device_restart=2"]), parser)
+    assert Counter(f.kind for f in options.faults) == {"stall": 1, "device_restart": 2}
+    assert (options.processes, options.publishers, dict(options.mix)) == (8, 2, {"cpl1": 1, "cpl2": 1, "paho": 1})
 
 
 @pytest.mark.parametrize(
