@@ -455,6 +455,58 @@ def test_the_audit_takes_several_inputs_a_file_uri_and_a_gzipped_ndjson_file(
     assert any(line.split()[:4] == ["ALL", str(sent), str(sent), "0"] for line in output.splitlines()), output
 
 
+@pytest.mark.timeout(120)
+def test_a_client_closed_while_events_arrive_processes_nothing_after_close_and_nothing_twice(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """sdk.md: "the SDK sends PUBACK only after every listener for the event ... has returned"; "`close(keep_session=
+    True)` leaves the session queueing on the broker"; delivery-log.md: "A receive that repeats ... is
+    duplicated". A client with the default in-memory marks closed while a burst arrives: no listener runs once
+    close() was called, and what ran before it was acknowledged, so the session's next client (its log beside
+    the first's) processes each event the first did not, and none twice; the audit finds no duplicate."""
+    log = tmp_path / "logs" / "sub.jsonl"
+    log.parent.mkdir()
+    calls: list[tuple[bytes, bool]] = []
+    closing = threading.Event()
+
+    def slow(event: Event) -> None:
+        calls.append((bytes(event.payload), closing.is_set()))
+        time.sleep(0.002)  # a listener that takes a little time: the burst is still arriving at close()
+
+    first = DurableClient("blind-close", "127.0.0.1", broker.port, delivery_log=str(log))
+    first.subscribe("burst/#", qos=1, listener=slow)
+    first.connect(timeout=WAIT)
+    first.ready_for_events()
+    publisher = DurableClient("blind-close-pub", "127.0.0.1", broker.port)
+    publisher.connect(timeout=WAIT)
+    sent = [f"m{i:03d}".encode() for i in range(60)]
+    for payload in sent:
+        publisher.publish("burst/x", payload, qos=1, timeout=WAIT)
+    closing.set()
+    first.close(keep_session=True)
+    assert not [p for p, late in calls if late], "a listener ran after close()"
+    again: list[bytes] = []
+    arrived = threading.Condition()
+
+    def collect(event: Event) -> None:
+        with arrived:
+            again.append(bytes(event.payload))
+            arrived.notify_all()
+
+    second = DurableClient("blind-close", "127.0.0.1", broker.port, delivery_log=str(log))
+    second.subscribe("burst/#", qos=1, listener=collect)
+    second.connect(timeout=WAIT)
+    second.ready_for_events()
+    try:
+        first_got = [p for p, _ in calls]
+        with arrived:
+            assert arrived.wait_for(lambda: len(first_got) + len(again) >= len(sent), WAIT), (first_got, again)
+        assert sorted(first_got + again) == sent, "each event processed once across the two clients"
+    finally:
+        second.close(keep_session=False)
+        publisher.close(keep_session=False)
+
+
 # ------------------------------------------------------------------ durable-pipeline and fleet on the command line
 def pipeline_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PIPELINE, *args], capture_output=True, text=True, timeout=4 * WAIT, check=False, cwd=cwd)

@@ -326,10 +326,15 @@ class DurableClient:
             self._closed = True
         thread = self._thread
         self._stop.set()
-        self._release_held()  # before the DISCONNECT
+        # No listener runs for what arrives from now on: the broker sends it again to the session's next
+        # connection, which must not find it processed already (without CPL-2 marks, twice).
+        self._receiver.fail()
+        self._release_held()
         if thread is not None and not on_network_thread:
             if self._link is not None and self._link.socket_open:
-                self._link.disconnect()  # wakes the network thread at once
+                # The network thread ends its pass (a listener running finishes), sends the PUBACKs gathered
+                # and then the DISCONNECT (_run's end): a PUBACK after the DISCONNECT would be lost.
+                self._link.wake()
             thread.join(timeout)
         if thread is None or not thread.is_alive():
             self._close_files()
