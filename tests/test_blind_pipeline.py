@@ -311,6 +311,19 @@ def test_a_json_offset_that_is_not_an_id_is_a_source_error(spark: Any, stream_br
     assert "startingOffsets" in str(raised.value)
 
 
+@pytest.mark.slow
+def test_earliest_on_a_trimmed_log_starts_at_its_oldest_event_without_data_loss(
+    spark: Any, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """pipeline.md: "`startingOffsets` (`earliest` default ...)"; configuration.md: each log "kept up to
+    `max_count` events": what retention trimmed before the query started is not data loss to a query from
+    `earliest` (there is nothing earlier to read), so the default failOnDataLoss=true reads the log as it is."""
+    broker = broker_factory(streams=[{"filter": FILTER, "max_count": 5}])
+    publish(clients(broker.port, "blind-trim-pub", clean_session=True), "telemetry/a", 20)
+    frame = load(spark, {"port": broker.port, "filter": FILTER})
+    assert sorted(r.id for r in frame.collect()) == [16, 17, 18, 19, 20]
+
+
 # ------------------------------------------------------------------ the audit of logs the SDK wrote
 def sdk_run(port: int, logs: Path) -> int:
     """A subscriber (SDK, CPL-2, delivery log: exactly-once across its restart) subscribed at QoS 1, away for part
