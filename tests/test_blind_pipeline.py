@@ -5,7 +5,10 @@ audit of delivery logs the SDK wrote against a real broker. Each test quotes the
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -687,3 +690,54 @@ def test_the_example_schedule_runs_and_every_device_holds(tmp_path: Path) -> Non
     used = yaml.safe_load((out / "schedule.yaml").read_text(encoding="utf-8"))["faults"]
     example = yaml.safe_load((root / "examples" / "fleet_schedule.yaml").read_text(encoding="utf-8"))["faults"]
     assert [(f["kind"], f.get("device")) for f in used] == [(f["kind"], f.get("device")) for f in example]
+
+
+def processes_in(folder: Path) -> list[int]:
+    """PIDs of the processes whose command line names ``folder`` (the fleet's broker and workers name OUT)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if str(folder).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_sigterm_or_ctrl_c_mid_run_stops_the_broker_and_every_process_the_fleet_started(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
+    """fleet.md: "SIGTERM or Ctrl-C stops the broker and every process it started", here once the broker, the
+    device processes and the publishers all run."""
+    (tmp_path / "broker.yaml").write_text(
+        (Path(__file__).parent.parent / "broker.yaml").read_text(encoding="utf-8"), encoding="utf-8"
+    )
+    out = tmp_path / "out"
+    with (tmp_path / "harness.err").open("wb") as err:
+        harness = subprocess.Popen(
+            [sys.executable, "-m", "durable_fleet.console", "fleet", "--devices", "4", "--processes", "2",
+             "--duration", "60s", "--faults", "", "--quiet", "--out", str(out)],
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
+
+    def running() -> bool:
+        return (out / "logs" / "pub-0.jsonl").exists() and len(processes_in(out)) >= 4  # broker, 2 + publishers
+
+    try:
+        deadline = time.monotonic() + 6 * WAIT
+        while not running() and harness.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the processes the harness spawns; bounded by the deadline
+        assert running(), (tmp_path / "harness.err").read_text()
+        harness.send_signal(stop)
+        harness.wait(4 * WAIT)
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+            harness.wait(WAIT)
+    left = processes_in(out)
+    named = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120] for pid in left]
+    for pid in left:  # our own orphans, by PID
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], f"processes the harness started outlived it: {named}"
