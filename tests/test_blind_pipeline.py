@@ -117,6 +117,22 @@ def test_a_host_name_and_a_host_with_spaces_around_it_are_read_from(
         assert sorted(r.id for r in frame.collect()) == [1, 2, 3, 4], host
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("host", ["::1", "[::1]", " [::1] "])
+def test_an_ipv6_host_bare_or_in_brackets_is_taken_as_a_host(spark: Any, host: str) -> None:
+    """pipeline.md: "`host` (a host name or an IP address, an IPv6 one bare or in brackets, `::1` or `[::1]`":
+    no broker listens there, so the read fails as an unreachable broker does ("a `SourceError` that says what to
+    do", naming the address as host:port writes it), not as a bad `host` option."""
+    from conftest import free_port  # noqa: PLC0415
+
+    port = free_port()
+    with pytest.raises(Exception, match="SourceError") as raised:
+        load(spark, {"host": host, "port": port, "filter": FILTER, "timeout": 1}).collect()
+    text = str(raised.value)
+    assert "option host" not in text, text[-1500:]
+    assert f"[::1]:{port}" in text, text[-1500:]
+
+
 BAD_OPTIONS = [
     ("port", "abc"),
     ("port", "0"),
