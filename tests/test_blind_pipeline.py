@@ -5,9 +5,7 @@ audit of delivery logs the SDK wrote against a real broker. Each test quotes the
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_blind_ha import _processes_in, signal_fleet_when
 
 from conftest import WAIT, Broker, Client, run_cli
 from durable_client import DurableClient, Event
@@ -32,6 +31,16 @@ def load(spark: Any, opts: dict[str, Any], stream: bool = False) -> Any:
     for key, value in opts.items():
         reader = reader.option(key, value)
     return reader.load()
+
+
+def to_parquet(frame: Any, folder: Path) -> Any:
+    """The streaming query of pipeline.md's example: ``frame`` into Parquet under ``folder``, with a checkpoint."""
+    return (
+        frame.writeStream.format("parquet")
+        .option("path", str(folder / "events"))
+        .option("checkpointLocation", str(folder / "checkpoint"))
+        .start()
+    )
 
 
 def publish(client: Client, topic: str, count: int, qos: int = 1) -> None:
@@ -201,12 +210,8 @@ def test_starting_offsets_latest_reads_only_what_comes_after_the_query_starts(
     """pipeline.md: "`startingOffsets` (`earliest` default, `latest`, or JSON ...)": a streaming query from
     `latest` skips what the stream log held when it started and writes what comes after, once."""
     publish(publisher, "telemetry/a", 5)
-    query = (
-        load(spark, {"port": stream_broker.port, "filter": FILTER, "startingOffsets": "latest"}, stream=True)
-        .writeStream.format("parquet")
-        .option("path", str(tmp_path / "events"))
-        .option("checkpointLocation", str(tmp_path / "checkpoint"))
-        .start()
+    query = to_parquet(
+        load(spark, {"port": stream_broker.port, "filter": FILTER, "startingOffsets": "latest"}, stream=True), tmp_path
     )
     try:
         query.processAllAvailable()
@@ -247,18 +252,8 @@ def test_a_stream_from_json_offsets_with_max_events_per_trigger_reads_each_event
     """pipeline.md: "`startingOffsets` (... or JSON `{"topic": last id already processed}`)",
     "`maxEventsPerTrigger`", "Exactly once ... into a file sink with a checkpoint"."""
     publish(publisher, "telemetry/a", 25)
-    query = (
-        load(
-            spark,
-            {"port": stream_broker.port, "filter": FILTER, "startingOffsets": json.dumps({"telemetry/a": 3}),
-             "maxEventsPerTrigger": 10},
-            stream=True,
-        )
-        .writeStream.format("parquet")
-        .option("path", str(tmp_path / "events"))
-        .option("checkpointLocation", str(tmp_path / "checkpoint"))
-        .start()
-    )
+    opts = {"startingOffsets": json.dumps({"telemetry/a": 3}), "maxEventsPerTrigger": 10}
+    query = to_parquet(load(spark, {"port": stream_broker.port, "filter": FILTER, **opts}, stream=True), tmp_path)
     try:
         query.processAllAvailable()
         batches = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
@@ -290,13 +285,8 @@ def test_the_readers_move_on_to_a_failover_address_when_the_host_is_down(
 def test_ending_offsets_on_a_streaming_query_is_refused(spark: Any, stream_broker: Broker, tmp_path: Path) -> None:
     """pipeline.md: "`endingOffsets` is refused on a streaming query (it is for batch reads)"."""
     with pytest.raises(Exception, match="SourceError") as raised:
-        query = (
-            load(spark, {"port": stream_broker.port, "filter": FILTER, "endingOffsets": "latest"}, stream=True)
-            .writeStream.format("parquet")
-            .option("path", str(tmp_path / "events"))
-            .option("checkpointLocation", str(tmp_path / "checkpoint"))
-            .start()
-        )
+        opts = {"port": stream_broker.port, "filter": FILTER, "endingOffsets": "latest"}
+        query = to_parquet(load(spark, opts, stream=True), tmp_path)
         try:
             query.awaitTermination(60)
         finally:
@@ -708,17 +698,6 @@ def test_the_example_schedule_runs_and_every_device_holds(tmp_path: Path) -> Non
     assert [(f["kind"], f.get("device")) for f in used] == [(f["kind"], f.get("device")) for f in example]
 
 
-def processes_in(folder: Path) -> list[int]:
-    """PIDs of the processes whose command line names ``folder`` (the fleet's broker and workers name OUT)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if str(folder).encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_sigterm_or_ctrl_c_mid_run_stops_the_broker_and_every_process_the_fleet_started(
@@ -726,34 +705,9 @@ def test_sigterm_or_ctrl_c_mid_run_stops_the_broker_and_every_process_the_fleet_
 ) -> None:
     """fleet.md: "SIGTERM or Ctrl-C stops the broker and every process it started", here once the broker, the
     device processes and the publishers all run."""
-    (tmp_path / "broker.yaml").write_text(
-        (Path(__file__).parent.parent / "broker.yaml").read_text(encoding="utf-8"), encoding="utf-8"
-    )
-    out = tmp_path / "out"
-    with (tmp_path / "harness.err").open("wb") as err:
-        harness = subprocess.Popen(
-            [sys.executable, "-m", "durable_fleet.console", "fleet", "--devices", "4", "--processes", "2",
-             "--duration", "60s", "--faults", "", "--quiet", "--out", str(out)],
-            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err,
-        )  # fmt: skip
+    args = ["--devices", "4", "--processes", "2", "--duration", "60s", "--faults", "", "--quiet"]
 
-    def running() -> bool:
-        return (out / "logs" / "pub-0.jsonl").exists() and len(processes_in(out)) >= 4  # broker, 2 + publishers
+    def running(out: Path) -> bool:
+        return (out / "logs" / "pub-0.jsonl").exists() and len(_processes_in(out)) >= 4  # broker, 2 + publishers
 
-    try:
-        deadline = time.monotonic() + 6 * WAIT
-        while not running() and harness.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)  # polling for the processes the harness spawns; bounded by the deadline
-        assert running(), (tmp_path / "harness.err").read_text()
-        harness.send_signal(stop)
-        harness.wait(4 * WAIT)
-    finally:
-        if harness.poll() is None:
-            harness.kill()
-            harness.wait(WAIT)
-    left = processes_in(out)
-    named = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120] for pid in left]
-    for pid in left:  # our own orphans, by PID
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    assert left == [], f"processes the harness started outlived it: {named}"
+    signal_fleet_when(tmp_path, args, running, stop)
