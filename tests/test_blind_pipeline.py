@@ -529,6 +529,54 @@ def test_a_client_closed_while_events_arrive_processes_nothing_after_close_and_n
         publisher.close(keep_session=False)
 
 
+@pytest.mark.timeout(120)
+def test_a_client_closed_from_its_listener_runs_no_listener_after_it(broker: Broker) -> None:
+    """sdk.md: "A listener running when `close()` is called finishes and its event is acknowledged before the
+    DISCONNECT; no listener runs after that: events still arriving are left unprocessed, for the session's next
+    connection" (here close() is called by the listener itself, on a "stop" command, amid a replay)."""
+    publisher = DurableClient("blind-stop-pub", "127.0.0.1", broker.port)
+    publisher.connect(timeout=WAIT)
+    calls: list[tuple[bytes, bool]] = []
+    closed = threading.Event()
+    holder: dict[str, DurableClient] = {}
+
+    def on_event(event: Event) -> None:
+        calls.append((bytes(event.payload), closed.is_set()))
+        if event.payload == b"stop":
+            holder["client"].close(keep_session=True)
+            closed.set()
+
+    client = DurableClient("blind-stop", "127.0.0.1", broker.port)
+    holder["client"] = client
+    client.subscribe("cmd/#", qos=1, listener=on_event)
+    client.connect(timeout=WAIT)
+    sent = [b"a", b"b", b"stop", *(f"after-{i}".encode() for i in range(30))]
+    for payload in sent:
+        publisher.publish("cmd/x", payload, qos=1, timeout=WAIT)
+    client.ready_for_events()  # the queue comes as one replay burst
+    assert closed.wait(WAIT)
+    again: list[bytes] = []
+    arrived = threading.Condition()
+
+    def collect(event: Event) -> None:
+        with arrived:
+            again.append(bytes(event.payload))
+            arrived.notify_all()
+
+    second = DurableClient("blind-stop", "127.0.0.1", broker.port)
+    second.subscribe("cmd/#", qos=1, listener=collect)
+    second.connect(timeout=WAIT)
+    second.ready_for_events()
+    try:
+        assert [p for p, _ in calls] == [b"a", b"b", b"stop"], "no listener ran after close()"
+        with arrived:
+            assert arrived.wait_for(lambda: len(again) >= 30, WAIT), again
+        assert again == sent[3:], "the rest, once, for the next connection; stop was acknowledged"
+    finally:
+        second.close(keep_session=False)
+        publisher.close(keep_session=False)
+
+
 # ------------------------------------------------------------------ durable-pipeline and fleet on the command line
 def pipeline_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PIPELINE, *args], capture_output=True, text=True, timeout=4 * WAIT, check=False, cwd=cwd)
