@@ -333,6 +333,29 @@ def test_earliest_on_a_trimmed_log_starts_at_its_oldest_event_without_data_loss(
     assert sorted(r.id for r in frame.collect()) == [16, 17, 18, 19, 20]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reading_a_stream_leaves_no_durable_session_on_the_broker(
+    spark: Any, stream_broker: Broker, publisher: Client, tmp_path: Path
+) -> None:
+    """pipeline.md: "each reads its range over a raw MQTT connection of its own (no session, no SDK client)";
+    "Offsets carry the broker store's id": the source is stateless towards the broker, its position is Spark's
+    checkpoint. After a batch read and a streaming query, `amqtt-durable inspect STORE --json` (operations.md)
+    lists no session, and the stream log is unchanged (read again from the start, all of it)."""
+    publish(publisher, "telemetry/a", 12)
+    assert load(spark, {"port": stream_broker.port, "filter": FILTER, "idsPerPartition": 5}).count() == 12
+    query = to_parquet(load(spark, {"port": stream_broker.port, "filter": FILTER}, stream=True), tmp_path)
+    try:
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    assert load(spark, {"port": stream_broker.port, "filter": FILTER}).count() == 12
+    stream_broker.stop()
+    shown = run_cli("inspect", str(stream_broker.store), "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout) == [], shown.stdout
+
+
 # ------------------------------------------------------------------ the audit of logs the SDK wrote
 def sdk_run(port: int, logs: Path) -> int:
     """A subscriber (SDK, CPL-2, delivery log: exactly-once across its restart) subscribed at QoS 1, away for part
