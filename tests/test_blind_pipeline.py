@@ -500,104 +500,116 @@ def test_the_audit_takes_several_inputs_a_file_uri_and_a_gzipped_ndjson_file(
     assert any(line.split()[:4] == ["ALL", str(sent), str(sent), "0"] for line in output.splitlines()), output
 
 
+def next_connection(port: int, client_id: str, topic_filter: str, count: int) -> list[bytes]:
+    """The session's next client: what it processes until it has ``count`` events (or WAIT passed); it ends the
+    session."""
+    again: list[bytes] = []
+    arrived = threading.Condition()
+
+    def collect(event: Event) -> None:
+        with arrived:
+            again.append(bytes(event.payload))
+            arrived.notify_all()
+
+    client = DurableClient(client_id, "127.0.0.1", port)
+    client.subscribe(topic_filter, qos=1, listener=collect)
+    client.connect(timeout=WAIT)
+    client.ready_for_events()
+    try:
+        with arrived:
+            arrived.wait_for(lambda: len(again) >= count, WAIT)
+            return list(again)
+    finally:
+        client.close(keep_session=False)
+
+
 @pytest.mark.timeout(120)
-def test_a_client_closed_while_events_arrive_processes_nothing_after_close_and_nothing_twice(
-    broker: Broker, tmp_path: Path
-) -> None:
+def test_a_client_closed_while_events_arrive_processes_nothing_after_close_and_nothing_twice(broker: Broker) -> None:
     """sdk.md: "the SDK sends PUBACK only after every listener for the event ... has returned"; "`close(keep_session=
-    True)` leaves the session queueing on the broker"; delivery-log.md: "A receive that repeats ... is
-    duplicated". A client with the default in-memory marks closed while a burst arrives: no listener runs once
-    close() was called, and what ran before it was acknowledged, so the session's next client (its log beside
-    the first's) processes each event the first did not, and none twice; the audit finds no duplicate."""
-    log = tmp_path / "logs" / "sub.jsonl"
-    log.parent.mkdir()
-    calls: list[tuple[bytes, bool]] = []
-    closing = threading.Event()
+    True)` leaves the session queueing on the broker"; "no later event is processed: those still arriving are
+    left for the session's next connection". A client with the default in-memory marks closed while a burst
+    arrives: no listener runs once close() returned, and what ran before it was acknowledged, so the session's
+    next client processes each event the first did not, and none twice."""
+    calls: list[bytes] = []
 
     def slow(event: Event) -> None:
-        calls.append((bytes(event.payload), closing.is_set()))
+        calls.append(bytes(event.payload))
         time.sleep(0.002)  # a listener that takes a little time: the burst is still arriving at close()
 
-    first = DurableClient("blind-close", "127.0.0.1", broker.port, delivery_log=str(log))
+    first = DurableClient("blind-close", "127.0.0.1", broker.port)
     first.subscribe("burst/#", qos=1, listener=slow)
     first.connect(timeout=WAIT)
     first.ready_for_events()
     publisher = DurableClient("blind-close-pub", "127.0.0.1", broker.port)
     publisher.connect(timeout=WAIT)
     sent = [f"m{i:03d}".encode() for i in range(60)]
-    for payload in sent:
-        publisher.publish("burst/x", payload, qos=1, timeout=WAIT)
-    closing.set()
-    first.close(keep_session=True)
-    assert not [p for p, late in calls if late], "a listener ran after close()"
-    again: list[bytes] = []
-    arrived = threading.Condition()
-
-    def collect(event: Event) -> None:
-        with arrived:
-            again.append(bytes(event.payload))
-            arrived.notify_all()
-
-    second = DurableClient("blind-close", "127.0.0.1", broker.port, delivery_log=str(log))
-    second.subscribe("burst/#", qos=1, listener=collect)
-    second.connect(timeout=WAIT)
-    second.ready_for_events()
     try:
-        first_got = [p for p, _ in calls]
-        with arrived:
-            assert arrived.wait_for(lambda: len(first_got) + len(again) >= len(sent), WAIT), (first_got, again)
+        for payload in sent:
+            publisher.publish("burst/x", payload, qos=1, timeout=WAIT)
+        first.close(keep_session=True)
+        first_got = list(calls)
+        again = next_connection(broker.port, "blind-close", "burst/#", len(sent) - len(first_got))
+        assert calls == first_got, "a listener ran after close() returned"
         assert sorted(first_got + again) == sent, "each event processed once across the two clients"
     finally:
-        second.close(keep_session=False)
         publisher.close(keep_session=False)
+
+
+def closed_by_its_listener(port: int, client_id: str, sent: list[bytes], **listeners: int) -> list[tuple[str, bytes]]:
+    """A client whose subscriptions (name: a filter on cmd/...) record each call; the listener named first closes
+    the client on "stop". ``sent`` is queued first and comes as one replay burst. Returns the calls once the
+    client's on_disconnected came (its DISCONNECT written, after the acknowledgements)."""
+    calls: list[tuple[str, bytes]] = []
+    gone = threading.Event()
+    holder: dict[str, DurableClient] = {}
+    names = list(listeners)
+
+    def listener(name: str) -> Callable[[Event], None]:
+        def on_event(event: Event) -> None:
+            calls.append((name, bytes(event.payload)))
+            if name == names[0] and event.payload == b"stop":
+                holder["client"].close(keep_session=True)
+
+        return on_event
+
+    client = DurableClient(client_id, "127.0.0.1", port, on_disconnected=lambda _reason: gone.set())
+    holder["client"] = client
+    for name in names:
+        client.subscribe("cmd/#" if listeners[name] else "cmd/x", qos=1, listener=listener(name))
+    client.connect(timeout=WAIT)
+    publisher = DurableClient(f"{client_id}-pub", "127.0.0.1", port)
+    publisher.connect(timeout=WAIT)
+    try:
+        for payload in sent:
+            publisher.publish("cmd/x", payload, qos=1, timeout=WAIT)
+    finally:
+        publisher.close(keep_session=False)
+    client.ready_for_events()
+    # sdk.md: close() from a listener returns at once; wait for on_disconnected before the next connection.
+    assert gone.wait(WAIT), calls
+    return calls
 
 
 @pytest.mark.timeout(120)
-def test_a_client_closed_from_its_listener_runs_no_listener_after_it(broker: Broker) -> None:
-    """sdk.md: "A listener running when `close()` is called finishes and its event is acknowledged before the
-    DISCONNECT; no listener runs after that: events still arriving are left unprocessed, for the session's next
-    connection" (here close() is called by the listener itself, on a "stop" command, amid a replay)."""
-    publisher = DurableClient("blind-stop-pub", "127.0.0.1", broker.port)
-    publisher.connect(timeout=WAIT)
-    calls: list[tuple[bytes, bool]] = []
-    closed = threading.Event()
-    holder: dict[str, DurableClient] = {}
-
-    def on_event(event: Event) -> None:
-        calls.append((bytes(event.payload), closed.is_set()))
-        if event.payload == b"stop":
-            holder["client"].close(keep_session=True)
-            closed.set()
-
-    client = DurableClient("blind-stop", "127.0.0.1", broker.port)
-    holder["client"] = client
-    client.subscribe("cmd/#", qos=1, listener=on_event)
-    client.connect(timeout=WAIT)
+def test_a_client_closed_from_its_listener_processes_no_later_event(broker: Broker) -> None:
+    """sdk.md: "The event being processed when `close()` is called finishes ... and is acknowledged before the
+    DISCONNECT; no later event is processed" (here close() is called by the listener itself, on a "stop" command,
+    amid a replay)."""
     sent = [b"a", b"b", b"stop", *(f"after-{i}".encode() for i in range(30))]
-    for payload in sent:
-        publisher.publish("cmd/x", payload, qos=1, timeout=WAIT)
-    client.ready_for_events()  # the queue comes as one replay burst
-    assert closed.wait(WAIT)
-    again: list[bytes] = []
-    arrived = threading.Condition()
+    calls = closed_by_its_listener(broker.port, "blind-stop", sent, only=1)
+    assert [p for _, p in calls] == [b"a", b"b", b"stop"], "no listener ran after close()"
+    again = next_connection(broker.port, "blind-stop", "cmd/#", 30)
+    assert again == sent[3:], "the rest, once, for the next connection; stop was acknowledged"
 
-    def collect(event: Event) -> None:
-        with arrived:
-            again.append(bytes(event.payload))
-            arrived.notify_all()
 
-    second = DurableClient("blind-stop", "127.0.0.1", broker.port)
-    second.subscribe("cmd/#", qos=1, listener=collect)
-    second.connect(timeout=WAIT)
-    second.ready_for_events()
-    try:
-        assert [p for p, _ in calls] == [b"a", b"b", b"stop"], "no listener ran after close()"
-        with arrived:
-            assert arrived.wait_for(lambda: len(again) >= 30, WAIT), again
-        assert again == sent[3:], "the rest, once, for the next connection; stop was acknowledged"
-    finally:
-        second.close(keep_session=False)
-        publisher.close(keep_session=False)
+@pytest.mark.timeout(120)
+def test_close_from_one_listener_of_an_event_lets_its_other_listeners_run(broker: Broker) -> None:
+    """sdk.md: the event being processed when `close()` is called "finishes (each of its listeners) and is
+    acknowledged". Two subscriptions match cmd/x; the first one's listener closes the client on "stop"."""
+    sent = [b"stop", b"after"]
+    calls = closed_by_its_listener(broker.port, "blind-two", sent, first=1, second=0)
+    assert calls == [("first", b"stop"), ("second", b"stop")], calls
+    assert next_connection(broker.port, "blind-two", "cmd/#", 1) == [b"after"], "stop was acknowledged"
 
 
 # ------------------------------------------------------------------ durable-pipeline and fleet on the command line

@@ -308,6 +308,11 @@ class DurableClient:
         client is closed either way; if the session could not be ended, ControlRequestFailed
         (or Unconnected, while disconnected) is raised afterwards: the broker then drops the
         session only when it expires.
+
+        The event being processed finishes (each of its listeners) and is acknowledged before
+        the DISCONNECT; no later event is processed. From another thread this waits up to
+        ``timeout`` for that; from a listener it returns at once (the acknowledgement and the
+        DISCONNECT follow when the listener returns: ``on_disconnected`` says when).
         """
         check_bool("keep_session", keep_session)
         timeout = check_seconds("timeout", timeout, low=0)
@@ -746,6 +751,8 @@ class DurableClient:
             elif not self._fail_first(text):
                 log.warning("%s; retrying", text)
             return
+        if self._stop.is_set():
+            return  # closed meanwhile: no event is processed any more (close() failed the receiver)
         self._receiver.new_connection()
         self._stream_acks.drop()
         if self._gate is not None:
