@@ -475,9 +475,9 @@ def next_connection(port: int, client_id: str, topic_filter: str, count: int) ->
 def test_a_client_closed_while_events_arrive_processes_nothing_after_close_and_nothing_twice(broker: Broker) -> None:
     """sdk.md: "the SDK sends PUBACK only after every listener for the event ... has returned"; "`close(keep_session=
     True)` leaves the session queueing on the broker"; "no later event is processed: those still arriving are
-    left for the session's next connection". A client with the default in-memory marks closed while a burst
-    arrives: no listener runs once close() returned, and what ran before it was acknowledged, so the session's
-    next client processes each event the first did not, and none twice."""
+    left unacknowledged, so a durable session's next connection gets them". A client with the default in-memory
+    marks closed while a burst arrives: no listener runs once close() returned, and what ran before it was
+    acknowledged, so the session's next client processes each event the first did not, and none twice."""
     calls: list[bytes] = []
 
     def slow(event: Event) -> None:
