@@ -88,6 +88,36 @@ def test_an_event_whose_loop_body_raises_comes_again_and_is_processed_once(
     run(main())
 
 
+def test_close_from_the_loop_body_acknowledges_the_event_the_body_is_on(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """sdk.md: ``await client.close()`` in the body counts its event as processed, as a threaded
+    listener's close() does: the next connection gets only what came after it ("stop" came again)."""
+    publisher = clients(broker.port, "pub", clean_session=True)
+
+    async def main() -> None:
+        await queue_backlog(broker.port, "async-stop", "c/#")
+        await asyncio.to_thread(publisher.publish, "c/x", [b"a", b"stop", b"after"])
+        got: list[bytes] = []
+        client = AsyncDurableClient("async-stop", port=broker.port, reconnect_max_delay=0.5)
+        await client.connect()
+        await client.subscribe("c/#")
+        await client.ready_for_events()
+        async for event in client.events():
+            got.append(event.payload)
+            if event.payload == b"stop":
+                await client.close()
+        assert got == [b"a", b"stop"], "the loop ends at close()"
+        rest: list[Event] = []
+        async with AsyncDurableClient("async-stop", port=broker.port, reconnect_max_delay=0.5) as later:
+            await later.subscribe("c/#")
+            await later.ready_for_events()
+            await collect(later, 1, rest)
+        assert [e.payload for e in rest] == [b"after"]
+
+    run(main())
+
+
 @pytest.mark.slow
 def test_exactly_once_across_a_broker_sigkill(broker: Broker, clients: Callable[..., Client]) -> None:
     total = 2000

@@ -9,8 +9,6 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from fleet_helpers import processes_in, signal_fleet_when
 from raw_mqtt_helpers import connect_packet, read_exactly
 from test_docs_promises_ha2 import CLUSTER, _b64, _etcd
 from test_ha_brokers import (
@@ -587,47 +586,12 @@ def test_sys_topics_follow_a_backup_that_leaves_and_count_a_refused_connection(
     assert "backup b" not in shown.stdout, shown.stdout  # its row went with its connection
 
 
-def _processes_in(folder: Path) -> list[int]:
-    """PIDs of the processes whose command line names ``folder`` (this test's own children only:
-    the folder is this test's tmp folder)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if str(folder).encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-    return found
-
-
 def test_a_sigterm_while_fleet_ha_starts_etcd_leaves_no_etcd_running(tmp_path: Path) -> None:
     """fleet.md: "SIGTERM or Ctrl-C stops the broker and every process it started"; with ``--ha`` "The
     harness starts one etcd member". A SIGTERM that came while that member was getting ready left it
     running, an orphan: its handle was kept only once it was ready, and a SIGTERM during the spawn itself
     unwound from inside ``subprocess.Popen``."""
-    (tmp_path / "broker.yaml").write_text((Path(__file__).parent.parent / "broker.yaml").read_text())
-    out = tmp_path / "out"
-    with (tmp_path / "harness.err").open("wb") as err:
-        harness = subprocess.Popen(
-            [sys.executable, "-m", "durable_fleet.console", "fleet", "--ha", "--out", str(out)],
-            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 4 * WAIT
-        while not _processes_in(out / "etcd") and harness.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)  # polling for the etcd process the harness spawns; bounded by the deadline
-        assert _processes_in(out / "etcd"), (tmp_path / "harness.err").read_text()
-        harness.send_signal(signal.SIGTERM)  # etcd runs, and takes a moment to get ready
-        harness.wait(4 * WAIT)
-    finally:
-        if harness.poll() is None:
-            harness.kill()
-            harness.wait(WAIT)
-    left = _processes_in(out)
-    named = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120] for pid in left]
-    for pid in left:  # our own orphans, by PID
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    assert left == [], f"processes the harness started outlived it: {named}"
+    signal_fleet_when(tmp_path, ["--ha"], lambda out: bool(processes_in(out / "etcd")), signal.SIGTERM)
 
 
 @pytest.mark.slow

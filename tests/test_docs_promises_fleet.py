@@ -49,7 +49,8 @@ def broker_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_the_defaults_the_page_gives(broker_yaml: Path) -> None:
     """`amqtt-durable fleet`: 20 devices, 100 msg/s, 45 s, 10 faults (drop=3,stall=3,broker_kill=1,
     device_restart=3), `-c` ./broker.yaml, `--keepalive` 4 s, `--drain-timeout` 60 s, the audit's `--master`
-    local[2], `--out` ./fleet-out, `--prefix` dev-, every 10th message to fleet/broadcast, cpl1, cpl2 and paho;
+    local[2], `--out` ./fleet-out, `--prefix` dev-, every 10th message to fleet/broadcast, cpl1, cpl2 and paho
+    over 8 processes, 2 publisher processes;
     random faults between 5 s after the start and 15 s before the end, stalls 1.5 to 2.5 keep-alives."""
     parser = build_parser()
     options = options_from(parser.parse_args(["--seed", "7"]), parser)
@@ -61,6 +62,7 @@ def test_the_defaults_the_page_gives(broker_yaml: Path) -> None:
         "local[2]", Path("fleet-out"), "dev-", 10, 1
     )
     assert dict(options.mix) == {"cpl1": 1, "cpl2": 1, "paho": 1}
+    assert (options.processes, options.publishers) == (8, 2)
     assert Counter(fault.kind for fault in options.faults) == {
         "drop": 3, "stall": 3, "broker_kill": 1, "device_restart": 3
     }
@@ -69,6 +71,16 @@ def test_the_defaults_the_page_gives(broker_yaml: Path) -> None:
         assert fault.at >= 5.0 and fault.at + fault.duration <= 45.0 - 15.0, fault
         if fault.kind == "stall":
             assert 1.5 * 4 <= fault.duration <= 2.5 * 4, fault
+
+
+def test_faults_sets_the_kinds_it_names_and_none_of_the_others(broker_yaml: Path) -> None:
+    """fleet.md: "set with `--faults`, where a kind left out gets none: `--faults drop=5` is five drops and nothing
+    else" (the page's `--qos 0 --faults drop=5` run)."""
+    parser = build_parser()
+    options = options_from(parser.parse_args(["--qos", "0", "--faults", "drop=5", "--seed", "1"]), parser)
+    assert Counter(fault.kind for fault in options.faults) == {"drop": 5}
+    options = options_from(parser.parse_args(["--faults", "stall=1,device_restart=2", "--seed", "1"]), parser)
+    assert Counter(fault.kind for fault in options.faults) == {"stall": 1, "device_restart": 2}
 
 
 @pytest.mark.parametrize(

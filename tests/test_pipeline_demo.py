@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,16 @@ def test_the_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert any((out / "events").glob("*.parquet"))
     assert (out / "audit" / "report.html").is_file()
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["device-0.jsonl", "device-1.jsonl", "publisher.jsonl"]
+    # pipeline.md: "a stream log on `telemetry/#` (store in `out/store`)", "checkpoint in `out/checkpoint`",
+    # "one device is away for half the run so it gets a replay"
+    assert (out / "store" / "CURRENT").is_file() and any((out / "checkpoint").iterdir())
+    records = [
+        json.loads(line)
+        for path in (out / "logs").glob("device-*.jsonl")
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
+    assert any(r["kind"] == "receive" and r["replayed"] for r in records), "a device got a replay"
 
 
 def test_the_demo_refuses_bad_arguments() -> None:

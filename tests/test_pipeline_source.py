@@ -386,6 +386,23 @@ def test_options_are_checked() -> None:
     assert (parsed.starting, parsed.max_events_per_trigger, parsed.ending) == ({"telemetry/a": 4}, 9, "latest")
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("port", "abc"), ("port", "0"), ("port", "65536"), ("window", "1001"), ("window", "many"),
+        ("timeout", "0"), ("timeout", "-1"), ("timeout", "soon"), ("idsPerPartition", "0"), ("idsPerPartition", "ten"),
+        ("maxEventsPerTrigger", "0"), ("maxEventsPerTrigger", "x"), ("startingOffsets", "newest"),
+        ("startingOffsets", "{not json"), ("endingOffsets", "earliest"), ("endingOffsets", "[1, 2]"),
+    ],
+)
+def test_a_bad_value_of_an_option_is_a_source_error_naming_the_option(option: str, value: str) -> None:
+    """pipeline.md, Options: a bad value "is a `SourceError` naming the option" (through Spark: test_blind_pipeline)."""
+    with pytest.raises(SourceError) as raised:
+        Options.parse({"filter": FILTER, option: value})
+    assert str(raised.value).startswith(f"option {option} must be "), raised.value
+    assert repr(value) in str(raised.value), "the value given is shown"
+
+
 def test_the_failover_option_takes_ipv6_addresses_in_brackets() -> None:
     """``failover`` is host:port as the replication settings write it (one parser): the brackets of
     ``[::1]:1883`` were kept in the host, which then could not be resolved. The addresses are

@@ -308,6 +308,11 @@ class DurableClient:
         client is closed either way; if the session could not be ended, ControlRequestFailed
         (or Unconnected, while disconnected) is raised afterwards: the broker then drops the
         session only when it expires.
+
+        The event being processed finishes (each of its listeners) and is acknowledged before
+        the DISCONNECT; no later event is processed. From another thread this waits up to
+        ``timeout`` for that; from a listener it returns at once (the acknowledgement and the
+        DISCONNECT follow when the listener returns: ``on_disconnected`` says when).
         """
         check_bool("keep_session", keep_session)
         timeout = check_seconds("timeout", timeout, low=0)
@@ -326,10 +331,15 @@ class DurableClient:
             self._closed = True
         thread = self._thread
         self._stop.set()
-        self._release_held()  # before the DISCONNECT
+        # No listener runs for what arrives from now on: the broker sends it again to the session's next
+        # connection, which must not find it processed already (without CPL-2 marks, twice).
+        self._receiver.fail()
+        self._release_held()
         if thread is not None and not on_network_thread:
             if self._link is not None and self._link.socket_open:
-                self._link.disconnect()  # wakes the network thread at once
+                # The network thread ends its pass (a listener running finishes), sends the PUBACKs gathered
+                # and then the DISCONNECT (_run's end): a PUBACK after the DISCONNECT would be lost.
+                self._link.wake()
             thread.join(timeout)
         if thread is None or not thread.is_alive():
             self._close_files()
@@ -741,6 +751,8 @@ class DurableClient:
             elif not self._fail_first(text):
                 log.warning("%s; retrying", text)
             return
+        if self._stop.is_set():
+            return  # closed meanwhile: no event is processed any more (close() failed the receiver)
         self._receiver.new_connection()
         self._stream_acks.drop()
         if self._gate is not None:

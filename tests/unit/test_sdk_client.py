@@ -755,6 +755,22 @@ def test_close_keep_session_false_ends_the_session(make: Any) -> None:
     client.close()  # idempotent
 
 
+def test_a_connack_handled_after_close_processes_no_event(make: Any) -> None:
+    """sdk.md: "no later event is processed" once close() is called. A reconnect's CONNACK read after close()
+    (the network thread's last pass, before its DISCONNECT) cleared the receiver's failed state, so an event
+    read after it ran its listener; now the CONNACK is ignored: no listener, no acknowledgement, no hello."""
+    client, link = make()
+    connect(client, link, session_present=False)
+    seen: list[int] = []
+    client.subscribe("#", listener=lambda e: seen.append(e.seq))
+    lose(client, link)
+    client.close()
+    client._handle_connack(ConnAck(True, True, "Success"))
+    event(client, "t", 1, mid=3)
+    assert seen == [] and ("ack", 3) not in link.sent
+    assert not link.requests("hello")
+
+
 def test_close_reports_a_refused_end_session_after_closing(make: Any) -> None:
     client, link = make()
     connect(client, link, session_present=False)

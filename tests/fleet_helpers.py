@@ -1,0 +1,62 @@
+"""Shared by the tests that run ``amqtt-durable fleet`` in a process of its own and signal it: which processes
+it started are still there."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import WAIT
+
+
+def signal_fleet_when(tmp_path: Path, args: list[str], ready: Callable[[Path], bool], stop: int) -> None:
+    """``amqtt-durable fleet ARGS`` with the shipped broker.yaml and ``--out tmp_path/out``; once ``ready(out)``
+    (polled, bounded), signal ``stop`` to the harness, and check that no process it started outlived it."""
+    (tmp_path / "broker.yaml").write_text((Path(__file__).parent.parent / "broker.yaml").read_text())
+    out = tmp_path / "out"
+    with (tmp_path / "harness.err").open("wb") as err:
+        harness = subprocess.Popen(
+            [sys.executable, "-m", "durable_fleet.console", "fleet", *args, "--out", str(out)],
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 6 * WAIT
+        while not ready(out) and harness.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)  # polling for the processes the harness spawns; bounded by the deadline
+        assert ready(out), (tmp_path / "harness.err").read_text()
+        harness.send_signal(stop)
+        harness.wait(4 * WAIT)
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+            harness.wait(WAIT)
+    assert_none_left(out)
+
+
+def assert_none_left(folder: Path) -> None:
+    """No process whose command line names ``folder`` outlived the harness (any left is SIGKILLed, by PID: these
+    are the test's own orphans)."""
+    left = processes_in(folder)
+    named = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120] for pid in left]
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], f"processes the harness started outlived it: {named}"
+
+
+def processes_in(folder: Path) -> list[int]:
+    """PIDs of the processes whose command line names ``folder`` (this test's own children only:
+    the folder is this test's tmp folder)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if str(folder).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
