@@ -72,8 +72,6 @@ class _Queue:
         """Set by the loop when it will not take from ``inbox`` without being woken."""
         self._waiter: asyncio.Future[None] | None = None
         self._busy = False  # an event is with a loop body
-        self._current: Handed | None = None  # that event
-        self._holder: asyncio.Task[Any] | None = None  # the task whose body has it
         self._failed = -1  # the generation whose events are not processed any more (one failed)
         self._done: list[Completion] = []
         self._post_scheduled = False
@@ -115,7 +113,6 @@ class _Queue:
                     self._ack(item)
                 else:
                     self._busy = True
-                    self._current, self._holder = item, asyncio.current_task()
                     return item
             if self.closed:
                 raise StopAsyncIteration
@@ -133,10 +130,7 @@ class _Queue:
 
     def finish(self, item: Handed, processed: bool) -> None:
         """A loop body is done with ``item``'s event: record and acknowledge it, or ask for it again."""
-        if item is not self._current:
-            return  # settled by close(), called from its body
         self._busy = False
-        self._current = self._holder = None
         self.idle = True  # the iterator may not ask for more (the loop was left): wake-ups are needed again
         if self.closed:  # close() came first: not recorded, it comes again
             return
@@ -165,13 +159,7 @@ class _Queue:
             self._client._complete(done)
 
     def close(self) -> None:
-        """No event is processed from now on; the acknowledgements of the processed ones go first.
-
-        Called from the body that has an event (the task it was handed to), that event counts as
-        processed, as a threaded listener's that calls close(): recorded and acknowledged first."""
-        current = self._current
-        if current is not None and not self.closed and self._holder is asyncio.current_task():
-            self.finish(current, processed=True)
+        """No event is processed from now on; the acknowledgements of the processed ones go first."""
         self.post()
         self.closed = True
         waiter = self._waiter
@@ -343,8 +331,7 @@ class AsyncDurableClient:
 
     async def close(self, keep_session: bool = True) -> None:
         """Disconnect for good (see DurableClient.close); an event handed over but not finished
-        is not acknowledged, so the broker sends it again to the next connection, except the one
-        whose body awaits this close(): it counts as processed. An ``async for``
+        is not acknowledged, so the broker sends it again to the next connection. An ``async for``
         over ``events()`` ends. Any loop may close the client (a program can always clean up),
         even once its own loop has ended. A ``keep_session`` other than True or False is refused
         before anything is closed."""
