@@ -53,14 +53,12 @@ class FakeCoordinator(Coordinator):
         await self._reach()
         return self.holder
 
-    async def acquire(self, me: Leader, *, keep_sync: bool = True) -> bool:
+    async def acquire(self, me: Leader) -> bool:
         await self._reach()
         if self.holder is not None:
             return False
         self.holder, self.expires = me, self.clock() + self.ttl
         self.last_primary = me.name
-        if not keep_sync:
-            self.sync = self.sync_leader = None
         return True
 
     async def renew(self, me: Leader) -> bool:
@@ -75,11 +73,11 @@ class FakeCoordinator(Coordinator):
         if self.holder == me:
             self.holder = None
 
-    async def publish_sync(self, me: Leader, members: frozenset[str]) -> bool:
+    async def publish_sync(self, me: Leader, members: frozenset[str] | None) -> bool:
         await self._reach()
         if self.holder != me:
             return False
-        self.sync, self.sync_leader = members, me.name
+        self.sync, self.sync_leader = members, None if members is None else me.name
         return True
 
     async def sync_members(self) -> frozenset[str] | None:
@@ -805,11 +803,13 @@ def test_after_a_full_stop_a_last_primary_whose_promotion_fails_holds_a_synchron
     run(main())
 
 
-def test_a_node_in_async_mode_removes_the_synchronous_set_with_the_lease_it_takes() -> None:
+def test_a_node_in_async_mode_removes_the_synchronous_set_once_its_promotion_succeeded() -> None:
     """Review 236: async primaries publish no synchronous set, so one left from an earlier period
     in sync mode stayed, and after a full stop its members (far behind the async primary, which
     acknowledged alone) counted as holding every acknowledged publish. A node in async mode
-    removes it in the step that takes the lease; one in sync mode keeps it until it publishes its own."""
+    removes it once promoted, before its first acknowledgement (its primary end does:
+    ``publish_sync(me, None)``, done here as the hooks' promote); one in sync mode keeps it until
+    it publishes its own. Taking the lease alone keeps it (review 246)."""
 
     async def main() -> None:
         clock, fake = full_stop(frozenset({"b"}))  # the sync-mode period: a published {b}
@@ -821,7 +821,9 @@ def test_a_node_in_async_mode_removes_the_synchronous_set_with_the_lease_it_take
         a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN, mode="async",
                    clock=clock)  # fmt: skip
         fake.sync, fake.sync_leader = frozenset({"a"}), "b"  # b's set, in its sync-mode period
-        assert (await a.run_cycle()).action == "promoted" and (fake.sync, fake.sync_leader) == (None, None)
+        assert (await a.run_cycle()).action == "promoted" and fake.sync == frozenset({"a"})
+        assert await fake.publish_sync(a.me, None) and (fake.sync, fake.sync_leader) == (None, None)
+        assert not await fake.publish_sync(kept.me, None)  # only the leader deletes it
         fake.holder = None  # a full stop: a acknowledged alone meanwhile
         clock.now += TTL
         b_hooks, b = restarted(fake, "b", 5)
@@ -867,9 +869,9 @@ class AcquireHeld(FakeCoordinator):
         super().__init__(clock)
         self.go = asyncio.Event()
 
-    async def acquire(self, me: Leader, *, keep_sync: bool = True) -> bool:
+    async def acquire(self, me: Leader) -> bool:
         await self.go.wait()
-        return await super().acquire(me, keep_sync=keep_sync)
+        return await super().acquire(me)
 
 
 def test_a_promote_accepted_while_the_node_takes_the_lease_by_itself_leaves_no_takeover_for_later() -> None:
@@ -897,3 +899,32 @@ def test_a_promote_accepted_while_the_node_takes_the_lease_by_itself_leaves_no_t
         assert not ha._operator_takeover
 
     run(main())
+
+
+def test_a_failed_promotion_in_async_mode_leaves_the_synchronous_set() -> None:
+    """Review 246: a node in async mode deleted the set when it took the lease; its promotion
+    failed, the lease was released, and c, caught up by its own view but outside the set (dropped
+    for being slow, at batch 95 of 100), took over without the acknowledged batches it lacked."""
+
+    async def main() -> None:
+        clock = Clock()
+        fake = FakeCoordinator(clock)
+        fake.initialized_by = fake.last_primary = "s"
+        fake.sync, fake.sync_leader = frozenset({"a", "b"}), "s"
+        c_hooks = Hooks(caught_up=True, seq=95)
+        c = node(fake, c_hooks, "c")
+        assert "not in the synchronous set" in (await c.run_cycle()).reason
+        a_hooks = Hooks(caught_up=True, seq=100)
+        a_hooks.fail_promotion = True
+        a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN, mode="async",
+                   clock=clock)  # fmt: skip
+        assert "the promotion failed" in (await a.run_cycle()).reason and fake.holder is None
+        assert fake.sync == frozenset({"a", "b"}), "a failed promotion keeps the set"
+        clock.now += 1
+        await a.run_cycle()
+        clock.now += 1
+        decision = await c.run_cycle()
+        assert c_hooks.promoted == 0 and "not in the synchronous set" in decision.reason, decision
+
+    run(main())
+

@@ -119,7 +119,8 @@ class HaNode:
         self.loop_wait = loop_wait
         self.demote_margin = demote_margin
         self.mode = mode
-        """replication.mode: in async mode taking the lease removes an earlier synchronous set."""
+        """replication.mode (a primary in async mode deletes an earlier synchronous set once its
+        promotion succeeded, before it acknowledges anything: node.py; taking the lease keeps it)."""
         self.clock = clock
         self.role: Role = "backup"
         self.valid_until = 0.0
@@ -272,7 +273,7 @@ class HaNode:
                     return chosen
                 action, why = chosen
                 started = self.clock()
-                if not await self.coordinator.acquire(self.me, keep_sync=self.mode == "sync"):
+                if not await self.coordinator.acquire(self.me):
                     return Decision("wait", f"{why}, but another node took the lease first")
         except MemberNameTakenError as exc:
             self._found_no_primary = False
