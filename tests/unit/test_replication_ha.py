@@ -868,8 +868,10 @@ class AcquireHeld(FakeCoordinator):
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)
         self.go = asyncio.Event()
+        self.acquiring = asyncio.Event()
 
     async def acquire(self, me: Leader) -> bool:
+        self.acquiring.set()
         await self.go.wait()
         return await super().acquire(me)
 
@@ -890,9 +892,9 @@ def test_a_promote_accepted_while_the_node_takes_the_lease_by_itself_leaves_no_t
         assert (await ha.run_cycle()).action == "demoted"
         assert ha.request_takeover() is not None  # no backup cycle since its term
         fake.go.clear()
+        fake.acquiring.clear()
         cycle = asyncio.ensure_future(ha.run_cycle())  # caught up, no primary: it takes the lease itself
-        for _ in range(10):
-            await asyncio.sleep(0)
+        await asyncio.wait_for(fake.acquiring.wait(), 5)
         assert ha.request_takeover() is None  # accepted: its last answer found no primary
         fake.go.set()
         assert (await cycle).action == "promoted" and "caught up" in cycle.result().reason
@@ -928,3 +930,76 @@ def test_a_failed_promotion_in_async_mode_leaves_the_synchronous_set() -> None:
 
     run(main())
 
+
+def test_a_full_stops_wait_begins_anew_after_the_nodes_own_term() -> None:
+    """Review 246: the start of a full stop's wait survived the node's term, so after a later
+    demotion its first cycle finding no primary took the lease without waiting lease_ttl for b."""
+
+    async def main() -> None:
+        clock, fake = full_stop()
+        _, a = restarted(fake, "a", 410)
+        assert "waiting up to" in (await a.run_cycle()).reason
+        clock.now += TTL
+        assert (await a.run_cycle()).action == "promoted"
+        clock.now += TTL  # the lease not renewed: demoted
+        assert (await a.run_cycle()).action == "demoted"
+        clock.now += 1
+        decision = await a.run_cycle()
+        assert "waiting up to" in decision.reason, decision
+
+    run(main())
+
+
+@pytest.mark.parametrize("cause", ["no answer", "name taken"])
+def test_a_cycle_without_the_coordinators_answer_voids_an_accepted_promote(cause: str) -> None:
+    """docs/replication.md: a cycle that gets no answer voids an accepted promote (the operator
+    runs it again). Review 246: one accepted before 50 cycles without etcd took the lease at the
+    first answer, on a state nobody looked at."""
+
+    async def main() -> None:
+        _, fake = full_stop()
+        hooks, c = restarted(fake, "c", 500)
+        assert (await c.run_cycle()).action == "wait"
+        assert c.request_takeover() is None
+        if cause == "no answer":
+            fake.down = True
+            for _ in range(3):
+                assert (await c.run_cycle()).unanswered
+                fake.clock.now += 1
+            fake.down = False
+        else:
+            fake.records["c"] = (Member("c", "backup", 7, 1, False, "elsewhere:7000"), fake.clock() + 2.5)
+            assert "under this node's name" in (await c.run_cycle()).reason
+            fake.clock.now += 3
+        decision = await c.run_cycle()
+        assert hooks.promoted == 0 and decision.action == "wait", decision
+
+    run(main())
+
+
+def test_a_promote_accepted_while_the_node_takes_the_lease_by_itself_is_said_void_when_that_promotion_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """docs/replication.md: such a promote is done with when the lease is taken; a failed promotion
+    says that it is void (the operator runs it again), and the next cycle takes no lease unchecked."""
+
+    async def main() -> None:
+        clock = Clock()
+        fake = AcquireHeld(clock)
+        fake.initialized_by = "old"
+        hooks = Hooks(caught_up=True)
+        hooks.fail_promotion = True
+        ha = node(fake, hooks)
+        fake.go.set()
+        assert (await ha.run_cycle()).action == "wait"  # no promote yet: its promotion failed
+        fake.go.clear()
+        fake.acquiring.clear()
+        cycle = asyncio.ensure_future(ha.run_cycle())  # it takes the lease itself again
+        await asyncio.wait_for(fake.acquiring.wait(), 5)
+        assert ha.request_takeover() is None
+        fake.go.set()
+        assert "the promotion failed" in (await cycle).reason and not ha._operator_takeover
+
+    with caplog.at_level(logging.WARNING, logger="amqtt_durable.replication"):
+        run(main())
+    assert "that promotion failed: the promote is void (run it again)" in caplog.text
