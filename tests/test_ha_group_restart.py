@@ -30,6 +30,7 @@ from test_ha_brokers import (
 
 from amqtt_durable.process import EtcdProcess
 from amqtt_durable.replication.config import ReplicationConfig
+from amqtt_durable.replication.coordinator import Leader
 from amqtt_durable.replication.etcd import EtcdCoordinator
 from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
 
@@ -179,6 +180,26 @@ def test_the_operator_promotes_a_node_that_may_lack_acknowledged_publishes_and_i
     assert refused.returncode == 1 and "it is the primary already" in refused.stderr
     start(first, BACKUP)  # the old primary's later batches never reached c: it gets a snapshot
     assert wait_status(first, lambda s: s["caught_up"])["primary"] == address(third)
+
+
+def test_a_primary_in_async_mode_deletes_a_synchronous_set_left_from_sync_mode_once_it_serves(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
+) -> None:
+    """docs/replication.md: a node in async mode deletes the synchronous set once its promotion
+    succeeded (taking the lease leaves it), before its first acknowledgement."""
+
+    async def earlier_sync_mode_period() -> None:
+        era, old = coordinator(etcd), Leader("old", "127.0.0.1:1")
+        assert await era.acquire(old)
+        assert await era.publish_sync(old, frozenset({"b"}))
+        await era.release(old)
+
+    asyncio.run(earlier_sync_mode_period())
+    assert sync_set(etcd) == frozenset({"b"})
+    first, _ = ha_pair(broker_factory, etcd, mode="async")
+    assert lease_holder(etcd) == "a"
+    queue_durable_messages(first, clients, QUEUED)  # acknowledged: the set was deleted before
+    assert sync_set(etcd) is None
 
 
 def test_in_async_mode_only_the_last_primary_takes_over_after_a_full_stop(

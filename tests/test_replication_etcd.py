@@ -292,13 +292,15 @@ class Said:
         return self.decision
 
 
-def test_a_node_in_async_mode_removes_a_synchronous_set_left_from_sync_mode_when_it_takes_the_lease(
+def test_a_node_in_async_mode_removes_a_synchronous_set_left_from_sync_mode_once_promoted(
     etcd: EtcdProcess, tmp_path: Path
 ) -> None:
     """Review 236: a was primary in sync mode and published {b}; the group was switched to async
     mode; a took the lease again and acknowledged alone; full stop. b, far behind, started alone
     took the lease (the old set named it). docs/replication.md: in async mode only the last
-    primary takes over. Taking the lease in async mode removes the set in the same transaction."""
+    primary takes over. A node in async mode removes the set once promoted (its primary end does,
+    here the hooks' promote), in a transaction comparing the leader key; taking the lease keeps
+    it (review 246: a failed promotion had left no set)."""
 
     async def main() -> None:
         a = Leader("a", "127.0.0.1:7001")
@@ -309,6 +311,8 @@ def test_a_node_in_async_mode_removes_a_synchronous_set_left_from_sync_mode_when
         await era.release(a)
         assert await era.acquire(a)  # sync mode again: the set stays until a publishes its own
         assert await era.sync_members() == frozenset({"b"})
+        assert not await era.publish_sync(Leader("b", "127.0.0.1:7002"), None)  # only the leader deletes it
+        assert await era.sync_members() == frozenset({"b"})
         await era.release(a)
         a_hooks = WholeNode(seq=100_000)
         a_ha = HaNode(coordinator(etcd), a_hooks, name="a", address=a.address, loop_wait=0.2, demote_margin=0.5,
@@ -316,6 +320,8 @@ def test_a_node_in_async_mode_removes_a_synchronous_set_left_from_sync_mode_when
         stop = asyncio.Event()
         runner = asyncio.create_task(a_ha.run(stop))
         await asyncio.wait_for(a_hooks.promoted.wait(), 3 * TTL)  # after waiting for b: the async period
+        assert await era.sync_members() == frozenset({"b"}), "taking the lease keeps the set"
+        assert await era.publish_sync(a, None)  # a's primary end, once promoted (node.py)
         assert await era.sync_members() is None and await era.former_primaries() == frozenset({"a"})
         stop.set()
         await asyncio.wait_for(runner, BOUND)  # a full stop (a clean one here; a kill is the same)

@@ -117,6 +117,45 @@ def test_async_mode_acknowledges_after_the_local_write(db: Any) -> None:
     run(db, test)
 
 
+@pytest.mark.parametrize("deleted", [True, False])
+def test_async_mode_with_a_coordinator_holds_acknowledgements_until_the_earlier_sync_set_is_deleted(
+    db: Any, deleted: bool
+) -> None:
+    """Review 246: a node in async mode deleted the synchronous set when it took the lease, so a
+    failed promotion left no set and a backup outside it took over. Now the primary end deletes it
+    once the promotion succeeded (``delete_earlier_sync_set``) and acknowledges nothing before
+    (the way a sync-mode primary publishes its set first); closed before that: the publish fails."""
+
+    async def main() -> None:
+        deleting, answer = asyncio.Event(), asyncio.Event()
+
+        async def delete() -> None:
+            deleting.set()
+            await answer.wait()
+
+        primary = Primary(db, store_id=7, log_max_batches=100, log_max_bytes=1 << 20, delete_sync_set=delete)
+        committer = GroupCommitter(db, sync=False, batch_size=5000, batch_delay_ms=0.0, pending_threshold=1)
+        committer.replication = ReplicatedCommits(primary, "async", lambda: True)
+        try:
+            committer.put(b"k", b"v")
+            stored = committer.commit()
+            primary.delete_earlier_sync_set()
+            await asyncio.wait_for(deleting.wait(), BOUND)
+            assert db.get(b"k") == b"v" and not stored.done(), "written, not acknowledged before the deletion"
+            if deleted:
+                answer.set()
+                await asyncio.wait_for(stored, BOUND)
+                await asyncio.wait_for(committer.commit(), BOUND)  # from then on at once
+            else:
+                await primary.close("demoted")
+                with pytest.raises(NotPrimaryError):
+                    await asyncio.wait_for(stored, BOUND)
+        finally:
+            await primary.close()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("fsync", [True, False])
 def test_a_backup_fsyncs_what_it_applies_as_the_broker_fsyncs_its_commits(db: Any, fsync: bool) -> None:
     async def main() -> None:

@@ -53,14 +53,12 @@ class FakeCoordinator(Coordinator):
         await self._reach()
         return self.holder
 
-    async def acquire(self, me: Leader, *, keep_sync: bool = True) -> bool:
+    async def acquire(self, me: Leader) -> bool:
         await self._reach()
         if self.holder is not None:
             return False
         self.holder, self.expires = me, self.clock() + self.ttl
         self.last_primary = me.name
-        if not keep_sync:
-            self.sync = self.sync_leader = None
         return True
 
     async def renew(self, me: Leader) -> bool:
@@ -75,11 +73,11 @@ class FakeCoordinator(Coordinator):
         if self.holder == me:
             self.holder = None
 
-    async def publish_sync(self, me: Leader, members: frozenset[str]) -> bool:
+    async def publish_sync(self, me: Leader, members: frozenset[str] | None) -> bool:
         await self._reach()
         if self.holder != me:
             return False
-        self.sync, self.sync_leader = members, me.name
+        self.sync, self.sync_leader = members, None if members is None else me.name
         return True
 
     async def sync_members(self) -> frozenset[str] | None:
@@ -805,11 +803,13 @@ def test_after_a_full_stop_a_last_primary_whose_promotion_fails_holds_a_synchron
     run(main())
 
 
-def test_a_node_in_async_mode_removes_the_synchronous_set_with_the_lease_it_takes() -> None:
+def test_a_node_in_async_mode_removes_the_synchronous_set_once_its_promotion_succeeded() -> None:
     """Review 236: async primaries publish no synchronous set, so one left from an earlier period
     in sync mode stayed, and after a full stop its members (far behind the async primary, which
     acknowledged alone) counted as holding every acknowledged publish. A node in async mode
-    removes it in the step that takes the lease; one in sync mode keeps it until it publishes its own."""
+    removes it once promoted, before its first acknowledgement (its primary end does:
+    ``publish_sync(me, None)``, done here as the hooks' promote); one in sync mode keeps it until
+    it publishes its own. Taking the lease alone keeps it (review 246)."""
 
     async def main() -> None:
         clock, fake = full_stop(frozenset({"b"}))  # the sync-mode period: a published {b}
@@ -821,7 +821,9 @@ def test_a_node_in_async_mode_removes_the_synchronous_set_with_the_lease_it_take
         a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN, mode="async",
                    clock=clock)  # fmt: skip
         fake.sync, fake.sync_leader = frozenset({"a"}), "b"  # b's set, in its sync-mode period
-        assert (await a.run_cycle()).action == "promoted" and (fake.sync, fake.sync_leader) == (None, None)
+        assert (await a.run_cycle()).action == "promoted" and fake.sync == frozenset({"a"})
+        assert await fake.publish_sync(a.me, None) and (fake.sync, fake.sync_leader) == (None, None)
+        assert not await fake.publish_sync(kept.me, None)  # only the leader deletes it
         fake.holder = None  # a full stop: a acknowledged alone meanwhile
         clock.now += TTL
         b_hooks, b = restarted(fake, "b", 5)
@@ -866,10 +868,12 @@ class AcquireHeld(FakeCoordinator):
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)
         self.go = asyncio.Event()
+        self.acquiring = asyncio.Event()
 
-    async def acquire(self, me: Leader, *, keep_sync: bool = True) -> bool:
+    async def acquire(self, me: Leader) -> bool:
+        self.acquiring.set()
         await self.go.wait()
-        return await super().acquire(me, keep_sync=keep_sync)
+        return await super().acquire(me)
 
 
 def test_a_promote_accepted_while_the_node_takes_the_lease_by_itself_leaves_no_takeover_for_later() -> None:
@@ -888,12 +892,114 @@ def test_a_promote_accepted_while_the_node_takes_the_lease_by_itself_leaves_no_t
         assert (await ha.run_cycle()).action == "demoted"
         assert ha.request_takeover() is not None  # no backup cycle since its term
         fake.go.clear()
+        fake.acquiring.clear()
         cycle = asyncio.ensure_future(ha.run_cycle())  # caught up, no primary: it takes the lease itself
-        for _ in range(10):
-            await asyncio.sleep(0)
+        await asyncio.wait_for(fake.acquiring.wait(), 5)
         assert ha.request_takeover() is None  # accepted: its last answer found no primary
         fake.go.set()
         assert (await cycle).action == "promoted" and "caught up" in cycle.result().reason
         assert not ha._operator_takeover
 
     run(main())
+
+
+def test_a_failed_promotion_in_async_mode_leaves_the_synchronous_set() -> None:
+    """Review 246: a node in async mode deleted the set when it took the lease; its promotion
+    failed, the lease was released, and c, caught up by its own view but outside the set (dropped
+    for being slow, at batch 95 of 100), took over without the acknowledged batches it lacked."""
+
+    async def main() -> None:
+        clock = Clock()
+        fake = FakeCoordinator(clock)
+        fake.initialized_by = fake.last_primary = "s"
+        fake.sync, fake.sync_leader = frozenset({"a", "b"}), "s"
+        c_hooks = Hooks(caught_up=True, seq=95)
+        c = node(fake, c_hooks, "c")
+        assert "not in the synchronous set" in (await c.run_cycle()).reason
+        a_hooks = Hooks(caught_up=True, seq=100)
+        a_hooks.fail_promotion = True
+        a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN, mode="async",
+                   clock=clock)  # fmt: skip
+        assert "the promotion failed" in (await a.run_cycle()).reason and fake.holder is None
+        assert fake.sync == frozenset({"a", "b"}), "a failed promotion keeps the set"
+        clock.now += 1
+        await a.run_cycle()
+        clock.now += 1
+        decision = await c.run_cycle()
+        assert c_hooks.promoted == 0 and "not in the synchronous set" in decision.reason, decision
+
+    run(main())
+
+
+def test_a_full_stops_wait_begins_anew_after_the_nodes_own_term() -> None:
+    """Review 246: the start of a full stop's wait survived the node's term, so after a later
+    demotion its first cycle finding no primary took the lease without waiting lease_ttl for b."""
+
+    async def main() -> None:
+        clock, fake = full_stop()
+        _, a = restarted(fake, "a", 410)
+        assert "waiting up to" in (await a.run_cycle()).reason
+        clock.now += TTL
+        assert (await a.run_cycle()).action == "promoted"
+        clock.now += TTL  # the lease not renewed: demoted
+        assert (await a.run_cycle()).action == "demoted"
+        clock.now += 1
+        decision = await a.run_cycle()
+        assert "waiting up to" in decision.reason, decision
+
+    run(main())
+
+
+@pytest.mark.parametrize("cause", ["no answer", "name taken"])
+def test_a_cycle_without_the_coordinators_answer_voids_an_accepted_promote(cause: str) -> None:
+    """docs/replication.md: a cycle that gets no answer voids an accepted promote (the operator
+    runs it again). Review 246: one accepted before 50 cycles without etcd took the lease at the
+    first answer, on a state nobody looked at."""
+
+    async def main() -> None:
+        _, fake = full_stop()
+        hooks, c = restarted(fake, "c", 500)
+        assert (await c.run_cycle()).action == "wait"
+        assert c.request_takeover() is None
+        if cause == "no answer":
+            fake.down = True
+            for _ in range(3):
+                assert (await c.run_cycle()).unanswered
+                fake.clock.now += 1
+            fake.down = False
+        else:
+            fake.records["c"] = (Member("c", "backup", 7, 1, False, "elsewhere:7000"), fake.clock() + 2.5)
+            assert "under this node's name" in (await c.run_cycle()).reason
+            fake.clock.now += 3
+        decision = await c.run_cycle()
+        assert hooks.promoted == 0 and decision.action == "wait", decision
+
+    run(main())
+
+
+def test_a_promote_accepted_while_the_node_takes_the_lease_by_itself_is_said_void_when_that_promotion_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """docs/replication.md: such a promote is done with when the lease is taken; a failed promotion
+    says that it is void (the operator runs it again), and the next cycle takes no lease unchecked."""
+
+    async def main() -> None:
+        clock = Clock()
+        fake = AcquireHeld(clock)
+        fake.initialized_by = "old"
+        hooks = Hooks(caught_up=True)
+        hooks.fail_promotion = True
+        ha = node(fake, hooks)
+        fake.go.set()
+        assert (await ha.run_cycle()).action == "wait"  # no promote yet: its promotion failed
+        fake.go.clear()
+        fake.acquiring.clear()
+        cycle = asyncio.ensure_future(ha.run_cycle())  # it takes the lease itself again
+        await asyncio.wait_for(fake.acquiring.wait(), 5)
+        assert ha.request_takeover() is None
+        fake.go.set()
+        assert "the promotion failed" in (await cycle).reason and not ha._operator_takeover
+
+    with caplog.at_level(logging.WARNING, logger="amqtt_durable.replication"):
+        run(main())
+    assert "that promotion failed: the promote is void (run it again)" in caplog.text

@@ -2,7 +2,8 @@
 
 Each commit is numbered by the primary, written locally with its position op, then shipped.
 In sync mode the commit's publishes are acknowledged (and its messages delivered) once every
-in-sync backup confirmed it; in async mode at once, the batch following right after.
+in-sync backup confirmed it; in async mode at once, the batch following right after (with a
+coordinator, once the new primary deleted the synchronous set an earlier one published).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ class ReplicatedCommits:
     def committed(self, batch: PreparedBatch, then: Shipped) -> bool:
         """Ship the batch. Sync mode: True, and ``then`` gets the outcome once every in-sync backup
         has it (or never will); async mode: False, acknowledged now, the batch following right
-        after (a demotion that fails it is nobody's concern)."""
+        after (a demotion that fails it is nobody's concern), or True while the primary holds
+        acknowledgements (``Primary.hold``)."""
         if self.mode == "sync":
             self.primary.ship(batch, then)
             return True
         self.primary.ship(batch, None)
-        return False
+        return self.primary.hold(then)

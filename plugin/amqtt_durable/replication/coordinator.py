@@ -82,12 +82,11 @@ class Coordinator(ABC):
         """The current lease holder, None when nobody holds it."""
 
     @abstractmethod
-    async def acquire(self, me: Leader, *, keep_sync: bool = True) -> bool:
+    async def acquire(self, me: Leader) -> bool:
         """Take the leader key under a new lease if nobody holds it; False if somebody does.
-        ``me`` becomes the last primary (``former_primaries``) in the same atomic step, and with
-        ``keep_sync`` False (a primary in async mode, which publishes no synchronous set) the
-        synchronous set an earlier primary published is removed in it too: nobody but ``me``
-        holds what it acknowledges."""
+        ``me`` becomes the last primary (``former_primaries``) in the same atomic step. The
+        synchronous set an earlier primary published is left as it is (a primary in async mode
+        deletes it with ``publish_sync(me, None)`` once its promotion succeeded)."""
 
     @abstractmethod
     async def renew(self, me: Leader) -> bool:
@@ -103,9 +102,10 @@ class Coordinator(ABC):
         first primary of a new cluster is the node that claims it, not one that is caught up."""
 
     @abstractmethod
-    async def publish_sync(self, me: Leader, members: frozenset[str]) -> bool:
+    async def publish_sync(self, me: Leader, members: frozenset[str] | None) -> bool:
         """As the leader (checked atomically), record the backups that hold every acknowledged
-        batch (Patroni's /sync key); False when ``me`` is not the leader."""
+        batch (Patroni's /sync key), or with None delete the record (async mode: nobody but ``me``
+        holds what it acknowledges); False when ``me`` is not the leader."""
 
     @abstractmethod
     async def former_primaries(self) -> frozenset[str]:

@@ -16,7 +16,7 @@ Keys (under ``prefix``, e.g. ``/amqtt-durable/<cluster>/``)::
     initialize  -> name of the node that bootstrapped the cluster (no lease, never removed)
     sync        -> {"leader": ..., "members": [...]}  the synchronous set, written only by the
                    leader (a transaction comparing the leader key's value), no lease; deleted
-                   in the transaction that puts ``leader`` for a node in async mode
+                   by a node in async mode (the same leader comparison) once its promotion succeeded
     members/<name> -> {"name", "role", "store_id", "batch", "candidate", "address",
                    "promotion_failed"}  each node's
                    position, put every cycle under the node's own member lease (TTL ``ttl``,
@@ -75,14 +75,12 @@ class EtcdCoordinator(Coordinator):
             return None
         return Leader.decode(base64.b64decode(kvs[0].get("value", "")))
 
-    async def acquire(self, me: Leader, *, keep_sync: bool = True) -> bool:
+    async def acquire(self, me: Leader) -> bool:
         grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
         lease = int(grant["ID"])
         put = {"key": self._leader_key, "value": _b64(me.encode()), "lease": str(lease)}
         taken = _create_if_absent(self._leader_key, put)
         taken["success"].append({"request_put": {"key": self._primary_key, "value": _b64(me.encode())}})
-        if not keep_sync:
-            taken["success"].append({"request_delete_range": {"key": self._sync_key}})
         reply = await self._call("/v3/kv/txn", taken)
         if reply.get("succeeded"):
             self.lease_id = lease
@@ -114,15 +112,19 @@ class EtcdCoordinator(Coordinator):
         reply = await self._call("/v3/kv/txn", _create_if_absent(self._init_key, put))
         return bool(reply.get("succeeded"))
 
-    async def publish_sync(self, me: Leader, members: frozenset[str]) -> bool:
-        record = json.dumps({"leader": me.name, "members": sorted(members)}).encode("utf-8")
+    async def publish_sync(self, me: Leader, members: frozenset[str] | None) -> bool:
+        if members is None:
+            write: dict[str, Any] = {"request_delete_range": {"key": self._sync_key}}
+        else:
+            record = json.dumps({"leader": me.name, "members": sorted(members)}).encode("utf-8")
+            write = {"request_put": {"key": self._sync_key, "value": _b64(record)}}
         reply = await self._call(
             "/v3/kv/txn",
             {
                 "compare": [
                     {"key": self._leader_key, "target": "VALUE", "result": "EQUAL", "value": _b64(me.encode())}
                 ],
-                "success": [{"request_put": {"key": self._sync_key, "value": _b64(record)}}],
+                "success": [write],
             },
         )
         return bool(reply.get("succeeded"))

@@ -119,7 +119,8 @@ class HaNode:
         self.loop_wait = loop_wait
         self.demote_margin = demote_margin
         self.mode = mode
-        """replication.mode: in async mode taking the lease removes an earlier synchronous set."""
+        """replication.mode (a primary in async mode deletes an earlier synchronous set once its
+        promotion succeeded, before it acknowledges anything: node.py; taking the lease keeps it)."""
         self.clock = clock
         self.role: Role = "backup"
         self.valid_until = 0.0
@@ -272,15 +273,24 @@ class HaNode:
                     return chosen
                 action, why = chosen
                 started = self.clock()
-                if not await self.coordinator.acquire(self.me, keep_sync=self.mode == "sync"):
+                if not await self.coordinator.acquire(self.me):
                     return Decision("wait", f"{why}, but another node took the lease first")
         except MemberNameTakenError as exc:
             self._found_no_primary = False
+            self._void_takeover("this node's name is another broker's in the coordinator")
             return await self._name_taken(exc.holder)
         except (CoordinatorError, TimeoutError) as exc:
             self._found_no_primary = False
+            self._void_takeover(f"the coordinator did not answer ({_why(exc)})")
             return Decision("wait", f"the coordinator does not answer ({_why(exc)}): staying a backup", True)
         return await self._promote_with_lease(started, action, why)
+
+    def _void_takeover(self, why: str) -> None:
+        """A cycle without the coordinator's answer voids an accepted ``promote`` (the operator runs
+        it again): it never takes the lease cycles later, on a state nobody looked at."""
+        if self._operator_takeover:
+            self._operator_takeover = False
+            log.warning("replication HA %s: the operator's promote is void: %s", self.me.name, why)
 
     async def _without_primary(self, waited_since: float | None) -> Decision | tuple[Action, str]:
         """Nobody holds the lease: whether this node takes it (the action and why) or waits
@@ -407,8 +417,10 @@ class HaNode:
 
     async def _promote_with_lease(self, started: float, action: Action, why: str) -> Decision:
         """The lease taken (asked for at ``started``): become primary, or give it back. An operator's
-        promote that arrived during this cycle is done with too (never a takeover later)."""
-        self._operator_takeover = False
+        promote that arrived during this cycle is done with too (never a takeover later), and so is
+        a full stop's wait (a later one begins anew)."""
+        late_promote, self._operator_takeover = self._operator_takeover, False
+        self._full_stop_since = None
         self.valid_until = started + self.ttl
         self.role = "primary"
         self._arm_deadline()
@@ -420,6 +432,12 @@ class HaNode:
         except Exception as exc:  # the store would not load, say: stay a backup, try again later
             self._bootstrap_failed = action == "bootstrapped"
             self._promotion_failed = True
+            if late_promote:
+                log.warning(
+                    "replication HA %s: the operator's promote arrived while this node took the lease by itself; "
+                    "that promotion failed: the promote is void (run it again)",
+                    self.me.name,
+                )
             return await self._promotion_failed_with(exc)
         self._bootstrap_failed = self._promotion_failed = False
         if self.role != "primary":  # the deadline's timer demoted this node while it was promoting

@@ -514,6 +514,7 @@ class ReplicationNode:
             ack_timeout=self.config.ack_timeout,
             chunk_bytes=self.config.snapshot_chunk_bytes,
             publish_sync_set=self._publish_sync_set if self.ha is not None and self.config.mode == "sync" else None,
+            delete_sync_set=self._delete_sync_set if self.ha is not None and self.config.mode == "async" else None,
             secret=self.secret,
             handshake_timeout=self.config.handshake_timeout,
             gate=self._admin_gate,
@@ -553,6 +554,7 @@ class ReplicationNode:
         if self._ha_stop.is_set():
             await self._stopped_while_loading(primary)
         self.promotion_failure = None
+        primary.delete_earlier_sync_set()  # async mode: only now, so a failed promotion leaves the set
         log.warning("replication: %s is primary from batch %d", self.config.name, primary.log.head_seq)
 
     async def _stopped_while_loading(self, primary: Primary) -> None:
@@ -581,7 +583,10 @@ class ReplicationNode:
             if self._serving is primary:
                 self._serving = None
 
-    async def _publish_sync_set(self, members: frozenset[str]) -> None:
+    async def _delete_sync_set(self) -> None:
+        await self._publish_sync_set(None)
+
+    async def _publish_sync_set(self, members: frozenset[str] | None) -> None:
         assert self.ha is not None
         async with asyncio.timeout(self.config.ack_timeout):
             if not await self.ha.coordinator.publish_sync(self.ha.me, members):

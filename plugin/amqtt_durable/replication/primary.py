@@ -140,6 +140,7 @@ class Primary:
         chunk_bytes: int = 1024 * 1024,
         on_change: Callable[[BackupLink, str], None] | None = None,
         publish_sync_set: Callable[[frozenset[str]], Awaitable[None]] | None = None,
+        delete_sync_set: Callable[[], Awaitable[None]] | None = None,
         secret: bytes | None = None,
         handshake_timeout: float = HELLO_TIMEOUT,
         gate: HandshakeGate | None = None,
@@ -170,6 +171,11 @@ class Primary:
         self.sync_set: frozenset[str] | None = None if publish_sync_set is not None else frozenset()
         """With ``publish_sync_set``: the backups last published (None: not yet) as the only
         ones that may be promoted; acknowledgements wait for each of them."""
+        self._delete_sync = delete_sync_set
+        self._held: list[Shipped] | None = [] if delete_sync_set is not None else None
+        """With ``delete_sync_set`` (async mode with a coordinator): the acknowledgements held until
+        ``sync_set_deleted`` ran (None from then on): a synchronous set an earlier primary published
+        names backups that lack what this primary acknowledges alone."""
         self._last_acked: dict[str, int] = {}
         self._publishing: asyncio.Task[None] | None = None
         self._name_refusals: dict[str, tuple[float, int]] = {}
@@ -295,6 +301,36 @@ class Primary:
         while not any(link.name == name and link.acked_seq >= seq for link in self.links.values()):
             await self._acked.wait()
 
+    def hold(self, then: Shipped) -> bool:
+        """Async mode: False when the batch may be acknowledged now; True when ``then`` gets the
+        outcome once the earlier synchronous set is deleted (or the error, if this end closes first)."""
+        if self._held is None:
+            return False
+        if self._closed is not None:
+            _call(then, self._closed)
+        else:
+            self._held.append(then)
+        return True
+
+    def delete_earlier_sync_set(self) -> None:
+        """The promotion succeeded (async mode with a coordinator): delete the synchronous set an
+        earlier primary published (retried until done or closed), then release the held acknowledgements."""
+        if self._delete_sync is not None and self._held is not None and self._closed is None:
+            self._spawn(self._delete_earlier_sync_set(self._delete_sync))
+
+    async def _delete_earlier_sync_set(self, delete: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            try:
+                await delete()
+                break
+            except Exception as exc:  # the coordinator's answer decides; retried after a pause
+                log.warning("replication: deleting the synchronous set of an earlier primary failed: %s", exc)
+                await asyncio.sleep(self.ack_timeout / 4)
+        log.info("replication: no synchronous set (async mode): acknowledging")
+        held, self._held = self._held or [], None
+        for then in held:
+            _call(then, None)
+
     def _resolve(self) -> None:
         if self._closed is not None:
             return
@@ -387,6 +423,9 @@ class Primary:
         await self._end_tasks()
         while self._waiting:
             _, then = self._waiting.popleft()
+            _call(then, self._closed)
+        held, self._held = self._held or [], [] if self._held is not None else None
+        for then in held:
             _call(then, self._closed)
         if self._server is not None:
             await self._server.wait_closed()
