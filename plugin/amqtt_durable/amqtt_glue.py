@@ -2495,6 +2495,22 @@ def _stop_waiting_for_a_reader_that_may_never_run(
     return stop
 
 
+class EndDeadline:
+    """The one deadline of a connection's end: CHANGES_GRACE from its first wait, for all of them. A
+    take-over waits twice (``let_go_once_applied``, then ``stop()``), and each wait ran its own
+    CHANGES_GRACE: with the connection's message loop stuck (a topic plugin's slow check of what
+    the client published), the new CONNACK came after 10 s."""
+
+    def __init__(self) -> None:
+        self._at: float | None = None
+
+    def timeout(self) -> asyncio.Timeout:
+        """A timeout at the end's deadline, set by the first call."""
+        if self._at is None:
+            self._at = asyncio.get_running_loop().time() + CHANGES_GRACE
+        return asyncio.timeout_at(self._at)
+
+
 def _one_queue_of_subscription_changes(handler: Any) -> None:
     """A connection's SUBSCRIBEs and UNSUBSCRIBEs are applied in the order they arrived, their
     SUBACKs and UNSUBACKs sent in that order (MQTT 3.1.1 section 4.6, 3.10.4), and none the
@@ -2512,12 +2528,13 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     violation while amqtt's applied it), the loop's subscription waiter takes them one at a
     time (``AmqttHooks.handle_subscription`` passes an UNSUBSCRIBE on) and its unsubscription waiter
     waits until the loop cancels it. The end waits until every change has been applied (at most
-    ``CHANGES_GRACE``): ``wait_disconnect`` returns the end to the loop only then, and ``stop()`` (the
-    reader's at a DISCONNECT, EOF or reset, a take-over's, any but the loop's own: the loop cannot
-    apply while it waits there) stops the connection only then (so a take-over's CONNACK waits
-    for the older connection's changes, and in a reconnect storm for that connection's loop to get
-    its ``attach_limit`` slot first: nothing else applies them); that ``stop()`` first cancels the
-    handler's PUBACK/PUBREC/PUBCOMP waiters, as amqtt's ``stop()`` does first
+    ``CHANGES_GRACE`` from its first wait, one deadline for all its waits): ``wait_disconnect``
+    returns the end to the loop only then, and ``stop()`` (the reader's at a DISCONNECT, EOF or
+    reset, a take-over's, any but the loop's own: the loop cannot apply while it waits there) stops
+    the connection only then (so a take-over's CONNACK waits for the older connection's changes,
+    and in a reconnect storm for that connection's loop to get its ``attach_limit`` slot first:
+    nothing else applies them); that ``stop()`` first cancels the handler's PUBACK/PUBREC/PUBCOMP
+    waiters, as amqtt's ``stop()`` does first
     (``_stop_outgoing_waiters``; a clean session's loop sends the retained messages of a
     SUBSCRIBE, each in its own task, and waits up to 5 s for the QoS 1 ones' PUBACKs: a
     take-over's CONNACK, a broker's shutdown waited for them; the SUBSCRIBE then counts as applied
@@ -2548,9 +2565,11 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     async def no_unsubscription() -> None:
         await asyncio.get_running_loop().create_future()  # every UNSUBSCRIBE comes as a "subscription"
 
+    end = EndDeadline()
+
     async def applied(*, drain: bool = True) -> None:
         try:
-            async with asyncio.timeout(CHANGES_GRACE):
+            async with end.timeout():
                 await changes.drained()
                 await published.handed_over(drain=drain)
         except TimeoutError:  # none is handed out any more: none is applied after the end
