@@ -2,7 +2,9 @@
 
 A websocket client that closes before its CONNACK, and CONNECTs of one client id read while a
 take-over waits for the older connection (up to 5 s): MQTT-3.1.4-2, the newest connection wins and
-every older one is closed; a session none of them keeps expires like any disconnected one.
+every older one is closed; a session none of them keeps expires like any disconnected one. A
+take-over of a connection whose message loop is stuck on a topic plugin's check of what it published:
+CONNACK within the 5 s bound, and what it published and got acknowledged reaches subscribers, in order.
 """
 
 from __future__ import annotations
@@ -321,6 +323,44 @@ def published_behind_a_slow_check(broker: Broker, folder: Path, *, clean: bool) 
         old.sendall(mqtt_packet(0x62, b"\x00\x03"))
         assert read_packet(old) == (0x70, b"\x00\x03")
         yield old
+
+
+@pytest.mark.parametrize(
+    ("old_clean", "new_clean"),
+    [(True, True), (True, False), (False, True), (False, False)],
+    ids=["clean-clean", "clean-durable", "durable-clean", "durable-durable"],
+)
+def test_a_take_over_delivers_what_the_older_connection_published_and_got_acknowledged(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path,
+    old_clean: bool, new_clean: bool
+) -> None:
+    """docs/guarantees.md, Take-over: "s1", "c1" and "c2" acknowledged on the older connection of
+    "pub", "c1" and "c2" still in amqtt's queue behind "s1", whose check hangs
+    (``published_behind_a_slow_check``); a new CONNECT of "pub" takes the connection over and
+    publishes "c3" (PUBACK). Once the check passes, a clean and a durable subscriber get s1, c1,
+    c2, c3, once each, in that order. Before the fix a clean CONNECT's take-over emptied the queue
+    (clean subscribers never got c1 and c2), and a durable CONNECT's new loop took them from the
+    queue it shares with the older connection, delivering them before s1."""
+    broker = slow_check_broker(broker_factory, tmp_path)
+    watchers = []
+    for client_id, clean_session in (("clean-watcher", True), ("durable-watcher", False)):
+        watchers.append(clients(broker.port, client_id, clean_session=clean_session))
+        assert watchers[-1].subscribe([("slow/#", 1), ("c/#", 1)]) == [1, 1]
+    with (
+        published_behind_a_slow_check(broker, tmp_path, clean=old_clean) as old,
+        socket.create_connection((HOST, broker.port), timeout=WAIT) as new,
+    ):
+        new.sendall(connect_packet("pub", clean=new_clean))
+        assert read_exactly(new, 4) == bytes((0x20, 2, not old_clean and not new_clean, 0))
+        new.sendall(mqtt_packet(0x32, mqtt_string("c/3") + b"\x00\x04" + b"c3"))
+        assert read_packet(new) == (0x40, b"\x00\x04")
+        (tmp_path / "gate").write_text("1")
+        assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
+    expected = [b"s1", b"c1", b"c2", b"c3"]
+    for watcher in watchers:
+        watcher.wait_for(lambda ms: len(ms) >= len(expected))
+        assert not watcher.wait_for(lambda ms: len(ms) > len(expected), timeout=0.5)
+        assert [m.payload for m in watcher.messages] == expected, watcher.client_id
 
 
 @pytest.mark.parametrize("new_clean", [True, False], ids=["clean", "durable"])

@@ -64,7 +64,8 @@ instance the plugin is loaded into and on each connection's handler:
 * ``BrokerProtocolHandler.mqtt_deliver_next_message`` (per connection), with ``wait_disconnect``
   and ``stop``: the connection's end waits (bounded) until the message loop has taken what the
   client published (a QoS 2 message released with the DISCONNECT), and the loop's end hands what
-  is left to the broker (see ``PublishedMessages``);
+  is left to the broker, a newer connection of the client id's loop waiting for that (see
+  ``PublishedMessages``);
 * ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` / ``handle_connection_closed``
   (per connection): a connection that sent DISCONNECT never has its will
   published (MQTT-3.14.4-3), however its DISCONNECT's handling and its message loop's wait for it
@@ -76,7 +77,9 @@ instance the plugin is loaded into and on each connection's handler:
   while connected) is removed then, and that of an expired one at its expiry (``forget_session``);
 * ``Broker._delete_session``: a clean CONNECT of a client id whose connection is live ends that
   connection (MQTT-3.1.4-2; amqtt deleted its Session and left it open), without waiting for its
-  client (a websocket's closing handshake: ``let_go``);
+  client (a websocket's closing handshake: ``let_go``); what its client published and the broker
+  acknowledged, still waiting for its message loop, is kept for that loop's end to hand over
+  (amqtt emptied the queue), before what the new connection publishes (``PublishedMessages.follow``);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``BrokerProtocolHandler.handle_subscribe`` / ``handle_unsubscribe`` /
@@ -722,6 +725,9 @@ _CONNECTING: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_conne
 (``initialize_client_session`` to ``connack_authorize``): a ``stop()`` of another connection in
 that time is amqtt's take-over of a client id whose (durable) Session it keeps (see
 ``_stop_waiting_for_a_reader_that_may_never_run``)."""
+_TAKEN_OVER: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_taken_over", default=None)
+"""Set in a clean CONNECT's task to the ``PublishedMessages`` of the live connection of its client id
+it ended (``AmqttHooks.delete_session``), for the new connection to follow (``PublishedMessages.follow``)."""
 
 
 class ConnectTurns:
@@ -1660,6 +1666,10 @@ class AmqttHooks:
         try:
             await self._original_client_connected(listener_name, reader, writer)
         finally:
+            handler = getattr(writer, "durable_handler", None)
+            if handler is not None:  # its message loop, if it ever ran, handed its messages over
+                writer.durable_handler = None
+                handler.durable_published.connection_ended()
             _end_connect_turn(writer)
             await close_socket(writer)
             _release_reservation(self.engine, writer)
@@ -1703,6 +1713,11 @@ class AmqttHooks:
             self.broker, self.engine, handler, session, amqtt_wants=self.amqtt_wants, receivers=self.receivers
         )
         handler._reader_loop = FastReader(self.broker, self.engine, handler, session).run
+        taken_over: PublishedMessages | None = _TAKEN_OVER.get()
+        if taken_over is not None:
+            handler.durable_published.follow(taken_over)
+            _TAKEN_OVER.set(None)
+        writer.durable_handler = handler  # for the connection's end (``client_connected``)
         return handler, session
 
     async def handle_message_delivery(self, session: Any, handler: Any, wait_deliver: asyncio.Future[Any]) -> bool:
@@ -1754,13 +1769,28 @@ class AmqttHooks:
         published, unless it sent DISCONNECT before it was closed), without waiting for it once its
         SUBSCRIBEs and UNSUBSCRIBEs are applied (``durable_let_go``): the CONNECT waited, with its
         ``connect_timeout`` running, for the closing handshake of a websocket client that does not answer it (10 s),
-        was closed at connect_timeout with no CONNACK, and so was every reconnect until then."""
+        was closed at connect_timeout with no CONNACK, and so was every reconnect until then.
+
+        amqtt then empties the Session's queues, the messages its client published among them: those
+        the broker had acknowledged (PUBACK, PUBCOMP) and that connection's message loop had not yet
+        handed to the broker (a loop slow on a topic plugin's check) were lost. They are kept for that
+        loop, whose end hands them over (``hand_over_what_is_left``); the new connection's messages
+        go after them (``PublishedMessages.follow``)."""
         session, handler = self.broker._sessions.get(client_id, (None, None))
         if session is not None and handler is not None and session.transitions.is_connected():
             log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
             await take_over(handler)
             await handler.stop()
-        await self._original_delete_session(client_id)
+        if session is None:
+            await self._original_delete_session(client_id)
+            return
+        published = session.delivered_message_queue
+        session.delivered_message_queue = asyncio.Queue()
+        try:
+            await self._original_delete_session(client_id)
+        finally:
+            session.delivered_message_queue = published
+        _TAKEN_OVER.set(getattr(handler, "durable_published", None))
 
     async def client_message_loop(self, session: Any, handler: Any) -> None:
         # By what this connection's CONNECT asked for: a clean connection must never drive the
@@ -2481,7 +2511,9 @@ def _stop_waiting_for_a_reader_that_may_never_run(
         if task is not None and not task.done():
             task.add_done_callback(reader_ended)
         writer = handler.writer
-        if _CONNECTING.get() not in (None, handler):  # a newer CONNECT of its client id takes it over
+        connecting = _CONNECTING.get()
+        if connecting not in (None, handler):  # a newer CONNECT of its client id takes it over
+            connecting.durable_published.follow(handler.durable_published)
             await handler.durable_let_go()
         abort = None
         if isinstance(writer, StreamWriterAdapter):
@@ -2631,6 +2663,10 @@ class PublishedMessages:
         self._broker: Any = None
         """Set once the loop's end handed the rest over (``hand_over_what_is_left``)."""
         self._late: set[asyncio.Task[None]] = set()
+        self._handed = asyncio.Event()
+        """Set once the loop's end handed the rest over, or the connection ended without a loop."""
+        self._older: PublishedMessages | None = None
+        """The connection this one took over, while its messages are not all handed over (``follow``)."""
         self._in_hand: list[Any] = []
         """The message the loop took from the queue and has not handed to the broker: amqtt's loop
         drops it when the connection's end comes in the same pass (five QoS 1 PUBLISHes and a
@@ -2638,6 +2674,7 @@ class PublishedMessages:
         original = handler.mqtt_deliver_next_message
 
         async def next_message() -> Any:
+            await self.after_the_older()
             message = await original()
             # None: what amqtt's call answers when the loop's end cancels it (at the end of every
             # connection): no message to hand over later (handed over, it fired MESSAGE_RECEIVED
@@ -2672,6 +2709,27 @@ class PublishedMessages:
     def left_over_handed(self, broker: Any) -> None:
         """The loop's end handed what was left over: what comes later goes to ``broker`` directly."""
         self._broker = broker
+        self._handed.set()
+
+    def connection_ended(self) -> None:
+        """The connection's handling ended: a loop that never ran hands nothing over."""
+        self._handed.set()
+
+    def follow(self, older: PublishedMessages) -> None:
+        """A take-over of the connection whose messages are ``older``: this connection's go to the
+        broker only once the older connection's loop has handed all of its own over. Its loop may
+        still be in the middle of one (a topic plugin's slow check): amqtt's take-over of a Session
+        it keeps gave the new connection's loop the messages waiting behind it, which reached
+        subscribers first."""
+        if older is not self and not older._handed.is_set():
+            self._older = older
+
+    async def after_the_older(self) -> None:
+        """Returns once the connection this one took over has handed its messages over (``follow``)."""
+        older = self._older
+        if older is not None:
+            await older._handed.wait()
+            self._older = None
 
     def end(self) -> None:
         """The connection's message loop has ended: nothing waits for it any more."""
@@ -2753,11 +2811,13 @@ async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> Non
     """After the connection's message loop ended: the messages its client published still waiting
     in the Session's queue go to the broker as the loop would have handed them (as many as wait
     now: on a Session a newer connection took over, that connection's loop takes what comes after),
-    the one the loop took and dropped first (``PublishedMessages.in_hand``); what the connection
+    the one the loop took and dropped first (``PublishedMessages.in_hand``), once the connection
+    this one took over has handed its own over (``PublishedMessages.follow``); what the connection
     hands over after this goes to the broker directly (``PublishedMessages.put``)."""
     handler.durable_published.release_all_read()
     queue = session.delivered_message_queue
     try:
+        await handler.durable_published.after_the_older()
         for message in handler.durable_published.in_hand():
             await _deliver_late(broker, handler, message)
         for _ in range(queue.qsize()):
