@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ import paho.mqtt.client as mqtt
 from raw_mqtt_helpers import connect_packet, raw_subscribe, read_exactly
 from small_disk import fill, leave_free, small_disk
 from test_hostile_owner import PASSWORDS, REFUSED, acl_broker, login
+from test_hostile_wire import read_until_closed
+from test_subscribe_order import retain_big_messages
 
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, run_cli
 
@@ -347,3 +350,38 @@ def test_a_wrong_password_gets_connack_5_while_the_store_fails_too(
         assert connack_with_password(port, "alice-dev", "bob", "WRONG", clean=True) == REFUSED
         assert connack_with_password(port, "new-id", "bob", PASSWORDS["bob"], clean=False) == CONNACK_UNAVAILABLE
         assert connack_with_password(port, "alice-dev", "alice", PASSWORDS["alice"], clean=True) == CONNACK_UNAVAILABLE
+
+
+def test_a_publish_that_cannot_be_stored_ends_a_connection_whose_client_reads_nothing(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, When the disk is full: a QoS 1 PUBLISH that must be stored gets no PUBACK and
+    the broker closes the connection, its will published, within 10 s also when its client reads
+    nothing: here a SUBSCRIBE sent with it matches 10 MB of retained messages the client does not
+    read. The connection stayed open: the wait for the PUBACKs due before the refused publish to
+    drain had no bound, and the end it then signals is acted on by the message loop (stuck writing
+    the retained messages) or by the reader after its next read (the client sends nothing more)."""
+    with small_disk(tmp_path / "disk", 96) as disk:
+        broker = broker_factory(store=str(disk / "store"))
+        keeper = clients(broker.port, "keeper")
+        assert keeper.subscribe("d/#", 1) == [1]
+        watcher = clients(broker.port, "watcher", clean_session=True)
+        assert watcher.subscribe([("will/#", 0), ("c/#", 1)]) == [0, 1]
+        retain_big_messages(clients(broker.port, "big-pub", clean_session=True))
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(connect_packet("stuck-pub", clean=True, will_topic=b"will/stuck-pub"))
+            assert read_exactly(sock, 4) == CONNACK_ACCEPTED
+            fill(disk)
+            sock.sendall(
+                mqtt_packet(0x82, b"\x00\x01" + mqtt_string("big/#") + b"\x00")
+                + mqtt_packet(0x32, mqtt_string("d/x") + b"\x00\x02" + bytes(64 * 1024))  # past a partly used page
+            )
+            refused = "stuck-pub: a publish could not be stored"
+            assert broker.wait_until(lambda: refused in broker.log(), WAIT), broker.log()[-3000:]
+            started = time.monotonic()
+            assert watcher.wait_for(lambda ms: any(m.topic == "will/stuck-pub" for m in ms), 2 * WAIT), (
+                broker.log()[-3000:]
+            )
+            took = time.monotonic() - started
+            assert read_until_closed(sock, WAIT) is not None, "the connection is still open"
+    assert took < 15.0, f"the will came {took:.2f} s after the refusal (documented: closed within 10 s)"

@@ -1134,8 +1134,14 @@ class HandlerTransport:
     async def fail(self) -> None:
         """End this connection on the server's decision (a publish that could not be stored:
         ``OrderedAcks``), not as a take-over: ``end_connection`` (its will published whatever it
-        sends after, nothing it sends after is handled)."""
+        sends after, nothing it sends after is handled), then ``stop()``: the message loop, which
+        stops the connection once it sees the end, may be stuck writing to a client that reads
+        nothing (a clean session's retained messages), and the reader, which stops it after its
+        next read, waits for bytes the client may never send: the connection stayed open, its will
+        unpublished, until the client's keep-alive ran out. ``stop()`` closes it within its bound
+        (the changes read before, then CLOSE_GRACE for the unsent bytes)."""
         await end_connection(self._handler)
+        await self._handler.stop()
 
     def take_ack(self, kind: AckKind, packet_id: int) -> bool:
         """True when the ack was for a message the pump sent (and it has been handled)."""
@@ -3288,8 +3294,11 @@ class OrderedAcks:
         self._closing = asyncio.get_running_loop().create_task(self._end())
 
     async def _end(self) -> None:
-        with contextlib.suppress(OSError):  # gone already: ending it is all that is left
-            await self._transport.drain()  # the PUBACKs of the publishes stored before it
+        # The PUBACKs of the publishes stored before it, for at most CLOSE_GRACE: a client that
+        # reads nothing held the connection open for ever. Gone already: ending it is all that is left.
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(CLOSE_GRACE):
+                await self._transport.drain()
         await self._transport.fail()
 
 
