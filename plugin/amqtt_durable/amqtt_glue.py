@@ -2492,7 +2492,8 @@ def _stop_waiting_for_a_reader_that_may_never_run(
     Its ``writer.close()`` then waits for the unsent bytes to drain: for a client that does not
     read (its socket full), for ever, and the connection kept its listener slot, its handler and
     every unsent byte. A TCP connection still open CLOSE_GRACE after ``stop()`` began is aborted
-    (``close_socket``'s bound), which ends that wait. This wraps the ``stop()`` of
+    (``close_socket``'s bound), which ends that wait; a websocket one too (``_abort``): its close
+    waited for the closing handshake as well (websockets' close_timeout, 10 s more). This wraps the ``stop()`` of
     ``_one_queue_of_subscription_changes``, which first waits up to CHANGES_GRACE for the
     connection's SUBSCRIBEs and UNSUBSCRIBEs to be applied: the abort's CLOSE_GRACE counts from
     before that wait, one bound for both (a take-over of a connection whose client reads nothing
@@ -2524,6 +2525,8 @@ def _stop_waiting_for_a_reader_that_may_never_run(
         abort = None
         if isinstance(writer, StreamWriterAdapter):
             abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, writer._writer.transport.abort)
+        elif writer is not None:  # a websocket: amqtt's close() waits for the closing handshake too
+            abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, _abort, writer)
         try:
             await original()
         finally:
