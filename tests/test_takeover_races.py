@@ -306,6 +306,23 @@ def slow_check_broker(broker_factory: Callable[..., Broker], folder: Path) -> Br
 
 
 
+def watchers_of(broker: Broker, clients: Callable[..., Client]) -> list[Client]:
+    """A clean and a durable subscriber to slow/# and c/# (QoS 1)."""
+    watchers = []
+    for client_id, clean_session in (("clean-watcher", True), ("durable-watcher", False)):
+        watchers.append(clients(broker.port, client_id, clean_session=clean_session))
+        assert watchers[-1].subscribe([("slow/#", 1), ("c/#", 1)]) == [1, 1]
+    return watchers
+
+
+def assert_delivered(watchers: list[Client], expected: list[bytes]) -> None:
+    """Each of ``watchers`` got ``expected``, once each, in that order, and nothing more."""
+    for watcher in watchers:
+        watcher.wait_for(lambda ms: len(ms) >= len(expected))
+        assert not watcher.wait_for(lambda ms: len(ms) > len(expected), timeout=0.5)
+        assert [m.payload for m in watcher.messages] == expected, watcher.client_id
+
+
 @contextlib.contextmanager
 def published_behind_a_slow_check(broker: Broker, folder: Path, *, clean: bool) -> Iterator[socket.socket]:
     """A connection of "pub" (``clean``) that published QoS 1 "s1" to slow/1, whose check in the
@@ -342,10 +359,7 @@ def test_a_take_over_delivers_what_the_older_connection_published_and_got_acknow
     (clean subscribers never got c1 and c2), and a durable CONNECT's new loop took them from the
     queue it shares with the older connection, delivering them before s1."""
     broker = slow_check_broker(broker_factory, tmp_path)
-    watchers = []
-    for client_id, clean_session in (("clean-watcher", True), ("durable-watcher", False)):
-        watchers.append(clients(broker.port, client_id, clean_session=clean_session))
-        assert watchers[-1].subscribe([("slow/#", 1), ("c/#", 1)]) == [1, 1]
+    watchers = watchers_of(broker, clients)
     with (
         published_behind_a_slow_check(broker, tmp_path, clean=old_clean) as old,
         socket.create_connection((HOST, broker.port), timeout=WAIT) as new,
@@ -356,11 +370,7 @@ def test_a_take_over_delivers_what_the_older_connection_published_and_got_acknow
         assert read_packet(new) == (0x40, b"\x00\x04")
         (tmp_path / "gate").write_text("1")
         assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
-    expected = [b"s1", b"c1", b"c2", b"c3"]
-    for watcher in watchers:
-        watcher.wait_for(lambda ms: len(ms) >= len(expected))
-        assert not watcher.wait_for(lambda ms: len(ms) > len(expected), timeout=0.5)
-        assert [m.payload for m in watcher.messages] == expected, watcher.client_id
+    assert_delivered(watchers, [b"s1", b"c1", b"c2", b"c3"])
 
 
 @pytest.mark.parametrize("new_clean", [True, False], ids=["clean", "durable"])
@@ -384,3 +394,39 @@ def test_a_take_over_of_a_connection_stuck_on_what_it_published_is_connacked_wit
         took = time.monotonic() - started
         (tmp_path / "gate").write_text("1")
     assert took < 8.5, f"the take-over's CONNACK took {took:.2f} s (documented: at most 5 s)"
+
+
+def test_a_clean_connection_that_took_over_and_ended_still_delivers_what_it_published(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """docs/guarantees.md, Take-over: a clean connection B takes over "pub" (stuck on "s1"'s check,
+    "c1" and "c2" behind it), publishes "b1" (PUBACK) and sends DISCONNECT while its loop waits for
+    the older connection's messages. Its end cleaned up its Session (amqtt's ``_cleanup_session``),
+    which emptied the queue holding "b1" before its loop's end handed it over: "b1" was lost."""
+    broker = slow_check_broker(broker_factory, tmp_path)
+    watchers = watchers_of(broker, clients)
+    with published_behind_a_slow_check(broker, tmp_path, clean=True) as old:
+        with raw_connect(broker.port, "pub", clean=True) as new:
+            new.sendall(mqtt_packet(0x32, mqtt_string("c/b") + b"\x00\x05" + b"b1"))
+            assert read_packet(new) == (0x40, b"\x00\x05")
+            new.sendall(b"\xe0\x00")
+            assert read_until_closed(new, WAIT) is not None, "the DISCONNECT did not close the connection"
+        (tmp_path / "gate").write_text("1")
+        assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
+    assert_delivered(watchers, [b"s1", b"c1", b"c2", b"b1"])
+
+
+def test_a_clean_connection_closed_while_its_loop_is_stuck_delivers_what_it_published(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """docs/guarantees.md (clean_session=true): what the broker acknowledged reaches subscribers.
+    No take-over: "pub" (clean, stuck on "s1"'s check, "c1" and "c2" behind it) closes its socket;
+    the check passes after the connection's end. Its Session's clean-up emptied the queue: "c1" and
+    "c2" were lost for every subscriber but durable ones."""
+    broker = slow_check_broker(broker_factory, tmp_path)
+    watchers = watchers_of(broker, clients)
+    with published_behind_a_slow_check(broker, tmp_path, clean=True) as old:
+        old.shutdown(socket.SHUT_WR)
+        assert read_until_closed(old, 2 * WAIT) is not None, "the connection was not closed"
+        (tmp_path / "gate").write_text("1")
+    assert_delivered(watchers, [b"s1", b"c1", b"c2"])

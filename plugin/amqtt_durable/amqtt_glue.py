@@ -1787,15 +1787,7 @@ class AmqttHooks:
             log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
             await take_over(handler)
             await handler.stop()
-        if session is None:
-            await self._original_delete_session(client_id)
-            return
-        published = session.delivered_message_queue
-        session.delivered_message_queue = asyncio.Queue()
-        try:
-            await self._original_delete_session(client_id)
-        finally:
-            session.delivered_message_queue = published
+        await _keeping_what_was_published(session, self._original_delete_session, client_id)
         _TAKEN_OVER.set(getattr(handler, "durable_published", None))
 
     async def client_message_loop(self, session: Any, handler: Any) -> None:
@@ -2023,7 +2015,9 @@ class AmqttHooks:
         entry = self.broker._sessions.get(client_id)
         if not self.shutting_down and entry is not None and entry[0].transitions.state == "connected":
             return
-        await self._original_cleanup(client_id)
+        # A connection's end (a clean session's, a take-over's) cleans up before its message loop's
+        # end hands over what its client published: kept (``_keeping_what_was_published``).
+        await _keeping_what_was_published(None if entry is None else entry[0], self._original_cleanup, client_id)
 
     def apply_retained(self, topic: str, payload: bytes, qos: int) -> None:
         """The engine stored (empty payload: deleted) a retained message: amqtt's table does the same,
@@ -2064,6 +2058,34 @@ class AmqttHooks:
         self.shutting_down = True
         await self._original_shutdown()
         await self.clean_sends.stop()  # as amqtt cancels its broadcast tasks
+
+
+async def _keeping_what_was_published(
+    session: Any, remove: Callable[[str], Awaitable[None]], client_id: str
+) -> None:
+    """amqtt's deletion (a clean CONNECT's) or clean-up (a connection's end) of ``client_id``'s
+    Session, which empties its queues, but the messages its client published are kept: those the
+    broker had acknowledged (PUBACK, PUBCOMP) and the connection's message loop had not yet handed
+    to the broker (a loop slow on a topic plugin's check, a connection that took over waiting for
+    the older one, ``PublishedMessages.follow``) were lost. That loop's end hands them over
+    (``hand_over_what_is_left``). The queue itself stays in place (a message read meanwhile goes to it)."""
+    if session is None:
+        await remove(client_id)
+        return
+    session.durable_keeping = getattr(session, "durable_keeping", 0) + 1
+    session.clear_queues = partial(_clear_retained_only, session)
+    try:
+        await remove(client_id)
+    finally:
+        session.durable_keeping -= 1
+        if not session.durable_keeping:
+            del session.clear_queues  # amqtt's own again
+
+
+def _clear_retained_only(session: Any) -> None:
+    """amqtt's ``clear_queues`` without the queue of what the client published."""
+    while not session.retained_messages.empty():
+        session.retained_messages.get_nowait()
 
 
 def _abort(writer: Any) -> None:
@@ -3108,8 +3130,7 @@ async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, ses
         # ``delivered_message_queue`` is kept: what it holds the client published (released by
         # an earlier connection taken over just now), still to be handed to the broker.
         await broker._del_all_subscriptions(session)
-        while not session.retained_messages.empty():
-            session.retained_messages.get_nowait()
+        _clear_retained_only(session)
         if passes:  # the previous user's QoS 2 publishes awaiting PUBREL, as the engine forgot them
             session.inflight_in.clear()
 
