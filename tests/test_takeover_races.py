@@ -296,10 +296,10 @@ def test_the_wait_for_a_client_ids_turn_is_bounded_by_connect_timeout(
         assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"
 
 
-def slow_check_broker(broker_factory: Callable[..., Broker], folder: Path) -> Broker:
-    """A started broker whose topic plugin is SLOW_CHECK, its files in ``folder``."""
+def slow_check_broker(broker_factory: Callable[..., Broker], folder: Path, **options: object) -> Broker:
+    """A started broker (``options``) whose topic plugin is SLOW_CHECK, its files in ``folder``."""
     (folder / "slow_check.py").write_text(SLOW_CHECK)
-    broker = broker_factory(start=False)
+    broker = broker_factory(start=False, **options)
     broker.pythonpath.append(str(folder))
     broker.extra_plugins["slow_check.SlowCheck"] = {"folder": str(folder)}
     return broker.start()
@@ -430,3 +430,73 @@ def test_a_clean_connection_closed_while_its_loop_is_stuck_delivers_what_it_publ
         assert read_until_closed(old, 2 * WAIT) is not None, "the connection was not closed"
         (tmp_path / "gate").write_text("1")
     assert_delivered(watchers, [b"s1", b"c1", b"c2"])
+
+
+@pytest.mark.parametrize("clean", [True, False], ids=["clean", "durable"])
+def test_take_overs_of_a_connection_that_took_over_are_connacked_at_once_and_deliver_in_order(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, clean: bool
+) -> None:
+    """docs/guarantees.md, Take-over: "pub" stuck on "s1"'s check ("c1", "c2" behind it); B, C, D
+    take over in turn, each publishing one QoS 1 message. Only B waits for the stuck connection's
+    end (5 s): C and D took 5 s each too, their older connections' ends waiting for messages that
+    wait for the stuck one. Once the check passes, subscribers get all six once each, in order."""
+    broker = slow_check_broker(broker_factory, tmp_path)
+    watchers = watchers_of(broker, clients)
+    with published_behind_a_slow_check(broker, tmp_path, clean=clean) as old, contextlib.ExitStack() as stack:
+        took = []
+        for packet_id, payload in enumerate((b"b", b"c", b"d"), start=10):
+            started = time.monotonic()
+            new = stack.enter_context(raw_connect(broker.port, "pub", clean=clean))
+            took.append(time.monotonic() - started)
+            new.sendall(mqtt_packet(0x32, mqtt_string("c/x") + bytes((0, packet_id)) + payload))
+            assert read_packet(new) == (0x40, bytes((0, packet_id)))
+        (tmp_path / "gate").write_text("1")
+        assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
+        assert_delivered(watchers, [b"s1", b"c1", b"c2", b"b", b"c", b"d"])
+    assert max(took[1:]) < 2.5, f"CONNACKs after {[round(t, 2) for t in took]} s"
+
+
+def test_a_connection_that_took_over_frees_its_places_as_it_ends(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """docs/configuration.md, max_connections_per_address: a connection counts until the broker
+    closes it. B takes over "pub" (stuck on "s1"'s check) and sends DISCONNECT: closed, but its
+    task waited, with its places, until the stuck check passed (for ever, a chain of take-overs
+    using up the address's places): with the two watchers and "pub", the next CONNECT was refused."""
+    broker = slow_check_broker(broker_factory, tmp_path, max_connections_per_address=4)
+    watchers_of(broker, clients)
+    with published_behind_a_slow_check(broker, tmp_path, clean=True) as old:
+        with raw_connect(broker.port, "pub", clean=True) as new:
+            new.sendall(b"\xe0\x00")
+            assert read_until_closed(new, WAIT) is not None, "the DISCONNECT did not close the connection"
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as other:
+            other.sendall(connect_packet("other", clean=True))
+            assert read_exactly(other, 4) == CONNACK_ACCEPTED
+        (tmp_path / "gate").write_text("1")
+        assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
+
+
+def test_what_a_connection_that_took_over_published_waits_at_most_5_s_after_its_end(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """docs/guarantees.md, Take-over: once the new connection has ended, what it published waits at
+    most 5 seconds more for the old connection's messages, then reaches clean subscribers (before
+    them: here "s1"'s check passes only after "b1" was delivered). Durable subscribers get them in
+    the order they were published."""
+    broker = slow_check_broker(broker_factory, tmp_path)
+    clean_watcher, durable_watcher = watchers_of(broker, clients)
+    with published_behind_a_slow_check(broker, tmp_path, clean=True) as old:
+        with raw_connect(broker.port, "pub", clean=True) as new:
+            new.sendall(mqtt_packet(0x32, mqtt_string("c/b") + b"\x00\x05" + b"b1"))
+            assert read_packet(new) == (0x40, b"\x00\x05")
+            new.sendall(b"\xe0\x00")
+            assert read_until_closed(new, WAIT) is not None, "the DISCONNECT did not close the connection"
+            ended = time.monotonic()
+        assert clean_watcher.wait_for(lambda ms: len(ms) >= 1, 2 * WAIT), "b1 waited for ever"
+        took = time.monotonic() - ended
+        assert [m.payload for m in clean_watcher.messages] == [b"b1"]
+        (tmp_path / "gate").write_text("1")
+        assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
+    assert_delivered([clean_watcher], [b"b1", b"s1", b"c1", b"c2"])
+    assert_delivered([durable_watcher], [b"s1", b"c1", b"c2", b"b1"])
+    assert 4.0 < took < 8.0, f"b1 delivered {took:.2f} s after its connection's end (documented: at most 5 s)"

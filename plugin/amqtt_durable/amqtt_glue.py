@@ -142,7 +142,7 @@ import math
 import ssl
 import time
 from collections import UserDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from http import HTTPStatus
 from typing import Any, NoReturn
@@ -2696,6 +2696,7 @@ class PublishedMessages:
         self._late: set[asyncio.Task[None]] = set()
         self._handed = asyncio.Event()
         """Set once the loop's end handed the rest over, or the connection ended without a loop."""
+        self._handing_later = False
         self._older: PublishedMessages | None = None
         """The connection this one took over, while its messages are not all handed over (``follow``)."""
         self._in_hand: list[Any] = []
@@ -2724,9 +2725,7 @@ class PublishedMessages:
         if self._broker is None:
             self._handler.session.delivered_message_queue.put_nowait(message)
             return
-        task = asyncio.ensure_future(_deliver_late(self._broker, self._handler, message))
-        self._late.add(task)
-        task.add_done_callback(self._late.discard)
+        self.later(_deliver_late(self._broker, self._handler, message))
 
     def handled(self) -> None:
         """The message the loop took is being handed to the broker."""
@@ -2743,8 +2742,10 @@ class PublishedMessages:
         self._handed.set()
 
     def connection_ended(self) -> None:
-        """The connection's handling ended: a loop that never ran hands nothing over."""
-        self._handed.set()
+        """The connection's handling ended: a loop that never ran hands nothing over (one that
+        ran has, or hands over later: ``hand_over_later``)."""
+        if not self._handing_later:
+            self._handed.set()
 
     def follow(self, older: PublishedMessages) -> None:
         """A take-over of the connection whose messages are ``older``: this connection's go to the
@@ -2754,6 +2755,21 @@ class PublishedMessages:
         subscribers first."""
         if older is not self and not older._handed.is_set():
             self._older = older
+
+    def follows(self) -> bool:
+        """Whether this connection's messages still wait for those of the connection it took over."""
+        return self._older is not None and not self._older._handed.is_set()
+
+    def hand_over_later(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """The loop's end hands over in ``coroutine``, after the connection's handling ended."""
+        self._handing_later = True
+        self.later(coroutine)
+
+    def later(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Runs ``coroutine`` in a task of its own, kept until it ends."""
+        task = asyncio.ensure_future(coroutine)
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
 
     async def after_the_older(self) -> None:
         """Returns once the connection this one took over has handed its messages over (``follow``)."""
@@ -2828,7 +2844,9 @@ class PublishedMessages:
         if self._deferred:
             await asyncio.wait(list(self._deferred))
         queue = self._handler.session.delivered_message_queue
-        while not queue.empty() and not self.loop_ended:
+        # A connection that took over hands over nothing before the older one has (``follow``):
+        # its loop's end hands its messages over after those (``hand_over_what_is_left``).
+        while not queue.empty() and not self.loop_ended and self._older is None:
             self._taken.clear()
             await self._taken.wait()
         if self._erasing:
@@ -2844,12 +2862,41 @@ async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> Non
     now: on a Session a newer connection took over, that connection's loop takes what comes after),
     the one the loop took and dropped first (``PublishedMessages.in_hand``), once the connection
     this one took over has handed its own over (``PublishedMessages.follow``); what the connection
-    hands over after this goes to the broker directly (``PublishedMessages.put``)."""
-    handler.durable_published.release_all_read()
+    hands over after this goes to the broker directly (``PublishedMessages.put``).
+
+    A connection waiting for the older one's (its loop stuck on a topic plugin's check) waits in a
+    task of its own, for at most CHANGES_GRACE: waiting here held the connection's task, which frees
+    its places (``max_connections``, ``max_connections_per_address``) as it ends, for as long as that
+    check took (for ever: every connection of a take-over chain kept its places). Then its messages
+    go without waiting any more: none is lost, but they go before what the older one still holds."""
+    published: PublishedMessages = handler.durable_published
+    published.release_all_read()
+    if published.follows():
+        published.hand_over_later(_hand_over_after_the_older(broker, session, handler))
+        return
+    await _hand_over(broker, session, handler)
+
+
+async def _hand_over_after_the_older(broker: Any, session: Any, handler: Any) -> None:
+    """``hand_over_what_is_left`` of a connection that took over: once the older connection has
+    handed its messages over, or CHANGES_GRACE after this connection's message loop ended."""
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CHANGES_GRACE):
+                await handler.durable_published.after_the_older()
+        await _hand_over(broker, session, handler)
+    except Exception as exc:  # as amqtt's loop would have ended on it
+        log.warning("%s: a message it published was not delivered: %r", session.client_id, exc)
+    finally:  # cancelled (the broker's shutdown): a newer connection waits no more
+        handler.durable_published.left_over_handed(broker)
+
+
+async def _hand_over(broker: Any, session: Any, handler: Any) -> None:
+    """What ``hand_over_what_is_left`` hands over, the older connection's messages handed over or not waited for."""
+    published: PublishedMessages = handler.durable_published
     queue = session.delivered_message_queue
     try:
-        await handler.durable_published.after_the_older()
-        for message in handler.durable_published.in_hand():
+        for message in published.in_hand():
             await _deliver_late(broker, handler, message)
         for _ in range(queue.qsize()):
             if queue.empty():  # a newer connection's loop took it
@@ -2858,7 +2905,7 @@ async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> Non
             taken.set_result(queue.get_nowait())
             await broker._handle_message_delivery(session, handler, taken)
     finally:
-        handler.durable_published.left_over_handed(broker)
+        published.left_over_handed(broker)
 
 
 def _put_published(handler: Any, message: Any) -> None:
