@@ -396,6 +396,18 @@ def test_a_take_over_of_a_connection_stuck_on_what_it_published_is_connacked_wit
     assert took < 8.5, f"the take-over's CONNACK took {took:.2f} s (documented: at most 5 s)"
 
 
+def take_over_and_disconnect(broker: Broker, *payloads: bytes) -> float:
+    """A clean connection of "pub" publishes ``payloads`` to c/b (QoS 1, each PUBACKed), then sends
+    DISCONNECT; returns the time the broker had closed it."""
+    with raw_connect(broker.port, "pub", clean=True) as new:
+        for packet_id, payload in enumerate(payloads, start=5):
+            new.sendall(mqtt_packet(0x32, mqtt_string("c/b") + bytes((0, packet_id)) + payload))
+            assert read_packet(new) == (0x40, bytes((0, packet_id)))
+        new.sendall(b"\xe0\x00")
+        assert read_until_closed(new, WAIT) is not None, "the DISCONNECT did not close the connection"
+    return time.monotonic()
+
+
 def test_a_clean_connection_that_took_over_and_ended_still_delivers_what_it_published(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
@@ -406,11 +418,7 @@ def test_a_clean_connection_that_took_over_and_ended_still_delivers_what_it_publ
     broker = slow_check_broker(broker_factory, tmp_path)
     watchers = watchers_of(broker, clients)
     with published_behind_a_slow_check(broker, tmp_path, clean=True) as old:
-        with raw_connect(broker.port, "pub", clean=True) as new:
-            new.sendall(mqtt_packet(0x32, mqtt_string("c/b") + b"\x00\x05" + b"b1"))
-            assert read_packet(new) == (0x40, b"\x00\x05")
-            new.sendall(b"\xe0\x00")
-            assert read_until_closed(new, WAIT) is not None, "the DISCONNECT did not close the connection"
+        take_over_and_disconnect(broker, b"b1")
         (tmp_path / "gate").write_text("1")
         assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
     assert_delivered(watchers, [b"s1", b"c1", b"c2", b"b1"])
@@ -466,9 +474,7 @@ def test_a_connection_that_took_over_frees_its_places_as_it_ends(
     broker = slow_check_broker(broker_factory, tmp_path, max_connections_per_address=4)
     watchers_of(broker, clients)
     with published_behind_a_slow_check(broker, tmp_path, clean=True) as old:
-        with raw_connect(broker.port, "pub", clean=True) as new:
-            new.sendall(b"\xe0\x00")
-            assert read_until_closed(new, WAIT) is not None, "the DISCONNECT did not close the connection"
+        take_over_and_disconnect(broker)
         with socket.create_connection((HOST, broker.port), timeout=WAIT) as other:
             other.sendall(connect_packet("other", clean=True))
             assert read_exactly(other, 4) == CONNACK_ACCEPTED
@@ -486,12 +492,7 @@ def test_what_a_connection_that_took_over_published_waits_at_most_5_s_after_its_
     broker = slow_check_broker(broker_factory, tmp_path)
     clean_watcher, durable_watcher = watchers_of(broker, clients)
     with published_behind_a_slow_check(broker, tmp_path, clean=True) as old:
-        with raw_connect(broker.port, "pub", clean=True) as new:
-            new.sendall(mqtt_packet(0x32, mqtt_string("c/b") + b"\x00\x05" + b"b1"))
-            assert read_packet(new) == (0x40, b"\x00\x05")
-            new.sendall(b"\xe0\x00")
-            assert read_until_closed(new, WAIT) is not None, "the DISCONNECT did not close the connection"
-            ended = time.monotonic()
+        ended = take_over_and_disconnect(broker, b"b1")
         assert clean_watcher.wait_for(lambda ms: len(ms) >= 1, 2 * WAIT), "b1 waited for ever"
         took = time.monotonic() - ended
         assert [m.payload for m in clean_watcher.messages] == [b"b1"]
