@@ -9,15 +9,21 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
+import pytest
 from raw_mqtt_helpers import connect_packet, raw_subscribe, read_exactly
 from small_disk import fill, leave_free, small_disk
+from test_hostile_amqtt_sessions import StuckWebsocket
 from test_hostile_owner import PASSWORDS, REFUSED, acl_broker, login
+from test_hostile_wire import read_until_closed
+from test_subscribe_order import retain_big_messages
 
+from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, run_cli
 
 HEALTH = "$SYS/broker/durable/store/health"
@@ -347,3 +353,59 @@ def test_a_wrong_password_gets_connack_5_while_the_store_fails_too(
         assert connack_with_password(port, "alice-dev", "bob", "WRONG", clean=True) == REFUSED
         assert connack_with_password(port, "new-id", "bob", PASSWORDS["bob"], clean=False) == CONNACK_UNAVAILABLE
         assert connack_with_password(port, "alice-dev", "alice", PASSWORDS["alice"], clean=True) == CONNACK_UNAVAILABLE
+
+
+@contextlib.contextmanager
+def reading_nothing(
+    broker: Broker, listener: str
+) -> Iterator[tuple[Callable[[bytes], None], Callable[[], bytes], socket.socket]]:
+    """A connection to ``broker``'s ``listener`` ("tcp" or "websocket") whose client reads nothing
+    but its CONNACK: how to send a packet, how to read the CONNACK, and its socket."""
+    if listener == "websocket":
+        assert broker.ws_port is not None
+        ws = StuckWebsocket(broker.ws_port)
+        with ws.sock:
+            yield ws.send, ws.receive, ws.sock
+        return
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        yield sock.sendall, lambda: read_exactly(sock, 4), sock
+
+
+@pytest.mark.parametrize("listener", ["tcp", "websocket"])
+def test_a_publish_that_cannot_be_stored_ends_a_connection_whose_client_reads_nothing(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client], listener: str
+) -> None:
+    """operations.md, When the disk is full: a QoS 1 PUBLISH that must be stored gets no PUBACK and
+    the broker closes the connection (TCP or websocket), its will published, within 10 s also when
+    its client reads nothing: here a SUBSCRIBE sent with it matches 10 MB of retained messages the
+    client does not read. The connection stayed open: the wait for the PUBACKs due before the refused
+    publish to drain had no bound, and the end it then signals is acted on by the message loop (stuck
+    writing the retained messages) or by the reader after its next read (the client sends nothing
+    more). A websocket one then waited for the closing handshake too (closed after 15 s)."""
+    with small_disk(tmp_path / "disk", 96) as disk:
+        broker = broker_factory(start=False, store=str(disk / "store"))
+        if listener == "websocket":
+            broker.ws_port = free_port()
+        broker.start()
+        keeper = clients(broker.port, "keeper")
+        assert keeper.subscribe("d/#", 1) == [1]
+        watcher = clients(broker.port, "watcher", clean_session=True)
+        assert watcher.subscribe([("will/#", 0), ("c/#", 1)]) == [0, 1]
+        retain_big_messages(clients(broker.port, "big-pub", clean_session=True))
+        with reading_nothing(broker, listener) as (send, connack, sock):
+            send(connect_packet("stuck-pub", clean=True, will_topic=b"will/stuck-pub"))
+            assert connack() == CONNACK_ACCEPTED
+            fill(disk)
+            send(
+                mqtt_packet(0x82, b"\x00\x01" + mqtt_string("big/#") + b"\x00")
+                + mqtt_packet(0x32, mqtt_string("d/x") + b"\x00\x02" + bytes(64 * 1024))  # past a partly used page
+            )
+            refused = "stuck-pub: a publish could not be stored"
+            assert broker.wait_until(lambda: refused in broker.log(), WAIT), broker.log()[-3000:]
+            started = time.monotonic()
+            assert watcher.wait_for(lambda ms: any(m.topic == "will/stuck-pub" for m in ms), 2 * WAIT), (
+                broker.log()[-3000:]
+            )
+            took = time.monotonic() - started
+            assert read_until_closed(sock, WAIT) is not None, "the connection is still open"
+    assert took < 13.0, f"the will came {took:.2f} s after the refusal (documented: closed within 10 s)"

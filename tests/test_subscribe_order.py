@@ -252,14 +252,19 @@ def test_take_over_of_a_connection_waiting_for_a_retained_puback_is_answered_at_
     assert seconds < 1.0, f"the take-over's CONNACK came after {seconds:.3f} s"
 
 
+def retain_big_messages(publisher: Client) -> None:
+    """10 MB of retained messages under big/ (50 of 200 kB): more than a socket's buffers hold."""
+    for i in range(50):
+        publisher.publish(f"big/{i}", [b"x" * 200_000], qos=1, retain=True)
+
+
 def stuck_on_big_retained_messages(
     port: int, client_id: str, publisher: Client, *, qos2_first: bool = False
 ) -> socket.socket:
     """A clean connection whose SUBSCRIBE big/# matches 10 MB of retained messages it never reads
     (its loop is stuck sending them: the sockets' buffers are full). With ``qos2_first``, it
     first PUBLISHes q2/a at QoS 2 (packet id 7) and reads the PUBREC, sending no PUBREL."""
-    for i in range(50):
-        publisher.publish(f"big/{i}", [b"x" * 200_000], qos=1, retain=True)
+    retain_big_messages(publisher)
     sock = socket.create_connection((HOST, port), timeout=WAIT)
     sock.sendall(connect_packet(client_id, clean=True))
     assert read_exactly(sock, 4)[3] == 0

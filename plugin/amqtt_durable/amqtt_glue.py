@@ -64,7 +64,8 @@ instance the plugin is loaded into and on each connection's handler:
 * ``BrokerProtocolHandler.mqtt_deliver_next_message`` (per connection), with ``wait_disconnect``
   and ``stop``: the connection's end waits (bounded) until the message loop has taken what the
   client published (a QoS 2 message released with the DISCONNECT), and the loop's end hands what
-  is left to the broker (see ``PublishedMessages``);
+  is left to the broker, a newer connection of the client id's loop waiting for that (see
+  ``PublishedMessages``);
 * ``BrokerProtocolHandler.handle_disconnect`` / ``wait_disconnect`` / ``handle_connection_closed``
   (per connection): a connection that sent DISCONNECT never has its will
   published (MQTT-3.14.4-3), however its DISCONNECT's handling and its message loop's wait for it
@@ -76,7 +77,9 @@ instance the plugin is loaded into and on each connection's handler:
   while connected) is removed then, and that of an expired one at its expiry (``forget_session``);
 * ``Broker._delete_session``: a clean CONNECT of a client id whose connection is live ends that
   connection (MQTT-3.1.4-2; amqtt deleted its Session and left it open), without waiting for its
-  client (a websocket's closing handshake: ``let_go``);
+  client (a websocket's closing handshake: ``let_go``); what its client published and the broker
+  acknowledged, still waiting for its message loop, is kept for that loop's end to hand over
+  (amqtt emptied the queue), before what the new connection publishes (``PublishedMessages.follow``);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``BrokerProtocolHandler.handle_subscribe`` / ``handle_unsubscribe`` /
@@ -139,7 +142,7 @@ import math
 import ssl
 import time
 from collections import UserDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from http import HTTPStatus
 from typing import Any, NoReturn
@@ -722,6 +725,9 @@ _CONNECTING: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_conne
 (``initialize_client_session`` to ``connack_authorize``): a ``stop()`` of another connection in
 that time is amqtt's take-over of a client id whose (durable) Session it keeps (see
 ``_stop_waiting_for_a_reader_that_may_never_run``)."""
+_TAKEN_OVER: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_taken_over", default=None)
+"""Set in a clean CONNECT's task to the ``PublishedMessages`` of the live connection of its client id
+it ended (``AmqttHooks.delete_session``), for the new connection to follow (``PublishedMessages.follow``)."""
 
 
 class ConnectTurns:
@@ -1128,8 +1134,14 @@ class HandlerTransport:
     async def fail(self) -> None:
         """End this connection on the server's decision (a publish that could not be stored:
         ``OrderedAcks``), not as a take-over: ``end_connection`` (its will published whatever it
-        sends after, nothing it sends after is handled)."""
+        sends after, nothing it sends after is handled), then ``stop()``: the message loop, which
+        stops the connection once it sees the end, may be stuck writing to a client that reads
+        nothing (a clean session's retained messages), and the reader, which stops it after its
+        next read, waits for bytes the client may never send: the connection stayed open, its will
+        unpublished, until the client's keep-alive ran out. ``stop()`` closes it within its bound
+        (the changes read before, then CLOSE_GRACE for the unsent bytes)."""
         await end_connection(self._handler)
+        await self._handler.stop()
 
     def take_ack(self, kind: AckKind, packet_id: int) -> bool:
         """True when the ack was for a message the pump sent (and it has been handled)."""
@@ -1660,6 +1672,10 @@ class AmqttHooks:
         try:
             await self._original_client_connected(listener_name, reader, writer)
         finally:
+            handler = getattr(writer, "durable_handler", None)
+            if handler is not None:  # its message loop, if it ever ran, handed its messages over
+                writer.durable_handler = None
+                handler.durable_published.connection_ended()
             _end_connect_turn(writer)
             await close_socket(writer)
             _release_reservation(self.engine, writer)
@@ -1703,6 +1719,11 @@ class AmqttHooks:
             self.broker, self.engine, handler, session, amqtt_wants=self.amqtt_wants, receivers=self.receivers
         )
         handler._reader_loop = FastReader(self.broker, self.engine, handler, session).run
+        taken_over: PublishedMessages | None = _TAKEN_OVER.get()
+        if taken_over is not None:
+            handler.durable_published.follow(taken_over)
+            _TAKEN_OVER.set(None)
+        writer.durable_handler = handler  # for the connection's end (``client_connected``)
         return handler, session
 
     async def handle_message_delivery(self, session: Any, handler: Any, wait_deliver: asyncio.Future[Any]) -> bool:
@@ -1754,13 +1775,20 @@ class AmqttHooks:
         published, unless it sent DISCONNECT before it was closed), without waiting for it once its
         SUBSCRIBEs and UNSUBSCRIBEs are applied (``durable_let_go``): the CONNECT waited, with its
         ``connect_timeout`` running, for the closing handshake of a websocket client that does not answer it (10 s),
-        was closed at connect_timeout with no CONNACK, and so was every reconnect until then."""
+        was closed at connect_timeout with no CONNACK, and so was every reconnect until then.
+
+        amqtt then empties the Session's queues, the messages its client published among them: those
+        the broker had acknowledged (PUBACK, PUBCOMP) and that connection's message loop had not yet
+        handed to the broker (a loop slow on a topic plugin's check) were lost. They are kept for that
+        loop, whose end hands them over (``hand_over_what_is_left``); the new connection's messages
+        go after them (``PublishedMessages.follow``)."""
         session, handler = self.broker._sessions.get(client_id, (None, None))
         if session is not None and handler is not None and session.transitions.is_connected():
             log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
             await take_over(handler)
             await handler.stop()
-        await self._original_delete_session(client_id)
+        await _keeping_what_was_published(session, self._original_delete_session, client_id)
+        _TAKEN_OVER.set(getattr(handler, "durable_published", None))
 
     async def client_message_loop(self, session: Any, handler: Any) -> None:
         # By what this connection's CONNECT asked for: a clean connection must never drive the
@@ -1987,7 +2015,9 @@ class AmqttHooks:
         entry = self.broker._sessions.get(client_id)
         if not self.shutting_down and entry is not None and entry[0].transitions.state == "connected":
             return
-        await self._original_cleanup(client_id)
+        # A connection's end (a clean session's, a take-over's) cleans up before its message loop's
+        # end hands over what its client published: kept (``_keeping_what_was_published``).
+        await _keeping_what_was_published(None if entry is None else entry[0], self._original_cleanup, client_id)
 
     def apply_retained(self, topic: str, payload: bytes, qos: int) -> None:
         """The engine stored (empty payload: deleted) a retained message: amqtt's table does the same,
@@ -2028,6 +2058,34 @@ class AmqttHooks:
         self.shutting_down = True
         await self._original_shutdown()
         await self.clean_sends.stop()  # as amqtt cancels its broadcast tasks
+
+
+async def _keeping_what_was_published(
+    session: Any, remove: Callable[[str], Awaitable[None]], client_id: str
+) -> None:
+    """amqtt's deletion (a clean CONNECT's) or clean-up (a connection's end) of ``client_id``'s
+    Session, which empties its queues, but the messages its client published are kept: those the
+    broker had acknowledged (PUBACK, PUBCOMP) and the connection's message loop had not yet handed
+    to the broker (a loop slow on a topic plugin's check, a connection that took over waiting for
+    the older one, ``PublishedMessages.follow``) were lost. That loop's end hands them over
+    (``hand_over_what_is_left``). The queue itself stays in place (a message read meanwhile goes to it)."""
+    if session is None:
+        await remove(client_id)
+        return
+    session.durable_keeping = getattr(session, "durable_keeping", 0) + 1
+    session.clear_queues = partial(_clear_retained_only, session)
+    try:
+        await remove(client_id)
+    finally:
+        session.durable_keeping -= 1
+        if not session.durable_keeping:
+            del session.clear_queues  # amqtt's own again
+
+
+def _clear_retained_only(session: Any) -> None:
+    """amqtt's ``clear_queues`` without the queue of what the client published."""
+    while not session.retained_messages.empty():
+        session.retained_messages.get_nowait()
 
 
 def _abort(writer: Any) -> None:
@@ -2456,7 +2514,8 @@ def _stop_waiting_for_a_reader_that_may_never_run(
     Its ``writer.close()`` then waits for the unsent bytes to drain: for a client that does not
     read (its socket full), for ever, and the connection kept its listener slot, its handler and
     every unsent byte. A TCP connection still open CLOSE_GRACE after ``stop()`` began is aborted
-    (``close_socket``'s bound), which ends that wait. This wraps the ``stop()`` of
+    (``close_socket``'s bound), which ends that wait; a websocket one too (``_abort``): its close
+    waited for the closing handshake as well (websockets' close_timeout, 10 s more). This wraps the ``stop()`` of
     ``_one_queue_of_subscription_changes``, which first waits up to CHANGES_GRACE for the
     connection's SUBSCRIBEs and UNSUBSCRIBEs to be applied: the abort's CLOSE_GRACE counts from
     before that wait, one bound for both (a take-over of a connection whose client reads nothing
@@ -2481,11 +2540,15 @@ def _stop_waiting_for_a_reader_that_may_never_run(
         if task is not None and not task.done():
             task.add_done_callback(reader_ended)
         writer = handler.writer
-        if _CONNECTING.get() not in (None, handler):  # a newer CONNECT of its client id takes it over
+        connecting = _CONNECTING.get()
+        if connecting not in (None, handler):  # a newer CONNECT of its client id takes it over
+            connecting.durable_published.follow(handler.durable_published)
             await handler.durable_let_go()
         abort = None
         if isinstance(writer, StreamWriterAdapter):
             abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, writer._writer.transport.abort)
+        elif writer is not None:  # a websocket: amqtt's close() waits for the closing handshake too
+            abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, _abort, writer)
         try:
             await original()
         finally:
@@ -2493,6 +2556,22 @@ def _stop_waiting_for_a_reader_that_may_never_run(
                 abort.cancel()
 
     return stop
+
+
+class EndDeadline:
+    """The one deadline of a connection's end: CHANGES_GRACE from its first wait, for all of them. A
+    take-over waits twice (``let_go_once_applied``, then ``stop()``), and each wait ran its own
+    CHANGES_GRACE: with the connection's message loop stuck (a topic plugin's slow check of what
+    the client published), the new CONNACK came after 10 s."""
+
+    def __init__(self) -> None:
+        self._at: float | None = None
+
+    def timeout(self) -> asyncio.Timeout:
+        """A timeout at the end's deadline, set by the first call."""
+        if self._at is None:
+            self._at = asyncio.get_running_loop().time() + CHANGES_GRACE
+        return asyncio.timeout_at(self._at)
 
 
 def _one_queue_of_subscription_changes(handler: Any) -> None:
@@ -2512,12 +2591,13 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     violation while amqtt's applied it), the loop's subscription waiter takes them one at a
     time (``AmqttHooks.handle_subscription`` passes an UNSUBSCRIBE on) and its unsubscription waiter
     waits until the loop cancels it. The end waits until every change has been applied (at most
-    ``CHANGES_GRACE``): ``wait_disconnect`` returns the end to the loop only then, and ``stop()`` (the
-    reader's at a DISCONNECT, EOF or reset, a take-over's, any but the loop's own: the loop cannot
-    apply while it waits there) stops the connection only then (so a take-over's CONNACK waits
-    for the older connection's changes, and in a reconnect storm for that connection's loop to get
-    its ``attach_limit`` slot first: nothing else applies them); that ``stop()`` first cancels the
-    handler's PUBACK/PUBREC/PUBCOMP waiters, as amqtt's ``stop()`` does first
+    ``CHANGES_GRACE`` from its first wait, one deadline for all its waits): ``wait_disconnect``
+    returns the end to the loop only then, and ``stop()`` (the reader's at a DISCONNECT, EOF or
+    reset, a take-over's, any but the loop's own: the loop cannot apply while it waits there) stops
+    the connection only then (so a take-over's CONNACK waits for the older connection's changes,
+    and in a reconnect storm for that connection's loop to get its ``attach_limit`` slot first:
+    nothing else applies them); that ``stop()`` first cancels the handler's PUBACK/PUBREC/PUBCOMP
+    waiters, as amqtt's ``stop()`` does first
     (``_stop_outgoing_waiters``; a clean session's loop sends the retained messages of a
     SUBSCRIBE, each in its own task, and waits up to 5 s for the QoS 1 ones' PUBACKs: a
     take-over's CONNACK, a broker's shutdown waited for them; the SUBSCRIBE then counts as applied
@@ -2548,9 +2628,11 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     async def no_unsubscription() -> None:
         await asyncio.get_running_loop().create_future()  # every UNSUBSCRIBE comes as a "subscription"
 
+    end = EndDeadline()
+
     async def applied(*, drain: bool = True) -> None:
         try:
-            async with asyncio.timeout(CHANGES_GRACE):
+            async with end.timeout():
                 await changes.drained()
                 await published.handed_over(drain=drain)
         except TimeoutError:  # none is handed out any more: none is applied after the end
@@ -2612,6 +2694,11 @@ class PublishedMessages:
         self._broker: Any = None
         """Set once the loop's end handed the rest over (``hand_over_what_is_left``)."""
         self._late: set[asyncio.Task[None]] = set()
+        self._handed = asyncio.Event()
+        """Set once the loop's end handed the rest over, or the connection ended without a loop."""
+        self._handing_later = False
+        self._older: PublishedMessages | None = None
+        """The connection this one took over, while its messages are not all handed over (``follow``)."""
         self._in_hand: list[Any] = []
         """The message the loop took from the queue and has not handed to the broker: amqtt's loop
         drops it when the connection's end comes in the same pass (five QoS 1 PUBLISHes and a
@@ -2619,6 +2706,7 @@ class PublishedMessages:
         original = handler.mqtt_deliver_next_message
 
         async def next_message() -> Any:
+            await self.after_the_older()
             message = await original()
             # None: what amqtt's call answers when the loop's end cancels it (at the end of every
             # connection): no message to hand over later (handed over, it fired MESSAGE_RECEIVED
@@ -2637,9 +2725,7 @@ class PublishedMessages:
         if self._broker is None:
             self._handler.session.delivered_message_queue.put_nowait(message)
             return
-        task = asyncio.ensure_future(_deliver_late(self._broker, self._handler, message))
-        self._late.add(task)
-        task.add_done_callback(self._late.discard)
+        self.later(_deliver_late(self._broker, self._handler, message))
 
     def handled(self) -> None:
         """The message the loop took is being handed to the broker."""
@@ -2653,6 +2739,44 @@ class PublishedMessages:
     def left_over_handed(self, broker: Any) -> None:
         """The loop's end handed what was left over: what comes later goes to ``broker`` directly."""
         self._broker = broker
+        self._handed.set()
+
+    def connection_ended(self) -> None:
+        """The connection's handling ended: a loop that never ran hands nothing over (one that
+        ran has, or hands over later: ``hand_over_later``)."""
+        if not self._handing_later:
+            self._handed.set()
+
+    def follow(self, older: PublishedMessages) -> None:
+        """A take-over of the connection whose messages are ``older``: this connection's go to the
+        broker only once the older connection's loop has handed all of its own over. Its loop may
+        still be in the middle of one (a topic plugin's slow check): amqtt's take-over of a Session
+        it keeps gave the new connection's loop the messages waiting behind it, which reached
+        subscribers first."""
+        if older is not self and not older._handed.is_set():
+            self._older = older
+
+    def follows(self) -> bool:
+        """Whether this connection's messages still wait for those of the connection it took over."""
+        return self._older is not None and not self._older._handed.is_set()
+
+    def hand_over_later(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """The loop's end hands over in ``coroutine``, after the connection's handling ended."""
+        self._handing_later = True
+        self.later(coroutine)
+
+    def later(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Runs ``coroutine`` in a task of its own, kept until it ends."""
+        task = asyncio.ensure_future(coroutine)
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
+
+    async def after_the_older(self) -> None:
+        """Returns once the connection this one took over has handed its messages over (``follow``)."""
+        older = self._older
+        if older is not None:
+            await older._handed.wait()
+            self._older = None
 
     def end(self) -> None:
         """The connection's message loop has ended: nothing waits for it any more."""
@@ -2720,7 +2844,9 @@ class PublishedMessages:
         if self._deferred:
             await asyncio.wait(list(self._deferred))
         queue = self._handler.session.delivered_message_queue
-        while not queue.empty() and not self.loop_ended:
+        # A connection that took over hands over nothing before the older one has (``follow``):
+        # its loop's end hands its messages over after those (``hand_over_what_is_left``).
+        while not queue.empty() and not self.loop_ended and self._older is None:
             self._taken.clear()
             await self._taken.wait()
         if self._erasing:
@@ -2734,12 +2860,43 @@ async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> Non
     """After the connection's message loop ended: the messages its client published still waiting
     in the Session's queue go to the broker as the loop would have handed them (as many as wait
     now: on a Session a newer connection took over, that connection's loop takes what comes after),
-    the one the loop took and dropped first (``PublishedMessages.in_hand``); what the connection
-    hands over after this goes to the broker directly (``PublishedMessages.put``)."""
-    handler.durable_published.release_all_read()
+    the one the loop took and dropped first (``PublishedMessages.in_hand``), once the connection
+    this one took over has handed its own over (``PublishedMessages.follow``); what the connection
+    hands over after this goes to the broker directly (``PublishedMessages.put``).
+
+    A connection waiting for the older one's (its loop stuck on a topic plugin's check) waits in a
+    task of its own, for at most CHANGES_GRACE: waiting here held the connection's task, which frees
+    its places (``max_connections``, ``max_connections_per_address``) as it ends, for as long as that
+    check took (for ever: every connection of a take-over chain kept its places). Then its messages
+    go without waiting any more: none is lost, but they go before what the older one still holds."""
+    published: PublishedMessages = handler.durable_published
+    published.release_all_read()
+    if published.follows():
+        published.hand_over_later(_hand_over_after_the_older(broker, session, handler))
+        return
+    await _hand_over(broker, session, handler)
+
+
+async def _hand_over_after_the_older(broker: Any, session: Any, handler: Any) -> None:
+    """``hand_over_what_is_left`` of a connection that took over: once the older connection has
+    handed its messages over, or CHANGES_GRACE after this connection's message loop ended."""
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CHANGES_GRACE):
+                await handler.durable_published.after_the_older()
+        await _hand_over(broker, session, handler)
+    except Exception as exc:  # as amqtt's loop would have ended on it
+        log.warning("%s: a message it published was not delivered: %r", session.client_id, exc)
+    finally:  # cancelled (the broker's shutdown): a newer connection waits no more
+        handler.durable_published.left_over_handed(broker)
+
+
+async def _hand_over(broker: Any, session: Any, handler: Any) -> None:
+    """What ``hand_over_what_is_left`` hands over, the older connection's messages handed over or not waited for."""
+    published: PublishedMessages = handler.durable_published
     queue = session.delivered_message_queue
     try:
-        for message in handler.durable_published.in_hand():
+        for message in published.in_hand():
             await _deliver_late(broker, handler, message)
         for _ in range(queue.qsize()):
             if queue.empty():  # a newer connection's loop took it
@@ -2748,7 +2905,7 @@ async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> Non
             taken.set_result(queue.get_nowait())
             await broker._handle_message_delivery(session, handler, taken)
     finally:
-        handler.durable_published.left_over_handed(broker)
+        published.left_over_handed(broker)
 
 
 def _put_published(handler: Any, message: Any) -> None:
@@ -3020,8 +3177,7 @@ async def _connect_durable(broker: Any, engine: DurableEngine, handler: Any, ses
         # ``delivered_message_queue`` is kept: what it holds the client published (released by
         # an earlier connection taken over just now), still to be handed to the broker.
         await broker._del_all_subscriptions(session)
-        while not session.retained_messages.empty():
-            session.retained_messages.get_nowait()
+        _clear_retained_only(session)
         if passes:  # the previous user's QoS 2 publishes awaiting PUBREL, as the engine forgot them
             session.inflight_in.clear()
 
@@ -3209,8 +3365,11 @@ class OrderedAcks:
         self._closing = asyncio.get_running_loop().create_task(self._end())
 
     async def _end(self) -> None:
-        with contextlib.suppress(OSError):  # gone already: ending it is all that is left
-            await self._transport.drain()  # the PUBACKs of the publishes stored before it
+        # The PUBACKs of the publishes stored before it, for at most CLOSE_GRACE: a client that
+        # reads nothing held the connection open for ever. Gone already: ending it is all that is left.
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(CLOSE_GRACE):
+                await self._transport.drain()
         await self._transport.fail()
 
 
