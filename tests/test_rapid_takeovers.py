@@ -23,8 +23,8 @@ from test_hostile_wire import read_until_closed
 from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string
 
 CLIENT_IDS = ("dev-0", "dev-1", "dev-2", "dev-3")
-SECONDS = 9.0
-"""Each client id's take-overs stop after this long (at most MAX_TAKE_OVERS): about nine passes of
+SECONDS = 6.0
+"""Each client id's take-overs stop after this long (at most MAX_TAKE_OVERS): about six passes of
 amqtt's session monitor, each of which could end the newest connection of any of the client ids."""
 MAX_TAKE_OVERS = 5000
 
@@ -65,7 +65,9 @@ def test_rapid_durable_take_overs_never_end_the_newest_connection(broker_factory
     until = time.monotonic() + SECONDS
     with ThreadPoolExecutor(len(CLIENT_IDS)) as pool:
         made = list(pool.map(lambda client_id: take_overs(broker.port, client_id, until), CLIENT_IDS))
-    assert min(made) >= 200, f"too few take-overs to mean anything: {made}"
+    # Alone about 2,000 per client id in 9 s, 1,000 with both cores saturated; main failed at
+    # take-over 492, about 2 s in: fewer only weakens the test, so the floor is low.
+    assert min(made) >= 50, f"too few take-overs to mean anything: {made}"
 
 
 GATED_LOOP = '''
