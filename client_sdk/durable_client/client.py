@@ -1016,7 +1016,9 @@ class DurableClient:
         self._receiver.fail()
         self._receiver.counters.redeliveries_requested += 1
         self._redelivering = True
-        log.info("%s; reconnecting so the broker sends it again, and every event after it", error)
+        # Named by its type: sdk.md says the client logs an EventNotProcessedError here, at INFO.
+        log.info("%s: %s; reconnecting so the broker sends it again, and every event after it",
+                 type(error).__name__, error)
         self._flush_acks()
         self._link_or_raise().drop()
 
