@@ -1,0 +1,482 @@
+"""More black-box tests written from README.md and docs/ alone (sdk.md, streams.md, protocol.md,
+delivery-log.md), for promises test_blind_sdk.py, test_blind_core.py and test_blind_guarantees.py
+leave out: each test quotes the promise it checks (by its words, not a line number) and runs it
+against real brokers, real SDK and paho clients over TCP to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_blind_sdk import Seen
+from test_sdk import Recorder
+
+from conftest import HOST, WAIT, Broker, Client, payloads
+from durable_client import (
+    AsyncDurableClient,
+    ConnectFailed,
+    DurableClient,
+    Event,
+    EventNotProcessedError,
+    Marker,
+    RequestTimeout,
+    Unconnected,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def code_block_after(page: Path, heading: str, language: str = "python") -> str:
+    """The first ``language`` code block after ``heading`` on a docs page, as written."""
+    text = page.read_text()
+    start = text.index(heading)
+    match = re.search(rf"```{language}\n(.*?)```", text[start:], re.S)
+    assert match, f"no {language} block after {heading!r} in {page.name}"
+    return match.group(1)
+
+
+def seen_client(sdk: Callable[..., DurableClient], port: int, client_id: str, seen: Seen, **kw: Any) -> DurableClient:
+    return sdk(port, client_id, on_live=seen.on_live, on_connected=seen.on_connected,
+               on_disconnected=seen.on_disconnected, **kw)
+
+
+# ------------------------------------------------------------------------------ sdk.md: asyncio
+
+
+def test_the_asyncio_reference_snippet_runs_as_written_and_acknowledges_stop_too(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """sdk.md, asyncio: the `consume()` example, run as written (its port and state folder
+    pointed at the test's): `await handle(event)  # acknowledged once this body finishes`,
+    `break  # "stop" is acknowledged too`."""
+    state = tmp_path / "state"
+    source = code_block_after(DOCS / "sdk.md", "## asyncio")
+    source = source.replace("1883", str(broker.port)).replace('"./state"', repr(str(state)))
+    # The session exists (a first run subscribed), so what is published now is queued for it.
+    first = sdk(broker.port, "worker-1", persistence="disk", state_dir=state)
+    first.subscribe("jobs/#", qos=1)
+    first.connect(timeout=WAIT)
+    first.close(keep_session=True)
+    clients(broker.port, "pub", clean_session=True).publish("jobs/a", [b"job-1", b"job-2", b"stop", b"after"])
+
+    handled: list[bytes] = []
+
+    async def handle(event: Event) -> None:
+        handled.append(event.payload)
+
+    namespace: dict[str, Any] = {"handle": handle}
+    exec(compile(source, "sdk.md", "exec"), namespace)
+    asyncio.run(asyncio.wait_for(namespace["consume"](), WAIT))
+    assert handled == [b"job-1", b"job-2", b"stop"]
+
+    seen, again = Seen(), Recorder()
+    second = seen_client(sdk, broker.port, "worker-1", seen, persistence="disk", state_dir=state)
+    second.subscribe("jobs/#", qos=1, listener=again)
+    second.connect(timeout=WAIT)
+    second.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    assert again.payloads() == [b"after"], "stop (and what came before it) was acknowledged"
+    assert seen.markers[0].replayed == 1
+
+
+def test_an_async_body_that_raises_is_logged_at_info_as_an_event_not_processed(
+    broker: Broker, clients: Callable[..., Client], caplog: pytest.LogCaptureFixture
+) -> None:
+    """sdk.md Errors: `EventNotProcessedError` (never raised into your code: what an
+    `AsyncDurableClient` logs, at INFO, for an event its loop did not finish, which comes again)."""
+    done: list[bytes] = []
+
+    async def run() -> None:
+        async with AsyncDurableClient("blind2-notprocessed", HOST, broker.port, reconnect_min_delay=0.05,
+                                      reconnect_max_delay=0.5) as client:
+            await client.subscribe("np/#", qos=1)
+            await client.ready_for_events()
+            clients(broker.port, "pub", clean_session=True).publish("np/a", [b"one", b"two"])
+            failed = False
+            async with client.events() as events:
+                async for event in events:
+                    if event.payload == b"one" and not failed:
+                        failed = True
+                        raise_in_body()
+                    done.append(event.payload)
+                    if event.payload == b"two":
+                        break
+
+    def raise_in_body() -> None:
+        raise RuntimeError("body failed (on purpose)")
+
+    with caplog.at_level(logging.INFO), pytest.raises(RuntimeError, match="on purpose"):
+        asyncio.run(asyncio.wait_for(run(), WAIT))
+    assert done == []
+    # The failed body's exception reaches the program; what the client logs names the event it did not finish.
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert any(
+        (r.exc_info is not None and isinstance(r.exc_info[1], EventNotProcessedError))
+        or "EventNotProcessedError" in r.getMessage()
+        for r in infos
+    ), [r.getMessage() for r in infos]
+
+    async def again() -> list[bytes]:
+        got: list[bytes] = []
+        async with AsyncDurableClient("blind2-notprocessed", HOST, broker.port) as client:
+            await client.subscribe("np/#", qos=1)
+            await client.ready_for_events()
+            async with client.events() as events:
+                async for event in events:
+                    got.append(event.payload)
+                    if event.payload == b"two":
+                        break
+        return got
+
+    assert asyncio.run(asyncio.wait_for(again(), WAIT)) == [b"one", b"two"], "the event not finished comes again"
+
+
+def test_async_live_returns_the_marker_after_the_replay_and_on_live_runs_on_the_loop(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: `await client.live()` returns the replay marker once every queued event was
+    processed; await it in another task than the loop that processes the events ... `on_live`
+    is called then, on the event loop; `ready_for_events()` ... returns at once."""
+    setup = sdk(broker.port, "blind2-live")
+    setup.subscribe("lv/#")
+    setup.connect(timeout=WAIT)
+    setup.close(keep_session=True)
+    clients(broker.port, "pub", clean_session=True).publish("lv/a", payloads(3))
+    called: list[tuple[Marker, int]] = []
+
+    async def run() -> tuple[Marker, list[bytes], int, int]:
+        loop_thread = threading.get_ident()
+        processed: list[bytes] = []
+        client = AsyncDurableClient("blind2-live", HOST, broker.port,
+                                    on_live=lambda marker: called.append((marker, threading.get_ident())))
+        async with client:
+            await client.subscribe("lv/#")
+            await asyncio.wait_for(client.ready_for_events(), 1.0)
+            processed_when_live: list[int] = []
+
+            async def consume() -> None:
+                async with client.events() as events:
+                    async for event in events:
+                        processed.append(event.payload)
+                        if len(processed) == 3:
+                            break
+
+            consumer = asyncio.create_task(consume())
+            marker = await asyncio.wait_for(client.live(), WAIT)
+            processed_when_live.append(len(processed))
+            await asyncio.wait_for(consumer, WAIT)
+        return marker, processed, processed_when_live[0], loop_thread
+
+    marker, processed, when_live, loop_thread = asyncio.run(asyncio.wait_for(run(), 2 * WAIT))
+    assert processed == payloads(3)
+    assert marker.replayed == 3 and when_live == 3, "the marker comes after every replayed event was processed"
+    assert len(called) == 1 and called[0][0].replayed == 3 and called[0][1] == loop_thread
+
+
+# ------------------------------------------------------------------------- sdk.md: subscriptions
+
+
+def test_subscribing_a_held_filter_again_goes_out_again_only_for_a_new_qos(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: calling [subscribe] again for a filter it holds changes that subscription's QoS,
+    durability and listener (the new `listener` ... replaces the old; a SUBSCRIBE goes out again
+    only for a new QoS); a repeated SUBSCRIBE would queue retained values again."""
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("rs/a", [b"retained"], retain=True)
+    first, second = Recorder(), Recorder()
+    client = sdk(broker.port, "blind2-resub")
+    client.subscribe("rs/#", qos=1, listener=first)
+    client.connect(timeout=WAIT)
+    client.ready_for_events()
+    assert [e.payload for e in first.wait(1)] == [b"retained"]
+
+    client.subscribe("rs/#", qos=1, listener=second)  # same QoS: only the listener changes
+    publisher.publish("rs/b", [b"live-1"])
+    assert [e.payload for e in second.wait(1)] == [b"live-1"], "no retained value queued again"
+    assert first.payloads() == [b"retained"], "the new listener replaced the old"
+
+    client.subscribe("rs/#", qos=0, listener=second)  # a new QoS: the SUBSCRIBE goes out again
+    assert second.wait_until(lambda events: b"retained" in [e.payload for e in events])
+    assert [e.payload for e in second.events] == [b"live-1", b"retained"]
+
+
+def test_one_function_given_for_two_matching_filters_is_called_twice(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: an event goes to the listener of every subscription whose filter matches its topic
+    (one function given for two matching filters is called twice)."""
+    recorder = Recorder()
+    client = sdk(broker.port, "blind2-twice")
+    client.subscribe("tw/#", listener=recorder)
+    client.subscribe("tw/+", listener=recorder)
+    client.subscribe("other/#", listener=recorder)
+    client.connect(timeout=WAIT)
+    client.ready_for_events()
+    clients(broker.port, "pub", clean_session=True).publish("tw/a", [b"once"])
+    events = recorder.wait(2)
+    assert [e.payload for e in events] == [b"once", b"once"]
+    assert events[0].seq == events[1].seq, "one event, two listeners' calls"
+
+
+def test_a_non_durable_subscription_is_subscribed_again_after_a_reconnect(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: `durable=False` ... is dropped by the broker when the connection ends, so nothing
+    is queued for it while away; the client subscribes it again on reconnect."""
+    seen, recorder = Seen(), Recorder()
+    client = seen_client(sdk, broker.port, "blind2-nondurable", seen)
+    client.subscribe("nd/#", durable=False, listener=recorder)
+    client.connect(timeout=WAIT)
+    client.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    broker.restart(kill=False)
+    assert seen.wait(lambda: len(seen.markers) == 2), "reconnected, ready again"
+    assert [(s.filter, s.durable) for s in seen.markers[1].live] == [("nd/#", False)]
+    clients(broker.port, "pub", clean_session=True).publish("nd/a", [b"after-reconnect"])
+    assert [e.payload for e in recorder.wait(1)] == [b"after-reconnect"]
+
+
+# ------------------------------------------------------------------------------ sdk.md: publish
+
+
+def test_a_publish_refused_while_disconnected_is_never_sent_later(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md `publish(...)`: Disconnected, it raises `Unconnected` and queues nothing; the
+    last-value cache: `publish()` raises `Unconnected` then."""
+    receiver = clients(broker.port, "blind2-rx", clean_session=True)
+    receiver.subscribe("uc/#", 1)
+    seen = Seen()
+    client = seen_client(sdk, broker.port, "blind2-unconnected", seen)
+    with pytest.raises(Unconnected):
+        client.publish("uc/a", b"before-connect")
+    client.connect(timeout=WAIT)
+    broker.stop()
+    assert seen.wait(lambda: len(seen.disconnected) == 1)
+    for qos in (0, 1, 2):
+        with pytest.raises(Unconnected):
+            client.publish("uc/a", f"while-down-{qos}".encode(), qos=qos)
+    broker.start()
+    assert seen.wait(lambda: len(seen.connected) == 2)
+    receiver = clients(broker.port, "blind2-rx2", clean_session=True)
+    receiver.subscribe("uc/#", 1)
+    client.publish("uc/a", b"sentinel")
+    assert receiver.wait_for(lambda ms: any(m.payload == b"sentinel" for m in ms))
+    assert [m.payload for m in receiver.messages] == [b"sentinel"]
+
+
+def test_subscribe_and_publish_raise_request_timeout_when_the_broker_does_not_answer(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: Connected, `subscribe()` returns at the SUBACK (`RequestTimeout` after `timeout`
+    without one); `publish(...)`: at QoS 1 and 2 it returns once the broker has the message ...,
+    `RequestTimeout` after `timeout` without it (the message stays with paho and is sent again
+    after a reconnect, so it may still arrive); waits are bounded (`timeout`)."""
+    receiver = clients(broker.port, "blind2-to-rx", clean_session=True)
+    receiver.subscribe("to/#", 2)
+    client = sdk(broker.port, "blind2-timeouts")
+    client.connect(timeout=WAIT)
+    with broker.paused():
+        began = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            client.subscribe("to/sub", timeout=0.5)
+        with pytest.raises(RequestTimeout):
+            client.publish("to/a", b"late-1", qos=1, timeout=0.5)
+        with pytest.raises(RequestTimeout):
+            client.publish("to/a", b"late-2", qos=2, timeout=0.5)
+        assert time.monotonic() - began < WAIT / 2, "each wait ends at its timeout"
+    client.publish("to/a", b"after", qos=1)  # still usable
+    assert receiver.wait_for(lambda ms: b"after" in [m.payload for m in ms])
+    got = [m.payload for m in receiver.messages]
+    assert got.count(b"late-1") <= 1 and got.count(b"late-2") <= 1
+
+
+def test_payload_as_bytearray_memoryview_str_and_empty_arrive_byte_for_byte(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md `payload` `bytes` (also `bytearray`, `memoryview`) or a `str`, sent as UTF-8;
+    protocol.md: Plain MQTT sessions ... receive the same message unframed; the frame's payload
+    is byte for byte as published (an empty one too)."""
+    plain = clients(broker.port, "blind2-plain", clean_session=True)
+    plain.subscribe("pl/#", 1)
+    recorder = Recorder()
+    sdk_rx = sdk(broker.port, "blind2-framed")
+    sdk_rx.subscribe("pl/#", listener=recorder)
+    sdk_rx.connect(timeout=WAIT)
+    sdk_rx.ready_for_events()
+    sender = sdk(broker.port, "blind2-sender", durable_session=False)
+    sender.connect(timeout=WAIT)
+    sent: list[Any] = [b"", "", bytearray(b"\x00\xffba"), memoryview(b"mv-bytes")[3:], "é€"]
+    for payload in sent:
+        sender.publish("pl/x", payload)
+    want = [b"", b"", b"\x00\xffba", b"bytes", "é€".encode()]
+    assert [e.payload for e in recorder.wait(len(want))] == want
+    assert plain.wait_for(lambda ms: len(ms) == len(want)) and [m.payload for m in plain.messages] == want
+
+
+def test_a_topic_of_65535_utf8_bytes_is_published_and_one_byte_more_is_refused(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md `topic` a non-empty string ... valid UTF-8, at most 65535 bytes; the SDK refuses
+    [it] before anything is sent."""
+    topic = "€" * 21845  # 3 bytes each: 65535 bytes
+    assert len(topic.encode()) == 65535
+    receiver = clients(broker.port, "blind2-long-rx", clean_session=True)
+    receiver.subscribe("#", 1)
+    client = sdk(broker.port, "blind2-long", durable_session=False)
+    client.connect(timeout=WAIT)
+    with pytest.raises(ValueError, match=r"^topic"):
+        client.publish(topic + "x", b"too long")
+    client.publish(topic, b"longest", qos=2)
+    assert receiver.wait_for(lambda ms: len(ms) >= 1)
+    assert [(m.topic, m.payload) for m in receiver.messages] == [(topic, b"longest")]
+    assert client.connected
+
+
+# ------------------------------------------------------------------------------ sdk.md: keepalive
+
+
+def test_a_keepalive_above_the_brokers_max_keepalive_fails_connect_at_once(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md `keepalive` a whole number of seconds from 1 to 65535 (default 30; a broker whose
+    `max_keepalive` is set refuses one above it with CONNACK 2, and `connect()` fails at once
+    with `ConnectFailed`)."""
+    broker = broker_factory(max_keepalive=20)
+    began = time.monotonic()
+    with pytest.raises(ConnectFailed):
+        sdk(broker.port, "blind2-ka-default").connect(timeout=WAIT)  # the default, 30, is above 20
+    with pytest.raises(ConnectFailed):
+        sdk(broker.port, "blind2-ka-21", keepalive=21).connect(timeout=WAIT)
+    assert time.monotonic() - began < WAIT / 2, "at once, not after the connect timeout"
+    fits = sdk(broker.port, "blind2-ka-20", keepalive=20)
+    fits.connect(timeout=WAIT)
+    assert fits.connected
+
+
+# ------------------------------------------------------------------------------ sdk.md: CPL-2 folders
+
+
+def test_a_unicode_client_id_with_a_slash_gets_one_percent_encoded_state_folder(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """sdk.md: the marks are kept under `state_dir/<client_id>/` (the id percent-encoded where it
+    is not a safe file name: `a/b` is `a%2Fb` ...); delivery-log.md `device` the client id that
+    wrote the record."""
+    client_id = "Zähler/ß 1"
+    state, log = tmp_path / "state", tmp_path / "log.jsonl"
+    recorder = Recorder()
+    client = sdk(broker.port, client_id, persistence="disk", state_dir=state, delivery_log=log)
+    assert client.persistence_level == "disk"
+    client.subscribe("uni/#", listener=recorder)
+    client.connect(timeout=WAIT)
+    client.ready_for_events()
+    clients(broker.port, "pub", clean_session=True).publish("uni/a", [b"x"])
+    recorder.wait(1)
+    client.close()
+    (folder,) = list(state.iterdir())
+    assert folder.is_dir() and "%2F" in folder.name and "/" not in folder.name
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {r["device"] for r in records} == {client_id}
+    again = sdk(broker.port, client_id, persistence="disk", state_dir=state)
+    again.connect(timeout=WAIT)
+    assert again.persistence_level == "disk" and list(state.iterdir()) == [folder], "the same folder again"
+
+
+# ------------------------------------------------------------------ delivery-log.md: resume from the log
+
+
+@pytest.mark.parametrize("record", ["this epoch", "another epoch", "another device", "last line cut short"])
+def test_a_cpl2_client_advances_its_session_mark_only_from_its_own_current_epoch_receives(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], tmp_path: Path,
+    *, caplog: pytest.LogCaptureFixture, record: str,
+) -> None:
+    """delivery-log.md: a `DurableClient` created with both reads the last 64 KiB of its existing
+    log before it connects and takes the last `receive` records of its own client id (`device`; a
+    shared file is fine): the highest `seq` of the session's current `epoch` becomes the session
+    mark when it is beyond it ... Records of another epoch, raw events, other lines and a last line
+    cut short by a crash are ignored; what was advanced is logged at INFO. sdk.md: dedup ...
+    drops (but acknowledges) anything at or below it."""
+    state, log = tmp_path / "state", tmp_path / "shared.jsonl"
+    seen = Seen()
+    first = seen_client(sdk, broker.port, "blind2-logmark", seen, persistence="disk", state_dir=state,
+                        delivery_log=log)
+    first.subscribe("lm/#")
+    first.connect(timeout=WAIT)
+    first.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    epoch = seen.connected[0].epoch
+    first.close(keep_session=True)
+    clients(broker.port, "pub", clean_session=True).publish("lm/a", payloads(5))
+
+    forged = {"kind": "receive", "device": "blind2-logmark", "time": time.time(), "topic": "lm/a",
+              "id": "00" * 16, "qos": 1, "replayed": True, "redelivered": False, "seq": 10**9,
+              "epoch": epoch, "published_at": time.time()}
+    if record == "another epoch":
+        forged["epoch"] = epoch + 1
+    if record == "another device":
+        forged["device"] = "someone-else"
+    line = json.dumps(forged)
+    with log.open("a") as out:
+        out.write("not json at all\n")
+        out.write(line[:-5] if record == "last line cut short" else line + "\n")
+
+    recorder, again = Recorder(), Seen()
+    with caplog.at_level(logging.INFO):
+        second = seen_client(sdk, broker.port, "blind2-logmark", again, persistence="disk", state_dir=state,
+                             delivery_log=log)
+        second.subscribe("lm/#", listener=recorder)
+        second.connect(timeout=WAIT)
+        second.ready_for_events()
+        assert again.wait(lambda: len(again.markers) == 1)
+    assert again.markers[0].replayed == 5
+    if record == "this epoch":
+        assert recorder.payloads() == [], "every queued event is at or below the mark the log gave"
+        assert second.stats.duplicates_dropped == 5
+        assert any(r.levelno == logging.INFO and str(10**9) in r.getMessage() for r in caplog.records), (
+            "what was advanced is logged at INFO"
+        )
+    else:
+        assert recorder.payloads() == payloads(5), f"a record of {record} is ignored"
+        assert second.stats.duplicates_dropped == 0
+
+
+# ------------------------------------------------------------------------------ streams.md: store id
+
+
+def test_stream_info_store_id_survives_a_restart_and_changes_with_a_new_store(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """streams.md `stream_info` ... with `.store` the broker store's random id (ids of two stores
+    are not comparable); protocol.md `store`: the store's id (a random number made with the
+    store; ... a reader that sees it change knows the store was wiped or replaced); Stream logs
+    survive restarts and crashes."""
+    streams = [{"filter": "si/#", "max_count": 100, "max_age": 0}]
+    broker = broker_factory(streams=streams)
+    clients(broker.port, "pub", clean_session=True).publish("si/a", payloads(2))
+    seen = Seen()
+    reader = seen_client(sdk, broker.port, "blind2-store", seen, durable_session=False)
+    reader.connect(timeout=WAIT)
+    before = reader.stream_info()
+    assert dict(before) == {"si/a": (1, 2)}
+    broker.restart(kill=True)
+    assert seen.wait(lambda: len(seen.connected) == 2), "reconnected on its own"
+    after = reader.stream_info()
+    assert dict(after) == {"si/a": (1, 2)} and after.store == before.store
+    other = broker_factory(streams=streams)
+    clients(other.port, "pub2", clean_session=True).publish("si/a", payloads(2))
+    fresh = sdk(other.port, "blind2-store-2", durable_session=False)
+    fresh.connect(timeout=WAIT)
+    assert fresh.stream_info().store != before.store
