@@ -480,3 +480,24 @@ def test_stream_info_store_id_survives_a_restart_and_changes_with_a_new_store(
     fresh = sdk(other.port, "blind2-store-2", durable_session=False)
     fresh.connect(timeout=WAIT)
     assert fresh.stream_info().store != before.store
+
+
+# ------------------------------------------------------------------------------ sdk.md: Bad input
+
+
+@pytest.mark.parametrize("value", ["x" * 65536, "\x01" * 70000])
+def test_a_long_value_is_shown_cut_short_with_its_own_length(value: str) -> None:
+    """sdk.md, Bad input: a bad value raises `ValueError` whose message starts with the option's
+    or argument's name ...; a long value is shown cut short (the length it gives is the value's,
+    not that of its quoted and escaped repr)."""
+    client = DurableClient("blind2-long-value")
+    calls: list[tuple[str, Callable[[str], Any], str]] = [
+        ("topic", lambda topic: client.publish(topic, b""), value),
+        ("topic_filter", client.subscribe, value + "/#"),
+    ]
+    for name, call, given in calls:
+        with pytest.raises(ValueError, match=f"^{name}") as refused:
+            call(given)
+        message = str(refused.value)
+        assert len(message) < 1000, "cut short"
+        assert f"({len(given)} characters)" in message, message
