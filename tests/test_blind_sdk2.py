@@ -501,3 +501,38 @@ def test_a_long_value_is_shown_cut_short_with_its_own_length(value: str) -> None
         message = str(refused.value)
         assert len(message) < 1000, "cut short"
         assert f"({len(given)} characters)" in message, message
+
+
+# ------------------------------------------------------------------- streams.md: the longest topics
+
+
+def test_a_logged_topic_too_long_for_the_stream_prefix_is_listed_but_never_sent(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """streams.md: Every publish to a logged topic is appended to its log ...; a topic longer
+    than 65,516 bytes ... is logged too (`stream_info` lists it), but its events cannot be sent:
+    `$durable/v1/stream/<topic>` would pass MQTT's 65,535-byte limit, so a stream subscription
+    leaves that topic closed, with a WARNING in the broker's log; protocol.md [the topic] cut to
+    100 characters [in the broker's log line]."""
+    broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 100, "max_age": 0}])
+    prefix = "$durable/v1/stream/"
+    longest = "telemetry/" + "x" * (65535 - len(prefix) - len("telemetry/"))  # 65,516 bytes: fits
+    too_long = longest + "y"
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish(too_long, [b"never sent"])
+    publisher.publish(longest, [b"longest"])
+    publisher.publish("telemetry/short", [b"short"])
+    recorder = Recorder()
+    reader = sdk(broker.port, "blind2-long-stream", durable_session=False)
+    reader.connect(timeout=WAIT)
+    assert dict(reader.stream_info()) == {too_long: (1, 1), longest: (1, 1), "telemetry/short": (1, 1)}
+    reader.subscribe_stream("telemetry/#", recorder)
+    events = recorder.wait(2)
+    assert sorted((len(e.topic), e.payload) for e in events) == [(15, b"short"), (65516, b"longest")]
+    assert broker.wait_until(lambda: "topic too long for the $durable/v1/stream/ prefix" in broker.log(), WAIT)
+    (line,) = [line for line in broker.log().splitlines() if "topic too long" in line]
+    assert len(line) < 500, "the topic is cut short in the log line"
+    publisher.publish("telemetry/short", [b"after"])
+    assert recorder.wait_until(lambda events: events[-1].payload == b"after")
+    assert too_long not in {e.topic for e in recorder.events}
+    assert reader.connected

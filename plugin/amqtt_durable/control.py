@@ -40,7 +40,7 @@ from durable_protocol import (
 from .admission import LogBudget
 from .delivery import Transport
 from .engine import DurableEngine, DurableSession
-from .topics import SubscriptionIndex
+from .topics import SubscriptionIndex, shown_topic
 from .wire import encode_publish
 
 log = logging.getLogger("amqtt_durable")
@@ -50,9 +50,6 @@ _AWAITING_OPS = frozenset({"end_session", "stream_subscribe", "stream_info"})
 REQUEST_OVERHEAD = 200
 """Bytes counted for each waiting request besides its topic and payload: what holding one costs
 in memory (the queue entry, its tuple, str and bytes objects: some 150 bytes in CPython 3.12)."""
-SHOWN_TOPIC_CHARS = 100
-"""A topic under ``_durable/`` other than the control topic is kept (and shown in the
-``unknown_topic`` error and log line) cut to this many characters and "...": it may be 65 kB long."""
 
 
 class StreamAgent(Protocol):
@@ -190,7 +187,7 @@ class ControlChannel:
         close the connection past ``max_pending_control_bytes``."""
         size = len(topic) + len(payload) + REQUEST_OVERHEAD  # the topic as sent, though kept cut
         if topic != CONTROL_TOPIC:
-            topic = _shown(topic)
+            topic = shown_topic(topic)
         if not self._pending.admit(size):
             self._overflow()
             return
@@ -262,7 +259,7 @@ class ControlChannel:
         try:
             if topic != CONTROL_TOPIC:
                 op, req = request_ids(payload)
-                message = f"{_shown(topic)!r} is not a control topic; send to {CONTROL_TOPIC}"
+                message = f"{shown_topic(topic)!r} is not a control topic; send to {CONTROL_TOPIC}"
                 raise ProtocolError("unknown_topic", message, req=req, op=op)
             return parse_request(payload)
         except ProtocolError as exc:
@@ -479,14 +476,6 @@ class ControlChannel:
     def _write(self, body: bytes) -> None:
         if not self._transport.closed:
             self._transport.write(encode_publish(_REPLY_TOPIC, body, 0, 0, dup=False, retain=False))
-
-
-def _shown(topic: str) -> str:
-    """A topic cut to ``SHOWN_TOPIC_CHARS`` (and "...") for an error message or a log line; a cut
-    one is left as it is."""
-    if len(topic) <= SHOWN_TOPIC_CHARS + 3:
-        return topic
-    return topic[:SHOWN_TOPIC_CHARS] + "..."
 
 
 _IMMEDIATE: dict[str, Callable[[ControlChannel, Request], dict[str, Any] | None]] = {

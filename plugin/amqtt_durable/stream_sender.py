@@ -29,7 +29,7 @@ from durable_protocol import (
 
 from .delivery import READ_RETRY_FIRST, READ_RETRY_MAX
 from .stream_log import MAX_MQTT_TOPIC_BYTES, LogEvent, StreamLogs
-from .topics import matches
+from .topics import matches, shown_topic
 from .wire import encode_publish
 
 RESEND_WAIT_MAX = 60.0
@@ -364,7 +364,10 @@ class StreamSender:
         start = first if after_id is None else max(after_id + 1, first)
         cursor = _Cursor(topic, window, start)
         if len(cursor.topic_bytes) > MAX_MQTT_TOPIC_BYTES:
-            log.warning("stream %s: topic too long for the %s prefix; not opened", topic, STREAM_TOPIC_PREFIX)
+            log.warning(
+                "stream %s: topic too long for the %s prefix (%d bytes with it, more than %d); not opened",
+                shown_topic(topic), STREAM_TOPIC_PREFIX, len(cursor.topic_bytes), MAX_MQTT_TOPIC_BYTES,
+            )
             self._refused.add(topic)
             return None
         self._cursors[topic] = cursor
