@@ -248,7 +248,9 @@ class ControlChannel:
                     try:
                         self._streams.refill(topic)
                     except Exception:  # one topic's failure must not leave the others held for good
-                        log.exception("%s: sending stream events of %r after acks failed", self._client_id, topic)
+                        log.exception(
+                            "%s: sending stream events of %r after acks failed", self._client_id, shown_topic(topic)
+                        )
         except Exception:
             log.exception("%s: sending stream events after acks failed", self._client_id)
         finally:
@@ -457,7 +459,7 @@ class ControlChannel:
         try:
             return bool(await self._may_receive(topic))
         except Exception:
-            log.exception("stream %s: the topic check failed; stream_info leaves it out", topic)
+            log.exception("stream %s: the topic check failed; stream_info leaves it out", shown_topic(topic))
             return False
 
     # ------------------------------------------------------------------ replies

@@ -328,7 +328,7 @@ class StreamSender:
         try:
             return bool(await self._may_receive(topic))
         except Exception:
-            log.exception("stream %s: the topic check failed; the topic is not opened", topic)
+            log.exception("stream %s: the topic check failed; the topic is not opened", shown_topic(topic))
             return False
 
     async def _admit_all(self, topics: list[str]) -> list[bool]:
@@ -353,7 +353,9 @@ class StreamSender:
             return
         gap = self._open(topic, window, self._pending_after.pop(topic, None))
         if gap is not None:
-            log.warning("stream %s: ids %d to %d were trimmed before this connection could read them", topic, *gap)
+            log.warning(
+                "stream %s: ids %d to %d were trimmed before this connection could read them", shown_topic(topic), *gap
+            )
 
     def _open(self, topic: str, window: int, after_id: int | None) -> tuple[int, int] | None:
         """Open a cursor after ``after_id`` (or at the first retained event); returns the gap."""
@@ -411,7 +413,7 @@ class StreamSender:
         if cursor.next_id < first:
             log.warning(
                 "stream %s: ids %d to %d were trimmed by retention before they were sent; resuming at id %d",
-                cursor.topic,
+                shown_topic(cursor.topic),
                 cursor.next_id,
                 first - 1,
                 first,
