@@ -536,3 +536,65 @@ def test_a_logged_topic_too_long_for_the_stream_prefix_is_listed_but_never_sent(
     assert recorder.wait_until(lambda events: events[-1].payload == b"after")
     assert too_long not in {e.topic for e in recorder.events}
     assert reader.connected
+
+
+# ------------------------------------------------------------------ sdk.md: a listener that raises
+
+
+def test_a_listener_raising_on_a_qos0_event_keeps_the_connection_and_loses_nothing_after_it(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: A listener that raises gets the same event again: the client drops the connection
+    at once (MQTT redelivers only on reconnect) ... This holds for QoS 1 events: QoS 0 ones are
+    gone once sent (so a listener raising on one is logged and the connection kept: dropping it
+    would only lose the QoS 0 events sent while the client reconnects)."""
+    seen = Seen()
+    attempts: list[bytes] = []
+
+    def listener(event: Event) -> None:
+        attempts.append(event.payload)
+        if event.payload == b"boom":
+            raise RuntimeError("listener failed (on purpose)")
+        seen.on_event(event)
+
+    client = seen_client(sdk, broker.port, "blind2-qos0-raise", seen)
+    client.subscribe("q0/#", qos=0, listener=listener)
+    client.connect(timeout=WAIT)
+    client.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    clients(broker.port, "pub", clean_session=True).publish("q0/a", [b"one", b"boom", b"two", b"three"])
+    assert seen.wait(lambda: [e.payload for e in seen.events] == [b"one", b"two", b"three"]), attempts
+    assert attempts == [b"one", b"boom", b"two", b"three"], "a QoS 0 event does not come again"
+    assert seen.disconnected == [] and client.connected, "the connection was kept"
+    assert len(seen.connected) == 1
+
+
+def test_an_async_body_raising_on_a_qos0_event_keeps_the_connection(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """sdk.md asyncio: A body that raises does not acknowledge it: the client reconnects and the
+    broker sends it again ..., as for a threaded listener that raises; QoS 0 ones are gone once
+    sent (no reconnect for one: it would not come again)."""
+    disconnected: list[str] = []
+
+    async def run() -> list[bytes]:
+        got: list[bytes] = []
+        async with AsyncDurableClient("blind2-async-qos0", HOST, broker.port,
+                                      on_disconnected=disconnected.append) as client:
+            await client.subscribe("aq0/#", qos=0)
+            await client.ready_for_events()
+            await asyncio.wait_for(client.live(), WAIT)
+            clients(broker.port, "pub", clean_session=True).publish("aq0/a", [b"boom", b"two"])
+            with pytest.raises(RuntimeError, match="on purpose"):
+                async with client.events() as events:
+                    async for event in events:
+                        got.append(event.payload)
+                        raise RuntimeError("body failed (on purpose)")
+            async with client.events() as events:
+                async for event in events:
+                    got.append(event.payload)
+                    break
+            assert disconnected == [], "the connection was kept"
+        return got
+
+    assert asyncio.run(asyncio.wait_for(run(), WAIT)) == [b"boom", b"two"]
