@@ -598,3 +598,58 @@ def test_an_async_body_raising_on_a_qos0_event_keeps_the_connection(
         return got
 
     assert asyncio.run(asyncio.wait_for(run(), WAIT)) == [b"boom", b"two"]
+
+
+# ------------------------------------------------------------------------- protocol.md: requests
+
+REFUSALS: list[tuple[bytes, str, Any, Any]] = [
+    # (request, error code, op echoed, req echoed)
+    (b'{"v":1,"op":"hello","req":true}', "malformed", None, None),  # req neither an integer nor absent
+    (b'{"v":1,"op":"hello","req":2.0}', "malformed", None, None),
+    (b'\xef\xbb\xbf{"v":1,"op":"hello","req":3}', "malformed", None, None),  # not UTF-8 JSON (a BOM)
+    (b'{"v":1,"op":"hello","req":4} and more', "malformed", None, None),
+    (b'[{"v":1,"op":"hello","req":5}]', "malformed", None, None),  # not an object
+    (b'{"v":1,"op":null,"req":6}', "unknown_op", None, 6),  # null counts as absent
+    (b'{"v":1,"op":"HELLO","req":7}', "unknown_op", None, 7),
+    (b'{"v":null,"op":"hello","req":8}', "unsupported_version", "hello", 8),
+    (b'{"v":1,"op":"hello","req":9,"session_expiry":NaN}', "malformed", "hello", 9),  # finite
+    (b'{"v":1,"op":"hello","req":10,"session_expiry":Infinity}', "malformed", "hello", 10),
+    (b'{"v":1,"op":"hello","req":11,"session_expiry":1e400}', "malformed", "hello", 11),
+    (b'{"v":1,"op":"hello","req":12,"session_expiry":true}', "malformed", "hello", 12),
+    (b'{"v":1,"op":"hello","req":13,"client_id":""}', "malformed", "hello", 13),  # a string field empty
+    (b'{"v":1,"op":"hello","req":14,"client_id":"someone-else"}', "not_your_session", "hello", 14),
+    (b'{"v":1,"op":"interest","req":15,"filter":"a/#/b"}', "bad_filter", "interest", 15),
+    (b'{"v":1,"op":"interest","req":16,"filter":"x/#","durable":0}', "malformed", "interest", 16),
+    (b'{"v":1,"op":"stream_subscribe","req":17,"filter":"telemetry/#","window":true}', "malformed",
+     "stream_subscribe", 17),
+    (b'{"v":1,"op":"stream_ack","req":18,"topic":"telemetry/a","id":1.5}', "malformed", "stream_ack", 18),
+    (b'{"v":1,"op":"stream_ack","req":19,"topic":"telemetry/a","id":1}', "unknown_stream", "stream_ack", 19),
+    (b'{"v":1,"op":"stream_info","req":20,"filter":"other/#"}', "unknown_stream", "stream_info", 20),
+    (b'{"v":1,"op":"stream_unsubscribe","req":21,"filter":"a/#/b"}', "bad_filter", "stream_unsubscribe", 21),
+]
+
+
+def test_refused_requests_echo_what_could_be_read_and_change_nothing(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md Replies: A request too large, not UTF-8 JSON, nested too deeply, not a JSON
+    object, or whose `req` is not an integer is answered with `op` and `req` null ...; otherwise
+    a refusal echoes `req`, and `op` when it names a known op (null for `unknown_op`); A refused
+    request changes nothing: the connection stays up and the session is untouched; `session_expiry`
+    (seconds, optional: a finite number >= 0, else `malformed`); a field given as JSON `null`
+    counts as absent ... (`v` and `op` as written above)."""
+    from test_blind_sdk import ctl  # noqa: PLC0415 - one raw request and its reply
+
+    broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 10, "max_age": 0}])
+    raw = clients(broker.port, "blind2-refusals")
+    raw.subscribe("kept/#", 1)
+    first = ctl(raw, {"v": 1, "op": "hello", "req": 1, "session_expiry": 60})
+    for request, code, op, req in REFUSALS:
+        reply = ctl(raw, request)
+        assert (reply["ok"], reply["error"]["code"], reply["op"], reply["req"]) == (False, code, op, req), (
+            request, reply,
+        )
+    after = ctl(raw, {"v": 1, "op": "hello", "req": 2, "session_expiry": 60})
+    assert after["ok"] and after["epoch"] == first["epoch"] and after["subscriptions"] == {"kept/#": 1}
+    info = ctl(raw, {"v": 1, "op": "stream_info", "req": 3})
+    assert info["ok"] and info["filter"] == "#", "stream_info's filter defaults to #"
