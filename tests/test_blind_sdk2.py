@@ -17,14 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_blind_sdk import Seen
+from test_blind_sdk import LogWatch, Seen, ctl
 from test_sdk import Recorder
 
+from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, payloads
 from durable_client import (
     AsyncDurableClient,
     ConnectFailed,
     DurableClient,
+    DurableClientError,
     Event,
     EventNotProcessedError,
     Marker,
@@ -638,8 +640,6 @@ def test_refused_requests_echo_what_could_be_read_and_change_nothing(
     request changes nothing: the connection stays up and the session is untouched; `session_expiry`
     (seconds, optional: a finite number >= 0, else `malformed`); a field given as JSON `null`
     counts as absent ... (`v` and `op` as written above)."""
-    from test_blind_sdk import ctl  # noqa: PLC0415 - one raw request and its reply
-
     broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 10, "max_age": 0}])
     raw = clients(broker.port, "blind2-refusals")
     raw.subscribe("kept/#", 1)
@@ -653,3 +653,103 @@ def test_refused_requests_echo_what_could_be_read_and_change_nothing(
     assert after["ok"] and after["epoch"] == first["epoch"] and after["subscriptions"] == {"kept/#": 1}
     info = ctl(raw, {"v": 1, "op": "stream_info", "req": 3})
     assert info["ok"] and info["filter"] == "#", "stream_info's filter defaults to #"
+
+
+# ------------------------------------------------------------------------ sdk.md: session_expiry
+
+
+def test_a_session_expiry_of_0_deletes_the_session_as_soon_as_the_client_leaves(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md `session_expiry=seconds` overrides the broker's `session_expiry` for this client;
+    `session_expiry` `None` or a finite number of seconds, 0 or more; `on_connected(info)`
+    (`session_present`, `epoch`, granted `session_expiry`); guarantees.md `session_expiry: 0`
+    deletes a session as soon as it disconnects ... publishes, at QoS 1, on
+    `$SYS/broker/durable/expired`; protocol.md `session_expiry` (granted, null for the broker default)."""
+    watcher = clients(broker.port, "blind2-expiry-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/expired", 1)
+    seen_default, seen_zero = Seen(), Seen()
+    default = seen_client(sdk, broker.port, "blind2-default-expiry", seen_default)
+    default.connect(timeout=WAIT)
+    assert seen_default.connected[0].session_expiry is None, "the broker's default: none granted"
+    client = seen_client(sdk, broker.port, "blind2-expiry-0", seen_zero, session_expiry=0)
+    client.subscribe("ex/#")
+    client.connect(timeout=WAIT)
+    info = seen_zero.connected[0]
+    assert (info.session_present, info.session_expiry) == (False, 0)
+    client.close(keep_session=True)
+    assert watcher.wait_for(lambda ms: any(json.loads(m.payload)["client_id"] == "blind2-expiry-0" for m in ms))
+    again = clients(broker.port, "blind2-expiry-0")
+    assert again.session_present is False, "a client that returns after expiry is a new client"
+
+
+# ------------------------------------------------------------- sdk.md: calls from a listener, connect
+
+
+def test_calls_from_a_listener_return_at_once_and_still_take_effect(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md Threads: Called from a listener or callback (the network thread, which cannot wait
+    for itself), `subscribe()`, `subscribe_stream()` and `close()` return once their request is
+    sent, as `publish()` does: a stream the broker refuses is then the WARNING of a stream opened
+    at connect (`the broker refused 'stream_subscribe' ...`; it stays registered), and
+    `close(keep_session=False)` still ends the session."""
+    broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 10, "max_age": 0}])
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("telemetry/a", [b"logged"])
+    outcomes: dict[str, Any] = {}
+    done = threading.Event()
+    later, streamed = Recorder(), Recorder()
+
+    def listener(event: Event) -> None:
+        if event.payload == b"go":
+            for name, call in (
+                ("subscribe", lambda: client.subscribe("later/#", listener=later)),
+                ("stream", lambda: client.subscribe_stream("telemetry/#", streamed)),
+                ("refused stream", lambda: client.subscribe_stream("nostream/#", streamed)),
+            ):
+                began = time.monotonic()
+                call()
+                outcomes[name] = time.monotonic() - began
+            done.set()
+        if event.payload == b"bye":
+            client.close(keep_session=False)
+            done.set()
+
+    with LogWatch() as warnings:
+        client = sdk(broker.port, "blind2-from-listener")
+        client.subscribe("in/#", listener=listener)
+        client.connect(timeout=WAIT)
+        client.ready_for_events()
+        publisher.publish("in/a", [b"go"])
+        assert done.wait(WAIT)
+        assert all(seconds < 1.0 for seconds in outcomes.values()), outcomes
+        assert warnings.wait(lambda m: "the broker refused 'stream_subscribe'" in m and "nostream/#" in m)
+    assert [e.payload for e in streamed.wait(1)] == [b"logged"]
+    publisher.publish("later/a", [b"after"])
+    assert [e.payload for e in later.wait(1)] == [b"after"]
+    done.clear()
+    publisher.publish("in/a", [b"bye"])
+    assert done.wait(WAIT)
+    again = clients(broker.port, "blind2-from-listener")
+    assert again.session_present is False, "close(keep_session=False) from a listener ended the session"
+
+
+def test_connect_twice_is_an_error_and_a_closed_client_cannot_connect(
+    broker: Broker, sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md Threads: `connect()` is called once: a second call raises `DurableClientError` (the
+    client reconnects on its own), a call after a `ConnectFailed` tries again, and a closed client
+    raises `Unconnected`."""
+    client = sdk(broker.port, "blind2-connect-twice")
+    client.connect(timeout=WAIT)
+    with pytest.raises(DurableClientError):
+        client.connect(timeout=WAIT)
+    assert client.connected
+    client.close()
+    with pytest.raises(Unconnected):
+        client.connect(timeout=WAIT)
+    nowhere = sdk(free_port(), "blind2-connect-retry")
+    for _ in range(2):
+        with pytest.raises(ConnectFailed):
+            nowhere.connect(timeout=0.5)
