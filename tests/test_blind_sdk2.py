@@ -7,6 +7,7 @@ against real brokers, real SDK and paho clients over TCP to 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -753,3 +754,47 @@ def test_connect_twice_is_an_error_and_a_closed_client_cannot_connect(
     for _ in range(2):
         with pytest.raises(ConnectFailed):
             nowhere.connect(timeout=0.5)
+
+
+# ------------------------------------------------------------------ delivery-log.md: ids and kinds
+
+
+def test_delivery_log_ids_of_unicode_topics_str_and_empty_payloads_match_on_both_sides(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path
+) -> None:
+    """delivery-log.md `id`: the first 16 bytes of SHA-256 over the topic (UTF-8), a NUL byte and
+    the payload, in hex. A publisher and a receiver compute the same id without any framing in
+    the payload; `send`, `receive`, `subscribe`, `unsubscribe`, `session_end`, `connect`, `live`;
+    `time` Unix seconds; sdk.md a `str` [payload is] sent as UTF-8."""
+    sent_log, got_log = tmp_path / "sender.jsonl", tmp_path / "receiver.jsonl"
+    seen, recorder = Seen(), Recorder()
+    receiver = seen_client(sdk, broker.port, "blind2-log-rx", seen, delivery_log=got_log)
+    receiver.subscribe("größe/#", listener=recorder)
+    receiver.connect(timeout=WAIT)
+    receiver.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    sender = sdk(broker.port, "blind2-log-tx", durable_session=False, delivery_log=sent_log)
+    sender.connect(timeout=WAIT)
+    bodies: list[bytes | str] = ["grüße", b"", b"\x00\xff"]
+    for body in bodies:
+        sender.publish("größe/außen", body)
+    recorder.wait(len(bodies))
+    receiver.unsubscribe("größe/#")
+    began = time.time()
+    receiver.close(keep_session=False)
+
+    def ident(body: bytes | str) -> str:
+        raw = body.encode() if isinstance(body, str) else body
+        return hashlib.sha256("größe/außen".encode() + b"\x00" + raw).digest()[:16].hex()
+
+    sends = [json.loads(line) for line in sent_log.read_text().splitlines()]
+    records = [json.loads(line) for line in got_log.read_text().splitlines()]
+    assert [r["id"] for r in sends if r["kind"] == "send"] == [ident(b) for b in bodies]
+    assert [r["id"] for r in records if r["kind"] == "receive"] == [ident(b) for b in bodies]
+    # The subscription made before connect() is confirmed (SUBACK) after the CONNACK.
+    assert [r["kind"] for r in records] == [
+        "connect", "subscribe", "live", "receive", "receive", "receive", "unsubscribe", "session_end",
+    ]
+    assert all(r["device"] == "blind2-log-rx" and isinstance(r["time"], float) for r in records)
+    assert records[-1]["time"] >= began - 1
+    assert [r["topic"] for r in records if r["kind"] in {"subscribe", "unsubscribe"}] == ["größe/#", "größe/#"]
