@@ -695,7 +695,7 @@ def test_calls_from_a_listener_return_at_once_and_still_take_effect(
     sent, as `publish()` does: a stream the broker refuses is then the WARNING of a stream opened
     at connect (`the broker refused 'stream_subscribe' ...`; it stays registered), and
     `close(keep_session=False)` still ends the session."""
-    broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 10, "max_age": 0}])
+    broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 10, "max_age": 0}], metrics_interval=0.1)
     publisher = clients(broker.port, "pub", clean_session=True)
     publisher.publish("telemetry/a", [b"logged"])
     outcomes: dict[str, Any] = {}
@@ -730,8 +730,16 @@ def test_calls_from_a_listener_return_at_once_and_still_take_effect(
     publisher.publish("later/a", [b"after"])
     assert [e.payload for e in later.wait(1)] == [b"after"]
     done.clear()
+    gauges = clients(broker.port, "blind2-gauges", clean_session=True)
+    gauges.subscribe("$SYS/broker/durable/sessions/+", 0)
     publisher.publish("in/a", [b"bye"])
     assert done.wait(WAIT)
+
+    def no_session_left(messages: list[Any]) -> bool:
+        latest = {m.topic.rsplit("/", 1)[1]: m.payload for m in messages}
+        return latest.get("connected") == b"0" and latest.get("disconnected") == b"0"
+
+    assert gauges.wait_for(no_session_left), "the session ended (the metrics count none left)"
     again = clients(broker.port, "blind2-from-listener")
     assert again.session_present is False, "close(keep_session=False) from a listener ended the session"
 
