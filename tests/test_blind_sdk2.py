@@ -806,3 +806,35 @@ def test_delivery_log_ids_of_unicode_topics_str_and_empty_payloads_match_on_both
     assert all(r["device"] == "blind2-log-rx" and isinstance(r["time"], float) for r in records)
     assert records[-1]["time"] >= began - 1
     assert [r["topic"] for r in records if r["kind"] in {"subscribe", "unsubscribe"}] == ["größe/#", "größe/#"]
+
+
+# ------------------------------------------------------------------- sdk.md: the largest good inputs
+
+
+def test_the_largest_client_id_username_and_a_binary_password_connect_and_deliver(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md Bad input: `client_id` a non-empty string without U+0000, at most 65535 bytes in
+    UTF-8; `username` `None` or a string without U+0000 and at most 65535 bytes in UTF-8;
+    `password` `None`, `bytes` (binary data, U+0000 and any byte allowed) ... at most 65535 bytes;
+    `keepalive` a whole number of seconds from 1 to 65535; `host` a host name."""
+    client_id = "€" * 21845  # 65,535 bytes
+    seen, recorder = Seen(), Recorder()
+    username = "ü" * 32767 + "u"  # 65,535 bytes
+    client = seen_client(sdk, broker.port, client_id, seen, username=username,
+                         password=b"\x00\xff" * 32767 + b"\x00", keepalive=1)
+    client.subscribe("big/#", listener=recorder)
+    client.connect(timeout=WAIT)
+    client.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    clients(broker.port, "pub", clean_session=True).publish("big/a", [b"one"])
+    assert [e.payload for e in recorder.wait(1)] == [b"one"]
+    client.close(keep_session=True)
+    named = DurableClient("blind2-localhost", "localhost", broker.port)
+    try:
+        named.connect(timeout=WAIT)
+        assert named.connected and named.host == "localhost"
+    finally:
+        named.close()
+    again = clients(broker.port, client_id, username=username)  # the session's owner (guarantees.md)
+    assert again.session_present is True, "the session of the 65,535-byte id was kept"
