@@ -838,3 +838,69 @@ def test_the_largest_client_id_username_and_a_binary_password_connect_and_delive
         named.close()
     again = clients(broker.port, client_id, username=username)  # the session's owner (guarantees.md)
     assert again.session_present is True, "the session of the 65,535-byte id was kept"
+
+
+# -------------------------------------------------------------- sdk.md: a session lost while running
+
+
+def test_a_session_deleted_while_the_client_runs_is_reported_and_started_anew(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: `on_session_lost()` when the broker no longer has a session the client had ...:
+    the client then starts as new (GemFire), subscribes again and resets its marks; sdk.md a
+    session created anew gets a new [epoch]; protocol.md a session created anew (after expiry,
+    `end_session` or a clean connect) gets a new one."""
+    seen, recorder = Seen(), Recorder()
+    lost = threading.Event()
+    client = seen_client(sdk, broker.port, "blind2-lost", seen, on_session_lost=lost.set)
+    client.subscribe("sl/#", listener=recorder)
+    client.connect(timeout=WAIT)
+    client.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("sl/a", payloads(3, "old"))
+    recorder.wait(3)
+    # A clean CONNECT of the client id deletes the session (and takes the connection over).
+    intruder = clients(broker.port, "blind2-lost", clean_session=True)
+    assert intruder.session_present is False
+    assert lost.wait(WAIT), "on_session_lost was called"
+    assert seen.wait(lambda: len(seen.markers) == 2)
+    first, second = seen.connected[0], seen.connected[-1]
+    assert second.session_present is False and second.epoch != first.epoch
+    assert [(s.filter, s.durable) for s in seen.markers[-1].live] == [("sl/#", True)], "subscribed again"
+    publisher.publish("sl/a", payloads(3, "new"))
+    events = recorder.wait(6)
+    assert [e.payload for e in events] == payloads(3, "old") + payloads(3, "new")
+    assert {e.epoch for e in events[3:]} == {second.epoch}, "the new session's ids are not dropped by old marks"
+
+
+# ------------------------------------------------------------- sdk.md: a publish the broker would refuse
+
+
+@pytest.mark.parametrize("qos", [0, 1])
+def test_a_publish_larger_than_the_brokers_max_packet_size_is_refused_before_it_is_sent(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
+    qos: int,
+) -> None:
+    """sdk.md `publish`: `payload` ... at most what the broker's `max_packet_size` lets a PUBLISH
+    carry (its hello reply says it): a larger one raises `ValueError` naming `payload` before
+    anything is sent (the broker would close the connection, and paho would send the message
+    again after every reconnect); guarantees.md a packet whose remaining length is larger than
+    `max_packet_size` ... closes the connection; protocol.md hello reply `max_packet_size`."""
+    broker = broker_factory(max_packet_size=4096)
+    receiver = clients(broker.port, "blind2-big-rx", clean_session=True)
+    receiver.subscribe("big/#", 1)
+    seen = Seen()
+    client = seen_client(sdk, broker.port, "blind2-big", seen)
+    client.connect(timeout=WAIT)
+    topic = "big/a"
+    fits = 4096 - 2 - len(topic) - (2 if qos else 0)  # remaining length: topic, packet id, payload
+    with pytest.raises(ValueError, match=r"^payload") as refused:
+        client.publish(topic, b"x" * (fits + 1), qos=qos)
+    assert "max_packet_size" in str(refused.value) and "4096" in str(refused.value)
+    client.publish(topic, b"y" * fits, qos=qos)
+    client.publish(topic, b"after", qos=1)
+    assert receiver.wait_for(lambda ms: [m.payload for m in ms][-1:] == [b"after"])
+    assert [len(m.payload) for m in receiver.messages] == [fits, 5]
+    assert seen.disconnected == [] and client.connected, "the connection was never closed"
+    assert "larger than max_packet_size" not in broker.log()

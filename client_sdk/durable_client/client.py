@@ -209,6 +209,8 @@ class DurableClient:
         self._handshake_deadline: float | None = None  # set while CONNECT/hello await their answers
         self._hello_req: int | None = None
         self._session_present = False
+        self._max_packet_size: int | None = None
+        """The broker's max_packet_size from its hello reply (None: not said): publish() refuses larger."""
         self._had_session = False  # a durable session was set up in this process
         self._ready_requested = False  # set by ready_for_events()
         self._ready_sent = False  # on the current connection (or waiting for its set-up's acks: _ready_deferred)
@@ -612,6 +614,7 @@ class DurableClient:
         timeout = check_seconds("timeout", timeout, low=0)
         if not self._connected:
             raise Unconnected(f"not connected to {self.host}:{self.port} (reconnecting): nothing was published")
+        self._check_packet_size(topic, data, qos)
         handle = self._link_or_raise().publish(topic, data, qos, retain)
         if not handle.queued:
             if qos == 0:
@@ -625,6 +628,18 @@ class DurableClient:
             return
         self._await_puback(handle, topic, timeout)
         self._log_send(topic, data, qos)
+
+    def _check_packet_size(self, topic: str, data: bytes, qos: int) -> None:
+        """Refuse a PUBLISH the broker would close the connection for (its hello reply's
+        ``max_packet_size``): paho would send it again after every reconnect, for ever."""
+        limit = self._max_packet_size
+        size = 2 + len(topic.encode("utf-8")) + (2 if qos else 0) + len(data)  # the remaining length
+        if limit is not None and size > limit:
+            raise ValueError(
+                f"payload: a PUBLISH of {size} bytes (topic, packet id and {len(data)} bytes of payload) is larger "
+                f"than the broker's max_packet_size ({limit} bytes), which would close the connection; nothing "
+                "was published"
+            )
 
     def _await_puback(self, handle: PublishHandle, topic: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -793,6 +808,8 @@ class DurableClient:
             return
         epoch = reply.fields.get("epoch")
         epoch = epoch if isinstance(epoch, int) else None
+        limit = reply.fields.get("max_packet_size")  # absent from older brokers: nothing is checked
+        self._max_packet_size = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
         expiry = reply.fields.get("session_expiry")
         info = ConnectionInfo(self._session_present, epoch, float(expiry) if isinstance(expiry, int | float) else None)
         lost = self._durable and _session_lost(

@@ -398,12 +398,17 @@ class ControlChannel:
 
     # ---------------------------------------------------------------------- ops
     def _hello(self, request: Request) -> dict[str, Any]:
+        # max_packet_size: a client that sends a larger packet has its connection closed, so an SDK
+        # refuses such a publish instead of sending it again after every reconnect.
+        limit = self._engine.config.max_packet_size
         session = self._session()
         if session is None:
-            return {"protocol": PROTOCOL_VERSION, "epoch": None, "session_expiry": None, "subscriptions": None}
+            return {"protocol": PROTOCOL_VERSION, "epoch": None, "session_expiry": None, "subscriptions": None,
+                    "max_packet_size": limit}
         epoch, granted = self._engine.hello(self._client_id, request.session_expiry)
         subscriptions = dict(sorted(session.record.subscriptions.items()))
-        return {"protocol": PROTOCOL_VERSION, "epoch": epoch, "session_expiry": granted, "subscriptions": subscriptions}
+        return {"protocol": PROTOCOL_VERSION, "epoch": epoch, "session_expiry": granted, "subscriptions": subscriptions,
+                "max_packet_size": limit}
 
     def _interest(self, request: Request) -> dict[str, Any]:
         self._own_session(request)
