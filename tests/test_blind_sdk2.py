@@ -904,3 +904,38 @@ def test_a_publish_larger_than_the_brokers_max_packet_size_is_refused_before_it_
     assert [len(m.payload) for m in receiver.messages] == [fits, 5]
     assert seen.disconnected == [] and client.connected, "the connection was never closed"
     assert "larger than max_packet_size" not in broker.log()
+
+
+# ---------------------------------------------------- streams.md: resuming a stream of many topics
+
+
+@pytest.mark.slow
+def test_a_stream_reader_of_thousands_of_topics_resumes_after_a_reconnect(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """streams.md: the client presents the last id it processed per topic (from its CPL-1/CPL-2
+    marks) or none, and the broker sends the next events; protocol.md a request ... at most
+    65,536 bytes; the filters open and the positions kept on one connection are bounded by the
+    broker's `max_stream_entries_per_client` (default 10000). 3,000 positions do not fit one
+    request: the reader still resumes, and processes each event once."""
+    broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 100, "max_age": 0}])
+    topics = [f"telemetry/device-{i:06d}" for i in range(3000)]
+    publisher = clients(broker.port, "pub", clean_session=True)
+    for start in range(0, len(topics), 500):
+        infos = [publisher.paho.publish(topic, b"first", qos=1) for topic in topics[start:start + 500]]
+        for info in infos:
+            info.wait_for_publish(WAIT)
+            assert info.is_published()
+    seen, recorder = Seen(), Recorder()
+    reader = seen_client(sdk, broker.port, "blind2-many-topics", seen, durable_session=False)
+    reader.connect(timeout=WAIT)
+    reader.subscribe_stream("telemetry/#", recorder, window=100)
+    recorder.wait(len(topics), timeout=60)
+    broker.restart(kill=False)
+    assert seen.wait(lambda: len(seen.connected) == 2)
+    publisher = clients(broker.port, "pub-2", clean_session=True)
+    publisher.publish(topics[0], [b"second"])
+    publisher.publish(topics[-1], [b"second"])
+    events = recorder.wait(len(topics) + 2, timeout=60)
+    assert sorted(e.topic for e in events if e.payload == b"second") == [topics[0], topics[-1]]
+    assert len(events) == len(topics) + 2, "each event processed once"

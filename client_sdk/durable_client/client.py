@@ -16,6 +16,7 @@ the session's epoch), then the subscriptions the broker may have lost, the strea
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import threading
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, ParamSpec
 
-from durable_protocol import CONTROL_TOPIC, Marker, Reply, encode_request
+from durable_protocol import CONTROL_TOPIC, MAX_REQUEST_BYTES, Marker, Reply, encode_request
 
 from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, open_group_committed
 from ._options import (
@@ -1123,6 +1124,7 @@ class DurableClient:
     def _open_stream(self, topic_filter: str, window: int | None, *, wait: bool) -> _Waiter | None:
         positions = self._state.positions().items()
         after = {topic: event_id for topic, event_id in positions if topic_matches(topic_filter, topic)}
+        after = _fitting_positions(topic_filter, after, window)
         return self._send_request(
             "stream_subscribe", wait=wait, filter=topic_filter, after=after or None, window=window
         )
@@ -1165,6 +1167,36 @@ def _session_lost(*, expected: bool, session_present: bool, recorded_epoch: int 
     if not session_present:
         return True
     return recorded_epoch is not None and epoch is not None and epoch != recorded_epoch
+
+
+_REQUEST_SPARE = 64
+"""Bytes of a stream_subscribe request left for its ``req`` and the JSON around ``after``."""
+
+
+def _fitting_positions(topic_filter: str, after: dict[str, int], window: int | None) -> dict[str, int]:
+    """The positions of ``after`` that fit one stream_subscribe request (MAX_REQUEST_BYTES).
+
+    Past about 2,000 topics they do not: the broker would refuse the request (``malformed``) and
+    the stream would never open again. The highest ids are presented (the longest logs to read
+    again); the broker sends the other topics from their first retained event, and the client's
+    marks drop (and acknowledge) what it processed already, so each event is still processed once.
+    """
+    size = len(encode_request("stream_subscribe", 0, filter=topic_filter, after={}, window=window))
+    if size + _REQUEST_SPARE + sum(len(json.dumps(t)) + len(str(i)) + 2 for t, i in after.items()) <= MAX_REQUEST_BYTES:
+        return after
+    kept: dict[str, int] = {}
+    budget = MAX_REQUEST_BYTES - size - _REQUEST_SPARE
+    for topic, event_id in sorted(after.items(), key=lambda item: (-item[1], item[0])):
+        cost = len(json.dumps(topic)) + len(str(event_id)) + 2  # "topic":id,
+        if cost <= budget:
+            kept[topic] = event_id
+            budget -= cost
+    log.warning(
+        "stream %s: %d of %d positions fit the %d-byte stream_subscribe request; the broker sends the other "
+        "topics from their first retained event and this client's marks drop what it processed already",
+        topic_filter[:100], len(kept), len(after), MAX_REQUEST_BYTES,
+    )
+    return kept
 
 
 def _safe(callback: Callable[_P, None] | None, *args: _P.args, **kwargs: _P.kwargs) -> None:
