@@ -939,3 +939,31 @@ def test_a_stream_reader_of_thousands_of_topics_resumes_after_a_reconnect(
     events = recorder.wait(len(topics) + 2, timeout=60)
     assert sorted(e.topic for e in events if e.payload == b"second") == [topics[0], topics[-1]]
     assert len(events) == len(topics) + 2, "each event processed once"
+
+
+def test_an_sdk_session_subscribed_to_the_expiry_topic_gets_each_expiry_as_an_event(
+    broker: Broker, sdk: Callable[..., DurableClient]
+) -> None:
+    """guarantees.md: Wills and broker-internal messages (`$SYS/...`) reach durable sessions
+    through the same queue; on expiry the broker publishes, at QoS 1, on
+    `$SYS/broker/durable/expired`: `{"client_id": "...", "messages_dropped": 12, "disconnected_at":
+    ...}`; sdk.md `publish` ... not starting with `$` (subscribing to one is allowed: only the
+    SDK's own topics are refused)."""
+    seen, recorder = Seen(), Recorder()
+    watcher = seen_client(sdk, broker.port, "blind2-sys-watch", seen)
+    watcher.subscribe("$SYS/broker/durable/expired", listener=recorder)
+    watcher.connect(timeout=WAIT)
+    watcher.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    leaving = sdk(broker.port, "blind2-sys-leaving", session_expiry=0)
+    leaving.subscribe("sys/#")
+    leaving.connect(timeout=WAIT)
+    began = time.time()
+    leaving.close(keep_session=True)
+    (event,) = recorder.wait(1)
+    body = json.loads(event.payload)
+    assert (event.topic, body["client_id"], body["messages_dropped"]) == (
+        "$SYS/broker/durable/expired", "blind2-sys-leaving", 0,
+    )
+    assert began - 1 <= body["disconnected_at"] <= time.time() + 1
+    assert event.seq > 0 and event.epoch == seen.connected[0].epoch and not event.replayed
