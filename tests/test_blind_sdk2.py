@@ -967,3 +967,43 @@ def test_an_sdk_session_subscribed_to_the_expiry_topic_gets_each_expiry_as_an_ev
     )
     assert began - 1 <= body["disconnected_at"] <= time.time() + 1
     assert event.seq > 0 and event.epoch == seen.connected[0].epoch and not event.replayed
+
+
+def test_the_async_clients_methods_take_the_documented_arguments(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """sdk.md asyncio: `subscribe(topic_filter, qos=1, *, durable=True)`, `subscribe_stream(
+    topic_filter, *, window=None, after=None)`, `unsubscribe(topic_filter)`, `publish(topic,
+    payload, qos=1, retain=False)`, `stream_info(topic_filter="#")`, `connect()`,
+    `close(keep_session=True)`; none takes a `timeout`, and none takes a listener (every event
+    comes through `events()`)."""
+    broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 10, "max_age": 0}])
+    clients(broker.port, "pub", clean_session=True).publish("telemetry/a", payloads(3))
+
+    async def run() -> tuple[list[tuple[str, bytes]], Any]:
+        client = AsyncDurableClient("blind2-async-args", HOST, broker.port)
+        await client.connect()
+        try:
+            with pytest.raises(TypeError):
+                await client.subscribe("aa/#", 1, listener=print)  # type: ignore[call-arg]
+            with pytest.raises(TypeError):
+                await client.publish("aa/x", b"x", 1, False, timeout=1.0)  # type: ignore[call-arg]
+            await client.subscribe("aa/#", 1, durable=False)
+            await client.subscribe_stream("telemetry/#", window=2, after={"telemetry/a": 1})
+            bounds = await client.stream_info()
+            await client.ready_for_events()
+            await client.publish("aa/x", "text", 1, False)
+            got: list[tuple[str, bytes]] = []
+            async with client.events() as events:
+                async for event in events:
+                    got.append((event.topic, event.payload))
+                    if len(got) == 3:
+                        break
+            await client.unsubscribe("aa/#")
+        finally:
+            await client.close(keep_session=True)
+        return got, bounds
+
+    got, bounds = asyncio.run(asyncio.wait_for(run(), 2 * WAIT))
+    assert sorted(got) == [("aa/x", b"text"), ("telemetry/a", b"m0000001"), ("telemetry/a", b"m0000002")]
+    assert dict(bounds) == {"telemetry/a": (1, 3)}
