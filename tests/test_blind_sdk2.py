@@ -1007,3 +1007,38 @@ def test_the_async_clients_methods_take_the_documented_arguments(
     got, bounds = asyncio.run(asyncio.wait_for(run(), 2 * WAIT))
     assert sorted(got) == [("aa/x", b"text"), ("telemetry/a", b"m0000001"), ("telemetry/a", b"m0000002")]
     assert dict(bounds) == {"telemetry/a": (1, 3)}
+
+
+# ---------------------------------------------------------------- delivery-log.md: a full disk
+
+
+def test_a_delivery_log_on_a_full_disk_ends_the_log_not_the_client(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """delivery-log.md: Writes are appended and flushed per record ...; a write that fails (a
+    full disk, an I/O error) is logged as an ERROR and ends the log: the client goes on without
+    it; a log that cannot be opened for appending (a folder, a path under a file) raises that
+    `OSError` when the `DurableClient` is created. sdk.md Acknowledge after processing (each
+    event processed once)."""
+    from small_disk import fill, small_disk  # noqa: PLC0415 - mounts a real tmpfs (root only)
+
+    (tmp_path / "a-file").write_text("not a folder")
+    for unusable in (tmp_path, tmp_path / "a-file" / "device.jsonl"):
+        with pytest.raises(OSError):
+            DurableClient("blind2-bad-log", HOST, broker.port, delivery_log=unusable)
+
+    with small_disk(tmp_path / "disk", 2) as disk, LogWatch() as problems:
+        seen, recorder = Seen(), Recorder()
+        client = seen_client(sdk, broker.port, "blind2-full-log", seen, delivery_log=disk / "device.jsonl")
+        client.subscribe("fl/#", listener=recorder)
+        client.connect(timeout=WAIT)
+        client.ready_for_events()
+        assert seen.wait(lambda: len(seen.markers) == 1)
+        fill(disk)
+        clients(broker.port, "pub", clean_session=True).publish("fl/a", payloads(200))
+        assert [e.payload for e in recorder.wait(200)] == payloads(200), "each event processed once, in order"
+        client.publish("fl/b", b"still publishing")
+        assert client.connected and seen.disconnected == [] and len(seen.connected) == 1
+        errors = [m for m in problems.messages if "cannot write the delivery log" in m]
+        assert len(errors) == 1 and "No space left" in errors[0], problems.messages
+        client.close()
