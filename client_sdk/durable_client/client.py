@@ -1124,7 +1124,7 @@ class DurableClient:
     def _open_stream(self, topic_filter: str, window: int | None, *, wait: bool) -> _Waiter | None:
         positions = self._state.positions().items()
         after = {topic: event_id for topic, event_id in positions if topic_matches(topic_filter, topic)}
-        after = _fitting_positions(topic_filter, after, window)
+        after = _fitting_positions(topic_filter, after, window, self._max_packet_size)
         return self._send_request(
             "stream_subscribe", wait=wait, filter=topic_filter, after=after or None, window=window
         )
@@ -1173,8 +1173,11 @@ _REQUEST_SPARE = 64
 """Bytes of a stream_subscribe request left for its ``req`` and the JSON around ``after``."""
 
 
-def _fitting_positions(topic_filter: str, after: dict[str, int], window: int | None) -> dict[str, int]:
-    """The positions of ``after`` that fit one stream_subscribe request (MAX_REQUEST_BYTES).
+def _fitting_positions(
+    topic_filter: str, after: dict[str, int], window: int | None, packet_limit: int | None = None
+) -> dict[str, int]:
+    """The positions of ``after`` that fit one stream_subscribe request (MAX_REQUEST_BYTES, and
+    the broker's ``packet_limit``: its max_packet_size, when its hello reply says it).
 
     Past about 2,000 topics they do not: the broker would refuse the request (``malformed``) and
     the stream would never open again. The highest ids are presented (the longest logs to read
@@ -1182,10 +1185,13 @@ def _fitting_positions(topic_filter: str, after: dict[str, int], window: int | N
     marks drop (and acknowledge) what it processed already, so each event is still processed once.
     """
     size = len(encode_request("stream_subscribe", 0, filter=topic_filter, after={}, window=window))
-    if size + _REQUEST_SPARE + sum(len(json.dumps(t)) + len(str(i)) + 2 for t, i in after.items()) <= MAX_REQUEST_BYTES:
+    limit = MAX_REQUEST_BYTES
+    if packet_limit is not None:  # a QoS 0 PUBLISH: 2 + topic + payload
+        limit = min(limit, packet_limit - 2 - len(CONTROL_TOPIC.encode()))
+    if size + _REQUEST_SPARE + sum(len(json.dumps(t)) + len(str(i)) + 2 for t, i in after.items()) <= limit:
         return after
     kept: dict[str, int] = {}
-    budget = MAX_REQUEST_BYTES - size - _REQUEST_SPARE
+    budget = limit - size - _REQUEST_SPARE
     for topic, event_id in sorted(after.items(), key=lambda item: (-item[1], item[0])):
         cost = len(json.dumps(topic)) + len(str(event_id)) + 2  # "topic":id,
         if cost <= budget:
@@ -1194,7 +1200,7 @@ def _fitting_positions(topic_filter: str, after: dict[str, int], window: int | N
     log.warning(
         "stream %s: %d of %d positions fit the %d-byte stream_subscribe request; the broker sends the other "
         "topics from their first retained event and this client's marks drop what it processed already",
-        topic_filter[:100], len(kept), len(after), MAX_REQUEST_BYTES,
+        topic_filter[:100], len(kept), len(after), limit,
     )
     return kept
 
