@@ -47,6 +47,9 @@ class DeliveryLog:
         if folder:
             os.makedirs(folder, exist_ok=True)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the client's life
+        if not _ends_a_line(path):  # a write that failed (or a kill) cut the last line short: end it
+            self._file.write("\n")
+            self._file.flush()
         self._path = os.fspath(path)
         self._device = device
         self._lock = threading.Lock()
@@ -103,6 +106,15 @@ class DeliveryLog:
     def close(self) -> None:
         with self._lock, contextlib.suppress(OSError):  # a failed flush was reported by _write's ERROR
             self._file.close()
+
+
+def _ends_a_line(path: str | os.PathLike[str]) -> bool:
+    """Is the file at ``path`` empty or ending with a newline? (The next record starts a line.)"""
+    with open(path, "rb") as file:
+        if file.seek(0, os.SEEK_END) == 0:
+            return True
+        file.seek(-1, os.SEEK_END)
+        return file.read(1) == b"\n"
 
 
 @dataclass(slots=True)
