@@ -1098,3 +1098,26 @@ def test_a_stream_reader_presents_only_the_positions_that_fit_the_brokers_max_pa
     assert len(events) == len(topics) + 1, "each event processed once"
     assert len(seen.connected) == 2, "no connection closed for its size"
     assert "larger than max_packet_size" not in broker.log()
+
+
+def test_positions_past_a_logs_end_on_long_topics_are_logged_cut_short_on_both_sides(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """streams.md: positions past a log's end are reported (a wiped store?); a logged topic is cut
+    to 100 characters in a log line (streams.md, the WARNING of a topic too long for the stream
+    prefix), on the client's side and the broker's: neither writes a 2,000-character topic."""
+    broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 10, "max_age": 0}])
+    topics = [f"telemetry/{i}/" + "x" * 2000 for i in range(8)]
+    publisher = clients(broker.port, "pub", clean_session=True)
+    for topic in topics:
+        publisher.publish(topic, [b"logged"])
+    with LogWatch() as warnings:
+        client = sdk(broker.port, "blind2-ahead-long", durable_session=False)
+        client.connect(timeout=WAIT)
+        client.subscribe_stream("telemetry/#", Recorder(), after=dict.fromkeys(topics, 10**9))
+        assert warnings.wait(lambda m: "past the log's last id" in m)
+        ahead = [m for m in warnings.messages if "past the log's last id" in m]
+    assert len(ahead) == len(topics), ahead
+    assert all(len(m) < 600 and f"stream {t[:100]}...:" in m for m, t in zip(ahead, topics, strict=True)), ahead
+    lines = [line for line in broker.log().splitlines() if "positions past the log end" in line]
+    assert len(lines) == 1 and "8 positions" in lines[0] and len(lines[0]) < 1500, lines

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, ParamSpec
 
-from durable_protocol import CONTROL_TOPIC, MAX_REQUEST_BYTES, Marker, Reply, encode_request
+from durable_protocol import CONTROL_TOPIC, MAX_REQUEST_BYTES, Marker, Reply, encode_request, shown_topic
 
 from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, open_group_committed
 from ._options import (
@@ -778,13 +778,13 @@ class DurableClient:
             for topic, (first, last) in (reply.fields.get("gaps") or {}).items():
                 log.warning(
                     "stream %s: ids %s to %s were trimmed by the broker's retention before this client read them",
-                    topic, first, last,
+                    shown_topic(topic), first, last,
                 )
             for topic, last in (reply.fields.get("ahead") or {}).items():
                 log.warning(
                     "stream %s: this client has processed ids past the log's last id %s (was the broker's store "
                     "wiped or replaced?); nothing is delivered on it until the log passes this client's position",
-                    topic, last,
+                    shown_topic(topic), last,
                 )
         with self._lock:
             waiter = self._waiters.pop(reply.req, None) if isinstance(reply.req, int) else None
@@ -920,7 +920,9 @@ class DurableClient:
         try:
             outcome = self._receiver.handle(message)
         except Exception:
-            log.exception("internal error handling a message on %s; reconnecting to get it again", message.topic)
+            log.exception(
+                "internal error handling a message on %s; reconnecting to get it again", shown_topic(message.topic)
+            )
             self._receiver.fail()
             outcome = Outcome(reconnect=True)
         if outcome.reconnect:
@@ -1067,7 +1069,7 @@ class DurableClient:
         if subscription is not None and not ok:
             log.warning(
                 "the broker refused the subscription to %s (not authorized?); it is tried again on reconnect",
-                subscription.filter,
+                shown_topic(subscription.filter),
             )
         self._send_deferred_ready()  # last: it raises Unconnected when the connection was just lost
 
@@ -1200,7 +1202,7 @@ def _fitting_positions(
     log.warning(
         "stream %s: %d of %d positions fit the %d-byte stream_subscribe request; the broker sends the other "
         "topics from their first retained event and this client's marks drop what it processed already",
-        topic_filter[:100], len(kept), len(after), limit,
+        shown_topic(topic_filter), len(kept), len(after), limit,
     )
     return kept
 

@@ -35,12 +35,13 @@ from durable_protocol import (
     filter_is_valid,
     parse_request,
     request_ids,
+    shown_topic,
 )
 
 from .admission import LogBudget
 from .delivery import Transport
 from .engine import DurableEngine, DurableSession
-from .topics import SubscriptionIndex, shown_topic
+from .topics import SubscriptionIndex
 from .wire import encode_publish
 
 log = logging.getLogger("amqtt_durable")

@@ -25,13 +25,16 @@ from durable_protocol import (
     ProtocolError,
     encode_frame,
     filter_is_valid,
+    shown_topic,
 )
 
 from .delivery import READ_RETRY_FIRST, READ_RETRY_MAX
 from .stream_log import MAX_MQTT_TOPIC_BYTES, LogEvent, StreamLogs
-from .topics import matches, shown_topic
+from .topics import matches
 from .wire import encode_publish
 
+_AHEAD_SHOWN = 5
+"""Topics named in the WARNING of positions past the log end (thousands may be presented)."""
 RESEND_WAIT_MAX = 60.0
 """Longest wait before a resend to a client that acknowledges nothing (unless stream_ack_timeout is longer)."""
 
@@ -157,7 +160,11 @@ class StreamSender:
                     ahead[topic] = bounds[1]
         if ahead:
             # Ids are never reused by one store: a position past the end means another store.
-            log.warning("stream subscribe %s: positions past the log end (a wiped store?): %s", topic_filter, ahead)
+            shown = ", ".join(f"{shown_topic(topic)}: {last}" for topic, last in list(ahead.items())[:_AHEAD_SHOWN])
+            log.warning(
+                "stream subscribe %s: %d positions past the log end (a wiped store?): %s%s",
+                shown_topic(topic_filter), len(ahead), shown, ", ..." if len(ahead) > _AHEAD_SHOWN else "",
+            )
         return {"topics": topics, "gaps": gaps, "ahead": ahead}
 
     def _check_entries(self, topic_filter: str, after: dict[str, int]) -> None:

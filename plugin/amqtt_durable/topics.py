@@ -4,18 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-SHOWN_TOPIC_CHARS = 100
-"""A topic in a log line or an error message is cut to this many characters and "...": it may be
-65 kB long (a topic under ``_durable/`` other than the control topic is also kept cut so)."""
-
-
-def shown_topic(topic: str) -> str:
-    """A topic cut to ``SHOWN_TOPIC_CHARS`` (and "...") for an error message or a log line; a cut
-    one is left as it is."""
-    if len(topic) <= SHOWN_TOPIC_CHARS + 3:
-        return topic
-    return topic[:SHOWN_TOPIC_CHARS] + "..."
-
 
 def topic_problem(topic: str) -> str | None:
     """Why ``topic`` cannot be a PUBLISH topic name (None: it can); the one check of every path.
