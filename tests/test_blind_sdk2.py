@@ -10,7 +10,9 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 from test_blind_sdk import LogWatch, Seen, ctl
+from test_hostile_wire import wait_until
 from test_sdk import Recorder
 
 from amqtt_durable.process import free_port
@@ -1121,3 +1124,53 @@ def test_positions_past_a_logs_end_on_long_topics_are_logged_cut_short_on_both_s
     assert all(len(m) < 600 and f"stream {t[:100]}...:" in m for m, t in zip(ahead, topics, strict=True)), ahead
     lines = [line for line in broker.log().splitlines() if "positions past the log end" in line]
     assert len(lines) == 1 and "8 positions" in lines[0] and len(lines[0]) < 1500, lines
+
+
+def test_an_unacknowledged_publish_larger_than_a_restarted_brokers_limit_is_dropped_not_resent_for_ever(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md `publish`: a QoS 1/2 publish paho keeps unacknowledged across a reconnect goes out
+    again once the hello reply says the broker's max_packet_size; one larger than that (a broker
+    restarted, or failed over, with a smaller one) is dropped with an ERROR naming its topic and
+    size, and a publish() still waiting for it raises ValueError; one that fits is delivered.
+    Before: paho re-sent it right after CONNACK and the broker closed every connection, for ever."""
+    broker = broker_factory()
+    seen, later, received = Seen(), Recorder(), Recorder()
+    client = seen_client(sdk, broker.port, "blind2-inflight", seen)
+    client.subscribe("ok/#", listener=later)
+    client.subscribe("big/#", listener=received)
+    client.connect(timeout=WAIT)
+    client.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    outcomes: dict[str, Any] = {}
+
+    def send(name: str, payload: bytes) -> None:
+        try:
+            client.publish(f"big/{name}", payload, qos=1, timeout=WAIT)
+            outcomes[name] = "acknowledged"
+        except Exception as exc:
+            outcomes[name] = exc
+
+    assert broker.pid is not None
+    os.kill(broker.pid, signal.SIGSTOP)  # it acknowledges nothing: both stay unacknowledged in paho
+    senders = [threading.Thread(target=send, args=args, daemon=True)
+               for args in (("large", b"x" * 8000), ("small", b"fits"))]
+    for sender in senders:
+        sender.start()
+    paho = client._link._client  # type: ignore[union-attr]  # white-box: when both are handed over
+    assert wait_until(lambda: len(paho._out_messages) == 2, WAIT)
+    broker.kill()  # stopped: what it had not read is lost with it
+    broker.settings["max_packet_size"] = 4096
+    with LogWatch() as problems:
+        broker.start()
+        for sender in senders:
+            sender.join(WAIT + 5)
+        assert problems.wait(lambda m: "dropping the unacknowledged publish to big/large" in m and "4096" in m)
+    assert outcomes["small"] == "acknowledged", outcomes
+    assert isinstance(outcomes["large"], ValueError), outcomes
+    assert str(outcomes["large"]).startswith("payload") and "4096" in str(outcomes["large"])
+    assert [e.payload for e in received.wait(1)] == [b"fits"]
+    client.publish("ok/a", b"after")
+    assert [e.payload for e in later.wait(1)] == [b"after"]
+    assert len(seen.connected) == 2, "one reconnect, not a loop"
+    assert "larger than max_packet_size" not in broker.log()

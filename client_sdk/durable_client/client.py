@@ -41,7 +41,7 @@ from ._options import (
     check_topic,
     check_window,
 )
-from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, topic_matches
+from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, publish_size, topic_matches
 from ._receiver import Handed, Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
 from ._stream_acks import StreamAcks
@@ -634,7 +634,7 @@ class DurableClient:
         """Refuse a PUBLISH the broker would close the connection for (its hello reply's
         ``max_packet_size``): paho would send it again after every reconnect, for ever."""
         limit = self._max_packet_size
-        size = 2 + len(topic.encode("utf-8")) + (2 if qos else 0) + len(data)  # the remaining length
+        size = publish_size(topic, len(data), qos)
         if limit is not None and size > limit:
             raise ValueError(
                 f"payload: a PUBLISH of {size} bytes (topic, packet id and {len(data)} bytes of payload) is larger "
@@ -652,6 +652,11 @@ class DurableClient:
                     f"no PUBACK for the publish to {topic} within {timeout} s; it stays queued and is re-sent "
                     "after a reconnect, so it may still arrive"
                 )
+        if handle.too_large:
+            raise ValueError(
+                f"payload: the broker's max_packet_size ({self._max_packet_size} bytes) after a reconnect is less "
+                "than this PUBLISH, which would close every connection: it was dropped, not delivered"
+            )
 
     def _close_files(self) -> None:
         self._state.close()
@@ -810,7 +815,13 @@ class DurableClient:
         epoch = reply.fields.get("epoch")
         epoch = epoch if isinstance(epoch, int) else None
         limit = reply.fields.get("max_packet_size")  # absent from older brokers: nothing is checked
-        self._max_packet_size = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+        self._max_packet_size = limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+        for topic, size in self._link_or_raise().release_resends(limit):
+            log.error(
+                "dropping the unacknowledged publish to %s: its %d bytes are more than the broker's max_packet_size "
+                "(%s bytes), which would close every connection; it was not delivered",
+                shown_topic(topic), size, limit,
+            )
         expiry = reply.fields.get("session_expiry")
         info = ConnectionInfo(self._session_present, epoch, float(expiry) if isinstance(expiry, int | float) else None)
         lost = self._durable and _session_lost(
