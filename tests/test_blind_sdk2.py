@@ -1174,3 +1174,82 @@ def test_an_unacknowledged_publish_larger_than_a_restarted_brokers_limit_is_drop
     assert [e.payload for e in later.wait(1)] == [b"after"]
     assert len(seen.connected) == 2, "one reconnect, not a loop"
     assert "larger than max_packet_size" not in broker.log()
+
+
+def test_filters_whose_packets_exceed_max_packet_size_are_refused_or_dropped_never_resent(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md Bad input: a filter whose SUBSCRIBE, UNSUBSCRIBE or control request would be larger
+    than the broker's max_packet_size (once a hello reply said it) is a ValueError naming
+    `topic_filter` in subscribe, unsubscribe, subscribe_stream and stream_info; one registered
+    before the broker said it is dropped at the hello reply with an ERROR, not sent. Before: the
+    broker closed the connection for it and the SDK sent it again after every reconnect."""
+    broker = broker_factory(max_packet_size=1024, streams=[{"filter": "long/#", "max_count": 10, "max_age": 0}])
+    seen, recorder = Seen(), Recorder()
+    early = "long/" + "e" * 2000
+    client = seen_client(sdk, broker.port, "blind2-long-filter", seen)
+    client.subscribe("ok/#", listener=recorder)
+    client.subscribe(early, listener=recorder)
+    client.subscribe_stream(early + "/#", recorder)
+    with LogWatch() as problems:
+        client.connect(timeout=WAIT)
+        client.ready_for_events()
+        assert seen.wait(lambda: len(seen.markers) == 1), "the marker came: nothing closed the connection"
+        dropped = [m for m in problems.messages if m.startswith("dropping the") and "max_packet_size (1024" in m]
+    assert len(dropped) == 2 and all(len(m) < 400 for m in dropped), problems.messages
+    late = "long/" + "x" * 2000
+    calls: list[Callable[[], object]] = [
+        lambda: client.subscribe(late, listener=recorder),
+        lambda: client.unsubscribe(late),
+        lambda: client.subscribe_stream(late, recorder),
+        lambda: client.stream_info(late),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"^topic_filter: .*max_packet_size \(1024 bytes\)"):
+            call()
+    client.subscribe("ok2/" + "y" * 900, listener=recorder)  # fits: its SUBSCRIBE is 909 bytes
+    clients(broker.port, "pub", clean_session=True).publish("ok/a", [b"after"])
+    assert [e.payload for e in recorder.wait(1)] == [b"after"]
+    assert len(seen.connected) == 1 and seen.disconnected == [], "the connection was never closed"
+    assert "larger than max_packet_size" not in broker.log()
+
+
+def test_subscribe_returns_at_the_suback_of_the_subscribe_sent_again_after_a_reconnect_or_times_out(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: connected, `subscribe()` returns at the SUBACK (`RequestTimeout` after `timeout`
+    without one); the subscription stays registered and is sent again on reconnect. A connection
+    lost before the SUBACK is no SUBACK: subscribe() waits for the one of the SUBSCRIBE sent
+    again after the reconnect, within its timeout. Before: it returned at the drop."""
+    broker = broker_factory()
+    seen, recorder = Seen(), Recorder()
+    client = seen_client(sdk, broker.port, "blind2-sub-drop", seen)
+    client.connect(timeout=WAIT)
+    client.ready_for_events()
+    outcomes: dict[str, Any] = {}
+
+    def subscribe(topic_filter: str, timeout: float) -> None:
+        try:
+            client.subscribe(topic_filter, listener=recorder, timeout=timeout)
+            outcomes[topic_filter] = len(seen.connected)  # the connections made when it returned
+        except Exception as exc:
+            outcomes[topic_filter] = exc
+
+    for topic_filter, timeout in (("a/#", 3.0), ("b/#", WAIT)):
+        assert broker.pid is not None
+        os.kill(broker.pid, signal.SIGSTOP)  # no SUBACK
+        caller = threading.Thread(target=subscribe, args=(topic_filter, timeout), daemon=True)
+        caller.start()
+        assert wait_until(lambda f=topic_filter: client._registry.get(f) is not None, WAIT)  # white-box: registered
+        broker.kill()
+        if topic_filter == "a/#":
+            caller.join(timeout + 5)
+            assert isinstance(outcomes["a/#"], RequestTimeout), outcomes
+        connections = len(seen.connected)
+        broker.start()
+        assert seen.wait(lambda n=connections: len(seen.connected) == n + 1)
+        caller.join(timeout + 5)
+    assert outcomes["b/#"] == 3, f"returned once reconnected (3 connections), not at the drop: {outcomes}"
+    clients(broker.port, "pub", clean_session=True).publish("a/x", [b"a"])
+    clients(broker.port, "pub2", clean_session=True).publish("b/x", [b"b"])
+    assert sorted(e.payload for e in recorder.wait(2)) == [b"a", b"b"], "both sent again on reconnect"

@@ -19,6 +19,8 @@ class Subscription:
     """The broker acknowledged it (SUBACK) on the current session: it survives a disconnect."""
     mid: int | None = None
     """The SUBSCRIBE awaiting its SUBACK."""
+    answered: bool = False
+    """The SUBACK of the last SUBSCRIBE sent came (granted or refused)."""
 
 
 @dataclass(slots=True)
@@ -125,6 +127,7 @@ class Registry:
                 if subscription.mid == mid:
                     subscription.mid = None
                     subscription.confirmed = ok
+                    subscription.answered = True
                     self.changed.notify_all()
                     return subscription
             return None
@@ -140,6 +143,32 @@ class Registry:
             return self.changed.wait_for(
                 lambda: all(s.mid is None for s in self._subscriptions.values()), timeout
             )
+
+    def wait_answered(self, topic_filter: str, timeout: float) -> bool:
+        """Wait until the subscription of ``topic_filter`` has its SUBACK (the one of a SUBSCRIBE
+        re-sent after a reconnect too), is confirmed without one (the broker's session holds it),
+        or is no longer this registry's; False when ``timeout`` ran out first."""
+        with self.lock:
+            subscription = self._subscriptions.get(topic_filter)
+            return self.changed.wait_for(
+                lambda: self._subscriptions.get(topic_filter) is not subscription
+                or (subscription is not None and subscription.mid is None
+                    and (subscription.answered or subscription.confirmed)),
+                timeout,
+            )
+
+    def has_stream(self, topic_filter: str) -> bool:
+        with self.lock:
+            return topic_filter in self._streams
+
+    def pending_unsubscribes(self) -> list[str]:
+        """The filters whose UNSUBSCRIBE is due on the next connection."""
+        with self.lock:
+            return sorted(self._unsubscribed)
+
+    def forget_unsubscribe(self, topic_filter: str) -> None:
+        with self.lock:
+            self._unsubscribed.discard(topic_filter)
 
     def listeners(self, topic: str) -> list[Listener]:
         with self.lock:

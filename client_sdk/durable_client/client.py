@@ -400,7 +400,9 @@ class DurableClient:
         restart). Called while disconnected, the subscription is sent on the next connect;
         when connected, it returns once the broker has confirmed it, or raises RequestTimeout
         after ``timeout`` seconds without a SUBACK (the subscription stays registered and is
-        sent again on reconnect).
+        sent again on reconnect; a connection lost first is no SUBACK: it waits for the one of
+        the SUBSCRIBE sent again after the reconnect). A filter whose packets would be larger
+        than the broker's max_packet_size (once a hello reply said it) is a ValueError.
         """
         self._check_open()
         check_filter(topic_filter)
@@ -408,12 +410,15 @@ class DurableClient:
         check_bool("durable", durable)
         check_callable("listener", listener)
         timeout = check_seconds("timeout", timeout, low=0)
+        self._check_filter_size(topic_filter, request=self._durable)
         if (
             self._subscribe(topic_filter, qos, durable, listener)
             and not self._on_network_thread()
-            and not self._registry.wait_settled(timeout)
+            and not self._registry.wait_answered(topic_filter, timeout)
         ):
-            raise RequestTimeout(f"no SUBACK for {topic_filter!r} within {timeout} s; it is sent again on reconnect")
+            raise RequestTimeout(
+                f"no SUBACK for {shown_topic(topic_filter)!r} within {timeout} s; it is sent again on reconnect"
+            )
 
     def _subscribe(self, topic_filter: str, qos: int, durable: bool, listener: Listener | None) -> bool:
         """Record the subscription and send what the broker must hear; True when a SUBSCRIBE went out."""
@@ -424,6 +429,7 @@ class DurableClient:
                 self._registry.put(subscription)
                 if previous is not None and previous.qos == qos:
                     subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
+                    subscription.answered = previous.answered
                 if not self._connected:
                     return False
                 # A new durable subscription is durable by default; anything else is said.
@@ -445,6 +451,7 @@ class DurableClient:
         A filter ``subscribe()`` would refuse is refused here too (ValueError): no session holds it."""
         self._check_open()
         check_filter(topic_filter)
+        self._check_filter_size(topic_filter, request=self._registry.has_stream(topic_filter))
         if self._delivery_log is not None:
             self._delivery_log.unsubscribe(topic_filter)
         with self._lock:
@@ -533,6 +540,7 @@ class DurableClient:
         timeout = check_seconds("timeout", timeout, low=0)
         window = check_window(window)
         positions = check_after(topic_filter, after)
+        self._check_filter_size(topic_filter, request=True)
         with self._lock:
             for stream in self._registry.streams():
                 moved = sorted(topic for topic in positions if topic_matches(stream.filter, topic))
@@ -573,6 +581,7 @@ class DurableClient:
         self._check_open()
         check_filter(topic_filter)
         timeout = check_seconds("timeout", timeout, low=0)
+        self._check_filter_size(topic_filter, request=True)
         if self._on_network_thread():
             raise DurableClientError(
                 "stream_info() cannot wait for its reply on the network thread (called from a listener or callback)"
@@ -640,6 +649,19 @@ class DurableClient:
                 f"payload: a PUBLISH of {size} bytes (topic, packet id and {len(data)} bytes of payload) is larger "
                 f"than the broker's max_packet_size ({limit} bytes), which would close the connection; nothing "
                 "was published"
+            )
+
+    def _check_filter_size(self, topic_filter: str, *, request: bool) -> None:
+        """Refuse a filter whose SUBSCRIBE (or, with ``request``, control request) the broker would
+        close the connection for (its last hello reply's ``max_packet_size``): it would be sent
+        again after every reconnect, for ever."""
+        size = _filter_packet_size(topic_filter, request=request)
+        limit = self._max_packet_size
+        if limit is not None and size > limit:
+            raise ValueError(
+                f"topic_filter: {shown_topic(topic_filter)!r} ({len(topic_filter.encode('utf-8'))} bytes) needs a "
+                f"packet of {size} bytes, more than the broker's max_packet_size ({limit} bytes), which would close "
+                "the connection; nothing was changed"
             )
 
     def _await_puback(self, handle: PublishHandle, topic: str, timeout: float) -> None:
@@ -877,6 +899,7 @@ class DurableClient:
         free count no more against ``max_subscriptions_per_client`` when the SUBSCRIBEs arrive.
         """
         with self._registry.lock:
+            self._drop_oversized()
             pending = self._registry.take_unsubscribed()  # before session_lost(), which drops them
             if resend_durable:
                 self._registry.session_lost()
@@ -890,10 +913,40 @@ class DurableClient:
                         self._registry.broker_held.discard(topic_filter)
             for subscription in self._registry.subscriptions():
                 self._replay_subscription(subscription, resend_durable, broker_has)
+            self._registry.changed.notify_all()  # subscribe() waits: one the broker holds is confirmed now
         for stream in self._registry.streams():
             self._open_stream(stream.filter, stream.window, wait=False)
         if self._durable and self._ready_requested:
             self._send_ready()
+
+    def _drop_oversized(self) -> None:
+        """(Holding the registry's lock, at the hello reply.) Drop, with an ERROR each, the
+        subscriptions, streams and due UNSUBSCRIBEs whose packets are larger than the broker's
+        max_packet_size (made before it was known, or when a broker with a larger one answered):
+        the broker would close every connection they are sent on."""
+        limit = self._max_packet_size
+        if limit is None:
+            return
+        dropped = [
+            ("subscription", s.filter) for s in self._registry.subscriptions()
+            if _filter_packet_size(s.filter, request=self._durable) > limit
+        ]
+        dropped += [("stream subscription", s.filter) for s in self._registry.streams()
+                    if _filter_packet_size(s.filter, request=True) > limit]
+        dropped += [("unsubscribe", f) for f in self._registry.pending_unsubscribes()
+                    if _filter_packet_size(f, request=False) > limit]
+        for kind, topic_filter in dropped:
+            if kind == "subscription":
+                self._registry.remove(topic_filter, unsubscribe_later=False)
+            elif kind == "stream subscription":
+                self._registry.remove_stream(topic_filter)
+            else:
+                self._registry.forget_unsubscribe(topic_filter)
+            log.error(
+                "dropping the %s of %s (%d bytes): its packet is larger than the broker's max_packet_size (%d bytes), "
+                "which would close every connection; it is not sent",
+                kind, shown_topic(topic_filter), len(topic_filter.encode("utf-8")), limit,
+            )
 
     def _send_unsubscribe(self, topic_filter: str) -> None:
         """UNSUBSCRIBE; a durable session's whose UNSUBACK has not arrived when the connection is
@@ -1131,7 +1184,7 @@ class DurableClient:
 
     def _send_subscribe(self, subscription: Subscription) -> None:
         qos = min(subscription.qos, 1) if self._durable else subscription.qos
-        subscription.confirmed = False
+        subscription.confirmed = subscription.answered = False
         subscription.mid = self._link_or_raise().subscribe(subscription.filter, qos)
 
     def _open_stream(self, topic_filter: str, window: int | None, *, wait: bool) -> _Waiter | None:
@@ -1180,6 +1233,17 @@ def _session_lost(*, expected: bool, session_present: bool, recorded_epoch: int 
     if not session_present:
         return True
     return recorded_epoch is not None and epoch is not None and epoch != recorded_epoch
+
+
+def _filter_packet_size(topic_filter: str, *, request: bool) -> int:
+    """The remaining length of the largest packet naming ``topic_filter`` the SDK sends: its
+    SUBSCRIBE (packet id, filter, QoS; an UNSUBSCRIBE is a byte less) and, with ``request``, its
+    largest control request (a stream_subscribe without positions, as a QoS 0 PUBLISH)."""
+    size = 5 + len(topic_filter.encode("utf-8"))
+    if request:
+        payload = encode_request("stream_subscribe", 2**53, filter=topic_filter, after=None, window=1000)
+        size = max(size, 2 + len(CONTROL_TOPIC.encode()) + len(payload))
+    return size
 
 
 _REQUEST_SPARE = 64
