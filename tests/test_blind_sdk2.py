@@ -913,6 +913,31 @@ def test_a_publish_larger_than_the_brokers_max_packet_size_is_refused_before_it_
 # ---------------------------------------------------- streams.md: resuming a stream of many topics
 
 
+def read_many_topics_then_restart(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], count: int
+) -> tuple[list[str], Seen, Recorder]:
+    """A stateless reader of ``telemetry/#`` reads one event on each of ``count`` topics; the broker
+    restarts, and the reader, reconnected, presents only the positions that fit (its WARNING)."""
+    topics = [f"telemetry/device-{i:06d}" for i in range(count)]
+    publisher = clients(broker.port, "pub", clean_session=True)
+    for start in range(0, len(topics), 500):
+        infos = [publisher.paho.publish(topic, b"first", qos=1) for topic in topics[start:start + 500]]
+        for info in infos:
+            info.wait_for_publish(WAIT)
+            assert info.is_published()
+    seen, recorder = Seen(), Recorder()
+    reader = seen_client(sdk, broker.port, f"blind2-many-{count}", seen, durable_session=False)
+    reader.connect(timeout=WAIT)
+    reader.subscribe_stream("telemetry/#", recorder, window=100)
+    recorder.wait(len(topics), timeout=60)
+    with LogWatch() as warnings:
+        broker.restart(kill=False)
+        assert seen.wait(lambda: len(seen.connected) == 2)
+        fit = rf"telemetry/#: \d+ of {count} positions fit the \d+-byte"
+        assert warnings.wait(lambda m: re.search(fit, m) is not None)
+    return topics, seen, recorder
+
+
 @pytest.mark.slow
 def test_a_stream_reader_of_thousands_of_topics_resumes_after_a_reconnect(
     broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
@@ -923,22 +948,7 @@ def test_a_stream_reader_of_thousands_of_topics_resumes_after_a_reconnect(
     broker's `max_stream_entries_per_client` (default 10000). 3,000 positions do not fit one
     request: the reader still resumes, and processes each event once."""
     broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 100, "max_age": 0}])
-    topics = [f"telemetry/device-{i:06d}" for i in range(3000)]
-    publisher = clients(broker.port, "pub", clean_session=True)
-    for start in range(0, len(topics), 500):
-        infos = [publisher.paho.publish(topic, b"first", qos=1) for topic in topics[start:start + 500]]
-        for info in infos:
-            info.wait_for_publish(WAIT)
-            assert info.is_published()
-    seen, recorder = Seen(), Recorder()
-    reader = seen_client(sdk, broker.port, "blind2-many-topics", seen, durable_session=False)
-    reader.connect(timeout=WAIT)
-    reader.subscribe_stream("telemetry/#", recorder, window=100)
-    recorder.wait(len(topics), timeout=60)
-    with LogWatch() as warnings:
-        broker.restart(kill=False)
-        assert seen.wait(lambda: len(seen.connected) == 2)
-        assert warnings.wait(lambda m: re.search(r"telemetry/#: \d+ of 3000 positions fit", m) is not None)
+    topics, _seen, recorder = read_many_topics_then_restart(broker, sdk, clients, 3000)
     publisher = clients(broker.port, "pub-2", clean_session=True)
     publisher.publish(topics[0], [b"second"])
     publisher.publish(topics[-1], [b"second"])
@@ -1081,20 +1091,7 @@ def test_a_stream_reader_presents_only_the_positions_that_fit_the_brokers_max_pa
     are sent from their first retained event and the marks drop what was processed. 300
     positions (~9 KB) under max_packet_size 4096: the reader still resumes after a restart."""
     broker = broker_factory(max_packet_size=4096, streams=[{"filter": "telemetry/#", "max_count": 10, "max_age": 0}])
-    topics = [f"telemetry/device-{i:06d}" for i in range(300)]
-    publisher = clients(broker.port, "pub", clean_session=True)
-    infos = [publisher.paho.publish(topic, b"first", qos=1) for topic in topics]
-    for info in infos:
-        info.wait_for_publish(WAIT)
-    seen, recorder = Seen(), Recorder()
-    reader = seen_client(sdk, broker.port, "blind2-many-small", seen, durable_session=False)
-    reader.connect(timeout=WAIT)
-    reader.subscribe_stream("telemetry/#", recorder, window=100)
-    recorder.wait(len(topics), timeout=30)
-    with LogWatch() as warnings:
-        broker.restart(kill=False)
-        assert seen.wait(lambda: len(seen.connected) >= 2)
-        assert warnings.wait(lambda m: re.search(r"telemetry/#: \d+ of 300 positions fit the \d+-byte", m) is not None)
+    topics, seen, recorder = read_many_topics_then_restart(broker, sdk, clients, 300)
     clients(broker.port, "pub-2", clean_session=True).publish(topics[0], [b"second"])
     events = recorder.wait(len(topics) + 1, timeout=30)
     assert [e.topic for e in events if e.payload == b"second"] == [topics[0]]
