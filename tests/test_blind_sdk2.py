@@ -7,6 +7,7 @@ against real brokers, real SDK and paho clients over TCP to 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -1250,3 +1251,25 @@ def test_subscribe_returns_at_the_suback_of_the_subscribe_sent_again_after_a_rec
     clients(broker.port, "pub", clean_session=True).publish("a/x", [b"a"])
     clients(broker.port, "pub2", clean_session=True).publish("b/x", [b"b"])
     assert sorted(e.payload for e in recorder.wait(2)) == [b"a", b"b"], "both sent again on reconnect"
+
+
+def test_a_subscribe_waiting_for_its_suback_returns_when_the_client_is_closed(
+    broker: Broker, sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md: `subscribe()` returns at the SUBACK (`RequestTimeout` after `timeout` without one);
+    `close()` from another thread ends the wait at once rather than after the whole timeout."""
+    client = sdk(broker.port, "blind2-sub-close")
+    client.connect(timeout=WAIT)
+    returned = threading.Event()
+
+    def subscribe() -> None:
+        with contextlib.suppress(DurableClientError):
+            client.subscribe("c/#", timeout=60)
+        returned.set()
+
+    assert broker.pid is not None
+    with broker.paused():  # no SUBACK
+        threading.Thread(target=subscribe, daemon=True).start()
+        assert wait_until(lambda: client._registry.get("c/#") is not None, WAIT)  # white-box: registered
+        client.close(timeout=2)
+        assert returned.wait(WAIT), "subscribe() still waits after close()"

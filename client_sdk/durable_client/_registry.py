@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._paho import topic_matches
@@ -144,14 +145,16 @@ class Registry:
                 lambda: all(s.mid is None for s in self._subscriptions.values()), timeout
             )
 
-    def wait_answered(self, topic_filter: str, timeout: float) -> bool:
+    def wait_answered(self, topic_filter: str, timeout: float, stopped: Callable[[], bool]) -> bool:
         """Wait until the subscription of ``topic_filter`` has its SUBACK (the one of a SUBSCRIBE
         re-sent after a reconnect too), is confirmed without one (the broker's session holds it),
-        or is no longer this registry's; False when ``timeout`` ran out first."""
+        or is no longer this registry's, or ``stopped()`` (the client closes: notified); False
+        when ``timeout`` ran out first."""
         with self.lock:
             subscription = self._subscriptions.get(topic_filter)
             return self.changed.wait_for(
-                lambda: self._subscriptions.get(topic_filter) is not subscription
+                lambda: stopped()
+                or self._subscriptions.get(topic_filter) is not subscription
                 or (subscription is not None and subscription.mid is None
                     and (subscription.answered or subscription.confirmed)),
                 timeout,

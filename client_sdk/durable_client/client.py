@@ -329,6 +329,8 @@ class DurableClient:
             self._closed = True
         thread = self._thread
         self._stop.set()
+        with self._registry.lock:
+            self._registry.changed.notify_all()  # a subscribe() waiting for its SUBACK stops waiting
         self._release_held()  # before the DISCONNECT
         if thread is not None and not on_network_thread:
             if self._link is not None and self._link.socket_open:
@@ -414,7 +416,7 @@ class DurableClient:
         if (
             self._subscribe(topic_filter, qos, durable, listener)
             and not self._on_network_thread()
-            and not self._registry.wait_answered(topic_filter, timeout)
+            and not self._registry.wait_answered(topic_filter, timeout, self._stop.is_set)
         ):
             raise RequestTimeout(
                 f"no SUBACK for {shown_topic(topic_filter)!r} within {timeout} s; it is sent again on reconnect"
