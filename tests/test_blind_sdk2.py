@@ -1167,11 +1167,110 @@ def test_an_unacknowledged_publish_larger_than_a_restarted_brokers_limit_is_drop
     assert outcomes["small"] == "acknowledged", outcomes
     assert isinstance(outcomes["large"], ValueError), outcomes
     assert str(outcomes["large"]).startswith("payload") and "4096" in str(outcomes["large"])
+    assert "may have been delivered" in str(outcomes["large"]), "the broker may have had it (its PUBACK lost)"
+    assert any("big/large" in m and "may have been delivered" in m for m in problems.messages)
     assert [e.payload for e in received.wait(1)] == [b"fits"]
     client.publish("ok/a", b"after")
     assert [e.payload for e in later.wait(1)] == [b"after"]
     assert len(seen.connected) == 2, "one reconnect, not a loop"
     assert "larger than max_packet_size" not in broker.log()
+
+
+def _stop_broker_at_first_pubrel(client: DurableClient, broker: Broker) -> tuple[threading.Event, list[int]]:
+    """White-box: SIGSTOP the broker as paho sends its first PUBREL (the broker has the QoS 2
+    publish, its PUBREC came, and never reads that PUBREL); returns (stopped, every PUBREL's mid)."""
+    paho = client._link._client  # type: ignore[union-attr]
+    original = paho._send_pubrel
+    stopped = threading.Event()
+    pubrels: list[int] = []
+
+    def hooked(mid: int) -> Any:
+        pubrels.append(mid)
+        if not stopped.is_set():
+            assert broker.pid is not None
+            os.kill(broker.pid, signal.SIGSTOP)
+            stopped.set()
+        return original(mid)
+
+    paho._send_pubrel = hooked
+    return stopped, pubrels
+
+
+def _publish_in_thread(client: DurableClient, topic: str, payload: bytes, outcome: dict[str, Any]) -> threading.Thread:
+    def send() -> None:
+        try:
+            client.publish(topic, payload, qos=2, timeout=WAIT)
+            outcome["r"] = "acknowledged"
+        except Exception as exc:
+            outcome["r"] = exc
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    return sender
+
+
+def test_a_qos2_publish_the_broker_has_is_released_not_dropped_by_a_restarted_brokers_smaller_limit(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md `publish`: a QoS 2 publish whose PUBREC came (the broker has it) goes on with its
+    PUBREL after a reconnect, never dropped for its size. Before: paho's reset at every
+    reconnect() turned it back into a PUBLISH, the SDK dropped it for a restarted broker's
+    smaller max_packet_size and publish() raised ValueError, though the subscriber got it."""
+    broker = broker_factory()
+    client = sdk(broker.port, "blind2-pubrel-size")
+    client.connect(timeout=WAIT)
+    subscriber = clients(broker.port, "blind2-pubrel-sub", clean_session=False)
+    subscriber.subscribe("q2/#", qos=2)
+    stopped, pubrels = _stop_broker_at_first_pubrel(client, broker)
+    outcome: dict[str, Any] = {}
+    sender = _publish_in_thread(client, "q2/x", b"y" * 3000, outcome)
+    assert stopped.wait(WAIT)
+    broker.kill()
+    broker.settings["max_packet_size"] = 1024
+    with LogWatch() as problems:
+        broker.start()
+        sender.join(WAIT + 5)
+    assert outcome.get("r") == "acknowledged", outcome
+    assert pubrels == [pubrels[0]] * 2, pubrels
+    assert not [m for m in problems.messages if "dropping" in m], problems.messages
+    subscriber.connect()
+    assert [m.payload for m in subscriber.wait_messages(1)] == [b"y" * 3000]
+
+
+def test_a_qos2_publish_waiting_for_pubcomp_across_refused_reconnects_is_released_once(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """A QoS 2 publish waiting for its PUBCOMP while the broker is down (reconnect attempts
+    refused) is released with one PUBREL after the restart and delivered once. Before: paho's
+    second reset made it a PUBLISH again."""
+    broker = broker_factory()
+    client = sdk(broker.port, "blind2-pubrel-refused")
+    client.connect(timeout=WAIT)
+    subscriber = clients(broker.port, "blind2-pubrel-sub2", clean_session=False)
+    subscriber.subscribe("q2/#", qos=2)
+    stopped, pubrels = _stop_broker_at_first_pubrel(client, broker)
+    outcome: dict[str, Any] = {}
+    sender = _publish_in_thread(client, "q2/x", b"only-once", outcome)
+    assert stopped.wait(WAIT)
+    broker.kill()
+    link = client._link
+    assert link is not None
+    opens: list[int] = []
+    original_open = link.open
+
+    def counting_open() -> None:
+        opens.append(1)
+        original_open()
+
+    link.open = counting_open  # type: ignore[method-assign]
+    assert wait_until(lambda: len(opens) >= 3, WAIT), "reconnect attempts refused while the broker is down"
+    broker.start()
+    sender.join(WAIT + 5)
+    assert outcome.get("r") == "acknowledged", outcome
+    assert pubrels == [pubrels[0]] * 2, pubrels
+    subscriber.connect()
+    assert [m.payload for m in subscriber.wait_messages(1)] == [b"only-once"]
+    assert not subscriber.wait_for(lambda ms: len(ms) > 1, 1.0), "delivered twice"
 
 
 def test_filters_whose_packets_exceed_max_packet_size_are_refused_or_dropped_never_resent(

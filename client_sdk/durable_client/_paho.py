@@ -194,8 +194,26 @@ class PahoLink:
 
     # ------------------------------------------------- network thread only
     def open(self) -> None:
-        """Open the TCP connection and send CONNECT; OSError when the broker cannot be reached."""
-        self._client.reconnect()
+        """Open the TCP connection and send CONNECT; OSError when the broker cannot be reached.
+
+        A QoS 2 publish whose PUBREC came (the broker has it) stays one to send PUBREL for:
+        paho resets its outgoing messages at every ``reconnect()``, refused attempts included,
+        and its second reset turns "send PUBREL again" into "send the PUBLISH again" (which
+        ``release_resends`` could then drop for its size though the broker has it).
+        """
+        client = self._client
+        with client._out_message_mutex:
+            released = [
+                m for m in client._out_messages.values()
+                if m.qos == 2 and m.state in (mqtt.mqtt_ms_wait_for_pubcomp, mqtt.mqtt_ms_resend_pubrel)
+            ]
+        try:
+            client.reconnect()
+        finally:
+            if not client._check_clean_session():
+                with client._out_message_mutex:
+                    for message in released:
+                        message.state = mqtt.mqtt_ms_resend_pubrel
 
     def retarget(self, host: str, port: int) -> None:
         """The next ``open`` connects to host:port (another broker of a replication group)."""

@@ -620,7 +620,8 @@ class DurableClient:
         a listener it returns once paho has queued the message, without waiting. ValueError
         (``payload``) for a PUBLISH larger than the broker's max_packet_size (its hello reply
         says it), also when an unacknowledged one is found larger at a reconnect's hello reply:
-        it is dropped then, with an ERROR, not sent again.
+        it is dropped then, with an ERROR, not sent again (it may have been delivered: the
+        broker may have had it before the connection was lost), and no ``send`` is logged.
         """
         self._check_open()
         data = _publishable(topic, payload)
@@ -682,7 +683,8 @@ class DurableClient:
         if handle.too_large:
             raise ValueError(
                 f"payload: the broker's max_packet_size ({self._max_packet_size} bytes) after a reconnect is less "
-                "than this PUBLISH, which would close every connection: it was dropped, not delivered"
+                "than this PUBLISH, which would close every connection: it was dropped, not sent again; it may have "
+                "been delivered (the broker may have had it before the connection was lost)"
             )
 
     def _close_files(self) -> None:
@@ -846,7 +848,8 @@ class DurableClient:
         for topic, size in self._link_or_raise().release_resends(limit):
             log.error(
                 "dropping the unacknowledged publish to %s: its %d bytes are more than the broker's max_packet_size "
-                "(%s bytes), which would close every connection; it was not delivered",
+                "(%s bytes), which would close every connection; it is not sent again, and may have been delivered "
+                "(the broker may have had it before the connection was lost)",
                 shown_topic(topic), size, limit,
             )
         expiry = reply.fields.get("session_expiry")
