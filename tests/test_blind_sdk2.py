@@ -1176,13 +1176,22 @@ def test_an_unacknowledged_publish_larger_than_a_restarted_brokers_limit_is_drop
     assert "larger than max_packet_size" not in broker.log()
 
 
-def _stop_broker_at_first_pubrel(client: DurableClient, broker: Broker) -> tuple[threading.Event, list[int]]:
+def _stop_broker_at_first_pubrel(
+    client: DurableClient, broker: Broker
+) -> tuple[threading.Event, list[int], list[int]]:
     """White-box: SIGSTOP the broker as paho sends its first PUBREL (the broker has the QoS 2
-    publish, its PUBREC came, and never reads that PUBREL); returns (stopped, every PUBREL's mid)."""
+    publish, its PUBREC came, and never reads that PUBREL); returns (stopped, every PUBREL's mid,
+    every PUBLISH's mid)."""
     paho = client._link._client  # type: ignore[union-attr]
     original = paho._send_pubrel
+    original_publish = paho._send_publish
     stopped = threading.Event()
     pubrels: list[int] = []
+    publishes: list[int] = []
+
+    def publish_hooked(mid: int, *args: Any, **kwargs: Any) -> Any:
+        publishes.append(mid)
+        return original_publish(mid, *args, **kwargs)
 
     def hooked(mid: int) -> Any:
         pubrels.append(mid)
@@ -1193,7 +1202,8 @@ def _stop_broker_at_first_pubrel(client: DurableClient, broker: Broker) -> tuple
         return original(mid)
 
     paho._send_pubrel = hooked
-    return stopped, pubrels
+    paho._send_publish = publish_hooked
+    return stopped, pubrels, publishes
 
 
 def _publish_in_thread(client: DurableClient, topic: str, payload: bytes, outcome: dict[str, Any]) -> threading.Thread:
@@ -1221,7 +1231,7 @@ def test_a_qos2_publish_the_broker_has_is_released_not_dropped_by_a_restarted_br
     client.connect(timeout=WAIT)
     subscriber = clients(broker.port, "blind2-pubrel-sub", clean_session=False)
     subscriber.subscribe("q2/#", qos=2)
-    stopped, pubrels = _stop_broker_at_first_pubrel(client, broker)
+    stopped, pubrels, publishes = _stop_broker_at_first_pubrel(client, broker)
     outcome: dict[str, Any] = {}
     sender = _publish_in_thread(client, "q2/x", b"y" * 3000, outcome)
     assert stopped.wait(WAIT)
@@ -1232,6 +1242,7 @@ def test_a_qos2_publish_the_broker_has_is_released_not_dropped_by_a_restarted_br
         sender.join(WAIT + 5)
     assert outcome.get("r") == "acknowledged", outcome
     assert pubrels == [pubrels[0]] * 2, pubrels
+    assert publishes.count(pubrels[0]) == 1, ("released, not published again", publishes)
     assert not [m for m in problems.messages if "dropping" in m], problems.messages
     subscriber.connect()
     assert [m.payload for m in subscriber.wait_messages(1)] == [b"y" * 3000]
@@ -1248,7 +1259,7 @@ def test_a_qos2_publish_waiting_for_pubcomp_across_refused_reconnects_is_release
     client.connect(timeout=WAIT)
     subscriber = clients(broker.port, "blind2-pubrel-sub2", clean_session=False)
     subscriber.subscribe("q2/#", qos=2)
-    stopped, pubrels = _stop_broker_at_first_pubrel(client, broker)
+    stopped, pubrels, publishes = _stop_broker_at_first_pubrel(client, broker)
     outcome: dict[str, Any] = {}
     sender = _publish_in_thread(client, "q2/x", b"only-once", outcome)
     assert stopped.wait(WAIT)
@@ -1268,6 +1279,7 @@ def test_a_qos2_publish_waiting_for_pubcomp_across_refused_reconnects_is_release
     sender.join(WAIT + 5)
     assert outcome.get("r") == "acknowledged", outcome
     assert pubrels == [pubrels[0]] * 2, pubrels
+    assert publishes.count(pubrels[0]) == 1, ("released, not published again", publishes)
     subscriber.connect()
     assert [m.payload for m in subscriber.wait_messages(1)] == [b"only-once"]
     assert not subscriber.wait_for(lambda ms: len(ms) > 1, 1.0), "delivered twice"
