@@ -1285,6 +1285,55 @@ def test_a_qos2_publish_waiting_for_pubcomp_across_refused_reconnects_is_release
     assert not subscriber.wait_for(lambda ms: len(ms) > 1, 1.0), "delivered twice"
 
 
+def test_a_publish_landing_before_the_hello_reply_goes_after_the_held_ones(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md `publish`: unacknowledged publishes go out again, in order, at the hello reply; a
+    publish handed to paho after CONNACK but before that reply (an application thread that saw
+    the client connected) goes after them. Before: paho sent it at once, ahead of them."""
+    broker = broker_factory()
+    client = sdk(broker.port, "blind2-late-publish")
+    client.connect(timeout=WAIT)
+    subscriber = clients(broker.port, "blind2-late-sub", clean_session=False)
+    subscriber.subscribe("rc/#", qos=1)
+    original = client._finish_handshake
+    landed = threading.Event()
+
+    def hooked(reply: Any) -> None:  # white-box: the publish lands just before the reply is handled
+        if not landed.is_set():
+            landed.set()
+            link = client._link
+            assert link is not None
+            link.publish("rc/x", b"late", 1)
+        original(reply)
+
+    client._finish_handshake = hooked  # type: ignore[method-assign]
+    assert broker.pid is not None
+    os.kill(broker.pid, signal.SIGSTOP)  # it acknowledges nothing: they stay unacknowledged in paho
+    outcomes: dict[bytes, Any] = {}
+
+    def send(payload: bytes) -> None:
+        try:
+            client.publish("rc/x", payload, qos=1, timeout=WAIT)
+            outcomes[payload] = "acknowledged"
+        except Exception as exc:
+            outcomes[payload] = exc
+
+    paho = client._link._client  # type: ignore[union-attr]
+    senders = []
+    for i in range(3):
+        senders.append(threading.Thread(target=send, args=(f"e{i}".encode(),), daemon=True))
+        senders[-1].start()
+        assert wait_until(lambda n=i + 1: len(paho._out_messages) == n, WAIT), "handed over in this order"
+    broker.kill()
+    broker.start()
+    for sender in senders:
+        sender.join(WAIT + 5)
+    assert landed.is_set() and set(outcomes.values()) == {"acknowledged"}, outcomes
+    subscriber.connect()
+    assert [m.payload for m in subscriber.wait_messages(4)] == [b"e0", b"e1", b"e2", b"late"]
+
+
 def test_filters_whose_packets_exceed_max_packet_size_are_refused_or_dropped_never_resent(
     broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
 ) -> None:

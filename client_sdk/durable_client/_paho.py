@@ -48,6 +48,11 @@ _HELD: Final = mqtt.mqtt_ms_invalid
 """The state of a QoS 1/2 publish paho would re-send at CONNACK, held until the hello reply
 (PahoLink.release_resends): paho's resend loop and its reconnect reset leave it alone or make it
 ``mqtt_ms_publish`` again."""
+_IN_FLIGHT: Final = frozenset({
+    mqtt.mqtt_ms_wait_for_puback, mqtt.mqtt_ms_wait_for_pubrec, mqtt.mqtt_ms_wait_for_pubcomp,
+    mqtt.mqtt_ms_resend_pubrel,
+})
+"""The states paho counts in its in-flight number (a PUBLISH sent, or a PUBREL due, unacknowledged)."""
 _PUBACK_BASE: Final = 0x4002_0000
 """A PUBACK is 4 bytes: 0x40, remaining length 2, the packet id (big-endian): one u32 per acknowledgement."""
 
@@ -269,13 +274,20 @@ class PahoLink:
             for message in client._out_messages.values():
                 if message.qos and message.state == mqtt.mqtt_ms_publish:
                     message.state = _HELD
+            # A publish() landing before the hello reply must not overtake them: paho queues
+            # it (unsent) while its in-flight count is at its maximum, until release_resends.
+            client._inflight_messages = max(client._inflight_messages, client._max_inflight_messages)
 
     def release_resends(self, limit: int | None) -> list[tuple[str, int]]:
-        """(Network thread, at the hello reply.) Send the held publishes again, in order; drop, and
-        return as (topic, size), those held or queued larger than ``limit`` (None: none is)."""
+        """(Network thread, at the hello reply.) Send the held publishes again, in order, then those
+        queued since (as far as paho's in-flight maximum allows); drop, and return as (topic, size),
+        those held or queued larger than ``limit`` (None: none is)."""
         dropped: list[tuple[str, int]] = []
         client = self._client
         with client._out_message_mutex:
+            client._inflight_messages = sum(
+                1 for m in client._out_messages.values() if m.qos and m.state in _IN_FLIGHT
+            )
             for message in list(client._out_messages.values()):
                 held = message.state == _HELD
                 if not (held or message.state == mqtt.mqtt_ms_queued):
@@ -293,6 +305,7 @@ class PahoLink:
                         message.mid, message.topic.encode("utf-8"), message.payload, message.qos, message.retain,
                         message.dup, properties=message.properties,
                     )
+            client._update_inflight()  # paho's own step: the queued ones while in-flight room is left
         return dropped
 
     # ------------------------------------------------------ any thread
