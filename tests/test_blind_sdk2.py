@@ -7,7 +7,6 @@ against real brokers, real SDK and paho clients over TCP to 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -1417,14 +1416,19 @@ def test_a_subscribe_waiting_for_its_suback_returns_when_the_client_is_closed(
     broker: Broker, sdk: Callable[..., DurableClient]
 ) -> None:
     """sdk.md: `subscribe()` returns at the SUBACK (`RequestTimeout` after `timeout` without one);
-    `close()` from another thread ends the wait at once rather than after the whole timeout."""
+    `close()` from another thread ends the wait at once, with `Unconnected`, rather than after
+    the whole timeout (or returning as if confirmed)."""
     client = sdk(broker.port, "blind2-sub-close")
     client.connect(timeout=WAIT)
     returned = threading.Event()
+    outcome: list[object] = []
 
     def subscribe() -> None:
-        with contextlib.suppress(DurableClientError):
+        try:
             client.subscribe("c/#", timeout=60)
+            outcome.append("returned")
+        except DurableClientError as exc:
+            outcome.append(exc)
         returned.set()
 
     assert broker.pid is not None
@@ -1433,3 +1437,67 @@ def test_a_subscribe_waiting_for_its_suback_returns_when_the_client_is_closed(
         assert wait_until(lambda: client._registry.get("c/#") is not None, WAIT)  # white-box: registered
         client.close(timeout=2)
         assert returned.wait(WAIT), "subscribe() still waits after close()"
+    assert isinstance(outcome[0], Unconnected), outcome
+
+
+def test_a_subscribe_waiting_across_a_reconnect_that_drops_it_for_its_size_raises_value_error(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md: a `subscribe()` waiting for its SUBACK across a reconnect whose hello reply drops
+    the subscription (a broker restarted with a smaller max_packet_size) raises
+    `ValueError("topic_filter: ...")`. Before: it returned as if confirmed."""
+    broker = broker_factory()
+    client = sdk(broker.port, "blind2-sub-size-drop")
+    client.connect(timeout=WAIT)
+    long_filter = "long/" + "z" * 2000
+    outcome: list[object] = []
+
+    def subscribe() -> None:
+        try:
+            client.subscribe(long_filter, timeout=WAIT)
+            outcome.append("returned")
+        except Exception as exc:
+            outcome.append(exc)
+
+    assert broker.pid is not None
+    os.kill(broker.pid, signal.SIGSTOP)  # no SUBACK
+    waiter = threading.Thread(target=subscribe, daemon=True)
+    waiter.start()
+    assert wait_until(lambda: client._registry.get(long_filter) is not None, WAIT)  # white-box: registered
+    broker.kill()
+    broker.settings["max_packet_size"] = 1024
+    with LogWatch() as problems:
+        broker.start()
+        waiter.join(WAIT + 5)
+        assert problems.wait(lambda m: "dropping the subscription" in m)
+    assert isinstance(outcome[0], ValueError) and str(outcome[0]).startswith("topic_filter"), outcome
+
+
+def test_a_subscribe_whose_filter_another_thread_unsubscribes_returns_at_once(
+    broker: Broker, sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md: a `subscribe()` waiting for its SUBACK returns at once when another thread
+    unsubscribes the filter, before its wait starts or during it. Before: one whose filter was
+    gone when the wait started waited out its whole timeout and raised RequestTimeout."""
+    client = sdk(broker.port, "blind2-sub-unsub")
+    client.connect(timeout=WAIT)
+    start = time.monotonic()
+    assert client._registry.wait_answered("never/#", 30.0, client._stop.is_set)  # white-box: gone at the start
+    assert time.monotonic() - start < 5.0
+    returned = threading.Event()
+    outcome: list[object] = []
+
+    def subscribe() -> None:
+        try:
+            client.subscribe("u/#", timeout=60)
+            outcome.append("returned")
+        except DurableClientError as exc:
+            outcome.append(exc)
+        returned.set()
+
+    with broker.paused():  # no SUBACK
+        threading.Thread(target=subscribe, daemon=True).start()
+        assert wait_until(lambda: client._registry.get("u/#") is not None, WAIT)  # white-box: registered
+        client.unsubscribe("u/#")
+        assert returned.wait(WAIT), "subscribe() still waits after the unsubscribe"
+    assert outcome == ["returned"]

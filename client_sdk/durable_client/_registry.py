@@ -40,7 +40,8 @@ class Registry:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
-        """Notified when a SUBACK arrives or a connection ends (no SUBACK will come)."""
+        """Notified when a SUBACK arrives, a connection ends (no SUBACK will come), or a
+        subscription is replaced or removed."""
         self._subscriptions: dict[str, Subscription] = {}
         self._streams: dict[str, StreamSubscription] = {}
         self._unsubscribed: set[str] = set()
@@ -68,6 +69,7 @@ class Registry:
             self._unsubscribed.discard(subscription.filter)
             for mid in [mid for mid, pending in self._unsubscribing.items() if pending == subscription.filter]:
                 del self._unsubscribing[mid]
+            self.changed.notify_all()
 
     def remove(self, topic_filter: str, *, unsubscribe_later: bool) -> Subscription | None:
         """Forget a subscription; ``unsubscribe_later``: it could not be sent, send it on reconnect."""
@@ -76,6 +78,7 @@ class Registry:
             subscription = self._subscriptions.pop(topic_filter, None)
             if subscription is not None and unsubscribe_later:
                 self._unsubscribed.add(topic_filter)
+            self.changed.notify_all()
             return subscription
 
     def subscriptions(self) -> list[Subscription]:
@@ -148,12 +151,13 @@ class Registry:
     def wait_answered(self, topic_filter: str, timeout: float, stopped: Callable[[], bool]) -> bool:
         """Wait until the subscription of ``topic_filter`` has its SUBACK (the one of a SUBSCRIBE
         re-sent after a reconnect too), is confirmed without one (the broker's session holds it),
-        or is no longer this registry's, or ``stopped()`` (the client closes: notified); False
-        when ``timeout`` ran out first."""
+        or is no longer this registry's (at once when it is not when called), or ``stopped()``
+        (the client closes: notified); False when ``timeout`` ran out first."""
         with self.lock:
             subscription = self._subscriptions.get(topic_filter)
             return self.changed.wait_for(
                 lambda: stopped()
+                or subscription is None
                 or self._subscriptions.get(topic_filter) is not subscription
                 or (subscription is not None and subscription.mid is None
                     and (subscription.answered or subscription.confirmed)),

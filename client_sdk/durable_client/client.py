@@ -404,7 +404,10 @@ class DurableClient:
         after ``timeout`` seconds without a SUBACK (the subscription stays registered and is
         sent again on reconnect; a connection lost first is no SUBACK: it waits for the one of
         the SUBSCRIBE sent again after the reconnect). A filter whose packets would be larger
-        than the broker's max_packet_size (once a hello reply said it) is a ValueError.
+        than the broker's max_packet_size (once a hello reply said it) is a ValueError, also
+        when a reconnect's hello reply drops it while this call waits. Unconnected when the
+        client is closed while it waits; it returns when another thread unsubscribes the filter
+        meanwhile.
         """
         self._check_open()
         check_filter(topic_filter)
@@ -413,14 +416,20 @@ class DurableClient:
         check_callable("listener", listener)
         timeout = check_seconds("timeout", timeout, low=0)
         self._check_filter_size(topic_filter, request=self._durable)
-        if (
-            self._subscribe(topic_filter, qos, durable, listener)
-            and not self._on_network_thread()
-            and not self._registry.wait_answered(topic_filter, timeout, self._stop.is_set)
-        ):
+        if not self._subscribe(topic_filter, qos, durable, listener) or self._on_network_thread():
+            return
+        answered = self._registry.wait_answered(topic_filter, timeout, self._stop.is_set)
+        if self._closed or self._stop.is_set():
+            raise Unconnected(
+                f"the client was closed while waiting for the SUBACK of {shown_topic(topic_filter)!r}; the broker's "
+                "durable session may hold the subscription"
+            )
+        if not answered:
             raise RequestTimeout(
                 f"no SUBACK for {shown_topic(topic_filter)!r} within {timeout} s; it is sent again on reconnect"
             )
+        if self._registry.get(topic_filter) is None:  # unsubscribed meanwhile, or dropped at a hello reply
+            self._check_filter_size(topic_filter, request=self._durable, outcome="the subscription was dropped")
 
     def _subscribe(self, topic_filter: str, qos: int, durable: bool, listener: Listener | None) -> bool:
         """Record the subscription and send what the broker must hear; True when a SUBSCRIBE went out."""
@@ -657,7 +666,7 @@ class DurableClient:
                 "was published"
             )
 
-    def _check_filter_size(self, topic_filter: str, *, request: bool) -> None:
+    def _check_filter_size(self, topic_filter: str, *, request: bool, outcome: str = "nothing was changed") -> None:
         """Refuse a filter whose SUBSCRIBE (or, with ``request``, control request) the broker would
         close the connection for (its last hello reply's ``max_packet_size``): it would be sent
         again after every reconnect, for ever."""
@@ -667,7 +676,7 @@ class DurableClient:
             raise ValueError(
                 f"topic_filter: {shown_topic(topic_filter)!r} ({len(topic_filter.encode('utf-8'))} bytes) needs a "
                 f"packet of {size} bytes, more than the broker's max_packet_size ({limit} bytes), which would close "
-                "the connection; nothing was changed"
+                f"the connection; {outcome}"
             )
 
     def _await_puback(self, handle: PublishHandle, topic: str, timeout: float) -> None:
