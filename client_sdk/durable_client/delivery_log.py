@@ -47,9 +47,14 @@ class DeliveryLog:
         if folder:
             os.makedirs(folder, exist_ok=True)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the client's life
-        if not _ends_a_line(path):  # a write that failed (or a kill) cut the last line short: end it
-            self._file.write("\n")
-            self._file.flush()
+        try:
+            if not _ends_a_line(path):  # a write that failed (or a kill) cut the last line short: end it
+                self._file.write("\n")
+                self._file.flush()
+        except OSError:  # a full disk: the DurableClient is not created (delivery-log.md)
+            with contextlib.suppress(OSError):
+                self._file.close()
+            raise
         self._path = os.fspath(path)
         self._device = device
         self._lock = threading.Lock()
