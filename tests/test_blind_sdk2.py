@@ -1205,6 +1205,22 @@ def _stop_broker_at_first_pubrel(
     return stopped, pubrels, publishes
 
 
+def _qos2_publish_awaiting_pubcomp(
+    client: DurableClient, broker: Broker, subscriber: Client, payload: bytes
+) -> tuple[Client, list[int], list[int], threading.Thread, dict[str, Any]]:
+    """Connect ``client``, subscribe ``subscriber`` to q2/# at QoS 2, publish ``payload`` at QoS 2
+    to q2/x and kill the broker as the PUBREL goes: the publish waits for its PUBCOMP. Returns
+    (subscriber, PUBREL mids, PUBLISH mids, the sender, its outcome)."""
+    client.connect(timeout=WAIT)
+    subscriber.subscribe("q2/#", qos=2)
+    stopped, pubrels, publishes = _stop_broker_at_first_pubrel(client, broker)
+    outcome: dict[str, Any] = {}
+    sender = _publish_in_thread(client, "q2/x", payload, outcome)
+    assert stopped.wait(WAIT)
+    broker.kill()
+    return subscriber, pubrels, publishes, sender, outcome
+
+
 def _publish_in_thread(client: DurableClient, topic: str, payload: bytes, outcome: dict[str, Any]) -> threading.Thread:
     def send() -> None:
         try:
@@ -1227,14 +1243,9 @@ def test_a_qos2_publish_the_broker_has_is_released_not_dropped_by_a_restarted_br
     smaller max_packet_size and publish() raised ValueError, though the subscriber got it."""
     broker = broker_factory()
     client = sdk(broker.port, "blind2-pubrel-size")
-    client.connect(timeout=WAIT)
-    subscriber = clients(broker.port, "blind2-pubrel-sub", clean_session=False)
-    subscriber.subscribe("q2/#", qos=2)
-    stopped, pubrels, publishes = _stop_broker_at_first_pubrel(client, broker)
-    outcome: dict[str, Any] = {}
-    sender = _publish_in_thread(client, "q2/x", b"y" * 3000, outcome)
-    assert stopped.wait(WAIT)
-    broker.kill()
+    subscriber, pubrels, publishes, sender, outcome = _qos2_publish_awaiting_pubcomp(
+        client, broker, clients(broker.port, "blind2-pubrel-sub", clean_session=False), b"y" * 3000
+    )
     broker.settings["max_packet_size"] = 1024
     with LogWatch() as problems:
         broker.start()
@@ -1255,14 +1266,9 @@ def test_a_qos2_publish_waiting_for_pubcomp_across_refused_reconnects_is_release
     second reset made it a PUBLISH again."""
     broker = broker_factory()
     client = sdk(broker.port, "blind2-pubrel-refused")
-    client.connect(timeout=WAIT)
-    subscriber = clients(broker.port, "blind2-pubrel-sub2", clean_session=False)
-    subscriber.subscribe("q2/#", qos=2)
-    stopped, pubrels, publishes = _stop_broker_at_first_pubrel(client, broker)
-    outcome: dict[str, Any] = {}
-    sender = _publish_in_thread(client, "q2/x", b"only-once", outcome)
-    assert stopped.wait(WAIT)
-    broker.kill()
+    subscriber, pubrels, publishes, sender, outcome = _qos2_publish_awaiting_pubcomp(
+        client, broker, clients(broker.port, "blind2-pubrel-sub2", clean_session=False), b"only-once"
+    )
     link = client._link
     assert link is not None
     opens: list[int] = []
@@ -1420,24 +1426,32 @@ def test_a_subscribe_waiting_for_its_suback_returns_when_the_client_is_closed(
     the whole timeout (or returning as if confirmed)."""
     client = sdk(broker.port, "blind2-sub-close")
     client.connect(timeout=WAIT)
+    outcome = _interrupted_subscribe(client, broker, "c/#", lambda: client.close(timeout=2))
+    assert isinstance(outcome, Unconnected), outcome
+
+
+def _interrupted_subscribe(
+    client: DurableClient, broker: Broker, topic_filter: str, interrupt: Callable[[], object]
+) -> object:
+    """subscribe() in a thread while the broker is paused (no SUBACK), ``interrupt()`` once it is
+    registered: what subscribe() did ("returned" or its exception), which must come at once."""
     returned = threading.Event()
     outcome: list[object] = []
 
     def subscribe() -> None:
         try:
-            client.subscribe("c/#", timeout=60)
+            client.subscribe(topic_filter, timeout=60)
             outcome.append("returned")
         except DurableClientError as exc:
             outcome.append(exc)
         returned.set()
 
-    assert broker.pid is not None
-    with broker.paused():  # no SUBACK
+    with broker.paused():
         threading.Thread(target=subscribe, daemon=True).start()
-        assert wait_until(lambda: client._registry.get("c/#") is not None, WAIT)  # white-box: registered
-        client.close(timeout=2)
-        assert returned.wait(WAIT), "subscribe() still waits after close()"
-    assert isinstance(outcome[0], Unconnected), outcome
+        assert wait_until(lambda: client._registry.get(topic_filter) is not None, WAIT)  # white-box: registered
+        interrupt()
+        assert returned.wait(WAIT), "subscribe() still waits"
+    return outcome[0]
 
 
 def test_a_subscribe_waiting_across_a_reconnect_that_drops_it_for_its_size_raises_value_error(
@@ -1484,20 +1498,4 @@ def test_a_subscribe_whose_filter_another_thread_unsubscribes_returns_at_once(
     start = time.monotonic()
     assert client._registry.wait_answered("never/#", 30.0, client._stop.is_set)  # white-box: gone at the start
     assert time.monotonic() - start < 5.0
-    returned = threading.Event()
-    outcome: list[object] = []
-
-    def subscribe() -> None:
-        try:
-            client.subscribe("u/#", timeout=60)
-            outcome.append("returned")
-        except DurableClientError as exc:
-            outcome.append(exc)
-        returned.set()
-
-    with broker.paused():  # no SUBACK
-        threading.Thread(target=subscribe, daemon=True).start()
-        assert wait_until(lambda: client._registry.get("u/#") is not None, WAIT)  # white-box: registered
-        client.unsubscribe("u/#")
-        assert returned.wait(WAIT), "subscribe() still waits after the unsubscribe"
-    assert outcome == ["returned"]
+    assert _interrupted_subscribe(client, broker, "u/#", lambda: client.unsubscribe("u/#")) == "returned"
