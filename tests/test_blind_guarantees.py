@@ -423,7 +423,8 @@ def test_the_requests_of_a_clean_session_that_need_a_durable_one_get_no_session(
         reply = request(client, op, **fields)
         assert (reply.ok, reply.op, reply.error_code) == (False, op, "no_session"), reply
     hello = request(client, "hello")
-    assert hello.ok and hello.fields == {"protocol": 1, "epoch": None, "session_expiry": None, "subscriptions": None}
+    assert hello.ok and hello.fields == {"protocol": 1, "epoch": None, "session_expiry": None, "subscriptions": None,
+                                       "max_packet_size": 1_048_576}
 
 
 def test_an_explicit_subscription_to_the_reply_topic_gets_no_other_connections_replies(

@@ -468,7 +468,9 @@ def test_hello_without_a_durable_session_grants_nothing(broker: Broker, clients:
     clean = clients(broker.port, "clean-hello", clean_session=True)
     reply = request(clean, "hello", session_expiry=60)
     assert reply.ok
-    assert reply.fields == {"protocol": 1, "epoch": None, "session_expiry": None, "subscriptions": None}
+    assert reply.fields == {
+        "protocol": 1, "epoch": None, "session_expiry": None, "subscriptions": None, "max_packet_size": 1_048_576
+    }
 
 
 def test_expiry_counts_from_the_last_disconnect_however_many_reconnects_came_before(

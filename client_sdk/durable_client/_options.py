@@ -317,7 +317,16 @@ def _check_mqtt_string(option: str, value: str) -> None:
 def _show(value: object) -> str:
     """``repr(value)``, cut short: a 65536-byte topic must not make a 65536-character message."""
     text = repr(value)
-    return text if len(text) <= _SHOWN else f"{text[:_SHOWN - 10]}...{text[-6:]} ({len(text)} characters)"
+    if len(text) <= _SHOWN:
+        return text
+    # The size of the value itself, not of its repr (quotes and escapes would add to it).
+    if isinstance(value, str):
+        size = f"{len(value)} characters"
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        size = f"{len(value)} bytes"
+    else:
+        size = f"{len(text)} characters shown"
+    return f"{text[:_SHOWN - 10]}...{text[-6:]} ({size})"
 
 
 __all__ = [

@@ -44,6 +44,15 @@ _BURST: Final = 32
 _MAX_PER_LOOP: Final = 1024
 """Packets parsed per ``loop()`` at most, so the caller's timers run between bursts of a fast sender."""
 _PUBACK: Final = 0x40
+_HELD: Final = mqtt.mqtt_ms_invalid
+"""The state of a QoS 1/2 publish paho would re-send at CONNACK, held until the hello reply
+(PahoLink.release_resends): paho's resend loop and its reconnect reset leave it alone or make it
+``mqtt_ms_publish`` again."""
+_IN_FLIGHT: Final = frozenset({
+    mqtt.mqtt_ms_wait_for_puback, mqtt.mqtt_ms_wait_for_pubrec, mqtt.mqtt_ms_wait_for_pubcomp,
+    mqtt.mqtt_ms_resend_pubrel,
+})
+"""The states paho counts in its in-flight number (a PUBLISH sent, or a PUBREL due, unacknowledged)."""
 _PUBACK_BASE: Final = 0x4002_0000
 """A PUBACK is 4 bytes: 0x40, remaining length 2, the packet id (big-endian): one u32 per acknowledgement."""
 
@@ -85,15 +94,29 @@ class PublishHandle:
         """False when paho refused it (not connected, or its queue is full)."""
         return self._info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS
 
+    @property
+    def too_large(self) -> bool:
+        """Dropped unsent after a reconnect: larger than the broker's max_packet_size (release_resends)."""
+        return self._info.rc == MQTTErrorCode.MQTT_ERR_PAYLOAD_SIZE
+
     def wait(self, timeout: float) -> bool:
-        """True once done; False after ``timeout`` seconds."""
+        """True once done (acknowledged, or dropped as ``too_large``); False after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        while not self._info.is_published():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            self._info.wait_for_publish(remaining)
+        try:
+            while not self._info.is_published():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._info.wait_for_publish(remaining)
+        except RuntimeError:  # paho's word for a message with an error code
+            if not self.too_large:
+                raise
         return True
+
+
+def publish_size(topic: str, payload_bytes: int, qos: int) -> int:
+    """A PUBLISH's remaining length (what a broker's max_packet_size bounds): topic, packet id, payload."""
+    return 2 + len(topic.encode("utf-8")) + (2 if qos else 0) + payload_bytes
 
 
 class PahoLink:
@@ -145,6 +168,8 @@ class PahoLink:
 
         def connect_cb(_c: mqtt.Client, _u: Any, flags: mqtt.ConnectFlags, reason: Any, _p: Any) -> None:
             unavailable = reason.value == _SERVER_UNAVAILABLE
+            if not reason.is_failure:
+                self._hold_resends()
             on_connack(ConnAck(not reason.is_failure, bool(flags.session_present), str(reason), unavailable))
 
         def message_cb(_c: mqtt.Client, _u: Any, message: mqtt.MQTTMessage) -> None:
@@ -174,8 +199,26 @@ class PahoLink:
 
     # ------------------------------------------------- network thread only
     def open(self) -> None:
-        """Open the TCP connection and send CONNECT; OSError when the broker cannot be reached."""
-        self._client.reconnect()
+        """Open the TCP connection and send CONNECT; OSError when the broker cannot be reached.
+
+        A QoS 2 publish whose PUBREC came (the broker has it) stays one to send PUBREL for:
+        paho resets its outgoing messages at every ``reconnect()``, refused attempts included,
+        and its second reset turns "send PUBREL again" into "send the PUBLISH again" (which
+        ``release_resends`` could then drop for its size though the broker has it).
+        """
+        client = self._client
+        with client._out_message_mutex:
+            released = [
+                m for m in client._out_messages.values()
+                if m.qos == 2 and m.state in (mqtt.mqtt_ms_wait_for_pubcomp, mqtt.mqtt_ms_resend_pubrel)
+            ]
+        try:
+            client.reconnect()
+        finally:
+            if not client._check_clean_session():
+                with client._out_message_mutex:
+                    for message in released:
+                        message.state = mqtt.mqtt_ms_resend_pubrel
 
     def retarget(self, host: str, port: int) -> None:
         """The next ``open`` connects to host:port (another broker of a replication group)."""
@@ -221,6 +264,49 @@ class PahoLink:
     def _socket_opened(self, _client: mqtt.Client, _userdata: Any, sock: Any) -> None:
         self._reader.reset()
         _no_delay(sock)
+
+    def _hold_resends(self) -> None:
+        """(At CONNACK, before paho re-sends.) Hold the QoS 1/2 publishes paho would re-send now
+        until the hello reply says the broker's max_packet_size: one larger than a broker restarted
+        (or failed over) with a smaller limit would close every new connection, for ever."""
+        client = self._client
+        with client._out_message_mutex:
+            for message in client._out_messages.values():
+                if message.qos and message.state == mqtt.mqtt_ms_publish:
+                    message.state = _HELD
+            # A publish() landing before the hello reply must not overtake them: paho queues
+            # it (unsent) while its in-flight count is at its maximum, until release_resends.
+            client._inflight_messages = max(client._inflight_messages, client._max_inflight_messages)
+
+    def release_resends(self, limit: int | None) -> list[tuple[str, int]]:
+        """(Network thread, at the hello reply.) Send the held publishes again, in order, then those
+        queued since (as far as paho's in-flight maximum allows); drop, and return as (topic, size),
+        those held or queued larger than ``limit`` (None: none is)."""
+        dropped: list[tuple[str, int]] = []
+        client = self._client
+        with client._out_message_mutex:
+            client._inflight_messages = sum(
+                1 for m in client._out_messages.values() if m.qos and m.state in _IN_FLIGHT
+            )
+            for message in list(client._out_messages.values()):
+                held = message.state == _HELD
+                if not (held or message.state == mqtt.mqtt_ms_queued):
+                    continue
+                size = publish_size(message.topic, len(message.payload), message.qos)
+                if limit is not None and size > limit:
+                    del client._out_messages[message.mid]
+                    message.info.rc = MQTTErrorCode.MQTT_ERR_PAYLOAD_SIZE
+                    message.info._set_as_published()  # wakes a publish() waiting for it: too_large
+                    dropped.append((message.topic, size))
+                elif held:
+                    client._inflight_messages += 1
+                    message.state = mqtt.mqtt_ms_wait_for_puback if message.qos == 1 else mqtt.mqtt_ms_wait_for_pubrec
+                    client._send_publish(
+                        message.mid, message.topic.encode("utf-8"), message.payload, message.qos, message.retain,
+                        message.dup, properties=message.properties,
+                    )
+            client._update_inflight()  # paho's own step: the queued ones while in-flight room is left
+        return dropped
 
     # ------------------------------------------------------ any thread
     def publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> PublishHandle:

@@ -251,14 +251,18 @@ class Receiver:
         self._cache.apply(event)
         if self.deferred:
             return Outcome(ack=True, defer=event)
-        for listener in self._registry.listeners(event.topic):
+        self._deliver_once(event, self._registry.listeners(event.topic))
+        self.complete(event)
+        return _ACK
+
+    @staticmethod
+    def _deliver_once(event: Event, listeners: list[Listener]) -> None:
+        """An event that cannot come again: every listener runs; one that raises is logged."""
+        for listener in listeners:
             try:
                 listener(event)
             except Exception:
-                log.exception("a listener raised on %s (stateless connection: the event cannot be redelivered)",
-                              event.topic)
-        self.complete(event)
-        return _ACK
+                log.exception("a listener raised on %s (%s)", event.topic, not_redeliverable(event))
 
     # ------------------------------------------------------ processed
     def complete(self, event: Event, *, late: bool = False) -> None:
@@ -291,10 +295,15 @@ class Receiver:
 
     @staticmethod
     def redeliverable(event: Event) -> bool:
-        """False for a raw event of a stateless connection: a failure cannot get it again."""
-        return event.stream or bool(event.seq)
+        """False for a raw event of a stateless connection, and for a session event delivered at
+        QoS 0 (gone once sent, docs/sdk.md): a failure cannot get it again, so dropping the
+        connection for it would only lose the QoS 0 events sent while the client reconnects."""
+        return event.stream or (bool(event.seq) and event.qos > 0)
 
     def _deliver(self, event: Event, listeners: list[Listener]) -> bool:
+        if not self.redeliverable(event):
+            self._deliver_once(event, listeners)
+            return True
         for listener in listeners:
             try:
                 listener(event)
@@ -302,7 +311,8 @@ class Receiver:
                 self._failed = True
                 self.counters.redeliveries_requested += 1
                 if isinstance(exc, EventNotProcessedError):  # the async loop's verdict: expected, no traceback
-                    log.info("%s; reconnecting so the broker sends it again, and every event after it", exc)
+                    log.info("%s: %s; reconnecting so the broker sends it again, and every event after it",
+                             type(exc).__name__, exc)
                 else:
                     log.exception(
                         "a listener raised on %s (seq %d, epoch %d): not acknowledged; reconnecting so the broker "
@@ -311,3 +321,10 @@ class Receiver:
                     )
                 return False
         return True
+
+
+def not_redeliverable(event: Event) -> str:
+    """Why a failed ``event`` is not asked for again (Receiver.redeliverable is False), for a log line."""
+    if not event.seq:
+        return "stateless connection: the event cannot be redelivered"
+    return f"seq {event.seq}, epoch {event.epoch}, delivered at QoS 0: the event cannot be redelivered"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._paho import topic_matches
@@ -19,6 +20,8 @@ class Subscription:
     """The broker acknowledged it (SUBACK) on the current session: it survives a disconnect."""
     mid: int | None = None
     """The SUBSCRIBE awaiting its SUBACK."""
+    answered: bool = False
+    """The SUBACK of the last SUBSCRIBE sent came (granted or refused)."""
 
 
 @dataclass(slots=True)
@@ -37,7 +40,8 @@ class Registry:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
-        """Notified when a SUBACK arrives or a connection ends (no SUBACK will come)."""
+        """Notified when a SUBACK arrives, a connection ends (no SUBACK will come), or a
+        subscription is replaced or removed."""
         self._subscriptions: dict[str, Subscription] = {}
         self._streams: dict[str, StreamSubscription] = {}
         self._unsubscribed: set[str] = set()
@@ -65,6 +69,7 @@ class Registry:
             self._unsubscribed.discard(subscription.filter)
             for mid in [mid for mid, pending in self._unsubscribing.items() if pending == subscription.filter]:
                 del self._unsubscribing[mid]
+            self.changed.notify_all()
 
     def remove(self, topic_filter: str, *, unsubscribe_later: bool) -> Subscription | None:
         """Forget a subscription; ``unsubscribe_later``: it could not be sent, send it on reconnect."""
@@ -73,6 +78,7 @@ class Registry:
             subscription = self._subscriptions.pop(topic_filter, None)
             if subscription is not None and unsubscribe_later:
                 self._unsubscribed.add(topic_filter)
+            self.changed.notify_all()
             return subscription
 
     def subscriptions(self) -> list[Subscription]:
@@ -125,6 +131,7 @@ class Registry:
                 if subscription.mid == mid:
                     subscription.mid = None
                     subscription.confirmed = ok
+                    subscription.answered = True
                     self.changed.notify_all()
                     return subscription
             return None
@@ -140,6 +147,35 @@ class Registry:
             return self.changed.wait_for(
                 lambda: all(s.mid is None for s in self._subscriptions.values()), timeout
             )
+
+    def wait_answered(self, topic_filter: str, timeout: float, stopped: Callable[[], bool]) -> bool:
+        """Wait until the subscription of ``topic_filter`` has its SUBACK (the one of a SUBSCRIBE
+        re-sent after a reconnect too), is confirmed without one (the broker's session holds it),
+        or is no longer this registry's (at once when it is not when called), or ``stopped()``
+        (the client closes: notified); False when ``timeout`` ran out first."""
+        with self.lock:
+            subscription = self._subscriptions.get(topic_filter)
+            return self.changed.wait_for(
+                lambda: stopped()
+                or subscription is None
+                or self._subscriptions.get(topic_filter) is not subscription
+                or (subscription is not None and subscription.mid is None
+                    and (subscription.answered or subscription.confirmed)),
+                timeout,
+            )
+
+    def has_stream(self, topic_filter: str) -> bool:
+        with self.lock:
+            return topic_filter in self._streams
+
+    def pending_unsubscribes(self) -> list[str]:
+        """The filters whose UNSUBSCRIBE is due on the next connection."""
+        with self.lock:
+            return sorted(self._unsubscribed)
+
+    def forget_unsubscribe(self, topic_filter: str) -> None:
+        with self.lock:
+            self._unsubscribed.discard(topic_filter)
 
     def listeners(self, topic: str) -> list[Listener]:
         with self.lock:

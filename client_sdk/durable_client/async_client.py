@@ -36,7 +36,7 @@ from typing import Any, Final, Self
 from durable_protocol import Marker
 
 from ._options import check_bool, check_callable, check_seconds
-from ._receiver import Handed
+from ._receiver import Handed, not_redeliverable
 from .cache import LastValueCache
 from .client import Completion, DurableClient, _safe
 from .errors import DurableClientError, EventNotProcessedError
@@ -138,8 +138,7 @@ class _Queue:
         assert event is not None
         if processed or not self._receiver.redeliverable(event):
             if not processed:
-                log.error("the loop body failed on %s (stateless connection: the event cannot be redelivered)",
-                          event.topic)
+                log.error("the loop body failed on %s (%s)", event.topic, not_redeliverable(event))
             self._receiver.complete(event, late=True)
             self._ack(item)
         elif item.generation != self._failed:

@@ -16,6 +16,7 @@ the session's epoch), then the subscriptions the broker may have lost, the strea
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import threading
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, ParamSpec
 
-from durable_protocol import CONTROL_TOPIC, Marker, Reply, encode_request
+from durable_protocol import CONTROL_TOPIC, MAX_REQUEST_BYTES, Marker, Reply, encode_request, shown_topic
 
 from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, open_group_committed
 from ._options import (
@@ -40,7 +41,7 @@ from ._options import (
     check_topic,
     check_window,
 )
-from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, topic_matches
+from ._paho import ConnAck, Inbound, PahoLink, PublishHandle, publish_size, topic_matches
 from ._receiver import Handed, Outcome, Receiver
 from ._registry import Registry, StreamSubscription, Subscription
 from ._stream_acks import StreamAcks
@@ -209,6 +210,8 @@ class DurableClient:
         self._handshake_deadline: float | None = None  # set while CONNECT/hello await their answers
         self._hello_req: int | None = None
         self._session_present = False
+        self._max_packet_size: int | None = None
+        """The broker's max_packet_size from its hello reply (None: not said): publish() refuses larger."""
         self._had_session = False  # a durable session was set up in this process
         self._ready_requested = False  # set by ready_for_events()
         self._ready_sent = False  # on the current connection (or waiting for its set-up's acks: _ready_deferred)
@@ -334,7 +337,9 @@ class DurableClient:
         # No listener runs for what arrives from now on: the broker sends it again to the session's next
         # connection, which must not find it processed already (without CPL-2 marks, twice).
         self._receiver.fail()
-        self._release_held()
+        with self._registry.lock:
+            self._registry.changed.notify_all()  # a subscribe() waiting for its SUBACK stops waiting
+        self._release_held()  # before the DISCONNECT
         if thread is not None and not on_network_thread:
             if self._link is not None and self._link.socket_open:
                 # The network thread ends its pass (a listener running finishes), sends the PUBACKs gathered
@@ -407,7 +412,12 @@ class DurableClient:
         restart). Called while disconnected, the subscription is sent on the next connect;
         when connected, it returns once the broker has confirmed it, or raises RequestTimeout
         after ``timeout`` seconds without a SUBACK (the subscription stays registered and is
-        sent again on reconnect).
+        sent again on reconnect; a connection lost first is no SUBACK: it waits for the one of
+        the SUBSCRIBE sent again after the reconnect). A filter whose packets would be larger
+        than the broker's max_packet_size (once a hello reply said it) is a ValueError, also
+        when a reconnect's hello reply drops it while this call waits. Unconnected when the
+        client is closed while it waits; it returns when another thread unsubscribes the filter
+        meanwhile.
         """
         self._check_open()
         check_filter(topic_filter)
@@ -415,12 +425,21 @@ class DurableClient:
         check_bool("durable", durable)
         check_callable("listener", listener)
         timeout = check_seconds("timeout", timeout, low=0)
-        if (
-            self._subscribe(topic_filter, qos, durable, listener)
-            and not self._on_network_thread()
-            and not self._registry.wait_settled(timeout)
-        ):
-            raise RequestTimeout(f"no SUBACK for {topic_filter!r} within {timeout} s; it is sent again on reconnect")
+        self._check_filter_size(topic_filter, request=self._durable)
+        if not self._subscribe(topic_filter, qos, durable, listener) or self._on_network_thread():
+            return
+        answered = self._registry.wait_answered(topic_filter, timeout, self._stop.is_set)
+        if self._closed or self._stop.is_set():
+            raise Unconnected(
+                f"the client was closed while waiting for the SUBACK of {shown_topic(topic_filter)!r}; the broker's "
+                "durable session may hold the subscription"
+            )
+        if not answered:
+            raise RequestTimeout(
+                f"no SUBACK for {shown_topic(topic_filter)!r} within {timeout} s; it is sent again on reconnect"
+            )
+        if self._registry.get(topic_filter) is None:  # unsubscribed meanwhile, or dropped at a hello reply
+            self._check_filter_size(topic_filter, request=self._durable, outcome="the subscription was dropped")
 
     def _subscribe(self, topic_filter: str, qos: int, durable: bool, listener: Listener | None) -> bool:
         """Record the subscription and send what the broker must hear; True when a SUBSCRIBE went out."""
@@ -431,6 +450,7 @@ class DurableClient:
                 self._registry.put(subscription)
                 if previous is not None and previous.qos == qos:
                     subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
+                    subscription.answered = previous.answered
                 if not self._connected:
                     return False
                 # A new durable subscription is durable by default; anything else is said.
@@ -452,6 +472,7 @@ class DurableClient:
         A filter ``subscribe()`` would refuse is refused here too (ValueError): no session holds it."""
         self._check_open()
         check_filter(topic_filter)
+        self._check_filter_size(topic_filter, request=self._registry.has_stream(topic_filter))
         if self._delivery_log is not None:
             self._delivery_log.unsubscribe(topic_filter)
         with self._lock:
@@ -540,6 +561,7 @@ class DurableClient:
         timeout = check_seconds("timeout", timeout, low=0)
         window = check_window(window)
         positions = check_after(topic_filter, after)
+        self._check_filter_size(topic_filter, request=True)
         with self._lock:
             for stream in self._registry.streams():
                 moved = sorted(topic for topic in positions if topic_matches(stream.filter, topic))
@@ -580,6 +602,7 @@ class DurableClient:
         self._check_open()
         check_filter(topic_filter)
         timeout = check_seconds("timeout", timeout, low=0)
+        self._check_filter_size(topic_filter, request=True)
         if self._on_network_thread():
             raise DurableClientError(
                 "stream_info() cannot wait for its reply on the network thread (called from a listener or callback)"
@@ -613,7 +636,11 @@ class DurableClient:
         allowed while disconnected either), and when the connection is lost as the message is
         handed to paho (at QoS 1/2 paho keeps it and sends it after the reconnect);
         RequestTimeout when the PUBACK is late (the message may still arrive). At QoS 0 and from
-        a listener it returns once paho has queued the message, without waiting.
+        a listener it returns once paho has queued the message, without waiting. ValueError
+        (``payload``) for a PUBLISH larger than the broker's max_packet_size (its hello reply
+        says it), also when an unacknowledged one is found larger at a reconnect's hello reply:
+        it is dropped then, with an ERROR, not sent again (it may have been delivered: the
+        broker may have had it before the connection was lost), and no ``send`` is logged.
         """
         self._check_open()
         data = _publishable(topic, payload)
@@ -622,6 +649,7 @@ class DurableClient:
         timeout = check_seconds("timeout", timeout, low=0)
         if not self._connected:
             raise Unconnected(f"not connected to {self.host}:{self.port} (reconnecting): nothing was published")
+        self._check_packet_size(topic, data, qos)
         handle = self._link_or_raise().publish(topic, data, qos, retain)
         if not handle.queued:
             if qos == 0:
@@ -636,6 +664,31 @@ class DurableClient:
         self._await_puback(handle, topic, timeout)
         self._log_send(topic, data, qos)
 
+    def _check_packet_size(self, topic: str, data: bytes, qos: int) -> None:
+        """Refuse a PUBLISH the broker would close the connection for (its hello reply's
+        ``max_packet_size``): paho would send it again after every reconnect, for ever."""
+        limit = self._max_packet_size
+        size = publish_size(topic, len(data), qos)
+        if limit is not None and size > limit:
+            raise ValueError(
+                f"payload: a PUBLISH of {size} bytes (topic, packet id and {len(data)} bytes of payload) is larger "
+                f"than the broker's max_packet_size ({limit} bytes), which would close the connection; nothing "
+                "was published"
+            )
+
+    def _check_filter_size(self, topic_filter: str, *, request: bool, outcome: str = "nothing was changed") -> None:
+        """Refuse a filter whose SUBSCRIBE (or, with ``request``, control request) the broker would
+        close the connection for (its last hello reply's ``max_packet_size``): it would be sent
+        again after every reconnect, for ever."""
+        size = _filter_packet_size(topic_filter, request=request)
+        limit = self._max_packet_size
+        if limit is not None and size > limit:
+            raise ValueError(
+                f"topic_filter: {shown_topic(topic_filter)!r} ({len(topic_filter.encode('utf-8'))} bytes) needs a "
+                f"packet of {size} bytes, more than the broker's max_packet_size ({limit} bytes), which would close "
+                f"the connection; {outcome}"
+            )
+
     def _await_puback(self, handle: PublishHandle, topic: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not handle.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
@@ -646,6 +699,12 @@ class DurableClient:
                     f"no PUBACK for the publish to {topic} within {timeout} s; it stays queued and is re-sent "
                     "after a reconnect, so it may still arrive"
                 )
+        if handle.too_large:
+            raise ValueError(
+                f"payload: the broker's max_packet_size ({self._max_packet_size} bytes) after a reconnect is less "
+                "than this PUBLISH, which would close every connection: it was dropped, not sent again; it may have "
+                "been delivered (the broker may have had it before the connection was lost)"
+            )
 
     def _close_files(self) -> None:
         self._state.close()
@@ -774,13 +833,13 @@ class DurableClient:
             for topic, (first, last) in (reply.fields.get("gaps") or {}).items():
                 log.warning(
                     "stream %s: ids %s to %s were trimmed by the broker's retention before this client read them",
-                    topic, first, last,
+                    shown_topic(topic), first, last,
                 )
             for topic, last in (reply.fields.get("ahead") or {}).items():
                 log.warning(
                     "stream %s: this client has processed ids past the log's last id %s (was the broker's store "
                     "wiped or replaced?); nothing is delivered on it until the log passes this client's position",
-                    topic, last,
+                    shown_topic(topic), last,
                 )
         with self._lock:
             waiter = self._waiters.pop(reply.req, None) if isinstance(reply.req, int) else None
@@ -805,6 +864,15 @@ class DurableClient:
             return
         epoch = reply.fields.get("epoch")
         epoch = epoch if isinstance(epoch, int) else None
+        limit = reply.fields.get("max_packet_size")  # absent from older brokers: nothing is checked
+        self._max_packet_size = limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+        for topic, size in self._link_or_raise().release_resends(limit):
+            log.error(
+                "dropping the unacknowledged publish to %s: its %d bytes are more than the broker's max_packet_size "
+                "(%s bytes), which would close every connection; it is not sent again, and may have been delivered "
+                "(the broker may have had it before the connection was lost)",
+                shown_topic(topic), size, limit,
+            )
         expiry = reply.fields.get("session_expiry")
         info = ConnectionInfo(self._session_present, epoch, float(expiry) if isinstance(expiry, int | float) else None)
         lost = self._durable and _session_lost(
@@ -860,6 +928,7 @@ class DurableClient:
         free count no more against ``max_subscriptions_per_client`` when the SUBSCRIBEs arrive.
         """
         with self._registry.lock:
+            self._drop_oversized()
             pending = self._registry.take_unsubscribed()  # before session_lost(), which drops them
             if resend_durable:
                 self._registry.session_lost()
@@ -873,10 +942,40 @@ class DurableClient:
                         self._registry.broker_held.discard(topic_filter)
             for subscription in self._registry.subscriptions():
                 self._replay_subscription(subscription, resend_durable, broker_has)
+            self._registry.changed.notify_all()  # subscribe() waits: one the broker holds is confirmed now
         for stream in self._registry.streams():
             self._open_stream(stream.filter, stream.window, wait=False)
         if self._durable and self._ready_requested:
             self._send_ready()
+
+    def _drop_oversized(self) -> None:
+        """(Holding the registry's lock, at the hello reply.) Drop, with an ERROR each, the
+        subscriptions, streams and due UNSUBSCRIBEs whose packets are larger than the broker's
+        max_packet_size (made before it was known, or when a broker with a larger one answered):
+        the broker would close every connection they are sent on."""
+        limit = self._max_packet_size
+        if limit is None:
+            return
+        dropped = [
+            ("subscription", s.filter) for s in self._registry.subscriptions()
+            if _filter_packet_size(s.filter, request=self._durable) > limit
+        ]
+        dropped += [("stream subscription", s.filter) for s in self._registry.streams()
+                    if _filter_packet_size(s.filter, request=True) > limit]
+        dropped += [("unsubscribe", f) for f in self._registry.pending_unsubscribes()
+                    if _filter_packet_size(f, request=False) > limit]
+        for kind, topic_filter in dropped:
+            if kind == "subscription":
+                self._registry.remove(topic_filter, unsubscribe_later=False)
+            elif kind == "stream subscription":
+                self._registry.remove_stream(topic_filter)
+            else:
+                self._registry.forget_unsubscribe(topic_filter)
+            log.error(
+                "dropping the %s of %s (%d bytes): its packet is larger than the broker's max_packet_size (%d bytes), "
+                "which would close every connection; it is not sent",
+                kind, shown_topic(topic_filter), len(topic_filter.encode("utf-8")), limit,
+            )
 
     def _send_unsubscribe(self, topic_filter: str) -> None:
         """UNSUBSCRIBE; a durable session's whose UNSUBACK has not arrived when the connection is
@@ -914,7 +1013,9 @@ class DurableClient:
         try:
             outcome = self._receiver.handle(message)
         except Exception:
-            log.exception("internal error handling a message on %s; reconnecting to get it again", message.topic)
+            log.exception(
+                "internal error handling a message on %s; reconnecting to get it again", shown_topic(message.topic)
+            )
             self._receiver.fail()
             outcome = Outcome(reconnect=True)
         if outcome.reconnect:
@@ -1028,7 +1129,9 @@ class DurableClient:
         self._receiver.fail()
         self._receiver.counters.redeliveries_requested += 1
         self._redelivering = True
-        log.info("%s; reconnecting so the broker sends it again, and every event after it", error)
+        # Named by its type: sdk.md says the client logs an EventNotProcessedError here, at INFO.
+        log.info("%s: %s; reconnecting so the broker sends it again, and every event after it",
+                 type(error).__name__, error)
         self._flush_acks()
         self._link_or_raise().drop()
 
@@ -1059,7 +1162,7 @@ class DurableClient:
         if subscription is not None and not ok:
             log.warning(
                 "the broker refused the subscription to %s (not authorized?); it is tried again on reconnect",
-                subscription.filter,
+                shown_topic(subscription.filter),
             )
         self._send_deferred_ready()  # last: it raises Unconnected when the connection was just lost
 
@@ -1110,12 +1213,13 @@ class DurableClient:
 
     def _send_subscribe(self, subscription: Subscription) -> None:
         qos = min(subscription.qos, 1) if self._durable else subscription.qos
-        subscription.confirmed = False
+        subscription.confirmed = subscription.answered = False
         subscription.mid = self._link_or_raise().subscribe(subscription.filter, qos)
 
     def _open_stream(self, topic_filter: str, window: int | None, *, wait: bool) -> _Waiter | None:
         positions = self._state.positions().items()
         after = {topic: event_id for topic, event_id in positions if topic_matches(topic_filter, topic)}
+        after = _fitting_positions(topic_filter, after, window, self._max_packet_size)
         return self._send_request(
             "stream_subscribe", wait=wait, filter=topic_filter, after=after or None, window=window
         )
@@ -1158,6 +1262,53 @@ def _session_lost(*, expected: bool, session_present: bool, recorded_epoch: int 
     if not session_present:
         return True
     return recorded_epoch is not None and epoch is not None and epoch != recorded_epoch
+
+
+def _filter_packet_size(topic_filter: str, *, request: bool) -> int:
+    """The remaining length of the largest packet naming ``topic_filter`` the SDK sends: its
+    SUBSCRIBE (packet id, filter, QoS; an UNSUBSCRIBE is a byte less) and, with ``request``, its
+    largest control request (a stream_subscribe without positions, as a QoS 0 PUBLISH)."""
+    size = 5 + len(topic_filter.encode("utf-8"))
+    if request:
+        payload = encode_request("stream_subscribe", 2**53, filter=topic_filter, after=None, window=1000)
+        size = max(size, 2 + len(CONTROL_TOPIC.encode()) + len(payload))
+    return size
+
+
+_REQUEST_SPARE = 64
+"""Bytes of a stream_subscribe request left for its ``req`` and the JSON around ``after``."""
+
+
+def _fitting_positions(
+    topic_filter: str, after: dict[str, int], window: int | None, packet_limit: int | None = None
+) -> dict[str, int]:
+    """The positions of ``after`` that fit one stream_subscribe request (MAX_REQUEST_BYTES, and
+    the broker's ``packet_limit``: its max_packet_size, when its hello reply says it).
+
+    Past about 2,000 topics they do not: the broker would refuse the request (``malformed``) and
+    the stream would never open again. The highest ids are presented (the longest logs to read
+    again); the broker sends the other topics from their first retained event, and the client's
+    marks drop (and acknowledge) what it processed already, so each event is still processed once.
+    """
+    size = len(encode_request("stream_subscribe", 0, filter=topic_filter, after={}, window=window))
+    limit = MAX_REQUEST_BYTES
+    if packet_limit is not None:  # a QoS 0 PUBLISH: 2 + topic + payload
+        limit = min(limit, packet_limit - 2 - len(CONTROL_TOPIC.encode()))
+    if size + _REQUEST_SPARE + sum(len(json.dumps(t)) + len(str(i)) + 2 for t, i in after.items()) <= limit:
+        return after
+    kept: dict[str, int] = {}
+    budget = limit - size - _REQUEST_SPARE
+    for topic, event_id in sorted(after.items(), key=lambda item: (-item[1], item[0])):
+        cost = len(json.dumps(topic)) + len(str(event_id)) + 2  # "topic":id,
+        if cost <= budget:
+            kept[topic] = event_id
+            budget -= cost
+    log.warning(
+        "stream %s: %d of %d positions fit the %d-byte stream_subscribe request; the broker sends the other "
+        "topics from their first retained event and this client's marks drop what it processed already",
+        shown_topic(topic_filter), len(kept), len(after), limit,
+    )
+    return kept
 
 
 def _safe(callback: Callable[_P, None] | None, *args: _P.args, **kwargs: _P.kwargs) -> None:

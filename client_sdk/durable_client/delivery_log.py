@@ -11,6 +11,7 @@ processed (nor logged) a second time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -46,6 +47,15 @@ class DeliveryLog:
         if folder:
             os.makedirs(folder, exist_ok=True)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the client's life
+        try:
+            if not _ends_a_line(path):  # a write that failed (or a kill) cut the last line short: end it
+                self._file.write("\n")
+                self._file.flush()
+        except OSError:  # a full disk: the DurableClient is not created (delivery-log.md)
+            with contextlib.suppress(OSError):
+                self._file.close()
+            raise
+        self._path = os.fspath(path)
         self._device = device
         self._lock = threading.Lock()
 
@@ -53,8 +63,19 @@ class DeliveryLog:
         line = json.dumps({"kind": kind, "device": self._device, "time": time.time(), **fields})
         with self._lock:
             if not self._file.closed:
-                self._file.write(line + "\n")
-                self._file.flush()
+                try:
+                    self._file.write(line + "\n")
+                    self._file.flush()
+                except OSError as exc:
+                    # A full disk or an I/O error ends the log, not the client: raised here it
+                    # would drop the connection on every message (and every hello) for ever.
+                    log.error(
+                        "cannot write the delivery log %s (%s): the log ends here (its last line may be cut "
+                        "short); the client goes on without it",
+                        self._path, exc,
+                    )
+                    with contextlib.suppress(OSError):
+                        self._file.close()  # the lines it could not flush are dropped with it
 
     def send(self, topic: str, payload: bytes, qos: int) -> None:
         self._write("send", topic=topic, id=message_id(topic, payload), qos=qos)
@@ -88,8 +109,17 @@ class DeliveryLog:
         self._write("live", replayed_count=marker.replayed)
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, contextlib.suppress(OSError):  # a failed flush was reported by _write's ERROR
             self._file.close()
+
+
+def _ends_a_line(path: str | os.PathLike[str]) -> bool:
+    """Is the file at ``path`` empty or ending with a newline? (The next record starts a line.)"""
+    with open(path, "rb") as file:
+        if file.seek(0, os.SEEK_END) == 0:
+            return True
+        file.seek(-1, os.SEEK_END)
+        return file.read(1) == b"\n"
 
 
 @dataclass(slots=True)

@@ -41,6 +41,7 @@ __all__ = [
     "OPS",
     "PROTOCOL_VERSION",
     "REPLY_TOPIC",
+    "SHOWN_TOPIC_CHARS",
     "STREAM_TOPIC_PREFIX",
     "Frame",
     "LiveSubscription",
@@ -61,6 +62,7 @@ __all__ = [
     "parse_request",
     "remaining_length",
     "request_ids",
+    "shown_topic",
 ]
 
 PROTOCOL_VERSION: Final = 1
@@ -71,6 +73,17 @@ MARKER_TOPIC: Final = "$durable/v1/marker"
 STREAM_TOPIC_PREFIX: Final = "$durable/v1/stream/"
 MAX_REQUEST_BYTES: Final = 65_536
 MAX_STREAM_WINDOW: Final = 1_000
+SHOWN_TOPIC_CHARS: Final = 100
+"""A topic in a log line or an error message is cut to this many characters and "...": it may be
+65 kB long (the broker also keeps a topic under ``_durable/`` other than the control topic cut so)."""
+
+
+def shown_topic(topic: str) -> str:
+    """A topic cut to ``SHOWN_TOPIC_CHARS`` (and "...") for an error message or a log line; a cut
+    one is left as it is."""
+    if len(topic) <= SHOWN_TOPIC_CHARS + 3:
+        return topic
+    return topic[:SHOWN_TOPIC_CHARS] + "..."
 
 
 def filter_is_valid(topic_filter: str) -> bool:

@@ -35,6 +35,7 @@ from durable_protocol import (
     filter_is_valid,
     parse_request,
     request_ids,
+    shown_topic,
 )
 
 from .admission import LogBudget
@@ -50,9 +51,6 @@ _AWAITING_OPS = frozenset({"end_session", "stream_subscribe", "stream_info"})
 REQUEST_OVERHEAD = 200
 """Bytes counted for each waiting request besides its topic and payload: what holding one costs
 in memory (the queue entry, its tuple, str and bytes objects: some 150 bytes in CPython 3.12)."""
-SHOWN_TOPIC_CHARS = 100
-"""A topic under ``_durable/`` other than the control topic is kept (and shown in the
-``unknown_topic`` error and log line) cut to this many characters and "...": it may be 65 kB long."""
 
 
 class StreamAgent(Protocol):
@@ -190,7 +188,7 @@ class ControlChannel:
         close the connection past ``max_pending_control_bytes``."""
         size = len(topic) + len(payload) + REQUEST_OVERHEAD  # the topic as sent, though kept cut
         if topic != CONTROL_TOPIC:
-            topic = _shown(topic)
+            topic = shown_topic(topic)
         if not self._pending.admit(size):
             self._overflow()
             return
@@ -251,7 +249,9 @@ class ControlChannel:
                     try:
                         self._streams.refill(topic)
                     except Exception:  # one topic's failure must not leave the others held for good
-                        log.exception("%s: sending stream events of %r after acks failed", self._client_id, topic)
+                        log.exception(
+                            "%s: sending stream events of %r after acks failed", self._client_id, shown_topic(topic)
+                        )
         except Exception:
             log.exception("%s: sending stream events after acks failed", self._client_id)
         finally:
@@ -262,7 +262,7 @@ class ControlChannel:
         try:
             if topic != CONTROL_TOPIC:
                 op, req = request_ids(payload)
-                message = f"{_shown(topic)!r} is not a control topic; send to {CONTROL_TOPIC}"
+                message = f"{shown_topic(topic)!r} is not a control topic; send to {CONTROL_TOPIC}"
                 raise ProtocolError("unknown_topic", message, req=req, op=op)
             return parse_request(payload)
         except ProtocolError as exc:
@@ -399,12 +399,17 @@ class ControlChannel:
 
     # ---------------------------------------------------------------------- ops
     def _hello(self, request: Request) -> dict[str, Any]:
+        # max_packet_size: a client that sends a larger packet has its connection closed, so an SDK
+        # refuses such a publish instead of sending it again after every reconnect.
+        limit = self._engine.config.max_packet_size
         session = self._session()
         if session is None:
-            return {"protocol": PROTOCOL_VERSION, "epoch": None, "session_expiry": None, "subscriptions": None}
+            return {"protocol": PROTOCOL_VERSION, "epoch": None, "session_expiry": None, "subscriptions": None,
+                    "max_packet_size": limit}
         epoch, granted = self._engine.hello(self._client_id, request.session_expiry)
         subscriptions = dict(sorted(session.record.subscriptions.items()))
-        return {"protocol": PROTOCOL_VERSION, "epoch": epoch, "session_expiry": granted, "subscriptions": subscriptions}
+        return {"protocol": PROTOCOL_VERSION, "epoch": epoch, "session_expiry": granted, "subscriptions": subscriptions,
+                "max_packet_size": limit}
 
     def _interest(self, request: Request) -> dict[str, Any]:
         self._own_session(request)
@@ -460,7 +465,7 @@ class ControlChannel:
         try:
             return bool(await self._may_receive(topic))
         except Exception:
-            log.exception("stream %s: the topic check failed; stream_info leaves it out", topic)
+            log.exception("stream %s: the topic check failed; stream_info leaves it out", shown_topic(topic))
             return False
 
     # ------------------------------------------------------------------ replies
@@ -479,14 +484,6 @@ class ControlChannel:
     def _write(self, body: bytes) -> None:
         if not self._transport.closed:
             self._transport.write(encode_publish(_REPLY_TOPIC, body, 0, 0, dup=False, retain=False))
-
-
-def _shown(topic: str) -> str:
-    """A topic cut to ``SHOWN_TOPIC_CHARS`` (and "...") for an error message or a log line; a cut
-    one is left as it is."""
-    if len(topic) <= SHOWN_TOPIC_CHARS + 3:
-        return topic
-    return topic[:SHOWN_TOPIC_CHARS] + "..."
 
 
 _IMMEDIATE: dict[str, Callable[[ControlChannel, Request], dict[str, Any] | None]] = {

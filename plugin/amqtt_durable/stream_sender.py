@@ -25,6 +25,7 @@ from durable_protocol import (
     ProtocolError,
     encode_frame,
     filter_is_valid,
+    shown_topic,
 )
 
 from .delivery import READ_RETRY_FIRST, READ_RETRY_MAX
@@ -32,6 +33,8 @@ from .stream_log import MAX_MQTT_TOPIC_BYTES, LogEvent, StreamLogs
 from .topics import matches
 from .wire import encode_publish
 
+_AHEAD_SHOWN = 5
+"""Topics named in the WARNING of positions past the log end (thousands may be presented)."""
 RESEND_WAIT_MAX = 60.0
 """Longest wait before a resend to a client that acknowledges nothing (unless stream_ack_timeout is longer)."""
 
@@ -157,7 +160,11 @@ class StreamSender:
                     ahead[topic] = bounds[1]
         if ahead:
             # Ids are never reused by one store: a position past the end means another store.
-            log.warning("stream subscribe %s: positions past the log end (a wiped store?): %s", topic_filter, ahead)
+            shown = ", ".join(f"{shown_topic(topic)}: {last}" for topic, last in list(ahead.items())[:_AHEAD_SHOWN])
+            log.warning(
+                "stream subscribe %s: %d positions past the log end (a wiped store?): %s%s",
+                shown_topic(topic_filter), len(ahead), shown, ", ..." if len(ahead) > _AHEAD_SHOWN else "",
+            )
         return {"topics": topics, "gaps": gaps, "ahead": ahead}
 
     def _check_entries(self, topic_filter: str, after: dict[str, int]) -> None:
@@ -328,7 +335,7 @@ class StreamSender:
         try:
             return bool(await self._may_receive(topic))
         except Exception:
-            log.exception("stream %s: the topic check failed; the topic is not opened", topic)
+            log.exception("stream %s: the topic check failed; the topic is not opened", shown_topic(topic))
             return False
 
     async def _admit_all(self, topics: list[str]) -> list[bool]:
@@ -353,7 +360,9 @@ class StreamSender:
             return
         gap = self._open(topic, window, self._pending_after.pop(topic, None))
         if gap is not None:
-            log.warning("stream %s: ids %d to %d were trimmed before this connection could read them", topic, *gap)
+            log.warning(
+                "stream %s: ids %d to %d were trimmed before this connection could read them", shown_topic(topic), *gap
+            )
 
     def _open(self, topic: str, window: int, after_id: int | None) -> tuple[int, int] | None:
         """Open a cursor after ``after_id`` (or at the first retained event); returns the gap."""
@@ -364,7 +373,10 @@ class StreamSender:
         start = first if after_id is None else max(after_id + 1, first)
         cursor = _Cursor(topic, window, start)
         if len(cursor.topic_bytes) > MAX_MQTT_TOPIC_BYTES:
-            log.warning("stream %s: topic too long for the %s prefix; not opened", topic, STREAM_TOPIC_PREFIX)
+            log.warning(
+                "stream %s: topic too long for the %s prefix (%d bytes with it, more than %d); not opened",
+                shown_topic(topic), STREAM_TOPIC_PREFIX, len(cursor.topic_bytes), MAX_MQTT_TOPIC_BYTES,
+            )
             self._refused.add(topic)
             return None
         self._cursors[topic] = cursor
@@ -408,7 +420,7 @@ class StreamSender:
         if cursor.next_id < first:
             log.warning(
                 "stream %s: ids %d to %d were trimmed by retention before they were sent; resuming at id %d",
-                cursor.topic,
+                shown_topic(cursor.topic),
                 cursor.next_id,
                 first - 1,
                 first,

@@ -47,6 +47,7 @@ class FakeHandle:
     def __init__(self, done: bool) -> None:
         self.queued = True
         self.done = done
+        self.too_large = False
 
     def wait(self, timeout: float) -> bool:
         return self.done
@@ -124,6 +125,9 @@ class FakeLink:
 
     def drop(self) -> None:
         self.sent.append(("drop",))
+
+    def release_resends(self, limit: int | None) -> list[tuple[str, int]]:
+        return []  # paho holds nothing here to send again
 
     def disconnect(self) -> None:
         self.sent.append(("disconnect",))

@@ -3,8 +3,11 @@ processed, closing the window between a record and its mark (real files in tmp_p
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -254,3 +257,25 @@ def test_the_tail_is_read_from_its_first_whole_line_at_any_size(tmp_path: Path) 
                 expected.sessions = {EPOCH: 5}
         got = last_processed(log, DEVICE, tail=tail)
         assert (got.sessions, got.stream) == (expected.sessions, expected.stream), f"tail of {tail} bytes"
+
+
+def test_a_client_whose_log_cannot_get_its_newline_is_not_created(tmp_path: Path) -> None:
+    """delivery-log.md: the constructor ends a cut-short last line; when that write fails (a full
+    disk: here the process's file size limit, EFBIG) creating the DurableClient raises OSError."""
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b'{"kind": "send", "cut')
+    script = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({path.stat().st_size}, resource.RLIM_INFINITY))\n"
+        "from durable_client import DurableClient\n"
+        "try:\n"
+        f"    DurableClient('c1', '127.0.0.1', 1, delivery_log={str(path)!r})\n"
+        "except OSError as exc:\n"
+        "    print('OSError', exc.errno)\n"
+        "    sys.exit(0)\n"
+        "print('created')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert done.stdout.split() == ["OSError", str(errno.EFBIG)], (done.stdout, done.stderr)
+    assert path.read_bytes() == b'{"kind": "send", "cut'
