@@ -1124,14 +1124,19 @@ class DurableClient:
                     self._acknowledge(item[1], item[2], item[3])
 
     def _redelivery_asked(self, error: EventNotProcessedError) -> None:
-        if self._receiver.failed:
+        closing = self._stop.is_set()
+        if self._receiver.failed and not closing:
+            return  # asked already on this connection
+        # Named by its type: sdk.md says the client logs an EventNotProcessedError here, at INFO
+        # (also when close() came first and stopped the processing: the event comes again all the same).
+        log.info("%s: %s; %s", type(error).__name__, error,
+                 "the client is closing: its session's next connection gets it" if closing
+                 else "reconnecting so the broker sends it again, and every event after it")
+        if closing:
             return
         self._receiver.fail()
         self._receiver.counters.redeliveries_requested += 1
         self._redelivering = True
-        # Named by its type: sdk.md says the client logs an EventNotProcessedError here, at INFO.
-        log.info("%s: %s; reconnecting so the broker sends it again, and every event after it",
-                 type(error).__name__, error)
         self._flush_acks()
         self._link_or_raise().drop()
 
