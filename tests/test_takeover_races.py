@@ -501,3 +501,33 @@ def test_what_a_connection_that_took_over_published_waits_at_most_5_s_after_its_
     assert_delivered([clean_watcher], [b"b1", b"s1", b"c1", b"c2"])
     assert_delivered([durable_watcher], [b"s1", b"c1", b"c2", b"b1"])
     assert 4.0 < took < 8.0, f"b1 delivered {took:.2f} s after its connection's end (documented: at most 5 s)"
+
+
+def test_a_clean_connection_made_after_a_durable_one_that_took_over_ended_does_not_wait(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """docs/guarantees.md, Take-over: "A connection of the client id made after the new one ended
+    takes nothing over and does not wait". A durable B took over "pub" (stuck on "s1"'s check),
+    published "b1" and ended; its Session stayed in amqtt's table, so a clean C followed B and its
+    "n1" reached clean subscribers only after B's 5-second hand-over bound (review 251: 5.01 s)."""
+    broker = slow_check_broker(broker_factory, tmp_path)
+    clean_watcher, durable_watcher = watchers_of(broker, clients)
+    with published_behind_a_slow_check(broker, tmp_path, clean=False) as old:
+        with raw_connect(broker.port, "pub", clean=False) as newer:
+            newer.sendall(mqtt_packet(0x32, mqtt_string("c/b") + b"\x00\x05" + b"b1"))
+            assert read_packet(newer) == (0x40, b"\x00\x05")
+            newer.sendall(b"\xe0\x00")
+            assert read_until_closed(newer, WAIT) is not None
+        ended = time.monotonic()
+        with raw_connect(broker.port, "pub", clean=True) as third:
+            third.sendall(mqtt_packet(0x32, mqtt_string("c/n") + b"\x00\x06" + b"n1"))
+            assert read_packet(third) == (0x40, b"\x00\x06")
+            assert clean_watcher.wait_for(lambda ms: any(m.payload == b"n1" for m in ms), 3 * WAIT)
+            took = time.monotonic() - ended
+        (tmp_path / "gate").write_text("1")
+        assert read_until_closed(old, WAIT) is not None
+    # Nothing is lost either way: the durable subscriber gets all five in published order.
+    assert durable_watcher.wait_for(lambda ms: len(ms) >= 5, WAIT)
+    assert [m.payload for m in durable_watcher.messages] == [b"s1", b"c1", b"c2", b"b1", b"n1"]
+    assert clean_watcher.wait_for(lambda ms: len(ms) >= 5, WAIT)
+    assert took < 4.0, f"n1 waited {took:.2f} s for the ended connection's hand-over (5 s bound)"

@@ -1786,12 +1786,15 @@ class AmqttHooks:
         loop, whose end hands them over (``hand_over_what_is_left``); the new connection's messages
         go after them (``PublishedMessages.follow``)."""
         session, handler = self.broker._sessions.get(client_id, (None, None))
-        if session is not None and handler is not None and session.transitions.is_connected():
+        taken_over = session is not None and handler is not None and session.transitions.is_connected()
+        if taken_over:
             log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
             await take_over(handler)
             await handler.stop()
         await _keeping_what_was_published(session, self._original_delete_session, client_id)
-        _TAKEN_OVER.set(getattr(handler, "durable_published", None))
+        # Only a connection taken over is followed: one that had ended (a durable Session stays in
+        # amqtt's table) is not waited for (guarantees.md, Take-over).
+        _TAKEN_OVER.set(getattr(handler, "durable_published", None) if taken_over else None)
 
     async def client_message_loop(self, session: Any, handler: Any) -> None:
         # By what this connection's CONNECT asked for: a clean connection must never drive the
