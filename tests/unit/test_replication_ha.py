@@ -1003,3 +1003,25 @@ def test_a_promote_accepted_while_the_node_takes_the_lease_by_itself_is_said_voi
     with caplog.at_level(logging.WARNING, logger="amqtt_durable.replication"):
         run(main())
     assert "that promotion failed: the promote is void (run it again)" in caplog.text
+
+
+def test_a_last_primary_restarted_while_a_caught_up_backup_runs_leaves_the_lease_to_it() -> None:
+    """docs/replication.md: the old primary, when it comes back, rejoins as a backup. Once the
+    full-stop rule existed, a primary SIGKILLed and restarted before its backup's cycle took the
+    free lease won it back on equal positions (the fleet's primary_kill run: "restarted: a primary")."""
+
+    async def main() -> None:
+        for sync in (frozenset({"b"}), None):
+            _, fake = full_stop(sync)
+            b_hooks = Hooks(caught_up=True, seq=400)
+            b = node(fake, b_hooks, "b")
+            fake.holder, fake.expires = Leader("a", "a:7000"), fake.clock() + TTL
+            assert (await b.run_cycle()).action == "follow"  # b is in sync with a: its record says candidate
+            fake.holder = None  # a is SIGKILLed, its lease gone
+            a_hooks, a = restarted(fake, "a", 400)  # restarted: not caught up, the last primary
+            decision = await a.run_cycle()
+            assert decision.action == "wait" and "b is a caught-up backup that takes the lease" in decision.reason
+            assert (await b.run_cycle()).action == "promoted"
+            assert (a_hooks.promoted, b_hooks.promoted, fake.holder) == (0, 1, Leader("b", "b:7000"))
+
+    run(main())

@@ -341,7 +341,9 @@ class HaNode:
         published, a member of its synchronous set (every acknowledgement waited for them), its
         store whole; and of those, only the most advanced one running (the last primary on a
         tie) whose last promotion did not fail, after waiting up to ``ttl`` (from
-        ``waited_since``, else now) for those not running yet to start."""
+        ``waited_since``, else now) for those not running yet to start. A caught-up backup
+        running that the caught-up rule lets take over (in the synchronous set, if one was
+        published) means the group did not stop: it takes the lease, this node follows it."""
         former = await self.coordinator.former_primaries()
         sync_set = await self.coordinator.sync_members()
         eligible = former | (sync_set or frozenset())
@@ -369,6 +371,23 @@ class HaNode:
             )
         store_id, seq = self.hooks.position()
         others = {member.name: member for member in self.members if member.name != self.me.name}
+        follower = next(
+            (
+                member
+                for member in others.values()
+                if member.candidate
+                and member.role == "backup"
+                and member.store_id == store_id
+                and (sync_set is None or member.name in sync_set)
+            ),
+            None,
+        )
+        if follower is not None:  # not a full stop: this node restarted while the primary was gone
+            return Decision(
+                "wait",
+                f"no primary, and {follower.name} is a caught-up backup that takes the lease: this node "
+                "rejoins as its backup",
+            )
         ahead = [
             member
             for member in others.values()
