@@ -1130,7 +1130,7 @@ class DurableClient:
         # Named by its type: sdk.md says the client logs an EventNotProcessedError here, at INFO
         # (also when close() came first and stopped the processing: the event comes again all the same).
         log.info("%s: %s; %s", type(error).__name__, error,
-                 "the client is closing: its session's next connection gets it" if closing
+                 "the client is closing: not acknowledged (a kept session's next connection gets it)" if closing
                  else "reconnecting so the broker sends it again, and every event after it")
         if closing:
             return

@@ -1023,5 +1023,15 @@ def test_a_last_primary_restarted_while_a_caught_up_backup_runs_leaves_the_lease
             assert decision.action == "wait" and "b is a caught-up backup that takes the lease" in decision.reason
             assert (await b.run_cycle()).action == "promoted"
             assert (a_hooks.promoted, b_hooks.promoted, fake.holder) == (0, 1, Leader("b", "b:7000"))
+        # Review 252: in async mode a last primary further ahead (it acknowledged 401-500 alone)
+        # does not wait for a backup behind it: the full-stop rule lets it keep what it acknowledged.
+        _, fake = full_stop(None)
+        b = node(fake, Hooks(caught_up=True, seq=400), "b")
+        fake.holder, fake.expires = Leader("a", "a:7000"), fake.clock() + TTL
+        assert (await b.run_cycle()).action == "follow"
+        fake.holder = None
+        a_hooks, a = restarted(fake, "a", 500)
+        assert (await a.run_cycle()).action == "promoted"
+        assert (a_hooks.promoted, fake.holder) == (1, Leader("a", "a:7000"))
 
     run(main())

@@ -343,7 +343,8 @@ class HaNode:
         tie) whose last promotion did not fail, after waiting up to ``ttl`` (from
         ``waited_since``, else now) for those not running yet to start. A caught-up backup
         running that the caught-up rule lets take over (in the synchronous set, if one was
-        published) means the group did not stop: it takes the lease, this node follows it."""
+        published; else at least as far ahead as this node) means the group did not stop: it
+        takes the lease, this node follows it."""
         former = await self.coordinator.former_primaries()
         sync_set = await self.coordinator.sync_members()
         eligible = former | (sync_set or frozenset())
@@ -378,7 +379,9 @@ class HaNode:
                 if member.candidate
                 and member.role == "backup"
                 and member.store_id == store_id
-                and (sync_set is None or member.name in sync_set)
+                # In sync mode its set holds every acknowledged batch; in async mode only one at
+                # least as far ahead takes nothing acknowledged away from this node.
+                and (member.name in sync_set if sync_set is not None else member.seq >= seq)
             ),
             None,
         )
