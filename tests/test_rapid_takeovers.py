@@ -19,6 +19,7 @@ import pytest
 from raw_mqtt_helpers import raw_connect, read_packet
 from test_hostile_amqtt_sessions import PROBE_PLUGIN, amqtt_table
 from test_hostile_wire import read_until_closed
+from test_takeover_races import slow_check_broker
 
 from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string
 
@@ -70,56 +71,20 @@ def test_rapid_durable_take_overs_never_end_the_newest_connection(broker_factory
     assert min(made) >= 50, f"too few take-overs to mean anything: {made}"
 
 
-GATED_LOOP = '''
-import asyncio
-from pathlib import Path
-
-from amqtt.contexts import Action
-from amqtt.plugins.base import BaseTopicPlugin
-
-FOLDER = Path({folder!r})
-
-
-class GatedLoop(BaseTopicPlugin):
-    """Every topic allowed. The second PUBLISH check of gated/1 (its publisher's message loop, after
-    the reader's check) writes the file "entered", then waits until the test writes "gate" (bounded):
-    that message loop is held meanwhile."""
-
-    checks = 0
-
-    async def topic_filtering(self, *, session=None, topic=None, action=None):
-        if action == Action.PUBLISH and topic == "gated/1":
-            GatedLoop.checks += 1
-            if GatedLoop.checks == 2:
-                (FOLDER / "entered").write_text("1")
-                for _ in range(600):
-                    if (FOLDER / "gate").exists():
-                        break
-                    await asyncio.sleep(0.05)
-        return True
-'''
-
-
 @pytest.mark.timeout(60)
 def test_a_taken_over_connection_ending_after_the_newer_one_leaves_no_session_marked_connected(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
     """The older connection of "dev" ends only after the newer one that took it over has ended
-    (its message loop held by a topic plugin's check, GATED_LOOP). amqtt's Session of "dev" then
+    (its message loop held by a topic plugin's check, SLOW_CHECK). amqtt's Session of "dev" then
     has no connection and must count as disconnected: amqtt's monitor removes it (anonymous).
     Marked connected again at the older connection's end (as for a live newer connection), it
     stayed in amqtt's table for as long as the broker ran (on main too: its loop's end did so)."""
-    (tmp_path / "gated_loop.py").write_text(GATED_LOOP.format(folder=str(tmp_path)))
-    (tmp_path / "amqtt_sessions_probe.py").write_text(PROBE_PLUGIN)
-    broker = broker_factory(start=False)
-    broker.pythonpath.append(str(tmp_path))
-    broker.extra_plugins["gated_loop.GatedLoop"] = {}
-    broker.extra_plugins["amqtt_sessions_probe.AmqttSessions"] = {}
-    broker.start()
+    broker = slow_check_broker(broker_factory, tmp_path, {"amqtt_sessions_probe.AmqttSessions": PROBE_PLUGIN})
     monitor = clients(broker.port, "monitor", clean_session=True)
     assert monitor.subscribe("probe/sessions/ids", 0) == [0]
     with raw_connect(broker.port, "dev", clean=False) as older:
-        older.sendall(mqtt_packet(0x32, mqtt_string("gated/1") + b"\x00\x01" + b"held"))
+        older.sendall(mqtt_packet(0x32, mqtt_string("slow/1") + b"\x00\x01" + b"held"))
         assert read_packet(older) == (0x40, b"\x00\x01")
         assert broker.wait_until((tmp_path / "entered").exists, WAIT), broker.log()[-2000:]
         with raw_connect(broker.port, "dev", clean=False) as newer:

@@ -13,7 +13,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -296,11 +296,18 @@ def test_the_wait_for_a_client_ids_turn_is_bounded_by_connect_timeout(
         assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"
 
 
-def slow_check_broker(broker_factory: Callable[..., Broker], folder: Path, **options: object) -> Broker:
-    """A started broker (``options``) whose topic plugin is SLOW_CHECK, its files in ``folder``."""
-    (folder / "slow_check.py").write_text(SLOW_CHECK)
+def slow_check_broker(
+    broker_factory: Callable[..., Broker], folder: Path, more_plugins: Mapping[str, str] | None = None,
+    **options: object,
+) -> Broker:
+    """A started broker (``options``) whose topic plugin is SLOW_CHECK, its files in ``folder``; and
+    ``more_plugins`` ("module.Class" -> the module's source), with no configuration."""
+    plugins = {"slow_check.SlowCheck": SLOW_CHECK, **(more_plugins or {})}
     broker = broker_factory(start=False, **options)
     broker.pythonpath.append(str(folder))
+    for name, source in plugins.items():
+        (folder / f"{name.split('.')[0]}.py").write_text(source)
+        broker.extra_plugins[name] = {}
     broker.extra_plugins["slow_check.SlowCheck"] = {"folder": str(folder)}
     return broker.start()
 
