@@ -818,7 +818,7 @@ def test_a_node_in_async_mode_removes_the_synchronous_set_once_its_promotion_suc
         assert (await kept.run_cycle()).action == "promoted" and fake.sync == frozenset({"b"})
         fake.holder = None
         a_hooks = Hooks(caught_up=True, seq=100_000)
-        a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN, mode="async",
+        a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN,
                    clock=clock)  # fmt: skip
         fake.sync, fake.sync_leader = frozenset({"a"}), "b"  # b's set, in its sync-mode period
         assert (await a.run_cycle()).action == "promoted" and fake.sync == frozenset({"a"})
@@ -918,7 +918,7 @@ def test_a_failed_promotion_in_async_mode_leaves_the_synchronous_set() -> None:
         assert "not in the synchronous set" in (await c.run_cycle()).reason
         a_hooks = Hooks(caught_up=True, seq=100)
         a_hooks.fail_promotion = True
-        a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN, mode="async",
+        a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN,
                    clock=clock)  # fmt: skip
         assert "the promotion failed" in (await a.run_cycle()).reason and fake.holder is None
         assert fake.sync == frozenset({"a", "b"}), "a failed promotion keeps the set"

@@ -49,7 +49,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from .config import Mode
 from .coordinator import Coordinator, Leader, Member
 from .errors import CoordinatorError, MemberNameTakenError, PromotionStoppedError
 
@@ -108,7 +107,6 @@ class HaNode:
         address: str,
         loop_wait: float,
         demote_margin: float,
-        mode: Mode = "sync",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if demote_margin <= 0 or demote_margin >= coordinator.ttl:
@@ -118,9 +116,6 @@ class HaNode:
         self.me = Leader(name, address)
         self.loop_wait = loop_wait
         self.demote_margin = demote_margin
-        self.mode = mode
-        """replication.mode (a primary in async mode deletes an earlier synchronous set once its
-        promotion succeeded, before it acknowledges anything: node.py; taking the lease keeps it)."""
         self.clock = clock
         self.role: Role = "backup"
         self.valid_until = 0.0

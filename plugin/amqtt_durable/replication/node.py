@@ -101,7 +101,6 @@ class ReplicationNode:
                 address=config.advertised,
                 loop_wait=config.loop_wait,
                 demote_margin=config.demote_margin,
-                mode=config.mode,
             )
             if coordinator is not None
             else None
