@@ -208,10 +208,13 @@ def test_messages_in_flight_count_towards_the_limit_and_are_never_dropped(
     assert len(device.wait_messages(2)) == 2, "both fill the in-flight window"
     publisher.publish("o/t", sent[2:])  # one place is left in a queue of 3 holding 2 in flight
     acked = 0
-    while wait_for_more(device, acked):
+    while acked < len(kept):  # bounded: each pass acknowledges at least one more message
+        # A success path (an acknowledgement, its commit, the next send): the full wait, not a second.
+        assert device.wait_for(lambda ms, n=acked: len(ms) > n), f"{acked} of {len(kept)} messages came"
         for message in device.messages[acked:]:
             device.paho.ack(message.mid, message.qos)
         acked = len(device.messages)
+    assert not wait_for_more(device, acked), "the dropped messages never come"
     assert [m.payload for m in device.messages] == [sent[i] for i in kept]
     device.disconnect()
     broker.stop()
