@@ -14,13 +14,12 @@ from typing import Any
 
 import plyvel
 import pytest
-from test_blind_guarantees import seen_away
 from test_hostile_wire import wait_until
 from test_protocol import ack_each, request, stream_events
 from test_recovery_and_crash import EXPIRED_TOPIC, wait_expired
 
 from amqtt_durable.inspect_store import summarize
-from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, seen_away
 from durable_client.protocol import MAX_REQUEST_BYTES
 
 SYS = "$SYS/broker/durable/"
