@@ -40,7 +40,7 @@ from amqtt_durable.replication.framing import Frame
 from amqtt_durable.replication.position import SNAPSHOT_MARK_KEY
 from amqtt_durable.replication.tool import ask
 from amqtt_durable.store import open_store
-from conftest import WAIT, Broker, Client, connack_code, payloads, probe_connack, run_cli
+from conftest import WAIT, Broker, Client, connack_code, payloads, probe_connack, run_cli, seen_away
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = "amqtt_durable.DurableSessionsPlugin"
@@ -339,7 +339,7 @@ def test_inspect_and_repair_refuse_a_running_broker_s_store_and_it_keeps_serving
     '...' is locked by another process`, exit code 1; a folder without a store: `no store at
     '...'`, exit code 1. Stopped, `--json` gives exactly the documented fields, retained rows in
     topic order; a session connected when the broker was killed has no deadline (`-`, null)."""
-    broker = broker_factory()
+    broker = broker_factory(metrics_interval=0.05)
     device = clients(broker.port, "insp-1")
     device.subscribe([("insp/b", 1), ("insp/a/#", 2)])
     device.disconnect()
@@ -355,6 +355,7 @@ def test_inspect_and_repair_refuse_a_running_broker_s_store_and_it_keeps_serving
     assert device.connect() is True
     assert [m.payload for m in device.wait_messages(2)] == payloads(2)
     device.disconnect()
+    seen_away(clients, broker, 1)  # else the kill may come before the broker handled the DISCONNECT
     publisher.publish("insp/b", [b"queued"], qos=1)
     publisher.disconnect()
     clients(broker.port, "insp-2").subscribe("insp/c", 0)  # still connected when the broker is killed
