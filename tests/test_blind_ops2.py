@@ -317,3 +317,30 @@ def test_a_session_s_dropped_count_is_in_inspect_after_a_sigkill(
     assert device.wait_for(lambda ms: len(ms) >= 3)
     assert [m.payload for m in device.messages] == payloads(3)
 
+
+# ------------------------------------------------------------------ subscription limit: its WARNING
+@pytest.mark.parametrize("interval", [0, 60])
+def test_subscribes_past_the_limit_are_logged_at_most_once_per_drop_log_interval_per_client(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], interval: int
+) -> None:
+    """guarantees.md, Subscription limit: a SUBSCRIBE past `max_subscriptions_per_client` gets 0x80
+    for each filter over the limit, "the broker logs a WARNING naming the client and the setting, at
+    most once per `drop_log_interval` seconds per client" (configuration.md: "also between two
+    WARNINGs of ... refusals"); a re-subscribe to a held filter "does not count twice; unsubscribing
+    frees a place", clean sessions alike. drop_log_interval 0: every refusal is logged."""
+    broker = broker_factory(max_subscriptions_per_client=2, drop_log_interval=interval)
+    client = clients(broker.port, "sub-limit", clean_session=True)
+    assert client.subscribe([("l/a", 1), ("l/b", 1)]) == [1, 1]
+    assert client.subscribe("l/a", 0) == [0], "a held filter does not count twice"
+    assert client.subscribe("l/c", 0) == [0x80]
+    client.unsubscribe("l/a")
+    assert client.subscribe([("l/c", 0), ("l/d", 1)]) == [0, 0x80], "the unsubscribe freed one place"
+    refused = wait_for_log(broker, "sub-limit: SUBSCRIBE to")
+    assert all(" WARNING " in line and "max_subscriptions_per_client" in line for line in refused), refused
+    assert "'l/c'" in refused[0], refused
+    if interval == 0:
+        refused = wait_for_log(broker, "sub-limit: SUBSCRIBE to 'l/d'")
+        assert len(log_lines(broker, "sub-limit: SUBSCRIBE to")) == 2
+    else:
+        client.paho.publish("l/b", b"sync", qos=1).wait_for_publish(WAIT)  # the second SUBSCRIBE was handled
+        assert len(log_lines(broker, "sub-limit: SUBSCRIBE to")) == 1
