@@ -344,3 +344,66 @@ def test_subscribes_past_the_limit_are_logged_at_most_once_per_drop_log_interval
     else:
         client.paho.publish("l/b", b"sync", qos=1).wait_for_publish(WAIT)  # the second SUBSCRIBE was handled
         assert len(log_lines(broker, "sub-limit: SUBSCRIBE to")) == 1
+
+
+# ------------------------------------------------------------------ packet size
+def remaining_length(value: int) -> bytes:
+    """MQTT's variable-length encoding of a remaining length."""
+    out = bytearray()
+    while True:
+        value, digit = divmod(value, 128)
+        out.append(digit | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def test_a_packet_over_max_packet_size_closes_after_its_fixed_header_with_a_warning_of_size_and_limit(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """guarantees.md, Packet size: "a packet whose remaining length is larger than
+    `max_packet_size` ... closes the connection right after its fixed header, before its body is
+    read into memory (CONNECT included); the WARNING says the size and the limit". Only the fixed
+    header is sent: the broker does not wait for the body."""
+    broker = broker_factory(max_packet_size=1024)
+    sock = raw_connect(broker.port, "too-big", clean=True)
+    sock.sendall(b"\x30" + remaining_length(2_000_000))  # a PUBLISH's fixed header, no body
+    assert read_until_closed(sock, WAIT) == b"", "closed without waiting for the body, nothing sent"
+    sock.close()
+    (line,) = wait_for_log(broker, "closing the connection of too-big")
+    assert " WARNING " in line and "2000000" in line and "1024" in line, line
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as first:
+        first.sendall(b"\x10" + remaining_length(1025))  # a CONNECT's fixed header one byte past the limit
+        assert read_until_closed(first, WAIT) == b"", "no CONNACK"
+    assert any("1025" in line and "1024" in line for line in log_lines(broker, " WARNING ")), broker.log()[-2000:]
+
+
+# ------------------------------------------------------------------ any-user take-over and QoS 2 packet ids
+def test_an_any_user_take_over_forgets_the_previous_users_qos2_packet_ids(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Owner: "With `session_takeover: any-user` the session passes to the new user (a
+    WARNING says so): ... the packet ids of the previous user's QoS 2 publishes whose PUBREL is due
+    are forgotten (the new user's publish with such an id is a new message, not a re-send)". Without
+    the take-over, the same packet id is a re-send (PUBREC, not routed): the first part checks that."""
+    broker = broker_factory(session_takeover="any-user")
+    durable = clients(broker.port, "q2-reader")
+    durable.subscribe("q2/t", 2)
+
+    def publish_qos2(sock: socket.socket, payload: bytes) -> None:
+        sock.sendall(mqtt_packet(0x34, mqtt_string("q2/t") + b"\x00\x07" + payload))
+        assert read_exactly(sock, 4) == b"\x50\x02\x00\x07", "PUBREC"
+
+    alice = raw_connect(broker.port, "q2-dev", clean=False, username="alice")
+    publish_qos2(alice, b"alice")
+    alice.close()
+    again = raw_connect(broker.port, "q2-dev", clean=False, username="alice")
+    publish_qos2(again, b"alice-again")  # the same user: a re-send of id 7, not routed
+    again.close()
+    bob = raw_connect(broker.port, "q2-dev", clean=False, username="bob")
+    assert wait_for_log(broker, "durable session q2-dev passes from user 'alice' to user 'bob'")
+    publish_qos2(bob, b"bob")  # the new user's id 7: a new message
+    bob.sendall(mqtt_packet(0x62, b"\x00\x07"))
+    assert read_exactly(bob, 4) == b"\x70\x02\x00\x07", "PUBCOMP"
+    assert durable.wait_for(lambda ms: len(ms) >= 2)
+    assert [m.payload for m in durable.messages] == [b"alice", b"bob"]
+    bob.close()
