@@ -407,3 +407,40 @@ def test_an_any_user_take_over_forgets_the_previous_users_qos2_packet_ids(
     assert durable.wait_for(lambda ms: len(ms) >= 2)
     assert [m.payload for m in durable.messages] == [b"alice", b"bob"]
     bob.close()
+
+
+# ------------------------------------------------------------------ keep-alive on a websocket
+def test_websocket_pings_alone_do_not_keep_an_mqtt_connection_alive(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, The message path: "A client silent for 1.5 times its keep-alive ... is
+    disconnected ..., and its will is published. ... Any bytes received count (on a websocket
+    connection, any websocket data message; a ping is not one)". A websocket client that answers
+    nothing but websocket pings, every quarter of its 1 s keep-alive, is disconnected all the same."""
+    from websockets.exceptions import ConnectionClosed  # noqa: PLC0415 - only this test speaks raw websocket
+    from websockets.sync.client import connect as ws_connect  # noqa: PLC0415
+    from websockets.typing import Subprotocol  # noqa: PLC0415
+
+    broker = broker_factory(start=False)
+    broker.ws_port = free_port()
+    broker.start()
+    watcher = clients(broker.port, "ws-will-watch", clean_session=True)
+    watcher.subscribe("will/#", 0)
+    connect = connect_packet("ws-pinger", clean=False, will_topic=b"will/ws-pinger", keepalive=1)
+    started = time.monotonic()
+    with ws_connect(f"ws://{HOST}:{broker.ws_port}/mqtt", subprotocols=[Subprotocol("mqtt")],
+                    open_timeout=WAIT, ping_interval=None) as ws:
+        ws.send(connect)
+        assert ws.recv(timeout=WAIT) == b"\x20\x02\x00\x00"
+        closed = False
+        while not closed and time.monotonic() - started < WAIT:
+            try:
+                ws.ping().wait(WAIT)  # answered by the websocket layer: the connection is up
+                ws.recv(timeout=0.25)  # the broker sends nothing unasked: this waits a quarter keep-alive
+            except TimeoutError:
+                continue
+            except ConnectionClosed:
+                closed = True
+    assert closed, "the pings kept the connection open"
+    assert wait_for_log(broker, "ws-pinger: nothing received for 1.5 keep-alive periods: disconnecting")
+    assert [m.payload for m in watcher.wait_messages(1)] == [b"gone"], "its will is published"
