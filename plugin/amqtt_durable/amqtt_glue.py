@@ -231,7 +231,6 @@ CHANGES_GRACE = 5.0
 """Seconds the end of a connection waits for the SUBSCRIBEs and UNSUBSCRIBEs it read before to be
 applied (see ``_one_queue_of_subscription_changes``); those still waiting then are dropped (WARNING)
 and none is applied after."""
-_LIMIT_LOG_INTERVAL = 10.0  # seconds between two "over the subscription limit" warnings of one client
 _BROKER_INTERNALS = (
     "_authenticate",
     "_client_connected",
@@ -1518,7 +1517,7 @@ class AmqttHooks:
         return self.amqtt_index.matches_any(topic)
 
     def over_limit(self, index: SubscriptionIndex, client_id: str, topic_filter: str) -> bool:
-        """True (and a WARNING, at most one per client per interval) when the filter would exceed a limit."""
+        """True (and a WARNING, at most one per client per ``drop_log_interval``) when the filter would pass a limit."""
         byte_limit = self.engine.config.max_subscription_bytes_per_client
         if not index.admits(client_id, topic_filter, self.limit):
             held, key, limit = f"{index.count(client_id)} topic filters", "max_subscriptions_per_client", self.limit
@@ -1528,7 +1527,7 @@ class AmqttHooks:
         else:
             return False
         now = time.monotonic()
-        if now - self.limit_warned.get(client_id, -math.inf) >= _LIMIT_LOG_INTERVAL:
+        if now - self.limit_warned.get(client_id, -math.inf) >= self.engine.config.drop_log_interval:
             if len(self.limit_warned) > 10_000:  # bounded: forget clients warned long ago
                 self.limit_warned.clear()
             self.limit_warned[client_id] = now
