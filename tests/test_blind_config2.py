@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
+import time
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
@@ -23,14 +25,14 @@ import yaml
 from test_docs_promises_config import (
     test_each_key_accepts_its_documented_edge_and_refuses_one_step_past_it as edge_check,
 )
-from test_ha_brokers import SERVING, node, start, status
+from test_ha_brokers import SERVING, address, node, start, status
 
 from amqtt_durable.cli import load_broker_config
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.errors import ConfigError
 from amqtt_durable.process import HOST
 from amqtt_durable.replication.config import ReplicationConfig
-from conftest import Broker, run_cli
+from conftest import WAIT, Broker, connack_code, run_cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -285,3 +287,39 @@ def test_a_refused_loop_wait_stops_the_real_broker_with_exit_2_naming_it(tmp_pat
     assert "'replication.loop_wait': must be at most (lease_ttl - demote_margin) / 2 = 0.45 s" in result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "store").exists()  # refused before anything was created
+
+
+def _closed_after(replication_address: str, *, silent: bool) -> float:
+    """Open a connection to ``replication_address`` and say nothing: seconds until the node closes it
+    (``silent``), or close it at once ourselves (not silent): 0."""
+    host, port = replication_address.rsplit(":", 1)
+    began = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=4 * WAIT) as sock:
+        if not silent:
+            return 0.0
+        while sock.recv(4096):  # the node closes it: b""; bounded by the socket's timeout
+            pass
+    return time.monotonic() - began
+
+
+def test_a_silent_peer_of_the_replication_address_is_cut_off_at_handshake_timeout_and_counted(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Settings, `handshake_timeout`: "seconds a peer of a replication address has, from its connection's
+    accept, for its first frame ... before it is disconnected". Securing the channel: "A silent peer is one
+    still silent at `handshake_timeout`; a peer that closes its connection before then is not refused (an
+    INFO line, not counted)"; a refused one is logged as a WARNING `refused a connection from ADDRESS:PORT:
+    REASON` and counted: `inspect --replication` shows "connections refused on its replication address since
+    start: N", shown once there is one."""
+    timeout = 1.5
+    primary = start(node(broker_factory, "p", role="primary", handshake_timeout=timeout), SERVING)
+    assert _closed_after(address(primary), silent=False) == 0.0  # leaves before its time: not refused
+    shown = run_cli("inspect", "--replication", address(primary))
+    assert shown.returncode == 0 and "connections refused" not in shown.stdout, shown
+    waited = _closed_after(address(primary), silent=True)
+    assert timeout - 0.2 <= waited <= timeout + 3, waited
+    shown = run_cli("inspect", "--replication", address(primary))
+    assert "  connections refused on its replication address since start: 1" in shown.stdout.splitlines(), shown
+    warning = re.compile(rf"WARNING .*refused a connection from {re.escape(HOST)}:\d+: \S")
+    assert primary.wait_until(lambda: warning.search(primary.log()) is not None, WAIT), primary.log()
+    assert connack_code(primary.port) == SERVING  # the node goes on

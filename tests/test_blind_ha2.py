@@ -1,0 +1,86 @@
+"""A second blind pass over docs/replication.md's user-facing promises, from the docs' words only, with
+real brokers, a real etcd and paho clients: `cluster` keeps two groups apart on one etcd, a backup's
+`name` is a level of its primary's `$SYS` topics and `inspect --replication` rows, and a pair whose
+`loop_wait` sits at its documented bound fails over as the docs say."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from test_docs_promises_ha2 import _etcd_keys
+from test_ha_brokers import (
+    BACKUP,
+    SERVING,
+    address,
+    assert_queue_served,
+    ha_pair,
+    node,
+    queue_durable_messages,
+    start,
+)
+
+from amqtt_durable.process import HOST
+from conftest import WAIT, Broker, Client, connack_code, run_cli
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_two_clusters_on_one_etcd_each_elect_their_own_primary_under_their_own_keys(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """Settings, `cluster`: "name of the group ...; its etcd keys live under `/amqtt-durable/<cluster>/`";
+    `name`: "this broker's unique name in the cluster". Two groups on one etcd, each a node named `a`:
+    neither is the other's backup, both serve (CONNACK 0), and each group's `leader` key names its own
+    node at its own replication address."""
+    timing = {"lease_ttl": 2, "loop_wait": 0.3, "demote_margin": 0.5}
+    east = start(node(broker_factory, "a", coordinator=[etcd.url], cluster="east", **timing), SERVING)
+    west = start(node(broker_factory, "a", coordinator=[etcd.url], cluster="west", **timing), SERVING)
+    for broker, cluster in ((east, "east"), (west, "west")):
+        keys = _etcd_keys(etcd, f"/amqtt-durable/{cluster}/")
+        assert json.loads(keys[f"/amqtt-durable/{cluster}/leader"]) == {"name": "a", "address": address(broker)}
+        assert f"/amqtt-durable/{cluster}/members/a" in keys, keys
+    assert not _etcd_keys(etcd, "/amqtt-durable/amqtt-durable/")  # the default cluster is untouched
+    assert connack_code(east.port) == connack_code(west.port) == SERVING
+
+
+def test_a_backup_s_name_is_a_level_of_its_primary_s_sys_topics_and_of_its_inspect_row(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Settings, `name`: "without `/`, `+`, `#` or a NUL character (a level of its `$SYS` topics ...)";
+    Watching it: "per backup `backup/<name>/state` (`snapshot`, `catching_up`, `in_sync`), `lag_batches`"
+    and the row `backup <name> (peer): in_sync, acked N, lag 0 batches / 0.0 s`. A name with dots and
+    dashes is one level."""
+    primary = start(node(broker_factory, "p", {"metrics_interval": 0.2}, role="primary"), SERVING)
+    start(node(broker_factory, "rack-1.b", role="backup", primary=address(primary)), BACKUP)
+    prefix = "$SYS/broker/durable/replication/"
+    monitor = clients(primary.port, "monitor", clean_session=True)
+    monitor.subscribe(prefix + "backup/+/state", 0)
+    assert monitor.wait_for(lambda got: any(m.payload == b"in_sync" for m in got)), monitor.messages
+    assert {m.topic for m in monitor.messages} == {prefix + "backup/rack-1.b/state"}
+    shown = run_cli("inspect", "--replication", address(primary))
+    assert shown.returncode == 0, shown.stderr
+    row = re.compile(rf"  backup rack-1\.b \({re.escape(HOST)}:\d+\): in_sync, acked \d+, lag 0 batches / 0\.0 s")
+    assert any(row.fullmatch(line) for line in shown.stdout.splitlines()), shown.stdout
+
+
+@pytest.mark.slow
+def test_a_pair_whose_loop_wait_is_at_its_bound_fails_over_within_lease_ttl_plus_loop_wait(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
+) -> None:
+    """Settings: `loop_wait` "at most `(lease_ttl - demote_margin) / 2`": lease_ttl 2, demote_margin 1.1,
+    loop_wait 0.45 is valid. Failover time "is at most `lease_ttl` (the lease expires) + `loop_wait` (the
+    backup's next check) + promotion"; nothing acknowledged is lost in sync mode: the durable session
+    gets `session_present=1` and every queued message on the new primary."""
+    first, second = ha_pair(broker_factory, etcd, lease_ttl=2, demote_margin=1.1, loop_wait=0.45)
+    queue_durable_messages(first, clients, 40)
+    first.kill()
+    killed = time.monotonic()
+    assert second.wait_until(lambda: connack_code(second.port) == SERVING, WAIT), second.log()
+    took = time.monotonic() - killed
+    assert took <= 2 + 0.45 + 2.5, took  # lease_ttl + loop_wait + promotion and this machine's slack
+    assert_queue_served(second, clients, 40)
