@@ -5,8 +5,10 @@ real brokers, a real etcd and paho clients: `cluster` keeps two groups apart on 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +26,7 @@ from test_ha_brokers import (
     start,
 )
 
-from amqtt_durable.process import HOST
+from amqtt_durable.process import HOST, free_port
 from conftest import WAIT, Broker, Client, connack_code, run_cli
 
 pytestmark = pytest.mark.timeout(90)
@@ -84,3 +86,24 @@ def test_a_pair_whose_loop_wait_is_at_its_bound_fails_over_within_lease_ttl_plus
     took = time.monotonic() - killed
     assert took <= 2 + 0.45 + 2.5, took  # lease_ttl + loop_wait + promotion and this machine's slack
     assert_queue_served(second, clients, 40)
+
+
+def _listening_warning(broker: Broker) -> bool:
+    return "not a loopback address, without replication.secret" in broker.log()
+
+
+def test_a_replication_address_on_loopback_written_in_any_case_starts_without_the_plain_tcp_warning(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Securing the replication channel: "A broker whose `listen` is not a loopback address starts anyway
+    but logs a WARNING naming the address when none of `secret`, `secret_file`, `secret_env` and `tls` is
+    set". `LOCALHOST` is the loopback host as much as `localhost` (host names are compared "but for the
+    host's case", Settings, `primary`); a host name that may resolve anywhere gets the WARNING, naming it."""
+    quiet = start(node(broker_factory, "q", role="primary", listen=f"LOCALHOST:{free_port()}"), SERVING)
+    assert connack_code(quiet.port) == SERVING and not _listening_warning(quiet), quiet.log()
+    own = socket.gethostname()
+    if not all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(own, None)):
+        pytest.skip(f"this machine's name {own} does not resolve to loopback only")  # binding it would leave 127.0.0.1
+    listen = f"{own}:{free_port()}"
+    named = start(node(broker_factory, "n", role="primary", listen=listen), SERVING)
+    assert named.wait_until(lambda: _listening_warning(named) and listen in named.log(), WAIT), named.log()
