@@ -323,3 +323,26 @@ def test_a_silent_peer_of_the_replication_address_is_cut_off_at_handshake_timeou
     warning = re.compile(rf"WARNING .*refused a connection from {re.escape(HOST)}:\d+: \S")
     assert primary.wait_until(lambda: warning.search(primary.log()) is not None, WAIT), primary.log()
     assert connack_code(primary.port) == SERVING  # the node goes on
+
+
+def test_tls_left_empty_is_no_tls_and_a_mapping_needs_cert_and_ca(tmp_path: Path) -> None:
+    """Settings, `tls`: "absent"; "`tls:` left empty (null) is absent, as `replication: null` is: no TLS";
+    a mapping of `cert`, `key` (optional), `ca`, `check_hostname` (`false`); "A file that cannot be read or
+    loaded is a ConfigError at start-up naming the key (`replication.tls.cert`, `.key`, `.ca`)"."""
+    config = tmp_path / "broker.yaml"
+    config.write_text(f"plugins:\n  {PLUGIN}:\n    replication:\n      role: primary\n      tls:\n")
+    replication = DurableConfig.from_mapping(load_broker_config(str(config))["plugins"][PLUGIN]).replication
+    assert replication is not None and replication.tls is None
+    config.write_text(f"plugins:\n  {PLUGIN}:\n    replication: null\n")
+    assert DurableConfig.from_mapping(load_broker_config(str(config))["plugins"][PLUGIN]).replication is None
+    missing = str(tmp_path / "missing.pem")
+    for tls, key in (
+        ({"ca": missing}, "cert"),
+        ({"cert": missing}, "ca"),
+        ({"cert": missing, "ca": missing}, "cert"),
+        ({"cert": missing, "ca": missing, "check_hostname": "yes"}, "check_hostname"),
+        ({"cert": missing, "ca": missing, "certfile": missing}, "certfile"),
+    ):
+        with pytest.raises(ConfigError) as raised:
+            DurableConfig.from_mapping({"replication": {"role": "primary", "tls": tls}})
+        assert raised.value.key == f"replication.tls.{key}", (tls, raised.value)

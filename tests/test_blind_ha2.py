@@ -25,6 +25,7 @@ from test_ha_brokers import (
     queue_durable_messages,
     start,
 )
+from test_hostile_wire import wait_until
 
 from amqtt_durable.process import HOST, free_port
 from conftest import WAIT, Broker, Client, connack_code, run_cli
@@ -107,3 +108,61 @@ def test_a_replication_address_on_loopback_written_in_any_case_starts_without_th
     listen = f"{own}:{free_port()}"
     named = start(node(broker_factory, "n", role="primary", listen=listen), SERVING)
     assert named.wait_until(lambda: _listening_warning(named) and listen in named.log(), WAIT), named.log()
+
+
+WAITING = "no primary, but this node is not caught up with the last one, nor the last primary or in its synchronous set"
+
+
+def test_a_node_that_may_lack_acknowledged_publishes_waits_and_inspect_shows_why_as_documented(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """After a full stop of the group: "Every other node waits, and says so once as a WARNING: `replication HA
+    c: no primary, but this node is not caught up with the last one, nor the last primary or in its
+    synchronous set (a, b): it may lack acknowledged publishes; not taking the lease until one of them is
+    primary again (or the operator promotes a node: ...)`". Watching it: such a backup shows
+
+        c: backup, at batch 2314
+          following (nobody yet): disconnected, not caught up
+          its last HA cycle: no primary, but this node is not caught up with the last one, ...
+
+    Here a, the last primary (alone, so its synchronous set is empty), is killed, and once its lease has
+    ended c starts with an empty store."""
+    timing = {"coordinator": [etcd.url], "lease_ttl": 2, "loop_wait": 0.3, "demote_margin": 0.5}
+    first = start(node(broker_factory, "a", **timing), SERVING)
+    first.kill()
+    leader = "/amqtt-durable/amqtt-durable/leader"
+    assert wait_until(lambda: not _etcd_keys(etcd, leader), 2 + WAIT)  # a's lease ended: no primary
+    third = start(node(broker_factory, "c", **timing), BACKUP)
+    expected = f"replication HA c: {WAITING} (a): it may lack acknowledged publishes; not taking the lease until"
+    assert third.wait_until(lambda: expected in third.log(), 4 * 2 + WAIT), third.log()
+    (line,) = [line for line in third.log().splitlines() if expected in line]  # once
+    assert " WARNING " in line and "(or the operator promotes a node: " in line, line
+    shown = run_cli("inspect", "--replication", address(third))
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert re.fullmatch(r"c: backup, at batch \d+", lines[0]), lines
+    assert lines[1] == "  following (nobody yet): disconnected, not caught up", lines
+    assert lines[2].startswith(f"  its last HA cycle: {WAITING} (a): "), lines
+    assert connack_code(third.port) == BACKUP
+
+
+def test_a_backup_that_followed_a_primary_whose_lease_ended_shows_its_address_and_waits(
+    broker_factory: Callable[..., Broker], etcd: Any
+) -> None:
+    """Watching it: a backup that followed a primary whose lease has since ended shows that primary's
+    address instead of `(nobody yet)` (`following ADDRESS: disconnected, not caught up`) and keeps trying
+    it until a node takes the lease; meanwhile it waits as any node that may lack acknowledged publishes.
+    c starts empty while a's lease still runs (lease_ttl 6), so its first cycles follow a."""
+    timing = {"coordinator": [etcd.url], "lease_ttl": 6, "loop_wait": 0.3, "demote_margin": 0.5}
+    first = start(node(broker_factory, "a", **timing), SERVING)
+    first.kill()
+    third = start(node(broker_factory, "c", **timing), BACKUP)
+    expected = f"  following {address(first)}: disconnected, not caught up"
+
+    def shown() -> list[str]:
+        return run_cli("inspect", "--replication", address(third)).stdout.splitlines()
+
+    assert third.wait_until(lambda: expected in shown(), WAIT), shown()
+    assert wait_until(lambda: f"replication HA c: {WAITING} (a)" in third.log(), 6 + WAIT), third.log()
+    lines = shown()
+    assert lines[1] == expected and lines[2].startswith(f"  its last HA cycle: {WAITING} (a): "), lines
