@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -25,14 +26,15 @@ import yaml
 from test_docs_promises_config import (
     test_each_key_accepts_its_documented_edge_and_refuses_one_step_past_it as edge_check,
 )
+from test_docs_promises_ops import _listen_backlog
 from test_ha_brokers import SERVING, address, node, start, status
 
 from amqtt_durable.cli import load_broker_config
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.errors import ConfigError
-from amqtt_durable.process import HOST
+from amqtt_durable.process import HOST, free_port
 from amqtt_durable.replication.config import ReplicationConfig
-from conftest import WAIT, Broker, connack_code, run_cli
+from conftest import WAIT, Broker, Client, connack_code, run_cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -346,3 +348,23 @@ def test_tls_left_empty_is_no_tls_and_a_mapping_needs_cert_and_ca(tmp_path: Path
         with pytest.raises(ConfigError) as raised:
             DurableConfig.from_mapping({"replication": {"role": "primary", "tls": tls}})
         assert raised.value.key == f"replication.tls.{key}", (tls, raised.value)
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read a listening socket's backlog")
+def test_listen_backlog_is_every_mqtt_listener_s_websocket_ones_included(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """`listen_backlog`: "Connections the kernel holds for each listener, TCP and websocket, and for the
+    replication address ... (the listen backlog; amqtt's own and asyncio's are 100)": a reconnect storm over
+    websockets meets the same backlog. The websocket listener still serves durable sessions."""
+    broker = broker_factory(start=False, listen_backlog=13)
+    broker.ws_port = free_port()
+    broker.start()
+    assert _listen_backlog(broker.port) == _listen_backlog(broker.ws_port) == 13
+    device = clients(broker.ws_port, "ws-device", transport="websockets")
+    device.subscribe("t/#", 1)
+    device.disconnect()  # clean_session=false: its session and subscription stay
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("t/a", [b"queued"])
+    again = clients(broker.ws_port, "ws-device", transport="websockets")
+    assert again.session_present is True and [m.payload for m in again.wait_messages(1)] == [b"queued"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 from test_docs_promises_ha2 import _etcd_keys
+from test_docs_promises_ops import _listen_backlog
 from test_ha_brokers import (
     BACKUP,
     SERVING,
@@ -25,6 +27,7 @@ from test_ha_brokers import (
     queue_durable_messages,
     start,
 )
+from test_hostile_door_limits import websocket_connack
 from test_hostile_wire import wait_until
 
 from amqtt_durable.process import HOST, free_port
@@ -166,3 +169,33 @@ def test_a_backup_that_followed_a_primary_whose_lease_ended_shows_its_address_an
     assert wait_until(lambda: f"replication HA c: {WAITING} (a)" in third.log(), 6 + WAIT), third.log()
     lines = shown()
     assert lines[1] == expected and lines[2].startswith(f"  its last HA cycle: {WAITING} (a): "), lines
+
+
+def test_a_backup_refuses_websocket_clients_with_connack_3_too(broker_factory: Callable[..., Broker]) -> None:
+    """ "A backup answers every MQTT CONNECT with **CONNACK 3** (server unavailable), so clients move on to the
+    primary"; "The MQTT listeners are opened when the broker starts (a backup answers CONNACK 3 on them)":
+    a websocket listener's CONNECT as a TCP one's; the primary's websocket listener serves (CONNACK 0)."""
+    primary = node(broker_factory, "p", role="primary")
+    primary.ws_port = free_port()
+    start(primary, SERVING)
+    backup = node(broker_factory, "b", role="backup", primary=address(primary))
+    backup.ws_port = free_port()
+    start(backup, BACKUP)
+    assert websocket_connack(backup.ws_port, "ws-device", disconnect=False) == b"\x20\x02\x00\x03"
+    assert websocket_connack(primary.ws_port, "ws-device") == b"\x20\x02\x00\x00"
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read a listening socket's backlog")
+def test_the_replication_address_listens_with_listen_backlog_on_a_primary_and_a_backup(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """configuration.md, `listen_backlog`: "Connections the kernel holds for each MQTT listener, TCP and
+    websocket ..., and for the replication address (`replication.listen`), until the broker accepts them";
+    replication.md: the replication address is "bound once at start", on a backup too (its tools answer
+    there)."""
+    primary = start(node(broker_factory, "p", {"listen_backlog": 9}, role="primary"), SERVING)
+    backup = start(node(broker_factory, "b", {"listen_backlog": 11}, role="backup", primary=address(primary)), BACKUP)
+    for broker, backlog in ((primary, 9), (backup, 11)):
+        port = int(address(broker).rsplit(":", 1)[1])
+        assert _listen_backlog(port) == backlog, address(broker)
+        assert _listen_backlog(broker.port) == backlog
