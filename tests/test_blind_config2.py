@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Callable
 from decimal import Decimal
@@ -23,16 +24,19 @@ from typing import Any
 
 import pytest
 import yaml
+from pwdlib.hashers.argon2 import Argon2Hasher
 from test_docs_promises_config import (
     test_each_key_accepts_its_documented_edge_and_refuses_one_step_past_it as edge_check,
 )
 from test_docs_promises_ops import _listen_backlog
 from test_ha_brokers import SERVING, address, node, start, status
+from test_hostile_owner import PASSWORDS
+from test_hostile_owner import raw_connect as raw_login
 
 from amqtt_durable.cli import load_broker_config
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.errors import ConfigError
-from amqtt_durable.process import HOST, free_port
+from amqtt_durable.process import HOST, ChildProcess, free_port
 from amqtt_durable.replication.config import ReplicationConfig
 from conftest import WAIT, Broker, Client, connack_code, run_cli
 
@@ -368,3 +372,55 @@ def test_listen_backlog_is_every_mqtt_listener_s_websocket_ones_included(
     publisher.publish("t/a", [b"queued"])
     again = clients(broker.ws_port, "ws-device", transport="websockets")
     assert again.session_present is True and [m.payload for m in again.wait_messages(1)] == [b"queued"]
+
+
+def _doc_block(page: str, heading: str) -> str:
+    """The first ```yaml block after ``heading`` in docs/``page``."""
+    text = (ROOT / "docs" / page).read_text()
+    return text.split(heading, 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_topic_acl_example_runs_as_written_from_the_broker_s_folder(
+    tmp_path: Path, clients: Callable[..., Client]
+) -> None:
+    """configuration.md, Topic ACL and read access: the example (FileAuthPlugin with `./passwd` of
+    user:argon2-hash lines, amqtt's ACL plugin, `session_takeover: owner-only`) as written, with a listener
+    added, started from its folder: "bob connecting with alice's client id: CONNACK 5"; the SUBSCRIBE list
+    "decides what its users read" (bob's `secret/#` gets 0x80); alice's durable session gets what was
+    published to `secret/...` while she was away; the store is the default `./data/durable` of that folder."""
+    block = _doc_block("configuration.md", "## Topic ACL and read access")
+    config = yaml.safe_load(block)
+    assert config["plugins"][PLUGIN] == {"session_takeover": "owner-only"}
+    port = free_port()
+    config["listeners"] = {"default": {"type": "tcp", "bind": f"{HOST}:{port}"}}
+    (tmp_path / "broker.yaml").write_text(yaml.safe_dump(config))
+    hasher = Argon2Hasher(time_cost=1, memory_cost=8, parallelism=1)
+    (tmp_path / "passwd").write_text("".join(f"{user}:{hasher.hash(pw)}\n" for user, pw in PASSWORDS.items()))
+    broker = ChildProcess(
+        [sys.executable, "-m", "durable_fleet.console", "broker", "-c", "broker.yaml"],
+        tmp_path / "broker.log",
+        preexec_fn=lambda: os.chdir(tmp_path),
+    )
+    broker.start()
+    try:
+
+        def user(client_id: str, name: str, *, clean: bool) -> Client:
+            client = clients(port, client_id, clean_session=clean, auto_start=False)
+            client.paho.username_pw_set(name, PASSWORDS[name])
+            client.connect()
+            return client
+
+        assert broker.wait_until(lambda: connack_code(port) is not None, WAIT), (tmp_path / "broker.log").read_text()
+        alice = user("alice-1", "alice", clean=False)
+        assert alice.connect_reason == 0 and alice.subscribe("secret/#", 1) == [1]
+        alice.disconnect()
+        assert raw_login(port, "alice-1", "bob") == b"\x20\x02\x00\x05"  # CONNACK 5, then closed
+        bob = user("bob-1", "bob", clean=True)
+        assert bob.subscribe("secret/#", 1) == [0x80] and bob.subscribe("bob/#", 1) == [1]
+        bob.publish("secret/plans", [b"for alice"])
+        again = user("alice-1", "alice", clean=False)
+        assert again.session_present is True
+        assert [m.payload for m in again.wait_messages(1)] == [b"for alice"]
+        assert (tmp_path / "data" / "durable" / "CURRENT").exists()
+    finally:
+        broker.stop()
