@@ -149,6 +149,7 @@ def test_a_node_that_may_lack_acknowledged_publishes_waits_and_inspect_shows_why
     assert connack_code(third.port) == BACKUP
 
 
+@pytest.mark.slow
 def test_a_backup_that_followed_a_primary_whose_lease_ended_shows_its_address_and_waits(
     broker_factory: Callable[..., Broker], etcd: Any
 ) -> None:
