@@ -28,6 +28,9 @@ from pwdlib.hashers.argon2 import Argon2Hasher
 from test_docs_promises_config import (
     test_each_key_accepts_its_documented_edge_and_refuses_one_step_past_it as edge_check,
 )
+from test_docs_promises_ha2 import (
+    test_each_bad_replication_setting_stops_the_broker_naming_the_key_and_the_problem as bad_replication_cli,
+)
 from test_docs_promises_ops import _listen_backlog
 from test_ha_brokers import SERVING, address, node, start, status
 from test_hostile_owner import PASSWORDS
@@ -424,3 +427,13 @@ def test_the_topic_acl_example_runs_as_written_from_the_broker_s_folder(
         assert (tmp_path / "data" / "durable" / "CURRENT").exists()
     finally:
         broker.stop()
+
+
+def test_every_replication_setting_of_the_table_has_a_bad_value_run_through_the_real_cli() -> None:
+    """As test_docs_promises_ops.py's BAD_VALUES for the plugin's table: every key of replication.md's
+    Settings table has a bad value that test_docs_promises_ha2.py runs through `amqtt-durable broker -c`
+    (exit 2, the key and the problem named), so a new replication key cannot go in without one."""
+    marks = getattr(bad_replication_cli, "pytestmark", [])
+    rows = next(mark for mark in marks if mark.name == "parametrize").args[1]
+    named = {found.group(1) for _, words in rows if (found := re.match(r"'replication\.(\w+)'", words))}
+    assert set(_replication_table()) <= named, sorted(set(_replication_table()) - named)
