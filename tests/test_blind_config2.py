@@ -437,3 +437,29 @@ def test_every_replication_setting_of_the_table_has_a_bad_value_run_through_the_
     rows = next(mark for mark in marks if mark.name == "parametrize").args[1]
     named = {found.group(1) for _, words in rows if (found := re.match(r"'replication\.(\w+)'", words))}
     assert set(_replication_table()) <= named, sorted(set(_replication_table()) - named)
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ("plugins:\n  {plugin}:\n    replication:\n      role: primary\n      mode: sync\n      mode: async\n",
+         "replication.mode"),
+        ("plugins:\n  {plugin}:\n    replication:\n      role: primary\n      tls:\n        cert: a\n        cert: b\n",
+         "replication.tls.cert"),
+        ("plugins:\n  {plugin}:\n    streams:\n      - filter: a/#\n      - filter: b/#\n        max_age: 1\n"
+         "        max_age: 2\n", "streams[1].max_age"),
+        ("plugins:\n  - {plugin}:\n      store: a\n      store: b\n", "store"),
+        ("listeners:\n  default:\n    type: tcp\n    bind: 127.0.0.1:1\n    bind: 127.0.0.1:2\n"
+         "plugins:\n  {plugin}:\n", "listeners.default.bind"),
+    ],
+)  # fmt: skip
+def test_a_key_given_twice_is_named_as_the_settings_are(tmp_path: Path, body: str, named: str) -> None:
+    """configuration.md: "a key given twice in one mapping (anywhere in the file ...) stops the broker with an
+    error that names the key (exit code 2)"; the `replication` row: its settings are "each named
+    `replication.<key>` in errors" (a duplicated `mode` was named `'mode'`, its path lost)."""
+    config = tmp_path / "broker.yaml"
+    config.write_text(body.format(plugin=PLUGIN))
+    with pytest.raises(ConfigError) as raised:
+        load_broker_config(str(config))
+    assert raised.value.key == named, raised.value
+    assert re.search(rf"'{re.escape(named)}': given twice in one mapping \(lines \d+ and \d+\)", str(raised.value))
