@@ -451,6 +451,8 @@ def test_every_replication_setting_of_the_table_has_a_bad_value_run_through_the_
         ("plugins:\n  - {plugin}:\n      store: a\n      store: b\n", "store"),
         ("listeners:\n  default:\n    type: tcp\n    bind: 127.0.0.1:1\n    bind: 127.0.0.1:2\n"
          "plugins:\n  {plugin}:\n", "listeners.default.bind"),
+        ("plugins:\n  {plugin}:\n    store: a\n  {plugin}:\n    store: b\n", f"plugins.{PLUGIN}"),
+        ("plugins:\n  - {plugin}:\n      store: a\n    {plugin}:\n      store: b\n", f"plugins[0].{PLUGIN}"),
     ],
 )  # fmt: skip
 def test_a_key_given_twice_is_named_as_the_settings_are(tmp_path: Path, body: str, named: str) -> None:

@@ -88,6 +88,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def _name(self, node: yaml.MappingNode, key: Any) -> str:
         path = getattr(self, "paths", {}).get(id(node), "")
+        if _is_plugin_key(path, str(key)):  # the plugin's key itself, not a setting inside it
+            return f"{path}.{key}"
         return _key_path(path, str(key))
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -116,9 +118,14 @@ def _key_path(path: str, key: str) -> str:
     """A key as errors name it: the plugin's own as its settings are named (``store``,
     ``replication.mode``, ``streams[0].max_count``), any other by its path from the top of the file
     (``listeners.default.bind``)."""
-    if key == PLUGIN_PATH and re.fullmatch(r"plugins(\[\d+\])?", path):  # amqtt takes a mapping or a list
+    if _is_plugin_key(path, key):
         return ""
     return f"{path}.{key}" if path else key
+
+
+def _is_plugin_key(path: str, key: str) -> bool:
+    """``key`` at ``path`` loads our plugin (amqtt takes ``plugins:`` as a mapping or a list)."""
+    return key == PLUGIN_PATH and re.fullmatch(r"plugins(\[\d+\])?", path) is not None
 
 
 def load_broker_config(path: str) -> dict[str, Any]:
