@@ -465,3 +465,24 @@ def test_a_key_given_twice_is_named_as_the_settings_are(tmp_path: Path, body: st
         load_broker_config(str(config))
     assert raised.value.key == named, raised.value
     assert re.search(rf"'{re.escape(named)}': given twice in one mapping \(lines \d+ and \d+\)", str(raised.value))
+
+
+@pytest.mark.timeout(20)
+def test_lists_made_of_aliased_lists_load_at_once(tmp_path: Path) -> None:
+    """Naming each mapping's place for errors walks every list once: 9 levels of a list made of 10
+    aliases of the level below (10^9 paths if each alias were walked again; plain YAML loads it at once)."""
+    levels = ["l0: &l0 [1, 2]"] + [f"l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 10)}]" for n in range(1, 10)]
+    config = tmp_path / "broker.yaml"
+    config.write_text("\n".join(levels) + f"\nplugins:\n  {PLUGIN}:\n")
+    loaded = load_broker_config(str(config))
+    assert loaded["l9"][3][9][0][0][0][0][0][0][0] == loaded["l0"] == [1, 2]
+
+
+@pytest.mark.timeout(20)
+def test_a_list_that_holds_itself_loads_as_yaml_reads_it(tmp_path: Path) -> None:
+    """`x: &s [*s]` is valid YAML (a list holding itself), not one nested too deeply: it loads."""
+    config = tmp_path / "broker.yaml"
+    config.write_text(f"x: &s [*s, 1]\nm: &m {{self: *m}}\nplugins:\n  {PLUGIN}:\n")
+    loaded = load_broker_config(str(config))
+    assert loaded["x"][0] is loaded["x"] and loaded["x"][1] == 1
+    assert loaded["m"]["self"] is loaded["m"]

@@ -73,18 +73,23 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_document(self, node: yaml.Node) -> Any:
         self.paths: dict[int, str] = {}
         """Each mapping's place in the file, as its keys are named in errors (see ``_name``)."""
-        self._name_mappings(node, "")
+        self._name_mappings(node, "", set())
         return super().construct_document(node)
 
-    def _name_mappings(self, node: yaml.Node, path: str) -> None:
+    def _name_mappings(self, node: yaml.Node, path: str, walked: set[int]) -> None:
+        """Name the mappings in ``node`` and below; each list or mapping once, where it was written
+        (an alias is walked no further: `x: &s [*s]` holds itself, 10 aliases of 10 aliases ...)."""
+        if not isinstance(node, yaml.SequenceNode | yaml.MappingNode) or id(node) in walked:
+            return
+        walked.add(id(node))
         if isinstance(node, yaml.SequenceNode):
             for index, item in enumerate(node.value):
-                self._name_mappings(item, f"{path}[{index}]")
-        elif isinstance(node, yaml.MappingNode) and id(node) not in self.paths:  # an alias: where it was written
+                self._name_mappings(item, f"{path}[{index}]", walked)
+        else:
             self.paths[id(node)] = path
             for key_node, value_node in getattr(node, "written", None) or node.value:
                 if isinstance(key_node, yaml.ScalarNode) and key_node.tag != YAML_MERGE_TAG:
-                    self._name_mappings(value_node, _key_path(path, key_node.value))
+                    self._name_mappings(value_node, _key_path(path, key_node.value), walked)
 
     def _name(self, node: yaml.MappingNode, key: Any) -> str:
         path = getattr(self, "paths", {}).get(id(node), "")
