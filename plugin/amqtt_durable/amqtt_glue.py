@@ -238,6 +238,7 @@ _BROKER_INTERNALS = (
     "_client_connected",
     "_create_server_instance",
     "stream_connected",
+    "ws_connected",
     "_initialize_client_session",
     "_client_message_loop",
     "_handle_subscription",
