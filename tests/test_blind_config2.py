@@ -486,3 +486,15 @@ def test_a_list_that_holds_itself_loads_as_yaml_reads_it(tmp_path: Path) -> None
     loaded = load_broker_config(str(config))
     assert loaded["x"][0] is loaded["x"] and loaded["x"][1] == 1
     assert loaded["m"]["self"] is loaded["m"]
+
+
+def test_loop_wait_is_compared_with_its_bound_exactly_whatever_the_digits() -> None:
+    """`loop_wait` "at most `(lease_ttl - demote_margin) / 2`" however many digits it takes to tell:
+    (9000000000 - 1e-300) / 2 is below 4.5e9, which 28-digit decimals rounded to equal."""
+    replication = {"role": "primary", "lease_ttl": 9_000_000_000, "demote_margin": 1e-300, "loop_wait": 4.5e9}
+    with pytest.raises(ConfigError) as refused:
+        DurableConfig.from_mapping({"replication": replication})
+    assert refused.value.key == "replication.loop_wait", refused.value
+    assert str(refused.value).endswith("got 4500000000.0"), refused.value
+    accepted = DurableConfig.from_mapping({"replication": {**replication, "loop_wait": 4.4e9}}).replication
+    assert accepted is not None and accepted.loop_wait == 4.4e9
