@@ -1473,7 +1473,6 @@ class AmqttHooks:
         self._original_delete_session = broker._delete_session
         self._original_cleanup = broker._cleanup_session
         self._original_shutdown = broker.shutdown
-        self._original_create_server = broker._create_server_instance
         self.shutting_down = False
         self.event_tasks: set[asyncio.Task[None]] = set()
         # amqtt's table (filter -> [(session, qos)]) as a trie: who holds which filter, matched per level.
@@ -1589,7 +1588,8 @@ class AmqttHooks:
     async def create_server_instance(
         self, listener_name: str, listener_type: Any, address: str | None, port: int, ssl_context: Any
     ) -> Any:
-        """amqtt's TCP and websocket listeners with the ``listen_backlog`` setting: a TCP one's
+        """amqtt's TCP and websocket listeners (it calls this for no other type: an ``external`` one opens
+        no server) with the ``listen_backlog`` setting: a TCP one's
         connections counted as they are accepted (``tcp_accepted``, which does a TLS listener's
         handshake); a websocket one's as amqtt opens them, its upgrade requests checked by
         ``websocket_upgrade`` (amqtt's own serve, with the backlog: websockets passes it to asyncio)."""
@@ -1605,8 +1605,6 @@ class AmqttHooks:
                     process_request=self.websocket_upgrade,  # called for each upgrade request it reads
                     backlog=backlog,
                 )
-            if listener_type != ListenerType.TCP:
-                return await self._original_create_server(listener_name, listener_type, address, port, ssl_context)
             return await asyncio.start_server(
                 partial(self.tcp_accepted, listener_name=listener_name, ssl_context=ssl_context),
                 address,
