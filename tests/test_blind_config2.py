@@ -498,3 +498,35 @@ def test_loop_wait_is_compared_with_its_bound_exactly_whatever_the_digits() -> N
     assert str(refused.value).endswith("got 4500000000.0"), refused.value
     accepted = DurableConfig.from_mapping({"replication": {**replication, "loop_wait": 4.4e9}}).replication
     assert accepted is not None and accepted.loop_wait == 4.4e9
+
+
+HUGE = "0x" + "f" * 4000  # an int of 4,817 decimal digits: Python's str() refuses ints over 4,300 digits
+
+
+@pytest.mark.parametrize(
+    ("section", "named"),
+    [
+        ({"max_keepalive": HUGE}, "max_keepalive"),
+        ({"stream_window": HUGE}, "stream_window"),
+        ({"max_packet_size": HUGE}, "max_packet_size"),
+        ({"replication": {"role": "primary", "lease_ttl": HUGE}}, "replication.lease_ttl"),
+        ({"replication": {"role": "primary", "snapshot_chunk_bytes": HUGE}}, "replication.snapshot_chunk_bytes"),
+    ],
+)
+def test_an_integer_too_long_to_print_stops_the_real_broker_with_exit_2_naming_it(
+    tmp_path: Path, section: dict[str, Any], named: str
+) -> None:
+    """configuration.md: a value out of range "stops the broker with an error that names the key (exit
+    code 2)"; a hexadecimal integer of thousands of digits too (it crashed with a traceback, exit 1,
+    showing it in the error)."""
+    config = tmp_path / "broker.yaml"
+    text = yaml.safe_dump({
+        "listeners": {"default": {"type": "tcp", "bind": f"{HOST}:0"}},
+        "plugins": {PLUGIN: {"store": str(tmp_path / "store"), **section}},
+    })  # fmt: skip
+    config.write_text(text.replace(f"'{HUGE}'", HUGE))
+    result = run_cli("broker", "-c", str(config))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"'{named}': " in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(result.stderr) < 1000, result.stderr[-3000:]
+    assert not (tmp_path / "store").exists()

@@ -97,6 +97,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             return f"{path}.{key}"
         return _key_path(path, str(key))
 
+    def construct_printable_int(self, node: yaml.ScalarNode) -> int:
+        """An int as PyYAML reads it, refused if Python cannot print it (more digits than
+        ``sys.get_int_max_str_digits()``: a hexadecimal one may have them), so every error that
+        shows a value can (it crashed with a traceback, exit 1)."""
+        value: int = self.construct_yaml_int(node)
+        try:
+            str(value)
+        except ValueError:
+            raise ValueError(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
+        return value
+
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         lines: dict[Any, int] = {}
         pairs: list[tuple[Any, Any]] = getattr(node, "written", None) or node.value or []
@@ -117,6 +128,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             except ValueError as exc:  # PyYAML's int() or date() of a scalar: 4,301 digits or more, a 13th month
                 raise ConfigError(self._name(node, key), f"line {line}: a value YAML cannot read: {exc}") from exc
         return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_printable_int)
 
 
 def _key_path(path: str, key: str) -> str:
