@@ -325,8 +325,10 @@ def test_a_silent_peer_of_the_replication_address_is_cut_off_at_handshake_timeou
     assert _closed_after(address(primary), silent=False) == 0.0  # leaves before its time: not refused
     shown = run_cli("inspect", "--replication", address(primary))
     assert shown.returncode == 0 and "connections refused" not in shown.stdout, shown
-    waited = _closed_after(address(primary), silent=True)
-    assert timeout - 0.2 <= waited <= timeout + 3, waited
+    waited = _closed_after(address(primary), silent=True)  # cut off at all: within the socket's 4 * WAIT
+    # Not before handshake_timeout: the node's clock starts at its accept, after ours (a loaded machine only
+    # makes `waited` longer; 0.2 s spares a timer's rounding). No upper bound: load delays the cut.
+    assert waited >= timeout - 0.2, waited
     shown = run_cli("inspect", "--replication", address(primary))
     assert "  connections refused on its replication address since start: 1" in shown.stdout.splitlines(), shown
     warning = re.compile(rf"WARNING .*refused a connection from {re.escape(HOST)}:\d+: \S")
