@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import socket
 import threading
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from amqtt_durable.delivery import AckKind
 from amqtt_durable.engine import DurableEngine
 from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+from durable_client import DurableClient
 
 GATE_PLUGIN = '''
 import asyncio
@@ -365,3 +367,38 @@ def test_a_non_durable_subscription_ends_with_its_connection_whatever_order_its_
     publisher.publish("held/keep", [b"keep"])
     assert newer.wait_for(lambda ms: any(m.topic == "held/keep" for m in ms))
     assert [m.topic for m in newer.messages if m.topic.startswith("held/")] == ["held/newer", "held/keep"]
+
+
+@pytest.mark.timeout(120)
+def test_a_subscription_made_durable_again_while_disconnected_survives_the_older_connections_late_end(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """The SDK, subscribe(durable=True) of a filter it had made non-durable, while not connected
+    ("A call while disconnected is recorded and sent on connecting"): the broker's session holds
+    the filter non-durable, made so by an older connection it still counts as open (a half-open
+    link, taken over at this CONNECT) whose end runs late (GATE_PLUGIN's ``end-held``). Its hello
+    lists the filter, so the SDK sent nothing; the older connection's end then dropped the
+    subscription the user asked to be durable, for the newer connection's whole life."""
+    broker, _ = gated_broker(broker_factory, clients, tmp_path)
+    older = clients(broker.port, "sdk-held", username="end-held")
+    assert older.subscribe([("again/t", 1), ("again/keep", 1)]) == [1, 1]
+    assert request(older, "interest", filter="again/t", durable=False).ok
+    got: queue.Queue[tuple[str, bytes]] = queue.Queue()
+    device = DurableClient("sdk-held", port=broker.port)
+    try:
+        device.subscribe("again/t", qos=1, durable=False, listener=lambda e: got.put((e.topic, e.payload)))
+        device.subscribe("again/t", qos=1, listener=lambda e: got.put((e.topic, e.payload)))  # durable again
+        device.subscribe("again/keep", qos=1, listener=lambda e: got.put((e.topic, e.payload)))
+        device.ready_for_events()
+        device.connect(timeout=WAIT)  # takes the session over from the older connection
+        assert older.wait_disconnected(), "the older connection was not ended"
+        assert broker.wait_until(lambda: "held the end of a connection" in broker.log(), WAIT), broker.log()[-2000:]
+        release = clients(broker.port, "release-after-held", clean_session=True)
+        assert release.subscribe("release/none", 0) == [0], "no SUBACK"  # once the older connection's end has run
+        publisher = clients(broker.port, "pub", clean_session=True)
+        publisher.publish("again/t", [b"durable"])
+        publisher.publish("again/keep", [b"keep"])
+        first = got.get(timeout=WAIT)
+        assert first == ("again/t", b"durable"), "the subscription ended with the older connection"
+    finally:
+        device.close(keep_session=False)
