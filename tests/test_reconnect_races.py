@@ -330,7 +330,7 @@ def test_a_non_durable_subscription_ends_with_its_connection_whatever_order_its_
     end: str, broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
     """docs/protocol.md, `interest`: "`durable: false` makes that filter's subscription
-    non-durable: the broker drops it when the connection ends". The end of the connection that made
+    non-durable: the broker drops it when the connection that sent it ends". The end of the connection that made
     it (a DISCONNECT, or a take-over by a new CONNECT of its client id) is held after amqtt has
     handled it, before the durable plugin's detach (GATE_PLUGIN's ``end-held``: a loaded broker, in which
     the newer connection's attach runs first). The newer connection's hello lists the session's

@@ -411,7 +411,9 @@ class DurableClient:
         nothing is queued for it while away. Without a listener the events only feed the cache.
         QoS 2 is requested as QoS 1 on a durable session: the SDK's marks already give
         exactly-once, and paho cannot complete a QoS 2 exchange it did not start (after a
-        restart). Called while disconnected, the subscription is sent on the next connect;
+        restart). Called while disconnected, the subscription is sent on the next connect (one
+        made durable again then is said to be, before that connection's hello, so an older
+        connection's end the broker runs late does not drop it);
         when connected, it returns once the broker has confirmed it, or raises RequestTimeout
         after ``timeout`` seconds without a SUBACK (the subscription stays registered and is
         sent again on reconnect; a connection lost first is no SUBACK: it waits for the one of

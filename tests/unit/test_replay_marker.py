@@ -211,6 +211,38 @@ def test_a_non_durable_subscription_ends_with_its_connection_when_a_newer_one_at
     run(tmp_path, body)
 
 
+@pytest.mark.parametrize("newer_says", [False, True], ids=["non-durable-again", "durable-again"])
+def test_a_filter_the_newer_connection_marks_again_outlives_the_older_connections_late_end(
+    tmp_path: Path, newer_says: bool
+) -> None:
+    """A filter the older connection made non-durable, which the newer connection (its CONNECT and
+    attach before the older one's detach, the older one open at that CONNECT) marks again, as the
+    SDK does on connecting: ``durable: false`` again (its subscription replayed) or ``durable:
+    true`` (made durable while disconnected, sent before its hello). It is the newer connection's
+    from then on: the older connection's end keeps it; the newer one's end drops it only if it said
+    non-durable."""
+
+    async def body(engine: DurableEngine) -> None:
+        await sdk_session(engine, "d", "f")
+        older, newer = RecordingTransport(), RecordingTransport()
+        assert await engine.connect("d", clean_session=False, transport=older) is True
+        await engine.attach("d", older)
+        engine.set_interest("d", "f", False, older)
+        session = engine.sessions["d"]
+        assert await engine.connect("d", clean_session=False, transport=newer) is True
+        await engine.attach("d", newer)
+        engine.set_interest("d", "f", newer_says, newer)
+        older.closed = True
+        await engine.detach("d", older)
+        assert set(session.record.subscriptions) == {"f"}, "ended with the older connection"
+        assert session.record.non_durable == (set() if newer_says else {"f"})
+        newer.closed = True
+        await engine.detach("d", newer)
+        assert set(session.record.subscriptions) == ({"f"} if newer_says else set())
+
+    run(tmp_path, body)
+
+
 def test_hello_caps_the_expiry_the_client_asks_for(tmp_path: Path) -> None:
     async def body(engine: DurableEngine) -> None:
         await engine.connect("d", clean_session=False)
