@@ -176,6 +176,20 @@ def test_non_durable_subscriptions_end_with_the_connection(tmp_path: Path) -> No
     run(tmp_path, body)
 
 
+async def older_then_newer(
+    engine: DurableEngine, non_durable: str, *, closed_first: bool
+) -> tuple[RecordingTransport, RecordingTransport, Any]:
+    """Session "d": an older connection attached that made ``non_durable`` non-durable (closed
+    or not, ``closed_first``), then a newer connection's CONNECT: (older, newer, session)."""
+    older, newer = RecordingTransport(), RecordingTransport()
+    assert await engine.connect("d", clean_session=False, transport=older) is True
+    await engine.attach("d", older)
+    engine.set_interest("d", non_durable, False, older)
+    older.closed = closed_first
+    assert await engine.connect("d", clean_session=False, transport=newer) is True
+    return older, newer, engine.sessions["d"]
+
+
 @pytest.mark.parametrize("closed_first", [True, False], ids=["closed-before-the-connect", "open-at-the-connect"])
 def test_a_non_durable_subscription_ends_with_its_connection_when_a_newer_one_attaches_first(
     tmp_path: Path, closed_first: bool
@@ -188,13 +202,7 @@ def test_a_non_durable_subscription_ends_with_its_connection_when_a_newer_one_at
 
     async def body(engine: DurableEngine) -> None:
         await sdk_session(engine, "d", "keep", "older")
-        older, newer = RecordingTransport(), RecordingTransport()
-        assert await engine.connect("d", clean_session=False, transport=older) is True
-        await engine.attach("d", older)
-        engine.set_interest("d", "older", False, older)
-        older.closed = closed_first
-        session = engine.sessions["d"]
-        assert await engine.connect("d", clean_session=False, transport=newer) is True
+        older, newer, session = await older_then_newer(engine, "older", closed_first=closed_first)
         assert ("older" in session.record.subscriptions) is not closed_first
         await engine.attach("d", newer)
         await engine.subscribe("d", "newer", 1)
@@ -224,12 +232,7 @@ def test_a_filter_the_newer_connection_marks_again_outlives_the_older_connection
 
     async def body(engine: DurableEngine) -> None:
         await sdk_session(engine, "d", "f")
-        older, newer = RecordingTransport(), RecordingTransport()
-        assert await engine.connect("d", clean_session=False, transport=older) is True
-        await engine.attach("d", older)
-        engine.set_interest("d", "f", False, older)
-        session = engine.sessions["d"]
-        assert await engine.connect("d", clean_session=False, transport=newer) is True
+        older, newer, session = await older_then_newer(engine, "f", closed_first=False)
         await engine.attach("d", newer)
         engine.set_interest("d", "f", newer_says, newer)
         older.closed = True
