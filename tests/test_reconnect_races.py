@@ -373,12 +373,15 @@ def test_a_non_durable_subscription_ends_with_its_connection_whatever_order_its_
 def test_a_subscription_made_durable_again_while_disconnected_survives_the_older_connections_late_end(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
-    """The SDK, subscribe(durable=True) of a filter it had made non-durable, while not connected
-    ("A call while disconnected is recorded and sent on connecting"): the broker's session holds
-    the filter non-durable, made so by an older connection it still counts as open (a half-open
-    link, taken over at this CONNECT) whose end runs late (GATE_PLUGIN's ``end-held``). Its hello
-    lists the filter, so the SDK sent nothing; the older connection's end then dropped the
-    subscription the user asked to be durable, for the newer connection's whole life."""
+    """The SDK, subscribe(durable=True) of a filter made non-durable, while not connected: the
+    broker's session holds the filter non-durable, made so by an older connection of the client id
+    that this CONNECT takes over and whose end runs late (GATE_PLUGIN's ``end-held``). The SDK's
+    ``interest durable: true`` goes before its hello; the subscription is there, durable, once the
+    older connection's end has run. (amqtt's take-over closes the older connection before the
+    durable plugin sees this CONNECT, which then ends the filter: this passes without the SDK's
+    request too. The broker still counting the older connection open at the CONNECT, where the
+    hello listed the filter and the SDK sent nothing, is tests/unit/test_sdk_client.py's
+    ``..._says_so_before_the_hello`` and test_replay_marker.py's ``..._marks_again_...``.)"""
     broker, _ = gated_broker(broker_factory, clients, tmp_path)
     older = clients(broker.port, "sdk-held", username="end-held")
     assert older.subscribe([("again/t", 1), ("again/keep", 1)]) == [1, 1]
