@@ -9,6 +9,7 @@ lack acknowledged publishes never takes the lease."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,7 @@ from amqtt_durable.process import EtcdProcess
 from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.coordinator import Leader
 from amqtt_durable.replication.etcd import EtcdCoordinator
+from amqtt_durable.store import open_store
 from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
 
 pytestmark = pytest.mark.timeout(180)
@@ -218,3 +220,54 @@ def test_in_async_mode_only_the_last_primary_takes_over_after_a_full_stop(
     assert served_by(first), first.log()
     assert_queue_served(first, clients, QUEUED)
     assert wait_status(second, lambda s: s["caught_up"])["primary"] == address(first)
+
+
+def inspected(broker: Broker) -> tuple[dict[str, Any], list[str]]:
+    """``inspect --replication`` of a running node: its JSON and its text lines."""
+    shown = run_cli("inspect", "--replication", address(broker), "--json")
+    assert shown.returncode == 0, shown.stderr
+    text = run_cli("inspect", "--replication", address(broker))
+    assert text.returncode == 0, text.stderr
+    return json.loads(shown.stdout), text.stdout.splitlines()
+
+
+def test_inspect_shows_whom_a_node_waits_for_after_a_full_stop_and_a_member_whose_promotion_failed(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
+) -> None:
+    """docs/replication.md, Watching it: after a full stop, a waiting node's status names the nodes it
+    waits for (``waiting_for``, the text's ``waiting for:`` line), and the members' rows say which one's
+    last promotion failed (``promotion_failed``): the one that holds nobody back."""
+    first, second = ha_pair(broker_factory, etcd)
+    queue_durable_messages(first, clients, QUEUED)
+    kill_all(first, second)
+    db = open_store(first.store, create=False)
+    db.put(b"sbroken-device", b"\xff not a session record")  # a's store will not load: its promotions fail
+    db.close()
+
+    first.spawn()  # a, the last primary, waits up to lease_ttl for b, then tries and fails, again and again
+    waiting = wait_status(first, lambda s: s.get("waiting_for") == ["b"], FAILOVER_WAIT)
+    assert "waiting up to 2 s for b" in waiting["waiting"], waiting
+    failed = wait_status(
+        first, lambda s: [row["promotion_failed"] for row in s["members"] if row["name"] == "a"] == [True],
+        FAILOVER_WAIT,
+    )
+    assert "broken-device" in failed["promotion_failed"], failed
+    assert lease_holder(etcd) is None and connack_code(first.port) == BACKUP
+    _, lines = inspected(first)
+    row = next(line for line in lines if line.startswith("    a: backup, at batch "))
+    assert row.endswith(", its last promotion failed"), lines
+    shown: list[str] = []
+
+    def says_waiting_for_b() -> bool:  # a cycle that waits for b, between two that try the lease
+        shown[:] = run_cli("inspect", "--replication", address(first)).stdout.splitlines()
+        return "  waiting for: b" in shown
+
+    assert first.wait_until(says_waiting_for_b, FAILOVER_WAIT), shown
+
+    second.spawn()  # b, in a's synchronous set, is not held back by a, whose promotion failed
+    assert served_by(second), f"{second.log()}\n{first.log()}"
+    assert lease_holder(etcd) == "b"
+    assert_queue_served(second, clients, QUEUED)
+    primary, lines = inspected(second)
+    assert primary["role"] == "primary" and "waiting_for" not in primary
+    assert all(row["promotion_failed"] is False for row in primary["members"] if row["name"] == "b"), primary

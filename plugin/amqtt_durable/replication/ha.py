@@ -68,6 +68,9 @@ class Decision:
     """The coordinator did not answer this cycle (unreachable, refused, too slow)."""
     level: int | None = None
     """The level to log it at, when not the action's (a configuration error is an ERROR)."""
+    waiting_for: tuple[str, ...] = ()
+    """A wait for other nodes: the ones this node leaves the lease to or waits for (to start, or
+    to be primary again), by name; inspect shows them."""
 
 
 class HaHooks(Protocol):
@@ -316,6 +319,7 @@ class HaNode:
                 "wait",
                 "no primary, but this node is not in the synchronous set the last primary published "
                 f"({', '.join(sorted(sync_set)) or 'none'}): it may lack acknowledged publishes",
+                waiting_for=tuple(sorted(sync_set)),
             )
         mine = self.record()
         ahead = ahead_of(mine, self.members, sync_set)
@@ -325,6 +329,7 @@ class HaNode:
                 "wait",
                 f"no primary, but {best.name} is further ahead (batch {best.seq}, this node "
                 f"{mine.seq}): leaving the lease to it",
+                waiting_for=(best.name,),
             )
         return "promoted", "no primary, and this node is caught up and the most advanced"
 
@@ -356,6 +361,7 @@ class HaNode:
                 )
                 + " (or the operator promotes a node: docs/replication.md, After a full stop of the group)",
                 level=logging.WARNING,
+                waiting_for=tuple(sorted(eligible)),
             )
         if not self.hooks.store_whole():
             return Decision(
@@ -385,6 +391,7 @@ class HaNode:
                 "wait",
                 f"no primary, and {follower.name} is a caught-up backup that takes the lease: this node "
                 "rejoins as its backup",
+                waiting_for=(follower.name,),
             )
         ahead = [
             member
@@ -401,6 +408,7 @@ class HaNode:
                 f"no primary after a full stop of the group, and {best.name} holds every acknowledged publish "
                 f"too and is further ahead or was primary last (batch {best.seq}, this node {seq}): leaving the "
                 "lease to it",
+                waiting_for=(best.name,),
             )
         now = self.clock()
         self._full_stop_since = now if waited_since is None else waited_since
@@ -411,6 +419,7 @@ class HaNode:
                 f"no primary after a full stop of the group: waiting up to {self.ttl:g} s for "
                 f"{', '.join(missing)} (the last primary or in its synchronous set) to start, "
                 "in case it is further ahead",
+                waiting_for=tuple(missing),
             )
         return None
 

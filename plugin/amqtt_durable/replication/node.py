@@ -37,7 +37,7 @@ from typing import Any
 from ..settings import LISTEN_BACKLOG
 from .backup import Backup
 from .config import ReplicationConfig
-from .coordinator import Coordinator, Leader
+from .coordinator import Coordinator, Leader, Member
 from .errors import (
     CoordinatorError,
     PromotionRefusedError,
@@ -191,18 +191,17 @@ class ReplicationNode:
             last = self.ha.last if self.ha is not None else None
             if last is not None and last.action == "wait":  # no primary followed: why (after a full stop, say)
                 status["waiting"] = last.reason
+                if last.waiting_for:  # the nodes it leaves the lease to or waits for
+                    status["waiting_for"] = list(last.waiting_for)
         status["refused"] = self._admin_gate.refusals
         if self.ha is not None:
-            status["members"] = [
-                {"name": m.name, "role": m.role, "store_id": m.store_id, "batch": m.seq, "candidate": m.candidate}
-                for m in sorted(self.ha.members, key=lambda m: m.name)
-            ]
+            status["members"] = [_member_row(m) for m in sorted(self.ha.members, key=lambda m: m.name)]
         return status
 
     def metrics(self) -> dict[str, object]:
         """``status`` flattened into $SYS/broker/durable/replication/... topics."""
         status = self.status()
-        left_out = ("backups", "members", "name", "waiting")
+        left_out = ("backups", "members", "name", "waiting", "waiting_for")
         flat: dict[str, object] = {f"replication/{key}": value for key, value in status.items() if key not in left_out}
         backups = status.get("backups", [])
         if status["role"] == "primary":
@@ -616,6 +615,18 @@ class ReplicationNode:
         self.backup = self._new_backup()
         if not self._ha_stop.is_set() and not self._promoting:
             await self._open_admin()
+
+
+def _member_row(member: Member) -> dict[str, Any]:
+    """One member's published record as STATUS shows it (inspect's ``members``)."""
+    return {
+        "name": member.name,
+        "role": member.role,
+        "store_id": member.store_id,
+        "batch": member.seq,
+        "candidate": member.candidate,
+        "promotion_failed": member.promotion_failed,
+    }
 
 
 @contextlib.contextmanager
