@@ -26,6 +26,7 @@ from test_ha_brokers import (
     node,
     queue_durable_messages,
     start,
+    status,
     wait_status,
 )
 
@@ -271,3 +272,64 @@ def test_inspect_shows_whom_a_node_waits_for_after_a_full_stop_and_a_member_whos
     primary, lines = inspected(second)
     assert primary["role"] == "primary" and "waiting_for" not in primary
     assert all(row["promotion_failed"] is False for row in primary["members"] if row["name"] == "b"), primary
+
+
+@pytest.mark.parametrize(
+    "resumed",
+    [
+        "while-b-holds-the-lease",  # c follows b (never answered): it is not caught up with a new primary
+        "after-b-s-lease-ended",  # c never saw b: the coordinator's last primary is not the one it followed
+    ],
+)
+def test_a_backup_caught_up_with_an_earlier_primary_does_not_take_over_after_an_async_primary_deleted_the_set(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess, resumed: str
+) -> None:
+    """A group part-way through a switch from sync to async mode. a (sync) acknowledges ``later`` with b only,
+    after c stopped answering (frozen: its record still says caught up with a). b (already configured async)
+    takes over, deletes a's synchronous set once it serves, and is killed before it acknowledged anything. c,
+    running again, was never caught up with b, the last primary: it must not take the lease (it lacks
+    ``later``), though no synchronous set holds it back any more; b, started again, takes over with every
+    acknowledged publish."""
+    ha: dict[str, Any] = {"coordinator": [etcd.url], **HA_TIMING}
+    first = start(node(broker_factory, "a", **ha, ack_timeout=1), SERVING)
+    second = start(node(broker_factory, "b", **ha, mode="async"), BACKUP)
+    third = start(node(broker_factory, "c", **ha), BACKUP)
+    for backup in (second, third):
+        wait_status(backup, lambda s: s["caught_up"])
+    assert first.wait_until(lambda: sync_set(etcd) == frozenset({"b", "c"}), WAIT)
+    queue_durable_messages(first, clients, QUEUED)
+    # More than the socket buffers between a and c hold (about 24 MiB): c gets only part of it.
+    later = [b"later-%06d" % n + b"x" * 16_378 for n in range(1500)]
+    with third.paused():  # c reads nothing of what follows: it still says caught up with a
+        publisher = clients(first.port, "publisher", clean_session=True)
+        publisher.publish("t/a", later)  # acknowledged once a dropped c (ack_timeout) and published {b}
+        publisher.disconnect()
+        assert sync_set(etcd) == frozenset({"b"})
+        first.kill()
+        assert served_by(second), second.log()
+        assert second.wait_until(lambda: sync_set(etcd) is None, WAIT), second.log()  # async mode: deleted
+        second.kill()  # before it acknowledged anything
+        if resumed == "after-b-s-lease-ended":
+            assert third.wait_until(lambda: lease_holder(etcd) is None, FAILOVER_WAIT)  # c is paused, not ended
+
+    def decided() -> bool:  # c either waits, saying why, or (the fault) serves
+        current = status(third)
+        return connack_code(third.port) == SERVING or (
+            current is not None and "not caught up with the last one" in current.get("waiting", "")
+        )
+
+    assert third.wait_until(decided, FAILOVER_WAIT), third.log()
+    if connack_code(third.port) == SERVING:
+        served = clients(third.port, "device").wait_messages(QUEUED + len(later), 5.0)
+        pytest.fail(f"c took the lease serving {len(served)} of {QUEUED + len(later)} acknowledged publishes")
+    assert lease_holder(etcd) is None, third.log()
+    waiting = status(third)
+    assert waiting is not None and waiting["waiting_for"] == ["b"], waiting  # the last primary, no set left
+    assert waiting["caught_up"] is False, waiting  # with a, not with the last primary
+
+    second.spawn()  # the last primary: it takes over with everything a acknowledged
+    assert served_by(second), second.log()
+    device = clients(second.port, "device")
+    assert device.session_present is True
+    assert [m.payload for m in device.wait_messages(QUEUED + len(later))] == payloads(QUEUED) + later
+    assert wait_status(third, lambda s: s["caught_up"])["primary"] == address(second)

@@ -165,6 +165,7 @@ async def a_primary() -> tuple[Clock, FakeCoordinator, Hooks, HaNode]:
     ha = node(fake, hooks)
     await ha.run_cycle()
     assert ha.role == "primary"
+    fake.initialized_by = fake.initialized_by or "a"  # as a real cluster's first node claims it
     return clock, fake, hooks, ha
 
 
@@ -367,6 +368,7 @@ def test_in_sync_mode_only_a_member_of_the_published_set_takes_over() -> None:
         assert await fake.publish_sync(a.me, frozenset({"c"}))
         b, c = node(fake, Hooks(), "b"), node(fake, Hooks(), "c")
         assert not await fake.publish_sync(b.me, frozenset({"b"}))  # only the leader writes it
+        assert [(await n.run_cycle()).action for n in (b, c)] == ["follow", "follow"]  # caught up with a
         clock.now += TTL + 1  # a is gone, its lease expired
         decision = await b.run_cycle()
         assert decision.action == "wait"
@@ -414,10 +416,8 @@ def test_the_most_advanced_backup_takes_over_whichever_cycles_first() -> None:
     async def main() -> None:
         clock, fake, _, b, c = await three_nodes(b_seq=1900, c_seq=1200)
         clock.now += TTL + 1  # a is gone, its lease and its record expired
-        await b.run_cycle()  # b's record is fresh again (as a live node's is every cycle) ...
-        fake.holder = None  # ... but it has not taken the lease yet: c's cycle comes first
-        b.role = "backup"
-        decision = await c.run_cycle()
+        await fake.publish_member(b.record())  # b's record is fresh again (as a live node's is every cycle) ...
+        decision = await c.run_cycle()  # ... but c's cycle comes before b's takes the lease
         assert decision.action == "wait"
         assert (
             decision.reason
@@ -456,7 +456,8 @@ def test_a_backup_whose_promotion_fails_stops_holding_the_others_back() -> None:
         b.hooks.fail_promotion = True  # type: ignore[attr-defined]
         clock.now += TTL + 1
         assert "the promotion failed" in (await b.run_cycle()).reason  # its record still says candidate
-        assert "b is further ahead" in (await c.run_cycle()).reason
+        held = await c.run_cycle()  # b took the lease last and may have served: c waits for it
+        assert held.action == "wait" and held.waiting_for == ("b",), held
         await b.run_cycle()  # publishes itself as no candidate (it still tries, and fails)
         assert not fake.records["b"][0].candidate
         assert (await c.run_cycle()).action == "promoted"
@@ -815,12 +816,14 @@ def test_a_node_in_async_mode_removes_the_synchronous_set_once_its_promotion_suc
         clock, fake = full_stop(frozenset({"b"}))  # the sync-mode period: a published {b}
         fake.initialized_by = "a"
         kept = node(fake, Hooks(caught_up=True), "b")  # sync mode: keeps the set until it publishes
+        kept._followed = "a"  # caught up with a, in the sync-mode period
         assert (await kept.run_cycle()).action == "promoted" and fake.sync == frozenset({"b"})
         fake.holder = None
         a_hooks = Hooks(caught_up=True, seq=100_000)
         a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN,
                    clock=clock)  # fmt: skip
         fake.sync, fake.sync_leader = frozenset({"a"}), "b"  # b's set, in its sync-mode period
+        a._followed = "b"  # caught up with b
         assert (await a.run_cycle()).action == "promoted" and fake.sync == frozenset({"a"})
         assert await fake.publish_sync(a.me, None) and (fake.sync, fake.sync_leader) == (None, None)
         assert not await fake.publish_sync(kept.me, None)  # only the leader deletes it
@@ -915,11 +918,13 @@ def test_a_failed_promotion_in_async_mode_leaves_the_synchronous_set() -> None:
         fake.sync, fake.sync_leader = frozenset({"a", "b"}), "s"
         c_hooks = Hooks(caught_up=True, seq=95)
         c = node(fake, c_hooks, "c")
+        c._followed = "s"  # caught up with s, by its own view
         assert "not in the synchronous set" in (await c.run_cycle()).reason
         a_hooks = Hooks(caught_up=True, seq=100)
         a_hooks.fail_promotion = True
         a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN,
                    clock=clock)  # fmt: skip
+        a._followed = "s"  # caught up with s
         assert "the promotion failed" in (await a.run_cycle()).reason and fake.holder is None
         assert fake.sync == frozenset({"a", "b"}), "a failed promotion keeps the set"
         clock.now += 1

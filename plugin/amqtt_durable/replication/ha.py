@@ -142,6 +142,19 @@ class HaNode:
         self._operator_takeover = False
         """``amqtt-durable promote`` asked this node to take the free lease at its next cycle."""
         self._unanswered_since: float | None = None
+        self._followed: str | None = None
+        """The name of the primary whose history this node's store holds last: the leader it last
+        followed (its backup end's IN_SYNC came from it, if any: ``follow`` forgets a caught-up
+        state when the leader changes), or this node after its own promotion."""
+        self._caught_up_earlier = False
+        """This backup's last cycle without a primary found it caught up with an earlier primary,
+        not the last one: it counts as not caught up (no candidate) until it follows a primary."""
+
+    @property
+    def caught_up_earlier(self) -> bool:
+        """This backup's last cycle without a primary found it caught up with an earlier primary
+        than the last one: it counts as not caught up (inspect says so) until it follows one."""
+        return self._caught_up_earlier
 
     @property
     def ttl(self) -> float:
@@ -299,7 +312,7 @@ class HaNode:
                 "no primary, and the operator promoted this node (amqtt-durable promote): it may lack "
                 "acknowledged publishes"
             )
-        if self.hooks.caught_up():
+        if self.hooks.caught_up() and await self._caught_up_with_last_primary():
             return await self._as_caught_up()
         if self._bootstrap_failed or await self.coordinator.initialize(self.me.name):
             return "bootstrapped", "a new cluster, claimed its bootstrap"
@@ -310,6 +323,20 @@ class HaNode:
             "no primary after a full stop of the group, and this node holds every acknowledged "
             "publish (the last primary or in its synchronous set) and is the most advanced"
         )
+
+    async def _caught_up_with_last_primary(self) -> bool:
+        """Whether the primary this caught-up backup followed is the last one: the last node that
+        took the lease, or the leader of the published synchronous set. Another node that took
+        the lease since (while this one was frozen or cut off from the coordinator, so it never
+        followed it) may have served: in async mode it deleted the synchronous set, and this node
+        may lack what the earlier primary acknowledged without it in sync mode. Unless every such
+        node's record says its promotion failed (it never served since it took the lease), this
+        node counts as not caught up. A cluster of an earlier version names no former primary:
+        caught up as before."""
+        former = await self.coordinator.former_primaries()
+        failed = {member.name for member in self.members if member.promotion_failed}
+        self._caught_up_earlier = bool(former) and self._followed not in former and not former <= failed
+        return not self._caught_up_earlier
 
     async def _as_caught_up(self) -> Decision | tuple[Action, str]:
         """No primary, and this node was caught up with the last one (Patroni's healthiest node)."""
@@ -466,6 +493,7 @@ class HaNode:
                 )
             return await self._promotion_failed_with(exc)
         self._bootstrap_failed = self._promotion_failed = False
+        self._followed = self.me.name  # its store's history is its own term's now
         if self.role != "primary":  # the deadline's timer demoted this node while it was promoting
             return Decision("demoted", f"{why}, but the lease ended while the promotion was under way")
         return Decision(action, f"{why}: took the leader lease, now primary")
@@ -506,13 +534,19 @@ class HaNode:
                 )
             return Decision("wait", "the lease still names this node from before it restarted: waiting for it to end")
         self._promotion_failed = self._bootstrap_failed = False  # another node is primary: a new term
+        self._followed, self._caught_up_earlier = leader.name, False
         self.hooks.follow(leader)
         return Decision("follow", f"following primary {leader.name} at {leader.address}")
 
     def record(self) -> Member:
         """What this node publishes about itself now."""
         store_id, seq = self.hooks.position()
-        candidate = self.role == "backup" and self.hooks.caught_up() and not self._promotion_failed
+        candidate = (
+            self.role == "backup"
+            and self.hooks.caught_up()
+            and not self._promotion_failed
+            and not self._caught_up_earlier
+        )
         return Member(self.me.name, self.role, store_id, seq, candidate, self.me.address, self._promotion_failed)
 
     # --- the loop -----------------------------------------------------------------------------

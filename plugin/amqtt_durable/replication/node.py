@@ -181,7 +181,8 @@ class ReplicationNode:
                 "role": "backup",
                 "state": self.backup.state,
                 "batch": self.backup.applied_seq,
-                "caught_up": self.backup.caught_up,
+                # Caught up with an earlier primary than the coordinator's last one is not caught up.
+                "caught_up": self.backup.caught_up and not (self.ha is not None and self.ha.caught_up_earlier),
                 "primary": self._following,
             }
             if self.promotion_failure is not None:
@@ -421,6 +422,10 @@ class ReplicationNode:
         if previous is not None:
             self._follow_stop.set()
             previous.cancel()
+        if leader.address != self._following:
+            # Caught up with the last primary only: a new one decides anew (its IN_SYNC), also when
+            # it dies before it answered. (The cancelled end sets caught_up no more.)
+            self.backup.caught_up = False
         self._following = leader.address
         self._follow_stop = asyncio.Event()
         host, port = split_peer_address(leader.address, f"the coordinator's leader key (written by {leader.name})")
