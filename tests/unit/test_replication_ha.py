@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -463,6 +464,26 @@ def test_a_backup_whose_promotion_fails_stops_holding_the_others_back() -> None:
         assert (await c.run_cycle()).action == "promoted"
         assert (await b.run_cycle()).action == "follow"
         assert b.record().candidate, "a new term: b may take over again (its next record says so)"
+
+    run(main())
+
+
+def test_a_backup_caught_up_with_an_earlier_primary_is_not_caught_up_once_another_took_the_lease() -> None:
+    """docs/replication.md, Caught up with the last primary: c followed a; b took the lease and served (in
+    async mode it deleted the set) while c never cycled; with b gone too, c is not caught up with the last
+    primary: no candidate, and it waits for b instead of taking the lease with what only a told it."""
+
+    async def main() -> None:
+        clock, fake, _, b, c = await three_nodes(b_seq=1900, c_seq=1200)
+        clock.now += TTL + 1  # a is gone
+        assert (await b.run_cycle()).action == "promoted" and fake.last_primary == "b"
+        clock.now += TTL + 1  # b is gone too, before c's next cycle
+        decision = await c.run_cycle()
+        assert decision.action == "wait" and decision.waiting_for == ("b",), decision
+        assert c.hooks.promoted == 0 and not c.record().candidate  # type: ignore[attr-defined]
+        assert c.caught_up_earlier
+        await fake.publish_member(replace(b.record(), role="backup", promotion_failed=True))
+        assert (await c.run_cycle()).action == "promoted"  # had b never served (its entry says so), a was the last
 
     run(main())
 
