@@ -23,8 +23,10 @@ rate difference of the two clocks (ppm) and the time to stop the acknowledging p
 must step down.
 
 A backup takes the lease only when no node holds it, it is caught up (in sync with the last
-primary), in sync mode it is in the synchronous set that primary published before it
-acknowledged anything without a backup (so it holds every acknowledged batch), and no other
+primary: the leader it followed is the last to take the lease or the set's leader, or each of
+those says its promotion failed, ``_caught_up_with_last_primary``), in sync mode it is in the
+synchronous set that primary published before it acknowledged anything without a backup (so
+it holds every acknowledged batch), and no other
 live candidate of the same store is further ahead (``ahead_of``: every node publishes its
 position each cycle, Patroni's member keys; in async mode the most advanced backup holds the
 most acknowledged publishes); or when it bootstraps a new cluster (the one-time
