@@ -281,6 +281,22 @@ def test_inspect_shows_whom_a_node_waits_for_after_a_full_stop_and_a_member_whos
         "after-b-s-lease-ended",  # c never saw b: the coordinator's last primary is not the one it followed
     ],
 )
+def waits_not_caught_up(broker: Broker, clients: Callable[..., Client], acknowledged: int) -> None:
+    """``broker`` waits, saying it is not caught up with the last primary; the fault, that it serves
+    (what it lacks of the ``acknowledged`` publishes), fails the test."""
+
+    def decided() -> bool:
+        current = status(broker)
+        return connack_code(broker.port) == SERVING or (
+            current is not None and "not caught up with the last one" in current.get("waiting", "")
+        )
+
+    assert broker.wait_until(decided, FAILOVER_WAIT), broker.log()
+    if connack_code(broker.port) == SERVING:
+        served = clients(broker.port, "device").wait_messages(acknowledged, 5.0)
+        pytest.fail(f"the backup took the lease serving {len(served)} of {acknowledged} acknowledged publishes")
+
+
 def test_a_backup_caught_up_with_an_earlier_primary_does_not_take_over_after_an_async_primary_deleted_the_set(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess, resumed: str
 ) -> None:
@@ -312,16 +328,7 @@ def test_a_backup_caught_up_with_an_earlier_primary_does_not_take_over_after_an_
         if resumed == "after-b-s-lease-ended":
             assert third.wait_until(lambda: lease_holder(etcd) is None, FAILOVER_WAIT)  # c is paused, not ended
 
-    def decided() -> bool:  # c either waits, saying why, or (the fault) serves
-        current = status(third)
-        return connack_code(third.port) == SERVING or (
-            current is not None and "not caught up with the last one" in current.get("waiting", "")
-        )
-
-    assert third.wait_until(decided, FAILOVER_WAIT), third.log()
-    if connack_code(third.port) == SERVING:
-        served = clients(third.port, "device").wait_messages(QUEUED + len(later), 5.0)
-        pytest.fail(f"c took the lease serving {len(served)} of {QUEUED + len(later)} acknowledged publishes")
+    waits_not_caught_up(third, clients, QUEUED + len(later))
     assert lease_holder(etcd) is None, third.log()
     waiting = status(third)
     assert waiting is not None and waiting["waiting_for"] == ["b"], waiting  # the last primary, no set left
@@ -333,3 +340,46 @@ def test_a_backup_caught_up_with_an_earlier_primary_does_not_take_over_after_an_
     assert device.session_present is True
     assert [m.payload for m in device.wait_messages(QUEUED + len(later))] == payloads(QUEUED) + later
     assert wait_status(third, lambda s: s["caught_up"])["primary"] == address(second)
+
+
+def test_a_backup_caught_up_with_an_earlier_term_of_the_last_primary_does_not_take_over(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
+) -> None:
+    """Review 260 (ABA, async mode): c is caught up with a's first term, then frozen through b's term
+    (b acknowledges ``x``) and a's second one (a restarted, caught up with b, took over when b died and
+    acknowledged ``y``); a dies. The last primary is named a again, but c's IN_SYNC came from a's first
+    term: c must not take the lease without ``x`` and ``y``; a, started again, takes over with all."""
+    ha = {"coordinator": [etcd.url], **HA_TIMING, "mode": "async"}
+    first = start(node(broker_factory, "a", **ha), SERVING)
+    second = start(node(broker_factory, "b", **ha), BACKUP)
+    third = start(node(broker_factory, "c", **ha), BACKUP)
+    for backup in (second, third):
+        wait_status(backup, lambda s: s["caught_up"])
+    queue_durable_messages(first, clients, QUEUED)
+    head = status(first)["batch"]
+    wait_status(third, lambda s: s["batch"] >= head)
+    x = [b"x-%04d" % n for n in range(100)]
+    y = [b"y-%04d" % n for n in range(100)]
+    with third.paused():
+        first.kill()
+        assert served_by(second), second.log()
+        publisher = clients(second.port, "pub-x", clean_session=True)
+        publisher.publish("t/a", x)  # acknowledged by b
+        publisher.disconnect()
+        first.spawn()
+        wait_status(first, lambda s: s["caught_up"] and s["primary"] == address(second), FAILOVER_WAIT)
+        second.kill()
+        assert served_by(first), first.log()  # a's second term
+        publisher = clients(first.port, "pub-y", clean_session=True)
+        publisher.publish("t/a", y)
+        publisher.disconnect()
+        first.kill()
+        assert third.wait_until(lambda: lease_holder(etcd) is None, FAILOVER_WAIT)
+
+    waits_not_caught_up(third, clients, QUEUED + len(x) + len(y))
+    waiting = status(third)
+    assert waiting is not None and waiting["waiting_for"] == ["a"] and waiting["caught_up"] is False, waiting
+    first.spawn()  # the last primary: it takes over with everything acknowledged
+    assert served_by(first), first.log()
+    device = clients(first.port, "device")
+    assert [m.payload for m in device.wait_messages(QUEUED + len(x) + len(y))] == payloads(QUEUED) + x + y

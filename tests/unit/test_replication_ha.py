@@ -38,6 +38,10 @@ class FakeCoordinator(Coordinator):
         self.sync: frozenset[str] | None = None
         self.sync_leader: str | None = None
         self.last_primary: str | None = None
+        self.last_term = self.sync_term = 0
+        """The terms of ``last_primary`` and ``sync_leader`` (0: unknown, as a test set them)."""
+        self.terms = 0
+        """As etcd's revisions: each acquire gives a larger term."""
         self.down = False
         self.hang: asyncio.Event | None = None
         self.records: dict[str, tuple[Member, float]] = {}
@@ -58,8 +62,9 @@ class FakeCoordinator(Coordinator):
         await self._reach()
         if self.holder is not None:
             return False
-        self.holder, self.expires = me, self.clock() + self.ttl
-        self.last_primary = me.name
+        self.terms += 1
+        self.holder, self.expires = Leader(me.name, me.address, self.terms), self.clock() + self.ttl
+        self.last_primary, self.last_term = me.name, self.terms
         return True
 
     async def renew(self, me: Leader) -> bool:
@@ -79,15 +84,17 @@ class FakeCoordinator(Coordinator):
         if self.holder != me:
             return False
         self.sync, self.sync_leader = members, None if members is None else me.name
+        self.sync_term = self.holder.term
         return True
 
     async def sync_members(self) -> frozenset[str] | None:
         await self._reach()
         return self.sync
 
-    async def former_primaries(self) -> frozenset[str]:
+    async def former_primaries(self) -> frozenset[tuple[str, int]]:
         await self._reach()
-        return frozenset(name for name in (self.last_primary, self.sync_leader) if name is not None)
+        recorded = ((self.last_primary, self.last_term), (self.sync_leader, self.sync_term))
+        return frozenset((name, term) for name, term in recorded if name is not None)
 
     async def publish_member(self, member: Member) -> None:
         """As etcd's: a live record under the name at another address is another broker's."""
@@ -134,6 +141,12 @@ class Hooks:
         return self.whole
 
     def follow(self, leader: Leader) -> None:
+        """As ReplicationNode.follow: another leader, or the same in another term, decides anew
+        (a test sets ``is_caught_up`` again where its IN_SYNC came); ``caught_up`` as the hooks
+        were made stands for the first one's."""
+        last = self.followed[-1] if self.followed else None
+        if last is not None and (last, last.term) != (leader, leader.term):
+            self.is_caught_up = False
         self.followed.append(leader)
 
     async def promote(self) -> None:
@@ -463,6 +476,8 @@ def test_a_backup_whose_promotion_fails_stops_holding_the_others_back() -> None:
         assert not fake.records["b"][0].candidate
         assert (await c.run_cycle()).action == "promoted"
         assert (await b.run_cycle()).action == "follow"
+        assert not b.record().candidate  # c has not said IN_SYNC yet
+        b.hooks.is_caught_up = True  # type: ignore[attr-defined]  # c's IN_SYNC
         assert b.record().candidate, "a new term: b may take over again (its next record says so)"
 
     run(main())
@@ -484,6 +499,28 @@ def test_a_backup_caught_up_with_an_earlier_primary_is_not_caught_up_once_anothe
         assert c.caught_up_earlier
         await fake.publish_member(replace(b.record(), role="backup", promotion_failed=True))
         assert (await c.run_cycle()).action == "promoted"  # had b never served (its entry says so), a was the last
+
+    run(main())
+
+
+def test_a_backup_caught_up_with_an_earlier_term_of_the_last_primary_is_not_caught_up() -> None:
+    """Review 260 (ABA): c followed a in its first term and was frozen; b took over and served, a
+    restarted, followed b, took the lease again and served, and died. The last primary's NAME is
+    the one c followed, but not its term: c lacks what b and a's later term acknowledged."""
+
+    async def main() -> None:
+        clock, fake, _, b, c = await three_nodes(b_seq=1900, c_seq=1200)
+        assert fake.sync is None  # async mode: no synchronous set
+        clock.now += TTL + 1  # a is gone (SIGKILL); c is frozen from here
+        assert (await b.run_cycle()).action == "promoted" and fake.last_primary == "b"  # b acknowledges X
+        a2 = node(fake, Hooks(seq=2500), "a")  # a restarted: it follows b and is caught up with it
+        assert (await a2.run_cycle()).action == "follow"
+        clock.now += TTL + 1  # b is gone
+        assert (await a2.run_cycle()).action == "promoted" and fake.last_primary == "a"  # acknowledges Y
+        clock.now += TTL + 1  # a is gone again; c resumes, caught up by its own view (with a's first term)
+        decision = await c.run_cycle()
+        assert decision.action == "wait" and c.hooks.promoted == 0, decision  # type: ignore[attr-defined]
+        assert c.caught_up_earlier and not c.record().candidate
 
     run(main())
 
@@ -837,14 +874,14 @@ def test_a_node_in_async_mode_removes_the_synchronous_set_once_its_promotion_suc
         clock, fake = full_stop(frozenset({"b"}))  # the sync-mode period: a published {b}
         fake.initialized_by = "a"
         kept = node(fake, Hooks(caught_up=True), "b")  # sync mode: keeps the set until it publishes
-        kept._followed = "a"  # caught up with a, in the sync-mode period
+        kept._followed = ("a", 0)  # caught up with a, in the sync-mode period
         assert (await kept.run_cycle()).action == "promoted" and fake.sync == frozenset({"b"})
         fake.holder = None
         a_hooks = Hooks(caught_up=True, seq=100_000)
         a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN,
                    clock=clock)  # fmt: skip
         fake.sync, fake.sync_leader = frozenset({"a"}), "b"  # b's set, in its sync-mode period
-        a._followed = "b"  # caught up with b
+        a._followed = ("b", 0)  # caught up with b
         assert (await a.run_cycle()).action == "promoted" and fake.sync == frozenset({"a"})
         assert await fake.publish_sync(a.me, None) and (fake.sync, fake.sync_leader) == (None, None)
         assert not await fake.publish_sync(kept.me, None)  # only the leader deletes it
@@ -917,11 +954,11 @@ def test_a_promote_accepted_while_the_node_takes_the_lease_by_itself_leaves_no_t
         assert ha.request_takeover() is not None  # no backup cycle since its term
         fake.go.clear()
         fake.acquiring.clear()
-        cycle = asyncio.ensure_future(ha.run_cycle())  # caught up, no primary: it takes the lease itself
+        cycle = asyncio.ensure_future(ha.run_cycle())  # the last primary, no primary: it takes the lease itself
         await asyncio.wait_for(fake.acquiring.wait(), 5)
         assert ha.request_takeover() is None  # accepted: its last answer found no primary
         fake.go.set()
-        assert (await cycle).action == "promoted" and "caught up" in cycle.result().reason
+        assert (await cycle).action == "promoted" and "operator" not in cycle.result().reason
         assert not ha._operator_takeover
 
     run(main())
@@ -939,13 +976,13 @@ def test_a_failed_promotion_in_async_mode_leaves_the_synchronous_set() -> None:
         fake.sync, fake.sync_leader = frozenset({"a", "b"}), "s"
         c_hooks = Hooks(caught_up=True, seq=95)
         c = node(fake, c_hooks, "c")
-        c._followed = "s"  # caught up with s, by its own view
+        c._followed = ("s", 0)  # caught up with s, by its own view
         assert "not in the synchronous set" in (await c.run_cycle()).reason
         a_hooks = Hooks(caught_up=True, seq=100)
         a_hooks.fail_promotion = True
         a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN,
                    clock=clock)  # fmt: skip
-        a._followed = "s"  # caught up with s
+        a._followed = ("s", 0)  # caught up with s
         assert "the promotion failed" in (await a.run_cycle()).reason and fake.holder is None
         assert fake.sync == frozenset({"a", "b"}), "a failed promotion keeps the set"
         clock.now += 1

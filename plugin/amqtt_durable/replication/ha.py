@@ -23,8 +23,8 @@ rate difference of the two clocks (ppm) and the time to stop the acknowledging p
 must step down.
 
 A backup takes the lease only when no node holds it, it is caught up (in sync with the last
-primary: the leader it followed is the last to take the lease or the set's leader, or each of
-those says its promotion failed, ``_caught_up_with_last_primary``), in sync mode it is in the
+primary: the leader it followed, in the same term, is the last to take the lease or the set's
+leader, or each of those says its promotion failed, ``_caught_up_with_last_primary``), in sync mode it is in the
 synchronous set that primary published before it acknowledged anything without a backup (so
 it holds every acknowledged batch), and no other
 live candidate of the same store is further ahead (``ahead_of``: every node publishes its
@@ -144,10 +144,10 @@ class HaNode:
         self._operator_takeover = False
         """``amqtt-durable promote`` asked this node to take the free lease at its next cycle."""
         self._unanswered_since: float | None = None
-        self._followed: str | None = None
-        """The name of the primary whose history this node's store holds last: the leader it last
-        followed (its backup end's IN_SYNC came from it, if any: ``follow`` forgets a caught-up
-        state when the leader changes), or this node after its own promotion."""
+        self._followed: tuple[str, int] | None = None
+        """The name and term of the primary whose history this node's store holds last: the leader
+        it last followed (its backup end's IN_SYNC came from it, if any: ``follow`` forgets a
+        caught-up state when the leader or its term changes)."""
         self._caught_up_earlier = False
         """This backup's last cycle without a primary found it caught up with an earlier primary,
         not the last one: it counts as not caught up (no candidate) until it follows a primary."""
@@ -328,7 +328,9 @@ class HaNode:
 
     async def _caught_up_with_last_primary(self) -> bool:
         """Whether the primary this caught-up backup followed is the last one: the last node that
-        took the lease, or the leader of the published synchronous set. Another node that took
+        took the lease, or the leader of the published synchronous set, each in the term it was
+        recorded in (a node of that name in a later term may have served after another one this
+        backup never followed: it took the lease again). Another node that took
         the lease since (while this one was frozen or cut off from the coordinator, so it never
         followed it) may have served: in async mode it deleted the synchronous set, and this node
         may lack what the earlier primary acknowledged without it in sync mode. Unless every such
@@ -337,7 +339,11 @@ class HaNode:
         caught up as before."""
         former = await self.coordinator.former_primaries()
         failed = {member.name for member in self.members if member.promotion_failed}
-        self._caught_up_earlier = bool(former) and self._followed not in former and not former <= failed
+        self._caught_up_earlier = (
+            bool(former)
+            and not any(_same_term(self._followed, primary) for primary in former)
+            and not {name for name, _ in former} <= failed
+        )
         return not self._caught_up_earlier
 
     async def _as_caught_up(self) -> Decision | tuple[Action, str]:
@@ -374,7 +380,7 @@ class HaNode:
         running that the caught-up rule lets take over (in the synchronous set, if one was
         published; else at least as far ahead as this node) means the group did not stop: it
         takes the lease, this node follows it."""
-        former = await self.coordinator.former_primaries()
+        former = frozenset(name for name, _ in await self.coordinator.former_primaries())
         sync_set = await self.coordinator.sync_members()
         eligible = former | (sync_set or frozenset())
         if self.me.name not in eligible:
@@ -495,7 +501,6 @@ class HaNode:
                 )
             return await self._promotion_failed_with(exc)
         self._bootstrap_failed = self._promotion_failed = False
-        self._followed = self.me.name  # its store's history is its own term's now
         if self.role != "primary":  # the deadline's timer demoted this node while it was promoting
             return Decision("demoted", f"{why}, but the lease ended while the promotion was under way")
         return Decision(action, f"{why}: took the leader lease, now primary")
@@ -536,7 +541,7 @@ class HaNode:
                 )
             return Decision("wait", "the lease still names this node from before it restarted: waiting for it to end")
         self._promotion_failed = self._bootstrap_failed = False  # another node is primary: a new term
-        self._followed, self._caught_up_earlier = leader.name, False
+        self._followed, self._caught_up_earlier = (leader.name, leader.term), False
         self.hooks.follow(leader)
         return Decision("follow", f"following primary {leader.name} at {leader.address}")
 
@@ -617,6 +622,15 @@ def ahead_of(me: Member, members: Iterable[Member], sync: frozenset[str] | None 
         and member.seq > me.seq
         and (sync is None or member.name in sync)
     ]
+
+
+def _same_term(followed: tuple[str, int] | None, primary: tuple[str, int]) -> bool:
+    """Whether the followed primary is ``primary`` in the same term: a name again in a later term
+    (it died, another served, it took the lease once more) is another primary. A term of 0 (a
+    record of an earlier version) is compared by name."""
+    if followed is None or followed[0] != primary[0]:
+        return False
+    return followed[1] == primary[1] or 0 in (followed[1], primary[1])
 
 
 def _why(exc: BaseException) -> str:

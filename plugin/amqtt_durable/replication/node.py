@@ -107,6 +107,8 @@ class ReplicationNode:
         )
         self.decisions: list[Decision] = []
         self._following: str | None = None
+        self._following_term = 0
+        """The term of the leader followed at ``_following`` (``Leader.term``)."""
         self._follow_stop = asyncio.Event()
         self._follow_task: asyncio.Task[None] | None = None
         self._ends: set[asyncio.Task[None]] = set()
@@ -416,17 +418,19 @@ class ReplicationNode:
         return self.primary is not None or (not self.backup.partial and self.backup.applied_seq > 0)
 
     def follow(self, leader: Leader) -> None:
-        if self._following == leader.address and self._follow_task is not None and not self._follow_task.done():
+        same = self._following == leader.address and self._following_term == leader.term
+        if same and self._follow_task is not None and not self._follow_task.done():
             return
         previous = self._follow_task
         if previous is not None:
             self._follow_stop.set()
             previous.cancel()
-        if leader.address != self._following:
-            # Caught up with the last primary only: a new one decides anew (its IN_SYNC), also when
-            # it dies before it answered. (The cancelled end sets caught_up no more.)
+        if not same:
+            # Caught up with the last primary only: a new one, or the same node in a later term
+            # (it took the lease again), decides anew (its IN_SYNC), also when it dies before it
+            # answered. (The cancelled end sets caught_up no more.)
             self.backup.caught_up = False
-        self._following = leader.address
+        self._following, self._following_term = leader.address, leader.term
         self._follow_stop = asyncio.Event()
         host, port = split_peer_address(leader.address, f"the coordinator's leader key (written by {leader.name})")
         self._follow_task = asyncio.get_running_loop().create_task(
