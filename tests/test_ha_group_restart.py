@@ -274,13 +274,6 @@ def test_inspect_shows_whom_a_node_waits_for_after_a_full_stop_and_a_member_whos
     assert all(row["promotion_failed"] is False for row in primary["members"] if row["name"] == "b"), primary
 
 
-@pytest.mark.parametrize(
-    "resumed",
-    [
-        "while-b-holds-the-lease",  # c follows b (never answered): it is not caught up with a new primary
-        "after-b-s-lease-ended",  # c never saw b: the coordinator's last primary is not the one it followed
-    ],
-)
 def waits_not_caught_up(broker: Broker, clients: Callable[..., Client], acknowledged: int) -> None:
     """``broker`` waits, saying it is not caught up with the last primary; the fault, that it serves
     (what it lacks of the ``acknowledged`` publishes), fails the test."""
@@ -297,6 +290,13 @@ def waits_not_caught_up(broker: Broker, clients: Callable[..., Client], acknowle
         pytest.fail(f"the backup took the lease serving {len(served)} of {acknowledged} acknowledged publishes")
 
 
+@pytest.mark.parametrize(
+    "resumed",
+    [
+        "while-b-holds-the-lease",  # c follows b (never answered): it is not caught up with a new primary
+        "after-b-s-lease-ended",  # c never saw b: the coordinator's last primary is not the one it followed
+    ],
+)
 def test_a_backup_caught_up_with_an_earlier_primary_does_not_take_over_after_an_async_primary_deleted_the_set(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess, resumed: str
 ) -> None:
