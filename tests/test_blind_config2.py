@@ -490,16 +490,26 @@ def test_a_list_that_holds_itself_loads_as_yaml_reads_it(tmp_path: Path) -> None
     assert loaded["m"]["self"] is loaded["m"]
 
 
-def test_loop_wait_is_compared_with_its_bound_exactly_whatever_the_digits() -> None:
+@pytest.mark.parametrize(
+    ("lease_ttl", "demote_margin", "loop_wait", "under"),
+    [(9_000_000_000, 1e-300, 4.5e9, 4.4e9), (2, 5e-324, 1.0, 0.99)],
+)
+def test_loop_wait_is_compared_with_its_bound_exactly_whatever_the_digits(
+    lease_ttl: float, demote_margin: float, loop_wait: float, under: float
+) -> None:
     """`loop_wait` "at most `(lease_ttl - demote_margin) / 2`" however many digits it takes to tell:
-    (9000000000 - 1e-300) / 2 is below 4.5e9, which 28-digit decimals rounded to equal."""
-    replication = {"role": "primary", "lease_ttl": 9_000_000_000, "demote_margin": 1e-300, "loop_wait": 4.5e9}
+    (9000000000 - 1e-300) / 2 is below 4.5e9, which 28-digit decimals rounded to equal; and the bound
+    the error shows is below the value refused (rounded half-even it read "= 4500000000 s ... got
+    4500000000.0")."""
+    replication = {"role": "primary", "lease_ttl": lease_ttl, "demote_margin": demote_margin, "loop_wait": loop_wait}
     with pytest.raises(ConfigError) as refused:
         DurableConfig.from_mapping({"replication": replication})
     assert refused.value.key == "replication.loop_wait", refused.value
-    assert str(refused.value).endswith("got 4500000000.0"), refused.value
-    accepted = DurableConfig.from_mapping({"replication": {**replication, "loop_wait": 4.4e9}}).replication
-    assert accepted is not None and accepted.loop_wait == 4.4e9
+    assert str(refused.value).endswith(f"got {loop_wait}"), refused.value
+    shown = re.search(r"/ 2 = (\S+) s", str(refused.value))
+    assert shown is not None and Decimal(shown[1]) < Decimal(repr(loop_wait)), refused.value
+    accepted = DurableConfig.from_mapping({"replication": {**replication, "loop_wait": under}}).replication
+    assert accepted is not None and accepted.loop_wait == under
 
 
 HUGE = "0x" + "f" * 4000  # an int of 4,817 decimal digits: Python's str() refuses ints over 4,300 digits
