@@ -541,4 +541,21 @@ def test_an_integer_too_long_to_print_stops_the_real_broker_with_exit_2_naming_i
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"'{named}': " in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert len(result.stderr) < 1000, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("place", "line"),
+    [(f"extra: [1, {HUGE}]\n", 1), (f"extra:\n  - 1\n  - {HUGE}\n", 3), (f"extra:\n  ? {HUGE}\n  : 1\n", 2)],
+)
+def test_an_integer_too_long_to_print_in_a_list_or_as_a_key_is_given_its_line(
+    tmp_path: Path, place: str, line: int
+) -> None:
+    """An over-long integer with no key name to show (an item of a list, a key itself) stops the real
+    broker with exit 2 naming its line (the error named only the file)."""
+    config = tmp_path / "broker.yaml"
+    config.write_text(place + f"plugins:\n  {PLUGIN}:\n    store: {tmp_path / 'store'}\n")
+    result = run_cli("broker", "-c", str(config))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"'-c': '{config}' line {line}: a value YAML cannot read: an integer of more than " in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr) < 1000, result.stderr[-3000:]
     assert not (tmp_path / "store").exists()

@@ -61,6 +61,15 @@ def plugin_section(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
 YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
+class _UnreadableValueError(ValueError):
+    """A scalar PyYAML cannot turn into its value (an int of 4,301 digits or more, a 13th month), with its line."""
+
+    def __init__(self, node: yaml.Node, reason: object) -> None:
+        self.line = node.start_mark.line + 1
+        self.reason = str(reason)
+        super().__init__(f"line {self.line}: {self.reason}")
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one
     silently, so a second ``store:`` would win unseen)."""
@@ -108,6 +117,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             raise ValueError(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
         return value
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        """PyYAML's, its ValueError given the line of the scalar it could not read (an item of a list
+        or a key has no key name to show)."""
+        try:
+            return super().construct_object(node, deep=deep)
+        except _UnreadableValueError:
+            raise
+        except ValueError as exc:  # PyYAML's int() or date() of a scalar
+            raise _UnreadableValueError(node, exc) from exc
+
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         lines: dict[Any, int] = {}
         pairs: list[tuple[Any, Any]] = getattr(node, "written", None) or node.value or []
@@ -125,8 +144,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             lines[key] = line
             try:  # built once here (the loader keeps it for the mapping below), so its error names the key
                 self.construct_object(value_node, deep=deep)
-            except ValueError as exc:  # PyYAML's int() or date() of a scalar: 4,301 digits or more, a 13th month
-                raise ConfigError(self._name(node, key), f"line {line}: a value YAML cannot read: {exc}") from exc
+            except _UnreadableValueError as exc:  # 4,301 digits or more, a 13th month: named by its key, at its line
+                reason = f"line {exc.line}: a value YAML cannot read: {exc.reason}"
+                raise ConfigError(self._name(node, key), reason) from exc
         return super().construct_mapping(node, deep=deep)
 
 
@@ -175,8 +195,8 @@ def read_broker_yaml(path: str, option: str = "-c") -> dict[str, Any]:
         raise ConfigError(option, f"'{path}' is not valid YAML (not UTF-8): {exc}") from exc
     except RecursionError as exc:  # PyYAML's composer recurses once per level: 3,000 `[`
         raise ConfigError(option, f"'{path}' is not valid YAML: nested too deeply") from exc
-    except ValueError as exc:  # one construct_mapping does not name: an item of a list, a key itself
-        raise ConfigError(option, f"'{path}' holds a value YAML cannot read: {exc}") from exc
+    except _UnreadableValueError as exc:  # one construct_mapping does not name: an item of a list, a key itself
+        raise ConfigError(option, f"'{path}' line {exc.line}: a value YAML cannot read: {exc.reason}") from exc
     if not isinstance(config, dict):
         raise ConfigError(option, f"'{path}' must be a mapping with 'listeners' and 'plugins'")
     return config
