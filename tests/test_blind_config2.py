@@ -469,6 +469,18 @@ def test_a_key_given_twice_is_named_as_the_settings_are(tmp_path: Path, body: st
     assert re.search(rf"'{re.escape(named)}': given twice in one mapping \(lines \d+ and \d+\)", str(raised.value))
 
 
+def test_the_plugin_listed_in_two_items_of_plugins_stops_the_real_broker_naming_the_second(tmp_path: Path) -> None:
+    """configuration.md: the plugin "listed in two items of a `plugins:` list" stops the broker (exit 2)
+    naming `plugins[1].amqtt_durable.DurableSessionsPlugin`; the second item's store was used unseen."""
+    config = tmp_path / "broker.yaml"
+    first, second = tmp_path / "first", tmp_path / "second"
+    config.write_text(f"plugins:\n  - {PLUGIN}:\n      store: {first}\n  - {PLUGIN}:\n      store: {second}\n")
+    result = run_cli("broker", "-c", str(config))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"'plugins[1].{PLUGIN}': given twice" in result.stderr, result.stderr[-3000:]
+    assert not first.exists() and not second.exists()
+
+
 @pytest.mark.timeout(20)
 def test_lists_made_of_aliased_lists_load_at_once(tmp_path: Path) -> None:
     """Naming each mapping's place for errors walks every list once: 9 levels of a list made of 10

@@ -47,8 +47,11 @@ def plugin_entries(config: Mapping[str, Any]) -> dict[str, Any]:
     plugins = config.get("plugins")
     entries: dict[str, Any] = dict(plugins) if isinstance(plugins, Mapping) else {}
     if isinstance(plugins, list):
-        for item in plugins:
-            entries.update(item if isinstance(item, Mapping) else {item: None})
+        for index, item in enumerate(plugins):
+            item_entries = item if isinstance(item, Mapping) else {item: None}
+            if PLUGIN_PATH in item_entries and PLUGIN_PATH in entries:  # the later one would win unseen
+                raise ConfigError(f"plugins[{index}].{PLUGIN_PATH}", "given twice in 'plugins'; list it once")
+            entries.update(item_entries)
     return entries
 
 
