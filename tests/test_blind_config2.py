@@ -469,6 +469,29 @@ def test_a_key_given_twice_is_named_as_the_settings_are(tmp_path: Path, body: st
     assert re.search(rf"'{re.escape(named)}': given twice in one mapping \(lines \d+ and \d+\)", str(raised.value))
 
 
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ("plugins:\n  {plugin}:\n    <<: {{store: {a}, store: {b}}}\n", "<<.store"),
+        ("plugins:\n  {plugin}:\n    <<: [&m {{store: {a}, store: {b}}}]\n", "<<[0].store"),
+        ("shared:\n  <<: &m {{x: 1, x: 2}}\nplugins:\n  {plugin}:\n    <<: *m\n    store: {a}\n", "shared.<<.x"),
+    ],
+)
+def test_a_key_given_twice_in_a_merged_mapping_stops_the_real_broker_naming_it_where_written(
+    tmp_path: Path, body: str, named: str
+) -> None:
+    """configuration.md: "a key given twice in one mapping (anywhere in the file, a mapping merged with
+    `<<:` too, named where it is written ...)" stops the broker (exit 2); PyYAML reads a merged
+    mapping's pairs itself, and the second `store:` was used unseen."""
+    config = tmp_path / "broker.yaml"
+    first, second = tmp_path / "first", tmp_path / "second"
+    config.write_text(body.format(plugin=PLUGIN, a=first, b=second))
+    result = run_cli("broker", "-c", str(config))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"'{named}': given twice in one mapping (lines " in result.stderr, result.stderr[-3000:]
+    assert not first.exists() and not second.exists()
+
+
 def test_the_plugin_listed_in_two_items_of_plugins_stops_the_real_broker_naming_the_second(tmp_path: Path) -> None:
     """configuration.md: the plugin "listed in two items of a `plugins:` list" stops the broker (exit 2)
     naming `plugins[1].amqtt_durable.DurableSessionsPlugin`; the second item's store was used unseen."""

@@ -86,6 +86,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         self.paths: dict[int, str] = {}
         """Each mapping's place in the file, as its keys are named in errors (see ``_name``)."""
         self._name_mappings(node, "", set())
+        self.checked: set[int] = set()
+        """The mappings whose keys were checked (a merged one may be merged again, or merge itself)."""
         return super().construct_document(node)
 
     def _name_mappings(self, node: yaml.Node, path: str, walked: set[int]) -> None:
@@ -100,7 +102,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         else:
             self.paths[id(node)] = path
             for key_node, value_node in getattr(node, "written", None) or node.value:
-                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != YAML_MERGE_TAG:
+                if key_node.tag == YAML_MERGE_TAG:  # `<<: {...}`, `<<: [{...}]`: named `a.<<`, `a.<<[0]`
+                    self._name_mappings(value_node, f"{path}.<<" if path else "<<", walked)
+                elif isinstance(key_node, yaml.ScalarNode):
                     self._name_mappings(value_node, _key_path(path, key_node.value), walked)
 
     def _name(self, node: yaml.MappingNode, key: Any) -> str:
@@ -131,11 +135,25 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             raise _UnreadableValueError(node, exc) from exc
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        self._refuse_repeated_keys(node, deep)
+        return super().construct_mapping(node, deep=deep)
+
+    def _refuse_repeated_keys(self, node: yaml.MappingNode, deep: bool) -> None:
+        """A key given twice in ``node``, or in a mapping it merges (PyYAML reads a merged mapping's
+        pairs itself, never through construct_mapping), is a ConfigError naming it."""
+        checked: set[int] = getattr(self, "checked", set())
+        if id(node) in checked:
+            return
+        checked.add(id(node))
         lines: dict[Any, int] = {}
         pairs: list[tuple[Any, Any]] = getattr(node, "written", None) or node.value or []
         for key_node, value_node in pairs:
-            if key_node.tag == YAML_MERGE_TAG:
-                continue  # `<<: *anchor`: a key of its own may override a merged one (YAML merge keys)
+            if key_node.tag == YAML_MERGE_TAG:  # a key of its own may override a merged one (YAML merge keys)
+                merged = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for mapping in merged:
+                    if isinstance(mapping, yaml.MappingNode):
+                        self._refuse_repeated_keys(mapping, deep)
+                continue
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, str | int | float | bool):
                 continue  # a complex key (`? [1, 2]`): the parent's ConstructorError names it
@@ -150,7 +168,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             except _UnreadableValueError as exc:  # 4,301 digits or more, a 13th month: named by its key, at its line
                 reason = f"line {exc.line}: a value YAML cannot read: {exc.reason}"
                 raise ConfigError(self._name(node, key), reason) from exc
-        return super().construct_mapping(node, deep=deep)
 
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_printable_int)
