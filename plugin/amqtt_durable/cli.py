@@ -77,17 +77,22 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one
     silently, so a second ``store:`` would win unseen)."""
 
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.paths: dict[int, str] = {}
+        """Each mapping's place in the file, as its keys are named in errors (see ``_name``)."""
+        self.checked: set[int] = set()
+        """The mappings whose keys were checked (a merged one may be merged again, or merge itself)."""
+
     def compose_mapping_node(self, anchor: Any) -> yaml.MappingNode:
         node = super().compose_mapping_node(anchor)
         node.written = list(node.value)  # type: ignore[attr-defined]  # merging another mapping rewrites .value
         return node
 
     def construct_document(self, node: yaml.Node) -> Any:
-        self.paths: dict[int, str] = {}
-        """Each mapping's place in the file, as its keys are named in errors (see ``_name``)."""
+        self.paths.clear()
+        self.checked.clear()
         self._name_mappings(node, "", set())
-        self.checked: set[int] = set()
-        """The mappings whose keys were checked (a merged one may be merged again, or merge itself)."""
         return super().construct_document(node)
 
     def _name_mappings(self, node: yaml.Node, path: str, walked: set[int]) -> None:
@@ -108,7 +113,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     self._name_mappings(value_node, _key_path(path, key_node.value), walked)
 
     def _name(self, node: yaml.MappingNode, key: Any) -> str:
-        path = getattr(self, "paths", {}).get(id(node), "")
+        path = self.paths.get(id(node), "")
         if _is_plugin_key(path, str(key)):  # the plugin's key itself, not a setting inside it
             return f"{path}.{key}"
         return _key_path(path, str(key))
@@ -141,10 +146,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def _refuse_repeated_keys(self, node: yaml.MappingNode, deep: bool) -> None:
         """A key given twice in ``node``, or in a mapping it merges (PyYAML reads a merged mapping's
         pairs itself, never through construct_mapping), is a ConfigError naming it."""
-        checked: set[int] = getattr(self, "checked", set())
-        if id(node) in checked:
+        if id(node) in self.checked:
             return
-        checked.add(id(node))
+        self.checked.add(id(node))
         lines: dict[Any, int] = {}
         pairs: list[tuple[Any, Any]] = getattr(node, "written", None) or node.value or []
         for key_node, value_node in pairs:
