@@ -163,8 +163,7 @@ class Registry:
                 lambda: stopped()
                 or subscription is None
                 or self._subscriptions.get(topic_filter) is not subscription
-                or (subscription is not None and subscription.mid is None
-                    and (subscription.answered or subscription.confirmed)),
+                or (subscription.mid is None and (subscription.answered or subscription.confirmed)),
                 timeout,
             )
 
