@@ -171,15 +171,6 @@ class Registry:
         with self.lock:
             return topic_filter in self._streams
 
-    def pending_unsubscribes(self) -> list[str]:
-        """The filters whose UNSUBSCRIBE is due on the next connection."""
-        with self.lock:
-            return sorted(self._unsubscribed)
-
-    def forget_unsubscribe(self, topic_filter: str) -> None:
-        with self.lock:
-            self._unsubscribed.discard(topic_filter)
-
     def listeners(self, topic: str) -> list[Listener]:
         with self.lock:
             found = self._matched.get(topic)

@@ -962,8 +962,8 @@ class DurableClient:
         free count no more against ``max_subscriptions_per_client`` when the SUBSCRIBEs arrive.
         """
         with self._registry.lock:
-            self._drop_oversized()
             pending = self._registry.take_unsubscribed()  # before session_lost(), which drops them
+            pending = self._drop_oversized(pending)
             if resend_durable:
                 self._registry.session_lost()
             # What the broker's session holds now, whenever its hello says (a new or lost session too).
@@ -985,34 +985,33 @@ class DurableClient:
         if self._durable and self._ready_requested:
             self._send_ready()
 
-    def _drop_oversized(self) -> None:
+    def _drop_oversized(self, unsubscribes: list[str]) -> list[str]:
         """(Holding the registry's lock, at the hello reply.) Drop, with an ERROR each, the
-        subscriptions, streams and due UNSUBSCRIBEs whose packets are larger than the broker's
-        max_packet_size (made before it was known, or when a broker with a larger one answered):
-        the broker would close every connection they are sent on."""
+        subscriptions, streams and due UNSUBSCRIBEs (``unsubscribes``, taken from the registry)
+        whose packets are larger than the broker's max_packet_size (made before it was known, or
+        when a broker with a larger one answered): the broker would close every connection they
+        are sent on. Returns the UNSUBSCRIBEs that fit."""
         limit = self._max_packet_size
         if limit is None:
-            return
-        dropped = [
-            ("subscription", s.filter) for s in self._registry.subscriptions()
-            if _filter_packet_size(s.filter, request=self._durable) > limit
-        ]
-        dropped += [("stream subscription", s.filter) for s in self._registry.streams()
-                    if _filter_packet_size(s.filter, request=True) > limit]
-        dropped += [("unsubscribe", f) for f in self._registry.pending_unsubscribes()
-                    if _filter_packet_size(f, request=False) > limit]
-        for kind, topic_filter in dropped:
-            if kind == "subscription":
-                self._registry.remove(topic_filter, unsubscribe_later=False)
-            elif kind == "stream subscription":
-                self._registry.remove_stream(topic_filter)
-            else:
-                self._registry.forget_unsubscribe(topic_filter)
+            return unsubscribes
+
+        def fits(kind: str, topic_filter: str, *, request: bool) -> bool:
+            if _filter_packet_size(topic_filter, request=request) <= limit:
+                return True
             log.error(
                 "dropping the %s of %s (%d bytes): its packet is larger than the broker's max_packet_size (%d bytes), "
                 "which would close every connection; it is not sent",
                 kind, shown_topic(topic_filter), len(topic_filter.encode("utf-8")), limit,
             )
+            return False
+
+        for subscription in self._registry.subscriptions():
+            if not fits("subscription", subscription.filter, request=self._durable):
+                self._registry.remove(subscription.filter, unsubscribe_later=False)
+        for stream in self._registry.streams():
+            if not fits("stream subscription", stream.filter, request=True):
+                self._registry.remove_stream(stream.filter)
+        return [topic_filter for topic_filter in unsubscribes if fits("unsubscribe", topic_filter, request=False)]
 
     def _send_unsubscribe(self, topic_filter: str) -> None:
         """UNSUBSCRIBE; a durable session's whose UNSUBACK has not arrived when the connection is
