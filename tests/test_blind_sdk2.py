@@ -1363,7 +1363,7 @@ def test_filters_whose_packets_exceed_max_packet_size_are_refused_or_dropped_nev
     with LogWatch() as problems:
         client.connect(timeout=WAIT)
         client.ready_for_events()
-        assert seen.wait(lambda: len(seen.markers) == 1), "the marker came: nothing closed the connection"
+        assert seen.wait(lambda: len(seen.markers) == 1), "no marker: the connection was closed"
         dropped = [m for m in problems.messages if m.startswith("dropping the") and "max_packet_size (1024" in m]
     assert len(dropped) == 2 and all(len(m) < 400 for m in dropped), problems.messages
     late = "long/" + "x" * 2000
@@ -1514,7 +1514,7 @@ def test_an_unsubscribe_due_at_a_reconnect_whose_hello_reply_says_a_smaller_limi
         broker.start()
         assert seen.wait(lambda: len(seen.connected) == 2)
         client.ready_for_events()
-        assert seen.wait(lambda: len(seen.markers) == 1), "the marker came: nothing closed the connection"
+        assert seen.wait(lambda: len(seen.markers) == 1), "no marker: the connection was closed"
         dropped = [m for m in problems.messages if m.startswith("dropping the unsubscribe of long/")]
     assert len(dropped) == 1 and "max_packet_size (1024 bytes)" in dropped[0], problems.messages
     assert len(seen.disconnected) == 1 and client.connected, "the connection was never closed"

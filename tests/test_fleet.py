@@ -164,7 +164,7 @@ def test_an_ha_pair_loses_nothing_through_a_full_stop_of_the_group(tmp_path: Pat
 
 
 @pytest.mark.timeout(240)
-def test_a_group_restart_that_fails_on_a_later_broker_stops_the_ones_it_started(tmp_path: Path) -> None:
+def test_restart_group_that_fails_on_a_later_broker_stops_the_ones_it_started(tmp_path: Path) -> None:
     """ha.restart_group (group_kill's end): when a broker of the pair fails to start again (b's
     store path is a file now), the brokers it had started already are stopped before the error
     is raised, as HaPair.start does: none is left running, listening on its port. Before: broker

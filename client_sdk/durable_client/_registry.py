@@ -75,13 +75,11 @@ class Registry:
                 del self._unsubscribing[mid]
             self.changed.notify_all()
 
-    def remove(self, topic_filter: str, *, unsubscribe_later: bool) -> Subscription | None:
-        """Forget a subscription; ``unsubscribe_later``: it could not be sent, send it on reconnect."""
+    def remove(self, topic_filter: str) -> Subscription | None:
+        """Forget a subscription (an UNSUBSCRIBE that could not be sent goes to ``unsubscribe_later``)."""
         with self.lock:
             self._matched.clear()
             subscription = self._subscriptions.pop(topic_filter, None)
-            if subscription is not None and unsubscribe_later:
-                self._unsubscribed.add(topic_filter)
             self.changed.notify_all()
             return subscription
 

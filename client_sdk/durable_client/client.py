@@ -494,7 +494,7 @@ class DurableClient:
             stream = self._registry.remove_stream(topic_filter) is not None
             if stream and self._connected:
                 self._send_request("stream_unsubscribe", filter=topic_filter)
-            subscription = self._registry.remove(topic_filter, unsubscribe_later=False)
+            subscription = self._registry.remove(topic_filter)
             broker_held = self._registry.broker_held
             if not self._connected:
                 held = True  # deferred: the next hello says what the broker's session holds
@@ -1007,7 +1007,7 @@ class DurableClient:
 
         for subscription in self._registry.subscriptions():
             if not fits("subscription", subscription.filter, request=self._durable):
-                self._registry.remove(subscription.filter, unsubscribe_later=False)
+                self._registry.remove(subscription.filter)
         for stream in self._registry.streams():
             if not fits("stream subscription", stream.filter, request=True):
                 self._registry.remove_stream(stream.filter)
