@@ -505,6 +505,32 @@ def test_a_log_that_age_retention_emptied_reads_last_plus_one_and_its_ids_are_ne
     assert raw.stream_events(topic, 1) == [(0x08, 3, b"a3")]
 
 
+def test_a_position_kept_for_a_topic_whose_first_commit_trims_past_it_is_reported_and_resumed(
+    shared: Broker, raws: Callable[..., Raw]
+) -> None:
+    """streams.md: the broker's WARNING "for a topic that appeared after the subscribe whose
+    presented position retention had passed (`stream T: ids A to B were trimmed before this
+    connection could read them`)"; protocol.md: "The position of a topic that has no log yet is
+    kept until its log appears"; `stream_subscribe` opens "from the first event in the log for topics
+    not listed" (no warning); guarantees.md Group commit: publishes read in one pass share one
+    write batch (20 publishes in one TCP write, 5 kept)."""
+    topic = "telemetry/b3/late/t"
+    raw = raws(shared.port, "b3-late", clean=True)
+    opened = raw.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/b3/late/#", "after": {topic: 2}})
+    assert opened["ok"] and opened["topics"] == {} and opened["gaps"] == {}, opened
+    fresh = raws(shared.port, "b3-late-fresh", clean=True)  # presents no position: from the first event
+    assert fresh.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/b3/late/#"})["ok"]
+    publisher = raws(shared.port, "b3-late-pub", clean=True)
+    burst = b"".join(mqtt_packet(0x30, mqtt_string(topic) + f"p{i}".encode()) for i in range(1, 21))
+    publisher.sock.sendall(burst)
+    _flags, first_id, payload = raw.stream_events(topic, 1)[0]
+    assert (first_id, payload) == (16, b"p16"), "resumed at the first retained id"
+    line = f"stream {topic}: ids 3 to 15 were trimmed before this connection could read them"
+    assert shared.wait_until(lambda: line in shared.log(), WAIT), [x for x in shared.log().splitlines() if topic in x]
+    assert fresh.stream_events(topic, 1) == [(0x00, 16, b"p16")]  # published at QoS 0
+    assert f"stream {topic}: ids" not in shared.log().replace(line, ""), "a reader without a position was warned"
+
+
 def test_interest_sent_before_the_subscribe_makes_it_non_durable_too(
     shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client]
 ) -> None:

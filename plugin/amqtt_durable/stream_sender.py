@@ -366,10 +366,11 @@ class StreamSender:
 
     def _open(self, topic: str, window: int, after_id: int | None) -> tuple[int, int] | None:
         """Open a cursor after ``after_id`` (or at the first retained event); returns the gap."""
-        bounds = self._logs.bounds(topic)
-        if bounds is None:
+        if self._logs.bounds(topic) is None:
             return None
-        first = bounds[0]
+        # Not bounds()' first, which stops at the written ids: a topic's first batch (read in one
+        # pass, sync: false) is heard of one event at a time, and what it trimmed is gone all the same.
+        first = self._logs.first_kept(topic)
         start = first if after_id is None else max(after_id + 1, first)
         cursor = _Cursor(topic, window, start)
         if len(cursor.topic_bytes) > MAX_MQTT_TOPIC_BYTES:
