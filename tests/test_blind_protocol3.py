@@ -646,3 +646,41 @@ def test_a_flood_of_hostile_control_traffic_loses_no_queued_message(
     device.connect()
     got = device.wait_messages(50)
     assert [m.payload for m in got] == [f"q{i}".encode() for i in range(50)]
+
+
+def test_drop_oldest_while_connected_spares_the_messages_in_flight(
+    tmp_path: Path, clients: Callable[..., Client]
+) -> None:
+    """guarantees.md: "`drop-oldest` (default) deletes the oldest queued message (while the session
+    is connected, the oldest one not sent yet: messages in flight ... are never dropped)"; "A
+    message stays in LevelDB until its PUBACK"; `recovery_buffer` "is a session's in-flight window"
+    (max_depth 3, window 2 here)."""
+    broker = Broker(tmp_path, max_depth=3, max_depth_disconnected=3, recovery_buffer=2).start()
+    try:
+        device = clients(broker.port, "b3-flight", manual_ack=True)
+        device.subscribe("b3w/#", 1)
+        publisher = clients(broker.port, "b3-flight-pub", clean_session=True)
+        publisher.publish("b3w/x", [b"m1", b"m2"], qos=1)
+        assert [m.payload for m in device.wait_messages(2)] == [b"m1", b"m2"]  # in flight, not acknowledged
+        publisher.publish("b3w/x", [b"m3", b"m4", b"m5"], qos=1)  # m4 pushes m3 out, m5 pushes m4 out
+        for message in device.wait_messages(2)[:2]:
+            device.paho.ack(message.mid, message.qos)
+        got = device.wait_messages(3)
+        assert [m.payload for m in got] == [b"m1", b"m2", b"m5"], [m.payload for m in got]
+        device.paho.ack(got[2].mid, 1)
+    finally:
+        broker.stop()
+
+
+def test_a_window_of_1000_sends_that_many_without_an_ack(
+    shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    """protocol.md `stream_subscribe`: "`window` (1-1000, optional)"; the broker sends "at most
+    `window` unacknowledged per topic"; `window` 1001 is `malformed`."""
+    topic = "telemetry/b3/wide"
+    raw = raws(shared.port, "b3-wide", clean=True)
+    past = raw.request({"v": 1, "op": "stream_subscribe", "req": 1, "filter": topic, "window": 1001})
+    assert refused(past) == ("malformed", "stream_subscribe", 1)
+    assert raw.request({"v": 1, "op": "stream_subscribe", "req": 2, "filter": topic, "window": 1000})["ok"]
+    publish_logged(shared.port, topic, [f"w{i}".encode() for i in range(1, 6)], clients, "b3-wide-pub")  # max_count 5
+    assert [e[1] for e in raw.stream_events(topic, 5)] == [1, 2, 3, 4, 5]
