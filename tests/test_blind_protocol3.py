@@ -17,6 +17,7 @@ import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly, read_packet
 
 from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, seen_away
+from durable_client import ControlRequestFailed, DurableClient, DurableClientError, Event, Unconnected
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -684,3 +685,100 @@ def test_a_window_of_1000_sends_that_many_without_an_ack(
     assert raw.request({"v": 1, "op": "stream_subscribe", "req": 2, "filter": topic, "window": 1000})["ok"]
     publish_logged(shared.port, topic, [f"w{i}".encode() for i in range(1, 6)], clients, "b3-wide-pub")  # max_count 5
     assert [e[1] for e in raw.stream_events(topic, 5)] == [1, 2, 3, 4, 5]
+
+
+# ------------------------------------------------------------------------------ sdk: streams
+
+
+def test_sdk_stream_arguments_at_and_past_their_edges_and_stream_info_of_an_emptied_log(
+    shared: Broker, sdk: Callable[..., DurableClient], raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    """streams.md: `window`: "a whole number from 1 to 1000, `None` for the broker's
+    `stream_window`; anything else raises `ValueError`"; "`after` must be a dict (else `TypeError`)
+    of topics without wildcards, U+0000 or a lone surrogate that the filter matches, each with a
+    whole number of 0 or more (else `ValueError`); a topic that an open stream subscription of the
+    client already reads cannot be moved (`ValueError`)"; `stream_info` "returns `{topic: (first
+    retained id, last id)}` ... (a log retention emptied reads `(last + 1, last)`), with `.store` the
+    broker store's random id"; "a filter no configured stream covers raises `ControlRequestFailed`
+    with code `unknown_stream`. It needs a connection (`Unconnected`) and cannot be called from a
+    listener (`DurableClientError`)"."""
+    topic = "aged/b3/sdk"
+    publish_logged(shared.port, topic, [b"s1"], clients, "b3-sdk-pub")
+    client = sdk(shared.port, "b3-sdk", durable_session=False)
+    with pytest.raises(Unconnected):
+        client.stream_info("aged/#")
+    got: list[Event] = []
+    seen = threading.Event()
+
+    def listener(event: Event) -> None:
+        got.append(event)
+        seen.set()
+
+    for window in (0, 1001, True, 2.5, "1"):
+        with pytest.raises(ValueError, match="window"):
+            client.subscribe_stream("aged/#", listener, window=window)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        client.subscribe_stream("aged/#", listener, after=[(topic, 1)])  # type: ignore[arg-type]
+    for after in ({"aged/+": 1}, {"aged/#": 1}, {"aged/a\u0000": 1}, {f"aged/{LONE}": 1}, {"other/x": 1},
+                  {topic: -1}, {topic: True}, {topic: 1.5}):  # fmt: skip
+        with pytest.raises(ValueError, match="after"):
+            client.subscribe_stream("aged/#", listener, after=after)  # type: ignore[arg-type]
+    client.connect()
+    client.subscribe_stream("aged/#", listener, window=1000, after={topic: 0})
+    with pytest.raises(ValueError, match="after"):
+        client.subscribe_stream("aged/b3/#", listener, after={topic: 0})  # already read by the open one
+    with pytest.raises(ControlRequestFailed) as refused_info:
+        client.stream_info("nothing-logged/#")
+    assert refused_info.value.code == "unknown_stream"
+    bounds: dict[str, Any] = {}
+    for _ in range(100):  # max_age is 1 s: bounded wait for retention, polled every 0.1 s
+        bounds = dict(client.stream_info(topic))
+        if bounds.get(topic) == (2, 1):
+            break
+        threading.Event().wait(0.1)
+    assert bounds == {topic: (2, 1)}, bounds
+    raw = raws(shared.port, "b3-sdk-raw", clean=True)
+    assert client.stream_info(topic).store == raw.request({"v": 1, "op": "stream_info"})["store"]
+    errors: list[BaseException] = []
+
+    def calls_info(event: Event) -> None:
+        try:
+            client.stream_info("aged/#")
+        except DurableClientError as exc:
+            errors.append(exc)
+        seen.set()
+
+    client.subscribe_stream("aged/b3/in/#", calls_info)
+    seen.clear()
+    publish_logged(shared.port, "aged/b3/in/x", [b"i1"], clients, "b3-sdk-pub2")
+    assert seen.wait(WAIT)
+    assert len(errors) == 1 and not isinstance(errors[0], (Unconnected, ControlRequestFailed)), errors
+
+
+# ------------------------------------------------------------------------------ delivery-log.md
+
+
+def test_a_subscribe_the_broker_refuses_with_0x80_writes_no_subscribe_record(
+    shared: Broker, sdk: Callable[..., DurableClient], tmp_path: Path, clients: Callable[..., Client]
+) -> None:
+    """delivery-log.md: "A `subscribe` is written when the broker confirms it (SUBACK): from then on
+    the broker routes to it" (a refusal routes nothing: an audit would count its window's sends as
+    lost); sdk.md: "A SUBACK that refuses the filter (0x80: ...`max_subscriptions_per_client`) does
+    not raise"; `receive` records carry `id`: "the first 16 bytes of SHA-256 over the topic (UTF-8),
+    a NUL byte and the payload, in hex" (limit 2 here)."""
+    import hashlib  # noqa: PLC0415
+
+    log_path = tmp_path / "deliveries.jsonl"
+    client = sdk(shared.port, "b3-dlog", delivery_log=str(log_path))
+    second = threading.Event()  # the first event's record is written before the second's listener runs
+    client.connect()
+    for topic_filter in ("b3dl/a", "b3dl/b", "b3dl/c"):
+        client.subscribe(topic_filter, qos=1, listener=lambda e: e.payload == b"two" and second.set())
+    client.ready_for_events()
+    clients(shared.port, "b3-dlog-pub", clean_session=True).publish("b3dl/a", [b"one", b"two"], qos=1)
+    assert second.wait(WAIT)
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [(r["topic"], r["qos"]) for r in records if r["kind"] == "subscribe"] == [("b3dl/a", 1), ("b3dl/b", 1)]
+    receives = [r for r in records if r["kind"] == "receive"]
+    expected_id = hashlib.sha256(b"b3dl/a\x00one").digest()[:16].hex()
+    assert [(r["topic"], r["id"], r["device"]) for r in receives][:1] == [("b3dl/a", expected_id, "b3-dlog")]
