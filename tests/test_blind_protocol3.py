@@ -9,6 +9,7 @@ import contextlib
 import json
 import socket
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -782,3 +783,34 @@ def test_a_subscribe_the_broker_refuses_with_0x80_writes_no_subscribe_record(
     receives = [r for r in records if r["kind"] == "receive"]
     expected_id = hashlib.sha256(b"b3dl/a\x00one").digest()[:16].hex()
     assert [(r["topic"], r["id"], r["device"]) for r in receives][:1] == [("b3dl/a", expected_id, "b3-dlog")]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"after": {"telemetry/b3/atom/{n}/a": 1, "telemetry/b3/atom/{n}/b": -1}},
+        {"after": {"telemetry/b3/atom/{n}/a": 1, "telemetry/b3/atom/{n}/+": 1}},
+        {"after": {"telemetry/b3/atom/{n}/a": 1}, "window": 0},
+        {"after": {"telemetry/b3/atom/{n}/a": 1, "telemetry/b3/atom/{n}/b": None}},
+    ],
+)
+def test_a_stream_subscribe_refused_for_one_bad_part_opens_nothing_and_keeps_no_position(
+    shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client], bad: dict[str, Any]
+) -> None:
+    """protocol.md: "A refused request changes nothing"; `malformed` for `after` ids "whole numbers,
+    0 or more", keys "no `+`, `#`", `window` "a whole number from 1 to 1000", "a null id inside
+    `after` is `malformed`"; a later `stream_subscribe` without `after` starts "from the first event
+    in the log for topics not listed"."""
+    n = zlib.crc32(json.dumps(bad, sort_keys=True).encode())  # topics of its own per case
+    prefix = f"telemetry/b3/atom/{n}"
+    raw = raws(shared.port, f"b3-atom-{n}", clean=True)
+    fields = {
+        key: ({k.format(n=n): v for k, v in value.items()} if key == "after" else value) for key, value in bad.items()
+    }
+    reply = raw.request({"v": 1, "op": "stream_subscribe", "req": 1, "filter": f"{prefix}/#", **fields})
+    assert refused(reply) == ("malformed", "stream_subscribe", 1)
+    publish_logged(shared.port, f"{prefix}/a", [b"x1", b"x2"], clients, f"b3-atom-pub-{n}")
+    assert raw.alive()
+    assert raw.kept_stream_events(f"{prefix}/a") == [], "the refused subscription was opened"
+    assert raw.request({"v": 1, "op": "stream_subscribe", "req": 2, "filter": f"{prefix}/#"})["ok"]
+    assert raw.stream_events(f"{prefix}/a", 1) == [(0x08, 1, b"x1")], "a position of the refused request was kept"
