@@ -814,3 +814,26 @@ def test_a_stream_subscribe_refused_for_one_bad_part_opens_nothing_and_keeps_no_
     assert raw.kept_stream_events(f"{prefix}/a") == [], "the refused subscription was opened"
     assert raw.request({"v": 1, "op": "stream_subscribe", "req": 2, "filter": f"{prefix}/#"})["ok"]
     assert raw.stream_events(f"{prefix}/a", 1) == [(0x08, 1, b"x1")], "a position of the refused request was kept"
+
+
+def test_a_session_expiry_past_a_doubles_range_is_malformed_not_the_end_of_the_connection(
+    shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    """protocol.md `hello`: "`session_expiry` (seconds, optional: a finite number >= 0, else
+    `malformed`)" (JSON's 1e400 reads as infinite, and 10**400 written out is the same number); "A
+    refused request changes nothing: the connection stays up and the session is untouched"; the
+    granted value is the number asked for (0 for -0.0)."""
+    raw = raws(shared.port, "b3-bigexp")
+    assert raw_subscribe(raw.sock, "b3big/#", 1) == 1
+    before = raw.request({"v": 1, "op": "hello", "req": 1, "session_expiry": 60})
+    for req, number in enumerate(("1" + "0" * 400, "-" + "1" + "0" * 400, "1e400"), start=2):
+        body = f'{{"v":1,"op":"hello","req":{req},"session_expiry":{number}}}'.encode()
+        reply = raw.request(body)
+        assert refused(reply) == ("malformed", "hello", req), reply
+        assert "session_expiry" in reply["error"]["message"]
+    zero = raw.request(b'{"v":1,"op":"hello","req":9,"session_expiry":-0.0}')
+    assert zero["ok"] and zero["epoch"] == before["epoch"] and zero["subscriptions"] == {"b3big/#": 1}, zero
+    assert json.dumps(zero["session_expiry"]) == "0.0", zero
+    assert raw.request({"v": 1, "op": "ready"})["ok"]
+    clients(shared.port, "b3-bigexp-pub", clean_session=True).publish("b3big/x", [b"kept"], qos=1)
+    assert raw.take(lambda t, _p: t == "b3big/x")[1][26:] == b"kept"
