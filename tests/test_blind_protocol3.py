@@ -837,3 +837,22 @@ def test_a_session_expiry_past_a_doubles_range_is_malformed_not_the_end_of_the_c
     assert raw.request({"v": 1, "op": "ready"})["ok"]
     clients(shared.port, "b3-bigexp-pub", clean_session=True).publish("b3big/x", [b"kept"], qos=1)
     assert raw.take(lambda t, _p: t == "b3big/x")[1][26:] == b"kept"
+
+
+def test_the_subscription_byte_limit_holds_exactly_and_a_repeated_filter_counts_once(
+    tmp_path: Path, clients: Callable[..., Client]
+) -> None:
+    """guarantees.md: "The filters' UTF-8 bytes, summed per client, are bounded the same way by
+    `max_subscription_bytes_per_client`"; "Re-subscribing to a filter the client holds does not count
+    twice; unsubscribing frees a place" (10 bytes here: 'aaaa' + 'bbbbbb' fill it exactly; 'é' is 2)."""
+    broker = Broker(tmp_path, max_subscription_bytes_per_client=10).start()
+    try:
+        for clean in (False, True):
+            client = clients(broker.port, f"b3-subbytes-{clean}", clean_session=clean)
+            assert client.subscribe([("aaaa", 1), ("aaaa", 0), ("bbbbbb", 1), ("c", 1)]) == [1, 0, 1, 0x80]
+            assert client.subscribe([("bbbbbb", 0)]) == [0]
+            client.unsubscribe("aaaa")
+            assert client.subscribe([("ééé", 1), ("d", 1)]) == [0x80, 1], "6 + 6 bytes pass 10; 6 + 1 fit"
+            client.disconnect()
+    finally:
+        broker.stop()
