@@ -856,3 +856,28 @@ def test_the_subscription_byte_limit_holds_exactly_and_a_repeated_filter_counts_
             client.disconnect()
     finally:
         broker.stop()
+
+
+def test_a_non_durable_interest_belongs_to_its_connection_and_durable_true_undoes_it(
+    shared: Broker, raws: Callable[..., Raw]
+) -> None:
+    """protocol.md `interest`: "`durable: false` makes that filter's subscription non-durable: the
+    broker drops it when the connection that sent it ends ... A newer connection of the session (a
+    reconnect, a take-over) that wants the filter sends `interest` again ... `durable: true` undoes
+    it." An interest a connection sent for a filter it never subscribed does not make a later
+    connection's SUBSCRIBE of it non-durable."""
+    first = raws(shared.port, "b3-owner")
+    assert first.request({"v": 1, "op": "hello"})["ok"]
+    assert first.request({"v": 1, "op": "interest", "filter": "b3o/never", "durable": False})["ok"]
+    assert first.request({"v": 1, "op": "interest", "filter": "b3o/undone", "durable": False})["ok"]
+    assert raw_subscribe(first.sock, "b3o/undone", 1) == 1
+    assert first.request({"v": 1, "op": "interest", "filter": "b3o/undone", "durable": True})["ok"]
+    first.close()
+    second = raws(shared.port, "b3-owner")
+    hello = second.request({"v": 1, "op": "hello"})
+    assert hello["subscriptions"] == {"b3o/undone": 1}, hello
+    assert raw_subscribe(second.sock, "b3o/never", 1) == 1
+    second.close()
+    third = raws(shared.port, "b3-owner")
+    hello = third.request({"v": 1, "op": "hello"})
+    assert hello["subscriptions"] == {"b3o/undone": 1, "b3o/never": 1}, hello
