@@ -49,8 +49,8 @@ class Raw:
     """A raw MQTT 3.1.1 connection speaking the control protocol: requests at QoS 0, replies and
     other PUBLISHes read off the socket as they come (bounded by the socket's timeout)."""
 
-    def __init__(self, port: int, client_id: str, *, clean: bool = False) -> None:
-        self.sock = raw_connect(port, client_id, clean=clean)
+    def __init__(self, port: int, client_id: str, *, clean: bool = False, username: str | None = None) -> None:
+        self.sock = raw_connect(port, client_id, clean=clean, username=username)
         self.publishes: list[tuple[str, int, bytes]] = []  # (topic, first byte, payload) not yet taken
         self.packet_id = 0
 
@@ -365,6 +365,42 @@ def test_the_stream_entries_limit_holds_exactly_at_its_value_and_refuses_one_mor
     publish_logged(shared.port, "telemetry/b3/other/x", [b"o"], clients, "b3-ent-p3")
     assert raw.request({"v": 1, "op": "stream_info", "req": 3})["ok"]
     assert raw.kept_stream_events("telemetry/b3/other/x") == []
+
+
+@pytest.mark.parametrize("topic", ["data/classified", "data/fine"])
+def test_a_position_kept_for_a_topic_whose_log_appears_stops_counting_even_if_the_topic_is_refused(
+    tmp_path: Path, raws: Callable[..., Raw], topic: str
+) -> None:
+    """protocol.md: a position for a topic without a log is "kept until its log appears"; guarantees.md
+    counts only "positions it presented for topics without a log" against
+    `max_stream_entries_per_client`. Once the topic's log appears, the position no longer counts,
+    whether the topic plugin lets this reader have the topic (data/fine) or refuses it
+    (data/classified, amqtt's TopicTabooPlugin, anonymous reader). Before: a refused topic's
+    position stayed counted for good."""
+    broker = Broker(tmp_path, streams=[{"filter": "data/#"}], max_stream_entries_per_client=2)
+    broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
+    broker.start()
+    try:
+        reader = raws(broker.port, "b3-kept-acl", clean=True)
+        first = reader.request({"v": 1, "op": "stream_subscribe", "req": 1, "filter": "data/#", "after": {topic: 0}})
+        assert first["ok"], first  # one filter and one position: the limit
+        publisher = raws(broker.port, "b3-kept-admin", clean=True, username="admin")
+        publisher.publish(topic, b"x")
+        if topic == "data/fine":
+            assert reader.stream_events(topic, 1) == [(0x08, 1, b"x")]
+        # the reader's side learns of the new log on its own time: ask until it has (a refused
+        # request changes nothing, so asking again is harmless); before the fix, never
+        for req in range(3, 203):
+            second = reader.request(
+                {"v": 1, "op": "stream_subscribe", "req": req, "filter": "data/#", "after": {"data/nolog": 0}}
+            )
+            if second["ok"]:
+                break
+            assert "max_stream_entries_per_client" in second["error"]["message"], second
+        assert second["ok"], second
+        assert reader.kept_stream_events("data/classified") == []
+    finally:
+        broker.stop()
 
 
 def test_reopening_a_held_stream_filter_at_the_entries_limit_adds_nothing(

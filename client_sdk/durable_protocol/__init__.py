@@ -355,9 +355,8 @@ def _expiry(data: dict[str, Any]) -> float | None:
     except OverflowError:
         seconds = math.inf
     if not math.isfinite(seconds) or seconds < 0:
-        shown = (
-            f"an integer of {len(str(value))} digits" if isinstance(value, int) and seconds == math.inf else repr(value)
-        )
+        huge = isinstance(value, int) and seconds == math.inf
+        shown = f"an integer of {len(str(abs(value)))} digits" if huge else repr(value)
         raise ProtocolError("malformed", f"'session_expiry' must be a number of seconds, 0 or more, got {shown}")
     return seconds + 0.0  # -0.0 is granted as 0.0
 

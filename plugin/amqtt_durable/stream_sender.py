@@ -355,10 +355,11 @@ class StreamSender:
 
     def _open_new(self, topic: str, window: int, allowed: bool) -> None:
         """A topic that appeared after the subscribe: from its first event, or the presented position."""
+        after_id = self._pending_after.pop(topic, None)  # its log exists now: no longer a kept position
         if not allowed:
             self._refused.add(topic)
             return
-        gap = self._open(topic, window, self._pending_after.pop(topic, None))
+        gap = self._open(topic, window, after_id)
         if gap is not None:
             log.warning(
                 "stream %s: ids %d to %d were trimmed before this connection could read them", shown_topic(topic), *gap
