@@ -392,3 +392,16 @@ def test_free_port_hands_out_ports_in_turn_outside_the_ephemeral_range_and_slice
         assert all(1024 <= port <= 65535 for port in got)
     assert not set(first) & set(second), "two workers' blocks overlap"
 
+
+def test_the_quick_start_names_every_system_package_the_makefile_installs() -> None:
+    """README quick start: "All a fresh machine needs is Python 3.11 (`python3.11` on the PATH) and
+    `make`": whatever else the first `make run` / `make test` installs on the machine (system packages, with apt-get and
+    sudo) the quick start must say, so that a user is not surprised by a sudo prompt or a package."""
+    makefile = (ROOT / "Makefile").read_text()
+    install = makefile.split("$(STAMP): pyproject.toml", 1)[1].split("\nsetup:", 1)[0]  # what make run / test run first
+    packages = set(re.findall(r"apt-get install -y -qq ([\w.+-]+)", install))
+    assert packages, "the Makefile installs no system package: drop this test"
+    quick_start = (ROOT / "README.md").read_text().split("\n## ", 1)[0]
+    for package in sorted(packages):
+        assert f"`{package}`" in quick_start, f"{package} is installed by make but not named in the quick start"
+    assert "apt-get" in quick_start and "sudo" in quick_start
