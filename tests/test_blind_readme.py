@@ -405,3 +405,22 @@ def test_the_quick_start_names_every_system_package_the_makefile_installs() -> N
     for package in sorted(packages):
         assert f"`{package}`" in quick_start, f"{package} is installed by make but not named in the quick start"
     assert "apt-get" in quick_start and "sudo" in quick_start
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("key", "written"), [("session_expiry", "-1"), ("connect_timeout", "0"), ("metrics_interval", "-5"), ("sync", "x")]
+)
+def test_a_number_out_of_range_is_named_as_written_in_broker_yaml(tmp_path: Path, key: str, written: str) -> None:
+    """operations.md: "**`amqtt_durable config: '<key>': <problem>`** with exit code 2: fix that key in
+    `broker.yaml`". The problem quotes the value the user wrote (`-1`), not the number it was read
+    as (`-1.0`), so that it can be found in the file."""
+    path = tmp_path / "broker.yaml"
+    path.write_text(
+        "listeners:\n  default:\n    type: tcp\n    bind: 127.0.0.1:1\nplugins:\n"
+        f"  amqtt_durable.DurableSessionsPlugin:\n    store: {tmp_path / 's'}\n    {key}: {written}\n"
+    )
+    result = run_cli("broker", "-c", str(path))
+    assert result.returncode == 2, result.stderr
+    assert f"amqtt_durable config: '{key}': " in result.stderr
+    assert result.stderr.rstrip().endswith(f", got {written}" if key != "sync" else f", got {written!r}"), result.stderr

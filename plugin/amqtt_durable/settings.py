@@ -34,10 +34,28 @@ def _as_int(key: str, value: Any) -> int:
     raise ConfigError(key, f"expected a whole number, got {value!r}")
 
 
+class WrittenFloat(float):
+    """A number of broker.yaml read as a float that shows (repr, str, an f-string's ``{}``) as the file
+    wrote it: ``session_expiry: -1`` is refused with ``got -1``, not ``got -1.0``, so the user finds it
+    in the file. Arithmetic on it gives plain floats."""
+
+    text: str
+
+    def __new__(cls, value: int | float) -> WrittenFloat:
+        number = super().__new__(cls, value)
+        number.text = repr(value)
+        return number
+
+    def __repr__(self) -> str:
+        return self.text
+
+    __str__ = __repr__
+
+
 def _as_float(key: str, value: Any) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):
         try:
-            return float(value)
+            return WrittenFloat(value)
         except OverflowError:  # a YAML integer of 309 digits or more: no float holds it
             raise ConfigError(key, "must be a finite number, got an integer too large for one") from None
     raise ConfigError(key, f"expected a number, got {value!r}")
