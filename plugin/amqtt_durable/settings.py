@@ -37,13 +37,13 @@ def _as_int(key: str, value: Any) -> int:
 class WrittenFloat(float):
     """A number of broker.yaml read as a float that shows (repr, str, an f-string's ``{}``) as the file
     wrote it: ``session_expiry: -1`` is refused with ``got -1``, not ``got -1.0``, so the user finds it
-    in the file. Arithmetic on it gives plain floats."""
+    in the file (also a command line's number, given as its text). Arithmetic on it gives plain floats."""
 
     text: str
 
-    def __new__(cls, value: int | float) -> WrittenFloat:
+    def __new__(cls, value: int | float | str) -> WrittenFloat:
         number = super().__new__(cls, value)
-        number.text = repr(value)
+        number.text = value.strip() if isinstance(value, str) else repr(value)  # a str: a command line's
         return number
 
     def __repr__(self) -> str:
