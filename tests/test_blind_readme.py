@@ -105,7 +105,8 @@ def test_every_example_bounds_its_waits_by_timeout_against_a_listener_that_never
     """The examples' docstrings (README: "in another terminal, watch a device go offline"): "Exit code
     0 when ..., otherwise 1. Every wait is bounded by --timeout." A port that accepts TCP and never
     sends a CONNACK (a wrong service, a hung broker) must end the run with exit code 1 in about
-    --timeout, not hang."""
+    --timeout (not the SDK's own default wait), with an error line rather than a traceback, as a
+    user runs them."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
@@ -114,8 +115,8 @@ def test_every_example_bounds_its_waits_by_timeout_against_a_listener_that_never
         result = run_script(EXAMPLES / script, "--port", str(port), "--timeout", "2", *EXAMPLE_ARGS[script])
         took = time.monotonic() - started
     assert result.returncode == 1, result.stdout + result.stderr
-    assert took < 2 + 10, f"{script} took {took:.1f} s with --timeout 2"
-    assert result.stdout.strip() or result.stderr.strip(), "exit 1 without a word"
+    assert took < 2 + 6, f"{script} took {took:.1f} s with --timeout 2"
+    assert "error: " in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def fleet_defaults() -> dict[str, str]:
