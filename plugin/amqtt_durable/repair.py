@@ -19,11 +19,10 @@ from typing import Any
 
 import plyvel
 
-from .errors import StoreError
+from .errors import DamagedRecordError, StoreError
 from .inspect_store import shown
 from .replication.position import POSITION_KEY
 from .store import (
-    EVENT_PREFIX,
     FLAG_SHARED,
     LAYOUT_VERSION,
     MSG_ID_MARK_KEY,
@@ -34,6 +33,7 @@ from .store import (
     VERSION_KEY,
     Body,
     Entry,
+    RetainedMessage,
     SessionRecord,
     awaiting_pubcomp,
     body_key,
@@ -43,18 +43,15 @@ from .store import (
     encode_refs,
     encode_totals,
     encode_u64,
-    event_topic,
     leveldb_detail,
-    looks_like_ours,
     refs_key,
     repaired_store,
-    retained_decodes,
     sent_mark_key,
     seq_of_entry_key,
     sid_of_entry_key,
     totals_key,
 )
-from .stream_log import MARK_PREFIX, decode_event, event_id_of
+from .stream_log import EVENT_PREFIX, MARK_PREFIX, decode_event, event_id_of, event_topic
 
 _SID_IN_RECORD = re.compile(rb'"sid"\s*:\s*(\d+)')
 _USERNAME_IN_RECORD = re.compile(rb'"username"\s*:\s*"([^"\\]*)"')
@@ -123,7 +120,7 @@ def rebuild(db: Any, now: float) -> RepairReport:
     if version is not None and version != LAYOUT_VERSION:
         report.lost.append(f"layout version {version!r} is not this release's {LAYOUT_VERSION!r}: nothing rebuilt")
         return report
-    if version is None and not looks_like_ours(db):
+    if version is None and not _looks_like_ours(db):
         report.lost.append("no layout version key, no queue entry, session record, retained message or stream "
                            "event: not this plugin's store; nothing rebuilt")
         return report
@@ -224,6 +221,35 @@ def _report_queue(report: RepairReport, client_id: str, queue: _Queue) -> None:
         )
 
 
+def _looks_like_ours(db: Any) -> bool:
+    """An empty store, or one with a record of this layout (queue entry, session record, retained
+    message, stream event): the version key may be restored (a LevelDB of another program must not
+    be taken over, so each is recognised by its whole shape, not its first byte)."""
+    if next(db.iterator(include_value=False), None) is None:
+        return True
+    if any(len(key) == _ENTRY_KEY_SIZE for key in db.iterator(prefix=b"q", include_value=False)):
+        return True
+    if any(event_topic(key) is not None for key in db.iterator(prefix=EVENT_PREFIX, include_value=False)):
+        return True
+    if any(_retained_decodes(key, value) for key, value in db.iterator(prefix=RETAINED_PREFIX)):
+        return True
+    for key, value in db.iterator(prefix=b"s"):
+        try:
+            SessionRecord.decode(key[1:].decode("utf-8"), value)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        return True
+    return False
+
+
+def _retained_decodes(key: bytes, value: bytes) -> bool:
+    try:
+        RetainedMessage.decode(key, value)
+    except (struct.error, ValueError, DamagedRecordError):
+        return False
+    return True
+
+
 def _drop_damaged_events(db: Any, batch: Any, report: RepairReport) -> None:
     """A stream event that does not decode would stop its readers at it for good: removed, and said."""
     for key, value in db.iterator(prefix=EVENT_PREFIX):
@@ -262,7 +288,7 @@ def _rebuild_stream_marks(db: Any, batch: Any, report: RepairReport) -> None:
 def _drop_damaged_retained(db: Any, batch: Any, report: RepairReport) -> None:
     """A retained message that does not decode would stop every start-up: it is removed, and said."""
     for key, value in db.iterator(prefix=RETAINED_PREFIX):
-        if not retained_decodes(key, value):
+        if not _retained_decodes(key, value):
             batch.delete(key)
             topic = key[len(RETAINED_PREFIX) :].decode("utf-8", "replace")
             report.lost.append(f"the retained message of topic {topic!r} does not decode: removed")

@@ -125,8 +125,6 @@ damaged: the pump sends its PUBREL and never looks at a body for it."""
 
 VERSION_KEY = b"v"
 RETAINED_PREFIX = b"r"
-EVENT_PREFIX = b"e"
-"""A stream-log event key's first byte (stream_log.py: the logs)."""
 
 
 def body_key(msg_id: int) -> bytes:
@@ -573,44 +571,6 @@ def read_error(path: str, exc: BaseException) -> StoreError:
     return StoreCorruptedError(path, detail)
 
 
-def event_topic(key: bytes) -> bytes | None:
-    """The topic bytes of a ``b"e"`` event key; None when the lengths do not add up."""
-    head = 1 + _U16.size
-    if len(key) < head + _U64.size:
-        return None
-    end = head + _U16.unpack_from(key, 1)[0]
-    return key[head:end] if len(key) == end + _U64.size else None
-
-
-def looks_like_ours(db: Any) -> bool:
-    """An empty store, or one with a record of this layout (queue entry, session record, retained
-    message, stream event): the version key may be restored (a LevelDB of another program must not
-    be taken over, so each is recognised by its whole shape, not its first byte)."""
-    if next(db.iterator(include_value=False), None) is None:
-        return True
-    if any(len(key) == 1 + 2 * _U64.size for key in db.iterator(prefix=b"q", include_value=False)):
-        return True
-    if any(event_topic(key) is not None for key in db.iterator(prefix=EVENT_PREFIX, include_value=False)):
-        return True
-    if any(retained_decodes(key, value) for key, value in db.iterator(prefix=RETAINED_PREFIX)):
-        return True
-    for key, value in db.iterator(prefix=b"s"):
-        try:
-            SessionRecord.decode(key[1:].decode("utf-8"), value)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
-        return True
-    return False
-
-
-def retained_decodes(key: bytes, value: bytes) -> bool:
-    try:
-        RetainedMessage.decode(key, value)
-    except (struct.error, ValueError, DamagedRecordError):
-        return False
-    return True
-
-
 def open_store(path: str, *, create: bool = True) -> Any:
     """Open (or, in an empty or missing folder, create) the store; a clear error for a lock or damage.
 
@@ -635,12 +595,6 @@ def open_store(path: str, *, create: bool = True) -> Any:
         version = db.get(VERSION_KEY, verify_checksums=True)
         if version is None:
             if next(db.iterator(include_value=False, verify_checksums=True), None) is not None:
-                if not looks_like_ours(db):  # repair would restore no version key: do not send the user there
-                    raise StoreError(
-                        f"store '{path}' is a LevelDB store of another program (it holds data, but no layout "
-                        "version key and no record of amqtt_durable's layout); it is not used: point 'store' "
-                        "at an empty or missing folder"
-                    )
                 raise StoreCorruptedError(path, "it holds data but no layout version key")
             db.put(VERSION_KEY, LAYOUT_VERSION, sync=True)
         elif version != LAYOUT_VERSION:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import StreamConfig
 from .errors import DamagedRecordError
-from .store import EVENT_PREFIX, GroupCommitter, decoded, event_topic, leveldb_detail
+from .store import GroupCommitter, decoded, leveldb_detail
 from .topics import filters_overlap, matches, topic_problem
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("amqtt_durable.streams")  # one logger for the logs and their senders
 
+EVENT_PREFIX = b"e"
 MARK_PREFIX = b"L"
 LEGACY_EVENT_PREFIX = b"l"
 MIGRATE_BATCH_BYTES = 4 * 1024 * 1024
@@ -40,6 +41,7 @@ MAX_MQTT_TOPIC_BYTES = 65_535
 _U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
 _EVENT_HEAD = struct.Struct(">dB")
+_KEY_HEAD = 1 + _U16.size
 
 
 def log_prefix(topic: str) -> bytes:
@@ -53,6 +55,14 @@ def event_key(topic: str, event_id: int) -> bytes:
 
 def mark_key(topic: str) -> bytes:
     return MARK_PREFIX + topic.encode("utf-8")
+
+
+def event_topic(key: bytes) -> bytes | None:
+    """The topic bytes of a ``b"e"`` event key; None when the lengths do not add up."""
+    if len(key) < _KEY_HEAD + _U64.size:
+        return None
+    end = _KEY_HEAD + _U16.unpack_from(key, 1)[0]
+    return key[_KEY_HEAD:end] if len(key) == end + _U64.size else None
 
 
 def event_id_of(key: bytes) -> int:
