@@ -102,7 +102,7 @@ def main() -> int:
     try:
         return asyncio.run(main_async(args))
     except (OSError, TimeoutError, DurableClientError) as exc:
-        print(f"error: {exc or f'not done within --timeout {args.timeout:g} s'}", file=sys.stderr)
+        print(f"error: {str(exc) or f'not done within --timeout {args.timeout:g} s'}", file=sys.stderr)
         return 1
 
 
