@@ -32,11 +32,6 @@ from .schedule import load_schedule, parse_duration, random_schedule
 MAX_RATE = 10_000_000
 """The highest --rate (messages per second, exclusive) the command takes."""
 
-
-def number(text: str) -> float:
-    """argparse's type of a number option: its errors quote it as typed (``--rate 0``: ``got 0``, not 0.0)."""
-    return WrittenFloat(text)
-
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
@@ -46,6 +41,11 @@ DEFAULT_FAULTS_RUNNING_BROKER = "drop=3,stall=3,device_restart=3"
 DEFAULT_FAULTS_HA = "drop=3,stall=3,primary_kill=1,partition=1,device_restart=3"
 """With --ha the faults on the brokers hit whichever is primary."""
 PREFIX = re.compile(r"[A-Za-z0-9_.:-]*")
+
+
+def number(text: str) -> float:
+    """argparse's type of a number option: its errors quote it as typed (``--rate 0``: ``got 0``, not 0.0)."""
+    return WrittenFloat(text)
 
 
 def _duration(text: str) -> float:
