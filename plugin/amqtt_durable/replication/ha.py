@@ -287,7 +287,11 @@ class HaNode:
                 action, why = chosen
                 started = self.clock()
                 if not await self.coordinator.acquire(self.me):
-                    return Decision("wait", f"{why}, but another node took the lease first")
+                    return Decision(
+                        "wait",
+                        f"{why}, but another node took the lease first (or took it and gave it up since this "
+                        "cycle found no primary: the next cycle decides on what it left)",
+                    )
         except MemberNameTakenError as exc:
             self._found_no_primary = False
             self._void_takeover("this node's name is another broker's in the coordinator")
