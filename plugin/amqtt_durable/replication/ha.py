@@ -281,12 +281,19 @@ class HaNode:
                             leader.name,
                         )
                     return self._follow(leader)
+                operator_asked = self._operator_takeover  # _without_primary uses it up
                 chosen = await self._without_primary(waited_since)
                 if isinstance(chosen, Decision):
                     return chosen
                 action, why = chosen
                 started = self.clock()
                 if not await self.coordinator.acquire(self.me):
+                    if operator_asked:
+                        log.warning(
+                            "replication HA %s: the operator's promote is void: another node took the leader "
+                            "lease first (or took it and gave it up since this cycle found no primary)",
+                            self.me.name,
+                        )
                     return Decision(
                         "wait",
                         f"{why}, but another node took the lease first (or took it and gave it up since this "
