@@ -37,17 +37,16 @@ def _as_int(key: str, value: Any) -> int:
 
 
 class WrittenFloat(float):
-    """A number of broker.yaml read as a float that shows (repr, str, an f-string's ``{}``) about as the
-    file wrote it: ``session_expiry: -1`` is refused with ``got -1``, not ``got -1.0``, so the user
-    finds it in the file (also a command line's number, given as its text). About: YAML gives the
-    value, not its text, so ``1.50`` shows as ``1.5``; a command line's text
-    shows as typed. Arithmetic on it gives plain floats; yaml.safe_dump writes it as a plain float."""
+    """A number read as a float that shows (repr, str, an f-string's ``{}``) as the user wrote it,
+    so an error quotes what is in the file: ``session_expiry: -1`` is refused with ``got -1``, not
+    ``got -1.0``. Only about: YAML gives the value, not its text (``1.50`` shows as ``1.5``); a
+    command line's text shows as typed. Arithmetic on it gives plain floats."""
 
     text: str
 
     def __new__(cls, value: int | float | str) -> WrittenFloat:
         number = super().__new__(cls, value)
-        number.text = value.strip() if isinstance(value, str) else repr(value)  # a str: a command line's
+        number.text = value.strip() if isinstance(value, str) else repr(value)
         return number
 
     def __repr__(self) -> str:
@@ -56,7 +55,9 @@ class WrittenFloat(float):
     __str__ = __repr__
 
 
+# yaml.safe_dump of a parsed setting writes a plain float, as for the float it stands for.
 yaml.SafeDumper.add_representer(WrittenFloat, lambda dumper, data: dumper.represent_float(float(data)))
+
 
 def _as_float(key: str, value: Any) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):

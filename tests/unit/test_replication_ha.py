@@ -190,13 +190,18 @@ def run(coro: object) -> object:
     return asyncio.run(main())
 
 
+def caught_up_backup(fake: FakeCoordinator) -> tuple[Hooks, HaNode]:
+    """Node "a", caught up, in a cluster another node bootstrapped; nobody holds the lease."""
+    fake.initialized_by = "old"
+    hooks = Hooks(caught_up=True)
+    return hooks, node(fake, hooks)
+
+
 def test_a_caught_up_backup_takes_a_free_lease() -> None:
     async def main() -> None:
         clock = Clock()
         fake = FakeCoordinator(clock)
-        fake.initialized_by = "old"
-        hooks = Hooks(caught_up=True)
-        ha = node(fake, hooks)
+        hooks, ha = caught_up_backup(fake)
         decision = await ha.run_cycle()
         assert decision.action == "promoted"
         assert "caught up" in decision.reason
@@ -1120,11 +1125,8 @@ def test_a_caught_up_backup_whose_acquire_finds_the_lease_taken_since_it_looked_
     since the cycle found no primary; the node stays a backup and its next cycle decides anew."""
 
     async def main() -> None:
-        clock = Clock()
-        fake = LostRaceCoordinator(clock)
-        fake.initialized_by = "old"
-        hooks = Hooks(caught_up=True)
-        ha = node(fake, hooks)
+        fake = LostRaceCoordinator(Clock())
+        hooks, ha = caught_up_backup(fake)
         decision = await ha.run_cycle()
         assert decision.action == "wait" and "took it and gave it up since this cycle found no primary" in (
             decision.reason

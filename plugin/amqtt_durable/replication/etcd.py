@@ -80,7 +80,9 @@ class EtcdCoordinator(Coordinator):
     async def leader(self) -> Leader | None:
         reply = await self._call("/v3/kv/range", {"key": self._leader_key})
         kvs = reply.get("kvs") or []
-        self._no_leader_at = None if kvs else int(reply.get("header", {}).get("revision", 0))
+        revision = reply.get("header", {}).get("revision")
+        # no revision in the reply (not from a real etcd): no compare, rather than one that always fails
+        self._no_leader_at = None if kvs or revision is None else int(revision)
         if not kvs:
             return None
         return _term(Leader.decode(base64.b64decode(kvs[0].get("value", ""))), kvs[0].get("create_revision"))
