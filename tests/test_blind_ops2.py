@@ -299,9 +299,9 @@ def test_the_stock_command_whose_replication_cannot_start_stays_up_answering_con
 def test_a_session_s_dropped_count_is_in_inspect_after_a_sigkill(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """guarantees.md, Queue limits: "Drops are counted per session (stored with the queue totals, so
-    they survive restarts: the `dropped` column of `amqtt-durable inspect`)", also after SIGKILL
-    ("after SIGKILL nothing acknowledged is lost", operations.md), and `drop-newest` "does not queue
+    """guarantees.md, Queue limits: "Drops are counted per session (stored with the queue totals before
+    the publisher's PUBACK, so they survive restarts and crashes: the `dropped` column of
+    `amqtt-durable inspect`)", also after SIGKILL, and `drop-newest` "does not queue
     the new message for that session": the oldest stay."""
     broker = broker_factory(max_depth=3, max_depth_disconnected=3, overflow="drop-newest", metrics_interval=0.2)
     device = clients(broker.port, "newest-dev")

@@ -412,6 +412,25 @@ def test_disconnected_queue_limit_and_overflow(
     assert re.search(r"\blimit\b\D*\b200\b", lines[0]) and f"overflow {overflow}" in lines[0], lines[0]
 
 
+def test_drop_newest_count_survives_a_sigkill_right_after_the_puback(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """A publish every queue drops (drop-newest) is acknowledged only once its drop count is
+    stored: before, no commit followed such a publish, and a SIGKILL right after its PUBACK lost
+    the count inspect shows."""
+    broker = broker_factory(max_depth=3, max_depth_disconnected=3, overflow="drop-newest", metrics_interval=0.05)
+    sub = clients(broker.port, "counted")
+    sub.subscribe("count/t", 1)
+    sub.disconnect()
+    seen_away(clients, broker, 1)
+    pub = clients(broker.port, "pub", clean_session=True)
+    pub.publish("count/t", payloads(3), qos=1)  # committed and acknowledged: the queue is full
+    pub.publish("count/t", payloads(2, "over"), qos=1)  # each acknowledged on its own, both dropped
+    broker.kill()
+    (row,) = [row for row in summarize(broker.store) if row.client_id == "counted"]
+    assert (row.depth, row.dropped) == (3, 2)
+
+
 def test_expanded_limit_holds_after_reconnect_until_80_percent(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:

@@ -129,8 +129,10 @@ class Routing(EngineMetrics):
     ) -> asyncio.Future[None] | None:
         """Commit the batch; once durable, offer the entries to their pumps, then run ``then``.
         ``retained``: the batch also holds a retained message, which the caller waits for too.
-        ``fail_fast``: the future fails if the write does (a publish is then not acknowledged)."""
-        if not appended and then is None and not retained:
+        ``fail_fast``: the future fails if the write does (a publish is then not acknowledged).
+        A publish every queue dropped (drop-newest) still commits the drop counts it changed,
+        so the count the broker acknowledged it with survives a crash."""
+        if not appended and then is None and not retained and not self._dirty:
             return None
 
         def deliver() -> None:
