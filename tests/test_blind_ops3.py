@@ -1,0 +1,295 @@
+"""Black-box checks, third pass, of docs/guarantees.md and docs/operations.md, written from the
+documents alone: real broker processes (``amqtt-durable broker``), real paho clients and raw
+sockets over TCP on 127.0.0.1, the real ``amqtt-durable inspect``, real SIGKILL, a real small
+disk (tmpfs) that fills up. Each test quotes the promise it checks; the earlier passes
+(test_blind_ops.py, test_blind_ops2.py, test_blind_guarantees.py, test_docs_promises*.py) cover
+the others."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly, read_packet
+from small_disk import fill, small_disk
+from test_hostile_wire import PATHS, read_until_closed
+
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, run_cli
+
+pytestmark = pytest.mark.timeout(60)
+
+SYS = "$SYS/broker/durable/"
+HEALTH = SYS + "store/health"
+
+
+def log_lines(broker: Broker, needle: str) -> list[str]:
+    return [line for line in broker.log().splitlines() if needle in line]
+
+
+def wait_for_log(broker: Broker, needle: str) -> list[str]:
+    """The broker's log lines holding ``needle``, once there is one (bounded by WAIT)."""
+    assert broker.wait_until(lambda: bool(log_lines(broker, needle)), WAIT), broker.log()[-3000:]
+    return log_lines(broker, needle)
+
+
+def latest_number(client: Client, topic: str) -> int | None:
+    values = [int(m.payload) for m in client.messages if m.topic == topic]
+    return values[-1] if values else None
+
+
+def health_states(monitor: Client) -> list[dict[str, object]]:
+    return [json.loads(m.payload) for m in monitor.messages if m.topic == HEALTH]
+
+
+def wait_health(monitor: Client, status: str, timeout: float = WAIT) -> dict[str, object]:
+    assert monitor.wait_for(lambda _: any(h["status"] == status for h in health_states(monitor)), timeout), (
+        f"no '{status}' on {HEALTH}: {health_states(monitor)}"
+    )
+    return next(h for h in health_states(monitor) if h["status"] == status)
+
+
+# ------------------------------------------------------------------ guarantees.md
+@pytest.mark.parametrize("path", PATHS)
+def test_a_pubrel_with_the_dup_flag_closes_the_connection_without_a_pubcomp(
+    broker_factory: Callable[..., Broker], path: str
+) -> None:
+    """guarantees.md: "paho-mqtt 1.3.1 and older (Python) set DUP on a PUBREL they re-send (first
+    byte 0x6A) ... The broker closes the connection at each such PUBREL (MQTT-3.6.1-1), so that
+    publish never gets its PUBCOMP"; fixed header flags that are not 0010 for PUBREL close the
+    connection "unanswered, on either reader ... with a WARNING naming the client". And "every
+    PUBREL gets a PUBCOMP": the same packet id released properly on a new connection gets one."""
+    broker = broker_factory(start=False)
+    broker.extra_plugins.update(PATHS[path])
+    broker.start()
+    sock = raw_connect(broker.port, "old-paho", clean=False)
+    sock.sendall(mqtt_packet(0x34, mqtt_string("rel/t") + b"\x00\x07" + b"exactly once"))
+    assert read_packet(sock) == (0x50, b"\x00\x07"), "PUBREC of packet id 7"
+    sock.sendall(b"\x6a\x02\x00\x07")
+    assert read_until_closed(sock, WAIT) == b"", "closed, with no PUBCOMP"
+    sock.close()
+    warnings = wait_for_log(broker, "old-paho")
+    assert any("WARNING" in line for line in warnings), warnings
+    again = raw_connect(broker.port, "old-paho", clean=False)
+    again.sendall(b"\x62\x02\x00\x07")
+    packets = [read_packet(again)]
+    if packets[0][0] == 0x50:  # the PUBREC sent again while amqtt still holds the session
+        packets.append(read_packet(again))
+    assert packets[-1] == (0x70, b"\x00\x07"), packets
+    again.close()
+
+
+def test_filters_starting_with_a_wildcard_never_match_the_brokers_own_sys_topics(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Durable session lifecycle: "Wills and broker-internal messages ($SYS/...)
+    reach durable sessions through the same queue. As MQTT requires, filters starting with `+` or
+    `#` do not match `$` topics": neither the metrics (QoS 0) nor the `$SYS/broker/durable/expired`
+    event (QoS 1) reach a durable session's `#` or `+/...`, while `$SYS/broker/durable/#` gets both."""
+    broker = broker_factory(metrics_interval=0.2, session_expiry=1)
+    live = clients(broker.port, "hash-live")
+    assert live.subscribe([("#", 1), ("+/broker/durable/#", 1), ("+/+/+/expired", 1)]) == [1, 1, 1]
+    sys_reader = clients(broker.port, "sys-reader")
+    assert sys_reader.subscribe(SYS + "#", 1) == [1]
+    gone = clients(broker.port, "gone")
+    gone.subscribe("gone/t", 1)
+    gone.disconnect()
+    expired = SYS + "expired"
+    assert sys_reader.wait_for(
+        lambda ms: any(m.topic == expired and json.loads(m.payload)["client_id"] == "gone" for m in ms)
+    ), "the expiry event of 'gone'"
+    assert sys_reader.wait_for(lambda ms: any(m.topic == SYS + "sessions/connected" for m in ms)), "a metric"
+    clients(broker.port, "pub", clean_session=True).publish("fence/t", [b"fence"])
+    assert live.wait_for(lambda ms: any(m.payload == b"fence" for m in ms))
+    assert [m.topic for m in live.messages] == ["fence/t"]
+
+
+def test_one_write_of_many_publishes_is_one_commit(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Group commit: "everything that arrives in one pass of the event loop (all
+    packets read from all sockets in that pass) is written as one atomic write batch at the end of
+    the pass"; "`$SYS/broker/durable/store/commits` counts the writes". 200 QoS 1 PUBLISHes in one
+    socket write, each queued for a durable session, cost one commit, and every one gets its
+    PUBACK, in order."""
+    broker = broker_factory(metrics_interval=0.2)
+    device = clients(broker.port, "gc-dev")
+    device.subscribe("gc/#", 1)
+    device.disconnect()
+    watcher = clients(broker.port, "gc-watch", clean_session=True)
+    watcher.subscribe(SYS + "store/commits", 0)
+    assert watcher.wait_for(lambda ms: len(ms) >= 2), "two metric publications"
+    before = latest_number(watcher, SYS + "store/commits")
+    count = 200
+    sock = raw_connect(broker.port, "gc-pub", clean=True)
+    sock.sendall(
+        b"".join(
+            mqtt_packet(0x32, mqtt_string("gc/t") + (i + 1).to_bytes(2, "big") + payload)
+            for i, payload in enumerate(payloads(count))
+        )
+    )
+    acks = read_exactly(sock, 4 * count)
+    assert acks == b"".join(b"\x40\x02" + (i + 1).to_bytes(2, "big") for i in range(count))
+    seen = len(watcher.messages)
+    assert watcher.wait_for(lambda ms: len(ms) >= seen + 2), "a metric publication after the PUBACKs"
+    after = latest_number(watcher, SYS + "store/commits")
+    assert before is not None and after is not None
+    assert after - before == 1, f"{after - before} commits for {count} publishes read in one write"
+    sock.close()
+    assert device.connect() is True
+    assert [m.payload for m in device.wait_messages(count)] == payloads(count)
+
+
+# ------------------------------------------------------------------ operations.md
+def test_a_copy_of_a_sigkilled_broker_s_store_is_the_whole_store(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, Backing up: "stop the broker (Ctrl-C or SIGTERM; after its process crashed
+    or was SIGKILLed the folder holds everything acknowledged too), copy the folder (`cp -a
+    data/durable /backups/durable-1`) ... `amqtt-durable inspect /backups/durable-1` lists the
+    copy's sessions"; "It records no path of its own, so a copy of the folder is the whole store
+    wherever it is put": a broker on the copy serves the session (session present), its queue in
+    order, and the retained message (RETAIN=1)."""
+    broker = broker_factory()
+    device = clients(broker.port, "bk-dev")
+    device.subscribe("bk/#", 1)
+    device.disconnect()
+    publisher = clients(broker.port, "bk-pub", clean_session=True)
+    queued = payloads(5, "bk")
+    publisher.publish("bk/t", queued)
+    publisher.publish("bk/r", [b"kept"], retain=True)
+    broker.kill()
+    backup = tmp_path / "backups" / "durable-1"
+    backup.parent.mkdir()
+    copy = ["cp", "-a", broker.store, str(backup)]
+    copied = subprocess.run(copy, check=False, capture_output=True, text=True, timeout=WAIT)
+    assert copied.returncode == 0, copied.stderr
+    listed = run_cli("inspect", str(backup), "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)
+    assert [(r["client_id"], r["depth"], r["subscriptions"]) for r in rows] == [("bk-dev", 6, {"bk/#": 1})]
+    retained = run_cli("inspect", str(backup), "--retained", "--json")
+    assert retained.returncode == 0, retained.stderr
+    assert [(r["topic"], r["qos"], r["bytes"]) for r in json.loads(retained.stdout)] == [("bk/r", 1, 4)]
+    elsewhere = broker_factory(start=False, name="copy")
+    elsewhere.settings["store"] = str(backup)
+    elsewhere.start()
+    restored = clients(elsewhere.port, "bk-dev")
+    assert restored.session_present is True
+    assert [m.payload for m in restored.wait_messages(6)] == [*queued, b"kept"]
+    assert [m.retain for m in restored.messages] == [False] * 6, "RETAIN=0 on queued messages"
+    newcomer = clients(elsewhere.port, "bk-new", clean_session=True)
+    newcomer.subscribe("bk/r", 1)
+    assert newcomer.wait_for(bool)
+    assert [(m.payload, m.retain) for m in newcomer.messages] == [(b"kept", True)]
+
+
+@pytest.mark.timeout(120)
+def test_while_writes_fail_qos0_wills_and_sys_messages_are_not_queued_and_health_is_not_kept(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, When the disk is full, while writes fail: "A QoS 0 one is not queued for
+    durable sessions (amqtt's clean-session subscribers still get it) and its connection stays
+    open. Wills and `$SYS` messages are not queued for durable sessions either"; "A durable
+    session's SUBSCRIBE gets 0x80 (failure)", at once, "and an UNSUBSCRIBE gets its UNSUBACK once
+    the retry has stored the removal"; the health states read `{"status": "failing",
+    "since": ..., "error": "...", "failed_for": null}` then `{"status": "ok", "since": ...,
+    "error": null, "failed_for": <seconds>}`, and the log `store write failed: ...` then `store
+    writes succeed again after <n> s of failures: serving normally`. guarantees.md: the broker's
+    retained `$SYS` topics (`store/health`) "are kept in memory only, so they never outlive the
+    state they report": after a restart no health message is retained ("No retained message there
+    means the store has not failed since the broker started")."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(store=str(disk / "store"), queue_qos0=True)
+        port = broker.port
+        away = clients(port, "away")
+        assert away.subscribe([("q0/#", 1), ("will/#", 1), (HEALTH, 1)]) == [1, 1, 1]
+        away.disconnect()
+        monitor = clients(port, "monitor", clean_session=True)
+        assert monitor.subscribe([("q0/#", 0), ("will/#", 0), (HEALTH, 1)]) == [0, 0, 1]
+        live = clients(port, "live")
+        assert live.subscribe("u/#", 1) == [1]
+        zero = clients(port, "zero-pub", clean_session=True)
+        willing = socket.create_connection((HOST, port), timeout=WAIT)
+        willing.sendall(connect_packet("willing", clean=True, will_topic=b"will/w"))
+        assert read_exactly(willing, 4) == b"\x20\x02\x00\x00"
+
+        filler = fill(disk)
+        trigger = clients(port, "trigger", clean_session=True)
+        trigger.paho.publish("q0/big", bytes(64 * 1024), qos=1)
+        assert trigger.wait_disconnected(), "a publish that could not be stored ends its connection"
+        failing = wait_health(monitor, "failing")
+        assert set(failing) == {"status", "since", "error", "failed_for"} and failing["failed_for"] is None
+        assert "No space left on device" in str(failing["error"])
+        assert wait_for_log(broker, "store write failed")
+
+        zero.publish("q0/t", [b"zero-1"], qos=0)
+        assert monitor.wait_for(lambda ms: any(m.payload == b"zero-1" for m in ms)), "clean subscribers get it"
+        zero.publish("q0/t", [b"zero-2"], qos=0)
+        assert monitor.wait_for(lambda ms: any(m.payload == b"zero-2" for m in ms)), "its connection stays open"
+        assert live.subscribe("s/#", 1) == [0x80]
+        unsubacked = threading.Event()
+        live.paho.on_unsubscribe = lambda *_: unsubacked.set()
+        live.paho.unsubscribe("u/#")
+        willing.close()  # no DISCONNECT: the will is published
+        assert monitor.wait_for(lambda ms: any(m.topic == "will/w" for m in ms)), "clean subscribers get the will"
+
+        assert not unsubacked.wait(0.5), "no UNSUBACK before the removal is stored"
+        filler.unlink()
+        assert unsubacked.wait(WAIT + 10), "the UNSUBACK once the retry stored the removal"
+        recovered = wait_health(monitor, "ok", timeout=WAIT + 10)
+        assert set(recovered) == {"status", "since", "error", "failed_for"} and recovered["error"] is None
+        assert isinstance(recovered["failed_for"], int | float) and recovered["failed_for"] > 0
+        (line,) = wait_for_log(broker, "store writes succeed again after ")
+        assert line.endswith(" s of failures: serving normally"), line
+        clients(port, "fence-pub", clean_session=True).publish("q0/t", [b"fence"], qos=1)
+        assert away.connect() is True
+        assert away.wait_for(lambda ms: any(m.payload == b"fence" for m in ms))
+        got = [(m.topic, m.payload) for m in away.messages]
+        assert ("q0/t", b"zero-1") not in got and ("q0/t", b"zero-2") not in got, got
+        assert not [t for t, _ in got if t == "will/w"], got
+        assert not [p for t, p in got if t == HEALTH and json.loads(p)["status"] == "failing"], got
+
+        broker.stop()
+        broker.start()
+        late = clients(port, "late-monitor", clean_session=True)
+        late.subscribe(HEALTH, 1)
+        assert not late.wait_for(bool, timeout=0.5), "the health state did not outlive the broker"
+
+
+def test_a_broker_stopped_while_writes_fail_logs_how_many_writes_it_could_not_store(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, When the disk is full: "A broker stopped during the outage logs how many
+    writes it could not store, as a WARNING: `closing with the store still failing (<error>): <n>
+    pending write(s) are not stored; every acknowledged message is stored already`"; "A crash
+    during the outage loses only what was never acknowledged": what was acknowledged before is
+    there after the restart."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(store=str(disk / "store"))
+        device = clients(broker.port, "dev")
+        device.subscribe("o/#", 1)
+        device.disconnect()
+        monitor = clients(broker.port, "monitor", clean_session=True)
+        monitor.subscribe(HEALTH, 1)
+        acknowledged = payloads(3, "ack")
+        clients(broker.port, "pub", clean_session=True).publish("o/t", acknowledged)
+        filler = fill(disk)
+        trigger = clients(broker.port, "trigger", clean_session=True)
+        trigger.paho.publish("o/t", bytes(64 * 1024), qos=1)
+        assert trigger.wait_disconnected()
+        wait_health(monitor, "failing")
+        broker.stop()
+        (line,) = log_lines(broker, "closing with the store still failing (")
+        ending = r"\): (\d+) pending write\(s\) are not stored; every acknowledged message is stored already$"
+        stated = re.search(ending, line)
+        assert "WARNING" in line and stated and int(stated[1]) >= 1, line
+        filler.unlink()
+        broker.start()
+        assert device.connect() is True
+        assert device.wait_for(lambda ms: [m.payload for m in ms][:3] == acknowledged)
