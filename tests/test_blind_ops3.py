@@ -245,8 +245,11 @@ def test_while_writes_fail_qos0_wills_and_sys_messages_are_not_queued_and_health
         recovered = wait_health(monitor, "ok", timeout=WAIT + 10)
         assert set(recovered) == {"status", "since", "error", "failed_for"} and recovered["error"] is None
         assert isinstance(recovered["failed_for"], int | float) and recovered["failed_for"] > 0
+        assert isinstance(failing["since"], float | int) and isinstance(recovered["since"], float | int)
+        assert abs(recovered["since"] - failing["since"] - recovered["failed_for"]) < 1.0, (failing, recovered)
         (line,) = wait_for_log(broker, "store writes succeed again after ")
-        assert line.endswith(" s of failures: serving normally"), line
+        logged = re.search(r"store writes succeed again after ([0-9.]+) s of failures: serving normally$", line)
+        assert logged and abs(float(logged[1]) - recovered["failed_for"]) < 0.1, (line, recovered)
         clients(port, "fence-pub", clean_session=True).publish("q0/t", [b"fence"], qos=1)
         assert away.connect() is True
         assert away.wait_for(lambda ms: any(m.payload == b"fence" for m in ms))
@@ -293,3 +296,76 @@ def test_a_broker_stopped_while_writes_fail_logs_how_many_writes_it_could_not_st
         broker.start()
         assert device.connect() is True
         assert device.wait_for(lambda ms: [m.payload for m in ms][:3] == acknowledged)
+
+
+def test_acknowledgements_made_while_writes_fail_are_written_by_the_retry(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, When the disk is full, while writes fail: "connected durable sessions go on
+    receiving what is stored; their acknowledgements are kept in memory and written with the
+    retry". guarantees.md: "A message stays in LevelDB until its PUBACK": once the retry wrote
+    them, a SIGKILL brings none of the acknowledged messages back."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(store=str(disk / "store"), recovery_buffer=5)
+        other = clients(broker.port, "other")
+        other.subscribe("big/#", 1)
+        other.disconnect()
+        reader = clients(broker.port, "reader", manual_ack=True)
+        reader.subscribe("r/#", 1)
+        reader.disconnect()
+        monitor = clients(broker.port, "monitor", clean_session=True)
+        monitor.subscribe(HEALTH, 1)
+        queued = payloads(20, "r")
+        clients(broker.port, "pub", clean_session=True).publish("r/t", queued)
+        assert reader.connect() is True
+        assert reader.wait_for(lambda ms: len(ms) >= 5), "the window of 5"
+        filler = fill(disk)
+        trigger = clients(broker.port, "trigger", clean_session=True)
+        trigger.paho.publish("big/t", bytes(64 * 1024), qos=1)
+        assert trigger.wait_disconnected()
+        wait_health(monitor, "failing")
+        reader.on_message_hook = lambda message: reader.paho.ack(message.mid, message.qos)
+        for message in list(reader.messages):
+            reader.paho.ack(message.mid, message.qos)
+        assert reader.wait_for(lambda ms: len(ms) >= len(queued)), "the rest of the queue, while writes fail"
+        assert [m.payload for m in reader.messages] == queued
+        filler.unlink()
+        wait_health(monitor, "ok", timeout=WAIT + 10)
+        reader.disconnect()
+        broker.restart(kill=True)
+        assert reader.connect() is True
+        clients(broker.port, "fence", clean_session=True).publish("r/t", [b"fence"])
+        assert reader.wait_for(lambda ms: len(ms) > len(queued))
+        assert [m.payload for m in reader.messages[len(queued) :]] == [b"fence"], "nothing acknowledged came again"
+
+
+def test_without_a_disconnected_byte_limit_max_bytes_applies_from_the_reconnect(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Queue limits: "`max_bytes` and `max_bytes_disconnected` (default 0: no
+    limit) add the same two limits in payload bytes ..., with the same expansion and revert (80%
+    of both expanded limits)". With `max_bytes_disconnected` 0 a disconnected queue has no byte
+    limit, so its backlog may pass `max_bytes`; the revert needs 80% of the expanded limits, and
+    there is no byte limit to drain below: at the reconnect (here 10 messages, far below 80% of
+    `max_depth_disconnected`) `max_bytes` applies at once, and a live message that does not fit
+    is handled by the overflow policy (all of the backlog in flight: dropped, counted, logged)."""
+    broker = broker_factory(max_bytes=100, max_bytes_disconnected=0)
+    device = clients(broker.port, "nb-dev", manual_ack=True)
+    device.subscribe("nb/#", 1)
+    device.disconnect()
+    backlog = [b"%03d" % i + bytes(97) for i in range(10)]  # 1,000 bytes, ten times max_bytes
+    publisher = clients(broker.port, "nb-pub", clean_session=True)
+    publisher.publish("nb/t", backlog)
+    assert device.connect() is True
+    assert [m.payload for m in device.wait_messages(10)] == backlog, "no byte limit while disconnected"
+    publisher.publish("nb/t", [b"live" + bytes(96)])
+    (line,) = wait_for_log(broker, "session nb-dev: queue full at its limit of ")
+    assert "limit of 100000 messages / 100 bytes (overflow drop-oldest): dropped 1 message(s)" in line, line
+    for message in device.messages:
+        device.paho.ack(message.mid, message.qos)
+    device.disconnect()
+    broker.stop()
+    listed = run_cli("inspect", broker.store, "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [(r["depth"], r["dropped"]) for r in json.loads(listed.stdout)] == [(0, 1)]
+    assert [m.payload for m in device.messages] == backlog
