@@ -369,3 +369,77 @@ def test_without_a_disconnected_byte_limit_max_bytes_applies_from_the_reconnect(
     assert listed.returncode == 0, listed.stderr
     assert [(r["depth"], r["dropped"]) for r in json.loads(listed.stdout)] == [(0, 1)]
     assert [m.payload for m in device.messages] == backlog
+
+
+def test_inspect_of_a_store_on_a_full_disk_names_the_disk_and_the_store_needs_no_repair(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, Troubleshooting: "`cannot read store '...': IO error: ...: No space left on
+    device` (`broker not started`, exit code 1, or from `inspect`): opening the store turns its log
+    into a table, and its disk is full. Free space on it and start again; the store is not damaged
+    and needs no repair"."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        store = str(disk / "store")
+        broker = broker_factory(store=store)
+        device = clients(broker.port, "fd-dev")
+        device.subscribe("fd/#", 1)
+        device.disconnect()
+        clients(broker.port, "fd-pub", clean_session=True).publish("fd/t", payloads(3))
+        broker.kill()  # what it acknowledged is in the store's log, not yet in a table
+        filler = fill(disk)
+        refused = run_cli("inspect", store)
+        assert refused.returncode == 1, (refused.stdout, refused.stderr)
+        assert f"cannot read store '{store}': IO error: " in refused.stderr, refused.stderr
+        assert "No space left on device" in refused.stderr, refused.stderr
+        assert refused.stdout == ""
+        filler.unlink()
+        listed = run_cli("inspect", store, "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert [(r["client_id"], r["depth"]) for r in json.loads(listed.stdout)] == [("fd-dev", 3)]
+
+
+def test_a_session_that_expires_while_writes_fail_is_logged_and_announced_once_its_erasure_is_written(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, When the disk is full: "The same holds for a session deleted otherwise
+    (expired ...) whose record's erasure is not written yet: a clean CONNECT of its client id gets
+    CONNACK 3 until it is (an expiry's WARNING and its `$SYS/broker/durable/expired` event come
+    once the erasure is written)". guarantees.md, Expiry: the WARNING reads `durable session <id>
+    expired after <n> s disconnected: <m> queued message(s) and its subscriptions deleted`, the
+    event `{"client_id": "...", "messages_dropped": 12, "disconnected_at": 1700000000.0}`; "A
+    client that returns after expiry is a new client (session_present=0)"."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(store=str(disk / "store"), session_expiry=1)
+        port = broker.port
+        keeper = clients(port, "keeper")
+        keeper.subscribe("big/#", 1)
+        monitor = clients(port, "monitor", clean_session=True)
+        assert monitor.subscribe([(HEALTH, 1), (SYS + "expired", 1)]) == [1, 1]
+        early = clients(port, "early")
+        early.subscribe("e/#", 1)
+        early.disconnect()
+        filler = fill(disk)
+        publisher = clients(port, "trigger", clean_session=True)
+        publisher.paho.publish("big/t", bytes(64 * 1024), qos=1)
+        assert publisher.wait_disconnected()
+        wait_health(monitor, "failing")
+        assert not log_lines(broker, "expired after"), "the set-up took longer than session_expiry"
+        # The retries come after 0.25, 0.5 and 1 s: past this line early's 1 s is up.
+        assert wait_for_log(broker, "next try in 2.00 s")
+        clean = socket.create_connection((HOST, port), timeout=WAIT)
+        clean.sendall(connect_packet("early", clean=True))
+        assert read_until_closed(clean, WAIT) == b"\x20\x02\x00\x03", "CONNACK 3, then closed"
+        clean.close()
+        assert not log_lines(broker, "expired after"), "no expiry WARNING before the erasure is written"
+        assert not [m for m in monitor.messages if m.topic == SYS + "expired"], "nor its event"
+        filler.unlink()
+        wait_health(monitor, "ok", timeout=WAIT + 10)
+        (line,) = wait_for_log(broker, "durable session early expired after ")
+        assert line.endswith("expired after 1 s disconnected: 0 queued message(s) and its subscriptions deleted"), line
+        lines = broker.log().splitlines()
+        assert lines.index(line) > lines.index(log_lines(broker, "store writes succeed again")[0])
+        assert monitor.wait_for(lambda ms: any(m.topic == SYS + "expired" for m in ms)), "the expiry event"
+        event = json.loads(next(m.payload for m in monitor.messages if m.topic == SYS + "expired"))
+        assert set(event) == {"client_id", "messages_dropped", "disconnected_at"}, event
+        assert (event["client_id"], event["messages_dropped"]) == ("early", 0), event
+        assert clients(port, "early").session_present is False, "a new client after expiry"
