@@ -443,3 +443,53 @@ def test_a_session_that_expires_while_writes_fail_is_logged_and_announced_once_i
         assert set(event) == {"client_id", "messages_dropped", "disconnected_at"}, event
         assert (event["client_id"], event["messages_dropped"]) == ("early", 0), event
         assert clients(port, "early").session_present is False, "a new client after expiry"
+
+
+def test_a_crash_during_the_outage_sends_again_what_was_acknowledged_during_it_dup_flagged_up_to_the_mark(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, When the disk is full: "A crash during the outage loses only what was never
+    acknowledged: the acknowledgements of deliveries made during it were not written, so those
+    messages come again on reconnect (with DUP=1 only up to the last stored sent mark)".
+    guarantees.md, Recovery buffer: "While writes fail, sending goes on and a crash then costs the
+    DUP flag of what was sent meanwhile"; what was acknowledged before the outage does not come
+    again, and the rest comes in order."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(store=str(disk / "store"), recovery_buffer=3)
+        other = clients(broker.port, "other")
+        other.subscribe("big/#", 1)
+        other.disconnect()
+        reader = clients(broker.port, "reader", manual_ack=True)
+        reader.subscribe("r/#", 1)
+        reader.disconnect()
+        monitor = clients(broker.port, "monitor", clean_session=True)
+        monitor.subscribe(HEALTH, 1)
+        queued = payloads(12, "r")
+        clients(broker.port, "pub", clean_session=True).publish("r/t", queued)
+        assert reader.connect() is True
+        assert [m.payload for m in reader.wait_messages(3)] == queued[:3], "the window of 3"
+        for message in reader.messages[:3]:
+            reader.paho.ack(message.mid, message.qos)
+        assert reader.wait_for(lambda ms: len(ms) >= 6), "the next window, sent before the outage"
+        filler = fill(disk)
+        trigger = clients(broker.port, "trigger", clean_session=True)
+        trigger.paho.publish("big/t", bytes(64 * 1024), qos=1)
+        assert trigger.wait_disconnected()
+        wait_health(monitor, "failing")
+        reader.on_message_hook = lambda message: reader.paho.ack(message.mid, message.qos)
+        for message in reader.messages[3:6]:
+            reader.paho.ack(message.mid, message.qos)
+        assert reader.wait_for(lambda ms: len(ms) >= len(queued)), "sending goes on while writes fail"
+        assert [m.payload for m in reader.messages] == queued
+        broker.kill()
+        assert reader.wait_disconnected()
+        reader.paho.loop_stop()
+        filler.unlink()
+        broker.start()
+        reader.messages.clear()  # the hook still acknowledges each message as it comes
+        assert reader.connect() is True
+        again = reader.wait_messages(len(queued) - 3)
+        assert [m.payload for m in again] == queued[3:], "what was acknowledged during the outage comes again"
+        flags = [bool(m.dup) for m in again]
+        marked = flags.index(False) if False in flags else len(flags)
+        assert marked >= 3 and flags == [True] * marked + [False] * (len(flags) - marked), flags
