@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly, read_packet
 from small_disk import fill, small_disk
+from test_hostile_disk import HEALTH, wait_health
 from test_hostile_wire import PATHS, read_until_closed
 
-from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, run_cli
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, queued_while_dropped, run_cli
 
 pytestmark = pytest.mark.timeout(60)
 
 SYS = "$SYS/broker/durable/"
-HEALTH = SYS + "store/health"
 
 
 def log_lines(broker: Broker, needle: str) -> list[str]:
@@ -43,15 +43,39 @@ def latest_number(client: Client, topic: str) -> int | None:
     return values[-1] if values else None
 
 
-def health_states(monitor: Client) -> list[dict[str, object]]:
-    return [json.loads(m.payload) for m in monitor.messages if m.topic == HEALTH]
+def failing_writes(clients: Callable[..., Client], port: int, disk: Path, monitor: Client, topic: str) -> Path:
+    """Fill ``disk`` and make the store's next write fail: a QoS 1 publish of 64 KiB on ``topic``
+    (some durable session must hold a filter matching it), whose connection the broker closes
+    unacknowledged. Returns once ``monitor`` (subscribed to HEALTH) saw the state 'failing', with
+    the file filling the disk: unlink it to free the disk."""
+    filler = fill(disk)
+    trigger = clients(port, "trigger", clean_session=True)
+    trigger.paho.publish(topic, bytes(64 * 1024), qos=1)
+    assert trigger.wait_disconnected(), "a publish that could not be stored ends its connection"
+    wait_health(monitor, "failing")
+    return filler
 
 
-def wait_health(monitor: Client, status: str, timeout: float = WAIT) -> dict[str, object]:
-    assert monitor.wait_for(lambda _: any(h["status"] == status for h in health_states(monitor)), timeout), (
-        f"no '{status}' on {HEALTH}: {health_states(monitor)}"
-    )
-    return next(h for h in health_states(monitor) if h["status"] == status)
+def queued_reader(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], disk: Path, count: int, window: int
+) -> tuple[Broker, Client, Client, list[bytes]]:
+    """A broker whose store is on ``disk`` (in-flight window ``window``), a durable session
+    holding big/# for failing_writes, and a durable reader (manual acks) connected with ``count``
+    messages queued on r/t, its first window received: (broker, reader, health monitor, queued)."""
+    broker = broker_factory(store=str(disk / "store"), recovery_buffer=window)
+    other = clients(broker.port, "other")
+    other.subscribe("big/#", 1)
+    other.disconnect()
+    reader = clients(broker.port, "reader", manual_ack=True)
+    reader.subscribe("r/#", 1)
+    reader.disconnect()
+    monitor = clients(broker.port, "monitor", clean_session=True)
+    monitor.subscribe(HEALTH, 1)
+    queued = payloads(count, "r")
+    clients(broker.port, "pub", clean_session=True).publish("r/t", queued)
+    assert reader.connect() is True
+    assert [m.payload for m in reader.wait_messages(window)] == queued[:window], "the first window"
+    return broker, reader, monitor, queued
 
 
 # ------------------------------------------------------------------ guarantees.md
@@ -219,10 +243,7 @@ def test_while_writes_fail_qos0_wills_and_sys_messages_are_not_queued_and_health
         willing.sendall(connect_packet("willing", clean=True, will_topic=b"will/w"))
         assert read_exactly(willing, 4) == b"\x20\x02\x00\x00"
 
-        filler = fill(disk)
-        trigger = clients(port, "trigger", clean_session=True)
-        trigger.paho.publish("q0/big", bytes(64 * 1024), qos=1)
-        assert trigger.wait_disconnected(), "a publish that could not be stored ends its connection"
+        filler = failing_writes(clients, port, disk, monitor, "q0/big")
         failing = wait_health(monitor, "failing")
         assert set(failing) == {"status", "since", "error", "failed_for"} and failing["failed_for"] is None
         assert "No space left on device" in str(failing["error"])
@@ -282,11 +303,7 @@ def test_a_broker_stopped_while_writes_fail_logs_how_many_writes_it_could_not_st
         monitor.subscribe(HEALTH, 1)
         acknowledged = payloads(3, "ack")
         clients(broker.port, "pub", clean_session=True).publish("o/t", acknowledged)
-        filler = fill(disk)
-        trigger = clients(broker.port, "trigger", clean_session=True)
-        trigger.paho.publish("o/t", bytes(64 * 1024), qos=1)
-        assert trigger.wait_disconnected()
-        wait_health(monitor, "failing")
+        filler = failing_writes(clients, broker.port, disk, monitor, "o/t")
         broker.stop()
         (line,) = log_lines(broker, "closing with the store still failing (")
         ending = r"\): (\d+) pending write\(s\) are not stored; every acknowledged message is stored already$"
@@ -306,24 +323,8 @@ def test_acknowledgements_made_while_writes_fail_are_written_by_the_retry(
     retry". guarantees.md: "A message stays in LevelDB until its PUBACK": once the retry wrote
     them, a SIGKILL brings none of the acknowledged messages back."""
     with small_disk(tmp_path / "disk", 16) as disk:
-        broker = broker_factory(store=str(disk / "store"), recovery_buffer=5)
-        other = clients(broker.port, "other")
-        other.subscribe("big/#", 1)
-        other.disconnect()
-        reader = clients(broker.port, "reader", manual_ack=True)
-        reader.subscribe("r/#", 1)
-        reader.disconnect()
-        monitor = clients(broker.port, "monitor", clean_session=True)
-        monitor.subscribe(HEALTH, 1)
-        queued = payloads(20, "r")
-        clients(broker.port, "pub", clean_session=True).publish("r/t", queued)
-        assert reader.connect() is True
-        assert reader.wait_for(lambda ms: len(ms) >= 5), "the window of 5"
-        filler = fill(disk)
-        trigger = clients(broker.port, "trigger", clean_session=True)
-        trigger.paho.publish("big/t", bytes(64 * 1024), qos=1)
-        assert trigger.wait_disconnected()
-        wait_health(monitor, "failing")
+        broker, reader, monitor, queued = queued_reader(broker_factory, clients, disk, 20, 5)
+        filler = failing_writes(clients, broker.port, disk, monitor, "big/t")
         reader.on_message_hook = lambda message: reader.paho.ack(message.mid, message.qos)
         for message in list(reader.messages):
             reader.paho.ack(message.mid, message.qos)
@@ -381,10 +382,7 @@ def test_inspect_of_a_store_on_a_full_disk_names_the_disk_and_the_store_needs_no
     with small_disk(tmp_path / "disk", 16) as disk:
         store = str(disk / "store")
         broker = broker_factory(store=store)
-        device = clients(broker.port, "fd-dev")
-        device.subscribe("fd/#", 1)
-        device.disconnect()
-        clients(broker.port, "fd-pub", clean_session=True).publish("fd/t", payloads(3))
+        queued_while_dropped(clients, broker.port, "fd/#", "fd/t", payloads(3))
         broker.kill()  # what it acknowledged is in the store's log, not yet in a table
         filler = fill(disk)
         refused = run_cli("inspect", store)
@@ -395,7 +393,7 @@ def test_inspect_of_a_store_on_a_full_disk_names_the_disk_and_the_store_needs_no
         filler.unlink()
         listed = run_cli("inspect", store, "--json")
         assert listed.returncode == 0, listed.stderr
-        assert [(r["client_id"], r["depth"]) for r in json.loads(listed.stdout)] == [("fd-dev", 3)]
+        assert [(r["client_id"], r["depth"]) for r in json.loads(listed.stdout)] == [("dev-1", 3)]
 
 
 def test_a_session_that_expires_while_writes_fail_is_logged_and_announced_once_its_erasure_is_written(
@@ -418,11 +416,7 @@ def test_a_session_that_expires_while_writes_fail_is_logged_and_announced_once_i
         early = clients(port, "early")
         early.subscribe("e/#", 1)
         early.disconnect()
-        filler = fill(disk)
-        publisher = clients(port, "trigger", clean_session=True)
-        publisher.paho.publish("big/t", bytes(64 * 1024), qos=1)
-        assert publisher.wait_disconnected()
-        wait_health(monitor, "failing")
+        filler = failing_writes(clients, port, disk, monitor, "big/t")
         assert not log_lines(broker, "expired after"), "the set-up took longer than session_expiry"
         # The retries come after 0.25, 0.5 and 1 s: past this line early's 1 s is up.
         assert wait_for_log(broker, "next try in 2.00 s")
@@ -455,27 +449,11 @@ def test_a_crash_during_the_outage_sends_again_what_was_acknowledged_during_it_d
     DUP flag of what was sent meanwhile"; what was acknowledged before the outage does not come
     again, and the rest comes in order."""
     with small_disk(tmp_path / "disk", 16) as disk:
-        broker = broker_factory(store=str(disk / "store"), recovery_buffer=3)
-        other = clients(broker.port, "other")
-        other.subscribe("big/#", 1)
-        other.disconnect()
-        reader = clients(broker.port, "reader", manual_ack=True)
-        reader.subscribe("r/#", 1)
-        reader.disconnect()
-        monitor = clients(broker.port, "monitor", clean_session=True)
-        monitor.subscribe(HEALTH, 1)
-        queued = payloads(12, "r")
-        clients(broker.port, "pub", clean_session=True).publish("r/t", queued)
-        assert reader.connect() is True
-        assert [m.payload for m in reader.wait_messages(3)] == queued[:3], "the window of 3"
+        broker, reader, monitor, queued = queued_reader(broker_factory, clients, disk, 12, 3)
         for message in reader.messages[:3]:
             reader.paho.ack(message.mid, message.qos)
         assert reader.wait_for(lambda ms: len(ms) >= 6), "the next window, sent before the outage"
-        filler = fill(disk)
-        trigger = clients(broker.port, "trigger", clean_session=True)
-        trigger.paho.publish("big/t", bytes(64 * 1024), qos=1)
-        assert trigger.wait_disconnected()
-        wait_health(monitor, "failing")
+        filler = failing_writes(clients, broker.port, disk, monitor, "big/t")
         reader.on_message_hook = lambda message: reader.paho.ack(message.mid, message.qos)
         for message in reader.messages[3:6]:
             reader.paho.ack(message.mid, message.qos)
