@@ -114,12 +114,15 @@ def test_filters_starting_with_a_wildcard_never_match_the_brokers_own_sys_topics
     """guarantees.md, Durable session lifecycle: "Wills and broker-internal messages ($SYS/...)
     reach durable sessions through the same queue. As MQTT requires, filters starting with `+` or
     `#` do not match `$` topics": neither the metrics (QoS 0) nor the `$SYS/broker/durable/expired`
-    event (QoS 1) reach a durable session's `#` or `+/...`, while `$SYS/broker/durable/#` gets both."""
+    event (QoS 1) reach a durable session's `#` or `+/...`, while `$SYS/broker/durable/#` gets both,
+    each at the lower of its own QoS and the subscription's."""
     broker = broker_factory(metrics_interval=0.2, session_expiry=1)
     live = clients(broker.port, "hash-live")
     assert live.subscribe([("#", 1), ("+/broker/durable/#", 1), ("+/+/+/expired", 1)]) == [1, 1, 1]
     sys_reader = clients(broker.port, "sys-reader")
-    assert sys_reader.subscribe(SYS + "#", 1) == [1]
+    assert sys_reader.subscribe(SYS + "#", 2) == [2]
+    sys_q0 = clients(broker.port, "sys-q0")
+    assert sys_q0.subscribe(SYS + "expired", 0) == [0]
     gone = clients(broker.port, "gone")
     gone.subscribe("gone/t", 1)
     gone.disconnect()
@@ -128,6 +131,12 @@ def test_filters_starting_with_a_wildcard_never_match_the_brokers_own_sys_topics
         lambda ms: any(m.topic == expired and json.loads(m.payload)["client_id"] == "gone" for m in ms)
     ), "the expiry event of 'gone'"
     assert sys_reader.wait_for(lambda ms: any(m.topic == SYS + "sessions/connected" for m in ms)), "a metric"
+    assert sys_q0.wait_for(lambda ms: any(m.topic == expired for m in ms))
+    # guarantees.md: "Delivered QoS = min(publish QoS, subscription QoS)", "`$SYS` messages too"
+    # (the event is published at QoS 1, the metrics at QoS 0).
+    assert {m.qos for m in sys_reader.messages if m.topic == expired} == {1}
+    assert {m.qos for m in sys_reader.messages if m.topic != expired} == {0}
+    assert {m.qos for m in sys_q0.messages} == {0}
     clients(broker.port, "pub", clean_session=True).publish("fence/t", [b"fence"])
     assert live.wait_for(lambda ms: any(m.payload == b"fence" for m in ms))
     assert [m.topic for m in live.messages] == ["fence/t"]
