@@ -1909,8 +1909,11 @@ class AmqttHooks:
             return
         subscriptions = waiter.result()
         codes = [await self.add_subscription(subscription, session) for subscription in subscriptions.topics]
+        # A SUBSCRIBE refused whole stored nothing, so its SUBACK waits for no commit: while the
+        # store cannot write, its 0x80 comes at once, not once the store writes again.
         try:
-            await self.engine.committer.commit(urgent=True)
+            if any(code != _SUBSCRIBE_REFUSED for code in codes):
+                await self.engine.committer.commit(urgent=True)
         except NotPrimaryError as exc:  # demoted meanwhile: the demotion ends this connection
             log.info("%s: SUBSCRIBE refused: %s", session.client_id, exc)
             codes = [_SUBSCRIBE_REFUSED] * len(codes)

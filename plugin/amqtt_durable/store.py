@@ -1503,7 +1503,7 @@ class GroupCommitter:
             except Exception as exc:
                 log.warning(
                     "closing with the store still failing (%s): %d pending write(s) are not stored; "
-                    "every acknowledged message is",
+                    "every message the broker acknowledged is stored already",
                     exc,
                     len(self._ops),
                 )
