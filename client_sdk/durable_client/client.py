@@ -475,6 +475,9 @@ class DurableClient:
                 if previous is None or previous.qos != qos:
                     self._send_subscribe(subscription)
                     return True
+                if self._durable and changed and subscription.confirmed and self._delivery_log is not None:
+                    # No SUBSCRIBE, so no SUBACK to log it at: the audit's window opens or closes here.
+                    self._delivery_log.subscribe(topic_filter, qos, durable)
                 return False
 
     def unsubscribe(self, topic_filter: str) -> None:

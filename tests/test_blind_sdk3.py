@@ -1,0 +1,242 @@
+"""A third pass of black-box tests written from README.md and docs/ alone (sdk.md, delivery-log.md,
+streams.md), for promises test_blind_sdk.py, test_blind_sdk2.py and the docs-promises files leave out:
+each test quotes the promise it checks (by its words, not a line number) and runs it against real
+brokers (SIGKILLed where the promise is about a crash), real SDK and paho clients over TCP to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_blind_sdk import Seen
+from test_sdk import Recorder
+
+from conftest import WAIT, Broker, Client, payloads, seen_away
+from durable_client import DurableClient, Event, Unconnected, WrongTypeError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def records(log: Path, kind: str) -> list[dict[str, Any]]:
+    """The delivery log's records of one kind, in order."""
+    lines = log.read_text(encoding="utf-8").splitlines()
+    return [record for record in map(json.loads, lines) if record["kind"] == kind]
+
+
+# ------------------------------------------------------------------------------ sdk.md: Bad input
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "wrong_type"),
+    [
+        ("fsync_batch", 0, False),
+        ("fsync_batch", 65536, False),
+        ("fsync_batch", True, True),
+        ("fsync_batch", 64.0, True),
+        ("fsync_delay_ms", -0.1, False),
+        ("fsync_delay_ms", 1000.5, False),
+        ("fsync_delay_ms", float("nan"), False),
+        ("fsync_delay_ms", float("inf"), False),
+        ("fsync_delay_ms", "5", True),
+    ],
+)
+def test_fsync_options_out_of_range_are_refused_also_with_cpl1(option: str, value: object, wrong_type: bool) -> None:
+    """sdk.md, CPL-2: "`fsync_batch` is a whole number from 1 to 65535 ..., `fsync_delay_ms` a finite number
+    from 0 to 1000; anything else raises `ValueError` naming the option (also with CPL-1, which ignores both)";
+    Bad input: "A value of the wrong *type* raises `WrongTypeError`, which is both a `ValueError` and a
+    `TypeError`"; whole numbers not `True`/`False`."""
+    with pytest.raises(ValueError, match=rf"^{option}\b") as refused:
+        DurableClient("fsync-options", persistence="memory", **{option: value})
+    assert isinstance(refused.value, TypeError) == wrong_type, repr(refused.value)
+    assert isinstance(refused.value, WrongTypeError) == wrong_type
+
+
+def test_fsync_options_take_their_bounds_and_the_defaults_are_64_and_5() -> None:
+    """sdk.md: "`DurableClient(..., fsync_batch=64, fsync_delay_ms=5.0)`: `fsync_batch` is a whole number from 1
+    to 65535 ..., `fsync_delay_ms` a finite number from 0 to 1000" (the bounds included)."""
+    import inspect  # noqa: PLC0415 - only here
+
+    defaults = inspect.signature(DurableClient).parameters
+    assert (defaults["fsync_batch"].default, defaults["fsync_delay_ms"].default) == (64, 5.0)
+    for batch, delay in ((1, 0), (65535, 1000), (1, 1000.0)):
+        DurableClient("fsync-bounds", fsync_batch=batch, fsync_delay_ms=delay)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"reconnect_min_delay": 2.0, "reconnect_max_delay": 1.0}, "reconnect_max_delay"),
+        ({"persistence": "Disk", "state_dir": "state"}, "persistence"),
+        ({"persistence": "disk"}, "persistence"),  # "disk" needs state_dir
+    ],
+)
+def test_option_combinations_the_page_refuses_name_the_option(options: dict[str, Any], named: str) -> None:
+    """sdk.md, Bad input: "`reconnect_min_delay` and `reconnect_max_delay` finite numbers of seconds above 0,
+    the maximum at least the minimum"; "`persistence` `"memory"` or `"disk"` (`"disk"` needs `state_dir`)";
+    "a bad value raises `ValueError` whose message starts with the option's or argument's name"."""
+    with pytest.raises(ValueError, match=rf"^{named}\b"):
+        DurableClient("combination", **options)
+    # the maximum equal to the minimum is "at least the minimum"
+    DurableClient("combination", reconnect_min_delay=1.5, reconnect_max_delay=1.5)
+
+
+def test_a_delivery_log_that_cannot_be_opened_for_appending_raises_that_oserror(tmp_path: Path) -> None:
+    """delivery-log.md: "A log that cannot be opened for appending (a folder, a path under a file) raises that
+    `OSError` when the `DurableClient` is created"."""
+    with pytest.raises(IsADirectoryError):
+        DurableClient("log-folder", delivery_log=tmp_path)
+    a_file = tmp_path / "file"
+    a_file.write_text("x", encoding="utf-8")
+    with pytest.raises(OSError):  # FileExistsError: the SDK makes missing folders, and cannot there
+        DurableClient("log-under-file", delivery_log=a_file / "log.jsonl")
+    assert a_file.read_text(encoding="utf-8") == "x"
+
+
+# ------------------------------------------------------------------ sdk.md: subscriptions, closing
+
+
+def test_subscribing_a_held_filter_again_changes_its_durability_on_the_broker_and_in_the_log(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
+    tmp_path: Path,
+) -> None:
+    """sdk.md: "calling it again for a filter it holds changes that subscription's QoS, durability and
+    listener"; "`durable=False` ... is dropped by the broker when the connection ends, so nothing is queued for
+    it while away". delivery-log.md: a `subscribe` record's `durable` says "a durable subscription (false:
+    non-durable, ends with the connection ...)", and the audit closes a window at "its next `subscribe` of that
+    filter that is non-durable" and opens one at "a later durable `subscribe`": the change is in the log."""
+    broker = broker_factory(metrics_interval=0.1)
+    log = tmp_path / "device.jsonl"
+    seen = Seen()
+    device = sdk(broker.port, "changer", on_live=seen.on_live, delivery_log=log)
+    device.subscribe("chg/made-non-durable", qos=1, durable=True, listener=seen.on_event)
+    device.subscribe("chg/made-durable", qos=1, durable=False, listener=seen.on_event)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    device.subscribe("chg/made-non-durable", qos=1, durable=False, listener=seen.on_event)
+    device.subscribe("chg/made-durable", qos=1, durable=True, listener=seen.on_event)
+    device.close(keep_session=True)
+    seen_away(clients, broker, 1)
+
+    publisher = clients(broker.port, "chg-pub", clean_session=True)
+    publisher.publish("chg/made-non-durable", [b"not queued"])
+    publisher.publish("chg/made-durable", [b"queued"])
+    again = Seen()
+    back = sdk(broker.port, "changer", on_live=again.on_live)
+    back.subscribe("chg/#", qos=1, durable=False, listener=again.on_event)
+    back.connect(timeout=WAIT)
+    back.ready_for_events()
+    assert again.wait(lambda: len(again.markers) == 1)
+    assert [(e.topic, e.payload, e.replayed) for e in again.events] == [("chg/made-durable", b"queued", True)]
+    assert again.markers[0].replayed == 1
+
+    subscribes = [(r["topic"], r["durable"]) for r in records(log, "subscribe")]
+    assert subscribes == [
+        ("chg/made-non-durable", True), ("chg/made-durable", False),
+        ("chg/made-non-durable", False), ("chg/made-durable", True),
+    ], subscribes
+
+
+def test_close_with_a_timeout_from_another_thread_returns_and_the_listener_s_event_is_acknowledged_later(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: "The event being processed when `close()` is called finishes (each of its listeners runs) and is
+    acknowledged before the DISCONNECT; no later event is processed: those still arriving are left
+    unacknowledged, so a durable session's next connection gets them"; "From another thread,
+    `close(timeout=...)` waits up to `timeout` for the listener running; if it returns first, the network
+    thread (a daemon thread) sends the PUBACK and the DISCONNECT later"."""
+    entered, release = threading.Event(), threading.Event()
+    processed: list[bytes] = []
+
+    def slow(event: Event) -> None:
+        entered.set()
+        assert release.wait(WAIT)
+        processed.append(event.payload)
+
+    disconnected = threading.Event()
+    device = sdk(broker.port, "slow-closer", on_disconnected=lambda reason: disconnected.set())
+    device.subscribe("slow/t", qos=1, listener=slow)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    clients(broker.port, "slow-pub", clean_session=True).publish("slow/t", [b"first", b"second"])
+    assert entered.wait(WAIT)
+    started = time.monotonic()
+    device.close(timeout=0.3)
+    took = time.monotonic() - started
+    assert 0.25 <= took < 0.3 + 2.0, took  # waited up to its timeout for the listener, no longer
+    assert not disconnected.is_set(), "the DISCONNECT goes only after the listener returned"
+    release.set()
+    assert disconnected.wait(WAIT), "the network thread sends the PUBACK and the DISCONNECT later"
+    assert processed == [b"first"], "no later event is processed"
+
+    seen = Seen()
+    back = sdk(broker.port, "slow-closer", on_live=seen.on_live)
+    back.subscribe("slow/t", qos=1, listener=seen.on_event)
+    back.connect(timeout=WAIT)
+    back.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    assert [e.payload for e in seen.events] == [b"second"], "first was acknowledged; second comes again"
+    assert seen.markers[0].replayed == 1
+
+
+# --------------------------------------------------------------- sdk.md: reconnection, a broker crash
+
+
+def test_across_a_broker_sigkill_the_callbacks_come_in_order_and_the_cache_stays_readable(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: "Reconnection is automatic"; callbacks `on_disconnected(reason)` then `on_connected(info)`
+    (`session_present`, `epoch`); the client repeats `ready_for_events()` "after every reconnect" and the
+    marker comes "once per marker" (so once per connection); cache "Reads keep working while disconnected,
+    possibly stale (`cache.stale`); `publish()` raises `Unconnected` then"; sequence ids increase along the
+    delivery order within the session's epoch, and dedup gives each event once."""
+    order: list[str] = []
+    cond = threading.Condition()
+
+    def note(what: str) -> Callable[[Any], None]:
+        def callback(arg: Any) -> None:
+            with cond:
+                order.append(what)
+                infos.append(arg)
+                cond.notify_all()
+        return callback
+
+    infos: list[Any] = []
+    recorder = Recorder()
+    device = sdk(broker.port, "crash-watcher", on_connected=note("connected"), on_disconnected=note("disconnected"),
+                 on_live=note("live"))
+    device.subscribe("crash/t", qos=1, listener=recorder)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    publisher = clients(broker.port, "crash-pub-1", clean_session=True)
+    publisher.publish("crash/t", payloads(3, "before"))
+    recorder.wait(3)
+    assert device.cache.get("crash/t") == payloads(3, "before")[-1]
+
+    broker.kill()  # SIGKILL
+    with cond:
+        assert cond.wait_for(lambda: "disconnected" in order, WAIT)
+    assert device.cache.stale and device.cache.get("crash/t") == payloads(3, "before")[-1]
+    with pytest.raises(Unconnected):
+        device.publish("crash/t", b"while down", qos=1, timeout=1)
+    broker.start()
+    with cond:
+        assert cond.wait_for(lambda: order.count("live") == 2, WAIT), order
+    assert order == ["connected", "live", "disconnected", "connected", "live"], order
+    first, second = infos[0], infos[3]
+    assert (first.session_present, second.session_present) == (False, True)
+    assert first.epoch == second.epoch == infos[1].epoch == infos[4].epoch
+    assert not device.cache.stale
+
+    clients(broker.port, "crash-pub-2", clean_session=True).publish("crash/t", payloads(3, "after"))
+    events = recorder.wait(6)
+    assert [e.payload for e in events] == payloads(3, "before") + payloads(3, "after")
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 6
+    assert {e.epoch for e in events} == {first.epoch}
