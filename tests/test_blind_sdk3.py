@@ -219,3 +219,50 @@ def test_across_a_broker_sigkill_the_callbacks_come_in_order_with_one_marker_per
     seqs = [e.seq for e in events]
     assert seqs == sorted(seqs) and len(set(seqs)) == 6
     assert {e.epoch for e in events} == {first.epoch}
+
+
+# ------------------------------------------------------------------------------ sdk.md: asyncio
+
+
+def test_the_async_clients_requests_are_bounded_by_request_timeout_and_its_callbacks_run_on_the_network_thread(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """sdk.md, asyncio: "`subscribe`, `subscribe_stream`, `unsubscribe`, `publish`, `stream_info`, `connect` and
+    `close(keep_session=...)` are coroutines; their blocking parts run in a worker thread, each bounded by
+    `request_timeout` (10 s), so none takes a `timeout`"; "Every other keyword option is `DurableClient`'s
+    (..., callbacks other than `on_live`, which still run on the network thread)"; waits raise
+    `RequestTimeout`, and the client is usable once the broker answers again."""
+    import asyncio  # noqa: PLC0415 - only here
+    import inspect  # noqa: PLC0415
+
+    from durable_client import AsyncDurableClient, RequestTimeout  # noqa: PLC0415
+
+    assert inspect.signature(AsyncDurableClient).parameters["request_timeout"].default == 10
+    broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 10, "max_age": 0}])
+    callback_threads: list[threading.Thread] = []
+
+    async def main() -> dict[str, float]:
+        took: dict[str, float] = {}
+        async with AsyncDurableClient(
+            "async-bounded", port=broker.port, request_timeout=0.5, reconnect_min_delay=0.05,
+            reconnect_max_delay=0.5, on_connected=lambda info: callback_threads.append(threading.current_thread()),
+        ) as client:
+            calls = {
+                "subscribe": lambda: client.subscribe("bounded/t"),
+                "publish": lambda: client.publish("bounded/t", b"late", qos=1),
+                "stream_info": lambda: client.stream_info("telemetry/#"),
+                "subscribe_stream": lambda: client.subscribe_stream("telemetry/#"),
+            }
+            with broker.paused():
+                for name, call in calls.items():
+                    began = time.monotonic()
+                    with pytest.raises(RequestTimeout):
+                        await call()
+                    took[name] = time.monotonic() - began
+            await client.publish("bounded/t", b"answered again", qos=1)
+            assert threading.current_thread() not in callback_threads
+        return took
+
+    took = asyncio.run(main())
+    assert all(0.45 <= seconds < 0.5 + 2.0 for seconds in took.values()), took
+    assert callback_threads and all(thread is callback_threads[0] for thread in callback_threads)
