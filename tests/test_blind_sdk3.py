@@ -6,7 +6,9 @@ brokers (SIGKILLed where the promise is about a crash), real SDK and paho client
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -17,8 +19,9 @@ import pytest
 from test_blind_sdk import Seen
 from test_sdk import Recorder
 
-from conftest import WAIT, Broker, Client, payloads, seen_away
-from durable_client import DurableClient, Event, WrongTypeError
+from amqtt_durable.process import free_port
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, seen_away
+from durable_client import DurableClient, Event, Marker, WrongTypeError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -266,3 +269,145 @@ def test_the_async_clients_requests_are_bounded_by_request_timeout_and_its_callb
     took = asyncio.run(main())
     assert all(0.45 <= seconds < 0.5 + 2.0 for seconds in took.values()), took
     assert callback_threads and all(thread is callback_threads[0] for thread in callback_threads)
+
+
+# ------------------------------------------------------ sdk.md: a broker whose hello reply lacks a field
+
+
+def _read(sock: socket.socket, count: int) -> bytes | None:
+    data = b""
+    while len(data) < count:
+        try:
+            chunk = sock.recv(count - len(data))
+        except OSError:
+            return None
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _packet(sock: socket.socket) -> tuple[int, bytes] | None:
+    """(first byte, body) of the next MQTT packet on ``sock``; None once it is closed."""
+    head = _read(sock, 1)
+    length = shift = 0
+    while head is not None:
+        byte = _read(sock, 1)
+        if byte is None:
+            return None
+        length |= (byte[0] & 0x7F) << shift
+        shift += 7
+        if not byte[0] & 0x80:
+            body = _read(sock, length)
+            return None if body is None else (head[0], body)
+    return None
+
+
+class OlderBroker:
+    """A relay on 127.0.0.1 in front of a real broker that takes ``dropped`` out of every hello reply (a
+    PUBLISH to $durable/v1/reply whose JSON has `protocol`), as a broker of an older version would answer,
+    and counts the packet types the client sends."""
+
+    def __init__(self, broker_port: int, dropped: str) -> None:
+        self.broker_port, self.dropped = broker_port, dropped
+        self.port = free_port()
+        self.sent: list[int] = []
+        self.cond = threading.Condition()
+        self.sockets: list[socket.socket] = []
+        self.listener = socket.create_server((HOST, self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection((HOST, self.broker_port))
+            self.sockets += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, target: socket.socket, from_broker: bool) -> None:
+        while (packet := _packet(source)) is not None:
+            first, body = packet
+            if from_broker and first >> 4 == 3:
+                body = self._rewrite(first, body)
+            elif not from_broker:
+                with self.cond:
+                    self.sent.append(first >> 4)
+                    self.cond.notify_all()
+            try:
+                target.sendall(mqtt_packet(first, body))
+            except OSError:
+                break
+        for sock in (source, target):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _rewrite(self, first: int, body: bytes) -> bytes:
+        size = int.from_bytes(body[:2], "big")
+        topic, rest = body[2:2 + size], body[2 + size:]
+        if topic != b"$durable/v1/reply" or first & 0x06:  # replies are QoS 0: no packet id
+            return body
+        reply = json.loads(rest)
+        if "protocol" in reply:
+            reply.pop(self.dropped, None)
+        return mqtt_string(topic) + json.dumps(reply).encode()
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def test_against_a_hello_reply_without_max_packet_size_nothing_is_checked(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md: a payload "no larger than the broker's `max_packet_size` lets a PUBLISH be (...; the broker's
+    hello reply says it ...)"; "Against a broker whose hello reply has no `max_packet_size` (an older one)
+    nothing is checked, neither here nor in the SDK's own requests." The same publish through a reply that
+    says it is refused with `ValueError` (test_blind_sdk2 pins that message)."""
+    broker = broker_factory(max_packet_size=4096)
+    big = b"x" * 5000
+    told = sdk(broker.port, "told-the-limit")
+    told.connect(timeout=WAIT)
+    with pytest.raises(ValueError, match=r"^payload"):
+        told.publish("big/t", big, qos=0)
+
+    older = OlderBroker(broker.port, "max_packet_size")
+    try:
+        dropped = threading.Event()
+        device = sdk(older.port, "not-told", on_disconnected=lambda reason: dropped.set())
+        device.connect(timeout=WAIT)
+        device.publish("big/t", big, qos=0)  # not refused: the SDK does not know the limit
+        assert dropped.wait(WAIT), "the broker closed the connection for the packet's size"
+        assert 3 in older.sent
+    finally:
+        older.close()
+
+
+@pytest.mark.parametrize("dropped", [None, "subscriptions"])
+def test_a_filter_nobody_holds_is_unsubscribed_only_from_a_broker_whose_hello_reply_has_no_list(
+    broker: Broker, sdk: Callable[..., DurableClient], dropped: str | None
+) -> None:
+    """sdk.md: "of a filter neither this run nor the broker's session holds it sends nothing (a broker whose
+    hello reply has no `subscriptions` list gets the UNSUBSCRIBE)"; "`unsubscribe(topic_filter)` (no
+    `timeout`) returns once the UNSUBSCRIBE is sent"."""
+    older = OlderBroker(broker.port, dropped or "no-such-field")
+    try:
+        markers: list[Marker] = []
+        live = threading.Event()
+        device = sdk(older.port, f"unsub-{dropped}", on_live=lambda marker: (markers.append(marker), live.set()))
+        device.connect(timeout=WAIT)
+        device.ready_for_events()
+        assert live.wait(WAIT)
+        device.unsubscribe("never/held")
+        device.publish("sync/t", b"after the unsubscribe", qos=1)  # its PUBACK: what went before has passed
+        with older.cond:
+            unsubscribes = older.sent.count(10)
+        assert unsubscribes == (1 if dropped else 0), older.sent
+    finally:
+        older.close()
