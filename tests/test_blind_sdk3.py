@@ -6,7 +6,9 @@ brokers (SIGKILLed where the promise is about a crash), real SDK and paho client
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import json
 import socket
 import threading
@@ -21,7 +23,15 @@ from test_sdk import Recorder
 
 from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, seen_away
-from durable_client import DurableClient, Event, Marker, WrongTypeError
+from durable_client import (
+    AsyncDurableClient,
+    DurableClient,
+    Event,
+    Marker,
+    RequestTimeout,
+    Unconnected,
+    WrongTypeError,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,8 +73,6 @@ def test_fsync_options_out_of_range_are_refused_also_with_cpl1(option: str, valu
 def test_fsync_options_take_their_bounds_and_the_defaults_are_64_and_5() -> None:
     """sdk.md: "`DurableClient(..., fsync_batch=64, fsync_delay_ms=5.0)`: `fsync_batch` is a whole number from 1
     to 65535 ..., `fsync_delay_ms` a finite number from 0 to 1000" (the bounds included)."""
-    import inspect  # noqa: PLC0415 - only here
-
     defaults = inspect.signature(DurableClient).parameters
     assert (defaults["fsync_batch"].default, defaults["fsync_delay_ms"].default) == (64, 5.0)
     for batch, delay in ((1, 0), (65535, 1000), (1, 1000.0)):
@@ -235,10 +243,6 @@ def test_the_async_clients_requests_are_bounded_by_request_timeout_and_its_callb
     `request_timeout` (10 s), so none takes a `timeout`"; "Every other keyword option is `DurableClient`'s
     (..., callbacks other than `on_live`, which still run on the network thread)"; waits raise
     `RequestTimeout`, and the client is usable once the broker answers again."""
-    import asyncio  # noqa: PLC0415 - only here
-    import inspect  # noqa: PLC0415
-
-    from durable_client import AsyncDurableClient, RequestTimeout  # noqa: PLC0415
 
     assert inspect.signature(AsyncDurableClient).parameters["request_timeout"].default == 10
     broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 10, "max_age": 0}])
@@ -411,3 +415,38 @@ def test_a_filter_nobody_holds_is_unsubscribed_only_from_a_broker_whose_hello_re
         assert unsubscribes == (1 if dropped else 0), older.sent
     finally:
         older.close()
+
+
+def test_close_without_keep_session_while_disconnected_closes_the_client_and_raises_unconnected(
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """sdk.md: "`close(keep_session=False)` removes it on the broker at once ... The client is closed either
+    way: a session that could not be ended raises afterwards, `Unconnected` when called while disconnected
+    ... and the broker then keeps it, queueing, until it expires (the delivery log gets no `session_end`)";
+    "a closed client raises `Unconnected`" at `connect()`."""
+    log = tmp_path / "log.jsonl"
+    seen = Seen()
+    device = sdk(broker.port, "ends-while-away", on_live=seen.on_live, on_disconnected=seen.on_disconnected,
+                 delivery_log=log)
+    device.subscribe("away/t", qos=1, listener=seen.on_event)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    broker.kill()  # SIGKILL
+    assert seen.wait(lambda: len(seen.disconnected) == 1)
+    with pytest.raises(Unconnected):
+        device.close(keep_session=False)
+    with pytest.raises(Unconnected):
+        device.connect(timeout=1)
+    assert not records(log, "session_end")
+
+    broker.start()
+    clients(broker.port, "away-pub", clean_session=True).publish("away/t", [b"queued for the kept session"])
+    again = Seen()
+    back = sdk(broker.port, "ends-while-away", on_live=again.on_live, on_connected=again.on_connected)
+    back.subscribe("away/t", qos=1, listener=again.on_event)
+    back.connect(timeout=WAIT)
+    back.ready_for_events()
+    assert again.wait(lambda: len(again.markers) == 1)
+    assert again.connected[0].session_present
+    assert [e.payload for e in again.events] == [b"queued for the kept session"]
