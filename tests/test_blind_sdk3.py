@@ -450,3 +450,17 @@ def test_close_without_keep_session_while_disconnected_closes_the_client_and_rai
     assert again.wait(lambda: len(again.markers) == 1)
     assert again.connected[0].session_present
     assert [e.payload for e in again.events] == [b"queued for the kept session"]
+
+
+def test_a_subscribe_that_sends_no_subscribe_returns_at_once(broker: Broker, sdk: Callable[..., DurableClient]) -> None:
+    """sdk.md: "Connected, `subscribe()` returns at the SUBACK (one that sends no SUBSCRIBE, changing only the
+    durability or the listener of a filter it holds, returns at once; `RequestTimeout` after `timeout` without
+    one"; "a SUBSCRIBE goes out again only for a new QoS". Against a broker that answers nothing."""
+    device = sdk(broker.port, "no-suback-needed")
+    device.subscribe("held/t", qos=1)
+    device.connect(timeout=WAIT)
+    with broker.paused():
+        device.subscribe("held/t", qos=1, durable=False, timeout=0.3)
+        device.subscribe("held/t", qos=1, durable=False, listener=print, timeout=0.3)
+        with pytest.raises(RequestTimeout):
+            device.subscribe("held/t", qos=0, durable=False, timeout=0.3)  # a new QoS: a SUBSCRIBE
