@@ -464,3 +464,40 @@ def test_a_subscribe_that_sends_no_subscribe_returns_at_once(broker: Broker, sdk
         device.subscribe("held/t", qos=1, durable=False, listener=print, timeout=0.3)
         with pytest.raises(RequestTimeout):
             device.subscribe("held/t", qos=0, durable=False, timeout=0.3)  # a new QoS: a SUBSCRIBE
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("spark")  # the session's Spark, for the audit's main() in this process
+def test_the_audit_expects_nothing_after_a_subscription_was_made_non_durable(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient],
+    clients: Callable[..., Client], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """delivery-log.md: a window "closes at ... its next `subscribe` of that filter that is non-durable or QoS 0
+    ...; sends at or after the close are not expected"; sdk.md: `subscribe()` again "changes that
+    subscription's ... durability", and a non-durable one is dropped "when the connection ends, so nothing is
+    queued for it while away"; pipeline.md: the audit's "Exit status 0 when the guarantee holds (...
+    at-least-once: nothing lost ...)". What the broker rightly did not queue is not reported lost."""
+    from durable_pipeline.cli import main  # noqa: PLC0415 - pyspark loads only for Spark tests
+
+    broker = broker_factory(metrics_interval=0.1)
+    logs = tmp_path / "logs"
+    seen = Seen()
+    device = sdk(broker.port, "audited", on_live=seen.on_live, delivery_log=logs / "audited.jsonl")
+    device.subscribe("aud/t", qos=1, listener=seen.on_event)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert seen.wait(lambda: len(seen.markers) == 1)
+    publisher = sdk(broker.port, "aud-pub", durable_session=False, delivery_log=logs / "pub.jsonl")
+    publisher.connect(timeout=WAIT)
+    publisher.publish("aud/t", b"while durable", qos=1)
+    assert seen.wait(lambda: len(seen.events) == 1)
+    device.subscribe("aud/t", qos=1, durable=False, listener=seen.on_event)
+    device.close(keep_session=True)
+    seen_away(clients, broker, 1)
+    publisher.publish("aud/t", b"after it was made non-durable", qos=1)
+    publisher.close()
+
+    status = main(["audit", str(logs), "--out", str(tmp_path / "audit"), "--expect", "at-least-once"])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 0, lines
+    assert next(line.split() for line in lines if line.split()[:1] == ["ALL"])[:4] == ["ALL", "1", "1", "0"], lines
