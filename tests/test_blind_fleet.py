@@ -61,6 +61,23 @@ def test_a_schedule_the_page_refuses_stops_the_run_naming_file_fault_and_field(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_scripted_broker_kill_against_a_running_broker_is_refused_naming_file_fault_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """fleet.md: "`--port P [--host H]` targets a running broker instead: then no broker kills (...; `broker_kill`
+    in `--faults` or a schedule is refused, exit status 2)"; "A bad schedule ... stops the run before it starts,
+    with exit status 2 and the file, fault number and field named"."""
+    schedule = tmp_path / "script.yaml"
+    schedule.write_text(
+        "faults:\n  - {at: 5s, kind: drop, device: dev-001, for: 1s}\n  - {at: 9s, kind: broker_kill, for: 1s}\n",
+        encoding="utf-8",
+    )
+    status, err = fleet_in_process(tmp_path, capsys, "--port", "1883", "--schedule", str(schedule), "--duration", "60s")
+    assert status == 2, err
+    assert "script.yaml: fault 2: kind: broker_kill" in err and "--port" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_top_level_key_other_than_faults_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """fleet.md: a schedule is refused for "a top-level key other than `faults`" (exit status 2, the file
     named)."""
