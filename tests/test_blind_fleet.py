@@ -5,14 +5,20 @@ test_blind_pipeline.py leave out: the schedule refusals the page lists, and one 
 
 from __future__ import annotations
 
+import itertools
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from fleet_helpers import signal_fleet_when
 from test_blind_pipeline import fleet_in_process
+
+from amqtt_durable.process import free_port
+from durable_fleet.schedule import parse_duration
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,6 +103,31 @@ def test_random_group_kills_are_refused_without_ha(tmp_path: Path, capsys: pytes
     assert status == 2, err
     assert "group_kill needs a replicated pair: run with --ha (it hits both brokers of the pair at once)" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_random_faults_keep_the_documented_window_kinds_and_lengths(tmp_path: Path) -> None:
+    """fleet.md: "Faults, random with `--seed` (...; set with `--faults`, where a kind left out gets none ...)";
+    "Random faults fall between 5 s after the start and 15 s before the end, faults of one kind never overlap,
+    stalls last 1.5 to 2.5 keep-alives (`--keepalive`, default 4 s). The schedule used is written to
+    `OUT/schedule.yaml`" (read here as the run starts, against a running broker's --port, which gets no broker
+    kills; the run is then stopped with SIGTERM)."""
+    def written(out: Path) -> bool:
+        try:
+            return len(yaml.safe_load((out / "schedule.yaml").read_text(encoding="utf-8"))["faults"]) == 7
+        except (OSError, TypeError, KeyError, yaml.YAMLError):
+            return False
+
+    args = ["--port", str(free_port()), "--seed", "5", "--duration", "70s", "--keepalive", "3", "--devices", "4",
+            "--faults", "drop=3,stall=2,device_restart=2", "--processes", "1", "--quiet"]
+    signal_fleet_when(tmp_path, args, written, signal.SIGTERM)
+    faults = yaml.safe_load((tmp_path / "out" / "schedule.yaml").read_text(encoding="utf-8"))["faults"]
+    spans = {kind: sorted((parse_duration(f["at"]), parse_duration(f["at"]) + parse_duration(f["for"]))
+                          for f in faults if f["kind"] == kind) for kind in ("drop", "stall", "device_restart")}
+    assert {kind: len(found) for kind, found in spans.items()} == {"drop": 3, "stall": 2, "device_restart": 2}
+    for kind, found in spans.items():
+        assert all(start >= 5 and end <= 70 - 15 for start, end in found), (kind, found)
+        assert all(end <= start for (_, end), (start, _) in itertools.pairwise(found)), (kind, found)  # no overlap
+    assert all(1.5 * 3 <= end - start <= 2.5 * 3 for start, end in spans["stall"]), spans["stall"]
 
 
 @pytest.mark.slow
