@@ -467,6 +467,7 @@ def test_a_subscribe_that_sends_no_subscribe_returns_at_once(broker: Broker, sdk
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # the module's 60 s would not cover the session's Spark starting (conftest's SPARK_TIMEOUT)
 @pytest.mark.usefixtures("spark")  # the session's Spark, for the audit's main() in this process
 def test_the_audit_expects_nothing_after_a_subscription_was_made_non_durable(
     broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient],
