@@ -502,3 +502,39 @@ def test_the_audit_expects_nothing_after_a_subscription_was_made_non_durable(
     lines = capsys.readouterr().out.splitlines()
     assert status == 0, lines
     assert next(line.split() for line in lines if line.split()[:1] == ["ALL"])[:4] == ["ALL", "1", "1", "0"], lines
+
+
+# ------------------------------------------------------------------------------ sdk.md: several addresses
+
+
+def test_a_client_moves_on_to_the_next_address_when_its_broker_dies_and_is_told_the_session_is_not_there(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """sdk.md: "`failover=[(host, port), ...]`: ... A connection that fails ... moves the client on to the next
+    address, round the list"; "`client.host` and `client.port` name the address in use (or being tried)";
+    "`on_session_lost()` when the broker no longer has a session the client had (...): the client then starts
+    as new (GemFire), subscribes again and resets its marks". Two brokers that share nothing (not a replication
+    group): the first address is down at `connect()`, the second is SIGKILLed once the client is on it."""
+    first = broker_factory(start=False, name="first")
+    second = broker_factory(name="second")
+    seen = Seen()
+    lost = threading.Event()
+    device = sdk(first.port, "roamer", failover=[(HOST, second.port)], on_live=seen.on_live,
+                 on_connected=seen.on_connected, on_session_lost=lost.set)
+    device.subscribe("roam/t", qos=1, listener=seen.on_event)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert device.port == second.port and seen.wait(lambda: len(seen.markers) == 1)
+    clients(second.port, "roam-pub-2", clean_session=True).publish("roam/t", [b"on the second"])
+    assert seen.wait(lambda: len(seen.events) == 1)
+
+    first.start()
+    second.kill()  # SIGKILL
+    assert lost.wait(WAIT), "the first broker never had the session"
+    assert seen.wait(lambda: len(seen.markers) == 2)
+    assert (device.host, device.port) == (HOST, first.port)
+    assert not seen.connected[1].session_present
+    assert [s.filter for s in seen.markers[1].live] == ["roam/t"], "subscribed again"
+    clients(first.port, "roam-pub-1", clean_session=True).publish("roam/t", [b"on the first"])
+    assert seen.wait(lambda: len(seen.events) == 2)
+    assert [e.payload for e in seen.events] == [b"on the second", b"on the first"], "marks reset: not dropped"
