@@ -320,7 +320,9 @@ class DurableClient:
         first deletes it (``end_session``, waiting up to ``timeout`` for the reply). The
         client is closed either way; if the session could not be ended, ControlRequestFailed
         (or Unconnected, while disconnected) is raised afterwards: the broker then drops the
-        session only when it expires.
+        session only when it expires. RequestTimeout (no reply within ``timeout``) or
+        Unconnected (the connection lost before the reply) is raised afterwards too: the
+        session may or may not have been ended.
 
         The event being processed finishes (each of its listeners) and is acknowledged before
         the DISCONNECT; no later event is processed. From another thread this waits up to
