@@ -6,6 +6,7 @@ audit of delivery logs the SDK wrote against a real broker. Each test quotes the
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -725,10 +726,13 @@ def test_sigterm_or_ctrl_c_mid_run_stops_the_broker_and_every_process_the_fleet_
     tmp_path: Path, stop: signal.Signals
 ) -> None:
     """fleet.md: "SIGTERM or Ctrl-C stops the broker and every process it started", here once the broker, the
-    device processes and the publishers all run."""
+    device processes and the publishers all run; faults "random with `--seed` (printed ...)": this run has
+    none, and no --seed, yet says the seed it drew."""
     args = ["--devices", "4", "--processes", "2", "--duration", "60s", "--faults", "", "--quiet"]
 
     def running(out: Path) -> bool:
         return (out / "logs" / "pub-0.jsonl").exists() and len(processes_in(out)) >= 4  # broker, 2 + publishers
 
     signal_fleet_when(tmp_path, args, running, stop)
+    err = (tmp_path / "harness.err").read_text(encoding="utf-8")
+    assert re.search(r"\(random, --seed \d+\)", err), err

@@ -76,6 +76,28 @@ def test_twenty_devices_lose_nothing_through_every_kind_of_fault(tmp_path: Path,
     page = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
     assert "PASS" in page
     assert all(chart.exists() for chart in charts)
+    assert_the_documented_output(tmp_path / "out", devices)
+
+
+def assert_the_documented_output(out: Path, devices: list[str]) -> None:
+    """fleet.md: the broker keeps every setting but three ("one TCP listener on a free 127.0.0.1 port, the store
+    in `OUT/store` ... and `metrics_interval: 1`"); "Output in `--out`: ... `report.html`, `audit/` (the Spark
+    audit's own report and summary.parquet), `logs/` (delivery logs), `workers/` (each process's spec and
+    output), `broker.yaml` and `broker.log` (the configuration as run, and its output), `schedule.yaml`";
+    `cpl2` state in `OUT/state`."""
+    as_run = yaml.safe_load((out / "broker.yaml").read_text(encoding="utf-8"))
+    [listener] = as_run["listeners"].values()
+    assert listener["type"] == "tcp" and listener["bind"].startswith("127.0.0.1:"), listener
+    assert listener["bind"] != BROKER_YAML["listeners"]["default"]["bind"], listener
+    plugin = as_run["plugins"][PLUGIN_PATH]
+    assert Path(plugin["store"]).resolve() == (out / "store").resolve(), plugin
+    assert float(plugin["metrics_interval"]) == 1, plugin
+    assert (out / "store").is_dir() and (out / "state").is_dir()
+    for name in ("report.html", "schedule.yaml", "broker.log", "audit/report.html", "audit/summary.parquet",
+                 "logs/pub-0.jsonl"):
+        assert (out / name).is_file(), name
+    assert sorted(path.stem for path in (out / "logs").glob("dev-*.jsonl")) == devices
+    assert {path.suffix for path in (out / "workers").iterdir()} >= {".json", ".log"}
 
 
 @pytest.mark.slow

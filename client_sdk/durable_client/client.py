@@ -320,7 +320,9 @@ class DurableClient:
         first deletes it (``end_session``, waiting up to ``timeout`` for the reply). The
         client is closed either way; if the session could not be ended, ControlRequestFailed
         (or Unconnected, while disconnected) is raised afterwards: the broker then drops the
-        session only when it expires.
+        session only when it expires. RequestTimeout (no reply within ``timeout``) or
+        Unconnected (the connection lost before the reply) is raised afterwards too: the
+        session may or may not have been ended.
 
         The event being processed finishes (each of its listeners) and is acknowledged before
         the DISCONNECT; no later event is processed. From another thread this waits up to
@@ -475,6 +477,9 @@ class DurableClient:
                 if previous is None or previous.qos != qos:
                     self._send_subscribe(subscription)
                     return True
+                if self._durable and changed and subscription.confirmed and self._delivery_log is not None:
+                    # No SUBSCRIBE, so no SUBACK to log it at: the audit's window opens or closes here.
+                    self._delivery_log.subscribe(topic_filter, qos, durable)
                 return False
 
     def unsubscribe(self, topic_filter: str) -> None:

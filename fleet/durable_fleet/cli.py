@@ -181,7 +181,8 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     try:
         if args.schedule is not None:
-            faults = load_schedule(args.schedule, devices=names, duration=args.duration, ha=args.ha)
+            faults = load_schedule(args.schedule, devices=names, duration=args.duration, ha=args.ha,
+                                   running_broker=args.port is not None)
             note = f"from {args.schedule}"
         else:
             faults = random_schedule(seed, duration=args.duration, devices=names, counts=counts,

@@ -63,6 +63,7 @@ NOT_WITH_HA = (
     "broker_kill is not available with --ha (the pair would lose both brokers); "
     "use primary_kill: SIGKILL of whichever broker is primary"
 )
+NOT_WITH_PORT = "broker_kill needs a broker the harness starts (--config), not --port: a running broker is not killed"
 STALL_KEEPALIVES = (1.5, 2.5)
 """A random stall lasts this many keep-alives: past 1.5x the broker drops the silent client, so the
 stall is a real one both peers notice, not a pause they ride out."""
@@ -246,10 +247,13 @@ def _random_target(rng: random.Random, kind: FaultKind, devices: Sequence[str]) 
     return rng.choice(devices)
 
 
-def load_schedule(path: Path, *, devices: Sequence[str], duration: float, ha: bool = False) -> list[Fault]:
+def load_schedule(
+    path: Path, *, devices: Sequence[str], duration: float, ha: bool = False, running_broker: bool = False
+) -> list[Fault]:
     """The faults of a YAML or JSON script (JSON is YAML), validated against the fleet, the
-    run's duration and its broker (one, or a pair with ``ha``), sorted by ``at``; any mistake is
-    a ScheduleError naming file, fault and field."""
+    run's duration and its broker (one, or a pair with ``ha``; one the harness did not start, which
+    it must not kill, with ``running_broker``), sorted by ``at``; any mistake is a ScheduleError
+    naming file, fault and field."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -269,13 +273,16 @@ def load_schedule(path: Path, *, devices: Sequence[str], duration: float, ha: bo
     if extra:
         raise ScheduleError(f"unknown top-level key(s) {', '.join(map(repr, extra))} (only 'faults')", path=path)
     faults = [
-        _load_fault(entry, path, index, devices, duration, ha=ha) for index, entry in enumerate(document["faults"], 1)
+        _load_fault(entry, path, index, devices, duration, ha=ha, running_broker=running_broker)
+        for index, entry in enumerate(document["faults"], 1)
     ]
     _check_overlaps(faults, path)
     return sorted(faults, key=lambda f: f.at)
 
 
-def _load_fault(entry: Any, path: Path, index: int, devices: Sequence[str], duration: float, *, ha: bool) -> Fault:
+def _load_fault(
+    entry: Any, path: Path, index: int, devices: Sequence[str], duration: float, *, ha: bool, running_broker: bool
+) -> Fault:
     def error(what: str, field: str | None = None) -> ScheduleError:
         return ScheduleError(what, path=path, fault=index, field=field)
 
@@ -290,7 +297,7 @@ def _load_fault(entry: Any, path: Path, index: int, devices: Sequence[str], dura
     kind = entry["kind"]
     if kind not in ALL_FAULT_KINDS:
         raise error(f"unknown kind {kind!r} ({_valid_kinds(ha)})", "kind")
-    problem = kind_problem(kind, ha)
+    problem = NOT_WITH_PORT if kind == "broker_kill" and running_broker else kind_problem(kind, ha)
     if problem:
         raise error(problem, "kind")
     at, lasting = _load_times(entry, duration, error)
