@@ -319,6 +319,7 @@ def test_a_qos2_publish_whose_pubrel_comes_during_the_take_over_wait_is_delivere
         read: list[tuple[int, int]] = []
         while not closed_at_packet(sock, read):  # bounded: the broker closes after the retained messages
             assert len(read) <= 60, read
+        assert (PUBCOMP, 7) in read and (SUBACK, 2) in read, read
         assert read.index((PUBCOMP, 7)) < read.index((SUBACK, 2)), read  # the PUBREL was read during the wait
         assert watcher.wait_for(lambda got: any(m.topic == "q2/a" for m in got), timeout=WAIT), reader.log()[-3000:]
 
