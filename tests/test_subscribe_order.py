@@ -24,7 +24,7 @@ from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
 
 TOPIC_PLUGIN = "amqtt.plugins.topic_checking.TopicTabooPlugin"
 """Any topic plugin makes the broker read with amqtt's own loop instead of the plugin's."""
-SUBACK, UNSUBACK, PUBLISH = 9, 11, 3
+SUBACK, UNSUBACK, PUBLISH, PUBCOMP = 9, 11, 3, 7
 DISCONNECT = b"\xe0\x00"
 Packet = tuple[bytes, tuple[int, int]]
 """A packet and the ack (type, packet id) it must get."""
@@ -304,7 +304,9 @@ def test_a_qos2_publish_whose_pubrel_comes_during_the_take_over_wait_is_delivere
     takes the client id over (amqtt's take-over: the older connection's reader goes on reading):
     its PUBREL, read while the take-over waits for the SUBSCRIBE, gets the message to its
     subscribers (that wait began by cancelling amqtt's PUBREL waiters with its PUBACK, PUBREC and
-    PUBCOMP ones: the PUBREL got a PUBCOMP, the message was never delivered)."""
+    PUBCOMP ones: the PUBREL got a PUBCOMP, the message was never delivered). The client then reads
+    what it was sent, so the wait ends with the SUBSCRIBE applied (its SUBACK after the PUBCOMP: the
+    PUBREL was read during the wait), not at the grace's end and CLOSE_GRACE after (10 s)."""
     publisher = clients(reader.port, "big-pub", clean_session=True)
     watcher = clients(reader.port, "q2-watcher", clean_session=True)
     watcher.subscribe("q2/#", qos=2)
@@ -314,6 +316,11 @@ def test_a_qos2_publish_whose_pubrel_comes_during_the_take_over_wait_is_delivere
         newer.sendall(connect_packet("q2-dev", clean=False))
         assert reader.wait_until(lambda: "q2-dev is already connected, performing take-over" in reader.log(), WAIT)
         sock.sendall(mqtt_packet(0x62, (7).to_bytes(2, "big")))  # PUBREL
+        read: list[tuple[int, int]] = []
+        while not closed_at_packet(sock, read):  # bounded: the broker closes after the retained messages
+            assert len(read) <= 60, read
+        assert (PUBCOMP, 7) in read and (SUBACK, 2) in read, read
+        assert read.index((PUBCOMP, 7)) < read.index((SUBACK, 2)), read  # the PUBREL was read during the wait
         assert watcher.wait_for(lambda got: any(m.topic == "q2/a" for m in got), timeout=WAIT), reader.log()[-3000:]
 
 
@@ -362,7 +369,7 @@ def closed_at_packet(sock: socket.socket, got: list[tuple[int, int]]) -> bool:
         first, body = read_packet(sock)
     except (AssertionError, ConnectionResetError):  # read_exactly asserts at EOF
         return True
-    got.append((first >> 4, int.from_bytes(body[:2], "big") if first >> 4 in (SUBACK, UNSUBACK) else 0))
+    got.append((first >> 4, int.from_bytes(body[:2], "big") if first >> 4 in (SUBACK, UNSUBACK, PUBCOMP) else 0))
     return False
 
 

@@ -27,6 +27,7 @@ from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
 
 CONNACK_ACCEPTED = b"\x20\x02\x00\x00"
+WAITS_ITS_TURN = "dev: CONNECT waits for the client id's earlier CONNECT to be answered"
 GATED_AUTH = '''
 import asyncio
 from pathlib import Path
@@ -121,7 +122,8 @@ def a_take_over_waiting(
     """The connection of "dev" stuck with one more SUBSCRIBE waiting behind (a take-over waits up to
     5 s for it: ``stuck_on_big_retained_messages``), and a first CONNECT of "dev" (``clean``,
     ``username``) whose take-over of it has begun. Yields (stuck, first, second): the second
-    connection is open and has sent nothing."""
+    connection is open and has sent nothing. A test whose CONNECTs were read during the wait ends it
+    early with ``unstuck``, as the grace (5 s) would."""
     with stuck_on_big_retained_messages(broker.port, "dev", publisher) as stuck:
         stuck.sendall(subscribe("c/#", 2)[0])
         first = socket.create_connection((HOST, broker.port), timeout=WAIT)
@@ -131,6 +133,12 @@ def a_take_over_waiting(
             marker = "a clean CONNECT takes the client id over" if clean else "dev is already connected"
             assert broker.wait_until(lambda: marker in broker.log(), WAIT), broker.log()[-2000:]
             yield stuck, first, second
+
+
+def unstuck(stuck: socket.socket) -> None:
+    """The stuck connection's client reads what it was sent: its waiting SUBSCRIBE is applied, so the
+    take-over's wait ends now (not at the grace's end) and the take-over ends the connection."""
+    assert read_until_closed(stuck, WAIT) is not None, "the stuck connection was not ended"
 
 
 def connect_then_close_over_websocket(ws_port: int, client_id: str, *, clean: bool) -> None:
@@ -201,10 +209,14 @@ def test_of_two_connects_read_during_a_take_over_wait_the_newer_one_ends_the_old
     """MQTT-3.1.4-2. The connection of "dev" is stuck with a SUBSCRIBE waiting behind (a take-over
     waits up to 5 s for it); a first CONNECT of "dev" starts that take-over and a second is read
     while it waits. Before the fix, when either was clean, both got CONNACK and the first was never
-    ended: clean then durable, the durable one (SUBACK 0) got nothing, the clean one the message."""
+    ended: clean then durable, the durable one (SUBACK 0) got nothing, the clean one the message.
+    The stuck client reads what it was sent once the second CONNECT waits for its turn
+    (``unstuck``): the take-over's wait ends then, not at the grace's end."""
     publisher = clients(broker.port, "big-pub", clean_session=True)
-    with a_take_over_waiting(broker, publisher, clean=first_clean) as (_, first, second):
+    with a_take_over_waiting(broker, publisher, clean=first_clean) as (stuck, first, second):
         second.sendall(connect_packet("dev", clean=second_clean))
+        assert broker.wait_until(lambda: WAITS_ITS_TURN in broker.log(), WAIT), broker.log()[-2000:]
+        unstuck(stuck)
         assert read_exactly(first, 4) == CONNACK_ACCEPTED
         present = not first_clean and not second_clean  # the session the first one created
         assert read_exactly(second, 4) == bytes((0x20, 2, present, 0))
@@ -248,10 +260,10 @@ def test_another_users_connect_checked_before_its_turn_leaves_the_owners_connect
     connection must stay up."""
     broker = broker_factory()
     publisher = clients(broker.port, "big-pub", clean_session=True)
-    with a_take_over_waiting(broker, publisher, clean=False, username="alice") as (_, alice, mallory):
+    with a_take_over_waiting(broker, publisher, clean=False, username="alice") as (stuck, alice, mallory):
         mallory.sendall(connect_packet("dev", clean=False, username="mallory"))
-        waits = "waits for the client id's earlier CONNECT"
-        assert broker.wait_until(lambda: waits in broker.log(), WAIT), broker.log()[-2000:]
+        assert broker.wait_until(lambda: WAITS_ITS_TURN in broker.log(), WAIT), broker.log()[-2000:]
+        unstuck(stuck)
         assert read_exactly(alice, 4) == CONNACK_ACCEPTED
         assert read_exactly(mallory, 4) == b"\x20\x02\x00\x05"
         assert read_until_closed(mallory, WAIT) is not None
@@ -272,9 +284,9 @@ def test_a_failing_connect_does_not_use_up_anothers_checked_credentials(
     with a_take_over_waiting(broker, publisher, clean=True, username="otp") as (stuck, first, intruder):
         intruder.sendall(connect_packet("dev", clean=True, username="bad"))
         assert read_exactly(intruder, 4) == b"\x20\x02\x00\x05"
+        unstuck(stuck)
         assert read_exactly(first, 4) == CONNACK_ACCEPTED, calls.read_text()
         assert calls.read_text() == "1", "the one-time credential was checked more than once"
-        assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"
 
 
 def test_the_wait_for_a_client_ids_turn_is_bounded_by_connect_timeout(
@@ -292,8 +304,8 @@ def test_the_wait_for_a_client_ids_turn_is_bounded_by_connect_timeout(
         assert read_exactly(waiting, 4) == b"\x20\x02\x00\x03", broker.log()[-2000:]
         assert read_until_closed(waiting, WAIT) is not None
         assert "was not answered within connect_timeout (1 s)" in broker.log()
+        unstuck(stuck)
         assert read_exactly(first, 4) == CONNACK_ACCEPTED
-        assert read_until_closed(stuck, WAIT) is not None, "the older connection was not ended"
 
 
 def slow_check_broker(

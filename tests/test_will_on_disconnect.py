@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from raw_mqtt_helpers import connect_packet, read_exactly
+from test_hostile_wire import read_until_closed
 
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
 
@@ -73,21 +74,13 @@ def wills_once_closed(watcher: Client, client_ids: list[str]) -> list[str]:
     return sorted(m.topic for m in watcher.messages if m.topic.startswith("will/"))
 
 
-def read_until_closed(sock: socket.socket) -> None:
-    """Reads until the broker closes the connection (each recv bounded by the socket's WAIT)."""
-    for _ in range(1000):
-        if not sock.recv(4096):
-            return
-    raise AssertionError("the broker kept sending and never closed the connection")
-
-
 def connack_publish_disconnect(sock: socket.socket, client_id: str, clean: bool, will_topic: bytes) -> None:
     """CONNECT, CONNACK read, then a QoS 0 PUBLISH and DISCONNECT in one write, and the client's side shut."""
     sock.sendall(connect_packet(client_id, clean=clean, will_topic=will_topic))
     assert read_exactly(sock, 4)[:2] == b"\x20\x02"
     sock.sendall(mqtt_packet(0x30, mqtt_string("data/x") + b"v") + DISCONNECT)
     sock.shutdown(socket.SHUT_WR)
-    read_until_closed(sock)
+    assert read_until_closed(sock, WAIT) is not None, "the broker did not close the connection"
 
 
 def connect_disconnect_close(sock: socket.socket, client_id: str, clean: bool, will_topic: bytes) -> None:
@@ -152,7 +145,7 @@ def test_a_disconnect_after_a_protocol_violation_does_not_discard_the_will(
             assert read_exactly(sock, 4)[:2] == b"\x20\x02"
             sock.sendall(VIOLATIONS[violation](client_id, clean) + DISCONNECT)
             sock.shutdown(socket.SHUT_WR)
-            read_until_closed(sock)
+            assert read_until_closed(sock, WAIT) is not None, "the broker did not close the connection"
     assert wills_once_closed(watcher, ids) == sorted(f"will/{client_id}" for client_id in ids)
 
 
@@ -178,10 +171,10 @@ def test_a_taken_over_connection_publishes_its_own_will_and_not_the_new_ones(
         with socket.create_connection((HOST, broker.port), timeout=WAIT) as new:
             new.sendall(connect_packet("dev", clean=new_clean, will_topic=b"will/new"))
             assert read_exactly(new, 4)[:2] == b"\x20\x02"
-            read_until_closed(old)  # taken over: the broker ended it
+            assert read_until_closed(old, WAIT) is not None, "taken over: the broker did not end it"
             new.sendall(DISCONNECT)
             new.shutdown(socket.SHUT_WR)
-            read_until_closed(new)
+            assert read_until_closed(new, WAIT) is not None, "the broker did not close the connection"
     assert watcher.wait_for(lambda ms: sum(m.topic == "closed/dev" for m in ms) >= 2), "both ends never reported"
     assert sorted(m.topic for m in watcher.messages if m.topic.startswith("will/")) == ["will/old"]
 
@@ -211,9 +204,11 @@ def test_a_disconnect_read_while_a_take_over_waits_discards_the_older_connection
             assert broker.wait_until(lambda: marker in broker.log(), WAIT), broker.log()[-2000:]
             old.sendall(DISCONNECT)
             assert read_exactly(new, 4) == b"\x20\x02\x00\x00"  # the older connection is closed by now
+            # its unsent bytes read: its socket closes now, not CLOSE_GRACE later
+            assert read_until_closed(old, WAIT) is not None, "the older connection was not closed"
             new.sendall(DISCONNECT)
             new.shutdown(socket.SHUT_WR)
-            read_until_closed(new)
+            assert read_until_closed(new, WAIT) is not None, "the broker did not close the connection"
             # both ends reported (each after its will, if any, through the same queue)
             assert watcher.wait_for(lambda ms: sum(m.topic == "closed/dev" for m in ms) >= 2), broker.log()[-2000:]
     assert [m.topic for m in watcher.messages if m.topic.startswith("will/")] == []
