@@ -1483,6 +1483,8 @@ class AmqttHooks:
         self.retained = RetainedTable()
         self.clean_sends = CleanSends(engine)
         self.addresses = AddressConnections(engine.config.max_connections_per_address, engine.config.drop_log_interval)
+        self.latest: dict[str, PublishedMessages] = {}
+        """Client id -> its latest connection's messages, until all are handed over (``PublishedMessages.succeed``)."""
 
     def install(self) -> None:
         broker = self.broker
@@ -1723,6 +1725,7 @@ class AmqttHooks:
         if taken_over is not None:
             handler.durable_published.follow(taken_over)
             _TAKEN_OVER.set(None)
+        handler.durable_published.succeed(self.latest, session.client_id)
         writer.durable_handler = handler  # for the connection's end (``client_connected``)
         return handler, session
 
@@ -1792,8 +1795,7 @@ class AmqttHooks:
             await take_over(handler)
             await handler.stop()
         await _keeping_what_was_published(session, self._original_delete_session, client_id)
-        # Only a connection taken over is followed: one that had ended (a durable Session stays in
-        # amqtt's table) is not waited for (guarantees.md, Take-over).
+        # A connection that had ended and still hands its messages over is followed too (``succeed``).
         _TAKEN_OVER.set(getattr(handler, "durable_published", None) if taken_over else None)
 
     async def client_message_loop(self, session: Any, handler: Any) -> None:
@@ -2727,6 +2729,7 @@ class PublishedMessages:
         self._handed = asyncio.Event()
         """Set once the loop's end handed the rest over, or the connection ended without a loop."""
         self._handing_later = False
+        self._latest: tuple[dict[str, PublishedMessages], str] | None = None
         self._older: PublishedMessages | None = None
         """The connection this one took over, while its messages are not all handed over (``follow``)."""
         self._in_hand: list[Any] = []
@@ -2769,13 +2772,39 @@ class PublishedMessages:
     def left_over_handed(self, broker: Any) -> None:
         """The loop's end handed what was left over: what comes later goes to ``broker`` directly."""
         self._broker = broker
-        self._handed.set()
+        self._all_handed()
 
     def connection_ended(self) -> None:
         """The connection's handling ended: a loop that never ran hands nothing over (one that
         ran has, or hands over later: ``hand_over_later``)."""
         if not self._handing_later:
-            self._handed.set()
+            # With no loop (its CONNECT refused at its CONNACK), the client id's next connection
+            # follows the one this one would have followed.
+            self._all_handed(self._older if self._broker is None and self.follows() else None)
+
+    def _all_handed(self, instead: PublishedMessages | None = None) -> None:
+        """Every message handed over: the client id's latest connection is ``instead``, or none."""
+        self._handed.set()
+        if self._latest is not None:
+            latest, client_id = self._latest
+            if latest.get(client_id) is self:
+                if instead is None:
+                    del latest[client_id]
+                else:
+                    latest[client_id] = instead
+
+    def succeed(self, latest: dict[str, PublishedMessages], client_id: str) -> None:
+        """This connection, in its CONNECT's turn (``ConnectTurns``), is the latest of ``client_id``
+        (in ``latest`` until its messages are all handed over). It follows the one before it if that
+        one has ended and is still handing its messages over (its loop stuck on a topic plugin's
+        check, or waiting for the connection it took over, ``hand_over_later``): one still live is
+        followed as amqtt's take-over (or ``AmqttHooks.delete_session``) ends it; an ended one was
+        not, and what this connection published reached clean subscribers before what it still held."""
+        previous = latest.get(client_id)
+        if previous is not None and getattr(previous._handler, "durable_disconnected", False):
+            self.follow(previous)
+        latest[client_id] = self
+        self._latest = (latest, client_id)
 
     def follow(self, older: PublishedMessages) -> None:
         """A take-over of the connection whose messages are ``older``: this connection's go to the
