@@ -3155,8 +3155,12 @@ async def _refuse_connect(handler: Any, session: Any, return_code: int, why: str
     (amqtt logs and drops it)."""
     log.warning("%s", why)
     session.parent = 0  # MQTT-3.2.2-4: no session present with a refusal
-    try:  # a client gone meanwhile: over a websocket ConnectionClosed escaped amqtt's handling (see _send_connack)
-        await handler._send_packet(ConnackPacket.build(0, return_code))
+    connack = ConnackPacket.build(0, return_code)
+    # Not amqtt's _send_packet: on a websocket the client had closed, it logged the routine
+    # ConnectionClosed as a WARNING "Unhandled exception: received 1005 ..." (and let it escape).
+    try:
+        await connack.to_stream(handler.writer)
+        await handler.plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack, session=session)
     except (ConnectionClosed, OSError) as exc:
         log.debug("%s: the connection closed before its refusal: %r", session.client_id, exc)
     handler.durable_disconnected = True  # _keep_the_newer_connection_connected
