@@ -581,3 +581,28 @@ def test_a_connection_made_after_one_that_took_over_ended_waits_at_most_for_its_
     # B's hand-over went at its bound, without "s1": "c1" and "c2" (in the queue B shared) with it.
     assert [m.payload for m in clean_watcher.messages] == [b"c1", b"c2", b"b1", b"n1", b"s1"]
     assert 4.0 < took < 8.0, f"n1 waited {took:.2f} s (documented: the ended connection's 5-second bound)"
+
+
+def test_a_hand_over_pending_at_the_brokers_shutdown_loses_no_acknowledged_durable_message(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """docs/guarantees.md, Take-over: durable subscribers get every message in the order it was
+    published. A clean B took over "pub" (stuck on "s1"'s check, "c1" and "c2" behind it), published
+    "b1" and ended: its hand-over waits for the stuck connection when the broker stops, which
+    cancels it. A durable subscriber, offline meanwhile, gets all four in order after the restart
+    (they were stored as they were acknowledged; the hand-over is amqtt's delivery to clean ones)."""
+    broker = slow_check_broker(broker_factory, tmp_path)
+    watcher = clients(broker.port, "durable-watcher")
+    assert watcher.subscribe([("slow/#", 1), ("c/#", 1)]) == [1, 1]
+    watcher.disconnect()
+    clean_watcher = clients(broker.port, "clean-watcher", clean_session=True)  # amqtt's delivery has work
+    assert clean_watcher.subscribe([("slow/#", 1), ("c/#", 1)]) == [1, 1]
+    with published_behind_a_slow_check(broker, tmp_path, clean=True):
+        take_over_and_disconnect(broker, b"b1")
+        started = time.monotonic()
+        broker.terminate()
+        assert broker.wait_stopped(started + WAIT), "the broker did not stop: killed"
+    broker.start()
+    watcher = clients(broker.port, "durable-watcher")
+    assert [m.payload for m in watcher.wait_messages(4)] == [b"s1", b"c1", b"c2", b"b1"]
+    assert not watcher.wait_for(lambda ms: len(ms) > 4, timeout=0.5)
