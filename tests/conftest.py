@@ -294,6 +294,16 @@ def payloads(count: int, prefix: str = "m") -> list[bytes]:
     return [f"{prefix}{i:07d}".encode() for i in range(count)]
 
 
+def seen_away(clients: Callable[..., Client], broker: Broker, count: int) -> None:
+    """Wait until the broker counts ``count`` disconnected durable sessions (its metrics, broker
+    started with a short `metrics_interval`): a publish on another connection can otherwise be
+    read before a DISCONNECT, while the session is still connected."""
+    watcher = clients(broker.port, f"away-{count}", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/sessions/disconnected", 0)
+    assert watcher.wait_for(lambda ms: any(m.payload == str(count).encode() for m in ms)), "not seen disconnected"
+    watcher.disconnect()
+
+
 def queued_while_dropped(
     clients: Callable[..., Client], port: int, topic_filter: str, topic: str, queued: list[bytes]
 ) -> tuple[Client, Client]:

@@ -343,13 +343,16 @@ def sdk_run(port: int, logs: Path) -> int:
             arrived.notify_all()
 
     def subscriber() -> DurableClient:
+        live = threading.Event()
         client = DurableClient(
             "blind-sub", "127.0.0.1", port, persistence="disk", state_dir=str(state),
-            delivery_log=str(logs / "sub.jsonl"),
+            delivery_log=str(logs / "sub.jsonl"), on_live=lambda _marker: live.set(),
         )
         client.subscribe("plant/+/temp", qos=1, listener=on_event)
         client.connect(timeout=WAIT)
         client.ready_for_events()
+        # Before the marker an event counts as replayed (sdk.md): the live ones are published after it.
+        assert live.wait(WAIT), "no marker"
         return client
 
     first = subscriber()

@@ -701,6 +701,7 @@ def test_calls_from_a_listener_return_at_once_and_still_take_effect(
     broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 10, "max_age": 0}], metrics_interval=0.1)
     publisher = clients(broker.port, "pub", clean_session=True)
     publisher.publish("telemetry/a", [b"logged"])
+    publisher.publish("later/seed", [b"seed"], retain=True)  # comes once the SUBSCRIBE is applied
     outcomes: dict[str, Any] = {}
     done = threading.Event()
     later, streamed = Recorder(), Recorder()
@@ -731,8 +732,13 @@ def test_calls_from_a_listener_return_at_once_and_still_take_effect(
         assert all(seconds < 5.0 for seconds in outcomes.values()), outcomes
         assert warnings.wait(lambda m: "the broker refused 'stream_subscribe'" in m and "nostream/#" in m)
     assert [e.payload for e in streamed.wait(1)] == [b"logged"]
+    # subscribe() from the listener did not wait for its SUBACK: the retained value sent with the
+    # new subscription (sdk.md, initial values) says the broker applied it; a publish before that
+    # would not be routed to it.
+    (seed,) = later.wait(1)
+    assert seed.payload == b"seed" and seed.retained
     publisher.publish("later/a", [b"after"])
-    assert [e.payload for e in later.wait(1)] == [b"after"]
+    assert [e.payload for e in later.wait(2)] == [b"seed", b"after"]
     done.clear()
     gauges = clients(broker.port, "blind2-gauges", clean_session=True)
     gauges.subscribe("$SYS/broker/durable/sessions/+", 0)

@@ -8,6 +8,7 @@ exit codes of the commands on a running broker's store or on no store, and the p
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import errno
 import json
@@ -31,6 +32,7 @@ from test_docs_promises_ops import BAD_VALUES
 from test_hostile_owner import acl_broker, login
 from test_hostile_wire import publish_packet, read_until_closed
 
+from amqtt_durable.amqtt_glue import _BROKER_INTERNALS
 from amqtt_durable.cli import load_broker_config, plugin_section
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.errors import ConfigError
@@ -40,7 +42,7 @@ from amqtt_durable.replication.framing import Frame
 from amqtt_durable.replication.position import SNAPSHOT_MARK_KEY
 from amqtt_durable.replication.tool import ask
 from amqtt_durable.store import open_store
-from conftest import WAIT, Broker, Client, connack_code, payloads, probe_connack, run_cli
+from conftest import WAIT, Broker, Client, connack_code, payloads, probe_connack, run_cli, seen_away
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = "amqtt_durable.DurableSessionsPlugin"
@@ -339,7 +341,7 @@ def test_inspect_and_repair_refuse_a_running_broker_s_store_and_it_keeps_serving
     '...' is locked by another process`, exit code 1; a folder without a store: `no store at
     '...'`, exit code 1. Stopped, `--json` gives exactly the documented fields, retained rows in
     topic order; a session connected when the broker was killed has no deadline (`-`, null)."""
-    broker = broker_factory()
+    broker = broker_factory(metrics_interval=0.05)
     device = clients(broker.port, "insp-1")
     device.subscribe([("insp/b", 1), ("insp/a/#", 2)])
     device.disconnect()
@@ -355,6 +357,7 @@ def test_inspect_and_repair_refuse_a_running_broker_s_store_and_it_keeps_serving
     assert device.connect() is True
     assert [m.payload for m in device.wait_messages(2)] == payloads(2)
     device.disconnect()
+    seen_away(clients, broker, 1)  # else the kill may come before the broker handled the DISCONNECT
     publisher.publish("insp/b", [b"queued"], qos=1)
     publisher.disconnect()
     clients(broker.port, "insp-2").subscribe("insp/c", 0)  # still connected when the broker is killed
@@ -568,6 +571,26 @@ def test_another_amqtt_version_is_refused_with_the_documented_line(
     ), last
     assert "pip install 'amqtt==0.12.1'" in last
     assert not probe_connack(broker.port)
+
+
+def test_every_broker_attribute_the_glue_uses_is_checked_at_start_up() -> None:
+    """The version check above also names what another amqtt lacks: every attribute of amqtt's Broker
+    the glue reaches for (``broker.X``, ``self.broker.X``) is in ``_BROKER_INTERNALS``, so an amqtt
+    without it refuses to start rather than fail on the first websocket client (``ws_connected``
+    was used and not checked). ``plugins_manager`` is not yet set when the plugin checks: amqtt sets
+    it once the PluginManager loading this plugin returns."""
+    tree = ast.parse((ROOT / "plugin" / "amqtt_durable" / "amqtt_glue.py").read_text())
+    used = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and (
+            (isinstance(node.value, ast.Name) and node.value.id == "broker")
+            or (isinstance(node.value, ast.Attribute) and node.value.attr == "broker")
+        )
+    }
+    assert "stream_connected" in used and "ws_connected" in used, sorted(used)
+    assert not (missing := used - {"plugins_manager"} - set(_BROKER_INTERNALS)), sorted(missing)
 
 
 @pytest.mark.parametrize("role", ["primary", "backup"])

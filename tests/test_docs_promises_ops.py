@@ -182,7 +182,7 @@ def test_a_complex_key_in_broker_yaml_is_a_clear_config_error(tmp_path: Path) ->
 def test_the_duplicate_key_error_names_both_lines(tmp_path: Path) -> None:
     path = tmp_path / "broker.yaml"
     path.write_text("a: 1\nb:\n  c: 2\n  c: 3\n")
-    with pytest.raises(ConfigError, match=r"'c': given twice in one mapping \(lines 3 and 4\)"):
+    with pytest.raises(ConfigError, match=r"'b.c': given twice in one mapping \(lines 3 and 4\)"):
         load_broker_config(str(path))
 
 

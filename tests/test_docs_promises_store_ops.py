@@ -30,7 +30,7 @@ from amqtt_durable.store import (
     session_key,
     totals_key,
 )
-from conftest import Broker, Client, payloads, probe_connack, run_cli
+from conftest import Broker, Client, payloads, probe_connack, run_cli, seen_away
 
 
 def _start_on(broker_factory: Callable[..., Broker], store: Path) -> Broker:
@@ -326,10 +326,11 @@ def test_a_damaged_layout_version_value_is_damage_that_repair_restores_not_anoth
     no longer matching): the broker and inspect say corrupted, run repair; repair must not then
     refuse it as another release's store (it read the value without verifying the checksum, so
     the operator was stuck between the two): it restores the key, exit code 0."""
-    broker = broker_factory()
+    broker = broker_factory(metrics_interval=0.05)
     device = clients(broker.port, "ver-1")
     device.subscribe("ver/t", 1)
     device.disconnect()
+    seen_away(clients, broker, 1)  # else the publish may find it still connected, and the stop leave it so
     publisher = clients(broker.port, "ver-pub", clean_session=True)
     publisher.publish("ver/t", payloads(3), qos=1)
     publisher.disconnect()

@@ -16,7 +16,7 @@ import pytest
 from test_scale import RawClient, RawMessage, create_sessions, offline_backlog
 
 from amqtt_durable.inspect_store import summarize
-from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, seen_away
 
 EXPIRED_TOPIC = "$SYS/broker/durable/expired"
 
@@ -350,11 +350,12 @@ def test_disconnected_session_expires(broker_factory: Callable[..., Broker], cli
 def test_expiry_deadline_survives_restart(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    broker = broker_factory(session_expiry=3)
+    broker = broker_factory(session_expiry=3, metrics_interval=0.05)
     early = clients(broker.port, "exp-early")
     early.subscribe("ea/t", 1)
     before = time.time()
     early.disconnect()
+    seen_away(clients, broker, 1)  # else the broker may be killed before it handled the DISCONNECT
     after = time.time()
     clients(broker.port, "pub", clean_session=True).publish("ea/t", payloads(2), qos=1)
     broker.kill()
@@ -394,10 +395,13 @@ def test_expiry_deadline_survives_restart(
 def test_disconnected_queue_limit_and_overflow(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], overflow: str, kept: slice
 ) -> None:
-    broker = broker_factory(max_depth=50, max_depth_disconnected=200, overflow=overflow, drop_log_interval=60)
+    broker = broker_factory(
+        max_depth=50, max_depth_disconnected=200, overflow=overflow, drop_log_interval=60, metrics_interval=0.05
+    )
     sub = clients(broker.port, "lim")
     sub.subscribe("lim/t", 1)
     sub.disconnect()
+    seen_away(clients, broker, 1)  # else the publish may be read first, while the session is still connected
     sent = payloads(300)
     clients(broker.port, "pub", clean_session=True).publish("lim/t", sent, qos=1)
     assert sub.connect() is True
@@ -412,11 +416,13 @@ def test_expanded_limit_holds_after_reconnect_until_80_percent(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
     broker = broker_factory(
-        max_depth=50, max_depth_disconnected=200, overflow="drop-newest", recovery_buffer=10, drop_log_interval=60
+        max_depth=50, max_depth_disconnected=200, overflow="drop-newest", recovery_buffer=10, drop_log_interval=60,
+        metrics_interval=0.05,
     )
     sub = clients(broker.port, "grow", manual_ack=True)
     sub.subscribe("g/t", 1)
     sub.disconnect()
+    seen_away(clients, broker, 1)  # else the publish may be read first, while the session is still connected
     pub = clients(broker.port, "pub", clean_session=True)
     backlog = payloads(180, "old")
     pub.publish("g/t", backlog, qos=1)

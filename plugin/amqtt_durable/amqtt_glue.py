@@ -22,8 +22,8 @@ instance the plugin is loaded into and on each connection's handler:
   ends the connection (amqtt skips a wildcard one and reads on out of step, and passes U+0000);
 * ``Broker._authenticate``: a CONNECT already authenticated as it was read (see
   ``init_from_connect``) is not verified twice;
-* ``Broker._create_server_instance``: a TCP listener is opened as amqtt opens it, with the
-  ``listen_backlog`` setting as its listen backlog (amqtt's is asyncio's default, 100: in a
+* ``Broker._create_server_instance``: a TCP or websocket listener is opened as amqtt opens it,
+  with the ``listen_backlog`` setting as its listen backlog (amqtt's is asyncio's default, 100: in a
   reconnect storm of 1,000 clients the kernel dropped the SYNs of about half of them, which came
   back 1 and 2 s later; a much larger one slows the recovery from a connection flood), and a
   connection from an address with ``max_connections_per_address`` open is closed as it is
@@ -148,6 +148,7 @@ from http import HTTPStatus
 from typing import Any, NoReturn
 
 import amqtt
+import websockets
 from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
@@ -231,12 +232,12 @@ CHANGES_GRACE = 5.0
 """Seconds the end of a connection waits for the SUBSCRIBEs and UNSUBSCRIBEs it read before to be
 applied (see ``_one_queue_of_subscription_changes``); those still waiting then are dropped (WARNING)
 and none is applied after."""
-_LIMIT_LOG_INTERVAL = 10.0  # seconds between two "over the subscription limit" warnings of one client
 _BROKER_INTERNALS = (
     "_authenticate",
     "_client_connected",
     "_create_server_instance",
     "stream_connected",
+    "ws_connected",
     "_initialize_client_session",
     "_client_message_loop",
     "_handle_subscription",
@@ -1471,7 +1472,6 @@ class AmqttHooks:
         self._original_delete_session = broker._delete_session
         self._original_cleanup = broker._cleanup_session
         self._original_shutdown = broker.shutdown
-        self._original_create_server = broker._create_server_instance
         self.shutting_down = False
         self.event_tasks: set[asyncio.Task[None]] = set()
         # amqtt's table (filter -> [(session, qos)]) as a trie: who holds which filter, matched per level.
@@ -1520,7 +1520,7 @@ class AmqttHooks:
         return self.amqtt_index.matches_any(topic)
 
     def over_limit(self, index: SubscriptionIndex, client_id: str, topic_filter: str) -> bool:
-        """True (and a WARNING, at most one per client per interval) when the filter would exceed a limit."""
+        """True (and a WARNING, at most one per client per ``drop_log_interval``) when the filter would pass a limit."""
         byte_limit = self.engine.config.max_subscription_bytes_per_client
         if not index.admits(client_id, topic_filter, self.limit):
             held, key, limit = f"{index.count(client_id)} topic filters", "max_subscriptions_per_client", self.limit
@@ -1530,7 +1530,7 @@ class AmqttHooks:
         else:
             return False
         now = time.monotonic()
-        if now - self.limit_warned.get(client_id, -math.inf) >= _LIMIT_LOG_INTERVAL:
+        if now - self.limit_warned.get(client_id, -math.inf) >= self.engine.config.drop_log_interval:
             if len(self.limit_warned) > 10_000:  # bounded: forget clients warned long ago
                 self.limit_warned.clear()
             self.limit_warned[client_id] = now
@@ -1589,21 +1589,29 @@ class AmqttHooks:
     async def create_server_instance(
         self, listener_name: str, listener_type: Any, address: str | None, port: int, ssl_context: Any
     ) -> Any:
-        """amqtt's TCP listener with the ``listen_backlog`` setting, its connections counted as they
-        are accepted (``tcp_accepted``, which does a TLS listener's handshake); others as amqtt opens
-        them, a websocket listener's upgrade requests checked by ``websocket_upgrade``."""
+        """amqtt's TCP and websocket listeners (it calls this for no other type: an ``external`` one opens
+        no server) with the ``listen_backlog`` setting: a TCP one's
+        connections counted as they are accepted (``tcp_accepted``, which does a TLS listener's
+        handshake); a websocket one's as amqtt opens them, its upgrade requests checked by
+        ``websocket_upgrade`` (amqtt's own serve, with the backlog: websockets passes it to asyncio)."""
+        backlog = socket_backlog(self.engine.config.listen_backlog)  # the kernel caps it lower
         try:
-            if listener_type != ListenerType.TCP:
-                server = await self._original_create_server(listener_name, listener_type, address, port, ssl_context)
-                if listener_type == ListenerType.WS:  # websockets' Server calls it for each request it reads
-                    server.process_request = self.websocket_upgrade
-                return server
+            if listener_type == ListenerType.WS:
+                return await websockets.serve(
+                    partial(self.broker.ws_connected, listener_name=listener_name),
+                    address,
+                    port,
+                    ssl=ssl_context,
+                    subprotocols=[websockets.Subprotocol("mqtt")],
+                    process_request=self.websocket_upgrade,  # called for each upgrade request it reads
+                    backlog=backlog,
+                )
             return await asyncio.start_server(
                 partial(self.tcp_accepted, listener_name=listener_name, ssl_context=ssl_context),
                 address,
                 port,
                 reuse_address=True,
-                backlog=socket_backlog(self.engine.config.listen_backlog),  # the kernel caps it lower
+                backlog=backlog,
             )
         except OSError as exc:  # name the listener and its address, as replication.listen's errors do
             raise OSError(f"listener '{listener_name}' {address}:{port}: {os_error_reason(exc)}") from None

@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import os
+import re
 import signal
 import ssl
 import sys
@@ -69,6 +70,44 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         node.written = list(node.value)  # type: ignore[attr-defined]  # merging another mapping rewrites .value
         return node
 
+    def construct_document(self, node: yaml.Node) -> Any:
+        self.paths: dict[int, str] = {}
+        """Each mapping's place in the file, as its keys are named in errors (see ``_name``)."""
+        self._name_mappings(node, "", set())
+        return super().construct_document(node)
+
+    def _name_mappings(self, node: yaml.Node, path: str, walked: set[int]) -> None:
+        """Name the mappings in ``node`` and below; each list or mapping once, where it was written
+        (an alias is walked no further: `x: &s [*s]` holds itself, 10 aliases of 10 aliases ...)."""
+        if not isinstance(node, yaml.SequenceNode | yaml.MappingNode) or id(node) in walked:
+            return
+        walked.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                self._name_mappings(item, f"{path}[{index}]", walked)
+        else:
+            self.paths[id(node)] = path
+            for key_node, value_node in getattr(node, "written", None) or node.value:
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != YAML_MERGE_TAG:
+                    self._name_mappings(value_node, _key_path(path, key_node.value), walked)
+
+    def _name(self, node: yaml.MappingNode, key: Any) -> str:
+        path = getattr(self, "paths", {}).get(id(node), "")
+        if _is_plugin_key(path, str(key)):  # the plugin's key itself, not a setting inside it
+            return f"{path}.{key}"
+        return _key_path(path, str(key))
+
+    def construct_printable_int(self, node: yaml.ScalarNode) -> int:
+        """An int as PyYAML reads it, refused if Python cannot print it (more digits than
+        ``sys.get_int_max_str_digits()``: a hexadecimal one may have them), so every error that
+        shows a value can (it crashed with a traceback, exit 1)."""
+        value: int = self.construct_yaml_int(node)
+        try:
+            str(value)
+        except ValueError:
+            raise ValueError(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
+        return value
+
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         lines: dict[Any, int] = {}
         pairs: list[tuple[Any, Any]] = getattr(node, "written", None) or node.value or []
@@ -80,13 +119,32 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue  # a complex key (`? [1, 2]`): the parent's ConstructorError names it
             line = key_node.start_mark.line + 1
             if key in lines:
-                raise ConfigError(str(key), f"given twice in one mapping (lines {lines[key]} and {line}); say it once")
+                raise ConfigError(
+                    self._name(node, key), f"given twice in one mapping (lines {lines[key]} and {line}); say it once"
+                )
             lines[key] = line
             try:  # built once here (the loader keeps it for the mapping below), so its error names the key
                 self.construct_object(value_node, deep=deep)
             except ValueError as exc:  # PyYAML's int() or date() of a scalar: 4,301 digits or more, a 13th month
-                raise ConfigError(str(key), f"line {line}: a value YAML cannot read: {exc}") from exc
+                raise ConfigError(self._name(node, key), f"line {line}: a value YAML cannot read: {exc}") from exc
         return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_printable_int)
+
+
+def _key_path(path: str, key: str) -> str:
+    """A key as errors name it: the plugin's own as its settings are named (``store``,
+    ``replication.mode``, ``streams[0].max_count``), any other by its path from the top of the file
+    (``listeners.default.bind``)."""
+    if _is_plugin_key(path, key):
+        return ""
+    return f"{path}.{key}" if path else key
+
+
+def _is_plugin_key(path: str, key: str) -> bool:
+    """``key`` at ``path`` loads our plugin (amqtt takes ``plugins:`` as a mapping or a list)."""
+    return key == PLUGIN_PATH and re.fullmatch(r"plugins(\[\d+\])?", path) is not None
 
 
 def load_broker_config(path: str) -> dict[str, Any]:

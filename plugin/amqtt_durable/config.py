@@ -184,8 +184,8 @@ class DurableConfig:
     rejected). 0 (the default) allows any keep-alive, 0 included, as MQTT does."""
 
     listen_backlog: int = LISTEN_BACKLOG
-    """Connections the kernel holds for each TCP listener, and for the replication address, until
-    the broker accepts them (the listen backlog; amqtt's and asyncio's is 100). Past it, Linux
+    """Connections the kernel holds for each listener, TCP and websocket, and for the replication
+    address, until the broker accepts them (the listen backlog; amqtt's and asyncio's is 100). Past it, Linux
     drops a new connection's SYN and the client tries again 1 s later (then 3 s, 7 s): in a
     reconnect storm of more clients than the backlog, the late ones wait for that. The kernel caps
     it at net.core.somaxconn."""

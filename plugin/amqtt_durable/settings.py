@@ -11,8 +11,8 @@ from typing import Any
 from .errors import ConfigError
 
 LISTEN_BACKLOG = 512
-"""The default of ``listen_backlog``: the listen backlog of the broker's TCP listeners and of its
-replication address (config.DurableConfig.listen_backlog)."""
+"""The default of ``listen_backlog``: the listen backlog of the broker's listeners (TCP and websocket)
+and of its replication address (config.DurableConfig.listen_backlog)."""
 MAX_LISTEN_BACKLOG = 2**31 - 1
 """listen() takes a C int; a larger listen_backlog is passed as this (Linux caps it at somaxconn anyway)."""
 

@@ -21,6 +21,8 @@ import re
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
@@ -546,12 +548,22 @@ def _check_timing(config: ReplicationConfig, bad: Callable[[str, str], ConfigErr
             raise bad(key, f"must be a finite number of seconds above 0, got {value!r}")
     if config.demote_margin >= config.lease_ttl:
         raise bad("demote_margin", f"must be below lease_ttl ({config.lease_ttl}), got {config.demote_margin}")
-    if 2 * config.loop_wait > config.lease_ttl - config.demote_margin:
+    # In decimal, as the numbers were written: in binary floating point 2 * 0.45 > 2 - 1.1, which refused
+    # loop_wait 0.45 with lease_ttl 2 and demote_margin 1.1 as "at most ... = 0.45 s, got 0.45".
+    # Exactly (Fraction): 28-digit decimals took (9000000000 - 1e-300) / 2 for 4.5e9.
+    bound = (_written(config.lease_ttl) - _written(config.demote_margin)) / 2
+    if _written(config.loop_wait) > bound:
+        shown = Decimal(bound.numerator) / Decimal(bound.denominator)  # rounded to 28 digits to show it
         raise bad(
             "loop_wait",
-            f"must be at most (lease_ttl - demote_margin) / 2 = {(config.lease_ttl - config.demote_margin) / 2:g} s "
+            f"must be at most (lease_ttl - demote_margin) / 2 = {shown.normalize():f} s "
             f"so a primary gets two renewal attempts before it must step down, got {config.loop_wait}",
         )
+
+
+def _written(number: float) -> Fraction:
+    """A setting's number as broker.yaml wrote it, exactly: repr is the shortest decimal that reads back as it."""
+    return Fraction(repr(number))
 
 
 def _check_sizes(config: ReplicationConfig, bad: Callable[[str, str], ConfigError]) -> None:

@@ -629,7 +629,7 @@ def _listening_on(address: str) -> Iterator[None]:
 
 
 def _loopback(host: str) -> bool:
-    if host == "localhost":
+    if host.lower() == "localhost":  # a host name's case does not matter (LOCALHOST resolves as localhost)
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
