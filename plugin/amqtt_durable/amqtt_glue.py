@@ -2329,6 +2329,7 @@ def _wrap_handler(
         _connected_for_its_connack(session, authorize)
         if not authorize:  # amqtt's own authentication failed: it would keep this Session for ever
             _forget_refused(broker, engine, handler, session)
+            handler.durable_published.refused()  # before its CONNACK gives the client id's turn back
         if authorize and not engine.serving:  # demoted since its CONNECT was read (checked there too)
             why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {NOT_SERVING}"
             await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
@@ -2737,9 +2738,16 @@ class PublishedMessages:
         self._handed = asyncio.Event()
         """Set once the loop's end handed the rest over, or the connection ended without a loop."""
         self._handing_later = False
+        self._released = asyncio.Event()
+        """Set once a connection made after this one ended waits for it no more (``succeed``): all
+        handed over, or this connection's bound passed (``loop_end_handled``)."""
+        self._bound: asyncio.TimerHandle | None = None
+        self._deadline: float | None = None
         self._latest: tuple[dict[str, PublishedMessages], str] | None = None
         self._older: PublishedMessages | None = None
         """The connection this one took over, while its messages are not all handed over (``follow``)."""
+        self._until_released = False
+        """Whether this connection waits for ``_older`` only until its bound (``succeed``), not till all are handed."""
         self._in_hand: list[Any] = []
         """The message the loop took from the queue and has not handed to the broker: amqtt's loop
         drops it when the connection's end comes in the same pass (five QoS 1 PUBLISHes and a
@@ -2790,9 +2798,28 @@ class PublishedMessages:
             # follows the one this one would have followed.
             self._all_handed(self._older if self._broker is None and self.follows() else None)
 
+    def refused(self) -> None:
+        """Its CONNECT was refused at its CONNACK: the client id's next connection, which may take the
+        turn as the refusal's CONNACK is written, follows the one this one would have followed."""
+        self._all_handed(self._older if self.follows() else None)
+
+    def loop_end_handled(self) -> float:
+        """The connection's end is done (closed; a durable session detached): its bound, CHANGES_GRACE
+        from now, starts. Returns it: what the connection published waits for the connection it took
+        over until then, and so does a connection made after this one ended (``succeed``)."""
+        loop = asyncio.get_running_loop()
+        if self._deadline is None:
+            self._deadline = loop.time() + CHANGES_GRACE
+            if not self._released.is_set():
+                self._bound = loop.call_at(self._deadline, self._released.set)
+        return self._deadline
+
     def _all_handed(self, instead: PublishedMessages | None = None) -> None:
         """Every message handed over: the client id's latest connection is ``instead``, or none."""
         self._handed.set()
+        self._released.set()
+        if self._bound is not None:
+            self._bound.cancel()
         if self._latest is not None:
             latest, client_id = self._latest
             if latest.get(client_id) is self:
@@ -2807,14 +2834,21 @@ class PublishedMessages:
         one has ended and is still handing its messages over (its loop stuck on a topic plugin's
         check, or waiting for the connection it took over, ``hand_over_later``): one still live is
         followed as amqtt's take-over (or ``AmqttHooks.delete_session``) ends it; an ended one was
-        not, and what this connection published reached clean subscribers before what it still held."""
+        not, and what this connection published reached clean subscribers before what it still held.
+        An ended one is followed only until its bound (``loop_end_handled``): its own hand-over may be
+        stuck on a topic plugin's check of a message it published, and this live connection's messages
+        waited for it with no limit."""
         previous = latest.get(client_id)
-        if previous is not None and getattr(previous._handler, "durable_disconnected", False):
-            self.follow(previous)
+        if (  # ended, and not the one it takes over (followed until all are handed)
+            previous is not None
+            and previous is not self._older
+            and getattr(previous._handler, "durable_disconnected", False)
+        ):
+            self.follow(previous, until_released=True)
         latest[client_id] = self
         self._latest = (latest, client_id)
 
-    def follow(self, older: PublishedMessages) -> None:
+    def follow(self, older: PublishedMessages, *, until_released: bool = False) -> None:
         """A take-over of the connection whose messages are ``older``: this connection's go to the
         broker only once the older connection's loop has handed all of its own over. Its loop may
         still be in the middle of one (a topic plugin's slow check): amqtt's take-over of a Session
@@ -2822,10 +2856,14 @@ class PublishedMessages:
         subscribers first."""
         if older is not self and not older._handed.is_set():
             self._older = older
+            self._until_released = until_released
 
     def follows(self) -> bool:
         """Whether this connection's messages still wait for those of the connection it took over."""
-        return self._older is not None and not self._older._handed.is_set()
+        return self._older is not None and not self._waited_for(self._older).is_set()
+
+    def _waited_for(self, older: PublishedMessages) -> asyncio.Event:
+        return older._released if self._until_released else older._handed
 
     def hand_over_later(self, coroutine: Coroutine[Any, Any, None]) -> None:
         """The loop's end hands over in ``coroutine``, after the connection's handling ended."""
@@ -2842,7 +2880,7 @@ class PublishedMessages:
         """Returns once the connection this one took over has handed its messages over (``follow``)."""
         older = self._older
         if older is not None:
-            await older._handed.wait()
+            await self._waited_for(older).wait()
             self._older = None
 
     def end(self) -> None:
@@ -2937,6 +2975,7 @@ async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> Non
     check took (for ever: every connection of a take-over chain kept its places). Then its messages
     go without waiting any more: none is lost, but they go before what the older one still holds."""
     published: PublishedMessages = handler.durable_published
+    published.loop_end_handled()
     published.release_all_read()
     if published.follows():
         published.hand_over_later(_hand_over_after_the_older(broker, session, handler))
@@ -2946,10 +2985,10 @@ async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> Non
 
 async def _hand_over_after_the_older(broker: Any, session: Any, handler: Any) -> None:
     """``hand_over_what_is_left`` of a connection that took over: once the older connection has
-    handed its messages over, or CHANGES_GRACE after this connection's message loop ended."""
+    handed its messages over, or at this connection's bound (``PublishedMessages.loop_end_handled``)."""
     try:
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(CHANGES_GRACE):
+            async with asyncio.timeout_at(handler.durable_published.loop_end_handled()):
                 await handler.durable_published.after_the_older()
         await _hand_over(broker, session, handler)
     except Exception as exc:  # as amqtt's loop would have ended on it
@@ -3166,15 +3205,19 @@ async def _refuse_connect(handler: Any, session: Any, return_code: int, why: str
     connack = ConnackPacket.build(0, return_code)
     # Not amqtt's _send_packet: on a websocket the client had closed, it logged the routine
     # ConnectionClosed as a WARNING "Unhandled exception: received 1005 ..." (and let it escape).
-    try:
-        await connack.to_stream(handler.writer)
+    handler.durable_published.refused()
+    try:  # as amqtt's _send_packet: under its write lock, if it has a writer; PACKET_SENT either way
+        if handler.writer:
+            async with handler._write_lock:
+                await connack.to_stream(handler.writer)
         await handler.plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack, session=session)
     except (ConnectionClosed, OSError) as exc:
         log.debug("%s: the connection closed before its refusal: %r", session.client_id, exc)
     handler.durable_disconnected = True  # _keep_the_newer_connection_connected
     session.transitions.disconnect()
-    with contextlib.suppress(ConnectionClosed, OSError):
-        await handler.writer.close()
+    if handler.writer:
+        with contextlib.suppress(ConnectionClosed, OSError):
+            await handler.writer.close()
     raise AMQTTError(f"{session.client_id}: CONNECT refused when its CONNACK was due")
 
 
