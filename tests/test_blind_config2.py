@@ -469,6 +469,41 @@ def test_a_key_given_twice_is_named_as_the_settings_are(tmp_path: Path, body: st
     assert re.search(rf"'{re.escape(named)}': given twice in one mapping \(lines \d+ and \d+\)", str(raised.value))
 
 
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ("plugins:\n  {plugin}:\n    <<: {{store: {a}, store: {b}}}\n", "<<.store"),
+        ("plugins:\n  {plugin}:\n    <<: [&m {{store: {a}, store: {b}}}]\n", "<<[0].store"),
+        ("shared:\n  <<: &m {{x: 1, x: 2}}\nplugins:\n  {plugin}:\n    <<: *m\n    store: {a}\n", "shared.<<.x"),
+    ],
+)
+def test_a_key_given_twice_in_a_merged_mapping_stops_the_real_broker_naming_it_where_written(
+    tmp_path: Path, body: str, named: str
+) -> None:
+    """configuration.md: "a key given twice in one mapping (anywhere in the file, a mapping merged with
+    `<<:` too, named where it is written ...)" stops the broker (exit 2); PyYAML reads a merged
+    mapping's pairs itself, and the second `store:` was used unseen."""
+    config = tmp_path / "broker.yaml"
+    first, second = tmp_path / "first", tmp_path / "second"
+    config.write_text(body.format(plugin=PLUGIN, a=first, b=second))
+    result = run_cli("broker", "-c", str(config))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"'{named}': given twice in one mapping (lines " in result.stderr, result.stderr[-3000:]
+    assert not first.exists() and not second.exists()
+
+
+def test_the_plugin_listed_in_two_items_of_plugins_stops_the_real_broker_naming_the_second(tmp_path: Path) -> None:
+    """configuration.md: the plugin "listed in two items of a `plugins:` list" stops the broker (exit 2)
+    naming `plugins[1].amqtt_durable.DurableSessionsPlugin`; the second item's store was used unseen."""
+    config = tmp_path / "broker.yaml"
+    first, second = tmp_path / "first", tmp_path / "second"
+    config.write_text(f"plugins:\n  - {PLUGIN}:\n      store: {first}\n  - {PLUGIN}:\n      store: {second}\n")
+    result = run_cli("broker", "-c", str(config))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"'plugins[1].{PLUGIN}': given twice" in result.stderr, result.stderr[-3000:]
+    assert not first.exists() and not second.exists()
+
+
 @pytest.mark.timeout(20)
 def test_lists_made_of_aliased_lists_load_at_once(tmp_path: Path) -> None:
     """Naming each mapping's place for errors walks every list once: 9 levels of a list made of 10
@@ -490,16 +525,26 @@ def test_a_list_that_holds_itself_loads_as_yaml_reads_it(tmp_path: Path) -> None
     assert loaded["m"]["self"] is loaded["m"]
 
 
-def test_loop_wait_is_compared_with_its_bound_exactly_whatever_the_digits() -> None:
+@pytest.mark.parametrize(
+    ("lease_ttl", "demote_margin", "loop_wait", "under"),
+    [(9_000_000_000, 1e-300, 4.5e9, 4.4e9), (2, 5e-324, 1.0, 0.99)],
+)
+def test_loop_wait_is_compared_with_its_bound_exactly_whatever_the_digits(
+    lease_ttl: float, demote_margin: float, loop_wait: float, under: float
+) -> None:
     """`loop_wait` "at most `(lease_ttl - demote_margin) / 2`" however many digits it takes to tell:
-    (9000000000 - 1e-300) / 2 is below 4.5e9, which 28-digit decimals rounded to equal."""
-    replication = {"role": "primary", "lease_ttl": 9_000_000_000, "demote_margin": 1e-300, "loop_wait": 4.5e9}
+    (9000000000 - 1e-300) / 2 is below 4.5e9, which 28-digit decimals rounded to equal; and the bound
+    the error shows is below the value refused (rounded half-even it read "= 4500000000 s ... got
+    4500000000.0")."""
+    replication = {"role": "primary", "lease_ttl": lease_ttl, "demote_margin": demote_margin, "loop_wait": loop_wait}
     with pytest.raises(ConfigError) as refused:
         DurableConfig.from_mapping({"replication": replication})
     assert refused.value.key == "replication.loop_wait", refused.value
-    assert str(refused.value).endswith("got 4500000000.0"), refused.value
-    accepted = DurableConfig.from_mapping({"replication": {**replication, "loop_wait": 4.4e9}}).replication
-    assert accepted is not None and accepted.loop_wait == 4.4e9
+    assert str(refused.value).endswith(f"got {loop_wait}"), refused.value
+    shown = re.search(r"/ 2 = (\S+) s", str(refused.value))
+    assert shown is not None and Decimal(shown[1]) < Decimal(repr(loop_wait)), refused.value
+    accepted = DurableConfig.from_mapping({"replication": {**replication, "loop_wait": under}}).replication
+    assert accepted is not None and accepted.loop_wait == under
 
 
 HUGE = "0x" + "f" * 4000  # an int of 4,817 decimal digits: Python's str() refuses ints over 4,300 digits
@@ -531,4 +576,21 @@ def test_an_integer_too_long_to_print_stops_the_real_broker_with_exit_2_naming_i
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"'{named}': " in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert len(result.stderr) < 1000, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("place", "line"),
+    [(f"extra: [1, {HUGE}]\n", 1), (f"extra:\n  - 1\n  - {HUGE}\n", 3), (f"extra:\n  ? {HUGE}\n  : 1\n", 2)],
+)
+def test_an_integer_too_long_to_print_in_a_list_or_as_a_key_is_given_its_line(
+    tmp_path: Path, place: str, line: int
+) -> None:
+    """An over-long integer with no key name to show (an item of a list, a key itself) stops the real
+    broker with exit 2 naming its line (the error named only the file)."""
+    config = tmp_path / "broker.yaml"
+    config.write_text(place + f"plugins:\n  {PLUGIN}:\n    store: {tmp_path / 'store'}\n")
+    result = run_cli("broker", "-c", str(config))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"'-c': '{config}' line {line}: a value YAML cannot read: an integer of more than " in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr) < 1000, result.stderr[-3000:]
     assert not (tmp_path / "store").exists()

@@ -573,9 +573,13 @@ def test_another_amqtt_version_is_refused_with_the_documented_line(
     assert not probe_connack(broker.port)
 
 
+BROKER_NAMES = {"broker", "_broker"}
+"""What the glue calls amqtt's Broker: a name, or an attribute of ``self``."""
+
+
 def test_every_broker_attribute_the_glue_uses_is_checked_at_start_up() -> None:
     """The version check above also names what another amqtt lacks: every attribute of amqtt's Broker
-    the glue reaches for (``broker.X``, ``self.broker.X``) is in ``_BROKER_INTERNALS``, so an amqtt
+    the glue reaches for (``broker.X``, ``self.broker.X``, ``self._broker.X``) is in ``_BROKER_INTERNALS``, so an amqtt
     without it refuses to start rather than fail on the first websocket client (``ws_connected``
     was used and not checked). ``plugins_manager`` is not yet set when the plugin checks: amqtt sets
     it once the PluginManager loading this plugin returns."""
@@ -585,8 +589,8 @@ def test_every_broker_attribute_the_glue_uses_is_checked_at_start_up() -> None:
         for node in ast.walk(tree)
         if isinstance(node, ast.Attribute)
         and (
-            (isinstance(node.value, ast.Name) and node.value.id == "broker")
-            or (isinstance(node.value, ast.Attribute) and node.value.attr == "broker")
+            (isinstance(node.value, ast.Name) and node.value.id in BROKER_NAMES)
+            or (isinstance(node.value, ast.Attribute) and node.value.attr in BROKER_NAMES)
         )
     }
     assert "stream_connected" in used and "ws_connected" in used, sorted(used)

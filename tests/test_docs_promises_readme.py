@@ -312,7 +312,7 @@ def test_a_qos2_message_whose_pubrec_came_gets_pubrel_again_not_publish(
 
 def test_interest_durable_true_undoes_a_non_durable_interest(broker: Broker, clients: Callable[..., Client]) -> None:
     """protocol.md, `interest`: "`durable: false` makes that filter's subscription non-durable: the
-    broker drops it when the connection ends ... `durable: true` undoes it." Reply: `filter`,
+    broker drops it when the connection that sent it ends ... `durable: true` undoes it." Reply: `filter`,
     `durable`; the hello reply lists the subscriptions the session holds."""
     device = clients(broker.port, "undo-interest")
     assert request(device, "hello").ok

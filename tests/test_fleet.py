@@ -4,6 +4,7 @@ and publisher processes, delivery logs and the Spark audit (slow), and its input
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from amqtt_durable.cli import PLUGIN_PATH
 from amqtt_durable.store import open_store
 from conftest import Broker, run_cli
 from durable_fleet.cli import build_parser, options_from
-from durable_fleet.model import FAULT_KINDS, Fault
+from durable_fleet.model import FAULT_KINDS, Fault, FleetResult
 from durable_fleet.report import write_fleet_report
 from durable_fleet.runner import FleetOptions, run_fleet
 from durable_fleet.schedule import random_schedule
@@ -27,6 +28,18 @@ BROKER_YAML = {
     },
 }
 KEEPALIVE = 2
+
+
+def assert_every_device_held(result: FleetResult) -> None:
+    """The audit's verdict, device by device: every kind ran, nothing lost or out of order, cpl2 exactly-once."""
+    assert {device.kind for device in result.devices} == {"cpl1", "cpl2", "paho"}
+    for device in result.devices:
+        assert device.expected > 0, device
+        assert device.lost == 0, device
+        assert device.out_of_order == 0, device
+        if device.kind == "cpl2":
+            assert device.duplicated == 0, device
+    assert result.ok, result.failures
 
 
 def fleet_options(out: Path, spark: Any, faults: list[Fault], **settings: Any) -> FleetOptions:
@@ -49,17 +62,9 @@ def test_twenty_devices_lose_nothing_through_every_kind_of_fault(tmp_path: Path,
     for kind in ("drop", "stall"):  # and the proxy really broke links
         assert sum(int(a.detail.split()[0]) for a in result.faults if a.fault.kind == kind) > 0, result.faults
     assert result.sent > 750  # 60/s for 20 s is 1200: 62.5% of it, as 1500 of 2400 in 40 s was
-    kinds = {device.kind for device in result.devices}
-    assert kinds == {"cpl1", "cpl2", "paho"}
-    for device in result.devices:
-        assert device.expected > 0, device
-        assert device.lost == 0, device
-        assert device.out_of_order == 0, device
-        if device.kind == "cpl2":
-            assert device.duplicated == 0, device
+    assert_every_device_held(result)
     restarted = [device for device in result.devices if device.restarts]
     assert any(device.kind == "cpl2" for device in restarted)  # exactly once across a process SIGKILL
-    assert result.ok, result.failures
     assert max(sample.queued or 0 for sample in result.samples) > 0  # queues grew while devices were away
     assert result.latencies  # replays happened and were timed
 
@@ -87,14 +92,7 @@ def test_an_ha_pair_loses_nothing_through_primary_kills_and_a_partition(tmp_path
     ], details
     assert all("its backup caught up" in detail for detail in details)  # whole again after each
     assert result.sent > 855  # 60/s for 25 s is 1500; at least 57% of it through 3 primary faults
-    assert {device.kind for device in result.devices} == {"cpl1", "cpl2", "paho"}
-    for device in result.devices:
-        assert device.expected > 0, device
-        assert device.lost == 0, device
-        assert device.out_of_order == 0, device
-        if device.kind == "cpl2":
-            assert device.duplicated == 0, device
-    assert result.ok, result.failures
+    assert_every_device_held(result)
     assert "replicated pair" in result.settings["broker"]
     assert all((tmp_path / "out" / "brokers" / name / "store").is_dir() for name in ("a", "b"))
 
@@ -137,6 +135,28 @@ def test_a_running_broker_is_tested_in_place_and_left_without_fleet_sessions(
         assert [key for key, _ in db.iterator(prefix=b"s")] == []
     finally:
         db.close()
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_ha_pair_loses_nothing_through_a_full_stop_of_the_group(tmp_path: Path, spark: Any) -> None:
+    """--ha, group_kill: both brokers SIGKILLed at once and started again; the pair elects a primary by
+    itself (no primary within 60 s: the run raises BrokerLostError), the devices follow it, and the audit's
+    verdict holds. A primary_kill afterwards shows the elected pair fails over as any."""
+    faults = [Fault(5.0, "group_kill", None, 1.0), Fault(13.0, "primary_kill", None, 1.0)]
+    result = run_fleet(fleet_options(tmp_path / "out", spark, faults, devices=6, processes=2, duration=22.0,
+                                     rate=60.0, ha=True))
+
+    group, kill = result.faults
+    assert group.fault.kind == "group_kill" and kill.fault.kind == "primary_kill"
+    elected = re.fullmatch(r"[ab] \(primary\) and its backup killed; both restarted: ([ab]) elected primary "
+                           r"[\d.]+ s later, its backup caught up [\d.]+ s after that", group.detail)
+    assert elected, group.detail
+    assert kill.detail.startswith(f"{elected[1]} (primary) killed; restarted: "), kill.detail
+    assert result.sent > 660  # 60/s for 22 s is 1320: at least half of it through a full stop and a failover
+    assert_every_device_held(result)
+    write_fleet_report(result)
+    page = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
+    assert "group_kill" in page and "pair" in page
 
 
 def write_broker_yaml(tmp_path: Path, content: Any) -> Path:

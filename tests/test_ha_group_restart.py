@@ -9,6 +9,7 @@ lack acknowledged publishes never takes the lease."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from test_ha_brokers import (
     node,
     queue_durable_messages,
     start,
+    status,
     wait_status,
 )
 
@@ -32,6 +34,7 @@ from amqtt_durable.process import EtcdProcess
 from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.coordinator import Leader
 from amqtt_durable.replication.etcd import EtcdCoordinator
+from amqtt_durable.store import open_store
 from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
 
 pytestmark = pytest.mark.timeout(180)
@@ -218,3 +221,165 @@ def test_in_async_mode_only_the_last_primary_takes_over_after_a_full_stop(
     assert served_by(first), first.log()
     assert_queue_served(first, clients, QUEUED)
     assert wait_status(second, lambda s: s["caught_up"])["primary"] == address(first)
+
+
+def inspected(broker: Broker) -> tuple[dict[str, Any], list[str]]:
+    """``inspect --replication`` of a running node: its JSON and its text lines."""
+    shown = run_cli("inspect", "--replication", address(broker), "--json")
+    assert shown.returncode == 0, shown.stderr
+    text = run_cli("inspect", "--replication", address(broker))
+    assert text.returncode == 0, text.stderr
+    return json.loads(shown.stdout), text.stdout.splitlines()
+
+
+def test_inspect_shows_whom_a_node_waits_for_after_a_full_stop_and_a_member_whose_promotion_failed(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
+) -> None:
+    """docs/replication.md, Watching it: after a full stop, a waiting node's status names the nodes it
+    waits for (``waiting_for``, the text's ``waiting for:`` line), and the members' rows say which one's
+    last promotion failed (``promotion_failed``): the one that holds nobody back."""
+    first, second = ha_pair(broker_factory, etcd)
+    queue_durable_messages(first, clients, QUEUED)
+    kill_all(first, second)
+    db = open_store(first.store, create=False)
+    db.put(b"sbroken-device", b"\xff not a session record")  # a's store will not load: its promotions fail
+    db.close()
+
+    first.spawn()  # a, the last primary, waits up to lease_ttl for b, then tries and fails, again and again
+    waiting = wait_status(first, lambda s: s.get("waiting_for") == ["b"], FAILOVER_WAIT)
+    assert "waiting up to 2 s for b" in waiting["waiting"], waiting
+    failed = wait_status(
+        first, lambda s: [row["promotion_failed"] for row in s["members"] if row["name"] == "a"] == [True],
+        FAILOVER_WAIT,
+    )
+    assert "broken-device" in failed["promotion_failed"], failed
+    assert lease_holder(etcd) is None and connack_code(first.port) == BACKUP
+    _, lines = inspected(first)
+    row = next(line for line in lines if line.startswith("    a: backup, at batch "))
+    assert row.endswith(", its last promotion failed"), lines
+    shown: list[str] = []
+
+    def says_waiting_for_b() -> bool:  # a cycle that waits for b, between two that try the lease
+        shown[:] = run_cli("inspect", "--replication", address(first)).stdout.splitlines()
+        return "  waiting for: b" in shown
+
+    assert first.wait_until(says_waiting_for_b, FAILOVER_WAIT), shown
+
+    second.spawn()  # b, in a's synchronous set, is not held back by a, whose promotion failed
+    assert served_by(second), f"{second.log()}\n{first.log()}"
+    assert lease_holder(etcd) == "b"
+    assert_queue_served(second, clients, QUEUED)
+    primary, lines = inspected(second)
+    assert primary["role"] == "primary" and "waiting_for" not in primary
+    assert all(row["promotion_failed"] is False for row in primary["members"] if row["name"] == "b"), primary
+
+
+def waits_not_caught_up(broker: Broker, clients: Callable[..., Client], acknowledged: int) -> None:
+    """``broker`` waits, saying it is not caught up with the last primary; the fault, that it serves
+    (what it lacks of the ``acknowledged`` publishes), fails the test."""
+
+    def decided() -> bool:
+        current = status(broker)
+        return connack_code(broker.port) == SERVING or (
+            current is not None and "not caught up with the last one" in current.get("waiting", "")
+        )
+
+    assert broker.wait_until(decided, FAILOVER_WAIT), broker.log()
+    if connack_code(broker.port) == SERVING:
+        served = clients(broker.port, "device").wait_messages(acknowledged, 5.0)
+        pytest.fail(f"the backup took the lease serving {len(served)} of {acknowledged} acknowledged publishes")
+
+
+@pytest.mark.parametrize(
+    "resumed",
+    [
+        "while-b-holds-the-lease",  # c follows b (never answered): it is not caught up with a new primary
+        "after-b-s-lease-ended",  # c never saw b: the coordinator's last primary is not the one it followed
+    ],
+)
+def test_a_backup_caught_up_with_an_earlier_primary_does_not_take_over_after_an_async_primary_deleted_the_set(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess, resumed: str
+) -> None:
+    """A group part-way through a switch from sync to async mode. a (sync) acknowledges ``later`` with b only,
+    after c stopped answering (frozen: its record still says caught up with a). b (already configured async)
+    takes over, deletes a's synchronous set once it serves, and is killed before it acknowledged anything. c,
+    running again, was never caught up with b, the last primary: it must not take the lease (it lacks
+    ``later``), though no synchronous set holds it back any more; b, started again, takes over with every
+    acknowledged publish."""
+    ha: dict[str, Any] = {"coordinator": [etcd.url], **HA_TIMING}
+    first = start(node(broker_factory, "a", **ha, ack_timeout=1), SERVING)
+    second = start(node(broker_factory, "b", **ha, mode="async"), BACKUP)
+    third = start(node(broker_factory, "c", **ha), BACKUP)
+    for backup in (second, third):
+        wait_status(backup, lambda s: s["caught_up"])
+    assert first.wait_until(lambda: sync_set(etcd) == frozenset({"b", "c"}), WAIT)
+    queue_durable_messages(first, clients, QUEUED)
+    # More than the socket buffers between a and c hold (about 24 MiB): c gets only part of it.
+    later = [b"later-%06d" % n + b"x" * 16_378 for n in range(1500)]
+    with third.paused():  # c reads nothing of what follows: it still says caught up with a
+        publisher = clients(first.port, "publisher", clean_session=True)
+        publisher.publish("t/a", later)  # acknowledged once a dropped c (ack_timeout) and published {b}
+        publisher.disconnect()
+        assert sync_set(etcd) == frozenset({"b"})
+        first.kill()
+        assert served_by(second), second.log()
+        assert second.wait_until(lambda: sync_set(etcd) is None, WAIT), second.log()  # async mode: deleted
+        second.kill()  # before it acknowledged anything
+        if resumed == "after-b-s-lease-ended":
+            assert third.wait_until(lambda: lease_holder(etcd) is None, FAILOVER_WAIT)  # c is paused, not ended
+
+    waits_not_caught_up(third, clients, QUEUED + len(later))
+    assert lease_holder(etcd) is None, third.log()
+    waiting = status(third)
+    assert waiting is not None and waiting["waiting_for"] == ["b"], waiting  # the last primary, no set left
+    assert waiting["caught_up"] is False, waiting  # with a, not with the last primary
+
+    second.spawn()  # the last primary: it takes over with everything a acknowledged
+    assert served_by(second), second.log()
+    device = clients(second.port, "device")
+    assert device.session_present is True
+    assert [m.payload for m in device.wait_messages(QUEUED + len(later))] == payloads(QUEUED) + later
+    assert wait_status(third, lambda s: s["caught_up"])["primary"] == address(second)
+
+
+def test_a_backup_caught_up_with_an_earlier_term_of_the_last_primary_does_not_take_over(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
+) -> None:
+    """Review 260 (ABA, async mode): c is caught up with a's first term, then frozen through b's term
+    (b acknowledges ``x``) and a's second one (a restarted, caught up with b, took over when b died and
+    acknowledged ``y``); a dies. The last primary is named a again, but c's IN_SYNC came from a's first
+    term: c must not take the lease without ``x`` and ``y``; a, started again, takes over with all."""
+    ha = {"coordinator": [etcd.url], **HA_TIMING, "mode": "async"}
+    first = start(node(broker_factory, "a", **ha), SERVING)
+    second = start(node(broker_factory, "b", **ha), BACKUP)
+    third = start(node(broker_factory, "c", **ha), BACKUP)
+    for backup in (second, third):
+        wait_status(backup, lambda s: s["caught_up"])
+    queue_durable_messages(first, clients, QUEUED)
+    head = status(first)["batch"]
+    wait_status(third, lambda s: s["batch"] >= head)
+    x = [b"x-%04d" % n for n in range(100)]
+    y = [b"y-%04d" % n for n in range(100)]
+    with third.paused():
+        first.kill()
+        assert served_by(second), second.log()
+        publisher = clients(second.port, "pub-x", clean_session=True)
+        publisher.publish("t/a", x)  # acknowledged by b
+        publisher.disconnect()
+        first.spawn()
+        wait_status(first, lambda s: s["caught_up"] and s["primary"] == address(second), FAILOVER_WAIT)
+        second.kill()
+        assert served_by(first), first.log()  # a's second term
+        publisher = clients(first.port, "pub-y", clean_session=True)
+        publisher.publish("t/a", y)
+        publisher.disconnect()
+        first.kill()
+        assert third.wait_until(lambda: lease_holder(etcd) is None, FAILOVER_WAIT)
+
+    waits_not_caught_up(third, clients, QUEUED + len(x) + len(y))
+    waiting = status(third)
+    assert waiting is not None and waiting["waiting_for"] == ["a"] and waiting["caught_up"] is False, waiting
+    first.spawn()  # the last primary: it takes over with everything acknowledged
+    assert served_by(first), first.log()
+    device = clients(first.port, "device")
+    assert [m.payload for m in device.wait_messages(QUEUED + len(x) + len(y))] == payloads(QUEUED) + x + y

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import socket
 import threading
 from collections.abc import Callable
@@ -23,14 +24,18 @@ from pathlib import Path
 
 import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly
+from test_protocol import request
 
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.delivery import AckKind
 from amqtt_durable.engine import DurableEngine
+from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads
+from durable_client import DurableClient
 
 GATE_PLUGIN = '''
 import asyncio
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -50,6 +55,11 @@ class ConnectionGate(BasePlugin):
       message loop once ``second``'s CONNECT is read; ``second`` waits for a connection with
       client id ``release`` (its CONNACK, and its take-over of ``first``, come after that);
       ``first-late`` enters its message loop only after ``second`` has entered its own.
+    * ``end-held``: the end of the first such connection to end is held right after amqtt has
+      handled it (its Session counts as disconnected, its socket is closed), before the rest of
+      its message loop's end (the durable plugin's detach), until a connection with client id
+      ``release-after-held`` enters its message loop (which then waits until that end has run);
+      logs "held the end of a connection" as the hold begins.
     """
 
     @dataclass
@@ -59,7 +69,9 @@ class ConnectionGate(BasePlugin):
     async def on_broker_post_start(self) -> None:
         broker = self.context._broker_instance
         initialize, message_loop = broker._initialize_client_session, broker._client_message_loop
+        handle_disconnect = broker._handle_disconnect
         events = defaultdict(asyncio.Event)
+        end_held = []
 
         async def wait(name):
             await asyncio.wait_for(events[name].wait(), HOLD_LIMIT)
@@ -71,6 +83,13 @@ class ConnectionGate(BasePlugin):
                 events["second read"].set()
                 await wait("release")
             return handler, session
+
+        async def handle_disconnect_held(session, handler, disconnect_waiter):
+            await handle_disconnect(session, handler, disconnect_waiter)
+            if getattr(handler, "gate_role", None) == "end-held" and not end_held:
+                end_held.append(handler)
+                logging.getLogger("connection_gate").warning("held the end of a connection")
+                await wait("release")
 
         async def client_message_loop(session, handler):
             role = getattr(handler, "gate_role", None)
@@ -92,22 +111,30 @@ class ConnectionGate(BasePlugin):
             elif session.client_id == "release-after-held":
                 events["release"].set()
                 await wait("held done")
-            await message_loop(session, handler)
+            try:
+                await message_loop(session, handler)
+            finally:
+                if end_held and handler is end_held[0]:
+                    events["held done"].set()
 
         broker._initialize_client_session = initialize_client_session
         broker._client_message_loop = client_message_loop
+        broker._handle_disconnect = handle_disconnect_held
 '''
 
 
 def gated_broker(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, *, ws: bool = False
 ) -> tuple[Broker, Client]:
     """A broker with GATE_PLUGIN (recovery_buffer 10; any user may take a session over: roles are
-    usernames) and durable session dev subscribed to race/t (QoS 1), disconnected: (broker, dev)."""
+    usernames; ``ws``: a websocket listener too) and durable session dev subscribed to race/t (QoS 1),
+    disconnected: (broker, dev)."""
     (tmp_path / "connection_gate.py").write_text(GATE_PLUGIN)
     broker = broker_factory(start=False, recovery_buffer=10, session_takeover="any-user")
     broker.pythonpath.append(str(tmp_path))
     broker.extra_plugins["connection_gate.ConnectionGate"] = {}
+    if ws:
+        broker.ws_port = free_port()
     broker.start()
     device = clients(broker.port, "dev")
     assert device.subscribe("race/t", 1) == [1]
@@ -295,3 +322,86 @@ def test_a_connect_right_after_a_connection_closed_at_its_connect_gets_its_conna
             header = read_exactly(second, 2)
             body = read_exactly(second, header[1])
             assert header[0] & 0xF0 == 0x30 and body.endswith(f"r{round_}".encode()), (header, body)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("end", ["disconnect", "take-over", "websocket-disconnect", "websocket-take-over"])
+def test_a_non_durable_subscription_ends_with_its_connection_whatever_order_its_end_and_the_next_attach_run_in(
+    end: str, broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """docs/protocol.md, `interest`: "`durable: false` makes that filter's subscription
+    non-durable: the broker drops it when the connection that sent it ends". The end of the connection that made
+    it (a DISCONNECT, or a take-over by a new CONNECT of its client id) is held after amqtt has
+    handled it, before the durable plugin's detach (GATE_PLUGIN's ``end-held``: a loaded broker, in which
+    the newer connection's attach runs first). The newer connection's hello lists the session's
+    subscriptions without it, and a non-durable subscription the newer connection makes is still
+    there once the older connection's end has run. Before the fix neither the attach nor the older
+    connection's detach (the session no longer its) dropped it: it outlived the connection for good."""
+    websocket = end.startswith("websocket-")
+    broker, _ = gated_broker(broker_factory, clients, tmp_path, ws=websocket)
+    port = broker.ws_port if broker.ws_port is not None else broker.port
+    transport = "websockets" if websocket else "tcp"
+    older = clients(port, "held", username="end-held", transport=transport)
+    assert request(older, "hello").ok
+    assert older.subscribe([("held/keep", 1), ("held/older", 1)]) == [1, 1]
+    assert request(older, "interest", filter="held/older", durable=False).ok
+    if end.endswith("disconnect"):
+        older.disconnect()
+        assert broker.wait_until(lambda: "held the end of a connection" in broker.log(), WAIT), broker.log()[-2000:]
+    newer = clients(port, "held", username="end-held", transport=transport)
+    assert newer.session_present is True
+    if end.endswith("take-over"):
+        assert older.wait_disconnected(), "the older connection was not ended"
+        assert broker.wait_until(lambda: "held the end of a connection" in broker.log(), WAIT), broker.log()[-2000:]
+    assert request(newer, "hello").fields["subscriptions"] == {"held/keep": 1}, "outlived its connection"
+    assert newer.subscribe("held/newer", 1) == [1]
+    assert request(newer, "interest", filter="held/newer", durable=False).ok
+
+    release = clients(broker.port, "release-after-held", clean_session=True)
+    assert release.subscribe("release/none", 0) == [0], "no SUBACK"  # once the older connection's end has run
+    assert request(newer, "hello").fields["subscriptions"] == {"held/keep": 1, "held/newer": 1}
+    assert request(newer, "ready").ok
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("held/older", [b"older"])
+    publisher.publish("held/newer", [b"newer"])
+    publisher.publish("held/keep", [b"keep"])
+    assert newer.wait_for(lambda ms: any(m.topic == "held/keep" for m in ms))
+    assert [m.topic for m in newer.messages if m.topic.startswith("held/")] == ["held/newer", "held/keep"]
+
+
+@pytest.mark.timeout(120)
+def test_a_subscription_made_durable_again_while_disconnected_survives_the_older_connections_late_end(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """The SDK, subscribe(durable=True) of a filter made non-durable, while not connected: the
+    broker's session holds the filter non-durable, made so by an older connection of the client id
+    that this CONNECT takes over and whose end runs late (GATE_PLUGIN's ``end-held``). The SDK's
+    ``interest durable: true`` goes before its hello; the subscription is there, durable, once the
+    older connection's end has run. (amqtt's take-over closes the older connection before the
+    durable plugin sees this CONNECT, which then ends the filter: this passes without the SDK's
+    request too. The broker still counting the older connection open at the CONNECT, where the
+    hello listed the filter and the SDK sent nothing, is tests/unit/test_sdk_client.py's
+    ``..._says_so_before_the_hello`` and test_replay_marker.py's ``..._marks_again_...``.)"""
+    broker, _ = gated_broker(broker_factory, clients, tmp_path)
+    older = clients(broker.port, "sdk-held", username="end-held")
+    assert older.subscribe([("again/t", 1), ("again/keep", 1)]) == [1, 1]
+    assert request(older, "interest", filter="again/t", durable=False).ok
+    got: queue.Queue[tuple[str, bytes]] = queue.Queue()
+    device = DurableClient("sdk-held", port=broker.port)
+    try:
+        device.subscribe("again/t", qos=1, durable=False, listener=lambda e: got.put((e.topic, e.payload)))
+        device.subscribe("again/t", qos=1, listener=lambda e: got.put((e.topic, e.payload)))  # durable again
+        device.subscribe("again/keep", qos=1, listener=lambda e: got.put((e.topic, e.payload)))
+        device.ready_for_events()
+        device.connect(timeout=WAIT)  # takes the session over from the older connection
+        assert older.wait_disconnected(), "the older connection was not ended"
+        assert broker.wait_until(lambda: "held the end of a connection" in broker.log(), WAIT), broker.log()[-2000:]
+        release = clients(broker.port, "release-after-held", clean_session=True)
+        assert release.subscribe("release/none", 0) == [0], "no SUBACK"  # once the older connection's end has run
+        publisher = clients(broker.port, "pub", clean_session=True)
+        publisher.publish("again/t", [b"durable"])
+        publisher.publish("again/keep", [b"keep"])
+        first = got.get(timeout=WAIT)
+        assert first == ("again/t", b"durable"), "the subscription ended with the older connection"
+    finally:
+        device.close(keep_session=False)

@@ -35,9 +35,10 @@ def test_one_lease_holder_at_a_time_and_the_lease_ends_with_its_ttl(etcd: EtcdPr
         assert await a.leader() is None
         assert await a.former_primaries() == frozenset()
         assert await a.acquire(me)
-        assert await b.former_primaries() == frozenset({"a"})  # the last to take the lease
+        first = await b.leader()
+        assert first == me and first is not None and first.term == a.term > 0  # its key's create_revision
+        assert await b.former_primaries() == frozenset({("a", a.term)})  # the last to take the lease, its term
         assert not await b.acquire(other)
-        assert await b.leader() == me
         assert await a.renew(me)
         assert not await b.renew(other)  # b holds no lease
         assert await a.initialize("a")
@@ -48,12 +49,16 @@ def test_one_lease_holder_at_a_time_and_the_lease_ends_with_its_ttl(etcd: EtcdPr
         assert await b.sync_members() == frozenset({"b", "c"})
         await expired(b)  # a stopped renewing: etcd expires the lease by itself
         assert not await a.renew(me)
-        assert await b.former_primaries() == frozenset({"a"})  # kept after the lease ended
+        assert await b.former_primaries() == frozenset({("a", a.term)})  # kept after the lease ended
         assert await b.acquire(other)
+        assert b.term > a.term
         await b.release(other)
         assert await a.leader() is None
         # b took it last; a published the synchronous set last: both may hold acknowledged publishes
-        assert await a.former_primaries() == frozenset({"a", "b"})
+        assert await a.former_primaries() == frozenset({("a", a.term), ("b", b.term)})
+        assert await a.acquire(me)  # a again, in a later term: another primary than a in its first one
+        assert a.term > b.term and await b.former_primaries() == frozenset({("a", a.term), ("a", first.term)})
+        await a.release(me)
 
     asyncio.run(asyncio.wait_for(main(), BOUND))
 
@@ -319,7 +324,7 @@ def test_a_node_in_async_mode_removes_a_synchronous_set_left_from_sync_mode_once
         await asyncio.wait_for(a_hooks.promoted.wait(), 3 * TTL)  # after waiting for b: the async period
         assert await era.sync_members() == frozenset({"b"}), "taking the lease keeps the set"
         assert await era.publish_sync(a, None)  # a's primary end, once promoted (node.py)
-        assert await era.sync_members() is None and await era.former_primaries() == frozenset({"a"})
+        assert await era.sync_members() is None and {name for name, _ in await era.former_primaries()} == {"a"}
         stop.set()
         await asyncio.wait_for(runner, BOUND)  # a full stop (a clean one here; a kill is the same)
         b_hooks = WholeNode(seq=5)

@@ -640,3 +640,51 @@ def test_a_live_connection_waits_for_an_ended_one_whose_own_hand_over_is_stuck_a
     assert got, "n1 waited past B's bound for B's stuck hand-over"
     assert_delivered([clean_watcher], [b"s1", b"n1", b"s2"])
     assert_delivered([durable_watcher], [b"s1", b"s2", b"n1"])
+
+
+def publish_packet_id(body: bytes) -> bytes:
+    """The packet id of a QoS 1 or 2 PUBLISH's body."""
+    return body[2 + int.from_bytes(body[:2], "big") :][:2]
+
+
+@pytest.mark.parametrize("ack", ["puback", "pubrec", "pubcomp"])
+def test_an_ack_read_with_a_websocket_close_frame_counts(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], ack: str
+) -> None:
+    """guarantees.md, Recovery buffer: "A message stays in LevelDB until its PUBACK (QoS 1) or
+    PUBCOMP (QoS 2); a PUBREC is stored too, so PUBREL, not PUBLISH, is re-sent". A websocket
+    client that writes its ack, DISCONNECT and the close frame in one write: websockets parses
+    the close frame (the connection CLOSING) before amqtt reads the ack, and the PUBREC, taken
+    for one of a closed connection, was dropped: the next connection got the PUBLISH again (DUP)
+    instead of the PUBREL. Nothing acknowledged is sent again: after the PUBREL, or after a
+    message published later, comes first."""
+    broker = broker_factory(start=False)
+    broker.ws_port = free_port()
+    broker.start()
+    qos = 1 if ack == "puback" else 2
+    publisher = clients(broker.port, "pub", clean_session=True)
+    ws = StuckWebsocket(broker.ws_port)
+    ws.send(connect_packet("ws-acks", clean=False))
+    assert ws.receive()[:2] == b"\x20\x02"
+    ws.send(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("wa/t") + bytes((qos,))))
+    assert ws.receive() == b"\x90\x03\x00\x01" + bytes((qos,))
+    publisher.publish("wa/t", [b"once"], qos=qos)
+    publish = ws.receive()
+    assert publish[0] >> 4 == 3 and (publish[0] >> 1) & 3 == qos and publish.endswith(b"once"), publish
+    packet_id = publish_packet_id(publish[2:])
+    if ack == "pubcomp":
+        ws.send(mqtt_packet(0x50, packet_id))  # PUBREC
+        assert ws.receive() == b"\x62\x02" + packet_id, "PUBREL"
+    ws.protocol.send_binary(mqtt_packet({"puback": 0x40, "pubrec": 0x50, "pubcomp": 0x70}[ack], packet_id))
+    ws.protocol.send_binary(b"\xe0\x00")  # DISCONNECT
+    ws.protocol.send_close()
+    ws.sock.sendall(b"".join(ws.protocol.data_to_send()))  # one write: the ack, DISCONNECT, close frame
+    assert read_until_closed(ws.sock, WAIT) is not None, "the broker did not close the websocket"
+    ws.sock.close()
+    with raw_connect(broker.port, "ws-acks", clean=False) as again:
+        if ack == "pubrec":
+            assert read_packet(again) == (0x62, packet_id), "PUBREL again, not the PUBLISH"
+            again.sendall(mqtt_packet(0x70, packet_id))  # PUBCOMP
+        publisher.publish("wa/t", [b"later"], qos=qos)
+        first, body = read_packet(again)
+        assert first >> 4 == 3 and not first & 0x08 and body.endswith(b"later"), (first, body)

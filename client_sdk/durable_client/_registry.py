@@ -22,6 +22,10 @@ class Subscription:
     """The SUBSCRIBE awaiting its SUBACK."""
     answered: bool = False
     """The SUBACK of the last SUBSCRIBE sent came (granted or refused)."""
+    undo_interest: bool = False
+    """Made durable again while not connected: the broker's session may hold the filter as
+    non-durable, made so by a connection it still counts as open (a take-over of a half-open
+    link); ``interest durable: true`` goes on the next connection, before its hello."""
 
 
 @dataclass(slots=True)

@@ -209,6 +209,8 @@ class DurableClient:
         self._handshake_timeout = _REQUEST_TIMEOUT
         self._handshake_deadline: float | None = None  # set while CONNECT/hello await their answers
         self._hello_req: int | None = None
+        self._interests_undone: list[Subscription] = []
+        """Those whose ``interest durable: true`` went before this connection's hello (see _undo_interests)."""
         self._session_present = False
         self._max_packet_size: int | None = None
         """The broker's max_packet_size from its hello reply (None: not said): publish() refuses larger."""
@@ -409,7 +411,9 @@ class DurableClient:
         nothing is queued for it while away. Without a listener the events only feed the cache.
         QoS 2 is requested as QoS 1 on a durable session: the SDK's marks already give
         exactly-once, and paho cannot complete a QoS 2 exchange it did not start (after a
-        restart). Called while disconnected, the subscription is sent on the next connect;
+        restart). Called while disconnected, the subscription is sent on the next connect (one
+        made durable again then is said to be, before that connection's hello, so an older
+        connection's end the broker runs late does not drop it);
         when connected, it returns once the broker has confirmed it, or raises RequestTimeout
         after ``timeout`` seconds without a SUBACK (the subscription stays registered and is
         sent again on reconnect; a connection lost first is no SUBACK: it waits for the one of
@@ -452,6 +456,9 @@ class DurableClient:
                     subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
                     subscription.answered = previous.answered
                 if not self._connected:
+                    subscription.undo_interest = (
+                        durable and previous is not None and (previous.undo_interest or not previous.durable)
+                    )
                     return False
                 # A new durable subscription is durable by default; anything else is said.
                 changed = previous.durable != durable if previous is not None else not durable
@@ -822,7 +829,22 @@ class DurableClient:
             self._ready_sent = self._ready_deferred = False
             self._hello_req = req = next(self._req_ids)
             payload = encode_request("hello", req, session_expiry=self._session_expiry)
-        self._link_or_raise().publish(CONTROL_TOPIC, payload, 0)
+            undone = self._undo_interests() if self._durable else []
+        link = self._link_or_raise()
+        for request in undone:  # before the hello: its list then shows what this connection keeps
+            link.publish(CONTROL_TOPIC, request, 0)
+        link.publish(CONTROL_TOPIC, payload, 0)
+
+    def _undo_interests(self) -> list[bytes]:
+        """(Holding _lock, at CONNACK.) ``interest durable: true`` for each subscription made
+        durable again while not connected (``undo_interest``): the broker applies it before the
+        hello, so a filter an older connection made non-durable is either kept, durable, or ended
+        (its connection ended first) and then missing from the hello's list, which subscribes it
+        again. Cleared once sent: a connection lost before the hello reply sends it again."""
+        with self._registry.lock:
+            due = [s for s in self._registry.subscriptions() if s.undo_interest]
+            self._interests_undone = due
+            return [encode_request("interest", next(self._req_ids), filter=s.filter, durable=True) for s in due]
 
     def _handle_reply(self, reply: Reply) -> None:
         if reply.req is not None and reply.req == self._hello_req:
@@ -940,6 +962,9 @@ class DurableClient:
                     self._send_unsubscribe(topic_filter)
                     if self._registry.broker_held is not None:
                         self._registry.broker_held.discard(topic_filter)
+            for subscription in self._interests_undone:  # the broker applied them before the hello
+                subscription.undo_interest = False
+            self._interests_undone = []
             for subscription in self._registry.subscriptions():
                 self._replay_subscription(subscription, resend_durable, broker_has)
             self._registry.changed.notify_all()  # subscribe() waits: one the broker holds is confirmed now
@@ -999,6 +1024,10 @@ class DurableClient:
         elif not subscription.durable:
             self._send_request("interest", filter=subscription.filter, durable=False)
             self._send_subscribe(subscription)
+        elif subscription.undo_interest:  # made durable again after this connection's CONNACK
+            subscription.undo_interest = False
+            self._send_request("interest", filter=subscription.filter, durable=True)
+            self._send_subscribe(subscription)  # the hello's list may show what an older connection's end drops
         elif broker_has is not None and not resend_durable:
             if broker_has.get(subscription.filter) == min(subscription.qos, 1):
                 subscription.confirmed = True

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ha", action="store_true",
                         help="start a replicated pair from --config instead of one broker: a real etcd (Debian's "
                         "etcd-server) and two brokers in sync mode; devices and publishers reach whichever is primary "
-                        "through the harness's proxies; enables the faults primary_kill and partition")
+                        "through the harness's proxies; enables the faults primary_kill, partition and group_kill")
     parser.add_argument("--out", type=Path, default=Path("fleet-out"), help="output folder (default: %(default)s)")
     parser.add_argument("--devices", type=int, default=20, help="simulated devices (default: %(default)s)")
     parser.add_argument("--mix", default="cpl1=1,cpl2=1,paho=1",
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="scripted faults: a YAML/JSON file (format: docs/fleet.md, 'Scripted schedule')")
     schedule.add_argument("--faults",
                           help="random faults per kind, KIND=COUNT: drop, stall, broker_kill, device_restart; with "
-                          "--ha, primary_kill and partition instead of broker_kill "
+                          "--ha, primary_kill, partition and group_kill instead of broker_kill "
                           f"(default: {DEFAULT_FAULTS}; with --port: {DEFAULT_FAULTS_RUNNING_BROKER}; with --ha: "
                           f"{DEFAULT_FAULTS_HA})")
     parser.add_argument("--seed", type=int, help="seed of the random schedule (default: a random one, printed)")

@@ -6,11 +6,13 @@ Layout under ``out``: ``etcd/`` (its data and log), ``brokers/<name>/`` (``broke
 ``broker.log``, ``store/``).
 
 The faults ``primary_kill`` and ``partition`` hit whichever broker is primary when they
-begin. Each begins only once the pair is whole (one primary, the other a caught-up backup in
-the synchronous set etcd holds: the only backup that may take over) and ends once it is
-whole again, so a fault never leaves the pair without a broker able to take over (a backup
-that is not caught up takes the lease only after a full stop of the pair, and only as the last
-primary or a member of its synchronous set: docs/replication.md).
+begin; ``group_kill`` SIGKILLs both brokers at once (a full stop of the group, as a power cut)
+and starts both again, so the pair must elect a primary by itself. Each begins only once the
+pair is whole (one primary, the other a caught-up backup in the synchronous set etcd holds: the
+only backup that may take over) and ends once it is whole again, so a primary_kill or a
+partition never leaves the pair without a broker able to take over (a backup that is not
+caught up takes the lease only after a full stop of the pair, as a group_kill is, and only as
+the last primary or a member of its synchronous set: docs/replication.md).
 """
 
 from __future__ import annotations
@@ -283,6 +285,35 @@ class HaPair:
         except RuntimeError as exc:
             raise BrokerLostError(f"broker {name} did not restart after its SIGKILL: {exc}") from exc
         return self.wait_whole()
+
+    def kill_group(self) -> str:
+        """SIGKILL both brokers at once (once the pair is whole): the signals are sent before either
+        is reaped, so neither outlives the other by more than the kernel's delivery. The name of
+        the broker that was primary."""
+        name = self._whole_primary()
+        for broker in self.brokers.values():
+            if broker.proc is not None:
+                broker.proc.kill()  # SIGKILL; reaped below
+        for broker in self.brokers.values():
+            broker.kill()  # reaps it (a no-op signal for one already dead)
+        return name
+
+    def restart_group(self) -> tuple[float, float]:
+        """Start both killed brokers again at once: neither was told IN_SYNC since it started, so
+        they elect a primary as after a full stop (docs/replication.md). The seconds from the
+        restart until one is primary, and from then until the pair is whole; BrokerLostError
+        naming both brokers' states if no primary is elected within WHOLE_WAIT."""
+        started = time.monotonic()
+        try:
+            for broker in self.brokers.values():
+                broker.spawn()
+            for name, broker in self.brokers.items():
+                broker.await_ready(f"broker {name}", broker.ready, broker.wait, f"open {HOST}:{broker.port}")
+        except RuntimeError as exc:
+            raise BrokerLostError(f"the HA pair did not restart after its full stop: {exc}") from exc
+        self._wait(lambda: self.primary() is not None, "an elected primary after its full stop")
+        elected = time.monotonic() - started
+        return elected, self.wait_whole()
 
     def partition_primary(self) -> str:
         """Cut whichever broker is primary off from etcd (once the pair is whole); its name."""

@@ -9,8 +9,9 @@ from typing import Literal, get_args
 
 BrokerFaultKind = Literal["drop", "stall", "broker_kill", "device_restart"]
 """The faults of a run against one broker."""
-HaFaultKind = Literal["primary_kill", "partition"]
-"""The faults of a run against a replicated pair (``--ha``): they hit whichever broker is primary."""
+HaFaultKind = Literal["primary_kill", "partition", "group_kill"]
+"""The faults of a run against a replicated pair (``--ha``): primary_kill and partition hit whichever
+broker is primary, group_kill both brokers at once (a full stop of the group)."""
 FaultKind = BrokerFaultKind | HaFaultKind
 FAULT_KINDS: tuple[str, ...] = get_args(BrokerFaultKind)
 HA_FAULT_KINDS: tuple[str, ...] = get_args(HaFaultKind)
@@ -29,11 +30,12 @@ class Fault:
 
     ``at`` is seconds after the publishers start. ``duration``: how long the link stays cut
     (drop), blackholed (stall), the broker stays dead (broker_kill), the device's process
-    stays dead (device_restart), the killed primary stays dead (primary_kill) or the primary
-    stays cut off from etcd (partition) before it is restored, restarted or healed.
+    stays dead (device_restart), the killed primary stays dead (primary_kill), the primary
+    stays cut off from etcd (partition) or both brokers of the pair stay dead (group_kill)
+    before it is restored, restarted or healed.
     ``target``: a device name or ``ALL_DEVICES`` for drop and stall, a device name for
-    device_restart (its whole process restarts), None for broker_kill, primary_kill and
-    partition (the broker that is primary when the fault begins).
+    device_restart (its whole process restarts), None for broker_kill, primary_kill,
+    partition (the broker that is primary when the fault begins) and group_kill (both brokers).
     """
 
     at: float

@@ -39,7 +39,7 @@ MAX_DEVICES_LISTED = 500
 """Rows per device table of report.html; the audit's report has every device."""
 FAULT_COLOURS = {
     "drop": "#dd8452", "stall": "#8172b3", "broker_kill": "#c44e52", "device_restart": "#55a868",
-    "primary_kill": "#937860", "partition": "#da8bc3",
+    "primary_kill": "#937860", "partition": "#da8bc3", "group_kill": "#8c613c",
 }
 DEVICE_COLOURS = {"cpl1": "#4c72b0", "cpl2": "#64b5cd", "paho": "#937860"}
 OTHER_COLOUR = "#999999"
@@ -317,6 +317,7 @@ def _fault_rows(result: FleetResult) -> list[tuple[object, ...]]:
             f"{applied.started:.2f}",
             applied.fault.kind,
             applied.fault.target if applied.fault.target is not None
+            else "pair" if applied.fault.kind == "group_kill"
             else "primary" if applied.fault.kind in HA_FAULT_KINDS else "broker",
             f"{applied.fault.duration:g}",
             f"{applied.ended:.2f}",

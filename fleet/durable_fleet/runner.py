@@ -221,7 +221,7 @@ class FleetRun:
         self.publisher_proxy: FaultProxy | None = None
         """--ha: the publishers' way to the primary (the same router as the devices', no faults)."""
         self.hit: dict[Fault, str] = {}
-        """The broker each primary_kill or partition under way hit."""
+        """The broker each primary_kill or partition under way hit (the primary a group_kill hit)."""
         self.device_workers: list[_Worker] = []
         self.publishers: list[_Worker] = []
         self.worker_of: dict[str, _Worker] = {}
@@ -346,10 +346,19 @@ class FleetRun:
         return ""
 
     def _apply_ha(self, fault: Fault, begin: bool) -> str:
-        """primary_kill and partition: whichever broker is primary once the pair is whole."""
+        """primary_kill and partition: whichever broker is primary once the pair is whole;
+        group_kill: both brokers at once, then both started again."""
         pair = self.pair
         if pair is None:
             raise FleetError(f"{fault.kind} needs the replicated pair of --ha")
+        if fault.kind == "group_kill":
+            if begin:
+                self.hit[fault] = pair.kill_group()
+                return f"{self.hit[fault]} (primary) and its backup killed"
+            del self.hit[fault]
+            elected, took = pair.restart_group()
+            return (f"both restarted: {pair.primary()} elected primary {elected:.1f} s later, "
+                    f"its backup caught up {took:.1f} s after that")
         if begin:
             if fault.kind == "primary_kill":
                 self.hit[fault] = pair.kill_primary()
@@ -551,8 +560,9 @@ class FleetRun:
     def _driver_bound(self) -> float:
         """How long ending the last faults can take: a broker start, proxy calls, process stops."""
         broker_start = self.broker.wait if self.broker is not None else 0.0
-        if self.pair is not None:  # a start, and a wait for the pair to be whole before and after
-            broker_start = max(b.wait for b in self.pair.brokers.values()) + 2 * WHOLE_WAIT
+        if self.pair is not None:  # starts, and waits for the pair to be whole before and after
+            # (a group_kill: both brokers started, then a wait for its election and one for its catch-up)
+            broker_start = 2 * max(b.wait for b in self.pair.brokers.values()) + 3 * WHOLE_WAIT
         return max((f.duration for f in self.o.faults), default=0.0) + broker_start + 2 * STOP_WAIT
 
     def _join(self, driver: threading.Thread, errors: list[BaseException]) -> None:

@@ -12,10 +12,12 @@ Script format (``at``: when, after the publishers start; ``for``: how long the f
       - {at: 30s, kind: device_restart, device: dev-010, for: 500ms}
 
 With ``--ha`` (a replicated pair) there is no broker_kill; ``primary_kill`` and ``partition``
-take no device (they hit whichever broker is primary when they begin)::
+take no device (they hit whichever broker is primary when they begin), nor does ``group_kill``
+(it SIGKILLs both brokers at once and starts both again after ``for``)::
 
       - {at: 10s, kind: primary_kill, for: 2s}
       - {at: 25s, kind: partition, for: 4s}
+      - {at: 40s, kind: group_kill, for: 1s}
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ FIXED_DURATIONS: dict[str, tuple[float, float]] = {
     "device_restart": (0.2, 2.0),
     "primary_kill": (0.5, 3.0),
     "partition": (3.0, 6.0),
+    "group_kill": (0.5, 3.0),
 }
 """Random down times (seconds) per kind; a stall's depends on the keep-alive (STALL_KEEPALIVES).
 A partition lasts at least 3 s: longer than the lease of the harness's pair (2 s) and the
@@ -55,7 +58,7 @@ backup's next check (0.3 s), so the primary steps down and the backup takes over
 SPACED_KINDS = ("broker_kill", *HA_FAULT_KINDS)
 """Faults that keep their down time free before and after them: the broker (or the pair)
 recovers before the next one."""
-HA_ONLY = "{kind} needs a replicated pair: run with --ha (it hits whichever broker is primary)"
+HA_ONLY = "{kind} needs a replicated pair: run with --ha (it hits {hits})"
 NOT_WITH_HA = (
     "broker_kill is not available with --ha (the pair would lose both brokers); "
     "use primary_kill: SIGKILL of whichever broker is primary"
@@ -132,7 +135,7 @@ def random_schedule(
     broker kill also keeps its own down time free before and after it inside its slot, so two
     kills are apart by at least the sum of their down times. Times are whole milliseconds.
 
-    With ``ha``, primary_kill and partition faults (both hit the primary) share one
+    With ``ha``, primary_kill, partition and group_kill faults (they hit the pair) share one
     stratification, in a random order, spaced as broker kills are: they never overlap, and the
     pair has their down time to recover before the next one. Without ``ha`` they are refused,
     and so is broker_kill with it.
@@ -185,7 +188,7 @@ def _stratified(
         longest_ms = min(math.floor(high * 1000), slot_ms // share)
         shortest_ms = math.ceil(low * 1000)
         if longest_ms < shortest_ms:
-            what = f"{count} {kind} fault(s)" if len(set(kinds)) == 1 else f"{count} primary_kill and partition faults"
+            what = f"{count} {kind} fault(s)" if len(set(kinds)) == 1 else f"{count} {_listed(set(kinds))} faults"
             raise ScheduleError(
                 f"{described}: too short for {what} of at least "
                 f"{shortest_ms / 1000:g}s each{KILL_SPACING if share == 3 else ''}; "
@@ -199,10 +202,25 @@ def _stratified(
     return faults
 
 
+def hits(kind: str) -> str:
+    """What a fault of ``kind`` on the brokers hits, as the refusals say it."""
+    if kind == "broker_kill":
+        return "the broker"
+    if kind == "group_kill":
+        return "both brokers of the pair at once"
+    return "whichever broker is primary"
+
+
+def _listed(kinds: set[str]) -> str:
+    """HA fault kinds in their order: ``primary_kill and partition``, ``primary_kill, partition and group_kill``."""
+    names = [kind for kind in HA_FAULT_KINDS if kind in kinds]
+    return " and ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + f" and {names[-1]}"
+
+
 def kind_problem(kind: str, ha: bool) -> str:
     """Why a fault of ``kind`` cannot run against one broker (``ha`` False) or a pair; '' if it can."""
     if kind in HA_FAULT_KINDS and not ha:
-        return HA_ONLY.format(kind=kind)
+        return HA_ONLY.format(kind=kind, hits=hits(kind))
     if kind == "broker_kill" and ha:
         return NOT_WITH_HA
     return ""
@@ -307,8 +325,7 @@ def _load_target(
 ) -> str | None:
     if kind in SPACED_KINDS:
         if "device" in entry:
-            hits = "the broker" if kind == "broker_kill" else "whichever broker is primary"
-            raise error(f"a {kind} hits {hits}, not a device: remove 'device'", "device")
+            raise error(f"a {kind} hits {hits(kind)}, not a device: remove 'device'", "device")
         return None
     if "device" not in entry:
         raise error(f"missing (a {kind} needs the device it hits)", "device")
@@ -331,8 +348,8 @@ def _load_target(
 def _check_overlaps(faults: list[Fault], path: Path) -> None:
     """Faults of one kind on a common device must not overlap: the first one's restore (link
     back, process started) would end the second early. Broker kills always share the broker;
-    primary kills and partitions all share the primary (one of each at once could leave the
-    pair without a broker caught up enough to take over)."""
+    primary kills, partitions and group kills all share the pair (one of each at once could
+    leave the pair without a broker caught up enough to take over)."""
     ordered = sorted(enumerate(faults, 1), key=lambda item: item[1].at)
     for position, (number, fault) in enumerate(ordered):
         for earlier_number, earlier in ordered[:position]:
@@ -342,7 +359,9 @@ def _check_overlaps(faults: list[Fault], path: Path) -> None:
                 and _share_target(earlier, fault)
                 and fault.at < earlier.at + earlier.duration
             ):
-                if on_primary:
+                if on_primary and "group_kill" in (earlier.kind, fault.kind):
+                    two = f"two faults on the pair at once ({_listed(set(HA_FAULT_KINDS))} faults must not overlap)"
+                elif on_primary:
                     two = "two faults on the primary at once (primary_kill and partition faults must not overlap)"
                 else:
                     two = f"two {fault.kind} faults on {'the broker' if fault.kind == 'broker_kill' else 'one device'}"

@@ -149,7 +149,7 @@ from typing import Any, NoReturn
 
 import amqtt
 import websockets
-from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapter
+from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapter, WebSocketsWriter
 from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
 from amqtt.contexts import Action, ListenerType
@@ -186,6 +186,7 @@ from amqtt.plugins.base import BasePlugin
 from amqtt.session import IncomingApplicationMessage, Session
 from transitions import MachineError
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State as WebsocketState
 
 from durable_protocol import CONTROL_PREFIX, filter_is_valid
 
@@ -1069,8 +1070,13 @@ class HandlerTransport:
 
     @property
     def closed(self) -> bool:
+        """The connection is closed, or its close has begun. amqtt's WebSocketsWriter, unlike its
+        StreamWriterAdapter, has no ``is_closed`` that its close sets (only ``_abort`` sets one):
+        its websocket's state tells (a connection that sent DISCONNECT counted as open for ever)."""
         writer = self._handler.writer
-        return writer is None or bool(getattr(writer, "is_closed", False))
+        if writer is None or getattr(writer, "is_closed", False):
+            return True
+        return isinstance(writer, WebSocketsWriter) and writer._protocol.state is not WebsocketState.OPEN
 
     def write(self, data: bytes) -> None:
         """Queue bytes for one socket write at the end of this loop pass (many acks, one syscall)."""

@@ -47,8 +47,11 @@ def plugin_entries(config: Mapping[str, Any]) -> dict[str, Any]:
     plugins = config.get("plugins")
     entries: dict[str, Any] = dict(plugins) if isinstance(plugins, Mapping) else {}
     if isinstance(plugins, list):
-        for item in plugins:
-            entries.update(item if isinstance(item, Mapping) else {item: None})
+        for index, item in enumerate(plugins):
+            item_entries = item if isinstance(item, Mapping) else {item: None}
+            if PLUGIN_PATH in item_entries and PLUGIN_PATH in entries:  # the later one would win unseen
+                raise ConfigError(f"plugins[{index}].{PLUGIN_PATH}", "given twice in 'plugins'; list it once")
+            entries.update(item_entries)
     return entries
 
 
@@ -61,9 +64,25 @@ def plugin_section(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
 YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
+class _UnreadableValueError(ValueError):
+    """A scalar PyYAML cannot turn into its value (an int of 4,301 digits or more, a 13th month), with its line."""
+
+    def __init__(self, node: yaml.Node, reason: object) -> None:
+        self.line = node.start_mark.line + 1
+        self.reason = str(reason)
+        super().__init__(f"line {self.line}: {self.reason}")
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one
     silently, so a second ``store:`` would win unseen)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.paths: dict[int, str] = {}
+        """Each mapping's place in the file, as its keys are named in errors (see ``_name``)."""
+        self.checked: set[int] = set()
+        """The mappings whose keys were checked (a merged one may be merged again, or merge itself)."""
 
     def compose_mapping_node(self, anchor: Any) -> yaml.MappingNode:
         node = super().compose_mapping_node(anchor)
@@ -71,8 +90,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return node
 
     def construct_document(self, node: yaml.Node) -> Any:
-        self.paths: dict[int, str] = {}
-        """Each mapping's place in the file, as its keys are named in errors (see ``_name``)."""
+        self.paths.clear()
+        self.checked.clear()
         self._name_mappings(node, "", set())
         return super().construct_document(node)
 
@@ -88,11 +107,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         else:
             self.paths[id(node)] = path
             for key_node, value_node in getattr(node, "written", None) or node.value:
-                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != YAML_MERGE_TAG:
+                if key_node.tag == YAML_MERGE_TAG:  # `<<: {...}`, `<<: [{...}]`: named `a.<<`, `a.<<[0]`
+                    self._name_mappings(value_node, f"{path}.<<" if path else "<<", walked)
+                elif isinstance(key_node, yaml.ScalarNode):
                     self._name_mappings(value_node, _key_path(path, key_node.value), walked)
 
     def _name(self, node: yaml.MappingNode, key: Any) -> str:
-        path = getattr(self, "paths", {}).get(id(node), "")
+        path = self.paths.get(id(node), "")
         if _is_plugin_key(path, str(key)):  # the plugin's key itself, not a setting inside it
             return f"{path}.{key}"
         return _key_path(path, str(key))
@@ -108,12 +129,35 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             raise ValueError(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
         return value
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        """PyYAML's, its ValueError given the line of the scalar it could not read (an item of a list
+        or a key has no key name to show)."""
+        try:
+            return super().construct_object(node, deep=deep)
+        except _UnreadableValueError:
+            raise
+        except ValueError as exc:  # PyYAML's int() or date() of a scalar
+            raise _UnreadableValueError(node, exc) from exc
+
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        self._refuse_repeated_keys(node, deep)
+        return super().construct_mapping(node, deep=deep)
+
+    def _refuse_repeated_keys(self, node: yaml.MappingNode, deep: bool) -> None:
+        """A key given twice in ``node``, or in a mapping it merges (PyYAML reads a merged mapping's
+        pairs itself, never through construct_mapping), is a ConfigError naming it."""
+        if id(node) in self.checked:
+            return
+        self.checked.add(id(node))
         lines: dict[Any, int] = {}
         pairs: list[tuple[Any, Any]] = getattr(node, "written", None) or node.value or []
         for key_node, value_node in pairs:
-            if key_node.tag == YAML_MERGE_TAG:
-                continue  # `<<: *anchor`: a key of its own may override a merged one (YAML merge keys)
+            if key_node.tag == YAML_MERGE_TAG:  # a key of its own may override a merged one (YAML merge keys)
+                merged = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for mapping in merged:
+                    if isinstance(mapping, yaml.MappingNode):
+                        self._refuse_repeated_keys(mapping, deep)
+                continue
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, str | int | float | bool):
                 continue  # a complex key (`? [1, 2]`): the parent's ConstructorError names it
@@ -125,9 +169,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             lines[key] = line
             try:  # built once here (the loader keeps it for the mapping below), so its error names the key
                 self.construct_object(value_node, deep=deep)
-            except ValueError as exc:  # PyYAML's int() or date() of a scalar: 4,301 digits or more, a 13th month
-                raise ConfigError(self._name(node, key), f"line {line}: a value YAML cannot read: {exc}") from exc
-        return super().construct_mapping(node, deep=deep)
+            except _UnreadableValueError as exc:  # 4,301 digits or more, a 13th month: named by its key, at its line
+                reason = f"line {exc.line}: a value YAML cannot read: {exc.reason}"
+                raise ConfigError(self._name(node, key), reason) from exc
 
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_printable_int)
@@ -175,8 +219,8 @@ def read_broker_yaml(path: str, option: str = "-c") -> dict[str, Any]:
         raise ConfigError(option, f"'{path}' is not valid YAML (not UTF-8): {exc}") from exc
     except RecursionError as exc:  # PyYAML's composer recurses once per level: 3,000 `[`
         raise ConfigError(option, f"'{path}' is not valid YAML: nested too deeply") from exc
-    except ValueError as exc:  # one construct_mapping does not name: an item of a list, a key itself
-        raise ConfigError(option, f"'{path}' holds a value YAML cannot read: {exc}") from exc
+    except _UnreadableValueError as exc:  # one construct_mapping does not name: an item of a list, a key itself
+        raise ConfigError(option, f"'{path}' line {exc.line}: a value YAML cannot read: {exc.reason}") from exc
     if not isinstance(config, dict):
         raise ConfigError(option, f"'{path}' must be a mapping with 'listeners' and 'plugins'")
     return config

@@ -413,7 +413,7 @@ class ControlChannel:
 
     def _interest(self, request: Request) -> dict[str, Any]:
         self._own_session(request)
-        self._engine.set_interest(self._client_id, self._filter(request), request.durable)
+        self._engine.set_interest(self._client_id, self._filter(request), request.durable, self._transport)
         return {"filter": request.filter, "durable": request.durable}
 
     def _ready(self, request: Request) -> dict[str, Any]:

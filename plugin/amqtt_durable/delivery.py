@@ -631,7 +631,7 @@ class Pump:
 
     def _received(self, seq: int) -> None:
         item = self.inflight.get(seq)
-        if item is None or self._stopped or self.transport.closed:
+        if item is None or self._stopped:  # not ``closed``: a PUBREC read with the close counts too
             return
         item.entry.flags |= FLAG_RELEASED
         stored = self.session.mark_released(item.entry)

@@ -93,6 +93,11 @@ class SessionLifecycle(Routing):
                 await self._delete_for_clean_connect(existing)
             return False
         if existing is not None:
+            # The non-durable subscriptions of earlier connections closed by now (a DISCONNECT, a
+            # take-over) end here, before this CONNACK, whether or not their detach has run: on a
+            # loaded broker it can come after this connection's attach (see detach).
+            if existing.drop_non_durable():
+                self._save_record(existing)
             existing.newest = transport
             # Spared by expiry until attach() cancels the deadline; a connection that dies before
             # that (no attach, no detach) must not leave the session immortal, hence a time limit.
@@ -155,7 +160,7 @@ class SessionLifecycle(Routing):
         record = session.record
         revoked = [f for f in revoke if record.subscriptions.pop(f, None) is not None]
         for topic_filter in revoked:
-            record.non_durable.discard(topic_filter)
+            session.forget_interest(topic_filter)
             self.index.remove(session.client_id, topic_filter)
         for packet_id in session.pubrel_due:
             erase_pubrel_due(self.committer, session.sid, packet_id)
@@ -344,16 +349,18 @@ class SessionLifecycle(Routing):
         session = self.sessions.get(client_id)
         if session is None:
             return
+        # The non-durable subscriptions it made end with it, before any await lets a publish in,
+        # also when a newer connection has attached first (its end handled late): the session is
+        # no longer this connection's, but what it made non-durable still ends here.
+        if not session.deleted and session.drop_non_durable(transport):
+            self._save_record(session)
         if session.transport is not transport:
             if session.newest is transport and not session.deleted and not broker_stopping:
                 session.connecting_until = 0.0  # as at attach: its CONNECT's grace ends with it
                 if session.transport is None:  # no other connection has the session
-                    session.drop_non_durable()
                     self._disconnected(session)
             return
         pump, session.pump, session.transport = session.pump, None, None
-        if not session.deleted:
-            session.drop_non_durable()  # with the connection, before any await lets a publish in
         if pump is not None:
             await pump.stop()
         if session.deleted or session.transport is not None:
@@ -514,15 +521,11 @@ class SessionLifecycle(Routing):
         session.replay_upto = session.committed_tail
         pump.release(session.committed_tail)
 
-    def set_interest(self, client_id: str, topic_filter: str, durable: bool) -> None:
-        """Mark a subscription (made before or after this) as ending with the connection, or not."""
+    def set_interest(self, client_id: str, topic_filter: str, durable: bool, transport: Transport) -> None:
+        """Mark a subscription (made before or after this) as ending with ``transport``, the
+        connection that asked, or not."""
         session = self.sessions[client_id]
-        non_durable = session.record.non_durable
-        if durable != (topic_filter not in non_durable):
-            if durable:
-                non_durable.discard(topic_filter)
-            else:
-                non_durable.add(topic_filter)
+        if session.mark_interest(topic_filter, durable, transport):
             self._save_record(session)
 
     def pubrel_due(self, client_id: str, packet_id: int) -> bool:

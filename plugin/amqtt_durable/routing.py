@@ -70,7 +70,7 @@ class Routing(EngineMetrics):
         session = self.sessions.get(client_id)
         if session is None or session.record.subscriptions.pop(topic_filter, None) is None:
             return
-        session.record.non_durable.discard(topic_filter)  # a later SUBSCRIBE starts durable again
+        session.forget_interest(topic_filter)  # a later SUBSCRIBE starts durable again
         self.index.remove(client_id, topic_filter)
         self._save_record(session)
 

@@ -173,6 +173,9 @@ class DurableSession:
         self.pump: Pump | None = None
         self.newest: Transport | None = None
         """The connection whose CONNECT was accepted last (None: not told): the only one that may attach."""
+        self.interest_by: dict[str, Transport] = {}
+        """The connection that made each filter of ``record.non_durable`` non-durable: the
+        subscription ends with that connection (``drop_non_durable``), not with another's."""
         self._last_drop_log = 0.0
         self._drops_since_log = 0
         self.pubrel_due: set[int] = set()
@@ -562,9 +565,37 @@ class DurableSession:
             for topic_filter, qos in sorted(self.record.subscriptions.items())
         )
 
-    def drop_non_durable(self) -> None:
-        """The connection ended: its non-durable subscriptions end with it (queued messages stay)."""
-        for topic_filter in self.record.non_durable:
+    def mark_interest(self, topic_filter: str, durable: bool, transport: Transport) -> bool:
+        """``transport``'s interest: the filter's subscription ends with that connection (not
+        ``durable``), or no longer does. Returns whether the record changed."""
+        non_durable = self.record.non_durable
+        changed = durable != (topic_filter not in non_durable)
+        if durable:
+            self.forget_interest(topic_filter)
+        else:
+            non_durable.add(topic_filter)
+            self.interest_by[topic_filter] = transport
+        return changed
+
+    def forget_interest(self, topic_filter: str) -> None:
+        """The filter is durable again (its subscription removed, say)."""
+        self.record.non_durable.discard(topic_filter)
+        self.interest_by.pop(topic_filter, None)
+
+    def drop_non_durable(self, ended: Transport | None = None) -> bool:
+        """Connections ended: the non-durable subscriptions they made end with them (queued
+        messages stay). Those made by ``ended`` or by a connection closed by now, whichever order
+        the connections' ends and attaches run in; one whose connection is not known (made before
+        the store was loaded) too. Another connection's, still open, stay. Returns whether any
+        ended (the record is to be saved)."""
+        interest_by = self.interest_by
+        ended_filters = [
+            topic_filter
+            for topic_filter in self.record.non_durable
+            if (made_by := interest_by.get(topic_filter)) is None or made_by is ended or made_by.closed
+        ]
+        for topic_filter in ended_filters:
+            self.forget_interest(topic_filter)
             if self.record.subscriptions.pop(topic_filter, None) is not None:
                 self.engine.index.remove(self.client_id, topic_filter)
-        self.record.non_durable.clear()
+        return bool(ended_filters)

@@ -158,7 +158,7 @@ def test_a_connection_closed_while_waiting_for_its_slot_restarts_its_session_exp
                 attaching = asyncio.get_running_loop().create_task(engine.attach("gone", device))
                 await asyncio.sleep(0)  # one pass: it asks for the slot and waits
                 assert not attaching.done()
-                engine.set_interest("gone", "n/gone", durable=False)  # its SDK's interest, read meanwhile
+                engine.set_interest("gone", "n/gone", False, device)  # its SDK's interest, read meanwhile
                 session.connecting_until = 0.0  # CONNECT_GRACE has run out while it waited
                 device.closed = True
             assert await asyncio.wait_for(attaching, LIMIT) is None

@@ -67,7 +67,7 @@ def test_random_ha_faults_are_drawn_after_the_others_so_old_seeds_keep_their_sch
         ({"partition": 1}, False, "partition needs a replicated pair: run with --ha"),
         ({"broker_kill": 1}, True, "broker_kill is not available with --ha .* use primary_kill"),
         ({"quake": 1}, True, r"unknown fault kind\(s\) 'quake' \(valid with --ha: drop, stall, device_restart, "
-                             r"primary_kill, partition\)"),
+                             r"primary_kill, partition, group_kill\)"),
         ({"quake": 1}, False, r"\(valid: drop, stall, broker_kill, device_restart\) \(with --ha also primary_kill"),
         ({"primary_kill": 2, "partition": 2}, True, r"too short for 4 primary_kill and partition faults"),
     ],
@@ -111,6 +111,14 @@ def test_a_script_with_ha_faults_loads_and_round_trips(tmp_path: Path) -> None:
         ("{at: 1s, kind: partition, device: dev-001, for: 4s}", True,
          "fault 1: device: a partition hits whichever broker is primary, not a device: remove 'device'"),
         ("{at: 1s, kind: flood, for: 4s}", True, r"unknown kind 'flood' \(valid with --ha: drop, stall"),
+        ("{at: 1s, kind: group_kill, for: 1s}", False,
+         r"fault 1: kind: group_kill needs a replicated pair: run with --ha "
+         r"\(it hits both brokers of the pair at once\)"),
+        ("{at: 1s, kind: group_kill, device: all, for: 1s}", True,
+         "fault 1: device: a group_kill hits both brokers of the pair at once, not a device: remove 'device'"),
+        ("{at: 1s, kind: group_kill, for: 0}", True, "fault 1: for: must be more than 0"),
+        ("{at: 58s, kind: group_kill, for: 3s}", True, "fault 1: for: the fault ends at 61s, after the run's duration"),
+        ("{at: 1s, kind: group_kill, for: soon}", True, "fault 1: for: not a duration: 'soon'"),
     ],
 )
 def test_a_script_names_an_ha_fault_that_does_not_fit(tmp_path: Path, fault: str, ha: bool, message: str) -> None:
@@ -123,6 +131,29 @@ def test_a_primary_kill_and_a_partition_must_not_overlap(tmp_path: Path) -> None
     with pytest.raises(ScheduleError, match=r"fault 2: at: starts during fault 1 \(partition at 10s for 5s\): "
                                             r"two faults on the primary at once"):
         load_schedule(write(tmp_path, text), devices=DEVICES, duration=60.0, ha=True)
+
+
+def test_a_group_kill_must_not_overlap_another_fault_on_the_pair(tmp_path: Path) -> None:
+    text = "faults:\n  - {at: 10s, kind: primary_kill, for: 3s}\n  - {at: 12s, kind: group_kill, for: 1s}\n"
+    with pytest.raises(ScheduleError, match=r"fault 2: at: starts during fault 1 \(primary_kill at 10s for 3s\): "
+                                            r"two faults on the pair at once \(primary_kill, partition and group_kill "
+                                            r"faults must not overlap\)"):
+        load_schedule(write(tmp_path, text), devices=DEVICES, duration=60.0, ha=True)
+
+
+def test_random_group_kills_share_the_pair_s_stratification(tmp_path: Path) -> None:
+    counts = {"primary_kill": 1, "partition": 1, "group_kill": 2}
+    faults = random_schedule(5, duration=60.0, devices=DEVICES, counts=counts, keepalive=4, ha=True)
+    on_pair = sorted(faults, key=lambda f: f.at)
+    assert sorted(f.kind for f in on_pair) == ["group_kill", "group_kill", "partition", "primary_kill"]
+    assert all(f.target is None for f in on_pair)
+    for earlier, later in itertools.pairwise(on_pair):
+        assert earlier.at + 2 * earlier.duration <= later.at, on_pair  # its down time free after it
+    assert all(0.5 <= f.duration <= 3.0 for f in on_pair if f.kind == "group_kill")
+    dump_schedule(faults, tmp_path / "again.yaml")
+    assert load_schedule(tmp_path / "again.yaml", devices=DEVICES, duration=60.0, ha=True) == faults
+    with pytest.raises(ScheduleError, match=r"too short for 4 primary_kill, partition and group_kill faults"):
+        random_schedule(5, duration=24.0, devices=DEVICES, counts=counts, keepalive=4, ha=True)
 
 
 # ------------------------------------------------------------------ options
@@ -201,23 +232,35 @@ class FakePair:
         self.calls.append(("heal", name))
         return 0.5
 
+    def kill_group(self) -> str:
+        self.calls.append(("kill both", self.primary_now))
+        return self.primary_now
+
+    def restart_group(self) -> tuple[float, float]:
+        self.calls.append(("restart both", ""))
+        return 2.5, 0.25
+
     def primary(self) -> str:
         return self.primary_now
 
 
 def test_ha_faults_hit_the_primary_of_the_moment_and_end_on_the_same_broker(tmp_path: Path) -> None:
-    faults = [Fault(0.0, "primary_kill", None, 0.02), Fault(0.05, "partition", None, 0.02)]
+    faults = [Fault(0.0, "primary_kill", None, 0.02), Fault(0.05, "partition", None, 0.02),
+              Fault(0.1, "group_kill", None, 0.02)]
     run = FleetRun(FleetOptions(out=tmp_path, config={}, devices=2, processes=1, faults=faults, ha=True))
     run.proxy = object()  # type: ignore[assignment]  # not called by faults on the primary
     run.pair = pair = FakePair()  # type: ignore[assignment]
     errors: list[BaseException] = []
     run.t0 = time.monotonic()
-    run._drive_faults(threading.Event(), errors, ("primary_kill", "partition"))
+    run._drive_faults(threading.Event(), errors, HA_FAULT_KINDS)
     assert errors == []
-    assert pair.calls == [("kill", "a"), ("restart", "a"), ("cut", "b"), ("heal", "b")]
+    assert pair.calls == [("kill", "a"), ("restart", "a"), ("cut", "b"), ("heal", "b"), ("kill both", "a"),
+                          ("restart both", "")]
     assert [applied.detail for applied in run.applied] == [
         "a (primary) killed; restarted: b primary, its backup caught up 1.2 s later",
         "b (primary) cut off from etcd; reconnected to etcd: a primary, its backup caught up 0.5 s later",
+        "a (primary) and its backup killed; both restarted: a elected primary 2.5 s later, its backup caught up "
+        "0.2 s after that",
     ]
     assert all(not counts for counts in run.counts.values())  # no device is counted as hit
 

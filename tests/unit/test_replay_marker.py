@@ -7,6 +7,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
 from durable_client.protocol import MARKER_TOPIC, decode_frame, decode_marker
@@ -153,12 +155,12 @@ def test_hello_on_a_live_plain_connection_holds_what_comes_next(tmp_path: Path) 
 def test_non_durable_subscriptions_end_with_the_connection(tmp_path: Path) -> None:
     async def body(engine: DurableEngine) -> None:
         await sdk_session(engine, "d", "keep")
-        engine.set_interest("d", "gone", durable=False)
+        transport = RecordingTransport()
+        engine.set_interest("d", "gone", False, transport)
         await engine.subscribe("d", "gone", 1)
         await engine.subscribe("d", "back", 1)
-        engine.set_interest("d", "back", durable=False)
-        engine.set_interest("d", "back", durable=True)
-        transport = RecordingTransport()
+        engine.set_interest("d", "back", False, transport)
+        engine.set_interest("d", "back", True, transport)
         await engine.attach("d", transport)
         session = engine.sessions["d"]
         assert {(s.filter, s.durable) for s in session.live_subscriptions()} == {
@@ -170,6 +172,76 @@ def test_non_durable_subscriptions_end_with_the_connection(tmp_path: Path) -> No
         assert set(session.record.subscriptions) == {"keep", "back"}
         assert engine.index.route("gone") == {}
         assert session.record.non_durable == set()
+
+    run(tmp_path, body)
+
+
+async def older_then_newer(
+    engine: DurableEngine, non_durable: str, *, closed_first: bool
+) -> tuple[RecordingTransport, RecordingTransport, Any]:
+    """Session "d": an older connection attached that made ``non_durable`` non-durable (closed
+    or not, ``closed_first``), then a newer connection's CONNECT: (older, newer, session)."""
+    older, newer = RecordingTransport(), RecordingTransport()
+    assert await engine.connect("d", clean_session=False, transport=older) is True
+    await engine.attach("d", older)
+    engine.set_interest("d", non_durable, False, older)
+    older.closed = closed_first
+    assert await engine.connect("d", clean_session=False, transport=newer) is True
+    return older, newer, engine.sessions["d"]
+
+
+@pytest.mark.parametrize("closed_first", [True, False], ids=["closed-before-the-connect", "open-at-the-connect"])
+def test_a_non_durable_subscription_ends_with_its_connection_when_a_newer_one_attaches_first(
+    tmp_path: Path, closed_first: bool
+) -> None:
+    """The newer connection's CONNECT and attach come before the older connection's detach (its end
+    handled late). Its non-durable subscription ends at the newer CONNECT when it is closed by then
+    (it never reaches the newer connection), else at its detach; the newer connection's own stays
+    until that one ends. Before, neither the attach nor the older connection's detach (the session
+    no longer its) dropped it, and a detach of the session's connection dropped every connection's."""
+
+    async def body(engine: DurableEngine) -> None:
+        await sdk_session(engine, "d", "keep", "older")
+        older, newer, session = await older_then_newer(engine, "older", closed_first=closed_first)
+        assert ("older" in session.record.subscriptions) is not closed_first
+        await engine.attach("d", newer)
+        await engine.subscribe("d", "newer", 1)
+        engine.set_interest("d", "newer", False, newer)
+        older.closed = True
+        await engine.detach("d", older)
+        assert set(session.record.subscriptions) == {"keep", "newer"}
+        assert session.record.non_durable == {"newer"}
+        assert engine.index.route("older") == {}
+        await engine.detach("d", newer)
+        assert set(session.record.subscriptions) == {"keep"}
+        assert session.record.non_durable == set()
+
+    run(tmp_path, body)
+
+
+@pytest.mark.parametrize("newer_says", [False, True], ids=["non-durable-again", "durable-again"])
+def test_a_filter_the_newer_connection_marks_again_outlives_the_older_connections_late_end(
+    tmp_path: Path, newer_says: bool
+) -> None:
+    """A filter the older connection made non-durable, which the newer connection (its CONNECT and
+    attach before the older one's detach, the older one open at that CONNECT) marks again, as the
+    SDK does on connecting: ``durable: false`` again (its subscription replayed) or ``durable:
+    true`` (made durable while disconnected, sent before its hello). It is the newer connection's
+    from then on: the older connection's end keeps it; the newer one's end drops it only if it said
+    non-durable."""
+
+    async def body(engine: DurableEngine) -> None:
+        await sdk_session(engine, "d", "f")
+        older, newer, session = await older_then_newer(engine, "f", closed_first=False)
+        await engine.attach("d", newer)
+        engine.set_interest("d", "f", newer_says, newer)
+        older.closed = True
+        await engine.detach("d", older)
+        assert set(session.record.subscriptions) == {"f"}, "ended with the older connection"
+        assert session.record.non_durable == (set() if newer_says else {"f"})
+        newer.closed = True
+        await engine.detach("d", newer)
+        assert set(session.record.subscriptions) == ({"f"} if newer_says else set())
 
     run(tmp_path, body)
 
@@ -204,11 +276,11 @@ def test_a_ready_that_comes_before_the_pump_is_applied_when_it_starts(tmp_path: 
 def test_an_unsubscribed_filter_subscribed_again_is_durable(tmp_path: Path) -> None:
     async def body(engine: DurableEngine) -> None:
         await sdk_session(engine, "d")
-        engine.set_interest("d", "f", durable=False)
+        transport = RecordingTransport()
+        engine.set_interest("d", "f", False, transport)
         await engine.subscribe("d", "f", 1)
         await engine.unsubscribe("d", "f")
         await engine.subscribe("d", "f", 1)
-        transport = RecordingTransport()
         await engine.attach("d", transport)
         await engine.detach("d", transport)
         assert "f" in engine.sessions["d"].record.subscriptions

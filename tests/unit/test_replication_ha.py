@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -37,6 +38,10 @@ class FakeCoordinator(Coordinator):
         self.sync: frozenset[str] | None = None
         self.sync_leader: str | None = None
         self.last_primary: str | None = None
+        self.last_term = self.sync_term = 0
+        """The terms of ``last_primary`` and ``sync_leader`` (0: unknown, as a test set them)."""
+        self.terms = 0
+        """As etcd's revisions: each acquire gives a larger term."""
         self.down = False
         self.hang: asyncio.Event | None = None
         self.records: dict[str, tuple[Member, float]] = {}
@@ -57,8 +62,9 @@ class FakeCoordinator(Coordinator):
         await self._reach()
         if self.holder is not None:
             return False
-        self.holder, self.expires = me, self.clock() + self.ttl
-        self.last_primary = me.name
+        self.terms += 1
+        self.holder, self.expires = Leader(me.name, me.address, self.terms), self.clock() + self.ttl
+        self.last_primary, self.last_term = me.name, self.terms
         return True
 
     async def renew(self, me: Leader) -> bool:
@@ -78,15 +84,17 @@ class FakeCoordinator(Coordinator):
         if self.holder != me:
             return False
         self.sync, self.sync_leader = members, None if members is None else me.name
+        self.sync_term = self.holder.term
         return True
 
     async def sync_members(self) -> frozenset[str] | None:
         await self._reach()
         return self.sync
 
-    async def former_primaries(self) -> frozenset[str]:
+    async def former_primaries(self) -> frozenset[tuple[str, int]]:
         await self._reach()
-        return frozenset(name for name in (self.last_primary, self.sync_leader) if name is not None)
+        recorded = ((self.last_primary, self.last_term), (self.sync_leader, self.sync_term))
+        return frozenset((name, term) for name, term in recorded if name is not None)
 
     async def publish_member(self, member: Member) -> None:
         """As etcd's: a live record under the name at another address is another broker's."""
@@ -133,6 +141,12 @@ class Hooks:
         return self.whole
 
     def follow(self, leader: Leader) -> None:
+        """As ReplicationNode.follow: another leader, or the same in another term, decides anew
+        (a test sets ``is_caught_up`` again where its IN_SYNC came); ``caught_up`` as the hooks
+        were made stands for the first one's."""
+        last = self.followed[-1] if self.followed else None
+        if last is not None and (last, last.term) != (leader, leader.term):
+            self.is_caught_up = False
         self.followed.append(leader)
 
     async def promote(self) -> None:
@@ -165,6 +179,7 @@ async def a_primary() -> tuple[Clock, FakeCoordinator, Hooks, HaNode]:
     ha = node(fake, hooks)
     await ha.run_cycle()
     assert ha.role == "primary"
+    fake.initialized_by = fake.initialized_by or "a"  # as a real cluster's first node claims it
     return clock, fake, hooks, ha
 
 
@@ -367,6 +382,7 @@ def test_in_sync_mode_only_a_member_of_the_published_set_takes_over() -> None:
         assert await fake.publish_sync(a.me, frozenset({"c"}))
         b, c = node(fake, Hooks(), "b"), node(fake, Hooks(), "c")
         assert not await fake.publish_sync(b.me, frozenset({"b"}))  # only the leader writes it
+        assert [(await n.run_cycle()).action for n in (b, c)] == ["follow", "follow"]  # caught up with a
         clock.now += TTL + 1  # a is gone, its lease expired
         decision = await b.run_cycle()
         assert decision.action == "wait"
@@ -414,10 +430,8 @@ def test_the_most_advanced_backup_takes_over_whichever_cycles_first() -> None:
     async def main() -> None:
         clock, fake, _, b, c = await three_nodes(b_seq=1900, c_seq=1200)
         clock.now += TTL + 1  # a is gone, its lease and its record expired
-        await b.run_cycle()  # b's record is fresh again (as a live node's is every cycle) ...
-        fake.holder = None  # ... but it has not taken the lease yet: c's cycle comes first
-        b.role = "backup"
-        decision = await c.run_cycle()
+        await fake.publish_member(b.record())  # b's record is fresh again (as a live node's is every cycle) ...
+        decision = await c.run_cycle()  # ... but c's cycle comes before b's takes the lease
         assert decision.action == "wait"
         assert (
             decision.reason
@@ -456,12 +470,57 @@ def test_a_backup_whose_promotion_fails_stops_holding_the_others_back() -> None:
         b.hooks.fail_promotion = True  # type: ignore[attr-defined]
         clock.now += TTL + 1
         assert "the promotion failed" in (await b.run_cycle()).reason  # its record still says candidate
-        assert "b is further ahead" in (await c.run_cycle()).reason
+        held = await c.run_cycle()  # b took the lease last and may have served: c waits for it
+        assert held.action == "wait" and held.waiting_for == ("b",), held
         await b.run_cycle()  # publishes itself as no candidate (it still tries, and fails)
         assert not fake.records["b"][0].candidate
         assert (await c.run_cycle()).action == "promoted"
         assert (await b.run_cycle()).action == "follow"
+        assert not b.record().candidate  # c has not said IN_SYNC yet
+        b.hooks.is_caught_up = True  # type: ignore[attr-defined]  # c's IN_SYNC
         assert b.record().candidate, "a new term: b may take over again (its next record says so)"
+
+    run(main())
+
+
+def test_a_backup_caught_up_with_an_earlier_primary_is_not_caught_up_once_another_took_the_lease() -> None:
+    """docs/replication.md, Caught up with the last primary: c followed a; b took the lease and served (in
+    async mode it deleted the set) while c never cycled; with b gone too, c is not caught up with the last
+    primary: no candidate, and it waits for b instead of taking the lease with what only a told it."""
+
+    async def main() -> None:
+        clock, fake, _, b, c = await three_nodes(b_seq=1900, c_seq=1200)
+        clock.now += TTL + 1  # a is gone
+        assert (await b.run_cycle()).action == "promoted" and fake.last_primary == "b"
+        clock.now += TTL + 1  # b is gone too, before c's next cycle
+        decision = await c.run_cycle()
+        assert decision.action == "wait" and decision.waiting_for == ("b",), decision
+        assert c.hooks.promoted == 0 and not c.record().candidate  # type: ignore[attr-defined]
+        assert c.caught_up_earlier
+        await fake.publish_member(replace(b.record(), role="backup", promotion_failed=True))
+        assert (await c.run_cycle()).action == "promoted"  # had b never served (its entry says so), a was the last
+
+    run(main())
+
+
+def test_a_backup_caught_up_with_an_earlier_term_of_the_last_primary_is_not_caught_up() -> None:
+    """Review 260 (ABA): c followed a in its first term and was frozen; b took over and served, a
+    restarted, followed b, took the lease again and served, and died. The last primary's NAME is
+    the one c followed, but not its term: c lacks what b and a's later term acknowledged."""
+
+    async def main() -> None:
+        clock, fake, _, b, c = await three_nodes(b_seq=1900, c_seq=1200)
+        assert fake.sync is None  # async mode: no synchronous set
+        clock.now += TTL + 1  # a is gone (SIGKILL); c is frozen from here
+        assert (await b.run_cycle()).action == "promoted" and fake.last_primary == "b"  # b acknowledges X
+        a2 = node(fake, Hooks(seq=2500), "a")  # a restarted: it follows b and is caught up with it
+        assert (await a2.run_cycle()).action == "follow"
+        clock.now += TTL + 1  # b is gone
+        assert (await a2.run_cycle()).action == "promoted" and fake.last_primary == "a"  # acknowledges Y
+        clock.now += TTL + 1  # a is gone again; c resumes, caught up by its own view (with a's first term)
+        decision = await c.run_cycle()
+        assert decision.action == "wait" and c.hooks.promoted == 0, decision  # type: ignore[attr-defined]
+        assert c.caught_up_earlier and not c.record().candidate
 
     run(main())
 
@@ -815,12 +874,14 @@ def test_a_node_in_async_mode_removes_the_synchronous_set_once_its_promotion_suc
         clock, fake = full_stop(frozenset({"b"}))  # the sync-mode period: a published {b}
         fake.initialized_by = "a"
         kept = node(fake, Hooks(caught_up=True), "b")  # sync mode: keeps the set until it publishes
+        kept._followed = ("a", 0)  # caught up with a, in the sync-mode period
         assert (await kept.run_cycle()).action == "promoted" and fake.sync == frozenset({"b"})
         fake.holder = None
         a_hooks = Hooks(caught_up=True, seq=100_000)
         a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN,
                    clock=clock)  # fmt: skip
         fake.sync, fake.sync_leader = frozenset({"a"}), "b"  # b's set, in its sync-mode period
+        a._followed = ("b", 0)  # caught up with b
         assert (await a.run_cycle()).action == "promoted" and fake.sync == frozenset({"a"})
         assert await fake.publish_sync(a.me, None) and (fake.sync, fake.sync_leader) == (None, None)
         assert not await fake.publish_sync(kept.me, None)  # only the leader deletes it
@@ -893,11 +954,11 @@ def test_a_promote_accepted_while_the_node_takes_the_lease_by_itself_leaves_no_t
         assert ha.request_takeover() is not None  # no backup cycle since its term
         fake.go.clear()
         fake.acquiring.clear()
-        cycle = asyncio.ensure_future(ha.run_cycle())  # caught up, no primary: it takes the lease itself
+        cycle = asyncio.ensure_future(ha.run_cycle())  # the last primary, no primary: it takes the lease itself
         await asyncio.wait_for(fake.acquiring.wait(), 5)
         assert ha.request_takeover() is None  # accepted: its last answer found no primary
         fake.go.set()
-        assert (await cycle).action == "promoted" and "caught up" in cycle.result().reason
+        assert (await cycle).action == "promoted" and "operator" not in cycle.result().reason
         assert not ha._operator_takeover
 
     run(main())
@@ -915,11 +976,13 @@ def test_a_failed_promotion_in_async_mode_leaves_the_synchronous_set() -> None:
         fake.sync, fake.sync_leader = frozenset({"a", "b"}), "s"
         c_hooks = Hooks(caught_up=True, seq=95)
         c = node(fake, c_hooks, "c")
+        c._followed = ("s", 0)  # caught up with s, by its own view
         assert "not in the synchronous set" in (await c.run_cycle()).reason
         a_hooks = Hooks(caught_up=True, seq=100)
         a_hooks.fail_promotion = True
         a = HaNode(fake, a_hooks, name="a", address="a:7000", loop_wait=1.0, demote_margin=MARGIN,
                    clock=clock)  # fmt: skip
+        a._followed = ("s", 0)  # caught up with s
         assert "the promotion failed" in (await a.run_cycle()).reason and fake.holder is None
         assert fake.sync == frozenset({"a", "b"}), "a failed promotion keeps the set"
         clock.now += 1

@@ -106,6 +106,34 @@ def test_a_demoted_node_follows_only_after_its_last_write_and_from_the_position_
     db.close()
 
 
+def test_following_the_same_address_in_a_later_term_forgets_the_earlier_in_sync(tmp_path: Path) -> None:
+    """Review 260 (ABA): the leader key names a again, at the same address, but in a later term (b
+    served between a's two terms): an IN_SYNC from a's first term says nothing about its later one."""
+    db, _ = primary_store(tmp_path / "c")
+
+    async def main() -> None:
+        leader = FakeLeader()
+        address = await leader.start()
+        node = ReplicationNode(db, ReplicationConfig(name="c", role="primary", listen=f"{HOST}:{free_port()}"))
+        await node.start()
+        try:
+            node.demote("a test demotion")
+            node.follow(Leader("a", address, 1))
+            await bounded(leader.hellos.get())
+            node.backup.caught_up = True  # a's first term said IN_SYNC
+            node.follow(Leader("a", address, 1))  # the same term: nothing changes
+            assert node.caught_up() and leader.hellos.empty()
+            node.follow(Leader("a", address, 3))  # a took the lease again since
+            assert not node.caught_up()
+            await bounded(leader.hellos.get())  # a new backup end asks the new term
+        finally:
+            await node.stop()
+            await leader.close()
+
+    asyncio.run(main())
+    db.close()
+
+
 def test_a_promotion_whose_load_fails_gives_the_lease_back_and_tries_again() -> None:
     """Finding 7: a failing promotion must not end the HA loop nor keep the lease."""
 

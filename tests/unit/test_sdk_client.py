@@ -342,7 +342,27 @@ def test_subscription_turned_durable_while_away_is_sent_again(make: Any) -> None
     lose(client, link)  # the broker dropped the non-durable subscription
     client.subscribe("n/#", durable=True)
     connect(client, link, session_present=True)
-    assert link.wire() == [("subscribe", "n/#", 1)]
+    assert link.wire() == [("interest", "n/#", True), ("subscribe", "n/#", 1)]
+
+
+def test_subscription_turned_durable_while_away_says_so_before_the_hello(make: Any) -> None:
+    """protocol.md, `interest`: the broker drops a non-durable subscription when the connection that
+    sent it ends, and until that end has run the newer connection's hello may still list it (an
+    older connection the broker still counts as open, taken over). Made durable again while away,
+    the SDK saw it in the hello's list and sent nothing: the older connection's end then dropped it.
+    Now ``interest durable: true`` goes before the hello (the broker applies requests in order), once."""
+    client, link = make()
+    connect(client, link, session_present=False)
+    client.subscribe("n/#", durable=False)
+    client._handle_subscribed(client._registry.subscriptions()[0].mid or 0, True)
+    lose(client, link)
+    client.subscribe("n/#", durable=True)
+    connect(client, link, session_present=True, subscriptions={"n/#": 1})
+    assert [request.op for request in link.requests()] == ["interest", "hello"]
+    assert link.wire() == [("interest", "n/#", True)]  # held by the broker: no SUBSCRIBE
+    lose(client, link)
+    connect(client, link, session_present=True, subscriptions={"n/#": 1})
+    assert link.wire() == [], "said once"
 
 
 def test_refused_suback_is_logged_and_retried(make: Any, caplog: pytest.LogCaptureFixture) -> None:

@@ -21,7 +21,7 @@ import re
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal
+from decimal import ROUND_FLOOR, Decimal, localcontext
 from fractions import Fraction
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
@@ -553,7 +553,9 @@ def _check_timing(config: ReplicationConfig, bad: Callable[[str, str], ConfigErr
     # Exactly (Fraction): 28-digit decimals took (9000000000 - 1e-300) / 2 for 4.5e9.
     bound = (_written(config.lease_ttl) - _written(config.demote_margin)) / 2
     if _written(config.loop_wait) > bound:
-        shown = Decimal(bound.numerator) / Decimal(bound.denominator)  # rounded to 28 digits to show it
+        with localcontext() as context:  # 28 digits rounded down: a bound rounded up could equal the value refused
+            context.rounding = ROUND_FLOOR
+            shown = Decimal(bound.numerator) / Decimal(bound.denominator)
         raise bad(
             "loop_wait",
             f"must be at most (lease_ttl - demote_margin) / 2 = {shown.normalize():f} s "

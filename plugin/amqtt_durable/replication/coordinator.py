@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +24,10 @@ class Leader:
     name: str
     address: str
     """host:port of the primary's replication listener."""
+    term: int = field(default=0, compare=False)
+    """Which of its terms: a number the coordinator gives each taking of the lease, larger for a
+    later one (etcd: the leader key's create_revision); 0 where unknown (a node's own ``me``, a
+    record of an earlier version). Not part of the encoded record nor of equality."""
 
     def encode(self) -> bytes:
         return json.dumps({"name": self.name, "address": self.address}, sort_keys=True).encode("utf-8")
@@ -104,13 +108,15 @@ class Coordinator(ABC):
     @abstractmethod
     async def publish_sync(self, me: Leader, members: frozenset[str] | None) -> bool:
         """As the leader (checked atomically), record the backups that hold every acknowledged
-        batch (Patroni's /sync key), or with None delete the record (async mode: nobody but ``me``
-        holds what it acknowledges); False when ``me`` is not the leader."""
+        batch (Patroni's /sync key) with the leader's name and term (of its last ``acquire``), or
+        with None delete the record (async mode: nobody but ``me`` holds what it acknowledges);
+        False when ``me`` is not the leader."""
 
     @abstractmethod
-    async def former_primaries(self) -> frozenset[str]:
-        """The nodes that held the leader lease last, kept after their leases ended: the last node
-        to take it (recorded with it, Patroni's leader history) and the leader that last
+    async def former_primaries(self) -> frozenset[tuple[str, int]]:
+        """The nodes that held the leader lease last, each with the term it held it in (as
+        ``Leader.term``; 0 in a record of an earlier version), kept after their leases ended: the
+        last node to take it (recorded with it, Patroni's leader history) and the leader that last
         published the synchronous set. Empty when neither was ever recorded (a new cluster;
         one of an earlier version in async mode). After a full stop of the group they, with the
         synchronous set, are the nodes that may take over without being caught up (ha.py)."""

@@ -10,11 +10,13 @@ on (ha.py). No dependency is added. Tested against Debian's etcd-server 3.4.23.
 
 Keys (under ``prefix``, e.g. ``/amqtt-durable/<cluster>/``)::
 
-    leader      -> {"name": ..., "address": ...}   put with the leader's lease (expires with it)
+    leader      -> {"name": ..., "address": ...}   put with the leader's lease (expires with it);
+                   its create_revision is the holder's term (``Leader.term``)
     primary     -> the same, put in the same transaction as ``leader`` but without a lease: the
-                   last node that took the lease, kept after it ended (a full stop's election)
+                   last node that took the lease, kept after it ended (a full stop's election);
+                   its mod_revision is that term
     initialize  -> name of the node that bootstrapped the cluster (no lease, never removed)
-    sync        -> {"leader": ..., "members": [...]}  the synchronous set, written only by the
+    sync        -> {"leader": ..., "term": ..., "members": [...]}  the synchronous set, written only by the
                    leader (a transaction comparing the leader key's value), no lease; deleted
                    by a node in async mode (the same leader comparison) once its promotion succeeded
     members/<name> -> {"name", "role", "store_id", "batch", "candidate", "address",
@@ -58,6 +60,8 @@ class EtcdCoordinator(Coordinator):
         self.ttl = ttl
         self.timeout = timeout
         self.lease_id: int | None = None
+        self.term = 0
+        """The revision of this node's last acquire (its leader key's create_revision)."""
         self._leader_key = _b64(self.prefix + "leader")
         self._init_key = _b64(self.prefix + "initialize")
         self._sync_key = _b64(self.prefix + "sync")
@@ -73,7 +77,7 @@ class EtcdCoordinator(Coordinator):
         kvs = reply.get("kvs") or []
         if not kvs:
             return None
-        return Leader.decode(base64.b64decode(kvs[0].get("value", "")))
+        return _term(Leader.decode(base64.b64decode(kvs[0].get("value", ""))), kvs[0].get("create_revision"))
 
     async def acquire(self, me: Leader) -> bool:
         grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
@@ -84,6 +88,7 @@ class EtcdCoordinator(Coordinator):
         reply = await self._call("/v3/kv/txn", taken)
         if reply.get("succeeded"):
             self.lease_id = lease
+            self.term = int(reply["header"]["revision"])  # the leader key's create_revision
             return True
         await self._call("/v3/lease/revoke", {"ID": str(lease)})
         return False
@@ -116,7 +121,7 @@ class EtcdCoordinator(Coordinator):
         if members is None:
             write: dict[str, Any] = {"request_delete_range": {"key": self._sync_key}}
         else:
-            record = json.dumps({"leader": me.name, "members": sorted(members)}).encode("utf-8")
+            record = json.dumps({"leader": me.name, "term": self.term, "members": sorted(members)}).encode("utf-8")
             write = {"request_put": {"key": self._sync_key, "value": _b64(record)}}
         reply = await self._call(
             "/v3/kv/txn",
@@ -133,15 +138,16 @@ class EtcdCoordinator(Coordinator):
         record = await self._sync_record()
         return None if record is None else frozenset(record["members"])
 
-    async def former_primaries(self) -> frozenset[str]:
-        names = set()
+    async def former_primaries(self) -> frozenset[tuple[str, int]]:
+        terms = set()
         reply = await self._call("/v3/kv/range", {"key": self._primary_key})
         for kv in reply.get("kvs") or []:
-            names.add(Leader.decode(base64.b64decode(kv.get("value", ""))).name)
+            # Written in acquire's transaction: its mod_revision is that leader key's create_revision.
+            terms.add((Leader.decode(base64.b64decode(kv.get("value", ""))).name, int(kv.get("mod_revision", 0))))
         record = await self._sync_record()
         if record is not None:
-            names.add(str(record["leader"]))
-        return frozenset(names)
+            terms.add((str(record["leader"]), int(record.get("term", 0))))
+        return frozenset(terms)
 
     async def _sync_record(self) -> dict[str, Any] | None:
         reply = await self._call("/v3/kv/range", {"key": self._sync_key})
@@ -209,6 +215,11 @@ class EtcdCoordinator(Coordinator):
             except (OSError, TimeoutError, ValueError) as exc:
                 errors.append(f"{endpoint}: {type(exc).__name__}: {exc}")
         raise CoordinatorError(", ".join(self.endpoints), f"{path} failed ({'; '.join(errors)})")
+
+
+def _term(leader: Leader, revision: object) -> Leader:
+    """``leader`` with the term its key's ``revision`` (a create_revision) gives it."""
+    return Leader(leader.name, leader.address, int(str(revision or 0)))
 
 
 def _member(kv: dict[str, Any], name: str) -> Member:

@@ -23,8 +23,10 @@ rate difference of the two clocks (ppm) and the time to stop the acknowledging p
 must step down.
 
 A backup takes the lease only when no node holds it, it is caught up (in sync with the last
-primary), in sync mode it is in the synchronous set that primary published before it
-acknowledged anything without a backup (so it holds every acknowledged batch), and no other
+primary: the leader it followed, in the same term, is the last to take the lease or the set's
+leader, or each of those says its promotion failed, ``_caught_up_with_last_primary``), in sync mode it is in the
+synchronous set that primary published before it acknowledged anything without a backup (so
+it holds every acknowledged batch), and no other
 live candidate of the same store is further ahead (``ahead_of``: every node publishes its
 position each cycle, Patroni's member keys; in async mode the most advanced backup holds the
 most acknowledged publishes); or when it bootstraps a new cluster (the one-time
@@ -68,6 +70,9 @@ class Decision:
     """The coordinator did not answer this cycle (unreachable, refused, too slow)."""
     level: int | None = None
     """The level to log it at, when not the action's (a configuration error is an ERROR)."""
+    waiting_for: tuple[str, ...] = ()
+    """A wait for other nodes: the ones this node leaves the lease to or waits for (to start, or
+    to be primary again), by name; inspect shows them."""
 
 
 class HaHooks(Protocol):
@@ -139,6 +144,19 @@ class HaNode:
         self._operator_takeover = False
         """``amqtt-durable promote`` asked this node to take the free lease at its next cycle."""
         self._unanswered_since: float | None = None
+        self._followed: tuple[str, int] | None = None
+        """The name and term of the primary whose history this node's store holds last: the leader
+        it last followed (its backup end's IN_SYNC came from it, if any: ``follow`` forgets a
+        caught-up state when the leader or its term changes)."""
+        self._caught_up_earlier = False
+        """This backup's last cycle without a primary found it caught up with an earlier primary,
+        not the last one: it counts as not caught up (no candidate) until it follows a primary."""
+
+    @property
+    def caught_up_earlier(self) -> bool:
+        """This backup's last cycle without a primary found it caught up with an earlier primary
+        than the last one: it counts as not caught up (inspect says so) until it follows one."""
+        return self._caught_up_earlier
 
     @property
     def ttl(self) -> float:
@@ -296,7 +314,7 @@ class HaNode:
                 "no primary, and the operator promoted this node (amqtt-durable promote): it may lack "
                 "acknowledged publishes"
             )
-        if self.hooks.caught_up():
+        if self.hooks.caught_up() and await self._caught_up_with_last_primary():
             return await self._as_caught_up()
         if self._bootstrap_failed or await self.coordinator.initialize(self.me.name):
             return "bootstrapped", "a new cluster, claimed its bootstrap"
@@ -308,6 +326,26 @@ class HaNode:
             "publish (the last primary or in its synchronous set) and is the most advanced"
         )
 
+    async def _caught_up_with_last_primary(self) -> bool:
+        """Whether the primary this caught-up backup followed is the last one: the last node that
+        took the lease, or the leader of the published synchronous set, each in the term it was
+        recorded in (a node of that name in a later term may have served after another one this
+        backup never followed: it took the lease again). Another node that took
+        the lease since (while this one was frozen or cut off from the coordinator, so it never
+        followed it) may have served: in async mode it deleted the synchronous set, and this node
+        may lack what the earlier primary acknowledged without it in sync mode. Unless every such
+        node's record says its promotion failed (it never served since it took the lease), this
+        node counts as not caught up. A cluster of an earlier version names no former primary:
+        caught up as before."""
+        former = await self.coordinator.former_primaries()
+        failed = {member.name for member in self.members if member.promotion_failed}
+        self._caught_up_earlier = (
+            bool(former)
+            and not any(_same_term(self._followed, primary) for primary in former)
+            and not {name for name, _ in former} <= failed
+        )
+        return not self._caught_up_earlier
+
     async def _as_caught_up(self) -> Decision | tuple[Action, str]:
         """No primary, and this node was caught up with the last one (Patroni's healthiest node)."""
         sync_set = await self.coordinator.sync_members()
@@ -316,6 +354,7 @@ class HaNode:
                 "wait",
                 "no primary, but this node is not in the synchronous set the last primary published "
                 f"({', '.join(sorted(sync_set)) or 'none'}): it may lack acknowledged publishes",
+                waiting_for=tuple(sorted(sync_set)),
             )
         mine = self.record()
         ahead = ahead_of(mine, self.members, sync_set)
@@ -325,6 +364,7 @@ class HaNode:
                 "wait",
                 f"no primary, but {best.name} is further ahead (batch {best.seq}, this node "
                 f"{mine.seq}): leaving the lease to it",
+                waiting_for=(best.name,),
             )
         return "promoted", "no primary, and this node is caught up and the most advanced"
 
@@ -340,7 +380,7 @@ class HaNode:
         running that the caught-up rule lets take over (in the synchronous set, if one was
         published; else at least as far ahead as this node) means the group did not stop: it
         takes the lease, this node follows it."""
-        former = await self.coordinator.former_primaries()
+        former = frozenset(name for name, _ in await self.coordinator.former_primaries())
         sync_set = await self.coordinator.sync_members()
         eligible = former | (sync_set or frozenset())
         if self.me.name not in eligible:
@@ -356,6 +396,7 @@ class HaNode:
                 )
                 + " (or the operator promotes a node: docs/replication.md, After a full stop of the group)",
                 level=logging.WARNING,
+                waiting_for=tuple(sorted(eligible)),
             )
         if not self.hooks.store_whole():
             return Decision(
@@ -385,6 +426,7 @@ class HaNode:
                 "wait",
                 f"no primary, and {follower.name} is a caught-up backup that takes the lease: this node "
                 "rejoins as its backup",
+                waiting_for=(follower.name,),
             )
         ahead = [
             member
@@ -401,6 +443,7 @@ class HaNode:
                 f"no primary after a full stop of the group, and {best.name} holds every acknowledged publish "
                 f"too and is further ahead or was primary last (batch {best.seq}, this node {seq}): leaving the "
                 "lease to it",
+                waiting_for=(best.name,),
             )
         now = self.clock()
         self._full_stop_since = now if waited_since is None else waited_since
@@ -411,6 +454,7 @@ class HaNode:
                 f"no primary after a full stop of the group: waiting up to {self.ttl:g} s for "
                 f"{', '.join(missing)} (the last primary or in its synchronous set) to start, "
                 "in case it is further ahead",
+                waiting_for=tuple(missing),
             )
         return None
 
@@ -497,13 +541,19 @@ class HaNode:
                 )
             return Decision("wait", "the lease still names this node from before it restarted: waiting for it to end")
         self._promotion_failed = self._bootstrap_failed = False  # another node is primary: a new term
+        self._followed, self._caught_up_earlier = (leader.name, leader.term), False
         self.hooks.follow(leader)
         return Decision("follow", f"following primary {leader.name} at {leader.address}")
 
     def record(self) -> Member:
         """What this node publishes about itself now."""
         store_id, seq = self.hooks.position()
-        candidate = self.role == "backup" and self.hooks.caught_up() and not self._promotion_failed
+        candidate = (
+            self.role == "backup"
+            and self.hooks.caught_up()
+            and not self._promotion_failed
+            and not self._caught_up_earlier
+        )
         return Member(self.me.name, self.role, store_id, seq, candidate, self.me.address, self._promotion_failed)
 
     # --- the loop -----------------------------------------------------------------------------
@@ -572,6 +622,15 @@ def ahead_of(me: Member, members: Iterable[Member], sync: frozenset[str] | None 
         and member.seq > me.seq
         and (sync is None or member.name in sync)
     ]
+
+
+def _same_term(followed: tuple[str, int] | None, primary: tuple[str, int]) -> bool:
+    """Whether the followed primary is ``primary`` in the same term: a name again in a later term
+    (it died, another served, it took the lease once more) is another primary. A term of 0 (a
+    record of an earlier version) is compared by name."""
+    if followed is None or followed[0] != primary[0]:
+        return False
+    return followed[1] == primary[1] or 0 in (followed[1], primary[1])
 
 
 def _why(exc: BaseException) -> str:

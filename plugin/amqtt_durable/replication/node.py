@@ -37,7 +37,7 @@ from typing import Any
 from ..settings import LISTEN_BACKLOG
 from .backup import Backup
 from .config import ReplicationConfig
-from .coordinator import Coordinator, Leader
+from .coordinator import Coordinator, Leader, Member
 from .errors import (
     CoordinatorError,
     PromotionRefusedError,
@@ -107,6 +107,8 @@ class ReplicationNode:
         )
         self.decisions: list[Decision] = []
         self._following: str | None = None
+        self._following_term = 0
+        """The term of the leader followed at ``_following`` (``Leader.term``)."""
         self._follow_stop = asyncio.Event()
         self._follow_task: asyncio.Task[None] | None = None
         self._ends: set[asyncio.Task[None]] = set()
@@ -181,7 +183,8 @@ class ReplicationNode:
                 "role": "backup",
                 "state": self.backup.state,
                 "batch": self.backup.applied_seq,
-                "caught_up": self.backup.caught_up,
+                # Caught up with an earlier primary than the coordinator's last one is not caught up.
+                "caught_up": self.backup.caught_up and not (self.ha is not None and self.ha.caught_up_earlier),
                 "primary": self._following,
             }
             if self.promotion_failure is not None:
@@ -191,18 +194,17 @@ class ReplicationNode:
             last = self.ha.last if self.ha is not None else None
             if last is not None and last.action == "wait":  # no primary followed: why (after a full stop, say)
                 status["waiting"] = last.reason
+                if last.waiting_for:  # the nodes it leaves the lease to or waits for
+                    status["waiting_for"] = list(last.waiting_for)
         status["refused"] = self._admin_gate.refusals
         if self.ha is not None:
-            status["members"] = [
-                {"name": m.name, "role": m.role, "store_id": m.store_id, "batch": m.seq, "candidate": m.candidate}
-                for m in sorted(self.ha.members, key=lambda m: m.name)
-            ]
+            status["members"] = [_member_row(m) for m in sorted(self.ha.members, key=lambda m: m.name)]
         return status
 
     def metrics(self) -> dict[str, object]:
         """``status`` flattened into $SYS/broker/durable/replication/... topics."""
         status = self.status()
-        left_out = ("backups", "members", "name", "waiting")
+        left_out = ("backups", "members", "name", "waiting", "waiting_for")
         flat: dict[str, object] = {f"replication/{key}": value for key, value in status.items() if key not in left_out}
         backups = status.get("backups", [])
         if status["role"] == "primary":
@@ -416,13 +418,19 @@ class ReplicationNode:
         return self.primary is not None or (not self.backup.partial and self.backup.applied_seq > 0)
 
     def follow(self, leader: Leader) -> None:
-        if self._following == leader.address and self._follow_task is not None and not self._follow_task.done():
+        same = self._following == leader.address and self._following_term == leader.term
+        if same and self._follow_task is not None and not self._follow_task.done():
             return
         previous = self._follow_task
         if previous is not None:
             self._follow_stop.set()
             previous.cancel()
-        self._following = leader.address
+        if not same:
+            # Caught up with the last primary only: a new one, or the same node in a later term
+            # (it took the lease again), decides anew (its IN_SYNC), also when it dies before it
+            # answered. (The cancelled end sets caught_up no more.)
+            self.backup.caught_up = False
+        self._following, self._following_term = leader.address, leader.term
         self._follow_stop = asyncio.Event()
         host, port = split_peer_address(leader.address, f"the coordinator's leader key (written by {leader.name})")
         self._follow_task = asyncio.get_running_loop().create_task(
@@ -616,6 +624,18 @@ class ReplicationNode:
         self.backup = self._new_backup()
         if not self._ha_stop.is_set() and not self._promoting:
             await self._open_admin()
+
+
+def _member_row(member: Member) -> dict[str, Any]:
+    """One member's published record as STATUS shows it (inspect's ``members``)."""
+    return {
+        "name": member.name,
+        "role": member.role,
+        "store_id": member.store_id,
+        "batch": member.seq,
+        "candidate": member.candidate,
+        "promotion_failed": member.promotion_failed,
+    }
 
 
 @contextlib.contextmanager

@@ -111,16 +111,7 @@ def format_status(status: dict[str, Any]) -> str:
                 + (f", snapshot rows {row['snapshot_rows']}" if row["state"] == "snapshot" else "")
             )
     else:
-        lines.append(
-            f"  following {status.get('primary') or '(nobody yet)'}: {status['state']}"
-            + (", caught up" if status.get("caught_up") else ", not caught up")
-        )
-        if status.get("promotion_failed"):
-            lines.append(f"  its last promotion failed: {status['promotion_failed']}")
-        if status.get("refused_by_primary"):
-            lines.append(f"  {status['refused_by_primary']}")
-        if status.get("waiting"):
-            lines.append(f"  its last HA cycle: {status['waiting']}")
+        lines += _backup_lines(status)
     if status.get("refused"):  # a node before this field did not send it
         lines.append(f"  connections refused on its replication address since start: {status['refused']}")
     members = status.get("members")
@@ -131,5 +122,23 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(
                 f"    {row['name']}: {row['role']}, at batch {row['batch']}, store {row['store_id']:x}"
                 + (", may take over" if row["candidate"] else "")
+                + (", its last promotion failed" if row.get("promotion_failed") else "")  # not sent before
             )
     return "\n".join(lines)
+
+
+def _backup_lines(status: dict[str, Any]) -> list[str]:
+    """A backup's lines: what it follows, its failed promotion, why it waits and for whom."""
+    lines = [
+        f"  following {status.get('primary') or '(nobody yet)'}: {status['state']}"
+        + (", caught up" if status.get("caught_up") else ", not caught up")
+    ]
+    if status.get("promotion_failed"):
+        lines.append(f"  its last promotion failed: {status['promotion_failed']}")
+    if status.get("refused_by_primary"):
+        lines.append(f"  {status['refused_by_primary']}")
+    if status.get("waiting"):
+        lines.append(f"  its last HA cycle: {status['waiting']}")
+    if status.get("waiting_for"):  # a node before this field did not send it
+        lines.append(f"  waiting for: {', '.join(status['waiting_for'])}")
+    return lines
