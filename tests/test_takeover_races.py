@@ -513,17 +513,21 @@ def test_what_a_connection_that_took_over_published_waits_at_most_5_s_after_its_
 
 
 @contextlib.contextmanager
-def ended_after_taking_over(broker: Broker, folder: Path, *, clean: bool) -> Iterator[socket.socket]:
+def ended_after_taking_over(
+    broker: Broker, folder: Path, *, clean: bool
+) -> Iterator[tuple[socket.socket, float]]:
     """``published_behind_a_slow_check`` (durable "pub"), taken over by a connection of "pub"
     (``clean``) that published "b1" (PUBACK) to c/b and ended (DISCONNECT): its messages wait for the
-    stuck connection's (at most 5 s from its end). Yields the stuck connection."""
+    stuck connection's (at most 5 s from its end). Yields the stuck connection and the time the
+    broker had closed the ended one (its 5-second bound began just before: the end is handled
+    before the close)."""
     with published_behind_a_slow_check(broker, folder, clean=False) as old:
         with raw_connect(broker.port, "pub", clean=clean) as newer:
             newer.sendall(mqtt_packet(0x32, mqtt_string("c/b") + b"\x00\x05" + b"b1"))
             assert read_packet(newer) == (0x40, b"\x00\x05")
             newer.sendall(b"\xe0\x00")
             assert read_until_closed(newer, WAIT) is not None
-        yield old
+        yield old, time.monotonic()
 
 
 @contextlib.contextmanager
@@ -547,16 +551,25 @@ def test_a_connection_made_after_one_that_took_over_ended_delivers_after_it(
 ) -> None:
     """docs/guarantees.md, Take-over: a connection of the client id made after the new one ended
     follows it. B took over "pub" (stuck on "s1"'s check, "c1" and "c2" behind it), published "b1"
-    and ended (``ended_after_taking_over``); C publishes "n1" (``published_n1``). Once the check passes (within B's
-    5-second bound), subscribers, clean and durable, get s1, c1, c2, b1, n1 in that order. C took
-    nothing over and did not wait (review 238): "n1" reached clean subscribers first, and a
-    durable C's loop took "c1", "c2" and "b1" from the queue it shares with B, before "s1"."""
+    and ended (``ended_after_taking_over``); C publishes "n1" (``published_n1``). Once the check
+    passes (here within B's 5-second bound), subscribers, clean and durable, get s1, c1, c2, b1, n1
+    in that order. Before the fix C took nothing over and did not wait (review 238): "n1" reached
+    clean subscribers first, and a durable C's loop took "c1", "c2" and "b1" from the queue it
+    shares with B, before "s1"."""
     broker = slow_check_broker(broker_factory, tmp_path)
     watchers = watchers_of(broker, clients)
-    with ended_after_taking_over(broker, tmp_path, clean=newer_clean) as old, published_n1(broker, clean=third_clean):
-        # Before the fix "n1" (and with a durable C "c1", "c2", "b1") came at once: bounded look.
-        assert not watchers[0].wait_for(lambda ms: len(ms) > 0, timeout=1.0), watchers[0].messages
+    with (
+        ended_after_taking_over(broker, tmp_path, clean=newer_clean) as (old, ended),
+        published_n1(broker, clean=third_clean),
+    ):
+        # Before the fix "n1" (and with a durable C "c1", "c2", "b1") came at once: a look of 1 s at
+        # most, ending 1 s before B's bound (5 s from B's end), when they may go (the next test).
+        look = min(1.0, ended + 4.0 - time.monotonic())
+        assert look > 0.2, f"set-up took {time.monotonic() - ended:.2f} s from B's end: no time left to look"
+        assert not watchers[0].wait_for(lambda ms: len(ms) > 0, timeout=look), watchers[0].messages
         (tmp_path / "gate").write_text("1")
+        gate = time.monotonic() - ended
+        assert gate < 4.5, f"the check passed {gate:.2f} s after B's end: B's bound may have let its messages go"
         assert read_until_closed(old, WAIT) is not None
         assert_delivered(watchers, [b"s1", b"c1", b"c2", b"b1", b"n1"])
 
@@ -565,16 +578,17 @@ def test_a_connection_made_after_one_that_took_over_ended_waits_at_most_for_its_
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
     """docs/guarantees.md, Take-over: a connection made after the new one ended waits for it at most
-    as long as it waits itself (5 s from its end): durable B took over "pub" (stuck on "s1"'s
-    check), published "b1" and ended; a clean C's "n1" reaches clean subscribers after "b1", within
-    that bound, though the check has not passed. Durable subscribers get all five in order."""
+    as long as that one waits itself (5 s from its end): durable B took over "pub" (stuck on "s1"'s
+    check), published "b1" and ended; a clean C's "n1" reaches clean subscribers at B's bound, with
+    "b1" (in any order), though the check has not passed. Durable subscribers get all five in order."""
     broker = slow_check_broker(broker_factory, tmp_path)
     clean_watcher, durable_watcher = watchers_of(broker, clients)
-    with ended_after_taking_over(broker, tmp_path, clean=False) as old:
-        ended = time.monotonic()
+    with ended_after_taking_over(broker, tmp_path, clean=False) as (old, ended):
         with published_n1(broker, clean=True):
-            assert clean_watcher.wait_for(lambda ms: any(m.payload == b"n1" for m in ms), 3 * WAIT)
+            n1_came = clean_watcher.wait_for
+            got = n1_came(lambda ms: any(m.payload == b"n1" for m in ms), ended + WAIT - time.monotonic())
             took = time.monotonic() - ended
+            assert got, f"n1 was not there {took:.2f} s after B's end (documented: at B's 5-second bound)"
         (tmp_path / "gate").write_text("1")
         assert read_until_closed(old, WAIT) is not None
     assert durable_watcher.wait_for(lambda ms: len(ms) >= 5, WAIT)
@@ -617,9 +631,10 @@ def test_a_live_connection_waits_for_an_ended_one_whose_own_hand_over_is_stuck_a
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
     """docs/guarantees.md, Take-over: durable B of "pub" (it took nothing over) publishes "s1" (its
-    check held) and "s2", then DISCONNECT; once closed, "s1"'s check passes and B's hand-over sticks
-    on "s2"'s. Clean C of "pub" publishes "n1": it reaches clean subscribers at B's 5-second bound,
-    before "s2". Before the fix C waited for B's hand-over with no limit."""
+    check held) and "s2", then DISCONNECT; once closed, "s1"'s check passes, B's message loop ends
+    (its 5-second bound starts) and B's hand-over sticks on "s2"'s check. Clean C of "pub" publishes
+    "n1": it reaches clean subscribers at B's bound, 5 s after B's hand-over began, before "s2".
+    Before the fix C waited for B's hand-over with no limit (here until the test writes "gate2")."""
     broker = slow_check_broker(broker_factory, tmp_path)
     clean_watcher, durable_watcher = watchers_of(broker, clients)
     with raw_connect(broker.port, "pub", clean=False) as b:
@@ -629,15 +644,20 @@ def test_a_live_connection_waits_for_an_ended_one_whose_own_hand_over_is_stuck_a
         b.sendall(mqtt_packet(0x32, mqtt_string("slow/2") + b"\x00\x02" + b"s2"))
         assert read_packet(b) == (0x40, b"\x00\x02")
         b.sendall(b"\xe0\x00")
+        (tmp_path / "gate").write_text("1")
         assert read_until_closed(b, 2 * WAIT) is not None
-    (tmp_path / "gate").write_text("1")
-    assert broker.wait_until((tmp_path / "entered2").exists, WAIT), "s2 is not being checked in B's hand-over"
+    assert broker.wait_until((tmp_path / "entered2").exists, WAIT), "s2 is not being checked"
+    bound_began = time.monotonic()  # B's bound starts as its end is handled, just before "entered2"
     with raw_connect(broker.port, "pub", clean=True) as c:
         c.sendall(mqtt_packet(0x32, mqtt_string("c/n") + b"\x00\x06" + b"n1"))
         assert read_packet(c) == (0x40, b"\x00\x06")
-        got = clean_watcher.wait_for(lambda ms: any(m.payload == b"n1" for m in ms), WAIT)
+        got = clean_watcher.wait_for(
+            lambda ms: any(m.payload == b"n1" for m in ms), bound_began + WAIT - time.monotonic()
+        )
+        took = time.monotonic() - bound_began
     (tmp_path / "gate2").write_text("1")
-    assert got, "n1 waited past B's bound for B's stuck hand-over"
+    assert got, f"n1 waited past B's bound for B's stuck hand-over (not there {took:.2f} s after it began)"
+    assert 4.0 < took < 8.0, f"n1 came {took:.2f} s after B's bound began (documented: at its 5-second bound)"
     assert_delivered([clean_watcher], [b"s1", b"n1", b"s2"])
     assert_delivered([durable_watcher], [b"s1", b"s2", b"n1"])
 

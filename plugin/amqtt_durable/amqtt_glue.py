@@ -1760,6 +1760,7 @@ class AmqttHooks:
         does the rest (CLIENT_DISCONNECTED included), told the will's decision is made."""
         will: ConnectionWill | None = getattr(handler, "durable_will", None)
         handler.durable_disconnected = True
+        handler.durable_published.start_bound()  # before its loop may check a message it still holds
         if will is None:  # not read through init_from_connect
             await self._original_handle_disconnect(session, handler, disconnect_waiter)
             _keep_the_newer_connection_connected(self.broker, session, handler)
@@ -1809,7 +1810,7 @@ class AmqttHooks:
             await take_over(handler)
             await handler.stop()
         await _keeping_what_was_published(session, self._original_delete_session, client_id)
-        # A connection that had ended and still hands its messages over is followed too (``succeed``).
+        # One that had ended and still hands its messages over is followed too, until its bound (``succeed``).
         _TAKEN_OVER.set(getattr(handler, "durable_published", None) if taken_over else None)
 
     async def client_message_loop(self, session: Any, handler: Any) -> None:
@@ -2746,7 +2747,7 @@ class PublishedMessages:
         self._handing_later = False
         self._released = asyncio.Event()
         """Set once a connection made after this one ended waits for it no more (``succeed``): all
-        handed over, or this connection's bound passed (``loop_end_handled``)."""
+        handed over, or this connection's bound passed (``start_bound``)."""
         self._bound: asyncio.TimerHandle | None = None
         self._deadline: float | None = None
         self._latest: tuple[dict[str, PublishedMessages], str] | None = None
@@ -2809,10 +2810,13 @@ class PublishedMessages:
         turn as the refusal's CONNACK is written, follows the one this one would have followed."""
         self._all_handed(self._older if self.follows() else None)
 
-    def loop_end_handled(self) -> float:
-        """The connection's end is done (closed; a durable session detached): its bound, CHANGES_GRACE
-        from now, starts. Returns it: what the connection published waits for the connection it took
-        over until then, and so does a connection made after this one ended (``succeed``)."""
+    def start_bound(self) -> float:
+        """The connection has ended: its bound, CHANGES_GRACE from the first call, starts (amqtt's
+        handling of its end, ``AmqttHooks.handle_disconnect``, or, with none, its message loop's end,
+        ``hand_over_what_is_left``). Returns it: what the connection published waits for the
+        connection it took over until then, and so does a connection made after this one ended
+        (``succeed``). amqtt's loop may go on to check a message it took as the end came (a topic
+        plugin's slow check): the bound runs meanwhile."""
         loop = asyncio.get_running_loop()
         if self._deadline is None:
             self._deadline = loop.time() + CHANGES_GRACE
@@ -2835,15 +2839,14 @@ class PublishedMessages:
                     latest[client_id] = instead
 
     def succeed(self, latest: dict[str, PublishedMessages], client_id: str) -> None:
-        """This connection, in its CONNECT's turn (``ConnectTurns``), is the latest of ``client_id``
-        (in ``latest`` until its messages are all handed over). It follows the one before it if that
-        one has ended and is still handing its messages over (its loop stuck on a topic plugin's
-        check, or waiting for the connection it took over, ``hand_over_later``): one still live is
-        followed as amqtt's take-over (or ``AmqttHooks.delete_session``) ends it; an ended one was
-        not, and what this connection published reached clean subscribers before what it still held.
-        An ended one is followed only until its bound (``loop_end_handled``): its own hand-over may be
-        stuck on a topic plugin's check of a message it published, and this live connection's messages
-        waited for it with no limit."""
+        """This connection is the latest of ``client_id`` (in ``latest`` until its messages are all
+        handed over). It follows the one before it, until that one's bound (``start_bound``), if that
+        one has ended (amqtt's handling of its end began) and has not handed all of its messages over
+        (its loop stuck on a topic plugin's check, or waiting for the connection it took over,
+        ``hand_over_later``), and is not the one this connection takes over (``follow``, until all
+        are handed over). Unfollowed, what this connection published reached clean subscribers
+        before what the ended one still held; followed with no bound, it waited for as long as that
+        one's own check of a message it published took."""
         previous = latest.get(client_id)
         if (  # ended, and not the one it takes over (followed until all are handed)
             previous is not None
@@ -2856,16 +2859,17 @@ class PublishedMessages:
 
     def follow(self, older: PublishedMessages, *, until_released: bool = False) -> None:
         """A take-over of the connection whose messages are ``older``: this connection's go to the
-        broker only once the older connection's loop has handed all of its own over. Its loop may
-        still be in the middle of one (a topic plugin's slow check): amqtt's take-over of a Session
-        it keeps gave the new connection's loop the messages waiting behind it, which reached
-        subscribers first."""
+        broker only once the older connection's loop has handed all of its own over (with
+        ``until_released``, for an ended one ``succeed`` follows: or once its bound passed). Its loop
+        may still be in the middle of one (a topic plugin's slow check): amqtt's take-over of a
+        Session it keeps gave the new connection's loop the messages waiting behind it, which
+        reached subscribers first."""
         if older is not self and not older._handed.is_set():
             self._older = older
             self._until_released = until_released
 
     def follows(self) -> bool:
-        """Whether this connection's messages still wait for those of the connection it took over."""
+        """Whether this connection's messages still wait for those of the connection it follows (``follow``)."""
         return self._older is not None and not self._waited_for(self._older).is_set()
 
     def _waited_for(self, older: PublishedMessages) -> asyncio.Event:
@@ -2883,7 +2887,7 @@ class PublishedMessages:
         task.add_done_callback(self._late.discard)
 
     async def after_the_older(self) -> None:
-        """Returns once the connection this one took over has handed its messages over (``follow``)."""
+        """Returns once the connection this one follows no longer holds it (``follow``)."""
         older = self._older
         if older is not None:
             await self._waited_for(older).wait()
@@ -2955,7 +2959,7 @@ class PublishedMessages:
         if self._deferred:
             await asyncio.wait(list(self._deferred))
         queue = self._handler.session.delivered_message_queue
-        # A connection that took over hands over nothing before the older one has (``follow``):
+        # A connection that follows another hands over nothing before that one has (``follow``):
         # its loop's end hands its messages over after those (``hand_over_what_is_left``).
         while not queue.empty() and not self.loop_ended and self._older is None:
             self._taken.clear()
@@ -2972,16 +2976,17 @@ async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> Non
     in the Session's queue go to the broker as the loop would have handed them (as many as wait
     now: on a Session a newer connection took over, that connection's loop takes what comes after),
     the one the loop took and dropped first (``PublishedMessages.in_hand``), once the connection
-    this one took over has handed its own over (``PublishedMessages.follow``); what the connection
+    this one follows has handed its own over (``PublishedMessages.follow``); what the connection
     hands over after this goes to the broker directly (``PublishedMessages.put``).
 
     A connection waiting for the older one's (its loop stuck on a topic plugin's check) waits in a
-    task of its own, for at most CHANGES_GRACE: waiting here held the connection's task, which frees
+    task of its own, until its bound (``PublishedMessages.start_bound``, CHANGES_GRACE from its
+    end) at most: waiting here held the connection's task, which frees
     its places (``max_connections``, ``max_connections_per_address``) as it ends, for as long as that
     check took (for ever: every connection of a take-over chain kept its places). Then its messages
     go without waiting any more: none is lost, but they go before what the older one still holds."""
     published: PublishedMessages = handler.durable_published
-    published.loop_end_handled()
+    published.start_bound()
     published.release_all_read()
     if published.follows():
         published.hand_over_later(_hand_over_after_the_older(broker, session, handler))
@@ -2991,10 +2996,10 @@ async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> Non
 
 async def _hand_over_after_the_older(broker: Any, session: Any, handler: Any) -> None:
     """``hand_over_what_is_left`` of a connection that took over: once the older connection has
-    handed its messages over, or at this connection's bound (``PublishedMessages.loop_end_handled``)."""
+    handed its messages over, or at this connection's bound (``PublishedMessages.start_bound``)."""
     try:
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout_at(handler.durable_published.loop_end_handled()):
+            async with asyncio.timeout_at(handler.durable_published.start_bound()):
                 await handler.durable_published.after_the_older()
         await _hand_over(broker, session, handler)
     except Exception as exc:  # as amqtt's loop would have ended on it
