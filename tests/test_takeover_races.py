@@ -627,14 +627,15 @@ def test_a_hand_over_pending_at_the_brokers_shutdown_loses_no_acknowledged_durab
 
 
 @pytest.mark.slow
-def test_a_live_connection_waits_for_an_ended_one_whose_own_hand_over_is_stuck_at_most_its_bound(
+def test_a_live_connection_waits_for_an_ended_one_stuck_on_its_own_message_at_most_its_bound(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
     """docs/guarantees.md, Take-over: durable B of "pub" (it took nothing over) publishes "s1" (its
-    check held) and "s2", then DISCONNECT; once closed, "s1"'s check passes, B's message loop ends
-    (its 5-second bound starts) and B's hand-over sticks on "s2"'s check. Clean C of "pub" publishes
-    "n1": it reaches clean subscribers at B's bound, 5 s after B's hand-over began, before "s2".
-    Before the fix C waited for B's hand-over with no limit (here until the test writes "gate2")."""
+    check held) and "s2", then DISCONNECT. Once "s1"'s check passes, B's message loop handles its
+    end (B's 5-second bound starts; the broker closes B) and, in the same pass, sticks on "s2"'s
+    check. Clean C of "pub" publishes "n1": it reaches clean subscribers at B's bound, before "s2".
+    Before the fix C waited for "s2"'s check with no limit (here until the test writes "gate2"):
+    the bound started only at B's loop's end, after that check."""
     broker = slow_check_broker(broker_factory, tmp_path)
     clean_watcher, durable_watcher = watchers_of(broker, clients)
     with raw_connect(broker.port, "pub", clean=False) as b:
@@ -647,7 +648,7 @@ def test_a_live_connection_waits_for_an_ended_one_whose_own_hand_over_is_stuck_a
         (tmp_path / "gate").write_text("1")
         assert read_until_closed(b, 2 * WAIT) is not None
     assert broker.wait_until((tmp_path / "entered2").exists, WAIT), "s2 is not being checked"
-    bound_began = time.monotonic()  # B's bound starts as its end is handled, just before "entered2"
+    bound_began = time.monotonic()  # B's bound started as its end was handled, just before "entered2"
     with raw_connect(broker.port, "pub", clean=True) as c:
         c.sendall(mqtt_packet(0x32, mqtt_string("c/n") + b"\x00\x06" + b"n1"))
         assert read_packet(c) == (0x40, b"\x00\x06")
@@ -656,7 +657,7 @@ def test_a_live_connection_waits_for_an_ended_one_whose_own_hand_over_is_stuck_a
         )
         took = time.monotonic() - bound_began
     (tmp_path / "gate2").write_text("1")
-    assert got, f"n1 waited past B's bound for B's stuck hand-over (not there {took:.2f} s after it began)"
+    assert got, f"n1 waited past B's bound for B's stuck check (not there {took:.2f} s after it began)"
     assert 4.0 < took < 8.0, f"n1 came {took:.2f} s after B's bound began (documented: at its 5-second bound)"
     assert_delivered([clean_watcher], [b"s1", b"n1", b"s2"])
     assert_delivered([durable_watcher], [b"s1", b"s2", b"n1"])
