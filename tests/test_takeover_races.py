@@ -22,6 +22,7 @@ from test_hostile_amqtt_sessions import PROBE_PLUGIN, StuckWebsocket, amqtt_tabl
 from test_hostile_wire import read_until_closed
 from test_recovery_and_crash import EXPIRED_TOPIC
 from test_subscribe_order import stuck_on_big_retained_messages, subscribe
+from websockets.frames import Frame, Opcode
 
 from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
@@ -300,12 +301,15 @@ def test_the_wait_for_a_client_ids_turn_is_bounded_by_connect_timeout(
 
 def slow_check_broker(
     broker_factory: Callable[..., Broker], folder: Path, more_plugins: Mapping[str, str] | None = None,
-    **options: object,
+    *, websocket: bool = False, **options: object,
 ) -> Broker:
-    """A started broker (``options``) whose topic plugin is SLOW_CHECK, its files in ``folder``; and
-    ``more_plugins`` ("module.Class" -> the module's source), with no configuration."""
+    """A started broker (``options``; with ``websocket``, a websocket listener too) whose topic plugin
+    is SLOW_CHECK, its files in ``folder``; and ``more_plugins`` ("module.Class" -> the module's
+    source), with no configuration."""
     plugins = {"slow_check.SlowCheck": SLOW_CHECK, **(more_plugins or {})}
     broker = broker_factory(start=False, **options)
+    if websocket:
+        broker.ws_port = free_port()
     broker.pythonpath.append(str(folder))
     for name, source in plugins.items():
         (folder / f"{name.split('.')[0]}.py").write_text(source)
@@ -657,6 +661,60 @@ def test_a_live_connection_waits_for_an_ended_one_stuck_on_its_own_message_at_mo
         )
         took = time.monotonic() - bound_began
     (tmp_path / "gate2").write_text("1")
+    assert got, f"n1 waited past B's bound for B's stuck check (not there {took:.2f} s after it began)"
+    assert 4.0 < took < 8.0, f"n1 came {took:.2f} s after B's bound began (documented: at its 5-second bound)"
+    assert_delivered([clean_watcher], [b"s1", b"n1", b"s2"])
+    assert_delivered([durable_watcher], [b"s1", b"s2", b"n1"])
+
+
+def wait_for_close_frame(ws: StuckWebsocket) -> None:
+    """Returns once ``ws`` got the broker's close frame (left unanswered: the broker waits)."""
+    for _ in range(1000):
+        for event in ws.protocol.events_received():
+            if isinstance(event, Frame) and event.opcode is Opcode.CLOSE:
+                return
+        data = ws.sock.recv(65536)
+        assert data, "closed with no close frame"
+        ws.protocol.receive_data(data)
+    raise AssertionError("no close frame")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("c_clean", [True, False], ids=["clean-C", "durable-C"])
+def test_a_connection_made_while_an_ended_ones_close_is_awaited_waits_for_it_at_most_its_bound(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, c_clean: bool
+) -> None:
+    """docs/guarantees.md, Take-over: as in the test above, durable B of "pub" publishes "s1" (its
+    check held) and "s2", then DISCONNECT, but over a websocket that never answers the broker's close
+    frame: once "s1"'s check passes, the broker's handling of B's end (B's bound began) waits for the
+    closing handshake (up to 5 s), "s2" in B's loop's hand. C of "pub" (``c_clean``) connects
+    meanwhile: amqtt takes B over. C's "n1" reaches clean subscribers at B's bound, before "s2". Before the fix the
+    take-over's stop() of B made C follow B until all of B's messages were handed over, not until
+    B's bound: "n1" waited for "s2"'s check with no limit (here until the test writes "gate2")."""
+    broker = slow_check_broker(broker_factory, tmp_path, websocket=True)
+    assert broker.ws_port is not None
+    clean_watcher, durable_watcher = watchers_of(broker, clients)
+    b = StuckWebsocket(broker.ws_port)
+    with contextlib.closing(b.sock):
+        b.send(connect_packet("pub", clean=False))
+        assert b.receive()[:2] == b"\x20\x02"
+        b.send(mqtt_packet(0x32, mqtt_string("slow/1") + b"\x00\x01" + b"s1"))
+        assert b.receive() == b"\x40\x02\x00\x01"
+        assert broker.wait_until((tmp_path / "entered").exists, WAIT)
+        b.send(mqtt_packet(0x32, mqtt_string("slow/2") + b"\x00\x02" + b"s2"))
+        assert b.receive() == b"\x40\x02\x00\x02"
+        b.send(b"\xe0\x00")
+        (tmp_path / "gate").write_text("1")
+        bound_began = time.monotonic()  # B's bound starts as its end is handled, once "s1"'s check passed
+        wait_for_close_frame(b)  # the broker is closing B, its end handled: it waits for the answer
+        with raw_connect(broker.port, "pub", clean=c_clean) as c:
+            c.sendall(mqtt_packet(0x32, mqtt_string("c/n") + b"\x00\x06" + b"n1"))
+            assert read_packet(c) == (0x40, b"\x00\x06")
+            got = clean_watcher.wait_for(
+                lambda ms: any(m.payload == b"n1" for m in ms), bound_began + WAIT - time.monotonic()
+            )
+            took = time.monotonic() - bound_began
+        (tmp_path / "gate2").write_text("1")
     assert got, f"n1 waited past B's bound for B's stuck check (not there {took:.2f} s after it began)"
     assert 4.0 < took < 8.0, f"n1 came {took:.2f} s after B's bound began (documented: at its 5-second bound)"
     assert_delivered([clean_watcher], [b"s1", b"n1", b"s2"])

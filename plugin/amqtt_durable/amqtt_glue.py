@@ -2860,13 +2860,16 @@ class PublishedMessages:
     def follow(self, older: PublishedMessages, *, until_released: bool = False) -> None:
         """A take-over of the connection whose messages are ``older``: this connection's go to the
         broker only once the older connection's loop has handed all of its own over (with
-        ``until_released``, for an ended one ``succeed`` follows: or once its bound passed). Its loop
+        ``until_released``, for an ended one ``succeed`` follows, or once amqtt handles the older
+        one's end, however it comes to be followed: or once its bound passed). Its loop
         may still be in the middle of one (a topic plugin's slow check): amqtt's take-over of a
         Session it keeps gave the new connection's loop the messages waiting behind it, which
         reached subscribers first."""
         if older is not self and not older._handed.is_set():
             self._older = older
-            self._until_released = until_released
+            # an older connection whose end amqtt is handling is followed only until its bound,
+            # however the take-over comes to follow it (``succeed``, then amqtt's ``stop``)
+            self._until_released = until_released or getattr(older._handler, "durable_disconnected", False)
 
     def follows(self) -> bool:
         """Whether this connection's messages still wait for those of the connection it follows (``follow``)."""
