@@ -653,14 +653,24 @@ def test_a_live_connection_waits_for_an_ended_one_stuck_on_its_own_message_at_mo
         assert read_until_closed(b, 2 * WAIT) is not None
     assert broker.wait_until((tmp_path / "entered2").exists, WAIT), "s2 is not being checked"
     bound_began = time.monotonic()  # B's bound started as its end was handled, just before "entered2"
-    with raw_connect(broker.port, "pub", clean=True) as c:
+    assert_n1_at_bs_bound(broker, tmp_path, [clean_watcher, durable_watcher], bound_began, clean=True)
+
+
+def assert_n1_at_bs_bound(
+    broker: Broker, folder: Path, watchers: list[Client], bound_began: float, *, clean: bool
+) -> None:
+    """C of "pub" (``clean``) publishes "n1" while B's loop is stuck on "s2"'s check: "n1" reaches the
+    clean watcher at B's bound (from ``bound_began``), before the test opens "gate2"; then the clean
+    watcher has s1, n1, s2 and the durable one s1, s2, n1 (``watchers``: clean, durable)."""
+    clean_watcher, durable_watcher = watchers
+    with raw_connect(broker.port, "pub", clean=clean) as c:
         c.sendall(mqtt_packet(0x32, mqtt_string("c/n") + b"\x00\x06" + b"n1"))
         assert read_packet(c) == (0x40, b"\x00\x06")
         got = clean_watcher.wait_for(
             lambda ms: any(m.payload == b"n1" for m in ms), bound_began + WAIT - time.monotonic()
         )
         took = time.monotonic() - bound_began
-    (tmp_path / "gate2").write_text("1")
+    (folder / "gate2").write_text("1")
     assert got, f"n1 waited past B's bound for B's stuck check (not there {took:.2f} s after it began)"
     assert 4.0 < took < 8.0, f"n1 came {took:.2f} s after B's bound began (documented: at its 5-second bound)"
     assert_delivered([clean_watcher], [b"s1", b"n1", b"s2"])
@@ -693,7 +703,7 @@ def test_a_connection_made_while_an_ended_ones_close_is_awaited_waits_for_it_at_
     B's bound: "n1" waited for "s2"'s check with no limit (here until the test writes "gate2")."""
     broker = slow_check_broker(broker_factory, tmp_path, websocket=True)
     assert broker.ws_port is not None
-    clean_watcher, durable_watcher = watchers_of(broker, clients)
+    watchers = watchers_of(broker, clients)
     b = StuckWebsocket(broker.ws_port)
     with contextlib.closing(b.sock):
         b.send(connect_packet("pub", clean=False))
@@ -707,18 +717,7 @@ def test_a_connection_made_while_an_ended_ones_close_is_awaited_waits_for_it_at_
         (tmp_path / "gate").write_text("1")
         bound_began = time.monotonic()  # B's bound starts as its end is handled, once "s1"'s check passed
         wait_for_close_frame(b)  # the broker is closing B, its end handled: it waits for the answer
-        with raw_connect(broker.port, "pub", clean=c_clean) as c:
-            c.sendall(mqtt_packet(0x32, mqtt_string("c/n") + b"\x00\x06" + b"n1"))
-            assert read_packet(c) == (0x40, b"\x00\x06")
-            got = clean_watcher.wait_for(
-                lambda ms: any(m.payload == b"n1" for m in ms), bound_began + WAIT - time.monotonic()
-            )
-            took = time.monotonic() - bound_began
-        (tmp_path / "gate2").write_text("1")
-    assert got, f"n1 waited past B's bound for B's stuck check (not there {took:.2f} s after it began)"
-    assert 4.0 < took < 8.0, f"n1 came {took:.2f} s after B's bound began (documented: at its 5-second bound)"
-    assert_delivered([clean_watcher], [b"s1", b"n1", b"s2"])
-    assert_delivered([durable_watcher], [b"s1", b"s2", b"n1"])
+        assert_n1_at_bs_bound(broker, tmp_path, watchers, bound_began, clean=c_clean)
 
 
 def publish_packet_id(body: bytes) -> bytes:
