@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml
 	@command -v etcd >/dev/null 2>&1 || { echo "installing etcd for the replication tests (etcd-server)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server; } \
 		|| { echo "etcd is required by the replication tests: install etcd-server"; exit 1; }
+	@# Debian's python3.11 makes no venv without its venv package (ensurepip): that package when missing.
+	@test -x $(VENV)/bin/python || $(PYTHON) -c 'import ensurepip' >/dev/null 2>&1 || { \
+		echo "installing the venv module of Python 3.11 (python3.11-venv)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq python3.11-venv; } \
+		|| { echo "Python's venv module is required: install python3.11-venv"; exit 1; }
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e '.[test,bench,pipeline]'

@@ -24,7 +24,7 @@ import asyncio
 import sys
 import uuid
 
-from durable_client import AsyncDurableClient, DurableClient, Event
+from durable_client import AsyncDurableClient, DurableClient, DurableClientError, Event
 
 FILTER = "orders/#"
 
@@ -32,7 +32,9 @@ FILTER = "orders/#"
 async def consume(args: argparse.Namespace, client_id: str) -> list[Event]:
     processed: list[Event] = []
     failed_once = False
-    async with AsyncDurableClient(client_id, args.host, args.port, reconnect_max_delay=1.0) as client:
+    async with AsyncDurableClient(
+        client_id, args.host, args.port, request_timeout=args.timeout, reconnect_max_delay=1.0
+    ) as client:
         await client.subscribe(FILTER, qos=1)
         await client.ready_for_events()  # the broker replays what it queued, then the marker
         live_orders = asyncio.create_task(publish_after_the_marker(args, client))
@@ -74,7 +76,8 @@ def publish(args: argparse.Namespace, kind: str, count: int) -> None:
 
 async def main_async(args: argparse.Namespace) -> int:
     client_id = f"async-consumer-{uuid.uuid4().hex[:8]}"
-    async with AsyncDurableClient(client_id, args.host, args.port) as first:  # the session and its subscription
+    # The session and its subscription; request_timeout bounds the connect and every request too.
+    async with AsyncDurableClient(client_id, args.host, args.port, request_timeout=args.timeout) as first:
         await first.subscribe(FILTER, qos=1)
     await asyncio.to_thread(publish, args, "queued", args.count)
     print(f"publisher: {args.count} orders while the consumer was away")
@@ -96,7 +99,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.count < 4:
         parser.error("--count must be at least 4 (order 3 fails once on purpose)")
-    return asyncio.run(main_async(args))
+    try:
+        return asyncio.run(main_async(args))
+    except (OSError, TimeoutError, DurableClientError) as exc:
+        print(f"error: {str(exc) or f'not done within --timeout {args.timeout:g} s'}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1363,7 +1363,7 @@ def test_filters_whose_packets_exceed_max_packet_size_are_refused_or_dropped_nev
     with LogWatch() as problems:
         client.connect(timeout=WAIT)
         client.ready_for_events()
-        assert seen.wait(lambda: len(seen.markers) == 1), "the marker came: nothing closed the connection"
+        assert seen.wait(lambda: len(seen.markers) == 1), "no marker: the connection was closed"
         dropped = [m for m in problems.messages if m.startswith("dropping the") and "max_packet_size (1024" in m]
     assert len(dropped) == 2 and all(len(m) < 400 for m in dropped), problems.messages
     late = "long/" + "x" * 2000
@@ -1491,6 +1491,34 @@ def test_a_subscribe_waiting_across_a_reconnect_that_drops_it_for_its_size_raise
         waiter.join(WAIT + 5)
         assert problems.wait(lambda m: "dropping the subscription" in m)
     assert isinstance(outcome[0], ValueError) and str(outcome[0]).startswith("topic_filter"), outcome
+
+
+def test_an_unsubscribe_due_at_a_reconnect_whose_hello_reply_says_a_smaller_limit_is_dropped_not_sent(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md Bad input: a filter registered before the broker said its max_packet_size is
+    dropped at the hello reply with an ERROR, not sent; so is a durable session's UNSUBSCRIBE due
+    on the next connection (made while disconnected) whose packet a restarted broker's smaller
+    max_packet_size refuses: the connection stays up and the marker comes."""
+    broker = broker_factory()
+    seen = Seen()
+    client = seen_client(sdk, broker.port, "blind2-unsub-size-drop", seen)
+    long_filter = "long/" + "u" * 2000
+    client.connect(timeout=WAIT)
+    client.subscribe(long_filter, timeout=WAIT)
+    broker.kill()
+    assert seen.wait(lambda: len(seen.disconnected) == 1)
+    client.unsubscribe(long_filter)  # disconnected: due on the next connection
+    broker.settings["max_packet_size"] = 1024
+    with LogWatch() as problems:
+        broker.start()
+        assert seen.wait(lambda: len(seen.connected) == 2)
+        client.ready_for_events()
+        assert seen.wait(lambda: len(seen.markers) == 1), "no marker: the connection was closed"
+        dropped = [m for m in problems.messages if m.startswith("dropping the unsubscribe of long/")]
+    assert len(dropped) == 1 and "max_packet_size (1024 bytes)" in dropped[0], problems.messages
+    assert len(seen.disconnected) == 1 and client.connected, "the connection was never closed"
+    assert "larger than max_packet_size" not in broker.log()
 
 
 def test_a_subscribe_whose_filter_another_thread_unsubscribes_returns_at_once(

@@ -213,3 +213,21 @@ def test_async_consumer_processes_replayed_then_live_orders_once_with_a_failed_b
     assert re.search(r"^marker: \d+ replayed order\(s\); live from now on$", out, re.M), out
     assert "not processed, comes again: order-3: the database was busy (on purpose)" in out
     assert "processed 24/24 orders exactly once, in order: OK" in out
+
+
+def test_async_consumer_that_gets_no_order_within_timeout_says_so_and_exits_1(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """The example's docstring: "Every wait is bounded by --timeout"; a consume phase that gets no
+    order in time (here a real broker whose topic ACL drops every publish to orders/#) ends with a
+    non-empty error line naming the bound and exit code 1 (asyncio.wait_for raises a TimeoutError
+    whose text is empty)."""
+    broker = broker_factory(start=False)
+    acl = {"publish_acl": {"anonymous": ["nothing/#"]}, "acl": {"anonymous": ["#"]}}
+    broker.extra_plugins["amqtt.plugins.topic_checking.TopicAccessControlListPlugin"] = acl
+    broker.start()
+    script = ROOT / "examples" / "async_consumer.py"
+    result = run_script(script, "--port", str(broker.port), "--count", "4", "--timeout", "3")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "publisher: 4 orders while the consumer was away" in result.stdout, result.stdout + result.stderr
+    assert "error: not done within --timeout 3 s" in result.stderr.splitlines(), result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,12 @@ import pytest
 import yaml
 
 from amqtt_durable.cli import PLUGIN_PATH
+from amqtt_durable.process import port_open
 from amqtt_durable.store import open_store
 from conftest import Broker, run_cli
 from durable_fleet.cli import build_parser, options_from
+from durable_fleet.errors import BrokerLostError
+from durable_fleet.ha import HaPair
 from durable_fleet.model import FAULT_KINDS, Fault, FleetResult
 from durable_fleet.report import write_fleet_report
 from durable_fleet.runner import FleetOptions, run_fleet
@@ -157,6 +161,28 @@ def test_an_ha_pair_loses_nothing_through_a_full_stop_of_the_group(tmp_path: Pat
     write_fleet_report(result)
     page = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
     assert "group_kill" in page and "pair" in page
+
+
+@pytest.mark.timeout(240)
+def test_restart_group_that_fails_on_a_later_broker_stops_the_ones_it_started(tmp_path: Path) -> None:
+    """ha.restart_group (group_kill's end): when a broker of the pair fails to start again (b's
+    store path is a file now), the brokers it had started already are stopped before the error
+    is raised, as HaPair.start does: none is left running, listening on its port. Before: broker
+    a was left running."""
+    out = tmp_path / "out"
+    pair = HaPair(BROKER_YAML, out, metrics_interval=1.0).start()
+    try:
+        pair.kill_group()
+        store = out / "brokers" / "b" / "store"
+        shutil.rmtree(store)
+        store.write_text("not a store\n", encoding="utf-8")
+        with pytest.raises(BrokerLostError, match="broker b"):
+            pair.restart_group()
+        first = pair.brokers["a"]
+        assert first.proc is not None and first.exit_status is not None, "broker a was left running"
+        assert not port_open(first.port)
+    finally:
+        pair.stop()
 
 
 def write_broker_yaml(tmp_path: Path, content: Any) -> Path:

@@ -94,6 +94,31 @@ async def gone(etcd: EtcdCoordinator, name: str) -> None:
     raise AssertionError(f"the record of {name} did not expire")
 
 
+def test_no_acquire_after_another_node_took_the_lease_and_gave_it_up_since_the_leader_was_read(
+    etcd: EtcdProcess,
+) -> None:
+    """A node decides to take the lease on reads that found no leader; before its acquire, another node
+    takes the lease (it may acknowledge publishes the first one lacks) and gives it back (a clean stop, a
+    failed promotion). The acquire must fail: the decision rests on a state that is gone. Read again, the
+    other node is the last primary, and the acquire succeeds."""
+
+    async def main() -> None:
+        c, q = coordinator(etcd), coordinator(etcd)
+        me, other = Leader("c", "127.0.0.1:3"), Leader("q", "127.0.0.1:4")
+        assert await c.leader() is None
+        assert await c.former_primaries() == frozenset()  # what c decides on
+        assert await q.leader() is None and await q.acquire(other)  # a whole term in between
+        await q.release(other)
+        assert not await c.acquire(me)
+        assert await c.leader() is None  # c looks again: q is the last primary now
+        assert await c.former_primaries() == frozenset({("q", q.term)})
+        assert await c.acquire(me)
+        assert (await q.leader()) == me
+        await c.release(me)
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
 async def expired(etcd: EtcdCoordinator) -> None:
     """Ask etcd until nobody holds the lease (etcd has no event we could wait on through the
     gateway short of a watch stream; each check reads etcd's own state, bounded by the test)."""

@@ -75,13 +75,11 @@ class Registry:
                 del self._unsubscribing[mid]
             self.changed.notify_all()
 
-    def remove(self, topic_filter: str, *, unsubscribe_later: bool) -> Subscription | None:
-        """Forget a subscription; ``unsubscribe_later``: it could not be sent, send it on reconnect."""
+    def remove(self, topic_filter: str) -> Subscription | None:
+        """Forget a subscription (an UNSUBSCRIBE that could not be sent goes to ``unsubscribe_later``)."""
         with self.lock:
             self._matched.clear()
             subscription = self._subscriptions.pop(topic_filter, None)
-            if subscription is not None and unsubscribe_later:
-                self._unsubscribed.add(topic_filter)
             self.changed.notify_all()
             return subscription
 
@@ -163,23 +161,13 @@ class Registry:
                 lambda: stopped()
                 or subscription is None
                 or self._subscriptions.get(topic_filter) is not subscription
-                or (subscription is not None and subscription.mid is None
-                    and (subscription.answered or subscription.confirmed)),
+                or (subscription.mid is None and (subscription.answered or subscription.confirmed)),
                 timeout,
             )
 
     def has_stream(self, topic_filter: str) -> bool:
         with self.lock:
             return topic_filter in self._streams
-
-    def pending_unsubscribes(self) -> list[str]:
-        """The filters whose UNSUBSCRIBE is due on the next connection."""
-        with self.lock:
-            return sorted(self._unsubscribed)
-
-    def forget_unsubscribe(self, topic_filter: str) -> None:
-        with self.lock:
-            self._unsubscribed.discard(topic_filter)
 
     def listeners(self, topic: str) -> list[Listener]:
         with self.lock:

@@ -27,7 +27,15 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, ParamSpec
 
-from durable_protocol import CONTROL_TOPIC, MAX_REQUEST_BYTES, Marker, Reply, encode_request, shown_topic
+from durable_protocol import (
+    CONTROL_TOPIC,
+    MAX_REQUEST_BYTES,
+    MAX_STREAM_WINDOW,
+    Marker,
+    Reply,
+    encode_request,
+    shown_topic,
+)
 
 from ._commit import DEFAULT_FSYNC_BATCH, DEFAULT_FSYNC_DELAY_MS, open_group_committed
 from ._options import (
@@ -486,7 +494,7 @@ class DurableClient:
             stream = self._registry.remove_stream(topic_filter) is not None
             if stream and self._connected:
                 self._send_request("stream_unsubscribe", filter=topic_filter)
-            subscription = self._registry.remove(topic_filter, unsubscribe_later=False)
+            subscription = self._registry.remove(topic_filter)
             broker_held = self._registry.broker_held
             if not self._connected:
                 held = True  # deferred: the next hello says what the broker's session holds
@@ -675,8 +683,10 @@ class DurableClient:
         """Refuse a PUBLISH the broker would close the connection for (its hello reply's
         ``max_packet_size``): paho would send it again after every reconnect, for ever."""
         limit = self._max_packet_size
+        if limit is None:
+            return
         size = publish_size(topic, len(data), qos)
-        if limit is not None and size > limit:
+        if size > limit:
             raise ValueError(
                 f"payload: a PUBLISH of {size} bytes (topic, packet id and {len(data)} bytes of payload) is larger "
                 f"than the broker's max_packet_size ({limit} bytes), which would close the connection; nothing "
@@ -687,9 +697,11 @@ class DurableClient:
         """Refuse a filter whose SUBSCRIBE (or, with ``request``, control request) the broker would
         close the connection for (its last hello reply's ``max_packet_size``): it would be sent
         again after every reconnect, for ever."""
-        size = _filter_packet_size(topic_filter, request=request)
         limit = self._max_packet_size
-        if limit is not None and size > limit:
+        if limit is None:  # no hello reply said it: nothing to measure against (the request is not encoded)
+            return
+        size = _filter_packet_size(topic_filter, request=request)  # exact: the message says it
+        if size > limit:
             raise ValueError(
                 f"topic_filter: {shown_topic(topic_filter)!r} ({len(topic_filter.encode('utf-8'))} bytes) needs a "
                 f"packet of {size} bytes, more than the broker's max_packet_size ({limit} bytes), which would close "
@@ -950,8 +962,8 @@ class DurableClient:
         free count no more against ``max_subscriptions_per_client`` when the SUBSCRIBEs arrive.
         """
         with self._registry.lock:
-            self._drop_oversized()
             pending = self._registry.take_unsubscribed()  # before session_lost(), which drops them
+            pending = self._drop_oversized(pending)
             if resend_durable:
                 self._registry.session_lost()
             # What the broker's session holds now, whenever its hello says (a new or lost session too).
@@ -973,34 +985,33 @@ class DurableClient:
         if self._durable and self._ready_requested:
             self._send_ready()
 
-    def _drop_oversized(self) -> None:
+    def _drop_oversized(self, unsubscribes: list[str]) -> list[str]:
         """(Holding the registry's lock, at the hello reply.) Drop, with an ERROR each, the
-        subscriptions, streams and due UNSUBSCRIBEs whose packets are larger than the broker's
-        max_packet_size (made before it was known, or when a broker with a larger one answered):
-        the broker would close every connection they are sent on."""
+        subscriptions, streams and due UNSUBSCRIBEs (``unsubscribes``, taken from the registry)
+        whose packets are larger than the broker's max_packet_size (made before it was known, or
+        when a broker with a larger one answered): the broker would close every connection they
+        are sent on. Returns the UNSUBSCRIBEs that fit."""
         limit = self._max_packet_size
         if limit is None:
-            return
-        dropped = [
-            ("subscription", s.filter) for s in self._registry.subscriptions()
-            if _filter_packet_size(s.filter, request=self._durable) > limit
-        ]
-        dropped += [("stream subscription", s.filter) for s in self._registry.streams()
-                    if _filter_packet_size(s.filter, request=True) > limit]
-        dropped += [("unsubscribe", f) for f in self._registry.pending_unsubscribes()
-                    if _filter_packet_size(f, request=False) > limit]
-        for kind, topic_filter in dropped:
-            if kind == "subscription":
-                self._registry.remove(topic_filter, unsubscribe_later=False)
-            elif kind == "stream subscription":
-                self._registry.remove_stream(topic_filter)
-            else:
-                self._registry.forget_unsubscribe(topic_filter)
+            return unsubscribes
+
+        def fits(kind: str, topic_filter: str, *, request: bool) -> bool:
+            if _filter_packet_size(topic_filter, request=request) <= limit:
+                return True
             log.error(
                 "dropping the %s of %s (%d bytes): its packet is larger than the broker's max_packet_size (%d bytes), "
                 "which would close every connection; it is not sent",
                 kind, shown_topic(topic_filter), len(topic_filter.encode("utf-8")), limit,
             )
+            return False
+
+        for subscription in self._registry.subscriptions():
+            if not fits("subscription", subscription.filter, request=self._durable):
+                self._registry.remove(subscription.filter)
+        for stream in self._registry.streams():
+            if not fits("stream subscription", stream.filter, request=True):
+                self._registry.remove_stream(stream.filter)
+        return [topic_filter for topic_filter in unsubscribes if fits("unsubscribe", topic_filter, request=False)]
 
     def _send_unsubscribe(self, topic_filter: str) -> None:
         """UNSUBSCRIBE; a durable session's whose UNSUBACK has not arrived when the connection is
@@ -1304,8 +1315,8 @@ def _filter_packet_size(topic_filter: str, *, request: bool) -> int:
     largest control request (a stream_subscribe without positions, as a QoS 0 PUBLISH)."""
     size = 5 + len(topic_filter.encode("utf-8"))
     if request:
-        payload = encode_request("stream_subscribe", 2**53, filter=topic_filter, after=None, window=1000)
-        size = max(size, 2 + len(CONTROL_TOPIC.encode()) + len(payload))
+        payload = encode_request("stream_subscribe", 2**53, filter=topic_filter, after=None, window=MAX_STREAM_WINDOW)
+        size = max(size, publish_size(CONTROL_TOPIC, len(payload), 0))
     return size
 
 
@@ -1326,17 +1337,17 @@ def _fitting_positions(
     """
     size = len(encode_request("stream_subscribe", 0, filter=topic_filter, after={}, window=window))
     limit = MAX_REQUEST_BYTES
-    if packet_limit is not None:  # a QoS 0 PUBLISH: 2 + topic + payload
-        limit = min(limit, packet_limit - 2 - len(CONTROL_TOPIC.encode()))
-    if size + _REQUEST_SPARE + sum(len(json.dumps(t)) + len(str(i)) + 2 for t, i in after.items()) <= limit:
+    if packet_limit is not None:  # the payload of a QoS 0 PUBLISH to the control topic
+        limit = min(limit, packet_limit - publish_size(CONTROL_TOPIC, 0, 0))
+    costs = {topic: len(json.dumps(topic)) + len(str(event_id)) + 2 for topic, event_id in after.items()}  # "topic":id,
+    budget = limit - size - _REQUEST_SPARE
+    if sum(costs.values()) <= budget:
         return after
     kept: dict[str, int] = {}
-    budget = limit - size - _REQUEST_SPARE
     for topic, event_id in sorted(after.items(), key=lambda item: (-item[1], item[0])):
-        cost = len(json.dumps(topic)) + len(str(event_id)) + 2  # "topic":id,
-        if cost <= budget:
+        if costs[topic] <= budget:
             kept[topic] = event_id
-            budget -= cost
+            budget -= costs[topic]
     log.warning(
         "stream %s: %d of %d positions fit the %d-byte stream_subscribe request; the broker sends the other "
         "topics from their first retained event and this client's marks drop what it processed already",

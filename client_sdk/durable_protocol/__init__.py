@@ -349,9 +349,16 @@ def _expiry(data: dict[str, Any]) -> float | None:
     value = data.get("session_expiry")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ProtocolError("malformed", f"'session_expiry' must be a number of seconds, 0 or more, got {value!r}")
-    return float(value)
+    try:
+        # A JSON integer past a double's range (10**400) is as infinite as 1e400, which JSON reads as inf.
+        seconds = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        seconds = math.inf
+    if not math.isfinite(seconds) or seconds < 0:
+        huge = isinstance(value, int) and seconds == math.inf
+        shown = f"an integer of {len(str(abs(value)))} digits" if huge else repr(value)
+        raise ProtocolError("malformed", f"'session_expiry' must be a number of seconds, 0 or more, got {shown}")
+    return seconds + 0.0  # -0.0 is granted as 0.0
 
 
 def _after(data: dict[str, Any]) -> dict[str, int]:

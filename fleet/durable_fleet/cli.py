@@ -20,6 +20,7 @@ from typing import cast
 
 from amqtt_durable.cli import load_broker_config
 from amqtt_durable.errors import ConfigError
+from amqtt_durable.settings import WrittenFloat
 from durable_pipeline.errors import PipelineError
 from durable_pipeline.spark import check_master, check_out_folder
 
@@ -27,6 +28,9 @@ from .errors import BrokerLostError, FleetError, ScheduleError
 from .model import ALL_FAULT_KINDS, DEVICE_KINDS, DeviceKind, FaultKind
 from .runner import FleetOptions, device_names, run_fleet
 from .schedule import load_schedule, parse_duration, random_schedule
+
+MAX_RATE = 10_000_000
+"""The highest --rate (messages per second, exclusive) the command takes."""
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -37,6 +41,11 @@ DEFAULT_FAULTS_RUNNING_BROKER = "drop=3,stall=3,device_restart=3"
 DEFAULT_FAULTS_HA = "drop=3,stall=3,primary_kill=1,partition=1,device_restart=3"
 """With --ha the faults on the brokers hit whichever is primary."""
 PREFIX = re.compile(r"[A-Za-z0-9_.:-]*")
+
+
+def number(text: str) -> float:
+    """argparse's type of a number option: its errors quote it as typed (``--rate 0``: ``got 0``, not 0.0)."""
+    return WrittenFloat(text)
 
 
 def _duration(text: str) -> float:
@@ -83,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--processes", type=int, default=8,
                         help="device processes; a device_restart kills the target's whole process "
                         "(default: %(default)s)")
-    parser.add_argument("--rate", type=float, default=100.0,
+    parser.add_argument("--rate", type=number, default=100.0,
                         help="messages per second from all publishers together (default: %(default)s)")
     parser.add_argument("--publishers", type=int, default=2, help="publisher processes (default: %(default)s)")
     parser.add_argument("--qos", type=int, choices=(0, 1), default=1,
@@ -116,8 +125,8 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     for name in ("devices", "processes", "publishers", "keepalive"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be 1 or more, got {getattr(args, name)}")
-    if not 0 < args.rate < 1e7:
-        parser.error(f"--rate must be a positive number of messages per second, got {args.rate}")
+    if not 0 < args.rate < MAX_RATE:
+        parser.error(f"--rate must be a positive number of messages per second below {MAX_RATE:,}, got {args.rate}")
     if args.duration <= 0:
         parser.error("--duration must be more than 0")
     if args.broadcast_every < 0:

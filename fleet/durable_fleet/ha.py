@@ -193,15 +193,19 @@ class HaPair:
 
     def stop(self) -> None:
         """Brokers first (a primary releases its lease), then the relays and etcd; bounded."""
+        self._stop_brokers()
+        for relay in self.relays.values():
+            relay.stop()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+    def _stop_brokers(self) -> None:
+        """Stop every broker of the pair that runs (by its PID), in parallel; bounded."""
         deadline = time.monotonic() + max((b.wait for b in self.brokers.values()), default=0.0)
         for broker in self.brokers.values():
             broker.terminate()
         for broker in self.brokers.values():
             broker.wait_stopped(deadline)
-        for relay in self.relays.values():
-            relay.stop()
-        if self.etcd is not None:
-            self.etcd.stop()
 
     # ------------------------------------------------------------------ state
     def status(self, name: str) -> dict[str, Any] | None:
@@ -302,13 +306,19 @@ class HaPair:
         """Start both killed brokers again at once: neither was told IN_SYNC since it started, so
         they elect a primary as after a full stop (docs/replication.md). The seconds from the
         restart until one is primary, and from then until the pair is whole; BrokerLostError
-        naming both brokers' states if no primary is elected within WHOLE_WAIT."""
+        naming both brokers' states if no primary is elected within WHOLE_WAIT. When a broker
+        fails to start (or anything is raised while they start), those started already are
+        stopped before the error goes on: no half of the pair is left running."""
         started = time.monotonic()
         try:
-            for broker in self.brokers.values():
-                broker.spawn()
-            for name, broker in self.brokers.items():
-                broker.await_ready(f"broker {name}", broker.ready, broker.wait, f"open {HOST}:{broker.port}")
+            try:
+                for broker in self.brokers.values():
+                    broker.spawn()
+                for name, broker in self.brokers.items():
+                    broker.await_ready(f"broker {name}", broker.ready, broker.wait, f"open {HOST}:{broker.port}")
+            except BaseException:
+                self._stop_brokers()  # all were killed before: those running are the ones started here
+                raise
         except RuntimeError as exc:
             raise BrokerLostError(f"the HA pair did not restart after its full stop: {exc}") from exc
         self._wait(lambda: self.primary() is not None, "an elected primary after its full stop")

@@ -221,7 +221,7 @@ class FleetRun:
         self.publisher_proxy: FaultProxy | None = None
         """--ha: the publishers' way to the primary (the same router as the devices', no faults)."""
         self.hit: dict[Fault, str] = {}
-        """The broker each primary_kill or partition under way hit (the primary a group_kill hit)."""
+        """The broker each primary_kill or partition under way hit (its end restarts or heals that one)."""
         self.device_workers: list[_Worker] = []
         self.publishers: list[_Worker] = []
         self.worker_of: dict[str, _Worker] = {}
@@ -353,9 +353,7 @@ class FleetRun:
             raise FleetError(f"{fault.kind} needs the replicated pair of --ha")
         if fault.kind == "group_kill":
             if begin:
-                self.hit[fault] = pair.kill_group()
-                return f"{self.hit[fault]} (primary) and its backup killed"
-            del self.hit[fault]
+                return f"{pair.kill_group()} (primary) and its backup killed"
             elected, took = pair.restart_group()
             return (f"both restarted: {pair.primary()} elected primary {elected:.1f} s later, "
                     f"its backup caught up {took:.1f} s after that")

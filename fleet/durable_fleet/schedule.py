@@ -359,19 +359,24 @@ def _check_overlaps(faults: list[Fault], path: Path) -> None:
                 and _share_target(earlier, fault)
                 and fault.at < earlier.at + earlier.duration
             ):
-                if on_primary and "group_kill" in (earlier.kind, fault.kind):
-                    two = f"two faults on the pair at once ({_listed(set(HA_FAULT_KINDS))} faults must not overlap)"
-                elif on_primary:
-                    two = "two faults on the primary at once (primary_kill and partition faults must not overlap)"
-                else:
-                    two = f"two {fault.kind} faults on {'the broker' if fault.kind == 'broker_kill' else 'one device'}"
-                    two += " at once"
                 raise ScheduleError(
-                    f"starts during fault {earlier_number} ({_describe(earlier)}): {two}",
+                    f"starts during fault {earlier_number} ({_describe(earlier)}): {_overlap(earlier, fault)}",
                     path=path,
                     fault=number,
                     field="at",
                 )
+
+
+def _overlap(earlier: Fault, fault: Fault) -> str:
+    """What two overlapping faults both hit, as the refusal says it."""
+    kinds = {earlier.kind, fault.kind}
+    if kinds <= set(HA_FAULT_KINDS):
+        if "group_kill" in kinds:
+            shared, exclusive = "the pair", set(HA_FAULT_KINDS)
+        else:
+            shared, exclusive = "the primary", {"primary_kill", "partition"}
+        return f"two faults on {shared} at once ({_listed(exclusive)} faults must not overlap)"
+    return f"two {fault.kind} faults on {'the broker' if fault.kind == 'broker_kill' else 'one device'} at once"
 
 
 def _share_target(a: Fault, b: Fault) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import yaml
+
 from .errors import ConfigError
 
 LISTEN_BACKLOG = 512
@@ -34,10 +36,33 @@ def _as_int(key: str, value: Any) -> int:
     raise ConfigError(key, f"expected a whole number, got {value!r}")
 
 
+class WrittenFloat(float):
+    """A number read as a float that shows (repr, str, an f-string's ``{}``) as the user wrote it,
+    so an error quotes what is in the file: ``session_expiry: -1`` is refused with ``got -1``, not
+    ``got -1.0``. Only about: YAML gives the value, not its text (``1.50`` shows as ``1.5``); a
+    command line's text shows as typed. Arithmetic on it gives plain floats."""
+
+    text: str
+
+    def __new__(cls, value: int | float | str) -> WrittenFloat:
+        number = super().__new__(cls, value)
+        number.text = value.strip() if isinstance(value, str) else repr(value)
+        return number
+
+    def __repr__(self) -> str:
+        return self.text
+
+    __str__ = __repr__
+
+
+# yaml.safe_dump of a parsed setting writes a plain float, as for the float it stands for.
+yaml.SafeDumper.add_representer(WrittenFloat, lambda dumper, data: dumper.represent_float(float(data)))
+
+
 def _as_float(key: str, value: Any) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):
         try:
-            return float(value)
+            return WrittenFloat(value)
         except OverflowError:  # a YAML integer of 309 digits or more: no float holds it
             raise ConfigError(key, "must be a finite number, got an integer too large for one") from None
     raise ConfigError(key, f"expected a number, got {value!r}")

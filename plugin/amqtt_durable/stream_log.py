@@ -335,6 +335,12 @@ class StreamLogs:
             return None
         return min(entry.first, entry.durable + 1), entry.durable
 
+    def first_kept(self, topic: str) -> int:
+        """The first id retention keeps, counting appends whose batch is not written yet: no id
+        below it is ever read again (1 for a topic without a log)."""
+        entry = self._logs.get(topic)
+        return 1 if entry is None else entry.first
+
     def topics(self, topic_filter: str) -> dict[str, tuple[int, int]]:
         """Logged topics matching the filter, each with ``bounds``."""
         if "+" not in topic_filter and "#" not in topic_filter:

@@ -355,10 +355,11 @@ class StreamSender:
 
     def _open_new(self, topic: str, window: int, allowed: bool) -> None:
         """A topic that appeared after the subscribe: from its first event, or the presented position."""
+        after_id = self._pending_after.pop(topic, None)  # its log exists now: no longer a kept position
         if not allowed:
             self._refused.add(topic)
             return
-        gap = self._open(topic, window, self._pending_after.pop(topic, None))
+        gap = self._open(topic, window, after_id)
         if gap is not None:
             log.warning(
                 "stream %s: ids %d to %d were trimmed before this connection could read them", shown_topic(topic), *gap
@@ -366,10 +367,11 @@ class StreamSender:
 
     def _open(self, topic: str, window: int, after_id: int | None) -> tuple[int, int] | None:
         """Open a cursor after ``after_id`` (or at the first retained event); returns the gap."""
-        bounds = self._logs.bounds(topic)
-        if bounds is None:
+        if self._logs.bounds(topic) is None:
             return None
-        first = bounds[0]
+        # Not bounds()' first, which stops at the written ids: a topic's first batch (read in one
+        # pass, sync: false) is heard of one event at a time, and what it trimmed is gone all the same.
+        first = self._logs.first_kept(topic)
         start = first if after_id is None else max(after_id + 1, first)
         cursor = _Cursor(topic, window, start)
         if len(cursor.topic_bytes) > MAX_MQTT_TOPIC_BYTES:

@@ -7,10 +7,12 @@ import math
 from typing import Any
 
 import pytest
+import yaml
 
 from amqtt_durable.config import OVERFLOW_POLICIES, DurableConfig, StreamConfig
 from amqtt_durable.errors import ConfigError
 from amqtt_durable.replication.config import ReplicationConfig
+from amqtt_durable.settings import WrittenFloat
 
 # key -> (a good value, bad-type values, out-of-range values)
 CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
@@ -300,3 +302,12 @@ def test_bad_stream_entries_name_the_entry_and_field(streams: list[Any], key: st
         DurableConfig.from_mapping({"streams": streams})
     assert info.value.key == key
     assert words in str(info.value)
+
+
+def test_a_number_read_as_written_shows_as_yaml_gave_it_and_safe_dumps_as_a_float() -> None:
+    """settings.WrittenFloat: shown about as written (YAML gives the value: 1.50 shows as 1.5), and
+    yaml.safe_dump writes it as a plain float."""
+    written = yaml.safe_load("a: -1\nb: 1.50\n")
+    assert [repr(WrittenFloat(value)) for value in written.values()] == ["-1", "1.5"]
+    assert yaml.safe_load(yaml.safe_dump({"a": WrittenFloat(-1)})) == {"a": -1.0}
+    assert isinstance(yaml.safe_load(yaml.safe_dump({"a": WrittenFloat(-1)}))["a"], float)

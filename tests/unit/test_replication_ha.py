@@ -190,13 +190,18 @@ def run(coro: object) -> object:
     return asyncio.run(main())
 
 
+def caught_up_backup(fake: FakeCoordinator) -> tuple[Hooks, HaNode]:
+    """Node "a", caught up, in a cluster another node bootstrapped; nobody holds the lease."""
+    fake.initialized_by = "old"
+    hooks = Hooks(caught_up=True)
+    return hooks, node(fake, hooks)
+
+
 def test_a_caught_up_backup_takes_a_free_lease() -> None:
     async def main() -> None:
         clock = Clock()
         fake = FakeCoordinator(clock)
-        fake.initialized_by = "old"
-        hooks = Hooks(caught_up=True)
-        ha = node(fake, hooks)
+        hooks, ha = caught_up_backup(fake)
         decision = await ha.run_cycle()
         assert decision.action == "promoted"
         assert "caught up" in decision.reason
@@ -1096,5 +1101,61 @@ def test_a_last_primary_restarted_while_a_caught_up_backup_runs_leaves_the_lease
         a_hooks, a = restarted(fake, "a", 500)
         assert (await a.run_cycle()).action == "promoted"
         assert (a_hooks.promoted, fake.holder) == (1, Leader("a", "a:7000"))
+
+    run(main())
+
+
+class LostRaceCoordinator(FakeCoordinator):
+    """Its next acquire fails as etcd's does when another node took the lease and gave it up
+    between the cycle's read that found no leader and its transaction."""
+
+    lose_next = True
+
+    async def acquire(self, me: Leader) -> bool:
+        if self.lose_next:
+            self.lose_next = False
+            await self._reach()
+            self.terms += 1  # the other node's term
+            return False
+        return await super().acquire(me)
+
+
+def test_a_caught_up_backup_whose_acquire_finds_the_lease_taken_since_it_looked_waits_then_decides_again() -> None:
+    """docs/replication.md: the acquire transaction fails when the lease was taken (and maybe given up)
+    since the cycle found no primary; the node stays a backup and its next cycle decides anew."""
+
+    async def main() -> None:
+        fake = LostRaceCoordinator(Clock())
+        hooks, ha = caught_up_backup(fake)
+        decision = await ha.run_cycle()
+        assert decision.action == "wait" and "took it and gave it up since this cycle found no primary" in (
+            decision.reason
+        ), decision
+        assert (ha.role, hooks.promoted, fake.holder) == ("backup", 0, None)
+        assert (await ha.run_cycle()).action == "promoted"
+        assert (ha.role, hooks.promoted) == ("primary", 1)
+
+    run(main())
+
+
+def test_an_operators_promote_whose_acquire_finds_the_lease_taken_since_it_looked_is_said_void(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """docs/replication.md: an accepted promote is void, with a WARNING, when the lease was taken
+    between the cycle's look and its transaction (review 277: it was used up silently); it is
+    not taken up again by a later cycle."""
+
+    async def main() -> None:
+        _, plain = full_stop()
+        fake = LostRaceCoordinator(plain.clock)
+        fake.initialized_by, fake.last_primary, fake.sync, fake.sync_leader = "a", "a", plain.sync, "a"
+        hooks, c = restarted(fake, "c", 500)
+        assert (await c.run_cycle()).action == "wait"
+        fake.lose_next = True
+        assert c.request_takeover() is None
+        with caplog.at_level(logging.WARNING):
+            assert (await c.run_cycle()).action == "wait"
+        assert "the operator's promote is void: another node took the leader lease first" in caplog.text
+        assert (await c.run_cycle()).action == "wait" and hooks.promoted == 0
 
     run(main())

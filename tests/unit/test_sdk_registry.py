@@ -22,7 +22,7 @@ def test_listeners_per_topic_follow_subscription_changes() -> None:
     registry.put(Subscription("#", 0, False, first))
     assert registry.listeners("a/1") == [second, first]
     assert registry.listeners("b/1") == [first]
-    registry.remove("a/+", unsubscribe_later=False)
+    registry.remove("a/+")
     assert registry.listeners("a/1") == [first]
 
 

@@ -87,10 +87,13 @@ class Coordinator(ABC):
 
     @abstractmethod
     async def acquire(self, me: Leader) -> bool:
-        """Take the leader key under a new lease if nobody holds it; False if somebody does.
-        ``me`` becomes the last primary (``former_primaries``) in the same atomic step. The
-        synchronous set an earlier primary published is left as it is (a primary in async mode
-        deletes it with ``publish_sync(me, None)`` once its promotion succeeded)."""
+        """Take the leader key under a new lease if nobody holds it; False if somebody does, or
+        if it was taken (by any node) since this coordinator's last ``leader()``, when that call
+        found nobody (and given up again: a term the decision's reads never saw, whose primary
+        may have acknowledged publishes this node lacks). ``me`` becomes the last primary
+        (``former_primaries``) in the same atomic step. The synchronous set an earlier primary
+        published is left as it is (a primary in async mode deletes it with
+        ``publish_sync(me, None)`` once its promotion succeeded)."""
 
     @abstractmethod
     async def renew(self, me: Leader) -> bool:

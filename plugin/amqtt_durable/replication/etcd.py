@@ -27,7 +27,10 @@ Keys (under ``prefix``, e.g. ``/amqtt-durable/<cluster>/``)::
                    before a restart): another broker's record under the name is left alone
 
 The leader key is created only if absent (a transaction comparing its create_revision to 0,
-Patroni's etcd3 ``attempt_to_acquire_leader``), so two nodes never both hold it.
+Patroni's etcd3 ``attempt_to_acquire_leader``), so two nodes never both hold it; and only if the
+``primary`` key was not written since the node's last ``leader()`` found no leader (its
+mod_revision below that read's revision), so a node never takes the lease on reads that a whole
+term of another node (taken and given up between them) made stale.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class EtcdCoordinator(Coordinator):
         self.lease_id: int | None = None
         self.term = 0
         """The revision of this node's last acquire (its leader key's create_revision)."""
+        self._no_leader_at: int | None = None
+        """etcd's revision when ``leader()`` last found no leader (None: it found one, or never ran)."""
         self._leader_key = _b64(self.prefix + "leader")
         self._init_key = _b64(self.prefix + "initialize")
         self._sync_key = _b64(self.prefix + "sync")
@@ -75,6 +80,9 @@ class EtcdCoordinator(Coordinator):
     async def leader(self) -> Leader | None:
         reply = await self._call("/v3/kv/range", {"key": self._leader_key})
         kvs = reply.get("kvs") or []
+        revision = reply.get("header", {}).get("revision")
+        # no revision in the reply (not from a real etcd): no compare, rather than one that always fails
+        self._no_leader_at = None if kvs or revision is None else int(revision)
         if not kvs:
             return None
         return _term(Leader.decode(base64.b64decode(kvs[0].get("value", ""))), kvs[0].get("create_revision"))
@@ -84,6 +92,12 @@ class EtcdCoordinator(Coordinator):
         lease = int(grant["ID"])
         put = {"key": self._leader_key, "value": _b64(me.encode()), "lease": str(lease)}
         taken = _create_if_absent(self._leader_key, put)
+        if self._no_leader_at is not None:
+            # Nobody took the lease since leader() found none (a node that took it and gave it back
+            # meanwhile, a term this node's reads never saw, rewrote ``primary``): else no acquire.
+            since = str(self._no_leader_at + 1)
+            unchanged = {"key": self._primary_key, "target": "MOD", "result": "LESS", "mod_revision": since}
+            taken["compare"].append(unchanged)
         taken["success"].append({"request_put": {"key": self._primary_key, "value": _b64(me.encode())}})
         reply = await self._call("/v3/kv/txn", taken)
         if reply.get("succeeded"):

@@ -281,13 +281,24 @@ class HaNode:
                             leader.name,
                         )
                     return self._follow(leader)
+                operator_asked = self._operator_takeover  # _without_primary uses it up
                 chosen = await self._without_primary(waited_since)
                 if isinstance(chosen, Decision):
                     return chosen
                 action, why = chosen
                 started = self.clock()
                 if not await self.coordinator.acquire(self.me):
-                    return Decision("wait", f"{why}, but another node took the lease first")
+                    if operator_asked:
+                        log.warning(
+                            "replication HA %s: the operator's promote is void: another node took the leader "
+                            "lease first (or took it and gave it up since this cycle found no primary)",
+                            self.me.name,
+                        )
+                    return Decision(
+                        "wait",
+                        f"{why}, but another node took the lease first (or took it and gave it up since this "
+                        "cycle found no primary: the next cycle decides on what it left)",
+                    )
         except MemberNameTakenError as exc:
             self._found_no_primary = False
             self._void_takeover("this node's name is another broker's in the coordinator")
