@@ -71,7 +71,9 @@ from amqtt.plugins.base import BaseTopicPlugin
 class SlowCheck(BaseTopicPlugin):
     """Every topic allowed. The second PUBLISH check of "slow/1" (its publisher's message loop, after
     the reader's check) writes the file "entered", then waits until the test writes "gate" (bounded):
-    the publisher's message loop is stuck meanwhile. "slow/2" the same with "entered2" and "gate2"."""
+    the publisher's message loop is stuck meanwhile. "slow/2" the same with "entered2" and "gate2".
+    Every SUBSCRIBE check of "slow/sub" (in the subscriber's message loop) the same with "entered3"
+    and "gate3"."""
 
     @dataclass
     class Config:
@@ -81,17 +83,21 @@ class SlowCheck(BaseTopicPlugin):
     FILES = {"slow/1": ("entered", "gate"), "slow/2": ("entered2", "gate2")}
 
     async def topic_filtering(self, *, session=None, topic=None, action=None):
+        if action == Action.SUBSCRIBE and topic == "slow/sub":
+            await self.held("entered3", "gate3")
         if action == Action.PUBLISH and topic in SlowCheck.FILES:
             SlowCheck.checks[topic] = SlowCheck.checks.get(topic, 0) + 1
             if SlowCheck.checks[topic] == 2:
-                entered, gate = SlowCheck.FILES[topic]
-                folder = Path(self.context.config.folder)
-                (folder / entered).write_text("1")
-                for _ in range(600):
-                    if (folder / gate).exists():
-                        break
-                    await asyncio.sleep(0.05)
+                await self.held(*SlowCheck.FILES[topic])
         return True
+
+    async def held(self, entered, gate):
+        folder = Path(self.context.config.folder)
+        (folder / entered).write_text("1")
+        for _ in range(600):
+            if (folder / gate).exists():
+                break
+            await asyncio.sleep(0.05)
 '''
 
 
@@ -514,6 +520,42 @@ def test_what_a_connection_that_took_over_published_waits_at_most_5_s_after_its_
     assert_delivered([clean_watcher], [b"b1", b"s1", b"c1", b"c2"])
     assert_delivered([durable_watcher], [b"s1", b"c1", b"c2", b"b1"])
     assert 4.0 < took < 8.0, f"b1 delivered {took:.2f} s after its connection's end (documented: at most 5 s)"
+
+
+@pytest.mark.slow
+def test_a_connections_bound_starts_once_its_loop_has_applied_the_subscribe_it_was_applying(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """docs/guarantees.md, Take-over: a connection's 5 seconds start when its message loop handles
+    its end, once that loop has finished the step it is in. Clean B took over "pub" (stuck on "s1"'s
+    check), published "b1", sent SUBSCRIBE slow/sub (its check holds B's loop) and DISCONNECT, and
+    closed its socket: the broker closed B once the end's wait for that SUBSCRIBE ran out (5 s). "b1"
+    reaches clean subscribers 5 s after the SUBSCRIBE's check passes (here 2.5 s after that close),
+    not 5 s after B's end or its close."""
+    broker = slow_check_broker(broker_factory, tmp_path)
+    clean_watcher, durable_watcher = watchers_of(broker, clients)
+    with published_behind_a_slow_check(broker, tmp_path, clean=True) as old:
+        with raw_connect(broker.port, "pub", clean=True) as b:
+            b.sendall(mqtt_packet(0x32, mqtt_string("c/b") + b"\x00\x05" + b"b1"))
+            assert read_packet(b) == (0x40, b"\x00\x05")
+            b.sendall(mqtt_packet(0x82, b"\x00\x07" + mqtt_string("slow/sub") + b"\x01"))
+            assert broker.wait_until((tmp_path / "entered3").exists, WAIT), "the SUBSCRIBE is not being checked"
+            b.sendall(b"\xe0\x00")
+            b.shutdown(socket.SHUT_WR)
+            assert read_until_closed(b, 2 * WAIT) is not None, "the broker did not close B"
+        # 2.5 s on (nothing comes meanwhile): a bound started as B's end began, or as its wait for the
+        # SUBSCRIBE ran out (at B's close), lets "b1" go at once, or 2.5 s, after the check passes
+        assert not clean_watcher.wait_for(lambda ms: len(ms) > 0, timeout=2.5), clean_watcher.messages
+        (tmp_path / "gate3").write_text("1")
+        passed = time.monotonic()
+        assert clean_watcher.wait_for(lambda ms: len(ms) >= 1, 2 * WAIT), "b1 waited for ever"
+        took = time.monotonic() - passed
+        assert [m.payload for m in clean_watcher.messages] == [b"b1"]
+        (tmp_path / "gate").write_text("1")
+        assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
+    assert_delivered([clean_watcher], [b"b1", b"s1", b"c1", b"c2"])
+    assert_delivered([durable_watcher], [b"s1", b"c1", b"c2", b"b1"])
+    assert 4.0 < took < 8.0, f"b1 came {took:.2f} s after the SUBSCRIBE's check passed (documented: 5 s)"
 
 
 @contextlib.contextmanager

@@ -2813,7 +2813,10 @@ class PublishedMessages:
     def start_bound(self) -> float:
         """The connection has ended: its bound, CHANGES_GRACE from the first call, starts (amqtt's
         handling of its end, ``AmqttHooks.handle_disconnect``, or, with none, its message loop's end,
-        ``hand_over_what_is_left``). Returns it: what the connection published waits for the
+        ``hand_over_what_is_left``). amqtt's loop handles the end only once ``wait_disconnect`` has
+        returned (after the end's wait, ``applied``: up to CHANGES_GRACE) and the pass it is in is
+        done (a topic plugin's check of a message or of a SUBSCRIBE): the bound may start that much
+        later than the end. Returns it: what the connection published waits for the
         connection it took over until then, and so does a connection made after this one ended
         (``succeed``). amqtt's loop may go on to check a message it took as the end came (a topic
         plugin's slow check): the bound runs meanwhile."""
