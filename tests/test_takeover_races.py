@@ -73,7 +73,7 @@ class SlowCheck(BaseTopicPlugin):
     the reader's check) writes the file "entered", then waits until the test writes "gate" (bounded):
     the publisher's message loop is stuck meanwhile. "slow/2" the same with "entered2" and "gate2".
     Every SUBSCRIBE check of "slow/sub" (in the subscriber's message loop) the same with "entered3"
-    and "gate3"."""
+    and "gate3"; one of "boom/sub" raises an error."""
 
     @dataclass
     class Config:
@@ -83,6 +83,8 @@ class SlowCheck(BaseTopicPlugin):
     FILES = {"slow/1": ("entered", "gate"), "slow/2": ("entered2", "gate2")}
 
     async def topic_filtering(self, *, session=None, topic=None, action=None):
+        if action == Action.SUBSCRIBE and topic == "boom/sub":
+            raise RuntimeError("boom/sub: the check failed")
         if action == Action.SUBSCRIBE and topic == "slow/sub":
             await self.held("entered3", "gate3")
         if action == Action.PUBLISH and topic in SlowCheck.FILES:
@@ -556,6 +558,34 @@ def test_a_connections_bound_starts_once_its_loop_has_applied_the_subscribe_it_w
     assert_delivered([clean_watcher], [b"b1", b"s1", b"c1", b"c2"])
     assert_delivered([durable_watcher], [b"s1", b"c1", b"c2", b"b1"])
     assert 4.0 < took < 8.0, f"b1 came {took:.2f} s after the SUBSCRIBE's check passed (documented: 5 s)"
+
+
+@pytest.mark.slow
+def test_a_connections_bound_starts_at_the_end_of_a_loop_that_ends_on_an_error(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """docs/guarantees.md, Take-over: a message loop that ends without handling the connection's end
+    (a topic plugin's check that raises an error) starts its 5 seconds as it ends, once the broker
+    has closed the connection. Clean B took over "pub" (stuck on "s1"'s check) and published "b1";
+    the check of its SUBSCRIBE boom/sub raises: B's loop ends and the broker closes B. "b1" reaches
+    clean subscribers 5 s after that close, though "s1"'s check has not passed."""
+    broker = slow_check_broker(broker_factory, tmp_path)
+    clean_watcher, durable_watcher = watchers_of(broker, clients)
+    with published_behind_a_slow_check(broker, tmp_path, clean=True) as old:
+        with raw_connect(broker.port, "pub", clean=True) as b:
+            b.sendall(mqtt_packet(0x32, mqtt_string("c/b") + b"\x00\x05" + b"b1"))
+            assert read_packet(b) == (0x40, b"\x00\x05")
+            b.sendall(mqtt_packet(0x82, b"\x00\x07" + mqtt_string("boom/sub") + b"\x01"))
+            assert read_until_closed(b, WAIT) is not None, "B's loop did not end on the check's error"
+        closed = time.monotonic()
+        assert clean_watcher.wait_for(lambda ms: len(ms) >= 1, 2 * WAIT), "b1 waited for ever"
+        took = time.monotonic() - closed
+        assert [m.payload for m in clean_watcher.messages] == [b"b1"]
+        (tmp_path / "gate").write_text("1")
+        assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
+    assert_delivered([clean_watcher], [b"b1", b"s1", b"c1", b"c2"])
+    assert_delivered([durable_watcher], [b"s1", b"c1", b"c2", b"b1"])
+    assert 4.0 < took < 8.0, f"b1 came {took:.2f} s after B's loop ended (documented: 5 s)"
 
 
 @contextlib.contextmanager
