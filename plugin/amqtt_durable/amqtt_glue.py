@@ -729,7 +729,8 @@ that time is amqtt's take-over of a client id whose (durable) Session it keeps (
 ``_stop_waiting_for_a_reader_that_may_never_run``)."""
 _TAKEN_OVER: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_taken_over", default=None)
 """Set in a clean CONNECT's task to the ``PublishedMessages`` of the live connection of its client id
-it ended (``AmqttHooks.delete_session``), for the new connection to follow (``PublishedMessages.follow``)."""
+it ended (``AmqttHooks.delete_session``) and whether amqtt was handling that connection's end before
+(``_end_handled``), for the new connection to follow (``PublishedMessages.follow``)."""
 
 
 class ConnectTurns:
@@ -1735,9 +1736,10 @@ class AmqttHooks:
             self.broker, self.engine, handler, session, amqtt_wants=self.amqtt_wants, receivers=self.receivers
         )
         handler._reader_loop = FastReader(self.broker, self.engine, handler, session).run
-        taken_over: PublishedMessages | None = _TAKEN_OVER.get()
+        taken_over: tuple[PublishedMessages, bool] | None = _TAKEN_OVER.get()
         if taken_over is not None:
-            handler.durable_published.follow(taken_over)
+            older, ended = taken_over
+            handler.durable_published.follow(older, until_released=ended)
             _TAKEN_OVER.set(None)
         handler.durable_published.succeed(self.latest, session.client_id)
         writer.durable_handler = handler  # for the connection's end (``client_connected``)
@@ -1805,13 +1807,15 @@ class AmqttHooks:
         go after them (``PublishedMessages.follow``)."""
         session, handler = self.broker._sessions.get(client_id, (None, None))
         taken_over = session is not None and handler is not None and session.transitions.is_connected()
+        ended = taken_over and _end_handled(handler)  # before the take-over makes its loop handle it
         if taken_over:
             log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
             await take_over(handler)
             await handler.stop()
         await _keeping_what_was_published(session, self._original_delete_session, client_id)
         # One that had ended and still hands its messages over is followed too, until its bound (``succeed``).
-        _TAKEN_OVER.set(getattr(handler, "durable_published", None) if taken_over else None)
+        published = getattr(handler, "durable_published", None) if taken_over else None
+        _TAKEN_OVER.set(None if published is None else (published, ended))
 
     async def client_message_loop(self, session: Any, handler: Any) -> None:
         # By what this connection's CONNECT asked for: a clean connection must never drive the
@@ -2468,6 +2472,13 @@ def _keep_the_newer_connection_connected(broker: Any, session: Any, handler: Any
         session.transitions.connect()
 
 
+def _end_handled(handler: Any) -> bool:
+    """Whether amqtt handles (or has handled) the end of ``handler``'s connection (``handle_disconnect``).
+    Read before a take-over of it acts: the take-over ends it, and its loop then handles that end
+    (``PublishedMessages.follow``)."""
+    return bool(getattr(handler, "durable_disconnected", False))
+
+
 def _connected_for_its_connack(session: Any, authorize: bool) -> None:
     """A CONNECT that took over a connection whose end (amqtt's ``_handle_disconnect``) marked their
     shared Session disconnected while the take-over waited for it, before this one was in amqtt's
@@ -2590,7 +2601,7 @@ def _stop_waiting_for_a_reader_that_may_never_run(
         writer = handler.writer
         connecting = _CONNECTING.get()
         if connecting not in (None, handler):  # a newer CONNECT of its client id takes it over
-            connecting.durable_published.follow(handler.durable_published)
+            connecting.durable_published.follow(handler.durable_published, until_released=_end_handled(handler))
             await handler.durable_let_go()
         abort = None
         if isinstance(writer, StreamWriterAdapter):
@@ -2851,28 +2862,27 @@ class PublishedMessages:
         before what the ended one still held; followed with no bound, it waited for as long as that
         one's own check of a message it published took."""
         previous = latest.get(client_id)
-        if (  # ended, and not the one it takes over (followed until all are handed)
-            previous is not None
-            and previous is not self._older
-            and getattr(previous._handler, "durable_disconnected", False)
+        if (  # ended, and not the one it takes over (``follow``)
+            previous is not None and previous is not self._older and _end_handled(previous._handler)
         ):
             self.follow(previous, until_released=True)
         latest[client_id] = self
         self._latest = (latest, client_id)
 
-    def follow(self, older: PublishedMessages, *, until_released: bool = False) -> None:
+    def follow(self, older: PublishedMessages, *, until_released: bool) -> None:
         """A take-over of the connection whose messages are ``older``: this connection's go to the
-        broker only once the older connection's loop has handed all of its own over (with
-        ``until_released``, for an ended one ``succeed`` follows, or once amqtt handles the older
-        one's end, however it comes to be followed: or once its bound passed). Its loop
-        may still be in the middle of one (a topic plugin's slow check): amqtt's take-over of a
-        Session it keeps gave the new connection's loop the messages waiting behind it, which
+        broker only once the older connection's loop has handed all of its own over, or, with
+        ``until_released``, once its bound passed: for one whose end amqtt had handled before this
+        connection followed it (``succeed``; a take-over reads ``_end_handled`` before it ends the
+        older one, whose loop then handles that end: a take-over of a live connection follows it
+        until all are handed). Followed until all were handed, a connection whose end was handled
+        (in its close, say) held a newer one for as long as its loop's check of a message took. Its
+        loop may still be in the middle of one (a topic plugin's slow check): amqtt's take-over of
+        a Session it keeps gave the new connection's loop the messages waiting behind it, which
         reached subscribers first."""
         if older is not self and not older._handed.is_set():
             self._older = older
-            # an older connection whose end amqtt is handling is followed only until its bound,
-            # however the take-over comes to follow it (``succeed``, then amqtt's ``stop``)
-            self._until_released = until_released or getattr(older._handler, "durable_disconnected", False)
+            self._until_released = until_released
 
     def follows(self) -> bool:
         """Whether this connection's messages still wait for those of the connection it follows (``follow``)."""
