@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly, read_packet
+from small_disk import fill, small_disk
 from test_hostile_amqtt_sessions import PROBE_PLUGIN, StuckWebsocket, amqtt_table
 from test_hostile_wire import read_until_closed
 from test_recovery_and_crash import EXPIRED_TOPIC
@@ -823,6 +824,48 @@ def test_a_clean_take_over_of_a_connection_waiting_for_the_one_it_took_over_foll
             assert read_until_closed(a, WAIT) is not None, "the older connection was not ended"
     assert_delivered([clean_watcher], [b"s2", b"n1", b"s1", b"c1", b"c2"])
     assert_delivered([durable_watcher], [b"s1", b"c1", b"c2", b"s2", b"n1"])
+
+
+@pytest.mark.slow
+def test_a_connection_made_after_a_refused_take_over_follows_the_connection_it_took_over(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """docs/guarantees.md, Take-over: a CONNECT refused at its CONNACK passes its wait on to the
+    client id's next connection. Durable "pub" is stuck on "s1"'s check ("c1", "c2" behind it); a
+    clean CONNECT of "pub" takes it over (its loop handles that end only once the check passes) and
+    is refused with CONNACK 3: the store's disk filled during the take-over's wait (a real tmpfs).
+    Once the disk has room again, clean C of "pub" publishes "n1": it reaches clean subscribers
+    after s1, c1 and c2. Before the fix C neither followed nor took over the stuck connection (its
+    end not handled yet): "n1" came at once."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = slow_check_broker(broker_factory, tmp_path, store=str(disk / "store"))
+        offline = clients(broker.port, "offline")  # a durable session: a publish to o/x is written
+        offline.subscribe("o/#", 1)
+        offline.disconnect()
+        clean_watcher = clients(broker.port, "clean-watcher", clean_session=True)
+        assert clean_watcher.subscribe([("slow/#", 1), ("c/#", 1)]) == [1, 1]
+        with (
+            published_behind_a_slow_check(broker, tmp_path, clean=False) as old,
+            socket.create_connection((HOST, broker.port), timeout=WAIT) as refused,
+        ):
+            refused.sendall(connect_packet("pub", clean=True))
+            taking_over = "pub: a clean CONNECT takes the client id over"
+            assert broker.wait_until(lambda: taking_over in broker.log(), WAIT), broker.log()[-2000:]
+            filler = fill(disk)
+            writer = clients(broker.port, "o-pub", clean_session=True)
+            writer.paho.publish("o/x", bytes(64 * 1024), qos=1)  # its write fails: the store is failing
+            assert writer.wait_disconnected(), "the publish of an unstorable message was not refused"
+            assert read_exactly(refused, 4) == b"\x20\x02\x00\x03", "the take-over was not refused at its CONNACK"
+            filler.unlink()
+            assert broker.wait_until(lambda: "store writes succeed again" in broker.log(), 2 * WAIT)
+            with raw_connect(broker.port, "pub", clean=True) as c:
+                c.sendall(mqtt_packet(0x32, mqtt_string("c/n") + b"\x00\x06" + b"n1"))
+                assert read_packet(c) == (0x40, b"\x00\x06")
+                came = clean_watcher.wait_for(lambda ms: len(ms) > 0, timeout=1.0)
+                assert not came, [m.payload for m in clean_watcher.messages]
+                (tmp_path / "gate").write_text("1")
+                assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
+                assert_delivered([clean_watcher], [b"s1", b"c1", b"c2", b"n1"])
 
 
 def publish_packet_id(body: bytes) -> bytes:

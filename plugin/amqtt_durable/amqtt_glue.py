@@ -1490,8 +1490,11 @@ class AmqttHooks:
         self.retained = RetainedTable()
         self.clean_sends = CleanSends(engine)
         self.addresses = AddressConnections(engine.config.max_connections_per_address, engine.config.drop_log_interval)
-        self.latest: dict[str, PublishedMessages] = {}
-        """Client id -> its latest connection's messages, until all are handed over (``PublishedMessages.succeed``)."""
+        self.latest: dict[str, tuple[PublishedMessages, bool | None]] = {}
+        """Client id -> its latest connection's messages, until all are handed over
+        (``PublishedMessages.succeed``), and None; or, passed on by a connection refused at its
+        CONNACK, the messages of the one it followed and whether it followed them only until their
+        bound (``PublishedMessages.refused``)."""
 
     def install(self) -> None:
         broker = self.broker
@@ -2761,11 +2764,15 @@ class PublishedMessages:
         handed over, or this connection's bound passed (``start_bound``)."""
         self._bound: asyncio.TimerHandle | None = None
         self._deadline: float | None = None
-        self._latest: tuple[dict[str, PublishedMessages], str] | None = None
+        self._latest: tuple[dict[str, tuple[PublishedMessages, bool | None]], str] | None = None
         self._older: PublishedMessages | None = None
-        """The connection this one took over, while its messages are not all handed over (``follow``)."""
+        """The connection this one follows, one whose messages were not all handed over as it began to
+        (``follow``): the one it took over, or an ended one before it (``succeed``), or the one a
+        connection refused at its CONNACK followed (``refused``)."""
         self._until_released = False
-        """Whether this connection waits for ``_older`` only until its bound (``succeed``), not till all are handed."""
+        """Whether this connection waits for ``_older`` only until that one's bound, not till all are
+        handed: an ended one it followed (``succeed``) or took over (its end handled before the
+        take-over), or one a refused connection followed so (``refused``)."""
         self._in_hand: list[Any] = []
         """The message the loop took from the queue and has not handed to the broker: amqtt's loop
         drops it when the connection's end comes in the same pass (five QoS 1 PUBLISHes and a
@@ -2818,7 +2825,10 @@ class PublishedMessages:
 
     def refused(self) -> None:
         """Its CONNECT was refused at its CONNACK: the client id's next connection, which may take the
-        turn as the refusal's CONNACK is written, follows the one this one would have followed."""
+        turn as the refusal's CONNACK is written, follows the one this one would have followed, as
+        this one would have (until its bound, or until all are handed over: ``succeed``), whether
+        or not that one's end is handled by then (a take-over of a live connection stuck on a topic
+        plugin's check ended it, and its loop handles that end only once the check is done)."""
         self._all_handed(self._older if self.follows() else None)
 
     def start_bound(self) -> float:
@@ -2839,20 +2849,22 @@ class PublishedMessages:
         return self._deadline
 
     def _all_handed(self, instead: PublishedMessages | None = None) -> None:
-        """Every message handed over: the client id's latest connection is ``instead``, or none."""
+        """Every message handed over: the client id's latest connection is ``instead`` (followed as
+        this one followed it: ``succeed``), or none."""
         self._handed.set()
         self._released.set()
         if self._bound is not None:
             self._bound.cancel()
         if self._latest is not None:
             latest, client_id = self._latest
-            if latest.get(client_id) is self:
+            entry = latest.get(client_id)
+            if entry is not None and entry[0] is self:
                 if instead is None:
                     del latest[client_id]
                 else:
-                    latest[client_id] = instead
+                    latest[client_id] = (instead, self._until_released)
 
-    def succeed(self, latest: dict[str, PublishedMessages], client_id: str) -> None:
+    def succeed(self, latest: dict[str, tuple[PublishedMessages, bool | None]], client_id: str) -> None:
         """This connection is the latest of ``client_id`` (in ``latest`` until its messages are all
         handed over). It follows the one before it, until that one's bound (``start_bound``), if that
         one has ended (amqtt's handling of its end began) and has not handed all of its messages over
@@ -2860,13 +2872,17 @@ class PublishedMessages:
         ``hand_over_later``), and is not the one this connection takes over (``follow``, until all
         are handed over). Unfollowed, what this connection published reached clean subscribers
         before what the ended one still held; followed with no bound, it waited for as long as that
-        one's own check of a message it published took."""
-        previous = latest.get(client_id)
-        if (  # ended, and not the one it takes over (``follow``)
-            previous is not None and previous is not self._older and _end_handled(previous._handler)
-        ):
-            self.follow(previous, until_released=True)
-        latest[client_id] = self
+        one's own check of a message it published took. One a connection refused at its CONNACK
+        passed on (``refused``) it follows as that one did, its end handled or not: unfollowed, what
+        this connection published went before what a live connection that one took over still held."""
+        entry = latest.get(client_id)
+        if entry is not None and entry[0] is not self._older:  # not the one it takes over (``follow``)
+            previous, passed_on = entry
+            if passed_on is not None:
+                self.follow(previous, until_released=passed_on)
+            elif _end_handled(previous._handler):
+                self.follow(previous, until_released=True)
+        latest[client_id] = (self, None)
         self._latest = (latest, client_id)
 
     def follow(self, older: PublishedMessages, *, until_released: bool) -> None:
