@@ -727,7 +727,9 @@ _CONNECTING: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_conne
 (``initialize_client_session`` to ``connack_authorize``): a ``stop()`` of another connection in
 that time is amqtt's take-over of a client id whose (durable) Session it keeps (see
 ``_stop_waiting_for_a_reader_that_may_never_run``)."""
-_TAKEN_OVER: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_taken_over", default=None)
+_TAKEN_OVER: contextvars.ContextVar[tuple[PublishedMessages, bool] | None] = contextvars.ContextVar(
+    "durable_taken_over", default=None
+)
 """Set in a clean CONNECT's task to the ``PublishedMessages`` of the live connection of its client id
 it ended (``AmqttHooks.delete_session``) and whether amqtt was handling that connection's end before
 (``_end_handled``), for the new connection to follow (``PublishedMessages.follow``)."""
@@ -1816,7 +1818,8 @@ class AmqttHooks:
             await take_over(handler)
             await handler.stop()
         await _keeping_what_was_published(session, self._original_delete_session, client_id)
-        # One that had ended and still hands its messages over is followed too, until its bound (``succeed``).
+        # An ended one (its end handled before the take-over) is followed until its bound; a live one until all are
+        # handed (``follow``).
         published = getattr(handler, "durable_published", None) if taken_over else None
         _TAKEN_OVER.set(None if published is None else (published, ended))
 
@@ -2469,7 +2472,7 @@ def _keep_the_newer_connection_connected(broker: Any, session: Any, handler: Any
         current_session is session
         and current is not None
         and current is not handler
-        and not getattr(current, "durable_disconnected", False)
+        and not _end_handled(current)
         and session.transitions.state == "disconnected"
     ):
         session.transitions.connect()
