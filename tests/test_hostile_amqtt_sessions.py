@@ -157,6 +157,48 @@ def test_failed_logins_with_fresh_client_ids_leave_nothing_in_amqtts_table(
     assert after == before, f"amqtt's table grew by {sorted(set(after) - set(before))[:5]}... ({len(after)})"
 
 
+def test_failed_logins_of_a_durable_client_id_amqtt_holds_no_session_of_leave_its_next_login_served(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """guarantees.md: a refused CONNECT touches nothing (review 250). alice's durable session "dev"
+    holds a queued message; after a restart amqtt's table has no Session of "dev". CONNECTs of
+    "dev" that fail (a wrong password, durable and clean; another user, "monitor") leave nothing
+    there, and alice's next CONNECT of "dev" is served as if none had come: session present, the
+    queued message, and the connection stays up (a Session left marked connected would have been
+    taken over, or the new connection ended by amqtt's session monitor)."""
+    broker = password_broker(broker_factory, tmp_path)
+    device = login(clients, broker, "dev", "alice")
+    assert device.subscribe("t/#", 1) == [1]
+    device.disconnect()
+    monitor = login(clients, broker, "monitor", "monitor", clean_session=True)
+    monitor.publish("t/1", [b"queued"], qos=1)
+    monitor.disconnect()
+    broker.stop()
+    broker.start()
+    monitor = login(clients, broker, "monitor", "monitor", clean_session=True)
+    monitor.subscribe("probe/#", 0)
+    assert "dev" not in amqtt_table(monitor)
+    assert failed_login(broker.port, "dev", clean=False) == b"\x20\x02\x00\x05"
+    assert failed_login(broker.port, "dev", clean=True) == b"\x20\x02\x00\x05"
+    assert connect_as(broker.port, "dev", "monitor") == b"\x20\x02\x00\x05"
+    assert "dev" not in amqtt_table(monitor)
+    device = login(clients, broker, "dev", "alice")
+    assert device.session_present
+    assert device.wait_for(lambda ms: [m.payload for m in ms] == [b"queued"]), device.messages
+    assert not device.wait_disconnected(1.5), "the login of 'dev' was ended"  # a session monitor pass
+    monitor.publish("t/2", [b"live"], qos=1)
+    assert device.wait_for(lambda ms: len(ms) == 2), "the login of 'dev' was not served"
+
+
+def connect_as(port: int, client_id: str, user: str) -> bytes:
+    """A durable CONNECT of ``user`` with the user's own password; the broker's answer."""
+    body = mqtt_string("MQTT") + bytes([4, 0xC0, 0, 60]) + mqtt_string(client_id)
+    body += mqtt_string(user) + mqtt_string(PASSWORDS[user])
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        return read_exactly(sock, 4)
+
+
 def test_a_failed_login_racing_a_live_connection_of_its_client_id_leaves_that_connection_its_messages(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
 ) -> None:

@@ -22,6 +22,7 @@ from test_hostile_amqtt_sessions import StuckWebsocket
 from test_hostile_owner import PASSWORDS, REFUSED, acl_broker, login
 from test_hostile_wire import read_until_closed
 from test_subscribe_order import retain_big_messages
+from test_takeover_races import GATED_AUTH
 
 from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, run_cli
@@ -275,15 +276,67 @@ def test_a_clean_connect_whose_session_erasure_fails_gets_connack_3_and_the_sess
 ) -> None:
     """The same with a client id of 8,000 bytes, whose record's erasure does not fit either: the
     CONNECT gets CONNACK 3 at once and is closed, and a restart before the disk has room again finds
-    the session whole, queue included. (The CONNECT waited, unanswered, until the disk had room.)"""
+    the session whole, queue included. (The CONNECT waited, unanswered, until the disk had room.)
+    The refusal comes when the CONNACK is due (``_refuse_connect``, which writes the CONNACK itself):
+    all the MQTT 3.1.1 client reads before the close is that CONNACK, 20 02 00 03 (no session
+    present, MQTT-3.2.2-4; return code 3, server unavailable)."""
     client_id = LONG_ID
     with full_disk_with_a_long_id_session(tmp_path, broker_factory, clients) as (broker, _, filler):
         with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
             sock.sendall(connect_packet(client_id, clean=True))
-            assert read_exactly(sock, 4) == CONNACK_UNAVAILABLE, "refused at once"
-            assert sock.recv(1) == b"", "and closed"
+            assert read_until_closed(sock, WAIT) == CONNACK_UNAVAILABLE, "refused at once, then closed"
+        refused_at_connack = "CONNECT refused when its CONNACK was due"
+        assert broker.wait_until(lambda: refused_at_connack in broker.log(), WAIT), broker.log()[-3000:]
         assert_whole_after_restart(broker, filler, clients, client_id, "the refused CONNECT deleted nothing")
     assert "CONNACK 3" in broker.log()
+
+
+def test_a_connect_refused_when_its_connack_is_due_on_a_websocket_already_closed_ends_cleanly(
+    tmp_path: Path, broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """A CONNECT refused when its CONNACK is due (``_refuse_connect``: the record's erasure of the
+    clean CONNECT of LONG_ID does not fit on the full disk) whose websocket client sent a close frame
+    and closed its socket right after the CONNECT, held by its credentials' check (GatedAuth, user
+    "slow") until the broker has seen the close. The refusal finds the websocket closed: the
+    connection ends with no traceback, nothing is deleted (a restart finds the session whole), and
+    the broker serves the client id's next CONNECT over websocket once the disk has room. amqtt's
+    write of the refusal logged the client's close as a WARNING ("Unhandled exception")."""
+    (tmp_path / "gated_auth.py").write_text(GATED_AUTH.format(folder=str(tmp_path)))
+    (tmp_path / "gate").write_text("1")
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(start=False, store=str(disk / "store"))
+        broker.ws_port = free_port()
+        broker.pythonpath.append(str(tmp_path))
+        broker.extra_plugins["gated_auth.GatedAuth"] = {}
+        broker.start()
+        device = clients(broker.port, LONG_ID, username="slow")
+        device.subscribe("d/#", 1)
+        device.disconnect()
+        clients(broker.port, "pub", clean_session=True).publish("d/x", payloads(20))
+        filler = fill(disk)
+        (tmp_path / "gate").unlink()
+        (tmp_path / "entered").unlink()
+        ws = StuckWebsocket(broker.ws_port)
+        ws.protocol.send_binary(connect_packet(LONG_ID, clean=True, username="slow"))
+        ws.protocol.send_close()
+        ws._flush()
+        assert broker.wait_until((tmp_path / "entered").exists, WAIT), "its credentials are being checked"
+        assert ws.sock.recv(64) and ws.sock.recv(1) == b"", "the broker answered the close and closed"
+        ws.sock.close()
+        (tmp_path / "gate").write_text("1")
+        assert broker.wait_until(lambda: "CONNECT refused when its CONNACK was due" in broker.log(), WAIT), (
+            broker.log()[-3000:]
+        )
+        broker.kill()
+        filler.unlink()
+        broker.start()
+        device = clients(broker.ws_port, LONG_ID, username="slow", transport="websockets")
+        assert device.session_present is True, "the refused CONNECT deleted nothing"
+        assert [m.payload for m in device.wait_messages(20)] == payloads(20)
+        log = broker.log()
+        assert "connection handler failed" not in log and "Traceback" not in log, log[-3000:]
+        # amqtt's write of the refusal logged the client's routine close as a WARNING.
+        assert "Unhandled exception" not in log, log[-3000:]
 
 
 def test_a_clean_connect_retried_after_connack_3_is_refused_until_the_session_erasure_is_written(

@@ -727,9 +727,12 @@ _CONNECTING: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_conne
 (``initialize_client_session`` to ``connack_authorize``): a ``stop()`` of another connection in
 that time is amqtt's take-over of a client id whose (durable) Session it keeps (see
 ``_stop_waiting_for_a_reader_that_may_never_run``)."""
-_TAKEN_OVER: contextvars.ContextVar[Any] = contextvars.ContextVar("durable_taken_over", default=None)
+_TAKEN_OVER: contextvars.ContextVar[tuple[PublishedMessages, bool] | None] = contextvars.ContextVar(
+    "durable_taken_over", default=None
+)
 """Set in a clean CONNECT's task to the ``PublishedMessages`` of the live connection of its client id
-it ended (``AmqttHooks.delete_session``), for the new connection to follow (``PublishedMessages.follow``)."""
+it ended (``AmqttHooks.delete_session``) and whether amqtt was handling that connection's end before
+(``_end_handled``), for the new connection to follow (``PublishedMessages.follow``)."""
 
 
 class ConnectTurns:
@@ -1489,6 +1492,11 @@ class AmqttHooks:
         self.retained = RetainedTable()
         self.clean_sends = CleanSends(engine)
         self.addresses = AddressConnections(engine.config.max_connections_per_address, engine.config.drop_log_interval)
+        self.latest: dict[str, tuple[PublishedMessages, bool | None]] = {}
+        """Client id -> its latest connection's messages, until all are handed over
+        (``PublishedMessages.succeed``), and None; or, passed on by a connection refused at its
+        CONNACK, the messages of the one it followed and whether it followed them only until their
+        bound (``PublishedMessages.refused``)."""
 
     def install(self) -> None:
         broker = self.broker
@@ -1733,10 +1741,12 @@ class AmqttHooks:
             self.broker, self.engine, handler, session, amqtt_wants=self.amqtt_wants, receivers=self.receivers
         )
         handler._reader_loop = FastReader(self.broker, self.engine, handler, session).run
-        taken_over: PublishedMessages | None = _TAKEN_OVER.get()
+        taken_over: tuple[PublishedMessages, bool] | None = _TAKEN_OVER.get()
         if taken_over is not None:
-            handler.durable_published.follow(taken_over)
+            older, ended = taken_over
+            handler.durable_published.follow(older, until_released=ended)
             _TAKEN_OVER.set(None)
+        handler.durable_published.succeed(self.latest, session.client_id)
         writer.durable_handler = handler  # for the connection's end (``client_connected``)
         return handler, session
 
@@ -1757,6 +1767,7 @@ class AmqttHooks:
         does the rest (CLIENT_DISCONNECTED included), told the will's decision is made."""
         will: ConnectionWill | None = getattr(handler, "durable_will", None)
         handler.durable_disconnected = True
+        handler.durable_published.start_bound()  # before its loop may check a message it still holds
         if will is None:  # not read through init_from_connect
             await self._original_handle_disconnect(session, handler, disconnect_waiter)
             _keep_the_newer_connection_connected(self.broker, session, handler)
@@ -1801,14 +1812,16 @@ class AmqttHooks:
         go after them (``PublishedMessages.follow``)."""
         session, handler = self.broker._sessions.get(client_id, (None, None))
         taken_over = session is not None and handler is not None and session.transitions.is_connected()
+        ended = taken_over and _end_handled(handler)  # before the take-over makes its loop handle it
         if taken_over:
             log.info("%s: a clean CONNECT takes the client id over: ending the live connection", client_id)
             await take_over(handler)
             await handler.stop()
         await _keeping_what_was_published(session, self._original_delete_session, client_id)
-        # Only a connection taken over is followed: one that had ended (a durable Session stays in
-        # amqtt's table) is not waited for (guarantees.md, Take-over).
-        _TAKEN_OVER.set(getattr(handler, "durable_published", None) if taken_over else None)
+        # An ended one (its end handled before the take-over) is followed until its bound; a live one until all are
+        # handed (``follow``).
+        published = getattr(handler, "durable_published", None) if taken_over else None
+        _TAKEN_OVER.set(None if published is None else (published, ended))
 
     async def client_message_loop(self, session: Any, handler: Any) -> None:
         # By what this connection's CONNECT asked for: a clean connection must never drive the
@@ -2336,6 +2349,7 @@ def _wrap_handler(
         _connected_for_its_connack(session, authorize)
         if not authorize:  # amqtt's own authentication failed: it would keep this Session for ever
             _forget_refused(broker, engine, handler, session)
+            handler.durable_published.refused()  # before its CONNACK gives the client id's turn back
         if authorize and not engine.serving:  # demoted since its CONNECT was read (checked there too)
             why = f"{session.client_id}: CONNECT refused with CONNACK 3 (server unavailable): {NOT_SERVING}"
             await _refuse_connect(handler, session, SERVER_UNAVAILABLE, why)
@@ -2461,10 +2475,17 @@ def _keep_the_newer_connection_connected(broker: Any, session: Any, handler: Any
         current_session is session
         and current is not None
         and current is not handler
-        and not getattr(current, "durable_disconnected", False)
+        and not _end_handled(current)
         and session.transitions.state == "disconnected"
     ):
         session.transitions.connect()
+
+
+def _end_handled(handler: Any) -> bool:
+    """Whether amqtt handles (or has handled) the end of ``handler``'s connection (``handle_disconnect``).
+    Read before a take-over of it acts: the take-over ends it, and its loop then handles that end
+    (``PublishedMessages.follow``)."""
+    return bool(getattr(handler, "durable_disconnected", False))
 
 
 def _connected_for_its_connack(session: Any, authorize: bool) -> None:
@@ -2589,7 +2610,7 @@ def _stop_waiting_for_a_reader_that_may_never_run(
         writer = handler.writer
         connecting = _CONNECTING.get()
         if connecting not in (None, handler):  # a newer CONNECT of its client id takes it over
-            connecting.durable_published.follow(handler.durable_published)
+            connecting.durable_published.follow(handler.durable_published, until_released=_end_handled(handler))
             await handler.durable_let_go()
         abort = None
         if isinstance(writer, StreamWriterAdapter):
@@ -2744,8 +2765,20 @@ class PublishedMessages:
         self._handed = asyncio.Event()
         """Set once the loop's end handed the rest over, or the connection ended without a loop."""
         self._handing_later = False
+        self._released = asyncio.Event()
+        """Set once a connection made after this one ended waits for it no more (``succeed``): all
+        handed over, or this connection's bound passed (``start_bound``)."""
+        self._bound: asyncio.TimerHandle | None = None
+        self._deadline: float | None = None
+        self._latest: tuple[dict[str, tuple[PublishedMessages, bool | None]], str] | None = None
         self._older: PublishedMessages | None = None
-        """The connection this one took over, while its messages are not all handed over (``follow``)."""
+        """The connection this one follows, one whose messages were not all handed over as it began to
+        (``follow``): the one it took over, or an ended one before it (``succeed``), or the one a
+        connection refused at its CONNACK followed (``refused``)."""
+        self._until_released = False
+        """Whether this connection waits for ``_older`` only until that one's bound, not till all are
+        handed: an ended one it followed (``succeed``) or took over (its end handled before the
+        take-over), or one a refused connection followed so (``refused``)."""
         self._in_hand: list[Any] = []
         """The message the loop took from the queue and has not handed to the broker: amqtt's loop
         drops it when the connection's end comes in the same pass (five QoS 1 PUBLISHes and a
@@ -2786,26 +2819,99 @@ class PublishedMessages:
     def left_over_handed(self, broker: Any) -> None:
         """The loop's end handed what was left over: what comes later goes to ``broker`` directly."""
         self._broker = broker
-        self._handed.set()
+        self._all_handed()
 
     def connection_ended(self) -> None:
         """The connection's handling ended: a loop that never ran hands nothing over (one that
         ran has, or hands over later: ``hand_over_later``)."""
         if not self._handing_later:
-            self._handed.set()
+            # With no loop (its CONNECT refused at its CONNACK), the client id's next connection
+            # follows the one this one would have followed.
+            self._all_handed(self._older if self._broker is None and self.follows() else None)
 
-    def follow(self, older: PublishedMessages) -> None:
+    def refused(self) -> None:
+        """Its CONNECT was refused at its CONNACK: the client id's next connection, which may take the
+        turn as the refusal's CONNACK is written, follows the one this one would have followed, as
+        this one would have (until its bound, or until all are handed over: ``succeed``), whether
+        or not that one's end is handled by then (a take-over of a live connection stuck on a topic
+        plugin's check ended it, and its loop handles that end only once the check is done)."""
+        self._all_handed(self._older if self.follows() else None)
+
+    def start_bound(self) -> float:
+        """The connection has ended: its bound, CHANGES_GRACE from the first call, starts (amqtt's
+        handling of its end, ``AmqttHooks.handle_disconnect``, or, with none, its message loop's end,
+        ``hand_over_what_is_left``). amqtt's loop handles the end only once ``wait_disconnect`` has
+        returned (after the end's wait, ``applied``: up to CHANGES_GRACE) and the pass it is in is
+        done (a topic plugin's check of a message or of a SUBSCRIBE): the bound may start that much
+        later than the end. Returns it: what the connection published waits for the
+        connection it took over until then, and so does a connection made after this one ended
+        (``succeed``). amqtt's loop may go on to check a message it took as the end came (a topic
+        plugin's slow check): the bound runs meanwhile."""
+        loop = asyncio.get_running_loop()
+        if self._deadline is None:
+            self._deadline = loop.time() + CHANGES_GRACE
+            if not self._released.is_set():
+                self._bound = loop.call_at(self._deadline, self._released.set)
+        return self._deadline
+
+    def _all_handed(self, instead: PublishedMessages | None = None) -> None:
+        """Every message handed over: the client id's latest connection is ``instead`` (followed as
+        this one followed it: ``succeed``), or none."""
+        self._handed.set()
+        self._released.set()
+        if self._bound is not None:
+            self._bound.cancel()
+        if self._latest is not None:
+            latest, client_id = self._latest
+            entry = latest.get(client_id)
+            if entry is not None and entry[0] is self:
+                if instead is None:
+                    del latest[client_id]
+                else:
+                    latest[client_id] = (instead, self._until_released)
+
+    def succeed(self, latest: dict[str, tuple[PublishedMessages, bool | None]], client_id: str) -> None:
+        """This connection is the latest of ``client_id`` (in ``latest`` until its messages are all
+        handed over). It follows the one before it, until that one's bound (``start_bound``), if that
+        one has ended (amqtt's handling of its end began) and has not handed all of its messages over
+        (its loop stuck on a topic plugin's check, or waiting for the connection it took over,
+        ``hand_over_later``), and is not the one this connection takes over (``follow``, until all
+        are handed over). Unfollowed, what this connection published reached clean subscribers
+        before what the ended one still held; followed with no bound, it waited for as long as that
+        one's own check of a message it published took. One a connection refused at its CONNACK
+        passed on (``refused``) it follows as that one did, its end handled or not: unfollowed, what
+        this connection published went before what a live connection that one took over still held."""
+        entry = latest.get(client_id)
+        if entry is not None and entry[0] is not self._older:  # not the one it takes over (``follow``)
+            previous, passed_on = entry
+            if passed_on is not None:
+                self.follow(previous, until_released=passed_on)
+            elif _end_handled(previous._handler):
+                self.follow(previous, until_released=True)
+        latest[client_id] = (self, None)
+        self._latest = (latest, client_id)
+
+    def follow(self, older: PublishedMessages, *, until_released: bool) -> None:
         """A take-over of the connection whose messages are ``older``: this connection's go to the
-        broker only once the older connection's loop has handed all of its own over. Its loop may
-        still be in the middle of one (a topic plugin's slow check): amqtt's take-over of a Session
-        it keeps gave the new connection's loop the messages waiting behind it, which reached
-        subscribers first."""
+        broker only once the older connection's loop has handed all of its own over, or, with
+        ``until_released``, once its bound passed: for one whose end amqtt had handled before this
+        connection followed it (``succeed``; a take-over reads ``_end_handled`` before it ends the
+        older one, whose loop then handles that end: a take-over of a live connection follows it
+        until all are handed). Followed until all were handed, a connection whose end was handled
+        (in its close, say) held a newer one for as long as its loop's check of a message took. Its
+        loop may still be in the middle of one (a topic plugin's slow check): amqtt's take-over of
+        a Session it keeps gave the new connection's loop the messages waiting behind it, which
+        reached subscribers first."""
         if older is not self and not older._handed.is_set():
             self._older = older
+            self._until_released = until_released
 
     def follows(self) -> bool:
-        """Whether this connection's messages still wait for those of the connection it took over."""
-        return self._older is not None and not self._older._handed.is_set()
+        """Whether this connection's messages still wait for those of the connection it follows (``follow``)."""
+        return self._older is not None and not self._waited_for(self._older).is_set()
+
+    def _waited_for(self, older: PublishedMessages) -> asyncio.Event:
+        return older._released if self._until_released else older._handed
 
     def hand_over_later(self, coroutine: Coroutine[Any, Any, None]) -> None:
         """The loop's end hands over in ``coroutine``, after the connection's handling ended."""
@@ -2819,10 +2925,10 @@ class PublishedMessages:
         task.add_done_callback(self._late.discard)
 
     async def after_the_older(self) -> None:
-        """Returns once the connection this one took over has handed its messages over (``follow``)."""
+        """Returns once the connection this one follows no longer holds it (``follow``)."""
         older = self._older
         if older is not None:
-            await older._handed.wait()
+            await self._waited_for(older).wait()
             self._older = None
 
     def end(self) -> None:
@@ -2891,7 +2997,7 @@ class PublishedMessages:
         if self._deferred:
             await asyncio.wait(list(self._deferred))
         queue = self._handler.session.delivered_message_queue
-        # A connection that took over hands over nothing before the older one has (``follow``):
+        # A connection that follows another hands over nothing before that one has (``follow``):
         # its loop's end hands its messages over after those (``hand_over_what_is_left``).
         while not queue.empty() and not self.loop_ended and self._older is None:
             self._taken.clear()
@@ -2908,15 +3014,17 @@ async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> Non
     in the Session's queue go to the broker as the loop would have handed them (as many as wait
     now: on a Session a newer connection took over, that connection's loop takes what comes after),
     the one the loop took and dropped first (``PublishedMessages.in_hand``), once the connection
-    this one took over has handed its own over (``PublishedMessages.follow``); what the connection
+    this one follows has handed its own over (``PublishedMessages.follow``); what the connection
     hands over after this goes to the broker directly (``PublishedMessages.put``).
 
     A connection waiting for the older one's (its loop stuck on a topic plugin's check) waits in a
-    task of its own, for at most CHANGES_GRACE: waiting here held the connection's task, which frees
+    task of its own, until its bound (``PublishedMessages.start_bound``, CHANGES_GRACE from its
+    end) at most: waiting here held the connection's task, which frees
     its places (``max_connections``, ``max_connections_per_address``) as it ends, for as long as that
     check took (for ever: every connection of a take-over chain kept its places). Then its messages
     go without waiting any more: none is lost, but they go before what the older one still holds."""
     published: PublishedMessages = handler.durable_published
+    published.start_bound()
     published.release_all_read()
     if published.follows():
         published.hand_over_later(_hand_over_after_the_older(broker, session, handler))
@@ -2926,10 +3034,10 @@ async def hand_over_what_is_left(broker: Any, session: Any, handler: Any) -> Non
 
 async def _hand_over_after_the_older(broker: Any, session: Any, handler: Any) -> None:
     """``hand_over_what_is_left`` of a connection that took over: once the older connection has
-    handed its messages over, or CHANGES_GRACE after this connection's message loop ended."""
+    handed its messages over, or at this connection's bound (``PublishedMessages.start_bound``)."""
     try:
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(CHANGES_GRACE):
+            async with asyncio.timeout_at(handler.durable_published.start_bound()):
                 await handler.durable_published.after_the_older()
         await _hand_over(broker, session, handler)
     except Exception as exc:  # as amqtt's loop would have ended on it
@@ -3143,14 +3251,22 @@ async def _refuse_connect(handler: Any, session: Any, return_code: int, why: str
     (amqtt logs and drops it)."""
     log.warning("%s", why)
     session.parent = 0  # MQTT-3.2.2-4: no session present with a refusal
-    try:  # a client gone meanwhile: over a websocket ConnectionClosed escaped amqtt's handling (see _send_connack)
-        await handler._send_packet(ConnackPacket.build(0, return_code))
+    connack = ConnackPacket.build(0, return_code)
+    # Not amqtt's _send_packet: on a websocket the client had closed, it logged the routine
+    # ConnectionClosed as a WARNING "Unhandled exception: received 1005 ..." (and let it escape).
+    handler.durable_published.refused()
+    try:  # as amqtt's _send_packet: under its write lock, if it has a writer; PACKET_SENT either way
+        if handler.writer:
+            async with handler._write_lock:
+                await connack.to_stream(handler.writer)
+        await handler.plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack, session=session)
     except (ConnectionClosed, OSError) as exc:
         log.debug("%s: the connection closed before its refusal: %r", session.client_id, exc)
     handler.durable_disconnected = True  # _keep_the_newer_connection_connected
     session.transitions.disconnect()
-    with contextlib.suppress(ConnectionClosed, OSError):
-        await handler.writer.close()
+    if handler.writer:
+        with contextlib.suppress(ConnectionClosed, OSError):
+            await handler.writer.close()
     raise AMQTTError(f"{session.client_id}: CONNECT refused when its CONNACK was due")
 
 
