@@ -1,0 +1,297 @@
+"""A third blind pass over docs/replication.md and README.md's "High availability", from the docs' words
+only: each taking of the lease as a term in etcd's `leader`, `primary` and `sync` keys, the operator's
+`promote` on a node that waits after its primary is gone for good (its exact answer), a backup caught up
+past a one-batch retained log in 1 KiB snapshot chunks, a stranger posing as a backup on the replication
+address, a group whose cluster and names are not ASCII, and etcd's longest lease. Real broker processes on
+127.0.0.1 ports, a real etcd, real paho clients, real SIGKILL/SIGSTOP and the real ``amqtt-durable``
+command."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from test_docs_promises_ha2 import CLUSTER, _b64, _etcd
+from test_ha_brokers import (
+    BACKUP,
+    HA_TIMING,
+    SERVING,
+    address,
+    assert_queue_served,
+    ha_pair,
+    node,
+    queue_durable_messages,
+    start,
+    static_pair,
+    wait_status,
+)
+from test_ha_brokers import status as node_status
+from test_hostile_wire import wait_until
+
+from amqtt_durable.replication.framing import Frame, encode_frame
+from conftest import WAIT, Broker, Client, connack_code, payloads, run_cli
+
+pytestmark = pytest.mark.timeout(90)
+
+SYS = "$SYS/broker/durable/replication/"
+
+
+def _key(etcd: Any, name: str) -> dict[str, Any] | None:
+    """etcd's record of ``CLUSTER + name`` (value decoded as JSON, revisions as ints), None when absent."""
+    kvs = _etcd(etcd, "/v3/kv/range", {"key": _b64(CLUSTER + name)}).get("kvs") or []
+    if not kvs:
+        return None
+    (kv,) = kvs
+    return {
+        "value": json.loads(base64.b64decode(kv["value"])),
+        "create_revision": int(kv["create_revision"]),
+        "mod_revision": int(kv["mod_revision"]),
+    }
+
+
+@pytest.mark.slow
+def test_each_taking_of_the_lease_is_a_later_term_named_by_the_leader_primary_and_sync_keys(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
+) -> None:
+    """Coordination, the keys: `leader` "JSON name + address; its create_revision is the holder's term";
+    `primary` "JSON name + address of the last node that took the lease, written in the same transaction as
+    `leader` (so its mod_revision is that `leader` key's create_revision: the term)"; `sync` "JSON `leader`
+    (its writer), `term` (the writer's term) and `members`: the synchronous set". "each taking
+    of the lease is a term: etcd's revision of that write, larger for a later one". After a's SIGKILL, b
+    takes the lease in a later term; a, started again, follows b and joins its synchronous set."""
+    first, second = ha_pair(broker_factory, etcd)
+    queue_durable_messages(first, clients, 20)
+
+    def settled(leader: str, backup: str) -> bool:
+        sync = _key(etcd, "sync")
+        return sync is not None and sync["value"].get("leader") == leader and sync["value"].get("members") == [backup]
+
+    assert wait_until(lambda: settled("a", "b"), WAIT), _key(etcd, "sync")
+    leader, primary, sync = (_key(etcd, key) for key in ("leader", "primary", "sync"))
+    assert leader is not None and primary is not None and sync is not None
+    term = leader["create_revision"]
+    assert leader["value"] == primary["value"] == {"name": "a", "address": address(first)}
+    assert primary["mod_revision"] == term
+    assert sync["value"] == {"leader": "a", "term": term, "members": ["b"]}
+    first.kill()
+    assert second.wait_until(lambda: connack_code(second.port) == SERVING, 2 + WAIT), second.log()
+    start(first, BACKUP)  # the old primary comes back as a backup
+    assert wait_until(lambda: settled("b", "a"), WAIT), _key(etcd, "sync")
+    leader, primary, sync = (_key(etcd, key) for key in ("leader", "primary", "sync"))
+    assert leader is not None and primary is not None and sync is not None
+    assert leader["create_revision"] > term, "a later taking of the lease is a larger term"
+    assert leader["value"] == primary["value"] == {"name": "b", "address": address(second)}
+    assert primary["mod_revision"] == leader["create_revision"]
+    assert sync["value"] == {"leader": "b", "term": leader["create_revision"], "members": ["a"]}
+    assert_queue_served(second, clients, 20)
+
+
+def test_promote_on_a_node_that_waits_for_a_lost_primary_answers_the_operators_decision_word_for_word(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
+) -> None:
+    """After a full stop of the group, "When the nodes that may take over are gone for good": "`amqtt-durable
+    promote HOST:PORT` ... on a node with a coordinator makes it take the lease at its next HA cycle"; "It
+    prints `HOST:PORT: the operator's decision: no primary holds the lease; this node, at batch N, not known
+    to be caught up, takes it at its next HA cycle unless another node takes it first; it serves clients as
+    the primary once its store is loaded` (exit 0) and logs a WARNING". Watching it: a waiting backup names
+    the nodes it waits for "in a `waiting for:` line (`waiting_for`, a list of names, in `--json`)". Then "a
+    former primary that comes back later follows the promoted node and gets a snapshot, so its extra batches
+    are dropped"."""
+    timing = {"coordinator": [etcd.url], **HA_TIMING}
+    first = start(node(broker_factory, "a", **timing), SERVING)
+    queue_durable_messages(first, clients, 10)  # only a ever has these
+    lost = node_status(first)
+    assert lost is not None and lost["batch"] > 0
+    first.kill()
+    assert wait_until(lambda: _key(etcd, "leader") is None, 2 + WAIT)  # a's lease ended: no primary
+    third = start(node(broker_factory, "c", **timing), BACKUP)
+
+    def waiting_for() -> list[str] | None:
+        shown = run_cli("inspect", "--replication", address(third), "--json")
+        return json.loads(shown.stdout).get("waiting_for") if shown.returncode == 0 else None
+
+    assert third.wait_until(lambda: waiting_for() == ["a"], WAIT), third.log()
+    shown = run_cli("inspect", "--replication", address(third))
+    assert "  waiting for: a" in shown.stdout.splitlines(), shown.stdout
+    batch = wait_status(third, lambda s: s["role"] == "backup")["batch"]
+
+    promoted = run_cli("promote", address(third))
+    assert promoted.returncode == 0, promoted.stderr
+    assert promoted.stdout.strip() == (
+        f"{address(third)}: the operator's decision: no primary holds the lease; this node, at batch {batch}, not "
+        "known to be caught up, takes it at its next HA cycle unless another node takes it first; it serves clients "
+        "as the primary once its store is loaded"
+    ), promoted.stdout
+    assert third.wait_until(lambda: connack_code(third.port) == SERVING, WAIT), third.log()
+    warnings = [line for line in third.log().splitlines() if " WARNING " in line and "operator" in line]
+    assert warnings, third.log()
+    leader = _key(etcd, "leader")
+    assert leader is not None and leader["value"] == {"name": "c", "address": address(third)}
+
+    start(first, BACKUP)  # the former primary comes back: it follows c
+    caught_up = wait_status(first, lambda s: s["caught_up"])
+    assert caught_up["batch"] == wait_status(third, lambda s: s["role"] == "primary")["batch"] != lost["batch"]
+    device = clients(third.port, "device")
+    assert device.session_present is False  # the publishes only the lost node had are lost
+    assert not device.wait_for(bool, 0.5)
+
+
+def test_a_backup_dropped_past_a_one_batch_retained_log_is_caught_up_with_1_kib_snapshot_chunks(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """What each mode guarantees, "Backup lost": "the primary goes on after `ack_timeout` ... without it,
+    and catches it up when it returns" ("from the primary's retained log of recent batches ... when its
+    position is still there, otherwise from a snapshot of the store streamed in chunks"), with settings at
+    their floor: `retained_batches` 1, `retained_bytes` 1024 ("the newest batch is kept whatever its size"),
+    `snapshot_chunk_bytes` 1024 ("a chunk ends with the row that reaches this size"): payloads of 3 KiB.
+    Then the primary is SIGKILLed and the backup promoted: nothing acknowledged is lost."""
+    tight = {"retained_batches": 1, "retained_bytes": 1024, "snapshot_chunk_bytes": 1024, "ack_timeout": 1.0}
+    primary, backup = static_pair(broker_factory, {"metrics_interval": 0.2}, **tight)
+    monitor = clients(primary.port, "monitor", clean_session=True)
+    monitor.subscribe(SYS + "#", 0)
+
+    def latest(key: str) -> bytes | None:
+        return next((m.payload for m in reversed(monitor.messages) if m.topic == SYS + key), None)
+
+    subscriber = clients(primary.port, "device")
+    subscriber.subscribe("t/#", 1)
+    subscriber.disconnect()
+    publisher = clients(primary.port, "publisher", clean_session=True)
+    big = [b"%04d" % i + b"x" * 3072 for i in range(30)]
+    publisher.publish("t/a", big[:10])
+    with backup.paused():
+        publisher.publish("t/a", big[10:20])  # acknowledged once the silent backup is dropped
+        assert monitor.wait_for(lambda _: latest("backups_in_sync") == b"0"), monitor.messages[-8:]
+    publisher.publish("t/a", big[20:])
+    assert monitor.wait_for(lambda _: latest("backup/b/state") == b"in_sync" and latest("backups_in_sync") == b"1")
+    wait_status(backup, lambda s: s["caught_up"])
+    publisher.disconnect()
+
+    primary.kill()
+    assert run_cli("promote", address(backup)).returncode == 0
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
+    device = clients(backup.port, "device")
+    assert device.session_present is True
+    assert [m.payload for m in device.wait_messages(30)] == big
+
+
+def _hello(name: str) -> bytes:
+    """A HELLO as framing.py writes it down: version 1, store id 0, position (0, 0), a name, no process id."""
+    return encode_frame(Frame.HELLO, struct.pack(">HQQI", 1, 0, 0, 0) + name.encode())
+
+
+def test_a_stranger_posing_as_a_backup_never_counts_for_acknowledgements_and_the_pair_loses_nothing(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Securing the channel: without settings "anyone who reaches a node's `listen` address can connect as a
+    fake backup and receive a snapshot"; such a backup "Until it is in sync ... does not count for sync
+    acknowledgements" (it is sent IN_SYNC "after a snapshot only once the backup has acknowledged the
+    snapshot's batch"). A stranger sends a HELLO and then never reads nor acknowledges: it shows on the
+    primary's `$SYS` topics as `backup/<name>/state` `snapshot` or `catching_up`, never `in_sync`, while
+    the real backup stays in sync and every publish is acknowledged (`ack_timeout` 60 s: a PUBACK that
+    waited for the stranger would not come within the test's bound); its garbage then closes its
+    connection ("one that fails its checksum closes that connection at once ... and the node goes on").
+    The primary is SIGKILLed and the real backup promoted: every acknowledged publish is there."""
+    primary, backup = static_pair(broker_factory, {"metrics_interval": 0.2}, ack_timeout=60.0)
+    monitor = clients(primary.port, "monitor", clean_session=True)
+    monitor.subscribe(SYS + "#", 0)
+
+    def latest(key: str) -> bytes | None:
+        return next((m.payload for m in reversed(monitor.messages) if m.topic == SYS + key), None)
+
+    queue_durable_messages(primary, clients, 20)
+    host, port = address(primary).rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT) as stranger:
+        stranger.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stranger.sendall(_hello("intruder"))
+        peer = "{}:{}".format(*stranger.getsockname()[:2])
+        assert monitor.wait_for(lambda _: latest("backups") == b"2"), monitor.messages[-8:]
+        publisher = clients(primary.port, "publisher2", clean_session=True)
+        publisher.publish("t/a", payloads(20, "late"))  # sync mode: acknowledged without the stranger
+        assert latest("backup/intruder/state") in (b"snapshot", b"catching_up"), latest("backup/intruder/state")
+        assert latest("backups_in_sync") == b"1" and latest("backup/b/state") == b"in_sync"
+        states = {m.payload for m in monitor.messages if m.topic == SYS + "backup/intruder/state"}
+        assert b"in_sync" not in states, states
+        stranger.sendall(b"\x07garbage-that-fails-its-checksum")
+        assert monitor.wait_for(lambda _: latest("backups") == b"1"), monitor.messages[-8:]
+    assert connack_code(primary.port) == SERVING
+
+    primary.kill()
+    assert run_cli("promote", address(backup)).returncode == 0
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
+    device = clients(backup.port, "device")
+    assert device.session_present is True
+    assert [m.payload for m in device.wait_messages(40)] == payloads(20) + payloads(20, "late")
+    assert any(peer in line for line in primary.log().splitlines()), "a log line names the closed connection"
+
+
+def _keys_under(etcd: Any, prefix: str) -> dict[str, Any]:
+    """Every key under ``prefix`` (text, as etcd holds it: UTF-8) and its value as JSON or text."""
+    raw = prefix.encode()
+    end = raw[:-1] + bytes([raw[-1] + 1])
+    body = {"key": base64.b64encode(raw).decode(), "range_end": base64.b64encode(end).decode()}
+    kvs = _etcd(etcd, "/v3/kv/range", body).get("kvs") or []
+    found: dict[str, Any] = {}
+    for kv in kvs:
+        value = base64.b64decode(kv.get("value", "")).decode()
+        try:
+            found[base64.b64decode(kv["key"]).decode()] = json.loads(value)
+        except json.JSONDecodeError:
+            found[base64.b64decode(kv["key"]).decode()] = value
+    return found
+
+
+@pytest.mark.slow
+def test_a_group_whose_cluster_and_names_are_not_ascii_keeps_them_in_etcd_and_sys_and_fails_over(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
+) -> None:
+    """Settings: `cluster` "name of the group, not empty, without `/`; its etcd keys live under
+    `/amqtt-durable/<cluster>/`"; `name` "this broker's unique name in the cluster, without `/`, `+`, `#` or
+    a NUL character (a level of its `$SYS` topics and etcd key)". A group named `grüppe Ω` of nodes `knoten-ä` and
+    `knoten-ö`: their keys are under `/amqtt-durable/grüppe Ω/`, the backup is `backup/knoten-ö/state` on the primary's
+    `$SYS` topics, and the group fails over as any other (nothing acknowledged lost)."""
+    cluster = "grüppe Ω"
+    ha = {"coordinator": [etcd.url], "cluster": cluster, **HA_TIMING}
+    first = start(node(broker_factory, "knoten-ä", {"metrics_interval": 0.2}, **ha), SERVING)
+    second = start(node(broker_factory, "knoten-ö", **ha), BACKUP)
+    wait_status(second, lambda s: s["caught_up"])
+    monitor = clients(first.port, "monitor", clean_session=True)
+    monitor.subscribe(SYS + "backup/+/state", 0)
+    assert monitor.wait_for(lambda got: any(m.payload == b"in_sync" for m in got)), monitor.messages
+    assert {m.topic for m in monitor.messages} == {SYS + "backup/knoten-ö/state"}
+    prefix = f"/amqtt-durable/{cluster}/"
+
+    def keys_published() -> bool:
+        keys = _keys_under(etcd, prefix)
+        members = {prefix + "members/knoten-ä", prefix + "members/knoten-ö"}
+        return members <= set(keys) and keys.get(prefix + "sync", {}).get("members") == ["knoten-ö"]
+
+    assert wait_until(keys_published, WAIT), _keys_under(etcd, prefix)
+    assert _keys_under(etcd, prefix)[prefix + "leader"] == {"name": "knoten-ä", "address": address(first)}
+    queue_durable_messages(first, clients, 15)
+    first.kill()
+    assert second.wait_until(lambda: connack_code(second.port) == SERVING, 2 + WAIT), second.log()
+    assert_queue_served(second, clients, 15)
+    assert _keys_under(etcd, prefix)[prefix + "leader"] == {"name": "knoten-ö", "address": address(second)}
+
+
+def test_the_longest_lease_etcd_grants_serves_and_a_clean_stop_hands_it_over_at_once(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
+) -> None:
+    """Settings, `lease_ttl`: "at most 9000000000: etcd's ... longest lease": a pair with it serves (the
+    primary gets the lease, the backup catches up); Role changes, "Clean stop of a primary (SIGTERM ...):
+    ... then the replication channel closes (and, with a coordinator, the lease is released)", so the backup
+    takes over without waiting for a lease that would outlive us all; nothing acknowledged is lost."""
+    ha = {"coordinator": [etcd.url], "lease_ttl": 9_000_000_000, "loop_wait": 0.3, "demote_margin": 1}
+    first = start(node(broker_factory, "a", **ha), SERVING)
+    second = start(node(broker_factory, "b", **ha), BACKUP)
+    wait_status(second, lambda s: s["caught_up"])
+    queue_durable_messages(first, clients, 15)
+    first.stop()
+    assert second.wait_until(lambda: connack_code(second.port) == SERVING, WAIT), second.log()
+    assert_queue_served(second, clients, 15)
