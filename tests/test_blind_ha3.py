@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from replication_helpers import cluster_pki
 from test_docs_promises_ha2 import CLUSTER, _b64, _etcd
 from test_ha_brokers import (
     BACKUP,
@@ -295,3 +296,88 @@ def test_the_longest_lease_etcd_grants_serves_and_a_clean_stop_hands_it_over_at_
     first.stop()
     assert second.wait_until(lambda: connack_code(second.port) == SERVING, WAIT), second.log()
     assert_queue_served(second, clients, 15)
+
+
+TLS_REFUSED = {
+    "none": "refused (retried in 5 s): the TLS channel ended before the primary's first frame (",
+    "secret": "the node closed the connection during authentication: with replication.tls it may refuse this node's "
+    "certificate",
+}
+
+
+@pytest.mark.parametrize("secret", ["none", "secret"])
+def test_a_backup_whose_certificate_the_primary_refuses_logs_the_documented_reason_and_the_primary_serves_on(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Any, secret: str
+) -> None:
+    """On a mismatch: "A TLS failure (no certificate, wrong CA, one side without `tls`) ends the connection
+    during or right after the TLS handshake ...; the node closes that socket, and the backup logs `refused
+    (retried in 5 s): the TLS channel ended before the primary's first frame (...): the primary may refuse
+    this node's certificate or not use TLS` (with a secret too: `the node closed the connection during
+    authentication: with replication.tls it may refuse this node's certificate`)"; "the node goes on serving
+    its real backups and clients". A backup with a certificate of another CA, then a real one: the primary
+    acknowledges throughout and the real backup is caught up."""
+    pki = cluster_pki(tmp_path)
+    shared = {"secret": "4f9a1c0e7b2d8a6f3e5c9b1d0a7f2e4c"} if secret == "secret" else {}
+    member = {"tls": {"cert": pki["node"], "ca": pki["ca"]}, **shared}
+    primary = start(node(broker_factory, "p", role="primary", **member), SERVING)
+    stranger_tls = {"tls": {"cert": pki["stranger"], "ca": pki["ca"]}, **shared}
+    stranger = start(node(broker_factory, "s", role="backup", primary=address(primary), **stranger_tls), BACKUP)
+    expected = TLS_REFUSED[secret]
+    assert stranger.wait_until(lambda: expected in stranger.log(), WAIT), stranger.log()
+    line = next(line for line in stranger.log().splitlines() if expected in line)
+    if secret == "none":
+        assert "): the primary may refuse this node's certificate or not use TLS" in line, line
+    queue_durable_messages(primary, clients, 10)
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary), **member), BACKUP)
+    tool = ("inspect", "--replication", address(backup), "--config", str(backup.config_path))
+    assert backup.wait_until(lambda: "caught_up" in run_cli(*tool, "--json").stdout, WAIT), backup.log()
+    assert json.loads(run_cli(*tool, "--json").stdout)["caught_up"] is True
+    primary.kill()
+    assert run_cli("promote", address(backup), "--config", str(backup.config_path)).returncode == 0
+    assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
+    assert_queue_served(backup, clients, 10)
+
+
+def test_an_allow_from_entry_yaml_reads_as_a_number_stops_the_broker_saying_quote_it(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """Securing the channel, `allow_from`: "an unquoted entry YAML reads as a number is refused (`expected an IP
+    address or CIDR network, got 80 (quote it in YAML)`)"; each such check is "a config error naming
+    `replication.allow_from` and the entry (the broker exits with status 2)"."""
+    broker = node(broker_factory, "p", role="primary", allow_from=["127.0.0.1", 80])
+    broker.write_config()
+    result = run_cli("broker", "-c", str(broker.config_path))
+    assert result.returncode == 2, result.stderr
+    assert "replication.allow_from" in result.stderr, result.stderr
+    assert "expected an IP address or CIDR network, got 80 (quote it in YAML)" in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_a_backup_refused_for_its_name_is_accepted_once_the_name_is_free_and_holds_every_acknowledged_publish(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """One name, one backup: "A backup whose name is held by a connected backup of **another broker process**
+    is refused"; it "logs an ERROR, `channel to HOST:PORT refused for its name ...` with the primary's reason
+    ... and tries again every 5 s"; "`inspect --replication` on it shows `disconnected, not caught up`";
+    "Once the name is free (the other backup stopped, or was renamed and restarted) it is accepted at its next
+    try, caught up as any backup (INFO `accepted by the primary: its name is free again`)". A broker.yaml
+    copied from b's, its `name` left as it was; b stops; the copy takes its place and, promoted once the
+    primary is SIGKILLed, serves every acknowledged publish."""
+    primary, backup = static_pair(broker_factory)
+    copy = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
+    refused = f"channel to {address(primary)} refused for its name"
+    assert copy.wait_until(lambda: refused in copy.log(), WAIT), copy.log()
+    assert any(" ERROR " in line for line in copy.log().splitlines() if refused in line), copy.log()
+    shown = run_cli("inspect", "--replication", address(copy))
+    assert "disconnected, not caught up" in shown.stdout, shown.stdout
+    queue_durable_messages(primary, clients, 12)
+
+    backup.stop()
+    accepted = "accepted by the primary: its name is free again"
+    assert copy.wait_until(lambda: accepted in copy.log(), 5 + WAIT), copy.log()
+    assert any(" INFO " in line for line in copy.log().splitlines() if accepted in line), copy.log()
+    wait_status(copy, lambda s: s["caught_up"])
+    primary.kill()
+    assert run_cli("promote", address(copy)).returncode == 0
+    assert copy.wait_until(lambda: connack_code(copy.port) == SERVING, WAIT), copy.log()
+    assert_queue_served(copy, clients, 12)
