@@ -196,7 +196,10 @@ def test_a_stranger_posing_as_a_backup_never_counts_for_acknowledgements_and_the
     primary's `$SYS` topics as `backup/<name>/state` `snapshot` or `catching_up`, never `in_sync`, while
     the real backup stays in sync and every publish is acknowledged (`ack_timeout` 60 s: a PUBACK that
     waited for the stranger would not come within the test's bound); its garbage then closes its
-    connection ("one that fails its checksum closes that connection at once ... and the node goes on").
+    connection ("one that fails its checksum closes that connection at once ... and the node goes on"). A
+    HELLO under a name no backup can have (Settings, `name`: "without `/`, `+`, `#` ... (a level of its `$SYS`
+    topics ...)") is closed at once too ("The primary refuses a HELLO ... whose name holds `/`, `+` or `#`")
+    and never shows in the `$SYS` topics.
     The primary is SIGKILLed and the real backup promoted: every acknowledged publish is there."""
     primary, backup = static_pair(broker_factory, {"metrics_interval": 0.2}, ack_timeout=60.0)
     monitor = clients(primary.port, "monitor", clean_session=True)
@@ -218,9 +221,15 @@ def test_a_stranger_posing_as_a_backup_never_counts_for_acknowledgements_and_the
         assert latest("backups_in_sync") == b"1" and latest("backup/b/state") == b"in_sync"
         states = {m.payload for m in monitor.messages if m.topic == SYS + "backup/intruder/state"}
         assert b"in_sync" not in states, states
+        with socket.create_connection((host, int(port)), timeout=WAIT) as wildcard:
+            wildcard.sendall(_hello("evil/+/#"))  # never a replication.name: not a level of the $SYS topics
+            while wildcard.recv(4096):  # the node closes it; bounded by the socket's timeout
+                pass
         stranger.sendall(b"\x07garbage-that-fails-its-checksum")
         assert monitor.wait_for(lambda _: latest("backups") == b"1"), monitor.messages[-8:]
     assert connack_code(primary.port) == SERVING
+    assert not [m.topic for m in monitor.messages if "evil" in m.topic]
+    assert "wildcard" not in primary.log(), "the $SYS topics of a name with wildcards could not be published"
 
     primary.kill()
     assert run_cli("promote", address(backup)).returncode == 0

@@ -30,7 +30,7 @@ from durable_protocol.hostport import parse_host, split_host_port
 
 from ..errors import ConfigError
 from ..settings import SCALARS
-from .framing import MAX_FRAME
+from .framing import MAX_FRAME, NAME_FORBIDDEN
 
 Role = Literal["auto", "primary", "backup"]
 ROLES: tuple[str, ...] = get_args(Role)
@@ -466,7 +466,7 @@ def _check_addresses(config: ReplicationConfig, where: str, bad: Callable[[str, 
 
 def _check_names(config: ReplicationConfig, bad: Callable[[str, str], ConfigError]) -> None:
     """``name`` and ``cluster``, with fixed roles too (as documented)."""
-    if any(ch in config.name for ch in "/+#\0"):
+    if any(ch in config.name for ch in NAME_FORBIDDEN):
         raise bad(
             "name",
             f"{config.name!r}: a name without '/', '+', '#' or a NUL character (it is one level of the $SYS topics "

@@ -71,6 +71,8 @@ _U64 = struct.Struct(">Q")
 _FRAME_HEAD = struct.Struct(">BI")
 _HELLO = struct.Struct(">HQQI")
 _POSITION = struct.Struct(">QI")
+NAME_FORBIDDEN = "/+#\0"
+"""Characters a replication.name never holds: it is one level of the $SYS topics and of an etcd key."""
 MAX_FRAME = 256 * 1024 * 1024
 """A frame longer than this is refused as damage (a batch is bounded by the store's batch_size)."""
 MAX_PEER_FRAME = 64 * 1024
@@ -329,9 +331,12 @@ class Hello:
             version, store_id, seq, crc = _HELLO.unpack_from(payload, 0)
             name, nul, rest = payload[_HELLO.size :].partition(b"\x00")
             instance = int(_U64.unpack(rest)[0]) if nul else 0
-            return cls(store_id, seq, crc, name.decode("utf-8"), version, instance)
+            text = name.decode("utf-8")
         except (struct.error, UnicodeDecodeError) as exc:
             raise FrameError("HELLO", str(exc)) from exc
+        if any(ch in text for ch in NAME_FORBIDDEN):  # never a real backup's: a stranger's, or damage
+            raise FrameError("HELLO", "the backup's name holds '/', '+' or '#', which no replication.name does")
+        return cls(store_id, seq, crc, text, version, instance)
 
 
 def encode_position(seq: int, crc: int) -> bytes:
