@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import socket
 import struct
 from collections.abc import Callable
@@ -390,3 +391,53 @@ def test_a_backup_refused_for_its_name_is_accepted_once_the_name_is_free_and_hol
     assert run_cli("promote", address(copy)).returncode == 0
     assert copy.wait_until(lambda: connack_code(copy.port) == SERVING, WAIT), copy.log()
     assert_queue_served(copy, clients, 12)
+
+
+def test_a_backup_falling_behind_shows_its_lag_in_batches_and_seconds_then_zero_once_it_acknowledges(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """Watching it: the primary publishes "per backup `backup/<name>/state` (`snapshot`, `catching_up`,
+    `in_sync`), `lag_batches`, `lag_seconds`" ("`lag_batches` is the newest batch's number less the backup's
+    last acknowledged one; `lag_seconds`, while that is above 0, the seconds since the backup last made
+    progress ..., to the millisecond, else `0.0`"), and `inspect --replication` rows read `backup b
+    (HOST:PORT): in_sync, acked N, lag 0 batches / 0.0 s` (`lag 2 batches / 1.344 s` while it lags). A backup
+    SIGSTOPped while publishes wait for it (sync mode, `ack_timeout` 10 s: it stays in the sync set meanwhile)
+    lags by at least one batch and by more than 0 s; continued, it acknowledges, the publishes get their
+    PUBACKs and its lag is 0 batches / 0.0 s again."""
+    primary, backup = static_pair(broker_factory, {"metrics_interval": 0.2}, ack_timeout=10.0)
+    monitor = clients(primary.port, "monitor", clean_session=True)
+    monitor.subscribe(SYS + "backup/b/#", 0)
+
+    def latest(key: str) -> bytes | None:
+        return next((m.payload for m in reversed(monitor.messages) if m.topic == SYS + "backup/b/" + key), None)
+
+    queue_durable_messages(primary, clients, 1)  # a durable session: every later publish is stored for it
+    publisher = clients(primary.port, "publisher2", clean_session=True)
+    row = re.compile(r"  backup b \(.+\): in_sync, acked (\d+), lag (\d+) batches / (\d+\.\d{1,3}) s")
+
+    def lag_shown() -> tuple[int, float] | None:
+        lines = run_cli("inspect", "--replication", address(primary)).stdout.splitlines()
+        found = next((match for line in lines if (match := row.fullmatch(line))), None)
+        head = re.fullmatch(r"p: primary, at batch (\d+), sync replication", lines[0]) if lines else None
+        if found is None or head is None:
+            return None
+        assert int(found[2]) == int(head[1]) - int(found[1]), lines  # the newest batch less the last acknowledged
+        return int(found[2]), float(found[3])
+
+    with backup.paused():
+        held = [publisher.paho.publish("t/a", payload, qos=1) for payload in payloads(3, "held")]
+
+        def lagging() -> bool:
+            lag_batches, lag_seconds = latest("lag_batches"), latest("lag_seconds")
+            return lag_batches is not None and int(lag_batches) >= 1 and float(lag_seconds or 0) > 0
+
+        assert monitor.wait_for(lambda _: lagging()), monitor.messages[-8:]
+        assert latest("state") == b"in_sync"
+        assert not any(info.is_published() for info in held)  # each waits for the in-sync backup
+        shown = lag_shown()
+        assert shown is not None and shown[0] >= 1 and shown[1] > 0, shown
+    for info in held:
+        info.wait_for_publish(WAIT)
+        assert info.is_published()
+    assert monitor.wait_for(lambda _: (latest("lag_batches"), latest("lag_seconds")) in ((b"0", b"0.0"), (b"0", b"0")))
+    assert wait_until(lambda: lag_shown() == (0, 0.0), WAIT), run_cli("inspect", "--replication", address(primary))
