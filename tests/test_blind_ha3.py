@@ -43,6 +43,11 @@ pytestmark = pytest.mark.timeout(90)
 SYS = "$SYS/broker/durable/replication/"
 
 
+def _latest(monitor: Client, key: str) -> bytes | None:
+    """The last payload ``monitor`` got on ``$SYS/broker/durable/replication/<key>``, None before any."""
+    return next((m.payload for m in reversed(monitor.messages) if m.topic == SYS + key), None)
+
+
 def _key(etcd: Any, name: str) -> dict[str, Any] | None:
     """etcd's record of ``CLUSTER + name`` (value decoded as JSON, revisions as ints), None when absent."""
     kvs = _etcd(etcd, "/v3/kv/range", {"key": _b64(CLUSTER + name)}).get("kvs") or []
@@ -158,7 +163,7 @@ def test_a_backup_dropped_past_a_one_batch_retained_log_is_caught_up_with_1_kib_
     monitor.subscribe(SYS + "#", 0)
 
     def latest(key: str) -> bytes | None:
-        return next((m.payload for m in reversed(monitor.messages) if m.topic == SYS + key), None)
+        return _latest(monitor, key)
 
     subscriber = clients(primary.port, "device")
     subscriber.subscribe("t/#", 1)
@@ -207,7 +212,7 @@ def test_a_stranger_posing_as_a_backup_never_counts_for_acknowledgements_and_the
     monitor.subscribe(SYS + "#", 0)
 
     def latest(key: str) -> bytes | None:
-        return next((m.payload for m in reversed(monitor.messages) if m.topic == SYS + key), None)
+        return _latest(monitor, key)
 
     queue_durable_messages(primary, clients, 20)
     host, port = address(primary).rsplit(":", 1)
@@ -409,7 +414,7 @@ def test_a_backup_falling_behind_shows_its_lag_in_batches_and_seconds_then_zero_
     monitor.subscribe(SYS + "backup/b/#", 0)
 
     def latest(key: str) -> bytes | None:
-        return next((m.payload for m in reversed(monitor.messages) if m.topic == SYS + "backup/b/" + key), None)
+        return _latest(monitor, "backup/b/" + key)
 
     queue_durable_messages(primary, clients, 1)  # a durable session: every later publish is stored for it
     publisher = clients(primary.port, "publisher2", clean_session=True)
