@@ -210,7 +210,8 @@ def test_a_stranger_posing_as_a_backup_never_counts_for_acknowledgements_and_the
     connection ("one that fails its checksum closes that connection at once ... and the node goes on"). A
     HELLO under a name no backup can have (Settings, `name`: "without `/`, `+`, `#` ... (a level of its `$SYS`
     topics ...)") is closed at once too ("The primary refuses a HELLO ... whose name holds `/`, `+` or `#`")
-    and never shows in the `$SYS` topics.
+    and never shows in the `$SYS` topics: it is refused as the handshake refuses one (a WARNING `refused a
+    connection from ADDRESS:PORT: a HELLO does not decode (...)`, counted in `refused`).
     The primary is SIGKILLed and the real backup promoted: every acknowledged publish is there."""
     primary, backup = static_pair(broker_factory, {"metrics_interval": 0.2}, ack_timeout=60.0)
     monitor = clients(primary.port, "monitor", clean_session=True)
@@ -234,6 +235,7 @@ def test_a_stranger_posing_as_a_backup_never_counts_for_acknowledgements_and_the
         assert b"in_sync" not in states, states
         with socket.create_connection((host, int(port)), timeout=WAIT) as wildcard:
             wildcard.sendall(_hello("evil/+/#"))  # never a replication.name: not a level of the $SYS topics
+            refused = "{}:{}: a HELLO does not decode (".format(*wildcard.getsockname()[:2])
             while wildcard.recv(4096):  # the node closes it; bounded by the socket's timeout
                 pass
         stranger.sendall(b"\x07garbage-that-fails-its-checksum")
@@ -241,6 +243,10 @@ def test_a_stranger_posing_as_a_backup_never_counts_for_acknowledgements_and_the
     assert connack_code(primary.port) == SERVING
     assert not [m.topic for m in monitor.messages if "evil" in m.topic]
     assert "wildcard" not in primary.log(), "the $SYS topics of a name with wildcards could not be published"
+    assert any(
+        " WARNING " in line and f"refused a connection from {refused}" in line for line in primary.log().splitlines()
+    )
+    assert monitor.wait_for(lambda _: latest("refused") == b"1"), monitor.messages[-8:]  # counted in `refused`
 
     primary.kill()
     assert run_cli("promote", address(backup)).returncode == 0
