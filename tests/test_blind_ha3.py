@@ -32,7 +32,6 @@ from test_ha_brokers import (
     static_pair,
     wait_status,
 )
-from test_ha_brokers import status as node_status
 from test_hostile_wire import wait_until
 
 from amqtt_durable.replication.framing import Frame, encode_frame
@@ -96,56 +95,6 @@ def test_each_taking_of_the_lease_is_a_later_term_named_by_the_leader_primary_an
     assert primary["mod_revision"] == leader["create_revision"]
     assert sync["value"] == {"leader": "b", "term": leader["create_revision"], "members": ["a"]}
     assert_queue_served(second, clients, 20)
-
-
-def test_promote_on_a_node_that_waits_for_a_lost_primary_answers_the_operators_decision_word_for_word(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
-) -> None:
-    """After a full stop of the group, "When the nodes that may take over are gone for good": "`amqtt-durable
-    promote HOST:PORT` ... on a node with a coordinator makes it take the lease at its next HA cycle"; "It
-    prints `HOST:PORT: the operator's decision: no primary holds the lease; this node, at batch N, not known
-    to be caught up, takes it at its next HA cycle unless another node takes it first; it serves clients as
-    the primary once its store is loaded` (exit 0) and logs a WARNING". Watching it: a waiting backup names
-    the nodes it waits for "in a `waiting for:` line (`waiting_for`, a list of names, in `--json`)". Then "a
-    former primary that comes back later follows the promoted node and gets a snapshot, so its extra batches
-    are dropped"."""
-    timing = {"coordinator": [etcd.url], **HA_TIMING}
-    first = start(node(broker_factory, "a", **timing), SERVING)
-    queue_durable_messages(first, clients, 10)  # only a ever has these
-    lost = node_status(first)
-    assert lost is not None and lost["batch"] > 0
-    first.kill()
-    assert wait_until(lambda: _key(etcd, "leader") is None, 2 + WAIT)  # a's lease ended: no primary
-    third = start(node(broker_factory, "c", **timing), BACKUP)
-
-    def waiting_for() -> list[str] | None:
-        shown = run_cli("inspect", "--replication", address(third), "--json")
-        return json.loads(shown.stdout).get("waiting_for") if shown.returncode == 0 else None
-
-    assert third.wait_until(lambda: waiting_for() == ["a"], WAIT), third.log()
-    shown = run_cli("inspect", "--replication", address(third))
-    assert "  waiting for: a" in shown.stdout.splitlines(), shown.stdout
-    batch = wait_status(third, lambda s: s["role"] == "backup")["batch"]
-
-    promoted = run_cli("promote", address(third))
-    assert promoted.returncode == 0, promoted.stderr
-    assert promoted.stdout.strip() == (
-        f"{address(third)}: the operator's decision: no primary holds the lease; this node, at batch {batch}, not "
-        "known to be caught up, takes it at its next HA cycle unless another node takes it first; it serves clients "
-        "as the primary once its store is loaded"
-    ), promoted.stdout
-    assert third.wait_until(lambda: connack_code(third.port) == SERVING, WAIT), third.log()
-    warnings = [line for line in third.log().splitlines() if " WARNING " in line and "operator" in line]
-    assert warnings, third.log()
-    leader = _key(etcd, "leader")
-    assert leader is not None and leader["value"] == {"name": "c", "address": address(third)}
-
-    start(first, BACKUP)  # the former primary comes back: it follows c
-    caught_up = wait_status(first, lambda s: s["caught_up"])
-    assert caught_up["batch"] == wait_status(third, lambda s: s["role"] == "primary")["batch"] != lost["batch"]
-    device = clients(third.port, "device")
-    assert device.session_present is False  # the publishes only the lost node had are lost
-    assert not device.wait_for(bool, 0.5)
 
 
 def test_a_backup_dropped_past_a_one_batch_retained_log_is_caught_up_with_1_kib_snapshot_chunks(
@@ -379,37 +328,6 @@ def test_an_allow_from_entry_yaml_reads_as_a_number_stops_the_broker_saying_quot
     assert result.returncode == 2, result.stderr
     assert "replication.allow_from" in result.stderr, result.stderr
     assert "expected an IP address or CIDR network, got 80 (quote it in YAML)" in result.stderr, result.stderr
-
-
-@pytest.mark.slow
-def test_a_backup_refused_for_its_name_is_accepted_once_the_name_is_free_and_holds_every_acknowledged_publish(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
-) -> None:
-    """One name, one backup: "A backup whose name is held by a connected backup of **another broker process**
-    is refused"; it "logs an ERROR, `channel to HOST:PORT refused for its name ...` with the primary's reason
-    ... and tries again every 5 s"; "`inspect --replication` on it shows `disconnected, not caught up`";
-    "Once the name is free (the other backup stopped, or was renamed and restarted) it is accepted at its next
-    try, caught up as any backup (INFO `accepted by the primary: its name is free again`)". A broker.yaml
-    copied from b's, its `name` left as it was; b stops; the copy takes its place and, promoted once the
-    primary is SIGKILLed, serves every acknowledged publish."""
-    primary, backup = static_pair(broker_factory)
-    copy = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
-    refused = f"channel to {address(primary)} refused for its name"
-    assert copy.wait_until(lambda: refused in copy.log(), WAIT), copy.log()
-    assert any(" ERROR " in line for line in copy.log().splitlines() if refused in line), copy.log()
-    shown = run_cli("inspect", "--replication", address(copy))
-    assert "disconnected, not caught up" in shown.stdout, shown.stdout
-    queue_durable_messages(primary, clients, 12)
-
-    backup.stop()
-    accepted = "accepted by the primary: its name is free again"
-    assert copy.wait_until(lambda: accepted in copy.log(), 5 + WAIT), copy.log()
-    assert any(" INFO " in line for line in copy.log().splitlines() if accepted in line), copy.log()
-    wait_status(copy, lambda s: s["caught_up"])
-    primary.kill()
-    assert run_cli("promote", address(copy)).returncode == 0
-    assert copy.wait_until(lambda: connack_code(copy.port) == SERVING, WAIT), copy.log()
-    assert_queue_served(copy, clients, 12)
 
 
 def test_a_backup_falling_behind_shows_its_lag_in_batches_and_seconds_then_zero_once_it_acknowledges(
