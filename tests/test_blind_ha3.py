@@ -18,14 +18,13 @@ from typing import Any
 
 import pytest
 from replication_helpers import cluster_pki
-from test_docs_promises_ha2 import CLUSTER, _b64, _etcd
+from test_docs_promises_ha2 import _b64, _etcd
 from test_ha_brokers import (
     BACKUP,
     HA_TIMING,
     SERVING,
     address,
     assert_queue_served,
-    ha_pair,
     node,
     queue_durable_messages,
     start,
@@ -47,9 +46,13 @@ def _latest(monitor: Client, key: str) -> bytes | None:
     return next((m.payload for m in reversed(monitor.messages) if m.topic == SYS + key), None)
 
 
+GROUP, A, B = "grüppe Ω", "knoten-ä", "knoten-ö"  # a cluster and names that are not ASCII
+PREFIX = f"/amqtt-durable/{GROUP}/"
+
+
 def _key(etcd: Any, name: str) -> dict[str, Any] | None:
-    """etcd's record of ``CLUSTER + name`` (value decoded as JSON, revisions as ints), None when absent."""
-    kvs = _etcd(etcd, "/v3/kv/range", {"key": _b64(CLUSTER + name)}).get("kvs") or []
+    """etcd's record of ``PREFIX + name`` (value decoded as JSON, revisions as ints), None when absent."""
+    kvs = _etcd(etcd, "/v3/kv/range", {"key": _b64(PREFIX + name)}).get("kvs") or []
     if not kvs:
         return None
     (kv,) = kvs
@@ -68,32 +71,46 @@ def test_each_taking_of_the_lease_is_a_later_term_named_by_the_leader_primary_an
     `primary` "JSON name + address of the last node that took the lease, written in the same transaction as
     `leader` (so its mod_revision is that `leader` key's create_revision: the term)"; `sync` "JSON `leader`
     (its writer), `term` (the writer's term) and `members`: the synchronous set". "each taking
-    of the lease is a term: etcd's revision of that write, larger for a later one". After a's SIGKILL, b
-    takes the lease in a later term; a, started again, follows b and joins its synchronous set."""
-    first, second = ha_pair(broker_factory, etcd)
+    of the lease is a term: etcd's revision of that write, larger for a later one". Settings: `cluster` "not
+    empty, without `/`; its etcd keys live under `/amqtt-durable/<cluster>/`"; `name` "without `/`, `+`, `#` or
+    a control character, at most 1024 bytes of UTF-8 (a level of its `$SYS` topics and etcd key)": a group
+    `grüppe Ω` of `knoten-ä` and `knoten-ö`, the backup `backup/knoten-ö/state` on the primary's `$SYS` topics.
+    After the primary's SIGKILL the backup takes the lease in a later term; the old primary, started again,
+    follows it and joins its synchronous set; nothing acknowledged is lost."""
+    ha = {"cluster": GROUP}
+    first = start(
+        node(broker_factory, A, {"metrics_interval": 0.2}, coordinator=[etcd.url], **HA_TIMING, **ha), SERVING
+    )
+    second = start(node(broker_factory, B, coordinator=[etcd.url], **HA_TIMING, **ha), BACKUP)
+    wait_status(second, lambda s: s["caught_up"])
+    monitor = clients(first.port, "monitor", clean_session=True)
+    monitor.subscribe(SYS + "backup/+/state", 0)
+    assert monitor.wait_for(lambda got: any(m.payload == b"in_sync" for m in got)), monitor.messages
+    assert {m.topic for m in monitor.messages} == {SYS + f"backup/{B}/state"}
     queue_durable_messages(first, clients, 20)
 
     def settled(leader: str, backup: str) -> bool:
         sync = _key(etcd, "sync")
         return sync is not None and sync["value"].get("leader") == leader and sync["value"].get("members") == [backup]
 
-    assert wait_until(lambda: settled("a", "b"), WAIT), _key(etcd, "sync")
+    assert wait_until(lambda: settled(A, B), WAIT), _key(etcd, "sync")
+    assert _key(etcd, f"members/{A}") is not None and _key(etcd, f"members/{B}") is not None
     leader, primary, sync = (_key(etcd, key) for key in ("leader", "primary", "sync"))
     assert leader is not None and primary is not None and sync is not None
     term = leader["create_revision"]
-    assert leader["value"] == primary["value"] == {"name": "a", "address": address(first)}
+    assert leader["value"] == primary["value"] == {"name": A, "address": address(first)}
     assert primary["mod_revision"] == term
-    assert sync["value"] == {"leader": "a", "term": term, "members": ["b"]}
+    assert sync["value"] == {"leader": A, "term": term, "members": [B]}
     first.kill()
     assert second.wait_until(lambda: connack_code(second.port) == SERVING, 2 + WAIT), second.log()
     start(first, BACKUP)  # the old primary comes back as a backup
-    assert wait_until(lambda: settled("b", "a"), WAIT), _key(etcd, "sync")
+    assert wait_until(lambda: settled(B, A), WAIT), _key(etcd, "sync")
     leader, primary, sync = (_key(etcd, key) for key in ("leader", "primary", "sync"))
     assert leader is not None and primary is not None and sync is not None
     assert leader["create_revision"] > term, "a later taking of the lease is a larger term"
-    assert leader["value"] == primary["value"] == {"name": "b", "address": address(second)}
+    assert leader["value"] == primary["value"] == {"name": B, "address": address(second)}
     assert primary["mod_revision"] == leader["create_revision"]
-    assert sync["value"] == {"leader": "b", "term": leader["create_revision"], "members": ["a"]}
+    assert sync["value"] == {"leader": B, "term": leader["create_revision"], "members": [A]}
     assert_queue_served(second, clients, 20)
 
 
@@ -204,56 +221,6 @@ def test_a_stranger_posing_as_a_backup_never_counts_for_acknowledgements_and_the
     assert device.session_present is True
     assert [m.payload for m in device.wait_messages(40)] == payloads(20) + payloads(20, "late")
     assert any(peer in line for line in primary.log().splitlines()), "a log line names the closed connection"
-
-
-def _keys_under(etcd: Any, prefix: str) -> dict[str, Any]:
-    """Every key under ``prefix`` (text, as etcd holds it: UTF-8) and its value as JSON or text."""
-    raw = prefix.encode()
-    end = raw[:-1] + bytes([raw[-1] + 1])
-    body = {"key": base64.b64encode(raw).decode(), "range_end": base64.b64encode(end).decode()}
-    kvs = _etcd(etcd, "/v3/kv/range", body).get("kvs") or []
-    found: dict[str, Any] = {}
-    for kv in kvs:
-        value = base64.b64decode(kv.get("value", "")).decode()
-        try:
-            found[base64.b64decode(kv["key"]).decode()] = json.loads(value)
-        except json.JSONDecodeError:
-            found[base64.b64decode(kv["key"]).decode()] = value
-    return found
-
-
-@pytest.mark.slow
-def test_a_group_whose_cluster_and_names_are_not_ascii_keeps_them_in_etcd_and_sys_and_fails_over(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
-) -> None:
-    """Settings: `cluster` "name of the group, not empty, without `/`; its etcd keys live under
-    `/amqtt-durable/<cluster>/`"; `name` "this broker's unique name in the cluster, without `/`, `+`, `#` or
-    a NUL character (a level of its `$SYS` topics and etcd key)". A group named `grüppe Ω` of nodes `knoten-ä` and
-    `knoten-ö`: their keys are under `/amqtt-durable/grüppe Ω/`, the backup is `backup/knoten-ö/state` on the primary's
-    `$SYS` topics, and the group fails over as any other (nothing acknowledged lost)."""
-    cluster = "grüppe Ω"
-    ha = {"coordinator": [etcd.url], "cluster": cluster, **HA_TIMING}
-    first = start(node(broker_factory, "knoten-ä", {"metrics_interval": 0.2}, **ha), SERVING)
-    second = start(node(broker_factory, "knoten-ö", **ha), BACKUP)
-    wait_status(second, lambda s: s["caught_up"])
-    monitor = clients(first.port, "monitor", clean_session=True)
-    monitor.subscribe(SYS + "backup/+/state", 0)
-    assert monitor.wait_for(lambda got: any(m.payload == b"in_sync" for m in got)), monitor.messages
-    assert {m.topic for m in monitor.messages} == {SYS + "backup/knoten-ö/state"}
-    prefix = f"/amqtt-durable/{cluster}/"
-
-    def keys_published() -> bool:
-        keys = _keys_under(etcd, prefix)
-        members = {prefix + "members/knoten-ä", prefix + "members/knoten-ö"}
-        return members <= set(keys) and keys.get(prefix + "sync", {}).get("members") == ["knoten-ö"]
-
-    assert wait_until(keys_published, WAIT), _keys_under(etcd, prefix)
-    assert _keys_under(etcd, prefix)[prefix + "leader"] == {"name": "knoten-ä", "address": address(first)}
-    queue_durable_messages(first, clients, 15)
-    first.kill()
-    assert second.wait_until(lambda: connack_code(second.port) == SERVING, 2 + WAIT), second.log()
-    assert_queue_served(second, clients, 15)
-    assert _keys_under(etcd, prefix)[prefix + "leader"] == {"name": "knoten-ö", "address": address(second)}
 
 
 def test_the_longest_lease_etcd_grants_serves_and_a_clean_stop_hands_it_over_at_once(
