@@ -223,23 +223,6 @@ def test_a_stranger_posing_as_a_backup_never_counts_for_acknowledgements_and_the
     assert any(peer in line for line in primary.log().splitlines()), "a log line names the closed connection"
 
 
-def test_the_longest_lease_etcd_grants_serves_and_a_clean_stop_hands_it_over_at_once(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: Any
-) -> None:
-    """Settings, `lease_ttl`: "at most 9000000000: etcd's ... longest lease": a pair with it serves (the
-    primary gets the lease, the backup catches up); Role changes, "Clean stop of a primary (SIGTERM ...):
-    ... then the replication channel closes (and, with a coordinator, the lease is released)", so the backup
-    takes over without waiting for a lease that would outlive us all; nothing acknowledged is lost."""
-    ha = {"coordinator": [etcd.url], "lease_ttl": 9_000_000_000, "loop_wait": 0.3, "demote_margin": 1}
-    first = start(node(broker_factory, "a", **ha), SERVING)
-    second = start(node(broker_factory, "b", **ha), BACKUP)
-    wait_status(second, lambda s: s["caught_up"])
-    queue_durable_messages(first, clients, 15)
-    first.stop()
-    assert second.wait_until(lambda: connack_code(second.port) == SERVING, WAIT), second.log()
-    assert_queue_served(second, clients, 15)
-
-
 TLS_REFUSED = {
     "none": "refused (retried in 5 s): the TLS channel ended before the primary's first frame (",
     "secret": "the node closed the connection during authentication: with replication.tls it may refuse this node's "
@@ -281,20 +264,6 @@ def test_a_backup_whose_certificate_the_primary_refuses_logs_the_documented_reas
     assert run_cli("promote", address(backup), "--config", str(backup.config_path)).returncode == 0
     assert backup.wait_until(lambda: connack_code(backup.port) == SERVING, WAIT), backup.log()
     assert_queue_served(backup, clients, 10)
-
-
-def test_an_allow_from_entry_yaml_reads_as_a_number_stops_the_broker_saying_quote_it(
-    broker_factory: Callable[..., Broker],
-) -> None:
-    """Securing the channel, `allow_from`: "an unquoted entry YAML reads as a number is refused (`expected an IP
-    address or CIDR network, got 80 (quote it in YAML)`)"; each such check is "a config error naming
-    `replication.allow_from` and the entry (the broker exits with status 2)"."""
-    broker = node(broker_factory, "p", role="primary", allow_from=["127.0.0.1", 80])
-    broker.write_config()
-    result = run_cli("broker", "-c", str(broker.config_path))
-    assert result.returncode == 2, result.stderr
-    assert "replication.allow_from" in result.stderr, result.stderr
-    assert "expected an IP address or CIDR network, got 80 (quote it in YAML)" in result.stderr, result.stderr
 
 
 def test_a_backup_falling_behind_shows_its_lag_in_batches_and_seconds_then_zero_once_it_acknowledges(
