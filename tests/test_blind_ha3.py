@@ -1,10 +1,9 @@
 """A third blind pass over docs/replication.md and README.md's "High availability", from the docs' words
-only: each taking of the lease as a term in etcd's `leader`, `primary` and `sync` keys, the operator's
-`promote` on a node that waits after its primary is gone for good (its exact answer), a backup caught up
-past a one-batch retained log in 1 KiB snapshot chunks, a stranger posing as a backup on the replication
-address, a group whose cluster and names are not ASCII, and etcd's longest lease. Real broker processes on
-127.0.0.1 ports, a real etcd, real paho clients, real SIGKILL/SIGSTOP and the real ``amqtt-durable``
-command."""
+only: each taking of the lease as a term in etcd's `leader`, `primary` and `sync` keys (a group whose
+cluster and names are not ASCII), a backup caught up past a one-batch retained log in 1 KiB snapshot
+chunks, a stranger posing as a backup on the replication address, a backup whose TLS certificate is
+refused, and a lagging backup's lag. Real broker processes on 127.0.0.1 ports, a real etcd, real paho
+clients, real SIGKILL/SIGSTOP and the real ``amqtt-durable`` command."""
 
 from __future__ import annotations
 
@@ -195,7 +194,8 @@ def test_a_stranger_posing_as_a_backup_never_counts_for_acknowledgements_and_the
         assert monitor.wait_for(lambda _: latest("backups") == b"2"), monitor.messages[-8:]
         publisher = clients(primary.port, "publisher2", clean_session=True)
         publisher.publish("t/a", payloads(20, "late"))  # sync mode: acknowledged without the stranger
-        assert latest("backup/intruder/state") in (b"snapshot", b"catching_up"), latest("backup/intruder/state")
+        intruder = (b"snapshot", b"catching_up")
+        assert monitor.wait_for(lambda _: latest("backup/intruder/state") in intruder), monitor.messages[-8:]
         assert latest("backups_in_sync") == b"1" and latest("backup/b/state") == b"in_sync"
         states = {m.payload for m in monitor.messages if m.topic == SYS + "backup/intruder/state"}
         assert b"in_sync" not in states, states
@@ -239,8 +239,8 @@ def test_a_backup_whose_certificate_the_primary_refuses_logs_the_documented_reas
     (retried in 5 s): the TLS channel ended before the primary's first frame (...): the primary may refuse
     this node's certificate or not use TLS` (with a secret too: `the node closed the connection during
     authentication: with replication.tls it may refuse this node's certificate`)"; "the node goes on serving
-    its real backups and clients". A backup with a certificate of another CA, then a real one: the primary
-    acknowledges throughout and the real backup is caught up."""
+    its real backups and clients". A backup with a certificate of another CA, then (without a secret: the same
+    with one) a real one: the primary acknowledges throughout and the real backup is caught up."""
     pki = cluster_pki(tmp_path)
     shared = {"secret": "4f9a1c0e7b2d8a6f3e5c9b1d0a7f2e4c"} if secret == "secret" else {}
     member = {"tls": {"cert": pki["node"], "ca": pki["ca"]}, **shared}
@@ -250,8 +250,10 @@ def test_a_backup_whose_certificate_the_primary_refuses_logs_the_documented_reas
     expected = TLS_REFUSED[secret]
     assert stranger.wait_until(lambda: expected in stranger.log(), WAIT), stranger.log()
     line = next(line for line in stranger.log().splitlines() if expected in line)
-    if secret == "none":
-        assert "): the primary may refuse this node's certificate or not use TLS" in line, line
+    if secret == "secret":  # the backup, the caught-up check and the failover are the same with either: once
+        assert connack_code(primary.port) == SERVING
+        return
+    assert "): the primary may refuse this node's certificate or not use TLS" in line, line
     queue_durable_messages(primary, clients, 10)
     backup = start(node(broker_factory, "b", role="backup", primary=address(primary), **member), BACKUP)
     tool = ("inspect", "--replication", address(backup), "--config", str(backup.config_path))
@@ -274,10 +276,10 @@ def test_a_backup_falling_behind_shows_its_lag_in_batches_and_seconds_then_zero_
     last acknowledged one; `lag_seconds`, while that is above 0, the seconds since the backup last made
     progress ..., to the millisecond, else `0.0`"), and `inspect --replication` rows read `backup b
     (HOST:PORT): in_sync, acked N, lag 0 batches / 0.0 s` (`lag 2 batches / 1.344 s` while it lags). A backup
-    SIGSTOPped while publishes wait for it (sync mode, `ack_timeout` 10 s: it stays in the sync set meanwhile)
+    SIGSTOPped while publishes wait for it (sync mode, `ack_timeout` 30 s: it stays in the sync set meanwhile)
     lags by at least one batch and by more than 0 s; continued, it acknowledges, the publishes get their
     PUBACKs and its lag is 0 batches / 0.0 s again."""
-    primary, backup = static_pair(broker_factory, {"metrics_interval": 0.2}, ack_timeout=10.0)
+    primary, backup = static_pair(broker_factory, {"metrics_interval": 0.2}, ack_timeout=30.0)
     monitor = clients(primary.port, "monitor", clean_session=True)
     monitor.subscribe(SYS + "backup/b/#", 0)
 
