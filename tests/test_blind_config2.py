@@ -138,6 +138,9 @@ EDGES: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     ({"secret": "s" * 65_536}, {"secret": "s" * 65_537}, "secret"),
     ({"secret": "\u00e9" * 32_768}, {"secret": "\u00e9" * 32_769}, "secret"),
     ({"name": "rack1.node-a_2"}, {"name": "rack1#a"}, "name"),
+    # "at most 1024 bytes of UTF-8", "or a control character"
+    ({"name": 512 * "\u00e9"}, {"name": 512 * "\u00e9" + "x"}, "name"),
+    ({"name": "knoten-\u00e4 \u03a9"}, {"name": "knoten\x1b[2J"}, "name"),
     ({"cluster": "prod.eu-1"}, {"cluster": "prod/eu"}, "cluster"),
     ({"mode": "async"}, {"mode": "Async"}, "mode"),
     ({"listen": "[::1]:7883", "advertise": "db1.example:7883"}, {"listen": "[::1]:0"}, "listen"),

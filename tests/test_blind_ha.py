@@ -375,7 +375,7 @@ def test_replication_settings_the_table_refuses_are_refused_naming_the_key(
     tmp_path: Path, replication: dict[str, Any], key: str, words: str
 ) -> None:
     """Settings ("checked at start-up like every other setting"; configuration.md: exit code 2, the key
-    named): ``name`` "without `/`, `+`, `#` or a NUL character"; ``cluster`` "not empty, without `/`";
+    named): ``name`` "without `/`, `+`, `#` or a control character"; ``cluster`` "not empty, without `/`";
     ``lease_ttl`` "whole seconds"; ``demote_margin`` "below `lease_ttl`"; ``snapshot_chunk_bytes`` "at
     most 134217728"; ``primary`` "not its own `listen` or `advertise` (compared as written but for the
     host's case ...)"; ``coordinator``: "a malformed entry (an unclosed

@@ -57,7 +57,7 @@ def test_two_clusters_on_one_etcd_each_elect_their_own_primary_under_their_own_k
 def test_a_backup_s_name_is_a_level_of_its_primary_s_sys_topics_and_of_its_inspect_row(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
-    """Settings, `name`: "without `/`, `+`, `#` or a NUL character (a level of its `$SYS` topics ...)";
+    """Settings, `name`: "without `/`, `+`, `#` or a control character (a level of its `$SYS` topics ...)";
     Watching it: "per backup `backup/<name>/state` (`snapshot`, `catching_up`, `in_sync`), `lag_batches`"
     and the row `backup <name> (peer): in_sync, acked N, lag 0 batches / 0.0 s`. A name with dots and
     dashes is one level."""

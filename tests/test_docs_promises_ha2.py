@@ -154,6 +154,15 @@ ETCD = ["http://127.0.0.1:2379"]
         ({"role": "primary", "tls": {"cert": "/nonexistent/c.pem"}}, "'replication.tls.ca': needed with tls"),
         ({"role": "primary", "handshake_timeout": -1}, "'replication.handshake_timeout': must be a finite number"),
         ({"role": "primary", "allow_from": "10.0.0.2"}, "'replication.allow_from': expected a list of IP addresses"),
+        (  # `name`: "without `/`, `+`, `#` or a control character, at most 1024 bytes of UTF-8"
+            {"role": "primary", "name": "node\x1b[2J"},
+            "'replication.name': 'node\\x1b[2J': a name without '/', '+', '#' or a control character, at most 1024 "
+            "bytes of UTF-8",
+        ),
+        (  # "an unquoted entry YAML reads as a number is refused"
+            {"role": "primary", "allow_from": ["127.0.0.1", 80]},
+            "'replication.allow_from': expected an IP address or CIDR network, got 80 (quote it in YAML)",
+        ),
     ],
 )
 def test_each_bad_replication_setting_stops_the_broker_naming_the_key_and_the_problem(

@@ -170,10 +170,19 @@ def test_the_operator_promotes_a_node_that_may_lack_acknowledged_publishes_and_i
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], etcd: EtcdProcess
 ) -> None:
     first, _, third, _ = stale_node_restarted_alone(broker_factory, clients, etcd)
+    batch = wait_status(third, lambda s: s["role"] == "backup")["batch"]
+    waiting = json.loads(run_cli("inspect", "--replication", address(third), "--json").stdout)["waiting_for"]
+    shown = run_cli("inspect", "--replication", address(third)).stdout.splitlines()
+    assert waiting and f"  waiting for: {', '.join(waiting)}" in shown, (waiting, shown)  # Watching it
     promoted = run_cli("promote", address(third))  # a and b are lost for good: the operator's decision
     assert promoted.returncode == 0, promoted.stderr
-    assert "the operator's decision: no primary holds the lease" in promoted.stdout, promoted.stdout
+    assert promoted.stdout.strip() == (  # replication.md's words, "When the nodes that may take over are gone"
+        f"{address(third)}: the operator's decision: no primary holds the lease; this node, at batch {batch}, not "
+        "known to be caught up, takes it at its next HA cycle unless another node takes it first; it serves clients "
+        "as the primary once its store is loaded"
+    ), promoted.stdout
     assert served_by(third), third.log()
+    assert any(" WARNING " in line and "operator" in line for line in third.log().splitlines()), third.log()
     assert lease_holder(etcd) == "c"
     device = clients(third.port, "device")
     assert device.session_present is True

@@ -65,6 +65,15 @@ def test_a_second_backup_under_a_connected_name_is_refused_and_joins_once_the_na
     assert primary.wait_until(keepalive_timer, WAIT)
     twin = start(node(broker_factory, "b", role="backup", primary=address(primary)), BACKUP)
     refused_twin(first, twin)
+    # replication.md, One name, one backup: "logs an ERROR, `channel to HOST:PORT refused for its name ...`";
+    # "`inspect --replication` on it shows `disconnected, not caught up`"
+    refused_line = f"channel to {address(primary)} refused for its name"
+    assert any(" ERROR " in line for line in twin.log().splitlines() if refused_line in line), twin.log()
+
+    def shown_refused() -> bool:
+        return "disconnected, not caught up" in run_cli("inspect", "--replication", address(twin)).stdout
+
+    assert twin.wait_until(shown_refused, WAIT), run_cli("inspect", "--replication", address(twin)).stdout
 
     def named_lines() -> list[str]:
         return [line for line in primary.log().splitlines() if "ERROR" in line and "backup name b" in line]
@@ -82,6 +91,9 @@ def test_a_second_backup_under_a_connected_name_is_refused_and_joins_once_the_na
     assert "disconnected" not in [line for line in log.splitlines() if "backup b" in line][-1]
 
     first.stop()  # the name is free: the twin, retrying, joins
+    accepted = "accepted by the primary: its name is free again"  # an INFO, replication.md says
+    assert twin.wait_until(lambda: accepted in twin.log(), 5 + WAIT), twin.log()
+    assert any(" INFO " in line for line in twin.log().splitlines() if accepted in line), twin.log()
     wait_status(twin, lambda s: s["caught_up"])
     rows = wait_status(primary, lambda s: [r["state"] for r in s["backups"]] == ["in_sync"])["backups"]
     assert rows[0]["peer"] != first_peer

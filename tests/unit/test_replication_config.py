@@ -54,7 +54,14 @@ def test_an_ha_node_and_fixed_roles_are_accepted() -> None:
         ({**HA, "coordinator": ["http://\u212aeeper:2379"]}, "replication.coordinator", "(a host in non-ASCII"),
         ({**HA, "listen": "::1"}, "replication.listen", "brackets"),
         ({"role": "backup", "primary": "2001:db8::10"}, "replication.primary", "brackets"),
-        ({**HA, "name": "a\0b"}, "replication.name", "or a NUL character"),
+        ({**HA, "name": "a\0b"}, "replication.name", "or a control character"),
+        (  # a newline or an escape sequence reached the logs and a terminal raw
+            {**HA, "name": "a\nb"},
+            "replication.name",
+            "'a\\nb': a name without '/', '+', '#' or a control character, at most 1024 bytes of UTF-8 (it is one",
+        ),
+        # a $SYS topic of a 65,500-byte name was longer than MQTT's 65535 bytes: an exception every metrics_interval
+        ({**HA, "name": 1025 * "x"}, "replication.name", "or a control character, at most 1024 bytes of UTF-8"),
         ({**HA, "cluster": "a/b"}, "replication.cluster", "without '/'"),
         ({"role": "backup"}, "replication.primary", "needed on a backup"),
         ({"role": "backup", "primary": "db1"}, "replication.primary", "host:port"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import zlib
 from pathlib import Path
 
@@ -101,7 +102,29 @@ def test_hello_carries_the_backup_process_after_a_nul_and_an_earlier_versions_he
     assert Hello.decode(HEADER + b"b") == Hello(5, 6, 7, "b", instance=0)  # no NUL: an earlier version's
     assert Hello(5, 6, 7, "b").encode() == HEADER + b"b"  # instance 0 (unknown) is not sent
     assert Hello.decode(HEADER + b"b\x00" + bytes(8)) == Hello(5, 6, 7, "b", instance=0)  # an explicit 0: unknown
-    assert Hello.decode(HEADER + b"\x00" + (9).to_bytes(8, "big")) == Hello(5, 6, 7, "", instance=9)  # no name
+    with pytest.raises(FrameError, match="it is empty"):  # a backup without replication.name sends "backup"
+        Hello.decode(HEADER + b"\x00" + (9).to_bytes(8, "big"))
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("", "it is empty"),
+        ("a/b", "it holds '/', '+', '#' or a control character"),
+        ("a+b", "it holds '/', '+', '#' or a control character"),
+        ("a#b", "it holds '/', '+', '#' or a control character"),
+        ("a\nb", "it holds '/', '+', '#' or a control character"),
+        ("a\x1b[2Jb", "it holds '/', '+', '#' or a control character"),
+        (1025 * "x", "it is longer than 1024 bytes of UTF-8"),
+        (513 * "\u00e9", "it is longer than 1024 bytes of UTF-8"),
+    ],
+)
+def test_a_hello_under_a_name_no_replication_name_can_be_does_not_decode(name: str, why: str) -> None:
+    """A stranger's name reaches the $SYS topics (a topic is at most 65535 bytes) and the logs only if decoded."""
+    with pytest.raises(FrameError, match=re.escape(f"the backup's name is no replication.name: {why}")):
+        Hello.decode(Hello(5, 6, 7, name).encode())
+    assert Hello.decode(Hello(5, 6, 7, 1024 * "x").encode()).name == 1024 * "x"
+    assert Hello.decode(Hello(5, 6, 7, 512 * "\u00e9").encode()).name == 512 * "\u00e9"
 
 
 @pytest.mark.parametrize("tail", [b"\x00", b"\x00" + bytes(7), b"\x00" + bytes(9), b"\x00" + bytes(8) + b"\x00"])

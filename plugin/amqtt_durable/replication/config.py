@@ -30,7 +30,7 @@ from durable_protocol.hostport import parse_host, split_host_port
 
 from ..errors import ConfigError
 from ..settings import SCALARS
-from .framing import MAX_FRAME
+from .framing import MAX_FRAME, NAME_MAX_BYTES, name_problem
 
 Role = Literal["auto", "primary", "backup"]
 ROLES: tuple[str, ...] = get_args(Role)
@@ -466,11 +466,12 @@ def _check_addresses(config: ReplicationConfig, where: str, bad: Callable[[str, 
 
 def _check_names(config: ReplicationConfig, bad: Callable[[str, str], ConfigError]) -> None:
     """``name`` and ``cluster``, with fixed roles too (as documented)."""
-    if any(ch in config.name for ch in "/+#\0"):
+    if name_problem(config.name):
         raise bad(
             "name",
-            f"{config.name!r}: a name without '/', '+', '#' or a NUL character (it is one level of the $SYS topics "
-            "replication/backup/<name>/... and of the etcd key members/<name>)",
+            f"{config.name[:80]!r}: a name without '/', '+', '#' or a control character, at most {NAME_MAX_BYTES} "
+            "bytes of UTF-8 (it is one level of the $SYS topics replication/backup/<name>/... and of the etcd key "
+            "members/<name>)",
         )
     if not config.cluster or "/" in config.cluster:
         raise bad("cluster", f"expected a name, not empty and without '/', got {config.cluster!r}")

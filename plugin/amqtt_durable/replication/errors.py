@@ -45,7 +45,7 @@ class FrameError(ReplicationError):
     """Bytes on the replication channel do not decode (bad checksum, truncated, unknown type)."""
 
     def __init__(self, what: str, detail: str) -> None:
-        self.what = what
+        self.what, self.detail = what, detail
         super().__init__(
             f"replication: a {what} does not decode ({detail}); the channel is closed and the backup "
             "reconnects and is caught up again (check the network path, or versions of both brokers)"

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import unicodedata
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,20 @@ _U64 = struct.Struct(">Q")
 _FRAME_HEAD = struct.Struct(">BI")
 _HELLO = struct.Struct(">HQQI")
 _POSITION = struct.Struct(">QI")
+NAME_FORBIDDEN = "/+#\0"
+"""Characters a replication.name never holds: it is one level of the $SYS topics and of an etcd key."""
+NAME_MAX_BYTES = 1024
+"""A replication.name's longest UTF-8: its $SYS topics stay far below MQTT's 65535-byte topic."""
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` is no replication.name (a level of the $SYS topics and of an etcd key, written to logs), None
+    when it is one. The empty name is checked by the caller: a config may leave it out, a HELLO never sends it."""
+    if any(ch in NAME_FORBIDDEN or unicodedata.category(ch) == "Cc" for ch in name):
+        return "it holds '/', '+', '#' or a control character"
+    if len(name.encode("utf-8")) > NAME_MAX_BYTES:
+        return f"it is longer than {NAME_MAX_BYTES} bytes of UTF-8"
+    return None
 MAX_FRAME = 256 * 1024 * 1024
 """A frame longer than this is refused as damage (a batch is bounded by the store's batch_size)."""
 MAX_PEER_FRAME = 64 * 1024
@@ -329,9 +344,13 @@ class Hello:
             version, store_id, seq, crc = _HELLO.unpack_from(payload, 0)
             name, nul, rest = payload[_HELLO.size :].partition(b"\x00")
             instance = int(_U64.unpack(rest)[0]) if nul else 0
-            return cls(store_id, seq, crc, name.decode("utf-8"), version, instance)
+            text = name.decode("utf-8")
         except (struct.error, UnicodeDecodeError) as exc:
             raise FrameError("HELLO", str(exc)) from exc
+        problem = name_problem(text) if text else "it is empty"
+        if problem:  # never a real backup's: a stranger's, or damage
+            raise FrameError("HELLO", f"the backup's name is no replication.name: {problem}")
+        return cls(store_id, seq, crc, text, version, instance)
 
 
 def encode_position(seq: int, crc: int) -> bytes:

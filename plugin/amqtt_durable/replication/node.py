@@ -377,7 +377,7 @@ class ReplicationNode:
         refused = self.ha.request_takeover()
         if refused is not None:
             return {"promoted": False, "why": refused}
-        behind = "" if self.backup.caught_up else f", at batch {self.backup.applied_seq}, not known to be caught up"
+        behind = "" if self.backup.caught_up else f", at batch {self.backup.applied_seq}, not known to be caught up,"
         return {
             "promoted": True,
             "why": f"the operator's decision: no primary holds the lease; this node{behind} takes it at its next "

@@ -490,7 +490,12 @@ class Primary:
                 writer.write(link.session.encode(kind, json.dumps(self.on_admin(kind)).encode()))
                 await writer.drain()
                 return  # a tool's question, not a backup
-            hello = self._hello(link, kind, payload)
+            try:
+                hello = self._hello(link, kind, payload)
+            except FrameError as exc:  # a stranger's or damage: refused as the handshake refuses, rate-limited
+                self.gate.refusal(writer, peer, f"a {exc.what} does not decode ({exc.detail})")
+                ended = ""
+                return
             if hello is None:
                 ended = ""  # refused for its name, and logged so
                 return
