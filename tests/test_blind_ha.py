@@ -347,7 +347,7 @@ def test_fleet_refuses_a_schedule_whose_primary_kill_and_partition_overlap(tmp_p
     ("replication", "key", "words"),
     [
         ({"role": "primary", "name": "a#"}, "name", "#"),
-        ({"role": "primary", "name": "a\x00b"}, "name", "NUL"),
+        ({"role": "primary", "name": "a\x00b"}, "name", "control character"),
         ({"role": "primary", "cluster": "a/b"}, "cluster", "/"),
         ({"role": "primary", "lease_ttl": 2.5, "loop_wait": 0.5, "demote_margin": 0.5}, "lease_ttl", "whole"),
         ({"role": "primary", "lease_ttl": 5, "demote_margin": 5, "loop_wait": 0.1}, "demote_margin", "below"),
