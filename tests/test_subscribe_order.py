@@ -13,7 +13,10 @@ arrived if the session holds the filter (one publisher, one session queue: in or
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
+import termios
 import time
 from collections.abc import Callable
 
@@ -393,14 +396,27 @@ def test_changes_read_before_a_protocol_violation_are_applied(
             assert topics_until_sentinel(again, publisher, ["a/x", "s/x"]) == ["a/x", "sentinel"]
 
 
+def acknowledged(broker: Broker, sock: socket.socket) -> bool:
+    """True once the broker's TCP has acknowledged every byte written to ``sock`` (Linux SIOCOUTQ:
+    none left unacknowledged), polled up to WAIT (no event tells it)."""
+
+    def unacknowledged() -> int:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0])
+
+    return broker.wait_until(lambda: unacknowledged() == 0, WAIT)
+
+
 def test_unsubscribes_arriving_with_the_take_over_are_all_acknowledged_before_the_close(
     reader: Broker, clients: Callable[..., Client]
 ) -> None:
-    """The newer CONNECT's last byte is sent right after the older connection's 10 UNSUBSCRIBEs, so
-    the take-over comes while they wait: its end waits until all are applied, every UNSUBACK is
-    sent before the close, and the session holds none of the filters (3 rounds: a take-over that
-    stopped the older connection first lost the UNSUBACKs of those applied after; 100 of them, each
-    its own store commit, keep amqtt's reader's loop busy past the take-over)."""
+    """The newer CONNECT's last byte is sent right after the older connection's 100 UNSUBSCRIBEs
+    (once the broker's TCP has them: two sockets give no order), so the take-over comes while they
+    wait: its end waits until all are applied, every UNSUBACK is sent before the close, and the
+    session holds none of the filters (3 rounds: a take-over that stopped the older connection
+    first lost the UNSUBACKs of those applied after; 100 of them, each its own store commit, keep
+    amqtt's reader's loop busy past the take-over. amqtt's reader, a task per packet, often had
+    queued only the first, or none, as the take-over came, the rest read but still in its stream:
+    the queue counted as drained once empty, and those were never applied nor acknowledged)."""
     filters = [f"t{i}/#" for i in range(100)]
     for round_ in range(3):
         client_id = f"race-{round_}"
@@ -412,6 +428,7 @@ def test_unsubscribes_arriving_with_the_take_over_are_all_acknowledged_before_th
             connect = connect_packet(client_id, clean=False)
             new.sendall(connect[:-1])  # the broker waits for the last byte
             old.sendall(b"".join(unsubscribe(f, 10 + i)[0] for i, f in enumerate(filters)))
+            assert acknowledged(reader, old)  # in the broker's socket before the last byte is sent
             new.sendall(connect[-1:])
             got: list[tuple[int, int]] = []
             while not closed_at_packet(old, got):

@@ -2499,11 +2499,13 @@ def _connected_for_its_connack(session: Any, authorize: bool) -> None:
 
 async def take_over(handler: Any) -> None:
     """End the connection of a client id a newer CONNECT takes over (MQTT-3.1.4-2), as amqtt's own
-    take-over does: its message loop sees it closed and runs amqtt's disconnect, whose will is
+    take-over does (``durable_taken_over``: its end waits for the reader, see
+    ``_applied_with_what_was_read``): its message loop sees it closed and runs amqtt's disconnect, whose will is
     published unless the connection sent DISCONNECT before it was closed (MQTT-3.14.4-3: read
     while the take-over waited for its SUBSCRIBEs and UNSUBSCRIBEs, it discards the will, as on
     amqtt's take-over; a clean CONNECT's published it); it is let go once those are applied
     (``durable_let_go``: a websocket aborted, not waited for)."""
+    handler.durable_taken_over = True
     await handler.handle_connection_closed()
     await handler.durable_let_go()
 
@@ -2701,7 +2703,7 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     async def applied(*, drain: bool = True) -> None:
         try:
             async with end.timeout():
-                await changes.drained()
+                await _applied_with_what_was_read(handler, changes)
                 await published.handed_over(drain=drain)
         except TimeoutError:  # none is handed out any more: none is applied after the end
             _drop_waiting_changes(changes, handler.session.client_id if handler.session else None)
@@ -2731,6 +2733,82 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     handler.wait_disconnect = wait_disconnect
     handler.stop = stop
     handler.durable_let_go = let_go_once_applied
+    _mark_a_take_over(handler)
+
+
+def _mark_a_take_over(handler: Any) -> None:
+    """``durable_taken_over``: the connection's end is a take-over (``_applied_with_what_was_read``),
+    set before its message loop learns of the end. ``take_over`` sets it; amqtt's own take-over
+    calls ``handle_connection_closed`` in the newer CONNECT's task (``_CONNECTING``), then ``stop()``."""
+    handler.durable_taken_over = False
+    original_closed = handler.handle_connection_closed
+
+    def handle_connection_closed() -> Awaitable[None]:
+        if _CONNECTING.get() not in (None, handler):
+            handler.durable_taken_over = True
+        return original_closed()  # type: ignore[no-any-return]
+
+    handler.handle_connection_closed = handle_connection_closed
+
+
+async def _applied_with_what_was_read(handler: Any, changes: SubscriptionChanges[Any]) -> None:
+    """Waits until every change queued has been applied and, on a take-over
+    (``durable_taken_over``), every change in what the broker had read from the socket as that
+    wait ended (``_reader_handles_what_was_read``), then until those are applied too. A reader
+    hands a packet over a loop pass or more after the transport read it (amqtt's, a ``wait_for``
+    task per packet: of a hundred UNSUBSCRIBEs read in one go, the first alone, or none, was queued
+    as the take-over came); the queue, empty before the next was queued, counted as drained, the
+    take-over stopped the reader (cancelled) and the UNSUBSCRIBEs still in its stream were never
+    applied nor acknowledged. The caller bounds the wait (the end's deadline). A websocket
+    connection's reader is not waited for (what websockets holds is not handed over)."""
+    await changes.drained()
+    if handler.durable_taken_over and not _reader_caught_up(handler):
+        await _reader_handles_what_was_read(handler)
+        await changes.drained()
+
+
+def _reader_caught_up(handler: Any) -> bool:
+    """True unless the connection's reader, reading a TCP stream, holds bytes the transport read
+    that it has not handled: it is then neither ended nor waiting for more (the stream's waiter is
+    gone as soon as bytes come, before the reader goes on)."""
+    task = handler._reader_task
+    reader = handler.reader
+    if task is None or task.done() or task is asyncio.current_task() or not isinstance(reader, StreamReaderAdapter):
+        return True
+    return reader._reader._waiter is not None
+
+
+async def _reader_handles_what_was_read(handler: Any) -> None:
+    """Waits until the connection's reader has handled what its stream holds: the transport reads
+    nothing more from the socket meanwhile (a client sending on and on would keep the reader busy),
+    then reads on (the reader goes on while the take-over waits: a DISCONNECT, a PUBREL read then
+    count). The reader is done once it waits for bytes not yet read, or ends; the stream's own
+    ``_wait_for_data`` is wrapped, once, to say so."""
+    stream = handler.reader._reader
+    waiting: list[asyncio.Future[None]] | None = getattr(stream, "durable_waiting", None)
+    if waiting is None:
+        waiting = stream.durable_waiting = []
+        original = stream._wait_for_data
+
+        async def wait_for_data(func_name: str) -> None:
+            for future in waiting:
+                if not future.done():
+                    future.set_result(None)
+            waiting.clear()
+            await original(func_name)
+
+        stream._wait_for_data = wait_for_data
+    future = asyncio.get_running_loop().create_future()
+    waiting.append(future)
+    transport = stream._transport
+    paused = transport is not None and transport.is_reading()  # not when the stream paused it (full)
+    if paused:
+        transport.pause_reading()
+    try:
+        await asyncio.wait({future, handler._reader_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if paused:
+            transport.resume_reading()
 
 
 class PublishedMessages:
@@ -3761,7 +3839,7 @@ class FastReader:
         except (asyncio.IncompleteReadError, ConnectionError):
             ended_by_peer = True  # EOF or reset: the connection is over
         except asyncio.CancelledError:
-            pass  # stop() (a take-over, the broker stopping): what was read is dropped
+            pass  # stop() (a take-over, after what it read as its wait ended; the broker stopping): the rest is dropped
         except ProtocolViolationError as exc:
             log.warning("closing the connection of %s: %s", self._session.client_id, exc)
         except Exception as exc:  # amqtt's loop also ends the connection on anything unexpected
