@@ -89,6 +89,19 @@ class ForeignLayoutError(StoreError):
         )
 
 
+class ForeignStoreError(StoreError):
+    """``amqtt-durable repair`` on a LevelDB folder of another program (store_owner.py's rule): refused
+    before anything in the folder is touched, since LevelDB's repair would rewrite that program's data."""
+
+    def __init__(self, path: str, why: str) -> None:
+        self.path = path
+        self.why = why
+        super().__init__(
+            f"repair of '{path}' refused: it is not an amqtt-durable store but another program's LevelDB ({why}); "
+            "nothing was changed. Point repair at the plugin's 'store' folder"
+        )
+
+
 class InternalsMismatchError(DurableError):
     """The installed amqtt lacks an internal the glue module needs."""
 

@@ -1,0 +1,288 @@
+"""store_owner.py: whose a LevelDB folder is, judged before repair touches it (review 280 P2): real
+plyvel stores in tmp folders, one written by the real engine and stream logs."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import tempfile
+from pathlib import Path
+
+import plyvel
+import pytest
+from test_store_repair import digest
+from test_streams import make_logs, put
+
+from amqtt_durable.config import DurableConfig
+from amqtt_durable.engine import DurableEngine
+from amqtt_durable.errors import ForeignLayoutError, ForeignStoreError, StoreError
+from amqtt_durable.repair import repair
+from amqtt_durable.replication.position import POSITION_KEY, SNAPSHOT_MARK_KEY
+from amqtt_durable.store import STORE_ID_KEY, VERSION_KEY, entry_key, open_store, session_key
+from amqtt_durable.store_owner import Owner, Verdict, classify, classify_folder, key_fits_layout
+
+GENEROUS = 10.0
+FOREIGN = {b"user:1": b"alice", b"user:2": b"bob"}
+
+
+def leveldb(path: str, records: dict[bytes, bytes], **options: object) -> None:
+    db = plyvel.DB(path, create_if_missing=True, **options)
+    try:
+        for key, value in records.items():
+            db.put(key, value)
+    finally:
+        db.close()
+
+
+def verdict_of(path: str) -> Verdict:
+    db = plyvel.DB(path)
+    try:
+        return classify(db)
+    finally:
+        db.close()
+
+
+def engine_store(path: str) -> None:
+    """A store as the broker writes it: a durable session with a queued QoS 1 message and a QoS 2
+    packet id whose PUBREL is due, a retained message, a stream log's events and id mark."""
+
+    async def main() -> None:
+        engine = DurableEngine(DurableConfig(store=path))
+        engine.open()
+        await engine.connect("dev", clean_session=False)
+        await engine.subscribe("dev", "t/#", 1)
+        for stored in (engine.route_publish("t/1", b"q", 1), engine.route_publish("t/r", b"on", 1, retain=True)):
+            assert stored is not None
+            await asyncio.wait_for(stored, GENEROUS)
+        engine.expect_pubrel("dev", 9)
+        await engine.close()
+
+    asyncio.run(main())
+    db = open_store(path, create=False)
+    try:
+        logs, committer = make_logs(db)
+        put(logs, committer, "s/tél")
+        db.put(POSITION_KEY, bytes(12))
+    finally:
+        db.close()
+
+
+def test_every_key_the_engine_writes_fits_the_layout(store_path: str) -> None:
+    engine_store(store_path)
+    db = plyvel.DB(store_path)
+    try:
+        keys = list(db.iterator(include_value=False))
+    finally:
+        db.close()
+    written = {key[:1] for key in keys}
+    assert written >= {b"v", b"i", b"n", b"M", b"m", b"q", b"s", b"t", b"r", b"x", b"e", b"L", b"R"}, keys
+    assert [key for key in keys if not key_fits_layout(key)] == []
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        SNAPSHOT_MARK_KEY,
+        session_key("client"),
+        session_key(""),
+        entry_key(1, 2),
+        b"q" + bytes(16),  # a queue entry's shape, whoever wrote it
+        b"l" + "s/tél".encode() + b"\x00" + struct.pack(">Q", 7),  # an earlier release's stream event
+    ],
+)
+def test_keys_of_the_layouts_shapes_fit(key: bytes) -> None:
+    assert key_fits_layout(key)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        b"user:1",
+        b"",
+        b"vv",
+        b"M2",
+        b"q" + bytes(15),
+        b"q" + bytes(17),
+        b"t" + bytes(9),
+        b"x1",
+        b"m",
+        b"email:1",  # the lengths of a stream event's key do not add up
+        b"e\x00\x02ab" + bytes(7),
+        b"s\xff",  # a client id that is not UTF-8
+        b"r\xfe",
+        b"L\xc3",
+        b"l" + b"topic",  # no NUL and id
+        b"e\x00\x02\xff\xfe" + bytes(8),  # lengths add up, the topic is not UTF-8
+    ],
+)
+def test_keys_of_no_layout_shape_do_not_fit(key: bytes) -> None:
+    assert not key_fits_layout(key)
+
+
+def test_a_store_that_lost_its_version_key_and_store_id_is_ours_when_every_key_fits(store_path: str) -> None:
+    engine_store(store_path)
+    db = plyvel.DB(store_path)
+    try:
+        db.delete(VERSION_KEY)
+        db.delete(STORE_ID_KEY)
+        assert classify(db) == Verdict(Owner.OURS)
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize(
+    ("records", "owner"),
+    [
+        ({}, Owner.OURS),
+        ({VERSION_KEY: b"1", **FOREIGN}, Owner.OURS),
+        ({STORE_ID_KEY: bytes(8), **FOREIGN}, Owner.OURS),
+        ({STORE_ID_KEY: b"abc", **FOREIGN}, Owner.FOREIGN),
+        ({entry_key(1, 1): bytes(14), b"s" + b"dev": b"{}", **FOREIGN}, Owner.FOREIGN),
+        ({VERSION_KEY: b"2", **FOREIGN}, Owner.ANOTHER_RELEASE),
+    ],
+    ids=["empty", "version", "store-id", "store-id-of-3-bytes", "some-keys-fit", "another-release"],
+)
+def test_the_version_key_or_store_id_makes_it_ours_else_every_key_must_fit(
+    store_path: str, records: dict[bytes, bytes], owner: Owner
+) -> None:
+    leveldb(store_path, records)
+    assert verdict_of(store_path).owner is owner
+
+
+def test_the_first_key_that_fits_nothing_is_named(store_path: str) -> None:
+    leveldb(store_path, {entry_key(1, 1): bytes(14), b"a" * 60: b"1", b"user:1": b"x"})
+    assert verdict_of(store_path) == Verdict(
+        Owner.FOREIGN,
+        f"no layout version key or store id, and its key {b'a' * 40!r}, ... has the shape of no key of "
+        "amqtt-durable's store layout",
+    )
+
+
+def test_a_foreign_leveldb_whose_only_keys_fit_cannot_be_told_from_ours(store_path: str) -> None:
+    """Documented limitation: only keys are judged."""
+    leveldb(store_path, {b"q" + bytes(16): b"another program's value"})
+    assert verdict_of(store_path) == Verdict(Owner.OURS)
+
+
+def test_the_folder_is_judged_on_a_scratch_copy_and_its_files_stay_byte_identical(store_path: str) -> None:
+    """A plain open of the folder would turn its log into a table, write a new MANIFEST and move LOG:
+    the records here are in the log only (LevelDB writes no table at close) and are still judged."""
+    leveldb(store_path, FOREIGN)
+    assert any(name.endswith(".log") and Path(store_path, name).stat().st_size for name in digest(store_path))
+    before = digest(store_path)
+    verdict = classify_folder(store_path)
+    assert verdict.owner is Owner.FOREIGN and "b'user:1'" in verdict.why, verdict
+    assert digest(store_path) == before
+
+
+def test_keys_in_tables_are_judged_too(store_path: str) -> None:
+    leveldb(store_path, {entry_key(1, 1): bytes(14)})
+    db = plyvel.DB(store_path)
+    db.compact_range()
+    db.put(b"user:1", b"x")
+    db.close()
+    assert any(name.endswith(".ldb") for name in digest(store_path))
+    before = digest(store_path)
+    assert classify_folder(store_path).owner is Owner.FOREIGN
+    assert digest(store_path) == before
+
+
+def reverse(a: bytes, b: bytes) -> int:
+    return (a < b) - (a > b)
+
+
+def test_a_leveldb_with_its_own_comparator_is_another_programs_and_its_owner_still_opens_it(store_path: str) -> None:
+    """The review's case: LevelDB's repair with the default comparator rewrites the tables in
+    another order and the owner can no longer open them. Even keys of our layout's shape do not help."""
+    leveldb(store_path, {VERSION_KEY: b"1", entry_key(1, 1): bytes(14)}, comparator=reverse,
+            comparator_name=b"test.Reverse")
+    before = digest(store_path)
+    assert classify_folder(store_path) == Verdict(
+        Owner.FOREIGN,
+        "its keys are kept in the order of the comparator 'test.Reverse', not LevelDB's default, which "
+        "amqtt-durable uses",
+    )
+    with pytest.raises(ForeignStoreError, match=r"the comparator 'test\.Reverse'"):
+        repair(store_path)
+    assert digest(store_path) == before
+    db = plyvel.DB(store_path, comparator=reverse, comparator_name=b"test.Reverse")
+    try:
+        assert db.get(VERSION_KEY) == b"1"
+    finally:
+        db.close()
+
+
+def test_a_folder_leveldb_cannot_open_is_unreadable(store_path: str) -> None:
+    leveldb(store_path, FOREIGN)
+    Path(store_path, "CURRENT").unlink()
+    verdict = classify_folder(store_path)
+    assert verdict.owner is Owner.UNREADABLE and "does not exist" in verdict.why, verdict
+
+
+def test_a_damaged_block_hiding_every_foreign_key_is_not_refused(store_path: str) -> None:
+    """Keys that cannot be read prove nothing (LevelDB's iterator passes over a block whose checksum
+    fails without a word): not refused, repair runs as for any damage, and the block's records are lost."""
+    leveldb(store_path, FOREIGN)
+    db = plyvel.DB(store_path)
+    db.compact_range()
+    db.close()
+    (table,) = (Path(store_path, name) for name in digest(store_path) if name.endswith(".ldb"))
+    data = bytearray(table.read_bytes())
+    data[data.index(b"alice")] ^= 0xFF  # inside the table's one data block: its checksum fails
+    table.write_bytes(bytes(data))
+    assert classify_folder(store_path).owner is not Owner.FOREIGN
+    report = repair(store_path)
+    assert report.rebuilt == ["layout version key restored"], report
+    assert report.lost == [
+        f"table file {table.name} was damaged (moved to {Path(store_path, 'lost', table.name)}): records only it "
+        "held are gone, and older versions of them may be back (a message already delivered may be sent again)"
+    ], report
+
+
+def test_a_missing_folder_is_left_to_repairs_own_checks(tmp_path: Path) -> None:
+    assert classify_folder(str(tmp_path / "nothing")).owner is Owner.UNREADABLE
+
+
+def test_another_releases_store_is_refused_untouched(store_path: str) -> None:
+    leveldb(store_path, {VERSION_KEY: b"2", b"q" + bytes(16): bytes(14)})
+    before = digest(store_path)
+    with pytest.raises(ForeignLayoutError):
+        repair(store_path)
+    assert digest(store_path) == before
+
+
+def test_an_unreadable_foreign_leveldb_is_repaired_by_leveldb_but_not_taken_over(store_path: str) -> None:
+    """Without CURRENT nothing could be read before: LevelDB's repair runs, as for a damaged store;
+    what it reads then is another program's keys, so no version key is written and nothing rebuilt."""
+    leveldb(store_path, FOREIGN)
+    Path(store_path, "CURRENT").unlink()
+    report = repair(store_path)
+    assert report.rebuilt == []
+    assert report.lost == [
+        "no layout version key or store id, and its key b'user:1' has the shape of no key of amqtt-durable's "
+        "store layout: not this plugin's store; nothing rebuilt"
+    ]
+    db = plyvel.DB(store_path)
+    try:
+        assert dict(db.iterator()) == FOREIGN
+    finally:
+        db.close()
+
+
+def test_a_scratch_copy_that_cannot_be_made_refuses_repair_untouched(
+    store_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The temporary folder (TMPDIR) unusable: nothing is judged, so nothing is touched."""
+    leveldb(store_path, FOREIGN)
+    before = digest(store_path)
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_bytes(b"")
+    monkeypatch.setattr(tempfile, "tempdir", str(not_a_folder))
+    with pytest.raises(StoreError) as info:
+        repair(store_path)
+    assert str(info.value) == (
+        f"repair of '{store_path}' not started: whose LevelDB it is could not be checked (a scratch copy of its log "
+        f"and MANIFEST files in {not_a_folder} failed: Not a directory); nothing was changed. Set TMPDIR to a "
+        "folder with room for them, then run repair again"
+    )
+    assert digest(store_path) == before
