@@ -13,7 +13,8 @@ asks whose the folder is (docs/operations.md, ``repair``):
   its length (``b"q"`` 17 bytes, ``b"t"``/``b"w"``/``b"m"``/``b"c"`` 9, ``b"x"`` 11), the lengths in
   a stream event's key adding up, a client id or topic UTF-8; the first key that fits none makes
   the folder another program's, refused; none at all (an empty store) is ours;
-- a folder LevelDB cannot open (other than for the comparator), or whose reading fails before such
+- a folder LevelDB cannot open (other than for the comparator; one that lost only its CURRENT
+  file is opened with the newest MANIFEST), or whose reading fails before such
   a key is met: unreadable, and repaired as ever, since that is what repair is for. Keys in a block
   that does not read prove nothing either way (LevelDB's iterator passes over a block whose checksum
   fails without a word): a store whose every foreign key is in damaged blocks is repaired too. After
@@ -64,6 +65,7 @@ _STORE_ID_SIZE = 8
 _KEY_SHOWN = 40
 _TABLE = re.compile(r"^\d+\.(ldb|sst)$")
 _COPIED = re.compile(r"^(CURRENT|MANIFEST-\d+|\d+\.log)$")
+_MANIFEST = re.compile(r"^MANIFEST-\d+$")
 _COMPARATOR = re.compile(r"Invalid argument: (.*) does not match existing comparator")
 
 
@@ -159,6 +161,12 @@ def classify_folder(path: str) -> Verdict:
 
 
 def _scratch_copy(path: str, names: list[str], scratch: str) -> None:
+    """The scratch copy; without CURRENT (lost), one naming the newest MANIFEST, so that the keys of
+    a folder that lost only that file are judged too (LevelDB's repair writes its own MANIFEST anyway)."""
+    manifests = sorted((name for name in names if _MANIFEST.match(name)), key=lambda name: int(name[9:]))
+    if "CURRENT" not in names and manifests:
+        with open(os.path.join(scratch, "CURRENT"), "w", encoding="ascii") as current:
+            current.write(f"{manifests[-1]}\n")
     for name in names:
         source = os.path.abspath(os.path.join(path, name))
         try:

@@ -212,11 +212,28 @@ def test_a_leveldb_with_its_own_comparator_is_another_programs_and_its_owner_sti
         db.close()
 
 
+def lose_current_and_manifests(path: str) -> None:
+    for name in digest(path):
+        if name == "CURRENT" or name.startswith("MANIFEST-"):
+            Path(path, name).unlink()
+
+
 def test_a_folder_leveldb_cannot_open_is_unreadable(store_path: str) -> None:
     leveldb(store_path, FOREIGN)
-    Path(store_path, "CURRENT").unlink()
+    lose_current_and_manifests(store_path)
     verdict = classify_folder(store_path)
     assert verdict.owner is Owner.UNREADABLE and "does not exist" in verdict.why, verdict
+
+
+def test_a_folder_that_lost_only_its_current_file_is_judged_with_its_newest_manifest(store_path: str) -> None:
+    leveldb(store_path, FOREIGN)
+    db = plyvel.DB(store_path)  # a second MANIFEST, the first one removed as LevelDB does
+    db.close()
+    Path(store_path, "CURRENT").unlink()
+    before = digest(store_path)
+    with pytest.raises(ForeignStoreError, match=r"its key b'user:1' has"):
+        repair(store_path)
+    assert digest(store_path) == before
 
 
 def test_a_damaged_block_hiding_every_foreign_key_is_not_refused(store_path: str) -> None:
@@ -243,8 +260,12 @@ def test_a_missing_folder_is_left_to_repairs_own_checks(tmp_path: Path) -> None:
     assert classify_folder(str(tmp_path / "nothing")).owner is Owner.UNREADABLE
 
 
-def test_another_releases_store_is_refused_untouched(store_path: str) -> None:
+@pytest.mark.parametrize("current_lost", [False, True])
+def test_another_releases_store_is_refused_untouched(store_path: str, *, current_lost: bool) -> None:
+    """Also one that lost its CURRENT file (LevelDB's repair ran on it before it was refused)."""
     leveldb(store_path, {VERSION_KEY: b"2", b"q" + bytes(16): bytes(14)})
+    if current_lost:
+        Path(store_path, "CURRENT").unlink()
     before = digest(store_path)
     with pytest.raises(ForeignLayoutError):
         repair(store_path)
@@ -252,10 +273,11 @@ def test_another_releases_store_is_refused_untouched(store_path: str) -> None:
 
 
 def test_an_unreadable_foreign_leveldb_is_repaired_by_leveldb_but_not_taken_over(store_path: str) -> None:
-    """Without CURRENT nothing could be read before: LevelDB's repair runs, as for a damaged store;
-    what it reads then is another program's keys, so no version key is written and nothing rebuilt."""
+    """Without CURRENT and MANIFEST nothing could be read before: LevelDB's repair runs, as for a
+    damaged store; what it reads then is another program's keys, so no version key is written and
+    nothing rebuilt."""
     leveldb(store_path, FOREIGN)
-    Path(store_path, "CURRENT").unlink()
+    lose_current_and_manifests(store_path)
     report = repair(store_path)
     assert report.rebuilt == []
     assert report.lost == [
