@@ -24,10 +24,11 @@ asks whose the folder is (docs/operations.md, ``repair``):
 Only keys are judged, never values (a value that does not decode is damage repair rebuilds). A
 LevelDB of another program whose every key happens to fit the layout cannot be told from ours.
 
-The folder itself is never opened: LevelDB's open of a store writes to it (its log made a table,
-a new MANIFEST and log, its LOG file moved to LOG.old), so ``classify_folder`` opens a scratch
-copy in a temporary folder (``TMPDIR``): table files linked (LevelDB never writes to a table file
-and only unlinks the link), the log, MANIFEST and CURRENT files copied.
+The folder itself is never opened here (repair opens it only once it is not refused): LevelDB's
+open of a store writes to it (its log made a table, a new MANIFEST and log, its LOG file moved to
+LOG.old), so ``classify_folder`` opens a scratch copy in a temporary folder (``TMPDIR``): table
+files linked (LevelDB never writes to a table file and only unlinks the link), the log, MANIFEST
+and CURRENT files copied.
 """
 
 from __future__ import annotations
