@@ -19,7 +19,7 @@ from typing import Any
 
 import plyvel
 
-from .errors import DamagedRecordError, StoreError
+from .errors import DamagedRecordError, ForeignStoreError, StoreError
 from .inspect_store import shown
 from .replication.position import POSITION_KEY
 from .store import (
@@ -37,6 +37,7 @@ from .store import (
     SessionRecord,
     awaiting_pubcomp,
     body_key,
+    check_repairable,
     decode_refs,
     decode_totals,
     decode_u64,
@@ -91,11 +92,17 @@ class _Queue:
 
 def repair(path: str, now: float | None = None) -> RepairReport:
     """Repair the store at ``path`` (broker stopped) and say what was rebuilt and what is lost.
-    ForeignStoreError, before anything is touched, for a LevelDB of another program (store_owner.py)."""
+    StoreLockedError for a store a process holds, then ForeignStoreError for a LevelDB of another
+    program (store_owner.py), before anything of it is written; ForeignStoreError (``repaired``)
+    for one that is found another program's only after LevelDB's repair (nothing rebuilt)."""
+    check_repairable(path)  # first: nothing of a store a running broker holds is read, nor copied
     refuse_another_programs(path)
     archived = _archived_tables(path)
     with repaired_store(path) as db:  # the store's lock held until it is closed again
         try:
+            if db.get(VERSION_KEY) is None and (verdict := classify(db)).owner is Owner.FOREIGN:
+                # Unreadable before LevelDB's repair (store_owner.py), another program's after: not taken over.
+                raise ForeignStoreError(path, verdict.why, repaired=True)
             report = rebuild(db, time.time() if now is None else now)
         except plyvel.Error as exc:
             raise StoreError(f"repair of '{path}' failed while rebuilding: {leveldb_detail(exc)}") from exc
@@ -122,10 +129,6 @@ def rebuild(db: Any, now: float) -> RepairReport:
     version = db.get(VERSION_KEY)
     if version is not None and version != LAYOUT_VERSION:
         report.lost.append(f"layout version {version!r} is not this release's {LAYOUT_VERSION!r}: nothing rebuilt")
-        return report
-    if version is None and (verdict := classify(db)).owner is Owner.FOREIGN:
-        # Unreadable before LevelDB's repair (store_owner.py), another program's after: not taken over.
-        report.lost.append(f"{verdict.why}: not this plugin's store; nothing rebuilt")
         return report
     with db.write_batch(transaction=True, sync=True) as batch:
         if version is None:

@@ -2,8 +2,10 @@
 
 LevelDB's repair rewrites every table of the folder in LevelDB's default key order: run on another
 program's LevelDB it may leave that program unable to open its own data (one kept in an order of
-its own, a custom comparator), and this plugin's bookkeeping means nothing there. So repair first
-asks whose the folder is (docs/operations.md, ``repair``):
+its own, a custom comparator), and this plugin's bookkeeping means nothing there. So repair, once
+it has found the folder holds LevelDB files and no process holds its lock (``store.check_repairable``,
+which reads nothing but the folder's file names and writes nothing), asks whose the folder is
+(docs/operations.md, ``repair``):
 
 - its keys are kept in the order of another comparator than LevelDB's default (which this plugin
   uses): another program's, refused;
@@ -13,30 +15,34 @@ asks whose the folder is (docs/operations.md, ``repair``):
   its length (``b"q"`` 17 bytes, ``b"t"``/``b"w"``/``b"m"``/``b"c"`` 9, ``b"x"`` 11), the lengths in
   a stream event's key adding up, a client id or topic UTF-8; the first key that fits none makes
   the folder another program's, refused; none at all (an empty store) is ours;
-- a folder LevelDB cannot open (other than for the comparator; one that lost only its CURRENT
-  file is opened with the newest MANIFEST), or whose reading fails before such
-  a key is met: unreadable, and repaired as ever, since that is what repair is for. Keys in a block
-  that does not read prove nothing either way (LevelDB's iterator passes over a block whose checksum
-  fails without a word): a store whose every foreign key is in damaged blocks is repaired too. After
-  LevelDB's repair the rebuild asks again (``classify``), and rebuilds nothing in a store that is
-  then readable and another program's.
+- a folder LevelDB cannot open (other than for the comparator; one whose CURRENT file is lost,
+  empty or names no MANIFEST of the folder is opened with its newest MANIFEST), or whose reading
+  fails before such a key is met: unreadable, and repaired as ever, since that is what repair is
+  for. Keys in a block that does not read prove nothing either way (LevelDB's iterator passes over
+  a block whose checksum fails without a word): a store whose every foreign key is in damaged
+  blocks is repaired too. After LevelDB's repair, repair asks again (``classify``), and a store
+  that is then readable and another program's is ForeignStoreError (``repaired``): nothing rebuilt.
 
 Only keys are judged, never values (a value that does not decode is damage repair rebuilds). A
 LevelDB of another program whose every key happens to fit the layout cannot be told from ours.
 
 The folder itself is never opened here (repair opens it only once it is not refused): LevelDB's
 open of a store writes to it (its log made a table, a new MANIFEST and log, its LOG file moved to
-LOG.old), so ``classify_folder`` opens a scratch copy in a temporary folder (``TMPDIR``): table
-files linked (LevelDB never writes to a table file and only unlinks the link), the log, MANIFEST
-and CURRENT files copied.
+LOG.old), so ``classify_folder`` opens a scratch copy in a temporary folder (``TMPDIR``): the log,
+CURRENT and MANIFEST files copied, table files numbered below the MANIFEST's own number linked
+(LevelDB never writes to a table file, only unlinks the link, and the open makes new files only
+with numbers past the MANIFEST's), any other table file copied. The temporary folder needs room
+for the copies and for what LevelDB's open of the copy writes there: a table of the log's records,
+and the tables of a compaction that open may start (at worst about the size of the store's
+tables); it is removed, whatever the verdict or error.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import re
-import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -64,17 +70,23 @@ _LEGACY_TAIL = 9
 """An earlier release's stream event key: b"l" + topic + NUL + id:u64."""
 _STORE_ID_SIZE = 8
 _KEY_SHOWN = 40
-_TABLE = re.compile(r"^\d+\.(ldb|sst)$")
-_COPIED = re.compile(r"^(CURRENT|MANIFEST-\d+|\d+\.log)$")
-_MANIFEST = re.compile(r"^MANIFEST-\d+$")
+_TABLE = re.compile(r"^(\d+)\.(?:ldb|sst)$")
+_LOG = re.compile(r"^\d+\.log$")
+_MANIFEST = re.compile(r"^MANIFEST-(\d+)$")
+_CURRENT_READ = 256
+_CHUNK = 1 << 20
+_WRITE_FAILED = re.compile(r"No space left on device|Disk quota exceeded")
 _COMPARATOR = re.compile(r"Invalid argument: (.*) does not match existing comparator")
 
 
 class Owner(enum.Enum):
-    OURS = "ours"
-    ANOTHER_RELEASE = "another release"
-    FOREIGN = "another program's"
-    UNREADABLE = "unreadable"
+    """Whose a LevelDB is: this release's store, another release's, another program's, or unknown
+    (LevelDB cannot open or read it)."""
+
+    OURS = enum.auto()
+    ANOTHER_RELEASE = enum.auto()
+    FOREIGN = enum.auto()
+    UNREADABLE = enum.auto()
 
 
 @dataclass(frozen=True)
@@ -144,39 +156,87 @@ def classify(db: Any) -> Verdict:
 def classify_folder(path: str) -> Verdict:
     """Whose is the LevelDB in folder ``path``, judged on a scratch copy (nothing in ``path`` is
     written). A path that is no readable folder is UNREADABLE here: repair's own checks name it.
-    StoreError when the scratch copy cannot be made."""
+    StoreError when a file of the folder cannot be read, or the scratch copy cannot be made."""
     try:
         names = os.listdir(path)
     except OSError as exc:
         return Verdict(Owner.UNREADABLE, exc.strerror or str(exc))
+    folder = os.path.abspath(path)
     try:
         with tempfile.TemporaryDirectory(prefix="amqtt-durable-check-") as scratch:
-            _scratch_copy(path, names, scratch)
+            _scratch_copy(folder, names, scratch)
             return _classify_copy(scratch)
     except OSError as exc:
+        if isinstance(exc.filename, str) and os.path.dirname(os.path.abspath(exc.filename)) == folder:
+            raise StoreError(
+                f"repair of '{path}' not started: whose LevelDB it is could not be checked (its file "
+                f"{os.path.basename(exc.filename)} could not be read: {exc.strerror or exc}); nothing was changed"
+            ) from exc
         raise StoreError(
-            f"repair of '{path}' not started: whose LevelDB it is could not be checked (a scratch copy of its "
-            f"log and MANIFEST files in {tempfile.gettempdir()} failed: {exc.strerror or exc}); nothing was "
-            "changed. Set TMPDIR to a folder with room for them, then run repair again"
+            f"repair of '{path}' not started: whose LevelDB it is could not be checked (a scratch copy of it in "
+            f"{tempfile.gettempdir()} failed: {exc.strerror or exc}); nothing was changed. Set TMPDIR to a folder "
+            "with room for its log and MANIFEST files, its table files numbered past its MANIFEST and what LevelDB "
+            "writes opening the copy, then run repair again"
         ) from exc
 
 
-def _scratch_copy(path: str, names: list[str], scratch: str) -> None:
-    """The scratch copy; without CURRENT (lost), one naming the newest MANIFEST, so that the keys of
-    a folder that lost only that file are judged too (LevelDB's repair writes its own MANIFEST anyway)."""
-    manifests = sorted((name for name in names if _MANIFEST.match(name)), key=lambda name: int(name[9:]))
-    if "CURRENT" not in names and manifests:
-        with open(os.path.join(scratch, "CURRENT"), "w", encoding="ascii") as current:
-            current.write(f"{manifests[-1]}\n")
+def _scratch_copy(folder: str, names: list[str], scratch: str) -> None:
+    """The scratch copy of the LevelDB in ``folder``: its CURRENT, MANIFEST and log files copied, and
+    its table files numbered below the MANIFEST's own number linked (LevelDB never writes to a table
+    file, and its open of the copy makes new files only with numbers past that MANIFEST's, so a new
+    file never replaces a linked one: writing through the link would change the folder's file);
+    the others (a flush's or compaction's output a crash left out of every MANIFEST) are copied.
+    A CURRENT that is lost, empty or names no MANIFEST of the folder (a crash's leftovers) is
+    replaced, in the copy, by one naming the newest MANIFEST, so that such a folder's keys are judged
+    too (LevelDB's repair writes a MANIFEST of its own anyway). Without a MANIFEST nothing is copied:
+    nothing opens. An OSError of reading names the folder's file, of writing the copy's (``filename``)."""
+    manifests = sorted((int(found.group(1)), name) for name in names if (found := _MANIFEST.match(name)))
+    if not manifests:
+        return
+    current = _current(folder) if "CURRENT" in names else None
+    number, manifest = next((pair for pair in manifests if current == f"{pair[1]}\n"), manifests[-1])
+    with open(os.path.join(scratch, "CURRENT"), "w", encoding="ascii") as written:
+        written.write(f"{manifest}\n")
     for name in names:
-        source = os.path.abspath(os.path.join(path, name))
+        source = os.path.join(folder, name)
         try:
-            if _TABLE.match(name):
+            table = _TABLE.match(name)
+            if table is not None and int(table.group(1)) < number:
                 os.symlink(source, os.path.join(scratch, name))
-            elif _COPIED.match(name):
-                shutil.copyfile(source, os.path.join(scratch, name))
-        except FileNotFoundError:
-            continue  # removed meanwhile (a program using the store): the copy may not open, the lock check follows
+            elif table is not None or name == manifest or _LOG.match(name):
+                _copy(source, os.path.join(scratch, name))
+        except FileNotFoundError as exc:
+            if exc.filename != source:
+                raise
+            continue  # removed since it was listed (nothing holds the store's lock): the copy may not open
+
+
+def _current(folder: str) -> str | None:
+    """The folder's CURRENT file's text (its first bytes: a MANIFEST's name fits), None if it is not text."""
+    with open(os.path.join(folder, "CURRENT"), "rb") as current:
+        raw = current.read(_CURRENT_READ)
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+
+
+def _copy(source: str, target: str) -> None:
+    """``source`` copied to ``target``; an OSError names the file it happened on (``filename``)."""
+    with open(source, "rb") as reading, open(target, "wb") as writing:
+        for _ in range(os.fstat(reading.fileno()).st_size // _CHUNK + 1):  # what it held when opened
+            try:
+                chunk = reading.read(_CHUNK)
+            except OSError as exc:
+                exc.filename = source
+                raise
+            if not chunk:
+                return
+            try:
+                writing.write(chunk)
+            except OSError as exc:
+                exc.filename = target
+                raise
 
 
 def _classify_copy(scratch: str) -> Verdict:
@@ -184,6 +244,8 @@ def _classify_copy(scratch: str) -> Verdict:
         db = plyvel.DB(scratch, create_if_missing=False)
     except plyvel.Error as exc:
         detail = leveldb_detail(exc)
+        if isinstance(exc, plyvel.IOError) and _WRITE_FAILED.search(detail):
+            raise OSError(errno.ENOSPC, detail) from exc  # the temporary folder's fault, not the store's
         found = _COMPARATOR.search(detail)
         if found is None:
             return Verdict(Owner.UNREADABLE, detail)
@@ -200,7 +262,8 @@ def _classify_copy(scratch: str) -> Verdict:
 
 def refuse_another_programs(path: str) -> None:
     """ForeignStoreError for another program's LevelDB, ForeignLayoutError for another release's
-    store, before anything in ``path`` is touched; nothing for ours or an unreadable one."""
+    store, before anything in ``path`` is touched; nothing for ours or an unreadable one. Run once
+    ``store.check_repairable`` found no process holding the folder's lock."""
     verdict = classify_folder(path)
     if verdict.owner is Owner.FOREIGN:
         raise ForeignStoreError(path, verdict.why)

@@ -4,18 +4,22 @@ plyvel stores in tmp folders, one written by the real engine and stream logs."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import plyvel
 import pytest
+from test_store import Holder
 from test_store_repair import digest
 from test_streams import make_logs, put
 
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
-from amqtt_durable.errors import ForeignLayoutError, ForeignStoreError, StoreError
+from amqtt_durable.errors import ForeignLayoutError, ForeignStoreError, StoreError, StoreLockedError
 from amqtt_durable.repair import repair
 from amqtt_durable.replication.position import POSITION_KEY, SNAPSHOT_MARK_KEY
 from amqtt_durable.store import STORE_ID_KEY, VERSION_KEY, entry_key, open_store, session_key
@@ -274,16 +278,20 @@ def test_another_releases_store_is_refused_untouched(store_path: str, *, current
 
 def test_an_unreadable_foreign_leveldb_is_repaired_by_leveldb_but_not_taken_over(store_path: str) -> None:
     """Without CURRENT and MANIFEST nothing could be read before: LevelDB's repair runs, as for a
-    damaged store; what it reads then is another program's keys, so no version key is written and
-    nothing rebuilt."""
+    damaged store; what it reads then is another program's keys, so no version key is written,
+    nothing rebuilt, and repair fails (it said 'repaired' and exited 0)."""
     leveldb(store_path, FOREIGN)
     lose_current_and_manifests(store_path)
-    report = repair(store_path)
-    assert report.rebuilt == []
-    assert report.lost == [
-        "no layout version key or store id, and its key b'user:1' has the shape of no key of amqtt-durable's "
-        "store layout: not this plugin's store; nothing rebuilt"
-    ]
+    with pytest.raises(ForeignStoreError) as info:
+        repair(store_path)
+    assert info.value.repaired
+    assert str(info.value) == (
+        f"repair of '{store_path}' stopped: it is not an amqtt-durable store but another program's LevelDB (no "
+        "layout version key or store id, and its key b'user:1' has the shape of no key of amqtt-durable's store "
+        "layout). It could not be read, so LevelDB's repair has run on it (its readable records kept: the logs' and "
+        "damaged tables' in new table files; the logs, damaged tables and old MANIFESTs moved to "
+        f"'{store_path}/lost'), but nothing was rebuilt and no version key written"
+    )
     db = plyvel.DB(store_path)
     try:
         assert dict(db.iterator()) == FOREIGN
@@ -303,8 +311,116 @@ def test_a_scratch_copy_that_cannot_be_made_refuses_repair_untouched(
     with pytest.raises(StoreError) as info:
         repair(store_path)
     assert str(info.value) == (
-        f"repair of '{store_path}' not started: whose LevelDB it is could not be checked (a scratch copy of its log "
-        f"and MANIFEST files in {not_a_folder} failed: Not a directory); nothing was changed. Set TMPDIR to a "
-        "folder with room for them, then run repair again"
+        f"repair of '{store_path}' not started: whose LevelDB it is could not be checked (a scratch copy of it in "
+        f"{not_a_folder} failed: Not a directory); nothing was changed. Set TMPDIR to a folder with room for its "
+        "log and MANIFEST files, its table files numbered past its MANIFEST and what LevelDB writes opening the "
+        "copy, then run repair again"
     )
     assert digest(store_path) == before
+
+
+def orphan_tables(path: str) -> None:
+    """Table files no MANIFEST lists, numbered where the next open allocates: what a crash between a
+    flush's (or a compaction's) table write and its MANIFEST record leaves, and what a running
+    LevelDB has on disk during every flush (review 282)."""
+    for number in range(1, 20):
+        taken = [Path(path, f"{number:06d}.{ext}") for ext in ("ldb", "log")] + [Path(path, f"MANIFEST-{number:06d}")]
+        if not any(name.exists() for name in taken):
+            Path(path, f"{number:06d}.ldb").write_bytes(b"orphan table %d " % number * 64)
+
+
+def test_an_orphan_table_of_a_crashed_store_stays_byte_identical(store_path: str) -> None:
+    """The copy's open makes a table of the log's records with the next file number: a linked orphan
+    of that number was truncated and rewritten through the link (review 282 P1)."""
+    leveldb(store_path, {VERSION_KEY: b"1", entry_key(1, 1): bytes(14)})  # in the log only
+    orphan_tables(store_path)
+    before = digest(store_path)
+    assert classify_folder(store_path).owner is Owner.OURS
+    assert digest(store_path) == before
+
+
+def test_a_store_a_running_broker_holds_is_refused_before_anything_of_it_is_written(store_path: str) -> None:
+    """The lock is checked before the scratch copy is made: the broker's flush output, not in its
+    MANIFEST yet, was rewritten through the copy's link (review 282 P1)."""
+    leveldb(store_path, {VERSION_KEY: b"1"})
+    holder = Holder(store_path)
+    try:
+        orphan_tables(store_path)
+        before = digest(store_path)
+        with pytest.raises(StoreLockedError):
+            repair(store_path)
+        assert digest(store_path) == before
+    finally:
+        holder.stop()
+
+
+@pytest.mark.parametrize("current", [b"", b"garbage\n", b"MANIFEST-000999\n"], ids=["empty", "garbled", "no-such"])
+def test_a_foreign_leveldb_whose_current_file_is_a_crash_leftover_is_refused_untouched(
+    store_path: str, current: bytes
+) -> None:
+    """A CURRENT that names no MANIFEST of the folder is taken for a lost one: the copy is opened
+    with the newest MANIFEST (LevelDB's repair ran on it)."""
+    leveldb(store_path, FOREIGN)
+    Path(store_path, "CURRENT").write_bytes(current)
+    before = digest(store_path)
+    with pytest.raises(ForeignStoreError, match=r"its key b'user:1' has"):
+        repair(store_path)
+    assert digest(store_path) == before
+
+
+def test_a_leveldb_with_its_own_comparator_that_lost_only_current_is_refused_untouched(store_path: str) -> None:
+    leveldb(store_path, {b"k": b"1"}, comparator=reverse, comparator_name=b"test.Reverse")
+    Path(store_path, "CURRENT").unlink()
+    before = digest(store_path)
+    with pytest.raises(ForeignStoreError, match=r"the comparator 'test\.Reverse'"):
+        repair(store_path)
+    assert digest(store_path) == before
+
+
+def files_digest(path: str) -> dict[str, str]:
+    return {name: hashlib.sha256(Path(path, name).read_bytes()).hexdigest() for name in sorted(os.listdir(path))
+            if Path(path, name).is_file()}
+
+
+def a_store_whose_log_cannot_be_read(path: str) -> None:
+    leveldb(path, FOREIGN)
+    Path(path, "000099.log").mkdir()  # read as a log: IsADirectoryError
+
+
+@pytest.mark.parametrize(
+    ("make", "owner"),
+    [
+        (lambda path: leveldb(path, {VERSION_KEY: b"1"}), Owner.OURS),
+        (lambda path: leveldb(path, {VERSION_KEY: b"2"}), Owner.ANOTHER_RELEASE),
+        (lambda path: leveldb(path, FOREIGN), Owner.FOREIGN),
+        (lambda path: (leveldb(path, FOREIGN), lose_current_and_manifests(path)), Owner.UNREADABLE),
+        (a_store_whose_log_cannot_be_read, None),
+    ],
+    ids=["ours", "another-release", "foreign", "unreadable", "error"],
+)
+def test_the_temporary_folder_is_left_empty(
+    store_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make: Callable[[str], object], owner: Owner | None
+) -> None:
+    make(store_path)
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    if owner is None:
+        with pytest.raises(StoreError):
+            classify_folder(store_path)
+    else:
+        assert classify_folder(store_path).owner is owner
+    assert list(scratch.iterdir()) == []
+
+
+def test_a_file_of_the_store_that_cannot_be_read_is_named_not_the_temporary_folder(store_path: str) -> None:
+    a_store_whose_log_cannot_be_read(store_path)
+    before = files_digest(store_path)
+    with pytest.raises(StoreError) as info:
+        repair(store_path)
+    assert str(info.value) == (
+        f"repair of '{store_path}' not started: whose LevelDB it is could not be checked (its file 000099.log "
+        "could not be read: Is a directory); nothing was changed"
+    )
+    assert files_digest(store_path) == before
+
