@@ -13,6 +13,7 @@ from pathlib import Path
 
 import plyvel
 import pytest
+from small_disk import fill, leave_free, small_disk
 from test_store import Holder
 from test_store_repair import digest
 from test_streams import make_logs, put
@@ -424,3 +425,25 @@ def test_a_file_of_the_store_that_cannot_be_read_is_named_not_the_temporary_fold
     )
     assert files_digest(store_path) == before
 
+
+
+def test_a_temporary_folder_too_full_for_the_copys_open_refuses_repair_untouched(
+    store_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy is made, but LevelDB's open of it cannot write the table of its log: TMPDIR's fault,
+    not damage (it was 'unreadable', and LevelDB's repair ran on another program's LevelDB)."""
+    leveldb(store_path, {b"user:%d" % number: os.urandom(1000) for number in range(300)})  # in the log only
+    before = digest(store_path)
+    log_size = sum(Path(store_path, name).stat().st_size for name in before if name.endswith(".log"))
+    with small_disk(tmp_path / "disk", 1) as disk:
+        leave_free(disk, fill(disk), log_size + log_size // 2)
+        monkeypatch.setattr(tempfile, "tempdir", str(disk))
+        with pytest.raises(StoreError) as info:
+            repair(store_path)
+        assert str(info.value).startswith(
+            f"repair of '{store_path}' not started: whose LevelDB it is could not be checked (a scratch copy of it in "
+            f"{disk} failed: IO error: {disk}/amqtt-durable-check-"
+        ), info.value
+        assert "No space left on device); nothing was changed. Set TMPDIR to a folder with room" in str(info.value)
+        assert sorted(name.name for name in disk.iterdir()) == ["filler"]
+    assert digest(store_path) == before
