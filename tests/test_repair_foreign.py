@@ -84,3 +84,49 @@ def test_repair_still_repairs_a_genuine_store_that_lost_its_version_key(
     broker.start()
     assert device.connect() is True, "the session is kept"
     assert [m.payload for m in device.wait_messages(3)] == payloads(3)
+
+
+def test_repair_of_a_running_brokers_store_is_refused_before_any_file_of_it_is_written(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """The lock is checked before the scratch copy: no file of the store changes, not even LevelDB's
+    info LOG an open moves (review 282 P1)."""
+    broker = broker_factory()
+    clients(broker.port, "pub", clean_session=True).publish("t", payloads(3), qos=1)
+    before = folder_digest(broker.store)
+
+    result = run_cli("repair", broker.store)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    locked = f"amqtt-durable: store '{broker.store}' is locked by another process ("
+    assert result.stderr.startswith(locked), result.stderr
+    assert folder_digest(broker.store) == before
+
+
+def test_repair_exits_1_for_a_leveldb_found_another_programs_only_after_leveldbs_repair(tmp_path: Path) -> None:
+    """Its CURRENT and MANIFEST gone, nothing could be read before LevelDB's repair; what it reads
+    then is not taken over, and repair says so and fails (it said 'repaired' and exited 0)."""
+    store = str(tmp_path / "other")
+    db = plyvel.DB(store, create_if_missing=True)
+    for key, value in FOREIGN.items():
+        db.put(key, value)
+    db.close()
+    for name in Path(store).iterdir():
+        if name.name == "CURRENT" or name.name.startswith("MANIFEST-"):
+            name.unlink()
+
+    result = run_cli("repair", store)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout == ""
+    assert result.stderr.startswith(
+        f"amqtt-durable: repair of '{store}' stopped: it is not an amqtt-durable store but another program's "
+        "LevelDB (no layout version key or store id, and its key b'user:1' has the shape of no key of "
+        "amqtt-durable's store layout). It could not be read, so LevelDB's repair has run on it"
+    ), result.stderr
+    db = plyvel.DB(store)
+    try:
+        assert db.get(b"v") is None
+        assert dict(db.iterator()) == FOREIGN
+    finally:
+        db.close()
