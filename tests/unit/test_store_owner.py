@@ -426,7 +426,6 @@ def test_a_file_of_the_store_that_cannot_be_read_is_named_not_the_temporary_fold
     assert files_digest(store_path) == before
 
 
-
 def test_a_temporary_folder_too_full_for_the_copys_open_refuses_repair_untouched(
     store_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
