@@ -739,7 +739,7 @@ def held_lock(path: str) -> Iterator[None]:
     try:
         try:
             fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:  # taken between the open that checked it and now
+        except OSError as exc:  # taken since check_repairable found it free
             raise StoreLockedError(path) from exc
         yield
     finally:
