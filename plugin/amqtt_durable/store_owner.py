@@ -29,12 +29,14 @@ LevelDB of another program whose every key happens to fit the layout cannot be t
 The folder itself is never opened here (repair opens it only once it is not refused): LevelDB's
 open of a store writes to it (its log made a table, a new MANIFEST and log, its LOG file moved to
 LOG.old), so ``classify_folder`` opens a scratch copy in a temporary folder (``TMPDIR``): the log,
-CURRENT and MANIFEST files copied, table files numbered below the MANIFEST's own number linked
-(LevelDB never writes to a table file, only unlinks the link, and the open makes new files only
-with numbers past the MANIFEST's), any other table file copied. The temporary folder needs room
-for the copies and for what LevelDB's open of the copy writes there: a table of the log's records,
-and the tables of a compaction that open may start (at worst about the size of the store's
-tables); it is removed, whatever the verdict or error.
+CURRENT and MANIFEST files copied, the table files its MANIFEST may list linked (those numbered below
+the next file number the MANIFEST records: LevelDB never writes to a table file, only unlinks the
+link, and the open makes new files only with numbers from that one on), the others (tables no
+MANIFEST lists: a crash's or an interrupted compaction's) copied, and every table copied if the
+MANIFEST records no such number this reader understands. The temporary folder needs room for the
+copies and for what LevelDB's open of the copy writes there: a table of the log's records, and the
+tables of a compaction that open may start (at worst about the size of the store's tables); it is
+removed, whatever the verdict or error.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from typing import Any
 import plyvel
 
 from .errors import ForeignLayoutError, ForeignStoreError, StoreError
+from .leveldb_manifest import next_file_number
 from .replication.position import POSITION_KEY, SNAPSHOT_MARK_KEY
 from .store import (
     KEY_SIZES,
@@ -164,7 +167,7 @@ def classify_folder(path: str) -> Verdict:
     folder = os.path.abspath(path)
     try:
         with tempfile.TemporaryDirectory(prefix="amqtt-durable-check-") as scratch:
-            _scratch_copy(folder, names, scratch)
+            scratch_copy(folder, names, scratch)
             return _classify_copy(scratch)
     except OSError as exc:
         if isinstance(exc.filename, str) and os.path.dirname(os.path.abspath(exc.filename)) == folder:
@@ -175,40 +178,63 @@ def classify_folder(path: str) -> Verdict:
         raise StoreError(
             f"repair of '{path}' not started: whose LevelDB it is could not be checked (a scratch copy of it in "
             f"{tempfile.gettempdir()} failed: {exc.strerror or exc}); nothing was changed. Set TMPDIR to a folder "
-            "with room for its log and MANIFEST files, its table files numbered past its MANIFEST and what LevelDB "
-            "writes opening the copy, then run repair again"
+            "with room for copies of its log and MANIFEST files and of any table files no MANIFEST lists, and for "
+            "what LevelDB writes opening the copy, then run repair again"
         ) from exc
 
 
-def _scratch_copy(folder: str, names: list[str], scratch: str) -> None:
-    """The scratch copy of the LevelDB in ``folder``: its CURRENT, MANIFEST and log files copied, and
-    its table files numbered below the MANIFEST's own number linked (LevelDB never writes to a table
-    file, and its open of the copy makes new files only with numbers past that MANIFEST's, so a new
-    file never replaces a linked one: writing through the link would change the folder's file);
-    the others (a flush's or compaction's output a crash left out of every MANIFEST) are copied.
-    A CURRENT that is lost, empty or names no MANIFEST of the folder (a crash's leftovers) is
-    replaced, in the copy, by one naming the newest MANIFEST, so that such a folder's keys are judged
-    too (LevelDB's repair writes a MANIFEST of its own anyway). Without a MANIFEST nothing is copied:
-    nothing opens. An OSError of reading names the folder's file, of writing the copy's (``filename``)."""
+def scratch_copy(folder: str, names: list[str], scratch: str) -> list[str]:
+    """The scratch copy, in folder ``scratch``, of the LevelDB in ``folder`` (its file ``names``),
+    and the names of the table files linked, not copied. CURRENT, the MANIFEST and the log files are
+    copied; the table files numbered below the next file number that MANIFEST records are linked
+    (LevelDB never writes to a table file, and its open of the copy numbers every file it makes from
+    that number on, so a new file never replaces a linked one: writing through the link would change
+    the folder's file); the others (tables no MANIFEST lists, a crash's or an interrupted
+    compaction's) are copied, and all of them if the MANIFEST records no next file number this
+    reader understands (leveldb_manifest.py). A CURRENT that is lost, empty or names no MANIFEST of
+    the folder (a crash's leftovers) is replaced, in the copy, by one naming the newest MANIFEST, so
+    that such a folder's keys are judged too (LevelDB's repair writes a MANIFEST of its own anyway).
+    Without a MANIFEST nothing is copied: nothing opens. An OSError of reading names the folder's
+    file, of writing the copy's (``filename``)."""
     manifests = sorted((int(found.group(1)), name) for name in names if (found := _MANIFEST.match(name)))
     if not manifests:
-        return
+        return []
     current = _current(folder) if "CURRENT" in names else None
-    number, manifest = next((pair for pair in manifests if current == f"{pair[1]}\n"), manifests[-1])
+    manifest = next((name for _, name in manifests if current == f"{name}\n"), manifests[-1][1])
     with open(os.path.join(scratch, "CURRENT"), "w", encoding="ascii") as written:
         written.write(f"{manifest}\n")
+    copied = os.path.join(scratch, manifest)
+    if not _copy_listed(os.path.join(folder, manifest), copied):
+        return []
+    with open(copied, "rb") as reading:
+        below = next_file_number(reading.read()) or 0
+    linked = []
     for name in names:
         source = os.path.join(folder, name)
-        try:
-            table = _TABLE.match(name)
-            if table is not None and int(table.group(1)) < number:
-                os.symlink(source, os.path.join(scratch, name))
-            elif table is not None or name == manifest or _LOG.match(name):
-                _copy(source, os.path.join(scratch, name))
-        except FileNotFoundError as exc:
-            if exc.filename != source:
+        target = os.path.join(scratch, name)
+        table = _TABLE.match(name)
+        if table is not None and int(table.group(1)) < below:
+            try:
+                os.symlink(source, target)
+            except OSError as exc:  # a symlink's target is not read: TMPDIR's fault, not the store's file's
+                exc.filename = target
                 raise
-            continue  # removed since it was listed (nothing holds the store's lock): the copy may not open
+            linked.append(name)
+        elif table is not None or _LOG.match(name):
+            _copy_listed(source, target)
+    return linked
+
+
+def _copy_listed(source: str, target: str) -> bool:
+    """``_copy``; False if ``source`` was removed since it was listed (nothing holds the store's
+    lock: the copy may not open)."""
+    try:
+        _copy(source, target)
+    except FileNotFoundError as exc:
+        if exc.filename != source:
+            raise
+        return False
+    return True
 
 
 def _current(folder: str) -> str | None:

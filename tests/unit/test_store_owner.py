@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shutil
 import struct
 import tempfile
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from amqtt_durable.errors import ForeignLayoutError, ForeignStoreError, StoreErr
 from amqtt_durable.repair import repair
 from amqtt_durable.replication.position import POSITION_KEY, SNAPSHOT_MARK_KEY
 from amqtt_durable.store import STORE_ID_KEY, VERSION_KEY, entry_key, open_store, session_key
-from amqtt_durable.store_owner import Owner, Verdict, classify, classify_folder, key_fits_layout
+from amqtt_durable.store_owner import Owner, Verdict, classify, classify_folder, key_fits_layout, scratch_copy
 
 GENEROUS = 10.0
 FOREIGN = {b"user:1": b"alice", b"user:2": b"bob"}
@@ -313,9 +314,9 @@ def test_a_scratch_copy_that_cannot_be_made_refuses_repair_untouched(
         repair(store_path)
     assert str(info.value) == (
         f"repair of '{store_path}' not started: whose LevelDB it is could not be checked (a scratch copy of it in "
-        f"{not_a_folder} failed: Not a directory); nothing was changed. Set TMPDIR to a folder with room for its "
-        "log and MANIFEST files, its table files numbered past its MANIFEST and what LevelDB writes opening the "
-        "copy, then run repair again"
+        f"{not_a_folder} failed: Not a directory); nothing was changed. Set TMPDIR to a folder with room for "
+        "copies of its log and MANIFEST files and of any table files no MANIFEST lists, and for what LevelDB "
+        "writes opening the copy, then run repair again"
     )
     assert digest(store_path) == before
 
@@ -338,6 +339,54 @@ def test_an_orphan_table_of_a_crashed_store_stays_byte_identical(store_path: str
     before = digest(store_path)
     assert classify_folder(store_path).owner is Owner.OURS
     assert digest(store_path) == before
+
+
+def test_a_manifest_named_above_its_recorded_next_file_number_does_not_let_the_copy_write_the_folder(
+    store_path: str, tmp_path: Path
+) -> None:
+    """LevelDB numbers the copy's new files from the next file number its MANIFEST records, not from
+    the MANIFEST's name (a renamed or restored one): a table linked below the name's number was
+    rewritten through the link (review 288 P2-1)."""
+    leveldb(store_path, {VERSION_KEY: b"1", entry_key(1, 1): bytes(14)})  # in the log: the copy's open makes a table
+    (manifest,) = [name for name in os.listdir(store_path) if name.startswith("MANIFEST-")]
+    Path(store_path, manifest).rename(Path(store_path, "MANIFEST-000100"))
+    Path(store_path, "CURRENT").write_text("MANIFEST-000100\n")
+    probe = tmp_path / "probe"  # LevelDB itself opens such a folder
+    shutil.copytree(store_path, probe)
+    db = plyvel.DB(str(probe))
+    try:
+        assert db.get(VERSION_KEY) == b"1"
+    finally:
+        db.close()
+    names = os.listdir(store_path)
+    for number in range(1, 100):  # table files the folder holds under the numbers the open may take
+        if not any(name.startswith(f"{number:06d}.") for name in names):
+            Path(store_path, f"{number:06d}.ldb").write_bytes(b"someone's table %d" % number)
+    before = digest(store_path)
+    assert classify_folder(store_path).owner is Owner.OURS
+    assert digest(store_path) == before
+
+
+def test_the_tables_of_a_store_after_a_broker_run_are_linked_not_copied(store_path: str, tmp_path: Path) -> None:
+    """The MANIFEST is named at the store's open, and every table the run writes is numbered past
+    that name: bounded by the name, the scratch copy copied nearly the whole store (review 288 P2-1)."""
+    engine_store(store_path)
+    db = open_store(store_path, create=False)  # the broker's open, then a run that flushes and compacts
+    try:
+        for run in range(2):
+            for number in range(60_000):
+                db.put(entry_key(number, run), os.urandom(100))
+            for number in range(0, 60_000, 2):
+                db.delete(entry_key(number, run))
+    finally:
+        db.close()
+    tables = sorted(name for name in os.listdir(store_path) if name.endswith((".ldb", ".sst")))
+    assert len(tables) > 1
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    assert sorted(scratch_copy(store_path, os.listdir(store_path), str(scratch))) == tables
+    copied = [path.name for path in scratch.iterdir() if not path.is_symlink()]
+    assert not [name for name in copied if name.endswith((".ldb", ".sst"))]
 
 
 def test_a_store_a_running_broker_holds_is_refused_before_anything_of_it_is_written(store_path: str) -> None:
