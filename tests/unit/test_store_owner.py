@@ -389,6 +389,38 @@ def test_the_tables_of_a_store_after_a_broker_run_are_linked_not_copied(store_pa
     assert not [name for name in copied if name.endswith((".ldb", ".sst"))]
 
 
+def test_a_link_the_temporary_folder_cannot_take_is_named_as_its_fault_not_the_stores(
+    store_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TMPDIR out of inodes while the copy is made: a table's link that failed named the store's
+    table as a file that could not be read (review 288 P3-2)."""
+    db = plyvel.DB(store_path, create_if_missing=True, write_buffer_size=64 * 1024)
+    for number in range(2000):  # tables of the LevelDB's flushes and compactions, numbered below its MANIFEST's
+        db.put(b"user:%d" % number, os.urandom(1000))
+    db.close()
+    plyvel.DB(store_path).close()
+    before = digest(store_path)
+    with small_disk(tmp_path / "disk", 1, inodes=8) as disk:
+        taken = []
+        for number in range(8):  # bounded: the tmpfs has 8 inodes, its root folder one of them
+            try:
+                taken.append(disk / f"taken{number}")
+                taken[-1].touch()
+            except OSError:
+                taken.pop()
+                break
+        for path in taken[:3]:  # room for the scratch folder, its CURRENT and MANIFEST: not for its log or a link
+            path.unlink()
+        monkeypatch.setattr(tempfile, "tempdir", str(disk))
+        with pytest.raises(StoreError) as info:
+            repair(store_path)
+    assert str(info.value).startswith(
+        f"repair of '{store_path}' not started: whose LevelDB it is could not be checked (a scratch copy of it in "
+        f"{disk} failed: No space left on device); nothing was changed. Set TMPDIR to a folder with room"
+    ), info.value
+    assert digest(store_path) == before
+
+
 def test_a_store_a_running_broker_holds_is_refused_before_anything_of_it_is_written(store_path: str) -> None:
     """The lock is checked before the scratch copy is made: the broker's flush output, not in its
     MANIFEST yet, was rewritten through the copy's link (review 282 P1)."""
