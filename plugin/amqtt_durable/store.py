@@ -608,15 +608,6 @@ def open_store(path: str, *, create: bool = True) -> Any:
     return db
 
 
-def repair_store(path: str) -> None:
-    """LevelDB's own repair (only): rebuilds the tables from every readable record. ``repaired_store``
-    is the repair ``amqtt-durable repair`` runs (the plugin's bookkeeping rebuilt on top, after
-    ``store_owner`` refused another program's LevelDB or another release's store: this does not)."""
-    _start_repair(path)
-    with held_lock(path):
-        _repair_db(path)
-
-
 @contextlib.contextmanager
 def repaired_store(path: str) -> Iterator[Any]:
     """LevelDB's own repair, then the repaired store, open, for ``repair.rebuild``: the store's lock
@@ -714,15 +705,19 @@ def _refuse_locked(path: str) -> None:
     """StoreLockedError if a process holds the store's lock (LevelDB's fcntl lock of its LOCK file),
     found without writing anything: LOCK is opened, not created (a folder without one is held by
     nobody; one that cannot be opened is left to LevelDB's open to name), and the lock taken to
-    check is released at once. A lock this process holds is not seen (fcntl locks are the process's)."""
+    check, a shared one (it needs LOCK readable only, not writable: a user who may not write it
+    still sees a broker's lock), is released at once. A lock this process holds is not seen (fcntl
+    locks are the process's)."""
     try:
-        descriptor = os.open(os.path.join(path, "LOCK"), os.O_RDWR)
+        descriptor = os.open(os.path.join(path, "LOCK"), os.O_RDONLY)
     except OSError:
         return
     try:
-        fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as exc:
-        raise StoreLockedError(path) from exc
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            raise StoreLockedError(path) from exc
+        raise StoreError(f"cannot check whether a process holds store '{path}': {exc.strerror or exc}") from exc
     finally:
         os.close(descriptor)
 
