@@ -270,8 +270,10 @@ def _classify_copy(scratch: str) -> Verdict:
         db = plyvel.DB(scratch, create_if_missing=False)
     except plyvel.Error as exc:
         detail = leveldb_detail(exc)
-        if isinstance(exc, plyvel.IOError) and _WRITE_FAILED.search(detail):
-            raise OSError(errno.ENOSPC, detail) from exc  # the temporary folder's fault, not the store's
+        failed = _WRITE_FAILED.search(detail) if isinstance(exc, plyvel.IOError) else None
+        if failed is not None:  # the temporary folder's fault, not the store's: said as a scratch file's write
+            code = errno.ENOSPC if failed.group(0) == os.strerror(errno.ENOSPC) else errno.EDQUOT
+            raise OSError(code, os.strerror(code)) from exc
         found = _COMPARATOR.search(detail)
         if found is None:
             return Verdict(Owner.UNREADABLE, detail)
