@@ -4,7 +4,6 @@ plyvel stores in tmp folders, one written by the real engine and stream logs."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import shutil
 import struct
@@ -15,13 +14,21 @@ from pathlib import Path
 import plyvel
 import pytest
 from small_disk import fill, leave_free, small_disk
+from test_hostile_store import folder_digest
 from test_store import Holder
 from test_store_repair import digest
 from test_streams import make_logs, put
 
+import amqtt_durable
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
-from amqtt_durable.errors import ForeignLayoutError, ForeignStoreError, StoreError, StoreLockedError
+from amqtt_durable.errors import (
+    ForeignLayoutError,
+    ForeignStoreError,
+    StoreCorruptedError,
+    StoreError,
+    StoreLockedError,
+)
 from amqtt_durable.repair import repair
 from amqtt_durable.replication.position import POSITION_KEY, SNAPSHOT_MARK_KEY
 from amqtt_durable.store import STORE_ID_KEY, VERSION_KEY, entry_key, open_store, session_key
@@ -459,11 +466,6 @@ def test_a_leveldb_with_its_own_comparator_that_lost_only_current_is_refused_unt
     assert digest(store_path) == before
 
 
-def files_digest(path: str) -> dict[str, str]:
-    return {name: hashlib.sha256(Path(path, name).read_bytes()).hexdigest() for name in sorted(os.listdir(path))
-            if Path(path, name).is_file()}
-
-
 def a_store_whose_log_cannot_be_read(path: str) -> None:
     leveldb(path, FOREIGN)
     Path(path, "000099.log").mkdir()  # read as a log: IsADirectoryError
@@ -497,14 +499,14 @@ def test_the_temporary_folder_is_left_empty(
 
 def test_a_file_of_the_store_that_cannot_be_read_is_named_not_the_temporary_folder(store_path: str) -> None:
     a_store_whose_log_cannot_be_read(store_path)
-    before = files_digest(store_path)
+    before = folder_digest(store_path)
     with pytest.raises(StoreError) as info:
         repair(store_path)
     assert str(info.value) == (
         f"repair of '{store_path}' not started: whose LevelDB it is could not be checked (its file 000099.log "
         "could not be read: Is a directory); nothing was changed"
     )
-    assert files_digest(store_path) == before
+    assert folder_digest(store_path) == before
 
 
 def test_a_temporary_folder_too_full_for_the_copys_open_refuses_repair_untouched(
@@ -528,3 +530,10 @@ def test_a_temporary_folder_too_full_for_the_copys_open_refuses_repair_untouched
         )
         assert sorted(name.name for name in disk.iterdir()) == ["filler"]
     assert digest(store_path) == before
+
+
+def test_the_error_of_another_programs_leveldb_is_exported_as_a_store_error_not_damage() -> None:
+    """operations.md names it ``amqtt_durable.ForeignStoreError``, like ForeignLayoutError (review 288 P3-6)."""
+    assert amqtt_durable.ForeignStoreError is ForeignStoreError
+    assert issubclass(ForeignStoreError, StoreError)
+    assert not issubclass(ForeignStoreError, StoreCorruptedError)
