@@ -200,6 +200,14 @@ def test_keys_in_tables_are_judged_too(store_path: str) -> None:
     assert digest(store_path) == before
 
 
+def assert_refused_untouched(path: str, error: type[Exception], match: str) -> None:
+    """``repair`` of ``path`` raises ``error`` (its message matching ``match``), every file as it was."""
+    before = digest(path)
+    with pytest.raises(error, match=match):
+        repair(path)
+    assert digest(path) == before
+
+
 def reverse(a: bytes, b: bytes) -> int:
     return (a < b) - (a > b)
 
@@ -243,10 +251,7 @@ def test_a_folder_that_lost_only_its_current_file_is_judged_with_its_newest_mani
     db = plyvel.DB(store_path)  # a second MANIFEST, the first one removed as LevelDB does
     db.close()
     Path(store_path, "CURRENT").unlink()
-    before = digest(store_path)
-    with pytest.raises(ForeignStoreError, match=r"its key b'user:1' has"):
-        repair(store_path)
-    assert digest(store_path) == before
+    assert_refused_untouched(store_path, ForeignStoreError, r"its key b'user:1' has")
 
 
 def test_a_damaged_block_hiding_every_foreign_key_is_not_refused(store_path: str) -> None:
@@ -308,6 +313,18 @@ def test_an_unreadable_foreign_leveldb_is_repaired_by_leveldb_but_not_taken_over
         db.close()
 
 
+def assert_refused_for_tmpdir(path: str, tmpdir: Path, why: str) -> None:
+    """``repair`` of ``path`` refused as operations.md says, the scratch copy in ``tmpdir`` failed for ``why``."""
+    with pytest.raises(StoreError) as info:
+        repair(path)
+    assert str(info.value) == (
+        f"repair of '{path}' not started: whose LevelDB it is could not be checked (a scratch copy of it in "
+        f"{tmpdir} failed: {why}); nothing was changed. Set TMPDIR to a folder with room for copies of its log "
+        "and MANIFEST files and of any table files no MANIFEST lists, and for what LevelDB writes opening the "
+        "copy, then run repair again"
+    )
+
+
 def test_a_scratch_copy_that_cannot_be_made_refuses_repair_untouched(
     store_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -317,14 +334,7 @@ def test_a_scratch_copy_that_cannot_be_made_refuses_repair_untouched(
     not_a_folder = tmp_path / "file"
     not_a_folder.write_bytes(b"")
     monkeypatch.setattr(tempfile, "tempdir", str(not_a_folder))
-    with pytest.raises(StoreError) as info:
-        repair(store_path)
-    assert str(info.value) == (
-        f"repair of '{store_path}' not started: whose LevelDB it is could not be checked (a scratch copy of it in "
-        f"{not_a_folder} failed: Not a directory); nothing was changed. Set TMPDIR to a folder with room for "
-        "copies of its log and MANIFEST files and of any table files no MANIFEST lists, and for what LevelDB "
-        "writes opening the copy, then run repair again"
-    )
+    assert_refused_for_tmpdir(store_path, not_a_folder, "Not a directory")
     assert digest(store_path) == before
 
 
@@ -419,12 +429,7 @@ def test_a_link_the_temporary_folder_cannot_take_is_named_as_its_fault_not_the_s
         for path in taken[:3]:  # room for the scratch folder, its CURRENT and MANIFEST: not for its log or a link
             path.unlink()
         monkeypatch.setattr(tempfile, "tempdir", str(disk))
-        with pytest.raises(StoreError) as info:
-            repair(store_path)
-    assert str(info.value).startswith(
-        f"repair of '{store_path}' not started: whose LevelDB it is could not be checked (a scratch copy of it in "
-        f"{disk} failed: No space left on device); nothing was changed. Set TMPDIR to a folder with room"
-    ), info.value
+        assert_refused_for_tmpdir(store_path, disk, "No space left on device")
     assert digest(store_path) == before
 
 
@@ -451,19 +456,13 @@ def test_a_foreign_leveldb_whose_current_file_is_a_crash_leftover_is_refused_unt
     with the newest MANIFEST (LevelDB's repair ran on it)."""
     leveldb(store_path, FOREIGN)
     Path(store_path, "CURRENT").write_bytes(current)
-    before = digest(store_path)
-    with pytest.raises(ForeignStoreError, match=r"its key b'user:1' has"):
-        repair(store_path)
-    assert digest(store_path) == before
+    assert_refused_untouched(store_path, ForeignStoreError, r"its key b'user:1' has")
 
 
 def test_a_leveldb_with_its_own_comparator_that_lost_only_current_is_refused_untouched(store_path: str) -> None:
     leveldb(store_path, {b"k": b"1"}, comparator=reverse, comparator_name=b"test.Reverse")
     Path(store_path, "CURRENT").unlink()
-    before = digest(store_path)
-    with pytest.raises(ForeignStoreError, match=r"the comparator 'test\.Reverse'"):
-        repair(store_path)
-    assert digest(store_path) == before
+    assert_refused_untouched(store_path, ForeignStoreError, r"the comparator 'test\.Reverse'")
 
 
 def a_store_whose_log_cannot_be_read(path: str) -> None:
@@ -520,14 +519,7 @@ def test_a_temporary_folder_too_full_for_the_copys_open_refuses_repair_untouched
     with small_disk(tmp_path / "disk", 1) as disk:
         leave_free(disk, fill(disk), log_size + log_size // 2)
         monkeypatch.setattr(tempfile, "tempdir", str(disk))
-        with pytest.raises(StoreError) as info:
-            repair(store_path)
-        assert str(info.value) == (
-            f"repair of '{store_path}' not started: whose LevelDB it is could not be checked (a scratch copy of it in "
-            f"{disk} failed: No space left on device); nothing was changed. Set TMPDIR to a folder with room for "
-            "copies of its log and MANIFEST files and of any table files no MANIFEST lists, and for what LevelDB "
-            "writes opening the copy, then run repair again"
-        )
+        assert_refused_for_tmpdir(store_path, disk, "No space left on device")
         assert sorted(name.name for name in disk.iterdir()) == ["filler"]
     assert digest(store_path) == before
 
