@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 _BLOCK = 32768
 _HEADER = 7
-_FULL, _FIRST, _LAST = 1, 2, 4
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+_KINDS = frozenset({_FULL, _FIRST, _MIDDLE, _LAST})
 _VARINT_FIELDS = frozenset({2, 3, 4, 9})  # log number, next file number, last sequence, prev log number
 _NEXT_FILE = 3
 _COMPARATOR, _COMPACT_POINTER, _DELETED_FILE, _NEW_FILE = 1, 5, 6, 7
@@ -22,14 +23,15 @@ _MORE = 0x80
 
 
 def _records(data: bytes) -> Iterator[bytes]:
-    """The log's records, until its first zero type (a block's padding, or never written) or torn one."""
+    """The log's records, until its first record of zero type (never written), of a type LevelDB's
+    log format does not have, or torn: an earlier number only links fewer tables."""
     record = b""
     for block in range(0, len(data), _BLOCK):
         at, end = block, min(block + _BLOCK, len(data))
-        while end - at >= _HEADER:
+        while end - at >= _HEADER:  # less: the zeros that pad a block's tail
             length, kind = struct.unpack_from("<HB", data, at + 4)
-            if kind == 0 or at + _HEADER + length > end:
-                break
+            if kind not in _KINDS or at + _HEADER + length > end:
+                return
             chunk = data[at + _HEADER : at + _HEADER + length]
             at += _HEADER + length
             record = chunk if kind in (_FULL, _FIRST) else record + chunk

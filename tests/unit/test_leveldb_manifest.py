@@ -68,3 +68,11 @@ def test_a_torn_last_record_ends_the_reading() -> None:
     record = bytes(4) + len(edit).to_bytes(2, "little") + bytes([1]) + edit
     torn = bytes(4) + (100).to_bytes(2, "little") + bytes([1]) + bytes([3, 99])
     assert next_file_number(record + torn) == 42
+
+
+def test_a_record_of_zero_or_unknown_type_ends_the_reading() -> None:
+    def record(kind: int, number: int) -> bytes:
+        return bytes(4) + (2).to_bytes(2, "little") + bytes([kind, 3, number])
+
+    assert next_file_number(record(1, 42) + record(0, 99) + record(1, 77)) == 42
+    assert next_file_number(record(1, 42) + record(9, 99) + record(1, 77)) == 42
