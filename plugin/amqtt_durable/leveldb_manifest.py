@@ -20,35 +20,49 @@ _NEXT_FILE = 3
 _COMPARATOR, _COMPACT_POINTER, _DELETED_FILE, _NEW_FILE = 1, 5, 6, 7
 _BYTE_BITS = 7
 _MORE = 0x80
+_VARINT_BYTES = 10  # the most a 64-bit value's varint takes
 
 
 def _records(data: bytes) -> Iterator[bytes]:
-    """The log's records, until its first record of zero type (never written), of a type LevelDB's
+    """The log's records, as LevelDB's log reader reads them: a header of zero type and zero length
+    (a preallocated block's zeros) skips the rest of its block and drops a record it splits; a
+    fragment that continues no first fragment is dropped; the reading ends at a record of a type the
     log format does not have, or torn: an earlier number only links fewer tables."""
-    record = b""
+    record: bytes | None = None
     for block in range(0, len(data), _BLOCK):
         at, end = block, min(block + _BLOCK, len(data))
         while end - at >= _HEADER:  # less: the zeros that pad a block's tail
             length, kind = struct.unpack_from("<HB", data, at + 4)
+            if kind == 0 and length == 0:
+                record = None
+                break
             if kind not in _KINDS or at + _HEADER + length > end:
                 return
             chunk = data[at + _HEADER : at + _HEADER + length]
             at += _HEADER + length
-            record = chunk if kind in (_FULL, _FIRST) else record + chunk
-            if kind in (_FULL, _LAST):
+            if kind in (_FULL, _FIRST):
+                record = chunk
+            elif record is not None:
+                record += chunk
+            if kind in (_FULL, _LAST) and record is not None:
                 yield record
+                record = None
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:
-    """The varint at ``at`` and where the next field starts; IndexError past the end."""
+    """The 64-bit varint at ``at`` and where the next field starts; IndexError past the end, and
+    ValueError for one longer than 10 bytes or over 64 bits (LevelDB's own reader rejects it)."""
     value = shift = 0
-    while True:
+    for _ in range(_VARINT_BYTES):
         byte = data[at]
         at += 1
         value |= (byte & (_MORE - 1)) << shift
         if not byte & _MORE:
+            if value >> 64:
+                raise ValueError(value)
             return value, at
         shift += _BYTE_BITS
+    raise ValueError("a varint of more than 10 bytes")
 
 
 def _skip_bytes(data: bytes, at: int) -> int:
@@ -79,18 +93,19 @@ def _edit_next_file(edit: bytes) -> tuple[bool, int | None]:
                 at = _skip_bytes(edit, _skip_bytes(edit, at))
             else:
                 return False, None
-    except IndexError:
+    except (IndexError, ValueError):
         return False, None
     return at == len(edit), found
 
 
 def next_file_number(manifest: bytes) -> int | None:
     """The next file number the MANIFEST ``manifest`` (its bytes) records last, None if it records
-    none or holds an edit this reader does not understand (nothing is judged on a guess)."""
+    none, holds an edit this reader does not understand, or records a number lower than an earlier
+    one (LevelDB never does: nothing is judged on a guess)."""
     found = None
     for edit in _records(manifest):
         understood, number = _edit_next_file(edit)
-        if not understood:
+        if not understood or (number is not None and found is not None and number < found):
             return None
         found = number if number is not None else found
     return found

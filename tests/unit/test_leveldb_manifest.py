@@ -20,6 +20,19 @@ def manifest_of(path: Path) -> bytes:
     return Path(path, Path(path, "CURRENT").read_text().strip()).read_bytes()
 
 
+def open_a_copy(store: Path, opened: Path) -> tuple[set[str], list[int]]:
+    """LevelDB's open of a copy of ``store`` at ``opened``: the store's tables it kept (it removes
+    every table its version does not list) and the numbers of the tables it made. A table it made
+    may have the name and the bytes of one no version lists: a flush the close interrupted, made
+    again from the same log under the same number. So a table the open made is not one it kept."""
+    shutil.copytree(store, opened)
+    plyvel.DB(str(opened)).close()
+    log = Path(opened, "LOG").read_text()
+    made = [int(number) for number in re.findall(r"(?:Level-0 table|Generated table) #(\d+)", log)]
+    tables = {name for name in os.listdir(store) if name.endswith((".ldb", ".sst"))}
+    return {name for name in tables & set(os.listdir(opened)) if int(name.split(".")[0]) not in made}, made
+
+
 def test_the_number_read_bounds_the_listed_tables_and_the_opens_new_files_over_blocks(tmp_path: Path) -> None:
     store = tmp_path / "store"
     db = plyvel.DB(str(store), create_if_missing=True, write_buffer_size=64 * 1024)
@@ -31,14 +44,9 @@ def test_the_number_read_bounds_the_listed_tables_and_the_opens_new_files_over_b
     assert len(manifest) > BLOCK, "the MANIFEST spans more than one block of LevelDB's log format"
     recorded = next_file_number(manifest)
     assert recorded is not None
-    opened = tmp_path / "opened"
-    shutil.copytree(store, opened)
-    plyvel.DB(str(opened)).close()
-    tables = {name for name in os.listdir(store) if name.endswith(".ldb")}
-    kept = tables & set(os.listdir(opened))  # the open removes every table its version does not list
+    kept, made = open_a_copy(store, tmp_path / "opened")
     assert kept
     assert all(int(name[:-4]) < recorded for name in kept), "a table the MANIFEST lists would be copied"
-    made = [int(number) for number in re.findall(r"Level-0 table #(\d+): started", Path(opened, "LOG").read_text())]
     assert made, "the open made a table of the log's records"
     assert min(made) >= recorded, "the open wrote a table under a number a linked table may have"
 
@@ -63,16 +71,55 @@ def test_a_manifest_with_an_edit_it_does_not_know_links_no_table(tmp_path: Path)
     assert any(path.name.endswith(".ldb") and not path.is_symlink() for path in scratch.iterdir())
 
 
+def fragment(kind: int, payload: bytes) -> bytes:
+    """A record of LevelDB's log format, its CRC left zero (the reader does not check it)."""
+    return bytes(4) + len(payload).to_bytes(2, "little") + bytes([kind]) + payload
+
+
+def next_file(number: int) -> bytes:
+    """A VersionEdit of one field, the next file number (tag 3), its varint any length."""
+    out = bytearray([3])
+    while number >= 0x80:
+        out.append(number & 0x7F | 0x80)
+        number >>= 7
+    return bytes(out) + bytes([number])
+
+
 def test_a_torn_last_record_ends_the_reading() -> None:
-    edit = bytes([3, 42])  # next file number 42
-    record = bytes(4) + len(edit).to_bytes(2, "little") + bytes([1]) + edit
     torn = bytes(4) + (100).to_bytes(2, "little") + bytes([1]) + bytes([3, 99])
-    assert next_file_number(record + torn) == 42
+    assert next_file_number(fragment(1, next_file(42)) + torn) == 42
 
 
 def test_a_record_of_zero_or_unknown_type_ends_the_reading() -> None:
-    def record(kind: int, number: int) -> bytes:
-        return bytes(4) + (2).to_bytes(2, "little") + bytes([kind, 3, number])
+    assert next_file_number(fragment(1, next_file(42)) + fragment(0, next_file(99)) + fragment(1, next_file(77))) == 42
+    assert next_file_number(fragment(1, next_file(42)) + fragment(9, next_file(99)) + fragment(1, next_file(77))) == 42
 
-    assert next_file_number(record(1, 42) + record(0, 99) + record(1, 77)) == 42
-    assert next_file_number(record(1, 42) + record(9, 99) + record(1, 77)) == 42
+
+def test_a_header_of_zeros_skips_the_rest_of_its_block_and_the_reading_goes_on() -> None:
+    """LevelDB's log reader: zero type and zero length (preallocated zeros) end the block, not the log."""
+    head = fragment(1, next_file(42)) + bytes(7) + fragment(1, next_file(99))  # the 99 is in the skipped rest
+    assert next_file_number(head + bytes(BLOCK - len(head)) + fragment(1, next_file(77))) == 77
+    split = fragment(1, next_file(42)) + fragment(2, bytes([3]))  # a first fragment the zeros' block ends
+    assert next_file_number(split + bytes(BLOCK - len(split)) + fragment(4, bytes([99]))) == 42
+
+
+def test_a_varint_over_64_bits_or_10_bytes_is_not_understood() -> None:
+    assert next_file_number(fragment(1, next_file(2**64 - 1))) == 2**64 - 1
+    assert next_file_number(fragment(1, next_file(2**64 + 42))) is None  # LevelDB would keep the low 42
+    assert next_file_number(fragment(1, bytes([3]) + bytes([0x80] * 10) + bytes([0]))) is None
+
+
+def test_a_next_file_number_lower_than_an_earlier_one_is_not_understood() -> None:
+    assert next_file_number(fragment(1, next_file(42)) + fragment(1, next_file(42)) + fragment(1, next_file(43))) == 43
+    assert next_file_number(fragment(1, next_file(42)) + fragment(1, next_file(41))) is None
+
+
+def test_fragments_are_joined_and_a_fragment_continuing_none_is_dropped() -> None:
+    """A first, middle and last fragment make one record; a middle or last with no first before it
+    (its first lost) is no record, and a full record after a last starts afresh."""
+    edit = next_file(300)  # three bytes: tag, then a two-byte varint
+    joined = fragment(2, edit[:1]) + fragment(3, edit[1:2]) + fragment(4, edit[2:])
+    assert next_file_number(joined) == 300
+    assert next_file_number(joined + fragment(3, bytes([3, 99])) + fragment(4, bytes([3, 99]))) == 300
+    assert next_file_number(fragment(4, edit) + fragment(1, next_file(7))) == 7
+    assert next_file_number(joined + fragment(1, next_file(301))) == 301

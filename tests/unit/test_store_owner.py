@@ -15,6 +15,7 @@ import plyvel
 import pytest
 from small_disk import fill, leave_free, small_disk
 from test_hostile_store import folder_digest
+from test_leveldb_manifest import open_a_copy
 from test_store import Holder
 from test_store_repair import digest
 from test_streams import make_logs, put
@@ -398,10 +399,7 @@ def test_the_tables_of_a_store_after_a_broker_run_are_linked_not_copied(store_pa
     finally:
         db.close()
     tables = {name for name in os.listdir(store_path) if name.endswith((".ldb", ".sst"))}
-    listed = tmp_path / "listed"  # LevelDB's open removes every table its MANIFEST does not list
-    shutil.copytree(store_path, listed)
-    plyvel.DB(str(listed)).close()
-    kept = tables & set(os.listdir(listed))
+    kept = open_a_copy(Path(store_path), tmp_path / "listed")[0]  # the tables the MANIFEST lists
     assert len(kept) > 1
     scratch = tmp_path / "scratch"
     scratch.mkdir()
