@@ -29,11 +29,11 @@ LevelDB of another program whose every key happens to fit the layout cannot be t
 The folder itself is never opened here (repair opens it only once it is not refused): LevelDB's
 open of a store writes to it (its log made a table, a new MANIFEST and log, its LOG file moved to
 LOG.old), so ``classify_folder`` opens a scratch copy in a temporary folder (``TMPDIR``): the log,
-CURRENT and MANIFEST files copied, the table files its MANIFEST may list linked (those numbered below
-the next file number the MANIFEST records: LevelDB never writes to a table file, only unlinks the
-link, and the open makes new files only with numbers from that one on), the others (tables no
-MANIFEST lists: a crash's or an interrupted compaction's) copied, and every table copied if the
-MANIFEST records no such number this reader understands. The temporary folder needs room for the
+CURRENT and MANIFEST files copied, the table files numbered below the next file number the MANIFEST
+records linked (LevelDB never writes to a table file, only unlinks the link, and the open numbers
+its new files from that number on), the other table files (among them a crash's or an interrupted
+compaction's, which no MANIFEST lists) copied, and every table file copied if the MANIFEST records
+no such number this reader understands. The temporary folder needs room for the
 copies and for what LevelDB's open of the copy writes there: a table of the log's records, and the
 tables of a compaction that open may start (at worst about the size of the store's tables); it is
 removed, whatever the verdict or error.
@@ -178,8 +178,8 @@ def classify_folder(path: str) -> Verdict:
         raise StoreError(
             f"repair of '{path}' not started: whose LevelDB it is could not be checked (a scratch copy of it in "
             f"{tempfile.gettempdir()} failed: {exc.strerror or exc}); nothing was changed. Set TMPDIR to a folder "
-            "with room for copies of its log and MANIFEST files and of any table files no MANIFEST lists, and for "
-            "what LevelDB writes opening the copy, then run repair again"
+            "with room for copies of its log and MANIFEST files and of the table files numbered at or above the next "
+            "file number its MANIFEST records, and for what LevelDB writes opening the copy, then run repair again"
         ) from exc
 
 
@@ -189,8 +189,8 @@ def scratch_copy(folder: str, names: list[str], scratch: str) -> list[str]:
     copied; the table files numbered below the next file number that MANIFEST records are linked
     (LevelDB never writes to a table file, and its open of the copy numbers every file it makes from
     that number on, so a new file never replaces a linked one: writing through the link would change
-    the folder's file); the others (tables no MANIFEST lists, a crash's or an interrupted
-    compaction's) are copied, and all of them if the MANIFEST records no next file number this
+    the folder's file); the other table files (among them a crash's or an interrupted compaction's,
+    which no MANIFEST lists) are copied, and all of them if the MANIFEST records no next file number this
     reader understands (leveldb_manifest.py). A CURRENT that is lost, empty or names no MANIFEST of
     the folder (a crash's leftovers) is replaced, in the copy, by one naming the newest MANIFEST, so
     that such a folder's keys are judged too (LevelDB's repair writes a MANIFEST of its own anyway).

@@ -321,8 +321,8 @@ def assert_refused_for_tmpdir(path: str, tmpdir: Path, why: str) -> None:
     assert str(info.value) == (
         f"repair of '{path}' not started: whose LevelDB it is could not be checked (a scratch copy of it in "
         f"{tmpdir} failed: {why}); nothing was changed. Set TMPDIR to a folder with room for copies of its log "
-        "and MANIFEST files and of any table files no MANIFEST lists, and for what LevelDB writes opening the "
-        "copy, then run repair again"
+        "and MANIFEST files and of the table files numbered at or above the next file number its MANIFEST "
+        "records, and for what LevelDB writes opening the copy, then run repair again"
     )
 
 
