@@ -38,10 +38,13 @@ def test_the_number_read_bounds_the_listed_tables_and_the_opens_new_files_over_b
     db = plyvel.DB(str(store), create_if_missing=True, write_buffer_size=64 * 1024)
     for number in range(40_000):  # hundreds of flushes and compactions, each an edit of the MANIFEST
         db.put(b"k%08d" % (number * 7919 % 40_000), b"%600d" % number)
+    big = b"z" + os.urandom(35_000).hex().encode()  # a 70 KiB key, the largest: a table's edit names it
+    db.put(big, b"v")
+    db.compact_range()
     db.put(b"in the log", b"the next open makes a table of it")
     db.close()
     manifest = manifest_of(store)
-    assert len(manifest) > BLOCK, "the MANIFEST spans more than one block of LevelDB's log format"
+    assert big[: BLOCK // 2] in manifest, "an edit longer than two blocks: it spans blocks of LevelDB's log format"
     recorded = next_file_number(manifest)
     assert recorded is not None
     kept, made = open_a_copy(store, tmp_path / "opened")
