@@ -15,13 +15,15 @@ CHUNK = bytes(1 << 20)
 
 
 @contextmanager
-def small_disk(folder: Path, size_mb: int) -> Iterator[Path]:
-    """Mount a tmpfs of ``size_mb`` MB on ``folder`` for the duration; skip the test where the
-    machine does not allow it (not root, no mount permission in the container)."""
+def small_disk(folder: Path, size_mb: int, inodes: int | None = None) -> Iterator[Path]:
+    """Mount a tmpfs of ``size_mb`` MB (and ``inodes`` files and folders, if given) on ``folder``
+    for the duration; skip the test where the machine does not allow it (not root, no mount
+    permission in the container)."""
     folder.mkdir(parents=True, exist_ok=True)
+    options = f"size={size_mb}m" + (f",nr_inodes={inodes}" if inodes is not None else "")
     try:
         mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(folder)],
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
             capture_output=True,
             text=True,
             timeout=10,

@@ -61,6 +61,13 @@ class StoreCorruptedError(StoreError):
         )
 
 
+def _leveldb_repaired(path: str) -> str:
+    return (
+        "LevelDB's repair has run on it (its readable records kept: the logs' and damaged tables' in new table "
+        f"files; the logs, damaged tables and old MANIFESTs moved to '{path}/lost')"
+    )
+
+
 class ForeignLayoutError(StoreError):
     """The store was written by another release of this plugin (another layout version): not
     damage, so not something repair changes, and not a StoreCorruptedError (which earlier
@@ -76,9 +83,7 @@ class ForeignLayoutError(StoreError):
         )
         if repaired:  # it did not open (damaged), so its version was only readable after LevelDB's repair
             super().__init__(
-                f"{named} It did not open, so LevelDB's repair has run on it (its readable records kept: the logs' "
-                f"and damaged tables' in new table files; the logs, damaged tables and old MANIFESTs moved to "
-                f"'{path}/lost'), but none of its sessions, "
+                f"{named} It did not open, so {_leveldb_repaired(path)}, but none of its sessions, "
                 "queue totals or references was rebuilt (this release does not know that layout): run the "
                 "release that wrote it (its repair too)."
             )
@@ -86,6 +91,28 @@ class ForeignLayoutError(StoreError):
         super().__init__(
             f"{named} Run the release that wrote it, or point 'store' at another folder; "
             "'amqtt-durable repair' does not change a store's layout (it refuses such a store)."
+        )
+
+
+class ForeignStoreError(StoreError):
+    """``amqtt-durable repair`` on a LevelDB folder of another program (store_owner.py's rule): refused
+    before anything in the folder is touched, since LevelDB's repair would rewrite that program's data;
+    or, ``repaired``, found so only once LevelDB's repair had run on a folder LevelDB could not read."""
+
+    def __init__(self, path: str, why: str, *, repaired: bool = False) -> None:
+        self.path = path
+        self.why = why
+        self.repaired = repaired
+        if repaired:
+            super().__init__(
+                f"repair of '{path}' stopped: it is not an amqtt-durable store but another program's LevelDB ({why}). "
+                f"It could not be read, so {_leveldb_repaired(path)}, but nothing was rebuilt and no version key "
+                "written"
+            )
+            return
+        super().__init__(
+            f"repair of '{path}' refused: it is not an amqtt-durable store but another program's LevelDB ({why}); "
+            "nothing was changed. Point repair at the plugin's 'store' folder"
         )
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import plyvel
 
-from .errors import DamagedRecordError, StoreError
+from .errors import DamagedRecordError, ForeignStoreError, StoreError
 from .inspect_store import shown
 from .replication.position import POSITION_KEY
 from .store import (
@@ -37,6 +37,7 @@ from .store import (
     SessionRecord,
     awaiting_pubcomp,
     body_key,
+    check_repairable,
     decode_refs,
     decode_totals,
     decode_u64,
@@ -51,6 +52,7 @@ from .store import (
     sid_of_entry_key,
     totals_key,
 )
+from .store_owner import Owner, classify, refuse_another_programs
 from .stream_log import EVENT_PREFIX, MARK_PREFIX, decode_event, event_id_of, event_topic
 
 _SID_IN_RECORD = re.compile(rb'"sid"\s*:\s*(\d+)')
@@ -89,10 +91,18 @@ class _Queue:
 
 
 def repair(path: str, now: float | None = None) -> RepairReport:
-    """Repair the store at ``path`` (broker stopped) and say what was rebuilt and what is lost."""
+    """Repair the store at ``path`` (broker stopped) and say what was rebuilt and what is lost.
+    StoreLockedError for a store a process holds, then ForeignStoreError for a LevelDB of another
+    program (store_owner.py), before anything of it is written; ForeignStoreError (``repaired``)
+    for one that is found another program's only after LevelDB's repair (nothing rebuilt)."""
+    check_repairable(path)  # first: nothing of a store a running broker holds is read, nor copied
+    refuse_another_programs(path)
     archived = _archived_tables(path)
     with repaired_store(path) as db:  # the store's lock held until it is closed again
         try:
+            if db.get(VERSION_KEY) is None and (verdict := classify(db)).owner is Owner.FOREIGN:
+                # Unreadable before LevelDB's repair (store_owner.py), another program's after: not taken over.
+                raise ForeignStoreError(path, verdict.why, repaired=True)
             report = rebuild(db, time.time() if now is None else now)
         except plyvel.Error as exc:
             raise StoreError(f"repair of '{path}' failed while rebuilding: {leveldb_detail(exc)}") from exc
@@ -119,10 +129,6 @@ def rebuild(db: Any, now: float) -> RepairReport:
     version = db.get(VERSION_KEY)
     if version is not None and version != LAYOUT_VERSION:
         report.lost.append(f"layout version {version!r} is not this release's {LAYOUT_VERSION!r}: nothing rebuilt")
-        return report
-    if version is None and not _looks_like_ours(db):
-        report.lost.append("no layout version key, no queue entry, session record, retained message or stream "
-                           "event: not this plugin's store; nothing rebuilt")
         return report
     with db.write_batch(transaction=True, sync=True) as batch:
         if version is None:
@@ -219,27 +225,6 @@ def _report_queue(report: RepairReport, client_id: str, queue: _Queue) -> None:
             f"client {client_id!r}: {queue.no_body_fixed} queue entry(ies) (QoS 2, PUBREL due) without a body "
             "set to not shared, size 0"
         )
-
-
-def _looks_like_ours(db: Any) -> bool:
-    """An empty store, or one with a record of this layout (queue entry, session record, retained
-    message, stream event): the version key may be restored (a LevelDB of another program must not
-    be taken over, so each is recognised by its whole shape, not its first byte)."""
-    if next(db.iterator(include_value=False), None) is None:
-        return True
-    if any(len(key) == _ENTRY_KEY_SIZE for key in db.iterator(prefix=b"q", include_value=False)):
-        return True
-    if any(event_topic(key) is not None for key in db.iterator(prefix=EVENT_PREFIX, include_value=False)):
-        return True
-    if any(_retained_decodes(key, value) for key, value in db.iterator(prefix=RETAINED_PREFIX)):
-        return True
-    for key, value in db.iterator(prefix=b"s"):
-        try:
-            SessionRecord.decode(key[1:].decode("utf-8"), value)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
-        return True
-    return False
 
 
 def _retained_decodes(key: bytes, value: bytes) -> bool:

@@ -608,14 +608,6 @@ def open_store(path: str, *, create: bool = True) -> Any:
     return db
 
 
-def repair_store(path: str) -> None:
-    """LevelDB's own repair (only): rebuilds the tables from every readable record. ``repaired_store``
-    is the repair ``amqtt-durable repair`` runs (the plugin's bookkeeping rebuilt on top)."""
-    _start_repair(path)
-    with held_lock(path):
-        _repair_db(path)
-
-
 @contextlib.contextmanager
 def repaired_store(path: str) -> Iterator[Any]:
     """LevelDB's own repair, then the repaired store, open, for ``repair.rebuild``: the store's lock
@@ -624,8 +616,9 @@ def repaired_store(path: str) -> Iterator[Any]:
     bookkeeping is not rebuilt yet.
 
     LevelDB's repair does not take the store's lock, so a broker using the store is detected
-    first by trying to open it (an open that fails for corruption is what repair is for).
-    ForeignLayoutError after LevelDB's repair ran: another release's store that did not open.
+    first by a test of the lock (``check_repairable``; the store is not opened before LevelDB's
+    repair). ForeignLayoutError after LevelDB's repair ran: another release's store that did not
+    open before (``store_owner`` refuses one that did).
     """
     _start_repair(path)
     with held_lock(path):
@@ -665,8 +658,9 @@ def repair_space(path: str) -> int:
 
 
 def _start_repair(path: str) -> None:
-    """A store repair may rewrite (``_check_repairable``) on a disk that takes what it writes, else StoreError."""
-    _check_repairable(path)
+    """A store repair may rewrite (``check_repairable``, again: a broker may have started since
+    ``repair`` checked) on a disk that takes what it writes, else StoreError."""
+    check_repairable(path)
     need = repair_space(path)
     try:
         reserve(path, need)
@@ -689,8 +683,10 @@ def _repair_db(path: str) -> None:
         raise StoreError(f"repair of '{path}' failed: {leveldb_detail(exc)}") from exc
 
 
-def _check_repairable(path: str) -> None:
-    """A LevelDB store at ``path`` that no process holds and no other release wrote, else StoreError."""
+def check_repairable(path: str) -> None:
+    """A LevelDB store folder at ``path`` that no process holds, else StoreError; nothing in it is
+    read but its file names, nor written. Another release's or another program's store is
+    ``store_owner.refuse_another_programs``'s to refuse (``repair`` runs it after this check)."""
     try:
         names = os.listdir(path)
     except FileNotFoundError:
@@ -702,20 +698,28 @@ def _check_repairable(path: str) -> None:
         raise StoreError(f"cannot read store folder '{path}': {exc.strerror}") from exc
     if "CURRENT" not in names and not any(_LEVELDB_DATA.match(name) for name in names):
         raise StoreError(f"no store at '{path}' (no LevelDB files there; is it the plugin's 'store' folder?)")
+    _refuse_locked(path)
+
+
+def _refuse_locked(path: str) -> None:
+    """StoreLockedError if a process holds the store's lock (LevelDB's fcntl lock of its LOCK file),
+    found without writing anything: LOCK is opened, not created (a folder without one is held by
+    nobody; one that cannot be opened is left to LevelDB's open to name), and the lock taken to
+    check, a shared one (it needs LOCK readable only, not writable: a user who may not write it
+    still sees a broker's lock), is released at once. A lock this process holds is not seen (fcntl
+    locks are the process's)."""
     try:
-        opened = plyvel.DB(path, create_if_missing=False)
-    except plyvel.Error as exc:  # damage is exactly what repair is for; a lock is not
-        if _is_lock_error(exc):
-            raise StoreLockedError(path) from exc
+        descriptor = os.open(os.path.join(path, "LOCK"), os.O_RDONLY)
+    except OSError:
         return
-    try:  # another release's store is not damage: refused before anything is rewritten
-        version = opened.get(VERSION_KEY, verify_checksums=True)
-    except plyvel.Error:  # a checksum error too: a damaged version key is repair's to restore
-        version = None  # unreadable: damage, repair's to handle (repaired_store checks it again after)
+    try:
+        fcntl.lockf(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            raise StoreLockedError(path) from exc
+        raise StoreError(f"cannot check whether a process holds store '{path}': {exc.strerror or exc}") from exc
     finally:
-        opened.close()
-    if version is not None and version != LAYOUT_VERSION:
-        raise ForeignLayoutError(path, version, LAYOUT_VERSION)
+        os.close(descriptor)
 
 
 @contextlib.contextmanager
@@ -730,7 +734,7 @@ def held_lock(path: str) -> Iterator[None]:
     try:
         try:
             fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:  # taken between the open that checked it and now
+        except OSError as exc:  # taken since check_repairable found it free
             raise StoreLockedError(path) from exc
         yield
     finally:

@@ -6,8 +6,10 @@ Every test uses a real LevelDB folder under tmp_path.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import plyvel
 import pytest
 
+import amqtt_durable
 from amqtt_durable.errors import ForeignLayoutError, StoreCorruptedError, StoreError, StoreLockedError
 from amqtt_durable.store import (
     FLAG_RELEASED,
@@ -39,7 +42,7 @@ from amqtt_durable.store import (
     open_store,
     queue_prefix,
     refs_key,
-    repair_store,
+    repaired_store,
     sent_mark_key,
     seq_of_entry_key,
     session_key,
@@ -304,12 +307,64 @@ def test_repair_refuses_a_store_in_use(locked_store: str) -> None:
     # rewrites the MANIFEST and moves the live .log into lost/ under a running broker.
     before = sorted(os.listdir(locked_store))
     with pytest.raises(StoreLockedError) as info:
-        repair_store(locked_store)
+        leveldb_repair(locked_store)
     assert locked_store in str(info.value)
     assert sorted(os.listdir(locked_store)) == before, "a refused repair must not touch the files"
 
 
+CHECK_AS_NOBODY = """
+import sys
+from amqtt_durable.errors import StoreLockedError
+from amqtt_durable.store import check_repairable
+try:
+    check_repairable(sys.argv[1])
+except StoreLockedError:
+    print("locked")
+else:
+    print("free")
+"""
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "free"])
+def test_a_user_who_may_read_but_not_write_the_lock_file_sees_a_brokers_lock(*, held: bool) -> None:
+    """The lock was tested on LOCK opened for writing: for a user who may only read it the open
+    failed, and a running broker's store was taken for free (review 288 P3-1)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run the check as another user")
+    base = tempfile.mkdtemp(prefix="amqtt-durable-lock-")  # not under tmp_path: its parents are root's only
+    try:
+        os.chmod(base, 0o755)
+        path = os.path.join(base, "store")
+        open_store(path).close()
+        for name in os.listdir(path):
+            os.chmod(os.path.join(path, name), 0o644)
+        holder = Holder(path) if held else None
+        try:
+            plugin = os.path.dirname(os.path.dirname(amqtt_durable.__file__))
+            checked = subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                 CHECK_AS_NOBODY, path],
+                env={**os.environ, "PYTHONPATH": plugin},
+                capture_output=True,
+                text=True,
+                timeout=CHILD_TIMEOUT,
+                check=False,
+            )
+        finally:
+            if holder is not None:
+                holder.stop()
+        assert (checked.returncode, checked.stdout) == (0, "locked\n" if held else "free\n"), checked.stderr
+    finally:
+        shutil.rmtree(base)
+
+
 # ------------------------------------------------------------------------ corruption/repair
+
+
+def leveldb_repair(path: str) -> None:
+    """The repair ``amqtt-durable repair`` runs, its store closed again at once (no bookkeeping rebuilt)."""
+    with repaired_store(path):
+        pass
 
 
 def fill(path: str, count: int = 300, *, compact: bool = False) -> None:
@@ -343,7 +398,7 @@ def test_garbage_current_file(store_path: str) -> None:
     with pytest.raises(StoreCorruptedError) as info:
         open_store(store_path)
     assert_corruption_message(info.value, store_path)
-    repair_store(store_path)
+    leveldb_repair(store_path)
     db = open_store(store_path)
     try:
         assert db.get(VERSION_KEY) == LAYOUT_VERSION
@@ -360,7 +415,7 @@ def test_garbage_manifest(store_path: str) -> None:
     with pytest.raises(StoreCorruptedError) as info:
         open_store(store_path)
     assert_corruption_message(info.value, store_path)
-    repair_store(store_path)
+    leveldb_repair(store_path)
     db = open_store(store_path)
     try:
         entries = list(iter_entries(db, 1))
@@ -380,7 +435,7 @@ def test_damaged_write_ahead_log(store_path: str) -> None:
         open_store(store_path)
     assert_corruption_message(info.value, store_path)
     assert isinstance(info.value.__cause__, plyvel.CorruptionError)
-    repair_store(store_path)
+    leveldb_repair(store_path)
     db = open_store(store_path)
     try:
         # The records of the damaged log block are lost; every readable one is kept and the
@@ -398,7 +453,7 @@ def test_damaged_write_ahead_log(store_path: str) -> None:
 
 def test_repair_of_a_healthy_store_keeps_everything(store_path: str) -> None:
     fill(store_path, compact=True)
-    repair_store(store_path)
+    leveldb_repair(store_path)
     db = open_store(store_path)
     try:
         assert len(list(iter_entries(db, 1))) == 300
@@ -410,7 +465,7 @@ def test_repair_of_a_healthy_store_keeps_everything(store_path: str) -> None:
 def test_repair_missing_folder(tmp_path: Path) -> None:
     path = str(tmp_path / "missing")
     with pytest.raises(StoreError, match="no store at") as info:
-        repair_store(path)
+        leveldb_repair(path)
     assert path in str(info.value)
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from amqtt_durable.config import DurableConfig
 from amqtt_durable.engine import DurableEngine
-from amqtt_durable.errors import StoreCorruptedError, StoreError, StoreReadError
+from amqtt_durable.errors import ForeignStoreError, StoreCorruptedError, StoreError, StoreReadError
 from amqtt_durable.repair import SENT_MARK_JUMP, RepairReport, repair
 from amqtt_durable.replication.framing import encode_position
 from amqtt_durable.replication.position import POSITION_KEY, read_position
@@ -412,15 +412,20 @@ def test_repair_cannot_pair_records_without_a_session_number_when_several_queues
 
 
 def test_repair_does_not_take_over_another_programs_leveldb(store_path: str) -> None:
+    """Refused before anything is touched (it ran LevelDB's repair on it, then said 'nothing rebuilt'):
+    every file of the folder is as it was, and its owner reads its data."""
     db = plyvel.DB(store_path, create_if_missing=True)
     db.put(b"user:1", b"alice")
     db.close()
-    report = repair(store_path)
-    assert report.rebuilt == []
-    assert report.lost == [
-        "no layout version key, no queue entry, session record, retained message or stream event: not this "
-        "plugin's store; nothing rebuilt"
-    ]
+    before = digest(store_path)
+    with pytest.raises(ForeignStoreError) as info:
+        repair(store_path)
+    assert str(info.value) == (
+        f"repair of '{store_path}' refused: it is not an amqtt-durable store but another program's LevelDB (no "
+        "layout version key or store id, and its key b'user:1' has the shape of no key of amqtt-durable's store "
+        "layout); nothing was changed. Point repair at the plugin's 'store' folder"
+    )
+    assert digest(store_path) == before
     db = plyvel.DB(store_path)
     try:
         assert dict(db.iterator()) == {b"user:1": b"alice"}
