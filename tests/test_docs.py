@@ -146,6 +146,25 @@ def test_shell_commands_exist(page: str, words: list[str]) -> None:
         pytest.fail(f"{page}: a shell block names {program!r}, which this test does not know how to check")
 
 
+def runtime_settings(spark: Any) -> dict[str, str]:
+    """The session's settings a running session can change (not spark.app.name, spark.master, ...)."""
+    return {key: value for key, value in spark.conf.getAll.items() if spark.conf.isModifiable(key)}
+
+
+def restore_settings(spark: Any, before: dict[str, str]) -> None:
+    """Put back the session's runtime settings as they were (``before``: its ``runtime_settings``). The page's
+    get_session, given the running session, applies its own settings to it (spark.sql.shuffle.partitions 4
+    instead of the test session's 1), which would otherwise stay for every later Spark test of this process."""
+    after = runtime_settings(spark)
+    for key in sorted(set(before) | set(after)):
+        if before.get(key) == after.get(key):
+            continue
+        if key in before:
+            spark.conf.set(key, before[key])
+        else:
+            spark.conf.unset(key)
+
+
 @pytest.mark.slow  # Spark (the session's): a streaming query, seconds
 # The suite's 120 s bounds this test's own work (the call), as for every other Spark test. By default it
 # would also cover the fixtures' setup, and this test, the suite's first to use the session-wide `spark`
@@ -167,11 +186,16 @@ def test_the_pipeline_page_streaming_example_runs(
     code = code.replace('"./out/', f'"{tmp_path}/out/')
     assert "./out" not in code
     namespace: dict[str, Any] = {}
-    exec(compile(code, "pipeline.md", "exec"), namespace)  # the page's own example
-    query = namespace["query"]
+    settings = runtime_settings(spark)
     try:
-        query.processAllAvailable()
+        exec(compile(code, "pipeline.md", "exec"), namespace)  # the page's own example
+        query = namespace["query"]
+        try:
+            query.processAllAvailable()
+        finally:
+            query.stop()
     finally:
-        query.stop()
+        restore_settings(spark, settings)
     assert namespace["spark"] is spark
+    assert runtime_settings(spark) == settings, "the test session's settings, as before the page's get_session"
     assert spark.read.parquet(str(tmp_path / "out" / "events")).count() == 20, "every published event, once"
