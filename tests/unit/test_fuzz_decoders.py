@@ -63,8 +63,11 @@ from durable_protocol import (
 
 pytestmark = pytest.mark.timeout(60)
 
-FUZZ = settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-"""150 examples a property, the same ones every run; no per-example deadline (a loaded CI machine)."""
+FUZZ = settings(
+    max_examples=150, derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+"""150 examples a property, the same ones every run (no example database: nothing written to the
+work tree); no per-example deadline (a loaded CI machine)."""
 
 U64 = st.integers(min_value=0, max_value=2**64 - 1)
 U32 = st.integers(min_value=0, max_value=2**32 - 1)
