@@ -463,5 +463,5 @@ def decode_marker(payload: bytes) -> Marker:
         data = json.loads(payload)
         live = tuple(LiveSubscription(str(s["filter"]), int(s["qos"]), bool(s["durable"])) for s in data["live"])
         return Marker(int(data["epoch"]), int(data["replayed"]), data["first_seq"], data["last_seq"], live)
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:  # int(Infinity): Overflow
         raise ProtocolError("malformed", f"marker is not a protocol {PROTOCOL_VERSION} marker: {exc}") from None

@@ -1722,6 +1722,12 @@ class AmqttHooks:
         writer.durable_connect_deadline = deadline  # cancelled once its checks passed (_take_connect_turn)
         try:
             handler, session = await self._original_initialize(reader, writer, *args)
+        except OSError as exc:
+            # amqtt closes a connection whose CONNECT it refused (drain, write_eof); a peer that reset
+            # it meanwhile makes that close raise, which amqtt does not catch: an "Unhandled exception"
+            # traceback, and the connection's place among its listener's max_connections never given
+            # back. As an MQTTError amqtt logs one line and gives the place back (client_connected closes it).
+            raise MQTTError(f"the connection ended while its CONNECT was refused: {exc!r}") from None
         finally:
             deadline.cancel()
         _CONNECTING.set(handler)  # until its CONNACK: amqtt may take a live connection of the client id over

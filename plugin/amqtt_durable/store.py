@@ -349,6 +349,13 @@ class SessionRecord:
         """The record; ValueError, KeyError, TypeError or AttributeError when its JSON is not one (a
         field of the wrong type or a session number no key can hold: the broker would fail on it later,
         where nothing names the record)."""
+        try:
+            return cls._decode(client_id, raw)
+        except (OverflowError, RecursionError) as exc:  # Infinity or 1e400 as a number, JSON nested too deeply
+            raise ValueError(f"a session record that does not decode: {exc}") from exc
+
+    @classmethod
+    def _decode(cls, client_id: str, raw: bytes) -> SessionRecord:
         data: dict[str, Any] = json.loads(raw)
         sid = int(data["sid"])
         if not 0 <= sid <= MAX_U64:
