@@ -17,7 +17,7 @@ import zlib
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from amqtt_durable.errors import PacketTooLargeError, ProtocolViolationError
@@ -36,6 +36,7 @@ from amqtt_durable.replication.framing import (
     encode_ops,
     encode_position,
     encode_seq,
+    name_problem,
     read_frame,
 )
 from amqtt_durable.store import Body, Entry, SessionRecord, decode_totals, encode_totals
@@ -293,7 +294,7 @@ def test_hello_decode_of_any_bytes_returns_or_raises_frame_error(payload: bytes)
     store_id=U64,
     seq=U64,
     crc=U32,
-    name=st.text(max_size=20).filter(lambda name: "\x00" not in name),
+    name=st.text(min_size=1, max_size=20),
     instance=U64,
     version=st.integers(0, 2**16 - 1),
 )
@@ -304,6 +305,7 @@ def test_hello_encode_then_decode_round_trips(
         name.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: no backup has such a name (replication.name is YAML text)
         return
+    assume(name_problem(name) is None)  # a backup sends only a name its config check let through
     hello = Hello(store_id, seq, crc, name, version, instance)
     assert Hello.decode(hello.encode()) == hello
 

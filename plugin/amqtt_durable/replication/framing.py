@@ -86,6 +86,8 @@ def name_problem(name: str) -> str | None:
     if len(name.encode("utf-8")) > NAME_MAX_BYTES:
         return f"it is longer than {NAME_MAX_BYTES} bytes of UTF-8"
     return None
+
+
 MAX_FRAME = 256 * 1024 * 1024
 """A frame longer than this is refused as damage (a batch is bounded by the store's batch_size)."""
 MAX_PEER_FRAME = 64 * 1024
