@@ -1727,6 +1727,10 @@ class AmqttHooks:
             # it meanwhile makes that close raise, which amqtt does not catch: an "Unhandled exception"
             # traceback, and the connection's place among its listener's max_connections never given
             # back. As an MQTTError amqtt logs one line and gives the place back (client_connected closes it).
+            # Only that close: StreamWriterAdapter.close marks the writer closed before it drains; an
+            # OSError anywhere else (the store, a take-over's writes) is not a refused CONNECT's.
+            if not getattr(writer, "is_closed", False):
+                raise
             raise MQTTError(f"the connection ended while its CONNECT was refused: {exc!r}") from None
         finally:
             deadline.cancel()
