@@ -134,6 +134,31 @@ def test_a_max_count_lowered_across_a_restart_holds_from_the_start_without_a_pub
     assert [(e.seq, e.payload) for e in seen.events] == [(i, b"e%d" % i) for i in range(26, 31)]
 
 
+def test_a_topic_two_stream_filters_match_is_kept_by_the_first_of_them_in_the_list(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """streams.md / configuration.md `streams`: "A topic that the filters of two entries match is
+    logged under the first of them in the list (its `max_count` and `max_age`)", the more specific
+    filter listed later included."""
+    broker = broker_factory(
+        streams=[
+            {"filter": "telemetry/a/#", "max_count": 2},
+            {"filter": "telemetry/#", "max_count": 3},
+            {"filter": "telemetry/b/#", "max_count": 4},
+        ]
+    )
+    publisher = clients(broker.port, "bsl-first-pub", clean_session=True)
+    for topic in ("telemetry/a/x", "telemetry/b/x", "telemetry/c/x"):
+        publisher.publish(topic, [b"p%d" % i for i in range(1, 6)])
+    reader = sdk(broker.port, "bsl-first", durable_session=False)
+    reader.connect(timeout=WAIT)
+    assert dict(reader.stream_info("telemetry/#")) == {
+        "telemetry/a/x": (4, 5),
+        "telemetry/b/x": (3, 5),
+        "telemetry/c/x": (3, 5),
+    }
+
+
 # ------------------------------------------------------------------------------ delivery-log.md
 
 
