@@ -159,6 +159,35 @@ def test_a_topic_two_stream_filters_match_is_kept_by_the_first_of_them_in_the_li
     }
 
 
+def test_a_filter_wider_than_the_configured_streams_reads_the_logged_topics_it_matches(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """streams.md: `unknown_stream` is "for a filter no configured stream covers, i.e. that matches
+    no topic a configured filter matches: a wider filter such as `#` or `+/a` is taken and reads the
+    logged topics it matches"."""
+    broker = broker_factory(streams=STREAMS)
+    publisher = clients(broker.port, "bsl-wide-pub", clean_session=True)
+    publisher.publish("telemetry/a", [b"logged"])
+    publisher.publish("other/a", [b"not logged"])
+    reader = sdk(broker.port, "bsl-wide", durable_session=False)
+    reader.connect(timeout=WAIT)
+    assert dict(reader.stream_info("+/a")) == {"telemetry/a": (1, 1)}
+    everything, by_level = Seen(), Seen()
+    reader.subscribe_stream("#", everything)
+    assert everything.wait(lambda s: len(s.events) >= 1)
+    reader.unsubscribe("#")
+    reader.subscribe_stream("+/a", by_level, after={"telemetry/a": 0})
+    assert by_level.wait(lambda s: len(s.events) >= 1)
+    publisher.publish("other/a", [b"still not logged"])
+    publisher.publish("telemetry/a", [b"second"])
+    assert by_level.wait(lambda s: len(s.events) >= 2)
+    assert [(e.topic, e.seq, e.payload) for e in everything.events] == [("telemetry/a", 1, b"logged")]
+    assert [(e.topic, e.seq, e.payload) for e in by_level.events] == [
+        ("telemetry/a", 1, b"logged"),
+        ("telemetry/a", 2, b"second"),
+    ]
+
+
 # ------------------------------------------------------------------------------ delivery-log.md
 
 
