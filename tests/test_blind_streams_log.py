@@ -188,6 +188,28 @@ def test_a_filter_wider_than_the_configured_streams_reads_the_logged_topics_it_m
     ]
 
 
+def test_subscribing_a_held_stream_filter_again_replaces_its_listener_and_sends_nothing(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client]
+) -> None:
+    """streams.md: "Called again for a filter the client holds, it replaces that filter's listener
+    and returns at once: nothing is sent" (so it returns while the broker, stopped with SIGSTOP,
+    answers nothing)."""
+    broker = broker_factory(streams=STREAMS)
+    publisher = clients(broker.port, "bsl-again-stream-pub", clean_session=True)
+    publisher.publish("telemetry/held", [b"first"])
+    reader = sdk(broker.port, "bsl-again-stream", durable_session=False)
+    reader.connect(timeout=WAIT)
+    before, after = Seen(), Seen()
+    reader.subscribe_stream("telemetry/#", before)
+    assert before.wait(lambda s: len(s.events) == 1)
+    with broker.paused():
+        reader.subscribe_stream("telemetry/#", after, window=10, timeout=0.5)  # no RequestTimeout
+    publisher.publish("telemetry/held", [b"second"])
+    assert after.wait(lambda s: len(s.events) == 1)
+    assert [e.payload for e in before.events] == [b"first"]
+    assert [(e.seq, e.payload) for e in after.events] == [(2, b"second")]
+
+
 # ------------------------------------------------------------------------------ delivery-log.md
 
 
