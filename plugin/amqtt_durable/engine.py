@@ -16,11 +16,12 @@ import logging
 import time
 
 from .engine_state import StoreHealth
+from .errors import NotPrimaryError
 from .lifecycle import DELETION_GRACE
 from .recovery import Recovery
 from .sessions import DurableSession, ExpiredSession
 from .store import CommitReplication
-from .stream_log import TRIM_BUDGET
+from .stream_log import COUNT_TRIM_PER_APPEND, TRIM_BUDGET
 
 __all__ = ["DurableEngine", "DurableSession", "ExpiredSession", "StoreHealth"]
 
@@ -45,14 +46,22 @@ class DurableEngine(Recovery):
         """Retention of the stream logs: one pass at once (what the store holds past a lowered
         ``max_count`` or ``max_age``, or what aged while the broker was down, goes from the start,
         not at the next append or age check), then, with an age limit, one every ``interval``; a
-        long backlog goes in chunks."""
+        long backlog goes ``TRIM_BUDGET`` deletes at a time, each chunk committed before the next.
+        A term that ends meanwhile (the commit refused: NotPrimaryError) ends the task quietly: the
+        demotion stops it anyway, and a later term's ``start_timers`` runs a pass of its own."""
         while True:
             try:
                 while self.streams.trim_expired(time.time()) >= TRIM_BUDGET:
                     await self.committer.commit(urgent=True)
                 self.committer.flush_soon()
+            except NotPrimaryError:
+                return
             except Exception:
-                later = "appends trim their logs" if interval is None else f"it is tried again in {interval:.1f} s"
+                later = (
+                    f"each append trims its own log ({COUNT_TRIM_PER_APPEND} events at most per append)"
+                    if interval is None
+                    else f"it is tried again in {interval:.1f} s"
+                )
                 log.exception("stream retention failed; %s", later)
             if interval is None:
                 return

@@ -40,7 +40,7 @@ from amqtt_durable.replication.position import position_op, read_position
 from amqtt_durable.replication.primary import Primary
 from amqtt_durable.replication.tool import ask
 from amqtt_durable.store import GroupCommitter, open_store, read_store_id
-from amqtt_durable.stream_log import event_key
+from amqtt_durable.stream_log import TRIM_BUDGET, event_key
 from recording_transport import RecordingTransport
 
 HOST = "127.0.0.1"
@@ -759,3 +759,40 @@ def test_the_retention_pass_s_deletes_reach_a_backup_in_sync(tmp_path: Path) -> 
 
     asyncio.run(bounded(main()))
 
+
+def test_a_demotion_during_the_retention_pass_ends_it_without_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review (blindR P3-1): the pass's chunk commit fails with NotPrimaryError once the demotion
+    halts the committer; that logged "stream retention failed" at ERROR with a traceback, for a
+    broker that only stopped being the primary. The demotion comes in the loop pass after the
+    first chunk was taken (10,000 deletes of the 24,999 due), its commit asked, not written."""
+    settings = stream_store(tmp_path, 25_000)
+    del settings["replication"]
+    settings["streams"][0]["max_count"] = 1
+    config = DurableConfig.from_mapping(settings)
+    engine = DurableEngine(config)
+    engine.open()
+
+    async def main() -> None:
+        plugin = broker_plugin(engine, config)
+        loop = asyncio.get_running_loop()
+        stopping: asyncio.Future[asyncio.Task[None] | None] = loop.create_future()
+        engine.start_timers()  # the pass's first step (a chunk, its commit asked) runs next
+        task = engine._trim_task
+        assert task is not None
+        loop.call_soon(lambda: stopping.set_result(DurableSessionsPlugin._demoted(plugin, "a test demotion")))  # type: ignore[arg-type]
+        demotion = await bounded(stopping)
+        assert demotion is not None
+        await bounded(demotion)
+        assert engine.streams.first_kept("log/a") == TRIM_BUDGET + 1, "the demotion did not come mid-pass"
+        assert engine.db.get(event_key("log/a", 1)) is not None, "the chunk was written before the demotion"
+        assert task.done() and not task.cancelled() and task.exception() is None
+
+    with caplog.at_level("INFO", logger="amqtt_durable"):
+        try:
+            asyncio.run(bounded(main()))
+        finally:
+            asyncio.run(engine.close())
+    errors = [r.getMessage() for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert errors == [], errors
