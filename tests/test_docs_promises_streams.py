@@ -85,7 +85,9 @@ def test_a_stateless_devices_log_has_non_durable_subscribes_raw_receives_at_0_0_
     """delivery-log.md: `durable` is false for "every subscription of a stateless client";
     `seq`, `epoch` are "for a stream event the stream log id and epoch 0; both 0 for raw events";
     `published_at` for raw events is "the receive time"; `id` is the first 16 bytes of SHA-256
-    over the topic, a NUL byte and the payload, in hex."""
+    over the topic, a NUL byte and the payload, in hex; "A stream subscription (`subscribe_stream()`)
+    writes none" [no `subscribe`]; "`unsubscribe` is written when the application unsubscribes (a
+    stream's filter too)"."""
     broker = broker_factory(streams=[{"filter": "st/#", "max_count": 100}])
     publisher = clients(broker.port, "dl-pub", clean_session=True)
     publisher.publish("st/a", [b"s1", b"s2"])  # stream ids 1 and 2, logged before the reader comes
@@ -101,12 +103,14 @@ def test_a_stateless_devices_log_has_non_durable_subscribes_raw_receives_at_0_0_
     publisher.publish("raw/x", [b"r1"])
     raw.wait(1)
     after = time.time()
+    device.unsubscribe("st/#")
     device.close()
 
     logged = records(log_path)
     assert {r["device"] for r in logged} == {"dl-stateless"}
     subscribes = [r for r in logged if r["kind"] == "subscribe"]
-    assert subscribes == [{**subscribes[0], "topic": "raw/#", "qos": 1, "durable": False}]
+    assert subscribes == [{**subscribes[0], "topic": "raw/#", "qos": 1, "durable": False}], "no stream's"
+    assert [r["topic"] for r in logged if r["kind"] == "unsubscribe"] == ["st/#"], "a stream's filter too"
     receives = {r["topic"] + ":" + str(r["seq"]): r for r in logged if r["kind"] == "receive"}
     assert set(receives) == {"st/a:1", "st/a:2", "raw/x:0"}
     assert receives["st/a:1"]["epoch"] == receives["st/a:2"]["epoch"] == 0

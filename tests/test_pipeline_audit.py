@@ -314,8 +314,9 @@ def test_repeated_payloads_and_redeliveries(spark: Any, tmp_path: Path) -> None:
 
 
 def test_subscription_windows(spark: Any, tmp_path: Path) -> None:
-    """A subscription expects sends until its unsubscribe, the device's session_end or a change to
-    non-durable; a later subscribe opens a new window."""
+    """A subscription expects sends from its subscribe until its unsubscribe, the device's
+    session_end or a change to non-durable or QoS 0 (sends at the close are not expected); a later
+    subscribe opens a new window."""
     records = [
         # w1: subscribed, unsubscribed, subscribed again: the send in between is not expected
         sub("w1", 10.0, "w/1"),
@@ -358,6 +359,19 @@ def test_subscription_windows(spark: Any, tmp_path: Path) -> None:
         sub("w6", 10.0, "w/5"),
         recv("w6", 20.0, "w/5", "A", 1),
         recv("w6", 21.0, "w/5", "B", 2),
+        # w7: a durable QoS 0 subscribe of the filter closes its window too
+        sub("w7", 10.0, "w/7"),
+        send(11.0, "w/7", "A"),
+        sub("w7", 12.0, "w/7", qos=0),
+        send(13.0, "w/7", "B"),  # not expected; received anyway: not a duplicate
+        recv("w7", 20.0, "w/7", "A", 1),
+        recv("w7", 21.0, "w/7", "B", 2),
+        # w8: a send at the subscribe's time is expected, one at the unsubscribe's time is not
+        sub("w8", 10.0, "w/8"),
+        send(10.0, "w/8", "A"),
+        rec("unsubscribe", "w8", 12.0, topic="w/8"),
+        send(12.0, "w/8", "B"),
+        recv("w8", 20.0, "w/8", "A", 1),
     ]
     result = run_audit(spark, [str(write_jsonl(tmp_path / "log.jsonl", records))], tmp_path / "audit", "exactly-once")
     assert stats_by_device(result) == {
@@ -367,6 +381,8 @@ def test_subscription_windows(spark: Any, tmp_path: Path) -> None:
         "w4": (1, 0, 1, 0, 0),
         "w5": (1, 1, 0, 0, 0),
         "w6": (2, 2, 0, 0, 0),
+        "w7": (1, 2, 0, 0, 0),
+        "w8": (1, 1, 0, 0, 0),
     }
 
 
@@ -376,6 +392,8 @@ def qos0_records() -> list[dict[str, Any]]:
         sub("r1", 10.0, "q/t"),
         sub("r0", 10.0, "q/t", qos=0),  # opens a window only with count_qos0
         sub("rn", 10.0, "q/t", qos=0, durable=False),  # non-durable: expects nothing either way
+        sub("rq", 10.0, "q/t"),
+        sub("rq", 10.5, "q/t", qos=0),  # closes rq's window, only without count_qos0
         send(11.0, "q/t", "Q1", qos=0),
         send(12.0, "q/t", "Q2", qos=0),
         send(13.0, "q/t", "Q3", qos=0),
@@ -385,6 +403,7 @@ def qos0_records() -> list[dict[str, Any]]:
         recv("r0", 20.0, "q/t", "Q2", 1),
         recv("r0", 21.0, "q/t", "A", 2),
         recv("rn", 20.0, "q/t", "Q1", 1),
+        *(recv("rq", 20.0 + i, "q/t", msg, i + 1) for i, msg in enumerate(["Q1", "Q2", "Q3", "A"])),
     ]
 
 
@@ -392,13 +411,23 @@ def test_qos0_is_expected_only_when_counted(spark: Any, tmp_path: Path) -> None:
     """Without count_qos0 QoS 0 promises nothing; with it, the QoS 0 sends not received are lost."""
     log = str(write_jsonl(tmp_path / "qos0.jsonl", qos0_records()))
     plain = run_audit(spark, [log], tmp_path / "plain", "exactly-once")
-    assert stats_by_device(plain) == {"r0": (0, 2, 0, 0, 0), "r1": (1, 2, 0, 0, 0), "rn": (0, 1, 0, 0, 0)}
+    assert stats_by_device(plain) == {
+        "r0": (0, 2, 0, 0, 0),
+        "r1": (1, 2, 0, 0, 0),
+        "rn": (0, 1, 0, 0, 0),
+        "rq": (0, 4, 0, 0, 0),
+    }
     assert plain.ok and plain.verdict == "exactly-once holds" and not plain.count_qos0
     counted = run_audit(spark, [log], tmp_path / "counted", "exactly-once", count_qos0=True)
-    assert stats_by_device(counted) == {"r0": (4, 2, 2, 0, 0), "r1": (4, 2, 2, 0, 0), "rn": (0, 1, 0, 0, 0)}
+    assert stats_by_device(counted) == {
+        "r0": (4, 2, 2, 0, 0),
+        "r1": (4, 2, 2, 0, 0),
+        "rn": (0, 1, 0, 0, 0),
+        "rq": (4, 4, 0, 0, 0),
+    }
     assert counted.count_qos0 and not counted.ok
     assert counted.verdict == (
-        "exactly-once does NOT hold (QoS 0 counted): 4 of 8 expected messages never received (2 devices)"
+        "exactly-once does NOT hold (QoS 0 counted): 4 of 12 expected messages never received (2 devices)"
     )
     assert "QoS 0 counted" in counted.report_path.read_text()
 
@@ -413,7 +442,7 @@ def test_count_qos0_through_the_cli(spark: Any, tmp_path: Path, capsys: pytest.C
     assert status == 1, captured.err[-2000:]
     assert captured.out.strip().splitlines()[-1] == (
         "FAILED: at-least-once does NOT hold (order not checked, QoS 0 counted): "
-        "4 of 8 expected messages never received (2 devices)"
+        "4 of 12 expected messages never received (2 devices)"
     )
     assert spark.range(3).count() == 3  # the session main() did not start is still running
 

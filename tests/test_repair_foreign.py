@@ -130,3 +130,54 @@ def test_repair_exits_1_for_a_leveldb_found_another_programs_only_after_leveldbs
         assert dict(db.iterator()) == FOREIGN
     finally:
         db.close()
+
+
+def layout_keys() -> dict[bytes, bytes]:
+    """One key of each shape store-layout.md lists (with store.py's docstring for the values), no `v`, no `i`."""
+    topic = "telemetry/é".encode()
+    event = b"\x40\x8f\x40\x00\x00\x00\x00\x00\x01p"  # published_at 1000.0, qos 1, payload b"p"
+    return {
+        b"e" + len(topic).to_bytes(2, "big") + topic + (1).to_bytes(8, "big"): event,
+        b"L" + topic: (1).to_bytes(8, "big"),
+        b"l" + b"old/t" + b"\x00" + (2).to_bytes(8, "big"): event,  # an earlier release's event
+        b"L" + b"old/t": (2).to_bytes(8, "big"),
+        b"r" + b"some/retained": event,
+        b"n": (3).to_bytes(8, "big"),
+        b"M": (1024).to_bytes(8, "big"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("changed", "accepted"),
+    [
+        ({}, True),
+        ({b"e\x00\x05telemetry/x" + bytes(8): b"p"}, False),  # a topic length that does not add up
+        ({b"t" + bytes(7): bytes(24)}, False),  # `t` and 7 bytes
+        ({b"x" + bytes(9): b""}, False),  # `x` and 9 bytes
+    ],
+    ids=["every-shape", "e-lengths", "t-7-bytes", "x-9-bytes"],
+)
+def test_repair_takes_a_store_whose_every_key_has_a_layout_shape_and_refuses_one_other_key(
+    tmp_path: Path, changed: dict[bytes, bytes], accepted: bool
+) -> None:
+    """store-layout.md: repair takes a folder without `v` or `i` "when every key it holds has the
+    shape of a key of this layout": `e` with lengths that add up and a UTF-8 topic, `L` and `r`
+    followed by UTF-8, `n`, `M` alone, an earlier release's `l`, topic, NUL and 8 bytes, `t` and 8
+    bytes, `x` and 10 bytes; a single other key makes it another program's LevelDB."""
+    store = str(tmp_path / "store")
+    db = plyvel.DB(store, create_if_missing=True)
+    for key, value in {**layout_keys(), **changed}.items():
+        db.put(key, value)
+    db.close()
+    before = folder_digest(store)
+
+    result = run_cli("repair", store)
+
+    if accepted:
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "layout version key restored" in result.stdout, result.stdout
+    else:
+        assert result.returncode == 1, result.stdout + result.stderr
+        (key,) = changed
+        assert f"its key {key!r} has the shape of no key of amqtt-durable's store layout" in result.stderr
+        assert folder_digest(store) == before, "a file of the folder changed"

@@ -16,11 +16,12 @@ import logging
 import time
 
 from .engine_state import StoreHealth
+from .errors import NotPrimaryError
 from .lifecycle import DELETION_GRACE
 from .recovery import Recovery
 from .sessions import DurableSession, ExpiredSession
 from .store import CommitReplication
-from .stream_log import TRIM_BUDGET
+from .stream_log import COUNT_TRIM_PER_APPEND, TRIM_BUDGET
 
 __all__ = ["DurableEngine", "DurableSession", "ExpiredSession", "StoreHealth"]
 
@@ -37,20 +38,34 @@ class DurableEngine(Recovery):
 
     def start_timers(self) -> None:
         self._arm_expiry()
-        interval = self.streams.trim_interval()
-        if interval is not None:
+        if self.streams.streams:
+            interval = self.streams.trim_interval()
             self._trim_task = asyncio.get_running_loop().create_task(self._trim_streams(interval))
 
-    async def _trim_streams(self, interval: float) -> None:
-        """Age retention of the stream logs; a long backlog of expired events goes in chunks."""
+    async def _trim_streams(self, interval: float | None) -> None:
+        """Retention of the stream logs: one pass at once (what the store holds past a lowered
+        ``max_count`` or ``max_age``, or what aged while the broker was down, goes from the start,
+        not at the next append or age check), then, with an age limit, one every ``interval``; a
+        long backlog goes ``TRIM_BUDGET`` deletes at a time, each chunk committed before the next.
+        A term that ends meanwhile (the commit refused: NotPrimaryError) ends the task quietly: the
+        demotion stops it anyway, and a later term's ``start_timers`` runs a pass of its own."""
         while True:
-            await asyncio.sleep(interval)
             try:
                 while self.streams.trim_expired(time.time()) >= TRIM_BUDGET:
                     await self.committer.commit(urgent=True)
                 self.committer.flush_soon()
+            except NotPrimaryError:
+                return
             except Exception:
-                log.exception("stream retention failed; it is tried again in %.1f s", interval)
+                later = (
+                    f"each append trims its own log ({COUNT_TRIM_PER_APPEND} events at most per append)"
+                    if interval is None
+                    else f"it is tried again in {interval:.1f} s"
+                )
+                log.exception("stream retention failed; %s", later)
+            if interval is None:
+                return
+            await asyncio.sleep(interval)
 
     async def stop_serving(self, reason: str) -> None:
         """No longer the primary: acknowledge and write nothing more, stop every pump and timer,

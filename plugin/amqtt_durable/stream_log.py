@@ -35,7 +35,9 @@ MIGRATE_BATCH_BYTES = 4 * 1024 * 1024
 TRIM_BUDGET = 10_000
 """Deletes one ``trim_expired`` call adds to a batch at most (a backlog is trimmed over several calls)."""
 COUNT_TRIM_PER_APPEND = 64
-"""Deletes one append adds at most: after max_count was lowered, the excess goes over many appends."""
+"""Deletes one append adds at most (one, a log at its max_count): the excess of a lowered max_count
+is the retention pass's as the broker starts or becomes the primary (engine.start_timers); an
+append meets more only before that pass reached its log, or after it failed."""
 MAX_MQTT_TOPIC_BYTES = 65_535
 
 _U16 = struct.Struct(">H")
@@ -398,7 +400,8 @@ class StreamLogs:
 
     def trim_interval(self) -> float | None:
         """How often to call ``trim_expired``: a quarter of the shortest max_age, 0.5 s to 60 s;
-        None when no stream has an age limit (count retention happens on append)."""
+        None when no stream has an age limit (count retention is then the start's one pass, see
+        engine.start_timers, and each append's)."""
         ages = [s.max_age for s in self.streams if s.max_age > 0 and math.isfinite(s.max_age)]
         if not ages:
             return None

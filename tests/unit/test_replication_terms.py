@@ -40,6 +40,7 @@ from amqtt_durable.replication.position import position_op, read_position
 from amqtt_durable.replication.primary import Primary
 from amqtt_durable.replication.tool import ask
 from amqtt_durable.store import GroupCommitter, open_store, read_store_id
+from amqtt_durable.stream_log import TRIM_BUDGET, event_key
 from recording_transport import RecordingTransport
 
 HOST = "127.0.0.1"
@@ -658,3 +659,140 @@ def test_a_demotion_during_the_promotion_is_not_lost(tmp_path: Path, when: str) 
 
     asyncio.run(main())
     db.close()
+
+
+def stream_store(tmp_path: Path, events: int) -> dict[str, Any]:
+    """A store whose stream log ``log/a`` holds ids 1..``events`` (written at max_count 100,000);
+    returns the settings to reopen it with, replication a fixed primary."""
+    settings: dict[str, Any] = {
+        "store": str(tmp_path / "store"), "metrics_interval": 0,
+        "streams": [{"filter": "log/#", "max_count": 100_000, "max_age": 0}],
+    }
+
+    async def fill() -> None:
+        engine = DurableEngine(DurableConfig.from_mapping(settings))
+        engine.open()
+        for n in range(1, events + 1):
+            assert engine.streams.append("log/a", b"e%d" % n, 1, 1000.0 + n) == n
+        await bounded(engine.committer.commit())
+        await engine.close()
+
+    asyncio.run(bounded(fill()))
+    settings["replication"] = {"name": "a", "role": "primary", "listen": f"{HOST}:{free_port()}"}
+    return settings
+
+
+def broker_plugin(engine: DurableEngine, config: DurableConfig) -> SimpleNamespace:
+    """A DurableSessionsPlugin without amqtt: its own post-start, promotion and demotion."""
+    plugin = SimpleNamespace(
+        engine=engine, config=config, replication=None, start_failure=None, _metrics_task=None,
+        broker=SimpleNamespace(_sessions={}, retained_messages={}), _tasks=set(),
+    )
+    for hook in ("_promoted", "_demoted", "_start_failed", "_fill_retained"):
+        setattr(plugin, hook, functools.partial(getattr(DurableSessionsPlugin, hook), plugin))
+    return plugin
+
+
+def test_a_promotion_runs_the_stream_retention_pass_without_a_publish(tmp_path: Path) -> None:
+    """Review (blindR P2-1): a broker that becomes the primary (here a fixed-role one, at its
+    post-start) trims a log past a lowered max_count at once: _promoted serves, then starts the
+    timers, whose first pass removes the excess (nothing publishes)."""
+    settings = stream_store(tmp_path, 30)
+    settings["streams"][0]["max_count"] = 5
+    config = DurableConfig.from_mapping(settings)
+    engine = DurableEngine(config)
+    engine.open_store()  # a replicated broker's start: loaded only by the promotion
+
+    async def main() -> None:
+        plugin = broker_plugin(engine, config)
+        await DurableSessionsPlugin.on_broker_post_start(plugin)  # type: ignore[arg-type]
+        assert plugin.start_failure is None and plugin.replication is not None
+        try:
+            assert plugin.replication.primary is not None and engine.serving
+            assert engine._trim_task is not None, "the promotion started no retention pass"
+            await bounded(engine._trim_task)
+            await bounded(engine.written_so_far())
+            assert engine.streams.bounds("log/a") == (26, 30)
+            assert engine.db.get(event_key("log/a", 25)) is None and engine.db.get(event_key("log/a", 26))
+        finally:
+            await plugin.replication.stop()
+            await engine.close()
+
+    asyncio.run(bounded(main()))
+
+
+def test_the_retention_pass_s_deletes_reach_a_backup_in_sync(tmp_path: Path) -> None:
+    """The start pass's chunks are commits like any other: a backup following the primary when the
+    timers start loses what the primary trimmed, and keeps what it kept."""
+    settings = stream_store(tmp_path, 30)
+    settings["streams"][0]["max_count"] = 5
+    config = DurableConfig.from_mapping(settings)
+    assert config.replication is not None
+    engine = DurableEngine(config)
+    engine.open_store()
+
+    async def main() -> None:
+        replication: ReplicationNode
+
+        async def on_promote(primary: Primary) -> None:  # _promoted's serve; its start_timers comes below
+            await engine.serve(ReplicatedCommits(primary, "sync", replication.may_acknowledge))
+
+        replication = ReplicationNode(engine.db, config.replication, on_promote=on_promote)
+        await replication.start()
+        backup_db = open_store(str(tmp_path / "backup"))
+        try:
+            assert replication.primary is not None
+            backup = Backup(backup_db, name="b", sync=False)
+            async with following(backup, replication.primary.port):
+                await bounded(backup.in_sync_event.wait())
+                assert backup_db.get(event_key("log/a", 25)) is not None, "the snapshot came after the pass"
+                engine.start_timers()
+                assert engine._trim_task is not None
+                await bounded(engine._trim_task)
+                await bounded(engine.written_so_far())  # sync mode: the backup has it too
+                assert backup_db.get(event_key("log/a", 25)) is None, "the backup kept a trimmed event"
+                assert backup_db.get(event_key("log/a", 26)) is not None
+        finally:
+            await replication.stop()
+            await engine.close()
+            backup_db.close()
+
+    asyncio.run(bounded(main()))
+
+
+def test_a_demotion_during_the_retention_pass_ends_it_without_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review (blindR P3-1): the pass's chunk commit fails with NotPrimaryError once the demotion
+    halts the committer; that logged "stream retention failed" at ERROR with a traceback, for a
+    broker that only stopped being the primary. The demotion comes in the loop pass after the
+    first chunk was taken (10,000 deletes of the 24,999 due), its commit asked, not written."""
+    settings = stream_store(tmp_path, 25_000)
+    del settings["replication"]
+    settings["streams"][0]["max_count"] = 1
+    config = DurableConfig.from_mapping(settings)
+    engine = DurableEngine(config)
+    engine.open()
+
+    async def main() -> None:
+        plugin = broker_plugin(engine, config)
+        loop = asyncio.get_running_loop()
+        stopping: asyncio.Future[asyncio.Task[None] | None] = loop.create_future()
+        engine.start_timers()  # the pass's first step (a chunk, its commit asked) runs next
+        task = engine._trim_task
+        assert task is not None
+        loop.call_soon(lambda: stopping.set_result(DurableSessionsPlugin._demoted(plugin, "a test demotion")))  # type: ignore[arg-type]
+        demotion = await bounded(stopping)
+        assert demotion is not None
+        await bounded(demotion)
+        assert engine.streams.first_kept("log/a") == TRIM_BUDGET + 1, "the demotion did not come mid-pass"
+        assert engine.db.get(event_key("log/a", 1)) is not None, "the chunk was written before the demotion"
+        assert task.done() and not task.cancelled() and task.exception() is None
+
+    with caplog.at_level("INFO", logger="amqtt_durable"):
+        try:
+            asyncio.run(bounded(main()))
+        finally:
+            asyncio.run(engine.close())
+    errors = [r.getMessage() for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert errors == [], errors
