@@ -31,6 +31,7 @@ from .auth import AuthError, Session, client_handshake, error_text
 from .errors import FrameError, ReplicationGapError, StoreMismatchError
 from .framing import (
     NAME_IN_USE,
+    NOT_PRIMARY,
     CheckedBatch,
     Frame,
     Hello,
@@ -54,7 +55,10 @@ _KEPT = frozenset({SNAPSHOT_MARK_KEY, VERSION_KEY})
 AUTH_RETRY = 5.0
 """Seconds before a backup refused by the handshake (a secret that does not match) tries again."""
 NAME_LOG_EVERY = 60.0
-"""Seconds between two ERROR lines of a backup refused, again and again, for its name."""
+"""Seconds between two ERROR lines of a backup refused, again and again, for its name; and
+between two WARNING lines of one whose primary address answers that it is no primary, or
+closes the channel before answering (REFUSAL_LOG_EVERY)."""
+REFUSAL_LOG_EVERY = NAME_LOG_EVERY
 INSTANCE_MARK = 0xFF << 56
 """The top byte of every instance a backup sends (``Backup`` sets it on whatever instance it is
 given): 0xFF is never UTF-8, so an earlier version's primary, which decodes all of the HELLO
@@ -79,6 +83,17 @@ QUEUE_FRAMES frames: hundreds of MiB) and every larger group go to a worker thre
 
 class NameInUseError(AuthError):
     """The primary refused this backup: another broker's backup is connected under its name."""
+
+
+class NotPrimaryError(AuthError):
+    """The node at the primary address is a backup: it answered the HELLO with an ERROR frame
+    saying so (NOT_PRIMARY). Retried as often as a closed channel: it may be being promoted."""
+
+
+class ClosedUnansweredError(ConnectionResetError):
+    """The node at the primary address closed the channel before any frame (without TLS): a
+    backup of an earlier version answers a HELLO so (one of this version says NOT_PRIMARY), and
+    so does a primary of an earlier version (it refuses this version's HELLO)."""
 
 
 class Backup:
@@ -237,6 +252,11 @@ class Backup:
         except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError) as exc:
             if self.tls is not None and not answered:
                 raise self._tls_refusal(exc) from exc
+            if not answered:
+                raise ClosedUnansweredError(
+                    "it closed the channel before answering the HELLO (is it the primary of this version? a backup "
+                    "of an earlier version closes it so, and so does a primary of an earlier version)"
+                ) from exc
             raise
 
     @staticmethod
@@ -250,17 +270,42 @@ class Backup:
     def _answered(self, kind: Frame) -> None:
         """The primary's first frame on this connection: anything but ERROR accepts the backup."""
         if self.refused is not None and kind != Frame.ERROR:
-            log.info("replication: backup %s: accepted by the primary: its name is free again", self.name)
+            if NOT_PRIMARY in self.refused:
+                log.info("replication: backup %s: the node at its primary address answers as the primary", self.name)
+            else:
+                log.info("replication: backup %s: accepted by the primary: its name is free again", self.name)
             self.refused = None
 
     async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
         """Stay connected to the primary at host:port, reconnecting after a failure, until ``stop``."""
         primary = join_address(host, port)
         logged = -NAME_LOG_EVERY
+        repeated = _RepeatedLine(REFUSAL_LOG_EVERY)
         while not stop.is_set():
             pause = retry
             try:
                 await self.run(host, port)
+            except NotPrimaryError as exc:  # retried as often as before: it may be a backup being promoted
+                self.refused = str(exc)
+                log.log(
+                    repeated.level(str(exc)),
+                    "replication: backup %s: channel to %s refused (retried every %g s, this line at most once a "
+                    "minute): %s",
+                    self.name,
+                    primary,
+                    pause,
+                    exc,
+                )
+            except ClosedUnansweredError as exc:
+                log.log(
+                    repeated.level(str(exc)),
+                    "replication: backup %s: the primary at %s closed the channel: %s (retried every %g s, this "
+                    "line at most once a minute)",
+                    self.name,
+                    primary,
+                    exc,
+                    pause,
+                )
             except NameInUseError as exc:  # another broker's backup holds the name: wait until it is free
                 pause = max(retry, AUTH_RETRY)
                 self.refused = str(exc)
@@ -340,8 +385,7 @@ class Backup:
                 self._applied(seq, crc)
                 ack = seq
             elif kind == Frame.ERROR:
-                refusal = NameInUseError if NAME_IN_USE in payload.decode("utf-8", "replace") else AuthError
-                raise refusal(f"refused by the primary: {error_text(payload)}")
+                raise _refusal(payload)
             elif kind == Frame.IN_SYNC:
                 decode_seq(payload)
                 self.state = "in_sync"
@@ -383,6 +427,32 @@ class Backup:
         if refused is not None:
             raise refused
         return None if last is None else last.seq
+
+
+def _refusal(payload: bytes) -> AuthError:
+    """The error an ERROR frame from the node at the primary address raises."""
+    text = payload.decode("utf-8", "replace")
+    if NOT_PRIMARY in text:
+        return NotPrimaryError(error_text(payload))
+    refusal = NameInUseError if NAME_IN_USE in text else AuthError
+    return refusal(f"refused by the primary: {error_text(payload)}")
+
+
+class _RepeatedLine:
+    """The level of a channel error's line: WARNING the first time, when its text changes, and
+    then at most once every ``every`` seconds; DEBUG in between."""
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._text: str | None = None
+        self._logged = 0.0
+
+    def level(self, text: str) -> int:
+        now = time.monotonic()
+        if text != self._text or now - self._logged >= self.every:
+            self._text, self._logged = text, now
+            return logging.WARNING
+        return logging.DEBUG
 
 
 async def _receive(
