@@ -75,9 +75,8 @@ def test_a_node_that_closes_the_hello_without_a_word_is_logged_once_too(
         server = await asyncio.start_server(close_silently, HOST, 0)
         backup = new_backup(tmp_path, "b")
         try:
-            async with following(backup, server.sockets[0].getsockname()[1]):
-                async with tried:
-                    await bounded(tried.wait_for(lambda: tries >= RETRIES + 1), WAIT)
+            async with following(backup, server.sockets[0].getsockname()[1]), tried:
+                await bounded(tried.wait_for(lambda: tries >= RETRIES + 1), WAIT)
         finally:
             server.close()
             await server.wait_closed()
