@@ -100,3 +100,22 @@ def test_a_confirmed_durability_change_is_logged_once_at_its_reply_and_subscribe
         assert [r["durable"] for r in subscribes(log, "tog/t")] == expected
     device.subscribe("tog/t", qos=1, durable=False, timeout=WAIT)  # no change: no record
     assert [r["durable"] for r in subscribes(log, "tog/t")] == expected
+
+
+def test_a_change_to_non_durable_is_logged_as_sent_and_subscribe_still_waits_for_its_reply(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path
+) -> None:
+    """durable=False closes the audit's window as it is sent (expecting less is safe): with the broker
+    stopped (SIGSTOP) no reply can come, so subscribe() raises RequestTimeout, and the `false` record is
+    in the log already. Once the broker answers, no second record."""
+    log = tmp_path / "device.jsonl"
+    device = sdk(broker.port, "closer", delivery_log=log)
+    device.connect(timeout=WAIT)
+    device.subscribe("close/t", qos=1, timeout=WAIT)
+    assert [r["durable"] for r in subscribes(log, "close/t")] == [True]
+    with broker.paused():
+        with pytest.raises(RequestTimeout):
+            device.subscribe("close/t", qos=1, durable=False, timeout=0.3)
+        assert [r["durable"] for r in subscribes(log, "close/t")] == [True, False]
+    device.subscribe("close/t", qos=1, timeout=WAIT)  # its reply comes after the false one's
+    assert [r["durable"] for r in subscribes(log, "close/t")] == [True, False, True]

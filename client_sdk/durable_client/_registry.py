@@ -30,7 +30,8 @@ class Subscription:
     """The ``interest`` request of a change of durability only (no SUBSCRIBE) awaiting its reply."""
     interest_due: bool = False
     """A change of durability the broker has not confirmed yet (its ``interest`` reply, or the SUBACK
-    or hello reply of the connection that sends it again): its delivery-log record waits for it."""
+    or hello reply of the connection that sends it again): subscribe() waits for it, and so does
+    the delivery-log record of a change to durable: true (one to durable: false is written as sent)."""
 
 
 @dataclass(slots=True)

@@ -480,9 +480,12 @@ class DurableClient:
                 if self._durable and changed:
                     req = next(self._req_ids)
                     if previous is not None and previous.qos == qos:
-                        # No SUBSCRIBE, so no SUBACK to log it at: the broker's interest reply is
-                        # (_interest_replied); the audit's window opens or closes there.
+                        # No SUBSCRIBE, so no SUBACK: subscribe() waits for the interest reply. The
+                        # audit's window closes as durable: false is sent (expecting less is safe) and
+                        # opens at the broker's reply to durable: true (_interest_replied).
                         subscription.interest_req, subscription.interest_due = req, True
+                        if not durable and subscription.confirmed and self._delivery_log is not None:
+                            self._delivery_log.subscribe(topic_filter, qos, False)
                     self._send_request("interest", req=req, filter=topic_filter, durable=durable)
                 if previous is None or previous.qos != qos:
                     self._send_subscribe(subscription)
@@ -902,17 +905,19 @@ class DurableClient:
 
     def _interest_replied(self, reply: Reply) -> None:
         """The broker applied (or refused) a change of durability sent without a SUBSCRIBE: the
-        subscription's delivery-log record is written now, not when it was sent, so a connection
-        lost in between leaves no record of a change the broker never made."""
+        delivery-log record of a change to durable: true is written now, not when it was sent, so
+        a connection lost in between leaves no record of a change the broker never made (one to
+        durable: false was written as sent)."""
         with self._registry.lock:
             subscription = next((s for s in self._registry.subscriptions() if s.interest_req == reply.req), None)
             if subscription is None:
                 return
             subscription.interest_req = None
             due, subscription.interest_due = subscription.interest_due, False
-            logged = due and reply.ok and subscription.confirmed and subscription.mid is None
+            # A change to durable: false was logged as it was sent.
+            logged = due and reply.ok and subscription.durable and subscription.confirmed and subscription.mid is None
             if logged and self._delivery_log is not None:  # before subscribe() returns
-                self._delivery_log.subscribe(subscription.filter, subscription.qos, subscription.durable)
+                self._delivery_log.subscribe(subscription.filter, subscription.qos, True)
             self._registry.changed.notify_all()  # subscribe() waits for it
 
     def _finish_handshake(self, reply: Reply) -> None:
