@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -15,16 +16,59 @@ from typing import Any
 import pytest
 
 from conftest import HOST, WAIT, Broker, Client, seen_away
-from durable_client import DurableClient, Marker, RequestTimeout
+from durable_client import ConnectionInfo, DurableClient, Marker, RequestTimeout
 from durable_fleet.proxy import FaultProxy
+from durable_protocol import CONTROL_TOPIC
 
 pytestmark = pytest.mark.timeout(120)
 
 
+def records(log: Path, topic_filter: str) -> list[dict[str, Any]]:
+    """The log's records of ``topic_filter``, in order."""
+    found = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r for r in found if r.get("topic") == topic_filter]
+
+
 def subscribes(log: Path, topic_filter: str) -> list[dict[str, Any]]:
     """The log's `subscribe` records of ``topic_filter``, in order."""
-    found = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [r for r in found if r["kind"] == "subscribe" and r["topic"] == topic_filter]
+    return [r for r in records(log, topic_filter) if r["kind"] == "subscribe"]
+
+
+class Connections:
+    """on_connected / on_disconnected callbacks that count, and a wait on the counts."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.up = 0
+        self.down = 0
+
+    def connected(self, _info: ConnectionInfo) -> None:
+        with self.cond:
+            self.up += 1
+            self.cond.notify_all()
+
+    def disconnected(self, _reason: str) -> None:
+        with self.cond:
+            self.down += 1
+            self.cond.notify_all()
+
+    def wait(self, predicate: Callable[[], bool]) -> bool:
+        with self.cond:
+            return self.cond.wait_for(predicate, WAIT)
+
+
+class ControlSent(logging.Handler):
+    """Set once paho logs the sending of a control request (the SDK's paho lines are DEBUG): the
+    requests a CONNACK makes the client send (``interest``, then ``hello``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.sent = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "Sending PUBLISH" in text and CONTROL_TOPIC in text:
+            self.sent.set()
 
 
 def test_a_durability_change_lost_with_its_connection_is_logged_only_once_the_reconnect_confirms_it(
@@ -119,3 +163,95 @@ def test_a_change_to_non_durable_is_logged_as_sent_and_subscribe_still_waits_for
         assert [r["durable"] for r in subscribes(log, "close/t")] == [True, False]
     device.subscribe("close/t", qos=1, timeout=WAIT)  # its reply comes after the false one's
     assert [r["durable"] for r in subscribes(log, "close/t")] == [True, False, True]
+
+
+def test_a_durable_change_whose_reply_is_lost_is_logged_once_at_the_reconnects_hello_reply(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
+    tmp_path: Path,
+) -> None:
+    """The broker applies durable: true but its reply is lost (the broker-to-client way stalled), then the
+    link is cut: the filter, durable now, survives the connection's end and queues a publish made while
+    away. The reconnect says durable: true again before its hello; the hello reply lists the filter, and
+    exactly one `true` record is written there (no SUBSCRIBE: no SUBACK to write it at)."""
+    broker = broker_factory(metrics_interval=0.1)
+    proxy = FaultProxy(HOST, broker.port)
+    port = proxy.start()
+    log = tmp_path / "device.jsonl"
+    got: list[bytes] = []
+    delivered = threading.Condition()
+    links = Connections()
+
+    def listener(event: Any) -> None:
+        with delivered:
+            got.append(bytes(event.payload))
+            delivered.notify_all()
+
+    try:
+        device = sdk(port, "keeper", delivery_log=log, on_connected=links.connected)
+        device.connect(timeout=WAIT)
+        device.subscribe("keep/t", qos=1, durable=False, listener=listener, timeout=WAIT)
+        device.ready_for_events()
+        assert [r["durable"] for r in subscribes(log, "keep/t")] == [False]
+        watcher = clients(broker.port, "keep-watch", clean_session=True)
+        watcher.subscribe("keep/probe", 0)
+
+        assert proxy.stall(direction="down") == 1
+        with pytest.raises(RequestTimeout):
+            device.subscribe("keep/t", qos=1, durable=True, listener=listener, timeout=0.5)
+        device.publish("keep/probe", b"after the interest", qos=0)  # the broker handles a connection's packets in order
+        assert watcher.wait_for(lambda ms: any(m.topic == "keep/probe" for m in ms)), "the broker got nothing"
+        assert [r["durable"] for r in subscribes(log, "keep/t")] == [False], "logged without the reply"
+
+        assert proxy.cut() == 1
+        seen_away(clients, broker, 1)
+        publisher = clients(broker.port, "keep-pub", clean_session=True)
+        publisher.publish("keep/t", [b"queued while away"], qos=1)
+        proxy.restore()
+        assert links.wait(lambda: links.up == 2), "no reconnect"
+        with delivered:  # the filter survived: the broker had applied durable: true
+            assert delivered.wait_for(lambda: b"queued while away" in got, WAIT), got
+        assert [r["durable"] for r in subscribes(log, "keep/t")] == [False, True]
+    finally:
+        with contextlib.suppress(Exception):
+            proxy.stop()
+
+
+def test_a_filter_unsubscribed_between_connack_and_hello_reply_gets_no_record_at_the_hello_reply(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path
+) -> None:
+    """Made non-durable, then durable again, while disconnected: the reconnect's CONNACK sends durable: true
+    before its hello. Unsubscribed after that CONNACK, before the hello reply (the client-to-broker way is
+    stalled meanwhile): the hello reply writes no `subscribe` record of the filter after its `unsubscribe`."""
+    broker = broker_factory()
+    proxy = FaultProxy(HOST, broker.port)
+    port = proxy.start()
+    log = tmp_path / "device.jsonl"
+    links = Connections()
+    sent = ControlSent()
+    paho_log = logging.getLogger("durable_client.paho")
+    level = paho_log.level
+    paho_log.setLevel(logging.DEBUG)  # before the client: it only hands paho's lines on when asked for
+    paho_log.addHandler(sent)
+    try:
+        device = sdk(port, "leaver", delivery_log=log, on_connected=links.connected, on_disconnected=links.disconnected)
+        device.connect(timeout=WAIT)
+        device.subscribe("leave/t", qos=1, timeout=WAIT)
+
+        proxy.stall(direction="up")  # for the connections to come
+        assert proxy.cut("leaver") == 1
+        assert links.wait(lambda: links.down == 1), "the cut was not seen"
+        device.subscribe("leave/t", qos=1, durable=False)  # disconnected: at once
+        device.subscribe("leave/t", qos=1, durable=True)  # made durable again: said before the next hello
+        sent.sent.clear()
+        proxy.restore("leaver")  # the stall up stays: the CONNECT goes through, what follows is held
+        assert sent.sent.wait(WAIT), "no request sent at the CONNACK"
+        device.unsubscribe("leave/t")
+        proxy.restore()
+        assert links.wait(lambda: links.up == 2), "no reconnect"
+        found = [(r["kind"], r.get("durable")) for r in records(log, "leave/t")]
+        assert found == [("subscribe", True), ("unsubscribe", None)], found
+    finally:
+        paho_log.removeHandler(sent)
+        paho_log.setLevel(level)
+        with contextlib.suppress(Exception):
+            proxy.stop()

@@ -1026,6 +1026,8 @@ class DurableClient:
         session holds (no SUBSCRIBE: no SUBACK to log them at): the broker answered that interest
         before this hello reply. Those it did not hold are logged at their SUBACK."""
         for subscription in undone:
+            if self._registry.get(subscription.filter) is not subscription:
+                continue  # unsubscribed, or replaced by another subscribe(), since the CONNACK
             if subscription.interest_due and subscription.confirmed and subscription.mid is None:
                 subscription.interest_due = False
                 if self._delivery_log is not None:
