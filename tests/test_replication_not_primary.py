@@ -15,7 +15,7 @@ from replication_helpers import HOST, bounded, following, new_backup
 from test_ha_brokers import BACKUP, SERVING, address, node, start, wait_status
 
 from amqtt_durable.replication.framing import NOT_PRIMARY
-from conftest import WAIT, Broker, run_cli
+from conftest import WAIT, Broker, free_port, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,7 +41,9 @@ def test_a_backup_pointed_at_a_backup_is_told_why_and_says_so_once(broker_factor
     warnings = lines("WARNING")
     assert len(warnings) == 1, warnings
     # The reason names the problem and the node the refusing backup follows.
-    reason = f"m at {address(middle)} {NOT_PRIMARY}: it is a backup (it follows {address(primary)}, which may be"
+    reason = (
+        f"{NOT_PRIMARY}: backup m (follows {address(primary)}); replication.primary must name the primary's address"
+    )
     assert reason in warnings[0], warnings[0]
     assert "the primary at" not in chained.log(), "still logs that the channel was closed"
 
@@ -51,6 +53,30 @@ def test_a_backup_pointed_at_a_backup_is_told_why_and_says_so_once(broker_factor
     assert reason in shown and "disconnected, not caught up" in shown, shown
     # The refusing backup goes on following its primary, undisturbed.
     wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+
+    # Gone: the tries now fail to connect, and no reason of a refusal is shown any more.
+    middle.stop()
+    state = wait_status(chained, lambda s: "refused_by_primary" not in s)
+    assert state["state"] == "disconnected", state
+
+
+def test_a_long_name_does_not_hide_the_refusal(broker_factory: Callable[..., Broker]) -> None:
+    """A peer's ERROR text is shown cut at 200 characters: the fixed words come first, so a refusing backup
+    with a long name (300 characters here) is still recognised as no primary (retried every 0.5 s, shown
+    in refused_by_primary), not taken for an unknown refusal retried every 5 s."""
+    long_name = "n" * 300
+    middle = broker_factory(
+        start=False,
+        name="long",
+        replication={
+            "name": long_name, "listen": f"{HOST}:{free_port()}", "role": "backup", "primary": f"{HOST}:{free_port()}"
+        },
+    )  # fmt: skip
+    start(middle, BACKUP)
+    chained = start(node(broker_factory, "c", role="backup", primary=address(middle)), BACKUP)
+    state = wait_status(chained, lambda s: s.get("refused_by_primary", "").startswith(f"{NOT_PRIMARY}: backup nnn"))
+    assert state["refused_by_primary"].endswith("... (cut)"), state
+    assert "retried every 0.5 s" in chained.log() and "retried in 5 s" not in chained.log(), chained.log()[-3000:]
 
 
 def test_a_node_that_closes_the_hello_without_a_word_is_logged_once_too(

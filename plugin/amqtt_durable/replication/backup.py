@@ -117,7 +117,11 @@ class Backup:
         replaces an older connection of the same instance under the same name, and refuses one
         of another (NameInUseError)."""
         self.refused: str | None = None
-        """Why the primary refused this backup's name (NameInUseError) until it is accepted."""
+        """Why the node at the primary address refused the last try of follow() (NameInUseError,
+        NotPrimaryError); None after any other outcome, and at the start of a follow()."""
+        self._refusal: type[AuthError] | None = None
+        """The kind of the last such refusal of this follow(), until the node accepts this backup:
+        its INFO line says which refusal ended."""
         self.tls = tls
         """replication.tls: a client context (the primary's certificate must be signed by the CA)."""
         self.secret = secret
@@ -269,24 +273,27 @@ class Backup:
 
     def _answered(self, kind: Frame) -> None:
         """The primary's first frame on this connection: anything but ERROR accepts the backup."""
-        if self.refused is not None and kind != Frame.ERROR:
-            if NOT_PRIMARY in self.refused:
-                log.info("replication: backup %s: the node at its primary address answers as the primary", self.name)
-            else:
-                log.info("replication: backup %s: accepted by the primary: its name is free again", self.name)
-            self.refused = None
+        if kind == Frame.ERROR:
+            return
+        if self._refusal is NotPrimaryError:
+            log.info("replication: backup %s: the node at its primary address answers as the primary", self.name)
+        elif self._refusal is not None:
+            log.info("replication: backup %s: accepted by the primary: its name is free again", self.name)
+        self.refused = self._refusal = None
 
     async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
         """Stay connected to the primary at host:port, reconnecting after a failure, until ``stop``."""
         primary = join_address(host, port)
         logged = -NAME_LOG_EVERY
         repeated = _RepeatedLine(REFUSAL_LOG_EVERY)
+        self.refused = self._refusal = None  # another primary's, if any
         while not stop.is_set():
             pause = retry
+            refusal: AuthError | None = None
             try:
                 await self.run(host, port)
             except NotPrimaryError as exc:  # retried as often as before: it may be a backup being promoted
-                self.refused = str(exc)
+                refusal = exc
                 log.log(
                     repeated.level(str(exc)),
                     "replication: backup %s: channel to %s refused (retried every %g s, this line at most once a "
@@ -308,7 +315,7 @@ class Backup:
                 )
             except NameInUseError as exc:  # another broker's backup holds the name: wait until it is free
                 pause = max(retry, AUTH_RETRY)
-                self.refused = str(exc)
+                refusal = exc
                 now = time.monotonic()
                 level = logging.ERROR if now - logged >= NAME_LOG_EVERY else logging.DEBUG
                 logged = now if level == logging.ERROR else logged
@@ -336,6 +343,9 @@ class Backup:
                 log.warning(
                     "replication: backup %s: channel to %s ended: %s", self.name, primary, str(exc) or repr(exc)
                 )
+            self.refused = None if refusal is None else str(refusal)  # never a reason older than this try
+            if refusal is not None:
+                self._refusal = type(refusal)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(pause):
                     await stop.wait()
@@ -432,7 +442,7 @@ class Backup:
 def _refusal(payload: bytes) -> AuthError:
     """The error an ERROR frame from the node at the primary address raises."""
     text = payload.decode("utf-8", "replace")
-    if NOT_PRIMARY in text:
+    if text.startswith(f"{NOT_PRIMARY}:"):  # first: the 200-character cut never takes it
         return NotPrimaryError(error_text(payload))
     refusal = NameInUseError if NAME_IN_USE in text else AuthError
     return refusal(f"refused by the primary: {error_text(payload)}")

@@ -101,9 +101,10 @@ NAME_IN_USE = "is in use by the backup connected from"
 connection holds: the refused backup recognises the refusal by these words."""
 
 
-NOT_PRIMARY = "is not the primary"
-"""In the ERROR frame with which a backup's replication address answers a HELLO (a backup whose
-replication.primary names a backup): the refused backup recognises the refusal by these words."""
+NOT_PRIMARY = "not the primary"
+"""The first words, then a colon, of the ERROR frame with which a backup's replication address
+answers a HELLO (a backup whose replication.primary names a backup): the refused backup recognises
+the refusal by them (first, so the 200-character cut of a peer's ERROR text never takes them)."""
 
 
 class Frame(IntEnum):

@@ -345,16 +345,11 @@ class ReplicationNode:
 
     def not_primary(self) -> str:
         """The ERROR frame's text for a backup's HELLO on this backup's replication address: that
-        this node is no primary, and the address it follows, which may be the primary."""
-        name = f"{self.config.name} " if self.config.name else ""
-        following = (
-            f"it follows {self._following}, which may be the primary" if self._following
-            else "it follows no primary yet"
-        )  # fmt: skip
-        return (
-            f"{name}at {self.config.listen} {NOT_PRIMARY}: it is a backup ({following}); replication.primary must "
-            "name the primary's replication address"
-        )
+        this node is no primary (the fixed words first: the refused backup shows at most 200
+        characters), and the address it follows, which may be the primary."""
+        backup = self.config.name or f"at {self.config.listen}"
+        following = f"follows {self._following}" if self._following else "follows no primary yet"
+        return f"{NOT_PRIMARY}: backup {backup} ({following}); replication.primary must name the primary's address"
 
     def answer(self, kind: Frame) -> dict[str, Any]:
         """A tool's STATUS or PROMOTE (``amqtt-durable promote``: the operator's decision)."""
