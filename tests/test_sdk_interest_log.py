@@ -58,17 +58,21 @@ class Connections:
 
 
 class ControlSent(logging.Handler):
-    """Set once paho logs the sending of a control request (the SDK's paho lines are DEBUG): the
-    requests a CONNACK makes the client send (``interest``, then ``hello``)."""
+    """Events set once paho logs (the SDK's paho lines are DEBUG, on its network thread) the sending of
+    a control request (``sent``: e.g. what a CONNACK makes the client send, ``interest`` then ``hello``),
+    or a SUBACK received (``suback``: the client handles it before any packet after it)."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.sent = threading.Event()
+        self.suback = threading.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         if "Sending PUBLISH" in text and CONTROL_TOPIC in text:
             self.sent.set()
+        elif text.startswith("Received SUBACK"):
+            self.suback.set()
 
 
 def test_a_durability_change_lost_with_its_connection_is_logged_only_once_the_reconnect_confirms_it(
@@ -250,6 +254,55 @@ def test_a_filter_unsubscribed_between_connack_and_hello_reply_gets_no_record_at
         assert links.wait(lambda: links.up == 2), "no reconnect"
         found = [(r["kind"], r.get("durable")) for r in records(log, "leave/t")]
         assert found == [("subscribe", True), ("unsubscribe", None)], found
+    finally:
+        paho_log.removeHandler(sent)
+        paho_log.setLevel(level)
+        with contextlib.suppress(Exception):
+            proxy.stop()
+
+
+def test_a_change_to_durable_made_while_the_suback_is_on_its_way_waits_for_its_own_reply(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path
+) -> None:
+    """A new non-durable filter's SUBACK is on its way (the broker-to-client way stalled) when another call
+    makes the filter durable (an `interest` sent after the SUBSCRIBE, held on the client-to-broker way):
+    the SUBACK, let through first, does not confirm that change. The second call returns at the
+    `interest` reply, and the log holds `false` (the SUBACK) then `true` (the reply)."""
+    proxy = FaultProxy(HOST, broker.port)
+    port = proxy.start()
+    log = tmp_path / "device.jsonl"
+    sent = ControlSent()
+    paho_log = logging.getLogger("durable_client.paho")
+    level = paho_log.level
+    paho_log.setLevel(logging.DEBUG)  # before the client: it only hands paho's lines on when asked for
+    paho_log.addHandler(sent)
+    outcome: list[BaseException | None] = []
+    try:
+        device = sdk(port, "twice", delivery_log=log)
+        device.connect(timeout=WAIT)
+
+        def make_durable() -> None:
+            try:
+                device.subscribe("twice/t", qos=1, durable=True, timeout=WAIT)
+                outcome.append(None)
+            except BaseException as exc:  # handed to the test's thread
+                outcome.append(exc)
+
+        assert proxy.stall("twice", direction="down") == 1
+        with pytest.raises(RequestTimeout):  # its SUBSCRIBE went through; the SUBACK is held
+            device.subscribe("twice/t", qos=1, durable=False, timeout=0.3)
+        assert proxy.stall(direction="up") == 1  # now both ways
+        sent.sent.clear()
+        caller = threading.Thread(target=make_durable, daemon=True)
+        caller.start()
+        assert sent.sent.wait(WAIT), "the interest was not sent"
+        sent.suback.clear()
+        proxy.restore("twice")  # the SUBACK comes; the interest stays held
+        assert sent.suback.wait(WAIT), "no SUBACK"
+        proxy.restore()
+        caller.join(WAIT)
+        assert outcome == [None], outcome
+        assert [r["durable"] for r in subscribes(log, "twice/t")] == [False, True]
     finally:
         paho_log.removeHandler(sent)
         paho_log.setLevel(level)

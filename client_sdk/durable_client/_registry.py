@@ -143,7 +143,8 @@ class Registry:
                     subscription.mid = None
                     subscription.confirmed = ok
                     subscription.answered = True
-                    subscription.interest_due = False  # sent with the SUBSCRIBE: the SUBACK confirms both
+                    if subscription.interest_req is None:  # else an interest sent after this SUBSCRIBE awaits its reply
+                        subscription.interest_due = False  # sent with the SUBSCRIBE: the SUBACK confirms both
                     if confirmed is not None:
                         confirmed(subscription)
                     self.changed.notify_all()

@@ -1258,9 +1258,11 @@ class DurableClient:
 
     def _log_subscribed(self, subscription: Subscription) -> None:
         """(Holding the registry's lock, at a granted SUBACK, before subscribe() returns.) From the
-        SUBACK on, the broker routes to it: what the audit may expect."""
+        SUBACK on, the broker routes to it: what the audit may expect. A change to durable: true sent
+        after its SUBSCRIBE is not applied yet: logged non-durable here, durable at its reply."""
         if self._delivery_log is not None:
-            self._delivery_log.subscribe(subscription.filter, subscription.qos, subscription.durable and self._durable)
+            durable = subscription.durable and self._durable and subscription.interest_req is None
+            self._delivery_log.subscribe(subscription.filter, subscription.qos, durable)
 
     def _handle_lost(self, reason: str) -> None:
         self._stream_acks.drop()
