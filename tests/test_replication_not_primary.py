@@ -14,6 +14,7 @@ import pytest
 from replication_helpers import HOST, bounded, following, new_backup
 from test_ha_brokers import BACKUP, SERVING, address, node, start, wait_status
 
+from amqtt_durable.replication.backup import REFUSAL_LOG_EVERY, _RepeatedLine
 from amqtt_durable.replication.framing import NOT_PRIMARY
 from conftest import WAIT, Broker, free_port, run_cli
 
@@ -113,3 +114,12 @@ def test_a_node_that_closes_the_hello_without_a_word_is_logged_once_too(
     assert [r.levelno for r in closed][:1] == [logging.WARNING], closed
     assert sum(r.levelno == logging.WARNING for r in closed) == 1, [r.getMessage() for r in closed]
     assert sum(r.levelno == logging.DEBUG for r in closed) >= RETRIES - 1, [r.getMessage() for r in closed]
+
+
+def test_alternating_refusals_are_each_logged_at_most_once_a_minute() -> None:
+    """Two reasons that alternate (a node closing the channel, then refusing as a backup, again and
+    again) give one WARNING each, not one per try."""
+    repeated = _RepeatedLine(REFUSAL_LOG_EVERY)
+    texts = ["closed before answering", f"{NOT_PRIMARY}: backup m (follows no primary yet)"] * RETRIES
+    levels = [repeated.level(text) for text in texts]
+    assert levels == [logging.WARNING] * 2 + [logging.DEBUG] * (len(texts) - 2), levels

@@ -449,20 +449,27 @@ def _refusal(payload: bytes) -> AuthError:
 
 
 class _RepeatedLine:
-    """The level of a channel error's line: WARNING the first time, when its text changes, and
-    then at most once every ``every`` seconds; DEBUG in between."""
+    """The level of a channel error's line: WARNING for a text not logged at WARNING within the last
+    ``every`` seconds (the first time, and then at most once every ``every`` seconds per text, so
+    texts that alternate are limited too); DEBUG in between. It remembers the last ``KEPT`` texts."""
+
+    KEPT = 8
 
     def __init__(self, every: float) -> None:
         self.every = every
-        self._text: str | None = None
-        self._logged = 0.0
+        self._logged: dict[str, float] = {}
+        """Text: when its last WARNING was, the latest last."""
 
     def level(self, text: str) -> int:
         now = time.monotonic()
-        if text != self._text or now - self._logged >= self.every:
-            self._text, self._logged = text, now
-            return logging.WARNING
-        return logging.DEBUG
+        last = self._logged.get(text)
+        if last is not None and now - last < self.every:
+            return logging.DEBUG
+        self._logged.pop(text, None)
+        self._logged[text] = now
+        while len(self._logged) > self.KEPT:
+            del self._logged[next(iter(self._logged))]
+        return logging.WARNING
 
 
 async def _receive(
