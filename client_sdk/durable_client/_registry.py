@@ -50,7 +50,8 @@ class Registry:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
-        """Notified when a SUBACK arrives, a connection ends (no SUBACK will come), or a
+        """Notified when a SUBACK or an ``interest`` reply arrives, a hello reply confirms the
+        subscriptions the broker holds, a connection ends (no SUBACK or reply will come), or a
         subscription is replaced or removed."""
         self._subscriptions: dict[str, Subscription] = {}
         self._streams: dict[str, StreamSubscription] = {}

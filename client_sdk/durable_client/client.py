@@ -446,8 +446,8 @@ class DurableClient:
         answered = self._registry.wait_answered(topic_filter, timeout, self._stop.is_set)
         if self._closed or self._stop.is_set():
             raise Unconnected(
-                f"the client was closed while waiting for the SUBACK of {shown_topic(topic_filter)!r}; the broker's "
-                "durable session may hold the subscription"
+                f"the client was closed while waiting for the SUBACK (or interest reply) of "
+                f"{shown_topic(topic_filter)!r}; the broker's durable session may hold the subscription"
             )
         if not answered:
             raise RequestTimeout(
