@@ -432,7 +432,8 @@ class DurableClient:
         than the broker's max_packet_size (once a hello reply said it) is a ValueError, also
         when a reconnect's hello reply drops it while this call waits. Unconnected when the
         client is closed while it waits; it returns when another thread unsubscribes the filter
-        meanwhile.
+        meanwhile, or replaces it by another subscribe(). Called from a listener, or by a stateless
+        client changing only the durability (it sends no ``interest``), it returns without waiting.
         """
         self._check_open()
         check_filter(topic_filter)
