@@ -110,7 +110,8 @@ def test_subscribing_a_held_filter_again_changes_its_durability_on_the_broker_an
     it while away". delivery-log.md: a `subscribe` record's `durable` says "a durable subscription (false:
     non-durable, ends with the connection ...)"; "A `subscribe` is written when the broker confirms it (SUBACK)";
     one that "changes only a subscription's durability ... sends no SUBSCRIBE: its `subscribe` record, with the
-    new `durable`, is written as the change is sent (the audit's window closes or opens there)": before a
+    new `durable`, is written when the broker confirms the change (its `interest` reply), before `subscribe()`
+    returns (the audit's window closes or opens there)": before a
     publish the broker rightly does not queue. From a listener (which cannot wait for a SUBACK), a new filter
     made non-durable at once gets one record, the non-durable one, at its SUBACK."""
     broker = broker_factory(metrics_interval=0.1)
@@ -476,15 +477,19 @@ def test_close_without_keep_session_that_gets_no_reply_closes_the_client_and_rai
     assert not records(log, "session_end")
 
 
-def test_a_subscribe_that_sends_no_subscribe_returns_at_once(broker: Broker, sdk: Callable[..., DurableClient]) -> None:
-    """sdk.md: "Connected, `subscribe()` returns at the SUBACK, or at once when it sends no SUBSCRIBE (only the
-    durability or the listener of a filter it holds changes); `RequestTimeout` after `timeout` without a SUBACK";
-    "a SUBSCRIBE goes out again only for a new QoS". Against a broker that answers nothing."""
+def test_a_subscribe_that_sends_no_subscribe_returns_at_its_interest_reply_or_at_once(
+    broker: Broker, sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md: "Connected, `subscribe()` returns at the SUBACK; when it sends no SUBSCRIBE, at the broker's
+    `interest` reply if only the durability of a filter it holds changes ..., or at once if only the listener
+    does; `RequestTimeout` after `timeout` without that SUBACK or reply"; "a SUBSCRIBE goes out again only for a
+    new QoS". Against a broker that answers nothing."""
     device = sdk(broker.port, "no-suback-needed")
     device.subscribe("held/t", qos=1)
     device.connect(timeout=WAIT)
     with broker.paused():
-        device.subscribe("held/t", qos=1, durable=False, timeout=0.3)
+        with pytest.raises(RequestTimeout):
+            device.subscribe("held/t", qos=1, durable=False, timeout=0.3)  # an interest: waits for its reply
         device.subscribe("held/t", qos=1, durable=False, listener=print, timeout=0.3)
         with pytest.raises(RequestTimeout):
             device.subscribe("held/t", qos=0, durable=False, timeout=0.3)  # a new QoS: a SUBSCRIBE

@@ -26,6 +26,12 @@ class Subscription:
     """Made durable again while not connected: the broker's session may hold the filter as
     non-durable, made so by a connection it still counts as open (a take-over of a half-open
     link); ``interest durable: true`` goes on the next connection, before its hello."""
+    interest_req: int | None = None
+    """The ``interest`` request of a change of durability only (no SUBSCRIBE) awaiting its reply."""
+    interest_due: bool = False
+    """A change of durability the broker has not confirmed yet (its ``interest`` reply, or the SUBACK
+    or hello reply of the connection that sends it again): subscribe() waits for it, and so does
+    the delivery-log record of a change to durable: true (one to durable: false is written as sent)."""
 
 
 @dataclass(slots=True)
@@ -44,7 +50,8 @@ class Registry:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
-        """Notified when a SUBACK arrives, a connection ends (no SUBACK will come), or a
+        """Notified when a SUBACK or an ``interest`` reply arrives, a hello reply confirms the
+        subscriptions the broker holds, a connection ends (no SUBACK or reply will come), or a
         subscription is replaced or removed."""
         self._subscriptions: dict[str, Subscription] = {}
         self._streams: dict[str, StreamSubscription] = {}
@@ -126,14 +133,21 @@ class Registry:
             self._unsubscribed.clear()
             self._unsubscribing.clear()
 
-    def subscribed(self, mid: int, ok: bool) -> Subscription | None:
-        """A SUBACK arrived: the subscription it confirms (None if it was removed meanwhile)."""
+    def subscribed(
+        self, mid: int, ok: bool, confirmed: Callable[[Subscription], None] | None = None
+    ) -> Subscription | None:
+        """A SUBACK arrived: the subscription it confirms (None if it was removed meanwhile),
+        handed to ``confirmed`` before a wait_answered() returns."""
         with self.lock:
             for subscription in self._subscriptions.values():
                 if subscription.mid == mid:
                     subscription.mid = None
                     subscription.confirmed = ok
                     subscription.answered = True
+                    if subscription.interest_req is None:  # else an interest sent after this SUBSCRIBE awaits its reply
+                        subscription.interest_due = False  # sent with the SUBSCRIBE: the SUBACK confirms both
+                    if confirmed is not None:
+                        confirmed(subscription)
                     self.changed.notify_all()
                     return subscription
             return None
@@ -152,7 +166,8 @@ class Registry:
 
     def wait_answered(self, topic_filter: str, timeout: float, stopped: Callable[[], bool]) -> bool:
         """Wait until the subscription of ``topic_filter`` has its SUBACK (the one of a SUBSCRIBE
-        re-sent after a reconnect too), is confirmed without one (the broker's session holds it),
+        re-sent after a reconnect too) and its change of durability its confirmation, is confirmed
+        without a SUBACK (the broker's session holds it),
         or is no longer this registry's (at once when it is not when called), or ``stopped()``
         (the client closes: notified); False when ``timeout`` ran out first."""
         with self.lock:
@@ -161,7 +176,11 @@ class Registry:
                 lambda: stopped()
                 or subscription is None
                 or self._subscriptions.get(topic_filter) is not subscription
-                or (subscription.mid is None and (subscription.answered or subscription.confirmed)),
+                or (
+                    subscription.mid is None
+                    and not subscription.interest_due
+                    and (subscription.answered or subscription.confirmed)
+                ),
                 timeout,
             )
 

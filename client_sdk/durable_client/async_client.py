@@ -18,8 +18,8 @@ a process SIGKILL) holds as for the threaded client.
 The replay marker travels in the same queue: ``live()`` (and ``on_live``, called on the event
 loop) is signalled once every event before the marker was processed.
 
-Blocking calls of the threaded client (connect, subscribe waiting for its SUBACK, publish
-waiting for its PUBACK, close) run in a worker thread (``asyncio.to_thread``), so the event
+Blocking calls of the threaded client (connect, subscribe waiting for its SUBACK or its
+``interest`` reply, publish waiting for its PUBACK, close) run in a worker thread (``asyncio.to_thread``), so the event
 loop never blocks.
 """
 

@@ -424,14 +424,16 @@ class DurableClient:
         restart). Called while disconnected, the subscription is sent on the next connect (one
         made durable again then is said to be, before that connection's hello, so an older
         connection's end the broker runs late does not drop it);
-        when connected, it returns once the broker has confirmed it, or raises RequestTimeout
-        after ``timeout`` seconds without a SUBACK (the subscription stays registered and is
-        sent again on reconnect; a connection lost first is no SUBACK: it waits for the one of
-        the SUBSCRIBE sent again after the reconnect). A filter whose packets would be larger
+        when connected, it returns once the broker has confirmed it (its SUBACK; for a change of
+        durability only, its ``interest`` reply), or raises RequestTimeout after ``timeout``
+        seconds without it (the subscription stays registered and is sent again on reconnect; a
+        connection lost first is no confirmation: it waits for the one of the reconnect, which
+        sends it again). A filter whose packets would be larger
         than the broker's max_packet_size (once a hello reply said it) is a ValueError, also
         when a reconnect's hello reply drops it while this call waits. Unconnected when the
         client is closed while it waits; it returns when another thread unsubscribes the filter
-        meanwhile.
+        meanwhile, or replaces it by another subscribe(). Called from a listener, or by a stateless
+        client changing only the durability (it sends no ``interest``), it returns without waiting.
         """
         self._check_open()
         check_filter(topic_filter)
@@ -445,12 +447,13 @@ class DurableClient:
         answered = self._registry.wait_answered(topic_filter, timeout, self._stop.is_set)
         if self._closed or self._stop.is_set():
             raise Unconnected(
-                f"the client was closed while waiting for the SUBACK of {shown_topic(topic_filter)!r}; the broker's "
-                "durable session may hold the subscription"
+                f"the client was closed while waiting for the SUBACK (or interest reply) of "
+                f"{shown_topic(topic_filter)!r}; the broker's durable session may hold the subscription"
             )
         if not answered:
             raise RequestTimeout(
-                f"no SUBACK for {shown_topic(topic_filter)!r} within {timeout} s; it is sent again on reconnect"
+                f"no SUBACK (or interest reply) for {shown_topic(topic_filter)!r} within {timeout} s; it is sent "
+                "again on reconnect"
             )
         if self._registry.get(topic_filter) is None:  # unsubscribed meanwhile, or dropped at a hello reply
             self._check_filter_size(topic_filter, request=self._durable, outcome="the subscription was dropped")
@@ -465,22 +468,30 @@ class DurableClient:
                 if previous is not None and previous.qos == qos:
                     subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
                     subscription.answered = previous.answered
+                    subscription.interest_req, subscription.interest_due = previous.interest_req, previous.interest_due
                 if not self._connected:
                     subscription.undo_interest = (
                         durable and previous is not None and (previous.undo_interest or not previous.durable)
                     )
+                    # Logged when the reconnect's hello reply or SUBACK confirms it (_replay_subscriptions).
+                    subscription.interest_due = subscription.undo_interest
                     return False
                 # A new durable subscription is durable by default; anything else is said.
                 changed = previous.durable != durable if previous is not None else not durable
                 if self._durable and changed:
-                    self._send_request("interest", filter=topic_filter, durable=durable)
+                    req = next(self._req_ids)
+                    if previous is not None and previous.qos == qos:
+                        # No SUBSCRIBE, so no SUBACK: subscribe() waits for the interest reply. The
+                        # audit's window closes as durable: false is sent (expecting less is safe) and
+                        # opens at the broker's reply to durable: true (_interest_replied).
+                        subscription.interest_req, subscription.interest_due = req, True
+                        if not durable and subscription.confirmed and self._delivery_log is not None:
+                            self._delivery_log.subscribe(topic_filter, qos, False)
+                    self._send_request("interest", req=req, filter=topic_filter, durable=durable)
                 if previous is None or previous.qos != qos:
                     self._send_subscribe(subscription)
                     return True
-                if self._durable and changed and subscription.confirmed and self._delivery_log is not None:
-                    # No SUBSCRIBE, so no SUBACK to log it at: the audit's window opens or closes here.
-                    self._delivery_log.subscribe(topic_filter, qos, durable)
-                return False
+                return self._durable and changed and subscription.interest_due  # a listener alone: at once
 
     def unsubscribe(self, topic_filter: str) -> None:
         """Remove a subscription or a stream subscription on ``topic_filter``.
@@ -868,6 +879,8 @@ class DurableClient:
             self._hello_req = None
             self._finish_handshake(reply)
             return
+        if reply.op == "interest":
+            self._interest_replied(reply)
         if reply.ok and reply.op == "stream_subscribe":
             for topic, (first, last) in (reply.fields.get("gaps") or {}).items():
                 log.warning(
@@ -890,6 +903,23 @@ class DurableClient:
                 "the broker refused '%s' (req %s) with %s: %s",
                 reply.op, reply.req, reply.error_code, reply.error_message,
             )
+
+    def _interest_replied(self, reply: Reply) -> None:
+        """The broker applied (or refused) a change of durability sent without a SUBSCRIBE: the
+        delivery-log record of a change to durable: true is written now, not when it was sent, so
+        a connection lost in between leaves no record of a change the broker never made (one to
+        durable: false was written as sent)."""
+        with self._registry.lock:
+            subscription = next((s for s in self._registry.subscriptions() if s.interest_req == reply.req), None)
+            if subscription is None:
+                return
+            subscription.interest_req = None
+            due, subscription.interest_due = subscription.interest_due, False
+            # A change to durable: false was logged as it was sent.
+            logged = due and reply.ok and subscription.durable and subscription.confirmed and subscription.mid is None
+            if logged and self._delivery_log is not None:  # before subscribe() returns
+                self._delivery_log.subscribe(subscription.filter, subscription.qos, True)
+            self._registry.changed.notify_all()  # subscribe() waits for it
 
     def _finish_handshake(self, reply: Reply) -> None:
         if not reply.ok:
@@ -979,16 +1009,30 @@ class DurableClient:
                     self._send_unsubscribe(topic_filter)
                     if self._registry.broker_held is not None:
                         self._registry.broker_held.discard(topic_filter)
-            for subscription in self._interests_undone:  # the broker applied them before the hello
+            undone, self._interests_undone = self._interests_undone, []
+            for subscription in undone:  # the broker applied them before the hello
                 subscription.undo_interest = False
-            self._interests_undone = []
             for subscription in self._registry.subscriptions():
                 self._replay_subscription(subscription, resend_durable, broker_has)
+            self._log_undone(undone)
             self._registry.changed.notify_all()  # subscribe() waits: one the broker holds is confirmed now
         for stream in self._registry.streams():
             self._open_stream(stream.filter, stream.window, wait=False)
         if self._durable and self._ready_requested:
             self._send_ready()
+
+    def _log_undone(self, undone: list[Subscription]) -> None:
+        """(Holding the registry's lock, at the hello reply.) The delivery-log records of the
+        subscriptions made durable again by an ``interest`` before this hello that the broker's
+        session holds (no SUBSCRIBE: no SUBACK to log them at): the broker answered that interest
+        before this hello reply. Those it did not hold are logged at their SUBACK."""
+        for subscription in undone:
+            if self._registry.get(subscription.filter) is not subscription:
+                continue  # unsubscribed, or replaced by another subscribe(), since the CONNACK
+            if subscription.interest_due and subscription.confirmed and subscription.mid is None:
+                subscription.interest_due = False
+                if self._delivery_log is not None:
+                    self._delivery_log.subscribe(subscription.filter, subscription.qos, True)
 
     def _drop_oversized(self, unsubscribes: list[str]) -> list[str]:
         """(Holding the registry's lock, at the hello reply.) Drop, with an ERROR each, the
@@ -1205,16 +1249,21 @@ class DurableClient:
         self._send_deferred_ready()
 
     def _handle_subscribed(self, mid: int, ok: bool) -> None:
-        subscription = self._registry.subscribed(mid, ok)
-        if subscription is not None and ok and self._delivery_log is not None:
-            # From the SUBACK on, the broker routes to it: what the audit may expect.
-            self._delivery_log.subscribe(subscription.filter, subscription.qos, subscription.durable and self._durable)
+        subscription = self._registry.subscribed(mid, ok, self._log_subscribed if ok else None)
         if subscription is not None and not ok:
             log.warning(
                 "the broker refused the subscription to %s (not authorized?); it is tried again on reconnect",
                 shown_topic(subscription.filter),
             )
         self._send_deferred_ready()  # last: it raises Unconnected when the connection was just lost
+
+    def _log_subscribed(self, subscription: Subscription) -> None:
+        """(Holding the registry's lock, at a granted SUBACK, before subscribe() returns.) From the
+        SUBACK on, the broker routes to it: what the audit may expect. A change to durable: true sent
+        after its SUBSCRIBE is not applied yet: logged non-durable here, durable at its reply."""
+        if self._delivery_log is not None:
+            durable = subscription.durable and self._durable and subscription.interest_req is None
+            self._delivery_log.subscribe(subscription.filter, subscription.qos, durable)
 
     def _handle_lost(self, reason: str) -> None:
         self._stream_acks.drop()
@@ -1233,6 +1282,10 @@ class DurableClient:
                 self._registry.connection_lost()  # UNSUBSCRIBEs without their UNSUBACK: sent again
                 for subscription in self._registry.subscriptions():
                     subscription.mid = None  # its SUBACK will not come
+                    subscription.interest_req = None  # nor its interest reply
+                    if subscription.interest_due and subscription.durable:
+                        # The broker may not have applied it (nor will it log): said again before the next hello.
+                        subscription.undo_interest = True
                     if not (self._durable and subscription.durable):
                         subscription.confirmed = False  # the broker drops it with the connection
                 self._registry.changed.notify_all()
@@ -1274,9 +1327,9 @@ class DurableClient:
             "stream_subscribe", wait=wait, filter=topic_filter, after=after or None, window=window
         )
 
-    def _send_request(self, op: str, *, wait: bool = False, **fields: Any) -> _Waiter | None:
+    def _send_request(self, op: str, *, wait: bool = False, req: int | None = None, **fields: Any) -> _Waiter | None:
         """Publish a control request (QoS 0); with ``wait``, a waiter its reply will be handed to."""
-        req = next(self._req_ids)
+        req = next(self._req_ids) if req is None else req
         waiter = None
         if wait:
             waiter = _Waiter(req)

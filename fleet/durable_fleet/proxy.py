@@ -32,8 +32,11 @@ from amqtt_durable.wire import decode_remaining_length
 
 log = logging.getLogger(__name__)
 
-LinkState = Literal["up", "stall", "cut"]
-_SEVERITY: dict[LinkState, int] = {"up": 0, "stall": 1, "cut": 2}
+LinkState = Literal["up", "stall-up", "stall-down", "stall", "cut"]
+"""stall-up holds the device's bytes to the broker only, stall-down the broker's to the device only."""
+_SEVERITY: dict[LinkState, int] = {"up": 0, "stall-up": 1, "stall-down": 1, "stall": 2, "cut": 3}
+Direction = Literal["up", "down"]
+"""A link's direction: ``up`` from the device to the broker, ``down`` back."""
 CONNECT = 0x10
 """The first byte of a CONNECT packet (type 1, flags 0)."""
 _PROTOCOLS = {("MQIsdp", 3), ("MQTT", 4), ("MQTT", 5)}
@@ -178,6 +181,13 @@ def _abandoned(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bo
             return True  # reset
 
 
+def _worse(a: LinkState, b: LinkState) -> LinkState:
+    """The state of a link under both: one way stalled each way is a stall; cut is worst."""
+    if {a, b} == {"stall-up", "stall-down"}:
+        return "stall"
+    return max(a, b, key=_SEVERITY.__getitem__)
+
+
 def _peer(writer: asyncio.StreamWriter) -> str:
     peer = writer.get_extra_info("peername")
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -186,7 +196,8 @@ def _peer(writer: asyncio.StreamWriter) -> str:
 class _Link:
     """A device's connection (its CONNECT read) and, once made, its broker connection.
 
-    ``flowing`` is clear while the link is stalled: the pumps neither read nor write then.
+    ``flowing`` is clear while the link is stalled: the pumps neither read nor write then;
+    ``ways[direction]`` is clear while only that direction is (its pump neither reads nor writes).
     """
 
     def __init__(self, device: str, device_writer: asyncio.StreamWriter, task: asyncio.Task[Any]) -> None:
@@ -195,12 +206,31 @@ class _Link:
         self.writers = [device_writer]
         self.flowing = asyncio.Event()
         self.flowing.set()
+        self.ways: dict[Direction, asyncio.Event] = {"up": asyncio.Event(), "down": asyncio.Event()}
+        for way in self.ways.values():
+            way.set()
         self._paused: list[asyncio.ReadTransport] = []
 
     def attach(self, broker_writer: asyncio.StreamWriter) -> None:
         self.writers.append(broker_writer)
-        if not self.flowing.is_set():
+        if not (self.flowing.is_set() and self.ways["down"].is_set()):
             self._pause(broker_writer)
+
+    async def moving(self, direction: Direction) -> None:
+        """Returns once neither the link nor ``direction`` is stalled."""
+        way = self.ways[direction]
+        while not (self.flowing.is_set() and way.is_set()):
+            await self.flowing.wait()
+            await way.wait()
+
+    def hold_one(self, direction: Direction) -> None:
+        """Stops reading the socket whose bytes go ``direction`` (the device's for up, the
+        broker's for down): they stay in the kernel, as in a one-way blackhole."""
+        self.release()
+        self.ways[direction].clear()
+        source = 0 if direction == "up" else 1
+        if source < len(self.writers):
+            self._pause(self.writers[source])
 
     def hold(self) -> None:
         """Stops reading both sockets, so what the peers send stays in the kernel, as in a blackhole."""
@@ -222,6 +252,12 @@ class _Link:
                 transport.resume_reading()
             self._paused.clear()
             self.flowing.set()
+        if not all(way.is_set() for way in self.ways.values()):
+            for transport in self._paused:
+                transport.resume_reading()
+            self._paused.clear()
+            for way in self.ways.values():
+                way.set()
 
     def reset(self) -> None:
         """Resets both sockets at once and stops the link's task wherever it waits."""
@@ -324,11 +360,14 @@ class FaultProxy(_LoopThread):
         reset, _ = self._call(lambda: self._enforce(device), (0, 0))
         return reset
 
-    def stall(self, device: str | None = None) -> int:
+    def stall(self, device: str | None = None, *, direction: Direction | None = None) -> int:
         """Blackholes the links of ``device`` (None: of every device) until restore(): nothing is read
         or forwarded either way, nothing is closed, new connections are held before the broker.
-        Returns the links stalled."""
-        self._set(device, "stall")
+        With ``direction`` only that way is: ``up``, what the devices send (except a new
+        connection's CONNECT, which the proxy reads to know the device: the broker gets it and
+        its CONNACK comes back), ``down``, what the broker sends (a new connection's CONNACK too).
+        One way, then the other, is a stall of both. Returns the links stalled (either way)."""
+        self._set(device, "stall" if direction is None else "stall-up" if direction == "up" else "stall-down")
         _, stalled = self._call(lambda: self._enforce(device), (0, 0))
         return stalled
 
@@ -364,13 +403,13 @@ class FaultProxy(_LoopThread):
         """Only restore() makes a link better: a stall over a cut leaves it cut."""
         with self._lock:
             if device is None:
-                self._global = max(self._global, state, key=_SEVERITY.__getitem__)
+                self._global = _worse(self._global, state)
             else:
-                self._states[device] = max(self._states.get(device, "up"), state, key=_SEVERITY.__getitem__)
+                self._states[device] = _worse(self._states.get(device, "up"), state)
 
     def _state_of(self, device: str) -> LinkState:
         with self._lock:
-            return max(self._global, self._states.get(device, "up"), key=_SEVERITY.__getitem__)
+            return _worse(self._global, self._states.get(device, "up"))
 
     async def _enforce(self, target: str | None) -> tuple[int, int]:
         """Brings every link in line with the states; returns how many links of ``target`` (None: of
@@ -385,6 +424,9 @@ class FaultProxy(_LoopThread):
                 reset.append(link)
             elif state == "stall":
                 link.hold()
+                stalled += target is None or link.device == target
+            elif state in ("stall-up", "stall-down"):
+                link.hold_one("up" if state == "stall-up" else "down")
                 stalled += target is None or link.device == target
             else:
                 link.release()
@@ -424,6 +466,8 @@ class FaultProxy(_LoopThread):
             self._links.add(link)
             if state == "stall":
                 link.hold()
+            elif state in ("stall-up", "stall-down"):
+                link.hold_one("up" if state == "stall-up" else "down")
             await self._run(link, reader, packet)
         except asyncio.CancelledError:
             pass  # by cut() or stop(); the server's task ends quietly (Python 3.11 logs a cancelled one)
@@ -501,27 +545,31 @@ class FaultProxy(_LoopThread):
     ) -> None:
         """One direction of a link: ``first``, then what ``reader`` gets, to ``writer``, then the EOF.
 
-        While the link is stalled nothing is read, and what was read (data, EOF, a reset) is held.
+        While the link (or this direction) is stalled nothing is read, and what was read (data, EOF,
+        a reset) is held; a one-way stall up lets the device's CONNECT (``first`` up) through.
         """
+        direction: Direction = "up" if up else "down"
         chunk = first
+        connect = up
         try:
             while True:
                 if chunk:
-                    await link.flowing.wait()
+                    await (link.flowing.wait() if connect else link.moving(direction))
                     writer.write(chunk)
                     if up:
                         self._stats.bytes_up += len(chunk)
                     else:
                         self._stats.bytes_down += len(chunk)
                     await writer.drain()
-                await link.flowing.wait()
+                connect = False
+                await link.moving(direction)
                 chunk = await reader.read(CHUNK)
                 if not chunk:
                     break
-            await link.flowing.wait()
+            await link.moving(direction)
             writer.write_eof()
         except OSError:
-            await link.flowing.wait()
+            await link.moving(direction)
             raise
 
 

@@ -420,6 +420,60 @@ def test_stall_holds_both_ways_and_restore_delivers_in_order(proxy: FaultProxy, 
 
 
 @pytest.mark.timeout(30)
+def test_a_one_way_stall_holds_that_way_only_and_both_ways_make_a_stall(
+    proxy: FaultProxy, link: Callable[..., Link]
+) -> None:
+    d1, conn1 = link("d1")
+    connect = build_connect("d1")
+    conn1.wait_data(connect)
+
+    assert proxy.stall("d1", direction="down") == 1
+    up = publish("up", b"flows")
+    d1.sendall(up)
+    assert conn1.wait_data(connect + up) == connect + up
+    down = publish("down", b"held")
+    conn1.send(down)
+    assert not readable(d1, ABSENT)
+    proxy.restore("d1")
+    assert recv_exactly(d1, len(down)) == down
+
+    assert proxy.stall("d1", direction="up") == 1
+    down = publish("down", b"flows")
+    conn1.send(down)
+    assert recv_exactly(d1, len(down)) == down
+    held_up = publish("up", b"held")
+    d1.sendall(held_up)
+    assert not conn1.wait(lambda: len(conn1.data) > len(connect + up), ABSENT)
+    assert proxy.stall("d1", direction="down") == 1  # up, then down: both ways
+    conn1.send(down)
+    assert not readable(d1, ABSENT)
+    proxy.restore("d1")
+    expected = connect + up + held_up
+    assert conn1.wait_data(expected) == expected
+    assert recv_exactly(d1, len(down)) == down
+    roundtrip(d1, conn1, b"after")
+
+
+@pytest.mark.timeout(30)
+def test_a_connection_opened_during_a_stall_up_sends_its_connect_only(
+    proxy: FaultProxy, upstream: Upstream, sockets: Callable[[int], socket.socket]
+) -> None:
+    """The proxy reads the CONNECT to know the device: a one-way stall up forwards it, holds what follows."""
+    assert proxy.stall(direction="up") == 0
+    connect = build_connect("d5")
+    extra = publish("early", b"bird")
+    sock = sockets(proxy.port)
+    sock.sendall(connect + extra)
+    conn = upstream.conn_of(connect)
+    assert not conn.wait(lambda: len(conn.data) > len(connect), ABSENT)
+    connack = bytes([0x20, 2, 0, 0])
+    conn.send(connack)
+    assert recv_exactly(sock, len(connack)) == connack
+    proxy.restore()
+    assert conn.wait_data(connect + extra) == connect + extra
+
+
+@pytest.mark.timeout(30)
 def test_connection_opened_during_a_stall_is_held_until_restore(
     proxy: FaultProxy, upstream: Upstream, link: Callable[..., Link], sockets: Callable[[int], socket.socket]
 ) -> None:

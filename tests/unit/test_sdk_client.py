@@ -54,9 +54,12 @@ class FakeHandle:
 
 
 def _open_streams(request: Request) -> bytes | None:
-    """The broker's answer to what waits for one by default: stream_subscribe succeeds."""
+    """The broker's answer to what waits for one by default: stream_subscribe succeeds, and so
+    does interest (a change of durability only waits for its reply)."""
     if request.op == "stream_subscribe":
         return encode_reply("stream_subscribe", request.req, topics={}, gaps={})
+    if request.op == "interest":
+        return encode_reply("interest", request.req, filter=request.filter, durable=request.durable)
     return None
 
 

@@ -31,6 +31,7 @@ from .auth import AuthError, Session, client_handshake, error_text
 from .errors import FrameError, ReplicationGapError, StoreMismatchError
 from .framing import (
     NAME_IN_USE,
+    NOT_PRIMARY,
     CheckedBatch,
     Frame,
     Hello,
@@ -54,7 +55,10 @@ _KEPT = frozenset({SNAPSHOT_MARK_KEY, VERSION_KEY})
 AUTH_RETRY = 5.0
 """Seconds before a backup refused by the handshake (a secret that does not match) tries again."""
 NAME_LOG_EVERY = 60.0
-"""Seconds between two ERROR lines of a backup refused, again and again, for its name."""
+"""Seconds between two ERROR lines of a backup refused, again and again, for its name; and
+between two WARNING lines of one whose primary address answers that it is no primary, or
+closes the channel before answering (REFUSAL_LOG_EVERY)."""
+REFUSAL_LOG_EVERY = NAME_LOG_EVERY
 INSTANCE_MARK = 0xFF << 56
 """The top byte of every instance a backup sends (``Backup`` sets it on whatever instance it is
 given): 0xFF is never UTF-8, so an earlier version's primary, which decodes all of the HELLO
@@ -81,6 +85,17 @@ class NameInUseError(AuthError):
     """The primary refused this backup: another broker's backup is connected under its name."""
 
 
+class NotPrimaryError(AuthError):
+    """The node at the primary address is a backup: it answered the HELLO with an ERROR frame
+    saying so (NOT_PRIMARY). Retried as often as a closed channel: it may be being promoted."""
+
+
+class ClosedUnansweredError(ConnectionResetError):
+    """The node at the primary address closed the channel before any frame (without TLS): a
+    backup of an earlier version answers a HELLO so (one of this version says NOT_PRIMARY), and
+    so does a primary of an earlier version (it refuses this version's HELLO)."""
+
+
 class Backup:
     """Replicates a primary's store into ``db`` (a plyvel DB this object writes alone)."""
 
@@ -102,7 +117,11 @@ class Backup:
         replaces an older connection of the same instance under the same name, and refuses one
         of another (NameInUseError)."""
         self.refused: str | None = None
-        """Why the primary refused this backup's name (NameInUseError) until it is accepted."""
+        """Why the node at the primary address refused the last try of follow() (NameInUseError,
+        NotPrimaryError); None after any other outcome, and at the start of a follow()."""
+        self._refusal: type[AuthError] | None = None
+        """The kind of the last such refusal of this follow(), until the node accepts this backup:
+        its INFO line says which refusal ended."""
         self.tls = tls
         """replication.tls: a client context (the primary's certificate must be signed by the CA)."""
         self.secret = secret
@@ -237,6 +256,11 @@ class Backup:
         except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError) as exc:
             if self.tls is not None and not answered:
                 raise self._tls_refusal(exc) from exc
+            if not answered:
+                raise ClosedUnansweredError(
+                    "it closed the channel before answering the HELLO (is it the primary of this version? a backup "
+                    "of an earlier version closes it so, and so does a primary of an earlier version)"
+                ) from exc
             raise
 
     @staticmethod
@@ -249,21 +273,49 @@ class Backup:
 
     def _answered(self, kind: Frame) -> None:
         """The primary's first frame on this connection: anything but ERROR accepts the backup."""
-        if self.refused is not None and kind != Frame.ERROR:
+        if kind == Frame.ERROR:
+            return
+        if self._refusal is NotPrimaryError:
+            log.info("replication: backup %s: the node at its primary address answers as the primary", self.name)
+        elif self._refusal is not None:
             log.info("replication: backup %s: accepted by the primary: its name is free again", self.name)
-            self.refused = None
+        self.refused = self._refusal = None
 
     async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
         """Stay connected to the primary at host:port, reconnecting after a failure, until ``stop``."""
         primary = join_address(host, port)
         logged = -NAME_LOG_EVERY
+        repeated = _RepeatedLine(REFUSAL_LOG_EVERY)
+        self.refused = self._refusal = None  # another primary's, if any
         while not stop.is_set():
             pause = retry
+            refusal: AuthError | None = None
             try:
                 await self.run(host, port)
+            except NotPrimaryError as exc:  # retried as often as before: it may be a backup being promoted
+                refusal = exc
+                log.log(
+                    repeated.level(str(exc)),
+                    "replication: backup %s: channel to %s refused (retried every %g s, this line at most once a "
+                    "minute): %s",
+                    self.name,
+                    primary,
+                    pause,
+                    exc,
+                )
+            except ClosedUnansweredError as exc:
+                log.log(
+                    repeated.level(str(exc)),
+                    "replication: backup %s: the primary at %s closed the channel: %s (retried every %g s, this "
+                    "line at most once a minute)",
+                    self.name,
+                    primary,
+                    exc,
+                    pause,
+                )
             except NameInUseError as exc:  # another broker's backup holds the name: wait until it is free
                 pause = max(retry, AUTH_RETRY)
-                self.refused = str(exc)
+                refusal = exc
                 now = time.monotonic()
                 level = logging.ERROR if now - logged >= NAME_LOG_EVERY else logging.DEBUG
                 logged = now if level == logging.ERROR else logged
@@ -291,6 +343,9 @@ class Backup:
                 log.warning(
                     "replication: backup %s: channel to %s ended: %s", self.name, primary, str(exc) or repr(exc)
                 )
+            self.refused = None if refusal is None else str(refusal)  # never a reason older than this try
+            if refusal is not None:
+                self._refusal = type(refusal)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(pause):
                     await stop.wait()
@@ -340,8 +395,7 @@ class Backup:
                 self._applied(seq, crc)
                 ack = seq
             elif kind == Frame.ERROR:
-                refusal = NameInUseError if NAME_IN_USE in payload.decode("utf-8", "replace") else AuthError
-                raise refusal(f"refused by the primary: {error_text(payload)}")
+                raise _refusal(payload)
             elif kind == Frame.IN_SYNC:
                 decode_seq(payload)
                 self.state = "in_sync"
@@ -383,6 +437,39 @@ class Backup:
         if refused is not None:
             raise refused
         return None if last is None else last.seq
+
+
+def _refusal(payload: bytes) -> AuthError:
+    """The error an ERROR frame from the node at the primary address raises."""
+    text = payload.decode("utf-8", "replace")
+    if text.startswith(f"{NOT_PRIMARY}:"):  # first: the 200-character cut never takes it
+        return NotPrimaryError(error_text(payload))
+    refusal = NameInUseError if NAME_IN_USE in text else AuthError
+    return refusal(f"refused by the primary: {error_text(payload)}")
+
+
+class _RepeatedLine:
+    """The level of a channel error's line: WARNING for a text not logged at WARNING within the last
+    ``every`` seconds (the first time, and then at most once every ``every`` seconds per text, so
+    texts that alternate are limited too); DEBUG in between. It remembers the last ``KEPT`` texts."""
+
+    KEPT = 8
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._logged: dict[str, float] = {}
+        """Text: when its last WARNING was, the latest last."""
+
+    def level(self, text: str) -> int:
+        now = time.monotonic()
+        last = self._logged.get(text)
+        if last is not None and now - last < self.every:
+            return logging.DEBUG
+        self._logged.pop(text, None)
+        self._logged[text] = now
+        while len(self._logged) > self.KEPT:
+            del self._logged[next(iter(self._logged))]
+        return logging.WARNING
 
 
 async def _receive(

@@ -41,8 +41,9 @@ PROMOTE    (empty) from ``amqtt-durable promote``; answered by PROMOTE with JSON
            ``{"promoted": bool, "why": text}``
 AUTH       the handshake of replication.secret (auth.py), before any other frame, only
            when a secret is set
-ERROR      text (utf-8): why the connection is refused (a failed or unexpected handshake);
-           the sender closes the connection after it
+ERROR      text (utf-8): why the connection is refused (a failed or unexpected handshake, a
+           backup's name in use, a HELLO sent to a backup: NOT_PRIMARY); the sender closes the
+           connection after it
 =========  ===================================================================
 
 STATUS and PROMOTE come from tools, as the first frame of a connection to a node's
@@ -98,6 +99,12 @@ the replication address cannot make a node buffer ``MAX_FRAME`` bytes per connec
 NAME_IN_USE = "is in use by the backup connected from"
 """In the ERROR frame with which a primary refuses a backup whose name another broker's backup
 connection holds: the refused backup recognises the refusal by these words."""
+
+
+NOT_PRIMARY = "not the primary"
+"""The first words, then a colon, of the ERROR frame with which a backup's replication address
+answers a HELLO (a backup whose replication.primary names a backup): the refused backup recognises
+the refusal by them (first, so the 200-character cut of a peer's ERROR text never takes them)."""
 
 
 class Frame(IntEnum):

@@ -45,7 +45,7 @@ from .errors import (
     ReplicationError,
     ReplicationListenError,
 )
-from .framing import Frame
+from .framing import NOT_PRIMARY, Frame
 from .gate import HandshakeGate
 from .ha import Decision, HaNode
 from .position import read_position, read_store_id
@@ -332,6 +332,9 @@ class ReplicationNode:
             if kind in (Frame.STATUS, Frame.PROMOTE):
                 writer.write(session.encode(kind, json.dumps(self.answer(kind)).encode()))
                 await writer.drain()
+            elif kind == Frame.HELLO:  # a backup whose replication.primary names this backup
+                writer.write(session.encode(Frame.ERROR, self.not_primary().encode("utf-8")))
+                await writer.drain()
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ReplicationError) as exc:
             log.info("replication: a connection to %s ended: %r", self.config.listen, exc)
         except asyncio.CancelledError:
@@ -339,6 +342,14 @@ class ReplicationNode:
         finally:
             self._admin_gate.done(writer)
             writer.close()
+
+    def not_primary(self) -> str:
+        """The ERROR frame's text for a backup's HELLO on this backup's replication address: that
+        this node is no primary (the fixed words first: the refused backup shows at most 200
+        characters), and the address it follows, which may be the primary."""
+        backup = self.config.name or f"at {self.config.listen}"
+        following = f"follows {self._following}" if self._following else "follows no primary yet"
+        return f"{NOT_PRIMARY}: backup {backup} ({following}); replication.primary must name the primary's address"
 
     def answer(self, kind: Frame) -> dict[str, Any]:
         """A tool's STATUS or PROMOTE (``amqtt-durable promote``: the operator's decision)."""

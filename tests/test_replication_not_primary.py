@@ -1,0 +1,125 @@
+"""A backup pointed at another backup (replication.primary naming a node that is itself a backup):
+the refused node says why in an ERROR frame, and the following backup logs that reason once at
+WARNING, then at most once a minute (docs/replication.md, "A backup pointed at a backup"). Before, it
+logged "the primary ... closed the channel" twice a second, for ever, with nothing saying why."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from replication_helpers import HOST, bounded, following, new_backup
+from test_ha_brokers import BACKUP, SERVING, address, node, start, wait_status
+
+from amqtt_durable.replication.backup import REFUSAL_LOG_EVERY, _RepeatedLine
+from amqtt_durable.replication.framing import NOT_PRIMARY
+from conftest import WAIT, Broker, free_port, run_cli
+
+pytestmark = pytest.mark.timeout(120)
+
+RETRIES = 4
+"""Tries seen refused (each a DEBUG line after the first's WARNING) before the WARNINGs are counted:
+about 2 s at the backup's 0.5 s retry, far below the one minute between two WARNING lines."""
+
+
+def test_a_backup_pointed_at_a_backup_is_told_why_and_says_so_once(broker_factory: Callable[..., Broker]) -> None:
+    primary = start(node(broker_factory, "p", role="primary"), SERVING)
+    middle = start(node(broker_factory, "m", role="backup", primary=address(primary)), BACKUP)
+    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+    chained = node(broker_factory, "c", role="backup", primary=address(middle))
+    chained.argv = [*chained.argv, "-d"]  # its DEBUG lines count the tries
+    start(chained, BACKUP)
+
+    refused = f"channel to {address(middle)} refused"
+
+    def lines(level: str) -> list[str]:
+        return [line for line in chained.log().splitlines() if refused in line and f" {level} " in line]
+
+    assert chained.wait_until(lambda: len(lines("DEBUG")) >= RETRIES, WAIT), chained.log()[-4000:]
+    warnings = lines("WARNING")
+    assert len(warnings) == 1, warnings
+    # The reason names the problem and the node the refusing backup follows.
+    reason = (
+        f"{NOT_PRIMARY}: backup m (follows {address(primary)}); replication.primary must name the primary's address"
+    )
+    assert reason in warnings[0], warnings[0]
+    assert "the primary at" not in chained.log(), "still logs that the channel was closed"
+
+    state = wait_status(chained, lambda s: NOT_PRIMARY in s.get("refused_by_primary", ""))
+    assert state["state"] == "disconnected" and state["caught_up"] is False, state
+    shown = run_cli("inspect", "--replication", address(chained)).stdout
+    assert reason in shown and "disconnected, not caught up" in shown, shown
+    # The refusing backup goes on following its primary, undisturbed.
+    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+
+    # Gone: the tries now fail to connect, and no reason of a refusal is shown any more.
+    middle.stop()
+    state = wait_status(chained, lambda s: "refused_by_primary" not in s)
+    assert state["state"] == "disconnected", state
+
+
+def test_a_long_name_does_not_hide_the_refusal(broker_factory: Callable[..., Broker]) -> None:
+    """A peer's ERROR text is shown cut at 200 characters: the fixed words come first, so a refusing backup
+    with a long name (300 characters here) is still recognised as no primary (retried every 0.5 s, shown
+    in refused_by_primary), not taken for an unknown refusal retried every 5 s."""
+    long_name = "n" * 300
+    middle = broker_factory(
+        start=False,
+        name="long",
+        replication={
+            "name": long_name, "listen": f"{HOST}:{free_port()}", "role": "backup", "primary": f"{HOST}:{free_port()}"
+        },
+    )  # fmt: skip
+    start(middle, BACKUP)
+    chained = start(node(broker_factory, "c", role="backup", primary=address(middle)), BACKUP)
+    state = wait_status(chained, lambda s: s.get("refused_by_primary", "").startswith(f"{NOT_PRIMARY}: backup nnn"))
+    assert state["refused_by_primary"].endswith("... (cut)"), state
+    assert "retried every 0.5 s" in chained.log() and "retried in 5 s" not in chained.log(), chained.log()[-3000:]
+
+
+def test_a_node_that_closes_the_hello_without_a_word_is_logged_once_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An earlier version's backup sends no ERROR frame: it closes the channel. The line says that it
+    closed it before answering (is it the primary?), at WARNING once, then DEBUG while it goes on."""
+    caplog.set_level(logging.DEBUG, logger="amqtt_durable.replication")
+
+    async def main() -> None:
+        tries = 0
+        tried = asyncio.Condition()
+
+        async def close_silently(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal tries
+            await reader.read(1)  # the HELLO's first byte: then closed, as an earlier backup's tools do
+            writer.close()
+            async with tried:
+                tries += 1
+                tried.notify_all()
+
+        server = await asyncio.start_server(close_silently, HOST, 0)
+        backup = new_backup(tmp_path, "b")
+        try:
+            async with following(backup, server.sockets[0].getsockname()[1]), tried:
+                await bounded(tried.wait_for(lambda: tries >= RETRIES + 1), WAIT)
+        finally:
+            server.close()
+            await server.wait_closed()
+            backup.db.close()
+
+    asyncio.run(main())
+    closed = [r for r in caplog.records if "closed the channel before answering the HELLO" in r.getMessage()]
+    assert [r.levelno for r in closed][:1] == [logging.WARNING], closed
+    assert sum(r.levelno == logging.WARNING for r in closed) == 1, [r.getMessage() for r in closed]
+    assert sum(r.levelno == logging.DEBUG for r in closed) >= RETRIES - 1, [r.getMessage() for r in closed]
+
+
+def test_alternating_refusals_are_each_logged_at_most_once_a_minute() -> None:
+    """Two reasons that alternate (a node closing the channel, then refusing as a backup, again and
+    again) give one WARNING each, not one per try."""
+    repeated = _RepeatedLine(REFUSAL_LOG_EVERY)
+    texts = ["closed before answering", f"{NOT_PRIMARY}: backup m (follows no primary yet)"] * RETRIES
+    levels = [repeated.level(text) for text in texts]
+    assert levels == [logging.WARNING] * 2 + [logging.DEBUG] * (len(texts) - 2), levels
