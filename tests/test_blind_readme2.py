@@ -15,6 +15,7 @@ import pytest
 from test_docs import blocks
 
 from conftest import WAIT, Broker, Client, payloads
+from durable_client import DurableClient
 
 HERE = Path(__file__).resolve().parent
 FILTER = "telemetry/#"
@@ -50,3 +51,43 @@ def test_the_page_s_example_session_runs_a_read_task_that_got_nothing_again(
     assert outcome["error"] is None and outcome["finished"], outcome
     assert outcome["silenced"] >= 1 and outcome["failed"] >= 1, f"no read task failed: {outcome}"
     assert outcome["ids"] == list(range(1, 31)), "every event once, after the retry"
+
+
+# ------------------------------------------------------------------ configuration.md: streams and clean limits
+@pytest.mark.timeout(60)
+def test_a_stream_on_every_topic_logs_no_control_request_and_no_sys_topic(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient]
+) -> None:
+    """configuration.md, `streams`: "`filter` a valid filter outside `$` and `_durable/`": `#` is such a filter
+    (MQTT's `#` matches no `$` topic), and the SDK's control requests (`_durable/v1/ctl`) and the broker's
+    `$SYS/broker/durable/` metrics it would otherwise match get no log; what a client publishes does."""
+    broker = broker_factory(streams=[{"filter": "#"}], metrics_interval=0.05)
+    watcher = clients(broker.port, "blind2-sys", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/#", 0)
+    assert watcher.wait_messages(1), "metrics are published"
+    client = sdk(broker.port, "blind2-all", durable_session=False)
+    client.connect()  # its hello is a control request
+    clients(broker.port, "blind2-pub", clean_session=True).publish("plain/a", payloads(2))
+    info = client.stream_info("#")
+    assert dict(info) == {"plain/a": (1, 2)}, info
+
+
+@pytest.mark.timeout(60)
+def test_max_pending_clean_and_its_byte_limit_0_are_no_limit(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """configuration.md: `max_pending_clean` "Messages waiting to be sent to one clean-session connection (... a
+    QoS 1/2 one waits until acknowledged ...): past it a new message for that connection is dropped, counted in
+    `$SYS/broker/durable/messages/dropped_clean` ... 0 means no limit", and `max_pending_bytes_clean` "The same
+    limit in payload bytes ... 0 means no limit": a clean subscriber that acknowledges nothing gets every one of
+    50 publishes of 100 bytes, and nothing is counted dropped."""
+    broker = broker_factory(max_pending_clean=0, max_pending_bytes_clean=0, metrics_interval=0.05)
+    slow = clients(broker.port, "blind2-slow", clean_session=True, manual_ack=True)
+    slow.subscribe("pend/#", 1)
+    sent = [bytes([65 + i % 26]) * 100 for i in range(50)]
+    clients(broker.port, "blind2-pend-pub", clean_session=True).publish("pend/a", sent)
+    assert [m.payload for m in slow.wait_messages(50)] == sent, "every message, none acknowledged"
+    watcher = clients(broker.port, "blind2-pend-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/messages/dropped_clean", 0)
+    assert watcher.wait_for(bool), "the counter is published"
+    assert {m.payload for m in watcher.messages} == {b"0"}
