@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import socketserver
 import sys
 import threading
 import time
@@ -29,37 +30,42 @@ TASK_REQUEST = b"stream_subscribe"
 """What a read task sends first on its connection (the driver's planning connection never does)."""
 
 
-class SilencingProxy:
+class SilencingProxy(socketserver.ThreadingTCPServer):
     """127.0.0.1:port -> the broker. A connection that sends TASK_REQUEST while ``silent`` is set gets
     nothing more forwarded either way (it stays open: its reader waits out its timeout)."""
 
+    daemon_threads = True
+
     def __init__(self, upstream: int) -> None:
+        super().__init__((HOST, free_port()), _Relay)
         self.upstream = upstream
         self.silent = True
         self.silenced = 0
-        self.listener = socket.create_server((HOST, free_port()))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.port = self.server_address[1]
+        threading.Thread(target=self.serve_forever, daemon=True).start()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection((HOST, self.upstream), timeout=DEADLINE)
-            client.settimeout(DEADLINE)
-            muted = threading.Event()
-            threading.Thread(target=self._pump, args=(client, server, muted, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, muted, False), daemon=True).start()
+
+class _Relay(socketserver.BaseRequestHandler):
+    """One connection through the proxy: a thread each way."""
+
+    server: SilencingProxy
+
+    def handle(self) -> None:
+        broker = socket.create_connection((HOST, self.server.upstream), timeout=DEADLINE)
+        self.request.settimeout(DEADLINE)
+        muted = threading.Event()
+        back = threading.Thread(target=self._pump, args=(broker, self.request, muted, False), daemon=True)
+        back.start()
+        self._pump(self.request, broker, muted, True)
+        back.join(DEADLINE)
 
     def _pump(self, source: socket.socket, target: socket.socket, muted: threading.Event, outbound: bool) -> None:
         tail = b""
         try:
             while chunk := source.recv(65536):
-                if outbound and self.silent and TASK_REQUEST in tail + chunk and not muted.is_set():
+                if outbound and self.server.silent and TASK_REQUEST in tail + chunk and not muted.is_set():
                     muted.set()
-                    self.silenced += 1
+                    self.server.silenced += 1
                 tail = chunk[-len(TASK_REQUEST):]
                 if not muted.is_set():
                     target.sendall(chunk)
