@@ -12,13 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 from test_docs import blocks
 
-from conftest import WAIT, Broker, Client, payloads
+from conftest import WAIT, Broker, Client, free_port, payloads, run_cli
 from durable_client import DurableClient
 
 HERE = Path(__file__).resolve().parent
 FILTER = "telemetry/#"
+PLUGIN = "amqtt_durable.DurableSessionsPlugin"
 
 
 # ------------------------------------------------------------------ pipeline.md: the example and task retries
@@ -91,3 +93,29 @@ def test_max_pending_clean_and_its_byte_limit_0_are_no_limit(
     watcher.subscribe("$SYS/broker/durable/messages/dropped_clean", 0)
     assert watcher.wait_for(bool), "the counter is published"
     assert {m.payload for m in watcher.messages} == {b"0"}
+
+
+# ------------------------------------------------------------------ configuration.md: keys named by their path
+@pytest.mark.parametrize(
+    ("plugins", "named"),
+    [
+        ({PLUGIN: 5}, f"plugins.{PLUGIN}"),
+        ([{"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}, {PLUGIN: ["store"]}],
+         f"plugins[1].{PLUGIN}"),
+    ],
+    ids=["mapping", "list"],
+)
+def test_a_plugin_entry_that_is_not_a_mapping_of_settings_is_named_by_its_path(
+    tmp_path: Path, plugins: object, named: str
+) -> None:
+    """configuration.md: a wrong type "stops the broker with an error that names the key (exit code 2): a setting
+    of the plugin as the table names it (`store`, ...), any other key by its path from the top of the file
+    (`listeners.default.bind`)", as `plugins[1].amqtt_durable.DurableSessionsPlugin` names the plugin's entry in a
+    `plugins:` list. The plugin's entry is no setting of its own: a number or a list there instead of its
+    settings is named by its path, in either form of `plugins:`."""
+    config = {"listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{free_port()}"}}, "plugins": plugins}
+    (tmp_path / "broker.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    result = run_cli("broker", "-c", "broker.yaml", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"'{named}': expected a mapping of settings" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "data").exists(), "no store made"

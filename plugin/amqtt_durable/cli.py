@@ -202,7 +202,20 @@ def _our_section(config: Mapping[str, Any], path: str) -> Mapping[str, Any]:
     section = plugin_section(config)
     if section is None:
         raise ConfigError("plugins", f"'{path}' does not load {PLUGIN_PATH}; add it under 'plugins:'")
+    if not isinstance(section, Mapping):
+        raise ConfigError(_plugin_key_path(config), "expected a mapping of settings")
     return section
+
+
+def _plugin_key_path(config: Mapping[str, Any]) -> str:
+    """Our plugin's key as errors name any key that is not one of its settings, by its path from the top of the
+    file: ``plugins.<plugin>``, or ``plugins[N].<plugin>`` for the item of a ``plugins:`` list that holds it."""
+    plugins = config.get("plugins")
+    if isinstance(plugins, list):
+        for index, item in enumerate(plugins):
+            if isinstance(item, Mapping) and PLUGIN_PATH in item:  # listed once (plugin_entries)
+                return f"plugins[{index}].{PLUGIN_PATH}"
+    return f"plugins.{PLUGIN_PATH}"
 
 
 def read_broker_yaml(path: str, option: str = "-c") -> dict[str, Any]:
