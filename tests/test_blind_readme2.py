@@ -1,7 +1,7 @@
 """Blind tests of README.md, docs/configuration.md and docs/pipeline.md, second pass: promises the other
-test files did not check as a user meets them. Real brokers (conftest), real paho clients, real Spark: the
-session-wide ``spark`` fixture, and one Spark driver of its own where the page's default master is the
-point. Each test quotes the promise it checks."""
+test files did not check as a user meets them. Real brokers (conftest), real paho clients, the real CLI, and
+real Spark in one driver of its own (tests/spark_retry_child.py): the page's default master is the point there,
+so the suite's session-wide local[2] ``spark`` fixture cannot serve. Each test quotes the promise it checks."""
 
 from __future__ import annotations
 
@@ -105,6 +105,7 @@ def test_max_pending_clean_and_its_byte_limit_0_are_no_limit(
     ],
     ids=["mapping", "list"],
 )
+@pytest.mark.timeout(60)
 def test_a_plugin_entry_that_is_not_a_mapping_of_settings_is_named_by_its_path(
     tmp_path: Path, plugins: object, named: str
 ) -> None:
