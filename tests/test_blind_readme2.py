@@ -96,27 +96,38 @@ def test_max_pending_clean_and_its_byte_limit_0_are_no_limit(
 
 
 # ------------------------------------------------------------------ configuration.md: keys named by their path
+SETTINGS = "expected a mapping of settings"
+PLUGIN_ITEM = "expected a plugin name or a mapping of a plugin to its settings"
+
+
 @pytest.mark.parametrize(
-    ("plugins", "named"),
+    ("plugins", "named", "expected"),
     [
-        ({PLUGIN: 5}, f"plugins.{PLUGIN}"),
+        ({PLUGIN: 5}, f"plugins.{PLUGIN}", SETTINGS),
         ([{"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}, {PLUGIN: ["store"]}],
-         f"plugins[1].{PLUGIN}"),
+         f"plugins[1].{PLUGIN}", SETTINGS),
+        ({PLUGIN: 0}, f"plugins.{PLUGIN}", SETTINGS),  # falsy, yet no empty mapping of settings
+        ({PLUGIN: []}, f"plugins.{PLUGIN}", SETTINGS),
+        ({PLUGIN: False}, f"plugins.{PLUGIN}", SETTINGS),
+        ([{PLUGIN: ""}], f"plugins[0].{PLUGIN}", SETTINGS),
+        ([{"amqtt.plugins.authentication.AnonymousAuthPlugin": None}, [PLUGIN]], "plugins[1]", PLUGIN_ITEM),
     ],
-    ids=["mapping", "list"],
+    ids=["mapping", "list", "zero", "empty-list", "false", "empty-string", "list-in-list"],
 )
 @pytest.mark.timeout(60)
 def test_a_plugin_entry_that_is_not_a_mapping_of_settings_is_named_by_its_path(
-    tmp_path: Path, plugins: object, named: str
+    tmp_path: Path, plugins: object, named: str, expected: str
 ) -> None:
     """configuration.md: a wrong type "stops the broker with an error that names the key (exit code 2): a setting
     of the plugin as the table names it (`store`, ...), any other key by its path from the top of the file
     (`listeners.default.bind`)", as `plugins[1].amqtt_durable.DurableSessionsPlugin` names the plugin's entry in a
-    `plugins:` list. The plugin's entry is no setting of its own: a number or a list there instead of its
-    settings is named by its path, in either form of `plugins:`."""
+    `plugins:` list. The plugin's entry is no setting of its own: anything there but its settings or nothing
+    (a number, a list, `false`, `""`, 0) is named by its path, in either form of `plugins:`; so is an item of a
+    `plugins:` list that is neither a plugin's name nor a mapping (a list)."""
     config = {"listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{free_port()}"}}, "plugins": plugins}
     (tmp_path / "broker.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     result = run_cli("broker", "-c", "broker.yaml", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert f"'{named}': expected a mapping of settings" in result.stderr, result.stderr[-2000:]
+    assert f"'{named}': {expected}" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "data").exists(), "no store made"
