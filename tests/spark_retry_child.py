@@ -1,13 +1,14 @@
 """A Spark driver of its own for test_blind_readme2: runs docs/pipeline.md's streaming example (its
-``get_session()``, so its default master) with the source reading through a TCP proxy that keeps silent
-every read task's stream until Spark reports a failed task. The first attempt of a read task gets nothing
-for the source's ``timeout`` and fails; the page promises it "is run again, up to Spark's task retries".
+``get_session()``, so its default master) with the source reading through a TCP proxy that keeps silent the
+first connection that asks for a stream (a read task's; the driver's planning connection never does). That
+read task gets nothing for the source's ``timeout`` and fails; the page promises it "is run again, up to
+Spark's task retries", and its retry's connection, like every later one, is forwarded.
 
     spark_retry_child.py CODE_FILE BROKER_PORT
 
 CODE_FILE is the page's block, its port written ``PROXY_PORT`` and its paths absolute. Prints one JSON
-line: the session's master, the most failed tasks one stage had, the query's error (null when none) and
-the ids in the Parquet output, sorted. Exits 0 once it printed them.
+line: the session's master, the query's error (null when none), the connections silenced and forwarded
+after the first request for a stream, and the ids in the Parquet output, sorted. Exits 0 once it printed them.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import socket
 import socketserver
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from amqtt_durable.process import HOST, free_port
+from amqtt_durable.process import HOST
 
 DEADLINE = 120.0
 """Seconds the query may take, JVM start excluded (the test's own bound is above it)."""
@@ -31,16 +31,20 @@ TASK_REQUEST = b"stream_subscribe"
 
 
 class SilencingProxy(socketserver.ThreadingTCPServer):
-    """127.0.0.1:port -> the broker. A connection that sends TASK_REQUEST while ``silent`` is set gets
-    nothing more forwarded either way (it stays open: its reader waits out its timeout)."""
+    """127.0.0.1:port -> the broker. The first connection that sends TASK_REQUEST gets nothing more
+    forwarded either way (it stays open: its reader waits out its timeout); every later one is forwarded."""
 
     daemon_threads = True
 
     def __init__(self, upstream: int) -> None:
-        super().__init__((HOST, free_port()), _Relay)
+        super().__init__((HOST, 0), _Relay)
         self.upstream = upstream
+        self.lock = threading.Lock()
         self.silent = True
+        """No connection silenced yet (under ``lock``)."""
         self.silenced = 0
+        self.forwarded = 0
+        """Connections that sent TASK_REQUEST and were forwarded (under ``lock``)."""
         self.port = self.server_address[1]
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -61,11 +65,12 @@ class _Relay(socketserver.BaseRequestHandler):
 
     def _pump(self, source: socket.socket, target: socket.socket, muted: threading.Event, outbound: bool) -> None:
         tail = b""
+        asked = not outbound  # only the client's side asks for a stream
         try:
             while chunk := source.recv(65536):
-                if outbound and self.server.silent and TASK_REQUEST in tail + chunk and not muted.is_set():
-                    muted.set()
-                    self.server.silenced += 1
+                if not asked and TASK_REQUEST in tail + chunk:
+                    asked = True
+                    self._first_is_silenced(muted)
                 tail = chunk[-len(TASK_REQUEST):]
                 if not muted.is_set():
                     target.sendall(chunk)
@@ -75,6 +80,16 @@ class _Relay(socketserver.BaseRequestHandler):
             for sock in (source, target):
                 with contextlib.suppress(OSError):  # closed already
                     sock.shutdown(socket.SHUT_RDWR)
+
+    def _first_is_silenced(self, muted: threading.Event) -> None:
+        proxy = self.server
+        with proxy.lock:
+            if proxy.silent:
+                proxy.silent = False
+                muted.set()
+                proxy.silenced += 1
+            else:
+                proxy.forwarded += 1
 
 
 def main() -> int:
@@ -93,20 +108,13 @@ def main() -> int:
 
     runner = threading.Thread(target=run, daemon=True)
     runner.start()
-    tracker = spark.sparkContext.statusTracker()
-    failed = 0
-    end = time.monotonic() + DEADLINE
-    while runner.is_alive() and time.monotonic() < end:
-        for stage in tracker.getActiveStageIds():
-            info = tracker.getStageInfo(stage)
-            failed = max(failed, info.numFailedTasks if info else 0)
-        if failed and proxy.silenced:
-            proxy.silent = False  # the retry gets through
-        runner.join(0.05)  # a bounded wait for the query, between two looks at Spark's task counts
+    runner.join(DEADLINE)
     query.stop()
     path = str(Path(code_file).parent / "out" / "events")  # where the test pointed the page's ./out
     ids = sorted(row.id for row in spark.read.parquet(path).collect()) if outcome["error"] is None else []
-    outcome.update(failed=failed, silenced=proxy.silenced, ids=ids, finished=not runner.is_alive())
+    with proxy.lock:
+        outcome.update(silenced=proxy.silenced, forwarded=proxy.forwarded)
+    outcome.update(ids=ids, finished=not runner.is_alive())
     print(json.dumps(outcome), flush=True)
     spark.stop()
     return 0
