@@ -174,7 +174,7 @@ def restore_settings(spark: Any, before: dict[str, str]) -> None:
 def test_the_pipeline_page_streaming_example_runs(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], spark: Any, tmp_path: Path
 ) -> None:
-    """The page's block, run in this process: its get_session("local[2]") gets the test session's Spark (a fresh
+    """The page's block, run in this process: its get_session() gets the test session's Spark (a fresh
     process with a JVM of its own runs the same streaming query in test_pipeline_demo). Its relative ./out is
     made absolute: Spark resolves relative paths from the JVM's working folder, not this process's."""
     (code,) = [c for n, c in blocks("python") if n == "pipeline.md"]

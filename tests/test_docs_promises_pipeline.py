@@ -5,6 +5,7 @@ run the jobs)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import subprocess
@@ -16,10 +17,12 @@ import yaml
 
 from amqtt_durable.cli import PLUGIN_PATH
 from amqtt_durable.process import BrokerProcess, local_config
-from durable_pipeline.demo import MARKER, prepare_out
+from durable_fleet.cli import build_parser as fleet_parser
+from durable_pipeline.cli import build_parser
+from durable_pipeline.demo import MARKER, prepare_out, run_demo
 from durable_pipeline.errors import PipelineError, SourceError
 from durable_pipeline.source import AmqttDurableDataSource, Options, _schema
-from durable_pipeline.spark import DEFAULT_MASTER
+from durable_pipeline.spark import DEFAULT_MASTER, get_session
 
 CLI = [str(Path(sys.executable).with_name("durable-pipeline"))]
 
@@ -74,8 +77,16 @@ def test_ending_offsets_is_refused_on_a_streaming_query() -> None:
 
 
 def test_the_default_master_is_two_cores_and_four_task_attempts() -> None:
-    """Local mode by default, `local[2,4]`: two cores, a failed task tried up to 4 times."""
+    """Local mode, "the default of `durable-pipeline demo`, `durable-pipeline audit` and `get_session()`,
+    `local[2,4]`: two cores, a failed task tried up to 4 times ...; `amqtt-durable fleet`'s audit defaults to
+    `local[2]`"."""
     assert DEFAULT_MASTER == "local[2,4]"
+    parser = build_parser()
+    for command in (["demo"], ["audit", "logs", "--out", "audit", "--expect", "exactly-once"]):
+        assert parser.parse_args(command).master == DEFAULT_MASTER, command
+    for job in (get_session, run_demo):
+        assert inspect.signature(job).parameters["master"].default == DEFAULT_MASTER, job
+    assert fleet_parser().parse_args([]).master == "local[2]"
 
 
 @pytest.mark.parametrize("missing", ["--expect", "--out"])

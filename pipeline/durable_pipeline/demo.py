@@ -25,7 +25,7 @@ from durable_client import DurableClient, Event
 
 from .audit import AuditResult, run_audit
 from .errors import PipelineError
-from .spark import job_session
+from .spark import DEFAULT_MASTER, job_session
 
 STREAM_FILTER = "telemetry/#"
 DEMO_STREAM = {"filter": STREAM_FILTER, "max_count": 1_000_000}
@@ -145,7 +145,7 @@ def prepare_out(out: Path) -> None:
         shutil.rmtree(out / stale, ignore_errors=True)
 
 
-def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = "local[2]") -> DemoResult:
+def run_demo(out: Path, *, events: int = 2000, devices: int = 3, master: str = DEFAULT_MASTER) -> DemoResult:
     """Run the whole demo into ``out`` (created; an earlier demo there is replaced: :func:`prepare_out`)."""
     prepare_out(out)
     logs = out / "logs"

@@ -76,7 +76,11 @@ def check_java() -> None:
 
 
 def get_session(master: str = DEFAULT_MASTER, app_name: str = "amqtt-durable") -> SparkSession:
-    """A SparkSession with the ``amqtt-durable`` data source registered; local mode stays on 127.0.0.1."""
+    """A SparkSession with the ``amqtt-durable`` data source registered; local mode stays on 127.0.0.1.
+
+    Spark's ``getOrCreate``: a process that already runs a SparkSession (a notebook's, a test session's) gets
+    that one, its master and other static settings unchanged (``master`` is not applied to it); the runtime
+    settings set here (``spark.sql.shuffle.partitions`` for a local ``master``) are applied to it."""
     check_master(master)
     check_java()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)

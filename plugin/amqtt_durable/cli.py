@@ -36,6 +36,7 @@ log = logging.getLogger("amqtt_durable")
 
 PLUGIN_PATH = "amqtt_durable.DurableSessionsPlugin"
 EXIT_BAD_INPUT = 2
+PLUGIN_ITEM_EXPECTED = "expected a plugin name or a mapping of a plugin to its settings"
 GC_THRESHOLD = 100_000
 AMQTT_START_FAILED = "Broker instance can't be started"  # amqtt wraps every start-up error in this
 FAILED_START_SHUTDOWN_TIMEOUT = 10.0
@@ -44,21 +45,39 @@ FAILED_START_SHUTDOWN_TIMEOUT = 10.0
 
 def plugin_entries(config: Mapping[str, Any]) -> dict[str, Any]:
     """broker.yaml's ``plugins:`` as one mapping (amqtt accepts a mapping or a list)."""
+    return _plugins(config)[0]
+
+
+def _plugins(config: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """``plugin_entries`` and our plugin's key as errors name any key that is not one of its settings, by its
+    path from the top of the file: ``plugins.<plugin>``, or ``plugins[N].<plugin>`` for the item of a
+    ``plugins:`` list that holds it."""
     plugins = config.get("plugins")
     entries: dict[str, Any] = dict(plugins) if isinstance(plugins, Mapping) else {}
+    key_path = f"plugins.{PLUGIN_PATH}"
     if isinstance(plugins, list):
         for index, item in enumerate(plugins):
-            item_entries = item if isinstance(item, Mapping) else {item: None}
-            if PLUGIN_PATH in item_entries and PLUGIN_PATH in entries:  # the later one would win unseen
-                raise ConfigError(f"plugins[{index}].{PLUGIN_PATH}", "given twice in 'plugins'; list it once")
+            if not isinstance(item, str | Mapping):  # amqtt refuses it too, with a traceback
+                raise ConfigError(f"plugins[{index}]", PLUGIN_ITEM_EXPECTED)
+            item_entries = {item: None} if isinstance(item, str) else item
+            if PLUGIN_PATH in item_entries:
+                key_path = f"plugins[{index}].{PLUGIN_PATH}"
+                if PLUGIN_PATH in entries:  # the later one would win unseen
+                    raise ConfigError(key_path, "given twice in 'plugins'; list it once")
             entries.update(item_entries)
-    return entries
+    return entries, key_path
 
 
-def plugin_section(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """Our plugin's settings from broker.yaml."""
-    entries = plugin_entries(config)
-    return entries[PLUGIN_PATH] or {} if PLUGIN_PATH in entries else None
+def plugin_section(config: Mapping[str, Any]) -> Any:
+    """Our plugin's settings from broker.yaml: None when it is not loaded, {} when it is given no settings
+    (``null``, or a bare name in a ``plugins:`` list); anything else as written, checked by the caller."""
+    return _settings(plugin_entries(config))
+
+
+def _settings(entries: Mapping[str, Any]) -> Any:
+    if PLUGIN_PATH not in entries:
+        return None
+    return {} if entries[PLUGIN_PATH] is None else entries[PLUGIN_PATH]
 
 
 YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -199,9 +218,12 @@ def load_broker_config(path: str) -> dict[str, Any]:
 
 
 def _our_section(config: Mapping[str, Any], path: str) -> Mapping[str, Any]:
-    section = plugin_section(config)
+    entries, key_path = _plugins(config)
+    section = _settings(entries)
     if section is None:
         raise ConfigError("plugins", f"'{path}' does not load {PLUGIN_PATH}; add it under 'plugins:'")
+    if not isinstance(section, Mapping):
+        raise ConfigError(key_path, "expected a mapping of settings")
     return section
 
 

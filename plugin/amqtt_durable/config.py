@@ -206,7 +206,8 @@ class DurableConfig:
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> DurableConfig:
         """Build from broker.yaml's plugin section, naming the first bad key and what it accepts."""
-        raw = raw or {}
+        if raw is None:
+            raw = {}
         if not isinstance(raw, Mapping):
             raise ConfigError("amqtt_durable.DurableSessionsPlugin", "expected a mapping of settings")
         fields = {f.name: f for f in dataclasses.fields(cls)}

@@ -52,6 +52,13 @@ def test_plugin_section_without_settings_is_empty_mapping() -> None:
     assert plugin_section({"plugins": [PLUGIN_PATH]}) == {}
 
 
+@pytest.mark.parametrize("value", [0, False, [], ""])
+def test_plugin_section_keeps_a_falsy_value_that_is_no_mapping(value: object) -> None:
+    """Only ``null`` stands for no settings: the caller names any other non-mapping (exit 2)."""
+    assert plugin_section({"plugins": {PLUGIN_PATH: value}}) is value
+    assert plugin_section({"plugins": [{PLUGIN_PATH: value}]}) is value
+
+
 def test_plugin_section_list_form() -> None:
     config = {"plugins": [{"other.Plugin": {}}, {PLUGIN_PATH: {"max_depth": 5}}]}
     assert plugin_section(config) == {"max_depth": 5}

@@ -98,6 +98,13 @@ def test_none_means_defaults() -> None:
     assert DurableConfig.from_mapping(None) == DurableConfig()
 
 
+@pytest.mark.parametrize("raw", [0, False, [], ""])
+def test_a_falsy_section_that_is_no_mapping_is_refused(raw: Any) -> None:
+    """Only None means defaults: a 0, false, [] or "" under the plugin's key is no mapping of settings."""
+    with pytest.raises(ConfigError, match="expected a mapping of settings"):
+        DurableConfig.from_mapping(raw)
+
+
 def test_every_good_value_is_accepted() -> None:
     raw = {key: good for key, (good, _, _) in CASES.items()}
     config = DurableConfig.from_mapping(raw)
