@@ -15,7 +15,7 @@ from replication_helpers import HOST, bounded, following, new_backup
 from test_ha_brokers import BACKUP, SERVING, address, node, start, wait_status
 
 from amqtt_durable.replication.backup import REFUSAL_LOG_EVERY, _RepeatedLine
-from amqtt_durable.replication.framing import NOT_PRIMARY
+from amqtt_durable.replication.framing import NOT_PRIMARY, Frame, encode_frame
 from conftest import WAIT, Broker, free_port, run_cli
 
 pytestmark = pytest.mark.timeout(120)
@@ -123,3 +123,43 @@ def test_alternating_refusals_are_each_logged_at_most_once_a_minute() -> None:
     texts = ["closed before answering", f"{NOT_PRIMARY}: backup m (follows no primary yet)"] * RETRIES
     levels = [repeated.level(text) for text in texts]
     assert levels == [logging.WARNING] * 2 + [logging.DEBUG] * (len(texts) - 2), levels
+
+
+def test_a_backup_caught_up_with_a_primary_since_demoted_stays_caught_up_while_it_answers_not_primary(
+    tmp_path: Path,
+) -> None:
+    """The last primary, demoted (cut off from etcd), answers its backup's HELLO with NOT_PRIMARY: the
+    backup stays caught up with it, so the HA loop lets it take the lease (docs/replication.md: caught
+    up with the last primary until a primary answers). Taken for a primary's answer, the ERROR frame
+    made it not caught up, and the pair waited as after a full stop until the old primary came back
+    (the fleet's partition: no failover)."""
+    reason = f"{NOT_PRIMARY}: backup p (follows no primary yet); replication.primary must name the primary's address"
+
+    async def main() -> bool:
+        tries = 0
+        tried = asyncio.Condition()
+
+        async def refuse_as_a_backup(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal tries
+            await reader.read(1)  # the HELLO's first byte: then answered as a backup answers it
+            writer.write(encode_frame(Frame.ERROR, reason.encode()))
+            await writer.drain()
+            writer.close()
+            async with tried:
+                tries += 1
+                tried.notify_all()
+
+        server = await asyncio.start_server(refuse_as_a_backup, HOST, 0)
+        backup = new_backup(tmp_path, "b")
+        backup.caught_up = True  # told IN_SYNC by that node while it was the primary
+        try:
+            async with following(backup, server.sockets[0].getsockname()[1]), tried:
+                await bounded(tried.wait_for(lambda: tries >= RETRIES), WAIT)
+                assert backup.refused is not None and backup.refused.startswith(f"{NOT_PRIMARY}:"), backup.refused
+                return backup.caught_up
+        finally:
+            server.close()
+            await server.wait_closed()
+            backup.db.close()
+
+    assert asyncio.run(main()) is True

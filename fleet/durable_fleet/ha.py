@@ -283,7 +283,10 @@ class HaPair:
         return name
 
     def restart(self, name: str) -> float:
-        """Start a killed broker again (it rejoins as a backup); seconds until the pair is whole."""
+        """Start a killed primary again once the other broker has taken over, so that it rejoins as
+        a backup: started sooner (a ``for`` shorter than the lease), it could take the lease back
+        itself and the fault would test no failover. Seconds until the pair is whole."""
+        self._wait(lambda: self.primary() not in (None, name), f"a new primary after {name}'s SIGKILL")
         try:
             self.brokers[name].start()
         except RuntimeError as exc:

@@ -196,11 +196,8 @@ class Backup:
                     self._channel_ended(receiver, answered)
                 group, ended = [first], False
                 if not answered:
-                    self._answered(first[0])
-                    # Caught up with the last primary stays true while that primary cannot be
-                    # reached (the HA loop promotes on it), also while its address only answers
-                    # tools (a backup's); a primary that answers decides anew.
-                    self.caught_up, answered = False, True
+                    self._answered(*first)
+                    answered = True
                 while not frames.empty():
                     frame = frames.get_nowait()
                     if frame is None:
@@ -271,8 +268,13 @@ class Backup:
             "node's certificate or not use TLS (replication.tls: the same ca on both sides)"
         )
 
-    def _answered(self, kind: Frame) -> None:
-        """The primary's first frame on this connection: anything but ERROR accepts the backup."""
+    def _answered(self, kind: Frame, payload: bytes) -> None:
+        """The primary's first frame on this connection: anything but ERROR accepts the backup.
+        Caught up with the last primary stays true while that primary cannot be reached (the HA
+        loop promotes on it), also while its address only answers tools or NOT_PRIMARY (a
+        backup's: the last primary, demoted); a primary that answers decides anew."""
+        if not _says_not_primary(kind, payload):
+            self.caught_up = False
         if kind == Frame.ERROR:
             return
         if self._refusal is NotPrimaryError:
@@ -439,11 +441,17 @@ class Backup:
         return None if last is None else last.seq
 
 
+def _says_not_primary(kind: Frame, payload: bytes) -> bool:
+    """An ERROR frame saying NOT_PRIMARY: the node at the primary address is a backup. Its words
+    come first, so the 200-character cut never takes them."""
+    return kind == Frame.ERROR and payload.startswith(f"{NOT_PRIMARY}:".encode())
+
+
 def _refusal(payload: bytes) -> AuthError:
     """The error an ERROR frame from the node at the primary address raises."""
-    text = payload.decode("utf-8", "replace")
-    if text.startswith(f"{NOT_PRIMARY}:"):  # first: the 200-character cut never takes it
+    if _says_not_primary(Frame.ERROR, payload):
         return NotPrimaryError(error_text(payload))
+    text = payload.decode("utf-8", "replace")
     refusal = NameInUseError if NAME_IN_USE in text else AuthError
     return refusal(f"refused by the primary: {error_text(payload)}")
 
