@@ -9,7 +9,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +66,33 @@ class ControlSent(logging.Handler):
         super().__init__(logging.DEBUG)
         self.sent = threading.Event()
         self.suback = threading.Event()
+        self.lines = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
+        self.lines += 1
         if "Sending PUBLISH" in text and CONTROL_TOPIC in text:
             self.sent.set()
         elif text.startswith("Received SUBACK"):
             self.suback.set()
+
+
+@pytest.fixture
+def control_sent() -> Iterator[ControlSent]:
+    """A ControlSent on the SDK's paho logger, set up before the client is made (the client only hands
+    paho's lines on when that logger asks for DEBUG); at the end, it must have seen paho's lines, so a
+    wait on it that times out is a change of paho's wording, not a silent logger."""
+    sent = ControlSent()
+    paho_log = logging.getLogger("durable_client.paho")
+    level = paho_log.level
+    paho_log.setLevel(logging.DEBUG)
+    paho_log.addHandler(sent)
+    try:
+        yield sent
+    finally:
+        paho_log.removeHandler(sent)
+        paho_log.setLevel(level)
+    assert sent.lines > 0, "no paho line reached durable_client.paho"
 
 
 def test_a_durability_change_lost_with_its_connection_is_logged_only_once_the_reconnect_confirms_it(
@@ -221,7 +241,7 @@ def test_a_durable_change_whose_reply_is_lost_is_logged_once_at_the_reconnects_h
 
 
 def test_a_filter_unsubscribed_between_connack_and_hello_reply_gets_no_record_at_the_hello_reply(
-    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path, control_sent: ControlSent
 ) -> None:
     """Made non-durable, then durable again, while disconnected: the reconnect's CONNACK sends durable: true
     before its hello. Unsubscribed after that CONNACK, before the hello reply (the client-to-broker way is
@@ -231,11 +251,7 @@ def test_a_filter_unsubscribed_between_connack_and_hello_reply_gets_no_record_at
     port = proxy.start()
     log = tmp_path / "device.jsonl"
     links = Connections()
-    sent = ControlSent()
-    paho_log = logging.getLogger("durable_client.paho")
-    level = paho_log.level
-    paho_log.setLevel(logging.DEBUG)  # before the client: it only hands paho's lines on when asked for
-    paho_log.addHandler(sent)
+    sent = control_sent
     try:
         device = sdk(port, "leaver", delivery_log=log, on_connected=links.connected, on_disconnected=links.disconnected)
         device.connect(timeout=WAIT)
@@ -255,14 +271,13 @@ def test_a_filter_unsubscribed_between_connack_and_hello_reply_gets_no_record_at
         found = [(r["kind"], r.get("durable")) for r in records(log, "leave/t")]
         assert found == [("subscribe", True), ("unsubscribe", None)], found
     finally:
-        paho_log.removeHandler(sent)
-        paho_log.setLevel(level)
         with contextlib.suppress(Exception):
             proxy.stop()
 
 
 def test_a_change_to_durable_made_while_the_suback_is_on_its_way_waits_for_its_own_reply(
-    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path
+    broker: Broker, sdk: Callable[..., DurableClient], clients: Callable[..., Client], tmp_path: Path,
+    control_sent: ControlSent,
 ) -> None:
     """A new non-durable filter's SUBACK is on its way (the broker-to-client way stalled) when another call
     makes the filter durable (an `interest` sent after the SUBSCRIBE, held on the client-to-broker way):
@@ -271,11 +286,7 @@ def test_a_change_to_durable_made_while_the_suback_is_on_its_way_waits_for_its_o
     proxy = FaultProxy(HOST, broker.port)
     port = proxy.start()
     log = tmp_path / "device.jsonl"
-    sent = ControlSent()
-    paho_log = logging.getLogger("durable_client.paho")
-    level = paho_log.level
-    paho_log.setLevel(logging.DEBUG)  # before the client: it only hands paho's lines on when asked for
-    paho_log.addHandler(sent)
+    sent = control_sent
     outcome: list[BaseException | None] = []
     try:
         device = sdk(port, "twice", delivery_log=log)
@@ -288,9 +299,13 @@ def test_a_change_to_durable_made_while_the_suback_is_on_its_way_waits_for_its_o
             except BaseException as exc:  # handed to the test's thread
                 outcome.append(exc)
 
+        watcher = clients(broker.port, "twice-watch", clean_session=True)
+        watcher.subscribe("twice/probe", 0)
         assert proxy.stall("twice", direction="down") == 1
-        with pytest.raises(RequestTimeout):  # its SUBSCRIBE went through; the SUBACK is held
+        with pytest.raises(RequestTimeout):  # the SUBACK is held
             device.subscribe("twice/t", qos=1, durable=False, timeout=0.3)
+        device.publish("twice/probe", b"after the SUBSCRIBE", qos=0)  # handled in order: after it
+        assert watcher.wait_for(lambda ms: any(m.topic == "twice/probe" for m in ms)), "the SUBSCRIBE did not arrive"
         assert proxy.stall(direction="up") == 1  # now both ways
         sent.sent.clear()
         caller = threading.Thread(target=make_durable, daemon=True)
@@ -304,7 +319,5 @@ def test_a_change_to_durable_made_while_the_suback_is_on_its_way_waits_for_its_o
         assert outcome == [None], outcome
         assert [r["durable"] for r in subscribes(log, "twice/t")] == [False, True]
     finally:
-        paho_log.removeHandler(sent)
-        paho_log.setLevel(level)
         with contextlib.suppress(Exception):
             proxy.stop()
