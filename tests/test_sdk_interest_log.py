@@ -321,3 +321,68 @@ def test_a_change_to_durable_made_while_the_suback_is_on_its_way_waits_for_its_o
     finally:
         with contextlib.suppress(Exception):
             proxy.stop()
+
+
+def test_a_change_to_non_durable_sent_with_a_subscribe_is_logged_as_sent_and_once(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path
+) -> None:
+    """durable=False on a durable filter is written as it is sent also when a SUBSCRIBE goes with it (a new
+    QoS) or an earlier SUBSCRIBE of the filter still waits for its SUBACK: the broker may apply it before
+    that SUBACK comes (or never comes). Before, the `false` record waited for the SUBACK. That SUBACK,
+    once it comes, writes no second `false` record."""
+    log = tmp_path / "device.jsonl"
+    device = sdk(broker.port, "lowered", delivery_log=log)
+    device.connect(timeout=WAIT)
+    device.subscribe("qos/t", qos=1, timeout=WAIT)
+    device.subscribe("wait/t", qos=1, timeout=WAIT)
+    with broker.paused():  # SIGSTOP: nothing is answered
+        with pytest.raises(RequestTimeout):  # a new QoS and durable: false together
+            device.subscribe("qos/t", qos=2, durable=False, timeout=0.3)
+        with pytest.raises(RequestTimeout):  # a SUBSCRIBE (new QoS, still durable) waits for its SUBACK
+            device.subscribe("wait/t", qos=2, timeout=0.3)
+        with pytest.raises(RequestTimeout):  # then durable: false, the same QoS: an interest only
+            device.subscribe("wait/t", qos=2, durable=False, timeout=0.3)
+        assert [r["durable"] for r in subscribes(log, "qos/t")] == [True, False], "not written as sent"
+        assert [r["durable"] for r in subscribes(log, "wait/t")] == [True, False], "not written as sent"
+    device.subscribe("sync/t", qos=1, timeout=WAIT)  # its SUBACK comes after theirs
+    assert [r["durable"] for r in subscribes(log, "qos/t")] == [True, False]
+    assert [r["durable"] for r in subscribes(log, "wait/t")] == [True, False]
+
+
+def test_a_change_to_non_durable_whose_suback_is_lost_closes_the_window_before_the_outage(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
+    tmp_path: Path,
+) -> None:
+    """durable=False with a new QoS: the broker gets both (it makes the filter non-durable) but the SUBACK
+    is lost with the connection. A publish made while away is not queued for the filter, and the log's
+    `false` record comes before it (the audit does not expect it). Before, the record waited for a SUBACK
+    that never came: the publish counted as lost."""
+    broker = broker_factory(metrics_interval=0.1)
+    proxy = FaultProxy(HOST, broker.port)
+    port = proxy.start()
+    log = tmp_path / "device.jsonl"
+    links = Connections()
+    try:
+        device = sdk(port, "lowered2", delivery_log=log, on_connected=links.connected)
+        device.connect(timeout=WAIT)
+        device.subscribe("low/t", qos=1, timeout=WAIT)
+        device.ready_for_events()
+        watcher = clients(broker.port, "lowered2-watch", clean_session=True)
+        watcher.subscribe("low/probe", 0)
+        assert proxy.stall(direction="down") == 1
+        with pytest.raises(RequestTimeout):
+            device.subscribe("low/t", qos=2, durable=False, timeout=0.3)
+        device.publish("low/probe", b"after the SUBSCRIBE", qos=0)  # the broker handles a connection's packets in order
+        assert watcher.wait_for(lambda ms: any(m.topic == "low/probe" for m in ms)), "the broker got nothing"
+        assert proxy.cut() == 1
+        seen_away(clients, broker, 1)
+        publisher = clients(broker.port, "lowered2-pub", clean_session=True)
+        away = time.time()
+        publisher.publish("low/t", [b"sent while away"], qos=1)
+        proxy.restore()
+        assert links.wait(lambda: links.up == 2), "no reconnect"
+        before = [r["durable"] for r in subscribes(log, "low/t") if r["time"] < away]
+        assert before == [True, False], before
+    finally:
+        with contextlib.suppress(Exception):
+            proxy.stop()
