@@ -386,3 +386,38 @@ def test_a_change_to_non_durable_whose_suback_is_lost_closes_the_window_before_t
     finally:
         with contextlib.suppress(Exception):
             proxy.stop()
+
+
+def test_a_new_filter_whose_suback_is_lost_is_logged_at_the_hello_reply_that_lists_it(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
+    tmp_path: Path,
+) -> None:
+    """A new durable filter: the broker gets its SUBSCRIBE (the session keeps the filter) but the SUBACK is
+    lost with the connection. The reconnect's hello reply lists the filter, so no SUBSCRIBE is sent again:
+    that hello reply confirms it and writes its `subscribe` record (before, none was ever written, and the
+    audit expected nothing for it)."""
+    broker = broker_factory(metrics_interval=0.1)
+    proxy = FaultProxy(HOST, broker.port)
+    port = proxy.start()
+    log = tmp_path / "device.jsonl"
+    links = Connections()
+    try:
+        device = sdk(port, "unacked", delivery_log=log, on_connected=links.connected)
+        device.connect(timeout=WAIT)
+        device.ready_for_events()
+        watcher = clients(broker.port, "unacked-watch", clean_session=True)
+        watcher.subscribe("new/probe", 0)
+        assert proxy.stall(direction="down") == 1
+        with pytest.raises(RequestTimeout):
+            device.subscribe("new/t", qos=1, timeout=0.3)
+        device.publish("new/probe", b"after the SUBSCRIBE", qos=0)  # the broker handles a connection's packets in order
+        assert watcher.wait_for(lambda ms: any(m.topic == "new/probe" for m in ms)), "the broker got nothing"
+        assert subscribes(log, "new/t") == []
+        assert proxy.cut() == 1
+        seen_away(clients, broker, 1)
+        proxy.restore()
+        assert links.wait(lambda: links.up == 2), "no reconnect"  # on_connected: after the hello reply
+        assert [(r["qos"], r["durable"]) for r in subscribes(log, "new/t")] == [(1, True)]
+    finally:
+        with contextlib.suppress(Exception):
+            proxy.stop()

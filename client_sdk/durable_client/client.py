@@ -427,8 +427,9 @@ class DurableClient:
         when connected, it returns once the broker has confirmed it (its SUBACK; for a change of
         durability only, its ``interest`` reply), or raises RequestTimeout after ``timeout``
         seconds without it (the subscription stays registered and is sent again on reconnect; a
-        connection lost first is no confirmation: it waits for the one of the reconnect, which
-        sends it again). A filter whose packets would be larger
+        connection lost first is no confirmation: it waits for the one of the reconnect, the SUBACK
+        of the SUBSCRIBE it sends again, or the hello reply that lists a durable filter the
+        broker's session kept). A filter whose packets would be larger
         than the broker's max_packet_size (once a hello reply said it) is a ValueError, also
         when a reconnect's hello reply drops it while this call waits. Unconnected when the
         client is closed while it waits; it returns when another thread unsubscribes the filter
@@ -1096,6 +1097,11 @@ class DurableClient:
             self._send_subscribe(subscription)  # the hello's list may show what an older connection's end drops
         elif broker_has is not None and not resend_durable:
             if broker_has.get(subscription.filter) == min(subscription.qos, 1):
+                # A SUBSCRIBE whose SUBACK was lost with its connection: the broker has it, the hello
+                # reply confirms it (a change of durability still due is _log_undone's to write).
+                logged = subscription.confirmed or subscription.interest_due
+                if not logged and self._delivery_log is not None:
+                    self._delivery_log.subscribe(subscription.filter, subscription.qos, True)
                 subscription.confirmed = True
             else:
                 self._send_subscribe(subscription)
