@@ -32,6 +32,9 @@ class Subscription:
     """A change of durability the broker has not confirmed yet (its ``interest`` reply, or the SUBACK
     or hello reply of the connection that sends it again): subscribe() waits for it, and so does
     the delivery-log record of a change to durable: true (one to durable: false is written as sent)."""
+    false_logged: bool = False
+    """Made non-durable while a SUBSCRIBE of it waits for its SUBACK (one sent with the change, or an
+    earlier one): the ``durable: false`` record was written as sent, so that SUBACK writes none."""
 
 
 @dataclass(slots=True)

@@ -427,8 +427,9 @@ class DurableClient:
         when connected, it returns once the broker has confirmed it (its SUBACK; for a change of
         durability only, its ``interest`` reply), or raises RequestTimeout after ``timeout``
         seconds without it (the subscription stays registered and is sent again on reconnect; a
-        connection lost first is no confirmation: it waits for the one of the reconnect, which
-        sends it again). A filter whose packets would be larger
+        connection lost first is no confirmation: it waits for the one of the reconnect, the SUBACK
+        of the SUBSCRIBE it sends again, or the hello reply that lists a durable filter the
+        broker's session kept). A filter whose packets would be larger
         than the broker's max_packet_size (once a hello reply said it) is a ValueError, also
         when a reconnect's hello reply drops it while this call waits. Unconnected when the
         client is closed while it waits; it returns when another thread unsubscribes the filter
@@ -469,6 +470,7 @@ class DurableClient:
                     subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
                     subscription.answered = previous.answered
                     subscription.interest_req, subscription.interest_due = previous.interest_req, previous.interest_due
+                    subscription.false_logged = previous.false_logged
                 if not self._connected:
                     subscription.undo_interest = (
                         durable and previous is not None and (previous.undo_interest or not previous.durable)
@@ -478,19 +480,24 @@ class DurableClient:
                     return False
                 # A new durable subscription is durable by default; anything else is said.
                 changed = previous.durable != durable if previous is not None else not durable
+                # The audit's window closes as durable: false is sent (expecting less is safe: the broker
+                # may apply it before any SUBACK comes, or the connection ends first) and opens at the
+                # broker's reply to durable: true (_interest_replied).
+                lowered = self._durable and not durable and previous is not None and previous.durable
+                if lowered and self._delivery_log is not None:
+                    self._delivery_log.subscribe(topic_filter, qos, False)
                 if self._durable and changed:
                     req = next(self._req_ids)
                     if previous is not None and previous.qos == qos:
-                        # No SUBSCRIBE, so no SUBACK: subscribe() waits for the interest reply. The
-                        # audit's window closes as durable: false is sent (expecting less is safe) and
-                        # opens at the broker's reply to durable: true (_interest_replied).
+                        # No SUBSCRIBE, so no SUBACK: subscribe() waits for the interest reply.
                         subscription.interest_req, subscription.interest_due = req, True
-                        if not durable and subscription.confirmed and self._delivery_log is not None:
-                            self._delivery_log.subscribe(topic_filter, qos, False)
                     self._send_request("interest", req=req, filter=topic_filter, durable=durable)
                 if previous is None or previous.qos != qos:
                     self._send_subscribe(subscription)
+                    subscription.false_logged = lowered and subscription.mid is not None
                     return True
+                if lowered:
+                    subscription.false_logged = subscription.mid is not None  # an earlier SUBSCRIBE's SUBACK
                 return self._durable and changed and subscription.interest_due  # a listener alone: at once
 
     def unsubscribe(self, topic_filter: str) -> None:
@@ -1090,6 +1097,11 @@ class DurableClient:
             self._send_subscribe(subscription)  # the hello's list may show what an older connection's end drops
         elif broker_has is not None and not resend_durable:
             if broker_has.get(subscription.filter) == min(subscription.qos, 1):
+                # A SUBSCRIBE whose SUBACK was lost with its connection: the broker has it, the hello
+                # reply confirms it (a change of durability still due is _log_undone's to write).
+                logged = subscription.confirmed or subscription.interest_due
+                if not logged and self._delivery_log is not None:
+                    self._delivery_log.subscribe(subscription.filter, subscription.qos, True)
                 subscription.confirmed = True
             else:
                 self._send_subscribe(subscription)
@@ -1260,9 +1272,11 @@ class DurableClient:
     def _log_subscribed(self, subscription: Subscription) -> None:
         """(Holding the registry's lock, at a granted SUBACK, before subscribe() returns.) From the
         SUBACK on, the broker routes to it: what the audit may expect. A change to durable: true sent
-        after its SUBSCRIBE is not applied yet: logged non-durable here, durable at its reply."""
-        if self._delivery_log is not None:
-            durable = subscription.durable and self._durable and subscription.interest_req is None
+        after its SUBSCRIBE is not applied yet: logged non-durable here, durable at its reply. A change
+        to durable: false made while it waited was written as sent: no second record here."""
+        durable = subscription.durable and self._durable and subscription.interest_req is None
+        repeated, subscription.false_logged = subscription.false_logged and not durable, False
+        if self._delivery_log is not None and not repeated:
             self._delivery_log.subscribe(subscription.filter, subscription.qos, durable)
 
     def _handle_lost(self, reason: str) -> None:
@@ -1282,6 +1296,7 @@ class DurableClient:
                 self._registry.connection_lost()  # UNSUBSCRIBEs without their UNSUBACK: sent again
                 for subscription in self._registry.subscriptions():
                     subscription.mid = None  # its SUBACK will not come
+                    subscription.false_logged = False  # the reconnect's SUBACK writes its record
                     subscription.interest_req = None  # nor its interest reply
                     if subscription.interest_due and subscription.durable:
                         # The broker may not have applied it (nor will it log): said again before the next hello.
