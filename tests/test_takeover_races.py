@@ -22,7 +22,7 @@ from small_disk import fill, small_disk
 from test_hostile_amqtt_sessions import PROBE_PLUGIN, StuckWebsocket, amqtt_table
 from test_hostile_wire import read_until_closed
 from test_recovery_and_crash import EXPIRED_TOPIC
-from test_subscribe_order import stuck_on_big_retained_messages, subscribe
+from test_subscribe_order import acknowledged, stuck_on_big_retained_messages, subscribe
 from websockets.frames import Frame, Opcode
 
 from amqtt_durable.process import free_port
@@ -926,3 +926,44 @@ def test_an_ack_read_with_a_websocket_close_frame_counts(
         publisher.publish("wa/t", [b"later"], qos=qos)
         first, body = read_packet(again)
         assert first >> 4 == 3 and not first & 0x08 and body.endswith(b"later"), (first, body)
+
+
+
+@pytest.mark.parametrize("new_clean", [True, False], ids=["new-clean", "new-durable"])
+def test_a_take_over_of_a_half_closed_connection_whose_client_reads_nothing_is_connacked_at_once(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, new_clean: bool
+) -> None:
+    """MQTT-3.1.4-2, docs/guarantees.md, Take-over: "half" (clean) subscribed to big/# (QoS 0); it
+    published "s1" (its message loop stuck on that check, nothing behind it), was sent 10 MB it
+    never reads (the sockets' buffers are full; a later message to the watcher shows all were
+    handed to "half"'s connection), then shut its socket for writing (the broker's TCP acknowledged
+    the FIN). A newer CONNECT of "half" is answered at once: the take-over waits for what the older
+    connection's reader read only until that reader has handled its EOF, not for its whole shutdown
+    (its close waits for the full socket to drain, until the socket is aborted: the CONNACK came
+    5 s later, at the bound)."""
+    broker = slow_check_broker(broker_factory, tmp_path)
+    watcher = clients(broker.port, "clean-watcher", clean_session=True)  # "s1"'s check needs a subscriber
+    assert watcher.subscribe("slow/#", 1) == [1]
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    with socket.socket() as half:
+        half.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few KiB
+        half.settimeout(WAIT)
+        half.connect((HOST, broker.port))
+        half.sendall(connect_packet("half", clean=True))
+        assert read_exactly(half, 4) == CONNACK_ACCEPTED
+        assert raw_subscribe(half, "big/#", 0) == 0
+        half.sendall(mqtt_packet(0x32, mqtt_string("slow/1") + b"\x00\x01" + b"s1"))
+        assert read_packet(half) == (0x40, b"\x00\x01")
+        assert broker.wait_until((tmp_path / "entered").exists, WAIT), broker.log()[-2000:]
+        publisher.publish("big/x", [bytes(200_000)] * 50, qos=1)
+        publisher.publish("slow/end", [b"end"], qos=1)  # one broadcast queue: big/x's went to "half" first
+        assert watcher.wait_for(lambda ms: any(m.topic == "slow/end" for m in ms)), broker.log()[-2000:]
+        half.shutdown(socket.SHUT_WR)
+        assert acknowledged(broker, half), "the broker's TCP did not acknowledge the FIN"
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as newer:
+            started = time.monotonic()
+            newer.sendall(connect_packet("half", clean=new_clean))
+            assert read_exactly(newer, 4) == CONNACK_ACCEPTED
+            took = time.monotonic() - started
+        (tmp_path / "gate").write_text("1")
+    assert took < 2.5, f"the take-over's CONNACK took {took:.2f} s (the bound: 5 s)"

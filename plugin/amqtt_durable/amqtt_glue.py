@@ -2780,19 +2780,24 @@ async def _applied_with_what_was_read(handler: Any, changes: SubscriptionChanges
 def _reader_caught_up(handler: Any) -> bool:
     """True unless the connection's reader, reading a TCP stream, holds bytes the transport read
     that it has not handled: it is then neither ended nor waiting for more (the stream's waiter is
-    gone as soon as bytes come, before the reader goes on)."""
+    gone as soon as bytes come, before the reader goes on). A reader whose loop has ended
+    (``_reader_stopped``: at its EOF, or on an error) has handed over all it will, though its task
+    goes on with the connection's ``stop()``."""
     task = handler._reader_task
     reader = handler.reader
     if task is None or task.done() or task is asyncio.current_task() or not isinstance(reader, StreamReaderAdapter):
         return True
-    return reader._reader._waiter is not None
+    return reader._reader._waiter is not None or handler._reader_stopped.is_set()
 
 
 async def _reader_handles_what_was_read(handler: Any) -> None:
     """Waits until the connection's reader has handled what its stream holds: the transport reads
     nothing more from the socket meanwhile (a client sending on and on would keep the reader busy),
     then reads on (the reader goes on while the take-over waits: a DISCONNECT, a PUBREL read then
-    count). The reader is done once it waits for bytes not yet read, or ends; the stream's own
+    count). The reader is done once it waits for bytes not yet read, or its loop has ended
+    (``_reader_stopped``, set before its task goes on with the connection's ``stop()``: that of a
+    half-closed client that reads nothing waits for its full socket to drain, and the take-over's
+    CONNACK waited with it, until the 5 s bound), or its task ends; the stream's own
     ``_wait_for_data`` is wrapped, once, to say so."""
     stream = handler.reader._reader
     waiting: list[asyncio.Future[None]] | None = getattr(stream, "durable_waiting", None)
@@ -2814,9 +2819,11 @@ async def _reader_handles_what_was_read(handler: Any) -> None:
     paused = transport is not None and transport.is_reading()  # not when the stream paused it (full)
     if paused:
         transport.pause_reading()
+    stopped = asyncio.ensure_future(handler._reader_stopped.wait())
     try:
-        await asyncio.wait({future, handler._reader_task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({future, stopped, handler._reader_task}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        stopped.cancel()
         if paused:
             transport.resume_reading()
 
