@@ -2509,13 +2509,13 @@ def _connected_for_its_connack(session: Any, authorize: bool) -> None:
 
 async def take_over(handler: Any) -> None:
     """End the connection of a client id a newer CONNECT takes over (MQTT-3.1.4-2), as amqtt's own
-    take-over does (``durable_taken_over``: its end waits for the reader, see
+    take-over does (the handler's ``durable_ended_by_take_over``: its end waits for the reader, see
     ``_applied_with_what_was_read``): its message loop sees it closed and runs amqtt's disconnect, whose will is
     published unless the connection sent DISCONNECT before it was closed (MQTT-3.14.4-3: read
     while the take-over waited for its SUBSCRIBEs and UNSUBSCRIBEs, it discards the will, as on
     amqtt's take-over; a clean CONNECT's published it); it is let go once those are applied
     (``durable_let_go``: a websocket aborted, not waited for)."""
-    handler.durable_taken_over = True
+    handler.durable_ended_by_take_over = True
     await handler.handle_connection_closed()
     await handler.durable_let_go()
 
@@ -2747,15 +2747,17 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
 
 
 def _mark_a_take_over(handler: Any) -> None:
-    """``durable_taken_over``: the connection's end is a take-over (``_applied_with_what_was_read``),
-    set before its message loop learns of the end. ``take_over`` sets it; amqtt's own take-over
-    calls ``handle_connection_closed`` in the newer CONNECT's task (``_CONNECTING``), then ``stop()``."""
-    handler.durable_taken_over = False
+    """The handler's ``durable_ended_by_take_over``: its connection's end is a take-over
+    (``_applied_with_what_was_read``), set before its message loop learns of the end (not the
+    ``_TAKEN_OVER`` context variable of the newer CONNECT's task). ``take_over`` sets it; amqtt's own
+    take-over calls ``handle_connection_closed`` in the newer CONNECT's task (``_CONNECTING``), then
+    ``stop()``."""
+    handler.durable_ended_by_take_over = False
     original_closed = handler.handle_connection_closed
 
     def handle_connection_closed() -> Awaitable[None]:
         if _CONNECTING.get() not in (None, handler):
-            handler.durable_taken_over = True
+            handler.durable_ended_by_take_over = True
         return original_closed()  # type: ignore[no-any-return]
 
     handler.handle_connection_closed = handle_connection_closed
@@ -2763,8 +2765,8 @@ def _mark_a_take_over(handler: Any) -> None:
 
 async def _applied_with_what_was_read(handler: Any, changes: SubscriptionChanges[Any]) -> None:
     """Waits until every change queued has been applied and, on a take-over
-    (``durable_taken_over``), every change in what the broker had read from the socket as that
-    wait ended (``_reader_handles_what_was_read``), then until those are applied too. A reader
+    (``durable_ended_by_take_over``), every change in what the broker had read from the socket as
+    that wait ended (``_reader_handles_what_was_read``), then until those are applied too. A reader
     hands a packet over a loop pass or more after the transport read it (amqtt's, a ``wait_for``
     task per packet: of a hundred UNSUBSCRIBEs read in one go, the first alone, or none, was queued
     as the take-over came); the queue, empty before the next was queued, counted as drained, the
@@ -2772,7 +2774,7 @@ async def _applied_with_what_was_read(handler: Any, changes: SubscriptionChanges
     applied nor acknowledged. The caller bounds the wait (the end's deadline). A websocket
     connection's reader is not waited for (what websockets holds is not handed over)."""
     await changes.drained()
-    if handler.durable_taken_over and not _reader_caught_up(handler):
+    if handler.durable_ended_by_take_over and not _reader_caught_up(handler):
         await _reader_handles_what_was_read(handler)
         await changes.drained()
 
