@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from raw_mqtt_helpers import connect_packet
 from test_hostile_owner import REFUSED, acl_broker, login
@@ -18,6 +19,7 @@ from test_qos2_inbound import PUBACK, PUBREC, complete, expect_ack, publish, pub
 from test_scale import RawClient
 
 from amqtt_durable.amqtt_glue import CLOSE_GRACE
+from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
 
 
@@ -105,7 +107,11 @@ def test_a_connect_refused_for_ownership_after_a_race_is_closed_and_serves_nothi
 
 def broker_with_two_connection_slots(broker_factory: Callable[..., Broker], **settings: Any) -> Broker:
     """A started broker whose listener serves at most 2 connections at a time (max_connections)."""
-    broker = broker_factory(start=False, **settings)
+    return with_two_connection_slots(broker_factory(start=False, **settings)).start()
+
+
+def with_two_connection_slots(broker: Broker) -> Broker:
+    """``broker``, not yet started, set to have its listener serve at most 2 connections at a time."""
     write_config = broker.write_config
 
     def with_max_connections() -> Path:
@@ -116,7 +122,7 @@ def broker_with_two_connection_slots(broker_factory: Callable[..., Broker], **se
         return path
 
     broker.write_config = with_max_connections  # type: ignore[method-assign]
-    return broker.start()
+    return broker
 
 
 def assert_the_listener_still_serves(broker: Broker) -> None:
@@ -366,3 +372,53 @@ def test_a_connection_dropped_while_a_qos2_publish_awaits_its_pubrel_ends_at_onc
     assert watcher.wait_for(lambda got: any(m.payload == b"gone" for m in got), timeout=CLOSE_GRACE / 2), (
         "the will came only after CLOSE_GRACE: the connection's end waited for the QoS 2 handler"
     )
+
+
+BACKEND_AUTH = '''
+import asyncio
+
+from amqtt.plugins.base import BaseAuthPlugin
+
+
+class BackendAuth(BaseAuthPlugin):
+    """User "remote" is checked by an authentication service at 127.0.0.1:{port}, where nothing
+    listens: the check raises ConnectionRefusedError. User "buggy" meets the plugin's own bug
+    (RuntimeError). Any other user passes."""
+
+    async def authenticate(self, *, session):
+        if session.username == "remote":
+            _, writer = await asyncio.open_connection("127.0.0.1", {port})
+            writer.close()
+        if session.username == "buggy":
+            raise RuntimeError("the plugin's own bug")
+        return True
+'''
+
+
+@pytest.mark.parametrize(("username", "error"), [("remote", "ConnectionRefusedError"), ("buggy", "RuntimeError")])
+def test_an_error_of_a_connects_checks_is_named_and_frees_its_connection_slot(
+    broker_factory: Callable[..., Broker], tmp_path: Path, username: str, error: str
+) -> None:
+    """docs/guarantees.md (amqtt fixes): an error raised while a CONNECT is checked, here by an auth
+    plugin (an OSError: its service refuses its connection; or its own bug), is logged as the ERROR
+    it is, not as 'the connection ended while its CONNECT was refused' (that OSError alone is a
+    refused CONNECT's close), and the connection is closed without a CONNACK. It escaped amqtt's
+    handler: an "Unhandled exception" traceback, the connection's place among its listener's
+    max_connections never given back, and two of them made a listener of two places refuse everyone."""
+    (tmp_path / "backend_auth.py").write_text(BACKEND_AUTH.format(port=free_port()))
+    broker = broker_factory(start=False)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["backend_auth.BackendAuth"] = {}
+    with_two_connection_slots(broker).start()
+    for round_ in range(3):
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(connect_packet(f"{username}-{round_}", clean=False, username=username))
+            got = read_until_closed(sock, WAIT)
+            assert got is not None, f"CONNECT {round_ + 1}: not closed (its listener has no place left?)"
+            assert got == b"", f"CONNECT {round_ + 1}: a CONNECT whose check failed got {got!r}"
+    assert_the_listener_still_serves(broker)
+    log = broker.log()
+    failed = re.findall(r"ERROR amqtt_durable: the handling of a CONNECT from \S+ failed: (\w+)", log)
+    assert failed == [error] * 3, log[-5000:]
+    assert "ended while its CONNECT was refused" not in log, log[-5000:]
+    assert "Unhandled exception" not in log, log[-5000:]

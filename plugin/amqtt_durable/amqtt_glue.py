@@ -153,7 +153,7 @@ from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapte
 from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
 from amqtt.contexts import Action, ListenerType
-from amqtt.errors import AMQTTError, MQTTError, ZeroLengthReadError
+from amqtt.errors import AMQTTError, MQTTError, NoDataError, ZeroLengthReadError
 from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
 from amqtt.mqtt import subscribe as amqtt_subscribe
@@ -1722,16 +1722,21 @@ class AmqttHooks:
         writer.durable_connect_deadline = deadline  # cancelled once its checks passed (_take_connect_turn)
         try:
             handler, session = await self._original_initialize(reader, writer, *args)
-        except OSError as exc:
-            # amqtt closes a connection whose CONNECT it refused (drain, write_eof); a peer that reset
-            # it meanwhile makes that close raise, which amqtt does not catch: an "Unhandled exception"
-            # traceback, and the connection's place among its listener's max_connections never given
-            # back. As an MQTTError amqtt logs one line and gives the place back (client_connected closes it).
-            # Only that close: StreamWriterAdapter.close marks the writer closed before it drains; an
-            # OSError anywhere else (the store, a take-over's writes) is not a refused CONNECT's.
-            if not getattr(writer, "is_closed", False):
-                raise
-            raise MQTTError(f"the connection ended while its CONNECT was refused: {exc!r}") from None
+        except (AMQTTError, MQTTError, NoDataError):
+            raise  # amqtt's own: its caller logs one line and gives the connection's place back
+        except Exception as exc:
+            # Anything else escaped amqtt's caller: an "Unhandled exception" traceback, and the
+            # connection's place among its listener's max_connections never given back (a listener
+            # refused everyone after max_connections of them). As an MQTTError amqtt logs one line
+            # and gives the place back (client_connected closes the connection). amqtt closes a
+            # connection whose CONNECT it refused (drain, write_eof): a peer that reset it meanwhile
+            # makes that close raise an OSError, named so (StreamWriterAdapter.close marks the writer
+            # closed before it drains). Any other error (an auth plugin's that cannot reach its
+            # service, a take-over's) is logged as what it is, with its traceback.
+            if isinstance(exc, OSError) and getattr(writer, "is_closed", False):
+                raise MQTTError(f"the connection ended while its CONNECT was refused: {exc!r}") from None
+            log.error("the handling of a CONNECT from %s failed: %r", _peer(writer), exc, exc_info=exc)
+            raise MQTTError(f"the handling of its CONNECT failed: {exc!r}") from None
         finally:
             deadline.cancel()
         _CONNECTING.set(handler)  # until its CONNACK: amqtt may take a live connection of the client id over
