@@ -3182,14 +3182,29 @@ async def _deliver_late(broker: Any, handler: Any, message: Any) -> None:
         log.warning("%s: a message it published was not delivered: %r", handler.session.client_id, exc)
 
 
+class _CancelledAsAdded(dict[int, "asyncio.Future[Any]"]):
+    """A handler's waiters for the acks of one kind once its connection's end stopped waiting for
+    them (``_stop_outgoing_waiters``): one amqtt adds after is cancelled as it is added."""
+
+    def __setitem__(self, packet_id: int, waiter: asyncio.Future[Any]) -> None:
+        super().__setitem__(packet_id, waiter)
+        waiter.cancel()
+
+
 def _stop_outgoing_waiters(handler: Any) -> None:
     """Cancels the handler's waits for the PUBACKs, PUBRECs and PUBCOMPs of what it sent, as
-    amqtt 0.12.1's ``_stop_waiters`` does. Nothing waits for the PUBRELs of the client's own QoS 2
-    PUBLISHes (``_await_pubrel``): a PUBREL read while the connection's end waits for its changes
-    still gets the message delivered (``_pubrel_handler``)."""
-    for waiters in (handler._puback_waiters, handler._pubrec_waiters, handler._pubcomp_waiters):
+    amqtt 0.12.1's ``_stop_waiters`` does, and of what it sends after (``_CancelledAsAdded``): a
+    clean client that shut its socket right after its SUBSCRIBE had the retained QoS 1 or 2
+    message its message loop sent while the end waited for that SUBSCRIBE waited for (amqtt's
+    5 s for a PUBACK), and the close with it, until the end's bound (5 s). Nothing waits for the
+    PUBRELs of the client's own QoS 2 PUBLISHes (``_await_pubrel``): a PUBREL read while the
+    connection's end waits for its changes still gets the message delivered (``_pubrel_handler``)."""
+    for name in ("_puback_waiters", "_pubrec_waiters", "_pubcomp_waiters"):
+        waiters = getattr(handler, name)
         for waiter in waiters.values():
             waiter.cancel()
+        if not isinstance(waiters, _CancelledAsAdded):
+            setattr(handler, name, _CancelledAsAdded(waiters))
 
 
 async def _nothing() -> None:
