@@ -1742,6 +1742,7 @@ class AmqttHooks:
         _CONNECTING.set(handler)  # until its CONNACK: amqtt may take a live connection of the client id over
         reader.durable_client_id = session.client_id  # for the decoder checks' log lines
         session.clean_session = handler.connect_clean_session
+        handler.durable_connack_sent = False  # until its CONNACK accepted it: no broadcast (run_broadcast)
         handler.durable_transport = HandlerTransport(handler)
         handler.durable_acks = OrderedAcks(handler.durable_transport, session.client_id)
         handler.durable_control = _control_channel(self.broker, self.engine, handler, session)
@@ -1986,7 +1987,12 @@ class AmqttHooks:
 
     async def run_broadcast(self, running_tasks: deque[asyncio.Task[Any]]) -> None:
         # amqtt 0.12.1's _run_broadcast, step for step, but over the matching filters only, and its
-        # sends bounded per connection (CleanSends) instead of appended to ``running_tasks``.
+        # sends bounded per connection (CleanSends) instead of appended to ``running_tasks``; and
+        # none to a connection whose CONNACK is not written yet (MQTT-3.2.0-1: CONNACK comes first).
+        # amqtt's take-over puts the newer connection in its table before its CONNACK, and the
+        # messages of the older connection's clean session went to it first: that session ended
+        # with the older connection (a durable CONNECT's session holds none of its filters, and a
+        # clean CONNECT's new Session none before it SUBSCRIBEs).
         broadcast = await self.broker._broadcast_queue.get()
         topic = broadcast["topic"]
         if topic is None:
@@ -2005,7 +2011,7 @@ class AmqttHooks:
                     await self.broker._retain_broadcast_message(broadcast, qos, target)
                     continue
                 handler = self.broker._get_handler(target) if connected else None
-                if handler:
+                if handler and handler.durable_connack_sent:
                     self.clean_sends.send(handler, target.client_id, topic, data, qos)
 
     async def publish_retained_for_subscription(self, subscription: tuple[str, int], session: Any) -> None:
@@ -2398,6 +2404,7 @@ async def _send_connack(
     nothing) and its end starts the session's expiry clock; amqtt forgets a clean one's Session."""
     try:
         await original_connack(authorize)
+        handler.durable_connack_sent = authorize
     except (ConnectionClosed, OSError) as exc:
         log.debug("%s: the connection closed before its CONNACK: %r", session.client_id, exc)
         handler.writer.is_closed = True  # HandlerTransport.closed: nothing more is written to it
