@@ -207,3 +207,5 @@ def test_a_connect_amqtt_refuses_from_a_peer_that_reset_gives_back_its_listener_
             sock.sendall(packet)
     assert_the_listener_still_serves(broker)
     assert "Unhandled exception" not in broker.log(), broker.log()[-5000:]
+    # That close's OSError is named as such, not as an error of the CONNECT's handling (an ERROR).
+    assert "the handling of a CONNECT from" not in broker.log(), broker.log()[-5000:]

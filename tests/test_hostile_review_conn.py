@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from raw_mqtt_helpers import connect_packet
+from test_blind_ops2 import wait_for_log
 from test_hostile_owner import REFUSED, acl_broker, login
 from test_hostile_wire import CONNACK_ACCEPTED, PINGREQ, read_until_closed
 from test_mixed_clients import RECEIVE_ACL_PLUGIN
@@ -19,7 +22,6 @@ from test_qos2_inbound import PUBACK, PUBREC, complete, expect_ack, publish, pub
 from test_scale import RawClient
 
 from amqtt_durable.amqtt_glue import CLOSE_GRACE
-from amqtt_durable.process import free_port
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
 
 
@@ -382,17 +384,40 @@ from amqtt.plugins.base import BaseAuthPlugin
 
 class BackendAuth(BaseAuthPlugin):
     """User "remote" is checked by an authentication service at 127.0.0.1:{port}, where nothing
-    listens: the check raises ConnectionRefusedError. User "buggy" meets the plugin's own bug
-    (RuntimeError). Any other user passes."""
+    listens: the check raises ConnectionRefusedError. User "held" is checked by the service at
+    127.0.0.1:{service}, which answers nothing until it resets the connection: the check raises
+    ConnectionResetError then. User "buggy" meets the plugin's own bug (RuntimeError). Any other
+    user passes."""
 
     async def authenticate(self, *, session):
         if session.username == "remote":
             _, writer = await asyncio.open_connection("127.0.0.1", {port})
             writer.close()
+        if session.username == "held":
+            reader, writer = await asyncio.open_connection("127.0.0.1", {service})
+            await asyncio.wait_for(reader.read(1), 60)
+            writer.close()
         if session.username == "buggy":
             raise RuntimeError("the plugin's own bug")
         return True
 '''
+
+
+@contextlib.contextmanager
+def backend_auth_broker(
+    broker_factory: Callable[..., Broker], tmp_path: Path, **settings: Any
+) -> Iterator[tuple[Broker, socket.socket]]:
+    """A broker (not started) with BackendAuth, and the listening socket of its "held" user's
+    service; the port of its "remote" user's service is held (bound, not listening) for the block,
+    so its connections are refused and nothing else may listen there meanwhile."""
+    with socket.socket() as unreachable, socket.create_server((HOST, 0)) as service:
+        unreachable.bind((HOST, 0))
+        code = BACKEND_AUTH.format(port=unreachable.getsockname()[1], service=service.getsockname()[1])
+        (tmp_path / "backend_auth.py").write_text(code)
+        broker = broker_factory(start=False, **settings)
+        broker.pythonpath.append(str(tmp_path))
+        broker.extra_plugins["backend_auth.BackendAuth"] = {}
+        yield broker, service
 
 
 @pytest.mark.parametrize(("username", "error"), [("remote", "ConnectionRefusedError"), ("buggy", "RuntimeError")])
@@ -405,20 +430,42 @@ def test_an_error_of_a_connects_checks_is_named_and_frees_its_connection_slot(
     refused CONNECT's close), and the connection is closed without a CONNACK. It escaped amqtt's
     handler: an "Unhandled exception" traceback, the connection's place among its listener's
     max_connections never given back, and two of them made a listener of two places refuse everyone."""
-    (tmp_path / "backend_auth.py").write_text(BACKEND_AUTH.format(port=free_port()))
-    broker = broker_factory(start=False)
-    broker.pythonpath.append(str(tmp_path))
-    broker.extra_plugins["backend_auth.BackendAuth"] = {}
-    with_two_connection_slots(broker).start()
-    for round_ in range(3):
-        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
-            sock.sendall(connect_packet(f"{username}-{round_}", clean=False, username=username))
-            got = read_until_closed(sock, WAIT)
-            assert got is not None, f"CONNECT {round_ + 1}: not closed (its listener has no place left?)"
-            assert got == b"", f"CONNECT {round_ + 1}: a CONNECT whose check failed got {got!r}"
-    assert_the_listener_still_serves(broker)
+    with backend_auth_broker(broker_factory, tmp_path) as (broker, _):
+        with_two_connection_slots(broker).start()
+        for round_ in range(3):
+            with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+                sock.sendall(connect_packet(f"{username}-{round_}", clean=False, username=username))
+                got = read_until_closed(sock, WAIT)
+                assert got is not None, f"CONNECT {round_ + 1}: not closed (its listener has no place left?)"
+                assert got == b"", f"CONNECT {round_ + 1}: a CONNECT whose check failed got {got!r}"
+        assert_the_listener_still_serves(broker)
     log = broker.log()
     failed = re.findall(r"ERROR amqtt_durable: the handling of a CONNECT from \S+ failed: (\w+)", log)
     assert failed == [error] * 3, log[-5000:]
     assert "ended while its CONNECT was refused" not in log, log[-5000:]
     assert "Unhandled exception" not in log, log[-5000:]
+
+
+def test_an_error_of_a_connects_check_after_its_connect_timeout_is_named(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """docs/guarantees.md (amqtt fixes): an auth plugin's OSError raised after its connection was
+    closed at connect_timeout (its service reset the connection it waited on) is logged as the ERROR
+    it is, with its traceback: it was taken for a refused CONNECT's close (a WARNING 'the connection
+    ended while its CONNECT was refused', no traceback), as the connection was already closed."""
+    with backend_auth_broker(broker_factory, tmp_path, connect_timeout=1) as (broker, service):
+        broker.start()
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            sock.sendall(connect_packet("held-0", clean=False, username="held"))
+            service.settimeout(WAIT)
+            checking, _ = service.accept()
+            with checking:
+                wait_for_log(broker, "no complete CONNECT within connect_timeout")
+                assert read_until_closed(sock, WAIT) == b"", "closed at connect_timeout, without a CONNACK"
+                checking.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed: reset
+        failed = wait_for_log(broker, "the handling of a CONNECT from")
+        log = broker.log()
+        assert len(failed) == 1 and "ERROR" in failed[0] and "ConnectionResetError" in failed[0], log[-5000:]
+        after = log[log.index(failed[0]) + len(failed[0]) :]
+        assert after.startswith("\nTraceback (most recent call last):"), log[-5000:]
+        assert "ended while its CONNECT was refused" not in log, log[-5000:]

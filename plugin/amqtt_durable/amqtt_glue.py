@@ -1729,11 +1729,12 @@ class AmqttHooks:
             # connection's place among its listener's max_connections never given back (a listener
             # refused everyone after max_connections of them). As an MQTTError amqtt logs one line
             # and gives the place back (client_connected closes the connection). amqtt closes a
-            # connection whose CONNECT it refused (drain, write_eof): a peer that reset it meanwhile
-            # makes that close raise an OSError, named so (StreamWriterAdapter.close marks the writer
-            # closed before it drains). Any other error (an auth plugin's that cannot reach its
-            # service, a take-over's) is logged as what it is, with its traceback.
-            if isinstance(exc, OSError) and getattr(writer, "is_closed", False):
+            # connection whose CONNECT it refused (drain, write_eof) in its ``except MQTTError``: a
+            # peer that reset it meanwhile makes that close raise an OSError whose context is that
+            # MQTTError, named so. Any other error (an auth plugin's that cannot reach its service,
+            # also once its connection was closed at connect_timeout; a take-over's) is logged as
+            # what it is, with its traceback.
+            if isinstance(exc, OSError) and isinstance(exc.__context__, MQTTError):
                 raise MQTTError(f"the connection ended while its CONNECT was refused: {exc!r}") from None
             log.error("the handling of a CONNECT from %s failed: %r", _peer(writer), exc, exc_info=exc)
             raise MQTTError(f"the handling of its CONNECT failed: {exc!r}") from None
