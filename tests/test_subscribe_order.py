@@ -347,7 +347,7 @@ def test_a_connection_shut_right_after_its_subscribe_is_closed_without_waiting_f
             assert len(got) <= 2, got
         took = time.monotonic() - started
     assert got == [(SUBACK, 1), (PUBLISH, 0)], got
-    assert took < 2.5, f"closed {took:.2f} s after the SUBSCRIBE (the bound: 5 s)"
+    assert took < 4.0, f"closed {took:.2f} s after the SUBSCRIBE (the bound: 5 s)"
 
 
 def test_broker_stops_at_once_with_connections_waiting_for_a_retained_puback(

@@ -933,7 +933,6 @@ def test_an_ack_read_with_a_websocket_close_frame_counts(
         assert first >> 4 == 3 and not first & 0x08 and body.endswith(b"later"), (first, body)
 
 
-
 @pytest.mark.parametrize("new_clean", [True, False], ids=["new-clean", "new-durable"])
 def test_a_take_over_of_a_half_closed_connection_whose_client_reads_nothing_is_connacked_at_once(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, new_clean: bool
@@ -968,7 +967,7 @@ def test_a_take_over_of_a_half_closed_connection_whose_client_reads_nothing_is_c
         with socket.create_connection((HOST, broker.port), timeout=WAIT) as newer:
             took = seconds_to_connack(newer, "half", clean=new_clean)
         (tmp_path / "gate").write_text("1")
-    assert took < 2.5, f"the take-over's CONNACK took {took:.2f} s (the bound: 5 s)"
+    assert took < 4.0, f"the take-over's CONNACK took {took:.2f} s (the bound: 5 s)"
 
 
 def test_a_durable_take_over_of_a_clean_connection_being_sent_messages_gets_its_connack_first(
@@ -995,7 +994,8 @@ def test_a_durable_take_over_of_a_clean_connection_being_sent_messages_gets_its_
                 publisher.paho.publish("big/x", bytes(200_000), qos=0)
             with raw_connect(broker.port, f"dev-{round_}", clean=False) as newer:  # asserts the CONNACK first
                 newer.sendall(mqtt_packet(0x82, b"\x00\x02" + mqtt_string("end/#") + b"\x00"))
+                assert read_packet(newer) == (0x90, b"\x00\x02\x00"), "its SUBACK next, nothing of big/#"
                 publisher.publish("big/x", [b"late"], qos=1)
                 publisher.publish("end/x", [b"end"], qos=1)
-                got = [read_packet(newer) for _ in range(2)]
-            assert got == [(0x90, b"\x00\x02\x00"), (0x30, mqtt_string("end/x") + b"end")], got[:2]
+                got = read_packet(newer)
+            assert got == (0x30, mqtt_string("end/x") + b"end"), got

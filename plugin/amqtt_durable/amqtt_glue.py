@@ -2012,7 +2012,7 @@ class AmqttHooks:
                     await self.broker._retain_broadcast_message(broadcast, qos, target)
                     continue
                 handler = self.broker._get_handler(target) if connected else None
-                if handler and handler.durable_connack_sent:
+                if handler and getattr(handler, "durable_connack_sent", False):  # create_offline_session sets none
                     self.clean_sends.send(handler, target.client_id, topic, data, qos)
 
     async def publish_retained_for_subscription(self, subscription: tuple[str, int], session: Any) -> None:
@@ -2694,8 +2694,9 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     (``_stop_outgoing_waiters``; a clean session's loop sends the retained messages of a
     SUBSCRIBE, each in its own task, and waits up to 5 s for the QoS 1 ones' PUBACKs: a
     take-over's CONNACK, a broker's shutdown waited for them; the SUBSCRIBE then counts as applied
-    at once. A later SUBSCRIBE's retained messages get new waiters, which are waited for, within
-    the bound).
+    at once. The waiters of what is sent after, a later SUBSCRIBE's retained messages, are
+    cancelled as they are added, ``_CancelledAsAdded``: nothing sent after that ``stop()`` is
+    waited for).
     The same wait covers what the client published (``PublishedMessages``: the loop hands it to
     the broker, a QoS 2 message released by a PUBREL read with the DISCONNECT among them).
     When a wait runs out, the queue is closed: what still waits is dropped (WARNING with the exact
