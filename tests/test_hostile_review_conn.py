@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import yaml
 from raw_mqtt_helpers import connect_packet
-from test_blind_ops2 import wait_for_log
 from test_hostile_owner import REFUSED, acl_broker, login
 from test_hostile_wire import CONNACK_ACCEPTED, PINGREQ, read_until_closed
 from test_mixed_clients import RECEIVE_ACL_PLUGIN
@@ -421,51 +420,62 @@ def backend_auth_broker(
 
 
 @pytest.mark.parametrize(("username", "error"), [("remote", "ConnectionRefusedError"), ("buggy", "RuntimeError")])
-def test_an_error_of_a_connects_checks_is_named_and_frees_its_connection_slot(
+def test_a_connect_whose_credentials_cannot_be_checked_gets_connack_3_and_frees_its_connection_slot(
     broker_factory: Callable[..., Broker], tmp_path: Path, username: str, error: str
 ) -> None:
-    """docs/guarantees.md (amqtt fixes): an error raised while a CONNECT is checked, here by an auth
-    plugin (an OSError: its service refuses its connection; or its own bug), is logged as the ERROR
-    it is, not as 'the connection ended while its CONNECT was refused' (that OSError alone is a
-    refused CONNECT's close), and the connection is closed without a CONNACK. It escaped amqtt's
-    handler: an "Unhandled exception" traceback, the connection's place among its listener's
-    max_connections never given back, and two of them made a listener of two places refuse everyone."""
+    """docs/guarantees.md (amqtt fixes): a CONNECT whose credentials cannot be checked (an auth
+    plugin raises: an OSError, its service refuses its connection; or its own bug) gets CONNACK 3
+    (server unavailable), the error logged as an ERROR naming it, with its traceback, not as 'the
+    connection ended while its CONNECT was refused' (that OSError alone is a refused CONNECT's
+    close). It escaped amqtt's handler: an "Unhandled exception" traceback, the connection's place
+    among its listener's max_connections never given back, and two of them made a listener of two
+    places refuse everyone. Durable CONNECTs (checked as they are read) and a clean one (checked
+    before its client id's turn)."""
     with backend_auth_broker(broker_factory, tmp_path) as (broker, _):
         with_two_connection_slots(broker).start()
         for round_ in range(3):
             with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
-                sock.sendall(connect_packet(f"{username}-{round_}", clean=False, username=username))
+                sock.sendall(connect_packet(f"{username}-{round_}", clean=round_ == 1, username=username))
                 got = read_until_closed(sock, WAIT)
                 assert got is not None, f"CONNECT {round_ + 1}: not closed (its listener has no place left?)"
-                assert got == b"", f"CONNECT {round_ + 1}: a CONNECT whose check failed got {got!r}"
+                assert got == b"\x20\x02\x00\x03", f"CONNECT {round_ + 1}: a CONNECT whose check failed got {got!r}"
         assert_the_listener_still_serves(broker)
     log = broker.log()
-    failed = re.findall(r"ERROR amqtt_durable: the handling of a CONNECT from \S+ failed: (\w+)", log)
+    refused = r"ERROR amqtt_durable: CONNECT of client id '[\w-]+' by user '\w+' refused \(CONNACK 3\): "
+    failed = re.findall(refused + r"its credentials could not be checked: (\w+)\(.*\)\nTraceback ", log)
     assert failed == [error] * 3, log[-5000:]
     assert "ended while its CONNECT was refused" not in log, log[-5000:]
     assert "Unhandled exception" not in log, log[-5000:]
 
 
-def test_an_error_of_a_connects_check_after_its_connect_timeout_is_named(
+def logged(broker: Broker, needle: str, *, times: int) -> None:
+    """Returns once the broker's log holds ``needle`` ``times`` times (bounded by WAIT)."""
+    assert broker.wait_until(lambda: broker.log().count(needle) >= times, WAIT), broker.log()[-5000:]
+
+
+def test_an_error_of_a_connects_check_after_its_connect_timeout_is_named_and_frees_its_connection_slot(
     broker_factory: Callable[..., Broker], tmp_path: Path
 ) -> None:
     """docs/guarantees.md (amqtt fixes): an auth plugin's OSError raised after its connection was
     closed at connect_timeout (its service reset the connection it waited on) is logged as the ERROR
     it is, with its traceback: it was taken for a refused CONNECT's close (a WARNING 'the connection
-    ended while its CONNECT was refused', no traceback), as the connection was already closed."""
+    ended while its CONNECT was refused', no traceback), as the connection was already closed. The
+    connection's place among its listener's max_connections is given back (3 rounds, 2 places)."""
     with backend_auth_broker(broker_factory, tmp_path, connect_timeout=1) as (broker, service):
-        broker.start()
-        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
-            sock.sendall(connect_packet("held-0", clean=False, username="held"))
-            service.settimeout(WAIT)
-            checking, _ = service.accept()
-            with checking:
-                wait_for_log(broker, "no complete CONNECT within connect_timeout")
-                assert read_until_closed(sock, WAIT) == b"", "closed at connect_timeout, without a CONNACK"
-                checking.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed: reset
-        failed = wait_for_log(broker, "the handling of a CONNECT from")
-        log = broker.log()
-        assert len(failed) == 1 and "ERROR" in failed[0] and "ConnectionResetError" in failed[0], log[-5000:]
-        after = log[log.index(failed[0]) + len(failed[0]) :]
-        assert after.startswith("\nTraceback (most recent call last):"), log[-5000:]
-        assert "ended while its CONNECT was refused" not in log, log[-5000:]
+        with_two_connection_slots(broker).start()
+        service.settimeout(WAIT)
+        for round_ in range(3):
+            with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+                sock.sendall(connect_packet(f"held-{round_}", clean=False, username="held"))
+                checking, _ = service.accept()
+                with checking:
+                    logged(broker, "no complete CONNECT within connect_timeout", times=round_ + 1)
+                    assert read_until_closed(sock, WAIT) == b"", "closed at connect_timeout, without a CONNACK"
+                    checking.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed: reset
+            logged(broker, "the handling of a CONNECT from", times=round_ + 1)
+        assert_the_listener_still_serves(broker)
+    log = broker.log()
+    failed = re.findall(r"ERROR amqtt_durable: the handling of a CONNECT from \S+ failed: (\w+)\(.*\)\nTraceback ", log)
+    assert failed == ["ConnectionResetError"] * 3, log[-5000:]
+    assert "ended while its CONNECT was refused" not in log, log[-5000:]
+    assert "Unhandled exception" not in log, log[-5000:]

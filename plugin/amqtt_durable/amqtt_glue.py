@@ -546,7 +546,8 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     for a CONNECT that is accepted. A refusal sends CONNACK 5 (CONNACK 3 while the store cannot
     write and the CONNECT needs a write, or when it would create a durable session past
     ``max_durable_sessions``, once its owner, will topic and credentials passed: a wrong password
-    gets 5 then too, and tells nothing of the store) and raises MQTTError. A CONNECT that would
+    gets 5 then too, and tells nothing of the store; CONNACK 3 too when its credentials could not be
+    checked, ``_credentials_pass``) and raises MQTTError. A CONNECT that would
     create a durable session is authenticated here (amqtt is told, ``_authenticated``), so one whose
     credentials are slow to check or fail holds no place meanwhile: the place is reserved after
     the last await. One whose connection was closed at ``connect_timeout`` meanwhile raises
@@ -562,7 +563,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     await _check_will_topic(broker, session, writer, plugins_manager)
     taken_over = session.client_id in broker._sessions
     checked = taken_over or unwritable is not None or durable_new
-    authentic = not checked or await plugin.hooks.check_credentials(session)
+    authentic = not checked or await _credentials_pass(plugin, session, writer, plugins_manager)
     if _timed_out(writer):  # after the last await: nothing of a CONNECT closed at connect_timeout is acted on
         raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout while it was checked")
     if not authentic:
@@ -607,7 +608,7 @@ async def _take_connect_turn(
     if deadline is not None:
         deadline.cancel()
     if not checked:
-        if not await plugin.hooks.check_credentials(session):
+        if not await _credentials_pass(plugin, session, writer, plugins_manager):
             await _refuse_unauthentic(session, writer, plugins_manager)
         _authenticated(session)
     if plugin.connect_turns.busy(session.client_id):
@@ -625,6 +626,28 @@ async def _take_connect_turn(
         await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
         raise MQTTError(f"CONNECT of {session.client_id!r}: its turn did not come within connect_timeout") from None
     await _check_owner(plugin, session, writer, plugins_manager, " (its session was created while it waited its turn)")
+
+
+async def _credentials_pass(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> bool:
+    """Whether a CONNECT's credentials pass the auth plugins (``check_credentials``). A check that
+    raises (an auth plugin that cannot reach its service, or its own bug) gets CONNACK 3 (server
+    unavailable): nothing of amqtt's was touched yet. The error is logged as an ERROR naming it,
+    with its traceback, and MQTTError raised. Once the connection was closed at connect_timeout
+    the error is raised as it is (no CONNACK: initialize_client_session logs it)."""
+    try:
+        return await plugin.hooks.check_credentials(session)
+    except Exception as exc:
+        if _timed_out(writer):
+            raise
+        log.error(
+            "CONNECT of client id %r by user %r refused (CONNACK 3): its credentials could not be checked: %r",
+            session.client_id,
+            session.username,
+            exc,
+            exc_info=exc,
+        )
+        await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
+        raise MQTTError(f"CONNECT of {session.client_id!r}: its credentials could not be checked: {exc!r}") from None
 
 
 _VERIFIED: contextvars.ContextVar[tuple[str, str | None, str | None] | None] = contextvars.ContextVar(
@@ -1731,9 +1754,9 @@ class AmqttHooks:
             # and gives the place back (client_connected closes the connection). amqtt closes a
             # connection whose CONNECT it refused (drain, write_eof) in its ``except MQTTError``: a
             # peer that reset it meanwhile makes that close raise an OSError whose context is that
-            # MQTTError, named so. Any other error (an auth plugin's that cannot reach its service,
-            # also once its connection was closed at connect_timeout; a take-over's) is logged as
-            # what it is, with its traceback.
+            # MQTTError, named so. Any other error (an auth plugin's raised once its connection was
+            # closed at connect_timeout, _credentials_pass; a take-over's) is logged as what it is,
+            # with its traceback.
             if isinstance(exc, OSError) and isinstance(exc.__context__, MQTTError):
                 raise MQTTError(f"the connection ended while its CONNECT was refused: {exc!r}") from None
             log.error("the handling of a CONNECT from %s failed: %r", _peer(writer), exc, exc_info=exc)
