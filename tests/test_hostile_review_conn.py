@@ -385,8 +385,8 @@ class BackendAuth(BaseAuthPlugin):
     """User "remote" is checked by an authentication service at 127.0.0.1:{port}, where nothing
     listens: the check raises ConnectionRefusedError. User "held" is checked by the service at
     127.0.0.1:{service}, which answers nothing until it resets the connection: the check raises
-    ConnectionResetError then. User "buggy" meets the plugin's own bug (RuntimeError). Any other
-    user passes."""
+    ConnectionResetError then. User "buggy" meets the plugin's own bug (RuntimeError). User
+    "refused" is refused (False). Any other user passes."""
 
     async def authenticate(self, *, session):
         if session.username == "remote":
@@ -398,7 +398,7 @@ class BackendAuth(BaseAuthPlugin):
             writer.close()
         if session.username == "buggy":
             raise RuntimeError("the plugin's own bug")
-        return True
+        return session.username != "refused"
 '''
 
 
@@ -478,4 +478,35 @@ def test_an_error_of_a_connects_check_after_its_connect_timeout_is_named_and_fre
     failed = re.findall(r"ERROR amqtt_durable: the handling of a CONNECT from \S+ failed: (\w+)\(.*\)\nTraceback ", log)
     assert failed == ["ConnectionResetError"] * 3, log[-5000:]
     assert "ended while its CONNECT was refused" not in log, log[-5000:]
+    assert "Unhandled exception" not in log, log[-5000:]
+
+
+def test_a_connect_refused_with_a_connack_from_a_client_gone_at_once_frees_its_slot_without_an_error(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """A client that sends its CONNECT and closes at once (a plain close): the broker's close after
+    its CONNACK refusal (write_eof on a connection its peer reset as the CONNACK came) raises a plain
+    OSError (ENOTCONN), not a ConnectionError, and it was logged as an ERROR 'the handling of a
+    CONNECT from ... failed' with its traceback. amqtt's CONNACK 4 (a password without a username),
+    an auth plugin's refusal (CONNACK 5) and its bug (CONNACK 3), 3 rounds on a listener of 2 places."""
+    password_without_username = mqtt_packet(
+        0x10, mqtt_string("MQTT") + bytes((4, 0x40 | 0x02, 0, 60)) + mqtt_string("no-user") + mqtt_string("secret")
+    )
+    connects = [
+        password_without_username,
+        connect_packet("refused", clean=False, username="refused"),
+        connect_packet("buggy", clean=False, username="buggy"),
+    ]
+    with backend_auth_broker(broker_factory, tmp_path) as (broker, _):
+        with_two_connection_slots(broker).start()
+        for round_ in range(3):
+            for number, connect in enumerate(connects, start=1):
+                with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+                    sock.sendall(connect)
+                logged(broker, "Failed to initialize client session", times=round_ * len(connects) + number)
+        assert_the_listener_still_serves(broker)
+    log = broker.log()
+    assert log.count("refused (CONNACK 5): authentication failed") == 3, log[-5000:]
+    assert log.count("refused (CONNACK 3): its credentials could not be checked") == 3, log[-5000:]
+    assert "the handling of a CONNECT from" not in log, log[-5000:]
     assert "Unhandled exception" not in log, log[-5000:]

@@ -702,6 +702,21 @@ async def _check_will_topic(broker: Any, session: Any, writer: Any, plugins_mana
         raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
 
 
+def _raised_in_close(exc: BaseException, writer: Any) -> bool:
+    """Whether ``exc`` was raised in the close of ``writer``'s TCP connection (``StreamWriterAdapter.close``,
+    not another's, as a take-over's): amqtt's close after the CONNACK refusing a CONNECT (2, 4) raises
+    a plain OSError (ENOTCONN, not a ConnectionError) when the client closed at once and its reset
+    came meanwhile; no MQTTError is its context, as amqtt's CONNACK refusals are not made in its
+    ``except MQTTError``."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code is StreamWriterAdapter.close.__code__ and frame.f_locals.get("self") is writer:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _timed_out(writer: Any) -> bool:
     """Whether this connection was closed at ``connect_timeout`` (``end_silent``): its CONNECT, read
     or being checked, gets no CONNACK and nothing of it is acted on."""
@@ -729,7 +744,8 @@ def _warn_session_limit(engine: DurableEngine, client_id: str) -> None:
 async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: int = NOT_AUTHORIZED) -> None:
     """CONNACK 5 (or ``return_code``) to a CONNECT just read, then close: nothing of amqtt's has been touched.
 
-    A client gone meanwhile (reset) makes the write fail: its socket is closed and MQTTError
+    A client gone meanwhile (reset; over a websocket, closed) makes the write or the close fail
+    (the close with a plain OSError, ENOTCONN, not a ConnectionError): its socket is closed and MQTTError
     raised, which amqtt's caller handles by freeing the listener's connection slot (an
     OSError would escape it and hold the slot and the socket)."""
     connack = ConnackPacket.build(0, return_code)
@@ -737,7 +753,7 @@ async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: i
         await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
         await connack.to_stream(writer)
         await writer.close()
-    except ConnectionError as exc:
+    except (ConnectionClosed, OSError) as exc:  # its close: write_eof on a reset connection raises ENOTCONN
         await close_socket(writer)
         raise MQTTError(f"the connection from {_peer(writer)} ended while its CONNECT was refused: {exc!r}") from None
 
@@ -1754,10 +1770,11 @@ class AmqttHooks:
             # and gives the place back (client_connected closes the connection). amqtt closes a
             # connection whose CONNECT it refused (drain, write_eof) in its ``except MQTTError``: a
             # peer that reset it meanwhile makes that close raise an OSError whose context is that
-            # MQTTError, named so. Any other error (an auth plugin's raised once its connection was
-            # closed at connect_timeout, _credentials_pass; a take-over's) is logged as what it is,
-            # with its traceback.
-            if isinstance(exc, OSError) and isinstance(exc.__context__, MQTTError):
+            # MQTTError, named so, as is one raised by amqtt's close of this connection after its own
+            # CONNACK refusal (2, 4) in init_from_connect (_raised_in_close). Any other error (an auth
+            # plugin's raised once its connection was closed at connect_timeout, _credentials_pass; a
+            # take-over's) is logged as what it is, with its traceback.
+            if isinstance(exc, OSError) and (isinstance(exc.__context__, MQTTError) or _raised_in_close(exc, writer)):
                 raise MQTTError(f"the connection ended while its CONNECT was refused: {exc!r}") from None
             log.error("the handling of a CONNECT from %s failed: %r", _peer(writer), exc, exc_info=exc)
             raise MQTTError(f"the handling of its CONNECT failed: {exc!r}") from None
