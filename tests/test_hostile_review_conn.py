@@ -461,7 +461,7 @@ def test_an_error_of_a_connects_check_after_its_connect_timeout_is_named_and_fre
     it is, with its traceback: it was taken for a refused CONNECT's close (a WARNING 'the connection
     ended while its CONNECT was refused', no traceback), as the connection was already closed. The
     connection's place among its listener's max_connections is given back (3 rounds, 2 places)."""
-    with backend_auth_broker(broker_factory, tmp_path, connect_timeout=1) as (broker, service):
+    with backend_auth_broker(broker_factory, tmp_path, connect_timeout=3) as (broker, service):
         with_two_connection_slots(broker).start()
         service.settimeout(WAIT)
         for round_ in range(3):
