@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from raw_mqtt_helpers import connect_packet
 from test_hostile_owner import REFUSED, acl_broker, login
@@ -105,7 +108,11 @@ def test_a_connect_refused_for_ownership_after_a_race_is_closed_and_serves_nothi
 
 def broker_with_two_connection_slots(broker_factory: Callable[..., Broker], **settings: Any) -> Broker:
     """A started broker whose listener serves at most 2 connections at a time (max_connections)."""
-    broker = broker_factory(start=False, **settings)
+    return with_two_connection_slots(broker_factory(start=False, **settings)).start()
+
+
+def with_two_connection_slots(broker: Broker) -> Broker:
+    """``broker``, not yet started, set to have its listener serve at most 2 connections at a time."""
     write_config = broker.write_config
 
     def with_max_connections() -> Path:
@@ -116,7 +123,7 @@ def broker_with_two_connection_slots(broker_factory: Callable[..., Broker], **se
         return path
 
     broker.write_config = with_max_connections  # type: ignore[method-assign]
-    return broker.start()
+    return broker
 
 
 def assert_the_listener_still_serves(broker: Broker) -> None:
@@ -366,3 +373,140 @@ def test_a_connection_dropped_while_a_qos2_publish_awaits_its_pubrel_ends_at_onc
     assert watcher.wait_for(lambda got: any(m.payload == b"gone" for m in got), timeout=CLOSE_GRACE / 2), (
         "the will came only after CLOSE_GRACE: the connection's end waited for the QoS 2 handler"
     )
+
+
+BACKEND_AUTH = '''
+import asyncio
+
+from amqtt.plugins.base import BaseAuthPlugin
+
+
+class BackendAuth(BaseAuthPlugin):
+    """User "remote" is checked by an authentication service at 127.0.0.1:{port}, where nothing
+    listens: the check raises ConnectionRefusedError. User "held" is checked by the service at
+    127.0.0.1:{service}, which answers nothing until it resets the connection: the check raises
+    ConnectionResetError then. User "buggy" meets the plugin's own bug (RuntimeError). User
+    "refused" is refused (False). Any other user passes."""
+
+    async def authenticate(self, *, session):
+        if session.username == "remote":
+            _, writer = await asyncio.open_connection("127.0.0.1", {port})
+            writer.close()
+        if session.username == "held":
+            reader, writer = await asyncio.open_connection("127.0.0.1", {service})
+            await asyncio.wait_for(reader.read(1), 60)
+            writer.close()
+        if session.username == "buggy":
+            raise RuntimeError("the plugin's own bug")
+        return session.username != "refused"
+'''
+
+
+@contextlib.contextmanager
+def backend_auth_broker(
+    broker_factory: Callable[..., Broker], tmp_path: Path, **settings: Any
+) -> Iterator[tuple[Broker, socket.socket]]:
+    """A broker (not started) with BackendAuth, and the listening socket of its "held" user's
+    service; the port of its "remote" user's service is held (bound, not listening) for the block,
+    so its connections are refused and nothing else may listen there meanwhile."""
+    with socket.socket() as unreachable, socket.create_server((HOST, 0)) as service:
+        unreachable.bind((HOST, 0))
+        code = BACKEND_AUTH.format(port=unreachable.getsockname()[1], service=service.getsockname()[1])
+        (tmp_path / "backend_auth.py").write_text(code)
+        broker = broker_factory(start=False, **settings)
+        broker.pythonpath.append(str(tmp_path))
+        broker.extra_plugins["backend_auth.BackendAuth"] = {}
+        yield broker, service
+
+
+@pytest.mark.parametrize(("username", "error"), [("remote", "ConnectionRefusedError"), ("buggy", "RuntimeError")])
+def test_a_connect_whose_credentials_cannot_be_checked_gets_connack_3_and_frees_its_connection_slot(
+    broker_factory: Callable[..., Broker], tmp_path: Path, username: str, error: str
+) -> None:
+    """docs/guarantees.md (amqtt fixes): a CONNECT whose credentials cannot be checked (an auth
+    plugin raises: an OSError, its service refuses its connection; or its own bug) gets CONNACK 3
+    (server unavailable), the error logged as an ERROR naming it, with its traceback, not as 'the
+    connection ended while its CONNECT was refused' (that OSError alone is a refused CONNECT's
+    close). It escaped amqtt's handler: an "Unhandled exception" traceback, the connection's place
+    among its listener's max_connections never given back, and two of them made a listener of two
+    places refuse everyone. Durable CONNECTs (checked as they are read) and a clean one (checked
+    before its client id's turn)."""
+    with backend_auth_broker(broker_factory, tmp_path) as (broker, _):
+        with_two_connection_slots(broker).start()
+        for round_ in range(3):
+            with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+                sock.sendall(connect_packet(f"{username}-{round_}", clean=round_ == 1, username=username))
+                got = read_until_closed(sock, WAIT)
+                assert got is not None, f"CONNECT {round_ + 1}: not closed (its listener has no place left?)"
+                assert got == b"\x20\x02\x00\x03", f"CONNECT {round_ + 1}: a CONNECT whose check failed got {got!r}"
+        assert_the_listener_still_serves(broker)
+    log = broker.log()
+    refused = r"ERROR amqtt_durable: CONNECT of client id '[\w-]+' by user '\w+' refused \(CONNACK 3\): "
+    failed = re.findall(refused + r"its credentials could not be checked: (\w+)\(.*\)\nTraceback ", log)
+    assert failed == [error] * 3, log[-5000:]
+    assert "ended while its CONNECT was refused" not in log, log[-5000:]
+    assert "Unhandled exception" not in log, log[-5000:]
+
+
+def logged(broker: Broker, needle: str, *, times: int) -> None:
+    """Returns once the broker's log holds ``needle`` ``times`` times (bounded by WAIT)."""
+    assert broker.wait_until(lambda: broker.log().count(needle) >= times, WAIT), broker.log()[-5000:]
+
+
+def test_an_error_of_a_connects_check_after_its_connect_timeout_is_named_and_frees_its_connection_slot(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """docs/guarantees.md (amqtt fixes): an auth plugin's OSError raised after its connection was
+    closed at connect_timeout (its service reset the connection it waited on) is logged as the ERROR
+    it is, with its traceback: it was taken for a refused CONNECT's close (a WARNING 'the connection
+    ended while its CONNECT was refused', no traceback), as the connection was already closed. The
+    connection's place among its listener's max_connections is given back (3 rounds, 2 places)."""
+    with backend_auth_broker(broker_factory, tmp_path, connect_timeout=3) as (broker, service):
+        with_two_connection_slots(broker).start()
+        service.settimeout(WAIT)
+        for round_ in range(3):
+            with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+                sock.sendall(connect_packet(f"held-{round_}", clean=False, username="held"))
+                checking, _ = service.accept()
+                with checking:
+                    logged(broker, "no complete CONNECT within connect_timeout", times=round_ + 1)
+                    assert read_until_closed(sock, WAIT) == b"", "closed at connect_timeout, without a CONNACK"
+                    checking.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed: reset
+            logged(broker, "the handling of a CONNECT from", times=round_ + 1)
+        assert_the_listener_still_serves(broker)
+    log = broker.log()
+    failed = re.findall(r"ERROR amqtt_durable: the handling of a CONNECT from \S+ failed: (\w+)\(.*\)\nTraceback ", log)
+    assert failed == ["ConnectionResetError"] * 3, log[-5000:]
+    assert "ended while its CONNECT was refused" not in log, log[-5000:]
+    assert "Unhandled exception" not in log, log[-5000:]
+
+
+def test_a_connect_refused_with_a_connack_from_a_client_gone_at_once_frees_its_slot_without_an_error(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """A client that sends its CONNECT and closes at once (a plain close): the broker's close after
+    its CONNACK refusal (write_eof on a connection its peer reset as the CONNACK came) raises a plain
+    OSError (ENOTCONN), not a ConnectionError, and it was logged as an ERROR 'the handling of a
+    CONNECT from ... failed' with its traceback. amqtt's CONNACK 4 (a password without a username),
+    an auth plugin's refusal (CONNACK 5) and its bug (CONNACK 3), 3 rounds on a listener of 2 places."""
+    password_without_username = mqtt_packet(
+        0x10, mqtt_string("MQTT") + bytes((4, 0x40 | 0x02, 0, 60)) + mqtt_string("no-user") + mqtt_string("secret")
+    )
+    connects = [
+        password_without_username,
+        connect_packet("refused", clean=False, username="refused"),
+        connect_packet("buggy", clean=False, username="buggy"),
+    ]
+    with backend_auth_broker(broker_factory, tmp_path) as (broker, _):
+        with_two_connection_slots(broker).start()
+        for round_ in range(3):
+            for number, connect in enumerate(connects, start=1):
+                with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+                    sock.sendall(connect)
+                logged(broker, "Failed to initialize client session", times=round_ * len(connects) + number)
+        assert_the_listener_still_serves(broker)
+    log = broker.log()
+    assert log.count("refused (CONNACK 5): authentication failed") == 3, log[-5000:]
+    assert log.count("refused (CONNACK 3): its credentials could not be checked") == 3, log[-5000:]
+    assert "the handling of a CONNECT from" not in log, log[-5000:]
+    assert "Unhandled exception" not in log, log[-5000:]

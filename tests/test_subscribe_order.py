@@ -327,6 +327,29 @@ def test_a_qos2_publish_whose_pubrel_comes_during_the_take_over_wait_is_delivere
         assert watcher.wait_for(lambda got: any(m.topic == "q2/a" for m in got), timeout=WAIT), reader.log()[-3000:]
 
 
+@pytest.mark.parametrize("qos", [1, 2])
+def test_a_connection_shut_right_after_its_subscribe_is_closed_without_waiting_for_a_retained_ack(
+    reader: Broker, clients: Callable[..., Client], qos: int
+) -> None:
+    """A clean client SUBSCRIBEs to # with a QoS ``qos`` retained message stored and shuts its
+    socket for writing in the same breath (it can send no PUBACK or PUBREC any more): it gets the
+    SUBACK and the retained message, then the close, at once. The connection's end stopped waiting
+    for the acks of what had been sent before its message loop applied the SUBSCRIBE; the retained
+    message's, sent after, was waited for until the end's 5-second bound."""
+    publisher = clients(reader.port, "ret-pub", clean_session=True)
+    publisher.publish("r/1", [b"kept"], qos=qos, retain=True)
+    with raw_connect(reader.port, "ret-dev", clean=True) as sock:
+        sock.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("#") + bytes((qos,))))
+        sock.shutdown(socket.SHUT_WR)
+        started = time.monotonic()
+        got: list[tuple[int, int]] = []
+        while not closed_at_packet(sock, got):  # bounded by the socket's timeout (WAIT)
+            assert len(got) <= 2, got
+        took = time.monotonic() - started
+    assert got == [(SUBACK, 1), (PUBLISH, 0)], got
+    assert took < 4.0, f"closed {took:.2f} s after the SUBSCRIBE (the bound: 5 s)"
+
+
 def test_broker_stops_at_once_with_connections_waiting_for_a_retained_puback(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:

@@ -22,7 +22,7 @@ from small_disk import fill, small_disk
 from test_hostile_amqtt_sessions import PROBE_PLUGIN, StuckWebsocket, amqtt_table
 from test_hostile_wire import read_until_closed
 from test_recovery_and_crash import EXPIRED_TOPIC
-from test_subscribe_order import stuck_on_big_retained_messages, subscribe
+from test_subscribe_order import acknowledged, stuck_on_big_retained_messages, subscribe
 from websockets.frames import Frame, Opcode
 
 from amqtt_durable.process import free_port
@@ -407,6 +407,14 @@ def test_a_take_over_delivers_what_the_older_connection_published_and_got_acknow
     assert_delivered(watchers, [b"s1", b"c1", b"c2", b"c3"])
 
 
+def seconds_to_connack(sock: socket.socket, client_id: str, *, clean: bool) -> float:
+    """Seconds from sending a CONNECT of ``client_id`` on ``sock`` to its CONNACK (accepted)."""
+    started = time.monotonic()
+    sock.sendall(connect_packet(client_id, clean=clean))
+    assert read_exactly(sock, 4) == CONNACK_ACCEPTED
+    return time.monotonic() - started
+
+
 @pytest.mark.parametrize("new_clean", [True, False], ids=["clean", "durable"])
 def test_a_take_over_of_a_connection_stuck_on_what_it_published_is_connacked_within_5_s(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, new_clean: bool
@@ -422,10 +430,7 @@ def test_a_take_over_of_a_connection_stuck_on_what_it_published_is_connacked_wit
         published_behind_a_slow_check(broker, tmp_path, clean=True),
         socket.create_connection((HOST, broker.port), timeout=WAIT) as new,
     ):
-        started = time.monotonic()
-        new.sendall(connect_packet("pub", clean=new_clean))
-        assert read_exactly(new, 4) == CONNACK_ACCEPTED
-        took = time.monotonic() - started
+        took = seconds_to_connack(new, "pub", clean=new_clean)
         (tmp_path / "gate").write_text("1")
     assert took < 8.5, f"the take-over's CONNACK took {took:.2f} s (documented: at most 5 s)"
 
@@ -926,3 +931,71 @@ def test_an_ack_read_with_a_websocket_close_frame_counts(
         publisher.publish("wa/t", [b"later"], qos=qos)
         first, body = read_packet(again)
         assert first >> 4 == 3 and not first & 0x08 and body.endswith(b"later"), (first, body)
+
+
+@pytest.mark.parametrize("new_clean", [True, False], ids=["new-clean", "new-durable"])
+def test_a_take_over_of_a_half_closed_connection_whose_client_reads_nothing_is_connacked_at_once(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, new_clean: bool
+) -> None:
+    """MQTT-3.1.4-2, docs/guarantees.md, Take-over: "half" (clean) subscribed to big/# (QoS 0); it
+    published "s1" (its message loop stuck on that check, nothing behind it), was sent 10 MB it
+    never reads (the sockets' buffers are full; a later message to the watcher shows all were
+    handed to "half"'s connection), then shut its socket for writing (the broker's TCP acknowledged
+    the FIN). A newer CONNECT of "half" is answered at once: the take-over waits for what the older
+    connection's reader read only until that reader has handled its EOF, not for its whole shutdown
+    (its close waits for the full socket to drain, until the socket is aborted: the CONNACK came
+    5 s later, at the bound)."""
+    broker = slow_check_broker(broker_factory, tmp_path)
+    watcher = clients(broker.port, "clean-watcher", clean_session=True)  # "s1"'s check needs a subscriber
+    assert watcher.subscribe("slow/#", 1) == [1]
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    with socket.socket() as half:
+        half.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few KiB
+        half.settimeout(WAIT)
+        half.connect((HOST, broker.port))
+        half.sendall(connect_packet("half", clean=True))
+        assert read_exactly(half, 4) == CONNACK_ACCEPTED
+        assert raw_subscribe(half, "big/#", 0) == 0
+        half.sendall(mqtt_packet(0x32, mqtt_string("slow/1") + b"\x00\x01" + b"s1"))
+        assert read_packet(half) == (0x40, b"\x00\x01")
+        assert broker.wait_until((tmp_path / "entered").exists, WAIT), broker.log()[-2000:]
+        publisher.publish("big/x", [bytes(200_000)] * 50, qos=1)
+        publisher.publish("slow/end", [b"end"], qos=1)  # one broadcast queue: big/x's went to "half" first
+        assert watcher.wait_for(lambda ms: any(m.topic == "slow/end" for m in ms)), broker.log()[-2000:]
+        half.shutdown(socket.SHUT_WR)
+        assert acknowledged(broker, half), "the broker's TCP did not acknowledge the FIN"
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as newer:
+            took = seconds_to_connack(newer, "half", clean=new_clean)
+        (tmp_path / "gate").write_text("1")
+    assert took < 4.0, f"the take-over's CONNACK took {took:.2f} s (the bound: 5 s)"
+
+
+def test_a_durable_take_over_of_a_clean_connection_being_sent_messages_gets_its_connack_first(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """MQTT-3.2.0-1: the first packet the server sends is CONNACK. A clean connection of "dev" is
+    subscribed to big/# (QoS 0) and reads nothing while 10 MB are published there; a durable CONNECT
+    of "dev" takes it over (amqtt's take-over, which keeps the Session). The messages published
+    while the take-over went on were sent on the newer connection before its CONNACK (amqtt's
+    broadcast finds the Session's connection in its table, where the newer one is from the
+    take-over on): they belong to the older connection's clean session, ended with it, and the
+    newer one does not get them at all (8 rounds: the window is a few loop passes)."""
+    broker = broker_factory()
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    for round_ in range(8):
+        with socket.socket() as older:
+            older.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few KiB
+            older.settimeout(WAIT)
+            older.connect((HOST, broker.port))
+            older.sendall(connect_packet(f"dev-{round_}", clean=True))
+            assert read_exactly(older, 4) == CONNACK_ACCEPTED
+            assert raw_subscribe(older, "big/#", 0) == 0
+            for _ in range(50):  # not waited for: they are routed as the take-over goes on
+                publisher.paho.publish("big/x", bytes(200_000), qos=0)
+            with raw_connect(broker.port, f"dev-{round_}", clean=False) as newer:  # asserts the CONNACK first
+                newer.sendall(mqtt_packet(0x82, b"\x00\x02" + mqtt_string("end/#") + b"\x00"))
+                assert read_packet(newer) == (0x90, b"\x00\x02\x00"), "its SUBACK next, nothing of big/#"
+                publisher.publish("big/x", [b"late"], qos=1)
+                publisher.publish("end/x", [b"end"], qos=1)
+                got = read_packet(newer)
+            assert got == (0x30, mqtt_string("end/x") + b"end"), got

@@ -153,7 +153,7 @@ from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapte
 from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
 from amqtt.contexts import Action, ListenerType
-from amqtt.errors import AMQTTError, MQTTError, ZeroLengthReadError
+from amqtt.errors import AMQTTError, MQTTError, NoDataError, ZeroLengthReadError
 from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
 from amqtt.mqtt import subscribe as amqtt_subscribe
@@ -546,7 +546,8 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     for a CONNECT that is accepted. A refusal sends CONNACK 5 (CONNACK 3 while the store cannot
     write and the CONNECT needs a write, or when it would create a durable session past
     ``max_durable_sessions``, once its owner, will topic and credentials passed: a wrong password
-    gets 5 then too, and tells nothing of the store) and raises MQTTError. A CONNECT that would
+    gets 5 then too, and tells nothing of the store; CONNACK 3 too when its credentials could not be
+    checked, ``_credentials_pass``) and raises MQTTError. A CONNECT that would
     create a durable session is authenticated here (amqtt is told, ``_authenticated``), so one whose
     credentials are slow to check or fail holds no place meanwhile: the place is reserved after
     the last await. One whose connection was closed at ``connect_timeout`` meanwhile raises
@@ -562,7 +563,7 @@ async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: An
     await _check_will_topic(broker, session, writer, plugins_manager)
     taken_over = session.client_id in broker._sessions
     checked = taken_over or unwritable is not None or durable_new
-    authentic = not checked or await plugin.hooks.check_credentials(session)
+    authentic = not checked or await _credentials_pass(plugin, session, writer, plugins_manager)
     if _timed_out(writer):  # after the last await: nothing of a CONNECT closed at connect_timeout is acted on
         raise MQTTError(f"CONNECT of {session.client_id!r}: closed at connect_timeout while it was checked")
     if not authentic:
@@ -607,7 +608,7 @@ async def _take_connect_turn(
     if deadline is not None:
         deadline.cancel()
     if not checked:
-        if not await plugin.hooks.check_credentials(session):
+        if not await _credentials_pass(plugin, session, writer, plugins_manager):
             await _refuse_unauthentic(session, writer, plugins_manager)
         _authenticated(session)
     if plugin.connect_turns.busy(session.client_id):
@@ -625,6 +626,28 @@ async def _take_connect_turn(
         await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
         raise MQTTError(f"CONNECT of {session.client_id!r}: its turn did not come within connect_timeout") from None
     await _check_owner(plugin, session, writer, plugins_manager, " (its session was created while it waited its turn)")
+
+
+async def _credentials_pass(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> bool:
+    """Whether a CONNECT's credentials pass the auth plugins (``check_credentials``). A check that
+    raises (an auth plugin that cannot reach its service, or its own bug) gets CONNACK 3 (server
+    unavailable): nothing of amqtt's was touched yet. The error is logged as an ERROR naming it,
+    with its traceback, and MQTTError raised. Once the connection was closed at connect_timeout
+    the error is raised as it is (no CONNACK: initialize_client_session logs it)."""
+    try:
+        return await plugin.hooks.check_credentials(session)
+    except Exception as exc:
+        if _timed_out(writer):
+            raise
+        log.error(
+            "CONNECT of client id %r by user %r refused (CONNACK 3): its credentials could not be checked: %r",
+            session.client_id,
+            session.username,
+            exc,
+            exc_info=exc,
+        )
+        await _refuse_read_connect(writer, plugins_manager, SERVER_UNAVAILABLE)
+        raise MQTTError(f"CONNECT of {session.client_id!r}: its credentials could not be checked: {exc!r}") from None
 
 
 _VERIFIED: contextvars.ContextVar[tuple[str, str | None, str | None] | None] = contextvars.ContextVar(
@@ -679,6 +702,21 @@ async def _check_will_topic(broker: Any, session: Any, writer: Any, plugins_mana
         raise MQTTError(f"CONNECT of {session.client_id!r}: will topic not allowed")
 
 
+def _raised_in_close(exc: BaseException, writer: Any) -> bool:
+    """Whether ``exc`` was raised in the close of ``writer``'s TCP connection (``StreamWriterAdapter.close``,
+    not another's, as a take-over's): amqtt's close after the CONNACK refusing a CONNECT (2, 4) raises
+    a plain OSError (ENOTCONN, not a ConnectionError) when the client closed at once and its reset
+    came meanwhile; no MQTTError is its context, as amqtt's CONNACK refusals are not made in its
+    ``except MQTTError``."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code is StreamWriterAdapter.close.__code__ and frame.f_locals.get("self") is writer:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _timed_out(writer: Any) -> bool:
     """Whether this connection was closed at ``connect_timeout`` (``end_silent``): its CONNECT, read
     or being checked, gets no CONNACK and nothing of it is acted on."""
@@ -706,7 +744,8 @@ def _warn_session_limit(engine: DurableEngine, client_id: str) -> None:
 async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: int = NOT_AUTHORIZED) -> None:
     """CONNACK 5 (or ``return_code``) to a CONNECT just read, then close: nothing of amqtt's has been touched.
 
-    A client gone meanwhile (reset) makes the write fail: its socket is closed and MQTTError
+    A client gone meanwhile (reset; over a websocket, closed) makes the write or the close fail
+    (the close with a plain OSError, ENOTCONN, not a ConnectionError): its socket is closed and MQTTError
     raised, which amqtt's caller handles by freeing the listener's connection slot (an
     OSError would escape it and hold the slot and the socket)."""
     connack = ConnackPacket.build(0, return_code)
@@ -714,7 +753,7 @@ async def _refuse_read_connect(writer: Any, plugins_manager: Any, return_code: i
         await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
         await connack.to_stream(writer)
         await writer.close()
-    except ConnectionError as exc:
+    except (ConnectionClosed, OSError) as exc:  # its close: write_eof on a reset connection raises ENOTCONN
         await close_socket(writer)
         raise MQTTError(f"the connection from {_peer(writer)} ended while its CONNECT was refused: {exc!r}") from None
 
@@ -1722,21 +1761,29 @@ class AmqttHooks:
         writer.durable_connect_deadline = deadline  # cancelled once its checks passed (_take_connect_turn)
         try:
             handler, session = await self._original_initialize(reader, writer, *args)
-        except OSError as exc:
-            # amqtt closes a connection whose CONNECT it refused (drain, write_eof); a peer that reset
-            # it meanwhile makes that close raise, which amqtt does not catch: an "Unhandled exception"
-            # traceback, and the connection's place among its listener's max_connections never given
-            # back. As an MQTTError amqtt logs one line and gives the place back (client_connected closes it).
-            # Only that close: StreamWriterAdapter.close marks the writer closed before it drains; an
-            # OSError anywhere else (the store, a take-over's writes) is not a refused CONNECT's.
-            if not getattr(writer, "is_closed", False):
-                raise
-            raise MQTTError(f"the connection ended while its CONNECT was refused: {exc!r}") from None
+        except (AMQTTError, MQTTError, NoDataError):
+            raise  # amqtt's own: its caller logs one line and gives the connection's place back
+        except Exception as exc:
+            # Anything else escaped amqtt's caller: an "Unhandled exception" traceback, and the
+            # connection's place among its listener's max_connections never given back (a listener
+            # refused everyone after max_connections of them). As an MQTTError amqtt logs one line
+            # and gives the place back (client_connected closes the connection). amqtt closes a
+            # connection whose CONNECT it refused (drain, write_eof) in its ``except MQTTError``: a
+            # peer that reset it meanwhile makes that close raise an OSError whose context is that
+            # MQTTError, named so, as is one raised by amqtt's close of this connection after its own
+            # CONNACK refusal (2, 4) in init_from_connect (_raised_in_close). Any other error (an auth
+            # plugin's raised once its connection was closed at connect_timeout, _credentials_pass; a
+            # take-over's) is logged as what it is, with its traceback.
+            if isinstance(exc, OSError) and (isinstance(exc.__context__, MQTTError) or _raised_in_close(exc, writer)):
+                raise MQTTError(f"the connection ended while its CONNECT was refused: {exc!r}") from None
+            log.error("the handling of a CONNECT from %s failed: %r", _peer(writer), exc, exc_info=exc)
+            raise MQTTError(f"the handling of its CONNECT failed: {exc!r}") from None
         finally:
             deadline.cancel()
         _CONNECTING.set(handler)  # until its CONNACK: amqtt may take a live connection of the client id over
         reader.durable_client_id = session.client_id  # for the decoder checks' log lines
         session.clean_session = handler.connect_clean_session
+        handler.durable_connack_sent = False  # until its CONNACK accepted it: no broadcast (run_broadcast)
         handler.durable_transport = HandlerTransport(handler)
         handler.durable_acks = OrderedAcks(handler.durable_transport, session.client_id)
         handler.durable_control = _control_channel(self.broker, self.engine, handler, session)
@@ -1981,7 +2028,12 @@ class AmqttHooks:
 
     async def run_broadcast(self, running_tasks: deque[asyncio.Task[Any]]) -> None:
         # amqtt 0.12.1's _run_broadcast, step for step, but over the matching filters only, and its
-        # sends bounded per connection (CleanSends) instead of appended to ``running_tasks``.
+        # sends bounded per connection (CleanSends) instead of appended to ``running_tasks``; and
+        # none to a connection whose CONNACK is not written yet (MQTT-3.2.0-1: CONNACK comes first).
+        # amqtt's take-over puts the newer connection in its table before its CONNACK, and the
+        # messages of the older connection's clean session went to it first: that session ended
+        # with the older connection (a durable CONNECT's session holds none of its filters, and a
+        # clean CONNECT's new Session none before it SUBSCRIBEs).
         broadcast = await self.broker._broadcast_queue.get()
         topic = broadcast["topic"]
         if topic is None:
@@ -2000,7 +2052,7 @@ class AmqttHooks:
                     await self.broker._retain_broadcast_message(broadcast, qos, target)
                     continue
                 handler = self.broker._get_handler(target) if connected else None
-                if handler:
+                if handler and getattr(handler, "durable_connack_sent", False):  # create_offline_session sets none
                     self.clean_sends.send(handler, target.client_id, topic, data, qos)
 
     async def publish_retained_for_subscription(self, subscription: tuple[str, int], session: Any) -> None:
@@ -2393,6 +2445,7 @@ async def _send_connack(
     nothing) and its end starts the session's expiry clock; amqtt forgets a clean one's Session."""
     try:
         await original_connack(authorize)
+        handler.durable_connack_sent = authorize
     except (ConnectionClosed, OSError) as exc:
         log.debug("%s: the connection closed before its CONNACK: %r", session.client_id, exc)
         handler.writer.is_closed = True  # HandlerTransport.closed: nothing more is written to it
@@ -2509,13 +2562,13 @@ def _connected_for_its_connack(session: Any, authorize: bool) -> None:
 
 async def take_over(handler: Any) -> None:
     """End the connection of a client id a newer CONNECT takes over (MQTT-3.1.4-2), as amqtt's own
-    take-over does (``durable_taken_over``: its end waits for the reader, see
+    take-over does (the handler's ``durable_ended_by_take_over``: its end waits for the reader, see
     ``_applied_with_what_was_read``): its message loop sees it closed and runs amqtt's disconnect, whose will is
     published unless the connection sent DISCONNECT before it was closed (MQTT-3.14.4-3: read
     while the take-over waited for its SUBSCRIBEs and UNSUBSCRIBEs, it discards the will, as on
     amqtt's take-over; a clean CONNECT's published it); it is let go once those are applied
     (``durable_let_go``: a websocket aborted, not waited for)."""
-    handler.durable_taken_over = True
+    handler.durable_ended_by_take_over = True
     await handler.handle_connection_closed()
     await handler.durable_let_go()
 
@@ -2681,8 +2734,9 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     (``_stop_outgoing_waiters``; a clean session's loop sends the retained messages of a
     SUBSCRIBE, each in its own task, and waits up to 5 s for the QoS 1 ones' PUBACKs: a
     take-over's CONNACK, a broker's shutdown waited for them; the SUBSCRIBE then counts as applied
-    at once. A later SUBSCRIBE's retained messages get new waiters, which are waited for, within
-    the bound).
+    at once. The waiters of what is sent after, a later SUBSCRIBE's retained messages, are
+    cancelled as they are added, ``_CancelledAsAdded``: nothing sent after that ``stop()`` is
+    waited for).
     The same wait covers what the client published (``PublishedMessages``: the loop hands it to
     the broker, a QoS 2 message released by a PUBREL read with the DISCONNECT among them).
     When a wait runs out, the queue is closed: what still waits is dropped (WARNING with the exact
@@ -2747,15 +2801,17 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
 
 
 def _mark_a_take_over(handler: Any) -> None:
-    """``durable_taken_over``: the connection's end is a take-over (``_applied_with_what_was_read``),
-    set before its message loop learns of the end. ``take_over`` sets it; amqtt's own take-over
-    calls ``handle_connection_closed`` in the newer CONNECT's task (``_CONNECTING``), then ``stop()``."""
-    handler.durable_taken_over = False
+    """The handler's ``durable_ended_by_take_over``: its connection's end is a take-over
+    (``_applied_with_what_was_read``), set before its message loop learns of the end (not the
+    ``_TAKEN_OVER`` context variable of the newer CONNECT's task). ``take_over`` sets it; amqtt's own
+    take-over calls ``handle_connection_closed`` in the newer CONNECT's task (``_CONNECTING``), then
+    ``stop()``."""
+    handler.durable_ended_by_take_over = False
     original_closed = handler.handle_connection_closed
 
     def handle_connection_closed() -> Awaitable[None]:
         if _CONNECTING.get() not in (None, handler):
-            handler.durable_taken_over = True
+            handler.durable_ended_by_take_over = True
         return original_closed()  # type: ignore[no-any-return]
 
     handler.handle_connection_closed = handle_connection_closed
@@ -2763,8 +2819,8 @@ def _mark_a_take_over(handler: Any) -> None:
 
 async def _applied_with_what_was_read(handler: Any, changes: SubscriptionChanges[Any]) -> None:
     """Waits until every change queued has been applied and, on a take-over
-    (``durable_taken_over``), every change in what the broker had read from the socket as that
-    wait ended (``_reader_handles_what_was_read``), then until those are applied too. A reader
+    (``durable_ended_by_take_over``), every change in what the broker had read from the socket as
+    that wait ended (``_reader_handles_what_was_read``), then until those are applied too. A reader
     hands a packet over a loop pass or more after the transport read it (amqtt's, a ``wait_for``
     task per packet: of a hundred UNSUBSCRIBEs read in one go, the first alone, or none, was queued
     as the take-over came); the queue, empty before the next was queued, counted as drained, the
@@ -2772,7 +2828,7 @@ async def _applied_with_what_was_read(handler: Any, changes: SubscriptionChanges
     applied nor acknowledged. The caller bounds the wait (the end's deadline). A websocket
     connection's reader is not waited for (what websockets holds is not handed over)."""
     await changes.drained()
-    if handler.durable_taken_over and not _reader_caught_up(handler):
+    if handler.durable_ended_by_take_over and not _reader_caught_up(handler):
         await _reader_handles_what_was_read(handler)
         await changes.drained()
 
@@ -2780,19 +2836,24 @@ async def _applied_with_what_was_read(handler: Any, changes: SubscriptionChanges
 def _reader_caught_up(handler: Any) -> bool:
     """True unless the connection's reader, reading a TCP stream, holds bytes the transport read
     that it has not handled: it is then neither ended nor waiting for more (the stream's waiter is
-    gone as soon as bytes come, before the reader goes on)."""
+    gone as soon as bytes come, before the reader goes on). A reader whose loop has ended
+    (``_reader_stopped``: at its EOF, or on an error) has handed over all it will, though its task
+    goes on with the connection's ``stop()``."""
     task = handler._reader_task
     reader = handler.reader
     if task is None or task.done() or task is asyncio.current_task() or not isinstance(reader, StreamReaderAdapter):
         return True
-    return reader._reader._waiter is not None
+    return reader._reader._waiter is not None or handler._reader_stopped.is_set()
 
 
 async def _reader_handles_what_was_read(handler: Any) -> None:
     """Waits until the connection's reader has handled what its stream holds: the transport reads
     nothing more from the socket meanwhile (a client sending on and on would keep the reader busy),
     then reads on (the reader goes on while the take-over waits: a DISCONNECT, a PUBREL read then
-    count). The reader is done once it waits for bytes not yet read, or ends; the stream's own
+    count). The reader is done once it waits for bytes not yet read, or its loop has ended
+    (``_reader_stopped``, set before its task goes on with the connection's ``stop()``: that of a
+    half-closed client that reads nothing waits for its full socket to drain, and the take-over's
+    CONNACK waited with it, until the 5 s bound), or its task ends; the stream's own
     ``_wait_for_data`` is wrapped, once, to say so."""
     stream = handler.reader._reader
     waiting: list[asyncio.Future[None]] | None = getattr(stream, "durable_waiting", None)
@@ -2814,9 +2875,11 @@ async def _reader_handles_what_was_read(handler: Any) -> None:
     paused = transport is not None and transport.is_reading()  # not when the stream paused it (full)
     if paused:
         transport.pause_reading()
+    stopped = asyncio.ensure_future(handler._reader_stopped.wait())
     try:
-        await asyncio.wait({future, handler._reader_task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({future, stopped, handler._reader_task}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        stopped.cancel()
         if paused:
             transport.resume_reading()
 
@@ -3168,14 +3231,29 @@ async def _deliver_late(broker: Any, handler: Any, message: Any) -> None:
         log.warning("%s: a message it published was not delivered: %r", handler.session.client_id, exc)
 
 
+class _CancelledAsAdded(dict[int, "asyncio.Future[Any]"]):
+    """A handler's waiters for the acks of one kind once its connection's end stopped waiting for
+    them (``_stop_outgoing_waiters``): one amqtt adds after is cancelled as it is added."""
+
+    def __setitem__(self, packet_id: int, waiter: asyncio.Future[Any]) -> None:
+        super().__setitem__(packet_id, waiter)
+        waiter.cancel()
+
+
 def _stop_outgoing_waiters(handler: Any) -> None:
     """Cancels the handler's waits for the PUBACKs, PUBRECs and PUBCOMPs of what it sent, as
-    amqtt 0.12.1's ``_stop_waiters`` does. Nothing waits for the PUBRELs of the client's own QoS 2
-    PUBLISHes (``_await_pubrel``): a PUBREL read while the connection's end waits for its changes
-    still gets the message delivered (``_pubrel_handler``)."""
-    for waiters in (handler._puback_waiters, handler._pubrec_waiters, handler._pubcomp_waiters):
+    amqtt 0.12.1's ``_stop_waiters`` does, and of what it sends after (``_CancelledAsAdded``): a
+    clean client that shut its socket right after its SUBSCRIBE had the retained QoS 1 or 2
+    message its message loop sent while the end waited for that SUBSCRIBE waited for (amqtt's
+    5 s for a PUBACK), and the close with it, until the end's bound (5 s). Nothing waits for the
+    PUBRELs of the client's own QoS 2 PUBLISHes (``_await_pubrel``): a PUBREL read while the
+    connection's end waits for its changes still gets the message delivered (``_pubrel_handler``)."""
+    for name in ("_puback_waiters", "_pubrec_waiters", "_pubcomp_waiters"):
+        waiters = getattr(handler, name)
         for waiter in waiters.values():
             waiter.cancel()
+        if not isinstance(waiters, _CancelledAsAdded):
+            setattr(handler, name, _CancelledAsAdded(waiters))
 
 
 async def _nothing() -> None:
