@@ -14,7 +14,7 @@ import pytest
 from replication_helpers import HOST, bounded, following, new_backup
 from test_ha_brokers import BACKUP, SERVING, address, node, start, wait_status
 
-from amqtt_durable.replication.backup import REFUSAL_LOG_EVERY, _RepeatedLine
+from amqtt_durable.replication.backup import REFUSAL_LOG_EVERY, Backup, _RepeatedLine
 from amqtt_durable.replication.framing import NOT_PRIMARY, Frame, encode_frame
 from conftest import WAIT, Broker, free_port, run_cli
 
@@ -87,29 +87,7 @@ def test_a_node_that_closes_the_hello_without_a_word_is_logged_once_too(
     closed it before answering (is it the primary?), at WARNING once, then DEBUG while it goes on."""
     caplog.set_level(logging.DEBUG, logger="amqtt_durable.replication")
 
-    async def main() -> None:
-        tries = 0
-        tried = asyncio.Condition()
-
-        async def close_silently(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            nonlocal tries
-            await reader.read(1)  # the HELLO's first byte: then closed, as an earlier backup's tools do
-            writer.close()
-            async with tried:
-                tries += 1
-                tried.notify_all()
-
-        server = await asyncio.start_server(close_silently, HOST, 0)
-        backup = new_backup(tmp_path, "b")
-        try:
-            async with following(backup, server.sockets[0].getsockname()[1]), tried:
-                await bounded(tried.wait_for(lambda: tries >= RETRIES + 1), WAIT)
-        finally:
-            server.close()
-            await server.wait_closed()
-            backup.db.close()
-
-    asyncio.run(main())
+    asyncio.run(answer_hellos(tmp_path, b"", RETRIES + 1))
     closed = [r for r in caplog.records if "closed the channel before answering the HELLO" in r.getMessage()]
     assert [r.levelno for r in closed][:1] == [logging.WARNING], closed
     assert sum(r.levelno == logging.WARNING for r in closed) == 1, [r.getMessage() for r in closed]
@@ -135,31 +113,36 @@ def test_a_backup_caught_up_with_a_primary_since_demoted_stays_caught_up_while_i
     (the fleet's partition: no failover)."""
     reason = f"{NOT_PRIMARY}: backup p (follows no primary yet); replication.primary must name the primary's address"
 
-    async def main() -> bool:
-        tries = 0
-        tried = asyncio.Condition()
+    backup = asyncio.run(answer_hellos(tmp_path, encode_frame(Frame.ERROR, reason.encode()), RETRIES, caught_up=True))
+    assert backup.refused is not None and backup.refused.startswith(f"{NOT_PRIMARY}:"), backup.refused
+    assert backup.caught_up is True
 
-        async def refuse_as_a_backup(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            nonlocal tries
-            await reader.read(1)  # the HELLO's first byte: then answered as a backup answers it
-            writer.write(encode_frame(Frame.ERROR, reason.encode()))
-            await writer.drain()
-            writer.close()
-            async with tried:
-                tries += 1
-                tried.notify_all()
 
-        server = await asyncio.start_server(refuse_as_a_backup, HOST, 0)
-        backup = new_backup(tmp_path, "b")
-        backup.caught_up = True  # told IN_SYNC by that node while it was the primary
-        try:
-            async with following(backup, server.sockets[0].getsockname()[1]), tried:
-                await bounded(tried.wait_for(lambda: tries >= RETRIES), WAIT)
-                assert backup.refused is not None and backup.refused.startswith(f"{NOT_PRIMARY}:"), backup.refused
-                return backup.caught_up
-        finally:
-            server.close()
-            await server.wait_closed()
-            backup.db.close()
+async def answer_hellos(tmp_path: Path, answer: bytes, tries: int, caught_up: bool = False) -> Backup:
+    """A backup follows a node that reads each HELLO's first byte, sends ``answer`` (nothing: an
+    earlier version's backup; an ERROR frame: this version's) and closes, for ``tries`` tries. The
+    backup starts caught up when ``caught_up`` (told IN_SYNC by that node while it was the primary)."""
+    answered = 0
+    tried = asyncio.Condition()
 
-    assert asyncio.run(main()) is True
+    async def answer_and_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal answered
+        await reader.read(1)
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+        async with tried:
+            answered += 1
+            tried.notify_all()
+
+    server = await asyncio.start_server(answer_and_close, HOST, 0)
+    backup = new_backup(tmp_path, "b")
+    backup.caught_up = caught_up
+    try:
+        async with following(backup, server.sockets[0].getsockname()[1]), tried:
+            await bounded(tried.wait_for(lambda: answered >= tries), WAIT)
+        return backup
+    finally:
+        server.close()
+        await server.wait_closed()
+        backup.db.close()
