@@ -19,6 +19,7 @@ from amqtt_durable.replication.framing import (
     encode_batch,
     encode_frame,
     encode_ops,
+    frame_type,
     read_frame,
 )
 from amqtt_durable.replication.log import RetainedLog, plan_catch_up
@@ -89,6 +90,15 @@ def test_frames_round_trip_and_damage_is_detected() -> None:
             await read_frame(reader)
 
     asyncio.run(main())
+
+
+def test_frame_type_names_every_type_and_refuses_any_other_number() -> None:
+    for kind in Frame:
+        found = frame_type(int(kind))
+        assert found is kind and type(found) is Frame
+    for number in (0, 12, 99, 255, -1):
+        with pytest.raises(FrameError, match=f"unknown type {number}"):
+            frame_type(number)
 
 
 HEADER = Hello(store_id=5, seq=6, crc=7, name="").encode()

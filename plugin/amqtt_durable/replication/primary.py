@@ -164,7 +164,9 @@ class Primary:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._serving: set[asyncio.Task[None]] = set()
-        self._acked = asyncio.Event()
+        self._acked: asyncio.Event | None = None
+        """Set by the next acknowledgement (``_progressed``) for whoever waits (``_next_ack``); made only
+        when one waits: every ACK frame calls ``_progressed``."""
         self._closed: BaseException | None = None
         self.port = 0
         self._publish = publish_sync_set
@@ -283,7 +285,7 @@ class Primary:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within):
                 while any(link.acked_seq < head for link in self.in_sync()):
-                    await self._acked.wait()
+                    await self._next_ack().wait()
                 return
         behind = sorted(link.name for link in self.in_sync() if link.acked_seq < head)
         if not behind:
@@ -299,7 +301,7 @@ class Primary:
     async def wait_acked(self, name: str, seq: int) -> None:
         """Return once the backup called ``name`` acknowledged batch ``seq``."""
         while not any(link.name == name and link.acked_seq >= seq for link in self.links.values()):
-            await self._acked.wait()
+            await self._next_ack().wait()
 
     def hold(self, then: Shipped) -> bool:
         """Async mode: False when the batch may be acknowledged now; True when ``then`` gets the
@@ -622,10 +624,17 @@ class Primary:
             self._resolve()
             self._progressed()
 
+    def _next_ack(self) -> asyncio.Event:
+        """The event the next acknowledgement sets."""
+        if self._acked is None:
+            self._acked = asyncio.Event()
+        return self._acked
+
     def _progressed(self) -> None:
         """Wake whoever waits for acknowledgements (``wait_acked``, ``wait_shipped``)."""
-        event, self._acked = self._acked, asyncio.Event()
-        event.set()
+        event, self._acked = self._acked, None
+        if event is not None:
+            event.set()
 
     async def _send(self, writer: asyncio.StreamWriter, link: BackupLink, hello: Hello) -> None:
         plan = plan_catch_up(self.log, self.store_id, hello.store_id, hello.seq, hello.crc)
@@ -705,7 +714,7 @@ class Primary:
     async def _acked_or_beyond(self, link: BackupLink, snapshot: tuple[int, int], pos: int) -> None:
         """Return once ``link`` acknowledged the ``snapshot`` (see ``_acked``), or at the next
         acknowledgement, or once a batch after ``pos`` is in the log."""
-        waiters = {asyncio.ensure_future(self._acked.wait()), asyncio.ensure_future(self.log.wait_beyond(pos))}
+        waiters = {asyncio.ensure_future(self._next_ack().wait()), asyncio.ensure_future(self.log.wait_beyond(pos))}
         try:
             if not _acked(link, snapshot) and self.log.head_seq <= pos:
                 await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
