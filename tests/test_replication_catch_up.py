@@ -1,0 +1,122 @@
+"""replication.catch_up_timeout between real broker processes: a peer that asks for a snapshot and
+then reads nothing is disconnected once its connection took no byte for the timeout, while clients
+get their PUBACKs and the real backup stays in sync with the same store; a real backup behind a
+genuinely slow link (a rate-limited TCP relay, plain and over TLS) is caught up, never cut, even
+with a timeout shorter than each of the primary's waits to write to it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from replication_helpers import cluster_pki
+from test_ha_brokers import BACKUP, SERVING, address, node, start, static_pair, store_rows, wait_status
+
+from amqtt_durable.replication.config import TlsConfig
+from amqtt_durable.replication.framing import Frame, Hello, encode_frame
+from amqtt_durable.replication.tool import ask
+from conftest import WAIT, Broker, Client, payloads
+from durable_fleet.proxy import TcpRelay
+
+pytestmark = pytest.mark.timeout(150)
+
+BODY = 100_000
+"""Bytes of each queued message: the store of ``fill`` holds megabytes in few publishes."""
+STALLED = "took no byte for"
+"""The primary's WARNING about a backup it disconnected for replication.catch_up_timeout."""
+
+
+def fill(primary: Broker, clients: Callable[..., Client], count: int) -> None:
+    """``count`` QoS 1 publishes of BODY bytes each, acknowledged and queued for a durable subscriber."""
+    subscriber = clients(primary.port, "device")
+    subscriber.subscribe("t/#", 1)
+    subscriber.disconnect()
+    publisher = clients(primary.port, "loader", clean_session=True)
+    publisher.publish("t/big", [n.to_bytes(4, "big") * (BODY // 4) for n in range(count)])
+    publisher.disconnect()
+
+
+def stranger(replication_address: str, name: str) -> socket.socket:
+    """A peer that sends a HELLO from an empty store (so a snapshot of the store is due to it) and
+    then reads nothing: its receive buffer is small, so the primary's writes soon wait on it."""
+    host, port = replication_address.rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(WAIT)
+    sock.connect((host, int(port)))
+    sock.sendall(encode_frame(Frame.HELLO, Hello(0, 0, 0, name).encode()))
+    return sock
+
+
+def test_a_stranger_that_reads_none_of_its_snapshot_is_cut_at_catch_up_timeout_and_the_pair_goes_on(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    timeout = 2.0
+    primary, backup = static_pair(broker_factory, catch_up_timeout=timeout)
+    fill(primary, clients, 80)  # 8 MB: more than the stranger's and the primary's socket buffers take
+    thief = stranger(address(primary), "thief")
+    asked = time.monotonic()
+    try:
+        wait_status(primary, lambda s: ("thief", "snapshot") in {(row["name"], row["state"]) for row in s["backups"]})
+        publisher = clients(primary.port, "publisher", clean_session=True)
+        publisher.publish("t/a", payloads(50, "during-"))  # sync mode: each PUBACK waited for the real backup
+        assert primary.wait_until(lambda: STALLED in primary.log(), timeout + WAIT), primary.log()
+        took = time.monotonic() - asked
+        assert timeout <= took <= timeout + 10.0, took
+        line = next(line for line in primary.log().splitlines() if STALLED in line)
+        assert "WARNING" in line and f"backup thief (127.0.0.1:{thief.getsockname()[1]})" in line, line
+        assert f"{STALLED} 2 s during its snapshot, " in line and "rows sent" in line, line
+        assert "raise replication.catch_up_timeout" in line, line
+        # It no longer counts anywhere: one backup, the real one, in sync; publishes still acknowledged.
+        level = wait_status(primary, lambda s: [(b["name"], b["state"], b["lag_batches"]) for b in s["backups"]]
+                            == [("b", "in_sync", 0)])  # fmt: skip
+        publisher.publish("t/a", payloads(50, "after-"))
+    finally:
+        thief.close()
+    wait_status(primary, lambda s: s["batch"] > level["batch"] and s["backups"][0]["lag_batches"] == 0)
+    primary.kill()
+    backup.kill()
+    assert store_rows(primary) == store_rows(backup), "the backup's store is the primary's, key for key"
+
+
+def tls_context(pki: dict[str, str]) -> ssl.SSLContext:
+    return TlsConfig.from_mapping({"cert": pki["node"], "ca": pki["ca"]}, "replication.tls").context(server=False)
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_a_real_backup_on_a_slow_link_is_caught_up_and_never_cut(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Any, tls: bool
+) -> None:
+    """Each wait of the primary to write a 1 MiB chunk to the backup lasts about 2 s at 512 KB/s, longer
+    than catch_up_timeout (1 s), but the link takes bytes all along: only no byte at all counts.
+    Over TLS the TLS layer's buffer stays level for those 2 s while the socket's empties."""
+    timeout, rate = 1.0, 512_000
+    pki = cluster_pki(tmp_path)
+    secure: dict[str, Any] = {"tls": {"cert": pki["node"], "ca": pki["ca"]}} if tls else {}
+    context = tls_context(pki) if tls else None
+    primary = start(node(broker_factory, "p", role="primary", catch_up_timeout=timeout, **secure), SERVING)
+    fill(primary, clients, 40)  # 4 MB: several chunks, about 8 s at the relay's rate
+    host, port = address(primary).rsplit(":", 1)
+    relay = TcpRelay(host, int(port), rate=rate)
+    relay.start()
+    try:
+        began = time.monotonic()
+        start(node(broker_factory, "b", role="backup", primary=relay.address, **secure), BACKUP)
+
+        def in_sync() -> bool:
+            rows = asyncio.run(ask(address(primary), Frame.STATUS, None, context))["backups"]
+            return [(row["name"], row["state"]) for row in rows] == [("b", "in_sync")]
+
+        assert primary.wait_until(in_sync, 90.0), primary.log()
+        took = time.monotonic() - began
+    finally:
+        relay.stop()
+    assert took >= 4 * timeout, f"the link was not slow: in sync after {took:.1f} s"
+    log = primary.log()
+    assert STALLED not in log, log
+    assert log.count("): snapshot at batch") == 2, log  # one snapshot: starts, sent; never cut and begun again
