@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from replication_helpers import HOST, bounded, cluster_pki, commit, started_primary
-from test_ha_brokers import BACKUP, SERVING, address, node, start, static_pair, store_rows, wait_status
+from test_ha_brokers import BACKUP, SERVING, address, node, start, store_rows
 
 from amqtt_durable.replication.config import TlsConfig
 from amqtt_durable.replication.framing import Frame, Hello, encode_frame
@@ -44,28 +44,55 @@ def fill(primary: Broker, clients: Callable[..., Client], count: int) -> None:
     publisher.disconnect()
 
 
-def stranger(replication_address: str, name: str) -> socket.socket:
-    """A peer that sends a HELLO from an empty store (so a snapshot of the store is due to it) and
-    then reads nothing: its receive buffer is small, so the primary's writes soon wait on it."""
+def stranger(
+    replication_address: str, name: str, context: ssl.SSLContext | None = None, hello: Hello | None = None
+) -> socket.socket:
+    """A peer that sends a HELLO (``hello``, else one from an empty store: a snapshot of the store is due
+    to it) and then reads nothing (with ``context``: over TLS, a broken backup with the cluster's
+    certificate): its receive buffer is small, so the primary's writes soon wait on it."""
     host, port = replication_address.rsplit(":", 1)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.settimeout(WAIT)
     sock.connect((host, int(port)))
-    sock.sendall(encode_frame(Frame.HELLO, Hello(0, 0, 0, name).encode()))
+    if context is not None:
+        sock = context.wrap_socket(sock, server_hostname=host)
+    sock.sendall(encode_frame(Frame.HELLO, (hello or Hello(0, 0, 0, name)).encode()))
     return sock
 
 
+def tls_context(pki: dict[str, str]) -> ssl.SSLContext:
+    return TlsConfig.from_mapping({"cert": pki["node"], "ca": pki["ca"]}, "replication.tls").context(server=False)
+
+
+def ask_status(primary: Broker, context: ssl.SSLContext | None) -> dict[str, Any]:
+    """The primary's STATUS (over TLS with ``context``)."""
+    return asyncio.run(ask(address(primary), Frame.STATUS, None, context))
+
+
+def backups(primary: Broker, context: ssl.SSLContext | None) -> list[tuple[str, str, int]]:
+    """The primary's backups: name, state and lag in batches."""
+    return [(row["name"], row["state"], row["lag_batches"]) for row in ask_status(primary, context)["backups"]]
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
 def test_a_stranger_that_reads_none_of_its_snapshot_is_cut_at_catch_up_timeout_and_the_pair_goes_on(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, tls: bool
 ) -> None:
+    """Without a secret anyone who reaches the replication address can ask for a snapshot; over TLS only
+    a member can, but a broken one may stop reading all the same."""
     timeout = 2.0
-    primary, backup = static_pair(broker_factory, catch_up_timeout=timeout)
+    pki = cluster_pki(tmp_path)
+    secure: dict[str, Any] = {"tls": {"cert": pki["node"], "ca": pki["ca"]}} if tls else {}
+    context = tls_context(pki) if tls else None
+    primary = start(node(broker_factory, "p", role="primary", catch_up_timeout=timeout, **secure), SERVING)
+    backup = start(node(broker_factory, "b", role="backup", primary=address(primary), **secure), BACKUP)
+    assert primary.wait_until(lambda: backups(primary, context) == [("b", "in_sync", 0)], WAIT), primary.log()
     fill(primary, clients, 80)  # 8 MB: more than the stranger's and the primary's socket buffers take
-    thief = stranger(address(primary), "thief")
+    thief = stranger(address(primary), "thief", context)
     asked = time.monotonic()
     try:
-        wait_status(primary, lambda s: ("thief", "snapshot") in {(row["name"], row["state"]) for row in s["backups"]})
+        assert primary.wait_until(lambda: ("thief", "snapshot") in {row[:2] for row in backups(primary, context)}, WAIT)
         publisher = clients(primary.port, "publisher", clean_session=True)
         publisher.publish("t/a", payloads(50, "during-"))  # sync mode: each PUBACK waited for the real backup
         assert primary.wait_until(lambda: STALLED in primary.log(), timeout + WAIT), primary.log()
@@ -76,19 +103,20 @@ def test_a_stranger_that_reads_none_of_its_snapshot_is_cut_at_catch_up_timeout_a
         assert f"{STALLED} 2 s during its snapshot, " in line and "rows sent" in line, line
         assert "raise replication.catch_up_timeout" in line, line
         # It no longer counts anywhere: one backup, the real one, in sync; publishes still acknowledged.
-        level = wait_status(primary, lambda s: [(b["name"], b["state"], b["lag_batches"]) for b in s["backups"]]
-                            == [("b", "in_sync", 0)])  # fmt: skip
+        assert primary.wait_until(lambda: backups(primary, context) == [("b", "in_sync", 0)], WAIT), primary.log()
+        level = ask_status(primary, context)["batch"]
         publisher.publish("t/a", payloads(50, "after-"))
     finally:
         thief.close()
-    wait_status(primary, lambda s: s["batch"] > level["batch"] and s["backups"][0]["lag_batches"] == 0)
+
+    def level_again() -> bool:
+        status = ask_status(primary, context)
+        return status["batch"] > level and [row["lag_batches"] for row in status["backups"]] == [0]
+
+    assert primary.wait_until(level_again, WAIT), primary.log()
     primary.kill()
     backup.kill()
     assert store_rows(primary) == store_rows(backup), "the backup's store is the primary's, key for key"
-
-
-def tls_context(pki: dict[str, str]) -> ssl.SSLContext:
-    return TlsConfig.from_mapping({"cert": pki["node"], "ca": pki["ca"]}, "replication.tls").context(server=False)
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
@@ -114,8 +142,7 @@ def test_a_real_backup_on_a_slow_link_is_caught_up_and_never_cut(
         start(node(broker_factory, "b", role="backup", primary=relay.address, **secure), BACKUP)
 
         def in_sync() -> bool:
-            rows = asyncio.run(ask(address(primary), Frame.STATUS, None, context))["backups"]
-            return [(row["name"], row["state"]) for row in rows] == [("b", "in_sync")]
+            return [row[:2] for row in backups(primary, context)] == [("b", "in_sync")]
 
         # fails at once when the primary cut it (it would start a new snapshot, and be cut again)
         assert primary.wait_until(lambda: in_sync() or STALLED in primary.log(), 90.0), primary.log()
@@ -172,5 +199,38 @@ def test_the_snapshot_a_stalled_peer_held_is_released_and_the_tables_it_pinned_l
         finally:
             thief.close()
             await primary.close()
+
+    asyncio.run(main())
+
+
+def test_a_backup_that_stops_reading_its_catch_up_from_the_log_is_cut_naming_the_batches(tmp_path: Path) -> None:
+    """A broken backup of this store (its id and a position still in the retained log, so no snapshot)
+    reads none of the batches sent since: cut at catch_up_timeout, the WARNING says how far it got."""
+
+    async def main() -> None:
+        cut: list[str] = []
+        done = asyncio.Event()
+
+        def changed(link: BackupLink, what: str) -> None:
+            if STALLED in what:
+                cut.append(what)
+                done.set()
+
+        primary = await started_primary(tmp_path / "p", log_max_bytes=64 << 20, catch_up_timeout=0.5, on_change=changed)
+        for n in range(1, 81):
+            await bounded(commit(primary, [(b"big%05d" % n, os.urandom(BODY))]))
+        crc = primary.log.crc_of(1)
+        assert crc is not None
+        host_port = f"{HOST}:{primary.port}"
+        sock = await asyncio.to_thread(stranger, host_port, "broken", None, Hello(primary.store_id, 1, crc, "broken"))
+        try:
+            await bounded(done.wait(), 0.5 + WAIT)
+            assert not primary.links
+        finally:
+            sock.close()
+            await primary.close()
+        assert len(cut) == 1 and " during its catch-up, batch " in cut[0], cut
+        sent = int(cut[0].split(" during its catch-up, batch ")[1].split(" ")[0])
+        assert 1 < sent < 80 and ", 1 acknowledged;" in cut[0], cut  # its HELLO said batch 1
 
     asyncio.run(main())

@@ -878,8 +878,9 @@ def _stalled(link: BackupLink, timeout: float) -> str:
     else:
         where = f"its catch-up, batch {link.sent_seq} sent, {link.acked_seq} acknowledged"
     return (
-        f"disconnected: its connection took no byte for {timeout:g} s during {where}; its snapshot and "
-        "retained batches are released (a real backup on a link this slow: raise replication.catch_up_timeout)"
+        f"disconnected: its connection took no byte for {timeout:g} s during {where}; what was held for it (a "
+        "snapshot, retained batches) is released (a real backup on a link this slow: raise "
+        "replication.catch_up_timeout)"
     )
 
 
