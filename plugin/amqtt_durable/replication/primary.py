@@ -12,7 +12,9 @@ The sync-mode contract (XAP's sync replication): the future ``committed`` return
 the batch (applied it, and synced it when its broker's ``sync`` is true). A backup that drops
 out, or stays silent past ``ack_timeout`` with batches outstanding, is disconnected and no
 longer counted, so one dead backup does not stop the primary; it is caught up again when it
-comes back. The order of a commit (store.GroupCommitter through
+comes back. One not in sync yet whose connection takes no byte for ``catch_up_timeout`` while
+its sender waits to write to it is disconnected too, so a peer that asked for a snapshot and
+reads nothing does not hold the LevelDB snapshot and the retained batches for ever. The order of a commit (store.GroupCommitter through
 replication/commits.py)::
 
     prepared = primary.prepare(ops)        # numbers the batch, adds the position op
