@@ -124,16 +124,16 @@ def test_a_real_backup_on_a_slow_link_is_caught_up_and_never_cut(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, tls: bool
 ) -> None:
     """Once the primary's socket buffer is full (Linux takes up to 4 MiB at once), each of its waits to
-    write a 4 MiB chunk to the backup lasts about 2 s at 2 MB/s, longer than catch_up_timeout (1 s),
-    but the link takes bytes all along: only no byte at all counts. Over TLS the TLS layer's buffer
-    stays level during those waits while the socket's empties."""
-    timeout, rate, chunk = 1.0, 2_000_000, 4 * 1024 * 1024
+    write a 4 MiB chunk to the backup lasts about 2.8 s at 1.5 MB/s, longer than catch_up_timeout
+    (1.5 s), but the link takes bytes all along: only no byte at all counts. Over TLS the TLS layer's
+    buffer stays level during those waits while the socket's empties."""
+    timeout, rate, chunk = 1.5, 1_500_000, 4 * 1024 * 1024
     pki = cluster_pki(tmp_path)
     secure: dict[str, Any] = {"tls": {"cert": pki["node"], "ca": pki["ca"]}} if tls else {}
     context = tls_context(pki) if tls else None
     settings = {"catch_up_timeout": timeout, "snapshot_chunk_bytes": chunk, **secure}
     primary = start(node(broker_factory, "p", role="primary", **settings), SERVING)
-    fill(primary, clients, 120)  # 12 MB: 3 chunks, about 6 s at the relay's rate
+    fill(primary, clients, 120)  # 12 MB: 3 chunks, about 8 s at the relay's rate
     host, port = address(primary).rsplit(":", 1)
     relay = TcpRelay(host, int(port), rate=rate)
     relay.start()
