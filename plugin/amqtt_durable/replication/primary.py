@@ -14,8 +14,8 @@ out, or stays silent past ``ack_timeout`` with batches outstanding, is disconnec
 longer counted, so one dead backup does not stop the primary; it is caught up again when it
 comes back. One not in sync yet whose connection takes no byte for ``catch_up_timeout`` while
 its sender waits to write to it is disconnected too, so a peer that asked for a snapshot and
-reads nothing does not hold the LevelDB snapshot and the retained batches for ever. The order of a commit (store.GroupCommitter through
-replication/commits.py)::
+reads nothing does not hold the LevelDB snapshot and the retained batches for ever. The order
+of a commit (store.GroupCommitter through replication/commits.py)::
 
     prepared = primary.prepare(ops)        # numbers the batch, adds the position op
     write prepared.ops locally             # a retried write reuses the same prepared batch
