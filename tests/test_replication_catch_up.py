@@ -7,7 +7,9 @@ with a timeout shorter than each of the primary's waits to write to it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import socket
 import ssl
 import time
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 from replication_helpers import HOST, bounded, cluster_pki, commit, started_primary
-from test_ha_brokers import BACKUP, SERVING, address, node, start, store_rows
+from test_ha_brokers import BACKUP, SERVING, address, node, start, status, store_rows
 
 from amqtt_durable.replication.config import TlsConfig
 from amqtt_durable.replication.framing import Frame, Hello, encode_frame
@@ -92,7 +94,11 @@ def test_a_stranger_that_reads_none_of_its_snapshot_is_cut_at_catch_up_timeout_a
     thief = stranger(address(primary), "thief", context)
     asked = time.monotonic()
     try:
-        assert primary.wait_until(lambda: ("thief", "snapshot") in {row[:2] for row in backups(primary, context)}, WAIT)
+
+        def snapshot_or_cut() -> bool:  # the cut may come before a STATUS that shows the snapshot
+            return STALLED in primary.log() or ("thief", "snapshot") in {row[:2] for row in backups(primary, context)}
+
+        assert primary.wait_until(snapshot_or_cut, WAIT), primary.log()
         publisher = clients(primary.port, "publisher", clean_session=True)
         publisher.publish("t/a", payloads(50, "during-"))  # sync mode: each PUBACK waited for the real backup
         assert primary.wait_until(lambda: STALLED in primary.log(), timeout + WAIT), primary.log()
@@ -119,6 +125,7 @@ def test_a_stranger_that_reads_none_of_its_snapshot_is_cut_at_catch_up_timeout_a
     assert store_rows(primary) == store_rows(backup), "the backup's store is the primary's, key for key"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
 def test_a_real_backup_on_a_slow_link_is_caught_up_and_never_cut(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, tls: bool
@@ -153,6 +160,36 @@ def test_a_real_backup_on_a_slow_link_is_caught_up_and_never_cut(
     log = primary.log()
     assert STALLED not in log, log
     assert log.count("): snapshot at batch") == 2, log  # one snapshot: starts, sent; never cut and begun again
+
+
+def test_a_backup_that_takes_longer_than_catch_up_timeout_to_apply_a_snapshot_the_buffers_held_is_not_cut(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """The whole snapshot fits in the connection's buffers, so the primary's writes stop waiting; the
+    backup (paused with SIGSTOP) then takes twice catch_up_timeout to apply it and acknowledge. Only a
+    wait to write counts: it is not cut, and is in sync once it acknowledges. To have the snapshot
+    written while the backup is paused, the primary is paused until the backup's HELLO is in its
+    kernel (the backup says it is catching up once the HELLO is written)."""
+    timeout = 1.0
+    primary = start(node(broker_factory, "p", role="primary", catch_up_timeout=timeout), SERVING)
+    subscriber = clients(primary.port, "device")
+    subscriber.subscribe("t/#", 1)
+    subscriber.disconnect()
+    clients(primary.port, "loader", clean_session=True).publish("t/a", payloads(5, "small-"))  # a few KB
+    backup = node(broker_factory, "b", role="backup", primary=address(primary))
+    with contextlib.ExitStack() as held:
+        with primary.paused():
+            start(backup, BACKUP)
+            assert backup.wait_until(lambda: (status(backup) or {}).get("state") == "catching_up", WAIT), backup.log()
+            held.enter_context(backup.paused())
+        assert primary.wait_until(lambda: re.search(r"snapshot at batch \d+ sent", primary.log()), WAIT), primary.log()
+        assert not primary.wait_until(lambda: STALLED in primary.log(), 2 * timeout), primary.log()
+        assert [row[:2] for row in backups(primary, None)] == [("b", "catching_up")]  # held, not in sync
+    assert primary.wait_until(lambda: backups(primary, None) == [("b", "in_sync", 0)], WAIT), primary.log()
+    assert STALLED not in primary.log(), primary.log()
+    primary.kill()
+    backup.kill()
+    assert store_rows(primary) == store_rows(backup), "the backup's store is the primary's, key for key"
 
 
 def _table_bytes(folder: Path) -> int:
@@ -205,18 +242,28 @@ def test_the_snapshot_a_stalled_peer_held_is_released_and_the_tables_it_pinned_l
 
 def test_a_backup_that_stops_reading_its_catch_up_from_the_log_is_cut_naming_the_batches(tmp_path: Path) -> None:
     """A broken backup of this store (its id and a position still in the retained log, so no snapshot)
-    reads none of the batches sent since: cut at catch_up_timeout, the WARNING says how far it got."""
+    reads none of the batches sent since: cut at catch_up_timeout, the WARNING says how far it got and
+    that only retained batches were held. With ack_timeout 30 the watchdog still looks every quarter of
+    catch_up_timeout: the cut comes within catch_up_timeout and a quarter of it (and 1 s of slack) of
+    the primary starting to send, the moment its writes start to wait (not 7.5 s, a quarter of
+    ack_timeout)."""
+    timeout = 0.5
 
     async def main() -> None:
         cut: list[str] = []
         done = asyncio.Event()
+        connected: list[float] = []
 
         def changed(link: BackupLink, what: str) -> None:
+            if what.startswith("connected at batch"):  # said just before its first write
+                connected.append(time.monotonic())
             if STALLED in what:
                 cut.append(what)
                 done.set()
 
-        primary = await started_primary(tmp_path / "p", log_max_bytes=64 << 20, catch_up_timeout=0.5, on_change=changed)
+        primary = await started_primary(
+            tmp_path / "p", log_max_bytes=64 << 20, ack_timeout=30.0, catch_up_timeout=timeout, on_change=changed
+        )
         for n in range(1, 81):
             await bounded(commit(primary, [(b"big%05d" % n, os.urandom(BODY))]))
         crc = primary.log.crc_of(1)
@@ -224,7 +271,8 @@ def test_a_backup_that_stops_reading_its_catch_up_from_the_log_is_cut_naming_the
         host_port = f"{HOST}:{primary.port}"
         sock = await asyncio.to_thread(stranger, host_port, "broken", None, Hello(primary.store_id, 1, crc, "broken"))
         try:
-            await bounded(done.wait(), 0.5 + WAIT)
+            await bounded(done.wait(), timeout + WAIT)
+            took = time.monotonic() - connected[0]
             assert not primary.links
         finally:
             sock.close()
@@ -232,5 +280,7 @@ def test_a_backup_that_stops_reading_its_catch_up_from_the_log_is_cut_naming_the
         assert len(cut) == 1 and " during its catch-up, batch " in cut[0], cut
         sent = int(cut[0].split(" during its catch-up, batch ")[1].split(" ")[0])
         assert 1 < sent < 80 and ", 1 acknowledged;" in cut[0], cut  # its HELLO said batch 1
+        assert "what was held for it (retained batches) is released" in cut[0], cut
+        assert len(connected) == 1 and timeout <= took <= timeout + timeout / 4 + 1.0, took
 
     asyncio.run(main())

@@ -32,6 +32,7 @@ import logging
 import socket
 import ssl
 import struct
+import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -86,6 +87,9 @@ cut snapshot starts again from the beginning."""
 TCP_INFO_SIZE, TCP_INFO_BYTES_ACKED = 128, 120
 """Linux's ``struct tcp_info``: the bytes read of it, and the offset of ``tcpi_bytes_acked`` (u64,
 since Linux 4.1): the bytes of a connection its peer's TCP acknowledged."""
+WATCHDOG_MIN = 0.01
+"""Shortest pause of the watchdog between two looks (a quarter of the smaller of ack_timeout and
+catch_up_timeout), so tiny timeouts do not make it spin."""
 NAME_LOG_EVERY = 60.0
 """Seconds between two ERROR lines about refusals of one name (a refused backup retries every
 few seconds: the refusals in between are counted in the next line)."""
@@ -789,7 +793,7 @@ class Primary:
         waited to write to it (a snapshot or a catch-up it does not read: its LevelDB snapshot and
         its pin of the retained log would be held for ever)."""
         while True:
-            await asyncio.sleep(min(self.ack_timeout, self.catch_up_timeout) / 4)
+            await asyncio.sleep(max(min(self.ack_timeout, self.catch_up_timeout) / 4, WATCHDOG_MIN))
             now = time.monotonic()
             for key, link in list(self.links.items()):
                 if link.writer is None:
@@ -856,7 +860,7 @@ def sent_mark(writer: asyncio.StreamWriter) -> int:
     size stays level for seconds on a slow link that makes progress); elsewhere the bytes left in
     the transport's buffer, negated (nothing is written to it while its sender waits)."""
     sock = writer.get_extra_info("socket")
-    if sock is not None and hasattr(socket, "TCP_INFO"):
+    if sock is not None and sys.platform.startswith("linux") and hasattr(socket, "TCP_INFO"):
         with contextlib.suppress(OSError):
             info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_SIZE)
             if len(info) >= TCP_INFO_SIZE:
@@ -865,7 +869,11 @@ def sent_mark(writer: asyncio.StreamWriter) -> int:
 
 
 async def _drain(writer: asyncio.StreamWriter, link: BackupLink) -> None:
-    """``writer.drain()``, its wait on ``link.stall`` for the watchdog."""
+    """``writer.drain()``, its wait on ``link.stall`` for the watchdog while ``link`` is not in sync
+    (an in-sync one is bounded by ack_timeout: no bookkeeping, no getsockopt on its every drain)."""
+    if link.state == "in_sync":
+        await writer.drain()
+        return
     link.stall.blocked(time.monotonic(), sent_mark(writer))
     try:
         await writer.drain()
@@ -876,13 +884,12 @@ async def _drain(writer: asyncio.StreamWriter, link: BackupLink) -> None:
 def _stalled(link: BackupLink, timeout: float) -> str:
     """The watchdog's WARNING for a backup whose connection took nothing for ``timeout`` seconds."""
     if link.state == "snapshot":
-        where = f"its snapshot, {link.snapshot_rows} rows sent"
+        where, held = f"its snapshot, {link.snapshot_rows} rows sent", "a snapshot, retained batches"
     else:
-        where = f"its catch-up, batch {link.sent_seq} sent, {link.acked_seq} acknowledged"
+        where, held = f"its catch-up, batch {link.sent_seq} sent, {link.acked_seq} acknowledged", "retained batches"
     return (
-        f"disconnected: its connection took no byte for {timeout:g} s during {where}; what was held for it (a "
-        "snapshot, retained batches) is released (a real backup on a link this slow: raise "
-        "replication.catch_up_timeout)"
+        f"disconnected: its connection took no byte for {timeout:g} s during {where}; what was held for it "
+        f"({held}) is released (a real backup on a link this slow: raise replication.catch_up_timeout)"
     )
 
 
