@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import socket
 import struct
@@ -584,10 +585,10 @@ class TcpRelay(_LoopThread):
     time out, as across a real partition; connections made meanwhile are accepted and held.
     ``heal()`` resets what was held (its peers gave up on it long ago) and relays again.
 
-    With ``rate`` (bytes per second) the target's bytes reach the client no faster, as over a slow
-    link: the relay reads them in steps of RATE_STEP bytes, paced, through a socket with a small
-    receive buffer (RATE_RCVBUF), so the target's writes wait as they would on that link instead of
-    filling a kernel buffer of megabytes.
+    With ``rate`` (bytes per second, finite and above 0, else ValueError) the target's bytes reach
+    the client no faster, as over a slow link: the relay reads them in steps of RATE_STEP bytes,
+    paced, through a socket with a small receive buffer (RATE_RCVBUF), so the target's writes wait
+    as they would on that link instead of filling a kernel buffer of megabytes.
     """
 
     def __init__(
@@ -599,6 +600,8 @@ class TcpRelay(_LoopThread):
         connect_timeout: float = 5.0,
         rate: float | None = None,
     ) -> None:
+        if rate is not None and not 0 < rate < math.inf:
+            raise ValueError(f"TcpRelay rate must be bytes per second, finite and above 0, got {rate!r}")
         super().__init__(listen_host, f"relay-{port}")
         self.host = host
         self.target_port = port

@@ -691,3 +691,9 @@ def test_a_tcp_relay_with_a_rate_passes_the_targets_bytes_no_faster_and_all_of_t
         sender.join(WAIT)
     assert received == data
     assert (len(data) - RATE_STEP) / 400_000 <= took < WAIT, took
+
+
+@pytest.mark.parametrize("rate", [0, -1.0, float("nan"), float("inf")])
+def test_a_tcp_relay_refuses_a_rate_that_is_not_a_positive_finite_number(rate: float) -> None:
+    with pytest.raises(ValueError, match=r"TcpRelay rate must be bytes per second, finite and above 0, got "):
+        TcpRelay(HOST, 1, rate=rate)
