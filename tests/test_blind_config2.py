@@ -127,6 +127,7 @@ EDGES: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     ({"snapshot_chunk_bytes": 1024}, {"snapshot_chunk_bytes": 1023}, "snapshot_chunk_bytes"),
     ({"snapshot_chunk_bytes": 134_217_728}, {"snapshot_chunk_bytes": 134_217_729}, "snapshot_chunk_bytes"),
     ({"ack_timeout": 0.001}, {"ack_timeout": 0}, "ack_timeout"),
+    ({"catch_up_timeout": 0.001}, {"catch_up_timeout": -1}, "catch_up_timeout"),
     ({"handshake_timeout": 0.001}, {"handshake_timeout": 0}, "handshake_timeout"),
     ({"loop_wait": 0.001}, {"loop_wait": 0}, "loop_wait"),
     ({"demote_margin": 4.999, "loop_wait": 0.0005}, {"demote_margin": 5, "loop_wait": 0.0005}, "demote_margin"),

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import socket
 import struct
@@ -44,6 +45,10 @@ _PROTOCOLS = {("MQIsdp", 3), ("MQTT", 4), ("MQTT", 5)}
 MAX_CONNECT = 1 << 20
 """A larger CONNECT is taken as garbage rather than waited for (MQTT would allow 256 MB)."""
 CHUNK = 65536
+RATE_STEP = 16384
+"""Bytes a rate-limited TcpRelay reads from its target at a time."""
+RATE_RCVBUF = 65536
+"""SO_RCVBUF of a rate-limited TcpRelay's socket to its target (Linux doubles it)."""
 CALL_TIMEOUT = 10.0
 """Bound of a call from another thread (start, cut, stall, restore, connected, stats, stop)."""
 CLOSE_TIMEOUT = 5.0
@@ -579,13 +584,29 @@ class TcpRelay(_LoopThread):
     While cut nothing is read or forwarded either way and nothing is closed: a client's calls
     time out, as across a real partition; connections made meanwhile are accepted and held.
     ``heal()`` resets what was held (its peers gave up on it long ago) and relays again.
+
+    With ``rate`` (bytes per second, finite and above 0, else ValueError) the target's bytes reach
+    the client no faster, as over a slow link: the relay reads them in steps of RATE_STEP bytes,
+    paced, through a socket with a small receive buffer (RATE_RCVBUF), so the target's writes wait
+    as they would on that link instead of filling a kernel buffer of megabytes.
     """
 
-    def __init__(self, host: str, port: int, *, listen_host: str = "127.0.0.1", connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        listen_host: str = "127.0.0.1",
+        connect_timeout: float = 5.0,
+        rate: float | None = None,
+    ) -> None:
+        if rate is not None and not 0 < rate < math.inf:
+            raise ValueError(f"TcpRelay rate must be bytes per second, finite and above 0, got {rate!r}")
         super().__init__(listen_host, f"relay-{port}")
         self.host = host
         self.target_port = port
         self.connect_timeout = connect_timeout
+        self.rate = rate
         self.cut_now = False
         """Read from the relay's loop only (set there by cut() and heal())."""
 
@@ -617,6 +638,22 @@ class TcpRelay(_LoopThread):
 
         self._call(release, None)
 
+    async def _open_target(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The connection to the target; with ``rate``, through a socket with a small receive buffer
+        (set before the connect, so the window it advertises stays small)."""
+        if self.rate is None:
+            return await asyncio.open_connection(self.host, self.target_port)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RATE_RCVBUF)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, (self.host, self.target_port))
+            return await asyncio.open_connection(sock=sock, limit=RATE_STEP)
+        except BaseException:
+            sock.close()
+            raise
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None, "a connection is served by its own task"
@@ -626,13 +663,11 @@ class TcpRelay(_LoopThread):
             if self.cut_now:
                 link.hold()
             await link.flowing.wait()  # held until heal(), which resets it
-            target_reader, target_writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.target_port), self.connect_timeout
-            )
+            target_reader, target_writer = await asyncio.wait_for(self._open_target(), self.connect_timeout)
             link.attach(target_writer)
             pumps = [
                 asyncio.create_task(_relay(link, reader, target_writer)),
-                asyncio.create_task(_relay(link, target_reader, writer)),
+                asyncio.create_task(_relay(link, target_reader, writer, self.rate)),
             ]
             try:
                 await asyncio.gather(*pumps)
@@ -651,15 +686,23 @@ class TcpRelay(_LoopThread):
             await _closed(link.writers)
 
 
-async def _relay(link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """One direction of a relay link, until EOF (passed on); nothing moves while the link is held."""
+async def _relay(
+    link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rate: float | None = None
+) -> None:
+    """One direction of a relay link, until EOF (passed on); nothing moves while the link is held.
+    With ``rate``: at most that many bytes per second (TcpRelay)."""
+    loop = asyncio.get_running_loop()
+    due = loop.time()
     while True:
         await link.flowing.wait()
-        chunk = await reader.read(CHUNK)
+        chunk = await reader.read(CHUNK if rate is None else RATE_STEP)
         if not chunk:
             break
         await link.flowing.wait()
         writer.write(chunk)
         await writer.drain()
+        if rate is not None:  # the pace of the link: never faster, no burst after a pause
+            due = max(due, loop.time()) + len(chunk) / rate
+            await asyncio.sleep(due - loop.time())
     with contextlib.suppress(OSError):
         writer.write_eof()

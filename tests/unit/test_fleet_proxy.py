@@ -19,7 +19,7 @@ import pytest
 
 from amqtt_durable.wire import remaining_length as varint
 from conftest import mqtt_packet, mqtt_string
-from durable_fleet.proxy import FaultProxy, ProxyStats, connect_client_id
+from durable_fleet.proxy import RATE_STEP, FaultProxy, ProxyStats, TcpRelay, connect_client_id
 
 HOST = "127.0.0.1"
 WAIT = 10.0
@@ -662,3 +662,38 @@ def test_stop_resets_links_and_calls_after_stop_are_harmless(
     proxy.restore()
     assert proxy.connected() == 0
     assert proxy.stats.accepted == 1
+
+
+def test_a_tcp_relay_with_a_rate_passes_the_targets_bytes_no_faster_and_all_of_them() -> None:
+    """TcpRelay(rate=...): a slow link from the target to the client (600 kB at 400 kB/s: 1.5 s less
+    the first step), every byte in order."""
+    data = os.urandom(600_000)
+    with socket.create_server((HOST, 0)) as server:
+
+        def serve() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.sendall(data)
+
+        sender = threading.Thread(target=serve, daemon=True)
+        sender.start()
+        relay = TcpRelay(HOST, server.getsockname()[1], rate=400_000)
+        relay.start()
+        try:
+            began = time.monotonic()
+            received = b""
+            with socket.create_connection((HOST, relay.port), timeout=WAIT) as client:
+                while chunk := client.recv(65536):
+                    received += chunk
+            took = time.monotonic() - began
+        finally:
+            relay.stop()
+        sender.join(WAIT)
+    assert received == data
+    assert (len(data) - RATE_STEP) / 400_000 <= took < WAIT, took
+
+
+@pytest.mark.parametrize("rate", [0, -1.0, float("nan"), float("inf")])
+def test_a_tcp_relay_refuses_a_rate_that_is_not_a_positive_finite_number(rate: float) -> None:
+    with pytest.raises(ValueError, match=r"TcpRelay rate must be bytes per second, finite and above 0, got "):
+        TcpRelay(HOST, 1, rate=rate)

@@ -171,6 +171,12 @@ class ReplicationConfig:
     """Seconds an in-sync backup may leave a batch unacknowledged before it is disconnected and
     no longer holds up sync acknowledgements (it is caught up again when it returns)."""
 
+    catch_up_timeout: float = 60.0
+    """Seconds a backup being caught up (a snapshot, or batches from the retained log) may leave
+    the primary waiting to write to it with no byte taken by its connection before it is
+    disconnected: a peer that asks for a snapshot and reads nothing would hold the primary's
+    LevelDB snapshot (disk space compaction cannot reclaim) and the retained batches for ever."""
+
     snapshot_chunk_bytes: int = 1024 * 1024
     """Size of one chunk of a snapshot streamed to a backup: from 1024 to MAX_SNAPSHOT_CHUNK bytes."""
 
@@ -543,7 +549,7 @@ def _check_timing(config: ReplicationConfig, bad: Callable[[str, str], ConfigErr
         raise bad("lease_ttl", f"must be at least {MIN_LEASE_TTL} s (etcd's shortest lease), got {config.lease_ttl}")
     if config.lease_ttl > MAX_LEASE_TTL:
         raise bad("lease_ttl", f"must be at most {MAX_LEASE_TTL} s (etcd's longest lease), got {config.lease_ttl}")
-    for key in ("loop_wait", "demote_margin", "ack_timeout"):
+    for key in ("loop_wait", "demote_margin", "ack_timeout", "catch_up_timeout"):
         value = getattr(config, key)
         if not math.isfinite(value) or value <= 0:
             raise bad(key, f"must be a finite number of seconds above 0, got {value!r}")

@@ -12,8 +12,10 @@ The sync-mode contract (XAP's sync replication): the future ``committed`` return
 the batch (applied it, and synced it when its broker's ``sync`` is true). A backup that drops
 out, or stays silent past ``ack_timeout`` with batches outstanding, is disconnected and no
 longer counted, so one dead backup does not stop the primary; it is caught up again when it
-comes back. The order of a commit (store.GroupCommitter through
-replication/commits.py)::
+comes back. One not in sync yet whose connection takes no byte for ``catch_up_timeout`` while
+its sender waits to write to it is disconnected too, so a peer that asked for a snapshot and
+reads nothing does not hold the LevelDB snapshot and the retained batches for ever. The order
+of a commit (store.GroupCommitter through replication/commits.py)::
 
     prepared = primary.prepare(ops)        # numbers the batch, adds the position op
     write prepared.ops locally             # a retried write reuses the same prepared batch
@@ -29,6 +31,8 @@ import json
 import logging
 import socket
 import ssl
+import struct
+import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -80,9 +84,44 @@ once data sent stays unacknowledged this long, and the backup's name is free. No
 snapshot or a catch-up (0 again when an in-sync backup falls behind): a slow backup may keep
 its receive window closed longer than this while it applies a queue of snapshot chunks, and a
 cut snapshot starts again from the beginning."""
+TCP_INFO_SIZE, TCP_INFO_BYTES_ACKED = 128, 120
+"""Linux's ``struct tcp_info``: the bytes read of it, and the offset of ``tcpi_bytes_acked`` (u64,
+since Linux 4.1): the bytes of a connection its peer's TCP acknowledged."""
+WATCHDOG_MIN = 0.01
+"""Shortest pause of the watchdog between two looks (a quarter of the smaller of ack_timeout and
+catch_up_timeout), so tiny timeouts do not make it spin."""
 NAME_LOG_EVERY = 60.0
 """Seconds between two ERROR lines about refusals of one name (a refused backup retries every
 few seconds: the refusals in between are counted in the next line)."""
+
+
+@dataclass(slots=True)
+class WriteStall:
+    """How long the primary's writes to one backup have waited with no byte taken by its connection
+    (replication.catch_up_timeout). The sender calls ``blocked`` as it starts waiting for the socket
+    to drain and ``unblocked`` when the wait returns; the watchdog calls ``stalled`` with the
+    connection's progress mark (``sent_mark``), and any change of the mark restarts the clock: a
+    backup on a slow link that keeps taking bytes is never stalled, however long one wait lasts
+    (one wait lasts until a whole chunk, 1 MiB, left the buffers)."""
+
+    since: float | None = None
+    """When the current wait started or last saw progress; None: the sender is not waiting."""
+    mark: int = 0
+    """The progress mark seen then."""
+
+    def blocked(self, now: float, mark: int) -> None:
+        self.since, self.mark = now, mark
+
+    def unblocked(self) -> None:
+        self.since = None
+
+    def stalled(self, now: float, mark: int) -> float:
+        """Seconds the current wait has gone without progress (0.0 when the sender is not waiting)."""
+        if self.since is None:
+            return 0.0
+        if mark != self.mark:
+            self.since, self.mark = now, mark
+        return now - self.since
 
 
 @dataclass(slots=True, eq=False)
@@ -114,6 +153,8 @@ class BackupLink:
     it at once, in the commit's own loop pass (its sender task sleeps until ``wake``)."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when a live link must go back to its sender task (its socket is backed up or closing)."""
+    stall: WriteStall = field(default_factory=WriteStall)
+    """Its sender's wait for the socket to drain, for the watchdog (catch_up_timeout)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +178,7 @@ class Primary:
         log_max_batches: int,
         log_max_bytes: int,
         ack_timeout: float = 5.0,
+        catch_up_timeout: float = 60.0,
         chunk_bytes: int = 1024 * 1024,
         on_change: Callable[[BackupLink, str], None] | None = None,
         publish_sync_set: Callable[[frozenset[str]], Awaitable[None]] | None = None,
@@ -153,6 +195,10 @@ class Primary:
             max_batches=log_max_batches, max_bytes=log_max_bytes, last_seq=position[0], last_crc=position[1]
         )
         self.ack_timeout = ack_timeout
+        self.catch_up_timeout = catch_up_timeout
+        """Seconds a backup not in sync may keep its sender waiting with no byte taken before it is
+        disconnected (its snapshot and its pin released): a stranger's HELLO from an empty store,
+        then nothing read, would hold them for ever."""
         self.chunk_bytes = chunk_bytes
         self.backlog = backlog
         """The listen backlog of its listener (the plugin's ``listen_backlog``; asyncio's default is
@@ -664,7 +710,7 @@ class Primary:
                 pos = link.sent_seq = item.seq
                 if writer.transport.get_write_buffer_size() > HIGH_WATER:
                     self.log.pin(link, pos)
-                    await writer.drain()
+                    await _drain(writer, link)
             self.log.pin(link, pos)  # the batches after it stay until sent (up to pin_max_bytes)
             if pos < self.log.base_seq:
                 self._changed(link, f"fell behind the retained log (at {pos}, log from {self.log.first_seq}): snapshot")
@@ -676,7 +722,7 @@ class Primary:
                 continue
             if pos >= self.log.head_seq:  # a snapshot may hold a batch not yet handed to ship()
                 if link.state != "in_sync" and snapshot is not None and not _acked(link, snapshot):
-                    await writer.drain()
+                    await _drain(writer, link)
                     await self._acked_or_beyond(link, snapshot, pos)  # then send what came meanwhile
                     continue
                 if link.state != "in_sync":
@@ -700,7 +746,7 @@ class Primary:
         """An in-sync link sent everything up to ``pos``: drain its socket; then, unless batches
         came meanwhile, ``ship`` writes the next batches to it itself, until its socket backs up
         or closes. Returns the last batch sent."""
-        await writer.drain()
+        await _drain(writer, link)
         if pos < self.log.head_seq:
             return pos
         link.wake.clear()
@@ -740,7 +786,7 @@ class Primary:
                         break
                     writer.write(link.session.encode(Frame.SNAP_CHUNK, encode_ops(chunk)))
                     link.snapshot_rows += len(chunk)
-                    await writer.drain()
+                    await _drain(writer, link)
             finally:
                 rows.close()
         finally:
@@ -751,22 +797,34 @@ class Primary:
         return position[0]
 
     async def _watchdog(self) -> None:
-        """Disconnect an in-sync backup silent past ``ack_timeout`` with batches outstanding: its
-        connection is aborted (a close would wait for its write buffer to reach a backup that
-        takes nothing) and its link dropped at once, so its name is free for a backup under it."""
+        """Disconnect an in-sync backup silent past ``ack_timeout`` with batches outstanding, and
+        one not in sync whose connection took no byte for ``catch_up_timeout`` while its sender
+        waited to write to it (a snapshot or a catch-up it does not read: its LevelDB snapshot and
+        its pin of the retained log would be held for ever)."""
         while True:
-            await asyncio.sleep(self.ack_timeout / 4)
+            await asyncio.sleep(max(min(self.ack_timeout, self.catch_up_timeout) / 4, WATCHDOG_MIN))
             now = time.monotonic()
             for key, link in list(self.links.items()):
-                stalled = link.state == "in_sync" and link.acked_seq < link.sent_seq
-                if stalled and now - link.last_progress > self.ack_timeout and link.writer is not None:
-                    self._changed(link, f"no ack for {self.ack_timeout:g} s: disconnected, no longer counted")
-                    link.state = "catching_up"
-                    self.links.pop(key, None)
-                    self.log.pin(link, None)
-                    link.writer.transport.abort()  # its reader ends, and its sender with it
-                    self._resolve()
-                    self._progressed()
+                if link.writer is None:
+                    continue
+                if link.state == "in_sync":
+                    if link.acked_seq < link.sent_seq and now - link.last_progress > self.ack_timeout:
+                        self._drop(key, link, f"no ack for {self.ack_timeout:g} s: disconnected, no longer counted")
+                elif link.stall.stalled(now, sent_mark(link.writer)) > self.catch_up_timeout:
+                    self._drop(key, link, _stalled(link, self.catch_up_timeout))
+
+    def _drop(self, key: int, link: BackupLink, why: str) -> None:
+        """Disconnect ``link`` at once: its connection is aborted (a close would wait for its write
+        buffer to reach a backup that takes nothing) and its link dropped, so its name is free for
+        a backup under it; its sender ends at the aborted write, releasing what it held."""
+        assert link.writer is not None
+        self._changed(link, why)
+        link.state = "catching_up"
+        self.links.pop(key, None)
+        self.log.pin(link, None)
+        link.writer.transport.abort()  # its reader ends, and its sender with it
+        self._resolve()
+        self._progressed()
 
 
 async def first_frame(
@@ -802,6 +860,46 @@ async def first_frame(
     except (OSError, asyncio.IncompleteReadError) as exc:
         log.info("replication: a connection from %s ended before its first frame: %r", peer, exc)
         raise
+
+
+def sent_mark(writer: asyncio.StreamWriter) -> int:
+    """A count that changes whenever a backup's connection takes bytes while its sender waits: on
+    Linux the bytes its peer's TCP acknowledged (TCP_INFO), which over TLS too moves with every
+    segment (the TLS layer's own buffer empties into the socket's a whole chunk at a time, so its
+    size stays level for seconds on a slow link that makes progress); elsewhere the bytes left in
+    the transport's buffer, negated (nothing is written to it while its sender waits)."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sys.platform.startswith("linux") and hasattr(socket, "TCP_INFO"):
+        with contextlib.suppress(OSError):
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_SIZE)
+            if len(info) >= TCP_INFO_SIZE:
+                return int(struct.unpack_from("=Q", info, TCP_INFO_BYTES_ACKED)[0])
+    return -writer.transport.get_write_buffer_size()
+
+
+async def _drain(writer: asyncio.StreamWriter, link: BackupLink) -> None:
+    """``writer.drain()``, its wait on ``link.stall`` for the watchdog while ``link`` is not in sync
+    (an in-sync one is bounded by ack_timeout: no bookkeeping, no getsockopt on its every drain)."""
+    if link.state == "in_sync":
+        await writer.drain()
+        return
+    link.stall.blocked(time.monotonic(), sent_mark(writer))
+    try:
+        await writer.drain()
+    finally:
+        link.stall.unblocked()
+
+
+def _stalled(link: BackupLink, timeout: float) -> str:
+    """The watchdog's WARNING for a backup whose connection took nothing for ``timeout`` seconds."""
+    if link.state == "snapshot":
+        where, held = f"its snapshot, {link.snapshot_rows} rows sent", "a snapshot, retained batches"
+    else:
+        where, held = f"its catch-up, batch {link.sent_seq} sent, {link.acked_seq} acknowledged", "retained batches"
+    return (
+        f"disconnected: its connection took no byte for {timeout:g} s during {where}; what was held for it "
+        f"({held}) is released (a real backup on a link this slow: raise replication.catch_up_timeout)"
+    )
 
 
 def _keepalive(writer: asyncio.StreamWriter) -> None:
