@@ -1,0 +1,239 @@
+"""Black-box tests written from docs/protocol.md, guarantees.md and operations.md alone: edges the
+earlier rounds left open (bools where numbers are due, a hello's expiry override and an SDK session
+across a crash, SUBSCRIBEs holding one bad part, the store id across restarts). Each quotes its promise."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly, read_packet
+from test_blind_protocol3 import CTL, REPLY, Raw
+
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
+
+pytestmark = pytest.mark.timeout(60)
+
+EXPIRED = "$SYS/broker/durable/expired"
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """One broker for the tests that leave nothing behind that another would see (own client ids)."""
+    broker = Broker(tmp_path_factory.mktemp("docs4"), streams=[{"filter": "log4/#"}]).start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def raws() -> Iterator[Callable[..., Raw]]:
+    made: list[Raw] = []
+
+    def make(port: int, client_id: str, **kwargs: Any) -> Raw:
+        made.append(Raw(port, client_id, **kwargs))
+        return made[-1]
+
+    yield make
+    for raw in made:
+        raw.sock.close()
+
+
+def hello(raw: Raw, **fields: Any) -> dict[str, Any]:
+    return raw.request({"v": 1, "op": "hello", "req": 1, **fields})
+
+
+def closed_unanswered(sock: socket.socket) -> bool:
+    """The broker closes ``sock`` without sending anything first."""
+    sock.settimeout(WAIT)
+    try:
+        return sock.recv(64) == b""
+    except ConnectionResetError:
+        return True
+
+
+# ------------------------------------------------------------------------------ protocol.md
+
+
+@pytest.mark.parametrize("req", [True, 1.0, "1", [1]])
+def test_a_req_that_is_no_integer_json_true_included_is_malformed_with_op_and_req_null(
+    shared: Broker, raws: Callable[..., Raw], req: Any
+) -> None:
+    """protocol.md, Replies: `malformed` for `req` neither an integer nor absent; such a request is
+    answered with `op` and `req` null. JSON's true is no integer (whatever Python makes of it)."""
+    reply = raws(shared.port, "d4-req").request({"v": 1, "op": "hello", "req": req})
+    assert (reply["op"], reply["req"], reply["ok"], reply["error"]["code"]) == (None, None, False, "malformed")
+
+
+@pytest.mark.parametrize("value", [True, False, "5", [5], {"s": 5}])
+def test_a_hello_session_expiry_that_is_no_number_is_malformed_and_names_the_field(
+    shared: Broker, raws: Callable[..., Raw], value: Any
+) -> None:
+    """protocol.md: `session_expiry` (seconds, optional: a finite number >= 0, else `malformed`); a
+    refusal echoes `req` and `op`. JSON's true and false are no numbers of seconds."""
+    raw = raws(shared.port, "d4-expiry")
+    reply = raw.request({"v": 1, "op": "hello", "req": 9, "session_expiry": value})
+    assert (reply["op"], reply["req"], reply["ok"], reply["error"]["code"]) == ("hello", 9, False, "malformed")
+    assert "session_expiry" in reply["error"]["message"]
+    assert hello(raw, session_expiry=7)["session_expiry"] == 7  # the connection still serves
+
+
+@pytest.mark.parametrize(
+    ("request_", "code"),
+    [
+        ({"op": "hello", "req": 3}, "unsupported_version"),
+        ({"v": 2, "op": "hello", "req": 3}, "unsupported_version"),
+        ({"v": "1", "op": "ready", "req": 3}, "unsupported_version"),
+        ({"v": 1, "op": "Hello", "req": 3}, "unknown_op"),
+        ({"v": 1, "req": 3}, "unknown_op"),
+    ],
+)
+def test_version_and_op_refusals_echo_req_and_op_only_when_it_names_a_known_op(
+    shared: Broker, raws: Callable[..., Raw], request_: dict[str, Any], code: str
+) -> None:
+    """protocol.md: `v` missing or not the integer 1 is `unsupported_version`; `op` missing or another
+    value is `unknown_op`; a refusal echoes `req`, and `op` when it names a known op (null for `unknown_op`)."""
+    reply = raws(shared.port, "d4-version").request(request_)
+    assert reply["error"]["code"] == code
+    assert reply["req"] == 3
+    assert reply["op"] == (request_.get("op") if code != "unknown_op" else None)
+
+
+def test_invalid_filters_of_a_subscribe_get_0x80_and_only_the_granted_ones_are_the_sessions(
+    shared: Broker, raws: Callable[..., Raw]
+) -> None:
+    """guarantees.md: an invalid topic filter gets 0x80 (empty, `#` other than as the whole last level,
+    `+` other than as a whole level); the other filters are granted and the connection stays up.
+    protocol.md: the `hello` reply's `subscriptions` are the {filter: qos} the session holds."""
+    filters = {"": 0x80, "a/#/b": 0x80, "a+": 0x80, "a/b#": 0x80, "s/t+": 0x80, "+": 1, "#": 2, "x/+/y": 0, "+/+": 1}
+    sock = raw_connect(shared.port, "d4-filters", clean=False)
+    body = b"\x00\x07" + b"".join(
+        mqtt_string(f) + bytes((min(code, 2) if code != 0x80 else 1,)) for f, code in filters.items()
+    )
+    sock.sendall(mqtt_packet(0x82, body))
+    first, suback = read_packet(sock)
+    assert (first, suback[:2]) == (0x90, b"\x00\x07")
+    assert list(suback[2:]) == list(filters.values())
+    sock.sendall(b"\xc0\x00")
+    assert read_packet(sock) == (0xD0, b"")
+    sock.close()
+    raw = raws(shared.port, "d4-filters")
+    assert hello(raw)["subscriptions"] == {f: code for f, code in filters.items() if code != 0x80}
+
+
+@pytest.mark.parametrize("bad_qos", [3, 0x41, 0x80])
+def test_a_subscribe_with_one_requested_qos_out_of_range_is_closed_and_grants_none_of_its_filters(
+    shared: Broker, raws: Callable[..., Raw], bad_qos: int
+) -> None:
+    """guarantees.md: a SUBSCRIBE whose requested QoS byte is anything but 0, 1 or 2 (QoS 3, or any of
+    its reserved upper six bits set) closes the connection with no SUBACK and nothing granted, and a
+    WARNING naming the client; the valid filter before it in the packet is not granted either."""
+    client_id = f"d4-badqos-{bad_qos}"
+    sock = raw_connect(shared.port, client_id, clean=False)
+    sock.sendall(
+        mqtt_packet(0x82, b"\x00\x05" + mqtt_string("ok/1") + b"\x01" + mqtt_string("ok/2") + bytes((bad_qos,)))
+    )
+    assert closed_unanswered(sock)
+    sock.close()
+    assert hello(raws(shared.port, client_id))["subscriptions"] == {}
+    assert shared.wait_until(
+        lambda: any(client_id in line and "WARNING" in line for line in shared.log().splitlines()), WAIT
+    )
+
+
+def test_a_hello_session_expiry_of_0_ends_the_session_at_its_disconnect(
+    shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    """protocol.md: `hello` sets the session's expiry override (granted in the reply). guarantees.md,
+    Expiry: `session_expiry: 0` deletes a session as soon as it disconnects, with the WARNING and the
+    `$SYS/broker/durable/expired` event; a client that returns is a new client (session_present=0)."""
+    watcher = clients(shared.port, "d4-watch0", clean_session=True)
+    watcher.subscribe(EXPIRED, 1)
+    raw = raws(shared.port, "d4-zero")
+    reply = hello(raw, session_expiry=0)
+    assert reply["ok"] and reply["session_expiry"] == 0
+    raw_subscribe(raw.sock, "zero/#", 1)
+    raw.close()
+    assert watcher.wait_for(lambda ms: any(json.loads(m.payload)["client_id"] == "d4-zero" for m in ms))
+    assert "durable session d4-zero expired after 0 s disconnected: 0 queued message(s)" in shared.log()
+    sock = socket.create_connection((HOST, shared.port), timeout=WAIT)
+    sock.sendall(connect_packet("d4-zero", clean=False))
+    assert read_exactly(sock, 4) == b"\x20\x02\x00\x00"
+    sock.close()
+
+
+def test_stream_info_names_the_same_store_across_a_restart_and_a_new_one_for_a_new_store(
+    broker_factory: Callable[..., Broker], raws: Callable[..., Raw], tmp_path: Path
+) -> None:
+    """protocol.md, `stream_info`: `store` is the store's id, a random number made with the store (a
+    reader that sees it change knows the store was wiped or replaced); `filter` defaults to `#`."""
+    broker = broker_factory(streams=[{"filter": "log4/#"}])
+    first = raws(broker.port, "d4-info").request({"v": 1, "op": "stream_info"})
+    assert first["ok"] and first["filter"] == "#" and isinstance(first["store"], int)
+    broker.restart(kill=True)
+    again = raws(broker.port, "d4-info").request({"v": 1, "op": "stream_info"})
+    assert again["store"] == first["store"]
+    other = broker_factory(name="other", streams=[{"filter": "log4/#"}])
+    assert raws(other.port, "d4-info").request({"v": 1, "op": "stream_info"})["store"] != first["store"]
+
+
+# ------------------------------------------------------------------------------ restarts
+
+
+def test_a_hello_expiry_override_holds_for_a_session_connected_at_a_crash(
+    broker_factory: Callable[..., Broker], raws: Callable[..., Raw]
+) -> None:
+    """guarantees.md, Expiry: a session connected when the broker stopped (a crash alike) gets its
+    deadline counted from the restart; protocol.md: its `hello` set its expiry override (2 s here,
+    the broker's `session_expiry` 300), remembered with the session, so it expires 2 s after the restart."""
+    broker = broker_factory(session_expiry=300)
+    raw = raws(broker.port, "d4-short")
+    assert hello(raw, session_expiry=2)["session_expiry"] == 2
+    broker.restart(kill=True)
+    started = time.monotonic()
+    line = "durable session d4-short expired after 2 s disconnected"
+    assert broker.wait_until(lambda: line in broker.log(), WAIT)
+    assert time.monotonic() - started < 12
+
+
+def test_an_sdk_session_stays_one_across_a_crash_without_a_new_hello(
+    broker_factory: Callable[..., Broker], raws: Callable[..., Raw]
+) -> None:
+    """protocol.md: the `hello` is remembered with the session: an SDK session stays one until it ends
+    (its messages held until `ready`, framed, then a marker). After a SIGKILL, a reconnect that sends
+    no `hello` still gets nothing before `ready`, then the queued message framed as replayed, then the marker."""
+    broker = broker_factory()
+    raw = raws(broker.port, "d4-sdk")
+    epoch = hello(raw)["epoch"]
+    raw_subscribe(raw.sock, "held/#", 1)
+    raw.close()
+    broker.restart(kill=True)
+    raws(broker.port, "d4-pub", clean=True).publish("held/1", b"payload")
+    sock = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    sock.sendall(connect_packet("d4-sdk", clean=False))
+    assert read_exactly(sock, 4) == b"\x20\x02\x01\x00"
+    sock.sendall(b"\xc0\x00")  # a PINGRESP before any PUBLISH: nothing was sent before ready
+    assert read_packet(sock) == (0xD0, b"")
+    sock.sendall(mqtt_packet(0x30, mqtt_string(CTL) + json.dumps({"v": 1, "op": "ready", "req": 4}).encode()))
+    seen: list[tuple[str, bytes]] = []
+    while len(seen) < 3:
+        first, body = read_packet(sock)
+        assert first >> 4 == 3
+        length = int.from_bytes(body[:2], "big")
+        topic, rest = body[2 : 2 + length].decode(), body[2 + length :]
+        if first & 0x06:
+            sock.sendall(b"\x40\x02" + rest[:2])
+            rest = rest[2:]
+        seen.append((topic, rest))
+    assert [topic for topic, _ in seen] == [REPLY, "held/1", "$durable/v1/marker"]
+    frame = seen[1][1]
+    assert frame[0] == 1 and frame[1] & 0x01 and int.from_bytes(frame[2:10], "big") == epoch
+    assert frame[26:] == b"payload"
+    marker = json.loads(seen[2][1])
+    assert (marker["epoch"], marker["replayed"]) == (epoch, 1)
+    assert marker["first_seq"] == marker["last_seq"] == int.from_bytes(frame[10:18], "big")
+    sock.close()
