@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_ex
 from test_blind_protocol3 import CTL, REPLY, Raw
 
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
+from durable_client import DurableClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -237,3 +239,18 @@ def test_an_sdk_session_stays_one_across_a_crash_without_a_new_hello(
     assert (marker["epoch"], marker["replayed"]) == (epoch, 1)
     assert marker["first_seq"] == marker["last_seq"] == int.from_bytes(frame[10:18], "big")
     sock.close()
+
+
+# ------------------------------------------------------------------------------ sdk.md
+
+
+@pytest.mark.parametrize("option", ["reconnect_min_delay", "reconnect_max_delay"])
+def test_reconnect_delays_reach_threading_timeout_max_and_no_further(option: str) -> None:
+    """sdk.md, Bad input: `reconnect_min_delay` and `reconnect_max_delay` finite numbers of seconds
+    above 0 and at most `threading.TIMEOUT_MAX` (as every `timeout`); a bad value raises `ValueError`
+    whose message starts with the option's name."""
+    DurableClient("d4-delays", reconnect_min_delay=threading.TIMEOUT_MAX, reconnect_max_delay=threading.TIMEOUT_MAX)
+    with pytest.raises(ValueError, match=f"^{option}"):
+        DurableClient("d4-delays", **{option: threading.TIMEOUT_MAX * 2})
+    with pytest.raises(ValueError, match=f"^{option}"):
+        DurableClient("d4-delays", **{option: 0})
