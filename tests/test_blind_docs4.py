@@ -5,6 +5,7 @@ across a crash, SUBSCRIBEs holding one bad part, the store id across restarts). 
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import threading
 import time
@@ -16,7 +17,7 @@ import pytest
 from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly, read_packet
 from test_blind_protocol3 import CTL, REPLY, Raw
 
-from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, run_cli
 from durable_client import DurableClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -254,3 +255,43 @@ def test_reconnect_delays_reach_threading_timeout_max_and_no_further(option: str
         DurableClient("d4-delays", **{option: threading.TIMEOUT_MAX * 2})
     with pytest.raises(ValueError, match=f"^{option}"):
         DurableClient("d4-delays", **{option: 0})
+
+
+# ------------------------------------------------------------------------------ operations.md
+
+
+def test_a_backup_copied_into_an_empty_store_folder_is_refused_naming_the_path_and_changes_nothing(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """operations.md, Backing up: a backup copied *into* an existing empty folder
+    (`data/durable/durable-1`) or `store` pointed at the folder above the store: `store folder '...'
+    holds files (...) but no LevelDB store`, exit code 1, and nothing changes (broker and `inspect`;
+    `repair` of a folder without LevelDB files says `no store at '...'`)."""
+    original = broker_factory()
+    sock = raw_connect(original.port, "d4-backup", clean=False)
+    raw_subscribe(sock, "bk/#", 1)
+    sock.close()
+    original.stop()
+    store = tmp_path / "data" / "durable"
+    store.mkdir(parents=True)
+    shutil.copytree(original.store, store / "durable-1")
+    copied = sorted(p.name for p in (store / "durable-1").iterdir())
+    wrong = broker_factory(start=False, name="wrong")
+    wrong.settings["store"] = str(store)
+    with pytest.raises(AssertionError, match="broker exited with 1"):
+        wrong.start()
+    refusal = f"store folder '{store}' holds files (durable-1) but no LevelDB store"
+    assert refusal in wrong.log()
+    shown = run_cli("inspect", str(store))
+    assert (shown.returncode, refusal in shown.stderr) == (1, True), shown.stderr
+    above = run_cli("inspect", str(store.parent))
+    assert (
+        above.returncode == 1
+        and f"store folder '{store.parent}' holds files (durable) but no LevelDB store" in above.stderr
+    )
+    repaired = run_cli("repair", str(store))
+    assert repaired.returncode == 1 and f"no store at '{store}'" in repaired.stderr, repaired.stderr
+    assert [p.name for p in store.iterdir()] == ["durable-1"]
+    assert sorted(p.name for p in (store / "durable-1").iterdir()) == copied
+    listed = run_cli("inspect", str(store / "durable-1"), "--json")
+    assert [row["client_id"] for row in json.loads(listed.stdout)] == ["d4-backup"]
