@@ -23,6 +23,7 @@ from durable_client import DurableClient
 pytestmark = pytest.mark.timeout(60)
 
 EXPIRED = "$SYS/broker/durable/expired"
+CONTROL_WILLS = ("_durable/v1/ctl", "_durable/x")
 
 
 @pytest.fixture(scope="module")
@@ -340,3 +341,43 @@ def test_after_a_crash_the_counters_start_at_0_and_the_gauges_are_the_stores(
         "messages/queued": 2, "bytes/queued": 4, "retained/messages": 1,
         "sessions/connected": 0, "sessions/disconnected": 2,
     })  # fmt: skip
+
+
+def connect_with_will(port: int, client_id: str, topic: str, payload: bytes) -> socket.socket:
+    """A clean CONNECT with a QoS 1 retained will on ``topic``; returns the socket once CONNACK accepted it."""
+    flags = 0x02 | 0x04 | 1 << 3 | 0x20
+    body = mqtt_string("MQTT") + bytes((4, flags)) + (60).to_bytes(2, "big") + mqtt_string(client_id)
+    sock = socket.create_connection((HOST, port), timeout=WAIT)
+    sock.sendall(mqtt_packet(0x10, body + mqtt_string(topic) + mqtt_string(payload)))
+    assert read_exactly(sock, 4) == b"\x20\x02\x00\x00"
+    return sock
+
+
+def test_a_will_under_durable_is_never_routed_retained_queued_or_logged(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], raws: Callable[..., Raw]
+) -> None:
+    """protocol.md, Topics: nothing under `_durable/` is routed, retained or queued, so no subscriber
+    (not even one to `#`) receives control traffic; guarantees.md: nothing under `_durable/` is ever
+    retained. A will on `_durable/v1/ctl` (holding an `end_session` request) or `_durable/x` is not
+    delivered, retained, logged in a stream of `#`, nor acted on for the subscriber's session."""
+    broker = broker_factory(streams=[{"filter": "#"}])
+    clean = clients(broker.port, "d4-w-clean", clean_session=True)
+    assert clean.subscribe([("#", 1), ("_durable/#", 1)]) == [1, 1]
+    durable = clients(broker.port, "d4-w-durable")
+    assert durable.subscribe([("#", 1), ("_durable/#", 1)]) == [1, 1]
+    request = json.dumps({"v": 1, "op": "end_session", "req": 5}).encode()
+    dying = [connect_with_will(broker.port, f"d4-w-{n}", topic, request) for n, topic in enumerate(CONTROL_WILLS)]
+    dying.append(connect_with_will(broker.port, "d4-w-last", "w4/sentinel", b"last"))
+    for sock in dying:
+        sock.close()
+    for subscriber in (clean, durable):
+        assert subscriber.wait_for(lambda ms: any(m.topic == "w4/sentinel" for m in ms))
+        assert [m.topic for m in subscriber.messages] == ["w4/sentinel"]
+    late = clients(broker.port, "d4-w-late", clean_session=True)
+    assert late.subscribe([("_durable/#", 1), ("w4/#", 1)]) == [1, 1]
+    assert late.wait_for(lambda ms: len(ms) > 0)
+    assert [(m.topic, m.retain) for m in late.messages] == [("w4/sentinel", True)]
+    info = raws(broker.port, "d4-w-info").request({"v": 1, "op": "stream_info"})
+    assert list(info["topics"]) == ["w4/sentinel"]
+    durable.disconnect()
+    assert durable.connect() is True, "the durable subscriber's session was not ended"
