@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -381,3 +382,29 @@ def test_a_will_under_durable_is_never_routed_retained_queued_or_logged(
     assert list(info["topics"]) == ["w4/sentinel"]
     durable.disconnect()
     assert durable.connect() is True, "the durable subscriber's session was not ended"
+
+
+def test_a_replayed_frame_and_a_stream_event_keep_their_publish_time_across_a_crash(
+    broker_factory: Callable[..., Broker], raws: Callable[..., Raw]
+) -> None:
+    """protocol.md, Frames: offset 18, f64, the publish time, Unix seconds, as the broker received it
+    (the message's, and a stream event's, not when it is sent, also after a SIGKILL and restart)."""
+    broker = broker_factory(streams=[{"filter": "pt/#"}])
+    raw = raws(broker.port, "d4-ptime")
+    hello(raw)
+    raw_subscribe(raw.sock, "pt/#", 1)
+    raw.close()
+    before = time.time()
+    raws(broker.port, "d4-ptime-pub", clean=True).publish("pt/a", b"then")
+    after = time.time()
+    broker.restart(kill=True)
+    assert time.time() > after + 0.1, "the restart took time: a send time would be past the publish's"
+    reader = raws(broker.port, "d4-ptime")
+    reader.request({"v": 1, "op": "ready", "req": 2})
+    _topic, frame = reader.take(lambda topic, _payload: topic == "pt/a")
+    assert frame[26:] == b"then" and frame[1] & 0x01
+    assert before - 0.01 <= struct.unpack(">d", frame[18:26])[0] <= after + 0.01
+    reader.send({"v": 1, "op": "stream_subscribe", "req": 3, "filter": "pt/#"})
+    _topic, event = reader.take(lambda topic, _payload: topic == "$durable/v1/stream/pt/a")
+    assert event[26:] == b"then" and int.from_bytes(event[2:10], "big") == 0
+    assert before - 0.01 <= struct.unpack(">d", event[18:26])[0] <= after + 0.01
