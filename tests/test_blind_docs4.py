@@ -186,6 +186,28 @@ def test_stream_info_names_the_same_store_across_a_restart_and_a_new_one_for_a_n
     assert raws(other.port, "d4-info").request({"v": 1, "op": "stream_info"})["store"] != first["store"]
 
 
+def test_a_request_holding_an_integer_past_4300_digits_is_malformed_with_op_and_req_null(
+    shared: Broker, raws: Callable[..., Raw]
+) -> None:
+    """protocol.md, Replies: `malformed` for a request holding an integer written with more than 4300
+    digits, in any field, one the op ignores too (`request holds an integer of <n> digits; the limit is
+    4300`), answered with `op` and `req` null; `req` up to that is echoed exactly, and the connection
+    stays up. (The parser's error said `not UTF-8 JSON` and named a Python setting.)"""
+    raw = raws(shared.port, "d4-digits")
+    longest = "9" * 4300
+    reply = raw.request(f'{{"v": 1, "op": "hello", "req": {longest}}}'.encode())
+    assert reply["ok"] and reply["req"] == int(longest)
+    for body, digits in (
+        (f'{{"v": 1, "op": "hello", "req": {longest}1}}', 4301),
+        (f'{{"v": 1, "op": "hello", "req": 3, "session_expiry": {"1" * 5000}}}', 5000),
+        (f'{{"v": 1, "op": "hello", "req": 3, "ignored": [-{"2" * 4301}]}}', 4301),
+    ):
+        reply = raw.request(body.encode())
+        assert (reply["op"], reply["req"], reply["error"]["code"]) == (None, None, "malformed")
+        assert reply["error"]["message"] == f"request holds an integer of {digits} digits; the limit is 4300"
+    assert hello(raw)["ok"]
+
+
 # ------------------------------------------------------------------------------ restarts
 
 
@@ -408,3 +430,16 @@ def test_a_replayed_frame_and_a_stream_event_keep_their_publish_time_across_a_cr
     _topic, event = reader.take(lambda topic, _payload: topic == "$durable/v1/stream/pt/a")
     assert event[26:] == b"then" and int.from_bytes(event[2:10], "big") == 0
     assert before - 0.01 <= struct.unpack(">d", event[18:26])[0] <= after + 0.01
+
+
+def test_an_integer_too_long_to_write_is_refused_naming_the_option_or_argument() -> None:
+    """sdk.md, Bad input: a bad value raises `ValueError` whose message starts with the option's or
+    argument's name; streams.md: each `after` id a whole number of 0 or more written with at most 4300
+    digits (else `ValueError`), refused at the call, not when the reconnect sends it (it broke the
+    network thread, and `connect()` failed as if no broker answered)."""
+    with pytest.raises(ValueError, match=r"^port must be a whole number from 1 to 65535, got an integer of \d+ bits"):
+        DurableClient("d4-long", port=10**5000)
+    client = DurableClient("d4-long")
+    with pytest.raises(ValueError, match=r"^after: the id of 't/a' must be .* of at most 4300 digits"):
+        client.subscribe_stream("t/#", lambda _event: None, after={"t/a": 10**4300})
+    client.subscribe_stream("t/#", lambda _event: None, after={"t/a": 10**4299})
