@@ -208,6 +208,26 @@ def test_a_request_holding_an_integer_past_4300_digits_is_malformed_with_op_and_
     assert hello(raw)["ok"]
 
 
+def test_the_stream_window_holds_per_topic_and_an_ack_refills_only_its_own_topic(
+    shared: Broker, raws: Callable[..., Raw]
+) -> None:
+    """protocol.md, Streams: the broker sends events at most `window` unacknowledged per topic; an ack
+    (cumulative) releases that topic's ids up to it and the broker fills the window again at once."""
+    publisher = raws(shared.port, "d4-win-pub", clean=True)
+    for n in range(1, 6):
+        publisher.publish("log4/win/a", f"a{n}".encode())
+        publisher.publish("log4/win/b", f"b{n}".encode())
+    reader = raws(shared.port, "d4-win", clean=True)
+    reply = reader.request({"v": 1, "op": "stream_subscribe", "req": 1, "filter": "log4/win/+", "window": 2})
+    assert reply["topics"] == {"log4/win/a": {"first": 1, "last": 5}, "log4/win/b": {"first": 1, "last": 5}}
+    assert [e[1:] for e in reader.stream_events("log4/win/a", 2)] == [(1, b"a1"), (2, b"a2")]
+    assert [e[1:] for e in reader.stream_events("log4/win/b", 2)] == [(1, b"b1"), (2, b"b2")]
+    reader.send({"v": 1, "op": "stream_ack", "topic": "log4/win/a", "id": 2})
+    assert [e[1:] for e in reader.stream_events("log4/win/a", 2)] == [(3, b"a3"), (4, b"a4")]
+    assert reader.alive()  # a PINGREQ's answer: what the broker sent before it is read
+    assert reader.kept_stream_events("log4/win/b") == [], "b's window is still full: nothing more of b"
+
+
 # ------------------------------------------------------------------------------ restarts
 
 
