@@ -5,6 +5,7 @@ across a crash, SUBSCRIBEs holding one bad part, the store id across restarts). 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import struct
@@ -463,3 +464,30 @@ def test_an_integer_too_long_to_write_is_refused_naming_the_option_or_argument()
     with pytest.raises(ValueError, match=r"^after: the id of 't/a' must be .* of at most 4300 digits"):
         client.subscribe_stream("t/#", lambda _event: None, after={"t/a": 10**4300})
     client.subscribe_stream("t/#", lambda _event: None, after={"t/a": 10**4299})
+
+
+def test_inspect_retained_escapes_topics_and_orders_them_as_sent(broker_factory: Callable[..., Broker]) -> None:
+    """operations.md, inspect: a topic shows a backslash and each character that is not printable
+    (`str.isprintable()`) escaped as in a Python string, spaces, commas and `@` as they are; rows in
+    topic order (code points, as sent, not as escaped: U+0001 before `A`); columns as wide as their
+    widest cell in characters of the escaped text, two spaces between; `--json` gives topics as they are."""
+    broker = broker_factory()
+    publisher = raw_connect(broker.port, "d4-retained-pub", clean=True)
+    topics = ["r/A", "r/\x01", "r/\n", "r/é", "r/\u200d", "r/a b,c@d", "r/\U0001f600", "r/\uffef"]
+    for topic in topics:
+        publisher.sendall(mqtt_packet(0x31, mqtt_string(topic) + b"v"))  # QoS 0, retained
+    publisher.sendall(b"\xc0\x00")
+    assert read_packet(publisher) == (0xD0, b""), "the PUBLISHes before the PINGREQ are handled"
+    publisher.close()
+    broker.stop()
+    shown = run_cli("inspect", broker.store, "--retained")
+    assert shown.returncode == 0, shown.stderr
+    escaped = ["r/\\x01", "r/\\n", "r/A", "r/a b,c@d", "r/é", "r/\\u200d", "r/\\uffef", "r/\U0001f600"]
+    width = max(len(topic) for topic in escaped)
+    lines = shown.stdout.splitlines()
+    assert lines[0] == "TOPIC".ljust(width) + "  QOS  BYTES  AGE"
+    assert len(lines) == 10 and lines[-1] == "8 retained message(s)", shown.stdout
+    for topic, line in zip(escaped, lines[1:-1], strict=True):
+        assert re.fullmatch(re.escape(f"{topic.ljust(width)}  0    1      ") + r"\d+s", line), (topic, line)
+    listed = run_cli("inspect", broker.store, "--retained", "--json")
+    assert [row["topic"] for row in json.loads(listed.stdout)] == sorted(topics)
