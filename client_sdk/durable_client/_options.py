@@ -15,6 +15,7 @@ import math
 import numbers
 import operator
 import os
+import sys
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -133,7 +134,19 @@ def check_whole(option: str, value: object, low: int, high: int | None = None, w
         raise WrongTypeError(f"{option} must be {what} {bounds}, got {_show(value)}") from None
     if number < low or (high is not None and number > high):
         raise ValueError(f"{option} must be {what} {bounds}, got {_show(value)}")
+    if high is None and _too_long(number):  # JSON carries it as digits: the broker refuses such a request
+        limit = sys.get_int_max_str_digits()
+        raise ValueError(f"{option} must be {what} {bounds} of at most {limit} digits, got {_show(value)}")
     return number
+
+
+def _too_long(number: int) -> bool:
+    """More decimal digits than Python writes or reads (``sys.get_int_max_str_digits()``)."""
+    try:
+        str(number)
+    except ValueError:
+        return True
+    return False
 
 
 def check_seconds(
@@ -316,6 +329,8 @@ def _check_mqtt_string(option: str, value: str) -> None:
 
 def _show(value: object) -> str:
     """``repr(value)``, cut short: a 65536-byte topic must not make a 65536-character message."""
+    if isinstance(value, int) and _too_long(value):  # its repr would raise ValueError
+        return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     if len(text) <= _SHOWN:
         return text

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -320,7 +321,7 @@ def _json_object(payload: bytes) -> dict[str, Any]:
     if len(payload) > MAX_REQUEST_BYTES:
         raise ProtocolError("malformed", f"request of {len(payload)} bytes; the limit is {MAX_REQUEST_BYTES}")
     try:
-        data = json.loads(payload.decode("utf-8"))  # json.loads(bytes) would take UTF-16 and UTF-32 too
+        data = json.loads(payload.decode("utf-8"), parse_int=_json_int)  # bytes would be read as UTF-16/32 too
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError("malformed", f"request is not UTF-8 JSON: {exc}") from None
     except RecursionError:
@@ -328,6 +329,17 @@ def _json_object(payload: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ProtocolError("malformed", "request must be a JSON object")
     return data
+
+
+def _json_int(digits: str) -> int:
+    """A JSON integer; one of more digits than Python converts (``sys.get_int_max_str_digits()``, 4300:
+    converting more costs time quadratic in their count) refuses the request with a message that says
+    so, where ``int`` raised an error naming a Python setting a client cannot change."""
+    limit = sys.get_int_max_str_digits()
+    count = len(digits.lstrip("-"))
+    if limit and count > limit:
+        raise ProtocolError("malformed", f"request holds an integer of {count} digits; the limit is {limit}")
+    return int(digits)
 
 
 def _is_int(value: object) -> bool:
