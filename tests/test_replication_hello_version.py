@@ -115,10 +115,12 @@ def test_a_backup_refused_for_its_version_shows_why_and_follows_once_the_primary
             primary.db.close()
 
     asyncio.run(main())
-    said = "does not speak this backup's replication protocol version 1"
-    lines = [r for r in caplog.records if said in r.getMessage()]
+    said = f"replication: backup b: channel to {HOST}:"
+    lines = [r for r in caplog.records if said in r.getMessage() and "not supported" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.ERROR, caplog.text
-    assert refusal(1, speaks=2) in lines[0].getMessage()
+    assert f"refused (retried every 5 s, this line at most once a minute): refused by the primary: {refusal(1, 2)}" in (
+        lines[0].getMessage()
+    )
     assert "accepted by the primary: it speaks this protocol version" in caplog.text
 
 

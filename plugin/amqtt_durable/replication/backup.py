@@ -33,7 +33,6 @@ from .errors import FrameError, ReplicationGapError, StoreMismatchError
 from .framing import (
     NAME_IN_USE,
     NOT_PRIMARY,
-    PROTOCOL_VERSION,
     VERSION_REFUSED,
     CheckedBatch,
     Frame,
@@ -300,10 +299,14 @@ class Backup:
             refusal: AuthError | None = None
             try:
                 await self.run(host, port)
-            except NotPrimaryError as exc:  # retried as often as before: it may be a backup being promoted
+            except (NotPrimaryError, VersionRefusedError) as exc:
+                # NotPrimaryError: retried as often as before, it may be a backup being promoted;
+                # VersionRefusedError: an upgrade half done, retried until both speak one version.
                 refusal = exc
+                if isinstance(exc, VersionRefusedError):
+                    pause = max(retry, AUTH_RETRY)
                 log.log(
-                    repeated.level(str(exc)),
+                    (versions if isinstance(exc, VersionRefusedError) else repeated).level(str(exc)),
                     "replication: backup %s: channel to %s refused (retried every %g s, this line at most once a "
                     "minute): %s",
                     self.name,
@@ -320,19 +323,6 @@ class Backup:
                     primary,
                     exc,
                     pause,
-                )
-            except VersionRefusedError as exc:  # an upgrade half done: retried until both speak one version
-                pause = max(retry, AUTH_RETRY)
-                refusal = exc
-                log.log(
-                    versions.level(str(exc)),
-                    "replication: backup %s: channel to %s refused: the primary does not speak this backup's "
-                    "replication protocol version %d (retried every %g s, this line at most once a minute): %s",
-                    self.name,
-                    primary,
-                    PROTOCOL_VERSION,
-                    pause,
-                    exc,
                 )
             except NameInUseError as exc:  # another broker's backup holds the name: wait until it is free
                 pause = max(retry, AUTH_RETRY)
