@@ -466,7 +466,7 @@ def _refusal(payload: bytes) -> AuthError:
 
 
 class _RepeatedLine:
-    """The level of a channel error's line: WARNING for a text not logged at WARNING within the last
+    """The level of a channel error's line: WARNING (or ``loud``) for a text not logged so within the last
     ``every`` seconds (the first time, and then at most once every ``every`` seconds per text, so
     texts that alternate are limited too); DEBUG in between. It remembers the last ``KEPT`` texts."""
 

@@ -35,7 +35,9 @@ SNAP_CHUNK ops (count:u32 op*count, as in a batch): rows of the primary's snapsh
 SNAP_END   seq:u64 crc:u32: the snapshot holds every batch up to ``seq``
 BATCH      an encoded batch (above)
 IN_SYNC    seq:u64: the backup was sent everything up to ``seq`` live; it now counts
-ACK        seq:u64: the backup applied and synced every batch up to ``seq``
+ACK        seq:u64: the backup applied and synced every batch up to ``seq`` (on one connection
+           never lower than its last ACK, never past the last batch sent: a primary closes
+           the connection on such an ACK)
 STATUS     (empty) from a tool; answered by STATUS with this node's status as JSON
 PROMOTE    (empty) from ``amqtt-durable promote``; answered by PROMOTE with JSON
            ``{"promoted": bool, "why": text}``
