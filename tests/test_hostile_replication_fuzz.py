@@ -8,11 +8,12 @@ version, another store, the real backup's name, a name that is none, twice, or f
 ACKs of batches never sent or going backwards, many connections at once. Then a seeded fuzz of
 mutated frames on the primary's address, then on the backup's own (which serves tools and answers
 a HELLO with ERROR, not the primary), bounded by count, time and failed cases, which reports its
-seed and each failed case's bytes. With replication.secret, the same junk before the handshake. The promise under test (docs/replication.md, Limits and Protocol): the attacker's
-connection gets an ERROR frame (a refused handshake, a HELLO of another version or of a name in
-use) or is closed (anything else that does not decode), with a log line naming why; the broker
-goes on; the real backup stays in sync; every publish gets its PUBACK; and the backup, promoted,
-serves exactly the messages the client published, nothing lost.
+seed and each failed case's bytes. With replication.secret, the same junk before the handshake.
+The promise under test (docs/replication.md, Limits and Protocol): the attacker's connection gets
+an ERROR frame (a refused handshake, a HELLO of another version or of a name in use) or is closed
+(anything else that does not decode), with a log line naming why; the broker goes on; the real
+backup stays in sync; every publish gets its PUBACK; and the backup, promoted, serves exactly the
+messages the client published, nothing lost.
 """
 
 from __future__ import annotations
