@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from replication_helpers import HOST, bounded, commit, following, new_backup, ops_for, started_primary
 
+from amqtt_durable.replication import backup as backup_module
 from amqtt_durable.replication import framing
 from amqtt_durable.replication.framing import Frame, Hello, encode_frame, encode_seq, read_frame
 
@@ -93,8 +94,12 @@ def test_a_backup_refused_for_its_version_shows_why_and_follows_once_the_primary
     backup logs an ERROR naming both versions (once a minute, however often it retries), says
     so in ``refused`` (``refused_by_primary`` of its status), and retries; once the primary
     speaks its version it follows it."""
-    caplog.set_level(logging.INFO, "amqtt_durable")
+    caplog.set_level(logging.DEBUG, "amqtt_durable")
     monkeypatch.setattr(framing, "PROTOCOL_VERSION", 2)
+    monkeypatch.setattr(backup_module, "AUTH_RETRY", 0.1)  # retries every 0.1 s, not every 5 s
+
+    def refusals(level: int) -> int:
+        return sum(r.levelno == level and "not supported" in r.getMessage() for r in caplog.records)
 
     async def main() -> None:
         primary = await started_primary(tmp_path / "p")
@@ -102,10 +107,10 @@ def test_a_backup_refused_for_its_version_shows_why_and_follows_once_the_primary
         try:
             commit(primary, ops_for(1))
             async with following(backup, primary.port):
-                await until(lambda: backup.refused is not None)
+                await until(lambda: refusals(logging.DEBUG) >= 2)  # refused 3 times: 1 ERROR, then DEBUG
                 assert backup.refused == f"refused by the primary: {refusal(1, speaks=2)}"
                 assert not backup.caught_up and backup.applied_seq == 0
-                monkeypatch.undo()  # the primary is upgraded: it speaks 1 as well (retried in 5 s)
+                monkeypatch.undo()  # the primary is upgraded: it speaks 1 as well
                 await bounded(backup.in_sync_event.wait())
                 assert backup.refused is None
                 await bounded(backup.wait_applied(1))
@@ -117,8 +122,9 @@ def test_a_backup_refused_for_its_version_shows_why_and_follows_once_the_primary
     asyncio.run(main())
     said = f"replication: backup b: channel to {HOST}:"
     lines = [r for r in caplog.records if said in r.getMessage() and "not supported" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].levelno == logging.ERROR, caplog.text
-    assert f"refused (retried every 5 s, this line at most once a minute): refused by the primary: {refusal(1, 2)}" in (
+    assert [r.levelno for r in lines[:3]] == [logging.ERROR, logging.DEBUG, logging.DEBUG], caplog.text
+    assert refusals(logging.ERROR) == 1, caplog.text
+    assert f"refused (retried every 0.1 s, this line at most once a minute): refused by the primary: {refusal(1, 2)}" in (
         lines[0].getMessage()
     )
     assert "accepted by the primary: it speaks this protocol version" in caplog.text
