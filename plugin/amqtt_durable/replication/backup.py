@@ -82,7 +82,8 @@ INLINE_OPS: a thread hand-off per batch costs more CPU than such a write, and th
 the loop's stall short (milliseconds; longer when LevelDB slows its writes down for a
 compaction, as on the primary).
 Every synced write, every write while catching up (a group is then everything received, up to
-QUEUE_FRAMES frames and QUEUE_BYTES: tens of MiB) and every larger group go to a worker thread, and the loop
+QUEUE_FRAMES frames and QUEUE_BYTES, or one larger frame alone: up to MAX_FRAME) and every larger group go
+to a worker thread, and the loop
 (the HA cycle, CONNACK 3 answers, tools' questions) goes on meanwhile."""
 
 
@@ -495,9 +496,10 @@ class FrameQueue:
     """The frames received from the primary and not yet applied, bounded by count and by payload
     bytes: ``put`` waits (the socket is not read: TCP back-pressure on the primary) while the queue
     holds ``max_frames`` frames or the frame would take it past ``max_bytes``. A frame larger than
-    ``max_bytes`` alone is taken into an empty queue. The applier ``take``s everything at once, so
-    a backup holds at most about twice ``max_bytes`` of frames (the group it applies, the queue
-    filling meanwhile) and the one frame being read."""
+    ``max_bytes`` waits for an empty queue and is taken alone. The applier ``take``s everything at
+    once, so a backup holds the group it applies and the queue filling meanwhile, each at most
+    max(``max_bytes``, the largest frame), and the one frame being read: about
+    2 x max(``max_bytes``, largest frame) + that frame (frames are at most MAX_FRAME)."""
 
     def __init__(self, max_frames: int, max_bytes: int) -> None:
         self.max_frames = max_frames
