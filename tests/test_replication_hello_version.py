@@ -124,9 +124,8 @@ def test_a_backup_refused_for_its_version_shows_why_and_follows_once_the_primary
     lines = [r for r in caplog.records if said in r.getMessage() and "not supported" in r.getMessage()]
     assert [r.levelno for r in lines[:3]] == [logging.ERROR, logging.DEBUG, logging.DEBUG], caplog.text
     assert refusals(logging.ERROR) == 1, caplog.text
-    assert f"refused (retried every 0.1 s, this line at most once a minute): refused by the primary: {refusal(1, 2)}" in (
-        lines[0].getMessage()
-    )
+    said = f"refused (retried every 0.1 s, this line at most once a minute): refused by the primary: {refusal(1, 2)}"
+    assert said in lines[0].getMessage(), lines[0].getMessage()
     assert "accepted by the primary: it speaks this protocol version" in caplog.text
 
 
