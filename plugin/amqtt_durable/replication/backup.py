@@ -284,7 +284,7 @@ class Backup:
             log.info("replication: backup %s: the node at its primary address answers as the primary", self.name)
         elif self._refusal is NameInUseError:
             log.info("replication: backup %s: accepted by the primary: its name is free again", self.name)
-        elif self._refusal is not None:
+        elif self._refusal is VersionRefusedError:
             log.info("replication: backup %s: accepted by the primary: it speaks this protocol version", self.name)
         self.refused = self._refusal = None
 
@@ -478,7 +478,7 @@ class _RepeatedLine:
         self.loud = loud
         """The level of a line that is logged (WARNING unless said otherwise)."""
         self._logged: dict[str, float] = {}
-        """Text: when its last WARNING was, the latest last."""
+        """Text: when it was last logged at ``loud``, the latest last."""
 
     def level(self, text: str) -> int:
         now = time.monotonic()
