@@ -23,6 +23,7 @@ import logging
 import secrets
 import ssl
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal, NoReturn
 
@@ -32,6 +33,7 @@ from .errors import FrameError, ReplicationGapError, StoreMismatchError
 from .framing import (
     NAME_IN_USE,
     NOT_PRIMARY,
+    VERSION_REFUSED,
     CheckedBatch,
     Frame,
     Hello,
@@ -51,6 +53,9 @@ log = logging.getLogger("amqtt_durable.replication")
 BackupState = Literal["disconnected", "connecting", "snapshot", "catching_up", "in_sync"]
 QUEUE_FRAMES = 1024
 """Frames received but not yet applied; past it the socket is not read (TCP back-pressure)."""
+QUEUE_BYTES = 64 * 1024 * 1024
+"""Payload bytes of the frames received but not yet applied; past it the socket is not read either
+(FrameQueue): QUEUE_FRAMES frames of large batches alone could hold gigabytes."""
 _KEPT = frozenset({SNAPSHOT_MARK_KEY, VERSION_KEY})
 AUTH_RETRY = 5.0
 """Seconds before a backup refused by the handshake (a secret that does not match) tries again."""
@@ -77,8 +82,14 @@ INLINE_OPS: a thread hand-off per batch costs more CPU than such a write, and th
 the loop's stall short (milliseconds; longer when LevelDB slows its writes down for a
 compaction, as on the primary).
 Every synced write, every write while catching up (a group is then everything received, up to
-QUEUE_FRAMES frames: hundreds of MiB) and every larger group go to a worker thread, and the loop
+QUEUE_FRAMES frames and QUEUE_BYTES, or one larger frame alone: up to MAX_FRAME) and every larger group go
+to a worker thread, and the loop
 (the HA cycle, CONNACK 3 answers, tools' questions) goes on meanwhile."""
+
+
+class VersionRefusedError(AuthError):
+    """The primary does not speak this backup's replication protocol version (an upgrade half
+    done): it answered the HELLO with an ERROR frame naming both versions (VERSION_REFUSED)."""
 
 
 class NameInUseError(AuthError):
@@ -109,8 +120,13 @@ class Backup:
         handshake_timeout: float = 10.0,
         tls: ssl.SSLContext | None = None,
         instance: int | None = None,
+        queue_bytes: int = QUEUE_BYTES,
     ) -> None:
         self.db = db
+        self.queue_bytes = queue_bytes
+        """The byte bound of the frames received and not yet applied (FrameQueue)."""
+        self.received = FrameQueue(QUEUE_FRAMES, queue_bytes)
+        """The current connection's frames received and not yet applied (a new queue per connection)."""
         low = (1 << 56) - 1
         self.instance = INSTANCE_MARK | ((instance or secrets.randbits(56)) & low)
         """This broker process in its HELLO (its top byte INSTANCE_MARK, never 0): a primary
@@ -174,9 +190,9 @@ class Backup:
         except BaseException:
             self.state = "disconnected"
             raise
-        frames: asyncio.Queue[tuple[Frame, bytes] | None] = asyncio.Queue(QUEUE_FRAMES)
+        frames = self.received = FrameQueue(QUEUE_FRAMES, self.queue_bytes)
         receiver = asyncio.get_running_loop().create_task(_receive(reader, frames, session))
-        receiver.add_done_callback(lambda _: _put_end(frames))
+        receiver.add_done_callback(lambda _: frames.end())
         answered = False
         try:
             self._read_store()
@@ -186,30 +202,17 @@ class Backup:
             await writer.drain()
             self.state = "catching_up"
             while True:
-                # Every frame received is applied before the end of the channel is reported. The
-                # receiver's end mark (None) is not queued when the queue was full as it ended:
-                # then the receiver is done once the queue is empty.
-                if frames.empty() and receiver.done():
+                # Every frame received is applied before the end of the channel is reported.
+                group = await frames.take()
+                if not group:
                     self._channel_ended(receiver, answered)
-                first = await frames.get()
-                if first is None:
-                    self._channel_ended(receiver, answered)
-                group, ended = [first], False
                 if not answered:
-                    self._answered(*first)
+                    self._answered(*group[0])
                     answered = True
-                while not frames.empty():
-                    frame = frames.get_nowait()
-                    if frame is None:
-                        ended = True
-                        break
-                    group.append(frame)
                 ack = await self._apply_or_read_store(group)
                 if ack is not None:
                     writer.write(session.encode(Frame.ACK, encode_seq(ack)))
                     await writer.drain()
-                if ended:
-                    self._channel_ended(receiver, answered)
         finally:
             self.state = "disconnected"
             self.in_sync_event.clear()
@@ -279,8 +282,10 @@ class Backup:
             return
         if self._refusal is NotPrimaryError:
             log.info("replication: backup %s: the node at its primary address answers as the primary", self.name)
-        elif self._refusal is not None:
+        elif self._refusal is NameInUseError:
             log.info("replication: backup %s: accepted by the primary: its name is free again", self.name)
+        elif self._refusal is VersionRefusedError:
+            log.info("replication: backup %s: accepted by the primary: it speaks this protocol version", self.name)
         self.refused = self._refusal = None
 
     async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
@@ -288,16 +293,21 @@ class Backup:
         primary = join_address(host, port)
         logged = -NAME_LOG_EVERY
         repeated = _RepeatedLine(REFUSAL_LOG_EVERY)
+        versions = _RepeatedLine(REFUSAL_LOG_EVERY, logging.ERROR)
         self.refused = self._refusal = None  # another primary's, if any
         while not stop.is_set():
             pause = retry
             refusal: AuthError | None = None
             try:
                 await self.run(host, port)
-            except NotPrimaryError as exc:  # retried as often as before: it may be a backup being promoted
+            except (NotPrimaryError, VersionRefusedError) as exc:
+                # NotPrimaryError: retried as often as before, it may be a backup being promoted;
+                # VersionRefusedError: an upgrade half done, retried until both speak one version.
                 refusal = exc
+                if isinstance(exc, VersionRefusedError):
+                    pause = max(retry, AUTH_RETRY)
                 log.log(
-                    repeated.level(str(exc)),
+                    (versions if isinstance(exc, VersionRefusedError) else repeated).level(str(exc)),
                     "replication: backup %s: channel to %s refused (retried every %g s, this line at most once a "
                     "minute): %s",
                     self.name,
@@ -452,21 +462,23 @@ def _refusal(payload: bytes) -> AuthError:
     if _says_not_primary(Frame.ERROR, payload):
         return NotPrimaryError(error_text(payload))
     text = payload.decode("utf-8", "replace")
-    refusal = NameInUseError if NAME_IN_USE in text else AuthError
+    refusal = NameInUseError if NAME_IN_USE in text else VersionRefusedError if VERSION_REFUSED in text else AuthError
     return refusal(f"refused by the primary: {error_text(payload)}")
 
 
 class _RepeatedLine:
-    """The level of a channel error's line: WARNING for a text not logged at WARNING within the last
+    """The level of a channel error's line: WARNING (or ``loud``) for a text not logged so within the last
     ``every`` seconds (the first time, and then at most once every ``every`` seconds per text, so
     texts that alternate are limited too); DEBUG in between. It remembers the last ``KEPT`` texts."""
 
     KEPT = 8
 
-    def __init__(self, every: float) -> None:
+    def __init__(self, every: float, loud: int = logging.WARNING) -> None:
         self.every = every
+        self.loud = loud
+        """The level of a line that is logged (WARNING unless said otherwise)."""
         self._logged: dict[str, float] = {}
-        """Text: when its last WARNING was, the latest last."""
+        """Text: when it was last logged at ``loud``, the latest last."""
 
     def level(self, text: str) -> int:
         now = time.monotonic()
@@ -477,23 +489,69 @@ class _RepeatedLine:
         self._logged[text] = now
         while len(self._logged) > self.KEPT:
             del self._logged[next(iter(self._logged))]
-        return logging.WARNING
+        return self.loud
 
 
-async def _receive(
-    reader: asyncio.StreamReader, frames: asyncio.Queue[tuple[Frame, bytes] | None], session: Session
-) -> None:
+class FrameQueue:
+    """The frames received from the primary and not yet applied, bounded by count and by payload
+    bytes: ``put`` waits (the socket is not read: TCP back-pressure on the primary) while the queue
+    holds ``max_frames`` frames or the frame would take it past ``max_bytes``. A frame larger than
+    ``max_bytes`` waits for an empty queue and is taken alone. The applier ``take``s everything at
+    once, so a backup holds the group it applies and the queue filling meanwhile, each at most
+    max(``max_bytes``, the largest frame), and the one frame being read: about
+    2 x max(``max_bytes``, largest frame) + that frame (frames are at most MAX_FRAME)."""
+
+    def __init__(self, max_frames: int, max_bytes: int) -> None:
+        self.max_frames = max_frames
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        """Payload bytes queued now."""
+        self.peak_bytes = 0
+        """The most payload bytes it held at once."""
+        self.backed_up = asyncio.Event()
+        """Set while the reader waits for room (the primary meets TCP back-pressure); cleared by ``take``."""
+        self._frames: deque[tuple[Frame, bytes]] = deque()
+        self._ended = False
+        self._space = asyncio.Event()
+        self._queued = asyncio.Event()
+
+    def _full_for(self, size: int) -> bool:
+        return bool(self._frames) and (len(self._frames) >= self.max_frames or self.bytes + size > self.max_bytes)
+
+    async def put(self, frame: tuple[Frame, bytes]) -> None:
+        size = len(frame[1])
+        while self._full_for(size):  # one reader: only take() makes room
+            self.backed_up.set()
+            self._space.clear()
+            await self._space.wait()
+        self._frames.append(frame)
+        self.bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        self._queued.set()
+
+    async def take(self) -> list[tuple[Frame, bytes]]:
+        """Every frame queued, in order (at least one); [] once ``end`` was called and all were taken."""
+        while not self._frames and not self._ended:
+            self._queued.clear()
+            await self._queued.wait()
+        group = list(self._frames)
+        self._frames.clear()
+        self.bytes = 0
+        self.backed_up.clear()
+        self._space.set()
+        return group
+
+    def end(self) -> None:
+        """The receiver ended: ``take`` returns what is left, then []."""
+        self._ended = True
+        self._queued.set()
+
+
+async def _receive(reader: asyncio.StreamReader, frames: FrameQueue, session: Session) -> None:
     """Queue the primary's frames; a frame that fails its MAC (with a secret) ends the connection
     here, before it is queued: nothing in it is applied."""
     while True:
         await frames.put(await session.read(reader))
-
-
-def _put_end(frames: asyncio.Queue[tuple[Frame, bytes] | None]) -> None:
-    """Queue the receiver's end mark behind its frames (when the queue is full, the reader of the
-    queue finds the receiver done once it emptied it)."""
-    with contextlib.suppress(asyncio.QueueFull):
-        frames.put_nowait(None)
 
 
 def _write(db: Any, ops: list[Op], sync: bool, batches: Sequence[CheckedBatch] = ()) -> None:

@@ -35,16 +35,21 @@ SNAP_CHUNK ops (count:u32 op*count, as in a batch): rows of the primary's snapsh
 SNAP_END   seq:u64 crc:u32: the snapshot holds every batch up to ``seq``
 BATCH      an encoded batch (above)
 IN_SYNC    seq:u64: the backup was sent everything up to ``seq`` live; it now counts
-ACK        seq:u64: the backup applied and synced every batch up to ``seq``
+ACK        seq:u64: the backup applied and synced every batch up to ``seq`` (on one connection
+           never lower than its last ACK, never past the last batch sent: a primary closes
+           the connection on such an ACK)
 STATUS     (empty) from a tool; answered by STATUS with this node's status as JSON
 PROMOTE    (empty) from ``amqtt-durable promote``; answered by PROMOTE with JSON
            ``{"promoted": bool, "why": text}``
 AUTH       the handshake of replication.secret (auth.py), before any other frame, only
            when a secret is set
 ERROR      text (utf-8): why the connection is refused (a failed or unexpected handshake, a
-           backup's name in use, a HELLO sent to a backup: NOT_PRIMARY); the sender closes the
-           connection after it
+           backup's name in use, a HELLO of a version the primary does not speak, a HELLO sent to
+           a backup: NOT_PRIMARY); the sender closes the connection after it
 =========  ===================================================================
+
+A HELLO's ``version`` is read first: a primary answers one other than ``PROTOCOL_VERSION``
+with ERROR ``replication protocol version N not supported: this primary speaks 1``.
 
 STATUS and PROMOTE come from tools, as the first frame of a connection to a node's
 replication address: the primary's channel server answers them, and so does a backup's.
@@ -68,6 +73,7 @@ Op = tuple[bytes, bytes | None]
 
 _BATCH_HEAD = struct.Struct(">QQ")
 _OP_HEAD = struct.Struct(">IB")
+_U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _FRAME_HEAD = struct.Struct(">BI")
@@ -105,6 +111,23 @@ NOT_PRIMARY = "not the primary"
 """The first words, then a colon, of the ERROR frame with which a backup's replication address
 answers a HELLO (a backup whose replication.primary names a backup): the refused backup recognises
 the refusal by them (first, so the 200-character cut of a peer's ERROR text never takes them)."""
+
+
+VERSION_REFUSED = "not supported: this primary speaks"
+"""In the ERROR frame with which a primary refuses a HELLO of a protocol version it does not speak
+(``unsupported_version``): the refused backup recognises the refusal by these words."""
+
+
+def unsupported_version(payload: bytes) -> str | None:
+    """The ERROR text for a HELLO payload whose version is not PROTOCOL_VERSION, naming both
+    versions; None for one of this version, or one too short to hold a version (it does not
+    decode). Read before the rest of the HELLO: another version's may be laid out otherwise."""
+    if len(payload) < _U16.size:
+        return None
+    (version,) = _U16.unpack_from(payload, 0)
+    if version == PROTOCOL_VERSION:
+        return None
+    return f"replication protocol version {version} {VERSION_REFUSED} {PROTOCOL_VERSION}"
 
 
 class Frame(IntEnum):

@@ -54,6 +54,7 @@ from .framing import (
     encode_ops,
     encode_position,
     encode_seq,
+    unsupported_version,
 )
 from .gate import HandshakeGate
 from .log import RetainedLog, plan_catch_up
@@ -545,7 +546,7 @@ class Primary:
                 ended = ""
                 return
             if hello is None:
-                ended = ""  # refused for its name, and logged so
+                ended = ""  # refused for its version or its name, and logged so
                 return
             self.links[key] = link
             acks = asyncio.get_running_loop().create_task(self._read_acks(reader, link))
@@ -583,14 +584,20 @@ class Primary:
         self._progressed()  # a backup gone is no longer waited for
 
     def _hello(self, link: BackupLink, kind: Frame, payload: bytes) -> Hello | None:
-        """A backup's HELLO, its name and instance given to ``link``; None when refused for its name."""
+        """A backup's HELLO, its name and instance given to ``link``; None when refused (logged):
+        for its version, or for its name."""
         if kind != Frame.HELLO:
             raise FrameError("HELLO", f"first frame is {kind.name}")
+        assert link.writer is not None
+        unsupported = unsupported_version(payload)
+        if unsupported is not None:  # refused as the handshake refuses (rate-limited, counted), and told why
+            self.gate.refusal(link.writer, link.peer, unsupported)
+            link.writer.write(link.session.encode(Frame.ERROR, unsupported.encode("utf-8")))
+            return None
         hello = Hello.decode(payload)
         link.name, link.instance = hello.name, hello.instance
         if not self._take_name(link):
             return None
-        assert link.writer is not None
         _keepalive(link.writer)
         return hello
 
@@ -662,6 +669,8 @@ class Primary:
             seq = decode_seq(payload)
             if seq > link.sent_seq:
                 raise FrameError("ACK", f"ack of batch {seq}, only {link.sent_seq} were sent")
+            if seq < link.acked_seq:  # a backup's acks only grow on a connection: damage, or not a backup
+                raise FrameError("ACK", f"ack of batch {seq} after an ack of batch {link.acked_seq}")
             link.acked_seq = seq
             link.acks += 1
             link.last_progress = time.monotonic()
