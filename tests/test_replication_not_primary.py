@@ -140,7 +140,11 @@ async def answer_hellos(tmp_path: Path, answer: bytes, tries: int, caught_up: bo
     backup.caught_up = caught_up
     try:
         async with following(backup, server.sockets[0].getsockname()[1]), tried:
-            await bounded(tried.wait_for(lambda: answered >= tries), WAIT)
+            try:
+                await bounded(tried.wait_for(lambda: answered >= tries), WAIT)
+            except TimeoutError:  # seen once under load: say how far it got
+                shown = f"{answered} of {tries} HELLOs answered in {WAIT} s; backup {backup.state}"
+                raise AssertionError(shown) from None
         return backup
     finally:
         server.close()
