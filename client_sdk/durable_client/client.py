@@ -470,7 +470,7 @@ class DurableClient:
                     subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
                     subscription.answered = previous.answered
                     subscription.interest_req, subscription.interest_due = previous.interest_req, previous.interest_due
-                    subscription.false_logged = previous.false_logged
+                    subscription.false_logged, subscription.refused = previous.false_logged, previous.refused
                 if not self._connected:
                     subscription.undo_interest = (
                         durable and previous is not None and (previous.undo_interest or not previous.durable)
@@ -915,13 +915,16 @@ class DurableClient:
         """The broker applied (or refused) a change of durability sent without a SUBSCRIBE: the
         delivery-log record of a change to durable: true is written now, not when it was sent, so
         a connection lost in between leaves no record of a change the broker never made (one to
-        durable: false was written as sent)."""
+        durable: false was written as sent). A refused one writes none (the broker holds the filter
+        as before, non-durable: an earlier SUBSCRIBE's SUBACK still due writes ``durable: false``)."""
         with self._registry.lock:
             subscription = next((s for s in self._registry.subscriptions() if s.interest_req == reply.req), None)
             if subscription is None:
                 return
             subscription.interest_req = None
             due, subscription.interest_due = subscription.interest_due, False
+            # Refused: the broker keeps the filter non-durable, as it was; a SUBSCRIBE's SUBACK still due says so.
+            subscription.refused = not reply.ok and subscription.mid is not None
             # A change to durable: false was logged as it was sent.
             logged = due and reply.ok and subscription.durable and subscription.confirmed and subscription.mid is None
             if logged and self._delivery_log is not None:  # before subscribe() returns
@@ -1272,9 +1275,12 @@ class DurableClient:
     def _log_subscribed(self, subscription: Subscription) -> None:
         """(Holding the registry's lock, at a granted SUBACK, before subscribe() returns.) From the
         SUBACK on, the broker routes to it: what the audit may expect. A change to durable: true sent
-        after its SUBSCRIBE is not applied yet: logged non-durable here, durable at its reply. A change
+        after its SUBSCRIBE is not applied yet: logged non-durable here, durable at its reply; one the
+        broker refused before this SUBACK is logged non-durable here, and never durable. A change
         to durable: false made while it waited was written as sent: no second record here."""
-        durable = subscription.durable and self._durable and subscription.interest_req is None
+        durable = (
+            subscription.durable and self._durable and subscription.interest_req is None and not subscription.refused
+        )
         repeated, subscription.false_logged = subscription.false_logged and not durable, False
         if self._delivery_log is not None and not repeated:
             self._delivery_log.subscribe(subscription.filter, subscription.qos, durable)
@@ -1297,6 +1303,7 @@ class DurableClient:
                 for subscription in self._registry.subscriptions():
                     subscription.mid = None  # its SUBACK will not come
                     subscription.false_logged = False  # the reconnect's SUBACK writes its record
+                    subscription.refused = False
                     subscription.interest_req = None  # nor its interest reply
                     if subscription.interest_due and subscription.durable:
                         # The broker may not have applied it (nor will it log): said again before the next hello.
