@@ -59,6 +59,24 @@ class Connections:
             return self.cond.wait_for(predicate, WAIT)
 
 
+class Lives:
+    """An on_live callback that counts the markers (one per connection once its SUBACKs came, after
+    ready_for_events()), and a wait on the count."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.markers: list[Marker] = []
+
+    def on_live(self, marker: Marker) -> None:
+        with self.cond:
+            self.markers.append(marker)
+            self.cond.notify_all()
+
+    def wait(self, count: int) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: len(self.markers) == count, WAIT)
+
+
 @pytest.fixture
 def proxied(broker_factory: Callable[..., Broker]) -> Iterator[Callable[..., tuple[Broker, FaultProxy, int]]]:
     """Start a broker (``broker_factory``'s keywords) and a FaultProxy in front of it: (the broker, the
@@ -95,20 +113,12 @@ def test_a_durability_change_lost_with_its_connection_is_logged_only_once_the_re
     and the broker confirms it; subscribe() waits for that confirmation (RequestTimeout meanwhile)."""
     broker, proxy, port = proxied(metrics_interval=0.1)
     log = tmp_path / "device.jsonl"
-    live = threading.Condition()
-    markers: list[Marker] = []
-
-    def on_live(marker: Marker) -> None:
-        with live:
-            markers.append(marker)
-            live.notify_all()
-
-    device = sdk(port, "flipper", delivery_log=log, on_live=on_live)
+    lives = Lives()
+    device = sdk(port, "flipper", delivery_log=log, on_live=lives.on_live)
     device.subscribe("flip/t", qos=1, durable=False)
     device.connect(timeout=WAIT)
     device.ready_for_events()  # each connection's marker comes once its SUBACKs did
-    with live:
-        assert live.wait_for(lambda: len(markers) == 1, WAIT), "no marker"
+    assert lives.wait(1), "no marker"
     assert [r["durable"] for r in subscribes(log, "flip/t")] == [False]
 
     assert proxy.stall() == 1
@@ -128,8 +138,7 @@ def test_a_durability_change_lost_with_its_connection_is_logged_only_once_the_re
     assert [r["durable"] for r in subscribes(log, "flip/t")] == [False]
 
     proxy.restore()
-    with live:  # after the reconnect's SUBACK, or hello reply, that confirms the change
-        assert live.wait_for(lambda: len(markers) == 2, WAIT), "no reconnect"
+    assert lives.wait(2), "no reconnect"  # after the reconnect's SUBACK, or hello reply, that confirms the change
     logged = subscribes(log, "flip/t")
     assert [r["durable"] for r in logged] == [False, True], logged
     assert logged[1]["time"] > away, (logged, away)  # the window opens after the publish made while away
@@ -257,24 +266,15 @@ def test_a_change_to_durable_made_while_the_suback_is_on_its_way_waits_for_its_o
     SUBACK) then `true` (the reply)."""
     relay = relays(broker.port)
     log = tmp_path / "device.jsonl"
-    outcome: list[BaseException | None] = []
     device = sdk(relay.port, "twice", delivery_log=log)
     device.connect(timeout=WAIT)
-
-    def make_durable() -> None:
-        try:
-            device.subscribe("twice/t", qos=1, durable=True, timeout=WAIT)
-            outcome.append(None)
-        except BaseException as exc:  # handed to the test's thread
-            outcome.append(exc)
 
     relay.hold("down")
     with pytest.raises(RequestTimeout):  # the SUBACK is held
         device.subscribe("twice/t", qos=1, durable=False, timeout=0.3)
     relay.wait_seen(lambda p: p.kind == 9)  # the broker sent the SUBACK
     relay.hold("up")  # now both ways
-    caller = threading.Thread(target=make_durable, daemon=True)
-    caller.start()
+    caller, outcome = made_durable_in_a_thread(device, "twice/t")
     relay.wait_seen(is_interest(True))
     relay.release("down")  # the SUBACK comes; the interest stays held
     assert wait_until(lambda: [r["durable"] for r in subscribes(log, "twice/t")] == [False], WAIT), "no record"
@@ -385,6 +385,25 @@ def relays() -> Iterator[Callable[..., PacketRelay]]:
         relay.close()
 
 
+def made_durable_in_a_thread(
+    device: DurableClient, topic_filter: str
+) -> tuple[threading.Thread, list[BaseException | None]]:
+    """A started thread whose subscribe() makes ``topic_filter`` durable (QoS 1), and its outcome once
+    it returns: [None], or [what it raised]."""
+    outcome: list[BaseException | None] = []
+
+    def make_durable() -> None:
+        try:
+            device.subscribe(topic_filter, qos=1, durable=True, timeout=WAIT)
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    caller = threading.Thread(target=make_durable, daemon=True)
+    caller.start()
+    return caller, outcome
+
+
 def is_interest(durable: bool) -> Callable[[Packet], bool]:
     """Matches a client's `interest` request with that `durable` (true when left out)."""
 
@@ -419,34 +438,17 @@ def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_
     broker = broker_factory(metrics_interval=0.1)
     relay = relays(broker.port, rewrite=spoil)
     log = tmp_path / "device.jsonl"
-    live = threading.Condition()
-    markers: list[Marker] = []
-
-    def on_live(marker: Marker) -> None:
-        with live:
-            markers.append(marker)
-            live.notify_all()
-
-    device = sdk(relay.port, "refused", delivery_log=log, on_live=on_live)
+    lives = Lives()
+    device = sdk(relay.port, "refused", delivery_log=log, on_live=lives.on_live)
     device.connect(timeout=WAIT)
     device.ready_for_events()  # each connection's marker comes once its SUBACKs did
-    with live:
-        assert live.wait_for(lambda: len(markers) == 1, WAIT), "no marker"
+    assert lives.wait(1), "no marker"
     relay.hold("down", lambda p: p.kind == 9)  # SUBACKs only
     with pytest.raises(RequestTimeout):
         device.subscribe("refused/t", qos=1, durable=False, timeout=0.3)
     relay.wait_seen(lambda p: p.kind == 9)
-    outcome: list[BaseException | None] = []
 
-    def make_durable() -> None:
-        try:
-            device.subscribe("refused/t", qos=1, durable=True, timeout=WAIT)
-            outcome.append(None)
-        except BaseException as exc:  # handed to the test's thread
-            outcome.append(exc)
-
-    caller = threading.Thread(target=make_durable, daemon=True)
-    caller.start()
+    caller, outcome = made_durable_in_a_thread(device, "refused/t")
     req = relay.wait_seen(is_interest(True)).control()["req"]  # type: ignore[index]
     refusal = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("req") == req)
     assert refusal.control()["ok"] is False, refusal  # type: ignore[index]
@@ -460,8 +462,7 @@ def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_
     away = time.time()
     clients(broker.port, "refused-pub", clean_session=True).publish("refused/t", [b"not queued"], qos=1)
     relay.accept()
-    with live:
-        assert live.wait_for(lambda: len(markers) == 2, WAIT), "no reconnect"
+    assert lives.wait(2), "no reconnect"
     logged = subscribes(log, "refused/t")
     assert [r["durable"] for r in logged] == [False, True], logged
     assert logged[1]["time"] > away, (logged, away)

@@ -973,6 +973,28 @@ def test_an_ack_read_with_a_websocket_close_frame_counts(
         assert first >> 4 == 3 and not first & 0x08 and body.endswith(b"later"), (first, body)
 
 
+@contextlib.contextmanager
+def half_reading_nothing(broker: Broker) -> Iterator[socket.socket]:
+    """The connection of "half" (clean), subscribed to big/# (QoS 0), whose small receive buffer
+    fills after a few KiB: its client reads nothing more than the test does."""
+    with socket.socket() as half:
+        half.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        half.settimeout(WAIT)
+        half.connect((HOST, broker.port))
+        half.sendall(connect_packet("half", clean=True))
+        assert read_exactly(half, 4) == CONNACK_ACCEPTED
+        assert raw_subscribe(half, "big/#", 0) == 0
+        yield half
+
+
+def fill_half(broker: Broker, publisher: Client, watcher: Client) -> None:
+    """Send "half" 10 MB on big/x (it reads none: the sockets' buffers fill); ``watcher``, subscribed to
+    slow/#, gets a later message once all were handed to "half"'s connection (one broadcast queue)."""
+    publisher.publish("big/x", [bytes(200_000)] * 50, qos=1)
+    publisher.publish("slow/end", [b"end"], qos=1)
+    assert watcher.wait_for(lambda ms: any(m.topic == "slow/end" for m in ms)), broker.log()[-2000:]
+
+
 @pytest.mark.parametrize("new_clean", [True, False], ids=["new-clean", "new-durable"])
 def test_a_take_over_of_a_half_closed_connection_whose_client_reads_nothing_is_connacked_at_once(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, new_clean: bool
@@ -989,19 +1011,11 @@ def test_a_take_over_of_a_half_closed_connection_whose_client_reads_nothing_is_c
     watcher = clients(broker.port, "clean-watcher", clean_session=True)  # "s1"'s check needs a subscriber
     assert watcher.subscribe("slow/#", 1) == [1]
     publisher = clients(broker.port, "big-pub", clean_session=True)
-    with socket.socket() as half:
-        half.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few KiB
-        half.settimeout(WAIT)
-        half.connect((HOST, broker.port))
-        half.sendall(connect_packet("half", clean=True))
-        assert read_exactly(half, 4) == CONNACK_ACCEPTED
-        assert raw_subscribe(half, "big/#", 0) == 0
+    with half_reading_nothing(broker) as half:
         half.sendall(mqtt_packet(0x32, mqtt_string("slow/1") + b"\x00\x01" + b"s1"))
         assert read_packet(half) == (0x40, b"\x00\x01")
         assert broker.wait_until((tmp_path / "entered").exists, WAIT), broker.log()[-2000:]
-        publisher.publish("big/x", [bytes(200_000)] * 50, qos=1)
-        publisher.publish("slow/end", [b"end"], qos=1)  # one broadcast queue: big/x's went to "half" first
-        assert watcher.wait_for(lambda ms: any(m.topic == "slow/end" for m in ms)), broker.log()[-2000:]
+        fill_half(broker, publisher, watcher)
         half.shutdown(socket.SHUT_WR)
         assert acknowledged(broker, half), "the broker's TCP did not acknowledge the FIN"
         with socket.create_connection((HOST, broker.port), timeout=WAIT) as newer:
@@ -1025,16 +1039,8 @@ def test_a_take_over_waiting_for_the_older_readers_backlog_ends_at_that_readers_
     assert watcher.subscribe("slow/#", 1) == [1]
     publisher = clients(broker.port, "big-pub", clean_session=True)
     backlog = mqtt_packet(0x30, mqtt_string("n/x") + b"x") * (100_000 // 8)
-    with socket.socket() as half:
-        half.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few KiB
-        half.settimeout(WAIT)
-        half.connect((HOST, broker.port))
-        half.sendall(connect_packet("half", clean=True))
-        assert read_exactly(half, 4) == CONNACK_ACCEPTED
-        assert raw_subscribe(half, "big/#", 0) == 0
-        publisher.publish("big/x", [bytes(200_000)] * 50, qos=1)
-        publisher.publish("slow/end", [b"end"], qos=1)  # one broadcast queue: big/x's went to "half" first
-        assert watcher.wait_for(lambda ms: any(m.topic == "slow/end" for m in ms)), broker.log()[-2000:]
+    with half_reading_nothing(broker) as half:
+        fill_half(broker, publisher, watcher)
         with socket.create_connection((HOST, broker.port), timeout=WAIT) as newer:
             half.sendall(backlog)
             half.shutdown(socket.SHUT_WR)
