@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -418,14 +419,17 @@ def is_interest(durable: bool) -> Callable[[Packet], bool]:
 
 def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_durable_at_that_suback(
     broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
-    tmp_path: Path, relays: Callable[..., PacketRelay],
+    tmp_path: Path, *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A new non-durable filter's SUBACK is held (a relay in front of the real broker lets other packets
     overtake it) while another call makes the filter durable; the broker refuses that `interest` (the relay
     makes its filter invalid: the broker answers `bad_filter`), and the refusal reaches the client before the
     SUBACK. The broker holds the filter non-durable: that SUBACK writes `durable: false` (before, `true`,
-    and the audit expected what the broker never queued). The filter is dropped with the connection, so a
-    publish made while away is not queued; the reconnect subscribes it again, durable, and writes `true`."""
+    and the audit expected what the broker never queued); subscribe() returns, with a WARNING. The broker
+    still holds it non-durable: a subscribe(durable=True) at a new QoS, and a retry at that QoS, each send
+    the change again (refused again: that SUBACK writes `false`). The filter is dropped with the connection,
+    so a publish made while away is not queued; the reconnect says the change again before its hello,
+    subscribes the filter again, and writes `true`."""
 
     def spoil(packet: Packet) -> Packet:
         request = packet.control()
@@ -454,15 +458,29 @@ def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_
     assert refusal.control()["ok"] is False, refusal  # type: ignore[index]
     relay.release("down")  # the SUBACK comes after the refusal
     caller.join(WAIT)
-    assert outcome == [None], outcome
+    assert outcome == [None], outcome  # no exception: a WARNING
+    assert any("refused 'interest'" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert [r["durable"] for r in subscribes(log, "refused/t")] == [False]
+
+    # The broker still holds it non-durable: a new QoS says durable: true again (refused again), and its
+    # SUBACK writes false; so does a retry at that QoS (before, it sent nothing and the SUBACK wrote true).
+    for _ in range(2):
+        after = len(relay.seen)
+        device.subscribe("refused/t", qos=0, durable=True, timeout=WAIT)
+        relay.wait_seen(is_interest(True), after)
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, False), (0, False)]
 
     relay.cut()
     seen_away(clients, broker, 1)
     away = time.time()
     clients(broker.port, "refused-pub", clean_session=True).publish("refused/t", [b"not queued"], qos=1)
+    after = len(relay.seen)
     relay.accept()
     assert lives.wait(2), "no reconnect"
+    # Said again before the hello (a hello listing it, the old connection not ended yet, sends no SUBSCRIBE).
+    undo = relay.wait_seen(is_interest(True), after)
+    hello = relay.wait_seen(lambda p: p.direction == "up" and (p.control() or {}).get("op") == "hello", after)
+    assert relay.seen.index(undo, after) < relay.seen.index(hello, after)
     logged = subscribes(log, "refused/t")
-    assert [r["durable"] for r in logged] == [False, True], logged
-    assert logged[1]["time"] > away, (logged, away)
+    assert [r["durable"] for r in logged] == [False, False, True], logged
+    assert logged[2]["time"] > away, (logged, away)
