@@ -417,6 +417,34 @@ def is_interest(durable: bool) -> Callable[[Packet], bool]:
     return match
 
 
+def refuse_durable_interests(packet: Packet) -> Packet:
+    """A PacketRelay rewrite: each `interest` durable: true gets an invalid filter (the broker answers
+    `bad_filter`)."""
+    request = packet.control()
+    if packet.kind != 3 or request is None or request.get("op") != "interest" or not request.get("durable"):
+        return packet
+    topic_end = 2 + int.from_bytes(packet.body[:2], "big")
+    body = json.dumps({**request, "filter": "refused/#/t"}).encode()
+    return Packet(packet.direction, packet.first, packet.body[:topic_end] + body)
+
+
+def refused_while_its_suback_is_held(
+    relay: PacketRelay, device: DurableClient
+) -> tuple[threading.Thread, list[BaseException | None]]:
+    """refused/t subscribed non-durable, its SUBACK held by ``relay`` (refuse_durable_interests), then made
+    durable in a thread (made_durable_in_a_thread) whose `interest` the broker refused: the refusal reached
+    the client, the SUBACK is still held ("down")."""
+    relay.hold("down", lambda p: p.kind == 9)  # SUBACKs only
+    with pytest.raises(RequestTimeout):
+        device.subscribe("refused/t", qos=1, durable=False, timeout=0.3)
+    relay.wait_seen(lambda p: p.kind == 9)
+    caller, outcome = made_durable_in_a_thread(device, "refused/t")
+    req = relay.wait_seen(is_interest(True)).control()["req"]  # type: ignore[index]
+    refusal = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("req") == req)
+    assert refusal.control()["ok"] is False, refusal  # type: ignore[index]
+    return caller, outcome
+
+
 def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_durable_at_that_suback(
     broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
     tmp_path: Path, *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture,
@@ -431,31 +459,15 @@ def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_
     so a publish made while away is not queued; the reconnect says the change again before its hello,
     subscribes the filter again, and writes `true`."""
 
-    def spoil(packet: Packet) -> Packet:
-        request = packet.control()
-        if packet.kind != 3 or request is None or request.get("op") != "interest" or not request.get("durable"):
-            return packet
-        topic_end = 2 + int.from_bytes(packet.body[:2], "big")
-        body = json.dumps({**request, "filter": "refused/#/t"}).encode()
-        return Packet(packet.direction, packet.first, packet.body[:topic_end] + body)
-
     broker = broker_factory(metrics_interval=0.1)
-    relay = relays(broker.port, rewrite=spoil)
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
     log = tmp_path / "device.jsonl"
     lives = Lives()
     device = sdk(relay.port, "refused", delivery_log=log, on_live=lives.on_live)
     device.connect(timeout=WAIT)
     device.ready_for_events()  # each connection's marker comes once its SUBACKs did
     assert lives.wait(1), "no marker"
-    relay.hold("down", lambda p: p.kind == 9)  # SUBACKs only
-    with pytest.raises(RequestTimeout):
-        device.subscribe("refused/t", qos=1, durable=False, timeout=0.3)
-    relay.wait_seen(lambda p: p.kind == 9)
-
-    caller, outcome = made_durable_in_a_thread(device, "refused/t")
-    req = relay.wait_seen(is_interest(True)).control()["req"]  # type: ignore[index]
-    refusal = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("req") == req)
-    assert refusal.control()["ok"] is False, refusal  # type: ignore[index]
+    caller, outcome = refused_while_its_suback_is_held(relay, device)
     relay.release("down")  # the SUBACK comes after the refusal
     caller.join(WAIT)
     assert outcome == [None], outcome  # no exception: a WARNING
@@ -484,3 +496,32 @@ def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_
     logged = subscribes(log, "refused/t")
     assert [r["durable"] for r in logged] == [False, False, True], logged
     assert logged[2]["time"] > away, (logged, away)
+
+
+def test_a_refused_change_to_durable_whose_suback_is_lost_is_said_again_and_logged_at_the_reconnects_suback(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path,
+    relays: Callable[..., PacketRelay],
+) -> None:
+    """As above, but the connection is lost before the held SUBACK comes: no record then; the refusal
+    is not kept across the loss: the reconnect says durable: true again before its hello, and the
+    SUBACK of the SUBSCRIBE sent again writes `true` (the waiting subscribe() returns there)."""
+    broker = broker_factory()
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
+    log = tmp_path / "device.jsonl"
+    lives = Lives()
+    device = sdk(relay.port, "refused", delivery_log=log, on_live=lives.on_live)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert lives.wait(1), "no marker"
+    caller, outcome = refused_while_its_suback_is_held(relay, device)
+    after = len(relay.seen)
+    relay.cut()  # the held SUBACK is lost with the connection
+    relay.release("down")  # to closed sockets: nothing reaches the client
+    relay.accept()
+    assert lives.wait(2), "no reconnect"
+    undo = relay.wait_seen(is_interest(True), after)
+    hello = relay.wait_seen(lambda p: p.direction == "up" and (p.control() or {}).get("op") == "hello", after)
+    assert relay.seen.index(undo, after) < relay.seen.index(hello, after)
+    caller.join(WAIT)
+    assert outcome == [None], outcome
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, True)]
