@@ -62,7 +62,8 @@ class PacketRelay:
         self._sockets: list[socket.socket] = []
         self._server = socket.create_server((HOST, 0))
         self.port: int = self._server.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True, name="packet-relay").start()
+        self._threads = [threading.Thread(target=self._accept, daemon=True, name="packet-relay")]
+        self._threads[0].start()
 
     def wait_seen(self, predicate: Callable[[Packet], bool], after: int = 0) -> Packet:
         """The first packet from ``seen[after:]`` that matches; AssertionError after WAIT without one."""
@@ -103,8 +104,15 @@ class PacketRelay:
             self._refusing = False
 
     def close(self) -> None:
+        """Cut every link and stop listening; each of the relay's threads has ended (AssertionError
+        when one is still running after WAIT)."""
         self.cut()
+        with contextlib.suppress(OSError):
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept(); close() alone would not
         self._server.close()
+        for thread in list(self._threads):
+            thread.join(WAIT)
+            assert not thread.is_alive(), f"{thread.name} still runs"
 
     def _accept(self) -> None:
         while True:
@@ -124,7 +132,9 @@ class PacketRelay:
                 self._sockets += [client, broker]
             for source, destination, direction in ((client, broker, "up"), (broker, client, "down")):
                 args = (source, destination, direction)
-                threading.Thread(target=self._pump, args=args, daemon=True, name=f"packet-relay-{direction}").start()
+                pump = threading.Thread(target=self._pump, args=args, daemon=True, name=f"packet-relay-{direction}")
+                self._threads.append(pump)
+                pump.start()
 
     def _pump(self, source: socket.socket, destination: socket.socket, direction: Direction) -> None:
         source.settimeout(None)  # a link may stay idle for the whole test; cut() or close() ends the read
