@@ -525,3 +525,35 @@ def test_a_refused_change_to_durable_whose_suback_is_lost_is_said_again_and_logg
     caller.join(WAIT)
     assert outcome == [None], outcome
     assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, True)]
+
+
+def test_a_change_to_non_durable_while_a_refused_filters_retry_awaits_its_reply_is_sent(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path,
+    relays: Callable[..., PacketRelay],
+) -> None:
+    """The broker refused durable: true once; a subscribe(durable=True) sends it again and the broker
+    applies it, its reply held (by a relay in front of the real broker). A subscribe(durable=False)
+    meanwhile sends `interest` durable: false (before, it sent none: the filter still counted as
+    refused, and the broker kept it durable)."""
+    broker = broker_factory()
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
+    lives = Lives()
+    device = sdk(relay.port, "refused", delivery_log=tmp_path / "device.jsonl", on_live=lives.on_live)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert lives.wait(1), "no marker"
+    caller, outcome = refused_while_its_suback_is_held(relay, device)
+    relay.release("down")
+    caller.join(WAIT)
+    assert outcome == [None], outcome
+    relay.rewrite = None  # the retry is applied
+    relay.hold("down", lambda p: (p.control() or {}).get("op") == "interest")  # its reply held
+    after = len(relay.seen)
+    caller, outcome = made_durable_in_a_thread(device, "refused/t")
+    relay.wait_seen(is_interest(True), after)
+    with pytest.raises(RequestTimeout):  # it waits for its reply, held too
+        device.subscribe("refused/t", qos=1, durable=False, timeout=0.3)
+    relay.wait_seen(is_interest(False), after)
+    relay.release("down")
+    caller.join(WAIT)
+    assert outcome == [None], outcome

@@ -485,7 +485,12 @@ class DurableClient:
                     subscription.interest_due = subscription.undo_interest
                     return False
                 # A new durable subscription is durable by default; anything else is said.
-                held_durable = previous.durable and not previous.refused if previous is not None else True
+                # A retry of a refused change awaiting its reply may be applied: the broker may hold it durable.
+                held_durable = (
+                    previous.durable and (not previous.refused or previous.interest_req is not None)
+                    if previous is not None
+                    else True
+                )
                 changed = held_durable != durable
                 # The audit's window closes as durable: false is sent (expecting less is safe: the broker
                 # may apply it before any SUBACK comes, or the connection ends first) and opens at the
