@@ -387,15 +387,15 @@ def relays() -> Iterator[Callable[..., PacketRelay]]:
 
 
 def made_durable_in_a_thread(
-    device: DurableClient, topic_filter: str
+    device: DurableClient, topic_filter: str, qos: int = 1
 ) -> tuple[threading.Thread, list[BaseException | None]]:
-    """A started thread whose subscribe() makes ``topic_filter`` durable (QoS 1), and its outcome once
+    """A started thread whose subscribe() makes ``topic_filter`` durable (at ``qos``), and its outcome once
     it returns: [None], or [what it raised]."""
     outcome: list[BaseException | None] = []
 
     def make_durable() -> None:
         try:
-            device.subscribe(topic_filter, qos=1, durable=True, timeout=WAIT)
+            device.subscribe(topic_filter, qos=qos, durable=True, timeout=WAIT)
             outcome.append(None)
         except BaseException as exc:  # handed to the test's thread
             outcome.append(exc)
@@ -456,8 +456,9 @@ def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_
     and the audit expected what the broker never queued); subscribe() returns, with a WARNING. The broker
     still holds it non-durable: a subscribe(durable=True) at a new QoS, and a retry at that QoS, each send
     the change again (refused again: that SUBACK writes `false`). The filter is dropped with the connection,
-    so a publish made while away is not queued; the reconnect says the change again before its hello,
-    subscribes the filter again, and writes `true`."""
+    so a publish made while away is not queued; the reconnect says the change again before its hello
+    (refused again: the relay still rewrites it), subscribes the filter again, and its SUBACK writes `false`
+    (before, `true`: the reconnect's refusal went unnoticed)."""
 
     broker = broker_factory(metrics_interval=0.1)
     relay = relays(broker.port, rewrite=refuse_durable_interests)
@@ -494,17 +495,18 @@ def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_
     hello = relay.wait_seen(lambda p: p.direction == "up" and (p.control() or {}).get("op") == "hello", after)
     assert relay.seen.index(undo, after) < relay.seen.index(hello, after)
     logged = subscribes(log, "refused/t")
-    assert [r["durable"] for r in logged] == [False, False, True], logged
+    assert [r["durable"] for r in logged] == [False, False, False], logged
     assert logged[2]["time"] > away, (logged, away)
 
 
-def test_a_refused_change_to_durable_whose_suback_is_lost_is_said_again_and_logged_at_the_reconnects_suback(
+def test_a_refused_change_to_durable_whose_suback_is_lost_is_said_again_and_a_reconnects_refusal_logs_false(
     broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path,
     relays: Callable[..., PacketRelay],
 ) -> None:
     """As above, but the connection is lost before the held SUBACK comes: no record then; the refusal
-    is not kept across the loss: the reconnect says durable: true again before its hello, and the
-    SUBACK of the SUBSCRIBE sent again writes `true` (the waiting subscribe() returns there)."""
+    is not kept across the loss: the reconnect says durable: true again before its hello. The broker refuses
+    it again (the relay still rewrites it): the SUBACK of the SUBSCRIBE sent again writes `false`, never
+    `true` (before, `true`: that refusal went unnoticed); the waiting subscribe() returns there."""
     broker = broker_factory()
     relay = relays(broker.port, rewrite=refuse_durable_interests)
     log = tmp_path / "device.jsonl"
@@ -524,7 +526,7 @@ def test_a_refused_change_to_durable_whose_suback_is_lost_is_said_again_and_logg
     assert relay.seen.index(undo, after) < relay.seen.index(hello, after)
     caller.join(WAIT)
     assert outcome == [None], outcome
-    assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, True)]
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, False)]
 
 
 def test_a_change_to_non_durable_while_a_refused_filters_retry_awaits_its_reply_is_sent(
@@ -557,3 +559,27 @@ def test_a_change_to_non_durable_while_a_refused_filters_retry_awaits_its_reply_
     relay.release("down")
     caller.join(WAIT)
     assert outcome == [None], outcome
+
+
+def test_a_change_to_durable_at_a_new_qos_whose_reply_comes_after_its_suback_is_logged_true_at_the_reply(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path,
+    relays: Callable[..., PacketRelay],
+) -> None:
+    """A non-durable filter made durable at a new QoS: `interest` durable: true, then a SUBSCRIBE. The relay
+    holds the `interest` reply until after the SUBACK: the SUBACK writes `false` (not applied yet) and the
+    reply `true` (before, none: the audit never expected the filter durable)."""
+    broker = broker_factory()
+    relay = relays(broker.port)
+    log = tmp_path / "device.jsonl"
+    device = sdk(relay.port, "newqos", delivery_log=log)
+    device.connect(timeout=WAIT)
+    device.subscribe("newqos/t", qos=1, durable=False, timeout=WAIT)
+    relay.hold("down", lambda p: (p.control() or {}).get("op") == "interest")
+    after = len(relay.seen)
+    caller, outcome = made_durable_in_a_thread(device, "newqos/t", qos=0)
+    relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, after)
+    relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "interest", after)
+    relay.release("down")
+    caller.join(WAIT)
+    assert outcome == [None], outcome
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "newqos/t")] == [(1, False), (0, False), (0, True)]

@@ -436,7 +436,10 @@ class DurableClient:
         meanwhile, or replaces it by another subscribe(). A change of durability the broker refuses
         (its ``interest`` reply is an error) returns without raising, with a WARNING; one to
         ``durable=True`` stays registered as durable, held non-durable by the broker, so a later
-        ``subscribe(durable=True)`` of it (any QoS) and the reconnect send it again. Called from a
+        ``subscribe(durable=True)`` of it (any QoS) and the reconnect send it again (refused at the
+        reconnect, with the WARNING, it stays so: its SUBACK logs ``durable: false``). A
+        ``subscribe(durable=False)`` of it sends no ``interest`` unless such a retry still awaits its
+        reply, and clears the refusal (at another QoS its SUBACK logs ``durable: false``). Called from a
         listener, or by a stateless client changing only the durability (it sends no ``interest``),
         it returns without waiting.
         """
@@ -504,7 +507,7 @@ class DurableClient:
                         # No SUBSCRIBE, so no SUBACK: subscribe() waits for the interest reply.
                         subscription.interest_req, subscription.interest_due = req, True
                     elif durable:  # sent before the SUBSCRIBE: its reply, first, says whether the SUBACK writes true
-                        subscription.interest_req = req
+                        subscription.interest_req, subscription.interest_due = req, True  # or writes it, after
                     self._send_request("interest", req=req, filter=topic_filter, durable=durable)
                 if previous is None or previous.qos != qos:
                     self._send_subscribe(subscription)
@@ -893,7 +896,11 @@ class DurableClient:
         with self._registry.lock:
             due = [s for s in self._registry.subscriptions() if s.undo_interest]
             self._interests_undone = due
-            return [encode_request("interest", next(self._req_ids), filter=s.filter, durable=True) for s in due]
+            requests = []
+            for s in due:  # its reply says whether the broker refused it (refused: logged false, not true)
+                s.interest_req = req = next(self._req_ids)
+                requests.append(encode_request("interest", req, filter=s.filter, durable=True))
+            return requests
 
     def _handle_reply(self, reply: Reply) -> None:
         if reply.req is not None and reply.req == self._hello_req:
@@ -936,6 +943,8 @@ class DurableClient:
             if subscription is None:
                 return
             subscription.interest_req = None
+            if reply.ok and any(s is subscription for s in self._interests_undone):
+                return  # sent before the hello: its reply (_log_undone) or its SUBACK logs it
             due, subscription.interest_due = subscription.interest_due, False
             # Refused: the broker keeps the filter non-durable, as it was, until a change to durable: true it
             # applies; until then a SUBACK writes false and a subscribe(durable=True) sends the change again.
