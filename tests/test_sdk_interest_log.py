@@ -1,6 +1,8 @@
 """The delivery log's record of a change of durability only (docs/delivery-log.md): written when the
-broker's `interest` reply confirms it, not when it is sent. A real broker, the real SDK client, and the
-fleet's fault proxy (durable_fleet.proxy.FaultProxy) stalling, then cutting, the link between the two."""
+broker's `interest` reply confirms it, not when it is sent. A real broker, the real SDK client, and either
+the fleet's fault proxy (durable_fleet.proxy.FaultProxy) stalling, then cutting, the link between the two,
+or a PacketRelay (tests/packet_relay.py) that sees each packet, holds one way's, or spoils a request: the
+tests wait on what the broker or the client is sent, never on paho's log lines."""
 
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packet_relay import Packet, PacketRelay
+from test_hostile_wire import wait_until
 
 from conftest import HOST, WAIT, Broker, Client, seen_away
 from durable_client import ConnectionInfo, DurableClient, Marker, RequestTimeout
 from durable_fleet.proxy import FaultProxy
-from durable_protocol import CONTROL_TOPIC
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,6 +60,24 @@ class Connections:
             return self.cond.wait_for(predicate, WAIT)
 
 
+class Lives:
+    """An on_live callback that counts the markers (one per connection once its SUBACKs came, after
+    ready_for_events()), and a wait on the count."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.markers: list[Marker] = []
+
+    def on_live(self, marker: Marker) -> None:
+        with self.cond:
+            self.markers.append(marker)
+            self.cond.notify_all()
+
+    def wait(self, count: int) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: len(self.markers) == count, WAIT)
+
+
 @pytest.fixture
 def proxied(broker_factory: Callable[..., Broker]) -> Iterator[Callable[..., tuple[Broker, FaultProxy, int]]]:
     """Start a broker (``broker_factory``'s keywords) and a FaultProxy in front of it: (the broker, the
@@ -82,44 +103,6 @@ def arrived(device: DurableClient, watcher: Client, probe: str) -> None:
     assert watcher.wait_for(lambda ms: any(m.topic == probe for m in ms)), "the broker got nothing"
 
 
-class ControlSent(logging.Handler):
-    """Events set once paho logs (the SDK's paho lines are DEBUG, on its network thread) the sending of
-    a control request (``sent``: e.g. what a CONNACK makes the client send, ``interest`` then ``hello``),
-    or a SUBACK received (``suback``: the client handles it before any packet after it)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.sent = threading.Event()
-        self.suback = threading.Event()
-        self.lines = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        text = record.getMessage()
-        self.lines += 1
-        if "Sending PUBLISH" in text and CONTROL_TOPIC in text:
-            self.sent.set()
-        elif text.startswith("Received SUBACK"):
-            self.suback.set()
-
-
-@pytest.fixture
-def control_sent() -> Iterator[ControlSent]:
-    """A ControlSent on the SDK's paho logger, set up before the client is made (the client only hands
-    paho's lines on when that logger asks for DEBUG); at the end, it must have seen paho's lines, so a
-    wait on it that times out is a change of paho's wording, not a silent logger."""
-    sent = ControlSent()
-    paho_log = logging.getLogger("durable_client.paho")
-    level = paho_log.level
-    paho_log.setLevel(logging.DEBUG)
-    paho_log.addHandler(sent)
-    try:
-        yield sent
-    finally:
-        paho_log.removeHandler(sent)
-        paho_log.setLevel(level)
-    assert sent.lines > 0, "no paho line reached durable_client.paho"
-
-
 def test_a_durability_change_lost_with_its_connection_is_logged_only_once_the_reconnect_confirms_it(
     sdk: Callable[..., DurableClient], clients: Callable[..., Client],
     tmp_path: Path, proxied: Callable[..., tuple[Broker, FaultProxy, int]],
@@ -131,20 +114,12 @@ def test_a_durability_change_lost_with_its_connection_is_logged_only_once_the_re
     and the broker confirms it; subscribe() waits for that confirmation (RequestTimeout meanwhile)."""
     broker, proxy, port = proxied(metrics_interval=0.1)
     log = tmp_path / "device.jsonl"
-    live = threading.Condition()
-    markers: list[Marker] = []
-
-    def on_live(marker: Marker) -> None:
-        with live:
-            markers.append(marker)
-            live.notify_all()
-
-    device = sdk(port, "flipper", delivery_log=log, on_live=on_live)
+    lives = Lives()
+    device = sdk(port, "flipper", delivery_log=log, on_live=lives.on_live)
     device.subscribe("flip/t", qos=1, durable=False)
     device.connect(timeout=WAIT)
     device.ready_for_events()  # each connection's marker comes once its SUBACKs did
-    with live:
-        assert live.wait_for(lambda: len(markers) == 1, WAIT), "no marker"
+    assert lives.wait(1), "no marker"
     assert [r["durable"] for r in subscribes(log, "flip/t")] == [False]
 
     assert proxy.stall() == 1
@@ -164,8 +139,7 @@ def test_a_durability_change_lost_with_its_connection_is_logged_only_once_the_re
     assert [r["durable"] for r in subscribes(log, "flip/t")] == [False]
 
     proxy.restore()
-    with live:  # after the reconnect's SUBACK, or hello reply, that confirms the change
-        assert live.wait_for(lambda: len(markers) == 2, WAIT), "no reconnect"
+    assert lives.wait(2), "no reconnect"  # after the reconnect's SUBACK, or hello reply, that confirms the change
     logged = subscribes(log, "flip/t")
     assert [r["durable"] for r in logged] == [False, True], logged
     assert logged[1]["time"] > away, (logged, away)  # the window opens after the publish made while away
@@ -253,72 +227,60 @@ def test_a_durable_change_whose_reply_is_lost_is_logged_once_at_the_reconnects_h
 
 
 def test_a_filter_unsubscribed_between_connack_and_hello_reply_gets_no_record_at_the_hello_reply(
-    sdk: Callable[..., DurableClient], tmp_path: Path, control_sent: ControlSent,
-    proxied: Callable[..., tuple[Broker, FaultProxy, int]],
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path, relays: Callable[..., PacketRelay]
 ) -> None:
     """Made non-durable, then durable again, while disconnected: the reconnect's CONNACK sends durable: true
-    before its hello. Unsubscribed after that CONNACK, before the hello reply (the client-to-broker way is
-    stalled meanwhile): the hello reply writes no `subscribe` record of the filter after its `unsubscribe`."""
-    _broker, proxy, port = proxied()
+    before its hello. Unsubscribed after that CONNACK, before the hello reply (a relay in front of the broker
+    holds what the client sends after its CONNECT, and sees the `interest` come): the hello reply writes no
+    `subscribe` record of the filter after its `unsubscribe`."""
+    relay = relays(broker.port)
     log = tmp_path / "device.jsonl"
     links = Connections()
-    sent = control_sent
-    device = sdk(port, "leaver", delivery_log=log, on_connected=links.connected, on_disconnected=links.disconnected)
+    device = sdk(
+        relay.port, "leaver", delivery_log=log, on_connected=links.connected, on_disconnected=links.disconnected
+    )
     device.connect(timeout=WAIT)
     device.subscribe("leave/t", qos=1, timeout=WAIT)
 
-    proxy.stall(direction="up")  # for the connections to come
-    assert proxy.cut("leaver") == 1
+    relay.cut()  # refuses the reconnects until accept()
     assert links.wait(lambda: links.down == 1), "the cut was not seen"
     device.subscribe("leave/t", qos=1, durable=False)  # disconnected: at once
     device.subscribe("leave/t", qos=1, durable=True)  # made durable again: said before the next hello
-    sent.sent.clear()
-    proxy.restore("leaver")  # the stall up stays: the CONNECT goes through, what follows is held
-    assert sent.sent.wait(WAIT), "no request sent at the CONNACK"
+    relay.hold("up")  # the CONNECT goes through, what follows is held
+    after = len(relay.seen)
+    relay.accept()
+    relay.wait_seen(is_interest(True), after)  # sent at the CONNACK
     device.unsubscribe("leave/t")
-    proxy.restore()
+    relay.release("up")
     assert links.wait(lambda: links.up == 2), "no reconnect"
     found = [(r["kind"], r.get("durable")) for r in records(log, "leave/t")]
     assert found == [("subscribe", True), ("unsubscribe", None)], found
 
 
 def test_a_change_to_durable_made_while_the_suback_is_on_its_way_waits_for_its_own_reply(
-    sdk: Callable[..., DurableClient], clients: Callable[..., Client], tmp_path: Path,
-    control_sent: ControlSent, proxied: Callable[..., tuple[Broker, FaultProxy, int]],
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path, relays: Callable[..., PacketRelay]
 ) -> None:
-    """A new non-durable filter's SUBACK is on its way (the broker-to-client way stalled) when another call
-    makes the filter durable (an `interest` sent after the SUBSCRIBE, held on the client-to-broker way):
-    the SUBACK, let through first, does not confirm that change. The second call returns at the
-    `interest` reply, and the log holds `false` (the SUBACK) then `true` (the reply)."""
-    broker, proxy, port = proxied()
+    """A new non-durable filter's SUBACK is on its way (held by a relay in front of the broker) when another
+    call makes the filter durable (an `interest` sent after the SUBSCRIBE, held on its way to the broker):
+    the SUBACK, let through first, does not confirm that change: the second call is still waiting once the
+    SUBACK's `false` record is written. It returns at the `interest` reply, and the log holds `false` (the
+    SUBACK) then `true` (the reply)."""
+    relay = relays(broker.port)
     log = tmp_path / "device.jsonl"
-    sent = control_sent
-    outcome: list[BaseException | None] = []
-    device = sdk(port, "twice", delivery_log=log)
+    device = sdk(relay.port, "twice", delivery_log=log)
     device.connect(timeout=WAIT)
 
-    def make_durable() -> None:
-        try:
-            device.subscribe("twice/t", qos=1, durable=True, timeout=WAIT)
-            outcome.append(None)
-        except BaseException as exc:  # handed to the test's thread
-            outcome.append(exc)
-
-    watcher = clients(broker.port, "twice-watch", clean_session=True)
-    watcher.subscribe("twice/probe", 0)
-    assert proxy.stall("twice", direction="down") == 1
+    relay.hold("down")
     with pytest.raises(RequestTimeout):  # the SUBACK is held
         device.subscribe("twice/t", qos=1, durable=False, timeout=0.3)
-    arrived(device, watcher, "twice/probe")
-    assert proxy.stall(direction="up") == 1  # now both ways
-    sent.sent.clear()
-    caller = threading.Thread(target=make_durable, daemon=True)
-    caller.start()
-    assert sent.sent.wait(WAIT), "the interest was not sent"
-    sent.suback.clear()
-    proxy.restore("twice")  # the SUBACK comes; the interest stays held
-    assert sent.suback.wait(WAIT), "no SUBACK"
-    proxy.restore()
+    relay.wait_seen(lambda p: p.kind == 9)  # the broker sent the SUBACK
+    relay.hold("up")  # now both ways
+    caller, outcome = made_durable_in_a_thread(device, "twice/t")
+    relay.wait_seen(is_interest(True))
+    relay.release("down")  # the SUBACK comes; the interest stays held
+    assert wait_until(lambda: [r["durable"] for r in subscribes(log, "twice/t")] == [False], WAIT), "no record"
+    assert outcome == [], "subscribe() returned at the SUBACK, before the broker had the change"
+    relay.release("up")
     caller.join(WAIT)
     assert outcome == [None], outcome
     assert [r["durable"] for r in subscribes(log, "twice/t")] == [False, True]
@@ -408,3 +370,216 @@ def test_a_new_filter_whose_suback_is_lost_is_logged_at_the_hello_reply_that_lis
     proxy.restore()
     assert links.wait(lambda: links.up == 2), "no reconnect"  # on_connected: after the hello reply
     assert [(r["qos"], r["durable"]) for r in subscribes(log, "new/t")] == [(1, True)]
+
+
+@pytest.fixture
+def relays() -> Iterator[Callable[..., PacketRelay]]:
+    """PacketRelay(...) makers; each relay is closed at the test's end."""
+    made: list[PacketRelay] = []
+
+    def make(*args: Any, **kwargs: Any) -> PacketRelay:
+        made.append(PacketRelay(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for relay in made:
+        relay.close()
+
+
+def made_durable_in_a_thread(
+    device: DurableClient, topic_filter: str, qos: int = 1
+) -> tuple[threading.Thread, list[BaseException | None]]:
+    """A started thread whose subscribe() makes ``topic_filter`` durable (at ``qos``), and its outcome once
+    it returns: [None], or [what it raised]."""
+    outcome: list[BaseException | None] = []
+
+    def make_durable() -> None:
+        try:
+            device.subscribe(topic_filter, qos=qos, durable=True, timeout=WAIT)
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    caller = threading.Thread(target=make_durable, daemon=True)
+    caller.start()
+    return caller, outcome
+
+
+def is_interest(durable: bool) -> Callable[[Packet], bool]:
+    """Matches a client's `interest` request with that `durable` (true when left out)."""
+
+    def match(packet: Packet) -> bool:
+        request = packet.control()
+        return packet.direction == "up" and request is not None and request.get("op") == "interest" and (
+            request.get("durable", True) is durable
+        )
+
+    return match
+
+
+def refuse_durable_interests(packet: Packet) -> Packet:
+    """A PacketRelay rewrite: each `interest` durable: true gets an invalid filter (the broker answers
+    `bad_filter`)."""
+    request = packet.control()
+    if packet.kind != 3 or request is None or request.get("op") != "interest" or not request.get("durable"):
+        return packet
+    topic_end = 2 + int.from_bytes(packet.body[:2], "big")
+    body = json.dumps({**request, "filter": "refused/#/t"}).encode()
+    return Packet(packet.direction, packet.first, packet.body[:topic_end] + body)
+
+
+def refused_while_its_suback_is_held(
+    relay: PacketRelay, device: DurableClient
+) -> tuple[threading.Thread, list[BaseException | None]]:
+    """refused/t subscribed non-durable, its SUBACK held by ``relay`` (refuse_durable_interests), then made
+    durable in a thread (made_durable_in_a_thread) whose `interest` the broker refused: the refusal reached
+    the client, the SUBACK is still held ("down")."""
+    relay.hold("down", lambda p: p.kind == 9)  # SUBACKs only
+    with pytest.raises(RequestTimeout):
+        device.subscribe("refused/t", qos=1, durable=False, timeout=0.3)
+    relay.wait_seen(lambda p: p.kind == 9)
+    caller, outcome = made_durable_in_a_thread(device, "refused/t")
+    req = relay.wait_seen(is_interest(True)).control()["req"]  # type: ignore[index]
+    refusal = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("req") == req)
+    assert refusal.control()["ok"] is False, refusal  # type: ignore[index]
+    return caller, outcome
+
+
+def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_durable_at_that_suback(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
+    tmp_path: Path, *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A new non-durable filter's SUBACK is held (a relay in front of the real broker lets other packets
+    overtake it) while another call makes the filter durable; the broker refuses that `interest` (the relay
+    makes its filter invalid: the broker answers `bad_filter`), and the refusal reaches the client before the
+    SUBACK. The broker holds the filter non-durable: that SUBACK writes `durable: false` (before, `true`,
+    and the audit expected what the broker never queued); subscribe() returns, with a WARNING. The broker
+    still holds it non-durable: a subscribe(durable=True) at a new QoS, and a retry at that QoS, each send
+    the change again (refused again: that SUBACK writes `false`). The filter is dropped with the connection,
+    so a publish made while away is not queued; the reconnect says the change again before its hello
+    (refused again: the relay still rewrites it), subscribes the filter again, and its SUBACK writes `false`
+    (before, `true`: the reconnect's refusal went unnoticed)."""
+
+    broker = broker_factory(metrics_interval=0.1)
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
+    log = tmp_path / "device.jsonl"
+    lives = Lives()
+    device = sdk(relay.port, "refused", delivery_log=log, on_live=lives.on_live)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()  # each connection's marker comes once its SUBACKs did
+    assert lives.wait(1), "no marker"
+    caller, outcome = refused_while_its_suback_is_held(relay, device)
+    relay.release("down")  # the SUBACK comes after the refusal
+    caller.join(WAIT)
+    assert outcome == [None], outcome  # no exception: a WARNING
+    assert any("refused 'interest'" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert [r["durable"] for r in subscribes(log, "refused/t")] == [False]
+
+    # The broker still holds it non-durable: a new QoS says durable: true again (refused again), and its
+    # SUBACK writes false; so does a retry at that QoS (before, it sent nothing and the SUBACK wrote true).
+    for _ in range(2):
+        after = len(relay.seen)
+        device.subscribe("refused/t", qos=0, durable=True, timeout=WAIT)
+        relay.wait_seen(is_interest(True), after)
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, False), (0, False)]
+
+    relay.cut()
+    seen_away(clients, broker, 1)
+    away = time.time()
+    clients(broker.port, "refused-pub", clean_session=True).publish("refused/t", [b"not queued"], qos=1)
+    after = len(relay.seen)
+    relay.accept()
+    assert lives.wait(2), "no reconnect"
+    # Said again before the hello (a hello listing it, the old connection not ended yet, sends no SUBSCRIBE).
+    undo = relay.wait_seen(is_interest(True), after)
+    hello = relay.wait_seen(lambda p: p.direction == "up" and (p.control() or {}).get("op") == "hello", after)
+    assert relay.seen.index(undo, after) < relay.seen.index(hello, after)
+    logged = subscribes(log, "refused/t")
+    assert [r["durable"] for r in logged] == [False, False, False], logged
+    assert logged[2]["time"] > away, (logged, away)
+
+
+def test_a_refused_change_to_durable_whose_suback_is_lost_is_said_again_and_a_reconnects_refusal_logs_false(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path,
+    relays: Callable[..., PacketRelay],
+) -> None:
+    """As above, but the connection is lost before the held SUBACK comes: no record then; the refusal
+    is not kept across the loss: the reconnect says durable: true again before its hello. The broker refuses
+    it again (the relay still rewrites it): the SUBACK of the SUBSCRIBE sent again writes `false`, never
+    `true` (before, `true`: that refusal went unnoticed); the waiting subscribe() returns there."""
+    broker = broker_factory()
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
+    log = tmp_path / "device.jsonl"
+    lives = Lives()
+    device = sdk(relay.port, "refused", delivery_log=log, on_live=lives.on_live)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert lives.wait(1), "no marker"
+    caller, outcome = refused_while_its_suback_is_held(relay, device)
+    after = len(relay.seen)
+    relay.cut()  # the held SUBACK is lost with the connection
+    relay.release("down")  # to closed sockets: nothing reaches the client
+    relay.accept()
+    assert lives.wait(2), "no reconnect"
+    undo = relay.wait_seen(is_interest(True), after)
+    hello = relay.wait_seen(lambda p: p.direction == "up" and (p.control() or {}).get("op") == "hello", after)
+    assert relay.seen.index(undo, after) < relay.seen.index(hello, after)
+    caller.join(WAIT)
+    assert outcome == [None], outcome
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, False)]
+
+
+def test_a_change_to_non_durable_while_a_refused_filters_retry_awaits_its_reply_is_sent(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path,
+    relays: Callable[..., PacketRelay],
+) -> None:
+    """The broker refused durable: true once; a subscribe(durable=True) sends it again and the broker
+    applies it, its reply held (by a relay in front of the real broker). A subscribe(durable=False)
+    meanwhile sends `interest` durable: false (before, it sent none: the filter still counted as
+    refused, and the broker kept it durable)."""
+    broker = broker_factory()
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
+    lives = Lives()
+    device = sdk(relay.port, "refused", delivery_log=tmp_path / "device.jsonl", on_live=lives.on_live)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert lives.wait(1), "no marker"
+    caller, outcome = refused_while_its_suback_is_held(relay, device)
+    relay.release("down")
+    caller.join(WAIT)
+    assert outcome == [None], outcome
+    relay.rewrite = None  # the retry is applied
+    relay.hold("down", lambda p: (p.control() or {}).get("op") == "interest")  # its reply held
+    after = len(relay.seen)
+    caller, outcome = made_durable_in_a_thread(device, "refused/t")
+    relay.wait_seen(is_interest(True), after)
+    with pytest.raises(RequestTimeout):  # it waits for its reply, held too
+        device.subscribe("refused/t", qos=1, durable=False, timeout=0.3)
+    relay.wait_seen(is_interest(False), after)
+    relay.release("down")
+    caller.join(WAIT)
+    assert outcome == [None], outcome
+
+
+def test_a_change_to_durable_at_a_new_qos_whose_reply_comes_after_its_suback_is_logged_true_at_the_reply(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path,
+    relays: Callable[..., PacketRelay],
+) -> None:
+    """A non-durable filter made durable at a new QoS: `interest` durable: true, then a SUBSCRIBE. The relay
+    holds the `interest` reply until after the SUBACK: the SUBACK writes `false` (not applied yet) and the
+    reply `true` (before, none: the audit never expected the filter durable)."""
+    broker = broker_factory()
+    relay = relays(broker.port)
+    log = tmp_path / "device.jsonl"
+    device = sdk(relay.port, "newqos", delivery_log=log)
+    device.connect(timeout=WAIT)
+    device.subscribe("newqos/t", qos=1, durable=False, timeout=WAIT)
+    relay.hold("down", lambda p: (p.control() or {}).get("op") == "interest")
+    after = len(relay.seen)
+    caller, outcome = made_durable_in_a_thread(device, "newqos/t", qos=0)
+    relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, after)
+    relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "interest", after)
+    relay.release("down")
+    caller.join(WAIT)
+    assert outcome == [None], outcome
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "newqos/t")] == [(1, False), (0, False), (0, True)]

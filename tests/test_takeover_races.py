@@ -25,7 +25,7 @@ from test_recovery_and_crash import EXPIRED_TOPIC
 from test_subscribe_order import acknowledged, stuck_on_big_retained_messages, subscribe
 from websockets.frames import Frame, Opcode
 
-from amqtt_durable.process import free_port
+from amqtt_durable.process import BrokerProcess, free_port
 from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
 
 CONNACK_ACCEPTED = b"\x20\x02\x00\x00"
@@ -41,17 +41,20 @@ FOLDER = Path({folder!r})
 
 class GatedAuth(BaseAuthPlugin):
     """User "bad" fails; user "slow" waits until the test opens the gate (bounded), then passes;
-    user "otp" holds a one-time credential: only its first check passes (each check counted)."""
+    "slow-bad" waits the same, then fails; user "otp" holds a one-time credential: only its first
+    check passes (each check counted)."""
 
     async def authenticate(self, *, session):
         if session.username == "bad":
             return False
-        if session.username == "slow":
+        if session.username in ("slow", "slow-bad"):
             (FOLDER / "entered").write_text("1")
             for _ in range(600):
                 if (FOLDER / "gate").exists():
                     break
                 await asyncio.sleep(0.05)
+        if session.username == "slow-bad":
+            return False
         if session.username == "otp":
             calls = FOLDER / "calls"
             checks = int(calls.read_text()) if calls.exists() else 0
@@ -208,6 +211,45 @@ def test_clean_websocket_connections_closed_before_their_connack_leave_no_amqtt_
     )
     log = broker.log()
     assert "connection handler failed" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_websocket_client_gone_before_its_refusing_connack_is_logged_without_a_traceback(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """A CONNECT whose authentication fails (CONNACK 5) after its websocket client sent its close frame,
+    got the broker's, and closed its socket (the check is held until then): the refusal's
+    CONNACK write meets a closed websocket (websockets' ConnectionClosed). It is logged as the
+    connection's end, without a traceback, and its place among the websocket listener's
+    max_connections (1 here) is given back: the next websocket client is answered. With
+    _refuse_read_connect catching OSError alone, ConnectionClosed escaped into a traceback from the
+    connection's handling: the traceback assertion is what fails then (that run's listener place was
+    still given back, so the place check holds either way)."""
+    (tmp_path / "gated_auth.py").write_text(GATED_AUTH.format(folder=str(tmp_path)))
+    broker = broker_factory(start=False)
+    broker.pythonpath.append(str(tmp_path))
+    broker.extra_plugins["gated_auth.GatedAuth"] = {}
+    broker.ws_port = free_port()
+    Broker.write_config(broker)
+    broker.config["listeners"]["ws"]["max_connections"] = 1
+    broker.write_config = lambda: BrokerProcess.write_config(broker)  # type: ignore[method-assign]
+    broker.start()
+    gone = StuckWebsocket(broker.ws_port)
+    gone.send(connect_packet("gone", clean=True, username="slow-bad"))
+    assert broker.wait_until((tmp_path / "entered").exists, WAIT), broker.log()[-2000:]
+    gone.protocol.send_close()
+    gone._flush()
+    for _ in range(100):  # bounded: the broker's closing frame comes in a few segments at most
+        if gone.protocol.close_rcvd is not None or not gone._receive():
+            break
+    assert gone.protocol.close_rcvd is not None, "the broker did not answer the close frame"
+    gone.sock.close()
+    (tmp_path / "gate").write_text("1")  # the check fails now: CONNACK 5 to a closed websocket
+    late = StuckWebsocket(broker.ws_port)
+    late.send(connect_packet("late", clean=True))
+    assert late.receive() == CONNACK_ACCEPTED, "the websocket listener's place is still held"
+    log = broker.log()
+    assert "ended while its CONNECT was refused" in log, "the refusal met no closed websocket: " + log[-3000:]
+    assert "Traceback" not in log and "connection handler failed" not in log, log[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -933,6 +975,28 @@ def test_an_ack_read_with_a_websocket_close_frame_counts(
         assert first >> 4 == 3 and not first & 0x08 and body.endswith(b"later"), (first, body)
 
 
+@contextlib.contextmanager
+def half_reading_nothing(broker: Broker) -> Iterator[socket.socket]:
+    """The connection of "half" (clean), subscribed to big/# (QoS 0), whose small receive buffer
+    fills after a few KiB: its client reads nothing more than the test does."""
+    with socket.socket() as half:
+        half.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        half.settimeout(WAIT)
+        half.connect((HOST, broker.port))
+        half.sendall(connect_packet("half", clean=True))
+        assert read_exactly(half, 4) == CONNACK_ACCEPTED
+        assert raw_subscribe(half, "big/#", 0) == 0
+        yield half
+
+
+def fill_half(broker: Broker, publisher: Client, watcher: Client) -> None:
+    """Send "half" 10 MB on big/x (it reads none: the sockets' buffers fill); ``watcher``, subscribed to
+    slow/#, gets a later message once all were handed to "half"'s connection (one broadcast queue)."""
+    publisher.publish("big/x", [bytes(200_000)] * 50, qos=1)
+    publisher.publish("slow/end", [b"end"], qos=1)
+    assert watcher.wait_for(lambda ms: any(m.topic == "slow/end" for m in ms)), broker.log()[-2000:]
+
+
 @pytest.mark.parametrize("new_clean", [True, False], ids=["new-clean", "new-durable"])
 def test_a_take_over_of_a_half_closed_connection_whose_client_reads_nothing_is_connacked_at_once(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, new_clean: bool
@@ -949,24 +1013,40 @@ def test_a_take_over_of_a_half_closed_connection_whose_client_reads_nothing_is_c
     watcher = clients(broker.port, "clean-watcher", clean_session=True)  # "s1"'s check needs a subscriber
     assert watcher.subscribe("slow/#", 1) == [1]
     publisher = clients(broker.port, "big-pub", clean_session=True)
-    with socket.socket() as half:
-        half.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few KiB
-        half.settimeout(WAIT)
-        half.connect((HOST, broker.port))
-        half.sendall(connect_packet("half", clean=True))
-        assert read_exactly(half, 4) == CONNACK_ACCEPTED
-        assert raw_subscribe(half, "big/#", 0) == 0
+    with half_reading_nothing(broker) as half:
         half.sendall(mqtt_packet(0x32, mqtt_string("slow/1") + b"\x00\x01" + b"s1"))
         assert read_packet(half) == (0x40, b"\x00\x01")
         assert broker.wait_until((tmp_path / "entered").exists, WAIT), broker.log()[-2000:]
-        publisher.publish("big/x", [bytes(200_000)] * 50, qos=1)
-        publisher.publish("slow/end", [b"end"], qos=1)  # one broadcast queue: big/x's went to "half" first
-        assert watcher.wait_for(lambda ms: any(m.topic == "slow/end" for m in ms)), broker.log()[-2000:]
+        fill_half(broker, publisher, watcher)
         half.shutdown(socket.SHUT_WR)
         assert acknowledged(broker, half), "the broker's TCP did not acknowledge the FIN"
         with socket.create_connection((HOST, broker.port), timeout=WAIT) as newer:
             took = seconds_to_connack(newer, "half", clean=new_clean)
         (tmp_path / "gate").write_text("1")
+    assert took < 4.0, f"the take-over's CONNACK took {took:.2f} s (the bound: 5 s)"
+
+
+def test_a_take_over_waiting_for_the_older_readers_backlog_ends_at_that_readers_eof(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """MQTT-3.1.4-2, docs/guarantees.md, Take-over: "half" (clean) was sent 10 MB it never reads (its
+    socket full), then sent 40 KB of small QoS 0 PUBLISHes and shut its socket for writing in one go:
+    the broker's transport has read them and the FIN, its reader works through them a packet per loop
+    pass. A newer clean CONNECT of "half" read meanwhile waits for what that reader holds; the reader
+    reaches the EOF and the wait ends there: the CONNACK comes once the backlog is handled. Without the
+    EOF ending it, the wait went on while the older connection's end waited for its full socket, until
+    the 5 s bound."""
+    broker = slow_check_broker(broker_factory, tmp_path)
+    watcher = clients(broker.port, "clean-watcher", clean_session=True)
+    assert watcher.subscribe("slow/#", 1) == [1]
+    publisher = clients(broker.port, "big-pub", clean_session=True)
+    backlog = mqtt_packet(0x30, mqtt_string("n/x") + b"x") * (40_000 // 8)
+    with half_reading_nothing(broker) as half:
+        fill_half(broker, publisher, watcher)
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as newer:
+            half.sendall(backlog)
+            half.shutdown(socket.SHUT_WR)
+            took = seconds_to_connack(newer, "half", clean=True)
     assert took < 4.0, f"the take-over's CONNACK took {took:.2f} s (the bound: 5 s)"
 
 

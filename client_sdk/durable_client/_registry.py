@@ -32,6 +32,11 @@ class Subscription:
     """A change of durability the broker has not confirmed yet (its ``interest`` reply, or the SUBACK
     or hello reply of the connection that sends it again): subscribe() waits for it, and so does
     the delivery-log record of a change to durable: true (one to durable: false is written as sent)."""
+    refused: bool = False
+    """The broker refused the last change to durable: true (its ``interest`` reply): it holds the
+    filter non-durable until it applies one, so a SUBACK writes ``durable: false`` meanwhile, a
+    subscribe(durable=True) sends the change again, and so does the reconnect (the broker drops the
+    filter with the connection). Kept across a change of QoS; cleared at a connection's loss."""
     false_logged: bool = False
     """Made non-durable while a SUBSCRIBE of it waits for its SUBACK (one sent with the change, or an
     earlier one): the ``durable: false`` record was written as sent, so that SUBACK writes none."""

@@ -433,8 +433,15 @@ class DurableClient:
         than the broker's max_packet_size (once a hello reply said it) is a ValueError, also
         when a reconnect's hello reply drops it while this call waits. Unconnected when the
         client is closed while it waits; it returns when another thread unsubscribes the filter
-        meanwhile, or replaces it by another subscribe(). Called from a listener, or by a stateless
-        client changing only the durability (it sends no ``interest``), it returns without waiting.
+        meanwhile, or replaces it by another subscribe(). A change of durability the broker refuses
+        (its ``interest`` reply is an error) returns without raising, with a WARNING; one to
+        ``durable=True`` stays registered as durable, held non-durable by the broker, so a later
+        ``subscribe(durable=True)`` of it (any QoS) and the reconnect send it again (refused at the
+        reconnect, with the WARNING, it stays so: its SUBACK logs ``durable: false``). A
+        ``subscribe(durable=False)`` of it sends no ``interest`` unless such a retry still awaits its
+        reply, and clears the refusal (at another QoS its SUBACK logs ``durable: false``). Called from a
+        listener, or by a stateless client changing only the durability (it sends no ``interest``),
+        it returns without waiting.
         """
         self._check_open()
         check_filter(topic_filter)
@@ -471,6 +478,8 @@ class DurableClient:
                     subscription.answered = previous.answered
                     subscription.interest_req, subscription.interest_due = previous.interest_req, previous.interest_due
                     subscription.false_logged = previous.false_logged
+                # The broker refused durable: true earlier and holds it non-durable, whatever the QoS.
+                subscription.refused = durable and previous is not None and previous.refused
                 if not self._connected:
                     subscription.undo_interest = (
                         durable and previous is not None and (previous.undo_interest or not previous.durable)
@@ -479,11 +488,17 @@ class DurableClient:
                     subscription.interest_due = subscription.undo_interest
                     return False
                 # A new durable subscription is durable by default; anything else is said.
-                changed = previous.durable != durable if previous is not None else not durable
+                # A retry of a refused change awaiting its reply may be applied: the broker may hold it durable.
+                held_durable = (
+                    previous.durable and (not previous.refused or previous.interest_req is not None)
+                    if previous is not None
+                    else True
+                )
+                changed = held_durable != durable
                 # The audit's window closes as durable: false is sent (expecting less is safe: the broker
                 # may apply it before any SUBACK comes, or the connection ends first) and opens at the
                 # broker's reply to durable: true (_interest_replied).
-                lowered = self._durable and not durable and previous is not None and previous.durable
+                lowered = self._durable and not durable and previous is not None and held_durable
                 if lowered and self._delivery_log is not None:
                     self._delivery_log.subscribe(topic_filter, qos, False)
                 if self._durable and changed:
@@ -491,6 +506,8 @@ class DurableClient:
                     if previous is not None and previous.qos == qos:
                         # No SUBSCRIBE, so no SUBACK: subscribe() waits for the interest reply.
                         subscription.interest_req, subscription.interest_due = req, True
+                    elif durable:  # sent before the SUBSCRIBE: its reply, first, says whether the SUBACK writes true
+                        subscription.interest_req, subscription.interest_due = req, True  # or writes it, after
                     self._send_request("interest", req=req, filter=topic_filter, durable=durable)
                 if previous is None or previous.qos != qos:
                     self._send_subscribe(subscription)
@@ -879,7 +896,11 @@ class DurableClient:
         with self._registry.lock:
             due = [s for s in self._registry.subscriptions() if s.undo_interest]
             self._interests_undone = due
-            return [encode_request("interest", next(self._req_ids), filter=s.filter, durable=True) for s in due]
+            requests = []
+            for s in due:  # its reply says whether the broker refused it (refused: logged false, not true)
+                s.interest_req = req = next(self._req_ids)
+                requests.append(encode_request("interest", req, filter=s.filter, durable=True))
+            return requests
 
     def _handle_reply(self, reply: Reply) -> None:
         if reply.req is not None and reply.req == self._hello_req:
@@ -915,13 +936,19 @@ class DurableClient:
         """The broker applied (or refused) a change of durability sent without a SUBSCRIBE: the
         delivery-log record of a change to durable: true is written now, not when it was sent, so
         a connection lost in between leaves no record of a change the broker never made (one to
-        durable: false was written as sent)."""
+        durable: false was written as sent). A refused one writes none (the broker holds the filter
+        as before, non-durable: ``refused`` until a change to durable: true it applies)."""
         with self._registry.lock:
             subscription = next((s for s in self._registry.subscriptions() if s.interest_req == reply.req), None)
             if subscription is None:
                 return
             subscription.interest_req = None
+            if reply.ok and any(s is subscription for s in self._interests_undone):
+                return  # sent before the hello: its reply (_log_undone) or its SUBACK logs it
             due, subscription.interest_due = subscription.interest_due, False
+            # Refused: the broker keeps the filter non-durable, as it was, until a change to durable: true it
+            # applies; until then a SUBACK writes false and a subscribe(durable=True) sends the change again.
+            subscription.refused = not reply.ok and subscription.durable
             # A change to durable: false was logged as it was sent.
             logged = due and reply.ok and subscription.durable and subscription.confirmed and subscription.mid is None
             if logged and self._delivery_log is not None:  # before subscribe() returns
@@ -1272,9 +1299,12 @@ class DurableClient:
     def _log_subscribed(self, subscription: Subscription) -> None:
         """(Holding the registry's lock, at a granted SUBACK, before subscribe() returns.) From the
         SUBACK on, the broker routes to it: what the audit may expect. A change to durable: true sent
-        after its SUBSCRIBE is not applied yet: logged non-durable here, durable at its reply. A change
+        after its SUBSCRIBE is not applied yet: logged non-durable here, durable at its reply; one the
+        broker refused (``refused``) is logged non-durable until a change it applies. A change
         to durable: false made while it waited was written as sent: no second record here."""
-        durable = subscription.durable and self._durable and subscription.interest_req is None
+        durable = (
+            subscription.durable and self._durable and subscription.interest_req is None and not subscription.refused
+        )
         repeated, subscription.false_logged = subscription.false_logged and not durable, False
         if self._delivery_log is not None and not repeated:
             self._delivery_log.subscribe(subscription.filter, subscription.qos, durable)
@@ -1298,9 +1328,11 @@ class DurableClient:
                     subscription.mid = None  # its SUBACK will not come
                     subscription.false_logged = False  # the reconnect's SUBACK writes its record
                     subscription.interest_req = None  # nor its interest reply
-                    if subscription.interest_due and subscription.durable:
-                        # The broker may not have applied it (nor will it log): said again before the next hello.
-                        subscription.undo_interest = True
+                    if subscription.durable and (subscription.interest_due or subscription.refused):
+                        # The broker may not have applied it (nor will it log), or refused it and ends the
+                        # filter with the connection: said again before the next hello, logged once confirmed.
+                        subscription.undo_interest, subscription.interest_due = True, True
+                    subscription.refused = False
                     if not (self._durable and subscription.durable):
                         subscription.confirmed = False  # the broker drops it with the connection
                 self._registry.changed.notify_all()

@@ -31,8 +31,12 @@ def _as_bool(key: str, value: Any) -> bool:
 
 
 def _as_int(key: str, value: Any) -> int:
+    """A YAML integer. A float is refused even when whole (``5.0``): the key counts things, and YAML
+    reads ``5.0`` as a float, so the error says how to write it rather than "not a whole number"."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
+    if isinstance(value, float) and value.is_integer():
+        raise ConfigError(key, f"must be written as an integer ({int(value)}), not {value!r}")
     raise ConfigError(key, f"expected a whole number, got {value!r}")
 
 

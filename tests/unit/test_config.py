@@ -132,6 +132,42 @@ def test_bad_type_names_the_key(key: str, value: Any) -> None:
     assert repr(value) in str(info.value), "the message should show the rejected value"
 
 
+def integer_settings() -> list[tuple[dict[str, Any], str]]:
+    """Every setting read as an integer (its field is an ``int``): the plugin's, a stream entry's and
+    replication's, as (a mapping that sets it to 5.0, the key an error names)."""
+    found = [({f.name: 5.0}, f.name) for f in dataclasses.fields(DurableConfig) if f.type == "int"]
+    found += [
+        ({"streams": [{"filter": "a/#", f.name: 5.0}]}, f"streams[0].{f.name}")
+        for f in dataclasses.fields(StreamConfig)
+        if f.type == "int"
+    ]
+    found += [
+        ({"replication": {"role": "primary", f.name: 5.0}}, f"replication.{f.name}")
+        for f in dataclasses.fields(ReplicationConfig)
+        if f.type == "int"
+    ]
+    return found
+
+
+@pytest.mark.parametrize(("raw", "key"), integer_settings(), ids=[key for _, key in integer_settings()])
+def test_a_whole_float_for_an_integer_setting_is_refused_saying_how_to_write_it(raw: dict[str, Any], key: str) -> None:
+    """configuration.md: `5.0` is refused for an integer setting with a message saying to write `5`, not that
+    5.0 is not a whole number; `5.5` still gets "expected a whole number"."""
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping(raw)
+    assert str(info.value) == f"amqtt_durable config: '{key}': must be written as an integer (5), not 5.0"
+    fraction = yaml.safe_load(yaml.safe_dump(raw).replace("5.0", "5.5"))
+    with pytest.raises(ConfigError) as info:
+        DurableConfig.from_mapping(fraction)
+    assert str(info.value) == f"amqtt_durable config: '{key}': expected a whole number, got 5.5"
+
+
+def test_integer_settings_cover_the_plugin_streams_and_replication() -> None:
+    keys = {key for _, key in integer_settings()}
+    assert {"max_depth", "listen_backlog", "streams[0].max_count", "replication.retained_batches"} <= keys
+    assert len(keys) >= 25, sorted(keys)
+
+
 @pytest.mark.parametrize(("key", "value"), bad_range_cases())
 def test_bad_range_names_the_key(key: str, value: Any) -> None:
     with pytest.raises(ConfigError) as info:
