@@ -33,6 +33,7 @@ from .errors import FrameError, ReplicationGapError, StoreMismatchError
 from .framing import (
     NAME_IN_USE,
     NOT_PRIMARY,
+    TOO_MANY_BACKUPS,
     VERSION_REFUSED,
     CheckedBatch,
     Frame,
@@ -90,6 +91,12 @@ to a worker thread, and the loop
 class VersionRefusedError(AuthError):
     """The primary does not speak this backup's replication protocol version (an upgrade half
     done): it answered the HELLO with an ERROR frame naming both versions (VERSION_REFUSED)."""
+
+
+class BackupsFullError(AuthError):
+    """The primary serves replication.max_backups backups already: it answered the HELLO with an
+    ERROR frame naming the cap (TOO_MANY_BACKUPS). Retried as a version refusal is, every AUTH_RETRY
+    seconds: a place frees when one of its backups goes."""
 
 
 class NameInUseError(AuthError):
@@ -286,6 +293,8 @@ class Backup:
             log.info("replication: backup %s: accepted by the primary: its name is free again", self.name)
         elif self._refusal is VersionRefusedError:
             log.info("replication: backup %s: accepted by the primary: it speaks this protocol version", self.name)
+        elif self._refusal is BackupsFullError:
+            log.info("replication: backup %s: accepted by the primary: a place among its backups is free", self.name)
         self.refused = self._refusal = None
 
     async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
@@ -300,11 +309,12 @@ class Backup:
             refusal: AuthError | None = None
             try:
                 await self.run(host, port)
-            except (NotPrimaryError, VersionRefusedError) as exc:
+            except (NotPrimaryError, VersionRefusedError, BackupsFullError) as exc:
                 # NotPrimaryError: retried as often as before, it may be a backup being promoted;
-                # VersionRefusedError: an upgrade half done, retried until both speak one version.
+                # VersionRefusedError: an upgrade half done, retried until both speak one version;
+                # BackupsFullError: retried as slowly, until one of the primary's backups goes.
                 refusal = exc
-                if isinstance(exc, VersionRefusedError):
+                if not isinstance(exc, NotPrimaryError):
                     pause = max(retry, AUTH_RETRY)
                 log.log(
                     (versions if isinstance(exc, VersionRefusedError) else repeated).level(str(exc)),
@@ -462,7 +472,13 @@ def _refusal(payload: bytes) -> AuthError:
     if _says_not_primary(Frame.ERROR, payload):
         return NotPrimaryError(error_text(payload))
     text = payload.decode("utf-8", "replace")
-    refusal = NameInUseError if NAME_IN_USE in text else VersionRefusedError if VERSION_REFUSED in text else AuthError
+    refusal: type[AuthError] = AuthError
+    if NAME_IN_USE in text:
+        refusal = NameInUseError
+    elif VERSION_REFUSED in text:
+        refusal = VersionRefusedError
+    elif text.startswith(TOO_MANY_BACKUPS):
+        refusal = BackupsFullError
     return refusal(f"refused by the primary: {error_text(payload)}")
 
 

@@ -113,6 +113,11 @@ answers a HELLO (a backup whose replication.primary names a backup): the refused
 the refusal by them (first, so the 200-character cut of a peer's ERROR text never takes them)."""
 
 
+TOO_MANY_BACKUPS = "too many backups: max_backups is"
+"""The first words of the ERROR frame with which a primary that serves replication.max_backups
+backups refuses one more (then the number): the refused backup recognises the refusal by them."""
+
+
 VERSION_REFUSED = "not supported: this primary speaks"
 """In the ERROR frame with which a primary refuses a HELLO of a protocol version it does not speak
 (``unsupported_version``): the refused backup recognises the refusal by these words."""

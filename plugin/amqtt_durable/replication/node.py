@@ -531,6 +531,7 @@ class ReplicationNode:
             log_max_bytes=self.config.retained_bytes,
             ack_timeout=self.config.ack_timeout,
             catch_up_timeout=self.config.catch_up_timeout,
+            max_backups=self.config.max_backups,
             chunk_bytes=self.config.snapshot_chunk_bytes,
             publish_sync_set=self._publish_sync_set if self.ha is not None and self.config.mode == "sync" else None,
             delete_sync_set=self._delete_sync_set if self.ha is not None and self.config.mode == "async" else None,
