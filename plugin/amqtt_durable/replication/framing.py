@@ -44,8 +44,9 @@ PROMOTE    (empty) from ``amqtt-durable promote``; answered by PROMOTE with JSON
 AUTH       the handshake of replication.secret (auth.py), before any other frame, only
            when a secret is set
 ERROR      text (utf-8): why the connection is refused (a failed or unexpected handshake, a
-           backup's name in use, a HELLO of a version the primary does not speak, a HELLO sent to
-           a backup: NOT_PRIMARY); the sender closes the connection after it
+           backup's name in use, a HELLO of a version the primary does not speak, one backup past
+           replication.max_backups: TOO_MANY_BACKUPS, a HELLO sent to a backup: NOT_PRIMARY); the
+           sender closes the connection after it
 =========  ===================================================================
 
 A HELLO's ``version`` is read first: a primary answers one other than ``PROTOCOL_VERSION``
