@@ -132,8 +132,9 @@ class Backup:
         self.db = db
         self.queue_bytes = queue_bytes
         """The byte bound of the frames received and not yet applied (FrameQueue)."""
-        self.received = FrameQueue(QUEUE_FRAMES, queue_bytes)
-        """The current connection's frames received and not yet applied (a new queue per connection)."""
+        self.received: FrameQueue | None = None
+        """The current connection's frames received and not yet applied (None between connections),
+        shown in the node's status (``queued_bytes``, ``queue_full``)."""
         low = (1 << 56) - 1
         self.instance = INSTANCE_MARK | ((instance or secrets.randbits(56)) & low)
         """This broker process in its HELLO (its top byte INSTANCE_MARK, never 0): a primary
@@ -227,6 +228,7 @@ class Backup:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await receiver
             writer.close()
+            self.received = None  # what is left in it is never applied
 
     async def _open(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]:
         """Connect and pass the handshake (with TLS, the TLS handshake first), all within one
@@ -521,11 +523,10 @@ class FrameQueue:
         self.max_frames = max_frames
         self.max_bytes = max_bytes
         self.bytes = 0
-        """Payload bytes queued now."""
-        self.peak_bytes = 0
-        """The most payload bytes it held at once."""
-        self.backed_up = asyncio.Event()
-        """Set while the reader waits for room (the primary meets TCP back-pressure); cleared by ``take``."""
+        """Payload bytes queued now (a backup's status: ``queued_bytes``)."""
+        self.full = False
+        """True while the reader waits for room: the primary meets TCP back-pressure, this backup's
+        writes are what holds replication back (a backup's status: ``queue_full``)."""
         self._frames: deque[tuple[Frame, bytes]] = deque()
         self._ended = False
         self._space = asyncio.Event()
@@ -537,12 +538,11 @@ class FrameQueue:
     async def put(self, frame: tuple[Frame, bytes]) -> None:
         size = len(frame[1])
         while self._full_for(size):  # one reader: only take() makes room
-            self.backed_up.set()
+            self.full = True
             self._space.clear()
             await self._space.wait()
         self._frames.append(frame)
         self.bytes += size
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
         self._queued.set()
 
     async def take(self) -> list[tuple[Frame, bytes]]:
@@ -553,7 +553,7 @@ class FrameQueue:
         group = list(self._frames)
         self._frames.clear()
         self.bytes = 0
-        self.backed_up.clear()
+        self.full = False
         self._space.set()
         return group
 

@@ -186,6 +186,8 @@ class ReplicationNode:
                 # Caught up with an earlier primary than the coordinator's last one is not caught up.
                 "caught_up": self.backup.caught_up and not (self.ha is not None and self.ha.caught_up_earlier),
                 "primary": self._following,
+                "queued_bytes": 0 if (queue := self.backup.received) is None else queue.bytes,
+                "queue_full": queue is not None and queue.full,
             }
             if self.promotion_failure is not None:
                 status["promotion_failed"] = self.promotion_failure
