@@ -14,11 +14,13 @@ import pytest
 from test_ha_brokers import BACKUP, SERVING, address, node, start, wait_status
 
 from amqtt_durable.replication.framing import TOO_MANY_BACKUPS, Frame, Hello, encode_frame
+from amqtt_durable.replication.gate import LOG_PER_HOST
 from conftest import WAIT, Broker, Client, run_cli
 
 pytestmark = pytest.mark.timeout(180)
 
 CAP = 2
+FLOOD = 30
 
 
 def connect(broker: Broker) -> socket.socket:
@@ -94,6 +96,17 @@ def test_one_backup_past_max_backups_is_refused_the_others_serve_on_and_a_freed_
     assert ("b", "in_sync") in states(shown) and "extra" not in str(shown["backups"])
     assert acknowledged(primary, b"past the cap")
 
+    # A flood of HELLOs past the cap, each under another name: each refused and counted, few lines logged.
+    for n in range(FLOOD):
+        text = f"{TOO_MANY_BACKUPS} {CAP} (backup flood{n} refused; it retries)"
+        with fake(primary, f"flood{n}", instance=100 + n) as sock:
+            assert until_closed(sock) == encode_frame(Frame.ERROR, text.encode())
+    after = wait_status(primary, lambda s: s["refused"] >= shown["refused"] + FLOOD)
+    assert states(after) == states(shown), "the flood disturbed the backups served"
+    lines = [line for line in primary.log().splitlines() if f"{TOO_MANY_BACKUPS} {CAP} (backup flood" in line]
+    assert 0 < len(lines) <= 2 * LOG_PER_HOST, lines  # one interval, or two if it rolled over meanwhile
+    assert acknowledged(primary, b"after the flood")
+
     # The same broker process reconnecting under its name takes its old link's place, never refused.
     again = fake(primary, "fake1", instance=7)
     assert first_kind(again) == Frame.SNAP_BEGIN, "a reconnection under the same name was refused"
@@ -115,7 +128,7 @@ def test_one_backup_past_max_backups_is_refused_the_others_serve_on_and_a_freed_
     wait_status(primary, lambda s: states(s) == [("b", "in_sync"), ("c", "in_sync")])
     assert "refused_by_primary" not in wait_status(c, lambda s: s["caught_up"])
     assert acknowledged(primary, b"after c joined")
-    for sock in [*silent, extra]:
+    for sock in [*silent, extra, fake1]:
         sock.close()
     b.stop()
     c.stop()
