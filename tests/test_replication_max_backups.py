@@ -119,12 +119,14 @@ def test_one_backup_past_max_backups_is_refused_the_others_serve_on_and_a_freed_
     assert not refused["caught_up"]
     said = f"refused by the primary: {TOO_MANY_BACKUPS} {CAP} (backup c refused; it retries)"
     assert c.wait_until(lambda: said in c.log(), WAIT), c.log()
-    assert any(" WARNING " in line for line in c.log().splitlines() if said in line), c.log()
+    logged = f"channel to {address(primary)} refused (retried every 5 s, this line at most once a minute): {said}"
+    assert any(" WARNING " in line for line in c.log().splitlines() if logged in line), c.log()
     assert said in run_cli("inspect", "--replication", address(c)).stdout
     assert acknowledged(primary, b"while c is refused")
     again.close()
     joined = "accepted by the primary: a place among its backups is free"
     assert c.wait_until(lambda: joined in c.log(), 5 + WAIT), c.log()
+    assert any(" INFO " in line for line in c.log().splitlines() if joined in line), c.log()
     wait_status(primary, lambda s: states(s) == [("b", "in_sync"), ("c", "in_sync")])
     assert "refused_by_primary" not in wait_status(c, lambda s: s["caught_up"])
     assert acknowledged(primary, b"after c joined")
