@@ -124,6 +124,7 @@ EDGES: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     ({"lease_ttl": 2, "loop_wait": 0.5, "demote_margin": 1}, {"lease_ttl": 1}, "lease_ttl"),
     ({"retained_batches": 1}, {"retained_batches": 0}, "retained_batches"),
     ({"retained_bytes": 1024}, {"retained_bytes": 1023}, "retained_bytes"),
+    ({"max_backups": 1}, {"max_backups": 0}, "max_backups"),
     ({"snapshot_chunk_bytes": 1024}, {"snapshot_chunk_bytes": 1023}, "snapshot_chunk_bytes"),
     ({"snapshot_chunk_bytes": 134_217_728}, {"snapshot_chunk_bytes": 134_217_729}, "snapshot_chunk_bytes"),
     ({"ack_timeout": 0.001}, {"ack_timeout": 0}, "ack_timeout"),

@@ -148,6 +148,8 @@ ETCD = ["http://127.0.0.1:2379"]
         ({"role": "primary", "catch_up_timeout": 0}, "'replication.catch_up_timeout': must be a finite number of"),
         ({"role": "primary", "catch_up_timeout": float("inf")}, "'replication.catch_up_timeout': must be a finite"),
         ({"role": "primary", "catch_up_timeout": "60s"}, "'replication.catch_up_timeout': expected a number, got '6"),
+        ({"role": "primary", "max_backups": 0}, "'replication.max_backups': must be at least 1, got 0"),
+        ({"role": "primary", "max_backups": 8.0}, "'replication.max_backups': must be written as an integer (8)"),
         ({"role": "primary", "snapshot_chunk_bytes": 512}, "'replication.snapshot_chunk_bytes': must be at least 1024"),
         ({"role": "primary", "secret": 1234567890123456789}, "'replication.secret': expected text, got a value"),
         ({"role": "primary", "secret": "short"}, "'replication.secret': must be at least 16 characters"),

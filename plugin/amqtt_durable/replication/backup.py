@@ -33,6 +33,7 @@ from .errors import FrameError, ReplicationGapError, StoreMismatchError
 from .framing import (
     NAME_IN_USE,
     NOT_PRIMARY,
+    TOO_MANY_BACKUPS,
     VERSION_REFUSED,
     CheckedBatch,
     Frame,
@@ -92,6 +93,12 @@ class VersionRefusedError(AuthError):
     done): it answered the HELLO with an ERROR frame naming both versions (VERSION_REFUSED)."""
 
 
+class BackupsFullError(AuthError):
+    """The primary serves replication.max_backups backups already: it answered the HELLO with an
+    ERROR frame naming the cap (TOO_MANY_BACKUPS). Retried as a version refusal is, every AUTH_RETRY
+    seconds: a place frees when one of its backups goes."""
+
+
 class NameInUseError(AuthError):
     """The primary refused this backup: another broker's backup is connected under its name."""
 
@@ -125,8 +132,9 @@ class Backup:
         self.db = db
         self.queue_bytes = queue_bytes
         """The byte bound of the frames received and not yet applied (FrameQueue)."""
-        self.received = FrameQueue(QUEUE_FRAMES, queue_bytes)
-        """The current connection's frames received and not yet applied (a new queue per connection)."""
+        self.received: FrameQueue | None = None
+        """The current connection's frames received and not yet applied (None between connections),
+        shown in the node's status (``queued_bytes``, ``queue_full``)."""
         low = (1 << 56) - 1
         self.instance = INSTANCE_MARK | ((instance or secrets.randbits(56)) & low)
         """This broker process in its HELLO (its top byte INSTANCE_MARK, never 0): a primary
@@ -220,6 +228,7 @@ class Backup:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await receiver
             writer.close()
+            self.received = None  # what is left in it is never applied
 
     async def _open(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]:
         """Connect and pass the handshake (with TLS, the TLS handshake first), all within one
@@ -286,6 +295,8 @@ class Backup:
             log.info("replication: backup %s: accepted by the primary: its name is free again", self.name)
         elif self._refusal is VersionRefusedError:
             log.info("replication: backup %s: accepted by the primary: it speaks this protocol version", self.name)
+        elif self._refusal is BackupsFullError:
+            log.info("replication: backup %s: accepted by the primary: a place among its backups is free", self.name)
         self.refused = self._refusal = None
 
     async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
@@ -300,11 +311,12 @@ class Backup:
             refusal: AuthError | None = None
             try:
                 await self.run(host, port)
-            except (NotPrimaryError, VersionRefusedError) as exc:
+            except (NotPrimaryError, VersionRefusedError, BackupsFullError) as exc:
                 # NotPrimaryError: retried as often as before, it may be a backup being promoted;
-                # VersionRefusedError: an upgrade half done, retried until both speak one version.
+                # VersionRefusedError: an upgrade half done, retried until both speak one version;
+                # BackupsFullError: retried as slowly, until one of the primary's backups goes.
                 refusal = exc
-                if isinstance(exc, VersionRefusedError):
+                if not isinstance(exc, NotPrimaryError):
                     pause = max(retry, AUTH_RETRY)
                 log.log(
                     (versions if isinstance(exc, VersionRefusedError) else repeated).level(str(exc)),
@@ -462,7 +474,13 @@ def _refusal(payload: bytes) -> AuthError:
     if _says_not_primary(Frame.ERROR, payload):
         return NotPrimaryError(error_text(payload))
     text = payload.decode("utf-8", "replace")
-    refusal = NameInUseError if NAME_IN_USE in text else VersionRefusedError if VERSION_REFUSED in text else AuthError
+    refusal: type[AuthError] = AuthError
+    if NAME_IN_USE in text:
+        refusal = NameInUseError
+    elif VERSION_REFUSED in text:
+        refusal = VersionRefusedError
+    elif text.startswith(TOO_MANY_BACKUPS):
+        refusal = BackupsFullError
     return refusal(f"refused by the primary: {error_text(payload)}")
 
 
@@ -505,11 +523,10 @@ class FrameQueue:
         self.max_frames = max_frames
         self.max_bytes = max_bytes
         self.bytes = 0
-        """Payload bytes queued now."""
-        self.peak_bytes = 0
-        """The most payload bytes it held at once."""
-        self.backed_up = asyncio.Event()
-        """Set while the reader waits for room (the primary meets TCP back-pressure); cleared by ``take``."""
+        """Payload bytes queued now (a backup's status: ``queued_bytes``)."""
+        self.full = False
+        """True while the reader waits for room: the primary meets TCP back-pressure, this backup's
+        writes are what holds replication back (a backup's status: ``queue_full``)."""
         self._frames: deque[tuple[Frame, bytes]] = deque()
         self._ended = False
         self._space = asyncio.Event()
@@ -521,12 +538,11 @@ class FrameQueue:
     async def put(self, frame: tuple[Frame, bytes]) -> None:
         size = len(frame[1])
         while self._full_for(size):  # one reader: only take() makes room
-            self.backed_up.set()
+            self.full = True
             self._space.clear()
             await self._space.wait()
         self._frames.append(frame)
         self.bytes += size
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
         self._queued.set()
 
     async def take(self) -> list[tuple[Frame, bytes]]:
@@ -537,7 +553,7 @@ class FrameQueue:
         group = list(self._frames)
         self._frames.clear()
         self.bytes = 0
-        self.backed_up.clear()
+        self.full = False
         self._space.set()
         return group
 

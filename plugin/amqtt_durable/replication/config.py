@@ -177,6 +177,12 @@ class ReplicationConfig:
     disconnected: a peer that asks for a snapshot and reads nothing would hold the primary's
     LevelDB snapshot (disk space compaction cannot reclaim) and the retained batches for ever."""
 
+    max_backups: int = 8
+    """Backup connections a primary serves at once (PostgreSQL's max_wal_senders): one past it is
+    refused at its HELLO with an ERROR frame naming this key. Each link is a connection, two tasks,
+    a pin of the retained log and, while it is copied, a LevelDB snapshot: a peer that can reach the
+    address and says HELLO (no secret, no allow_from) must not get them without bound."""
+
     snapshot_chunk_bytes: int = 1024 * 1024
     """Size of one chunk of a snapshot streamed to a backup: from 1024 to MAX_SNAPSHOT_CHUNK bytes."""
 
@@ -576,8 +582,9 @@ def _written(number: float) -> Fraction:
 
 
 def _check_sizes(config: ReplicationConfig, bad: Callable[[str, str], ConfigError]) -> None:
-    if config.retained_batches < 1:
-        raise bad("retained_batches", f"must be at least 1, got {config.retained_batches}")
+    for key in ("retained_batches", "max_backups"):
+        if getattr(config, key) < 1:
+            raise bad(key, f"must be at least 1, got {getattr(config, key)}")
     for key in ("retained_bytes", "snapshot_chunk_bytes"):
         if getattr(config, key) < 1024:
             raise bad(key, f"must be at least 1024 bytes, got {getattr(config, key)}")

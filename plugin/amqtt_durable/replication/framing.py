@@ -44,8 +44,9 @@ PROMOTE    (empty) from ``amqtt-durable promote``; answered by PROMOTE with JSON
 AUTH       the handshake of replication.secret (auth.py), before any other frame, only
            when a secret is set
 ERROR      text (utf-8): why the connection is refused (a failed or unexpected handshake, a
-           backup's name in use, a HELLO of a version the primary does not speak, a HELLO sent to
-           a backup: NOT_PRIMARY); the sender closes the connection after it
+           backup's name in use, a HELLO of a version the primary does not speak, one backup past
+           replication.max_backups: TOO_MANY_BACKUPS, a HELLO sent to a backup: NOT_PRIMARY); the
+           sender closes the connection after it
 =========  ===================================================================
 
 A HELLO's ``version`` is read first: a primary answers one other than ``PROTOCOL_VERSION``
@@ -111,6 +112,11 @@ NOT_PRIMARY = "not the primary"
 """The first words, then a colon, of the ERROR frame with which a backup's replication address
 answers a HELLO (a backup whose replication.primary names a backup): the refused backup recognises
 the refusal by them (first, so the 200-character cut of a peer's ERROR text never takes them)."""
+
+
+TOO_MANY_BACKUPS = "too many backups: max_backups is"
+"""The first words of the ERROR frame with which a primary that serves replication.max_backups
+backups refuses one more (then the number): the refused backup recognises the refusal by them."""
 
 
 VERSION_REFUSED = "not supported: this primary speaks"

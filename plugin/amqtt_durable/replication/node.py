@@ -186,6 +186,8 @@ class ReplicationNode:
                 # Caught up with an earlier primary than the coordinator's last one is not caught up.
                 "caught_up": self.backup.caught_up and not (self.ha is not None and self.ha.caught_up_earlier),
                 "primary": self._following,
+                "queued_bytes": 0 if (queue := self.backup.received) is None else queue.bytes,
+                "queue_full": queue is not None and queue.full,
             }
             if self.promotion_failure is not None:
                 status["promotion_failed"] = self.promotion_failure
@@ -531,6 +533,7 @@ class ReplicationNode:
             log_max_bytes=self.config.retained_bytes,
             ack_timeout=self.config.ack_timeout,
             catch_up_timeout=self.config.catch_up_timeout,
+            max_backups=self.config.max_backups,
             chunk_bytes=self.config.snapshot_chunk_bytes,
             publish_sync_set=self._publish_sync_set if self.ha is not None and self.config.mode == "sync" else None,
             delete_sync_set=self._delete_sync_set if self.ha is not None and self.config.mode == "async" else None,

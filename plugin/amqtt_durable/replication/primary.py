@@ -46,6 +46,7 @@ from .errors import FrameError, ReplicationError
 from .framing import (
     MAX_PEER_FRAME,
     NAME_IN_USE,
+    TOO_MANY_BACKUPS,
     Frame,
     Hello,
     Op,
@@ -180,6 +181,7 @@ class Primary:
         log_max_bytes: int,
         ack_timeout: float = 5.0,
         catch_up_timeout: float = 60.0,
+        max_backups: int = 8,
         chunk_bytes: int = 1024 * 1024,
         on_change: Callable[[BackupLink, str], None] | None = None,
         publish_sync_set: Callable[[frozenset[str]], Awaitable[None]] | None = None,
@@ -200,6 +202,10 @@ class Primary:
         """Seconds a backup not in sync may keep its sender waiting with no byte taken before it is
         disconnected (its snapshot and its pin released): a stranger's HELLO from an empty store,
         then nothing read, would hold them for ever."""
+        self.max_backups = max_backups
+        """Backup links served at once (replication.max_backups), counted at HELLO: a connection
+        that never says HELLO takes no place (the gate and ``handshake_timeout`` bound those), and
+        one whose HELLO replaces its own broker's older link takes that link's place."""
         self.chunk_bytes = chunk_bytes
         self.backlog = backlog
         """The listen backlog of its listener (the plugin's ``listen_backlog``; asyncio's default is
@@ -596,7 +602,7 @@ class Primary:
             return None
         hello = Hello.decode(payload)
         link.name, link.instance = hello.name, hello.instance
-        if not self._take_name(link):
+        if not self._take_name(link) or not self._take_place(link):
             return None
         _keepalive(link.writer)
         return hello
@@ -628,6 +634,18 @@ class Primary:
             link.writer.write(link.session.encode(Frame.ERROR, why.encode("utf-8")))
             return False
         return True
+
+    def _take_place(self, link: BackupLink) -> bool:
+        """Whether a place is free for ``link`` (its name taken): fewer than ``max_backups`` links
+        are served; otherwise it is refused with an ERROR frame naming the cap (the backup retries),
+        logged as the gate logs a refused handshake (rate-limited, counted), before it holds anything."""
+        if len(self.links) < self.max_backups:
+            return True
+        assert link.writer is not None
+        why = f"{TOO_MANY_BACKUPS} {self.max_backups} (backup {link.name} refused; it retries)"
+        self.gate.refusal(link.writer, link.peer, why)
+        link.writer.write(link.session.encode(Frame.ERROR, why.encode("utf-8")))
+        return False
 
     def _name_refused(self, link: BackupLink, holder: BackupLink) -> None:
         """An ERROR line naming the name and both addresses: the first refusal of a name, then at

@@ -132,6 +132,8 @@ def _backup_lines(status: dict[str, Any]) -> list[str]:
     lines = [
         f"  following {status.get('primary') or '(nobody yet)'}: {status['state']}"
         + (", caught up" if status.get("caught_up") else ", not caught up")
+        + (f", {status['queued_bytes']} bytes received not yet applied" if status.get("queued_bytes") else "")
+        + (" (queue full: the primary waits for this backup's writes)" if status.get("queue_full") else "")
     ]
     if status.get("promotion_failed"):
         lines.append(f"  its last promotion failed: {status['promotion_failed']}")
