@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from raw_mqtt_helpers import ConnectionClosedError, read_packet
+
 from amqtt_durable.wire import encode_packet
 from conftest import HOST, WAIT
 from durable_protocol import CONTROL_TOPIC, REPLY_TOPIC
@@ -106,10 +108,7 @@ class PacketRelay:
 
     def accept(self) -> None:
         with self._cond:
-            self._sending: dict[Direction, threading.Lock] = {"up": threading.Lock(), "down": threading.Lock()}
-        """Taken before _cond, kept while sending (never _cond): one way's packets leave in order and a
-        slow peer blocks only that way's senders, not every thread waiting on _cond."""
-        self._refusing = False
+            self._refusing = False
 
     def close(self) -> None:
         """Cut every link and stop listening; each of the relay's threads has ended (AssertionError
@@ -149,8 +148,8 @@ class PacketRelay:
     def _pump(self, source: socket.socket, destination: socket.socket, direction: Direction) -> None:
         source.settimeout(None)  # a link may stay idle for the whole test; cut() or close() ends the read
         try:
-            while (read := _read_packet(source)) is not None:
-                packet = Packet(direction, *read)
+            while True:
+                packet = Packet(direction, *read_packet(source))
                 with self._sending[direction]:
                     with self._cond:
                         self.seen.append(packet)
@@ -163,37 +162,10 @@ class PacketRelay:
                             held.append((destination, data))
                             continue
                     destination.sendall(data)
-        except OSError:  # a closed or reset link
+        except (OSError, ConnectionClosedError):  # a closed or reset link
             pass
         except BaseException as failure:
             with self._cond:
                 self._failures.append(failure)
         with contextlib.suppress(OSError):  # end the other way too
             destination.shutdown(socket.SHUT_RDWR)
-
-
-def _read_exactly(sock: socket.socket, count: int) -> bytes | None:
-    """``count`` bytes, or None at EOF (a test's AssertionError, e.g. from ``rewrite``, still propagates)."""
-    data = b""
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
-def _read_packet(sock: socket.socket) -> tuple[int, bytes] | None:
-    """(first byte, body) of the next MQTT packet, or None at EOF."""
-    if (first := _read_exactly(sock, 1)) is None:
-        return None
-    length, shift = 0, 0
-    while True:
-        if (byte := _read_exactly(sock, 1)) is None:
-            return None
-        length |= (byte[0] & 0x7F) << shift
-        shift += 7
-        if not byte[0] & 0x80:
-            break
-    body = _read_exactly(sock, length)
-    return None if body is None else (first[0], body)
