@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from raw_mqtt_helpers import read_packet
+from raw_mqtt_helpers import ConnectionClosedError, read_packet
 
 from amqtt_durable.wire import encode_packet
 from conftest import HOST, WAIT
@@ -58,7 +58,13 @@ class PacketRelay:
         self._cond = threading.Condition()
         self._held: dict[Direction, list[tuple[socket.socket, bytes]] | None] = {"up": None, "down": None}
         self._holding: dict[Direction, Callable[[Packet], bool]] = {}
+        self._sending: dict[Direction, threading.Lock] = {"up": threading.Lock(), "down": threading.Lock()}
+        """Taken before _cond, kept while sending (never _cond): one way's packets leave in order and a
+        slow peer blocks only that way's senders, not every thread waiting on _cond."""
         self._refusing = False
+        self._failures: list[BaseException] = []
+        """What a relay thread raised other than a link's end (e.g. a ``rewrite`` assertion): close()
+        raises it, so the test fails instead of seeing a mere EOF."""
         self._sockets: list[socket.socket] = []
         self._server = socket.create_server((HOST, 0))
         self.port: int = self._server.getsockname()[1]
@@ -83,11 +89,12 @@ class PacketRelay:
 
     def release(self, direction: Direction) -> None:
         """Forward what was held, in order, and stop holding."""
-        with self._cond:
-            for destination, data in self._held[direction] or []:
+        with self._sending[direction]:
+            with self._cond:
+                held, self._held[direction] = self._held[direction] or [], None
+            for destination, data in held:
                 with contextlib.suppress(OSError):
                     destination.sendall(data)
-            self._held[direction] = None
 
     def cut(self) -> None:
         """Reset every open link and refuse new connections until accept()."""
@@ -105,7 +112,7 @@ class PacketRelay:
 
     def close(self) -> None:
         """Cut every link and stop listening; each of the relay's threads has ended (AssertionError
-        when one is still running after WAIT)."""
+        when one is still running after WAIT); re-raises the first failure a relay thread had."""
         self.cut()
         with contextlib.suppress(OSError):
             self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept(); close() alone would not
@@ -113,6 +120,8 @@ class PacketRelay:
         for thread in list(self._threads):
             thread.join(WAIT)
             assert not thread.is_alive(), f"{thread.name} still runs"
+        if self._failures:
+            raise self._failures[0]
 
     def _accept(self) -> None:
         while True:
@@ -140,19 +149,23 @@ class PacketRelay:
         source.settimeout(None)  # a link may stay idle for the whole test; cut() or close() ends the read
         try:
             while True:
-                first, body = read_packet(source)
-                packet = Packet(direction, first, body)
-                with self._cond:
-                    self.seen.append(packet)
-                    self._cond.notify_all()
-                    if direction == "up" and self.rewrite is not None:
-                        packet = self.rewrite(packet)
-                    data = encode_packet(packet.first, packet.body)
-                    held = self._held[direction]
-                    if held is not None and packet.kind != 1 and self._holding[direction](packet):
-                        held.append((destination, data))
-                    else:
-                        destination.sendall(data)
-        except (OSError, AssertionError):  # a closed or reset link: end the other way too
-            with contextlib.suppress(OSError):
-                destination.shutdown(socket.SHUT_RDWR)
+                packet = Packet(direction, *read_packet(source))
+                with self._sending[direction]:
+                    with self._cond:
+                        self.seen.append(packet)
+                        self._cond.notify_all()
+                        if direction == "up" and self.rewrite is not None:
+                            packet = self.rewrite(packet)
+                        data = encode_packet(packet.first, packet.body)
+                        held = self._held[direction]
+                        if held is not None and packet.kind != 1 and self._holding[direction](packet):
+                            held.append((destination, data))
+                            continue
+                    destination.sendall(data)
+        except (OSError, ConnectionClosedError):  # a closed or reset link
+            pass
+        except BaseException as failure:
+            with self._cond:
+                self._failures.append(failure)
+        with contextlib.suppress(OSError):  # end the other way too
+            destination.shutdown(socket.SHUT_RDWR)

@@ -8,11 +8,17 @@ import socket
 from conftest import HOST, WAIT, mqtt_packet, mqtt_string
 
 
+class ConnectionClosedError(AssertionError):
+    """The peer ended the connection: an AssertionError to the tests that expect a packet, told apart
+    from a test's own assertion by the relays that read until the end (tests/packet_relay.py)."""
+
+
 def read_exactly(sock: socket.socket, count: int) -> bytes:
     data = b""
     while len(data) < count:
         chunk = sock.recv(count - len(data))  # bounded by the socket timeout (WAIT)
-        assert chunk, "connection closed"
+        if not chunk:
+            raise ConnectionClosedError("connection closed")
         data += chunk
     return data
 
