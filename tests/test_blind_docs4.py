@@ -9,6 +9,7 @@ import re
 import shutil
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -206,6 +207,22 @@ def test_a_request_holding_an_integer_past_4300_digits_is_malformed_with_op_and_
         reply = raw.request(body.encode())
         assert (reply["op"], reply["req"], reply["error"]["code"]) == (None, None, "malformed")
         assert reply["error"]["message"] == f"request holds an integer of {digits} digits; the limit is 4300"
+    assert hello(raw)["ok"]
+
+
+def test_the_4300_digit_limit_holds_in_a_broker_whose_python_converts_any_length(
+    broker_factory: Callable[..., Broker], raws: Callable[..., Raw], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """protocol.md: a request holding an integer of more than 4300 digits is `malformed` (`request holds an
+    integer of <n> digits; the limit is 4300`), also in a broker started with PYTHONINTMAXSTRDIGITS=0 (Python's
+    own limit off): the broker counts the digits itself. (It followed the interpreter's setting, and took
+    the 4301 digits.) The connection stays up."""
+    monkeypatch.setenv("PYTHONINTMAXSTRDIGITS", "0")  # the broker's process inherits it
+    broker = broker_factory()
+    raw = raws(broker.port, "d4-digits-env")
+    reply = raw.request(f'{{"v": 1, "op": "hello", "req": 3, "session_expiry": {"1" * 4301}}}'.encode())
+    assert (reply["op"], reply["req"], reply["error"]["code"]) == (None, None, "malformed"), reply
+    assert reply["error"]["message"] == "request holds an integer of 4301 digits; the limit is 4300"
     assert hello(raw)["ok"]
 
 
@@ -463,6 +480,20 @@ def test_an_integer_too_long_to_write_is_refused_naming_the_option_or_argument()
     with pytest.raises(ValueError, match=r"^after: the id of 't/a' must be .* of at most 4300 digits"):
         client.subscribe_stream("t/#", lambda _event: None, after={"t/a": 10**4300})
     client.subscribe_stream("t/#", lambda _event: None, after={"t/a": 10**4299})
+
+
+def test_the_sdk_refuses_an_id_past_4300_digits_where_python_writes_any_length() -> None:
+    """streams.md: each `after` id "written with at most 4300 digits (else `ValueError`)", also in a process
+    whose Python converts integers of any length (sys.set_int_max_str_digits(0)): the SDK counts the digits
+    itself (it followed the interpreter's setting, and sent what the broker refuses)."""
+    client = DurableClient("d4-long-any")
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        with pytest.raises(ValueError, match=r"^after: the id of 't/a' must be .* of at most 4300 digits"):
+            client.subscribe_stream("t/#", lambda _event: None, after={"t/a": 10**4300})
+    finally:
+        sys.set_int_max_str_digits(before)
 
 
 def test_inspect_retained_escapes_topics_and_orders_them_as_sent(broker_factory: Callable[..., Broker]) -> None:

@@ -15,12 +15,11 @@ import math
 import numbers
 import operator
 import os
-import sys
 import threading
 from collections.abc import Iterable
 from typing import Any
 
-from durable_protocol import CONTROL_PREFIX, MAX_STREAM_WINDOW, filter_is_valid
+from durable_protocol import CONTROL_PREFIX, MAX_INT_DIGITS, MAX_STREAM_WINDOW, filter_is_valid, too_many_digits
 from durable_protocol.hostport import parse_host
 
 from ._paho import topic_matches
@@ -134,19 +133,9 @@ def check_whole(option: str, value: object, low: int, high: int | None = None, w
         raise WrongTypeError(f"{option} must be {what} {bounds}, got {_show(value)}") from None
     if number < low or (high is not None and number > high):
         raise ValueError(f"{option} must be {what} {bounds}, got {_show(value)}")
-    if high is None and _too_long(number):  # JSON carries it as digits: the broker refuses such a request
-        limit = sys.get_int_max_str_digits()
-        raise ValueError(f"{option} must be {what} {bounds} of at most {limit} digits, got {_show(value)}")
+    if high is None and too_many_digits(number):  # JSON carries it as digits: the broker refuses such a request
+        raise ValueError(f"{option} must be {what} {bounds} of at most {MAX_INT_DIGITS} digits, got {_show(value)}")
     return number
-
-
-def _too_long(number: int) -> bool:
-    """More decimal digits than Python writes or reads (``sys.get_int_max_str_digits()``)."""
-    try:
-        str(number)
-    except ValueError:
-        return True
-    return False
 
 
 def check_seconds(
@@ -329,7 +318,7 @@ def _check_mqtt_string(option: str, value: str) -> None:
 
 def _show(value: object) -> str:
     """``repr(value)``, cut short: a 65536-byte topic must not make a 65536-character message."""
-    if isinstance(value, int) and _too_long(value):  # its repr would raise ValueError
+    if isinstance(value, int) and too_many_digits(value):  # its repr would be slow, or raise ValueError
         return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     if len(text) <= _SHOWN:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -37,6 +36,7 @@ __all__ = [
     "FRAME",
     "FRAME_VERSION",
     "MARKER_TOPIC",
+    "MAX_INT_DIGITS",
     "MAX_REQUEST_BYTES",
     "MAX_STREAM_WINDOW",
     "OPS",
@@ -64,6 +64,7 @@ __all__ = [
     "remaining_length",
     "request_ids",
     "shown_topic",
+    "too_many_digits",
 ]
 
 PROTOCOL_VERSION: Final = 1
@@ -72,6 +73,12 @@ CONTROL_TOPIC: Final = "_durable/v1/ctl"
 REPLY_TOPIC: Final = "$durable/v1/reply"
 MARKER_TOPIC: Final = "$durable/v1/marker"
 STREAM_TOPIC_PREFIX: Final = "$durable/v1/stream/"
+MAX_INT_DIGITS: Final = 4300
+"""The most decimal digits an integer may have in a request, an SDK setting or broker.yaml: converting
+more costs time quadratic in their count. Python's default limit, fixed here so that no interpreter
+setting turns the check off."""
+_FIRST_TOO_LONG = 10**MAX_INT_DIGITS
+
 MAX_REQUEST_BYTES: Final = 65_536
 MAX_STREAM_WINDOW: Final = 1_000
 SHOWN_TOPIC_CHARS: Final = 100
@@ -332,14 +339,19 @@ def _json_object(payload: bytes) -> dict[str, Any]:
 
 
 def _json_int(digits: str) -> int:
-    """A JSON integer; one of more digits than Python converts (``sys.get_int_max_str_digits()``, 4300:
-    converting more costs time quadratic in their count) refuses the request with a message that says
-    so, where ``int`` raised an error naming a Python setting a client cannot change."""
-    limit = sys.get_int_max_str_digits()
+    """A JSON integer; one of more than MAX_INT_DIGITS digits refuses the request with a message that
+    says so, counted before any conversion (whatever the interpreter's own limit, which a client
+    cannot see and PYTHONINTMAXSTRDIGITS=0 turns off)."""
     count = len(digits.lstrip("-"))
-    if limit and count > limit:
-        raise ProtocolError("malformed", f"request holds an integer of {count} digits; the limit is {limit}")
+    if count > MAX_INT_DIGITS:
+        raise ProtocolError("malformed", f"request holds an integer of {count} digits; the limit is {MAX_INT_DIGITS}")
     return int(digits)
+
+
+def too_many_digits(number: int) -> bool:
+    """Whether ``number`` has more than MAX_INT_DIGITS decimal digits, found without writing it
+    (writing one costs time quadratic in its digits, or raises ValueError under Python's limit)."""
+    return abs(number) >= _FIRST_TOO_LONG
 
 
 def _is_int(value: object) -> bool:

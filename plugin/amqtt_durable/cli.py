@@ -22,6 +22,8 @@ import yaml
 from amqtt.broker import Broker
 from amqtt.errors import BrokerError
 
+from durable_protocol import MAX_INT_DIGITS, too_many_digits
+
 from .amqtt_glue import start_failure
 from .config import DurableConfig
 from .errors import ConfigError, DurableError
@@ -138,14 +140,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return _key_path(path, str(key))
 
     def construct_printable_int(self, node: yaml.ScalarNode) -> int:
-        """An int as PyYAML reads it, refused if Python cannot print it (more digits than
-        ``sys.get_int_max_str_digits()``: a hexadecimal one may have them), so every error that
-        shows a value can (it crashed with a traceback, exit 1)."""
+        """An int as PyYAML reads it, refused past MAX_INT_DIGITS decimal digits (a hexadecimal one may
+        have them), so every error that shows a value can print it (it crashed with a traceback, exit 1)."""
         value: int = self.construct_yaml_int(node)
-        try:
-            str(value)
-        except ValueError:
-            raise ValueError(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
+        if too_many_digits(value):
+            raise ValueError(f"an integer of more than {MAX_INT_DIGITS} digits")
         return value
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
