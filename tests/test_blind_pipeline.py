@@ -736,3 +736,19 @@ def test_sigterm_or_ctrl_c_mid_run_stops_the_broker_and_every_process_the_fleet_
     signal_fleet_when(tmp_path, args, running, stop)
     err = (tmp_path / "harness.err").read_text(encoding="utf-8")
     assert re.search(r"\(random, --seed \d+\)", err), err
+
+
+STARTING = {
+    "the broker": lambda out: (out / "broker.log").exists(),  # opened just before the broker's spawn
+    "the device processes": lambda out: (out / "workers" / "devices-0.log").exists(),  # just before the first's
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("starting", list(STARTING))
+def test_ctrl_c_while_the_fleet_starts_stops_what_it_started_so_far(tmp_path: Path, starting: str) -> None:
+    """fleet.md: "SIGTERM or Ctrl-C stops the broker and every process it started", at the earliest moments:
+    the Ctrl-C comes as the harness spawns the broker, or the first device process (a child spawned then is
+    still stopped, and the harness exits)."""
+    args = ["--devices", "4", "--processes", "2", "--duration", "60s", "--faults", "", "--quiet"]
+    signal_fleet_when(tmp_path, args, STARTING[starting], signal.SIGINT)
