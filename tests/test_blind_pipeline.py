@@ -755,6 +755,7 @@ def test_ctrl_c_while_the_fleet_starts_stops_what_it_started_so_far(tmp_path: Pa
     signal_fleet_when(tmp_path, args, STARTING[starting], signal.SIGINT)
 
 
+@pytest.mark.slow  # 30 s: the workers and the broker each get their 15 s
 def test_ctrl_c_stops_a_broker_that_ignores_its_sigterm_within_the_stop_wait(tmp_path: Path) -> None:
     """fleet.md: Ctrl-C "stops the broker": a broker that does not end on SIGTERM (here stopped with
     SIGSTOP, as a wedged one) is SIGKILLed after the harness's STOP_WAIT, not after the minute a broker
