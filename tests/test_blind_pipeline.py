@@ -6,6 +6,7 @@ audit of delivery logs the SDK wrote against a real broker. Each test quotes the
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -736,3 +737,37 @@ def test_sigterm_or_ctrl_c_mid_run_stops_the_broker_and_every_process_the_fleet_
     signal_fleet_when(tmp_path, args, running, stop)
     err = (tmp_path / "harness.err").read_text(encoding="utf-8")
     assert re.search(r"\(random, --seed \d+\)", err), err
+
+
+STARTING = {
+    "the broker": lambda out: (out / "broker.log").exists(),  # opened just before the broker's spawn
+    "the device processes": lambda out: (out / "workers" / "devices-0.log").exists(),  # just before the first's
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("starting", list(STARTING))
+def test_ctrl_c_while_the_fleet_starts_stops_what_it_started_so_far(tmp_path: Path, starting: str) -> None:
+    """fleet.md: "SIGTERM or Ctrl-C stops the broker and every process it started", at the earliest moments:
+    the Ctrl-C comes as the harness spawns the broker, or the first device process (a child spawned then is
+    still stopped, and the harness exits)."""
+    args = ["--devices", "4", "--processes", "2", "--duration", "60s", "--faults", "", "--quiet"]
+    signal_fleet_when(tmp_path, args, STARTING[starting], signal.SIGINT)
+
+
+@pytest.mark.slow  # 30 s: the workers and the broker each get their 15 s
+def test_ctrl_c_stops_a_broker_that_ignores_its_sigterm_within_the_stop_wait(tmp_path: Path) -> None:
+    """fleet.md: Ctrl-C "stops the broker": a broker that does not end on SIGTERM (here stopped with
+    SIGSTOP, as a wedged one) is SIGKILLed after the harness's STOP_WAIT, not after the minute a broker
+    gets to start, so the harness exits within signal_fleet_when's bound."""
+    args = ["--devices", "4", "--processes", "2", "--duration", "60s", "--faults", "", "--quiet"]
+
+    def running_then_broker_stopped(out: Path) -> bool:
+        if not ((out / "logs" / "pub-0.jsonl").exists() and len(processes_in(out)) >= 4):
+            return False
+        for pid in processes_in(out):  # the broker runs: it is one of them
+            if b"amqtt_durable.cli\0broker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGSTOP)  # this test's own grandchild, by PID
+        return True
+
+    signal_fleet_when(tmp_path, args, running_then_broker_stopped, signal.SIGINT)

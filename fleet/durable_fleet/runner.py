@@ -511,11 +511,21 @@ class FleetRun:
             child.wait_stopped(deadline)
         if depth is not None:
             depth.close()
-        for service in (self.proxy, self.publisher_proxy, self.broker, self.pair):
-            if service is not None:
-                service.stop()
+        self._stop_services()
         if self.o.progress is not None and self.o.progress.isatty():
             self.o.progress.write("\n")
+
+    def _stop_services(self) -> None:
+        """The proxies, then the broker: SIGKILLed if still running STOP_WAIT after its SIGTERM, as the workers
+        are (not after the minute it gets to start), so a Ctrl-C ends in bounded time; or the pair."""
+        for proxy in (self.proxy, self.publisher_proxy):
+            if proxy is not None:
+                proxy.stop()
+        if self.broker is not None:
+            self.broker.terminate()
+            self.broker.wait_stopped(time.monotonic() + STOP_WAIT)
+        if self.pair is not None:
+            self.pair.stop()
 
     def _publish(
         self, tail: DeliveryTail, depth: _QueueDepth, drivers: list[threading.Thread], stop: threading.Event,
