@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 from test_ha_brokers import BACKUP, SERVING, address, node, start, wait_status
 
-from amqtt_durable.replication.framing import TOO_MANY_BACKUPS, Frame, Hello, encode_frame
+from amqtt_durable.replication.framing import NAME_IN_USE, TOO_MANY_BACKUPS, Frame, Hello, encode_frame
 from amqtt_durable.replication.gate import LOG_PER_HOST
 from conftest import WAIT, Broker, Client, run_cli
 
@@ -114,6 +114,11 @@ def test_one_backup_past_max_backups_is_refused_the_others_serve_on_and_a_freed_
     again = fake(primary, "fake1", instance=7)
     assert first_kind(again) == Frame.SNAP_BEGIN, "a reconnection under the same name was refused"
     until_closed(fake1)  # the old connection is closed by the primary
+    assert sorted(name for name, _ in states(status_of(primary))) == ["b", "fake1"]
+
+    # Another process under a served name while the cap is full: refused for its name, which is checked first.
+    clash = until_closed(fake(primary, "fake1", instance=9))
+    assert NAME_IN_USE.encode() in clash and TOO_MANY_BACKUPS.encode() not in clash, clash
     assert sorted(name for name, _ in states(status_of(primary))) == ["b", "fake1"]
 
     # A real backup refused for the cap says why, and joins once a place frees.
