@@ -9,10 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from amqtt_durable.replication import backup
 from amqtt_durable.replication.backup import Backup
 from amqtt_durable.replication.errors import FrameError
 from amqtt_durable.replication.framing import (
     MAX_PEER_FRAME,
+    NAME_IN_USE,
+    TOO_MANY_BACKUPS,
+    VERSION_REFUSED,
     Frame,
     Hello,
     decode_batch,
@@ -278,3 +282,19 @@ def test_a_batch_whose_operations_do_not_fit_its_length_is_refused(ops_bytes: by
     decode_batch(raw_batch((1).to_bytes(4, "big") + PUT))  # the well-formed one decodes
     with pytest.raises(FrameError, match=why):
         decode_batch(raw_batch(ops_bytes))
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        (f"{TOO_MANY_BACKUPS} 2 (backup x {NAME_IN_USE} y refused; it retries)", backup.BackupsFullError),
+        (f"{TOO_MANY_BACKUPS} 2 (backup x {VERSION_REFUSED} 2 refused; it retries)", backup.BackupsFullError),
+        (f"backup name {TOO_MANY_BACKUPS} 2 {NAME_IN_USE} 10.0.0.1:1 (this connection: ...)", backup.NameInUseError),
+        (f"replication protocol version 3 {VERSION_REFUSED} 2", backup.VersionRefusedError),
+        ("something else", backup.AuthError),
+    ],
+)
+def test_a_refusal_is_known_by_its_own_words_whatever_name_it_quotes(text: str, kind: type) -> None:
+    """The words that begin a refusal are looked for at its start only, and first: the backup name
+    a refusal for the cap quotes cannot make it pass for a name clash or a version refusal."""
+    assert type(backup._refusal(text.encode())) is kind

@@ -470,17 +470,20 @@ def _says_not_primary(kind: Frame, payload: bytes) -> bool:
 
 
 def _refusal(payload: bytes) -> AuthError:
-    """The error an ERROR frame from the node at the primary address raises."""
+    """The error an ERROR frame from the node at the primary address raises. The words that begin
+    a frame (NOT_PRIMARY, TOO_MANY_BACKUPS) are looked for first, at its start only, then the words
+    found inside one (NAME_IN_USE, VERSION_REFUSED): a backup name quoted in a refusal cannot make
+    it pass for another kind."""
     if _says_not_primary(Frame.ERROR, payload):
         return NotPrimaryError(error_text(payload))
     text = payload.decode("utf-8", "replace")
     refusal: type[AuthError] = AuthError
-    if NAME_IN_USE in text:
+    if text.startswith(TOO_MANY_BACKUPS):
+        refusal = BackupsFullError
+    elif NAME_IN_USE in text:
         refusal = NameInUseError
     elif VERSION_REFUSED in text:
         refusal = VersionRefusedError
-    elif text.startswith(TOO_MANY_BACKUPS):
-        refusal = BackupsFullError
     return refusal(f"refused by the primary: {error_text(payload)}")
 
 
