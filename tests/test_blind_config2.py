@@ -583,15 +583,16 @@ def test_an_integer_too_long_to_print_stops_the_real_broker_with_exit_2_naming_i
     assert len(result.stderr) < 1000, result.stderr[-3000:]
 
 
-def test_an_integer_past_4300_digits_is_refused_even_where_python_converts_any_length(tmp_path: Path) -> None:
-    """The broker.yaml check counts the digits itself: started with PYTHONINTMAXSTRDIGITS=0 (Python's own
-    limit off), a hexadecimal integer of 4,817 digits still stops it with exit 2 naming the key and the
-    limit, in a short message (it followed the interpreter's setting and printed all 4,817 digits)."""
+@pytest.mark.parametrize(("interpreter", "limit"), [("0", 4300), ("640", 640)])
+def test_a_too_long_integer_is_refused_whatever_python_converts(tmp_path: Path, interpreter: str, limit: int) -> None:
+    """broker.yaml's reader counts the digits itself: a hexadecimal integer of 4,817 digits stops the broker
+    with exit 2 naming the key and the limit in a short message, with PYTHONINTMAXSTRDIGITS=0 (Python's own
+    limit off: it printed all 4,817 digits) and with 640 (that limit named: it crashed, exit 1)."""
     config = tmp_path / "broker.yaml"
     config.write_text(f"plugins:\n  {PLUGIN}:\n    store: {tmp_path / 'store'}\n    max_keepalive: {HUGE}\n")
-    result = run_cli("broker", "-c", str(config), env={**os.environ, "PYTHONINTMAXSTRDIGITS": "0"})
+    result = run_cli("broker", "-c", str(config), env={**os.environ, "PYTHONINTMAXSTRDIGITS": interpreter})
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "'max_keepalive'" in result.stderr and "an integer of more than 4300 digits" in result.stderr
+    assert "'max_keepalive'" in result.stderr and f"an integer of more than {limit} digits" in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr) < 1000, result.stderr[-3000:]
 
 

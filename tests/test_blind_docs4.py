@@ -210,19 +210,24 @@ def test_a_request_holding_an_integer_past_4300_digits_is_malformed_with_op_and_
     assert hello(raw)["ok"]
 
 
-def test_the_4300_digit_limit_holds_in_a_broker_whose_python_converts_any_length(
-    broker_factory: Callable[..., Broker], raws: Callable[..., Raw], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("interpreter", "limit"), [("0", 4300), ("640", 640)])
+def test_the_digit_limit_holds_whatever_the_brokers_python_converts(
+    broker_factory: Callable[..., Broker],
+    raws: Callable[..., Raw],
+    monkeypatch: pytest.MonkeyPatch,
+    interpreter: str,
+    limit: int,
 ) -> None:
-    """protocol.md: a request holding an integer of more than 4300 digits is `malformed` (`request holds an
-    integer of <n> digits; the limit is 4300`), also in a broker started with PYTHONINTMAXSTRDIGITS=0 (Python's
-    own limit off): the broker counts the digits itself. (It followed the interpreter's setting, and took
-    the 4301 digits.) The connection stays up."""
-    monkeypatch.setenv("PYTHONINTMAXSTRDIGITS", "0")  # the broker's process inherits it
+    """protocol.md: a request holding an integer of more than 4300 digits (or the broker's Python's lower
+    limit) is `malformed` (`request holds an integer of <n> digits; the limit is <limit>`): with
+    PYTHONINTMAXSTRDIGITS=0 (Python's own limit off) the broker counts the digits itself (it took them),
+    with 640 it names 640 (the parser's error said `not UTF-8 JSON`). The connection stays up."""
+    monkeypatch.setenv("PYTHONINTMAXSTRDIGITS", interpreter)  # the broker's process inherits it
     broker = broker_factory()
     raw = raws(broker.port, "d4-digits-env")
-    reply = raw.request(f'{{"v": 1, "op": "hello", "req": 3, "session_expiry": {"1" * 4301}}}'.encode())
+    reply = raw.request(f'{{"v": 1, "op": "hello", "req": 3, "session_expiry": {"1" * (limit + 1)}}}'.encode())
     assert (reply["op"], reply["req"], reply["error"]["code"]) == (None, None, "malformed"), reply
-    assert reply["error"]["message"] == "request holds an integer of 4301 digits; the limit is 4300"
+    assert reply["error"]["message"] == f"request holds an integer of {limit + 1} digits; the limit is {limit}"
     assert hello(raw)["ok"]
 
 
@@ -482,16 +487,22 @@ def test_an_integer_too_long_to_write_is_refused_naming_the_option_or_argument()
     client.subscribe_stream("t/#", lambda _event: None, after={"t/a": 10**4299})
 
 
-def test_the_sdk_refuses_an_id_past_4300_digits_where_python_writes_any_length() -> None:
-    """streams.md: each `after` id "written with at most 4300 digits (else `ValueError`)", also in a process
-    whose Python converts integers of any length (sys.set_int_max_str_digits(0)): the SDK counts the digits
-    itself (it followed the interpreter's setting, and sent what the broker refuses)."""
+@pytest.mark.parametrize(("interpreter", "limit"), [(0, 4300), (640, 640)])
+def test_the_sdk_refuses_an_id_past_the_digit_limit_whatever_python_writes(interpreter: int, limit: int) -> None:
+    """streams.md: each `after` id "written with at most 4300 digits (else `ValueError`)"; sdk.md: a bad value's
+    message starts with its name, a long integer shown as its size in bits. In a process whose Python writes
+    integers of any length (0) the SDK counts the digits itself (it took them, and sent what the broker
+    refuses); under a lower limit (640) it names that one, and a port past it is still refused by name
+    (the message was Python's own "Exceeds the limit")."""
     client = DurableClient("d4-long-any")
     before = sys.get_int_max_str_digits()
-    sys.set_int_max_str_digits(0)
+    sys.set_int_max_str_digits(interpreter)
     try:
-        with pytest.raises(ValueError, match=r"^after: the id of 't/a' must be .* of at most 4300 digits"):
-            client.subscribe_stream("t/#", lambda _event: None, after={"t/a": 10**4300})
+        with pytest.raises(ValueError, match=rf"^after: the id of 't/a' must be .* of at most {limit} digits"):
+            client.subscribe_stream("t/#", lambda _event: None, after={"t/a": 10**limit})
+        port_refused = r"^port must be a whole number from 1 to 65535, got an integer of \d+ bits"
+        with pytest.raises(ValueError, match=port_refused):
+            DurableClient("d4-long-port", port=10**limit)
     finally:
         sys.set_int_max_str_digits(before)
 

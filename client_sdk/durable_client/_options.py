@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from durable_protocol import CONTROL_PREFIX, MAX_INT_DIGITS, MAX_STREAM_WINDOW, filter_is_valid, too_many_digits
+from durable_protocol import CONTROL_PREFIX, MAX_STREAM_WINDOW, filter_is_valid, int_digits, too_many_digits
 from durable_protocol.hostport import parse_host
 
 from ._paho import topic_matches
@@ -134,7 +134,7 @@ def check_whole(option: str, value: object, low: int, high: int | None = None, w
     if number < low or (high is not None and number > high):
         raise ValueError(f"{option} must be {what} {bounds}, got {_show(value)}")
     if high is None and too_many_digits(number):  # JSON carries it as digits: the broker refuses such a request
-        raise ValueError(f"{option} must be {what} {bounds} of at most {MAX_INT_DIGITS} digits, got {_show(value)}")
+        raise ValueError(f"{option} must be {what} {bounds} of at most {int_digits()} digits, got {_show(value)}")
     return number
 
 

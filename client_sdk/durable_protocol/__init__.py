@@ -19,9 +19,11 @@ payload (``FRAME``); plain MQTT sessions never get frames.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -60,6 +62,7 @@ __all__ = [
     "encode_reply",
     "encode_request",
     "filter_is_valid",
+    "int_digits",
     "parse_request",
     "remaining_length",
     "request_ids",
@@ -75,9 +78,8 @@ MARKER_TOPIC: Final = "$durable/v1/marker"
 STREAM_TOPIC_PREFIX: Final = "$durable/v1/stream/"
 MAX_INT_DIGITS: Final = 4300
 """The most decimal digits an integer may have in a request, an SDK setting or broker.yaml: converting
-more costs time quadratic in their count. Python's default limit, fixed here so that no interpreter
-setting turns the check off."""
-_FIRST_TOO_LONG = 10**MAX_INT_DIGITS
+more costs time quadratic in their count. Python's default limit, kept when the interpreter's is off
+or higher (``int_digits``)."""
 
 MAX_REQUEST_BYTES: Final = 65_536
 MAX_STREAM_WINDOW: Final = 1_000
@@ -339,19 +341,33 @@ def _json_object(payload: bytes) -> dict[str, Any]:
 
 
 def _json_int(digits: str) -> int:
-    """A JSON integer; one of more than MAX_INT_DIGITS digits refuses the request with a message that
-    says so, counted before any conversion (whatever the interpreter's own limit, which a client
-    cannot see and PYTHONINTMAXSTRDIGITS=0 turns off)."""
-    count = len(digits.lstrip("-"))
-    if count > MAX_INT_DIGITS:
-        raise ProtocolError("malformed", f"request holds an integer of {count} digits; the limit is {MAX_INT_DIGITS}")
+    """A JSON integer; one of more than ``int_digits()`` digits refuses the request with a message
+    that says so, counted before any conversion (``int`` raised an error naming a Python setting a
+    client cannot change, inside the parser: "not UTF-8 JSON")."""
+    count, limit = len(digits.lstrip("-")), int_digits()
+    if count > limit:
+        raise ProtocolError("malformed", f"request holds an integer of {count} digits; the limit is {limit}")
     return int(digits)
 
 
+def int_digits() -> int:
+    """The most decimal digits of an integer read or shown here: MAX_INT_DIGITS, or the interpreter's
+    lower limit where one is set (``sys.set_int_max_str_digits``, PYTHONINTMAXSTRDIGITS), as a
+    number past it could be neither read nor written in this process."""
+    interpreter = sys.get_int_max_str_digits()
+    return min(MAX_INT_DIGITS, interpreter) if interpreter else MAX_INT_DIGITS
+
+
 def too_many_digits(number: int) -> bool:
-    """Whether ``number`` has more than MAX_INT_DIGITS decimal digits, found without writing it
-    (writing one costs time quadratic in its digits, or raises ValueError under Python's limit)."""
-    return abs(number) >= _FIRST_TOO_LONG
+    """Whether ``number`` has more than ``int_digits()`` decimal digits, found without writing it
+    (writing one costs time quadratic in its digits, or raises ValueError past Python's limit)."""
+    return abs(number) >= _first_too_long(int_digits())
+
+
+@functools.cache
+def _first_too_long(digits: int) -> int:
+    first: int = 10**digits
+    return first
 
 
 def _is_int(value: object) -> bool:

@@ -22,7 +22,7 @@ import yaml
 from amqtt.broker import Broker
 from amqtt.errors import BrokerError
 
-from durable_protocol import MAX_INT_DIGITS, too_many_digits
+from durable_protocol import int_digits, too_many_digits
 
 from .amqtt_glue import start_failure
 from .config import DurableConfig
@@ -140,11 +140,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return _key_path(path, str(key))
 
     def construct_printable_int(self, node: yaml.ScalarNode) -> int:
-        """An int as PyYAML reads it, refused past MAX_INT_DIGITS decimal digits (a hexadecimal one may
+        """An int as PyYAML reads it, refused past ``int_digits()`` decimal digits (a hexadecimal one may
         have them), so every error that shows a value can print it (it crashed with a traceback, exit 1)."""
         value: int = self.construct_yaml_int(node)
         if too_many_digits(value):
-            raise ValueError(f"an integer of more than {MAX_INT_DIGITS} digits")
+            raise ValueError(f"an integer of more than {int_digits()} digits")
         return value
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
