@@ -1,11 +1,13 @@
 """replication.max_backups against a real primary broker: fake backups (raw sockets saying HELLO)
-take the places, one more is refused with an ERROR frame naming the cap and closed, the backup
-already in sync stays so and publishes keep being acknowledged; silent connections take no place;
-a backup's reconnection under its name is not refused; a real backup refused for the cap shows
-why and joins once a place is free (docs/replication.md, How many backups)."""
+take the places, one more is refused with an ERROR frame naming the cap and closed (refused again
+past the gate's 10 s, its name gets no second WARNING within the minute), the backup already in
+sync stays so and publishes keep being acknowledged; silent connections take no place; a backup's
+reconnection under its name is not refused; a real backup refused for the cap shows why and joins
+once a place is free (docs/replication.md, How many backups)."""
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -14,7 +16,8 @@ import pytest
 from test_ha_brokers import BACKUP, SERVING, address, node, start, wait_status
 
 from amqtt_durable.replication.framing import NAME_IN_USE, TOO_MANY_BACKUPS, Frame, Hello, encode_frame
-from amqtt_durable.replication.gate import LOG_PER_HOST
+from amqtt_durable.replication.gate import LOG_EVERY, LOG_PER_HOST
+from amqtt_durable.replication.primary import CAP_LINE
 from conftest import WAIT, Broker, Client, run_cli
 
 pytestmark = pytest.mark.timeout(180)
@@ -92,6 +95,7 @@ def test_one_backup_past_max_backups_is_refused_the_others_serve_on_and_a_freed_
     assert primary.wait_until(lambda: refusal in primary.log(), WAIT), primary.log()
     [line] = [line for line in primary.log().splitlines() if refusal in line]
     assert " WARNING " in line and "refused a connection from 127.0.0.1:" in line, line
+    assert line.endswith(f"{refusal}; {CAP_LINE}"), line
     shown = wait_status(primary, lambda s: len(s["backups"]) == CAP)
     assert ("b", "in_sync") in states(shown) and "extra" not in str(shown["backups"])
     assert acknowledged(primary, b"past the cap")
@@ -138,10 +142,36 @@ def test_one_backup_past_max_backups_is_refused_the_others_serve_on_and_a_freed_
     wait_status(primary, lambda s: states(s) == [("b", "in_sync"), ("c", "in_sync")])
     assert "refused_by_primary" not in wait_status(c, lambda s: s["caught_up"])
     assert acknowledged(primary, b"after c joined")
+
+    # extra refused again for the cap (b and c hold it) within the minute, once the gate's interval of
+    # its first line has ended (the gate would log it again): no second line for that name.
+    past_the_gate_interval(primary, after["refused"])
+    with fake(primary, "extra", instance=8) as sock:
+        assert until_closed(sock) == encode_frame(Frame.ERROR, refusal.encode()), "not refused for the cap"
+    assert [line for line in primary.log().splitlines() if refusal in line] == [line]
     for sock in [*silent, extra, fake1]:
         sock.close()
     b.stop()
     c.stop()
+
+
+def past_the_gate_interval(primary: Broker, refused: int) -> None:
+    """Wait for the gate's summary counting ``refused`` refusals since start, or more: the interval
+    they fell in (its lines of each address and reason) ended. Where none comes, a burst of names
+    past the gate's lines per address has one summed up."""
+    for burst in range(3):
+        if primary.wait_until(lambda: summed_up(primary, refused), LOG_EVERY + WAIT):  # noqa: B023
+            return
+        for n in range(LOG_PER_HOST + 1):
+            with fake(primary, f"burst{burst}-{n}", instance=1000 + n) as sock:
+                until_closed(sock)
+        refused = status_of(primary)["refused"]  # type: ignore[assignment]
+    raise AssertionError(f"no summary of the refusals: {primary.log()}")
+
+
+def summed_up(primary: Broker, refused: int) -> bool:
+    """A summary of the gate counting at least ``refused`` refusals since start is logged."""
+    return any(int(n) >= refused for n in re.findall(r"since start (\d+) refused", primary.log()))
 
 
 def status_of(broker: Broker) -> dict[str, object]:

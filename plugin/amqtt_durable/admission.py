@@ -44,6 +44,27 @@ class LogBudget:
         return left_out
 
 
+class NameBudgets:
+    """A ``LogBudget`` per name (one line per ``interval`` seconds for each backup name a primary
+    refuses), for the ``size`` names most recently taken: the least recently taken is forgotten
+    first, so names a stranger makes up cannot grow it (a forgotten name is logged as a first one)."""
+
+    def __init__(self, interval: float, size: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self.size = size
+        self._clock = clock
+        self._budgets: dict[str, LogBudget] = {}
+        """Per name, its budget: the most recently taken last."""
+
+    def take(self, name: str) -> int | None:
+        """``LogBudget.take`` of ``name``'s budget."""
+        budget = self._budgets.pop(name, None) or LogBudget(self.interval, self._clock)
+        self._budgets[name] = budget
+        if len(self._budgets) > self.size:
+            del self._budgets[next(iter(self._budgets))]
+        return budget.take()
+
+
 def _left_out(count: int) -> str:
     return f" ({count} more such refusal(s) since the last line)" if count else ""
 

@@ -19,9 +19,11 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from amqtt_durable.admission import NameBudgets
 from amqtt_durable.replication import gate
 from amqtt_durable.replication.config import Network
 from amqtt_durable.replication.gate import LOG_HOSTS, LOG_PER_HOST, HandshakeGate, allowed
+from amqtt_durable.replication.primary import NAME_LOG_EVERY, REFUSED_NAMES
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -238,3 +240,24 @@ def test_an_address_outside_allow_from_is_closed_at_once_takes_no_place_and_has_
                 other_end.close()
 
     asyncio.run(main())
+
+
+def test_a_primary_logs_a_refused_backup_name_once_a_minute_and_remembers_its_most_recently_refused_names() -> None:
+    """A backup name refused for max_backups or for its name is logged at most once a minute, the
+    refusals between counted in the next line; of the names refused, the REFUSED_NAMES most recently
+    refused are remembered, so names a stranger makes up cannot grow the table."""
+    now = [1000.0]
+    refusals = NameBudgets(NAME_LOG_EVERY, REFUSED_NAMES, clock=lambda: now[0])
+    assert refusals.take("a") == 0  # the first refusal: logged
+    now[0] += NAME_LOG_EVERY - 0.5
+    assert [refusals.take("a") for _ in range(3)] == [None] * 3  # within the minute: left out, counted
+    assert refusals.take("b") == 0  # per name
+    now[0] += 0.5
+    assert refusals.take("a") == 3  # a minute after its last line: logged, with the count left out
+    assert refusals.take("a") is None
+    for n in range(REFUSED_NAMES - 1):
+        refusals.take(f"n{n}")
+    assert refusals.take("a") is None  # refused again: the most recent now
+    refusals.take("one more")  # the least recently refused, n0, is forgotten
+    assert refusals.take("n0") == 0  # logged as a first refusal again
+    assert refusals.take("a") is None  # still remembered

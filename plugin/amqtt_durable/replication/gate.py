@@ -123,11 +123,12 @@ class HandshakeGate:
             if not self._hosts[host]:
                 del self._hosts[host]
 
-    def refusal(self, writer: asyncio.StreamWriter, peer: str, why: str) -> None:
-        """The admitted connection ``writer`` (from ``peer``) was refused by the handshake."""
+    def refusal(self, writer: asyncio.StreamWriter, peer: str, why: str, logged: bool = True) -> None:
+        """The admitted connection ``writer`` (from ``peer``) was refused by the handshake; with
+        ``logged`` False only counted (the caller's own limit left its line out)."""
         self.refused += 1
         host, _ = self._waiting.get(writer, (peer.rpartition(":")[0].strip("[]"), None))
-        if self._may_log(host, REFUSED, why):
+        if logged and self._may_log(host, REFUSED, why):
             log.warning("replication: refused a connection from %s: %s", peer, why)
 
     def _may_log(self, host: str, kind: str, reason: str) -> bool:

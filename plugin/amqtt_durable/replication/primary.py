@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
 
+from ..admission import NameBudgets
 from ..settings import LISTEN_BACKLOG
 from .auth import AuthError, Session, server_handshake
 from .errors import FrameError, ReplicationError
@@ -93,8 +94,13 @@ WATCHDOG_MIN = 0.01
 """Shortest pause of the watchdog between two looks (a quarter of the smaller of ack_timeout and
 catch_up_timeout), so tiny timeouts do not make it spin."""
 NAME_LOG_EVERY = 60.0
-"""Seconds between two ERROR lines about refusals of one name (a refused backup retries every
-few seconds: the refusals in between are counted in the next line)."""
+"""Seconds between two lines about refusals of one backup name, for the name or for max_backups
+(a refused backup retries every few seconds: the refusals in between are counted in the next line)."""
+CAP_LINE = "refusals of this name for the cap are logged at most once a minute"
+"""Ends the primary's WARNING for a backup refused for max_backups (then the count left out)."""
+REFUSED_NAMES = 256
+"""Backup names whose last refusal line is remembered, for each kind of refusal (the least recently
+refused forgotten first): names a stranger makes up cannot grow it."""
 
 
 @dataclass(slots=True)
@@ -233,8 +239,10 @@ class Primary:
         names backups that lack what this primary acknowledges alone."""
         self._last_acked: dict[str, int] = {}
         self._publishing: asyncio.Task[None] | None = None
-        self._name_refusals: dict[str, tuple[float, int]] = {}
-        """Per refused name: when its last ERROR line was logged, and the refusals since."""
+        self._name_refusals = NameBudgets(NAME_LOG_EVERY, REFUSED_NAMES)
+        """Per name refused for being in use: its ERROR lines."""
+        self._place_refusals = NameBudgets(NAME_LOG_EVERY, REFUSED_NAMES)
+        """Per name refused for max_backups: its WARNING lines."""
         self.secret = secret
         """replication.secret: every peer must pass the handshake of auth.py first."""
         self.handshake_timeout = handshake_timeout
@@ -638,24 +646,24 @@ class Primary:
     def _take_place(self, link: BackupLink) -> bool:
         """Whether a place is free for ``link`` (its name taken): fewer than ``max_backups`` links
         are served; otherwise it is refused with an ERROR frame naming the cap (the backup retries),
-        logged as the gate logs a refused handshake (rate-limited, counted), before it holds anything."""
+        counted by the gate and logged at most once a minute per name within the gate's bounds for
+        refused handshakes, before it holds anything."""
         if len(self.links) < self.max_backups:
             return True
         assert link.writer is not None
         why = f"{TOO_MANY_BACKUPS} {self.max_backups} (backup {link.name} refused; it retries)"
-        self.gate.refusal(link.writer, link.peer, why)
+        left_out = self._place_refusals.take(link.name)
+        line = why if left_out is None else f"{why}; {CAP_LINE}{_more(left_out)}"
+        self.gate.refusal(link.writer, link.peer, line, logged=left_out is not None)
         link.writer.write(link.session.encode(Frame.ERROR, why.encode("utf-8")))
         return False
 
     def _name_refused(self, link: BackupLink, holder: BackupLink) -> None:
         """An ERROR line naming the name and both addresses: the first refusal of a name, then at
         most one every NAME_LOG_EVERY seconds while its refusals go on, with their count."""
-        now = time.monotonic()
-        logged, since = self._name_refusals.get(link.name, (-NAME_LOG_EVERY, 0))
-        if now - logged < NAME_LOG_EVERY:
-            self._name_refusals[link.name] = (logged, since + 1)
+        left_out = self._name_refusals.take(link.name)
+        if left_out is None:
             return
-        self._name_refusals[link.name] = (now, 0)
         log.error(
             "replication: refused backup name %s from %s: the name %s %s %s, another broker process; names "
             "must be unique in the cluster: give one of them another replication.name (it retries; refusals "
@@ -665,7 +673,7 @@ class Primary:
             link.name,
             NAME_IN_USE,
             holder.peer,
-            f", {since} more since the last line" if since else "",
+            _more(left_out),
         )
 
     async def _first_frame(
@@ -902,6 +910,11 @@ def sent_mark(writer: asyncio.StreamWriter) -> int:
             if len(info) >= TCP_INFO_SIZE:
                 return int(struct.unpack_from("=Q", info, TCP_INFO_BYTES_ACKED)[0])
     return -writer.transport.get_write_buffer_size()
+
+
+def _more(left_out: int) -> str:
+    """The end of a refusal line counting the refusals of its name left out since the last."""
+    return f", {left_out} more since the last line" if left_out else ""
 
 
 async def _drain(writer: asyncio.StreamWriter, link: BackupLink) -> None:
