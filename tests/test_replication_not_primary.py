@@ -161,29 +161,31 @@ async def answer_hellos(tmp_path: Path, answer: bytes, tries: int, caught_up: bo
     """A backup follows a node that reads each HELLO's first byte, sends ``answer`` (nothing: an
     earlier version's backup; an ERROR frame: this version's) and closes, for ``tries`` tries. The
     backup starts caught up when ``caught_up`` (told IN_SYNC by that node while it was the primary)."""
-    answered = 0
+    answered: list[float] = []
+    """When each answer was sent, in seconds since the backup began to follow."""
     tried = asyncio.Condition()
+    loop = asyncio.get_running_loop()
 
     async def answer_and_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal answered
         await reader.read(1)
         writer.write(answer)
         await writer.drain()
         writer.close()
         async with tried:
-            answered += 1
+            answered.append(round(loop.time() - began, 2))
             tried.notify_all()
 
     server = await asyncio.start_server(answer_and_close, HOST, 0)
     backup = new_backup(tmp_path, "b")
     backup.caught_up = caught_up
+    began = loop.time()
     try:
         async with following(backup, server.sockets[0].getsockname()[1]), tried:
             try:
-                await bounded(tried.wait_for(lambda: answered >= tries), WAIT)
-            except TimeoutError:  # seen once under load: say how far it got
-                shown = f"{answered} of {tries} HELLOs answered in {WAIT} s; backup {backup.state}"
-                raise AssertionError(shown) from None
+                await bounded(tried.wait_for(lambda: len(answered) >= tries), WAIT)
+            except TimeoutError:  # seen once under load: say how far it got, and when (a stall, or a try stuck)
+                shown = f"{len(answered)} of {tries} HELLOs answered in {WAIT} s, at {answered} s"
+                raise AssertionError(f"{shown}; backup {backup.state}") from None
         return backup
     finally:
         server.close()
