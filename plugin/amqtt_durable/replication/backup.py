@@ -191,7 +191,7 @@ class Backup:
 
     async def run(self, host: str, port: int) -> None:
         """One connection to the primary, until it ends (raises the reason; always closes)."""
-        self.state = "connecting"
+        self._trying("connecting")
         self.in_sync_event.clear()
         try:
             reader, writer, session = await self._open(host, port)
@@ -208,7 +208,7 @@ class Backup:
             hello = Hello(self.store_id, seq, self.applied_crc, self.name, instance=self.instance)
             writer.write(session.encode(Frame.HELLO, hello.encode()))
             await writer.drain()
-            self.state = "catching_up"
+            self._trying("catching_up")
             while True:
                 # Every frame received is applied before the end of the channel is reported.
                 group = await frames.take()
@@ -229,6 +229,13 @@ class Backup:
                 await receiver
             writer.close()
             self.received = None  # what is left in it is never applied
+
+    def _trying(self, state: BackupState) -> None:
+        """The state of a try not answered yet; while the last try's refusal stands (``refused``)
+        the backup stays disconnected, as its status says until a try ends otherwise or the node
+        accepts it (a status read while the retry waits for its answer showed catching_up)."""
+        if self.refused is None:
+            self.state = state
 
     async def _open(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]:
         """Connect and pass the handshake (with TLS, the TLS handshake first), all within one
@@ -298,6 +305,7 @@ class Backup:
         elif self._refusal is BackupsFullError:
             log.info("replication: backup %s: accepted by the primary: a place among its backups is free", self.name)
         self.refused = self._refusal = None
+        self.state = "catching_up"  # until its frames say otherwise (a snapshot, in sync)
 
     async def follow(self, host: str, port: int, stop: asyncio.Event, retry: float = 0.5) -> None:
         """Stay connected to the primary at host:port, reconnecting after a failure, until ``stop``."""
