@@ -1,7 +1,7 @@
 """The test helper tests/packet_relay.py itself, between a raw MQTT client socket and a plain TCP
 listener standing in for the broker (the test reads what reaches it, or reads nothing): a relay
 thread's failure reaches wait_seen() at once and close() before its thread check, sends are bounded,
-and a rewrite may release()."""
+a rewrite may release(), and a hanging connect to the broker holds up no waiter."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from packet_relay import Packet, PacketRelay
@@ -160,3 +161,29 @@ def test_a_release_from_a_predicate_raises_instead_of_deadlocking(upstream: sock
         relay.close()
     client.close()
     broker_side.close()
+
+
+def syn_sent_to(port: int) -> int:
+    """Connections of this machine still waiting on their SYN to 127.0.0.1:``port`` (Linux's /proc/net/tcp)."""
+    rows = Path("/proc/net/tcp").read_text(encoding="ascii").splitlines()[1:]
+    return sum(1 for row in rows if row.split()[2] == f"0100007F:{port:04X}" and row.split()[3] == "02")
+
+
+def test_the_broker_connect_holds_up_no_waiter() -> None:
+    """The relay connects to the broker outside its lock: while that connect hangs (the broker's accept
+    queue is full, its SYN dropped) hold() returns at once, not when the connect gives up (``wait``)."""
+    listener = socket.create_server((HOST, 0), backlog=0)
+    filler = socket.create_connection(listener.getsockname(), timeout=WAIT)  # fills the queue: one more waits
+    relay = PacketRelay(listener.getsockname()[1], wait=5.0)
+    client = socket.create_connection((HOST, relay.port), timeout=WAIT)
+    deadline = time.monotonic() + WAIT
+    while not syn_sent_to(listener.getsockname()[1]):  # the relay is in its connect; bounded by the deadline
+        assert time.monotonic() < deadline, "the relay did not connect to the broker"
+        time.sleep(0.01)  # polling the kernel's table: the relay's thread tells nothing
+    started = time.monotonic()
+    relay.hold("up")
+    assert time.monotonic() - started < 1.0
+    listener.accept()[0].close()  # room in the queue: the relay's SYN, sent again, gets through
+    relay.close()
+    for sock in (client, filler, listener):
+        sock.close()
