@@ -1,7 +1,7 @@
 """A TCP relay between an MQTT client and a real broker that sees every packet either way: a test
 waits on what the broker or the client is sent (not on a client library's log lines), holds one
 direction's packets (read and seen, forwarded in order at release()), and may rewrite what the
-client sends. Blocking sockets, two threads per link, every wait bounded by WAIT."""
+client sends. Two threads per link, every wait bounded (``wait``: WAIT)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -50,10 +51,16 @@ class Packet:
 class PacketRelay:
     """Listens on an ephemeral port of HOST and relays each accepted connection to ``broker_port``."""
 
-    def __init__(self, broker_port: int, rewrite: Callable[[Packet], Packet] | None = None) -> None:
+    def __init__(
+        self, broker_port: int, rewrite: Callable[[Packet], Packet] | None = None, *, wait: float = WAIT
+    ) -> None:
         self.broker_port = broker_port
         self.rewrite = rewrite
-        """Applied to each packet the client sends (after it is seen) before it is forwarded."""
+        """Applied to each packet the client sends before it is seen (``seen`` keeps it as sent) and
+        forwarded. It runs outside the relay's locks: it may call release(), hold() or cut()."""
+        self.wait = wait
+        """The bound of each wait: wait_seen(), a send (a peer that reads nothing that long), the rest of
+        a packet once its first byte came, close()'s joins. A send or read that times out fails the relay."""
         self.seen: list[Packet] = []
         self._cond = threading.Condition()
         self._held: dict[Direction, list[tuple[socket.socket, bytes]] | None] = {"up": None, "down": None}
@@ -61,10 +68,12 @@ class PacketRelay:
         self._sending: dict[Direction, threading.Lock] = {"up": threading.Lock(), "down": threading.Lock()}
         """Taken before _cond, kept while sending (never _cond): one way's packets leave in order and a
         slow peer blocks only that way's senders, not every thread waiting on _cond."""
+        self._asking = threading.local()
+        """Set in the thread running a predicate (under _cond): release() from it would deadlock."""
         self._refusing = False
         self._failures: list[BaseException] = []
-        """What a relay thread raised other than a link's end (e.g. a ``rewrite`` assertion): close()
-        raises it, so the test fails instead of seeing a mere EOF."""
+        """What a relay thread raised other than a link's end (e.g. a ``rewrite`` assertion, a send that
+        timed out): wait_seen() and close() raise it, so the test fails with it, not with a timeout."""
         self._sockets: list[socket.socket] = []
         self._server = socket.create_server((HOST, 0))
         self.port: int = self._server.getsockname()[1]
@@ -72,29 +81,42 @@ class PacketRelay:
         self._threads[0].start()
 
     def wait_seen(self, predicate: Callable[[Packet], bool], after: int = 0) -> Packet:
-        """The first packet from ``seen[after:]`` that matches; AssertionError after WAIT without one."""
+        """The first packet from ``seen[after:]`` that matches; AssertionError after ``wait`` without one,
+        or a relay thread's failure as soon as it has one. ``predicate`` runs under the relay's lock."""
+
+        def matches() -> list[Packet]:
+            return [packet for packet in self.seen[after:] if self._ask(predicate, packet)]
+
         with self._cond:
-            found: list[Packet] = []
-            self._cond.wait_for(lambda: found.extend(p for p in self.seen[after:] if predicate(p)) or bool(found), WAIT)
+            self._cond.wait_for(lambda: bool(self._failures or matches()), self.wait)
+            self._raise_failure()
+            found = matches()
         assert found, "the relay saw no such packet"
         return found[0]
 
     def hold(self, direction: Direction, which: Callable[[Packet], bool] = lambda _packet: True) -> None:
         """Packets going ``direction`` (``which`` of them: the others overtake them) are seen but not
-        forwarded until release(); a CONNECT always is."""
+        forwarded until release(); a CONNECT always is. ``which`` runs under the relay's lock."""
         with self._cond:
             self._holding[direction] = which
             if self._held[direction] is None:
                 self._held[direction] = []
 
     def release(self, direction: Direction) -> None:
-        """Forward what was held, in order, and stop holding."""
+        """Forward what was held, in order, and stop holding. TimeoutError when a peer reads none of it
+        for ``wait``; RuntimeError from a hold() or wait_seen() predicate (it would deadlock)."""
+        if getattr(self._asking, "predicate", False):
+            raise RuntimeError("release() from a PacketRelay predicate, which runs under the relay's lock")
         with self._sending[direction]:
             with self._cond:
                 held, self._held[direction] = self._held[direction] or [], None
             for destination, data in held:
-                with contextlib.suppress(OSError):
+                try:
                     destination.sendall(data)
+                except TimeoutError:
+                    raise
+                except OSError:  # its link was cut: what it held is lost with it
+                    pass
 
     def cut(self) -> None:
         """Reset every open link and refuse new connections until accept()."""
@@ -111,17 +133,29 @@ class PacketRelay:
             self._refusing = False
 
     def close(self) -> None:
-        """Cut every link and stop listening; each of the relay's threads has ended (AssertionError
-        when one is still running after WAIT); re-raises the first failure a relay thread had."""
+        """Cut every link and stop listening; re-raises the first failure a relay thread had, then
+        asserts each of the relay's threads ended within ``wait``."""
         self.cut()
         with contextlib.suppress(OSError):
             self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept(); close() alone would not
         self._server.close()
-        for thread in list(self._threads):
-            thread.join(WAIT)
-            assert not thread.is_alive(), f"{thread.name} still runs"
+        deadline = time.monotonic() + self.wait
+        for thread in self._threads:  # the accept thread first: once it has ended, none is added
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._raise_failure()
+        running = [thread.name for thread in self._threads if thread.is_alive()]
+        assert not running, f"{running} still run"
+
+    def _raise_failure(self) -> None:
         if self._failures:
             raise self._failures[0]
+
+    def _ask(self, predicate: Callable[[Packet], bool], packet: Packet) -> bool:
+        self._asking.predicate = True
+        try:
+            return predicate(packet)
+        finally:
+            self._asking.predicate = False
 
     def _accept(self) -> None:
         while True:
@@ -129,43 +163,60 @@ class PacketRelay:
                 client, _ = self._server.accept()
             except OSError:  # closed
                 return
+            client.settimeout(self.wait)
+            broker = None
+            if not self._refusing:  # read again under _cond below, once connected
+                with contextlib.suppress(OSError):  # connected outside _cond: a slow broker blocks no waiter
+                    broker = socket.create_connection((HOST, self.broker_port), timeout=self.wait)
             with self._cond:
-                if self._refusing:
-                    client.close()
-                    continue
-                try:
-                    broker = socket.create_connection((HOST, self.broker_port), timeout=WAIT)
-                except OSError:
-                    client.close()
+                if broker is None or self._refusing:  # refused, no broker, or cut() while connecting
+                    for sock in (client, broker):
+                        if sock is not None:
+                            sock.close()
                     continue
                 self._sockets += [client, broker]
-            for source, destination, direction in ((client, broker, "up"), (broker, client, "down")):
-                args = (source, destination, direction)
-                pump = threading.Thread(target=self._pump, args=args, daemon=True, name=f"packet-relay-{direction}")
-                self._threads.append(pump)
-                pump.start()
+                for source, destination, direction in ((client, broker, "up"), (broker, client, "down")):
+                    args = (source, destination, direction)
+                    pump = threading.Thread(target=self._pump, args=args, daemon=True, name=f"packet-relay-{direction}")
+                    self._threads.append(pump)
+                    pump.start()
 
     def _pump(self, source: socket.socket, destination: socket.socket, direction: Direction) -> None:
-        source.settimeout(None)  # a link may stay idle for the whole test; cut() or close() ends the read
         try:
             while True:
+                _wait_readable(source)
                 packet = Packet(direction, *read_packet(source))
+                rewrite = self.rewrite if direction == "up" else None
+                forward = packet if rewrite is None else rewrite(packet)
+                data = encode_packet(forward.first, forward.body)
                 with self._sending[direction]:
                     with self._cond:
                         self.seen.append(packet)
                         self._cond.notify_all()
-                        if direction == "up" and self.rewrite is not None:
-                            packet = self.rewrite(packet)
-                        data = encode_packet(packet.first, packet.body)
                         held = self._held[direction]
-                        if held is not None and packet.kind != 1 and self._holding[direction](packet):
+                        if held is not None and forward.kind != 1 and self._ask(self._holding[direction], forward):
                             held.append((destination, data))
                             continue
                     destination.sendall(data)
+        except TimeoutError as stalled:  # a peer read nothing, or sent half a packet, for `wait`
+            self._fail(stalled)
         except (OSError, ConnectionClosedError):  # a closed or reset link
             pass
         except BaseException as failure:
-            with self._cond:
-                self._failures.append(failure)
+            self._fail(failure)
         with contextlib.suppress(OSError):  # end the other way too
             destination.shutdown(socket.SHUT_RDWR)
+
+    def _fail(self, failure: BaseException) -> None:
+        with self._cond:
+            self._failures.append(failure)
+            self._cond.notify_all()  # a wait_seen() raises it now, not after its wait
+
+
+def _wait_readable(source: socket.socket) -> None:
+    """Until ``source`` has a byte or its end to read: a link may stay idle for the whole test, longer
+    than its timeout (which bounds a send, or a packet's rest); cut() or close() ends it."""
+    while True:
+        with contextlib.suppress(TimeoutError):
+            source.recv(1, socket.MSG_PEEK)
+            return

@@ -4,8 +4,11 @@ and publisher processes, delivery logs and the Spark audit (slow), and its input
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,7 @@ import pytest
 import yaml
 
 from amqtt_durable.cli import PLUGIN_PATH
-from amqtt_durable.process import port_open
+from amqtt_durable.process import BrokerProcess, free_port, local_config, port_open
 from amqtt_durable.store import open_store
 from conftest import Broker, run_cli
 from durable_fleet.cli import build_parser, options_from
@@ -198,6 +201,27 @@ def test_restart_group_that_fails_on_a_later_broker_stops_the_ones_it_started(tm
         assert not port_open(first.port)
     finally:
         pair.stop()
+
+
+@pytest.mark.timeout(40)
+def test_an_ha_pair_stop_sigkills_a_broker_that_ignores_its_sigterm_after_its_stop_wait(tmp_path: Path) -> None:
+    """HaPair.stop (Ctrl-C, SIGTERM, an --ha run's end): a broker of the pair that does not end on SIGTERM
+    (here stopped with SIGSTOP, as a wedged one) is SIGKILLed ``stop_wait`` (STOP_WAIT) after it, as the
+    single broker is, not after the minute a broker gets to start (before: 60 s, past this test's bound)."""
+    pair = HaPair(BROKER_YAML, tmp_path / "out", metrics_interval=1.0, stop_wait=1.0)
+    port = free_port()
+    config = local_config(BROKER_YAML, port, store=str(tmp_path / "a" / "store"))
+    (tmp_path / "a").mkdir()
+    wedged = pair.brokers["a"] = BrokerProcess(config, tmp_path / "a", port).start()
+    try:
+        assert wedged.pid is not None
+        os.kill(wedged.pid, signal.SIGSTOP)  # this test's own child, by PID
+        started = time.monotonic()
+        pair.stop()
+        assert wedged.exit_status == -signal.SIGKILL
+        assert time.monotonic() - started < 10
+    finally:
+        wedged.kill()
 
 
 def write_broker_yaml(tmp_path: Path, content: Any) -> Path:

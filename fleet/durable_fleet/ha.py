@@ -27,13 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from amqtt_durable.errors import DurableError
-from amqtt_durable.process import HOST, BrokerProcess, EtcdProcess, free_port, local_config
+from amqtt_durable.process import HOST, BrokerProcess, EtcdProcess, free_port, local_config, stop_all
 from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.etcd import EtcdCoordinator
 from amqtt_durable.replication.framing import Frame
 from amqtt_durable.replication.tool import ask
 
 from .errors import BrokerLostError, FleetError
+from .model import STOP_WAIT
 from .proxy import Opened, TcpRelay
 
 log = logging.getLogger(__name__)
@@ -137,8 +138,12 @@ class PrimaryRouter:
 class HaPair:
     """etcd, two relays to it and two brokers replicating; the faults that hit the primary."""
 
-    def __init__(self, config: Mapping[str, Any], out: Path, *, metrics_interval: float) -> None:
+    def __init__(
+        self, config: Mapping[str, Any], out: Path, *, metrics_interval: float, stop_wait: float = STOP_WAIT
+    ) -> None:
         self.out = out
+        self.stop_wait = stop_wait
+        """Seconds a broker gets after its SIGTERM before its SIGKILL (stop())."""
         self.config = config
         self.metrics_interval = metrics_interval
         self.etcd: EtcdProcess | None = None
@@ -200,12 +205,9 @@ class HaPair:
             self.etcd.stop()
 
     def _stop_brokers(self) -> None:
-        """Stop every broker of the pair that runs (by its PID), in parallel; bounded."""
-        deadline = time.monotonic() + max((b.wait for b in self.brokers.values()), default=0.0)
-        for broker in self.brokers.values():
-            broker.terminate()
-        for broker in self.brokers.values():
-            broker.wait_stopped(deadline)
+        """Stop every broker of the pair that runs (by its PID), in parallel: SIGKILLed if still running
+        ``stop_wait`` after its SIGTERM (not after the minute it gets to start)."""
+        stop_all(self.brokers.values(), self.stop_wait)
 
     # ------------------------------------------------------------------ state
     def status(self, name: str) -> dict[str, Any] | None:

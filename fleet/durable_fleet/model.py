@@ -22,6 +22,9 @@ or a plain paho client (clean_session=False, QoS 1): at-least-once only."""
 DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
 ALL_DEVICES = "all"
 """The target of a drop or stall that hits every device at once."""
+STOP_WAIT = 15.0
+"""Seconds a process the harness started (a worker, a publisher, a broker, either of an HA pair's) gets
+after its SIGTERM before its SIGKILL when the harness stops it."""
 
 
 @dataclass(frozen=True)

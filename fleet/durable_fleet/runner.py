@@ -28,13 +28,14 @@ import paho.mqtt.client as mqtt
 import psutil
 from paho.mqtt.enums import CallbackAPIVersion
 
-from amqtt_durable.process import HOST, BrokerProcess, ChildProcess, free_port, local_config
+from amqtt_durable.process import HOST, BrokerProcess, ChildProcess, free_port, local_config, stop_all
 
 from .errors import BrokerLostError, FleetError
 from .ha import HA_TIMING, WHOLE_WAIT, HaPair
 from .model import (
     ALL_DEVICES,
     HA_FAULT_KINDS,
+    STOP_WAIT,
     AppliedFault,
     DeviceKind,
     DeviceOutcome,
@@ -57,7 +58,6 @@ OWN_FILES = ("report.html", "schedule.yaml", "broker.yaml", "broker.log")
 MARKER = ".amqtt-durable-fleet"
 """In every output folder: a folder with other things in it and no marker is not ours to clear."""
 SAMPLE_INTERVAL = 1.0
-STOP_WAIT = 15.0
 MIN_CPU_INTERVAL = 0.5
 """Seconds of wall time a CPU figure spans at least."""
 LOG_LINE_EVERY = 5.0
@@ -503,12 +503,7 @@ class FleetRun:
         for driver in drivers:
             if driver.is_alive():  # the run failed: let the driver end its faults before we stop all
                 driver.join(self._driver_bound())
-        children = [*self.publishers, *self.device_workers]
-        for child in children:
-            child.terminate()
-        deadline = time.monotonic() + STOP_WAIT
-        for child in children:
-            child.wait_stopped(deadline)
+        stop_all([*self.publishers, *self.device_workers], STOP_WAIT)
         if depth is not None:
             depth.close()
         self._stop_services()
@@ -516,14 +511,14 @@ class FleetRun:
             self.o.progress.write("\n")
 
     def _stop_services(self) -> None:
-        """The proxies, then the broker: SIGKILLed if still running STOP_WAIT after its SIGTERM, as the workers
-        are (not after the minute it gets to start), so a Ctrl-C ends in bounded time; or the pair."""
+        """The proxies (each bounded by its calls' timeout), then the broker or the pair: a broker is SIGKILLed
+        if still running STOP_WAIT after its SIGTERM, as the workers are (not after the minute it gets to
+        start), so a Ctrl-C ends in bounded time."""
         for proxy in (self.proxy, self.publisher_proxy):
             if proxy is not None:
                 proxy.stop()
         if self.broker is not None:
-            self.broker.terminate()
-            self.broker.wait_stopped(time.monotonic() + STOP_WAIT)
+            stop_all([self.broker], STOP_WAIT)
         if self.pair is not None:
             self.pair.stop()
 
@@ -550,13 +545,9 @@ class FleetRun:
     def _drain(self, tail: DeliveryTail, depth: _QueueDepth) -> None:
         """Publishers stop; the devices get up to drain_timeout to receive what is missing."""
         self.phase = "draining"
-        for publisher in self.publishers:
-            publisher.terminate()
         # A publisher ends after the PUBACKs it still waits for, logging those sends: until it has
         # ended, "nothing missing" could be read before its last sends were written.
-        stopped_by = time.monotonic() + STOP_WAIT
-        for publisher in self.publishers:
-            publisher.wait_stopped(stopped_by)
+        stop_all(self.publishers, STOP_WAIT)
         drain_end = time.monotonic() + self.o.drain_timeout
         while time.monotonic() < drain_end:
             self._sample(tail, depth)

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -320,6 +320,18 @@ class ChildProcess:
         except subprocess.TimeoutExpired:
             return False
         return True
+
+
+def stop_all(children: Iterable[ChildProcess], wait: float) -> None:
+    """``stop_signal`` to every child at once, then SIGKILL to each still running ``wait`` seconds later:
+    they stop in parallel, and one that ignores its signal holds the caller up ``wait``, not its own
+    ``wait`` (a broker's is the minute it gets to start)."""
+    children = list(children)
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + wait
+    for child in children:
+        child.wait_stopped(deadline)
 
 
 class BrokerProcess(ChildProcess):
