@@ -692,3 +692,61 @@ def test_a_filter_the_broker_refuses_is_missing_from_each_reconnects_hello_and_i
     assert [(r["qos"], r["durable"]) for r in subscribes(log, "kept/t")] == [(1, True)], "kept/t subscribed again"
     clients(broker.port, "over-pub-4", clean_session=True).publish("over/t", [b"granted"], qos=1)
     assert received.wait("over/t", b"granted")
+
+
+def test_a_change_to_durable_refused_again_at_the_reconnect_keeps_the_filter_non_durable_on_the_broker(
+    broker_factory: Callable[..., Broker],
+    sdk: Callable[..., DurableClient],
+    clients: Callable[..., Client],
+    tmp_path: Path,
+    *,
+    relays: Callable[..., PacketRelay],
+) -> None:
+    """delivery-log.md and sdk.md: the reconnect says a refused change to durable: true again before its
+    hello; "If the broker refuses it again there ..., the filter stays refused: that SUBACK writes `durable:
+    false`", held non-durable by the broker; "A `subscribe(durable=False)` of a refused filter sends no
+    `interest`". The reconnect subscribes it non-durable (`interest` durable: false with its SUBSCRIBE), so
+    a publish made while away is not queued, after each reconnect that refuses it, and after a
+    subscribe(durable=False) that sent nothing. Before, the reconnect sent the SUBSCRIBE alone: the broker
+    made the filter durable and queued those publishes, while the log said `false`."""
+    broker = broker_factory(metrics_interval=0.1)
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
+    log = tmp_path / "device.jsonl"
+    lives = Lives()
+    received = Received()
+    device = sdk(relay.port, "refused", delivery_log=log, on_live=lives.on_live)
+    device.subscribe("refused/t", qos=1, durable=False, listener=received)
+    device.subscribe("fence/t", qos=1, listener=received)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert lives.wait(1), "no marker"
+    device.subscribe("refused/t", qos=1, durable=True, listener=received, timeout=WAIT)  # refused: a WARNING
+
+    def away_and_back(connection: int, *, durable: bool = True) -> None:
+        """Drop the link; once the broker has ended the connection, publish to refused/t, then reconnect
+        (it says `durable` again before its hello: refused again, the relay still rewrites it)."""
+        after = len(relay.seen)
+        relay.cut()
+        seen_away(clients, broker, 1)
+        clients(broker.port, f"pub-{connection}", clean_session=True).publish(
+            "refused/t", [f"away {connection}".encode()], qos=1
+        )
+        relay.accept()
+        assert lives.wait(connection), "no reconnect"
+        relay.wait_seen(is_interest(durable), after)
+        clients(broker.port, f"fence-{connection}", clean_session=True).publish(
+            "fence/t", [f"fence {connection}".encode()], qos=1
+        )
+        assert received.wait("fence/t", f"fence {connection}".encode())
+        assert not [e for e in received.events if e[0] == "refused/t"], "queued for a non-durable filter"
+
+    away_and_back(2)
+    away_and_back(3)
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, False)] * 3
+
+    after = len(relay.seen)
+    device.subscribe("refused/t", qos=1, durable=False, listener=received, timeout=WAIT)
+    device.publish("fence/t", b"after it", qos=1, timeout=WAIT)  # the broker has what was sent before it
+    assert not [p for p in relay.seen[after:] if (p.control() or {}).get("op") == "interest"], "an interest was sent"
+    away_and_back(4, durable=False)
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, False)] * 4
