@@ -567,7 +567,8 @@ def test_a_change_to_durable_at_a_new_qos_whose_reply_comes_after_its_suback_is_
 ) -> None:
     """A non-durable filter made durable at a new QoS: `interest` durable: true, then a SUBSCRIBE. The relay
     holds the `interest` reply until after the SUBACK: the SUBACK writes `false` (not applied yet) and the
-    reply `true` (before, none: the audit never expected the filter durable)."""
+    reply `true` (before, none: the audit never expected the filter durable). sdk.md: such a subscribe()
+    returns at the SUBACK and the reply, whichever comes last."""
     broker = broker_factory()
     relay = relays(broker.port)
     log = tmp_path / "device.jsonl"
@@ -579,6 +580,8 @@ def test_a_change_to_durable_at_a_new_qos_whose_reply_comes_after_its_suback_is_
     caller, outcome = made_durable_in_a_thread(device, "newqos/t", qos=0)
     relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, after)
     relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "interest", after)
+    assert wait_until(lambda: len(subscribes(log, "newqos/t")) == 2, WAIT), "the SUBACK wrote no record"
+    assert caller.is_alive(), "subscribe() returned before the broker's interest reply"
     relay.release("down")
     caller.join(WAIT)
     assert outcome == [None], outcome

@@ -425,12 +425,12 @@ class DurableClient:
         made durable again then is said to be, before that connection's hello, so an older
         connection's end the broker runs late does not drop it);
         when connected, it returns once the broker has confirmed it (its SUBACK; for a change of
-        durability only, its ``interest`` reply), or raises RequestTimeout after ``timeout``
-        seconds without it (the subscription stays registered and is sent again on reconnect; a
-        connection lost first is no confirmation: it waits for the one of the reconnect, the SUBACK
-        of the SUBSCRIBE it sends again, or the hello reply that lists a durable filter the
-        broker's session kept). A filter whose packets would be larger
-        than the broker's max_packet_size (once a hello reply said it) is a ValueError, also
+        durability only, its ``interest`` reply; both for a change to durable at a new QoS), or
+        raises RequestTimeout after ``timeout`` seconds without it (the subscription stays
+        registered and is sent again on reconnect; a connection lost first is no confirmation: it
+        waits for the one of the reconnect, the SUBACK of the SUBSCRIBE it sends again, or the hello
+        reply that lists a durable filter the broker's session kept). A filter whose packets would
+        be larger than the broker's max_packet_size (once a hello reply said it) is a ValueError, also
         when a reconnect's hello reply drops it while this call waits. Unconnected when the
         client is closed while it waits; it returns when another thread unsubscribes the filter
         meanwhile, or replaces it by another subscribe(). A change of durability the broker refuses
