@@ -753,3 +753,9 @@ def test_a_change_to_durable_refused_again_at_the_reconnect_keeps_the_filter_non
     assert not [p for p in relay.seen[after:] if (p.control() or {}).get("op") == "interest"], "an interest was sent"
     away_and_back(4, durable=False)
     assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, False)] * 4
+
+    device.subscribe("refused/t", qos=1, durable=True, listener=received, timeout=WAIT)  # refused again
+    after = len(relay.seen)
+    device.subscribe("refused/t", qos=0, durable=False, listener=received, timeout=WAIT)  # "another QoS"
+    assert not [p for p in relay.seen[after:] if (p.control() or {}).get("op") == "interest"], "an interest was sent"
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, False)] * 4 + [(0, False)]
