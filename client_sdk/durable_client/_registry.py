@@ -142,11 +142,9 @@ class Registry:
             self._unsubscribed.clear()
             self._unsubscribing.clear()
 
-    def subscribed(
-        self, mid: int, ok: bool, answered: Callable[[Subscription], None] | None = None
-    ) -> Subscription | None:
-        """A SUBACK arrived (``ok``: granted): the subscription it answers (None if it was removed
-        meanwhile), handed to ``answered`` before a wait_answered() returns."""
+    def subscribed(self, mid: int, ok: bool, answered: Callable[[Subscription], None]) -> None:
+        """A SUBACK arrived (``ok``: granted): the subscription it answers (none if it was removed
+        meanwhile) is handed to ``answered`` before a wait_answered() returns."""
         with self.lock:
             for subscription in self._subscriptions.values():
                 if subscription.mid == mid:
@@ -155,11 +153,9 @@ class Registry:
                     subscription.answered = True
                     if subscription.interest_req is None:  # else an interest sent after this SUBSCRIBE awaits its reply
                         subscription.interest_due = False  # sent with the SUBSCRIBE: the SUBACK confirms both
-                    if answered is not None:
-                        answered(subscription)
+                    answered(subscription)
                     self.changed.notify_all()
-                    return subscription
-            return None
+                    return
 
     def settled(self) -> bool:
         """No SUBSCRIBE waits for its SUBACK and no UNSUBSCRIBE for its UNSUBACK."""
