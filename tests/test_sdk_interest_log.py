@@ -20,7 +20,7 @@ from packet_relay import Packet, PacketRelay
 from test_hostile_wire import wait_until
 
 from conftest import HOST, WAIT, Broker, Client, seen_away
-from durable_client import ConnectionInfo, DurableClient, Marker, RequestTimeout
+from durable_client import ConnectionInfo, DurableClient, Event, Marker, RequestTimeout
 from durable_fleet.proxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(120)
@@ -567,7 +567,8 @@ def test_a_change_to_durable_at_a_new_qos_whose_reply_comes_after_its_suback_is_
 ) -> None:
     """A non-durable filter made durable at a new QoS: `interest` durable: true, then a SUBSCRIBE. The relay
     holds the `interest` reply until after the SUBACK: the SUBACK writes `false` (not applied yet) and the
-    reply `true` (before, none: the audit never expected the filter durable)."""
+    reply `true` (before, none: the audit never expected the filter durable). sdk.md: such a subscribe()
+    returns at the SUBACK and the reply, whichever comes last."""
     broker = broker_factory()
     relay = relays(broker.port)
     log = tmp_path / "device.jsonl"
@@ -579,7 +580,182 @@ def test_a_change_to_durable_at_a_new_qos_whose_reply_comes_after_its_suback_is_
     caller, outcome = made_durable_in_a_thread(device, "newqos/t", qos=0)
     relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, after)
     relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "interest", after)
+    assert wait_until(lambda: len(subscribes(log, "newqos/t")) == 2, WAIT), "the SUBACK wrote no record"
+    assert caller.is_alive(), "subscribe() returned before the broker's interest reply"
     relay.release("down")
     caller.join(WAIT)
     assert outcome == [None], outcome
     assert [(r["qos"], r["durable"]) for r in subscribes(log, "newqos/t")] == [(1, False), (0, False), (0, True)]
+
+
+class Received:
+    """A listener that keeps each event's (topic, payload), and a wait on them."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.events: list[tuple[str, bytes]] = []
+
+    def __call__(self, event: Event) -> None:
+        with self.cond:
+            self.events.append((event.topic, event.payload))
+            self.cond.notify_all()
+
+    def wait(self, topic: str, payload: bytes) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: (topic, payload) in self.events, WAIT)
+
+
+def hello_reply(relay: PacketRelay, after: int) -> dict[str, Any]:
+    """The first successful `hello` reply the client was sent from ``relay.seen[after:]``."""
+
+    def match(packet: Packet) -> bool:
+        reply = packet.control() or {}
+        return packet.direction == "down" and reply.get("op") == "hello" and reply.get("ok") is True
+
+    found = relay.wait_seen(match, after).control()
+    assert found is not None
+    return found
+
+
+def suback_codes(relay: PacketRelay, topic_filter: str, after: int) -> bytes:
+    """The return codes of the SUBACK to the first SUBSCRIBE of ``topic_filter`` in ``relay.seen[after:]``."""
+    named = len(topic_filter).to_bytes(2, "big") + topic_filter.encode()
+    subscribe = relay.wait_seen(lambda p: p.direction == "up" and p.kind == 8 and named in p.body, after)
+    packet_id = subscribe.body[:2]
+    suback = relay.wait_seen(
+        lambda p: p.direction == "down" and p.kind == 9 and p.body[:2] == packet_id, relay.seen.index(subscribe, after)
+    )
+    return suback.body[2:]
+
+
+def test_a_filter_the_broker_refuses_is_missing_from_each_reconnects_hello_and_is_subscribed_and_refused_again(
+    broker_factory: Callable[..., Broker],
+    sdk: Callable[..., DurableClient],
+    clients: Callable[..., Client],
+    tmp_path: Path,
+    *,
+    relays: Callable[..., PacketRelay],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """sdk.md: "A SUBACK that refuses the filter (0x80: the topic ACL, `max_subscriptions_per_client`) does not
+    raise: it is logged as a WARNING, the subscription stays registered and is sent again after every
+    reconnect"; the marker's `live` list holds the filters granted, "not those refused with 0x80";
+    protocol.md: the hello reply's `subscriptions` are those the session holds; delivery-log.md: a
+    `subscribe` record is written when the broker confirms the subscription (its SUBACK). A real broker
+    (max_subscriptions_per_client 1), the real SDK through a relay that sees each packet. After a dropped
+    link, then after the broker's SIGKILL and restart, the reconnect's hello reply lists only the granted
+    filter (the broker never held the refused one), the SDK subscribes the refused one again (it never
+    counts it as held) and the broker refuses it again: the same WARNING each time, no `subscribe` record,
+    nothing routed to it. The broker restarted with room for it grants it at the next reconnect: its
+    record is written then, and its events come."""
+    broker = broker_factory(max_subscriptions_per_client=1)
+    relay = relays(broker.port)
+    log = tmp_path / "device.jsonl"
+    lives = Lives()
+    received = Received()
+    device = sdk(relay.port, "over", delivery_log=log, on_live=lives.on_live)
+    device.subscribe("kept/t", listener=received)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert lives.wait(1), "no marker"
+
+    def refusals() -> int:
+        return sum("refused the subscription to over/t" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.WARNING, logger="durable_client"):
+        after = len(relay.seen)
+        device.subscribe("over/t", listener=received, timeout=WAIT)  # returns at the SUBACK: no exception
+        assert suback_codes(relay, "over/t", after) == b"\x80"
+        assert refusals() == 1
+        for connection, drop in ((2, relay.cut), (3, broker.restart)):
+            after = len(relay.seen)
+            drop()
+            relay.accept()
+            assert lives.wait(connection), "no reconnect"  # its marker comes after the reconnect's SUBACKs
+            assert hello_reply(relay, after)["subscriptions"] == {"kept/t": 1}
+            assert suback_codes(relay, "over/t", after) == b"\x80", "not subscribed again, or granted"
+            assert refusals() == connection, "the refusal was not said again"
+            assert [s.filter for s in lives.markers[-1].live] == ["kept/t"]
+            publisher = clients(broker.port, f"over-pub-{connection}", clean_session=True)
+            publisher.publish("over/t", [f"refused {connection}".encode()], qos=1)
+            publisher.publish("kept/t", [f"fence {connection}".encode()], qos=1)  # routed after the one above
+            assert received.wait("kept/t", f"fence {connection}".encode())
+            assert not [e for e in received.events if e[0] == "over/t"], "routed to a refused filter"
+            assert subscribes(log, "over/t") == [], "a refused filter was logged as subscribed"
+
+    broker.stop()
+    broker.settings["max_subscriptions_per_client"] = 2  # room for it now
+    after = len(relay.seen)
+    broker.start()
+    assert lives.wait(4), "no reconnect"
+    assert hello_reply(relay, after)["subscriptions"] == {"kept/t": 1}
+    assert suback_codes(relay, "over/t", after) == b"\x01"
+    assert [s.filter for s in lives.markers[-1].live] == ["kept/t", "over/t"]
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "over/t")] == [(1, True)]
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "kept/t")] == [(1, True)], "kept/t subscribed again"
+    clients(broker.port, "over-pub-4", clean_session=True).publish("over/t", [b"granted"], qos=1)
+    assert received.wait("over/t", b"granted")
+
+
+def test_a_change_to_durable_refused_again_at_the_reconnect_keeps_the_filter_non_durable_on_the_broker(
+    broker_factory: Callable[..., Broker],
+    sdk: Callable[..., DurableClient],
+    clients: Callable[..., Client],
+    tmp_path: Path,
+    *,
+    relays: Callable[..., PacketRelay],
+) -> None:
+    """delivery-log.md and sdk.md: the reconnect says a refused change to durable: true again before its
+    hello; "If the broker refuses it again there ..., the filter stays refused: that SUBACK writes `durable:
+    false`", held non-durable by the broker; "A `subscribe(durable=False)` of a refused filter sends no
+    `interest`". The reconnect subscribes it non-durable (`interest` durable: false with its SUBSCRIBE), so
+    a publish made while away is not queued, after each reconnect that refuses it, and after a
+    subscribe(durable=False) that sent nothing. Before, the reconnect sent the SUBSCRIBE alone: the broker
+    made the filter durable and queued those publishes, while the log said `false`."""
+    broker = broker_factory(metrics_interval=0.1)
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
+    log = tmp_path / "device.jsonl"
+    lives = Lives()
+    received = Received()
+    device = sdk(relay.port, "refused", delivery_log=log, on_live=lives.on_live)
+    device.subscribe("refused/t", qos=1, durable=False, listener=received)
+    device.subscribe("fence/t", qos=1, listener=received)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert lives.wait(1), "no marker"
+    device.subscribe("refused/t", qos=1, durable=True, listener=received, timeout=WAIT)  # refused: a WARNING
+
+    def away_and_back(connection: int, *, durable: bool = True) -> None:
+        """Drop the link; once the broker has ended the connection, publish to refused/t, then reconnect
+        (it says `durable` again before its hello: refused again, the relay still rewrites it)."""
+        after = len(relay.seen)
+        relay.cut()
+        seen_away(clients, broker, 1)
+        clients(broker.port, f"pub-{connection}", clean_session=True).publish(
+            "refused/t", [f"away {connection}".encode()], qos=1
+        )
+        relay.accept()
+        assert lives.wait(connection), "no reconnect"
+        relay.wait_seen(is_interest(durable), after)
+        clients(broker.port, f"fence-{connection}", clean_session=True).publish(
+            "fence/t", [f"fence {connection}".encode()], qos=1
+        )
+        assert received.wait("fence/t", f"fence {connection}".encode())
+        assert not [e for e in received.events if e[0] == "refused/t"], "queued for a non-durable filter"
+
+    away_and_back(2)
+    away_and_back(3)
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, False)] * 3
+
+    after = len(relay.seen)
+    device.subscribe("refused/t", qos=1, durable=False, listener=received, timeout=WAIT)
+    device.publish("fence/t", b"after it", qos=1, timeout=WAIT)  # the broker has what was sent before it
+    assert not [p for p in relay.seen[after:] if (p.control() or {}).get("op") == "interest"], "an interest was sent"
+    away_and_back(4, durable=False)
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, False)] * 4
+
+    device.subscribe("refused/t", qos=1, durable=True, listener=received, timeout=WAIT)  # refused again
+    after = len(relay.seen)
+    device.subscribe("refused/t", qos=0, durable=False, listener=received, timeout=WAIT)  # "another QoS"
+    assert not [p for p in relay.seen[after:] if (p.control() or {}).get("op") == "interest"], "an interest was sent"
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, False)] * 4 + [(0, False)]

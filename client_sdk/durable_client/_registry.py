@@ -36,7 +36,8 @@ class Subscription:
     """The broker refused the last change to durable: true (its ``interest`` reply): it holds the
     filter non-durable until it applies one, so a SUBACK writes ``durable: false`` meanwhile, a
     subscribe(durable=True) sends the change again, and so does the reconnect (the broker drops the
-    filter with the connection). Kept across a change of QoS; cleared at a connection's loss."""
+    filter with the connection; refused there, the reconnect subscribes it non-durable). Kept across
+    a change of QoS; cleared at a connection's loss."""
     false_logged: bool = False
     """Made non-durable while a SUBSCRIBE of it waits for its SUBACK (one sent with the change, or an
     earlier one): the ``durable: false`` record was written as sent, so that SUBACK writes none."""
@@ -141,11 +142,9 @@ class Registry:
             self._unsubscribed.clear()
             self._unsubscribing.clear()
 
-    def subscribed(
-        self, mid: int, ok: bool, confirmed: Callable[[Subscription], None] | None = None
-    ) -> Subscription | None:
-        """A SUBACK arrived: the subscription it confirms (None if it was removed meanwhile),
-        handed to ``confirmed`` before a wait_answered() returns."""
+    def subscribed(self, mid: int, ok: bool, answered: Callable[[Subscription], None]) -> None:
+        """A SUBACK arrived (``ok``: granted): the subscription it answers (none if it was removed
+        meanwhile) is handed to ``answered`` before a wait_answered() returns."""
         with self.lock:
             for subscription in self._subscriptions.values():
                 if subscription.mid == mid:
@@ -154,11 +153,9 @@ class Registry:
                     subscription.answered = True
                     if subscription.interest_req is None:  # else an interest sent after this SUBSCRIBE awaits its reply
                         subscription.interest_due = False  # sent with the SUBSCRIBE: the SUBACK confirms both
-                    if confirmed is not None:
-                        confirmed(subscription)
+                    answered(subscription)
                     self.changed.notify_all()
-                    return subscription
-            return None
+                    return
 
     def settled(self) -> bool:
         """No SUBSCRIBE waits for its SUBACK and no UNSUBSCRIBE for its UNSUBACK."""

@@ -425,23 +425,23 @@ class DurableClient:
         made durable again then is said to be, before that connection's hello, so an older
         connection's end the broker runs late does not drop it);
         when connected, it returns once the broker has confirmed it (its SUBACK; for a change of
-        durability only, its ``interest`` reply), or raises RequestTimeout after ``timeout``
-        seconds without it (the subscription stays registered and is sent again on reconnect; a
-        connection lost first is no confirmation: it waits for the one of the reconnect, the SUBACK
-        of the SUBSCRIBE it sends again, or the hello reply that lists a durable filter the
-        broker's session kept). A filter whose packets would be larger
-        than the broker's max_packet_size (once a hello reply said it) is a ValueError, also
+        durability only, its ``interest`` reply; both for a change to durable at a new QoS), or
+        raises RequestTimeout after ``timeout`` seconds without it (the subscription stays
+        registered and is sent again on reconnect; a connection lost first is no confirmation: it
+        waits for the one of the reconnect, the SUBACK of the SUBSCRIBE it sends again, or the hello
+        reply that lists a durable filter the broker's session kept). A filter whose packets would
+        be larger than the broker's max_packet_size (once a hello reply said it) is a ValueError, also
         when a reconnect's hello reply drops it while this call waits. Unconnected when the
         client is closed while it waits; it returns when another thread unsubscribes the filter
         meanwhile, or replaces it by another subscribe(). A change of durability the broker refuses
         (its ``interest`` reply is an error) returns without raising, with a WARNING; one to
         ``durable=True`` stays registered as durable, held non-durable by the broker, so a later
         ``subscribe(durable=True)`` of it (any QoS) and the reconnect send it again (refused at the
-        reconnect, with the WARNING, it stays so: its SUBACK logs ``durable: false``). A
-        ``subscribe(durable=False)`` of it sends no ``interest`` unless such a retry still awaits its
-        reply, and clears the refusal (at another QoS its SUBACK logs ``durable: false``). Called from a
-        listener, or by a stateless client changing only the durability (it sends no ``interest``),
-        it returns without waiting.
+        reconnect, with the WARNING, it stays so: the reconnect subscribes it non-durable, and its
+        SUBACK logs ``durable: false``). A ``subscribe(durable=False)`` of it sends no ``interest``
+        unless such a retry still awaits its reply, and clears the refusal (at another QoS its SUBACK
+        logs ``durable: false``). Called from a listener, or by a stateless client changing only the
+        durability (it sends no ``interest``), it returns without waiting.
         """
         self._check_open()
         check_filter(topic_filter)
@@ -1115,7 +1115,10 @@ class DurableClient:
     ) -> None:
         if not self._durable:
             self._send_subscribe(subscription)  # a clean session keeps nothing
-        elif not subscription.durable:
+        elif not subscription.durable or subscription.refused:
+            # Refused: made durable again before this hello, and the broker refused it: it keeps the filter
+            # non-durable, as it held it (a SUBSCRIBE alone would make it durable, and the older connection's
+            # end may still drop one its hello lists).
             self._send_request("interest", filter=subscription.filter, durable=False)
             self._send_subscribe(subscription)
         elif subscription.undo_interest:  # made durable again after this connection's CONNACK
@@ -1288,13 +1291,16 @@ class DurableClient:
         self._send_deferred_ready()
 
     def _handle_subscribed(self, mid: int, ok: bool) -> None:
-        subscription = self._registry.subscribed(mid, ok, self._log_subscribed if ok else None)
-        if subscription is not None and not ok:
-            log.warning(
-                "the broker refused the subscription to %s (not authorized?); it is tried again on reconnect",
-                shown_topic(subscription.filter),
-            )
+        self._registry.subscribed(mid, ok, self._log_subscribed if ok else self._warn_refused)
         self._send_deferred_ready()  # last: it raises Unconnected when the connection was just lost
+
+    @staticmethod
+    def _warn_refused(subscription: Subscription) -> None:
+        """(At a SUBACK that refuses it, before subscribe() returns: the WARNING is there when it does.)"""
+        log.warning(
+            "the broker refused the subscription to %s (not authorized?); it is tried again on reconnect",
+            shown_topic(subscription.filter),
+        )
 
     def _log_subscribed(self, subscription: Subscription) -> None:
         """(Holding the registry's lock, at a granted SUBACK, before subscribe() returns.) From the
