@@ -17,7 +17,7 @@ from durable_protocol import MAX_STREAM_WINDOW, filter_is_valid
 
 from .errors import ConfigError
 from .replication.config import ReplicationConfig
-from .settings import LISTEN_BACKLOG, SCALARS
+from .settings import LISTEN_BACKLOG, SCALARS, refuse_long_ints
 
 OverflowPolicy = Literal["drop-oldest", "drop-newest"]
 OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
@@ -215,6 +215,7 @@ class DurableConfig:
         for key, value in raw.items():
             if key not in fields:
                 raise ConfigError(str(key), f"unknown setting; accepted settings are {', '.join(fields)}")
+            refuse_long_ints(key, value)
             values[key] = _coerce(key, value, fields[key].type)
         return cls(**values)
 
@@ -280,6 +281,8 @@ def _check_streams(streams: list[StreamConfig]) -> None:
 
 
 def _check_ranges(config: DurableConfig) -> None:
+    for field in dataclasses.fields(config):  # a DurableConfig made in Python, not by from_mapping
+        refuse_long_ints(field.name, getattr(config, field.name))
     _check_choices(config)
     _check_counts(config)
     _check_byte_limits(config)

@@ -5,10 +5,13 @@ YAML booleans are ints to Python, so each scalar kind is checked exactly, not wi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import yaml
+
+from durable_protocol import int_digits, too_many_digits
 
 from .errors import ConfigError
 
@@ -22,6 +25,23 @@ MAX_LISTEN_BACKLOG = 2**31 - 1
 def socket_backlog(listen_backlog: int) -> int:
     """The ``listen_backlog`` setting as every listener (MQTT and replication) passes it to listen()."""
     return min(listen_backlog, MAX_LISTEN_BACKLOG)
+
+
+def refuse_long_ints(where: str, value: Any) -> None:
+    """Refuse an int of more than ``int_digits()`` digits anywhere in a setting given in Python, in a mapping,
+    list or settings object (broker.yaml's reader refuses them as it reads): a message showing one would
+    raise Python's own ValueError instead of naming the setting."""
+    if isinstance(value, int) and too_many_digits(value):
+        raise ConfigError(where, f"an integer of more than {int_digits()} digits")
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            refuse_long_ints(f"{where}.{key}", item)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            refuse_long_ints(f"{where}[{index}]", item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            refuse_long_ints(f"{where}.{field.name}", getattr(value, field.name))
 
 
 def _as_bool(key: str, value: Any) -> bool:

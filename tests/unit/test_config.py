@@ -354,3 +354,38 @@ def test_a_number_read_as_written_shows_as_yaml_gave_it_and_safe_dumps_as_a_floa
     assert [repr(WrittenFloat(value)) for value in written.values()] == ["-1", "1.5"]
     assert yaml.safe_load(yaml.safe_dump({"a": WrittenFloat(-1)})) == {"a": -1.0}
     assert isinstance(yaml.safe_load(yaml.safe_dump({"a": WrittenFloat(-1)}))["a"], float)
+
+
+HUGE = 10**5000  # its repr raises Python's own ValueError (past 4300 digits)
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"max_depth": HUGE}, "max_depth"),
+        ({"sync": -HUGE}, "sync"),
+        ({"overflow": [HUGE]}, "overflow[0]"),
+        ({"streams": [{"filter": "t/#", "max_count": HUGE}]}, "streams[0].max_count"),
+        ({"replication": {"role": "primary", "ack_timeout": HUGE}}, "replication.ack_timeout"),
+        ({"replication": {"role": "primary", "mode": {"x": HUGE}}}, "replication.mode.x"),
+    ],
+)
+def test_an_int_of_too_many_digits_given_in_python_names_its_setting(raw: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        DurableConfig.from_mapping(raw)
+    assert caught.value.key == key
+    assert caught.value.problem == "an integer of more than 4300 digits"
+
+
+@pytest.mark.parametrize(
+    ("make", "key"),
+    [
+        (lambda: DurableConfig(max_depth=HUGE), "max_depth"),
+        (lambda: DurableConfig(streams=[StreamConfig("t/#", max_count=HUGE)]), "streams[0].max_count"),
+        (lambda: ReplicationConfig(role="primary", ack_timeout=HUGE), "replication.ack_timeout"),
+    ],
+)
+def test_an_int_of_too_many_digits_in_a_config_made_in_python_names_its_setting(make: Any, key: str) -> None:
+    with pytest.raises(ConfigError, match="an integer of more than 4300 digits") as caught:
+        make()
+    assert caught.value.key == key

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 from durable_protocol.hostport import parse_host, split_host_port
 
 from ..errors import ConfigError
-from ..settings import SCALARS
+from ..settings import SCALARS, refuse_long_ints
 from .framing import MAX_FRAME, NAME_MAX_BYTES, name_problem
 
 Role = Literal["auto", "primary", "backup"]
@@ -255,6 +255,7 @@ class ReplicationConfig:
         for key, value in raw.items():
             if key not in fields:
                 raise ConfigError(f"{where}.{key}", f"unknown setting; accepted settings are {', '.join(fields)}")
+            refuse_long_ints(f"{where}.{key}", value)
             values[key] = _coerce(f"{where}.{key}", value, str(fields[key].type))
         return cls(**values)
 
@@ -315,6 +316,8 @@ def _check(config: ReplicationConfig, where: str) -> None:
     def bad(key: str, problem: str) -> ConfigError:
         return ConfigError(f"{where}.{key}", problem)
 
+    for item in dataclasses.fields(config):  # a ReplicationConfig made in Python, not by from_mapping
+        refuse_long_ints(f"{where}.{item.name}", getattr(config, item.name))
     _check_addresses(config, where, bad)
     _check_roles(config, where, bad)
     _check_timing(config, bad)
