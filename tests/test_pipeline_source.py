@@ -502,3 +502,24 @@ def test_a_wiped_store_is_data_loss_never_a_silent_skip(
     ranges = lenient.partitions(offset, end)
     lenient.stop()
     assert [(r.topic, r.start, r.end) for r in ranges] == [("telemetry/a", 0, 15)], "the new store from its start"
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "problem"),
+    [
+        ("startingOffsets", '{"telemetry/a": 1%s}' % ("0" * 4300), "an id of 4301 digits; the limit is 4300"),
+        ("endingOffsets", '{"telemetry/a": -%s}' % ("9" * 4301), "an id of 4301 digits; the limit is 4300"),
+        ("startingOffsets", "[" * 100_000, "JSON nested too deeply"),
+        ("window", "1" + "0" * 5000, "got one of 5001 digits; the limit is 4300"),
+        ("maxEventsPerTrigger", "+" + "9" * 4301, "got one of 4301 digits; the limit is 4300"),
+    ],
+)
+def test_an_option_of_too_many_digits_or_too_deep_json_is_a_source_error_saying_so(
+    option: str, value: str, problem: str
+) -> None:
+    """pipeline.md, Options: Python's own errors (ValueError past 4300 digits, RecursionError) became the
+    generic message or a traceback."""
+    with pytest.raises(SourceError) as raised:
+        Options.parse({"filter": FILTER, option: value})
+    assert str(raised.value).startswith(f"option {option} must be "), raised.value
+    assert str(raised.value).endswith(problem), str(raised.value)[-200:]

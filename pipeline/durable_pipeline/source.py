@@ -59,6 +59,7 @@ from durable_client import (
     Unconnected,
 )
 from durable_client._options import MAX_FAILOVER
+from durable_protocol import int_digits
 from durable_protocol.hostport import join_host_port, parse_host, split_host_port
 
 from .bulk import BulkRangeReader, arrow_batch
@@ -188,14 +189,23 @@ def _int_option(raw: dict[str, str], name: str, default: int, *, low: int, high:
     text = raw.get(name.lower())
     if text is None:
         return default
+    bounds = f"from {low} to {high}" if high is not None else f"{low} or more"
+    if _digits(text) > int_digits() and text.strip().lstrip("+-").isdigit():  # counted before int() converts
+        raise SourceError(
+            f"option {name} must be a whole number {bounds}, got one of {_digits(text)} digits; "
+            f"the limit is {int_digits()}"
+        )
     try:
         value = int(text.strip())
     except ValueError:
         value = low - 1
     if value < low or (high is not None and value > high):
-        bounds = f"from {low} to {high}" if high is not None else f"{low} or more"
         raise SourceError(f"option {name} must be a whole number {bounds}, got {text!r}")
     return value
+
+
+def _digits(text: str) -> int:
+    return len(text.strip().lstrip("+-"))
 
 
 def _float_option(raw: dict[str, str], name: str, default: float) -> float:
@@ -248,10 +258,18 @@ def _offsets_option(
     if text.lower() in words:
         return text.lower()
     usage = f"option {name} must be {' or '.join(words)} or a JSON object {{topic: last id}}, got {text!r}"
+
+    def last_id(digits: str) -> int:
+        if _digits(digits) > int_digits():  # counted before int() is asked to convert them
+            raise SourceError(f"{usage}: an id of {_digits(digits)} digits; the limit is {int_digits()}")
+        return int(digits)
+
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_int=last_id)
     except ValueError:
         raise SourceError(usage) from None
+    except RecursionError:
+        raise SourceError(f"{usage}: JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise SourceError(usage)
     for topic, last_id in value.items():
