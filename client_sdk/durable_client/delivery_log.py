@@ -172,7 +172,7 @@ def _receive_of(line: bytes, device: str) -> tuple[str, int, int] | None:
     """(topic, epoch, seq) of a ``receive`` record written by ``device``; None for any other line."""
     try:
         record = json.loads(line)
-    except ValueError:  # UnicodeDecodeError is one too
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError too
         return None
     if not isinstance(record, dict) or record.get("kind") != "receive" or record.get("device") != device:
         return None

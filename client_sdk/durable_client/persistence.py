@@ -264,6 +264,8 @@ class DiskState(SessionState):
             return MemoryState(None if epoch is None else int(epoch), int(data["mark"]), streams)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise self._damaged(path, str(exc)) from None
+        except RecursionError:
+            raise self._damaged(path, "JSON nested too deeply") from None
 
     def _replay(self, path: Path, mem: MemoryState) -> None:
         data = path.read_bytes()
@@ -273,6 +275,8 @@ class DiskState(SessionState):
         for number, line in enumerate(lines, 1):
             try:
                 _apply_line(line, mem)
+            except RecursionError:  # a stream record's topic is JSON
+                raise self._damaged(path, f"line {number}: JSON nested too deeply") from None
             except (ValueError, IndexError) as exc:
                 if number < len(lines) or torn:
                     raise self._damaged(path, f"line {number}: {exc}") from None

@@ -116,7 +116,7 @@ def test_raw_events_and_other_lines_are_ignored(tmp_path: Path, opened: list[Ses
     log = tmp_path / "device.jsonl"
     write_log(log, [event(11)])
     with log.open("a") as sink:
-        sink.write("not json\n[1, 2]\n")
+        sink.write("not json\n[1, 2]\n" + "[" * 5000 + "\n")  # nested past the recursion limit: RecursionError
         sink.write(json.dumps({"kind": "receive", "device": DEVICE, "topic": "work", "seq": True, "epoch": EPOCH}))
         sink.write("\n" + json.dumps({"kind": "send", "device": DEVICE, "topic": "work", "seq": 99}) + "\n")
     write_log(log, [event(0, epoch=0)])  # a raw event: no seq, no epoch

@@ -172,11 +172,18 @@ def test_damaged_middle_line_is_a_persistence_error(tmp_path: Path, opened: list
     assert disk(tmp_path, opened).get_mark(1) == 6
 
 
-def test_damaged_snapshot_is_a_persistence_error(tmp_path: Path, opened: list[SessionState]) -> None:
+@pytest.mark.parametrize("text", ['{"v": 1}', "[" * 5000])  # the second nested past the recursion limit
+def test_damaged_snapshot_is_a_persistence_error(tmp_path: Path, opened: list[SessionState], text: str) -> None:
     folder = state_folder(tmp_path, "c1")
     folder.mkdir()
-    (folder / "snapshot").write_text('{"v": 1}')
+    (folder / "snapshot").write_text(text)
     with pytest.raises(PersistenceError, match="snapshot is damaged"):
+        DiskState(tmp_path, "c1")
+
+
+def test_a_stream_record_nested_too_deeply_is_a_damaged_line(tmp_path: Path, opened: list[SessionState]) -> None:
+    journal_with(tmp_path, opened, b"s 3 " + b"[" * 5000 + b"\ne 1 6\n")
+    with pytest.raises(PersistenceError, match=r"journal\.0 is damaged \(line 2: JSON nested too deeply"):
         DiskState(tmp_path, "c1")
 
 
