@@ -35,13 +35,16 @@ class LogBudget:
 
     def take(self) -> int | None:
         """None: leave this line out (counted); else log it, with this many left out since the last."""
-        now = self._clock()
-        if now - self._last < self.interval:
+        if not self.due():
             self.left_out += 1
             return None
-        self._last = now
+        self._last = self._clock()
         left_out, self.left_out = self.left_out, 0
         return left_out
+
+    def due(self) -> bool:
+        """Whether a line may be logged now (``take`` would not leave it out)."""
+        return self._clock() - self._last >= self.interval
 
 
 class NameBudgets:
@@ -56,13 +59,13 @@ class NameBudgets:
         self._budgets: dict[str, LogBudget] = {}
         """Per name, its budget: the most recently taken last."""
 
-    def take(self, name: str) -> int | None:
-        """``LogBudget.take`` of ``name``'s budget."""
+    def of(self, name: str) -> LogBudget:
+        """``name``'s budget, now the most recently taken."""
         budget = self._budgets.pop(name, None) or LogBudget(self.interval, self._clock)
         self._budgets[name] = budget
         if len(self._budgets) > self.size:
             del self._budgets[next(iter(self._budgets))]
-        return budget.take()
+        return budget
 
 
 def _left_out(count: int) -> str:

@@ -248,16 +248,16 @@ def test_a_primary_logs_a_refused_backup_name_once_a_minute_and_remembers_its_mo
     refused are remembered, so names a stranger makes up cannot grow the table."""
     now = [1000.0]
     refusals = NameBudgets(NAME_LOG_EVERY, REFUSED_NAMES, clock=lambda: now[0])
-    assert refusals.take("a") == 0  # the first refusal: logged
+    assert refusals.of("a").take() == 0  # the first refusal: logged
     now[0] += NAME_LOG_EVERY - 0.5
-    assert [refusals.take("a") for _ in range(3)] == [None] * 3  # within the minute: left out, counted
-    assert refusals.take("b") == 0  # per name
+    assert [refusals.of("a").take() for _ in range(3)] == [None] * 3  # within the minute: left out, counted
+    assert refusals.of("b").take() == 0  # per name
     now[0] += 0.5
-    assert refusals.take("a") == 3  # a minute after its last line: logged, with the count left out
-    assert refusals.take("a") is None
+    assert refusals.of("a").take() == 3  # a minute after its last line: logged, with the count left out
+    assert refusals.of("a").take() is None
     for n in range(REFUSED_NAMES - 1):
-        refusals.take(f"n{n}")
-    assert refusals.take("a") is None  # refused again: the most recent now
-    refusals.take("one more")  # the least recently refused, n0, is forgotten
-    assert refusals.take("n0") == 0  # logged as a first refusal again
-    assert refusals.take("a") is None  # still remembered
+        refusals.of(f"n{n}").take()
+    assert refusals.of("a").take() is None  # refused again: the most recent now
+    refusals.of("one more").take()  # the least recently refused, n0, is forgotten
+    assert refusals.of("n0").take() == 0  # logged as a first refusal again
+    assert refusals.of("a").take() is None  # still remembered

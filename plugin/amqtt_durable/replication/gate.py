@@ -123,13 +123,15 @@ class HandshakeGate:
             if not self._hosts[host]:
                 del self._hosts[host]
 
-    def refusal(self, writer: asyncio.StreamWriter, peer: str, why: str, logged: bool = True) -> None:
+    def refusal(self, writer: asyncio.StreamWriter, peer: str, why: str, logged: bool = True) -> bool:
         """The admitted connection ``writer`` (from ``peer``) was refused by the handshake; with
-        ``logged`` False only counted (the caller's own limit left its line out)."""
+        ``logged`` False only counted (the caller's own limit left its line out). Whether it was logged."""
         self.refused += 1
         host, _ = self._waiting.get(writer, (peer.rpartition(":")[0].strip("[]"), None))
         if logged and self._may_log(host, REFUSED, why):
             log.warning("replication: refused a connection from %s: %s", peer, why)
+            return True
+        return False
 
     def _may_log(self, host: str, kind: str, reason: str) -> bool:
         """Whether this event is logged now: the first with this reason from ``host`` in this

@@ -652,16 +652,19 @@ class Primary:
             return True
         assert link.writer is not None
         why = f"{TOO_MANY_BACKUPS} {self.max_backups} (backup {link.name} refused; it retries)"
-        left_out = self._place_refusals.take(link.name)
-        line = why if left_out is None else f"{why}; {CAP_LINE}{_more(left_out)}"
-        self.gate.refusal(link.writer, link.peer, line, logged=left_out is not None)
+        budget = self._place_refusals.of(link.name)
+        line = f"{why}; {CAP_LINE}{_more(budget.left_out)}"
+        if self.gate.refusal(link.writer, link.peer, line, logged=budget.due()):
+            budget.take()  # the name's minute starts with a line logged, not with one the gate left out
+        else:
+            budget.left_out += 1
         link.writer.write(link.session.encode(Frame.ERROR, why.encode("utf-8")))
         return False
 
     def _name_refused(self, link: BackupLink, holder: BackupLink) -> None:
         """An ERROR line naming the name and both addresses: the first refusal of a name, then at
         most one every NAME_LOG_EVERY seconds while its refusals go on, with their count."""
-        left_out = self._name_refusals.take(link.name)
+        left_out = self._name_refusals.of(link.name).take()
         if left_out is None:
             return
         log.error(
