@@ -583,13 +583,17 @@ def test_an_integer_too_long_to_print_stops_the_real_broker_with_exit_2_naming_i
     assert len(result.stderr) < 1000, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize(("interpreter", "limit"), [("0", 4300), ("640", 640)])
-def test_a_too_long_integer_is_refused_whatever_python_converts(tmp_path: Path, interpreter: str, limit: int) -> None:
-    """broker.yaml's reader counts the digits itself: a hexadecimal integer of 4,817 digits stops the broker
-    with exit 2 naming the key and the limit in a short message, with PYTHONINTMAXSTRDIGITS=0 (Python's own
-    limit off: it printed all 4,817 digits) and with 640 (that limit named: it crashed, exit 1)."""
+@pytest.mark.parametrize("written", [HUGE, "1" * 4301, "-1_" + "0" * 4300])
+@pytest.mark.parametrize(("interpreter", "limit"), [("0", 4300), ("640", 640), ("10000", 4300)])
+def test_a_too_long_integer_is_refused_whatever_python_converts(
+    tmp_path: Path, interpreter: str, limit: int, written: str
+) -> None:
+    """broker.yaml's reader counts the digits itself: a hexadecimal integer of 4,817 digits, or a decimal
+    one past the limit, stops the broker with exit 2 naming the key and the limit in a short message, with
+    PYTHONINTMAXSTRDIGITS=0 (Python's own limit off: it printed all 4,817 digits), with 640 (that limit
+    named: it crashed, exit 1; a decimal one got Python's own message) and with 10000 (4300 kept)."""
     config = tmp_path / "broker.yaml"
-    config.write_text(f"plugins:\n  {PLUGIN}:\n    store: {tmp_path / 'store'}\n    max_keepalive: {HUGE}\n")
+    config.write_text(f"plugins:\n  {PLUGIN}:\n    store: {tmp_path / 'store'}\n    max_keepalive: {written}\n")
     result = run_cli("broker", "-c", str(config), env={**os.environ, "PYTHONINTMAXSTRDIGITS": interpreter})
     assert result.returncode == 2, result.stderr[-3000:]
     assert "'max_keepalive'" in result.stderr and f"an integer of more than {limit} digits" in result.stderr

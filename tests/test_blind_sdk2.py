@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -1533,3 +1534,15 @@ def test_a_subscribe_whose_filter_another_thread_unsubscribes_returns_at_once(
     assert client._registry.wait_answered("never/#", 30.0, client._stop.is_set)  # white-box: gone at the start
     assert time.monotonic() - start < 5.0
     assert _interrupted_subscribe(client, broker, "u/#", lambda: client.unsubscribe("u/#")) == "returned"
+
+
+@pytest.mark.parametrize(("numerator", "denominator"), [(10**4301, 3), (1, 10**4301)], ids=["numerator", "denominator"])
+def test_a_fraction_of_long_integers_is_shown_as_its_size_in_bits(numerator: int, denominator: int) -> None:
+    """sdk.md, Bad input: the message starts with the option's name; a fraction whose numerator or
+    denominator is past the digit limit is shown as their sizes in bits (its repr raised Python's own
+    ValueError)."""
+    value = Fraction(numerator, denominator)
+    with pytest.raises(ValueError, match=r"^reconnect_min_delay ") as refused:
+        DurableClient("blind2-long-fraction", reconnect_min_delay=value)
+    shown = f"a fraction of {value.numerator.bit_length()}/{value.denominator.bit_length()} bits"
+    assert str(refused.value).endswith(f"got {shown}"), str(refused.value)[:300]

@@ -364,7 +364,7 @@ def too_many_digits(number: int) -> bool:
     return abs(number) >= _first_too_long(int_digits())
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4)  # one limit at a time, in practice: the interpreter's may change
 def _first_too_long(digits: int) -> int:
     first: int = 10**digits
     return first

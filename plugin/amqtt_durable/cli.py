@@ -141,7 +141,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_printable_int(self, node: yaml.ScalarNode) -> int:
         """An int as PyYAML reads it, refused past ``int_digits()`` decimal digits (a hexadecimal one may
-        have them), so every error that shows a value can print it (it crashed with a traceback, exit 1)."""
+        have them), so every error that shows a value can print it (it crashed with a traceback, exit 1);
+        a decimal one's digits are counted before they are converted (Python's own message named a
+        setting of Python, or took time quadratic in them where its limit is off)."""
+        written = str(node.value).replace("_", "").lstrip("+-")
+        decimal = not written.startswith("0")  # 0x, 0b and 0-octal convert in linear time, unlimited
+        if decimal and any(len(part) > int_digits() for part in written.split(":")):  # 1:30 is base 60
+            raise ValueError(f"an integer of more than {int_digits()} digits")
         value: int = self.construct_yaml_int(node)
         if too_many_digits(value):
             raise ValueError(f"an integer of more than {int_digits()} digits")

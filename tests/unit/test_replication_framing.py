@@ -290,6 +290,7 @@ def test_a_batch_whose_operations_do_not_fit_its_length_is_refused(ops_bytes: by
         (f"{TOO_MANY_BACKUPS} 2 (backup x {NAME_IN_USE} y refused; it retries)", backup.BackupsFullError),
         (f"{TOO_MANY_BACKUPS} 2 (backup x {VERSION_REFUSED} 2 refused; it retries)", backup.BackupsFullError),
         (f"backup name {TOO_MANY_BACKUPS} 2 {NAME_IN_USE} 10.0.0.1:1 (this connection: ...)", backup.NameInUseError),
+        (f"backup name x {VERSION_REFUSED} 1 {NAME_IN_USE} 10.0.0.1:1 (this connection: ...)", backup.NameInUseError),
         (f"replication protocol version 3 {VERSION_REFUSED} 2", backup.VersionRefusedError),
         ("something else", backup.AuthError),
     ],
