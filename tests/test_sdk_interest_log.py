@@ -490,7 +490,7 @@ def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_
     after = len(relay.seen)
     relay.accept()
     assert lives.wait(2), "no reconnect"
-    # Said again before the hello (a hello listing it, the old connection not ended yet, sends no SUBSCRIBE).
+    # Said again before the hello (refused again: the filter is subscribed again, with `interest durable: false`).
     undo = relay.wait_seen(is_interest(True), after)
     hello = relay.wait_seen(lambda p: p.direction == "up" and (p.control() or {}).get("op") == "hello", after)
     assert relay.seen.index(undo, after) < relay.seen.index(hello, after)
@@ -759,3 +759,28 @@ def test_a_change_to_durable_refused_again_at_the_reconnect_keeps_the_filter_non
     device.subscribe("refused/t", qos=0, durable=False, listener=received, timeout=WAIT)  # "another QoS"
     assert not [p for p in relay.seen[after:] if (p.control() or {}).get("op") == "interest"], "an interest was sent"
     assert [(r["qos"], r["durable"]) for r in subscribes(log, "refused/t")] == [(1, False)] * 4 + [(0, False)]
+
+
+def test_a_refused_change_to_durable_has_logged_its_warning_when_subscribe_returns(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path,
+    *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """sdk.md: a refused change to durable "returns there too, without raising, with a WARNING": the
+    WARNING is logged before subscribe() is woken (it was logged after, so about 1 return in 4 came first;
+    30 changes, each refused by the real broker through the relay's rewrite, catch that)."""
+    broker = broker_factory()
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
+    device = sdk(relay.port, "refused-warning", delivery_log=tmp_path / "device.jsonl")
+    device.connect(timeout=WAIT)
+    device.subscribe("w/t", qos=1, durable=False, timeout=WAIT)
+
+    def warnings() -> int:
+        return sum("refused 'interest'" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+    with caplog.at_level(logging.WARNING, logger="durable_client"):
+        for change in range(30):
+            before = warnings()
+            device.subscribe("w/t", qos=1, durable=True, timeout=WAIT)
+            assert warnings() == before + 1, f"change {change}: subscribe() returned before its WARNING"
+            device.subscribe("w/t", qos=1, durable=False, timeout=WAIT)
+    assert warnings() == 30

@@ -907,8 +907,7 @@ class DurableClient:
             self._hello_req = None
             self._finish_handshake(reply)
             return
-        if reply.op == "interest":
-            self._interest_replied(reply)
+        warned = reply.op == "interest" and self._interest_replied(reply)
         if reply.ok and reply.op == "stream_subscribe":
             for topic, (first, last) in (reply.fields.get("gaps") or {}).items():
                 log.warning(
@@ -926,25 +925,25 @@ class DurableClient:
         if waiter is not None:
             waiter.reply = reply
             waiter.event.set()
-        elif not reply.ok:
-            log.warning(
-                "the broker refused '%s' (req %s) with %s: %s",
-                reply.op, reply.req, reply.error_code, reply.error_message,
-            )
+        elif not reply.ok and not warned:
+            _warn_refused_reply(reply)
 
-    def _interest_replied(self, reply: Reply) -> None:
+    def _interest_replied(self, reply: Reply) -> bool:
         """The broker applied (or refused) a change of durability sent without a SUBSCRIBE: the
         delivery-log record of a change to durable: true is written now, not when it was sent, so
         a connection lost in between leaves no record of a change the broker never made (one to
         durable: false was written as sent). A refused one writes none (the broker holds the filter
-        as before, non-durable: ``refused`` until a change to durable: true it applies)."""
+        as before, non-durable: ``refused`` until a change to durable: true it applies). Whether it
+        logged the refusal's WARNING: before subscribe() is woken, so it is logged when that returns."""
         with self._registry.lock:
             subscription = next((s for s in self._registry.subscriptions() if s.interest_req == reply.req), None)
             if subscription is None:
-                return
+                return False
             subscription.interest_req = None
+            if not reply.ok:
+                _warn_refused_reply(reply)
             if reply.ok and any(s is subscription for s in self._interests_undone):
-                return  # sent before the hello: its reply (_log_undone) or its SUBACK logs it
+                return False  # sent before the hello: its reply (_log_undone) or its SUBACK logs it
             due, subscription.interest_due = subscription.interest_due, False
             # Refused: the broker keeps the filter non-durable, as it was, until a change to durable: true it
             # applies; until then a SUBACK writes false and a subscribe(durable=True) sends the change again.
@@ -954,6 +953,7 @@ class DurableClient:
             if logged and self._delivery_log is not None:  # before subscribe() returns
                 self._delivery_log.subscribe(subscription.filter, subscription.qos, True)
             self._registry.changed.notify_all()  # subscribe() waits for it
+        return not reply.ok
 
     def _finish_handshake(self, reply: Reply) -> None:
         if not reply.ok:
@@ -1492,3 +1492,8 @@ def _publishable(topic: str, payload: bytes | str) -> bytes:
         return bytes(payload)
     raise WrongTypeError(f"payload must be bytes or str, got {type(payload).__name__}")
 
+
+def _warn_refused_reply(reply: Reply) -> None:
+    log.warning(
+        "the broker refused '%s' (req %s) with %s: %s", reply.op, reply.req, reply.error_code, reply.error_message
+    )
