@@ -784,3 +784,20 @@ def test_a_refused_change_to_durable_has_logged_its_warning_when_subscribe_retur
             assert warnings() == before + 1, f"change {change}: subscribe() returned before its WARNING"
             device.subscribe("w/t", qos=1, durable=False, timeout=WAIT)
     assert warnings() == 30
+
+
+def test_a_filter_refused_by_its_suback_then_made_non_durable_writes_no_record(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path
+) -> None:
+    """sdk.md: a filter a SUBACK refuses (0x80) "writes no delivery-log record until a SUBACK grants it":
+    a subscribe(durable=False) of it at the same QoS wrote `durable: false`, and the audit expected live
+    deliveries of a filter the broker never held."""
+    broker = broker_factory(max_subscriptions_per_client=1)
+    log = tmp_path / "device.jsonl"
+    device = sdk(broker.port, "over", delivery_log=log)
+    device.subscribe("kept/t")
+    device.connect(timeout=WAIT)
+    device.subscribe("over/t", timeout=WAIT)  # 0x80: past max_subscriptions_per_client
+    device.subscribe("over/t", durable=False, timeout=WAIT)
+    assert subscribes(log, "over/t") == []
+    assert [r["durable"] for r in subscribes(log, "kept/t")] == [True]

@@ -498,7 +498,9 @@ class DurableClient:
                 # The audit's window closes as durable: false is sent (expecting less is safe: the broker
                 # may apply it before any SUBACK comes, or the connection ends first) and opens at the
                 # broker's reply to durable: true (_interest_replied).
-                lowered = self._durable and not durable and previous is not None and held_durable
+                # Not for a filter whose SUBACK refused it (0x80) and not sent again since: the broker holds nothing.
+                held = previous is not None and (previous.confirmed or previous.mid is not None)
+                lowered = self._durable and not durable and held and held_durable
                 if lowered and self._delivery_log is not None:
                     self._delivery_log.subscribe(topic_filter, qos, False)
                 if self._durable and changed:
