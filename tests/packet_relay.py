@@ -71,6 +71,8 @@ class PacketRelay:
         self._asking = threading.local()
         """Set in the thread running a predicate (under _cond): release() from it would deadlock."""
         self._refusing = False
+        self._cuts = 0
+        """cut() calls so far: a client accepted before one is dropped, though accept() came since."""
         self._failures: list[BaseException] = []
         """What a relay thread raised other than a link's end (e.g. a ``rewrite`` assertion, a send that
         timed out): wait_seen() and close() raise it, so the test fails with it, not with a timeout."""
@@ -122,6 +124,7 @@ class PacketRelay:
         """Reset every open link and refuse new connections until accept()."""
         with self._cond:
             self._refusing = True
+            self._cuts += 1
             for sock in self._sockets:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)  # wakes its pump's read; close() alone would not
@@ -164,12 +167,12 @@ class PacketRelay:
             except OSError:  # closed
                 return
             client.settimeout(self.wait)
-            broker = None
+            broker, cuts = None, self._cuts
             if not self._refusing:  # read again under _cond below, once connected
                 with contextlib.suppress(OSError):  # connected outside _cond: a slow broker blocks no waiter
                     broker = socket.create_connection((HOST, self.broker_port), timeout=self.wait)
             with self._cond:
-                if broker is None or self._refusing:  # refused, no broker, or cut() while connecting
+                if broker is None or self._refusing or self._cuts != cuts:  # refused, no broker, or cut() since
                     for sock in (client, broker):
                         if sock is not None:
                             sock.close()

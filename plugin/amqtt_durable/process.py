@@ -310,8 +310,7 @@ class ChildProcess:
         return True
 
     def stop(self) -> None:
-        self.terminate()
-        self.wait_stopped(time.monotonic() + self.wait)
+        stop_all([self], self.wait)
 
     def _reap(self, timeout: float) -> bool:
         assert self.proc is not None
