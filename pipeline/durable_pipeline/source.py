@@ -190,9 +190,10 @@ def _int_option(raw: dict[str, str], name: str, default: int, *, low: int, high:
     if text is None:
         return default
     bounds = f"from {low} to {high}" if high is not None else f"{low} or more"
-    if _digits(text) > int_digits() and text.strip().lstrip("+-").isdigit():  # counted before int() converts
+    digits = text.strip().lstrip("+-")
+    if len(digits) > int_digits() and digits.isdigit():  # counted before int() converts them
         raise SourceError(
-            f"option {name} must be a whole number {bounds}, got one of {_digits(text)} digits; "
+            f"option {name} must be a whole number {bounds}, got one of {len(digits)} digits; "
             f"the limit is {int_digits()}"
         )
     try:
@@ -202,10 +203,6 @@ def _int_option(raw: dict[str, str], name: str, default: int, *, low: int, high:
     if value < low or (high is not None and value > high):
         raise SourceError(f"option {name} must be a whole number {bounds}, got {text!r}")
     return value
-
-
-def _digits(text: str) -> int:
-    return len(text.strip().lstrip("+-"))
 
 
 def _float_option(raw: dict[str, str], name: str, default: float) -> float:
@@ -259,13 +256,14 @@ def _offsets_option(
         return text.lower()
     usage = f"option {name} must be {' or '.join(words)} or a JSON object {{topic: last id}}, got {text!r}"
 
-    def last_id(digits: str) -> int:
-        if _digits(digits) > int_digits():  # counted before int() is asked to convert them
-            raise SourceError(f"{usage}: an id of {_digits(digits)} digits; the limit is {int_digits()}")
-        return int(digits)
+    def parse_id(written: str) -> int:
+        count = len(written.lstrip("-"))  # JSON writes no "+"
+        if count > int_digits():  # counted before int() is asked to convert them
+            raise SourceError(f"{usage}: an id of {count} digits; the limit is {int_digits()}")
+        return int(written)
 
     try:
-        value = json.loads(text, parse_int=last_id)
+        value = json.loads(text, parse_int=parse_id)
     except ValueError:
         raise SourceError(usage) from None
     except RecursionError:

@@ -17,7 +17,7 @@ from durable_protocol import MAX_STREAM_WINDOW, filter_is_valid
 
 from .errors import ConfigError
 from .replication.config import ReplicationConfig
-from .settings import LISTEN_BACKLOG, SCALARS, refuse_long_ints
+from .settings import LISTEN_BACKLOG, SCALARS, refuse_long_ints, refuse_long_key
 
 OverflowPolicy = Literal["drop-oldest", "drop-newest"]
 OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
@@ -213,6 +213,7 @@ class DurableConfig:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
         for key, value in raw.items():
+            refuse_long_key("amqtt_durable.DurableSessionsPlugin", key)
             if key not in fields:
                 raise ConfigError(str(key), f"unknown setting; accepted settings are {', '.join(fields)}")
             refuse_long_ints(key, value)

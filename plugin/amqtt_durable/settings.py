@@ -28,13 +28,14 @@ def socket_backlog(listen_backlog: int) -> int:
 
 
 def refuse_long_ints(where: str, value: Any) -> None:
-    """Refuse an int of more than ``int_digits()`` digits anywhere in a setting given in Python, in a mapping,
-    list or settings object (broker.yaml's reader refuses them as it reads): a message showing one would
-    raise Python's own ValueError instead of naming the setting."""
+    """Refuse an int of more than ``int_digits()`` digits anywhere in a setting given in Python, in a mapping
+    (its keys too), list or settings object (broker.yaml's reader refuses them as it reads): a message
+    showing one, or the name of a key, would raise Python's own ValueError instead of naming the setting."""
     if isinstance(value, int) and too_many_digits(value):
         raise ConfigError(where, f"an integer of more than {int_digits()} digits")
     if isinstance(value, Mapping):
         for key, item in value.items():
+            refuse_long_key(where, key)
             refuse_long_ints(f"{where}.{key}", item)
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
@@ -42,6 +43,12 @@ def refuse_long_ints(where: str, value: Any) -> None:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for field in dataclasses.fields(value):
             refuse_long_ints(f"{where}.{field.name}", getattr(value, field.name))
+
+
+def refuse_long_key(where: str, key: Any) -> None:
+    """Refuse a key of the mapping at ``where`` that is an int too long to name in a message."""
+    if isinstance(key, int) and too_many_digits(key):
+        raise ConfigError(where, f"a key that is an integer of more than {int_digits()} digits")
 
 
 def _as_bool(key: str, value: Any) -> bool:

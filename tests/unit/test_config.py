@@ -378,6 +378,22 @@ def test_an_int_of_too_many_digits_given_in_python_names_its_setting(raw: dict[s
 
 
 @pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({HUGE: 1}, "amqtt_durable.DurableSessionsPlugin"),
+        ({"replication": {"role": "primary", HUGE: 1}}, "replication"),
+        ({"streams": [{HUGE: 1}]}, "streams[0]"),
+    ],
+)
+def test_a_key_that_is_an_int_of_too_many_digits_names_its_mapping(raw: dict[Any, Any], key: str) -> None:
+    """Naming such a key in a message raised Python's own ValueError."""
+    with pytest.raises(ConfigError) as caught:
+        DurableConfig.from_mapping(raw)
+    assert caught.value.key == key
+    assert caught.value.problem == "a key that is an integer of more than 4300 digits"
+
+
+@pytest.mark.parametrize(
     ("make", "key"),
     [
         (lambda: DurableConfig(max_depth=HUGE), "max_depth"),

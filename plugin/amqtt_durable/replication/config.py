@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 from durable_protocol.hostport import parse_host, split_host_port
 
 from ..errors import ConfigError
-from ..settings import SCALARS, refuse_long_ints
+from ..settings import SCALARS, refuse_long_ints, refuse_long_key
 from .framing import MAX_FRAME, NAME_MAX_BYTES, name_problem
 
 Role = Literal["auto", "primary", "backup"]
@@ -253,6 +253,7 @@ class ReplicationConfig:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
         for key, value in raw.items():
+            refuse_long_key(where, key)
             if key not in fields:
                 raise ConfigError(f"{where}.{key}", f"unknown setting; accepted settings are {', '.join(fields)}")
             refuse_long_ints(f"{where}.{key}", value)
