@@ -153,7 +153,7 @@ from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapte
 from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
 from amqtt.contexts import Action, ListenerType
-from amqtt.errors import AMQTTError, MQTTError, NoDataError, ZeroLengthReadError
+from amqtt.errors import AMQTTError, BrokerError, MQTTError, NoDataError, ZeroLengthReadError
 from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
 from amqtt.mqtt import subscribe as amqtt_subscribe
@@ -196,6 +196,7 @@ from .control import ControlChannel
 from .delivery import AckKind, AckRuns, ReadAccess
 from .engine import DurableEngine, ExpiredSession, StoreHealth
 from .errors import (
+    BrokerNotStartedError,
     DurableError,
     InternalsMismatchError,
     NotPrimaryError,
@@ -1028,6 +1029,40 @@ async def close_socket(writer: Any) -> None:
     transport.close()
     if transport.get_write_buffer_size():
         asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
+
+
+AMQTT_START_FAILED = "Broker instance can't be started"
+"""The text of the BrokerError amqtt wraps every start-up error in (it names nothing to fix)."""
+
+
+async def start_broker(config: dict[str, Any]) -> Broker:
+    """amqtt's broker for ``config``, started; BrokerNotStartedError says why it did not start."""
+    try:
+        broker = Broker(config)
+        await broker.start()
+    except Exception as exc:
+        raise BrokerNotStartedError(str(_start_error_reason(exc))) from exc
+    return broker
+
+
+def _start_error_reason(exc: BaseException) -> BaseException:
+    """amqtt wraps plugin errors in PluginInitError(<class>); the user needs the innermost one,
+    except under an amqtt BrokerError of its own (e.g. "Invalid port value in bind value: ...",
+    whose cause is a bare int() error): that one names what to fix."""
+    seen = exc
+    named: BaseException | None = None
+    while not isinstance(seen, DurableError) and (below := _reason_below(seen)) is not None:
+        if isinstance(seen, BrokerError) and not str(seen).startswith(AMQTT_START_FAILED):
+            named = seen
+        seen = below
+    return seen if named is None or isinstance(seen, DurableError) else named
+
+
+def _reason_below(exc: BaseException) -> BaseException | None:
+    """The exception ``exc`` was raised from, or during; not one it suppressed (``raise ... from
+    None``: asyncio's "error while attempting to bind on address (...)" names the address, the
+    bare socket error under it does not)."""
+    return exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
 
 
 def start_failure(broker: Broker) -> str | None:

@@ -15,18 +15,16 @@ import re
 import signal
 import ssl
 import sys
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any, NoReturn
 
 import yaml
-from amqtt.broker import Broker
-from amqtt.errors import BrokerError
 
 from durable_protocol import int_digits, too_many_digits
 
-from .amqtt_glue import start_failure
+from .amqtt_glue import start_broker, start_failure
 from .config import DurableConfig
-from .errors import ConfigError, DurableError
+from .errors import BrokerNotStartedError, ConfigError, DurableError
 from .inspect_store import format_retained, format_table, summarize, summarize_retained
 from .repair import repair
 from .replication.config import SECRET_KEYS, read_secret_file
@@ -40,7 +38,6 @@ PLUGIN_PATH = "amqtt_durable.DurableSessionsPlugin"
 EXIT_BAD_INPUT = 2
 PLUGIN_ITEM_EXPECTED = "expected a plugin name or a mapping of a plugin to its settings"
 GC_THRESHOLD = 100_000
-AMQTT_START_FAILED = "Broker instance can't be started"  # amqtt wraps every start-up error in this
 FAILED_START_SHUTDOWN_TIMEOUT = 10.0
 """Seconds the shutdown after a failed start may take; past them the process exits 1 without it."""
 
@@ -253,26 +250,6 @@ def read_broker_yaml(path: str, option: str = "-c") -> dict[str, Any]:
     return config
 
 
-def _root_cause(exc: BaseException) -> BaseException:
-    """amqtt wraps plugin errors in PluginInitError(<class>); the user needs the innermost one,
-    except under an amqtt BrokerError of its own (e.g. "Invalid port value in bind value: ...",
-    whose cause is a bare int() error): that one names what to fix."""
-    seen = exc
-    named: BaseException | None = None
-    while not isinstance(seen, DurableError) and (below := _reason_below(seen)) is not None:
-        if isinstance(seen, BrokerError) and not str(seen).startswith(AMQTT_START_FAILED):
-            named = seen
-        seen = below
-    return seen if named is None or isinstance(seen, DurableError) else named
-
-
-def _reason_below(exc: BaseException) -> BaseException | None:
-    """The exception ``exc`` was raised from, or during; not one it suppressed (``raise ... from
-    None``: asyncio's "error while attempting to bind on address (...)" names the address, the
-    bare socket error under it does not)."""
-    return exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
-
-
 async def _stop_when_orphaned(parent: int, stop: asyncio.Event) -> None:
     """For a broker a tool started (--parent-pid): a tool killed without cleaning up leaves no broker."""
     while os.getppid() == parent:  # noqa: ASYNC110 - a parent's death has no event to wait on
@@ -280,12 +257,12 @@ async def _stop_when_orphaned(parent: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
-async def _shutdown_after_failed_start(broker: Broker, failure: str) -> None:
-    """Shut ``broker`` down, then print why it did not start: the last line, whatever the shutdown
+async def _shutdown_after_failed_start(broker_shutdown: Coroutine[Any, Any, None], failure: str) -> None:
+    """Run the broker's shutdown, then print why it did not start: the last line, whatever the shutdown
     did (its error is logged). A shutdown still running after ``FAILED_START_SHUTDOWN_TIMEOUT`` is
     logged and left: the process exits 1 at once, since returning would let ``asyncio.run`` wait
     for it (its task, or a thread it waits on, at the executor's shutdown)."""
-    shutdown = asyncio.ensure_future(broker.shutdown())
+    shutdown = asyncio.ensure_future(broker_shutdown)
     done, _ = await asyncio.wait({shutdown}, timeout=FAILED_START_SHUTDOWN_TIMEOUT)
     if not done:
         log.error(
@@ -304,14 +281,13 @@ async def _shutdown_after_failed_start(broker: Broker, failure: str) -> None:
 
 async def _serve(config: dict[str, Any], parent: int | None = None) -> int:
     try:
-        broker = Broker(config)
-        await broker.start()
-    except Exception as exc:
-        print(f"amqtt-durable: broker not started: {_root_cause(exc)}", file=sys.stderr)
+        broker = await start_broker(config)
+    except BrokerNotStartedError as exc:
+        print(f"amqtt-durable: broker not started: {exc}", file=sys.stderr)
         return 1
     failure = start_failure(broker)
     if failure is not None:
-        await _shutdown_after_failed_start(broker, failure)
+        await _shutdown_after_failed_start(broker.shutdown(), failure)
         return 1
     # Every message allocates a handful of short-lived objects; with CPython's default threshold
     # the collector runs every 700 allocations and costs ~10% of the message rate. Objects that

@@ -116,6 +116,10 @@ class ForeignStoreError(StoreError):
         )
 
 
+class BrokerNotStartedError(DurableError):
+    """amqtt's broker did not start; the message is the innermost reason, the one that names what to fix."""
+
+
 class InternalsMismatchError(DurableError):
     """The installed amqtt lacks an internal the glue module needs."""
 
