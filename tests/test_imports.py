@@ -123,18 +123,6 @@ def imports_of(package: str) -> set[str]:
     return (found & OURS) - {package}
 
 
-def test_only_the_glue_module_imports_amqtt() -> None:
-    """Everything that touches amqtt lives in amqtt_glue, pinned to the amqtt it was written for."""
-    importers = set()
-    for path in (ROOT / PACKAGE_DIRS["amqtt_durable"]).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
-            if any(name.partition(".")[0] == "amqtt" for name in names):
-                importers.add(path.relative_to(ROOT).as_posix())
-    assert importers == {"plugin/amqtt_durable/amqtt_glue.py"}
-
-
 def test_no_import_cycle_between_our_packages() -> None:
     graph = {package: imports_of(package) for package in sorted(OURS)}
     order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
