@@ -31,8 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
+import paho.mqtt
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
+
+from .errors import DurableClientError
 
 log = logging.getLogger("durable_client")
 _SERVER_UNAVAILABLE = 136
@@ -55,6 +58,34 @@ _IN_FLIGHT: Final = frozenset({
 """The states paho counts in its in-flight number (a PUBLISH sent, or a PUBREL due, unacknowledged)."""
 _PUBACK_BASE: Final = 0x4002_0000
 """A PUBACK is 4 bytes: 0x40, remaining length 2, the packet id (big-endian): one u32 per acknowledgement."""
+
+
+PAHO_WRITTEN_FOR: Final = "paho-mqtt>=2.1.0,<2.3"
+"""The releases whose internals below the link was written for (pyproject pins the same range)."""
+_CLIENT_INTERNALS: Final = (
+    "_out_message_mutex",
+    "_out_messages",
+    "_check_clean_session",
+    "_inflight_messages",
+    "_max_inflight_messages",
+    "_send_publish",
+    "_update_inflight",
+)
+"""What ``open``, ``_hold_resends`` and ``release_resends`` use of a paho client: without them a re-sent
+publish could overtake the hello reply or a PUBREL turn into a second PUBLISH, so there is no fallback."""
+
+
+def check_paho(client: mqtt.Client) -> None:
+    """Refuse, naming what is missing, a paho whose client lacks what the link needs: at ``connect()``,
+    not at the first reconnect that would misbehave."""
+    missing = [name for name in _CLIENT_INTERNALS if not hasattr(client, name)]
+    missing += [f"MQTTMessageInfo.{name}" for name in ("_set_as_published",) if not hasattr(mqtt.MQTTMessageInfo, name)]
+    if missing:
+        version = getattr(paho.mqtt, "__version__", "of unknown version")
+        raise DurableClientError(
+            f"durable_client was written for {PAHO_WRITTEN_FOR}; the installed paho-mqtt {version} lacks "
+            f"{', '.join(missing)}. Install it with pip install '{PAHO_WRITTEN_FOR}'."
+        )
 
 
 def topic_matches(topic_filter: str, topic: str) -> bool:
@@ -148,6 +179,7 @@ class PahoLink:
             reconnect_on_failure=False,  # paho must not reconnect (nor downgrade to 3.1) on its own
             manual_ack=True,
         )
+        check_paho(self._client)
         self._client.manual_ack_set(True)
         # paho reports every lost socket as an ERROR; losing connections is routine here and the
         # client says so itself (a WARNING per loss), so paho's own lines go to DEBUG.
