@@ -24,7 +24,8 @@ from amqtt_durable.wire import encode_packet, encode_string
 from durable_client import DurableClient
 from durable_client.persistence import SessionState
 
-pytest_plugins = ["etcd_fixture"]  # the `etcd` fixture: a real etcd for the replication tests
+# the `etcd` fixture: a real etcd for the replication tests; `relays`: PacketRelay makers
+pytest_plugins = ["etcd_fixture", "packet_relay"]
 
 WAIT = 15.0
 SPARK_JIT = "-XX:TieredStopAtLevel=1"

@@ -1,7 +1,8 @@
 """A TCP relay between an MQTT client and a real broker that sees every packet either way: a test
 waits on what the broker or the client is sent (not on a client library's log lines), holds one
 direction's packets (read and seen, forwarded in order at release()), and may rewrite what the
-client sends. Two threads per link, every wait bounded (``wait``: WAIT)."""
+client sends. Two threads per link, every wait bounded (``wait``: WAIT). The ``relays`` fixture
+(a pytest plugin of tests/conftest.py) makes relays and closes them all at a test's end."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import pytest
 from raw_mqtt_helpers import ConnectionClosedError, read_packet
 
 from amqtt_durable.wire import encode_packet
@@ -59,8 +61,8 @@ class PacketRelay:
         """Applied to each packet the client sends before it is seen (``seen`` keeps it as sent) and
         forwarded. It runs outside the relay's locks: it may call release(), hold() or cut()."""
         self.wait = wait
-        """The bound of each wait: wait_seen(), a send (a peer that reads nothing that long), the rest of
-        a packet once its first byte came, close()'s joins. A send or read that times out fails the relay."""
+        """The bound of each wait: wait_seen(), a send (a peer that reads nothing that long), a whole
+        packet once its first byte came, close()'s joins. A send or read that times out fails the relay."""
         self.seen: list[Packet] = []
         self._cond = threading.Condition()
         self._held: dict[Direction, list[tuple[socket.socket, bytes]] | None] = {"up": None, "down": None}
@@ -75,7 +77,9 @@ class PacketRelay:
         """cut() calls so far: a client accepted before one is dropped, though accept() came since."""
         self._failures: list[BaseException] = []
         """What a relay thread raised other than a link's end (e.g. a ``rewrite`` assertion, a send that
-        timed out): wait_seen() and close() raise it, so the test fails with it, not with a timeout."""
+        timed out), and a release() that timed out: wait_seen() and close() raise it, so the test fails
+        with it, not with a timeout (or not at all, the release()'s TimeoutError caught)."""
+        self._closed = False
         self._sockets: list[socket.socket] = []
         self._server = socket.create_server((HOST, 0))
         self.port: int = self._server.getsockname()[1]
@@ -106,7 +110,9 @@ class PacketRelay:
 
     def release(self, direction: Direction) -> None:
         """Forward what was held, in order, and stop holding. TimeoutError when a peer reads none of it
-        for ``wait``; RuntimeError from a hold() or wait_seen() predicate (it would deadlock)."""
+        for ``wait``: that link, left with part of a packet sent, is shut down, and the relay fails
+        (wait_seen() and close() raise it); RuntimeError from a hold() or wait_seen() predicate (it
+        would deadlock)."""
         if getattr(self._asking, "predicate", False):
             raise RuntimeError("release() from a PacketRelay predicate, which runs under the relay's lock")
         with self._sending[direction]:
@@ -115,7 +121,10 @@ class PacketRelay:
             for destination, data in held:
                 try:
                     destination.sendall(data)
-                except TimeoutError:
+                except TimeoutError as stalled:
+                    with contextlib.suppress(OSError):  # part of a packet went: the rest must not follow
+                        destination.shutdown(socket.SHUT_RDWR)
+                    self._fail(stalled)
                     raise
                 except OSError:  # its link was cut: what it held is lost with it
                     pass
@@ -137,7 +146,11 @@ class PacketRelay:
 
     def close(self) -> None:
         """Cut every link and stop listening; re-raises the first failure a relay thread had, then
-        asserts each of the relay's threads ended within ``wait``."""
+        asserts each of the relay's threads ended within ``wait``. Once only: a second close() does
+        nothing (the ``relays`` fixture's, after a test's own)."""
+        if self._closed:
+            return
+        self._closed = True
         self.cut()
         with contextlib.suppress(OSError):
             self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept(); close() alone would not
@@ -188,7 +201,7 @@ class PacketRelay:
         try:
             while True:
                 _wait_readable(source)
-                packet = Packet(direction, *read_packet(source))
+                packet = Packet(direction, *read_packet(source, time.monotonic() + self.wait))
                 rewrite = self.rewrite if direction == "up" else None
                 forward = packet if rewrite is None else rewrite(packet)
                 data = encode_packet(forward.first, forward.body)
@@ -212,7 +225,8 @@ class PacketRelay:
 
     def _fail(self, failure: BaseException) -> None:
         with self._cond:
-            self._failures.append(failure)
+            if failure not in self._failures:  # a rewrite's release() that timed out fails its pump too
+                self._failures.append(failure)
             self._cond.notify_all()  # a wait_seen() raises it now, not after its wait
 
 
@@ -223,3 +237,28 @@ def _wait_readable(source: socket.socket) -> None:
         with contextlib.suppress(TimeoutError):
             source.recv(1, socket.MSG_PEEK)
             return
+
+
+def close_all(relays: Iterable[PacketRelay]) -> None:
+    """close() every relay, also after one raised; then the first one's failure."""
+    failures: list[BaseException] = []
+    for relay in relays:
+        try:
+            relay.close()
+        except BaseException as failure:  # the others are closed all the same
+            failures.append(failure)
+    if failures:
+        raise failures[0]
+
+
+@pytest.fixture
+def relays() -> Iterator[Callable[..., PacketRelay]]:
+    """PacketRelay(...) makers; at the test's end every relay made is closed (close_all)."""
+    made: list[PacketRelay] = []
+
+    def make(*args: Any, **kwargs: Any) -> PacketRelay:
+        made.append(PacketRelay(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    close_all(made)

@@ -3,7 +3,9 @@ broker's bytes as they come (connect, subscribe, read), bounded by the socket's 
 
 from __future__ import annotations
 
+import select
 import socket
+import time
 
 from conftest import HOST, WAIT, mqtt_packet, mqtt_string
 
@@ -13,9 +15,19 @@ class ConnectionClosedError(AssertionError):
     from a test's own assertion by the relays that read until the end (tests/packet_relay.py)."""
 
 
-def read_exactly(sock: socket.socket, count: int) -> bytes:
+def read_exactly(sock: socket.socket, count: int, deadline: float | None = None) -> bytes:
+    """``count`` bytes, each recv bounded by the socket's timeout (WAIT); with ``deadline``
+    (time.monotonic) all of them by then too, else TimeoutError: a peer that trickles its bytes
+    cannot stretch the read. The deadline is waited on with poll(), so only for a plain socket
+    (an SSL one may hold bytes poll() does not see); the socket's timeout is left alone (another
+    thread may be sending on it)."""
     data = b""
     while len(data) < count:
+        if deadline is not None:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                raise TimeoutError(f"{len(data)} of {count} bytes came before the deadline")
         chunk = sock.recv(count - len(data))  # bounded by the socket timeout (WAIT)
         if not chunk:
             raise ConnectionClosedError("connection closed")
@@ -23,17 +35,17 @@ def read_exactly(sock: socket.socket, count: int) -> bytes:
     return data
 
 
-def read_packet(sock: socket.socket) -> tuple[int, bytes]:
-    """(first byte, body) of the next packet the broker sends."""
-    first = read_exactly(sock, 1)[0]
+def read_packet(sock: socket.socket, deadline: float | None = None) -> tuple[int, bytes]:
+    """(first byte, body) of the next packet the broker sends; all of it by ``deadline`` (read_exactly)."""
+    first = read_exactly(sock, 1, deadline)[0]
     length, shift = 0, 0
     while True:
-        byte = read_exactly(sock, 1)[0]
+        byte = read_exactly(sock, 1, deadline)[0]
         length |= (byte & 0x7F) << shift
         shift += 7
         if not byte & 0x80:
             break
-    return first, read_exactly(sock, length)
+    return first, read_exactly(sock, length, deadline)
 
 
 def connect_packet(

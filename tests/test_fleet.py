@@ -203,25 +203,34 @@ def test_restart_group_that_fails_on_a_later_broker_stops_the_ones_it_started(tm
         pair.stop()
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(60)
 def test_an_ha_pair_stop_sigkills_a_broker_that_ignores_its_sigterm_after_its_stop_wait(tmp_path: Path) -> None:
     """HaPair.stop (Ctrl-C, SIGTERM, an --ha run's end): a broker of the pair that does not end on SIGTERM
     (here stopped with SIGSTOP, as a wedged one) is SIGKILLed ``stop_wait`` (STOP_WAIT) after it, as the
-    single broker is, not after the minute a broker gets to start (before: 60 s, past this test's bound)."""
-    pair = HaPair(BROKER_YAML, tmp_path / "out", metrics_interval=1.0, stop_wait=1.0)
-    port = free_port()
-    config = local_config(BROKER_YAML, port, store=str(tmp_path / "a" / "store"))
-    (tmp_path / "a").mkdir()
-    wedged = pair.brokers["a"] = BrokerProcess(config, tmp_path / "a", port).start()
+    single broker is: not sooner, and not after the broker's own wait (15 s; before: the minute a broker
+    gets to start, past this test's bound). The other broker, healthy, ends by its SIGTERM meanwhile."""
+    stop_wait = 3.0
+    pair = HaPair(BROKER_YAML, tmp_path / "out", metrics_interval=1.0, stop_wait=stop_wait)
+    for name in ("a", "b"):
+        port = free_port()
+        (tmp_path / name).mkdir()
+        config = local_config(BROKER_YAML, port, store=str(tmp_path / name / "store"))
+        pair.brokers[name] = BrokerProcess(config, tmp_path / name, port)
+    healthy, wedged = pair.brokers["a"], pair.brokers["b"]  # the healthy one is waited for first
     try:
+        for broker in (healthy, wedged):
+            broker.start()
         assert wedged.pid is not None
         os.kill(wedged.pid, signal.SIGSTOP)  # this test's own child, by PID
         started = time.monotonic()
         pair.stop()
+        took = time.monotonic() - started
         assert wedged.exit_status == -signal.SIGKILL
-        assert time.monotonic() - started < 10
+        assert healthy.exit_status == 0, f"the healthy broker did not end by its SIGTERM: {healthy.exit_status}"
+        assert 0.9 * stop_wait <= took < 10, took
     finally:
-        wedged.kill()
+        for broker in (healthy, wedged):
+            broker.kill()
 
 
 def write_broker_yaml(tmp_path: Path, content: Any) -> Path:

@@ -1,10 +1,14 @@
 """The test helper tests/packet_relay.py itself, between a raw MQTT client socket and a plain TCP
 listener standing in for the broker (the test reads what reaches it, or reads nothing): a relay
-thread's failure reaches wait_seen() at once and close() before its thread check, sends are bounded,
-a rewrite may release(), and a hanging connect to the broker holds up no waiter."""
+thread's failure reaches wait_seen() at once and close() before its thread check, sends, release()s
+and a whole packet's read are bounded (a release() that times out fails the relay), a rewrite may
+release(), a hanging connect to the broker holds up no waiter, a client whose broker connect was
+under way at a cut() is dropped, and the ``relays`` fixture closes every relay even after one raised.
+Every relay and socket is closed at the test's end, even when it fails (fixtures)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -12,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from packet_relay import Packet, PacketRelay
+from packet_relay import Packet, PacketRelay, close_all
 from raw_mqtt_helpers import connect_packet, read_packet
 
 from conftest import HOST, WAIT, mqtt_packet, mqtt_string
@@ -36,10 +40,23 @@ def upstream() -> Iterator[socket.socket]:
     listener.close()
 
 
-def linked(relay: PacketRelay, upstream: socket.socket) -> tuple[socket.socket, socket.socket]:
-    """A client connected through ``relay``, and the upstream's side of its link."""
+@pytest.fixture
+def sockets() -> Iterator[list[socket.socket]]:
+    """The sockets a test opens, closed at its end whatever happened."""
+    opened: list[socket.socket] = []
+    yield opened
+    for sock in opened:
+        sock.close()
+
+
+def linked(
+    relay: PacketRelay, upstream: socket.socket, sockets: list[socket.socket]
+) -> tuple[socket.socket, socket.socket]:
+    """A client connected through ``relay``, and the upstream's side of its link (both kept in ``sockets``)."""
     client = socket.create_connection((HOST, relay.port), timeout=WAIT)
+    sockets.append(client)
     broker_side, _ = upstream.accept()
+    sockets.append(broker_side)
     broker_side.settimeout(WAIT)
     return client, broker_side
 
@@ -56,10 +73,12 @@ def failing_rewrite(failed: threading.Event) -> Callable[[Packet], Packet]:
     return rewrite
 
 
-def test_a_relay_threads_failure_ends_wait_seen_at_once(upstream: socket.socket) -> None:
+def test_a_relay_threads_failure_ends_wait_seen_at_once(
+    upstream: socket.socket, sockets: list[socket.socket], relays: Callable[..., PacketRelay]
+) -> None:
     """A waiter is told of the failure as it happens (not after its whole wait, as a timeout)."""
-    relay = PacketRelay(upstream.getsockname()[1], failing_rewrite(threading.Event()))
-    client, broker_side = linked(relay, upstream)
+    relay = relays(upstream.getsockname()[1], failing_rewrite(threading.Event()))
+    client, _ = linked(relay, upstream, sockets)
     client.sendall(connect_packet("c"))
     started = time.monotonic()
     with pytest.raises(AssertionError, match="spoiled by the rewrite"):
@@ -67,11 +86,11 @@ def test_a_relay_threads_failure_ends_wait_seen_at_once(upstream: socket.socket)
     assert time.monotonic() - started < WAIT / 2
     with pytest.raises(AssertionError, match="spoiled by the rewrite"):
         relay.close()
-    client.close()
-    broker_side.close()
 
 
-def test_close_raises_a_relay_threads_failure_before_it_checks_the_threads(upstream: socket.socket) -> None:
+def test_close_raises_a_relay_threads_failure_before_it_checks_the_threads(
+    upstream: socket.socket, sockets: list[socket.socket], relays: Callable[..., PacketRelay]
+) -> None:
     """close() raises what a relay thread raised, even while another relay thread still runs (here one
     in a rewrite that waits): the cause, not "still run"."""
     failed, waiting, go_on = threading.Event(), threading.Event(), threading.Event()
@@ -84,24 +103,26 @@ def test_close_raises_a_relay_threads_failure_before_it_checks_the_threads(upstr
         go_on.wait(WAIT)
         return packet
 
-    relay = PacketRelay(upstream.getsockname()[1], rewrite, wait=SHORT)
-    links = [linked(relay, upstream), linked(relay, upstream)]
-    links[0][0].sendall(connect_packet("failing"))
-    assert failed.wait(WAIT)
-    links[1][0].sendall(connect_packet("waiting"))
-    assert waiting.wait(WAIT)
-    with pytest.raises(AssertionError, match="spoiled by the rewrite"):
-        relay.close()
-    go_on.set()
-    for sock in (sock for link in links for sock in link):
-        sock.close()
+    relay = relays(upstream.getsockname()[1], rewrite, wait=SHORT)
+    links = [linked(relay, upstream, sockets), linked(relay, upstream, sockets)]
+    try:
+        links[0][0].sendall(connect_packet("failing"))
+        assert failed.wait(WAIT)
+        links[1][0].sendall(connect_packet("waiting"))
+        assert waiting.wait(WAIT)
+        with pytest.raises(AssertionError, match="spoiled by the rewrite"):
+            relay.close()
+    finally:
+        go_on.set()
 
 
-def test_a_send_to_a_peer_that_reads_nothing_fails_the_relay_within_its_wait(upstream: socket.socket) -> None:
+def test_a_send_to_a_peer_that_reads_nothing_fails_the_relay_within_its_wait(
+    upstream: socket.socket, sockets: list[socket.socket], relays: Callable[..., PacketRelay]
+) -> None:
     """The relay forwards to a broker that reads nothing: its send times out after ``wait`` and fails
     the relay: wait_seen() and close() raise the TimeoutError."""
-    relay = PacketRelay(upstream.getsockname()[1], wait=SHORT)
-    client, broker_side = linked(relay, upstream)
+    relay = relays(upstream.getsockname()[1], wait=SHORT)
+    client, _ = linked(relay, upstream, sockets)
     client.settimeout(SHORT)
     with pytest.raises(OSError):  # the relay stops reading: the client's send stalls too
         client.sendall(b"".join(publish(number, 65536) for number in range(256)))  # 16 MiB
@@ -109,25 +130,58 @@ def test_a_send_to_a_peer_that_reads_nothing_fails_the_relay_within_its_wait(ups
         relay.wait_seen(lambda _packet: False)
     with pytest.raises(TimeoutError):
         relay.close()
-    client.close()
-    broker_side.close()
 
 
-def test_a_release_to_a_peer_that_reads_nothing_raises_within_the_wait(upstream: socket.socket) -> None:
-    """release() of more than a broker that reads nothing takes: TimeoutError after ``wait``."""
-    relay = PacketRelay(upstream.getsockname()[1], wait=SHORT)
+def test_a_release_to_a_peer_that_reads_nothing_raises_within_the_wait_and_fails_the_relay(
+    upstream: socket.socket, sockets: list[socket.socket], relays: Callable[..., PacketRelay]
+) -> None:
+    """release() of more than a broker that reads nothing takes: TimeoutError after ``wait``; the link,
+    left with part of a packet sent, is shut down, and the relay has failed: wait_seen() and close()
+    raise it too, so a test that catches the release()'s error still fails (before: close() passed)."""
+    relay = relays(upstream.getsockname()[1], wait=SHORT)
     relay.hold("up")
-    client, broker_side = linked(relay, upstream)
+    client, broker_side = linked(relay, upstream, sockets)
     client.sendall(b"".join(publish(number, 65536) for number in range(256)))  # held: the relay reads it all
     relay.wait_seen(lambda packet: packet.body.startswith(mqtt_string("t/255")))
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError) as released:
         relay.release("up")
-    relay.close()
-    client.close()
-    broker_side.close()
+    with pytest.raises(TimeoutError) as seen:
+        relay.wait_seen(lambda _packet: False)
+    assert seen.value is released.value
+    broker_side.settimeout(SHORT)
+    while broker_side.recv(1 << 20):  # what was sent, then the end the shutdown brought; bounded by SHORT
+        pass
+    with pytest.raises(TimeoutError):
+        relay.close()
 
 
-def test_a_rewrite_may_release_what_is_held(upstream: socket.socket) -> None:
+def test_a_packet_trickled_slower_than_the_wait_fails_the_relay(
+    upstream: socket.socket, sockets: list[socket.socket], relays: Callable[..., PacketRelay]
+) -> None:
+    """``wait`` bounds a whole packet's read, not each byte's: a client that sends its bytes 0.3 s
+    apart (each well within the relay's 1 s) has not sent a 10-byte packet within the wait, and the
+    relay fails with TimeoutError (before: it waited for every byte, forwarded it, and passed)."""
+    relay = relays(upstream.getsockname()[1], wait=SHORT)
+    client, broker_side = linked(relay, upstream, sockets)
+    packet = publish(1, 3)  # 0x30, 8, then 8 bytes: 10 in all
+    assert len(packet) == 10
+    for index in range(len(packet)):  # 2.7 s for the whole packet
+        try:
+            client.sendall(packet[index : index + 1])
+        except OSError:  # the relay gave up on the packet and ended the link
+            break
+        time.sleep(0.3)  # the trickle itself (a byte each 0.3 s), not a synchronisation
+    with pytest.raises(TimeoutError, match="before the deadline"):
+        relay.wait_seen(lambda candidate: candidate.kind == 3)
+    broker_side.settimeout(SHORT)
+    assert broker_side.recv(16) == b"", "the relay forwarded the trickled packet"
+    with pytest.raises(TimeoutError):
+        relay.close()
+
+
+def test_a_rewrite_may_release_what_is_held(
+    upstream: socket.socket, sockets: list[socket.socket], relays: Callable[..., PacketRelay]
+) -> None:
     """A rewrite runs outside the relay's locks: its release() forwards what was held, then its packet."""
     holder: list[PacketRelay] = []
 
@@ -136,31 +190,50 @@ def test_a_rewrite_may_release_what_is_held(upstream: socket.socket) -> None:
             holder[0].release("up")
         return packet
 
-    relay = PacketRelay(upstream.getsockname()[1], release_at_the_second)
+    relay = relays(upstream.getsockname()[1], release_at_the_second)
     holder.append(relay)
     relay.hold("up")
-    client, broker_side = linked(relay, upstream)
+    client, broker_side = linked(relay, upstream, sockets)
     client.sendall(connect_packet("c") + publish(1) + publish(2))
     forwarded = [read_packet(broker_side) for _ in range(3)]
     assert [first >> 4 for first, _ in forwarded] == [1, 3, 3]
     assert [body for _, body in forwarded[1:]] == [mqtt_string("t/1"), mqtt_string("t/2")]
     relay.close()
-    client.close()
-    broker_side.close()
 
 
-def test_a_release_from_a_predicate_raises_instead_of_deadlocking(upstream: socket.socket) -> None:
+def test_a_release_from_a_predicate_raises_instead_of_deadlocking(
+    upstream: socket.socket, sockets: list[socket.socket], relays: Callable[..., PacketRelay]
+) -> None:
     """hold()'s ``which`` runs under the relay's lock: a release() from it fails the relay, named."""
-    relay = PacketRelay(upstream.getsockname()[1])
+    relay = relays(upstream.getsockname()[1])
     relay.hold("up", lambda _packet: relay.release("up") is None)
-    client, broker_side = linked(relay, upstream)
+    client, _ = linked(relay, upstream, sockets)
     client.sendall(connect_packet("c") + publish(1))
     with pytest.raises(RuntimeError, match="release\\(\\) from a PacketRelay predicate"):
         relay.wait_seen(lambda _packet: False)
     with pytest.raises(RuntimeError):
         relay.close()
-    client.close()
-    broker_side.close()
+
+
+def test_close_all_closes_every_relay_then_raises_the_first_failure(
+    upstream: socket.socket, sockets: list[socket.socket]
+) -> None:
+    """The ``relays`` fixture's close_all: a relay whose close() raises (its thread failed) does not
+    leave the next one open (before: the fixture's loop stopped at the first that raised)."""
+    failing = PacketRelay(upstream.getsockname()[1], failing_rewrite(threading.Event()))
+    healthy = PacketRelay(upstream.getsockname()[1])
+    try:
+        client, _ = linked(failing, upstream, sockets)
+        client.sendall(connect_packet("c"))
+        with pytest.raises(AssertionError, match="spoiled by the rewrite"):
+            failing.wait_seen(lambda _packet: False)
+        with pytest.raises(AssertionError, match="spoiled by the rewrite"):
+            close_all([failing, healthy])
+        with pytest.raises(ConnectionRefusedError):  # it stopped listening: closed
+            socket.create_connection((HOST, healthy.port), timeout=WAIT).close()
+    finally:
+        with contextlib.suppress(AssertionError):
+            close_all([failing, healthy])  # each close() after the first does nothing
 
 
 def syn_sent_to(port: int) -> int:
@@ -169,21 +242,55 @@ def syn_sent_to(port: int) -> int:
     return sum(1 for row in rows if row.split()[2] == f"0100007F:{port:04X}" and row.split()[3] == "02")
 
 
-def test_the_broker_connect_holds_up_no_waiter() -> None:
-    """The relay connects to the broker outside its lock: while that connect hangs (the broker's accept
-    queue is full, its SYN dropped) hold() returns at once, not when the connect gives up (``wait``)."""
-    listener = socket.create_server((HOST, 0), backlog=0)
-    filler = socket.create_connection(listener.getsockname(), timeout=WAIT)  # fills the queue: one more waits
-    relay = PacketRelay(listener.getsockname()[1], wait=5.0)
-    client = socket.create_connection((HOST, relay.port), timeout=WAIT)
+def await_syn_sent(port: int) -> None:
+    """Until a connection of this machine waits on its SYN to ``port`` (the relay is in its broker connect)."""
     deadline = time.monotonic() + WAIT
-    while not syn_sent_to(listener.getsockname()[1]):  # the relay is in its connect; bounded by the deadline
+    while not syn_sent_to(port):  # bounded by the deadline
         assert time.monotonic() < deadline, "the relay did not connect to the broker"
         time.sleep(0.01)  # polling the kernel's table: the relay's thread tells nothing
+
+
+@pytest.fixture
+def full_listener(sockets: list[socket.socket]) -> socket.socket:
+    """A listener standing in for a broker whose accept queue is full (one connection in it, not
+    accepted): a connect to it hangs, its SYN dropped, until the test accepts from it."""
+    listener = socket.create_server((HOST, 0), backlog=0)
+    listener.settimeout(WAIT)
+    sockets.append(listener)
+    sockets.append(socket.create_connection(listener.getsockname(), timeout=WAIT))  # fills the queue
+    return listener
+
+
+def test_the_broker_connect_holds_up_no_waiter(
+    full_listener: socket.socket, sockets: list[socket.socket], relays: Callable[..., PacketRelay]
+) -> None:
+    """The relay connects to the broker outside its lock: while that connect hangs (the broker's accept
+    queue is full, its SYN dropped) hold() returns at once, not when the connect gives up (``wait``)."""
+    relay = relays(full_listener.getsockname()[1], wait=5.0)
+    sockets.append(socket.create_connection((HOST, relay.port), timeout=WAIT))
+    await_syn_sent(full_listener.getsockname()[1])
     started = time.monotonic()
     relay.hold("up")
     assert time.monotonic() - started < 1.0
-    listener.accept()[0].close()  # room in the queue: the relay's SYN, sent again, gets through
+    full_listener.accept()[0].close()  # room in the queue: the relay's SYN, sent again, gets through
     relay.close()
-    for sock in (client, filler, listener):
-        sock.close()
+
+
+def test_a_client_whose_broker_connect_was_under_way_at_a_cut_is_dropped(
+    full_listener: socket.socket, sockets: list[socket.socket], relays: Callable[..., PacketRelay]
+) -> None:
+    """A client accepted before cut() whose broker connect is still under way (held by a full accept
+    queue) is dropped once that connect succeeds, though accept() came meanwhile: both its sockets
+    end, nothing is relayed (before the cut counter: it was linked, as if accepted after the cut)."""
+    relay = relays(full_listener.getsockname()[1], wait=WAIT)  # its connect outlives the SYN's resends
+    client = socket.create_connection((HOST, relay.port), timeout=WAIT)
+    sockets.append(client)
+    await_syn_sent(full_listener.getsockname()[1])  # the relay took the client and is in its connect
+    relay.cut()
+    relay.accept()
+    full_listener.accept()[0].close()  # room in the queue: the relay's SYN, sent again, gets through
+    broker_side, _ = full_listener.accept()
+    sockets.append(broker_side)
+    broker_side.settimeout(WAIT)
+    assert client.recv(1) == b"", "the client accepted before the cut was linked"
+    assert broker_side.recv(1) == b""

@@ -372,20 +372,6 @@ def test_a_new_filter_whose_suback_is_lost_is_logged_at_the_hello_reply_that_lis
     assert [(r["qos"], r["durable"]) for r in subscribes(log, "new/t")] == [(1, True)]
 
 
-@pytest.fixture
-def relays() -> Iterator[Callable[..., PacketRelay]]:
-    """PacketRelay(...) makers; each relay is closed at the test's end."""
-    made: list[PacketRelay] = []
-
-    def make(*args: Any, **kwargs: Any) -> PacketRelay:
-        made.append(PacketRelay(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for relay in made:
-        relay.close()
-
-
 def made_durable_in_a_thread(
     device: DurableClient, topic_filter: str, qos: int = 1
 ) -> tuple[threading.Thread, list[BaseException | None]]:

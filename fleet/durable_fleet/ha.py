@@ -143,7 +143,8 @@ class HaPair:
     ) -> None:
         self.out = out
         self.stop_wait = stop_wait
-        """Seconds a broker gets after its SIGTERM before its SIGKILL (stop())."""
+        """Seconds a broker gets after its SIGTERM before its SIGKILL: at stop(), and when it is stopped
+        while it starts (its ``wait``)."""
         self.config = config
         self.metrics_interval = metrics_interval
         self.etcd: EtcdProcess | None = None
@@ -180,7 +181,7 @@ class HaPair:
             config = local_config(self.config, port, store=str(self.out / "brokers" / name / "store"),
                                   metrics_interval=self.metrics_interval, replication=replication)
             (self.out / "brokers" / name).mkdir(parents=True, exist_ok=True)
-            self.brokers[name] = BrokerProcess(config, self.out / "brokers" / name, port)
+            self.brokers[name] = BrokerProcess(config, self.out / "brokers" / name, port, wait=self.stop_wait)
             self.nodes[name] = Node(name, port, replication["listen"])
         self.router.nodes = list(self.nodes.values())
         for name in NAMES:
@@ -320,7 +321,7 @@ class HaPair:
                 for broker in self.brokers.values():
                     broker.spawn()
                 for name, broker in self.brokers.items():
-                    broker.await_ready(f"broker {name}", broker.ready, broker.wait, f"open {HOST}:{broker.port}")
+                    broker.await_ready(f"broker {name}", broker.ready, broker.ready_wait, f"open {HOST}:{broker.port}")
             except BaseException:
                 self._stop_brokers()  # all were killed before: those running are the ones started here
                 raise

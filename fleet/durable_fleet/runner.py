@@ -255,7 +255,7 @@ class FleetRun:
             return 0  # no fixed broker port: the proxies route to the primary
         port = free_port()
         config = local_config(self.o.config, port, store=str(self.out / "store"), metrics_interval=SAMPLE_INTERVAL)
-        self.broker = BrokerProcess(config, self.out, port)
+        self.broker = BrokerProcess(config, self.out, port, wait=STOP_WAIT)
         try:
             self.broker.start()
         except RuntimeError as exc:
@@ -558,10 +558,10 @@ class FleetRun:
 
     def _driver_bound(self) -> float:
         """How long ending the last faults can take: a broker start, proxy calls, process stops."""
-        broker_start = self.broker.wait if self.broker is not None else 0.0
+        broker_start = self.broker.ready_wait if self.broker is not None else 0.0
         if self.pair is not None:  # starts, and waits for the pair to be whole before and after
             # (a group_kill: both brokers started, then a wait for its election and one for its catch-up)
-            broker_start = 2 * max(b.wait for b in self.pair.brokers.values()) + 3 * WHOLE_WAIT
+            broker_start = 2 * max(b.ready_wait for b in self.pair.brokers.values()) + 3 * WHOLE_WAIT
         return max((f.duration for f in self.o.faults), default=0.0) + broker_start + 2 * STOP_WAIT
 
     def _join(self, driver: threading.Thread, errors: list[BaseException]) -> None:

@@ -56,7 +56,7 @@ def _start_broker(folder: Path) -> BrokerProcess:
         port,
         **_demo_settings(folder),
     )
-    broker = BrokerProcess(config, folder, port, wait=WAIT)
+    broker = BrokerProcess(config, folder, port, ready_wait=WAIT)
     try:
         broker.start()
     except RuntimeError as exc:

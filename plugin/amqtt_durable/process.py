@@ -323,8 +323,7 @@ class ChildProcess:
 
 def stop_all(children: Iterable[ChildProcess], wait: float) -> None:
     """``stop_signal`` to every child at once, then SIGKILL to each still running ``wait`` seconds later:
-    they stop in parallel, and one that ignores its signal holds the caller up ``wait``, not its own
-    ``wait`` (a broker's is the minute it gets to start)."""
+    they stop in parallel, and one that ignores its signal holds the caller up ``wait``, not its own."""
     children = list(children)
     for child in children:
         child.terminate()
@@ -339,11 +338,14 @@ class BrokerProcess(ChildProcess):
     ``config`` may change between two starts (a test adding a plugin); the port and the store
     stay, so ``restart`` brings the same broker back. The broker stops by itself when the process
     that started it is gone (--parent-pid), so a tool killed without cleaning up leaves no broker behind.
+    ``ready_wait`` bounds a start; ``wait`` is the stop's, also for a broker stopped while it starts
+    (a start interrupted, or not ready in time): a slow start never lengthens a stop.
     """
 
-    def __init__(self, config: Mapping[str, Any], folder: Path, port: int, *, wait: float = 60.0,
-                 env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, config: Mapping[str, Any], folder: Path, port: int, *, ready_wait: float = 60.0,
+                 wait: float = 15.0, env: Mapping[str, str] | None = None) -> None:
         self.port = port
+        self.ready_wait = ready_wait
         self.config: dict[str, Any] = dict(config)
         self.config_path = folder / "broker.yaml"
         argv = [sys.executable, "-m", "amqtt_durable.cli", "broker", "-c", str(self.config_path)]
@@ -365,11 +367,11 @@ class BrokerProcess(ChildProcess):
         return port_open(self.port)
 
     def start(self) -> Self:
-        """Start and return once ready; RuntimeError naming the log if not within ``wait`` seconds.
+        """Start and return once ready; RuntimeError naming the log if not within ``ready_wait`` seconds.
         On any exception (a signal's SystemExit while it spawns included) the broker is stopped first."""
         try:
             self.spawn()
-            return self.await_ready("the broker", self.ready, self.wait, f"open {HOST}:{self.port}")
+            return self.await_ready("the broker", self.ready, self.ready_wait, f"open {HOST}:{self.port}")
         except BaseException:
             self.stop()
             raise

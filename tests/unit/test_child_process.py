@@ -1,7 +1,8 @@
 """ChildProcess.await_ready: the two ways a child fails to come up, with real child processes;
 ChildProcess.start's holding of SIGTERM/SIGINT while it spawns (real signals, sent by the child
-before its exec); EtcdProcess: stopped when its start is interrupted, and ending with the
-process that started it; free_port: its ports outside the kernel's ephemeral range, each parallel test worker's block of
+before its exec); BrokerProcess: a broker stopped while it starts is SIGKILLed after its stop wait;
+EtcdProcess: stopped when its start is interrupted, and ending with the process that started it;
+free_port: its ports outside the kernel's ephemeral range, each parallel test worker's block of
 them, and the cursor that hands them out in turn."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -23,6 +25,7 @@ import pytest
 from amqtt_durable.process import (
     PORT_FLOOR,
     PORT_SLICE_ENV,
+    BrokerProcess,
     ChildExitedError,
     ChildProcess,
     EtcdProcess,
@@ -148,6 +151,43 @@ def test_a_child_inherits_an_ignored_sigint(tmp_path: Path) -> None:
         assert ignored_signals(pid) & (1 << (signal.SIGINT - 1)), "the child does not ignore SIGINT"
     finally:
         child.stop()
+
+
+class SigtermDeafBroker(BrokerProcess):
+    """A BrokerProcess (its start, its stop) whose command is a real process that ignores SIGTERM and
+    never listens; SIGTERM's SystemExit (as ``amqtt-durable fleet``'s handler raises it) comes while
+    it starts, once the process ignores SIGTERM."""
+
+    def __init__(self, folder: Path, stop_wait: float) -> None:
+        super().__init__({}, folder, free_port(), wait=stop_wait)  # ready_wait: its default, a minute
+        code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(30)"
+        self.argv = [sys.executable, "-c", code]
+        self.interrupted: float | None = None
+
+    def ready(self) -> bool:
+        assert self.pid is not None
+        if ignored_signals(self.pid) & (1 << (signal.SIGTERM - 1)):
+            self.interrupted = time.monotonic()
+            sys.exit(128 + signal.SIGTERM)
+        return False
+
+
+def test_a_broker_stopped_while_it_starts_is_sigkilled_after_its_stop_wait_not_its_start_wait(
+    tmp_path: Path,
+) -> None:
+    """A broker caught by SIGTERM while it starts gets the stop's wait (here 1 s) after its SIGTERM
+    before its SIGKILL, not its start's minute (before: one ``wait`` for both, the minute)."""
+    broker = SigtermDeafBroker(tmp_path, stop_wait=1.0)
+    assert broker.ready_wait == 60.0
+    try:
+        with pytest.raises(SystemExit):
+            broker.start()
+        assert broker.interrupted is not None
+        took = time.monotonic() - broker.interrupted
+        assert broker.exit_status == -signal.SIGKILL
+        assert 0.9 <= took < 10, took
+    finally:
+        broker.kill()
 
 
 def test_an_etcd_whose_start_is_interrupted_by_a_stop_signal_is_stopped(tmp_path: Path) -> None:
