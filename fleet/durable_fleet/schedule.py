@@ -260,10 +260,12 @@ def load_schedule(
         raise ScheduleError(f"cannot read the schedule: {exc.strerror or exc}", path=path) from exc
     try:
         document = yaml.safe_load(text)
+    except RecursionError as exc:  # PyYAML's composer recurses once per level
+        raise ScheduleError("not YAML or JSON: nested too deeply", path=path) from exc
     except yaml.YAMLError as exc:
         try:
             document = json.loads(text)  # JSON is YAML, except for tab indentation (json.dump(indent="\t"))
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ScheduleError(f"not YAML or JSON: {exc}", path=path) from exc
     if not isinstance(document, dict) or not isinstance(document.get("faults"), list):
         raise ScheduleError(

@@ -57,8 +57,10 @@ class DeliveryTail:
             for line in self._new_lines(path):
                 try:
                     record = json.loads(line)
-                except ValueError:
-                    log.warning("%s: a line that is not JSON (the audit will name it)", path.name)
+                except (ValueError, RecursionError):  # RecursionError: nested past the interpreter's limit
+                    record = None
+                if not isinstance(record, dict):
+                    log.warning("%s: a line that is not a JSON object (the audit will name it)", path.name)
                     continue
                 self._apply(record)
 

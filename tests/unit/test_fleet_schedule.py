@@ -221,6 +221,8 @@ def one(fault: str) -> str:
         ("", "expected a mapping with a 'faults' list"),
         ("faults: []\nseed: 4\nextra: 1\n", r"unknown top-level key\(s\) 'extra', 'seed' \(only 'faults'\)"),
         ("faults: [\n", "not YAML or JSON"),
+        ("faults: " + "[" * 5000 + "]" * 5000 + "\n", "not YAML or JSON: nested too deeply"),
+        ("{\t\"faults\": " + "[" * 5000 + "]" * 5000 + "}\n", "not YAML or JSON: "),
         (one("5s"), "fault 2: expected a mapping such as"),
         (
             one("{at: 1s, kind: drop, device: dev-000, for: 1s, when: 2, why: x}"),

@@ -54,6 +54,22 @@ def test_a_receive_logged_before_its_send_is_not_missing(tmp_path: Path, tail: D
     assert tail.missing() == 0
 
 
+def test_a_line_that_is_no_json_object_is_skipped(
+    tmp_path: Path, tail: DeliveryTail, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A damaged delivery log (nested past the recursion limit, a bare list, not JSON) leaves the live
+    view running: the line is skipped with a WARNING, the records around it count."""
+    path = tmp_path / "pub-0.jsonl"
+    append(path, send(CMD_A, "m1"))
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write("[" * 100_000 + "]" * 100_000 + "\n[1, 2]\n{not json\n")
+    append(path, send(CMD_A, "m2"))
+    tail.poll()
+    assert tail.sent == 2
+    skipped = [r for r in caplog.records if "a line that is not a JSON object" in r.getMessage()]
+    assert len(skipped) == 3, caplog.text
+
+
 def test_a_line_being_written_waits_for_the_next_poll(tmp_path: Path, tail: DeliveryTail) -> None:
     path = tmp_path / "pub-0.jsonl"
     line = json.dumps(send(CMD_A, "m1"))
