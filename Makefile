@@ -44,8 +44,9 @@ run: $(STAMP)
 TEST_WORKERS ?= 3
 PYTEST := PYTHONDONTWRITEBYTECODE= $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
 
+# The whole suite names its 30 slowest tests at the end, so a run shows where its time goes.
 test: $(STAMP)
-	$(PYTEST)
+	$(PYTEST) --durations=30
 
 # The unit tests: pure logic and real LevelDB stores, no broker process (about half a minute).
 test-fast: $(STAMP)
