@@ -387,3 +387,111 @@ def test_an_auth_plugin_that_raises_gets_connack_3_and_one_that_refuses_connack_
     assert again.wait_for(lambda ms: [m.payload for m in ms] == [b"queued"]), "the queue was lost"
     publisher.disconnect()
     again.disconnect()
+
+
+# ------------------------------------------------------------------ replication.md: how many backups, strangers
+
+
+def fake_backup(primary: Broker, name: str, instance: int, receive_buffer: int | None = None) -> socket.socket:
+    """A connection to the primary's replication address that says HELLO as backup ``name`` from an
+    empty store, then reads nothing unless told to."""
+    host, port = address(primary).rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:  # before the connect: the window the primary may fill
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(WAIT)
+    sock.connect((host, int(port)))
+    sock.sendall(encode_frame(Frame.HELLO, Hello(0, 0, 0, name, instance=instance).encode()))
+    return sock
+
+
+@pytest.mark.slow
+def test_by_default_8_backups_are_served_a_ninth_is_refused_and_a_freed_place_is_taken(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """replication.md, How many backups: "A primary serves at most `max_backups` backup connections at
+    once (default 8 ...)"; "One HELLO more is answered with an ERROR frame, `too many backups:
+    max_backups is N (backup NAME refused; it retries)`, and the connection is closed before the backup
+    is given anything"; "A tool's STATUS or PROMOTE takes no place either"; "A place frees as soon as a
+    served backup's connection ends"."""
+    primary = start(node(broker_factory, "p5c", role="primary"), SERVING)
+    served = [fake_backup(primary, f"f{n}", instance=100 + n) for n in range(8)]
+    try:
+        for sock in served:
+            assert sock.recv(1) == bytes([Frame.SNAP_BEGIN]), "one of the first 8 was not served"
+        shown = wait_status(primary, lambda s: len(s["backups"]) == 8)  # a tool's STATUS, answered while full
+        assert sorted(row["name"] for row in shown["backups"]) == [f"f{n}" for n in range(8)]
+        text = "too many backups: max_backups is 8 (backup f8 refused; it retries)"
+        with fake_backup(primary, "f8", instance=108) as ninth:
+            assert answer_until_closed(ninth) == encode_frame(Frame.ERROR, text.encode())
+        served.pop(0).close()
+        wait_status(primary, lambda s: len(s["backups"]) == 7)
+        with fake_backup(primary, "f8", instance=108) as ninth:
+            assert ninth.recv(1) == bytes([Frame.SNAP_BEGIN]), "the freed place was not taken"
+            wait_status(primary, lambda s: "f8" in [row["name"] for row in s["backups"]])
+    finally:
+        for sock in served:
+            sock.close()
+
+
+@pytest.mark.slow
+def test_a_backup_that_reads_nothing_of_its_snapshot_is_cut_at_catch_up_timeout(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """replication.md, A backup that reads nothing: "After `catch_up_timeout` seconds with no byte taken
+    it aborts the connection and logs a WARNING: `replication: backup thief (10.0.0.9:51234):
+    disconnected: its connection took no byte for 60 s during its snapshot, 3104 rows sent; what was
+    held for it (a snapshot, retained batches) is released (a real backup on a link this slow: raise
+    replication.catch_up_timeout)`"; "its row is gone from `inspect --replication`"."""
+    primary = start(node(broker_factory, "p5t", role="primary", catch_up_timeout=1), SERVING)
+    device = Client(primary.port, "d5-big")
+    device.subscribe("big/#", 1)
+    device.disconnect()
+    publisher = Client(primary.port, "d5-big-pub", clean_session=True)
+    publisher.publish("big/t", [bytes([n]) * 65536 for n in range(200)], qos=1)  # 13 MB to copy
+    publisher.disconnect()
+    mark = len(primary.log())
+    with fake_backup(primary, "thief", instance=77, receive_buffer=4096) as thief:
+        local = thief.getsockname()[1]
+        line = logged_after(primary, mark, rf"backup thief \(127\.0\.0\.1:{local}\): disconnected: ")
+        assert " WARNING " in line, line
+        assert re.search(
+            rf"replication: backup thief \(127\.0\.0\.1:{local}\): disconnected: its connection took no byte for 1 s "
+            r"during its snapshot, \d+ rows sent; what was held for it \(a snapshot, retained batches\) is released "
+            r"\(a real backup on a link this slow: raise replication\.catch_up_timeout\)$",
+            line,
+        ), line
+        wait_status(primary, lambda s: s["backups"] == [])
+        assert "thief" not in run_cli("inspect", "--replication", address(primary)).stdout
+
+
+@pytest.mark.slow
+def test_a_backup_pointed_at_a_backup_is_refused_naming_what_it_follows_and_says_so(
+    pair: tuple[Broker, Broker], broker_factory: Callable[..., Broker]
+) -> None:
+    """replication.md, A backup pointed at a backup: "A backup's replication address answers a backup's
+    HELLO with an ERROR frame, `not the primary: backup NAME (follows HOST:PORT); replication.primary must
+    name the primary's address` ..., and closes the connection"; the backup pointed at it "logs a WARNING,
+    `replication: backup NAME: channel to HOST:PORT refused (retried every 0.5 s, this line at most once
+    a minute): REASON`", "`inspect --replication` on it shows `disconnected, not caught up` and the reason
+    on a line of its own (`refused_by_primary` in `--json`)"."""
+    primary, backup = pair
+    reason = (
+        f"not the primary: backup b5 (follows {address(primary)}); replication.primary must name the primary's address"
+    )
+    with fake_backup(backup, "lost", instance=9) as sock:
+        assert answer_until_closed(sock) == encode_frame(Frame.ERROR, reason.encode())
+    lost = start(node(broker_factory, "lost5", role="backup", primary=address(backup)), BACKUP)
+    said = (
+        f"replication: backup lost5: channel to {address(backup)} refused (retried every 0.5 s, this line at most "
+        f"once a minute): {reason}"
+    )
+    assert lost.wait_until(lambda: said in lost.log(), WAIT), lost.log()
+    assert [" WARNING " in line for line in lost.log().splitlines() if said in line] == [True]
+    shown = wait_status(lost, lambda s: s.get("refused_by_primary") == reason)
+    assert shown["caught_up"] is False
+    text = run_cli("inspect", "--replication", address(lost)).stdout
+    lines = [line.strip() for line in text.splitlines()]
+    following = lines.index(f"following {address(backup)}: disconnected, not caught up")
+    assert reason in lines[following + 1 :], text
+    lost.stop()
