@@ -5,9 +5,11 @@ that raises). Each quotes its promise."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
@@ -495,3 +497,68 @@ def test_a_backup_pointed_at_a_backup_is_refused_naming_what_it_follows_and_says
     following = lines.index(f"following {address(backup)}: disconnected, not caught up")
     assert reason in lines[following + 1 :], text
     lost.stop()
+
+
+# ------------------------------------------------------------------ sdk.md: a refused subscription
+
+
+@pytest.mark.slow
+def test_a_refused_subscription_is_sent_again_at_the_reconnect_and_logged_once_granted(
+    broker_factory: Callable[..., Broker],
+    sdk: Callable[..., DurableClient],
+    clients: Callable[..., Client],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """sdk.md: "A SUBACK that refuses the filter (0x80: the topic ACL, `max_subscriptions_per_client`)
+    does not raise: it is logged as a WARNING, the subscription stays registered and is sent again after
+    every reconnect ...: refused again, with the same WARNING, or granted. It writes no delivery-log
+    record until a SUBACK grants it"; the broker routes nothing to it meanwhile."""
+    broker = broker_factory(max_subscriptions_per_client=1)
+    log_path = tmp_path / "d5-deliveries.jsonl"
+    connected = threading.Semaphore(0)
+    got: list[bytes] = []
+    arrived = threading.Event()
+    client = sdk(broker.port, "d5-refused", delivery_log=str(log_path), on_connected=lambda _info: connected.release())
+    client.connect()
+    assert connected.acquire(timeout=WAIT)
+    client.subscribe("r5/a", qos=1)
+    with caplog.at_level("WARNING", logger="durable_client"):
+        client.subscribe("r5/b", qos=1, listener=lambda e: (got.append(e.payload), e.payload == b"after" and arrived.set()))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "r5/b" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    client.ready_for_events()
+
+    def subscribed() -> list[str]:
+        return [json.loads(line)["topic"] for line in log_path.read_text().splitlines() if '"subscribe"' in line]
+
+    assert subscribed() == ["r5/a"], "a refused filter got a delivery-log record"
+    clients(broker.port, "d5-refused-pub", clean_session=True).publish("r5/b", [b"before"], qos=1)
+    client.unsubscribe("r5/a")  # the place the refused filter needs at the reconnect
+    broker.restart()
+    assert connected.acquire(timeout=WAIT), "no reconnect"
+    assert broker.wait_until(lambda: subscribed() == ["r5/a", "r5/b"], WAIT), subscribed()
+    clients(broker.port, "d5-refused-pub2", clean_session=True).publish("r5/b", [b"after"], qos=1)
+    assert arrived.wait(WAIT), got
+    assert got == [b"after"], "the broker routed to a refused filter"
+
+
+@pytest.mark.slow
+def test_the_sys_refused_count_takes_version_and_max_backups_refusals(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """replication.md: "Every `metrics_interval` the primary publishes under `$SYS/broker/durable/replication/`:
+    ... `refused` (connections its replication address refused since start, by the handshake, closed at
+    once, not in `allow_from`, of an unknown protocol version or past `max_backups` ...)"."""
+    primary = start(node(broker_factory, "p5s", {"metrics_interval": 0.2}, role="primary", max_backups=1), SERVING)
+    watcher = clients(primary.port, "d5-sys", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/replication/refused", 0)
+    assert watcher.wait_for(lambda ms: any(m.payload == b"0" for m in ms)), "no refused count of 0 at start"
+    with fake_backup(primary, "only", instance=1) as served:
+        assert served.recv(1) == bytes([Frame.SNAP_BEGIN])
+        with fake_backup(primary, "past", instance=2) as past:
+            assert Frame.ERROR == answer_until_closed(past)[0], "not refused past max_backups"
+        with replication_socket(primary) as newer:
+            newer.sendall(encode_frame(Frame.HELLO, Hello(0, 0, 0, "newer", version=3).encode()))
+            assert Frame.ERROR == answer_until_closed(newer)[0], "not refused for its version"
+        assert watcher.wait_for(lambda ms: ms[-1].payload == b"2"), [m.payload for m in watcher.messages[-3:]]
