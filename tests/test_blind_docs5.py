@@ -143,6 +143,31 @@ def test_a_number_setting_given_a_fraction_of_huge_integers_is_a_config_error() 
     assert refused(lambda: DurableConfig(session_expiry=Fraction(BIG, 3))).endswith(f"'session_expiry': {message}")
 
 
+@pytest.mark.parametrize(("interpreter", "limit"), [(640, 640), (0, 4300)])
+def test_settings_in_python_count_to_the_interpreter_s_lower_limit_and_4300_otherwise(
+    interpreter: int, limit: int
+) -> None:
+    """configuration.md: "An integer of more than 4300 digits (or the interpreter's lower limit, where
+    `PYTHONINTMAXSTRDIGITS` sets one), anywhere in the plugin's settings, is refused" (sys.set_int_max_str_digits
+    sets the same limit); with Python's own limit off (0) the 4300 holds."""
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(interpreter)
+    try:
+        past = 10**limit  # limit + 1 digits
+        for settings, where, what in [
+            ({"max_keepalive": past}, "max_keepalive", "an integer"),
+            ({"replication": {**PRIMARY, "lease_ttl": past}}, "replication.lease_ttl", "an integer"),
+            ({past: 1}, "amqtt_durable.DurableSessionsPlugin", "a key that is an integer"),
+            ({"session_expiry": Fraction(past, 3)}, "session_expiry", "a fraction of an integer"),
+        ]:
+            assert refused(DurableConfig.from_mapping, settings).endswith(
+                f"'{where}': {what} of more than {limit} digits"
+            )
+        assert "digits" not in refused(DurableConfig.from_mapping, {"max_keepalive": past // 10})  # at the limit
+    finally:
+        sys.set_int_max_str_digits(before)
+
+
 def test_max_backups_defaults_to_8_and_must_be_at_least_1() -> None:
     """replication.md, settings: "`max_backups` | `8` | whole number ... at least 1"."""
     assert ReplicationConfig.from_mapping(dict(PRIMARY), "replication").max_backups == 8
@@ -524,7 +549,9 @@ def test_a_refused_subscription_is_sent_again_at_the_reconnect_and_logged_once_g
     assert connected.acquire(timeout=WAIT)
     client.subscribe("r5/a", qos=1)
     with caplog.at_level("WARNING", logger="durable_client"):
-        client.subscribe("r5/b", qos=1, listener=lambda e: (got.append(e.payload), e.payload == b"after" and arrived.set()))
+        client.subscribe(
+            "r5/b", qos=1, listener=lambda e: (got.append(e.payload), e.payload == b"after" and arrived.set())
+        )
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "r5/b" in r.getMessage()]
     assert len(warned) == 1, caplog.text
     client.ready_for_events()
@@ -557,8 +584,8 @@ def test_the_sys_refused_count_takes_version_and_max_backups_refusals(
     with fake_backup(primary, "only", instance=1) as served:
         assert served.recv(1) == bytes([Frame.SNAP_BEGIN])
         with fake_backup(primary, "past", instance=2) as past:
-            assert Frame.ERROR == answer_until_closed(past)[0], "not refused past max_backups"
+            assert answer_until_closed(past)[0] == Frame.ERROR, "not refused past max_backups"
         with replication_socket(primary) as newer:
             newer.sendall(encode_frame(Frame.HELLO, Hello(0, 0, 0, "newer", version=3).encode()))
-            assert Frame.ERROR == answer_until_closed(newer)[0], "not refused for its version"
+            assert answer_until_closed(newer)[0] == Frame.ERROR, "not refused for its version"
         assert watcher.wait_for(lambda ms: ms[-1].payload == b"2"), [m.payload for m in watcher.messages[-3:]]
