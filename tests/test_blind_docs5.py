@@ -589,3 +589,34 @@ def test_the_sys_refused_count_takes_version_and_max_backups_refusals(
             newer.sendall(encode_frame(Frame.HELLO, Hello(0, 0, 0, "newer", version=3).encode()))
             assert answer_until_closed(newer)[0] == Frame.ERROR, "not refused for its version"
         assert watcher.wait_for(lambda ms: ms[-1].payload == b"2"), [m.payload for m in watcher.messages[-3:]]
+
+
+@pytest.mark.slow
+def test_a_name_held_by_another_process_s_backup_is_refused_with_the_documented_texts(
+    pair: tuple[Broker, Broker],
+) -> None:
+    """replication.md, One name, one backup: "the primary answers its HELLO with an ERROR frame, `backup name
+    b is in use by the backup connected from HOST:PORT (this connection: HOST:PORT); give each backup its
+    own replication.name`, and closes the connection. The connected backup is not disturbed ... The primary
+    logs an ERROR, `refused backup name b from HOST:PORT: the name b is in use by the backup connected from
+    HOST:PORT, another broker process; ...`"."""
+    primary, _ = pair
+    mark = len(primary.log())
+    with fake_backup(primary, "b5", instance=4242) as clash:
+        local = clash.getsockname()[1]
+        answer = answer_until_closed(clash)
+    text = (
+        rf"backup name b5 is in use by the backup connected from 127\.0\.0\.1:(\d+) "
+        rf"\(this connection: 127\.0\.0\.1:{local}\); give each backup its own replication\.name"
+    )
+    found = re.fullmatch(text.encode(), answer[5:-4])  # an ERROR frame: type, length, text, checksum
+    assert answer[0] == Frame.ERROR and found, answer
+    held_by = found.group(1).decode()
+    line = logged_after(primary, mark, rf"refused backup name b5 from 127\.0\.0\.1:{local}: ")
+    assert " ERROR " in line, line
+    assert (
+        f"refused backup name b5 from 127.0.0.1:{local}: the name b5 is in use by the backup connected from "
+        f"127.0.0.1:{held_by}, another broker process; "
+    ) in line, line
+    shown = wait_status(primary, lambda s: True)
+    assert [(row["name"], row["state"]) for row in shown["backups"]] == [("b5", "in_sync")]
