@@ -620,3 +620,40 @@ def test_a_name_held_by_another_process_s_backup_is_refused_with_the_documented_
     ) in line, line
     shown = wait_status(primary, lambda s: True)
     assert [(row["name"], row["state"]) for row in shown["backups"]] == [("b5", "in_sync")]
+
+
+# ------------------------------------------------------------------ configuration.md: max_awaiting_pubrel
+
+
+def qos2_publish(packet_id: int, dup: bool = False) -> bytes:
+    """A QoS 2 PUBLISH to p5/q of packet id ``packet_id``."""
+    return mqtt_packet(0x34 | (0x08 if dup else 0), mqtt_string("p5/q") + packet_id.to_bytes(2, "big") + b"x")
+
+
+@pytest.mark.slow
+def test_a_new_qos2_packet_id_past_max_awaiting_pubrel_closes_the_connection_and_a_pubrel_frees_a_place(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """configuration.md, `max_awaiting_pubrel`: "A QoS 2 PUBLISH with a new packet id while that many await
+    closes the connection, unacknowledged, with a WARNING naming the client and the limit ... A re-send of
+    one that awaits ... counts once, and its PUBREL frees its place"."""
+    broker = broker_factory(max_awaiting_pubrel=2)
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(
+            mqtt_packet(0x10, mqtt_string("MQTT") + bytes((4, 2)) + (60).to_bytes(2, "big") + mqtt_string("d5-q2"))
+        )
+        assert read_exactly(sock, 4) == b"\x20\x02\x00\x00"
+        for packet_id in (1, 2):
+            sock.sendall(qos2_publish(packet_id))
+            assert read_exactly(sock, 4) == b"\x50\x02" + packet_id.to_bytes(2, "big"), "no PUBREC"
+        sock.sendall(qos2_publish(2, dup=True))  # a re-send of one that awaits: counts once
+        assert read_exactly(sock, 4) == b"\x50\x02\x00\x02", "a re-send was not answered"
+        sock.sendall(mqtt_packet(0x62, (1).to_bytes(2, "big")))  # PUBREL 1 frees its place
+        assert read_exactly(sock, 4) == b"\x70\x02\x00\x01", "no PUBCOMP"
+        sock.sendall(qos2_publish(3))
+        assert read_exactly(sock, 4) == b"\x50\x02\x00\x03", "the place PUBREL 1 freed was not given"
+        mark = len(broker.log())
+        sock.sendall(qos2_publish(4))  # 2 and 3 await: a new id closes the connection, unacknowledged
+        assert answer_until_closed(sock) == b"", "the publish past the limit was answered"
+    line = logged_after(broker, mark, r"d5-q2")
+    assert " WARNING " in line and "max_awaiting_pubrel" in line and " 2" in line, line
