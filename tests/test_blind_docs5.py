@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from raw_mqtt_helpers import read_exactly
+from test_blind_core import read_all
 from test_ha_brokers import BACKUP, SERVING, address, node, start, wait_status
 
 from amqtt_durable import ConfigError, DurableConfig
@@ -222,18 +223,6 @@ def replication_socket(broker: Broker) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=WAIT)
 
 
-def answer_until_closed(sock: socket.socket) -> bytes:
-    """What the primary sends until it closes (bounded by WAIT; a reset counts as closed)."""
-    sock.settimeout(WAIT)
-    received = b""
-    try:
-        while chunk := sock.recv(65536):
-            received += chunk
-    except ConnectionResetError:
-        pass
-    return received
-
-
 def refused_count(broker: Broker) -> int:
     return int(wait_status(broker, lambda s: True)["refused"])
 
@@ -272,7 +261,7 @@ def test_a_first_frame_that_is_no_hello_is_refused_unanswered_and_counted(pair: 
         with replication_socket(primary) as sock:
             local = sock.getsockname()[1]
             sock.sendall(encode_frame(kind, encode_seq(1)))
-            assert answer_until_closed(sock) == b"", "a frame that is no HELLO was answered"
+            assert read_all(sock) == b"", "a frame that is no HELLO was answered"
         line = logged_after(primary, mark, rf"first frame is {kind.name}")
         assert " WARNING " in line, line
         assert line.endswith(
@@ -295,7 +284,7 @@ def test_a_hello_of_another_version_gets_an_error_frame_naming_both_and_is_count
     with replication_socket(primary) as sock:
         local = sock.getsockname()[1]
         sock.sendall(encode_frame(Frame.HELLO, Hello(0, 0, 0, "newer", version=2).encode()))
-        assert answer_until_closed(sock) == encode_frame(Frame.ERROR, text.encode())
+        assert read_all(sock) == encode_frame(Frame.ERROR, text.encode())
     line = logged_after(primary, mark, re.escape(text))
     assert " WARNING " in line and line.endswith(f"refused a connection from 127.0.0.1:{local}: {text}"), line
     shown = wait_status(primary, lambda s: s["refused"] == before + 1)
@@ -318,7 +307,7 @@ def test_a_hello_whose_name_is_no_replication_name_is_refused_and_the_name_never
         local = sock.getsockname()[1]
         hello = Hello(0, 0, 0, "placeholder").encode().replace(b"placeholder", name.encode())  # no name check here
         sock.sendall(encode_frame(Frame.HELLO, hello))
-        answer_until_closed(sock)
+        read_all(sock)
     line = logged_after(primary, mark, rf"refused a connection from 127\.0\.0\.1:{local}: a HELLO does not decode \(")
     assert " WARNING " in line, line
     wait_status(primary, lambda s: s["refused"] == before + 1)
@@ -343,7 +332,7 @@ def test_a_backup_connection_sending_another_frame_than_an_ack_is_disconnected_n
             sock.sendall(frame)
             line = logged_after(primary, mark, rf"backup {name} \(127\.0\.0\.1:{local}\): disconnected \(FrameError: ")
             assert " WARNING " in line, line
-            answer_until_closed(sock)
+            read_all(sock)
         wait_status(primary, lambda s: [row["name"] for row in s["backups"]] == ["b5"])
     assert [row["state"] for row in wait_status(primary, lambda s: True)["backups"]] == ["in_sync"]
 
@@ -405,7 +394,7 @@ def test_an_auth_plugin_that_raises_gets_connack_3_and_one_that_refuses_connack_
         with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
             sock.sendall(mqtt_packet(0x10, body + mqtt_string("dev") + mqtt_string(password)))
             assert read_exactly(sock, 4) == bytes([0x20, 2, 0, code]), password
-            assert answer_until_closed(sock) == b"", f"{password}: not closed after its CONNACK"
+            assert read_all(sock) == b"", f"{password}: not closed after its CONNACK"
     log = broker.log()
     [error] = [line for line in log.splitlines() if "cannot be reached" in line and " ERROR " in line]
     assert "ConnectionRefusedError" in log[log.index(error) :] and "Traceback" in log[log.index(error) :], log
@@ -450,7 +439,7 @@ def test_by_default_8_backups_are_served_a_ninth_is_refused_and_a_freed_place_is
         assert sorted(row["name"] for row in shown["backups"]) == [f"f{n}" for n in range(8)]
         text = "too many backups: max_backups is 8 (backup f8 refused; it retries)"
         with fake_backup(primary, "f8", instance=108) as ninth:
-            assert answer_until_closed(ninth) == encode_frame(Frame.ERROR, text.encode())
+            assert read_all(ninth) == encode_frame(Frame.ERROR, text.encode())
         served.pop(0).close()
         wait_status(primary, lambda s: len(s["backups"]) == 7)
         with fake_backup(primary, "f8", instance=108) as ninth:
@@ -507,7 +496,7 @@ def test_a_backup_pointed_at_a_backup_is_refused_naming_what_it_follows_and_says
         f"not the primary: backup b5 (follows {address(primary)}); replication.primary must name the primary's address"
     )
     with fake_backup(backup, "lost", instance=9) as sock:
-        assert answer_until_closed(sock) == encode_frame(Frame.ERROR, reason.encode())
+        assert read_all(sock) == encode_frame(Frame.ERROR, reason.encode())
     lost = start(node(broker_factory, "lost5", role="backup", primary=address(backup)), BACKUP)
     said = (
         f"replication: backup lost5: channel to {address(backup)} refused (retried every 0.5 s, this line at most "
@@ -584,10 +573,10 @@ def test_the_sys_refused_count_takes_version_and_max_backups_refusals(
     with fake_backup(primary, "only", instance=1) as served:
         assert served.recv(1) == bytes([Frame.SNAP_BEGIN])
         with fake_backup(primary, "past", instance=2) as past:
-            assert answer_until_closed(past)[0] == Frame.ERROR, "not refused past max_backups"
+            assert read_all(past)[0] == Frame.ERROR, "not refused past max_backups"
         with replication_socket(primary) as newer:
             newer.sendall(encode_frame(Frame.HELLO, Hello(0, 0, 0, "newer", version=3).encode()))
-            assert answer_until_closed(newer)[0] == Frame.ERROR, "not refused for its version"
+            assert read_all(newer)[0] == Frame.ERROR, "not refused for its version"
         assert watcher.wait_for(lambda ms: ms[-1].payload == b"2"), [m.payload for m in watcher.messages[-3:]]
 
 
@@ -604,7 +593,7 @@ def test_a_name_held_by_another_process_s_backup_is_refused_with_the_documented_
     mark = len(primary.log())
     with fake_backup(primary, "b5", instance=4242) as clash:
         local = clash.getsockname()[1]
-        answer = answer_until_closed(clash)
+        answer = read_all(clash)
     text = (
         rf"backup name b5 is in use by the backup connected from 127\.0\.0\.1:(\d+) "
         rf"\(this connection: 127\.0\.0\.1:{local}\); give each backup its own replication\.name"
@@ -654,6 +643,6 @@ def test_a_new_qos2_packet_id_past_max_awaiting_pubrel_closes_the_connection_and
         assert read_exactly(sock, 4) == b"\x50\x02\x00\x03", "the place PUBREL 1 freed was not given"
         mark = len(broker.log())
         sock.sendall(qos2_publish(4))  # 2 and 3 await: a new id closes the connection, unacknowledged
-        assert answer_until_closed(sock) == b"", "the publish past the limit was answered"
+        assert read_all(sock) == b"", "the publish past the limit was answered"
     line = logged_after(broker, mark, r"d5-q2")
     assert " WARNING " in line and "max_awaiting_pubrel" in line and " 2" in line, line
