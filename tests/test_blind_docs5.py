@@ -646,3 +646,22 @@ def test_a_new_qos2_packet_id_past_max_awaiting_pubrel_closes_the_connection_and
         assert read_all(sock) == b"", "the publish past the limit was answered"
     line = logged_after(broker, mark, r"d5-q2")
     assert " WARNING " in line and "max_awaiting_pubrel" in line and " 2" in line, line
+
+
+@pytest.mark.slow
+def test_a_peer_that_closes_before_its_first_frame_is_not_refused_nor_counted(pair: tuple[Broker, Broker]) -> None:
+    """replication.md, Securing the replication channel: "A silent peer is one still silent at
+    `handshake_timeout`; a peer that closes its connection before then is not refused (an INFO line, not
+    counted)"."""
+    primary, _ = pair
+    before, mark = refused_count(primary), len(primary.log())
+    with replication_socket(primary) as sock:
+        local = sock.getsockname()[1]
+    line = logged_after(primary, mark, rf"127\.0\.0\.1:{local}\b")
+    assert " INFO " in line, line
+    with replication_socket(primary) as sock:  # a counted refusal after it: the count moves by that one only
+        sock.sendall(encode_frame(Frame.ACK, encode_seq(1)))
+        assert read_all(sock) == b""
+    shown = wait_status(primary, lambda s: s["refused"] >= before + 1)
+    assert shown["refused"] == before + 1
+    assert not [ln for ln in primary.log()[mark:].splitlines() if f":{local}" in ln and " INFO " not in ln]
