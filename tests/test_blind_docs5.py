@@ -665,3 +665,16 @@ def test_a_peer_that_closes_before_its_first_frame_is_not_refused_nor_counted(pa
     shown = wait_status(primary, lambda s: s["refused"] >= before + 1)
     assert shown["refused"] == before + 1
     assert not [ln for ln in primary.log()[mark:].splitlines() if f":{local}" in ln and " INFO " not in ln]
+
+
+@pytest.mark.slow
+def test_a_backup_whose_primary_stopped_shows_0_queued_bytes_and_no_full_queue(pair: tuple[Broker, Broker]) -> None:
+    """replication.md: "`queued_bytes` (the payload bytes of the frames its connection has read that wait
+    behind the write under way ...; 0 between connections) and `queue_full`"; inspect adds them to its
+    `following` line only "while they are not 0 or false"."""
+    primary, backup = pair
+    primary.stop()
+    shown = wait_status(backup, lambda s: s["state"] != "in_sync")
+    assert (shown["queued_bytes"], shown["queue_full"]) == (0, False), shown
+    text = run_cli("inspect", "--replication", address(backup)).stdout
+    assert "not yet applied" not in text and "queue full" not in text, text
