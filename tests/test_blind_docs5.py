@@ -437,6 +437,9 @@ def test_by_default_8_backups_are_served_a_ninth_is_refused_and_a_freed_place_is
             assert sock.recv(1) == bytes([Frame.SNAP_BEGIN]), "one of the first 8 was not served"
         shown = wait_status(primary, lambda s: len(s["backups"]) == 8)  # a tool's STATUS, answered while full
         assert sorted(row["name"] for row in shown["backups"]) == [f"f{n}" for n in range(8)]
+        promoted = run_cli("promote", address(primary))  # a tool's PROMOTE: answered (refused: the primary already)
+        assert promoted.returncode == 1 and "it is the primary already" in promoted.stdout + promoted.stderr, promoted
+        assert "too many backups" not in promoted.stdout + promoted.stderr, promoted
         text = "too many backups: max_backups is 8 (backup f8 refused; it retries)"
         with fake_backup(primary, "f8", instance=108) as ninth:
             assert read_all(ninth) == encode_frame(Frame.ERROR, text.encode())
