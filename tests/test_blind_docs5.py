@@ -681,3 +681,51 @@ def test_a_backup_whose_primary_stopped_shows_0_queued_bytes_and_no_full_queue(p
     assert (shown["queued_bytes"], shown["queue_full"]) == (0, False), shown
     text = run_cli("inspect", "--replication", address(backup)).stdout
     assert "not yet applied" not in text and "queue full" not in text, text
+
+
+@pytest.mark.slow
+def test_a_backup_that_reads_nothing_of_its_catch_up_is_cut_at_catch_up_timeout(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """replication.md, A backup that reads nothing: the same WARNING, "(`during its catch-up, batch N sent, M
+    acknowledged; what was held for it (retained batches)` when it was being sent batches)", and its row
+    is gone: a peer saying HELLO from a stopped backup's position, then reading nothing of the 13 MB
+    published since, which the retained log holds."""
+    import plyvel  # noqa: PLC0415
+
+    from amqtt_durable.replication.position import read_position, read_store_id  # noqa: PLC0415
+
+    primary = start(node(broker_factory, "p5u", role="primary", catch_up_timeout=1), SERVING)
+    backup = start(node(broker_factory, "b5u", role="backup", primary=address(primary)), BACKUP)
+    wait_status(primary, lambda s: [row["state"] for row in s["backups"]] == ["in_sync"])
+    device = Client(primary.port, "d5-catch")
+    device.subscribe("big/#", 1)
+    device.disconnect()
+    backup.stop()
+    db = plyvel.DB(backup.store)
+    try:
+        store_id, position = read_store_id(db), read_position(db)
+    finally:
+        db.close()
+    assert position is not None and position[0] > 0
+    wait_status(primary, lambda s: s["backups"] == [])
+    publisher = Client(primary.port, "d5-catch-pub", clean_session=True)
+    publisher.publish("big/t", [bytes([n]) * 65536 for n in range(200)], qos=1)
+    publisher.disconnect()
+    mark = len(primary.log())
+    host, port = address(primary).rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
+        thief.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        thief.settimeout(WAIT)
+        thief.connect((host, int(port)))
+        thief.sendall(encode_frame(Frame.HELLO, Hello(store_id, *position, "thief2", instance=78).encode()))
+        local = thief.getsockname()[1]
+        line = logged_after(primary, mark, rf"backup thief2 \(127\.0\.0\.1:{local}\): disconnected: ")
+        assert " WARNING " in line, line
+        assert re.search(
+            rf"replication: backup thief2 \(127\.0\.0\.1:{local}\): disconnected: its connection took no byte for 1 s "
+            r"during its catch-up, batch \d+ sent, \d+ acknowledged; what was held for it \(retained batches\) is "
+            r"released \(a real backup on a link this slow: raise replication\.catch_up_timeout\)$",
+            line,
+        ), line
+        wait_status(primary, lambda s: s["backups"] == [])
