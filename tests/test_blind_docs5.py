@@ -568,7 +568,9 @@ def test_the_sys_refused_count_takes_version_and_max_backups_refusals(
 ) -> None:
     """replication.md: "Every `metrics_interval` the primary publishes under `$SYS/broker/durable/replication/`:
     ... `refused` (connections its replication address refused since start, by the handshake, closed at
-    once, not in `allow_from`, of an unknown protocol version or past `max_backups` ...)"."""
+    once, not in `allow_from`, of an unknown protocol version or past `max_backups` ...)"; Securing the
+    replication channel: it "is `refused` in STATUS (`inspect --replication`: `connections refused on its
+    replication address since start: N`, shown once there is one)"."""
     primary = start(node(broker_factory, "p5s", {"metrics_interval": 0.2}, role="primary", max_backups=1), SERVING)
     watcher = clients(primary.port, "d5-sys", clean_session=True)
     watcher.subscribe("$SYS/broker/durable/replication/refused", 0)
@@ -581,6 +583,8 @@ def test_the_sys_refused_count_takes_version_and_max_backups_refusals(
             newer.sendall(encode_frame(Frame.HELLO, Hello(0, 0, 0, "newer", version=3).encode()))
             assert read_all(newer)[0] == Frame.ERROR, "not refused for its version"
         assert watcher.wait_for(lambda ms: ms[-1].payload == b"2"), [m.payload for m in watcher.messages[-3:]]
+    shown = run_cli("inspect", "--replication", address(primary)).stdout
+    assert "connections refused on its replication address since start: 2" in shown, shown
 
 
 @pytest.mark.slow
