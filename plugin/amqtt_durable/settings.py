@@ -6,6 +6,7 @@ YAML booleans are ints to Python, so each scalar kind is checked exactly, not wi
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,11 +29,18 @@ def socket_backlog(listen_backlog: int) -> int:
 
 
 def refuse_long_ints(where: str, value: Any) -> None:
-    """Refuse an int of more than ``int_digits()`` digits anywhere in a setting given in Python, in a mapping
-    (its keys too), list or settings object (broker.yaml's reader refuses them as it reads): a message
-    showing one, or the name of a key, would raise Python's own ValueError instead of naming the setting."""
+    """Refuse an int (or a Fraction's) of more than ``int_digits()`` digits anywhere in a setting given in
+    Python, in a mapping (its keys too), list or settings object (broker.yaml's reader refuses them as it
+    reads): a message showing one, or the name of a key, would raise Python's own ValueError instead of
+    naming the setting."""
     if isinstance(value, int) and too_many_digits(value):
         raise ConfigError(where, f"an integer of more than {int_digits()} digits")
+    if (
+        isinstance(value, numbers.Rational)  # a Fraction: its repr shows both
+        and not isinstance(value, int)
+        and (too_many_digits(int(value.numerator)) or too_many_digits(int(value.denominator)))
+    ):
+        raise ConfigError(where, f"a fraction of an integer of more than {int_digits()} digits")
     if isinstance(value, Mapping):
         for key, item in value.items():
             refuse_long_key(where, key)
