@@ -2302,8 +2302,8 @@ class AwaitingPubrel:
             log.warning(
                 "closing the connection of %s: a QoS 2 PUBLISH (packet id %d) while %d QoS 2 publishes of this "
                 "client await their PUBREL (this connection's and those an earlier one left), max_awaiting_pubrel "
-                "is %d. The client does not answer PUBREC with PUBREL (or the operator raise max_awaiting_pubrel, "
-                "0 = no limit)",
+                "is %d. The client does not answer PUBREC with PUBREL; if it is only slow, the operator can raise "
+                "max_awaiting_pubrel (0 = no limit)",
                 self.client_id,
                 packet_id,
                 self.count(),
