@@ -3,6 +3,7 @@ broker's bytes as they come (connect, subscribe, read), bounded by the socket's 
 
 from __future__ import annotations
 
+import errno
 import select
 import socket
 import time
@@ -16,7 +17,7 @@ class ConnectionClosedError(AssertionError):
 
 
 def read_exactly(sock: socket.socket, count: int, deadline: float | None = None) -> bytes:
-    """``count`` bytes, each recv bounded by the socket's timeout (WAIT); with ``deadline``
+    """``count`` bytes, each recv bounded by the socket's timeout (WAIT, or a relay's ``wait``); with ``deadline``
     (time.monotonic) all of them by then too, else TimeoutError: a peer that trickles its bytes
     cannot stretch the read. The deadline is waited on with poll(), so only for a plain socket
     (an SSL one may hold bytes poll() does not see); the socket's timeout is left alone (another
@@ -24,9 +25,14 @@ def read_exactly(sock: socket.socket, count: int, deadline: float | None = None)
     data = b""
     while len(data) < count:
         if deadline is not None:
+            fd = sock.fileno()  # -1 once another thread closed it (a relay's cut() or close())
+            if fd < 0:
+                raise OSError(errno.EBADF, "the socket was closed")
             poller = select.poll()
-            poller.register(sock, select.POLLIN)
+            poller.register(fd, select.POLLIN)
             if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                if sock.fileno() < 0:  # closed while polling (its number maybe reused by an idle socket)
+                    raise OSError(errno.EBADF, "the socket was closed")
                 raise TimeoutError(f"{len(data)} of {count} bytes came before the deadline")
         chunk = sock.recv(count - len(data))  # bounded by the socket timeout (WAIT)
         if not chunk:
