@@ -1,0 +1,308 @@
+"""Black-box tests written from README.md, docs/protocol.md, streams.md, delivery-log.md and
+store-layout.md alone, against a real broker over TCP: the edges earlier rounds left open (which
+filters a stream covers, the resend back-off starting over, the age check's period, the hello
+reply of a connection without a durable session). Each test quotes the promise it checks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+import pytest
+from test_hostile_wire import wait_until
+from test_protocol import request, stream_events
+
+from conftest import WAIT, Broker, Client, payloads
+from durable_client import DurableClient
+from durable_client.protocol import CONTROL_TOPIC, encode_request
+
+pytestmark = pytest.mark.timeout(60)
+
+STREAM_PREFIX = "$durable/v1/stream/"
+
+
+def stream_sends(client: Client, topic: str) -> list[tuple[float, int, bool]]:
+    """Install a hook recording (arrival time, id, redelivered) of each stream event of ``topic``."""
+    seen: list[tuple[float, int, bool]] = []
+
+    def hook(message: mqtt.MQTTMessage) -> None:
+        if message.topic == STREAM_PREFIX + topic:
+            frame = message.payload
+            seen.append((time.monotonic(), int.from_bytes(frame[10:18], "big"), bool(frame[1] & 0x04)))
+
+    client.on_message_hook = hook
+    return seen
+
+
+# ------------------------------------------------------------------------------ protocol.md
+
+
+def test_hello_reply_gives_the_brokers_max_packet_size_with_or_without_a_durable_session(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, `hello`: the reply holds `protocol`, `epoch` (null without a durable session),
+    `session_expiry` (null ... without a durable session), `subscriptions` (null without a durable
+    session), `max_packet_size` (the broker's setting: a packet whose remaining length is larger
+    closes the connection). Nothing makes `max_packet_size` depend on the session."""
+    broker = broker_factory(max_packet_size=5000)
+    clean = clients(broker.port, "d6-mps-clean", clean_session=True)
+    reply = request(clean, "hello", session_expiry=60)
+    assert reply.ok, reply
+    assert reply.fields["protocol"] == 1
+    assert (reply.fields["epoch"], reply.fields["session_expiry"], reply.fields["subscriptions"]) == (None, None, None)
+    assert reply.fields["max_packet_size"] == 5000
+    durable = clients(broker.port, "d6-mps-durable")
+    durable.subscribe("d6/x", 1)
+    reply = request(durable, "hello")
+    assert reply.ok and reply.fields["max_packet_size"] == 5000
+    assert reply.fields["subscriptions"] == {"d6/x": 1}
+    assert isinstance(reply.fields["epoch"], int) and reply.fields["epoch"] >= 1
+    # a PUBLISH whose remaining length passes it closes the connection
+    durable.paho.publish("d6/big", b"x" * 5000, qos=0)
+    assert durable.wait_disconnected(WAIT), "a packet over max_packet_size closes the connection"
+
+
+def test_stream_info_without_a_filter_reads_every_log_and_echoes_hash(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, `stream_info`: `filter` (optional, default `#`); reply: `filter` (echoed), `topics`
+    ({topic: {first, last, count}}) of the logs matching the filter, and `store`."""
+    broker = broker_factory(streams=[{"filter": "si/#"}, {"filter": "sj/+"}])
+    publisher = clients(broker.port, "d6-si-pub", clean_session=True)
+    publisher.publish("si/a", payloads(2))
+    publisher.publish("sj/b", payloads(3))
+    publisher.publish("other", payloads(1))
+    reader = clients(broker.port, "d6-si-reader", clean_session=True)
+    reply = request(reader, "stream_info")
+    assert reply.ok, reply
+    assert reply.fields["filter"] == "#"
+    assert reply.fields["topics"] == {
+        "si/a": {"first": 1, "last": 2, "count": 2},
+        "sj/b": {"first": 1, "last": 3, "count": 3},
+    }
+    assert isinstance(reply.fields["store"], int)
+
+
+@pytest.mark.parametrize(
+    ("topic_filter", "expected"),
+    [
+        ("+/a", {"tel/a"}),  # wider than tel/#, it matches tel/a: covered
+        ("tel/none/+", set()),  # inside tel/#, no log yet: covered, nothing listed
+        ("#", {"tel/a", "tel/b/c"}),
+        ("+/+/c", {"tel/b/c"}),
+        ("other/#", None),  # matches no topic tel/# matches
+        ("te/#", None),
+        ("$SYS/#", None),  # tel/# matches no $SYS topic
+        ("+/#", {"tel/a", "tel/b/c"}),
+    ],
+)
+def test_stream_info_takes_a_filter_when_some_topic_matches_it_and_a_configured_one(
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    topic_filter: str,
+    expected: set[str] | None,
+) -> None:
+    """protocol.md: `stream_info` "A filter no configured stream covers is refused with
+    `unknown_stream`"; streams.md: a filter no configured stream covers is one "that matches no topic
+    a configured filter matches: a wider filter such as `#` or `+/a` is taken and reads the logged
+    topics it matches"."""
+    broker = broker_factory(streams=[{"filter": "tel/#"}])
+    publisher = clients(broker.port, "d6-cover-pub", clean_session=True)
+    publisher.publish("tel/a", [b"1"])
+    publisher.publish("tel/b/c", [b"2"])
+    reader = clients(broker.port, "d6-cover-reader", clean_session=True)
+    info = request(reader, "stream_info", filter=topic_filter)
+    opened = request(reader, "stream_subscribe", filter=topic_filter)
+    if expected is None:
+        assert (info.ok, info.error_code) == (False, "unknown_stream"), info
+        assert (opened.ok, opened.error_code) == (False, "unknown_stream"), opened
+        return
+    assert info.ok, info
+    assert set(info.fields["topics"]) == expected
+    assert opened.ok, opened
+    assert set(opened.fields["topics"]) == expected
+
+
+@pytest.mark.slow
+def test_a_resend_backs_off_doubling_and_progress_starts_it_again_at_stream_ack_timeout(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, Resends back off: "a resend waits `stream_ack_timeout`, then twice as long after each
+    resend that brought no acknowledged progress ...; any progress starts again at `stream_ack_timeout`"."""
+    timeout = 0.3
+    broker = broker_factory(streams=[{"filter": "bo/#"}], stream_ack_timeout=timeout)
+    clients(broker.port, "d6-bo-pub", clean_session=True).publish("bo/a", payloads(3))
+    reader = clients(broker.port, "d6-bo-reader", clean_session=True)
+    sends = stream_sends(reader, "bo/a")
+    assert request(reader, "stream_subscribe", filter="bo/a", window=2).ok
+    # never acknowledged: id 1 comes at the subscribe, then again after 0.3, 0.6, 1.2 s
+    assert reader.wait_for(lambda _: sum(1 for _t, i, _r in sends if i == 1) >= 4, timeout=WAIT)
+    ones = [t for t, i, _r in sends if i == 1][:4]
+    waits = [later - earlier for earlier, later in itertools.pairwise(ones)]
+    assert waits[0] >= timeout * 0.8, waits
+    for shorter, longer in itertools.pairwise(waits):
+        assert 1.5 * shorter <= longer <= 3 * shorter, f"waits between resends {waits}: each twice the last"
+    next_backed_off = 2 * waits[-1]  # about 2.4 s
+    acked_at = time.monotonic()
+    reader.paho.publish(CONTROL_TOPIC, encode_request("stream_ack", topic="bo/a", id=1))
+    assert reader.wait_for(lambda _: any(i == 3 for _t, i, _r in sends), timeout=WAIT), "the window refills at once"
+    assert reader.wait_for(lambda _: any(i == 2 and t > acked_at for t, i, r in sends if r), timeout=WAIT)
+    resent_at = next(t for t, i, r in sends if i == 2 and r and t > acked_at)
+    assert resent_at - acked_at < min(next_backed_off, 1.5), (
+        f"after progress the next resend came {resent_at - acked_at:.2f} s later, not about {timeout} s"
+    )
+
+
+# ------------------------------------------------------------------------------ streams.md
+
+
+@pytest.mark.slow
+def test_age_retention_removes_an_event_within_a_quarter_of_the_shortest_max_age_after_it_aged(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """streams.md: "logs with an age limit are checked every quarter of the shortest `max_age` (at least
+    0.5 s, at most 60 s)"; an event is kept `max_age` seconds. With max_age 2 s beside one of 60 s, a
+    2 s event goes between 2 s and 2.5 s after its publish (plus the machine's slack), the other stays."""
+    broker = broker_factory(streams=[{"filter": "old/#", "max_age": 60}, {"filter": "young/#", "max_age": 2}])
+    publisher = clients(broker.port, "d6-age-pub", clean_session=True)
+    reader = clients(broker.port, "d6-age-reader", clean_session=True)
+    publisher.publish("old/a", [b"kept"])
+    before = time.monotonic()
+    publisher.publish("young/a", [b"aged"])
+    acked = time.monotonic()
+
+    def count() -> int:
+        return int(request(reader, "stream_info", filter="young/#").fields["topics"]["young/a"]["count"])
+
+    assert wait_until(lambda: count() == 0, WAIT)
+    gone = time.monotonic()
+    assert gone - before >= 2.0, f"removed {gone - before:.2f} s after its publish: kept less than max_age"
+    assert gone - acked <= 2.0 + 0.5 + 1.0, f"removed {gone - acked:.2f} s after its publish"
+    info = request(reader, "stream_info", filter="old/#").fields["topics"]
+    assert info == {"old/a": {"first": 1, "last": 1, "count": 1}}
+
+
+# ------------------------------------------------------------------------------ delivery-log.md
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def test_a_stream_subscription_writes_no_subscribe_record_and_its_unsubscribe_writes_one(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient],
+    tmp_path: Path,
+) -> None:
+    """delivery-log.md: "A stream subscription (`subscribe_stream()`) writes no `subscribe` record";
+    "`unsubscribe` is written when the application unsubscribes (a stream's filter too)"; a stream event's
+    `receive` has the stream log id as `seq` and epoch 0."""
+    broker = broker_factory(streams=[{"filter": "dl6/#"}])
+    clients(broker.port, "d6-dl-pub", clean_session=True).publish("dl6/a", [b"one", b"two"])
+    log_path = tmp_path / "reader.jsonl"
+    got: list[int] = []
+    reader = sdk(broker.port, "d6-dl-reader", durable_session=False, delivery_log=str(log_path))
+    reader.subscribe_stream("dl6/#", lambda event: got.append(event.seq), window=10)
+    reader.connect(timeout=WAIT)
+    assert wait_until(lambda: len([r for r in read_log(log_path) if r["kind"] == "receive"]) == 2, WAIT)
+    reader.unsubscribe("dl6/#")
+    records = read_log(log_path)
+    assert not [r for r in records if r["kind"] == "subscribe"], records
+    receives = [(r["topic"], r["seq"], r["epoch"]) for r in records if r["kind"] == "receive"]
+    assert receives == [("dl6/a", 1, 0), ("dl6/a", 2, 0)]
+    unsubscribes = [r for r in records if r["kind"] == "unsubscribe"]
+    assert [(r["topic"], r["device"]) for r in unsubscribes] == [("dl6/#", "d6-dl-reader")], records
+
+
+class Seen:
+    """Events a listener got, waited on without sleeping."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self._cond = threading.Condition()
+
+    def on_event(self, event: Any) -> None:
+        with self._cond:
+            self.events.append(event)
+            self._cond.notify_all()
+
+    def wait(self, predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout)
+
+
+def stream_reader(
+    sdk: Callable[..., DurableClient], port: int, state: Path, log_path: Path, seen: Seen
+) -> DurableClient:
+    reader = sdk(port, "d6-tail", durable_session=False, persistence="disk", state_dir=str(state),
+                 delivery_log=str(log_path))
+    reader.subscribe_stream("tail/#", seen.on_event, window=10)
+    reader.connect(timeout=WAIT)
+    return reader
+
+
+def test_only_the_devices_very_last_receive_moves_a_stream_position_whatever_follows_it_in_the_log(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient],
+    tmp_path: Path,
+) -> None:
+    """delivery-log.md: a `DurableClient` created with `persistence="disk"` and a delivery log "takes the last
+    `receive` records of its own client id (`device`; a shared file is fine): ... the device's very last
+    `receive`, when it is a stream event, moves that topic's position forward (only that one can be unmarked;
+    earlier ones may predate a position moved back ...). Records of another epoch, raw events, other lines and a
+    last line cut short by a crash are ignored". A crash after the records of tail/r id 4 and tail/s id 2 (the
+    device's last), another device's records and a line cut short after them: tail/s resumes after id 2, tail/r
+    gets id 4 again."""
+    broker = broker_factory(streams=[{"filter": "tail/#"}])
+    publisher = clients(broker.port, "d6-tail-pub", clean_session=True)
+    publisher.publish("tail/r", [b"r1", b"r2", b"r3"])
+    publisher.publish("tail/s", [b"s1"])
+    log_path, state = tmp_path / "shared.jsonl", tmp_path / "state"
+    first = Seen()
+    reader = stream_reader(sdk, broker.port, state, log_path, first)
+    assert first.wait(lambda: len(first.events) == 4)
+    reader.close()
+    publisher.publish("tail/r", [b"r4", b"r5"])
+    publisher.publish("tail/s", [b"s2", b"s3"])
+    template = next(r for r in read_log(log_path) if r["kind"] == "receive")
+    with log_path.open("a") as out:  # processed, recorded, killed before the marks
+        out.write(json.dumps({**template, "topic": "tail/r", "seq": 4, "time": time.time()}) + "\n")
+        out.write(json.dumps({**template, "topic": "tail/s", "seq": 2, "time": time.time()}) + "\n")
+        other = {**template, "device": "d6-other", "topic": "tail/s", "seq": 3, "time": time.time()}
+        out.write(json.dumps(other) + "\n")
+        out.write(json.dumps({**template, "topic": "tail/r", "seq": 5})[:40])  # the crash cut it short
+    second = Seen()
+    reader = stream_reader(sdk, broker.port, state, log_path, second)
+    assert second.wait(lambda: len(second.events) == 3)
+    reader.close()
+    got = sorted((event.topic, event.seq) for event in second.events)
+    assert got == [("tail/r", 4), ("tail/r", 5), ("tail/s", 3)], got
+
+
+def test_only_publishes_under_durable_slash_are_control_traffic(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md: "The broker takes every PUBLISH under `_durable/` off the message path ... A PUBLISH
+    under `_durable/` other than `_durable/v1/ctl` gets the error `unknown_topic`". `_durable` itself,
+    `_durablex/y` and `_DURABLE/v1/ctl` are not under `_durable/`: ordinary topics, routed and logged."""
+    broker = broker_factory(streams=[{"filter": "#"}])
+    watcher = clients(broker.port, "d6-under-watch", clean_session=True)
+    watcher.subscribe("#", 1)
+    sender = clients(broker.port, "d6-under-send", clean_session=True)
+    hello = encode_request("hello", 10**9)  # a req id request() never uses
+    ordinary = ["_durable", "_durablex/y", "_DURABLE/v1/ctl"]
+    control = ["_durable/", "_durable/v1", "_durable/v1/ctl/", "_durable/v2/ctl"]
+    for topic in ordinary + control:
+        sender.paho.publish(topic, hello, qos=1)
+    sender.publish("d6-fence", [b"f"])
+    assert watcher.wait_for(lambda ms: any(m.topic == "d6-fence" for m in ms))
+    assert [m.topic for m in watcher.messages] == [*ordinary, "d6-fence"]
+    assert sender.wait_for(lambda ms: sum(1 for m in ms if m.topic == "$durable/v1/reply") == len(control))
+    replies = [json.loads(m.payload) for m in sender.messages if m.topic == "$durable/v1/reply"]
+    assert [r["error"]["code"] for r in replies] == ["unknown_topic"] * len(control)
+    info = request(sender, "stream_info")
+    assert set(info.fields["topics"]) == {*ordinary, "d6-fence"}
