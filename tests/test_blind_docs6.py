@@ -9,12 +9,13 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
+from packet_relay import Packet, PacketRelay
 from test_hostile_wire import wait_until
 from test_protocol import request, stream_events
 
@@ -306,3 +307,83 @@ def test_only_publishes_under_durable_slash_are_control_traffic(
     assert [r["error"]["code"] for r in replies] == ["unknown_topic"] * len(control)
     info = request(sender, "stream_info")
     assert set(info.fields["topics"]) == {*ordinary, "d6-fence"}
+
+
+@pytest.fixture
+def relays() -> Iterator[Callable[[int], PacketRelay]]:
+    made: list[PacketRelay] = []
+
+    def make(port: int) -> PacketRelay:
+        made.append(PacketRelay(port))
+        return made[-1]
+
+    yield make
+    for relay in made:
+        relay.close()
+
+
+def test_the_sdk_acknowledges_a_stream_at_least_every_64_events_and_not_one_ack_per_event(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient],
+    relays: Callable[[int], PacketRelay],
+) -> None:
+    """protocol.md, Acknowledgements are cumulative: "The SDK sends one per topic when its network loop finds
+    nothing more to read (the window is used up, or the log is read to its end), and after every 64 events of a
+    topic while events keep coming, instead of one per event"."""
+    count = 400
+    broker = broker_factory(streams=[{"filter": "ack6/#"}])
+    clients(broker.port, "d6-ack-pub", clean_session=True).publish("ack6/a", payloads(count))
+    relay = relays(broker.port)
+    seen = Seen()
+    reader = sdk(relay.port, "d6-ack-reader", durable_session=False)
+    reader.subscribe_stream("ack6/#", seen.on_event, window=1000)
+    reader.connect(timeout=WAIT)
+    assert seen.wait(lambda: len(seen.events) == count)
+
+    def is_ack(packet: Packet) -> bool:
+        found = packet.control() if packet.direction == "up" else None
+        return found is not None and found.get("op") == "stream_ack"
+
+    relay.wait_seen(lambda p: is_ack(p) and p.control()["id"] == count)  # type: ignore[index]
+    acked = [p.control()["id"] for p in relay.seen if is_ack(p)]  # type: ignore[index]
+    assert acked == sorted(acked) and acked[-1] == count, acked
+    assert len(acked) < count / 10, f"{len(acked)} acks for {count} events: cumulative, not one per event"
+    steps = [later - earlier for earlier, later in itertools.pairwise([0, *acked])]
+    assert max(steps) <= 64, f"acked ids {acked}: one at least every 64 events while they keep coming"
+    assert [event.seq for event in seen.events] == list(range(1, count + 1))
+
+
+@pytest.mark.parametrize(
+    ("after_it", "resumes_at"),
+    [
+        (None, 5),  # the stream event is the device's very last receive: its position moves
+        ({"topic": "plain6/x", "seq": 0, "epoch": 0}, 4),  # a raw event processed after it: its mark was written
+        ({"topic": "plain6/x", "seq": 3, "epoch": 7}, 4),  # a session event (of another epoch) after it
+    ],
+    ids=["last", "raw-after", "session-after"],
+)
+def test_a_receive_of_any_kind_after_a_stream_event_shows_its_mark_was_written(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient],
+    tmp_path: Path, after_it: dict[str, Any] | None, resumes_at: int,
+) -> None:
+    """delivery-log.md: "the device's very last `receive`, when it is a stream event, moves that topic's
+    position forward (only that one can be unmarked: a `receive` of the device after it, a raw event's or a
+    session event's of any epoch too, shows that its mark was written, so then no position moves ...)"."""
+    broker = broker_factory(streams=[{"filter": "tail/#"}])
+    publisher = clients(broker.port, "d6-kind-pub", clean_session=True)
+    publisher.publish("tail/r", [b"r1", b"r2", b"r3"])
+    log_path, state = tmp_path / "device.jsonl", tmp_path / "state"
+    first = Seen()
+    reader = stream_reader(sdk, broker.port, state, log_path, first)
+    assert first.wait(lambda: len(first.events) == 3)
+    reader.close()
+    publisher.publish("tail/r", [b"r4", b"r5"])
+    template = next(r for r in read_log(log_path) if r["kind"] == "receive")
+    with log_path.open("a") as out:
+        out.write(json.dumps({**template, "seq": 4, "time": time.time()}) + "\n")
+        if after_it is not None:
+            out.write(json.dumps({**template, **after_it, "time": time.time()}) + "\n")
+    second = Seen()
+    reader = stream_reader(sdk, broker.port, state, log_path, second)
+    assert second.wait(lambda: bool(second.events) and second.events[-1].seq == 5)
+    reader.close()
+    assert [event.seq for event in second.events] == list(range(resumes_at, 6))
