@@ -387,3 +387,72 @@ def test_a_receive_of_any_kind_after_a_stream_event_shows_its_mark_was_written(
     assert second.wait(lambda: bool(second.events) and second.events[-1].seq == 5)
     reader.close()
     assert [event.seq for event in second.events] == list(range(resumes_at, 6))
+
+
+@pytest.mark.parametrize(("filler_kib", "resumes_at"), [(60, 5), (66, 4)])
+def test_only_the_last_64_kib_of_the_log_are_read_before_connecting(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient],
+    tmp_path: Path, filler_kib: int, resumes_at: int,
+) -> None:
+    """delivery-log.md: "a `DurableClient` created with both reads the last 64 KiB of its existing log before it
+    connects and takes the last `receive` records of its own client id (`device`; a shared file is fine)". An
+    unmarked stream receive followed by 60 KiB of another device's records is read (its position moves); one
+    followed by 66 KiB of them is not (the event comes again)."""
+    broker = broker_factory(streams=[{"filter": "tail/#"}])
+    publisher = clients(broker.port, "d6-64k-pub", clean_session=True)
+    publisher.publish("tail/r", [b"r1", b"r2", b"r3"])
+    log_path, state = tmp_path / "shared.jsonl", tmp_path / "state"
+    first = Seen()
+    reader = stream_reader(sdk, broker.port, state, log_path, first)
+    assert first.wait(lambda: len(first.events) == 3)
+    reader.close()
+    publisher.publish("tail/r", [b"r4", b"r5"])
+    template = next(r for r in read_log(log_path) if r["kind"] == "receive")
+    other = json.dumps({**template, "device": "d6-other", "topic": "tail/o", "seq": 1, "time": time.time()}) + "\n"
+    with log_path.open("a") as out:
+        out.write(json.dumps({**template, "seq": 4, "time": time.time()}) + "\n")
+        out.write(other * (filler_kib * 1024 // len(other) + 1))
+    second = Seen()
+    reader = stream_reader(sdk, broker.port, state, log_path, second)
+    assert second.wait(lambda: bool(second.events) and second.events[-1].seq == 5)
+    reader.close()
+    assert [event.seq for event in second.events] == list(range(resumes_at, 6))
+
+
+def test_a_stream_event_carries_its_publish_qos_epoch_0_and_never_the_retained_flag(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, Frames: flags "`0x02` retained (an initial value queued with a new subscription) ..., bits
+    3-4 (`0x18`) the publish QoS of a stream event (stream events travel at QoS 0)"; epoch "0 for stream events";
+    sequence id "the stream log id". A retained publish's stream event is no initial value: no `0x02`."""
+    broker = broker_factory(streams=[{"filter": "fq6/#"}])
+    publisher = clients(broker.port, "d6-fq-pub", clean_session=True)
+    publisher.publish("fq6/a", [b"two"], qos=2, retain=True)
+    publisher.publish("fq6/a", [b"zero"], qos=0)
+    publisher.publish("fq6/a", [b"one"], qos=1, retain=True)
+    assert wait_until(lambda: request(publisher, "stream_info").fields["topics"]["fq6/a"]["count"] == 3, WAIT)
+    reader = clients(broker.port, "d6-fq-reader", clean_session=True)
+    assert request(reader, "stream_subscribe", filter="fq6/#", window=10).ok
+    assert reader.wait_for(lambda ms: len([m for m in ms if m.topic.startswith(STREAM_PREFIX)]) == 3)
+    events = [m for m in reader.messages if m.topic.startswith(STREAM_PREFIX)]
+    assert [(m.qos, m.retain) for m in events] == [(0, False)] * 3
+    frames = [m.payload for m in events]
+    assert [(f[0], f[1], f[2:10], int.from_bytes(f[10:18], "big"), f[26:]) for f in frames] == [
+        (1, 2 << 3, bytes(8), 1, b"two"),
+        (1, 0, bytes(8), 2, b"zero"),
+        (1, 1 << 3, bytes(8), 3, b"one"),
+    ]
+
+
+def test_a_publish_is_in_its_stream_log_by_the_time_of_its_puback(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """streams.md: "Every publish to a logged topic is appended to its log in the same LevelDB commit that
+    queues it, before the PUBACK": a `stream_info` sent after each PUBACK already counts that publish."""
+    broker = broker_factory(streams=[{"filter": "pa6/#"}])
+    publisher = clients(broker.port, "d6-pa-pub", clean_session=True)
+    reader = clients(broker.port, "d6-pa-reader", clean_session=True)
+    for index in range(1, 31):
+        publisher.publish("pa6/a", [b"%d" % index], qos=1 + index % 2)
+        info = request(reader, "stream_info", filter="pa6/a")
+        assert info.fields["topics"] == {"pa6/a": {"first": 1, "last": index, "count": index}}, index
