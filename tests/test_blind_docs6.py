@@ -19,7 +19,7 @@ from packet_relay import Packet, PacketRelay
 from test_hostile_wire import wait_until
 from test_protocol import request, stream_events
 
-from conftest import WAIT, Broker, Client, payloads
+from conftest import WAIT, Broker, Client, payloads, seen_away
 from durable_client import DurableClient
 from durable_client.protocol import CONTROL_TOPIC, encode_request
 
@@ -456,3 +456,39 @@ def test_a_publish_is_in_its_stream_log_by_the_time_of_its_puback(
         publisher.publish("pa6/a", [b"%d" % index], qos=1 + index % 2)
         info = request(reader, "stream_info", filter="pa6/a")
         assert info.fields["topics"] == {"pa6/a": {"first": 1, "last": index, "count": index}}, index
+
+
+@pytest.mark.parametrize(
+    ("fields", "code"),
+    [
+        ({"v": 1, "op": "hello", "req": 3, "session_expiry": -1}, "malformed"),
+        ({"v": 1, "op": "hello", "req": 3, "client_id": "d6-someone-else"}, "not_your_session"),
+        ({"v": 2, "op": "hello", "req": 3}, "unsupported_version"),
+        ({"v": 1, "op": "hello", "req": "3"}, "malformed"),
+        ({"v": 1, "op": "hello", "req": 3, "session_expiry": 60, "client_id": ""}, "malformed"),
+    ],
+)
+def test_a_refused_hello_leaves_a_plain_durable_session_plain(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], fields: dict[str, Any], code: str
+) -> None:
+    """protocol.md: "A refused request changes nothing: the connection stays up and the session is untouched";
+    "Without a `hello`, a durable session is a plain MQTT session: no frames, no hold, no marker". After a
+    refused hello the session's messages still come at once and unframed, now and after a reconnect."""
+    broker = broker_factory(metrics_interval=0.2)
+    device = clients(broker.port, "d6-plain")
+    device.subscribe("plain6/#", 1)
+    device.paho.publish(CONTROL_TOPIC, json.dumps(fields).encode())
+    assert device.wait_for(lambda ms: any(m.topic == "$durable/v1/reply" for m in ms))
+    reply = json.loads(next(m.payload for m in device.messages if m.topic == "$durable/v1/reply"))
+    assert (reply["ok"], reply["error"]["code"]) == (False, code), reply
+    publisher = clients(broker.port, "d6-plain-pub", clean_session=True)
+    publisher.publish("plain6/a", [b"at once"])
+    assert device.wait_for(lambda ms: any(m.topic == "plain6/a" for m in ms)), "held, as an SDK session's would be"
+    assert [m.payload for m in device.messages if m.topic == "plain6/a"] == [b"at once"], "framed"
+    device.disconnect()
+    seen_away(clients, broker, 1)
+    publisher.publish("plain6/a", [b"queued"])
+    device.messages.clear()
+    assert device.connect() is True
+    assert device.wait_for(lambda ms: any(m.topic == "plain6/a" for m in ms))
+    assert [m.payload for m in device.messages if m.topic == "plain6/a"] == [b"queued"]
