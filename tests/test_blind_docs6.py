@@ -16,10 +16,11 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import pytest
 from packet_relay import Packet, PacketRelay
+from raw_mqtt_helpers import ConnectionClosedError, raw_connect, read_packet
 from test_hostile_wire import wait_until
-from test_protocol import request, stream_events
+from test_protocol import request
 
-from conftest import WAIT, Broker, Client, payloads, seen_away
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, probe_connack, seen_away
 from durable_client import DurableClient
 from durable_client.protocol import CONTROL_TOPIC, encode_request
 
@@ -197,7 +198,9 @@ def read_log(path: Path) -> list[dict[str, Any]]:
 
 
 def test_a_stream_subscription_writes_no_subscribe_record_and_its_unsubscribe_writes_one(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient],
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    sdk: Callable[..., DurableClient],
     tmp_path: Path,
 ) -> None:
     """delivery-log.md: "A stream subscription (`subscribe_stream()`) writes no `subscribe` record";
@@ -240,15 +243,18 @@ class Seen:
 def stream_reader(
     sdk: Callable[..., DurableClient], port: int, state: Path, log_path: Path, seen: Seen
 ) -> DurableClient:
-    reader = sdk(port, "d6-tail", durable_session=False, persistence="disk", state_dir=str(state),
-                 delivery_log=str(log_path))
+    reader = sdk(
+        port, "d6-tail", durable_session=False, persistence="disk", state_dir=str(state), delivery_log=str(log_path)
+    )
     reader.subscribe_stream("tail/#", seen.on_event, window=10)
     reader.connect(timeout=WAIT)
     return reader
 
 
 def test_only_the_devices_very_last_receive_moves_a_stream_position_whatever_follows_it_in_the_log(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient],
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    sdk: Callable[..., DurableClient],
     tmp_path: Path,
 ) -> None:
     """delivery-log.md: a `DurableClient` created with `persistence="disk"` and a delivery log "takes the last
@@ -323,7 +329,9 @@ def relays() -> Iterator[Callable[[int], PacketRelay]]:
 
 
 def test_the_sdk_acknowledges_a_stream_at_least_every_64_events_and_not_one_ack_per_event(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient],
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    sdk: Callable[..., DurableClient],
     relays: Callable[[int], PacketRelay],
 ) -> None:
     """protocol.md, Acknowledgements are cumulative: "The SDK sends one per topic when its network loop finds
@@ -362,8 +370,13 @@ def test_the_sdk_acknowledges_a_stream_at_least_every_64_events_and_not_one_ack_
     ids=["last", "raw-after", "session-after"],
 )
 def test_a_receive_of_any_kind_after_a_stream_event_shows_its_mark_was_written(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient],
-    tmp_path: Path, after_it: dict[str, Any] | None, resumes_at: int,
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    sdk: Callable[..., DurableClient],
+    tmp_path: Path,
+    *,
+    after_it: dict[str, Any] | None,
+    resumes_at: int,
 ) -> None:
     """delivery-log.md: "the device's very last `receive`, when it is a stream event, moves that topic's
     position forward (only that one can be unmarked: a `receive` of the device after it, a raw event's or a
@@ -391,8 +404,13 @@ def test_a_receive_of_any_kind_after_a_stream_event_shows_its_mark_was_written(
 
 @pytest.mark.parametrize(("filler_kib", "resumes_at"), [(60, 5), (66, 4)])
 def test_only_the_last_64_kib_of_the_log_are_read_before_connecting(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient],
-    tmp_path: Path, filler_kib: int, resumes_at: int,
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    sdk: Callable[..., DurableClient],
+    tmp_path: Path,
+    *,
+    filler_kib: int,
+    resumes_at: int,
 ) -> None:
     """delivery-log.md: "a `DurableClient` created with both reads the last 64 KiB of its existing log before it
     connects and takes the last `receive` records of its own client id (`device`; a shared file is fine)". An
@@ -492,3 +510,20 @@ def test_a_refused_hello_leaves_a_plain_durable_session_plain(
     assert device.connect() is True
     assert device.wait_for(lambda ms: any(m.topic == "plain6/a" for m in ms))
     assert [m.payload for m in device.messages if m.topic == "plain6/a"] == [b"queued"]
+
+
+@pytest.mark.parametrize(("topic", "qos"), [("$durable/v1/ctl", 0), ("$durable/v1/ctl", 1), ("$SYS/d6", 1)])
+def test_a_publish_to_a_dollar_topic_closes_the_connection_unanswered(
+    broker_factory: Callable[..., Broker], topic: str, qos: int
+) -> None:
+    """protocol.md: "Client-to-broker control cannot use a `$` topic: amqtt closes connections that publish to
+    one." Nothing answers it first: no reply, no PUBACK."""
+    broker = broker_factory()
+    sock = raw_connect(broker.port, "d6-dollar", clean=True)
+    packet_id = b"\x00\x07" if qos else b""
+    request_ = json.dumps({"v": 1, "op": "hello", "req": 1}).encode()
+    sock.sendall(mqtt_packet(0x30 | qos << 1, mqtt_string(topic) + packet_id + request_))
+    with pytest.raises(ConnectionClosedError):
+        read_packet(sock)
+    sock.close()
+    assert probe_connack(broker.port), "the broker serves on"
