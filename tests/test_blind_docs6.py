@@ -527,3 +527,49 @@ def test_a_publish_to_a_dollar_topic_closes_the_connection_unanswered(
         read_packet(sock)
     sock.close()
     assert probe_connack(broker.port), "the broker serves on"
+
+
+def publish_raw(port: int, topic: str, count: int, chunk: int = 2000) -> None:
+    """``count`` QoS 1 PUBLISHes on one raw connection, ``chunk`` per write, each chunk's PUBACKs read before
+    the next (packet ids 1..chunk, reused per chunk once acknowledged)."""
+    sock = raw_connect(port, "d6-bulk-pub", clean=True)
+    topic_field = mqtt_string(topic)
+    sent = 0
+    while sent < count:
+        size = min(chunk, count - sent)
+        sock.sendall(
+            b"".join(
+                mqtt_packet(0x32, topic_field + (i + 1).to_bytes(2, "big") + b"m%07d" % (sent + i)) for i in range(size)
+            )
+        )
+        acked = 0
+        for _ in range(size):
+            first, _body = read_packet(sock)
+            acked += first == 0x40
+        assert acked == size
+        sent += size
+    sock.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_queue_past_65535_messages_is_delivered_whole_in_order_and_unretained(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """README: stock amqtt "past 65,535 queued messages ... the rest are dropped silently (packet-id
+    exhaustion)" and "queued messages are replayed with RETAIN=1"; a durable session's queue "survive[s]
+    disconnects". 70,000 messages queued while a plain durable client is away all come, in order, RETAIN 0."""
+    count = 70_000
+    broker = broker_factory(metrics_interval=0.2)
+    device = clients(broker.port, "d6-bulk")
+    device.subscribe("bulk6/t", 1)
+    device.disconnect()
+    seen_away(clients, broker, 1)
+    publish_raw(broker.port, "bulk6/t", count)
+    device.messages.clear()
+    assert device.connect() is True
+    got = device.wait_messages(count, timeout=180)
+    assert len(got) == count, f"{len(got)} of {count}"
+    assert [m.payload for m in got] == [b"m%07d" % i for i in range(count)]
+    assert not any(m.retain for m in got)
+    assert {m.qos for m in got} == {1}
