@@ -573,3 +573,34 @@ def test_a_queue_past_65535_messages_is_delivered_whole_in_order_and_unretained(
     assert [m.payload for m in got] == [b"m%07d" % i for i in range(count)]
     assert not any(m.retain for m in got)
     assert {m.qos for m in got} == {1}
+
+
+def stream_ids(client: Client, topic: str) -> list[int]:
+    return [int.from_bytes(m.payload[10:18], "big") for m in client.messages if m.topic == STREAM_PREFIX + topic]
+
+
+def test_a_topic_already_open_keeps_its_window_and_a_new_log_takes_the_first_matching_filters(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, `stream_subscribe`: "A topic already open on this connection (through an earlier
+    `stream_subscribe`) keeps its position and its window: its `after` entry and this `window` are ignored for
+    it ...; a topic whose log appears later opens with the window last given to the earliest-opened of the
+    connection's open filters that match it"; at most `window` unacknowledged per topic."""
+    broker = broker_factory(streams=[{"filter": "kw6/#"}])
+    publisher = clients(broker.port, "d6-kw-pub", clean_session=True)
+    publisher.publish("kw6/a", payloads(8))
+    reader = clients(broker.port, "d6-kw-reader", clean_session=True)
+    assert request(reader, "stream_subscribe", filter="kw6/#", window=1).ok
+    assert request(reader, "stream_subscribe", filter="kw6/a", window=5).ok
+    assert request(reader, "stream_subscribe", filter="kw6/+", window=4).ok
+    assert request(reader, "stream_subscribe", filter="kw6/#", window=2).ok  # the same filter: its new window
+    assert reader.wait_for(lambda _: len(stream_ids(reader, "kw6/a")) >= 1)
+    assert not reader.wait_for(lambda _: len(stream_ids(reader, "kw6/a")) > 1, timeout=0.5), "window 1 kept"
+    reader.paho.publish(CONTROL_TOPIC, encode_request("stream_ack", topic="kw6/a", id=1))
+    assert reader.wait_for(lambda _: len(stream_ids(reader, "kw6/a")) >= 2)
+    assert not reader.wait_for(lambda _: len(stream_ids(reader, "kw6/a")) > 2, timeout=0.5), "window 1 kept"
+    assert stream_ids(reader, "kw6/a") == [1, 2]
+    publisher.publish("kw6/b", payloads(8))  # a new log: kw6/# (opened first, window now 2) decides
+    assert reader.wait_for(lambda _: len(stream_ids(reader, "kw6/b")) >= 2)
+    assert not reader.wait_for(lambda _: len(stream_ids(reader, "kw6/b")) > 2, timeout=0.5), "window 2"
+    assert stream_ids(reader, "kw6/b") == [1, 2]
