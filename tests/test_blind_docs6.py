@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import itertools
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,12 @@ import paho.mqtt.client as mqtt
 import pytest
 from packet_relay import Packet, PacketRelay
 from raw_mqtt_helpers import ConnectionClosedError, raw_connect, read_packet
+from test_blind_streams_log import Seen
 from test_hostile_wire import wait_until
 from test_protocol import request
 
 from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, probe_connack, seen_away
-from durable_client import DurableClient
+from durable_client import DurableClient, Event
 from durable_client.protocol import CONTROL_TOPIC, encode_request
 
 pytestmark = pytest.mark.timeout(60)
@@ -223,71 +224,79 @@ def test_a_stream_subscription_writes_no_subscribe_record_and_its_unsubscribe_wr
     assert [(r["topic"], r["device"]) for r in unsubscribes] == [("dl6/#", "d6-dl-reader")], records
 
 
-class Seen:
-    """Events a listener got, waited on without sleeping."""
+@dataclass
+class TailRun:
+    """A CPL-2 stream reader of tail/# with a delivery log, run to a condition and closed, again and again
+    (a restarted process: the same state folder and log); the broker's publisher beside it."""
 
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-        self._cond = threading.Condition()
+    port: int
+    publisher: Client
+    sdk: Callable[..., DurableClient]
+    log_path: Path
+    state: Path
 
-    def on_event(self, event: Any) -> None:
-        with self._cond:
-            self.events.append(event)
-            self._cond.notify_all()
+    def run(self, until: Callable[[Seen], bool]) -> list[Event]:
+        seen = Seen()
+        reader = self.sdk(
+            self.port,
+            "d6-tail",
+            durable_session=False,
+            persistence="disk",
+            state_dir=str(self.state),
+            delivery_log=str(self.log_path),
+        )
+        reader.subscribe_stream("tail/#", seen, window=10)
+        reader.connect(timeout=WAIT)
+        assert seen.wait(until)
+        reader.close()
+        return seen.events
 
-    def wait(self, predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
-        with self._cond:
-            return self._cond.wait_for(predicate, timeout)
+    def template(self) -> dict[str, Any]:
+        """A receive record the reader wrote, to write others like it."""
+        return next(r for r in read_log(self.log_path) if r["kind"] == "receive")
 
 
-def stream_reader(
-    sdk: Callable[..., DurableClient], port: int, state: Path, log_path: Path, seen: Seen
-) -> DurableClient:
-    reader = sdk(
-        port, "d6-tail", durable_session=False, persistence="disk", state_dir=str(state), delivery_log=str(log_path)
-    )
-    reader.subscribe_stream("tail/#", seen.on_event, window=10)
-    reader.connect(timeout=WAIT)
-    return reader
-
-
-def test_only_the_devices_very_last_receive_moves_a_stream_position_whatever_follows_it_in_the_log(
+@pytest.fixture
+def tail(
     broker_factory: Callable[..., Broker],
     clients: Callable[..., Client],
     sdk: Callable[..., DurableClient],
     tmp_path: Path,
-) -> None:
-    """delivery-log.md: a `DurableClient` created with `persistence="disk"` and a delivery log "takes the last
-    `receive` records of its own client id (`device`; a shared file is fine): ... the device's very last
-    `receive`, when it is a stream event, moves that topic's position forward (only that one can be unmarked;
-    earlier ones may predate a position moved back ...). Records of another epoch, raw events, other lines and a
-    last line cut short by a crash are ignored". A crash after the records of tail/r id 4 and tail/s id 2 (the
-    device's last), another device's records and a line cut short after them: tail/s resumes after id 2, tail/r
-    gets id 4 again."""
+) -> TailRun:
+    """A first run that processed tail/r ids 1 to 3."""
     broker = broker_factory(streams=[{"filter": "tail/#"}])
     publisher = clients(broker.port, "d6-tail-pub", clean_session=True)
     publisher.publish("tail/r", [b"r1", b"r2", b"r3"])
-    publisher.publish("tail/s", [b"s1"])
-    log_path, state = tmp_path / "shared.jsonl", tmp_path / "state"
-    first = Seen()
-    reader = stream_reader(sdk, broker.port, state, log_path, first)
-    assert first.wait(lambda: len(first.events) == 4)
-    reader.close()
-    publisher.publish("tail/r", [b"r4", b"r5"])
-    publisher.publish("tail/s", [b"s2", b"s3"])
-    template = next(r for r in read_log(log_path) if r["kind"] == "receive")
-    with log_path.open("a") as out:  # processed, recorded, killed before the marks
+    run = TailRun(broker.port, publisher, sdk, tmp_path / "shared.jsonl", tmp_path / "state")
+    run.run(lambda seen: len(seen.events) == 3)
+    return run
+
+
+def resumed_at(events: list[Event]) -> list[int]:
+    return [event.seq for event in events]
+
+
+def test_only_the_devices_very_last_receive_moves_a_stream_position_whatever_follows_it_in_the_log(
+    tail: TailRun,
+) -> None:
+    """delivery-log.md: a `DurableClient` created with `persistence="disk"` and a delivery log "takes the last
+    `receive` records of its own client id (`device`; a shared file is fine): ... the device's very last
+    `receive`, when it is a stream event, moves that topic's position forward (only that one can be unmarked
+    ...). ... other lines (another device's records too) and a last line cut short by a crash are ignored". A
+    crash after the records of tail/r id 4 and tail/s id 1 (the device's last), another device's record and a
+    line cut short after them: tail/s resumes after id 1, tail/r gets id 4 again."""
+    tail.publisher.publish("tail/r", [b"r4", b"r5"])
+    tail.publisher.publish("tail/s", [b"s1", b"s2"])
+    template = tail.template()
+    with tail.log_path.open("a") as out:  # processed, recorded, killed before the marks
         out.write(json.dumps({**template, "topic": "tail/r", "seq": 4, "time": time.time()}) + "\n")
-        out.write(json.dumps({**template, "topic": "tail/s", "seq": 2, "time": time.time()}) + "\n")
-        other = {**template, "device": "d6-other", "topic": "tail/s", "seq": 3, "time": time.time()}
+        out.write(json.dumps({**template, "topic": "tail/s", "seq": 1, "time": time.time()}) + "\n")
+        other = {**template, "device": "d6-other", "topic": "tail/s", "seq": 2, "time": time.time()}
         out.write(json.dumps(other) + "\n")
         out.write(json.dumps({**template, "topic": "tail/r", "seq": 5})[:40])  # the crash cut it short
-    second = Seen()
-    reader = stream_reader(sdk, broker.port, state, log_path, second)
-    assert second.wait(lambda: len(second.events) == 3)
-    reader.close()
-    got = sorted((event.topic, event.seq) for event in second.events)
-    assert got == [("tail/r", 4), ("tail/r", 5), ("tail/s", 3)], got
+    events = tail.run(lambda seen: len(seen.events) == 3)
+    got = sorted((event.topic, event.seq) for event in events)
+    assert got == [("tail/r", 4), ("tail/r", 5), ("tail/s", 2)], got
 
 
 def test_only_publishes_under_durable_slash_are_control_traffic(
@@ -343,9 +352,9 @@ def test_the_sdk_acknowledges_a_stream_at_least_every_64_events_and_not_one_ack_
     relay = relays(broker.port)
     seen = Seen()
     reader = sdk(relay.port, "d6-ack-reader", durable_session=False)
-    reader.subscribe_stream("ack6/#", seen.on_event, window=1000)
+    reader.subscribe_stream("ack6/#", seen, window=1000)
     reader.connect(timeout=WAIT)
-    assert seen.wait(lambda: len(seen.events) == count)
+    assert seen.wait(lambda found: len(found.events) == count)
 
     def is_ack(packet: Packet) -> bool:
         found = packet.control() if packet.direction == "up" else None
@@ -370,71 +379,37 @@ def test_the_sdk_acknowledges_a_stream_at_least_every_64_events_and_not_one_ack_
     ids=["last", "raw-after", "session-after"],
 )
 def test_a_receive_of_any_kind_after_a_stream_event_shows_its_mark_was_written(
-    broker_factory: Callable[..., Broker],
-    clients: Callable[..., Client],
-    sdk: Callable[..., DurableClient],
-    tmp_path: Path,
-    *,
-    after_it: dict[str, Any] | None,
-    resumes_at: int,
+    tail: TailRun, after_it: dict[str, Any] | None, resumes_at: int
 ) -> None:
     """delivery-log.md: "the device's very last `receive`, when it is a stream event, moves that topic's
     position forward (only that one can be unmarked: a `receive` of the device after it, a raw event's or a
     session event's of any epoch too, shows that its mark was written, so then no position moves ...)"."""
-    broker = broker_factory(streams=[{"filter": "tail/#"}])
-    publisher = clients(broker.port, "d6-kind-pub", clean_session=True)
-    publisher.publish("tail/r", [b"r1", b"r2", b"r3"])
-    log_path, state = tmp_path / "device.jsonl", tmp_path / "state"
-    first = Seen()
-    reader = stream_reader(sdk, broker.port, state, log_path, first)
-    assert first.wait(lambda: len(first.events) == 3)
-    reader.close()
-    publisher.publish("tail/r", [b"r4", b"r5"])
-    template = next(r for r in read_log(log_path) if r["kind"] == "receive")
-    with log_path.open("a") as out:
+    tail.publisher.publish("tail/r", [b"r4", b"r5"])
+    template = tail.template()
+    with tail.log_path.open("a") as out:
         out.write(json.dumps({**template, "seq": 4, "time": time.time()}) + "\n")
         if after_it is not None:
             out.write(json.dumps({**template, **after_it, "time": time.time()}) + "\n")
-    second = Seen()
-    reader = stream_reader(sdk, broker.port, state, log_path, second)
-    assert second.wait(lambda: bool(second.events) and second.events[-1].seq == 5)
-    reader.close()
-    assert [event.seq for event in second.events] == list(range(resumes_at, 6))
+    events = tail.run(lambda seen: bool(seen.events) and seen.events[-1].seq == 5)
+    assert resumed_at(events) == list(range(resumes_at, 6))
 
 
 @pytest.mark.parametrize(("filler_kib", "resumes_at"), [(60, 5), (66, 4)])
 def test_only_the_last_64_kib_of_the_log_are_read_before_connecting(
-    broker_factory: Callable[..., Broker],
-    clients: Callable[..., Client],
-    sdk: Callable[..., DurableClient],
-    tmp_path: Path,
-    *,
-    filler_kib: int,
-    resumes_at: int,
+    tail: TailRun, filler_kib: int, resumes_at: int
 ) -> None:
     """delivery-log.md: "a `DurableClient` created with both reads the last 64 KiB of its existing log before it
     connects and takes the last `receive` records of its own client id (`device`; a shared file is fine)". An
     unmarked stream receive followed by 60 KiB of another device's records is read (its position moves); one
     followed by 66 KiB of them is not (the event comes again)."""
-    broker = broker_factory(streams=[{"filter": "tail/#"}])
-    publisher = clients(broker.port, "d6-64k-pub", clean_session=True)
-    publisher.publish("tail/r", [b"r1", b"r2", b"r3"])
-    log_path, state = tmp_path / "shared.jsonl", tmp_path / "state"
-    first = Seen()
-    reader = stream_reader(sdk, broker.port, state, log_path, first)
-    assert first.wait(lambda: len(first.events) == 3)
-    reader.close()
-    publisher.publish("tail/r", [b"r4", b"r5"])
-    template = next(r for r in read_log(log_path) if r["kind"] == "receive")
+    tail.publisher.publish("tail/r", [b"r4", b"r5"])
+    template = tail.template()
     other = json.dumps({**template, "device": "d6-other", "topic": "tail/o", "seq": 1, "time": time.time()}) + "\n"
-    with log_path.open("a") as out:
+    with tail.log_path.open("a") as out:
         out.write(json.dumps({**template, "seq": 4, "time": time.time()}) + "\n")
         out.write(other * (filler_kib * 1024 // len(other) + 1))
-    second = Seen()
-    reader = stream_reader(sdk, broker.port, state, log_path, second)
-    assert second.wait(lambda: bool(second.events) and second.events[-1].seq == 5)
-    reader.close()
-    assert [event.seq for event in second.events] == list(range(resumes_at, 6))
+    events = tail.run(lambda seen: bool(seen.events) and seen.events[-1].seq == 5)
+    assert resumed_at(events) == list(range(resumes_at, 6))
 
 
 def test_a_stream_event_carries_its_publish_qos_epoch_0_and_never_the_retained_flag(
