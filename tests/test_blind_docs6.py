@@ -579,3 +579,19 @@ def test_a_topic_already_open_keeps_its_window_and_a_new_log_takes_the_first_mat
     assert reader.wait_for(lambda _: len(stream_ids(reader, "kw6/b")) >= 2)
     assert not reader.wait_for(lambda _: len(stream_ids(reader, "kw6/b")) > 2, timeout=0.5), "window 2"
     assert stream_ids(reader, "kw6/b") == [1, 2]
+
+
+def test_the_position_kept_for_a_topic_without_a_log_is_the_one_presented_last(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md, `stream_subscribe`: "The position of a topic that has no log yet is kept until its log
+    appears (a later `stream_subscribe` that presents one for it replaces it)"; the topic then sends from the id
+    after that position."""
+    broker = broker_factory(streams=[{"filter": "kp6/#"}])
+    reader = clients(broker.port, "d6-kp-reader", clean_session=True)
+    first = request(reader, "stream_subscribe", filter="kp6/#", after={"kp6/new": 5}, window=10)
+    assert first.ok and first.fields["topics"] == {} and first.fields["ahead"] == {}, first
+    assert request(reader, "stream_subscribe", filter="kp6/+", after={"kp6/new": 2}, window=10).ok
+    clients(broker.port, "d6-kp-pub", clean_session=True).publish("kp6/new", payloads(6))
+    assert reader.wait_for(lambda _: len(stream_ids(reader, "kp6/new")) >= 4)
+    assert stream_ids(reader, "kp6/new")[:4] == [3, 4, 5, 6]
