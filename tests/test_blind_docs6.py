@@ -148,9 +148,9 @@ def test_a_resend_backs_off_doubling_and_progress_starts_it_again_at_stream_ack_
     assert reader.wait_for(lambda _: sum(1 for _t, i, _r in sends if i == 1) >= 4, timeout=WAIT)
     ones = [t for t, i, _r in sends if i == 1][:4]
     waits = [later - earlier for earlier, later in itertools.pairwise(ones)]
-    assert waits[0] >= timeout * 0.8, waits
-    for shorter, longer in itertools.pairwise(waits):
-        assert 1.5 * shorter <= longer <= 3 * shorter, f"waits between resends {waits}: each twice the last"
+    for doubling, wait in enumerate(waits):  # never early; late by at most a loaded machine's second
+        expected = timeout * 2**doubling
+        assert 0.8 * expected <= wait <= expected + 1.0, f"waits between resends {waits}: each twice the last"
     next_backed_off = 2 * waits[-1]  # about 2.4 s
     acked_at = time.monotonic()
     reader.paho.publish(CONTROL_TOPIC, encode_request("stream_ack", topic="bo/a", id=1))
@@ -186,7 +186,7 @@ def test_age_retention_removes_an_event_within_a_quarter_of_the_shortest_max_age
     assert wait_until(lambda: count() == 0, WAIT)
     gone = time.monotonic()
     assert gone - before >= 2.0, f"removed {gone - before:.2f} s after its publish: kept less than max_age"
-    assert gone - acked <= 2.0 + 0.5 + 1.0, f"removed {gone - acked:.2f} s after its publish"
+    assert gone - acked <= 2.0 + 0.5 + 1.5, f"removed {gone - acked:.2f} s after its publish"
     info = request(reader, "stream_info", filter="old/#").fields["topics"]
     assert info == {"old/a": {"first": 1, "last": 1, "count": 1}}
 
@@ -363,7 +363,7 @@ def test_the_sdk_acknowledges_a_stream_at_least_every_64_events_and_not_one_ack_
     relay.wait_seen(lambda p: is_ack(p) and p.control()["id"] == count)  # type: ignore[index]
     acked = [p.control()["id"] for p in relay.seen if is_ack(p)]  # type: ignore[index]
     assert acked == sorted(acked) and acked[-1] == count, acked
-    assert len(acked) < count / 10, f"{len(acked)} acks for {count} events: cumulative, not one per event"
+    assert len(acked) < count / 4, f"{len(acked)} acks for {count} events: cumulative, not one per event"
     steps = [later - earlier for earlier, later in itertools.pairwise([0, *acked])]
     assert max(steps) <= 64, f"acked ids {acked}: one at least every 64 events while they keep coming"
     assert [event.seq for event in seen.events] == list(range(1, count + 1))
