@@ -595,3 +595,30 @@ def test_the_position_kept_for_a_topic_without_a_log_is_the_one_presented_last(
     clients(broker.port, "d6-kp-pub", clean_session=True).publish("kp6/new", payloads(6))
     assert reader.wait_for(lambda _: len(stream_ids(reader, "kp6/new")) >= 4)
     assert stream_ids(reader, "kp6/new")[:4] == [3, 4, 5, 6]
+
+
+def test_an_open_stream_goes_on_after_its_connection_ends_its_durable_session(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """protocol.md: stream ops need no durable session ("A connection (with or without a durable session) opens a
+    stream"; "The positions live on the client: when the connection ends the broker forgets them"): `end_session`
+    deletes the session, its queue and subscriptions, not the connection's streams, which keep sending."""
+    broker = broker_factory(streams=[{"filter": "es6/#"}])
+    publisher = clients(broker.port, "d6-es-pub", clean_session=True)
+    publisher.publish("es6/a", payloads(2))
+    device = clients(broker.port, "d6-es")
+    device.subscribe("es6/#", 1)
+    assert request(device, "hello").ok
+    assert request(device, "stream_subscribe", filter="es6/#", window=1).ok
+    assert device.wait_for(lambda _: stream_ids(device, "es6/a") == [1])
+    ended = request(device, "end_session")
+    assert ended.ok and ended.fields["messages_dropped"] == 0, ended
+    device.paho.publish(CONTROL_TOPIC, encode_request("stream_ack", topic="es6/a", id=1))
+    assert device.wait_for(lambda _: stream_ids(device, "es6/a")[:2] == [1, 2])
+    publisher.publish("es6/a", [b"after the end"])
+    device.paho.publish(CONTROL_TOPIC, encode_request("stream_ack", topic="es6/a", id=2))
+    assert device.wait_for(lambda _: stream_ids(device, "es6/a")[:3] == [1, 2, 3])
+    assert request(device, "stream_info", filter="es6/#").fields["topics"]["es6/a"]["last"] == 3
+    live = [m for m in device.messages if m.topic == "es6/a"]
+    assert live == [], "the session (and its subscription) is gone: no session message"
+    assert request(device, "ready").error_code == "no_session"
