@@ -206,7 +206,8 @@ def test_a_stream_subscription_writes_no_subscribe_record_and_its_unsubscribe_wr
 ) -> None:
     """delivery-log.md: "A stream subscription (`subscribe_stream()`) writes no `subscribe` record";
     "`unsubscribe` is written when the application unsubscribes (a stream's filter too)"; a stream event's
-    `receive` has the stream log id as `seq` and epoch 0."""
+    `receive` has the stream log id as `seq` and epoch 0; `replayed` ("delivered before the replay marker
+    (queued while the device was away or not ready)") is false: stream events are never held or queued."""
     broker = broker_factory(streams=[{"filter": "dl6/#"}])
     clients(broker.port, "d6-dl-pub", clean_session=True).publish("dl6/a", [b"one", b"two"])
     log_path = tmp_path / "reader.jsonl"
@@ -220,6 +221,9 @@ def test_a_stream_subscription_writes_no_subscribe_record_and_its_unsubscribe_wr
     assert not [r for r in records if r["kind"] == "subscribe"], records
     receives = [(r["topic"], r["seq"], r["epoch"]) for r in records if r["kind"] == "receive"]
     assert receives == [("dl6/a", 1, 0), ("dl6/a", 2, 0)]
+    for record in (r for r in records if r["kind"] == "receive"):  # never held, never queued: not replayed
+        assert (record["replayed"], record["redelivered"], record["device"]) == (False, False, "d6-dl-reader")
+        assert isinstance(record["published_at"], float) and record["published_at"] <= record["time"]
     unsubscribes = [r for r in records if r["kind"] == "unsubscribe"]
     assert [(r["topic"], r["device"]) for r in unsubscribes] == [("dl6/#", "d6-dl-reader")], records
 
