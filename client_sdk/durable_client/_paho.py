@@ -75,6 +75,10 @@ _CLIENT_INTERNALS: Final = (
 publish could overtake the hello reply or a PUBREL turn into a second PUBLISH, so there is no fallback."""
 
 
+_FAST_PATH_INTERNALS: Final = ("_sock_recv", "_sock", "_packet_queue", "_sockpairW", "loop_read", "loop_misc")
+"""What ``_Reader`` and ``wake`` use: without them the link falls back to paho's per-packet path."""
+
+
 def check_paho(client: mqtt.Client) -> None:
     """Refuse, naming what is missing, a paho whose client lacks what the link needs: at ``connect()``,
     not at the first reconnect that would misbehave."""
@@ -423,8 +427,7 @@ class _Reader:
 
     def install(self) -> bool:
         """Take over paho's socket reads; False when this paho has not the internals needed."""
-        needed = ("_sock_recv", "_sock", "_packet_queue", "_sockpairW", "loop_read", "loop_misc")
-        if not all(hasattr(self._client, name) for name in needed):
+        if not all(hasattr(self._client, name) for name in _FAST_PATH_INTERNALS):
             log.warning("this paho-mqtt lacks the internals of the fast path: paho reads and acknowledges per packet")
             return False
         self._client._sock_recv = self.recv  # type: ignore[method-assign, assignment]

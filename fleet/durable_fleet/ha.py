@@ -207,7 +207,7 @@ class HaPair:
 
     def _stop_brokers(self) -> None:
         """Stop every broker of the pair that runs (by its PID), in parallel: SIGKILLed if still running
-        ``stop_wait`` after its SIGTERM (not after the minute it gets to start)."""
+        ``stop_wait`` after its SIGTERM."""
         stop_all(self.brokers.values(), self.stop_wait)
 
     # ------------------------------------------------------------------ state

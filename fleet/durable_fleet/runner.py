@@ -512,13 +512,12 @@ class FleetRun:
 
     def _stop_services(self) -> None:
         """The proxies (each bounded by its calls' timeout), then the broker or the pair: a broker is SIGKILLed
-        if still running STOP_WAIT after its SIGTERM, as the workers are (not after the minute it gets to
-        start), so a Ctrl-C ends in bounded time."""
+        if still running STOP_WAIT after its SIGTERM, as the workers are, so a Ctrl-C ends in bounded time."""
         for proxy in (self.proxy, self.publisher_proxy):
             if proxy is not None:
                 proxy.stop()
         if self.broker is not None:
-            stop_all([self.broker], STOP_WAIT)
+            self.broker.stop()  # its wait is STOP_WAIT
         if self.pair is not None:
             self.pair.stop()
 

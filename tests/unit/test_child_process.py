@@ -190,6 +190,20 @@ def test_a_broker_stopped_while_it_starts_is_sigkilled_after_its_stop_wait_not_i
         broker.kill()
 
 
+def test_a_broker_start_gives_up_after_its_ready_wait_not_its_stop_wait(tmp_path: Path) -> None:
+    """``ready_wait`` bounds the start (the fleet's broker: a minute) whatever the stop's ``wait`` (15 s):
+    a start that used the stop's wait would give up after 0.2 s here."""
+    broker = BrokerProcess({}, tmp_path, free_port(), ready_wait=1.5, wait=0.2)
+    broker.argv = [sys.executable, "-c", "import time; time.sleep(30)"]  # never listens
+    began = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"did not .* within 1.5 s"):
+            broker.start()
+        assert time.monotonic() - began >= 1.4
+    finally:
+        broker.kill()
+
+
 def test_an_etcd_whose_start_is_interrupted_by_a_stop_signal_is_stopped(tmp_path: Path) -> None:
     """``EtcdProcess(folder).start()`` with SIGTERM during its spawn: the caller never gets the
     object, so start stops the member before SystemExit leaves it."""

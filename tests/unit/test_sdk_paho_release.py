@@ -3,29 +3,47 @@ without them is refused at connect(), naming what is missing, rather than misbeh
 
 from __future__ import annotations
 
+import ast
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
 
 from durable_client import DurableClient, DurableClientError
-from durable_client._paho import PAHO_WRITTEN_FOR
+from durable_client._paho import _CLIENT_INTERNALS, _FAST_PATH_INTERNALS, PAHO_WRITTEN_FOR
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def without(name: str) -> Callable[..., None]:
+    """A paho Client.__init__ that leaves out ``name`` (an attribute it sets, or hides a method it has)."""
+    made = mqtt.Client.__init__
+
+    def init(self: mqtt.Client, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        if name in vars(self):
+            delattr(self, name)
+
+    return init
 
 
 @pytest.mark.parametrize(
     ("owner", "name", "named"),
     [
-        (mqtt.Client, "_update_inflight", "_update_inflight"),
+        *((mqtt.Client, name, name) for name in _CLIENT_INTERNALS),
         (mqtt.MQTTMessageInfo, "_set_as_published", "MQTTMessageInfo._set_as_published"),
     ],
 )
 def test_connect_refuses_a_paho_without_the_internals_the_link_uses(
     monkeypatch: pytest.MonkeyPatch, owner: type, name: str, named: str
 ) -> None:
-    monkeypatch.delattr(owner, name)
+    if hasattr(owner, name):  # a method (or class attribute)
+        monkeypatch.delattr(owner, name)
+    else:  # an attribute each client sets in __init__
+        monkeypatch.setattr(mqtt.Client, "__init__", without(name))
     client = DurableClient("paho-release", port=1, durable_session=False)
     with pytest.raises(DurableClientError) as refused:
         client.connect(timeout=1)
@@ -39,3 +57,21 @@ def test_the_pinned_range_is_the_one_the_link_names() -> None:
     """pyproject's dependency and the error's advice name the same releases."""
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(encoding="utf-8"))
     assert PAHO_WRITTEN_FOR in pyproject["project"]["dependencies"]
+
+
+def test_every_paho_internal_the_link_reaches_for_is_checked() -> None:
+    """A private of paho's client used in _paho.py (``client._x``, ``self._client._x``) is in what
+    check_paho refuses without, or in the fast path's list, which falls back without it."""
+    source = Path(__file__).resolve().parents[2] / "client_sdk" / "durable_client" / "_paho.py"
+    used = {
+        node.attr
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and (
+            (isinstance(node.value, ast.Name) and node.value.id == "client")
+            or (isinstance(node.value, ast.Attribute) and node.value.attr == "_client")
+        )
+    }
+    assert {"_out_messages", "_sock"} <= used, sorted(used)  # the walk finds them
+    assert not (unchecked := used - set(_CLIENT_INTERNALS) - set(_FAST_PATH_INTERNALS)), sorted(unchecked)
