@@ -801,3 +801,69 @@ def test_a_filter_refused_by_its_suback_then_made_non_durable_writes_no_record(
     device.subscribe("over/t", durable=False, timeout=WAIT)
     assert subscribes(log, "over/t") == []
     assert [r["durable"] for r in subscribes(log, "kept/t")] == [True]
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["refused-at-reconnect", "applied-at-reconnect"])
+def test_a_change_to_durable_at_a_new_qos_lost_before_its_reply_returns_at_the_reconnects_outcome(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path,
+    *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture, refused: bool,
+) -> None:
+    """sdk.md: a subscribe() whose connection is lost first "waits for the SUBACK of the SUBSCRIBE sent again
+    after the reconnect, or for the reconnect's confirmation of the change". A non-durable filter made durable
+    at a new QoS: its SUBACK came, its `interest` reply is held by a relay in front of the real broker, and
+    the link is cut. The reconnect says the change again before its hello; its hello reply is held. Refused
+    there (the relay spoils the request: `bad_filter`), the reconnect subscribes the filter non-durable
+    after the hello reply: subscribe() returns at that SUBACK (before, at the refusal, while the hello
+    reply was still held and no SUBSCRIBE sent), which writes `false`. Applied, it returns at the hello reply
+    or the SUBACK after it, and `true` is written."""
+    broker = broker_factory()
+    relay = relays(broker.port)
+    log = tmp_path / "device.jsonl"
+    lives = Lives()
+    device = sdk(relay.port, "lost-reply", delivery_log=log, on_live=lives.on_live)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert lives.wait(1), "no marker"
+    device.subscribe("lost/t", qos=1, durable=False, timeout=WAIT)
+    relay.hold("down", lambda p: (p.control() or {}).get("op") == "interest")
+    after = len(relay.seen)
+    returned_at: list[int] = []  # len(relay.seen) when subscribe() returned
+
+    def make_durable() -> None:
+        device.subscribe("lost/t", qos=0, durable=True, timeout=WAIT)
+        returned_at.append(len(relay.seen))
+
+    caller = threading.Thread(target=make_durable, daemon=True)
+    caller.start()
+    relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, after)  # the SUBACK: let through
+    relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "interest", after)
+    assert wait_until(lambda: len(subscribes(log, "lost/t")) == 2, WAIT), "the SUBACK wrote no record"
+    assert caller.is_alive(), "subscribe() returned before the broker's interest reply"
+
+    relay.cut()
+    relay.release("down")  # the interest reply, to closed sockets: lost with the connection
+    if refused:
+        relay.rewrite = refuse_durable_interests
+    relay.hold("down", lambda p: (p.control() or {}).get("op") == "hello")  # the reconnect's hello reply
+    after = len(relay.seen)
+    with caplog.at_level(logging.WARNING, logger="durable_client"):
+        relay.accept()
+        req = relay.wait_seen(is_interest(True), after).control()["req"]  # type: ignore[index]
+        answer = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("req") == req, after)
+        assert answer.control()["ok"] is not refused, answer  # type: ignore[index]
+        if refused:  # logged by the network thread as it handles the refusal, before it wakes subscribe()
+            assert wait_until(lambda: any("refused 'interest'" in r.getMessage() for r in caplog.records), WAIT)
+        hello = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "hello", after)
+        caller.join(0.5)  # bounded: one woken by the refusal returns at once
+        assert caller.is_alive(), "subscribe() returned while the reconnect's hello reply was held"
+        relay.release("down")
+        caller.join(WAIT)
+    assert returned_at, "subscribe() did not return"
+    assert lives.wait(2), "no reconnect"
+    confirmed_after = relay.seen.index(hello, after)
+    if refused:  # the SUBSCRIBE sent again after the hello reply, and its SUBACK, came before the return
+        suback = relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, confirmed_after)
+        assert relay.seen.index(suback, confirmed_after) < returned_at[0]
+    assert returned_at[0] > confirmed_after
+    expected = [(1, False), (0, False), (0, not refused)]
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "lost/t")] == expected
