@@ -667,6 +667,9 @@ def test_a_filter_the_broker_refuses_is_missing_from_each_reconnects_hello_and_i
         device.subscribe("over/t", listener=received, timeout=WAIT)  # returns at the SUBACK: no exception
         assert suback_codes(relay, "over/t", after) == b"\x80"
         assert refusals() == 1
+        assert "max_subscriptions_per_client" in next(
+            r.getMessage() for r in caplog.records if "refused the subscription" in r.getMessage()
+        ), "the WARNING does not name the likely cause"
         for connection, drop in ((2, relay.cut), (3, broker.restart)):
             after = len(relay.seen)
             drop()
