@@ -808,7 +808,8 @@ def test_a_filter_refused_by_its_suback_then_made_non_durable_writes_no_record(
 
 @pytest.mark.parametrize("refused", [True, False], ids=["refused-at-reconnect", "applied-at-reconnect"])
 def test_a_change_to_durable_at_a_new_qos_lost_before_its_reply_returns_at_the_reconnects_outcome(
-    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], tmp_path: Path,
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
+    tmp_path: Path,
     *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture, refused: bool,
 ) -> None:
     """sdk.md: a subscribe() whose connection is lost first "waits for the SUBACK of the SUBSCRIBE sent again
@@ -818,22 +819,30 @@ def test_a_change_to_durable_at_a_new_qos_lost_before_its_reply_returns_at_the_r
     there (the relay spoils the request: `bad_filter`), the reconnect subscribes the filter non-durable
     after the hello reply: subscribe() returns at that SUBACK (before, at the refusal, while the hello
     reply was still held and no SUBSCRIBE sent), which writes `false`. Applied, it returns at the hello reply
-    or the SUBACK after it, and `true` is written."""
-    broker = broker_factory()
+    or the SUBACK after it, and `true` is written.
+
+    The broker had applied the change whose reply was lost, so the hello reply lists the filter, durable.
+    Refused at the reconnect, the filter is subscribed non-durable all the same ("also when the hello reply
+    lists it", delivery-log.md): a publish made while away after the next cut is not queued (without that,
+    the hello's list counted as the confirmation, nothing was sent, the broker kept the filter durable and
+    queued the publish, and the log said `true`)."""
+    broker = broker_factory(metrics_interval=0.1)
     relay = relays(broker.port)
     log = tmp_path / "device.jsonl"
     lives = Lives()
+    received = Received()
     device = sdk(relay.port, "lost-reply", delivery_log=log, on_live=lives.on_live)
+    device.subscribe("fence/t", qos=1, listener=received)
     device.connect(timeout=WAIT)
     device.ready_for_events()
     assert lives.wait(1), "no marker"
-    device.subscribe("lost/t", qos=1, durable=False, timeout=WAIT)
+    device.subscribe("lost/t", qos=0, durable=False, listener=received, timeout=WAIT)
     relay.hold("down", lambda p: (p.control() or {}).get("op") == "interest")
     after = len(relay.seen)
     returned_at: list[int] = []  # len(relay.seen) when subscribe() returned
 
     def make_durable() -> None:
-        device.subscribe("lost/t", qos=0, durable=True, timeout=WAIT)
+        device.subscribe("lost/t", qos=1, durable=True, listener=received, timeout=WAIT)
         returned_at.append(len(relay.seen))
 
     caller = threading.Thread(target=make_durable, daemon=True)
@@ -868,5 +877,17 @@ def test_a_change_to_durable_at_a_new_qos_lost_before_its_reply_returns_at_the_r
         suback = relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, confirmed_after)
         assert relay.seen.index(suback, confirmed_after) < returned_at[0]
     assert returned_at[0] > confirmed_after
-    expected = [(1, False), (0, False), (0, not refused)]
+    expected = [(0, False), (1, False), (1, not refused)]
     assert [(r["qos"], r["durable"]) for r in subscribes(log, "lost/t")] == expected
+    assert hello.control()["subscriptions"] == {"fence/t": 1, "lost/t": 1}  # type: ignore[index]
+    if not refused:
+        return
+    relay.wait_seen(is_interest(False), after)
+    relay.cut()
+    seen_away(clients, broker, 1)
+    clients(broker.port, "lost-pub", clean_session=True).publish("lost/t", [b"away"], qos=1)
+    relay.accept()
+    assert lives.wait(3), "no reconnect"
+    clients(broker.port, "lost-fence", clean_session=True).publish("fence/t", [b"fence"], qos=1)
+    assert received.wait("fence/t", b"fence")
+    assert ("lost/t", b"away") not in received.events, "queued for a filter the SDK holds non-durable"
