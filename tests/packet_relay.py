@@ -81,6 +81,10 @@ class PacketRelay:
         with it, not with a timeout (or not at all, the release()'s TimeoutError caught)."""
         self._closed = False
         self._sockets: list[socket.socket] = []
+        self._cut_sockets: list[socket.socket] = []
+        """Sockets cut() shut down, closed by close() once their pumps have ended: closed at once, a
+        pump still about to wait on one could wait on whatever socket reused its descriptor (an
+        accepted reconnect) until its timeout, ``wait``."""
         self._server = socket.create_server((HOST, 0))
         self.port: int = self._server.getsockname()[1]
         self._threads = [threading.Thread(target=self._accept, daemon=True, name="packet-relay")]
@@ -137,7 +141,7 @@ class PacketRelay:
             for sock in self._sockets:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)  # wakes its pump's read; close() alone would not
-                sock.close()
+            self._cut_sockets += self._sockets
             self._sockets.clear()
 
     def accept(self) -> None:
@@ -158,6 +162,8 @@ class PacketRelay:
         deadline = time.monotonic() + self.wait
         for thread in self._threads:  # the accept thread first: once it has ended, none is added
             thread.join(max(0.0, deadline - time.monotonic()))
+        for sock in self._cut_sockets:
+            sock.close()
         self._raise_failure()
         running = [thread.name for thread in self._threads if thread.is_alive()]
         assert not running, f"{running} still run"

@@ -653,6 +653,9 @@ def test_a_filter_the_broker_refuses_is_missing_from_each_reconnects_hello_and_i
         device.subscribe("over/t", listener=received, timeout=WAIT)  # returns at the SUBACK: no exception
         assert suback_codes(relay, "over/t", after) == b"\x80"
         assert refusals() == 1
+        assert "max_subscriptions_per_client" in next(
+            r.getMessage() for r in caplog.records if "refused the subscription" in r.getMessage()
+        ), "the WARNING does not name the likely cause"
         for connection, drop in ((2, relay.cut), (3, broker.restart)):
             after = len(relay.seen)
             drop()
@@ -787,3 +790,90 @@ def test_a_filter_refused_by_its_suback_then_made_non_durable_writes_no_record(
     device.subscribe("over/t", durable=False, timeout=WAIT)
     assert subscribes(log, "over/t") == []
     assert [r["durable"] for r in subscribes(log, "kept/t")] == [True]
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["refused-at-reconnect", "applied-at-reconnect"])
+def test_a_change_to_durable_at_a_new_qos_lost_before_its_reply_returns_at_the_reconnects_outcome(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
+    tmp_path: Path,
+    *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture, refused: bool,
+) -> None:
+    """sdk.md: a subscribe() whose connection is lost first "waits for the SUBACK of the SUBSCRIBE sent again
+    after the reconnect, or for the reconnect's confirmation of the change". A non-durable filter made durable
+    at a new QoS: its SUBACK came, its `interest` reply is held by a relay in front of the real broker, and
+    the link is cut. The reconnect says the change again before its hello; its hello reply is held. Refused
+    there (the relay spoils the request: `bad_filter`), the reconnect subscribes the filter non-durable
+    after the hello reply: subscribe() returns at that SUBACK (before, at the refusal, while the hello
+    reply was still held and no SUBSCRIBE sent), which writes `false`. Applied, it returns at the hello reply
+    or the SUBACK after it, and `true` is written.
+
+    The broker had applied the change whose reply was lost, so the hello reply lists the filter, durable.
+    Refused at the reconnect, the filter is subscribed non-durable all the same ("also when the hello reply
+    lists it", delivery-log.md): a publish made while away after the next cut is not queued (without that,
+    the hello's list counted as the confirmation, nothing was sent, the broker kept the filter durable and
+    queued the publish, and the log said `true`)."""
+    broker = broker_factory(metrics_interval=0.1)
+    relay = relays(broker.port)
+    log = tmp_path / "device.jsonl"
+    lives = Lives()
+    received = Received()
+    device = sdk(relay.port, "lost-reply", delivery_log=log, on_live=lives.on_live)
+    device.subscribe("fence/t", qos=1, listener=received)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert lives.wait(1), "no marker"
+    device.subscribe("lost/t", qos=0, durable=False, listener=received, timeout=WAIT)
+    relay.hold("down", lambda p: (p.control() or {}).get("op") == "interest")
+    after = len(relay.seen)
+    returned_at: list[int] = []  # len(relay.seen) when subscribe() returned
+
+    def make_durable() -> None:
+        device.subscribe("lost/t", qos=1, durable=True, listener=received, timeout=WAIT)
+        returned_at.append(len(relay.seen))
+
+    caller = threading.Thread(target=make_durable, daemon=True)
+    caller.start()
+    relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, after)  # the SUBACK: let through
+    relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "interest", after)
+    assert wait_until(lambda: len(subscribes(log, "lost/t")) == 2, WAIT), "the SUBACK wrote no record"
+    assert caller.is_alive(), "subscribe() returned before the broker's interest reply"
+
+    relay.cut()
+    relay.release("down")  # the interest reply, to closed sockets: lost with the connection
+    if refused:
+        relay.rewrite = refuse_durable_interests
+    relay.hold("down", lambda p: (p.control() or {}).get("op") == "hello")  # the reconnect's hello reply
+    after = len(relay.seen)
+    with caplog.at_level(logging.WARNING, logger="durable_client"):
+        relay.accept()
+        req = relay.wait_seen(is_interest(True), after).control()["req"]  # type: ignore[index]
+        answer = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("req") == req, after)
+        assert answer.control()["ok"] is not refused, answer  # type: ignore[index]
+        if refused:  # logged by the network thread as it handles the refusal, before it wakes subscribe()
+            assert wait_until(lambda: any("refused 'interest'" in r.getMessage() for r in caplog.records), WAIT)
+        hello = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "hello", after)
+        caller.join(0.5)  # bounded: one woken by the refusal returns at once
+        assert caller.is_alive(), "subscribe() returned while the reconnect's hello reply was held"
+        relay.release("down")
+        caller.join(WAIT)
+    assert returned_at, "subscribe() did not return"
+    assert lives.wait(2), "no reconnect"
+    confirmed_after = relay.seen.index(hello, after)
+    if refused:  # the SUBSCRIBE sent again after the hello reply, and its SUBACK, came before the return
+        suback = relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, confirmed_after)
+        assert relay.seen.index(suback, confirmed_after) < returned_at[0]
+    assert returned_at[0] > confirmed_after
+    expected = [(0, False), (1, False), (1, not refused)]
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "lost/t")] == expected
+    assert hello.control()["subscriptions"] == {"fence/t": 1, "lost/t": 1}  # type: ignore[index]
+    if not refused:
+        return
+    relay.wait_seen(is_interest(False), after)
+    relay.cut()
+    seen_away(clients, broker, 1)
+    clients(broker.port, "lost-pub", clean_session=True).publish("lost/t", [b"away"], qos=1)
+    relay.accept()
+    assert lives.wait(3), "no reconnect"
+    clients(broker.port, "lost-fence", clean_session=True).publish("fence/t", [b"fence"], qos=1)
+    assert received.wait("fence/t", b"fence")
+    assert ("lost/t", b"away") not in received.events, "queued for a filter the SDK holds non-durable"

@@ -944,8 +944,11 @@ class DurableClient:
             subscription.interest_req = None
             if not reply.ok:
                 _warn_refused_reply(reply)
-            if reply.ok and any(s is subscription for s in self._interests_undone):
-                return False  # sent before the hello: its reply (_log_undone) or its SUBACK logs it
+            if any(s is subscription for s in self._interests_undone):
+                # Sent before the hello. Applied: the hello reply (_log_undone) or its SUBACK logs it. Refused: the
+                # hello reply subscribes it non-durable, and subscribe() waits for that SUBACK (interest_due kept).
+                subscription.refused = not reply.ok
+                return not reply.ok
             due, subscription.interest_due = subscription.interest_due, False
             # Refused: the broker keeps the filter non-durable, as it was, until a change to durable: true it
             # applies; until then a SUBACK writes false and a subscribe(durable=True) sends the change again.
@@ -1061,7 +1064,7 @@ class DurableClient:
         """(Holding the registry's lock, at the hello reply.) The delivery-log records of the
         subscriptions made durable again by an ``interest`` before this hello that the broker's
         session holds (no SUBSCRIBE: no SUBACK to log them at): the broker answered that interest
-        before this hello reply. Those it did not hold are logged at their SUBACK."""
+        before this hello reply. Those it did not hold, or refused, are logged at their SUBACK."""
         for subscription in undone:
             if self._registry.get(subscription.filter) is not subscription:
                 continue  # unsubscribed, or replaced by another subscribe(), since the CONNACK
@@ -1300,7 +1303,8 @@ class DurableClient:
     def _warn_refused(subscription: Subscription) -> None:
         """(At a SUBACK that refuses it, before subscribe() returns: the WARNING is there when it does.)"""
         log.warning(
-            "the broker refused the subscription to %s (not authorized?); it is tried again on reconnect",
+            "the broker refused the subscription to %s (SUBACK 0x80: its topic ACL, or its "
+            "max_subscriptions_per_client); it is tried again on reconnect",
             shown_topic(subscription.filter),
         )
 
