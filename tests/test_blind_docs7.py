@@ -10,6 +10,7 @@ import shutil
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -305,11 +306,13 @@ def leveldb(folder: Path, keys: dict[bytes, bytes]) -> dict[str, bytes]:
 
 def test_another_programs_key_is_named_as_python_writes_bytes_cut_at_40_bytes(tmp_path: Path) -> None:
     """operations.md, repair: another program's LevelDB is refused, "nothing was changed", naming "the
-    first such key, as Python writes bytes, cut at 40 bytes with `, ...`"; exit code 1, every file as it
-    was."""
+    first such key, as Python writes bytes, cut at 40 bytes with `, ...`"; exit code 1, "every file of
+    the folder as it was"; the lock check opens its `LOCK` file, "not created"."""
     folder = tmp_path / "other"
     key = b"user:" + b"x" * 60
     before = leveldb(folder, {key: b"1"})
+    (folder / "LOCK").unlink()  # its LOCK file "is opened, not created"
+    del before["LOCK"]
     result = run_cli("repair", str(folder))
     assert result.returncode == 1, result.stdout
     assert (
@@ -318,20 +321,21 @@ def test_another_programs_key_is_named_as_python_writes_bytes_cut_at_40_bytes(tm
         "layout); nothing was changed. Point repair at the plugin's 'store' folder"
     ) in result.stderr, result.stderr
     after = {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
-    assert {name: data for name, data in after.items() if name != "LOCK"} == {
-        name: data for name, data in before.items() if name != "LOCK"
-    }
+    assert after == before, "every file of the folder as it was, and none created"
     assert not (folder / "lost").exists()
 
 
-def test_a_store_that_lost_v_and_i_with_a_damaged_key_is_refused_until_v_is_put_back(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+@pytest.mark.parametrize("lost", [(b"v", b"i"), (b"v",)], ids=["version-and-store-id", "version-only"])
+def test_repair_takes_a_store_by_its_version_key_or_store_id_and_refuses_it_without_both(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], lost: tuple[bytes, ...]
 ) -> None:
-    """operations.md, repair: "A store of this plugin that lost both `v` and `i` and also holds a key of no
-    such shape (e.g. a queue key of the wrong length, left by damage) cannot be told from another
-    program's and is refused the same way (put the key `v` back with the value `1`, e.g. with plyvel, and
-    repair runs)"; the layout version key is rebuilt "only when the store holds its store id, or only keys
-    of the layout's shapes"."""
+    """operations.md, repair: "It is a store of this plugin if it holds the layout version key `v` or the
+    store id `i` (8 bytes), or else if every key it holds has the shape of a key of the store layout";
+    "A store of this plugin that lost both `v` and `i` and also holds a key of no such shape (e.g. a queue
+    key of the wrong length, left by damage) cannot be told from another program's and is refused the
+    same way (put the key `v` back with the value `1`, e.g. with plyvel, and repair runs)"; the layout
+    version key is rebuilt "only when the store holds its store id, or only keys of the layout's shapes"
+    (`layout version key restored`)."""
     broker = broker_factory()
     device = clients(broker.port, "dev")
     device.subscribe("t", 1)
@@ -340,18 +344,52 @@ def test_a_store_that_lost_v_and_i_with_a_damaged_key_is_refused_until_v_is_put_
     broker.stop()
     sid = sid_of(broker.store, "dev")
     bad = entry_key(sid, 1)[:-3]
-    rewrite(broker.store, {bad: b"\x00" * 14}, delete=(b"v", b"i"))
+    rewrite(broker.store, {bad: b"\x00" * 14}, delete=lost)
 
-    refused = run_cli("repair", broker.store)
-    assert refused.returncode == 1, refused.stdout
-    assert f"repair of '{broker.store}' refused: it is not an amqtt-durable store but another program's LevelDB" in (
-        refused.stderr
-    ), refused.stderr
-    assert f"its key {bad!r} has the shape of no key" in refused.stderr, refused.stderr
-
-    rewrite(broker.store, {b"v": b"1"})
-    repair(broker.store)
+    if b"i" in lost:
+        refused = run_cli("repair", broker.store)
+        assert refused.returncode == 1, refused.stdout
+        assert (
+            f"repair of '{broker.store}' refused: it is not an amqtt-durable store but another program's LevelDB"
+        ) in refused.stderr, refused.stderr
+        assert f"its key {bad!r} has the shape of no key" in refused.stderr, refused.stderr
+        rewrite(broker.store, {b"v": b"1"})
+        repair(broker.store)
+    else:
+        assert "  rebuilt: layout version key restored" in repair(broker.store)
     broker.start()
     back = clients(broker.port, "dev")
     assert back.session_present is True
     assert [m.payload for m in back.wait_messages(2)] == [b"m1", b"m2"]
+
+
+def inspect_rows(store: str) -> list[dict[str, object]]:
+    result = run_cli("inspect", store, "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert isinstance(rows, list)
+    return rows
+
+
+def test_a_session_connected_at_a_kill_gets_its_deadline_counted_from_the_next_start(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, inspect: time until expiry "`-`: no deadline stored, as for a session that was
+    connected when the broker was killed or stopped, its deadline then counted from the next start";
+    `--json` "times in Unix seconds, null where none"; the default `session_expiry` 300 s reads `5m`."""
+    broker = broker_factory()
+    device = clients(broker.port, "killed-dev")
+    device.subscribe("k/t", 1)
+    broker.kill()
+    [row] = inspect_rows(broker.store)
+    assert (row["disconnected_at"], row["expires_at"]) == (None, None)
+    began = time.time()
+    broker.start()
+    broker.stop()
+    ended = time.time()
+    [row] = inspect_rows(broker.store)
+    assert isinstance(row["disconnected_at"], float | int) and isinstance(row["expires_at"], float | int), row
+    assert began - 1 <= row["disconnected_at"] <= ended, (began, row, ended)
+    assert row["expires_at"] == pytest.approx(row["disconnected_at"] + 300), row
+    table = run_cli("inspect", broker.store).stdout.splitlines()
+    assert table[1].split()[:5] == ["killed-dev", "0", "0", "-", "5m"], table
