@@ -393,3 +393,55 @@ def test_a_session_connected_at_a_kill_gets_its_deadline_counted_from_the_next_s
     assert row["expires_at"] == pytest.approx(row["disconnected_at"] + 300), row
     table = run_cli("inspect", broker.store).stdout.splitlines()
     assert table[1].split()[:5] == ["killed-dev", "0", "0", "-", "5m"], table
+
+
+def totals(depth: int, size: int, dropped: int) -> bytes:
+    """Queue totals as store.py's docstring lays them out: depth, bytes, dropped, each a u64."""
+    return struct.pack(">QQQ", depth, size, dropped)
+
+
+def test_totals_start_up_sets_to_0_are_one_warning_and_repair_keeps_the_drops_of_totals_that_decode(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, Troubleshooting: start-up keeps to the rule "a queue without entries counts 0 messages
+    and one that counts 0 messages holds 0 bytes; totals it sets so are one WARNING for the load
+    (`durable store ...: N session(s) had queue totals that did not fit their queue ...: set to 0 for
+    '...'`, naming at most 5 client ids)". inspect's dropped count is kept "since the session was
+    created, across restarts and reconnects; a repair that rebuilds missing or undecodable queue totals
+    starts it at 0", while repair rebuilds "queue totals that are missing, undecodable or wrong": the
+    drops of totals that decode but are wrong are kept."""
+    broker = broker_factory(max_depth=2, max_depth_disconnected=2)
+    empty = [f"empty-{n}" for n in range(6)]
+    for client_id, topic in [("wrong", "w"), ("undecodable", "u")] + [(e, "e") for e in empty]:
+        device = clients(broker.port, client_id)
+        device.subscribe(topic, 1)
+        device.disconnect()
+    publisher = clients(broker.port, "pub", clean_session=True)
+    publisher.publish("w", [b"w1", b"w2", b"w3", b"w4"])
+    publisher.publish("u", [b"u1", b"u2", b"u3", b"u4"])
+    broker.stop()
+    before = {row["client_id"]: row for row in inspect_rows(broker.store)}
+    assert (before["wrong"]["depth"], before["wrong"]["dropped"]) == (2, 2), before["wrong"]
+    sids = {client_id: sid_of(broker.store, client_id) for client_id in ["wrong", "undecodable", *empty]}
+    rewrite(broker.store, {b"t" + struct.pack(">Q", sids[e]): totals(3, 30, 0) for e in empty})
+
+    broker.start()
+    broker.stop()
+    said = [line for line in broker.log().splitlines() if "had queue totals that did not fit their queue" in line]
+    assert len(said) == 1, said
+    assert " WARNING " in said[0] and f"durable store {broker.store}: 6 session(s) had queue totals" in said[0], said
+    named = [e for e in empty if f"'{e}'" in said[0]]
+    assert 1 <= len(named) <= 5, said
+    assert all(row["depth"] == 0 and row["bytes"] == 0 for row in inspect_rows(broker.store) if row["client_id"] in empty)
+
+    rewrite(
+        broker.store,
+        {
+            b"t" + struct.pack(">Q", sids["wrong"]): totals(9, 999, 7),
+            b"t" + struct.pack(">Q", sids["undecodable"]): b"\x01\x02",
+        },
+    )
+    repair(broker.store)
+    after = {row["client_id"]: row for row in inspect_rows(broker.store)}
+    assert (after["wrong"]["depth"], after["wrong"]["bytes"], after["wrong"]["dropped"]) == (2, 4, 7), after["wrong"]
+    assert (after["undecodable"]["depth"], after["undecodable"]["bytes"], after["undecodable"]["dropped"]) == (2, 4, 0)
