@@ -6,7 +6,9 @@ promise; stores are real LevelDB folders damaged with plyvel, the broker and the
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import socket
 import struct
 import threading
@@ -432,7 +434,9 @@ def test_totals_start_up_sets_to_0_are_one_warning_and_repair_keeps_the_drops_of
     assert " WARNING " in said[0] and f"durable store {broker.store}: 6 session(s) had queue totals" in said[0], said
     named = [e for e in empty if f"'{e}'" in said[0]]
     assert 1 <= len(named) <= 5, said
-    assert all(row["depth"] == 0 and row["bytes"] == 0 for row in inspect_rows(broker.store) if row["client_id"] in empty)
+    assert all(
+        row["depth"] == 0 and row["bytes"] == 0 for row in inspect_rows(broker.store) if row["client_id"] in empty
+    )
 
     rewrite(
         broker.store,
@@ -445,3 +449,58 @@ def test_totals_start_up_sets_to_0_are_one_warning_and_repair_keeps_the_drops_of
     after = {row["client_id"]: row for row in inspect_rows(broker.store)}
     assert (after["wrong"]["depth"], after["wrong"]["bytes"], after["wrong"]["dropped"]) == (2, 4, 7), after["wrong"]
     assert (after["undecodable"]["depth"], after["undecodable"]["bytes"], after["undecodable"]["dropped"]) == (2, 4, 0)
+
+
+def test_a_damaged_entry_erased_with_its_session_leaves_its_body_for_repair_to_remove(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, Troubleshooting: a queue entry that does not decode, met when the session is deleted
+    (a clean-session connect), "is erased by its key with the rest of the queue (`queue entry S of client
+    id '...': N bytes that do not decode: erased with its session ...`, ERROR ...), and the body it pointed
+    at stays for repair to remove"."""
+    broker = broker_factory()
+    device = clients(broker.port, "gone")
+    device.subscribe("g", 1)
+    device.disconnect()
+    clients(broker.port, "pub", clean_session=True).publish("g", [b"g1", b"g2", b"g3"])
+    broker.stop()
+    sid = sid_of(broker.store, "gone")
+    rewrite(broker.store, {entry_key(sid, 2): b"\x00\x01\x02"})
+    broker.start()
+    clients(broker.port, "gone", clean_session=True).disconnect()
+    named = "queue entry 2 of client id 'gone': 3 bytes that do not decode: erased with its session"
+    assert broker.wait_until(lambda: named in broker.log(), WAIT), broker.log()[-3000:]
+    assert all(" ERROR " in line for line in broker.log().splitlines() if named in line)
+    broker.stop()
+
+    def stored(prefix: bytes) -> int:
+        db = plyvel.DB(broker.store)
+        try:
+            return sum(1 for _ in db.iterator(prefix=prefix, include_value=False))
+        finally:
+            db.close()
+
+    assert (stored(b"q"), stored(b"m")) == (0, 1), "the queue is erased; the damaged entry's body stays"
+    assert "  rebuilt: 1 message body(ies) that no queue entry points at removed" in repair(broker.store)
+    assert stored(b"m") == 0, "repair removes the body no entry points at"
+
+
+def test_ctrl_c_stops_the_broker_cleanly_and_keeps_what_it_acknowledged(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, Operator commands: "Ctrl-C or SIGTERM shuts it down cleanly"; the next start serves
+    the durable session and its queue."""
+    broker = broker_factory()
+    device = clients(broker.port, "ctrl-c")
+    device.subscribe("c", 1)
+    device.disconnect()
+    clients(broker.port, "pub", clean_session=True).publish("c", [b"c1", b"c2"])
+    assert broker.pid is not None
+    os.kill(broker.pid, signal.SIGINT)
+    assert broker.wait_stopped(time.monotonic() + WAIT), "Ctrl-C ends the broker"
+    assert broker.exit_status == 0, broker.log()[-3000:]
+    assert "Traceback" not in broker.log(), broker.log()[-3000:]
+    broker.start()
+    back = clients(broker.port, "ctrl-c")
+    assert back.session_present is True
+    assert [m.payload for m in back.wait_messages(2)] == [b"c1", b"c2"]
