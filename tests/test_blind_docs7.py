@@ -504,3 +504,44 @@ def test_ctrl_c_stops_the_broker_cleanly_and_keeps_what_it_acknowledged(
     back = clients(broker.port, "ctrl-c")
     assert back.session_present is True
     assert [m.payload for m in back.wait_messages(2)] == [b"c1", b"c2"]
+
+
+def start_refused(broker: Broker) -> str:
+    """``amqtt-durable broker`` on the stopped broker's config: exit code 1; its last line."""
+    result = run_cli("broker", "-c", str(broker.write_config()))
+    assert result.returncode == 1, result.stderr[-3000:]
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_start_up_reads_the_last_body_key_and_the_last_count_key_only_without_the_message_id_mark(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md, Troubleshooting: a key whose length is wrong for its kind is named (`a ... key of 3
+    bytes, not 9 (damaged): b'...'`) "when start-up reads it: ... of the message body keys only the last;
+    of the reference count keys only the last, and only in a store without the highest message id mark
+    (`b"M"`)"; repair removes "message body and reference count keys of the wrong length"."""
+    broker = broker_factory()
+    device = clients(broker.port, "dev")
+    device.subscribe("t", 1)
+    device.disconnect()
+    clients(broker.port, "pub", clean_session=True).publish("t", [b"m1", b"m2"])
+    broker.stop()
+    count_key, body_key = b"c\xff\xff\xff\xff", b"m\xff\xff\xff\xff"  # each the last key of its kind
+    rewrite(broker.store, {count_key: b"\x00\x00\x00\x02"})
+    broker.start()  # the store holds the mark: start-up does not read the count keys
+    broker.stop()
+    rewrite(broker.store, {body_key: b"\x00"})
+    refusal = start_refused(broker)
+    assert f"store '{broker.store}' is corrupted or unreadable: " in refusal, refusal
+    assert f"a message body key of 5 bytes, not 9 (damaged): {body_key!r}" in refusal, refusal
+    lines = repair(broker.store)
+    assert "  not recovered: a message body key of 5 bytes (damaged) removed" in lines, lines
+    assert "  not recovered: a message reference count key of 5 bytes (damaged) removed" in lines, lines
+
+    rewrite(broker.store, {count_key: b"\x00\x00\x00\x02"}, delete=(b"M",))
+    refusal = start_refused(broker)
+    assert f"store '{broker.store}' is corrupted or unreadable: " in refusal, refusal
+    assert f"a message reference count key of 5 bytes, not 9 (damaged): {count_key!r}" in refusal, refusal
+    repair(broker.store)
+    broker.start()
+    assert [m.payload for m in clients(broker.port, "dev").wait_messages(2)] == [b"m1", b"m2"]
