@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -254,7 +255,9 @@ def test_damage_deeper_in_a_queue_or_a_log_is_met_by_delivery_and_repair_removes
 
     failed = "session short: reading its queue after message 255 failed: "
     assert broker.wait_until(lambda: broker.log().count(failed) >= 2, WAIT), broker.log()[-3000:]
-    assert all(" ERROR " in line for line in broker.log().splitlines() if failed in line)
+    tries = [line for line in broker.log().splitlines() if failed in line]
+    assert all(" ERROR " in line for line in tries), tries
+    assert [re.findall(r"tries again in (\d+) s", line) for line in tries[:2]] == [["1"], ["2"]], tries
     stream_failed = "stream log/x: reading its log after id 1 failed: "
     assert broker.wait_until(lambda: broker.log().count(stream_failed) >= 2, WAIT), broker.log()[-3000:]
     assert all(" ERROR " in line for line in broker.log().splitlines() if stream_failed in line)
@@ -545,3 +548,36 @@ def test_start_up_reads_the_last_body_key_and_the_last_count_key_only_without_th
     repair(broker.store)
     broker.start()
     assert [m.payload for m in clients(broker.port, "dev").wait_messages(2)] == [b"m1", b"m2"]
+
+
+def test_repair_leaves_nothing_in_tmpdir_or_the_store_folder_whatever_the_outcome(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """operations.md, repair: it "checks whose LevelDB the folder holds, on a scratch copy in the temporary
+    folder (`TMPDIR`) ...; the copy is removed whatever the outcome"; the disk check's probe is "allocated
+    (not written) to a file `durable-write-probe.tmp` that is removed at once"."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    broker = broker_factory()
+    clients(broker.port, "dev").subscribe("t", 1)
+    clients(broker.port, "pub", clean_session=True).publish("t", [b"m1"])
+    broker.stop()
+    done = run_cli("repair", broker.store, env=env)
+    assert done.returncode == 0, done.stderr
+    assert list(scratch.iterdir()) == [], "the scratch copy is removed after a repair"
+    assert not (Path(broker.store) / "durable-write-probe.tmp").exists()
+
+    other = tmp_path / "other"
+    leveldb(other, {b"user:1": b"x"})
+    refused = run_cli("repair", str(other), env=env)
+    assert refused.returncode == 1 and "another program's LevelDB" in refused.stderr, refused.stderr
+    assert list(scratch.iterdir()) == [], "the scratch copy is removed after a refusal"
+
+    rewrite(broker.store, {b"v": b"2"})
+    release = run_cli("repair", broker.store, env=env)
+    assert release.returncode == 1 and "was written by another release of amqtt_durable" in release.stderr, (
+        release.stderr
+    )
+    assert list(scratch.iterdir()) == [], "the scratch copy is removed after another release's store is refused"
+    assert not (Path(broker.store) / "durable-write-probe.tmp").exists()
