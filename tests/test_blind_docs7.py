@@ -20,6 +20,7 @@ from pathlib import Path
 import plyvel
 import pytest
 from raw_mqtt_helpers import connect_packet, read_exactly
+from test_hostile_damaged_records import damage
 
 from conftest import HOST, WAIT, Broker, Client, run_cli
 from durable_client import DurableClient, Event
@@ -42,18 +43,6 @@ def sid_of(store: str, client_id: str) -> int:
     sid = records(store)[client_id]["sid"]
     assert isinstance(sid, int)
     return sid
-
-
-def rewrite(store: str, put: dict[bytes, bytes], delete: tuple[bytes, ...] = ()) -> None:
-    """Damage a stopped broker's store as a disk or a bad copy would: records written through LevelDB."""
-    db = plyvel.DB(store)
-    try:
-        for key in delete:
-            db.delete(key)
-        for key, value in put.items():
-            db.put(key, value, sync=True)
-    finally:
-        db.close()
 
 
 def repair(store: str) -> list[str]:
@@ -113,8 +102,8 @@ def test_what_repair_rebuilds_is_what_the_broker_then_serves(
     assert owned_record["username"] == "alice"
     sids = {client_id: sid_of(store, client_id) for client_id in ("owned", "marked")}
     damaged_record = json.dumps({**owned_record, "disconnected_at": 1.0, "expires_at": "soon"}).encode()
-    rewrite(
-        store,
+    damage(
+        broker,
         {
             b"sowned": damaged_record,
             b"w" + struct.pack(">Q", sids["marked"]): b"\x00\x02",
@@ -229,8 +218,8 @@ def test_damage_deeper_in_a_queue_or_a_log_is_met_by_delivery_and_repair_removes
     # A 16-byte queue key that sorts after entry 255 and before entry 256 of "short" (the first and last
     # keys of its queue are sound, so start-up does not meet it); a 18-byte key right after entry 2 of "long".
     short_key = b"q" + struct.pack(">Q", short) + b"\x00" * 6 + b"\x01"
-    rewrite(
-        store,
+    damage(
+        broker,
         {
             short_key: copied,
             entry_key(long_, 2) + b"\x00": copied,
@@ -330,6 +319,17 @@ def test_another_programs_key_is_named_as_python_writes_bytes_cut_at_40_bytes(tm
     assert not (folder / "lost").exists()
 
 
+def two_queued(broker_factory: Callable[..., Broker], clients: Callable[..., Client]) -> Broker:
+    """A stopped broker whose store holds the durable session "dev" with m1 and m2 queued on t."""
+    broker = broker_factory()
+    device = clients(broker.port, "dev")
+    device.subscribe("t", 1)
+    device.disconnect()
+    clients(broker.port, "pub", clean_session=True).publish("t", [b"m1", b"m2"])
+    broker.stop()
+    return broker
+
+
 @pytest.mark.parametrize("lost", [(b"v", b"i"), (b"v",)], ids=["version-and-store-id", "version-only"])
 def test_repair_takes_a_store_by_its_version_key_or_store_id_and_refuses_it_without_both(
     broker_factory: Callable[..., Broker], clients: Callable[..., Client], lost: tuple[bytes, ...]
@@ -341,15 +341,10 @@ def test_repair_takes_a_store_by_its_version_key_or_store_id_and_refuses_it_with
     same way (put the key `v` back with the value `1`, e.g. with plyvel, and repair runs)"; the layout
     version key is rebuilt "only when the store holds its store id, or only keys of the layout's shapes"
     (`layout version key restored`)."""
-    broker = broker_factory()
-    device = clients(broker.port, "dev")
-    device.subscribe("t", 1)
-    device.disconnect()
-    clients(broker.port, "pub", clean_session=True).publish("t", [b"m1", b"m2"])
-    broker.stop()
+    broker = two_queued(broker_factory, clients)
     sid = sid_of(broker.store, "dev")
     bad = entry_key(sid, 1)[:-3]
-    rewrite(broker.store, {bad: b"\x00" * 14}, delete=lost)
+    damage(broker, {bad: b"\x00" * 14}, delete=lost)
 
     if b"i" in lost:
         refused = run_cli("repair", broker.store)
@@ -358,7 +353,7 @@ def test_repair_takes_a_store_by_its_version_key_or_store_id_and_refuses_it_with
             f"repair of '{broker.store}' refused: it is not an amqtt-durable store but another program's LevelDB"
         ) in refused.stderr, refused.stderr
         assert f"its key {bad!r} has the shape of no key" in refused.stderr, refused.stderr
-        rewrite(broker.store, {b"v": b"1"})
+        damage(broker, {b"v": b"1"})
         repair(broker.store)
     else:
         assert "  rebuilt: layout version key restored" in repair(broker.store)
@@ -428,7 +423,7 @@ def test_totals_start_up_sets_to_0_are_one_warning_and_repair_keeps_the_drops_of
     before = {row["client_id"]: row for row in inspect_rows(broker.store)}
     assert (before["wrong"]["depth"], before["wrong"]["dropped"]) == (2, 2), before["wrong"]
     sids = {client_id: sid_of(broker.store, client_id) for client_id in ["wrong", "undecodable", *empty]}
-    rewrite(broker.store, {b"t" + struct.pack(">Q", sids[e]): totals(3, 30, 0) for e in empty})
+    damage(broker, {b"t" + struct.pack(">Q", sids[e]): totals(3, 30, 0) for e in empty})
 
     broker.start()
     broker.stop()
@@ -441,8 +436,8 @@ def test_totals_start_up_sets_to_0_are_one_warning_and_repair_keeps_the_drops_of
         row["depth"] == 0 and row["bytes"] == 0 for row in inspect_rows(broker.store) if row["client_id"] in empty
     )
 
-    rewrite(
-        broker.store,
+    damage(
+        broker,
         {
             b"t" + struct.pack(">Q", sids["wrong"]): totals(9, 999, 7),
             b"t" + struct.pack(">Q", sids["undecodable"]): b"\x01\x02",
@@ -468,7 +463,7 @@ def test_a_damaged_entry_erased_with_its_session_leaves_its_body_for_repair_to_r
     clients(broker.port, "pub", clean_session=True).publish("g", [b"g1", b"g2", b"g3"])
     broker.stop()
     sid = sid_of(broker.store, "gone")
-    rewrite(broker.store, {entry_key(sid, 2): b"\x00\x01\x02"})
+    damage(broker, {entry_key(sid, 2): b"\x00\x01\x02"})
     broker.start()
     clients(broker.port, "gone", clean_session=True).disconnect()
     named = "queue entry 2 of client id 'gone': 3 bytes that do not decode: erased with its session"
@@ -523,17 +518,12 @@ def test_start_up_reads_the_last_body_key_and_the_last_count_key_only_without_th
     bytes, not 9 (damaged): b'...'`) "when start-up reads it: ... of the message body keys only the last;
     of the reference count keys only the last, and only in a store without the highest message id mark
     (`b"M"`)"; repair removes "message body and reference count keys of the wrong length"."""
-    broker = broker_factory()
-    device = clients(broker.port, "dev")
-    device.subscribe("t", 1)
-    device.disconnect()
-    clients(broker.port, "pub", clean_session=True).publish("t", [b"m1", b"m2"])
-    broker.stop()
+    broker = two_queued(broker_factory, clients)
     count_key, body_key = b"c\xff\xff\xff\xff", b"m\xff\xff\xff\xff"  # each the last key of its kind
-    rewrite(broker.store, {count_key: b"\x00\x00\x00\x02"})
+    damage(broker, {count_key: b"\x00\x00\x00\x02"})
     broker.start()  # the store holds the mark: start-up does not read the count keys
     broker.stop()
-    rewrite(broker.store, {body_key: b"\x00"})
+    damage(broker, {body_key: b"\x00"})
     refusal = start_refused(broker)
     assert f"store '{broker.store}' is corrupted or unreadable: " in refusal, refusal
     assert f"a message body key of 5 bytes, not 9 (damaged): {body_key!r}" in refusal, refusal
@@ -541,7 +531,7 @@ def test_start_up_reads_the_last_body_key_and_the_last_count_key_only_without_th
     assert "  not recovered: a message body key of 5 bytes (damaged) removed" in lines, lines
     assert "  not recovered: a message reference count key of 5 bytes (damaged) removed" in lines, lines
 
-    rewrite(broker.store, {count_key: b"\x00\x00\x00\x02"}, delete=(b"M",))
+    damage(broker, {count_key: b"\x00\x00\x00\x02"}, delete=(b"M",))
     refusal = start_refused(broker)
     assert f"store '{broker.store}' is corrupted or unreadable: " in refusal, refusal
     assert f"a message reference count key of 5 bytes, not 9 (damaged): {count_key!r}" in refusal, refusal
@@ -574,7 +564,7 @@ def test_repair_leaves_nothing_in_tmpdir_or_the_store_folder_whatever_the_outcom
     assert refused.returncode == 1 and "another program's LevelDB" in refused.stderr, refused.stderr
     assert list(scratch.iterdir()) == [], "the scratch copy is removed after a refusal"
 
-    rewrite(broker.store, {b"v": b"2"})
+    damage(broker, {b"v": b"2"})
     release = run_cli("repair", broker.store, env=env)
     assert release.returncode == 1 and "was written by another release of amqtt_durable" in release.stderr, (
         release.stderr
