@@ -571,3 +571,36 @@ def test_repair_leaves_nothing_in_tmpdir_or_the_store_folder_whatever_the_outcom
     )
     assert list(scratch.iterdir()) == [], "the scratch copy is removed after another release's store is refused"
     assert not (Path(broker.store) / "durable-write-probe.tmp").exists()
+
+
+def stored_files(store: str) -> dict[str, bytes]:
+    """The store's files and their bytes, but LevelDB's info log (LOG, LOG.old), which the process holding
+    the store writes to as it pleases, and LOCK: closing any descriptor of it would release the fcntl
+    lock this process holds on it."""
+    skipped = ("LOG", "LOG.old", "LOCK")
+    return {path.name: path.read_bytes() for path in Path(store).iterdir() if path.name not in skipped}
+
+
+def test_a_store_any_program_holds_open_is_locked_for_the_broker_inspect_and_repair(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """operations.md: "a store that a running broker (or `inspect`, or any program using the LevelDB) holds
+    is refused with `store '...' is locked by another process`, exit code 1" (repair); `inspect` needs the
+    broker stopped ("LevelDB allows one process per store"); the broker exits 1 when "the broker cannot
+    start (store locked ...)". Once the program lets go, each works and nothing was lost."""
+    broker = two_queued(broker_factory, clients)
+    holder = plyvel.DB(broker.store)
+    try:
+        before = stored_files(broker.store)
+        locked = f"store '{broker.store}' is locked by another process"
+        for args in (["repair", broker.store], ["inspect", broker.store], ["broker", "-c", str(broker.write_config())]):
+            result = run_cli(*args)
+            assert result.returncode == 1, (args, result.stdout, result.stderr[-2000:])
+            assert locked in result.stderr, (args, result.stderr[-2000:])
+            assert "Traceback" not in result.stderr, (args, result.stderr[-2000:])
+        assert stored_files(broker.store) == before, "no file of the held store was written"
+    finally:
+        holder.close()
+    repair(broker.store)
+    broker.start()
+    assert [m.payload for m in clients(broker.port, "dev").wait_messages(2)] == [b"m1", b"m2"]
