@@ -164,8 +164,9 @@ def rebuild(db: Any, now: float) -> RepairReport:
         raw = db.get(STORE_ID_KEY)
         if raw is not None and len(raw) != _U64_SIZE:
             batch.delete(STORE_ID_KEY)
-            report.rebuilt.append("store id did not decode: removed (the broker makes a new one; stream readers "
-                                  "see a new store)")
+            report.rebuilt.append(
+                "store id did not decode: removed (the broker makes a new one; stream readers see a new store)"
+            )
     return report
 
 
@@ -259,15 +260,14 @@ def _rebuild_stream_marks(db: Any, batch: Any, report: RepairReport) -> None:
         if len(value) == _U64_SIZE:
             continue
         last = 0
-        for event in db.iterator(prefix=EVENT_PREFIX + struct.pack(">H", len(key) - 1) + key[1:], reverse=True,
-                                 include_value=False):
+        for event in db.iterator(
+            prefix=EVENT_PREFIX + struct.pack(">H", len(key) - 1) + key[1:], reverse=True, include_value=False
+        ):
             last = event_id_of(event) if len(event) == len(key) + 2 + _U64_SIZE else 0
             break
         batch.put(key, encode_u64(last + SENT_MARK_JUMP))
         topic = key[1:].decode("utf-8", "replace")
-        report.rebuilt.append(
-            f"stream {shown(topic)}: its id mark did not decode: set past every id it can have given"
-        )
+        report.rebuilt.append(f"stream {shown(topic)}: its id mark did not decode: set past every id it can have given")
 
 
 def _drop_damaged_retained(db: Any, batch: Any, report: RepairReport) -> None:
@@ -296,6 +296,8 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
     """Message id of an undecodable body -> queue entries found pointing at it (removed)."""
     kept_released: Counter[int] = Counter()
     """Message id of an undecodable body -> RELEASED entries pointing at it (kept without it)."""
+    used: set[int] = set()
+    """Message ids the kept entries point at: every other body is removed (_drop_unused_bodies)."""
     for key, value in db.iterator(prefix=b"q"):
         if len(key) != _ENTRY_KEY_SIZE:
             batch.delete(key)
@@ -316,6 +318,7 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
         queue.depth += 1
         queue.bytes += entry.size
         queue.last_seq = entry.seq
+        used.add(entry.msg_id)
         if entry.flags & FLAG_SHARED:
             shared[entry.msg_id] += 1
     for msg_id, why in sorted(undecodable.items()):
@@ -330,7 +333,22 @@ def _scan_queues(db: Any, batch: Any, report: RepairReport) -> dict[int, _Queue]
             f"queue entry(ies) pointing at it{kept}"
         )
     _fix_refs(db, batch, shared, report)
+    _drop_unused_bodies(db, batch, used | set(undecodable), report)
     return queues
+
+
+def _drop_unused_bodies(db: Any, batch: Any, used: set[int], report: RepairReport) -> None:
+    """Remove the message bodies no queue entry points at: left by an entry erased by its key (it did not
+    decode, so its body was not known) or by a release whose reference count was missing or damaged.
+    No new message is given their ids (the b"M" mark), so they would only hold their bytes for good.
+    ``used`` holds the undecodable bodies too: they are removed, and reported, on their own."""
+    unused = 0
+    for key in db.iterator(prefix=b"m", include_value=False):
+        if len(key) == _U64_SIZE + 1 and sid_of_entry_key(key) not in used:
+            batch.delete(key)
+            unused += 1
+    if unused:
+        report.rebuilt.append(f"{unused} message body(ies) that no queue entry points at removed")
 
 
 def _checked(

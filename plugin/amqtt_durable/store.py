@@ -84,7 +84,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import islice, repeat
+from itertools import dropwhile, islice, repeat
 from typing import Any, Protocol, TypeVar
 
 import plyvel
@@ -1031,7 +1031,13 @@ def read_entry_run(
     db: Any, sid: int, start_seq: int, tail: int, limit: int
 ) -> tuple[list[Entry], BaseException | None]:
     """Up to ``limit`` queue entries of one session from ``start_seq`` to ``tail``, in one iterator pass,
-    and the error that cut the run short (plyvel.Error, ValueError, struct.error; None: no damage met)."""
+    and the error that cut the run short (plyvel.Error, ValueError, struct.error; None: no damage met).
+
+    The pass starts right after entry ``start_seq - 1``'s key, not at ``start_seq``'s: a key too short
+    for a queue entry that sorts between the two (damage) is met there, so the run after one cut short
+    by it fails at once on it (reported and retried) instead of starting past it and skipping it. A key
+    too long that begins with entry ``start_seq - 1``'s was read (as that entry) by the run that read
+    it, and is passed over."""
     entries: list[Entry] = []
     if limit <= 0:
         return entries, None
@@ -1041,7 +1047,11 @@ def read_entry_run(
     prefix = queue_prefix(sid)
     if tail < start_seq:
         return entries, None
-    rows = db.iterator(start=prefix + _U64.pack(start_seq), stop=prefix + _U64.pack(tail + 1), verify_checksums=True)
+    previous = prefix + _U64.pack(start_seq - 1) if start_seq > 0 else None
+    first = prefix + _U64.pack(start_seq) if previous is None else previous + b"\x00"
+    rows = db.iterator(start=first, stop=prefix + _U64.pack(tail + 1), verify_checksums=True)
+    if previous is not None:
+        rows = dropwhile(lambda row: row[0].startswith(previous), rows)
     try:
         for key, value in islice(rows, limit):
             msg_id, qos, flags, size = unpack(value)
