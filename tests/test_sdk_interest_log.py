@@ -257,6 +257,53 @@ def test_a_filter_unsubscribed_between_connack_and_hello_reply_gets_no_record_at
     assert found == [("subscribe", True), ("unsubscribe", None)], found
 
 
+def test_a_filter_made_durable_again_between_connack_and_hello_reply_is_logged_at_the_suback_not_the_interest_reply(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
+    tmp_path: Path, relays: Callable[..., PacketRelay],
+) -> None:
+    """A non-durable filter made durable: its `interest` is held by a relay in front of the real broker, and
+    the link is cut, so the broker drops the filter with the connection. The reconnect's CONNACK sends
+    durable: true again before its hello; both replies are held, and subscribe(same QoS, durable=True) is
+    called again in that window (not yet connected: it returns at once). The broker answers the interest ok
+    but holds nothing (the hello lists no such filter): no `true` record at the interest reply, no second
+    `interest` after the hello reply, and `true` written at the SUBACK of the SUBSCRIBE sent after it (before,
+    the new Subscription object was not among those sent before the hello: `true` was written at the
+    interest reply, and it kept its own `interest` to send again)."""
+    broker = broker_factory(metrics_interval=0.1)
+    relay = relays(broker.port)
+    log = tmp_path / "device.jsonl"
+    lives = Lives()
+    device = sdk(relay.port, "window", delivery_log=log, on_live=lives.on_live)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert lives.wait(1), "no marker"
+    device.subscribe("window/t", qos=1, durable=False, timeout=WAIT)
+    relay.hold("up", is_interest(True))
+    caller, outcome = made_durable_in_a_thread(device, "window/t")
+    relay.wait_seen(is_interest(True))
+    relay.cut()
+    relay.release("up")  # to closed sockets: the broker never gets it
+    seen_away(clients, broker, 1)  # the broker ended the connection, and the non-durable filter with it
+    relay.hold("down", lambda p: (p.control() or {}).get("op") in ("interest", "hello"))
+    after = len(relay.seen)
+    relay.accept()
+    relay.wait_seen(is_interest(True), after)
+    hello = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "hello", after)
+    assert "window/t" not in hello.control()["subscriptions"]  # type: ignore[index]
+    device.subscribe("window/t", qos=1, durable=True, timeout=WAIT)  # not yet connected: returns at once
+    relay.hold("up", lambda p: p.kind == 8)  # the SUBSCRIBE sent after the hello reply
+    relay.release("down")  # the interest reply (ok), then the hello reply
+    relay.wait_seen(lambda p: p.direction == "up" and p.kind == 8, after)  # both replies handled
+    assert [r["durable"] for r in subscribes(log, "window/t")] == [False], "logged true before the broker held it"
+    interests = [p for p in relay.seen[after:] if is_interest(True)(p)]
+    assert len(interests) == 1, "durable: true said again after the hello reply"
+    relay.release("up")
+    assert lives.wait(2), "no reconnect"
+    caller.join(WAIT)
+    assert outcome == [None], outcome
+    assert [r["durable"] for r in subscribes(log, "window/t")] == [False, True]
+
+
 def test_a_change_to_durable_made_while_the_suback_is_on_its_way_waits_for_its_own_reply(
     broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path, relays: Callable[..., PacketRelay]
 ) -> None:

@@ -478,6 +478,9 @@ class DurableClient:
                     subscription.answered = previous.answered
                     subscription.interest_req, subscription.interest_due = previous.interest_req, previous.interest_due
                     subscription.false_logged = previous.false_logged
+                    # Its interest went before this connection's hello (same req): its reply and the hello reply
+                    # apply to this object (_interest_replied, _replay_subscriptions), not the replaced one.
+                    self._interests_undone = [subscription if s is previous else s for s in self._interests_undone]
                 # The broker refused durable: true earlier and holds it non-durable, whatever the QoS.
                 subscription.refused = durable and previous is not None and previous.refused
                 if not self._connected:
