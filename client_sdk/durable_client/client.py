@@ -1306,8 +1306,9 @@ class DurableClient:
     def _warn_refused(subscription: Subscription) -> None:
         """(At a SUBACK that refuses it, before subscribe() returns: the WARNING is there when it does.)"""
         log.warning(
-            "the broker refused the subscription to %s (SUBACK 0x80: its topic ACL, or its "
-            "max_subscriptions_per_client); it is tried again on reconnect",
+            "the broker refused the subscription to %s (SUBACK 0x80: its topic ACL, its max_subscriptions_per_client "
+            "or max_subscription_bytes_per_client, its store cannot write, or it is no longer the primary); it is "
+            "tried again on reconnect",
             shown_topic(subscription.filter),
         )
 
