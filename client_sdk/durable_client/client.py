@@ -897,7 +897,8 @@ class DurableClient:
         durable again while not connected (``undo_interest``): the broker applies it before the
         hello, so a filter an older connection made non-durable is either kept, durable, or ended
         (its connection ended first) and then missing from the hello's list, which subscribes it
-        again. Cleared once sent: a connection lost before the hello reply sends it again."""
+        again. Cleared at the hello reply (_replay_subscriptions): a connection lost before it sends
+        it again."""
         with self._registry.lock:
             due = [s for s in self._registry.subscriptions() if s.undo_interest]
             self._interests_undone = due
