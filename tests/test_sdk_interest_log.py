@@ -78,6 +78,19 @@ class Lives:
             return self.cond.wait_for(lambda: len(self.markers) == count, WAIT)
 
 
+def live_device(
+    sdk: Callable[..., DurableClient], port: int, client_id: str, log: Path
+) -> tuple[DurableClient, Lives]:
+    """A device on ``port`` writing its delivery log to ``log``, connected, ready_for_events() called and its
+    first marker come (its SUBACKs did), and its Lives."""
+    lives = Lives()
+    device = sdk(port, client_id, delivery_log=log, on_live=lives.on_live)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert lives.wait(1), "no marker"
+    return device, lives
+
+
 @pytest.fixture
 def proxied(broker_factory: Callable[..., Broker]) -> Iterator[Callable[..., tuple[Broker, FaultProxy, int]]]:
     """Start a broker (``broker_factory``'s keywords) and a FaultProxy in front of it: (the broker, the
@@ -272,11 +285,7 @@ def test_a_filter_made_durable_again_between_connack_and_hello_reply_is_logged_a
     broker = broker_factory(metrics_interval=0.1)
     relay = relays(broker.port)
     log = tmp_path / "device.jsonl"
-    lives = Lives()
-    device = sdk(relay.port, "window", delivery_log=log, on_live=lives.on_live)
-    device.connect(timeout=WAIT)
-    device.ready_for_events()
-    assert lives.wait(1), "no marker"
+    device, lives = live_device(sdk, relay.port, "window", log)
     device.subscribe("window/t", qos=1, durable=False, timeout=WAIT)
     relay.hold("up", is_interest(True))
     caller, outcome = made_durable_in_a_thread(device, "window/t")
@@ -496,11 +505,7 @@ def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_
     broker = broker_factory(metrics_interval=0.1)
     relay = relays(broker.port, rewrite=refuse_durable_interests)
     log = tmp_path / "device.jsonl"
-    lives = Lives()
-    device = sdk(relay.port, "refused", delivery_log=log, on_live=lives.on_live)
-    device.connect(timeout=WAIT)
-    device.ready_for_events()  # each connection's marker comes once its SUBACKs did
-    assert lives.wait(1), "no marker"
+    device, lives = live_device(sdk, relay.port, "refused", log)
     caller, outcome = refused_while_its_suback_is_held(relay, device)
     relay.release("down")  # the SUBACK comes after the refusal
     caller.join(WAIT)
@@ -543,11 +548,7 @@ def test_a_refused_change_to_durable_whose_suback_is_lost_is_said_again_and_a_re
     broker = broker_factory()
     relay = relays(broker.port, rewrite=refuse_durable_interests)
     log = tmp_path / "device.jsonl"
-    lives = Lives()
-    device = sdk(relay.port, "refused", delivery_log=log, on_live=lives.on_live)
-    device.connect(timeout=WAIT)
-    device.ready_for_events()
-    assert lives.wait(1), "no marker"
+    device, lives = live_device(sdk, relay.port, "refused", log)
     caller, outcome = refused_while_its_suback_is_held(relay, device)
     after = len(relay.seen)
     relay.cut()  # the held SUBACK is lost with the connection
@@ -671,9 +672,9 @@ def test_a_filter_the_broker_refuses_is_missing_from_each_reconnects_hello_and_i
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """sdk.md: "A SUBACK that refuses the filter (0x80: the broker's topic ACL, its `max_subscriptions_per_client`
-    ...) does not raise: it is logged as a WARNING naming those causes, the subscription stays registered and is sent again after every
-    reconnect"; the marker's `live` list holds the filters granted, "not those refused with 0x80";
-    protocol.md: the hello reply's `subscriptions` are those the session holds; delivery-log.md: a
+    ...) does not raise: it is logged as a WARNING naming those causes, the subscription stays registered and is
+    sent again after every reconnect"; the marker's `live` list holds the filters granted, "not those refused
+    with 0x80"; protocol.md: the hello reply's `subscriptions` are those the session holds; delivery-log.md: a
     `subscribe` record is written when the broker confirms the subscription (its SUBACK). A real broker
     (max_subscriptions_per_client 1), the real SDK through a relay that sees each packet. After a dropped
     link, then after the broker's SIGKILL and restart, the reconnect's hello reply lists only the granted
