@@ -78,6 +78,19 @@ class Lives:
             return self.cond.wait_for(lambda: len(self.markers) == count, WAIT)
 
 
+def live_device(
+    sdk: Callable[..., DurableClient], port: int, client_id: str, log: Path
+) -> tuple[DurableClient, Lives]:
+    """A device on ``port`` writing its delivery log to ``log``, connected, ready_for_events() called and its
+    first marker come (its SUBACKs did), and its Lives."""
+    lives = Lives()
+    device = sdk(port, client_id, delivery_log=log, on_live=lives.on_live)
+    device.connect(timeout=WAIT)
+    device.ready_for_events()
+    assert lives.wait(1), "no marker"
+    return device, lives
+
+
 @pytest.fixture
 def proxied(broker_factory: Callable[..., Broker]) -> Iterator[Callable[..., tuple[Broker, FaultProxy, int]]]:
     """Start a broker (``broker_factory``'s keywords) and a FaultProxy in front of it: (the broker, the
@@ -255,6 +268,49 @@ def test_a_filter_unsubscribed_between_connack_and_hello_reply_gets_no_record_at
     assert links.wait(lambda: links.up == 2), "no reconnect"
     found = [(r["kind"], r.get("durable")) for r in records(log, "leave/t")]
     assert found == [("subscribe", True), ("unsubscribe", None)], found
+
+
+def test_a_filter_made_durable_again_between_connack_and_hello_reply_is_logged_at_the_suback_not_the_interest_reply(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
+    tmp_path: Path, relays: Callable[..., PacketRelay],
+) -> None:
+    """A non-durable filter made durable: its `interest` is held by a relay in front of the real broker, and
+    the link is cut, so the broker drops the filter with the connection. The reconnect's CONNACK sends
+    durable: true again before its hello; both replies are held, and subscribe(same QoS, durable=True) is
+    called again in that window (not yet connected: it returns at once). The broker answers the interest ok
+    but holds nothing (the hello lists no such filter): no `true` record at the interest reply, no second
+    `interest` after the hello reply, and `true` written at the SUBACK of the SUBSCRIBE sent after it (before,
+    the new Subscription object was not among those sent before the hello: `true` was written at the
+    interest reply, and it kept its own `interest` to send again)."""
+    broker = broker_factory(metrics_interval=0.1)
+    relay = relays(broker.port)
+    log = tmp_path / "device.jsonl"
+    device, lives = live_device(sdk, relay.port, "window", log)
+    device.subscribe("window/t", qos=1, durable=False, timeout=WAIT)
+    relay.hold("up", is_interest(True))
+    caller, outcome = made_durable_in_a_thread(device, "window/t")
+    relay.wait_seen(is_interest(True))
+    relay.cut()
+    relay.release("up")  # to closed sockets: the broker never gets it
+    seen_away(clients, broker, 1)  # the broker ended the connection, and the non-durable filter with it
+    relay.hold("down", lambda p: (p.control() or {}).get("op") in ("interest", "hello"))
+    after = len(relay.seen)
+    relay.accept()
+    relay.wait_seen(is_interest(True), after)
+    hello = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "hello", after)
+    assert "window/t" not in hello.control()["subscriptions"]  # type: ignore[index]
+    device.subscribe("window/t", qos=1, durable=True, timeout=WAIT)  # not yet connected: returns at once
+    relay.hold("up", lambda p: p.kind == 8)  # the SUBSCRIBE sent after the hello reply
+    relay.release("down")  # the interest reply (ok), then the hello reply
+    relay.wait_seen(lambda p: p.direction == "up" and p.kind == 8, after)  # both replies handled
+    assert [r["durable"] for r in subscribes(log, "window/t")] == [False], "logged true before the broker held it"
+    interests = [p for p in relay.seen[after:] if is_interest(True)(p)]
+    assert len(interests) == 1, "durable: true said again after the hello reply"
+    relay.release("up")
+    assert lives.wait(2), "no reconnect"
+    caller.join(WAIT)
+    assert outcome == [None], outcome
+    assert [r["durable"] for r in subscribes(log, "window/t")] == [False, True]
 
 
 def test_a_change_to_durable_made_while_the_suback_is_on_its_way_waits_for_its_own_reply(
@@ -449,11 +505,7 @@ def test_a_change_to_durable_the_broker_refuses_before_the_suback_is_logged_non_
     broker = broker_factory(metrics_interval=0.1)
     relay = relays(broker.port, rewrite=refuse_durable_interests)
     log = tmp_path / "device.jsonl"
-    lives = Lives()
-    device = sdk(relay.port, "refused", delivery_log=log, on_live=lives.on_live)
-    device.connect(timeout=WAIT)
-    device.ready_for_events()  # each connection's marker comes once its SUBACKs did
-    assert lives.wait(1), "no marker"
+    device, lives = live_device(sdk, relay.port, "refused", log)
     caller, outcome = refused_while_its_suback_is_held(relay, device)
     relay.release("down")  # the SUBACK comes after the refusal
     caller.join(WAIT)
@@ -496,11 +548,7 @@ def test_a_refused_change_to_durable_whose_suback_is_lost_is_said_again_and_a_re
     broker = broker_factory()
     relay = relays(broker.port, rewrite=refuse_durable_interests)
     log = tmp_path / "device.jsonl"
-    lives = Lives()
-    device = sdk(relay.port, "refused", delivery_log=log, on_live=lives.on_live)
-    device.connect(timeout=WAIT)
-    device.ready_for_events()
-    assert lives.wait(1), "no marker"
+    device, lives = live_device(sdk, relay.port, "refused", log)
     caller, outcome = refused_while_its_suback_is_held(relay, device)
     after = len(relay.seen)
     relay.cut()  # the held SUBACK is lost with the connection
@@ -623,10 +671,10 @@ def test_a_filter_the_broker_refuses_is_missing_from_each_reconnects_hello_and_i
     relays: Callable[..., PacketRelay],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """sdk.md: "A SUBACK that refuses the filter (0x80: the topic ACL, `max_subscriptions_per_client`) does not
-    raise: it is logged as a WARNING, the subscription stays registered and is sent again after every
-    reconnect"; the marker's `live` list holds the filters granted, "not those refused with 0x80";
-    protocol.md: the hello reply's `subscriptions` are those the session holds; delivery-log.md: a
+    """sdk.md: "A SUBACK that refuses the filter (0x80: the broker's topic ACL, its `max_subscriptions_per_client`
+    ...) does not raise: it is logged as a WARNING naming those causes, the subscription stays registered and is
+    sent again after every reconnect"; the marker's `live` list holds the filters granted, "not those refused
+    with 0x80"; protocol.md: the hello reply's `subscriptions` are those the session holds; delivery-log.md: a
     `subscribe` record is written when the broker confirms the subscription (its SUBACK). A real broker
     (max_subscriptions_per_client 1), the real SDK through a relay that sees each packet. After a dropped
     link, then after the broker's SIGKILL and restart, the reconnect's hello reply lists only the granted
@@ -653,9 +701,9 @@ def test_a_filter_the_broker_refuses_is_missing_from_each_reconnects_hello_and_i
         device.subscribe("over/t", listener=received, timeout=WAIT)  # returns at the SUBACK: no exception
         assert suback_codes(relay, "over/t", after) == b"\x80"
         assert refusals() == 1
-        assert "max_subscriptions_per_client" in next(
-            r.getMessage() for r in caplog.records if "refused the subscription" in r.getMessage()
-        ), "the WARNING does not name the likely cause"
+        warning = next((r.getMessage() for r in caplog.records if "refused the subscription" in r.getMessage()), None)
+        assert warning is not None, "no WARNING of the refusal"
+        assert "max_subscriptions_per_client" in warning, "the WARNING does not name the cause"
         for connection, drop in ((2, relay.cut), (3, broker.restart)):
             after = len(relay.seen)
             drop()
@@ -793,19 +841,20 @@ def test_a_filter_refused_by_its_suback_then_made_non_durable_writes_no_record(
 
 
 @pytest.mark.parametrize("refused", [True, False], ids=["refused-at-reconnect", "applied-at-reconnect"])
-def test_a_change_to_durable_at_a_new_qos_lost_before_its_reply_returns_at_the_reconnects_outcome(
+@pytest.mark.parametrize("new_qos", [True, False], ids=["new-qos", "same-qos"])
+def test_a_change_to_durable_lost_before_its_reply_returns_at_the_reconnects_outcome(
     broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
     tmp_path: Path,
-    *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture, refused: bool,
+    *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture, refused: bool, new_qos: bool,
 ) -> None:
     """sdk.md: a subscribe() whose connection is lost first "waits for the SUBACK of the SUBSCRIBE sent again
     after the reconnect, or for the reconnect's confirmation of the change". A non-durable filter made durable
-    at a new QoS: its SUBACK came, its `interest` reply is held by a relay in front of the real broker, and
-    the link is cut. The reconnect says the change again before its hello; its hello reply is held. Refused
-    there (the relay spoils the request: `bad_filter`), the reconnect subscribes the filter non-durable
-    after the hello reply: subscribe() returns at that SUBACK (before, at the refusal, while the hello
-    reply was still held and no SUBSCRIBE sent), which writes `false`. Applied, it returns at the hello reply
-    or the SUBACK after it, and `true` is written.
+    at a new QoS (its SUBACK came) or at the same QoS (a change of durability only: no SUBSCRIBE), its
+    `interest` reply held by a relay in front of the real broker, and the link is cut. The reconnect says the
+    change again before its hello; its hello reply is held. Refused there (the relay spoils the request:
+    `bad_filter`), the reconnect subscribes the filter non-durable after the hello reply: subscribe() returns
+    at that SUBACK (before, at the refusal, while the hello reply was still held and no SUBSCRIBE sent), which
+    writes `false`. Applied, it returns at the hello reply or the SUBACK after it, and `true` is written.
 
     The broker had applied the change whose reply was lost, so the hello reply lists the filter, durable.
     Refused at the reconnect, the filter is subscribed non-durable all the same ("also when the hello reply
@@ -822,20 +871,26 @@ def test_a_change_to_durable_at_a_new_qos_lost_before_its_reply_returns_at_the_r
     device.connect(timeout=WAIT)
     device.ready_for_events()
     assert lives.wait(1), "no marker"
-    device.subscribe("lost/t", qos=0, durable=False, listener=received, timeout=WAIT)
+    first_qos = 0 if new_qos else 1
+    device.subscribe("lost/t", qos=first_qos, durable=False, listener=received, timeout=WAIT)
     relay.hold("down", lambda p: (p.control() or {}).get("op") == "interest")
     after = len(relay.seen)
-    returned_at: list[int] = []  # len(relay.seen) when subscribe() returned
+    outcome: list[int | BaseException] = []  # len(relay.seen) when subscribe() returned, or what it raised
 
     def make_durable() -> None:
-        device.subscribe("lost/t", qos=1, durable=True, listener=received, timeout=WAIT)
-        returned_at.append(len(relay.seen))
+        try:
+            device.subscribe("lost/t", qos=1, durable=True, listener=received, timeout=WAIT)
+            outcome.append(len(relay.seen))
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
 
     caller = threading.Thread(target=make_durable, daemon=True)
     caller.start()
-    relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, after)  # the SUBACK: let through
+    if new_qos:
+        relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, after)  # the SUBACK: let through
     relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "interest", after)
-    assert wait_until(lambda: len(subscribes(log, "lost/t")) == 2, WAIT), "the SUBACK wrote no record"
+    if new_qos:
+        assert wait_until(lambda: len(subscribes(log, "lost/t")) == 2, WAIT), "the SUBACK wrote no record"
     assert caller.is_alive(), "subscribe() returned before the broker's interest reply"
 
     relay.cut()
@@ -852,18 +907,23 @@ def test_a_change_to_durable_at_a_new_qos_lost_before_its_reply_returns_at_the_r
         if refused:  # logged by the network thread as it handles the refusal, before it wakes subscribe()
             assert wait_until(lambda: any("refused 'interest'" in r.getMessage() for r in caplog.records), WAIT)
         hello = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "hello", after)
-        caller.join(0.5)  # bounded: one woken by the refusal returns at once
-        assert caller.is_alive(), "subscribe() returned while the reconnect's hello reply was held"
+        # Timed, one-sided (it cannot fail wrongly): one woken by the interest reply returns at once, while the hello
+        # reply is held. Refused, the SUBACK index check below is the exact one; applied, nothing better is seen.
+        caller.join(0.5)
+        assert caller.is_alive(), f"subscribe() returned while the reconnect's hello reply was held: {outcome}"
         relay.release("down")
         caller.join(WAIT)
-    assert returned_at, "subscribe() did not return"
+    assert outcome, "subscribe() did not return"
+    if isinstance(outcome[0], BaseException):
+        raise AssertionError("subscribe() raised") from outcome[0]
+    returned_at = outcome[0]
     assert lives.wait(2), "no reconnect"
     confirmed_after = relay.seen.index(hello, after)
     if refused:  # the SUBSCRIBE sent again after the hello reply, and its SUBACK, came before the return
         suback = relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, confirmed_after)
-        assert relay.seen.index(suback, confirmed_after) < returned_at[0]
-    assert returned_at[0] > confirmed_after
-    expected = [(0, False), (1, False), (1, not refused)]
+        assert relay.seen.index(suback, confirmed_after) < returned_at
+    assert returned_at > confirmed_after
+    expected = [(first_qos, False), *([(1, False)] if new_qos else []), (1, not refused)]
     assert [(r["qos"], r["durable"]) for r in subscribes(log, "lost/t")] == expected
     assert hello.control()["subscriptions"] == {"fence/t": 1, "lost/t": 1}  # type: ignore[index]
     if not refused:

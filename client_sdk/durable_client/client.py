@@ -478,6 +478,9 @@ class DurableClient:
                     subscription.answered = previous.answered
                     subscription.interest_req, subscription.interest_due = previous.interest_req, previous.interest_due
                     subscription.false_logged = previous.false_logged
+                    # Its interest went before this connection's hello (same req): its reply and the hello reply
+                    # apply to this object (_interest_replied, _replay_subscriptions), not the replaced one.
+                    self._interests_undone = [subscription if s is previous else s for s in self._interests_undone]
                 # The broker refused durable: true earlier and holds it non-durable, whatever the QoS.
                 subscription.refused = durable and previous is not None and previous.refused
                 if not self._connected:
@@ -894,7 +897,8 @@ class DurableClient:
         durable again while not connected (``undo_interest``): the broker applies it before the
         hello, so a filter an older connection made non-durable is either kept, durable, or ended
         (its connection ended first) and then missing from the hello's list, which subscribes it
-        again. Cleared once sent: a connection lost before the hello reply sends it again."""
+        again. Cleared at the hello reply (_replay_subscriptions): a connection lost before it sends
+        it again."""
         with self._registry.lock:
             due = [s for s in self._registry.subscriptions() if s.undo_interest]
             self._interests_undone = due
@@ -1303,8 +1307,9 @@ class DurableClient:
     def _warn_refused(subscription: Subscription) -> None:
         """(At a SUBACK that refuses it, before subscribe() returns: the WARNING is there when it does.)"""
         log.warning(
-            "the broker refused the subscription to %s (SUBACK 0x80: its topic ACL, or its "
-            "max_subscriptions_per_client); it is tried again on reconnect",
+            "the broker refused the subscription to %s (SUBACK 0x80: its topic ACL, its max_subscriptions_per_client "
+            "or max_subscription_bytes_per_client, its store cannot write, or it is no longer the primary); it is "
+            "tried again on reconnect",
             shown_topic(subscription.filter),
         )
 

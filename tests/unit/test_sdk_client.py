@@ -379,7 +379,8 @@ def test_refused_suback_is_logged_and_retried(make: Any, caplog: pytest.LogCaptu
     with caplog.at_level(logging.WARNING, logger="durable_client"):
         client._handle_subscribed(sub.mid, False)
     assert "refused the subscription to secret/#" in caplog.text
-    assert "topic ACL" in caplog.text and "max_subscriptions_per_client" in caplog.text, "the likely causes"
+    causes = ("topic ACL", "max_subscriptions_per_client", "max_subscription_bytes_per_client", "store", "primary")
+    assert all(cause in caplog.text for cause in causes), "the causes of a 0x80"
     lose(client, link)
     connect(client, link, session_present=True)
     assert link.wire() == [("subscribe", "secret/#", 1)]
