@@ -274,7 +274,9 @@ class StreamSender:
                 for done in [i for i in cursor.inflight if i <= upto]:
                     del cursor.inflight[done]
             cursor.acked = upto
-            cursor.resends = 0
+            if cursor.resends:
+                cursor.resends = 0
+                self._hasten(cursor)
             if not cursor.inflight and cursor.timer is not None:
                 cursor.timer.cancel()
                 cursor.timer = None
@@ -483,6 +485,20 @@ class StreamSender:
         if cursor.inflight and cursor.timer is None:
             head = next(iter(cursor.inflight.values()))
             cursor.timer = loop.call_later(max(head - loop.time(), 0.0), self._expire, cursor)
+
+    def _hasten(self, cursor: _Cursor) -> None:
+        """Progress after backed-off resends: what is still in flight waits no longer than a first send
+        does (``ack_timeout`` from now), not the longer wait its last resend was given. (Without resends
+        every deadline is within ``ack_timeout`` already.) The ids stay in deadline order."""
+        loop = asyncio.get_running_loop()
+        soonest = loop.time() + self._ack_timeout
+        for event_id, deadline in cursor.inflight.items():
+            if deadline > soonest:
+                cursor.inflight[event_id] = soonest
+        if cursor.timer is not None:
+            cursor.timer.cancel()
+            cursor.timer = None
+        self._arm(cursor, loop)
 
     def _expire(self, cursor: _Cursor) -> None:
         """Resend what waited for its ack (flag redelivered): ``ack_timeout`` at first, twice as long

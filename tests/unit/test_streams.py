@@ -386,6 +386,30 @@ def test_retransmit_after_ack_timeout_with_the_redelivered_flag(db: Any) -> None
     run(main)
 
 
+def test_progress_after_backed_off_resends_brings_the_next_resend_back_to_ack_timeout(db: Any) -> None:
+    """protocol.md: "any progress starts again at stream_ack_timeout": an ack after resends that waited
+    longer and longer leaves what is still in flight due ack_timeout after it, not after the longer wait
+    its last resend was given (it was: 2 waited out 0.05 x 2**4 after the ack)."""
+
+    async def main() -> None:
+        logs, committer = make_logs(db)
+        await publish(logs, committer, "s/a")
+        await publish(logs, committer, "s/a")
+        sender, recorder = sender_for(logs, window=2, ack_timeout=0.05)
+        await sender.subscribe("s/a")
+        await recorder.wait_for(lambda _: recorder.ids().count(1) >= 5, WAIT)  # sent, then 4 resends
+        loop = asyncio.get_running_loop()
+        sender.ack("s/a", 1)
+        acked_at = loop.time()
+        cursor = sender._cursors["s/a"]  # the due times are what this test is about
+        assert list(cursor.inflight) == [2]
+        assert cursor.inflight[2] <= acked_at + 0.05
+        assert cursor.timer is not None and cursor.timer.when() <= acked_at + 0.05
+        sender.stop()
+
+    run(main)
+
+
 def test_gaps_reported_after_trimming(db: Any) -> None:
     async def main() -> None:
         logs, committer = make_logs(db, [StreamConfig("s/#", max_count=3)])
