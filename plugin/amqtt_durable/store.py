@@ -763,8 +763,7 @@ def iter_entries(
     by key: drop-oldest, session deletion), and so does a key of the wrong length (its seq -1)."""
     if limit is not None and limit <= 0:
         return
-    start = queue_prefix(sid) + _U64.pack(start_seq)
-    rows = db.iterator(start=start, stop=queue_prefix(sid + 1), verify_checksums=True)
+    rows = _queue_rows(db, sid, start_seq, queue_prefix(sid + 1))
     key_size = KEY_SIZES[b"q"]
     entry_size = _ENTRY.size
     unpack = _ENTRY.unpack
@@ -781,6 +780,21 @@ def iter_entries(
             yield damaged
         if limit is not None and count >= limit:
             return
+
+
+def _queue_rows(db: Any, sid: int, start_seq: int, stop: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """One session's queue rows from entry ``start_seq``'s place up to the key ``stop``, starting right
+    after entry ``start_seq - 1``'s key, not at ``start_seq``'s: a key too short for a queue entry that
+    sorts between the two (damage) is met there, so a read after one cut short by it (delivery's, and
+    drop-oldest's from the same place) fails on it again, reported, instead of starting past it and
+    skipping it. A key too long that begins with entry ``start_seq - 1``'s is passed over: the read
+    that met entry ``start_seq - 1`` may have read it too (as that entry)."""
+    prefix = queue_prefix(sid)
+    if start_seq <= 0:
+        return iter(db.iterator(start=prefix + _U64.pack(max(start_seq, 0)), stop=stop, verify_checksums=True))
+    previous = prefix + _U64.pack(start_seq - 1)
+    rows = db.iterator(start=previous + b"\x00", stop=stop, verify_checksums=True)
+    return dropwhile(lambda row: row[0].startswith(previous), rows)
 
 
 def damaged_entry(sid: int, key: bytes, value: bytes, client_id: str | None = None) -> DamagedEntry:
@@ -1031,27 +1045,16 @@ def read_entry_run(
     db: Any, sid: int, start_seq: int, tail: int, limit: int
 ) -> tuple[list[Entry], BaseException | None]:
     """Up to ``limit`` queue entries of one session from ``start_seq`` to ``tail``, in one iterator pass,
-    and the error that cut the run short (plyvel.Error, ValueError, struct.error; None: no damage met).
-
-    The pass starts right after entry ``start_seq - 1``'s key, not at ``start_seq``'s: a key too short
-    for a queue entry that sorts between the two (damage) is met there, so the run after one cut short
-    by it fails at once on it (reported and retried) instead of starting past it and skipping it. A key
-    too long that begins with entry ``start_seq - 1``'s was read (as that entry) by the run that read
-    it, and is passed over."""
+    and the error that cut the run short (plyvel.Error, ValueError, struct.error; None: no damage met)."""
     entries: list[Entry] = []
     if limit <= 0:
         return entries, None
     append = entries.append
     unpack_seq = _U64.unpack_from
     unpack = _ENTRY.unpack
-    prefix = queue_prefix(sid)
     if tail < start_seq:
         return entries, None
-    previous = prefix + _U64.pack(start_seq - 1) if start_seq > 0 else None
-    first = prefix + _U64.pack(start_seq) if previous is None else previous + b"\x00"
-    rows = db.iterator(start=first, stop=prefix + _U64.pack(tail + 1), verify_checksums=True)
-    if previous is not None:
-        rows = dropwhile(lambda row: row[0].startswith(previous), rows)
+    rows = _queue_rows(db, sid, start_seq, queue_prefix(sid) + _U64.pack(tail + 1))
     try:
         for key, value in islice(rows, limit):
             msg_id, qos, flags, size = unpack(value)

@@ -24,9 +24,11 @@ from amqtt_durable.store import (
     BODY_TOPIC_FIELD,
     FLAG_SHARED,
     Body,
+    DamagedEntry,
     Entry,
     SessionRecord,
     body_key,
+    iter_entries,
     read_entry_run,
     read_session_state,
     read_stored_bodies,
@@ -193,6 +195,28 @@ def test_read_stored_bodies_raises_on_a_body_that_does_not_decode(tmp_path: Path
         db.put(body_key(5), b"\x00")
         with pytest.raises(struct.error):
             read_stored_bodies(db, list(range(1, 11)))
+    finally:
+        db.close()
+
+
+def test_a_too_short_queue_key_is_met_by_the_read_after_the_entry_before_it(tmp_path: Path) -> None:
+    """A 16-byte queue key sorting between entries 255 and 256 (damage): a read from 256 on (delivery's
+    run after one cut short there, drop-oldest's scan from the pump's next unread) meets it first, it
+    is not skipped; a too-long key beginning with entry 255's is passed over from 256 on."""
+    db = _store(tmp_path, list(range(1, 261)))  # entries 1 .. 260
+    try:
+        short = b"q" + struct.pack(">Q", 1) + b"\x00" * 6 + b"\x01"
+        db.put(short, b"x" * 13)
+        db.put(b"q" + struct.pack(">QQ", 1, 255) + b"+", b"x" * 13)
+        entries, damage = read_entry_run(db, 1, 256, 300, 100)
+        assert entries == [] and damage is not None, "the read from 256 starts past the short key"
+        scanned = iter_entries(db, 1, 256, keep_damaged=True)
+        first = next(scanned)
+        assert isinstance(first, DamagedEntry) and first.seq == -1 and first.key == short
+        assert [e.seq for e in scanned] == list(range(256, 261))
+        db.delete(short)
+        entries, damage = read_entry_run(db, 1, 256, 300, 100)
+        assert [e.seq for e in entries] == list(range(256, 261)) and damage is None
     finally:
         db.close()
 
