@@ -495,6 +495,8 @@ class StreamSender:
         for event_id, deadline in cursor.inflight.items():
             if deadline > soonest:
                 cursor.inflight[event_id] = soonest
+        if cursor.read_failures:  # a failed read's retry keeps its pause (operations.md); it resends these then
+            return
         if cursor.timer is not None:
             cursor.timer.cancel()
             cursor.timer = None

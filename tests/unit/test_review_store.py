@@ -392,6 +392,37 @@ def test_a_stream_sender_meeting_the_store_closed_by_a_failed_reopen_retries_the
     asyncio.run(main())
 
 
+def test_progress_after_resends_keeps_the_pause_of_a_failed_reads_retry(store_path: str) -> None:
+    """An ack that makes progress after backed-off resends brings what is in flight forward, but a
+    resend whose read failed waits out its retry pause (1 s first, as its ERROR says), not tried again
+    at once (it was: the ack re-armed the timer at the overdue resend)."""
+    stream_store(store_path, 3)
+
+    async def main() -> None:
+        db = open_store(store_path, create=False)
+        logs = StreamLogs(db, GroupCommitter(db, **COMMITTER), [StreamConfig("s/#")], store_path)
+        logs.load()
+        sender, recorder = sender_for(logs, window=2, ack_timeout=0.05)
+        seen = _Seen("the store is damaged")
+        logging.getLogger("amqtt_durable").addHandler(seen)
+        try:
+            await sender.subscribe("s/a", window=2)
+            await recorder.wait_for(lambda _: recorder.ids().count(1) >= 2, GENEROUS)  # one resend: backed off
+            db.put(event_key("s/a", 2), b"\x00")  # the next resend's read fails on it
+            await asyncio.wait_for(seen.event.wait(), GENEROUS)
+        finally:
+            logging.getLogger("amqtt_durable").removeHandler(seen)
+        sender.ack("s/a", 1, refill=False)
+        cursor = sender._cursors["s/a"]  # the retry's due time is what this test is about
+        assert cursor.timer is not None
+        assert cursor.timer.when() - asyncio.get_running_loop().time() > 0.5, "the retry's 1 s pause was cut"
+        assert logs.read_errors == 1
+        sender.stop()
+        db.close()
+
+    asyncio.run(main())
+
+
 def test_a_stream_sender_meeting_a_damaged_log_reports_it_and_retries(store_path: str) -> None:
     """An event that does not decode: an ERROR with the repair advice, counted, tried again; nothing
     skipped. (Flipped bytes in a table holding a log stop the start already: see the migration test.)"""
