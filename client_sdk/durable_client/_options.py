@@ -19,7 +19,14 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from durable_protocol import CONTROL_PREFIX, MAX_STREAM_WINDOW, filter_is_valid, int_digits, too_many_digits
+from durable_protocol import (
+    CONTROL_PREFIX,
+    MAX_STREAM_WINDOW,
+    filter_is_valid,
+    int_digits,
+    long_fraction,
+    too_many_digits,
+)
 from durable_protocol.hostport import parse_host
 
 from ._paho import topic_matches
@@ -320,10 +327,8 @@ def _show(value: object) -> str:
     """``repr(value)``, cut short: a 65536-byte topic must not make a 65536-character message."""
     if isinstance(value, int) and too_many_digits(value):  # its repr would be slow, or raise ValueError
         return f"an integer of {value.bit_length()} bits"
-    if isinstance(value, numbers.Rational) and not isinstance(value, int):  # a Fraction: its repr shows both ints
-        numerator, denominator = int(value.numerator), int(value.denominator)
-        if too_many_digits(numerator) or too_many_digits(denominator):
-            return f"a fraction of {numerator.bit_length()}/{denominator.bit_length()} bits"
+    if (parts := long_fraction(value)) is not None:
+        return f"a fraction of {parts[0].bit_length()}/{parts[1].bit_length()} bits"
     text = repr(value)
     if len(text) <= _SHOWN:
         return text

@@ -83,7 +83,8 @@ def check_paho(client: mqtt.Client) -> None:
     """Refuse, naming what is missing, a paho whose client lacks what the link needs: at ``connect()``,
     not at the first reconnect that would misbehave."""
     missing = [name for name in _CLIENT_INTERNALS if not hasattr(client, name)]
-    missing += [f"MQTTMessageInfo.{name}" for name in ("_set_as_published",) if not hasattr(mqtt.MQTTMessageInfo, name)]
+    if not hasattr(mqtt.MQTTMessageInfo, "_set_as_published"):
+        missing.append("MQTTMessageInfo._set_as_published")
     if missing:
         version = getattr(paho.mqtt, "__version__", "of unknown version")
         raise DurableClientError(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import numbers
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ __all__ = [
     "encode_request",
     "filter_is_valid",
     "int_digits",
+    "long_fraction",
     "parse_request",
     "remaining_length",
     "request_ids",
@@ -362,6 +364,15 @@ def too_many_digits(number: int) -> bool:
     """Whether ``number`` has more than ``int_digits()`` decimal digits, found without writing it
     (writing one costs time quadratic in its digits, or raises ValueError past Python's limit)."""
     return abs(number) >= _first_too_long(int_digits())
+
+
+def long_fraction(value: object) -> tuple[int, int] | None:
+    """The numerator and denominator of a Fraction (any non-integer ``numbers.Rational``) when either has
+    more than ``int_digits()`` digits, so its repr would be slow or raise ValueError; None otherwise."""
+    if not isinstance(value, numbers.Rational) or isinstance(value, int):
+        return None
+    numerator, denominator = int(value.numerator), int(value.denominator)
+    return (numerator, denominator) if too_many_digits(numerator) or too_many_digits(denominator) else None
 
 
 @functools.lru_cache(maxsize=4)  # one limit at a time, in practice: the interpreter's may change

@@ -6,13 +6,12 @@ YAML booleans are ints to Python, so each scalar kind is checked exactly, not wi
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import yaml
 
-from durable_protocol import int_digits, too_many_digits
+from durable_protocol import int_digits, long_fraction, too_many_digits
 
 from .errors import ConfigError
 
@@ -35,11 +34,7 @@ def refuse_long_ints(where: str, value: Any) -> None:
     naming the setting."""
     if isinstance(value, int) and too_many_digits(value):
         raise ConfigError(where, f"an integer of more than {int_digits()} digits")
-    if (
-        isinstance(value, numbers.Rational)  # a Fraction: its repr shows both
-        and not isinstance(value, int)
-        and (too_many_digits(int(value.numerator)) or too_many_digits(int(value.denominator)))
-    ):
+    if long_fraction(value) is not None:
         raise ConfigError(where, f"a fraction of an integer of more than {int_digits()} digits")
     if isinstance(value, Mapping):
         for key, item in value.items():

@@ -790,8 +790,8 @@ def _queue_rows(db: Any, sid: int, start_seq: int, stop: bytes) -> Iterator[tupl
     skipping it. A key too long that begins with entry ``start_seq - 1``'s is passed over: the read
     that met entry ``start_seq - 1`` may have read it too (as that entry)."""
     prefix = queue_prefix(sid)
-    if start_seq <= 0:
-        return iter(db.iterator(start=prefix + _U64.pack(max(start_seq, 0)), stop=stop, verify_checksums=True))
+    if start_seq == 0:
+        return iter(db.iterator(start=prefix + _U64.pack(0), stop=stop, verify_checksums=True))
     previous = prefix + _U64.pack(start_seq - 1)
     rows = db.iterator(start=previous + b"\x00", stop=stop, verify_checksums=True)
     return dropwhile(lambda row: row[0].startswith(previous), rows)
