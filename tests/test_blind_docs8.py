@@ -1,0 +1,254 @@
+"""Black-box tests written from README.md, docs/guarantees.md, store-layout.md, architecture.md and
+configuration.md alone, at the edges earlier rounds left open: the in-flight window's refill at and
+below 32, every drop logged with `drop_log_interval: 0`, a unicode client id in the overflow and
+expiry lines, and which writes wait for company with `sync: true`. Each quotes its promise."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import plyvel
+import pytest
+from raw_mqtt_helpers import connect_packet
+from test_blind_ops3 import wait_for_log
+from test_hostile_store import folder_digest
+
+from conftest import HOST, WAIT, Broker, Client, payloads, run_cli
+
+pytestmark = pytest.mark.timeout(120)
+
+UNICODE_ID = "dévice-ü/温度"
+"""A client id with accents, a slash and CJK characters (all of them valid in MQTT's UTF-8 strings)."""
+
+
+def queued_for_away_device(
+    clients: Callable[..., Client], broker: Broker, client_id: str, count: int, topic: str = "w/t"
+) -> None:
+    """Durable ``client_id`` subscribes to ``topic`` at QoS 1 and leaves; a clean publisher then
+    publishes ``count`` QoS 1 messages to it (all acknowledged, so all queued or dropped)."""
+    device = clients(broker.port, client_id)
+    device.subscribe(topic, 1)
+    device.disconnect()
+    clients(broker.port, f"pub-{client_id}", clean_session=True).publish(topic, payloads(count), qos=1)
+
+
+# ------------------------------------------------------------------ guarantees.md / configuration.md: the window
+
+
+@pytest.mark.parametrize(("window", "quarter"), [(32, 8), (1, 1), (31, 1)])
+def test_the_window_refills_a_quarter_at_a_time_from_32_and_at_each_ack_below(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], window: int, quarter: int
+) -> None:
+    """configuration.md `recovery_buffer` (1 to 65535): "also the in-flight window (a full window of 32
+    or more is refilled a quarter at a time: with 100, the next 25 go once 25 are acknowledged)";
+    guarantees.md: "at most that many QoS 1/2 messages are sent and not yet acknowledged". At 32 a
+    quarter is 8: seven acks bring nothing, the eighth the next 8. Below 32 (1 and 31) the quarter rule
+    does not hold: each ack lets the next message go."""
+    broker = broker_factory(recovery_buffer=window)
+    queued_for_away_device(clients, broker, "win-dev", window + 20)
+    device = clients(broker.port, "win-dev", manual_ack=True)
+    assert len(device.wait_messages(window)) >= window
+    assert not device.wait_for(lambda ms: len(ms) > window, timeout=1.0), f"more than {window} in flight"
+    for message in device.messages[: quarter - 1]:
+        device.paho.ack(message.mid, message.qos)
+    if quarter > 1:
+        assert not device.wait_for(lambda ms: len(ms) > window, timeout=1.0), "refilled before a quarter was acked"
+    last = device.messages[quarter - 1]
+    device.paho.ack(last.mid, last.qos)
+    assert device.wait_for(lambda ms: len(ms) >= window + quarter), f"the ack of {quarter} refills {quarter}"
+    assert not device.wait_for(lambda ms: len(ms) > window + quarter, timeout=0.5), "refilled more than a quarter"
+    assert [m.payload for m in device.messages] == payloads(window + quarter), "in order, none twice"
+    assert not any(m.dup for m in device.messages), "first sends carry no DUP"
+
+
+# ------------------------------------------------------------------ guarantees.md: overflow and expiry lines
+
+
+def test_drop_log_interval_0_logs_every_drop_naming_a_unicode_client_id_as_it_is(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """configuration.md `drop_log_interval` (finite number >= 0): "Seconds between two overflow warnings
+    of one session (drops are always counted)"; guarantees.md: logged "at most once per
+    `drop_log_interval` seconds per session: `session <id>: queue full at its limit of <n> messages
+    (overflow <policy>): dropped <k> message(s) since the last warning, <total> in all`". With 0 no
+    drop waits for a later line: three drops, three WARNINGs counting 1, 2 and 3 in all. `<id>` is the
+    client id as the client wrote it."""
+    broker = broker_factory(
+        max_depth=2, max_depth_disconnected=2, overflow="drop-newest", drop_log_interval=0
+    )
+    queued_for_away_device(clients, broker, UNICODE_ID, 5)
+    prefix = f"session {UNICODE_ID}: queue full at its limit of 2 messages (overflow drop-newest): "
+    assert broker.wait_until(lambda: len([ln for ln in broker.log().splitlines() if prefix in ln]) >= 3, WAIT)
+    lines = [line for line in broker.log().splitlines() if prefix in line]
+    assert all("WARNING" in line for line in lines), lines
+    tails = [line.split(prefix, 1)[1] for line in lines]
+    assert tails == [f"dropped 1 message(s) since the last warning, {total} in all" for total in (1, 2, 3)]
+    device = clients(broker.port, UNICODE_ID)
+    assert [m.payload for m in device.wait_messages(2)] == payloads(2), "drop-newest kept the first two"
+
+
+def test_the_expiry_line_and_event_name_a_unicode_client_id_as_it_is(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Expiry: "the broker logs a WARNING (`durable session <id> expired after <n> s
+    disconnected: <m> queued message(s) and its subscriptions deleted`) and publishes, at QoS 1, on
+    `$SYS/broker/durable/expired`: `{"client_id": "...", "messages_dropped": 12, "disconnected_at":
+    1700000000.0}`"; "`session_expiry: 0` deletes a session as soon as it disconnects"; "A client that
+    returns after expiry is a new client (session_present=0)"."""
+    broker = broker_factory(session_expiry=0)
+    watcher = clients(broker.port, "exp-watch", clean_session=True)
+    assert watcher.subscribe("$SYS/broker/durable/expired", 1) == [1]
+    device = clients(broker.port, UNICODE_ID)
+    device.subscribe("exp/t", 1)
+    before = time.time()
+    device.disconnect()
+    assert watcher.wait_for(lambda ms: len(ms) >= 1), "the expiry event"
+    (event,) = watcher.messages
+    assert event.qos == 1 and not event.retain
+    body = json.loads(event.payload)
+    assert body["client_id"] == UNICODE_ID and body["messages_dropped"] == 0
+    assert isinstance(body["disconnected_at"], float) and before - 1 <= body["disconnected_at"] <= time.time() + 1
+    expected = f"durable session {UNICODE_ID} expired after 0 s disconnected: 0 queued message(s) and its subscriptions deleted"
+    (line,) = wait_for_log(broker, f"durable session {UNICODE_ID} expired")
+    assert "WARNING" in line and line.endswith(expected), line
+    assert clients(broker.port, UNICODE_ID).session_present is False
+
+
+# ------------------------------------------------------------------ guarantees.md: group commit with sync
+
+
+def puback_time(client: Client, count: int) -> float:
+    """Seconds from handing ``count`` QoS 1 publishes to paho in one go to the last one's PUBACK."""
+    start = time.monotonic()
+    infos = [client.paho.publish("gc/t", f"g{i}", qos=1) for i in range(count)]
+    for info in infos:
+        info.wait_for_publish(WAIT)
+        assert info.is_published()
+    return time.monotonic() - start
+
+
+def test_with_sync_a_lone_publish_waits_batch_delay_ms_and_connects_subscribes_and_a_threshold_do_not(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Group commit: "with `sync: true` ... a commit ... starts: at once when
+    `pending_threshold` ... or `batch_size` ... requests wait, otherwise `batch_delay_ms` ... after the
+    first one"; "Connects, subscribes and a delivery pump about to send never wait for company"; "a lone
+    publisher that waits for each PUBACK gets at most about `1000 / batch_delay_ms` messages per
+    second". With a delay of 1.5 s: a lone publish's PUBACK waits about that long; a durable CONNECT and
+    a SUBSCRIBE (both stored before their answer) do not; nor do `pending_threshold` publishes in one
+    write, nor `batch_size` ones while the threshold is higher."""
+    delay = 1.5
+    for threshold, batch, together in ((3, 5000, 3), (1000, 4, 4)):
+        broker = broker_factory(sync=True, batch_delay_ms=delay * 1000, pending_threshold=threshold, batch_size=batch)
+        start = time.monotonic()
+        subscriber = clients(broker.port, f"gc-sub-{threshold}")
+        assert subscriber.subscribe("gc/t", 1) == [1]
+        assert time.monotonic() - start < delay * 0.6, "a durable CONNECT and SUBSCRIBE wait for no company"
+        subscriber.disconnect()  # its queue is what each publish writes
+        publisher = clients(broker.port, f"gc-pub-{threshold}", clean_session=True)
+        assert puback_time(publisher, 1) >= delay * 0.9, "a lone publish waits batch_delay_ms for company"
+        assert puback_time(publisher, together) < delay * 0.6, f"{together} publishes in one write start a commit"
+        broker.stop()
+
+
+# ------------------------------------------------------------------ configuration.md: a lowered session limit
+
+
+def durable_connack(port: int, client_id: str, *, clean: bool = False) -> int | None:
+    """The CONNACK return code a raw CONNECT of ``client_id`` gets (None: closed without one); the
+    connection is then ended with DISCONNECT."""
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet(client_id, clean=clean))
+        reply = sock.recv(4)
+        with contextlib.suppress(OSError):
+            sock.sendall(bytes((0xE0, 0)))
+        return reply[3] if reply[:2] == b"\x20\x02" and len(reply) == 4 else None
+
+
+def test_a_store_over_a_lowered_session_limit_keeps_them_all_and_takes_a_new_one_only_below_it(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """configuration.md `max_durable_sessions`: "A store that holds more (the limit was lowered) keeps
+    them all and takes no new one until it holds fewer"; "A durable session's own reconnect is always
+    accepted"; "a session that ends (... a clean CONNECT of its client id ...) frees its place at once";
+    "logged as a WARNING naming the client id and the limit"."""
+    broker = broker_factory()
+    held = ["low-a", "low-b", "low-c"]
+    for client_id in held:
+        assert durable_connack(broker.port, client_id) == 0
+    broker.stop()
+    broker.settings["max_durable_sessions"] = 2
+    broker.start()
+    for client_id in held:
+        device = clients(broker.port, client_id)
+        assert device.session_present is True, f"{client_id}: kept over the lowered limit"
+        device.disconnect()
+    assert durable_connack(broker.port, "low-new-1") == 3, "3 held, limit 2"
+    (line,) = wait_for_log(broker, "low-new-1")
+    assert "WARNING" in line and "max_durable_sessions" in line and "2" in line.split("low-new-1", 1)[1], line
+    assert durable_connack(broker.port, "low-a", clean=True) == 0, "a clean CONNECT ends low-a's session"
+    assert durable_connack(broker.port, "low-new-2") == 3, "2 held, limit 2: still none new"
+    assert durable_connack(broker.port, "low-b", clean=True) == 0
+    assert durable_connack(broker.port, "low-new-3") == 0, "1 held: a new one is taken"
+    assert durable_connack(broker.port, "low-new-4") == 3, "2 held again"
+    assert durable_connack(broker.port, "low-c") == 0, "a session's own reconnect at the limit"
+
+
+# ------------------------------------------------------------------ store-layout.md: repair's judgement of a folder
+
+
+@pytest.mark.parametrize(
+    ("keys", "accepted"),
+    [
+        ({b"i": bytes(8), b"user:1": b"alice"}, True),  # the store id `i` (an 8-byte value) alone decides
+        ({b"i": bytes(7), b"user:1": b"alice"}, False),  # a 7-byte `i` is no store id
+        ({b"s" + "dévice".encode(): b"{}", b"R\x00snapshot": b"", b"R": b""}, True),
+        ({b"s\xff\xfe": b"{}"}, False),  # `s` followed by bytes that are not UTF-8
+        ({b"R\x00snapshots": b""}, False),  # `R` NUL and something other than `snapshot`
+        ({b"q" + bytes(17): b""}, False),  # `q` and 17 bytes
+        ({b"w" + bytes(8): b"", b"m" + bytes(8): b"", b"c" + bytes(8): b"", b"x" + bytes(10): b""}, True),
+    ],
+    ids=["i-8-bytes", "i-7-bytes", "s-R-shapes", "s-not-utf8", "R-nul-other", "q-17-bytes", "w-m-c-x"],
+)
+def test_repair_takes_a_folder_by_its_8_byte_store_id_or_key_shapes_alone(
+    tmp_path: Path, keys: dict[bytes, bytes], accepted: bool
+) -> None:
+    """store-layout.md: "`amqtt-durable repair` takes a LevelDB folder for a store of this plugin only
+    when it holds `v` or the store id `i` (an 8-byte value), or when every key it holds has the shape
+    of a key of this layout: `q` and 16 bytes; `t`, `w`, `m` or `c` and 8 bytes; `x` and 10 bytes; `v`,
+    `i`, `n`, `M`, `R` and `R` NUL `snapshot` alone; `s`, `r` or `L` followed by UTF-8 ...". "It refuses
+    another program's LevelDB without touching it"."""
+    store = str(tmp_path / "store")
+    db = plyvel.DB(store, create_if_missing=True)
+    for key, value in keys.items():
+        db.put(key, value)
+    db.close()
+    before = folder_digest(store)
+    result = run_cli("repair", store)
+    if accepted:
+        assert result.returncode == 0, result.stdout + result.stderr
+    else:
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "it is not an amqtt-durable store but another program's LevelDB" in result.stderr, result.stderr
+        assert folder_digest(store) == before, "a file of the refused folder changed"
+
+
+def test_the_expiry_line_gives_a_fractional_session_expiry_as_configured(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Expiry: the WARNING `durable session <id> expired after <n> s disconnected: <m>
+    queued message(s) and its subscriptions deleted`, `<n>` being the session's expiry; configuration.md
+    `session_expiry` accepts any "finite number >= 0", so 0.5 is said as 0.5 (not rounded to 0 s)."""
+    broker = broker_factory(session_expiry=0.5)
+    device = clients(broker.port, "half-second")
+    device.subscribe("half/t", 1)
+    device.disconnect()
+    (line,) = wait_for_log(broker, "durable session half-second expired")
+    assert line.endswith(
+        "durable session half-second expired after 0.5 s disconnected: 0 queued message(s) and its subscriptions deleted"
+    ), line
