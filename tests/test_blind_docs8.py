@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import plyvel
 import pytest
 from raw_mqtt_helpers import connect_packet
+from test_blind_core import write_config
 from test_blind_ops3 import wait_for_log
 from test_hostile_store import folder_digest
 
@@ -252,3 +254,102 @@ def test_the_expiry_line_gives_a_fractional_session_expiry_as_configured(
     assert line.endswith(
         "durable session half-second expired after 0.5 s disconnected: 0 queued message(s) and its subscriptions deleted"
     ), line
+
+
+# ------------------------------------------------------------------ guarantees.md: the subscription byte limit's line
+
+
+def test_the_byte_limit_warning_names_client_unicode_filter_and_setting_once_per_interval_per_client(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md, Subscription limit: the broker "logs a WARNING naming the client, the filter and
+    the setting, at most once per `drop_log_interval` seconds per client (the refusals in between are
+    not logged)"; "The filters' UTF-8 bytes, summed per client, are bounded the same way by
+    `max_subscription_bytes_per_client`". '温度/é' is 9 UTF-8 bytes: with 12 a client may hold it, and
+    '温度/x' (8 more) is refused."""
+    broker = broker_factory(max_subscription_bytes_per_client=12, drop_log_interval=60)
+    first = clients(broker.port, "bytes-ä", clean_session=True)
+    assert first.subscribe("温度/é", 1) == [1]
+    assert first.subscribe("温度/x", 1) == [0x80]
+    (line,) = wait_for_log(broker, "温度/x")
+    assert " WARNING " in line and "bytes-ä" in line and "max_subscription_bytes_per_client" in line, line
+    assert first.subscribe("y/温度", 1) == [0x80], "still over the limit"
+    second = clients(broker.port, "bytes-ö", clean_session=False)
+    assert second.subscribe([("温度/é", 1), ("温度/x", 0)]) == [1, 0x80]
+    lines = [ln for ln in wait_for_log(broker, "bytes-ö") if "max_subscription_bytes_per_client" in ln]
+    assert len(lines) == 1 and "温度/x" in lines[0], "another client's refusal has its own line"
+    assert len([ln for ln in broker.log().splitlines() if "max_subscription_bytes_per_client" in ln]) == 2, (
+        "the refusal of y/温度 within the interval is not logged"
+    )
+    assert not [ln for ln in broker.log().splitlines() if "y/温度" in ln]
+
+
+# ------------------------------------------------------------------ configuration.md: attach_limit at its edge, 1
+
+
+def test_with_one_attach_slot_a_storm_and_take_overs_deliver_every_queue_whole_in_order(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """configuration.md `attach_limit` (whole number >= 1): "Durable sessions attached to their new
+    connection at once ... the others wait for a slot in the order they asked"; a durable connection
+    waiting for its slot has its CONNACK, "but its SUBACK and its first message wait for its slot";
+    guarantees.md: "No CONNECT starves", FIFO, and on a take-over "delivery continues on the new
+    connection". With one slot: 12 sessions reconnecting at once each get their 15 queued messages in
+    order, and take-overs of a connected session (whose attach also stops the old pump) each resume it."""
+    broker = broker_factory(attach_limit=1)
+    ids = [f"slot-{i}" for i in range(12)]
+    for client_id in ids:
+        device = clients(broker.port, client_id)
+        device.subscribe(f"slot/{client_id}", 1)
+        device.disconnect()
+    publisher = clients(broker.port, "slot-pub", clean_session=True)
+    for client_id in ids:
+        publisher.publish(f"slot/{client_id}", payloads(15, client_id), qos=1)
+    devices = [clients(broker.port, client_id, auto_start=False) for client_id in ids]
+    threads = [threading.Thread(target=device.connect) for device in devices]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+    for device in devices:
+        assert device.session_present is True
+        assert [m.payload for m in device.wait_messages(15)] == payloads(15, device.client_id)
+    assert devices[0].subscribe("slot/extra", 1) == [1], "a SUBACK once attached"
+    for round_ in range(3):
+        newer = clients(broker.port, "slot-0")
+        assert newer.session_present is True
+        publisher.publish("slot/extra", [f"x{round_}".encode()], qos=1)
+        assert newer.wait_for(lambda ms, r=round_: any(m.payload == f"x{r}".encode() for m in ms)), round_
+
+
+# ------------------------------------------------------------------ configuration.md: `store` folders refused untouched
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"notes.txt": b"mine"},
+        {"LOCK": b"", "LOG": b"", "notes.txt": b""},
+        {"MANIFEST-000002": b"\x00" * 32, "000003.log": b"\x01" * 64, "LOCK": b""},
+        {"000005.ldb": b"\x02" * 64},
+    ],
+    ids=["other-file", "lock-log-and-another", "manifest-and-log-without-current", "table-without-current"],
+)
+def test_a_store_folder_holding_other_files_or_leveldb_files_without_current_is_refused_untouched(
+    tmp_path: Path, files: dict[str, bytes]
+) -> None:
+    """configuration.md `store`: "a new store is created only in a missing or empty folder (LevelDB's
+    `LOCK`, `LOG` and `LOG.old` files alone ... count as empty; a folder holding other files, or
+    LevelDB files without `CURRENT`, is refused untouched)"; settings are "checked at start-up": the
+    broker does not start."""
+    store = tmp_path / "store"
+    store.mkdir()
+    for name, data in files.items():
+        (store / name).write_bytes(data)
+    before = {path.name: path.read_bytes() for path in store.iterdir()}
+    config = write_config(tmp_path, {"metrics_interval": 0})
+    result = run_cli("broker", "-c", str(config))
+    assert result.returncode != 0, result.stdout + result.stderr[-2000:]
+    assert str(store) in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert {path.name: path.read_bytes() for path in store.iterdir()} == before, "the folder was touched"
