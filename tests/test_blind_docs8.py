@@ -15,12 +15,14 @@ from pathlib import Path
 
 import plyvel
 import pytest
-from raw_mqtt_helpers import connect_packet
-from test_blind_core import write_config
+from raw_mqtt_helpers import connect_packet, raw_connect
+from test_blind_core import either_reader, read_all, write_config
+from test_blind_docs4 import hello, raws
 from test_blind_ops3 import wait_for_log
+from test_blind_protocol3 import Raw
 from test_hostile_store import folder_digest
 
-from conftest import HOST, WAIT, Broker, Client, payloads, run_cli
+from conftest import HOST, WAIT, Broker, Client, mqtt_packet, payloads, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -353,3 +355,46 @@ def test_a_store_folder_holding_other_files_or_leveldb_files_without_current_is_
     assert str(store) in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert {path.name: path.read_bytes() for path in store.iterdir()} == before, "the folder was touched"
+
+
+# ------------------------------------------------------------------ guarantees.md: PUBLISH topics that are not UTF-8
+
+
+@pytest.mark.parametrize(
+    "topic",
+    [b"t/\xed\xa0\x80", b"t/\xc0\x80", b"t/\xe6\xb8", b"t/\xf4\x90\x80\x80"],
+    ids=["surrogate", "overlong-nul", "cut-short", "past-u10ffff"],
+)
+def test_a_publish_whose_topic_is_not_strict_utf8_closes_the_connection_unanswered_on_either_reader(
+    either_reader: Broker, clients: Callable[..., Client], topic: bytes
+) -> None:
+    """guarantees.md: "A PUBLISH to a topic no client may publish to closes the connection, at any QoS
+    and on either reader ..., before anything is stored, routed or acknowledged (no PUBACK / PUBREC):
+    ... bytes that are not valid UTF-8 ... A WARNING names the client and the problem." A UTF-16
+    surrogate, an overlong NUL, a character cut short and one past U+10FFFF are not valid UTF-8. A
+    topic of valid 4-byte characters and a BOM is routed and delivered byte for byte."""
+    broker = either_reader
+    watcher = clients(broker.port, "utf-watch")
+    assert watcher.subscribe("t/#", 1) == [1]
+    with raw_connect(broker.port, "utf-bad", clean=True) as sock:
+        sock.sendall(mqtt_packet(0x32, len(topic).to_bytes(2, "big") + topic + b"\x00\x07bad"))
+        assert read_all(sock) == b"", "closed with no PUBACK"
+    line = [ln for ln in wait_for_log(broker, "utf-bad") if "UTF-8" in ln]
+    assert line and " WARNING " in line[0], broker.log()[-2000:]
+    good = "t/😀\ufeff温"
+    clients(broker.port, "utf-good", clean_session=True).publish(good, [b"ok"], qos=1)
+    assert watcher.wait_for(lambda ms: len(ms) >= 1)
+    assert [(m.topic, m.payload) for m in watcher.messages] == [(good, b"ok")], "only the valid topic was routed"
+
+
+def test_the_expiry_line_gives_an_sdk_clients_own_expiry_as_it_asked(
+    broker_factory: Callable[..., Broker], raws: Callable[..., Raw]
+) -> None:
+    """guarantees.md, Expiry: `<n>` of the WARNING is "the session's expiry as set, `session_expiry` or
+    an SDK client's own"; protocol.md's `hello` asks for its own (here 0.25 s, the broker's 300)."""
+    broker = broker_factory(session_expiry=300)
+    raw = raws(broker.port, "own-expiry")
+    assert hello(raw, session_expiry=0.25)["session_expiry"] == 0.25
+    raw.sock.sendall(bytes((0xE0, 0)))
+    (line,) = wait_for_log(broker, "durable session own-expiry expired")
+    assert line.endswith("expired after 0.25 s disconnected: 0 queued message(s) and its subscriptions deleted"), line
