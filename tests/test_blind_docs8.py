@@ -15,7 +15,7 @@ from pathlib import Path
 
 import plyvel
 import pytest
-from raw_mqtt_helpers import connect_packet, raw_connect
+from raw_mqtt_helpers import connect_packet, raw_connect, read_exactly
 from test_blind_core import either_reader, read_all, write_config
 from test_blind_docs4 import hello, raws
 from test_blind_ops3 import wait_for_log
@@ -398,3 +398,74 @@ def test_the_expiry_line_gives_an_sdk_clients_own_expiry_as_it_asked(
     raw.sock.sendall(bytes((0xE0, 0)))
     (line,) = wait_for_log(broker, "durable session own-expiry expired")
     assert line.endswith("expired after 0.25 s disconnected: 0 queued message(s) and its subscriptions deleted"), line
+
+
+# ------------------------------------------------------------------ guarantees.md: Owner, CONNECTs that arrive together
+
+
+def test_of_users_connects_of_a_new_client_id_sent_together_the_first_accepted_owns_it_and_the_rest_get_5(
+    broker: Broker,
+) -> None:
+    """guarantees.md, Owner: "Of two users' CONNECTs of a new client id that arrive together, the first
+    one accepted creates the session and the other gets CONNACK 5, before anything is touched (the
+    owner's connection stays up ...)"; with owner-only "a CONNECT of its client id by any other user
+    ... is refused with CONNACK 5 ... and a WARNING names client id, user and owner". Five users here,
+    every CONNECT written before any CONNACK is read."""
+    users = [f"user-{i}" for i in range(5)]
+    socks = {user: socket.create_connection((HOST, broker.port), timeout=WAIT) for user in users}
+    try:
+        for user, sock in socks.items():
+            sock.sendall(connect_packet("shared-ü", clean=False, username=user))
+        codes = {user: read_exactly(sock, 4) for user, sock in socks.items()}
+        owners = [user for user, connack in codes.items() if connack == b"\x20\x02\x00\x00"]
+        assert len(owners) == 1, codes
+        (owner,) = owners
+        assert all(codes[user] == b"\x20\x02\x00\x05" for user in users if user != owner), codes
+        for user in users:
+            if user != owner:
+                assert read_all(socks[user]) == b"", f"{user}'s refused connection is closed"
+        socks[owner].sendall(bytes((0xC0, 0)))
+        assert read_exactly(socks[owner], 2) == b"\xd0\x00", "the owner's connection stays up"
+        assert broker.wait_until(
+            lambda: len([ln for ln in broker.log().splitlines() if "shared-ü" in ln and " WARNING " in ln]) >= 4, WAIT
+        )
+        lines = [ln for ln in broker.log().splitlines() if "shared-ü" in ln and " WARNING " in ln]
+        for user in users:
+            if user != owner:
+                assert any(user in ln and owner in ln for ln in lines), (user, lines)
+    finally:
+        for sock in socks.values():
+            sock.close()
+    again = socket.create_connection((HOST, broker.port), timeout=WAIT)
+    with again:
+        again.sendall(connect_packet("shared-ü", clean=False, username=owner))
+        assert read_exactly(again, 4) == b"\x20\x02\x01\x00", "the owner resumes its session"
+
+
+# ------------------------------------------------------------------ guarantees.md: packet size, a CONNECT at the edge
+
+
+def test_a_connect_exactly_max_packet_size_long_is_accepted_and_one_byte_more_is_closed_unanswered(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """configuration.md `max_packet_size` (1024 to 268435455): "Largest packet a client may send
+    (remaining length, bytes); a larger one closes the connection before its body is read";
+    guarantees.md: "(CONNECT included)". A CONNECT's remaining length is 12 bytes plus its client id's:
+    an id of 1012 bytes (2-byte characters included) makes it exactly 1024."""
+    broker = broker_factory(max_packet_size=1024)
+    exact = "é" * 6 + "x" * 1000  # 1012 UTF-8 bytes
+    packet = connect_packet(exact, clean=False)
+    assert packet[1:3] == b"\x80\x08", "remaining length 1024"
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(packet)
+        assert read_exactly(sock, 4) == b"\x20\x02\x00\x00"
+    over = connect_packet(exact + "y", clean=False)
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(over)
+        assert read_all(sock) == b"", "closed without a CONNACK"
+    assert broker.wait_until(
+        lambda: any("1025" in ln and "1024" in ln and " WARNING " in ln for ln in broker.log().splitlines()), WAIT
+    ), broker.log()[-2000:]
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        sock.sendall(packet)
+        assert read_exactly(sock, 4) == b"\x20\x02\x01\x00", "the 1024-byte CONNECT's session was stored"
