@@ -468,3 +468,27 @@ def test_a_connect_exactly_max_packet_size_long_is_accepted_and_one_byte_more_is
     with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
         sock.sendall(packet)
         assert read_exactly(sock, 4) == b"\x20\x02\x01\x00", "the 1024-byte CONNECT's session was stored"
+
+
+# ------------------------------------------------------------------ guarantees.md: session_expiry 0 and a take-over
+
+
+def test_with_session_expiry_0_a_take_over_is_no_disconnect_and_the_session_stays(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """guarantees.md: "`session_expiry: 0` deletes a session as soon as it disconnects"; a take-over is
+    not a disconnect: "a second connection with the same client id ... takes the session over ...;
+    delivery continues on the new connection, unacknowledged messages first". Three take-overs in a row
+    each find the session (session_present 1) and its subscription, and nothing expires."""
+    broker = broker_factory(session_expiry=0)
+    first = clients(broker.port, "zero-take")
+    assert first.subscribe("zt/t", 1) == [1]
+    publisher = clients(broker.port, "zero-pub", clean_session=True)
+    for round_ in range(3):
+        newer = clients(broker.port, "zero-take")
+        assert newer.session_present is True, round_
+        publisher.publish("zt/t", [f"r{round_}".encode()], qos=1)
+        assert newer.wait_for(lambda ms, r=round_: any(m.payload == f"r{r}".encode() for m in ms)), round_
+    assert "durable session zero-take expired" not in broker.log()
+    newer.disconnect()
+    wait_for_log(broker, "durable session zero-take expired after 0 s")
