@@ -347,6 +347,17 @@ def broker(broker_factory: Callable[..., Broker]) -> Broker:
     return broker_factory()
 
 
+@pytest.fixture(params=["plugin-reader", "amqtt-reader"])
+def either_reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Broker:
+    """A broker read by the plugin's reader, or by amqtt's own loop (a topic plugin loaded: amqtt's
+    TopicTabooPlugin, which refuses nothing used here): "the guarantees are the same there"
+    (docs/guarantees.md)."""
+    broker = broker_factory(start=False)
+    if request.param == "amqtt-reader":
+        broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
+    return broker.start()
+
+
 @pytest.fixture
 def clients() -> Iterator[Callable[..., Client]]:
     made: list[Client] = []

@@ -26,17 +26,6 @@ REPLY = "$durable/v1/reply"
 MARKER = "$durable/v1/marker"
 
 
-@pytest.fixture(params=["plugin-reader", "amqtt-reader"])
-def either_reader(request: pytest.FixtureRequest, broker_factory: Callable[..., Broker]) -> Broker:
-    """A broker read by the plugin's reader, or by amqtt's own loop (a topic plugin loaded: amqtt's
-    TopicTabooPlugin, which refuses nothing used here): "the guarantees are the same there"
-    (docs/guarantees.md)."""
-    broker = broker_factory(start=False)
-    if request.param == "amqtt-reader":
-        broker.extra_plugins["amqtt.plugins.topic_checking.TopicTabooPlugin"] = {}
-    return broker.start()
-
-
 # ------------------------------------------------------------------ helpers
 def raw_connack(port: int, packet: bytes) -> tuple[bytes, socket.socket]:
     """Send ``packet`` on a new connection; the bytes read back (b'' when closed unanswered) and the socket."""

@@ -595,10 +595,10 @@ class SessionLifecycle(Routing):
                 dropped = await self.delete_session(session)
                 self.expired_total += 1
                 log.warning(
-                    "durable session %s expired after %.0f s disconnected: %d queued message(s) and its "
+                    "durable session %s expired after %s s disconnected: %d queued message(s) and its "
                     "subscriptions deleted",
                     client_id,
-                    session.expiry_seconds(),
+                    f"{float(session.expiry_seconds()):.15g}",  # as configured: 300, 0.5 (not rounded to 0)
                     dropped,
                 )
                 if self.on_expired is not None:
