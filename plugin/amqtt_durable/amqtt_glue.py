@@ -48,7 +48,8 @@ instance the plugin is loaded into and on each connection's handler:
   place ``max_durable_sessions`` reserved for it as its CONNECT was read); a CONNECT refused by
   amqtt's own authentication leaves no Session in amqtt's table (``_forget_refused``);
 * ``BrokerProtocolHandler.handle_puback`` / ``handle_pubrec`` / ``handle_pubcomp`` (per
-  connection): acks of messages the pump sent are taken before amqtt's waiter lookup;
+  connection): acks of messages the pump sent are taken before amqtt's waiter lookup, and one
+  nothing awaits is ignored with a WARNING at most once per ``drop_log_interval`` (amqtt's is per packet);
 * ``BrokerProtocolHandler.handle_pubrel`` (per connection): the message held for it goes to
   amqtt's delivery in the task the reader makes of the PUBREL, or before a PUBLISH read after it
   is handled, whichever comes first (in the order they were read), a durable publisher's stored
@@ -190,7 +191,7 @@ from websockets.protocol import State as WebsocketState
 
 from durable_protocol import CONTROL_PREFIX, filter_is_valid
 
-from .admission import AddressConnections, KeepAliveLimit, Reservation
+from .admission import AddressConnections, KeepAliveLimit, LogBudget, Reservation
 from .config import DurableConfig
 from .control import ControlChannel
 from .delivery import AckKind, AckRuns, ReadAccess
@@ -2250,15 +2251,40 @@ def _malformed_publish(packet: Any) -> str | None:
     return None
 
 
+def _intercept_acks(handler: Any, unexpected: LogBudget) -> None:
+    """The connection's PUBACK, PUBREC and PUBCOMP handlers, wrapped (``_ack_interceptor``), sharing
+    one budget of log lines for the acks nothing awaits."""
+    handler.handle_puback = _ack_interceptor(handler, "puback", handler.handle_puback, unexpected)
+    handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec, unexpected)
+    handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp, unexpected)
+
+
 def _ack_interceptor(
-    handler: Any, kind: AckKind, original: Callable[[Any], Awaitable[None]]
+    handler: Any, kind: AckKind, original: Callable[[Any], Awaitable[None]], unexpected: LogBudget
 ) -> Callable[[Any], Awaitable[None]]:
-    """Acks of pump-sent messages go to the pump; any other to amqtt's waiters."""
+    """Acks of pump-sent messages go to the pump; one amqtt waits for to its waiter. Any other is
+    ignored with a WARNING at most once per ``drop_log_interval`` (``unexpected``, the connection's):
+    amqtt logged one per packet, so a client sending 4-byte acks of ids nothing awaits wrote some
+    100 bytes of log for each."""
 
     async def handle_ack(packet: Any) -> None:
         packet_id = packet.variable_header.packet_id if kind == "puback" else packet.packet_id
-        if not handler.durable_transport.take_ack(kind, packet_id):
+        if handler.durable_transport.take_ack(kind, packet_id):
+            return
+        waiter = getattr(handler, f"_{kind}_waiters").get(packet_id)
+        if waiter is not None and not waiter.done():
             await original(packet)
+            return
+        left_out = unexpected.take()
+        if left_out is not None:
+            also = f" ({left_out} more such ack(s) since the last line)" if left_out else ""
+            log.warning(
+                "%s: %s of packet id %d ignored: no message sent to this connection awaits it%s",
+                handler.session.client_id,
+                kind.upper(),
+                packet_id,
+                also,
+            )
 
     return handle_ack
 
@@ -2456,9 +2482,7 @@ def _wrap_handler(
 
     handler.handle_publish = handle_publish
     handler.mqtt_connack_authorize = connack_authorize
-    handler.handle_puback = _ack_interceptor(handler, "puback", handler.handle_puback)
-    handler.handle_pubrec = _ack_interceptor(handler, "pubrec", handler.handle_pubrec)
-    handler.handle_pubcomp = _ack_interceptor(handler, "pubcomp", handler.handle_pubcomp)
+    _intercept_acks(handler, LogBudget(engine.config.drop_log_interval))
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, awaiting)
     # The changes' queue first: _keep_the_disconnect's wait_disconnect then answers once the changes
     # are applied, so a DISCONNECT read meanwhile (during a take-over's wait) discards the will.
