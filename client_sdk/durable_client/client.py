@@ -612,8 +612,9 @@ class DurableClient:
         must start exactly there. They become the client's positions, so a reconnect resumes
         from them like from any other. ``{topic: 0}`` starts at id 1: when retention trimmed
         it, the broker reports the gap (logged) instead of starting silently further on. A
-        topic an open stream subscription already reads cannot be moved (ValueError): the
-        broker keeps one cursor per topic and connection.
+        topic that a stream subscription this client holds already matches (open, or to open at
+        the next connect) cannot be moved (ValueError): the broker keeps one cursor per topic
+        and connection.
         """
         self._check_open()
         check_filter(topic_filter)
