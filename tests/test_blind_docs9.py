@@ -521,3 +521,44 @@ def test_a_long_number_is_shown_cut_short_with_its_length_in_digits_or_its_repr_
         DurableClient("long-fraction", reconnect_max_delay=fraction)
     message = str(error.value)
     assert message.endswith(f"(a repr of {len(repr(fraction))} characters)") and len(message) < 250, message
+
+
+def test_async_live_raises_unconnected_when_the_client_is_closed_before_its_marker(broker: Broker) -> None:
+    """sdk.md, asyncio: "`live()` waits, unbounded, so bound it yourself ..., and raises `Unconnected` when
+    the client is closed before the marker came, also while it waits: a closed client gets none"."""
+
+    async def closed_while_waiting() -> None:
+        client = AsyncDurableClient("async-live-closed", port=broker.port, reconnect_min_delay=0.05)
+        await client.connect()
+        await client.subscribe("held/#")  # no ready_for_events(): the session stays held, no marker
+        waiting = asyncio.create_task(client.live())
+        await asyncio.sleep(0)  # let live() start waiting (not a synchronisation: it would not end either way)
+        await client.close()
+        with pytest.raises(Unconnected):
+            await asyncio.wait_for(waiting, WAIT)
+        with pytest.raises(Unconnected):
+            await asyncio.wait_for(client.live(), WAIT)
+
+    async def closed_before() -> None:
+        client = AsyncDurableClient("async-live-never", port=broker.port)
+        await client.close()
+        with pytest.raises(Unconnected):
+            await asyncio.wait_for(client.live(), WAIT)
+
+    asyncio.run(closed_while_waiting())
+    asyncio.run(closed_before())
+
+
+def test_async_live_after_close_still_returns_a_marker_that_came(broker: Broker) -> None:
+    """sdk.md, asyncio: "`await client.live()` returns the replay marker once every queued event was
+    processed"; "a marker that came before `close()` is still returned"."""
+
+    async def run() -> None:
+        client = AsyncDurableClient("async-live-came", port=broker.port)
+        await client.connect()
+        await client.ready_for_events()
+        marker = await asyncio.wait_for(client.live(), WAIT)
+        await client.close()
+        assert await asyncio.wait_for(client.live(), WAIT) == marker
+
+    asyncio.run(run())
