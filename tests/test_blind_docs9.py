@@ -562,3 +562,18 @@ def test_async_live_after_close_still_returns_a_marker_that_came(broker: Broker)
         assert await asyncio.wait_for(client.live(), WAIT) == marker
 
     asyncio.run(run())
+
+
+def test_the_logs_and_the_marks_missing_folders_are_made_when_the_client_is_created(tmp_path: Path) -> None:
+    """delivery-log.md: "The log's missing folders are made, and the file is created (empty) if absent, when
+    the `DurableClient` is created. A log that cannot be opened for appending (a folder, a path under a
+    file) raises that `OSError` then"; sdk.md: "the marks are kept under `state_dir/<client_id>/`, made
+    with any missing folders when the client is created"."""
+    log = tmp_path / "a" / "b" / "log.jsonl"
+    client = DurableClient("dev/1", persistence="disk", state_dir=tmp_path / "s" / "t", delivery_log=log)
+    assert log.is_file() and log.read_bytes() == b""
+    assert (tmp_path / "s" / "t" / "dev%2F1").is_dir() and client.persistence_level == "disk"
+    (tmp_path / "plain").write_text("x")
+    for bad in (tmp_path / "a", tmp_path / "plain" / "log.jsonl"):
+        with pytest.raises(OSError):
+            DurableClient("dev-2", delivery_log=bad)
