@@ -27,6 +27,7 @@ from durable_client import (
     DurableClientError,
     Event,
     LastValueCache,
+    RequestTimeout,
     Unconnected,
     WrongTypeError,
 )
@@ -577,3 +578,33 @@ def test_the_logs_and_the_marks_missing_folders_are_made_when_the_client_is_crea
     for bad in (tmp_path / "a", tmp_path / "plain" / "log.jsonl"):
         with pytest.raises(OSError):
             DurableClient("dev-2", delivery_log=bad)
+
+
+@pytest.mark.parametrize("qos_and_acknowledgement", [(1, 4), (2, 7)])  # PUBACK, PUBCOMP
+def test_a_publish_that_timed_out_gets_its_send_record_when_its_puback_comes_late(
+    qos_and_acknowledgement: tuple[int, int],
+    broker: Broker,
+    sdk: Callable[..., DurableClient],
+    relays: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    """sdk.md: "`RequestTimeout` after `timeout` without [the PUBACK] (the message stays with paho ...,
+    so it may still arrive)"; delivery-log.md: "A `send` is written once the broker has acknowledged the
+    publish (its PUBACK at QoS 1, its PUBCOMP at QoS 2)": one that comes after the RequestTimeout writes it
+    then, in order with the sends after it."""
+    qos, acknowledgement = qos_and_acknowledgement
+    relay = relays(broker.port)
+    log = tmp_path / "pub.jsonl"
+    publisher = sdk(relay.port, "late-puback", delivery_log=log)
+    publisher.connect(timeout=WAIT)
+    relay.hold("down", lambda packet: packet.kind == acknowledgement)
+    with pytest.raises(RequestTimeout):
+        publisher.publish("late/a", b"first", qos=qos, timeout=0.3)
+    assert '"send"' not in log.read_text(encoding="utf-8"), "no send record before the PUBACK"
+    relay.release("down")
+    publisher.publish("late/a", b"second", qos=qos, timeout=WAIT)
+    sends = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+    assert [r["id"] for r in sends if r["kind"] == "send"] == [
+        message_id("late/a", b"first"),
+        message_id("late/a", b"second"),
+    ]
