@@ -608,3 +608,40 @@ def test_a_publish_that_timed_out_gets_its_send_record_when_its_puback_comes_lat
         message_id("late/a", b"first"),
         message_id("late/a", b"second"),
     ]
+
+
+@pytest.mark.parametrize("call", ["publish", "subscribe_stream", "stream_info"])
+def test_close_from_another_thread_ends_a_wait_with_unconnected(
+    call: str, broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], relays: Callable[..., Any]
+) -> None:
+    """sdk.md, Threads: "A `close()` from another thread ends the waits of `publish()` (within half a
+    second; the message may still arrive), `subscribe_stream()` and `stream_info()` (at once: the request
+    may or may not have taken effect) with `Unconnected`, as it ends `subscribe()`'s" (not after their
+    `timeout`)."""
+    broker = broker_factory(streams=STREAMS)
+    relay = relays(broker.port)
+    client = sdk(relay.port, f"close-ends-{call}")
+    client.connect(timeout=WAIT)
+    relay.hold("down")  # no PUBACK, no reply
+    calls: dict[str, Callable[[], object]] = {
+        "publish": lambda: client.publish("close/a", b"x", timeout=60),
+        "subscribe_stream": lambda: client.subscribe_stream("telemetry/#", listener, timeout=60),
+        "stream_info": lambda: client.stream_info(timeout=60),
+    }
+    outcome: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            calls[call]()
+            outcome.append(None)
+        except BaseException as error:
+            outcome.append(error)
+
+    before = len(relay.seen)
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    relay.wait_seen(lambda packet: packet.direction == "up" and packet.kind == 3, after=before)  # its PUBLISH
+    client.close()
+    waiter.join(WAIT)
+    assert not waiter.is_alive(), "close() did not end the wait"
+    assert len(outcome) == 1 and isinstance(outcome[0], Unconnected), outcome
