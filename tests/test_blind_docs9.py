@@ -645,3 +645,37 @@ def test_close_from_another_thread_ends_a_wait_with_unconnected(
     waiter.join(WAIT)
     assert not waiter.is_alive(), "close() did not end the wait"
     assert len(outcome) == 1 and isinstance(outcome[0], Unconnected), outcome
+
+
+# ---------------------------------------------------------------------- pipeline.md: the source's options
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_sources_option_names_are_case_insensitive(
+    spark: Any, broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
+) -> None:
+    """pipeline.md: "Option names are case-insensitive, as Spark's are"; "Batch reads of an id range ...
+    `startingOffsets` ... `endingOffsets` ... reads exactly ids 11 to 20"; `idsPerPartition` splits a
+    topic's ids into read tasks."""
+    broker = broker_factory(streams=STREAMS)
+    publisher = sdk(broker.port, "case-pub", durable_session=False)
+    publisher.connect(timeout=WAIT)
+    for number in range(1, 26):
+        publisher.publish("telemetry/a", f"a{number}".encode())
+    options = {
+        "HOST": "127.0.0.1",
+        "Port": broker.port,
+        "FILTER": "telemetry/#",
+        "StartingOffsets": json.dumps({"telemetry/a": 10}),
+        "ENDINGOFFSETS": json.dumps({"telemetry/a": 20}),
+        "idsperpartition": 4,
+        "TIMEOUT": 20,
+    }
+    reader = spark.read.format("amqtt-durable")
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    frame = reader.load()
+    rows = sorted((row.id, bytes(row.payload)) for row in frame.collect())
+    assert rows == [(number, f"a{number}".encode()) for number in range(11, 21)]
+    assert frame.rdd.getNumPartitions() == 3  # ids 11-20 in ranges of 4
