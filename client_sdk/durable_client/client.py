@@ -730,7 +730,8 @@ class DurableClient:
         Raises Unconnected while disconnected (nothing is queued: GemFire's updates are not
         allowed while disconnected either), and when the connection is lost as the message is
         handed to paho (at QoS 1/2 paho keeps it and sends it after the reconnect);
-        RequestTimeout when the PUBACK is late (the message may still arrive). At QoS 0 and from
+        RequestTimeout when the PUBACK is late (the message may still arrive; a delivery log gets its
+        ``send`` when the PUBACK comes). At QoS 0 and from
         a listener it returns once paho has queued the message, without waiting. ValueError
         (``payload``) for a PUBLISH larger than the broker's max_packet_size (its hello reply
         says it), also when an unacknowledged one is found larger at a reconnect's hello reply:
