@@ -131,6 +131,14 @@ class PublishHandle:
         return self._info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS
 
     @property
+    def mid(self) -> int:
+        return self._info.mid
+
+    def is_for(self, info: mqtt.MQTTMessageInfo | None) -> bool:
+        """Whether ``info`` is this publish's (a packet id is reused once its publish is done)."""
+        return info is self._info
+
+    @property
     def too_large(self) -> bool:
         """Dropped unsent after a reconnect: larger than the broker's max_packet_size (release_resends)."""
         return self._info.rc == MQTTErrorCode.MQTT_ERR_PAYLOAD_SIZE
@@ -174,6 +182,7 @@ class PahoLink:
         on_lost: Callable[[str], None],
         on_subscribed: Callable[[int, bool], None],
         on_unsubscribed: Callable[[int], None] = lambda _mid: None,
+        on_published: Callable[[int, mqtt.MQTTMessageInfo | None], None] = lambda _mid, _info: None,
         on_burst: Callable[[], None] = lambda: None,
     ) -> None:
         self._client = mqtt.Client(
@@ -233,6 +242,13 @@ class PahoLink:
         self._client.on_disconnect = disconnect_cb
         self._client.on_subscribe = subscribe_cb
         self._client.on_unsubscribe = unsubscribe_cb
+        self._on_published = on_published
+        self._client.on_publish = self._published
+
+    def _published(self, client: mqtt.Client, _userdata: Any, mid: int, _reason: Any, _props: Any) -> None:
+        """paho's on_publish (a PUBACK, a PUBCOMP, a QoS 0 write), told with the message's info."""
+        message = client._out_messages.get(mid)  # still there: paho pops it after this call
+        self._on_published(mid, message.info if message is not None else None)
 
     # ------------------------------------------------- network thread only
     def open(self) -> None:
@@ -346,8 +362,22 @@ class PahoLink:
         return dropped
 
     # ------------------------------------------------------ any thread
-    def publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> PublishHandle:
-        return PublishHandle(self._client.publish(topic, payload, qos, retain))
+    def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool = False,
+        registered: Callable[[PublishHandle], None] | None = None,
+    ) -> PublishHandle:
+        """Hand the message to paho; ``registered(handle)`` runs before its PUBACK can be handled
+        (under paho's lock of outgoing messages, which on_published's call holds too)."""
+        if registered is None:
+            return PublishHandle(self._client.publish(topic, payload, qos, retain))
+        with self._client._out_message_mutex:
+            handle = PublishHandle(self._client.publish(topic, payload, qos, retain))
+            registered(handle)
+        return handle
 
     def subscribe(self, topic_filter: str, qos: int) -> int | None:
         """The SUBSCRIBE's mid, or None when not connected."""

@@ -98,6 +98,38 @@ class _FirstConnect:
     problem: str = "no answer from the broker yet"
 
 
+class _SendsDue:
+    """Publishes whose ``send`` record waits for their PUBACK (PUBCOMP), by packet id: the network thread
+    writes it as that comes, also after publish() gave up waiting (the broker has the message then). The
+    lock is taken under paho's lock of outgoing messages (its on_publish call), never around it."""
+
+    def __init__(self) -> None:
+        self._due: dict[int, tuple[PublishHandle, str, bytes, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, handle: PublishHandle, topic: str, data: bytes, qos: int) -> None:
+        with self._lock:
+            self._due[handle.mid] = (handle, topic, data, qos)
+
+    def take(self, mid: int, info: Any) -> tuple[str, bytes, int] | None:
+        """The record of the publish ``info`` is (none for a QoS 0 one, or one from a listener)."""
+        if not self._due:  # every QoS 0 write and PUBACK comes here: no lock without a record due
+            return None
+        with self._lock:
+            due = self._due.get(mid)
+            if due is None or not due[0].is_for(info):
+                return None
+            del self._due[mid]
+        return due[1:]
+
+    def forget(self, handle: PublishHandle) -> None:
+        """A publish dropped unsent (too large after a reconnect): no PUBACK will come."""
+        with self._lock:
+            due = self._due.get(handle.mid)
+            if due is not None and due[0] is handle:
+                del self._due[handle.mid]
+
+
 class DurableClient:
     """A durable-session client: events survive disconnects and restarts, processed exactly once.
 
@@ -195,6 +227,7 @@ class DurableClient:
         if delivery_log is not None:
             reconcile(self._state, delivery_log, client_id)  # before the log is opened (and maybe created)
         self._delivery_log = DeliveryLog(delivery_log, client_id) if delivery_log is not None else None
+        self._sends_due = _SendsDue()
         """docs/delivery-log.md: what was sent and processed, for ``durable-pipeline audit``."""
         self._receiver = Receiver(
             framed=durable_session,
@@ -279,6 +312,7 @@ class DurableClient:
                 on_lost=self._handle_lost,
                 on_subscribed=self._handle_subscribed,
                 on_unsubscribed=self._handle_unsubscribed,
+                on_published=self._handle_published,
                 on_burst=self._end_burst,
             )
         thread = threading.Thread(target=self._run, name=f"durable-client-{self.client_id}", daemon=True)
@@ -612,8 +646,9 @@ class DurableClient:
         must start exactly there. They become the client's positions, so a reconnect resumes
         from them like from any other. ``{topic: 0}`` starts at id 1: when retention trimmed
         it, the broker reports the gap (logged) instead of starting silently further on. A
-        topic an open stream subscription already reads cannot be moved (ValueError): the
-        broker keeps one cursor per topic and connection.
+        topic that a stream subscription this client holds already matches (open, or to open at
+        the next connect) cannot be moved (ValueError): the broker keeps one cursor per topic
+        and connection.
         """
         self._check_open()
         check_filter(topic_filter)
@@ -695,7 +730,8 @@ class DurableClient:
         Raises Unconnected while disconnected (nothing is queued: GemFire's updates are not
         allowed while disconnected either), and when the connection is lost as the message is
         handed to paho (at QoS 1/2 paho keeps it and sends it after the reconnect);
-        RequestTimeout when the PUBACK is late (the message may still arrive). At QoS 0 and from
+        RequestTimeout when the PUBACK is late (the message may still arrive; a delivery log gets its
+        ``send`` when the PUBACK comes). At QoS 0 and from
         a listener it returns once paho has queued the message, without waiting. ValueError
         (``payload``) for a PUBLISH larger than the broker's max_packet_size (its hello reply
         says it), also when an unacknowledged one is found larger at a reconnect's hello reply:
@@ -710,7 +746,13 @@ class DurableClient:
         if not self._connected:
             raise Unconnected(f"not connected to {self.host}:{self.port} (reconnecting): nothing was published")
         self._check_packet_size(topic, data, qos)
-        handle = self._link_or_raise().publish(topic, data, qos, retain)
+        on_network_thread = self._on_network_thread()
+        logged_at_ack = qos > 0 and not on_network_thread and self._delivery_log is not None
+
+        def send_due(handle: PublishHandle) -> None:  # its PUBACK (PUBCOMP) writes the ``send`` record
+            self._sends_due.add(handle, topic, data, qos)
+
+        handle = self._link_or_raise().publish(topic, data, qos, retain, send_due if logged_at_ack else None)
         if not handle.queued:
             if qos == 0:
                 raise Unconnected(f"the connection to {self.host}:{self.port} was just lost: nothing was published")
@@ -718,11 +760,14 @@ class DurableClient:
                 f"the connection to {self.host}:{self.port} was lost as the message was handed over: paho keeps "
                 "it and sends it after the reconnect, so it may still arrive, but its PUBACK cannot be awaited"
             )
-        if qos == 0 or self._on_network_thread():
+        if qos == 0 or on_network_thread:
             self._log_send(topic, data, qos)
             return
-        self._await_puback(handle, topic, timeout)
-        self._log_send(topic, data, qos)
+        try:
+            self._await_puback(handle, topic, timeout)  # the record is written when it returns
+        finally:
+            if handle.too_large:  # dropped unsent: no PUBACK will write it
+                self._sends_due.forget(handle)
 
     def _check_packet_size(self, topic: str, data: bytes, qos: int) -> None:
         """Refuse a PUBLISH the broker would close the connection for (its hello reply's
@@ -778,6 +823,13 @@ class DurableClient:
     def _log_send(self, topic: str, data: bytes, qos: int) -> None:
         if self._delivery_log is not None:
             self._delivery_log.send(topic, data, qos)
+
+    def _handle_published(self, mid: int, info: Any) -> None:
+        """(Network thread, paho's on_publish: a PUBACK or PUBCOMP, or a QoS 0 write.) The ``send``
+        record of a publish() waiting for it, or one that stopped waiting: the broker has it."""
+        due = self._sends_due.take(mid, info)
+        if due is not None:
+            self._log_send(*due)
 
     # ================================================================ network thread
     def _run(self) -> None:
