@@ -81,7 +81,12 @@ class WrittenFloat(float):
 
     def __new__(cls, value: SupportsFloat | str) -> WrittenFloat:
         number = super().__new__(cls, value)
-        number.text = value.strip() if isinstance(value, str) else repr(value)
+        if isinstance(value, str):
+            number.text = value.strip()
+        elif isinstance(value, WrittenFloat):  # checked again (DurableConfig(...) after from_mapping)
+            number.text = value.text
+        else:  # a Fraction, a numpy number: shown as the float it became (replication reads it back)
+            number.text = repr(value) if type(value) in (int, float) else repr(float(number))
         return number
 
     def __repr__(self) -> str:

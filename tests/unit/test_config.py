@@ -148,6 +148,18 @@ def test_a_fraction_for_a_whole_number_setting_is_refused_either_way(key: str) -
     assert messages == [f"amqtt_durable config: '{key}': expected a whole number, got Fraction(5, 1)"] * 2
 
 
+@pytest.mark.parametrize("key", ["loop_wait", "demote_margin", "ack_timeout"])
+def test_a_fraction_in_replication_is_its_float_and_its_checks_read_it(key: str) -> None:
+    """Replication's number settings share the same rules: a Fraction is the float it becomes, also
+    where replication reads a setting back exactly (its loop_wait check: the Fraction's repr,
+    ``Fraction(1, 4)``, was read as a number's text, a ValueError from a setting the rules took)."""
+    config = DurableConfig.from_mapping({"replication": {"role": "primary", key: Fraction(1, 4)}})
+    assert getattr(config.replication, key) == 0.25
+    assert repr(getattr(config.replication, key)) == "0.25"
+    with pytest.raises(ConfigError, match=r"'replication\.loop_wait': must be at most"):
+        DurableConfig.from_mapping({"replication": {"role": "primary", "loop_wait": Fraction(10, 1)}})
+
+
 def test_a_fraction_too_large_for_a_float_is_refused_naming_the_setting() -> None:
     for make in (
         lambda: DurableConfig(session_expiry=Fraction(10**400, 3)),
