@@ -937,3 +937,57 @@ def test_a_change_to_durable_lost_before_its_reply_returns_at_the_reconnects_out
     clients(broker.port, "lost-fence", clean_session=True).publish("fence/t", [b"fence"], qos=1)
     assert received.wait("fence/t", b"fence")
     assert ("lost/t", b"away") not in received.events, "queued for a filter the SDK holds non-durable"
+
+
+@pytest.mark.parametrize(
+    ("unsubscribed", "qos", "refused_first"),
+    [(True, 1, True), (True, 1, False), (False, 0, False)],
+    ids=["unsubscribed-after-the-refusal", "unsubscribed-before-the-refusal", "new-qos-before-the-refusal"],
+)
+def test_a_subscribe_between_connack_and_hello_reply_keeps_the_refusal_of_the_interest_sent_before_the_hello(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path,
+    *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture,
+    unsubscribed: bool, qos: int, refused_first: bool,
+) -> None:
+    """A durable filter made non-durable, then durable again, while disconnected: the reconnect's CONNACK says
+    durable: true before its hello, and the broker refuses it (a relay in front of the real broker spoils the
+    request: `bad_filter`). Between that CONNACK and the hello reply (held by the relay), the application
+    calls unsubscribe() and subscribe(same QoS, durable=True), or subscribe() at a new QoS, before or after
+    the refusal reaches the client. Either way the filter stays refused, as for a subscribe() of it alone in
+    that window (delivery-log.md: "the reconnect subscribes the filter non-durable (an `interest` durable:
+    false with its SUBSCRIBE, also when the hello reply lists it) and that SUBACK writes `durable: false`").
+    Before, the new subscription knew nothing of the refusal: unsubscribed, the hello reply that lists the
+    filter confirmed it and wrote `true` with no `interest` sent; at a new QoS, its SUBACK wrote `true`."""
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
+    log = tmp_path / "device.jsonl"
+    links = Connections()
+    device = sdk(
+        relay.port, "window", delivery_log=log, on_connected=links.connected, on_disconnected=links.disconnected
+    )
+    device.connect(timeout=WAIT)
+    device.subscribe("window/t", qos=1, timeout=WAIT)
+
+    relay.cut()  # refuses the reconnects until accept()
+    assert links.wait(lambda: links.down == 1), "the cut was not seen"
+    device.subscribe("window/t", qos=1, durable=False)  # disconnected: at once
+    device.subscribe("window/t", qos=1, durable=True)  # made durable again: said before the next hello
+    held_ops = ("hello",) if refused_first else ("hello", "interest")
+    relay.hold("down", lambda p: (p.control() or {}).get("op") in held_ops)
+    after = len(relay.seen)
+    with caplog.at_level(logging.WARNING, logger="durable_client"):
+        relay.accept()
+        req = relay.wait_seen(is_interest(True), after).control()["req"]  # type: ignore[index]
+        refusal = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("req") == req, after)
+        assert refusal.control()["ok"] is False, refusal  # type: ignore[index]
+        if refused_first:  # logged by the network thread as it handles the refusal
+            assert wait_until(lambda: any("refused 'interest'" in r.getMessage() for r in caplog.records), WAIT)
+        hello = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "hello", after)
+        assert hello.control()["subscriptions"] == {"window/t": 1}  # type: ignore[index]
+        if unsubscribed:
+            device.unsubscribe("window/t")
+        device.subscribe("window/t", qos=qos, durable=True)  # not yet connected: returns at once
+        relay.release("down")
+        assert links.wait(lambda: links.up == 2), "no reconnect"
+        assert wait_until(lambda: len(subscribes(log, "window/t")) == 2, WAIT), "no record of the reconnect"
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "window/t")] == [(1, True), (qos, False)]
+    relay.wait_seen(is_interest(False), relay.seen.index(hello, after))  # the broker holds it non-durable

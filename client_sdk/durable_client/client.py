@@ -438,10 +438,12 @@ class DurableClient:
         ``durable=True`` stays registered as durable, held non-durable by the broker, so a later
         ``subscribe(durable=True)`` of it (any QoS) and the reconnect send it again (refused at the
         reconnect, with the WARNING, it stays so: the reconnect subscribes it non-durable, and its
-        SUBACK logs ``durable: false``). A ``subscribe(durable=False)`` of it sends no ``interest``
-        unless such a retry still awaits its reply, and clears the refusal (at another QoS its SUBACK
-        logs ``durable: false``). Called from a listener, or by a stateless client changing only the
-        durability (it sends no ``interest``), it returns without waiting.
+        SUBACK logs ``durable: false``, also after a ``subscribe(durable=True)`` of it, any QoS, or an
+        unsubscribe() and subscribe() of it, made before that reconnect's hello reply). A
+        ``subscribe(durable=False)`` of it sends no ``interest`` unless such a retry still awaits its
+        reply, and clears the refusal (at another QoS its SUBACK logs ``durable: false``). Called from a
+        listener, or by a stateless client changing only the durability (it sends no ``interest``), it
+        returns without waiting.
         """
         self._check_open()
         check_filter(topic_filter)
@@ -469,20 +471,16 @@ class DurableClient:
     def _subscribe(self, topic_filter: str, qos: int, durable: bool, listener: Listener | None) -> bool:
         """Record the subscription and send what the broker must hear; True when a SUBSCRIBE went out."""
         with self._lock:
-            previous = self._registry.get(topic_filter)
+            # One unsubscribe() removed after its interest went before this connection's hello counts too: this
+            # subscribe drops that UNSUBSCRIBE, not sent yet, so the broker holds the filter as the interest left it.
+            previous = self._registry.get(topic_filter) or next(
+                (s for s in self._interests_undone if s.filter == topic_filter), None
+            )
             subscription = Subscription(topic_filter, qos, durable, listener)
             with self._registry.lock:
                 self._registry.put(subscription)
-                if previous is not None and previous.qos == qos:
-                    subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
-                    subscription.answered = previous.answered
-                    subscription.interest_req, subscription.interest_due = previous.interest_req, previous.interest_due
-                    subscription.false_logged = previous.false_logged
-                    # Its interest went before this connection's hello (same req): its reply and the hello reply
-                    # apply to this object (_interest_replied, _replay_subscriptions), not the replaced one.
-                    self._interests_undone = [subscription if s is previous else s for s in self._interests_undone]
-                # The broker refused durable: true earlier and holds it non-durable, whatever the QoS.
-                subscription.refused = durable and previous is not None and previous.refused
+                if previous is not None:
+                    self._take_over(previous, subscription)
                 if not self._connected:
                     subscription.undo_interest = (
                         durable and previous is not None and (previous.undo_interest or not previous.durable)
@@ -521,6 +519,23 @@ class DurableClient:
                 if lowered:
                     subscription.false_logged = subscription.mid is not None  # an earlier SUBSCRIBE's SUBACK
                 return self._durable and changed and subscription.interest_due  # a listener alone: at once
+
+    def _take_over(self, previous: Subscription, subscription: Subscription) -> None:
+        """(Holding _lock and the registry's.) What ``subscription`` keeps of the one it replaces: the broker's
+        answers still due (at the same QoS) and its refusal of durable: true (any QoS)."""
+        undone = any(s is previous for s in self._interests_undone)
+        if previous.qos == subscription.qos:
+            subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
+            subscription.answered = previous.answered
+            subscription.interest_due, subscription.false_logged = previous.interest_due, previous.false_logged
+        if previous.qos == subscription.qos or undone:
+            subscription.interest_req = previous.interest_req
+        if undone:
+            # Its interest went before this connection's hello (the same req): its reply and the hello reply
+            # apply to this object (_interest_replied, _replay_subscriptions), whatever the QoS.
+            self._interests_undone = [subscription if s is previous else s for s in self._interests_undone]
+        # The broker refused durable: true earlier and holds it non-durable, whatever the QoS.
+        subscription.refused = subscription.durable and previous.refused
 
     def unsubscribe(self, topic_filter: str) -> None:
         """Remove a subscription or a stream subscription on ``topic_filter``.
@@ -951,7 +966,7 @@ class DurableClient:
             if any(s is subscription for s in self._interests_undone):
                 # Sent before the hello. Applied: the hello reply (_log_undone) or its SUBACK logs it. Refused: the
                 # hello reply subscribes it non-durable, and subscribe() waits for that SUBACK (interest_due kept).
-                subscription.refused = not reply.ok
+                subscription.refused = not reply.ok and subscription.durable
                 return not reply.ok
             due, subscription.interest_due = subscription.interest_due, False
             # Refused: the broker keeps the filter non-durable, as it was, until a change to durable: true it
@@ -1339,6 +1354,7 @@ class DurableClient:
             self._handshake_deadline = None
             waiters = list(self._waiters.values())
             self._waiters.clear()
+            self._interests_undone = []  # their replies will not come: said again at the next CONNACK (undo_interest)
             with self._registry.lock:
                 self._registry.connection_lost()  # UNSUBSCRIBEs without their UNSUBACK: sent again
                 for subscription in self._registry.subscriptions():
