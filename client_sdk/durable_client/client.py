@@ -1354,7 +1354,6 @@ class DurableClient:
             self._handshake_deadline = None
             waiters = list(self._waiters.values())
             self._waiters.clear()
-            self._interests_undone = []  # their replies will not come: said again at the next CONNACK (undo_interest)
             with self._registry.lock:
                 self._registry.connection_lost()  # UNSUBSCRIBEs without their UNSUBACK: sent again
                 for subscription in self._registry.subscriptions():
