@@ -962,8 +962,8 @@ class DurableClient:
             _warn_refused_reply(reply)
 
     def _interest_replied(self, reply: Reply) -> bool:
-        """The broker applied (or refused) a change of durability sent without a SUBSCRIBE: the
-        delivery-log record of a change to durable: true is written now, not when it was sent, so
+        """The broker applied (or refused) a change of durability (its ``interest``): the delivery-log
+        record of a change to durable: true sent without a SUBSCRIBE is written now, not when it was sent, so
         a connection lost in between leaves no record of a change the broker never made (one to
         durable: false was written as sent). A refused one writes none (the broker holds the filter
         as before, non-durable: ``refused`` until a change to durable: true it applies). Whether it
