@@ -251,7 +251,9 @@ class DurableClient:
         self._handshake_deadline: float | None = None  # set while CONNECT/hello await their answers
         self._hello_req: int | None = None
         self._interests_undone: list[Subscription] = []
-        """Those whose ``interest durable: true`` went before this connection's hello (see _undo_interests)."""
+        """Those whose ``interest durable: true`` went before the last CONNACK's hello, or a durable one that took
+        one's place (_take_over): emptied at the hello reply, kept when the connection is lost first, until the
+        next CONNACK (see _undo_interests)."""
         self._session_present = False
         self._max_packet_size: int | None = None
         """The broker's max_packet_size from its hello reply (None: not said): publish() refuses larger."""
@@ -459,7 +461,9 @@ class DurableClient:
         made durable again then is said to be, before that connection's hello, so an older
         connection's end the broker runs late does not drop it);
         when connected, it returns once the broker has confirmed it (its SUBACK; for a change of
-        durability only, its ``interest`` reply; both for a change to durable at a new QoS), or
+        durability only, its ``interest`` reply; both for a change to durable at a new QoS, and for a
+        durable one at a new QoS while an earlier change to durable of it awaits its reply: it sends
+        no ``interest`` of its own, that reply is its), or
         raises RequestTimeout after ``timeout`` seconds without it (the subscription stays
         registered and is sent again on reconnect; a connection lost first is no confirmation: it
         waits for the one of the reconnect, the SUBACK of the SUBSCRIBE it sends again, or the hello
@@ -472,10 +476,14 @@ class DurableClient:
         ``durable=True`` stays registered as durable, held non-durable by the broker, so a later
         ``subscribe(durable=True)`` of it (any QoS) and the reconnect send it again (refused at the
         reconnect, with the WARNING, it stays so: the reconnect subscribes it non-durable, and its
-        SUBACK logs ``durable: false``). A ``subscribe(durable=False)`` of it sends no ``interest``
-        unless such a retry still awaits its reply, and clears the refusal (at another QoS its SUBACK
-        logs ``durable: false``). Called from a listener, or by a stateless client changing only the
-        durability (it sends no ``interest``), it returns without waiting.
+        SUBACK logs ``durable: false``, also after a ``subscribe(durable=True)`` of it, any QoS, or an
+        unsubscribe() and subscribe() of it, made before that reconnect's hello reply, before or after
+        the refusal came). A ``subscribe(durable=False)`` of it sends no ``interest`` unless such a retry
+        still awaits its reply, and clears the refusal (at another QoS its SUBACK logs ``durable:
+        false``); made before that hello reply, a later ``subscribe(durable=True)`` there sends the
+        change again, after the hello reply, with its SUBSCRIBE. Called from a
+        listener, or by a stateless client changing only the durability (it sends no ``interest``), it
+        returns without waiting.
         """
         self._check_open()
         check_filter(topic_filter)
@@ -503,20 +511,17 @@ class DurableClient:
     def _subscribe(self, topic_filter: str, qos: int, durable: bool, listener: Listener | None) -> bool:
         """Record the subscription and send what the broker must hear; True when a SUBSCRIBE went out."""
         with self._lock:
-            previous = self._registry.get(topic_filter)
+            # One unsubscribe() removed after its interest went before a hello whose reply has not come (this
+            # connection's, or one lost since) counts too: this subscribe drops that UNSUBSCRIBE, not sent yet, so
+            # the broker holds the filter as that interest left it.
+            previous = self._registry.get(topic_filter) or next(
+                (s for s in self._interests_undone if s.filter == topic_filter), None
+            )
             subscription = Subscription(topic_filter, qos, durable, listener)
             with self._registry.lock:
                 self._registry.put(subscription)
-                if previous is not None and previous.qos == qos:
-                    subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
-                    subscription.answered = previous.answered
-                    subscription.interest_req, subscription.interest_due = previous.interest_req, previous.interest_due
-                    subscription.false_logged = previous.false_logged
-                    # Its interest went before this connection's hello (same req): its reply and the hello reply
-                    # apply to this object (_interest_replied, _replay_subscriptions), not the replaced one.
-                    self._interests_undone = [subscription if s is previous else s for s in self._interests_undone]
-                # The broker refused durable: true earlier and holds it non-durable, whatever the QoS.
-                subscription.refused = durable and previous is not None and previous.refused
+                if previous is not None:
+                    self._take_over(previous, subscription)
                 if not self._connected:
                     subscription.undo_interest = (
                         durable and previous is not None and (previous.undo_interest or not previous.durable)
@@ -555,6 +560,26 @@ class DurableClient:
                 if lowered:
                     subscription.false_logged = subscription.mid is not None  # an earlier SUBSCRIBE's SUBACK
                 return self._durable and changed and subscription.interest_due  # a listener alone: at once
+
+    def _take_over(self, previous: Subscription, subscription: Subscription) -> None:
+        """(Holding _lock and the registry's.) What ``subscription`` keeps of the one it replaces: its SUBACK
+        still due (at the same QoS), and, whatever the QoS, the ``interest`` still awaiting its reply (the
+        broker may apply it: the reply must find the subscription that now stands for the filter) and the
+        refusal of durable: true."""
+        if previous.qos == subscription.qos:
+            subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
+            subscription.answered, subscription.false_logged = previous.answered, previous.false_logged
+        undone = any(s is previous for s in self._interests_undone)
+        if undone and not subscription.durable:
+            # Its interest went before the hello, and the broker holds the filter as that left it: the replaced
+            # one keeps its place there (and gets the reply); a later durable one sends its own at the hello.
+            return
+        subscription.interest_req, subscription.interest_due = previous.interest_req, previous.interest_due
+        # The broker refused durable: true earlier and holds it non-durable.
+        subscription.refused = subscription.durable and previous.refused
+        if undone:
+            # The broker applies it as this one (_interest_replied, _replay_subscriptions): no interest of its own.
+            self._interests_undone = [subscription if s is previous else s for s in self._interests_undone]
 
     def unsubscribe(self, topic_filter: str) -> None:
         """Remove a subscription or a stream subscription on ``topic_filter``.
@@ -966,6 +991,8 @@ class DurableClient:
             self._finish_handshake(reply)
             return
         warned = reply.op == "interest" and self._interest_replied(reply)
+        if reply.op == "interest":
+            log.debug("the broker answered 'interest' (req %s): %s", reply.req, reply.error_code or "applied")
         if reply.ok and reply.op == "stream_subscribe":
             for topic, (first, last) in (reply.fields.get("gaps") or {}).items():
                 log.warning(
@@ -987,28 +1014,31 @@ class DurableClient:
             _warn_refused_reply(reply)
 
     def _interest_replied(self, reply: Reply) -> bool:
-        """The broker applied (or refused) a change of durability sent without a SUBSCRIBE: the
-        delivery-log record of a change to durable: true is written now, not when it was sent, so
+        """The broker applied (or refused) a change of durability (its ``interest``): the delivery-log
+        record of a change to durable: true sent without a SUBSCRIBE is written now, not when it was sent, so
         a connection lost in between leaves no record of a change the broker never made (one to
         durable: false was written as sent). A refused one writes none (the broker holds the filter
         as before, non-durable: ``refused`` until a change to durable: true it applies). Whether it
         logged the refusal's WARNING: before subscribe() is woken, so it is logged when that returns."""
         with self._registry.lock:
-            subscription = next((s for s in self._registry.subscriptions() if s.interest_req == reply.req), None)
+            # One sent before the hello stands for the filter also once unsubscribed: a subscribe() takes it over.
+            subscription = next(
+                (s for s in [*self._registry.subscriptions(), *self._interests_undone] if s.interest_req == reply.req),
+                None,
+            )
             if subscription is None:
                 return False
             subscription.interest_req = None
             if not reply.ok:
                 _warn_refused_reply(reply)
-            if any(s is subscription for s in self._interests_undone):
-                # Sent before the hello. Applied: the hello reply (_log_undone) or its SUBACK logs it. Refused: the
-                # hello reply subscribes it non-durable, and subscribe() waits for that SUBACK (interest_due kept).
-                subscription.refused = not reply.ok
-                return not reply.ok
-            due, subscription.interest_due = subscription.interest_due, False
             # Refused: the broker keeps the filter non-durable, as it was, until a change to durable: true it
             # applies; until then a SUBACK writes false and a subscribe(durable=True) sends the change again.
             subscription.refused = not reply.ok and subscription.durable
+            if any(s is subscription for s in self._interests_undone):
+                # Sent before the hello. Applied: the hello reply (_log_undone) or its SUBACK logs it. Refused: the
+                # hello reply subscribes it non-durable, and subscribe() waits for that SUBACK (interest_due kept).
+                return not reply.ok
+            due, subscription.interest_due = subscription.interest_due, False
             # A change to durable: false was logged as it was sent.
             logged = due and reply.ok and subscription.durable and subscription.confirmed and subscription.mid is None
             if logged and self._delivery_log is not None:  # before subscribe() returns
@@ -1184,7 +1214,9 @@ class DurableClient:
             self._send_subscribe(subscription)
         elif subscription.undo_interest:  # made durable again after this connection's CONNACK
             subscription.undo_interest = False
-            self._send_request("interest", filter=subscription.filter, durable=True)
+            # Its reply, before the SUBACK, says whether that SUBACK writes true (_interest_replied).
+            subscription.interest_req = req = next(self._req_ids)
+            self._send_request("interest", req=req, filter=subscription.filter, durable=True)
             self._send_subscribe(subscription)  # the hello's list may show what an older connection's end drops
         elif broker_has is not None and not resend_durable:
             if broker_has.get(subscription.filter) == min(subscription.qos, 1):
