@@ -101,7 +101,7 @@ class _FirstConnect:
 class _SendsDue:
     """Publishes whose ``send`` record waits for their PUBACK (PUBCOMP), by packet id: the network thread
     writes it as that comes, also after publish() gave up waiting (the broker has the message then). The
-    lock is taken under paho's lock of outgoing messages (its on_publish call), never around it."""
+    lock is taken under paho's lock of outgoing messages (its PUBACK handling), never around it."""
 
     def __init__(self) -> None:
         self._due: dict[int, tuple[PublishHandle, str, bytes, int]] = {}
@@ -113,7 +113,7 @@ class _SendsDue:
 
     def take(self, mid: int, info: Any) -> tuple[str, bytes, int] | None:
         """The record of the publish ``info`` is (none for a QoS 0 one, or one from a listener)."""
-        if not self._due:  # every QoS 0 write and PUBACK comes here: no lock without a record due
+        if not self._due:  # every PUBACK and PUBCOMP comes here: no lock without a record due
             return None
         with self._lock:
             due = self._due.get(mid)
@@ -850,7 +850,7 @@ class DurableClient:
             self._delivery_log.send(topic, data, qos)
 
     def _handle_published(self, mid: int, info: Any) -> None:
-        """(Network thread, paho's on_publish: a PUBACK or PUBCOMP, or a QoS 0 write.) The ``send``
+        """(Network thread: a PUBACK or PUBCOMP.) The ``send``
         record of a publish() waiting for it, or one that stopped waiting: the broker has it."""
         due = self._sends_due.take(mid, info)
         if due is not None:

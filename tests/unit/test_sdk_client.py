@@ -108,7 +108,7 @@ class FakeLink:
         if registered is not None:
             registered(handle)
             if handle.done and self.client is not None:
-                self.client._handle_published(handle.mid, handle)  # its PUBACK, as paho's on_publish tells it
+                self.client._handle_published(handle.mid, handle)  # its PUBACK, as the link tells it
         return handle
 
     def subscribe(self, topic_filter: str, qos: int) -> int:
