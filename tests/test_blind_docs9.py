@@ -546,8 +546,18 @@ def test_async_live_raises_unconnected_when_the_client_is_closed_before_its_mark
         with pytest.raises(Unconnected):
             await asyncio.wait_for(client.live(), WAIT)
 
+    async def events_of_one_closed_before() -> list[object]:  # close(): "an async for over events() ends"
+        client = AsyncDurableClient("async-events-never", port=broker.port)
+        await client.close()  # before any coroutine tied it to this loop (review 319: it waited for ever)
+        return await asyncio.wait_for(_all_events(client), WAIT)
+
     asyncio.run(closed_while_waiting())
     asyncio.run(closed_before())
+    assert asyncio.run(events_of_one_closed_before()) == []
+
+
+async def _all_events(client: AsyncDurableClient) -> list[object]:
+    return [event async for event in client.events()]
 
 
 def test_async_live_after_close_still_returns_a_marker_that_came(broker: Broker) -> None:

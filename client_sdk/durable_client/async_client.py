@@ -421,6 +421,7 @@ class AsyncDurableClient:
         if self._loop is None:
             self._loop, self._live = loop, asyncio.Event()
             self._queue = _Queue(self._client, loop)
+            self._queue.closed = self._closed  # closed before any coroutine bound it: events() ends at once
             self._batcher.target = (loop, self._queue)
         elif self._loop is not loop:
             raise DurableClientError("an AsyncDurableClient is used from one event loop only")
