@@ -82,8 +82,8 @@ instance the plugin is loaded into and on each connection's handler:
   acknowledged, still waiting for its message loop, is kept for that loop's end to hand over
   (amqtt emptied the queue), before what the new connection publishes (``PublishedMessages.follow``);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
-  PUBLISH and acks inline instead of amqtt's task per packet, and reads nothing more while
-  ``MAX_UNDER_WAY`` of the connection's packets are being handled (see ``FastReader``);
+  PUBLISH, acks and PINGREQ inline instead of amqtt's task per packet, and reads nothing more
+  while the answers the client has not read pass a bound (see ``FastReader``);
 * ``BrokerProtocolHandler.handle_subscribe`` / ``handle_unsubscribe`` /
   ``get_next_pending_subscription`` / ``get_next_pending_unsubscription`` (per connection), with
   ``wait_disconnect`` and ``stop``: a connection's SUBSCRIBEs and UNSUBSCRIBEs share one queue
@@ -299,8 +299,8 @@ SILENT = "%s: nothing received for 1.5 keep-alive periods: disconnecting"
 """Bytes FastReader asks the socket for at a time."""
 PINGRESP_PACKET = bytes((PINGRESP << 4, 0))
 MAX_UNDER_WAY = 256
-"""Packets of one connection the plugin's reader hands to amqtt's handlers (a task each: PINGREQ,
-SUBSCRIBE, UNSUBSCRIBE, PUBREL, QoS 2 PUBLISH, ...) not yet done, or SUBSCRIBEs / UNSUBSCRIBEs
+"""Packets of one connection the plugin's reader hands to amqtt's handlers (a task each: SUBSCRIBE,
+UNSUBSCRIBE, PUBREL, QoS 2 PUBLISH, ...) not yet done, or SUBSCRIBEs / UNSUBSCRIBEs
 waiting for the message loop, at which it reads nothing more until half that are (FastReader._room)."""
 PAUSED = "reading from %s paused: %s (it reads the answers slower than it sends what asks for them)%s"
 """Logged (INFO, at most once per ``drop_log_interval`` per connection) as FastReader waits."""
@@ -3790,11 +3790,12 @@ class FastReader:
     """A reader loop for TCP connections that handles the message path without a task per packet.
 
     amqtt's loop wraps every read in ``wait_for`` and every packet in a task. This one reads
-    whole packets from the socket buffer; QoS 0/1 PUBLISH and the acks of pump-sent messages
-    are handled inline (a QoS 1 one goes amqtt's way while a QoS 2 one is being routed), everything
+    whole packets from the socket buffer; QoS 0/1 PUBLISH, the acks of pump-sent messages and
+    PINGREQ are handled inline (a QoS 1 one goes amqtt's way while a QoS 2 one is being routed), everything
     else is decoded by amqtt's packet classes and dispatched as amqtt does, but at EOF the handlers
     of SUBSCRIBE, UNSUBSCRIBE and DISCONNECT under way are waited for (``_settling``), not
-    cancelled. It steps aside (runs amqtt's loop) for non-TCP connections and
+    cancelled. It reads nothing more while the answers its client has not read pass a bound
+    (``_answer_ping``, ``_room``). It steps aside (runs amqtt's loop) for non-TCP connections and
     when plugins listen to raw packets or filter topics, which the inline path would skip.
     """
 
@@ -3936,10 +3937,10 @@ class FastReader:
     async def _room(self) -> None:
         """Waits while ``MAX_UNDER_WAY`` of the connection's packets are being handled (until half
         that are: a wake-up per task done cost more than the task), or as many SUBSCRIBEs and
-        UNSUBSCRIBEs wait for the message loop (until half that do). Each task (a PINGREQ's waits
-        to write its PINGRESP while the client reads nothing) and each change holds memory, and
-        a client that sends without reading its answers was read on without end (1.5 million
-        PINGREQs in a second: 150 MB). Reading nothing more, the socket fills and the client's
+        UNSUBSCRIBEs wait for the message loop (until half that do). Each task (a PUBREL's waits
+        to write its PUBCOMP while the client reads nothing) and each change holds memory, and
+        a client that sends without reading its answers was read on without end (400,000
+        SUBSCRIBEs in a second: 140 MB). Reading nothing more, the socket fills and the client's
         sends wait. No handler waits for a packet still to be read: a QoS 2 PUBLISH's ends at
         its PUBREC, not its PUBREL."""
         tasks, changes = len(self._running), len(self._changes)
@@ -3952,6 +3953,7 @@ class FastReader:
         await self._changes.fewer_than(MAX_UNDER_WAY // 2)
 
     def _handled(self, task: asyncio.Task[None]) -> None:
+        """A handler is done: at half ``MAX_UNDER_WAY`` under way, ``_room`` lets the reader on."""
         self._running.discard(task)
         if len(self._running) <= MAX_UNDER_WAY // 2:
             self._room_made.set()
