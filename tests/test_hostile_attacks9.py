@@ -320,6 +320,7 @@ FLOODS = {
     "PINGREQ": (lambda i: PINGREQ, 0xD0, 3_000_000),
     "SUBSCRIBE": (subscribe, 0x90, 20_000),
     "UNSUBSCRIBE": (lambda i: mqtt_packet(0xA2, packet_id(i) + mqtt_string("n/x")), 0xB0, 20_000),
+    "PUBREL": (lambda i: b"\x62\x02" + packet_id(i), 0x70, 20_000),  # none held: each still gets PUBCOMP
 }
 """Per packet pipelined: the i-th packet, the first byte of its answer, how many at most. Before the
 bound the broker read them all as fast as they came (1.5 million PINGREQs in a second grew it by
@@ -385,7 +386,7 @@ def count_answers(sock: socket.socket, first: int, count: int) -> Counter[int]:
 def test_pipelined_packets_whose_answers_are_never_read_pause_the_reader_and_others_are_served(
     broker_factory: Callable[..., Broker], kind: str
 ) -> None:
-    """A client pipelining PINGREQs, SUBSCRIBEs or UNSUBSCRIBEs and reading none of the answers: the
+    """A client pipelining PINGREQs, SUBSCRIBEs, UNSUBSCRIBEs or PUBRELs and reading none of the answers: the
     broker reads from it until MAX_UNDER_WAY of its packets are being handled, then nothing more
     (INFO naming the client) until they are done, so it grows by a few MB, not 150, and a new
     client's CONNECT is answered meanwhile. Once the client reads, every packet it sent is
