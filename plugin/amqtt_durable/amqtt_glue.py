@@ -300,8 +300,9 @@ SILENT = "%s: nothing received for 1.5 keep-alive periods: disconnecting"
 PINGRESP_PACKET = bytes((PINGRESP << 4, 0))
 MAX_UNDER_WAY = 256
 """Packets of one connection the plugin's reader hands to amqtt's handlers (a task each: SUBSCRIBE,
-UNSUBSCRIBE, PUBREL, QoS 2 PUBLISH, ...) not yet done, or SUBSCRIBEs / UNSUBSCRIBEs
-waiting for the message loop, at which it reads nothing more until half that are (FastReader._room)."""
+UNSUBSCRIBE, PUBREL, QoS 2 PUBLISH, a PINGREQ read while the write buffer is full, ...) not yet
+done, or SUBSCRIBEs / UNSUBSCRIBEs waiting for the message loop, at which it reads nothing more
+until half that are (FastReader._room)."""
 PAUSED = "reading from %s paused: %s (it reads the answers slower than it sends what asks for them)%s"
 """Logged (INFO, at most once per ``drop_log_interval`` per connection) as FastReader waits."""
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
@@ -3795,8 +3796,10 @@ class FastReader:
     else is decoded by amqtt's packet classes and dispatched as amqtt does, but at EOF the handlers
     of SUBSCRIBE, UNSUBSCRIBE and DISCONNECT under way are waited for (``_settling``), not
     cancelled. It reads nothing more while the answers its client has not read pass a bound
-    (``_answer_ping``, ``_room``). It steps aside (runs amqtt's loop) for non-TCP connections and
-    when plugins listen to raw packets or filter topics, which the inline path would skip.
+    (``_room``): a PINGREQ is answered inline only while the broker holds no more unsent for the
+    client than its socket's write buffer limit, else by amqtt's task, which waits to write. It
+    steps aside (runs amqtt's loop) for non-TCP connections and when plugins listen to raw
+    packets or filter topics, which the inline path would skip.
     """
 
     def __init__(self, broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
@@ -3857,22 +3860,13 @@ class FastReader:
                 return
         elif _BAD_FIRST[first]:
             raise first_byte_refusal(first)
-        elif packet_type == PINGREQ and not body:
-            await self._answer_ping()
+        elif packet_type == PINGREQ and not body and not self._transport.congested:
+            self._transport.write(PINGRESP_PACKET)  # with the acks; else amqtt's task, bounded by _room
             return
         kind = _ACK_KINDS.get(packet_type)
         if kind is not None and len(body) == 2 and self._transport.take_ack(kind, int.from_bytes(body, "big")):
             return
         await self._to_amqtt(packet_type, flags, body)
-
-    async def _answer_ping(self) -> None:
-        """PINGRESP, written with the acks (not amqtt's task per PINGREQ), once the broker holds no
-        more unsent for the client than its socket's write buffer limit: a client pipelining
-        PINGREQs and reading nothing is read no further until it reads."""
-        if self._transport.congested:
-            self._log_pause("its PINGRESP waits while the broker holds more unsent for it than the write buffer limit")
-            await self._transport.drain()
-        self._transport.write(PINGRESP_PACKET)
 
     def _log_pause(self, cause: str) -> None:
         """PAUSED, at most once per ``drop_log_interval``; the next line says how many were left out."""
@@ -3937,8 +3931,8 @@ class FastReader:
     async def _room(self) -> None:
         """Waits while ``MAX_UNDER_WAY`` of the connection's packets are being handled (until half
         that are: a wake-up per task done cost more than the task), or as many SUBSCRIBEs and
-        UNSUBSCRIBEs wait for the message loop (until half that do). Each task (a PUBREL's waits
-        to write its PUBCOMP while the client reads nothing) and each change holds memory, and
+        UNSUBSCRIBEs wait for the message loop (until half that do). Each task (a PINGREQ's or a
+        PUBREL's waits to write its answer while the client reads nothing) and each change holds memory, and
         a client that sends without reading its answers was read on without end (400,000
         SUBSCRIBEs in a second: 140 MB). Reading nothing more, the socket fills and the client's
         sends wait. No handler waits for a packet still to be read: a QoS 2 PUBLISH's ends at
