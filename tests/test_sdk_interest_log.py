@@ -438,15 +438,15 @@ def test_a_new_filter_whose_suback_is_lost_is_logged_at_the_hello_reply_that_lis
 
 
 def made_durable_in_a_thread(
-    device: DurableClient, topic_filter: str, qos: int = 1
+    device: DurableClient, topic_filter: str, qos: int = 1, *, durable: bool = True, timeout: float = WAIT
 ) -> tuple[threading.Thread, list[BaseException | None]]:
-    """A started thread whose subscribe() makes ``topic_filter`` durable (at ``qos``), and its outcome once
-    it returns: [None], or [what it raised]."""
+    """A started thread whose subscribe() makes ``topic_filter`` durable (or, ``durable=False``, not) at
+    ``qos``, and its outcome once it returns: [None], or [what it raised]."""
     outcome: list[BaseException | None] = []
 
     def make_durable() -> None:
         try:
-            device.subscribe(topic_filter, qos=qos, durable=True, timeout=WAIT)
+            device.subscribe(topic_filter, qos=qos, durable=durable, timeout=timeout)
             outcome.append(None)
         except BaseException as exc:  # handed to the test's thread
             outcome.append(exc)
@@ -454,6 +454,30 @@ def made_durable_in_a_thread(
     caller = threading.Thread(target=make_durable, daemon=True)
     caller.start()
     return caller, outcome
+
+
+@pytest.mark.parametrize("first_durable", [False, True], ids=["to-non-durable", "to-durable"])
+def test_a_non_durable_subscribe_at_a_new_qos_returns_at_its_suback_while_an_earlier_interest_awaits_its_reply(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path, relays: Callable[..., PacketRelay],
+    first_durable: bool,
+) -> None:
+    """sdk.md: a connected subscribe() returns at its SUBACK; only a durable one at a new QoS waits for an
+    `interest` reply still due. A change of w/t's durability awaits its reply (held) when a
+    subscribe(durable=False) at QoS 0 comes: it took over that wait too and raised RequestTimeout (review 320)."""
+    relay = relays(broker.port)
+    device = sdk(relay.port, "nd-new-qos", delivery_log=tmp_path / "device.jsonl")
+    device.connect(timeout=WAIT)
+    device.subscribe("w/t", qos=1, durable=not first_durable, timeout=WAIT)
+    relay.hold("down", op_is("interest", "down"))
+    after = len(relay.seen)
+    changing, _ = made_durable_in_a_thread(device, "w/t", durable=first_durable)
+    relay.wait_seen(op_is("interest", "down"), after)
+    at_new_qos, outcome = made_durable_in_a_thread(device, "w/t", 0, durable=False, timeout=3)
+    relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, after)  # its SUBACK came
+    at_new_qos.join(WAIT)
+    relay.release("down")
+    changing.join(WAIT)
+    assert outcome == [None], outcome
 
 
 def is_interest(durable: bool) -> Callable[[Packet], bool]:

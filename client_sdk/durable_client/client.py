@@ -570,9 +570,10 @@ class DurableClient:
             subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
             subscription.answered, subscription.false_logged = previous.answered, previous.false_logged
         undone = any(s is previous for s in self._interests_undone)
-        if undone and not subscription.durable:
+        if not subscription.durable and (undone or previous.qos != subscription.qos):
             # Its interest went before the hello, and the broker holds the filter as that left it: the replaced
             # one keeps its place there (and gets the reply); a later durable one sends its own at the hello.
+            # At a new QoS (connected) a non-durable one returns at its SUBACK: no earlier reply is its own.
             return
         subscription.interest_req, subscription.interest_due = previous.interest_req, previous.interest_due
         # The broker refused durable: true earlier and holds it non-durable.
