@@ -9,30 +9,17 @@ queued messages still come whole and in order.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import select
 import socket
-import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly, read_packet
-from test_hostile_wire import (
-    CONNACK_ACCEPTED,
-    PATHS,
-    PINGREQ,
-    connack_within,
-    memory_kb,
-    publish_packet,
-    read_until_closed,
-    wait_until,
-)
+from raw_mqtt_helpers import raw_connect, raw_subscribe, read_packet
+from test_hostile_wire import PATHS, connack_within, publish_packet, read_until_closed
 
-from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string, payloads, queued_while_dropped
+from conftest import WAIT, Broker, Client, payloads, queued_while_dropped
 from durable_client.protocol import CONTROL_TOPIC, REPLY_TOPIC, STREAM_TOPIC_PREFIX, decode_frame
 
 BIG = 2**64 + 1
@@ -304,152 +291,3 @@ def test_acks_of_packet_ids_nothing_awaits_are_ignored_with_one_log_line_per_int
     ignored = [line for line in log.splitlines() if "acker: " in line and "ignored" in line]
     assert len(ignored) == 1, ignored
     assert "PUBACK of packet id 1 ignored: no message sent to this connection awaits it" in ignored[0]
-
-
-# ------------------------------------------- answers pipelined and never read (FastReader._room)
-def packet_id(i: int) -> bytes:
-    """The i-th of a run of packet ids (1 to 65535, then again)."""
-    return (i % 65535 + 1).to_bytes(2, "big")
-
-
-def subscribe(i: int, topic_filter: str = "f/x") -> bytes:
-    return mqtt_packet(0x82, packet_id(i) + mqtt_string(topic_filter) + b"\x01")
-
-
-FLOODS = {
-    "PINGREQ": (lambda i: PINGREQ, 0xD0, 3_000_000),
-    "SUBSCRIBE": (subscribe, 0x90, 20_000),
-    "UNSUBSCRIBE": (lambda i: mqtt_packet(0xA2, packet_id(i) + mqtt_string("n/x")), 0xB0, 20_000),
-    "PUBREL": (lambda i: b"\x62\x02" + packet_id(i), 0x70, 20_000),  # none held: each still gets PUBCOMP
-}
-"""Per packet pipelined: the i-th packet, the first byte of its answer, how many at most. Before the
-bound the broker read them all as fast as they came (1.5 million PINGREQs in a second grew it by
-over 150 MB and it answered no CONNECT for over a minute; 400,000 SUBSCRIBEs: 140 MB, 44 s); now
-it reads until MAX_UNDER_WAY of them are being handled (a PINGREQ: until the broker holds more
-unsent for the client than its write buffer limit), and the sends stop once the sockets' buffers
-are full. A SUBSCRIBE costs the broker far more than a PINGREQ: 20,000 are answered in seconds."""
-STALLED_S = 1.0
-"""The flood stops once the socket took nothing for this long (the broker reads no more)."""
-GROWTH_KB = 60_000
-"""A wide bound on the broker's growth through the flood (before: over 150 MB; now: a few MB)."""
-
-
-def pause_logged(broker: Broker, client_id: str) -> bool:
-    return f"reading from {client_id} paused: " in broker.log()
-
-
-def flood(sock: socket.socket, packet: Callable[[int], bytes], most: int) -> tuple[int, bytes]:
-    """Sends packets without reading any answer until the socket takes nothing for STALLED_S or
-    ``most`` were sent; returns how many whole packets went and the unsent rest of the last."""
-    size = len(packet(0))
-    chunk = b"".join(packet(i) for i in range(1000))
-    assert len(chunk) == 1000 * size
-    sent = 0
-    deadline = time.monotonic() + 2 * WAIT
-    with select_poll(sock, select.POLLOUT) as writable:
-        while sent < most * size and time.monotonic() < deadline and writable(STALLED_S):
-            offset = sent % len(chunk)
-            sent += sock.send(chunk[offset : offset + most * size - sent])
-    whole, part = divmod(sent, size)
-    return whole + (1 if part else 0), packet(whole)[part:] if part else b""
-
-
-@contextlib.contextmanager
-def select_poll(sock: socket.socket, events: int) -> Iterator[Callable[[float], bool]]:
-    """``ready(timeout)``: the socket is ready for ``events`` within ``timeout`` seconds."""
-    poller = select.poll()
-    poller.register(sock.fileno(), events)
-    sock.setblocking(False)
-    try:
-        yield lambda timeout: bool(poller.poll(timeout * 1000))
-    finally:
-        sock.settimeout(WAIT)
-
-
-def count_answers(sock: socket.socket, first: int, count: int) -> Counter[int]:
-    """Reads until ``count`` packets of type ``first`` came (millions of them: whole chunks, not a
-    packet at a time); how many of each first byte came. Every answer here is under 128 bytes."""
-    deadline = time.monotonic() + 4 * WAIT
-    seen: Counter[int] = Counter()
-    buffer = b""
-    while seen[first] < count:  # bounded by the deadline
-        buffer += read_exactly(sock, 1, deadline) + sock.recv(1 << 20)
-        at = 0
-        while at + 2 <= len(buffer) and at + 2 + buffer[at + 1] <= len(buffer):
-            seen[buffer[at]] += 1
-            at += 2 + buffer[at + 1]
-        buffer = buffer[at:]
-    return seen
-
-
-@pytest.mark.parametrize("kind", FLOODS)
-def test_pipelined_packets_whose_answers_are_never_read_pause_the_reader_and_others_are_served(
-    broker_factory: Callable[..., Broker], kind: str
-) -> None:
-    """A client pipelining PINGREQs, SUBSCRIBEs, UNSUBSCRIBEs or PUBRELs and reading none of the answers: the
-    broker reads from it until MAX_UNDER_WAY of its packets are being handled, then nothing more
-    (INFO naming the client) until they are done, so it grows by a few MB, not 150, and a new
-    client's CONNECT is answered meanwhile. Once the client reads, every packet it sent is
-    answered (none was dropped) and reading goes on."""
-    packet, answer, most = FLOODS[kind]
-    broker = broker_factory(drop_log_interval=3600)
-    assert broker.proc is not None
-    before = memory_kb(broker.proc.pid, "VmRSS")
-    attacker = socket.socket()
-    attacker.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # read nothing, hold little
-    attacker.settimeout(WAIT)
-    attacker.connect((HOST, broker.port))
-    attacker.sendall(connect_packet("flooder"))
-    assert read_exactly(attacker, 4) == CONNACK_ACCEPTED
-    sent, rest = flood(attacker, packet, most)
-    assert wait_until(lambda: pause_logged(broker, "flooder"), WAIT), broker.log()[-3000:]
-    assert connack_within(broker.port, WAIT), "a new client was not served during the flood"
-    assert memory_kb(broker.proc.pid, "VmRSS") - before < GROWTH_KB
-    answers: Counter[int] = Counter()
-    reading = threading.Thread(target=lambda: answers.update(count_answers(attacker, answer, sent)))
-    reading.start()
-    attacker.settimeout(4 * WAIT)  # the socket takes the rest once half its send buffer is free
-    attacker.sendall(rest)
-    reading.join(5 * WAIT)
-    assert not reading.is_alive(), "the answers did not all come"
-    attacker.sendall(PINGREQ)
-    answers.update(count_answers(attacker, 0xD0, 1))
-    assert answers[answer] == sent + (kind == "PINGREQ"), (answers, sent)
-    assert "Traceback" not in broker.log()
-
-
-QOS2_HELD = 300
-PIPELINED = 1000
-
-
-def test_a_client_pipelining_qos2_publishes_subscribes_and_pingreqs_that_reads_its_answers_is_not_stalled(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
-) -> None:
-    """The bound does not stall a client that reads: QoS 2 publishes whose PUBRELs come after many
-    SUBSCRIBEs and PINGREQs, all pipelined in one write (the reader pauses at MAX_UNDER_WAY, INFO), get
-    every PUBREC, SUBACK (in order), PINGRESP and PUBCOMP, and the messages are delivered."""
-    broker = broker_factory(drop_log_interval=3600)
-    watcher = clients(broker.port, "watcher", clean_session=True)
-    watcher.subscribe("q/#", 2)
-    sock = raw_connect(broker.port, "piper", clean=False)
-    held = [publish_packet(b"q/1", b"m%d" % i, 2, i + 1) for i in range(QOS2_HELD)]
-    pubrels = [b"\x62\x02" + packet_id(i) for i in range(QOS2_HELD)]
-    subscribes = [subscribe(i, f"f/{i % 100}") for i in range(QOS2_HELD, QOS2_HELD + PIPELINED)]
-    answers: list[tuple[int, bytes]] = []
-
-    def read_all() -> None:
-        deadline = time.monotonic() + 6 * WAIT
-        while len(answers) < 2 * QOS2_HELD + 2 * PIPELINED:  # bounded by the deadline
-            answers.append(read_packet(sock, deadline))
-
-    reading = threading.Thread(target=read_all)
-    reading.start()
-    sock.sendall(b"".join([*held, *subscribes, PINGREQ * PIPELINED, *pubrels]))
-    reading.join(7 * WAIT)
-    assert not reading.is_alive(), f"{len(answers)} answers came"
-    kinds = Counter(first for first, _ in answers)
-    assert kinds == {0x50: QOS2_HELD, 0x90: PIPELINED, 0xD0: PIPELINED, 0x70: QOS2_HELD}, kinds
-    assert [body[:2] for first, body in answers if first == 0x90] == [s[2:4] for s in subscribes]
-    assert [m.payload for m in watcher.wait_messages(QOS2_HELD)] == [b"m%d" % i for i in range(QOS2_HELD)]
-    assert pause_logged(broker, "piper"), "the reader never paused: the test did not test the bound"
-    assert "Traceback" not in broker.log()

@@ -82,8 +82,7 @@ instance the plugin is loaded into and on each connection's handler:
   acknowledged, still waiting for its message loop, is kept for that loop's end to hand over
   (amqtt emptied the queue), before what the new connection publishes (``PublishedMessages.follow``);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
-  PUBLISH, acks and PINGREQ inline instead of amqtt's task per packet, and reads nothing more
-  while the answers the client has not read pass a bound (see ``FastReader``);
+  PUBLISH and acks inline instead of amqtt's task per packet (see ``FastReader``);
 * ``BrokerProtocolHandler.handle_subscribe`` / ``handle_unsubscribe`` /
   ``get_next_pending_subscription`` / ``get_next_pending_unsubscription`` (per connection), with
   ``wait_disconnect`` and ``stop``: a connection's SUBSCRIBEs and UNSUBSCRIBEs share one queue
@@ -297,14 +296,6 @@ READ_SIZE = 1 << 16
 SILENT = "%s: nothing received for 1.5 keep-alive periods: disconnecting"
 """Logged (INFO) when MQTT-3.1.2-24 ends a connection, on either reader loop."""
 """Bytes FastReader asks the socket for at a time."""
-PINGRESP_PACKET = bytes((PINGRESP << 4, 0))
-MAX_UNDER_WAY = 256
-"""Packets of one connection the plugin's reader hands to amqtt's handlers (a task each: SUBSCRIBE,
-UNSUBSCRIBE, PUBREL, QoS 2 PUBLISH, a PINGREQ read while the write buffer is full, ...) not yet
-done, or SUBSCRIBEs / UNSUBSCRIBEs waiting for the message loop, at which it reads nothing more
-until half that are (FastReader._room)."""
-PAUSED = "reading from %s paused: %s (it reads the answers slower than it sends what asks for them)%s"
-"""Logged (INFO, at most once per ``drop_log_interval`` per connection) as FastReader waits."""
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
 """Packet types whose handling a connection's end waits for (FastReader.run): they need nothing more
 from the peer."""
@@ -3791,15 +3782,12 @@ class FastReader:
     """A reader loop for TCP connections that handles the message path without a task per packet.
 
     amqtt's loop wraps every read in ``wait_for`` and every packet in a task. This one reads
-    whole packets from the socket buffer; QoS 0/1 PUBLISH, the acks of pump-sent messages and
-    PINGREQ are handled inline (a QoS 1 one goes amqtt's way while a QoS 2 one is being routed), everything
+    whole packets from the socket buffer; QoS 0/1 PUBLISH and the acks of pump-sent messages
+    are handled inline (a QoS 1 one goes amqtt's way while a QoS 2 one is being routed), everything
     else is decoded by amqtt's packet classes and dispatched as amqtt does, but at EOF the handlers
     of SUBSCRIBE, UNSUBSCRIBE and DISCONNECT under way are waited for (``_settling``), not
-    cancelled. It reads nothing more while the answers its client has not read pass a bound
-    (``_room``): a PINGREQ is answered inline only while the broker holds no more unsent for the
-    client than its socket's write buffer limit, else by amqtt's task, which waits to write. It
-    steps aside (runs amqtt's loop) for non-TCP connections and when plugins listen to raw
-    packets or filter topics, which the inline path would skip.
+    cancelled. It steps aside (runs amqtt's loop) for non-TCP connections and
+    when plugins listen to raw packets or filter topics, which the inline path would skip.
     """
 
     def __init__(self, broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
@@ -3819,10 +3807,6 @@ class FastReader:
         its task is cancelled (``_bounded_qos2``; the connection's end waits for a PUBREL read
         behind it, ``PublishedMessages.handed_over``)."""
         self._max_packet_size = engine.config.max_packet_size
-        self._changes: SubscriptionChanges[Any] = handler.durable_changes
-        self._paused = LogBudget(engine.config.drop_log_interval)
-        self._room_made = asyncio.Event()
-        """Set once at most half ``MAX_UNDER_WAY`` handlers are under way (``_room`` waits for it)."""
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
         """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2 or 3, busy ACLs).
@@ -3860,20 +3844,10 @@ class FastReader:
                 return
         elif _BAD_FIRST[first]:
             raise first_byte_refusal(first)
-        elif packet_type == PINGREQ and not body and not self._transport.congested:
-            self._transport.write(PINGRESP_PACKET)  # with the acks; else amqtt's task, bounded by _room
-            return
         kind = _ACK_KINDS.get(packet_type)
         if kind is not None and len(body) == 2 and self._transport.take_ack(kind, int.from_bytes(body, "big")):
             return
         await self._to_amqtt(packet_type, flags, body)
-
-    def _log_pause(self, cause: str) -> None:
-        """PAUSED, at most once per ``drop_log_interval``; the next line says how many were left out."""
-        left_out = self._paused.take()
-        if left_out is not None:
-            also = f" ({left_out} more pause(s) since the last line)" if left_out else ""
-            log.info(PAUSED, self._session.client_id, cause, also)
 
     async def _dispatch_all(self, packets: list[tuple[int, bytes]]) -> None:
         """The packets of one read, in order; runs of acks of one kind go to the pump together.
@@ -3920,37 +3894,12 @@ class FastReader:
         packet = await packet_class(fixed).from_stream(BufferReader(body), fixed_header=fixed)
         method = _HANDLERS.get(packet_type)
         if method is not None:
-            await self._room()
             task = asyncio.create_task(getattr(handler, method)(packet))
             self._running.add(task)
-            task.add_done_callback(self._handled)
+            task.add_done_callback(self._running.discard)
             if packet_type in _SETTLED_AT_EOF:
                 self._settling.add(task)
                 task.add_done_callback(self._settling.discard)
-
-    async def _room(self) -> None:
-        """Waits while ``MAX_UNDER_WAY`` of the connection's packets are being handled (until half
-        that are: a wake-up per task done cost more than the task), or as many SUBSCRIBEs and
-        UNSUBSCRIBEs wait for the message loop (until half that do). Each task (a PINGREQ's or a
-        PUBREL's waits to write its answer while the client reads nothing) and each change holds memory, and
-        a client that sends without reading its answers was read on without end (400,000
-        SUBSCRIBEs in a second: 140 MB). Reading nothing more, the socket fills and the client's
-        sends wait. No handler waits for a packet still to be read: a QoS 2 PUBLISH's ends at
-        its PUBREC, not its PUBREL."""
-        tasks, changes = len(self._running), len(self._changes)
-        if tasks < MAX_UNDER_WAY and changes < MAX_UNDER_WAY:
-            return
-        self._log_pause(f"{tasks} of its packets are being handled, {changes} SUBSCRIBE/UNSUBSCRIBE(s) wait")
-        if tasks >= MAX_UNDER_WAY:
-            self._room_made.clear()
-            await self._room_made.wait()
-        await self._changes.fewer_than(MAX_UNDER_WAY // 2)
-
-    def _handled(self, task: asyncio.Task[None]) -> None:
-        """A handler is done: at half ``MAX_UNDER_WAY`` under way, ``_room`` lets the reader on."""
-        self._running.discard(task)
-        if len(self._running) <= MAX_UNDER_WAY // 2:
-            self._room_made.set()
 
     def _watch_silence(self) -> SilenceWatch | None:
         """MQTT-3.1.2-24 on amqtt's own loop, which never ends a silent connection (see silence.py):
