@@ -299,6 +299,19 @@ def payloads(count: int, prefix: str = "m") -> list[bytes]:
     return [f"{prefix}{i:07d}".encode() for i in range(count)]
 
 
+def each_got_only(subscribers: list[Client], expected: list[bytes], quiet: float = 0.5) -> None:
+    """Each of ``subscribers`` got ``expected``, in that order, and nothing more within ``quiet`` seconds after
+    the last of them had it: one window watched on all of them at once (each is watched for the whole of it),
+    not one window after another."""
+    for subscriber in subscribers:
+        subscriber.wait_for(lambda ms: len(ms) >= len(expected))
+    quiet_until = time.monotonic() + quiet
+    for subscriber in subscribers:
+        left = max(0.0, quiet_until - time.monotonic())
+        assert not subscriber.wait_for(lambda ms: len(ms) > len(expected), timeout=left), subscriber.client_id
+        assert [m.payload for m in subscriber.messages] == expected, subscriber.client_id
+
+
 def seen_away(clients: Callable[..., Client], broker: Broker, count: int) -> None:
     """Wait until the broker counts ``count`` disconnected durable sessions (its metrics, broker
     started with a short `metrics_interval`): a publish on another connection can otherwise be
