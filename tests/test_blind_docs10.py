@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packet_relay import Packet, PacketRelay
 from raw_mqtt_helpers import read_packet
 from test_blind_protocol3 import CTL, REPLY, Raw
 
@@ -416,3 +417,65 @@ def test_a_stateless_clients_receive_records_have_seq_and_epoch_0_and_its_receiv
         assert [(r["topic"], r["durable"], r["qos"]) for r in subscribes] == [("plain10/#", False, 1)], subscribes
     finally:
         client.close()
+
+
+# ------------------------------------------------------------------------------ protocol.md: Versioning
+
+
+def test_the_sdk_does_not_read_a_frame_of_another_version(
+    broker_factory: Callable[..., Broker],
+    relays: Callable[..., PacketRelay],
+    sdk: Callable[..., DurableClient],
+    clients: Callable[..., Client],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """protocol.md, Versioning: "a client does not read frames of another version": the SDK delivers such a
+    session message as it came (frame bytes included, `seq` and `epoch` 0, no duplicate check; a WARNING) and
+    drops such a stream event (an ERROR), which the broker sends again after `stream_ack_timeout`. A relay sets
+    the version byte of the first session message and the first stream event the broker sends to 2."""
+    broker = broker_factory(streams=[{"filter": "telemetry/#"}], stream_ack_timeout=0.5)
+    rewritten: set[str] = set()
+
+    def version_2(packet: Packet) -> Packet:
+        if packet.kind != 3:
+            return packet
+        length = int.from_bytes(packet.body[:2], "big")
+        topic = packet.body[2 : 2 + length].decode()
+        if topic not in ("v2f/a", "$durable/v1/stream/telemetry/v2f") or topic in rewritten:
+            return packet
+        rewritten.add(topic)
+        start = 2 + length + (2 if packet.first & 0x06 else 0)
+        body = packet.body[:start] + b"\x02" + packet.body[start + 1 :]
+        return Packet(packet.direction, packet.first, body)
+
+    relay = relays(broker.port, rewrite_down=version_2)
+    session_events: list[Event] = []
+    stream_events: list[Event] = []
+    got = threading.Condition()
+
+    def keep(into: list[Event]) -> Callable[[Event], None]:
+        def listener(event: Event) -> None:
+            with got:
+                into.append(event)
+                got.notify_all()
+
+        return listener
+
+    client = sdk(relay.port, "v2frames")
+    client.subscribe("v2f/#", qos=1, listener=keep(session_events))
+    client.subscribe_stream("telemetry/v2f", keep(stream_events))
+    client.connect()
+    client.ready_for_events()
+    publisher = clients(broker.port, "v2f-pub", clean_session=True)
+    publisher.publish("v2f/a", [b"one", b"two"], qos=1)
+    publisher.publish("telemetry/v2f", [b"s1"], qos=1)
+    with got:
+        assert got.wait_for(lambda: len(session_events) >= 2 and stream_events, WAIT), (session_events, stream_events)
+    first, second = session_events
+    assert first.payload[:1] == b"\x02" and first.payload[26:] == b"one" and len(first.payload) == 29, first
+    assert (first.seq, first.epoch) == (0, 0), first
+    assert (second.payload, second.seq >= 1, second.epoch >= 1) == (b"two", True, True), second
+    assert [(e.seq, e.payload, e.redelivered) for e in stream_events] == [(1, b"s1", True)], stream_events
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "has no SDK frame" in r.getMessage()]
+    dropped = [r for r in caplog.records if r.levelname == "ERROR" and "dropping a stream event" in r.getMessage()]
+    assert warned and dropped, caplog.text
