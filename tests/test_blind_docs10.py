@@ -479,3 +479,48 @@ def test_the_sdk_does_not_read_a_frame_of_another_version(
     warned = [r for r in caplog.records if r.levelname == "WARNING" and "has no SDK frame" in r.getMessage()]
     dropped = [r for r in caplog.records if r.levelname == "ERROR" and "dropping a stream event" in r.getMessage()]
     assert warned and dropped, caplog.text
+
+
+# --------------------------------------------------------------------- delivery-log.md: when a send is written
+
+
+def test_a_publish_from_a_listener_is_logged_as_sent_before_the_broker_has_it(
+    broker: Broker,
+    relays: Callable[..., PacketRelay],
+    sdk: Callable[..., DurableClient],
+    clients: Callable[..., Client],
+    tmp_path: Path,
+) -> None:
+    """delivery-log.md: "A `send` is written once the broker has acknowledged the publish ... or once paho has
+    queued it (QoS 0, and any publish made from inside a listener, which cannot wait for its PUBACK)": a relay
+    holds the listener's QoS 1 PUBLISH before the broker, and its `send` record is there once the listener has
+    returned; the broker gets it at the release."""
+    log_path = tmp_path / "listener.jsonl"
+    relay = relays(broker.port)
+    returned = threading.Event()
+
+    def answer(event: Event) -> None:
+        device.publish("lst10/out", b"answer:" + event.payload, qos=1)
+        returned.set()
+
+    live = threading.Event()
+    device = sdk(relay.port, "lst10", delivery_log=str(log_path), on_live=lambda _marker: live.set())
+    device.subscribe("lst10/in", qos=1, listener=answer)
+    device.connect()
+    device.ready_for_events()
+    assert live.wait(WAIT)
+    watcher = clients(broker.port, "lst10-watch", clean_session=True)
+    watcher.subscribe("lst10/out", 1)
+
+    def is_answer(packet: Packet) -> bool:
+        return packet.kind == 3 and b"lst10/out" in packet.body[:12]
+
+    relay.hold("up", is_answer)
+    clients(broker.port, "lst10-pub", clean_session=True).publish("lst10/in", [b"q"], qos=1)
+    assert returned.wait(WAIT)
+    relay.wait_seen(is_answer)  # sent by paho, held by the relay: no PUBACK can have come
+    sends = [json.loads(line) for line in log_path.read_text(encoding="utf-8").splitlines()]
+    assert [(r["topic"], r["qos"]) for r in sends if r["kind"] == "send"] == [("lst10/out", 1)], sends
+    assert not watcher.messages
+    relay.release("up")
+    assert watcher.wait_for(lambda ms: [m.payload for m in ms] == [b"answer:q"])
