@@ -524,3 +524,69 @@ def test_a_publish_from_a_listener_is_logged_as_sent_before_the_broker_has_it(
     assert not watcher.messages
     relay.release("up")
     assert watcher.wait_for(lambda ms: [m.payload for m in ms] == [b"answer:q"])
+
+
+# ------------------------------------------------------------ sdk.md: the first SDK connect to a plain session
+
+
+def test_a_plain_sessions_messages_sent_before_the_sdks_hello_takes_effect_come_unframed_and_unheld(
+    broker: Broker,
+    relays: Callable[..., PacketRelay],
+    sdk: Callable[..., DurableClient],
+    clients: Callable[..., Client],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """sdk.md: "A durable session that never said `hello` (one a plain MQTT client made) is not held at the
+    SDK's first connect: what the broker sends it before that connection's `hello` takes effect ... comes
+    unframed, and the SDK delivers it as it came: before `ready_for_events()`, `seq` and `epoch` 0, `replayed`
+    false, no duplicate check, a WARNING each. From that `hello` on it is an SDK session for good." A relay
+    holds the SDK's `hello` until the plain session's queued message has come."""
+    plain = clients(broker.port, "plain10")
+    plain.subscribe("plain10/#", 1)
+    plain.disconnect()
+    publisher = clients(broker.port, "plain10-pub", clean_session=True)
+    publisher.publish("plain10/a", [b"while plain"], qos=1)
+
+    def is_hello(packet: Packet) -> bool:
+        request = packet.control()
+        return request is not None and request.get("op") == "hello"
+
+    relay = relays(broker.port)
+    relay.hold("up", is_hello)
+    events: list[Event] = []
+    got = threading.Condition()
+
+    def listener(event: Event) -> None:
+        with got:
+            events.append(event)
+            got.notify_all()
+
+    live = threading.Event()
+    client = sdk(relay.port, "plain10", on_live=lambda _marker: live.set())
+    client.subscribe("plain10/#", qos=1, listener=listener)
+    failures: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            client.connect(timeout=WAIT)
+        except BaseException as failure:  # reported by the test thread
+            failures.append(failure)
+
+    connecting = threading.Thread(target=connect)
+    connecting.start()
+    with got:
+        assert got.wait_for(lambda: events, WAIT), "the plain session's message never came"
+    relay.wait_seen(is_hello)
+    relay.release("up")
+    connecting.join(WAIT)
+    assert not connecting.is_alive() and not failures, failures
+    (first,) = events
+    assert (first.payload, first.seq, first.epoch, first.replayed) == (b"while plain", 0, 0, False), first
+    assert any("has no SDK frame" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    publisher.publish("plain10/a", [b"now held"], qos=1)
+    client.ready_for_events()
+    assert live.wait(WAIT)
+    with got:
+        assert got.wait_for(lambda: len(events) == 2, WAIT), events
+    second = events[1]
+    assert (second.payload, second.seq >= 1, second.epoch >= 1, second.replayed) == (b"now held", True, True, True)
