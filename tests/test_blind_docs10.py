@@ -3,8 +3,10 @@ aimed at promises earlier rounds left open: the exact JSON types the control pro
 ``true`` or ``1.0`` is no integer, only UTF-8 is read), the replies of a connection without a durable session,
 the frame and marker of a retained message queued with a SUBSCRIBE before ``ready``, epochs of sessions
 made anew, what an explicit subscription to the broker's ``$durable/`` topics and a retained QoS 2 control
-request do, and the delivery log's columns for a stateless client. Real broker processes on 127.0.0.1,
-raw sockets and paho clients; each test quotes the promise it checks.
+request do, the delivery log's columns for a stateless client and when a listener's publish is logged, and
+what the SDK does with a frame of another version and with a plain session's messages sent before its
+``hello`` takes effect (a relay between the SDK and the broker rewrites or holds packets). Real broker
+processes on 127.0.0.1, raw sockets, paho and SDK clients; each test quotes the promise it checks.
 """
 
 from __future__ import annotations
