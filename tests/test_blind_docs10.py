@@ -391,8 +391,12 @@ def test_a_stateless_clients_receive_records_have_seq_and_epoch_0_and_its_receiv
     log_path = tmp_path / "stateless.jsonl"
     got: list[Event] = []
     done = threading.Event()
+    synced = threading.Event()
 
     def listener(event: Event) -> None:
+        if event.topic == "plain10/sync":
+            synced.set()  # the network thread wrote the records of the events before this one
+            return
         got.append(event)
         if len(got) == 2:
             done.set()
@@ -407,9 +411,12 @@ def test_a_stateless_clients_receive_records_have_seq_and_epoch_0_and_its_receiv
         clients(shared.port, "stateless10-pub", clean_session=True).publish("plain10/a", [b"p"], qos=1)
         clients(shared.port, "stateless10-tel", clean_session=True).publish("telemetry/stateless10", [b"s"], qos=1)
         assert done.wait(WAIT), got
+        clients(shared.port, "stateless10-sync", clean_session=True).publish("plain10/sync", [b""], qos=1)
+        assert synced.wait(WAIT)  # a receive is written after its listeners return: that of "s" too by now
         records = [json.loads(line) for line in log_path.read_text(encoding="utf-8").splitlines()]
         receives = {r["topic"]: r for r in records if r["kind"] == "receive"}
         after = time.time()
+        assert set(receives) >= {"plain10/a", "telemetry/stateless10"}, records
         raw = receives["plain10/a"]
         assert (raw["seq"], raw["epoch"], raw["replayed"]) == (0, 0, False), raw
         assert before <= raw["published_at"] <= raw["time"] <= after, raw
