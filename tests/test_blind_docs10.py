@@ -21,8 +21,7 @@ from typing import Any
 
 import pytest
 from packet_relay import Packet, PacketRelay
-from raw_mqtt_helpers import read_packet
-from test_blind_protocol3 import CTL, REPLY, Raw
+from raw_mqtt_helpers import CTL, REPLY, Raw, read_packet
 
 from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string
 from durable_client import DurableClient, Event
@@ -45,20 +44,6 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     ).start()
     yield broker
     broker.stop()
-
-
-@pytest.fixture
-def raws() -> Iterator[Callable[..., Raw]]:
-    made: list[Raw] = []
-
-    def make(port: int, client_id: str, **kwargs: Any) -> Raw:
-        raw = Raw(port, client_id, **kwargs)
-        made.append(raw)
-        return raw
-
-    yield make
-    for raw in made:
-        raw.close()
 
 
 def error_of(reply: dict[str, Any]) -> tuple[str, Any, Any]:
