@@ -25,8 +25,8 @@ from amqtt_durable.wire import encode_packet, encode_string
 from durable_client import DurableClient
 from durable_client.persistence import SessionState
 
-# the `etcd` fixture: a real etcd for the replication tests; `relays`: PacketRelay makers
-pytest_plugins = ["etcd_fixture", "packet_relay"]
+# the `etcd` fixture: a real etcd for the replication tests; `raws`: Raw makers; `relays`: PacketRelay makers
+pytest_plugins = ["etcd_fixture", "raw_mqtt_helpers", "packet_relay"]
 
 WAIT = 15.0
 SPARK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
