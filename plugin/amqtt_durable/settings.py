@@ -85,8 +85,8 @@ class WrittenFloat(float):
             number.text = value.strip()
         elif isinstance(value, WrittenFloat):  # checked again (DurableConfig(...) after from_mapping)
             number.text = value.text
-        else:  # a Fraction, a numpy number: shown as the float it became (replication reads it back)
-            number.text = repr(value) if type(value) in (int, float) else repr(float(number))
+        else:  # an int as written; a float, Fraction, numpy number as the float it is (replication reads it back)
+            number.text = repr(value) if type(value) is int else repr(float(number))
         return number
 
     def __repr__(self) -> str:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from decimal import Decimal
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
@@ -167,6 +170,51 @@ def test_a_fraction_too_large_for_a_float_is_refused_naming_the_setting() -> Non
     ):
         with pytest.raises(ConfigError, match="'session_expiry': must be a finite number, got a number too large"):
             make()
+
+
+def _made(make: Any) -> Any:
+    try:
+        return make()
+    except ConfigError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("store", Path("/tmp/x"), "/tmp/x"),
+        ("store", 3, "amqtt_durable config: 'store': expected a non-empty folder path, got 3"),
+        ("streams", [{"filter": "a/#", "max_count": 5}], [StreamConfig("a/#", max_count=5)]),
+        ("streams", [StreamConfig("a/#")], [StreamConfig("a/#")]),
+        (
+            "streams",
+            [StreamConfig(3)],  # type: ignore[arg-type]
+            "amqtt_durable config: 'streams[0].filter': expected a non-empty topic filter, got 3",
+        ),
+        (
+            "streams",
+            [{"max_count": 5}],
+            "amqtt_durable config: 'streams[0].filter': missing; every stream names the topic filter it logs",
+        ),
+        ("replication", {"role": "primary"}, ReplicationConfig(role="primary")),
+        ("replication", ReplicationConfig(role="primary"), ReplicationConfig(role="primary")),
+        ("session_expiry", np.float64(1.5), 1.5),
+        ("session_expiry", np.int64(3), 3.0),
+        (
+            "session_expiry",
+            Decimal("1.5"),
+            "amqtt_durable config: 'session_expiry': expected a number, got Decimal('1.5')",
+        ),
+        ("max_depth", np.int64(5), "amqtt_durable config: 'max_depth': expected a whole number, got np.int64(5)"),
+        ("max_depth", Decimal(5), "amqtt_durable config: 'max_depth': expected a whole number, got Decimal('5')"),
+    ],
+)
+def test_the_constructor_and_from_mapping_agree(key: str, value: Any, expected: Any) -> None:
+    """configuration.md: a value given to DurableConfig(...) gets from_mapping's result or error (a Path
+    for store raised TypeError, a list of mappings for streams AttributeError, in the constructor)."""
+    direct = _made(lambda: getattr(DurableConfig(**{key: value}), key))
+    mapped = _made(lambda: getattr(DurableConfig.from_mapping({key: value}), key))
+    assert direct == mapped == expected
 
 
 @pytest.mark.parametrize(("key", "value"), bad_type_cases())
