@@ -95,6 +95,15 @@ class WrittenFloat(float):
     __str__ = __repr__
 
 
+def seconds_text(value: float) -> str:
+    """Seconds for a log line: a setting as written (a WrittenFloat), else the shortest exact form (300
+    for a hello's 300.0, 0.3333333333333333; ``.15g`` cut 1/3 to 0.333333333333333, 2**60 to 1.15292150460685e+18)."""
+    if isinstance(value, WrittenFloat):
+        return str(value)
+    number = float(value)
+    return str(int(number)) if number.is_integer() else repr(number)
+
+
 # yaml.safe_dump of a parsed setting writes a plain float, as for the float it stands for.
 yaml.SafeDumper.add_representer(WrittenFloat, lambda dumper, data: dumper.represent_float(float(data)))
 
