@@ -779,6 +779,11 @@ class DurableClient:
             self._sends_due.add(handle, topic, data, qos)
 
         handle = self._link_or_raise().publish(topic, data, qos, retain, send_due if logged_at_ack else None)
+        if handle.refused:
+            raise DurableClientError(
+                f"paho refused the message: packet id {handle.mid} is still an unacknowledged publish's (or its "
+                "queue is full); nothing was published"
+            )
         if not handle.queued:
             if qos == 0:
                 raise Unconnected(f"the connection to {self.host}:{self.port} was just lost: nothing was published")
