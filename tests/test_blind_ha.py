@@ -243,10 +243,11 @@ def test_failover_waits_for_the_lease_and_ends_within_lease_ttl_plus_loop_wait(
 
 class _ErrorNode:
     """A fake node on a replication address: whatever a tool asks, it answers one ERROR frame with
-    ``text`` and closes (as a node refusing a connection does)."""
+    ``text`` (or one ``frame`` of another kind) and closes (as a node refusing a connection does)."""
 
-    def __init__(self, text: bytes) -> None:
+    def __init__(self, text: bytes, frame: Frame = Frame.ERROR) -> None:
         self.text = text
+        self.frame = frame
         self.port = free_port()
         self.ready = threading.Event()
         self.stop = threading.Event()
@@ -255,7 +256,7 @@ class _ErrorNode:
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(read_frame(reader), WAIT)
-            writer.write(encode_frame(Frame.ERROR, self.text))
+            writer.write(encode_frame(self.frame, self.text))
             await writer.drain()
         writer.close()
 
@@ -289,6 +290,27 @@ def test_a_peers_error_text_is_shown_escaped_and_cut_at_200_characters(tmp_path:
             assert reason.startswith("bad\\n\\x1b[2Jyyy"), reason
             shown = reason.split("...", 1)[0]
             assert len(shown) == 200, (len(shown), reason)
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [(b"not json", "Expecting value"), (b"[1]", "not a JSON object: list"), (b"[" * 100_000, "JSON nested too deeply")],
+    ids=["text", "list", "nested"],
+)
+@pytest.mark.parametrize(
+    ("argv", "frame"), [(["inspect", "--replication"], Frame.STATUS), (["promote"], Frame.PROMOTE)]
+)
+def test_an_answer_that_is_not_a_json_object_is_one_line_naming_the_address(
+    argv: list[str], frame: Frame, answer: bytes, reason: str
+) -> None:
+    """A node's STATUS or PROMOTE answer that is not a JSON object (text, a list, JSON nested past the
+    interpreter's limit: a RecursionError traceback, as other text gave a JSONDecodeError one) is one line
+    naming the address, and the tool exits with status 1 as for a peer's refusal."""
+    with _ErrorNode(answer, frame) as fake:
+        result = run_cli(*argv, f"{HOST}:{fake.port}")
+    assert result.returncode == 1, result.stderr
+    expected = f"replication address {HOST}:{fake.port}: its answer to {frame.name} is not readable: {reason}"
+    assert expected in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
 
 
 def test_a_relative_secret_file_is_read_from_the_working_directory_not_broker_yamls_folder(

@@ -14,7 +14,7 @@ from amqtt_durable.process import EtcdProcess, free_port
 from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.coordinator import Leader, Member
 from amqtt_durable.replication.errors import CoordinatorError
-from amqtt_durable.replication.etcd import EtcdCoordinator
+from amqtt_durable.replication.etcd import EtcdCoordinator, _b64
 from amqtt_durable.replication.ha import Decision, HaNode
 from amqtt_durable.replication.node import ReplicationNode
 from amqtt_durable.replication.position import position_op
@@ -394,3 +394,29 @@ def test_a_promote_is_accepted_whenever_the_nodes_cycles_find_no_primary(etcd: E
 
     refused, why = asyncio.run(asyncio.wait_for(main(), BOUND))
     assert refused == 0, why[:3]
+
+
+@pytest.mark.parametrize("value", [b"not json", b"[1]", b"[" * 100_000], ids=["text", "list", "nested"])
+def test_a_record_this_version_cannot_read_is_a_coordinator_error_naming_its_key(
+    value: bytes, etcd: EtcdProcess
+) -> None:
+    """A leader, primary or sync record that is not one (text, another JSON value, JSON nested past the
+    interpreter's limit: RecursionError, which ended the HA loop as a ValueError did) is a CoordinatorError
+    naming its key, which the HA loop takes as the coordinator not answering; such a member record counts
+    as absent."""
+
+    async def main() -> None:
+        writer, reader = coordinator(etcd), coordinator(etcd)
+        await writer.publish_member(Member("a", "backup", 9, 1, True))
+        for name in ("leader", "primary", "sync", "members/b"):
+            await writer._call("/v3/kv/put", {"key": _b64(writer.prefix + name), "value": _b64(value)})
+        assert await reader.members() == [Member("a", "backup", 9, 1, True)]
+        for read, key in (
+            (reader.leader, "leader"),
+            (reader.former_primaries, "primary"),
+            (reader.sync_members, "sync"),
+        ):
+            with pytest.raises(CoordinatorError, match=f"{writer.prefix}{key} holds no record this version reads"):
+                await read()
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))

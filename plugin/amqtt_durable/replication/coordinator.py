@@ -15,6 +15,19 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
+
+
+def json_object(raw: bytes | str) -> dict[str, Any]:
+    """A JSON object read from outside the process (a coordinator's record, a node's answer); ValueError
+    for anything else, also for JSON nested past the interpreter's limit (json raises RecursionError)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +47,7 @@ class Leader:
 
     @classmethod
     def decode(cls, raw: bytes) -> Leader:
-        record = json.loads(raw)
+        record = json_object(raw)
         return cls(str(record["name"]), str(record["address"]))
 
 
@@ -67,7 +80,7 @@ class Member:
 
     @classmethod
     def decode(cls, raw: bytes) -> Member:
-        record = json.loads(raw)
+        record = json_object(raw)
         return cls(
             str(record["name"]), str(record["role"]), int(record["store_id"]), int(record["batch"]),
             bool(record["candidate"]), str(record.get("address", "")), bool(record.get("promotion_failed", False)),

@@ -38,14 +38,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from .coordinator import Coordinator, Leader, Member
+from .coordinator import Coordinator, Leader, Member, json_object
 from .errors import CoordinatorError, MemberNameTakenError
 
 REQUEST_TIMEOUT = 2.0
 """Seconds one gateway call may take (callers may bound it tighter)."""
+
+
+_Record = TypeVar("_Record")
 
 
 def _b64(raw: bytes | str) -> str:
@@ -85,7 +89,7 @@ class EtcdCoordinator(Coordinator):
         self._no_leader_at = None if kvs or revision is None else int(revision)
         if not kvs:
             return None
-        return _term(Leader.decode(base64.b64decode(kvs[0].get("value", ""))), kvs[0].get("create_revision"))
+        return _term(self._decoded(kvs[0], Leader.decode), kvs[0].get("create_revision"))
 
     async def acquire(self, me: Leader) -> bool:
         grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
@@ -118,7 +122,7 @@ class EtcdCoordinator(Coordinator):
         kvs = holder.get("kvs") or []
         if not kvs or int(kvs[0].get("lease", 0)) != self.lease_id:
             return False
-        return Leader.decode(base64.b64decode(kvs[0].get("value", ""))) == me
+        return self._decoded(kvs[0], Leader.decode) == me
 
     async def release(self, me: Leader) -> None:
         if self.lease_id is None:
@@ -157,7 +161,7 @@ class EtcdCoordinator(Coordinator):
         reply = await self._call("/v3/kv/range", {"key": self._primary_key})
         for kv in reply.get("kvs") or []:
             # Written in acquire's transaction: its mod_revision is that leader key's create_revision.
-            terms.add((Leader.decode(base64.b64decode(kv.get("value", ""))).name, int(kv.get("mod_revision", 0))))
+            terms.add((self._decoded(kv, Leader.decode).name, int(kv.get("mod_revision", 0))))
         record = await self._sync_record()
         if record is not None:
             terms.add((str(record["leader"]), int(record.get("term", 0))))
@@ -168,8 +172,7 @@ class EtcdCoordinator(Coordinator):
         kvs = reply.get("kvs") or []
         if not kvs:
             return None
-        record: dict[str, Any] = json.loads(base64.b64decode(kvs[0].get("value", "")))
-        return record
+        return self._decoded(kvs[0], json_object)
 
     async def publish_member(self, member: Member) -> None:
         if self.member_lease is not None:
@@ -217,6 +220,16 @@ class EtcdCoordinator(Coordinator):
             return
         lease, self.member_lease = self.member_lease, None
         await self._call("/v3/lease/revoke", {"ID": str(lease)})  # deletes the record with it
+
+    def _decoded(self, kv: dict[str, Any], decode: Callable[[bytes], _Record]) -> _Record:
+        """The record in ``kv`` (a range result); one this version cannot read is a CoordinatorError naming
+        its key, as an unreadable answer is (a ValueError would end the HA loop)."""
+        try:
+            return decode(base64.b64decode(kv.get("value", "")))
+        except (ValueError, KeyError, TypeError) as exc:
+            key = base64.b64decode(kv.get("key", "")).decode("utf-8", "replace")
+            detail = f"{key} holds no record this version reads ({type(exc).__name__}: {exc})"
+            raise CoordinatorError(", ".join(self.endpoints), detail) from None
 
     # --- HTTP -------------------------------------------------------------------------------
 
@@ -273,5 +286,4 @@ async def _post(endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any
     parts = status_line.split(b" ", 2)
     if len(parts) < 2 or parts[1] != b"200":
         raise ValueError(f"HTTP {status_line.decode('latin-1')!r}: {payload[:200].decode('utf-8', 'replace')}")
-    result: dict[str, Any] = json.loads(payload)
-    return result
+    return json_object(payload)  # ValueError (deep nesting too): _call's CoordinatorError names the endpoint

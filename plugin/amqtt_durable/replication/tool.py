@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import ssl
 from typing import Any
 
 from durable_protocol.hostport import join_host_port, parse_host, split_host_port
 
 from .auth import AuthError, client_handshake, error_text
+from .coordinator import json_object
 from .errors import FrameError, ReplicationError
 from .framing import Frame
 
@@ -92,8 +92,12 @@ async def ask(
         raise ReplicationError(f"replication address {address}: refused: {error_text(payload)}")
     if answered != kind:
         raise ReplicationError(f"replication address {address}: answered {answered.name} to {kind.name}")
-    answer: dict[str, Any] = json.loads(payload)
-    return answer
+    try:
+        return json_object(payload)
+    except ValueError as exc:
+        raise ReplicationError(
+            f"replication address {address}: its answer to {kind.name} is not readable: {exc}"
+        ) from None
 
 
 def format_status(status: dict[str, Any]) -> str:
