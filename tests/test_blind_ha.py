@@ -294,7 +294,11 @@ def test_a_peers_error_text_is_shown_escaped_and_cut_at_200_characters(tmp_path:
 
 @pytest.mark.parametrize(
     ("answer", "reason"),
-    [(b"not json", "Expecting value"), (b"[1]", "not a JSON object: list"), (b"[" * 100_000, "JSON nested too deeply")],
+    [
+        (b"not json", "not UTF-8 JSON: Expecting value"),
+        (b"[1]", "not a JSON object but a list"),
+        (b"[" * 100_000, "JSON nested too deeply"),
+    ],
     ids=["text", "list", "nested"],
 )
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from typing import Any
 from durable_protocol.hostport import join_host_port, parse_host, split_host_port
 
 from .auth import AuthError, client_handshake, error_text
-from .coordinator import json_object
+from .coordinator import read_record
 from .errors import FrameError, ReplicationError
 from .framing import Frame
 
@@ -93,7 +93,7 @@ async def ask(
     if answered != kind:
         raise ReplicationError(f"replication address {address}: answered {answered.name} to {kind.name}")
     try:
-        return json_object(payload)
+        return read_record(payload)
     except ValueError as exc:
         raise ReplicationError(
             f"replication address {address}: its answer to {kind.name} is not readable: {exc}"
