@@ -317,6 +317,35 @@ def test_an_answer_that_is_not_a_json_object_is_one_line_naming_the_address(
     assert expected in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "frame", "answer", "wrong"),
+    [
+        (["inspect", "--replication"], Frame.STATUS, b"{}", "is not one this version shows (no 'role')"),
+        (
+            ["inspect", "--replication"],
+            Frame.STATUS,
+            b'{"role": "backup", "batch": 1, "state": "x", "members": 5}',
+            "is not one this version shows (TypeError: 'int' object is not iterable)",
+        ),
+        (["promote"], Frame.PROMOTE, b"{}", "is not readable: no 'promoted'"),
+        (["promote"], Frame.PROMOTE, b'{"promoted": 1, "why": "x"}', "is not readable: 'promoted' is not a bool"),
+        (["promote"], Frame.PROMOTE, b'{"promoted": false, "why": 1e999}', "is not readable: 1e999 is past a float"),
+    ],
+    ids=["status-empty", "status-members-number", "promote-empty", "promote-int", "promote-1e999"],
+)
+def test_an_answer_without_its_fields_is_one_line_naming_the_address(
+    argv: list[str], frame: Frame, answer: bytes, wrong: str
+) -> None:
+    """replication.md: a node's STATUS or PROMOTE answer that is a JSON object without the fields the tool
+    shows, or with fields of other types (a KeyError or TypeError traceback), is one line naming the
+    address and what is wrong, exit status 1."""
+    with _ErrorNode(answer, frame) as fake:
+        result = run_cli(*argv, f"{HOST}:{fake.port}")
+    assert result.returncode == 1, result.stderr
+    expected = f"replication address {HOST}:{fake.port}: its answer to {frame.name} {wrong}"
+    assert expected in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+
+
 def test_a_relative_secret_file_is_read_from_the_working_directory_not_broker_yamls_folder(
     broker_factory: Callable[..., Broker], tmp_path: Path
 ) -> None:
