@@ -128,13 +128,16 @@ class PublishHandle:
 
     @property
     def queued(self) -> bool:
-        """False when paho refused it (not connected, or its queue is full)."""
+        """Whether paho took it over a live connection (MQTT_ERR_SUCCESS). False when it refused it
+        (``refused``: nothing will send it), or the connection was down as it was handed over (at
+        QoS 0 it is dropped; at QoS 1/2 paho keeps it and sends it after the reconnect)."""
         return self._info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS
 
     @property
     def refused(self) -> bool:
         """paho did not keep it: its queue is full (max_queued_messages), or its packet id is still an
-        unacknowledged publish's (65535 later ones given out); nothing will send it."""
+        unacknowledged publish's (65535 packet ids given out since: publishes at any QoS, control
+        requests and SUBSCRIBE/UNSUBSCRIBE each take one); nothing will send it."""
         return self._info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE
 
     @property

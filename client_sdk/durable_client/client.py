@@ -763,6 +763,10 @@ class DurableClient:
         says it), also when an unacknowledged one is found larger at a reconnect's hello reply:
         it is dropped then, with an ERROR, not sent again (it may have been delivered: the
         broker may have had it before the connection was lost), and no ``send`` is logged.
+        DurableClientError (``paho refused the message``) for a QoS 1/2 message paho does not take:
+        its packet id is still an unacknowledged publish's (65535 packet ids given out since, by
+        publishes at any QoS, control requests and SUBSCRIBE/UNSUBSCRIBE alike): nothing was published or
+        logged, and that earlier publish still gets its ``send`` when its PUBACK comes.
         """
         self._check_open()
         data = _publishable(topic, payload)
