@@ -96,8 +96,10 @@ class WrittenFloat(float):
 
 
 def seconds_text(value: float) -> str:
-    """Seconds for a log line: a setting as written (a WrittenFloat), else the shortest exact form (300
-    for a hello's 300.0, 0.3333333333333333; ``.15g`` cut 1/3 to 0.333333333333333, 2**60 to 1.15292150460685e+18)."""
+    """Seconds for a log line: a setting as written (a WrittenFloat), else exact: a whole number in all its
+    digits (300 for a hello's 300.0, 100000000000000000000 for 1e20), another in the shortest text that
+    reads back as the same float (0.3333333333333333; ``.15g`` cut 1/3 to 0.333333333333333, 2**60 to
+    1.15292150460685e+18)."""
     if isinstance(value, WrittenFloat):
         return str(value)
     number = float(value)

@@ -16,7 +16,7 @@ import yaml
 from amqtt_durable.config import OVERFLOW_POLICIES, DurableConfig, StreamConfig
 from amqtt_durable.errors import ConfigError
 from amqtt_durable.replication.config import ReplicationConfig
-from amqtt_durable.settings import WrittenFloat
+from amqtt_durable.settings import WrittenFloat, seconds_text
 
 # key -> (a good value, bad-type values, out-of-range values)
 CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
@@ -499,3 +499,22 @@ def test_an_int_of_too_many_digits_in_a_config_made_in_python_names_its_setting(
     with pytest.raises(ConfigError, match="an integer of more than 4300 digits") as caught:
         make()
     assert caught.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (300.0, "300"),
+        (1e20, "100000000000000000000"),
+        (0.5, "0.5"),
+        (1 / 3, "0.3333333333333333"),
+        (2.0**60, str(2**60)),
+    ],
+)
+def test_seconds_text_writes_a_whole_number_in_all_its_digits_and_another_in_its_shortest_exact_text(
+    seconds: float, shown: str
+) -> None:
+    """seconds_text (guarantees.md, the expiry WARNING): a whole number in all its digits, not the shortest
+    text (1e+20); another in the shortest text that reads back as the same float."""
+    assert seconds_text(seconds) == shown
+    assert float(shown) == seconds
