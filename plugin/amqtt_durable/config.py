@@ -239,7 +239,13 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return value
         raise ConfigError(key, f"expected one of {', '.join(choices)}, got {value!r}")
     if kind == "str" and isinstance(value, os.PathLike):  # store given in Python as a Path: its text
-        value = os.fspath(value)
+        text = os.fspath(value)
+        if text == ".":  # Path("") is Path("."): refused as "" is, since which was meant cannot be told
+            raise ConfigError(
+                key, f"expected a non-empty folder path, got {value!r} (Path('') is Path('.'): give the current "
+                "folder as the text '.')",
+            )  # fmt: skip
+        value = text
     if isinstance(value, str) and value:
         return value
     what = "topic filter" if kind == "topic filter" else "folder path"
@@ -247,7 +253,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
 
 
 def _streams(key: str, value: Any) -> list[StreamConfig]:
-    if not isinstance(value, list):
+    if not isinstance(value, list | tuple):  # a tuple given in Python, held as a list
         raise ConfigError(key, f"expected a list of {{filter, max_count, max_age}} entries, got {value!r}")
     streams = []
     for index, given in enumerate(value):

@@ -184,6 +184,13 @@ def _made(make: Any) -> Any:
     [
         ("store", Path("/tmp/x"), "/tmp/x"),
         ("store", 3, "amqtt_durable config: 'store': expected a non-empty folder path, got 3"),
+        (
+            "store",
+            Path(""),  # as "" is: pathlib reads it as Path("."), which cannot be told from it
+            "amqtt_durable config: 'store': expected a non-empty folder path, got PosixPath('.') (Path('') is "
+            "Path('.'): give the current folder as the text '.')",
+        ),
+        ("streams", (StreamConfig("a/#"),), [StreamConfig("a/#")]),  # a tuple as a list (accepted before)
         ("streams", [{"filter": "a/#", "max_count": 5}], [StreamConfig("a/#", max_count=5)]),
         ("streams", [StreamConfig("a/#")], [StreamConfig("a/#")]),
         (
