@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from amqtt_durable.process import EtcdProcess, free_port
 from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.coordinator import Leader, Member
 from amqtt_durable.replication.errors import CoordinatorError
-from amqtt_durable.replication.etcd import EtcdCoordinator
+from amqtt_durable.replication.etcd import EtcdCoordinator, _b64
 from amqtt_durable.replication.ha import Decision, HaNode
 from amqtt_durable.replication.node import ReplicationNode
 from amqtt_durable.replication.position import position_op
@@ -394,3 +396,134 @@ def test_a_promote_is_accepted_whenever_the_nodes_cycles_find_no_primary(etcd: E
 
     refused, why = asyncio.run(asyncio.wait_for(main(), BOUND))
     assert refused == 0, why[:3]
+
+
+@pytest.mark.parametrize("value", [b"not json", b"[1]", b"[" * 100_000], ids=["text", "list", "nested"])
+def test_a_record_this_version_cannot_read_is_a_coordinator_error_naming_its_key(
+    value: bytes, etcd: EtcdProcess
+) -> None:
+    """A leader, primary or sync record that is not one (text, another JSON value, JSON nested past the
+    interpreter's limit: RecursionError, which ended the HA loop as a ValueError did) is a CoordinatorError
+    naming its key, which the HA loop takes as the coordinator not answering; such a member record counts
+    as absent."""
+
+    async def main() -> None:
+        writer, reader = coordinator(etcd), coordinator(etcd)
+        await writer.publish_member(Member("a", "backup", 9, 1, True))
+        for name in ("leader", "primary", "sync", "members/b"):
+            await writer._call("/v3/kv/put", {"key": _b64(writer.prefix + name), "value": _b64(value)})
+        assert await reader.members() == [Member("a", "backup", 9, 1, True)]
+        for read, key in (
+            (reader.leader, "leader"),
+            (reader.former_primaries, "primary"),
+            (reader.sync_members, "sync"),
+        ):
+            with pytest.raises(CoordinatorError, match=f"{writer.prefix}{key} holds a malformed record"):
+                await read()
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+MALFORMED_SYNC = [
+    b"{}",
+    b'{"members": 5}',
+    b'{"members": [[1]]}',
+    b'{"leader": "a", "members": ["a"], "term": "x"}',
+    b'{"leader": "a", "members": ["a"], "term": Infinity}',
+    b'{"leader": "a", "members": ["a"], "term": 1e999}',
+    b'{"leader": "a", "members": ["a"], "term": NaN}',
+]
+MALFORMED_MEMBER = [
+    b'{"name": "c", "role": "backup", "store_id": 1, "batch": Infinity, "candidate": true}',
+    b'{"name": "c", "role": "backup", "store_id": 1e999, "batch": 1, "candidate": true}',
+    b'{"name": "c", "role": "backup", "store_id": 1, "batch": 1, "candidate": "yes"}',
+    b'{"name": 5, "role": "backup", "store_id": 1, "batch": 1, "candidate": true}',
+]
+
+
+def test_a_record_of_malformed_fields_does_not_end_the_ha_loop(
+    etcd: EtcdProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """replication.md: a sync record that is a JSON object with a field missing, of another type, or
+    NaN/Infinity/1e999 (a KeyError, TypeError, ValueError or OverflowError ended the HA loop) counts as
+    etcd not answering, logged naming the key and how to delete it; such a members/ record counts as
+    absent (int(Infinity) escaped members())."""
+    caplog.set_level(logging.WARNING, "amqtt_durable")
+
+    async def cycles(key: str, value: bytes, done: Callable[[HaNode, Decision], bool]) -> None:
+        writer = coordinator(etcd)
+        await writer._call("/v3/kv/put", {"key": _b64(writer.prefix + key), "value": _b64(value)})
+        hooks = Node(caught_up=False)
+        node = HaNode(coordinator(etcd), hooks, name="b", address="127.0.0.1:7002", loop_wait=0.05, demote_margin=0.5)
+        stop, seen = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(node.run(stop, lambda d: seen.set() if done(node, d) else None))
+        finished, _ = await asyncio.wait({task, asyncio.create_task(seen.wait())}, timeout=BOUND / 4,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        assert task not in finished, (key, value, task.exception() if task.done() else None)
+        assert seen.is_set(), (key, value, node.last)
+        stop.set()
+        await task
+        await writer._call("/v3/kv/deleterange", {"key": _b64(writer.prefix + key)})
+
+    async def main() -> None:
+        first = coordinator(etcd)
+        assert await first.initialize("a")  # b does not bootstrap: it reads former_primaries and sync
+        key = f"{first.prefix}sync"
+        for value in MALFORMED_SYNC:
+            caplog.clear()
+            await cycles("sync", value, lambda node, d: f"{key} holds a malformed record" in d.reason)
+            said = f"{key} holds a malformed record ("
+            assert any(said in r.getMessage() and f"etcdctl del {key}" in r.getMessage() for r in caplog.records), (
+                value, [r.getMessage() for r in caplog.records],
+            )  # fmt: skip
+        for value in MALFORMED_MEMBER:  # b's cycles go on, c counts as absent
+            await cycles("members/c", value, lambda node, d: node.members == [node.record()])
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{}",
+        b'{"ID": "x"}',
+        b'{"ID": 1, "succeeded": true, "kvs": 5}',
+        b'{"ID": 1, "header": 5}',
+        b'{"ID": 1, "kvs": [{"key": "a", "value": "eA=="}]}',
+    ],
+    ids=["empty", "id-text", "kvs-number", "header-number", "key-not-base64"],
+)
+def test_an_etcd_reply_of_another_shape_is_a_coordinator_error_naming_the_address(body: bytes) -> None:
+    """An endpoint answering HTTP 200 with a JSON object that is not etcd's reply (a KeyError 'ID',
+    TypeError or ValueError where a field is read; binascii.Error decoding the key of a record that does
+    not decode) is a CoordinatorError naming it: the HA loop goes on as when etcd does not answer."""
+
+    async def main() -> None:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + body)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        fake = EtcdCoordinator([url], prefix="/x", ttl=TTL, timeout=1.0)
+        node = HaNode(fake, Node(caught_up=True), name="b", address="127.0.0.1:7002", loop_wait=0.05, demote_margin=0.5)
+        stop, seen = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(node.run(stop, lambda d: seen.set() if f"coordinator {url}: " in d.reason else None))
+        finished, _ = await asyncio.wait({task, asyncio.create_task(seen.wait())}, timeout=BOUND / 2,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        assert task not in finished, task.exception() if task.done() else None
+        assert seen.is_set() and node.last.unanswered, node.last
+        stop.set()
+        await task
+        if b'"kvs": [' in body:  # the record does not decode, nor its key: what etcd sent is shown
+            with pytest.raises(CoordinatorError, match=f"coordinator {url}: 'a' holds a malformed record"):
+                await fake.leader()
+        else:  # read directly too: the HA cycle may stop at an earlier call
+            with contextlib.suppress(CoordinatorError):
+                assert await fake.leader() is None
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))

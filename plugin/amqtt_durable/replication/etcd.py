@@ -37,15 +37,40 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import urlsplit
 
-from .coordinator import Coordinator, Leader, Member
-from .errors import CoordinatorError, MemberNameTakenError
+from .coordinator import Coordinator, Leader, Member, read_record, record_field
+from .errors import CoordinatorError, MalformedRecordError, MemberNameTakenError
 
 REQUEST_TIMEOUT = 2.0
 """Seconds one gateway call may take (callers may bound it tighter)."""
+
+
+_Record = TypeVar("_Record")
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
+
+
+def _reads_replies(
+    method: Callable[Concatenate[EtcdCoordinator, _Params], Coroutine[Any, Any, _Result]],
+) -> Callable[Concatenate[EtcdCoordinator, _Params], Coroutine[Any, Any, _Result]]:
+    """``method`` with a reply of another shape than etcd's (a JSON object without its fields, or with
+    fields of other types: a KeyError, TypeError, ValueError, AttributeError or IndexError where it is
+    read, which would end the HA loop) a CoordinatorError naming the endpoints, as no answer is."""
+
+    async def read(self: EtcdCoordinator, /, *args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
+        try:
+            return await method(self, *args, **kwargs)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            detail = f"answered no reply of etcd's shape ({type(exc).__name__}: {exc})"
+            raise CoordinatorError(", ".join(self.endpoints), detail) from None
+
+    functools.update_wrapper(read, method)
+    return read
 
 
 def _b64(raw: bytes | str) -> str:
@@ -77,6 +102,7 @@ class EtcdCoordinator(Coordinator):
 
     # --- the interface ----------------------------------------------------------------------
 
+    @_reads_replies
     async def leader(self) -> Leader | None:
         reply = await self._call("/v3/kv/range", {"key": self._leader_key})
         kvs = reply.get("kvs") or []
@@ -85,8 +111,9 @@ class EtcdCoordinator(Coordinator):
         self._no_leader_at = None if kvs or revision is None else int(revision)
         if not kvs:
             return None
-        return _term(Leader.decode(base64.b64decode(kvs[0].get("value", ""))), kvs[0].get("create_revision"))
+        return _term(self._decoded(kvs[0], Leader.decode), kvs[0].get("create_revision"))
 
+    @_reads_replies
     async def acquire(self, me: Leader) -> bool:
         grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
         lease = int(grant["ID"])
@@ -107,6 +134,7 @@ class EtcdCoordinator(Coordinator):
         await self._call("/v3/lease/revoke", {"ID": str(lease)})
         return False
 
+    @_reads_replies
     async def renew(self, me: Leader) -> bool:
         if self.lease_id is None:
             return False
@@ -118,19 +146,22 @@ class EtcdCoordinator(Coordinator):
         kvs = holder.get("kvs") or []
         if not kvs or int(kvs[0].get("lease", 0)) != self.lease_id:
             return False
-        return Leader.decode(base64.b64decode(kvs[0].get("value", ""))) == me
+        return self._decoded(kvs[0], Leader.decode) == me
 
+    @_reads_replies
     async def release(self, me: Leader) -> None:
         if self.lease_id is None:
             return
         lease, self.lease_id = self.lease_id, None
         await self._call("/v3/lease/revoke", {"ID": str(lease)})  # deletes the leader key with it
 
+    @_reads_replies
     async def initialize(self, name: str) -> bool:
         put = {"key": self._init_key, "value": _b64(name)}
         reply = await self._call("/v3/kv/txn", _create_if_absent(self._init_key, put))
         return bool(reply.get("succeeded"))
 
+    @_reads_replies
     async def publish_sync(self, me: Leader, members: frozenset[str] | None) -> bool:
         if members is None:
             write: dict[str, Any] = {"request_delete_range": {"key": self._sync_key}}
@@ -148,29 +179,31 @@ class EtcdCoordinator(Coordinator):
         )
         return bool(reply.get("succeeded"))
 
+    @_reads_replies
     async def sync_members(self) -> frozenset[str] | None:
         record = await self._sync_record()
-        return None if record is None else frozenset(record["members"])
+        return None if record is None else record[2]
 
+    @_reads_replies
     async def former_primaries(self) -> frozenset[tuple[str, int]]:
         terms = set()
         reply = await self._call("/v3/kv/range", {"key": self._primary_key})
         for kv in reply.get("kvs") or []:
             # Written in acquire's transaction: its mod_revision is that leader key's create_revision.
-            terms.add((Leader.decode(base64.b64decode(kv.get("value", ""))).name, int(kv.get("mod_revision", 0))))
+            terms.add((self._decoded(kv, Leader.decode).name, int(kv.get("mod_revision", 0))))
         record = await self._sync_record()
         if record is not None:
-            terms.add((str(record["leader"]), int(record.get("term", 0))))
+            terms.add(record[:2])
         return frozenset(terms)
 
-    async def _sync_record(self) -> dict[str, Any] | None:
+    async def _sync_record(self) -> tuple[str, int, frozenset[str]] | None:
         reply = await self._call("/v3/kv/range", {"key": self._sync_key})
         kvs = reply.get("kvs") or []
         if not kvs:
             return None
-        record: dict[str, Any] = json.loads(base64.b64decode(kvs[0].get("value", "")))
-        return record
+        return self._decoded(kvs[0], _sync)
 
+    @_reads_replies
     async def publish_member(self, member: Member) -> None:
         if self.member_lease is not None:
             reply = await self._call("/v3/lease/keepalive", {"ID": str(self.member_lease)})
@@ -202,21 +235,31 @@ class EtcdCoordinator(Coordinator):
         # Created and gone again between the two transactions (a record that just expired): the next cycle
         raise CoordinatorError(", ".join(self.endpoints), f"members/{member.name} changed while it was written")
 
+    @_reads_replies
     async def members(self) -> list[Member]:
         reply = await self._call("/v3/kv/range", {"key": self._members_from, "range_end": self._members_end})
         found = []
         for kv in reply.get("kvs") or []:
             try:
                 found.append(Member.decode(base64.b64decode(kv.get("value", ""))))
-            except (ValueError, KeyError, TypeError):
+            except ValueError:
                 continue  # not a record this version writes: it counts as absent
         return found
 
+    @_reads_replies
     async def withdraw_member(self) -> None:
         if self.member_lease is None:
             return
         lease, self.member_lease = self.member_lease, None
         await self._call("/v3/lease/revoke", {"ID": str(lease)})  # deletes the record with it
+
+    def _decoded(self, kv: dict[str, Any], decode: Callable[[bytes], _Record]) -> _Record:
+        """The record in ``kv`` (a range result); one this version cannot read is a CoordinatorError naming
+        its key, as an unreadable answer is (a ValueError would end the HA loop)."""
+        try:
+            return decode(base64.b64decode(kv.get("value", "")))
+        except ValueError as exc:
+            raise MalformedRecordError(", ".join(self.endpoints), _key(kv), str(exc)) from None
 
     # --- HTTP -------------------------------------------------------------------------------
 
@@ -240,8 +283,24 @@ def _member(kv: dict[str, Any], name: str) -> Member:
     """The record in ``kv`` (a range result), or one that says only its name when it does not decode."""
     try:
         return Member.decode(base64.b64decode(kv.get("value", "")))
-    except (ValueError, KeyError, TypeError):
+    except ValueError:
         return Member(name, "?", 0, 0, False)
+
+
+def _sync(raw: bytes) -> tuple[str, int, frozenset[str]]:
+    """The ``sync`` record's leader, its term (0 in an earlier release's record, which has none) and members."""
+    data = read_record(raw)
+    members = record_field(data, "members", list)
+    return record_field(data, "leader", str), record_field(data, "term", int, 0), frozenset(members)
+
+
+def _key(kv: dict[str, Any]) -> str:
+    """The key of ``kv`` (a range result) as text; what etcd sent when it is not base64."""
+    sent = kv.get("key", "")
+    try:
+        return base64.b64decode(sent, validate=True).decode("utf-8", "replace")
+    except (ValueError, TypeError):
+        return repr(sent)[:80]
 
 
 def _create_if_absent(key: str, put: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
@@ -273,5 +332,4 @@ async def _post(endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any
     parts = status_line.split(b" ", 2)
     if len(parts) < 2 or parts[1] != b"200":
         raise ValueError(f"HTTP {status_line.decode('latin-1')!r}: {payload[:200].decode('utf-8', 'replace')}")
-    result: dict[str, Any] = json.loads(payload)
-    return result
+    return read_record(payload)  # ValueError (deep nesting too): _call's CoordinatorError names the endpoint
