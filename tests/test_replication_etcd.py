@@ -527,3 +527,38 @@ def test_an_etcd_reply_of_another_shape_is_a_coordinator_error_naming_the_addres
         await server.wait_closed()
 
     asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+@pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:99999"])
+def test_a_leader_record_whose_address_is_not_host_port_does_not_end_the_ha_loop(
+    address: str, etcd: EtcdProcess, tmp_path: Path
+) -> None:
+    """Review 325: a leader record of fields of the right types but an address that is not host:port (a
+    ReplicationError when the node followed it ended the HA loop) is a malformed record naming its key:
+    the node's cycles go on, as for any record of another shape."""
+
+    async def main() -> None:
+        listen, where = f"127.0.0.1:{free_port()}", [etcd.url]
+        config = ReplicationConfig(name="b", role="auto", listen=listen, coordinator=where, cluster="leader-address",
+                                   lease_ttl=10, loop_wait=0.05, demote_margin=1.0)  # fmt: skip
+        writer = EtcdCoordinator(where, prefix=config.prefix, ttl=10, timeout=1.0)
+        grant = await writer._call("/v3/lease/grant", {"TTL": 30})
+        record = b'{"name": "z", "address": "%s"}' % address.encode()
+        key = config.prefix + "leader"
+        await writer._call("/v3/kv/put", {"key": _b64(key), "value": _b64(record), "lease": grant["ID"]})
+        db, _ = primary_store(tmp_path / "b")
+        db.put(*position_op(0, 0))
+        reader = EtcdCoordinator(where, prefix=config.prefix, ttl=10, timeout=1.0)
+        node = ReplicationNode(db, config, coordinator=reader)
+        said, decided = Said(f"{key} holds a malformed record"), node._decided
+        node._decided = lambda decision: (decided(decision), said(decision))  # type: ignore[method-assign]
+        await node.start()
+        try:
+            decision = await said.wait()
+            assert repr(address) in decision.reason and decision.unanswered, decision
+            assert node._ha_task is not None and not node._ha_task.done(), node._ha_task
+        finally:
+            await node.stop()
+            db.close()
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))

@@ -44,7 +44,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import urlsplit
 
 from .coordinator import Coordinator, Leader, Member, read_record, record_field
-from .errors import CoordinatorError, MalformedRecordError, MemberNameTakenError
+from .errors import CoordinatorError, MalformedRecordError, MemberNameTakenError, ReplicationError
+from .tool import split_peer_address
 
 REQUEST_TIMEOUT = 2.0
 """Seconds one gateway call may take (callers may bound it tighter)."""
@@ -111,7 +112,7 @@ class EtcdCoordinator(Coordinator):
         self._no_leader_at = None if kvs or revision is None else int(revision)
         if not kvs:
             return None
-        return _term(self._decoded(kvs[0], Leader.decode), kvs[0].get("create_revision"))
+        return _term(self._decoded(kvs[0], _leader), kvs[0].get("create_revision"))
 
     @_reads_replies
     async def acquire(self, me: Leader) -> bool:
@@ -285,6 +286,18 @@ def _member(kv: dict[str, Any], name: str) -> Member:
         return Member.decode(base64.b64decode(kv.get("value", "")))
     except ValueError:
         return Member(name, "?", 0, 0, False)
+
+
+def _leader(raw: bytes) -> Leader:
+    """The ``leader`` record, its address one a backup can follow (split_peer_address reads it): one that is
+    not (``nonsense``, ``127.0.0.1:99999``) is malformed, as a field of another type is, not an error that
+    ends the HA loop when the node follows it."""
+    leader = Leader.decode(raw)
+    try:
+        split_peer_address(leader.address, "the record")
+    except ReplicationError as exc:
+        raise ValueError(str(exc)) from None
+    return leader
 
 
 def _sync(raw: bytes) -> tuple[str, int, frozenset[str]]:
