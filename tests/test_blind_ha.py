@@ -346,6 +346,28 @@ def test_an_answer_without_its_fields_is_one_line_naming_the_address(
     assert expected in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "frame", "answer", "out", "lines"),
+    [
+        (["inspect", "--replication"], Frame.STATUS, b'{"role": "backup", "batch": 1, "state": "\\ud800\\nx"}', 1, 2),
+        (["promote"], Frame.PROMOTE, b'{"promoted": true, "why": "\\ud800\\nx"}', 1, 1),
+        (["promote"], Frame.PROMOTE, b'{"promoted": false, "why": "\\ud800\\nx"}', 2, 1),
+    ],
+    ids=["status", "promoted", "not-promoted"],
+)
+def test_a_nodes_text_that_print_cannot_encode_or_that_splits_a_line_is_shown_escaped(
+    argv: list[str], frame: Frame, answer: bytes, out: int, lines: int
+) -> None:
+    """Review 325: a lone surrogate in a node's STATUS or PROMOTE answer (a UnicodeEncodeError traceback from
+    print) or a newline (a line the node forged) is shown escaped, as inspect shows a client's text: the
+    tool's lines stay its own."""
+    with _ErrorNode(answer, frame) as fake:
+        result = run_cli(*argv, f"{HOST}:{fake.port}")
+    shown, other = (result.stdout, result.stderr) if out == 1 else (result.stderr, result.stdout)
+    assert result.returncode == (0 if out == 1 else 1) and not other, result
+    assert "\\ud800\\nx" in shown and len(shown.splitlines()) == lines, shown
+
+
 def test_a_relative_secret_file_is_read_from_the_working_directory_not_broker_yamls_folder(
     broker_factory: Callable[..., Broker], tmp_path: Path
 ) -> None:
