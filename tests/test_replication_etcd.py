@@ -562,3 +562,24 @@ def test_a_leader_record_whose_address_is_not_host_port_does_not_end_the_ha_loop
             db.close()
 
     asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+def test_records_an_earlier_release_wrote_are_read_with_their_defaults(etcd: EtcdProcess) -> None:
+    """replication.md (rolling upgrade): a ``sync`` record without ``term`` is read (term 0: its leader matched
+    by name only), a ``members/`` record without ``address`` or ``promotion_failed`` is read with "" and
+    false, not counted as absent or as a malformed record; a node of any address takes such a record over."""
+
+    async def main() -> None:
+        writer, reader = coordinator(etcd), coordinator(etcd)
+        old_sync = b'{"leader": "a", "members": ["a", "b"]}'
+        old_member = b'{"name": "c", "role": "backup", "store_id": 9, "batch": 3, "candidate": true}'
+        await writer._call("/v3/kv/put", {"key": _b64(writer.prefix + "sync"), "value": _b64(old_sync)})
+        await writer._call("/v3/kv/put", {"key": _b64(writer.prefix + "members/c"), "value": _b64(old_member)})
+        assert await reader.sync_members() == frozenset({"a", "b"})
+        assert await reader.former_primaries() == frozenset({("a", 0)})
+        assert await reader.members() == [Member("c", "backup", 9, 3, True, "", False)]
+        now = Member("c", "backup", 9, 4, True, "127.0.0.1:5")  # c upgraded: its record says no address
+        await writer.publish_member(now)
+        assert await reader.members() == [now]
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
