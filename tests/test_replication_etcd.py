@@ -496,7 +496,8 @@ def test_a_record_of_malformed_fields_does_not_end_the_ha_loop(
 def test_an_etcd_reply_of_another_shape_is_a_coordinator_error_naming_the_address(body: bytes) -> None:
     """An endpoint answering HTTP 200 with a JSON object that is not etcd's reply (a KeyError 'ID',
     TypeError or ValueError where a field is read; binascii.Error decoding the key of a record that does
-    not decode) is a CoordinatorError naming it: the HA loop goes on as when etcd does not answer."""
+    not decode) is a CoordinatorError naming it, not the endpoint tried before it that did not answer:
+    the HA loop goes on as when etcd does not answer."""
 
     async def main() -> None:
         async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -507,7 +508,7 @@ def test_an_etcd_reply_of_another_shape_is_a_coordinator_error_naming_the_addres
 
         server = await asyncio.start_server(answer, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        fake = EtcdCoordinator([url], prefix="/x", ttl=TTL, timeout=1.0)
+        fake = EtcdCoordinator([f"http://127.0.0.1:{free_port()}", url], prefix="/x", ttl=TTL, timeout=1.0)
         node = HaNode(fake, Node(caught_up=True), name="b", address="127.0.0.1:7002", loop_wait=0.05, demote_margin=0.5)
         stop, seen = asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(node.run(stop, lambda d: seen.set() if f"coordinator {url}: " in d.reason else None))
@@ -581,5 +582,20 @@ def test_records_an_earlier_release_wrote_are_read_with_their_defaults(etcd: Etc
         now = Member("c", "backup", 9, 4, True, "127.0.0.1:5")  # c upgraded: its record says no address
         await writer.publish_member(now)
         assert await reader.members() == [now]
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+def test_an_error_of_this_modules_own_code_is_not_taken_for_a_reply_of_another_shape(etcd: EtcdProcess) -> None:
+    """Review 325: only the reading of etcd's replies is a CoordinatorError "answered no reply of etcd's
+    shape"; a wrong call (a missing argument, a name that is not text) raises as it is, not hidden as etcd
+    not answering."""
+
+    async def main() -> None:
+        etcd_coordinator = coordinator(etcd)
+        with pytest.raises(TypeError, match="missing 1 required positional argument"):
+            await etcd_coordinator.acquire()  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="can only concatenate str"):
+            await etcd_coordinator.publish_member(Member(b"a", "backup", 1, 1, True))  # type: ignore[arg-type]
 
     asyncio.run(asyncio.wait_for(main(), BOUND))
