@@ -296,7 +296,7 @@ def test_a_peers_error_text_is_shown_escaped_and_cut_at_200_characters(tmp_path:
     ("answer", "reason"),
     [
         (b"not json", "not UTF-8 JSON: Expecting value"),
-        (b"[1]", "not a JSON object but a list"),
+        (b"[1]", "not a JSON object but an array"),
         (b"[" * 100_000, "JSON nested too deeply"),
     ],
     ids=["text", "list", "nested"],
@@ -328,7 +328,12 @@ def test_an_answer_that_is_not_a_json_object_is_one_line_naming_the_address(
             "is not one this version shows (TypeError: 'int' object is not iterable)",
         ),
         (["promote"], Frame.PROMOTE, b"{}", "is not readable: no 'promoted'"),
-        (["promote"], Frame.PROMOTE, b'{"promoted": 1, "why": "x"}', "is not readable: 'promoted' is not a bool"),
+        (
+            ["promote"],
+            Frame.PROMOTE,
+            b'{"promoted": 1, "why": "x"}',
+            "is not readable: 'promoted' is not a boolean: a number 1",
+        ),
         (["promote"], Frame.PROMOTE, b'{"promoted": false, "why": 1e999}', "is not readable: 1e999 is past a float"),
     ],
     ids=["status-empty", "status-members-number", "promote-empty", "promote-int", "promote-1e999"],
