@@ -296,7 +296,7 @@ def test_a_peers_error_text_is_shown_escaped_and_cut_at_200_characters(tmp_path:
     ("answer", "reason"),
     [
         (b"not json", "not UTF-8 JSON: Expecting value"),
-        (b"[1]", "not a JSON object but a list"),
+        (b"[1]", "not a JSON object but an array"),
         (b"[" * 100_000, "JSON nested too deeply"),
     ],
     ids=["text", "list", "nested"],
@@ -328,7 +328,12 @@ def test_an_answer_that_is_not_a_json_object_is_one_line_naming_the_address(
             "is not one this version shows (TypeError: 'int' object is not iterable)",
         ),
         (["promote"], Frame.PROMOTE, b"{}", "is not readable: no 'promoted'"),
-        (["promote"], Frame.PROMOTE, b'{"promoted": 1, "why": "x"}', "is not readable: 'promoted' is not a bool"),
+        (
+            ["promote"],
+            Frame.PROMOTE,
+            b'{"promoted": 1, "why": "x"}',
+            "is not readable: 'promoted' is not a boolean: a number 1",
+        ),
         (["promote"], Frame.PROMOTE, b'{"promoted": false, "why": 1e999}', "is not readable: 1e999 is past a float"),
     ],
     ids=["status-empty", "status-members-number", "promote-empty", "promote-int", "promote-1e999"],
@@ -344,6 +349,28 @@ def test_an_answer_without_its_fields_is_one_line_naming_the_address(
     assert result.returncode == 1, result.stderr
     expected = f"replication address {HOST}:{fake.port}: its answer to {frame.name} {wrong}"
     assert expected in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "frame", "answer", "out", "lines"),
+    [
+        (["inspect", "--replication"], Frame.STATUS, b'{"role": "backup", "batch": 1, "state": "\\ud800\\nx"}', 1, 2),
+        (["promote"], Frame.PROMOTE, b'{"promoted": true, "why": "\\ud800\\nx"}', 1, 1),
+        (["promote"], Frame.PROMOTE, b'{"promoted": false, "why": "\\ud800\\nx"}', 2, 1),
+    ],
+    ids=["status", "promoted", "not-promoted"],
+)
+def test_a_nodes_text_that_print_cannot_encode_or_that_splits_a_line_is_shown_escaped(
+    argv: list[str], frame: Frame, answer: bytes, out: int, lines: int
+) -> None:
+    """Review 325: a lone surrogate in a node's STATUS or PROMOTE answer (a UnicodeEncodeError traceback from
+    print) or a newline (a line the node forged) is shown escaped, as inspect shows a client's text: the
+    tool's lines stay its own."""
+    with _ErrorNode(answer, frame) as fake:
+        result = run_cli(*argv, f"{HOST}:{fake.port}")
+    shown, other = (result.stdout, result.stderr) if out == 1 else (result.stderr, result.stdout)
+    assert result.returncode == (0 if out == 1 else 1) and not other, result
+    assert "\\ud800\\nx" in shown and len(shown.splitlines()) == lines, shown
 
 
 def test_a_relative_secret_file_is_read_from_the_working_directory_not_broker_yamls_folder(

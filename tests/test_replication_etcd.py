@@ -496,7 +496,8 @@ def test_a_record_of_malformed_fields_does_not_end_the_ha_loop(
 def test_an_etcd_reply_of_another_shape_is_a_coordinator_error_naming_the_address(body: bytes) -> None:
     """An endpoint answering HTTP 200 with a JSON object that is not etcd's reply (a KeyError 'ID',
     TypeError or ValueError where a field is read; binascii.Error decoding the key of a record that does
-    not decode) is a CoordinatorError naming it: the HA loop goes on as when etcd does not answer."""
+    not decode) is a CoordinatorError naming it, not the endpoint tried before it that did not answer:
+    the HA loop goes on as when etcd does not answer."""
 
     async def main() -> None:
         async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -507,7 +508,7 @@ def test_an_etcd_reply_of_another_shape_is_a_coordinator_error_naming_the_addres
 
         server = await asyncio.start_server(answer, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        fake = EtcdCoordinator([url], prefix="/x", ttl=TTL, timeout=1.0)
+        fake = EtcdCoordinator([f"http://127.0.0.1:{free_port()}", url], prefix="/x", ttl=TTL, timeout=1.0)
         node = HaNode(fake, Node(caught_up=True), name="b", address="127.0.0.1:7002", loop_wait=0.05, demote_margin=0.5)
         stop, seen = asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(node.run(stop, lambda d: seen.set() if f"coordinator {url}: " in d.reason else None))
@@ -525,5 +526,76 @@ def test_an_etcd_reply_of_another_shape_is_a_coordinator_error_naming_the_addres
                 assert await fake.leader() is None
         server.close()
         await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+@pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:99999"])
+def test_a_leader_record_whose_address_is_not_host_port_does_not_end_the_ha_loop(
+    address: str, etcd: EtcdProcess, tmp_path: Path
+) -> None:
+    """Review 325: a leader record of fields of the right types but an address that is not host:port (a
+    ReplicationError when the node followed it ended the HA loop) is a malformed record naming its key:
+    the node's cycles go on, as for any record of another shape."""
+
+    async def main() -> None:
+        listen, where = f"127.0.0.1:{free_port()}", [etcd.url]
+        config = ReplicationConfig(name="b", role="auto", listen=listen, coordinator=where, cluster="leader-address",
+                                   lease_ttl=10, loop_wait=0.05, demote_margin=1.0)  # fmt: skip
+        writer = EtcdCoordinator(where, prefix=config.prefix, ttl=10, timeout=1.0)
+        grant = await writer._call("/v3/lease/grant", {"TTL": 30})
+        record = b'{"name": "z", "address": "%s"}' % address.encode()
+        key = config.prefix + "leader"
+        await writer._call("/v3/kv/put", {"key": _b64(key), "value": _b64(record), "lease": grant["ID"]})
+        db, _ = primary_store(tmp_path / "b")
+        db.put(*position_op(0, 0))
+        reader = EtcdCoordinator(where, prefix=config.prefix, ttl=10, timeout=1.0)
+        node = ReplicationNode(db, config, coordinator=reader)
+        said, decided = Said(f"{key} holds a malformed record"), node._decided
+        node._decided = lambda decision: (decided(decision), said(decision))  # type: ignore[method-assign]
+        await node.start()
+        try:
+            decision = await said.wait()
+            assert repr(address) in decision.reason and decision.unanswered, decision
+            assert node._ha_task is not None and not node._ha_task.done(), node._ha_task
+        finally:
+            await node.stop()
+            db.close()
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+def test_records_an_earlier_release_wrote_are_read_with_their_defaults(etcd: EtcdProcess) -> None:
+    """replication.md (rolling upgrade): a ``sync`` record without ``term`` is read (term 0: its leader matched
+    by name only), a ``members/`` record without ``address`` or ``promotion_failed`` is read with "" and
+    false, not counted as absent or as a malformed record; a node of any address takes such a record over."""
+
+    async def main() -> None:
+        writer, reader = coordinator(etcd), coordinator(etcd)
+        old_sync = b'{"leader": "a", "members": ["a", "b"]}'
+        old_member = b'{"name": "c", "role": "backup", "store_id": 9, "batch": 3, "candidate": true}'
+        await writer._call("/v3/kv/put", {"key": _b64(writer.prefix + "sync"), "value": _b64(old_sync)})
+        await writer._call("/v3/kv/put", {"key": _b64(writer.prefix + "members/c"), "value": _b64(old_member)})
+        assert await reader.sync_members() == frozenset({"a", "b"})
+        assert await reader.former_primaries() == frozenset({("a", 0)})
+        assert await reader.members() == [Member("c", "backup", 9, 3, True, "", False)]
+        now = Member("c", "backup", 9, 4, True, "127.0.0.1:5")  # c upgraded: its record says no address
+        await writer.publish_member(now)
+        assert await reader.members() == [now]
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+def test_an_error_of_this_modules_own_code_is_not_taken_for_a_reply_of_another_shape(etcd: EtcdProcess) -> None:
+    """Review 325: only the reading of etcd's replies is a CoordinatorError "answered no reply of etcd's
+    shape"; a wrong call (a missing argument, a name that is not text) raises as it is, not hidden as etcd
+    not answering."""
+
+    async def main() -> None:
+        etcd_coordinator = coordinator(etcd)
+        with pytest.raises(TypeError, match="missing 1 required positional argument"):
+            await etcd_coordinator.acquire()  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="can only concatenate str"):
+            await etcd_coordinator.publish_member(Member(b"a", "backup", 1, 1, True))  # type: ignore[arg-type]
 
     asyncio.run(asyncio.wait_for(main(), BOUND))

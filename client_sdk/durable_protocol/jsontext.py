@@ -13,7 +13,7 @@ from typing import Any
 def json_object(raw: bytes, *, parse_int: Callable[[str], object] = int, finite: bool = False) -> dict[str, Any]:
     """The JSON object in ``raw`` (UTF-8: bytes are not read as UTF-16/32 as json.loads reads them). A
     ValueError saying what is wrong (``not UTF-8 JSON: ...``, ``JSON nested too deeply``: json raises
-    RecursionError past the interpreter's limit, ``not a JSON object but a list``) for anything else;
+    RecursionError past the interpreter's limit, ``not a JSON object but an array``) for anything else;
     with ``finite``, also for ``NaN``, ``Infinity`` and a number past a float's range (``1e999``), which
     ``int()`` of it or a comparison would trip over later. ``parse_int`` reads each integer."""
     try:
@@ -30,8 +30,19 @@ def json_object(raw: bytes, *, parse_int: Callable[[str], object] = int, finite:
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
     if not isinstance(value, dict):
-        raise ValueError(f"not a JSON object but a {type(value).__name__}")
+        raise ValueError(f"not a JSON object but {json_kind(value)}")
     return value
+
+
+def json_kind(value: object) -> str:
+    """What a value read from JSON is, in JSON's words (``a JSON null``, ``a boolean``, ``a number``, ``a string``,
+    ``an array``, ``an object``), for an error read by whoever wrote the JSON, not in Python's type names."""
+    if value is None:
+        return "a JSON null"
+    for kind, name in ((bool, "a boolean"), (int | float, "a number"), (str, "a string"), (list, "an array")):
+        if isinstance(value, kind):
+            return name
+    return "an object"
 
 
 class _NotFiniteError(ValueError):

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from durable_protocol.jsontext import json_object
+from durable_protocol.jsontext import json_kind, json_object
 
 _Value = TypeVar("_Value")
 
@@ -38,15 +38,20 @@ def record_field(data: dict[str, Any], key: str, kind: type[_Value], default: _V
         return default
     value = data[key]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(f"'{key}' is not a {kind.__name__}: {_shown(value)}")
+        raise ValueError(f"'{key}' is not {_KINDS[kind]}: {_shown(value)}")
     if kind is list and not all(isinstance(item, str) for item in data[key]):
-        raise ValueError(f"'{key}' is not a list of strings: {_shown(value)}")
+        raise ValueError(f"'{key}' is not {_KINDS[list]}: {_shown(value)}")
     return value
 
 
+_KINDS = {int: "an integer", str: "a string", bool: "a boolean", list: "an array of strings"}
+"""What record_field asks of a field, in JSON's words (whoever wrote the record reads the error)."""
+
+
 def _shown(value: object) -> str:
-    """``value`` as a record's error shows it: its type, and a number's or text's first characters."""
-    kind = type(value).__name__
+    """``value`` as a record's error shows it: what it is in JSON's words, and a number's or text's first
+    characters."""
+    kind = json_kind(value)
     return f"{kind} {repr(value)[:40]}" if isinstance(value, int | float | str) else kind
 
 

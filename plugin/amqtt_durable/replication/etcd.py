@@ -37,40 +37,40 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
+import contextlib
 import json
-from collections.abc import Callable, Coroutine
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from .coordinator import Coordinator, Leader, Member, read_record, record_field
-from .errors import CoordinatorError, MalformedRecordError, MemberNameTakenError
+from .errors import CoordinatorError, MalformedRecordError, MemberNameTakenError, ReplicationError
+from .tool import split_peer_address
 
 REQUEST_TIMEOUT = 2.0
 """Seconds one gateway call may take (callers may bound it tighter)."""
 
 
 _Record = TypeVar("_Record")
-_Params = ParamSpec("_Params")
-_Result = TypeVar("_Result")
 
 
-def _reads_replies(
-    method: Callable[Concatenate[EtcdCoordinator, _Params], Coroutine[Any, Any, _Result]],
-) -> Callable[Concatenate[EtcdCoordinator, _Params], Coroutine[Any, Any, _Result]]:
-    """``method`` with a reply of another shape than etcd's (a JSON object without its fields, or with
-    fields of other types: a KeyError, TypeError, ValueError, AttributeError or IndexError where it is
-    read, which would end the HA loop) a CoordinatorError naming the endpoints, as no answer is."""
+class _Reply(dict[str, Any]):
+    """etcd's reply to one call, with the endpoint that sent it (an error reading it names that one)."""
 
-    async def read(self: EtcdCoordinator, /, *args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
-        try:
-            return await method(self, *args, **kwargs)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-            detail = f"answered no reply of etcd's shape ({type(exc).__name__}: {exc})"
-            raise CoordinatorError(", ".join(self.endpoints), detail) from None
+    endpoint = ""
 
-    functools.update_wrapper(read, method)
-    return read
+
+@contextlib.contextmanager
+def _reading(reply: _Reply) -> Iterator[None]:
+    """Reading fields of ``reply``: one of another shape than etcd's (a JSON object without its fields, or
+    with fields of other types: a KeyError, TypeError, ValueError, AttributeError or IndexError, which would
+    end the HA loop) is a CoordinatorError naming the endpoint that sent it, as no answer is. Only the
+    reading: an error of this module's own code elsewhere is raised as it is."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        detail = f"answered no reply of etcd's shape ({type(exc).__name__}: {exc})"
+        raise CoordinatorError(reply.endpoint, detail) from None
 
 
 def _b64(raw: bytes | str) -> str:
@@ -102,21 +102,21 @@ class EtcdCoordinator(Coordinator):
 
     # --- the interface ----------------------------------------------------------------------
 
-    @_reads_replies
     async def leader(self) -> Leader | None:
         reply = await self._call("/v3/kv/range", {"key": self._leader_key})
-        kvs = reply.get("kvs") or []
-        revision = reply.get("header", {}).get("revision")
-        # no revision in the reply (not from a real etcd): no compare, rather than one that always fails
-        self._no_leader_at = None if kvs or revision is None else int(revision)
-        if not kvs:
-            return None
-        return _term(self._decoded(kvs[0], Leader.decode), kvs[0].get("create_revision"))
+        with _reading(reply):
+            kvs = reply.get("kvs") or []
+            revision = reply.get("header", {}).get("revision")
+            # no revision in the reply (not from a real etcd): no compare, rather than one that always fails
+            self._no_leader_at = None if kvs or revision is None else int(revision)
+            if not kvs:
+                return None
+            return _term(_decoded(reply, kvs[0], _leader), kvs[0].get("create_revision"))
 
-    @_reads_replies
     async def acquire(self, me: Leader) -> bool:
         grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
-        lease = int(grant["ID"])
+        with _reading(grant):
+            lease = int(grant["ID"])
         put = {"key": self._leader_key, "value": _b64(me.encode()), "lease": str(lease)}
         taken = _create_if_absent(self._leader_key, put)
         if self._no_leader_at is not None:
@@ -127,41 +127,38 @@ class EtcdCoordinator(Coordinator):
             taken["compare"].append(unchanged)
         taken["success"].append({"request_put": {"key": self._primary_key, "value": _b64(me.encode())}})
         reply = await self._call("/v3/kv/txn", taken)
-        if reply.get("succeeded"):
-            self.lease_id = lease
-            self.term = int(reply["header"]["revision"])  # the leader key's create_revision
+        with _reading(reply):
+            taken_at = int(reply["header"]["revision"]) if reply.get("succeeded") else None
+        if taken_at is not None:
+            self.lease_id, self.term = lease, taken_at  # the leader key's create_revision
             return True
         await self._call("/v3/lease/revoke", {"ID": str(lease)})
         return False
 
-    @_reads_replies
     async def renew(self, me: Leader) -> bool:
         if self.lease_id is None:
             return False
-        reply = await self._call("/v3/lease/keepalive", {"ID": str(self.lease_id)})
-        if int(reply.get("result", {}).get("TTL", 0)) <= 0:
+        if not _alive(await self._call("/v3/lease/keepalive", {"ID": str(self.lease_id)})):
             self.lease_id = None
             return False
         holder = await self._call("/v3/kv/range", {"key": self._leader_key})
-        kvs = holder.get("kvs") or []
-        if not kvs or int(kvs[0].get("lease", 0)) != self.lease_id:
-            return False
-        return self._decoded(kvs[0], Leader.decode) == me
+        with _reading(holder):
+            kvs = holder.get("kvs") or []
+            if not kvs or int(kvs[0].get("lease", 0)) != self.lease_id:
+                return False
+            return _decoded(holder, kvs[0], Leader.decode) == me
 
-    @_reads_replies
     async def release(self, me: Leader) -> None:
         if self.lease_id is None:
             return
         lease, self.lease_id = self.lease_id, None
         await self._call("/v3/lease/revoke", {"ID": str(lease)})  # deletes the leader key with it
 
-    @_reads_replies
     async def initialize(self, name: str) -> bool:
         put = {"key": self._init_key, "value": _b64(name)}
         reply = await self._call("/v3/kv/txn", _create_if_absent(self._init_key, put))
         return bool(reply.get("succeeded"))
 
-    @_reads_replies
     async def publish_sync(self, me: Leader, members: frozenset[str] | None) -> bool:
         if members is None:
             write: dict[str, Any] = {"request_delete_range": {"key": self._sync_key}}
@@ -179,18 +176,17 @@ class EtcdCoordinator(Coordinator):
         )
         return bool(reply.get("succeeded"))
 
-    @_reads_replies
     async def sync_members(self) -> frozenset[str] | None:
         record = await self._sync_record()
         return None if record is None else record[2]
 
-    @_reads_replies
     async def former_primaries(self) -> frozenset[tuple[str, int]]:
         terms = set()
         reply = await self._call("/v3/kv/range", {"key": self._primary_key})
-        for kv in reply.get("kvs") or []:
-            # Written in acquire's transaction: its mod_revision is that leader key's create_revision.
-            terms.add((self._decoded(kv, Leader.decode).name, int(kv.get("mod_revision", 0))))
+        with _reading(reply):
+            for kv in reply.get("kvs") or []:
+                # Written in acquire's transaction: its mod_revision is that leader key's create_revision.
+                terms.add((_decoded(reply, kv, Leader.decode).name, int(kv.get("mod_revision", 0))))
         record = await self._sync_record()
         if record is not None:
             terms.add(record[:2])
@@ -198,20 +194,19 @@ class EtcdCoordinator(Coordinator):
 
     async def _sync_record(self) -> tuple[str, int, frozenset[str]] | None:
         reply = await self._call("/v3/kv/range", {"key": self._sync_key})
-        kvs = reply.get("kvs") or []
-        if not kvs:
-            return None
-        return self._decoded(kvs[0], _sync)
+        with _reading(reply):
+            kvs = reply.get("kvs") or []
+            return _decoded(reply, kvs[0], _sync) if kvs else None
 
-    @_reads_replies
     async def publish_member(self, member: Member) -> None:
-        if self.member_lease is not None:
-            reply = await self._call("/v3/lease/keepalive", {"ID": str(self.member_lease)})
-            if int(reply.get("result", {}).get("TTL", 0)) <= 0:
-                self.member_lease = None  # expired (the node was stopped, or cut off): a new one
+        if self.member_lease is not None and not _alive(
+            await self._call("/v3/lease/keepalive", {"ID": str(self.member_lease)})
+        ):
+            self.member_lease = None  # expired (the node was stopped, or cut off): a new one
         if self.member_lease is None:
             grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
-            self.member_lease = int(grant["ID"])
+            with _reading(grant):
+                self.member_lease = int(grant["ID"])
         key = _b64(self.prefix + "members/" + member.name)
         put = {"request_put": {"key": key, "value": _b64(member.encode()), "lease": str(self.member_lease)}}
         for compare in (
@@ -221,11 +216,12 @@ class EtcdCoordinator(Coordinator):
             reply = await self._call(
                 "/v3/kv/txn", {"compare": [compare], "success": [put], "failure": [{"request_range": {"key": key}}]}
             )
-            if reply.get("succeeded"):
-                return
-            kvs = (reply.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
-            if kvs:
-                holder = _member(kvs[0], member.name)
+            with _reading(reply):
+                if reply.get("succeeded"):
+                    return
+                kvs = (reply.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
+                holder = _member(kvs[0], member.name) if kvs else None
+            if holder is not None:
                 if holder.address and holder.address != member.address:
                     raise MemberNameTakenError(holder)
                 # At this node's address (or from an earlier version, which does not say): this node
@@ -233,45 +229,53 @@ class EtcdCoordinator(Coordinator):
                 await self._call("/v3/kv/put", put["request_put"])
                 return
         # Created and gone again between the two transactions (a record that just expired): the next cycle
-        raise CoordinatorError(", ".join(self.endpoints), f"members/{member.name} changed while it was written")
+        raise CoordinatorError(reply.endpoint, f"members/{member.name} changed while it was written")
 
-    @_reads_replies
     async def members(self) -> list[Member]:
         reply = await self._call("/v3/kv/range", {"key": self._members_from, "range_end": self._members_end})
         found = []
-        for kv in reply.get("kvs") or []:
-            try:
-                found.append(Member.decode(base64.b64decode(kv.get("value", ""))))
-            except ValueError:
-                continue  # not a record this version writes: it counts as absent
+        with _reading(reply):
+            for kv in reply.get("kvs") or []:
+                try:
+                    found.append(Member.decode(base64.b64decode(kv.get("value", ""))))
+                except ValueError:
+                    continue  # not a record this version writes: it counts as absent
         return found
 
-    @_reads_replies
     async def withdraw_member(self) -> None:
         if self.member_lease is None:
             return
         lease, self.member_lease = self.member_lease, None
         await self._call("/v3/lease/revoke", {"ID": str(lease)})  # deletes the record with it
 
-    def _decoded(self, kv: dict[str, Any], decode: Callable[[bytes], _Record]) -> _Record:
-        """The record in ``kv`` (a range result); one this version cannot read is a CoordinatorError naming
-        its key, as an unreadable answer is (a ValueError would end the HA loop)."""
-        try:
-            return decode(base64.b64decode(kv.get("value", "")))
-        except ValueError as exc:
-            raise MalformedRecordError(", ".join(self.endpoints), _key(kv), str(exc)) from None
-
     # --- HTTP -------------------------------------------------------------------------------
 
-    async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _call(self, path: str, body: dict[str, Any]) -> _Reply:
         errors = []
         for endpoint in self.endpoints:
             try:
                 async with asyncio.timeout(self.timeout):
-                    return await _post(endpoint, path, body)
+                    reply = _Reply(await _post(endpoint, path, body))
+                reply.endpoint = endpoint
+                return reply
             except (OSError, TimeoutError, ValueError) as exc:
                 errors.append(f"{endpoint}: {type(exc).__name__}: {exc}")
         raise CoordinatorError(", ".join(self.endpoints), f"{path} failed ({'; '.join(errors)})")
+
+
+def _decoded(reply: _Reply, kv: dict[str, Any], decode: Callable[[bytes], _Record]) -> _Record:
+    """The record in ``kv`` (a range result of ``reply``); one this version cannot read is a CoordinatorError
+    naming the endpoint that sent it and its key, as an unreadable answer is (a ValueError would end the HA loop)."""
+    try:
+        return decode(base64.b64decode(kv.get("value", "")))
+    except ValueError as exc:
+        raise MalformedRecordError(reply.endpoint, _key(kv), str(exc)) from None
+
+
+def _alive(keepalive: _Reply) -> bool:
+    """Whether a lease ``keepalive`` renewed still lives (a TTL left)."""
+    with _reading(keepalive):
+        return int(keepalive.get("result", {}).get("TTL", 0)) > 0
 
 
 def _term(leader: Leader, revision: object) -> Leader:
@@ -285,6 +289,18 @@ def _member(kv: dict[str, Any], name: str) -> Member:
         return Member.decode(base64.b64decode(kv.get("value", "")))
     except ValueError:
         return Member(name, "?", 0, 0, False)
+
+
+def _leader(raw: bytes) -> Leader:
+    """The ``leader`` record, its address one a backup can follow (split_peer_address reads it): one that is
+    not (``nonsense``, ``127.0.0.1:99999``) is malformed, as a field of another type is, not an error that
+    ends the HA loop when the node follows it."""
+    leader = Leader.decode(raw)
+    try:
+        split_peer_address(leader.address, "the record")
+    except ReplicationError as exc:
+        raise ValueError(str(exc)) from None
+    return leader
 
 
 def _sync(raw: bytes) -> tuple[str, int, frozenset[str]]:
