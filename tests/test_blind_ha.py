@@ -357,8 +357,16 @@ def test_an_answer_without_its_fields_is_one_line_naming_the_address(
         (["inspect", "--replication"], Frame.STATUS, b'{"role": "backup", "batch": 1, "state": "\\ud800\\nx"}', 1, 2),
         (["promote"], Frame.PROMOTE, b'{"promoted": true, "why": "\\ud800\\nx"}', 1, 1),
         (["promote"], Frame.PROMOTE, b'{"promoted": false, "why": "\\ud800\\nx"}', 2, 1),
+        (  # a field of a row in a list, as deep as the tool reads (review 326)
+            ["inspect", "--replication"],
+            Frame.STATUS,
+            b'{"role": "backup", "batch": 1, "state": "s", "members": [{"name": "\\ud800\\nx", "role": "backup", '
+            b'"batch": 1, "store_id": 1, "candidate": false}]}',
+            1,
+            4,
+        ),
     ],
-    ids=["status", "promoted", "not-promoted"],
+    ids=["status", "promoted", "not-promoted", "status-member-row"],
 )
 def test_a_nodes_text_that_print_cannot_encode_or_that_splits_a_line_is_shown_escaped(
     argv: list[str], frame: Frame, answer: bytes, out: int, lines: int
