@@ -6,14 +6,17 @@ SDK clients; each test quotes the promise it checks.
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from conftest import WAIT, Broker
+from conftest import WAIT, Broker, Client
+from durable_client import AsyncDurableClient, DurableClient, Event
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -46,3 +49,147 @@ def test_dashboard_back_after_a_restart_gets_no_retained_initial_values_and_an_e
     assert at_marker.splitlines()[2].strip() == "(empty)", out
     doc = (ROOT / "examples" / "dashboard.py").read_text().split('"""')[1]
     assert "sends the retained readings again" not in doc, "the docstring promises initial values again"
+
+
+# ------------------------------------------------------------------ sdk.md: Subscriptions, reconnection
+
+
+class Got:
+    """Events a listener got, waited on by condition."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, event: Event) -> None:
+        with self._cond:
+            self.events.append(event)
+            self._cond.notify_all()
+
+    def wait(self, predicate: Callable[[list[Event]], bool]) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self.events), WAIT)
+
+    def topics(self) -> list[str]:
+        with self._cond:
+            return [e.topic for e in self.events]
+
+
+def test_subscribe_again_replaces_the_listener_none_included_and_sends_a_subscribe_only_for_a_new_qos(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], sdk: Callable[..., DurableClient]
+) -> None:
+    """sdk.md: "`subscribe(...)`: one listener per filter: calling it again for a filter it holds changes
+    that subscription's QoS, durability and listener (the new `listener`, `None` included, replaces the
+    old; a SUBSCRIBE goes out again only for a new QoS)". A SUBSCRIBE is seen by the retained message it
+    sends again (guarantees.md: "the retained messages it matches are sent again, at that QoS"), queued
+    before the live message published after it; a session's messages come in order, so a probe on
+    another filter published last shows what came before it."""
+    broker = broker_factory()
+    publisher = clients(broker.port, "p-relisten", clean_session=True)
+    publisher.publish("a/x", [b"seed"], qos=1, retain=True)
+    first, second, third, probe = Got(), Got(), Got(), Got()
+    client = sdk(broker.port, "relisten")
+    client.subscribe("b/#", qos=1, listener=probe)
+    client.subscribe("a/#", qos=1, listener=first)
+    client.connect(timeout=WAIT)
+    client.ready_for_events()
+    assert first.wait(lambda es: [e.topic for e in es] == ["a/x"]) and first.events[0].retained
+
+    client.subscribe("a/#", qos=1, listener=second)  # same QoS: no SUBSCRIBE, so no retained a/x again
+    publisher.publish("a/y", [b"live"])
+    assert second.wait(lambda es: len(es) >= 1)
+    publisher.publish("b/1", [b"probe"])
+    assert probe.wait(lambda es: len(es) >= 1)
+    assert second.topics() == ["a/y"] and first.topics() == ["a/x"]
+
+    client.subscribe("a/#", qos=1, listener=None)  # None replaces the listener: a/z goes to no one
+    publisher.publish("a/z", [b"unheard"])
+    publisher.publish("b/2", [b"probe"])
+    assert probe.wait(lambda es: len(es) >= 2)
+    assert second.topics() == ["a/y"] and first.topics() == ["a/x"]
+
+    client.subscribe("a/#", qos=0, listener=third)  # a new QoS: a SUBSCRIBE, the retained a/x again at 0
+    publisher.publish("a/w", [b"at0"], qos=1)
+    assert third.wait(lambda es: len(es) >= 2)
+    assert [(e.topic, e.retained, e.qos) for e in third.events] == [("a/x", True, 0), ("a/w", False, 0)]
+
+
+# ----------------------------------------------------------------------- sdk.md / streams.md: signatures
+
+
+def params(function: Callable[..., object]) -> list[tuple[str, str, object]]:
+    """(name, kind, default) of each parameter but ``self``."""
+    return [
+        (p.name, p.kind.name, p.default) for p in inspect.signature(function).parameters.values() if p.name != "self"
+    ]
+
+
+KW = "KEYWORD_ONLY"
+POS = "POSITIONAL_OR_KEYWORD"
+NONE = inspect.Parameter.empty
+
+
+def test_the_threaded_client_s_methods_take_the_documented_arguments_and_defaults() -> None:
+    """sdk.md and streams.md give each signature: `subscribe(topic_filter, qos=1, *, durable=True,
+    listener=None, timeout=10.0)`, `client.subscribe_stream("telemetry/#", listener, *, window=None,
+    after=None, timeout=10.0)` ("the options keyword-only"), `client.stream_info(topic_filter="#", *,
+    timeout=10.0)`, `publish(topic, payload, qos=1, retain=False, *, timeout=10.0)`,
+    `unsubscribe(topic_filter)` ("no `timeout`"), `close(keep_session=True)` with `close(timeout=...)`,
+    `cache.get(topic, default=None)`; `DurableClient(client_id, host="127.0.0.1", port=1883, ...)`,
+    `keepalive` "(default 30)", `reconnect_min_delay` (0.1 s) and `reconnect_max_delay` (30 s)."""
+    assert params(DurableClient.subscribe) == [
+        ("topic_filter", POS, NONE),
+        ("qos", POS, 1),
+        ("durable", KW, True),
+        ("listener", KW, None),
+        ("timeout", KW, 10.0),
+    ]
+    assert params(DurableClient.subscribe_stream) == [
+        ("topic_filter", POS, NONE),
+        ("listener", POS, NONE),
+        ("window", KW, None),
+        ("after", KW, None),
+        ("timeout", KW, 10.0),
+    ]
+    assert params(DurableClient.stream_info) == [("topic_filter", POS, "#"), ("timeout", KW, 10.0)]
+    assert params(DurableClient.publish) == [
+        ("topic", POS, NONE),
+        ("payload", POS, NONE),
+        ("qos", POS, 1),
+        ("retain", POS, False),
+        ("timeout", KW, 10.0),
+    ]
+    assert params(DurableClient.unsubscribe) == [("topic_filter", POS, NONE)]
+    close = {name: default for name, _kind, default in params(DurableClient.close)}
+    assert close["keep_session"] is True and "timeout" in close
+    init = {name: (kind, default) for name, kind, default in params(DurableClient)}
+    assert list(init)[:3] == ["client_id", "host", "port"]
+    assert (init["host"][1], init["port"][1]) == ("127.0.0.1", 1883)
+    assert (init["keepalive"][1], init["reconnect_min_delay"][1], init["reconnect_max_delay"][1]) == (30, 0.1, 30)
+    assert params(DurableClient("sig").cache.get) == [("topic", POS, NONE), ("default", POS, None)]
+
+
+def test_the_async_client_s_coroutines_take_no_timeout_and_no_listener() -> None:
+    """sdk.md, asyncio: "`subscribe`, `subscribe_stream`, `unsubscribe`, `publish`, `stream_info`, `connect`
+    and `close(keep_session=...)` are coroutines ... so none takes a `timeout`, and none takes a listener
+    ...: `subscribe(topic_filter, qos=1, *, durable=True)`, `subscribe_stream(topic_filter, *, window=None,
+    after=None)`, `unsubscribe(topic_filter)`, `publish(topic, payload, qos=1, retain=False)`,
+    `stream_info(topic_filter="#")`, `connect()`, `close(keep_session=True)`. `ready_for_events()` and
+    `live()` are coroutines too ..., and `events()` is not"; `request_timeout` (10 s)."""
+    expected = {
+        "subscribe": [("topic_filter", POS, NONE), ("qos", POS, 1), ("durable", KW, True)],
+        "subscribe_stream": [("topic_filter", POS, NONE), ("window", KW, None), ("after", KW, None)],
+        "unsubscribe": [("topic_filter", POS, NONE)],
+        "publish": [("topic", POS, NONE), ("payload", POS, NONE), ("qos", POS, 1), ("retain", POS, False)],
+        "stream_info": [("topic_filter", POS, "#")],
+        "connect": [],
+        "close": [("keep_session", POS, True)],
+        "ready_for_events": [],
+        "live": [],
+    }
+    for name, signature in expected.items():
+        method = getattr(AsyncDurableClient, name)
+        assert params(method) == signature, name
+        assert inspect.iscoroutinefunction(method), f"{name} is a coroutine"
+    assert params(AsyncDurableClient.events) == [] and not inspect.iscoroutinefunction(AsyncDurableClient.events)
+    assert inspect.signature(AsyncDurableClient).parameters["request_timeout"].default == 10
