@@ -60,9 +60,7 @@ class Dashboard:
         self.cache_at_marker: dict[str, CacheEntry] = {}
         self.info: ConnectionInfo | None = None
         self._cond = threading.Condition()
-        self.client = DurableClient(
-            client_id, host, port, on_live=self._on_live, on_connected=self._on_connected
-        )
+        self.client = DurableClient(client_id, host, port, on_live=self._on_live, on_connected=self._on_connected)
 
     def open(self) -> None:
         """Subscribe, connect, say ready; return at the marker (every replayed event is in by then)."""
