@@ -7,6 +7,7 @@ SDK clients; each test quotes the promise it checks.
 from __future__ import annotations
 
 import inspect
+import socket
 import subprocess
 import sys
 import threading
@@ -14,8 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from raw_mqtt_helpers import raw_connect, read_packet
 
-from conftest import WAIT, Broker, Client
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string
 from durable_client import AsyncDurableClient, DurableClient, Event
 
 pytestmark = pytest.mark.timeout(90)
@@ -193,3 +195,65 @@ def test_the_async_client_s_coroutines_take_no_timeout_and_no_listener() -> None
         assert inspect.iscoroutinefunction(method), f"{name} is a coroutine"
     assert params(AsyncDurableClient.events) == [] and not inspect.iscoroutinefunction(AsyncDurableClient.events)
     assert inspect.signature(AsyncDurableClient).parameters["request_timeout"].default == 10
+
+
+# ------------------------------------------------------------------ guarantees.md: delivered QoS
+
+
+def publishes_until(
+    sock: socket.socket, done: Callable[[list[tuple[str, int, bool, bytes]]], bool]
+) -> list[tuple[str, int, bool, bytes]]:
+    """(topic, QoS, RETAIN, payload) of the PUBLISHes the broker sends until ``done`` holds for them (at most
+    100; each read bounded by the socket's timeout); QoS 1 ones are acknowledged."""
+    got: list[tuple[str, int, bool, bytes]] = []
+    for _ in range(100):
+        if done(got):
+            return got
+        first, body = read_packet(sock)
+        if first >> 4 != 3:
+            continue
+        length = int.from_bytes(body[:2], "big")
+        topic, rest = body[2 : 2 + length].decode(), body[2 + length :]
+        qos = (first >> 1) & 3
+        if qos:
+            sock.sendall(bytes((0x40, 2)) + rest[:2])
+            rest = rest[2:]
+        got.append((topic, qos, bool(first & 1), rest))
+    raise AssertionError(f"not done after 100 PUBLISHes: {got}")
+
+
+@pytest.mark.parametrize("clean", [False, True], ids=["durable", "clean"])
+def test_a_retained_message_comes_once_per_matching_filter_of_a_subscribe_at_each_filter_s_qos(
+    either_reader: Broker, clients: Callable[..., Client], clean: bool
+) -> None:
+    """guarantees.md, Delivered QoS: "A retained message sent because of a SUBSCRIBE ... comes once per filter
+    of the SUBSCRIBE that matches it, at the lower of that filter's QoS and its own, durable and clean sessions
+    alike (a SUBSCRIBE of `a/#` at QoS 0 and `a/b` at QoS 1 gets a retained `a/b` stored at QoS 1 or 2 twice,
+    at QoS 0 and 1, and one stored at QoS 0 twice at QoS 0)"; "Only retained messages sent because of a new
+    SUBSCRIBE carry RETAIN=1". A live message published after the SUBACK, once it came, shows no further
+    copy was on its way (a durable session's queue is in order; a clean one's retained copies go at the
+    SUBSCRIBE)."""
+    broker = either_reader
+    publisher = clients(broker.port, f"ret-pub-{clean}", clean_session=True)
+    publisher.publish("q1/b", [b"kept at 1"], qos=1, retain=True)
+    publisher.publish("q2/b", [b"kept at 2"], qos=2, retain=True)
+    publisher.publish("q0/b", [b"kept at 0"], qos=0, retain=True)
+    sock = raw_connect(broker.port, f"ret-sub-{clean}", clean=clean)
+    try:
+        filters = [("q1/#", 0), ("q1/b", 1), ("q2/#", 0), ("q2/b", 1), ("q0/#", 0), ("q0/b", 1)]
+        sock.sendall(mqtt_packet(0x82, b"\x00\x09" + b"".join(mqtt_string(f) + bytes((q,)) for f, q in filters)))
+        got = publishes_until(sock, lambda ps: sum(p[2] for p in ps) >= 6)
+        publisher.publish("q0/z", [b"live"], qos=1)
+        got += publishes_until(sock, lambda ps: any(p[0] == "q0/z" for p in ps))
+        copies = sorted((topic, qos, payload) for topic, qos, retain, payload in got if retain)
+        assert copies == [
+            ("q0/b", 0, b"kept at 0"),
+            ("q0/b", 0, b"kept at 0"),
+            ("q1/b", 0, b"kept at 1"),
+            ("q1/b", 1, b"kept at 1"),
+            ("q2/b", 0, b"kept at 2"),
+            ("q2/b", 1, b"kept at 2"),
+        ], got
+        assert [p for p in got if not p[2]] == [("q0/z", 0, False, b"live")], got
+    finally:
+        sock.close()
