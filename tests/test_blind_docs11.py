@@ -7,6 +7,7 @@ SDK clients; each test quotes the promise it checks.
 from __future__ import annotations
 
 import inspect
+import logging
 import socket
 import subprocess
 import sys
@@ -257,3 +258,37 @@ def test_a_retained_message_comes_once_per_matching_filter_of_a_subscribe_at_eac
         assert [p for p in got if not p[2]] == [("q0/z", 0, False, b"live")], got
     finally:
         sock.close()
+
+
+def test_a_listener_raising_on_a_qos0_event_is_logged_as_error_its_other_listeners_run_and_the_connection_stays(
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    sdk: Callable[..., DurableClient],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """sdk.md: "This holds for QoS 1 events: QoS 0 ones are gone once sent, so a listener that raises on an
+    event delivered at QoS 0 is logged (ERROR) and the connection is kept: the event's other listeners
+    still run, and dropping the connection would only lose the QoS 0 events sent while the client
+    reconnects." (Published at QoS 1, delivered at QoS 0 by QoS 0 subscriptions.)"""
+    broker = broker_factory()
+    raised: list[bytes] = []
+    other = Got()
+    disconnects: list[str] = []
+
+    def failing(event: Event) -> None:
+        raised.append(event.payload)
+        raise RuntimeError("on purpose")
+
+    client = sdk(broker.port, "q0-raise", on_disconnected=disconnects.append)
+    client.subscribe("z/#", qos=0, listener=failing)
+    client.subscribe("z/+", qos=0, listener=other)
+    client.connect(timeout=WAIT)
+    client.ready_for_events()
+    with caplog.at_level(logging.ERROR, logger="durable_client"):
+        clients(broker.port, "q0-raise-pub", clean_session=True).publish("z/a", [b"one", b"two"], qos=1)
+        assert other.wait(lambda es: len(es) >= 2)
+    assert [(e.payload, e.qos) for e in other.events] == [(b"one", 0), (b"two", 0)], "the other listener ran"
+    assert raised == [b"one", b"two"], "not called again: the event cannot come again"
+    assert client.connected and not disconnects and client.stats.reconnects == 0, "the connection was kept"
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.name.startswith("durable_client")]
+    assert len(errors) == 2, [r.getMessage() for r in caplog.records]
