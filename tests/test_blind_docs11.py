@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import select
 import socket
 import subprocess
 import sys
@@ -292,3 +294,54 @@ def test_a_listener_raising_on_a_qos0_event_is_logged_as_error_its_other_listene
     assert client.connected and not disconnects and client.stats.reconnects == 0, "the connection was kept"
     errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.name.startswith("durable_client")]
     assert len(errors) == 2, [r.getMessage() for r in caplog.records]
+
+
+def test_the_readme_asyncio_example_prints_each_reading_as_it_comes(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path
+) -> None:
+    """README, The SDK: the asyncio example (`AsyncDurableClient("dashboard-2", "127.0.0.1", 1883,
+    persistence="disk", state_dir="./state")`, `async for event in events: print(event.topic, event.payload,
+    "replayed" if event.replayed else "live")`) runs as written: each reading published to
+    sensors/+/temperature is printed once, in order; its marks live under ./state/dashboard-2/."""
+    broker = broker_factory()
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("For asyncio code") :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    code = code[: code.index("```")]
+    assert '"127.0.0.1", 1883' in code
+    script = tmp_path / "readme_async.py"
+    script.write_text(code.replace('"127.0.0.1", 1883', f'"127.0.0.1", {broker.port}'))
+    publisher = clients(broker.port, "readme-async-pub", clean_session=True)
+    child = subprocess.Popen(
+        [sys.executable, "-u", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path
+    )
+    try:
+        assert child.stdout is not None
+        out = child.stdout.fileno()
+        data = b""
+
+        def lines_within(timeout: float) -> list[str]:
+            """The complete lines printed so far, after reading what comes within ``timeout``."""
+            nonlocal data
+            if select.select([out], [], [], timeout)[0]:
+                data += os.read(out, 65536)
+            return [line.decode() for line in data.split(b"\n")[:-1]]
+
+        # Until the example has subscribed, a reading reaches no one: publish until one is printed.
+        lines: list[str] = []
+        for attempt in range(60):
+            publisher.publish("sensors/1/temperature", [f"probe-{attempt}".encode()])
+            if lines := lines_within(0.5):
+                break
+        assert lines, "the example printed no reading"
+        publisher.publish("sensors/2/temperature", [b"21.5", b"21.6"])
+        for _ in range(100):
+            if lines[-1].startswith("sensors/2/temperature b'21.6'"):
+                break
+            lines = lines_within(WAIT)
+        assert lines[-2:] == ["sensors/2/temperature b'21.5' live", "sensors/2/temperature b'21.6' live"], lines
+        assert lines[0].startswith("sensors/1/temperature b'probe-") and lines[0].split()[-1] in ("live", "replayed")
+        assert (tmp_path / "state" / "dashboard-2").is_dir()
+    finally:
+        child.kill()
+        child.communicate(timeout=WAIT)
