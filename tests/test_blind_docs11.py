@@ -21,7 +21,7 @@ import pytest
 from raw_mqtt_helpers import raw_connect, read_packet
 
 from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string
-from durable_client import AsyncDurableClient, DurableClient, Event
+from durable_client import AsyncDurableClient, DurableClient, Event, WrongTypeError
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -345,3 +345,27 @@ def test_the_readme_asyncio_example_prints_each_reading_as_it_comes(
     finally:
         child.kill()
         child.communicate(timeout=WAIT)
+
+
+# --------------------------------------------------------------------------------- sdk.md: Bad input
+
+
+@pytest.mark.parametrize(
+    ("option", "call"),
+    [
+        ("session_expiry", lambda flag: DurableClient("flag-secs", session_expiry=flag)),
+        ("reconnect_min_delay", lambda flag: DurableClient("flag-secs", reconnect_min_delay=flag)),
+        ("reconnect_max_delay", lambda flag: DurableClient("flag-secs", reconnect_max_delay=flag)),
+        ("fsync_delay_ms", lambda flag: DurableClient("flag-secs", fsync_delay_ms=flag)),
+        ("timeout", lambda flag: DurableClient("flag-secs").publish("a", b"", timeout=flag)),
+        ("timeout", lambda flag: DurableClient("flag-secs").connect(timeout=flag)),
+        ("request_timeout", lambda flag: AsyncDurableClient("flag-secs", request_timeout=flag)),
+    ],
+)
+@pytest.mark.parametrize("flag", [True, False])
+def test_true_and_false_are_no_number_of_seconds(option: str, call: Callable[[bool], object], flag: bool) -> None:
+    """sdk.md, Bad input: "seconds may be any real number but `True`/`False` (`int`, `float`, `Fraction`,
+    numpy ...)"; "A value of the wrong *type* raises `WrongTypeError`" whose message starts with the
+    option's name. (A bool is a `numbers.Real` to Python: the exception has to be said.)"""
+    with pytest.raises(WrongTypeError, match=rf"^{option} must be a finite number of \w+, .*got {flag}$"):
+        call(flag)
