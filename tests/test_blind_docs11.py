@@ -369,3 +369,21 @@ def test_true_and_false_are_no_number_of_seconds(option: str, call: Callable[[bo
     option's name. (A bool is a `numbers.Real` to Python: the exception has to be said.)"""
     with pytest.raises(WrongTypeError, match=rf"^{option} must be a finite number of \w+, .*got {flag}$"):
         call(flag)
+
+
+def test_under_a_lower_interpreter_digit_limit_an_integer_past_it_is_shown_in_bits_and_after_names_the_limit() -> None:
+    """sdk.md, Bad input: "where `sys.set_int_max_str_digits()` sets a lower limit it counts to that one: an
+    integer past it is shown as its size in bits, and a refused `after` id names the limit, `of at most 640
+    digits`"."""
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)
+    try:
+        with pytest.raises(ValueError) as refused:
+            DurableClient("digits-640", port=10**640)
+        assert str(refused.value) == "port must be a whole number from 1 to 65535, got an integer of 2127 bits"
+        client = DurableClient("digits-640")
+        with pytest.raises(ValueError, match=r"^after: .* of at most 640 digits, got an integer of 2127 bits$"):
+            client.subscribe_stream("t/#", lambda _event: None, after={"t/a": 10**640})
+        client.subscribe_stream("t/#", lambda _event: None, after={"t/a": 10**639})  # 640 digits: taken
+    finally:
+        sys.set_int_max_str_digits(before)
