@@ -448,3 +448,9 @@ def spark() -> Iterator[Any]:
     session.conf.set("spark.sql.shuffle.partitions", "1")
     yield session
     session.stop()
+
+
+def refused(reply: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(code, op, req) of a control request's refusal."""
+    assert reply["ok"] is False, reply
+    return reply["error"]["code"], reply["op"], reply["req"]

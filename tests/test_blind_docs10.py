@@ -23,7 +23,7 @@ import pytest
 from packet_relay import Packet, PacketRelay
 from raw_mqtt_helpers import CTL, REPLY, Raw, read_packet
 
-from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, refused
 from durable_client import DurableClient, Event
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,12 +44,6 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     ).start()
     yield broker
     broker.stop()
-
-
-def error_of(reply: dict[str, Any]) -> tuple[str, Any, Any]:
-    """(code, op, req) of a refusal."""
-    assert reply["ok"] is False, reply
-    return reply["error"]["code"], reply["op"], reply["req"]
 
 
 def subscribe_raw(raw: Raw, filters: list[tuple[str, int]], packet_id: int = 5) -> bytes:
@@ -76,7 +70,7 @@ def test_a_v_other_than_the_integer_1_is_unsupported_version_echoing_op_and_req(
     `null` counts as absent"; "a refusal echoes `req`, and `op` when it names a known op"; "A refused request
     changes nothing: the connection stays up" (a JSON ``true`` equals 1 in Python, ``1.0`` too)."""
     raw = raws(shared.port, f"v-{json.dumps(version)}")
-    code, op, req = error_of(raw.request({"v": version, "op": "ready", "req": 41}))
+    code, op, req = refused(raw.request({"v": version, "op": "ready", "req": 41}))
     assert (code, op, req) == ("unsupported_version", "ready", 41)
     reply = raw.request({"v": 1, "op": "ready", "req": 42})  # the refused ready changed nothing
     assert reply["ok"] is True and reply["already"] is False, reply
@@ -90,7 +84,7 @@ def test_a_req_that_is_not_a_json_integer_is_malformed_with_op_and_req_null(
     request ... whose `req` is not an integer is answered with `op` and `req` null (they could not be read)"
     (``true`` and ``7.0`` are no JSON integers)."""
     raw = raws(shared.port, f"req-{type(req).__name__}")
-    assert error_of(raw.request({"v": 1, "op": "stream_info", "req": req})) == ("malformed", None, None)
+    assert refused(raw.request({"v": 1, "op": "stream_info", "req": req})) == ("malformed", None, None)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +119,7 @@ def test_a_json_boolean_is_no_number_and_a_number_no_boolean(
     refusal echoes the known op, and its message names the field."""
     raw = raws(shared.port, f"types-{named}")
     reply = raw.request({**request_, "req": 3})
-    assert error_of(reply) == ("malformed", request_["op"], 3)
+    assert refused(reply) == ("malformed", request_["op"], 3)
     assert named in reply["error"]["message"], reply
     assert raw.alive()
 
@@ -137,7 +131,7 @@ def test_a_request_in_another_encoding_is_not_read(shared: Broker, raws: Callabl
     which some JSON readers detect, and Latin-1 bytes past ASCII)."""
     raw = raws(shared.port, f"enc-{encoding}")
     body = json.dumps({"v": 1, "op": "stream_info", "req": 5, "note": "café"}, ensure_ascii=False)
-    assert error_of(raw.request(body.encode(encoding))) == ("malformed", None, None)
+    assert refused(raw.request(body.encode(encoding))) == ("malformed", None, None)
     assert raw.request({"v": 1, "op": "stream_info", "req": 6})["ok"] is True
 
 
@@ -166,7 +160,7 @@ def test_without_a_durable_session_hello_answers_nulls_and_the_session_ops_are_n
     for number, request in enumerate(
         [{"op": "interest", "filter": "a/#"}, {"op": "ready"}, {"op": "end_session"}], start=2
     ):
-        assert error_of(raw.request({"v": 1, "req": number, **request})) == ("no_session", request["op"], number)
+        assert refused(raw.request({"v": 1, "req": number, **request})) == ("no_session", request["op"], number)
     assert raw.request({"v": 1, "op": "stream_info", "req": 9})["ok"] is True
     subscribed = raw.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/none", "req": 10})
     assert subscribed["ok"] is True and subscribed["filter"] == "telemetry/none", subscribed

@@ -23,7 +23,7 @@ from raw_mqtt_helpers import (
     read_exactly,
 )
 
-from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, seen_away
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, refused, seen_away
 from durable_client import ControlRequestFailed, DurableClient, DurableClientError, Event, Unconnected
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,11 +46,6 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     ).start()
     yield broker
     broker.stop()
-
-
-def refused(reply: dict[str, Any]) -> tuple[Any, Any, Any]:
-    assert reply["ok"] is False, reply
-    return reply["error"]["code"], reply["op"], reply["req"]
 
 
 # ----------------------------------------------------------------------------- protocol.md: topics
