@@ -450,6 +450,19 @@ def spark() -> Iterator[Any]:
     session.stop()
 
 
+def readme_example(heading: str, port: int, folder: Path) -> Path:
+    """The README's first python block after `heading`, written to a script in `folder` as a user would run it
+    against our broker: only its documented address "127.0.0.1", 1883 becomes the broker's port."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index(heading) :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    code = code[: code.index("```")]
+    assert '"127.0.0.1", 1883' in code, f"the example after {heading!r} no longer connects to 127.0.0.1:1883"
+    script = folder / "readme_example.py"
+    script.write_text(code.replace('"127.0.0.1", 1883', f'"127.0.0.1", {port}'), encoding="utf-8")
+    return script
+
+
 def refused(reply: dict[str, Any]) -> tuple[Any, Any, Any]:
     """(code, op, req) of a control request's refusal."""
     assert reply["ok"] is False, reply
