@@ -652,6 +652,26 @@ def test_a_connections_bound_starts_at_the_end_of_a_loop_that_ends_on_an_error(
         assert_b1_first_at_bs_bound(tmp_path, old, watchers, time.monotonic(), END_WAIT)
 
 
+def test_a_closed_sockets_subacks_are_written_within_a_connection_end_wait_longer_than_5_s(
+    broker_factory: Callable[..., Broker], tmp_path: Path
+) -> None:
+    """docs/guarantees.md, the order of a connection's SUBSCRIBEs: those that arrived before the client
+    closed its socket are applied and their SUBACKs written before the broker closes the connection,
+    within ``connection_end_wait`` (here 7 s), also past 5 s. The check of SUBSCRIBE slow/sub holds the
+    loop, SUBSCRIBE a/b waits behind it, the client shuts its sending side and reads on; the check passes
+    6 s later: both SUBACKs, then the close (the 5-second abort of the unsent bytes, counted from the
+    end's start, closed the socket at 5 s, no SUBACK written)."""
+    broker = slow_check_broker(broker_factory, tmp_path, connection_end_wait=7)
+    with raw_connect(broker.port, "sub", clean=True) as sock:
+        sock.sendall(subscribe("slow/sub", 1)[0] + subscribe("a/b", 2)[0])
+        assert broker.wait_until((tmp_path / "entered3").exists, WAIT), "the SUBSCRIBE is not being checked"
+        sock.shutdown(socket.SHUT_WR)
+        assert read_until_closed(sock, 6.0) is None, "the connection was closed before connection_end_wait"
+        (tmp_path / "gate3").write_text("1")
+        got = read_until_closed(sock, WAIT)
+    assert got == b"\x90\x03\x00\x01\x00\x90\x03\x00\x02\x00", f"not both SUBACKs (QoS 0 granted), then the close: {got!r}"
+
+
 @contextlib.contextmanager
 def ended_after_taking_over(
     broker: Broker, folder: Path, *, clean: bool

@@ -1220,7 +1220,8 @@ class HandlerTransport:
         nothing (a clean session's retained messages), and the reader, which stops it after its
         next read, waits for bytes the client may never send: the connection stayed open, its will
         unpublished, until the client's keep-alive ran out. ``stop()`` closes it within its bound
-        (the changes read before, then CLOSE_GRACE for the unsent bytes)."""
+        (the changes read before and the unsent bytes: the longer of CLOSE_GRACE and
+        ``connection_end_wait`` from its start)."""
         await end_connection(self._handler)
         await self._handler.stop()
 
@@ -2485,7 +2486,9 @@ def _wrap_handler(
     _one_queue_of_subscription_changes(handler, engine.config.connection_end_wait)
     _keep_the_disconnect(handler)
     handler.start = _end_a_connection_closed_during_start(handler, handler.start)
-    handler.stop = _stop_waiting_for_a_reader_that_may_never_run(handler, handler.stop)
+    handler.stop = _stop_waiting_for_a_reader_that_may_never_run(
+        handler, handler.stop, engine.config.connection_end_wait
+    )
     handler._retry_deliveries = _retry_without_waiting_for_pubrel(handler)
 
 
@@ -2689,7 +2692,7 @@ def _keep_the_disconnect(handler: Any) -> None:
 
 
 def _stop_waiting_for_a_reader_that_may_never_run(
-    handler: Any, original: Callable[[], Awaitable[None]]
+    handler: Any, original: Callable[[], Awaitable[None]], end_wait: float
 ) -> Callable[[], Awaitable[None]]:
     """amqtt's ``stop()`` cancels the connection's reader task, then waits for ``_reader_stopped``,
     which the reader sets as it ends. A task cancelled before its first step never runs its body,
@@ -2701,14 +2704,16 @@ def _stop_waiting_for_a_reader_that_may_never_run(
 
     Its ``writer.close()`` then waits for the unsent bytes to drain: for a client that does not
     read (its socket full), for ever, and the connection kept its listener slot, its handler and
-    every unsent byte. A TCP connection still open CLOSE_GRACE after ``stop()`` began is aborted
-    (``close_socket``'s bound), which ends that wait; a websocket one too (``_abort``): its close
-    waited for the closing handshake as well (websockets' close_timeout, 10 s more). This wraps the ``stop()`` of
-    ``_one_queue_of_subscription_changes``, which first waits up to ``connection_end_wait`` for the
-    connection's SUBSCRIBEs and UNSUBSCRIBEs to be applied: the abort's CLOSE_GRACE counts from
-    before that wait, one bound for both (a take-over of a connection whose client reads nothing
-    and whose changes wait behind a SUBSCRIBE it cannot complete was CONNACKed 10 s later, when the
-    newer connection's ``connect_timeout`` had closed it).
+    every unsent byte. A TCP connection still open the longer of CLOSE_GRACE and ``end_wait``
+    (``connection_end_wait``) after ``stop()`` began is aborted, which ends that wait; a websocket
+    one too (``_abort``): its close waited for the closing handshake as well (websockets'
+    close_timeout, 10 s more). This wraps the ``stop()`` of ``_one_queue_of_subscription_changes``,
+    which first waits up to ``end_wait`` for the connection's SUBSCRIBEs and UNSUBSCRIBEs to be
+    applied: the abort counts from before that wait, one bound for both (a take-over of a
+    connection whose client reads nothing and whose changes wait behind a SUBSCRIBE it cannot
+    complete was CONNACKed 10 s later, when the newer connection's ``connect_timeout`` had closed
+    it), never shorter than that wait (at CLOSE_GRACE alone, a ``connection_end_wait`` of 12 s
+    aborted a closed socket at 5 s, its changes still waiting: their SUBACKs were never written).
 
     amqtt's take-over of a client id whose Session it keeps (a durable CONNECT of a connected client
     id, MQTT-3.1.4-2) stops the old connection in the new CONNECT's task before its CONNACK
@@ -2733,10 +2738,11 @@ def _stop_waiting_for_a_reader_that_may_never_run(
             connecting.durable_published.follow(handler.durable_published, until_released=_end_handled(handler))
             await handler.durable_let_go()
         abort = None
+        grace = max(CLOSE_GRACE, end_wait)
         if isinstance(writer, StreamWriterAdapter):
-            abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, writer._writer.transport.abort)
+            abort = asyncio.get_running_loop().call_later(grace, writer._writer.transport.abort)
         elif writer is not None:  # a websocket: amqtt's close() waits for the closing handshake too
-            abort = asyncio.get_running_loop().call_later(CLOSE_GRACE, _abort, writer)
+            abort = asyncio.get_running_loop().call_later(grace, _abort, writer)
         try:
             await original()
         finally:

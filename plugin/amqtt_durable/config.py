@@ -113,9 +113,10 @@ class DurableConfig:
     connection_end_wait: float = 5.0
     """Seconds the end of a connection (DISCONNECT, close, take-over) waits for the SUBSCRIBEs,
     UNSUBSCRIBEs and messages it read before to be applied and handed over (changes still waiting
-    then are dropped, with a WARNING, none applied after; no message is dropped); also how long what
-    a newer connection published waits for the ended one's. Bounds a take-over's CONNACK when the
-    older connection's message loop is stuck (a topic plugin's slow check)."""
+    then are dropped, with a WARNING, none applied after; no message is dropped); also how long,
+    after its own end is handled, what a connection that took over published waits for the older
+    one's (after that one's end, for a connection made once an earlier one had ended). Bounds a
+    take-over's CONNACK when the older connection's message loop is stuck (a topic plugin's slow check)."""
 
     max_packet_size: int = 1_048_576
     """Largest packet a client may send, in bytes of remaining length (EMQX's default, 1 MB; at
