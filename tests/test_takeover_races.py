@@ -31,9 +31,10 @@ from conftest import HOST, WAIT, Broker, Client, each_got_only, mqtt_packet, mqt
 
 CONNACK_ACCEPTED = b"\x20\x02\x00\x00"
 END_WAIT = 1.5
-"""``connection_end_wait`` (default 5 s) of the brokers of the tests that only sit the bound out or time it
-(``at_the_bound``: with the key ignored, 5 s, those fail). The tests of the default, and those whose scenario
-needs the long wait (5 s against 10, a disk filled or a broker stopped meanwhile, windows inside it), keep 5 s."""
+"""``connection_end_wait`` (default 5 s) of the brokers of the tests that only sit the bound out or time it:
+those that time it (``at_the_bound``) fail with the key ignored (5 s); the others only run faster. The tests
+of the default, and those whose scenario needs the long wait (5 s against 10, a disk filled or a broker
+stopped meanwhile, windows inside it), keep 5 s."""
 WAITS_ITS_TURN = "dev: CONNECT waits for the client id's earlier CONNECT to be answered"
 GATED_AUTH = '''
 import asyncio
@@ -455,14 +456,19 @@ def seconds_to_connack(sock: socket.socket, client_id: str, *, clean: bool) -> f
 
 
 @pytest.mark.parametrize("new_clean", [True, False], ids=["clean", "durable"])
+@pytest.mark.parametrize("end_wait", [None, END_WAIT], ids=["default", "end-wait"])
 def test_a_take_over_of_a_connection_stuck_on_what_it_published_is_connacked_within_5_s(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, new_clean: bool
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, new_clean: bool,
+    end_wait: float | None,
 ) -> None:
-    """docs/guarantees.md: a newer connection gets its CONNACK at most 5 seconds after the older
-    connection's end began to wait (here for the loop stuck on "s1"'s check, with "c1" and "c2"
-    behind it). A take-over waits twice (to let the old connection go, then in its stop()) and each
-    wait ran its own 5 s: CONNACK after 10 s. Asserted under 8.5 s, a margin for a loaded machine."""
-    broker = slow_check_broker(broker_factory, tmp_path)
+    """docs/guarantees.md: a newer connection gets its CONNACK at most ``connection_end_wait`` seconds
+    (default 5) after the older connection's end began to wait (here for the loop stuck on "s1"'s
+    check, with "c1" and "c2" behind it). A take-over waits twice (to let the old connection go, then
+    in its stop()) and each wait ran its own 5 s: CONNACK after 10 s; asserted under 8.5 s, a margin
+    for a loaded machine. With ``END_WAIT`` it comes at that bound (``at_the_bound``: at 5 s, the
+    key ignored, it fails)."""
+    options = {} if end_wait is None else {"connection_end_wait": end_wait}
+    broker = slow_check_broker(broker_factory, tmp_path, **options)
     watcher = clients(broker.port, "clean-watcher", clean_session=True)  # amqtt's delivery has work
     assert watcher.subscribe([("slow/#", 1), ("c/#", 1)]) == [1, 1]
     with (
@@ -471,7 +477,10 @@ def test_a_take_over_of_a_connection_stuck_on_what_it_published_is_connacked_wit
     ):
         took = seconds_to_connack(new, "pub", clean=new_clean)
         (tmp_path / "gate").write_text("1")
-    assert took < 8.5, f"the take-over's CONNACK took {took:.2f} s (documented: at most 5 s)"
+    if end_wait is None:
+        assert took < 8.5, f"the take-over's CONNACK took {took:.2f} s (documented: at most 5 s)"
+    else:
+        assert at_the_bound(took, end_wait), f"the take-over's CONNACK took {took:.2f} s (documented: {end_wait} s)"
 
 
 def take_over_and_disconnect(broker: Broker, *payloads: bytes) -> float:
@@ -583,19 +592,25 @@ def took_over_with_b1(broker: Broker) -> Iterator[socket.socket]:
         yield b
 
 
-def at_the_bound(took: float, bound: float) -> bool:
+def at_the_bound(took: float, bound: float, *, timed_late: bool = False) -> bool:
     """Whether something that came ``took`` seconds after a bound of ``bound`` seconds began came at
-    that bound: not a fifth of it early, at most 3 s late (a loaded machine)."""
-    return 0.8 * bound < took < bound + 3.0
+    that bound: not a fifth of it early, at most 3 s late (a loaded machine). ``timed_late``: ``took``
+    counts from a moment the test sees only after the broker began the bound (the connection's close
+    the test reads, a file the broker's check writes), a test-side lag that eats into the early
+    margin: then not a second early (a 1.5 s bound measured 1.454 s from such a moment; "no wait" still
+    fails)."""
+    early = 1.0 if timed_late else 0.2 * bound
+    return bound - early < took < bound + 3.0
 
 
 def assert_b1_first_at_bs_bound(
-    folder: Path, old: socket.socket, watchers: list[Client], bound_began: float, bound: float
+    folder: Path, old: socket.socket, watchers: list[Client], bound_began: float, bound: float,
+    *, timed_late: bool = False,
 ) -> None:
     """B took over "pub" (``old``, stuck on "s1"'s check, "c1" and "c2" behind it) and published
     "b1": it reaches the clean watcher alone at B's bound (``bound`` seconds, ``connection_end_wait``,
     from ``bound_began``); once the check passes, the clean watcher has b1, s1, c1, c2 and the
-    durable one s1, c1, c2, b1 (``watchers``: clean, durable)."""
+    durable one s1, c1, c2, b1 (``watchers``: clean, durable); ``timed_late`` as ``at_the_bound``'s."""
     clean_watcher, durable_watcher = watchers
     got = clean_watcher.wait_for(lambda ms: len(ms) >= 1, 2 * WAIT)
     took = time.monotonic() - bound_began
@@ -605,7 +620,7 @@ def assert_b1_first_at_bs_bound(
     assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
     each_got_only([clean_watcher], [b"b1", b"s1", b"c1", b"c2"])
     each_got_only([durable_watcher], [b"s1", b"c1", b"c2", b"b1"])
-    assert at_the_bound(took, bound), f"b1 came {took:.2f} s after B's {bound} s bound began (documented: at it)"
+    assert at_the_bound(took, bound, timed_late=timed_late), f"b1 came {took:.2f} s after B's {bound} s bound began (documented: at it)"
 
 
 @pytest.mark.slow
@@ -649,7 +664,7 @@ def test_a_connections_bound_starts_at_the_end_of_a_loop_that_ends_on_an_error(
         with took_over_with_b1(broker) as b:
             b.sendall(mqtt_packet(0x82, b"\x00\x07" + mqtt_string("boom/sub") + b"\x01"))
             assert read_until_closed(b, WAIT) is not None, "B's loop did not end on the check's error"
-        assert_b1_first_at_bs_bound(tmp_path, old, watchers, time.monotonic(), END_WAIT)
+        assert_b1_first_at_bs_bound(tmp_path, old, watchers, time.monotonic(), END_WAIT, timed_late=True)
 
 
 def test_a_closed_sockets_subacks_are_written_within_a_connection_end_wait_longer_than_5_s(
@@ -759,7 +774,7 @@ def test_a_connection_made_after_one_that_took_over_ended_waits_at_most_for_its_
     # "n1" went at the same bound, so among them in any order (guarantees.md), but before "s1".
     payloads = [m.payload for m in clean_watcher.messages]
     assert sorted(payloads[:4]) == [b"b1", b"c1", b"c2", b"n1"] and payloads[4:] == [b"s1"], payloads
-    assert at_the_bound(took, END_WAIT), f"n1 waited {took:.2f} s (documented: the ended connection's bound)"
+    assert at_the_bound(took, END_WAIT, timed_late=True), f"n1 waited {took:.2f} s (documented: the ended connection's bound)"
 
 
 def test_a_hand_over_pending_at_the_brokers_shutdown_loses_no_acknowledged_durable_message(
@@ -829,7 +844,7 @@ def assert_n1_at_bs_bound(
         took = time.monotonic() - bound_began
     (folder / "gate2").write_text("1")
     assert got, f"n1 waited past B's bound for B's stuck check (not there {took:.2f} s after it began)"
-    assert at_the_bound(took, END_WAIT), f"n1 came {took:.2f} s after B's bound began (documented: at that bound)"
+    assert at_the_bound(took, END_WAIT, timed_late=True), f"n1 came {took:.2f} s after B's bound began (documented: at that bound)"
     each_got_only([clean_watcher], [b"s1", b"n1", b"s2"])
     each_got_only([durable_watcher], [b"s1", b"s2", b"n1"])
 
