@@ -458,7 +458,10 @@ def seconds_to_connack(sock: socket.socket, client_id: str, *, clean: bool) -> f
 @pytest.mark.parametrize("new_clean", [True, False], ids=["clean", "durable"])
 @pytest.mark.parametrize("end_wait", [None, END_WAIT], ids=["default", "end-wait"])
 def test_a_take_over_of_a_connection_stuck_on_what_it_published_is_connacked_within_5_s(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client], tmp_path: Path, new_clean: bool,
+    broker_factory: Callable[..., Broker],
+    clients: Callable[..., Client],
+    tmp_path: Path,
+    new_clean: bool,
     end_wait: float | None,
 ) -> None:
     """docs/guarantees.md: a newer connection gets its CONNACK at most ``connection_end_wait`` seconds
@@ -604,8 +607,13 @@ def at_the_bound(took: float, bound: float, *, timed_late: bool = False) -> bool
 
 
 def assert_b1_first_at_bs_bound(
-    folder: Path, old: socket.socket, watchers: list[Client], bound_began: float, bound: float,
-    *, timed_late: bool = False,
+    folder: Path,
+    old: socket.socket,
+    watchers: list[Client],
+    bound_began: float,
+    bound: float,
+    *,
+    timed_late: bool = False,
 ) -> None:
     """B took over "pub" (``old``, stuck on "s1"'s check, "c1" and "c2" behind it) and published
     "b1": it reaches the clean watcher alone at B's bound (``bound`` seconds, ``connection_end_wait``,
@@ -620,7 +628,9 @@ def assert_b1_first_at_bs_bound(
     assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
     each_got_only([clean_watcher], [b"b1", b"s1", b"c1", b"c2"])
     each_got_only([durable_watcher], [b"s1", b"c1", b"c2", b"b1"])
-    assert at_the_bound(took, bound, timed_late=timed_late), f"b1 came {took:.2f} s after B's {bound} s bound began (documented: at it)"
+    assert at_the_bound(took, bound, timed_late=timed_late), (
+        f"b1 came {took:.2f} s after B's {bound} s bound began (documented: at it)"
+    )
 
 
 @pytest.mark.slow
@@ -684,7 +694,9 @@ def test_a_closed_sockets_subacks_are_written_within_a_connection_end_wait_longe
         assert read_until_closed(sock, 6.0) is None, "the connection was closed before connection_end_wait"
         (tmp_path / "gate3").write_text("1")
         got = read_until_closed(sock, WAIT)
-    assert got == b"\x90\x03\x00\x01\x00\x90\x03\x00\x02\x00", f"not both SUBACKs (QoS 0 granted), then the close: {got!r}"
+    assert got == b"\x90\x03\x00\x01\x00\x90\x03\x00\x02\x00", (
+        f"not both SUBACKs (QoS 0 granted), then the close: {got!r}"
+    )
 
 
 @contextlib.contextmanager
@@ -774,7 +786,9 @@ def test_a_connection_made_after_one_that_took_over_ended_waits_at_most_for_its_
     # "n1" went at the same bound, so among them in any order (guarantees.md), but before "s1".
     payloads = [m.payload for m in clean_watcher.messages]
     assert sorted(payloads[:4]) == [b"b1", b"c1", b"c2", b"n1"] and payloads[4:] == [b"s1"], payloads
-    assert at_the_bound(took, END_WAIT, timed_late=True), f"n1 waited {took:.2f} s (documented: the ended connection's bound)"
+    assert at_the_bound(took, END_WAIT, timed_late=True), (
+        f"n1 waited {took:.2f} s (documented: the ended connection's bound)"
+    )
 
 
 def test_a_hand_over_pending_at_the_brokers_shutdown_loses_no_acknowledged_durable_message(
@@ -844,7 +858,9 @@ def assert_n1_at_bs_bound(
         took = time.monotonic() - bound_began
     (folder / "gate2").write_text("1")
     assert got, f"n1 waited past B's bound for B's stuck check (not there {took:.2f} s after it began)"
-    assert at_the_bound(took, END_WAIT, timed_late=True), f"n1 came {took:.2f} s after B's bound began (documented: at that bound)"
+    assert at_the_bound(took, END_WAIT, timed_late=True), (
+        f"n1 came {took:.2f} s after B's bound began (documented: at that bound)"
+    )
     each_got_only([clean_watcher], [b"s1", b"n1", b"s2"])
     each_got_only([durable_watcher], [b"s1", b"s2", b"n1"])
 
