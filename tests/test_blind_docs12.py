@@ -1,0 +1,612 @@
+"""A twelfth pass of black-box tests written from docs/operations.md, docs/configuration.md,
+docs/store-layout.md and README.md alone: the exact error texts and exit codes of ``amqtt-durable broker``
+for bad ``broker.yaml`` values (floats for whole numbers, integers of too many digits, keys given twice, the
+plugin listed twice, amqtt's own refusals), the same rules through ``DurableConfig`` in Python, the defaults,
+``inspect``'s and ``repair``'s refusals, table layout and JSON fields, a store of another layout version or
+without ``CURRENT``, another program's LevelDB, a backup copied into the store folder, and the names of the
+``$SYS/broker/durable/`` metrics. Real broker processes on 127.0.0.1, real LevelDB, real paho clients; each
+test quotes the promise it checks.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from collections.abc import Callable
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import plyvel
+import pytest
+
+from amqtt_durable import ConfigError, DurableConfig
+from amqtt_durable.process import HOST, free_port
+from conftest import WAIT, Broker, Client, run_cli
+
+pytestmark = pytest.mark.timeout(90)
+
+PLUGIN = "amqtt_durable.DurableSessionsPlugin"
+HEADER = "CLIENT ID  DEPTH  BYTES  OLDEST  EXPIRES IN  DROPPED  SUBSCRIPTIONS"
+
+
+def config_text(store: Path, plugin_lines: str = "", port: int | None = None, top: str = "") -> str:
+    """A broker.yaml: one TCP listener, anonymous access, the plugin with ``store`` and ``plugin_lines``."""
+    port = port or free_port()
+    indented = "".join(f"    {line}\n" for line in plugin_lines.splitlines())
+    return (
+        f"{top}listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{port}\n"
+        "plugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: true\n"
+        f"  {PLUGIN}:\n    store: {store}\n    metrics_interval: 0\n{indented}"
+    )
+
+
+def run_broker_config(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+    """``amqtt-durable broker -c FILE`` on a config that must not start: its exit, output captured."""
+    path = tmp_path / "broker.yaml"
+    path.write_text(text)
+    return run_cli("broker", "-c", str(path))
+
+
+def output(result: subprocess.CompletedProcess[str]) -> str:
+    return result.stdout + result.stderr
+
+
+def refused_config(tmp_path: Path, plugin_lines: str, *, top: str = "") -> str:
+    """The error of a config the plugin refuses: exit code 2, the text returned."""
+    result = run_broker_config(tmp_path, config_text(tmp_path / "store", plugin_lines, top=top))
+    assert result.returncode == 2, output(result)
+    assert not (tmp_path / "store").exists()
+    return output(result)
+
+
+# --- configuration.md: whole numbers, numbers, digit limits, keys given twice -----------------------------
+
+
+def test_whole_number_written_as_float_is_refused_naming_the_integer(tmp_path: Path) -> None:
+    """``5.0`` is a YAML float, refused even though it is whole, with ``'max_depth': must be written as an
+    integer (5), not 5.0``; exit code 2."""
+    assert "'max_depth': must be written as an integer (5), not 5.0" in refused_config(tmp_path, "max_depth: 5.0")
+
+
+def test_fractional_value_of_whole_number_setting(tmp_path: Path) -> None:
+    """``5.5`` ... refused with ``'max_depth': expected a whole number, got 5.5``."""
+    assert "'max_depth': expected a whole number, got 5.5" in refused_config(tmp_path, "max_depth: 5.5")
+
+
+@pytest.mark.parametrize("value", ['"5"', "true"])
+def test_string_and_bool_refused_for_whole_number(tmp_path: Path, value: str) -> None:
+    """``"5"`` or ``true`` are refused with ``'max_depth': expected a whole number, got ...``."""
+    assert "'max_depth': expected a whole number, got " in refused_config(tmp_path, f"max_depth: {value}")
+
+
+def test_replication_whole_number_float_named_with_prefix(tmp_path: Path) -> None:
+    """``'replication.lease_ttl': ...`` for replication's (``must be written as an integer``)."""
+    text = refused_config(
+        tmp_path, "replication:\n  name: a\n  listen: 127.0.0.1:7883\n  coordinator: [http://127.0.0.1:2379]\n"
+        "  lease_ttl: 5.0"
+    )
+    assert "'replication.lease_ttl': must be written as an integer (5), not 5.0" in text
+
+
+def test_integer_of_too_many_digits_in_yaml(tmp_path: Path) -> None:
+    """An integer of more than 4300 digits ... anywhere in ``broker.yaml``, is refused naming where it is
+    written and its line: ``'max_keepalive': line 11: a value YAML cannot read: an integer of more than 4300
+    digits`` (an item of a list ... as ``'-c': 'broker.yaml' line 6: ...``)."""
+    text = refused_config(tmp_path, "max_keepalive: " + "9" * 4301)
+    assert "'max_keepalive': line 11: a value YAML cannot read: an integer of more than 4300 digits" in text
+    text = refused_config(tmp_path, "replication:\n  name: a\n  allow_from: [" + "9" * 4301 + "]")
+    assert f"'-c': '{tmp_path / 'broker.yaml'}' line 13: a value YAML cannot read: an integer of more" in text
+
+
+def test_plugin_key_given_twice_is_named(tmp_path: Path) -> None:
+    """A key given twice in one mapping ... stops the broker with an error that names the key (exit code 2)."""
+    text = refused_config(tmp_path, "max_depth: 10\nmax_depth: 20")
+    assert "max_depth" in text
+
+
+def test_plugin_listed_twice_in_plugins_list(tmp_path: Path) -> None:
+    """the plugin listed in two items of a ``plugins:`` list (named
+    ``plugins[1].amqtt_durable.DurableSessionsPlugin``, the later item) ... exit code 2."""
+    store = tmp_path / "store"
+    text = (
+        f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{free_port()}\n"
+        f"plugins:\n  - {PLUGIN}:\n      store: {store}\n  - {PLUGIN}:\n      store: {store}\n"
+    )
+    result = run_broker_config(tmp_path, text)
+    assert result.returncode == 2, output(result)
+    assert f"plugins[1].{PLUGIN}" in output(result)
+
+
+def test_unknown_key_lists_accepted_ones(tmp_path: Path) -> None:
+    """``amqtt_durable config: '<key>': <problem>`` with exit code 2 ... An unknown key lists the accepted
+    ones."""
+    text = refused_config(tmp_path, "max_dept: 5")
+    assert "amqtt_durable config: 'max_dept': " in text
+    for key in ("max_depth", "session_expiry", "overflow", "recovery_buffer"):
+        assert key in text
+
+
+def test_max_depth_disconnected_below_max_depth(tmp_path: Path) -> None:
+    """``max_depth_disconnected``: must be >= max_depth."""
+    text = refused_config(tmp_path, "max_depth: 10\nmax_depth_disconnected: 9")
+    assert "'max_depth_disconnected'" in text
+
+
+def test_top_level_amqtt_key_given_twice_named_by_path(tmp_path: Path) -> None:
+    """any other key by its path from the top of the file (``listeners.default.bind``)."""
+    port = free_port()
+    store = tmp_path / "store"
+    text = (
+        f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{port}\n    bind: {HOST}:{port}\n"
+        f"plugins:\n  {PLUGIN}:\n    store: {store}\n"
+    )
+    result = run_broker_config(tmp_path, text)
+    assert result.returncode == 2, output(result)
+    assert "listeners.default.bind" in output(result)
+
+
+def test_max_qos_refused_with_amqtt_text(tmp_path: Path) -> None:
+    """a config naming it is refused (``amqtt-durable: broker not started: can not match "max-qos" to any
+    data class field``, exit code 1)."""
+    result = run_broker_config(tmp_path, config_text(tmp_path / "store", top="max-qos: 1\n"))
+    assert result.returncode == 1, output(result)
+    assert 'amqtt-durable: broker not started: can not match "max-qos" to any data class field' in output(result)
+
+
+def test_listeners_of_wrong_type(tmp_path: Path) -> None:
+    """a setting of amqtt's own that amqtt refuses, e.g. ``listeners: 5`` (``broker not started: wrong value
+    type for field "listeners" ...``): exit 1."""
+    text = f"listeners: 5\nplugins:\n  {PLUGIN}:\n    store: {tmp_path / 'store'}\n"
+    result = run_broker_config(tmp_path, text)
+    assert result.returncode == 1, output(result)
+    assert 'broker not started: wrong value type for field "listeners"' in output(result)
+
+
+@pytest.mark.parametrize("kind", ["missing", "not-yaml", "no-plugin"])
+def test_config_file_missing_not_yaml_or_without_plugin(tmp_path: Path, kind: str) -> None:
+    """exit code 2 for a bad config (... also a config file that is missing, not YAML, or does not load
+    ``amqtt_durable.DurableSessionsPlugin``)."""
+    path = tmp_path / "broker.yaml"
+    if kind == "not-yaml":
+        path.write_text("listeners: [\n  : : {\n")
+    elif kind == "no-plugin":
+        path.write_text(f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{free_port()}\n")
+    result = run_cli("broker", "-c", str(path))
+    assert result.returncode == 2, output(result)
+
+
+def test_listener_port_in_use(tmp_path: Path) -> None:
+    """``broker not started: listener 'default' 127.0.0.1:1883: [Errno 98] Address already in use``, exit 1."""
+    with socket.socket() as holder:
+        holder.bind((HOST, 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run_broker_config(tmp_path, config_text(tmp_path / "store", port=port))
+    assert result.returncode == 1, output(result)
+    assert f"broker not started: listener 'default' {HOST}:{port}: [Errno 98] Address already in use" in output(
+        result
+    )
+
+
+# --- configuration.md: settings given in Python -----------------------------------------------------------
+
+
+def test_python_number_rules() -> None:
+    """``Fraction(7, 2)`` becomes ``3.5``; a ``Decimal`` is refused with ``'session_expiry': expected a
+    number, got Decimal('1.5')``; ``Fraction(5, 1)`` is refused with ``'max_depth': expected a whole number,
+    got Fraction(5, 1)``; one too large for a float: ``must be a finite number, got a number too large for
+    one``."""
+    config = DurableConfig.from_mapping({"session_expiry": Fraction(7, 2)})
+    assert config.session_expiry == 3.5 and isinstance(config.session_expiry, float)
+    with pytest.raises(ConfigError, match=r"'session_expiry': expected a number, got Decimal\('1\.5'\)"):
+        DurableConfig.from_mapping({"session_expiry": Decimal("1.5")})
+    with pytest.raises(ConfigError, match=r"'max_depth': expected a whole number, got Fraction\(5, 1\)"):
+        DurableConfig.from_mapping({"max_depth": Fraction(5, 1)})
+    with pytest.raises(ConfigError, match="'session_expiry': must be a finite number, got a number too large"):
+        DurableConfig.from_mapping({"session_expiry": Fraction(10**400, 1)})
+    with pytest.raises(ConfigError, match="'session_expiry': expected a number"):
+        DurableConfig.from_mapping({"session_expiry": True})
+
+
+def test_python_constructor_checks_like_mapping() -> None:
+    """Settings given ... to ``DurableConfig(...)`` itself, are checked by these same rules, with the same
+    ``ConfigError``; a path object is held as its string; ``Path("")`` is refused as ``""`` is."""
+    with pytest.raises(ConfigError) as by_mapping:
+        DurableConfig.from_mapping({"max_depth": 5.0})
+    with pytest.raises(ConfigError) as by_constructor:
+        DurableConfig(max_depth=5.0)  # type: ignore[arg-type]
+    assert str(by_mapping.value) == str(by_constructor.value)
+    assert DurableConfig(store=Path("/x/y")).store == "/x/y"  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'store'"):
+        DurableConfig(store=Path(""))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'store'"):
+        DurableConfig.from_mapping({"store": ""})
+
+
+def test_python_huge_integers() -> None:
+    """such an integer as a key of a mapping given in Python is refused with ``a key that is an integer of
+    more than 4300 digits``, naming the mapping; a ``Fraction`` ... ``'session_expiry': a fraction of an
+    integer of more than 4300 digits``; in ``streams[0].max_count`` named so."""
+    huge = 10**4400
+    with pytest.raises(ConfigError, match="a key that is an integer of more than 4300 digits") as key_error:
+        DurableConfig.from_mapping({huge: 1})
+    assert PLUGIN in str(key_error.value)
+    with pytest.raises(ConfigError, match="'session_expiry': a fraction of an integer of more than 4300 digits"):
+        DurableConfig.from_mapping({"session_expiry": Fraction(huge, 3)})
+    with pytest.raises(ConfigError, match=r"'streams\[0\]\.max_count': an integer of more than 4300 digits"):
+        DurableConfig.from_mapping({"streams": [{"filter": "a/#", "max_count": huge}]})
+
+
+def test_documented_defaults() -> None:
+    """The table's defaults."""
+    config = DurableConfig()
+    assert config.store == "./data/durable"
+    assert config.sync is False
+    assert config.session_expiry == 300
+    assert config.max_depth == 100000
+    assert config.max_depth_disconnected == 1000000
+    assert config.overflow == "drop-oldest"
+    assert config.recovery_buffer == 100
+    assert config.queue_qos0 is False
+    assert config.max_durable_sessions == 100000
+    assert config.max_connections_per_address == 0
+    assert config.max_keepalive == 0
+    assert config.listen_backlog == 512
+    assert config.attach_limit == 256
+    assert config.max_stream_entries_per_client == 10000
+    assert config.max_pending_control_bytes == 1048576
+    assert config.metrics_interval == 10
+    assert config.replication is None
+
+
+@pytest.mark.parametrize(
+    ("key", "low", "high"),
+    [("recovery_buffer", 1, 65535), ("max_keepalive", 0, 65535), ("listen_backlog", 1, None),
+     ("attach_limit", 1, None), ("max_depth", 1, None)],
+)
+def test_range_edges(key: str, low: int, high: int | None) -> None:
+    """``1 to 65535``, ``0 to 65535``, ``whole number >= 1``: the edges are taken, one past them refused,
+    naming the key."""
+    settings = {"max_depth_disconnected": 10**7} if key == "max_depth" else {}
+    assert getattr(DurableConfig.from_mapping({**settings, key: low}), key) == low
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        DurableConfig.from_mapping({**settings, key: low - 1})
+    if high is not None:
+        assert getattr(DurableConfig.from_mapping({key: high}), key) == high
+        with pytest.raises(ConfigError, match=f"'{key}'"):
+            DurableConfig.from_mapping({key: high + 1})
+
+
+# --- operations.md: inspect and repair refusals -------------------------------------------------------------
+
+
+def test_inspect_missing_file_and_foreign_folder(tmp_path: Path) -> None:
+    """A missing or empty folder: ``no store at '...'``; a folder holding other files: ``store folder '...'
+    holds files (...) but no LevelDB store``; a file: ``store '...' is a file, not a folder``; each exit
+    code 1, and nothing is created."""
+    missing = tmp_path / "missing"
+    result = run_cli("inspect", str(missing))
+    assert result.returncode == 1 and f"no store at '{missing}'" in output(result)
+    assert not missing.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run_cli("inspect", str(empty))
+    assert result.returncode == 1 and f"no store at '{empty}'" in output(result)
+    assert list(empty.iterdir()) == []
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    result = run_cli("inspect", str(other))
+    assert result.returncode == 1 and f"store folder '{other}' holds files (" in output(result)
+    assert "but no LevelDB store" in output(result)
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+    file = tmp_path / "file"
+    file.write_text("x")
+    result = run_cli("inspect", str(file))
+    assert result.returncode == 1 and f"store '{file}' is a file, not a folder" in output(result)
+
+
+@pytest.mark.parametrize(
+    "args", [[], ["STORE", "--replication", "127.0.0.1:7883"], ["--retained", "--replication", "127.0.0.1:7883"]]
+)
+def test_inspect_usage_errors(tmp_path: Path, args: list[str]) -> None:
+    """It takes a store folder or ``--replication HOST:PORT``: neither, both, or ``--retained`` with
+    ``--replication`` is a usage error (exit code 2)."""
+    result = run_cli("inspect", *[str(tmp_path) if a == "STORE" else a for a in args])
+    assert result.returncode == 2, output(result)
+
+
+def test_inspect_replication_malformed_address() -> None:
+    """a malformed HOST:PORT is a usage error, exit code 2."""
+    result = run_cli("inspect", "--replication", "no-port-here")
+    assert result.returncode == 2, output(result)
+
+
+def test_repair_refusals(tmp_path: Path) -> None:
+    """A path that is missing or a folder without LevelDB files (empty, or holding only other files: unlike
+    ``inspect``, repair does not say ``holds files``) is refused with ``no store at '...'``, a file with
+    ``store '...' is a file, not a folder``; exit code 1, untouched."""
+    missing = tmp_path / "missing"
+    result = run_cli("repair", str(missing))
+    assert result.returncode == 1 and f"no store at '{missing}'" in output(result)
+    assert not missing.exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    result = run_cli("repair", str(other))
+    assert result.returncode == 1 and f"no store at '{other}'" in output(result)
+    assert "holds files" not in output(result)
+    file = tmp_path / "file"
+    file.write_text("x")
+    result = run_cli("repair", str(file))
+    assert result.returncode == 1 and f"store '{file}' is a file, not a folder" in output(result)
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def test_repair_refuses_another_programs_leveldb(tmp_path: Path) -> None:
+    """``repair of '...' refused: it is not an amqtt-durable store but another program's LevelDB (no layout
+    version key or store id, and its key b'user:1' has the shape of no key of amqtt-durable's store layout);
+    nothing was changed. Point repair at the plugin's 'store' folder``; exit code 1, every file as it was."""
+    folder = tmp_path / "other-db"
+    db = plyvel.DB(str(folder), create_if_missing=True)
+    db.put(b"user:1", b"alice")
+    db.close()
+    before = folder_bytes(folder)
+    result = run_cli("repair", str(folder))
+    assert result.returncode == 1, output(result)
+    assert (
+        f"repair of '{folder}' refused: it is not an amqtt-durable store but another program's LevelDB (no "
+        "layout version key or store id, and its key b'user:1' has the shape of no key of amqtt-durable's "
+        "store layout); nothing was changed. Point repair at the plugin's 'store' folder"
+    ) in output(result)
+    assert folder_bytes(folder) == before
+
+
+def test_repair_of_a_consistent_store(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """It prints ``repaired 'STORE'; start the broker to use it``, then, each on a line indented two spaces,
+    ... when there was neither, ``session records, queue totals and message references were all
+    consistent``."""
+    broker = broker_factory()
+    client = Client(broker.port, "rep-1")
+    client.subscribe("rep/x", qos=1)
+    client.disconnect()
+    broker.stop()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    lines = result.stdout.splitlines()
+    assert f"repaired '{broker.store}'; start the broker to use it" in lines
+    assert "  session records, queue totals and message references were all consistent" in lines
+
+
+# --- operations.md / store-layout.md: stores the broker refuses -------------------------------------------
+
+
+def made_store(broker_factory: Callable[..., Broker]) -> Broker:
+    """A broker's store with one durable session, the broker stopped."""
+    broker = broker_factory()
+    client = Client(broker.port, "made-1")
+    client.subscribe("made/#", qos=1)
+    client.disconnect()
+    broker.stop()
+    return broker
+
+
+def test_store_of_another_layout_version(broker_factory: Callable[..., Broker]) -> None:
+    """``store '...' was written by another release of amqtt_durable: layout version b'...', this release
+    reads b'1'`` (from the broker, exit code 1, or ``inspect``)."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    assert db.get(b"v") == b"1"
+    db.put(b"v", b"7")
+    db.close()
+    expected = (
+        f"store '{broker.store}' was written by another release of amqtt_durable: layout version b'7', "
+        "this release reads b'1'"
+    )
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 1 and expected in output(result), output(result)
+    result = run_cli("broker", "-c", str(broker.write_config()))
+    assert result.returncode == 1 and expected in output(result), output(result)
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 1 and expected in output(result), output(result)
+
+
+def test_store_without_current(broker_factory: Callable[..., Broker]) -> None:
+    """a copy missing LevelDB's ``CURRENT`` file: ``store '...' is corrupted or unreadable: ... CURRENT, the
+    file naming the live MANIFEST, is missing``; the files are not touched."""
+    broker = made_store(broker_factory)
+    (Path(broker.store) / "CURRENT").unlink()
+    before = folder_bytes(Path(broker.store))
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 1, output(result)
+    assert f"store '{broker.store}' is corrupted or unreadable: " in output(result)
+    assert "CURRENT, the file naming the live MANIFEST, is missing" in output(result)
+    result = run_cli("broker", "-c", str(broker.write_config()))
+    assert result.returncode == 1, output(result)
+    assert "CURRENT, the file naming the live MANIFEST, is missing" in output(result)
+    assert folder_bytes(Path(broker.store)) == before
+
+
+def test_store_pointed_at_folder_above(tmp_path: Path) -> None:
+    """``store`` pointed at the folder above the store: ``store folder '...' holds files (...) but no
+    LevelDB store``, exit code 1, change nothing."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "readme.txt").write_text("x")
+    result = run_broker_config(tmp_path, config_text(folder))
+    assert result.returncode == 1, output(result)
+    assert f"store folder '{folder}' holds files (" in output(result)
+    assert sorted(p.name for p in folder.iterdir()) == ["readme.txt"]
+
+
+def test_crash_leftovers_count_as_empty(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """LevelDB's ``LOCK``, ``LOG`` and ``LOG.old`` files alone, left by a crash while creating it, count as
+    empty."""
+    broker = broker_factory(start=False)
+    store = Path(broker.store)
+    store.mkdir()
+    for name in ("LOCK", "LOG", "LOG.old"):
+        (store / name).write_text("")
+    broker.start()
+    assert (store / "CURRENT").exists()
+
+
+def test_backup_copied_into_store_folder_warns(broker_factory: Callable[..., Broker]) -> None:
+    """the broker starts on the old store ... It logs a WARNING at start (``inspect`` prints it too):
+    ``store folder 'data/durable' holds a folder 'durable-1' that is itself a LevelDB store (a backup copied
+    into the store's folder?): it is not used; ...``."""
+    broker = made_store(broker_factory)
+    backup = Path(broker.store).parent / "durable-1"
+    subprocess.run(["cp", "-a", broker.store, str(backup)], check=True, timeout=WAIT)
+    subprocess.run(["cp", "-a", str(backup), broker.store], check=True, timeout=WAIT)
+    expected = (
+        f"store folder '{broker.store}' holds a folder 'durable-1' that is itself a LevelDB store (a backup "
+        "copied into the store's folder?): it is not used; "
+    )
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 0, output(result)
+    assert expected in output(result)
+    assert "made-1" in result.stdout
+    broker.start()
+    assert expected in broker.log()
+    assert "WARNING" in next(line for line in broker.log().splitlines() if expected in line)
+
+
+def test_inspect_locked_store(broker_factory: Callable[..., Broker]) -> None:
+    """a running broker's store gives ``store '...' is locked by another process``, exit code 1; the broker
+    that holds it keeps serving."""
+    broker = broker_factory()
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 1
+    assert f"store '{broker.store}' is locked by another process" in output(result)
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 1
+    assert f"store '{broker.store}' is locked by another process" in output(result)
+    assert broker.ready()
+
+
+# --- operations.md: inspect output -------------------------------------------------------------------------
+
+
+def test_inspect_empty_store(broker_factory: Callable[..., Broker]) -> None:
+    """a store without sessions: the header and ``0 session(s), 0 queued message(s)``."""
+    broker = broker_factory()
+    broker.stop()
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 0, output(result)
+    assert result.stdout.splitlines() == [HEADER, "0 session(s), 0 queued message(s)"]
+
+
+def test_inspect_rows_order_subscriptions_and_json(broker_factory: Callable[..., Broker]) -> None:
+    """one row per session in client id order (``B`` before ``a``); subscriptions ``filter@qos``,
+    comma-separated, sorted by filter in code-point order, ``-`` for none; the default 300 s just after a
+    disconnect reads ``5m``; columns two spaces apart; ``--json`` fields."""
+    broker = broker_factory()
+    first = Client(broker.port, "a-dev")
+    first.subscribe([("z/t", 1), ("Y/t", 0)])
+    first.disconnect()
+    second = Client(broker.port, "B-dev")
+    second.disconnect()
+    publisher = Client(broker.port, "pub", clean_session=True)
+    publisher.publish("z/t", [b"12345"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 0, output(result)
+    lines = result.stdout.splitlines()
+    assert lines[0].split("  ")[:1] == ["CLIENT ID"]
+    assert [line.split()[0] for line in lines[1:3]] == ["B-dev", "a-dev"]
+    b_row, a_row = lines[1].split(), lines[2].split()
+    assert b_row[1:3] == ["0", "0"] and b_row[-1] == "-"
+    assert a_row[1:3] == ["1", "5"] and a_row[-1] == "Y/t@0,z/t@1"
+    assert b_row[4] == "5m" and a_row[4] == "5m"
+    assert lines[-1] == "2 session(s), 1 queued message(s)"
+    result = run_cli("inspect", broker.store, "--json")
+    assert result.returncode == 0, output(result)
+    rows = json.loads(result.stdout)
+    assert [row["client_id"] for row in rows] == ["B-dev", "a-dev"]
+    assert set(rows[0]) == {
+        "client_id", "depth", "bytes", "oldest_age_s", "subscriptions", "disconnected_at", "expires_at", "dropped"
+    }
+    assert rows[1]["subscriptions"] == {"Y/t": 0, "z/t": 1}
+    assert rows[1]["depth"] == 1 and rows[1]["bytes"] == 5 and rows[1]["dropped"] == 0
+    assert rows[0]["oldest_age_s"] is None
+    assert rows[1]["expires_at"] - rows[1]["disconnected_at"] == pytest.approx(300, abs=1)
+
+
+def test_inspect_escapes_unprintable_client_id(broker_factory: Callable[..., Broker]) -> None:
+    """a client id ... shows a backslash and each character that is not printable ... escaped as in a Python
+    string (``\\n``, ``\\x1b``); ``--json`` gives them as they are."""
+    broker = broker_factory()
+    client = Client(broker.port, "evil\n\x1bid")
+    client.disconnect()
+    broker.stop()
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 0, output(result)
+    assert result.stdout.splitlines()[1].startswith("evil\\n\\x1bid  ")
+    assert json.loads(run_cli("inspect", broker.store, "--json").stdout)[0]["client_id"] == "evil\n\x1bid"
+
+
+def test_inspect_retained(broker_factory: Callable[..., Broker]) -> None:
+    """With ``--retained`` it lists the retained messages instead, in topic order: topic, QoS, payload bytes
+    and age (header ``TOPIC``, ``QOS``, ``BYTES``, ``AGE``), then ``<n> retained message(s)``; ``--json``: a
+    list of ``{"topic", "qos", "bytes", "age_s"}``."""
+    broker = broker_factory()
+    publisher = Client(broker.port, "ret-pub", clean_session=True)
+    publisher.publish("r/b", [b"abc"], qos=1, retain=True)
+    publisher.publish("r/a", [b"abcdefg"], qos=0, retain=True)
+    publisher.publish("r/a", [b"abcdefg"], qos=1, retain=True)
+    publisher.disconnect()
+    broker.stop()
+    result = run_cli("inspect", broker.store, "--retained")
+    assert result.returncode == 0, output(result)
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["TOPIC", "QOS", "BYTES", "AGE"]
+    assert [line.split()[:3] for line in lines[1:3]] == [["r/a", "1", "7"], ["r/b", "1", "3"]]
+    assert lines[-1] == "2 retained message(s)"
+    rows = json.loads(run_cli("inspect", broker.store, "--retained", "--json").stdout)
+    assert [set(row) for row in rows] == [{"topic", "qos", "bytes", "age_s"}] * 2
+    assert [(row["topic"], row["qos"], row["bytes"]) for row in rows] == [("r/a", 1, 7), ("r/b", 1, 3)]
+
+
+# --- operations.md: metrics -------------------------------------------------------------------------------
+
+METRICS = [
+    "sessions/connected", "sessions/disconnected", "messages/queued", "bytes/queued", "messages/enqueued",
+    "messages/dropped", "messages/dropped_clean", "messages/replayed", "messages/sent", "sessions/expired",
+    "sessions/refused", "connections/refused", "retained/messages", "store/commits", "store/read_errors",
+]
+
+
+def test_metrics_topics_and_values(broker_factory: Callable[..., Broker]) -> None:
+    """Every ``metrics_interval`` seconds the plugin publishes, at QoS 0, plain decimal numbers under
+    ``$SYS/broker/durable/``: the table's topics."""
+    broker = broker_factory(metrics_interval=1)
+    durable = Client(broker.port, "met-dur")
+    durable.subscribe("met/#", qos=1)
+    durable.disconnect()
+    watcher = Client(broker.port, "met-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/#", qos=0)
+    publisher = Client(broker.port, "met-pub", clean_session=True)
+    publisher.publish("met/x", [b"hello"], qos=1, retain=True)
+    publisher.disconnect()
+    wanted = {f"$SYS/broker/durable/{name}" for name in METRICS}
+
+    def latest() -> dict[str, bytes]:
+        return {m.topic: m.payload for m in watcher.messages}
+
+    assert watcher.wait_for(
+        lambda msgs: wanted <= {m.topic for m in msgs}
+        and latest()["$SYS/broker/durable/messages/queued"] == b"1", 3 * WAIT
+    ), sorted(wanted - set(latest()))
+    values = latest()
+    assert all(values[topic].decode().isdigit() for topic in wanted), values
+    assert all(m.qos == 0 for m in watcher.messages if m.topic in wanted)
+    assert values["$SYS/broker/durable/sessions/disconnected"] == b"1"
+    assert values["$SYS/broker/durable/bytes/queued"] == b"5"
+    assert values["$SYS/broker/durable/retained/messages"] == b"1"
