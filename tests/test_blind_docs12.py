@@ -610,3 +610,190 @@ def test_metrics_topics_and_values(broker_factory: Callable[..., Broker]) -> Non
     assert values["$SYS/broker/durable/sessions/disconnected"] == b"1"
     assert values["$SYS/broker/durable/bytes/queued"] == b"5"
     assert values["$SYS/broker/durable/retained/messages"] == b"1"
+
+
+# --- operations.md: inspect after a kill, drops; troubleshooting texts for damaged records ---------------
+
+
+def test_inspect_after_sigkill_shows_no_deadline(broker_factory: Callable[..., Broker]) -> None:
+    """time until expiry (``-``: no deadline stored, as for a session that was connected when the broker was
+    killed or stopped); ``--json``: null where none."""
+    broker = broker_factory()
+    client = Client(broker.port, "killed-1")
+    client.subscribe("k/#", qos=1)
+    broker.kill()
+    client.wait_disconnected()
+    client.paho.loop_stop()
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 0, output(result)
+    row = result.stdout.splitlines()[1].split()
+    assert row[0] == "killed-1" and row[4] == "-", result.stdout
+    rows = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert rows[0]["expires_at"] is None and rows[0]["disconnected_at"] is None
+
+
+def test_dropped_count_in_inspect_and_metric(broker_factory: Callable[..., Broker]) -> None:
+    """``max_depth_disconnected``: queue limit while disconnected; ``overflow: drop-oldest``; inspect's dropped
+    count; ``messages/dropped``: messages dropped by overflow."""
+    broker = broker_factory(max_depth=2, max_depth_disconnected=2, metrics_interval=1)
+    sub = Client(broker.port, "drop-1")
+    sub.subscribe("drop/t", qos=1)
+    sub.disconnect()
+    watcher = Client(broker.port, "drop-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/messages/dropped", qos=0)
+    publisher = Client(broker.port, "drop-pub", clean_session=True)
+    publisher.publish("drop/t", [b"m1", b"m2", b"m3", b"m4", b"m5"], qos=1)
+    publisher.disconnect()
+    assert watcher.wait_for(lambda msgs: any(m.payload == b"3" for m in msgs), 3 * WAIT)
+    watcher.disconnect()
+    broker.stop()
+    rows = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert [(r["client_id"], r["depth"], r["dropped"]) for r in rows] == [("drop-1", 2, 3)]
+    broker.start()
+    again = Client(broker.port, "drop-1")
+    assert [m.payload for m in again.wait_messages(2)] == [b"m4", b"m5"]
+    again.disconnect()
+
+
+def damaged(broker_factory: Callable[..., Broker], key: bytes, value: bytes) -> Broker:
+    """A store with one durable session, stopped, with ``key`` set to ``value`` by plyvel."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    db.put(key, value)
+    db.close()
+    return broker
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected", "inspect_args"),
+    [
+        (b"smade-1", b"{not json", "the session record of client id 'made-1' does not decode", [[]]),
+        (b"i", b"abc", "the store id: 3 bytes that do not decode", [[], ["--retained"]]),
+        (b"rsome/topic", b"\x00", "the retained message of topic 'some/topic': 1 bytes that do not decode",
+         [["--retained"]]),
+        (b"t\x00\x01", b"x", "a queue totals key of 3 bytes, not 9 (damaged): b'", []),
+    ],
+)
+def test_damaged_records_are_named_then_repaired(
+    broker_factory: Callable[..., Broker], key: bytes, value: bytes, expected: str, inspect_args: list[list[str]]
+) -> None:
+    """``store '...' is corrupted or unreadable: ...``: the message names the damage (broker exit 1);
+    ``inspect`` names the same damage with the same advice (exit code 1) where it reads it: the store id
+    always, the session records when it lists sessions, the retained messages only with ``--retained`` (a
+    damaged retained message does not stop the list of sessions, nor a damaged session record
+    ``--retained``'s list); ``repair`` then makes the store start."""
+    broker = damaged(broker_factory, key, value)
+    result = run_cli("broker", "-c", str(broker.write_config()))
+    assert result.returncode == 1, output(result)
+    assert f"store '{broker.store}' is corrupted or unreadable: " in output(result)
+    assert expected in output(result), output(result)
+    for args in ([], ["--retained"]):
+        result = run_cli("inspect", broker.store, *args)
+        if args in inspect_args:
+            assert result.returncode == 1 and expected in output(result), output(result)
+            assert f"run 'amqtt-durable repair {broker.store}'" in output(result)
+        elif key[:1] in b"sr":
+            assert result.returncode == 0, output(result)
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    assert f"repaired '{broker.store}'; start the broker to use it" in result.stdout
+    assert run_cli("inspect", broker.store).returncode == 0
+    broker.start()
+
+
+def test_repair_removes_unreferenced_message_body(broker_factory: Callable[..., Broker]) -> None:
+    """message bodies that no queue entry points at ...: removed (``rebuilt: N message body(ies) that no
+    queue entry points at removed``)."""
+    broker = made_store(broker_factory)
+    publisher_broker = broker.start()
+    publisher = Client(publisher_broker.port, "body-pub", clean_session=True)
+    publisher.publish("made/x", [b"queued"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    bodies = [k for k, _ in db.iterator(prefix=b"m") if len(k) == 9]
+    assert len(bodies) == 1
+    stray = b"m" + (int.from_bytes(bodies[0][1:], "big") + 1).to_bytes(8, "big")
+    db.put(stray, db.get(bodies[0]))
+    db.close()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    assert "  rebuilt: 1 message body(ies) that no queue entry points at removed" in result.stdout.splitlines()
+    db = plyvel.DB(broker.store)
+    assert db.get(stray) is None and db.get(bodies[0]) is not None
+    db.close()
+
+
+def test_repair_raises_message_id_mark_below_an_id_in_use(broker_factory: Callable[..., Broker]) -> None:
+    """a highest message id mark that decodes but is below an id a message body ... holds: set to that id
+    (``rebuilt: highest message id N was below message M, which is in use (an earlier release wrote the store
+    since): set to M``)."""
+    broker = made_store(broker_factory)
+    broker.start()
+    publisher = Client(broker.port, "mark-pub", clean_session=True)
+    publisher.publish("made/x", [b"queued"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    mark = db.get(b"M")
+    assert mark is not None and len(mark) == 8
+    (body,) = [k for k, _ in db.iterator(prefix=b"m") if len(k) == 9]
+    in_use = int.from_bytes(body[1:], "big")
+    assert in_use >= 1
+    db.put(b"M", (0).to_bytes(8, "big"))
+    db.close()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    assert (
+        f"  rebuilt: highest message id 0 was below message {in_use}, which is in use (an earlier release wrote "
+        f"the store since): set to {in_use}"
+    ) in result.stdout.splitlines(), result.stdout
+
+
+def test_upgrade_from_store_without_message_id_mark(broker_factory: Callable[..., Broker]) -> None:
+    """The first start of a store written by an earlier release (one without the message id mark) ... logs, at
+    INFO, ``durable store STORE has no message id mark (written by an earlier release): reading every queue
+    entry once`` before and ``durable store STORE: N queue entries read in S s; highest message id in use M,
+    kept as the mark from now on`` after. Later starts read the mark and skip this."""
+    broker = made_store(broker_factory)
+    broker.start()
+    publisher = Client(broker.port, "up-pub", clean_session=True)
+    publisher.publish("made/x", [b"one", b"two"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    db.delete(b"M")
+    db.close()
+    before = len(broker.log())
+    broker.start()
+    log = broker.log()[before:]
+    assert (
+        f"durable store {broker.store} has no message id mark (written by an earlier release): reading every "
+        "queue entry once"
+    ) in log, log
+    assert f"durable store {broker.store}: 2 queue entries read in " in log
+    assert "kept as the mark from now on" in log
+    client = Client(broker.port, "made-1")
+    assert [m.payload for m in client.wait_messages(2)] == [b"one", b"two"]
+    client.disconnect()
+    broker.stop()
+    before = len(broker.log())
+    broker.start()
+    assert "has no message id mark" not in broker.log()[before:]
+
+
+def test_inspect_columns_as_wide_as_widest_cell(broker_factory: Callable[..., Broker]) -> None:
+    """each column as wide as its widest cell, counted in characters of the escaped text, header included, and
+    two spaces between columns, trailing spaces cut."""
+    broker = broker_factory()
+    long_id = "a-very-long-client-identifier"
+    client = Client(broker.port, long_id)
+    client.subscribe("w/#", qos=2)
+    client.disconnect()
+    broker.stop()
+    lines = run_cli("inspect", broker.store).stdout.splitlines()
+    width = len(long_id)
+    assert lines[0].startswith("CLIENT ID" + " " * (width - len("CLIENT ID") + 2) + "DEPTH  BYTES  ")
+    assert lines[1].startswith(long_id + "  0" + " " * (len("DEPTH") - 1) + "  0")
+    assert lines[1].endswith("  w/#@2") and lines[0].endswith("  SUBSCRIPTIONS")
+    assert all(line == line.rstrip() for line in lines)
