@@ -11,8 +11,12 @@ test quotes the promise it checks.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable
 from decimal import Decimal
 from fractions import Fraction
@@ -23,7 +27,7 @@ import pytest
 
 from amqtt_durable import ConfigError, DurableConfig
 from amqtt_durable.process import HOST, free_port
-from conftest import WAIT, Broker, Client, run_cli
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, probe_connack, run_cli
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -84,8 +88,8 @@ def test_string_and_bool_refused_for_whole_number(tmp_path: Path, value: str) ->
 def test_replication_whole_number_float_named_with_prefix(tmp_path: Path) -> None:
     """``'replication.lease_ttl': ...`` for replication's (``must be written as an integer``)."""
     text = refused_config(
-        tmp_path, "replication:\n  name: a\n  listen: 127.0.0.1:7883\n  coordinator: [http://127.0.0.1:2379]\n"
-        "  lease_ttl: 5.0"
+        tmp_path,
+        "replication:\n  name: a\n  listen: 127.0.0.1:7883\n  coordinator: [http://127.0.0.1:2379]\n  lease_ttl: 5.0",
     )
     assert "'replication.lease_ttl': must be written as an integer (5), not 5.0" in text
 
@@ -185,9 +189,7 @@ def test_listener_port_in_use(tmp_path: Path) -> None:
         port = holder.getsockname()[1]
         result = run_broker_config(tmp_path, config_text(tmp_path / "store", port=port))
     assert result.returncode == 1, output(result)
-    assert f"broker not started: listener 'default' {HOST}:{port}: [Errno 98] Address already in use" in output(
-        result
-    )
+    assert f"broker not started: listener 'default' {HOST}:{port}: [Errno 98] Address already in use" in output(result)
 
 
 # --- configuration.md: settings given in Python -----------------------------------------------------------
@@ -263,8 +265,13 @@ def test_documented_defaults() -> None:
 
 @pytest.mark.parametrize(
     ("key", "low", "high"),
-    [("recovery_buffer", 1, 65535), ("max_keepalive", 0, 65535), ("listen_backlog", 1, None),
-     ("attach_limit", 1, None), ("max_depth", 1, None)],
+    [
+        ("recovery_buffer", 1, 65535),
+        ("max_keepalive", 0, 65535),
+        ("listen_backlog", 1, None),
+        ("attach_limit", 1, None),
+        ("max_depth", 1, None),
+    ],
 )
 def test_range_edges(key: str, low: int, high: int | None) -> None:
     """``1 to 65535``, ``0 to 65535``, ``whole number >= 1``: the edges are taken, one past them refused,
@@ -531,7 +538,14 @@ def test_inspect_rows_order_subscriptions_and_json(broker_factory: Callable[...,
     rows = json.loads(result.stdout)
     assert [row["client_id"] for row in rows] == ["B-dev", "a-dev"]
     assert set(rows[0]) == {
-        "client_id", "depth", "bytes", "oldest_age_s", "subscriptions", "disconnected_at", "expires_at", "dropped"
+        "client_id",
+        "depth",
+        "bytes",
+        "oldest_age_s",
+        "subscriptions",
+        "disconnected_at",
+        "expires_at",
+        "dropped",
     }
     assert rows[1]["subscriptions"] == {"Y/t": 0, "z/t": 1}
     assert rows[1]["depth"] == 1 and rows[1]["bytes"] == 5 and rows[1]["dropped"] == 0
@@ -577,9 +591,21 @@ def test_inspect_retained(broker_factory: Callable[..., Broker]) -> None:
 # --- operations.md: metrics -------------------------------------------------------------------------------
 
 METRICS = [
-    "sessions/connected", "sessions/disconnected", "messages/queued", "bytes/queued", "messages/enqueued",
-    "messages/dropped", "messages/dropped_clean", "messages/replayed", "messages/sent", "sessions/expired",
-    "sessions/refused", "connections/refused", "retained/messages", "store/commits", "store/read_errors",
+    "sessions/connected",
+    "sessions/disconnected",
+    "messages/queued",
+    "bytes/queued",
+    "messages/enqueued",
+    "messages/dropped",
+    "messages/dropped_clean",
+    "messages/replayed",
+    "messages/sent",
+    "sessions/expired",
+    "sessions/refused",
+    "connections/refused",
+    "retained/messages",
+    "store/commits",
+    "store/read_errors",
 ]
 
 
@@ -601,8 +627,8 @@ def test_metrics_topics_and_values(broker_factory: Callable[..., Broker]) -> Non
         return {m.topic: m.payload for m in watcher.messages}
 
     assert watcher.wait_for(
-        lambda msgs: wanted <= {m.topic for m in msgs}
-        and latest()["$SYS/broker/durable/messages/queued"] == b"1", 3 * WAIT
+        lambda msgs: wanted <= {m.topic for m in msgs} and latest()["$SYS/broker/durable/messages/queued"] == b"1",
+        3 * WAIT,
     ), sorted(wanted - set(latest()))
     values = latest()
     assert all(values[topic].decode().isdigit() for topic in wanted), values
@@ -669,8 +695,12 @@ def damaged(broker_factory: Callable[..., Broker], key: bytes, value: bytes) -> 
     [
         (b"smade-1", b"{not json", "the session record of client id 'made-1' does not decode", [[]]),
         (b"i", b"abc", "the store id: 3 bytes that do not decode", [[], ["--retained"]]),
-        (b"rsome/topic", b"\x00", "the retained message of topic 'some/topic': 1 bytes that do not decode",
-         [["--retained"]]),
+        (
+            b"rsome/topic",
+            b"\x00",
+            "the retained message of topic 'some/topic': 1 bytes that do not decode",
+            [["--retained"]],
+        ),
         (b"t\x00\x01", b"x", "a queue totals key of 3 bytes, not 9 (damaged): b'", []),
     ],
 )
@@ -797,3 +827,205 @@ def test_inspect_columns_as_wide_as_widest_cell(broker_factory: Callable[..., Br
     assert lines[1].startswith(long_id + "  0" + " " * (len("DEPTH") - 1) + "  0")
     assert lines[1].endswith("  w/#@2") and lines[0].endswith("  SUBSCRIPTIONS")
     assert all(line == line.rstrip() for line in lines)
+
+
+# --- configuration.md: limits as a client meets them ----------------------------------------------------
+
+
+def test_relative_store_is_taken_from_the_start_folder(tmp_path: Path) -> None:
+    """A relative path is taken from the folder the broker is started in, not the config file's."""
+    conf_dir, run_dir = tmp_path / "conf", tmp_path / "run"
+    conf_dir.mkdir()
+    run_dir.mkdir()
+    port = free_port()
+    config = conf_dir / "broker.yaml"
+    config.write_text(config_text(Path("rel/db"), port=port))
+    child = subprocess.Popen(
+        [sys.executable, "-m", "durable_fleet.console", "broker", "-c", str(config)],
+        cwd=run_dir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 3 * WAIT
+        while not probe_connack(port) and child.poll() is None and time.monotonic() < deadline:
+            threading.Event().wait(0.1)
+        assert probe_connack(port), child.poll()
+        assert (run_dir / "rel" / "db" / "CURRENT").exists()
+        assert not (conf_dir / "rel").exists()
+    finally:
+        child.terminate()
+        child.wait(WAIT)
+
+
+def test_max_durable_sessions_refuses_new_with_connack_3(broker_factory: Callable[..., Broker]) -> None:
+    """A CONNECT with clean_session=false whose client id has no durable session, while the store holds this
+    many, is refused with CONNACK 3 ...; A durable session's own reconnect is always accepted, clean sessions
+    are not counted; counted in ``$SYS/broker/durable/sessions/refused`` and logged as a WARNING naming the
+    client id and the limit."""
+    broker = broker_factory(max_durable_sessions=1, metrics_interval=1)
+    first = Client(broker.port, "cap-1")
+    first.disconnect()
+    assert connack_of(broker.port, "cap-2", 30, clean=False) == 3
+    assert connack_of(broker.port, "cap-clean", 30) == 0
+    watcher = Client(broker.port, "cap-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/sessions/refused", qos=0)
+    assert watcher.wait_for(lambda msgs: any(m.payload == b"1" for m in msgs), 3 * WAIT)
+    again = Client(broker.port, "cap-1")
+    assert again.session_present is True
+    again.disconnect()
+    watcher.disconnect()
+    warning = next(line for line in broker.log().splitlines() if "cap-2" in line)
+    assert "WARNING" in warning and "1" in warning
+
+
+def connack_of(port: int, client_id: str, keepalive: int, *, clean: bool = True) -> int:
+    """The CONNACK return code of a CONNECT with ``keepalive`` (clean_session=``clean``)."""
+    flags = 0x02 if clean else 0x00
+    body = mqtt_string("MQTT") + bytes([4, flags]) + keepalive.to_bytes(2, "big") + mqtt_string(client_id)
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        reply = sock.recv(4)
+    assert reply[:2] == b"\x20\x02", reply
+    return reply[3]
+
+
+def test_max_keepalive_edges(broker_factory: Callable[..., Broker]) -> None:
+    """``max_keepalive``: a CONNECT with keep-alive 0 ... or above this gets CONNACK 2 (identifier rejected)
+    ..., logged as a WARNING naming the client id, its keep-alive and the limit."""
+    broker = broker_factory(max_keepalive=30)
+    assert connack_of(broker.port, "ka-ok", 30) == 0
+    assert connack_of(broker.port, "ka-zero", 0) == 2
+    assert connack_of(broker.port, "ka-high", 31) == 2
+    warning = next(line for line in broker.log().splitlines() if "ka-zero" in line)
+    assert "WARNING" in warning and "30" in warning
+
+
+def test_max_keepalive_default_allows_zero(broker: Broker) -> None:
+    """0 (the default) allows any keep-alive, 0 included, as MQTT does."""
+    assert connack_of(broker.port, "ka-any", 0) == 0
+    assert connack_of(broker.port, "ka-max", 65535) == 0
+
+
+def test_queue_qos0_off_and_on(broker_factory: Callable[..., Broker]) -> None:
+    """``queue_qos0`` (default false): Queue QoS 0 messages for disconnected sessions too: those delivered at
+    QoS 0, i.e. published at QoS 0 or matching a QoS 0 subscription."""
+    for enabled in (False, True):
+        broker = broker_factory(queue_qos0=enabled)
+        sub = Client(broker.port, "q0-sub")
+        sub.subscribe([("q0/low", 0), ("q0/high", 1)])
+        sub.disconnect()
+        publisher = Client(broker.port, "q0-pub", clean_session=True)
+        publisher.publish("q0/low", [b"low-qos1"], qos=1)
+        publisher.publish("q0/high", [b"high-qos0"], qos=0)
+        publisher.publish("q0/high", [b"high-qos1"], qos=1)
+        publisher.disconnect()
+        broker.stop()
+        (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+        assert row["depth"] == (3 if enabled else 1), (enabled, row)
+
+
+@pytest.mark.parametrize(
+    ("line", "key"),
+    [
+        ('store: ""', "store"),
+        ("session_expiry: .inf", "session_expiry"),
+        ("session_expiry: -1", "session_expiry"),
+        ("overflow: drop-middle", "overflow"),
+        ("sync: 1", "sync"),
+        ("max_depth: 0", "max_depth"),
+    ],
+)
+def test_bad_values_named(tmp_path: Path, line: str, key: str) -> None:
+    """``store``: non-empty path; ``session_expiry``: finite number >= 0; ``overflow``: ``drop-oldest`` /
+    ``drop-newest``; ``sync``: ``true`` / ``false``; ``max_depth``: whole number >= 1. Refused naming the key,
+    exit code 2."""
+    if key == "store":
+        result = run_broker_config(
+            tmp_path, config_text(tmp_path / "store").replace(f"store: {tmp_path / 'store'}", line)
+        )
+        assert result.returncode == 2, output(result)
+        text = output(result)
+    else:
+        text = refused_config(tmp_path, line)
+    assert f"amqtt_durable config: '{key}': " in text and "given twice" not in text, text
+
+
+def test_drop_newest_keeps_the_oldest(broker_factory: Callable[..., Broker]) -> None:
+    """``overflow``: What a full queue drops: the oldest queued message, or the new one (``drop-newest``)."""
+    broker = broker_factory(max_depth=2, max_depth_disconnected=2, overflow="drop-newest")
+    sub = Client(broker.port, "dn-1")
+    sub.subscribe("dn/t", qos=1)
+    sub.disconnect()
+    publisher = Client(broker.port, "dn-pub", clean_session=True)
+    publisher.publish("dn/t", [b"m1", b"m2", b"m3"], qos=1)
+    publisher.disconnect()
+    again = Client(broker.port, "dn-1")
+    assert [m.payload for m in again.wait_messages(2)] == [b"m1", b"m2"]
+    assert not again.wait_for(lambda msgs: len(msgs) > 2, 0.5)
+    again.disconnect()
+
+
+def test_counters_restart_retained_count_survives(broker_factory: Callable[..., Broker]) -> None:
+    """Counters restart at 0 with the broker; ``retained/messages``: topics with a retained message now (the
+    same count after a restart)."""
+    broker = broker_factory(metrics_interval=1)
+    publisher = Client(broker.port, "cr-pub", clean_session=True)
+    publisher.publish("cr/a", [b"x"], qos=1, retain=True)
+    publisher.publish("cr/b", [b"y"], qos=1, retain=True)
+    publisher.disconnect()
+    broker.stop()
+    broker.start()
+    watcher = Client(broker.port, "cr-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/#", qos=0)
+
+    def seen(topic: str) -> bytes | None:
+        values = [m.payload for m in watcher.messages if m.topic == f"$SYS/broker/durable/{topic}"]
+        return values[0] if values else None
+
+    assert watcher.wait_for(
+        lambda _: seen("retained/messages") is not None and seen("messages/enqueued") is not None, 3 * WAIT
+    )
+    assert seen("retained/messages") == b"2"
+    assert seen("messages/enqueued") == b"0"
+    watcher.disconnect()
+
+
+def test_replication_listen_in_use(tmp_path: Path) -> None:
+    """``broker not started: replication.listen 127.0.0.1:7883: [Errno 98] Address already in use``, exit 1."""
+    with socket.socket() as holder:
+        holder.bind((HOST, 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        text = config_text(tmp_path / "store", f"replication:\n  name: a\n  role: primary\n  listen: {HOST}:{port}")
+        result = run_broker_config(tmp_path, text)
+    assert result.returncode == 1, output(result)
+    assert f"broker not started: replication.listen {HOST}:{port}: [Errno 98] Address already in use" in output(result)
+
+
+def test_inspect_due_and_ages(broker_factory: Callable[..., Broker]) -> None:
+    """ages and times read ``45s`` (under 2 minutes ...); an expiry already past ``due`` (the broker deletes
+    that session when it starts); ``--json``: times in Unix seconds."""
+    broker = broker_factory(session_expiry=2, metrics_interval=1)
+    sub = Client(broker.port, "due-1")
+    sub.subscribe("due/t", qos=1)
+    sub.disconnect()
+    watcher = Client(broker.port, "due-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/sessions/disconnected", qos=0)
+    publisher = Client(broker.port, "due-pub", clean_session=True)
+    publisher.publish("due/t", [b"abc"], qos=1)
+    publisher.disconnect()
+    assert watcher.wait_for(lambda msgs: any(m.payload == b"1" for m in msgs), 3 * WAIT)
+    watcher.disconnect()
+    broker.stop()
+    stopped = time.time()
+    (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert row["client_id"] == "due-1" and row["depth"] == 1
+    assert stopped - 3 * WAIT < row["disconnected_at"] <= stopped
+    assert row["expires_at"] == pytest.approx(row["disconnected_at"] + 2, abs=0.01)
+    deadline = time.monotonic() + 3 * WAIT
+    while time.time() <= row["expires_at"] and time.monotonic() < deadline:
+        threading.Event().wait(0.1)
+    line = run_cli("inspect", broker.store).stdout.splitlines()[1].split()
+    assert line[0] == "due-1" and line[4] == "due", line
+    assert re.fullmatch(r"\d+s", line[3]), line
