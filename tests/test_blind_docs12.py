@@ -1029,3 +1029,128 @@ def test_inspect_due_and_ages(broker_factory: Callable[..., Broker]) -> None:
     line = run_cli("inspect", broker.store).stdout.splitlines()[1].split()
     assert line[0] == "due-1" and line[4] == "due", line
     assert re.fullmatch(r"\d+s", line[3]), line
+
+
+# --- store-layout.md / operations.md: keys, repair's judgement of a folder ---------------------------------
+
+
+def test_interrupted_deletion_finished_at_start(broker_factory: Callable[..., Broker]) -> None:
+    """Deleting a session writes its record's removal first; if a crash interrupts the deletion of a long
+    queue, the next start-up removes the rest (a WARNING says how many entries): ``store: deleted <n> queue
+    entries of a session whose deletion a crash or a stop cut short``."""
+    broker = made_store(broker_factory)
+    broker.start()
+    publisher = Client(broker.port, "cut-pub", clean_session=True)
+    publisher.publish("made/x", [b"a", b"b", b"c"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    assert db.get(b"smade-1") is not None
+    db.delete(b"smade-1")
+    db.close()
+    before = len(broker.log())
+    broker.start()
+    log = broker.log()[before:]
+    line = next(line for line in log.splitlines() if "whose deletion a crash or a stop cut short" in line)
+    assert "WARNING" in line and "store: deleted 3 queue entries of a session" in line, line
+    broker.stop()
+    assert json.loads(run_cli("inspect", broker.store, "--json").stdout) == []
+    db = plyvel.DB(broker.store)
+    assert [k for k, _ in db.iterator(prefix=b"q")] == []
+    db.close()
+
+
+def test_store_keys_version_and_id(broker_factory: Callable[..., Broker]) -> None:
+    """The version is stored under key ``v``; the store id ``i`` (an 8-byte value)."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    assert db.get(b"v") == b"1"
+    store_id = db.get(b"i")
+    assert store_id is not None and len(store_id) == 8
+    db.close()
+
+
+def test_store_without_version_refused_then_repaired(broker_factory: Callable[..., Broker]) -> None:
+    """a store ... with data but no version, is refused; repair takes a folder that holds the store id ``i``
+    and restores the layout version key (``layout version key restored``)."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    db.delete(b"v")
+    db.close()
+    result = run_cli("broker", "-c", str(broker.write_config()))
+    assert result.returncode == 1, output(result)
+    assert broker.store in output(result)
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    assert "layout version key restored" in result.stdout
+    db = plyvel.DB(broker.store)
+    assert db.get(b"v") == b"1"
+    db.close()
+    broker.start()
+    client = Client(broker.port, "made-1")
+    assert client.session_present is True
+    client.disconnect()
+
+
+def test_repair_refuses_leveldb_with_own_comparator(tmp_path: Path) -> None:
+    """``... another program's LevelDB (its keys are kept in the order of the comparator 'NAME', not
+    LevelDB's default, which amqtt-durable uses); nothing was changed. ...``; exit code 1."""
+    folder = tmp_path / "cmp-db"
+
+    def reverse(a: bytes, b: bytes) -> int:
+        return (a < b) - (a > b)
+
+    db = plyvel.DB(str(folder), create_if_missing=True, comparator=reverse, comparator_name=b"test.Reverse")
+    db.put(b"v", b"1")
+    db.put(b"sclient", b"{}")
+    db.close()
+    before = folder_bytes(folder)
+    result = run_cli("repair", str(folder))
+    assert result.returncode == 1, output(result)
+    assert (
+        f"repair of '{folder}' refused: it is not an amqtt-durable store but another program's LevelDB (its keys "
+        "are kept in the order of the comparator 'test.Reverse', not LevelDB's default, which amqtt-durable "
+        "uses); nothing was changed."
+    ) in output(result), output(result)
+    assert folder_bytes(folder) == before
+
+
+def test_repair_names_a_long_foreign_key_cut_at_40_bytes(tmp_path: Path) -> None:
+    """(the first such key, as Python writes bytes, cut at 40 bytes with ``, ...``)."""
+    folder = tmp_path / "long-db"
+    key = b"z" * 60
+    db = plyvel.DB(str(folder), create_if_missing=True)
+    db.put(key, b"1")
+    db.close()
+    result = run_cli("repair", str(folder))
+    assert result.returncode == 1, output(result)
+    assert f"and its key {key[:40]!r}, ... has the shape of no key" in output(result), output(result)
+
+
+def test_repair_takes_a_folder_of_layout_shaped_keys(tmp_path: Path) -> None:
+    """``repair`` takes a LevelDB folder ... when every key it holds has the shape of a key of this layout
+    (``s`` followed by UTF-8, ``r`` followed by UTF-8, ...): it gets the layout version key."""
+    folder = tmp_path / "shaped"
+    db = plyvel.DB(str(folder), create_if_missing=True)
+    db.put(b"rsome/topic", b"\xff")
+    db.close()
+    result = run_cli("repair", str(folder))
+    assert result.returncode == 0, output(result)
+    db = plyvel.DB(str(folder))
+    assert db.get(b"v") == b"1"
+    db.close()
+
+
+def test_inspect_escapes_filters_and_sorts_ids_as_sent(broker_factory: Callable[..., Broker]) -> None:
+    """spaces, commas and ``@`` show as they are; ``\\u200d``, ``\\xa0`` escaped; client ids and filters are
+    sorted as the clients sent them, not as escaped."""
+    broker = broker_factory()
+    first = Client(broker.port, "a\x01")
+    first.subscribe("x y,z@w\u200d\xa0", qos=1)
+    first.disconnect()
+    second = Client(broker.port, "a\\")
+    second.disconnect()
+    broker.stop()
+    lines = run_cli("inspect", broker.store).stdout.splitlines()
+    assert lines[1].startswith("a\\x01  ") and lines[2].startswith("a\\\\  "), lines
+    assert lines[1].endswith("  x y,z@w\\u200d\\xa0@1"), lines
