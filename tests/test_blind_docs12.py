@@ -1154,3 +1154,79 @@ def test_inspect_escapes_filters_and_sorts_ids_as_sent(broker_factory: Callable[
     lines = run_cli("inspect", broker.store).stdout.splitlines()
     assert lines[1].startswith("a\\x01  ") and lines[2].startswith("a\\\\  "), lines
     assert lines[1].endswith("  x y,z@w\\u200d\\xa0@1"), lines
+
+
+def test_merged_mapping_key_given_twice_named_with_merge_path(tmp_path: Path) -> None:
+    """a mapping merged with ``<<:`` too, named where it is written: ``<<.store`` for one under the plugin's
+    key, ``listeners.default.<<[0].bind`` for an item of a merged list."""
+    port = free_port()
+    text = (
+        f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{port}\n"
+        f"plugins:\n  {PLUGIN}:\n    <<: {{store: {tmp_path / 'a'}, store: {tmp_path / 'b'}}}\n"
+    )
+    result = run_broker_config(tmp_path, text)
+    assert result.returncode == 2, output(result)
+    assert "'<<.store'" in output(result), output(result)
+    text = (
+        f"listeners:\n  default:\n    type: tcp\n    <<: [{{bind: '{HOST}:{port}', bind: '{HOST}:{port}'}}]\n"
+        f"plugins:\n  {PLUGIN}:\n    store: {tmp_path / 'store'}\n"
+    )
+    result = run_broker_config(tmp_path, text)
+    assert result.returncode == 2, output(result)
+    assert "'listeners.default.<<[0].bind'" in output(result), output(result)
+
+
+def test_python_streams_tuple_held_as_list() -> None:
+    """both take ``streams`` as a list (or a tuple, held as a list) of entries."""
+    config = DurableConfig.from_mapping({"streams": ({"filter": "a/#"},)})
+    assert isinstance(config.streams, list) and len(config.streams) == 1
+    assert config.streams[0].filter == "a/#"
+
+
+@pytest.mark.parametrize(("expiry", "shown"), [(7199, "120m"), (36000, "10.0h")])
+def test_inspect_expiry_formats(broker_factory: Callable[..., Broker], expiry: int, shown: str) -> None:
+    """``5m`` (under 2 hours) or ``3.5h``, rounded to the nearest ... minute or tenth of an hour (an expiry
+    7,199 s away reads ``120m``)."""
+    broker = broker_factory(session_expiry=expiry)
+    client = Client(broker.port, "fmt-1")
+    client.disconnect()
+    publisher = Client(broker.port, "fmt-pub", clean_session=True)  # its CONNACK: the DISCONNECT was read
+    publisher.disconnect()
+    broker.stop()
+    (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert row["expires_at"] is not None, row
+    line = run_cli("inspect", broker.store).stdout.splitlines()[1].split()
+    assert line[4] == shown, line
+
+
+def test_replayed_sent_and_expired_metrics(broker_factory: Callable[..., Broker]) -> None:
+    """``messages/replayed``: sends of messages that were queued before their session connected;
+    ``messages/sent``: messages sent to durable sessions; ``sessions/expired``: sessions deleted by expiry;
+    plus the event topic ``$SYS/broker/durable/expired``."""
+    broker = broker_factory(metrics_interval=1, session_expiry=1)
+    watcher = Client(broker.port, "rs-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/#", qos=0)
+    sub = Client(broker.port, "rs-1")
+    sub.subscribe("rs/t", qos=1)
+    sub.disconnect()
+    publisher = Client(broker.port, "rs-pub", clean_session=True)
+    publisher.publish("rs/t", [b"a", b"b"], qos=1)
+    publisher.disconnect()
+    again = Client(broker.port, "rs-1")
+    assert len(again.wait_messages(2)) == 2
+    again.disconnect()
+
+    def latest(name: str) -> bytes | None:
+        values = [m.payload for m in watcher.messages if m.topic == f"$SYS/broker/durable/{name}"]
+        return values[-1] if values else None
+
+    assert watcher.wait_for(
+        lambda msgs: (
+            latest("sessions/expired") == b"1"
+            and any(m.topic == "$SYS/broker/durable/expired" for m in msgs)
+            and latest("messages/replayed") == b"2"
+            and latest("messages/sent") == b"2"
+        ),
+        4 * WAIT,
+    ), {m.topic: m.payload for m in watcher.messages}
+    watcher.disconnect()
