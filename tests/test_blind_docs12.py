@@ -24,6 +24,7 @@ from pathlib import Path
 
 import plyvel
 import pytest
+from small_disk import fill, remount_read_only, small_disk
 
 from amqtt_durable import ConfigError, DurableConfig
 from amqtt_durable.process import HOST, free_port
@@ -1230,3 +1231,113 @@ def test_replayed_sent_and_expired_metrics(broker_factory: Callable[..., Broker]
         4 * WAIT,
     ), {m.topic: m.payload for m in watcher.messages}
     watcher.disconnect()
+
+
+# --- operations.md: a full disk ---------------------------------------------------------------------------
+
+
+def test_repair_on_a_full_disk_and_a_read_only_one(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """If the disk is full: ``repair of '...' not started: its folder cannot take the writes a repair needs (No
+    space left on device: it needs N MB free, twice the store's table and log files plus 1 MB); nothing was
+    changed. Free space on the store's disk, then run repair again`` (N ... with one decimal: ``it needs 1.0
+    MB free`` for a small store); read-only: ``repair of '...' not started:
+    its folder cannot be written (Read-only file system); nothing was changed``; exit code 1 either way."""
+    source = made_store(broker_factory)
+    with small_disk(tmp_path / "disk", 8) as disk:
+        store = disk / "store"
+        subprocess.run(["cp", "-a", source.store, str(store)], check=True, timeout=WAIT)
+        filler = fill(disk)
+        before = folder_bytes(store)
+        result = run_cli("repair", str(store))
+        assert result.returncode == 1, output(result)
+        assert re.search(
+            rf"repair of '{re.escape(str(store))}' not started: its folder cannot take the writes a repair needs "
+            r"\(No space left on device: it needs \d+\.\d MB free, twice the store's table and log files plus 1 MB\); "
+            r"nothing was changed\. Free space on the store's disk, then run repair again",
+            output(result),
+        ), output(result)
+        assert folder_bytes(store) == before
+        assert not (store / "durable-write-probe.tmp").exists()
+        filler.unlink()
+        remount_read_only(disk)
+        result = run_cli("repair", str(store))
+        assert result.returncode == 1, output(result)
+        assert (
+            f"repair of '{store}' not started: its folder cannot be written (Read-only file system); nothing was "
+            "changed"
+        ) in output(result), output(result)
+
+
+def test_broker_start_on_a_full_disk(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """``cannot read store '...': IO error: ...: No space left on device`` (``broker not started``, exit code
+    1, or from ``inspect``): opening the store turns its log into a table, and its disk is full. Free space on
+    it and start again; the store is not damaged and needs no repair."""
+    source = made_store(broker_factory)
+    with small_disk(tmp_path / "disk", 8) as disk:
+        store = disk / "store"
+        subprocess.run(["cp", "-a", source.store, str(store)], check=True, timeout=WAIT)
+        filler = fill(disk)
+        source.store = str(store)
+        source.settings["store"] = str(store)
+        result = run_cli("broker", "-c", str(source.write_config()))
+        assert result.returncode == 1, output(result)
+        assert "broker not started" in output(result) and f"cannot read store '{store}': IO error: " in output(
+            result
+        ), output(result)
+        assert "No space left on device" in output(result)
+        filler.unlink()
+        source.start()
+        client = Client(source.port, "made-1")
+        assert client.session_present is True
+        client.disconnect()
+        source.stop()
+
+
+def test_store_health_while_the_disk_fills_and_frees(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """Each change is logged as a WARNING (``store write failed: ...``, then ``store writes succeed again after
+    <n> s of failures: serving normally``) and published, retained, at QoS 1, on
+    ``$SYS/broker/durable/store/health``: ``{"status": "failing", "since": ..., "error": "...", "failed_for":
+    null}``, then ``{"status": "ok", "since": ..., "error": null, "failed_for": <seconds>}``. While writes
+    fail a CONNECT with ``clean_session=false`` gets CONNACK 3."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(start=False)
+        broker.store = str(disk / "store")
+        broker.settings["store"] = broker.store
+        broker.start()
+        sub = Client(broker.port, "health-sub")
+        sub.subscribe("health/t", qos=1)
+        sub.disconnect()
+        watcher = Client(broker.port, "health-watch", clean_session=True)
+        watcher.subscribe("$SYS/broker/durable/store/health", qos=1)
+        filler = fill(disk)
+        publisher = Client(broker.port, "health-pub", clean_session=True)
+        big = bytes(64 * 1024)
+        infos = [publisher.paho.publish("health/t", big, qos=1) for _ in range(64)]
+        assert publisher.wait_disconnected(3 * WAIT), "the publisher's connection was not closed"
+        publisher.paho.loop_stop()
+        assert not all(info.is_published() for info in infos)
+
+        def health() -> list[dict[str, object]]:
+            return [json.loads(m.payload) for m in watcher.messages]
+
+        assert watcher.wait_for(lambda _: any(h["status"] == "failing" for h in health()), 3 * WAIT)
+        failing = next(h for h in health() if h["status"] == "failing")
+        assert set(failing) == {"status", "since", "error", "failed_for"} and failing["failed_for"] is None
+        assert isinstance(failing["error"], str) and failing["error"]
+        assert connack_of(broker.port, "health-new", 30, clean=False) == 3
+        filler.unlink()
+        assert watcher.wait_for(lambda _: any(h["status"] == "ok" for h in health()), 4 * WAIT)
+        ok = next(h for h in health() if h["status"] == "ok")
+        assert ok["error"] is None and isinstance(ok["failed_for"], int | float)
+        assert all(m.qos == 1 and m.topic == "$SYS/broker/durable/store/health" for m in watcher.messages)
+        log = broker.log()
+        failed = next(line for line in log.splitlines() if "store write failed: " in line)
+        assert "WARNING" in failed
+        assert re.search(r"WARNING.*store writes succeed again after [\d.]+ s of failures: serving normally", log)
+        watcher.disconnect()
+        late = Client(broker.port, "health-late", clean_session=True)
+        late.subscribe("$SYS/broker/durable/store/health", qos=1)
+        (retained,) = late.wait_messages(1)
+        assert retained.retain and json.loads(retained.payload)["status"] == "ok"
+        late.disconnect()
+        broker.stop()
