@@ -58,6 +58,14 @@ def output(result: subprocess.CompletedProcess[str]) -> str:
     return result.stdout + result.stderr
 
 
+def wait_serving(child: subprocess.Popen[bytes], port: int) -> None:
+    """Wait, bounded, until ``child`` answers a CONNECT on ``port`` with CONNACK 0 (or exits)."""
+    deadline = time.monotonic() + 3 * WAIT
+    while not probe_connack(port) and child.poll() is None and time.monotonic() < deadline:
+        threading.Event().wait(0.1)
+    assert probe_connack(port), child.poll()
+
+
 def refused_config(tmp_path: Path, plugin_lines: str, *, top: str = "") -> str:
     """The error of a config the plugin refuses: exit code 2, the text returned."""
     result = run_broker_config(tmp_path, config_text(tmp_path / "store", plugin_lines, top=top))
@@ -848,10 +856,7 @@ def test_relative_store_is_taken_from_the_start_folder(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 3 * WAIT
-        while not probe_connack(port) and child.poll() is None and time.monotonic() < deadline:
-            threading.Event().wait(0.1)
-        assert probe_connack(port), child.poll()
+        wait_serving(child, port)
         assert (run_dir / "rel" / "db" / "CURRENT").exists()
         assert not (conf_dir / "rel").exists()
     finally:
@@ -1341,3 +1346,73 @@ def test_store_health_while_the_disk_fills_and_frees(tmp_path: Path, broker_fact
         assert retained.retain and json.loads(retained.payload)["status"] == "ok"
         late.disconnect()
         broker.stop()
+
+
+# --- operations.md: with the stock ``amqtt`` command -------------------------------------------------------
+
+STOCK_AMQTT = str(Path(sys.executable).parent / "amqtt")
+
+
+def run_stock(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [STOCK_AMQTT, "-c", str(config)], capture_output=True, text=True, timeout=4 * WAIT, check=False
+    )
+
+
+def test_stock_amqtt_reports_bad_settings_in_a_traceback(tmp_path: Path) -> None:
+    """amqtt's own config loader reports a bad setting inside a long traceback, with exit code 1: a value of
+    the wrong type in one ending in ``PluginLoadError`` (look for e.g. ``wrong value type for field
+    "overflow"``), a value out of range in one ending in the plugin's own ``ConfigError: amqtt_durable config:
+    '<key>': ...``."""
+    config = tmp_path / "broker.yaml"
+    config.write_text(config_text(tmp_path / "store", "max_depth: 0"))
+    result = run_stock(config)
+    assert result.returncode == 1, output(result)
+    assert output(result).rstrip().splitlines()[-1].startswith("ConfigError: amqtt_durable config: 'max_depth': ")
+    config.write_text(config_text(tmp_path / "store", "overflow: 5"))
+    result = run_stock(config)
+    assert result.returncode == 1, output(result)
+    assert output(result).rstrip().splitlines()[-1].startswith("PluginLoadError")
+    assert 'wrong value type for field "overflow"' in output(result)
+
+
+def test_stock_amqtt_keeps_the_last_of_a_key_given_twice(tmp_path: Path) -> None:
+    """A key given twice is not caught (plain YAML keeps the last)."""
+    port = free_port()
+    config = tmp_path / "broker.yaml"
+    config.write_text(config_text(tmp_path / "store", "overflow: drop-sideways\noverflow: drop-newest", port=port))
+    child = subprocess.Popen([STOCK_AMQTT, "-c", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_serving(child, port)
+    finally:
+        child.terminate()
+        child.wait(WAIT)
+
+
+def test_backup_copied_into_an_empty_store_folder(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """a backup copied *into* an existing empty folder (``data/durable/durable-1``): ``store folder '...' holds
+    files (...) but no LevelDB store``, exit code 1, change nothing (broker and ``inspect``)."""
+    source = made_store(broker_factory)
+    store = tmp_path / "data" / "durable"
+    store.mkdir(parents=True)
+    subprocess.run(["cp", "-a", source.store, str(store / "durable-1")], check=True, timeout=WAIT)
+    result = run_broker_config(tmp_path, config_text(store))
+    assert result.returncode == 1, output(result)
+    assert f"store folder '{store}' holds files (" in output(result) and "but no LevelDB store" in output(result)
+    assert [p.name for p in store.iterdir()] == ["durable-1"]
+    result = run_cli("inspect", str(store))
+    assert result.returncode == 1 and f"store folder '{store}' holds files (" in output(result)
+
+
+def test_store_held_by_another_program(broker_factory: Callable[..., Broker]) -> None:
+    """a store that a running broker (or ``inspect``, or any program using the LevelDB) holds is refused with
+    ``store '...' is locked by another process``, exit code 1 (``repair`` and the broker alike)."""
+    broker = made_store(broker_factory)
+    holder = plyvel.DB(broker.store)  # this process's fcntl lock: no file of the store is opened here meanwhile
+    try:
+        for args in (["repair", broker.store], ["broker", "-c", str(broker.write_config())]):
+            result = run_cli(*args)
+            assert result.returncode == 1, output(result)
+            assert f"store '{broker.store}' is locked by another process" in output(result), output(result)
+    finally:
+        holder.close()
