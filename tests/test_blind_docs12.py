@@ -1468,3 +1468,41 @@ def test_repair_of_an_undecodable_session_record(broker_factory: Callable[..., B
     assert client.session_present is True
     assert [m.payload for m in client.wait_messages(1)] == [b"kept"]
     client.disconnect()
+
+
+def test_stop_during_an_outage_logs_what_is_not_stored(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """A broker stopped during the outage logs how many writes it could not store, as a WARNING: ``closing
+    with the store still failing (<error>): <n> pending write(s) are not stored; every message the broker
+    acknowledged is stored already``. A QoS 0 publish is not queued for durable sessions and its connection
+    stays open."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(start=False)
+        broker.store = str(disk / "store")
+        broker.settings["store"] = broker.store
+        broker.start()
+        sub = Client(broker.port, "out-sub")
+        sub.subscribe("out/t", qos=1)
+        sub.disconnect()
+        watcher = Client(broker.port, "out-watch", clean_session=True)
+        watcher.subscribe("$SYS/broker/durable/store/health", qos=1)
+        fill(disk)
+        publisher = Client(broker.port, "out-pub", clean_session=True)
+        big = bytes(64 * 1024)
+        for _ in range(64):
+            publisher.paho.publish("out/t", big, qos=1)
+        assert publisher.wait_disconnected(3 * WAIT)
+        publisher.paho.loop_stop()
+        assert watcher.wait_for(lambda msgs: any(b'"failing"' in m.payload for m in msgs), 3 * WAIT)
+        quiet = Client(broker.port, "out-q0", clean_session=True)
+        quiet.publish("out/t", [b"zero"], qos=0)
+        quiet.subscribe("out/other", qos=0)  # answered: the QoS 0 publisher's connection stays open
+        quiet.disconnect()
+        watcher.disconnect()
+        broker.stop()
+        line = next(line for line in broker.log().splitlines() if "closing with the store still failing (" in line)
+        assert "WARNING" in line, line
+        assert re.search(
+            r"closing with the store still failing \(.+\): \d+ pending write\(s\) are not stored; every message "
+            r"the broker acknowledged is stored already",
+            line,
+        ), line
