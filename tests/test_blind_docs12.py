@@ -1506,3 +1506,20 @@ def test_stop_during_an_outage_logs_what_is_not_stored(tmp_path: Path, broker_fa
             r"the broker acknowledged is stored already",
             line,
         ), line
+
+
+def test_repair_quotes_client_ids_as_repr(broker_factory: Callable[..., Broker]) -> None:
+    """a client id ... in quotes as Python's ``repr()`` writes a string: ``client '...'``, or ``client "..."``
+    for one holding a ``'`` and no ``"``; what it could not recover: records it could not match (removed: that
+    client starts a new session), each on a line indented two spaces, ``not recovered: ...``."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    db.put(b"sit's", b"{bad")
+    db.put(b"sa\"b'c\n", b"{bad")
+    db.close()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    lines = result.stdout.splitlines()
+    assert any(line.startswith('  not recovered: client "it\'s": ') for line in lines), lines
+    assert any(line.startswith("  not recovered: client 'a\"b\\'c\\n': ") for line in lines), lines
+    assert len(lines) == 3
