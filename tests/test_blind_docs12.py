@@ -1523,3 +1523,34 @@ def test_repair_quotes_client_ids_as_repr(broker_factory: Callable[..., Broker])
     assert any(line.startswith('  not recovered: client "it\'s": ') for line in lines), lines
     assert any(line.startswith("  not recovered: client 'a\"b\\'c\\n': ") for line in lines), lines
     assert len(lines) == 3
+
+
+def test_earlier_stream_log_keys_are_converted(broker_factory: Callable[..., Broker]) -> None:
+    """A store written by an earlier release (events keyed by topic, a NUL byte and the id) is converted when
+    the broker opens it ...; events and id marks of topics no client may publish to (U+0000 in them) are
+    dropped, with a WARNING that counts them."""
+    broker = broker_factory(streams=[{"filter": "tele/#", "max_count": 100, "max_age": 0}])
+    publisher = Client(broker.port, "conv-pub", clean_session=True)
+    publisher.publish("tele/a", [b"e1", b"e2"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    events = [(k, v) for k, v in db.iterator(prefix=b"e")]
+    assert len(events) == 2
+    topic = b"tele/a"
+    for key, value in events:
+        assert topic in key
+        db.delete(key)
+        db.put(b"l" + topic + b"\x00" + key[-8:], value)
+    db.put(b"l" + b"te\x00le/b" + b"\x00" + events[0][0][-8:], events[0][1])
+    db.close()
+    before = len(broker.log())
+    broker.start()
+    broker.stop()
+    log = broker.log()[before:]
+    warning = [line for line in log.splitlines() if "WARNING" in line and "1" in line and "U+0000" in line]
+    assert warning, log
+    db = plyvel.DB(broker.store)
+    assert [k for k, _ in db.iterator(prefix=b"l")] == []
+    assert sorted(k for k, _ in db.iterator(prefix=b"e")) == sorted(k for k, _ in events)
+    db.close()
