@@ -1554,3 +1554,80 @@ def test_earlier_stream_log_keys_are_converted(broker_factory: Callable[..., Bro
     assert [k for k, _ in db.iterator(prefix=b"l")] == []
     assert sorted(k for k, _ in db.iterator(prefix=b"e")) == sorted(k for k, _ in events)
     db.close()
+
+
+def test_more_documented_defaults_and_edges() -> None:
+    """The table's defaults and ranges: ``batch_size`` 5000, ``batch_delay_ms`` 10, ``pending_threshold`` 100,
+    ``drop_log_interval`` 10, ``max_session_expiry`` 604800, ``streams`` [], ``stream_window`` 1 (1 to 1000),
+    ``stream_ack_timeout`` 5 (> 0), ``session_takeover`` owner-only, ``connect_timeout`` 10,
+    ``max_packet_size`` 1048576 (1024 to 268435455), ``max_bytes``/``max_bytes_disconnected`` 0 (>=
+    ``max_bytes`` when both are set), ``max_subscriptions_per_client`` 1000, ``max_subscription_bytes_per_client``
+    1048576, ``max_pending_clean`` 10000, ``max_pending_bytes_clean`` 16777216, ``max_awaiting_pubrel`` 1000."""
+    config = DurableConfig()
+    expected = {
+        "batch_size": 5000,
+        "batch_delay_ms": 10,
+        "pending_threshold": 100,
+        "drop_log_interval": 10,
+        "max_session_expiry": 604800,
+        "streams": [],
+        "stream_window": 1,
+        "stream_ack_timeout": 5,
+        "session_takeover": "owner-only",
+        "connect_timeout": 10,
+        "max_packet_size": 1048576,
+        "max_bytes": 0,
+        "max_bytes_disconnected": 0,
+        "max_subscriptions_per_client": 1000,
+        "max_subscription_bytes_per_client": 1048576,
+        "max_pending_clean": 10000,
+        "max_pending_bytes_clean": 16777216,
+        "max_awaiting_pubrel": 1000,
+    }
+    assert {key: getattr(config, key) for key in expected} == expected
+    for key, good, bad in (
+        ("stream_window", [1, 1000], [0, 1001]),
+        ("max_packet_size", [1024, 268435455], [1023, 268435456]),
+        ("stream_ack_timeout", [0.001], [0]),
+    ):
+        for value in good:
+            assert getattr(DurableConfig.from_mapping({key: value}), key) == value
+        for value in bad:
+            with pytest.raises(ConfigError, match=f"'{key}'"):
+                DurableConfig.from_mapping({key: value})
+    assert DurableConfig.from_mapping({"max_bytes": 10, "max_bytes_disconnected": 10}).max_bytes_disconnected == 10
+    assert DurableConfig.from_mapping({"max_bytes": 10}).max_bytes_disconnected == 0
+    with pytest.raises(ConfigError, match="'max_bytes_disconnected'"):
+        DurableConfig.from_mapping({"max_bytes": 10, "max_bytes_disconnected": 9})
+
+
+def test_max_packet_size_edge(broker_factory: Callable[..., Broker]) -> None:
+    """``max_packet_size``: Largest packet a client may send (remaining length, bytes); a larger one closes the
+    connection before its body is read."""
+    broker = broker_factory(max_packet_size=1024)
+    topic = "mp/t"
+    for extra, closed in ((0, False), (1, True)):
+        payload_size = 1024 - 2 - len(topic) - 2 + extra  # QoS 1: topic length, topic, packet id, payload
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            connect = mqtt_string("MQTT") + bytes([4, 0x02, 0, 30]) + mqtt_string(f"mp-{extra}")
+            sock.sendall(mqtt_packet(0x10, connect))
+            assert sock.recv(4) == b"\x20\x02\x00\x00"
+            sock.sendall(mqtt_packet(0x32, mqtt_string(topic) + b"\x00\x07" + bytes(payload_size)))
+            reply = sock.recv(4)
+            if closed:
+                assert reply == b"", reply
+            else:
+                assert reply == b"\x40\x02\x00\x07", reply
+
+
+def test_max_subscriptions_per_client(broker_factory: Callable[..., Broker]) -> None:
+    """a SUBSCRIBE past it gets return code 0x80 for the filters over the limit (logged as a WARNING ...).
+    Re-subscribing to a held filter does not count twice."""
+    broker = broker_factory(max_subscriptions_per_client=2)
+    client = Client(broker.port, "subs-1")
+    assert client.subscribe([("s/a", 1), ("s/b", 1), ("s/c", 1)]) == [1, 1, 0x80]
+    assert client.subscribe("s/a", qos=0) == [0]
+    assert client.subscribe("s/d", qos=0) == [0x80]
+    client.disconnect()
+    warning = next(line for line in broker.log().splitlines() if "subs-1" in line and "WARNING" in line)
+    assert "2" in warning
