@@ -1631,3 +1631,38 @@ def test_max_subscriptions_per_client(broker_factory: Callable[..., Broker]) -> 
     client.disconnect()
     warning = next(line for line in broker.log().splitlines() if "subs-1" in line and "WARNING" in line)
     assert "2" in warning
+
+
+@pytest.mark.parametrize("command", ["inspect", "promote"])
+def test_replication_address_forms(command: str) -> None:
+    """``inspect --replication`` and ``promote`` talk to a running broker over its ``replication.listen``
+    address (an IPv6 address in brackets, ``[::1]:7883``; a malformed HOST:PORT is a usage error, exit code
+    2)."""
+    args = ["--replication"] if command == "inspect" else []
+    port = free_port()
+    for malformed in ("::1:7883", "127.0.0.1", "127.0.0.1:port", "127.0.0.1:70000"):
+        result = run_cli(command, *args, malformed)
+        assert result.returncode == 2, (malformed, output(result))
+    result = run_cli(command, *args, f"[::1]:{port}")
+    assert result.returncode not in (0, 2), output(result)
+
+
+def test_max_connections_per_address(broker_factory: Callable[..., Broker]) -> None:
+    """``max_connections_per_address``: a new TCP connection past it is closed as soon as it is accepted ...
+    (so without a CONNACK); counted in ``$SYS/broker/durable/connections/refused`` and logged as a WARNING
+    naming the address and the limit."""
+    broker = broker_factory(max_connections_per_address=2, metrics_interval=1)
+    watcher = Client(broker.port, "mc-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/connections/refused", qos=0)
+    other = Client(broker.port, "mc-1", clean_session=True)
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        try:  # closed unread: our CONNECT still in its buffer, the kernel may reset the connection
+            sock.sendall(mqtt_packet(0x10, mqtt_string("MQTT") + bytes([4, 0x02, 0, 30]) + mqtt_string("mc-2")))
+            assert sock.recv(4) == b""
+        except ConnectionResetError:
+            pass
+    assert watcher.wait_for(lambda msgs: any(m.payload == b"1" for m in msgs), 3 * WAIT)
+    other.disconnect()
+    watcher.disconnect()
+    warning = next(line for line in broker.log().splitlines() if "WARNING" in line and HOST in line)
+    assert "2" in warning
