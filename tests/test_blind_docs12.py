@@ -1666,3 +1666,39 @@ def test_max_connections_per_address(broker_factory: Callable[..., Broker]) -> N
     watcher.disconnect()
     warning = next(line for line in broker.log().splitlines() if "WARNING" in line and HOST in line)
     assert "2" in warning
+
+
+def test_store_without_queue_entries_gets_the_mark_silently(broker_factory: Callable[..., Broker]) -> None:
+    """a store without queue entries, such as a new one, has nothing to read: it gets the mark without these
+    lines."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    db.delete(b"M")
+    db.close()
+    before = len(broker.log())
+    broker.start()
+    broker.stop()
+    assert "has no message id mark" not in broker.log()[before:]
+    db = plyvel.DB(broker.store)
+    assert db.get(b"M") is not None
+    db.close()
+
+
+def test_debug_flag_logs_debug_lines(tmp_path: Path) -> None:
+    """``amqtt-durable broker -c broker.yaml``: check the config, then run amqtt; ``-d`` for debug logs."""
+    port = free_port()
+    config = tmp_path / "broker.yaml"
+    config.write_text(config_text(tmp_path / "store", port=port))
+    log = tmp_path / "broker.log"
+    with log.open("wb") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "durable_fleet.console", "broker", "-c", str(config), "-d"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_serving(child, port)
+        finally:
+            child.terminate()
+            child.wait(WAIT)
+    assert "DEBUG" in log.read_text(errors="replace")
