@@ -1702,3 +1702,22 @@ def test_debug_flag_logs_debug_lines(tmp_path: Path) -> None:
             child.terminate()
             child.wait(WAIT)
     assert "DEBUG" in log.read_text(errors="replace")
+
+
+def test_repair_clears_replication_position_rebuilt_lines_first(broker_factory: Callable[..., Broker]) -> None:
+    """A replicated store's position is cleared too (``rebuilt: replication position cleared``); every
+    ``rebuilt:`` line comes before the first ``not recovered:`` line."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    db.put(b"R", (5).to_bytes(8, "big"))
+    db.put(b"sgone", b"{bad")
+    db.close()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    lines = result.stdout.splitlines()[1:]
+    kinds = [line.split(":")[0] for line in lines]
+    assert kinds == sorted(kinds, key=lambda kind: kind != "  rebuilt") and "  not recovered" in kinds, lines
+    assert any(line.startswith("  rebuilt: replication position cleared") for line in lines), lines
+    db = plyvel.DB(broker.store)
+    assert db.get(b"R") is None
+    db.close()
