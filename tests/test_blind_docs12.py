@@ -1,0 +1,1723 @@
+"""A twelfth pass of black-box tests written from docs/operations.md, docs/configuration.md,
+docs/store-layout.md and README.md alone: the exact error texts and exit codes of ``amqtt-durable broker``
+for bad ``broker.yaml`` values (floats for whole numbers, integers of too many digits, keys given twice, the
+plugin listed twice, amqtt's own refusals), the same rules through ``DurableConfig`` in Python, the defaults,
+``inspect``'s and ``repair``'s refusals, table layout and JSON fields, a store of another layout version or
+without ``CURRENT``, another program's LevelDB, a backup copied into the store folder, and the names of the
+``$SYS/broker/durable/`` metrics. Real broker processes on 127.0.0.1, real LevelDB, real paho clients; each
+test quotes the promise it checks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import plyvel
+import pytest
+from small_disk import fill, remount_read_only, small_disk
+
+from amqtt_durable import ConfigError, DurableConfig
+from amqtt_durable.process import HOST, free_port
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, probe_connack, run_cli
+
+pytestmark = pytest.mark.timeout(90)
+
+PLUGIN = "amqtt_durable.DurableSessionsPlugin"
+HEADER = "CLIENT ID  DEPTH  BYTES  OLDEST  EXPIRES IN  DROPPED  SUBSCRIPTIONS"
+
+
+def config_text(store: Path, plugin_lines: str = "", port: int | None = None, top: str = "") -> str:
+    """A broker.yaml: one TCP listener, anonymous access, the plugin with ``store`` and ``plugin_lines``."""
+    port = port or free_port()
+    indented = "".join(f"    {line}\n" for line in plugin_lines.splitlines())
+    return (
+        f"{top}listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{port}\n"
+        "plugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: true\n"
+        f"  {PLUGIN}:\n    store: {store}\n    metrics_interval: 0\n{indented}"
+    )
+
+
+def run_broker_config(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+    """``amqtt-durable broker -c FILE`` on a config that must not start: its exit, output captured."""
+    path = tmp_path / "broker.yaml"
+    path.write_text(text)
+    return run_cli("broker", "-c", str(path))
+
+
+def output(result: subprocess.CompletedProcess[str]) -> str:
+    return result.stdout + result.stderr
+
+
+def wait_serving(child: subprocess.Popen[bytes], port: int) -> None:
+    """Wait, bounded, until ``child`` answers a CONNECT on ``port`` with CONNACK 0 (or exits)."""
+    deadline = time.monotonic() + 3 * WAIT
+    while not probe_connack(port) and child.poll() is None and time.monotonic() < deadline:
+        threading.Event().wait(0.1)
+    assert probe_connack(port), child.poll()
+
+
+def refused_config(tmp_path: Path, plugin_lines: str, *, top: str = "") -> str:
+    """The error of a config the plugin refuses: exit code 2, the text returned."""
+    result = run_broker_config(tmp_path, config_text(tmp_path / "store", plugin_lines, top=top))
+    assert result.returncode == 2, output(result)
+    assert not (tmp_path / "store").exists()
+    return output(result)
+
+
+# --- configuration.md: whole numbers, numbers, digit limits, keys given twice -----------------------------
+
+
+def test_whole_number_written_as_float_is_refused_naming_the_integer(tmp_path: Path) -> None:
+    """``5.0`` is a YAML float, refused even though it is whole, with ``'max_depth': must be written as an
+    integer (5), not 5.0``; exit code 2."""
+    assert "'max_depth': must be written as an integer (5), not 5.0" in refused_config(tmp_path, "max_depth: 5.0")
+
+
+def test_fractional_value_of_whole_number_setting(tmp_path: Path) -> None:
+    """``5.5`` ... refused with ``'max_depth': expected a whole number, got 5.5``."""
+    assert "'max_depth': expected a whole number, got 5.5" in refused_config(tmp_path, "max_depth: 5.5")
+
+
+@pytest.mark.parametrize("value", ['"5"', "true"])
+def test_string_and_bool_refused_for_whole_number(tmp_path: Path, value: str) -> None:
+    """``"5"`` or ``true`` are refused with ``'max_depth': expected a whole number, got ...``."""
+    assert "'max_depth': expected a whole number, got " in refused_config(tmp_path, f"max_depth: {value}")
+
+
+def test_replication_whole_number_float_named_with_prefix(tmp_path: Path) -> None:
+    """``'replication.lease_ttl': ...`` for replication's (``must be written as an integer``)."""
+    text = refused_config(
+        tmp_path,
+        "replication:\n  name: a\n  listen: 127.0.0.1:7883\n  coordinator: [http://127.0.0.1:2379]\n  lease_ttl: 5.0",
+    )
+    assert "'replication.lease_ttl': must be written as an integer (5), not 5.0" in text
+
+
+def test_integer_of_too_many_digits_in_yaml(tmp_path: Path) -> None:
+    """An integer of more than 4300 digits ... anywhere in ``broker.yaml``, is refused naming where it is
+    written and its line: ``'max_keepalive': line 11: a value YAML cannot read: an integer of more than 4300
+    digits`` (an item of a list ... as ``'-c': 'broker.yaml' line 6: ...``)."""
+    text = refused_config(tmp_path, "max_keepalive: " + "9" * 4301)
+    assert "'max_keepalive': line 11: a value YAML cannot read: an integer of more than 4300 digits" in text
+    text = refused_config(tmp_path, "replication:\n  name: a\n  allow_from: [" + "9" * 4301 + "]")
+    assert f"'-c': '{tmp_path / 'broker.yaml'}' line 13: a value YAML cannot read: an integer of more" in text
+
+
+def test_plugin_key_given_twice_is_named(tmp_path: Path) -> None:
+    """A key given twice in one mapping ... stops the broker with an error that names the key (exit code 2)."""
+    text = refused_config(tmp_path, "max_depth: 10\nmax_depth: 20")
+    assert "max_depth" in text
+
+
+def test_plugin_listed_twice_in_plugins_list(tmp_path: Path) -> None:
+    """the plugin listed in two items of a ``plugins:`` list (named
+    ``plugins[1].amqtt_durable.DurableSessionsPlugin``, the later item) ... exit code 2."""
+    store = tmp_path / "store"
+    text = (
+        f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{free_port()}\n"
+        f"plugins:\n  - {PLUGIN}:\n      store: {store}\n  - {PLUGIN}:\n      store: {store}\n"
+    )
+    result = run_broker_config(tmp_path, text)
+    assert result.returncode == 2, output(result)
+    assert f"plugins[1].{PLUGIN}" in output(result)
+
+
+def test_unknown_key_lists_accepted_ones(tmp_path: Path) -> None:
+    """``amqtt_durable config: '<key>': <problem>`` with exit code 2 ... An unknown key lists the accepted
+    ones."""
+    text = refused_config(tmp_path, "max_dept: 5")
+    assert "amqtt_durable config: 'max_dept': " in text
+    for key in ("max_depth", "session_expiry", "overflow", "recovery_buffer"):
+        assert key in text
+
+
+def test_max_depth_disconnected_below_max_depth(tmp_path: Path) -> None:
+    """``max_depth_disconnected``: must be >= max_depth."""
+    text = refused_config(tmp_path, "max_depth: 10\nmax_depth_disconnected: 9")
+    assert "'max_depth_disconnected'" in text
+
+
+def test_top_level_amqtt_key_given_twice_named_by_path(tmp_path: Path) -> None:
+    """any other key by its path from the top of the file (``listeners.default.bind``)."""
+    port = free_port()
+    store = tmp_path / "store"
+    text = (
+        f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{port}\n    bind: {HOST}:{port}\n"
+        f"plugins:\n  {PLUGIN}:\n    store: {store}\n"
+    )
+    result = run_broker_config(tmp_path, text)
+    assert result.returncode == 2, output(result)
+    assert "listeners.default.bind" in output(result)
+
+
+def test_max_qos_refused_with_amqtt_text(tmp_path: Path) -> None:
+    """a config naming it is refused (``amqtt-durable: broker not started: can not match "max-qos" to any
+    data class field``, exit code 1)."""
+    result = run_broker_config(tmp_path, config_text(tmp_path / "store", top="max-qos: 1\n"))
+    assert result.returncode == 1, output(result)
+    assert 'amqtt-durable: broker not started: can not match "max-qos" to any data class field' in output(result)
+
+
+def test_listeners_of_wrong_type(tmp_path: Path) -> None:
+    """a setting of amqtt's own that amqtt refuses, e.g. ``listeners: 5`` (``broker not started: wrong value
+    type for field "listeners" ...``): exit 1."""
+    text = f"listeners: 5\nplugins:\n  {PLUGIN}:\n    store: {tmp_path / 'store'}\n"
+    result = run_broker_config(tmp_path, text)
+    assert result.returncode == 1, output(result)
+    assert 'broker not started: wrong value type for field "listeners"' in output(result)
+
+
+@pytest.mark.parametrize("kind", ["missing", "not-yaml", "no-plugin"])
+def test_config_file_missing_not_yaml_or_without_plugin(tmp_path: Path, kind: str) -> None:
+    """exit code 2 for a bad config (... also a config file that is missing, not YAML, or does not load
+    ``amqtt_durable.DurableSessionsPlugin``)."""
+    path = tmp_path / "broker.yaml"
+    if kind == "not-yaml":
+        path.write_text("listeners: [\n  : : {\n")
+    elif kind == "no-plugin":
+        path.write_text(f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{free_port()}\n")
+    result = run_cli("broker", "-c", str(path))
+    assert result.returncode == 2, output(result)
+
+
+def test_listener_port_in_use(tmp_path: Path) -> None:
+    """``broker not started: listener 'default' 127.0.0.1:1883: [Errno 98] Address already in use``, exit 1."""
+    with socket.socket() as holder:
+        holder.bind((HOST, 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run_broker_config(tmp_path, config_text(tmp_path / "store", port=port))
+    assert result.returncode == 1, output(result)
+    assert f"broker not started: listener 'default' {HOST}:{port}: [Errno 98] Address already in use" in output(result)
+
+
+# --- configuration.md: settings given in Python -----------------------------------------------------------
+
+
+def test_python_number_rules() -> None:
+    """``Fraction(7, 2)`` becomes ``3.5``; a ``Decimal`` is refused with ``'session_expiry': expected a
+    number, got Decimal('1.5')``; ``Fraction(5, 1)`` is refused with ``'max_depth': expected a whole number,
+    got Fraction(5, 1)``; one too large for a float: ``must be a finite number, got a number too large for
+    one``."""
+    config = DurableConfig.from_mapping({"session_expiry": Fraction(7, 2)})
+    assert config.session_expiry == 3.5 and isinstance(config.session_expiry, float)
+    with pytest.raises(ConfigError, match=r"'session_expiry': expected a number, got Decimal\('1\.5'\)"):
+        DurableConfig.from_mapping({"session_expiry": Decimal("1.5")})
+    with pytest.raises(ConfigError, match=r"'max_depth': expected a whole number, got Fraction\(5, 1\)"):
+        DurableConfig.from_mapping({"max_depth": Fraction(5, 1)})
+    with pytest.raises(ConfigError, match="'session_expiry': must be a finite number, got a number too large"):
+        DurableConfig.from_mapping({"session_expiry": Fraction(10**400, 1)})
+    with pytest.raises(ConfigError, match="'session_expiry': expected a number"):
+        DurableConfig.from_mapping({"session_expiry": True})
+
+
+def test_python_constructor_checks_like_mapping() -> None:
+    """Settings given ... to ``DurableConfig(...)`` itself, are checked by these same rules, with the same
+    ``ConfigError``; a path object is held as its string; ``Path("")`` is refused as ``""`` is."""
+    with pytest.raises(ConfigError) as by_mapping:
+        DurableConfig.from_mapping({"max_depth": 5.0})
+    with pytest.raises(ConfigError) as by_constructor:
+        DurableConfig(max_depth=5.0)  # type: ignore[arg-type]
+    assert str(by_mapping.value) == str(by_constructor.value)
+    assert DurableConfig(store=Path("/x/y")).store == "/x/y"  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'store'"):
+        DurableConfig(store=Path(""))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'store'"):
+        DurableConfig.from_mapping({"store": ""})
+
+
+def test_python_huge_integers() -> None:
+    """such an integer as a key of a mapping given in Python is refused with ``a key that is an integer of
+    more than 4300 digits``, naming the mapping; a ``Fraction`` ... ``'session_expiry': a fraction of an
+    integer of more than 4300 digits``; in ``streams[0].max_count`` named so."""
+    huge = 10**4400
+    with pytest.raises(ConfigError, match="a key that is an integer of more than 4300 digits") as key_error:
+        DurableConfig.from_mapping({huge: 1})
+    assert PLUGIN in str(key_error.value)
+    with pytest.raises(ConfigError, match="'session_expiry': a fraction of an integer of more than 4300 digits"):
+        DurableConfig.from_mapping({"session_expiry": Fraction(huge, 3)})
+    with pytest.raises(ConfigError, match=r"'streams\[0\]\.max_count': an integer of more than 4300 digits"):
+        DurableConfig.from_mapping({"streams": [{"filter": "a/#", "max_count": huge}]})
+
+
+def test_documented_defaults() -> None:
+    """The table's defaults."""
+    config = DurableConfig()
+    assert config.store == "./data/durable"
+    assert config.sync is False
+    assert config.session_expiry == 300
+    assert config.max_depth == 100000
+    assert config.max_depth_disconnected == 1000000
+    assert config.overflow == "drop-oldest"
+    assert config.recovery_buffer == 100
+    assert config.queue_qos0 is False
+    assert config.max_durable_sessions == 100000
+    assert config.max_connections_per_address == 0
+    assert config.max_keepalive == 0
+    assert config.listen_backlog == 512
+    assert config.attach_limit == 256
+    assert config.max_stream_entries_per_client == 10000
+    assert config.max_pending_control_bytes == 1048576
+    assert config.metrics_interval == 10
+    assert config.replication is None
+
+
+@pytest.mark.parametrize(
+    ("key", "low", "high"),
+    [
+        ("recovery_buffer", 1, 65535),
+        ("max_keepalive", 0, 65535),
+        ("listen_backlog", 1, None),
+        ("attach_limit", 1, None),
+        ("max_depth", 1, None),
+    ],
+)
+def test_range_edges(key: str, low: int, high: int | None) -> None:
+    """``1 to 65535``, ``0 to 65535``, ``whole number >= 1``: the edges are taken, one past them refused,
+    naming the key."""
+    settings = {"max_depth_disconnected": 10**7} if key == "max_depth" else {}
+    assert getattr(DurableConfig.from_mapping({**settings, key: low}), key) == low
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        DurableConfig.from_mapping({**settings, key: low - 1})
+    if high is not None:
+        assert getattr(DurableConfig.from_mapping({key: high}), key) == high
+        with pytest.raises(ConfigError, match=f"'{key}'"):
+            DurableConfig.from_mapping({key: high + 1})
+
+
+# --- operations.md: inspect and repair refusals -------------------------------------------------------------
+
+
+def test_inspect_missing_file_and_foreign_folder(tmp_path: Path) -> None:
+    """A missing or empty folder: ``no store at '...'``; a folder holding other files: ``store folder '...'
+    holds files (...) but no LevelDB store``; a file: ``store '...' is a file, not a folder``; each exit
+    code 1, and nothing is created."""
+    missing = tmp_path / "missing"
+    result = run_cli("inspect", str(missing))
+    assert result.returncode == 1 and f"no store at '{missing}'" in output(result)
+    assert not missing.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run_cli("inspect", str(empty))
+    assert result.returncode == 1 and f"no store at '{empty}'" in output(result)
+    assert list(empty.iterdir()) == []
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    result = run_cli("inspect", str(other))
+    assert result.returncode == 1 and f"store folder '{other}' holds files (" in output(result)
+    assert "but no LevelDB store" in output(result)
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+    file = tmp_path / "file"
+    file.write_text("x")
+    result = run_cli("inspect", str(file))
+    assert result.returncode == 1 and f"store '{file}' is a file, not a folder" in output(result)
+
+
+@pytest.mark.parametrize(
+    "args", [[], ["STORE", "--replication", "127.0.0.1:7883"], ["--retained", "--replication", "127.0.0.1:7883"]]
+)
+def test_inspect_usage_errors(tmp_path: Path, args: list[str]) -> None:
+    """It takes a store folder or ``--replication HOST:PORT``: neither, both, or ``--retained`` with
+    ``--replication`` is a usage error (exit code 2)."""
+    result = run_cli("inspect", *[str(tmp_path) if a == "STORE" else a for a in args])
+    assert result.returncode == 2, output(result)
+
+
+def test_inspect_replication_malformed_address() -> None:
+    """a malformed HOST:PORT is a usage error, exit code 2."""
+    result = run_cli("inspect", "--replication", "no-port-here")
+    assert result.returncode == 2, output(result)
+
+
+def test_repair_refusals(tmp_path: Path) -> None:
+    """A path that is missing or a folder without LevelDB files (empty, or holding only other files: unlike
+    ``inspect``, repair does not say ``holds files``) is refused with ``no store at '...'``, a file with
+    ``store '...' is a file, not a folder``; exit code 1, untouched."""
+    missing = tmp_path / "missing"
+    result = run_cli("repair", str(missing))
+    assert result.returncode == 1 and f"no store at '{missing}'" in output(result)
+    assert not missing.exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    result = run_cli("repair", str(other))
+    assert result.returncode == 1 and f"no store at '{other}'" in output(result)
+    assert "holds files" not in output(result)
+    file = tmp_path / "file"
+    file.write_text("x")
+    result = run_cli("repair", str(file))
+    assert result.returncode == 1 and f"store '{file}' is a file, not a folder" in output(result)
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def test_repair_refuses_another_programs_leveldb(tmp_path: Path) -> None:
+    """``repair of '...' refused: it is not an amqtt-durable store but another program's LevelDB (no layout
+    version key or store id, and its key b'user:1' has the shape of no key of amqtt-durable's store layout);
+    nothing was changed. Point repair at the plugin's 'store' folder``; exit code 1, every file as it was."""
+    folder = tmp_path / "other-db"
+    db = plyvel.DB(str(folder), create_if_missing=True)
+    db.put(b"user:1", b"alice")
+    db.close()
+    before = folder_bytes(folder)
+    result = run_cli("repair", str(folder))
+    assert result.returncode == 1, output(result)
+    assert (
+        f"repair of '{folder}' refused: it is not an amqtt-durable store but another program's LevelDB (no "
+        "layout version key or store id, and its key b'user:1' has the shape of no key of amqtt-durable's "
+        "store layout); nothing was changed. Point repair at the plugin's 'store' folder"
+    ) in output(result)
+    assert folder_bytes(folder) == before
+
+
+def test_repair_of_a_consistent_store(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """It prints ``repaired 'STORE'; start the broker to use it``, then, each on a line indented two spaces,
+    ... when there was neither, ``session records, queue totals and message references were all
+    consistent``."""
+    broker = broker_factory()
+    client = Client(broker.port, "rep-1")
+    client.subscribe("rep/x", qos=1)
+    client.disconnect()
+    broker.stop()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    lines = result.stdout.splitlines()
+    assert f"repaired '{broker.store}'; start the broker to use it" in lines
+    assert "  session records, queue totals and message references were all consistent" in lines
+
+
+# --- operations.md / store-layout.md: stores the broker refuses -------------------------------------------
+
+
+def made_store(broker_factory: Callable[..., Broker]) -> Broker:
+    """A broker's store with one durable session, the broker stopped."""
+    broker = broker_factory()
+    client = Client(broker.port, "made-1")
+    client.subscribe("made/#", qos=1)
+    client.disconnect()
+    broker.stop()
+    return broker
+
+
+def test_store_of_another_layout_version(broker_factory: Callable[..., Broker]) -> None:
+    """``store '...' was written by another release of amqtt_durable: layout version b'...', this release
+    reads b'1'`` (from the broker, exit code 1, or ``inspect``)."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    assert db.get(b"v") == b"1"
+    db.put(b"v", b"7")
+    db.close()
+    expected = (
+        f"store '{broker.store}' was written by another release of amqtt_durable: layout version b'7', "
+        "this release reads b'1'"
+    )
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 1 and expected in output(result), output(result)
+    result = run_cli("broker", "-c", str(broker.write_config()))
+    assert result.returncode == 1 and expected in output(result), output(result)
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 1 and expected in output(result), output(result)
+
+
+def test_store_without_current(broker_factory: Callable[..., Broker]) -> None:
+    """a copy missing LevelDB's ``CURRENT`` file: ``store '...' is corrupted or unreadable: ... CURRENT, the
+    file naming the live MANIFEST, is missing``; the files are not touched."""
+    broker = made_store(broker_factory)
+    (Path(broker.store) / "CURRENT").unlink()
+    before = folder_bytes(Path(broker.store))
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 1, output(result)
+    assert f"store '{broker.store}' is corrupted or unreadable: " in output(result)
+    assert "CURRENT, the file naming the live MANIFEST, is missing" in output(result)
+    result = run_cli("broker", "-c", str(broker.write_config()))
+    assert result.returncode == 1, output(result)
+    assert "CURRENT, the file naming the live MANIFEST, is missing" in output(result)
+    assert folder_bytes(Path(broker.store)) == before
+
+
+def test_store_pointed_at_folder_above(tmp_path: Path) -> None:
+    """``store`` pointed at the folder above the store: ``store folder '...' holds files (...) but no
+    LevelDB store``, exit code 1, change nothing."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "readme.txt").write_text("x")
+    result = run_broker_config(tmp_path, config_text(folder))
+    assert result.returncode == 1, output(result)
+    assert f"store folder '{folder}' holds files (" in output(result)
+    assert sorted(p.name for p in folder.iterdir()) == ["readme.txt"]
+
+
+def test_crash_leftovers_count_as_empty(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """LevelDB's ``LOCK``, ``LOG`` and ``LOG.old`` files alone, left by a crash while creating it, count as
+    empty."""
+    broker = broker_factory(start=False)
+    store = Path(broker.store)
+    store.mkdir()
+    for name in ("LOCK", "LOG", "LOG.old"):
+        (store / name).write_text("")
+    broker.start()
+    assert (store / "CURRENT").exists()
+
+
+def test_backup_copied_into_store_folder_warns(broker_factory: Callable[..., Broker]) -> None:
+    """the broker starts on the old store ... It logs a WARNING at start (``inspect`` prints it too):
+    ``store folder 'data/durable' holds a folder 'durable-1' that is itself a LevelDB store (a backup copied
+    into the store's folder?): it is not used; ...``."""
+    broker = made_store(broker_factory)
+    backup = Path(broker.store).parent / "durable-1"
+    subprocess.run(["cp", "-a", broker.store, str(backup)], check=True, timeout=WAIT)
+    subprocess.run(["cp", "-a", str(backup), broker.store], check=True, timeout=WAIT)
+    expected = (
+        f"store folder '{broker.store}' holds a folder 'durable-1' that is itself a LevelDB store (a backup "
+        "copied into the store's folder?): it is not used; "
+    )
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 0, output(result)
+    assert expected in output(result)
+    assert "made-1" in result.stdout
+    broker.start()
+    assert expected in broker.log()
+    assert "WARNING" in next(line for line in broker.log().splitlines() if expected in line)
+
+
+def test_inspect_locked_store(broker_factory: Callable[..., Broker]) -> None:
+    """a running broker's store gives ``store '...' is locked by another process``, exit code 1; the broker
+    that holds it keeps serving."""
+    broker = broker_factory()
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 1
+    assert f"store '{broker.store}' is locked by another process" in output(result)
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 1
+    assert f"store '{broker.store}' is locked by another process" in output(result)
+    assert broker.ready()
+
+
+# --- operations.md: inspect output -------------------------------------------------------------------------
+
+
+def test_inspect_empty_store(broker_factory: Callable[..., Broker]) -> None:
+    """a store without sessions: the header and ``0 session(s), 0 queued message(s)``."""
+    broker = broker_factory()
+    broker.stop()
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 0, output(result)
+    assert result.stdout.splitlines() == [HEADER, "0 session(s), 0 queued message(s)"]
+
+
+def test_inspect_rows_order_subscriptions_and_json(broker_factory: Callable[..., Broker]) -> None:
+    """one row per session in client id order (``B`` before ``a``); subscriptions ``filter@qos``,
+    comma-separated, sorted by filter in code-point order, ``-`` for none; the default 300 s just after a
+    disconnect reads ``5m``; columns two spaces apart; ``--json`` fields."""
+    broker = broker_factory()
+    first = Client(broker.port, "a-dev")
+    first.subscribe([("z/t", 1), ("Y/t", 0)])
+    first.disconnect()
+    second = Client(broker.port, "B-dev")
+    second.disconnect()
+    publisher = Client(broker.port, "pub", clean_session=True)
+    publisher.publish("z/t", [b"12345"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 0, output(result)
+    lines = result.stdout.splitlines()
+    assert lines[0].split("  ")[:1] == ["CLIENT ID"]
+    assert [line.split()[0] for line in lines[1:3]] == ["B-dev", "a-dev"]
+    b_row, a_row = lines[1].split(), lines[2].split()
+    assert b_row[1:3] == ["0", "0"] and b_row[-1] == "-"
+    assert a_row[1:3] == ["1", "5"] and a_row[-1] == "Y/t@0,z/t@1"
+    assert b_row[4] == "5m" and a_row[4] == "5m"
+    assert lines[-1] == "2 session(s), 1 queued message(s)"
+    result = run_cli("inspect", broker.store, "--json")
+    assert result.returncode == 0, output(result)
+    rows = json.loads(result.stdout)
+    assert [row["client_id"] for row in rows] == ["B-dev", "a-dev"]
+    assert set(rows[0]) == {
+        "client_id",
+        "depth",
+        "bytes",
+        "oldest_age_s",
+        "subscriptions",
+        "disconnected_at",
+        "expires_at",
+        "dropped",
+    }
+    assert rows[1]["subscriptions"] == {"Y/t": 0, "z/t": 1}
+    assert rows[1]["depth"] == 1 and rows[1]["bytes"] == 5 and rows[1]["dropped"] == 0
+    assert rows[0]["oldest_age_s"] is None
+    assert rows[1]["expires_at"] - rows[1]["disconnected_at"] == pytest.approx(300, abs=1)
+
+
+def test_inspect_escapes_unprintable_client_id(broker_factory: Callable[..., Broker]) -> None:
+    """a client id ... shows a backslash and each character that is not printable ... escaped as in a Python
+    string (``\\n``, ``\\x1b``); ``--json`` gives them as they are."""
+    broker = broker_factory()
+    client = Client(broker.port, "evil\n\x1bid")
+    client.disconnect()
+    broker.stop()
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 0, output(result)
+    assert result.stdout.splitlines()[1].startswith("evil\\n\\x1bid  ")
+    assert json.loads(run_cli("inspect", broker.store, "--json").stdout)[0]["client_id"] == "evil\n\x1bid"
+
+
+def test_inspect_retained(broker_factory: Callable[..., Broker]) -> None:
+    """With ``--retained`` it lists the retained messages instead, in topic order: topic, QoS, payload bytes
+    and age (header ``TOPIC``, ``QOS``, ``BYTES``, ``AGE``), then ``<n> retained message(s)``; ``--json``: a
+    list of ``{"topic", "qos", "bytes", "age_s"}``."""
+    broker = broker_factory()
+    publisher = Client(broker.port, "ret-pub", clean_session=True)
+    publisher.publish("r/b", [b"abc"], qos=1, retain=True)
+    publisher.publish("r/a", [b"abcdefg"], qos=0, retain=True)
+    publisher.publish("r/a", [b"abcdefg"], qos=1, retain=True)
+    publisher.disconnect()
+    broker.stop()
+    result = run_cli("inspect", broker.store, "--retained")
+    assert result.returncode == 0, output(result)
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["TOPIC", "QOS", "BYTES", "AGE"]
+    assert [line.split()[:3] for line in lines[1:3]] == [["r/a", "1", "7"], ["r/b", "1", "3"]]
+    assert lines[-1] == "2 retained message(s)"
+    rows = json.loads(run_cli("inspect", broker.store, "--retained", "--json").stdout)
+    assert [set(row) for row in rows] == [{"topic", "qos", "bytes", "age_s"}] * 2
+    assert [(row["topic"], row["qos"], row["bytes"]) for row in rows] == [("r/a", 1, 7), ("r/b", 1, 3)]
+
+
+# --- operations.md: metrics -------------------------------------------------------------------------------
+
+METRICS = [
+    "sessions/connected",
+    "sessions/disconnected",
+    "messages/queued",
+    "bytes/queued",
+    "messages/enqueued",
+    "messages/dropped",
+    "messages/dropped_clean",
+    "messages/replayed",
+    "messages/sent",
+    "sessions/expired",
+    "sessions/refused",
+    "connections/refused",
+    "retained/messages",
+    "store/commits",
+    "store/read_errors",
+]
+
+
+def test_metrics_topics_and_values(broker_factory: Callable[..., Broker]) -> None:
+    """Every ``metrics_interval`` seconds the plugin publishes, at QoS 0, plain decimal numbers under
+    ``$SYS/broker/durable/``: the table's topics."""
+    broker = broker_factory(metrics_interval=1)
+    durable = Client(broker.port, "met-dur")
+    durable.subscribe("met/#", qos=1)
+    durable.disconnect()
+    watcher = Client(broker.port, "met-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/#", qos=0)
+    publisher = Client(broker.port, "met-pub", clean_session=True)
+    publisher.publish("met/x", [b"hello"], qos=1, retain=True)
+    publisher.disconnect()
+    wanted = {f"$SYS/broker/durable/{name}" for name in METRICS}
+
+    def latest() -> dict[str, bytes]:
+        return {m.topic: m.payload for m in watcher.messages}
+
+    assert watcher.wait_for(
+        lambda msgs: wanted <= {m.topic for m in msgs} and latest()["$SYS/broker/durable/messages/queued"] == b"1",
+        3 * WAIT,
+    ), sorted(wanted - set(latest()))
+    values = latest()
+    assert all(values[topic].decode().isdigit() for topic in wanted), values
+    assert all(m.qos == 0 for m in watcher.messages if m.topic in wanted)
+    assert values["$SYS/broker/durable/sessions/disconnected"] == b"1"
+    assert values["$SYS/broker/durable/bytes/queued"] == b"5"
+    assert values["$SYS/broker/durable/retained/messages"] == b"1"
+
+
+# --- operations.md: inspect after a kill, drops; troubleshooting texts for damaged records ---------------
+
+
+def test_inspect_after_sigkill_shows_no_deadline(broker_factory: Callable[..., Broker]) -> None:
+    """time until expiry (``-``: no deadline stored, as for a session that was connected when the broker was
+    killed or stopped); ``--json``: null where none."""
+    broker = broker_factory()
+    client = Client(broker.port, "killed-1")
+    client.subscribe("k/#", qos=1)
+    broker.kill()
+    client.wait_disconnected()
+    client.paho.loop_stop()
+    result = run_cli("inspect", broker.store)
+    assert result.returncode == 0, output(result)
+    row = result.stdout.splitlines()[1].split()
+    assert row[0] == "killed-1" and row[4] == "-", result.stdout
+    rows = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert rows[0]["expires_at"] is None and rows[0]["disconnected_at"] is None
+
+
+def test_dropped_count_in_inspect_and_metric(broker_factory: Callable[..., Broker]) -> None:
+    """``max_depth_disconnected``: queue limit while disconnected; ``overflow: drop-oldest``; inspect's dropped
+    count; ``messages/dropped``: messages dropped by overflow."""
+    broker = broker_factory(max_depth=2, max_depth_disconnected=2, metrics_interval=1)
+    sub = Client(broker.port, "drop-1")
+    sub.subscribe("drop/t", qos=1)
+    sub.disconnect()
+    watcher = Client(broker.port, "drop-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/messages/dropped", qos=0)
+    publisher = Client(broker.port, "drop-pub", clean_session=True)
+    publisher.publish("drop/t", [b"m1", b"m2", b"m3", b"m4", b"m5"], qos=1)
+    publisher.disconnect()
+    assert watcher.wait_for(lambda msgs: any(m.payload == b"3" for m in msgs), 3 * WAIT)
+    watcher.disconnect()
+    broker.stop()
+    rows = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert [(r["client_id"], r["depth"], r["dropped"]) for r in rows] == [("drop-1", 2, 3)]
+    broker.start()
+    again = Client(broker.port, "drop-1")
+    assert [m.payload for m in again.wait_messages(2)] == [b"m4", b"m5"]
+    again.disconnect()
+
+
+def damaged(broker_factory: Callable[..., Broker], key: bytes, value: bytes) -> Broker:
+    """A store with one durable session, stopped, with ``key`` set to ``value`` by plyvel."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    db.put(key, value)
+    db.close()
+    return broker
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected", "inspect_args"),
+    [
+        (b"smade-1", b"{not json", "the session record of client id 'made-1' does not decode", [[]]),
+        (b"i", b"abc", "the store id: 3 bytes that do not decode", [[], ["--retained"]]),
+        (
+            b"rsome/topic",
+            b"\x00",
+            "the retained message of topic 'some/topic': 1 bytes that do not decode",
+            [["--retained"]],
+        ),
+        (b"t\x00\x01", b"x", "a queue totals key of 3 bytes, not 9 (damaged): b'", []),
+    ],
+)
+def test_damaged_records_are_named_then_repaired(
+    broker_factory: Callable[..., Broker], key: bytes, value: bytes, expected: str, inspect_args: list[list[str]]
+) -> None:
+    """``store '...' is corrupted or unreadable: ...``: the message names the damage (broker exit 1);
+    ``inspect`` names the same damage with the same advice (exit code 1) where it reads it: the store id
+    always, the session records when it lists sessions, the retained messages only with ``--retained`` (a
+    damaged retained message does not stop the list of sessions, nor a damaged session record
+    ``--retained``'s list); ``repair`` then makes the store start."""
+    broker = damaged(broker_factory, key, value)
+    result = run_cli("broker", "-c", str(broker.write_config()))
+    assert result.returncode == 1, output(result)
+    assert f"store '{broker.store}' is corrupted or unreadable: " in output(result)
+    assert expected in output(result), output(result)
+    for args in ([], ["--retained"]):
+        result = run_cli("inspect", broker.store, *args)
+        if args in inspect_args:
+            assert result.returncode == 1 and expected in output(result), output(result)
+            assert f"run 'amqtt-durable repair {broker.store}'" in output(result)
+        elif key[:1] in b"sr":
+            assert result.returncode == 0, output(result)
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    assert f"repaired '{broker.store}'; start the broker to use it" in result.stdout
+    assert run_cli("inspect", broker.store).returncode == 0
+    broker.start()
+
+
+def test_repair_removes_unreferenced_message_body(broker_factory: Callable[..., Broker]) -> None:
+    """message bodies that no queue entry points at ...: removed (``rebuilt: N message body(ies) that no
+    queue entry points at removed``)."""
+    broker = made_store(broker_factory)
+    publisher_broker = broker.start()
+    publisher = Client(publisher_broker.port, "body-pub", clean_session=True)
+    publisher.publish("made/x", [b"queued"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    bodies = [k for k, _ in db.iterator(prefix=b"m") if len(k) == 9]
+    assert len(bodies) == 1
+    stray = b"m" + (int.from_bytes(bodies[0][1:], "big") + 1).to_bytes(8, "big")
+    db.put(stray, db.get(bodies[0]))
+    db.close()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    assert "  rebuilt: 1 message body(ies) that no queue entry points at removed" in result.stdout.splitlines()
+    db = plyvel.DB(broker.store)
+    assert db.get(stray) is None and db.get(bodies[0]) is not None
+    db.close()
+
+
+def test_repair_raises_message_id_mark_below_an_id_in_use(broker_factory: Callable[..., Broker]) -> None:
+    """a highest message id mark that decodes but is below an id a message body ... holds: set to that id
+    (``rebuilt: highest message id N was below message M, which is in use (an earlier release wrote the store
+    since): set to M``)."""
+    broker = made_store(broker_factory)
+    broker.start()
+    publisher = Client(broker.port, "mark-pub", clean_session=True)
+    publisher.publish("made/x", [b"queued"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    mark = db.get(b"M")
+    assert mark is not None and len(mark) == 8
+    (body,) = [k for k, _ in db.iterator(prefix=b"m") if len(k) == 9]
+    in_use = int.from_bytes(body[1:], "big")
+    assert in_use >= 1
+    db.put(b"M", (0).to_bytes(8, "big"))
+    db.close()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    assert (
+        f"  rebuilt: highest message id 0 was below message {in_use}, which is in use (an earlier release wrote "
+        f"the store since): set to {in_use}"
+    ) in result.stdout.splitlines(), result.stdout
+
+
+def test_upgrade_from_store_without_message_id_mark(broker_factory: Callable[..., Broker]) -> None:
+    """The first start of a store written by an earlier release (one without the message id mark) ... logs, at
+    INFO, ``durable store STORE has no message id mark (written by an earlier release): reading every queue
+    entry once`` before and ``durable store STORE: N queue entries read in S s; highest message id in use M,
+    kept as the mark from now on`` after. Later starts read the mark and skip this."""
+    broker = made_store(broker_factory)
+    broker.start()
+    publisher = Client(broker.port, "up-pub", clean_session=True)
+    publisher.publish("made/x", [b"one", b"two"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    db.delete(b"M")
+    db.close()
+    before = len(broker.log())
+    broker.start()
+    log = broker.log()[before:]
+    assert (
+        f"durable store {broker.store} has no message id mark (written by an earlier release): reading every "
+        "queue entry once"
+    ) in log, log
+    assert f"durable store {broker.store}: 2 queue entries read in " in log
+    assert "kept as the mark from now on" in log
+    client = Client(broker.port, "made-1")
+    assert [m.payload for m in client.wait_messages(2)] == [b"one", b"two"]
+    client.disconnect()
+    broker.stop()
+    before = len(broker.log())
+    broker.start()
+    assert "has no message id mark" not in broker.log()[before:]
+
+
+def test_inspect_columns_as_wide_as_widest_cell(broker_factory: Callable[..., Broker]) -> None:
+    """each column as wide as its widest cell, counted in characters of the escaped text, header included, and
+    two spaces between columns, trailing spaces cut."""
+    broker = broker_factory()
+    long_id = "a-very-long-client-identifier"
+    client = Client(broker.port, long_id)
+    client.subscribe("w/#", qos=2)
+    client.disconnect()
+    broker.stop()
+    lines = run_cli("inspect", broker.store).stdout.splitlines()
+    width = len(long_id)
+    assert lines[0].startswith("CLIENT ID" + " " * (width - len("CLIENT ID") + 2) + "DEPTH  BYTES  ")
+    assert lines[1].startswith(long_id + "  0" + " " * (len("DEPTH") - 1) + "  0")
+    assert lines[1].endswith("  w/#@2") and lines[0].endswith("  SUBSCRIPTIONS")
+    assert all(line == line.rstrip() for line in lines)
+
+
+# --- configuration.md: limits as a client meets them ----------------------------------------------------
+
+
+def test_relative_store_is_taken_from_the_start_folder(tmp_path: Path) -> None:
+    """A relative path is taken from the folder the broker is started in, not the config file's."""
+    conf_dir, run_dir = tmp_path / "conf", tmp_path / "run"
+    conf_dir.mkdir()
+    run_dir.mkdir()
+    port = free_port()
+    config = conf_dir / "broker.yaml"
+    config.write_text(config_text(Path("rel/db"), port=port))
+    child = subprocess.Popen(
+        [sys.executable, "-m", "durable_fleet.console", "broker", "-c", str(config)],
+        cwd=run_dir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_serving(child, port)
+        assert (run_dir / "rel" / "db" / "CURRENT").exists()
+        assert not (conf_dir / "rel").exists()
+    finally:
+        child.terminate()
+        child.wait(WAIT)
+
+
+def test_max_durable_sessions_refuses_new_with_connack_3(broker_factory: Callable[..., Broker]) -> None:
+    """A CONNECT with clean_session=false whose client id has no durable session, while the store holds this
+    many, is refused with CONNACK 3 ...; A durable session's own reconnect is always accepted, clean sessions
+    are not counted; counted in ``$SYS/broker/durable/sessions/refused`` and logged as a WARNING naming the
+    client id and the limit."""
+    broker = broker_factory(max_durable_sessions=1, metrics_interval=1)
+    first = Client(broker.port, "cap-1")
+    first.disconnect()
+    assert connack_of(broker.port, "cap-2", 30, clean=False) == 3
+    assert connack_of(broker.port, "cap-clean", 30) == 0
+    watcher = Client(broker.port, "cap-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/sessions/refused", qos=0)
+    assert watcher.wait_for(lambda msgs: any(m.payload == b"1" for m in msgs), 3 * WAIT)
+    again = Client(broker.port, "cap-1")
+    assert again.session_present is True
+    again.disconnect()
+    watcher.disconnect()
+    warning = next(line for line in broker.log().splitlines() if "cap-2" in line)
+    assert "WARNING" in warning and "1" in warning
+
+
+def connack_of(port: int, client_id: str, keepalive: int, *, clean: bool = True) -> int:
+    """The CONNACK return code of a CONNECT with ``keepalive`` (clean_session=``clean``)."""
+    flags = 0x02 if clean else 0x00
+    body = mqtt_string("MQTT") + bytes([4, flags]) + keepalive.to_bytes(2, "big") + mqtt_string(client_id)
+    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
+        sock.sendall(mqtt_packet(0x10, body))
+        reply = sock.recv(4)
+    assert reply[:2] == b"\x20\x02", reply
+    return reply[3]
+
+
+def test_max_keepalive_edges(broker_factory: Callable[..., Broker]) -> None:
+    """``max_keepalive``: a CONNECT with keep-alive 0 ... or above this gets CONNACK 2 (identifier rejected)
+    ..., logged as a WARNING naming the client id, its keep-alive and the limit."""
+    broker = broker_factory(max_keepalive=30)
+    assert connack_of(broker.port, "ka-ok", 30) == 0
+    assert connack_of(broker.port, "ka-zero", 0) == 2
+    assert connack_of(broker.port, "ka-high", 31) == 2
+    warning = next(line for line in broker.log().splitlines() if "ka-zero" in line)
+    assert "WARNING" in warning and "30" in warning
+
+
+def test_max_keepalive_default_allows_zero(broker: Broker) -> None:
+    """0 (the default) allows any keep-alive, 0 included, as MQTT does."""
+    assert connack_of(broker.port, "ka-any", 0) == 0
+    assert connack_of(broker.port, "ka-max", 65535) == 0
+
+
+def test_queue_qos0_off_and_on(broker_factory: Callable[..., Broker]) -> None:
+    """``queue_qos0`` (default false): Queue QoS 0 messages for disconnected sessions too: those delivered at
+    QoS 0, i.e. published at QoS 0 or matching a QoS 0 subscription."""
+    for enabled in (False, True):
+        broker = broker_factory(queue_qos0=enabled)
+        sub = Client(broker.port, "q0-sub")
+        sub.subscribe([("q0/low", 0), ("q0/high", 1)])
+        sub.disconnect()
+        publisher = Client(broker.port, "q0-pub", clean_session=True)
+        publisher.publish("q0/low", [b"low-qos1"], qos=1)
+        publisher.publish("q0/high", [b"high-qos0"], qos=0)
+        publisher.publish("q0/high", [b"high-qos1"], qos=1)
+        publisher.disconnect()
+        broker.stop()
+        (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+        assert row["depth"] == (3 if enabled else 1), (enabled, row)
+
+
+@pytest.mark.parametrize(
+    ("line", "key"),
+    [
+        ('store: ""', "store"),
+        ("session_expiry: .inf", "session_expiry"),
+        ("session_expiry: -1", "session_expiry"),
+        ("overflow: drop-middle", "overflow"),
+        ("sync: 1", "sync"),
+        ("max_depth: 0", "max_depth"),
+    ],
+)
+def test_bad_values_named(tmp_path: Path, line: str, key: str) -> None:
+    """``store``: non-empty path; ``session_expiry``: finite number >= 0; ``overflow``: ``drop-oldest`` /
+    ``drop-newest``; ``sync``: ``true`` / ``false``; ``max_depth``: whole number >= 1. Refused naming the key,
+    exit code 2."""
+    if key == "store":
+        result = run_broker_config(
+            tmp_path, config_text(tmp_path / "store").replace(f"store: {tmp_path / 'store'}", line)
+        )
+        assert result.returncode == 2, output(result)
+        text = output(result)
+    else:
+        text = refused_config(tmp_path, line)
+    assert f"amqtt_durable config: '{key}': " in text and "given twice" not in text, text
+
+
+def test_drop_newest_keeps_the_oldest(broker_factory: Callable[..., Broker]) -> None:
+    """``overflow``: What a full queue drops: the oldest queued message, or the new one (``drop-newest``)."""
+    broker = broker_factory(max_depth=2, max_depth_disconnected=2, overflow="drop-newest")
+    sub = Client(broker.port, "dn-1")
+    sub.subscribe("dn/t", qos=1)
+    sub.disconnect()
+    publisher = Client(broker.port, "dn-pub", clean_session=True)
+    publisher.publish("dn/t", [b"m1", b"m2", b"m3"], qos=1)
+    publisher.disconnect()
+    again = Client(broker.port, "dn-1")
+    assert [m.payload for m in again.wait_messages(2)] == [b"m1", b"m2"]
+    assert not again.wait_for(lambda msgs: len(msgs) > 2, 0.5)
+    again.disconnect()
+
+
+def test_counters_restart_retained_count_survives(broker_factory: Callable[..., Broker]) -> None:
+    """Counters restart at 0 with the broker; ``retained/messages``: topics with a retained message now (the
+    same count after a restart)."""
+    broker = broker_factory(metrics_interval=1)
+    publisher = Client(broker.port, "cr-pub", clean_session=True)
+    publisher.publish("cr/a", [b"x"], qos=1, retain=True)
+    publisher.publish("cr/b", [b"y"], qos=1, retain=True)
+    publisher.disconnect()
+    broker.stop()
+    broker.start()
+    watcher = Client(broker.port, "cr-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/#", qos=0)
+
+    def seen(topic: str) -> bytes | None:
+        values = [m.payload for m in watcher.messages if m.topic == f"$SYS/broker/durable/{topic}"]
+        return values[0] if values else None
+
+    assert watcher.wait_for(
+        lambda _: seen("retained/messages") is not None and seen("messages/enqueued") is not None, 3 * WAIT
+    )
+    assert seen("retained/messages") == b"2"
+    assert seen("messages/enqueued") == b"0"
+    watcher.disconnect()
+
+
+def test_replication_listen_in_use(tmp_path: Path) -> None:
+    """``broker not started: replication.listen 127.0.0.1:7883: [Errno 98] Address already in use``, exit 1."""
+    with socket.socket() as holder:
+        holder.bind((HOST, 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        text = config_text(tmp_path / "store", f"replication:\n  name: a\n  role: primary\n  listen: {HOST}:{port}")
+        result = run_broker_config(tmp_path, text)
+    assert result.returncode == 1, output(result)
+    assert f"broker not started: replication.listen {HOST}:{port}: [Errno 98] Address already in use" in output(result)
+
+
+def test_inspect_due_and_ages(broker_factory: Callable[..., Broker]) -> None:
+    """ages and times read ``45s`` (under 2 minutes ...); an expiry already past ``due`` (the broker deletes
+    that session when it starts); ``--json``: times in Unix seconds."""
+    broker = broker_factory(session_expiry=2, metrics_interval=1)
+    sub = Client(broker.port, "due-1")
+    sub.subscribe("due/t", qos=1)
+    sub.disconnect()
+    watcher = Client(broker.port, "due-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/sessions/disconnected", qos=0)
+    publisher = Client(broker.port, "due-pub", clean_session=True)
+    publisher.publish("due/t", [b"abc"], qos=1)
+    publisher.disconnect()
+    assert watcher.wait_for(lambda msgs: any(m.payload == b"1" for m in msgs), 3 * WAIT)
+    watcher.disconnect()
+    broker.stop()
+    stopped = time.time()
+    (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert row["client_id"] == "due-1" and row["depth"] == 1
+    assert stopped - 3 * WAIT < row["disconnected_at"] <= stopped
+    assert row["expires_at"] == pytest.approx(row["disconnected_at"] + 2, abs=0.01)
+    deadline = time.monotonic() + 3 * WAIT
+    while time.time() <= row["expires_at"] and time.monotonic() < deadline:
+        threading.Event().wait(0.1)
+    line = run_cli("inspect", broker.store).stdout.splitlines()[1].split()
+    assert line[0] == "due-1" and line[4] == "due", line
+    assert re.fullmatch(r"\d+s", line[3]), line
+
+
+# --- store-layout.md / operations.md: keys, repair's judgement of a folder ---------------------------------
+
+
+def test_interrupted_deletion_finished_at_start(broker_factory: Callable[..., Broker]) -> None:
+    """Deleting a session writes its record's removal first; if a crash interrupts the deletion of a long
+    queue, the next start-up removes the rest (a WARNING says how many entries): ``store: deleted <n> queue
+    entries of a session whose deletion a crash or a stop cut short``."""
+    broker = made_store(broker_factory)
+    broker.start()
+    publisher = Client(broker.port, "cut-pub", clean_session=True)
+    publisher.publish("made/x", [b"a", b"b", b"c"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    assert db.get(b"smade-1") is not None
+    db.delete(b"smade-1")
+    db.close()
+    before = len(broker.log())
+    broker.start()
+    log = broker.log()[before:]
+    line = next(line for line in log.splitlines() if "whose deletion a crash or a stop cut short" in line)
+    assert "WARNING" in line and "store: deleted 3 queue entries of a session" in line, line
+    broker.stop()
+    assert json.loads(run_cli("inspect", broker.store, "--json").stdout) == []
+    db = plyvel.DB(broker.store)
+    assert [k for k, _ in db.iterator(prefix=b"q")] == []
+    db.close()
+
+
+def test_store_keys_version_and_id(broker_factory: Callable[..., Broker]) -> None:
+    """The version is stored under key ``v``; the store id ``i`` (an 8-byte value)."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    assert db.get(b"v") == b"1"
+    store_id = db.get(b"i")
+    assert store_id is not None and len(store_id) == 8
+    db.close()
+
+
+def test_store_without_version_refused_then_repaired(broker_factory: Callable[..., Broker]) -> None:
+    """a store ... with data but no version, is refused; repair takes a folder that holds the store id ``i``
+    and restores the layout version key (``layout version key restored``)."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    db.delete(b"v")
+    db.close()
+    result = run_cli("broker", "-c", str(broker.write_config()))
+    assert result.returncode == 1, output(result)
+    assert broker.store in output(result)
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    assert "layout version key restored" in result.stdout
+    db = plyvel.DB(broker.store)
+    assert db.get(b"v") == b"1"
+    db.close()
+    broker.start()
+    client = Client(broker.port, "made-1")
+    assert client.session_present is True
+    client.disconnect()
+
+
+def test_repair_refuses_leveldb_with_own_comparator(tmp_path: Path) -> None:
+    """``... another program's LevelDB (its keys are kept in the order of the comparator 'NAME', not
+    LevelDB's default, which amqtt-durable uses); nothing was changed. ...``; exit code 1."""
+    folder = tmp_path / "cmp-db"
+
+    def reverse(a: bytes, b: bytes) -> int:
+        return (a < b) - (a > b)
+
+    db = plyvel.DB(str(folder), create_if_missing=True, comparator=reverse, comparator_name=b"test.Reverse")
+    db.put(b"v", b"1")
+    db.put(b"sclient", b"{}")
+    db.close()
+    before = folder_bytes(folder)
+    result = run_cli("repair", str(folder))
+    assert result.returncode == 1, output(result)
+    assert (
+        f"repair of '{folder}' refused: it is not an amqtt-durable store but another program's LevelDB (its keys "
+        "are kept in the order of the comparator 'test.Reverse', not LevelDB's default, which amqtt-durable "
+        "uses); nothing was changed."
+    ) in output(result), output(result)
+    assert folder_bytes(folder) == before
+
+
+def test_repair_names_a_long_foreign_key_cut_at_40_bytes(tmp_path: Path) -> None:
+    """(the first such key, as Python writes bytes, cut at 40 bytes with ``, ...``)."""
+    folder = tmp_path / "long-db"
+    key = b"z" * 60
+    db = plyvel.DB(str(folder), create_if_missing=True)
+    db.put(key, b"1")
+    db.close()
+    result = run_cli("repair", str(folder))
+    assert result.returncode == 1, output(result)
+    assert f"and its key {key[:40]!r}, ... has the shape of no key" in output(result), output(result)
+
+
+def test_repair_takes_a_folder_of_layout_shaped_keys(tmp_path: Path) -> None:
+    """``repair`` takes a LevelDB folder ... when every key it holds has the shape of a key of this layout
+    (``s`` followed by UTF-8, ``r`` followed by UTF-8, ...): it gets the layout version key."""
+    folder = tmp_path / "shaped"
+    db = plyvel.DB(str(folder), create_if_missing=True)
+    db.put(b"rsome/topic", b"\xff")
+    db.close()
+    result = run_cli("repair", str(folder))
+    assert result.returncode == 0, output(result)
+    db = plyvel.DB(str(folder))
+    assert db.get(b"v") == b"1"
+    db.close()
+
+
+def test_inspect_escapes_filters_and_sorts_ids_as_sent(broker_factory: Callable[..., Broker]) -> None:
+    """spaces, commas and ``@`` show as they are; ``\\u200d``, ``\\xa0`` escaped; client ids and filters are
+    sorted as the clients sent them, not as escaped."""
+    broker = broker_factory()
+    first = Client(broker.port, "a\x01")
+    first.subscribe("x y,z@w\u200d\xa0", qos=1)
+    first.disconnect()
+    second = Client(broker.port, "a\\")
+    second.disconnect()
+    broker.stop()
+    lines = run_cli("inspect", broker.store).stdout.splitlines()
+    assert lines[1].startswith("a\\x01  ") and lines[2].startswith("a\\\\  "), lines
+    assert lines[1].endswith("  x y,z@w\\u200d\\xa0@1"), lines
+
+
+def test_merged_mapping_key_given_twice_named_with_merge_path(tmp_path: Path) -> None:
+    """a mapping merged with ``<<:`` too, named where it is written: ``<<.store`` for one under the plugin's
+    key, ``listeners.default.<<[0].bind`` for an item of a merged list."""
+    port = free_port()
+    text = (
+        f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{port}\n"
+        f"plugins:\n  {PLUGIN}:\n    <<: {{store: {tmp_path / 'a'}, store: {tmp_path / 'b'}}}\n"
+    )
+    result = run_broker_config(tmp_path, text)
+    assert result.returncode == 2, output(result)
+    assert "'<<.store'" in output(result), output(result)
+    text = (
+        f"listeners:\n  default:\n    type: tcp\n    <<: [{{bind: '{HOST}:{port}', bind: '{HOST}:{port}'}}]\n"
+        f"plugins:\n  {PLUGIN}:\n    store: {tmp_path / 'store'}\n"
+    )
+    result = run_broker_config(tmp_path, text)
+    assert result.returncode == 2, output(result)
+    assert "'listeners.default.<<[0].bind'" in output(result), output(result)
+
+
+def test_python_streams_tuple_held_as_list() -> None:
+    """both take ``streams`` as a list (or a tuple, held as a list) of entries."""
+    config = DurableConfig.from_mapping({"streams": ({"filter": "a/#"},)})
+    assert isinstance(config.streams, list) and len(config.streams) == 1
+    assert config.streams[0].filter == "a/#"
+
+
+@pytest.mark.parametrize(("expiry", "shown"), [(7199, "120m"), (36000, "10.0h")])
+def test_inspect_expiry_formats(broker_factory: Callable[..., Broker], expiry: int, shown: str) -> None:
+    """``5m`` (under 2 hours) or ``3.5h``, rounded to the nearest ... minute or tenth of an hour (an expiry
+    7,199 s away reads ``120m``)."""
+    broker = broker_factory(session_expiry=expiry)
+    client = Client(broker.port, "fmt-1")
+    client.disconnect()
+    publisher = Client(broker.port, "fmt-pub", clean_session=True)  # its CONNACK: the DISCONNECT was read
+    publisher.disconnect()
+    broker.stop()
+    (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert row["expires_at"] is not None, row
+    line = run_cli("inspect", broker.store).stdout.splitlines()[1].split()
+    assert line[4] == shown, line
+
+
+def test_replayed_sent_and_expired_metrics(broker_factory: Callable[..., Broker]) -> None:
+    """``messages/replayed``: sends of messages that were queued before their session connected;
+    ``messages/sent``: messages sent to durable sessions; ``sessions/expired``: sessions deleted by expiry;
+    plus the event topic ``$SYS/broker/durable/expired``."""
+    broker = broker_factory(metrics_interval=1, session_expiry=1)
+    watcher = Client(broker.port, "rs-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/#", qos=0)
+    sub = Client(broker.port, "rs-1")
+    sub.subscribe("rs/t", qos=1)
+    sub.disconnect()
+    publisher = Client(broker.port, "rs-pub", clean_session=True)
+    publisher.publish("rs/t", [b"a", b"b"], qos=1)
+    publisher.disconnect()
+    again = Client(broker.port, "rs-1")
+    assert len(again.wait_messages(2)) == 2
+    again.disconnect()
+
+    def latest(name: str) -> bytes | None:
+        values = [m.payload for m in watcher.messages if m.topic == f"$SYS/broker/durable/{name}"]
+        return values[-1] if values else None
+
+    assert watcher.wait_for(
+        lambda msgs: (
+            latest("sessions/expired") == b"1"
+            and any(m.topic == "$SYS/broker/durable/expired" for m in msgs)
+            and latest("messages/replayed") == b"2"
+            and latest("messages/sent") == b"2"
+        ),
+        4 * WAIT,
+    ), {m.topic: m.payload for m in watcher.messages}
+    watcher.disconnect()
+
+
+# --- operations.md: a full disk ---------------------------------------------------------------------------
+
+
+def test_repair_on_a_full_disk_and_a_read_only_one(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """If the disk is full: ``repair of '...' not started: its folder cannot take the writes a repair needs (No
+    space left on device: it needs N MB free, twice the store's table and log files plus 1 MB); nothing was
+    changed. Free space on the store's disk, then run repair again`` (N ... with one decimal: ``it needs 1.0
+    MB free`` for a small store); read-only: ``repair of '...' not started:
+    its folder cannot be written (Read-only file system); nothing was changed``; exit code 1 either way."""
+    source = made_store(broker_factory)
+    with small_disk(tmp_path / "disk", 8) as disk:
+        store = disk / "store"
+        subprocess.run(["cp", "-a", source.store, str(store)], check=True, timeout=WAIT)
+        filler = fill(disk)
+        before = folder_bytes(store)
+        result = run_cli("repair", str(store))
+        assert result.returncode == 1, output(result)
+        assert re.search(
+            rf"repair of '{re.escape(str(store))}' not started: its folder cannot take the writes a repair needs "
+            r"\(No space left on device: it needs \d+\.\d MB free, twice the store's table and log files plus 1 MB\); "
+            r"nothing was changed\. Free space on the store's disk, then run repair again",
+            output(result),
+        ), output(result)
+        assert folder_bytes(store) == before
+        assert not (store / "durable-write-probe.tmp").exists()
+        filler.unlink()
+        remount_read_only(disk)
+        result = run_cli("repair", str(store))
+        assert result.returncode == 1, output(result)
+        assert (
+            f"repair of '{store}' not started: its folder cannot be written (Read-only file system); nothing was "
+            "changed"
+        ) in output(result), output(result)
+
+
+def test_broker_start_on_a_full_disk(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """``cannot read store '...': IO error: ...: No space left on device`` (``broker not started``, exit code
+    1, or from ``inspect``): opening the store turns its log into a table, and its disk is full. Free space on
+    it and start again; the store is not damaged and needs no repair."""
+    source = made_store(broker_factory)
+    with small_disk(tmp_path / "disk", 8) as disk:
+        store = disk / "store"
+        subprocess.run(["cp", "-a", source.store, str(store)], check=True, timeout=WAIT)
+        filler = fill(disk)
+        source.store = str(store)
+        source.settings["store"] = str(store)
+        result = run_cli("broker", "-c", str(source.write_config()))
+        assert result.returncode == 1, output(result)
+        assert "broker not started" in output(result) and f"cannot read store '{store}': IO error: " in output(
+            result
+        ), output(result)
+        assert "No space left on device" in output(result)
+        filler.unlink()
+        source.start()
+        client = Client(source.port, "made-1")
+        assert client.session_present is True
+        client.disconnect()
+        source.stop()
+
+
+def test_store_health_while_the_disk_fills_and_frees(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """Each change is logged as a WARNING (``store write failed: ...``, then ``store writes succeed again after
+    <n> s of failures: serving normally``) and published, retained, at QoS 1, on
+    ``$SYS/broker/durable/store/health``: ``{"status": "failing", "since": ..., "error": "...", "failed_for":
+    null}``, then ``{"status": "ok", "since": ..., "error": null, "failed_for": <seconds>}``. While writes
+    fail a CONNECT with ``clean_session=false`` gets CONNACK 3."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(start=False)
+        broker.store = str(disk / "store")
+        broker.settings["store"] = broker.store
+        broker.start()
+        sub = Client(broker.port, "health-sub")
+        sub.subscribe("health/t", qos=1)
+        sub.disconnect()
+        watcher = Client(broker.port, "health-watch", clean_session=True)
+        watcher.subscribe("$SYS/broker/durable/store/health", qos=1)
+        filler = fill(disk)
+        publisher = Client(broker.port, "health-pub", clean_session=True)
+        big = bytes(64 * 1024)
+        infos = [publisher.paho.publish("health/t", big, qos=1) for _ in range(64)]
+        assert publisher.wait_disconnected(3 * WAIT), "the publisher's connection was not closed"
+        publisher.paho.loop_stop()
+        assert not all(info.is_published() for info in infos)
+
+        def health() -> list[dict[str, object]]:
+            return [json.loads(m.payload) for m in watcher.messages]
+
+        assert watcher.wait_for(lambda _: any(h["status"] == "failing" for h in health()), 3 * WAIT)
+        failing = next(h for h in health() if h["status"] == "failing")
+        assert set(failing) == {"status", "since", "error", "failed_for"} and failing["failed_for"] is None
+        assert isinstance(failing["error"], str) and failing["error"]
+        assert connack_of(broker.port, "health-new", 30, clean=False) == 3
+        filler.unlink()
+        assert watcher.wait_for(lambda _: any(h["status"] == "ok" for h in health()), 4 * WAIT)
+        ok = next(h for h in health() if h["status"] == "ok")
+        assert ok["error"] is None and isinstance(ok["failed_for"], int | float)
+        assert all(m.qos == 1 and m.topic == "$SYS/broker/durable/store/health" for m in watcher.messages)
+        log = broker.log()
+        failed = next(line for line in log.splitlines() if "store write failed: " in line)
+        assert "WARNING" in failed
+        assert re.search(r"WARNING.*store writes succeed again after [\d.]+ s of failures: serving normally", log)
+        watcher.disconnect()
+        late = Client(broker.port, "health-late", clean_session=True)
+        late.subscribe("$SYS/broker/durable/store/health", qos=1)
+        (retained,) = late.wait_messages(1)
+        assert retained.retain and json.loads(retained.payload)["status"] == "ok"
+        late.disconnect()
+        broker.stop()
+
+
+# --- operations.md: with the stock ``amqtt`` command -------------------------------------------------------
+
+STOCK_AMQTT = str(Path(sys.executable).parent / "amqtt")
+
+
+def run_stock(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [STOCK_AMQTT, "-c", str(config)], capture_output=True, text=True, timeout=4 * WAIT, check=False
+    )
+
+
+def test_stock_amqtt_reports_bad_settings_in_a_traceback(tmp_path: Path) -> None:
+    """amqtt's own config loader reports a bad setting inside a long traceback, with exit code 1: a value of
+    the wrong type in one ending in ``PluginLoadError`` (look for e.g. ``wrong value type for field
+    "overflow"``), a value out of range in one ending in the plugin's own ``ConfigError: amqtt_durable config:
+    '<key>': ...``."""
+    config = tmp_path / "broker.yaml"
+    config.write_text(config_text(tmp_path / "store", "max_depth: 0"))
+    result = run_stock(config)
+    assert result.returncode == 1, output(result)
+    assert output(result).rstrip().splitlines()[-1].startswith("ConfigError: amqtt_durable config: 'max_depth': ")
+    config.write_text(config_text(tmp_path / "store", "overflow: 5"))
+    result = run_stock(config)
+    assert result.returncode == 1, output(result)
+    assert output(result).rstrip().splitlines()[-1].startswith("PluginLoadError")
+    assert 'wrong value type for field "overflow"' in output(result)
+
+
+def test_stock_amqtt_keeps_the_last_of_a_key_given_twice(tmp_path: Path) -> None:
+    """A key given twice is not caught (plain YAML keeps the last)."""
+    port = free_port()
+    config = tmp_path / "broker.yaml"
+    config.write_text(config_text(tmp_path / "store", "overflow: drop-sideways\noverflow: drop-newest", port=port))
+    child = subprocess.Popen([STOCK_AMQTT, "-c", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_serving(child, port)
+    finally:
+        child.terminate()
+        child.wait(WAIT)
+
+
+def test_backup_copied_into_an_empty_store_folder(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """a backup copied *into* an existing empty folder (``data/durable/durable-1``): ``store folder '...' holds
+    files (...) but no LevelDB store``, exit code 1, change nothing (broker and ``inspect``)."""
+    source = made_store(broker_factory)
+    store = tmp_path / "data" / "durable"
+    store.mkdir(parents=True)
+    subprocess.run(["cp", "-a", source.store, str(store / "durable-1")], check=True, timeout=WAIT)
+    result = run_broker_config(tmp_path, config_text(store))
+    assert result.returncode == 1, output(result)
+    assert f"store folder '{store}' holds files (" in output(result) and "but no LevelDB store" in output(result)
+    assert [p.name for p in store.iterdir()] == ["durable-1"]
+    result = run_cli("inspect", str(store))
+    assert result.returncode == 1 and f"store folder '{store}' holds files (" in output(result)
+
+
+def test_store_held_by_another_program(broker_factory: Callable[..., Broker]) -> None:
+    """a store that a running broker (or ``inspect``, or any program using the LevelDB) holds is refused with
+    ``store '...' is locked by another process``, exit code 1 (``repair`` and the broker alike)."""
+    broker = made_store(broker_factory)
+    holder = plyvel.DB(broker.store)  # this process's fcntl lock: no file of the store is opened here meanwhile
+    try:
+        for args in (["repair", broker.store], ["broker", "-c", str(broker.write_config())]):
+            result = run_cli(*args)
+            assert result.returncode == 1, output(result)
+            assert f"store '{broker.store}' is locked by another process" in output(result), output(result)
+    finally:
+        holder.close()
+
+
+def test_repair_rebuilds_totals_and_restarts_dropped(broker_factory: Callable[..., Broker]) -> None:
+    """dropped count (since the session was created, across restarts and reconnects; a repair that rebuilds
+    missing or undecodable queue totals starts it at 0); repair rebuilds queue totals that are missing."""
+    broker = broker_factory(max_depth=2, max_depth_disconnected=2)
+    sub = Client(broker.port, "tot-1")
+    sub.subscribe("tot/t", qos=1)
+    sub.disconnect()
+    publisher = Client(broker.port, "tot-pub", clean_session=True)
+    publisher.publish("tot/t", [b"m1", b"m2", b"m3"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    broker.start()
+    broker.stop()
+    (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert (row["depth"], row["bytes"], row["dropped"]) == (2, 4, 1)
+    db = plyvel.DB(broker.store)
+    totals = [k for k, _ in db.iterator(prefix=b"t") if len(k) == 9]
+    assert len(totals) == 1
+    db.delete(totals[0])
+    db.close()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    assert any(line.startswith("  rebuilt: ") for line in result.stdout.splitlines()), result.stdout
+    (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert (row["depth"], row["bytes"], row["dropped"]) == (2, 4, 0)
+
+
+def test_repair_of_an_undecodable_session_record(broker_factory: Callable[..., Broker]) -> None:
+    """a session record that no longer decodes: its session number is read from the damaged bytes, or it is
+    matched to the one session number left without a record ...; its subscriptions are lost (the client must
+    subscribe again); queued messages in readable records are kept."""
+    broker = made_store(broker_factory)
+    broker.start()
+    publisher = Client(broker.port, "rec-pub", clean_session=True)
+    publisher.publish("made/x", [b"kept"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    db.put(b"smade-1", b"{not json")
+    db.close()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    assert "made-1" in result.stdout
+    (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    assert (row["client_id"], row["depth"], row["subscriptions"]) == ("made-1", 1, {})
+    broker.start()
+    client = Client(broker.port, "made-1")
+    assert client.session_present is True
+    assert [m.payload for m in client.wait_messages(1)] == [b"kept"]
+    client.disconnect()
+
+
+def test_stop_during_an_outage_logs_what_is_not_stored(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
+    """A broker stopped during the outage logs how many writes it could not store, as a WARNING: ``closing
+    with the store still failing (<error>): <n> pending write(s) are not stored; every message the broker
+    acknowledged is stored already``. A QoS 0 publish is not queued for durable sessions and its connection
+    stays open."""
+    with small_disk(tmp_path / "disk", 16) as disk:
+        broker = broker_factory(start=False)
+        broker.store = str(disk / "store")
+        broker.settings["store"] = broker.store
+        broker.start()
+        sub = Client(broker.port, "out-sub")
+        sub.subscribe("out/t", qos=1)
+        sub.disconnect()
+        watcher = Client(broker.port, "out-watch", clean_session=True)
+        watcher.subscribe("$SYS/broker/durable/store/health", qos=1)
+        fill(disk)
+        publisher = Client(broker.port, "out-pub", clean_session=True)
+        big = bytes(64 * 1024)
+        for _ in range(64):
+            publisher.paho.publish("out/t", big, qos=1)
+        assert publisher.wait_disconnected(3 * WAIT)
+        publisher.paho.loop_stop()
+        assert watcher.wait_for(lambda msgs: any(b'"failing"' in m.payload for m in msgs), 3 * WAIT)
+        quiet = Client(broker.port, "out-q0", clean_session=True)
+        quiet.publish("out/t", [b"zero"], qos=0)
+        quiet.subscribe("out/other", qos=0)  # answered: the QoS 0 publisher's connection stays open
+        quiet.disconnect()
+        watcher.disconnect()
+        broker.stop()
+        line = next(line for line in broker.log().splitlines() if "closing with the store still failing (" in line)
+        assert "WARNING" in line, line
+        assert re.search(
+            r"closing with the store still failing \(.+\): \d+ pending write\(s\) are not stored; every message "
+            r"the broker acknowledged is stored already",
+            line,
+        ), line
+
+
+def test_repair_quotes_client_ids_as_repr(broker_factory: Callable[..., Broker]) -> None:
+    """a client id ... in quotes as Python's ``repr()`` writes a string: ``client '...'``, or ``client "..."``
+    for one holding a ``'`` and no ``"``; what it could not recover: records it could not match (removed: that
+    client starts a new session), each on a line indented two spaces, ``not recovered: ...``."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    db.put(b"sit's", b"{bad")
+    db.put(b"sa\"b'c\n", b"{bad")
+    db.close()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    lines = result.stdout.splitlines()
+    assert any(line.startswith('  not recovered: client "it\'s": ') for line in lines), lines
+    assert any(line.startswith("  not recovered: client 'a\"b\\'c\\n': ") for line in lines), lines
+    assert len(lines) == 3
+
+
+def test_earlier_stream_log_keys_are_converted(broker_factory: Callable[..., Broker]) -> None:
+    """A store written by an earlier release (events keyed by topic, a NUL byte and the id) is converted when
+    the broker opens it ...; events and id marks of topics no client may publish to (U+0000 in them) are
+    dropped, with a WARNING that counts them."""
+    broker = broker_factory(streams=[{"filter": "tele/#", "max_count": 100, "max_age": 0}])
+    publisher = Client(broker.port, "conv-pub", clean_session=True)
+    publisher.publish("tele/a", [b"e1", b"e2"], qos=1)
+    publisher.disconnect()
+    broker.stop()
+    db = plyvel.DB(broker.store)
+    events = [(k, v) for k, v in db.iterator(prefix=b"e")]
+    assert len(events) == 2
+    topic = b"tele/a"
+    for key, value in events:
+        assert topic in key
+        db.delete(key)
+        db.put(b"l" + topic + b"\x00" + key[-8:], value)
+    db.put(b"l" + b"te\x00le/b" + b"\x00" + events[0][0][-8:], events[0][1])
+    db.close()
+    before = len(broker.log())
+    broker.start()
+    broker.stop()
+    log = broker.log()[before:]
+    warning = [line for line in log.splitlines() if "WARNING" in line and "1" in line and "U+0000" in line]
+    assert warning, log
+    db = plyvel.DB(broker.store)
+    assert [k for k, _ in db.iterator(prefix=b"l")] == []
+    assert sorted(k for k, _ in db.iterator(prefix=b"e")) == sorted(k for k, _ in events)
+    db.close()
+
+
+def test_more_documented_defaults_and_edges() -> None:
+    """The table's defaults and ranges: ``batch_size`` 5000, ``batch_delay_ms`` 10, ``pending_threshold`` 100,
+    ``drop_log_interval`` 10, ``max_session_expiry`` 604800, ``streams`` [], ``stream_window`` 1 (1 to 1000),
+    ``stream_ack_timeout`` 5 (> 0), ``session_takeover`` owner-only, ``connect_timeout`` 10,
+    ``max_packet_size`` 1048576 (1024 to 268435455), ``max_bytes``/``max_bytes_disconnected`` 0 (>=
+    ``max_bytes`` when both are set), ``max_subscriptions_per_client`` 1000, ``max_subscription_bytes_per_client``
+    1048576, ``max_pending_clean`` 10000, ``max_pending_bytes_clean`` 16777216, ``max_awaiting_pubrel`` 1000."""
+    config = DurableConfig()
+    expected = {
+        "batch_size": 5000,
+        "batch_delay_ms": 10,
+        "pending_threshold": 100,
+        "drop_log_interval": 10,
+        "max_session_expiry": 604800,
+        "streams": [],
+        "stream_window": 1,
+        "stream_ack_timeout": 5,
+        "session_takeover": "owner-only",
+        "connect_timeout": 10,
+        "max_packet_size": 1048576,
+        "max_bytes": 0,
+        "max_bytes_disconnected": 0,
+        "max_subscriptions_per_client": 1000,
+        "max_subscription_bytes_per_client": 1048576,
+        "max_pending_clean": 10000,
+        "max_pending_bytes_clean": 16777216,
+        "max_awaiting_pubrel": 1000,
+    }
+    assert {key: getattr(config, key) for key in expected} == expected
+    for key, good, bad in (
+        ("stream_window", [1, 1000], [0, 1001]),
+        ("max_packet_size", [1024, 268435455], [1023, 268435456]),
+        ("stream_ack_timeout", [0.001], [0]),
+    ):
+        for value in good:
+            assert getattr(DurableConfig.from_mapping({key: value}), key) == value
+        for value in bad:
+            with pytest.raises(ConfigError, match=f"'{key}'"):
+                DurableConfig.from_mapping({key: value})
+    assert DurableConfig.from_mapping({"max_bytes": 10, "max_bytes_disconnected": 10}).max_bytes_disconnected == 10
+    assert DurableConfig.from_mapping({"max_bytes": 10}).max_bytes_disconnected == 0
+    with pytest.raises(ConfigError, match="'max_bytes_disconnected'"):
+        DurableConfig.from_mapping({"max_bytes": 10, "max_bytes_disconnected": 9})
+
+
+def test_max_packet_size_edge(broker_factory: Callable[..., Broker]) -> None:
+    """``max_packet_size``: Largest packet a client may send (remaining length, bytes); a larger one closes the
+    connection before its body is read."""
+    broker = broker_factory(max_packet_size=1024)
+    topic = "mp/t"
+    for extra, closed in ((0, False), (1, True)):
+        payload_size = 1024 - 2 - len(topic) - 2 + extra  # QoS 1: topic length, topic, packet id, payload
+        with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+            connect = mqtt_string("MQTT") + bytes([4, 0x02, 0, 30]) + mqtt_string(f"mp-{extra}")
+            sock.sendall(mqtt_packet(0x10, connect))
+            assert sock.recv(4) == b"\x20\x02\x00\x00"
+            sock.sendall(mqtt_packet(0x32, mqtt_string(topic) + b"\x00\x07" + bytes(payload_size)))
+            reply = sock.recv(4)
+            if closed:
+                assert reply == b"", reply
+            else:
+                assert reply == b"\x40\x02\x00\x07", reply
+
+
+def test_max_subscriptions_per_client(broker_factory: Callable[..., Broker]) -> None:
+    """a SUBSCRIBE past it gets return code 0x80 for the filters over the limit (logged as a WARNING ...).
+    Re-subscribing to a held filter does not count twice."""
+    broker = broker_factory(max_subscriptions_per_client=2)
+    client = Client(broker.port, "subs-1")
+    assert client.subscribe([("s/a", 1), ("s/b", 1), ("s/c", 1)]) == [1, 1, 0x80]
+    assert client.subscribe("s/a", qos=0) == [0]
+    assert client.subscribe("s/d", qos=0) == [0x80]
+    client.disconnect()
+    warning = next(line for line in broker.log().splitlines() if "subs-1" in line and "WARNING" in line)
+    assert "2" in warning
+
+
+@pytest.mark.parametrize("command", ["inspect", "promote"])
+def test_replication_address_forms(command: str) -> None:
+    """``inspect --replication`` and ``promote`` talk to a running broker over its ``replication.listen``
+    address (an IPv6 address in brackets, ``[::1]:7883``; a malformed HOST:PORT is a usage error, exit code
+    2)."""
+    args = ["--replication"] if command == "inspect" else []
+    port = free_port()
+    for malformed in ("::1:7883", "127.0.0.1", "127.0.0.1:port", "127.0.0.1:70000"):
+        result = run_cli(command, *args, malformed)
+        assert result.returncode == 2, (malformed, output(result))
+    result = run_cli(command, *args, f"[::1]:{port}")
+    assert result.returncode not in (0, 2), output(result)
+
+
+def test_max_connections_per_address(broker_factory: Callable[..., Broker]) -> None:
+    """``max_connections_per_address``: a new TCP connection past it is closed as soon as it is accepted ...
+    (so without a CONNACK); counted in ``$SYS/broker/durable/connections/refused`` and logged as a WARNING
+    naming the address and the limit."""
+    broker = broker_factory(max_connections_per_address=2, metrics_interval=1)
+    watcher = Client(broker.port, "mc-watch", clean_session=True)
+    watcher.subscribe("$SYS/broker/durable/connections/refused", qos=0)
+    other = Client(broker.port, "mc-1", clean_session=True)
+    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
+        try:  # closed unread: our CONNECT still in its buffer, the kernel may reset the connection
+            sock.sendall(mqtt_packet(0x10, mqtt_string("MQTT") + bytes([4, 0x02, 0, 30]) + mqtt_string("mc-2")))
+            assert sock.recv(4) == b""
+        except ConnectionResetError:
+            pass
+    assert watcher.wait_for(lambda msgs: any(m.payload == b"1" for m in msgs), 3 * WAIT)
+    other.disconnect()
+    watcher.disconnect()
+    warning = next(line for line in broker.log().splitlines() if "WARNING" in line and HOST in line)
+    assert "2" in warning
+
+
+def test_store_without_queue_entries_gets_the_mark_silently(broker_factory: Callable[..., Broker]) -> None:
+    """a store without queue entries, such as a new one, has nothing to read: it gets the mark without these
+    lines."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    db.delete(b"M")
+    db.close()
+    before = len(broker.log())
+    broker.start()
+    broker.stop()
+    assert "has no message id mark" not in broker.log()[before:]
+    db = plyvel.DB(broker.store)
+    assert db.get(b"M") is not None
+    db.close()
+
+
+def test_debug_flag_logs_debug_lines(tmp_path: Path) -> None:
+    """``amqtt-durable broker -c broker.yaml``: check the config, then run amqtt; ``-d`` for debug logs."""
+    port = free_port()
+    config = tmp_path / "broker.yaml"
+    config.write_text(config_text(tmp_path / "store", port=port))
+    log = tmp_path / "broker.log"
+    with log.open("wb") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "durable_fleet.console", "broker", "-c", str(config), "-d"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_serving(child, port)
+        finally:
+            child.terminate()
+            child.wait(WAIT)
+    assert "DEBUG" in log.read_text(errors="replace")
+
+
+def test_repair_clears_replication_position_rebuilt_lines_first(broker_factory: Callable[..., Broker]) -> None:
+    """A replicated store's position is cleared too (``rebuilt: replication position cleared``); every
+    ``rebuilt:`` line comes before the first ``not recovered:`` line."""
+    broker = made_store(broker_factory)
+    db = plyvel.DB(broker.store)
+    db.put(b"R", (5).to_bytes(8, "big"))
+    db.put(b"sgone", b"{bad")
+    db.close()
+    result = run_cli("repair", broker.store)
+    assert result.returncode == 0, output(result)
+    lines = result.stdout.splitlines()[1:]
+    kinds = [line.split(":")[0] for line in lines]
+    assert kinds == sorted(kinds, key=lambda kind: kind != "  rebuilt") and "  not recovered" in kinds, lines
+    assert any(line.startswith("  rebuilt: replication position cleared") for line in lines), lines
+    db = plyvel.DB(broker.store)
+    assert db.get(b"R") is None
+    db.close()
