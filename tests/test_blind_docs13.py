@@ -1,0 +1,911 @@
+"""Blind tests of docs/protocol.md, docs/streams.md, docs/delivery-log.md and docs/pipeline.md,
+written from the docs alone: a real broker (``amqtt-durable broker -c``), raw MQTT connections
+speaking the control protocol, the SDK and the pipeline's console command."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from raw_mqtt_helpers import STREAM_PREFIX, Raw, raw_subscribe
+
+from conftest import WAIT, Broker, Client
+from durable_client import DurableClient, Event
+
+pytestmark = pytest.mark.timeout(120)
+
+MARKER = "$durable/v1/marker"
+FRAME = struct.Struct(">BBQQd")
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """One broker for the module: a stream log on telemetry/#, max_session_expiry 1000, window 1."""
+    folder = tmp_path_factory.mktemp("blind13")
+    broker = Broker(
+        folder,
+        streams=[{"filter": "telemetry/#"}],
+        max_session_expiry=1000,
+        stream_window=1,
+        stream_ack_timeout=30,
+    ).start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def raw(shared: Broker, raws: Callable[..., Raw], request: pytest.FixtureRequest) -> Raw:
+    """A clean-session raw connection with a client id of its own."""
+    return raws(shared.port, f"c-{request.node.name}"[:60], clean=True)
+
+
+def error_of(reply: dict[str, Any]) -> tuple[str, Any, Any, str]:
+    assert reply["ok"] is False, reply
+    return reply["error"]["code"], reply["op"], reply["req"], reply["error"]["message"]
+
+
+def sdk_session(port: int, raws: Callable[..., Raw], client_id: str) -> tuple[Raw, dict[str, Any]]:
+    """A durable session that said hello: (its connection, the hello reply)."""
+    conn = raws(port, client_id, clean=False)
+    hello = conn.request({"v": 1, "op": "hello", "req": 1})
+    assert hello["ok"] is True, hello
+    return conn, hello
+
+
+def frame(payload: bytes) -> tuple[int, int, int, int, float, bytes]:
+    """(version, flags, epoch, seq, published, payload) of a framed message."""
+    version, flags, epoch, seq, published = FRAME.unpack_from(payload)
+    return version, flags, epoch, seq, published, payload[FRAME.size :]
+
+
+# --- requests and their refusals (protocol.md "Requests", "Replies") ---------------------------
+
+
+@pytest.mark.parametrize("version", ["absent", 2, "1", 1.0, True])
+def test_v_other_than_integer_1_is_unsupported_version(raw: Raw, version: Any) -> None:
+    request: dict[str, Any] = {"op": "hello", "req": 5}
+    if version != "absent":
+        request["v"] = version
+    code, op, req, _ = error_of(raw.request(request))
+    assert (code, op, req) == ("unsupported_version", "hello", 5)
+
+
+def test_unknown_and_missing_op_are_unknown_op_with_op_null(raw: Raw) -> None:
+    assert error_of(raw.request({"v": 1, "op": "fly", "req": 3}))[:3] == ("unknown_op", None, 3)
+    assert error_of(raw.request({"v": 1, "req": 4}))[:3] == ("unknown_op", None, 4)
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [(b"[1]", "an array"), (b"null", "a JSON null"), (b"true", "a boolean"), (b"12", "a number"), (b'"x"', "a string")],
+)
+def test_not_an_object_says_what_it_is(raw: Raw, body: bytes, words: str) -> None:
+    code, op, req, message = error_of(raw.request(body))
+    assert (code, op, req) == ("malformed", None, None)
+    assert message == f"request is not a JSON object but {words}"
+
+
+def test_not_utf8_is_malformed_with_op_and_req_null(raw: Raw) -> None:
+    body = b'{"v": 1, "op": "hello", "req": 9, "x": "\xff\xfe"}'
+    assert error_of(raw.request(body))[:3] == ("malformed", None, None)
+
+
+def test_request_of_65536_bytes_is_read_and_one_more_is_malformed(raw: Raw) -> None:
+    def sized(size: int) -> bytes:
+        head = b'{"v": 1, "op": "stream_info", "req": 2, "pad": "'
+        body = head + b"x" * (size - len(head) - 2) + b'"}'
+        assert len(body) == size
+        return body
+
+    assert raw.request(sized(65536))["ok"] is True
+    assert error_of(raw.request(sized(65537)))[:3] == ("malformed", None, None)
+
+
+@pytest.mark.parametrize("req", ['"7"', "1.5", "true"])
+def test_req_not_an_integer_is_malformed_with_op_and_req_null(raw: Raw, req: str) -> None:
+    body = f'{{"v": 1, "op": "stream_info", "req": {req}}}'.encode()
+    assert error_of(raw.request(body))[:3] == ("malformed", None, None)
+
+
+def test_req_null_counts_as_absent(raw: Raw) -> None:
+    reply = raw.request(b'{"v": 1, "op": "stream_info", "req": null}')
+    assert reply["ok"] is True, reply
+    assert reply.get("req") is None
+
+
+def test_integer_past_4300_digits_in_an_ignored_field_is_malformed(raw: Raw) -> None:
+    ok = f'{{"v": 1, "op": "stream_info", "req": 1, "junk": {"9" * 4300}}}'.encode()
+    assert raw.request(ok)["ok"] is True
+    bad = f'{{"v": 1, "op": "stream_info", "req": 1, "junk": {"9" * 4301}}}'.encode()
+    code, op, req, message = error_of(raw.request(bad))
+    assert (code, op, req) == ("malformed", None, None)
+    assert message == "request holds an integer of 4301 digits; the limit is 4300"
+
+
+def test_other_durable_topic_is_unknown_topic_cut_to_100_and_never_routed(
+    shared: Broker, raw: Raw, clients: Callable[..., Client]
+) -> None:
+    watcher = clients(shared.port, "watch-all", clean_session=True)
+    watcher.subscribe("#", qos=1)
+    topic = "_durable/v1/" + "z" * 300
+    code, _op, _req, message = error_of(raw.request({"v": 1, "op": "ready"}, topic=topic))
+    assert code == "unknown_topic"
+    assert topic[:100] in message and topic[:101] not in message
+    raw.publish("after/control", b"sentinel")
+    assert watcher.wait_for(lambda ms: any(m.topic == "after/control" for m in ms))
+    assert [m.topic for m in watcher.messages] == ["after/control"]
+
+
+def test_hello_without_durable_session_has_null_fields(raw: Raw) -> None:
+    reply = raw.request({"v": 1, "op": "hello", "req": 7})
+    assert reply["ok"] is True and reply["op"] == "hello" and reply["req"] == 7
+    assert reply["protocol"] == 1
+    assert reply["epoch"] is None and reply["session_expiry"] is None and reply["subscriptions"] is None
+    assert isinstance(reply["max_packet_size"], int)
+
+
+@pytest.mark.parametrize("expiry", [b"-1", b'"10"', b"1e400", b"true"])
+def test_hello_session_expiry_out_of_range_is_malformed(raw: Raw, expiry: bytes) -> None:
+    body = b'{"v": 1, "op": "hello", "req": 1, "session_expiry": ' + expiry + b"}"
+    code, op, req, _ = error_of(raw.request(body))
+    assert (code, op, req) == ("malformed", "hello", 1)
+
+
+def test_hello_expiry_is_capped_and_null_removes_override(shared: Broker, raws: Callable[..., Raw]) -> None:
+    conn = raws(shared.port, "cap-1", clean=False)
+    assert conn.request({"v": 1, "op": "hello", "session_expiry": 5000})["session_expiry"] == 1000
+    assert conn.request({"v": 1, "op": "hello", "session_expiry": 60})["session_expiry"] == 60
+    assert conn.request({"v": 1, "op": "hello", "session_expiry": None})["session_expiry"] is None
+
+
+def test_ready_without_durable_session_is_no_session(raw: Raw) -> None:
+    assert error_of(raw.request({"v": 1, "op": "ready", "req": 8}))[:3] == ("no_session", "ready", 8)
+
+
+def test_interest_needs_filter(shared: Broker, raws: Callable[..., Raw]) -> None:
+    conn, _ = sdk_session(shared.port, raws, "interest-1")
+    for request in ({"v": 1, "op": "interest"}, {"v": 1, "op": "interest", "filter": None}):
+        code, op, _req, message = error_of(conn.request(request))
+        assert (code, op) == ("malformed", "interest")
+        assert "interest needs 'filter'" in message
+    assert error_of(conn.request({"v": 1, "op": "interest", "filter": ""}))[0] == "malformed"
+
+
+def test_client_id_field(shared: Broker, raws: Callable[..., Raw]) -> None:
+    conn, _ = sdk_session(shared.port, raws, "cid-1")
+    assert error_of(conn.request({"v": 1, "op": "ready", "client_id": "cid-2"}))[0] == "not_your_session"
+    assert error_of(conn.request({"v": 1, "op": "ready", "client_id": ""}))[0] == "malformed"
+    assert conn.request({"v": 1, "op": "ready", "client_id": None})["ok"] is True
+
+
+def test_second_ready_is_already(shared: Broker, raws: Callable[..., Raw]) -> None:
+    conn, _ = sdk_session(shared.port, raws, "ready-2")
+    first = conn.request({"v": 1, "op": "ready"})
+    assert first["ok"] is True and first["already"] is False
+    conn.take(lambda topic, _p: topic == MARKER)
+    assert conn.request({"v": 1, "op": "ready"})["already"] is True
+
+
+# --- the marker and frames (protocol.md "Frames", "The marker") -------------------------------
+
+
+def test_brand_new_session_marker(shared: Broker, raws: Callable[..., Raw]) -> None:
+    conn, hello = sdk_session(shared.port, raws, "marker-new")
+    assert raw_subscribe(conn.sock, "sensors/new/#", 1) == 1
+    reply = conn.request({"v": 1, "op": "interest", "filter": "sensors/new/#", "durable": False})
+    assert (reply["ok"], reply["filter"], reply["durable"]) == (True, "sensors/new/#", False)
+    conn.send({"v": 1, "op": "ready"})
+    _t, payload = conn.take(lambda topic, _p: topic == MARKER)
+    marker = json.loads(payload)
+    assert marker["v"] == 1 and marker["epoch"] == hello["epoch"]
+    assert (marker["replayed"], marker["first_seq"], marker["last_seq"]) == (0, None, None)
+    assert marker["live"] == [{"filter": "sensors/new/#", "qos": 1, "durable": False}]
+
+
+def test_replay_is_framed_and_counted_by_the_marker_then_live(
+    shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    conn, hello = sdk_session(shared.port, raws, "replay-1")
+    assert raw_subscribe(conn.sock, "sensors/r/#", 1) == 1
+    conn.close()
+    plain = clients(shared.port, "plain-r", clean_session=True)
+    plain.subscribe("sensors/r/#", qos=1)
+    pub = clients(shared.port, "pub-r", clean_session=True)
+    before = time.time()
+    pub.publish("sensors/r/1", [b"a", b"b", b"c"])
+    conn, hello2 = sdk_session(shared.port, raws, "replay-1")
+    assert hello2["epoch"] == hello["epoch"] and hello2["subscriptions"] == {"sensors/r/#": 1}
+    conn.send({"v": 1, "op": "ready"})
+    framed = [conn.take(lambda topic, _p: topic == "sensors/r/1")[1] for _ in range(3)]
+    _t, marker_payload = conn.take(lambda topic, _p: topic == MARKER)
+    parsed = [frame(p) for p in framed]
+    assert [p[5] for p in parsed] == [b"a", b"b", b"c"]
+    assert all(p[0] == 1 and p[1] == 0x01 and p[2] == hello["epoch"] for p in parsed)
+    seqs = [p[3] for p in parsed]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 3
+    assert all(before - 1 <= p[4] <= time.time() + 1 for p in parsed)
+    marker = json.loads(marker_payload)
+    assert (marker["replayed"], marker["first_seq"], marker["last_seq"]) == (3, seqs[0], seqs[-1])
+    assert marker["live"] == [{"filter": "sensors/r/#", "qos": 1, "durable": True}]
+    pub.publish("sensors/r/1", [b"live"])
+    live = frame(conn.take(lambda topic, _p: topic == "sensors/r/1")[1])
+    assert live[1] == 0 and live[5] == b"live" and live[3] > seqs[-1]
+    assert plain.wait_for(lambda ms: len(ms) == 4)
+    assert [m.payload for m in plain.messages] == [b"a", b"b", b"c", b"live"]
+
+
+def test_retained_queued_with_a_subscribe_is_flagged_replayed_and_retained(
+    shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    pub = clients(shared.port, "pub-ret", clean_session=True)
+    pub.publish("sensors/ret/1", [b"kept"], retain=True)
+    conn, _ = sdk_session(shared.port, raws, "ret-1")
+    assert raw_subscribe(conn.sock, "sensors/ret/#", 1) == 1
+    conn.send({"v": 1, "op": "ready"})
+    flags = frame(conn.take(lambda topic, _p: topic == "sensors/ret/1")[1])[1]
+    assert flags == 0x03
+    marker = json.loads(conn.take(lambda topic, _p: topic == MARKER)[1])
+    assert marker["replayed"] == 1
+
+
+def test_end_session_reports_messages_dropped(
+    shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    conn, _ = sdk_session(shared.port, raws, "end-1")
+    assert raw_subscribe(conn.sock, "sensors/end/#", 1) == 1
+    conn.close()
+    clients(shared.port, "pub-end", clean_session=True).publish("sensors/end/x", [b"1", b"2", b"3"])
+    conn, _ = sdk_session(shared.port, raws, "end-1")
+    reply = conn.request({"v": 1, "op": "end_session", "req": 4})
+    assert reply["ok"] is True and reply["messages_dropped"] == 3
+    conn.close()
+    _again, hello = sdk_session(shared.port, raws, "end-1")
+    assert hello["subscriptions"] == {}
+
+
+# --- streams (protocol.md "Streams", streams.md) -----------------------------------------------
+
+
+def test_stream_info_lists_first_last_count_and_store(shared: Broker, raw: Raw, clients: Callable[..., Client]) -> None:
+    clients(shared.port, "pub-info", clean_session=True).publish("telemetry/info", [b"1", b"2", b"3"])
+    reply = raw.request({"v": 1, "op": "stream_info", "req": 1})
+    assert reply["filter"] == "#"
+    assert reply["topics"]["telemetry/info"] == {"first": 1, "last": 3, "count": 3}
+    assert isinstance(reply["store"], int)
+    narrow = raw.request({"v": 1, "op": "stream_info", "filter": "telemetry/info"})
+    assert narrow["filter"] == "telemetry/info" and list(narrow["topics"]) == ["telemetry/info"]
+    assert error_of(raw.request({"v": 1, "op": "stream_info", "filter": "other/#"}))[0] == "unknown_stream"
+
+
+@pytest.mark.parametrize("window", [0, 1001, 1.5, True, "5"])
+def test_stream_window_out_of_range_is_malformed(raw: Raw, window: Any) -> None:
+    request = {"v": 1, "op": "stream_subscribe", "filter": "telemetry/#", "window": window, "req": 2}
+    assert error_of(raw.request(request))[:3] == ("malformed", "stream_subscribe", 2)
+
+
+@pytest.mark.parametrize("key", ["telemetry/+", "telemetry/#", "", "telemetry/\u0000"])
+def test_stream_after_bad_topic_is_malformed(raw: Raw, key: str) -> None:
+    request = {"v": 1, "op": "stream_subscribe", "filter": "telemetry/#", "after": {key: 1}}
+    assert error_of(raw.request(request))[0] == "malformed"
+
+
+def test_stream_events_frames_after_and_ahead(shared: Broker, raw: Raw, clients: Callable[..., Client]) -> None:
+    pub = clients(shared.port, "pub-frames", clean_session=True)
+    pub.publish("telemetry/fr", [b"one"], qos=1)
+    pub.publish("telemetry/fr", [b"two"], qos=2)
+    pub.publish("telemetry/ahead", [b"x"])
+    reply = raw.request(
+        {
+            "v": 1,
+            "op": "stream_subscribe",
+            "filter": "telemetry/fr",
+            "window": 1000,
+            "after": {"telemetry/fr": 0, "elsewhere/t": 5},
+        }
+    )
+    assert reply["ok"] is True and reply["filter"] == "telemetry/fr"
+    assert reply["topics"] == {"telemetry/fr": {"first": 1, "last": 2}}
+    assert reply["gaps"] == {} and reply["ahead"] == {}
+    events = [raw.take(lambda t, _p: t == STREAM_PREFIX + "telemetry/fr")[1] for _ in range(2)]
+    parsed = [frame(e) for e in events]
+    assert [(p[0], p[2], p[3], p[5]) for p in parsed] == [(1, 0, 1, b"one"), (1, 0, 2, b"two")]
+    assert [p[1] & 0x18 for p in parsed] == [0x08, 0x10]
+    ahead = raw.request(
+        {"v": 1, "op": "stream_subscribe", "filter": "telemetry/ahead", "after": {"telemetry/ahead": 50}}
+    )
+    assert ahead["ahead"] == {"telemetry/ahead": 1}
+
+
+def test_stream_ack_past_last_sent_skips_nothing(shared: Broker, raw: Raw, clients: Callable[..., Client]) -> None:
+    clients(shared.port, "pub-cum", clean_session=True).publish("telemetry/cum", [b"1", b"2", b"3"])
+    raw.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/cum", "window": 1})
+    assert raw.stream_events("telemetry/cum", 1) == [(0x08, 1, b"1")]
+    raw.send({"v": 1, "op": "stream_ack", "topic": "telemetry/cum", "id": 100})
+    assert [e[1] for e in raw.stream_events("telemetry/cum", 1)] == [2]
+    raw.send({"v": 1, "op": "stream_ack", "topic": "telemetry/cum", "id": 2})
+    assert [e[1] for e in raw.stream_events("telemetry/cum", 1)] == [3]
+
+
+def test_stream_ack_refusals_and_unsubscribe_of_a_filter_not_open(raw: Raw) -> None:
+    assert error_of(raw.request({"v": 1, "op": "stream_ack", "topic": "telemetry/q", "id": 0}))[0] == "malformed"
+    assert error_of(raw.request({"v": 1, "op": "stream_ack", "topic": "telemetry/q", "id": 3}))[0] == "unknown_stream"
+    reply = raw.request({"v": 1, "op": "stream_unsubscribe", "filter": "telemetry/never", "req": 6})
+    assert reply["ok"] is True and reply["filter"] == "telemetry/never" and reply["req"] == 6
+
+
+def test_stream_unsubscribe_then_ack_is_unknown_stream(
+    shared: Broker, raw: Raw, clients: Callable[..., Client]
+) -> None:
+    clients(shared.port, "pub-unsub", clean_session=True).publish("telemetry/uns", [b"1"])
+    raw.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/uns"})
+    assert raw.stream_events("telemetry/uns", 1)[0][1] == 1
+    assert raw.request({"v": 1, "op": "stream_unsubscribe", "filter": "telemetry/uns"})["ok"] is True
+    assert error_of(raw.request({"v": 1, "op": "stream_ack", "topic": "telemetry/uns", "id": 1}))[0] == "unknown_stream"
+
+
+# --- delivery logs (delivery-log.md) ------------------------------------------------------------
+
+
+def test_delivery_log_folders_made_and_file_created_at_construction(shared: Broker, tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "log.jsonl"
+    client = DurableClient("dlog-made", port=shared.port, delivery_log=str(path))
+    try:
+        assert path.is_file() and path.read_bytes() == b""
+    finally:
+        client.close()
+    with pytest.raises(OSError):
+        DurableClient("dlog-folder", port=shared.port, delivery_log=str(tmp_path))
+
+
+def test_delivery_log_records_of_a_run(shared: Broker, tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    got: list[Event] = []
+    second = threading.Event()
+
+    def listener(event: Event) -> None:
+        got.append(event)
+        if event.payload == b"second":
+            second.set()
+
+    client = DurableClient("dlog-run", port=shared.port, delivery_log=str(path))
+    try:
+        client.subscribe("sensors/dl/#", qos=1, listener=listener)
+        client.connect()
+        client.ready_for_events()
+        client.publish("sensors/dl/1", b"hello", qos=1)
+        client.publish("sensors/dl/1", b"second", qos=1)
+        assert second.wait(WAIT)  # the first one's receive record is written: events run in order
+    finally:
+        client.close(keep_session=False)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds[0] == "connect" and records[0]["session_present"] is False
+    assert {"subscribe", "live", "send", "receive", "session_end"} <= set(kinds)
+    assert all(r["device"] == "dlog-run" and isinstance(r["time"], float) for r in records)
+    sub = next(r for r in records if r["kind"] == "subscribe")
+    assert (sub["topic"], sub["qos"], sub["durable"]) == ("sensors/dl/#", 1, True)
+    message_id = hashlib.sha256(b"sensors/dl/1\x00hello").hexdigest()[:32]
+    send = next(r for r in records if r["kind"] == "send")
+    receive = next(r for r in records if r["kind"] == "receive")
+    assert send["id"] == receive["id"] == message_id
+    assert receive["replayed"] is False and receive["redelivered"] is False
+    assert receive["seq"] >= 1 and receive["epoch"] >= 1
+    live = next(r for r in records if r["kind"] == "live")
+    assert live["replayed_count"] == 0
+    assert kinds[-1] == "session_end"
+
+
+# --- the pipeline CLI (pipeline.md) -------------------------------------------------------------
+
+
+def pipeline(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    code = "import sys; from durable_pipeline.cli import main; sys.exit(main())"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_audit_missing_path_and_bad_master_are_exit_2_before_spark(tmp_path: Path) -> None:
+    missing = tmp_path / "nothing-here"
+    result = pipeline("audit", str(missing), "--out", str(tmp_path / "o"), "--expect", "exactly-once")
+    assert result.returncode == 2 and str(missing) in result.stdout + result.stderr
+    logs = tmp_path / "l.jsonl"
+    logs.write_text('{"kind": "send"}\n')
+    result = pipeline(
+        "audit", str(logs), "--out", str(tmp_path / "o"), "--expect", "exactly-once", "--master", "nope://"
+    )
+    assert result.returncode == 2, result.stderr
+
+
+def test_demo_refuses_out_with_other_things_and_a_symlink(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = out / "precious.txt"
+    mine.write_text("mine")
+    result = pipeline("demo", "--out", str(out))
+    assert result.returncode == 2 and mine.read_text() == "mine"
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "no-such-folder")
+    result = pipeline("demo", "--out", str(dangling))
+    assert result.returncode == 2
+    text = result.stdout + result.stderr
+    assert str(dangling) in text and "no-such-folder" in text
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]], prefix: bytes = b"") -> None:
+    path.write_bytes(prefix + b"".join(json.dumps(r).encode() + b"\n" for r in records))
+
+
+def msg_id(topic: str, payload: bytes) -> str:
+    return hashlib.sha256(topic.encode() + b"\x00" + payload).hexdigest()[:32]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_audit_verdicts_on_hand_written_logs(tmp_path: Path) -> None:
+    """A .txt log starting with a BOM and blank lines is read as JSON lines; one lost send is exit 1;
+    the same logs with the receive are exit 0 with summary.parquet and report.html."""
+    sub = {"kind": "subscribe", "device": "r", "time": 1.0, "topic": "t/#", "qos": 1, "durable": True}
+    sends = [
+        {"kind": "send", "device": "p", "time": 2.0 + i, "topic": "t/a", "id": msg_id("t/a", p), "qos": 1}
+        for i, p in enumerate([b"x", b"y"])
+    ]
+    recv = {
+        "kind": "receive", "device": "r", "time": 5.0, "topic": "t/a", "id": msg_id("t/a", b"x"), "qos": 1,
+        "replayed": False, "redelivered": False, "seq": 1, "epoch": 1, "published_at": 2.0,
+    }  # fmt: skip
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    write_jsonl(logs / "r.txt", [sub, recv], prefix=b"\xef\xbb\xbf\n\n")
+    write_jsonl(logs / "p.jsonl", sends)
+    result = pipeline("audit", str(logs), "--out", str(tmp_path / "a1"), "--expect", "exactly-once", timeout=240)
+    assert result.returncode == 1, result.stdout + result.stderr
+    recv2 = {**recv, "id": msg_id("t/a", b"y"), "seq": 2, "time": 6.0}
+    write_jsonl(logs / "r.txt", [sub, recv, recv2], prefix=b"\xef\xbb\xbf\n\n")
+    result = pipeline("audit", str(logs), "--out", str(tmp_path / "a2"), "--expect", "exactly-once", timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "a2" / "summary.parquet").exists() and (tmp_path / "a2" / "report.html").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_audit_names_the_file_and_line_that_does_not_parse(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sub = {"kind": "subscribe", "device": "r", "time": 1.0, "topic": "t/#", "qos": 1, "durable": True}
+    (logs / "r.jsonl").write_text(json.dumps(sub) + "\n" + '{"kind": "send", "dev\n')
+    result = pipeline("audit", str(logs), "--out", str(tmp_path / "a"), "--expect", "exactly-once", timeout=240)
+    assert result.returncode == 2
+    text = result.stdout + result.stderr
+    assert "r.jsonl" in text and "2" in text
+    assert os.path.exists(logs / "r.jsonl")
+
+
+# --- edges: null fields, bools as numbers, retention, limits, logs ------------------------------
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """Retention by count (2) on telemetry/#, by age (1 s) on aged/#, 2 stream entries per connection,
+    resends after 1 s."""
+    folder = tmp_path_factory.mktemp("blind13-limited")
+    broker = Broker(
+        folder,
+        streams=[{"filter": "telemetry/#", "max_count": 2}, {"filter": "aged/#", "max_age": 1}],
+        max_stream_entries_per_client=2,
+        drop_log_interval=0.5,
+        stream_ack_timeout=1,
+    ).start()
+    yield broker
+    broker.stop()
+
+
+def test_null_v_and_null_op(raw: Raw) -> None:
+    assert error_of(raw.request({"v": None, "op": "hello", "req": 1}))[0] == "unsupported_version"
+    assert error_of(raw.request({"v": 1, "op": None, "req": 1}))[:3] == ("unknown_op", None, 1)
+
+
+def test_interest_durable_null_is_true_and_needs_a_session(shared: Broker, raw: Raw, raws: Callable[..., Raw]) -> None:
+    assert error_of(raw.request({"v": 1, "op": "interest", "filter": "a/b"}))[0] == "no_session"
+    conn, _ = sdk_session(shared.port, raws, "interest-null")
+    reply = conn.request({"v": 1, "op": "interest", "filter": "a/b", "durable": None})
+    assert (reply["ok"], reply["durable"]) == (True, True)
+    assert error_of(conn.request({"v": 1, "op": "interest", "filter": "a/b", "durable": 1}))[0] == "malformed"
+
+
+def test_hello_expiry_of_401_digits_is_not_finite(raw: Raw) -> None:
+    body = b'{"v": 1, "op": "hello", "req": 3, "session_expiry": 1' + b"0" * 400 + b"}"
+    assert error_of(raw.request(body))[:3] == ("malformed", "hello", 3)
+
+
+def test_hello_expiry_zero_is_granted(shared: Broker, raws: Callable[..., Raw]) -> None:
+    conn = raws(shared.port, "expiry-zero", clean=False)
+    assert conn.request({"v": 1, "op": "hello", "session_expiry": 0})["session_expiry"] == 0
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        {"v": 1, "op": "stream_ack", "topic": "telemetry/b", "id": True},
+        {"v": 1, "op": "stream_ack", "topic": "telemetry/b", "id": 1.5},
+        {"v": 1, "op": "stream_ack", "topic": "", "id": 1},
+        {"v": 1, "op": "stream_ack", "topic": "telemetry/b"},
+        {"v": 1, "op": "stream_subscribe", "filter": "telemetry/#", "after": {"telemetry/b": True}},
+        {"v": 1, "op": "stream_subscribe", "filter": "telemetry/#", "after": {"telemetry/b": -1}},
+        {"v": 1, "op": "stream_subscribe", "filter": "telemetry/#", "after": {"telemetry/b": None}},
+        {"v": 1, "op": "stream_subscribe", "filter": "telemetry/#", "after": [1]},
+        {"v": 1, "op": "stream_subscribe", "filter": ""},
+    ],
+)
+def test_stream_fields_of_the_wrong_type_are_malformed(raw: Raw, request_: dict[str, Any]) -> None:
+    assert error_of(raw.request(request_))[0] == "malformed"
+
+
+def test_after_key_with_a_lone_surrogate_is_malformed(raw: Raw) -> None:
+    body = b'{"v": 1, "op": "stream_subscribe", "filter": "telemetry/#", "after": {"telemetry/\\ud800": 1}}'
+    assert error_of(raw.request(body))[0] == "malformed"
+
+
+def test_after_null_lists_no_topic(shared: Broker, raw: Raw, clients: Callable[..., Client]) -> None:
+    clients(shared.port, "pub-anull", clean_session=True).publish("telemetry/anull", [b"1"])
+    reply = raw.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/anull", "after": None})
+    assert reply["ok"] is True
+    assert raw.stream_events("telemetry/anull", 1)[0][1] == 1
+
+
+def test_never_hello_session_gets_the_marker_and_unframed_events(
+    shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    conn = raws(shared.port, "no-hello", clean=False)
+    assert raw_subscribe(conn.sock, "sensors/nh", 1) == 1
+    assert conn.request({"v": 1, "op": "ready"})["ok"] is True
+    marker = json.loads(conn.take(lambda topic, _p: topic == MARKER)[1])
+    assert marker["replayed"] == 0 and marker["live"] == [{"filter": "sensors/nh", "qos": 1, "durable": True}]
+    clients(shared.port, "pub-nh", clean_session=True).publish("sensors/nh", [b"plain"])
+    assert conn.take(lambda topic, _p: topic == "sensors/nh")[1] == b"plain"
+
+
+def test_qos0_stream_event_has_qos_bits_zero(shared: Broker, raw: Raw, clients: Callable[..., Client]) -> None:
+    clients(shared.port, "pub-q0", clean_session=True).publish("telemetry/q0", [b"z"], qos=0)
+    raw.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/q0"})
+    assert raw.stream_events("telemetry/q0", 1) == [(0x00, 1, b"z")]
+
+
+def test_control_request_at_qos1_is_acknowledged_and_answered(raw: Raw) -> None:
+    raw.publish("_durable/v1/ctl", json.dumps({"v": 1, "op": "stream_info", "req": 11}).encode(), qos=1)
+    assert raw.reply()["req"] == 11
+
+
+def test_stream_topic_of_65516_bytes_opens_and_65517_stays_closed(
+    shared: Broker, raw: Raw, raws: Callable[..., Raw]
+) -> None:
+    fits = "telemetry/" + "f" * (65516 - len("telemetry/"))
+    too_long = "telemetry/" + "g" * (65517 - len("telemetry/"))
+    pub = raws(shared.port, "pub-long", clean=True)
+    pub.publish(fits, b"fits")
+    pub.publish(too_long, b"long")
+    info = raw.request({"v": 1, "op": "stream_info"})
+    assert info["topics"][too_long]["count"] == 1
+    # a request naming either topic would pass 65,536 bytes: a wildcard opens both
+    reply = raw.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/#", "window": 1000})
+    assert reply["ok"] is True, reply
+    assert too_long not in reply["topics"] and fits in reply["topics"]
+    assert raw.stream_events(fits, 1) == [(0x08, 1, b"fits")]
+    assert raw.alive()
+    assert raw.kept_stream_events(too_long) == []
+    assert "topic too long for the $durable/v1/stream/ prefix" in shared.log()
+    assert too_long[:100] in shared.log() and too_long[:101] not in shared.log()
+
+
+def test_gaps_for_positions_retention_trimmed(limited: Broker, raws: Callable[..., Raw]) -> None:
+    conn = raws(limited.port, "gaps-1", clean=True)
+    for payload in (b"1", b"2", b"3", b"4", b"5"):
+        conn.publish("telemetry/gap", payload)
+    reply = conn.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/gap", "after": {"telemetry/gap": 0}})
+    assert reply["topics"] == {"telemetry/gap": {"first": 4, "last": 5}}
+    assert reply["gaps"] == {"telemetry/gap": [1, 3]}
+    assert [e[1] for e in conn.stream_events("telemetry/gap", 1)] == [4]
+
+
+def test_log_emptied_by_age_reads_count_0_first_last_plus_1(limited: Broker, raws: Callable[..., Raw]) -> None:
+    conn = raws(limited.port, "aged-1", clean=True)
+    conn.publish("aged/x", b"old")
+    deadline = time.monotonic() + WAIT
+    topics: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        topics = conn.request({"v": 1, "op": "stream_info", "filter": "aged/#"})["topics"]
+        if topics.get("aged/x", {}).get("count") == 0:
+            break
+        conn.alive()  # a round trip to the broker between two looks
+    assert topics["aged/x"] == {"first": 2, "last": 1, "count": 0}
+
+
+def test_stream_entries_past_the_limit_are_malformed_and_change_nothing(
+    limited: Broker, raws: Callable[..., Raw]
+) -> None:
+    conn = raws(limited.port, "entries-1", clean=True)
+    conn.publish("telemetry/e1", b"1")
+    assert conn.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/e1"})["ok"] is True
+    assert conn.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/e2"})["ok"] is True
+    assert error_of(conn.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/e3"}))[0] == "malformed"
+    assert conn.stream_events("telemetry/e1", 1)[0][1] == 1
+    assert conn.alive()
+
+
+def test_refusal_log_lines_count_what_they_left_out(limited: Broker, raws: Callable[..., Raw]) -> None:
+    conn = raws(limited.port, "refuse-log", clean=True)
+    pattern = "refuse-log: control request refused (unknown_op): "
+    sent = 0
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline and limited.log().count(pattern) < 2:
+        error_of(conn.request({"v": 1, "op": "nope"}))
+        sent += 1
+    lines = [line for line in limited.log().splitlines() if pattern in line]
+    assert len(lines) >= 2, limited.log()[-2000:]
+    assert "more refused since the last such line" not in lines[0]
+    assert "(0 more" not in limited.log()
+    between = sent - 2  # the first and the last request were logged (line 2 is written by the last one)
+    if between:
+        assert lines[1].endswith(f"({between} more refused since the last such line)"), lines[1]
+
+
+def test_delivery_log_cut_last_line_is_ended_by_the_constructor(shared: Broker, tmp_path: Path) -> None:
+    path = tmp_path / "cut.jsonl"
+    path.write_bytes(b'{"kind": "connect", "device": "x", "time": 1.0}\n{"kind": "sen')
+    client = DurableClient("dlog-cut", port=shared.port, delivery_log=str(path))
+    try:
+        assert path.read_bytes().endswith(b'{"kind": "sen\n')
+    finally:
+        client.close()
+
+
+def test_audit_file_of_neither_format_is_exit_2_naming_it(tmp_path: Path) -> None:
+    bogus = tmp_path / "logs.bin"
+    bogus.write_bytes(b"hello, not a log\n")
+    result = pipeline("audit", str(bogus), "--out", str(tmp_path / "o"), "--expect", "exactly-once")
+    assert result.returncode == 2 and "logs.bin" in result.stdout + result.stderr
+
+
+def test_unknown_topic_refusal_echoes_req_and_known_op(raw: Raw) -> None:
+    reply = raw.request({"v": 1, "op": "stream_info", "req": 21}, topic="_durable/v2/ctl")
+    assert error_of(reply)[:3] == ("unknown_topic", "stream_info", 21)
+
+
+def test_empty_request_is_malformed(raw: Raw) -> None:
+    assert error_of(raw.request(b""))[:3] == ("malformed", None, None)
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_json_nested_too_deeply_is_malformed_with_op_and_req_null(raw: Raw, wrap: bool) -> None:
+    deep = b"[" * 5000 + b"]" * 5000
+    body = b'{"v": 1, "op": "stream_info", "req": 4, "x": ' + deep + b"}" if wrap else deep
+    assert error_of(raw.request(body))[:3] == ("malformed", None, None)
+
+
+def test_negative_integer_digits_counted_without_sign(raw: Raw) -> None:
+    ok = f'{{"v": 1, "op": "stream_info", "junk": -{"9" * 4300}}}'.encode()
+    assert raw.request(ok)["ok"] is True
+    bad = f'{{"v": 1, "op": "stream_info", "junk": [{{"a": -{"9" * 4301}}}]}}'.encode()
+    assert error_of(raw.request(bad))[3] == "request holds an integer of 4301 digits; the limit is 4300"
+
+
+def test_stream_filters_bad_and_wide(raw: Raw) -> None:
+    assert error_of(raw.request({"v": 1, "op": "stream_info", "filter": "telemetry/#/x"}))[0] == "bad_filter"
+    assert error_of(raw.request({"v": 1, "op": "stream_subscribe", "filter": "tele#"}))[0] == "bad_filter"
+    assert error_of(raw.request({"v": 1, "op": "stream_subscribe", "filter": "other/+"}))[0] == "unknown_stream"
+    assert raw.request({"v": 1, "op": "stream_subscribe", "filter": "+/nothing-yet"})["ok"] is True
+    assert raw.request({"v": 1, "op": "stream_info", "filter": None})["filter"] == "#"
+    assert error_of(raw.request({"v": 1, "op": "stream_unsubscribe", "filter": ""}))[0] == "malformed"
+
+
+def test_open_topic_keeps_its_position_and_is_never_ahead(
+    shared: Broker, raw: Raw, clients: Callable[..., Client]
+) -> None:
+    clients(shared.port, "pub-keep", clean_session=True).publish("telemetry/keep", [b"1", b"2"])
+    raw.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/keep", "window": 1})
+    assert raw.stream_events("telemetry/keep", 1)[0][1] == 1
+    again = raw.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/+", "after": {"telemetry/keep": 999}})
+    assert again["ok"] is True and "telemetry/keep" not in again["ahead"]
+    raw.send({"v": 1, "op": "stream_ack", "topic": "telemetry/keep", "id": 1})
+    assert raw.stream_events("telemetry/keep", 1)[0][1] == 2
+
+
+def test_position_of_a_topic_without_a_log_is_kept_until_it_appears(
+    shared: Broker, raw: Raw, clients: Callable[..., Client]
+) -> None:
+    reply = raw.request(
+        {"v": 1, "op": "stream_subscribe", "filter": "telemetry/later/#", "after": {"telemetry/later/x": 2}}
+    )
+    assert reply["ok"] is True and reply["topics"] == {}
+    clients(shared.port, "pub-later", clean_session=True).publish("telemetry/later/x", [b"1", b"2", b"3"])
+    assert raw.stream_events("telemetry/later/x", 1) == [(0x08, 3, b"3")]
+
+
+def test_unacknowledged_stream_event_is_resent_flagged_redelivered(limited: Broker, raws: Callable[..., Raw]) -> None:
+    conn = raws(limited.port, "resend-1", clean=True)
+    conn.publish("aged/resend", b"r")
+    conn.request({"v": 1, "op": "stream_subscribe", "filter": "aged/resend", "window": 1})
+    first = conn.stream_events("aged/resend", 1)
+    again = conn.stream_events("aged/resend", 1)
+    assert first == [(0x08, 1, b"r")]
+    assert again == [(0x08 | 0x04, 1, b"r")]
+
+
+def test_sdk_stream_info_and_subscribe_stream_argument_checks(shared: Broker, clients: Callable[..., Client]) -> None:
+    clients(shared.port, "pub-sdk-info", clean_session=True).publish("telemetry/sdkinfo", [b"1", b"2"])
+    client = DurableClient("sdk-info", port=shared.port, durable_session=False)
+    try:
+        client.connect()
+        info = client.stream_info("telemetry/sdkinfo")
+        assert info == {"telemetry/sdkinfo": (1, 2)}
+        assert isinstance(info.store, int)  # type: ignore[attr-defined]
+        for window in (0, 1001, 2.5, True):
+            with pytest.raises(ValueError):
+                client.subscribe_stream("telemetry/#", lambda e: None, window=window)
+        with pytest.raises(TypeError):
+            client.subscribe_stream("telemetry/#", lambda e: None, after=[("telemetry/a", 1)])  # type: ignore[arg-type]
+        for after in ({"telemetry/+": 1}, {"other/a": 1}, {"telemetry/a": -1}, {"telemetry/a": 10**4300}):
+            with pytest.raises(ValueError):
+                client.subscribe_stream("telemetry/#", lambda e: None, after=after)
+        from durable_client import ControlRequestFailed  # noqa: PLC0415
+
+        with pytest.raises(ControlRequestFailed) as refused:
+            client.stream_info("other/#")
+        assert refused.value.code == "unknown_stream"
+    finally:
+        client.close()
+
+
+def run_session(
+    port: int, client_id: str, state: Path, log: Path, *, publish: list[bytes] | None = None
+) -> tuple[list[bytes], int]:
+    """One run of a CPL-2 client with a delivery log: connect, ready, wait for the marker, publish
+    ``publish`` and wait for them; (payloads the listener got, the marker's replayed count)."""
+    got: list[bytes] = []
+    live = threading.Event()
+    done = threading.Event()
+    replayed: list[int] = []
+    wanted = len(publish or [])
+
+    def listener(event: Event) -> None:
+        got.append(event.payload)
+        if publish and event.payload == publish[-1]:
+            done.set()
+
+    def on_live(marker: Any) -> None:
+        replayed.append(marker.replayed)
+        live.set()
+
+    client = DurableClient(
+        client_id, port=port, persistence="disk", state_dir=str(state), delivery_log=str(log), on_live=on_live
+    )
+    try:
+        client.subscribe("sensors/mark/#", qos=1, listener=listener)
+        client.connect()
+        client.ready_for_events()
+        assert live.wait(WAIT)
+        for payload in publish or []:
+            client.publish("sensors/mark/1", payload, qos=1)
+        if wanted:
+            assert done.wait(WAIT)
+    finally:
+        client.close()
+    return got, replayed[0]
+
+
+@pytest.mark.parametrize("same_epoch", [True, False])
+def test_cpl2_log_tail_receive_beyond_the_mark_advances_it(
+    shared: Broker, tmp_path: Path, clients: Callable[..., Client], same_epoch: bool
+) -> None:
+    """delivery-log.md: a CPL-2 client reads its log's tail; a `receive` of the current epoch past
+    the session mark (a process killed between the record and the mark) becomes the mark, so the
+    events up to it are not processed again. A record of another epoch moves nothing."""
+    cid = f"cpl2-tail-{same_epoch}"
+    state, log = tmp_path / "state", tmp_path / "d.jsonl"
+    got, _ = run_session(shared.port, cid, state, log, publish=[b"first"])
+    assert got == [b"first"]
+    receive = next(json.loads(line) for line in log.read_text().splitlines() if '"receive"' in line)
+    clients(shared.port, f"pub-{cid}", clean_session=True).publish("sensors/mark/1", [b"second", b"third"])
+    forged = {**receive, "seq": receive["seq"] + 1000, "time": time.time(), "id": msg_id("sensors/mark/1", b"x")}
+    if not same_epoch:
+        forged["epoch"] = receive["epoch"] + 1
+    other = {**forged, "device": "someone-else", "seq": receive["seq"] + 5000}
+    with log.open("a") as out:
+        out.write(json.dumps(forged) + "\n" + json.dumps(other) + "\n")
+    got, replayed = run_session(shared.port, cid, state, log)
+    assert replayed == 2
+    assert got == ([] if same_epoch else [b"second", b"third"])
+
+
+def stream_run(port: int, state: Path, log: Path, topic: str, publish: bytes) -> list[bytes]:
+    """A stateless CPL-2 reader of ``topic`` with a delivery log: publishes ``publish`` once its
+    stream is open and returns what its listener got up to that event."""
+    got: list[bytes] = []
+    done = threading.Event()
+
+    def listener(event: Event) -> None:
+        got.append(event.payload)
+        if event.payload == publish:
+            done.set()
+
+    client = DurableClient(
+        "cpl2-stream", port=port, durable_session=False, persistence="disk", state_dir=str(state), delivery_log=str(log)
+    )
+    try:
+        client.connect()
+        client.subscribe_stream(topic, listener)
+        client.publish(topic, publish, qos=1)
+        assert done.wait(WAIT)
+    finally:
+        client.close()
+    return got
+
+
+@pytest.mark.parametrize("later_record", [None, "raw", "session"])
+def test_cpl2_log_tail_last_stream_receive_moves_its_position(
+    shared: Broker, tmp_path: Path, clients: Callable[..., Client], later_record: str | None
+) -> None:
+    """delivery-log.md: the device's very last `receive`, when a stream event, moves that topic's
+    position forward; a `receive` after it (a raw or a session event) shows its mark was written."""
+    topic = f"telemetry/cpl2/{later_record}"
+    state, log = tmp_path / "state", tmp_path / "s.jsonl"
+    assert stream_run(shared.port, state, log, topic, b"1") == [b"1"]
+    receive = next(json.loads(line) for line in log.read_text().splitlines() if '"receive"' in line)
+    assert (receive["seq"], receive["epoch"]) == (1, 0)
+    clients(shared.port, f"pub-s-{later_record}", clean_session=True).publish(topic, [b"2", b"3"])
+    records = [{**receive, "seq": 3, "id": msg_id(topic, b"3"), "time": time.time()}]
+    if later_record is not None:
+        seq, epoch = (0, 0) if later_record == "raw" else (7, 99)
+        records.append({**receive, "topic": "sensors/else", "seq": seq, "epoch": epoch, "time": time.time()})
+    with log.open("a") as out:
+        out.write("".join(json.dumps(r) + "\n" for r in records))
+    got = stream_run(shared.port, state, log, topic, b"4")
+    assert got == ([b"4"] if later_record is None else [b"2", b"3", b"4"])
+
+
+@pytest.mark.slow
+def test_spark_source_option_errors_name_the_option(shared: Broker, spark: Any) -> None:
+    """pipeline.md's option rules, each a SourceError naming the option; a batch id range reads exactly it."""
+    clients_pub = Client(shared.port, "pub-spark", clean_session=True)
+    try:
+        clients_pub.publish("telemetry/spark", [f"e{i}".encode() for i in range(1, 26)])
+    finally:
+        clients_pub.disconnect()
+
+    def read(**options: str) -> Any:
+        reader = spark.read.format("amqtt-durable").option("port", shared.port).option("filter", "telemetry/spark")
+        for key, value in options.items():
+            reader = reader.option(key, value)
+        return reader.load().collect()
+
+    rows = read(
+        host=" 127.0.0.1 ",
+        startingOffsets='{"telemetry/spark": 10}',
+        endingOffsets='{"telemetry/spark": 20}',
+    )
+    assert sorted(r["id"] for r in rows) == list(range(11, 21))
+    bad = [
+        ({"host": "127.0.0.1:1883"}, "host"),
+        ({"host": "127.0.0.1 x"}, "host"),
+        ({"host": "[127.0.0.1]"}, "host"),
+        ({"failover": ",".join(f"127.0.0.1:{1000 + i}" for i in range(1001))}, "failover"),
+        ({"idsPerPartition": "5", "numPartitions": "2"}, "numpartitions"),
+        ({"noSuchOption": "1"}, "nosuchoption"),
+        ({"maxEventsPerTrigger": "9" * 5001}, "got one of 5001 digits; the limit is 4300"),
+        ({"startingOffsets": '{"telemetry/spark": ' + "9" * 4301 + "}"}, "an id of 4301 digits; the limit is 4300"),
+        ({"startingOffsets": "[" * 5000 + "]" * 5000}, "JSON nested too deeply"),
+    ]
+    for options, named in bad:
+        with pytest.raises(Exception) as raised:  # Spark wraps the source's error
+            read(**options)
+        assert named.lower() in str(raised.value).lower(), (options, str(raised.value)[-800:])
