@@ -450,31 +450,121 @@ def msg_id(topic: str, payload: bytes) -> str:
     return hashlib.sha256(topic.encode() + b"\x00" + payload).hexdigest()[:32]
 
 
+class Run:
+    """Delivery-log records of a hand-written run (delivery-log.md's columns)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def sub(self, device: str, at: float, topic_filter: str, qos: int = 1, durable: bool = True) -> None:
+        self.records.append(
+            {"kind": "subscribe", "device": device, "time": at, "topic": topic_filter, "qos": qos, "durable": durable}
+        )
+
+    def send(self, at: float, topic: str, payload: bytes) -> None:
+        self.records.append(
+            {"kind": "send", "device": "pub", "time": at, "topic": topic, "id": msg_id(topic, payload), "qos": 1}
+        )
+
+    def recv(self, device: str, at: float, topic: str, payload: bytes, seq: int, *, replayed: bool = False) -> None:
+        self.records.append(
+            {
+                "kind": "receive",
+                "device": device,
+                "time": at,
+                "topic": topic,
+                "id": msg_id(topic, payload),
+                "qos": 1,
+                "replayed": replayed,
+                "redelivered": False,
+                "seq": seq,
+                "epoch": 1,
+                "published_at": at - 0.5,
+            }
+        )
+
+    def mark(self, kind: str, device: str, at: float, **fields: Any) -> None:
+        self.records.append({"kind": kind, "device": device, "time": at, **fields})
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_audit_verdicts_on_hand_written_logs(tmp_path: Path) -> None:
-    """A .txt log starting with a BOM and blank lines is read as JSON lines; one lost send is exit 1;
-    the same logs with the receive are exit 0 with summary.parquet and report.html."""
-    sub = {"kind": "subscribe", "device": "r", "time": 1.0, "topic": "t/#", "qos": 1, "durable": True}
-    sends = [
-        {"kind": "send", "device": "p", "time": 2.0 + i, "topic": "t/a", "id": msg_id("t/a", p), "qos": 1}
-        for i, p in enumerate([b"x", b"y"])
-    ]
-    recv = {
-        "kind": "receive", "device": "r", "time": 5.0, "topic": "t/a", "id": msg_id("t/a", b"x"), "qos": 1,
-        "replayed": False, "redelivered": False, "seq": 1, "epoch": 1, "published_at": 2.0,
-    }  # fmt: skip
+@pytest.mark.timeout(400)
+def test_audit_counts_each_rule_per_device(tmp_path: Path) -> None:
+    """delivery-log.md "What the audit computes", one device per rule, in one audit; the log is a
+    .txt file starting with a UTF-8 BOM and blank lines, read as JSON lines (pipeline.md)."""
+    run = Run()
+    run.sub("d1", 1.0, "a/#")  # the window closes at the unsubscribe
+    run.send(2.0, "a/1", b"in")
+    run.recv("d1", 2.5, "a/1", b"in", 1)
+    run.mark("unsubscribe", "d1", 5.0, topic="a/#")
+    run.send(6.0, "a/1", b"out")
+    run.sub("d2", 1.0, "b/#", durable=False)  # non-durable: expects nothing
+    run.send(2.0, "b/1", b"x")
+    run.sub("d3", 1.0, "c/#", qos=0)  # QoS 0: expects nothing
+    run.send(2.0, "c/1", b"x")
+    run.sub("d4", 1.0, "d/#")  # the same (topic, epoch, seq) twice: duplicated
+    run.send(2.0, "d/1", b"x")
+    run.recv("d4", 3.0, "d/1", b"x", 7)
+    run.recv("d4", 4.0, "d/1", b"x", 7)
+    run.sub("d5", 1.0, "e/#")  # ON, OFF, ON received as OFF, ON: the first ON lost, nothing out of order
+    for at, payload in ((2.0, b"ON"), (2.1, b"OFF"), (2.2, b"ON")):
+        run.send(at, "e/1", payload)
+    run.recv("d5", 3.0, "e/1", b"OFF", 2)
+    run.recv("d5", 3.1, "e/1", b"ON", 3)
+    run.sub("d6", 1.0, "f/#")  # a receive no log sent: unknown
+    run.send(2.0, "f/1", b"k")
+    run.recv("d6", 3.0, "f/1", b"k", 1)
+    run.recv("d6", 3.5, "f/1", b"never-sent", 2)
+    run.sub("d7", 1.0, "g/#")  # session_end closes the windows
+    run.send(2.0, "g/1", b"k")
+    run.recv("d7", 2.5, "g/1", b"k", 1)
+    run.mark("session_end", "d7", 3.0)
+    run.send(4.0, "g/1", b"late")
+    run.sub("d8", 10.0, "h/#")  # sent at the open: expected; at the close: not
+    run.send(10.0, "h/1", b"at-open")
+    run.mark("unsubscribe", "d8", 12.0, topic="h/#")
+    run.send(12.0, "h/1", b"at-close")
+    run.sub("d9", 1.0, "i/#")  # a non-durable subscribe of the filter closes its window
+    run.sub("d9", 3.0, "i/#", durable=False)
+    run.send(4.0, "i/1", b"after")
+    run.sub("d10", 1.0, "j/#")  # out of order
+    run.send(2.0, "j/1", b"1")
+    run.send(2.1, "j/1", b"2")
+    run.recv("d10", 3.0, "j/1", b"2", 2)
+    run.recv("d10", 3.1, "j/1", b"1", 1)
+    run.sub("d11", 1.0, "k/#")  # replay latency 3.5 s, drain 1 s
+    run.send(2.0, "k/1", b"r")
+    run.mark("connect", "d11", 5.0, session_present=True)
+    run.recv("d11", 5.5, "k/1", b"r", 1, replayed=True)
+    run.mark("live", "d11", 6.0, replayed_count=1)
     logs = tmp_path / "logs"
     logs.mkdir()
-    write_jsonl(logs / "r.txt", [sub, recv], prefix=b"\xef\xbb\xbf\n\n")
-    write_jsonl(logs / "p.jsonl", sends)
-    result = pipeline("audit", str(logs), "--out", str(tmp_path / "a1"), "--expect", "exactly-once", timeout=240)
+    write_jsonl(logs / "run.txt", run.records, prefix=b"\xef\xbb\xbf\n\n")
+    out = tmp_path / "audit"
+    result = pipeline("audit", str(logs), "--out", str(out), "--expect", "exactly-once", timeout=360)
     assert result.returncode == 1, result.stdout + result.stderr
-    recv2 = {**recv, "id": msg_id("t/a", b"y"), "seq": 2, "time": 6.0}
-    write_jsonl(logs / "r.txt", [sub, recv, recv2], prefix=b"\xef\xbb\xbf\n\n")
-    result = pipeline("audit", str(logs), "--out", str(tmp_path / "a2"), "--expect", "exactly-once", timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert (tmp_path / "a2" / "summary.parquet").exists() and (tmp_path / "a2" / "report.html").is_file()
+    assert (out / "report.html").is_file()
+    import pandas as pd  # noqa: PLC0415 - the pipeline extra
+
+    summary = pd.read_parquet(out / "summary.parquet").set_index("device")
+    columns = ["expected", "received", "lost", "duplicated", "out_of_order", "unknown"]
+    got = {str(device): tuple(int(v) for v in row) for device, row in summary[columns].iterrows()}
+    assert got == {
+        "d1": (1, 1, 0, 0, 0, 0),
+        "d2": (0, 0, 0, 0, 0, 0),
+        "d3": (0, 0, 0, 0, 0, 0),
+        "d4": (1, 2, 0, 1, 0, 0),
+        "d5": (3, 2, 1, 0, 0, 0),
+        "d6": (1, 2, 0, 0, 0, 1),
+        "d7": (1, 1, 0, 0, 0, 0),
+        "d8": (1, 0, 1, 0, 0, 0),
+        "d9": (0, 0, 0, 0, 0, 0),
+        "d10": (2, 2, 0, 0, 1, 0),
+        "d11": (1, 1, 0, 0, 0, 0),
+        "ALL": (11, 11, 2, 1, 1, 1),
+    }
+    d11 = summary.loc["d11"]
+    assert (d11["replay_p50_ms"], d11["drain_max_s"]) == (3500, 1.0)
 
 
 @pytest.mark.slow
@@ -501,7 +591,11 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     folder = tmp_path_factory.mktemp("blind13-limited")
     broker = Broker(
         folder,
-        streams=[{"filter": "telemetry/#", "max_count": 2}, {"filter": "aged/#", "max_age": 1}],
+        streams=[
+            {"filter": "telemetry/#", "max_count": 2},
+            {"filter": "aged/#", "max_age": 1},
+            {"filter": "telemetry/three/#", "max_count": 3},
+        ],
         max_stream_entries_per_client=2,
         drop_log_interval=0.5,
         stream_ack_timeout=1,
@@ -733,10 +827,10 @@ def test_position_of_a_topic_without_a_log_is_kept_until_it_appears(
 
 def test_unacknowledged_stream_event_is_resent_flagged_redelivered(limited: Broker, raws: Callable[..., Raw]) -> None:
     conn = raws(limited.port, "resend-1", clean=True)
-    conn.publish("aged/resend", b"r")
-    conn.request({"v": 1, "op": "stream_subscribe", "filter": "aged/resend", "window": 1})
-    first = conn.stream_events("aged/resend", 1)
-    again = conn.stream_events("aged/resend", 1)
+    conn.publish("telemetry/resend", b"r")
+    conn.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/resend", "window": 1})
+    first = conn.stream_events("telemetry/resend", 1)
+    again = conn.stream_events("telemetry/resend", 1)
     assert first == [(0x08, 1, b"r")]
     assert again == [(0x08 | 0x04, 1, b"r")]
 
@@ -909,3 +1003,175 @@ def test_spark_source_option_errors_name_the_option(shared: Broker, spark: Any) 
         with pytest.raises(Exception) as raised:  # Spark wraps the source's error
             read(**options)
         assert named.lower() in str(raised.value).lower(), (options, str(raised.value)[-800:])
+
+
+def test_hello_after_ready_holds_nothing_and_frames_what_follows(
+    shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    conn = raws(shared.port, "late-hello", clean=False)
+    assert raw_subscribe(conn.sock, "sensors/lh", 1) == 1
+    assert conn.request({"v": 1, "op": "ready"})["ok"] is True
+    conn.take(lambda topic, _p: topic == MARKER)
+    assert conn.request({"v": 1, "op": "hello"})["ok"] is True
+    clients(shared.port, "pub-lh", clean_session=True).publish("sensors/lh", [b"now"])
+    version, flags, _epoch, _seq, _t, payload = frame(conn.take(lambda topic, _p: topic == "sensors/lh")[1])
+    assert (version, flags, payload) == (1, 0, b"now")
+
+
+def test_interest_before_subscribe_applies(shared: Broker, raws: Callable[..., Raw]) -> None:
+    conn, _ = sdk_session(shared.port, raws, "interest-first")
+    assert conn.request({"v": 1, "op": "interest", "filter": "sensors/if", "durable": False})["ok"] is True
+    assert raw_subscribe(conn.sock, "sensors/if", 1) == 1
+    conn.send({"v": 1, "op": "ready"})
+    marker = json.loads(conn.take(lambda topic, _p: topic == MARKER)[1])
+    assert marker["live"] == [{"filter": "sensors/if", "qos": 1, "durable": False}]
+
+
+def test_end_session_needs_a_session_and_a_new_session_gets_a_new_epoch(
+    shared: Broker, raw: Raw, raws: Callable[..., Raw]
+) -> None:
+    assert error_of(raw.request({"v": 1, "op": "end_session", "req": 2}))[:3] == ("no_session", "end_session", 2)
+    conn, first = sdk_session(shared.port, raws, "epochs")
+    assert first["epoch"] >= 1
+    assert conn.request({"v": 1, "op": "end_session"})["messages_dropped"] == 0
+    conn.close()
+    conn, second = sdk_session(shared.port, raws, "epochs")
+    assert second["epoch"] != first["epoch"]
+    conn.close()
+    raws(shared.port, "epochs", clean=True).close()
+    _conn, third = sdk_session(shared.port, raws, "epochs")
+    assert third["epoch"] not in (first["epoch"], second["epoch"])
+
+
+def test_stream_ack_has_no_reply(shared: Broker, raw: Raw, clients: Callable[..., Client]) -> None:
+    clients(shared.port, "pub-noreply", clean_session=True).publish("telemetry/noreply", [b"1"])
+    raw.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/noreply"})
+    raw.stream_events("telemetry/noreply", 1)
+    raw.send({"v": 1, "op": "stream_ack", "topic": "telemetry/noreply", "id": 1, "req": 40})
+    assert raw.request({"v": 1, "op": "stream_info", "req": 41})["req"] == 41
+
+
+def test_retained_initial_value_carries_its_queue_time(
+    shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    clients(shared.port, "pub-rt", clean_session=True).publish("sensors/rt/1", [b"v"], retain=True)
+    conn, _ = sdk_session(shared.port, raws, "rt-time")
+    before = time.time()
+    assert raw_subscribe(conn.sock, "sensors/rt/#", 1) == 1
+    conn.send({"v": 1, "op": "ready"})
+    published = frame(conn.take(lambda topic, _p: topic == "sensors/rt/1")[1])[4]
+    assert published >= before
+
+
+def test_replies_markers_and_stream_events_reach_no_subscriber(
+    shared: Broker, raw: Raw, raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    spy = clients(shared.port, "spy", clean_session=True)
+    for topic_filter in ("$durable/v1/reply", "$durable/v1/marker", "$durable/v1/stream/#", "#"):
+        spy.subscribe(topic_filter, qos=1)
+    clients(shared.port, "pub-spy", clean_session=True).publish("telemetry/spy", [b"1"])
+    raw.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/spy"})
+    raw.stream_events("telemetry/spy", 1)
+    conn, _ = sdk_session(shared.port, raws, "spied")
+    conn.request({"v": 1, "op": "ready"})
+    conn.take(lambda topic, _p: topic == MARKER)
+    raw.publish("spy/done", b"sentinel")
+    assert spy.wait_for(lambda ms: any(m.topic == "spy/done" for m in ms))
+    assert [m.topic for m in spy.messages if not m.retain] == ["telemetry/spy", "spy/done"]
+
+
+def test_unacknowledged_session_message_comes_again_replayed_and_redelivered(
+    shared: Broker, clients: Callable[..., Client]
+) -> None:
+    def sdk_paho(ready: bool) -> Client:
+        client = clients(shared.port, "redeliver-1", clean_session=False, manual_ack=True)
+        client.paho.publish("_durable/v1/ctl", json.dumps({"v": 1, "op": "hello"}))
+        assert client.wait_for(lambda ms: any(m.topic == "$durable/v1/reply" for m in ms))
+        if ready:
+            client.paho.publish("_durable/v1/ctl", json.dumps({"v": 1, "op": "ready"}))
+        return client
+
+    first = sdk_paho(ready=False)
+    first.subscribe("sensors/rd", qos=1)
+    first.paho.publish("_durable/v1/ctl", json.dumps({"v": 1, "op": "ready"}))
+    assert first.wait_for(lambda ms: any(m.topic == MARKER for m in ms))
+    clients(shared.port, "pub-rd", clean_session=True).publish("sensors/rd", [b"once"])
+    assert first.wait_for(lambda ms: any(m.topic == "sensors/rd" for m in ms))
+    first.drop()  # never acknowledged
+    second = sdk_paho(ready=True)
+    assert second.wait_for(lambda ms: any(m.topic == MARKER for m in ms))
+    message = next(m for m in second.messages if m.topic == "sensors/rd")
+    flags, payload = frame(message.payload)[1], frame(message.payload)[5]
+    assert (flags, payload) == (0x01 | 0x04, b"once")
+    assert json.loads(next(m for m in second.messages if m.topic == MARKER).payload)["replayed"] == 1
+
+
+def test_topic_of_two_entries_is_logged_under_the_first(limited: Broker, raws: Callable[..., Raw]) -> None:
+    conn = raws(limited.port, "two-entries", clean=True)
+    for payload in (b"1", b"2", b"3", b"4"):
+        conn.publish("telemetry/three/x", payload)
+    info = conn.request({"v": 1, "op": "stream_info", "filter": "telemetry/three/#"})
+    assert info["topics"] == {"telemetry/three/x": {"first": 3, "last": 4, "count": 2}}
+
+
+def test_lowered_max_count_applies_at_start(broker_factory: Callable[..., Broker], raws: Callable[..., Raw]) -> None:
+    broker = broker_factory(streams=[{"filter": "telemetry/#", "max_count": 10}])
+    conn = raws(broker.port, "lowered", clean=True)
+    for payload in (b"1", b"2", b"3", b"4", b"5"):
+        conn.publish("telemetry/low", payload)
+    conn.close()
+    broker.settings["streams"] = [{"filter": "telemetry/#", "max_count": 2}]
+    broker.stop()
+    broker.start()
+    conn = raws(broker.port, "lowered-2", clean=True)
+    deadline = time.monotonic() + WAIT
+    topics: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        topics = conn.request({"v": 1, "op": "stream_info"})["topics"]
+        if topics["telemetry/low"]["count"] == 2:
+            break
+        conn.alive()
+    assert topics["telemetry/low"] == {"first": 4, "last": 5, "count": 2}
+
+
+def test_resends_back_off_while_nothing_is_acknowledged(limited: Broker, raws: Callable[..., Raw]) -> None:
+    conn = raws(limited.port, "backoff-1", clean=True)
+    conn.publish("telemetry/backoff", b"b")
+    conn.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/backoff", "window": 1})
+    times = []
+    for _ in range(3):
+        conn.stream_events("telemetry/backoff", 1)
+        times.append(time.monotonic())
+    first_gap, second_gap = times[1] - times[0], times[2] - times[1]
+    assert 0.8 <= first_gap < 1.8, times
+    assert second_gap >= 1.8, times  # twice stream_ack_timeout after a resend that brought no progress
+
+
+def test_sdk_stream_positions_cannot_move_under_a_held_stream(shared: Broker, clients: Callable[..., Client]) -> None:
+    from durable_client import DurableClientError, Unconnected  # noqa: PLC0415
+
+    clients(shared.port, "pub-held", clean_session=True).publish("telemetry/held", [b"1"])
+    client = DurableClient("sdk-held", port=shared.port, durable_session=False)
+    errors: list[BaseException] = []
+    seen = threading.Event()
+
+    def listener(event: Event) -> None:
+        try:
+            client.stream_info("telemetry/held")
+        except DurableClientError as error:
+            errors.append(error)
+        seen.set()
+
+    try:
+        with pytest.raises(Unconnected):
+            client.stream_info()
+        client.subscribe_stream("telemetry/held", listener)
+        with pytest.raises(ValueError):
+            client.subscribe_stream("telemetry/held", listener, after={"telemetry/held": 0})
+        with pytest.raises(ValueError):
+            client.subscribe_stream("telemetry/+", listener, after={"telemetry/held": 0})
+        client.connect()
+        assert seen.wait(WAIT)
+        assert len(errors) == 1 and not isinstance(errors[0], Unconnected)
+    finally:
+        client.close()
