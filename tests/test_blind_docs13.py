@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from raw_mqtt_helpers import STREAM_PREFIX, Raw, raw_subscribe
+from raw_mqtt_helpers import STREAM_PREFIX, Raw, connect_packet, raw_subscribe, read_exactly
 
 from conftest import WAIT, Broker, Client
 from durable_client import DurableClient, Event
@@ -587,7 +588,7 @@ def test_audit_names_the_file_and_line_that_does_not_parse(tmp_path: Path) -> No
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     """Retention by count (2) on telemetry/#, by age (1 s) on aged/#, 2 stream entries per connection,
-    resends after 1 s."""
+    resends after 1 s, 1 subscription per client."""
     folder = tmp_path_factory.mktemp("blind13-limited")
     broker = Broker(
         folder,
@@ -599,6 +600,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
         max_stream_entries_per_client=2,
         drop_log_interval=0.5,
         stream_ack_timeout=1,
+        max_subscriptions_per_client=1,
     ).start()
     yield broker
     broker.stop()
@@ -1175,3 +1177,103 @@ def test_sdk_stream_positions_cannot_move_under_a_held_stream(shared: Broker, cl
         assert len(errors) == 1 and not isinstance(errors[0], Unconnected)
     finally:
         client.close()
+
+
+def log_records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_delivery_log_durability_changes_are_written_before_subscribe_returns(shared: Broker, tmp_path: Path) -> None:
+    path = tmp_path / "changes.jsonl"
+    client = DurableClient("dlog-changes", port=shared.port, delivery_log=str(path))
+    try:
+        client.connect()
+        client.subscribe("sensors/ch", qos=1)
+        client.subscribe("sensors/ch", qos=1, durable=False)
+        assert [(r["topic"], r["durable"]) for r in log_records(path) if r["kind"] == "subscribe"] == [
+            ("sensors/ch", True),
+            ("sensors/ch", False),
+        ]
+        client.subscribe("sensors/ch", qos=1, durable=True)
+        assert [r["durable"] for r in log_records(path) if r["kind"] == "subscribe"] == [True, False, True]
+        client.publish("sensors/q0", b"zero", qos=0)
+        client.unsubscribe("sensors/ch")
+        sends = [r for r in log_records(path) if r["kind"] == "send"]
+        assert [(s["topic"], s["qos"], s["id"]) for s in sends] == [("sensors/q0", 0, msg_id("sensors/q0", b"zero"))]
+        assert [r["topic"] for r in log_records(path) if r["kind"] == "unsubscribe"] == ["sensors/ch"]
+    finally:
+        client.close(keep_session=False)
+    assert log_records(path)[-1]["kind"] == "session_end"
+
+
+def test_delivery_log_of_a_stateless_client_and_its_stream(shared: Broker, tmp_path: Path) -> None:
+    path = tmp_path / "stateless.jsonl"
+    client = DurableClient("dlog-stateless", port=shared.port, durable_session=False, delivery_log=str(path))
+    try:
+        client.connect()
+        client.subscribe("sensors/sl", qos=1)
+        client.subscribe_stream("telemetry/sl/#", lambda e: None)
+        client.unsubscribe("telemetry/sl/#")
+        records = log_records(path)
+        subs = [(r["topic"], r["qos"], r["durable"]) for r in records if r["kind"] == "subscribe"]
+        assert subs == [("sensors/sl", 1, False)]
+        assert [r["topic"] for r in records if r["kind"] == "unsubscribe"] == ["telemetry/sl/#"]
+        connect = next(r for r in records if r["kind"] == "connect")
+        assert connect["session_present"] is False
+    finally:
+        client.close()
+
+
+def test_delivery_log_path_under_a_file_raises_oserror(shared: Broker, tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(OSError):
+        DurableClient("dlog-under", port=shared.port, delivery_log=str(a_file / "log.jsonl"))
+
+
+def test_delivery_log_refused_subscribe_writes_nothing(limited: Broker, tmp_path: Path) -> None:
+    path = tmp_path / "refused.jsonl"
+    client = DurableClient("dlog-refused", port=limited.port, delivery_log=str(path))
+    try:
+        client.connect()
+        client.subscribe("sensors/one", qos=1)
+        client.subscribe("sensors/two", qos=1)
+        assert [r["topic"] for r in log_records(path) if r["kind"] == "subscribe"] == ["sensors/one"]
+    finally:
+        client.close(keep_session=False)
+
+
+def test_another_users_connect_of_a_session_is_refused_before_any_request(
+    shared: Broker, raws: Callable[..., Raw]
+) -> None:
+    """protocol.md: a request acting on another user's session is `not_your_session`; with the
+    default `session_takeover: owner-only` such a connection never gets that far: CONNACK 5."""
+    owner = raws(shared.port, "owned-1", clean=False, username="alice")
+    assert owner.request({"v": 1, "op": "hello"})["ok"] is True
+    owner.close()
+    with socket.create_connection(("127.0.0.1", shared.port), timeout=WAIT) as sock:
+        sock.sendall(connect_packet("owned-1", clean=False, username="bob"))
+        assert read_exactly(sock, 4) == b"\x20\x02\x00\x05"
+
+
+def test_audit_out_as_a_uri_is_bad_input(tmp_path: Path) -> None:
+    logs = tmp_path / "l.jsonl"
+    logs.write_text('{"kind": "send"}\n')
+    result = pipeline("audit", str(logs), "--out", f"file://{tmp_path}/o", "--expect", "exactly-once")
+    assert result.returncode == 2, result.stdout + result.stderr
+
+
+def test_demo_refuses_a_symlink_inside_out_naming_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "link").symlink_to(tmp_path)
+    result = pipeline("demo", "--out", str(out))
+    assert result.returncode == 2
+    assert "link" in result.stdout + result.stderr
+    assert (out / "link").is_symlink()
+
+
+@pytest.mark.parametrize("option", [["--events", "0"], ["--events", "x"], ["--devices", "-1"], ["--bogus"]])
+def test_demo_bad_options_are_exit_2(tmp_path: Path, option: list[str]) -> None:
+    result = pipeline("demo", "--out", str(tmp_path / "out"), *option)
+    assert result.returncode == 2, result.stdout + result.stderr
