@@ -588,7 +588,7 @@ def test_audit_names_the_file_and_line_that_does_not_parse(tmp_path: Path) -> No
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     """Retention by count (2) on telemetry/#, by age (1 s) on aged/#, 2 stream entries per connection,
-    resends after 1 s, 1 subscription per client."""
+    resends after 1 s, 1 subscription per client, packets of at most 200000 bytes."""
     folder = tmp_path_factory.mktemp("blind13-limited")
     broker = Broker(
         folder,
@@ -601,6 +601,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
         drop_log_interval=0.5,
         stream_ack_timeout=1,
         max_subscriptions_per_client=1,
+        max_packet_size=200000,
     ).start()
     yield broker
     broker.stop()
@@ -1277,3 +1278,59 @@ def test_demo_refuses_a_symlink_inside_out_naming_it(tmp_path: Path) -> None:
 def test_demo_bad_options_are_exit_2(tmp_path: Path, option: list[str]) -> None:
     result = pipeline("demo", "--out", str(tmp_path / "out"), *option)
     assert result.returncode == 2, result.stdout + result.stderr
+
+
+def test_hello_reports_the_brokers_max_packet_size(limited: Broker, raws: Callable[..., Raw]) -> None:
+    assert raws(limited.port, "mps", clean=True).request({"v": 1, "op": "hello"})["max_packet_size"] == 200000
+
+
+def test_positions_of_topics_without_a_log_count_against_the_entry_limit(
+    limited: Broker, raws: Callable[..., Raw]
+) -> None:
+    conn = raws(limited.port, "entries-2", clean=True)
+    after = {"telemetry/pp/a": 1, "telemetry/pp/b": 1}
+    request = {"v": 1, "op": "stream_subscribe", "filter": "telemetry/pp/#", "after": after}
+    assert error_of(conn.request(request))[0] == "malformed"
+    request["after"] = {"telemetry/pp/a": 1}
+    assert conn.request(request)["ok"] is True
+
+
+def test_a_later_position_for_a_topic_without_a_log_replaces_the_kept_one(
+    shared: Broker, raw: Raw, clients: Callable[..., Client]
+) -> None:
+    first = {"v": 1, "op": "stream_subscribe", "filter": "telemetry/rep/#", "after": {"telemetry/rep/x": 2}}
+    assert raw.request(first)["ok"] is True
+    second = {"v": 1, "op": "stream_subscribe", "filter": "telemetry/rep/+", "after": {"telemetry/rep/x": 1}}
+    assert raw.request(second)["ok"] is True
+    clients(shared.port, "pub-rep", clean_session=True).publish("telemetry/rep/x", [b"1", b"2", b"3"])
+    assert raw.stream_events("telemetry/rep/x", 1) == [(0x08, 2, b"2")]
+
+
+def test_later_log_opens_with_the_window_last_given_to_the_earliest_filter(
+    shared: Broker, raw: Raw, clients: Callable[..., Client]
+) -> None:
+    for topic_filter, window in (("telemetry/win/#", 1), ("telemetry/win/#", 3), ("telemetry/win/+", 1)):
+        assert raw.request({"v": 1, "op": "stream_subscribe", "filter": topic_filter, "window": window})["ok"]
+    clients(shared.port, "pub-win", clean_session=True).publish("telemetry/win/x", [b"1", b"2", b"3"])
+    assert [e[1] for e in raw.stream_events("telemetry/win/x", 3)] == [1, 2, 3]  # no ack sent
+
+
+@pytest.mark.parametrize("after_forged", ["64k-of-others", "cut-line"])
+def test_cpl2_log_tail_is_its_last_64_kib_and_ignores_a_cut_line(
+    shared: Broker, tmp_path: Path, clients: Callable[..., Client], after_forged: str
+) -> None:
+    cid = f"cpl2-64k-{after_forged}"
+    state, log = tmp_path / "state", tmp_path / "d.jsonl"
+    assert run_session(shared.port, cid, state, log, publish=[b"first"])[0] == [b"first"]
+    receive = next(json.loads(line) for line in log.read_text().splitlines() if '"receive"' in line)
+    clients(shared.port, f"pub-{cid}", clean_session=True).publish("sensors/mark/1", [b"second", b"third"])
+    forged = {**receive, "seq": receive["seq"] + 1000, "time": time.time()}
+    with log.open("a") as out:
+        out.write(json.dumps(forged) + "\n")
+        if after_forged == "cut-line":
+            out.write('{"kind": "receive", "device": "' + cid + '", "seq": 99999')
+        else:
+            other = json.dumps({"kind": "connect", "device": "another", "time": 1.0, "session_present": False})
+            out.write((other + "\n") * (65536 // len(other) + 2))
+    got, _ = run_session(shared.port, cid, state, log)
+    assert got == ([] if after_forged == "cut-line" else [b"second", b"third"])
