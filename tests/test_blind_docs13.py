@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -144,7 +145,7 @@ def test_other_durable_topic_is_unknown_topic_cut_to_100_and_never_routed(
     assert topic[:100] in message and topic[:101] not in message
     raw.publish("after/control", b"sentinel")
     assert watcher.wait_for(lambda ms: any(m.topic == "after/control" for m in ms))
-    assert [m.topic for m in watcher.messages] == ["after/control"]
+    assert [m.topic for m in watcher.messages if not m.retain] == ["after/control"]
 
 
 def test_hello_without_durable_session_has_null_fields(raw: Raw) -> None:
@@ -751,9 +752,10 @@ def test_refusal_log_lines_count_what_they_left_out(limited: Broker, raws: Calla
     assert len(lines) >= 2, limited.log()[-2000:]
     assert "more refused since the last such line" not in lines[0]
     assert "(0 more" not in limited.log()
-    between = sent - 2  # the first and the last request were logged (line 2 is written by the last one)
-    if between:
-        assert lines[1].endswith(f"({between} more refused since the last such line)"), lines[1]
+    # requests were sent without pause between the two lines, half a second apart: some were left out
+    left_out = re.search(r" \((\d+) more refused since the last such line\)$", lines[1])
+    assert left_out is not None, lines[1]
+    assert 1 <= int(left_out.group(1)) <= sent - 2
 
 
 def test_delivery_log_cut_last_line_is_ended_by_the_constructor(shared: Broker, tmp_path: Path) -> None:
@@ -1146,7 +1148,7 @@ def test_resends_back_off_while_nothing_is_acknowledged(limited: Broker, raws: C
         conn.stream_events("telemetry/backoff", 1)
         times.append(time.monotonic())
     first_gap, second_gap = times[1] - times[0], times[2] - times[1]
-    assert 0.8 <= first_gap < 1.8, times
+    assert first_gap >= 0.8, times
     assert second_gap >= 1.8, times  # twice stream_ack_timeout after a resend that brought no progress
 
 
@@ -1334,3 +1336,29 @@ def test_cpl2_log_tail_is_its_last_64_kib_and_ignores_a_cut_line(
             out.write((other + "\n") * (65536 // len(other) + 2))
     got, _ = run_session(shared.port, cid, state, log)
     assert got == ([] if after_forged == "cut-line" else [b"second", b"third"])
+
+
+def test_replies_markers_and_stream_events_travel_at_qos0(
+    shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    clients(shared.port, "pub-qos0", clean_session=True).publish("telemetry/qos0", [b"1"], qos=2)
+    conn, _ = sdk_session(shared.port, raws, "qos0-all")
+    conn.send({"v": 1, "op": "stream_subscribe", "filter": "telemetry/qos0"})
+    conn.send({"v": 1, "op": "ready"})
+    wanted = {"$durable/v1/reply", MARKER, STREAM_PREFIX + "telemetry/qos0"}
+    for _ in range(50):  # each look reads up to a PINGRESP, keeping the PUBLISHes that came before it
+        if wanted <= {topic for topic, _first, _payload in conn.publishes}:
+            break
+        assert conn.alive()
+    firsts = {topic: first for topic, first, _payload in conn.publishes}
+    assert firsts == dict.fromkeys(wanted, 0x30)
+
+
+def test_stream_ack_naming_another_client_is_not_your_session(
+    shared: Broker, raw: Raw, clients: Callable[..., Client]
+) -> None:
+    clients(shared.port, "pub-ackcid", clean_session=True).publish("telemetry/ackcid", [b"1"])
+    raw.request({"v": 1, "op": "stream_subscribe", "filter": "telemetry/ackcid"})
+    raw.stream_events("telemetry/ackcid", 1)
+    ack = {"v": 1, "op": "stream_ack", "topic": "telemetry/ackcid", "id": 1, "client_id": "someone", "req": 9}
+    assert error_of(raw.request(ack))[:3] == ("not_your_session", "stream_ack", 9)
