@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from raw_mqtt_helpers import STREAM_PREFIX, Raw, connect_packet, raw_subscribe, read_exactly
 
-from conftest import WAIT, Broker, Client
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string
 from durable_client import DurableClient, Event
 
 pytestmark = pytest.mark.timeout(120)
@@ -1362,3 +1362,35 @@ def test_stream_ack_naming_another_client_is_not_your_session(
     raw.stream_events("telemetry/ackcid", 1)
     ack = {"v": 1, "op": "stream_ack", "topic": "telemetry/ackcid", "id": 1, "client_id": "someone", "req": 9}
     assert error_of(raw.request(ack))[:3] == ("not_your_session", "stream_ack", 9)
+
+
+def test_delivery_log_raw_event_of_a_stateless_client(shared: Broker, tmp_path: Path) -> None:
+    """delivery-log.md: `seq` and `epoch` both 0 for raw events; `published_at` their receive time."""
+    path = tmp_path / "raw.jsonl"
+    second = threading.Event()
+    client = DurableClient("dlog-raw", port=shared.port, durable_session=False, delivery_log=str(path))
+    try:
+        client.subscribe("sensors/rawev", qos=1, listener=lambda e: second.set() if e.payload == b"2" else None)
+        client.connect()
+        before = time.time()
+        client.publish("sensors/rawev", b"1", qos=1)
+        client.publish("sensors/rawev", b"2", qos=1)
+        assert second.wait(WAIT)
+    finally:
+        client.close()
+    receive = next(r for r in log_records(path) if r["kind"] == "receive")
+    assert (receive["seq"], receive["epoch"], receive["replayed"]) == (0, 0, False)
+    assert before <= receive["published_at"] <= receive["time"]
+
+
+def test_a_retained_control_publish_is_not_retained(shared: Broker, raw: Raw, clients: Callable[..., Client]) -> None:
+    body = json.dumps({"v": 1, "op": "stream_info", "req": 77}).encode()
+    raw.sock.sendall(mqtt_packet(0x31, mqtt_string("_durable/v1/ctl") + body))
+    assert raw.reply()["req"] == 77
+    raw.sock.sendall(mqtt_packet(0x31, mqtt_string("_durable/v1/elsewhere") + body))
+    assert error_of(raw.reply())[0] == "unknown_topic"
+    clients(shared.port, "pub-sentinel", clean_session=True).publish("zz/sentinel", [b"s"], retain=True)
+    late = clients(shared.port, "late-sub", clean_session=True)
+    late.subscribe("#", qos=1)
+    assert late.wait_for(lambda ms: any(m.topic == "zz/sentinel" for m in ms))
+    assert not [m.topic for m in late.messages if m.topic.startswith("_durable/")]
