@@ -10,7 +10,10 @@ test quotes the promise it checks.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -27,8 +30,10 @@ import pytest
 from small_disk import fill, remount_read_only, small_disk
 
 from amqtt_durable import ConfigError, DurableConfig
+from amqtt_durable.cli import load_broker_config
 from amqtt_durable.process import HOST, free_port
 from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, probe_connack, run_cli
+from durable_fleet import console
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -54,6 +59,37 @@ def run_broker_config(tmp_path: Path, text: str) -> subprocess.CompletedProcess[
     return run_cli("broker", "-c", str(path))
 
 
+def run_here(*args: str) -> subprocess.CompletedProcess[str]:
+    """``amqtt-durable ARGS`` run in this process, for a command that ends without serving (inspect,
+    repair, promote, a usage error, a config ``broker`` refuses): its exit code and output as run_cli
+    gives them (the console passes main's return on as the exit code), without an interpreter's start
+    for each. Not for output the command logs (a child prints WARNINGs by logging's last resort)."""
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = console.main(list(args))
+            except SystemExit as exc:  # argparse's usage error
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return subprocess.CompletedProcess(["amqtt-durable", *args], code, out.getvalue(), err.getvalue())
+
+
+def refused_here(tmp_path: Path, text: str | None) -> subprocess.CompletedProcess[str]:
+    """``amqtt-durable broker -c FILE`` on a config (None: no file) it refuses before anything starts
+    (checked first, so a config taken by mistake fails here instead of serving in this process)."""
+    path = tmp_path / "broker.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError):
+        load_broker_config(str(path))
+    return run_here("broker", "-c", str(path))
+
+
 def output(result: subprocess.CompletedProcess[str]) -> str:
     return result.stdout + result.stderr
 
@@ -68,7 +104,7 @@ def wait_serving(child: subprocess.Popen[bytes], port: int) -> None:
 
 def refused_config(tmp_path: Path, plugin_lines: str, *, top: str = "") -> str:
     """The error of a config the plugin refuses: exit code 2, the text returned."""
-    result = run_broker_config(tmp_path, config_text(tmp_path / "store", plugin_lines, top=top))
+    result = refused_here(tmp_path, config_text(tmp_path / "store", plugin_lines, top=top))
     assert result.returncode == 2, output(result)
     assert not (tmp_path / "store").exists()
     return output(result)
@@ -127,7 +163,7 @@ def test_plugin_listed_twice_in_plugins_list(tmp_path: Path) -> None:
         f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{free_port()}\n"
         f"plugins:\n  - {PLUGIN}:\n      store: {store}\n  - {PLUGIN}:\n      store: {store}\n"
     )
-    result = run_broker_config(tmp_path, text)
+    result = refused_here(tmp_path, text)
     assert result.returncode == 2, output(result)
     assert f"plugins[1].{PLUGIN}" in output(result)
 
@@ -155,7 +191,7 @@ def test_top_level_amqtt_key_given_twice_named_by_path(tmp_path: Path) -> None:
         f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{port}\n    bind: {HOST}:{port}\n"
         f"plugins:\n  {PLUGIN}:\n    store: {store}\n"
     )
-    result = run_broker_config(tmp_path, text)
+    result = refused_here(tmp_path, text)
     assert result.returncode == 2, output(result)
     assert "listeners.default.bind" in output(result)
 
@@ -181,12 +217,9 @@ def test_listeners_of_wrong_type(tmp_path: Path) -> None:
 def test_config_file_missing_not_yaml_or_without_plugin(tmp_path: Path, kind: str) -> None:
     """exit code 2 for a bad config (... also a config file that is missing, not YAML, or does not load
     ``amqtt_durable.DurableSessionsPlugin``)."""
-    path = tmp_path / "broker.yaml"
-    if kind == "not-yaml":
-        path.write_text("listeners: [\n  : : {\n")
-    elif kind == "no-plugin":
-        path.write_text(f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{free_port()}\n")
-    result = run_cli("broker", "-c", str(path))
+    texts = {"missing": None, "not-yaml": "listeners: [\n  : : {\n"}
+    no_plugin = f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{free_port()}\n"
+    result = refused_here(tmp_path, texts.get(kind, no_plugin))
     assert result.returncode == 2, output(result)
 
 
@@ -303,24 +336,24 @@ def test_inspect_missing_file_and_foreign_folder(tmp_path: Path) -> None:
     holds files (...) but no LevelDB store``; a file: ``store '...' is a file, not a folder``; each exit
     code 1, and nothing is created."""
     missing = tmp_path / "missing"
-    result = run_cli("inspect", str(missing))
+    result = run_here("inspect", str(missing))
     assert result.returncode == 1 and f"no store at '{missing}'" in output(result)
     assert not missing.exists()
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = run_cli("inspect", str(empty))
+    result = run_here("inspect", str(empty))
     assert result.returncode == 1 and f"no store at '{empty}'" in output(result)
     assert list(empty.iterdir()) == []
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("x")
-    result = run_cli("inspect", str(other))
+    result = run_here("inspect", str(other))
     assert result.returncode == 1 and f"store folder '{other}' holds files (" in output(result)
     assert "but no LevelDB store" in output(result)
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
     file = tmp_path / "file"
     file.write_text("x")
-    result = run_cli("inspect", str(file))
+    result = run_here("inspect", str(file))
     assert result.returncode == 1 and f"store '{file}' is a file, not a folder" in output(result)
 
 
@@ -330,13 +363,13 @@ def test_inspect_missing_file_and_foreign_folder(tmp_path: Path) -> None:
 def test_inspect_usage_errors(tmp_path: Path, args: list[str]) -> None:
     """It takes a store folder or ``--replication HOST:PORT``: neither, both, or ``--retained`` with
     ``--replication`` is a usage error (exit code 2)."""
-    result = run_cli("inspect", *[str(tmp_path) if a == "STORE" else a for a in args])
+    result = run_here("inspect", *[str(tmp_path) if a == "STORE" else a for a in args])
     assert result.returncode == 2, output(result)
 
 
 def test_inspect_replication_malformed_address() -> None:
     """a malformed HOST:PORT is a usage error, exit code 2."""
-    result = run_cli("inspect", "--replication", "no-port-here")
+    result = run_here("inspect", "--replication", "no-port-here")
     assert result.returncode == 2, output(result)
 
 
@@ -345,18 +378,18 @@ def test_repair_refusals(tmp_path: Path) -> None:
     ``inspect``, repair does not say ``holds files``) is refused with ``no store at '...'``, a file with
     ``store '...' is a file, not a folder``; exit code 1, untouched."""
     missing = tmp_path / "missing"
-    result = run_cli("repair", str(missing))
+    result = run_here("repair", str(missing))
     assert result.returncode == 1 and f"no store at '{missing}'" in output(result)
     assert not missing.exists()
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("x")
-    result = run_cli("repair", str(other))
+    result = run_here("repair", str(other))
     assert result.returncode == 1 and f"no store at '{other}'" in output(result)
     assert "holds files" not in output(result)
     file = tmp_path / "file"
     file.write_text("x")
-    result = run_cli("repair", str(file))
+    result = run_here("repair", str(file))
     assert result.returncode == 1 and f"store '{file}' is a file, not a folder" in output(result)
 
 
@@ -373,7 +406,7 @@ def test_repair_refuses_another_programs_leveldb(tmp_path: Path) -> None:
     db.put(b"user:1", b"alice")
     db.close()
     before = folder_bytes(folder)
-    result = run_cli("repair", str(folder))
+    result = run_here("repair", str(folder))
     assert result.returncode == 1, output(result)
     assert (
         f"repair of '{folder}' refused: it is not an amqtt-durable store but another program's LevelDB (no "
@@ -392,7 +425,7 @@ def test_repair_of_a_consistent_store(tmp_path: Path, broker_factory: Callable[.
     client.subscribe("rep/x", qos=1)
     client.disconnect()
     broker.stop()
-    result = run_cli("repair", broker.store)
+    result = run_here("repair", broker.store)
     assert result.returncode == 0, output(result)
     lines = result.stdout.splitlines()
     assert f"repaired '{broker.store}'; start the broker to use it" in lines
@@ -424,11 +457,11 @@ def test_store_of_another_layout_version(broker_factory: Callable[..., Broker]) 
         f"store '{broker.store}' was written by another release of amqtt_durable: layout version b'7', "
         "this release reads b'1'"
     )
-    result = run_cli("inspect", broker.store)
+    result = run_here("inspect", broker.store)
     assert result.returncode == 1 and expected in output(result), output(result)
     result = run_cli("broker", "-c", str(broker.write_config()))
     assert result.returncode == 1 and expected in output(result), output(result)
-    result = run_cli("repair", broker.store)
+    result = run_here("repair", broker.store)
     assert result.returncode == 1 and expected in output(result), output(result)
 
 
@@ -438,7 +471,7 @@ def test_store_without_current(broker_factory: Callable[..., Broker]) -> None:
     broker = made_store(broker_factory)
     (Path(broker.store) / "CURRENT").unlink()
     before = folder_bytes(Path(broker.store))
-    result = run_cli("inspect", broker.store)
+    result = run_here("inspect", broker.store)
     assert result.returncode == 1, output(result)
     assert f"store '{broker.store}' is corrupted or unreadable: " in output(result)
     assert "CURRENT, the file naming the live MANIFEST, is missing" in output(result)
@@ -484,7 +517,7 @@ def test_backup_copied_into_store_folder_warns(broker_factory: Callable[..., Bro
         f"store folder '{broker.store}' holds a folder 'durable-1' that is itself a LevelDB store (a backup "
         "copied into the store's folder?): it is not used; "
     )
-    result = run_cli("inspect", broker.store)
+    result = run_cli("inspect", broker.store)  # the WARNING as a child prints it
     assert result.returncode == 0, output(result)
     assert expected in output(result)
     assert "made-1" in result.stdout
@@ -497,10 +530,10 @@ def test_inspect_locked_store(broker_factory: Callable[..., Broker]) -> None:
     """a running broker's store gives ``store '...' is locked by another process``, exit code 1; the broker
     that holds it keeps serving."""
     broker = broker_factory()
-    result = run_cli("inspect", broker.store)
+    result = run_here("inspect", broker.store)
     assert result.returncode == 1
     assert f"store '{broker.store}' is locked by another process" in output(result)
-    result = run_cli("repair", broker.store)
+    result = run_here("repair", broker.store)
     assert result.returncode == 1
     assert f"store '{broker.store}' is locked by another process" in output(result)
     assert broker.ready()
@@ -513,7 +546,7 @@ def test_inspect_empty_store(broker_factory: Callable[..., Broker]) -> None:
     """a store without sessions: the header and ``0 session(s), 0 queued message(s)``."""
     broker = broker_factory()
     broker.stop()
-    result = run_cli("inspect", broker.store)
+    result = run_here("inspect", broker.store)
     assert result.returncode == 0, output(result)
     assert result.stdout.splitlines() == [HEADER, "0 session(s), 0 queued message(s)"]
 
@@ -532,7 +565,7 @@ def test_inspect_rows_order_subscriptions_and_json(broker_factory: Callable[...,
     publisher.publish("z/t", [b"12345"], qos=1)
     publisher.disconnect()
     broker.stop()
-    result = run_cli("inspect", broker.store)
+    result = run_here("inspect", broker.store)
     assert result.returncode == 0, output(result)
     lines = result.stdout.splitlines()
     assert lines[0].split("  ")[:1] == ["CLIENT ID"]
@@ -542,7 +575,7 @@ def test_inspect_rows_order_subscriptions_and_json(broker_factory: Callable[...,
     assert a_row[1:3] == ["1", "5"] and a_row[-1] == "Y/t@0,z/t@1"
     assert b_row[4] == "5m" and a_row[4] == "5m"
     assert lines[-1] == "2 session(s), 1 queued message(s)"
-    result = run_cli("inspect", broker.store, "--json")
+    result = run_here("inspect", broker.store, "--json")
     assert result.returncode == 0, output(result)
     rows = json.loads(result.stdout)
     assert [row["client_id"] for row in rows] == ["B-dev", "a-dev"]
@@ -569,10 +602,10 @@ def test_inspect_escapes_unprintable_client_id(broker_factory: Callable[..., Bro
     client = Client(broker.port, "evil\n\x1bid")
     client.disconnect()
     broker.stop()
-    result = run_cli("inspect", broker.store)
+    result = run_here("inspect", broker.store)
     assert result.returncode == 0, output(result)
     assert result.stdout.splitlines()[1].startswith("evil\\n\\x1bid  ")
-    assert json.loads(run_cli("inspect", broker.store, "--json").stdout)[0]["client_id"] == "evil\n\x1bid"
+    assert json.loads(run_here("inspect", broker.store, "--json").stdout)[0]["client_id"] == "evil\n\x1bid"
 
 
 def test_inspect_retained(broker_factory: Callable[..., Broker]) -> None:
@@ -586,13 +619,13 @@ def test_inspect_retained(broker_factory: Callable[..., Broker]) -> None:
     publisher.publish("r/a", [b"abcdefg"], qos=1, retain=True)
     publisher.disconnect()
     broker.stop()
-    result = run_cli("inspect", broker.store, "--retained")
+    result = run_here("inspect", broker.store, "--retained")
     assert result.returncode == 0, output(result)
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["TOPIC", "QOS", "BYTES", "AGE"]
     assert [line.split()[:3] for line in lines[1:3]] == [["r/a", "1", "7"], ["r/b", "1", "3"]]
     assert lines[-1] == "2 retained message(s)"
-    rows = json.loads(run_cli("inspect", broker.store, "--retained", "--json").stdout)
+    rows = json.loads(run_here("inspect", broker.store, "--retained", "--json").stdout)
     assert [set(row) for row in rows] == [{"topic", "qos", "bytes", "age_s"}] * 2
     assert [(row["topic"], row["qos"], row["bytes"]) for row in rows] == [("r/a", 1, 7), ("r/b", 1, 3)]
 
@@ -659,11 +692,11 @@ def test_inspect_after_sigkill_shows_no_deadline(broker_factory: Callable[..., B
     broker.kill()
     client.wait_disconnected()
     client.paho.loop_stop()
-    result = run_cli("inspect", broker.store)
+    result = run_here("inspect", broker.store)
     assert result.returncode == 0, output(result)
     row = result.stdout.splitlines()[1].split()
     assert row[0] == "killed-1" and row[4] == "-", result.stdout
-    rows = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    rows = json.loads(run_here("inspect", broker.store, "--json").stdout)
     assert rows[0]["expires_at"] is None and rows[0]["disconnected_at"] is None
 
 
@@ -682,7 +715,7 @@ def test_dropped_count_in_inspect_and_metric(broker_factory: Callable[..., Broke
     assert watcher.wait_for(lambda msgs: any(m.payload == b"3" for m in msgs), 3 * WAIT)
     watcher.disconnect()
     broker.stop()
-    rows = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    rows = json.loads(run_here("inspect", broker.store, "--json").stdout)
     assert [(r["client_id"], r["depth"], r["dropped"]) for r in rows] == [("drop-1", 2, 3)]
     broker.start()
     again = Client(broker.port, "drop-1")
@@ -727,16 +760,16 @@ def test_damaged_records_are_named_then_repaired(
     assert f"store '{broker.store}' is corrupted or unreadable: " in output(result)
     assert expected in output(result), output(result)
     for args in ([], ["--retained"]):
-        result = run_cli("inspect", broker.store, *args)
+        result = run_here("inspect", broker.store, *args)
         if args in inspect_args:
             assert result.returncode == 1 and expected in output(result), output(result)
             assert f"run 'amqtt-durable repair {broker.store}'" in output(result)
         elif key[:1] in b"sr":
             assert result.returncode == 0, output(result)
-    result = run_cli("repair", broker.store)
+    result = run_here("repair", broker.store)
     assert result.returncode == 0, output(result)
     assert f"repaired '{broker.store}'; start the broker to use it" in result.stdout
-    assert run_cli("inspect", broker.store).returncode == 0
+    assert run_here("inspect", broker.store).returncode == 0
     broker.start()
 
 
@@ -755,7 +788,7 @@ def test_repair_removes_unreferenced_message_body(broker_factory: Callable[..., 
     stray = b"m" + (int.from_bytes(bodies[0][1:], "big") + 1).to_bytes(8, "big")
     db.put(stray, db.get(bodies[0]))
     db.close()
-    result = run_cli("repair", broker.store)
+    result = run_here("repair", broker.store)
     assert result.returncode == 0, output(result)
     assert "  rebuilt: 1 message body(ies) that no queue entry points at removed" in result.stdout.splitlines()
     db = plyvel.DB(broker.store)
@@ -781,7 +814,7 @@ def test_repair_raises_message_id_mark_below_an_id_in_use(broker_factory: Callab
     assert in_use >= 1
     db.put(b"M", (0).to_bytes(8, "big"))
     db.close()
-    result = run_cli("repair", broker.store)
+    result = run_here("repair", broker.store)
     assert result.returncode == 0, output(result)
     assert (
         f"  rebuilt: highest message id 0 was below message {in_use}, which is in use (an earlier release wrote "
@@ -830,7 +863,7 @@ def test_inspect_columns_as_wide_as_widest_cell(broker_factory: Callable[..., Br
     client.subscribe("w/#", qos=2)
     client.disconnect()
     broker.stop()
-    lines = run_cli("inspect", broker.store).stdout.splitlines()
+    lines = run_here("inspect", broker.store).stdout.splitlines()
     width = len(long_id)
     assert lines[0].startswith("CLIENT ID" + " " * (width - len("CLIENT ID") + 2) + "DEPTH  BYTES  ")
     assert lines[1].startswith(long_id + "  0" + " " * (len("DEPTH") - 1) + "  0")
@@ -927,7 +960,7 @@ def test_queue_qos0_off_and_on(broker_factory: Callable[..., Broker]) -> None:
         publisher.publish("q0/high", [b"high-qos1"], qos=1)
         publisher.disconnect()
         broker.stop()
-        (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+        (row,) = json.loads(run_here("inspect", broker.store, "--json").stdout)
         assert row["depth"] == (3 if enabled else 1), (enabled, row)
 
 
@@ -947,9 +980,7 @@ def test_bad_values_named(tmp_path: Path, line: str, key: str) -> None:
     ``drop-newest``; ``sync``: ``true`` / ``false``; ``max_depth``: whole number >= 1. Refused naming the key,
     exit code 2."""
     if key == "store":
-        result = run_broker_config(
-            tmp_path, config_text(tmp_path / "store").replace(f"store: {tmp_path / 'store'}", line)
-        )
+        result = refused_here(tmp_path, config_text(tmp_path / "store").replace(f"store: {tmp_path / 'store'}", line))
         assert result.returncode == 2, output(result)
         text = output(result)
     else:
@@ -1025,14 +1056,14 @@ def test_inspect_due_and_ages(broker_factory: Callable[..., Broker]) -> None:
     watcher.disconnect()
     broker.stop()
     stopped = time.time()
-    (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    (row,) = json.loads(run_here("inspect", broker.store, "--json").stdout)
     assert row["client_id"] == "due-1" and row["depth"] == 1
     assert stopped - 3 * WAIT < row["disconnected_at"] <= stopped
     assert row["expires_at"] == pytest.approx(row["disconnected_at"] + 2, abs=0.01)
     deadline = time.monotonic() + 3 * WAIT
     while time.time() <= row["expires_at"] and time.monotonic() < deadline:
         threading.Event().wait(0.1)
-    line = run_cli("inspect", broker.store).stdout.splitlines()[1].split()
+    line = run_here("inspect", broker.store).stdout.splitlines()[1].split()
     assert line[0] == "due-1" and line[4] == "due", line
     assert re.fullmatch(r"\d+s", line[3]), line
 
@@ -1060,7 +1091,7 @@ def test_interrupted_deletion_finished_at_start(broker_factory: Callable[..., Br
     line = next(line for line in log.splitlines() if "whose deletion a crash or a stop cut short" in line)
     assert "WARNING" in line and "store: deleted 3 queue entries of a session" in line, line
     broker.stop()
-    assert json.loads(run_cli("inspect", broker.store, "--json").stdout) == []
+    assert json.loads(run_here("inspect", broker.store, "--json").stdout) == []
     db = plyvel.DB(broker.store)
     assert [k for k, _ in db.iterator(prefix=b"q")] == []
     db.close()
@@ -1086,7 +1117,7 @@ def test_store_without_version_refused_then_repaired(broker_factory: Callable[..
     result = run_cli("broker", "-c", str(broker.write_config()))
     assert result.returncode == 1, output(result)
     assert broker.store in output(result)
-    result = run_cli("repair", broker.store)
+    result = run_here("repair", broker.store)
     assert result.returncode == 0, output(result)
     assert "layout version key restored" in result.stdout
     db = plyvel.DB(broker.store)
@@ -1111,7 +1142,7 @@ def test_repair_refuses_leveldb_with_own_comparator(tmp_path: Path) -> None:
     db.put(b"sclient", b"{}")
     db.close()
     before = folder_bytes(folder)
-    result = run_cli("repair", str(folder))
+    result = run_here("repair", str(folder))
     assert result.returncode == 1, output(result)
     assert (
         f"repair of '{folder}' refused: it is not an amqtt-durable store but another program's LevelDB (its keys "
@@ -1128,7 +1159,7 @@ def test_repair_names_a_long_foreign_key_cut_at_40_bytes(tmp_path: Path) -> None
     db = plyvel.DB(str(folder), create_if_missing=True)
     db.put(key, b"1")
     db.close()
-    result = run_cli("repair", str(folder))
+    result = run_here("repair", str(folder))
     assert result.returncode == 1, output(result)
     assert f"and its key {key[:40]!r}, ... has the shape of no key" in output(result), output(result)
 
@@ -1140,7 +1171,7 @@ def test_repair_takes_a_folder_of_layout_shaped_keys(tmp_path: Path) -> None:
     db = plyvel.DB(str(folder), create_if_missing=True)
     db.put(b"rsome/topic", b"\xff")
     db.close()
-    result = run_cli("repair", str(folder))
+    result = run_here("repair", str(folder))
     assert result.returncode == 0, output(result)
     db = plyvel.DB(str(folder))
     assert db.get(b"v") == b"1"
@@ -1157,7 +1188,7 @@ def test_inspect_escapes_filters_and_sorts_ids_as_sent(broker_factory: Callable[
     second = Client(broker.port, "a\\")
     second.disconnect()
     broker.stop()
-    lines = run_cli("inspect", broker.store).stdout.splitlines()
+    lines = run_here("inspect", broker.store).stdout.splitlines()
     assert lines[1].startswith("a\\x01  ") and lines[2].startswith("a\\\\  "), lines
     assert lines[1].endswith("  x y,z@w\\u200d\\xa0@1"), lines
 
@@ -1170,14 +1201,14 @@ def test_merged_mapping_key_given_twice_named_with_merge_path(tmp_path: Path) ->
         f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{port}\n"
         f"plugins:\n  {PLUGIN}:\n    <<: {{store: {tmp_path / 'a'}, store: {tmp_path / 'b'}}}\n"
     )
-    result = run_broker_config(tmp_path, text)
+    result = refused_here(tmp_path, text)
     assert result.returncode == 2, output(result)
     assert "'<<.store'" in output(result), output(result)
     text = (
         f"listeners:\n  default:\n    type: tcp\n    <<: [{{bind: '{HOST}:{port}', bind: '{HOST}:{port}'}}]\n"
         f"plugins:\n  {PLUGIN}:\n    store: {tmp_path / 'store'}\n"
     )
-    result = run_broker_config(tmp_path, text)
+    result = refused_here(tmp_path, text)
     assert result.returncode == 2, output(result)
     assert "'listeners.default.<<[0].bind'" in output(result), output(result)
 
@@ -1199,9 +1230,9 @@ def test_inspect_expiry_formats(broker_factory: Callable[..., Broker], expiry: i
     publisher = Client(broker.port, "fmt-pub", clean_session=True)  # its CONNACK: the DISCONNECT was read
     publisher.disconnect()
     broker.stop()
-    (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    (row,) = json.loads(run_here("inspect", broker.store, "--json").stdout)
     assert row["expires_at"] is not None, row
-    line = run_cli("inspect", broker.store).stdout.splitlines()[1].split()
+    line = run_here("inspect", broker.store).stdout.splitlines()[1].split()
     assert line[4] == shown, line
 
 
@@ -1253,7 +1284,7 @@ def test_repair_on_a_full_disk_and_a_read_only_one(tmp_path: Path, broker_factor
         subprocess.run(["cp", "-a", source.store, str(store)], check=True, timeout=WAIT)
         filler = fill(disk)
         before = folder_bytes(store)
-        result = run_cli("repair", str(store))
+        result = run_here("repair", str(store))
         assert result.returncode == 1, output(result)
         assert re.search(
             rf"repair of '{re.escape(str(store))}' not started: its folder cannot take the writes a repair needs "
@@ -1265,7 +1296,7 @@ def test_repair_on_a_full_disk_and_a_read_only_one(tmp_path: Path, broker_factor
         assert not (store / "durable-write-probe.tmp").exists()
         filler.unlink()
         remount_read_only(disk)
-        result = run_cli("repair", str(store))
+        result = run_here("repair", str(store))
         assert result.returncode == 1, output(result)
         assert (
             f"repair of '{store}' not started: its folder cannot be written (Read-only file system); nothing was "
@@ -1400,7 +1431,7 @@ def test_backup_copied_into_an_empty_store_folder(tmp_path: Path, broker_factory
     assert result.returncode == 1, output(result)
     assert f"store folder '{store}' holds files (" in output(result) and "but no LevelDB store" in output(result)
     assert [p.name for p in store.iterdir()] == ["durable-1"]
-    result = run_cli("inspect", str(store))
+    result = run_here("inspect", str(store))
     assert result.returncode == 1 and f"store folder '{store}' holds files (" in output(result)
 
 
@@ -1431,17 +1462,17 @@ def test_repair_rebuilds_totals_and_restarts_dropped(broker_factory: Callable[..
     broker.stop()
     broker.start()
     broker.stop()
-    (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    (row,) = json.loads(run_here("inspect", broker.store, "--json").stdout)
     assert (row["depth"], row["bytes"], row["dropped"]) == (2, 4, 1)
     db = plyvel.DB(broker.store)
     totals = [k for k, _ in db.iterator(prefix=b"t") if len(k) == 9]
     assert len(totals) == 1
     db.delete(totals[0])
     db.close()
-    result = run_cli("repair", broker.store)
+    result = run_here("repair", broker.store)
     assert result.returncode == 0, output(result)
     assert any(line.startswith("  rebuilt: ") for line in result.stdout.splitlines()), result.stdout
-    (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    (row,) = json.loads(run_here("inspect", broker.store, "--json").stdout)
     assert (row["depth"], row["bytes"], row["dropped"]) == (2, 4, 0)
 
 
@@ -1458,10 +1489,10 @@ def test_repair_of_an_undecodable_session_record(broker_factory: Callable[..., B
     db = plyvel.DB(broker.store)
     db.put(b"smade-1", b"{not json")
     db.close()
-    result = run_cli("repair", broker.store)
+    result = run_here("repair", broker.store)
     assert result.returncode == 0, output(result)
     assert "made-1" in result.stdout
-    (row,) = json.loads(run_cli("inspect", broker.store, "--json").stdout)
+    (row,) = json.loads(run_here("inspect", broker.store, "--json").stdout)
     assert (row["client_id"], row["depth"], row["subscriptions"]) == ("made-1", 1, {})
     broker.start()
     client = Client(broker.port, "made-1")
@@ -1517,7 +1548,7 @@ def test_repair_quotes_client_ids_as_repr(broker_factory: Callable[..., Broker])
     db.put(b"sit's", b"{bad")
     db.put(b"sa\"b'c\n", b"{bad")
     db.close()
-    result = run_cli("repair", broker.store)
+    result = run_here("repair", broker.store)
     assert result.returncode == 0, output(result)
     lines = result.stdout.splitlines()
     assert any(line.startswith('  not recovered: client "it\'s": ') for line in lines), lines
@@ -1641,9 +1672,9 @@ def test_replication_address_forms(command: str) -> None:
     args = ["--replication"] if command == "inspect" else []
     port = free_port()
     for malformed in ("::1:7883", "127.0.0.1", "127.0.0.1:port", "127.0.0.1:70000"):
-        result = run_cli(command, *args, malformed)
+        result = run_here(command, *args, malformed)
         assert result.returncode == 2, (malformed, output(result))
-    result = run_cli(command, *args, f"[::1]:{port}")
+    result = run_here(command, *args, f"[::1]:{port}")
     assert result.returncode not in (0, 2), output(result)
 
 
@@ -1712,7 +1743,7 @@ def test_repair_clears_replication_position_rebuilt_lines_first(broker_factory: 
     db.put(b"R", (5).to_bytes(8, "big"))
     db.put(b"sgone", b"{bad")
     db.close()
-    result = run_cli("repair", broker.store)
+    result = run_here("repair", broker.store)
     assert result.returncode == 0, output(result)
     lines = result.stdout.splitlines()[1:]
     kinds = [line.split(":")[0] for line in lines]
