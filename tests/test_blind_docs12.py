@@ -2,10 +2,10 @@
 docs/store-layout.md and README.md alone: the exact error texts and exit codes of ``amqtt-durable broker``
 for bad ``broker.yaml`` values (floats for whole numbers, integers of too many digits, keys given twice, the
 plugin listed twice, amqtt's own refusals), the same rules through ``DurableConfig`` in Python, the defaults,
-``inspect``'s and ``repair``'s refusals, table layout and JSON fields, a store of another layout version or
-without ``CURRENT``, another program's LevelDB, a backup copied into the store folder, and the names of the
-``$SYS/broker/durable/`` metrics. Real broker processes on 127.0.0.1, real LevelDB, real paho clients; each
-test quotes the promise it checks.
+``inspect``'s and ``repair``'s refusals, table layout and JSON fields, the damage ``inspect`` names, a store
+without ``CURRENT``, another program's LevelDB, limits as a client meets them. Real broker processes on
+127.0.0.1, real LevelDB, real paho clients; the commands that end without serving run in this process
+(run_here); each test quotes the promise it checks. Promises other tests already check are left to them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,13 +32,12 @@ from small_disk import fill, remount_read_only, small_disk
 from amqtt_durable import ConfigError, DurableConfig
 from amqtt_durable.cli import load_broker_config
 from amqtt_durable.process import HOST, free_port
-from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, probe_connack, run_cli
+from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string, run_cli
 from durable_fleet import console
 
 pytestmark = pytest.mark.timeout(90)
 
 PLUGIN = "amqtt_durable.DurableSessionsPlugin"
-HEADER = "CLIENT ID  DEPTH  BYTES  OLDEST  EXPIRES IN  DROPPED  SUBSCRIPTIONS"
 
 
 def config_text(store: Path, plugin_lines: str = "", port: int | None = None, top: str = "") -> str:
@@ -93,14 +91,6 @@ def refused_here(tmp_path: Path, text: str | None) -> subprocess.CompletedProces
 
 def output(result: subprocess.CompletedProcess[str]) -> str:
     return result.stdout + result.stderr
-
-
-def wait_serving(child: subprocess.Popen[bytes], port: int) -> None:
-    """Wait, bounded, until ``child`` answers a CONNECT on ``port`` with CONNACK 0 (or exits)."""
-    deadline = time.monotonic() + 3 * WAIT
-    while not probe_connack(port) and child.poll() is None and time.monotonic() < deadline:
-        threading.Event().wait(0.1)
-    assert probe_connack(port), child.poll()
 
 
 def refused_config(tmp_path: Path, plugin_lines: str, *, top: str = "") -> str:
@@ -222,17 +212,6 @@ def test_config_file_missing_not_yaml_or_without_plugin(tmp_path: Path, kind: st
     no_plugin = f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{free_port()}\n"
     result = refused_here(tmp_path, texts.get(kind, no_plugin))
     assert result.returncode == 2, output(result)
-
-
-def test_listener_port_in_use(tmp_path: Path) -> None:
-    """``broker not started: listener 'default' 127.0.0.1:1883: [Errno 98] Address already in use``, exit 1."""
-    with socket.socket() as holder:
-        holder.bind((HOST, 0))
-        holder.listen()
-        port = holder.getsockname()[1]
-        result = run_broker_config(tmp_path, config_text(tmp_path / "store", port=port))
-    assert result.returncode == 1, output(result)
-    assert f"broker not started: listener 'default' {HOST}:{port}: [Errno 98] Address already in use" in output(result)
 
 
 # --- configuration.md: settings given in Python -----------------------------------------------------------
@@ -417,22 +396,6 @@ def test_repair_refuses_another_programs_leveldb(tmp_path: Path) -> None:
     assert folder_bytes(folder) == before
 
 
-def test_repair_of_a_consistent_store(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
-    """It prints ``repaired 'STORE'; start the broker to use it``, then, each on a line indented two spaces,
-    ... when there was neither, ``session records, queue totals and message references were all
-    consistent``."""
-    broker = broker_factory()
-    client = Client(broker.port, "rep-1")
-    client.subscribe("rep/x", qos=1)
-    client.disconnect()
-    broker.stop()
-    result = run_here("repair", broker.store)
-    assert result.returncode == 0, output(result)
-    lines = result.stdout.splitlines()
-    assert f"repaired '{broker.store}'; start the broker to use it" in lines
-    assert "  session records, queue totals and message references were all consistent" in lines
-
-
 # --- operations.md / store-layout.md: stores the broker refuses -------------------------------------------
 
 
@@ -492,15 +455,6 @@ def test_crash_leftovers_count_as_empty(tmp_path: Path, broker_factory: Callable
 
 
 # --- operations.md: inspect output -------------------------------------------------------------------------
-
-
-def test_inspect_empty_store(broker_factory: Callable[..., Broker]) -> None:
-    """a store without sessions: the header and ``0 session(s), 0 queued message(s)``."""
-    broker = broker_factory()
-    broker.stop()
-    result = run_here("inspect", broker.store)
-    assert result.returncode == 0, output(result)
-    assert result.stdout.splitlines() == [HEADER, "0 session(s), 0 queued message(s)"]
 
 
 def test_inspect_rows_order_subscriptions_and_json(broker_factory: Callable[..., Broker]) -> None:
@@ -643,96 +597,6 @@ def test_inspect_columns_as_wide_as_widest_cell(broker_factory: Callable[..., Br
 # --- configuration.md: limits as a client meets them ----------------------------------------------------
 
 
-def test_relative_store_is_taken_from_the_start_folder(tmp_path: Path) -> None:
-    """A relative path is taken from the folder the broker is started in, not the config file's."""
-    conf_dir, run_dir = tmp_path / "conf", tmp_path / "run"
-    conf_dir.mkdir()
-    run_dir.mkdir()
-    port = free_port()
-    config = conf_dir / "broker.yaml"
-    config.write_text(config_text(Path("rel/db"), port=port))
-    child = subprocess.Popen(
-        [sys.executable, "-m", "durable_fleet.console", "broker", "-c", str(config)],
-        cwd=run_dir,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_serving(child, port)
-        assert (run_dir / "rel" / "db" / "CURRENT").exists()
-        assert not (conf_dir / "rel").exists()
-    finally:
-        child.terminate()
-        child.wait(WAIT)
-
-
-def test_max_durable_sessions_refuses_new_with_connack_3(broker_factory: Callable[..., Broker]) -> None:
-    """A CONNECT with clean_session=false whose client id has no durable session, while the store holds this
-    many, is refused with CONNACK 3 ...; A durable session's own reconnect is always accepted, clean sessions
-    are not counted; counted in ``$SYS/broker/durable/sessions/refused`` and logged as a WARNING naming the
-    client id and the limit."""
-    broker = broker_factory(max_durable_sessions=1, metrics_interval=1)
-    first = Client(broker.port, "cap-1")
-    first.disconnect()
-    assert connack_of(broker.port, "cap-2", 30, clean=False) == 3
-    assert connack_of(broker.port, "cap-clean", 30) == 0
-    watcher = Client(broker.port, "cap-watch", clean_session=True)
-    watcher.subscribe("$SYS/broker/durable/sessions/refused", qos=0)
-    assert watcher.wait_for(lambda msgs: any(m.payload == b"1" for m in msgs), 3 * WAIT)
-    again = Client(broker.port, "cap-1")
-    assert again.session_present is True
-    again.disconnect()
-    watcher.disconnect()
-    warning = next(line for line in broker.log().splitlines() if "cap-2" in line)
-    assert "WARNING" in warning and "1" in warning
-
-
-def connack_of(port: int, client_id: str, keepalive: int, *, clean: bool = True) -> int:
-    """The CONNACK return code of a CONNECT with ``keepalive`` (clean_session=``clean``)."""
-    flags = 0x02 if clean else 0x00
-    body = mqtt_string("MQTT") + bytes([4, flags]) + keepalive.to_bytes(2, "big") + mqtt_string(client_id)
-    with socket.create_connection((HOST, port), timeout=WAIT) as sock:
-        sock.sendall(mqtt_packet(0x10, body))
-        reply = sock.recv(4)
-    assert reply[:2] == b"\x20\x02", reply
-    return reply[3]
-
-
-def test_max_keepalive_edges(broker_factory: Callable[..., Broker]) -> None:
-    """``max_keepalive``: a CONNECT with keep-alive 0 ... or above this gets CONNACK 2 (identifier rejected)
-    ..., logged as a WARNING naming the client id, its keep-alive and the limit."""
-    broker = broker_factory(max_keepalive=30)
-    assert connack_of(broker.port, "ka-ok", 30) == 0
-    assert connack_of(broker.port, "ka-zero", 0) == 2
-    assert connack_of(broker.port, "ka-high", 31) == 2
-    warning = next(line for line in broker.log().splitlines() if "ka-zero" in line)
-    assert "WARNING" in warning and "30" in warning
-
-
-def test_max_keepalive_default_allows_zero(broker: Broker) -> None:
-    """0 (the default) allows any keep-alive, 0 included, as MQTT does."""
-    assert connack_of(broker.port, "ka-any", 0) == 0
-    assert connack_of(broker.port, "ka-max", 65535) == 0
-
-
-def test_queue_qos0_off_and_on(broker_factory: Callable[..., Broker]) -> None:
-    """``queue_qos0`` (default false): Queue QoS 0 messages for disconnected sessions too: those delivered at
-    QoS 0, i.e. published at QoS 0 or matching a QoS 0 subscription."""
-    for enabled in (False, True):
-        broker = broker_factory(queue_qos0=enabled)
-        sub = Client(broker.port, "q0-sub")
-        sub.subscribe([("q0/low", 0), ("q0/high", 1)])
-        sub.disconnect()
-        publisher = Client(broker.port, "q0-pub", clean_session=True)
-        publisher.publish("q0/low", [b"low-qos1"], qos=1)
-        publisher.publish("q0/high", [b"high-qos0"], qos=0)
-        publisher.publish("q0/high", [b"high-qos1"], qos=1)
-        publisher.disconnect()
-        broker.stop()
-        (row,) = json.loads(run_here("inspect", broker.store, "--json").stdout)
-        assert row["depth"] == (3 if enabled else 1), (enabled, row)
-
-
 @pytest.mark.parametrize(
     ("line", "key"),
     [
@@ -755,33 +619,6 @@ def test_bad_values_named(tmp_path: Path, line: str, key: str) -> None:
     else:
         text = refused_config(tmp_path, line)
     assert f"amqtt_durable config: '{key}': " in text and "given twice" not in text, text
-
-
-def test_drop_newest_keeps_the_oldest(broker_factory: Callable[..., Broker]) -> None:
-    """``overflow``: What a full queue drops: the oldest queued message, or the new one (``drop-newest``)."""
-    broker = broker_factory(max_depth=2, max_depth_disconnected=2, overflow="drop-newest")
-    sub = Client(broker.port, "dn-1")
-    sub.subscribe("dn/t", qos=1)
-    sub.disconnect()
-    publisher = Client(broker.port, "dn-pub", clean_session=True)
-    publisher.publish("dn/t", [b"m1", b"m2", b"m3"], qos=1)
-    publisher.disconnect()
-    again = Client(broker.port, "dn-1")
-    assert [m.payload for m in again.wait_messages(2)] == [b"m1", b"m2"]
-    assert not again.wait_for(lambda msgs: len(msgs) > 2, 0.5)
-    again.disconnect()
-
-
-def test_replication_listen_in_use(tmp_path: Path) -> None:
-    """``broker not started: replication.listen 127.0.0.1:7883: [Errno 98] Address already in use``, exit 1."""
-    with socket.socket() as holder:
-        holder.bind((HOST, 0))
-        holder.listen()
-        port = holder.getsockname()[1]
-        text = config_text(tmp_path / "store", f"replication:\n  name: a\n  role: primary\n  listen: {HOST}:{port}")
-        result = run_broker_config(tmp_path, text)
-    assert result.returncode == 1, output(result)
-    assert f"broker not started: replication.listen {HOST}:{port}: [Errno 98] Address already in use" in output(result)
 
 
 def test_inspect_due_and_ages(broker_factory: Callable[..., Broker]) -> None:
@@ -916,22 +753,6 @@ def test_python_streams_tuple_held_as_list() -> None:
     assert config.streams[0].filter == "a/#"
 
 
-@pytest.mark.parametrize(("expiry", "shown"), [(7199, "120m"), (36000, "10.0h")])
-def test_inspect_expiry_formats(broker_factory: Callable[..., Broker], expiry: int, shown: str) -> None:
-    """``5m`` (under 2 hours) or ``3.5h``, rounded to the nearest ... minute or tenth of an hour (an expiry
-    7,199 s away reads ``120m``)."""
-    broker = broker_factory(session_expiry=expiry)
-    client = Client(broker.port, "fmt-1")
-    client.disconnect()
-    publisher = Client(broker.port, "fmt-pub", clean_session=True)  # its CONNACK: the DISCONNECT was read
-    publisher.disconnect()
-    broker.stop()
-    (row,) = json.loads(run_here("inspect", broker.store, "--json").stdout)
-    assert row["expires_at"] is not None, row
-    line = run_here("inspect", broker.store).stdout.splitlines()[1].split()
-    assert line[4] == shown, line
-
-
 # --- operations.md: a full disk ---------------------------------------------------------------------------
 
 
@@ -968,56 +789,6 @@ def test_repair_on_a_full_disk_and_a_read_only_one(tmp_path: Path, made_store: C
         ) in output(result), output(result)
 
 
-def test_store_health_while_the_disk_fills_and_frees(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
-    """Each change is logged as a WARNING (``store write failed: ...``, then ``store writes succeed again after
-    <n> s of failures: serving normally``) and published, retained, at QoS 1, on
-    ``$SYS/broker/durable/store/health``: ``{"status": "failing", "since": ..., "error": "...", "failed_for":
-    null}``, then ``{"status": "ok", "since": ..., "error": null, "failed_for": <seconds>}``. While writes
-    fail a CONNECT with ``clean_session=false`` gets CONNACK 3."""
-    with small_disk(tmp_path / "disk", 16) as disk:
-        broker = broker_factory(start=False)
-        broker.store = str(disk / "store")
-        broker.settings["store"] = broker.store
-        broker.start()
-        sub = Client(broker.port, "health-sub")
-        sub.subscribe("health/t", qos=1)
-        sub.disconnect()
-        watcher = Client(broker.port, "health-watch", clean_session=True)
-        watcher.subscribe("$SYS/broker/durable/store/health", qos=1)
-        filler = fill(disk)
-        publisher = Client(broker.port, "health-pub", clean_session=True)
-        big = bytes(64 * 1024)
-        infos = [publisher.paho.publish("health/t", big, qos=1) for _ in range(64)]
-        assert publisher.wait_disconnected(3 * WAIT), "the publisher's connection was not closed"
-        publisher.paho.loop_stop()
-        assert not all(info.is_published() for info in infos)
-
-        def health() -> list[dict[str, object]]:
-            return [json.loads(m.payload) for m in watcher.messages]
-
-        assert watcher.wait_for(lambda _: any(h["status"] == "failing" for h in health()), 3 * WAIT)
-        failing = next(h for h in health() if h["status"] == "failing")
-        assert set(failing) == {"status", "since", "error", "failed_for"} and failing["failed_for"] is None
-        assert isinstance(failing["error"], str) and failing["error"]
-        assert connack_of(broker.port, "health-new", 30, clean=False) == 3
-        filler.unlink()
-        assert watcher.wait_for(lambda _: any(h["status"] == "ok" for h in health()), 4 * WAIT)
-        ok = next(h for h in health() if h["status"] == "ok")
-        assert ok["error"] is None and isinstance(ok["failed_for"], int | float)
-        assert all(m.qos == 1 and m.topic == "$SYS/broker/durable/store/health" for m in watcher.messages)
-        log = broker.log()
-        failed = next(line for line in log.splitlines() if "store write failed: " in line)
-        assert "WARNING" in failed
-        assert re.search(r"WARNING.*store writes succeed again after [\d.]+ s of failures: serving normally", log)
-        watcher.disconnect()
-        late = Client(broker.port, "health-late", clean_session=True)
-        late.subscribe("$SYS/broker/durable/store/health", qos=1)
-        (retained,) = late.wait_messages(1)
-        assert retained.retain and json.loads(retained.payload)["status"] == "ok"
-        late.disconnect()
-        broker.stop()
-
-
 def test_repair_rebuilds_totals_and_restarts_dropped(broker_factory: Callable[..., Broker]) -> None:
     """dropped count (since the session was created, across restarts and reconnects; a repair that rebuilds
     missing or undecodable queue totals starts it at 0); repair rebuilds queue totals that are missing."""
@@ -1043,44 +814,6 @@ def test_repair_rebuilds_totals_and_restarts_dropped(broker_factory: Callable[..
     assert any(line.startswith("  rebuilt: ") for line in result.stdout.splitlines()), result.stdout
     (row,) = json.loads(run_here("inspect", broker.store, "--json").stdout)
     assert (row["depth"], row["bytes"], row["dropped"]) == (2, 4, 0)
-
-
-def test_stop_during_an_outage_logs_what_is_not_stored(tmp_path: Path, broker_factory: Callable[..., Broker]) -> None:
-    """A broker stopped during the outage logs how many writes it could not store, as a WARNING: ``closing
-    with the store still failing (<error>): <n> pending write(s) are not stored; every message the broker
-    acknowledged is stored already``. A QoS 0 publish is not queued for durable sessions and its connection
-    stays open."""
-    with small_disk(tmp_path / "disk", 16) as disk:
-        broker = broker_factory(start=False)
-        broker.store = str(disk / "store")
-        broker.settings["store"] = broker.store
-        broker.start()
-        sub = Client(broker.port, "out-sub")
-        sub.subscribe("out/t", qos=1)
-        sub.disconnect()
-        watcher = Client(broker.port, "out-watch", clean_session=True)
-        watcher.subscribe("$SYS/broker/durable/store/health", qos=1)
-        fill(disk)
-        publisher = Client(broker.port, "out-pub", clean_session=True)
-        big = bytes(64 * 1024)
-        for _ in range(64):
-            publisher.paho.publish("out/t", big, qos=1)
-        assert publisher.wait_disconnected(3 * WAIT)
-        publisher.paho.loop_stop()
-        assert watcher.wait_for(lambda msgs: any(b'"failing"' in m.payload for m in msgs), 3 * WAIT)
-        quiet = Client(broker.port, "out-q0", clean_session=True)
-        quiet.publish("out/t", [b"zero"], qos=0)
-        quiet.subscribe("out/other", qos=0)  # answered: the QoS 0 publisher's connection stays open
-        quiet.disconnect()
-        watcher.disconnect()
-        broker.stop()
-        line = next(line for line in broker.log().splitlines() if "closing with the store still failing (" in line)
-        assert "WARNING" in line, line
-        assert re.search(
-            r"closing with the store still failing \(.+\): \d+ pending write\(s\) are not stored; every message "
-            r"the broker acknowledged is stored already",
-            line,
-        ), line
 
 
 def test_repair_quotes_client_ids_as_repr(made_store: Callable[[], Broker]) -> None:
@@ -1220,47 +953,6 @@ def test_replication_address_forms(command: str) -> None:
         assert result.returncode == 2, (malformed, output(result))
     result = run_here(command, *args, f"[::1]:{port}")
     assert result.returncode not in (0, 2), output(result)
-
-
-def test_max_connections_per_address(broker_factory: Callable[..., Broker]) -> None:
-    """``max_connections_per_address``: a new TCP connection past it is closed as soon as it is accepted ...
-    (so without a CONNACK); counted in ``$SYS/broker/durable/connections/refused`` and logged as a WARNING
-    naming the address and the limit."""
-    broker = broker_factory(max_connections_per_address=2, metrics_interval=1)
-    watcher = Client(broker.port, "mc-watch", clean_session=True)
-    watcher.subscribe("$SYS/broker/durable/connections/refused", qos=0)
-    other = Client(broker.port, "mc-1", clean_session=True)
-    with socket.create_connection((HOST, broker.port), timeout=WAIT) as sock:
-        try:  # closed unread: our CONNECT still in its buffer, the kernel may reset the connection
-            sock.sendall(mqtt_packet(0x10, mqtt_string("MQTT") + bytes([4, 0x02, 0, 30]) + mqtt_string("mc-2")))
-            assert sock.recv(4) == b""
-        except ConnectionResetError:
-            pass
-    assert watcher.wait_for(lambda msgs: any(m.payload == b"1" for m in msgs), 3 * WAIT)
-    other.disconnect()
-    watcher.disconnect()
-    warning = next(line for line in broker.log().splitlines() if "WARNING" in line and HOST in line)
-    assert "2" in warning
-
-
-def test_debug_flag_logs_debug_lines(tmp_path: Path) -> None:
-    """``amqtt-durable broker -c broker.yaml``: check the config, then run amqtt; ``-d`` for debug logs."""
-    port = free_port()
-    config = tmp_path / "broker.yaml"
-    config.write_text(config_text(tmp_path / "store", port=port))
-    log = tmp_path / "broker.log"
-    with log.open("wb") as out:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "durable_fleet.console", "broker", "-c", str(config), "-d"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            wait_serving(child, port)
-        finally:
-            child.terminate()
-            child.wait(WAIT)
-    assert "DEBUG" in log.read_text(errors="replace")
 
 
 def test_repair_clears_replication_position_rebuilt_lines_first(made_store: Callable[[], Broker]) -> None:
