@@ -264,25 +264,26 @@ def test_python_huge_integers() -> None:
 
 
 def test_documented_defaults() -> None:
-    """The table's defaults."""
+    """The table's defaults that tests/unit/test_config.py's test_defaults does not check."""
+    expected = {
+        "max_durable_sessions": 100000,
+        "max_connections_per_address": 0,
+        "max_keepalive": 0,
+        "listen_backlog": 512,
+        "attach_limit": 256,
+        "max_stream_entries_per_client": 10000,
+        "max_pending_control_bytes": 1048576,
+        "replication": None,
+        "max_session_expiry": 604800,
+        "streams": [],
+        "stream_window": 1,
+        "stream_ack_timeout": 5,
+        "session_takeover": "owner-only",
+        "max_bytes": 0,
+        "max_bytes_disconnected": 0,
+    }
     config = DurableConfig()
-    assert config.store == "./data/durable"
-    assert config.sync is False
-    assert config.session_expiry == 300
-    assert config.max_depth == 100000
-    assert config.max_depth_disconnected == 1000000
-    assert config.overflow == "drop-oldest"
-    assert config.recovery_buffer == 100
-    assert config.queue_qos0 is False
-    assert config.max_durable_sessions == 100000
-    assert config.max_connections_per_address == 0
-    assert config.max_keepalive == 0
-    assert config.listen_backlog == 512
-    assert config.attach_limit == 256
-    assert config.max_stream_entries_per_client == 10000
-    assert config.max_pending_control_bytes == 1048576
-    assert config.metrics_interval == 10
-    assert config.replication is None
+    assert {key: getattr(config, key) for key in expected} == expected
 
 
 @pytest.mark.parametrize(
@@ -377,22 +378,48 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
 
-def test_repair_refuses_another_programs_leveldb(tmp_path: Path) -> None:
+def reverse(a: bytes, b: bytes) -> int:
+    """A LevelDB comparator of another program's: keys in reverse order."""
+    return (a < b) - (a > b)
+
+
+@pytest.mark.parametrize(
+    ("comparator", "records", "named"),
+    [
+        (
+            None,
+            {b"user:1": b"alice"},
+            "(no layout version key or store id, and its key b'user:1' has the shape of no key of amqtt-durable's "
+            "store layout); nothing was changed. Point repair at the plugin's 'store' folder",
+        ),
+        (
+            reverse,
+            {b"v": b"1", b"sclient": b"{}"},
+            "(its keys are kept in the order of the comparator 'test.Reverse', not LevelDB's default, which "
+            "amqtt-durable uses); nothing was changed.",
+        ),
+    ],
+)
+def test_repair_refuses_another_programs_leveldb(
+    tmp_path: Path, comparator: Callable[[bytes, bytes], int] | None, records: dict[bytes, bytes], named: str
+) -> None:
     """``repair of '...' refused: it is not an amqtt-durable store but another program's LevelDB (no layout
     version key or store id, and its key b'user:1' has the shape of no key of amqtt-durable's store layout);
-    nothing was changed. Point repair at the plugin's 'store' folder``; exit code 1, every file as it was."""
+    nothing was changed. Point repair at the plugin's 'store' folder``, or ``... (its keys are kept in the
+    order of the comparator 'NAME', not LevelDB's default, which amqtt-durable uses); nothing was changed.
+    ...``; exit code 1, every file as it was."""
     folder = tmp_path / "other-db"
-    db = plyvel.DB(str(folder), create_if_missing=True)
-    db.put(b"user:1", b"alice")
+    ordered = {"comparator": comparator, "comparator_name": b"test.Reverse"} if comparator else {}
+    db = plyvel.DB(str(folder), create_if_missing=True, **ordered)
+    for key, value in records.items():
+        db.put(key, value)
     db.close()
     before = folder_bytes(folder)
     result = run_here("repair", str(folder))
     assert result.returncode == 1, output(result)
     assert (
-        f"repair of '{folder}' refused: it is not an amqtt-durable store but another program's LevelDB (no "
-        "layout version key or store id, and its key b'user:1' has the shape of no key of amqtt-durable's "
-        "store layout); nothing was changed. Point repair at the plugin's 'store' folder"
-    ) in output(result)
+        f"repair of '{folder}' refused: it is not an amqtt-durable store but another program's LevelDB {named}"
+    ) in output(result), output(result)
     assert folder_bytes(folder) == before
 
 
@@ -660,29 +687,6 @@ def test_store_keys_version_and_id(made_store: Callable[[], Broker]) -> None:
     db.close()
 
 
-def test_repair_refuses_leveldb_with_own_comparator(tmp_path: Path) -> None:
-    """``... another program's LevelDB (its keys are kept in the order of the comparator 'NAME', not
-    LevelDB's default, which amqtt-durable uses); nothing was changed. ...``; exit code 1."""
-    folder = tmp_path / "cmp-db"
-
-    def reverse(a: bytes, b: bytes) -> int:
-        return (a < b) - (a > b)
-
-    db = plyvel.DB(str(folder), create_if_missing=True, comparator=reverse, comparator_name=b"test.Reverse")
-    db.put(b"v", b"1")
-    db.put(b"sclient", b"{}")
-    db.close()
-    before = folder_bytes(folder)
-    result = run_here("repair", str(folder))
-    assert result.returncode == 1, output(result)
-    assert (
-        f"repair of '{folder}' refused: it is not an amqtt-durable store but another program's LevelDB (its keys "
-        "are kept in the order of the comparator 'test.Reverse', not LevelDB's default, which amqtt-durable "
-        "uses); nothing was changed."
-    ) in output(result), output(result)
-    assert folder_bytes(folder) == before
-
-
 def test_repair_names_a_long_foreign_key_cut_at_40_bytes(tmp_path: Path) -> None:
     """(the first such key, as Python writes bytes, cut at 40 bytes with ``, ...``)."""
     folder = tmp_path / "long-db"
@@ -862,35 +866,9 @@ def test_earlier_stream_log_keys_are_converted(broker_factory: Callable[..., Bro
     db.close()
 
 
-def test_more_documented_defaults_and_edges() -> None:
-    """The table's defaults and ranges: ``batch_size`` 5000, ``batch_delay_ms`` 10, ``pending_threshold`` 100,
-    ``drop_log_interval`` 10, ``max_session_expiry`` 604800, ``streams`` [], ``stream_window`` 1 (1 to 1000),
-    ``stream_ack_timeout`` 5 (> 0), ``session_takeover`` owner-only, ``connect_timeout`` 10,
-    ``max_packet_size`` 1048576 (1024 to 268435455), ``max_bytes``/``max_bytes_disconnected`` 0 (>=
-    ``max_bytes`` when both are set), ``max_subscriptions_per_client`` 1000, ``max_subscription_bytes_per_client``
-    1048576, ``max_pending_clean`` 10000, ``max_pending_bytes_clean`` 16777216, ``max_awaiting_pubrel`` 1000."""
-    config = DurableConfig()
-    expected = {
-        "batch_size": 5000,
-        "batch_delay_ms": 10,
-        "pending_threshold": 100,
-        "drop_log_interval": 10,
-        "max_session_expiry": 604800,
-        "streams": [],
-        "stream_window": 1,
-        "stream_ack_timeout": 5,
-        "session_takeover": "owner-only",
-        "connect_timeout": 10,
-        "max_packet_size": 1048576,
-        "max_bytes": 0,
-        "max_bytes_disconnected": 0,
-        "max_subscriptions_per_client": 1000,
-        "max_subscription_bytes_per_client": 1048576,
-        "max_pending_clean": 10000,
-        "max_pending_bytes_clean": 16777216,
-        "max_awaiting_pubrel": 1000,
-    }
-    assert {key: getattr(config, key) for key in expected} == expected
+def test_documented_ranges() -> None:
+    """The table's ranges: ``stream_window`` 1 to 1000, ``stream_ack_timeout`` > 0, ``max_packet_size`` 1024 to
+    268435455, ``max_bytes_disconnected`` >= ``max_bytes`` when both are set."""
     for key, good, bad in (
         ("stream_window", [1, 1000], [0, 1001]),
         ("max_packet_size", [1024, 268435455], [1023, 268435456]),

@@ -968,36 +968,6 @@ def test_topic_of_two_entries_is_logged_under_the_first(limited: Broker, raws: C
     assert info["topics"] == {"telemetry/three/x": {"first": 3, "last": 4, "count": 2}}
 
 
-def test_sdk_stream_positions_cannot_move_under_a_held_stream(shared: Broker, clients: Callable[..., Client]) -> None:
-    from durable_client import DurableClientError, Unconnected  # noqa: PLC0415
-
-    clients(shared.port, "pub-held", clean_session=True).publish("telemetry/held", [b"1"])
-    client = DurableClient("sdk-held", port=shared.port, durable_session=False)
-    errors: list[BaseException] = []
-    seen = threading.Event()
-
-    def listener(event: Event) -> None:
-        try:
-            client.stream_info("telemetry/held")
-        except DurableClientError as error:
-            errors.append(error)
-        seen.set()
-
-    try:
-        with pytest.raises(Unconnected):
-            client.stream_info()
-        client.subscribe_stream("telemetry/held", listener)
-        with pytest.raises(ValueError):
-            client.subscribe_stream("telemetry/held", listener, after={"telemetry/held": 0})
-        with pytest.raises(ValueError):
-            client.subscribe_stream("telemetry/+", listener, after={"telemetry/held": 0})
-        client.connect()
-        assert seen.wait(WAIT)
-        assert len(errors) == 1 and not isinstance(errors[0], Unconnected)
-    finally:
-        client.close()
-
-
 def log_records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
