@@ -146,17 +146,39 @@ def test_plugin_key_given_twice_is_named(tmp_path: Path) -> None:
     assert "max_depth" in text
 
 
-def test_plugin_listed_twice_in_plugins_list(tmp_path: Path) -> None:
-    """the plugin listed in two items of a ``plugins:`` list (named
-    ``plugins[1].amqtt_durable.DurableSessionsPlugin``, the later item) ... exit code 2."""
-    store = tmp_path / "store"
-    text = (
-        f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{free_port()}\n"
-        f"plugins:\n  - {PLUGIN}:\n      store: {store}\n  - {PLUGIN}:\n      store: {store}\n"
-    )
+LISTENER = "listeners:\n  default:\n    type: tcp\n"
+NAMED_WHERE_WRITTEN = {
+    "plugin-listed-twice": (
+        LISTENER
+        + "    bind: {bind}\nplugins:\n  - {plugin}:\n      store: {store}\n  - {plugin}:\n      store: {store}\n",
+        f"plugins[1].{PLUGIN}",
+    ),
+    "amqtt-key-twice": (
+        LISTENER + "    bind: {bind}\n    bind: {bind}\nplugins:\n  {plugin}:\n    store: {store}\n",
+        "listeners.default.bind",
+    ),
+    "merged-under-the-plugin": (
+        LISTENER + "    bind: {bind}\nplugins:\n  {plugin}:\n    <<: {{store: {store}a, store: {store}b}}\n",
+        "'<<.store'",
+    ),
+    "merged-list-item": (
+        LISTENER + "    <<: [{{bind: '{bind}', bind: '{bind}'}}]\nplugins:\n  {plugin}:\n    store: {store}\n",
+        "'listeners.default.<<[0].bind'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", NAMED_WHERE_WRITTEN)
+def test_a_key_given_twice_is_named_where_it_is_written(tmp_path: Path, case: str) -> None:
+    """the plugin listed in two items of a ``plugins:`` list (named ``plugins[1].amqtt_durable.DurableSessionsPlugin``,
+    the later item); any other key by its path from the top of the file (``listeners.default.bind``); a mapping
+    merged with ``<<:`` too, named where it is written: ``<<.store`` for one under the plugin's key,
+    ``listeners.default.<<[0].bind`` for an item of a merged list; exit code 2."""
+    template, named = NAMED_WHERE_WRITTEN[case]
+    text = template.format(bind=f"{HOST}:{free_port()}", plugin=PLUGIN, store=tmp_path / "store")
     result = refused_here(tmp_path, text)
     assert result.returncode == 2, output(result)
-    assert f"plugins[1].{PLUGIN}" in output(result)
+    assert named in output(result), output(result)
 
 
 def test_unknown_key_lists_accepted_ones(tmp_path: Path) -> None:
@@ -172,19 +194,6 @@ def test_max_depth_disconnected_below_max_depth(tmp_path: Path) -> None:
     """``max_depth_disconnected``: must be >= max_depth."""
     text = refused_config(tmp_path, "max_depth: 10\nmax_depth_disconnected: 9")
     assert "'max_depth_disconnected'" in text
-
-
-def test_top_level_amqtt_key_given_twice_named_by_path(tmp_path: Path) -> None:
-    """any other key by its path from the top of the file (``listeners.default.bind``)."""
-    port = free_port()
-    store = tmp_path / "store"
-    text = (
-        f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{port}\n    bind: {HOST}:{port}\n"
-        f"plugins:\n  {PLUGIN}:\n    store: {store}\n"
-    )
-    result = refused_here(tmp_path, text)
-    assert result.returncode == 2, output(result)
-    assert "listeners.default.bind" in output(result)
 
 
 def test_max_qos_refused_with_amqtt_text(tmp_path: Path) -> None:
@@ -726,26 +735,6 @@ def test_inspect_escapes_filters_and_sorts_ids_as_sent(broker_factory: Callable[
     lines = run_here("inspect", broker.store).stdout.splitlines()
     assert lines[1].startswith("a\\x01  ") and lines[2].startswith("a\\\\  "), lines
     assert lines[1].endswith("  x y,z@w\\u200d\\xa0@1"), lines
-
-
-def test_merged_mapping_key_given_twice_named_with_merge_path(tmp_path: Path) -> None:
-    """a mapping merged with ``<<:`` too, named where it is written: ``<<.store`` for one under the plugin's
-    key, ``listeners.default.<<[0].bind`` for an item of a merged list."""
-    port = free_port()
-    text = (
-        f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{port}\n"
-        f"plugins:\n  {PLUGIN}:\n    <<: {{store: {tmp_path / 'a'}, store: {tmp_path / 'b'}}}\n"
-    )
-    result = refused_here(tmp_path, text)
-    assert result.returncode == 2, output(result)
-    assert "'<<.store'" in output(result), output(result)
-    text = (
-        f"listeners:\n  default:\n    type: tcp\n    <<: [{{bind: '{HOST}:{port}', bind: '{HOST}:{port}'}}]\n"
-        f"plugins:\n  {PLUGIN}:\n    store: {tmp_path / 'store'}\n"
-    )
-    result = refused_here(tmp_path, text)
-    assert result.returncode == 2, output(result)
-    assert "'listeners.default.<<[0].bind'" in output(result), output(result)
 
 
 def test_python_streams_tuple_held_as_list() -> None:
