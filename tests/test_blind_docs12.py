@@ -321,30 +321,31 @@ def test_range_edges(key: str, low: int, high: int | None) -> None:
 # --- operations.md: inspect and repair refusals -------------------------------------------------------------
 
 
-def test_inspect_missing_file_and_foreign_folder(tmp_path: Path) -> None:
-    """A missing or empty folder: ``no store at '...'``; a folder holding other files: ``store folder '...'
-    holds files (...) but no LevelDB store``; a file: ``store '...' is a file, not a folder``; each exit
-    code 1, and nothing is created."""
-    missing = tmp_path / "missing"
-    result = run_here("inspect", str(missing))
-    assert result.returncode == 1 and f"no store at '{missing}'" in output(result)
-    assert not missing.exists()
-    empty = tmp_path / "empty"
+@pytest.mark.parametrize("command", ["inspect", "repair"])
+def test_a_path_without_a_store_is_refused(tmp_path: Path, command: str) -> None:
+    """inspect: a missing or empty folder: ``no store at '...'``; a folder holding other files: ``store folder
+    '...' holds files (...) but no LevelDB store``; a file: ``store '...' is a file, not a folder``; each exit
+    code 1, and nothing is created. repair: a path that is missing or a folder without LevelDB files (empty,
+    or holding only other files: unlike ``inspect``, repair does not say ``holds files``) is refused with ``no
+    store at '...'``, a file with ``store '...' is a file, not a folder``; exit code 1, untouched."""
+    missing, empty, other, file = (tmp_path / name for name in ("missing", "empty", "other", "file"))
     empty.mkdir()
-    result = run_here("inspect", str(empty))
-    assert result.returncode == 1 and f"no store at '{empty}'" in output(result)
-    assert list(empty.iterdir()) == []
-    other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("x")
-    result = run_here("inspect", str(other))
-    assert result.returncode == 1 and f"store folder '{other}' holds files (" in output(result)
-    assert "but no LevelDB store" in output(result)
-    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
-    file = tmp_path / "file"
     file.write_text("x")
-    result = run_here("inspect", str(file))
-    assert result.returncode == 1 and f"store '{file}' is a file, not a folder" in output(result)
+    held = f"store folder '{other}' holds files (notes.txt) but no LevelDB store"
+    refusals = {
+        missing: f"no store at '{missing}'",
+        empty: f"no store at '{empty}'",
+        other: held if command == "inspect" else f"no store at '{other}'",
+        file: f"store '{file}' is a file, not a folder",
+    }
+    for path, says in refusals.items():
+        result = run_here(command, str(path))
+        assert result.returncode == 1 and says in output(result), (path, output(result))
+        assert command == "inspect" or "holds files" not in output(result), output(result)
+    assert not missing.exists() and list(empty.iterdir()) == []
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"] and file.read_text() == "x"
 
 
 @pytest.mark.parametrize(
@@ -361,26 +362,6 @@ def test_inspect_replication_malformed_address() -> None:
     """a malformed HOST:PORT is a usage error, exit code 2."""
     result = run_here("inspect", "--replication", "no-port-here")
     assert result.returncode == 2, output(result)
-
-
-def test_repair_refusals(tmp_path: Path) -> None:
-    """A path that is missing or a folder without LevelDB files (empty, or holding only other files: unlike
-    ``inspect``, repair does not say ``holds files``) is refused with ``no store at '...'``, a file with
-    ``store '...' is a file, not a folder``; exit code 1, untouched."""
-    missing = tmp_path / "missing"
-    result = run_here("repair", str(missing))
-    assert result.returncode == 1 and f"no store at '{missing}'" in output(result)
-    assert not missing.exists()
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "notes.txt").write_text("x")
-    result = run_here("repair", str(other))
-    assert result.returncode == 1 and f"no store at '{other}'" in output(result)
-    assert "holds files" not in output(result)
-    file = tmp_path / "file"
-    file.write_text("x")
-    result = run_here("repair", str(file))
-    assert result.returncode == 1 and f"store '{file}' is a file, not a folder" in output(result)
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
