@@ -27,19 +27,23 @@ MARKER = "$durable/v1/marker"
 FRAME = struct.Struct(">BBQQd")
 
 
+def module_broker(folder: Path, **settings: Any) -> Iterator[Broker]:
+    """A module fixture's broker with these plugin settings: started, yielded, stopped."""
+    broker = Broker(folder, **settings).start()
+    yield broker
+    broker.stop()
+
+
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     """One broker for the module: a stream log on telemetry/#, max_session_expiry 1000, window 1."""
-    folder = tmp_path_factory.mktemp("blind13")
-    broker = Broker(
-        folder,
+    yield from module_broker(
+        tmp_path_factory.mktemp("blind13"),
         streams=[{"filter": "telemetry/#"}],
         max_session_expiry=1000,
         stream_window=1,
         stream_ack_timeout=30,
-    ).start()
-    yield broker
-    broker.stop()
+    )
 
 
 @pytest.fixture
@@ -498,21 +502,15 @@ def test_audit_of_a_bom_txt_log_counts_loss_replay_and_drain(
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     """Retention by count (2) on telemetry/# (3 on telemetry/three/#), 2 stream entries per connection,
     resends after 1 s, 1 subscription per client, packets of at most 200000 bytes."""
-    folder = tmp_path_factory.mktemp("blind13-limited")
-    broker = Broker(
-        folder,
-        streams=[
-            {"filter": "telemetry/#", "max_count": 2},
-            {"filter": "telemetry/three/#", "max_count": 3},
-        ],
+    yield from module_broker(
+        tmp_path_factory.mktemp("blind13-limited"),
+        streams=[{"filter": "telemetry/#", "max_count": 2}, {"filter": "telemetry/three/#", "max_count": 3}],
         max_stream_entries_per_client=2,
         drop_log_interval=0.5,
         stream_ack_timeout=1,
         max_subscriptions_per_client=1,
         max_packet_size=200000,
-    ).start()
-    yield broker
-    broker.stop()
+    )
 
 
 def test_null_v_and_null_op(raw: Raw) -> None:
