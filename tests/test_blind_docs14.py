@@ -5,7 +5,6 @@ processes, paho clients, the ``inspect --replication`` / ``promote`` tools, SIGK
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -130,11 +129,10 @@ def connect_packet(client_id: str, *, clean: bool = True, level: int = 4, name: 
 
 # ------------------------------------------------------------------------------ the tools' addresses
 def test_a_malformed_tool_address_is_a_usage_error_exit_2_and_nobody_there_exit_1() -> None:
-    """replication.md, Settings, `listen`: the tools' HOST:PORT: an unbracketed IPv6 address, brackets around
-    anything else, a `/` in the host: a usage error, exit 2; a well-formed address nobody answers on: exit 1."""
-    for args in (("inspect", "--replication", "::1:7883"), ("promote", "[10.0.0.1]:7883")):
-        result = run_cli(*args)
-        assert result.returncode == 2, (args, result.returncode, result.stdout, result.stderr)
+    """replication.md, Settings, `listen`: the tools' HOST:PORT: an unbracketed IPv6 address is a usage error,
+    exit 2; a well-formed address nobody answers on: exit 1."""
+    result = run_cli("inspect", "--replication", "::1:7883")
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
     nobody = run_cli("promote", f"{HOST}:{free_port()}")
     assert nobody.returncode == 1, nobody
     assert "Traceback" not in nobody.stderr, nobody.stderr
@@ -147,7 +145,6 @@ def test_allow_from_refusals_exit_2_naming_the_key(nodes: Nodes) -> None:
     for allow_from, says in (
         ([], "replication.allow_from"),
         ([80], "expected an IP address or CIDR network, got 80 (quote it in YAML)"),
-        (["10.0.1.1/24"], "10.0.1.1/24"),
     ):
         rep = free_port()
         status, log = nodes.failed_start(
@@ -157,54 +154,12 @@ def test_allow_from_refusals_exit_2_naming_the_key(nodes: Nodes) -> None:
         assert "replication.allow_from" in log and says in log, log
 
 
-def test_secret_env_unset_or_short_names_the_variable_never_its_value(nodes: Nodes) -> None:
-    """replication.md: with secret_env, a variable that is not set, is empty or holds fewer than 16 bytes
-    stops the broker at start-up with an error naming replication.secret_env and the variable's name,
-    never its value."""
-    rep = free_port()
-    replication = {"role": "primary", "listen": f"{HOST}:{rep}", "secret_env": "BLIND14_SECRET"}
-    os.environ.pop("BLIND14_SECRET", None)
-    status, log = nodes.failed_start(replication=replication)
-    assert status != 0 and "replication.secret_env" in log and "BLIND14_SECRET" in log, log
-    short = "tooShortXyz7"
-    broker = nodes.make("short", replication=replication)
-    broker.env = {**os.environ, "BLIND14_SECRET": short}
-    broker.spawn()
-    assert broker.proc is not None
-    assert broker.proc.wait(WAIT) != 0
-    log = broker.log()
-    assert "replication.secret_env" in log and "BLIND14_SECRET" in log and short not in log, log
-
-
-def test_secret_env_name_that_is_not_a_name_is_refused_without_being_shown(nodes: Nodes) -> None:
-    """replication.md, Settings, secret_env: a name is letters, digits and `_`, not starting with a digit
-    (anything else is refused without being shown: it may be the secret pasted in its place)."""
-    pasted = "4f9a1c0e-7b2d-8a6f-3e5c"
-    rep = free_port()
-    status, log = nodes.failed_start(replication={"role": "primary", "listen": f"{HOST}:{rep}", "secret_env": pasted})
-    assert status != 0 and "replication.secret_env" in log, log
-    assert pasted not in log, log
-
-
-def test_replication_listen_port_in_use_stops_the_broker(nodes: Nodes) -> None:
-    """replication.md: a port in use at start stops the broker: `broker not started: replication.listen
-    ADDRESS: REASON`."""
-    with socket.socket() as taken:
-        taken.bind((HOST, 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        status, log = nodes.failed_start(replication={"role": "primary", "listen": f"{HOST}:{port}"})
-    assert status != 0
-    assert f"broker not started: replication.listen {HOST}:{port}: " in log, log
-
-
 def test_replication_settings_refused_at_start(nodes: Nodes) -> None:
     """replication.md, Settings: a coordinator entry with a user or password is refused at start, naming it;
-    `primary` is refused with a coordinator and when it names the backup's own `listen`; an inline secret has
+    `primary` is refused when it names the backup's own `listen`; an inline secret has
     at least 16 characters (a ConfigError naming replication.secret)."""
     for replication, names in (
         ({"coordinator": ["http://user:pw@127.0.0.1:2379"], "name": "a"}, "http://user:pw@127.0.0.1:2379"),
-        ({"coordinator": ["http://127.0.0.1:2379"], "name": "a", "primary": "127.0.0.1:7999"}, "replication.primary"),
         ({"role": "backup", "primary": "LISTEN"}, "replication.primary"),
         ({"role": "primary", "secret": "fifteen-chars!!"}, "replication.secret"),
     ):
@@ -238,21 +193,28 @@ def test_tools_with_no_or_a_wrong_secret_exit_1_with_the_reason(nodes: Nodes, tm
 
 
 # --------------------------------------------------------------------------- a fixed-role pair
-def test_inspect_and_sys_topics_of_a_sync_pair(nodes: Nodes, clients: Callable[..., Client]) -> None:
+def test_inspect_and_sys_topics_of_a_sync_pair_and_a_stopped_backup(
+    nodes: Nodes, clients: Callable[..., Client]
+) -> None:
     """replication.md, Watching it: the primary's `inspect --replication` lines, and its $SYS topics under
-    $SYS/broker/durable/replication/ (role, mode, batch, backups, backups_in_sync, refused, backup/<name>/...)."""
-    primary = nodes.primary(metrics_interval=0.2)
-    nodes.backup("b", primary.rep)  # type: ignore[attr-defined]
+    $SYS/broker/durable/replication/ (role, mode, batch, backups, backups_in_sync, refused, backup/<name>/...).
+    What each mode guarantees (sync): a clean-session subscriber gets a QoS 1 publish as it is routed, a durable
+    session and the publisher's PUBACK only after the in-sync backup confirmed it; a backup lost (here
+    SIGSTOPped) is dropped after ack_timeout with a WARNING, the primary goes on without it and catches it up
+    when it returns."""
+    primary = nodes.primary(metrics_interval=0.2, replication={"ack_timeout": 2})
+    backup = nodes.backup("b", primary.rep)  # type: ignore[attr-defined]
     watcher = clients(primary.port, "w", clean_session=True)
     in_sync(watcher)
-    watcher.subscribe(SYS_REP + "#", 0)
+    sys_topics = clients(primary.port, "w2", clean_session=True)
+    sys_topics.subscribe(SYS_REP + "#", 0)
     names = ["role", "mode", "batch", "backups", "refused", "backup/b/state", "backup/b/lag_batches",
              "backup/b/lag_seconds", "backup/b/snapshot_rows"]  # fmt: skip
 
     def latest() -> dict[str, bytes]:
-        return {m.topic[len(SYS_REP) :]: m.payload for m in watcher.messages}
+        return {m.topic[len(SYS_REP) :]: m.payload for m in sys_topics.messages}
 
-    assert watcher.wait_for(lambda ms: all(n in latest() for n in names)), latest()
+    assert sys_topics.wait_for(lambda ms: all(n in latest() for n in names)), latest()
     values = latest()
     assert values["role"] == b"primary" and values["mode"] == b"sync", values
     assert values["backups"] == b"1" and values["refused"] == b"0", values
@@ -267,6 +229,22 @@ def test_inspect_and_sys_topics_of_a_sync_pair(nodes: Nodes, clients: Callable[.
     assert any(re.fullmatch(row, line) for line in lines), lines
     status = json.loads(run_cli("inspect", "--replication", rep_of(primary), "--json").stdout)
     assert isinstance(status, dict) and status.get("role") == "primary", status
+    clean = clients(primary.port, "clean", clean_session=True)
+    clean.subscribe("t", 1)
+    durable = clients(primary.port, "durable")
+    durable.subscribe("t", 1)
+    publisher = clients(primary.port, "pub", clean_session=True)
+    with backup.paused():
+        info = publisher.paho.publish("t", b"x", qos=1)
+        assert clean.wait_for(lambda ms: len(ms) == 1)
+        assert durable.messages == [] and not info.is_published()
+        assert durable.wait_for(lambda ms: len(ms) == 1)
+        info.wait_for_publish(WAIT)
+        assert info.is_published()
+        wait_log(primary, r"WARNING[^\n]*backup b \(127\.0\.0\.1:\d+\)[^\n]*")
+        assert watcher.wait_for(lambda ms: ms[-1].payload == b"0")  # the backup no longer counted
+        watcher.messages.clear()
+    assert watcher.wait_for(lambda ms: any(m.payload == b"1" for m in ms)), "not caught up again"
 
 
 def test_failover_by_promote_plain_client_gets_its_queue_with_dup(nodes: Nodes, clients: Callable[..., Client]) -> None:
@@ -298,14 +276,13 @@ def test_failover_by_promote_plain_client_gets_its_queue_with_dup(nodes: Nodes, 
     got = again.wait_messages(7)
     assert [m.payload for m in got] == [b"kept", *payloads(6)], [m.payload for m in got]
     assert all(m.dup for m in got), [(m.payload, m.dup) for m in got]
+    assert [m.mid for m in got] == [m.mid for m in device.messages]  # ids from the queue's sequence numbers
     newcomer = clients(backup.port, "new", clean_session=True)
     newcomer.subscribe("t/r", 1)
     assert newcomer.wait_for(lambda ms: len(ms) == 1)
     assert newcomer.messages[0].payload == b"kept" and newcomer.messages[0].retain
     second = run_cli("promote", rep_of(backup))
     assert second.returncode == 1 and "it is the primary already" in second.stdout + second.stderr, second
-    status = run_cli("inspect", "--replication", rep_of(backup))
-    assert status.stdout.startswith("b: primary"), status
 
 
 def test_a_backup_pointed_at_a_backup_is_told_so(nodes: Nodes) -> None:
@@ -330,35 +307,11 @@ def test_a_backup_pointed_at_a_backup_is_told_so(nodes: Nodes) -> None:
     assert refusal in json.dumps(shown.get("refused_by_primary")), shown
 
 
-def test_a_second_backup_under_a_connected_name_is_refused(nodes: Nodes, clients: Callable[..., Client]) -> None:
-    """replication.md, One name, one backup: the refusal's text on both sides; the connected backup stays in
-    sync and publishes are still acknowledged."""
-    primary = nodes.primary(metrics_interval=0.2)
-    first = nodes.backup("b", primary.rep)  # type: ignore[attr-defined]
-    watcher = clients(primary.port, "w", clean_session=True)
-    in_sync(watcher)
-    copy = nodes.backup("b", primary.rep)  # type: ignore[attr-defined]
-    wait_log(
-        primary,
-        r"refused backup name b from 127\.0\.0\.1:\d+: the name b is in use by the backup connected from "
-        r"127\.0\.0\.1:\d+, another broker process",
-    )
-    wait_log(copy, rf"channel to {re.escape(rep_of(primary))} refused for its name")
-    assert (
-        "backup name b is in use by the backup connected from" in copy.log()
-        and "give each backup its own replication.name" in copy.log()
-    ), copy.log()
-    status = run_cli("inspect", "--replication", rep_of(copy))
-    assert "disconnected, not caught up" in status.stdout, status.stdout
-    publisher = clients(primary.port, "p", clean_session=True)
-    publisher.publish("x", [b"1"], qos=1)
-    assert first.running
-
-
-def test_max_backups_refuses_one_more_and_accepts_it_once_a_place_frees(
+def test_a_second_backup_name_and_one_past_max_backups_are_refused(
     nodes: Nodes, clients: Callable[..., Client]
 ) -> None:
-    """replication.md, How many backups: one HELLO past max_backups gets `too many backups: max_backups is N
+    """replication.md, One name, one backup: a second backup under a connected name is refused with the quoted
+    texts on both sides. How many backups: one HELLO past max_backups gets `too many backups: max_backups is N
     (backup NAME refused; it retries)` (a WARNING on both sides), counted in `refused`; once a served backup's
     connection ends, it is accepted at its next try (INFO `accepted by the primary: a place among its backups
     is free`)."""
@@ -366,6 +319,15 @@ def test_max_backups_refuses_one_more_and_accepts_it_once_a_place_frees(
     first = nodes.backup("b", primary.rep)  # type: ignore[attr-defined]
     watcher = clients(primary.port, "w", clean_session=True)
     in_sync(watcher)
+    copy = nodes.backup("b", primary.rep)  # type: ignore[attr-defined]  # its name is refused first
+    wait_log(
+        primary,
+        r"refused backup name b from 127\.0\.0\.1:\d+: the name b is in use by the backup connected from "
+        r"127\.0\.0\.1:\d+, another broker process",
+    )
+    wait_log(copy, rf"channel to {re.escape(rep_of(primary))} refused for its name")
+    assert "give each backup its own replication.name" in copy.log(), copy.log()
+    copy.stop()
     extra = nodes.backup("c", primary.rep)  # type: ignore[attr-defined]
     text = "too many backups: max_backups is 1 (backup c refused; it retries)"
     wait_log(
@@ -426,7 +388,8 @@ def test_etcd_pair_promote_refused_then_failover_by_the_lease(
 
     def node(name: str) -> Broker:
         rep = free_port()
-        broker = nodes.make(name, replication={"name": name, "listen": f"{HOST}:{rep}", **ha})
+        replication = {"name": name, "listen": f"{HOST}:{rep}", **ha}
+        broker = nodes.make(name, metrics_interval=0.2, replication=replication)
         broker.rep = rep  # type: ignore[attr-defined]
         broker.spawn()
         return broker
@@ -435,6 +398,7 @@ def test_etcd_pair_promote_refused_then_failover_by_the_lease(
     a.wait_ready()
     b = node("b")
     assert b.wait_until(lambda: connack_code(b.port) == 3, WAIT), b.log()
+    in_sync(clients(a.port, "w", clean_session=True))
     device = clients(a.port, "dev")
     device.subscribe("q", 1)
     device.disconnect()
@@ -531,29 +495,6 @@ def test_session_expiry_half_a_second_warning_and_sys_message(
     assert again.session_present is False
 
 
-def test_overflow_warning_text_and_drop_oldest(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
-) -> None:
-    """guarantees.md, Queue limits: a disconnected session's queue past max_depth_disconnected drops the
-    oldest, the publisher still gets its PUBACK, and the first drop is logged at once as `session <id>: queue
-    full at its limit of <n> messages (overflow <policy>): dropped <k> message(s) since the last warning,
-    <total> in all`."""
-    broker = broker_factory(max_depth=2, max_depth_disconnected=3)
-    device = clients(broker.port, "dev-o")
-    device.subscribe("o", 1)
-    device.disconnect()
-    clients(broker.port, "pub", clean_session=True).publish("o", payloads(5), qos=1)
-    wait_log(
-        broker,
-        re.escape(
-            "session dev-o: queue full at its limit of 3 messages (overflow drop-oldest): dropped 1 message(s) "
-            "since the last warning, 1 in all"
-        ),
-    )
-    again = clients(broker.port, "dev-o")
-    assert [m.payload for m in again.wait_messages(3)] == payloads(5)[2:]
-
-
 def test_first_packet_not_connect_warnings_name_the_peer(broker: Broker) -> None:
     """guarantees.md: a first packet of another type, or a CONNECT with fixed header flags not 0000, is refused
     unanswered, the WARNING naming the peer's address and the reason."""
@@ -612,22 +553,6 @@ def test_protocol_level_5_gets_connack_1_and_mqisdp_no_connack(broker: Broker) -
     with raw(broker.port) as sock:
         sock.sendall(connect_packet("", clean=False))
         assert closed_without_reply(sock) == b"\x20\x02\x00\x02"
-
-
-def test_packet_over_max_packet_size_closes_with_size_and_limit(broker_factory: Callable[..., Broker]) -> None:
-    """guarantees.md, Packet size: a packet whose remaining length is above max_packet_size closes the
-    connection right after its fixed header (no PUBACK); the WARNING says the size and the limit."""
-    broker = broker_factory(max_packet_size=1024)
-    with raw(broker.port) as sock:
-        sock.sendall(connect_packet("big"))
-        assert sock.recv(4) == b"\x20\x02\x00\x00"
-        body = mqtt_string("t") + b"\x00\x01" + b"x" * 2000
-        packet = mqtt_packet(0x32, body)
-        sock.sendall(packet[:5])  # the fixed header and a little: the broker must not wait for the rest
-        assert closed_without_reply(sock) == b""
-    size = len(body)
-    match = wait_log(broker, rf"WARNING[^\n]*\b{size}\b[^\n]*")
-    assert "1024" in match[0], match[0]
 
 
 def test_retained_on_overlapping_filters_comes_once_per_filter_at_each_qos(
