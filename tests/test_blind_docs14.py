@@ -4,10 +4,12 @@ processes, paho clients, the ``inspect --replication`` / ``promote`` tools, SIGK
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -130,12 +132,38 @@ def connect_packet(client_id: str, *, clean: bool = True, level: int = 4, name: 
 # ------------------------------------------------------------------------------ the tools' addresses
 def test_a_malformed_tool_address_is_a_usage_error_exit_2_and_nobody_there_exit_1() -> None:
     """replication.md, Settings, `listen`: the tools' HOST:PORT: an unbracketed IPv6 address is a usage error,
-    exit 2; a well-formed address nobody answers on: exit 1."""
+    exit 2; a well-formed address nobody answers on: exit 1; an answer that is no replication frame at all:
+    one line, `replication address HOST:PORT: no answer to STATUS (FrameError: its answer is no replication
+    frame: ...)`, exit 1 (it said the backup's `the channel is closed and the backup reconnects ...`)."""
     result = run_cli("inspect", "--replication", "::1:7883")
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
     nobody = run_cli("promote", f"{HOST}:{free_port()}")
     assert nobody.returncode == 1, nobody
     assert "Traceback" not in nobody.stderr, nobody.stderr
+    with socket.socket() as stranger:  # not a replication address: it answers an HTTP error
+        stranger.bind((HOST, 0))
+        stranger.listen()
+        stranger.settimeout(WAIT)
+
+        def answers_http() -> None:
+            with contextlib.suppress(OSError):
+                connection, _peer = stranger.accept()
+                with connection:
+                    connection.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+
+        thread = threading.Thread(target=answers_http, daemon=True)
+        thread.start()
+        address = "{}:{}".format(*stranger.getsockname())
+        garbage = run_cli("inspect", "--replication", address)
+        thread.join(WAIT)
+    assert garbage.returncode == 1, garbage
+    said = garbage.stderr.strip()
+    assert said.startswith(
+        f"amqtt-durable: replication address {address}: no answer to STATUS (FrameError: its answer is no "
+        "replication frame: a frame does not decode ("
+    ), said
+    assert said.endswith("); is a broker with replication listening there (its replication.listen)?"), said
+    assert "\n" not in said and "the backup reconnects" not in said, said  # a tool's line, not a backup's advice
 
 
 # --------------------------------------------------------------------------- start-up refusals
@@ -352,6 +380,42 @@ def test_a_second_backup_name_and_one_past_max_backups_are_refused(
     assert watcher.wait_for(lambda ms: any(m.topic.endswith("/refused") and m.payload not in (b"0", b"") for m in ms))
     first.kill()
     wait_log(extra, re.escape("accepted by the primary: a place among its backups is free"), timeout=2 * WAIT)
+
+
+def test_a_primary_that_closes_the_channel_at_the_hello_is_logged_once_a_minute(nodes: Nodes) -> None:
+    """replication.md, A backup pointed at a backup: a node that closes the channel before answering the HELLO
+    (a primary or backup of an earlier version) gets the quoted WARNING the first time, then at most once a
+    minute, while the backup retries every 0.5 s."""
+    accepted = threading.Semaphore(0)
+    with socket.socket() as server:
+        server.bind((HOST, 0))
+        server.listen()
+        server.settimeout(WAIT)
+        port = server.getsockname()[1]
+
+        def closes_each_connection() -> None:
+            for _ in range(3):  # the first try and two retries
+                with contextlib.suppress(OSError):
+                    connection, _peer = server.accept()
+                    with connection:
+                        connection.settimeout(WAIT)
+                        connection.recv(4096)  # the HELLO
+                    accepted.release()
+
+        thread = threading.Thread(target=closes_each_connection, daemon=True)
+        thread.start()
+        backup = nodes.backup("b", port)
+        for _ in range(3):
+            assert accepted.acquire(timeout=WAIT), "the backup did not retry"
+        thread.join(WAIT)
+    line = (
+        f"replication: backup b: the primary at {HOST}:{port} closed the channel: it closed the "
+        "channel before answering the HELLO (is it the primary of this version? a backup of an earlier version "
+        "closes it so, and so does a primary of an earlier version) (retried every 0.5 s, this line at most once a "
+        "minute)"
+    )
+    wait_log(backup, re.escape(line))
+    assert backup.log().count("closed the channel before answering the HELLO") == 1, backup.log()
 
 
 # ------------------------------------------------------------------------------------ with etcd
