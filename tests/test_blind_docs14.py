@@ -58,6 +58,16 @@ class Nodes:
         assert broker.wait_until(lambda: connack_code(broker.port) == 3, WAIT), broker.log()
         return broker
 
+    def ha(self, name: str, **replication: Any) -> Broker:
+        """A broker whose coordinator decides its role (``replication``: coordinator and timings), started
+        without waiting: the first of a new cluster answers CONNACK 0, a backup CONNACK 3."""
+        rep = free_port()
+        replication = {"name": name, "listen": f"{HOST}:{rep}", **replication}
+        broker = self.make(name, metrics_interval=0.2, replication=replication)
+        broker.rep = rep  # type: ignore[attr-defined]
+        broker.spawn()
+        return broker
+
     def failed_start(self, **settings: Any) -> tuple[int, str]:
         """A broker whose configuration is refused: its exit status and output."""
         broker = self.make("bad", **settings)
@@ -429,17 +439,9 @@ def test_etcd_pair_promote_refused_then_failover_by_the_lease(
     session_present=1 and its queue there."""
     ha = {"coordinator": [etcd.url], "lease_ttl": 2, "loop_wait": 0.3, "demote_margin": 0.5, "mode": "sync"}
 
-    def node(name: str) -> Broker:
-        rep = free_port()
-        replication = {"name": name, "listen": f"{HOST}:{rep}", **ha}
-        broker = nodes.make(name, metrics_interval=0.2, replication=replication)
-        broker.rep = rep  # type: ignore[attr-defined]
-        broker.spawn()
-        return broker
-
-    a = node("a")
+    a = nodes.ha("a", **ha)
     a.wait_ready()
-    b = node("b")
+    b = nodes.ha("b", **ha)
     assert b.wait_until(lambda: connack_code(b.port) == 3, WAIT), b.log()
     in_sync(clients(a.port, "w", clean_session=True))
     device = clients(a.port, "dev")
@@ -475,17 +477,10 @@ def test_etcd_node_that_may_lack_publishes_waits_until_the_operator_promotes_it(
     for, and `promote` prints the operator's decision (exit 0) and makes it the primary."""
     ha = {"coordinator": [etcd.url], "lease_ttl": 2, "loop_wait": 0.3, "demote_margin": 0.5}
 
-    def node(name: str) -> Broker:
-        rep = free_port()
-        broker = nodes.make(name, replication={"name": name, "listen": f"{HOST}:{rep}", **ha})
-        broker.rep = rep  # type: ignore[attr-defined]
-        broker.spawn()
-        return broker
-
-    a = node("a")
+    a = nodes.ha("a", **ha)
     a.wait_ready()
     a.kill()
-    c = node("c")
+    c = nodes.ha("c", **ha)
     wait_log(
         c,
         re.escape(
@@ -521,17 +516,9 @@ def test_etcd_clean_stop_of_an_async_primary_releases_the_lease_and_loses_nothin
     ttl = 10
     ha = {"coordinator": [etcd.url], "lease_ttl": ttl, "loop_wait": 0.3, "demote_margin": 1, "mode": "async"}
 
-    def node(name: str) -> Broker:
-        rep = free_port()
-        replication = {"name": name, "listen": f"{HOST}:{rep}", **ha}
-        broker = nodes.make(name, metrics_interval=0.2, replication=replication)
-        broker.rep = rep  # type: ignore[attr-defined]
-        broker.spawn()
-        return broker
-
-    a = node("a")
+    a = nodes.ha("a", **ha)
     a.wait_ready()
-    b = node("b")
+    b = nodes.ha("b", **ha)
     assert b.wait_until(lambda: connack_code(b.port) == 3, WAIT), b.log()
     in_sync(clients(a.port, "w", clean_session=True))
     status = run_cli("inspect", "--replication", rep_of(a))
