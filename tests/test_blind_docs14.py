@@ -611,7 +611,9 @@ def test_second_connect_closes_with_its_warning_and_publishes_the_will(
 
 def test_protocol_level_5_gets_connack_1_and_mqisdp_no_connack(broker: Broker) -> None:
     """guarantees.md, MQTT 3.1.1 only: protocol level 5 gets CONNACK 1; the protocol name MQIsdp is closed
-    without a CONNACK; a durable CONNECT with an empty client id gets CONNACK 2."""
+    without a CONNACK; a durable CONNECT with an empty client id gets CONNACK 2. The message path: a CONNECT
+    whose will topic starts with `$` is closed without a CONNACK, its WARNING naming the will topic's problem
+    (it said `refused: will the topic starts with $ ...`)."""
     with raw(broker.port) as sock:
         sock.sendall(connect_packet("five", level=5))
         assert sock.recv(4) == b"\x20\x02\x00\x01"
@@ -621,6 +623,17 @@ def test_protocol_level_5_gets_connack_1_and_mqisdp_no_connack(broker: Broker) -
     with raw(broker.port) as sock:
         sock.sendall(connect_packet("", clean=False))
         assert closed_without_reply(sock) == b"\x20\x02\x00\x02"
+    will = mqtt_string("$SYS/fake") + mqtt_string("m")
+    with raw(broker.port) as sock:  # a will topic starting with $: closed without a CONNACK
+        sock.sendall(mqtt_packet(0x10, mqtt_string("MQTT") + bytes([4, 0x06, 0, 30]) + mqtt_string("willd") + will))
+        assert closed_without_reply(sock) == b""
+    wait_log(
+        broker,
+        re.escape(
+            "CONNECT of 'willd' refused: its will topic: the topic starts with $, which is reserved for the broker "
+            "(MQTT-4.7.2-1)"
+        ),
+    )
 
 
 def test_retained_on_overlapping_filters_comes_once_per_filter_at_each_qos(
