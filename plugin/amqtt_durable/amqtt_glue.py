@@ -487,7 +487,7 @@ def _install_connect_hooks() -> None:
         handler.durable_will = ConnectionWill.of(session)
         problem = _will_problem(session)
         if problem is not None:  # amqtt's caller logs it and closes the connection
-            raise MQTTError(f"CONNECT of {session.client_id!r} refused: will {problem}")
+            raise MQTTError(f"CONNECT of {session.client_id!r} refused: {problem}")
         plugin = next((p for p in plugins_manager._plugins if isinstance(p, DurableSessionsPlugin)), None)
         if plugin is not None and not plugin.engine.serving:
             log.debug("CONNECT of %r refused (CONNACK 3): %s", session.client_id, NOT_SERVING)  # routine on a backup
@@ -530,11 +530,12 @@ def _will_problem(session: Any) -> str | None:
     (MQTT-3.1.2-13/15); amqtt took all three."""
     if not session.will_flag:
         if session.will_qos or session.will_retain:
-            return "QoS or retain flag set without a will flag (MQTT-3.1.2-13, MQTT-3.1.2-15)"
+            return "will QoS or retain flag set without a will flag (MQTT-3.1.2-13, MQTT-3.1.2-15)"
         return None
     if session.will_qos not in (0, 1, 2):
-        return f"QoS {session.will_qos} (MQTT-3.1.2-14)"
-    return publish_topic_problem(session.will_topic or "")
+        return f"will QoS {session.will_qos} (MQTT-3.1.2-14)"
+    problem = publish_topic_problem(session.will_topic or "")
+    return None if problem is None else f"its will topic: {problem}"
 
 
 async def _check_connect(plugin: DurableSessionsPlugin, session: Any, writer: Any, plugins_manager: Any) -> bool:
