@@ -58,6 +58,7 @@ SPARK_TIMEOUT = 300
 session's JVM, which passed the suite's 120 s on a machine at load 4-7 and failed that worker's other Spark tests."""
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (by fixture scope), which would undo it
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests using the session-wide ``spark`` fixture get SPARK_TIMEOUT unless they set their own
     (pytest-timeout counts a fixture's setup in the first test that uses it), and run first, in the order

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from raw_mqtt_helpers import STREAM_PREFIX, Raw, connect_packet, raw_subscribe, read_exactly
 
-from conftest import WAIT, Broker, Client, mqtt_packet, mqtt_string
+from conftest import SPARK_TIMEOUT, WAIT, Broker, Client, mqtt_packet, mqtt_string
 from durable_client import DurableClient, Event
 
 pytestmark = pytest.mark.timeout(120)
@@ -457,6 +457,7 @@ class Run:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SPARK_TIMEOUT)  # the file's 120 s would leave no room for the JVM's start (conftest)
 def test_audit_of_a_bom_txt_log_counts_loss_replay_and_drain(
     spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -159,6 +159,8 @@ def test_a_malformed_tool_address_is_a_usage_error_exit_2_and_nobody_there_exit_
             with contextlib.suppress(OSError):
                 connection, _peer = stranger.accept()
                 with connection:
+                    connection.settimeout(WAIT)
+                    connection.recv(64)  # the tool's question first: a close with it unread would be a reset
                     connection.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
 
         thread = threading.Thread(target=answers_http, daemon=True)
@@ -632,6 +634,19 @@ def test_protocol_level_5_gets_connack_1_and_mqisdp_no_connack(broker: Broker) -
         re.escape(
             "CONNECT of 'willd' refused: its will topic: the topic starts with $, which is reserved for the broker "
             "(MQTT-4.7.2-1)"
+        ),
+    )
+    with raw(broker.port) as sock:  # will QoS 3
+        sock.sendall(mqtt_packet(0x10, mqtt_string("MQTT") + bytes([4, 0x1E, 0, 30]) + mqtt_string("wq3") + will))
+        assert closed_without_reply(sock) == b""
+    wait_log(broker, re.escape("CONNECT of 'wq3' refused: will QoS 3 (MQTT-3.1.2-14)"))
+    with raw(broker.port) as sock:  # will QoS 1 and will retain without the will flag
+        sock.sendall(mqtt_packet(0x10, mqtt_string("MQTT") + bytes([4, 0x2A, 0, 30]) + mqtt_string("wnf")))
+        assert closed_without_reply(sock) == b""
+    wait_log(
+        broker,
+        re.escape(
+            "CONNECT of 'wnf' refused: will QoS or retain flag set without a will flag (MQTT-3.1.2-13, MQTT-3.1.2-15)"
         ),
     )
 
