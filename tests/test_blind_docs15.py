@@ -89,8 +89,13 @@ def made() -> Iterator[list[DurableClient]]:
 
 def client_of(made: list[DurableClient], broker: Broker, client_id: str, seen: Seen, **kwargs: Any) -> DurableClient:
     client = DurableClient(
-        client_id, port=broker.port, on_live=seen.on_live, on_connected=seen.on_connected,
-        reconnect_min_delay=0.05, reconnect_max_delay=0.5, **kwargs,
+        client_id,
+        port=broker.port,
+        on_live=seen.on_live,
+        on_connected=seen.on_connected,
+        reconnect_min_delay=0.05,
+        reconnect_max_delay=0.5,
+        **kwargs,
     )
     made.append(client)
     return client
@@ -140,8 +145,12 @@ def test_seconds_refuse_a_bool_and_the_cpl1_client_still_checks_the_group_option
     1000; anything else raises `ValueError` naming the option (also with CPL-1, which ignores both)";
     `reconnect_min_delay` and `reconnect_max_delay` "the maximum at least the minimum"."""
     for option, value in (
-        ("reconnect_min_delay", True), ("session_expiry", False), ("fsync_delay_ms", float("nan")),
-        ("fsync_delay_ms", 1000.5), ("fsync_batch", 65536), ("fsync_batch", 0),
+        ("reconnect_min_delay", True),
+        ("session_expiry", False),
+        ("fsync_delay_ms", float("nan")),
+        ("fsync_delay_ms", 1000.5),
+        ("fsync_batch", 65536),
+        ("fsync_batch", 0),
     ):
         with pytest.raises(ValueError) as caught:
             DurableClient("blind15-seconds", persistence="memory", **{option: value})
@@ -447,9 +456,14 @@ def test_schedule_device_names_have_at_least_three_digits(broker_yaml: Path) -> 
     `dev-1000` ..."; a schedule is refused when a `drop` ... names a device "that is not one of the run's
     `--devices`"."""
     parser = build_parser()
-    fine = schedule_file(broker_yaml.parent, {"at": "5s", "kind": "drop", "device": "dev-1000", "for": "1s"},
-                         {"at": "5s", "kind": "stall", "device": "dev-007", "for": "1s"})
-    options = options_from(parser.parse_args(["--devices", "1001", "--schedule", str(fine), "--duration", "60s"]), parser)
+    fine = schedule_file(
+        broker_yaml.parent,
+        {"at": "5s", "kind": "drop", "device": "dev-1000", "for": "1s"},
+        {"at": "5s", "kind": "stall", "device": "dev-007", "for": "1s"},
+    )
+    options = options_from(
+        parser.parse_args(["--devices", "1001", "--schedule", str(fine), "--duration", "60s"]), parser
+    )
     assert sorted(str(fault.target) for fault in options.faults) == ["dev-007", "dev-1000"]
     for name in ("dev-7", "dev-0007", "dev-20"):
         bad = schedule_file(broker_yaml.parent, {"at": "5s", "kind": "drop", "device": name, "for": "1s"})
@@ -458,16 +472,29 @@ def test_schedule_device_names_have_at_least_three_digits(broker_yaml: Path) -> 
         assert caught.value.code == 2, name
 
 
-def test_schedule_device_names_follow_the_prefix(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_schedule_device_names_follow_the_prefix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """fleet.md: devices are named "`--prefix` + an index"; a device "that is not one of the run's `--devices`" is
     refused: "A bad schedule ... stops the run before it starts, with exit status 2 and the file, fault number and
     field named"."""
-    schedule = schedule_file(tmp_path, {"at": "5s", "kind": "drop", "device": "car-002", "for": "1s"},
-                             {"at": "9s", "kind": "drop", "device": "dev-002", "for": "1s"})
-    status, err = fleet_in_process(tmp_path, capsys, "-c", str(tmp_path / "broker.yaml"), "--prefix", "car-",
-                                   "--schedule", str(schedule), "--devices", "5", "--duration", "60s")
+    schedule = schedule_file(
+        tmp_path,
+        {"at": "5s", "kind": "drop", "device": "car-002", "for": "1s"},
+        {"at": "9s", "kind": "drop", "device": "dev-002", "for": "1s"},
+    )
+    status, err = fleet_in_process(
+        tmp_path,
+        capsys,
+        "-c",
+        str(tmp_path / "broker.yaml"),
+        "--prefix",
+        "car-",
+        "--schedule",
+        str(schedule),
+        "--devices",
+        "5",
+        "--duration",
+        "60s",
+    )
     assert status == 2, err
     assert "script.yaml" in err and "fault 2: device" in err and "dev-002" in err, err
     assert not (tmp_path / "out").exists()
@@ -479,8 +506,14 @@ def test_the_error_classes_nest_as_the_page_says() -> None:
     a `TypeError`"."""
     import durable_client  # noqa: PLC0415 - the names the page lists, looked up by name
 
-    for name in ("Unconnected", "ConnectFailed", "ControlRequestFailed", "RequestTimeout", "PersistenceError",
-                 "EventNotProcessedError"):
+    for name in (
+        "Unconnected",
+        "ConnectFailed",
+        "ControlRequestFailed",
+        "RequestTimeout",
+        "PersistenceError",
+        "EventNotProcessedError",
+    ):
         assert issubclass(getattr(durable_client, name), DurableClientError), name
     assert issubclass(WrongTypeError, ValueError) and issubclass(WrongTypeError, TypeError)
     with pytest.raises(TypeError):
@@ -557,8 +590,13 @@ def test_a_worker_spec_the_runner_did_not_write_is_exit_2_and_one_line(tmp_path:
     unknown = tmp_path / "unknown.json"
     unknown.write_text(json.dumps({"surprise": 1}), encoding="utf-8")
     for spec in (not_json, unknown, tmp_path / "missing.json", tmp_path):
-        done = subprocess.run([sys.executable, "-m", "durable_fleet.worker", str(spec)], capture_output=True,
-                              text=True, timeout=WAIT * 2, check=False)
+        done = subprocess.run(
+            [sys.executable, "-m", "durable_fleet.worker", str(spec)],
+            capture_output=True,
+            text=True,
+            timeout=WAIT * 2,
+            check=False,
+        )
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2, (spec, done.stderr)
         assert len(lines) == 1 and lines[0].startswith(f"{spec} is not a worker spec the fleet runner wrote: "), lines
@@ -588,3 +626,120 @@ def test_a_subscribe_whose_packet_would_pass_max_packet_size_is_refused_at_the_e
         assert client.connected and seen.connected == [seen.connected[0]], "the connection was closed"
     finally:
         broker.stop()
+
+
+def test_a_subscription_without_a_listener_feeds_the_cache(
+    shared: Broker, made: list[DurableClient], paho: Callable[[str], Client]
+) -> None:
+    """`DurableClient.subscribe` docstring: "Without a listener the events only feed the cache"; sdk.md `subscribe(
+    topic_filter, qos=1, *, durable=True, listener=None, ...)`; "live events ... update it"."""
+    seen = Seen()
+    client = client_of(made, shared, "blind15-nolistener", seen)
+    client.subscribe("blind15/nl/t")
+    client.subscribe("blind15/nl2/#", listener=seen.listener("after"))
+    client.connect()
+    client.ready_for_events()
+    seen.until(lambda: len(seen.markers) == 1)
+    publisher = paho("blind15-pub-nl")
+    publisher.publish("blind15/nl/t", [b"quiet"], qos=1)
+    publisher.publish("blind15/nl2/x", [b"later"], qos=1)  # delivered after it, on the same session
+    seen.until(lambda: seen.payloads("after") == [b"later"])
+    assert client.cache.get("blind15/nl/t") == b"quiet" and len(seen.events) == 1
+
+
+def test_a_stateless_client_is_not_held_and_ready_for_events_changes_nothing(
+    shared: Broker, made: list[DurableClient], paho: Callable[[str], Client]
+) -> None:
+    """`ready_for_events` docstring: "Until then a durable session is held ... A no-op on a stateless client";
+    sdk.md: `durable_session=False` clients get no marker; their events are raw: `seq` and `epoch` 0 ("Raw events
+    of a stateless connection have neither (0, 0)", the `Event` docstring)."""
+    seen = Seen()
+    client = client_of(made, shared, "blind15-nothold", seen, durable_session=False)
+    client.subscribe("blind15/nh", listener=seen.listener("s"))
+    client.connect()
+    paho("blind15-pub-nh").publish("blind15/nh", [b"first"], qos=1)
+    seen.until(lambda: seen.payloads("s") == [b"first"])
+    event = seen.events[0][1]
+    assert (event.seq, event.epoch, event.replayed) == (0, 0, False)
+    client.ready_for_events()
+    paho("blind15-pub-nh2").publish("blind15/nh", [b"second"], qos=1)
+    seen.until(lambda: seen.payloads("s") == [b"first", b"second"])
+    assert seen.markers == []
+
+
+def test_a_destroyed_entry_is_removed_by_the_next_connections_marker(tmp_path: Path, made: list[DurableClient]) -> None:
+    """sdk.md The last-value cache: "a destroyed one stays destroyed until the next marker, which removes it (then
+    absent): a delete received after this connection's marker stays until the next connection's marker"; "Reads
+    keep working while disconnected, possibly stale (`cache.stale`)"; "Reconnection is automatic"; `on_connected(
+    info)` (`session_present`)."""
+    broker = Broker(tmp_path)
+    broker.start()
+    try:
+        publisher = Client(broker.port, "blind15-pub-destroy", clean_session=True)
+        publisher.publish("blind15/d/y", [b"y0"], qos=1)
+        seen = Seen()
+        lost = threading.Event()
+        client = client_of(made, broker, "blind15-destroy", seen, on_disconnected=lambda reason: lost.set())
+        client.subscribe("blind15/d/+", listener=seen.listener("d"))
+        client.connect()
+        client.ready_for_events()
+        seen.until(lambda: len(seen.markers) == 1)
+        publisher.publish("blind15/d/y", [b"y1"], qos=1)
+        publisher.publish("blind15/d/y", [b""], qos=1)
+        publisher.publish("blind15/d/z", [b"z1"], qos=1)
+        seen.until(lambda: seen.payloads("d") == [b"y1", b"", b"z1"])
+        publisher.disconnect()
+        assert client.cache.entry("blind15/d/y").state == "destroyed"  # type: ignore[union-attr]
+        broker.stop()
+        assert lost.wait(WAIT)
+        assert client.cache.stale is True and client.cache.get("blind15/d/z") == b"z1"
+        assert client.cache.entry("blind15/d/y").state == "destroyed"  # type: ignore[union-attr]
+        broker.start()
+        seen.until(lambda: len(seen.markers) == 2)
+        assert seen.connected[-1].session_present is True and client.cache.stale is False
+        assert client.cache.entry("blind15/d/y") is None and client.cache.get("blind15/d/z") == b"z1"
+    finally:
+        broker.stop()
+
+
+def test_an_unsubscribe_from_on_connected_is_applied_after_the_connections_subscribes(
+    shared: Broker, made: list[DurableClient], paho: Callable[[str], Client]
+) -> None:
+    """sdk.md `unsubscribe()`: "the broker applies a connection's SUBSCRIBEs and UNSUBSCRIBEs in the order they were
+    sent ..., an `unsubscribe()` sent while the connection's SUBSCRIBEs still wait (from `on_connected`, say) is
+    applied after them"; called from a callback it returns once sent."""
+    seen = Seen()
+    done: list[bool] = []
+
+    def on_connected(info: Any) -> None:
+        if not done:
+            done.append(True)
+            client.unsubscribe("blind15/oc/x")
+        seen.on_connected(info)
+
+    client = DurableClient(
+        "blind15-oc",
+        port=shared.port,
+        on_live=seen.on_live,
+        on_connected=on_connected,
+        reconnect_min_delay=0.05,
+        reconnect_max_delay=0.5,
+    )
+    made.append(client)
+    client.subscribe("blind15/oc/x", listener=seen.listener("x"))
+    client.subscribe("blind15/oc/y", listener=seen.listener("y"))
+    client.connect()
+    client.ready_for_events()
+    seen.until(lambda: len(seen.markers) == 1)
+    publisher = paho("blind15-pub-oc")
+    publisher.publish("blind15/oc/x", [b"x"], qos=1)
+    publisher.publish("blind15/oc/y", [b"y"], qos=1)
+    seen.until(lambda: seen.payloads("y") == [b"y"])
+    assert seen.payloads("x") == [] and done == [True]
+    client.close()
+    again = Seen()
+    second = client_of(made, shared, "blind15-oc", again)
+    second.connect()
+    second.ready_for_events()
+    again.until(lambda: len(again.markers) == 1)
+    assert [s.filter for s in again.markers[0].live] == ["blind15/oc/y"], again.markers

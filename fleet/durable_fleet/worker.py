@@ -187,8 +187,18 @@ class PahoDevice:
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         self.log.receive(
-            Event(message.topic, bytes(message.payload), message.qos, 0, 0, time.time(), False, bool(message.retain),
-                  bool(message.dup), False)
+            Event(
+                message.topic,
+                bytes(message.payload),
+                message.qos,
+                0,
+                0,
+                time.time(),
+                False,
+                bool(message.retain),
+                bool(message.dup),
+                False,
+            )
         )
 
     def run(self, stop: threading.Event) -> None:
