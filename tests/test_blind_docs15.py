@@ -671,7 +671,8 @@ def test_a_destroyed_entry_is_removed_by_the_next_connections_marker(tmp_path: P
     """sdk.md The last-value cache: "a destroyed one stays destroyed until the next marker, which removes it (then
     absent): a delete received after this connection's marker stays until the next connection's marker"; "Reads
     keep working while disconnected, possibly stale (`cache.stale`)"; "Reconnection is automatic"; `on_connected(
-    info)` (`session_present`)."""
+    info)` (`session_present`); "a stateless client (`durable_session=False`), which gets no marker, keeps its
+    destroyed entries"."""
     broker = Broker(tmp_path)
     broker.start()
     try:
@@ -684,10 +685,15 @@ def test_a_destroyed_entry_is_removed_by_the_next_connections_marker(tmp_path: P
         client.connect()
         client.ready_for_events()
         seen.until(lambda: len(seen.markers) == 1)
+        stateless_seen = Seen()
+        stateless = client_of(made, broker, "blind15-destroy-sl", stateless_seen, durable_session=False)
+        stateless.subscribe("blind15/d/+", listener=stateless_seen.listener("d"))
+        stateless.connect()
         publisher.publish("blind15/d/y", [b"y1"], qos=1)
         publisher.publish("blind15/d/y", [b""], qos=1)
         publisher.publish("blind15/d/z", [b"z1"], qos=1)
         seen.until(lambda: seen.payloads("d") == [b"y1", b"", b"z1"])
+        stateless_seen.until(lambda: stateless_seen.payloads("d") == [b"y1", b"", b"z1"])
         publisher.disconnect()
         assert client.cache.entry("blind15/d/y").state == "destroyed"  # type: ignore[union-attr]
         broker.stop()
@@ -698,6 +704,9 @@ def test_a_destroyed_entry_is_removed_by_the_next_connections_marker(tmp_path: P
         seen.until(lambda: len(seen.markers) == 2)
         assert seen.connected[-1].session_present is True and client.cache.stale is False
         assert client.cache.entry("blind15/d/y") is None and client.cache.get("blind15/d/z") == b"z1"
+        stateless_seen.until(lambda: len(stateless_seen.connected) == 2 and stateless.connected)
+        assert stateless.cache.entry("blind15/d/y").state == "destroyed"  # type: ignore[union-attr]
+        assert stateless_seen.markers == []
     finally:
         broker.stop()
 
@@ -743,3 +752,27 @@ def test_an_unsubscribe_from_on_connected_is_applied_after_the_connections_subsc
     second.ready_for_events()
     again.until(lambda: len(again.markers) == 1)
     assert [s.filter for s in again.markers[0].live] == ["blind15/oc/y"], again.markers
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (
+            "plugins:\n  amqtt_durable.DurableSessionsPlugin:\n    store: ./s\n    session_expiry: -5\n",
+            "session_expiry",
+        ),
+        ("plugins:\n  amqtt_durable.DurableSessionsPlugin:\n    store: ./s\n    sesion_expiry: 5\n", "sesion_expiry"),
+        ("plugins: [\n", "not valid YAML"),
+    ],
+)
+def test_a_bad_broker_yaml_stops_the_fleet_before_it_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, named: str
+) -> None:
+    """fleet.md: "A bad schedule, option or broker.yaml stops the run before it starts, with exit status 2 and the
+    file ... and field named"; the broker is started "with `-c broker.yaml`"."""
+    config = tmp_path / "mine.yaml"
+    config.write_text(text, encoding="utf-8")
+    status, err = fleet_in_process(tmp_path, capsys, "-c", str(config), "--devices", "2", "--duration", "30s")
+    assert status == 2, err
+    assert "mine.yaml" in err and named in err, err
+    assert not (tmp_path / "out").exists()

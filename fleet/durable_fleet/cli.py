@@ -173,10 +173,11 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
     mix, counts = _mix_and_faults(args, parser)
     config = None
     if args.port is None:
+        path = str(args.config)
         try:
-            config = load_broker_config(str(args.config))
-        except ConfigError as exc:
-            parser.error(str(exc))
+            config = load_broker_config(path)
+        except ConfigError as exc:  # a bad setting names its file too (-c defaults to ./broker.yaml)
+            parser.error(str(exc) if path in exc.problem else f"{path}: {exc}")
     names = device_names(args.prefix, args.devices)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     try:
