@@ -672,16 +672,19 @@ def test_a_destroyed_entry_is_removed_by_the_next_connections_marker(tmp_path: P
     absent): a delete received after this connection's marker stays until the next connection's marker"; "Reads
     keep working while disconnected, possibly stale (`cache.stale`)"; "Reconnection is automatic"; `on_connected(
     info)` (`session_present`); "a stateless client (`durable_session=False`), which gets no marker, keeps its
-    destroyed entries"."""
+    destroyed entries"; a `durable=False` subscription: "the client subscribes it again on reconnect"."""
     broker = Broker(tmp_path)
     broker.start()
+    publishers: list[Client] = []
     try:
         publisher = Client(broker.port, "blind15-pub-destroy", clean_session=True)
+        publishers.append(publisher)
         publisher.publish("blind15/d/y", [b"y0"], qos=1)
         seen = Seen()
         lost = threading.Event()
         client = client_of(made, broker, "blind15-destroy", seen, on_disconnected=lambda reason: lost.set())
         client.subscribe("blind15/d/+", listener=seen.listener("d"))
+        client.subscribe("blind15/nd", durable=False, listener=seen.listener("nd"))
         client.connect()
         client.ready_for_events()
         seen.until(lambda: len(seen.markers) == 1)
@@ -694,7 +697,6 @@ def test_a_destroyed_entry_is_removed_by_the_next_connections_marker(tmp_path: P
         publisher.publish("blind15/d/z", [b"z1"], qos=1)
         seen.until(lambda: seen.payloads("d") == [b"y1", b"", b"z1"])
         stateless_seen.until(lambda: stateless_seen.payloads("d") == [b"y1", b"", b"z1"])
-        publisher.disconnect()
         assert client.cache.entry("blind15/d/y").state == "destroyed"  # type: ignore[union-attr]
         broker.stop()
         assert lost.wait(WAIT)
@@ -707,7 +709,15 @@ def test_a_destroyed_entry_is_removed_by_the_next_connections_marker(tmp_path: P
         stateless_seen.until(lambda: len(stateless_seen.connected) == 2 and stateless.connected)
         assert stateless.cache.entry("blind15/d/y").state == "destroyed"  # type: ignore[union-attr]
         assert stateless_seen.markers == []
+        assert LiveSubscription("blind15/nd", 1, False) in seen.markers[1].live
+        again = Client(broker.port, "blind15-pub-destroy2", clean_session=True)
+        publishers.append(again)
+        again.publish("blind15/nd", [b"still"], qos=1)
+        seen.until(lambda: seen.payloads("nd") == [b"still"])
     finally:
+        for one in publishers:
+            one.paho.disconnect()
+            one.paho.loop_stop()
         broker.stop()
 
 
