@@ -5,11 +5,13 @@ to 127.0.0.1, and the ``amqtt-durable fleet`` command."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,9 @@ import pytest
 import yaml
 from test_blind_pipeline import fleet_in_process
 
-from conftest import WAIT, Broker, Client
+from conftest import WAIT, Broker, Client, free_port
 from durable_client import (
+    ConnectFailed,
     DurableClient,
     DurableClientError,
     Event,
@@ -786,3 +789,47 @@ def test_a_bad_broker_yaml_stops_the_fleet_before_it_starts(
     assert status == 2, err
     assert "mine.yaml" in err and named in err, err
     assert not (tmp_path / "out").exists()
+
+
+AMQTT = Path(sys.executable).parent / "amqtt"
+
+
+@pytest.mark.skipif(not AMQTT.exists(), reason="the stock amqtt command")
+def test_connect_to_a_broker_without_the_plugin_fails_within_its_timeout_and_stops_the_thread(tmp_path: Path) -> None:
+    """`DurableClient.connect` docstring: "Raises ConnectFailed ... when no session is set up within ``timeout``
+    (broker down, or without the amqtt-durable plugin). The thread has then stopped"; README: "the broker answers
+    plain MQTT clients exactly as before" (a stock amqtt broker: no plugin to answer the SDK's hello)."""
+    port = free_port()
+    config = tmp_path / "broker.yaml"
+    config.write_text(
+        f"listeners:\n  default: {{type: tcp, bind: '127.0.0.1:{port}'}}\nplugins:\n"
+        "  amqtt.plugins.authentication.AnonymousAuthPlugin: {allow_anonymous: true}\n",
+        encoding="utf-8",
+    )
+    with (tmp_path / "amqtt.log").open("wb") as out:
+        stock = subprocess.Popen([str(AMQTT), "-c", str(config)], cwd=tmp_path, stdout=out, stderr=out)
+    try:
+        plain = None
+        deadline = time.monotonic() + WAIT
+        while plain is None and time.monotonic() < deadline:
+            with contextlib.suppress(AssertionError, OSError):
+                plain = Client(port, "blind15-stock-plain", clean_session=True)
+            if plain is None:
+                time.sleep(0.05)  # the stock broker's listener opens after its start: bounded polling
+        assert plain is not None, (tmp_path / "amqtt.log").read_text(errors="replace")
+        plain.disconnect()
+        threads = threading.active_count()
+        client = DurableClient("blind15-stock", port=port, reconnect_min_delay=0.05, reconnect_max_delay=0.2)
+        started = time.monotonic()
+        with pytest.raises(ConnectFailed):
+            client.connect(timeout=1.0)
+        assert time.monotonic() - started < 1.0 + WAIT / 3
+        assert not client.connected
+        left = time.monotonic() + WAIT
+        while threading.active_count() > threads and time.monotonic() < left:
+            time.sleep(0.05)  # the network thread ends on its own: bounded polling
+        assert threading.active_count() == threads, threading.enumerate()
+        client.close()
+    finally:
+        stock.terminate()
+        stock.wait(WAIT)
