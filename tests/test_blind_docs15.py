@@ -833,3 +833,35 @@ def test_connect_to_a_broker_without_the_plugin_fails_within_its_timeout_and_sto
     finally:
         stock.terminate()
         stock.wait(WAIT)
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--keepalive", "65536"], "--keepalive"),
+        (["--port", "1883", "--host", "bad host"], "--host"),
+        (["--port", "1883", "--host", "127.0.0.1:1883"], "--host"),
+        (["--port", "1883", "--host", ""], "--host"),
+    ],
+)
+def test_a_keepalive_or_host_no_device_can_use_is_a_bad_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], named: str
+) -> None:
+    """fleet.md: "A bad ... option ... stops the run before it starts, with exit status 2"; "`--port P [--host H]`
+    targets a running broker instead (`H` a host name or an IP address ...)"; "`--keepalive`, the devices' MQTT
+    keep-alive: a whole number of seconds from 1 to 65535" (the SDK refuses a `keepalive` above 65535, sdk.md).
+    Before, the run started (a broker, workers) and failed after minutes."""
+    status, err = fleet_in_process(tmp_path, capsys, *args, "--faults", "drop=1", "--duration", "30s")
+    assert status == 2, err
+    assert named in err.splitlines()[-1], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bracketed_ipv6_host_is_taken_as_the_sdk_takes_it(broker_yaml: Path) -> None:
+    """fleet.md `--port P [--host H]`; sdk.md: "an IPv6 address is written bare or in brackets (`"::1"` or
+    `"[::1]"`, kept as ... `"::1"`)"; the largest keep-alive MQTT carries is accepted."""
+    parser = build_parser()
+    options = options_from(
+        parser.parse_args(["--port", "1883", "--host", "[::1]", "--keepalive", "65535", "--faults", "drop=1"]), parser
+    )
+    assert options.host == "::1" and options.keepalive == 65535

@@ -23,6 +23,7 @@ from amqtt_durable.errors import ConfigError
 from amqtt_durable.settings import WrittenFloat
 from durable_pipeline.errors import PipelineError
 from durable_pipeline.spark import check_master, check_out_folder
+from durable_protocol.hostport import parse_host
 
 from .errors import BrokerLostError, FleetError, ScheduleError
 from .model import ALL_FAULT_KINDS, DEVICE_KINDS, DeviceKind, FaultKind
@@ -31,6 +32,8 @@ from .schedule import load_schedule, parse_duration, random_schedule
 
 MAX_RATE = 10_000_000
 """The highest --rate (messages per second, exclusive) the command takes."""
+MAX_KEEPALIVE = 65535
+"""The highest --keepalive: MQTT's keep-alive is 16 bits, and the SDK's devices refuse more."""
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -125,6 +128,8 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     for name in ("devices", "processes", "publishers", "keepalive"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be 1 or more, got {getattr(args, name)}")
+    if args.keepalive > MAX_KEEPALIVE:  # an MQTT CONNECT carries it in 16 bits: every device would be refused
+        parser.error(f"--keepalive must be a whole number of seconds from 1 to {MAX_KEEPALIVE}, got {args.keepalive}")
     if not 0 < args.rate < MAX_RATE:
         parser.error(f"--rate must be a positive number of messages per second below {MAX_RATE:,}, got {args.rate}")
     if args.duration <= 0:
@@ -146,6 +151,10 @@ def _check_target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--port must be a TCP port from 1 to 65535, got {args.port}")
     if args.port is None and args.host != "127.0.0.1":
         parser.error("--host names a running broker: give its --port too")
+    try:  # the proxy and the publishers connect to it: refused now, not by every connection of the run
+        args.host = parse_host(args.host)
+    except ValueError as exc:
+        parser.error(f"--host must be a host name or an IP address, got {args.host!r}: {exc}")
     if args.ha and args.port is not None:
         parser.error("--ha starts a replicated pair from --config; it cannot target a running broker (--port)")
 
