@@ -776,13 +776,19 @@ def test_an_unsubscribe_from_on_connected_is_applied_after_the_connections_subsc
         ),
         ("plugins:\n  amqtt_durable.DurableSessionsPlugin:\n    store: ./s\n    sesion_expiry: 5\n", "sesion_expiry"),
         ("plugins: [\n", "not valid YAML"),
+        (
+            "plugins:\n  amqtt_durable.DurableSessionsPlugin:\n    store: ./s\n    max_keepalive: 3\n",
+            "max_keepalive (3)",
+        ),
     ],
 )
 def test_a_bad_broker_yaml_stops_the_fleet_before_it_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, named: str
 ) -> None:
     """fleet.md: "A bad schedule, option or broker.yaml stops the run before it starts, with exit status 2 and the
-    file ... and field named"; the broker is started "with `-c broker.yaml`"."""
+    file ... and field named"; the broker is started "with `-c broker.yaml`"; `--keepalive` (default 4) is "at most
+    the `max_keepalive` of `-c`'s broker.yaml when that sets one" (configuration.md: a CONNECT above it gets
+    CONNACK 2)."""
     config = tmp_path / "mine.yaml"
     config.write_text(text, encoding="utf-8")
     status, err = fleet_in_process(tmp_path, capsys, "-c", str(config), "--devices", "2", "--duration", "30s")

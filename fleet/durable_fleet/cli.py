@@ -18,7 +18,8 @@ import traceback
 from pathlib import Path
 from typing import cast
 
-from amqtt_durable.cli import load_broker_config
+from amqtt_durable.cli import load_broker_config, plugin_section
+from amqtt_durable.config import MAX_KEEPALIVE, DurableConfig
 from amqtt_durable.errors import ConfigError
 from amqtt_durable.settings import WrittenFloat
 from durable_pipeline.errors import PipelineError
@@ -32,8 +33,6 @@ from .schedule import load_schedule, parse_duration, random_schedule
 
 MAX_RATE = 10_000_000
 """The highest --rate (messages per second, exclusive) the command takes."""
-MAX_KEEPALIVE = 65535
-"""The highest --keepalive: MQTT's keep-alive is 16 bits, and the SDK's devices refuse more."""
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -187,6 +186,10 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
             config = load_broker_config(path)
         except ConfigError as exc:  # a bad setting names its file too (-c defaults to ./broker.yaml)
             parser.error(str(exc) if path in exc.problem else f"{path}: {exc}")
+        limit = DurableConfig.from_mapping(plugin_section(config)).max_keepalive
+        if limit and args.keepalive > limit:
+            parser.error(f"--keepalive {args.keepalive} is above the max_keepalive ({limit}) of {path}: every device "
+                         f"would get CONNACK 2; give --keepalive {limit} or less")
     names = device_names(args.prefix, args.devices)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     try:
