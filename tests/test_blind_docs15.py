@@ -871,3 +871,17 @@ def test_a_bracketed_ipv6_host_is_taken_as_the_sdk_takes_it(broker_yaml: Path) -
         parser.parse_args(["--port", "1883", "--host", "[::1]", "--keepalive", "65535", "--faults", "drop=1"]), parser
     )
     assert options.host == "::1" and options.keepalive == 65535
+
+
+def test_a_prefix_whose_device_names_cannot_name_files_is_a_bad_option(broker_yaml: Path) -> None:
+    """fleet.md: "A device's client id is `--prefix` ... and its index; it names the device's files, so the longest
+    must stay within 249 characters, a `:` counted as 3 (a longer `--prefix` is a bad option)"; "A bad ... option
+    ... stops the run before it starts, with exit status 2". Before, a run with a 300-character prefix started
+    and failed (its delivery logs could not be made)."""
+    parser = build_parser()
+    fits = options_from(parser.parse_args(["--prefix", "p" * 246, "--devices", "1000", "--faults", ""]), parser)
+    assert len(fits.prefix + "999") == 249
+    for prefix, devices in (("p" * 247, "1000"), ("p" * 246, "1001"), (":" * 83, "10")):
+        with pytest.raises(SystemExit) as stopped:
+            options_from(parser.parse_args(["--prefix", prefix, "--devices", devices, "--faults", ""]), parser)
+        assert stopped.value.code == 2, (len(prefix), devices)

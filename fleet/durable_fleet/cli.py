@@ -17,6 +17,7 @@ import sys
 import traceback
 from pathlib import Path
 from typing import cast
+from urllib.parse import quote
 
 from amqtt_durable.cli import load_broker_config, plugin_section
 from amqtt_durable.config import MAX_KEEPALIVE, DurableConfig
@@ -43,6 +44,9 @@ DEFAULT_FAULTS_RUNNING_BROKER = "drop=3,stall=3,device_restart=3"
 DEFAULT_FAULTS_HA = "drop=3,stall=3,primary_kill=1,partition=1,device_restart=3"
 """With --ha the faults on the brokers hit whichever is primary."""
 PREFIX = re.compile(r"[A-Za-z0-9_.:-]*")
+MAX_DEVICE_NAME = 255 - len(".jsonl")
+"""The longest device name (percent-encoded, as the SDK names a state folder): its delivery log is NAME.jsonl, and
+file names are at most 255 bytes on most file systems."""
 
 
 def number(text: str) -> float:
@@ -137,6 +141,11 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"--broadcast-every must be 0 or more, got {args.broadcast_every}")
     if not PREFIX.fullmatch(args.prefix):
         parser.error(f"--prefix {args.prefix!r}: use letters, digits and _ . : - only (it is in topic names)")
+    longest = f"{args.prefix}{args.devices - 1:03d}"  # names a delivery log NAME.jsonl and a cpl2 state folder
+    if len(quote(longest, safe="")) > MAX_DEVICE_NAME:
+        parser.error(f"--prefix is too long: device {longest[-20:]!r} ({len(longest)} characters) would name files "
+                     f"longer than a file name may be; keep its name within {MAX_DEVICE_NAME} characters, ':' "
+                     "counted as 3")
     try:
         check_master(args.master)  # the audit's; Spark starts only after the run
         check_out_folder(args.out)  # a local folder: the audit writes under it
