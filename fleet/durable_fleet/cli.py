@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=_duration, default=45.0,
                         help="publishing time, e.g. 45s or 10m (default: 45s)")
     parser.add_argument("--keepalive", type=int, default=4,
-                        help="devices' MQTT keep-alive in seconds; stalls outlast it (default: %(default)s)")
+                        help="devices' MQTT keep-alive, 1 to 65535 s; stalls outlast it (default: %(default)s)")
     schedule = parser.add_mutually_exclusive_group()
     schedule.add_argument("--schedule", type=Path,
                           help="scripted faults: a YAML/JSON file (format: docs/fleet.md, 'Scripted schedule')")
@@ -143,9 +143,11 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"--prefix {args.prefix!r}: use letters, digits and _ . : - only (it is in topic names)")
     longest = f"{args.prefix}{args.devices - 1:03d}"  # names a delivery log NAME.jsonl and a cpl2 state folder
     if len(quote(longest, safe="")) > MAX_DEVICE_NAME:
-        parser.error(f"--prefix is too long: device {longest[-20:]!r} ({len(longest)} characters) would name files "
-                     f"longer than a file name may be; keep its name within {MAX_DEVICE_NAME} characters, ':' "
-                     "counted as 3")
+        parser.error(
+            f"--prefix is too long: device {longest[-20:]!r} ({len(longest)} characters) would name files "
+            f"longer than a file name may be; keep its name within {MAX_DEVICE_NAME} characters, ':' "
+            "counted as 3"
+        )
     try:
         check_master(args.master)  # the audit's; Spark starts only after the run
         check_out_folder(args.out)  # a local folder: the audit writes under it
@@ -197,8 +199,10 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
             parser.error(str(exc) if path in exc.problem else f"{path}: {exc}")
         limit = DurableConfig.from_mapping(plugin_section(config)).max_keepalive
         if limit and args.keepalive > limit:
-            parser.error(f"--keepalive {args.keepalive} is above the max_keepalive ({limit}) of {path}: every device "
-                         f"would get CONNACK 2; give --keepalive {limit} or less")
+            parser.error(
+                f"--keepalive {args.keepalive} is above the max_keepalive ({limit}) of {path}: every device "
+                f"would get CONNACK 2; give --keepalive {limit} or less"
+            )
     names = device_names(args.prefix, args.devices)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     try:
