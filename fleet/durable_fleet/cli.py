@@ -17,12 +17,15 @@ import sys
 import traceback
 from pathlib import Path
 from typing import cast
+from urllib.parse import quote
 
-from amqtt_durable.cli import load_broker_config
+from amqtt_durable.cli import load_broker_config, plugin_section
+from amqtt_durable.config import MAX_KEEPALIVE, DurableConfig
 from amqtt_durable.errors import ConfigError
 from amqtt_durable.settings import WrittenFloat
 from durable_pipeline.errors import PipelineError
 from durable_pipeline.spark import check_master, check_out_folder
+from durable_protocol.hostport import parse_host
 
 from .errors import BrokerLostError, FleetError, ScheduleError
 from .model import ALL_FAULT_KINDS, DEVICE_KINDS, DeviceKind, FaultKind
@@ -41,6 +44,9 @@ DEFAULT_FAULTS_RUNNING_BROKER = "drop=3,stall=3,device_restart=3"
 DEFAULT_FAULTS_HA = "drop=3,stall=3,primary_kill=1,partition=1,device_restart=3"
 """With --ha the faults on the brokers hit whichever is primary."""
 PREFIX = re.compile(r"[A-Za-z0-9_.:-]*")
+MAX_DEVICE_NAME = 255 - len(".jsonl")
+"""The longest device name (percent-encoded, as the SDK names a state folder): its delivery log is NAME.jsonl, and
+file names are at most 255 bytes on most file systems."""
 
 
 def number(text: str) -> float:
@@ -100,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=_duration, default=45.0,
                         help="publishing time, e.g. 45s or 10m (default: 45s)")
     parser.add_argument("--keepalive", type=int, default=4,
-                        help="devices' MQTT keep-alive in seconds; stalls outlast it (default: %(default)s)")
+                        help="devices' MQTT keep-alive, 1 to 65535 s; stalls outlast it (default: %(default)s)")
     schedule = parser.add_mutually_exclusive_group()
     schedule.add_argument("--schedule", type=Path,
                           help="scripted faults: a YAML/JSON file (format: docs/fleet.md, 'Scripted schedule')")
@@ -125,6 +131,8 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     for name in ("devices", "processes", "publishers", "keepalive"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be 1 or more, got {getattr(args, name)}")
+    if args.keepalive > MAX_KEEPALIVE:  # an MQTT CONNECT carries it in 16 bits: every device would be refused
+        parser.error(f"--keepalive must be a whole number of seconds from 1 to {MAX_KEEPALIVE}, got {args.keepalive}")
     if not 0 < args.rate < MAX_RATE:
         parser.error(f"--rate must be a positive number of messages per second below {MAX_RATE:,}, got {args.rate}")
     if args.duration <= 0:
@@ -133,6 +141,13 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"--broadcast-every must be 0 or more, got {args.broadcast_every}")
     if not PREFIX.fullmatch(args.prefix):
         parser.error(f"--prefix {args.prefix!r}: use letters, digits and _ . : - only (it is in topic names)")
+    longest = f"{args.prefix}{args.devices - 1:03d}"  # names a delivery log NAME.jsonl and a cpl2 state folder
+    if len(quote(longest, safe="")) > MAX_DEVICE_NAME:
+        parser.error(
+            f"--prefix is too long: device {longest[-20:]!r} ({len(longest)} characters) would name files "
+            f"longer than a file name may be; keep its name within {MAX_DEVICE_NAME} characters, ':' "
+            "counted as 3"
+        )
     try:
         check_master(args.master)  # the audit's; Spark starts only after the run
         check_out_folder(args.out)  # a local folder: the audit writes under it
@@ -146,6 +161,10 @@ def _check_target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--port must be a TCP port from 1 to 65535, got {args.port}")
     if args.port is None and args.host != "127.0.0.1":
         parser.error("--host names a running broker: give its --port too")
+    try:  # the proxy and the publishers connect to it: refused now, not by every connection of the run
+        args.host = parse_host(args.host)
+    except ValueError as exc:
+        parser.error(f"--host must be a host name or an IP address, got {args.host!r}: {exc}")
     if args.ha and args.port is not None:
         parser.error("--ha starts a replicated pair from --config; it cannot target a running broker (--port)")
 
@@ -173,10 +192,17 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
     mix, counts = _mix_and_faults(args, parser)
     config = None
     if args.port is None:
+        path = str(args.config)
         try:
-            config = load_broker_config(str(args.config))
-        except ConfigError as exc:
-            parser.error(str(exc))
+            config = load_broker_config(path)
+        except ConfigError as exc:  # a bad setting names its file too (-c defaults to ./broker.yaml)
+            parser.error(str(exc) if path in exc.problem else f"{path}: {exc}")
+        limit = DurableConfig.from_mapping(plugin_section(config)).max_keepalive
+        if limit and args.keepalive > limit:
+            parser.error(
+                f"--keepalive {args.keepalive} is above the max_keepalive ({limit}) of {path}: every device "
+                f"would get CONNACK 2; give --keepalive {limit} or less"
+            )
     names = device_names(args.prefix, args.devices)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     try:

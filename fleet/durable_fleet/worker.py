@@ -187,8 +187,18 @@ class PahoDevice:
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         self.log.receive(
-            Event(message.topic, bytes(message.payload), message.qos, 0, 0, time.time(), False, bool(message.retain),
-                  bool(message.dup), False)
+            Event(
+                message.topic,
+                bytes(message.payload),
+                message.qos,
+                0,
+                0,
+                time.time(),
+                False,
+                bool(message.retain),
+                bool(message.dup),
+                False,
+            )
         )
 
     def run(self, stop: threading.Event) -> None:
@@ -338,13 +348,15 @@ def _die(args: threading.ExceptHookArgs) -> None:
     os._exit(EXIT_THREAD_FAILED)
 
 
-def _load_spec(parser: argparse.ArgumentParser, path: Path) -> WorkerSpec:
+def _load_spec(path: Path) -> WorkerSpec:
     """The spec at ``path``; one line naming the file and what is wrong (exit 2) for one the runner did not
-    write (hand-edited, truncated, another program's), not a traceback."""
+    write (hand-edited, truncated, another program's), not a traceback (nor argparse's usage line: the spec is
+    the runner's, not a command line the user typed)."""
     try:
         return WorkerSpec.load(path)
     except (OSError, ValueError, TypeError, KeyError) as error:
-        parser.error(f"{path} is not a worker spec the fleet runner wrote: {type(error).__name__}: {error}")
+        print(f"{path} is not a worker spec the fleet runner wrote: {type(error).__name__}: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     threading.excepthook = _die  # a device or publisher thread that fails takes the process down: noticed
-    spec = _load_spec(parser, args.spec)
+    spec = _load_spec(args.spec)
     if spec.harness_gone():  # the harness died while this process started: build nothing (no client, no log)
         log.warning(
             "the harness (PID %d) that wrote %s is gone: stopping before any device starts", spec.harness_pid, args.spec
