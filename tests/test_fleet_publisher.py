@@ -3,6 +3,7 @@ the fleet's fault proxy: how it stops when its connection is lost while it waits
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -100,3 +101,33 @@ def test_a_publisher_stops_waiting_for_pubacks_once_its_connection_is_lost(broke
         stop.set()
         proxy.stop()
         runner.join(CLOSE_TIMEOUT + WAIT)
+
+
+def test_a_publisher_stopped_while_it_waits_for_its_connack_ends_at_once(tmp_path: Path) -> None:
+    """Stopped (SIGTERM) while it waits for the CONNACK of a broker that takes the connection but never answers
+    it (a wedged one: its kernel still accepts): run() ends at once. Before, it sat out CLOSE_TIMEOUT there, and
+    a fleet's Ctrl-C with a wedged broker waited that long for the publisher's process before stopping the
+    broker."""
+    (tmp_path / "logs").mkdir()
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.settimeout(WAIT)
+        port = silent.getsockname()[1]
+        spec = WorkerSpec(
+            device_port=port, broker_host="127.0.0.1", broker_port=port, logs=str(tmp_path / "logs"),
+            state_dir=str(tmp_path / "state"), keepalive=30, end_sessions=False, harness_pid=0,
+        )  # fmt: skip
+        publisher = Publisher(spec, PublisherSpec("pub-0", 100.0, ["dev-000"], 0, 0, 64, 1))
+        stop = threading.Event()
+        runner = threading.Thread(target=publisher.run, args=(stop,), name="pub-0")
+        runner.start()
+        try:
+            connection, _ = silent.accept()  # it connected: past its check of stop, it waits for the CONNACK
+            with connection:
+                stop.set()
+                stopped = time.monotonic()
+                runner.join(CLOSE_TIMEOUT + WAIT)
+                assert not runner.is_alive()
+                assert time.monotonic() - stopped < CLOSE_TIMEOUT - 2  # before: CLOSE_TIMEOUT
+        finally:
+            stop.set()
+            runner.join(CLOSE_TIMEOUT + WAIT)
