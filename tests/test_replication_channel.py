@@ -333,7 +333,7 @@ def test_a_backup_connection_whose_frame_does_not_decode_is_disconnected_with_th
                 gone.set()
 
         primary = await started_primary(tmp_path / "p", on_change=changed)
-        reader, writer = await asyncio.open_connection(HOST, primary.port)
+        _reader, writer = await asyncio.open_connection(HOST, primary.port)
         writer.write(encode_frame(Frame.HELLO, Hello(primary.store_id, 0, 0, "odd").encode()))
         writer.write(encode_frame(Frame.STATUS))
         await writer.drain()
