@@ -3,6 +3,7 @@ the fleet's fault proxy: how it stops when its connection is lost while it waits
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -67,18 +68,33 @@ class _WatchedPublisher(Publisher):
             self.looks.seen.wait_for(lambda: self.looks.looks > before, WAIT)
 
 
+PUBLISHER = PublisherSpec("pub-0", 100.0, ["dev-000"], 0, 0, 64, 1)
+"""100 QoS 1 messages a second to one device."""
+
+
+def _spec(tmp_path: Path, port: int) -> WorkerSpec:
+    """A worker's spec whose broker (and devices' proxy) is 127.0.0.1:``port``, its logs in ``tmp_path``."""
+    (tmp_path / "logs").mkdir()
+    return WorkerSpec(
+        device_port=port, broker_host="127.0.0.1", broker_port=port, logs=str(tmp_path / "logs"),
+        state_dir=str(tmp_path / "state"), keepalive=30, end_sessions=False, harness_pid=0,
+    )
+
+
+def ends_well_before_close_timeout(runner: threading.Thread, since: float) -> None:
+    """The publisher's run() (``runner``) ends well before CLOSE_TIMEOUT from ``since``, which it sat out before."""
+    runner.join(CLOSE_TIMEOUT + WAIT)
+    assert not runner.is_alive()
+    assert time.monotonic() - since < CLOSE_TIMEOUT - 2
+
+
 def test_a_publisher_stops_waiting_for_pubacks_once_its_connection_is_lost(broker: Broker, tmp_path: Path) -> None:
     """Stopped with messages in flight (the link stalled: no PUBACK comes), then its connection cut: run() ends
     at once. Before, the wait re-checked is_connected(), which paho 2.2 still reports True while it calls
     on_disconnect, and slept out CLOSE_TIMEOUT."""
     proxy = FaultProxy("127.0.0.1", broker.port)
     port = proxy.start()
-    (tmp_path / "logs").mkdir()
-    spec = WorkerSpec(
-        device_port=port, broker_host="127.0.0.1", broker_port=port, logs=str(tmp_path / "logs"),
-        state_dir=str(tmp_path / "state"), keepalive=30, end_sessions=False, harness_pid=0,
-    )
-    publisher = _WatchedPublisher(spec, PublisherSpec("pub-0", 100.0, ["dev-000"], 0, 0, 64, 1))
+    publisher = _WatchedPublisher(_spec(tmp_path, port), PUBLISHER)
     stop = threading.Event()
     runner = threading.Thread(target=publisher.run, args=(stop,), name="pub-0")
     runner.start()
@@ -92,11 +108,29 @@ def test_a_publisher_stops_waiting_for_pubacks_once_its_connection_is_lost(broke
         with publisher.looks.seen:  # run() waits for the last PUBACKs
             assert publisher.looks.seen.wait_for(lambda: publisher.looks.looks > 0, WAIT)
         assert proxy.cut() == 1
-        cut = time.monotonic()
-        runner.join(CLOSE_TIMEOUT + WAIT)
-        assert not runner.is_alive()
-        assert time.monotonic() - cut < CLOSE_TIMEOUT - 2  # before: CLOSE_TIMEOUT
+        ends_well_before_close_timeout(runner, time.monotonic())
     finally:
         stop.set()
         proxy.stop()
         runner.join(CLOSE_TIMEOUT + WAIT)
+
+
+def test_a_publisher_stopped_while_it_waits_for_its_connack_ends_at_once(tmp_path: Path) -> None:
+    """Stopped (SIGTERM) while it waits for the CONNACK of a broker that takes the connection but never answers
+    it (a wedged one: its kernel still accepts): run() ends at once. Before, it sat out CLOSE_TIMEOUT there, and
+    a fleet's Ctrl-C with a wedged broker waited that long for the publisher's process before stopping the
+    broker."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.settimeout(WAIT)
+        publisher = Publisher(_spec(tmp_path, silent.getsockname()[1]), PUBLISHER)
+        stop = threading.Event()
+        runner = threading.Thread(target=publisher.run, args=(stop,), name="pub-0")
+        runner.start()
+        try:
+            connection, _ = silent.accept()  # it connected: past its check of stop, it waits for the CONNACK
+            with connection:
+                stop.set()
+                ends_well_before_close_timeout(runner, time.monotonic())
+        finally:
+            stop.set()
+            runner.join(CLOSE_TIMEOUT + WAIT)

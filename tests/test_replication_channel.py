@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -33,6 +34,7 @@ from amqtt_durable.replication.errors import FrameError, ReplicationGapError
 from amqtt_durable.replication.framing import (
     CheckedBatch,
     Frame,
+    Hello,
     Op,
     encode_batch,
     encode_frame,
@@ -262,6 +264,87 @@ def test_a_batch_whose_operations_do_not_decode_leaves_nothing_of_its_group_in_t
         assert read_position(backup.db) == (0, 0)
         assert backup.db.get(b"m" + (1).to_bytes(8, "big")) is None  # batch 1's body: not written either
         assert backup.db.get(b"m" + (2).to_bytes(8, "big")) is None
+
+    asyncio.run(main())
+
+
+def test_a_frame_that_does_not_decode_ends_the_backups_channel_with_the_backups_advice_and_it_reconnects(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """replication.md: a frame that fails its checksum closes the connection "with a log line naming it"; the
+    backup's WARNING says what does not decode (FrameError's text) and then what the backup does about it,
+    which it does: it connects again."""
+
+    async def main() -> int:
+        connections, open_ones = 0, 0
+        again, idle = asyncio.Event(), asyncio.Event()
+        damaged = bytearray(encode_frame(Frame.SNAP_BEGIN))
+        damaged[-1] ^= 0xFF  # its checksum
+
+        async def damaging_primary(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections, open_ones
+            connections, open_ones = connections + 1, open_ones + 1
+            idle.clear()
+            if connections == 2:
+                again.set()
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                await read_frame(reader)  # HELLO
+                writer.write(bytes(damaged))
+                await writer.drain()
+            writer.close()
+            open_ones -= 1
+            if not open_ones:
+                idle.set()
+
+        server = await asyncio.start_server(damaging_primary, HOST, 0)
+        port = server.sockets[0].getsockname()[1]
+        backup = new_backup(tmp_path, "b")
+        async with following(backup, port):
+            await bounded(again.wait())
+        server.close()
+        await bounded(server.wait_closed())
+        await bounded(idle.wait())
+        backup.db.close()
+        return port
+
+    with caplog.at_level(logging.WARNING, logger="amqtt_durable.replication"):
+        port = asyncio.run(main())
+    assert (
+        f"replication: backup b: channel to {HOST}:{port} ended: replication: a frame does not decode (checksum "
+        "mismatch); the channel is closed and the backup reconnects and is caught up again (check the network path, "
+        "or versions of both brokers)"
+    ) in caplog.messages
+
+
+def test_a_backup_connection_whose_frame_does_not_decode_is_disconnected_with_the_channels_advice(
+    tmp_path: Path,
+) -> None:
+    """replication.md, Limitations: any frame after the HELLO but an ACK: `backup NAME (ADDRESS:PORT):
+    disconnected (FrameError: ...)`; the primary's end says what the backup's does: what does not decode
+    (FrameError's text), then what the channel does about it."""
+
+    async def main() -> None:
+        ended: list[str] = []
+        gone = asyncio.Event()
+
+        def changed(link: BackupLink, what: str) -> None:
+            if what.startswith("disconnected"):
+                ended.append(what)
+                gone.set()
+
+        primary = await started_primary(tmp_path / "p", on_change=changed)
+        _reader, writer = await asyncio.open_connection(HOST, primary.port)
+        writer.write(encode_frame(Frame.HELLO, Hello(primary.store_id, 0, 0, "odd").encode()))
+        writer.write(encode_frame(Frame.STATUS))
+        await writer.drain()
+        await bounded(gone.wait())
+        writer.close()
+        await primary.close()
+        assert ended == [
+            "disconnected (FrameError: replication: a ACK does not decode (unexpected STATUS from a backup); the "
+            "channel is closed and the backup reconnects and is caught up again (check the network path, or "
+            "versions of both brokers))"
+        ]
 
     asyncio.run(main())
 

@@ -119,6 +119,17 @@ def _set_connected(client: mqtt.Client, connected: threading.Event, flags: Any, 
         connected.set()
 
 
+def _connack_unless_stopped(connected: threading.Event, stop: threading.Event) -> bool:
+    """Whether the CONNACK came (``connected``) within CLOSE_TIMEOUT; a stop (SIGTERM) ends the wait at
+    once: a broker that takes the connection but never answers it (a wedged one) held the process's end
+    CLOSE_TIMEOUT, and a fleet's Ctrl-C that long before it stopped that broker."""
+    deadline = time.monotonic() + CLOSE_TIMEOUT
+    while not stop.is_set() and time.monotonic() < deadline:
+        if connected.wait(0.05):  # polling ``stop`` too; bounded by the deadline
+            return True
+    return connected.is_set()
+
+
 def _ignore(event: Event) -> None:
     """The delivery log is the record of processing; the simulated device does nothing else."""
 
@@ -275,7 +286,7 @@ class Publisher:
                 stop.wait(0.2)  # the broker is down (being restarted); bounded by stop
                 continue
             client.loop_start()
-            if connected.wait(CLOSE_TIMEOUT):
+            if _connack_unless_stopped(connected, stop):
                 return client
             self._drop(client)
         return None

@@ -2759,14 +2759,14 @@ class EndDeadline:
     ``connection_end_wait``: with the connection's message loop stuck (a topic plugin's slow check of what
     the client published), the new CONNACK came after 10 s."""
 
-    def __init__(self, wait: float) -> None:
-        self._wait = wait
+    def __init__(self, end_wait: float) -> None:
+        self._end_wait = end_wait
         self._at: float | None = None
 
     def timeout(self) -> asyncio.Timeout:
         """A timeout at the end's deadline, set by the first call."""
         if self._at is None:
-            self._at = asyncio.get_running_loop().time() + self._wait
+            self._at = asyncio.get_running_loop().time() + self._end_wait
         return asyncio.timeout_at(self._at)
 
 
@@ -2962,9 +2962,9 @@ class PublishedMessages:
     client sends its PUBREL again on the new connection): an old connection whose client reads
     nothing, its socket full, held the new CONNACK for the whole close grace."""
 
-    def __init__(self, handler: Any, bound: float) -> None:
+    def __init__(self, handler: Any, end_wait: float) -> None:
         self._handler = handler
-        self._bound_seconds = bound
+        self._end_wait = end_wait
         self._taken = asyncio.Event()
         self.loop_ended = False
         self._erasing: set[asyncio.Future[None]] = set()
@@ -3064,7 +3064,7 @@ class PublishedMessages:
         plugin's slow check): the bound runs meanwhile."""
         loop = asyncio.get_running_loop()
         if self._deadline is None:
-            self._deadline = loop.time() + self._bound_seconds
+            self._deadline = loop.time() + self._end_wait
             if not self._released.is_set():
                 self._bound = loop.call_at(self._deadline, self._released.set)
         return self._deadline

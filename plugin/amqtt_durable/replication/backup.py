@@ -29,7 +29,7 @@ from typing import Any, Literal, NoReturn
 
 from ..store import VERSION_KEY
 from .auth import AuthError, Session, client_handshake, error_text
-from .errors import FrameError, ReplicationGapError, StoreMismatchError
+from .errors import FrameError, FrameMacError, ReplicationGapError, StoreMismatchError, channel_ended
 from .framing import (
     NAME_IN_USE,
     NOT_PRIMARY,
@@ -371,9 +371,12 @@ class Backup:
                     pause,
                     exc,
                 )
-            except (OSError, TimeoutError, FrameError, ReplicationGapError, StoreMismatchError) as exc:
+            except (OSError, TimeoutError, FrameError, FrameMacError, ReplicationGapError, StoreMismatchError) as exc:
                 log.warning(
-                    "replication: backup %s: channel to %s ended: %s", self.name, primary, str(exc) or repr(exc)
+                    "replication: backup %s: channel to %s ended: %s",
+                    self.name,
+                    primary,
+                    channel_ended(exc) or repr(exc),
                 )
             self.refused = None if refusal is None else str(refusal)  # never a reason older than this try
             if refusal is not None:

@@ -42,25 +42,34 @@ class PromotionStoppedError(ReplicationError):
 
 
 class FrameError(ReplicationError):
-    """Bytes on the replication channel do not decode (bad checksum, truncated, unknown type)."""
+    """Bytes on the replication channel do not decode (bad checksum, truncated, unknown type). It
+    says only that (``problem``): what follows is for whoever logs it to say, a backup's channel
+    (channel_ended) and a tool (the address answers no replication frame) alike."""
 
     def __init__(self, what: str, detail: str) -> None:
-        self.what, self.detail = what, detail
-        super().__init__(
-            f"replication: a {what} does not decode ({detail}); the channel is closed and the backup "
-            "reconnects and is caught up again (check the network path, or versions of both brokers)"
+        self.problem = f"a {what} does not decode ({detail})"
+        super().__init__(f"replication: {self.problem}")
+
+
+def channel_ended(exc: BaseException) -> str:
+    """Why a backup's channel ended, as either end of it logs ``exc``: its text, and after a
+    FrameError's (what does not decode) what the channel does about it."""
+    if isinstance(exc, FrameError):
+        return (
+            f"{exc}; the channel is closed and the backup reconnects and is caught up again (check the network "
+            "path, or versions of both brokers)"
         )
+    return str(exc)
 
 
-class FrameMacError(FrameError):
+class FrameMacError(ReplicationError):
     """A frame after the handshake of replication.secret failed its MAC (auth.Session): forged,
-    altered, replayed or reordered on the way. Nothing in it is used; the connection is closed."""
+    altered, replayed or reordered on the way. Nothing in it is used; the connection is closed.
+    Not a FrameError: the frame decodes, and the text says itself what follows."""
 
     def __init__(self, number: int, sender: str) -> None:
-        self.what = "frame"
         self.number = number
-        ReplicationError.__init__(
-            self,
+        super().__init__(
             f"replication: frame {number} from {sender} failed its MAC (forged or altered on the way: "
             "only a peer that passed the handshake with the secret can send frames on this connection); "
             "the frame is not used and the connection is closed",

@@ -43,7 +43,7 @@ from typing import Any, Literal
 from ..admission import NameBudgets
 from ..settings import LISTEN_BACKLOG
 from .auth import AuthError, Session, server_handshake
-from .errors import FrameError, ReplicationError
+from .errors import FrameError, FrameMacError, ReplicationError, channel_ended
 from .framing import (
     MAX_PEER_FRAME,
     NAME_IN_USE,
@@ -556,7 +556,7 @@ class Primary:
             try:
                 hello = self._hello(link, kind, payload)
             except FrameError as exc:  # a stranger's or damage: refused as the handshake refuses, rate-limited
-                self.gate.refusal(writer, peer, f"a {exc.what} does not decode ({exc.detail})")
+                self.gate.refusal(writer, peer, exc.problem)
                 ended = ""
                 return
             if hello is None:
@@ -571,7 +571,7 @@ class Primary:
         except asyncio.IncompleteReadError:
             ended = "disconnected (the backup closed the channel)"
         except (ConnectionError, TimeoutError, ReplicationError) as exc:
-            ended = f"disconnected ({type(exc).__name__}: {exc})"
+            ended = f"disconnected ({type(exc).__name__}: {channel_ended(exc)})"
         except Exception as exc:
             log.exception("replication: the channel to backup %s (%s) failed", link.name, peer)
             ended = f"disconnected (failed: {exc!r})"
@@ -687,7 +687,7 @@ class Primary:
             return await first_frame(
                 reader, writer, self.secret, self.handshake_timeout, peer, tls=self._tls, gate=self.gate
             )
-        except (AuthError, FrameError, OSError, TimeoutError, asyncio.IncompleteReadError):
+        except (AuthError, FrameError, FrameMacError, OSError, TimeoutError, asyncio.IncompleteReadError):
             return None
 
     async def _read_acks(self, reader: asyncio.StreamReader, link: BackupLink) -> None:
@@ -885,7 +885,7 @@ async def first_frame(
             if tls is not None:
                 await writer.start_tls(tls)
             return await server_handshake(reader, writer, secret, MAX_PEER_FRAME)
-    except (AuthError, FrameError) as exc:
+    except (AuthError, FrameError, FrameMacError) as exc:
         gate.refusal(writer, peer, str(exc))
         raise
     except TimeoutError:

@@ -13,7 +13,7 @@ from durable_protocol.hostport import join_host_port, parse_host, split_host_por
 from ..inspect_store import shown
 from .auth import AuthError, client_handshake, error_text
 from .coordinator import read_record, record_field
-from .errors import FrameError, ReplicationError
+from .errors import FrameError, FrameMacError, ReplicationError
 from .framing import Frame
 
 ASK_TIMEOUT = 10.0
@@ -77,7 +77,7 @@ async def ask(
                 writer.close()
     except AuthError as exc:
         raise ReplicationError(f"replication address {address}: {exc}") from None
-    except (OSError, TimeoutError, asyncio.IncompleteReadError, FrameError) as exc:
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, FrameError, FrameMacError) as exc:
         # asyncio.timeout's TimeoutError says nothing of its own: what listens there (an MQTT listener,
         # say) kept silent. (A connect's ETIMEDOUT is a TimeoutError with its own message.)
         # An MQTT listener closes at once a connection whose first packet is not a CONNECT.
@@ -85,8 +85,8 @@ async def ask(
         detail = f"nothing answered within {ASK_TIMEOUT:g} s" if silent else str(exc)
         if isinstance(exc, asyncio.IncompleteReadError):
             detail = "the connection was closed without an answer"
-        elif type(exc) is FrameError:  # its own text is a backup's advice ("the backup reconnects ...")
-            detail = f"its answer is no replication frame: a {exc.what} does not decode ({exc.detail})"
+        elif isinstance(exc, FrameError):
+            detail = f"its answer is no replication frame: {exc.problem}"
         raise ReplicationError(
             f"replication address {address}: no answer to {kind.name} ({type(exc).__name__}: {detail}); "
             "is a broker with replication listening there (its replication.listen)?"
