@@ -20,6 +20,7 @@ import pytest
 import yaml
 from test_blind_pipeline import fleet_in_process
 
+from amqtt_durable.process import port_open
 from conftest import WAIT, Broker, Client, free_port
 from durable_client import (
     ConnectFailed,
@@ -797,6 +798,58 @@ def test_a_bad_broker_yaml_stops_the_fleet_before_it_starts(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_bad_setting_names_a_broker_yaml_whose_name_is_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """fleet.md: a bad broker.yaml stops the run "with ... the file ... named", also when the file's name is a
+    word the setting's message holds ("e" is in "expected"; the file was named only if its path was not)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "e").write_text(
+        "plugins:\n  amqtt_durable.DurableSessionsPlugin:\n    store: ./s\n    max_keepalive: -1\n", encoding="utf-8"
+    )
+    status, err = fleet_in_process(tmp_path, capsys, "-c", "e", "--devices", "2", "--duration", "30s")
+    assert status == 2, err
+    assert "e: amqtt_durable config: 'max_keepalive'" in err, err
+
+
+def test_a_keepalive_equal_to_the_broker_yaml_s_max_keepalive_is_taken(tmp_path: Path) -> None:
+    """fleet.md: `--keepalive` is "at most the `max_keepalive` of `-c`'s broker.yaml when that sets one": equal
+    is allowed, one more is a bad option."""
+    config = tmp_path / "three.yaml"
+    config.write_text(
+        "plugins:\n  amqtt_durable.DurableSessionsPlugin:\n    store: ./s\n    max_keepalive: 3\n", encoding="utf-8"
+    )
+    parser = build_parser()
+    taken = options_from(parser.parse_args(["-c", str(config), "--keepalive", "3", "--faults", ""]), parser)
+    assert taken.keepalive == 3
+    with pytest.raises(SystemExit) as stopped:
+        options_from(parser.parse_args(["-c", str(config), "--keepalive", "4", "--faults", ""]), parser)
+    assert stopped.value.code == 2
+
+
+def test_the_queue_depth_monitor_is_served_by_a_broker_with_a_short_max_keepalive(tmp_path: Path) -> None:
+    """The fleet's report charts the broker's queued messages from a monitor client: with a `max_keepalive`
+    below its 10 s (a run's `--keepalive` within it, as the CLI checks) it was refused with CONNACK 2 at every
+    try and the chart stayed empty."""
+    from durable_fleet.runner import _QueueDepth  # noqa: PLC0415 - the fleet's imports only where used
+
+    broker = Broker(tmp_path, max_keepalive=5, metrics_interval=1)
+    broker.spawn()  # its readiness probe's keep-alive is above 5 s: wait for the listener instead
+    try:
+        assert broker.wait_until(lambda: port_open(broker.port), WAIT), broker.log()
+        depth = _QueueDepth("127.0.0.1", broker.port, 4)
+        got = threading.Event()
+        read = depth.client.on_message
+        depth.client.on_message = lambda *args: (read(*args), got.set())
+        try:
+            assert got.wait(WAIT), broker.log()
+            assert depth.value == 0
+        finally:
+            depth.close()
+    finally:
+        broker.stop()
+
+
 AMQTT = Path(sys.executable).parent / "amqtt"
 
 
@@ -845,9 +898,9 @@ def test_connect_to_a_broker_without_the_plugin_fails_within_its_timeout_and_sto
     ("args", "named"),
     [
         (["--keepalive", "65536"], "--keepalive"),
-        (["--port", "1883", "--host", "bad host"], "--host"),
-        (["--port", "1883", "--host", "127.0.0.1:1883"], "--host"),
-        (["--port", "1883", "--host", ""], "--host"),
+        (["--port", "PORT", "--host", "bad host"], "--host"),
+        (["--port", "PORT", "--host", "127.0.0.1:1883"], "--host"),
+        (["--port", "PORT", "--host", ""], "--host"),
     ],
 )
 def test_a_keepalive_or_host_no_device_can_use_is_a_bad_option(
@@ -857,7 +910,10 @@ def test_a_keepalive_or_host_no_device_can_use_is_a_bad_option(
     targets a running broker instead (`H` a host name or an IP address ...)"; "`--keepalive`, the devices' MQTT
     keep-alive: a whole number of seconds from 1 to 65535" (the SDK refuses a `keepalive` above 65535, sdk.md).
     Before, the run started (a broker, workers) and failed after minutes."""
-    status, err = fleet_in_process(tmp_path, capsys, *args, "--faults", "drop=1", "--duration", "30s")
+    port = str(free_port())  # nothing listens there: a refusal that regressed fails fast, touching no broker
+    status, err = fleet_in_process(
+        tmp_path, capsys, *(port if arg == "PORT" else arg for arg in args), "--faults", "drop=1", "--duration", "30s"
+    )
     assert status == 2, err
     assert named in err.splitlines()[-1], err
     assert not (tmp_path / "out").exists()

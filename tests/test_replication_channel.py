@@ -870,3 +870,32 @@ def test_a_backup_cancelled_during_a_write_gets_a_snapshot_from_a_new_primary_th
         assert content(backup.db) == content(b2.db)
 
     asyncio.run(main())
+
+
+def test_a_first_frame_that_does_not_decode_is_refused_with_what_does_not_decode_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """replication.md: a frame that fails its checksum closes the connection "with a log line naming it"
+    (`refused a connection from ADDRESS:PORT: REASON`): the reason is what does not decode, once, without the
+    `replication:` prefix the line has already and without the backup channel's advice (a stranger is no backup)."""
+    local: list[int] = []
+
+    async def main() -> None:
+        primary = await started_primary(tmp_path / "p")
+        reader, writer = await asyncio.open_connection(HOST, primary.port)
+        local.append(writer.get_extra_info("sockname")[1])
+        damaged = bytearray(encode_frame(Frame.HELLO, b"x"))
+        damaged[-1] ^= 0xFF
+        writer.write(bytes(damaged))
+        await writer.drain()
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""  # closed, nothing answered
+        writer.close()
+        await primary.close()
+
+    with caplog.at_level(logging.WARNING, logger="amqtt_durable.replication"):
+        asyncio.run(main())
+    refusals = [message for message in caplog.messages if "refused a connection" in message]
+    assert refusals == [
+        f"replication: refused a connection from {HOST}:{local[0]}: a frame does not decode (checksum mismatch)"
+    ], refusals

@@ -142,11 +142,12 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if not PREFIX.fullmatch(args.prefix):
         parser.error(f"--prefix {args.prefix!r}: use letters, digits and _ . : - only (it is in topic names)")
     longest = f"{args.prefix}{args.devices - 1:03d}"  # names a delivery log NAME.jsonl and a cpl2 state folder
-    if len(quote(longest, safe="")) > MAX_DEVICE_NAME:
+    counted = len(quote(longest, safe=""))
+    if counted > MAX_DEVICE_NAME:
         parser.error(
-            f"--prefix is too long: device {longest[-20:]!r} ({len(longest)} characters) would name files "
-            f"longer than a file name may be; keep its name within {MAX_DEVICE_NAME} characters, ':' "
-            "counted as 3"
+            f"--prefix is too long for --devices {args.devices}: device {longest[-20:]!r} ({counted} characters, "
+            f"':' counted as 3) would name files longer than a file name may be; keep its name within "
+            f"{MAX_DEVICE_NAME} characters"
         )
     try:
         check_master(args.master)  # the audit's; Spark starts only after the run
@@ -196,7 +197,7 @@ def options_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
         try:
             config = load_broker_config(path)
         except ConfigError as exc:  # a bad setting names its file too (-c defaults to ./broker.yaml)
-            parser.error(str(exc) if path in exc.problem else f"{path}: {exc}")
+            parser.error(str(exc) if f"'{path}'" in exc.problem else f"{path}: {exc}")
         limit = DurableConfig.from_mapping(plugin_section(config)).max_keepalive
         if limit and args.keepalive > limit:
             parser.error(

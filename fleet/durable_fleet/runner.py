@@ -52,6 +52,8 @@ from .worker import BROADCAST_TOPIC, DeviceSpec, PublisherSpec, WorkerSpec, comm
 log = logging.getLogger(__name__)
 
 QUEUED_METRIC = "$SYS/broker/durable/messages/queued"
+MONITOR_KEEPALIVE = 10
+"""Seconds of the queue-depth monitor's keep-alive, unless the devices' is shorter."""
 STALE = ("logs", "state", "store", "workers", "audit", "brokers", "etcd")
 """Sub-folders of ``out`` that a new run replaces, with the files in OWN_FILES."""
 OWN_FILES = ("report.html", "schedule.yaml", "broker.yaml", "broker.log")
@@ -141,15 +143,16 @@ class _Worker(ChildProcess):
 
 
 class _QueueDepth:
-    """The broker's queued-messages metric, from a subscriber straight to the broker (no proxy)."""
+    """The broker's queued-messages metric, from a subscriber straight to the broker (no proxy);
+    its keep-alive at most the devices' (which the CLI keeps within the broker's max_keepalive)."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, keepalive: int) -> None:
         self.value: int | None = None
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fleet-monitor-{os.getpid()}")
         self.client.reconnect_delay_set(1, 1)
         self.client.on_connect = lambda client, *_: client.subscribe(QUEUED_METRIC, 0)
         self.client.on_message = self._on_message
-        self.client.connect_async(host, port, 10)
+        self.client.connect_async(host, port, min(MONITOR_KEEPALIVE, keepalive))
         self.client.loop_start()
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
@@ -488,7 +491,7 @@ class FleetRun:
                 self.publisher_proxy = FaultProxy(self.broker_host, broker_port, upstream=upstream)
                 publish_port = self.publisher_proxy.start()
             self._start_workers(publish_port, proxy_port)
-            depth = _QueueDepth(self.broker_host, publish_port)
+            depth = _QueueDepth(self.broker_host, publish_port, self.o.keepalive)
             self._wait_ready(tail)
             self._publish(tail, depth, drivers, stop, errors)
             self._drain(tail, depth)
