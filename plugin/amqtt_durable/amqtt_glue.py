@@ -294,15 +294,20 @@ _SESSION_INTERNALS = ("_init_states", "_on_enter_connected", "_on_enter_disconne
 
 _ACK_KINDS: dict[int, AckKind] = {PUBACK: "puback", PUBREC: "pubrec", PUBCOMP: "pubcomp"}
 READ_SIZE = 1 << 16
+"""Bytes FastReader asks the socket for at a time."""
 SILENT = "%s: nothing received for 1.5 keep-alive periods: disconnecting"
 """Logged (INFO) when MQTT-3.1.2-24 ends a connection, on either reader loop."""
-"""Bytes FastReader asks the socket for at a time."""
 PINGRESP_PACKET = bytes((PINGRESP << 4, 0))
+"""A PINGRESP, which FastReader writes itself (with the acks) while the write side has room."""
 MAX_UNDER_WAY = 256
 """Packets of one connection the plugin's reader hands to amqtt's handlers (a task each: SUBSCRIBE,
 UNSUBSCRIBE, PUBREL, QoS 2 PUBLISH, a PINGREQ read while the write buffer is full, ...) not yet
 done, or SUBSCRIBEs / UNSUBSCRIBEs waiting for the message loop, at which it reads nothing more
-until half that are (FastReader._room)."""
+while its client reads its answers slower than they are written, until it reads or half that are
+done (FastReader._room)."""
+MAX_UNDER_WAY_READ = 4096
+"""MAX_UNDER_WAY for a client that reads its answers: its PUBACKs of a clean session's retained
+messages, which the message loop waits for, may come behind that many SUBSCRIBEs."""
 PAUSED = "reading from %s paused: %s (it reads the answers slower than it sends what asks for them)%s"
 """Logged (INFO, at most once per ``drop_log_interval`` per connection) as FastReader waits."""
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
@@ -3822,7 +3827,9 @@ class FastReader:
         self._changes: SubscriptionChanges[Any] = handler.durable_changes
         self._paused = LogBudget(engine.config.drop_log_interval)
         self._room_made = asyncio.Event()
-        """Set once at most half ``MAX_UNDER_WAY`` handlers are under way (``_room`` waits for it)."""
+        """Set once at most ``_resume_at`` handlers are under way (``_room`` waits for it)."""
+        self._resume_at = MAX_UNDER_WAY // 2
+        """Half the bound the last pause passed (``_room``)."""
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
         """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2 or 3, busy ACLs).
@@ -3929,27 +3936,51 @@ class FastReader:
                 task.add_done_callback(self._settling.discard)
 
     async def _room(self) -> None:
-        """Waits while ``MAX_UNDER_WAY`` of the connection's packets are being handled (until half
-        that are: a wake-up per task done cost more than the task), or as many SUBSCRIBEs and
-        UNSUBSCRIBEs wait for the message loop (until half that do). Each task (a PINGREQ's or a
-        PUBREL's waits to write its answer while the client reads nothing) and each change holds memory, and
-        a client that sends without reading its answers was read on without end (400,000
-        SUBSCRIBEs in a second: 140 MB). Reading nothing more, the socket fills and the client's
-        sends wait. No handler waits for a packet still to be read: a QoS 2 PUBLISH's ends at
-        its PUBREC, not its PUBREL."""
+        """Waits while ``MAX_UNDER_WAY`` of the connection's packets are being handled or as many
+        SUBSCRIBEs and UNSUBSCRIBEs wait for the message loop and the client reads its answers
+        slower than they are written (``congested``), until it reads (the write side drained) or
+        half that are done (a wake-up per task done cost more than the task); ``MAX_UNDER_WAY_READ``
+        of them whatever the client reads, until half that are. Each task (a PINGREQ's or a
+        PUBREL's waits to write its answer while the client reads nothing) and each change holds
+        memory, and a client that sends without reading its answers was read on without end
+        (400,000 SUBSCRIBEs in a second: 140 MB); reading nothing more, the socket fills and the
+        client's sends wait. The bound is far higher for a client that reads because on a clean
+        session the message loop applies a SUBSCRIBE only once the retained QoS 1 messages it
+        brings are acknowledged (or 5 s on), and the client's PUBACKs are behind its later
+        SUBSCRIBEs in the stream: 300 pipelined got 18 SUBACKs in 85 s at a bound of 256."""
+        congested = self._transport.congested
+        bound = MAX_UNDER_WAY if congested else MAX_UNDER_WAY_READ
         tasks, changes = len(self._running), len(self._changes)
-        if tasks < MAX_UNDER_WAY and changes < MAX_UNDER_WAY:
+        if tasks < bound and changes < bound:
             return
         self._log_pause(f"{tasks} of its packets are being handled, {changes} SUBSCRIBE/UNSUBSCRIBE(s) wait")
-        if tasks >= MAX_UNDER_WAY:
+        self._resume_at = bound // 2
+        waits = [asyncio.ensure_future(self._fewer_under_way())]
+        if congested:
+            waits.append(asyncio.ensure_future(self._drained()))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    async def _fewer_under_way(self) -> None:
+        """At most ``_resume_at`` handlers under way and fewer changes waiting (``_room``)."""
+        if len(self._running) > self._resume_at:
             self._room_made.clear()
             await self._room_made.wait()
-        await self._changes.fewer_than(MAX_UNDER_WAY // 2)
+        await self._changes.fewer_than(self._resume_at)
+
+    async def _drained(self) -> None:
+        """The client read what was unsent past its write buffer's low-water mark (or the connection
+        ended: the reader then reads its EOF)."""
+        with contextlib.suppress(OSError):  # ConnectionError, TimeoutError, EHOSTUNREACH...
+            await self._transport.drain()
 
     def _handled(self, task: asyncio.Task[None]) -> None:
-        """A handler is done: at half ``MAX_UNDER_WAY`` under way, ``_room`` lets the reader on."""
+        """A handler is done: at ``_resume_at`` under way, ``_room`` lets the reader on."""
         self._running.discard(task)
-        if len(self._running) <= MAX_UNDER_WAY // 2:
+        if len(self._running) <= self._resume_at:
             self._room_made.set()
 
     def _watch_silence(self) -> SilenceWatch | None:
