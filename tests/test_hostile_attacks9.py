@@ -325,11 +325,12 @@ FLOODS = {
 """Per packet pipelined: the i-th packet, the first byte of its answer, how many at most. Before the
 bound the broker read them all as fast as they came (1.5 million PINGREQs in a second grew it by
 over 150 MB and it answered no CONNECT for over a minute; 400,000 SUBSCRIBEs: 140 MB, 44 s); now
-it reads until MAX_UNDER_WAY of them are being handled (a PINGREQ: until the broker holds more
-unsent for the client than its write buffer limit), and the sends stop once the sockets' buffers
-are full. A SUBSCRIBE costs the broker far more than a PINGREQ: 20,000 are answered in seconds."""
-STALLED_S = 1.0
-"""The flood stops once the socket took nothing for this long (the broker reads no more)."""
+it reads until MAX_UNDER_WAY of them are being handled while the broker holds more unsent for the
+client than its write buffer limit (MAX_UNDER_WAY_READ of them whatever it holds), and the sends
+stop once the sockets' buffers are full. A SUBSCRIBE costs the broker far more than a PINGREQ:
+20,000 are answered in seconds."""
+POLL_S = 0.1
+"""How long the flood waits for room in its socket before it looks at the broker's log again."""
 GROWTH_KB = 60_000
 """A wide bound on the broker's growth through the flood (before: over 150 MB; now: a few MB)."""
 
@@ -338,16 +339,23 @@ def pause_logged(broker: Broker, client_id: str) -> bool:
     return f"reading from {client_id} paused: " in broker.log()
 
 
-def flood(sock: socket.socket, packet: Callable[[int], bytes], most: int) -> tuple[int, bytes]:
-    """Sends packets without reading any answer until the socket takes nothing for STALLED_S or
-    ``most`` were sent; returns how many whole packets went and the unsent rest of the last."""
+def flood(
+    sock: socket.socket, packet: Callable[[int], bytes], most: int, paused: Callable[[], bool]
+) -> tuple[int, bytes]:
+    """Sends packets without reading any answer until the socket takes no more once ``paused()``
+    (the broker's reader logged its pause), or ``most`` were sent; returns how many whole packets
+    went and the unsent rest of the last."""
     size = len(packet(0))
     chunk = b"".join(packet(i) for i in range(1000))
     assert len(chunk) == 1000 * size
     sent = 0
     deadline = time.monotonic() + 2 * WAIT
     with select_poll(sock, select.POLLOUT) as writable:
-        while sent < most * size and time.monotonic() < deadline and writable(STALLED_S):
+        while sent < most * size and time.monotonic() < deadline:
+            if not writable(POLL_S):  # full: the broker reads no more, or not yet
+                if paused():
+                    break
+                continue
             offset = sent % len(chunk)
             sent += sock.send(chunk[offset : offset + most * size - sent])
     whole, part = divmod(sent, size)
@@ -373,7 +381,9 @@ def count_answers(sock: socket.socket, first: int, count: int) -> Counter[int]:
     seen: Counter[int] = Counter()
     buffer = b""
     while seen[first] < count:  # bounded by the deadline
-        buffer += read_exactly(sock, 1, deadline) + sock.recv(1 << 20)
+        buffer += read_exactly(sock, 1, deadline)
+        if select.select([sock], [], [], 0)[0]:  # not when the byte came alone: recv would wait
+            buffer += sock.recv(1 << 20)
         at = 0
         while at + 2 <= len(buffer) and at + 2 + buffer[at + 1] <= len(buffer):
             seen[buffer[at]] += 1
@@ -401,7 +411,7 @@ def test_pipelined_packets_whose_answers_are_never_read_pause_the_reader_and_oth
     attacker.connect((HOST, broker.port))
     attacker.sendall(connect_packet("flooder"))
     assert read_exactly(attacker, 4) == CONNACK_ACCEPTED
-    sent, rest = flood(attacker, packet, most)
+    sent, rest = flood(attacker, packet, most, lambda: pause_logged(broker, "flooder"))
     assert wait_until(lambda: pause_logged(broker, "flooder"), WAIT), broker.log()[-3000:]
     assert connack_within(broker.port, WAIT), "a new client was not served during the flood"
     assert memory_kb(broker.proc.pid, "VmRSS") - before < GROWTH_KB
@@ -415,6 +425,28 @@ def test_pipelined_packets_whose_answers_are_never_read_pause_the_reader_and_oth
     attacker.sendall(PINGREQ)
     answers.update(count_answers(attacker, 0xD0, 1))
     assert answers[answer] == sent + (kind == "PINGREQ"), (answers, sent)
+    assert "Traceback" not in broker.log()
+
+
+def test_a_paused_connection_whose_client_reads_nothing_for_its_keep_alive_is_ended(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """MQTT-3.1.2-24 while the reader waits: it does not read, so it cannot see a half-open client's
+    silence, but a client that reads none of its answers for 1.5 keep-alive periods while the reader
+    waits for it is disconnected (INFO naming it), as a silent one would be (before: open for ever)."""
+    broker = broker_factory(drop_log_interval=3600)
+    attacker = socket.socket()
+    attacker.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    attacker.settimeout(WAIT)
+    attacker.connect((HOST, broker.port))
+    attacker.sendall(connect_packet("half-open", keepalive=4))  # the flood stops at the pause
+    assert read_exactly(attacker, 4) == CONNACK_ACCEPTED
+    flood(attacker, lambda i: PINGREQ, 3_000_000, lambda: pause_logged(broker, "half-open"))
+    assert wait_until(lambda: pause_logged(broker, "half-open"), WAIT), broker.log()[-3000:]
+    unread = "half-open: none of its answers read for 1.5 keep-alive periods while its reader waits for it"
+    assert wait_until(lambda: unread in broker.log(), WAIT), broker.log()[-3000:]
+    assert read_until_closed(attacker, WAIT) is not None, "the connection is still open"
+    assert connack_within(broker.port, WAIT)
     assert "Traceback" not in broker.log()
 
 

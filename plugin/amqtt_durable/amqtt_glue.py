@@ -83,7 +83,7 @@ instance the plugin is loaded into and on each connection's handler:
   (amqtt emptied the queue), before what the new connection publishes (``PublishedMessages.follow``);
 * ``ProtocolHandler._reader_loop`` (per TCP connection): a reader that handles QoS 0/1
   PUBLISH, acks and PINGREQ inline instead of amqtt's task per packet, and reads nothing more
-  while the answers the client has not read pass a bound (see ``FastReader``);
+  while the requests under way pass a bound (see ``FastReader``);
 * ``BrokerProtocolHandler.handle_subscribe`` / ``handle_unsubscribe`` /
   ``get_next_pending_subscription`` / ``get_next_pending_unsubscription`` (per connection), with
   ``wait_disconnect`` and ``stop``: a connection's SUBSCRIBEs and UNSUBSCRIBEs share one queue
@@ -308,7 +308,9 @@ done (FastReader._room)."""
 MAX_UNDER_WAY_READ = 4096
 """MAX_UNDER_WAY for a client that reads its answers: its PUBACKs of a clean session's retained
 messages, which the message loop waits for, may come behind that many SUBSCRIBEs."""
-PAUSED = "reading from %s paused: %s (it reads the answers slower than it sends what asks for them)%s"
+UNREAD = "%s: none of its answers read for 1.5 keep-alive periods while its reader waits for it: disconnecting"
+"""Logged (INFO) when FastReader._room ends a connection (the will is published)."""
+PAUSED = "reading from %s paused: %s%s"
 """Logged (INFO, at most once per ``drop_log_interval`` per connection) as FastReader waits."""
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
 """Packet types whose handling a connection's end waits for (FastReader.run): they need nothing more
@@ -3792,6 +3794,14 @@ async def _read_some(stream: asyncio.StreamReader, idle: float | None) -> bytes 
         return None
 
 
+def _cancelled_by_the_end(task: asyncio.Task[None]) -> None:
+    """A handler cancelled at its connection's end (FastReader.run): amqtt turns the cancel of one
+    waiting to write (a PINGREQ's read while the client read nothing) into ProtocolHandlerError,
+    which is no failure here and was logged as a task exception never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 class FastReader:
     """A reader loop for TCP connections that handles the message path without a task per packet.
 
@@ -3800,11 +3810,12 @@ class FastReader:
     PINGREQ are handled inline (a QoS 1 one goes amqtt's way while a QoS 2 one is being routed), everything
     else is decoded by amqtt's packet classes and dispatched as amqtt does, but at EOF the handlers
     of SUBSCRIBE, UNSUBSCRIBE and DISCONNECT under way are waited for (``_settling``), not
-    cancelled. It reads nothing more while the answers its client has not read pass a bound
-    (``_room``): a PINGREQ is answered inline only while the broker holds no more unsent for the
-    client than its socket's write buffer limit, else by amqtt's task, which waits to write. It
-    steps aside (runs amqtt's loop) for non-TCP connections and when plugins listen to raw
-    packets or filter topics, which the inline path would skip.
+    cancelled. It reads nothing more while the requests under way pass a bound, lower while its
+    client reads its answers slower than they are written (``_room``): a PINGREQ is answered
+    inline only while the broker holds no more unsent for the client than its socket's write
+    buffer limit, else by amqtt's task, which waits to write. It steps aside (runs amqtt's loop)
+    for non-TCP connections and when plugins listen to raw packets or filter topics, which the
+    inline path would skip.
     """
 
     def __init__(self, broker: Any, engine: DurableEngine, handler: Any, session: Any) -> None:
@@ -3928,6 +3939,8 @@ class FastReader:
         method = _HANDLERS.get(packet_type)
         if method is not None:
             await self._room()
+            if handler.durable_ended:
+                return  # ended while the reader waited (UNREAD)
             task = asyncio.create_task(getattr(handler, method)(packet))
             self._running.add(task)
             task.add_done_callback(self._handled)
@@ -3944,7 +3957,9 @@ class FastReader:
         PUBREL's waits to write its answer while the client reads nothing) and each change holds
         memory, and a client that sends without reading its answers was read on without end
         (400,000 SUBSCRIBEs in a second: 140 MB); reading nothing more, the socket fills and the
-        client's sends wait. The bound is far higher for a client that reads because on a clean
+        client's sends wait. A connection paused so while its client reads nothing for 1.5
+        keep-alive periods is ended (UNREAD): a half-open one sends nothing either, but its reader
+        would not see it. The bound is far higher for a client that reads because on a clean
         session the message loop applies a SUBSCRIBE only once the retained QoS 1 messages it
         brings are acknowledged (or 5 s on), and the client's PUBACKs are behind its later
         SUBSCRIBEs in the stream: 300 pipelined got 18 SUBACKs in 85 s at a bound of 256."""
@@ -3953,16 +3968,22 @@ class FastReader:
         tasks, changes = len(self._running), len(self._changes)
         if tasks < bound and changes < bound:
             return
-        self._log_pause(f"{tasks} of its packets are being handled, {changes} SUBSCRIBE/UNSUBSCRIBE(s) wait")
+        why = "it reads its answers slower than they are written" if congested else "whatever it reads"
+        self._log_pause(f"{tasks} of its packets are being handled, {changes} SUBSCRIBE/UNSUBSCRIBE(s) wait ({why})")
         self._resume_at = bound // 2
         waits = [asyncio.ensure_future(self._fewer_under_way())]
+        keepalive = None
         if congested:
             waits.append(asyncio.ensure_future(self._drained()))
+            keepalive = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waits, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for wait in waits:
                 wait.cancel()
+        if not done:  # MQTT-3.1.2-24 could not see the silence of a half-open client: the reader waited
+            log.info(UNREAD, self._session.client_id)
+            await end_connection(self._handler)
 
     async def _fewer_under_way(self) -> None:
         """At most ``_resume_at`` handlers under way and fewer changes waiting (``_room``)."""
@@ -4084,6 +4105,7 @@ class FastReader:
                 await asyncio.wait(list(self._settling), timeout=CLOSE_GRACE)
         for task in list(running):
             task.cancel()
+            task.add_done_callback(_cancelled_by_the_end)
         await handler.handle_connection_closed()
         handler._reader_stopped.set()
         await handler.stop()
