@@ -443,11 +443,66 @@ def test_a_paused_connection_whose_client_reads_nothing_for_its_keep_alive_is_en
     assert read_exactly(attacker, 4) == CONNACK_ACCEPTED
     flood(attacker, lambda i: PINGREQ, 3_000_000, lambda: pause_logged(broker, "half-open"))
     assert wait_until(lambda: pause_logged(broker, "half-open"), WAIT), broker.log()[-3000:]
-    unread = "half-open: none of its answers read for 1.5 keep-alive periods while its reader waits for it"
+    unread = "half-open: no answer read, no packet handled, no SUBSCRIBE/UNSUBSCRIBE applied for 1.5 keep-alive periods"
     # each pause waits 1.5 keep-alive periods anew: while the kernel still takes a little, there are several
     assert wait_until(lambda: unread in broker.log(), 2 * WAIT), broker.log()[-3000:]
     assert read_until_closed(attacker, WAIT) is not None, "the connection is still open"
     assert connack_within(broker.port, WAIT)
+    assert "Traceback" not in broker.log()
+
+
+SLOW_READ = 400
+"""Bytes the slow reader takes every 10 ms (40 KB/s: a slow link)."""
+
+
+def test_a_paused_connection_whose_client_reads_slowly_but_steadily_is_not_ended(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """A durable client on a slow link re-subscribes 300 times on reconnect while its backlog of 60 KB
+    messages is replayed: its reader pauses (its answers come slower than they are written), but it
+    reads and acks all the while, so it is not ended after 1.5 keep-alive periods (before: ended at
+    3 s, as progress was taken for none while the kernel's send queue, not asyncio's, emptied)."""
+    broker = broker_factory(drop_log_interval=3600)
+    sub = clients(broker.port, "slow", clean_session=False)
+    sub.subscribe("b/#", 1)
+    sub.paho.disconnect()
+    sub.paho.loop_stop()
+    clients(broker.port, "pub", clean_session=True).publish("b/x", [bytes(61440)] * 300, qos=1)
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+    reader.connect((HOST, broker.port))
+    reader.sendall(connect_packet("slow", clean=False, keepalive=2))
+    reader.sendall(
+        b"".join(mqtt_packet(0x82, (i + 1).to_bytes(2, "big") + mqtt_string(f"s/{i}") + b"\x01") for i in range(300))
+    )
+    reader.settimeout(0.01)
+    buf, got, end, watched_until, pinged = b"", 0, "", None, time.monotonic()
+    deadline = time.monotonic() + 4 * WAIT
+    while time.monotonic() < deadline and (watched_until is None or time.monotonic() < watched_until):
+        if watched_until is None and pause_logged(broker, "slow"):
+            watched_until = time.monotonic() + 9  # three times 1.5 keep-alive periods
+        with contextlib.suppress(TimeoutError):
+            chunk = reader.recv(SLOW_READ)
+            if not chunk:
+                end = "EOF"
+                break
+            buf, got = buf + chunk, got + len(chunk)
+        while len(buf) > 5 and buf[0] >> 4 == 3:  # every answer to come first is a QoS 1 PUBLISH
+            length, shift, i = 0, 0, 1
+            while buf[i] & 0x80 and i < 4:
+                length, shift, i = length | (buf[i] & 0x7F) << shift, shift + 7, i + 1
+            length |= (buf[i] & 0x7F) << shift
+            if len(buf) < i + 1 + length:
+                break
+            body, buf = buf[i + 1 : i + 1 + length], buf[i + 1 + length :]
+            topic_len = int.from_bytes(body[:2], "big")
+            reader.sendall(b"\x40\x02" + body[2 + topic_len : 4 + topic_len])  # its PUBACK
+        if time.monotonic() - pinged >= 1:  # its keep-alive
+            reader.sendall(PINGREQ)
+            pinged = time.monotonic()
+        time.sleep(0.01)  # pacing the slow link, not synchronisation
+    assert watched_until is not None and not end, (end, got, broker.log()[-3000:])
+    assert ": no answer read, no packet handled" not in broker.log()
     assert "Traceback" not in broker.log()
 
 

@@ -134,14 +134,17 @@ instance the plugin is loaded into and on each connection's handler:
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import fcntl
 import json
 import logging
 import math
 import ssl
+import termios
 import time
 from collections import UserDict, deque
 from collections.abc import Awaitable, Callable, Coroutine
@@ -155,7 +158,7 @@ from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapte
 from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
 from amqtt.contexts import Action, ListenerType
-from amqtt.errors import AMQTTError, BrokerError, MQTTError, NoDataError, ZeroLengthReadError
+from amqtt.errors import AMQTTError, BrokerError, MQTTError, NoDataError, ProtocolHandlerError, ZeroLengthReadError
 from amqtt.events import BrokerEvents, MQTTEvents
 from amqtt.mqtt import packet_class
 from amqtt.mqtt import subscribe as amqtt_subscribe
@@ -308,8 +311,13 @@ done (FastReader._room)."""
 MAX_UNDER_WAY_READ = 4096
 """MAX_UNDER_WAY for a client that reads its answers: its PUBACKs of a clean session's retained
 messages, which the message loop waits for, may come behind that many SUBSCRIBEs."""
-UNREAD = "%s: none of its answers read for 1.5 keep-alive periods while its reader waits for it: disconnecting"
+UNREAD = (
+    "%s: no answer read, no packet handled, no SUBSCRIBE/UNSUBSCRIBE applied for 1.5 keep-alive periods"
+    " while its reader waits for it: disconnecting"
+)
 """Logged (INFO) when FastReader._room ends a connection (the will is published)."""
+PROGRESS_CHECKS = 8
+"""Times in each 1.5 keep-alive periods a paused reader looks whether its connection got on (``_room``)."""
 PAUSED = "reading from %s paused: %s%s"
 """Logged (INFO, at most once per ``drop_log_interval`` per connection) as FastReader waits."""
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
@@ -1183,6 +1191,22 @@ class HandlerTransport:
     def unsent(self) -> bool:
         """Bytes written here wait for this loop pass's end to go to the socket."""
         return bool(self._pending)
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes written to the client it has not acknowledged (fewer once it reads some:
+        FastReader._room): here, in asyncio's buffer and in the kernel's send queue (TIOCOUTQ),
+        which can hold megabytes and takes no more from asyncio until a third of it is free."""
+        writer = self._handler.writer
+        if not isinstance(writer, StreamWriterAdapter):
+            return self._pending_bytes + len(self._tasks)
+        transport = writer._writer.transport
+        sock = transport.get_extra_info("socket")
+        queued = array.array("i", [0])
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):  # closed, or a platform without TIOCOUTQ
+                fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)
+        return self._pending_bytes + int(transport.get_write_buffer_size()) + queued[0]
 
     @property
     def congested(self) -> bool:
@@ -3794,12 +3818,16 @@ async def _read_some(stream: asyncio.StreamReader, idle: float | None) -> bytes 
         return None
 
 
-def _cancelled_by_the_end(task: asyncio.Task[None]) -> None:
+def _cancelled_by_the_end(client_id: str, task: asyncio.Task[None]) -> None:
     """A handler cancelled at its connection's end (FastReader.run): amqtt turns the cancel of one
     waiting to write (a PINGREQ's read while the client read nothing) into ProtocolHandlerError,
-    which is no failure here and was logged as a task exception never retrieved."""
-    if not task.cancelled():
-        task.exception()
+    which is no failure here and was logged as a task exception never retrieved; any other error
+    is logged."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, ProtocolHandlerError):
+        log.warning("%s: a handler cancelled at the connection's end failed: %r", client_id, exc)
 
 
 class FastReader:
@@ -3841,6 +3869,8 @@ class FastReader:
         """Set once at most ``_resume_at`` handlers are under way (``_room`` waits for it)."""
         self._resume_at = MAX_UNDER_WAY // 2
         """Half the bound the last pause passed (``_room``)."""
+        self._handlers_done = 0
+        """Handlers done so far: one done is progress for a paused connection (``_progress``)."""
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
         """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2 or 3, busy ACLs).
@@ -3957,9 +3987,9 @@ class FastReader:
         PUBREL's waits to write its answer while the client reads nothing) and each change holds
         memory, and a client that sends without reading its answers was read on without end
         (400,000 SUBSCRIBEs in a second: 140 MB); reading nothing more, the socket fills and the
-        client's sends wait. A connection paused so while its client reads nothing for 1.5
-        keep-alive periods is ended (UNREAD): a half-open one sends nothing either, but its reader
-        would not see it. The bound is far higher for a client that reads because on a clean
+        client's sends wait. A connection paused so that gets nowhere for 1.5 keep-alive periods
+        (``_waited_with_progress``) is ended (UNREAD): a half-open one sends nothing either, but
+        its reader would not see it. The bound is far higher for a client that reads because on a clean
         session the message loop applies a SUBSCRIBE only once the retained QoS 1 messages it
         brings are acknowledged (or 5 s on), and the client's PUBACKs are behind its later
         SUBSCRIBEs in the stream: 300 pipelined got 18 SUBACKs in 85 s at a bound of 256."""
@@ -3972,18 +4002,44 @@ class FastReader:
         self._log_pause(f"{tasks} of its packets are being handled, {changes} SUBSCRIBE/UNSUBSCRIBE(s) wait ({why})")
         self._resume_at = bound // 2
         waits = [asyncio.ensure_future(self._fewer_under_way())]
-        keepalive = None
+        limit = None
         if congested:
             waits.append(asyncio.ensure_future(self._drained()))
-            keepalive = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None
+            limit = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None
         try:
-            done, _ = await asyncio.wait(waits, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED)
+            if not await self._waited_with_progress(waits, limit):
+                # MQTT-3.1.2-24 could not see the silence of a half-open client: the reader waited
+                log.info(UNREAD, self._session.client_id)
+                await end_connection(self._handler)
         finally:
             for wait in waits:
                 wait.cancel()
-        if not done:  # MQTT-3.1.2-24 could not see the silence of a half-open client: the reader waited
-            log.info(UNREAD, self._session.client_id)
-            await end_connection(self._handler)
+
+    def _progress(self) -> tuple[int, int, int]:
+        """What moves while a paused connection gets on: unsent bytes (fewer once its client
+        reads some), handlers done, changes waiting (fewer once the message loop applies some)."""
+        return self._transport.unsent_bytes, self._handlers_done, len(self._changes)
+
+    async def _waited_with_progress(self, waits: list[asyncio.Task[None]], limit: float | None) -> bool:
+        """Waits for the first of ``waits``; False once nothing got on (``_progress``: fewer bytes
+        unsent, a handler done, fewer changes waiting) for ``limit`` seconds, looked at
+        ``PROGRESS_CHECKS`` times in each: a client reading slowly but steadily is not ended."""
+        if limit is None:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        last = self._progress()
+        while True:
+            done, _ = await asyncio.wait(waits, timeout=limit / PROGRESS_CHECKS, return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                return True
+            now = self._progress()
+            if now[0] < last[0] or now[1] > last[1] or now[2] < last[2]:
+                deadline = loop.time() + limit
+            elif loop.time() >= deadline:
+                return False
+            last = now
 
     async def _fewer_under_way(self) -> None:
         """At most ``_resume_at`` handlers under way and fewer changes waiting (``_room``)."""
@@ -4001,6 +4057,7 @@ class FastReader:
     def _handled(self, task: asyncio.Task[None]) -> None:
         """A handler is done: at ``_resume_at`` under way, ``_room`` lets the reader on."""
         self._running.discard(task)
+        self._handlers_done += 1
         if len(self._running) <= self._resume_at:
             self._room_made.set()
 
@@ -4105,7 +4162,7 @@ class FastReader:
                 await asyncio.wait(list(self._settling), timeout=CLOSE_GRACE)
         for task in list(running):
             task.cancel()
-            task.add_done_callback(_cancelled_by_the_end)
+            task.add_done_callback(partial(_cancelled_by_the_end, self._session.client_id))
         await handler.handle_connection_closed()
         handler._reader_stopped.set()
         await handler.stop()
