@@ -451,6 +451,39 @@ def test_a_paused_connection_whose_client_reads_nothing_for_its_keep_alive_is_en
     assert "Traceback" not in broker.log()
 
 
+HALF_OPEN_SUBSCRIBES = 4200
+
+
+def test_a_connection_paused_at_the_higher_bound_that_gets_nowhere_for_its_keep_alive_is_ended(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """The 4,096 bound (its client's socket not full: 4 KB retained messages, one per SUBSCRIBE)
+    with the client gone half-open: nothing it sends or reads moves, so after 1.5 keep-alive
+    periods it is ended as a congested one would be (before: that pause had no keep-alive limit)."""
+    broker = broker_factory(drop_log_interval=3600)
+    pub = clients(broker.port, "pub", clean_session=True)
+    for i in range(0, HALF_OPEN_SUBSCRIBES, 500):
+        for j in range(i, min(HALF_OPEN_SUBSCRIBES, i + 500)):
+            pub.paho.publish(f"r/{j}", bytes(4096), qos=1, retain=True)
+        pub.publish("sync", [b"x"], qos=1)
+    attacker = socket.socket()
+    attacker.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    attacker.settimeout(WAIT)
+    attacker.connect((HOST, broker.port))
+    attacker.sendall(connect_packet("half-open-4096", keepalive=2))
+    assert read_exactly(attacker, 4) == CONNACK_ACCEPTED
+    attacker.sendall(
+        b"".join(
+            mqtt_packet(0x82, (i + 1).to_bytes(2, "big") + mqtt_string(f"r/{i}") + b"\x00")
+            for i in range(HALF_OPEN_SUBSCRIBES)
+        )
+    )
+    assert wait_until(lambda: pause_logged(broker, "half-open-4096"), WAIT), broker.log()[-3000:]
+    unread = "half-open-4096: no answer read, no packet handled, no SUBSCRIBE/UNSUBSCRIBE applied"
+    assert wait_until(lambda: unread in broker.log(), WAIT), broker.log()[-3000:]
+    assert "Traceback" not in broker.log()
+
+
 SLOW_READ = 400
 """Bytes the slow reader takes every 10 ms (40 KB/s: a slow link)."""
 

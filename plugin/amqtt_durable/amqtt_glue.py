@@ -3987,7 +3987,7 @@ class FastReader:
         PUBREL's waits to write its answer while the client reads nothing) and each change holds
         memory, and a client that sends without reading its answers was read on without end
         (400,000 SUBSCRIBEs in a second: 140 MB); reading nothing more, the socket fills and the
-        client's sends wait. A connection paused so that gets nowhere for 1.5 keep-alive periods
+        client's sends wait. A connection paused (at either bound) that gets nowhere for 1.5 keep-alive periods
         (``_waited_with_progress``) is ended (UNREAD): a half-open one sends nothing either, but
         its reader would not see it. The bound is far higher for a client that reads because on a clean
         session the message loop applies a SUBSCRIBE only once the retained QoS 1 messages it
@@ -4002,10 +4002,9 @@ class FastReader:
         self._log_pause(f"{tasks} of its packets are being handled, {changes} SUBSCRIBE/UNSUBSCRIBE(s) wait ({why})")
         self._resume_at = bound // 2
         waits = [asyncio.ensure_future(self._fewer_under_way())]
-        limit = None
         if congested:
             waits.append(asyncio.ensure_future(self._drained()))
-            limit = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None
+        limit = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None
         try:
             if not await self._waited_with_progress(waits, limit):
                 # MQTT-3.1.2-24 could not see the silence of a half-open client: the reader waited
