@@ -41,8 +41,11 @@ run: $(STAMP)
 # CLI and example as a Python process of its own, and where it is set (some CI images set it) each of those
 # compiled amqtt_durable from source again and each worker rewrote every test module's asserts again
 # (side by side on two cores: 179 s without the cache, 142 s with it, from a tree without __pycache__).
+# --dist worksteal: a worker that runs out of tests takes some of another's queue. With xdist's default
+# (load) the tests handed out last stayed with their worker: in a timed run the other two workers stood
+# idle for the last 264 s of 1,827 while the first still worked through Spark audits queued to it.
 TEST_WORKERS ?= 3
-PYTEST := PYTHONDONTWRITEBYTECODE= $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
+PYTEST := PYTHONDONTWRITEBYTECODE= $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # The whole suite names its 30 slowest tests at the end, so a run shows where its time goes.
 test: $(STAMP)

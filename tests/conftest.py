@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -28,8 +29,9 @@ from durable_client.persistence import SessionState
 pytest_plugins = ["etcd_fixture", "packet_relay"]
 
 WAIT = 15.0
-SPARK_JIT = "-XX:TieredStopAtLevel=1"
-"""The JVM option the suite's Spark JVMs run with (pytest_configure): C1, the JIT's quick tier, only."""
+SPARK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+"""The JVM options the suite's Spark JVMs run with (pytest_configure): C1, the JIT's quick tier, only; the
+serial garbage collector."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -44,9 +46,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # Every Spark JVM of the suite (the `spark` fixture's, and those of the demo, the fleet and the docs'
     # examples started as child processes, which inherit this) compiles with the JIT's first tier only: a
     # JVM that lives for seconds to minutes on kilobytes of data spent more CPU compiling with C2 than running
-    # (the demo test: 87 s of CPU, 66 s with this). The JIT tier changes no result. Set only when the caller
-    # set no submit arguments of their own.
-    os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-java-options {SPARK_JIT} pyspark-shell")
+    # (the demo test: 87 s of CPU, 66 s with this). Its small heap is collected by the serial collector:
+    # G1's concurrent threads and barriers cost more CPU than they save (a session's start and six audits:
+    # 57 s of CPU, was 63 s, less in four of four side-by-side pairs). Neither changes a result. Set only when the
+    # caller set no submit arguments of their own (pyspark splits them as a shell does).
+    os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-java-options {shlex.quote(SPARK_JVM)} pyspark-shell")
 
 
 SPARK_TIMEOUT = 300

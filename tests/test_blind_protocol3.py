@@ -724,6 +724,44 @@ def test_a_window_of_1000_sends_that_many_without_an_ack(
     assert [e[1] for e in raw.stream_events(topic, 5)] == [1, 2, 3, 4, 5]
 
 
+def test_a_topic_two_stream_filters_of_a_connection_match_takes_the_window_of_the_one_subscribed_first(
+    shared: Broker, raws: Callable[..., Raw], clients: Callable[..., Client]
+) -> None:
+    """streams.md: a topic that two stream subscriptions of one connection match has one cursor, with
+    the `window` of the filter that connection subscribed first, whichever filter is the wider, for a
+    log open at the subscribe as for one that appears later; the second subscribe changes it neither
+    at once nor at the next ack."""
+    for name, first, second, topic, late, sent_at_once in (
+        (
+            "wide-first",
+            ("telemetry/b3/ovw/#", 1),
+            ("telemetry/b3/ovw/+", 3),
+            "telemetry/b3/ovw/a",
+            "telemetry/b3/ovw/b",
+            1,
+        ),
+        ("narrow-first", ("telemetry/b3/ovn/a", 3), ("telemetry/b3/ovn/#", 1), "telemetry/b3/ovn/a", None, 3),
+    ):
+        publish_logged(shared.port, topic, [b"e1", b"e2", b"e3", b"e4", b"e5"], clients, f"b3-{name}-pub")
+        raw = raws(shared.port, f"b3-{name}", clean=True)
+        for req, (topic_filter, window) in enumerate((first, second), 1):
+            assert raw.request(
+                {"v": 1, "op": "stream_subscribe", "req": req, "filter": topic_filter, "window": window}
+            )["ok"]
+        assert [event[1] for event in raw.stream_events(topic, sent_at_once)] == list(range(1, sent_at_once + 1))
+        assert raw.request({"v": 1, "op": "stream_info", "req": 3, "filter": topic})["ok"]
+        assert raw.kept_stream_events(topic) == [], f"{name}: more than the first filter's window in flight"
+        raw.send({"v": 1, "op": "stream_ack", "topic": topic, "id": 1})  # one slot frees: one more event
+        assert [event[1] for event in raw.stream_events(topic, 1)] == [sent_at_once + 1]
+        assert raw.request({"v": 1, "op": "stream_info", "req": 5, "filter": topic})["ok"]
+        assert raw.kept_stream_events(topic) == [], f"{name}: the window changed with the second subscribe"
+        if late is not None:  # a log that appears after both subscribes: the first filter's window too
+            publish_logged(shared.port, late, [b"l1", b"l2", b"l3"], clients, f"b3-{name}-late")
+            assert [event[1] for event in raw.stream_events(late, 1)] == [1]
+            assert raw.request({"v": 1, "op": "stream_info", "req": 4, "filter": late})["ok"]
+            assert raw.kept_stream_events(late) == [], f"{name}: a late log took the second filter's window"
+
+
 # ------------------------------------------------------------------------------ sdk: streams
 
 

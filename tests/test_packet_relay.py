@@ -3,19 +3,23 @@ listener standing in for the broker (the test reads what reaches it, or reads no
 thread's failure reaches wait_seen() at once and close() before its thread check, sends, release()s
 and a whole packet's read are bounded (a release() that times out fails the relay), a rewrite may
 release(), a hanging connect to the broker holds up no waiter, a client whose broker connect was
-under way at a cut() is dropped, and the ``relays`` fixture closes every relay even after one raised.
+under way at a cut() is dropped, a cut() leaves its links' descriptors to the pumps until they end,
+and the ``relays`` fixture closes every relay even after one raised.
 Every relay and socket is closed at the test's end, even when it fails (fixtures)."""
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import raw_mqtt_helpers
 from packet_relay import Packet, PacketRelay, close_all
 from raw_mqtt_helpers import connect_packet, read_packet
 
@@ -294,3 +298,55 @@ def test_a_client_whose_broker_connect_was_under_way_at_a_cut_is_dropped(
     broker_side.settimeout(WAIT)
     assert client.recv(1) == b"", "the client accepted before the cut was linked"
     assert broker_side.recv(1) == b""
+
+
+FD_GRABS = 8
+"""Socket pairs opened right after a cut(): had it closed the link's sockets, their freed descriptor
+numbers go to these (Linux hands out the lowest free one), idle for the whole test."""
+
+
+def test_a_cut_leaves_the_link_s_descriptors_open_until_its_pumps_have_ended(
+    upstream: socket.socket,
+    sockets: list[socket.socket],
+    relays: Callable[..., PacketRelay],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pump reads a packet's rest with poll() on its socket's descriptor number, taken just before.
+    A cut() between the two that closed the socket (not only shut it down) let that number go to
+    another, idle socket: the pump polled that one until the relay's ``wait`` (the 14.7 s close() of
+    three SDK tests). Here the up pump is held between the two (a poll object that waits for the test
+    at register()) while the cut happens and new sockets are opened: it must end at once after."""
+    at_register, go_on = threading.Event(), threading.Event()
+
+    class HeldPoll:
+        """select.poll() whose first register() in the up pump waits for the test."""
+
+        def __init__(self) -> None:
+            self._poll = select.poll()
+
+        def register(self, fd: int, mask: int) -> None:
+            if threading.current_thread().name == "packet-relay-up" and not at_register.is_set():
+                at_register.set()
+                assert go_on.wait(WAIT)
+            self._poll.register(fd, mask)
+
+        def poll(self, timeout: float) -> list[tuple[int, int]]:
+            return self._poll.poll(timeout)
+
+    monkeypatch.setattr(raw_mqtt_helpers, "select", SimpleNamespace(poll=HeldPoll, POLLIN=select.POLLIN))
+    relay = relays(upstream.getsockname()[1], wait=WAIT)
+    client, _ = linked(relay, upstream, sockets)
+    client.sendall(b"\x30")  # a PUBLISH's first byte: the pump reads it, then polls for the rest
+    try:
+        assert at_register.wait(WAIT)
+        relay.cut()
+        for _ in range(FD_GRABS):
+            sockets += socket.socketpair()
+    finally:
+        go_on.set()
+    pumps = [thread for thread in relay._threads if thread.name.startswith("packet-relay-")]
+    assert len(pumps) == 2  # the link's, up and down
+    deadline = time.monotonic() + SHORT
+    for pump in pumps:
+        pump.join(max(0.0, deadline - time.monotonic()))
+    assert not [pump.name for pump in pumps if pump.is_alive()], "a cut link's pump still waits"

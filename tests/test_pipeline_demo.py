@@ -19,7 +19,7 @@ CONSOLE_SCRIPT = str(Path(sys.executable).with_name("durable-pipeline"))
 def test_the_demo_runs_end_to_end(tmp_path: Path) -> None:
     """README's command as a user runs it: the console script, in a process of its own that starts (and stops) its
     own SparkSession with Spark's defaults (the suite's session evaluates interpreted; its JVM, like every Spark JVM
-    of the suite, compiles with C1 only: conftest.SPARK_JIT). The suite's one run of
+    of the suite, compiles with C1 only: conftest.SPARK_JVM). The suite's one run of
     the pipeline's console script in a JVM of its own: the audit's CLI tests run main() in this process."""
     out = tmp_path / "out"
     result = subprocess.run(

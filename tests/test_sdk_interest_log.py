@@ -239,6 +239,26 @@ def test_a_durable_change_whose_reply_is_lost_is_logged_once_at_the_reconnects_h
     assert [r["durable"] for r in subscribes(log, "keep/t")] == [False, True]
 
 
+def made_durable_again_while_away(
+    relay: PacketRelay, sdk: Callable[..., DurableClient], tmp_path: Path, topic_filter: str
+) -> tuple[Path, Connections, DurableClient]:
+    """A device connected through ``relay``, with ``topic_filter`` durable (QoS 1), then cut off (the relay
+    refuses its reconnects until accept()) and, while away, made non-durable and durable again: its
+    reconnect's CONNACK sends `interest` durable: true before its hello."""
+    log = tmp_path / "device.jsonl"
+    links = Connections()
+    device = sdk(
+        relay.port, "window", delivery_log=log, on_connected=links.connected, on_disconnected=links.disconnected
+    )
+    device.connect(timeout=WAIT)
+    device.subscribe(topic_filter, qos=1, timeout=WAIT)
+    relay.cut()
+    assert links.wait(lambda: links.down == 1), "the cut was not seen"
+    device.subscribe(topic_filter, qos=1, durable=False)  # disconnected: at once
+    device.subscribe(topic_filter, qos=1, durable=True)  # made durable again: said before the next hello
+    return log, links, device
+
+
 def test_a_filter_unsubscribed_between_connack_and_hello_reply_gets_no_record_at_the_hello_reply(
     broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path, relays: Callable[..., PacketRelay]
 ) -> None:
@@ -247,18 +267,7 @@ def test_a_filter_unsubscribed_between_connack_and_hello_reply_gets_no_record_at
     holds what the client sends after its CONNECT, and sees the `interest` come): the hello reply writes no
     `subscribe` record of the filter after its `unsubscribe`."""
     relay = relays(broker.port)
-    log = tmp_path / "device.jsonl"
-    links = Connections()
-    device = sdk(
-        relay.port, "leaver", delivery_log=log, on_connected=links.connected, on_disconnected=links.disconnected
-    )
-    device.connect(timeout=WAIT)
-    device.subscribe("leave/t", qos=1, timeout=WAIT)
-
-    relay.cut()  # refuses the reconnects until accept()
-    assert links.wait(lambda: links.down == 1), "the cut was not seen"
-    device.subscribe("leave/t", qos=1, durable=False)  # disconnected: at once
-    device.subscribe("leave/t", qos=1, durable=True)  # made durable again: said before the next hello
+    log, links, device = made_durable_again_while_away(relay, sdk, tmp_path, "leave/t")
     relay.hold("up")  # the CONNECT goes through, what follows is held
     after = len(relay.seen)
     relay.accept()
@@ -429,15 +438,15 @@ def test_a_new_filter_whose_suback_is_lost_is_logged_at_the_hello_reply_that_lis
 
 
 def made_durable_in_a_thread(
-    device: DurableClient, topic_filter: str, qos: int = 1
+    device: DurableClient, topic_filter: str, qos: int = 1, *, durable: bool = True, timeout: float = WAIT
 ) -> tuple[threading.Thread, list[BaseException | None]]:
-    """A started thread whose subscribe() makes ``topic_filter`` durable (at ``qos``), and its outcome once
-    it returns: [None], or [what it raised]."""
+    """A started thread whose subscribe() makes ``topic_filter`` durable (or, ``durable=False``, not) at
+    ``qos``, and its outcome once it returns: [None], or [what it raised]."""
     outcome: list[BaseException | None] = []
 
     def make_durable() -> None:
         try:
-            device.subscribe(topic_filter, qos=qos, durable=True, timeout=WAIT)
+            device.subscribe(topic_filter, qos=qos, durable=durable, timeout=timeout)
             outcome.append(None)
         except BaseException as exc:  # handed to the test's thread
             outcome.append(exc)
@@ -445,6 +454,30 @@ def made_durable_in_a_thread(
     caller = threading.Thread(target=make_durable, daemon=True)
     caller.start()
     return caller, outcome
+
+
+@pytest.mark.parametrize("first_durable", [False, True], ids=["to-non-durable", "to-durable"])
+def test_a_non_durable_subscribe_at_a_new_qos_returns_at_its_suback_while_an_earlier_interest_awaits_its_reply(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path, relays: Callable[..., PacketRelay],
+    first_durable: bool,
+) -> None:
+    """sdk.md: a connected subscribe() returns at its SUBACK; only a durable one at a new QoS waits for an
+    `interest` reply still due. A change of w/t's durability awaits its reply (held) when a
+    subscribe(durable=False) at QoS 0 comes: it took over that wait too and raised RequestTimeout (review 320)."""
+    relay = relays(broker.port)
+    device = sdk(relay.port, "nd-new-qos", delivery_log=tmp_path / "device.jsonl")
+    device.connect(timeout=WAIT)
+    device.subscribe("w/t", qos=1, durable=not first_durable, timeout=WAIT)
+    relay.hold("down", op_is("interest", "down"))
+    after = len(relay.seen)
+    changing, _ = made_durable_in_a_thread(device, "w/t", durable=first_durable)
+    relay.wait_seen(op_is("interest", "down"), after)
+    at_new_qos, outcome = made_durable_in_a_thread(device, "w/t", 0, durable=False, timeout=3)
+    relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, after)  # its SUBACK came
+    at_new_qos.join(WAIT)
+    relay.release("down")
+    changing.join(WAIT)
+    assert outcome == [None], outcome
 
 
 def is_interest(durable: bool) -> Callable[[Packet], bool]:
@@ -937,3 +970,186 @@ def test_a_change_to_durable_lost_before_its_reply_returns_at_the_reconnects_out
     clients(broker.port, "lost-fence", clean_session=True).publish("fence/t", [b"fence"], qos=1)
     assert received.wait("fence/t", b"fence")
     assert ("lost/t", b"away") not in received.events, "queued for a filter the SDK holds non-durable"
+
+
+@pytest.mark.parametrize(
+    ("unsubscribed", "qos", "refused_first"),
+    [(True, 1, True), (True, 1, False), (False, 0, False)],
+    ids=["unsubscribed-after-the-refusal", "unsubscribed-before-the-refusal", "new-qos-before-the-refusal"],
+)
+def test_a_subscribe_between_connack_and_hello_reply_keeps_the_refusal_of_the_interest_sent_before_the_hello(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path,
+    *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture,
+    unsubscribed: bool, qos: int, refused_first: bool,
+) -> None:
+    """A durable filter made non-durable, then durable again, while disconnected: the reconnect's CONNACK says
+    durable: true before its hello, and the broker refuses it (a relay in front of the real broker spoils the
+    request: `bad_filter`). Between that CONNACK and the hello reply (held by the relay), the application
+    calls unsubscribe() and subscribe(same QoS, durable=True), or subscribe() at a new QoS, before or after
+    the refusal reaches the client. Either way the filter stays refused, as for a subscribe() of it alone in
+    that window (delivery-log.md: "the reconnect subscribes the filter non-durable (an `interest` durable:
+    false with its SUBSCRIBE, also when the hello reply lists it) and that SUBACK writes `durable: false`").
+    Before, the new subscription knew nothing of the refusal: unsubscribed, the hello reply that lists the
+    filter confirmed it and wrote `true` with no `interest` sent; at a new QoS, its SUBACK wrote `true`."""
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
+    log, links, device = made_durable_again_while_away(relay, sdk, tmp_path, "window/t")
+    held_ops = ("hello",) if refused_first else ("hello", "interest")
+    relay.hold("down", lambda p: (p.control() or {}).get("op") in held_ops)
+    after = len(relay.seen)
+    with caplog.at_level(logging.WARNING, logger="durable_client"):
+        relay.accept()
+        req = relay.wait_seen(is_interest(True), after).control()["req"]  # type: ignore[index]
+        refusal = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("req") == req, after)
+        assert refusal.control()["ok"] is False, refusal  # type: ignore[index]
+        if refused_first:  # logged by the network thread as it handles the refusal
+            assert wait_until(lambda: any("refused 'interest'" in r.getMessage() for r in caplog.records), WAIT)
+        hello = relay.wait_seen(lambda p: p.direction == "down" and (p.control() or {}).get("op") == "hello", after)
+        assert hello.control()["subscriptions"] == {"window/t": 1}  # type: ignore[index]
+        if unsubscribed:
+            device.unsubscribe("window/t")
+        device.subscribe("window/t", qos=qos, durable=True)  # not yet connected: returns at once
+        relay.release("down")
+        assert links.wait(lambda: links.up == 2), "no reconnect"
+        assert wait_until(lambda: len(subscribes(log, "window/t")) == 2, WAIT), "no record of the reconnect"
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "window/t")] == [(1, True), (qos, False)]
+    relay.wait_seen(is_interest(False), relay.seen.index(hello, after))  # the broker holds it non-durable
+
+
+def op_is(op: str, direction: str) -> Callable[[Packet], bool]:
+    """Matches a control request (``up``) or reply (``down``) of ``op``."""
+    return lambda packet: packet.direction == direction and (packet.control() or {}).get("op") == op
+
+
+def in_the_window(relay: PacketRelay) -> int:
+    """Let a device away (made_durable_again_while_away) reconnect, holding what it sends after its CONNECT
+    until its hello was sent: its CONNACK was handled, the hello reply cannot have come. The index in
+    ``relay.seen`` from which this connection's packets are."""
+    relay.hold("up")
+    after = len(relay.seen)
+    relay.accept()
+    relay.wait_seen(op_is("hello", "up"), after)
+    return after
+
+
+def interest_handled(relay: PacketRelay, after: int, caplog: pytest.LogCaptureFixture) -> Packet:
+    """Let the `interest` sent before the hello, and the hello, reach the broker; hold the hello reply; return
+    the `interest` reply once the client has handled it (its DEBUG line, written after that)."""
+    relay.hold("down", op_is("hello", "down"))
+    relay.release("up")
+    reply = relay.wait_seen(op_is("interest", "down"), after)
+    handled = f"answered 'interest' (req {reply.control()['req']})"  # type: ignore[index]
+    assert wait_until(lambda: any(handled in r.getMessage() for r in caplog.records), WAIT), "reply not handled"
+    return reply
+
+
+def sent_after(relay: PacketRelay, packet: Packet, after: int) -> list[Packet]:
+    """What ``relay`` saw after ``packet`` (seen at or past ``after``)."""
+    return relay.seen[relay.seen.index(packet, after) + 1 :]
+
+
+@pytest.mark.parametrize(("refused", "qos"), [(True, 1), (False, 0)], ids=["refused", "applied-new-qos"])
+def test_an_interest_reply_between_unsubscribe_and_subscribe_before_the_hello_reply_reaches_the_new_subscription(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path,
+    *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture, refused: bool, qos: int,
+) -> None:
+    """Between the CONNACK that sent `interest` durable: true before its hello and the hello reply (held by a
+    relay): unsubscribe(), the broker's reply to that interest reaches the client, then subscribe(durable=True)
+    (that UNSUBSCRIBE, not sent yet, is dropped). Refused (the relay spoils the request): the reconnect
+    subscribes the filter non-durable (`interest` durable: false) and its SUBACK writes `false`. Applied, at a
+    new QoS: its SUBACK writes `true`, and no second `interest` durable: true is sent. Before, the reply went
+    to no subscription (the unsubscribed one was looked for only among the registered): refused, the hello
+    reply wrote `true` with no `interest` sent; applied, the new one kept the answered request id and its
+    SUBACK wrote `false`."""
+    relay = relays(broker.port, rewrite=refuse_durable_interests if refused else None)
+    log, links, device = made_durable_again_while_away(relay, sdk, tmp_path, "race/t")
+    with caplog.at_level(logging.DEBUG, logger="durable_client"):
+        after = in_the_window(relay)
+        device.unsubscribe("race/t")
+        assert interest_handled(relay, after, caplog).control()["ok"] is not refused  # type: ignore[index]
+        device.subscribe("race/t", qos=qos, durable=True)  # not yet connected: returns at once
+        hello = relay.wait_seen(op_is("hello", "down"), after)
+        relay.release("down")
+        assert links.wait(lambda: links.up == 2), "no reconnect"
+        assert wait_until(lambda: len(subscribes(log, "race/t")) == 2, WAIT), "no record of the reconnect"
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "race/t")] == [(1, True), (qos, not refused)]
+    later = sent_after(relay, hello, after)  # its SUBSCRIBE's SUBACK came: what went before it is there
+    assert (any(map(is_interest(False), later)), any(map(is_interest(True), later))) == (refused, False)
+
+
+@pytest.mark.parametrize("made_non_durable_first", [True, False], ids=["before-the-refusal", "after-the-refusal"])
+def test_a_filter_made_non_durable_then_durable_before_the_hello_reply_sends_its_own_interest(
+    broker: Broker, sdk: Callable[..., DurableClient], tmp_path: Path,
+    *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture, made_non_durable_first: bool,
+) -> None:
+    """Between the CONNACK that sent `interest` durable: true before its hello and the hello reply (held by a
+    relay, which spoils each `interest` durable: true: the broker refuses them): subscribe(durable=False) and
+    then subscribe(durable=True), the first before or after the refusal reaches the client. The non-durable
+    one clears the refusal and takes no place among the interests sent before the hello, so after the hello
+    reply the durable one sends its own `interest` durable: true with its SUBSCRIBE; the broker refuses that
+    too, and the SUBACK writes `false`. Before, the durable one stood for the interest sent before the hello
+    without its refusal: the hello reply that lists the filter wrote `true`, with no `interest` sent."""
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
+    log, links, device = made_durable_again_while_away(relay, sdk, tmp_path, "flip/t")
+    with caplog.at_level(logging.DEBUG, logger="durable_client"):
+        after = in_the_window(relay)
+        if made_non_durable_first:
+            device.subscribe("flip/t", qos=1, durable=False)
+        assert interest_handled(relay, after, caplog).control()["ok"] is False  # type: ignore[index]
+        if not made_non_durable_first:
+            device.subscribe("flip/t", qos=1, durable=False)
+        device.subscribe("flip/t", qos=1, durable=True)
+        hello = relay.wait_seen(op_is("hello", "down"), after)
+        relay.release("down")
+        assert links.wait(lambda: links.up == 2), "no reconnect"
+        assert wait_until(lambda: len(subscribes(log, "flip/t")) == 2, WAIT), "no record of the reconnect"
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "flip/t")] == [(1, True), (1, False)]
+    later = sent_after(relay, hello, after)
+    assert (any(map(is_interest(False), later)), any(map(is_interest(True), later))) == (False, True)
+
+
+@pytest.mark.parametrize("suback_first", [False, True], ids=["reply-first", "suback-first"])
+def test_a_subscribe_at_a_new_qos_while_a_change_to_durable_awaits_its_reply_gets_that_reply(
+    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient], clients: Callable[..., Client],
+    tmp_path: Path, *, relays: Callable[..., PacketRelay], caplog: pytest.LogCaptureFixture, suback_first: bool,
+) -> None:
+    """Connected: a non-durable filter made durable at its QoS (an `interest` only; a relay in front of the
+    real broker spoils it, so the broker refuses it), then subscribe(durable=True) at a new QoS before that
+    reply comes (held by the relay, with what follows it, or alone: the SUBACK overtakes it): it sends no
+    `interest` of its own (the one awaiting its reply may be applied), returns once it has both that reply and
+    its SUBACK, and the reply, a refusal, reaches it: its SUBACK writes `false`, the broker drops the filter
+    with the connection, and the reconnect, refused again, subscribes it non-durable. Before, the reply went
+    to no subscription and the SUBACK wrote `true`."""
+    broker = broker_factory(metrics_interval=0.1)
+    relay = relays(broker.port, rewrite=refuse_durable_interests)
+    log = tmp_path / "device.jsonl"
+    links = Connections()
+    device = sdk(relay.port, "cq", delivery_log=log, on_connected=links.connected, on_disconnected=links.disconnected)
+    device.connect(timeout=WAIT)
+    device.subscribe("cq/t", qos=1, durable=False, timeout=WAIT)
+    relay.hold("down", op_is("interest", "down") if suback_first else lambda _packet: True)
+    after = len(relay.seen)
+    with caplog.at_level(logging.WARNING, logger="durable_client"):
+        first, first_outcome = made_durable_in_a_thread(device, "cq/t")
+        relay.wait_seen(op_is("interest", "down"), after)  # held
+        second, second_outcome = made_durable_in_a_thread(device, "cq/t", qos=0)
+        relay.wait_seen(lambda p: p.direction == "down" and p.kind == 9, after)  # its SUBACK
+        if suback_first:  # handled: it wrote its record (a timed check, one-sided: it cannot fail wrongly)
+            assert wait_until(lambda: len(subscribes(log, "cq/t")) == 2, WAIT), "the SUBACK wrote no record"
+            second.join(0.5)
+            assert second.is_alive(), f"subscribe() returned before the interest reply: {second_outcome}"
+        relay.release("down")
+        first.join(WAIT)
+        second.join(WAIT)
+        assert wait_until(lambda: any("refused 'interest'" in r.getMessage() for r in caplog.records), WAIT)
+    assert (first_outcome, second_outcome) == ([None], [None])
+    interest = relay.wait_seen(is_interest(True), after)
+    assert not any(map(is_interest(True), sent_after(relay, interest, after))), "an `interest` of the new QoS"
+    assert [(r["qos"], r["durable"]) for r in subscribes(log, "cq/t")] == [(1, False), (0, False)]
+    relay.cut()
+    seen_away(clients, broker, 1)  # the broker ended the connection, and the non-durable filter with it
+    after = len(relay.seen)
+    relay.accept()
+    assert links.wait(lambda: links.up == 2), "no reconnect"
+    assert relay.wait_seen(op_is("hello", "down"), after).control()["subscriptions"] == {}  # type: ignore[index]
+    assert wait_until(lambda: len(subscribes(log, "cq/t")) == 3, WAIT), "no record of the reconnect"
+    assert subscribes(log, "cq/t")[2]["durable"] is False

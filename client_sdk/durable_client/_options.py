@@ -337,8 +337,10 @@ def _show(value: object) -> str:
         size = f"{len(value)} characters"
     elif isinstance(value, (bytes, bytearray, memoryview)):
         size = f"{len(value)} bytes"
+    elif isinstance(value, int):
+        size = f"{len(text.lstrip('-'))} digits"
     else:
-        size = f"{len(text)} characters shown"
+        size = f"a repr of {len(text)} characters"
     return f"{text[:_SHOWN - 10]}...{text[-6:]} ({size})"
 
 

@@ -65,6 +65,7 @@ PAHO_WRITTEN_FOR: Final = "paho-mqtt>=2.1.0,<2.3"
 _CLIENT_INTERNALS: Final = (
     "_out_message_mutex",
     "_out_messages",
+    "_do_on_publish",
     "_check_clean_session",
     "_inflight_messages",
     "_max_inflight_messages",
@@ -131,6 +132,14 @@ class PublishHandle:
         return self._info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS
 
     @property
+    def mid(self) -> int:
+        return self._info.mid
+
+    def is_for(self, info: mqtt.MQTTMessageInfo | None) -> bool:
+        """Whether ``info`` is this publish's (a packet id is reused once its publish is done)."""
+        return info is self._info
+
+    @property
     def too_large(self) -> bool:
         """Dropped unsent after a reconnect: larger than the broker's max_packet_size (release_resends)."""
         return self._info.rc == MQTTErrorCode.MQTT_ERR_PAYLOAD_SIZE
@@ -174,6 +183,7 @@ class PahoLink:
         on_lost: Callable[[str], None],
         on_subscribed: Callable[[int, bool], None],
         on_unsubscribed: Callable[[int], None] = lambda _mid: None,
+        on_published: Callable[[int, mqtt.MQTTMessageInfo | None], None] = lambda _mid, _info: None,
         on_burst: Callable[[], None] = lambda: None,
     ) -> None:
         self._client = mqtt.Client(
@@ -233,6 +243,17 @@ class PahoLink:
         self._client.on_disconnect = disconnect_cb
         self._client.on_subscribe = subscribe_cb
         self._client.on_unsubscribe = unsubscribe_cb
+        self._on_published = on_published
+        self._acknowledge = self._client._do_on_publish
+        self._client._do_on_publish = self._published  # type: ignore[method-assign,assignment]
+
+    def _published(self, mid: int, reason: Any, properties: Any) -> MQTTErrorCode:
+        """paho's handling of a PUBACK or PUBCOMP of a message it holds (under its lock of outgoing
+        messages), told with the message's info first. Not paho's on_publish: that one it also calls
+        at every QoS 0 write, which then cost twice the CPU (review 319)."""
+        message = self._client._out_messages.get(mid)  # still there: paho pops it in _do_on_publish
+        self._on_published(mid, message.info if message is not None else None)
+        return self._acknowledge(mid, reason, properties)
 
     # ------------------------------------------------- network thread only
     def open(self) -> None:
@@ -346,8 +367,22 @@ class PahoLink:
         return dropped
 
     # ------------------------------------------------------ any thread
-    def publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> PublishHandle:
-        return PublishHandle(self._client.publish(topic, payload, qos, retain))
+    def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool = False,
+        registered: Callable[[PublishHandle], None] | None = None,
+    ) -> PublishHandle:
+        """Hand the message to paho; ``registered(handle)`` runs before its PUBACK can be handled
+        (under paho's lock of outgoing messages, which on_published's call holds too)."""
+        if registered is None:
+            return PublishHandle(self._client.publish(topic, payload, qos, retain))
+        with self._client._out_message_mutex:
+            handle = PublishHandle(self._client.publish(topic, payload, qos, retain))
+            registered(handle)
+        return handle
 
     def subscribe(self, topic_filter: str, qos: int) -> int | None:
         """The SUBSCRIBE's mid, or None when not connected."""

@@ -27,7 +27,8 @@ class Subscription:
     non-durable, made so by a connection it still counts as open (a take-over of a half-open
     link); ``interest durable: true`` goes on the next connection, before its hello."""
     interest_req: int | None = None
-    """The ``interest`` request of a change of durability only (no SUBSCRIBE) awaiting its reply."""
+    """The ``interest`` request awaiting its reply, which says what the broker holds: one this
+    subscription sent, or the one it replaced (_take_over)."""
     interest_due: bool = False
     """A change of durability the broker has not confirmed yet (its ``interest`` reply, or the SUBACK
     or hello reply of the connection that sends it again): subscribe() waits for it, and so does

@@ -39,7 +39,7 @@ from ._options import check_bool, check_callable, check_seconds
 from ._receiver import Handed, not_redeliverable
 from .cache import LastValueCache
 from .client import Completion, DurableClient, _safe
-from .errors import DurableClientError, EventNotProcessedError
+from .errors import DurableClientError, EventNotProcessedError, Unconnected
 from .events import Event, PersistenceLevel, Stats, StreamBounds
 
 log = logging.getLogger("durable_client")
@@ -312,6 +312,7 @@ class AsyncDurableClient:
         self._queue: _Queue | None = None
         self._live: asyncio.Event | None = None
         self._marker: Marker | None = None
+        self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Self:
@@ -335,6 +336,7 @@ class AsyncDurableClient:
         even once its own loop has ended. A ``keep_session`` other than True or False is refused
         before anything is closed."""
         check_bool("keep_session", keep_session)
+        self._closed = True
         try:
             self._close_queue()
         finally:
@@ -370,11 +372,14 @@ class AsyncDurableClient:
         self._client.ready_for_events()
 
     async def live(self) -> Marker:
-        """Wait for the replay marker: every queued event came before it, live ones follow."""
+        """Wait for the replay marker: every queued event came before it, live ones follow.
+        Unconnected when the client is closed before it came (also while waiting): none will."""
         self._bind()
         assert self._live is not None
-        await self._live.wait()
-        assert self._marker is not None
+        if self._marker is None and not self._closed:
+            await self._live.wait()  # set by the marker, or by close()
+        if self._marker is None:
+            raise Unconnected("this client was closed before its replay marker came")
         return self._marker
 
     async def publish(self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False) -> None:
@@ -416,6 +421,7 @@ class AsyncDurableClient:
         if self._loop is None:
             self._loop, self._live = loop, asyncio.Event()
             self._queue = _Queue(self._client, loop)
+            self._queue.closed = self._closed  # closed before any coroutine bound it: events() ends at once
             self._batcher.target = (loop, self._queue)
         elif self._loop is not loop:
             raise DurableClientError("an AsyncDurableClient is used from one event loop only")
@@ -423,16 +429,22 @@ class AsyncDurableClient:
         return self._queue
 
     def _close_queue(self) -> None:
-        """The queue belongs to its loop: closed there (an ``async for`` waiting in it ends), or
-        at once when that loop is closed and nothing can wait in it any more."""
-        queue, home = self._queue, self._loop
-        if queue is None or home is None:
+        """The queue belongs to its loop: closed there (an ``async for`` waiting in it ends, and so
+        does a ``live()`` still waiting for its marker), or at once when that loop is closed and
+        nothing can wait in it any more."""
+        queue, home, live = self._queue, self._loop, self._live
+        if queue is None or home is None or live is None:
             return
-        if home is asyncio.get_running_loop():
+
+        def close_at_home() -> None:
             queue.close()
+            live.set()
+
+        if home is asyncio.get_running_loop():
+            close_at_home()
             return
         try:
-            home.call_soon_threadsafe(queue.close)
+            home.call_soon_threadsafe(close_at_home)
         except RuntimeError:  # the home loop is closed
             queue.closed = True
             queue.post()

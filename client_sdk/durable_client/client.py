@@ -98,6 +98,38 @@ class _FirstConnect:
     problem: str = "no answer from the broker yet"
 
 
+class _SendsDue:
+    """Publishes whose ``send`` record waits for their PUBACK (PUBCOMP), by packet id: the network thread
+    writes it as that comes, also after publish() gave up waiting (the broker has the message then). The
+    lock is taken under paho's lock of outgoing messages (its PUBACK handling), never around it."""
+
+    def __init__(self) -> None:
+        self._due: dict[int, tuple[PublishHandle, str, bytes, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, handle: PublishHandle, topic: str, data: bytes, qos: int) -> None:
+        with self._lock:
+            self._due[handle.mid] = (handle, topic, data, qos)
+
+    def take(self, mid: int, info: Any) -> tuple[str, bytes, int] | None:
+        """The record of the publish ``info`` is (none for a QoS 0 one, or one from a listener)."""
+        if not self._due:  # every PUBACK and PUBCOMP comes here: no lock without a record due
+            return None
+        with self._lock:
+            due = self._due.get(mid)
+            if due is None or not due[0].is_for(info):
+                return None
+            del self._due[mid]
+        return due[1:]
+
+    def forget(self, handle: PublishHandle) -> None:
+        """A publish dropped unsent (too large after a reconnect): no PUBACK will come."""
+        with self._lock:
+            due = self._due.get(handle.mid)
+            if due is not None and due[0] is handle:
+                del self._due[handle.mid]
+
+
 class DurableClient:
     """A durable-session client: events survive disconnects and restarts, processed exactly once.
 
@@ -195,6 +227,7 @@ class DurableClient:
         if delivery_log is not None:
             reconcile(self._state, delivery_log, client_id)  # before the log is opened (and maybe created)
         self._delivery_log = DeliveryLog(delivery_log, client_id) if delivery_log is not None else None
+        self._sends_due = _SendsDue()
         """docs/delivery-log.md: what was sent and processed, for ``durable-pipeline audit``."""
         self._receiver = Receiver(
             framed=durable_session,
@@ -218,7 +251,9 @@ class DurableClient:
         self._handshake_deadline: float | None = None  # set while CONNECT/hello await their answers
         self._hello_req: int | None = None
         self._interests_undone: list[Subscription] = []
-        """Those whose ``interest durable: true`` went before this connection's hello (see _undo_interests)."""
+        """Those whose ``interest durable: true`` went before the last CONNACK's hello, or a durable one that took
+        one's place (_take_over): emptied at the hello reply, kept when the connection is lost first, until the
+        next CONNACK (see _undo_interests)."""
         self._session_present = False
         self._max_packet_size: int | None = None
         """The broker's max_packet_size from its hello reply (None: not said): publish() refuses larger."""
@@ -279,6 +314,7 @@ class DurableClient:
                 on_lost=self._handle_lost,
                 on_subscribed=self._handle_subscribed,
                 on_unsubscribed=self._handle_unsubscribed,
+                on_published=self._handle_published,
                 on_burst=self._end_burst,
             )
         thread = threading.Thread(target=self._run, name=f"durable-client-{self.client_id}", daemon=True)
@@ -425,7 +461,9 @@ class DurableClient:
         made durable again then is said to be, before that connection's hello, so an older
         connection's end the broker runs late does not drop it);
         when connected, it returns once the broker has confirmed it (its SUBACK; for a change of
-        durability only, its ``interest`` reply; both for a change to durable at a new QoS), or
+        durability only, its ``interest`` reply; both for a change to durable at a new QoS, and for a
+        durable one at a new QoS while an earlier change to durable of it awaits its reply: it sends
+        no ``interest`` of its own, that reply is its), or
         raises RequestTimeout after ``timeout`` seconds without it (the subscription stays
         registered and is sent again on reconnect; a connection lost first is no confirmation: it
         waits for the one of the reconnect, the SUBACK of the SUBSCRIBE it sends again, or the hello
@@ -438,10 +476,14 @@ class DurableClient:
         ``durable=True`` stays registered as durable, held non-durable by the broker, so a later
         ``subscribe(durable=True)`` of it (any QoS) and the reconnect send it again (refused at the
         reconnect, with the WARNING, it stays so: the reconnect subscribes it non-durable, and its
-        SUBACK logs ``durable: false``). A ``subscribe(durable=False)`` of it sends no ``interest``
-        unless such a retry still awaits its reply, and clears the refusal (at another QoS its SUBACK
-        logs ``durable: false``). Called from a listener, or by a stateless client changing only the
-        durability (it sends no ``interest``), it returns without waiting.
+        SUBACK logs ``durable: false``, also after a ``subscribe(durable=True)`` of it, any QoS, or an
+        unsubscribe() and subscribe() of it, made before that reconnect's hello reply, before or after
+        the refusal came). A ``subscribe(durable=False)`` of it sends no ``interest`` unless such a retry
+        still awaits its reply, and clears the refusal (at another QoS its SUBACK logs ``durable:
+        false``); made before that hello reply, a later ``subscribe(durable=True)`` there sends the
+        change again, after the hello reply, with its SUBSCRIBE. Called from a
+        listener, or by a stateless client changing only the durability (it sends no ``interest``), it
+        returns without waiting.
         """
         self._check_open()
         check_filter(topic_filter)
@@ -469,20 +511,17 @@ class DurableClient:
     def _subscribe(self, topic_filter: str, qos: int, durable: bool, listener: Listener | None) -> bool:
         """Record the subscription and send what the broker must hear; True when a SUBSCRIBE went out."""
         with self._lock:
-            previous = self._registry.get(topic_filter)
+            # One unsubscribe() removed after its interest went before a hello whose reply has not come (this
+            # connection's, or one lost since) counts too: this subscribe drops that UNSUBSCRIBE, not sent yet, so
+            # the broker holds the filter as that interest left it.
+            previous = self._registry.get(topic_filter) or next(
+                (s for s in self._interests_undone if s.filter == topic_filter), None
+            )
             subscription = Subscription(topic_filter, qos, durable, listener)
             with self._registry.lock:
                 self._registry.put(subscription)
-                if previous is not None and previous.qos == qos:
-                    subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
-                    subscription.answered = previous.answered
-                    subscription.interest_req, subscription.interest_due = previous.interest_req, previous.interest_due
-                    subscription.false_logged = previous.false_logged
-                    # Its interest went before this connection's hello (same req): its reply and the hello reply
-                    # apply to this object (_interest_replied, _replay_subscriptions), not the replaced one.
-                    self._interests_undone = [subscription if s is previous else s for s in self._interests_undone]
-                # The broker refused durable: true earlier and holds it non-durable, whatever the QoS.
-                subscription.refused = durable and previous is not None and previous.refused
+                if previous is not None:
+                    self._take_over(previous, subscription)
                 if not self._connected:
                     subscription.undo_interest = (
                         durable and previous is not None and (previous.undo_interest or not previous.durable)
@@ -521,6 +560,27 @@ class DurableClient:
                 if lowered:
                     subscription.false_logged = subscription.mid is not None  # an earlier SUBSCRIBE's SUBACK
                 return self._durable and changed and subscription.interest_due  # a listener alone: at once
+
+    def _take_over(self, previous: Subscription, subscription: Subscription) -> None:
+        """(Holding _lock and the registry's.) What ``subscription`` keeps of the one it replaces: its SUBACK
+        still due (at the same QoS), and, whatever the QoS, the ``interest`` still awaiting its reply (the
+        broker may apply it: the reply must find the subscription that now stands for the filter) and the
+        refusal of durable: true."""
+        if previous.qos == subscription.qos:
+            subscription.confirmed, subscription.mid = previous.confirmed, previous.mid
+            subscription.answered, subscription.false_logged = previous.answered, previous.false_logged
+        undone = any(s is previous for s in self._interests_undone)
+        if not subscription.durable and (undone or previous.qos != subscription.qos):
+            # Its interest went before the hello, and the broker holds the filter as that left it: the replaced
+            # one keeps its place there (and gets the reply); a later durable one sends its own at the hello.
+            # At a new QoS (connected) a non-durable one returns at its SUBACK: no earlier reply is its own.
+            return
+        subscription.interest_req, subscription.interest_due = previous.interest_req, previous.interest_due
+        # The broker refused durable: true earlier and holds it non-durable.
+        subscription.refused = subscription.durable and previous.refused
+        if undone:
+            # The broker applies it as this one (_interest_replied, _replay_subscriptions): no interest of its own.
+            self._interests_undone = [subscription if s is previous else s for s in self._interests_undone]
 
     def unsubscribe(self, topic_filter: str) -> None:
         """Remove a subscription or a stream subscription on ``topic_filter``.
@@ -612,8 +672,9 @@ class DurableClient:
         must start exactly there. They become the client's positions, so a reconnect resumes
         from them like from any other. ``{topic: 0}`` starts at id 1: when retention trimmed
         it, the broker reports the gap (logged) instead of starting silently further on. A
-        topic an open stream subscription already reads cannot be moved (ValueError): the
-        broker keeps one cursor per topic and connection.
+        topic that a stream subscription this client holds already matches (open, or to open at
+        the next connect) cannot be moved (ValueError): the broker keeps one cursor per topic
+        and connection.
         """
         self._check_open()
         check_filter(topic_filter)
@@ -695,7 +756,8 @@ class DurableClient:
         Raises Unconnected while disconnected (nothing is queued: GemFire's updates are not
         allowed while disconnected either), and when the connection is lost as the message is
         handed to paho (at QoS 1/2 paho keeps it and sends it after the reconnect);
-        RequestTimeout when the PUBACK is late (the message may still arrive). At QoS 0 and from
+        RequestTimeout when the PUBACK is late (the message may still arrive; a delivery log gets its
+        ``send`` when the PUBACK comes). At QoS 0 and from
         a listener it returns once paho has queued the message, without waiting. ValueError
         (``payload``) for a PUBLISH larger than the broker's max_packet_size (its hello reply
         says it), also when an unacknowledged one is found larger at a reconnect's hello reply:
@@ -710,7 +772,13 @@ class DurableClient:
         if not self._connected:
             raise Unconnected(f"not connected to {self.host}:{self.port} (reconnecting): nothing was published")
         self._check_packet_size(topic, data, qos)
-        handle = self._link_or_raise().publish(topic, data, qos, retain)
+        on_network_thread = self._on_network_thread()
+        logged_at_ack = qos > 0 and not on_network_thread and self._delivery_log is not None
+
+        def send_due(handle: PublishHandle) -> None:  # its PUBACK (PUBCOMP) writes the ``send`` record
+            self._sends_due.add(handle, topic, data, qos)
+
+        handle = self._link_or_raise().publish(topic, data, qos, retain, send_due if logged_at_ack else None)
         if not handle.queued:
             if qos == 0:
                 raise Unconnected(f"the connection to {self.host}:{self.port} was just lost: nothing was published")
@@ -718,11 +786,14 @@ class DurableClient:
                 f"the connection to {self.host}:{self.port} was lost as the message was handed over: paho keeps "
                 "it and sends it after the reconnect, so it may still arrive, but its PUBACK cannot be awaited"
             )
-        if qos == 0 or self._on_network_thread():
+        if qos == 0 or on_network_thread:
             self._log_send(topic, data, qos)
             return
-        self._await_puback(handle, topic, timeout)
-        self._log_send(topic, data, qos)
+        try:
+            self._await_puback(handle, topic, timeout)  # the record is written when it returns
+        finally:
+            if handle.too_large:  # dropped unsent: no PUBACK will write it
+                self._sends_due.forget(handle)
 
     def _check_packet_size(self, topic: str, data: bytes, qos: int) -> None:
         """Refuse a PUBLISH the broker would close the connection for (its hello reply's
@@ -778,6 +849,13 @@ class DurableClient:
     def _log_send(self, topic: str, data: bytes, qos: int) -> None:
         if self._delivery_log is not None:
             self._delivery_log.send(topic, data, qos)
+
+    def _handle_published(self, mid: int, info: Any) -> None:
+        """(Network thread: a PUBACK or PUBCOMP.) The ``send``
+        record of a publish() waiting for it, or one that stopped waiting: the broker has it."""
+        due = self._sends_due.take(mid, info)
+        if due is not None:
+            self._log_send(*due)
 
     # ================================================================ network thread
     def _run(self) -> None:
@@ -914,6 +992,8 @@ class DurableClient:
             self._finish_handshake(reply)
             return
         warned = reply.op == "interest" and self._interest_replied(reply)
+        if reply.op == "interest":
+            log.debug("the broker answered 'interest' (req %s): %s", reply.req, reply.error_code or "applied")
         if reply.ok and reply.op == "stream_subscribe":
             for topic, (first, last) in (reply.fields.get("gaps") or {}).items():
                 log.warning(
@@ -935,28 +1015,31 @@ class DurableClient:
             _warn_refused_reply(reply)
 
     def _interest_replied(self, reply: Reply) -> bool:
-        """The broker applied (or refused) a change of durability sent without a SUBSCRIBE: the
-        delivery-log record of a change to durable: true is written now, not when it was sent, so
+        """The broker applied (or refused) a change of durability (its ``interest``): the delivery-log
+        record of a change to durable: true sent without a SUBSCRIBE is written now, not when it was sent, so
         a connection lost in between leaves no record of a change the broker never made (one to
         durable: false was written as sent). A refused one writes none (the broker holds the filter
         as before, non-durable: ``refused`` until a change to durable: true it applies). Whether it
         logged the refusal's WARNING: before subscribe() is woken, so it is logged when that returns."""
         with self._registry.lock:
-            subscription = next((s for s in self._registry.subscriptions() if s.interest_req == reply.req), None)
+            # One sent before the hello stands for the filter also once unsubscribed: a subscribe() takes it over.
+            subscription = next(
+                (s for s in [*self._registry.subscriptions(), *self._interests_undone] if s.interest_req == reply.req),
+                None,
+            )
             if subscription is None:
                 return False
             subscription.interest_req = None
             if not reply.ok:
                 _warn_refused_reply(reply)
-            if any(s is subscription for s in self._interests_undone):
-                # Sent before the hello. Applied: the hello reply (_log_undone) or its SUBACK logs it. Refused: the
-                # hello reply subscribes it non-durable, and subscribe() waits for that SUBACK (interest_due kept).
-                subscription.refused = not reply.ok
-                return not reply.ok
-            due, subscription.interest_due = subscription.interest_due, False
             # Refused: the broker keeps the filter non-durable, as it was, until a change to durable: true it
             # applies; until then a SUBACK writes false and a subscribe(durable=True) sends the change again.
             subscription.refused = not reply.ok and subscription.durable
+            if any(s is subscription for s in self._interests_undone):
+                # Sent before the hello. Applied: the hello reply (_log_undone) or its SUBACK logs it. Refused: the
+                # hello reply subscribes it non-durable, and subscribe() waits for that SUBACK (interest_due kept).
+                return not reply.ok
+            due, subscription.interest_due = subscription.interest_due, False
             # A change to durable: false was logged as it was sent.
             logged = due and reply.ok and subscription.durable and subscription.confirmed and subscription.mid is None
             if logged and self._delivery_log is not None:  # before subscribe() returns
@@ -1132,7 +1215,9 @@ class DurableClient:
             self._send_subscribe(subscription)
         elif subscription.undo_interest:  # made durable again after this connection's CONNACK
             subscription.undo_interest = False
-            self._send_request("interest", filter=subscription.filter, durable=True)
+            # Its reply, before the SUBACK, says whether that SUBACK writes true (_interest_replied).
+            subscription.interest_req = req = next(self._req_ids)
+            self._send_request("interest", req=req, filter=subscription.filter, durable=True)
             self._send_subscribe(subscription)  # the hello's list may show what an older connection's end drops
         elif broker_has is not None and not resend_durable:
             if broker_has.get(subscription.filter) == min(subscription.qos, 1):

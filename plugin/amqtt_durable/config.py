@@ -284,6 +284,9 @@ def _check_streams(streams: list[StreamConfig]) -> None:
 def _check_ranges(config: DurableConfig) -> None:
     for field in dataclasses.fields(config):  # a DurableConfig made in Python, not by from_mapping
         refuse_long_ints(field.name, getattr(config, field.name))
+        scalar = SCALARS.get(str(field.type))
+        if scalar is not None:  # from_mapping's rules for each kind (Fraction(1, 3) seconds: a float)
+            setattr(config, field.name, scalar(field.name, getattr(config, field.name)))
     _check_choices(config)
     _check_counts(config)
     _check_byte_limits(config)

@@ -45,6 +45,7 @@ from .store import (
     encode_totals,
     encode_u64,
     leveldb_detail,
+    msg_id_of_body_key,
     refs_key,
     repaired_store,
     sent_mark_key,
@@ -196,7 +197,7 @@ def _highest_msg_id_in_use(db: Any) -> int:
     for prefix in (b"m", b"c"):
         for key in db.iterator(prefix=prefix, reverse=True, include_value=False):
             if len(key) == _U64_SIZE + 1:
-                highest = max(highest, sid_of_entry_key(key))
+                highest = max(highest, msg_id_of_body_key(key))
                 break
     for value in db.iterator(prefix=b"q", include_key=False, fill_cache=False):
         if len(value) == _ENTRY_SIZE:
@@ -344,7 +345,7 @@ def _drop_unused_bodies(db: Any, batch: Any, used: set[int], report: RepairRepor
     ``used`` holds the undecodable bodies too: they are removed, and reported, on their own."""
     unused = 0
     for key in db.iterator(prefix=b"m", include_value=False):
-        if len(key) == _U64_SIZE + 1 and sid_of_entry_key(key) not in used:
+        if len(key) == _U64_SIZE + 1 and msg_id_of_body_key(key) not in used:
             batch.delete(key)
             unused += 1
     if unused:
@@ -401,7 +402,7 @@ def _fix_refs(db: Any, batch: Any, shared: Counter[int], report: RepairReport) -
     for key, value in db.iterator(prefix=b"c"):
         if len(key) != _U64_SIZE + 1:
             continue  # removed by _drop_malformed_keys
-        msg_id = sid_of_entry_key(key)
+        msg_id = msg_id_of_body_key(key)
         try:
             stored = decode_refs(value)
         except struct.error:

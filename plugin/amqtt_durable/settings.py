@@ -6,8 +6,9 @@ YAML booleans are ints to Python, so each scalar kind is checked exactly, not wi
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, SupportsFloat
 
 import yaml
 
@@ -78,9 +79,14 @@ class WrittenFloat(float):
 
     text: str
 
-    def __new__(cls, value: int | float | str) -> WrittenFloat:
+    def __new__(cls, value: SupportsFloat | str) -> WrittenFloat:
         number = super().__new__(cls, value)
-        number.text = value.strip() if isinstance(value, str) else repr(value)
+        if isinstance(value, str):
+            number.text = value.strip()
+        elif isinstance(value, WrittenFloat):  # checked again (DurableConfig(...) after from_mapping)
+            number.text = value.text
+        else:  # a Fraction, a numpy number: shown as the float it became (replication reads it back)
+            number.text = repr(value) if type(value) in (int, float) else repr(float(number))
         return number
 
     def __repr__(self) -> str:
@@ -94,11 +100,12 @@ yaml.SafeDumper.add_representer(WrittenFloat, lambda dumper, data: dumper.repres
 
 
 def _as_float(key: str, value: Any) -> float:
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    """A YAML int or float, or any real number given in Python (a Fraction too), as a float."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
         try:
             return WrittenFloat(value)
-        except OverflowError:  # a YAML integer of 309 digits or more: no float holds it
-            raise ConfigError(key, "must be a finite number, got an integer too large for one") from None
+        except OverflowError:  # an integer of 309 digits or more, Fraction(10**400, 3): no float holds it
+            raise ConfigError(key, "must be a finite number, got a number too large for one") from None
     raise ConfigError(key, f"expected a number, got {value!r}")
 
 

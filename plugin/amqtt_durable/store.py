@@ -201,6 +201,12 @@ def sid_of_entry_key(key: bytes) -> int:
     return int(_U64.unpack_from(key, 1)[0])
 
 
+def msg_id_of_body_key(key: bytes) -> int:
+    """The message id of a message body key (body_key) or reference count key (refs_key): the same
+    bytes 1-8 as a queue entry's session number, but a message id."""
+    return int(_U64.unpack_from(key, 1)[0])
+
+
 def seq_of_entry_key(key: bytes) -> int:
     return int(_U64.unpack_from(key, 9)[0])
 
@@ -853,7 +859,7 @@ def last_msg_id(db: Any) -> int:
     """The highest message id a body is stored under; 0 for none. DamagedRecordError names a last
     key of the wrong length."""
     for key in db.iterator(prefix=b"m", reverse=True, include_value=False, verify_checksums=True):
-        return int(_U64.unpack_from(checked_key(key), 1)[0])
+        return msg_id_of_body_key(checked_key(key))
     return 0
 
 
@@ -864,7 +870,7 @@ def scan_msg_ids_in_use(db: Any) -> tuple[int, int]:
     broker reads next."""
     highest = last_msg_id(db)
     for key in db.iterator(prefix=b"c", reverse=True, include_value=False, verify_checksums=True):
-        highest = max(highest, int(_U64.unpack_from(checked_key(key), 1)[0]))
+        highest = max(highest, msg_id_of_body_key(checked_key(key)))
         break
     read = 0
     for value in db.iterator(prefix=b"q", include_key=False, verify_checksums=True, fill_cache=False):

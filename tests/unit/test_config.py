@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -121,6 +122,51 @@ def test_whole_numbers_become_floats(key: str) -> None:
     value = getattr(config, key)
     assert value == 7.0
     assert isinstance(value, float)
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_a_fraction_of_seconds_is_a_float_given_either_way(key: str) -> None:
+    """configuration.md: a *number* setting takes any real number given in Python, a Fraction too, as
+    a float, in DurableConfig(...) as in from_mapping (the direct path kept the Fraction itself)."""
+    for config in (DurableConfig(**{key: Fraction(7, 2)}), DurableConfig.from_mapping({key: Fraction(7, 2)})):
+        value = getattr(config, key)
+        assert value == 3.5
+        assert isinstance(value, float)
+
+
+@pytest.mark.parametrize("key", [f.name for f in dataclasses.fields(DurableConfig) if f.type == "int"])
+def test_a_fraction_for_a_whole_number_setting_is_refused_either_way(key: str) -> None:
+    """DurableConfig(max_depth=Fraction(5, 1)) was accepted while from_mapping refused it."""
+    messages = []
+    for make in (
+        lambda: DurableConfig(**{key: Fraction(5, 1)}),
+        lambda: DurableConfig.from_mapping({key: Fraction(5, 1)}),
+    ):
+        with pytest.raises(ConfigError) as info:
+            make()
+        messages.append(str(info.value))
+    assert messages == [f"amqtt_durable config: '{key}': expected a whole number, got Fraction(5, 1)"] * 2
+
+
+@pytest.mark.parametrize("key", ["loop_wait", "demote_margin", "ack_timeout"])
+def test_a_fraction_in_replication_is_its_float_and_its_checks_read_it(key: str) -> None:
+    """Replication's number settings share the same rules: a Fraction is the float it becomes, also
+    where replication reads a setting back exactly (its loop_wait check: the Fraction's repr,
+    ``Fraction(1, 4)``, was read as a number's text, a ValueError from a setting the rules took)."""
+    config = DurableConfig.from_mapping({"replication": {"role": "primary", key: Fraction(1, 4)}})
+    assert getattr(config.replication, key) == 0.25
+    assert repr(getattr(config.replication, key)) == "0.25"
+    with pytest.raises(ConfigError, match=r"'replication\.loop_wait': must be at most"):
+        DurableConfig.from_mapping({"replication": {"role": "primary", "loop_wait": Fraction(10, 1)}})
+
+
+def test_a_fraction_too_large_for_a_float_is_refused_naming_the_setting() -> None:
+    for make in (
+        lambda: DurableConfig(session_expiry=Fraction(10**400, 3)),
+        lambda: DurableConfig.from_mapping({"session_expiry": Fraction(10**400, 3)}),
+    ):
+        with pytest.raises(ConfigError, match="'session_expiry': must be a finite number, got a number too large"):
+            make()
 
 
 @pytest.mark.parametrize(("key", "value"), bad_type_cases())

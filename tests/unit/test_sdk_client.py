@@ -48,6 +48,10 @@ class FakeHandle:
         self.queued = True
         self.done = done
         self.too_large = False
+        self.mid = 0
+
+    def is_for(self, info: object) -> bool:
+        return info is self
 
     def wait(self, timeout: float) -> bool:
         return self.done
@@ -79,7 +83,14 @@ class FakeLink:
         self.unqueued: set[str] = set()
         """Ops whose request paho does not queue (the connection was just lost: Unconnected)."""
 
-    def publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> FakeHandle:
+    def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool = False,
+        registered: Callable[[FakeHandle], None] | None = None,
+    ) -> FakeHandle:
         if topic == CONTROL_TOPIC:
             request = parse_request(payload)
             if request.op in self.unqueued:
@@ -93,7 +104,12 @@ class FakeLink:
                     self.client._handle_message(Inbound(REPLY_TOPIC, answer, 0, False, False, 0))
         else:
             self.sent.append(("publish", topic, payload, qos, retain))
-        return FakeHandle(self.puback or qos == 0)
+        handle = FakeHandle(self.puback or qos == 0)
+        if registered is not None:
+            registered(handle)
+            if handle.done and self.client is not None:
+                self.client._handle_published(handle.mid, handle)  # its PUBACK, as the link tells it
+        return handle
 
     def subscribe(self, topic_filter: str, qos: int) -> int:
         self._mid += 1

@@ -39,6 +39,7 @@ from amqtt_durable.store import (
     iter_sessions,
     last_msg_id,
     last_seq,
+    msg_id_of_body_key,
     open_store,
     queue_prefix,
     refs_key,
@@ -75,6 +76,12 @@ def test_entry_keys_sort_numerically() -> None:
     assert [seq_of_entry_key(key) for key in keys] == seqs
     assert entry_key(7, 2**64 - 1) < queue_prefix(8)
     assert sorted([body_key(256), body_key(1), body_key(2**40)]) == [body_key(1), body_key(256), body_key(2**40)]
+
+
+def test_msg_id_of_body_key_reads_the_id_back_from_body_and_refs_keys() -> None:
+    ids = [0, 1, 258, 2**40, 2**64 - 1]
+    assert [msg_id_of_body_key(body_key(msg_id)) for msg_id in ids] == ids
+    assert [msg_id_of_body_key(refs_key(msg_id)) for msg_id in ids] == ids
 
 
 # ---------------------------------------------------------------------------------- codecs
