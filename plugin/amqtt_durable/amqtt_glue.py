@@ -188,7 +188,7 @@ from amqtt.mqtt.packet import (
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler, Subscription, UnSubscription
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.plugins.base import BasePlugin
-from amqtt.session import IncomingApplicationMessage, Session
+from amqtt.session import IncomingApplicationMessage, OutgoingApplicationMessage, Session
 from transitions import MachineError
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State as WebsocketState
@@ -309,8 +309,8 @@ done, or SUBSCRIBEs / UNSUBSCRIBEs waiting for the message loop, at which it rea
 while its client reads its answers slower than they are written, until it reads or half that are
 done (FastReader._room)."""
 MAX_UNDER_WAY_READ = 4096
-"""MAX_UNDER_WAY for a client that reads its answers: its PUBACKs of a clean session's retained
-messages, which the message loop waits for, may come behind that many SUBSCRIBEs."""
+"""MAX_UNDER_WAY for a client that reads its answers, which is answered at the pace its requests
+are handled: the bound only caps what they hold."""
 UNREAD = (
     "%s: no answer read, no packet handled, no SUBSCRIBE/UNSUBSCRIBE applied for 1.5 keep-alive periods"
     " while its reader waits for it: disconnecting"
@@ -2149,13 +2149,17 @@ class AmqttHooks:
                 item for item in retained
                 if await self.broker._topic_filtering(session, item[0], Action.RECEIVE)
             ]
+        acks: RetainedAcks = handler.durable_retained_acks
+        await acks.room()
         sends = [  # at most the retained message's own QoS (0 included), as durable sessions get it
-            handler.mqtt_publish(
-                topic, message.data, qos if message.qos is None else min(qos, message.qos), retain=True
-            )
+            RetainedSend(topic, message.data, qos if message.qos is None else min(qos, message.qos))
             for topic, message in retained
         ]
-        await asyncio.gather(*sends, return_exceptions=True)  # as amqtt's: one failed send stops no other
+        tasks = [asyncio.create_task(send.flow(handler)) for send in sends]  # in order on amqtt's FIFO write lock
+        for task in tasks:
+            acks.add(task)
+        for send, task in zip(sends, tasks, strict=True):
+            await asyncio.wait((send.written, task), return_when=asyncio.FIRST_COMPLETED)
 
     async def broadcast_message(
         self,
@@ -2831,11 +2835,11 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     nothing else applies them); that ``stop()`` first cancels the handler's PUBACK/PUBREC/PUBCOMP
     waiters, as amqtt's ``stop()`` does first
     (``_stop_outgoing_waiters``; a clean session's loop sends the retained messages of a
-    SUBSCRIBE, each in its own task, and waits up to 5 s for the QoS 1 ones' PUBACKs: a
-    take-over's CONNACK, a broker's shutdown waited for them; the SUBSCRIBE then counts as applied
-    at once. The waiters of what is sent after, a later SUBSCRIBE's retained messages, are
-    cancelled as they are added, ``_CancelledAsAdded``: nothing sent after that ``stop()`` is
-    waited for).
+    SUBSCRIBE, each in its own task, and goes on once they are written: the tasks await the
+    PUBACKs, up to 5 s each, in ``durable_retained_acks``, cancelled by every ``stop()``, the loop's
+    own too (``RetainedSend``, ``RetainedAcks``). The waiters of what is sent after, a later SUBSCRIBE's retained
+    messages, are cancelled as they are added, ``_CancelledAsAdded``: nothing sent after that
+    ``stop()`` is waited for).
     The same wait covers what the client published (``PublishedMessages``: the loop hands it to
     the broker, a QoS 2 message released by a PUBREL read with the DISCONNECT among them).
     When a wait runs out, the queue is closed: what still waits is dropped (WARNING with the exact
@@ -2845,6 +2849,7 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     changes: SubscriptionChanges[Subscription | UnSubscription] = SubscriptionChanges()
     handler.durable_changes = changes
     handler.durable_loop_task = None
+    handler.durable_retained_acks = RetainedAcks()
     published = PublishedMessages(handler)
     handler.durable_published = published
     original_wait = handler.wait_disconnect
@@ -2878,8 +2883,9 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
 
     async def stop() -> None:
         if asyncio.current_task() is not handler.durable_loop_task:
-            _stop_outgoing_waiters(handler)  # a loop waiting for a retained message's PUBACK goes on at once
+            _stop_outgoing_waiters(handler)  # nothing sent awaits its ack past the end
             await applied()
+        handler.durable_retained_acks.stop()
         await original_stop()
 
     async def let_go_once_applied() -> None:
@@ -3818,6 +3824,80 @@ async def _read_some(stream: asyncio.StreamReader, idle: float | None) -> bytes 
         return None
 
 
+class RetainedSend(OutgoingApplicationMessage):  # type: ignore[misc]  # amqtt ships no type info
+    """A retained message sent to a clean session for its SUBSCRIBE (``publish_retained_for_subscription``),
+    by amqtt's flow in a task of its own (``flow``): ``written`` is done once its PUBLISH is written
+    (amqtt's flow sets ``publish_packet`` right after), before the PUBACK (PUBREC, PUBCOMP) it then
+    awaits. The message loop goes on at ``written``: it awaited the PUBACKs (up to 5 s each), which
+    a client pipelining SUBSCRIBEs sends behind the rest of them, so its reader, paused at its bound,
+    never read them (4,300 pipelined: 12 SUBACKs in 60 s)."""
+
+    __slots__ = ("_publish", "written")
+
+    def __init__(self, topic: str, data: bytes | bytearray, qos: int) -> None:
+        self.written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        super().__init__(None, topic, qos, data, True)
+
+    @property
+    def publish_packet(self) -> PublishPacket | None:
+        return self._publish
+
+    @publish_packet.setter
+    def publish_packet(self, packet: PublishPacket | None) -> None:
+        self._publish = packet
+        if packet is not None and not self.written.done():
+            self.written.set_result(None)
+
+    async def flow(self, handler: Any) -> None:
+        """amqtt's ``mqtt_publish``: a packet id (QoS 1/2), the PUBLISH, its acks (5 s each)."""
+        if self.qos in (QOS_1, QOS_2):
+            self.packet_id = handler.session.next_packet_id  # type: ignore[misc]  # amqtt's slot, unseen
+        await handler._handle_message_flow(self)
+
+
+MAX_RETAINED_ACKS = 4096
+"""Retained messages of one clean connection's SUBSCRIBEs being sent or awaiting their acks
+(``RetainedAcks``), at which its message loop sends no more until half that are done."""
+
+
+class RetainedAcks:
+    """A clean connection's retained messages' sends under way: their writes, then their waits for
+    their acks (up to 5 s each, ``RetainedSend``). The message loop does not wait for the acks, so
+    a client that reads but does not acknowledge would have it hold a task (about 3 KB) per
+    retained message its SUBSCRIBEs bring, up to the 65,535 packet ids: at ``MAX_RETAINED_ACKS``
+    the loop sends the next SUBSCRIBE's only once half that are done (acknowledged, or 5 s on).
+    The connection's end cancels them (``stop``)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def add(self, task: asyncio.Task[None]) -> None:
+        task.add_done_callback(self._done)
+        if not task.done():
+            self._tasks.add(task)
+            if len(self._tasks) >= MAX_RETAINED_ACKS:
+                self._room.clear()
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        """As amqtt's ``gather(return_exceptions=True)``: one failed send stops no other, and its
+        error (amqtt logged a missing PUBACK) is dropped, not logged as never retrieved."""
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
+        if len(self._tasks) <= MAX_RETAINED_ACKS // 2:
+            self._room.set()
+
+    async def room(self) -> None:
+        await self._room.wait()
+
+    def stop(self) -> None:
+        """At the connection's end nothing awaits an ack, nor a write to a client that reads nothing."""
+        for task in list(self._tasks):
+            task.cancel()
+
+
 def _cancelled_by_the_end(client_id: str, task: asyncio.Task[None]) -> None:
     """A handler cancelled at its connection's end (FastReader.run): amqtt turns the cancel of one
     waiting to write (a PINGREQ's read while the client read nothing) into ProtocolHandlerError,
@@ -3989,10 +4069,11 @@ class FastReader:
         (400,000 SUBSCRIBEs in a second: 140 MB); reading nothing more, the socket fills and the
         client's sends wait. A connection paused (at either bound) that gets nowhere for 1.5 keep-alive periods
         (``_waited_with_progress``) is ended (UNREAD): a half-open one sends nothing either, but
-        its reader would not see it. The bound is far higher for a client that reads because on a clean
-        session the message loop applies a SUBSCRIBE only once the retained QoS 1 messages it
-        brings are acknowledged (or 5 s on), and the client's PUBACKs are behind its later
-        SUBSCRIBEs in the stream: 300 pipelined got 18 SUBACKs in 85 s at a bound of 256."""
+        its reader would not see it. The bound is far higher for a client that reads: it is answered at
+        the pace its requests are handled. Nothing the reader waits for here waits for a packet
+        behind the paused read: a clean session's message loop goes on once a SUBSCRIBE's
+        retained messages are written, not acknowledged (``RetainedSend``; when it awaited their
+        PUBACKs, behind the client's later SUBSCRIBEs, 4,300 pipelined got 12 SUBACKs in 60 s)."""
         congested = self._transport.congested
         bound = MAX_UNDER_WAY if congested else MAX_UNDER_WAY_READ
         tasks, changes = len(self._running), len(self._changes)
