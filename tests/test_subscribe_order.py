@@ -368,6 +368,38 @@ def test_broker_stops_at_once_with_connections_waiting_for_a_retained_puback(
     assert stopped and seconds < 5.0, f"the broker stopped after {seconds:.2f} s"
 
 
+def test_broker_stops_cleanly_with_retained_sends_stuck_on_a_client_that_reads_nothing(
+    broker: Broker, clients: Callable[..., Client]
+) -> None:
+    """A clean client SUBSCRIBEs to 2,000 retained QoS 1 messages of 4 kB and reads nothing: their
+    sends (a task each) wait to write. The broker stops (SIGTERM) and its log has no error of theirs:
+    the connection's stop cancels them (when it did not, asyncio.run's shutdown cancelled them
+    and logged about 1,300 'unhandled exception during asyncio.run() shutdown' ERRORs)."""
+    publisher = clients(broker.port, "ret-pub", clean_session=True)
+    for i in range(0, 2000, 500):
+        for j in range(i, i + 500):
+            publisher.paho.publish(f"r/{j}", b"x" * 4096, qos=1, retain=True)
+        publisher.publish("sync", [b"x"], qos=1)  # the 500 before it are acknowledged too
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(WAIT)
+    with sock:
+        sock.connect((HOST, broker.port))
+        sock.sendall(connect_packet("no-read", clean=True))
+        assert read_exactly(sock, 4)[3] == 0
+        sock.sendall(subscribe_qos1("r/+", 1))
+
+        def unread() -> int:
+            return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0])
+
+        assert broker.wait_until(lambda: unread() > 0, WAIT)  # the SUBACK, then the sends' first writes
+        broker.terminate()
+        assert broker.wait_stopped(time.monotonic() + WAIT)
+    log = broker.log()
+    for error in ("unhandled exception during asyncio.run() shutdown", "never retrieved", "Traceback"):
+        assert error not in log, log[-3000:]
+
+
 def test_changes_still_waiting_when_the_grace_runs_out_are_dropped_with_a_warning(
     broker: Broker, clients: Callable[..., Client]
 ) -> None:

@@ -1196,10 +1196,11 @@ class HandlerTransport:
     def unsent_bytes(self) -> int:
         """Bytes written to the client it has not acknowledged (fewer once it reads some:
         FastReader._room): here, in asyncio's buffer and in the kernel's send queue (TIOCOUTQ),
-        which can hold megabytes and takes no more from asyncio until a third of it is free."""
+        which can hold megabytes and takes no more from asyncio until a third of it is free. On a
+        websocket (FastReader, which asks, runs on TCP only) only those here are known."""
         writer = self._handler.writer
         if not isinstance(writer, StreamWriterAdapter):
-            return self._pending_bytes + len(self._tasks)
+            return self._pending_bytes
         transport = writer._writer.transport
         sock = transport.get_extra_info("socket")
         queued = array.array("i", [0])
@@ -3857,7 +3858,8 @@ class RetainedSend(OutgoingApplicationMessage):  # type: ignore[misc]  # amqtt s
 
 MAX_RETAINED_ACKS = 4096
 """Retained messages of one clean connection's SUBSCRIBEs being sent or awaiting their acks
-(``RetainedAcks``), at which its message loop sends no more until half that are done."""
+(``RetainedAcks``), at which its message loop sends no more until half that are done or its
+reader pauses. Looked at once per SUBSCRIBE: 4,095 plus one SUBSCRIBE's matches may wait."""
 
 
 class RetainedAcks:
@@ -3865,20 +3867,31 @@ class RetainedAcks:
     their acks (up to 5 s each, ``RetainedSend``). The message loop does not wait for the acks, so
     a client that reads but does not acknowledge would have it hold a task (about 3 KB) per
     retained message its SUBSCRIBEs bring, up to the 65,535 packet ids: at ``MAX_RETAINED_ACKS``
-    the loop sends the next SUBSCRIBE's only once half that are done (acknowledged, or 5 s on).
-    The connection's end cancels them (``stop``)."""
+    the loop sends the next SUBSCRIBE's only once half that are done (acknowledged, or 5 s on) or
+    the connection's reader pauses (``reader_paused``): the acks then sit behind the paused read,
+    which waits for the loop. The connection's end cancels them (``stop``)."""
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()
         self._room.set()
+        self._reader_paused = False
 
     def add(self, task: asyncio.Task[None]) -> None:
         task.add_done_callback(self._done)
         if not task.done():
             self._tasks.add(task)
-            if len(self._tasks) >= MAX_RETAINED_ACKS:
+            if len(self._tasks) >= MAX_RETAINED_ACKS and not self._reader_paused:
                 self._room.clear()
+
+    def reader_paused(self, paused: bool) -> None:
+        """The reader pauses (``FastReader._room``) or reads on: while paused, ``room`` waits for
+        nothing (its wait, for acks the reader does not read, would wait for the reader's)."""
+        self._reader_paused = paused
+        if paused:
+            self._room.set()
+        elif len(self._tasks) >= MAX_RETAINED_ACKS:
+            self._room.clear()
 
     def _done(self, task: asyncio.Task[None]) -> None:
         """As amqtt's ``gather(return_exceptions=True)``: one failed send stops no other, and its
@@ -3944,6 +3957,7 @@ class FastReader:
         behind it, ``PublishedMessages.handed_over``)."""
         self._max_packet_size = engine.config.max_packet_size
         self._changes: SubscriptionChanges[Any] = handler.durable_changes
+        self._retained_acks: RetainedAcks = handler.durable_retained_acks
         self._paused = LogBudget(engine.config.drop_log_interval)
         self._room_made = asyncio.Event()
         """Set once at most ``_resume_at`` handlers are under way (``_room`` waits for it)."""
@@ -4073,7 +4087,10 @@ class FastReader:
         the pace its requests are handled. Nothing the reader waits for here waits for a packet
         behind the paused read: a clean session's message loop goes on once a SUBSCRIBE's
         retained messages are written, not acknowledged (``RetainedSend``; when it awaited their
-        PUBACKs, behind the client's later SUBSCRIBEs, 4,300 pipelined got 12 SUBACKs in 60 s)."""
+        PUBACKs, behind the client's later SUBSCRIBEs, 4,300 pipelined got 12 SUBACKs in 60 s),
+        and while the reader waits here it does not wait for their acks either
+        (``RetainedAcks.reader_paused``; when it did, at ``MAX_RETAINED_ACKS``, 2,200 of 8,600
+        retained QoS 2 messages timed out)."""
         congested = self._transport.congested
         bound = MAX_UNDER_WAY if congested else MAX_UNDER_WAY_READ
         tasks, changes = len(self._running), len(self._changes)
@@ -4086,12 +4103,14 @@ class FastReader:
         if congested:
             waits.append(asyncio.ensure_future(self._drained()))
         limit = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None
+        self._retained_acks.reader_paused(True)
         try:
             if not await self._waited_with_progress(waits, limit):
                 # MQTT-3.1.2-24 could not see the silence of a half-open client: the reader waited
                 log.info(UNREAD, self._session.client_id)
                 await end_connection(self._handler)
         finally:
+            self._retained_acks.reader_paused(False)
             for wait in waits:
                 wait.cancel()
 
