@@ -595,7 +595,8 @@ def test_a_clean_client_pipelining_subscribes_to_retained_messages_that_it_acks_
     (keep-alive 2 s) is not ended (when the loop awaited the PUBACKs: 18 of 300 in 85 s at a
     bound of 256 whatever the client read; 12 of 4,300 in 60 s at the 4,096 bound of a client
     that reads; when it awaited half of 4,096 acks while the reader was paused: 6,400 of 8,600
-    PUBRELs, 2,200 PUBREC timeouts)."""
+    PUBRELs, 2,200 PUBREC timeouts). The acks of what is sent while the reader is paused wait for it
+    to read on (2,048 SUBSCRIBEs applied): a machine busy enough to make that take 5 s times them out."""
     broker = broker_factory(drop_log_interval=3600, max_subscriptions_per_client=0)
     watcher = clients(broker.port, "watcher", clean_session=True)
     watcher.subscribe("r/#", 0)
