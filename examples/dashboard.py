@@ -16,11 +16,10 @@ Needs a running broker with the durable plugin (``make run`` in another terminal
 4. The dashboard comes back (a new DurableClient with the same client id, as after a
    restart): it registers on_live, subscribes with its listener and calls ready_for_events().
    The queued readings are replayed (event.replayed): the listener gets every one (e.g. for a
-   history chart), the cache none: they were news while the dashboard was away. The new
-   client sent its SUBSCRIBE again, so the broker also sends the retained readings again as
-   initial values (event.retained); they fill the new, empty cache. They are the seed
-   values, older than the replayed readings (which were not retained), so the cache shows
-   the last retained value until live readings arrive.
+   history chart), the cache none: they were news while the dashboard was away. The broker's
+   session still holds the subscription, so the new client does not send its SUBSCRIBE again
+   (a repeated SUBSCRIBE would queue the retained readings again): no initial values come,
+   and the new cache is empty at the marker, until live readings arrive.
 5. After the marker, one live reading per sensor is published: live readings update the cache.
 
 Exit code 0 when the listener got every replayed reading in order, the cache took none of
@@ -61,9 +60,7 @@ class Dashboard:
         self.cache_at_marker: dict[str, CacheEntry] = {}
         self.info: ConnectionInfo | None = None
         self._cond = threading.Condition()
-        self.client = DurableClient(
-            client_id, host, port, on_live=self._on_live, on_connected=self._on_connected
-        )
+        self.client = DurableClient(client_id, host, port, on_live=self._on_live, on_connected=self._on_connected)
 
     def open(self) -> None:
         """Subscribe, connect, say ready; return at the marker (every replayed event is in by then)."""

@@ -25,8 +25,8 @@ from amqtt_durable.wire import encode_packet, encode_string
 from durable_client import DurableClient
 from durable_client.persistence import SessionState
 
-# the `etcd` fixture: a real etcd for the replication tests; `relays`: PacketRelay makers
-pytest_plugins = ["etcd_fixture", "packet_relay"]
+# the `etcd` fixture: a real etcd for the replication tests; `raws`: Raw makers; `relays`: PacketRelay makers
+pytest_plugins = ["etcd_fixture", "raw_mqtt_helpers", "packet_relay"]
 
 WAIT = 15.0
 SPARK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
@@ -299,6 +299,19 @@ def payloads(count: int, prefix: str = "m") -> list[bytes]:
     return [f"{prefix}{i:07d}".encode() for i in range(count)]
 
 
+def each_got_only(subscribers: list[Client], expected: list[bytes], quiet: float = 0.5) -> None:
+    """Each of ``subscribers`` got ``expected``, in that order, and nothing more within ``quiet`` seconds after
+    the last of them had it: one window watched on all of them at once (each is watched for the whole of it),
+    not one window after another."""
+    for subscriber in subscribers:
+        subscriber.wait_for(lambda ms: len(ms) >= len(expected))
+    quiet_until = time.monotonic() + quiet
+    for subscriber in subscribers:
+        left = max(0.0, quiet_until - time.monotonic())
+        assert not subscriber.wait_for(lambda ms: len(ms) > len(expected), timeout=left), subscriber.client_id
+        assert [m.payload for m in subscriber.messages] == expected, subscriber.client_id
+
+
 def seen_away(clients: Callable[..., Client], broker: Broker, count: int) -> None:
     """Wait until the broker counts ``count`` disconnected durable sessions (its metrics, broker
     started with a short `metrics_interval`): a publish on another connection can otherwise be
@@ -435,3 +448,9 @@ def spark() -> Iterator[Any]:
     session.conf.set("spark.sql.shuffle.partitions", "1")
     yield session
     session.stop()
+
+
+def refused(reply: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(code, op, req) of a control request's refusal."""
+    assert reply["ok"] is False, reply
+    return reply["error"]["code"], reply["op"], reply["req"]

@@ -36,18 +36,19 @@ def signal_fleet_when(tmp_path: Path, args: list[str], ready: Callable[[Path], b
         if harness.poll() is None:
             harness.kill()
             harness.wait(WAIT)
-    assert_none_left(out)
+        left = kill_left(out)  # also when the test failed: a broker it SIGSTOPped would stay for ever
+    assert left == [], f"processes the harness started outlived it: {left}"
 
 
-def assert_none_left(folder: Path) -> None:
-    """No process whose command line names ``folder`` outlived the harness (any left is SIGKILLed, by PID: these
-    are the test's own orphans)."""
+def kill_left(folder: Path) -> list[bytes]:
+    """SIGKILL, by PID, every process whose command line names ``folder`` (the test's own orphans, which
+    outlived the harness) and return their command lines."""
     left = processes_in(folder)
     named = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120] for pid in left]
     for pid in left:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    assert left == [], f"processes the harness started outlived it: {named}"
+    return named
 
 
 def processes_in(folder: Path) -> list[int]:

@@ -1,8 +1,9 @@
 """A TCP relay between an MQTT client and a real broker that sees every packet either way: a test
 waits on what the broker or the client is sent (not on a client library's log lines), holds one
 direction's packets (read and seen, forwarded in order at release()), and may rewrite what the
-client sends. Two threads per link, every wait bounded (``wait``: WAIT). The ``relays`` fixture
-(a pytest plugin of tests/conftest.py) makes relays and closes them all at a test's end."""
+client sends or what the broker sends it. Two threads per link, every wait bounded (``wait``: WAIT).
+The ``relays`` fixture (a pytest plugin of tests/conftest.py) makes relays and closes them all at a
+test's end."""
 
 from __future__ import annotations
 
@@ -54,12 +55,19 @@ class PacketRelay:
     """Listens on an ephemeral port of HOST and relays each accepted connection to ``broker_port``."""
 
     def __init__(
-        self, broker_port: int, rewrite: Callable[[Packet], Packet] | None = None, *, wait: float = WAIT
+        self,
+        broker_port: int,
+        rewrite: Callable[[Packet], Packet] | None = None,
+        *,
+        rewrite_down: Callable[[Packet], Packet] | None = None,
+        wait: float = WAIT,
     ) -> None:
         self.broker_port = broker_port
         self.rewrite = rewrite
         """Applied to each packet the client sends before it is seen (``seen`` keeps it as sent) and
         forwarded. It runs outside the relay's locks: it may call release(), hold() or cut()."""
+        self.rewrite_down = rewrite_down
+        """``rewrite`` for each packet the broker sends the client (a frame the broker never writes)."""
         self.wait = wait
         """The bound of each wait: wait_seen(), a send (a peer that reads nothing that long), a whole
         packet once its first byte came, close()'s joins. A send or read that times out fails the relay."""
@@ -208,7 +216,7 @@ class PacketRelay:
             while True:
                 _wait_readable(source)
                 packet = Packet(direction, *read_packet(source, time.monotonic() + self.wait))
-                rewrite = self.rewrite if direction == "up" else None
+                rewrite = self.rewrite if direction == "up" else self.rewrite_down
                 forward = packet if rewrite is None else rewrite(packet)
                 data = encode_packet(forward.first, forward.body)
                 with self._sending[direction]:

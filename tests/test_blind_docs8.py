@@ -386,18 +386,28 @@ def test_a_publish_whose_topic_is_not_strict_utf8_closes_the_connection_unanswer
     assert [(m.topic, m.payload) for m in watcher.messages] == [(good, b"ok")], "only the valid topic was routed"
 
 
-def test_the_expiry_line_gives_an_sdk_clients_own_expiry_as_it_asked(
-    broker_factory: Callable[..., Broker],
+@pytest.mark.parametrize(
+    ("configured", "asked", "shown"),
+    [
+        (300, 0.25, "0.25"),
+        (300, 1 / 3, "0.3333333333333333"),  # not 15 digits' 0.333333333333333
+        (300, 1.0, "1"),
+        (0.30000000000000004, None, "0.30000000000000004"),  # the setting as written, not 0.3
+    ],
+)
+def test_the_expiry_line_gives_the_expiry_as_set(
+    broker_factory: Callable[..., Broker], configured: float, asked: float | None, shown: str
 ) -> None:
     """guarantees.md, Expiry: `<n>` of the WARNING is "the session's expiry as set, `session_expiry` or
-    an SDK client's own"; protocol.md's `hello` asks for its own (here 0.25 s, the broker's 300)."""
-    broker = broker_factory(session_expiry=300)
+    an SDK client's own"; protocol.md's `hello` asks for its own (the broker's 300) or takes the setting."""
+    broker = broker_factory(session_expiry=configured)
     raw = Raw(broker.port, "own-expiry")
     with raw.sock:
-        assert hello(raw, session_expiry=0.25)["session_expiry"] == 0.25
+        assert hello(raw, session_expiry=asked)["session_expiry"] == asked
         raw.sock.sendall(bytes((0xE0, 0)))
     (line,) = wait_for_log(broker, "durable session own-expiry expired")
-    assert line.endswith("expired after 0.25 s disconnected: 0 queued message(s) and its subscriptions deleted"), line
+    ending = f"expired after {shown} s disconnected: 0 queued message(s) and its subscriptions deleted"
+    assert line.endswith(ending), line
 
 
 # ------------------------------------------------------------------ guarantees.md: Owner, CONNECTs that arrive together

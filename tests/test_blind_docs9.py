@@ -284,30 +284,6 @@ def test_every_bad_method_argument_is_a_value_error_starting_with_its_name_befor
     refused(lambda: call(client), name, wrong_type)
 
 
-def test_after_close_publish_and_stream_info_are_unconnected_and_close_is_idempotent(
-    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
-) -> None:
-    """sdk.md: "Disconnected, [publish] raises `Unconnected` and queues nothing"; stream_info "needs a
-    connection (`Unconnected`)"; "a closed client raises `Unconnected`" at `connect()`; the docstring of
-    `close`: "Disconnect for good; idempotent"."""
-    broker = broker_factory(streams=STREAMS)
-    client = sdk(broker.port, "closed-1")
-    client.connect(timeout=WAIT)
-    assert client.connected
-    client.close()
-    assert not client.connected
-    with pytest.raises(Unconnected):
-        client.publish("telemetry/a", b"x")
-    with pytest.raises(Unconnected):
-        client.publish("telemetry/a", b"x", qos=0)
-    with pytest.raises(Unconnected):
-        client.stream_info()
-    with pytest.raises(Unconnected):
-        client.connect(timeout=WAIT)
-    client.close()
-    client.close(keep_session=True)
-
-
 def test_a_topic_an_open_stream_reads_cannot_be_moved_by_after(
     broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
 ) -> None:
@@ -439,23 +415,32 @@ def test_each_kind_of_record_carries_its_documented_columns(
 # ---------------------------------------------------------------------- sdk.md / streams.md: state rules
 
 
+@pytest.mark.parametrize(("durable_session", "keep_session"), [(True, True), (False, False)])
 def test_a_closed_client_raises_unconnected_from_every_method_but_close_and_its_cache_still_reads(
-    broker_factory: Callable[..., Broker], sdk: Callable[..., DurableClient]
+    durable_session: bool,
+    keep_session: bool,
+    broker_factory: Callable[..., Broker],
+    sdk: Callable[..., DurableClient],
 ) -> None:
     """sdk.md: "a closed client raises `Unconnected`" (from every method but `close()`, which does nothing
-    again: the docstring's "idempotent"), even for an argument it would refuse; the cache's "Reads keep
-    working while disconnected"."""
+    again: the docstring's "idempotent"), even for an argument it would refuse; "Disconnected, [publish]
+    raises `Unconnected` and queues nothing" (QoS 0 too); stream_info "needs a connection
+    (`Unconnected`)"; the cache's "Reads keep working while disconnected"."""
     broker = broker_factory(streams=STREAMS)
     got = threading.Event()
-    client = sdk(broker.port, "closed-all", durable_session=False)
+    client = sdk(broker.port, f"closed-{durable_session}", durable_session=durable_session)
     client.subscribe("telemetry/#", listener=lambda e: got.set())
+    client.ready_for_events()
     client.connect(timeout=WAIT)
+    assert client.connected
     client.publish("telemetry/x", b"kept")
     assert got.wait(WAIT), "no event"
-    client.close(keep_session=False)
+    client.close(keep_session=keep_session)
+    assert not client.connected
     calls: list[Callable[[], object]] = [
         lambda: client.connect(timeout=WAIT),
         lambda: client.publish("telemetry/x", b"y"),
+        lambda: client.publish("telemetry/x", b"y", qos=0),
         lambda: client.subscribe("telemetry/#"),
         lambda: client.subscribe("a/#/b"),
         lambda: client.unsubscribe("telemetry/#"),
@@ -466,7 +451,8 @@ def test_a_closed_client_raises_unconnected_from_every_method_but_close_and_its_
     for call in calls:
         with pytest.raises(Unconnected, match="closed"):
             call()
-    client.close(keep_session=False)
+    client.close()
+    client.close(keep_session=not keep_session)
     assert client.cache.get("telemetry/x") == b"kept" and list(client.cache) == ["telemetry/x"]
 
 

@@ -243,10 +243,11 @@ def test_failover_waits_for_the_lease_and_ends_within_lease_ttl_plus_loop_wait(
 
 class _ErrorNode:
     """A fake node on a replication address: whatever a tool asks, it answers one ERROR frame with
-    ``text`` and closes (as a node refusing a connection does)."""
+    ``text`` (or one ``frame`` of another kind) and closes (as a node refusing a connection does)."""
 
-    def __init__(self, text: bytes) -> None:
+    def __init__(self, text: bytes, frame: Frame = Frame.ERROR) -> None:
         self.text = text
+        self.frame = frame
         self.port = free_port()
         self.ready = threading.Event()
         self.stop = threading.Event()
@@ -255,7 +256,7 @@ class _ErrorNode:
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(read_frame(reader), WAIT)
-            writer.write(encode_frame(Frame.ERROR, self.text))
+            writer.write(encode_frame(self.frame, self.text))
             await writer.drain()
         writer.close()
 
@@ -289,6 +290,95 @@ def test_a_peers_error_text_is_shown_escaped_and_cut_at_200_characters(tmp_path:
             assert reason.startswith("bad\\n\\x1b[2Jyyy"), reason
             shown = reason.split("...", 1)[0]
             assert len(shown) == 200, (len(shown), reason)
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (b"not json", "not UTF-8 JSON: Expecting value"),
+        (b"[1]", "not a JSON object but an array"),
+        (b"[" * 100_000, "JSON nested too deeply"),
+    ],
+    ids=["text", "list", "nested"],
+)
+@pytest.mark.parametrize(
+    ("argv", "frame"), [(["inspect", "--replication"], Frame.STATUS), (["promote"], Frame.PROMOTE)]
+)
+def test_an_answer_that_is_not_a_json_object_is_one_line_naming_the_address(
+    argv: list[str], frame: Frame, answer: bytes, reason: str
+) -> None:
+    """A node's STATUS or PROMOTE answer that is not a JSON object (text, a list, JSON nested past the
+    interpreter's limit: a RecursionError traceback, as other text gave a JSONDecodeError one) is one line
+    naming the address, and the tool exits with status 1 as for a peer's refusal."""
+    with _ErrorNode(answer, frame) as fake:
+        result = run_cli(*argv, f"{HOST}:{fake.port}")
+    assert result.returncode == 1, result.stderr
+    expected = f"replication address {HOST}:{fake.port}: its answer to {frame.name} is not readable: {reason}"
+    assert expected in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "frame", "answer", "wrong"),
+    [
+        (["inspect", "--replication"], Frame.STATUS, b"{}", "is not one this version shows (no 'role')"),
+        (
+            ["inspect", "--replication"],
+            Frame.STATUS,
+            b'{"role": "backup", "batch": 1, "state": "x", "members": 5}',
+            "is not one this version shows (TypeError: 'int' object is not iterable)",
+        ),
+        (["promote"], Frame.PROMOTE, b"{}", "is not readable: no 'promoted'"),
+        (
+            ["promote"],
+            Frame.PROMOTE,
+            b'{"promoted": 1, "why": "x"}',
+            "is not readable: 'promoted' is not a boolean: a number 1",
+        ),
+        (["promote"], Frame.PROMOTE, b'{"promoted": false, "why": 1e999}', "is not readable: 1e999 is past a float"),
+    ],
+    ids=["status-empty", "status-members-number", "promote-empty", "promote-int", "promote-1e999"],
+)
+def test_an_answer_without_its_fields_is_one_line_naming_the_address(
+    argv: list[str], frame: Frame, answer: bytes, wrong: str
+) -> None:
+    """replication.md: a node's STATUS or PROMOTE answer that is a JSON object without the fields the tool
+    shows, or with fields of other types (a KeyError or TypeError traceback), is one line naming the
+    address and what is wrong, exit status 1."""
+    with _ErrorNode(answer, frame) as fake:
+        result = run_cli(*argv, f"{HOST}:{fake.port}")
+    assert result.returncode == 1, result.stderr
+    expected = f"replication address {HOST}:{fake.port}: its answer to {frame.name} {wrong}"
+    assert expected in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "frame", "answer", "out", "lines"),
+    [
+        (["inspect", "--replication"], Frame.STATUS, b'{"role": "backup", "batch": 1, "state": "\\ud800\\nx"}', 1, 2),
+        (["promote"], Frame.PROMOTE, b'{"promoted": true, "why": "\\ud800\\nx"}', 1, 1),
+        (["promote"], Frame.PROMOTE, b'{"promoted": false, "why": "\\ud800\\nx"}', 2, 1),
+        (  # a field of a row in a list, as deep as the tool reads (review 326)
+            ["inspect", "--replication"],
+            Frame.STATUS,
+            b'{"role": "backup", "batch": 1, "state": "s", "members": [{"name": "\\ud800\\nx", "role": "backup", '
+            b'"batch": 1, "store_id": 1, "candidate": false}]}',
+            1,
+            4,
+        ),
+    ],
+    ids=["status", "promoted", "not-promoted", "status-member-row"],
+)
+def test_a_nodes_text_that_print_cannot_encode_or_that_splits_a_line_is_shown_escaped(
+    argv: list[str], frame: Frame, answer: bytes, out: int, lines: int
+) -> None:
+    """Review 325: a lone surrogate in a node's STATUS or PROMOTE answer (a UnicodeEncodeError traceback from
+    print) or a newline (a line the node forged) is shown escaped, as inspect shows a client's text: the
+    tool's lines stay its own."""
+    with _ErrorNode(answer, frame) as fake:
+        result = run_cli(*argv, f"{HOST}:{fake.port}")
+    shown, other = (result.stdout, result.stderr) if out == 1 else (result.stderr, result.stdout)
+    assert result.returncode == (0 if out == 1 else 1) and not other, result
+    assert "\\ud800\\nx" in shown and len(shown.splitlines()) == lines, shown
 
 
 def test_a_relative_secret_file_is_read_from_the_working_directory_not_broker_yamls_folder(

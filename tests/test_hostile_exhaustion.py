@@ -382,8 +382,8 @@ def test_a_client_uploading_a_large_publish_in_slow_pieces_is_not_silent(
     amqtt's websocket reader waits for a whole fixed header or body over as many messages as it
     takes, and only that wait counted as heard: a client sending a 100 kB PUBLISH in 50 pieces,
     one every 0.2 s, with keep-alive 2 was disconnected as silent after 3 s. Every websocket
-    message counts now (a TCP connection's every chunk already did). 25 pieces here: the body's
-    wait lasts 4.8 s or more, past the 3 s at which such a client was disconnected."""
+    message counts now (a TCP connection's every chunk already did). Keep-alive 1 and 13 pieces here:
+    the body's wait lasts 2.4 s or more, past the 1.5 s at which such a client was disconnected."""
     broker = broker_factory(start=False)
     broker.extra_plugins.update(PATHS["amqtt-reader"])
     broker.ws_port = free_port()
@@ -391,9 +391,9 @@ def test_a_client_uploading_a_large_publish_in_slow_pieces_is_not_silent(
     sub = clients(broker.port, "sub", clean_session=True)
     sub.subscribe("up/#", 0)
     packet = publish_packet(b"up/big", b"p" * 100_000, 0)
-    step = -(-len(packet) // 25)
+    step = -(-len(packet) // 13)
     pieces = [packet[i : i + step] for i in range(0, len(packet), step)]
-    connect = connect_packet("uploader", clean=True, keepalive=2)
+    connect = connect_packet("uploader", clean=True, keepalive=1)
 
     async def paced() -> None:
         await asyncio.sleep(0.2)  # the client's slow uplink (the input under test, not a synchronisation)

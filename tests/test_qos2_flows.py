@@ -29,7 +29,7 @@ from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_ex
 from test_blind_guarantees import USER
 from test_blind_guarantees import on_either_reader as on_either_reader  # noqa: PLC0414  (the fixture, by its own name)
 
-from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
+from conftest import HOST, WAIT, Broker, Client, each_got_only, mqtt_packet, mqtt_string
 
 PUBREC, PUBREL, PUBCOMP = 0x50, 0x62, 0x70
 DISCONNECT = b"\xe0\x00"
@@ -61,14 +61,6 @@ def pubcomps_then_closed(sock: socket.socket, packet_ids: list[bytes]) -> None:
     assert sock.recv(1) == b"", "the connection stays open"  # bounded by the socket's timeout
 
 
-def each_got_once(subscribers: list[Client], expected: list[bytes]) -> None:
-    """Every subscriber gets ``expected``, in order, and nothing more (within half a second after)."""
-    for subscriber in subscribers:
-        subscriber.wait_for(lambda ms: len(ms) >= len(expected))
-        assert not subscriber.wait_for(lambda ms: len(ms) > len(expected), timeout=0.5), subscriber.client_id
-        assert [m.payload for m in subscriber.messages] == expected, subscriber.client_id
-
-
 PUBLISHERS = pytest.mark.parametrize("clean", [True, False], ids=["clean-publisher", "durable-publisher"])
 
 
@@ -90,7 +82,7 @@ def test_a_pubrel_and_the_connections_end_in_one_write_deliver_the_message(
             publisher.sendall(pubrel)
             publisher.shutdown(socket.SHUT_WR)
         pubcomps_then_closed(publisher, [packet_id])
-    each_got_once(receivers, [b"released"])
+    each_got_only(receivers, [b"released"])
 
 
 @PUBLISHERS
@@ -106,7 +98,7 @@ def test_several_pubrels_and_a_disconnect_in_one_write_deliver_all_in_order(
         packet_ids = published_unreleased(publisher, "rel/t", bodies)
         publisher.sendall(b"".join(mqtt_packet(PUBREL, packet_id) for packet_id in packet_ids) + DISCONNECT)
         pubcomps_then_closed(publisher, packet_ids)
-    each_got_once(receivers, bodies)
+    each_got_only(receivers, bodies)
 
 
 @PUBLISHERS
@@ -135,7 +127,7 @@ def test_a_pubrel_sent_right_behind_its_publish_releases_that_message(
             assert [read_packet(publisher), read_packet(publisher)] == [(PUBREC, packet_id), (PUBCOMP, packet_id)]
             if end != "none":
                 assert publisher.recv(1) == b"", "the connection stays open"  # bounded by the socket's timeout
-    each_got_once(receivers, bodies)
+    each_got_only(receivers, bodies)
 
 
 @PUBLISHERS
@@ -157,7 +149,7 @@ def test_a_publish_read_behind_a_pubrel_reaches_subscribers_after_the_released_m
         publish_b = mqtt_packet(0x32, mqtt_string("ord/t") + b"\x00\x09" + b"B")
         publisher.sendall(mqtt_packet(PUBREL, packet_id) + publish_b)
         assert sorted([read_packet(publisher), read_packet(publisher)]) == [(0x40, b"\x00\x09"), (PUBCOMP, packet_id)]
-    each_got_once(receivers, [b"A", b"B"])
+    each_got_only(receivers, [b"A", b"B"])
 
 
 def connect_owing(port: int, client_id: str, pubrels: list[bytes]) -> socket.socket:
@@ -205,7 +197,7 @@ def test_a_pubrel_racing_a_take_over_of_the_client_id_delivers_once(
         sock.close()
         sock = again
     sock.close()
-    each_got_once(receivers, bodies)
+    each_got_only(receivers, bodies)
 
 
 def release(sock: socket.socket, packet_id: bytes) -> None:
@@ -250,7 +242,7 @@ def test_max_awaiting_pubrel_counts_what_earlier_connections_left_awaiting(
         assert read_packet(third) == (PUBREC, ids[3])
         for packet_id in ids[1:]:
             release(third, packet_id)
-    each_got_once(receivers, [b"m1", b"m2", b"m3", b"m4"])
+    each_got_only(receivers, [b"m1", b"m2", b"m3", b"m4"])
 
 
 def test_a_take_over_of_a_connection_whose_socket_is_full_is_connacked_at_once(

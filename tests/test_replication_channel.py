@@ -535,14 +535,17 @@ def test_a_backup_without_sync_keeps_its_event_loop_responsive_while_it_writes_a
                 gaps.append(now - last)
                 last = now
 
+        started = time.perf_counter()
         write = asyncio.create_task(backup._apply(group))
         await asyncio.sleep(0)  # one pass: the write's first step ran (written on the loop: all of it)
         await bounded(ticker(write))
+        took = time.perf_counter() - started
         assert await write == 200
         assert backup.applied_seq == 200
         assert passes_during_write > 0, "the group was written in one pass of the event loop"
-        # a loop pass on a loaded machine, far below the write's own time when it ran on the loop
-        assert max(gaps) < 0.3, f"the backup's event loop was blocked {max(gaps):.3f} s"
+        # No pass waits for a large part of the write (on a loaded machine both stretch alike; a
+        # fixed 0.3 s failed at load 11 with 0.47 s).
+        assert max(gaps) < took / 3, f"the event loop was blocked {max(gaps):.3f} s of the write's {took:.3f} s"
         assert backup.db.get(b"m" + (200).to_bytes(8, "big")) == b"v" * (1 << 20)
 
     asyncio.run(main())

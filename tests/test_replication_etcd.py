@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from amqtt_durable.process import EtcdProcess, free_port
 from amqtt_durable.replication.config import ReplicationConfig
 from amqtt_durable.replication.coordinator import Leader, Member
 from amqtt_durable.replication.errors import CoordinatorError
-from amqtt_durable.replication.etcd import EtcdCoordinator
+from amqtt_durable.replication.etcd import EtcdCoordinator, _b64
 from amqtt_durable.replication.ha import Decision, HaNode
 from amqtt_durable.replication.node import ReplicationNode
 from amqtt_durable.replication.position import position_op
@@ -394,3 +396,206 @@ def test_a_promote_is_accepted_whenever_the_nodes_cycles_find_no_primary(etcd: E
 
     refused, why = asyncio.run(asyncio.wait_for(main(), BOUND))
     assert refused == 0, why[:3]
+
+
+@pytest.mark.parametrize("value", [b"not json", b"[1]", b"[" * 100_000], ids=["text", "list", "nested"])
+def test_a_record_this_version_cannot_read_is_a_coordinator_error_naming_its_key(
+    value: bytes, etcd: EtcdProcess
+) -> None:
+    """A leader, primary or sync record that is not one (text, another JSON value, JSON nested past the
+    interpreter's limit: RecursionError, which ended the HA loop as a ValueError did) is a CoordinatorError
+    naming its key, which the HA loop takes as the coordinator not answering; such a member record counts
+    as absent."""
+
+    async def main() -> None:
+        writer, reader = coordinator(etcd), coordinator(etcd)
+        await writer.publish_member(Member("a", "backup", 9, 1, True))
+        for name in ("leader", "primary", "sync", "members/b"):
+            await writer._call("/v3/kv/put", {"key": _b64(writer.prefix + name), "value": _b64(value)})
+        assert await reader.members() == [Member("a", "backup", 9, 1, True)]
+        for read, key in (
+            (reader.leader, "leader"),
+            (reader.former_primaries, "primary"),
+            (reader.sync_members, "sync"),
+        ):
+            with pytest.raises(CoordinatorError, match=f"{writer.prefix}{key} holds a malformed record"):
+                await read()
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+MALFORMED_SYNC = [
+    b"{}",
+    b'{"members": 5}',
+    b'{"members": [[1]]}',
+    b'{"leader": "a", "members": ["a"], "term": "x"}',
+    b'{"leader": "a", "members": ["a"], "term": Infinity}',
+    b'{"leader": "a", "members": ["a"], "term": 1e999}',
+    b'{"leader": "a", "members": ["a"], "term": NaN}',
+]
+MALFORMED_MEMBER = [
+    b'{"name": "c", "role": "backup", "store_id": 1, "batch": Infinity, "candidate": true}',
+    b'{"name": "c", "role": "backup", "store_id": 1e999, "batch": 1, "candidate": true}',
+    b'{"name": "c", "role": "backup", "store_id": 1, "batch": 1, "candidate": "yes"}',
+    b'{"name": 5, "role": "backup", "store_id": 1, "batch": 1, "candidate": true}',
+]
+
+
+def test_a_record_of_malformed_fields_does_not_end_the_ha_loop(
+    etcd: EtcdProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """replication.md: a sync record that is a JSON object with a field missing, of another type, or
+    NaN/Infinity/1e999 (a KeyError, TypeError, ValueError or OverflowError ended the HA loop) counts as
+    etcd not answering, logged naming the key and how to delete it; such a members/ record counts as
+    absent (int(Infinity) escaped members())."""
+    caplog.set_level(logging.WARNING, "amqtt_durable")
+
+    async def cycles(key: str, value: bytes, done: Callable[[HaNode, Decision], bool]) -> None:
+        writer = coordinator(etcd)
+        await writer._call("/v3/kv/put", {"key": _b64(writer.prefix + key), "value": _b64(value)})
+        hooks = Node(caught_up=False)
+        node = HaNode(coordinator(etcd), hooks, name="b", address="127.0.0.1:7002", loop_wait=0.05, demote_margin=0.5)
+        stop, seen = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(node.run(stop, lambda d: seen.set() if done(node, d) else None))
+        finished, _ = await asyncio.wait({task, asyncio.create_task(seen.wait())}, timeout=BOUND / 4,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        assert task not in finished, (key, value, task.exception() if task.done() else None)
+        assert seen.is_set(), (key, value, node.last)
+        stop.set()
+        await task
+        await writer._call("/v3/kv/deleterange", {"key": _b64(writer.prefix + key)})
+
+    async def main() -> None:
+        first = coordinator(etcd)
+        assert await first.initialize("a")  # b does not bootstrap: it reads former_primaries and sync
+        key = f"{first.prefix}sync"
+        for value in MALFORMED_SYNC:
+            caplog.clear()
+            await cycles("sync", value, lambda node, d: f"{key} holds a malformed record" in d.reason)
+            said = f"{key} holds a malformed record ("
+            assert any(said in r.getMessage() and f"etcdctl del {key}" in r.getMessage() for r in caplog.records), (
+                value, [r.getMessage() for r in caplog.records],
+            )  # fmt: skip
+        for value in MALFORMED_MEMBER:  # b's cycles go on, c counts as absent
+            await cycles("members/c", value, lambda node, d: node.members == [node.record()])
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{}",
+        b'{"ID": "x"}',
+        b'{"ID": 1, "succeeded": true, "kvs": 5}',
+        b'{"ID": 1, "header": 5}',
+        b'{"ID": 1, "kvs": [{"key": "a", "value": "eA=="}]}',
+    ],
+    ids=["empty", "id-text", "kvs-number", "header-number", "key-not-base64"],
+)
+def test_an_etcd_reply_of_another_shape_is_a_coordinator_error_naming_the_address(body: bytes) -> None:
+    """An endpoint answering HTTP 200 with a JSON object that is not etcd's reply (a KeyError 'ID',
+    TypeError or ValueError where a field is read; binascii.Error decoding the key of a record that does
+    not decode) is a CoordinatorError naming it, not the endpoint tried before it that did not answer:
+    the HA loop goes on as when etcd does not answer."""
+
+    async def main() -> None:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + body)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        fake = EtcdCoordinator([f"http://127.0.0.1:{free_port()}", url], prefix="/x", ttl=TTL, timeout=1.0)
+        node = HaNode(fake, Node(caught_up=True), name="b", address="127.0.0.1:7002", loop_wait=0.05, demote_margin=0.5)
+        stop, seen = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(node.run(stop, lambda d: seen.set() if f"coordinator {url}: " in d.reason else None))
+        finished, _ = await asyncio.wait({task, asyncio.create_task(seen.wait())}, timeout=BOUND / 2,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        assert task not in finished, task.exception() if task.done() else None
+        assert seen.is_set() and node.last.unanswered, node.last
+        stop.set()
+        await task
+        if b'"kvs": [' in body:  # the record does not decode, nor its key: what etcd sent is shown
+            with pytest.raises(CoordinatorError, match=f"coordinator {url}: 'a' holds a malformed record"):
+                await fake.leader()
+        else:  # read directly too: the HA cycle may stop at an earlier call
+            with contextlib.suppress(CoordinatorError):
+                assert await fake.leader() is None
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+@pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:99999"])
+def test_a_leader_record_whose_address_is_not_host_port_does_not_end_the_ha_loop(
+    address: str, etcd: EtcdProcess, tmp_path: Path
+) -> None:
+    """Review 325: a leader record of fields of the right types but an address that is not host:port (a
+    ReplicationError when the node followed it ended the HA loop) is a malformed record naming its key:
+    the node's cycles go on, as for any record of another shape."""
+
+    async def main() -> None:
+        listen, where = f"127.0.0.1:{free_port()}", [etcd.url]
+        config = ReplicationConfig(name="b", role="auto", listen=listen, coordinator=where, cluster="leader-address",
+                                   lease_ttl=10, loop_wait=0.05, demote_margin=1.0)  # fmt: skip
+        writer = EtcdCoordinator(where, prefix=config.prefix, ttl=10, timeout=1.0)
+        grant = await writer._call("/v3/lease/grant", {"TTL": 30})
+        record = b'{"name": "z", "address": "%s"}' % address.encode()
+        key = config.prefix + "leader"
+        await writer._call("/v3/kv/put", {"key": _b64(key), "value": _b64(record), "lease": grant["ID"]})
+        db, _ = primary_store(tmp_path / "b")
+        db.put(*position_op(0, 0))
+        reader = EtcdCoordinator(where, prefix=config.prefix, ttl=10, timeout=1.0)
+        node = ReplicationNode(db, config, coordinator=reader)
+        said, decided = Said(f"{key} holds a malformed record"), node._decided
+        node._decided = lambda decision: (decided(decision), said(decision))  # type: ignore[method-assign]
+        await node.start()
+        try:
+            decision = await said.wait()
+            assert repr(address) in decision.reason and decision.unanswered, decision
+            assert node._ha_task is not None and not node._ha_task.done(), node._ha_task
+        finally:
+            await node.stop()
+            db.close()
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+def test_records_an_earlier_release_wrote_are_read_with_their_defaults(etcd: EtcdProcess) -> None:
+    """replication.md (rolling upgrade): a ``sync`` record without ``term`` is read (term 0: its leader matched
+    by name only), a ``members/`` record without ``address`` or ``promotion_failed`` is read with "" and
+    false, not counted as absent or as a malformed record; a node of any address takes such a record over."""
+
+    async def main() -> None:
+        writer, reader = coordinator(etcd), coordinator(etcd)
+        old_sync = b'{"leader": "a", "members": ["a", "b"]}'
+        old_member = b'{"name": "c", "role": "backup", "store_id": 9, "batch": 3, "candidate": true}'
+        await writer._call("/v3/kv/put", {"key": _b64(writer.prefix + "sync"), "value": _b64(old_sync)})
+        await writer._call("/v3/kv/put", {"key": _b64(writer.prefix + "members/c"), "value": _b64(old_member)})
+        assert await reader.sync_members() == frozenset({"a", "b"})
+        assert await reader.former_primaries() == frozenset({("a", 0)})
+        assert await reader.members() == [Member("c", "backup", 9, 3, True, "", False)]
+        now = Member("c", "backup", 9, 4, True, "127.0.0.1:5")  # c upgraded: its record says no address
+        await writer.publish_member(now)
+        assert await reader.members() == [now]
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))
+
+
+def test_an_error_of_this_modules_own_code_is_not_taken_for_a_reply_of_another_shape(etcd: EtcdProcess) -> None:
+    """Review 325: only the reading of etcd's replies is a CoordinatorError "answered no reply of etcd's
+    shape"; a wrong call (a missing argument, a name that is not text) raises as it is, not hidden as etcd
+    not answering."""
+
+    async def main() -> None:
+        etcd_coordinator = coordinator(etcd)
+        with pytest.raises(TypeError, match="missing 1 required positional argument"):
+            await etcd_coordinator.acquire()  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="can only concatenate str"):
+            await etcd_coordinator.publish_member(Member(b"a", "backup", 1, 1, True))  # type: ignore[arg-type]
+
+    asyncio.run(asyncio.wait_for(main(), BOUND))

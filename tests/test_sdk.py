@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from conftest import WAIT, Broker, Client, payloads
-from durable_client import DurableClient, Event, Marker, Unconnected
+from durable_client import DurableClient, DurableClientError, Event, Marker, RequestTimeout, Unconnected
 from durable_client.delivery_log import message_id
 from durable_client.persistence import DiskState
 
@@ -504,3 +504,36 @@ def test_unsubscribes_right_before_close_are_applied(broker: Broker, sdk: Callab
     again.ready_for_events()
     assert again_signals.live.wait(WAIT)
     assert [s.filter for s in again_signals.markers[0].live] == ["keep/#"]
+
+
+@pytest.mark.parametrize("refusal", ["queue full", "packet id in use"])
+def test_a_publish_paho_refuses_neither_replaces_nor_leaves_a_send_record(
+    refusal: str, broker: Broker, sdk: Callable[..., DurableClient], relays: Callable[..., Any], tmp_path: Path
+) -> None:
+    """sdk.md: a message paho refuses (MQTT_ERR_QUEUE_SIZE) raises DurableClientError and is not logged;
+    the publish still waiting for its PUBACK gets its ``send`` when it comes (the refused one's record
+    replaced it when their packet ids were the same: that send was lost)."""
+    relay = relays(broker.port)
+    log = tmp_path / "pub.jsonl"
+    publisher = sdk(relay.port, "refused-pub", delivery_log=log)
+    publisher.connect(timeout=WAIT)
+    relay.hold("down", lambda packet: packet.kind == 4)  # PUBACKs
+    with pytest.raises(RequestTimeout):
+        publisher.publish("refused/t", b"first", qos=1, timeout=0.3)
+    paho = publisher._link._client  # paho's limits, set directly: its setter refuses while connected
+    if refusal == "queue full":
+        paho._max_queued_messages = 1
+    else:  # the next packet id is the waiting publish's: as after 65535 publishes
+        (waiting,) = paho._out_messages
+        paho._last_mid = waiting - 1
+    with pytest.raises(DurableClientError, match=r"paho refused the message: .* nothing was published"):
+        publisher.publish("refused/t", b"refused", qos=1, timeout=WAIT)
+    paho._max_queued_messages = 0
+    relay.release("down")
+    publisher.publish("refused/t", b"third", qos=1, timeout=WAIT)
+    sends = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+    assert [r["id"] for r in sends if r["kind"] == "send"] == [
+        message_id("refused/t", b"first"),
+        message_id("refused/t", b"third"),
+    ]
+    assert not publisher._sends_due._due, "no record left for the refused publish"

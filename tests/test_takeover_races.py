@@ -26,7 +26,7 @@ from test_subscribe_order import acknowledged, stuck_on_big_retained_messages, s
 from websockets.frames import Frame, Opcode
 
 from amqtt_durable.process import BrokerProcess, free_port
-from conftest import HOST, WAIT, Broker, Client, mqtt_packet, mqtt_string
+from conftest import HOST, WAIT, Broker, Client, each_got_only, mqtt_packet, mqtt_string
 
 CONNACK_ACCEPTED = b"\x20\x02\x00\x00"
 WAITS_ITS_TURN = "dev: CONNECT waits for the client id's earlier CONNECT to be answered"
@@ -391,14 +391,6 @@ def watchers_of(broker: Broker, clients: Callable[..., Client]) -> list[Client]:
     return watchers
 
 
-def assert_delivered(watchers: list[Client], expected: list[bytes]) -> None:
-    """Each of ``watchers`` got ``expected``, once each, in that order, and nothing more."""
-    for watcher in watchers:
-        watcher.wait_for(lambda ms: len(ms) >= len(expected))
-        assert not watcher.wait_for(lambda ms: len(ms) > len(expected), timeout=0.5)
-        assert [m.payload for m in watcher.messages] == expected, watcher.client_id
-
-
 @contextlib.contextmanager
 def published_behind_a_slow_check(broker: Broker, folder: Path, *, clean: bool) -> Iterator[socket.socket]:
     """A connection of "pub" (``clean``) that published QoS 1 "s1" to slow/1, whose check in the
@@ -446,7 +438,7 @@ def test_a_take_over_delivers_what_the_older_connection_published_and_got_acknow
         assert read_packet(new) == (0x40, b"\x00\x04")
         (tmp_path / "gate").write_text("1")
         assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
-    assert_delivered(watchers, [b"s1", b"c1", b"c2", b"c3"])
+    each_got_only(watchers, [b"s1", b"c1", b"c2", b"c3"])
 
 
 def seconds_to_connack(sock: socket.socket, client_id: str, *, clean: bool) -> float:
@@ -502,7 +494,7 @@ def test_a_clean_connection_that_took_over_and_ended_still_delivers_what_it_publ
         take_over_and_disconnect(broker, b"b1")
         (tmp_path / "gate").write_text("1")
         assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
-    assert_delivered(watchers, [b"s1", b"c1", b"c2", b"b1"])
+    each_got_only(watchers, [b"s1", b"c1", b"c2", b"b1"])
 
 
 def test_a_clean_connection_closed_while_its_loop_is_stuck_delivers_what_it_published(
@@ -518,7 +510,7 @@ def test_a_clean_connection_closed_while_its_loop_is_stuck_delivers_what_it_publ
         old.shutdown(socket.SHUT_WR)
         assert read_until_closed(old, 2 * WAIT) is not None, "the connection was not closed"
         (tmp_path / "gate").write_text("1")
-    assert_delivered(watchers, [b"s1", b"c1", b"c2"])
+    each_got_only(watchers, [b"s1", b"c1", b"c2"])
 
 
 @pytest.mark.parametrize("clean", [True, False], ids=["clean", "durable"])
@@ -541,7 +533,7 @@ def test_take_overs_of_a_connection_that_took_over_are_connacked_at_once_and_del
             assert read_packet(new) == (0x40, bytes((0, packet_id)))
         (tmp_path / "gate").write_text("1")
         assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
-        assert_delivered(watchers, [b"s1", b"c1", b"c2", b"b", b"c", b"d"])
+        each_got_only(watchers, [b"s1", b"c1", b"c2", b"b", b"c", b"d"])
     assert max(took[1:]) < 2.5, f"CONNACKs after {[round(t, 2) for t in took]} s"
 
 
@@ -598,8 +590,8 @@ def assert_b1_first_at_bs_bound(folder: Path, old: socket.socket, watchers: list
     assert [m.payload for m in clean_watcher.messages] == [b"b1"]
     (folder / "gate").write_text("1")
     assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
-    assert_delivered([clean_watcher], [b"b1", b"s1", b"c1", b"c2"])
-    assert_delivered([durable_watcher], [b"s1", b"c1", b"c2", b"b1"])
+    each_got_only([clean_watcher], [b"b1", b"s1", b"c1", b"c2"])
+    each_got_only([durable_watcher], [b"s1", b"c1", b"c2", b"b1"])
     assert 4.0 < took < 8.0, f"b1 came {took:.2f} s after B's bound began (documented: at its 5-second bound)"
 
 
@@ -706,7 +698,7 @@ def test_a_connection_made_after_one_that_took_over_ended_delivers_after_it(
         gate = time.monotonic() - ended
         assert gate < 4.5, f"the check passed {gate:.2f} s after B's end: B's bound may have let its messages go"
         assert read_until_closed(old, WAIT) is not None
-        assert_delivered(watchers, [b"s1", b"c1", b"c2", b"b1", b"n1"])
+        each_got_only(watchers, [b"s1", b"c1", b"c2", b"b1", b"n1"])
 
 
 def test_a_connection_made_after_one_that_took_over_ended_waits_at_most_for_its_bound(
@@ -804,8 +796,8 @@ def assert_n1_at_bs_bound(
     (folder / "gate2").write_text("1")
     assert got, f"n1 waited past B's bound for B's stuck check (not there {took:.2f} s after it began)"
     assert 4.0 < took < 8.0, f"n1 came {took:.2f} s after B's bound began (documented: at its 5-second bound)"
-    assert_delivered([clean_watcher], [b"s1", b"n1", b"s2"])
-    assert_delivered([durable_watcher], [b"s1", b"s2", b"n1"])
+    each_got_only([clean_watcher], [b"s1", b"n1", b"s2"])
+    each_got_only([durable_watcher], [b"s1", b"s2", b"n1"])
 
 
 def wait_for_close_frame(ws: StuckWebsocket) -> None:
@@ -881,8 +873,8 @@ def test_a_clean_take_over_of_a_connection_waiting_for_the_one_it_took_over_foll
             assert clean_watcher.wait_for(lambda ms: len(ms) >= 2, WAIT), [m.payload for m in clean_watcher.messages]
             (tmp_path / "gate").write_text("1")
             assert read_until_closed(a, WAIT) is not None, "the older connection was not ended"
-    assert_delivered([clean_watcher], [b"s2", b"n1", b"s1", b"c1", b"c2"])
-    assert_delivered([durable_watcher], [b"s1", b"c1", b"c2", b"s2", b"n1"])
+    each_got_only([clean_watcher], [b"s2", b"n1", b"s1", b"c1", b"c2"])
+    each_got_only([durable_watcher], [b"s1", b"c1", b"c2", b"s2", b"n1"])
 
 
 @pytest.mark.slow
@@ -924,7 +916,7 @@ def test_a_connection_made_after_a_refused_take_over_follows_the_connection_it_t
                 assert not came, [m.payload for m in clean_watcher.messages]
                 (tmp_path / "gate").write_text("1")
                 assert read_until_closed(old, WAIT) is not None, "the older connection was not ended"
-                assert_delivered([clean_watcher], [b"s1", b"c1", b"c2", b"n1"])
+                each_got_only([clean_watcher], [b"s1", b"c1", b"c2", b"n1"])
 
 
 def publish_packet_id(body: bytes) -> bytes:

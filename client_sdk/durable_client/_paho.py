@@ -128,8 +128,17 @@ class PublishHandle:
 
     @property
     def queued(self) -> bool:
-        """False when paho refused it (not connected, or its queue is full)."""
+        """Whether paho took it over a live connection (MQTT_ERR_SUCCESS). False when it refused it
+        (``refused``: nothing will send it), or the connection was down as it was handed over (at
+        QoS 0 it is dropped; at QoS 1/2 paho keeps it and sends it after the reconnect)."""
         return self._info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    @property
+    def refused(self) -> bool:
+        """paho did not keep it: its queue is full (max_queued_messages), or its packet id is still an
+        unacknowledged publish's (65535 packet ids given out since: publishes at any QoS, control
+        requests and SUBSCRIBE/UNSUBSCRIBE each take one); nothing will send it."""
+        return self._info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE
 
     @property
     def mid(self) -> int:
@@ -376,12 +385,14 @@ class PahoLink:
         registered: Callable[[PublishHandle], None] | None = None,
     ) -> PublishHandle:
         """Hand the message to paho; ``registered(handle)`` runs before its PUBACK can be handled
-        (under paho's lock of outgoing messages, which on_published's call holds too)."""
+        (under paho's lock of outgoing messages, which on_published's call holds too), unless paho
+        ``refused`` it (a refused one's packet id may be a waiting publish's, whose record it would replace)."""
         if registered is None:
             return PublishHandle(self._client.publish(topic, payload, qos, retain))
         with self._client._out_message_mutex:
             handle = PublishHandle(self._client.publish(topic, payload, qos, retain))
-            registered(handle)
+            if not handle.refused:
+                registered(handle)
         return handle
 
     def subscribe(self, topic_filter: str, qos: int) -> int | None:

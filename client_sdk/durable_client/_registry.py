@@ -34,11 +34,12 @@ class Subscription:
     or hello reply of the connection that sends it again): subscribe() waits for it, and so does
     the delivery-log record of a change to durable: true (one to durable: false is written as sent)."""
     refused: bool = False
-    """The broker refused the last change to durable: true (its ``interest`` reply): it holds the
-    filter non-durable until it applies one, so a SUBACK writes ``durable: false`` meanwhile, a
-    subscribe(durable=True) sends the change again, and so does the reconnect (the broker drops the
-    filter with the connection; refused there, the reconnect subscribes it non-durable). Kept across
-    a change of QoS; cleared at a connection's loss."""
+    """The broker refused the last change to durable: true (its ``interest`` reply) on this connection:
+    it holds the filter non-durable until it applies one, so meanwhile a SUBACK writes ``durable:
+    false`` and a subscribe(durable=True) sends the change again. A durable subscribe() replacing it
+    keeps it, at any QoS. A connection's loss clears it and sets ``undo_interest`` instead: the next
+    connection sends the change again before its hello (the broker drops the filter with the old
+    connection); refused again, it is set again and the hello's replay subscribes the filter non-durable."""
     false_logged: bool = False
     """Made non-durable while a SUBSCRIBE of it waits for its SUBACK (one sent with the change, or an
     earlier one): the ``durable: false`` record was written as sent, so that SUBACK writes none."""

@@ -763,6 +763,10 @@ class DurableClient:
         says it), also when an unacknowledged one is found larger at a reconnect's hello reply:
         it is dropped then, with an ERROR, not sent again (it may have been delivered: the
         broker may have had it before the connection was lost), and no ``send`` is logged.
+        DurableClientError (``paho refused the message``) for a QoS 1/2 message paho does not take:
+        its packet id is still an unacknowledged publish's (65535 packet ids given out since, by
+        publishes at any QoS, control requests and SUBSCRIBE/UNSUBSCRIBE alike): nothing was published or
+        logged, and that earlier publish still gets its ``send`` when its PUBACK comes.
         """
         self._check_open()
         data = _publishable(topic, payload)
@@ -779,6 +783,11 @@ class DurableClient:
             self._sends_due.add(handle, topic, data, qos)
 
         handle = self._link_or_raise().publish(topic, data, qos, retain, send_due if logged_at_ack else None)
+        if handle.refused:
+            raise DurableClientError(
+                f"paho refused the message: packet id {handle.mid} is still an unacknowledged publish's (or its "
+                "queue is full); nothing was published"
+            )
         if not handle.queued:
             if qos == 0:
                 raise Unconnected(f"the connection to {self.host}:{self.port} was just lost: nothing was published")

@@ -28,6 +28,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from .jsontext import json_object
+
 __all__ = [
     "CONTROL_PREFIX",
     "CONTROL_TOPIC",
@@ -332,14 +334,9 @@ def _json_object(payload: bytes) -> dict[str, Any]:
     if len(payload) > MAX_REQUEST_BYTES:
         raise ProtocolError("malformed", f"request of {len(payload)} bytes; the limit is {MAX_REQUEST_BYTES}")
     try:
-        data = json.loads(payload.decode("utf-8"), parse_int=_json_int)  # bytes would be read as UTF-16/32 too
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError("malformed", f"request is not UTF-8 JSON: {exc}") from None
-    except RecursionError:
-        raise ProtocolError("malformed", "request nests JSON too deeply") from None
-    if not isinstance(data, dict):
-        raise ProtocolError("malformed", "request must be a JSON object")
-    return data
+        return json_object(payload, parse_int=_json_int)
+    except ValueError as exc:
+        raise ProtocolError("malformed", f"request is {exc}") from None
 
 
 def _json_int(digits: str) -> int:

@@ -30,7 +30,7 @@ from .repair import repair
 from .replication.config import SECRET_KEYS, read_secret_file
 from .replication.errors import ReplicationError
 from .replication.framing import Frame
-from .replication.tool import ask, format_status, split_address
+from .replication.tool import ask, promote_answer, split_address, status_text
 
 log = logging.getLogger("amqtt_durable")
 
@@ -327,7 +327,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         args.usage("--retained lists a stopped broker's store, not --replication")
     if args.replication is not None:
         status = asyncio.run(ask(args.replication, Frame.STATUS, *tool_credentials(args)))
-        print(json.dumps(status, indent=2) if args.json else format_status(status))
+        print(json.dumps(status, indent=2) if args.json else status_text(args.replication, status))
         return 0
     if args.retained:
         retained = summarize_retained(args.store)
@@ -388,10 +388,11 @@ def _add_secret_options(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_promote(args: argparse.Namespace) -> int:
     answer = asyncio.run(ask(args.address, Frame.PROMOTE, *tool_credentials(args)))
-    if not answer["promoted"]:
-        print(f"amqtt-durable: {args.address} not promoted: {answer['why']}", file=sys.stderr)
+    promoted, why = promote_answer(args.address, answer)
+    if not promoted:
+        print(f"amqtt-durable: {args.address} not promoted: {why}", file=sys.stderr)
         return 1
-    print(f"{args.address}: {answer['why']}; it serves clients as the primary once its store is loaded")
+    print(f"{args.address}: {why}; it serves clients as the primary once its store is loaded")
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -229,12 +230,22 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if kind == "list[StreamConfig]":
         return _streams(key, value)
     if kind == "ReplicationConfig | None":
-        return None if value is None else ReplicationConfig.from_mapping(value, key)
+        if value is None or isinstance(value, ReplicationConfig):
+            return value
+        return ReplicationConfig.from_mapping(value, key)
     choices = {"OverflowPolicy": OVERFLOW_POLICIES, "SessionTakeover": TAKEOVER_POLICIES}.get(kind)
     if choices is not None:
         if value in choices:
             return value
         raise ConfigError(key, f"expected one of {', '.join(choices)}, got {value!r}")
+    if kind == "str" and isinstance(value, os.PathLike):  # store given in Python as a Path: its text
+        text = os.fspath(value)
+        if text == ".":  # Path("") is Path("."): refused as "" is, since which was meant cannot be told
+            raise ConfigError(
+                key, f"expected a non-empty folder path, got {value!r} (Path('') is Path('.'): give the current "
+                "folder as the text '.')",
+            )  # fmt: skip
+        value = text
     if isinstance(value, str) and value:
         return value
     what = "topic filter" if kind == "topic filter" else "folder path"
@@ -242,11 +253,13 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
 
 
 def _streams(key: str, value: Any) -> list[StreamConfig]:
-    if not isinstance(value, list):
+    if not isinstance(value, list | tuple):  # a tuple given in Python, held as a list
         raise ConfigError(key, f"expected a list of {{filter, max_count, max_age}} entries, got {value!r}")
     streams = []
-    for index, entry in enumerate(value):
+    for index, given in enumerate(value):
         where = f"{key}[{index}]"
+        # a StreamConfig given in Python: its fields checked as a mapping's
+        entry = dataclasses.asdict(given) if isinstance(given, StreamConfig) else given
         if not isinstance(entry, Mapping):
             raise ConfigError(where, f"expected a mapping with {', '.join(STREAM_KEYS)}, got {entry!r}")
         unknown = [str(k) for k in entry if k not in STREAM_KEYS]
@@ -284,27 +297,15 @@ def _check_streams(streams: list[StreamConfig]) -> None:
 def _check_ranges(config: DurableConfig) -> None:
     for field in dataclasses.fields(config):  # a DurableConfig made in Python, not by from_mapping
         refuse_long_ints(field.name, getattr(config, field.name))
-        scalar = SCALARS.get(str(field.type))
-        if scalar is not None:  # from_mapping's rules for each kind (Fraction(1, 3) seconds: a float)
-            setattr(config, field.name, scalar(field.name, getattr(config, field.name)))
-    _check_choices(config)
+        # from_mapping's rules for each kind: a Fraction(1, 3) of seconds is a float, a Path a store's
+        # text, a mapping in streams a StreamConfig (again for a value from_mapping made: the same value)
+        setattr(config, field.name, _coerce(field.name, getattr(config, field.name), field.type))
     _check_counts(config)
     _check_byte_limits(config)
     _check_durations(config)
     _check_streams(config.streams)
-    if not config.store:
-        raise ConfigError("store", "expected a non-empty folder path")
     if "\0" in config.store:
         raise ConfigError("store", f"a folder path cannot hold a NUL character, got {config.store!r}")
-
-
-def _check_choices(config: DurableConfig) -> None:
-    if config.overflow not in OVERFLOW_POLICIES:
-        raise ConfigError("overflow", f"expected one of {', '.join(OVERFLOW_POLICIES)}, got {config.overflow!r}")
-    if config.session_takeover not in TAKEOVER_POLICIES:
-        raise ConfigError(
-            "session_takeover", f"expected one of {', '.join(TAKEOVER_POLICIES)}, got {config.session_takeover!r}"
-        )
 
 
 def _check_counts(config: DurableConfig) -> None:

@@ -23,6 +23,7 @@ from .errors import (
 )
 from .routing import Routing
 from .sessions import DurableSession, ExpiredSession
+from .settings import seconds_text
 from .store import (
     DamagedEntry,
     SessionRecord,
@@ -598,7 +599,7 @@ class SessionLifecycle(Routing):
                     "durable session %s expired after %s s disconnected: %d queued message(s) and its "
                     "subscriptions deleted",
                     client_id,
-                    f"{float(session.expiry_seconds()):.15g}",  # as configured: 300, 0.5 (not rounded to 0)
+                    seconds_text(session.expiry_seconds()),  # as configured: 300, 0.5 (not rounded to 0)
                     dropped,
                 )
                 if self.on_expired is not None:

@@ -85,14 +85,25 @@ class WrittenFloat(float):
             number.text = value.strip()
         elif isinstance(value, WrittenFloat):  # checked again (DurableConfig(...) after from_mapping)
             number.text = value.text
-        else:  # a Fraction, a numpy number: shown as the float it became (replication reads it back)
-            number.text = repr(value) if type(value) in (int, float) else repr(float(number))
+        else:  # an int as written; a float, Fraction, numpy number as the float it is (replication reads it back)
+            number.text = repr(value) if type(value) is int else repr(float(number))
         return number
 
     def __repr__(self) -> str:
         return self.text
 
     __str__ = __repr__
+
+
+def seconds_text(value: float) -> str:
+    """Seconds for a log line: a setting as written (a WrittenFloat), else exact: a whole number in all its
+    digits (300 for a hello's 300.0, 100000000000000000000 for 1e20), another in the shortest text that
+    reads back as the same float (0.3333333333333333; ``.15g`` cut 1/3 to 0.333333333333333, 2**60 to
+    1.15292150460685e+18)."""
+    if isinstance(value, WrittenFloat):
+        return str(value)
+    number = float(value)
+    return str(int(number)) if number.is_integer() else repr(number)
 
 
 # yaml.safe_dump of a parsed setting writes a plain float, as for the float it stands for.

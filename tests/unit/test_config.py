@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from decimal import Decimal
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
 from amqtt_durable.config import OVERFLOW_POLICIES, DurableConfig, StreamConfig
 from amqtt_durable.errors import ConfigError
 from amqtt_durable.replication.config import ReplicationConfig
-from amqtt_durable.settings import WrittenFloat
+from amqtt_durable.settings import WrittenFloat, seconds_text
 
 # key -> (a good value, bad-type values, out-of-range values)
 CASES: dict[str, tuple[Any, list[Any], list[Any]]] = {
@@ -167,6 +170,58 @@ def test_a_fraction_too_large_for_a_float_is_refused_naming_the_setting() -> Non
     ):
         with pytest.raises(ConfigError, match="'session_expiry': must be a finite number, got a number too large"):
             make()
+
+
+def _made(make: Any) -> Any:
+    try:
+        return make()
+    except ConfigError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("store", Path("/tmp/x"), "/tmp/x"),
+        ("store", 3, "amqtt_durable config: 'store': expected a non-empty folder path, got 3"),
+        (
+            "store",
+            Path(""),  # as "" is: pathlib reads it as Path("."), which cannot be told from it
+            "amqtt_durable config: 'store': expected a non-empty folder path, got PosixPath('.') (Path('') is "
+            "Path('.'): give the current folder as the text '.')",
+        ),
+        ("streams", (StreamConfig("a/#"),), [StreamConfig("a/#")]),  # a tuple as a list (accepted before)
+        ("streams", [{"filter": "a/#", "max_count": 5}], [StreamConfig("a/#", max_count=5)]),
+        ("streams", [StreamConfig("a/#")], [StreamConfig("a/#")]),
+        (
+            "streams",
+            [StreamConfig(3)],  # type: ignore[arg-type]
+            "amqtt_durable config: 'streams[0].filter': expected a non-empty topic filter, got 3",
+        ),
+        (
+            "streams",
+            [{"max_count": 5}],
+            "amqtt_durable config: 'streams[0].filter': missing; every stream names the topic filter it logs",
+        ),
+        ("replication", {"role": "primary"}, ReplicationConfig(role="primary")),
+        ("replication", ReplicationConfig(role="primary"), ReplicationConfig(role="primary")),
+        ("session_expiry", np.float64(1.5), 1.5),
+        ("session_expiry", np.int64(3), 3.0),
+        (
+            "session_expiry",
+            Decimal("1.5"),
+            "amqtt_durable config: 'session_expiry': expected a number, got Decimal('1.5')",
+        ),
+        ("max_depth", np.int64(5), "amqtt_durable config: 'max_depth': expected a whole number, got np.int64(5)"),
+        ("max_depth", Decimal(5), "amqtt_durable config: 'max_depth': expected a whole number, got Decimal('5')"),
+    ],
+)
+def test_the_constructor_and_from_mapping_agree(key: str, value: Any, expected: Any) -> None:
+    """configuration.md: a value given to DurableConfig(...) gets from_mapping's result or error (a Path
+    for store raised TypeError, a list of mappings for streams AttributeError, in the constructor)."""
+    direct = _made(lambda: getattr(DurableConfig(**{key: value}), key))
+    mapped = _made(lambda: getattr(DurableConfig.from_mapping({key: value}), key))
+    assert direct == mapped == expected
 
 
 @pytest.mark.parametrize(("key", "value"), bad_type_cases())
@@ -451,3 +506,22 @@ def test_an_int_of_too_many_digits_in_a_config_made_in_python_names_its_setting(
     with pytest.raises(ConfigError, match="an integer of more than 4300 digits") as caught:
         make()
     assert caught.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (300.0, "300"),
+        (1e20, "100000000000000000000"),
+        (0.5, "0.5"),
+        (1 / 3, "0.3333333333333333"),
+        (2.0**60, str(2**60)),
+    ],
+)
+def test_seconds_text_writes_a_whole_number_in_all_its_digits_and_another_in_its_shortest_exact_text(
+    seconds: float, shown: str
+) -> None:
+    """seconds_text (guarantees.md, the expiry WARNING): a whole number in all its digits, not the shortest
+    text (1e+20); another in the shortest text that reads back as the same float."""
+    assert seconds_text(seconds) == shown
+    assert float(shown) == seconds

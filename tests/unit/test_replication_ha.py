@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import replace
 
 import pytest
 
-from amqtt_durable.replication.coordinator import Coordinator, Leader, Member
+from amqtt_durable.replication.coordinator import Coordinator, Leader, Member, record_field
 from amqtt_durable.replication.errors import CoordinatorError, MemberNameTakenError
 from amqtt_durable.replication.ha import Decision, HaNode, ahead_of
 from amqtt_durable.replication.tool import format_status
@@ -1159,3 +1160,21 @@ def test_an_operators_promote_whose_acquire_finds_the_lease_taken_since_it_looke
         assert (await c.run_cycle()).action == "wait" and hooks.promoted == 0
 
     run(main())
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "said"),
+    [
+        (int, "1", "'f' is not an integer: a string"),
+        (int, True, "'f' is not an integer: a boolean"),
+        (str, 1, "'f' is not a string: a number 1"),
+        (bool, 1, "'f' is not a boolean: a number 1"),
+        (list, ["a", 1], "'f' is not an array of strings: an array"),
+    ],
+)
+def test_a_record_field_of_another_kind_is_named_in_jsons_words(kind: type, value: object, said: str) -> None:
+    """A record from outside the process (etcd, a node's answer) is refused naming the field and what it
+    asks for in JSON's words, as whoever wrote the record knows them (review 326: only the boolean was
+    checked)."""
+    with pytest.raises(ValueError, match="^" + re.escape(said)):
+        record_field({"f": value}, "f", kind)

@@ -48,6 +48,7 @@ class FakeHandle:
         self.queued = True
         self.done = done
         self.too_large = False
+        self.refused = False
         self.mid = 0
 
     def is_for(self, info: object) -> bool:

@@ -247,3 +247,24 @@ def test_a_request_in_another_encoding_than_utf8_is_malformed(encoding: str) -> 
         parse_request(payload)
     assert refused.value.code == "malformed"
     assert request_ids(payload) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("payload", "kind"),
+    [
+        (b"null", "a JSON null"),
+        (b"true", "a boolean"),
+        (b"5", "a number"),
+        (b"1.5", "a number"),
+        (b'"x"', "a string"),
+        (b"[1]", "an array"),
+    ],
+)
+def test_a_request_that_is_not_a_json_object_is_refused_naming_what_it_is_in_jsons_words(
+    payload: bytes, kind: str
+) -> None:
+    """Review 325: the refusal says what the request is in JSON's words, not in Python's type names
+    ('a NoneType', 'a list')."""
+    with pytest.raises(ProtocolError) as refused:
+        parse_request(payload)
+    assert (refused.value.code, refused.value.message) == ("malformed", f"request is not a JSON object but {kind}")

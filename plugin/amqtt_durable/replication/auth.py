@@ -40,6 +40,7 @@ import contextlib
 import hashlib
 import hmac
 import secrets
+import ssl
 import struct
 
 from .errors import FrameMacError, ReplicationError
@@ -198,11 +199,13 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     if secret is None:
         return Session(sender="the node")
     client_nonce = new_nonce()
-    writer.write(encode_frame(Frame.AUTH, client_nonce))
-    await writer.drain()
     try:
+        writer.write(encode_frame(Frame.AUTH, client_nonce))
+        await writer.drain()
         kind, payload = await read_frame(reader, MAX_AUTH_FRAME)
-    except asyncio.IncompleteReadError:
+    except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError, ssl.SSLError):
+        # Which of these a node's close gives depends on whether our AUTH frame reached it first (then
+        # its kernel resets the connection) or, with TLS, whether its alert came before the close.
         raise AuthError(
             "the node closed the connection during authentication: with replication.tls it may refuse this "
             "node's certificate (the same ca on both sides); without, it may run a release without replication.secret"

@@ -15,6 +15,44 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from durable_protocol.jsontext import json_kind, json_object
+
+_Value = TypeVar("_Value")
+
+
+def read_record(raw: bytes) -> dict[str, Any]:
+    """A record read from outside the process (a coordinator's, a node's answer to a tool): its JSON object,
+    NaN, Infinity and numbers past a float's range refused; a ValueError saying what is wrong otherwise."""
+    return json_object(raw, finite=True)
+
+
+def record_field(data: dict[str, Any], key: str, kind: type[_Value], default: _Value | None = None) -> _Value:
+    """``data[key]`` when it is a ``kind`` (an int that is not a bool, a str, a list of str), else ``default``
+    when one is given and the key is absent; a ValueError naming the key otherwise (a record from outside
+    the process: a KeyError, TypeError or OverflowError where it is used would end the HA loop)."""
+    if key not in data:
+        if default is None:
+            raise ValueError(f"no '{key}'")
+        return default
+    value = data[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"'{key}' is not {_KINDS[kind]}: {_shown(value)}")
+    if kind is list and not all(isinstance(item, str) for item in data[key]):
+        raise ValueError(f"'{key}' is not {_KINDS[list]}: {_shown(value)}")
+    return value
+
+
+_KINDS = {int: "an integer", str: "a string", bool: "a boolean", list: "an array of strings"}
+"""What record_field asks of a field, in JSON's words (whoever wrote the record reads the error)."""
+
+
+def _shown(value: object) -> str:
+    """``value`` as a record's error shows it: what it is in JSON's words, and a number's or text's first
+    characters."""
+    kind = json_kind(value)
+    return f"{kind} {repr(value)[:40]}" if isinstance(value, int | float | str) else kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +72,8 @@ class Leader:
 
     @classmethod
     def decode(cls, raw: bytes) -> Leader:
-        record = json.loads(raw)
-        return cls(str(record["name"]), str(record["address"]))
+        data = read_record(raw)
+        return cls(record_field(data, "name", str), record_field(data, "address", str))
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +105,16 @@ class Member:
 
     @classmethod
     def decode(cls, raw: bytes) -> Member:
-        record = json.loads(raw)
+        data = read_record(raw)
         return cls(
-            str(record["name"]), str(record["role"]), int(record["store_id"]), int(record["batch"]),
-            bool(record["candidate"]), str(record.get("address", "")), bool(record.get("promotion_failed", False)),
-        )  # fmt: skip
+            record_field(data, "name", str),
+            record_field(data, "role", str),
+            record_field(data, "store_id", int),
+            record_field(data, "batch", int),
+            record_field(data, "candidate", bool),
+            record_field(data, "address", str, ""),
+            record_field(data, "promotion_failed", bool, False),
+        )
 
 
 class Coordinator(ABC):

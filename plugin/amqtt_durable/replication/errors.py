@@ -106,6 +106,21 @@ class CoordinatorError(ReplicationError):
         )
 
 
+class MalformedRecordError(CoordinatorError):
+    """A record in etcd this version cannot read (its ``leader``, ``primary`` or ``sync`` key): it stays
+    until it is fixed or deleted (only ``leader`` has a lease to end it), so the error says so rather
+    than to check that etcd runs. The HA loop takes it as etcd not answering."""
+
+    def __init__(self, endpoint: str, key: str, reason: str) -> None:
+        self.endpoint = endpoint
+        self.key = key
+        ReplicationError.__init__(
+            self,
+            f"coordinator {endpoint}: {key} holds a malformed record ({reason}); it counts as etcd not "
+            f"answering until it is fixed or deleted (etcdctl del {key})",
+        )
+
+
 class MemberNameTakenError(ReplicationError):
     """The coordinator's record of this node's name (members/<name>) is another broker's (at
     another address), until that record expires. It is not overwritten."""

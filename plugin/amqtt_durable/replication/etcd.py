@@ -37,15 +37,40 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from .coordinator import Coordinator, Leader, Member
-from .errors import CoordinatorError, MemberNameTakenError
+from .coordinator import Coordinator, Leader, Member, read_record, record_field
+from .errors import CoordinatorError, MalformedRecordError, MemberNameTakenError, ReplicationError
+from .tool import split_peer_address
 
 REQUEST_TIMEOUT = 2.0
 """Seconds one gateway call may take (callers may bound it tighter)."""
+
+
+_Record = TypeVar("_Record")
+
+
+class _Reply(dict[str, Any]):
+    """etcd's reply to one call, with the endpoint that sent it (an error reading it names that one)."""
+
+    endpoint = ""
+
+
+@contextlib.contextmanager
+def _reading(reply: _Reply) -> Iterator[None]:
+    """Reading fields of ``reply``: one of another shape than etcd's (a JSON object without its fields, or
+    with fields of other types: a KeyError, TypeError, ValueError, AttributeError or IndexError, which would
+    end the HA loop) is a CoordinatorError naming the endpoint that sent it, as no answer is. Only the
+    reading: an error of this module's own code elsewhere is raised as it is."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        detail = f"answered no reply of etcd's shape ({type(exc).__name__}: {exc})"
+        raise CoordinatorError(reply.endpoint, detail) from None
 
 
 def _b64(raw: bytes | str) -> str:
@@ -79,17 +104,19 @@ class EtcdCoordinator(Coordinator):
 
     async def leader(self) -> Leader | None:
         reply = await self._call("/v3/kv/range", {"key": self._leader_key})
-        kvs = reply.get("kvs") or []
-        revision = reply.get("header", {}).get("revision")
-        # no revision in the reply (not from a real etcd): no compare, rather than one that always fails
-        self._no_leader_at = None if kvs or revision is None else int(revision)
-        if not kvs:
-            return None
-        return _term(Leader.decode(base64.b64decode(kvs[0].get("value", ""))), kvs[0].get("create_revision"))
+        with _reading(reply):
+            kvs = reply.get("kvs") or []
+            revision = reply.get("header", {}).get("revision")
+            # no revision in the reply (not from a real etcd): no compare, rather than one that always fails
+            self._no_leader_at = None if kvs or revision is None else int(revision)
+            if not kvs:
+                return None
+            return _term(_decoded(reply, kvs[0], _leader), kvs[0].get("create_revision"))
 
     async def acquire(self, me: Leader) -> bool:
         grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
-        lease = int(grant["ID"])
+        with _reading(grant):
+            lease = int(grant["ID"])
         put = {"key": self._leader_key, "value": _b64(me.encode()), "lease": str(lease)}
         taken = _create_if_absent(self._leader_key, put)
         if self._no_leader_at is not None:
@@ -100,9 +127,10 @@ class EtcdCoordinator(Coordinator):
             taken["compare"].append(unchanged)
         taken["success"].append({"request_put": {"key": self._primary_key, "value": _b64(me.encode())}})
         reply = await self._call("/v3/kv/txn", taken)
-        if reply.get("succeeded"):
-            self.lease_id = lease
-            self.term = int(reply["header"]["revision"])  # the leader key's create_revision
+        with _reading(reply):
+            taken_at = int(reply["header"]["revision"]) if reply.get("succeeded") else None
+        if taken_at is not None:
+            self.lease_id, self.term = lease, taken_at  # the leader key's create_revision
             return True
         await self._call("/v3/lease/revoke", {"ID": str(lease)})
         return False
@@ -110,15 +138,15 @@ class EtcdCoordinator(Coordinator):
     async def renew(self, me: Leader) -> bool:
         if self.lease_id is None:
             return False
-        reply = await self._call("/v3/lease/keepalive", {"ID": str(self.lease_id)})
-        if int(reply.get("result", {}).get("TTL", 0)) <= 0:
+        if not _alive(await self._call("/v3/lease/keepalive", {"ID": str(self.lease_id)})):
             self.lease_id = None
             return False
         holder = await self._call("/v3/kv/range", {"key": self._leader_key})
-        kvs = holder.get("kvs") or []
-        if not kvs or int(kvs[0].get("lease", 0)) != self.lease_id:
-            return False
-        return Leader.decode(base64.b64decode(kvs[0].get("value", ""))) == me
+        with _reading(holder):
+            kvs = holder.get("kvs") or []
+            if not kvs or int(kvs[0].get("lease", 0)) != self.lease_id:
+                return False
+            return _decoded(holder, kvs[0], Leader.decode) == me
 
     async def release(self, me: Leader) -> None:
         if self.lease_id is None:
@@ -150,35 +178,35 @@ class EtcdCoordinator(Coordinator):
 
     async def sync_members(self) -> frozenset[str] | None:
         record = await self._sync_record()
-        return None if record is None else frozenset(record["members"])
+        return None if record is None else record[2]
 
     async def former_primaries(self) -> frozenset[tuple[str, int]]:
         terms = set()
         reply = await self._call("/v3/kv/range", {"key": self._primary_key})
-        for kv in reply.get("kvs") or []:
-            # Written in acquire's transaction: its mod_revision is that leader key's create_revision.
-            terms.add((Leader.decode(base64.b64decode(kv.get("value", ""))).name, int(kv.get("mod_revision", 0))))
+        with _reading(reply):
+            for kv in reply.get("kvs") or []:
+                # Written in acquire's transaction: its mod_revision is that leader key's create_revision.
+                terms.add((_decoded(reply, kv, Leader.decode).name, int(kv.get("mod_revision", 0))))
         record = await self._sync_record()
         if record is not None:
-            terms.add((str(record["leader"]), int(record.get("term", 0))))
+            terms.add(record[:2])
         return frozenset(terms)
 
-    async def _sync_record(self) -> dict[str, Any] | None:
+    async def _sync_record(self) -> tuple[str, int, frozenset[str]] | None:
         reply = await self._call("/v3/kv/range", {"key": self._sync_key})
-        kvs = reply.get("kvs") or []
-        if not kvs:
-            return None
-        record: dict[str, Any] = json.loads(base64.b64decode(kvs[0].get("value", "")))
-        return record
+        with _reading(reply):
+            kvs = reply.get("kvs") or []
+            return _decoded(reply, kvs[0], _sync) if kvs else None
 
     async def publish_member(self, member: Member) -> None:
-        if self.member_lease is not None:
-            reply = await self._call("/v3/lease/keepalive", {"ID": str(self.member_lease)})
-            if int(reply.get("result", {}).get("TTL", 0)) <= 0:
-                self.member_lease = None  # expired (the node was stopped, or cut off): a new one
+        if self.member_lease is not None and not _alive(
+            await self._call("/v3/lease/keepalive", {"ID": str(self.member_lease)})
+        ):
+            self.member_lease = None  # expired (the node was stopped, or cut off): a new one
         if self.member_lease is None:
             grant = await self._call("/v3/lease/grant", {"TTL": max(1, round(self.ttl))})
-            self.member_lease = int(grant["ID"])
+            with _reading(grant):
+                self.member_lease = int(grant["ID"])
         key = _b64(self.prefix + "members/" + member.name)
         put = {"request_put": {"key": key, "value": _b64(member.encode()), "lease": str(self.member_lease)}}
         for compare in (
@@ -188,11 +216,12 @@ class EtcdCoordinator(Coordinator):
             reply = await self._call(
                 "/v3/kv/txn", {"compare": [compare], "success": [put], "failure": [{"request_range": {"key": key}}]}
             )
-            if reply.get("succeeded"):
-                return
-            kvs = (reply.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
-            if kvs:
-                holder = _member(kvs[0], member.name)
+            with _reading(reply):
+                if reply.get("succeeded"):
+                    return
+                kvs = (reply.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
+                holder = _member(kvs[0], member.name) if kvs else None
+            if holder is not None:
                 if holder.address and holder.address != member.address:
                     raise MemberNameTakenError(holder)
                 # At this node's address (or from an earlier version, which does not say): this node
@@ -200,16 +229,17 @@ class EtcdCoordinator(Coordinator):
                 await self._call("/v3/kv/put", put["request_put"])
                 return
         # Created and gone again between the two transactions (a record that just expired): the next cycle
-        raise CoordinatorError(", ".join(self.endpoints), f"members/{member.name} changed while it was written")
+        raise CoordinatorError(reply.endpoint, f"members/{member.name} changed while it was written")
 
     async def members(self) -> list[Member]:
         reply = await self._call("/v3/kv/range", {"key": self._members_from, "range_end": self._members_end})
         found = []
-        for kv in reply.get("kvs") or []:
-            try:
-                found.append(Member.decode(base64.b64decode(kv.get("value", ""))))
-            except (ValueError, KeyError, TypeError):
-                continue  # not a record this version writes: it counts as absent
+        with _reading(reply):
+            for kv in reply.get("kvs") or []:
+                try:
+                    found.append(Member.decode(base64.b64decode(kv.get("value", ""))))
+                except ValueError:
+                    continue  # not a record this version writes: it counts as absent
         return found
 
     async def withdraw_member(self) -> None:
@@ -220,15 +250,32 @@ class EtcdCoordinator(Coordinator):
 
     # --- HTTP -------------------------------------------------------------------------------
 
-    async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _call(self, path: str, body: dict[str, Any]) -> _Reply:
         errors = []
         for endpoint in self.endpoints:
             try:
                 async with asyncio.timeout(self.timeout):
-                    return await _post(endpoint, path, body)
+                    reply = _Reply(await _post(endpoint, path, body))
+                reply.endpoint = endpoint
+                return reply
             except (OSError, TimeoutError, ValueError) as exc:
                 errors.append(f"{endpoint}: {type(exc).__name__}: {exc}")
         raise CoordinatorError(", ".join(self.endpoints), f"{path} failed ({'; '.join(errors)})")
+
+
+def _decoded(reply: _Reply, kv: dict[str, Any], decode: Callable[[bytes], _Record]) -> _Record:
+    """The record in ``kv`` (a range result of ``reply``); one this version cannot read is a CoordinatorError
+    naming the endpoint that sent it and its key, as an unreadable answer is (a ValueError would end the HA loop)."""
+    try:
+        return decode(base64.b64decode(kv.get("value", "")))
+    except ValueError as exc:
+        raise MalformedRecordError(reply.endpoint, _key(kv), str(exc)) from None
+
+
+def _alive(keepalive: _Reply) -> bool:
+    """Whether a lease ``keepalive`` renewed still lives (a TTL left)."""
+    with _reading(keepalive):
+        return int(keepalive.get("result", {}).get("TTL", 0)) > 0
 
 
 def _term(leader: Leader, revision: object) -> Leader:
@@ -240,8 +287,36 @@ def _member(kv: dict[str, Any], name: str) -> Member:
     """The record in ``kv`` (a range result), or one that says only its name when it does not decode."""
     try:
         return Member.decode(base64.b64decode(kv.get("value", "")))
-    except (ValueError, KeyError, TypeError):
+    except ValueError:
         return Member(name, "?", 0, 0, False)
+
+
+def _leader(raw: bytes) -> Leader:
+    """The ``leader`` record, its address one a backup can follow (split_peer_address reads it): one that is
+    not (``nonsense``, ``127.0.0.1:99999``) is malformed, as a field of another type is, not an error that
+    ends the HA loop when the node follows it."""
+    leader = Leader.decode(raw)
+    try:
+        split_peer_address(leader.address, "the record")
+    except ReplicationError as exc:
+        raise ValueError(str(exc)) from None
+    return leader
+
+
+def _sync(raw: bytes) -> tuple[str, int, frozenset[str]]:
+    """The ``sync`` record's leader, its term (0 in an earlier release's record, which has none) and members."""
+    data = read_record(raw)
+    members = record_field(data, "members", list)
+    return record_field(data, "leader", str), record_field(data, "term", int, 0), frozenset(members)
+
+
+def _key(kv: dict[str, Any]) -> str:
+    """The key of ``kv`` (a range result) as text; what etcd sent when it is not base64."""
+    sent = kv.get("key", "")
+    try:
+        return base64.b64decode(sent, validate=True).decode("utf-8", "replace")
+    except (ValueError, TypeError):
+        return repr(sent)[:80]
 
 
 def _create_if_absent(key: str, put: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
@@ -273,5 +348,4 @@ async def _post(endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any
     parts = status_line.split(b" ", 2)
     if len(parts) < 2 or parts[1] != b"200":
         raise ValueError(f"HTTP {status_line.decode('latin-1')!r}: {payload[:200].decode('utf-8', 'replace')}")
-    result: dict[str, Any] = json.loads(payload)
-    return result
+    return read_record(payload)  # ValueError (deep nesting too): _call's CoordinatorError names the endpoint

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import ssl
 from typing import Any
 
 from durable_protocol.hostport import join_host_port, parse_host, split_host_port
 
+from ..inspect_store import shown
 from .auth import AuthError, client_handshake, error_text
+from .coordinator import read_record, record_field
 from .errors import FrameError, ReplicationError
 from .framing import Frame
 
@@ -92,8 +93,48 @@ async def ask(
         raise ReplicationError(f"replication address {address}: refused: {error_text(payload)}")
     if answered != kind:
         raise ReplicationError(f"replication address {address}: answered {answered.name} to {kind.name}")
-    answer: dict[str, Any] = json.loads(payload)
-    return answer
+    try:
+        return read_record(payload)
+    except ValueError as exc:
+        raise ReplicationError(
+            f"replication address {address}: its answer to {kind.name} is not readable: {exc}"
+        ) from None
+
+
+def status_text(address: str, status: dict[str, Any]) -> str:
+    """The status the node at ``address`` answered as the lines an operator reads; one without the fields
+    this version shows, or with fields of other types, is a ReplicationError naming ``address`` and what
+    is wrong (a KeyError or TypeError traceback otherwise)."""
+    try:
+        return format_status(_shown_fields(status, 3))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        wrong = f"no '{exc.args[0]}'" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise ReplicationError(
+            f"replication address {address}: its answer to STATUS is not one this version shows ({wrong})"
+        ) from None
+
+
+def promote_answer(address: str, answer: dict[str, Any]) -> tuple[bool, str]:
+    """Whether the node at ``address`` was promoted and why, from its PROMOTE answer; a ReplicationError
+    naming ``address`` and what is wrong for an answer without them, or with other types."""
+    try:
+        return record_field(answer, "promoted", bool), shown(record_field(answer, "why", str))
+    except ValueError as exc:
+        raise ReplicationError(f"replication address {address}: its answer to PROMOTE is not readable: {exc}") from None
+
+
+def _shown_fields(value: Any, depth: int) -> Any:
+    """``value`` (a node's answer) with each text in it down to ``depth`` levels (a field of a row in a list of
+    the answer: as deep as format_status reads) shown as inspect_store.shown shows it: a newline, a terminal
+    escape or a lone surrogate (which print cannot encode: a UnicodeEncodeError traceback) escaped, so a
+    node's text neither splits a line nor forges one."""
+    if isinstance(value, str):
+        return shown(value)
+    if depth and isinstance(value, dict):
+        return {key: _shown_fields(item, depth - 1) for key, item in value.items()}
+    if depth and isinstance(value, list):
+        return [_shown_fields(item, depth - 1) for item in value]
+    return value
 
 
 def format_status(status: dict[str, Any]) -> str:
