@@ -217,12 +217,13 @@ from .replication.commits import ReplicatedCommits
 from .replication.etcd import EtcdCoordinator
 from .replication.node import ReplicationNode
 from .replication.primary import Primary
+from .retained_acks import RetainedAcks
 from .settings import socket_backlog
 from .silence import SilenceWatch
 from .stream_sender import StreamSender
 from .subscription_changes import SubscriptionChanges
 from .topics import SubscriptionIndex, TopicIndex, topic_problem
-from .wire import PacketReader, encode_puback, encode_pubcomp, encode_pubrec
+from .wire import PacketReader, encode_puback, encode_pubcomp, encode_pubrec, encode_pubrel
 
 log = logging.getLogger("amqtt_durable")
 
@@ -319,6 +320,13 @@ UNREAD = (
 PROGRESS_CHECKS = 8
 """Times in each 1.5 keep-alive periods a paused reader looks whether its connection got on (``_room``)."""
 PAUSED = "reading from %s paused: %s%s"
+RETAINED_UNACKED = (
+    "%s: no %s for the retained message of packet id %d came within 5 s of its write, though the reader has read"
+    " all the client sent since: not awaited any more%s"
+)
+"""Logged (WARNING, at most once per ``drop_log_interval`` per connection) as ``RetainedAcks`` gives up a wait."""
+RETAINED_NO_ID = "%s: the retained message of %r is not sent: all 65,535 packet ids await acks%s"
+"""Logged (WARNING, at most once per ``drop_log_interval`` per connection, with RETAINED_UNACKED)."""
 """Logged (INFO, at most once per ``drop_log_interval`` per connection) as FastReader waits."""
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
 """Packet types whose handling a connection's end waits for (FastReader.run): they need nothing more
@@ -1153,6 +1161,16 @@ WS_HIGH_WATER = 65_536
 """Bytes written to a websocket connection in one loop pass past which it counts as congested."""
 
 
+def _kernel_queue(transport: Any, request: int) -> int:
+    """Bytes in the kernel's send (TIOCOUTQ) or receive (FIONREAD) queue of the transport's socket."""
+    sock = transport.get_extra_info("socket")
+    queued = array.array("i", [0])
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError):  # closed, or a platform without the request
+            fcntl.ioctl(sock.fileno(), request, queued)
+    return queued[0]
+
+
 class HandlerTransport:
     """A pump's view of one client connection: raw writes, and acks taken before amqtt sees them.
 
@@ -1202,12 +1220,7 @@ class HandlerTransport:
         if not isinstance(writer, StreamWriterAdapter):
             return self._pending_bytes
         transport = writer._writer.transport
-        sock = transport.get_extra_info("socket")
-        queued = array.array("i", [0])
-        if sock is not None:
-            with contextlib.suppress(OSError, ValueError):  # closed, or a platform without TIOCOUTQ
-                fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)
-        return self._pending_bytes + int(transport.get_write_buffer_size()) + queued[0]
+        return self._pending_bytes + int(transport.get_write_buffer_size()) + _kernel_queue(transport, termios.TIOCOUTQ)
 
     @property
     def congested(self) -> bool:
@@ -1249,6 +1262,10 @@ class HandlerTransport:
 
     def expect_ack(self, kind: AckKind, packet_id: int, on_ack: Callable[[], None]) -> None:
         self._expected[kind][packet_id] = on_ack
+
+    def forget_ack(self, kind: AckKind, packet_id: int) -> None:
+        """The ack is not awaited any more (its wait ended: ``RetainedAcks``)."""
+        self._expected[kind].pop(packet_id, None)
 
     async def end(self) -> None:
         """End this connection as amqtt's own take-over does (MQTT-3.1.4-2): its message loop sees
@@ -2150,17 +2167,9 @@ class AmqttHooks:
                 item for item in retained
                 if await self.broker._topic_filtering(session, item[0], Action.RECEIVE)
             ]
-        acks: RetainedAcks = handler.durable_retained_acks
-        await acks.room()
-        sends = [  # at most the retained message's own QoS (0 included), as durable sessions get it
-            RetainedSend(topic, message.data, qos if message.qos is None else min(qos, message.qos))
-            for topic, message in retained
-        ]
-        tasks = [asyncio.create_task(send.flow(handler)) for send in sends]  # in order on amqtt's FIFO write lock
-        for task in tasks:
-            acks.add(task)
-        for send, task in zip(sends, tasks, strict=True):
-            await asyncio.wait((send.written, task), return_when=asyncio.FIRST_COMPLETED)
+        await handler.durable_retained_acks.room()
+        for topic, message in retained:  # at most the message's own QoS (0 included), as durable sessions get it
+            await _send_retained(handler, topic, message.data, qos if message.qos is None else min(qos, message.qos))
 
     async def broadcast_message(
         self,
@@ -2528,6 +2537,8 @@ def _wrap_handler(
     handler.handle_publish = handle_publish
     handler.mqtt_connack_authorize = connack_authorize
     _intercept_acks(handler, LogBudget(engine.config.drop_log_interval))
+    handler.durable_retained_log = LogBudget(engine.config.drop_log_interval)
+    handler.durable_retained_acks = RetainedAcks(partial(_retained_ack_expired, handler, session))
     handler.handle_pubrel = _pubrel_handler(engine, handler, session, awaiting)
     # The changes' queue first: _keep_the_disconnect's wait_disconnect then answers once the changes
     # are applied, so a DISCONNECT read meanwhile (during a take-over's wait) discards the will.
@@ -2835,12 +2846,11 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     and in a reconnect storm for that connection's loop to get its ``attach_limit`` slot first:
     nothing else applies them); that ``stop()`` first cancels the handler's PUBACK/PUBREC/PUBCOMP
     waiters, as amqtt's ``stop()`` does first
-    (``_stop_outgoing_waiters``; a clean session's loop sends the retained messages of a
-    SUBSCRIBE, each in its own task, and goes on once they are written: the tasks await the
-    PUBACKs, up to 5 s each, in ``durable_retained_acks``, cancelled by every ``stop()``, the loop's
-    own too (``RetainedSend``, ``RetainedAcks``). The waiters of what is sent after, a later SUBSCRIBE's retained
-    messages, are cancelled as they are added, ``_CancelledAsAdded``: nothing sent after that
-    ``stop()`` is waited for).
+    (``_stop_outgoing_waiters``; a clean session's loop writes the retained messages of a
+    SUBSCRIBE and goes on: their acks are awaited as entries of ``durable_retained_acks``, which
+    every ``stop()``, the loop's own too, ends (``_send_retained``, ``RetainedAcks``). The waiters
+    of what amqtt sends after are cancelled as they are added, ``_CancelledAsAdded``: nothing sent
+    after that ``stop()`` is waited for).
     The same wait covers what the client published (``PublishedMessages``: the loop hands it to
     the broker, a QoS 2 message released by a PUBREL read with the DISCONNECT among them).
     When a wait runs out, the queue is closed: what still waits is dropped (WARNING with the exact
@@ -2850,7 +2860,6 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     changes: SubscriptionChanges[Subscription | UnSubscription] = SubscriptionChanges()
     handler.durable_changes = changes
     handler.durable_loop_task = None
-    handler.durable_retained_acks = RetainedAcks()
     published = PublishedMessages(handler)
     handler.durable_published = published
     original_wait = handler.wait_disconnect
@@ -2886,7 +2895,7 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
         if asyncio.current_task() is not handler.durable_loop_task:
             _stop_outgoing_waiters(handler)  # nothing sent awaits its ack past the end
             await applied()
-        handler.durable_retained_acks.stop()
+        _stop_retained_acks(handler)
         await original_stop()
 
     async def let_go_once_applied() -> None:
@@ -3825,90 +3834,74 @@ async def _read_some(stream: asyncio.StreamReader, idle: float | None) -> bytes 
         return None
 
 
-class RetainedSend(OutgoingApplicationMessage):  # type: ignore[misc]  # amqtt ships no type info
-    """A retained message sent to a clean session for its SUBSCRIBE (``publish_retained_for_subscription``),
-    by amqtt's flow in a task of its own (``flow``): ``written`` is done once its PUBLISH is written
-    (amqtt's flow sets ``publish_packet`` right after), before the PUBACK (PUBREC, PUBCOMP) it then
-    awaits. The message loop goes on at ``written``: it awaited the PUBACKs (up to 5 s each), which
-    a client pipelining SUBSCRIBEs sends behind the rest of them, so its reader, paused at its bound,
-    never read them (4,300 pipelined: 12 SUBACKs in 60 s)."""
-
-    __slots__ = ("_publish", "written")
-
-    def __init__(self, topic: str, data: bytes | bytearray, qos: int) -> None:
-        self.written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        super().__init__(None, topic, qos, data, True)
-
-    @property
-    def publish_packet(self) -> PublishPacket | None:
-        return self._publish
-
-    @publish_packet.setter
-    def publish_packet(self, packet: PublishPacket | None) -> None:
-        self._publish = packet
-        if packet is not None and not self.written.done():
-            self.written.set_result(None)
-
-    async def flow(self, handler: Any) -> None:
-        """amqtt's ``mqtt_publish``: a packet id (QoS 1/2), the PUBLISH, its acks (5 s each)."""
-        if self.qos in (QOS_1, QOS_2):
-            self.packet_id = handler.session.next_packet_id  # type: ignore[misc]  # amqtt's slot, unseen
-        await handler._handle_message_flow(self)
-
-
-MAX_RETAINED_ACKS = 4096
-"""Retained messages of one clean connection's SUBSCRIBEs being sent or awaiting their acks
-(``RetainedAcks``), at which its message loop sends no more until half that are done or its
-reader pauses. Looked at once per SUBSCRIBE: 4,095 plus one SUBSCRIBE's matches may wait."""
+async def _send_retained(handler: Any, topic: str, data: bytes | bytearray, qos: int) -> None:
+    """One retained message for a clean session's SUBSCRIBE, written by the message loop itself (in
+    order, before the next SUBACK); its acks are awaited as entries of the connection's
+    ``RetainedAcks`` and the transport's ack table (``_retained_ack``), not by amqtt's flow in a task
+    (about 3 KB each, 5 s whether the ack could have been read or not). Its packet id stays in the
+    session's ``inflight_out`` until the last ack, so amqtt's sends take another. As amqtt's
+    ``gather(return_exceptions=True)``: a send that fails stops no other (amqtt logged why)."""
+    session = handler.session
+    acks: RetainedAcks = handler.durable_retained_acks
+    packet_id = None
+    if qos:
+        try:
+            packet_id = session.next_packet_id
+        except AMQTTError:  # the 65,535 ids all await acks: not sent to this connection
+            _log_retained(handler, RETAINED_NO_ID, session.client_id, topic)
+            return
+    message = OutgoingApplicationMessage(packet_id, topic, qos, data, True)
+    kind: AckKind = "puback" if qos == 1 else "pubrec"
+    awaited = packet_id is not None and acks.wait(packet_id, kind)
+    if awaited:  # before the write: its ack may be read while the write drains
+        session.inflight_out[packet_id] = message
+        handler.durable_transport.expect_ack(kind, packet_id, partial(_retained_ack, handler, session, packet_id))
+    try:
+        await handler._send_packet(message.build_publish_packet())
+    except Exception:
+        if awaited:
+            _forget_retained(handler, session, packet_id, kind)
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # amqtt turns a cancel into ProtocolHandlerError
+            raise
 
 
-class RetainedAcks:
-    """A clean connection's retained messages' sends under way: their writes, then their waits for
-    their acks (up to 5 s each, ``RetainedSend``). The message loop does not wait for the acks, so
-    a client that reads but does not acknowledge would have it hold a task (about 3 KB) per
-    retained message its SUBSCRIBEs bring, up to the 65,535 packet ids: at ``MAX_RETAINED_ACKS``
-    the loop sends the next SUBSCRIBE's only once half that are done (acknowledged, or 5 s on) or
-    the connection's reader pauses (``reader_paused``): the acks then sit behind the paused read,
-    which waits for the loop. The connection's end cancels them (``stop``)."""
+def _retained_ack(handler: Any, session: Any, packet_id: int) -> None:
+    """The PUBACK, PUBREC or PUBCOMP of a retained message (``_send_retained``), taken by the
+    transport: a PUBREC is answered with its PUBREL (with the acks), and the PUBCOMP then awaited."""
+    acks: RetainedAcks = handler.durable_retained_acks
+    if acks.awaits(packet_id, "pubrec") and acks.wait(packet_id, "pubcomp"):
+        handler.durable_transport.expect_ack("pubcomp", packet_id, partial(_retained_ack, handler, session, packet_id))
+        handler.durable_transport.write(encode_pubrel(packet_id))
+        return
+    acks.done(packet_id)
+    session.inflight_out.pop(packet_id, None)
 
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._room = asyncio.Event()
-        self._room.set()
-        self._reader_paused = False
 
-    def add(self, task: asyncio.Task[None]) -> None:
-        task.add_done_callback(self._done)
-        if not task.done():
-            self._tasks.add(task)
-            if len(self._tasks) >= MAX_RETAINED_ACKS and not self._reader_paused:
-                self._room.clear()
+def _retained_ack_expired(handler: Any, session: Any, packet_id: int, kind: AckKind) -> None:
+    """``RetainedAcks`` gave a wait up: ACK_TIMEOUT after the write, with the reader caught up."""
+    _forget_retained(handler, session, packet_id, kind)
+    _log_retained(handler, RETAINED_UNACKED, session.client_id, kind.upper(), packet_id)
 
-    def reader_paused(self, paused: bool) -> None:
-        """The reader pauses (``FastReader._room``) or reads on: while paused, ``room`` waits for
-        nothing (its wait, for acks the reader does not read, would wait for the reader's)."""
-        self._reader_paused = paused
-        if paused:
-            self._room.set()
-        elif len(self._tasks) >= MAX_RETAINED_ACKS:
-            self._room.clear()
 
-    def _done(self, task: asyncio.Task[None]) -> None:
-        """As amqtt's ``gather(return_exceptions=True)``: one failed send stops no other, and its
-        error (amqtt logged a missing PUBACK) is dropped, not logged as never retrieved."""
-        self._tasks.discard(task)
-        if not task.cancelled():
-            task.exception()
-        if len(self._tasks) <= MAX_RETAINED_ACKS // 2:
-            self._room.set()
+def _log_retained(handler: Any, line: str, *args: object) -> None:
+    """A WARNING about a connection's retained messages, at most once per ``drop_log_interval``."""
+    left_out = handler.durable_retained_log.take()
+    if left_out is not None:
+        log.warning(line, *args, f" ({left_out} more such line(s) left out)" if left_out else "")
 
-    async def room(self) -> None:
-        await self._room.wait()
 
-    def stop(self) -> None:
-        """At the connection's end nothing awaits an ack, nor a write to a client that reads nothing."""
-        for task in list(self._tasks):
-            task.cancel()
+def _stop_retained_acks(handler: Any) -> None:
+    """At the connection's end no retained message awaits its ack: their packet ids are freed."""
+    for packet_id, kind in handler.durable_retained_acks.stop():
+        _forget_retained(handler, handler.session, packet_id, kind)
+
+
+def _forget_retained(handler: Any, session: Any, packet_id: int, kind: AckKind) -> None:
+    """A retained message's wait is over without its ack: its packet id is free again."""
+    handler.durable_retained_acks.done(packet_id)
+    handler.durable_transport.forget_ack(kind, packet_id)
+    session.inflight_out.pop(packet_id, None)
 
 
 def _cancelled_by_the_end(client_id: str, task: asyncio.Task[None]) -> None:
@@ -3965,6 +3958,8 @@ class FastReader:
         """Half the bound the last pause passed (``_room``)."""
         self._handlers_done = 0
         """Handlers done so far: one done is progress for a paused connection (``_progress``)."""
+        self._waiting = False
+        """The read loop waits for bytes with none received unread (``_caught_up``)."""
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
         """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2 or 3, busy ACLs).
@@ -4086,11 +4081,11 @@ class FastReader:
         its reader would not see it. The bound is far higher for a client that reads: it is answered at
         the pace its requests are handled. Nothing the reader waits for here waits for a packet
         behind the paused read: a clean session's message loop goes on once a SUBSCRIBE's
-        retained messages are written, not acknowledged (``RetainedSend``; when it awaited their
+        retained messages are written, not acknowledged (``_send_retained``; when it awaited their
         PUBACKs, behind the client's later SUBSCRIBEs, 4,300 pipelined got 12 SUBACKs in 60 s),
         and while the reader waits here it does not wait for their acks either
         (``RetainedAcks.reader_paused``; when it did, at ``MAX_RETAINED_ACKS``, 2,200 of 8,600
-        retained QoS 2 messages timed out)."""
+        retained QoS 2 messages timed out), nor do their waits time out (``_caught_up``)."""
         congested = self._transport.congested
         bound = MAX_UNDER_WAY if congested else MAX_UNDER_WAY_READ
         tasks, changes = len(self._running), len(self._changes)
@@ -4205,7 +4200,9 @@ class FastReader:
         """Read and handle packets until EOF or ``keepalive`` seconds of silence."""
         framing = PacketReader(self._max_packet_size)
         while True:
+            self._waiting = not stream._buffer  # type: ignore[attr-defined]
             data = await _read_some(stream, keepalive)
+            self._waiting = False
             if data is None:
                 log.info(SILENT, self._session.client_id)
                 return
@@ -4216,6 +4213,15 @@ class FastReader:
                 await self._dispatch_all(packets)
             if self._handler.durable_ended:
                 return  # the server ended the connection: nothing read after is handled
+
+    def _caught_up(self, stream: asyncio.StreamReader) -> bool:
+        """It has read all its client sent (for ``RetainedAcks``: an ack not read then was not sent):
+        waiting for bytes, none in the stream's buffer or the kernel's receive queue (FIONREAD);
+        not while it handles what it read, nor while it pauses (``_room``)."""
+        transport = stream._transport  # type: ignore[attr-defined]
+        if not self._waiting or stream._buffer or transport is None:  # type: ignore[attr-defined]
+            return False
+        return _kernel_queue(transport, termios.FIONREAD) == 0
 
     async def run(self) -> None:
         handler = self._handler
@@ -4233,6 +4239,7 @@ class FastReader:
                     watch.stop()
             return
         stream = handler.reader._reader
+        self._retained_acks.caught_up = partial(self._caught_up, stream)
         # MQTT-3.1.2-24: silent for 1.5 keep-alive periods means gone (amqtt only logs it, which
         # would leave a half-open device's session "connected" forever, its queue stalled).
         keepalive = 1.5 * self._session.keep_alive if self._session.keep_alive > 0 else None
