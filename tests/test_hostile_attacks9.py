@@ -596,7 +596,9 @@ def test_a_clean_client_pipelining_subscribes_to_retained_messages_that_it_acks_
     bound of 256 whatever the client read; 12 of 4,300 in 60 s at the 4,096 bound of a client
     that reads; when it awaited half of 4,096 acks while the reader was paused: 6,400 of 8,600
     PUBRELs, 2,200 PUBREC timeouts). The acks of what is sent while the reader is paused wait for it
-    to read on (2,048 SUBSCRIBEs applied): a machine busy enough to make that take 5 s times them out."""
+    to read on (2,048 SUBSCRIBEs applied), which takes more than 5 s on a busy machine: a wait ends
+    unacknowledged only once the reader has read all the client sent (when it ended 5 s after the
+    write whatever the reader had read: 2,926 of 8,600 QoS 1 acks timed out at a load of 4)."""
     broker = broker_factory(drop_log_interval=3600, max_subscriptions_per_client=0)
     watcher = clients(broker.port, "watcher", clean_session=True)
     watcher.subscribe("r/#", 0)
@@ -634,7 +636,7 @@ def test_a_clean_client_pipelining_subscribes_to_retained_messages_that_it_acks_
     assert answers == [item for i in range(count) for item in (packet_id(i), *retained[i])]
     if count < 4096:  # under MAX_UNDER_WAY_READ (the client reads): no pause
         assert not pause_logged(broker, "acker")
-    assert "Timeout waiting for" not in log
+    assert "Timeout waiting for" not in log and "came within 5 s of its write" not in log
     assert "acker: no answer read" not in log
     assert "Traceback" not in log
 
@@ -649,12 +651,13 @@ def test_a_clean_client_that_reads_but_never_acks_its_retained_messages_gets_no_
     broker_factory: Callable[..., Broker], clients: Callable[..., Client]
 ) -> None:
     """The message loop goes on once a SUBSCRIBE's retained messages are written, so a client that
-    reads but never PUBACKs would have it hold a send awaiting its PUBACK (a task, about 3 KB) per
-    retained message, up to the 65,535 packet ids: while the reader reads (50 SUBSCRIBEs do not
-    pause it) and MAX_RETAINED_ACKS are awaited, the loop sends the next SUBSCRIBE's only after
-    half are done (5 s after their writes, amqtt's PUBACK timeout). The bound is looked at once
-    per SUBSCRIBE, before its sends: 41 SUBSCRIBEs' 4,100 come (4,095 plus one SUBSCRIBE's
-    matches at most), then nothing for 4 s. None is lost: the rest come then."""
+    reads but never PUBACKs would have it hold a wait for its PUBACK per retained message, up to
+    the 65,535 packet ids: while the reader reads (50 SUBSCRIBEs do not pause it) and
+    MAX_RETAINED_ACKS are awaited, the loop sends the next SUBSCRIBE's only after half are done
+    (5 s after their writes, the reader having read all the client sent: it sends nothing more).
+    The bound is looked at once per SUBSCRIBE, before its sends: 41 SUBSCRIBEs' 4,100 come (4,095
+    plus one SUBSCRIBE's matches at most), then nothing for 4 s. None is lost: the rest come then,
+    and the waits given up are logged once (WARNING, drop_log_interval)."""
     broker = broker_factory(drop_log_interval=3600)
     publisher = clients(broker.port, "retainer", clean_session=True)
     for k in range(FILTERS):
@@ -677,4 +680,7 @@ def test_a_clean_client_that_reads_but_never_acks_its_retained_messages_gets_no_
     deadline = time.monotonic() + 2 * WAIT
     while kinds[0x33] < FILTERS * PER_FILTER or kinds[0x90] < FILTERS:  # the rest, once those waits ran out
         kinds[read_packet(sock, deadline)[0]] += 1
-    assert "Traceback" not in broker.log()
+    log = broker.log()
+    given_up = [line for line in log.splitlines() if "no PUBACK for the retained message of packet id" in line]
+    assert len(given_up) == 1 and "though the reader has read all the client sent since" in given_up[0], given_up
+    assert "Traceback" not in log

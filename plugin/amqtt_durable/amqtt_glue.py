@@ -3843,16 +3843,16 @@ async def _send_retained(handler: Any, topic: str, data: bytes | bytearray, qos:
     ``gather(return_exceptions=True)``: a send that fails stops no other (amqtt logged why)."""
     session = handler.session
     acks: RetainedAcks = handler.durable_retained_acks
-    packet_id = None
+    packet_id = 0  # none: QoS 0
     if qos:
         try:
             packet_id = session.next_packet_id
         except AMQTTError:  # the 65,535 ids all await acks: not sent to this connection
             _log_retained(handler, RETAINED_NO_ID, session.client_id, topic)
             return
-    message = OutgoingApplicationMessage(packet_id, topic, qos, data, True)
+    message = OutgoingApplicationMessage(packet_id or None, topic, qos, data, True)
     kind: AckKind = "puback" if qos == 1 else "pubrec"
-    awaited = packet_id is not None and acks.wait(packet_id, kind)
+    awaited = packet_id > 0 and acks.wait(packet_id, kind)
     if awaited:  # before the write: its ack may be read while the write drains
         session.inflight_out[packet_id] = message
         handler.durable_transport.expect_ack(kind, packet_id, partial(_retained_ack, handler, session, packet_id))
