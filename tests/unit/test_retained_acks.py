@@ -7,7 +7,8 @@ connection's end hands back every wait and nothing is awaited after."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from amqtt_durable.delivery import AckKind
 from amqtt_durable.retained_acks import RetainedAcks
@@ -15,6 +16,16 @@ from amqtt_durable.retained_acks import RetainedAcks
 BOUND = 5.0
 TIMEOUT = 0.05
 """The ack timeout of these tests (amqtt's is 5 s)."""
+
+
+async def within(waited: Coroutine[Any, Any, Any], seconds: float) -> bool:
+    """Whether ``waited`` ends within ``seconds``."""
+    try:
+        async with asyncio.timeout(seconds):
+            await waited
+    except TimeoutError:
+        return False
+    return True
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -38,12 +49,7 @@ class Expired:
 
     async def next(self, seconds: float) -> bool:
         self.event.clear()
-        try:
-            async with asyncio.timeout(seconds):
-                await self.event.wait()
-        except TimeoutError:
-            return False
-        return True
+        return await within(self.event.wait(), seconds)
 
 
 def test_a_wait_ends_at_its_timeout_only_once_the_reader_has_caught_up() -> None:
@@ -90,12 +96,7 @@ def test_room_closes_at_most_waits_while_the_reader_reads_and_opens_at_half_or_a
         acks = RetainedAcks(Expired(), timeout=BOUND, most=4)
 
         async def room_within(seconds: float) -> bool:
-            try:
-                async with asyncio.timeout(seconds):
-                    await acks.room()
-            except TimeoutError:
-                return False
-            return True
+            return await within(acks.room(), seconds)
 
         for packet_id in range(1, 5):
             assert await room_within(0)
