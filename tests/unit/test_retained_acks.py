@@ -7,13 +7,14 @@ connection's end hands back every wait and nothing is awaited after."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
+
+from test_subscription_changes import BOUND, run
 
 from amqtt_durable.delivery import AckKind
 from amqtt_durable.retained_acks import RetainedAcks
 
-BOUND = 5.0
 TIMEOUT = 0.05
 """The ack timeout of these tests (amqtt's is 5 s)."""
 
@@ -26,14 +27,6 @@ async def within(waited: Coroutine[Any, Any, Any], seconds: float) -> bool:
     except TimeoutError:
         return False
     return True
-
-
-def run(test: Callable[[], Awaitable[None]]) -> None:
-    async def bounded() -> None:
-        async with asyncio.timeout(BOUND):
-            await test()
-
-    asyncio.run(bounded())
 
 
 class Expired:
