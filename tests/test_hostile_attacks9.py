@@ -684,3 +684,52 @@ def test_a_clean_client_that_reads_but_never_acks_its_retained_messages_gets_no_
     given_up = [line for line in log.splitlines() if "no PUBACK for the retained message of packet id" in line]
     assert len(given_up) == 1 and "though the reader has read all the client sent since" in given_up[0], given_up
     assert "Traceback" not in log
+
+
+BIG_RETAINED = 24
+"""Retained messages of 256 KB a clean client subscribes to and does not read: more than the kernel's
+send queue (4 MB at most) and asyncio's buffer hold, so its answers back up."""
+
+
+def test_a_retained_ack_read_seconds_later_behind_a_paused_reader_is_still_taken(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """A clean client gets a retained QoS 2 message, then (its answers backed up behind 6 MB of
+    retained messages it does not read yet) pipelines 300 SUBSCRIBEs: its reader pauses, and the
+    PUBREC the client then sends sits unread behind them. 7 s later the client reads everything:
+    the reader reads on, takes the PUBREC, and the PUBREL comes (when a wait ended 5 s after its
+    write whatever the reader had read: no PUBREL, so the client never delivered the message)."""
+    broker = broker_factory(drop_log_interval=3600)
+    publisher = clients(broker.port, "retainer", clean_session=True)
+    publisher.publish("r/1", [b"kept"], qos=2, retain=True)
+    for i in range(BIG_RETAINED):
+        publisher.publish(f"big/{i}", [bytes(256 * 1024)], qos=1, retain=True)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(WAIT)
+    sock.connect((HOST, broker.port))
+    sock.sendall(connect_packet("late-acker", clean=True, keepalive=0))  # no keep-alive: never ended
+    assert read_exactly(sock, 4) == CONNACK_ACCEPTED
+    sock.sendall(subscribe(0, "r/1", 2))
+    assert read_packet(sock)[0] == 0x90
+    first, body = read_packet(sock)
+    assert first >> 4 == 3 and first & 0x06 == 0x04, first  # the retained message at QoS 2
+    packet_id = body[5:7]  # after the topic r/1
+    written = time.monotonic()
+    sock.sendall(subscribe(1, "big/+", 0))
+    sock.sendall(b"".join(subscribe(i, f"n/{i}", 0) for i in range(2, 302)))
+    assert wait_until(lambda: pause_logged(broker, "late-acker"), WAIT), broker.log()[-3000:]
+    sock.sendall(b"\x50\x02" + packet_id)  # PUBREC, behind the paused read
+    given_up = "came within 5 s of its write"
+    assert not wait_until(lambda: given_up in broker.log(), written + 7 - time.monotonic())
+    deadline = time.monotonic() + 2 * WAIT
+    kinds: Counter[int] = Counter()
+    while kinds[0x62] < 1 or kinds[0x90] < 301:  # bounded by the deadline
+        first, body = read_packet(sock, deadline)
+        kinds[first] += 1
+        if first == 0x62:
+            assert body == packet_id, body
+            sock.sendall(b"\x70\x02" + packet_id)  # PUBCOMP
+    assert kinds[0x31] == BIG_RETAINED, kinds  # retained, QoS 0
+    log = broker.log()
+    assert given_up not in log and "Timeout waiting for" not in log and "Traceback" not in log, log[-3000:]
