@@ -20,7 +20,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from raw_mqtt_helpers import connect_packet, raw_connect, raw_subscribe, read_exactly, read_packet
+from raw_mqtt_helpers import (
+    ConnectionClosedError,
+    connect_packet,
+    raw_connect,
+    raw_subscribe,
+    read_exactly,
+    read_packet,
+)
 from test_hostile_wire import (
     CONNACK_ACCEPTED,
     PATHS,
@@ -681,8 +688,9 @@ def test_a_clean_client_that_reads_but_never_acks_its_retained_messages_gets_no_
     while kinds[0x33] < FILTERS * PER_FILTER or kinds[0x90] < FILTERS:  # the rest, once those waits ran out
         kinds[read_packet(sock, deadline)[0]] += 1
     log = broker.log()
-    given_up = [line for line in log.splitlines() if "no PUBACK for the retained message of packet id" in line]
-    assert len(given_up) == 1 and "though the reader has read all the client sent since" in given_up[0], given_up
+    given_up = [line for line in log.splitlines() if "no PUBACK for the message of packet id" in line]
+    caught_up = "though the client received all written to it and the reader has read all the client sent since"
+    assert len(given_up) == 1 and caught_up in given_up[0], given_up
     assert "Traceback" not in log
 
 
@@ -691,17 +699,21 @@ BIG_RETAINED = 24
 send queue (4 MB at most) and asyncio's buffer hold, so its answers back up."""
 
 
-def test_a_retained_ack_read_seconds_later_behind_a_paused_reader_is_still_taken(
-    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+@pytest.mark.parametrize(("kind", "qos"), [("retained", 2), ("live", 1), ("live", 2)])
+def test_an_ack_read_seconds_later_behind_a_paused_reader_is_still_taken(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client], kind: str, qos: int
 ) -> None:
-    """A clean client gets a retained QoS 2 message, then (its answers backed up behind 6 MB of
-    retained messages it does not read yet) pipelines 300 SUBSCRIBEs: its reader pauses, and the
-    PUBREC the client then sends sits unread behind them. 7 s later the client reads everything:
-    the reader reads on, takes the PUBREC, and the PUBREL comes (when a wait ended 5 s after its
-    write whatever the reader had read: no PUBREL, so the client never delivered the message)."""
+    """A clean client gets a QoS 1/2 message (retained by its SUBSCRIBE, or live), then (its answers
+    backed up behind 6 MB of retained messages it does not read yet) pipelines 300 SUBSCRIBEs: its
+    reader pauses, and the PUBACK / PUBREC the client then sends sits unread behind them. 7 s later
+    the client reads everything: the reader reads on, takes the ack, and a PUBREC's PUBREL comes
+    (when a wait ended 5 s after its write whatever the reader had read, as amqtt's own did for
+    live messages: no PUBREL, so the client never delivered the message; a PUBACK's packet id
+    freed while the client still owed it)."""
     broker = broker_factory(drop_log_interval=3600)
     publisher = clients(broker.port, "retainer", clean_session=True)
-    publisher.publish("r/1", [b"kept"], qos=2, retain=True)
+    if kind == "retained":
+        publisher.publish("r/1", [b"kept"], qos=qos, retain=True)
     for i in range(BIG_RETAINED):
         publisher.publish(f"big/{i}", [bytes(256 * 1024)], qos=1, retain=True)
     sock = socket.socket()
@@ -710,21 +722,25 @@ def test_a_retained_ack_read_seconds_later_behind_a_paused_reader_is_still_taken
     sock.connect((HOST, broker.port))
     sock.sendall(connect_packet("late-acker", clean=True, keepalive=0))  # no keep-alive: never ended
     assert read_exactly(sock, 4) == CONNACK_ACCEPTED
-    sock.sendall(subscribe(0, "r/1", 2))
+    sock.sendall(subscribe(0, "r/1" if kind == "retained" else "live/#", qos))
     assert read_packet(sock)[0] == 0x90
+    if kind == "live":
+        publisher.publish("live/1", [b"kept"], qos=qos)
     first, body = read_packet(sock)
-    assert first >> 4 == 3 and first & 0x06 == 0x04, first  # the retained message at QoS 2
-    packet_id = body[5:7]  # after the topic r/1
+    assert first >> 4 == 3 and (first >> 1) & 3 == qos, first
+    at = 2 + int.from_bytes(body[:2], "big")
+    assert body[2:at] == (b"r/1" if kind == "retained" else b"live/1"), body
+    packet_id = body[at : at + 2]
     written = time.monotonic()
     sock.sendall(subscribe(1, "big/+", 0))
     sock.sendall(b"".join(subscribe(i, f"n/{i}", 0) for i in range(2, 302)))
     assert wait_until(lambda: pause_logged(broker, "late-acker"), WAIT), broker.log()[-3000:]
-    sock.sendall(b"\x50\x02" + packet_id)  # PUBREC, behind the paused read
+    sock.sendall((b"\x40\x02" if qos == 1 else b"\x50\x02") + packet_id)  # behind the paused read
     given_up = "came within 5 s of its write"
     assert not wait_until(lambda: given_up in broker.log(), written + 7 - time.monotonic())
     deadline = time.monotonic() + 2 * WAIT
     kinds: Counter[int] = Counter()
-    while kinds[0x62] < 1 or kinds[0x90] < 301:  # bounded by the deadline
+    while kinds[0x62] < (qos == 2) or kinds[0x90] < 301:  # bounded by the deadline
         first, body = read_packet(sock, deadline)
         kinds[first] += 1
         if first == 0x62:
@@ -733,3 +749,93 @@ def test_a_retained_ack_read_seconds_later_behind_a_paused_reader_is_still_taken
     assert kinds[0x31] == BIG_RETAINED, kinds  # retained, QoS 0
     log = broker.log()
     assert given_up not in log and "Timeout waiting for" not in log and "Traceback" not in log, log[-3000:]
+
+
+ALL_IDS = 65535
+RETAINED_PAST_THE_IDS = ALL_IDS + 965
+
+
+@pytest.mark.timeout(300)
+def test_a_subscribe_whose_retained_messages_outnumber_the_packet_ids_skips_the_rest_without_stalling_others(
+    broker_factory: Callable[..., Broker],
+) -> None:
+    """A clean client that reads but never acks subscribes to 66,500 retained QoS 1 messages: the
+    first 65,535 take every packet id, and the rest of that SUBSCRIBE's are not sent, one WARNING
+    giving their count. Another connection's PINGREQ is answered meanwhile (when each of the 965
+    looked for an id through all 65,535, 62 ms with the event loop held: 32 s)."""
+    broker = broker_factory(drop_log_interval=3600, max_subscriptions_per_client=0)
+    pub = raw_connect(broker.port, "pub", clean=True, keepalive=0)
+    for start in range(0, RETAINED_PAST_THE_IDS, 1000):
+        stop = min(RETAINED_PAST_THE_IDS, start + 1000)
+        pub.sendall(
+            b"".join(
+                mqtt_packet(0x33, mqtt_string(f"r/{i}") + (i % ALL_IDS + 1).to_bytes(2, "big") + b"v")
+                for i in range(start, stop)
+            )
+        )
+        deadline = time.monotonic() + WAIT
+        for _ in range(start, stop):
+            assert read_exactly(pub, 4, deadline)[0] == 0x40  # PUBACK
+    hog = raw_connect(broker.port, "hog", clean=True, keepalive=0)
+    got = [0]
+    done = threading.Event()
+
+    def read_all() -> None:
+        deadline = time.monotonic() + 10 * WAIT
+        with contextlib.suppress(OSError, TimeoutError, ConnectionClosedError):  # shut down at the end
+            while not done.is_set():  # bounded by the deadline
+                if read_packet(hog, deadline)[0] >> 4 == 3:
+                    got[0] += 1
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    probe = raw_connect(broker.port, "probe", clean=True, keepalive=0)
+    hog.sendall(mqtt_packet(0x82, b"\x00\x01" + mqtt_string("r/#") + b"\x01"))
+    skipped = "hog: 965 retained message(s) not sent (the first on 'r/"
+    worst = 0.0
+    deadline = time.monotonic() + 10 * WAIT
+    try:
+        while not (skipped in broker.log() and got[0] >= ALL_IDS):  # bounded by the deadline
+            assert time.monotonic() < deadline, (got, broker.log()[-3000:])
+            started = time.monotonic()
+            probe.sendall(b"\xc0\x00")  # PINGREQ
+            assert read_exactly(probe, 2, started + 10 * WAIT) == b"\xd0\x00"
+            worst = max(worst, time.monotonic() - started)
+            done.wait(0.1)  # a PINGREQ every 0.1 s, not a synchronisation
+    finally:
+        done.set()
+        hog.shutdown(socket.SHUT_RDWR)
+        reader.join(WAIT)
+    assert worst < 5, worst  # a liveness bound, not a benchmark
+    assert got[0] == ALL_IDS, got
+    log = broker.log()
+    assert log.count("65,535 messages are in flight to or from it") == 1
+    assert "Traceback" not in log
+
+
+def test_a_never_acking_client_that_ends_its_sends_at_the_bound_still_gets_every_subscribes_answer(
+    broker_factory: Callable[..., Broker], clients: Callable[..., Client]
+) -> None:
+    """As the never-acking client above, which then shuts its socket for writing (EOF) with 9
+    SUBSCRIBEs waiting for MAX_RETAINED_ACKS's room: nothing more can be read, so no ack can come
+    and the waits end 5 s after their writes, and every SUBSCRIBE is answered with its retained
+    messages (when a wait ended only with the reader waiting for bytes: never, the message loop
+    stuck until the connection's grace ran out, the 9 SUBACKs not sent)."""
+    broker = broker_factory(drop_log_interval=3600)
+    publisher = clients(broker.port, "retainer", clean_session=True)
+    for k in range(FILTERS):
+        for j in range(PER_FILTER):
+            publisher.paho.publish(f"r/{k}/{j}", b"x", qos=1, retain=True)
+        publisher.publish("sync", [b"x"], qos=1)  # the ones before it are acknowledged too
+    sock = raw_connect(broker.port, "no-acks", clean=True)
+    sock.sendall(b"".join(subscribe(k, f"r/{k}/+") for k in range(FILTERS)))
+    kinds: Counter[int] = Counter()
+    first_filters = -(-MAX_RETAINED_ACKS // PER_FILTER)
+    deadline = time.monotonic() + WAIT
+    while kinds[0x33] < first_filters * PER_FILTER:  # bounded by the deadline
+        kinds[read_packet(sock, deadline)[0]] += 1
+    sock.shutdown(socket.SHUT_WR)  # EOF
+    deadline = time.monotonic() + 2 * WAIT
+    while kinds[0x33] < FILTERS * PER_FILTER or kinds[0x90] < FILTERS:  # bounded by the deadline
+        kinds[read_packet(sock, deadline)[0]] += 1
+    assert "Traceback" not in broker.log()

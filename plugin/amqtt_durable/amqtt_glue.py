@@ -320,14 +320,19 @@ UNREAD = (
 PROGRESS_CHECKS = 8
 """Times in each 1.5 keep-alive periods a paused reader looks whether its connection got on (``_room``)."""
 PAUSED = "reading from %s paused: %s%s"
-RETAINED_UNACKED = (
-    "%s: no %s for the retained message of packet id %d came within 5 s of its write, though the reader has read"
-    " all the client sent since: not awaited any more%s"
-)
-"""Logged (WARNING, at most once per ``drop_log_interval`` per connection) as ``RetainedAcks`` gives up a wait."""
-RETAINED_NO_ID = "%s: the retained message of %r is not sent: all 65,535 packet ids await acks%s"
-"""Logged (WARNING, at most once per ``drop_log_interval`` per connection, with RETAINED_UNACKED)."""
 """Logged (INFO, at most once per ``drop_log_interval`` per connection) as FastReader waits."""
+UNACKED = "%s: no %s for the message of packet id %d came within 5 s of its write: not awaited any more%s"
+"""Logged (WARNING, at most once per ``drop_log_interval`` per connection) as ``RetainedAcks`` gives up a
+wait, on amqtt's own reader loop."""
+UNACKED_READ = (
+    "%s: no %s for the message of packet id %d came within 5 s of its write, though the client received all"
+    " written to it and the reader has read all the client sent since: not awaited any more%s"
+)
+"""UNACKED on the plugin's reader (FastReader), whose waits end only once it caught up."""
+NO_ID = "%s: %d %s message(s) not sent (the first on %r): 65,535 messages are in flight to or from it%s"
+"""Logged (WARNING, at most once per ``drop_log_interval`` per connection, with UNACKED): no packet id is free."""
+MAX_IN_FLIGHT = 65535
+"""Packet ids of a connection: amqtt's ``next_packet_id`` skips those of ``inflight_out`` and ``inflight_in``."""
 _SETTLED_AT_EOF = frozenset((SUBSCRIBE, UNSUBSCRIBE, DISCONNECT))
 """Packet types whose handling a connection's end waits for (FastReader.run): they need nothing more
 from the peer."""
@@ -1523,7 +1528,8 @@ class Unsent:
 
 
 class CleanSends:
-    """amqtt's sends to its own (clean-session) subscribers, bounded per connection.
+    """amqtt's sends to its own (clean-session) subscribers, bounded per connection, their acks
+    awaited as the retained messages' are (``_send_acked``).
 
     amqtt 0.12.1 starts a task per message and subscriber, with no bound: a subscriber that does
     not read (its socket full) made the broker hold every later message for it, and its first
@@ -1552,17 +1558,21 @@ class CleanSends:
             return
         unsent.count += 1
         unsent.bytes += size
-        task = asyncio.ensure_future(handler.mqtt_publish(topic, data, qos, retain=False))
+        finished = partial(self._sent, unsent, size)
+        task = asyncio.ensure_future(_send_acked(handler, topic, data, qos, retain=False, finished=finished))
         self.tasks.add(task)
-        task.add_done_callback(partial(self._sent, unsent, size, client_id))
+        task.add_done_callback(partial(self._done, handler, client_id, topic))
 
-    def _sent(self, unsent: Unsent, size: int, client_id: str, task: asyncio.Task[Any]) -> None:
-        self.tasks.discard(task)
+    @staticmethod
+    def _sent(unsent: Unsent, size: int) -> None:
+        """Its last ack came, or its wait ended (``RetainedAcks``), or, QoS 0, it was written."""
         unsent.count -= 1
         unsent.bytes -= size
-        exc = None if task.cancelled() else task.exception()
-        if exc is not None and not self.stopping and not isinstance(exc, TimeoutError):  # amqtt logs a timeout
-            log.warning("%s: a message was not delivered: %r", client_id, exc)  # amqtt logged it and went on
+
+    def _done(self, handler: Any, client_id: str, topic: str, task: asyncio.Task[bool]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is None and not task.result():
+            _log_retained(handler, NO_ID, client_id, 1, "live", topic)
 
     def _drop(self, unsent: Unsent, client_id: str, topic: str) -> None:
         self.engine.clean_dropped_total += 1
@@ -2168,8 +2178,14 @@ class AmqttHooks:
                 if await self.broker._topic_filtering(session, item[0], Action.RECEIVE)
             ]
         await handler.durable_retained_acks.room()
+        no_id: list[str] = []
         for topic, message in retained:  # at most the message's own QoS (0 included), as durable sessions get it
-            await _send_retained(handler, topic, message.data, qos if message.qos is None else min(qos, message.qos))
+            sent_qos = qos if message.qos is None else min(qos, message.qos)
+            if not (sent_qos and no_id) and await _send_acked(handler, topic, message.data, sent_qos, retain=True):
+                continue
+            no_id.append(topic)  # once one found no packet id, the rest at QoS 1/2 are not tried
+        if no_id:
+            _log_retained(handler, NO_ID, session.client_id, len(no_id), "retained", no_id[0])
 
     async def broadcast_message(
         self,
@@ -2848,7 +2864,7 @@ def _one_queue_of_subscription_changes(handler: Any) -> None:
     waiters, as amqtt's ``stop()`` does first
     (``_stop_outgoing_waiters``; a clean session's loop writes the retained messages of a
     SUBSCRIBE and goes on: their acks are awaited as entries of ``durable_retained_acks``, which
-    every ``stop()``, the loop's own too, ends (``_send_retained``, ``RetainedAcks``). The waiters
+    every ``stop()``, the loop's own too, ends (``_send_acked``, ``RetainedAcks``). The waiters
     of what amqtt sends after are cancelled as they are added, ``_CancelledAsAdded``: nothing sent
     after that ``stop()`` is waited for).
     The same wait covers what the client published (``PublishedMessages``: the loop hands it to
@@ -3834,40 +3850,56 @@ async def _read_some(stream: asyncio.StreamReader, idle: float | None) -> bytes 
         return None
 
 
-async def _send_retained(handler: Any, topic: str, data: bytes | bytearray, qos: int) -> None:
-    """One retained message for a clean session's SUBSCRIBE, written by the message loop itself (in
-    order, before the next SUBACK); its acks are awaited as entries of the connection's
-    ``RetainedAcks`` and the transport's ack table (``_retained_ack``), not by amqtt's flow in a task
-    (about 3 KB each, 5 s whether the ack could have been read or not). Its packet id stays in the
-    session's ``inflight_out`` until the last ack, so amqtt's sends take another. As amqtt's
-    ``gather(return_exceptions=True)``: a send that fails stops no other (amqtt logged why)."""
+async def _send_acked(
+    handler: Any,
+    topic: str,
+    data: bytes | bytearray,
+    qos: int,
+    *,
+    retain: bool,
+    finished: Callable[[], None] | None = None,
+) -> bool:
+    """One message to a clean session: a retained one for its SUBSCRIBE, written by the message loop
+    itself (in order, before the next SUBACK), or a live one (``CleanSends``). Its acks are awaited
+    as entries of the connection's ``RetainedAcks`` and the transport's ack table (``_retained_ack``),
+    not by amqtt's flow in a task (about 3 KB each, 5 s whether the ack could have been read or not:
+    behind a paused reader a live QoS 2 message got no PUBREL). Its packet id stays in the session's
+    ``inflight_out`` until the last ack, so amqtt's sends take another. False, unsent, when no
+    packet id is free: checked first, as amqtt's ``next_packet_id`` scans all 65,535 before it
+    raises (62 ms with the event loop held, per message). ``finished`` is called once, when its
+    wait ends (or QoS 0, once written). As amqtt's ``gather(return_exceptions=True)``: a send that
+    fails stops no other (amqtt logged why)."""
     session = handler.session
     acks: RetainedAcks = handler.durable_retained_acks
-    packet_id = 0  # none: QoS 0
-    if qos:
-        try:
-            packet_id = session.next_packet_id
-        except AMQTTError:  # the 65,535 ids all await acks: not sent to this connection
-            _log_retained(handler, RETAINED_NO_ID, session.client_id, topic)
-            return
-    message = OutgoingApplicationMessage(packet_id or None, topic, qos, data, True)
+    if qos and len(session.inflight_out) + len(session.inflight_in) >= MAX_IN_FLIGHT:
+        if finished is not None:
+            finished()
+        return False
+    packet_id = session.next_packet_id if qos else 0  # 0: none, QoS 0
+    message = OutgoingApplicationMessage(packet_id or None, topic, qos, data, retain)
     kind: AckKind = "puback" if qos == 1 else "pubrec"
-    awaited = packet_id > 0 and acks.wait(packet_id, kind)
+    awaited = packet_id > 0 and acks.wait(packet_id, kind, finished)
     if awaited:  # before the write: its ack may be read while the write drains
         session.inflight_out[packet_id] = message
         handler.durable_transport.expect_ack(kind, packet_id, partial(_retained_ack, handler, session, packet_id))
     try:
         await handler._send_packet(message.build_publish_packet())
+        if awaited and acks.awaits(packet_id, kind):
+            acks.wait(packet_id, kind)  # its time runs from the write done, not from the wait for the lock
     except Exception:
         if awaited:
             _forget_retained(handler, session, packet_id, kind)
         task = asyncio.current_task()
         if task is not None and task.cancelling():  # amqtt turns a cancel into ProtocolHandlerError
             raise
+    finally:
+        if not awaited and finished is not None:
+            finished()
+    return True
 
 
 def _retained_ack(handler: Any, session: Any, packet_id: int) -> None:
-    """The PUBACK, PUBREC or PUBCOMP of a retained message (``_send_retained``), taken by the
+    """The PUBACK, PUBREC or PUBCOMP of a message ``_send_acked`` sent, taken by the
     transport: a PUBREC is answered with its PUBREL (with the acks), and the PUBCOMP then awaited."""
     acks: RetainedAcks = handler.durable_retained_acks
     if acks.awaits(packet_id, "pubrec") and acks.wait(packet_id, "pubcomp"):
@@ -3881,7 +3913,8 @@ def _retained_ack(handler: Any, session: Any, packet_id: int) -> None:
 def _retained_ack_expired(handler: Any, session: Any, packet_id: int, kind: AckKind) -> None:
     """``RetainedAcks`` gave a wait up: ACK_TIMEOUT after the write, with the reader caught up."""
     _forget_retained(handler, session, packet_id, kind)
-    _log_retained(handler, RETAINED_UNACKED, session.client_id, kind.upper(), packet_id)
+    line = UNACKED_READ if handler.durable_retained_acks.watches_reader else UNACKED
+    _log_retained(handler, line, session.client_id, kind.upper(), packet_id)
 
 
 def _log_retained(handler: Any, line: str, *args: object) -> None:
@@ -3960,6 +3993,8 @@ class FastReader:
         """Handlers done so far: one done is progress for a paused connection (``_progress``)."""
         self._waiting = False
         """The read loop waits for bytes with none received unread (``_caught_up``)."""
+        self._read_to_the_end = False
+        """The read loop returned: nothing more is read, so no ack awaited can come (``_caught_up``)."""
 
     def _publish_inline(self, flags: int, body: bytes) -> bool:
         """Queue a QoS 0/1 PUBLISH; False sends it down amqtt's path (QoS 2 or 3, busy ACLs).
@@ -4081,7 +4116,7 @@ class FastReader:
         its reader would not see it. The bound is far higher for a client that reads: it is answered at
         the pace its requests are handled. Nothing the reader waits for here waits for a packet
         behind the paused read: a clean session's message loop goes on once a SUBSCRIBE's
-        retained messages are written, not acknowledged (``_send_retained``; when it awaited their
+        retained messages are written, not acknowledged (``_send_acked``; when it awaited their
         PUBACKs, behind the client's later SUBSCRIBEs, 4,300 pipelined got 12 SUBACKs in 60 s),
         and while the reader waits here it does not wait for their acks either
         (``RetainedAcks.reader_paused``; when it did, at ``MAX_RETAINED_ACKS``, 2,200 of 8,600
@@ -4199,27 +4234,36 @@ class FastReader:
     async def _read_loop(self, stream: asyncio.StreamReader, keepalive: float | None) -> None:
         """Read and handle packets until EOF or ``keepalive`` seconds of silence."""
         framing = PacketReader(self._max_packet_size)
-        while True:
-            self._waiting = not stream._buffer  # type: ignore[attr-defined]
-            data = await _read_some(stream, keepalive)
-            self._waiting = False
-            if data is None:
-                log.info(SILENT, self._session.client_id)
-                return
-            if not data:
-                return  # EOF
-            packets = framing.feed(data)
-            if packets:
-                await self._dispatch_all(packets)
-            if self._handler.durable_ended:
-                return  # the server ended the connection: nothing read after is handled
+        try:
+            while True:
+                self._waiting = not stream._buffer  # type: ignore[attr-defined]
+                data = await _read_some(stream, keepalive)
+                self._waiting = False
+                if data is None:
+                    log.info(SILENT, self._session.client_id)
+                    return
+                if not data:
+                    return  # EOF
+                packets = framing.feed(data)
+                if packets:
+                    await self._dispatch_all(packets)
+                if self._handler.durable_ended:
+                    return  # the server ended the connection: nothing read after is handled
+        finally:
+            self._read_to_the_end = True
 
     def _caught_up(self, stream: asyncio.StreamReader) -> bool:
-        """It has read all its client sent (for ``RetainedAcks``: an ack not read then was not sent):
-        waiting for bytes, none in the stream's buffer or the kernel's receive queue (FIONREAD);
-        not while it handles what it read, nor while it pauses (``_room``)."""
+        """Its client received all written to it and it has read all its client sent (for
+        ``RetainedAcks``: an ack not read then was not sent): nothing in the transport's buffer or
+        the kernel's send queue (TIOCOUTQ: a slow reader of megabytes sends nothing meanwhile), and
+        waiting for bytes, none in the stream's buffer or the kernel's receive queue (FIONREAD); not
+        while it handles what it read, nor while it pauses (``_room``). Or it read to the end."""
+        if self._read_to_the_end:
+            return True
         transport = stream._transport  # type: ignore[attr-defined]
         if not self._waiting or stream._buffer or transport is None:  # type: ignore[attr-defined]
+            return False
+        if transport.get_write_buffer_size() or _kernel_queue(transport, termios.TIOCOUTQ):
             return False
         return _kernel_queue(transport, termios.FIONREAD) == 0
 

@@ -1,11 +1,13 @@
-"""The acks (PUBACK, PUBREC, PUBCOMP) a clean connection owes for the retained messages its
-SUBSCRIBEs brought, as a table of packet ids, not a task per message. amqtt's flow awaited each
+"""The acks (PUBACK, PUBREC, PUBCOMP) a clean connection owes for the QoS 1/2 messages amqtt's
+side sends it (the retained messages its SUBSCRIBEs brought, and live ones), as a table of packet
+ids, not a task per message. amqtt's flow awaited each
 ack in a task of about 3 KB for 5 s and then gave the message up (a QoS 2 one got no PUBREL, so
 its client never delivered it); a client that pipelines its SUBSCRIBEs sends those acks behind
 the rest of them, which a reader paused by its bound on pipelined requests (or one behind on a
 busy machine) reads seconds later. Here a wait ends unacknowledged only once the reader has
-read all its client sent (``caught_up``) at least ``timeout`` seconds after the write: the
-ack's absence then says the client did not send it. Pure logic; amqtt_glue.py feeds it."""
+read all its client sent and the client received all written to it (``caught_up``), at least
+``timeout`` seconds after the write: the ack's absence then says the client did not send it.
+Pure logic; amqtt_glue.py feeds it."""
 
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ def _always() -> bool:
 
 
 class RetainedAcks:
-    """A connection's retained messages awaiting their acks: packet id -> (the ack awaited, its
-    deadline), in the order of their deadlines, one timer for the earliest. ``expired`` is called
-    for a wait that ends unacknowledged (the glue frees its packet id)."""
+    """A connection's messages awaiting their acks: packet id -> (the ack awaited, its deadline),
+    in the order of their deadlines, one timer for the earliest. ``expired`` is called for a wait
+    that ends unacknowledged (the glue frees its packet id); a wait's ``finished``, once it ends
+    whichever way."""
 
     def __init__(
         self,
@@ -46,6 +49,7 @@ class RetainedAcks:
         self._most = most
         self._waits: dict[int, tuple[AckKind, float]] = {}
         """By packet id, in the order of their deadlines (a wait moved to its next ack goes last)."""
+        self._finished: dict[int, Callable[[], None]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._room = asyncio.Event()
         self._room.set()
@@ -55,6 +59,11 @@ class RetainedAcks:
         """Whether the connection's reader has read all its client sent (the plugin's reader sets
         it; on amqtt's own loop, which reads all the time, a wait ends ``timeout`` after its write)."""
 
+    @property
+    def watches_reader(self) -> bool:
+        """Whether a wait ends only with ``caught_up`` (the plugin's reader), not at its deadline."""
+        return self.caught_up is not _always
+
     def __len__(self) -> int:
         return len(self._waits)
 
@@ -62,11 +71,14 @@ class RetainedAcks:
         entry = self._waits.get(packet_id)
         return entry is not None and entry[0] == kind
 
-    def wait(self, packet_id: int, kind: AckKind) -> bool:
+    def wait(self, packet_id: int, kind: AckKind, finished: Callable[[], None] | None = None) -> bool:
         """Awaits ``kind`` for ``packet_id`` for ``timeout`` seconds from now (a PUBCOMP replaces
-        the PUBREC its PUBREL answers); False once stopped: nothing is awaited past the end."""
+        the PUBREC its PUBREL answers; waiting again for the same ack restarts its time, as once
+        its write is done); False once stopped: nothing is awaited past the end."""
         if self.stopped:
             return False
+        if finished is not None:
+            self._finished[packet_id] = finished
         loop = asyncio.get_running_loop()
         self._waits.pop(packet_id, None)
         self._waits[packet_id] = (kind, loop.time() + self._timeout)
@@ -77,9 +89,12 @@ class RetainedAcks:
         return True
 
     def done(self, packet_id: int) -> None:
-        """Its last ack came (or its send failed)."""
+        """Its last ack came (or its send failed, or its wait ended)."""
         if self._waits.pop(packet_id, None) is not None and len(self._waits) <= self._most // 2:
             self._room.set()
+        finished = self._finished.pop(packet_id, None)
+        if finished is not None:
+            finished()
 
     def _expire(self) -> None:
         """Ends the waits past their deadline, once the reader caught up (looked at again every
@@ -125,4 +140,7 @@ class RetainedAcks:
         waits = [(packet_id, kind) for packet_id, (kind, _) in self._waits.items()]
         self._waits.clear()
         self._room.set()
+        finished, self._finished = self._finished, {}
+        for then in finished.values():
+            then()
         return waits

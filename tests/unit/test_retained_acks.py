@@ -120,3 +120,44 @@ def test_stop_hands_back_every_wait_and_nothing_is_awaited_after() -> None:
         assert not await expired.next(4 * TIMEOUT)  # the timer went with them
 
     run(main)
+
+
+def test_a_waits_finished_is_called_once_however_it_ends() -> None:
+    """A live message counts in ``max_pending_clean`` until its wait ends: ``finished`` is called
+    once, at its last ack (a PUBREC's wait moved to its PUBCOMP keeps it), its expiry, or the end."""
+
+    async def main() -> None:
+        expired = Expired()
+        acks = RetainedAcks(expired, timeout=TIMEOUT)
+        finished: list[int] = []
+        for packet_id in (1, 2, 3):
+            assert acks.wait(packet_id, "pubrec", lambda packet_id=packet_id: finished.append(packet_id))
+        assert acks.wait(1, "pubcomp")  # its PUBREC came
+        acks.done(1)
+        assert finished == [1]
+        assert await expired.next(BOUND)
+        assert finished == [1, 2, 3] and expired.waits == [(2, "pubrec"), (3, "pubrec")]
+        acks.done(2)  # the glue's own done after the expiry: not called again
+        assert acks.wait(4, "puback", lambda: finished.append(4))
+        acks.stop()
+        assert finished == [1, 2, 3, 4]
+
+    run(main)
+
+
+def test_waiting_again_for_the_same_ack_restarts_its_time() -> None:
+    """The glue waits again once the write is done: the 5 s run from then, not from before the
+    wait for the write lock and the drain."""
+
+    async def main() -> None:
+        expired = Expired()
+        acks = RetainedAcks(expired, timeout=4 * TIMEOUT)
+        loop = asyncio.get_running_loop()
+        assert acks.wait(1, "puback")
+        await asyncio.sleep(3 * TIMEOUT)  # the write's drain, as a test's stand-in
+        restarted = loop.time()
+        assert acks.wait(1, "puback")
+        assert await expired.next(BOUND)
+        assert loop.time() - restarted >= 4 * TIMEOUT * 0.99, loop.time() - restarted
+
+    run(main)
