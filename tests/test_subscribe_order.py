@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import socket
 import struct
+import subprocess
 import termios
 import time
 from collections.abc import Callable
@@ -299,6 +300,19 @@ def test_take_over_of_a_stuck_connection_with_a_waiting_subscribe_is_answered_wi
     assert seconds < 6.0, f"the take-over's CONNACK came after {seconds:.2f} s"
 
 
+def unread_by_the_broker(sock: socket.socket) -> int:
+    """Bytes ``sock`` sent that the broker has not read yet: its end's Recv-Q (``ss``)."""
+    port = sock.getsockname()[1]
+    out = subprocess.run(
+        ["ss", "-tnH", "state", "established", f"dport = :{port}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=10,
+    ).stdout.split()
+    return int(out[0]) if out else -1
+
+
 def test_a_qos2_publish_whose_pubrel_comes_during_the_take_over_wait_is_delivered(
     reader: Broker, clients: Callable[..., Client]
 ) -> None:
@@ -319,6 +333,9 @@ def test_a_qos2_publish_whose_pubrel_comes_during_the_take_over_wait_is_delivere
         newer.sendall(connect_packet("q2-dev", clean=False))
         assert reader.wait_until(lambda: "q2-dev is already connected, performing take-over" in reader.log(), WAIT)
         sock.sendall(mqtt_packet(0x62, (7).to_bytes(2, "big")))  # PUBREL
+        # Its PUBCOMP comes before SUBACK 2 once the broker read the PUBREL before the client reads
+        # what it was sent (which lets the SUBSCRIBE be applied): wait for that read.
+        assert reader.wait_until(lambda: unread_by_the_broker(sock) == 0, WAIT), unread_by_the_broker(sock)
         read: list[tuple[int, int]] = []
         while not closed_at_packet(sock, read):  # bounded: the broker closes after the retained messages
             assert len(read) <= 60, read
